@@ -1,0 +1,183 @@
+"""Fused, stacked chunk weights and the batched chunk forward.
+
+A chunk of M consecutive layers is fused into ONE wide layer (paper App. "Fused Cross-Layer
+Coupling"): the Q/K/V and MLP up-projections of its layers are concatenated along the output
+dim, the attention-out and MLP down-projections along the input dim, so every branch reads the
+same chunk input and the branch outputs are summed by the wide matmuls:
+
+    x_C  = alpha_C * h + beta_C * x0                      (composed residual/x0 path, see below)
+    u_C  = x_C + sum_l gamma_l * O_l Attn_l(norm(x_C))     (each Attn_l keeps its own window, VE)
+    F_C  = u_C + sum_l gamma_l * P_l relu^2(W_l norm(u_C))
+
+The C chunks of a plan are stacked along a leading dim and evaluated in one batched matmul per
+projection: `chunk_forward` maps (C, B, T, D) chunk inputs to (C, B, T, D) outputs.
+
+x0 residual inside a chunk. Sequentially, layer l reads lam_r[l] * h + lam_0[l] * x0, so over a
+chunk the residual path composes exactly to alpha_C * h + beta_C * x0 with alpha_C = prod lam_r and
+beta_C = sum_l lam_0[l] * gamma_l, and branch l's output is scaled by gamma_l = prod_{j>l} lam_r[j]
+(the later layers' resid scalars that multiply it). The fused chunk uses exactly these: its
+residual path equals the sequential one, all branches read norm(x_C), and gamma_l is folded into
+O_l and P_l. For M = 1 this is the layer itself; with x0 off it is the paper's fused layer.
+
+Value embeddings inside a chunk: each layer that has them keeps its own table and gate; its gate
+reads the shared norm(x_C). Layers without them get a zero embedding (so their gate is inert),
+which keeps the whole chunk one batched op. Sliding windows: every branch keeps its own window
+through a per-branch attention mask (the reference code drops windows; we do not).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .model import GPT, VE_GATE_CHANNELS, Context, attend, norm, rope
+
+CACHE_SIZE = 4  # fused weight sets kept per model (each is a copy of the suffix weights)
+
+
+@dataclass
+class ChunkWeights:
+    """Stacked weights of C fused chunks of M layers (layers start .. start + C*M - 1)."""
+
+    start: int
+    fuse: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    qkv: Tensor  # (C, D, M*(Hq+2Hkv)*hd)   per layer [q | k | v], layers concatenated
+    attn_out: Tensor  # (C, M*Hq*hd, D)    gamma folded in
+    fc: Tensor  # (C, D, M*F)
+    proj: Tensor  # (C, M*F, D)            gamma folded in
+    alpha: Tensor | None  # (C,) residual scale of the chunk (None: x0 residual off)
+    beta: Tensor | None  # (C,) x0 scale of the chunk
+    ve_gate: Tensor | None  # (C, G, M*Hkv)  zero for layers without value embeddings
+    ve_slot: Tensor | None  # (C*M,) slot in the padded value-embedding stack (n_ve = zero pad)
+    windows: Tensor | None  # (C, 1, M) left context per branch, None when all are full
+
+    @property
+    def chunks(self) -> int:
+        return self.qkv.shape[0]
+
+    def chunk(self, c: int) -> "ChunkWeights":
+        """The weights of chunk c alone (a C = 1 stack), for running the fused model sequentially."""
+        M = self.fuse
+        take = lambda t, s=slice(c, c + 1): None if t is None else t[s]  # noqa: E731
+        return replace(self, start=self.start + c * M, qkv=take(self.qkv), attn_out=take(self.attn_out),
+                       fc=take(self.fc), proj=take(self.proj), alpha=take(self.alpha), beta=take(self.beta),
+                       ve_gate=take(self.ve_gate), ve_slot=take(self.ve_slot, slice(c * M, (c + 1) * M)),
+                       windows=take(self.windows))
+
+
+def _exclusive_suffix_prod(x: Tensor) -> Tensor:
+    """gamma[:, m] = prod_{j > m} x[:, j] for x (C, M)."""
+    ones = torch.ones_like(x[:, :1])
+    return torch.cat([ones, torch.cumprod(x.flip(1), 1)[:, :-1]], 1).flip(1)
+
+
+def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
+    """Fuse layers start .. start + chunks*fuse - 1 into `chunks` stacked wide layers."""
+    cfg = model.config
+    C, M, N = chunks, fuse, chunks * fuse
+    blocks = [model.blocks[l] for l in range(start, start + N)]
+    if cfg.x0_residual:
+        lr = model.resid_lambdas[start:start + N].view(C, M)
+        l0 = model.x0_lambdas[start:start + N].view(C, M)
+        gamma = _exclusive_suffix_prod(lr)  # (C, M)
+        alpha, beta = lr.prod(1), (l0 * gamma).sum(1)
+        g = gamma.reshape(N, 1, 1)
+    else:
+        alpha = beta = None
+        g = 1.0
+    qkv = torch.stack([torch.cat([b.attn.c_q.weight, b.attn.c_k.weight, b.attn.c_v.weight], 0) for b in blocks])
+    attn_out = torch.stack([b.attn.c_proj.weight.t() for b in blocks]) * g  # (N, Hq*hd, D)
+    fc = torch.stack([b.mlp.c_fc.weight.t() for b in blocks])  # (N, D, F)
+    proj = torch.stack([b.mlp.c_proj.weight.t() for b in blocks]) * g  # (N, F, D)
+    D, Fh = cfg.n_embd, fc.shape[-1]
+
+    ve_gate = ve_slot = None
+    if any(b.attn.ve_gate is not None for b in blocks):
+        G, Hkv = min(VE_GATE_CHANNELS, D), cfg.n_kv_head
+        zero = qkv.new_zeros(G, Hkv)
+        ve_gate = torch.stack([b.attn.ve_gate.weight.t() if b.attn.ve_gate is not None else zero for b in blocks])
+        ve_gate = ve_gate.view(C, M, G, Hkv).permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
+        n_ve = model.value_embeds.shape[0]
+        ve_slot = torch.tensor([model.ve_slot[l] if model.ve_slot[l] >= 0 else n_ve
+                                for l in range(start, start + N)], device=qkv.device)
+    windows = [cfg.window(l) for l in range(start, start + N)]
+    win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, 1, M)
+    return ChunkWeights(
+        start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
+        qkv=qkv.view(C, M * qkv.shape[1], D).transpose(1, 2).contiguous(),
+        attn_out=attn_out.reshape(C, -1, D).contiguous(),
+        fc=fc.view(C, M, D, Fh).permute(0, 2, 1, 3).reshape(C, D, M * Fh).contiguous(),
+        proj=proj.reshape(C, M * Fh, D).contiguous(),
+        alpha=alpha, beta=beta, ve_gate=ve_gate, ve_slot=ve_slot, windows=win)
+
+
+def _suffix_params(model: GPT, start: int, stop: int) -> list[Tensor]:
+    ps = [p for l in range(start, stop) for p in model.blocks[l].parameters()]
+    if model.config.x0_residual:
+        ps += [model.resid_lambdas, model.x0_lambdas]
+    return ps
+
+
+def chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
+    """Fused weights for (model, suffix layout), built once and reused until a weight changes.
+
+    Under autograd (training the regulariser through the solve) they are rebuilt on every call so
+    gradients flow into the model's parameters. Otherwise they are cached on the model keyed by
+    the layout and invalidated by each parameter's storage pointer and version counter, which
+    in-place updates (optimizer steps, load_state_dict, .to()) change.
+    """
+    params = _suffix_params(model, start, start + chunks * fuse)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return build_chunk_weights(model, start, chunks, fuse)
+    sig = tuple((p.data_ptr(), p._version) for p in params)
+    cache = model.__dict__.setdefault("_snlp_chunk_cache", OrderedDict())
+    key = (start, chunks, fuse)
+    hit = cache.get(key)
+    if hit is not None and hit[0] == sig:
+        cache.move_to_end(key)
+        return hit[1]
+    with torch.no_grad():
+        w = build_chunk_weights(model, start, chunks, fuse)
+    cache[key] = (sig, w)
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return w
+
+
+def _padded_ve(ctx: Context) -> Tensor:
+    """Value-embedding stack with one trailing zero slot for layers that have none."""
+    if "ve_pad" not in ctx.extra:
+        ctx.extra["ve_pad"] = torch.cat([ctx.ve, torch.zeros_like(ctx.ve[:1])], 0)
+    return ctx.extra["ve_pad"]
+
+
+def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context) -> Tensor:
+    """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D)."""
+    C, B, T, D = h.shape
+    M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
+    x = h if w.alpha is None else w.alpha.view(C, 1, 1, 1) * h + w.beta.view(C, 1, 1, 1) * ctx.x0
+    xn = norm(x)  # (C, B, T, D)
+    qkv = torch.bmm(xn.view(C, B * T, D), w.qkv).view(C, B, T, M, Hq + 2 * Hkv, hd)
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=4)  # (C, B, T, M, H*, hd)
+    if w.ve_slot is not None:
+        ve = _padded_ve(ctx)[w.ve_slot]  # (C*M, B, T, Hkv*hd)
+        ve = ve.view(C, M, B, T, Hkv, hd).permute(0, 2, 3, 1, 4, 5)  # (C, B, T, M, Hkv, hd)
+        G = w.ve_gate.shape[1]
+        gate = 2 * torch.sigmoid(torch.bmm(xn[..., :G].reshape(C, B * T, G), w.ve_gate))
+        v = v + gate.view(C, B, T, M, Hkv, 1) * ve
+    q = norm(rope(q.reshape(C, B, T, M * Hq, hd), ctx.cos, ctx.sin))  # QK-norm after RoPE
+    k = norm(rope(k.reshape(C, B, T, M * Hkv, hd), ctx.cos, ctx.sin))
+    heads_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 1, 3, 4, 2, 5)  # noqa: E731
+    y = attend(heads_first(q, Hq), heads_first(k, Hkv), heads_first(v, Hkv),
+               -1 if w.windows is None else w.windows)  # (C, B, M, Hq, T, hd)
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(C, B * T, M * Hq * hd)
+    u = x + torch.bmm(y, w.attn_out).view(C, B, T, D)  # summed attention branches
+    hid = F.relu(torch.bmm(norm(u).view(C, B * T, D), w.fc)).square()  # (C, B*T, M*F)
+    return u + torch.bmm(hid, w.proj).view(C, B, T, D)  # summed MLP branches

@@ -1,0 +1,324 @@
+"""A nanochat-style decoder-only Transformer.
+
+RoPE, QK-norm, parameter-free RMSNorm, relu^2 MLP, untied lm_head, tanh logit softcap,
+GQA, optional x0 residual (per-layer learnable scalars), optional gated value embeddings
+on alternating layers and optional sliding-window layers. One dial (depth) sets the size.
+
+The hidden state h_l is the output of block l, h_0 = norm(wte(idx)) = x0. Layer l maps
+    f_l(h) = Block_l(lam_resid[l] * h + lam_x0[l] * x0)        (x0 residual on)
+    f_l(h) = Block_l(h)                                         (x0 residual off)
+which is the layer map G_l(h) = h_l - f_l(h_{l-1}) of the paper's Eq. (residual).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the normed input (nanochat)
+
+
+@dataclass
+class GPTConfig:
+    """Model hyper-parameters. Use `GPTConfig.from_depth` to size a model with one dial."""
+
+    vocab_size: int = 32768
+    n_layer: int = 16
+    n_head: int = 8
+    n_kv_head: int = 8
+    n_embd: int = 1024
+    sequence_len: int = 2048
+    mlp_ratio: int = 4
+    window_pattern: str = "L"  # tiled over layers: L = full causal, S = sliding window of short_window
+    short_window: int = 0  # 0 -> sequence_len // 2 (nanochat)
+    x0_residual: bool = True
+    value_embeds: bool = True
+    softcap: float = 15.0
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        errors = []
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
+            if int(getattr(self, name)) < 1:
+                errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if not errors:
+            if self.n_embd % self.n_head:
+                errors.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            elif (self.n_embd // self.n_head) % 2:
+                errors.append(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for RoPE")
+            if self.n_head % self.n_kv_head:
+                errors.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            errors.append(f"window_pattern={self.window_pattern!r} must be a non-empty string of 'S' and 'L'")
+        if self.short_window < 0:
+            errors.append(f"short_window must be >= 0 (got {self.short_window})")
+        if self.softcap < 0:
+            errors.append(f"softcap must be >= 0, 0 disables it (got {self.softcap})")
+        if errors:
+            raise ValueError("invalid GPTConfig: " + "; ".join(errors))
+        self.window_pattern = self.window_pattern.upper()
+
+    @classmethod
+    def from_depth(cls, depth: int, aspect_ratio: int = 64, head_dim: int = 128, width: int | None = None,
+                   n_kv_head: int | None = None, **kw) -> "GPTConfig":
+        """Size a model from its depth like nanochat: width = depth * aspect_ratio rounded up to a
+        multiple of head_dim, heads = width / head_dim. `width` overrides the aspect ratio (the
+        paper's 0.5B model is depth 32, width 640, 5 heads of 128)."""
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1 (got {depth})")
+        if width is None:
+            width = head_dim * max(1, math.ceil(depth * aspect_ratio / head_dim))
+        elif width % head_dim:
+            raise ValueError(f"width={width} must be a multiple of head_dim={head_dim}")
+        n_head = width // head_dim
+        return cls(n_layer=depth, n_embd=width, n_head=n_head, n_kv_head=n_kv_head or n_head, **kw)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def window(self, layer: int) -> int:
+        """Left context of `layer` in tokens (-1 = full causal). The last layer is always full."""
+        kind = self.window_pattern[layer % len(self.window_pattern)]
+        if kind == "L" or layer == self.n_layer - 1:
+            return -1
+        return self.short_window or self.sequence_len // 2
+
+    def has_ve(self, layer: int) -> bool:
+        """Value embeddings on alternating layers, always including the last (nanochat)."""
+        return self.value_embeds and layer % 2 == (self.n_layer - 1) % 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def norm(x: Tensor) -> Tensor:
+    """Parameter-free RMSNorm over the last dim."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding on the last dim; x (..., T, H, hd), cos/sin (T, 1, hd/2)."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def window_mask(windows: Tensor | int, T: int, S: int, q_start: int, device) -> Tensor:
+    """Boolean mask (..., T, S): query i (absolute position q_start + i) sees key j when
+    j <= q_start + i and, for a window w >= 0, q_start + i - j <= w."""
+    qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
+    diff = qpos - torch.arange(S, device=device)[None, :]  # (T, S)
+    w = torch.as_tensor(windows, device=device)[..., None, None]
+    return (diff >= 0) & ((w < 0) | (diff <= w))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int = 0) -> Tensor:
+    """Causal (optionally sliding-window) attention. q (..., Hq, T, hd), k/v (..., Hkv, S, hd).
+
+    `windows` is -1 (full) or an int/long tensor broadcastable to q.shape[:-3] (one window per
+    leading index, e.g. per fused branch). Leading dims are flattened so fused SDPA kernels apply.
+    """
+    lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
+    gqa = Hq != k.shape[-3]
+    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+    full = isinstance(windows, int) and (windows < 0 or windows >= S)
+    if isinstance(windows, Tensor) and bool(((windows < 0) | (windows >= S)).all()):
+        full = True
+    if full and q_start == 0 and T == S:
+        y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
+    else:
+        mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
+        if mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
+            mask = mask.expand(*lead, T, S).reshape(-1, 1, T, S)
+        y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
+    return y.view(*lead, Hq, T, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        D, hd = cfg.n_embd, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.c_q = nn.Linear(D, cfg.n_head * hd, bias=False)
+        self.c_k = nn.Linear(D, cfg.n_kv_head * hd, bias=False)
+        self.c_v = nn.Linear(D, cfg.n_kv_head * hd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_head * hd, D, bias=False)
+        self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
+        self.window = cfg.window(layer)
+
+    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = xn.shape
+        q = self.c_q(xn).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(xn).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:  # gated value embedding (ResFormer-style), gate in (0, 2)
+            gate = 2 * torch.sigmoid(self.ve_gate(xn[..., : self.ve_gate.in_features]))
+            v = v + gate.unsqueeze(-1) * ve.view_as(v)
+        q, k = norm(rope(q, cos, sin)), norm(rope(k, cos, sin))  # QK-norm after RoPE
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(norm(x), ve, cos, sin)
+        return x + self.mlp(norm(x))
+
+
+@dataclass
+class Context:
+    """Per-forward inputs shared by every layer: x0 (B,T,D), value embeddings (n_ve,B,T,kv_dim)
+    or None, and RoPE tables (T,1,hd/2)."""
+
+    idx: Tensor
+    x0: Tensor
+    ve: Tensor | None
+    cos: Tensor
+    sin: Tensor
+    extra: dict = field(default_factory=dict)
+
+
+class GPT(nn.Module):
+    """nanochat-style GPT. `forward` is the sequential reference; `snlp.parallel_forward` is SNLP."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = cfg = config
+        L, D, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+        self.wte = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block(cfg, l) for l in range(L))
+        self.lm_head = nn.Linear(D, V, bias=False)
+        if cfg.x0_residual:
+            self.resid_lambdas = nn.Parameter(torch.ones(L))
+            self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        # value embeddings live in ONE stacked table so all layers' lookups are a single gather
+        self.ve_slot = [-1] * L
+        ve_layers = [l for l in range(L) if cfg.has_ve(l)]
+        for slot, l in enumerate(ve_layers):
+            self.ve_slot[l] = slot
+        if ve_layers:
+            self.value_embeds = nn.Parameter(torch.empty(len(ve_layers), V, cfg.n_kv_head * cfg.head_dim))
+        inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        """All initialisation in one place (nanochat): N(0,1) embeddings, tiny lm_head, uniform
+        input projections with bound sqrt(3/D), zero output projections (each block starts as the
+        identity), resid scalars 1 and x0 scalars 0.1."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        cfg = self.config
+        s = math.sqrt(3.0 / cfg.n_embd)
+
+        def uniform_(t, bound):
+            t.copy_((torch.rand(t.shape, generator=gen) * 2 - 1) * bound)
+
+        self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=gen))
+        self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=gen) * 1e-3)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                uniform_(lin.weight, s)
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+            if block.attn.ve_gate is not None:
+                block.attn.ve_gate.weight.zero_()
+        if cfg.x0_residual:
+            self.resid_lambdas.fill_(1.0)
+            self.x0_lambdas.fill_(0.1)
+        if hasattr(self, "value_embeds"):
+            uniform_(self.value_embeds, s)
+
+    # ----- pieces shared by the sequential and the parallel forward -----
+    def check_tokens(self, idx: Tensor) -> None:
+        """Raise a ValueError for token ids of the wrong type, shape or range."""
+        if not isinstance(idx, Tensor):
+            raise ValueError(f"token ids must be a torch.Tensor of shape (B, T), got {type(idx).__name__}")
+        if idx.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
+        if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
+            raise ValueError(f"token ids must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+        if not idx.is_cuda:  # on CUDA an out-of-range id raises a device-side assert instead (no sync here)
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
+
+    def rotary(self, T: int, start: int = 0) -> tuple[Tensor, Tensor]:
+        """RoPE tables for positions start..start+T-1, shaped (T, 1, hd/2)."""
+        t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)[:, None, :]
+        dtype = self.wte.weight.dtype
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def embed(self, idx: Tensor) -> Context:
+        """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE)."""
+        self.check_tokens(idx)
+        idx = idx.long()
+        x0 = norm(self.wte(idx))
+        ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
+        cos, sin = self.rotary(idx.shape[1])
+        return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin)
+
+    def layer(self, l: int, h: Tensor, ctx: Context) -> Tensor:
+        """f_l(h): the full map of layer l from h_{l-1} to h_l (x0 mixing included)."""
+        if self.config.x0_residual:
+            h = self.resid_lambdas[l] * h + self.x0_lambdas[l] * ctx.x0
+        slot = self.ve_slot[l]
+        ve = ctx.ve[slot] if slot >= 0 else None
+        return self.blocks[l](h, ve, ctx.cos, ctx.sin)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32."""
+        logits = self.lm_head(norm(h)).float()
+        c = self.config.softcap
+        return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def run_layers(self, h: Tensor, ctx: Context, start: int, stop: int, trace: list | None = None) -> Tensor:
+        """Apply layers start..stop-1 sequentially, optionally appending each h_l to `trace`."""
+        for l in range(start, stop):
+            h = self.layer(l, h, ctx)
+            if trace is not None:
+                trace.append(h)
+        return h
+
+    def hidden_states(self, idx: Tensor) -> list[Tensor]:
+        """Sequential trace [h_0, h_1, ..., h_L], each (B,T,D)."""
+        ctx = self.embed(idx)
+        trace = [ctx.x0]
+        self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)
+        return trace
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
+        (targets == -1 are ignored)."""
+        ctx = self.embed(idx)
+        logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,180 @@
+"""SNLP execution plans: `CxFM-init-KK[-surrogate][-elk:a][-order:...]`.
+
+`12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
+chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
+suffix states initialised from the prefix state h_S (`h0`) or from one batched forward
+(`fwd`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+SURROGATES = ("idn", "none")  # A = I (Identity Newton) / A = 0 (Jacobi, no correction)
+INITS = ("h0", "fwd")
+GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-" + "|-".join(SURROGATES)
+           + "][-elk:<a in [0,1)>][-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
+           + ", e.g. 12xF2-h0-K1 or 8xF1-fwd-K2-none")
+_HEAD = re.compile(r"^(\d+)xF(\d+)$")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K), `surrogate`,
+    ELK damping `elk` (the correction is scaled by 1 - elk) and the correction `order`
+    (a permutation of chunk indices; None = forward, the paper's default)."""
+
+    chunks: int
+    fuse: int = 1
+    init: str = "h0"
+    iters: int = 1
+    surrogate: str = "idn"
+    elk: float = 0.0
+    order: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            problems.append(f"chunks C must be an integer >= 1 (got {self.chunks!r})")
+        if not isinstance(self.fuse, int) or self.fuse < 1:
+            problems.append(f"fused layers per chunk M must be an integer >= 1 (got {self.fuse!r})")
+        if self.init not in INITS:
+            problems.append(f"unknown init {self.init!r}: valid inits are {', '.join(INITS)}")
+        if not isinstance(self.iters, int) or self.iters < 0:
+            problems.append(f"iterations K must be an integer >= 0 (got {self.iters!r})")
+        if self.surrogate not in SURROGATES:
+            problems.append(f"unknown surrogate {self.surrogate!r}: valid surrogates are {', '.join(SURROGATES)}")
+        if not 0.0 <= float(self.elk) < 1.0:
+            problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
+        if self.order is not None and isinstance(self.chunks, int):
+            if sorted(self.order) != list(range(self.chunks)):
+                problems.append(f"order {'.'.join(map(str, self.order))} must be a permutation of "
+                                f"0..{self.chunks - 1} (one index per chunk)")
+            elif list(self.order) == list(range(self.chunks)):
+                object.__setattr__(self, "order", None)  # forward is the canonical default
+            else:
+                object.__setattr__(self, "order", tuple(int(i) for i in self.order))
+        if problems:
+            raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
+        object.__setattr__(self, "elk", float(self.elk))
+
+    # ----- derived quantities -----
+    @property
+    def n_suffix(self) -> int:
+        """N = C * M suffix layers solved in parallel."""
+        return self.chunks * self.fuse
+
+    def prefix_len(self, n_layer: int) -> int:
+        """S = L - N sequential prefix layers; raises if the plan does not fit an L-layer model."""
+        self.check(n_layer)
+        return n_layer - self.n_suffix
+
+    def check(self, n_layer: int) -> "Plan":
+        """Raise a ValueError if the plan does not fit a model with `n_layer` layers."""
+        if self.n_suffix > n_layer:
+            fits = [f"{c}xF{self.fuse}" for c in range(1, n_layer // self.fuse + 1)][-3:]
+            raise ValueError(
+                f"plan {self} needs a suffix of N = {self.chunks}x{self.fuse} = {self.n_suffix} layers but the "
+                f"model has only L = {n_layer}; use at most {n_layer // self.fuse} chunks of {self.fuse} "
+                f"(e.g. {', '.join(fits) or 'a smaller M'})")
+        return self
+
+    @property
+    def evals_per_iter(self) -> int:
+        """Batched suffix evaluations on the critical path per iteration."""
+        return 1
+
+    def ideal_speedup(self, n_layer: int) -> float:
+        """L / (S + K * evals_per_iter + [init == fwd]): layer evaluations on the critical path of
+        sequential vs SNLP execution, assuming a batched evaluation costs one layer."""
+        S = self.prefix_len(n_layer)
+        steps = S + self.iters * self.evals_per_iter + (1 if self.init == "fwd" else 0)
+        return n_layer / max(steps, 1)
+
+    def link(self) -> list[bool]:
+        """link[c]: chunk c receives its predecessor's correction in the sweep, i.e. chunk c-1 is
+        corrected before chunk c in `order`. Forward order links every chunk; reversed order
+        links none, so at K = 1 it equals no correction (paper, correction-ordering table)."""
+        if self.order is None:
+            return [True] * self.chunks
+        pos = {c: i for i, c in enumerate(self.order)}
+        return [True] + [pos[c - 1] < pos[c] for c in range(1, self.chunks)]
+
+    # ----- string form -----
+    def __str__(self) -> str:
+        s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}"
+        if self.surrogate != "idn":
+            s += f"-{self.surrogate}"
+        if self.elk:
+            s += f"-elk:{self.elk:g}"
+        if self.order is not None:
+            rev = tuple(range(self.chunks - 1, -1, -1))
+            s += "-order:" + ("reversed" if self.order == rev else ".".join(map(str, self.order)))
+        return s
+
+    @classmethod
+    def parse(cls, text: str, n_layer: int | None = None) -> "Plan":
+        """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
+        head, *tokens = text.strip().split("-")
+        m = _HEAD.match(head)
+        if not m:
+            raise ValueError(f"malformed plan {text!r}: it must start with CxFM (e.g. 12xF2), got {head!r}. "
+                             f"Grammar: {GRAMMAR}")
+        kw: dict = {"chunks": int(m.group(1)), "fuse": int(m.group(2))}
+        seen = set()
+        for tok in tokens:
+            key, value = _token(tok, text)
+            if key in seen:
+                raise ValueError(f"malformed plan {text!r}: {key} given twice. Grammar: {GRAMMAR}")
+            seen.add(key)
+            kw[key] = value
+        if kw.get("order") == "reversed":
+            kw["order"] = tuple(range(kw["chunks"] - 1, -1, -1))
+        elif kw.get("order") == "forward":
+            kw["order"] = None
+        plan = cls(**kw)
+        return plan.check(n_layer) if n_layer is not None else plan
+
+    @classmethod
+    def for_suffix(cls, n_suffix: int, fuse: int = 1, **kw) -> "Plan":
+        """Plan for a suffix of `n_suffix` layers fused `fuse` at a time (M must divide N)."""
+        if fuse < 1 or n_suffix < 1 or n_suffix % fuse:
+            raise ValueError(f"fused layers per chunk M={fuse} must divide the suffix length N={n_suffix} "
+                             f"(valid M: {[m for m in range(1, max(n_suffix, 1) + 1) if n_suffix % m == 0]})")
+        return cls(chunks=n_suffix // fuse, fuse=fuse, **kw)
+
+    def with_(self, **kw) -> "Plan":
+        """A copy with some fields replaced (validated)."""
+        return replace(self, **kw)
+
+
+def _token(tok: str, text: str):
+    if tok in INITS:
+        return "init", tok
+    if tok in SURROGATES:
+        return "surrogate", tok
+    if re.fullmatch(r"K\d+", tok):
+        return "iters", int(tok[1:])
+    if tok.startswith("elk:"):
+        try:
+            return "elk", float(tok[4:])
+        except ValueError:
+            pass
+    if tok.startswith("order:"):
+        val = tok[6:]
+        if val in ("forward", "reversed"):
+            return "order", val
+        if re.fullmatch(r"\d+(\.\d+)*", val):
+            return "order", tuple(int(i) for i in val.split("."))
+    raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
+
+
+def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
+    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1'."""
+    plans = [Plan.parse(p, n_layer) for p in text.split(",") if p.strip()]
+    if not plans:
+        raise ValueError(f"no plans given. Grammar: {GRAMMAR}")
+    return plans
