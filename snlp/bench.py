@@ -17,7 +17,8 @@ import torch
 
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
-from .solver import parallel_forward
+from .fusion import chunk_weights
+from .solver import parallel_forward, solve
 
 
 def add_arguments(p) -> None:
@@ -43,6 +44,14 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile both the sequential and SNLP forwards")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the records to this JSON file")
+    dec = p.add_argument_group("decode benchmark (--decode)")
+    dec.add_argument("--decode", action="store_true",
+                     help="benchmark KV-cached greedy decoding instead: per-token latency of sequential and each "
+                          "plan, and self-speculative decoding (each plan drafts, sequential verifies)")
+    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
+    dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
+    dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
+    dec.add_argument("--threads", type=int, default=None, help="torch CPU threads (decode ops are tiny: 1 is often best)")
 
 
 def build_model(args) -> GPT:
@@ -94,11 +103,15 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
     model.eval()
     fwd = {"sequential": lambda: model(idx)}
     for plan in plans:
-        fwd[str(plan)] = (lambda p: lambda: parallel_forward(model, idx, p, check_finite=False))(plan)
+        # fused weights are built once here, so neither the timed call nor a compiled graph rebuilds them
+        w = chunk_weights(model, plan.prefix_len(L), plan.chunks, plan.fuse)
+        fwd[str(plan)] = (lambda p, w: lambda: model.head(solve(model, idx, p, check_finite=False, weights=w).hidden)
+                          )(plan, w)
     with torch.inference_mode():
         for name, plan in zip(list(fwd)[1:], plans):  # once with the NaN/inf check, before timing
             parallel_forward(model, idx, plan)
-        if compile:
+        if compile:  # the plan callables share one code object: allow one compiled graph per plan
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fwd) + 1)
             fwd = {name: torch.compile(fn) for name, fn in fwd.items()}
         times = time_round_robin(fwd, warmup, runs, device)
     base = statistics.median(times["sequential"])
@@ -129,6 +142,97 @@ def print_table(records: list[dict], title: str) -> None:
     Console().print(table)
 
 
+def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
+                     blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0) -> list[dict]:
+    """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
+    and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
+    with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential."""
+    from .generate import ideal_speedup, sequential_generate, snlp_generate, speculative_generate
+
+    L = model.config.n_layer
+    for plan in plans:
+        plan.check(L)
+    if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:
+        raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
+    model.eval()
+    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens)}
+    for plan in plans:
+        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens))(plan)
+    for plan in plans:
+        for b in blocks:
+            fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(model, prompt, p, b, new_tokens)
+                                             )(plan, b)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    results = {key: [] for key in fns}
+    for _ in range(runs):  # round-robin: drift hits every row alike
+        for key, fn in fns.items():
+            results[key].append(fn())
+    ms = {key: statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs) for key, rs in results.items()}
+    base = ms[("sequential", None, 0)]
+    ref_tokens = results[("sequential", None, 0)][0].tokens
+    records = []
+    for (mode, plan, b), rs in results.items():
+        r = rs[0]
+        rec = {"mode": mode, "plan": "sequential" if plan is None else str(plan), "block": b or None,
+               "ms_per_token": ms[(mode, plan, b)], "tokens_per_s": 1e3 / ms[(mode, plan, b)],
+               "speedup": base / ms[(mode, plan, b)], "matches_sequential": r.tokens == ref_tokens,
+               "new_tokens": new_tokens, "prompt_len": prompt_len, "runs": runs, "n_layer": L,
+               "device": str(next(model.parameters()).device),
+               "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+        if mode == "speculative":
+            draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
+            s = base / draft_ms  # drafter speedup: sequential ms/token over drafter ms/step, same process
+            rec.update(alpha=r.acceptance_rate, tokens_per_round=r.tokens_per_round, drafter_speedup_s=s,
+                       drafter_ms_per_step=draft_ms, ideal_speedup=ideal_speedup(r.acceptance_rate, b, s))
+        records.append(rec)
+    return records
+
+
+def print_decode_table(records: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("mode", "plan", "B", "ms/token", "tok/s", "speedup", "alpha", "tok/round", "s", "ideal", "=seq"):
+        table.add_column(col, justify="left" if col in ("mode", "plan") else "right")
+    f = lambda r, k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
+    for r in records:
+        table.add_row(r["mode"], r["plan"], f(r, "block", "{}"), f(r, "ms_per_token", "{:.3f}"),
+                      f(r, "tokens_per_s", "{:.1f}"), f(r, "speedup", "{:.2f}x"), f(r, "alpha", "{:.3f}"),
+                      f(r, "tokens_per_round", "{:.2f}"), f(r, "drafter_speedup_s", "{:.2f}"),
+                      f(r, "ideal_speedup", "{:.2f}x"), "yes" if r["matches_sequential"] else "no")
+    Console(width=160).print(table)
+
+
+def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    try:
+        blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--blocks must be comma-separated integers, got {args.blocks!r}") from None
+    records = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
+                               args.seed)
+    cfg = model.config
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    print_decode_table(records, f"cached greedy decode: L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} "
+                                f"prompt={args.prompt_len} new={args.new_tokens} {dtype} on {where}, "
+                                f"median of {args.runs} runs")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
 def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
@@ -139,6 +243,8 @@ def run(args) -> int:
     plans = parse_plans(args.plans, model.config.n_layer)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model = model.to(device=device, dtype=getattr(torch, dtype))
+    if args.decode:
+        return run_decode(args, model, plans, device, dtype)
     records = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
                         compile=args.compile, seed=args.seed)
     cfg = model.config

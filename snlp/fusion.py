@@ -158,8 +158,13 @@ def _padded_ve(ctx: Context) -> Tensor:
     return ctx.extra["ve_pad"]
 
 
-def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context) -> Tensor:
-    """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D)."""
+def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None) -> Tensor:
+    """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D).
+
+    With a KV `cache` (decoding, snlp.cache.KVCache) the T tokens sit at positions ctx.start..:
+    each branch writes the K/V it computes from its chunk input into its layer's slot and attends
+    over the cached positions before them, still one batched op for all chunks. It does not
+    advance the cache (the caller does, once the whole forward is done)."""
     C, B, T, D = h.shape
     M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
     x = h if w.alpha is None else w.alpha.view(C, 1, 1, 1) * h + w.beta.view(C, 1, 1, 1) * ctx.x0
@@ -174,10 +179,30 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context) -> Tensor:
         v = v + gate.view(C, B, T, M, Hkv, 1) * ve
     q = norm(rope(q.reshape(C, B, T, M * Hq, hd), ctx.cos, ctx.sin))  # QK-norm after RoPE
     k = norm(rope(k.reshape(C, B, T, M * Hkv, hd), ctx.cos, ctx.sin))
-    heads_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 1, 3, 4, 2, 5)  # noqa: E731
-    y = attend(heads_first(q, Hq), heads_first(k, Hkv), heads_first(v, Hkv),
-               -1 if w.windows is None else w.windows)  # (C, B, M, Hq, T, hd)
-    y = y.permute(0, 1, 4, 2, 3, 5).reshape(C, B * T, M * Hq * hd)
+    if cache is not None:
+        y = _cached_attend(w, q, k, v, ctx.start, cache)  # (C, B, T, M, Hq, hd)
+    else:
+        heads_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 1, 3, 4, 2, 5)  # noqa: E731
+        y = attend(heads_first(q, Hq), heads_first(k, Hkv), heads_first(v, Hkv),
+                   -1 if w.windows is None else w.windows)  # (C, B, M, Hq, T, hd)
+        y = y.permute(0, 1, 4, 2, 3, 5)
+    y = y.reshape(C, B * T, M * Hq * hd)
     u = x + torch.bmm(y, w.attn_out).view(C, B, T, D)  # summed attention branches
     hid = F.relu(torch.bmm(norm(u).view(C, B * T, D), w.fc)).square()  # (C, B*T, M*F)
     return u + torch.bmm(hid, w.proj).view(C, B, T, D)  # summed MLP branches
+
+
+def _cached_attend(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, start: int, cache) -> Tensor:
+    """Attention of all C*M branches against the KV cache. q (C, B, T, M*Hq, hd), k/v (C, B, T, M*Hkv, hd)
+    -> (C, B, T, M, Hq, hd). Branch m of chunk c uses layer start+c*M+m's cache slot (see snlp.cache)."""
+    C, B, T = q.shape[:3]
+    M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
+    branch_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 3, 1, 4, 2, 5)  # noqa: E731  (C,M,B,H,T,hd)
+    layers = slice(w.start, w.start + C * M)
+    kc, vc = cache.write(layers, branch_first(k, Hkv).reshape(C * M, B, Hkv, T, hd),
+                         branch_first(v, Hkv).reshape(C * M, B, Hkv, T, hd), start)  # (C*M, B, Hkv, S, hd)
+    S = kc.shape[-2]
+    win = -1 if w.windows is None else w.windows.view(C, M, 1)  # per-branch windows, leading dims (C, M, B)
+    y = attend(branch_first(q, Hq), kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd), win,
+               q_start=start)  # (C, M, B, Hq, T, hd)
+    return y.permute(0, 2, 4, 1, 3, 5)

@@ -30,7 +30,7 @@ class GPTConfig:
     vocab_size: int = 32768
     n_layer: int = 16
     n_head: int = 8
-    n_kv_head: int = 8
+    n_kv_head: int | None = None  # None -> n_head (no GQA)
     n_embd: int = 1024
     sequence_len: int = 2048
     mlp_ratio: int = 4
@@ -42,6 +42,8 @@ class GPTConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
         errors = []
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
             if int(getattr(self, name)) < 1:
@@ -151,8 +153,9 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_head * hd, D, bias=False)
         self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
         self.window = cfg.window(layer)
+        self.layer_idx = layer  # slot in a KV cache (snlp.cache.KVCache)
 
-    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
         B, T, _ = xn.shape
         q = self.c_q(xn).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
@@ -161,6 +164,10 @@ class Attention(nn.Module):
             gate = 2 * torch.sigmoid(self.ve_gate(xn[..., : self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * ve.view_as(v)
         q, k = norm(rope(q, cos, sin)), norm(rope(k, cos, sin))  # QK-norm after RoPE
+        if cache is not None:  # cached: write the new K/V at start.., attend over positions 0..start+T-1
+            kc, vc = cache.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2), start)  # (B, Hkv, S, hd)
+            y = attend(q.transpose(1, 2), kc, vc, self.window, q_start=start)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -183,15 +190,16 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(norm(x), ve, cos, sin)
+    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
+        x = x + self.attn(norm(x), ve, cos, sin, cache, start)
         return x + self.mlp(norm(x))
 
 
 @dataclass
 class Context:
     """Per-forward inputs shared by every layer: x0 (B,T,D), value embeddings (n_ve,B,T,kv_dim)
-    or None, and RoPE tables (T,1,hd/2)."""
+    or None, and RoPE tables (T,1,hd/2). With a KV cache (decoding) the tokens sit at absolute
+    positions start..start+T-1 and every layer reads/writes `cache` (snlp.cache.KVCache)."""
 
     idx: Tensor
     x0: Tensor
@@ -199,6 +207,8 @@ class Context:
     cos: Tensor
     sin: Tensor
     extra: dict = field(default_factory=dict)
+    start: int = 0
+    cache: object | None = None
 
 
 class GPT(nn.Module):
@@ -261,7 +271,9 @@ class GPT(nn.Module):
             raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
             raise ValueError(f"token ids must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
-        if not idx.is_cuda:  # on CUDA an out-of-range id raises a device-side assert instead (no sync here)
+        # host-side range check: skipped on CUDA (a device-side assert fires instead, no sync here)
+        # and under torch.compile (it would break the graph)
+        if not idx.is_cuda and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
@@ -273,14 +285,19 @@ class GPT(nn.Module):
         dtype = self.wte.weight.dtype
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-    def embed(self, idx: Tensor) -> Context:
-        """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE)."""
+    def embed(self, idx: Tensor, cache=None) -> Context:
+        """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
+        `cache` the tokens continue the cached sequence: they sit at positions cache.length.."""
         self.check_tokens(idx)
         idx = idx.long()
+        start = 0
+        if cache is not None:
+            cache.check(idx.shape[0], idx.shape[1])
+            start = cache.length
         x0 = norm(self.wte(idx))
         ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
-        cos, sin = self.rotary(idx.shape[1])
-        return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin)
+        cos, sin = self.rotary(idx.shape[1], start)
+        return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache)
 
     def layer(self, l: int, h: Tensor, ctx: Context) -> Tensor:
         """f_l(h): the full map of layer l from h_{l-1} to h_l (x0 mixing included)."""
@@ -288,6 +305,8 @@ class GPT(nn.Module):
             h = self.resid_lambdas[l] * h + self.x0_lambdas[l] * ctx.x0
         slot = self.ve_slot[l]
         ve = ctx.ve[slot] if slot >= 0 else None
+        if ctx.cache is not None:
+            return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start)
         return self.blocks[l](h, ve, ctx.cos, ctx.sin)
 
     def head(self, h: Tensor) -> Tensor:
@@ -311,11 +330,14 @@ class GPT(nn.Module):
         self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)
         return trace
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None) -> Tensor:
         """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
-        (targets == -1 are ignored)."""
-        ctx = self.embed(idx)
+        (targets == -1 are ignored). With a KV `cache` (snlp.cache.KVCache) idx continues the
+        cached sequence: its K/V are written at cache.length.. and the cache advances by T."""
+        ctx = self.embed(idx, cache)
         logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer))
+        if cache is not None:
+            cache.advance(idx.shape[1])
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

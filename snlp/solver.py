@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .fusion import chunk_forward, chunk_weights
+from .fusion import ChunkWeights, chunk_forward, chunk_weights
 from .model import GPT
 from .plan import Plan
 
@@ -78,32 +78,43 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
 
 
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
-          check_finite: bool = True) -> SolveResult:
+          check_finite: bool = True, cache=None, weights: ChunkWeights | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
-    (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf."""
+    (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
+
+    With a KV `cache` (snlp.cache.KVCache) idx continues the cached sequence (SNLP decoding): the
+    prefix layers read/write the cache exactly; every suffix branch attends over the cached K/V
+    of earlier positions plus the new tokens' K/V computed from its current input estimate, so
+    the K/V left in the cache are those of the inputs the last iteration used. The cache then
+    advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile."""
     plan = _as_plan(model, plan)
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
-    ctx = model.embed(idx)
+    ctx = model.embed(idx, cache)
     hS = model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
-    w = chunk_weights(model, S, C, plan.fuse)
+    w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
     h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
     if plan.init == "fwd":
-        h = chunk_forward(w, h, ctx)  # one-shot batched forward F_c(h_S)
+        h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
     states = [h] if keep_states else []
     for _ in range(plan.iters):
         inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
-        tilde = chunk_forward(w, inputs, ctx)
+        tilde = chunk_forward(w, inputs, ctx, cache)
         h = tilde if plan.surrogate == "none" else h + correct(tilde - h, plan)
         if keep_states:
             states.append(h)
+    if cache is not None:
+        if plan.iters == 0 and plan.init == "h0":  # nothing evaluated the suffix: write the K/V of
+            chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # the final inputs (all h_S)
+        cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
     return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states)
 
 
-def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True) -> Tensor:
-    """SNLP forward: token ids (B, T) -> logits (B, T, V)."""
-    return model.head(solve(model, idx, plan, check_finite=check_finite).hidden)
+def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:
+    """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
+    (see `solve`)."""
+    return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
 
 
 def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, tokens
+
+from snlp import GPT, GPTConfig
+
+
+def test_depth_dial_sizes_the_model_like_nanochat():
+    c = GPTConfig.from_depth(16)
+    assert (c.n_layer, c.n_embd, c.n_head, c.head_dim) == (16, 1024, 8, 128)
+    paper_05b = GPTConfig.from_depth(32, width=640)  # the paper's 0.5B: depth 32, width 640, 5 heads
+    assert (paper_05b.n_embd, paper_05b.n_head, paper_05b.head_dim) == (640, 5, 128)
+    assert GPTConfig.from_depth(6, aspect_ratio=20, head_dim=64).n_embd == 128  # 120 rounded up to 64s
+    with pytest.raises(ValueError, match="multiple of head_dim=128"):
+        GPTConfig.from_depth(8, width=600)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(n_embd=30, n_head=4), "divisible by n_head"),
+                                    (dict(n_head=3, n_kv_head=2, n_embd=24), "multiple of n_kv_head"),
+                                    (dict(window_pattern="SXL"), "window_pattern"),
+                                    (dict(n_embd=12, n_head=4, n_kv_head=4), "must be even for RoPE"),
+                                    (dict(n_layer=0), "n_layer must be >= 1")])
+def test_invalid_configs_raise(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        GPTConfig(**kw)
+
+
+def test_forward_shapes_loss_and_softcap():
+    model = make_model(dtype=torch.float32, scale=3.0)
+    idx = tokens(model, B=3, T=10)
+    logits = model(idx)
+    assert logits.shape == (3, 10, 61) and logits.dtype == torch.float32
+    assert logits.abs().max() <= 15.0  # tanh softcap
+    loss = model(idx, targets=idx)
+    assert torch.isfinite(loss) and loss.ndim == 0
+    masked = idx.clone()
+    masked[:, :5] = -1  # ignored positions
+    assert not torch.isclose(model(idx, targets=masked), loss)
+
+
+def test_fresh_init_blocks_are_identities_and_scalars_like_nanochat():
+    model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=2, n_embd=16))
+    idx = torch.randint(0, 50, (1, 5))
+    hs = model.hidden_states(idx)
+    # zero output projections: every block passes its (x0-mixed) input through
+    torch.testing.assert_close(hs[1], 1.0 * hs[0] + 0.1 * hs[0])
+    assert model.lm_head.weight.std() < 0.01
+
+
+def test_sliding_window_limits_context():
+    """With window w, the state after a windowed layer at position t ignores tokens before t - w."""
+    model = make_model(seed=1, n_layer=2, window_pattern="SL", short_window=2, x0_residual=False,
+                       value_embeds=False)
+    assert [model.config.window(l) for l in range(2)] == [2, -1]
+    idx = tokens(model, B=1, T=8)
+    other = idx.clone()
+    other[0, 2] = (idx[0, 2] + 1) % 61
+    h1a, h1b = model.hidden_states(idx)[1], model.hidden_states(other)[1]
+    changed = [not torch.allclose(h1a[0, t], h1b[0, t]) for t in range(8)]
+    assert changed == [False, False, True, True, True, False, False, False]
+
+
+def test_gqa_and_value_embedding_layout():
+    model = make_model(n_layer=5, n_head=4, n_kv_head=2, n_embd=16)
+    assert model.blocks[0].attn.c_k.weight.shape == (2 * 4, 16)  # kv heads * head dim
+    assert [model.config.has_ve(l) for l in range(5)] == [True, False, True, False, True]  # last layer has VE
+    assert model.value_embeds.shape == (3, 61, 8)
+    assert model.ve_slot == [0, -1, 1, -1, 2]
+    plain = GPT(GPTConfig(vocab_size=61, n_layer=5, n_head=4, n_kv_head=2, n_embd=16, x0_residual=False,
+                          value_embeds=False))
+    names = {n for n, _ in plain.named_parameters()}
+    assert not {"value_embeds", "resid_lambdas", "x0_lambdas"} & names
+    assert model(tokens(model)).shape == plain(tokens(plain)).shape
+
+
+def test_x0_and_value_embeddings_change_the_function():
+    idx = None
+    outs = []
+    for x0, ve in [(True, True), (False, True), (True, False)]:
+        m = make_model(seed=2, x0_residual=x0, value_embeds=ve)
+        idx = tokens(m) if idx is None else idx
+        outs.append(m(idx))
+    assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snlp import Plan, parse_plans
+
+
+@st.composite
+def plans(draw):
+    chunks = draw(st.integers(1, 12))
+    order = draw(st.one_of(st.none(), st.permutations(range(chunks)).map(tuple)))
+    return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
+                iters=draw(st.integers(0, 9)), surrogate=draw(st.sampled_from(["idn", "none"])),
+                elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])), order=order)
+
+
+@settings(max_examples=200)
+@given(plans())
+def test_str_round_trips(plan):
+    assert Plan.parse(str(plan)) == plan
+
+
+def test_paper_notation():
+    p = Plan.parse("12xF2-h0-K1")
+    assert (p.chunks, p.fuse, p.init, p.iters, p.surrogate, p.n_suffix) == (12, 2, "h0", 1, "idn", 24)
+    assert p.prefix_len(32) == 8
+    assert str(p) == "12xF2-h0-K1"
+    # the SSD table writes K before the init; defaults are h0 and K=1
+    assert Plan.parse("24xF1-K2-h0") == Plan(24, 1, "h0", 2)
+    assert Plan.parse("8xF1") == Plan(8, 1, "h0", 1)
+    assert str(Plan.parse("4xF1-fwd-K2-none-elk:0.1-order:reversed")) == "4xF1-fwd-K2-none-elk:0.1-order:reversed"
+    assert Plan.parse("3xF1-order:0.1.2").order is None  # forward is the default, not stored
+    assert Plan.parse("3xF1-order:2.0.1").order == (2, 0, 1)
+
+
+def test_ideal_speedup_counts_batched_evaluations():
+    assert Plan.parse("1xF12-h0-K1").ideal_speedup(16) == pytest.approx(16 / 5)
+    assert Plan.parse("12xF1-h0-K1").ideal_speedup(16) == pytest.approx(16 / 5)
+    assert Plan.parse("12xF1-fwd-K2").ideal_speedup(16) == pytest.approx(16 / 7)
+    assert Plan.parse("12xF2-h0-K1").ideal_speedup(32) == pytest.approx(32 / 9)
+
+
+def test_link_follows_correction_order():
+    assert Plan.parse("4xF1").link() == [True] * 4
+    assert Plan.parse("4xF1-order:reversed").link() == [True, False, False, False]
+    assert Plan.parse("4xF1-order:0.2.1.3").link() == [True, True, False, True]
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("", "empty plan"),
+    ("12F2-h0-K1", "must start with CxFM"),
+    ("0xF2", "chunks C must be an integer >= 1"),
+    ("2xF0", "M must be an integer >= 1"),
+    ("4xF1-h1", "unknown part 'h1'"),
+    ("4xF1-K-1", "unknown part 'K'"),
+    ("4xF1-jacobi", "unknown part 'jacobi'"),
+    ("4xF1-K1-K2", "iters given twice"),
+    ("4xF1-elk:1.0", r"ELK damping must lie in \[0, 1\)"),
+    ("4xF1-elk:x", "unknown part 'elk:x'"),
+    ("4xF1-order:0.1.1.2", "must be a permutation of 0..3"),
+    ("4xF1-order:0.1", "must be a permutation of 0..3"),
+])
+def test_malformed_plans_say_what_is_wrong(text, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        Plan.parse(text)
+    assert "Grammar:" in str(e.value)
+
+
+def test_plans_must_fit_the_model():
+    with pytest.raises(ValueError, match="model has only L = 16"):
+        Plan.parse("12xF2-h0-K1", n_layer=16)
+    assert Plan.parse("8xF2", n_layer=16).prefix_len(16) == 0
+    with pytest.raises(ValueError, match=r"M=5 must divide the suffix length N=12 \(valid M: \[1, 2, 3, 4, 6, 12\]\)"):
+        Plan.for_suffix(12, 5)
+    assert Plan.for_suffix(12, 3, iters=2) == Plan(4, 3, "h0", 2)
+    with pytest.raises(ValueError, match="iterations K must be an integer >= 0"):
+        Plan(4, iters=-1)
+    with pytest.raises(ValueError, match="unknown init 'warm'"):
+        Plan(4, init="warm")
+    with pytest.raises(ValueError, match="unknown surrogate 'diag'"):
+        Plan(4, surrogate="diag")
+
+
+def test_plan_lists():
+    assert [str(p) for p in parse_plans("1xF12-h0-K1, 12xF1-h0-K1")] == ["1xF12-h0-K1", "12xF1-h0-K1"]
+    with pytest.raises(ValueError, match="no plans"):
+        parse_plans(" , ")

@@ -1,0 +1,262 @@
+"""SNLP's exact laws (paper Methods, App. Algorithm, correction-propagation table) on random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import configs, make_model, tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snlp import Plan, SNLPDivergenceError, fused_forward, fused_sequential, parallel_forward, solve
+from snlp.fusion import chunk_weights
+from snlp.model import norm
+
+SURROGATES = ["idn", "none"]
+
+
+@st.composite
+def model_and_plan(draw, fuse_max: int = 3, exact: bool = True):
+    cfg = draw(configs())
+    L = cfg["n_layer"]
+    fuse = draw(st.integers(1, min(fuse_max, L)))
+    chunks = draw(st.integers(1, L // fuse))
+    order = None
+    if draw(st.booleans()):
+        order = tuple(draw(st.permutations(range(chunks))))
+    plan = Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])),
+                iters=draw(st.integers(chunks, chunks + 2)) if exact else draw(st.integers(0, chunks + 1)),
+                surrogate=draw(st.sampled_from(SURROGATES)), elk=draw(st.sampled_from([0.0, 0.25])), order=order)
+    return cfg, plan, draw(st.integers(0, 2 ** 16))
+
+
+# ---------------------------------------------------------------- exactness for K >= C
+@settings(max_examples=60, deadline=None)
+@given(model_and_plan(fuse_max=1))
+def test_unfused_plans_with_K_ge_N_equal_sequential(args):
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=2, T=7, seed=seed)
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, idx, plan), model(idx), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("x0,ve,windows,kv", [(True, True, "SL", 1), (False, False, "L", 2), (True, False, "SSL", 2)])
+@pytest.mark.parametrize("init", ["h0", "fwd"])
+@pytest.mark.parametrize("surrogate", SURROGATES)
+def test_fp32_exactness_tolerance(x0, ve, windows, kv, init, surrogate):
+    """Same law in fp32 with fp32 tolerance (the dtype users run)."""
+    model = make_model(seed=3, dtype=torch.float32, n_layer=6, x0_residual=x0, value_embeds=ve,
+                       window_pattern=windows, n_kv_head=kv)
+    idx = tokens(model, T=11)
+    with torch.no_grad():
+        out = parallel_forward(model, idx, Plan(chunks=5, init=init, iters=5, surrogate=surrogate))
+        torch.testing.assert_close(out, model(idx), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(model_and_plan(fuse_max=3))
+def test_fused_plans_with_K_ge_C_equal_fused_model_run_sequentially(args):
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=1, T=8, seed=seed)
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, idx, plan), fused_forward(model, idx, plan),
+                                   rtol=1e-9, atol=1e-9)
+
+
+def test_fused_model_with_M1_is_the_original_model():
+    model = make_model(seed=5)
+    idx = tokens(model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_forward(model, idx, "6xF1"), model(idx), rtol=1e-10, atol=1e-10)
+        assert not torch.allclose(fused_forward(model, idx, "2xF3"), model(idx), atol=1e-3)  # fusion changes it
+
+
+# ---------------------------------------------------------------- propagation staircase
+@settings(max_examples=40, deadline=None)
+@given(model_and_plan(fuse_max=3, exact=False))
+def test_after_k_iterations_the_first_k_chunks_are_exact(args):
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=1, T=6, seed=seed)
+    with torch.no_grad():
+        states = solve(model, idx, plan, keep_states=True).states
+        exact = fused_sequential(model, idx, plan).states[0]  # (C, B, T, D)
+    assert len(states) == plan.iters + 1
+    for k, h in enumerate(states):
+        torch.testing.assert_close(h[:k], exact[:k], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("surrogate", SURROGATES)
+def test_without_correction_information_advances_one_chunk_per_iteration(surrogate):
+    """Perturb chunk j's weights: after k iterations chunk c changes iff j <= c < j + k without
+    correction (Jacobi staircase), and iff c >= j with IDN (the correction reaches the end at once)."""
+    L, C, j = 8, 8, 2
+    base = make_model(seed=11, n_layer=L)
+    pert = make_model(seed=11, n_layer=L)
+    with torch.no_grad():
+        pert.blocks[j].mlp.c_fc.weight.mul_(1.5)
+    idx = tokens(base)
+    for k in range(1, 5):
+        plan = Plan(chunks=C, iters=k, surrogate=surrogate)
+        with torch.no_grad():
+            a = solve(base, idx, plan, keep_states=True).states[-1]
+            b = solve(pert, idx, plan, keep_states=True).states[-1]
+        changed = [not torch.equal(a[c], b[c]) for c in range(C)]
+        expect = [(j <= c < j + k) if surrogate == "none" else c >= j for c in range(C)]
+        assert changed == expect, (k, changed)
+
+
+# ---------------------------------------------------------------- closed forms
+def test_idn_one_step_is_prefix_state_plus_sum_of_branches():
+    """IDN K=1 from h0 on a plain residual model: h_L = h_S + sum_l g_l(h_S) (App. variance derivation)."""
+    model = make_model(seed=2, n_layer=7, x0_residual=False, value_embeds=False)
+    idx = tokens(model)
+    with torch.no_grad():
+        res = solve(model, idx, "5xF1-h0-K1")
+        ctx = model.embed(idx)
+        hS = model.run_layers(ctx.x0, ctx, 0, 2)
+        want = hS + sum(model.layer(l, hS, ctx) - hS for l in range(2, 7))
+    torch.testing.assert_close(res.hidden, want, rtol=1e-10, atol=1e-10)
+
+
+def test_K0_is_early_exit_and_fwd_init_is_one_batched_forward():
+    model = make_model(seed=4)
+    idx = tokens(model)
+    with torch.no_grad():
+        ctx = model.embed(idx)
+        hS = model.run_layers(ctx.x0, ctx, 0, 2)
+        torch.testing.assert_close(solve(model, idx, "4xF1-h0-K0").hidden, hS)  # suffix skipped (early exit)
+        torch.testing.assert_close(solve(model, idx, "4xF1-fwd-K0").hidden, model.layer(5, hS, ctx))
+
+
+# ---------------------------------------------------------------- batched/fused path == slow reference loop
+def slow_chunk(model, layers, h, ctx):
+    """Paper App. "Fused Cross-Layer Coupling", branch by branch with the model's own modules:
+    u = x_C + sum_l gamma_l Attn_l(norm(x_C)); F = u + sum_l gamma_l MLP_l(norm(u))."""
+    cfg = model.config
+    alpha, beta, gammas = 1.0, 0.0, []
+    for l in layers:  # compose the residual path and each branch's downstream resid scale
+        if cfg.x0_residual:
+            lr, l0 = model.resid_lambdas[l], model.x0_lambdas[l]
+            alpha, beta = lr * alpha, lr * beta + l0
+            gammas = [g * lr for g in gammas]
+        gammas.append(1.0)
+    x = alpha * h + beta * ctx.x0 if cfg.x0_residual else h
+    xn = norm(x)
+    ve = lambda l: ctx.ve[model.ve_slot[l]] if model.ve_slot[l] >= 0 else None  # noqa: E731
+    u = x + sum(g * model.blocks[l].attn(xn, ve(l), ctx.cos, ctx.sin) for g, l in zip(gammas, layers))
+    return u + sum(g * model.blocks[l].mlp(norm(u)) for g, l in zip(gammas, layers))
+
+
+def slow_solve(model, idx, plan):
+    """Algorithm "IDN Batched SNLP Inference" as an in-place sweep over chunks in correction order."""
+    L, C, M = model.config.n_layer, plan.chunks, plan.fuse
+    S = L - C * M
+    ctx = model.embed(idx)
+    hS = model.run_layers(ctx.x0, ctx, 0, S)
+    chunk = lambda c, h: slow_chunk(model, range(S + c * M, S + (c + 1) * M), h, ctx)  # noqa: E731
+    old = [chunk(c, hS) if plan.init == "fwd" else hS for c in range(C)]
+    states = [torch.stack(old)]
+    for _ in range(plan.iters):
+        inputs = [hS] + old[:-1]
+        tilde = [chunk(c, inputs[c]) for c in range(C)]
+        new = list(old)  # entries not yet visited in this sweep still hold h^(k)
+        for c in (plan.order or range(C)):
+            prev_delta = (new[c - 1] - old[c - 1]) if c > 0 else torch.zeros_like(hS)
+            a = 0.0 if plan.surrogate == "none" else 1.0 - plan.elk
+            new[c] = tilde[c] + a * prev_delta
+        old = new
+        states.append(torch.stack(old))
+    return states
+
+
+@settings(max_examples=40, deadline=None)
+@given(model_and_plan(fuse_max=3, exact=False))
+def test_batched_fused_solver_equals_slow_per_layer_reference(args):
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=2, T=6, seed=seed)
+    with torch.no_grad():
+        fast = solve(model, idx, plan, keep_states=True).states
+        slow = slow_solve(model, idx, plan)
+    assert len(fast) == len(slow)
+    for f, s in zip(fast, slow):
+        torch.testing.assert_close(f.expand_as(s), s, rtol=1e-9, atol=1e-9)
+
+
+def test_reversed_order_equals_no_correction_at_K1():
+    """The ordering table's K=1 rows: a reversed sweep never sees a corrected predecessor."""
+    model = make_model(seed=9)
+    idx = tokens(model)
+    with torch.no_grad():
+        rev = parallel_forward(model, idx, "5xF1-h0-K1-order:reversed")
+        torch.testing.assert_close(rev, parallel_forward(model, idx, "5xF1-h0-K1-none"))
+        assert not torch.allclose(rev, parallel_forward(model, idx, "5xF1-h0-K1"))
+
+
+def test_sliding_windows_are_kept_in_the_fused_batched_path():
+    """A window shorter than T changes the result, and the solver agrees with the windowed model."""
+    kw = dict(seed=6, n_layer=4, x0_residual=False, value_embeds=False, short_window=2)
+    windowed, full = make_model(window_pattern="S", **kw), make_model(window_pattern="L", **kw)
+    idx = tokens(windowed, T=10)
+    with torch.no_grad():
+        for plan in ["4xF1-h0-K4", "2xF2-h0-K2", "1xF4-h0-K1"]:
+            w, f = fused_forward(windowed, idx, plan), fused_forward(full, idx, plan)
+            assert not torch.allclose(w, f, atol=1e-6)
+            torch.testing.assert_close(parallel_forward(windowed, idx, plan), w, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- weights cache, gradients, errors
+def test_fused_weights_are_cached_and_rebuilt_when_weights_change():
+    model = make_model(seed=1)
+    idx = tokens(model)
+    with torch.no_grad():
+        w1 = chunk_weights(model, 2, 2, 2)
+        assert chunk_weights(model, 2, 2, 2) is w1
+        before = parallel_forward(model, idx, "2xF2-h0-K1")
+        model.blocks[3].mlp.c_fc.weight.mul_(0.5)  # in-place, like an optimizer step
+        w2 = chunk_weights(model, 2, 2, 2)
+        assert w2 is not w1
+        assert not torch.allclose(parallel_forward(model, idx, "2xF2-h0-K1"), before)
+        torch.testing.assert_close(parallel_forward(model, idx, "2xF2-h0-K2"), fused_forward(model, idx, "2xF2"))
+
+
+def test_gradients_flow_through_the_solver_into_the_weights():
+    model = make_model(seed=1).train()
+    idx = tokens(model)
+    parallel_forward(model, idx, "2xF2-h0-K1").logsumexp(-1).mean().backward()
+    for l in (2, 5):
+        assert model.blocks[l].mlp.c_fc.weight.grad is not None
+        assert model.blocks[l].mlp.c_fc.weight.grad.abs().sum() > 0
+    assert model.x0_lambdas.grad[4] != 0
+
+
+def test_divergence_is_detected_and_reported():
+    model = make_model(seed=1)
+    with torch.no_grad():
+        model.blocks[4].mlp.c_proj.weight.fill_(float("nan"))
+    with pytest.raises(SNLPDivergenceError, match="4xF1-h0-K1 diverged"), torch.no_grad():
+        parallel_forward(model, tokens(model), "4xF1-h0-K1")
+
+
+@pytest.mark.parametrize("plan,msg", [("3xF3", "needs a suffix of N = 3x3 = 9 layers but the model has only L = 6"),
+                                      ("7xF1", "use at most 6 chunks of 1"),
+                                      ("2xF2-warm", "unknown part 'warm'")])
+def test_plans_that_do_not_fit_raise(plan, msg):
+    model = make_model()
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        parallel_forward(model, tokens(model), plan)
+
+
+@pytest.mark.parametrize("idx,msg", [(torch.zeros(5, dtype=torch.long), "shape"),
+                                     (torch.zeros(1, 0, dtype=torch.long), "shape"),
+                                     (torch.zeros(1, 3), "integer"),
+                                     (torch.full((1, 3), 61), r"\[0, 61\)"),
+                                     ([[1, 2]], "torch.Tensor")])
+def test_bad_inputs_raise_clear_errors(idx, msg):
+    model = make_model()
+    for fn in (model, lambda i: parallel_forward(model, i, "2xF1")):
+        with pytest.raises(ValueError, match=msg):
+            fn(idx)
