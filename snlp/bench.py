@@ -51,7 +51,8 @@ def add_arguments(p) -> None:
     dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
-    dec.add_argument("--threads", type=int, default=None, help="torch CPU threads (decode ops are tiny: 1 is often best)")
+    dec.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (decode ops are tiny: 1 is often best)")
 
 
 def build_model(args) -> GPT:

@@ -10,6 +10,8 @@ import sys
 # sub-command -> module
 COMMANDS = {
     "bench": "snlp.bench",
+    "generate": "snlp.generate",
+    "train": "snlp.train",
 }
 
 

@@ -1,0 +1,89 @@
+"""Static KV cache for decoding: preallocated per-layer K/V, a length pointer, rollback.
+
+Layout k, v: (L, B, Hkv, max_len, hd), one slot per layer. Positions 0..length-1 are valid;
+a forward over T new tokens writes their K/V at length..length+T-1 in every layer, attends over
+0..length+T-1 and then advances `length` by T (GPT.forward / solver.solve with cache=). Anything
+past `length` is scratch: rollback just moves the pointer back, and the next forward overwrites
+those positions before reading them, so a rolled-back cache is exactly the earlier one.
+
+Per-layer slots also serve the fused SNLP chunks: layers S..L-1 are contiguous, so the slots of
+a suffix of C chunks x M layers view as (C, M, B, Hkv, max_len, hd) = a chunk-wide cache in which
+fused branch m of chunk c owns layer S+c*M+m's slot. Keeping per-layer slots (rather than a
+separate chunk cache) lets the SNLP drafter and the sequential verifier share one cache in
+self-speculative decoding: the verifier (the ORIGINAL sequential model) overwrites every verified
+position with exact per-layer K/V, so the drafter always conditions on the exact history, and
+for M = 1 the drafter's branches are literally the model's layers. For M > 1 the fused branch
+reads a different input (the chunk input) than layer S+c*M+m does sequentially, so what a drafter
+writes there is only its estimate: fine for scratch positions the verifier rewrites, and in pure
+SNLP decoding (no verifier) the slots hold the fused model's own K/V, so cached SNLP decoding
+with K >= C equals the fused model run sequentially (tests/test_decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """Preallocated K/V of every layer. k, v: (L, B, Hkv, max_len, hd); `length` valid positions."""
+
+    k: Tensor
+    v: Tensor
+    length: int = 0
+
+    @classmethod
+    def for_model(cls, model, batch: int = 1, max_len: int | None = None, device=None, dtype=None) -> "KVCache":
+        """An empty cache for `model` (max_len defaults to config.sequence_len)."""
+        cfg = model.config
+        max_len = cfg.sequence_len if max_len is None else max_len
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"KV cache batch must be an integer >= 1 (got {batch!r})")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"KV cache max_len must be an integer >= 1 (got {max_len!r})")
+        p = model.wte.weight
+        shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        kw = dict(device=device or p.device, dtype=dtype or p.dtype)
+        return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def check(self, batch: int, T: int) -> None:
+        """Raise a ValueError unless T new tokens of this batch size fit after `length`."""
+        if batch != self.batch:
+            raise ValueError(f"KV cache was allocated for batch {self.batch}, got a batch of {batch}")
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} cached + {T} new tokens > max_len {self.max_len}; "
+                             f"allocate a longer cache (KVCache.for_model(..., max_len=...))")
+
+    def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Store new K/V (layers..., B, Hkv, T, hd) at positions start..start+T-1 of the given layer
+        slot(s); return views of positions 0..start+T-1 to attend over."""
+        stop = start + k.shape[-2]
+        self.k[layers, ..., start:stop, :] = k
+        self.v[layers, ..., start:stop, :] = v
+        return self.k[layers, ..., :stop, :], self.v[layers, ..., :stop, :]
+
+    def advance(self, n: int) -> None:
+        """Commit n more positions (their K/V must have been written)."""
+        if n < 0 or self.length + n > self.max_len:
+            raise ValueError(f"cannot advance a KV cache of length {self.length}/{self.max_len} by {n}")
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= length (e.g. rejected draft tokens). O(1): only the pointer moves."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can only roll a KV cache back to a length in [0, {self.length}], got {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,263 @@
+"""Training data: documents from a `--data` spec, a deterministic train/val split by document,
+and a token cache (numpy memmap) so a corpus is tokenized once.
+
+`--data` forms (comma-separated to combine):
+    stdlib                    the .py sources of this Python's standard library (no network; default)
+    PATH | FOLDER | GLOB      text files (split into ~4 KB documents at blank lines), .jsonl
+                              (one JSON object per line, text in --text-field), .parquet (pyarrow)
+    hf:NAME[:CONFIG][:SPLIT]  a Hugging Face dataset, streamed (needs the `datasets` extra)
+Documents are joined with the tokenizer's bos token in front of each.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ""}
+TABLE_SUFFIXES = {".jsonl", ".parquet"}
+DOC_CHARS = 4096  # plain text files are cut at blank lines into documents of at least this size
+STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
+HF_DEFAULT_CHARS = 200_000_000  # streamed sources are endless: cap them unless --max-chars says otherwise
+
+
+def cache_dir() -> Path:
+    """Token cache folder: $SNLP_CACHE, else $XDG_CACHE_HOME/snlp, else ~/.cache/snlp."""
+    if os.environ.get("SNLP_CACHE"):
+        return Path(os.environ["SNLP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "snlp"
+
+
+# ----- sources -----
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files in sorted (deterministic) order, tests excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(f for f in root.rglob("*.py") if not STDLIB_SKIP & set(f.relative_to(root).parts))
+
+
+def resolve_files(spec: str) -> list[Path]:
+    """Local files named by one spec part (file, folder or glob); ValueError if none."""
+    if spec == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise ValueError(f"no standard-library .py files found under {sysconfig.get_paths()['stdlib']}; "
+                             f"pass --data PATH")
+        return files
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES | TABLE_SUFFIXES
+                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        if not files:
+            raise ValueError(f"data folder {p} holds no text files (looked for *{', *'.join(sorted(TEXT_SUFFIXES | TABLE_SUFFIXES - {''}))})")
+        return files
+    if glob.has_magic(spec):
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True) if Path(f).is_file())
+        if not files:
+            raise ValueError(f"data glob {spec!r} matched no files")
+        return files
+    raise ValueError(f"unknown data source {spec!r}: not a file, folder or glob that exists, nor 'stdlib' or "
+                     f"'hf:NAME[:CONFIG][:SPLIT]'")
+
+
+def split_text(text: str, size: int = DOC_CHARS) -> Iterator[str]:
+    """Cut a long text at blank lines into documents of at least `size` characters."""
+    buf, n = [], 0
+    for para in text.split("\n\n"):
+        buf.append(para)
+        n += len(para) + 2
+        if n >= size:
+            yield "\n\n".join(buf)
+            buf, n = [], 0
+    if buf and any(s.strip() for s in buf):
+        yield "\n\n".join(buf)
+
+
+def _field(row, field: str, where: str):
+    if not isinstance(row, dict) or field not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"{where} has no text field {field!r} (found {keys}); pass --text-field")
+    return row[field]
+
+
+def file_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """Documents of one local file."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
+                    yield str(_field(row, text_field, f"{path}:{i}"))
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ValueError(f"reading {path} needs pyarrow: pip install 'snlp[parquet]'") from e
+        table = pq.read_table(path)
+        if text_field not in table.column_names:
+            raise ValueError(f"{path} has no text column {text_field!r} (found {table.column_names}); pass --text-field")
+        for text in table.column(text_field).to_pylist():
+            if text:
+                yield str(text)
+    else:
+        yield from split_text(path.read_text(encoding="utf-8", errors="replace"))
+
+
+def hf_documents(spec: str, text_field: str = "text") -> Iterator[str]:
+    """Stream a Hugging Face dataset `hf:NAME[:CONFIG][:SPLIT]`."""
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise ValueError(f"malformed Hugging Face source {spec!r}: use hf:NAME[:CONFIG][:SPLIT]")
+    name, config, split = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None), \
+        (parts[2] if len(parts) > 2 and parts[2] else "train")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"data source {spec!r} needs the Hugging Face datasets library: pip install 'snlp[hf]'") from e
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        for row in ds:
+            yield str(_field(row, text_field, f"dataset {name}"))
+    except ValueError:
+        raise
+    except Exception as e:  # offline, unknown dataset, bad config: all surface as assorted exception types
+        raise ValueError(f"could not stream Hugging Face dataset {spec!r} ({type(e).__name__}: {e}); "
+                         f"check the name and that the hub is reachable, or use a local file") from e
+
+
+def parts(spec: str | None) -> list[str]:
+    out = [s.strip() for s in (spec or "stdlib").split(",") if s.strip()]
+    return out or ["stdlib"]
+
+
+def documents(spec: str | None, text_field: str = "text", max_chars: int = 0) -> Iterator[str]:
+    """All documents of a data spec in a deterministic order, optionally capped at `max_chars`
+    characters in total (streamed hf: sources default to HF_DEFAULT_CHARS)."""
+    total = 0
+    cap = max_chars or (HF_DEFAULT_CHARS if any(p.startswith("hf:") for p in parts(spec)) else 0)
+    for part in parts(spec):
+        it = hf_documents(part, text_field) if part.startswith("hf:") else \
+            (d for f in resolve_files(part) for d in file_documents(f, text_field))
+        for doc in it:
+            if not doc.strip():
+                continue
+            yield doc
+            total += len(doc)
+            if cap and total >= cap:
+                return
+
+
+def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0) -> str:
+    """Hash of a data spec: parts, text field, cap and every local file's path, size and mtime."""
+    h = hashlib.sha256(json.dumps([parts(spec), text_field, max_chars]).encode())
+    for part in parts(spec):
+        if not part.startswith("hf:"):
+            for f in resolve_files(part):
+                st = f.stat()
+                h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[str]]:
+    """Deterministic split by document: every round(1/val_frac)-th document goes to validation."""
+    if not docs:
+        raise ValueError("the data source yielded no non-empty documents")
+    if len(docs) < 2:
+        raise ValueError("the data source has only one document: need at least 2 for a train/val split "
+                         "(plain text is cut at blank lines into ~4 KB documents; add more text)")
+    if not 0 < val_frac < 1:
+        raise ValueError(f"--val-frac must lie in (0, 1), got {val_frac}")
+    every = max(2, round(1 / val_frac))
+    val = [d for i, d in enumerate(docs) if i % every == every - 1]
+    train = [d for i, d in enumerate(docs) if i % every != every - 1]
+    if not val:
+        train, val = docs[:-1], docs[-1:]
+    return train, val
+
+
+# ----- token cache -----
+def tokenize_to_memmap(docs: list[str], tok, path: Path) -> np.memmap:
+    """Tokenize `docs` (bos before each) into a uint16/uint32 file, written atomically."""
+    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    n = 0
+    with open(tmp, "wb") as f:
+        for i in range(0, len(docs), 256):
+            for ids in tok.encode_batch(docs[i:i + 256]):
+                arr = np.asarray([tok.bos_id] + ids, dtype=dtype)
+                f.write(arr.tobytes())
+                n += arr.size
+    os.replace(tmp, path)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+
+def open_memmap(path: Path, vocab_size: int) -> np.memmap:
+    dtype = np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+
+
+def token_paths(key: str, tok, directory: Path) -> tuple[Path, Path]:
+    stem = f"{key}-{tok.fingerprint()}"
+    return directory / f"{stem}.train.bin", directory / f"{stem}.val.bin"
+
+
+def load_tokens(docs_train: list[str], docs_val: list[str], tok, key: str, directory: Path) -> TokenData:
+    """Token arrays for a split, from the cache when present (key + tokenizer fingerprint)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ptrain, pval = token_paths(key, tok, directory)
+    if not (ptrain.is_file() and pval.is_file()):
+        tokenize_to_memmap(docs_val, tok, pval)
+        tokenize_to_memmap(docs_train, tok, ptrain)
+    return TokenData(open_memmap(ptrain, tok.vocab_size), open_memmap(pval, tok.vocab_size))
+
+
+# ----- batches -----
+def batch_at(tokens: np.ndarray, index: int, seq_len: int, batch: int, seed: int, rank: int = 0,
+             world: int = 1):
+    """Micro-batch `index`: `batch * world` random windows drawn from a generator seeded by
+    (seed, index), of which this rank takes rows rank*batch..: the data depends only on the
+    global index, so resume and DDP see exactly the batches of an uninterrupted single run."""
+    import torch
+    n = len(tokens) - seq_len - 1
+    if n < 1:
+        raise ValueError(f"only {len(tokens)} training tokens: need more than --seq-len + 1 = {seq_len + 1}")
+    rng = np.random.default_rng([seed, index])
+    starts = rng.integers(0, n + 1, size=batch * world)[rank * batch:(rank + 1) * batch]
+    rows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+    t = torch.from_numpy(rows)
+    return t[:, :-1], t[:, 1:]
+
+
+def val_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int):
+    """Up to `n_batches` fixed batches of consecutive, non-overlapping windows of the val split."""
+    import torch
+    w = (len(tokens) - 1) // seq_len
+    if w < 1:
+        raise ValueError(f"validation split has only {len(tokens)} tokens: need more than --seq-len + 1 = "
+                         f"{seq_len + 1}; raise --val-frac or add data")
+    out = []
+    for b in range(min(n_batches, max(1, w // batch))):
+        rows = [np.asarray(tokens[(b * batch + i) * seq_len:(b * batch + i) * seq_len + seq_len + 1], dtype=np.int64)
+                for i in range(min(batch, w))]
+        t = torch.from_numpy(np.stack(rows))
+        out.append((t[:, :-1], t[:, 1:]))
+    return out

@@ -1,0 +1,488 @@
+"""Generate text from a checkpoint: sequential, SNLP, self-speculative or Jacobi decoding (KV-cached).
+
+Modes (all share one static KV cache, snlp.cache.KVCache):
+  sequential   the model's own cached decoding, one token per forward.
+  snlp         every forward is an SNLP solve with the cache (approximate unless K >= chunks).
+  speculative  self-speculative decoding (paper, "Self-speculative decoding"): the SNLP forward
+               drafts B tokens, the sequential model verifies the B+1 positions in ONE cached
+               forward; greedy output is identical to sequential, sampling keeps its distribution.
+  jacobi       Jacobi decoding over a block of B future tokens, each iteration a fresh SNLP forward
+               (the paper's naive composition, App. "Coupling SNLP with Jacobi Decoding"), then a
+               sequential check of the block; greedy only, output identical to sequential.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .model import GPT
+from .plan import Plan
+from .fusion import chunk_weights
+from .solver import solve
+
+MODES = ("sequential", "snlp", "speculative", "jacobi")
+
+
+@dataclass
+class GenerateResult:
+    """Generated ids and decode statistics. Times exclude the prompt prefill (prefill_s)."""
+
+    tokens: list[int]
+    mode: str
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    plan: str | None = None
+    block: int = 0
+    stop: str = ""  # eos | max_new_tokens | max_len
+    forwards: int = 0  # forwards on the critical path (each SNLP solve counts once)
+    rounds: int = 0  # speculative/Jacobi rounds
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    examined: int = 0  # draft tokens compared: accepted ones + the first rejection of each round
+    draft_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    jacobi_iters: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-draft acceptance alpha: P(draft token accepted | all earlier drafts of the round
+        accepted), the maximum-likelihood alpha of the i.i.d. model behind the paper's formula."""
+        return self.accepted / self.examined if self.examined else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        return len(self.tokens) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        return 1e3 * self.draft_s / self.draft_steps if self.draft_steps else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, ms_per_token=1e3 / self.tokens_per_s if self.tokens else None)
+        if self.mode in ("speculative", "jacobi"):
+            d.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
+                     accepted_fraction=self.accepted / self.drafted if self.drafted else None)
+        return d
+
+
+def ideal_speedup(alpha: float, block: int, s: float) -> float:
+    """The paper's ideal self-speculative speedup ((1 - a^(B+1)) / (1 - a)) / (B / s + 1):
+    expected tokens per round over the cost of B drafter steps (each 1/s of a sequential step)
+    plus one verifier step."""
+    per_round = block + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (block + 1)) / (1.0 - alpha)
+    return per_round / (block / s + 1.0)
+
+
+def speculative_report(spec: GenerateResult, seq: GenerateResult) -> dict:
+    """Measured vs ideal speedup of a speculative run over a sequential run of the same model:
+    s = sequential ms/token / drafter ms/step, both measured in this process."""
+    seq_ms = 1e3 * seq.decode_s / max(len(seq.tokens), 1)
+    s = seq_ms / spec.draft_ms_per_step if spec.draft_steps else float("nan")
+    a = spec.acceptance_rate
+    return {"plan": spec.plan, "block": spec.block, "alpha": a, "tokens_per_round": spec.tokens_per_round,
+            "drafter_speedup_s": s, "sequential_ms_per_token": seq_ms,
+            "speculative_ms_per_token": 1e3 * spec.decode_s / max(len(spec.tokens), 1),
+            "measured_speedup": spec.tokens_per_s / seq.tokens_per_s,
+            "ideal_speedup": ideal_speedup(a, spec.block, s) if a == a and s == s else float("nan")}
+
+
+# ----- shared pieces -----
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _prompt_list(model: GPT, prompt_ids) -> list[int]:
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt must be a list of ids or a (T,) / (1, T) tensor, got shape "
+                             f"{tuple(prompt_ids.shape)} (batched decoding is not supported)")
+        prompt_ids = prompt_ids.tolist()
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise ValueError("prompt must contain at least one token (e.g. the tokenizer's BOS id)")
+    V = model.config.vocab_size
+    if min(ids) < 0 or max(ids) >= V:
+        raise ValueError(f"prompt token ids must lie in [0, {V}), got range [{min(ids)}, {max(ids)}]")
+    return ids
+
+
+def _check_common(max_new_tokens: int, temperature: float, block: int | None = None) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, 0 = greedy (got {temperature})")
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"draft block size B must be an integer >= 1 (got {block!r})")
+
+
+def _as_plan(model: GPT, plan: Plan | str) -> Plan:
+    if plan is None:
+        raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    return plan.check(model.config.n_layer)
+
+
+class _Session:
+    """Prompt, cache and output bookkeeping shared by every mode. The cache always holds the exact
+    K/V of all tokens but the last one (`last`), which the next forward feeds."""
+
+    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+                 on_tokens: Callable[[list[int]], None] | None, mode: str):
+        self.model, self.device = model, model.wte.weight.device
+        self.prompt = _prompt_list(model, prompt_ids)
+        max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
+        if len(self.prompt) > max_len:
+            raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
+        self.cache = KVCache.for_model(model, batch=1, max_len=max_len)
+        self.budget = min(max_new_tokens, max_len - len(self.prompt))
+        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.out: list[int] = []
+        self.last = self.prompt[-1]
+        self.result = GenerateResult(tokens=self.out, mode=mode)
+        self.done = self.budget <= 0
+        self.result.stop = "max_new_tokens" if max_new_tokens <= max_len - len(self.prompt) else "max_len"
+
+    def ids(self, tokens: list[int]) -> Tensor:
+        return torch.tensor([tokens], dtype=torch.long, device=self.device)
+
+    def prefill(self, forward: Callable) -> None:
+        """Cache the prompt without its last token (that one starts the decode loop)."""
+        t0 = _now(self.device)
+        if len(self.prompt) > 1:
+            forward(self.ids(self.prompt[:-1]), self.cache)
+        self.result.prefill_s = _now(self.device) - t0
+        self.t0 = _now(self.device)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.out)
+
+    def emit(self, new: list[int]) -> None:
+        """Append new tokens, cut at EOS / the budget, stream them."""
+        new = new[: self.remaining]
+        if self.eos_id is not None and self.eos_id in new:
+            new = new[: new.index(self.eos_id) + 1]
+            self.done, self.result.stop = True, "eos"
+        self.out.extend(new)
+        self.last = new[-1]
+        if self.remaining <= 0:
+            self.done = True
+        if self.on_tokens is not None and new:
+            self.on_tokens(new)
+
+    def finish(self) -> GenerateResult:
+        self.result.decode_s = _now(self.device) - self.t0 if self.out else 0.0
+        return self.result
+
+
+def _pick(logits: Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """Next token from logits (V,): argmax at temperature 0, else a sample of softmax(logits / T)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+
+
+def _generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    return gen
+
+
+def _seq_forward(model: GPT) -> Callable:
+    return lambda idx, cache: model(idx, cache=cache)
+
+
+def _snlp_forward(model: GPT, plan: Plan) -> Callable:
+    w = chunk_weights(model, plan.prefix_len(model.config.n_layer), plan.chunks, plan.fuse)  # fused once per call
+    return lambda idx, cache: model.head(solve(model, idx, plan, check_finite=False, cache=cache, weights=w).hidden)
+
+
+# ----- autoregressive: sequential and SNLP -----
+def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed, max_len,
+                    on_tokens) -> GenerateResult:
+    _check_common(max_new_tokens, temperature)
+    with torch.inference_mode():
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode)
+        ses.result.plan = None if plan is None else str(plan)
+        gen = _generator(seed, ses.device) if temperature > 0 else None
+        ses.prefill(forward)
+        while not ses.done:
+            logits = forward(ses.ids([ses.last]), ses.cache)[0, -1]  # (V,)
+            ses.result.forwards += 1
+            ses.emit([_pick(logits, temperature, gen)])
+        return ses.finish()
+
+
+def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
+                        eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
+                        on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
+    """KV-cached sequential decoding (the reference). Greedy at temperature 0."""
+    return _autoregressive(model, prompt_ids, _seq_forward(model), "sequential", None, max_new_tokens,
+                           temperature, eos_id, seed, max_len, on_tokens)
+
+
+def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
+                  eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
+                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
+    """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
+    cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
+    model of `plan` decoded sequentially (the original model for M = 1)."""
+    plan = _as_plan(model, plan)
+    return _autoregressive(model, prompt_ids, _snlp_forward(model, plan), "snlp", plan, max_new_tokens,
+                           temperature, eos_id, seed, max_len, on_tokens)
+
+
+# ----- self-speculative decoding -----
+def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generator | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Speculative rejection sampling (Leviathan et al. 2023), vectorised over a leading dim N.
+
+    p (N, B+1, V) target probabilities at the B+1 verified positions, q (N, B, V) the drafter's,
+    drafts (N, B) tokens sampled from q. Draft i is accepted with probability min(1, p_i(d)/q_i(d));
+    at the first rejection n the next token is drawn from norm(max(0, p_n - q_n)), and if all B are
+    accepted from p_B. Returns n (N,) accepted drafts and the next token (N,): the emitted tokens
+    d_1..d_n, token are distributed exactly as sampling from p one token at a time."""
+    N, B1, V = p.shape
+    B = B1 - 1
+    pd = p[:, :B].gather(-1, drafts[..., None])[..., 0]  # (N, B)
+    qd = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(N, B, generator=gen, device=p.device, dtype=p.dtype)
+    ok = u * qd < pd  # u < p/q without dividing by a zero q
+    n = ok.long().cumprod(-1).sum(-1)  # (N,) leading accepts
+    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)  # q_B = 0: the bonus draws from p_B
+    rows = torch.arange(N, device=p.device)
+    resid = (p[rows, n] - q_pad[rows, n]).clamp_min(0)  # (N, V)
+    empty = resid.sum(-1, keepdim=True) <= 0  # p_n == q_n (cannot reject there), guard anyway
+    resid = torch.where(empty, p[rows, n], resid)
+    return n, torch.multinomial(resid, 1, generator=gen)[:, 0]
+
+
+def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
+                         temperature: float = 0.0, eos_id: int | None = None, seed: int | None = None,
+                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
+                         ) -> GenerateResult:
+    """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
+    (cached), the sequential model scores the B+1 positions in one cached forward, the longest
+    agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
+
+    Drafter and verifier share ONE KV cache: the verifier rewrites every verified position with exact
+    K/V, so the drafter always conditions on the exact history (snlp.cache). Greedy (temperature 0)
+    output equals `sequential_generate`; with temperature > 0 rejection sampling keeps the model's
+    distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
+    logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact)."""
+    _check_common(max_new_tokens, temperature, block)
+    plan = _as_plan(model, plan)
+    draft_fwd, verify_fwd = _snlp_forward(model, plan), _seq_forward(model)
+    greedy = temperature == 0
+    with torch.inference_mode():
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative")
+        res, cache, dev = ses.result, ses.cache, ses.device
+        res.plan, res.block = str(plan), block
+        gen = None if greedy else _generator(seed, dev)
+        ses.prefill(verify_fwd)
+        while not ses.done:
+            P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
+            t0 = _now(dev)
+            drafts, qs, x = [], [], ses.last
+            for _ in range(Bk):  # the drafter: SNLP decode steps, cached
+                logits = draft_fwd(ses.ids([x]), cache)[0, -1]
+                if greedy:
+                    x = int(logits.argmax())
+                else:
+                    qs.append(torch.softmax(logits.float() / temperature, -1))
+                    x = int(torch.multinomial(qs[-1], 1, generator=gen))
+                drafts.append(x)
+            t1 = _now(dev)
+            cache.rollback(P)  # verification rewrites positions P..P+Bk with exact K/V
+            logits = verify_fwd(ses.ids([ses.last] + drafts), cache)[0]  # (Bk+1, V)
+            if greedy:
+                target = logits.argmax(-1).tolist()
+                n = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
+                nxt = target[n]
+            else:
+                p = torch.softmax(logits.float() / temperature, -1)
+                q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
+                n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=dev).long(), gen)
+                n, nxt = int(n_t), int(nxt_t)
+            cache.rollback(P + n + 1)  # keep the exact K/V of `last` and the accepted drafts
+            res.draft_s += t1 - t0
+            res.verify_s += _now(dev) - t1
+            res.rounds += 1
+            res.draft_steps += Bk
+            res.drafted += Bk
+            res.accepted += n
+            res.examined += n + (n < Bk)
+            res.forwards += Bk + 1
+            ses.emit(drafts[:n] + [nxt])
+        return ses.finish()
+
+
+# ----- Jacobi decoding -----
+def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
+                    max_new_tokens: int = 64, eos_id: int | None = None, max_iters: int | None = None,
+                    max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
+                    ) -> GenerateResult:
+    """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens. Each
+    iteration feeds [last, g_1..g_B] in one cached forward and replaces the guesses by the argmax
+    predictions, until a fixed point or `max_iters` (default B+1, enough for an exact forward).
+
+    With `plan` every iteration is a fresh SNLP forward (the paper's naive composition) and the
+    final guesses are checked by one sequential forward (longest agreeing prefix + 1 token kept),
+    so the output equals sequential greedy decoding. Without a plan the Jacobi forwards are the
+    sequential model itself and the last iteration is the check."""
+    _check_common(max_new_tokens, 0.0, block)
+    plan = None if plan is None else _as_plan(model, plan)
+    if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 1):
+        raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
+    seq_fwd = _seq_forward(model)
+    jac_fwd = seq_fwd if plan is None else _snlp_forward(model, plan)
+    with torch.inference_mode():
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi")
+        res, cache, dev = ses.result, ses.cache, ses.device
+        res.plan, res.block = None if plan is None else str(plan), block
+        ses.prefill(seq_fwd)
+        carry: list[int] = []  # guesses left over from the previous block
+        while not ses.done:
+            P, Bk = cache.length, min(block, ses.remaining - 1)
+            g = (carry + [ses.last] * Bk)[:Bk]
+            t0 = _now(dev)
+            for it in range(max_iters or Bk + 1):
+                cache.rollback(P)
+                pred = jac_fwd(ses.ids([ses.last] + g), cache)[0].argmax(-1).tolist()  # (Bk+1,)
+                res.jacobi_iters += 1
+                converged = pred[:Bk] == g
+                if converged or it + 1 == (max_iters or Bk + 1):
+                    break
+                g = pred[:Bk]
+            t1 = _now(dev)
+            if plan is not None:  # sequential check of the SNLP-Jacobi fixed point
+                g = pred[:Bk]
+                cache.rollback(P)
+                pred = seq_fwd(ses.ids([ses.last] + g), cache)[0].argmax(-1).tolist()
+                res.forwards += 1
+            n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)
+            cache.rollback(P + n + 1)
+            carry = pred[n + 1:]
+            res.draft_s += t1 - t0
+            res.verify_s += _now(dev) - t1
+            res.rounds += 1
+            res.forwards += it + 1
+            res.draft_steps += it + 1
+            res.drafted += Bk
+            res.accepted += n
+            res.examined += n + (n < Bk)
+            ses.emit(g[:n] + [pred[n]])
+        return ses.finish()
+
+
+# ----- CLI -----
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint directory (snlp.checkpoint.save_checkpoint)")
+    p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
+    p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
+    p.add_argument("--block", type=int, default=4, help="draft block size B (speculative, jacobi)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="speculative mode: skip the sequential baseline run (no measured speedup / s)")
+    p.add_argument("--quiet", action="store_true", help="do not stream the text")
+    p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
+
+
+def run(args) -> int:
+    if args.mode not in MODES:
+        raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
+    if args.mode != "sequential" and args.plan is None and args.mode != "jacobi":
+        raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
+    if args.mode == "jacobi" and args.temperature != 0:
+        raise ValueError("--mode jacobi is greedy only: use --temperature 0")
+    _check_common(args.max_new_tokens, args.temperature, args.block)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    if not Path(args.ckpt).exists():
+        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from .checkpoint import load  # the checkpoint format belongs to the training module
+
+    model, tok = load(args.ckpt, device="cpu")
+    model = model.to(device).eval()
+    if tok is None:
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
+    prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+    plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=args.eos_id)
+
+    printed = [""]
+
+    def stream(_new: list[int]) -> None:  # decode everything so far: merges across tokens stay right
+        text = tok.decode(res_tokens)
+        sys.stdout.write(text[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = text
+
+    res_tokens: list[int] = []
+    on_tokens = None if args.quiet else (lambda new: (res_tokens.extend(new), stream(new)))
+    if not args.quiet:
+        sys.stdout.write(args.prompt)
+    baseline = None
+    if args.mode == "sequential":
+        res = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
+                                  **kw)
+    elif args.mode == "snlp":
+        res = snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
+                            **kw)
+    elif args.mode == "speculative":
+        if not args.no_baseline:  # the baseline for s and the measured speedup, same process
+            baseline = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, **kw)
+        res = speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
+                                   seed=args.seed, on_tokens=on_tokens, **kw)
+    else:
+        res = jacobi_generate(model, prompt, plan, block=args.block, on_tokens=on_tokens, **kw)
+    if not args.quiet:
+        sys.stdout.write("\n")
+    text = tok.decode(res.tokens)
+    stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
+            f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}"
+    record = {"tokens": res.tokens, "text": text, **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
+    if res.mode in ("speculative", "jacobi"):
+        stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
+    if baseline is not None:
+        rep = speculative_report(res, baseline)
+        record["report"] = rep
+        record["sequential_tokens_per_s"] = baseline.tokens_per_s
+        record["matches_sequential"] = baseline.tokens == res.tokens
+        stats += (f", s={rep['drafter_speedup_s']:.2f}, speedup measured {rep['measured_speedup']:.2f}x "
+                  f"vs ideal {rep['ideal_speedup']:.2f}x (sequential {baseline.tokens_per_s:.1f} tok/s)")
+    print(stats)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,112 @@
+"""SNLP-aware training regulariser (paper Sec. "SNLP-Aware Training", Eq. snlp-training-loss):
+
+    L = L_CE + lambda * sum_{N in S} sum_{l in T_N} ||h_hat_l(N, K=1; A) - h_l^seq||_2 / (||h_l^seq||_2 + eps)
+
+h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) with the
+surrogate A named by the Plan (idn today; hcn/diag plug in as further Plan surrogates). Norms are
+over the hidden dim; the ratio is averaged over batch and positions, computed in fp32.
+T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (always including L).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .plan import Plan
+from .solver import solve
+
+EPS = 1e-6
+
+
+@dataclass
+class RegConfig:
+    kind: str = "none"  # "none" or a Plan surrogate name ("idn"; later "hcn", "diag")
+    lam: float = 0.5
+    suffixes: tuple[int, ...] = (8,)
+    stride: int = 0
+    detach: bool = False
+    warmup: int = 0  # steps over which lambda ramps linearly from 0
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none" and self.lam > 0
+
+    def weight(self, step: int) -> float:
+        """lambda at optimizer step `step` (linear ramp over `warmup` steps)."""
+        if not self.active:
+            return 0.0
+        return self.lam * min(1.0, (step + 1) / self.warmup) if self.warmup > 0 else self.lam
+
+
+def parse_suffixes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(s) for s in str(text).split(",") if s.strip())
+    except ValueError as e:
+        raise ValueError(f"--reg-n must be comma-separated integers like 8,16,24, got {text!r}") from e
+    if not out or min(out) < 1:
+        raise ValueError(f"--reg-n needs suffix lengths >= 1, got {text!r}")
+    return out
+
+
+def resolve_suffixes(n_layer: int, suffixes) -> list[int]:
+    """Suffix lengths that fit: N >= L leaves no prefix, so it is clipped to L-1 (warned)."""
+    out = []
+    for n in suffixes:
+        if n >= n_layer:
+            warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}", stacklevel=2)
+            n = n_layer - 1
+        if n >= 1 and n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError(f"no regulariser suffix fits a {n_layer}-layer model (need 1 <= N < {n_layer})")
+    return out
+
+
+def supervised_layers(n_layer: int, n_suffix: int, stride: int) -> list[int]:
+    """T_N: layers l (h_l, 1-based, h_L = final) supervised for suffix length N, ascending."""
+    if stride < 0:
+        raise ValueError(f"--reg-stride must be >= 0, got {stride}")
+    S = n_layer - n_suffix
+    if stride == 0:
+        return [n_layer]
+    return sorted(range(n_layer, S, -stride))
+
+
+def snlp_states(model, idx: Tensor, n_suffix: int, surrogate: str = "idn") -> tuple[Tensor, int]:
+    """K=1 SNLP states (N, B, T, D) for the last `n_suffix` layers: [j] is h_hat_{S+j+1}."""
+    plan = Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
+    res = solve(model, idx, plan, keep_states=True, check_finite=False)
+    return res.states[1], model.config.n_layer - n_suffix
+
+
+def relative_error(h_hat: Tensor, h_seq: Tensor) -> Tensor:
+    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim, fp32."""
+    h_hat, h_seq = h_hat.float(), h_seq.float()
+    return ((h_hat - h_seq).norm(dim=-1) / (h_seq.norm(dim=-1) + EPS)).mean()
+
+
+def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor:
+    """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
+    the same forward that produced the CE loss (so the model is not run twice for the target)."""
+    L = model.config.n_layer
+    if len(trace) != L + 1:
+        raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
+    total = torch.zeros((), device=idx.device, dtype=torch.float32)
+    for N in resolve_suffixes(L, cfg.suffixes):
+        states, S = snlp_states(model, idx, N, cfg.kind)
+        for l in supervised_layers(L, N, cfg.stride):
+            target = trace[l].detach() if cfg.detach else trace[l]
+            total = total + relative_error(states[l - S - 1], target)
+    return total
+
+
+@torch.no_grad()
+def snlp_gap(model, idx: Tensor, n_suffix: int, surrogate: str = "idn") -> float:
+    """Measured K=1 SNLP-vs-sequential gap: relative error of the final state h_L."""
+    h_seq = model.hidden_states(idx)[-1]
+    states, _ = snlp_states(model, idx, n_suffix, surrogate)
+    return float(relative_error(states[-1], h_seq))

@@ -1,0 +1,104 @@
+"""Checkpoint and tokenizer round trips, and clear errors on corrupt / mismatched files."""
+
+import json
+
+import pytest
+import torch
+
+import snlp
+from snlp.checkpoint import load, load_training, save_checkpoint
+from snlp.model import GPT, GPTConfig
+from snlp.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+TEXT = ["To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20,
+        "def f(x):\n    return x + 1  # héllo ✓\n" * 20]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train(TEXT, vocab_size=300)
+
+
+def tiny():
+    m = GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=300, sequence_len=16))
+    m.init_weights(seed=0)
+    return m
+
+
+def test_tokenizer_roundtrip(tok, tmp_path):
+    assert tok.vocab_size == 300 and tok.bos_id == 0
+    for s in SPECIAL_TOKENS:
+        assert tok.token_id(s) < len(SPECIAL_TOKENS)
+    text = "Whether 'tis nobler ✓ 日本語\n\tx"
+    assert tok.decode(tok.encode(text)) == text
+    tok.save(tmp_path)
+    tok2 = Tokenizer.load(tmp_path)
+    assert tok2.encode(text) == tok.encode(text) and tok2.fingerprint() == tok.fingerprint()
+    with pytest.raises(ValueError, match="vocab_size"):
+        Tokenizer.train(TEXT, vocab_size=100)
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.load(tmp_path / "nope")
+
+
+def test_roundtrip_and_atomic_overwrite(tok, tmp_path):
+    m = tiny()
+    path = tmp_path / "ck"
+    assert snlp.save_checkpoint is save_checkpoint and snlp.load is load
+    save_checkpoint(path, m, tok)
+    (path / "log.jsonl").write_text("{}\n")
+    with torch.no_grad():
+        m.lm_head.weight.add_(1.0)
+    save_checkpoint(path, m, tok)  # overwrite: keeps foreign files, leaves no temp dirs
+    assert (path / "log.jsonl").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    m2, tok2 = load(path)
+    assert not m2.training and m2.config == m.config
+    for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert tok2.encode("to be") == tok.encode("to be")
+    x = torch.randint(0, 300, (1, 8))
+    torch.testing.assert_close(m2(x), m.eval()(x))
+    assert load(path / "model.safetensors")[0].config == m.config  # a file inside the dir also works
+    assert load_training(path) == (None, None)
+    save_checkpoint(tmp_path / "bare", m)  # no tokenizer
+    assert load(tmp_path / "bare")[1] is None
+
+
+def test_errors(tok, tmp_path):
+    m = tiny()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(tmp_path / "missing")
+    path = save_checkpoint(tmp_path / "ck", m, tok)
+    w = path / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load(path)
+    w.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load(path)
+    w.write_bytes(data)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "n_embd": 32, "n_head": 4}))
+    with pytest.raises(ValueError, match="do not match"):
+        load(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "bogus": 1}))
+    with pytest.raises(ValueError, match="unknown GPTConfig fields"):
+        load(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load(path)
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load(path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load(path)
+    (path / "tokenizer.json").unlink()
+    (path / "train_state.pt").write_bytes(b"\x80\x02junk")
+    with pytest.raises(ValueError, match="train_state.pt"):
+        load_training(path)
+    save_checkpoint(tmp_path / "big", GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=261)), tok)
+    with pytest.raises(ValueError, match="tokenizer belongs to another model"):
+        load(tmp_path / "big")

@@ -1,0 +1,108 @@
+"""Data sources, the document split, the token cache and batch determinism."""
+
+import itertools
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from snlp import data as D
+from snlp.tokenizer import Tokenizer
+
+
+def test_stdlib_default_needs_no_files():
+    docs = list(itertools.islice(D.documents("stdlib"), 5))
+    assert len(docs) == 5 and all(d.strip() for d in docs)
+    assert docs == list(itertools.islice(D.documents(None), 5))  # default, deterministic order
+    assert all("test" not in f.parts for f in D.stdlib_files()[:50])
+
+
+def test_local_files_folders_globs(tmp_path):
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph {i} " + "x" * 500 for i in range(30)))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("hello world")
+    rows = [{"text": "json doc one"}, {"text": "json doc two"}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    docs_a = list(D.documents(str(tmp_path / "a.txt")))
+    assert len(docs_a) > 2 and all(len(d) >= D.DOC_CHARS for d in docs_a[:-1])  # cut at blank lines
+    assert "".join(docs_a).count("paragraph") == 30
+    folder = list(D.documents(str(tmp_path)))
+    assert folder[:len(docs_a)] == docs_a and "json doc two" in folder and "hello world" in folder
+    assert list(D.documents(str(tmp_path / "*.jsonl"))) == ["json doc one", "json doc two"]
+    combo = list(D.documents(f"{tmp_path / 'c.jsonl'},{tmp_path / 'sub'}"))
+    assert combo == ["json doc one", "json doc two", "hello world"]
+    assert len(list(D.documents(str(tmp_path), max_chars=10))) == 1
+    k1 = D.source_key(str(tmp_path))
+    (tmp_path / "sub" / "b.md").write_text("hello world, changed")
+    assert D.source_key(str(tmp_path)) != k1  # keyed by file sizes/mtimes
+
+
+def test_text_field_and_parquet(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"content": "abc"}) + "\n")
+    with pytest.raises(ValueError, match="text field 'text'.*--text-field"):
+        list(D.documents(str(tmp_path / "d.jsonl")))
+    assert list(D.documents(str(tmp_path / "d.jsonl"), text_field="content")) == ["abc"]
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        list(D.documents(str(tmp_path / "bad.jsonl")))
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"body": ["p one", "p two"]}), tmp_path / "e.parquet")
+    assert list(D.documents(str(tmp_path / "e.parquet"), text_field="body")) == ["p one", "p two"]
+    with pytest.raises(ValueError, match="no text column 'text'"):
+        list(D.documents(str(tmp_path / "e.parquet")))
+
+
+def test_empty_and_unknown_sources(tmp_path):
+    with pytest.raises(ValueError, match="unknown data source .*nope"):
+        list(D.documents(str(tmp_path / "nope.txt")))
+    with pytest.raises(ValueError, match="glob .* matched no files"):
+        list(D.documents(str(tmp_path / "*.zzz")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no text files"):
+        list(D.documents(str(tmp_path / "empty")))
+    (tmp_path / "blank.txt").write_text("   \n\n  ")
+    with pytest.raises(ValueError, match="no non-empty documents"):
+        D.split_documents(list(D.documents(str(tmp_path / "blank.txt"))), 0.1)
+    with pytest.raises(ValueError, match="hf:NAME"):
+        list(D.documents("hf:"))
+
+
+def test_hf_source_without_datasets():
+    if "datasets" in sys.modules or _has("datasets"):
+        pytest.skip("datasets installed; offline behaviour tested elsewhere")
+    with pytest.raises(ValueError, match=r"pip install 'snlp\[hf\]'"):
+        list(D.documents("hf:roneneldan/TinyStories"))
+
+
+def _has(mod):
+    import importlib.util
+    return importlib.util.find_spec(mod) is not None
+
+
+def test_split_cache_and_batches(tmp_path):
+    docs = [f"document number {i} " * 20 for i in range(40)]
+    train, val = D.split_documents(docs, 0.1)
+    assert len(val) == 4 and len(train) == 36 and not set(train) & set(val)
+    assert D.split_documents(docs, 0.1) == (train, val)
+    tok = Tokenizer.train(docs, 300)
+    td = D.load_tokens(train, val, tok, "k", tmp_path)
+    assert td.train.dtype == np.uint16 and td.train[0] == tok.bos_id
+    assert int((np.asarray(td.val) == tok.bos_id).sum()) == 4  # bos before each document
+    assert tok.decode(np.asarray(td.val[1:20])).startswith("document number 9")
+    ptrain, _ = D.token_paths("k", tok, tmp_path)
+    mtime = ptrain.stat().st_mtime_ns
+    td2 = D.load_tokens([], [], tok, "k", tmp_path)  # cache hit: nothing re-tokenized
+    assert ptrain.stat().st_mtime_ns == mtime and np.array_equal(td2.train, td.train)
+    x, y = D.batch_at(td.train, 3, 16, 4, seed=0)
+    assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    x0, _ = D.batch_at(td.train, 3, 16, 2, seed=0, rank=0, world=2)
+    x1, _ = D.batch_at(td.train, 3, 16, 2, seed=0, rank=1, world=2)
+    assert torch.equal(torch.cat([x0, x1]), x)  # DDP ranks split the same global batch
+    assert not torch.equal(D.batch_at(td.train, 4, 16, 4, seed=0)[0], x)
+    vb = D.val_batches(td.val, 16, 2, 3)
+    assert 1 <= len(vb) <= 3 and vb[0][0].shape == (2, 16)
+    with pytest.raises(ValueError, match="--seq-len"):
+        D.batch_at(td.val[:10], 0, 16, 1, seed=0)

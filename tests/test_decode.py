@@ -1,0 +1,272 @@
+"""KV-cached decoding: cache == uncached forward (sequential and SNLP), rollback, self-speculative
+decoding (greedy exactness, rejection-sampling distribution), Jacobi decoding, bad arguments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import configs, make_model, tokens
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snlp import fused_forward, parallel_forward
+from snlp.cache import KVCache
+from snlp.generate import (GenerateResult, ideal_speedup, jacobi_generate, snlp_generate, speculative_accept,
+                           speculative_generate, speculative_report, sequential_generate)
+
+TOL = 1e-10  # float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding runs thousands of tiny ops: intra-op threads only add contention (10-50x slower on a
+    busy 2-core box), so these tests run single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _greedy_uncached(model, prompt, n, eos_id=None):
+    """Reference greedy decoding without any cache: full forward over the whole sequence per token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == eos_id:
+                break
+    return ids[len(prompt):]
+
+
+def _decode_in_pieces(forward, idx, cuts, cache):
+    """Feed idx (B, T) through `forward(piece, cache)` in pieces ending at `cuts`; concat logits."""
+    out, start = [], 0
+    for stop in list(cuts) + [idx.shape[1]]:
+        if stop > start:
+            out.append(forward(idx[:, start:stop], cache))
+            start = stop
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(x0_residual=False, value_embeds=False, window_pattern="L"),
+                                 dict(n_head=4, n_kv_head=2, window_pattern="SSL", short_window=2)])
+def test_cached_sequential_equals_uncached(cfg):
+    model = make_model(**cfg)
+    idx = tokens(model, B=2, T=11)
+    with torch.no_grad():
+        ref = model(idx)
+        cache = KVCache.for_model(model, batch=2, max_len=16)
+        got = _decode_in_pieces(lambda x, c: model(x, cache=c), idx, [4, 5, 6, 7, 9, 10], cache)
+    assert cache.length == 11
+    assert (got - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("plan", ["3xF1-h0-K3", "6xF1-h0-K6", "2xF2-h0-K2", "3xF2-fwd-K3", "2xF3-h0-K2-none",
+                                  "1xF4-h0-K1", "2xF1-h0-K4-order:reversed"])
+def test_cached_snlp_equals_fused_sequential(plan):
+    """SNLP decoding with K >= C converges to the fused model run sequentially (the original model
+    for M = 1), so prefill + multi-token + one-token cached steps must reproduce fused_forward."""
+    model = make_model(n_head=4, n_kv_head=2)
+    idx = tokens(model, B=2, T=10)
+    with torch.no_grad():
+        ref = fused_forward(model, idx, plan)
+        cache = KVCache.for_model(model, batch=2, max_len=12)
+        got = _decode_in_pieces(lambda x, c: parallel_forward(model, x, plan, cache=c), idx, [3, 6, 7, 8, 9], cache)
+    assert (got - ref).abs().max() < TOL
+
+
+def test_cached_snlp_with_few_iterations_differs_and_whole_prompt_matches_uncached():
+    """K < C: the one-shot cached solve of a whole prompt is the uncached solve (same computation).
+    Token-by-token cached decoding keeps only the last iteration's K/V of earlier positions: for
+    h0-K1 those are the ones every iteration used (all inputs are h_S), so it is still exact, while
+    for K = 2 it is a different (approximate) computation."""
+    model = make_model()
+    idx = tokens(model, B=1, T=8)
+    for plan, same in (("3xF1-h0-K1", True), ("3xF2-h0-K1", True), ("3xF1-h0-K2", False)):
+        with torch.no_grad():
+            ref = parallel_forward(model, idx, plan)
+            c = KVCache.for_model(model, max_len=8)
+            assert (parallel_forward(model, idx, plan, cache=c) - ref).abs().max() < TOL
+            c = KVCache.for_model(model, max_len=8)
+            step = _decode_in_pieces(lambda x, c: parallel_forward(model, x, plan, cache=c), idx, range(8), c)
+        assert ((step - ref).abs().max() < TOL) == same, plan
+    # K = 0 from h0 skips the suffix; its cache entries are those of the final (all h_S) inputs
+    with torch.no_grad():
+        ref0 = fused_forward(model, idx, "6xF1-h0-K0")  # not equal: fused_forward is exact, so compare to prefix
+        c = KVCache.for_model(model, max_len=8)
+        got0 = _decode_in_pieces(lambda x, c: parallel_forward(model, x, "6xF1-h0-K0", cache=c), idx, [5], c)
+        hS = model.head(model.embed(idx).x0)
+    assert (got0 - hS).abs().max() < TOL and (ref0 - hS).abs().max() > 1e-3
+
+
+def test_cache_rollback_restores_exactly():
+    model = make_model()
+    idx = tokens(model, B=1, T=9)
+    junk = tokens(model, B=1, T=4, seed=5)
+    with torch.no_grad():
+        ref = model(idx)
+        c = KVCache.for_model(model, max_len=12)
+        a = model(idx[:, :5], cache=c)
+        parallel_forward(model, junk, "3xF2-h0-K1", cache=c)  # drafter scribbles past position 5
+        assert c.length == 9
+        c.rollback(5)
+        b = model(idx[:, 5:], cache=c)
+    assert (torch.cat([a, b], 1) - ref).abs().max() < TOL
+    with pytest.raises(ValueError, match="roll a KV cache back"):
+        c.rollback(10)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(min_layers=2, max_layers=6), data=st.data())
+def test_speculative_greedy_equals_sequential(cfg, data):
+    model = make_model(seed=data.draw(st.integers(0, 99)), vocab_size=13, **cfg)
+    L = model.config.n_layer
+    fuse = data.draw(st.integers(1, L))
+    chunks = data.draw(st.integers(1, L // fuse))
+    plan = f"{chunks}xF{fuse}-{data.draw(st.sampled_from(['h0', 'fwd']))}-K{data.draw(st.integers(0, 2))}"
+    prompt = data.draw(st.lists(st.integers(0, 12), min_size=1, max_size=6))
+    block = data.draw(st.integers(1, 6))
+    n = data.draw(st.integers(0, 14))
+    eos = data.draw(st.sampled_from([None, 3, 7]))
+    max_len = data.draw(st.sampled_from([None, len(prompt), len(prompt) + 3]))
+    ref = sequential_generate(model, prompt, max_new_tokens=n, eos_id=eos, max_len=max_len)
+    spec = speculative_generate(model, prompt, plan, block=block, max_new_tokens=n, eos_id=eos, max_len=max_len)
+    jac = jacobi_generate(model, prompt, plan, block=block, max_new_tokens=n, eos_id=eos, max_len=max_len)
+    assert spec.tokens == ref.tokens == jac.tokens
+    budget = min(n, (max_len or 99) - len(prompt))
+    assert ref.tokens == _greedy_uncached(model, prompt, budget, eos)
+    if eos is not None and eos in ref.tokens:
+        assert ref.tokens[-1] == eos and ref.tokens.count(eos) == 1 and spec.stop == "eos"
+    else:
+        assert len(ref.tokens) == budget
+    if spec.rounds:
+        assert spec.tokens_per_round <= block + 1 and spec.accepted <= spec.examined <= spec.drafted
+
+
+def test_speculative_exact_drafter_accepts_everything():
+    """A K >= C drafter of an unfused plan is the sequential model: alpha = 1, B+1 tokens/round."""
+    model = make_model()
+    ref = sequential_generate(model, [1, 2, 3], max_new_tokens=20)
+    spec = speculative_generate(model, [1, 2, 3], "3xF1-h0-K3", block=4, max_new_tokens=20)
+    assert spec.tokens == ref.tokens
+    assert spec.acceptance_rate == 1.0 and spec.rounds == 4 and spec.tokens_per_round == 5.0
+    assert spec.forwards == 4 * 5  # 4 rounds of 4 drafter steps + 1 verifier forward
+    rep = speculative_report(spec, ref)
+    assert rep["alpha"] == 1.0 and rep["drafter_speedup_s"] > 0 and rep["measured_speedup"] > 0
+
+
+def test_jacobi_sequential_model_and_snlp_plans_match_greedy():
+    model = make_model(n_layer=4)
+    prompt = [5, 9, 2, 40]
+    ref = _greedy_uncached(model, prompt, 17)
+    for plan in (None, "4xF1-h0-K1", "2xF2-h0-K1", "4xF1-h0-K4"):
+        for block in (1, 3, 8):
+            res = jacobi_generate(model, prompt, plan, block=block, max_new_tokens=17)
+            assert res.tokens == ref, (plan, block)
+            assert res.jacobi_iters >= res.rounds and res.tokens_per_round <= block + 1
+    # exact Jacobi (no plan) converges on a fixed point: every round accepts its whole block
+    res = jacobi_generate(model, prompt, None, block=4, max_new_tokens=15)
+    assert res.acceptance_rate == 1.0 and res.rounds == 3
+
+
+def test_snlp_generate_matches_fused_greedy():
+    """Pure SNLP decoding with K >= C is the fused model's greedy decoding."""
+    model = make_model()
+    prompt, plan = [3, 1, 4, 1, 5], "3xF2-h0-K3"
+    got = snlp_generate(model, prompt, plan, max_new_tokens=12).tokens
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(fused_forward(model, torch.tensor([ids]), plan)[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+def test_rejection_sampling_reproduces_target_distribution():
+    """Leviathan et al.: the first emitted token is distributed as p_0 whatever the drafter q is."""
+    gen = torch.Generator().manual_seed(0)
+    V, B, N = 5, 3, 200_000
+    p = torch.softmax(torch.randn(B + 1, V, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(B, V, generator=gen) * 1.5, -1)
+    q[0, 2] = 0.0  # the drafter never proposes token 2: only the residual can produce it
+    q = q / q.sum(-1, keepdim=True)
+    drafts = torch.multinomial(q, N, replacement=True, generator=gen).t()  # (N, B)
+    n, nxt = speculative_accept(p.expand(N, -1, -1), q.expand(N, -1, -1), drafts, gen)
+    first = torch.where(n > 0, drafts[:, 0], nxt)
+    freq = torch.bincount(first, minlength=V).double() / N
+    assert (freq - p[0].double()).abs().max() < 4 * math.sqrt(0.25 / N)  # 4 sigma
+    # second token, given the first draft was accepted, is distributed as p_1
+    sel = n > 0
+    second = torch.where(n[sel] > 1, drafts[sel, 1], nxt[sel])
+    freq2 = torch.bincount(second, minlength=V).double() / int(sel.sum())
+    assert (freq2 - p[1].double()).abs().max() < 4 * math.sqrt(0.25 / int(sel.sum()))
+    # acceptance of draft 1 happens with probability sum_v min(p, q)
+    acc = (n > 0).double().mean()
+    assert abs(acc - torch.minimum(p[0], q[0]).sum()) < 4 * math.sqrt(0.25 / N)
+
+
+def test_speculative_sampling_matches_model_distribution():
+    """End to end on a tiny vocabulary: the joint law of the first two sampled tokens of
+    speculative decoding equals the model's p(t1) p(t2 | t1), with a poor drafter (K = 0)."""
+    model = make_model(vocab_size=4, scale=0.6)
+    prompt, T = [1, 2, 0], 1.0
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt]))[0, -1] / T, -1)
+        seqs = torch.tensor([prompt + [a] for a in range(4)])
+        p2 = torch.softmax(model(seqs)[:, -1] / T, -1)
+    exact = (p1[:, None] * p2).flatten()  # (16,)
+    N = 1500
+    counts = torch.zeros(16)
+    for seed in range(N):
+        t = speculative_generate(model, prompt, "3xF2-h0-K0", block=2, max_new_tokens=2, temperature=T,
+                                 seed=seed).tokens
+        counts[t[0] * 4 + t[1]] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum()
+    assert tv < 0.06, tv
+    # sequential sampling with the same seed is reproducible
+    a = sequential_generate(model, prompt, max_new_tokens=5, temperature=T, seed=3).tokens
+    assert a == sequential_generate(model, prompt, max_new_tokens=5, temperature=T, seed=3).tokens
+
+
+def test_ideal_speedup_formula():
+    assert ideal_speedup(1.0, 4, 2.0) == pytest.approx(5 / 3)
+    assert ideal_speedup(0.914, 4, 2.63) == pytest.approx(1.670, abs=2e-3)  # paper, tab:ssd_results
+    assert ideal_speedup(0.0, 4, 1.0) == pytest.approx(0.2)
+
+
+def test_bad_arguments():
+    model = make_model()
+    with pytest.raises(ValueError, match="block size"):
+        speculative_generate(model, [1, 2], "3xF1-h0-K1", block=0)
+    with pytest.raises(ValueError, match="block size"):
+        jacobi_generate(model, [1, 2], None, block=-1)
+    with pytest.raises(ValueError, match="longer than the KV cache"):
+        sequential_generate(model, [1, 2, 3, 4], max_new_tokens=3, max_len=3)
+    with pytest.raises(ValueError, match="at least one token"):
+        sequential_generate(model, [], max_new_tokens=3)
+    with pytest.raises(ValueError, match="token ids"):
+        sequential_generate(model, [1, 999], max_new_tokens=3)
+    with pytest.raises(ValueError, match="temperature"):
+        sequential_generate(model, [1], temperature=-1.0)
+    with pytest.raises(ValueError, match="needs a suffix"):
+        speculative_generate(model, [1], "7xF1-h0-K1")
+    with pytest.raises(ValueError, match="needs an SNLP plan"):
+        snlp_generate(model, [1], None)
+    c = KVCache.for_model(model, batch=1, max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="overflow"):
+        model(tokens(model, B=1, T=5), cache=c)
+    with torch.no_grad(), pytest.raises(ValueError, match="batch"):
+        model(tokens(model, B=2, T=2), cache=c)
+    with pytest.raises(ValueError, match="max_len"):
+        KVCache.for_model(model, max_len=0)
+    from snlp.cli import main
+    assert main(["generate", "nowhere", "--mode", "beam"]) == 2
+    assert main(["generate", "nowhere", "--mode", "speculative"]) == 2  # needs --plan
+
+
+def test_generate_result_stats():
+    r = GenerateResult(tokens=[1, 2, 3, 4], mode="speculative", decode_s=2.0, rounds=2, accepted=2, examined=3,
+                       drafted=4, draft_steps=4, draft_s=0.4, block=2)
+    assert r.tokens_per_s == 2.0 and r.tokens_per_round == 2.0 and r.acceptance_rate == pytest.approx(2 / 3)
+    assert r.to_dict()["accepted_fraction"] == 0.5 and r.draft_ms_per_step == pytest.approx(100.0)

@@ -1,0 +1,96 @@
+"""`snlp generate` on a real checkpoint (save_checkpoint + a tokenizer trained on a small text) in
+every mode, and `snlp bench --decode`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_model
+
+from snlp.checkpoint import save_checkpoint
+from snlp.cli import main
+from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+        "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    return save_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", model, tokenizer=tok)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _gen(ckpt, tmp_path, *extra):
+    out = tmp_path / "g.json"
+    rc = main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "24", "--json", str(out),
+               *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential")
+    assert len(seq["tokens"]) == 24 and seq["tokens_per_s"] > 0 and isinstance(seq["text"], str)
+    out = capsys.readouterr().out
+    assert out.startswith("First Citizen:") and seq["text"] in out and "tok/s" in out.splitlines()[-2]
+
+    spec = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF2-h0-K1", "--block", "3")
+    assert spec["tokens"] == seq["tokens"] and spec["text"] == seq["text"] and spec["matches_sequential"]
+    assert 0 <= spec["acceptance_rate"] <= 1 and 1 <= spec["tokens_per_round"] <= 4
+    rep = spec["report"]
+    assert rep["drafter_speedup_s"] > 0 and rep["measured_speedup"] > 0 and rep["ideal_speedup"] > 0
+    assert "alpha=" in capsys.readouterr().out
+
+    snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
+    assert snlp["tokens"] == seq["tokens"]
+    jac = _gen(ckpt, tmp_path, "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--block", "4")
+    assert jac["tokens"] == seq["tokens"] and jac["tokens_per_round"] >= 1
+
+    sampled = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF2-h0-K1", "--temperature", "0.8",
+                   "--seed", "1", "--no-baseline", "--quiet")
+    again = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF2-h0-K1", "--temperature", "0.8",
+                 "--seed", "1", "--no-baseline", "--quiet")
+    assert sampled["tokens"] == again["tokens"] and len(sampled["tokens"]) == 24
+
+
+def test_generate_bad_arguments(ckpt, capsys):
+    assert main(["generate", str(ckpt), "--mode", "nope"]) == 2
+    assert "unknown mode 'nope'" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--mode", "speculative", "--plan", "2xF1-h0-K1", "--block", "0"]) == 2
+    assert "block size" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--mode", "snlp", "--plan", "9xF1-h0-K1"]) == 2
+    assert "needs a suffix" in capsys.readouterr().err
+    assert main(["generate", str(ckpt) + "-missing"]) == 2
+
+
+def test_bench_decode(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    rc = main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97",
+               "--plans", "2xF1-h0-K1,1xF2-h0-K1", "--blocks", "2,3", "--new-tokens", "8", "--prompt-len", "4",
+               "--warmup", "0", "--runs", "1", "--json", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [(r["mode"], r["plan"], r["block"]) for r in recs] == [
+        ("sequential", "sequential", None), ("snlp", "2xF1-h0-K1", None), ("snlp", "1xF2-h0-K1", None),
+        ("speculative", "2xF1-h0-K1", 2), ("speculative", "2xF1-h0-K1", 3),
+        ("speculative", "1xF2-h0-K1", 2), ("speculative", "1xF2-h0-K1", 3)]
+    for r in recs:
+        assert r["ms_per_token"] > 0
+        if r["mode"] == "speculative":
+            assert r["matches_sequential"]
+            assert {"alpha", "tokens_per_round", "drafter_speedup_s", "ideal_speedup"} <= r.keys()
+    assert "speculative" in capsys.readouterr().out
+    assert main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--blocks", "0"]) == 2
