@@ -7,16 +7,14 @@ over sequential and the ideal speedup L / (S + K*evals + [fwd init]) so the gap 
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
+from .cli import device_label, write_json
 from .fusion import chunk_weights
 from .solver import parallel_forward, solve
 
@@ -221,16 +219,12 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     records = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
                                args.seed)
     cfg = model.config
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    where = device_label(device)
     print_decode_table(records, f"cached greedy decode: L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} "
                                 f"prompt={args.prompt_len} new={args.new_tokens} {dtype} on {where}, "
                                 f"median of {args.runs} runs")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=2))
-        print(f"wrote {path}")
+        write_json(args.json, records)
     return 0
 
 
@@ -249,13 +243,9 @@ def run(args) -> int:
     records = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
                         compile=args.compile, seed=args.seed)
     cfg = model.config
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    where = device_label(device)
     print_table(records, f"L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} T={args.tokens} B={args.batch} "
                          f"{dtype} on {where}, median of {args.runs} runs")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=2))
-        print(f"wrote {path}")
+        write_json(args.json, records)
     return 0

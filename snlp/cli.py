@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import platform
 import sys
+from pathlib import Path
 
 # sub-command -> module
 COMMANDS = {
@@ -13,6 +16,23 @@ COMMANDS = {
     "generate": "snlp.generate",
     "train": "snlp.train",
 }
+
+
+def write_json(path, obj) -> None:
+    """Write a command's machine-readable results (creating parent folders) and say where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))
+    print(f"wrote {path}")
+
+
+def device_label(device) -> str:
+    """What a benchmark ran on, for table titles: the GPU name or the CPU and its thread count."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,6 @@ Modes (all share one static KV cache, snlp.cache.KVCache):
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
+from .cli import write_json
 from .model import GPT
 from .plan import Plan
 from .fusion import chunk_weights
@@ -481,8 +481,5 @@ def run(args) -> int:
                   f"vs ideal {rep['ideal_speedup']:.2f}x (sequential {baseline.tokens_per_s:.1f} tok/s)")
     print(stats)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2))
-        print(f"wrote {path}")
+        write_json(args.json, record)
     return 0

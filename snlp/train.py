@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import data as D
-from .checkpoint import load, load_training, save_checkpoint, unwrap
+from .checkpoint import load, load_training, save_checkpoint
 from .model import GPT, GPTConfig
 from .regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_gap, snlp_loss
 from .tokenizer import Tokenizer
@@ -369,7 +369,7 @@ def _train(args, rank, world, device, master, out) -> int:
         last_eval = evaluate(model, vb, device, autocast, gap_suffixes)
         log({"step": 0, **last_eval})
         if master:
-            _write(bar, f"step 0: " + _fmt(last_eval))
+            _write(bar, "step 0: " + _fmt(last_eval))
     stop_after = args.stop_after
     while not progress.done() and not (stop_after is not None and step >= stop_after):
         lam = reg.weight(step)
