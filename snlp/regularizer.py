@@ -76,10 +76,13 @@ def supervised_layers(n_layer: int, n_suffix: int, stride: int) -> list[int]:
     return sorted(range(n_layer, S, -stride))
 
 
-def snlp_states(model, idx: Tensor, n_suffix: int, surrogate: str = "idn") -> tuple[Tensor, int]:
-    """K=1 SNLP states (N, B, T, D) for the last `n_suffix` layers: [j] is h_hat_{S+j+1}."""
+def snlp_states(model, idx: Tensor, n_suffix: int, surrogate: str = "idn",
+                trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
+    """K=1 SNLP states (N, B, T, D) for the last `n_suffix` layers: [j] is h_hat_{S+j+1}. With the
+    sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
     plan = Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
-    res = solve(model, idx, plan, keep_states=True, check_finite=False)
+    prefix = None if trace is None else trace[model.config.n_layer - n_suffix]
+    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix)
     return res.states[1], model.config.n_layer - n_suffix
 
 
@@ -97,7 +100,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for N in resolve_suffixes(L, cfg.suffixes):
-        states, S = snlp_states(model, idx, N, cfg.kind)
+        states, S = snlp_states(model, idx, N, cfg.kind, trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target)
@@ -107,6 +110,6 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
 @torch.no_grad()
 def snlp_gap(model, idx: Tensor, n_suffix: int, surrogate: str = "idn") -> float:
     """Measured K=1 SNLP-vs-sequential gap: relative error of the final state h_L."""
-    h_seq = model.hidden_states(idx)[-1]
-    states, _ = snlp_states(model, idx, n_suffix, surrogate)
-    return float(relative_error(states[-1], h_seq))
+    trace = model.hidden_states(idx)
+    states, _ = snlp_states(model, idx, n_suffix, surrogate, trace)
+    return float(relative_error(states[-1], trace[-1]))

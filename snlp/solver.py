@@ -78,7 +78,8 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
 
 
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
-          check_finite: bool = True, cache=None, weights: ChunkWeights | None = None) -> SolveResult:
+          check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
+          prefix: Tensor | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -86,11 +87,13 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     prefix layers read/write the cache exactly; every suffix branch attends over the cached K/V
     of earlier positions plus the new tokens' K/V computed from its current input estimate, so
     the K/V left in the cache are those of the inputs the last iteration used. The cache then
-    advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile."""
+    advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile.
+    `prefix` is an already computed h_S (B, T, D) for idx, e.g. from the training forward's trace,
+    so the prefix layers are not run twice."""
     plan = _as_plan(model, plan)
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     ctx = model.embed(idx, cache)
-    hS = model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
+    hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
     h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
     if plan.init == "fwd":

@@ -260,3 +260,16 @@ def test_bad_inputs_raise_clear_errors(idx, msg):
     for fn in (model, lambda i: parallel_forward(model, i, "2xF1")):
         with pytest.raises(ValueError, match=msg):
             fn(idx)
+
+
+def test_a_given_prefix_state_replaces_the_prefix_run():
+    """solve(prefix=h_S) (the training trace's h_S) gives the same states as running the prefix."""
+    model = make_model(seed=7)
+    idx = tokens(model)
+    with torch.no_grad():
+        trace = model.hidden_states(idx)
+        ran = solve(model, idx, "4xF1-h0-K2", keep_states=True)
+        given = solve(model, idx, "4xF1-h0-K2", keep_states=True, prefix=trace[2])
+    torch.testing.assert_close(given.prefix, ran.prefix, rtol=0, atol=0)
+    for a, b in zip(given.states, ran.states):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
