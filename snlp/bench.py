@@ -2,7 +2,10 @@
 
 Teacher-forced forward over T tokens at batch B. Every callable is warmed up, then timed
 round-robin (one call of each per round, so drift hits all alike); we report medians, the speedup
-over sequential and the ideal speedup L / (S + K*evals + [fwd init]) so the gap is visible.
+over sequential and the ideal speedup L / (S + K*evals + [fwd init]) so the gap is visible; the
+`iters` column is the iterations each plan ran (fewer than K when its `tol` stopped it).
+`--decode` times KV-cached decoding; `--ops` the per-layer cost of forward, FD, JVP and VJP (the
+DiagN probe primitives) at each of `--tokens 1,16,...`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .cli import device_label, write_json
 from .fusion import chunk_weights
-from .solver import parallel_forward, solve
+from .solver import solve
 
 
 def add_arguments(p) -> None:
@@ -30,9 +33,13 @@ def add_arguments(p) -> None:
     src.add_argument("--window-pattern", default="L", help="sliding-window pattern, e.g. SSSL (default L)")
     src.add_argument("--no-x0", action="store_true", help="disable the x0 residual")
     src.add_argument("--no-ve", action="store_true", help="disable value embeddings")
+    src.add_argument("--hc-streams", type=int, default=0, help="mHC with this many residual streams (0 = plain; "
+                     "turns the x0 residual off); plans may then use the hcn surrogate")
+    src.add_argument("--hc-static", action="store_true", help="static mHC (constant H) instead of dynamic")
     src.add_argument("--ckpt", default=None, help="benchmark a checkpoint directory instead of random weights")
     p.add_argument("--plans", default="1xF12-h0-K1,12xF1-h0-K1", help="comma-separated plans")
-    p.add_argument("--tokens", "-T", type=int, default=1, help="tokens per forward (teacher-forced)")
+    p.add_argument("--tokens", "-T", type=_token_counts, default="1",
+                   help="tokens per forward (teacher-forced); with --ops a comma list, e.g. 1,16,32,64,128")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--runs", type=int, default=30)
@@ -51,6 +58,21 @@ def add_arguments(p) -> None:
     dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
     dec.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (decode ops are tiny: 1 is often best)")
+    ops = p.add_argument_group("single-layer op benchmark (--ops)")
+    ops.add_argument("--ops", action="store_true",
+                     help="time forward, FD, JVP and VJP of ONE layer (the DiagN probe primitives) at each --tokens, "
+                          "batch 1, with their ratio to forward (paper Table diag_ops_bench)")
+    ops.add_argument("--layer", type=int, default=None, help="layer for --ops (default: the middle layer L // 2)")
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in str(text).split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--tokens must be an integer or a comma list like 1,16,32, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--tokens must be >= 1, got {text!r}")
+    return counts
 
 
 def build_model(args) -> GPT:
@@ -60,8 +82,9 @@ def build_model(args) -> GPT:
         return load(args.ckpt, device="cpu")[0]
     cfg = GPTConfig.from_depth(args.depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
                                width=args.width, n_kv_head=args.kv_heads, vocab_size=args.vocab_size,
-                               window_pattern=args.window_pattern, x0_residual=not args.no_x0,
-                               value_embeds=not args.no_ve)
+                               window_pattern=args.window_pattern, x0_residual=False if args.no_x0 else None,
+                               value_embeds=not args.no_ve, hc_streams=getattr(args, "hc_streams", 0),
+                               hc_dynamic=not getattr(args, "hc_static", False))
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     model.init_weights(seed=args.seed)
@@ -106,9 +129,10 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         w = chunk_weights(model, plan.prefix_len(L), plan.chunks, plan.fuse)
         fwd[str(plan)] = (lambda p, w: lambda: model.head(solve(model, idx, p, check_finite=False, weights=w).hidden)
                           )(plan, w)
+    iters = {}  # iterations each plan ran (< K when its `tol` stopped it early; same idx every run)
     with torch.inference_mode():
         for name, plan in zip(list(fwd)[1:], plans):  # once with the NaN/inf check, before timing
-            parallel_forward(model, idx, plan)
+            iters[name] = solve(model, idx, plan).iters
         if compile:  # the plan callables share one code object: allow one compiled graph per plan
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fwd) + 1)
             fwd = {name: torch.compile(fn) for name, fn in fwd.items()}
@@ -120,7 +144,7 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         plan = None if name == "sequential" else Plan.parse(name)
         records.append({
             "plan": name, "median_ms": med, "speedup": base / med,
-            "ideal_speedup": 1.0 if plan is None else plan.ideal_speedup(L),
+            "ideal_speedup": 1.0 if plan is None else plan.ideal_speedup(L), "iters": iters.get(name),
             "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts), "tokens": tokens, "batch": batch,
             "n_layer": L, "prefix": L if plan is None else plan.prefix_len(L), "device": str(device),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,
@@ -133,10 +157,11 @@ def print_table(records: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("plan", "S", "median ms", "speedup", "ideal", "min ms", "max ms"):
+    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal", "min ms", "max ms"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for r in records:
-        table.add_row(r["plan"], str(r["prefix"]), f"{r['median_ms']:.3f}", f"{r['speedup']:.2f}x",
+        its = "-" if r.get("iters") is None else str(r["iters"])  # iterations run (tol may stop before K)
+        table.add_row(r["plan"], str(r["prefix"]), its, f"{r['median_ms']:.3f}", f"{r['speedup']:.2f}x",
                       f"{r['ideal_speedup']:.2f}x", f"{r['min_ms']:.3f}", f"{r['max_ms']:.3f}")
     Console().print(table)
 
@@ -229,6 +254,12 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
 
 
 def run(args) -> int:
+    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    if args.ops:
+        return run_ops(args, counts)
+    if len(counts) != 1:
+        raise ValueError(f"--tokens takes one value (a comma list only with --ops), got {','.join(map(str, counts))}")
+    args.tokens = counts[0]
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
@@ -246,6 +277,94 @@ def run(args) -> int:
     where = device_label(device)
     print_table(records, f"L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} T={args.tokens} B={args.batch} "
                          f"{dtype} on {where}, median of {args.runs} runs")
+    if args.json:
+        write_json(args.json, records)
+    return 0
+
+
+# ----------------------------------------------------------------- single-layer op benchmark (--ops)
+OPS = ("forward", "fd", "jvp", "vjp")
+
+
+def op_benchmark(model: GPT, tokens: tuple[int, ...] = (1, 16, 32, 64, 128), layer: int | None = None,
+                 warmup: int = 5, runs: int = 30, seed: int = 0, eps: float = 1e-3) -> list[dict]:
+    """Per-layer cost of the DiagN probe primitives (paper Table diag_ops_bench) for ONE layer: a
+    C = 1, M = 1 chunk at `layer` (default L // 2) via chunk_forward, batch 1, input = the real
+    hidden state entering that layer. The timed callables are the solver's own code
+    (snlp.surrogates.probe_products, one Rademacher probe):
+      forward  f(x)
+      fd       f(x) AND f(x + s v), then (f(x + s v) - f(x)) / s: two evaluations, like the paper's
+               ~2x column. In the solver f(x) is already computed, so DiagN-FD adds only `fd_extra`
+               (one evaluation + the difference), also recorded.
+      jvp      torch.func.jvp: f(x) and J v in one forward-mode pass (math SDPA: no forward AD for
+               the fused kernels)
+      vjp      f(x) with autograd, then J^T v by one backward
+    Timed under torch.no_grad() (VJP enables grad locally), warm-up + round-robin, medians."""
+    from .surrogates import chunk_probe_map, probe_products, rademacher
+
+    L = model.config.n_layer
+    layer = L // 2 if layer is None else layer
+    if not 0 <= layer < L:
+        raise ValueError(f"--layer must lie in [0, {L - 1}] for a {L}-layer model (got {layer})")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    model.eval()
+    records = []
+    for T in tokens:
+        idx = torch.randint(0, model.config.vocab_size, (1, T), generator=gen).to(device)
+        with torch.no_grad():
+            ctx = model.embed(idx)
+            x = model.run_layers(ctx.x0, ctx, 0, layer)[None]  # (C=1, B=1, T, ..., D): the layer's real input
+            w = chunk_weights(model, layer, 1, 1)
+            f = chunk_probe_map(w, ctx)  # probe-stacked (P, C, B, T, ..., D) map, as in the solver
+            v = rademacher((1, *x.shape), x, torch.Generator(device).manual_seed(seed))
+            fx = f(x[None])[0]
+            fns = {"forward": lambda: f(x[None]),
+                   "fd": lambda: probe_products(f, x, v, "fd", eps),
+                   "jvp": lambda: probe_products(f, x, v, "jvp"),
+                   "vjp": lambda: probe_products(f, x, v, "vjp"),
+                   "fd_extra": lambda: probe_products(f, x, v, "fd", eps, fx=fx)}
+            times = time_round_robin(fns, warmup, runs, device)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        rec = {"tokens": T, "layer": layer, "batch": 1, "runs": runs, "n_layer": L, "n_embd": model.config.n_embd,
+               "device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+        for name, ms in med.items():
+            rec[f"{name}_ms"] = ms
+            rec[f"{name}_ratio"] = ms / med["forward"]
+        records.append(rec)
+    return records
+
+
+def print_ops_table(records: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("T", "Forward (ms)", "FD (ms)", "JVP (ms)", "VJP (ms)", "FD extra (ms)"):
+        table.add_column(col, justify="right")
+    cell = lambda r, op: f"{r[op + '_ms']:.3f} ({r[op + '_ratio']:.2f}x)"  # noqa: E731
+    for r in records:
+        table.add_row(str(r["tokens"]), f"{r['forward_ms']:.3f}", cell(r, "fd"), cell(r, "jvp"), cell(r, "vjp"),
+                      cell(r, "fd_extra"))
+    Console(width=140).print(table)
+
+
+def run_ops(args, counts: tuple[int, ...]) -> int:
+    if args.runs < 1 or args.warmup < 0:
+        raise ValueError("--runs must be >= 1 and --warmup >= 0")
+    if args.threads is not None:  # --threads (decode group) applies here too
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model = build_model(args).to(device=device, dtype=getattr(torch, dtype))
+    records = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
+    cfg = model.config
+    print_ops_table(records, f"single-layer ops: layer {records[0]['layer']} of L={cfg.n_layer} D={cfg.n_embd} "
+                             f"heads={cfg.n_head} B=1 {dtype} on {device_label(device)}, median of {args.runs} runs")
     if args.json:
         write_json(args.json, records)
     return 0

@@ -13,7 +13,9 @@ from pathlib import Path
 # sub-command -> module
 COMMANDS = {
     "bench": "snlp.bench",
+    "eval": "snlp.eval",
     "generate": "snlp.generate",
+    "speedrun": "snlp.speedrun",
     "train": "snlp.train",
 }
 

@@ -23,6 +23,32 @@ Value embeddings inside a chunk: each layer that has them keeps its own table an
 reads the shared norm(x_C). Layers without them get a zero embedding (so their gate is inert),
 which keeps the whole chunk one batched op. Sliding windows: every branch keeps its own window
 through a per-branch attention mask (the reference code drops windows; we do not).
+
+mHC chunks (GPTConfig.hc_streams = n; states (C, B, T, n, D)). Layer l's sublayers are
+x' = R x + p (x) F(norm(q . x)) with R = H_res, q = H_pre, p = H_post (see snlp.model). A chunk
+keeps the two-stage shape of the plain fused layer, with stream mixing in place of "+":
+
+    stage A (attention):  u = P_A x + sum_l G_{a,l} p_{a,l} (x) Attn_l(norm(q_{a,l} . x)),   H's from x
+    stage M (MLP):        F = P_M u + sum_l G_{m,l} p_{m,l} (x) MLP_l(norm(q_{m,l} . u)),    H's from u
+
+with P_A = R_{a,M} ... R_{a,1} and G_{a,l} = R_{a,M} ... R_{a,l+1} (likewise for M): the later
+residual mixes of the same stage that multiply branch l's output are folded into its H_post, like
+the gamma folding of the x0 residual above. Why this definition:
+  - for M = 1 it is exactly the sequential mHC layer (tests/test_mhc.py), as the plain fused layer is;
+  - it is the plain fused layer's recipe (all attention branches read the chunk input, all MLP
+    branches read the aggregate post-attention state) with each "+ branch" replaced by the mHC
+    sublayer; with n = 1 it is the plain fused layer up to the scalar branch scales;
+  - its residual path is P_M P_A, the product of the same 2M H_res the sequential chunk multiplies,
+    grouped by stage instead of interleaved (equal whenever they commute, e.g. n = 1 or H_res = I);
+  - that path's Jacobian, A = P_M P_A (n x n, at the current iterate; for M = 1 H_res,mlp H_res,attn,
+    paper Eq. hcn-A), is the chunk-level HCN surrogate: the structured part of the Jacobian of the
+    very map the solver iterates (the fused model it converges to), and `chunk_forward(..., mix=True)`
+    gets it for free from the H's the forward computes anyway;
+  - it stays two batched stages; only tiny n x n products are extra.
+Dynamic H are computed from the stage input (x, resp. u) at the current iterate, for all M
+sublayers with one batched matmul; static H (parameters only) are folded once per weight set.
+Every branch reads its own input (q . x), so the projections run batched over the C*M branches
+(bmm over (C*M, B*T, D)); only the tiny n x n products loop over M inside `_hc_fold`.
 """
 
 from __future__ import annotations
@@ -34,9 +60,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import GPT, VE_GATE_CHANNELS, Context, attend, norm, rope
+from .model import GPT, VE_GATE_CHANNELS, Context, attend, hc_gate, hc_maps, norm, rope
 
 CACHE_SIZE = 4  # fused weight sets kept per model (each is a copy of the suffix weights)
+
+
+@dataclass
+class HCWeights:
+    """Stacked mHC coefficients of C chunks of M layers, per stage (0 = attention, 1 = MLP sublayers).
+    Dynamic: logits = bias + gate * (norm(vec(x)) @ phi). Static: the folded (P, H_pre, coef) per stage."""
+
+    n: int
+    bias: tuple[Tensor, Tensor]  # (C, M, n*n + 2n) logits bias per stage
+    phi: tuple[Tensor, Tensor] | None  # (C, n*D, M*(n*n + 2n)) dynamic projections, the M sublayers side by side
+    gate: tuple[Tensor, Tensor] | None  # (C, M, n*n + 2n) dynamic gates (alpha per logit)
+    fixed: tuple[tuple[Tensor, Tensor, Tensor], ...] | None  # static: per stage (P (C,n,n), pre (C,M,n), coef (C,M,n))
+
+    def take(self, c: int) -> "HCWeights":
+        sl = lambda ts: None if ts is None else tuple(t[c:c + 1] for t in ts)  # noqa: E731
+        return replace(self, bias=sl(self.bias), phi=sl(self.phi), gate=sl(self.gate),
+                       fixed=None if self.fixed is None else tuple(sl(f) for f in self.fixed))
 
 
 @dataclass
@@ -57,6 +100,8 @@ class ChunkWeights:
     ve_gate: Tensor | None  # (C, G, M*Hkv)  zero for layers without value embeddings
     ve_slot: Tensor | None  # (C*M,) slot in the padded value-embedding stack (n_ve = zero pad)
     windows: Tensor | None  # (C, 1, M) left context per branch, None when all are full
+    hc: HCWeights | None = None  # mHC coefficients; then qkv (C, M, D, (Hq+2Hkv)*hd), attn_out (C, M, Hq*hd, D),
+    #                              fc (C, M, D, F), proj (C, M, F, D), ve_gate (C, M, G, Hkv): per branch, no gamma
 
     @property
     def chunks(self) -> int:
@@ -69,7 +114,7 @@ class ChunkWeights:
         return replace(self, start=self.start + c * M, qkv=take(self.qkv), attn_out=take(self.attn_out),
                        fc=take(self.fc), proj=take(self.proj), alpha=take(self.alpha), beta=take(self.beta),
                        ve_gate=take(self.ve_gate), ve_slot=take(self.ve_slot, slice(c * M, (c + 1) * M)),
-                       windows=take(self.windows))
+                       windows=take(self.windows), hc=None if self.hc is None else self.hc.take(c))
 
 
 def _exclusive_suffix_prod(x: Tensor) -> Tensor:
@@ -99,16 +144,25 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
     D, Fh = cfg.n_embd, fc.shape[-1]
 
     ve_gate = ve_slot = None
+    hc = cfg.hc_streams > 0
     if any(b.attn.ve_gate is not None for b in blocks):
         G, Hkv = min(VE_GATE_CHANNELS, D), cfg.n_kv_head
         zero = qkv.new_zeros(G, Hkv)
         ve_gate = torch.stack([b.attn.ve_gate.weight.t() if b.attn.ve_gate is not None else zero for b in blocks])
-        ve_gate = ve_gate.view(C, M, G, Hkv).permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
+        ve_gate = ve_gate.view(C, M, G, Hkv)
+        if not hc:
+            ve_gate = ve_gate.permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
         n_ve = model.value_embeds.shape[0]
         ve_slot = torch.tensor([model.ve_slot[l] if model.ve_slot[l] >= 0 else n_ve
                                 for l in range(start, start + N)], device=qkv.device)
     windows = [cfg.window(l) for l in range(start, start + N)]
     win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, 1, M)
+    if hc:  # every branch reads its own input: weights stay per branch, batched over C*M in the forward
+        return ChunkWeights(
+            start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
+            qkv=qkv.transpose(1, 2).reshape(C, M, D, -1).contiguous(), attn_out=attn_out.reshape(C, M, -1, D),
+            fc=fc.view(C, M, D, Fh), proj=proj.reshape(C, M, Fh, D), alpha=None, beta=None, ve_gate=ve_gate,
+            ve_slot=ve_slot, windows=win, hc=_hc_weights(blocks, C, M, cfg.hc_streams))
     return ChunkWeights(
         start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
         qkv=qkv.view(C, M * qkv.shape[1], D).transpose(1, 2).contiguous(),
@@ -116,6 +170,37 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         fc=fc.view(C, M, D, Fh).permute(0, 2, 1, 3).reshape(C, D, M * Fh).contiguous(),
         proj=proj.reshape(C, M * Fh, D).contiguous(),
         alpha=alpha, beta=beta, ve_gate=ve_gate, ve_slot=ve_slot, windows=win)
+
+
+def _hc_fold(res: Tensor, post: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold a stage's M sublayers: res (..., M, n, n), post (..., M, n) -> the residual path
+    P = R_M ... R_1 (..., n, n) and each branch's output coefficient G_l p_l = R_M ... R_{l+1} p_l (..., M, n)."""
+    M = res.shape[-3]
+    G, coefs = None, [None] * M
+    with torch.autocast(res.device.type, enabled=False):  # n x n products in the H's dtype, also under autocast
+        for m in reversed(range(M)):  # M is the (small) number of layers per chunk, never the chunk count
+            p = post[..., m, :]
+            coefs[m] = p if G is None else (G @ p.unsqueeze(-1)).squeeze(-1)
+            G = res[..., m, :, :] if G is None else G @ res[..., m, :, :]
+    return G, torch.stack(coefs, -2)
+
+
+def _hc_weights(blocks, C: int, M: int, n: int) -> HCWeights:
+    k = n * (n + 2)
+    stages = [[b.hc_attn for b in blocks], [b.hc_mlp for b in blocks]]
+    bias = tuple(torch.stack([h.bias for h in st]).view(C, M, k) for st in stages)
+    if blocks[0].hc_attn.phi is None:  # static: fold the parameter-only H once per weight set
+        fixed = []
+        for b in bias:
+            res, pre, post = hc_maps(b, n, b.dtype)
+            P, coef = _hc_fold(res, post)
+            fixed.append((P, pre, coef))
+        return HCWeights(n=n, bias=bias, phi=None, gate=None, fixed=tuple(fixed))
+    nD = blocks[0].hc_attn.phi.shape[0]
+    phi = tuple(torch.stack([h.phi for h in st]).view(C, M, nD, k).permute(0, 2, 1, 3).reshape(C, nD, M * k)
+                for st in stages)
+    gate = tuple(torch.stack([hc_gate(h.alpha, n) for h in st]).view(C, M, k) for st in stages)
+    return HCWeights(n=n, bias=bias, phi=phi, gate=gate, fixed=None)
 
 
 def _suffix_params(model: GPT, start: int, stop: int) -> list[Tensor]:
@@ -158,13 +243,20 @@ def _padded_ve(ctx: Context) -> Tensor:
     return ctx.extra["ve_pad"]
 
 
-def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None) -> Tensor:
-    """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D).
+def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: bool = False):
+    """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D);
+    mHC: (C, B, T, n, D) -> (C, B, T, n, D), and with `mix` (the HCN surrogate) also the chunks'
+    residual-path stream matrices A = P_M P_A (C, B, T, n, n) at these inputs: returns (out, A).
 
     With a KV `cache` (decoding, snlp.cache.KVCache) the T tokens sit at positions ctx.start..:
     each branch writes the K/V it computes from its chunk input into its layer's slot and attends
     over the cached positions before them, still one batched op for all chunks. It does not
     advance the cache (the caller does, once the whole forward is done)."""
+    if w.hc is not None:
+        return _hc_chunk_forward(w, h, ctx, cache, mix)
+    if mix:
+        raise ValueError("chunk_forward(mix=True) returns the mHC stream-mixing matrices (HCN surrogate), "
+                         "but this model has a plain residual stream (GPTConfig.hc_streams = 0)")
     C, B, T, D = h.shape
     M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
     x = h if w.alpha is None else w.alpha.view(C, 1, 1, 1) * h + w.beta.view(C, 1, 1, 1) * ctx.x0
@@ -206,3 +298,75 @@ def _cached_attend(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, start: int,
     y = attend(branch_first(q, Hq), kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd), win,
                q_start=start)  # (C, M, B, Hq, T, hd)
     return y.permute(0, 2, 4, 1, 3, 5)
+
+
+# ----------------------------------------------------------------- mHC chunks (see the module docstring)
+def _hc_stage(hw: HCWeights, s: int, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Stage s's (P (C,B,T,n,n), H_pre (C,B,T,M,n), coef (C,B,T,M,n)) for stage input z (C,B,T,n,D);
+    static mHC gives the folded constants with singleton B, T dims."""
+    if hw.fixed is not None:
+        return tuple(t[:, None, None] for t in hw.fixed[s])
+    C, B, T, n, D = z.shape
+    M, k = hw.bias[s].shape[1:]
+    dyn = torch.bmm(norm(z.reshape(C, B * T, n * D)), hw.phi[s]).view(C, B, T, M, k)  # all M sublayers at once
+    res, pre, post = hc_maps(hw.bias[s][:, None, None] + hw.gate[s][:, None, None] * dyn, n, z.dtype)
+    P, coef = _hc_fold(res, post)
+    return P, pre, coef
+
+
+def _hc_branch_inputs(pre: Tensor, z: Tensor) -> Tensor:
+    """norm(H_pre z) of every branch: pre (C,B,T,M,n), z (C,B,T,n,D) -> (C*M, B*T, D), branch-major."""
+    C, B, T, n, D = z.shape
+    xn = norm(pre @ z)  # (C, B, T, M, D)
+    return xn.permute(0, 3, 1, 2, 4).reshape(-1, B * T, D)
+
+
+def _hc_branch_sum(coef: Tensor, y: Tensor) -> Tensor:
+    """sum_m coef_m (x) y_m: coef (C,B,T,M,n), branch outputs y (C,M,B,T,D) -> (C,B,T,n,D) in coef's dtype."""
+    return coef.transpose(-1, -2) @ y.permute(0, 2, 3, 1, 4).to(coef.dtype)  # caller disables autocast
+
+
+def _hc_attention(w: ChunkWeights, xn: Tensor, ctx: Context, cache, B: int, T: int) -> Tensor:
+    """All C*M attention branches on their own normed inputs xn (C*M, B*T, D) -> outputs (C, M, B, T, D)."""
+    CM, _, D = xn.shape
+    M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
+    C = CM // M
+    qkv = torch.bmm(xn, w.qkv.view(CM, D, -1)).view(C, M, B, T, Hq + 2 * Hkv, hd)
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=4)  # (C, M, B, T, H*, hd)
+    if w.ve_slot is not None:
+        ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
+        G = w.ve_gate.shape[2]
+        gate = 2 * torch.sigmoid(torch.bmm(xn[..., :G], w.ve_gate.view(CM, G, Hkv)))
+        v = v + gate.view(C, M, B, T, Hkv, 1) * ve
+    q = norm(rope(q, ctx.cos, ctx.sin)).transpose(-3, -2)  # QK-norm after RoPE; (C, M, B, H, T, hd)
+    k = norm(rope(k, ctx.cos, ctx.sin)).transpose(-3, -2)
+    v = v.transpose(-3, -2)
+    win = -1 if w.windows is None else w.windows.view(C, M, 1)  # per-branch windows, leading dims (C, M, B)
+    if cache is not None:  # branch m of chunk c owns layer start + c*M + m's slot (see snlp.cache)
+        kc, vc = cache.write(slice(w.start, w.start + CM), k.reshape(CM, B, Hkv, T, hd),
+                             v.reshape(CM, B, Hkv, T, hd), ctx.start)
+        S = kc.shape[-2]
+        k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
+    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0)  # (C, M, B, Hq, T, hd)
+    y = y.transpose(-3, -2).reshape(CM, B * T, Hq * hd)
+    return torch.bmm(y, w.attn_out.view(CM, Hq * hd, D)).view(C, M, B, T, D)
+
+
+def _hc_chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache, mix: bool):
+    """The fused mHC chunk (module docstring) for all C chunks: h (C, B, T, n, D) -> (C, B, T, n, D)."""
+    C, B, T, n, D = h.shape
+    M = w.fuse
+    no_autocast = torch.autocast(h.device.type, enabled=False)  # stream mixing stays in h's dtype
+    P_a, pre_a, coef_a = _hc_stage(w.hc, 0, h)
+    y = _hc_attention(w, _hc_branch_inputs(pre_a, h), ctx, cache, B, T)
+    with no_autocast:
+        u = P_a @ h + _hc_branch_sum(coef_a, y)
+    P_m, pre_m, coef_m = _hc_stage(w.hc, 1, u)
+    Fh = w.fc.shape[-1]
+    hid = F.relu(torch.bmm(_hc_branch_inputs(pre_m, u), w.fc.view(C * M, D, Fh))).square()  # (C*M, B*T, F)
+    y = torch.bmm(hid, w.proj.view(C * M, Fh, D)).view(C, M, B, T, D)
+    with no_autocast:
+        out = P_m @ u + _hc_branch_sum(coef_m, y)
+        if not mix:
+            return out
+        return out, (P_m @ P_a).expand(C, B, T, n, n)

@@ -8,6 +8,21 @@ The hidden state h_l is the output of block l, h_0 = norm(wte(idx)) = x0. Layer 
     f_l(h) = Block_l(lam_resid[l] * h + lam_x0[l] * x0)        (x0 residual on)
     f_l(h) = Block_l(h)                                         (x0 residual off)
 which is the layer map G_l(h) = h_l - f_l(h_{l-1}) of the paper's Eq. (residual).
+
+mHC (GPTConfig.hc_streams = n >= 1; manifold-constrained hyper-connections, Xie et al. 2025, after
+Zhu et al.'s hyper-connections; paper App. "Connection to Hyper-Connections and mHC"): the hidden
+state is n residual streams, h_l (B, T, n, D). h_0 copies the normed embedding to every stream
+(expand) and `head` sums the streams (reduce) before the final norm. Each attention and MLP
+sublayer of every block is wrapped as
+    x' = H_res x + H_post (x) F(norm(H_pre x))
+with H_res (n x n) = Sinkhorn-Knopp(exp(logits)) (doubly stochastic, HC_SINKHORN_ITERS rounds in
+log space, in at least fp32), H_pre = sigmoid(logits) (1 x n), H_post = 2 sigmoid(logits) (n x 1).
+Static mHC (hc_dynamic=False): the logits are learned biases. Dynamic (default): logits = bias +
+alpha (.) (norm(vec(x)) @ phi), alpha (one gate each for res/pre/post) zero at init, so the model
+starts static. Init: H_res ~ I, H_pre favours stream l mod n (breaks the symmetry between the
+copied streams), H_post = 1; with the zero output projections every block starts as the identity
+on identical streams, so the initial model computes what the plain one does. The x0 residual is
+off with mHC (x0_residual=None picks it automatically; explicitly asking for both is an error).
 """
 
 from __future__ import annotations
@@ -21,6 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the normed input (nanochat)
+HC_SINKHORN_ITERS = 20  # Sinkhorn-Knopp rounds for H_res (mHC paper: 20)
+HC_RES_INIT = 4.0  # H_res logits at init: 0 on the diagonal, -HC_RES_INIT off it (H_res ~ I)
+HC_PRE_INIT = 2.0  # H_pre logits at init: +2 for stream (layer mod n), -2 for the others
 
 
 @dataclass
@@ -36,10 +54,12 @@ class GPTConfig:
     mlp_ratio: int = 4
     window_pattern: str = "L"  # tiled over layers: L = full causal, S = sliding window of short_window
     short_window: int = 0  # 0 -> sequence_len // 2 (nanochat)
-    x0_residual: bool = True
+    x0_residual: bool | None = None  # None -> on for the plain model, off with mHC
     value_embeds: bool = True
     softcap: float = 15.0
     rope_base: float = 10000.0
+    hc_streams: int = 0  # 0 = plain residual stream; n >= 1 = mHC with n streams
+    hc_dynamic: bool = True  # mHC: input-dependent H (dynamic) or learned constants (static)
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -61,9 +81,17 @@ class GPTConfig:
             errors.append(f"short_window must be >= 0 (got {self.short_window})")
         if self.softcap < 0:
             errors.append(f"softcap must be >= 0, 0 disables it (got {self.softcap})")
+        if not isinstance(self.hc_streams, int) or self.hc_streams < 0:
+            errors.append(f"hc_streams must be an integer >= 0, 0 = no mHC (got {self.hc_streams!r})")
+        elif self.hc_streams > 0 and self.x0_residual:
+            errors.append(f"the x0 residual cannot be combined with mHC (hc_streams={self.hc_streams}): pass "
+                          f"x0_residual=False or leave it None (off automatically with mHC)")
         if errors:
             raise ValueError("invalid GPTConfig: " + "; ".join(errors))
         self.window_pattern = self.window_pattern.upper()
+        if self.x0_residual is None:
+            self.x0_residual = self.hc_streams == 0
+        self.x0_residual, self.hc_dynamic = bool(self.x0_residual), bool(self.hc_dynamic)
 
     @classmethod
     def from_depth(cls, depth: int, aspect_ratio: int = 64, head_dim: int = 128, width: int | None = None,
@@ -172,6 +200,66 @@ class Attention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def sinkhorn(logits: Tensor, iters: int = HC_SINKHORN_ITERS) -> Tensor:
+    """Sinkhorn-Knopp projection of exp(logits) (..., n, n) onto the doubly stochastic matrices:
+    `iters` rounds of row then column normalisation, in at least fp32 (fp64 stays fp64). Columns
+    sum to 1 exactly, rows up to the convergence error. Each row is shifted by its max before exp
+    and entries are floored at 1e-30, so extreme logits neither overflow nor leave an all-zero
+    row/column (NaN); plain sums and divisions (not log space) keep it to 4 small ops per round."""
+    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    m = (lg - lg.amax(-1, keepdim=True)).exp().clamp_min(1e-30)
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def hc_gate(alpha: Tensor, n: int) -> Tensor:
+    """Per-logit gate (..., n*n + 2n) from the three dynamic-mHC gates alpha (..., 3) = (res, pre, post)."""
+    return torch.cat([alpha[..., 0:1].expand(*alpha.shape[:-1], n * n), alpha[..., 1:2].expand(*alpha.shape[:-1], n),
+                      alpha[..., 2:3].expand(*alpha.shape[:-1], n)], -1)
+
+
+def hc_maps(logits: Tensor, n: int, dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """mHC logits (..., n*n + 2n) = [res | pre | post] -> H_res (..., n, n) doubly stochastic,
+    H_pre (..., n) in (0, 1), H_post (..., n) in (0, 2); computed in at least fp32, returned in `dtype`."""
+    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    res = sinkhorn(lg[..., : n * n].unflatten(-1, (n, n)))
+    pre, post = torch.sigmoid(lg[..., n * n: n * n + n]), 2 * torch.sigmoid(lg[..., n * n + n:])
+    return res.to(dtype), pre.to(dtype), post.to(dtype)
+
+
+class HyperConn(nn.Module):
+    """The mHC coefficients of one sublayer: bias (n*n + 2n) and, dynamic, phi (n*D, n*n + 2n) and
+    gates alpha (3,). forward(x (..., n, D)) -> (H_res, H_pre, H_post), see `hc_maps`; static H
+    have no leading dims (they broadcast)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        n, k = cfg.hc_streams, cfg.hc_streams * (cfg.hc_streams + 2)
+        self.n = n
+        self.bias = nn.Parameter(torch.zeros(k))
+        self.phi = nn.Parameter(torch.zeros(n * cfg.n_embd, k)) if cfg.hc_dynamic else None
+        self.alpha = nn.Parameter(torch.zeros(3)) if cfg.hc_dynamic else None
+
+    def logits(self, x: Tensor) -> Tensor:
+        if self.phi is None:
+            return self.bias
+        return self.bias + hc_gate(self.alpha, self.n) * (norm(x.flatten(-2)) @ self.phi)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return hc_maps(self.logits(x), self.n, x.dtype)
+
+
+def hc_sublayer(hc: HyperConn, x: Tensor, branch) -> Tensor:
+    """One mHC sublayer on streams x (..., n, D): H_res x + H_post (x) branch(norm(H_pre x))."""
+    res, pre, post = hc(x)
+    y = branch(norm((pre.unsqueeze(-2) @ x).squeeze(-2)))  # (..., D)
+    with torch.autocast(x.device.type, enabled=False):  # the streams stay in x's dtype (fp32 under autocast)
+        mixed = res @ x
+    return mixed + post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -183,21 +271,28 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)). With mHC each sublayer is
+    wrapped by its HyperConn (`hc_sublayer`) and x holds the streams (..., n, D)."""
 
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         self.attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
+        self.hc_attn = HyperConn(cfg) if cfg.hc_streams else None
+        self.hc_mlp = HyperConn(cfg) if cfg.hc_streams else None
 
     def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
+        if self.hc_attn is not None:
+            x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start))
+            return hc_sublayer(self.hc_mlp, x, self.mlp)
         x = x + self.attn(norm(x), ve, cos, sin, cache, start)
         return x + self.mlp(norm(x))
 
 
 @dataclass
 class Context:
-    """Per-forward inputs shared by every layer: x0 (B,T,D), value embeddings (n_ve,B,T,kv_dim)
+    """Per-forward inputs shared by every layer: x0 (B,T,D) = h_0 (with mHC (B,T,n,D): the normed
+    embedding copied to every stream), value embeddings (n_ve,B,T,kv_dim)
     or None, and RoPE tables (T,1,hd/2). With a KV cache (decoding) the tokens sit at absolute
     positions start..start+T-1 and every layer reads/writes `cache` (snlp.cache.KVCache)."""
 
@@ -239,7 +334,8 @@ class GPT(nn.Module):
     def init_weights(self, seed: int | None = None):
         """All initialisation in one place (nanochat): N(0,1) embeddings, tiny lm_head, uniform
         input projections with bound sqrt(3/D), zero output projections (each block starts as the
-        identity), resid scalars 1 and x0 scalars 0.1."""
+        identity), resid scalars 1 and x0 scalars 0.1. mHC: see the module docstring (H_res ~ I,
+        H_pre favours stream l mod n, H_post = 1, phi uniform with bound sqrt(3/(nD)), gates 0)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         cfg = self.config
         s = math.sqrt(3.0 / cfg.n_embd)
@@ -261,6 +357,17 @@ class GPT(nn.Module):
             self.x0_lambdas.fill_(0.1)
         if hasattr(self, "value_embeds"):
             uniform_(self.value_embeds, s)
+        n = cfg.hc_streams
+        for l, block in enumerate(self.blocks if n else []):
+            for hc in (block.hc_attn, block.hc_mlp):
+                res = torch.full((n, n), -HC_RES_INIT)
+                res.fill_diagonal_(0.0)
+                pre = torch.full((n,), -HC_PRE_INIT)
+                pre[l % n] = HC_PRE_INIT
+                hc.bias.copy_(torch.cat([res.flatten(), pre, torch.zeros(n)]))
+                if hc.phi is not None:
+                    uniform_(hc.phi, math.sqrt(3.0 / (n * cfg.n_embd)))
+                    hc.alpha.zero_()
 
     # ----- pieces shared by the sequential and the parallel forward -----
     def check_tokens(self, idx: Tensor) -> None:
@@ -295,6 +402,8 @@ class GPT(nn.Module):
             cache.check(idx.shape[0], idx.shape[1])
             start = cache.length
         x0 = norm(self.wte(idx))
+        if self.config.hc_streams:  # mHC expand: h_0 = the embedding copied to every stream
+            x0 = x0.unsqueeze(-2).expand(*x0.shape[:-1], self.config.hc_streams, x0.shape[-1])
         ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
         cos, sin = self.rotary(idx.shape[1], start)
         return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache)
@@ -310,7 +419,10 @@ class GPT(nn.Module):
         return self.blocks[l](h, ve, ctx.cos, ctx.sin)
 
     def head(self, h: Tensor) -> Tensor:
-        """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32."""
+        """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32. With mHC,
+        h_L (B,T,n,D) is first reduced by summing the streams."""
+        if self.config.hc_streams:
+            h = h.sum(-2)
         logits = self.lm_head(norm(h)).float()
         c = self.config.softcap
         return c * torch.tanh(logits / c) if c > 0 else logits
@@ -324,7 +436,7 @@ class GPT(nn.Module):
         return h
 
     def hidden_states(self, idx: Tensor) -> list[Tensor]:
-        """Sequential trace [h_0, h_1, ..., h_L], each (B,T,D)."""
+        """Sequential trace [h_0, h_1, ..., h_L], each (B,T,D) ((B,T,n,D) with mHC)."""
         ctx = self.embed(idx)
         trace = [ctx.x0]
         self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)

@@ -1,9 +1,15 @@
-"""SNLP execution plans: `CxFM-init-KK[-surrogate][-elk:a][-order:...]`.
+"""SNLP execution plans: `CxFM-init-KK[-surrogate][-probes:P][-eps:e][-subset:i.j][-tol:t][-elk:a][-order:...]`.
 
 `12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
 chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
 suffix states initialised from the prefix state h_S (`h0`) or from one batched forward
 (`fwd`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+
+Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the chunk's H_res
+product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
+`eps`), optionally only on the chunks in `subset` (the others use A = I); `newton` the exact
+Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
+maximum: iterating stops once the relative update of the final state drops below t.
 """
 
 from __future__ import annotations
@@ -11,19 +17,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-SURROGATES = ("idn", "none")  # A = I (Identity Newton) / A = 0 (Jacobi, no correction)
+SURROGATES = ("idn", "none", "hcn", "diag", "newton")
+ESTIMATORS = ("fd", "jvp", "vjp")  # how DiagN estimates diag(J): finite difference, forward AD, reverse AD
 INITS = ("h0", "fwd")
-GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-" + "|-".join(SURROGATES)
-           + "][-elk:<a in [0,1)>][-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
-           + ", e.g. 12xF2-h0-K1 or 8xF1-fwd-K2-none")
+GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
+           "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
+           "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
+           ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
 _HEAD = re.compile(r"^(\d+)xF(\d+)$")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K), `surrogate`,
-    ELK damping `elk` (the correction is scaled by 1 - elk) and the correction `order`
-    (a permutation of chunk indices; None = forward, the paper's default)."""
+    """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K; the maximum when
+    `tol` > 0), `surrogate`, the DiagN `estimator`/`probes`/`eps`/`subset` (chunk indices with a
+    diagonal estimate; None = all), ELK damping `elk` (the correction is scaled by 1 - elk) and the
+    correction `order` (a permutation of chunk indices; None = forward, the paper's default)."""
 
     chunks: int
     fuse: int = 1
@@ -32,6 +41,11 @@ class Plan:
     surrogate: str = "idn"
     elk: float = 0.0
     order: tuple[int, ...] | None = None
+    estimator: str = "fd"
+    probes: int = 1
+    eps: float = 1e-3
+    subset: tuple[int, ...] | None = None
+    tol: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -55,9 +69,27 @@ class Plan:
                 object.__setattr__(self, "order", None)  # forward is the canonical default
             else:
                 object.__setattr__(self, "order", tuple(int(i) for i in self.order))
+        if self.estimator not in ESTIMATORS:
+            problems.append(f"unknown DiagN estimator {self.estimator!r}: valid estimators are {', '.join(ESTIMATORS)}")
+        if not isinstance(self.probes, int) or self.probes < 1:
+            problems.append(f"probes must be an integer >= 1 (got {self.probes!r})")
+        if not float(self.eps) > 0:
+            problems.append(f"FD step eps must be > 0 (got {self.eps})")
+        if not float(self.tol) >= 0:
+            problems.append(f"tol must be >= 0, 0 = fixed K (got {self.tol})")
+        if self.surrogate != "diag" and (self.estimator, self.probes, float(self.eps), self.subset) != ("fd", 1, 1e-3, None):
+            problems.append(f"estimator/probes/eps/subset only apply to the diag surrogate (surrogate is {self.surrogate})")
+        if self.subset is not None and isinstance(self.chunks, int):
+            if not self.subset or len(set(self.subset)) != len(self.subset) or not all(
+                    0 <= int(i) < self.chunks for i in self.subset):
+                problems.append(f"subset must list distinct chunk indices in 0..{self.chunks - 1} "
+                                f"(got {'.'.join(map(str, self.subset))})")
+            else:
+                object.__setattr__(self, "subset", tuple(sorted(int(i) for i in self.subset)))
         if problems:
             raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
-        object.__setattr__(self, "elk", float(self.elk))
+        for name in ("elk", "eps", "tol"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     # ----- derived quantities -----
     @property
@@ -82,7 +114,13 @@ class Plan:
 
     @property
     def evals_per_iter(self) -> int:
-        """Batched suffix evaluations on the critical path per iteration."""
+        """Suffix evaluations on the critical path per iteration, in batched-forward units: DiagN
+        adds one batched probe evaluation per probe (FD f(x+eps v), a JVP or a VJP; their real costs
+        are in `snlp bench --ops`); exact Newton adds C sequential chunk JVPs."""
+        if self.surrogate == "diag":
+            return 1 + self.probes
+        if self.surrogate == "newton":
+            return 1 + self.chunks
         return 1
 
     def ideal_speedup(self, n_layer: int) -> float:
@@ -104,8 +142,18 @@ class Plan:
     # ----- string form -----
     def __str__(self) -> str:
         s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}"
-        if self.surrogate != "idn":
+        if self.surrogate == "diag":
+            s += f"-diag:{self.estimator}"
+            if self.probes != 1:
+                s += f"-probes:{self.probes}"
+            if self.eps != 1e-3:
+                s += f"-eps:{self.eps:g}"
+            if self.subset is not None:
+                s += "-subset:" + ".".join(map(str, self.subset))
+        elif self.surrogate != "idn":
             s += f"-{self.surrogate}"
+        if self.tol:
+            s += f"-tol:{self.tol:g}"
         if self.elk:
             s += f"-elk:{self.elk:g}"
         if self.order is not None:
@@ -118,7 +166,7 @@ class Plan:
         """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
-        head, *tokens = text.strip().split("-")
+        head, *tokens = _split(text.strip())
         m = _HEAD.match(head)
         if not m:
             raise ValueError(f"malformed plan {text!r}: it must start with CxFM (e.g. 12xF2), got {head!r}. "
@@ -135,6 +183,8 @@ class Plan:
             kw["order"] = tuple(range(kw["chunks"] - 1, -1, -1))
         elif kw.get("order") == "forward":
             kw["order"] = None
+        if isinstance(kw.get("surrogate"), tuple):
+            kw["surrogate"], kw["estimator"] = kw["surrogate"]
         plan = cls(**kw)
         return plan.check(n_layer) if n_layer is not None else plan
 
@@ -151,11 +201,34 @@ class Plan:
         return replace(self, **kw)
 
 
+def _split(text: str) -> list[str]:
+    """Split on '-' but keep negative exponents of numbers (tol:1e-05) inside their token."""
+    parts: list[str] = []
+    for part in text.split("-"):
+        if parts and re.search(r"\d[eE]$", parts[-1]) and part[:1].isdigit():
+            parts[-1] += "-" + part
+        else:
+            parts.append(part)
+    return parts
+
+
 def _token(tok: str, text: str):
     if tok in INITS:
         return "init", tok
     if tok in SURROGATES:
         return "surrogate", tok
+    if tok.startswith("diag:") and tok[5:] in ESTIMATORS:
+        return "surrogate", ("diag", tok[5:])
+    if re.fullmatch(r"probes:\d+", tok):
+        return "probes", int(tok[7:])
+    if re.fullmatch(r"subset:\d+(\.\d+)*", tok):
+        return "subset", tuple(int(i) for i in tok[7:].split("."))
+    for key in ("eps", "tol"):
+        if tok.startswith(key + ":"):
+            try:
+                return key, float(tok[len(key) + 1:])
+            except ValueError:
+                pass
     if re.fullmatch(r"K\d+", tok):
         return "iters", int(tok[1:])
     if tok.startswith("elk:"):

@@ -4,8 +4,15 @@
 
 h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) with the
 surrogate A named by the Plan (idn today; hcn/diag plug in as further Plan surrogates). Norms are
-over the hidden dim; the ratio is averaged over batch and positions, computed in fp32.
+over the hidden dim; the ratio is averaged over batch and positions, computed in fp32. With mHC
+(states (B, T, n, D)) the norm runs over all n streams together: the state the surrogate corrects
+is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
 T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (always including L).
+
+`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
+extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
+Results"), and the estimate is detached (snlp.surrogates): gradients flow through the chunk
+forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions the correction.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ EPS = 1e-6
 
 @dataclass
 class RegConfig:
-    kind: str = "none"  # "none" or a Plan surrogate name ("idn"; later "hcn", "diag")
+    kind: str = "none"  # "none" or a Plan surrogate name: "idn", "hcn" (mHC models), "diag" (DiagN, FD, detached)
     lam: float = 0.5
     suffixes: tuple[int, ...] = (8,)
     stride: int = 0
@@ -87,9 +94,11 @@ def snlp_states(model, idx: Tensor, n_suffix: int, surrogate: str = "idn",
 
 
 def relative_error(h_hat: Tensor, h_seq: Tensor) -> Tensor:
-    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim, fp32."""
+    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim
+    (and the mHC stream dim: everything after (B, T)), fp32."""
     h_hat, h_seq = h_hat.float(), h_seq.float()
-    return ((h_hat - h_seq).norm(dim=-1) / (h_seq.norm(dim=-1) + EPS)).mean()
+    dims = -1 if h_seq.dim() <= 3 else tuple(range(2, h_seq.dim()))  # (B, T, D) or mHC (B, T, n, D)
+    return ((h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)).mean()
 
 
 def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor:

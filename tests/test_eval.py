@@ -1,0 +1,229 @@
+"""`snlp eval` / snlp.eval.evaluate on a tiny random model with a real tokenizer: the protocol's
+invariants (sequential vs itself, exact plans, fused references), divergence handling, early exit,
+the output files and the CLI's error paths."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_model
+
+import snlp.eval as E
+from snlp import Plan, SNLPDivergenceError, fused_forward, parallel_forward
+from snlp.checkpoint import save_checkpoint
+from snlp.cli import main
+from snlp.diagnostics import early_exit
+from snlp.eval import EvalConfig, evaluate, frontier_plot, markdown_table, reference_plan, write_csv
+from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+        "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
+PLANS = ["6xF1-h0-K6", "3xF2-h0-K4", "6xF1-h0-K1", "3xF2-fwd-K1"]
+CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=6, warmup=0, runs=2, time_tokens=3,
+                 progress=False)
+KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
+        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_speedup", "note",
+        "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return make_model(seed=3, vocab_size=tok.vocab_size, sequence_len=64)  # 6 layers, float64, perturbed
+
+
+@pytest.fixture(scope="module")
+def val(tok):
+    return torch.tensor(tok.encode(TEXT))
+
+
+@pytest.fixture(scope="module")
+def records(model, val, tok):
+    return evaluate(model, val, PLANS, CFG, tokenizer=tok)
+
+
+def _by_plan(records):
+    return {r["plan"]: r for r in records}
+
+
+def test_records_come_in_order_with_every_key_filled(records):
+    assert [r["plan"] for r in records] == ["sequential", *PLANS]
+    for r in records:
+        assert KEYS <= r.keys()
+        optional = {"K", "C", "M", "init"} if r["plan"] == "sequential" else set()
+        assert [k for k in KEYS - optional if r[k] is None] == [], r["plan"]  # emb_sim too: the emb extra is in dev
+        assert r["latency_ms"] > 0 and r["prefill_ms"] > 0 and r["speedup"] > 0 and r["prefill_speedup"] > 0
+        assert 0 <= r["top1"] <= 1 and 0 <= r["ar_match"] <= 1 and -1 <= r["emb_sim"] <= 1 + 1e-6
+        assert r["ar_beta"] == pytest.approx(E.implied_beta(r["ar_match"], CFG.gen_tokens))
+        assert r["tokens"] == 96 and r["n_layer"] == 6 and r["note"] == ""
+
+
+def test_sequential_record_is_the_model_against_itself(records, model, val):
+    seq = records[0]
+    T, W = CFG.seq_len, CFG.max_tokens // CFG.seq_len
+    x = torch.stack([val[i * T:(i + 1) * T] for i in range(W)])  # (W, T) non-overlapping windows
+    y = torch.stack([val[i * T + 1:(i + 1) * T + 1] for i in range(W)])
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x).flatten(0, 1).double(), y.flatten())
+    assert seq["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-6)
+    assert seq["delta_ppl"] == 0.0 and seq["top1"] == 1.0 and seq["ar_match"] == 1.0 and seq["ar_beta"] == 1.0
+    assert seq["logit_sim"] == pytest.approx(1.0, abs=1e-6) and seq["emb_sim"] == pytest.approx(1.0, abs=1e-5)
+    assert seq["speedup"] == 1.0 and seq["prefill_speedup"] == 1.0 and seq["ideal_speedup"] == 1.0
+    assert seq["ar_reference"] == "sequential" and seq["S"] == 6
+
+
+def test_exact_plans_match_their_references(records):
+    seq, rec = records[0], _by_plan(records)
+    exact = rec["6xF1-h0-K6"]  # M = 1, K >= C: the sequential model itself
+    assert exact["top1"] == 1.0 and exact["ar_match"] == 1.0 and exact["ar_reference"] == "sequential"
+    assert exact["ppl"] == pytest.approx(seq["ppl"], rel=1e-5) and abs(exact["delta_ppl"]) < 1e-5
+    assert exact["logit_sim"] == pytest.approx(1.0, abs=1e-6) and exact["emb_sim"] == pytest.approx(1.0, abs=1e-5)
+    fused = rec["3xF2-h0-K4"]  # M = 2, K >= C: exactly the fused model, the AR reference of fused plans
+    assert fused["ar_reference"] == "3xF2-h0-K3" and fused["ar_match"] == 1.0
+    assert rec["3xF2-fwd-K1"]["ar_reference"] == "3xF2-h0-K3"
+
+
+def test_aggressive_plan_disagrees_and_reports_its_plan_fields(records):
+    agg = _by_plan(records)["6xF1-h0-K1"]
+    assert agg["top1"] < 1.0 and agg["logit_sim"] < 1.0
+    assert (agg["K"], agg["S"], agg["C"], agg["M"], agg["init"]) == (1, 0, 6, 1, "h0")
+    assert agg["ideal_speedup"] == 6.0  # L / (S + K)
+    assert agg["delta_ppl"] == pytest.approx(agg["ppl"] / records[0]["ppl"] - 1)
+
+
+def test_fused_reference_is_the_fused_model(model, val):
+    ref = reference_plan(Plan.parse("3xF2-fwd-K1"))
+    assert ref == Plan(chunks=3, fuse=2, init="h0", iters=3) and reference_plan(Plan.parse("6xF1-h0-K1")) is None
+    x = val[:12][None]
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, x, ref), fused_forward(model, x, ref))
+
+
+def test_a_diverging_plan_is_recorded_and_the_rest_evaluated(model, val, monkeypatch, capsys):
+    real = E.parallel_forward
+
+    def diverges(model, idx, plan, **kw):  # an SNLP plan that blows up (as SNLPDivergenceError reports it)
+        if str(plan) == "6xF1-h0-K1":
+            raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
+        return real(model, idx, plan, **kw)
+
+    monkeypatch.setattr(E, "parallel_forward", diverges)
+    recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6"], CFG))  # emb on, but no tokenizer
+    bad, good = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"]
+    assert bad["ppl"] == math.inf and bad["note"] == "diverged" and bad["top1"] is None and bad["ar_match"] is None
+    assert bad["speedup"] > 0  # still timed
+    assert good["note"] == "" and good["top1"] == 1.0 and good["ar_match"] == 1.0
+    assert good["emb_sim"] is None and "EmbSim needs the tokenizer" in capsys.readouterr().err
+    assert "6xF1-h0-K1 (diverged) | 1 | inf" in markdown_table(list(recs.values()))
+
+
+def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
+    assert E.load_embedder.__wrapped__("cpu") is None
+    assert "pip install snlp[emb]" in capsys.readouterr().err
+
+
+def test_early_exit_skips_the_suffix(model, val, records):
+    rows = early_exit(model, val, [2, 4, 2], CFG)
+    assert [(r["N"], r["seq_layers"]) for r in rows] == [(0, 6), (2, 4), (4, 2)]
+    assert rows[0]["ppl"] == pytest.approx(records[0]["ppl"], rel=1e-9)  # N = 0 is sequential
+    x = val[:CFG.max_tokens + 1].unfold(0, CFG.seq_len + 1, CFG.seq_len)  # (W, T + 1)
+    with torch.no_grad():  # K = 0 plans are early exit too
+        ce = F.cross_entropy(parallel_forward(model, x[:, :-1], "2xF1-h0-K0").flatten(0, 1).double(),
+                             x[:, 1:].flatten())
+    assert rows[1]["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-6)
+    with pytest.raises(ValueError, match=r"\[0, L = 6\]"):
+        early_exit(model, val, [7], CFG)
+
+
+def test_too_little_validation_data_and_bad_settings(model, val):
+    with pytest.raises(ValueError, match="validation split has only 10 tokens"):
+        evaluate(model, val[:10], PLANS, CFG)
+    with pytest.raises(ValueError, match="runs=0"):
+        evaluate(model, val, PLANS, EvalConfig(runs=0))
+    with pytest.raises(ValueError, match="needs a suffix"):
+        evaluate(model, val, ["7xF1-h0-K1"], CFG)
+
+
+def test_outputs_csv_and_a_two_group_plot(records, tmp_path):
+    write_csv(records, tmp_path / "r.csv")
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert [r["plan"] for r in rows] == ["sequential", *PLANS] and rows[0]["K"] == ""  # None -> empty cell
+    shifted = [{**r, "ppl": r["ppl"] * 1.1, "speedup": r["speedup"] * 0.9} for r in records]
+    frontier_plot({"No Reg.": records, "IDN Reg.": shifted}, tmp_path / "f.png", title="two groups")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----- the command line -----
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model, tok):
+    """A checkpoint whose recorded training args name its data file, split and token cache."""
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "corpus.txt"
+    data.write_text("\n\n".join(TEXT[i:i + 500] for i in range(0, len(TEXT), 500)) * 4)  # ~14 KB: 3 docs
+    args = {"data": str(data), "text_field": "text", "max_chars": 0, "val_frac": 0.5, "cache_dir": str(root / "cache")}
+    return save_checkpoint(root / "ck", copy.deepcopy(model).float(), tokenizer=tok, train_state={"args": args}), root
+
+
+def test_validation_tokens_are_the_training_split(ckpt, tok, tmp_path):
+    from argparse import Namespace
+
+    from snlp.train import prepare_data
+
+    path, root = ckpt
+    data = E.checkpoint_data(path, val_frac=None, cache_dir=str(tmp_path))  # recorded args, one override
+    assert data["data"] == str(root / "corpus.txt") and data["val_frac"] == 0.5 and data["cache_dir"] == str(tmp_path)
+    val = E.validation_tokens(tok, **data)  # tokenizes only the validation documents, with `tok`
+    trained = prepare_data(Namespace(vocab_size=tok.vocab_size, **data), tok, 0, 1)[1].val  # what snlp train uses
+    assert val.tolist() == trained.tolist() and val.dtype == torch.int64
+    bare = save_checkpoint(tmp_path / "bare", make_model(n_layer=2))  # no train_state.pt: the defaults
+    assert E.checkpoint_data(bare) == E.DATA_DEFAULTS and E.checkpoint_data(bare, data="x.txt")["data"] == "x.txt"
+
+
+def test_cli_writes_every_output(ckpt, tmp_path, capsys):
+    path, root = ckpt
+    out = {ext: tmp_path / f"out.{ext}" for ext in ("json", "csv", "md", "png")}
+    rc = main(["eval", str(path), "--plans", "6xF1-h0-K6,3xF2-h0-K1", "--seq-len", "16", "--max-tokens", "64",
+               "--prompts", "2", "--prompt-len", "4", "--gen-tokens", "5", "--warmup", "0", "--runs", "1",
+               "--time-tokens", "2", "--no-progress", "--json", str(out["json"]), "--csv", str(out["csv"]), "--markdown", str(out["md"]),
+               "--plot", str(out["png"])])
+    assert rc == 0
+    recs = json.loads(out["json"].read_text())
+    assert [r["plan"] for r in recs] == ["sequential", "6xF1-h0-K6", "3xF2-h0-K1"]
+    assert all(r["emb_sim"] is not None and r["ppl"] > 1 for r in recs) and recs[1]["top1"] > 0.98  # fp32: ~exact
+    assert list(csv.DictReader(open(out["csv"])))[2]["plan"] == "3xF2-h0-K1"
+    md = out["md"].read_text().splitlines()
+    assert md[0].startswith("| Plan | K | PPL | ΔPPL | Speedup") and len(md) == 5 and "| 3xF2-h0-K1 | 1 |" in md[4]
+    assert out["png"].read_bytes()[:4] == b"\x89PNG"
+    assert list((root / "cache").glob("*.val.bin"))  # the recorded source/split/cache were used
+    captured = capsys.readouterr()
+    assert "3xF2-h0-K1" in captured.out and "AR Match" in captured.out and "validation tokens of" in captured.err
+
+
+def test_cli_errors_exit_2_with_a_message(ckpt, capsys):
+    path, _ = ckpt
+    small = ["--seq-len", "16", "--prompts", "1", "--gen-tokens", "2", "--runs", "1", "--no-emb", "--no-progress"]
+    assert main(["eval", str(path), "--plans", "6xF1-h9", *small]) == 2
+    assert "snlp eval: error:" in (err := capsys.readouterr().err) and "unknown part 'h9'" in err
+    assert main(["eval", str(path), "--plans", "7xF1-h0-K1", *small]) == 2
+    assert "needs a suffix" in capsys.readouterr().err
+    assert main(["eval", str(path) + "-missing", "--plans", "6xF1-h0-K1", *small]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", str(path), "--plans", "6xF1-h0-K1", *small, "--seq-len", "100000"]) == 2
+    assert "validation split has only" in capsys.readouterr().err
+    assert main(["eval", str(path), "--plans", "6xF1-h0-K1", *small, "--runs", "0"]) == 2
+    assert "out of range" in capsys.readouterr().err

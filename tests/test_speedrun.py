@@ -1,0 +1,201 @@
+"""`snlp speedrun`: a tiny end-to-end run writes a report with every column filled and a valid PNG;
+a re-run reuses every stage; changed settings redo exactly the stages that depend on them."""
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from snlp.cli import main
+from snlp.speedrun import Stages, default_plans, select_drafter
+
+# --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
+TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
+ALL = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
+
+
+def tables(md: str) -> dict[str, list[list[str]]]:
+    """Markdown tables of the report by the heading above them: rows of cells (header row first)."""
+    out, heading, rows = {}, None, []
+    for line in md.splitlines() + [""]:
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not set("".join(cells)) <= set(":- "):  # skip the alignment row
+                rows.append(cells)
+        elif rows:
+            out.setdefault(heading, rows)
+            rows = []
+    return out
+
+
+def column(table: list[list[str]], name: str) -> list[str]:
+    i = table[0].index(name)
+    return [r[i] for r in table[1:]]
+
+
+def check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, kinds = 8, []
+    while pos < len(data):  # walk the chunks, checking every CRC
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
+        kinds.append(kind)
+        if kind == b"IHDR":
+            w, h = struct.unpack(">II", body[:8])
+            assert w > 100 and h > 100
+        pos += 12 + n
+    assert kinds[0] == b"IHDR" and b"IDAT" in kinds and kinds[-1] == b"IEND"
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
+    out = tmp_path / "sr"
+    assert main(["speedrun", "--out", str(out), *TINY]) == 0
+    s = summary(out)
+    assert s["ran"] == ALL and s["reused"] == []
+    md = (out / "report.md").read_text()
+    check_png(out / "frontier.png")
+    assert "![speed-quality frontier](frontier.png)" in md
+    assert "snlp speedrun --out" in md and "--quick" in md  # the exact command
+    assert "cores" in md and "torch" in md  # hardware and library versions
+    t = tables(md)
+
+    main_t = t["Main results"]
+    plans = default_plans(4)
+    assert len(main_t) - 1 == 2 * len(plans)  # every plan of the grid, both models
+    for name in ("Config", "K", "PPL", "ΔPPL", "Speedup", "Top-1", "LogitSim", "EmbSim", "AR Match (β̂)"):
+        assert all(c not in ("", "-") for c in column(main_t, name)), (name, column(main_t, name))
+    assert [c for c in column(main_t, "Model") if c][0].startswith("No Reg. [")
+    assert [c for c in column(main_t, "Model") if c][1].startswith("IDN Reg. [")
+
+    ssd = t["Self-speculative decoding"]
+    assert len(ssd) - 1 == 6  # B = 2, 4, 8 for both models
+    for name in ("B", "α", "Tok/Rnd", "Ideal", "Measured"):
+        assert all(c not in ("", "-") for c in column(ssd, name)), name
+    assert column(ssd, "= sequential") == ["yes"] * 6  # the verifier makes SSD exact
+    assert column(ssd, "B") == ["2", "4", "8"] * 2
+
+    ee = t["Early exit (K = 0)"]
+    assert column(ee, "N (skipped)") == ["0", "1", "2", "3"]
+    for name in ("IDN Reg.", "No Reg."):
+        assert all(float(c) > 1 for c in column(ee, name))
+
+    tr = t["Training"]
+    for name in ("Steps", "Tokens", "Train time", "Val CE (PPL)", "K=1 gap, start → end"):
+        assert all(c not in ("", "-") for c in column(tr, name)[:2]), name
+    assert column(tr, "Steps")[:2] == ["12", "12"]  # IDN trains as many steps as No-Reg
+    assert set(column(t["Wall time per stage"], "This invocation")[:-1]) == {"ran"}
+
+    # both models share one tokenizer (the checkpoints carry identical tokenizer files)
+    assert (out / "noreg" / "tokenizer.json").read_text() == (out / "idn" / "tokenizer.json").read_text()
+
+    # a re-run reuses every stage
+    capsys.readouterr()
+    assert main(["speedrun", "--out", str(out), *TINY]) == 0
+    s2 = summary(out)
+    assert s2["ran"] == [] and s2["reused"] == ALL
+    text = capsys.readouterr().out
+    assert all(f"reusing {name}" in text for name in ALL)
+    assert "reused" in (out / "report.md").read_text()
+
+    # a new plan grid redoes the evaluations and what depends on them, nothing else
+    grid = "2xF1-h0-K1,1xF2-h0-K1"
+    assert main(["speedrun", "--out", str(out), *TINY, "--plans", grid]) == 0
+    s3 = summary(out)
+    assert s3["ran"] == ["eval-noreg", "eval-idn", "ssd-noreg", "ssd-idn"]
+    assert s3["reused"] == ["tokenizer", "train-noreg", "train-idn", "early-exit"]
+    assert len(t := tables((out / "report.md").read_text())["Main results"]) - 1 == 4
+    assert "--plans 2xF1-h0-K1,1xF2-h0-K1" in (out / "report.md").read_text()
+
+
+def test_stages_redo_on_changed_settings_and_force(tmp_path):
+    class Quiet:
+        def print(self, *a, **k):
+            pass
+
+        rule = print
+
+    calls = []
+
+    def stage(settings, force=False):
+        st = Stages(tmp_path, force, 1, Quiet())
+        return st.run("x", "test", settings, lambda: calls.append(1) or {"n": len(calls)}), st
+
+    r1, st = stage({"a": 1, "b": (1, 2)})
+    assert st.ran == ["x"] and r1["result"] == {"n": 1}
+    r2, st = stage({"b": [1, 2], "a": 1})  # same settings (tuple/list, key order): reused
+    assert st.reused == ["x"] and r2["id"] == r1["id"] and len(calls) == 1
+    r3, st = stage({"a": 2, "b": [1, 2]})  # changed: redone, new id
+    assert st.ran == ["x"] and r3["id"] != r1["id"] and r3["result"] == {"n": 2}
+    _, st = stage({"a": 2, "b": [1, 2]}, force=True)
+    assert st.ran == ["x"] and len(calls) == 3
+    (tmp_path / "stages" / "x.json").write_text("{truncated")  # a corrupt record is redone, not an error
+    _, st = stage({"a": 2, "b": [1, 2]})
+    assert st.ran == ["x"]
+
+
+def test_drafter_rule_and_default_grid():
+    recs = [{"plan": "sequential", "top1": 1.0, "speedup": 1.0},
+            {"plan": "8xF1-h0-K1", "top1": 0.80, "speedup": 1.6, "note": ""},
+            {"plan": "8xF1-h0-K4", "top1": 0.99, "speedup": 0.9, "note": ""},
+            {"plan": "4xF2-h0-K1", "top1": 0.90, "speedup": 1.5, "note": ""},
+            {"plan": "4xF2-h0-K2", "top1": None, "speedup": None, "note": "diverged"}]
+    best, scored = select_drafter(recs)
+    # ideal(a, 4, s) = ((1 - a^5) / (1 - a)) / (4 / s + 1): 0.80 @ 1.6 -> 0.96, 0.99 @ 0.9 -> 0.90, 0.90 @ 1.5 -> 1.11
+    assert best["plan"] == "4xF2-h0-K1"
+    assert [p for p, _ in scored] == ["8xF1-h0-K1", "8xF1-h0-K4", "4xF2-h0-K1"]
+    assert dict(scored)["4xF2-h0-K1"] == pytest.approx((1 - 0.9 ** 5) / 0.1 / (4 / 1.5 + 1))
+    assert select_drafter(recs[:1])[0] is None
+    grid = default_plans(16)
+    assert grid == ["8xF1-h0-K1", "8xF1-h0-K2", "8xF1-h0-K4", "8xF1-fwd-K1", "4xF2-h0-K1", "4xF2-h0-K2", "1xF8-h0-K1"]
+    assert {int(p.split("-K")[1]) for p in grid} == {1, 2, 4}
+
+
+def test_interrupted_training_resumes(tmp_path, capsys):
+    """A training run killed after a save resumes from it (same settings) instead of starting over."""
+    from rich.console import Console
+
+    from snlp.speedrun import TrainJob, _write_json, stage_tokenizer, train_argv, train_models, train_summary
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 13}\n" * 4 for i in range(600)))
+    cfg = {"data": str(corpus), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32, "head_dim": 16,
+           "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}
+    cache = tmp_path / "cache"
+    tok = stage_tokenizer(cfg, cache)
+    job = TrainJob("m", train_argv(cfg, tmp_path / "m", cache, reg=True, steps=6), tmp_path / "m",
+                   {"any": "settings"}, tmp_path / "m.partial.json")
+    console = Console(file=None, force_terminal=False)
+    _write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
+    assert main(["train", *job.argv, "--stop-after", "3", "--no-progress"]) == 0  # "killed" after its step-3 save
+    capsys.readouterr()
+    walls = train_models([job], console, threads=1)
+    assert "resuming" in capsys.readouterr().out
+    res = train_summary(job, tok["fingerprint"], walls["m"])
+    assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
+    assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
+    # a run made with other settings is thrown away, not resumed
+    _write_json(job.partial, {"other": "settings"})
+    train_models([job], console, threads=1)
+    assert "resuming" not in capsys.readouterr().out
+    assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
+
+
+def test_failed_training_reports_its_log(tmp_path):
+    from rich.console import Console
+
+    from snlp.speedrun import TrainJob, train_models
+
+    job = TrainJob("bad", ["--out", str(tmp_path / "bad"), "--data", str(tmp_path / "missing.txt"), "--steps", "2"],
+                   tmp_path / "bad", {}, tmp_path / "bad.partial.json")
+    with pytest.raises(RuntimeError, match="unknown data source"):
+        train_models([job], Console(force_terminal=False))

@@ -1,0 +1,468 @@
+"""DiagN (Hutchinson FD/JVP/VJP + associative scan), exact Newton (DEER over depth) and adaptive
+iterations (tol): exactness laws, estimator statistics, KV-cached decoding, training, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import configs, make_model, tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snlp import Plan, fused_forward, fused_sequential, parallel_forward, solve
+from snlp import surrogates as S
+from snlp.cache import KVCache
+from snlp.cli import main
+from snlp.fusion import chunk_forward, chunk_weights
+from snlp.scan import affine_scan, sequential_scan
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
+
+
+@st.composite
+def surrogate_plan(draw, chunks: int, fuse: int, iters: int):
+    """A random diag (any estimator, probes, eps, subset) or newton plan with order/ELK/init/tol."""
+    order = tuple(draw(st.permutations(range(chunks)))) if draw(st.booleans()) else None
+    kw = dict(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])), iters=iters, order=order,
+              elk=draw(st.sampled_from([0.0, 0.25])))
+    if draw(st.booleans()):
+        subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
+        return Plan(surrogate="diag", estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])),
+                    probes=draw(st.integers(1, 3)), eps=draw(st.sampled_from([1e-3, 1e-2])), subset=subset, **kw)
+    return Plan(surrogate="newton", **kw)
+
+
+@st.composite
+def model_and_plan(draw, fuse_max: int = 3, exact: bool = True):
+    cfg = draw(configs(max_layers=6))
+    L = cfg["n_layer"]
+    fuse = draw(st.integers(1, min(fuse_max, L)))
+    chunks = draw(st.integers(1, L // fuse))
+    iters = draw(st.integers(chunks, chunks + 1)) if exact else draw(st.integers(0, chunks))
+    return cfg, draw(surrogate_plan(chunks, fuse, iters)), draw(st.integers(0, 2 ** 16))
+
+
+# ---------------------------------------------------------------- exactness laws (as tests/test_solver.py)
+@settings(max_examples=40, deadline=None)
+@given(model_and_plan(fuse_max=3))
+def test_diag_and_newton_with_K_ge_C_equal_sequential(args):
+    """K >= C reproduces the sequential forward (M = 1) / the fused model run sequentially (M > 1)."""
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=2, T=6, seed=seed)
+    with torch.no_grad():
+        ref = model(idx) if plan.fuse == 1 else fused_forward(model, idx, plan)
+        torch.testing.assert_close(parallel_forward(model, idx, plan), ref, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(model_and_plan(fuse_max=3, exact=False))
+def test_after_k_iterations_the_first_k_chunks_are_exact(args):
+    cfg, plan, seed = args
+    model = make_model(seed=seed, **cfg)
+    idx = tokens(model, B=1, T=6, seed=seed)
+    with torch.no_grad():
+        res = solve(model, idx, plan, keep_states=True, check_finite=False)
+        exact = fused_sequential(model, idx, plan).states[0]
+    assert len(res.states) == plan.iters + 1 and res.iters == plan.iters
+    for k, h in enumerate(res.states):
+        torch.testing.assert_close(h[:k], exact[:k], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("plan", ["4xF1-h0-K4-diag:fd-probes:2", "4xF1-fwd-K4-diag:jvp-subset:1.3",
+                                  "2xF2-h0-K2-diag:vjp", "4xF1-h0-K4-newton"])
+def test_mhc_states_are_one_more_elementwise_dim(plan, dynamic):
+    """mHC hidden states (B, T, n, D): the same laws hold with the stream dim treated elementwise."""
+    model = make_model(seed=4, n_layer=4, hc_streams=2, hc_dynamic=dynamic)
+    idx = tokens(model, B=2, T=5)
+    with torch.no_grad():
+        res = solve(model, idx, plan, keep_states=True)
+        exact = fused_sequential(model, idx, plan).states[0]
+    assert res.hidden.dim() == 4
+    for k, h in enumerate(res.states):
+        torch.testing.assert_close(h[:k], exact[:k], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(res.states[-1], exact, rtol=1e-9, atol=1e-9)
+
+
+def test_python_api_plan_strings():
+    model = make_model(seed=8, n_layer=9)
+    idx = tokens(model)
+    with torch.no_grad():
+        ref = model(idx)
+        for plan in ["8xF1-h0-K2-diag:vjp", "8xF1-h0-K2-diag:jvp-probes:2", "8xF1-fwd-K1-diag-subset:0.7",
+                     "8xF1-h0-K3-newton", "8xF1-h0-K8-tol:1e-6"]:
+            out = parallel_forward(model, idx, plan)
+            assert out.shape == ref.shape and torch.isfinite(out).all(), plan
+        torch.testing.assert_close(parallel_forward(model, idx, "8xF1-h0-K8-diag:vjp"), ref, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- associative scan
+@settings(max_examples=60, deadline=None)
+@given(C=st.integers(1, 19), matrix=st.booleans(), broadcast=st.booleans(), seed=st.integers(0, 999))
+def test_affine_scan_equals_sequential_scan(C, matrix, broadcast, seed):
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(C, 2, 3, 4, 5, generator=g, dtype=torch.float64)  # (C, B, T, n, D)
+    if matrix:
+        a = torch.randn(C, 2, 3, 4, 4, generator=g, dtype=torch.float64) * 0.5  # acts on the n dim
+    else:
+        a = torch.randn(C, 1, 1, 1, 1, generator=g, dtype=torch.float64) if broadcast else torch.randn_like(b)
+    torch.testing.assert_close(affine_scan(a, b, matrix=matrix), sequential_scan(a, b, matrix=matrix),
+                               rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- estimator statistics on a known diagonal
+def _linear(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(n, n, generator=g, dtype=torch.float64)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 5
+    return W, x, (lambda xp: xp @ W.T)  # probe-stacked linear map: f(x) = W x, J = W
+
+
+@pytest.mark.parametrize("estimator", ["fd", "jvp", "vjp"])
+def test_estimators_are_unbiased_on_a_linear_map(estimator):
+    """mean_p v_p o J v_p -> diag(W). Per coordinate one probe's product is W_ii + sum_{j != i}
+    W_ij v_i v_j with variance sigma_i^2 = sum_{j != i} W_ij^2 (J^T: column sums for VJP), so the mean
+    of P probes is within 5 sigma_i / sqrt(P) of diag(W) (fixed seed; a 5-sigma miss has p ~ 6e-7)."""
+    W, x, f = _linear()
+    P = 20000
+    v = S.rademacher((P, x.numel()), x, torch.Generator().manual_seed(1))
+    est = S.hutchinson_diag(f, x, v, estimator)
+    off = W.pow(2) - torch.diag(W.diagonal().pow(2))
+    sigma = (off.sum(0) if estimator == "vjp" else off.sum(1)).sqrt()
+    z = (est - W.diagonal()) / (sigma / math.sqrt(P))
+    assert z.abs().max() < 5, z
+    assert (est - W.diagonal()).abs().max() < 0.15  # and the bound is not vacuous: sigma/sqrt(P) ~ 0.025
+
+
+def test_per_probe_products_are_exact_for_jvp_vjp_and_fd_on_a_linear_map():
+    """JVP: v o W v and VJP: v o W^T v exactly, per probe; FD is exact on a linear map up to rounding."""
+    W, x, f = _linear(seed=3)
+    v = S.rademacher((7, x.numel()), x, torch.Generator().manual_seed(2))
+    torch.testing.assert_close(S.probe_products(f, x, v, "jvp"), v * (v @ W.T), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(S.probe_products(f, x, v, "vjp"), v * (v @ W), rtol=1e-13, atol=1e-13)
+    for eps in (1e-3, 1e-1):
+        torch.testing.assert_close(S.probe_products(f, x, v, "fd", eps), v * (v @ W.T), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="unknown DiagN estimator"):
+        S.probe_products(f, x, v, "adam")
+
+
+def test_fd_step_is_relative_per_token_and_floored():
+    x = torch.cat([torch.full((1, 4), 100.0), torch.full((1, 4), 0.01)]).double()  # two tokens
+    s = S.fd_step(x, 1e-3, token_dims=1)
+    assert s.shape == (2, 1) and s[0, 0] == pytest.approx(0.1) and s[1, 0] == pytest.approx(1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # low-precision compute: step raised to sqrt(machine eps)
+        assert S.fd_step(x.float(), 1e-3, 1)[1, 0] == pytest.approx(torch.finfo(torch.bfloat16).eps ** 0.5)
+
+
+def _chunk_setup(seed=2, C=3):
+    model = make_model(seed=seed, n_layer=C + 1, n_embd=8, n_head=2, n_kv_head=1)
+    idx = tokens(model, B=1, T=3)
+    with torch.no_grad():
+        ctx = model.embed(idx)
+        h = [model.run_layers(ctx.x0, ctx, 0, 1)]
+        for l in range(1, C):
+            h.append(model.layer(l, h[-1], ctx))
+        x = torch.stack(h)  # (C, B, T, D): chunk inputs at the sequential trace
+        w = chunk_weights(model, 1, C, 1)
+        tilde = chunk_forward(w, x, ctx)
+    return model, ctx, w, x, tilde
+
+
+def _true_jacobians(w, x, ctx):
+    """Full Jacobian of each chunk map over all positions (n x n, n = B*T*D), by autograd."""
+    out = []
+    for c in range(x.shape[0]):
+        J = torch.autograd.functional.jacobian(lambda z: chunk_forward(w.chunk(c), z[None], ctx)[0], x[c])
+        out.append(J.reshape(x[c].numel(), x[c].numel()))
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["fd", "jvp", "vjp"])
+def test_chunk_diagonal_is_same_token_same_channel_entry_of_the_full_jacobian(estimator):
+    """diag_jacobian averages to diag(J_c) of the whole chunk map (attention mixes tokens: the
+    diagonal is dF[t, i] / dx[t, i]); chunks outside the subset get exactly 1."""
+    model, ctx, w, x, tilde = _chunk_setup()
+    Js = _true_jacobians(w, x, ctx)
+    P = 1000
+    with torch.no_grad():
+        a = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate="diag", estimator=estimator, probes=P),
+                            torch.Generator().manual_seed(0))
+        sub = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate="diag", estimator=estimator, probes=P,
+                                                     subset=(2, 0)), torch.Generator().manual_seed(0))
+    assert a.shape == x.shape and not a.requires_grad
+    assert torch.equal(sub[1], torch.ones_like(sub[1]))
+    for c, J in enumerate(Js):
+        off = J.pow(2) - torch.diag(J.diagonal().pow(2))
+        sigma = (off.sum(0) if estimator == "vjp" else off.sum(1)).sqrt().view_as(x[c]) / math.sqrt(P)
+        slack = 1e-2 if estimator == "fd" else 0.0  # FD truncation error O(eps) on a nonlinear map
+        for est in ((a[c], sub[c]) if c != 1 else (a[c],)):
+            err = (est - J.diagonal().view_as(x[c])).abs()
+            assert (err < 5 * sigma + slack).all(), (c, (err / sigma).max())
+
+
+def test_probe_batching_equals_one_probe_at_a_time():
+    """Probes ride in the batch dim of ONE chunk forward: identical to evaluating them one by one."""
+    model, ctx, w, x, tilde = _chunk_setup(seed=5)
+    v = S.rademacher((4, *x.shape), x, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for est in ("fd", "jvp", "vjp"):
+            batched = S.probe_products(S.chunk_probe_map(w, ctx, P=4), x, v, est, fx=tilde, token_dims=3)
+            single = torch.cat([S.probe_products(S.chunk_probe_map(w, ctx), x, v[p:p + 1], est, fx=tilde,
+                                                 token_dims=3) for p in range(4)])
+            torch.testing.assert_close(batched, single, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("hc", [0, 2])
+def test_selected_chunks_equal_rows_of_the_full_batched_forward(hc):
+    model = make_model(seed=6, n_layer=6, **({"hc_streams": hc} if hc else {}))
+    idx = tokens(model)
+    with torch.no_grad():
+        ctx = model.embed(idx)
+        w = chunk_weights(model, 0, 3, 2)
+        x = torch.randn(3, *ctx.x0.shape[:2], *([hc] if hc else []), ctx.x0.shape[-1], dtype=torch.float64)
+        full = chunk_forward(w, x, ctx)
+        for sel in ([2, 0], [1], [0, 1, 2]):
+            torch.testing.assert_close(chunk_forward(S.select_chunks(w, sel), x[sel], ctx), full[sel],
+                                       rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- exact Newton
+def test_newton_delta_is_the_explicit_jacobian_recurrence():
+    model, ctx, w, x, tilde = _chunk_setup(seed=7)
+    b = torch.randn_like(x)
+    Js = _true_jacobians(w, x, ctx)
+    d = [b[0]]
+    for c in range(1, 3):
+        d.append((Js[c] @ d[-1].reshape(-1)).view_as(b[c]) + b[c])
+    with torch.no_grad():
+        got = S.newton_delta(w, x, b, ctx, Plan(3, surrogate="newton"))
+        torch.testing.assert_close(got, torch.stack(d), rtol=1e-10, atol=1e-10)
+        damped = S.newton_delta(w, x, b, ctx, Plan(3, surrogate="newton", elk=0.5, order=(1, 0, 2)))
+    # order 1,0,2: chunk 1 is visited before chunk 0, so it gets no correction; chunk 2 gets half
+    torch.testing.assert_close(damped[1], b[1])
+    torch.testing.assert_close(damped[2], 0.5 * (Js[2] @ b[1].reshape(-1)).view_as(b[2]) + b[2],
+                               rtol=1e-10, atol=1e-10)
+
+
+def _iters_to(model, idx, surrogate, C, target=1e-5):
+    """(first K whose final state is within `target` relative error of sequential, iterations a
+    tol=target solve runs). states[k][-1] is the final state after k iterations."""
+    with torch.no_grad():
+        ref = model.hidden_states(idx)[-1]
+        res = solve(model, idx, f"{C}xF1-h0-K{C}-{surrogate}", keep_states=True, check_finite=False)
+        errs = [float((h[-1] - ref).norm() / ref.norm()) for h in res.states]
+        first = next((k for k, e in enumerate(errs) if e < target), None)
+        used = solve(model, idx, f"{C}xF1-h0-K{C}-{surrogate}-tol:{target}").iters
+    return first, used
+
+
+def test_exact_newton_converges_in_fewer_iterations_than_idn():
+    """On a random smooth model (small weight perturbation) exact Newton converges quadratically
+    (4 iterations here) while IDN needs the full staircase (K = C = 8)."""
+    model = make_model(seed=0, scale=0.05, n_layer=8)
+    idx = tokens(model, B=2, T=8)
+    newton, newton_tol = _iters_to(model, idx, "newton", 8)
+    idn, idn_tol = _iters_to(model, idx, "idn", 8)
+    msg = f"iterations to 1e-5 relative error: newton {newton} (tol-stopped at {newton_tol}), idn {idn} (tol {idn_tol})"
+    assert newton is not None and idn is not None and newton < idn, msg
+    assert newton_tol < idn_tol, msg
+    print(msg)
+
+
+# ---------------------------------------------------------------- adaptive iterations (tol)
+@pytest.mark.parametrize("surrogate,K", [("idn", 8), ("diag:jvp-probes:2", 8), ("newton", 8), ("none", 10)])
+def test_tol_stops_early_and_equals_running_that_many_iterations(surrogate, K):
+    """tol: stop at the first iteration whose final-state relative update is < tol (Jacobi: the
+    update is 0 once the staircase reaches the end, iteration C + 1)."""
+    model = make_model(seed=0, scale=0.05, n_layer=8)
+    idx = tokens(model, B=2, T=8)
+    with torch.no_grad():
+        res = solve(model, idx, f"8xF1-h0-K{K}-{surrogate}-tol:2e-2", keep_states=True)
+        assert res.iters < K and len(res.updates) == res.iters and len(res.states) == res.iters + 1
+        assert res.updates[-1] < 2e-2 and all(u >= 2e-2 for u in res.updates[:-1]), res.updates
+        fixed = solve(model, idx, f"8xF1-h0-K{res.iters}-{surrogate}")
+        torch.testing.assert_close(res.hidden, fixed.hidden, rtol=0, atol=0)
+        capped = solve(model, idx, f"8xF1-h0-K2-{surrogate}-tol:1e-30")  # K is the maximum
+        assert capped.iters == 2 and len(capped.updates) == 2
+        full = solve(model, idx, f"8xF1-h0-K3-{surrogate}")  # tol = 0: fixed K, no updates recorded
+        assert full.iters == 3 and full.updates == []
+
+
+# ---------------------------------------------------------------- autograd / inference modes, training
+@pytest.mark.parametrize("plan", ["4xF1-h0-K2-diag:fd", "4xF1-h0-K2-diag:jvp-probes:2",
+                                  "4xF1-h0-K2-diag:vjp-subset:1.2",
+                                  "4xF1-h0-K2-newton"])
+def test_inference_mode_and_no_grad_agree(plan):
+    model = make_model(seed=3)
+    idx = tokens(model)
+    with torch.no_grad():
+        a = parallel_forward(model, idx, plan)
+    with torch.inference_mode():
+        b = parallel_forward(model, idx, plan)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["fd", "jvp", "vjp"])
+def test_diag_estimate_is_detached_and_gradients_reach_the_weights(estimator):
+    model = make_model(seed=1).train()
+    idx = tokens(model)
+    parallel_forward(model, idx, f"4xF1-h0-K1-diag:{estimator}").logsumexp(-1).mean().backward()
+    for l in (2, 5):
+        g = model.blocks[l].mlp.c_fc.weight.grad
+        assert g is not None and g.abs().sum() > 0 and torch.isfinite(g).all()
+    with torch.enable_grad():
+        ctx = model.embed(idx)
+        w = chunk_weights(model, 2, 4, 1)
+        x = ctx.x0.expand(4, *ctx.x0.shape)
+        a = S.diag_jacobian(w, x, chunk_forward(w, x, ctx), ctx, Plan(4, surrogate="diag", estimator=estimator))
+    assert not a.requires_grad
+
+
+def test_regulariser_with_diag_is_finite_and_differentiable():
+    from snlp.regularizer import RegConfig, snlp_loss
+
+    model = make_model(seed=2).train()
+    idx = tokens(model)
+    ctx = model.embed(idx)
+    trace = [ctx.x0]
+    model.run_layers(ctx.x0, ctx, 0, model.config.n_layer, trace)
+    loss = snlp_loss(model, idx, trace, RegConfig(kind="diag", suffixes=(3,), stride=1))
+    loss.backward()
+    assert torch.isfinite(loss) and loss > 0
+    assert model.blocks[4].mlp.c_fc.weight.grad.abs().sum() > 0
+
+
+def test_train_with_reg_diag(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs." * 3
+                                  for i in range(300)))
+    tiny = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "32",
+            "--batch-size", "4", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
+    rc = main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
+               *tiny, "--steps", "3", "--reg", "diag", "--reg-n", "2", "--log-every", "1"])
+    assert rc == 0
+    rows = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    regs = [r["reg"] for r in rows if "reg" in r]
+    assert regs and all(math.isfinite(r) and r > 0 for r in regs)
+    assert any(k.startswith("gap") for r in rows for k in r), rows[0]
+
+
+# ---------------------------------------------------------------- KV-cached decoding
+def _decode_in_pieces(model, idx, plan, cuts, cache):
+    out, start = [], 0
+    for stop in list(cuts) + [idx.shape[1]]:
+        out.append(parallel_forward(model, idx[:, start:stop], plan, cache=cache))
+        start = stop
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("plan", ["3xF1-h0-K3-diag:fd-probes:2", "3xF1-fwd-K3-diag:jvp",
+                                  "3xF1-h0-K4-diag:vjp-subset:0.2",
+                                  "2xF2-h0-K2-diag:fd-subset:1", "3xF2-h0-K3-newton", "6xF1-h0-K6-newton-tol:1e-12"])
+def test_cached_decoding_with_K_ge_C_equals_the_sequential_model(plan):
+    """Probe / JVP evaluations read the cache and never write it: prefill + multi-token + one-token
+    cached steps reproduce the sequential (M = 1) or fused (M > 1) model."""
+    model = make_model(n_head=4, n_kv_head=2)
+    idx = tokens(model, B=2, T=9)
+    with torch.no_grad():
+        ref = model(idx) if Plan.parse(plan).fuse == 1 else fused_forward(model, idx, plan)
+        cache = KVCache.for_model(model, batch=2, max_len=12)
+        got = _decode_in_pieces(model, idx, plan, [3, 6, 7, 8], cache)
+    assert (got - ref).abs().max() < 1e-10
+
+
+class _SpyCache(KVCache):
+    writes: list
+
+    def write(self, layers, k, v, start):
+        self.writes.append((layers, tuple(k.shape)))
+        return super().write(layers, k, v, start)
+
+
+@pytest.mark.parametrize("plan", ["4xF1-h0-K2-diag:fd-probes:3", "4xF1-h0-K2-diag:jvp-probes:2-subset:1.3",
+                                  "4xF1-h0-K2-diag:vjp", "4xF1-h0-K2-newton"])
+def test_probes_leave_the_cache_holding_the_real_iterates_kv(plan):
+    """With K < C the cache must end up with the K/V of the last iteration's real inputs (the same
+    contents as a fresh cache written by one batched forward at those inputs), and the suffix slots
+    see only K writes (one per iteration, batch B): probes and JVPs never write."""
+    model = make_model(seed=2)
+    idx = tokens(model, B=2, T=5)
+    base = KVCache.for_model(model, batch=2, max_len=8)
+    cache = _SpyCache(k=base.k.clone(), v=base.v.clone())
+    cache.writes = []
+    with torch.no_grad():
+        res = solve(model, idx, plan, cache=cache, keep_states=True)
+        suffix = [wr for wr in cache.writes if isinstance(wr[0], slice) and wr[0].start == 2]
+        assert len(suffix) == 2 and all(shape[1] == 2 for _, shape in suffix)
+        # reference: write the K/V of the last iteration's inputs into a fresh cache
+        ref = KVCache.for_model(model, batch=2, max_len=8)
+        ctx = model.embed(idx, ref)
+        hS = model.run_layers(ctx.x0, ctx, 0, 2)
+        chunk_forward(chunk_weights(model, 2, 4, 1), torch.cat([hS[None], res.states[-2][:-1]]), ctx, ref)
+    torch.testing.assert_close(cache.k[:, :, :, :5], ref.k[:, :, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(cache.v[:, :, :, :5], ref.v[:, :, :, :5], rtol=0, atol=0)
+
+
+def test_snlp_generate_with_diag_and_newton_equals_sequential_greedy():
+    from snlp.generate import sequential_generate, snlp_generate, speculative_generate
+
+    model = make_model(seed=5, vocab_size=13)
+    prompt = [1, 5, 7]
+    ref = sequential_generate(model, prompt, max_new_tokens=6).tokens
+    for plan in ("4xF1-h0-K4-diag:fd", "4xF1-h0-K4-diag:vjp-probes:2", "4xF1-h0-K4-newton"):
+        assert snlp_generate(model, prompt, plan, max_new_tokens=6).tokens == ref, plan
+    assert speculative_generate(model, prompt, "4xF1-h0-K1-diag:jvp", block=3, max_new_tokens=6).tokens == ref
+
+
+# ---------------------------------------------------------------- CLI
+TINY = ["--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97", "--warmup", "1", "--runs", "2"]
+
+
+def test_bench_ops_writes_the_four_ops(tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    assert main(["bench", *TINY, "--ops", "--tokens", "1,4", "--layer", "1", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["tokens"] for r in records] == [1, 4]
+    for r in records:
+        assert r["layer"] == 1 and r["forward_ratio"] == 1.0
+        for op in ("forward", "fd", "jvp", "vjp", "fd_extra"):
+            assert r[f"{op}_ms"] > 0 and r[f"{op}_ratio"] > 0
+    table = capsys.readouterr().out
+    assert "JVP (ms)" in table and "VJP (ms)" in table
+    assert main(["bench", *TINY, "--ops", "--layer", "4"]) == 2
+    assert "--layer must lie in [0, 3]" in capsys.readouterr().err
+    assert main(["bench", *TINY, "--tokens", "1,4", "--plans", "2xF1"]) == 2
+    assert "comma list only with --ops" in capsys.readouterr().err
+
+
+def test_bench_plans_with_diag_newton_and_tol_report_iterations(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    plans = "4xF1-h0-K2-diag:vjp,2xF2-fwd-K2-diag-probes:2-subset:1,4xF1-h0-K2-newton,4xF1-h0-K4-tol:1e-30"
+    assert main(["bench", *TINY, "--tokens", "3", "--plans", plans, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["iters"] for r in records] == [None, 2, 2, 2, 4]
+    assert "iters" in capsys.readouterr().out
+
+
+def test_generate_cli_with_a_diag_plan(tmp_path):
+    from snlp.checkpoint import save_checkpoint
+    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+    text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
+    tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_embd=32, scale=0.15,
+                       sequence_len=64)
+    ck = save_checkpoint(tmp_path / "ck", model, tokenizer=tok)
+    outs = {}
+    for mode, plan in (("sequential", []), ("snlp", ["--plan", "4xF1-h0-K4-diag:vjp"])):
+        out = tmp_path / f"{mode}.json"
+        assert main(["generate", str(ck), "--prompt", "First", "--max-new-tokens", "8", "--mode", mode, *plan,
+                     "--quiet", "--json", str(out)]) == 0
+        outs[mode] = json.loads(Path(out).read_text())
+    assert len(outs["snlp"]["tokens"]) == 8 and outs["snlp"]["tokens"] == outs["sequential"]["tokens"]
