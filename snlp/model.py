@@ -15,8 +15,8 @@ state is n residual streams, h_l (B, T, n, D). h_0 copies the normed embedding t
 (expand) and `head` sums the streams (reduce) before the final norm. Each attention and MLP
 sublayer of every block is wrapped as
     x' = H_res x + H_post (x) F(norm(H_pre x))
-with H_res (n x n) = Sinkhorn-Knopp(exp(logits)) (doubly stochastic, HC_SINKHORN_ITERS rounds in
-log space, in at least fp32), H_pre = sigmoid(logits) (1 x n), H_post = 2 sigmoid(logits) (n x 1).
+with H_res (n x n) = Sinkhorn-Knopp(exp(logits)) (doubly stochastic, HC_SINKHORN_ITERS rounds of
+row/column normalisation, in at least fp32), H_pre = sigmoid(logits) (1 x n), H_post = 2 sigmoid(logits) (n x 1).
 Static mHC (hc_dynamic=False): the logits are learned biases. Dynamic (default): logits = bias +
 alpha (.) (norm(vec(x)) @ phi), alpha (one gate each for res/pre/post) zero at init, so the model
 starts static. Init: H_res ~ I, H_pre favours stream l mod n (breaks the symmetry between the

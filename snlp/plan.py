@@ -139,6 +139,11 @@ class Plan:
         pos = {c: i for i, c in enumerate(self.order)}
         return [True] + [pos[c - 1] < pos[c] for c in range(1, self.chunks)]
 
+    def link_factors(self) -> list[float]:
+        """Per chunk, the factor scaling its surrogate A_c in the correction: the ELK factor 1 - elk
+        where the chunk is linked to its predecessor (`link`), else 0."""
+        return [(1.0 - self.elk) if linked else 0.0 for linked in self.link()]
+
     # ----- string form -----
     def __str__(self) -> str:
         s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}"

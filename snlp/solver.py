@@ -54,7 +54,7 @@ class SolveResult:
 def _transfer(plan: Plan) -> Tensor | None:
     """(C, C) matrix P with d = P @ b solving d_c = a_c d_{c-1} + b_c; None means plain cumsum."""
     C = plan.chunks
-    a = [(1.0 - plan.elk) if linked else 0.0 for linked in plan.link()]
+    a = plan.link_factors()
     if plan.surrogate == "idn" and all(x == 1.0 for x in a):
         return None
     if plan.surrogate == "none":
@@ -76,9 +76,8 @@ def correct(b: Tensor, plan: Plan) -> Tensor:
 
 
 def link_factors(plan: Plan, like: Tensor) -> Tensor:
-    """(C,) factor scaling a_c: 1 - elk where chunk c is linked to its predecessor, else 0."""
-    return torch.tensor([(1.0 - plan.elk) if linked else 0.0 for linked in plan.link()],
-                        device=like.device, dtype=like.dtype)
+    """`Plan.link_factors` as a (C,) tensor like `like`."""
+    return torch.tensor(plan.link_factors(), device=like.device, dtype=like.dtype)
 
 
 def _as_plan(model: GPT, plan: Plan | str) -> Plan:

@@ -54,6 +54,7 @@ smaller stack), the others get a = 1 (IDN), so the extra cost is proportional to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Callable
@@ -227,23 +228,14 @@ def chunk_probe_map(w: ChunkWeights, ctx, cache=None, layers: Tensor | None = No
     return f
 
 
-class _Mode:
+@contextlib.contextmanager
+def _estimator_mode(estimator: str):
     """Autograd context for the estimators: no_grad (the estimate is detached), and inference mode
-    switched off for vjp (autograd cannot record through inference tensors; we clone those)."""
-
-    def __init__(self, estimator: str):
-        self.vjp_in_inference = estimator == "vjp" and torch.is_inference_mode_enabled()
-        self.clone = self.vjp_in_inference
-
-    def __enter__(self):
-        self.ctxs = ([torch.inference_mode(False)] if self.vjp_in_inference else []) + [torch.no_grad()]
-        for c in self.ctxs:
-            c.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
+    switched off for vjp (autograd cannot record through inference tensors). Yields whether inference
+    tensors must be cloned into normal ones."""
+    clone = estimator == "vjp" and torch.is_inference_mode_enabled()
+    with torch.inference_mode(False) if clone else contextlib.nullcontext(), torch.no_grad():
+        yield clone
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -254,9 +246,9 @@ def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Pla
     C, P = inputs.shape[0], plan.probes
     chunks = list(range(C)) if plan.subset is None else list(plan.subset)
     cache = ctx.cache
-    with _Mode(plan.estimator) as mode:
-        ws = _probe_weights(w, chunks, mode.clone)
-        cx = _plain(ctx, mode.clone)
+    with _estimator_mode(plan.estimator) as clone:
+        ws = _probe_weights(w, chunks, clone)
+        cx = _plain(ctx, clone)
         layers = None
         if cache is not None and plan.subset is not None:  # gathered chunks: name their layer slots explicitly
             M = w.fuse
@@ -264,7 +256,7 @@ def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Pla
         sel = torch.tensor(chunks, device=inputs.device) if plan.subset is not None else None
         x = inputs.detach() if sel is None else inputs.detach().index_select(0, sel)
         fx = tilde.detach() if sel is None else tilde.detach().index_select(0, sel)
-        if mode.clone:
+        if clone:
             x, fx = x.clone(), fx.clone()
         v = rademacher((P, *x.shape), x, gen)
         est = hutchinson_diag(chunk_probe_map(ws, cx, cache, layers, P), x, v, plan.estimator, plan.eps, fx,
@@ -280,9 +272,7 @@ def newton_delta(w: ChunkWeights, inputs: Tensor, b: Tensor, ctx, plan: Plan) ->
     over chunks: the reference solver, C - 1 sequential JVPs per iteration. Unlike the DiagN
     estimate nothing is detached: under autograd the JVPs are differentiated too (K >= C gives the
     sequential model's gradients)."""
-    from .solver import link_factors  # solver imports this module lazily; avoid an import cycle
-
-    link = link_factors(plan, b).tolist()
+    link = plan.link_factors()
     cache = ctx.cache
     pc = None if cache is None else ReadOnlyCache(cache)  # chunk(c) names its own layer slots
     out = [b[0]]
