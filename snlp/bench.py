@@ -17,7 +17,7 @@ import torch
 
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
-from .cli import device_label, write_json
+from .cli import cli_device, cli_dtype, device_label, set_threads, write_json
 from .fusion import chunk_weights
 from .solver import solve
 
@@ -233,10 +233,7 @@ def print_decode_table(records: list[dict], title: str) -> None:
 
 
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     except ValueError:
@@ -262,12 +259,10 @@ def run(args) -> int:
     args.tokens = counts[0]
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    device = cli_device(args.device)
     model = build_model(args)
     plans = parse_plans(args.plans, model.config.n_layer)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = cli_dtype(args.dtype, device)
     model = model.to(device=device, dtype=getattr(torch, dtype))
     if args.decode:
         return run_decode(args, model, plans, device, dtype)
@@ -352,14 +347,9 @@ def print_ops_table(records: list[dict], title: str) -> None:
 def run_ops(args, counts: tuple[int, ...]) -> int:
     if args.runs < 1 or args.warmup < 0:
         raise ValueError("--runs must be >= 1 and --warmup >= 0")
-    if args.threads is not None:  # --threads (decode group) applies here too
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    set_threads(args.threads)  # --threads (decode group) applies here too
+    device = cli_device(args.device)
+    dtype = cli_dtype(args.dtype, device)
     model = build_model(args).to(device=device, dtype=getattr(torch, dtype))
     records = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
     cfg = model.config

@@ -28,6 +28,31 @@ def write_json(path, obj) -> None:
     print(f"wrote {path}")
 
 
+def cli_device(name: str):
+    """torch.device of a --device flag; a clear error when CUDA is asked for but not available."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def cli_dtype(dtype: str | None, device) -> str:
+    """A --dtype flag's value, defaulting to bfloat16 on CUDA and float32 elsewhere."""
+    return dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def set_threads(n: int | None) -> None:
+    """Apply a --threads flag: torch's intra-op CPU threads (None leaves the default)."""
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(n)
+
+
 def device_label(device) -> str:
     """What a benchmark ran on, for table titles: the GPU name or the CPU and its thread count."""
     import torch

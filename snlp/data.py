@@ -171,6 +171,12 @@ def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0) -
     return h.hexdigest()[:16]
 
 
+def split_key(spec: str | None, text_field: str = "text", max_chars: int = 0, val_frac: float = 0.05) -> str:
+    """Cache key of a data spec's train/validation split (`source_key` plus the validation fraction):
+    names the tokenizer and token files `snlp train` writes and `snlp eval` reads."""
+    return source_key(spec, text_field, max_chars) + f"-v{round(val_frac, 6)}"
+
+
 def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[str]]:
     """Deterministic split by document: every round(1/val_frac)-th document goes to validation."""
     if not docs:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import data as D
 from .bench import time_round_robin
-from .cli import device_label, write_json
+from .cli import cli_device, cli_dtype, device_label, set_threads, write_json
 from .fusion import chunk_weights
 from .generate import sequential_generate, snlp_generate
 from .metrics import ar_match, cosine, implied_beta, logit_sim, pareto_front, perplexity, top1_agreement
@@ -128,7 +128,7 @@ def validation_tokens(tok, data: str = "stdlib", text_field: str = "text", max_c
     split, same token cache key), tokenized with `tok` (the checkpoint's: no tokenizer training). Only
     the validation documents are tokenized when the cache lacks them."""
     cache = Path(cache_dir) if cache_dir else D.cache_dir()
-    key = D.source_key(data, text_field, max_chars) + f"-v{round(val_frac, 6)}"  # snlp.train.prepare_data's key
+    key = D.split_key(data, text_field, max_chars, val_frac)
     pval = D.token_paths(key, tok, cache)[1]
     if pval.is_file():
         return as_tokens(D.open_memmap(pval, tok.vocab_size))
@@ -460,13 +460,8 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 def run(args) -> int:
     from .checkpoint import load
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    device = cli_device(args.device)
+    set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval` needs it to tokenize the "
@@ -474,7 +469,7 @@ def run(args) -> int:
     plans = parse_plans(args.plans, model.config.n_layer)
     cfg = config_from_args(args, model)
     cfg.check()
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = cli_dtype(args.dtype, device)
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
     val = validation_tokens(tok, **data)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .cli import write_json
+from .cli import cli_device, write_json
 from .model import GPT
 from .plan import Plan
 from .fusion import chunk_weights
@@ -423,9 +423,7 @@ def run(args) -> int:
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
     _check_common(args.max_new_tokens, args.temperature, args.block)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
     from .checkpoint import load  # the checkpoint format belongs to the training module

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cli import cli_device
 from .report import MODELS, _fmt_s, environment, render_report
 
 REG_LAMBDA = 0.5
@@ -605,8 +606,7 @@ def check_args(args, pre: Preset) -> None:
         raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
     if pre.width % pre.head_dim:
         raise ValueError(f"--width must be a multiple of the head dim {pre.head_dim} (got {pre.width})")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    cli_device(args.device)
 
 
 def run(args) -> int:

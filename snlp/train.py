@@ -238,7 +238,7 @@ def set_rng_state(st: dict) -> None:
 def prepare_data(args, tok: Tokenizer | None, rank: int, world: int) -> tuple[Tokenizer, D.TokenData]:
     """Tokenizer (trained unless given) and cached token arrays. Rank 0 builds, others wait."""
     cache = Path(args.cache_dir) if args.cache_dir else D.cache_dir()
-    key = D.source_key(args.data, args.text_field, args.max_chars) + f"-v{round(args.val_frac, 6)}"
+    key = D.split_key(args.data, args.text_field, args.max_chars, args.val_frac)
     tok_path = cache / f"{key}-bpe{args.vocab_size}.tokenizer.json"
 
     def build():
