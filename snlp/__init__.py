@@ -5,12 +5,15 @@ from .diagnostics import early_exit
 from .eval import EvalConfig, evaluate
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from .model import GPT, GPTConfig
+from .correction import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
 from .plan import Plan, parse_plans
 from .tokenizer import Tokenizer
-from .solver import SNLPDivergenceError, SolveResult, fused_forward, fused_sequential, parallel_forward, solve
+from .solver import (Runner, SNLPDivergenceError, SolveResult, bind, fused_forward, fused_sequential,
+                     parallel_forward, solve)
 
 __version__ = "0.1.0"
-__all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "solve", "parallel_forward", "fused_sequential",
+__all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "bind", "Runner", "solve", "parallel_forward",
+           "Surrogate", "Identity", "Jacobi", "HCN", "DiagN", "Newton", "fused_sequential",
            "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
            "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "evaluate",
            "early_exit", "__version__"]

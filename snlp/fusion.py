@@ -53,7 +53,6 @@ Every branch reads its own input (q . x), so the projections run batched over th
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,8 +60,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import GPT, VE_GATE_CHANNELS, Context, attend, hc_gate, hc_maps, norm, rope
-
-CACHE_SIZE = 4  # fused weight sets kept per model (each is a copy of the suffix weights)
 
 
 @dataclass
@@ -203,37 +200,14 @@ def _hc_weights(blocks, C: int, M: int, n: int) -> HCWeights:
     return HCWeights(n=n, bias=bias, phi=phi, gate=gate, fixed=None)
 
 
-def _suffix_params(model: GPT, start: int, stop: int) -> list[Tensor]:
-    ps = [p for l in range(start, stop) for p in model.blocks[l].parameters()]
-    if model.config.x0_residual:
-        ps += [model.resid_lambdas, model.x0_lambdas]
-    return ps
-
-
 def chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
-    """Fused weights for (model, suffix layout), built once and reused until a weight changes.
+    """Fused weights for (model, suffix layout), built from the model's current parameters.
 
-    Under autograd (training the regulariser through the solve) they are rebuilt on every call so
-    gradients flow into the model's parameters. Otherwise they are cached on the model keyed by
-    the layout and invalidated by each parameter's storage pointer and version counter, which
-    in-place updates (optimizer steps, load_state_dict, .to()) change.
-    """
-    params = _suffix_params(model, start, start + chunks * fuse)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return build_chunk_weights(model, start, chunks, fuse)
-    sig = tuple((p.data_ptr(), p._version) for p in params)
-    cache = model.__dict__.setdefault("_snlp_chunk_cache", OrderedDict())
-    key = (start, chunks, fuse)
-    hit = cache.get(key)
-    if hit is not None and hit[0] == sig:
-        cache.move_to_end(key)
-        return hit[1]
-    with torch.no_grad():
-        w = build_chunk_weights(model, start, chunks, fuse)
-    cache[key] = (sig, w)
-    while len(cache) > CACHE_SIZE:
-        cache.popitem(last=False)
-    return w
+    Nothing is cached here: a cache keyed on parameter versions misses in-place edits through
+    `.data`, which silently returned stale logits. Code that runs a plan repeatedly holds its weights
+    explicitly (`snlp.bind(model, plan)`, refreshed on demand). Under autograd (training through the
+    solve, grad mode on) the weights are built with the graph so gradients reach the parameters."""
+    return build_chunk_weights(model, start, chunks, fuse)
 
 
 def _padded_ve(ctx: Context) -> Tensor:

@@ -26,8 +26,7 @@ from .cache import KVCache
 from .cli import cli_device, write_json
 from .model import GPT
 from .plan import Plan
-from .fusion import chunk_weights
-from .solver import solve
+from .solver import bind
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
@@ -215,8 +214,7 @@ def _seq_forward(model: GPT) -> Callable:
 
 
 def _snlp_forward(model: GPT, plan: Plan) -> Callable:
-    w = chunk_weights(model, plan.prefix_len(model.config.n_layer), plan.chunks, plan.fuse)  # fused once per call
-    return lambda idx, cache: model.head(solve(model, idx, plan, check_finite=False, cache=cache, weights=w).hidden)
+    return bind(model, plan, check_finite=False)  # fused once per call: (idx, cache) -> logits
 
 
 # ----- autoregressive: sequential and SNLP -----

@@ -14,11 +14,12 @@ maximum: iterating stops once the relative update of the final state drops below
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
-SURROGATES = ("idn", "none", "hcn", "diag", "newton")
-ESTIMATORS = ("fd", "jvp", "vjp")  # how DiagN estimates diag(J): finite difference, forward AD, reverse AD
+from .correction import ESTIMATORS, SURROGATES, DiagN, Identity, Surrogate, parse_surrogate
+
 INITS = ("h0", "fwd")
 GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
@@ -30,21 +31,18 @@ _HEAD = re.compile(r"^(\d+)xF(\d+)$")
 @dataclass(frozen=True)
 class Plan:
     """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K; the maximum when
-    `tol` > 0), `surrogate`, the DiagN `estimator`/`probes`/`eps`/`subset` (chunk indices with a
-    diagonal estimate; None = all), ELK damping `elk` (the correction is scaled by 1 - elk) and the
+    `tol` > 0), the `surrogate` (a typed value from snlp.correction: Identity, Jacobi, HCN,
+    DiagN(estimator, probes, eps, subset), Newton; a grammar token such as "none" or "diag:vjp" is
+    accepted and converted), ELK damping `elk` (the correction is scaled by 1 - elk) and the
     correction `order` (a permutation of chunk indices; None = forward, the paper's default)."""
 
     chunks: int
     fuse: int = 1
     init: str = "h0"
     iters: int = 1
-    surrogate: str = "idn"
+    surrogate: Surrogate = Identity()
     elk: float = 0.0
     order: tuple[int, ...] | None = None
-    estimator: str = "fd"
-    probes: int = 1
-    eps: float = 1e-3
-    subset: tuple[int, ...] | None = None
     tol: float = 0.0
 
     def __post_init__(self):
@@ -57,9 +55,16 @@ class Plan:
             problems.append(f"unknown init {self.init!r}: valid inits are {', '.join(INITS)}")
         if not isinstance(self.iters, int) or self.iters < 0:
             problems.append(f"iterations K must be an integer >= 0 (got {self.iters!r})")
-        if self.surrogate not in SURROGATES:
-            problems.append(f"unknown surrogate {self.surrogate!r}: valid surrogates are {', '.join(SURROGATES)}")
-        if not 0.0 <= float(self.elk) < 1.0:
+        if isinstance(self.surrogate, str):
+            sur = parse_surrogate(self.surrogate)
+            if sur is None:
+                problems.append(f"unknown surrogate {self.surrogate!r}: valid surrogates are "
+                                f"{', '.join(c.token for c in SURROGATES)} (diag[:{'|'.join(ESTIMATORS)}])")
+            else:
+                object.__setattr__(self, "surrogate", sur)
+        elif not isinstance(self.surrogate, Surrogate):
+            problems.append(f"surrogate must be a snlp.correction surrogate or its token, got {self.surrogate!r}")
+        if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
             problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
         if self.order is not None and isinstance(self.chunks, int):
             if sorted(self.order) != list(range(self.chunks)):
@@ -69,26 +74,13 @@ class Plan:
                 object.__setattr__(self, "order", None)  # forward is the canonical default
             else:
                 object.__setattr__(self, "order", tuple(int(i) for i in self.order))
-        if self.estimator not in ESTIMATORS:
-            problems.append(f"unknown DiagN estimator {self.estimator!r}: valid estimators are {', '.join(ESTIMATORS)}")
-        if not isinstance(self.probes, int) or self.probes < 1:
-            problems.append(f"probes must be an integer >= 1 (got {self.probes!r})")
-        if not float(self.eps) > 0:
-            problems.append(f"FD step eps must be > 0 (got {self.eps})")
-        if not float(self.tol) >= 0:
-            problems.append(f"tol must be >= 0, 0 = fixed K (got {self.tol})")
-        if self.surrogate != "diag" and (self.estimator, self.probes, float(self.eps), self.subset) != ("fd", 1, 1e-3, None):
-            problems.append(f"estimator/probes/eps/subset only apply to the diag surrogate (surrogate is {self.surrogate})")
-        if self.subset is not None and isinstance(self.chunks, int):
-            if not self.subset or len(set(self.subset)) != len(self.subset) or not all(
-                    0 <= int(i) < self.chunks for i in self.subset):
-                problems.append(f"subset must list distinct chunk indices in 0..{self.chunks - 1} "
-                                f"(got {'.'.join(map(str, self.subset))})")
-            else:
-                object.__setattr__(self, "subset", tuple(sorted(int(i) for i in self.subset)))
+        if not _finite(self.tol) or not float(self.tol) >= 0:
+            problems.append(f"tol must be a finite number >= 0, 0 = fixed K (got {self.tol})")
+        if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
+            problems += self.surrogate.check(self)
         if problems:
             raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
-        for name in ("elk", "eps", "tol"):
+        for name in ("elk", "tol"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     # ----- derived quantities -----
@@ -112,22 +104,28 @@ class Plan:
                 f"(e.g. {', '.join(fits) or 'a smaller M'})")
         return self
 
+    def check_model(self, config) -> "Plan":
+        """Raise a ValueError unless the plan fits a model with this GPTConfig (depth; HCN needs mHC)."""
+        self.check(config.n_layer)
+        if self.surrogate.needs_mhc and config.hc_streams < 1:
+            raise ValueError(f"plan {self}: the {self.surrogate.token} surrogate needs an mHC model "
+                             f"(GPTConfig.hc_streams >= 1); this model has a plain residual stream, use idn")
+        return self
+
     @property
     def evals_per_iter(self) -> int:
-        """Suffix evaluations on the critical path per iteration, in batched-forward units: DiagN
-        adds one batched probe evaluation per probe (FD f(x+eps v), a JVP or a VJP; their real costs
-        are in `snlp bench --ops`); exact Newton adds C sequential chunk JVPs."""
-        if self.surrogate == "diag":
-            return 1 + self.probes
-        if self.surrogate == "newton":
-            return 1 + self.chunks
-        return 1
+        """Batched suffix evaluations on the critical path per iteration (the surrogate's cost:
+        DiagN adds its estimator's batched probe passes, all P probes in one batch; exact Newton one
+        JVP per corrected chunk; real op costs are in `snlp bench --ops`)."""
+        return self.surrogate.evals_per_iter(self)
 
-    def ideal_speedup(self, n_layer: int) -> float:
-        """L / (S + K * evals_per_iter + [init == fwd]): layer evaluations on the critical path of
-        sequential vs SNLP execution, assuming a batched evaluation costs one layer."""
+    def ideal_speedup(self, n_layer: int, iters: int | None = None) -> float:
+        """The layer-step ideal L / (S + K * evals_per_iter + [init == fwd]): layer evaluations on the
+        critical path of sequential vs SNLP execution, assuming a batched evaluation costs one layer.
+        `iters` = the iterations actually run (with `tol` they may stop before K)."""
         S = self.prefix_len(n_layer)
-        steps = S + self.iters * self.evals_per_iter + (1 if self.init == "fwd" else 0)
+        K = self.iters if iters is None else iters
+        steps = S + K * self.evals_per_iter + (1 if self.init == "fwd" else 0)
         return n_layer / max(steps, 1)
 
     def link(self) -> list[bool]:
@@ -146,17 +144,7 @@ class Plan:
 
     # ----- string form -----
     def __str__(self) -> str:
-        s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}"
-        if self.surrogate == "diag":
-            s += f"-diag:{self.estimator}"
-            if self.probes != 1:
-                s += f"-probes:{self.probes}"
-            if self.eps != 1e-3:
-                s += f"-eps:{self.eps:g}"
-            if self.subset is not None:
-                s += "-subset:" + ".".join(map(str, self.subset))
-        elif self.surrogate != "idn":
-            s += f"-{self.surrogate}"
+        s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}{self.surrogate}"
         if self.tol:
             s += f"-tol:{self.tol:g}"
         if self.elk:
@@ -188,8 +176,18 @@ class Plan:
             kw["order"] = tuple(range(kw["chunks"] - 1, -1, -1))
         elif kw.get("order") == "forward":
             kw["order"] = None
-        if isinstance(kw.get("surrogate"), tuple):
-            kw["surrogate"], kw["estimator"] = kw["surrogate"]
+        diag = {k: kw.pop(k) for k in ("probes", "eps", "subset") if k in kw}
+        if diag:
+            if not isinstance(kw.get("surrogate"), DiagN):
+                raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} only apply to the diag surrogate. "
+                                 f"Grammar: {GRAMMAR}")
+            try:
+                kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)
+            except ValueError as e:
+                raise ValueError(f"invalid SNLP plan {text!r}: {e}. Grammar: {GRAMMAR}") from None
+        if "tol" in kw and not kw["tol"] > 0:
+            raise ValueError(f"malformed plan {text!r}: tol must be a finite number > 0 (omit it for a fixed K). "
+                             f"Grammar: {GRAMMAR}")
         plan = cls(**kw)
         return plan.check(n_layer) if n_layer is not None else plan
 
@@ -220,27 +218,30 @@ def _split(text: str) -> list[str]:
 def _token(tok: str, text: str):
     if tok in INITS:
         return "init", tok
-    if tok in SURROGATES:
-        return "surrogate", tok
-    if tok.startswith("diag:") and tok[5:] in ESTIMATORS:
-        return "surrogate", ("diag", tok[5:])
+    sur = parse_surrogate(tok)
+    if sur is not None:
+        return "surrogate", sur
     if re.fullmatch(r"probes:\d+", tok):
         return "probes", int(tok[7:])
     if re.fullmatch(r"subset:\d+(\.\d+)*", tok):
         return "subset", tuple(int(i) for i in tok[7:].split("."))
     for key in ("eps", "tol"):
         if tok.startswith(key + ":"):
-            try:
-                return key, float(tok[len(key) + 1:])
-            except ValueError:
-                pass
+            value = _number(tok[len(key) + 1:])
+            if value is not None and not math.isfinite(value):  # inf/nan would only surface as NaN logits later
+                raise ValueError(f"malformed plan {text!r}: {key} needs a finite number, got {tok[len(key) + 1:]!r}. "
+                                 f"Grammar: {GRAMMAR}")
+            if value is not None:
+                return key, value
     if re.fullmatch(r"K\d+", tok):
         return "iters", int(tok[1:])
     if tok.startswith("elk:"):
-        try:
-            return "elk", float(tok[4:])
-        except ValueError:
-            pass
+        value = _number(tok[4:])
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"malformed plan {text!r}: elk needs a finite number in [0, 1), got {tok[4:]!r}. "
+                             f"Grammar: {GRAMMAR}")
+        if value is not None:
+            return "elk", value
     if tok.startswith("order:"):
         val = tok[6:]
         if val in ("forward", "reversed"):
@@ -248,6 +249,20 @@ def _token(tok: str, text: str):
         if re.fullmatch(r"\d+(\.\d+)*", val):
             return "order", tuple(int(i) for i in val.split("."))
     raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
 
 
 def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:

@@ -2,8 +2,8 @@
 
     L = L_CE + lambda * sum_{N in S} sum_{l in T_N} ||h_hat_l(N, K=1; A) - h_l^seq||_2 / (||h_l^seq||_2 + eps)
 
-h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) with the
-surrogate A named by the Plan (idn today; hcn/diag plug in as further Plan surrogates). Norms are
+h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) of the plan
+`RegConfig.plan(N)`, whose surrogate A is the config's typed surrogate (snlp.correction). Norms are
 over the hidden dim; the ratio is averaged over batch and positions, computed in fp32. With mHC
 (states (B, T, n, D)) the norm runs over all n streams together: the state the surrogate corrects
 is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .correction import Identity, Surrogate, parse_surrogate
 from .plan import Plan
 from .solver import solve
 
@@ -31,16 +32,42 @@ EPS = 1e-6
 
 @dataclass
 class RegConfig:
-    kind: str = "none"  # "none" or a Plan surrogate name: "idn", "hcn" (mHC models), "diag" (DiagN, FD, detached)
+    """The regulariser's settings. `surrogate`: the K=1 solve's surrogate (a snlp.correction value or its
+    plan token: Identity/"idn", HCN/"hcn" for mHC models, DiagN/"diag" = one FD probe, detached);
+    None = no regulariser."""
+
+    surrogate: Surrogate | str | None = None
     lam: float = 0.5
     suffixes: tuple[int, ...] = (8,)
     stride: int = 0
     detach: bool = False
     warmup: int = 0  # steps over which lambda ramps linearly from 0
 
+    def __post_init__(self):
+        if isinstance(self.surrogate, str):
+            sur = parse_surrogate(self.surrogate)
+            if sur is None:
+                raise ValueError(f"unknown regulariser surrogate {self.surrogate!r}: use a plan surrogate token "
+                                 f"(idn, hcn, diag[:fd|jvp|vjp], ...)")
+            self.surrogate = sur
+
     @property
     def active(self) -> bool:
-        return self.kind != "none" and self.lam > 0
+        return self.surrogate is not None and self.lam > 0
+
+    @property
+    def kind(self) -> str:
+        """The surrogate's plan token, "none" without a regulariser (logs, records)."""
+        return "none" if self.surrogate is None else self.surrogate.token
+
+    def plan(self, n_suffix: int) -> Plan:
+        """The K=1 plan whose solve is regularised for suffix length N (IDN when inactive: the logged gap)."""
+        return k1_plan(n_suffix, self.surrogate or Identity())
+
+    def check_model(self, config) -> None:
+        """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
+        for n in resolve_suffixes(config.n_layer, self.suffixes) if config.n_layer > 1 else []:
+            self.plan(n).check_model(config)
 
     def weight(self, step: int) -> float:
         """lambda at optimizer step `step` (linear ramp over `warmup` steps)."""
@@ -83,11 +110,15 @@ def supervised_layers(n_layer: int, n_suffix: int, stride: int) -> list[int]:
     return sorted(range(n_layer, S, -stride))
 
 
-def snlp_states(model, idx: Tensor, n_suffix: int, surrogate: str = "idn",
-                trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
-    """K=1 SNLP states (N, B, T, D) for the last `n_suffix` layers: [j] is h_hat_{S+j+1}. With the
-    sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
-    plan = Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
+def k1_plan(n_suffix: int, surrogate: Surrogate | str = Identity()) -> Plan:
+    """The regulariser's plan: N unfused chunks, h0 init, K = 1."""
+    return Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
+
+
+def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
+    """K=1 SNLP states (N, B, T, D) of `plan` (`k1_plan`) for its N suffix layers: [j] is h_hat_{S+j+1}.
+    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
+    n_suffix = plan.n_suffix
     prefix = None if trace is None else trace[model.config.n_layer - n_suffix]
     res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix)
     return res.states[1], model.config.n_layer - n_suffix
@@ -109,7 +140,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for N in resolve_suffixes(L, cfg.suffixes):
-        states, S = snlp_states(model, idx, N, cfg.kind, trace)
+        states, S = snlp_states(model, idx, cfg.plan(N), trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target)
@@ -117,8 +148,8 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
 
 
 @torch.no_grad()
-def snlp_gap(model, idx: Tensor, n_suffix: int, surrogate: str = "idn") -> float:
-    """Measured K=1 SNLP-vs-sequential gap: relative error of the final state h_L."""
+def snlp_gap(model, idx: Tensor, plan: Plan) -> float:
+    """Measured K=1 SNLP-vs-sequential gap of `plan` (`k1_plan`): relative error of the final state h_L."""
     trace = model.hidden_states(idx)
-    states, _ = snlp_states(model, idx, n_suffix, surrogate, trace)
+    states, _ = snlp_states(model, idx, plan, trace)
     return float(relative_error(states[-1], trace[-1]))

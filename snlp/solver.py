@@ -15,6 +15,7 @@ correction order visits chunk c before chunk c-1):
     the chunk forward); solved by a matrix associative scan (snlp.scan).
   - diag: a_c = Hutchinson estimate of diag(J_c) (snlp.surrogates); elementwise associative scan.
   - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
+Each surrogate is a typed value in snlp.correction that owns its grammar token, cost and correction.
 No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
 With `tol` > 0, K is a maximum: the solve stops once max over the batch of
 ||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| (the final state's relative update) is below tol.
@@ -23,15 +24,14 @@ With `tol` > 0, K is a maximum: the solve stops once max over the batch of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
+from .correction import DiagN, Iterate, scalar_correct
 from .fusion import ChunkWeights, chunk_forward, chunk_weights
 from .model import GPT
 from .plan import Plan
-from .scan import affine_scan
 
 
 class SNLPDivergenceError(FloatingPointError):
@@ -50,60 +50,15 @@ class SolveResult:
     updates: list[float] = field(default_factory=list)  # final-state relative update per iteration (tol > 0)
 
 
-@lru_cache(maxsize=256)
-def _transfer(plan: Plan) -> Tensor | None:
-    """(C, C) matrix P with d = P @ b solving d_c = a_c d_{c-1} + b_c; None means plain cumsum."""
-    C = plan.chunks
-    a = plan.link_factors()
-    if plan.surrogate == "idn" and all(x == 1.0 for x in a):
-        return None
-    if plan.surrogate == "none":
-        a = [0.0] * C
-    P = torch.zeros(C, C, dtype=torch.float64)
-    for c in range(C):  # built once per plan (cached), never on the hot path
-        if c > 0:
-            P[c, :c] = a[c] * P[c - 1, :c]
-        P[c, c] = 1.0
-    return P
-
-
 def correct(b: Tensor, plan: Plan) -> Tensor:
-    """Solve the correction recurrence over chunks for b = tilde - h_old, b (C, ...)."""
-    P = _transfer(plan)
-    if P is None:
-        return b.cumsum(0)  # IDN, forward order: prefix sum over depth
-    return torch.einsum("cj,j...->c...", P.to(device=b.device, dtype=b.dtype), b)
-
-
-def link_factors(plan: Plan, like: Tensor) -> Tensor:
-    """`Plan.link_factors` as a (C,) tensor like `like`."""
-    return torch.tensor(plan.link_factors(), device=like.device, dtype=like.dtype)
+    """Solve the scalar-factor correction recurrence over chunks for b = tilde - h_old (C, ...):
+    d_c = link_c d_{c-1} + b_c (IDN with the plan's link/ELK factors)."""
+    return scalar_correct(b, tuple(plan.link_factors()))
 
 
 def _as_plan(model: GPT, plan: Plan | str) -> Plan:
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    plan.check(model.config.n_layer)
-    if plan.surrogate == "hcn" and model.config.hc_streams < 1:
-        raise ValueError(f"plan {plan}: the hcn surrogate needs an mHC model (GPTConfig.hc_streams >= 1); "
-                         f"this model has a plain residual stream, use idn")
-    return plan
-
-
-def _delta(plan: Plan, w: ChunkWeights, ctx, inputs: Tensor, tilde: Tensor, h: Tensor, mix: Tensor | None,
-           gen: torch.Generator | None) -> Tensor:
-    """d = h^{(k+1)} - h^{(k)} (C, B, T, ...) for the plan's surrogate, given the batched chunk
-    forward tilde = F(inputs) and, for hcn, the chunks' stream-mixing matrices `mix`."""
-    b = tilde - h
-    if plan.surrogate == "idn":
-        return correct(b, plan)
-    if plan.surrogate == "hcn":  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
-        with torch.autocast(b.device.type, enabled=False):  # corrections in h's dtype (fp32 under autocast)
-            return affine_scan(mix * link_factors(plan, mix).view(-1, 1, 1, 1, 1), b, matrix=True)
-    from . import surrogates  # DiagN / exact Newton live in their own module
-    if plan.surrogate == "diag":
-        a = surrogates.diag_jacobian(w, inputs, tilde, ctx, plan, gen)  # (C, B, T, ..., D)
-        return affine_scan(a * link_factors(plan, a).view(-1, *[1] * (a.dim() - 1)), b)
-    return surrogates.newton_delta(w, inputs, b, ctx, plan)
+    return plan.check_model(model.config)
 
 
 def _relative_update(d: Tensor, h: Tensor) -> float:
@@ -132,8 +87,11 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     the K/V left in the cache are those of the inputs the last iteration used. The cache then
     advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile.
     `prefix` is an already computed h_S (B, T, D) for idx, e.g. from the training forward's trace,
-    so the prefix layers are not run twice."""
+    so the prefix layers are not run twice (not with a cache: the prefix K/V would stay unwritten)."""
     plan = _as_plan(model, plan)
+    if prefix is not None and cache is not None:
+        raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
+                         "their K/V would never reach the cache while it advances; pass one or the other")
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     ctx = model.embed(idx, cache)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
@@ -142,17 +100,16 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     if plan.init == "fwd":
         h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
     states = [h] if keep_states else []
-    hcn = plan.surrogate == "hcn"
-    gen = torch.Generator(hS.device).manual_seed(0) if plan.surrogate == "diag" else None  # reproducible probes
+    sur = plan.surrogate
+    gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes
     iters, updates = 0, []
     for _ in range(plan.iters):
         inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
-        tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
-        if plan.surrogate == "none":
-            d, h = tilde - h, tilde
+        if sur.needs_mix:
+            tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True)
         else:
-            d = _delta(plan, w, ctx, inputs, tilde, h, mix, gen)
-            h = h + d
+            tilde, mix = chunk_forward(w, inputs, ctx, cache), None
+        d, h = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
         iters += 1
         if keep_states:
             states.append(h)
@@ -171,8 +128,50 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
 
 def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:
     """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
-    (see `solve`)."""
+    (see `solve`). Fuses the suffix weights on every call (always current); to run a plan many times,
+    `bind` it once."""
     return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
+
+
+class Runner:
+    """A model bound to an SNLP plan (`snlp.bind`). The fused chunk weights are built once, here, and
+    held explicitly in `.weights`; nothing is cached behind the model's back. After the model's
+    weights change (an optimizer step, load_state_dict, an in-place edit through `.data`, which no
+    version counter sees) call `refresh()`. Calling the runner is the SNLP forward
+    idx (B, T) -> logits (B, T, V), optionally one KV-cached decode step; it is what bench, eval,
+    generate and the speculative drafter take, and `torch.compile(runner)` compiles it. The weights
+    are built without autograd: to train through the solve, call `solve(model, ...)` (fresh weights
+    with gradients) instead."""
+
+    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True):
+        self.model, self.plan, self.check_finite = model, _as_plan(model, plan), check_finite
+        self.refresh()
+
+    def refresh(self) -> "Runner":
+        """Rebuild the fused weights from the model's current parameters."""
+        with torch.no_grad():
+            self.weights = chunk_weights(self.model, self.plan.prefix_len(self.model.config.n_layer),
+                                         self.plan.chunks, self.plan.fuse)
+        return self
+
+    def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
+              prefix: Tensor | None = None) -> SolveResult:
+        """`snlp.solve` with the bound weights."""
+        return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
+                     check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix)
+
+    def __call__(self, idx: Tensor, cache=None) -> Tensor:
+        return self.model.head(self.solve(idx, cache=cache).hidden)
+
+    def __repr__(self) -> str:
+        return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"
+
+
+def bind(model: GPT, plan: Plan | str, check_finite: bool = True) -> Runner:
+    """Bind `model` to `plan`: a Runner holding the plan's fused weights (see Runner). With
+    `check_finite` a NaN/inf final state raises SNLPDivergenceError (a host sync per call; decoding
+    loops and compiled code pass False and check outside the step)."""
+    return Runner(model, plan, check_finite)
 
 
 def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:

@@ -6,7 +6,7 @@ tilde = F(inputs):
 
   diag_jacobian(w, inputs, tilde, ctx, plan, gen) -> a   (C, B, T, ..., D)
       Hutchinson estimate a_c ~ diag(J_c), J_c = dF_c/dx at the chunk's current input, averaged
-      over `plan.probes` Rademacher probes v (E[v o Jv] = diag J since E[v_i v_j] = delta_ij; the
+      over `probes` (DiagN) Rademacher probes v (E[v o Jv] = diag J since E[v_i v_j] = delta_ij; the
       VJP variant uses v o J^T v, same expectation). The solver scales it by the link/ELK factors
       and solves d_c = a_c o d_{c-1} + b_c with the log-depth `snlp.scan.affine_scan`.
   newton_delta(w, inputs, b, ctx, plan) -> d              (C, B, T, ..., D)
@@ -19,7 +19,7 @@ attention mixes tokens, so J_c couples tokens. diag(J_c) is the same-token, same
 dF_c(x)[b, t, ..., i] / dx[b, t, ..., i] (for mHC models the stream dim is one more elementwise
 dim). The probe is drawn over all positions at once, so cross-token terms only add variance.
 
-Estimators (plan.estimator):
+Estimators (DiagN.estimator):
   fd   (F(x + s o v) - F(x)) / s with F(x) = tilde reused from the solver, so the extra cost is ONE
        batched chunk forward for all probes (probes are stacked into the batch dim). The step is
        relative: s = eps * max(RMS(x_token), 1) per token (RMS over the token's trailing dims), so
@@ -27,7 +27,7 @@ Estimators (plan.estimator):
        below eps in absolute terms; dividing by the same per-token s keeps the estimator unbiased
        for the diagonal. Low precision: eps is raised to sqrt(machine eps) of the compute dtype
        (the autocast dtype under autocast): 0.088 for bf16, 0.031 for fp16, so a bf16 difference
-       is not pure rounding noise; fp32/fp64 keep plan.eps (default 1e-3).
+       is not pure rounding noise; fp32/fp64 keep DiagN.eps (default 1e-3).
   jvp  torch.func.jvp through chunk_forward (exact J v, one forward-mode pass for all probes).
        PyTorch has no forward AD for the fused SDPA kernels (CPU flash, CUDA flash/efficient), so
        the JVP runs under `sdpa_kernel(SDPBackend.MATH)` (the composite math attention, which
@@ -48,7 +48,7 @@ tracking) inputs into the cache: the cache must keep the K/V of the inputs the r
 They therefore attend through `ReadOnlyCache`, which returns the cached K/V of earlier positions
 concatenated with the probe's own new K/V and writes nothing. The same holds for the Newton JVPs.
 
-`plan.subset` (chunk indices): only those chunks are probed (their weights are gathered into one
+`DiagN.subset` (chunk indices): only those chunks are probed (their weights are gathered into one
 smaller stack), the others get a = 1 (IDN), so the extra cost is proportional to the subset.
 """
 
@@ -242,24 +242,25 @@ def _estimator_mode(estimator: str):
 def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Plan,
                   gen: torch.Generator | None = None) -> Tensor:
     """Hutchinson estimate of diag(J_c) (C, B, T, ..., D) of every chunk map at its current input
-    `inputs` (C, B, T, ..., D), tilde = F(inputs); chunks outside plan.subset get a = 1. Detached."""
-    C, P = inputs.shape[0], plan.probes
-    chunks = list(range(C)) if plan.subset is None else list(plan.subset)
+    `inputs` (C, B, T, ..., D), tilde = F(inputs); chunks outside the DiagN subset get a = 1. Detached."""
+    sur = plan.surrogate  # a DiagN
+    C, P = inputs.shape[0], sur.probes
+    chunks = list(range(C)) if sur.subset is None else list(sur.subset)
     cache = ctx.cache
-    with _estimator_mode(plan.estimator) as clone:
+    with _estimator_mode(sur.estimator) as clone:
         ws = _probe_weights(w, chunks, clone)
         cx = _plain(ctx, clone)
         layers = None
-        if cache is not None and plan.subset is not None:  # gathered chunks: name their layer slots explicitly
+        if cache is not None and sur.subset is not None:  # gathered chunks: name their layer slots explicitly
             M = w.fuse
             layers = torch.tensor([w.start + c * M + m for c in chunks for m in range(M)], device=cache.k.device)
-        sel = torch.tensor(chunks, device=inputs.device) if plan.subset is not None else None
+        sel = torch.tensor(chunks, device=inputs.device) if sur.subset is not None else None
         x = inputs.detach() if sel is None else inputs.detach().index_select(0, sel)
         fx = tilde.detach() if sel is None else tilde.detach().index_select(0, sel)
         if clone:
             x, fx = x.clone(), fx.clone()
         v = rademacher((P, *x.shape), x, gen)
-        est = hutchinson_diag(chunk_probe_map(ws, cx, cache, layers, P), x, v, plan.estimator, plan.eps, fx,
+        est = hutchinson_diag(chunk_probe_map(ws, cx, cache, layers, P), x, v, sur.estimator, sur.eps, fx,
                               token_dims=3)
         if sel is None:
             return est

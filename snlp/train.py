@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from . import data as D
 from .checkpoint import load, load_training, save_checkpoint
 from .model import GPT, GPTConfig
+from .correction import HCN
 from .regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_gap, snlp_loss
 from .tokenizer import Tokenizer
 
@@ -204,8 +205,9 @@ class TrainStep(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(model: GPT, batches, device, autocast, suffixes, surrogate: str = "idn") -> dict:
-    """Validation CE and the measured K=1 SNLP gap (final-state relative error) per suffix N."""
+def evaluate(model: GPT, batches, device, autocast, suffixes, reg: RegConfig) -> dict:
+    """Validation CE and the measured K=1 SNLP gap (final-state relative error) per suffix N, with the
+    regulariser's surrogate (IDN without a regulariser)."""
     was = model.training
     model.eval()
     ce, gaps = 0.0, {n: 0.0 for n in suffixes}
@@ -214,7 +216,7 @@ def evaluate(model: GPT, batches, device, autocast, suffixes, surrogate: str = "
         with autocast():
             ce += float(model(x, y))
             for n in suffixes:
-                gaps[n] += snlp_gap(model, x, n, surrogate)
+                gaps[n] += snlp_gap(model, x, reg.plan(n))
     model.train(was)
     k = len(batches)
     return {"val_loss": ce / k, **{f"gap_N{n}": g / k for n, g in gaps.items()}}
@@ -328,12 +330,10 @@ def _train(args, rank, world, device, master, out) -> int:
         model = GPT(build_config(args, tok.vocab_size))
         model.init_weights(seed=args.seed)
     cfg = model.config
-    if args.reg == "hcn" and cfg.hc_streams < 1:
-        raise ValueError("--reg hcn needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn")
-    detach = args.reg_detach if args.reg_detach is not None else args.reg == "hcn"  # paper: HCN detached, IDN not
-    reg = RegConfig(kind=args.reg, lam=args.reg_lambda, suffixes=parse_suffixes(args.reg_n), stride=args.reg_stride,
-                    detach=detach, warmup=args.reg_warmup)
-    gap_surrogate = args.reg if args.reg in ("hcn", "diag") else "idn"  # the logged K=1 gap uses the regulariser's surrogate
+    reg = RegConfig(surrogate=None if args.reg == "none" else args.reg, lam=args.reg_lambda,
+                    suffixes=parse_suffixes(args.reg_n), stride=args.reg_stride, warmup=args.reg_warmup)
+    reg.detach = args.reg_detach if args.reg_detach is not None else isinstance(reg.surrogate, HCN)  # paper: HCN detached
+    reg.check_model(cfg)  # e.g. --reg hcn needs an mHC model (--hc-streams N)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not master else "default")
         gap_suffixes = resolve_suffixes(cfg.n_layer, reg.suffixes) if cfg.n_layer > 1 else []
@@ -387,7 +387,7 @@ def _train(args, rank, world, device, master, out) -> int:
     t_start = time.perf_counter() - elapsed0
     t_last, last_eval = time.perf_counter(), None
     if step == 0:
-        last_eval = evaluate(model, vb, device, autocast, gap_suffixes, gap_surrogate)
+        last_eval = evaluate(model, vb, device, autocast, gap_suffixes, reg)
         log({"step": 0, **last_eval})
         if master:
             _write(bar, "step 0: " + _fmt(last_eval))
@@ -439,7 +439,7 @@ def _train(args, rank, world, device, master, out) -> int:
                                      f"rates or --reg-lambda")
         end = progress.done() or (stop_after is not None and step >= stop_after)
         if step % args.eval_every == 0 or end:
-            last_eval = evaluate(model, vb, device, autocast, gap_suffixes, gap_surrogate)
+            last_eval = evaluate(model, vb, device, autocast, gap_suffixes, reg)
             log({"step": step, "elapsed": progress.elapsed, **last_eval})
             if master:
                 _write(bar, f"step {step}: " + _fmt(last_eval) + f" | train loss {float(stats[0]):.4f}")

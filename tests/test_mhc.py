@@ -325,7 +325,7 @@ def test_hcn_regulariser_gradients_reach_the_mhc_parameters():
     model = mhc_model(seed=1, n=2).train()
     idx = tokens(model)
     trace = model.hidden_states(idx)
-    loss = snlp_loss(model, idx, trace, RegConfig(kind="hcn", suffixes=(4,), detach=True))
+    loss = snlp_loss(model, idx, trace, RegConfig(surrogate="hcn", suffixes=(4,), detach=True))
     loss.backward()
     for name in ("hc_attn.bias", "hc_mlp.phi", "hc_attn.alpha", "mlp.c_fc.weight"):
         g = model.blocks[4].get_parameter(name).grad

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import Plan, parse_plans
+from snlp import DiagN, Identity, Jacobi, Newton, Plan, parse_plans
 
 
 @st.composite
@@ -12,15 +12,14 @@ def plans(draw):
     chunks = draw(st.integers(1, 12))
     order = draw(st.one_of(st.none(), st.permutations(range(chunks)).map(tuple)))
     surrogate = draw(st.sampled_from(["idn", "none", "hcn", "diag", "newton"]))
-    diag = {}
     if surrogate == "diag":
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
-        diag = dict(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 8)),
-                    eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])), subset=subset)
+        surrogate = DiagN(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 8)),
+                          eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])), subset=subset)
     return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
                 iters=draw(st.integers(0, 9)), surrogate=surrogate,
                 elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])), order=order,
-                tol=draw(st.sampled_from([0.0, 1e-5, 0.01])), **diag)
+                tol=draw(st.sampled_from([0.0, 1e-5, 0.01])))
 
 
 @settings(max_examples=200)
@@ -31,7 +30,7 @@ def test_str_round_trips(plan):
 
 def test_paper_notation():
     p = Plan.parse("12xF2-h0-K1")
-    assert (p.chunks, p.fuse, p.init, p.iters, p.surrogate, p.n_suffix) == (12, 2, "h0", 1, "idn", 24)
+    assert (p.chunks, p.fuse, p.init, p.iters, p.surrogate, p.n_suffix) == (12, 2, "h0", 1, Identity(), 24)
     assert p.prefix_len(32) == 8
     assert str(p) == "12xF2-h0-K1"
     # the SSD table writes K before the init; defaults are h0 and K=1
@@ -43,14 +42,27 @@ def test_paper_notation():
 
 
 def test_surrogate_notation():
-    assert Plan.parse("16xF1-h0-K1-hcn").surrogate == "hcn"
+    assert Plan.parse("16xF1-h0-K1-hcn").surrogate.token == "hcn"
+    assert Plan.parse("16xF1-h0-K1-none").surrogate == Jacobi() == Plan(16, surrogate="none").surrogate
     p = Plan.parse("8xF1-h0-K2-diag:vjp")
-    assert (p.surrogate, p.estimator, p.probes, p.subset) == ("diag", "vjp", 1, None)
-    assert Plan.parse("8xF1-diag") == Plan(8, surrogate="diag", estimator="fd")
+    assert p.surrogate == DiagN("vjp", probes=1, subset=None)
+    assert Plan.parse("8xF1-diag") == Plan(8, surrogate=DiagN("fd")) == Plan(8, surrogate="diag")
     p = Plan.parse("4xF1-K3-diag:jvp-probes:4-eps:1e-2-subset:2.0-tol:1e-5")
-    assert (p.probes, p.eps, p.subset, p.tol) == (4, 0.01, (0, 2), 1e-5)
+    assert (p.surrogate.probes, p.surrogate.eps, p.surrogate.subset, p.tol) == (4, 0.01, (0, 2), 1e-5)
     assert str(p) == "4xF1-h0-K3-diag:jvp-probes:4-eps:0.01-subset:0.2-tol:1e-05"
-    assert Plan.parse("4xF1-newton-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 5))
+
+
+def test_ideal_speedup_counts_what_runs():
+    """Layer-step ideal L / (S + K * evals + [fwd]): DiagN's P probes run in ONE batched pass (fd: one
+    forward, jvp: one forward-mode pass, vjp: forward + backward); exact Newton costs one JVP per
+    corrected chunk; with tol the iterations actually run are used."""
+    assert Plan.parse("4xF1-K2-diag:fd-probes:8").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 2))
+    assert Plan.parse("4xF1-K2-diag:jvp-probes:3").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 2))
+    assert Plan.parse("4xF1-K2-diag:vjp").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 3))
+    assert Plan.parse("4xF1-newton-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 4))  # 3 JVPs + 1 forward
+    assert Plan.parse("4xF1-newton-K2-order:reversed").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 1))
+    assert Plan.parse("4xF1-K8-tol:1e-3").ideal_speedup(8, iters=2) == pytest.approx(8 / (4 + 2))
+    assert Plan.parse("4xF1-fwd-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 + 1))
 
 
 def test_ideal_speedup_counts_batched_evaluations():
@@ -87,6 +99,14 @@ def test_link_follows_correction_order():
     ("4xF1-diag-subset:4", r"distinct chunk indices in 0..3 \(got 4\)"),
     ("4xF1-diag-subset:1.1", "distinct chunk indices"),
     ("4xF1-tol:x", "unknown part 'tol:x'"),
+    ("4xF1-diag-eps:inf", "eps needs a finite number, got 'inf'"),
+    ("4xF1-diag-eps:nan", "eps needs a finite number"),
+    ("4xF1-diag-eps:0.0", "FD step eps must be > 0"),
+    ("4xF1-tol:inf", "tol needs a finite number"),
+    ("4xF1-tol:nan", "tol needs a finite number"),
+    ("4xF1-tol:0", "tol must be a finite number > 0"),
+    ("4xF1-elk:nan", "elk needs a finite number"),
+    ("4xF1-elk:inf", "elk needs a finite number"),
 ])
 def test_malformed_plans_say_what_is_wrong(text, msg):
     with pytest.raises(ValueError, match=msg) as e:
@@ -107,6 +127,17 @@ def test_plans_must_fit_the_model():
         Plan(4, init="warm")
     with pytest.raises(ValueError, match="unknown surrogate 'diagonal'"):
         Plan(4, surrogate="diagonal")
+    for bad in (float("inf"), float("nan")):  # constructed directly, not parsed: the same checks
+        with pytest.raises(ValueError, match="tol must be a finite number"):
+            Plan(4, tol=bad)
+        with pytest.raises(ValueError, match="ELK damping"):
+            Plan(4, elk=bad)
+        with pytest.raises(ValueError, match="FD step eps must be > 0 and finite"):
+            DiagN(eps=bad)
+    with pytest.raises(ValueError, match="the hcn surrogate needs an mHC model"):
+        from snlp import GPTConfig
+        Plan.parse("4xF1-hcn").check_model(GPTConfig(n_layer=4))
+    assert Newton().evals_per_iter(Plan(1)) == 1  # a single chunk needs no JVP
 
 
 def test_plan_lists():

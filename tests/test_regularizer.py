@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from snlp.model import GPT, GPTConfig
-from snlp.regularizer import RegConfig, resolve_suffixes, snlp_loss, snlp_states, supervised_layers
+from snlp.regularizer import RegConfig, k1_plan, resolve_suffixes, snlp_loss, snlp_states, supervised_layers
 from snlp.solver import solve
 
 
@@ -52,7 +52,7 @@ def test_matches_reference_and_has_gradients(suffixes, stride):
     model = tiny_model()
     idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     L = model.config.n_layer
-    cfg = RegConfig(kind="idn", lam=1.0, suffixes=suffixes, stride=stride)
+    cfg = RegConfig(surrogate="idn", lam=1.0, suffixes=suffixes, stride=stride)
     ref = 0.0
     for N in suffixes:
         r, trace = reference(model, idx, N, supervised_layers(L, N, stride))
@@ -70,7 +70,7 @@ def test_matches_reference_and_has_gradients(suffixes, stride):
 def test_stride0_is_true_k1_final_state():
     model = tiny_model()
     idx = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
-    states, S = snlp_states(model, idx, 3)
+    states, S = snlp_states(model, idx, k1_plan(3))
     res = solve(model, idx, "3xF1-h0-K1")
     torch.testing.assert_close(states[-1], res.hidden)
     ctx = model.embed(idx)
@@ -83,14 +83,14 @@ def test_detach_stops_target_gradient():
     model = tiny_model()
     idx = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
     trace = model.hidden_states(idx)
-    loss = snlp_loss(model, idx, trace, RegConfig(kind="idn", suffixes=(2,), detach=True))
+    loss = snlp_loss(model, idx, trace, RegConfig(surrogate="idn", suffixes=(2,), detach=True))
     assert loss.requires_grad
     g = torch.autograd.grad(loss, trace[-1], allow_unused=True)[0]
     assert g is None
 
 
 def test_lambda_warmup():
-    cfg = RegConfig(kind="idn", lam=0.5, warmup=10)
+    cfg = RegConfig(surrogate="idn", lam=0.5, warmup=10)
     assert cfg.weight(0) == pytest.approx(0.05)
     assert cfg.weight(9) == pytest.approx(0.5) and cfg.weight(100) == 0.5
-    assert RegConfig(kind="none", lam=0.5).weight(5) == 0.0
+    assert RegConfig(surrogate=None, lam=0.5).weight(5) == 0.0

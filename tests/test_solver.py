@@ -8,7 +8,7 @@ from conftest import configs, make_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import Plan, SNLPDivergenceError, fused_forward, fused_sequential, parallel_forward, solve
+from snlp import Jacobi, Plan, SNLPDivergenceError, bind, fused_forward, fused_sequential, parallel_forward, solve
 from snlp.fusion import chunk_weights
 from snlp.model import norm
 
@@ -165,7 +165,7 @@ def slow_solve(model, idx, plan):
         new = list(old)  # entries not yet visited in this sweep still hold h^(k)
         for c in (plan.order or range(C)):
             prev_delta = (new[c - 1] - old[c - 1]) if c > 0 else torch.zeros_like(hS)
-            a = 0.0 if plan.surrogate == "none" else 1.0 - plan.elk
+            a = 0.0 if isinstance(plan.surrogate, Jacobi) else 1.0 - plan.elk
             new[c] = tilde[c] + a * prev_delta
         old = new
         states.append(torch.stack(old))
@@ -209,18 +209,60 @@ def test_sliding_windows_are_kept_in_the_fused_batched_path():
 
 
 # ---------------------------------------------------------------- weights cache, gradients, errors
-def test_fused_weights_are_cached_and_rebuilt_when_weights_change():
+def test_parallel_forward_always_reads_the_current_weights():
+    """No implicit fused-weight cache: an in-place edit through `.data` (no version bump) used to leave
+    `2xF1-h0-K2`, an exact plan, off by ~2 from the edited model."""
     model = make_model(seed=1)
     idx = tokens(model)
     with torch.no_grad():
-        w1 = chunk_weights(model, 2, 2, 2)
-        assert chunk_weights(model, 2, 2, 2) is w1
-        before = parallel_forward(model, idx, "2xF2-h0-K1")
-        model.blocks[3].mlp.c_fc.weight.mul_(0.5)  # in-place, like an optimizer step
-        w2 = chunk_weights(model, 2, 2, 2)
-        assert w2 is not w1
-        assert not torch.allclose(parallel_forward(model, idx, "2xF2-h0-K1"), before)
-        torch.testing.assert_close(parallel_forward(model, idx, "2xF2-h0-K2"), fused_forward(model, idx, "2xF2"))
+        parallel_forward(model, idx, "2xF1-h0-K2")
+        for p in model.blocks[5].parameters():
+            p.data.mul_(0.5)  # bypasses autograd's version counter
+        torch.testing.assert_close(parallel_forward(model, idx, "2xF1-h0-K2"), model(idx), rtol=1e-9, atol=1e-9)
+        assert chunk_weights(model, 2, 2, 2) is not chunk_weights(model, 2, 2, 2)  # built fresh every call
+
+
+def test_bound_runner_holds_its_weights_until_refreshed():
+    model = make_model(seed=1)
+    idx = tokens(model)
+    with torch.no_grad():
+        runner = bind(model, "2xF2-h0-K2")
+        torch.testing.assert_close(runner(idx), fused_forward(model, idx, "2xF2"), rtol=1e-9, atol=1e-9)
+        w = runner.weights
+        model.blocks[3].mlp.c_fc.weight.data.mul_(0.5)
+        assert runner.weights is w  # explicit: the runner does not watch the model
+        stale = runner(idx)
+        assert runner.refresh() is runner and runner.weights is not w
+        fresh = runner(idx)
+        assert not torch.allclose(stale, fresh)
+        torch.testing.assert_close(fresh, fused_forward(model, idx, "2xF2"), rtol=1e-9, atol=1e-9)
+        res = runner.solve(idx, keep_states=True)
+        assert res.iters == 2 and len(res.states) == 3 and res.plan == Plan.parse("2xF2-h0-K2")
+    with pytest.raises(ValueError, match="model has only L = 6"):
+        bind(model, "4xF2")
+    assert "2xF2-h0-K2" in repr(runner)
+
+
+def test_torch_compile_of_a_bound_runner_equals_eager():
+    model = make_model(seed=4, dtype=torch.float32)
+    idx = tokens(model, T=5)
+    runner = bind(model, "2xF2-h0-K1", check_finite=False)
+    with torch.no_grad():
+        compiled = torch.compile(runner, backend="aot_eager")  # fullgraph: issue 11 (host syncs in attend)
+        torch.testing.assert_close(compiled(idx), runner(idx), rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_state_with_a_kv_cache_is_refused():
+    """solve(prefix=..., cache=...) would skip the prefix layers' K/V writes while the cache advances."""
+    from snlp.cache import KVCache
+
+    model = make_model(seed=1)
+    idx = tokens(model, B=1)
+    cache = KVCache.for_model(model, batch=1, max_len=16)
+    hS = model.hidden_states(idx)[2]
+    with pytest.raises(ValueError, match="prefix layers"):
+        solve(model, idx, "4xF1-h0-K1", prefix=hS, cache=cache)
+    assert cache.length == 0  # nothing advanced
 
 
 def test_gradients_flow_through_the_solver_into_the_weights():

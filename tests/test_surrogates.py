@@ -13,7 +13,7 @@ from conftest import configs, make_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import Plan, fused_forward, fused_sequential, parallel_forward, solve
+from snlp import DiagN, Plan, fused_forward, fused_sequential, parallel_forward, solve
 from snlp import surrogates as S
 from snlp.cache import KVCache
 from snlp.cli import main
@@ -32,8 +32,8 @@ def surrogate_plan(draw, chunks: int, fuse: int, iters: int):
               elk=draw(st.sampled_from([0.0, 0.25])))
     if draw(st.booleans()):
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
-        return Plan(surrogate="diag", estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])),
-                    probes=draw(st.integers(1, 3)), eps=draw(st.sampled_from([1e-3, 1e-2])), subset=subset, **kw)
+        return Plan(surrogate=DiagN(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 3)),
+                                    eps=draw(st.sampled_from([1e-3, 1e-2])), subset=subset), **kw)
     return Plan(surrogate="newton", **kw)
 
 
@@ -191,10 +191,10 @@ def test_chunk_diagonal_is_same_token_same_channel_entry_of_the_full_jacobian(es
     Js = _true_jacobians(w, x, ctx)
     P = 1000
     with torch.no_grad():
-        a = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate="diag", estimator=estimator, probes=P),
+        a = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate=DiagN(estimator, probes=P)),
                             torch.Generator().manual_seed(0))
-        sub = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate="diag", estimator=estimator, probes=P,
-                                                     subset=(2, 0)), torch.Generator().manual_seed(0))
+        sub = S.diag_jacobian(w, x, tilde, ctx, Plan(3, surrogate=DiagN(estimator, probes=P, subset=(2, 0))),
+                                torch.Generator().manual_seed(0))
     assert a.shape == x.shape and not a.requires_grad
     assert torch.equal(sub[1], torch.ones_like(sub[1]))
     for c, J in enumerate(Js):
@@ -320,7 +320,7 @@ def test_diag_estimate_is_detached_and_gradients_reach_the_weights(estimator):
         ctx = model.embed(idx)
         w = chunk_weights(model, 2, 4, 1)
         x = ctx.x0.expand(4, *ctx.x0.shape)
-        a = S.diag_jacobian(w, x, chunk_forward(w, x, ctx), ctx, Plan(4, surrogate="diag", estimator=estimator))
+        a = S.diag_jacobian(w, x, chunk_forward(w, x, ctx), ctx, Plan(4, surrogate=DiagN(estimator)))
     assert not a.requires_grad
 
 
@@ -332,7 +332,7 @@ def test_regulariser_with_diag_is_finite_and_differentiable():
     ctx = model.embed(idx)
     trace = [ctx.x0]
     model.run_layers(ctx.x0, ctx, 0, model.config.n_layer, trace)
-    loss = snlp_loss(model, idx, trace, RegConfig(kind="diag", suffixes=(3,), stride=1))
+    loss = snlp_loss(model, idx, trace, RegConfig(surrogate="diag", suffixes=(3,), stride=1))
     loss.backward()
     assert torch.isfinite(loss) and loss > 0
     assert model.blocks[4].mlp.c_fc.weight.grad.abs().sum() > 0
