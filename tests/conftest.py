@@ -3,9 +3,20 @@ output projections, which would make every SNLP law hold trivially)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import strategies as st
+
+# Hypothesis depth. The default keeps CI fast; contributors run the exactness laws with >= 1000 examples each
+# before touching the solver / fusion / surrogates:  SNLP_HYPOTHESIS=thorough python -m pytest tests/test_laws.py
+THOROUGH = os.environ.get("SNLP_HYPOTHESIS", "default") == "thorough"
+
+
+def examples(n: int) -> int:
+    """max_examples for a property test: `n` by default, at least 1000 under the `thorough` profile."""
+    return max(n, 1000) if THOROUGH else n
 
 from snlp import GPT, GPTConfig
 
@@ -33,20 +44,44 @@ def make_model(seed: int = 0, dtype=torch.float64, scale: float = 0.3, **cfg) ->
     return model.to(dtype).eval()
 
 
+def mhc_model(seed: int = 0, n: int = 2, dynamic: bool = True, res_scale: float = 1.0, **cfg) -> GPT:
+    """A random fp64 mHC model whose H_res really mix the streams (random logits, not the ~I init)."""
+    model = make_model(seed=seed, hc_streams=n, hc_dynamic=dynamic, **cfg)
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for block in model.blocks:
+            for hc in (block.hc_attn, block.hc_mlp):
+                hc.bias[: n * n] = torch.randn(n * n, generator=gen, dtype=hc.bias.dtype) * res_scale
+    return model
+
+
 def tokens(model: GPT, B: int = 2, T: int = 9, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, model.config.vocab_size, (B, T), generator=gen)
 
 
 @st.composite
+def heads(draw, max_embd: int = 128):
+    """n_head / n_kv_head / n_embd: GQA ratios 1-4, head_dim 4-32, width up to `max_embd` (so widths above
+    VE_GATE_CHANNELS = 32, where the value-embedding gate reads only the first 32 channels, occur)."""
+    n_kv = draw(st.sampled_from([1, 2]))
+    n_head = n_kv * draw(st.integers(1, 4))
+    head_dim = draw(st.sampled_from([d for d in (4, 8, 16, 32) if n_head * d <= max_embd]))
+    return dict(n_head=n_head, n_kv_head=n_kv, n_embd=n_head * head_dim)
+
+
+@st.composite
 def configs(draw, min_layers: int = 2, max_layers: int = 7):
     """Random small nanochat configs: x0 / VE / GQA / sliding windows on and off."""
-    n_kv = draw(st.sampled_from([1, 2]))
-    n_head = n_kv * draw(st.sampled_from([1, 2]))
     return dict(
-        n_layer=draw(st.integers(min_layers, max_layers)),
-        n_head=n_head, n_kv_head=n_kv, n_embd=n_head * draw(st.sampled_from([4, 8])),
+        n_layer=draw(st.integers(min_layers, max_layers)), **draw(heads()),
         x0_residual=draw(st.booleans()), value_embeds=draw(st.booleans()),
         window_pattern=draw(st.sampled_from(["L", "SL", "SSL", "S"])),
         short_window=draw(st.integers(1, 4)),
     )
+
+
+@st.composite
+def batch_shapes(draw, max_batch: int = 3, max_T: int = 33):
+    """(B, T) of a test batch: batch up to 3, sequence up to 33 (past every short window)."""
+    return draw(st.integers(1, max_batch)), draw(st.integers(1, max_T))

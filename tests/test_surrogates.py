@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import configs, make_model, tokens
+from conftest import make_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import DiagN, Plan, fused_forward, fused_sequential, parallel_forward, solve
+from snlp import DiagN, Plan, fused_forward, parallel_forward, solve
 from snlp import surrogates as S
 from snlp.cache import KVCache
 from snlp.cli import main
@@ -22,84 +22,6 @@ from snlp.scan import affine_scan, sequential_scan
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
-
-
-@st.composite
-def surrogate_plan(draw, chunks: int, fuse: int, iters: int):
-    """A random diag (any estimator, probes, eps, subset) or newton plan with order/ELK/init/tol."""
-    order = tuple(draw(st.permutations(range(chunks)))) if draw(st.booleans()) else None
-    kw = dict(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])), iters=iters, order=order,
-              elk=draw(st.sampled_from([0.0, 0.25])))
-    if draw(st.booleans()):
-        subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
-        return Plan(surrogate=DiagN(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 3)),
-                                    eps=draw(st.sampled_from([1e-3, 1e-2])), subset=subset), **kw)
-    return Plan(surrogate="newton", **kw)
-
-
-@st.composite
-def model_and_plan(draw, fuse_max: int = 3, exact: bool = True):
-    cfg = draw(configs(max_layers=6))
-    L = cfg["n_layer"]
-    fuse = draw(st.integers(1, min(fuse_max, L)))
-    chunks = draw(st.integers(1, L // fuse))
-    iters = draw(st.integers(chunks, chunks + 1)) if exact else draw(st.integers(0, chunks))
-    return cfg, draw(surrogate_plan(chunks, fuse, iters)), draw(st.integers(0, 2 ** 16))
-
-
-# ---------------------------------------------------------------- exactness laws (as tests/test_solver.py)
-@settings(max_examples=40, deadline=None)
-@given(model_and_plan(fuse_max=3))
-def test_diag_and_newton_with_K_ge_C_equal_sequential(args):
-    """K >= C reproduces the sequential forward (M = 1) / the fused model run sequentially (M > 1)."""
-    cfg, plan, seed = args
-    model = make_model(seed=seed, **cfg)
-    idx = tokens(model, B=2, T=6, seed=seed)
-    with torch.no_grad():
-        ref = model(idx) if plan.fuse == 1 else fused_forward(model, idx, plan)
-        torch.testing.assert_close(parallel_forward(model, idx, plan), ref, rtol=1e-9, atol=1e-9)
-
-
-@settings(max_examples=30, deadline=None)
-@given(model_and_plan(fuse_max=3, exact=False))
-def test_after_k_iterations_the_first_k_chunks_are_exact(args):
-    cfg, plan, seed = args
-    model = make_model(seed=seed, **cfg)
-    idx = tokens(model, B=1, T=6, seed=seed)
-    with torch.no_grad():
-        res = solve(model, idx, plan, keep_states=True, check_finite=False)
-        exact = fused_sequential(model, idx, plan).states[0]
-    assert len(res.states) == plan.iters + 1 and res.iters == plan.iters
-    for k, h in enumerate(res.states):
-        torch.testing.assert_close(h[:k], exact[:k], rtol=1e-9, atol=1e-9)
-
-
-@pytest.mark.parametrize("dynamic", [True, False])
-@pytest.mark.parametrize("plan", ["4xF1-h0-K4-diag:fd-probes:2", "4xF1-fwd-K4-diag:jvp-subset:1.3",
-                                  "2xF2-h0-K2-diag:vjp", "4xF1-h0-K4-newton"])
-def test_mhc_states_are_one_more_elementwise_dim(plan, dynamic):
-    """mHC hidden states (B, T, n, D): the same laws hold with the stream dim treated elementwise."""
-    model = make_model(seed=4, n_layer=4, hc_streams=2, hc_dynamic=dynamic)
-    idx = tokens(model, B=2, T=5)
-    with torch.no_grad():
-        res = solve(model, idx, plan, keep_states=True)
-        exact = fused_sequential(model, idx, plan).states[0]
-    assert res.hidden.dim() == 4
-    for k, h in enumerate(res.states):
-        torch.testing.assert_close(h[:k], exact[:k], rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(res.states[-1], exact, rtol=1e-9, atol=1e-9)
-
-
-def test_python_api_plan_strings():
-    model = make_model(seed=8, n_layer=9)
-    idx = tokens(model)
-    with torch.no_grad():
-        ref = model(idx)
-        for plan in ["8xF1-h0-K2-diag:vjp", "8xF1-h0-K2-diag:jvp-probes:2", "8xF1-fwd-K1-diag-subset:0.7",
-                     "8xF1-h0-K3-newton", "8xF1-h0-K8-tol:1e-6"]:
-            out = parallel_forward(model, idx, plan)
-            assert out.shape == ref.shape and torch.isfinite(out).all(), plan
-        torch.testing.assert_close(parallel_forward(model, idx, "8xF1-h0-K8-diag:vjp"), ref, rtol=1e-9, atol=1e-9)
 
 
 # ---------------------------------------------------------------- associative scan
