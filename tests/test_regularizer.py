@@ -94,3 +94,73 @@ def test_lambda_warmup():
     assert cfg.weight(0) == pytest.approx(0.05)
     assert cfg.weight(9) == pytest.approx(0.5) and cfg.weight(100) == 0.5
     assert RegConfig(surrogate=None, lam=0.5).weight(5) == 0.0
+
+
+def _chain(model, idx, N, a_fn):
+    """K=1, h0 init by hand for a surrogate given per layer as a_fn(l, hS, ctx, c) -> (A applied to a delta):
+    d_0 = b_0, d_c = A_c d_{c-1} + b_c with b_c = f_{S+c}(h_S) - h_S; h_hat_{S+c+1} = h_S + d_c.
+    Returns {l: h_hat_l} and the sequential trace."""
+    L = model.config.n_layer
+    S = L - N
+    ctx = model.embed(idx)
+    trace = [ctx.x0]
+    model.run_layers(ctx.x0, ctx, 0, L, trace)
+    hS = trace[S]
+    d, hat = None, {}
+    for c in range(N):
+        b = model.layer(S + c, hS, ctx) - hS
+        d = b if d is None else a_fn(S + c, hS, ctx, c)(d) + b
+        hat[S + c + 1] = hS + d
+    return hat, trace
+
+
+def _rel(hat, target):
+    dims = tuple(range(2, target.dim()))
+    return ((hat - target).norm(dim=dims) / (target.norm(dim=dims) + 1e-6)).mean()
+
+
+def test_hcn_regulariser_matches_a_hand_computed_reference():
+    """HCN: A_l = H_res,mlp(u) H_res,attn(h_S) of layer l at the h0 iterate (paper Eq. hcn-A), acting on the streams."""
+    from conftest import mhc_model
+    from snlp.model import hc_sublayer
+
+    model = mhc_model(seed=3, n=2, dynamic=True, n_layer=5)
+    idx = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def hres(l, h, ctx, c):
+        block = model.blocks[l]
+        ve = ctx.ve[model.ve_slot[l]] if model.ve_slot[l] >= 0 else None
+        u = hc_sublayer(block.hc_attn, h, lambda xn: block.attn(xn, ve, ctx.cos, ctx.sin))
+        A = block.hc_mlp(u)[0] @ block.hc_attn(h)[0]  # (B, T, n, n)
+        return lambda d: A @ d
+
+    with torch.no_grad():
+        hat, trace = _chain(model, idx, 3, hres)
+        want = sum(_rel(hat[l], trace[l]) for l in (3, 4, 5))
+        got = snlp_loss(model, idx, trace, RegConfig(surrogate="hcn", suffixes=(3,), stride=1))
+        idn = snlp_loss(model, idx, trace, RegConfig(surrogate="idn", suffixes=(3,), stride=1))
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    assert abs(float(got) - float(idn)) > 1e-4  # the streams really mix: HCN is not IDN here
+
+
+def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
+    """DiagN (fd, one probe, the solver's seed-0 probes): a_c = v_c o (f_c(h_S + s v_c) - f_c(h_S)) / s with
+    the relative per-token step s = eps * max(RMS(h_S), 1)."""
+    from snlp.surrogates import fd_step, rademacher
+
+    model = tiny_model(depth=5, seed=4).double()
+    idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    N = 3
+    with torch.no_grad():
+        hS = model.hidden_states(idx)[5 - N]
+        v = rademacher((1, N, *hS.shape), hS, torch.Generator().manual_seed(0))[0]  # (C, B, T, D) as the solver draws
+        s = fd_step(hS.expand(N, *hS.shape), 1e-3, token_dims=3)
+
+        def diag(l, h, ctx, c):
+            a = v[c] * (model.layer(l, h + s[c] * v[c], ctx) - model.layer(l, h, ctx)) / s[c]
+            return lambda d: a * d
+
+        hat, trace = _chain(model, idx, N, diag)
+        want = sum(_rel(hat[l], trace[l]) for l in (3, 4, 5))
+        got = snlp_loss(model, idx, trace, RegConfig(surrogate="diag", suffixes=(N,), stride=1))
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-8)
