@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -173,6 +174,21 @@ def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bo
     """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
     (see `solve`)."""
     return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
+
+
+def plan_forward(model: GPT, plan: Plan | str, check_finite: bool = False) -> Callable[..., Tensor]:
+    """The SNLP forward of `plan` as a callable `(idx (B, T), cache=None) -> logits (B, T, V)`, with
+    the fused chunk weights built ONCE here ("fuse once, solve, head"), so neither a timed call nor a
+    compiled graph rebuilds them. Every app (bench, eval, generate, the speculative drafter) gets its
+    SNLP forward from here. check_finite=False skips the NaN/inf check (and its device sync) for
+    timing and decoding; True raises SNLPDivergenceError like `parallel_forward`."""
+    plan = _as_plan(model, plan)
+    w = chunk_weights(model, plan.prefix_len(model.config.n_layer), plan.chunks, plan.fuse)
+
+    def forward(idx: Tensor, cache=None) -> Tensor:
+        return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache, weights=w).hidden)
+
+    return forward
 
 
 def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
