@@ -12,15 +12,17 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each
-  eval-*         the plan grid (snlp.eval.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+  eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.diagnostics.early_exit)
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
                  the plan maximising the paper's ideal SSD speedup at B = 4,
                  ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
                  (the greedy acceptance rate given the exact history) and s = its measured decode
-                 speedup. Measured alpha, tokens/round, s and end-to-end speedup vs sequential
-                 greedy decoding, and a check that the output equals sequential.
+                 speedup. Measured alpha, tokens/round, s (per-step times of both sides) and
+                 end-to-end speedup vs sequential greedy decoding, after a warm-up of both sides,
+                 medians of 3 timed rounds (generate.speculative_benchmark), and a check that the
+                 output equals sequential.
   report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
 Training resumes from its last save (every 100 steps) if interrupted.
 """
