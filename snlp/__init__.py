@@ -2,7 +2,7 @@
 
 from .checkpoint import load, save_checkpoint
 from .diagnostics import early_exit
-from .eval import EvalConfig, evaluate
+from .evaluation import EvalConfig, EvalRecord, evaluate
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from .model import GPT, GPTConfig
 from .correction import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "bind", "Runner", "solve", "parallel_forward",
            "Surrogate", "Identity", "Jacobi", "HCN", "DiagN", "Newton", "fused_sequential",
            "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
-           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "evaluate",
+           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "EvalRecord", "evaluate",
            "early_exit", "__version__"]

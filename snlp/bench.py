@@ -11,15 +11,15 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from .fusion import chunk_weights
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
-from .cli import cli_device, cli_dtype, device_label, set_threads, write_json
-from .fusion import chunk_weights
+from .runtime import cli_device, cli_dtype, device_label, set_threads, write_json
 from .solver import bind
+from .timing import time_round_robin
 
 
 def add_arguments(p) -> None:
@@ -91,28 +91,6 @@ def build_model(args) -> GPT:
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_round_robin(fns: dict, warmup: int, runs: int, device: torch.device) -> dict[str, list[float]]:
-    """Milliseconds per call for each callable, interleaved round-robin after a warm-up."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    _sync(device)
-    times = {name: [] for name in fns}
-    for _ in range(runs):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, warmup: int = 5, runs: int = 30,
               compile: bool = False, seed: int = 0) -> list[dict]:
     """Time the sequential forward and each plan; returns one record per row (sequential first)."""
@@ -143,7 +121,7 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         plan = None if name == "sequential" else Plan.parse(name)
         records.append({
             "plan": name, "median_ms": med, "speedup": base / med,
-            "ideal_speedup": 1.0 if plan is None else plan.ideal_speedup(L, iters[name]), "iters": iters.get(name),
+            "ideal_layer_speedup": 1.0 if plan is None else plan.ideal_speedup(L, iters[name]), "iters": iters.get(name),
             "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts), "tokens": tokens, "batch": batch,
             "n_layer": L, "prefix": L if plan is None else plan.prefix_len(L), "device": str(device),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,
@@ -156,12 +134,12 @@ def print_table(records: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal", "min ms", "max ms"):
+    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal (layers)", "min ms", "max ms"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for r in records:
         its = "-" if r.get("iters") is None else str(r["iters"])  # iterations run (tol may stop before K)
         table.add_row(r["plan"], str(r["prefix"]), its, f"{r['median_ms']:.3f}", f"{r['speedup']:.2f}x",
-                      f"{r['ideal_speedup']:.2f}x", f"{r['min_ms']:.3f}", f"{r['max_ms']:.3f}")
+                      f"{r['ideal_layer_speedup']:.2f}x", f"{r['min_ms']:.3f}", f"{r['max_ms']:.3f}")
     Console().print(table)
 
 
@@ -170,7 +148,7 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
     and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
     with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential."""
-    from .generate import ideal_speedup, sequential_generate, snlp_generate, speculative_generate
+    from .generate import ideal_ssd_speedup, sequential_generate, snlp_generate, speculative_generate
 
     L = model.config.n_layer
     for plan in plans:
@@ -196,6 +174,7 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
             results[key].append(fn())
     ms = {key: statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs) for key, rs in results.items()}
     base = ms[("sequential", None, 0)]
+    seq_step_ms = statistics.median(r.ms_per_step for r in results[("sequential", None, 0)])
     ref_tokens = results[("sequential", None, 0)][0].tokens
     records = []
     for (mode, plan, b), rs in results.items():
@@ -208,9 +187,11 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
                "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
         if mode == "speculative":
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
-            s = base / draft_ms  # drafter speedup: sequential ms/token over drafter ms/step, same process
+            # drafter speedup, like with like: sequential over drafter ms per cached single-token step
+            s = seq_step_ms / draft_ms
             rec.update(alpha=r.acceptance_rate, tokens_per_round=r.tokens_per_round, drafter_speedup_s=s,
-                       drafter_ms_per_step=draft_ms, ideal_speedup=ideal_speedup(r.acceptance_rate, b, s))
+                       drafter_ms_per_step=draft_ms, sequential_ms_per_step=seq_step_ms,
+                       ideal_ssd_speedup=ideal_ssd_speedup(r.acceptance_rate, b, s))
         records.append(rec)
     return records
 
@@ -220,14 +201,14 @@ def print_decode_table(records: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("mode", "plan", "B", "ms/token", "tok/s", "speedup", "alpha", "tok/round", "s", "ideal", "=seq"):
+    for col in ("mode", "plan", "B", "ms/token", "tok/s", "speedup", "alpha", "tok/round", "s", "SSD ideal", "=seq"):
         table.add_column(col, justify="left" if col in ("mode", "plan") else "right")
     f = lambda r, k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
     for r in records:
         table.add_row(r["mode"], r["plan"], f(r, "block", "{}"), f(r, "ms_per_token", "{:.3f}"),
                       f(r, "tokens_per_s", "{:.1f}"), f(r, "speedup", "{:.2f}x"), f(r, "alpha", "{:.3f}"),
                       f(r, "tokens_per_round", "{:.2f}"), f(r, "drafter_speedup_s", "{:.2f}"),
-                      f(r, "ideal_speedup", "{:.2f}x"), "yes" if r["matches_sequential"] else "no")
+                      f(r, "ideal_ssd_speedup", "{:.2f}x"), "yes" if r["matches_sequential"] else "no")
     Console(width=160).print(table)
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import platform
 import sys
-from pathlib import Path
 
 # sub-command -> module
 COMMANDS = {
@@ -18,48 +15,6 @@ COMMANDS = {
     "speedrun": "snlp.speedrun",
     "train": "snlp.train",
 }
-
-
-def write_json(path, obj) -> None:
-    """Write a command's machine-readable results (creating parent folders) and say where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
-    print(f"wrote {path}")
-
-
-def cli_device(name: str):
-    """torch.device of a --device flag; a clear error when CUDA is asked for but not available."""
-    import torch
-
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
-    return device
-
-
-def cli_dtype(dtype: str | None, device) -> str:
-    """A --dtype flag's value, defaulting to bfloat16 on CUDA and float32 elsewhere."""
-    return dtype or ("bfloat16" if device.type == "cuda" else "float32")
-
-
-def set_threads(n: int | None) -> None:
-    """Apply a --threads flag: torch's intra-op CPU threads (None leaves the default)."""
-    if n is not None:
-        import torch
-
-        if n < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(n)
-
-
-def device_label(device) -> str:
-    """What a benchmark ran on, for table titles: the GPU name or the CPU and its thread count."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def build_parser() -> argparse.ArgumentParser:

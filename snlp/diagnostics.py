@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .eval import EvalConfig, as_tokens, progress_bar, windows
+from .evaldata import as_tokens, windows
+from .evaluation import EvalConfig
 from .metrics import perplexity
 from .model import GPT
+from .runtime import progress_bar
 
 
 @torch.inference_mode()
@@ -26,7 +28,7 @@ def early_exit(model: GPT, val_tokens, suffixes: list[int], cfg: EvalConfig = Ev
     wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
     nll, n_tok = dict.fromkeys(Ns, 0.0), 0
     batches = wins.split(cfg.batch)
-    with progress_bar(len(batches), "early exit", cfg) as bar:
+    with progress_bar(len(batches), "early exit", cfg.progress) as bar:
         for b in batches:
             x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T)
             trace = model.hidden_states(x)  # [h_0 .. h_L], each (B, T, D)

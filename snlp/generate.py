@@ -13,8 +13,8 @@ Modes (all share one static KV cache, snlp.cache.KVCache):
 
 from __future__ import annotations
 
+import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .cli import cli_device, write_json
 from .model import GPT
 from .plan import Plan
+from .runtime import cli_device, progress_bar, write_json
 from .solver import bind
+from .timing import now as _now
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
@@ -48,7 +49,9 @@ class GenerateResult:
     accepted: int = 0  # draft tokens accepted
     examined: int = 0  # draft tokens compared: accepted ones + the first rejection of each round
     draft_steps: int = 0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # time in the drafter's single-token steps (forward + next-token pick)
+    steps: int = 0  # single-token decode steps of sequential / snlp decoding ...
+    step_s: float = 0.0  # ... and the time in them (forward + next-token pick), timed like draft_s
     verify_s: float = 0.0
     jacobi_iters: int = 0
     extra: dict = field(default_factory=dict)
@@ -71,6 +74,11 @@ class GenerateResult:
     def draft_ms_per_step(self) -> float:
         return 1e3 * self.draft_s / self.draft_steps if self.draft_steps else float("nan")
 
+    @property
+    def ms_per_step(self) -> float:
+        """Mean ms of a single-token decode step (sequential / snlp modes; prefill excluded)."""
+        return 1e3 * self.step_s / self.steps if self.steps else float("nan")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, ms_per_token=1e3 / self.tokens_per_s if self.tokens else None)
@@ -80,34 +88,105 @@ class GenerateResult:
         return d
 
 
-def ideal_speedup(alpha: float, block: int, s: float) -> float:
-    """The paper's ideal self-speculative speedup ((1 - a^(B+1)) / (1 - a)) / (B / s + 1):
-    expected tokens per round over the cost of B drafter steps (each 1/s of a sequential step)
-    plus one verifier step."""
+def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
+    """The paper's ideal self-speculative speedup ((1 - a^(B+1)) / (1 - a)) / (B / s + 1): expected
+    tokens per round over the cost of B drafter steps (each 1/s of a sequential step) plus one
+    verifier step. alpha in [0, 1] (per-draft acceptance), block B >= 1, drafter speedup s > 0.
+    Not the layer-step ideal of a plan (Plan.ideal_speedup, `ideal_layer_speedup` in records)."""
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"acceptance rate alpha must lie in [0, 1] (got {alpha!r})")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"draft block size B must be an integer >= 1 (got {block!r})")
+    if not (isinstance(s, (int, float)) and 0.0 < s < float("inf")):
+        raise ValueError(f"drafter speedup s must be a finite number > 0 (got {s!r})")
     per_round = block + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (block + 1)) / (1.0 - alpha)
     return per_round / (block / s + 1.0)
 
 
 def speculative_report(spec: GenerateResult, seq: GenerateResult) -> dict:
-    """Measured vs ideal speedup of a speculative run over a sequential run of the same model:
-    s = sequential ms/token / drafter ms/step, both measured in this process."""
+    """Measured vs ideal speedup of a speculative run over a sequential run of the same model.
+
+    s compares like with like: the sequential run's mean time per single-token decode step over the
+    drafter's mean time per step, BOTH per-step times of cached single-token forwards (forward +
+    next-token pick, timed around each step, so per-token bookkeeping and streaming are outside
+    both). The measured speedup is end to end: sequential decode time per token over speculative
+    decode time per token (prefill excluded from both)."""
     seq_ms = 1e3 * seq.decode_s / max(len(seq.tokens), 1)
-    s = seq_ms / spec.draft_ms_per_step if spec.draft_steps else float("nan")
+    s = seq.ms_per_step / spec.draft_ms_per_step if spec.draft_steps and seq.steps else float("nan")
     a = spec.acceptance_rate
     return {"plan": spec.plan, "block": spec.block, "alpha": a, "tokens_per_round": spec.tokens_per_round,
-            "drafter_speedup_s": s, "sequential_ms_per_token": seq_ms,
+            "drafter_speedup_s": s, "sequential_ms_per_step": seq.ms_per_step,
+            "drafter_ms_per_step": spec.draft_ms_per_step, "sequential_ms_per_token": seq_ms,
             "speculative_ms_per_token": 1e3 * spec.decode_s / max(len(spec.tokens), 1),
             "measured_speedup": spec.tokens_per_s / seq.tokens_per_s,
-            "ideal_speedup": ideal_speedup(a, spec.block, s) if a == a and s == s else float("nan")}
+            "ideal_ssd_speedup": ideal_ssd_speedup(a, spec.block, s) if a == a and s == s else float("nan")}
+
+
+def merge_results(results: list[GenerateResult]) -> GenerateResult:
+    """Sum the counters and times of several runs (e.g. one per prompt) into one result."""
+    first = results[0]
+    agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
+                         block=first.block)
+    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
+              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters"):
+        setattr(agg, f, sum(getattr(r, f) for r in results))
+    return agg
+
+
+def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
+                          repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
+                          eos_id: int | None = None, progress: bool = False) -> tuple[list[dict], list[list[int]]]:
+    """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
+    measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
+    prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
+    (interleaved, so load drift hits every row alike). Per round the counters are summed over the
+    prompts and `speculative_report` taken; each row (one per B) holds the medians over the rounds,
+    the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
+    output equals the sequential one, every round). Returns (rows, sequential tokens per prompt)."""
+    plan = _as_plan(model, plan)
+    blocks = tuple(blocks)
+    if not prompts:
+        raise ValueError("speculative_benchmark needs at least one prompt")
+    for b in blocks:
+        _check_common(max_new_tokens, temperature, b)
+    if not blocks:
+        raise ValueError("speculative_benchmark needs at least one block size")
+    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
+    for _ in range(warmup):  # allocator, kernels, fused weights: both sides
+        sequential_generate(model, prompts[0], **kw)
+        for b in blocks:
+            speculative_generate(model, prompts[0], plan, block=b, **kw)
+    reports: dict[int, list[dict]] = {b: [] for b in blocks}
+    matches = dict.fromkeys(blocks, True)
+    with progress_bar(repeats * len(prompts), f"SSD {plan} B={','.join(map(str, blocks))}", progress) as bar:
+        for _ in range(repeats):
+            seq_runs, spec_runs = [], {b: [] for b in blocks}
+            for p in prompts:
+                seq_runs.append(sequential_generate(model, p, **kw))
+                for b in blocks:
+                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **kw))
+                bar.update()
+            seq = merge_results(seq_runs)
+            for b in blocks:
+                reports[b].append(speculative_report(merge_results(spec_runs[b]), seq))
+                matches[b] &= all(x.tokens == y.tokens for x, y in zip(spec_runs[b], seq_runs))
+    rows = []
+    for b in blocks:
+        reps = reports[b]
+        row = {"plan": str(plan), "block": b}
+        for key in ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_ms_per_step", "drafter_ms_per_step",
+                    "sequential_ms_per_token", "speculative_ms_per_token", "measured_speedup"):
+            row[key] = statistics.median(r[key] for r in reps)
+        a, s = row["alpha"], row["drafter_speedup_s"]
+        row["ideal_ssd_speedup"] = ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan")
+        row.update(matches_sequential=matches[b], repeats=repeats, prompts=len(prompts), gen_tokens=max_new_tokens)
+        rows.append(row)
+    return rows, [r.tokens for r in seq_runs]
 
 
 # ----- shared pieces -----
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _prompt_list(model: GPT, prompt_ids) -> list[int]:
     if isinstance(prompt_ids, Tensor):
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
@@ -226,10 +305,15 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
         ses.result.plan = None if plan is None else str(plan)
         gen = _generator(seed, ses.device) if temperature > 0 else None
         ses.prefill(forward)
+        res = ses.result
         while not ses.done:
-            logits = forward(ses.ids([ses.last]), ses.cache)[0, -1]  # (V,)
-            ses.result.forwards += 1
-            ses.emit([_pick(logits, temperature, gen)])
+            t0 = _now(ses.device)
+            x = ses.ids([ses.last])
+            nxt = _pick(forward(x, ses.cache)[0, -1], temperature, gen)  # from logits (V,)
+            res.step_s += _now(ses.device) - t0  # timed like the speculative drafter's steps
+            res.steps += 1
+            res.forwards += 1
+            ses.emit([nxt])
         return ses.finish()
 
 
@@ -408,7 +492,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-baseline", action="store_true",
-                   help="speculative mode: skip the sequential baseline run (no measured speedup / s)")
+                   help="speculative mode: skip the timed comparison with sequential decoding (no measured speedup / s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
+                        "round of each; the speedups reported are medians")
     p.add_argument("--quiet", action="store_true", help="do not stream the text")
     p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
 
@@ -421,6 +508,8 @@ def run(args) -> int:
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
     _check_common(args.max_new_tokens, args.temperature, args.block)
+    if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
@@ -446,7 +535,6 @@ def run(args) -> int:
     on_tokens = None if args.quiet else (lambda new: (res_tokens.extend(new), stream(new)))
     if not args.quiet:
         sys.stdout.write(args.prompt)
-    baseline = None
     if args.mode == "sequential":
         res = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
                                   **kw)
@@ -454,8 +542,6 @@ def run(args) -> int:
         res = snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
                             **kw)
     elif args.mode == "speculative":
-        if not args.no_baseline:  # the baseline for s and the measured speedup, same process
-            baseline = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, **kw)
         res = speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
                                    seed=args.seed, on_tokens=on_tokens, **kw)
     else:
@@ -468,13 +554,17 @@ def run(args) -> int:
     record = {"tokens": res.tokens, "text": text, **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
-    if baseline is not None:
-        rep = speculative_report(res, baseline)
+    if res.mode == "speculative" and not args.no_baseline:  # s and the measured speedup: warm, repeated, medians
+        rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
+                                                 repeats=args.repeats, warmup=1, temperature=args.temperature,
+                                                 seed=args.seed, eos_id=args.eos_id)
+        rep = rows[0]
         record["report"] = rep
-        record["sequential_tokens_per_s"] = baseline.tokens_per_s
-        record["matches_sequential"] = baseline.tokens == res.tokens
+        record["sequential_tokens_per_s"] = 1e3 / rep["sequential_ms_per_token"]
+        record["matches_sequential"] = rep["matches_sequential"] and res.tokens == seq_tokens[0]
         stats += (f", s={rep['drafter_speedup_s']:.2f}, speedup measured {rep['measured_speedup']:.2f}x "
-                  f"vs ideal {rep['ideal_speedup']:.2f}x (sequential {baseline.tokens_per_s:.1f} tok/s)")
+                  f"vs ideal SSD {rep['ideal_ssd_speedup']:.2f}x (medians of {args.repeats} runs after a warm-up; "
+                  f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
     print(stats)
     if args.json:
         write_json(args.json, record)

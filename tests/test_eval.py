@@ -1,4 +1,4 @@
-"""`snlp eval` / snlp.eval.evaluate on a tiny random model with a real tokenizer: the protocol's
+"""`snlp eval` / snlp.evaluation.evaluate on a tiny random model with a real tokenizer: the protocol's
 invariants (sequential vs itself, exact plans, fused references), divergence handling, early exit,
 the output files and the CLI's error paths."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -15,12 +16,16 @@ import torch
 import torch.nn.functional as F
 from conftest import make_model
 
-import snlp.eval as E
+import snlp.embsim as EMB
+import snlp.evaldata as ED
+import snlp.evaluation as E
 from snlp import Plan, SNLPDivergenceError, fused_forward, parallel_forward
 from snlp.checkpoint import save_checkpoint
 from snlp.cli import main
 from snlp.diagnostics import early_exit
-from snlp.eval import EvalConfig, evaluate, frontier_plot, markdown_table, reference_plan, write_csv
+from snlp.evaluation import EvalConfig, EvalRecord, evaluate, reference_plan
+from snlp.metrics import implied_beta
+from snlp.present import frontier_plot, markdown_table, write_csv
 from snlp.tokenizer import MIN_VOCAB, Tokenizer
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
@@ -29,7 +34,7 @@ PLANS = ["6xF1-h0-K6", "3xF2-h0-K4", "6xF1-h0-K1", "3xF2-fwd-K1"]
 CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=6, warmup=0, runs=2, time_tokens=3,
                  progress=False)
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
-        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_speedup", "note",
+        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_layer_speedup", "note",
         "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
 
 
@@ -57,19 +62,24 @@ def records(model, val, tok):
 
 
 def _by_plan(records):
-    return {r["plan"]: r for r in records}
+    return {r.plan: r for r in records}
 
 
 def test_records_come_in_order_with_every_key_filled(records):
-    assert [r["plan"] for r in records] == ["sequential", *PLANS]
+    assert [r.plan for r in records] == ["sequential", *PLANS]
+    assert {f.name for f in dataclasses.fields(EvalRecord)} == KEYS
+    seq = records[0]
     for r in records:
-        assert KEYS <= r.keys()
-        optional = {"K", "C", "M", "init"} if r["plan"] == "sequential" else set()
-        assert [k for k in KEYS - optional if r[k] is None] == [], r["plan"]  # emb_sim too: the emb extra is in dev
-        assert r["latency_ms"] > 0 and r["prefill_ms"] > 0 and r["speedup"] > 0 and r["prefill_speedup"] > 0
-        assert 0 <= r["top1"] <= 1 and 0 <= r["ar_match"] <= 1 and -1 <= r["emb_sim"] <= 1 + 1e-6
-        assert r["ar_beta"] == pytest.approx(E.implied_beta(r["ar_match"], CFG.gen_tokens))
-        assert r["tokens"] == 96 and r["n_layer"] == 6 and r["note"] == ""
+        assert isinstance(r, EvalRecord)
+        optional = {"K", "C", "M", "init"} if r.plan == "sequential" else set()
+        assert [k for k in KEYS - optional if getattr(r, k) is None] == [], r.plan  # emb_sim too: emb is in dev
+        # the speedups are ratios of the measured medians, sequential over this row
+        assert r.speedup == pytest.approx(seq.latency_ms / r.latency_ms, rel=1e-12)
+        assert r.prefill_speedup == pytest.approx(seq.prefill_ms / r.prefill_ms, rel=1e-12)
+        assert 0 <= r.top1 <= 1 and 0 <= r.ar_match <= 1 and -1 <= r.emb_sim <= 1 + 1e-6
+        assert r.ar_beta == pytest.approx(implied_beta(r.ar_match, CFG.gen_tokens))
+        assert r.tokens == 96 and r.n_layer == 6 and r.note == ""
+        assert EvalRecord.from_dict(r.to_dict()) == r  # the JSON row round-trips
 
 
 def test_sequential_record_is_the_model_against_itself(records, model, val):
@@ -79,30 +89,37 @@ def test_sequential_record_is_the_model_against_itself(records, model, val):
     y = torch.stack([val[i * T + 1:(i + 1) * T + 1] for i in range(W)])
     with torch.no_grad():
         ce = F.cross_entropy(model(x).flatten(0, 1).double(), y.flatten())
-    assert seq["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-6)
-    assert seq["delta_ppl"] == 0.0 and seq["top1"] == 1.0 and seq["ar_match"] == 1.0 and seq["ar_beta"] == 1.0
-    assert seq["logit_sim"] == pytest.approx(1.0, abs=1e-6) and seq["emb_sim"] == pytest.approx(1.0, abs=1e-5)
-    assert seq["speedup"] == 1.0 and seq["prefill_speedup"] == 1.0 and seq["ideal_speedup"] == 1.0
-    assert seq["ar_reference"] == "sequential" and seq["S"] == 6
+    assert seq.ppl == pytest.approx(math.exp(ce.item()), rel=1e-6)
+    assert seq.delta_ppl == 0.0 and seq.top1 == 1.0 and seq.ar_match == 1.0 and seq.ar_beta == 1.0
+    assert seq.logit_sim == pytest.approx(1.0, abs=1e-6) and seq.emb_sim == pytest.approx(1.0, abs=1e-5)
+    assert seq.ideal_layer_speedup == 1.0  # L / L layer steps
+    assert seq.ar_reference == "sequential" and seq.S == 6
 
 
 def test_exact_plans_match_their_references(records):
     seq, rec = records[0], _by_plan(records)
     exact = rec["6xF1-h0-K6"]  # M = 1, K >= C: the sequential model itself
-    assert exact["top1"] == 1.0 and exact["ar_match"] == 1.0 and exact["ar_reference"] == "sequential"
-    assert exact["ppl"] == pytest.approx(seq["ppl"], rel=1e-5) and abs(exact["delta_ppl"]) < 1e-5
-    assert exact["logit_sim"] == pytest.approx(1.0, abs=1e-6) and exact["emb_sim"] == pytest.approx(1.0, abs=1e-5)
+    assert exact.top1 == 1.0 and exact.ar_match == 1.0 and exact.ar_reference == "sequential"
+    assert exact.ppl == pytest.approx(seq.ppl, rel=1e-5) and abs(exact.delta_ppl) < 1e-5
+    assert exact.logit_sim == pytest.approx(1.0, abs=1e-6) and exact.emb_sim == pytest.approx(1.0, abs=1e-5)
     fused = rec["3xF2-h0-K4"]  # M = 2, K >= C: exactly the fused model, the AR reference of fused plans
-    assert fused["ar_reference"] == "3xF2-h0-K3" and fused["ar_match"] == 1.0
-    assert rec["3xF2-fwd-K1"]["ar_reference"] == "3xF2-h0-K3"
+    assert fused.ar_reference == "3xF2-h0-K3" and fused.ar_match == 1.0
+    assert rec["3xF2-fwd-K1"].ar_reference == "3xF2-h0-K3"
 
 
 def test_aggressive_plan_disagrees_and_reports_its_plan_fields(records):
     agg = _by_plan(records)["6xF1-h0-K1"]
-    assert agg["top1"] < 1.0 and agg["logit_sim"] < 1.0
-    assert (agg["K"], agg["S"], agg["C"], agg["M"], agg["init"]) == (1, 0, 6, 1, "h0")
-    assert agg["ideal_speedup"] == 6.0  # L / (S + K)
-    assert agg["delta_ppl"] == pytest.approx(agg["ppl"] / records[0]["ppl"] - 1)
+    assert agg.top1 < 1.0 and agg.logit_sim < 1.0
+    assert (agg.K, agg.S, agg.C, agg.M, agg.init) == (1, 0, 6, 1, "h0")
+    assert agg.ideal_layer_speedup == 6.0  # L / (S + K)
+    assert agg.delta_ppl == pytest.approx(agg.ppl / records[0].ppl - 1)
+
+
+def test_record_from_stored_rows():
+    row = {"plan": "2xF1-h0-K1", "K": 1, "ppl": 5.0, "ideal_speedup": 2.0}  # written before the rename
+    assert EvalRecord.from_dict(row).ideal_layer_speedup == 2.0
+    with pytest.raises(ValueError, match=r"unknown evaluation record fields \['bogus'\]"):
+        EvalRecord.from_dict({"plan": "sequential", "bogus": 1})
 
 
 def test_fused_reference_is_the_fused_model(model, val):
@@ -114,33 +131,35 @@ def test_fused_reference_is_the_fused_model(model, val):
 
 
 def test_a_diverging_plan_is_recorded_and_the_rest_evaluated(model, val, monkeypatch, capsys):
-    real = E.parallel_forward
+    real = E.bind
 
-    def diverges(model, idx, plan, **kw):  # an SNLP plan that blows up (as SNLPDivergenceError reports it)
-        if str(plan) == "6xF1-h0-K1":
-            raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
-        return real(model, idx, plan, **kw)
+    def diverges(model, plan, check_finite=True):  # an SNLP plan that blows up: its NaN/inf check raises
+        if str(plan) == "6xF1-h0-K1" and check_finite:
+            def fail(idx, cache=None):
+                raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
+            return fail
+        return real(model, plan, check_finite)
 
-    monkeypatch.setattr(E, "parallel_forward", diverges)
+    monkeypatch.setattr(E, "bind", diverges)
     recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6"], CFG))  # emb on, but no tokenizer
     bad, good = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"]
-    assert bad["ppl"] == math.inf and bad["note"] == "diverged" and bad["top1"] is None and bad["ar_match"] is None
-    assert bad["speedup"] > 0  # still timed
-    assert good["note"] == "" and good["top1"] == 1.0 and good["ar_match"] == 1.0
-    assert good["emb_sim"] is None and "EmbSim needs the tokenizer" in capsys.readouterr().err
+    assert bad.ppl == math.inf and bad.note == "diverged" and bad.top1 is None and bad.ar_match is None
+    assert bad.speedup == pytest.approx(recs["sequential"].latency_ms / bad.latency_ms)  # still timed
+    assert good.note == "" and good.top1 == 1.0 and good.ar_match == 1.0
+    assert good.emb_sim is None and "EmbSim needs the tokenizer" in capsys.readouterr().err
     assert "6xF1-h0-K1 (diverged) | 1 | inf" in markdown_table(list(recs.values()))
 
 
 def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
-    assert E.load_embedder.__wrapped__("cpu") is None
+    assert EMB.load_embedder.__wrapped__("cpu") is None
     assert "pip install snlp[emb]" in capsys.readouterr().err
 
 
 def test_early_exit_skips_the_suffix(model, val, records):
     rows = early_exit(model, val, [2, 4, 2], CFG)
     assert [(r["N"], r["seq_layers"]) for r in rows] == [(0, 6), (2, 4), (4, 2)]
-    assert rows[0]["ppl"] == pytest.approx(records[0]["ppl"], rel=1e-9)  # N = 0 is sequential
+    assert rows[0]["ppl"] == pytest.approx(records[0].ppl, rel=1e-9)  # N = 0 is sequential
     x = val[:CFG.max_tokens + 1].unfold(0, CFG.seq_len + 1, CFG.seq_len)  # (W, T + 1)
     with torch.no_grad():  # K = 0 plans are early exit too
         ce = F.cross_entropy(parallel_forward(model, x[:, :-1], "2xF1-h0-K0").flatten(0, 1).double(),
@@ -160,10 +179,11 @@ def test_too_little_validation_data_and_bad_settings(model, val):
 
 
 def test_outputs_csv_and_a_two_group_plot(records, tmp_path):
-    write_csv(records, tmp_path / "r.csv")
+    write_csv([r.to_dict() for r in records], tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert [r["plan"] for r in rows] == ["sequential", *PLANS] and rows[0]["K"] == ""  # None -> empty cell
-    shifted = [{**r, "ppl": r["ppl"] * 1.1, "speedup": r["speedup"] * 0.9} for r in records]
+    assert list(rows[0]) == [f.name for f in dataclasses.fields(EvalRecord)]  # the record's fields, in order
+    shifted = [dataclasses.replace(r, ppl=r.ppl * 1.1, speedup=r.speedup * 0.9) for r in records]
     frontier_plot({"No Reg.": records, "IDN Reg.": shifted}, tmp_path / "f.png", title="two groups")
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -185,13 +205,13 @@ def test_validation_tokens_are_the_training_split(ckpt, tok, tmp_path):
     from snlp.train import prepare_data
 
     path, root = ckpt
-    data = E.checkpoint_data(path, val_frac=None, cache_dir=str(tmp_path))  # recorded args, one override
+    data = ED.checkpoint_data(path, val_frac=None, cache_dir=str(tmp_path))  # recorded args, one override
     assert data["data"] == str(root / "corpus.txt") and data["val_frac"] == 0.5 and data["cache_dir"] == str(tmp_path)
-    val = E.validation_tokens(tok, **data)  # tokenizes only the validation documents, with `tok`
+    val = ED.validation_tokens(tok, **data)  # tokenizes only the validation documents, with `tok`
     trained = prepare_data(Namespace(vocab_size=tok.vocab_size, **data), tok, 0, 1)[1].val  # what snlp train uses
     assert val.tolist() == trained.tolist() and val.dtype == torch.int64
     bare = save_checkpoint(tmp_path / "bare", make_model(n_layer=2))  # no train_state.pt: the defaults
-    assert E.checkpoint_data(bare) == E.DATA_DEFAULTS and E.checkpoint_data(bare, data="x.txt")["data"] == "x.txt"
+    assert ED.checkpoint_data(bare) == ED.DATA_DEFAULTS and ED.checkpoint_data(bare, data="x.txt")["data"] == "x.txt"
 
 
 def test_cli_writes_every_output(ckpt, tmp_path, capsys):
@@ -204,6 +224,7 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     assert rc == 0
     recs = json.loads(out["json"].read_text())
     assert [r["plan"] for r in recs] == ["sequential", "6xF1-h0-K6", "3xF2-h0-K1"]
+    assert recs[2]["ideal_layer_speedup"] == 6.0 and "ideal_speedup" not in recs[2]  # L / (S + K); one name per ideal
     assert all(r["emb_sim"] is not None and r["ppl"] > 1 for r in recs) and recs[1]["top1"] > 0.98  # fp32: ~exact
     assert list(csv.DictReader(open(out["csv"])))[2]["plan"] == "3xF2-h0-K1"
     md = out["md"].read_text().splitlines()

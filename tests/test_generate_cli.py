@@ -38,15 +38,20 @@ def _gen(ckpt, tmp_path, *extra):
 
 def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     seq = _gen(ckpt, tmp_path, "--mode", "sequential")
-    assert len(seq["tokens"]) == 24 and seq["tokens_per_s"] > 0 and isinstance(seq["text"], str)
+    assert len(seq["tokens"]) == 24 and isinstance(seq["text"], str)
+    assert seq["tokens_per_s"] == pytest.approx(24 / seq["decode_s"]) and seq["steps"] == 24  # one step per token
     out = capsys.readouterr().out
     assert out.startswith("First Citizen:") and seq["text"] in out and "tok/s" in out.splitlines()[-2]
 
     spec = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF2-h0-K1", "--block", "3")
     assert spec["tokens"] == seq["tokens"] and spec["text"] == seq["text"] and spec["matches_sequential"]
     assert 0 <= spec["acceptance_rate"] <= 1 and 1 <= spec["tokens_per_round"] <= 4
-    rep = spec["report"]
-    assert rep["drafter_speedup_s"] > 0 and rep["measured_speedup"] > 0 and rep["ideal_speedup"] > 0
+    rep = spec["report"]  # medians of --repeats (default 3) timed runs of both sides after a warm-up
+    assert rep["repeats"] == 3 and rep["block"] == 3 and "ideal_speedup" not in rep
+    assert rep["alpha"] == pytest.approx(spec["acceptance_rate"])  # greedy: every run drafts the same
+    assert rep["ideal_ssd_speedup"] == pytest.approx(
+        (1 - rep["alpha"] ** 4) / (1 - rep["alpha"]) / (3 / rep["drafter_speedup_s"] + 1))
+    assert spec["sequential_tokens_per_s"] == pytest.approx(1e3 / rep["sequential_ms_per_token"])
     assert "alpha=" in capsys.readouterr().out
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
@@ -69,6 +74,8 @@ def test_generate_bad_arguments(ckpt, capsys):
     assert main(["generate", str(ckpt), "--mode", "snlp", "--plan", "9xF1-h0-K1"]) == 2
     assert "needs a suffix" in capsys.readouterr().err
     assert main(["generate", str(ckpt) + "-missing"]) == 2
+    assert main(["generate", str(ckpt), "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_decode(tmp_path, capsys):
@@ -82,10 +89,15 @@ def test_bench_decode(tmp_path, capsys):
         ("sequential", "sequential", None), ("snlp", "2xF1-h0-K1", None), ("snlp", "1xF2-h0-K1", None),
         ("speculative", "2xF1-h0-K1", 2), ("speculative", "2xF1-h0-K1", 3),
         ("speculative", "1xF2-h0-K1", 2), ("speculative", "1xF2-h0-K1", 3)]
+    seq = recs[0]
     for r in recs:
-        assert r["ms_per_token"] > 0
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["ms_per_token"])
+        assert r["speedup"] == pytest.approx(seq["ms_per_token"] / r["ms_per_token"])
         if r["mode"] == "speculative":
-            assert r["matches_sequential"]
-            assert {"alpha", "tokens_per_round", "drafter_speedup_s", "ideal_speedup"} <= r.keys()
+            assert r["matches_sequential"] and "ideal_speedup" not in r
+            assert r["drafter_speedup_s"] == pytest.approx(r["sequential_ms_per_step"] / r["drafter_ms_per_step"])
+            a, b, s = r["alpha"], r["block"], r["drafter_speedup_s"]
+            ideal = (b + 1 if a == 1 else (1 - a ** (b + 1)) / (1 - a)) / (b / s + 1)
+            assert r["ideal_ssd_speedup"] == pytest.approx(ideal)
     assert "speculative" in capsys.readouterr().out
     assert main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--blocks", "0"]) == 2

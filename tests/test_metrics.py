@@ -77,6 +77,9 @@ def test_ar_match_counts_positions_without_resynchronising():
     assert ar_match([[1, 2]], [[1, 2, 3, 4]]) == 0.5  # missing generated positions are mismatches
     with pytest.raises(ValueError, match="references"):
         ar_match([[1]], [[1], [2]])
+    # extra generated tokens have no reference position: an error, not silently ignored
+    with pytest.raises(ValueError, match="sequence 1 has 3 tokens but its reference only 2"):
+        ar_match([[1, 2], [1, 2, 3]], [[1, 2], [1, 2]])
 
 
 def test_implied_beta_reproduces_the_paper_formula_and_its_table():

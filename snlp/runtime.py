@@ -1,0 +1,58 @@
+"""Small run-time helpers shared by the library and the command-line apps: device / dtype / thread
+settings, where a run happened (for table titles), progress bars and writing JSON results. Nothing
+here parses arguments; `snlp.cli` only parses and dispatches."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def write_json(path, obj) -> None:
+    """Write a command's machine-readable results (creating parent folders) and say where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))
+    print(f"wrote {path}")
+
+
+def cli_device(name: str):
+    """torch.device of a --device value; a clear error when CUDA is asked for but not available."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def cli_dtype(dtype: str | None, device) -> str:
+    """A --dtype value, defaulting to bfloat16 on CUDA and float32 elsewhere."""
+    return dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def set_threads(n: int | None) -> None:
+    """torch's intra-op CPU threads (None leaves the default)."""
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(n)
+
+
+def device_label(device) -> str:
+    """What a benchmark ran on, for table titles: the GPU name or the CPU and its thread count."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr (disabled unless `enabled`) that clears itself when done."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False, dynamic_ncols=True)
