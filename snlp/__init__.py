@@ -3,6 +3,9 @@
 from .checkpoint import load, save_checkpoint
 from .diagnostics import early_exit
 from .eval import EvalConfig, evaluate
+from .mc import MCConfig, MCResult, evaluate_mc
+from .sft import SFTConfig, sft
+from .train import TrainConfig, TrainResult, fit
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
@@ -13,4 +16,5 @@ __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "solve", "parallel_forward", "fused_sequential",
            "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
            "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "evaluate",
-           "early_exit", "__version__"]
+           "early_exit", "TrainConfig", "TrainResult", "fit", "SFTConfig", "sft", "MCConfig", "MCResult",
+           "evaluate_mc", "__version__"]

@@ -3,7 +3,9 @@
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 
 from local JSONL files (comma-separated, folders and globs as for `snlp train --data`) or
-`hf:NAME[:CONFIG][:SPLIT]` (the `datasets` library, needs network), rendered with the tokenizer's
+`hf:NAME[:CONFIG][:SPLIT]` (the `datasets` library, needs network); a part `mc:PATH` turns
+multiple-choice questions (snlp.mc's files: ARC JSONL, MMLU CSV, plain JSONL) into one-turn chats,
+the lettered question then the answer letter (nanochat mixes ARC/MMLU train sets into SFT so). Rendered with the tokenizer's
 chat template (`Tokenizer.render_chat`) into token ids and an assistant mask.
 
 Batches are padded, one conversation per row: row i holds conversation i's tokens then padding, and
@@ -98,8 +100,12 @@ def load_conversations(spec: str, limit: int = 0) -> list[list[dict]]:
     most `limit` (0 = all), in file order."""
     out = []
     for part in D.parts(spec):
-        rows = _rows_from_hf(part) if part.startswith("hf:") else (
-            r for f in D.resolve_files(part) for r in _rows_from_file(f))
+        if part.startswith("mc:"):
+            rows = mc_conversations(part)
+        elif part.startswith("hf:"):
+            rows = _rows_from_hf(part)
+        else:
+            rows = (r for f in D.resolve_files(part) for r in _rows_from_file(f))
         for conv in rows:
             out.append(conv)
             if limit and len(out) >= limit:
@@ -107,6 +113,15 @@ def load_conversations(spec: str, limit: int = 0) -> list[list[dict]]:
     if not out:
         raise ValueError(f"chat data {spec!r} holds no conversations")
     return out
+
+
+def mc_conversations(task: str):
+    """One-turn chats of a multiple-choice task: the lettered question (snlp.mc.letter_prompt) and the
+    answer letter, exactly what `snlp eval --task` scores."""
+    from .mc import LETTERS, letter_prompt, load_task
+
+    for q in load_task(task):
+        yield [{"role": "user", "content": letter_prompt(q)}, {"role": "assistant", "content": LETTERS[q.answer]}]
 
 
 @dataclass

@@ -52,7 +52,7 @@ def sft_job(scfg: SFTConfig):
             raise ValueError(f"chat data {scfg.data!r} gives {len(examples)} usable conversations (with an "
                              f"assistant reply within {max_len} tokens); need at least 2")
         train, val = chat.split(examples, scfg.val_frac)
-        pad = tok.token_id("<|assistant_end|>") if hasattr(tok, "token_id") else 0
+        pad = 0  # any id: padding sits after each row's tokens (causal: unseen) and its targets are -1
         reg = reg_config(cfg, model.config)
         autocast = _autocast(device)
         return Job(model=model, tokenizer=tok,
