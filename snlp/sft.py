@@ -62,7 +62,7 @@ def sft_job(scfg: SFTConfig):
                    evaluate=lambda m, vb: evaluate(m, vb, device, autocast, [], plan=plan),
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "
                    f"{len(val):,} val conversations of {scfg.data}" + (f" | reg {cfg.reg} lambda={reg.lam}" if reg.active else ""),
-                   state={"sft": {k: v for k, v in asdict(scfg).items() if k != "train"}})
+                   name="snlp sft", state={"sft": {k: v for k, v in asdict(scfg).items() if k != "train"}})
 
     return make_job
 

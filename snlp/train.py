@@ -5,6 +5,11 @@ trains a byte-level BPE on the standard library's Python sources and a small mod
 Training defaults (aspect ratio 32, head dim 64, vocab 4096, seq len 256) are smaller than
 `snlp bench`'s so a CPU run makes progress in minutes. Multi-process: `torchrun
 --nproc_per_node=P -m snlp train ...` (DDP; NCCL on GPU, gloo on CPU; rank 0 logs and saves).
+
+Library: `fit(TrainConfig(out=..., ...)) -> TrainResult`. The loop (optimisers, the stateless LR
+multiplier written into every param group each step, checkpoints, exact resume, DDP, --stop-file)
+is shared: a `Job` supplies the model, the batch source, the loss module and the validation, so
+pretraining (`pretrain_job`) and chat SFT (snlp.sft) run the same machinery.
 """
 
 from __future__ import annotations
@@ -217,6 +222,7 @@ class Job:
     loss: nn.Module  # forward(x, y, lam) -> (loss, ce.detach(), reg.detach()); DDP wraps it
     evaluate: Callable[[GPT, list], dict]  # (model, val_batches) -> {"val_loss": ..., ...} (no_grad)
     describe: str = ""  # one line for the start banner
+    name: str = "snlp train"  # the banner's command name
     state: dict = field(default_factory=dict)  # extra entries saved into train_state.pt (e.g. the SFT config)
 
 
@@ -552,7 +558,7 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
     log_path = out / "log.jsonl"
     if master:
         out.mkdir(parents=True, exist_ok=True)
-        print(f"snlp train: {mcfg.n_layer} layers, width {mcfg.n_embd}, {mcfg.n_head} heads, vocab {mcfg.vocab_size}, "
+        print(f"{job.name}: {mcfg.n_layer} layers, width {mcfg.n_embd}, {mcfg.n_head} heads, vocab {mcfg.vocab_size}, "
               f"{model.num_params() / 1e6:.2f}M params | {job.describe} | {cfg.batch_size}x{cfg.grad_accum} "
               f"sequences/step/process on {world} x {device}", flush=True)
     bar = None
