@@ -3,6 +3,9 @@
 from .checkpoint import load, save_checkpoint
 from .diagnostics import early_exit
 from .evaluation import EvalConfig, EvalRecord, evaluate
+from .mc import MCConfig, MCResult, evaluate_mc
+from .sft import SFTConfig, sft
+from .train import TrainConfig, TrainResult, fit
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from .model import GPT, GPTConfig
 from .correction import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
@@ -15,5 +18,6 @@ __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "bind", "Runner", "solve", "parallel_forward",
            "Surrogate", "Identity", "Jacobi", "HCN", "DiagN", "Newton", "fused_sequential",
            "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
-           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "EvalRecord", "evaluate",
-           "early_exit", "__version__"]
+           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "EvalRecord",
+           "evaluate", "early_exit", "TrainConfig", "TrainResult", "fit", "SFTConfig", "sft", "MCConfig", "MCResult",
+           "evaluate_mc", "__version__"]

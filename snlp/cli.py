@@ -13,6 +13,8 @@ COMMANDS = {
     "eval": "snlp.eval",
     "generate": "snlp.generate",
     "speedrun": "snlp.speedrun",
+    "sft": "snlp.sft",
+    "sft-grid": "snlp.sft_grid",
     "train": "snlp.train",
 }
 

@@ -52,6 +52,13 @@ def add_arguments(p) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (tiny models: 1 is often fastest)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t = p.add_argument_group("multiple-choice task (snlp.mc): accuracy instead of the LM metrics")
+    t.add_argument("--task", default=None, help="mc:PATH[,PATH...] (ARC .jsonl, MMLU .csv, {question, choices, "
+                   "answer} .jsonl; folders allowed) | arc-easy | arc-challenge | mmlu[:SUBJECT,...] (the last three "
+                   "via the datasets library, online)")
+    t.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter", help="letter: answer-letter "
+                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text")
+    t.add_argument("--mc-limit", type=int, default=0, help="first N questions only (0 = all)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the records to this JSON file")
     o.add_argument("--csv", default=None, help="write the records to this CSV file")
@@ -81,6 +88,11 @@ def run(args) -> int:
     cfg.check()
     dtype = cli_dtype(args.dtype, device)
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    if args.task:
+        from . import mc
+
+        args.plans_list = plans
+        return mc.run_task(args, model, tok)
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",

@@ -55,6 +55,37 @@ class Tokenizer:
             raise ValueError(f"unknown special token {token!r}; known: {SPECIAL_TOKENS}")
         return i
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Chat template: token ids of a conversation and its assistant mask (1 = a token the model
+        is trained to produce). The hook every tokenizer implements: ours uses the reserved specials,
+        a wrapper of a Hugging Face tokenizer uses that model's own chat template.
+
+            <|bos|> <|user_start|> user <|user_end|> <|assistant_start|> reply <|assistant_end|> ...
+
+        The mask covers each reply and its <|assistant_end|> (so the model learns to stop), never the
+        markers before it. A system message is prepended to the first user turn (nanochat). With
+        `add_generation_prompt` an <|assistant_start|> is appended (the prompt for the reply)."""
+        from .chat import check_messages
+
+        messages = check_messages(messages)
+        if messages[0]["role"] == "system":
+            first = messages[1]  # check_messages guarantees a user turn follows
+            messages = [{"role": "user", "content": messages[0]["content"] + "\n\n" + first["content"]}] + messages[2:]
+        sp = {name: self.token_id(f"<|{name}|>") for name in ("user_start", "user_end", "assistant_start", "assistant_end")}
+        ids, mask = [self.bos_id], [0]
+        for m in messages:
+            body = self.encode(m["content"])
+            if m["role"] == "user":
+                part, pm = [sp["user_start"], *body, sp["user_end"]], [0] * (len(body) + 2)
+            else:
+                part, pm = [sp["assistant_start"], *body, sp["assistant_end"]], [0] + [1] * (len(body) + 1)
+            ids += part
+            mask += pm
+        if add_generation_prompt:
+            ids.append(sp["assistant_start"])
+            mask.append(0)
+        return ids, mask
+
     @property
     def bos_id(self) -> int:
         return self.token_id(BOS)

@@ -1,0 +1,324 @@
+"""Chat SFT and multiple-choice evaluation: assistant-only masks, rows that never see each other,
+SNLP-forward SFT = sequential SFT of the fused model when K >= C, MC parsing/scoring/errors, and a
+tiny model that learns a synthetic MC chat task (SNLP-forward SFT wins under that plan's inference)."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from snlp import chat
+from snlp.checkpoint import save_checkpoint
+from snlp.cli import main
+from snlp.mc import LETTERS, MCConfig, Question, evaluate_mc, letter_prompt, load_task, parse_file, wilson
+from snlp.model import GPT, GPTConfig
+from snlp.plan import Plan
+from snlp.regularizer import RegConfig
+from snlp.solver import fused_forward, parallel_forward
+from snlp.tokenizer import Tokenizer
+from snlp.train import TrainStep, lr_multiplier
+
+TEXT = ["Which number is largest? Multiple Choice question: hello there, how are you today?"] * 20
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train(TEXT + [letter_prompt(Question("q", ("1", "2"), 0))] * 5, 300)
+
+
+def tiny(tok, depth=4, seed=0, dtype=torch.float32, train=False):
+    m = GPT(GPTConfig.from_depth(depth, width=32, head_dim=16, vocab_size=tok.vocab_size, sequence_len=64))
+    m.init_weights(seed=seed)
+    if train:  # non-zero output projections: blocks that are not the identity
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for b in m.blocks:
+                for lin in (b.attn.c_proj, b.mlp.c_proj):
+                    lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+            if hasattr(m, "value_embeds"):
+                for b in m.blocks:
+                    if b.attn.ve_gate is not None:
+                        b.attn.ve_gate.weight.copy_(torch.randn(b.attn.ve_gate.weight.shape, generator=g) * 0.2)
+            m.lm_head.weight.normal_(0, 0.3, generator=g)
+    return m.to(dtype)
+
+
+# ----- chat template and masks -----
+def test_two_turn_mask_is_exactly_the_replies(tok):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "how are you"},
+            {"role": "assistant", "content": "today"}]
+    ids, mask = tok.render_chat(conv)
+    sp = {n: tok.token_id(f"<|{n}|>") for n in ("user_start", "user_end", "assistant_start", "assistant_end")}
+    e = tok.encode
+    want_ids = ([tok.bos_id, sp["user_start"], *e("be brief\n\nhello"), sp["user_end"],
+                 sp["assistant_start"], *e("hi there"), sp["assistant_end"],
+                 sp["user_start"], *e("how are you"), sp["user_end"],
+                 sp["assistant_start"], *e("today"), sp["assistant_end"]])
+    want_mask = ([0, 0] + [0] * len(e("be brief\n\nhello")) + [0, 0] + [1] * len(e("hi there")) + [1]
+                 + [0] + [0] * len(e("how are you")) + [0, 0] + [1] * len(e("today")) + [1])
+    assert ids == want_ids and mask == want_mask
+    x, y = chat.collate([chat.ChatExample(ids, mask)], pad_id=0)
+    assert x[0].tolist() == ids[:-1]
+    assert y[0].tolist() == [t if m else -1 for t, m in zip(ids[1:], mask[1:])]
+    prompt, pm = tok.render_chat(conv[:2], add_generation_prompt=True)
+    assert prompt[-1] == sp["assistant_start"] and sum(pm) == 0
+
+
+@pytest.mark.parametrize("bad, msg", [([], "non-empty"), ([{"role": "bot", "content": "x"}], "valid roles"),
+                                      ([{"role": "assistant", "content": "x"}], "'user' was expected"),
+                                      ([{"role": "user", "content": 3}], "string")])
+def test_bad_conversations_are_named(tok, bad, msg, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        tok.render_chat(bad)
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n" + json.dumps({"messages": bad}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2"):
+        chat.load_conversations(str(f))
+
+
+@pytest.mark.parametrize("plan", [None, "3xF1-h0-K1", "2xF2-fwd-K1"])
+def test_padded_rows_never_see_each_other(tok, plan):
+    """Perturbing one conversation (and its length) changes no logit of the other: with one row per
+    conversation, right padding and causal attention, documents never attend across each other."""
+    m = tiny(tok, train=True).eval()
+    rng = random.Random(0)
+    a = chat.ChatExample([rng.randrange(tok.vocab_size) for _ in range(12)], [0] * 6 + [1] * 6)
+    b = chat.ChatExample([rng.randrange(tok.vocab_size) for _ in range(20)], [1] * 20)
+    b2 = chat.ChatExample([rng.randrange(tok.vocab_size) for _ in range(31)], [1] * 31)
+    fwd = (lambda x: m(x)) if plan is None else (lambda x: parallel_forward(m, x, plan))
+    with torch.no_grad():
+        alone = fwd(chat.collate([a], 0)[0])[0]
+        x1, x2 = chat.collate([a, b], 0)[0], chat.collate([a, b2], 0)[0]
+        l1, l2 = fwd(x1), fwd(x2)
+    n = len(a.ids) - 1
+    torch.testing.assert_close(l1[0, :n], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(l2[0, :n], alone, rtol=0, atol=1e-5)
+    assert not torch.allclose(l1[1, :5], l2[1, :5])  # the perturbation is real
+
+
+@pytest.mark.parametrize("plan", ["3xF1-h0-K3", "3xF1-fwd-K4", "2xF2-h0-K2", "1xF3-h0-K1"])
+def test_snlp_forward_sft_with_k_ge_c_is_sequential_sft_of_the_fused_model(tok, plan):
+    """Loss and every parameter gradient of SNLP-forward SFT (K >= C) equal those of sequential SFT
+    of the fused model (F1: the model itself; FM: snlp.fused_forward), in float64."""
+    m = tiny(tok, train=True, dtype=torch.float64)
+    p = Plan.parse(plan)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, tok.vocab_size, (2, 9), generator=g)
+    y = torch.randint(0, tok.vocab_size, (2, 9), generator=g)
+    y[:, :4] = -1  # masked (user) positions
+    loss, _, _ = TrainStep(m, RegConfig(), p)(x, y, 0.0)
+    loss.backward()
+    got = {k: v.grad.clone() for k, v in m.named_parameters() if v.grad is not None}
+    m.zero_grad()
+    if p.fuse == 1:
+        ref, _, _ = TrainStep(m, RegConfig(), None)(x, y, 0.0)
+    else:
+        lg = fused_forward(m, x, p)
+        ref = F.cross_entropy(lg.view(-1, lg.size(-1)), y.reshape(-1), ignore_index=-1)
+    ref.backward()
+    want = {k: v.grad.clone() for k, v in m.named_parameters() if v.grad is not None}
+    assert torch.allclose(loss, ref, rtol=0, atol=1e-12)
+    assert got.keys() == want.keys() and len(got) > 5
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+    assert any(float(v.abs().max()) > 0 for k, v in want.items() if k.startswith("blocks.3"))  # suffix params learn
+
+
+def test_lr_multiplier_is_stateless_schedule():
+    assert lr_multiplier(0, 0.0, 10, 0.4) == pytest.approx(0.1)
+    assert lr_multiplier(50, 0.5, 10, 0.4) == 1.0
+    assert lr_multiplier(80, 0.8, 10, 0.4) == pytest.approx(0.5)
+    assert lr_multiplier(99, 1.0, 0, 0.4) == 0.0
+
+
+# ----- multiple choice -----
+QS = [Question("Which is red?", ("apple", "sky", "grass", "coal"), 0),
+      Question("Which is blue?", ("apple", "sky", "grass", "coal"), 1),
+      Question("What is 2+2?", ("4", "5", "3", "22"), 0)]
+
+
+def write_schemas(d):
+    (d / "arc.jsonl").write_text("\n".join(json.dumps(
+        {"id": str(i), "question": {"stem": q.question, "choices": [{"label": L, "text": c} for L, c in zip("ABCD", q.choices)]},
+         "answerKey": "ABCD"[q.answer]}) for i, q in enumerate(QS)) + "\n")
+    (d / "toy_test.csv").write_text("".join(f'"{q.question}",{",".join(q.choices)},{"ABCD"[q.answer]}\n' for q in QS))
+    (d / "plain.jsonl").write_text("\n".join(json.dumps({"question": q.question, "choices": list(q.choices),
+                                                         "answer": [q.answer, "ABCD"[q.answer], q.choices[q.answer]][i]})
+                                             for i, q in enumerate(QS)) + "\n")
+
+
+def test_three_schemas_parse_to_the_same_questions(tmp_path):
+    write_schemas(tmp_path)
+    arc, mmlu, plain = (parse_file(tmp_path / f) for f in ("arc.jsonl", "toy_test.csv", "plain.jsonl"))
+    assert arc == plain == QS
+    assert [Question(q.question, q.choices, q.answer) for q in mmlu] == QS and {q.subject for q in mmlu} == {"toy"}
+    assert len(load_task(f"mc:{tmp_path}")) == 9
+
+
+@pytest.mark.parametrize("line, msg", [
+    ({"question": "q", "choices": ["a", "b"]}, "missing answer"),
+    ({"question": "q", "choices": ["a", "b"], "answer": "C"}, "not among the choices"),
+    ({"question": "q", "choices": ["a", "b"], "answer": 5}, "not among the 2 choices"),
+    ({"question": "q", "choices": [], "answer": 0}, "no choices"),
+    ({"question": {"stem": "q", "choices": []}, "answerKey": "A"}, "empty or missing question.choices"),
+])
+def test_malformed_questions_name_the_line(tmp_path, line, msg):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"question": "ok", "choices": ["a", "b"], "answer": 0}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{msg}"):
+        parse_file(f)
+
+
+def test_malformed_csv_and_unknown_task(tmp_path):
+    f = tmp_path / "x_test.csv"
+    f.write_text("q,a,b,c,d,A\nq2,a,b,c,d,E\n")
+    with pytest.raises(ValueError, match=r"x_test.csv:2: .*'E' is not among"):
+        parse_file(f)
+    with pytest.raises(ValueError, match="unknown task"):
+        load_task("arc-hard")
+
+
+def test_wilson_interval():
+    lo, hi = wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    lo, hi = wilson(0, 5)
+    assert lo == 0.0 and 0 < hi < 0.5
+
+
+@pytest.mark.parametrize("letter, acc", [("A", 2 / 3), ("B", 1 / 3), ("C", 0.0)])
+def test_forced_letter_logits_give_the_known_accuracy(tok, tmp_path, letter, acc):
+    """Identity blocks (zero output projections, the init) make the last hidden state depend only on the
+    last token (always <|assistant_start|>); an lm_head that points only the forced letter at it makes
+    every prediction that letter, under the sequential forward and every plan alike."""
+    write_schemas(tmp_path)
+    m = tiny(tok).eval()
+    prompt = tok.render_chat([{"role": "user", "content": "x"}], add_generation_prompt=True)[0]
+    with torch.no_grad():
+        h = F.rms_norm(m.hidden_states(torch.tensor([prompt]))[-1][0, -1], (32,))
+        m.lm_head.weight.zero_()
+        m.lm_head.weight[tok.encode(letter)[0]] = 5 * h
+    res = evaluate_mc(m, tok, MCConfig(task=f"mc:{tmp_path / 'plain.jsonl'}", plans=["3xF1-h0-K1", "2xF2-fwd-K1"]))
+    assert [r.method for r in res.records][0] == "sequential" and len(res.records) == 3
+    for r in res.records:
+        assert r.n == 3 and r.accuracy == pytest.approx(acc)
+        assert r.ci_low <= acc <= r.ci_high and r.chance == pytest.approx(0.25)
+
+
+def test_eval_task_cli(tok, tmp_path, capsys):
+    write_schemas(tmp_path)
+    save_checkpoint(tmp_path / "ck", tiny(tok), tok)
+    for scoring in ("letter", "loglik"):
+        rc = main(["eval", str(tmp_path / "ck"), "--task", f"mc:{tmp_path / 'toy_test.csv'},{tmp_path / 'arc.jsonl'}",
+                   "--plans", "3xF1-h0-K1", "--mc-scoring", scoring, "--device", "cpu", "--json", str(tmp_path / "r.json"),
+                   "--markdown", str(tmp_path / "r.md")])
+        assert rc == 0
+        res = json.loads((tmp_path / "r.json").read_text())
+        assert res["scoring"] == scoring and [r["n"] for r in res["records"]] == [6, 6]
+        assert set(res["records"][0]["subjects"]) == {"", "toy"} or res["records"][0]["subjects"] == {}
+        assert "| sequential |" in (tmp_path / "r.md").read_text()
+    assert main(["eval", str(tmp_path / "ck"), "--task", f"mc:{tmp_path / 'nope.csv'}", "--plans", "3xF1-h0-K1",
+                 "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ----- learning: a synthetic chat task -----
+def synthetic(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ds = rng.sample(range(10), 4)
+        out.append(Question("Which number is largest?", tuple(map(str, ds)), max(range(4), key=lambda i: ds[i])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft")
+    qs = synthetic(1000, 0)
+    with open(d / "chats.jsonl", "w") as f:
+        for q in qs[:800]:
+            f.write(json.dumps({"messages": [{"role": "user", "content": letter_prompt(q)},
+                                             {"role": "assistant", "content": LETTERS[q.answer]}]}) + "\n")
+    with open(d / "test.jsonl", "w") as f:
+        for q in qs[800:]:
+            f.write(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.answer}) + "\n")
+    tk = Tokenizer.train([letter_prompt(q) for q in qs[:100]] * 5, 400)
+    m = GPT(GPTConfig.from_depth(4, width=64, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
+    m.init_weights(seed=0)
+    save_checkpoint(d / "base", m, tk)
+    return d
+
+
+SFT_FLAGS = ["--steps", "{steps}", "--batch-size", "16", "--seq-len", "128", "--lr-scale", "1", "--warmdown", "0.3",
+             "--eval-every", "1000", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
+
+
+def sft_flags(steps):
+    return [s.format(steps=steps) for s in SFT_FLAGS]
+
+
+def test_sft_grid_learns_and_snlp_forward_wins_under_its_plan(task):
+    """Sequential SFT learns the task far above chance (25 %); SFT through the plan's SNLP forward beats
+    sequential SFT when both are served with that plan (the paper's mechanism). Loose bounds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = "3xF1-h0-K1"
+        rc = main(["sft-grid", str(task / "base"), "--data", str(task / "chats.jsonl"), "--plan", plan,
+                   "--task", f"mc:{task / 'test.jsonl'}", "--out", str(task / "grid"), *sft_flags(120)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    g = json.loads((task / "grid" / "grid.json").read_text())
+    acc = {(r["sft"], r["inference"]): r["accuracy"][f"mc:{task / 'test.jsonl'}"] for r in g["rows"]}
+    assert acc[("sequential", "sequential")] > 0.5
+    assert acc[(plan, plan)] > 0.5
+    assert acc[(plan, plan)] > acc[("sequential", plan)]
+    assert "| SFT | Inference |" in (task / "grid" / "grid.md").read_text()
+    log = [json.loads(l) for l in (task / "grid" / f"sft-{plan}" / "log.jsonl").read_text().splitlines()]
+    ev = [r for r in log if "val_loss_plan" in r]
+    assert ev[-1]["val_loss_plan"] < ev[0]["val_loss_plan"] - 0.5  # validation loss under the plan logged and falling
+
+
+def test_sft_resume_is_bitwise_identical(task, tmp_path):
+    """SNLP-forward SFT with the regulariser, stopped by --stop-after and by a --stop-file, resumes
+    bitwise identically (the LR schedule is stateless); bad plans and data give clear errors."""
+    from safetensors.torch import load_file
+
+    flags = [*sft_flags(5), "--batch-size", "4", "--forward", "2xF2-h0-K1", "--reg", "idn", "--reg-n", "2",
+             "--warmup-steps", "2"]
+    base = ["sft", str(task / "base"), "--data", str(task / "chats.jsonl"), "--max-conversations", "40"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*base, "--out", str(tmp_path / "full"), *flags]) == 0
+        assert main([*base, "--out", str(tmp_path / "part"), *flags, "--stop-after", "2"]) == 0
+        (tmp_path / "stop").write_text("3")
+        assert main([*base, "--out", str(tmp_path / "part"), *flags, "--resume", "--stop-file", str(tmp_path / "stop")]) == 0
+        assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 3  # the stop file
+        assert main([*base, "--out", str(tmp_path / "part"), *flags, "--resume"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    full, part = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
+    for k in full:
+        assert torch.equal(full[k], part[k]), k
+    st = torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)
+    assert st["sft"]["forward"] == "2xF2-h0-K1" and st["step"] == 5
+    assert main([*base, "--out", str(tmp_path / "x"), *sft_flags(2), "--forward", "9xF1-h0-K1"]) == 2
+    assert main(["sft", str(task / "base"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "y")]) == 2
+
+
+def test_mc_questions_as_chats_and_hub_tasks_offline(tmp_path, tok):
+    write_schemas(tmp_path)
+    convs = chat.load_conversations(f"mc:{tmp_path / 'arc.jsonl'}")
+    assert convs[1] == [{"role": "user", "content": letter_prompt(QS[1])}, {"role": "assistant", "content": "B"}]
+    ids, mask = tok.render_chat(convs[1])
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "B<|assistant_end|>"
+    try:
+        import datasets  # noqa: F401
+    except ImportError:  # without the datasets library (or offline) the hub tasks fail clearly
+        with pytest.raises(ValueError, match="datasets"):
+            load_task("arc-easy")
