@@ -155,7 +155,6 @@ def render_report(ctx: dict) -> str:
 
     cfg, env, st, pre = ctx["cfg"], ctx["env"], ctx["stages"], ctx["preset"]
     tok, trains = st["tokenizer"]["result"], {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
-    cal = st["calibrate"]["result"] if "calibrate" in ctx["order"] else None
     evals = ctx["evals"]  # model key -> list[EvalRecord]
     ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
     ee = st["early-exit"]["result"]["rows"]
@@ -182,10 +181,8 @@ def render_report(ctx: dict) -> str:
            f"{ctx['params'] / 1e6:.2f}M parameters.",
            f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
            f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
-           f"for each model" + (f" (sized to the {cfg['minutes']:g}-minute budget by timing {ctx['probe_steps']} steps of "
-                                f"each: " + ", ".join(f"{label} {cal['seconds_per_step'][k]:.2f} s/step"
-                                                      for k, label in MODELS)
-                                + ")" if cal else "")
+           f"for each model" + (f" (trained in lockstep until the {cfg['minutes']:g}-minute wall-clock budget was "
+                                f"spent, both stopping at the same step)" if cfg.get("minutes") else "")
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
            f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",

@@ -7,11 +7,11 @@ plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontie
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
 with (and those of the stages it depends on) are unchanged; --force redoes everything:
   tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
-  calibrate      (with --minutes) time a few training steps to size the runs to the budget
-  train-noreg    the No-Reg model (`snlp train`)                                     OUT/noreg
+  train-noreg    the No-Reg model (`snlp.train.fit`)                                 OUT/noreg
   train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
-                 only by the regulariser; on CPU they train side by side, one core each
+                 only by the regulariser; on CPU they train side by side, one core each, in
+                 lockstep, and stop on the wall-clock budget at the same step
   eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.diagnostics.early_exit)
@@ -37,7 +37,7 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
+import signal
 import sys
 import time
 from datetime import datetime
@@ -48,6 +48,7 @@ import torch
 
 from .runtime import cli_device
 from .report import MODELS, _fmt_s, environment, render_report
+from .train import TrainConfig, read_stop_file
 
 REG_LAMBDA = 0.5
 BLOCKS = (2, 4, 8)
@@ -97,8 +98,8 @@ def add_arguments(p) -> None:
                    "120 training steps): a smoke test in under a minute on 2 idle cores")
     p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = L/2")
     p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
-                   "models train side by side for the same number of steps, sized by a short timing probe so the "
-                   "slower IDN-Reg run fits)")
+                   "models train side by side in lockstep and stop at the same step when the budget is spent, "
+                   "however loaded the machine is)")
     p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
                    "of a time budget (--quick: 120)")
     p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
@@ -254,25 +255,23 @@ class Stages:
 
 
 # ----- stages -----
-def _train_parser() -> argparse.ArgumentParser:
-    from . import train
-
-    p = argparse.ArgumentParser(prog="snlp train")
-    train.add_arguments(p)
-    return p
-
-
-def _data_argv(cfg: dict, cache: Path) -> list[str]:
-    return ["--data", cfg["data"], "--max-chars", str(cfg["max_chars"]), "--vocab-size", str(cfg["vocab_size"]),
-            "--cache-dir", str(cache)]
+def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int | None = None,
+                 minutes: float | None = None, stop_file: Path | None = None) -> TrainConfig:
+    """The TrainConfig of a speedrun model (both models: same data, shape, seed and budget; IDN-Reg adds
+    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs."""
+    return TrainConfig(out=str(model_dir), data=cfg["data"], max_chars=cfg["max_chars"],
+                       vocab_size=cfg["vocab_size"], cache_dir=str(cache), depth=cfg["depth"], width=cfg["width"],
+                       head_dim=cfg["head_dim"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
+                       seed=cfg["seed"], reg_n=str(cfg["reg_n"]), eval_every=100, save_every=100, log_every=1,
+                       device=cfg["device"], reg="idn" if reg else "none", reg_lambda=REG_LAMBDA, steps=steps,
+                       minutes=minutes, stop_file=None if stop_file is None else str(stop_file), no_progress=True)
 
 
 def _prepare(cfg: dict, cache: Path):
-    """(tokenizer, TokenData) exactly as `snlp train` builds them (cached under `cache`)."""
-    from . import train
+    """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
+    from .train import prepare_data
 
-    args = _train_parser().parse_args(["--out", "unused", *_data_argv(cfg, cache)])
-    return train.prepare_data(args, None, 0, 1)
+    return prepare_data(train_config(cfg, cache / "unused", cache, reg=False), None, 0, 1)
 
 
 def stage_tokenizer(cfg: dict, cache: Path) -> dict:
@@ -287,63 +286,24 @@ def stage_tokenizer(cfg: dict, cache: Path) -> dict:
             "val_tokens": int(len(val_ids)), "unigram_ce": unigram_ce}
 
 
-def train_argv(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int) -> list[str]:
-    """`snlp train` arguments of a speedrun model (both models: same data, shape, seed and steps)."""
-    argv = ["--out", str(model_dir), *_data_argv(cfg, cache), "--depth", str(cfg["depth"]),
-            "--width", str(cfg["width"]), "--head-dim", str(cfg["head_dim"]), "--seq-len", str(cfg["seq_len"]),
-            "--batch-size", str(cfg["batch_size"]), "--seed", str(cfg["seed"]), "--reg-n", str(cfg["reg_n"]),
-            "--eval-every", "100", "--save-every", "100", "--device", cfg["device"]]
-    if reg:
-        argv += ["--reg", "idn", "--reg-lambda", str(REG_LAMBDA)]
-    return argv + ["--steps", str(steps)]
-
-
-PROBE_STEPS = 8
-
-
-def stage_calibrate(cfg: dict, out: Path, cache: Path, parallel: bool, threads: int, console) -> dict:
-    """Steps that fit the --minutes budget: train both models for PROBE_STEPS steps the way the real
-    runs go (side by side), take each one's median seconds per step (from step 3 on) and size the
-    runs so that the slower one (IDN-Reg: the regulariser's K=1 solve) takes ~95% of the budget."""
-    jobs = [TrainJob(f"probe-{key}", train_argv(cfg, out / f"probe-{key}", cache, reg, PROBE_STEPS)
-                     + ["--log-every", "1", "--eval-every", str(10 * PROBE_STEPS), "--eval-batches", "1",
-                        "--save-every", "0"],
-                     out / f"probe-{key}", {}, out / "stages" / f"probe-{key}.partial.json")
-            for key, reg in (("noreg", False), ("idn", True))]
-    train_models(jobs, console, parallel, threads, force=True, every=1e9)
-    sec = {}
-    for j in jobs:
-        tok_s = _median_tok_s(_read_log(j.model_dir / "log.jsonl"), first_step=3)
-        sec[j.key.removeprefix("probe-")] = cfg["batch_size"] * cfg["seq_len"] / tok_s
-        shutil.rmtree(j.model_dir, ignore_errors=True)
-        j.log.unlink(missing_ok=True)
-        j.partial.unlink(missing_ok=True)
-    per_step = max(sec.values()) if parallel else sum(sec.values())
-    steps = max(PROBE_STEPS, int(0.95 * cfg["minutes"] * 60 / per_step))
-    console.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sec.items())
-                  + f" -> {steps} steps each in {cfg['minutes']:g} min")
-    return {"steps": steps, "seconds_per_step": sec}
-
-
 @dataclasses.dataclass
 class TrainJob:
-    """One `snlp train` run of the speedrun: its argv (without --resume / --no-progress), checkpoint
-    folder, the stage settings it is made with and the marker that says an unfinished run in
-    model_dir was started with those settings (so it may be resumed)."""
+    """One training run of the speedrun: its TrainConfig, the stage settings it is made with and the
+    marker that says an unfinished run in its folder was started with those settings (so it may be
+    resumed)."""
 
     key: str
-    argv: list[str]
-    model_dir: Path
+    cfg: TrainConfig
     settings: dict
     partial: Path
 
     @property
-    def log(self) -> Path:
-        return self.model_dir.parent / f"{self.model_dir.name}.train.log"
+    def model_dir(self) -> Path:
+        return Path(self.cfg.out)
 
     @property
-    def steps(self) -> int | None:
-        return int(self.argv[self.argv.index("--steps") + 1]) if "--steps" in self.argv else None
+    def log(self) -> Path:
+        return self.model_dir.parent / f"{self.model_dir.name}.train.log"
 
 
 def _read_log(path: Path) -> list[dict]:
@@ -377,8 +337,30 @@ def _log_state(path: Path) -> dict:
     return st
 
 
-def _launch(job: TrainJob, threads: int, force: bool, console) -> subprocess.Popen:
-    """Start `python -m snlp train` for a job (resuming an interrupted run of the same settings)."""
+def _train_child(cfg: TrainConfig, threads: int, log: str) -> None:
+    """A training process (spawned): its output goes to the job's log, then `train.fit(cfg)`."""
+    import traceback
+
+    from .train import fit
+
+    with open(log, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            fit(cfg)
+        except BaseException:
+            traceback.print_exc()
+            f.flush()
+            os._exit(1)
+
+
+def _launch(job: TrainJob, threads: int, force: bool, console):
+    """Start a training process for a job (resuming an interrupted run of the same settings)."""
+    import multiprocessing
+
     resume = (not force and (job.model_dir / "model.safetensors").is_file()
               and (job.model_dir / "train_state.pt").is_file() and _read_json(job.partial) == _canon(job.settings))
     if resume:
@@ -386,16 +368,14 @@ def _launch(job: TrainJob, threads: int, force: bool, console) -> subprocess.Pop
     else:
         shutil.rmtree(job.model_dir, ignore_errors=True)
         _write_json(job.partial, _canon(job.settings))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                       os.environ.get("PYTHONPATH")]))}
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "snlp", "train", *job.argv, "--no-progress"] + (["--resume"] if resume else [])
     job.log.parent.mkdir(parents=True, exist_ok=True)
     with open(job.log, "a" if resume else "w") as f:
-        f.write(f"$ {shlex.join(cmd)}\n")
-        f.flush()
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        f.write(f"train {job.key}: {job.cfg}\n")
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log)),
+        name=f"snlp-train-{job.key}")
+    proc.start()
+    return proc
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -405,52 +385,97 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+class Lockstep:
+    """Keeps side-by-side training processes at the same step: a process that has completed more steps
+    than the slowest live one is paused (SIGSTOP) until it catches up (SIGCONT). With a wall-clock budget
+    each run's LR schedule follows its own elapsed time, so in lockstep both have the same LR at the same
+    step; the first run to stop on the budget fixes the stop step N in the shared stop file, and the
+    others (at N or N - 1 by construction) stop at N too. POSIX only (elsewhere: no pausing)."""
+
+    def __init__(self, stop_file: Path | None):
+        self.stop_file, self.paused = stop_file, set()
+        self.enabled = stop_file is not None and hasattr(signal, "SIGSTOP")
+
+    def update(self, procs: dict, steps: dict) -> None:
+        if not self.enabled or len(procs) < 2:
+            return self.release(procs)
+        lo = min(steps.get(k, 0) for k in procs)
+        for key, p in procs.items():
+            ahead = steps.get(key, 0) > lo
+            if ahead and key not in self.paused:
+                os.kill(p.pid, signal.SIGSTOP)
+                self.paused.add(key)
+            elif not ahead and key in self.paused:
+                os.kill(p.pid, signal.SIGCONT)
+                self.paused.discard(key)
+
+    def finished(self, step: int, procs: dict) -> None:
+        """A run stopped after `step`: the others stop there too."""
+        if self.enabled and read_stop_file(str(self.stop_file)) is None:
+            _write_atomic(self.stop_file, str(step))
+        self.release(procs)
+
+    def release(self, procs: dict) -> None:
+        for key in list(self.paused):
+            if key in procs and procs[key].is_alive():
+                os.kill(procs[key].pid, signal.SIGCONT)
+            self.paused.discard(key)
+
+
 def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
-                 every: float = 30.0) -> dict[str, float]:
-    """Run the jobs' `snlp train` processes, all at once (parallel) or one after another, with
-    `threads` intra-op threads each (0 = torch's default); a status line every `every` seconds
-    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
+                 every: float = 30.0, stop_file: Path | None = None) -> dict[str, float]:
+    """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
+    each (0 = torch's default); in lockstep through `stop_file` when given (see Lockstep: a wall-clock budget
+    that ends every run at the same step); a status line every `every` seconds (a live bar on a terminal).
+    Returns each job's wall time. A failed run stops the others."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     groups = [jobs] if parallel else [[j] for j in jobs]
     seconds: dict[str, float] = {}
+    if stop_file is not None:
+        stop_file.unlink(missing_ok=True)
     for group in groups:
         t0 = time.perf_counter()
         procs = {j.key: _launch(j, threads, force, console) for j in group}
+        lock = Lockstep(stop_file if len(group) > 1 else None)
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=console, disable=not console.is_terminal)
-        tasks = {j.key: bar.add_task(f"train {j.key}", total=j.steps, info="") for j in group}
+        tasks = {j.key: bar.add_task(f"train {j.key}", total=j.cfg.steps, info="") for j in group}
         last = time.perf_counter()
         try:
             with bar:
                 while procs:
-                    time.sleep(0.5)
-                    status = []
+                    time.sleep(0.05)
+                    status, steps = [], {}
                     for j in group:
                         st = _log_state(j.model_dir / "log.jsonl")
+                        steps[j.key] = st.get("step", 0)
                         info = " ".join(f"{k} {st[k]:,.{p}f}" for k, p in (("loss", 3), ("val_loss", 3), ("tok_s", 0))
                                         if k in st)
-                        bar.update(tasks[j.key], completed=st.get("step", 0), info=info)
-                        status.append(f"{j.key} step {st.get('step', 0)}/{j.steps or '?'} {info}")
+                        bar.update(tasks[j.key], completed=steps[j.key], info=info)
+                        status.append(f"{j.key} step {steps[j.key]}/{j.cfg.steps or '?'} {info}")
                     for key, p in list(procs.items()):
-                        rc = p.poll()
-                        if rc is None:
+                        if p.is_alive():
                             continue
+                        p.join()
                         del procs[key]
                         seconds[key] = time.perf_counter() - t0
                         job = next(j for j in group if j.key == key)
-                        if rc != 0:
-                            raise RuntimeError(f"training {key} failed (exit {rc}); the end of {job.log}:\n"
+                        if p.exitcode != 0:
+                            raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
                                                f"{_tail(job.log)}")
                         console.print(f"{key}: {_tail(job.log, 1)}")
+                        lock.finished(_log_state(job.model_dir / "log.jsonl").get("step", 0), procs)
+                    lock.update(procs, steps)
                     if not console.is_terminal and time.perf_counter() - last >= every and procs:
                         last = time.perf_counter()
                         console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
         finally:
+            lock.release(procs)
             for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
                 p.terminate()
             for p in procs.values():
-                p.wait()
+                p.join()
     return seconds
 
 
@@ -462,7 +487,6 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     tok = Tokenizer.load(job.model_dir)
     if tok.fingerprint() != fingerprint:
         raise RuntimeError(f"{job.model_dir} was trained with another tokenizer than the tokenizer stage's")
-    args = _train_parser().parse_args(job.argv)
     log = _read_log(job.model_dir / "log.jsonl")
     evals = [r for r in log if "val_loss" in r]
     state = load_training(job.model_dir)[1] or {}
@@ -470,7 +494,8 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     final = evals[-1]
     gap_key = next((k for k in final if k.startswith("gap_N")), None)
     job.partial.unlink(missing_ok=True)
-    return {"steps": steps, "tokens": steps * args.batch_size * args.seq_len * args.grad_accum,
+    c = job.cfg
+    return {"steps": steps, "tokens": steps * c.batch_size * c.seq_len * c.grad_accum,
             "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
             "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
             "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
@@ -623,8 +648,7 @@ def run(args) -> int:
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
     train_threads = max(1, cores // 2) if is_cpu else 0
-    order = ["tokenizer", *(["calibrate"] if pre.steps is None else []), "train-noreg", "train-idn", "eval-noreg",
-             "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
+    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
     stages = Stages(out, args.force, len(order), console)
     ecfg = eval_config(pre, args.seed)
     console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
@@ -637,34 +661,34 @@ def run(args) -> int:
     tok = stages.run("tokenizer", "train the BPE tokenizer and tokenize the corpus", data_cfg,
                      lambda: stage_tokenizer(data_cfg, cache), outputs=[cache])
     fp = tok["result"]["fingerprint"]
-    steps = pre.steps
-    if steps is None:
-        cal = stages.run("calibrate", f"time a few training steps of both models to fit the {pre.minutes:g}-minute "
-                         f"budget", {"cfg": dict(cfg), "tokenizer": tok["id"], "parallel": parallel, "threads": train_threads},
-                         lambda: stage_calibrate(dict(cfg), out, cache, parallel, train_threads, console))
-        steps = cal["result"]["steps"]
-    cfg["train_steps"] = steps
+    # Both models train side by side in lockstep (same step at every moment). With a wall-clock budget the
+    # first run to reach it fixes the stop step for both (Lockstep), so the budget holds on a loaded machine
+    # and the comparison stays at equal steps and tokens.
+    stop_file = out / "stages" / "train.stop" if pre.minutes else None
     trains, jobs = {}, []
     for key, reg in (("noreg", False), ("idn", True)):
-        argv = train_argv(cfg, out / key, cache, reg, steps)
-        settings = {"train_argv": [a.replace(str(out), "{out}") for a in argv], "tokenizer": tok["id"],
-                    "threads": train_threads}
+        tcfg = train_config(cfg, out / key, cache, reg, steps=pre.steps, minutes=pre.minutes, stop_file=stop_file)
+        settings = {"train": {k: v.replace(str(out), "{out}") if isinstance(v, str) else v
+                              for k, v in dataclasses.asdict(tcfg).items()},
+                    "tokenizer": tok["id"], "threads": train_threads, "lockstep": parallel}
         rec = stages.lookup(f"train-{key}", settings, outputs=[out / key / "model.safetensors"])
         if rec is not None:
             trains[key] = rec
         else:
-            jobs.append(TrainJob(key, argv, out / key, settings, out / "stages" / f"train-{key}.partial.json"))
+            jobs.append(TrainJob(key, tcfg, settings, out / "stages" / f"train-{key}.partial.json"))
+    budget = f"{pre.minutes:g}-minute budget, lockstep" if pre.minutes else f"{pre.steps} steps"
     for j in jobs:
         stages.begin(f"train-{j.key}", ("IDN-Reg model (--reg idn)" if j.key == "idn" else "No-Reg model")
-                     + f": depth {pre.depth}, width {pre.width}, {steps} steps")
+                     + f": depth {pre.depth}, width {pre.width}, {budget}")
     if jobs:
         console.print(("side by side, " if parallel and len(jobs) > 1 else "")
                       + (f"{train_threads} intra-op thread(s) each; " if train_threads else "")
                       + "logs: " + ", ".join(str(j.log) for j in jobs))
-        walls = train_models(jobs, console, parallel, train_threads, args.force)
+        walls = train_models(jobs, console, parallel, train_threads, args.force, stop_file=stop_file)
         for j in jobs:
             trains[j.key] = stages.finish(f"train-{j.key}", j.settings, train_summary(j, fp, walls[j.key]),
                                           seconds=walls[j.key])
+    cfg["train_steps"] = trains["idn"]["result"]["steps"]
     val_cache: list = []
 
     def val() -> torch.Tensor:
@@ -711,8 +735,7 @@ def run(args) -> int:
            "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
            "command": command_line(args), "order": order, "ran": stages.ran, "reused": stages.reused,
            "wall": wall, "threads": threads, "parallel": parallel,
-           "train_threads": train_threads, "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS,
-           "probe_steps": PROBE_STEPS}
+           "train_threads": train_threads, "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
     _write_atomic(out / "report.md", render_report(ctx))
     _write_json(out / "summary.json", {"command": ctx["command"], "date": ctx["date"], "settings": cfg,
                                        "preset": dataclasses.asdict(pre), "plans": plans, "ran": stages.ran,

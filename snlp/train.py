@@ -595,6 +595,9 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
     reg = getattr(job.loss, "reg", None)
 
     def stop_reason():
+        nonlocal stop_at
+        if world == 1:  # re-read before every step: a lockstep peer may have fixed the stop step meanwhile
+            stop_at = read_stop_file(cfg.stop_file)  # (DDP: rank 0 reads after each step and broadcasts)
         if progress.done():
             return "budget"
         if cfg.stop_after is not None and step >= cfg.stop_after:

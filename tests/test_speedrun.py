@@ -169,23 +169,32 @@ def test_decode_timing_is_not_a_lone_first_step():
     assert FULL.ssd_repeats >= 3 and QUICK.ssd_repeats >= 2
 
 
-def test_interrupted_training_resumes(tmp_path, capsys):
-    """A training run killed after a save resumes from it (same settings) instead of starting over."""
-    from rich.console import Console
-
-    from snlp.speedrun import TrainJob, _write_json, stage_tokenizer, train_argv, train_models, train_summary
+def _tiny_corpus(tmp_path):
+    from snlp.speedrun import stage_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 13}\n" * 4 for i in range(600)))
     cfg = {"data": str(corpus), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32, "head_dim": 16,
            "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}
     cache = tmp_path / "cache"
-    tok = stage_tokenizer(cfg, cache)
-    job = TrainJob("m", train_argv(cfg, tmp_path / "m", cache, reg=True, steps=6), tmp_path / "m",
-                   {"any": "settings"}, tmp_path / "m.partial.json")
+    return cfg, cache, stage_tokenizer(cfg, cache)
+
+
+def test_interrupted_training_resumes(tmp_path, capsys):
+    """A training run killed after a save resumes from it (same settings) instead of starting over."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from snlp.speedrun import TrainJob, _write_json, train_config, train_models, train_summary
+    from snlp.train import fit
+
+    cfg, cache, tok = _tiny_corpus(tmp_path)
+    job = TrainJob("m", train_config(cfg, tmp_path / "m", cache, reg=True, steps=6), {"any": "settings"},
+                   tmp_path / "m.partial.json")
     console = Console(file=None, force_terminal=False)
     _write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
-    assert main(["train", *job.argv, "--stop-after", "3", "--no-progress"]) == 0  # "killed" after its step-3 save
+    assert fit(dataclasses.replace(job.cfg, stop_after=3)).steps == 3  # "killed" after its step-3 save
     capsys.readouterr()
     walls = train_models([job], console, threads=1)
     assert "resuming" in capsys.readouterr().out
@@ -199,12 +208,35 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
+def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
+    """Side by side in lockstep with a wall-clock budget: the No-Reg run is faster per step, yet both stop at
+    the same step once the budget is spent (the old timing probe fixed a step count that a machine slowing
+    down after the probe overran), and the budget holds to within a few steps."""
+    from rich.console import Console
+
+    from snlp.speedrun import TrainJob, train_config, train_models, train_summary
+
+    cfg, cache, tok = _tiny_corpus(tmp_path)
+    budget = 0.2  # minutes
+    stop = tmp_path / "train.stop"
+    jobs = [TrainJob(k, train_config(cfg, tmp_path / k, cache, reg=reg, minutes=budget, stop_file=stop), {},
+                     tmp_path / f"{k}.partial.json") for k, reg in (("noreg", False), ("idn", True))]
+    walls = train_models(jobs, Console(force_terminal=False), parallel=True, threads=1, stop_file=stop)
+    res = {j.key: train_summary(j, tok["fingerprint"], walls[j.key]) for j in jobs}
+    assert res["noreg"]["steps"] == res["idn"]["steps"] > 1
+    assert int(stop.read_text()) == res["idn"]["steps"]
+    per_step = max(r["train_seconds"] / r["steps"] for r in res.values())
+    assert max(r["train_seconds"] for r in res.values()) <= budget * 60 + 3 * per_step + 5
+
+
 def test_failed_training_reports_its_log(tmp_path):
     from rich.console import Console
 
-    from snlp.speedrun import TrainJob, train_models
+    from snlp.speedrun import TrainJob, train_config, train_models
 
-    job = TrainJob("bad", ["--out", str(tmp_path / "bad"), "--data", str(tmp_path / "missing.txt"), "--steps", "2"],
-                   tmp_path / "bad", {}, tmp_path / "bad.partial.json")
+    cfg = {"data": str(tmp_path / "missing.txt"), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32,
+           "head_dim": 16, "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}
+    job = TrainJob("bad", train_config(cfg, tmp_path / "bad", tmp_path / "cache", reg=False, steps=2), {},
+                   tmp_path / "bad.partial.json")
     with pytest.raises(RuntimeError, match="unknown data source"):
         train_models([job], Console(force_terminal=False))
