@@ -271,7 +271,9 @@ def _prepare(cfg: dict, cache: Path):
     """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
     from .train import prepare_data
 
-    return prepare_data(train_config(cfg, cache / "unused", cache, reg=False), None, 0, 1)
+    data = TrainConfig(out=str(cache / "unused"), data=cfg["data"], max_chars=cfg["max_chars"],
+                       vocab_size=cfg["vocab_size"], cache_dir=str(cache))
+    return prepare_data(data, None, 0, 1)
 
 
 def stage_tokenizer(cfg: dict, cache: Path) -> dict:
