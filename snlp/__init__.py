@@ -7,10 +7,10 @@ from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weig
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .tokenizer import Tokenizer
-from .solver import SNLPDivergenceError, SolveResult, fused_forward, fused_sequential, parallel_forward, solve
+from .solver import SNLPDivergenceError, SolveResult, fused_forward, fused_sequential, parallel_forward, permuted_sequential, solve
 
 __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "solve", "parallel_forward", "fused_sequential",
-           "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
+           "fused_forward", "permuted_sequential", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
            "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "evaluate",
            "early_exit", "__version__"]

@@ -131,18 +131,46 @@ class Plan:
         return n_layer / max(steps, 1)
 
     def link(self) -> list[bool]:
-        """link[c]: chunk c receives its predecessor's correction in the sweep, i.e. chunk c-1 is
-        corrected before chunk c in `order`. Forward order links every chunk; reversed order
-        links none, so at K = 1 it equals no correction (paper, correction-ordering table)."""
+        """link[c]: chunk c is visited after chunk c-1 in the correction sweep (`order`), so its
+        correction uses the predecessor's update from THIS sweep. Forward order links every chunk;
+        reversed order links only chunk 0 (which has no predecessor)."""
         if self.order is None:
             return [True] * self.chunks
         pos = {c: i for i, c in enumerate(self.order)}
         return [True] + [pos[c - 1] < pos[c] for c in range(1, self.chunks)]
 
+    def lag(self) -> list[bool]:
+        """lag[c]: chunk c > 0 is visited BEFORE chunk c-1 in the sweep, so its correction uses the
+        predecessor's most recent update, the one made in the previous sweep (zero in the first
+        sweep: at K = 1 a lagged chunk gets no correction). See `snlp.solver` for the recurrence."""
+        return [False] + [not linked for linked in self.link()[1:]]
+
     def link_factors(self) -> list[float]:
-        """Per chunk, the factor scaling its surrogate A_c in the correction: the ELK factor 1 - elk
-        where the chunk is linked to its predecessor (`link`), else 0."""
+        """Per chunk, the factor scaling its surrogate A_c applied to the predecessor's update of this
+        sweep: the ELK factor 1 - elk where the chunk is linked (`link`), else 0."""
         return [(1.0 - self.elk) if linked else 0.0 for linked in self.link()]
+
+    def lag_factors(self) -> list[float]:
+        """Per chunk, the factor scaling A_c applied to the predecessor's update of the PREVIOUS sweep:
+        1 - elk where the chunk is lagged (`lag`), else 0. link_factors + lag_factors = (1 - elk)
+        for every chunk c > 0: each chunk is corrected by exactly one update of its predecessor."""
+        return [(1.0 - self.elk) if lagged else 0.0 for lagged in self.lag()]
+
+    def exact_after(self) -> list[int]:
+        """t_c: after t_c iterations chunk c's output is exact (equals the fused model run
+        sequentially) whatever the init and surrogate. t_0 = 1; a linked chunk (or any chunk without
+        correction, surrogate none) is exact one iteration after its predecessor, a lagged one two
+        iterations after it (its input is exact at t_{c-1} + 1 but its lagged correction still
+        carries the predecessor's last nonzero update, made at t_{c-1}). So K >= C is exact for the
+        forward order, and K >= C + (number of lagged chunks) for any order (2C - 1 for reversed)."""
+        t, lags = [1], self.lag()
+        for c in range(1, self.chunks):
+            t.append(t[-1] + (2 if lags[c] and self.surrogate != "none" else 1))
+        return t
+
+    def exact_iters(self) -> int:
+        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`)."""
+        return self.exact_after()[-1]
 
     # ----- string form -----
     def __str__(self) -> str:
