@@ -1,7 +1,7 @@
 """snlp: layer-parallel inference of Transformer language models (Structured Newton Layer Parallelism)."""
 
 from .checkpoint import load, save_checkpoint
-from .diagnostics import early_exit
+from .analysis import early_exit
 from .eval import EvalConfig, evaluate
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from .model import GPT, GPTConfig

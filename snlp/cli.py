@@ -12,7 +12,9 @@ from pathlib import Path
 
 # sub-command -> module
 COMMANDS = {
+    "analyze": "snlp.analysis",
     "bench": "snlp.bench",
+    "calibrate": "snlp.preheat",
     "eval": "snlp.eval",
     "generate": "snlp.generate",
     "speedrun": "snlp.speedrun",

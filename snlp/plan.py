@@ -2,8 +2,9 @@
 
 `12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
 chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
-suffix states initialised from the prefix state h_S (`h0`) or from one batched forward
-(`fwd`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+suffix states initialised from the prefix state h_S (`h0`), from one batched forward
+(`fwd`) or from per-layer low-rank predictors of the states from the embedding (`preheat`,
+snlp.preheat; needs `snlp calibrate`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
 
 Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the chunk's H_res
 product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
@@ -19,8 +20,8 @@ from dataclasses import dataclass, replace
 
 SURROGATES = ("idn", "none", "hcn", "diag", "newton")
 ESTIMATORS = ("fd", "jvp", "vjp")  # how DiagN estimates diag(J): finite difference, forward AD, reverse AD
-INITS = ("h0", "fwd")
-GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
+INITS = ("h0", "fwd", "preheat")  # preheat: snlp.preheat (a calibration attached to the model)
+GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
            ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")

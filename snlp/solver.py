@@ -168,7 +168,7 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
 
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
-          prefix: Tensor | None = None) -> SolveResult:
+          prefix: Tensor | None = None, init_states: Tensor | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -178,15 +178,25 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     the K/V left in the cache are those of the inputs the last iteration used. The cache then
     advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile.
     `prefix` is an already computed h_S (B, T, D) for idx, e.g. from the training forward's trace,
-    so the prefix layers are not run twice."""
+    so the prefix layers are not run twice. `init_states` (C, B, T, D) replaces the plan's init
+    (h0 / fwd / preheat) by given chunk states, e.g. a warm start from an earlier solve."""
     plan = _as_plan(model, plan)
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     ctx = model.embed(idx, cache)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
-    h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
-    if plan.init == "fwd":
-        h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
+    if init_states is not None:  # a warm start (e.g. h0-JD: the previous Jacobi iteration's states)
+        if init_states.shape != (C, *hS.shape):
+            raise ValueError(f"init_states must have shape (C, *h_S.shape) = {(C, *hS.shape)}, got "
+                             f"{tuple(init_states.shape)}")
+        h = init_states.to(hS.dtype)
+    elif plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.preheat)
+        from . import preheat
+        h = preheat.of(model).predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])  # (C, B, T, D)
+    else:
+        h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
+        if plan.init == "fwd":
+            h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
     states = [h] if keep_states else []
     hcn = plan.surrogate == "hcn"
     gen = torch.Generator(hS.device).manual_seed(0) if plan.surrogate == "diag" else None  # reproducible probes
@@ -207,8 +217,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
             if updates[-1] < plan.tol:
                 break
     if cache is not None:
-        if plan.iters == 0 and plan.init == "h0":  # nothing evaluated the suffix: write the K/V of
-            chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # the final inputs (all h_S)
+        if plan.iters == 0 and (plan.init != "fwd" or init_states is not None):  # nothing evaluated the
+            chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # suffix: write the final inputs' K/V
         cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
