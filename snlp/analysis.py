@@ -68,18 +68,19 @@ class AnalysisConfig:
     """Settings of `analyze` (defaults sized for a depth-16 model on 2 CPU cores in minutes)."""
 
     seq_len: int = 128  # tokens per PPL window
-    max_tokens: int = 4096  # predicted tokens per PPL
+    max_tokens: int = 1024  # predicted tokens per PPL
     batch: int = 8  # windows per forward
     only: tuple[str, ...] = SECTIONS
     layers: tuple[int, ...] | None = None  # jacobian layers (0-based); default: the last `jac_suffix`
     jac_suffix: int = 8  # N for the jacobian section's h_S (S = L - N)
-    jac_windows: int = 4  # validation windows the Jacobian diagnostics average over
-    power_iters: int = 30
-    probes: int = 16  # Hutchinson / amplification probes
+    jac_windows: int = 2  # validation windows the Jacobian diagnostics average over
+    power_iters: int = 20  # the last iteration's relative change is reported (convergence)
+    probes: int = 16  # Hutchinson / amplification probes (batched: one JVP for all)
     suffixes: tuple[int, ...] | None = None  # ordering / early-exit N; default (8, 12, L) that fit
-    shuffles: int = 8  # random orders per N
+    shuffles: int = 6  # random orders per N
     ordering_iters: tuple[int, ...] = (1, 4)
     prop_suffix: int = 8  # N of the propagation staircase
+    prop_tokens: int = 512  # predicted tokens per propagation cell (2 N^2 cells)
     elk_suffix: int = 12
     elk_values: tuple[float, ...] = (0.0, 0.1)
     elk_chunks: tuple[int, ...] = (1, 2, 4, 0)  # C values (0 = N, i.e. xF1) of the ELK sweep
@@ -97,7 +98,7 @@ class AnalysisConfig:
         if bad:
             raise ValueError(f"unknown analysis section(s) {bad}: valid sections are {', '.join(SECTIONS)}")
         low = [f"{k}={getattr(self, k)}" for k in ("seq_len", "max_tokens", "batch", "jac_suffix", "jac_windows",
-                                                   "power_iters", "probes", "prop_suffix", "elk_suffix",
+                                                   "power_iters", "probes", "prop_suffix", "prop_tokens", "elk_suffix",
                                                    "jacobi_prompts", "jacobi_prompt_len", "jacobi_tokens",
                                                    "jacobi_window", "preheat_rank") if getattr(self, k) < 1]
         if self.shuffles < 0:
@@ -303,13 +304,17 @@ def jacobian_diagnostics(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisC
         g_seq = [branch(model, l, ctx)(trace[l]) for l in sub_layers]
         g_S = [branch(model, l, ctx)(hS) for l in sub_layers]
         subs = dict(zip(sub_layers, substitution_errors(g_seq, g_S, hS)))
-    T = x.shape[1]
+    T, P = x.shape[1], cfg.probes
+    from .surrogates import repeat_context
+    ctxP = repeat_context(ctx, P)
     with _bar(len(layers), "jacobian", cfg) as bar:
         for l in layers:
-            g, f = branch(model, l, ctx), (lambda h, l=l: model.layer(l, h, ctx))
+            g = branch(model, l, ctx)
             sigma, change = power_sigma(g, trace[l], cfg.power_iters, gen)
-            frob2 = hutchinson_frob2(g, trace[l], cfg.probes, gen)  # (P, B)
-            amp = amplification(f, trace[l], cfg.probes, gen)
+            # the probes ride in the batch dim (index p * B + b): one JVP for all of them
+            hP = trace[l].repeat(P, *[1] * (trace[l].dim() - 1))  # (P * B, T, D)
+            frob2 = hutchinson_frob2(branch(model, l, ctxP), hP, 1, gen).view(P, -1)  # (P, B)
+            amp = amplification(lambda h, l=l: model.layer(l, h, ctxP), hP, 1, gen).view(P, -1)
             e, c, d = subs.get(l, (float("nan"),) * 3)
             res.layers.append(LayerDiag(layer=l, sigma_max=float(sigma.mean()), sigma_rel_change=change,
                                         frob=float((frob2.mean(0) / T).sqrt().mean()), amp=float(amp.mean()),
@@ -383,32 +388,51 @@ def orders_for(N: int, shuffles: int, seed: int = 0) -> list[tuple[str, list[int
     return out
 
 
+@torch.inference_mode()
 def correction_ordering(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig()) -> OrderingResult:
-    """Seq-Perm, IDN K = cfg.ordering_iters and no-correction PPL per order and suffix size N (xF1, h0)."""
+    """Seq-Perm, IDN K = cfg.ordering_iters and no-correction PPL per order and suffix size N (xF1, h0).
+    The prefix runs once per batch and N for every cell."""
     L = model.config.n_layer
     wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
-    Ns = cfg.suffix_sizes(L)
-    Ks = list(cfg.ordering_iters)
-    total = sum((2 + cfg.shuffles) * (1 + len(Ks)) + len(Ks) for _ in Ns)
+    device = next(model.parameters()).device
+    Ns, Ks = cfg.suffix_sizes(L), list(cfg.ordering_iters)
+    orders = {N: orders_for(N, cfg.shuffles, cfg.seed) for N in Ns}
+    cells = []  # (N, order name, what): what = "seq" or K (IDN) or ("none", K)
+    for N in Ns:
+        cells += [(N, name, w) for name, _ in orders[N] for w in ["seq", *Ks]]
+        cells += [(N, "no correction", ("none", K)) for K in Ks]
+    nll, bad, n_tok = dict.fromkeys(cells, 0.0), set(), 0
+    batches = wins.split(cfg.batch)
+    with _bar(len(batches) * len(cells), "ordering", cfg) as bar:
+        for b in batches:
+            x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T)
+            ctx = model.embed(x)
+            prefix = {N: model.run_layers(ctx.x0, ctx, 0, L - N) for N in Ns}
+            for cell in cells:
+                N, name, what = cell
+                order = dict(orders[N]).get(name)
+                if what == "seq":
+                    h = permuted_sequential(model, x, Plan(chunks=N), order=tuple(order), prefix=prefix[N]).hidden
+                elif isinstance(what, tuple):
+                    h = solve(model, x, Plan(chunks=N, iters=what[1], surrogate="none"), check_finite=False,
+                              prefix=prefix[N]).hidden
+                else:
+                    h = solve(model, x, Plan(chunks=N, iters=what, order=tuple(order)), check_finite=False,
+                              prefix=prefix[N]).hidden
+                if not bool(torch.isfinite(h).all()):
+                    bad.add(cell)
+                else:
+                    nll[cell] += F.cross_entropy(model.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
+                bar.update()
+            n_tok += y.numel()
+    ppl = {c: float("inf") if c in bad else perplexity(v, n_tok) for c, v in nll.items()}
     tables = []
-    with _bar(total, "ordering", cfg) as bar:
-        for N in Ns:
-            rows = []
-            for name, order in orders_for(N, cfg.shuffles, cfg.seed):
-                plan = Plan(chunks=N, order=tuple(order))
-                seq = window_ppl(model, wins, lambda x: permuted_sequential(model, x, plan).hidden, cfg.batch)
-                bar.update()
-                ppl = {}
-                for K in Ks:
-                    ppl[K] = plan_ppl(model, wins, plan.with_(iters=K), cfg.batch)
-                    bar.update()
-                rows.append(OrderRow(name=name, order=order, ar_ness=ar_ness(order), seq_perm=seq, ppl=ppl))
-            none = {}
-            for K in Ks:
-                none[K] = plan_ppl(model, wins, Plan(chunks=N, iters=K, surrogate="none"), cfg.batch)
-                bar.update()
-            rows.append(OrderRow(name="no correction", order=None, ar_ness=None, seq_perm=None, ppl=none))
-            tables.append(OrderingTable(N=N, rows=rows))
+    for N in Ns:
+        rows = [OrderRow(name=name, order=order, ar_ness=ar_ness(order), seq_perm=ppl[N, name, "seq"],
+                         ppl={K: ppl[N, name, K] for K in Ks}) for name, order in orders[N]]
+        rows.append(OrderRow(name="no correction", order=None, ar_ness=None, seq_perm=None,
+                             ppl={K: ppl[N, "no correction", ("none", K)] for K in Ks}))
+        tables.append(OrderingTable(N=N, rows=rows))
     return OrderingResult(sequential_ppl=sequential_ppl(model, wins, cfg.batch), tables=tables)
 
 
@@ -421,29 +445,36 @@ class PropagationResult:
     without_correction: list[list[float]]
 
 
+@torch.inference_mode()
 def correction_propagation(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig()) -> PropagationResult:
     """Subset ablation: the prefix (L - N layers) runs exactly, the first N - j suffix layers are
-    skipped and the last j are solved by `jxF1-h0-K{K}` (IDN or none) from the prefix state."""
+    skipped and the last j are solved by `jxF1-h0-K{K}` (IDN or none) from the prefix state; over
+    cfg.prop_tokens predicted tokens (the prefix runs once per batch for all 2 N^2 cells)."""
     L = model.config.n_layer
     N = min(cfg.prop_suffix, L)
-    wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
-    iters = list(range(1, N + 1))
-    out = {"idn": [], "none": []}
-
-    def hidden(x, j, K, sur):
-        ctx = model.embed(x)
-        hS = model.run_layers(ctx.x0, ctx, 0, L - N)  # the state before the (partly skipped) suffix
-        return solve(model, x, Plan(chunks=j, iters=K, surrogate=sur), check_finite=False, prefix=hS).hidden
-
-    with _bar(2 * N * N, "propagation", cfg) as bar:
-        for sur in ("idn", "none"):
-            for K in iters:
-                row = []
-                for j in range(1, N + 1):
-                    row.append(window_ppl(model, wins, lambda x: hidden(x, j, K, sur), cfg.batch))
-                    bar.update()
-                out[sur].append(row)
-    return PropagationResult(N=N, iters=iters, with_correction=out["idn"], without_correction=out["none"])
+    wins = windows(as_tokens(val_tokens), cfg.seq_len, min(cfg.prop_tokens, cfg.max_tokens))
+    device = next(model.parameters()).device
+    iters, js, surs = list(range(1, N + 1)), list(range(1, N + 1)), ("idn", "none")
+    nll = {(s, K, j): 0.0 for s in surs for K in iters for j in js}
+    bad, n_tok = set(), 0
+    batches = wins.split(cfg.batch)
+    with _bar(len(batches) * len(nll), "propagation", cfg) as bar:
+        for b in batches:
+            x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T)
+            ctx = model.embed(x)
+            hS = model.run_layers(ctx.x0, ctx, 0, L - N)  # the state before the (partly skipped) suffix
+            for key in nll:
+                sur, K, j = key
+                h = solve(model, x, Plan(chunks=j, iters=K, surrogate=sur), check_finite=False, prefix=hS).hidden
+                if not bool(torch.isfinite(h).all()):
+                    bad.add(key)
+                else:
+                    nll[key] += F.cross_entropy(model.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
+                bar.update()
+            n_tok += y.numel()
+    ppl = {k: float("inf") if k in bad else perplexity(v, n_tok) for k, v in nll.items()}
+    return PropagationResult(N=N, iters=iters, with_correction=[[ppl["idn", K, j] for j in js] for K in iters],
+                             without_correction=[[ppl["none", K, j] for j in js] for K in iters])
 
 
 # ============================================================================ 4. early exit
@@ -881,7 +912,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shuffles", type=int, default=AnalysisConfig.shuffles, help="random correction orders per N")
     p.add_argument("--preheat-rank", type=int, default=AnalysisConfig.preheat_rank)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: on a shared or busy CPU "
+                   "more threads only add contention; raise it on a free machine)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="output folder for analysis.md, analysis.json and plots")
 

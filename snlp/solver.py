@@ -247,18 +247,20 @@ def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
     return SolveResult(hidden=h, prefix=hS, plan=plan, states=[torch.stack(outs)])
 
 
-def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[int, ...] | None = None) -> SolveResult:
+def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[int, ...] | None = None,
+                        prefix: Tensor | None = None) -> SolveResult:
     """Seq-Perm (paper App. "Correction Ordering"): the prefix, then the plan's fused suffix chunks
     run sequentially in the order `order` (default `plan.order`; None = forward, which is
     `fused_sequential`). It measures how much the suffix depends on its layer order at all, apart
-    from any solver. states[0] holds the chunk outputs (C, B, T, D) in execution order."""
+    from any solver. states[0] holds the chunk outputs (C, B, T, D) in execution order. `prefix` is
+    an already computed h_S (as in `solve`)."""
     plan = _as_plan(model, plan)
     order = plan.order if order is None else tuple(order)
     if order is not None and sorted(order) != list(range(plan.chunks)):
         raise ValueError(f"order {order} must be a permutation of 0..{plan.chunks - 1}")
     S = plan.prefix_len(model.config.n_layer)
     ctx = model.embed(idx)
-    hS = model.run_layers(ctx.x0, ctx, 0, S)
+    hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)
     w = chunk_weights(model, S, plan.chunks, plan.fuse)
     h, outs = hS, []
     for c in (order or range(plan.chunks)):  # inherently sequential: one chunk after another
