@@ -130,6 +130,8 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
     model = GPT(cfg)
     model.load_state_dict(state)
     model.to(device).eval()
+    from .preheat import load_beside
+    load_beside(model, path)  # CKPT/preheat.pt (snlp calibrate), read by plans with the preheat init
     tok = None
     if (path / TOKENIZER_FILE).is_file():
         tok = Tokenizer.load(path)

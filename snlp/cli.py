@@ -9,7 +9,9 @@ import sys
 
 # sub-command -> module
 COMMANDS = {
+    "analyze": "snlp.analysis",
     "bench": "snlp.bench",
+    "calibrate": "snlp.preheat",
     "eval": "snlp.eval",
     "generate": "snlp.generate",
     "speedrun": "snlp.speedrun",

@@ -52,6 +52,12 @@ class Iterate:
     h: Tensor
     mix: Tensor | None = None
     gen: torch.Generator | None = None
+    prev: Tensor | None = None  # the previous sweep's update d^{(k-1)} (None in the first), for lagged chunks
+
+    @property
+    def lagged(self) -> bool:
+        """Whether some chunk reads the previous sweep's update (a non-forward correction order, K >= 2)."""
+        return self.prev is not None and any(self.plan.lag_factors())
 
 
 class Surrogate:
@@ -85,24 +91,45 @@ def _link(it: Iterate, like: Tensor) -> Tensor:
     return torch.tensor(it.plan.link_factors(), device=like.device, dtype=like.dtype)
 
 
+def _lag(it: Iterate, like: Tensor) -> Tensor:
+    """The plan's per-chunk lag factors (C,) as a tensor like `like` (nonzero where the order visits a chunk
+    before its predecessor)."""
+    return torch.tensor(it.plan.lag_factors(), device=like.device, dtype=like.dtype)
+
+
+def shift(d: Tensor) -> Tensor:
+    """d_{c-1} at index c (zeros at c = 0): (C, ...) -> (C, ...)."""
+    return torch.cat([torch.zeros_like(d[:1]), d[:-1]], 0)
+
+
 @lru_cache(maxsize=256)
-def transfer_matrix(a: tuple[float, ...]) -> Tensor:
-    """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); built once per
-    plan (cached), never on the hot path."""
+def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = ()) -> Tensor:
+    """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); with lag factors
+    (some nonzero), the (C, 2C) [P, P U] with d = [P, P U] @ [b; d_prev], U[c, c-1] = lag[c]: the previous
+    sweep's update enters chunk c's b. Built once per plan (cached), never on the hot path."""
     C = len(a)
     P = torch.zeros(C, C, dtype=torch.float64)
     for c in range(C):
         if c > 0:
             P[c, :c] = a[c] * P[c - 1, :c]
         P[c, c] = 1.0
-    return P
+    if not any(lag):
+        return P
+    U = torch.zeros(C, C, dtype=torch.float64)
+    for c in range(1, C):
+        U[c, c - 1] = lag[c]
+    return torch.cat([P, P @ U], 1)
 
 
-def scalar_correct(b: Tensor, a: tuple[float, ...]) -> Tensor:
-    """Solve d_c = a_c d_{c-1} + b_c over the chunk dim of b (C, ...) for scalar factors a."""
-    if all(x == 1.0 for x in a[1:]):
-        return b.cumsum(0)  # IDN, forward order: a prefix sum over depth
-    return torch.einsum("cj,j...->c...", transfer_matrix(tuple(a)).to(device=b.device, dtype=b.dtype), b)
+def scalar_correct(b: Tensor, a: tuple[float, ...], lag: tuple[float, ...] = (), prev: Tensor | None = None) -> Tensor:
+    """Solve d_c = a_c d_{c-1} + b_c + lag_c prev_{c-1} over the chunk dim of b (C, ...) for scalar factors."""
+    if prev is None or not any(lag):
+        if all(x == 1.0 for x in a[1:]):
+            return b.cumsum(0)  # IDN, forward order: a prefix sum over depth
+        P = transfer_matrix(tuple(a))
+    else:
+        P, b = transfer_matrix(tuple(a), tuple(lag)), torch.cat([b, prev], 0)  # [P, P U] @ [b; d_prev]
+    return torch.einsum("cj,j...->c...", P.to(device=b.device, dtype=b.dtype), b)
 
 
 @dataclass(frozen=True)
@@ -115,7 +142,7 @@ class Identity(Surrogate):
         return ""  # the default: omitted from plan strings
 
     def delta(self, it: Iterate) -> Tensor:
-        return scalar_correct(it.tilde - it.h, tuple(it.plan.link_factors()))
+        return scalar_correct(it.tilde - it.h, tuple(it.plan.link_factors()), tuple(it.plan.lag_factors()), it.prev)
 
 
 @dataclass(frozen=True)
@@ -142,6 +169,8 @@ class HCN(Surrogate):
     def delta(self, it: Iterate) -> Tensor:  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
         b = it.tilde - it.h
         with torch.autocast(b.device.type, enabled=False):  # corrections in h's dtype (fp32 under autocast)
+            if it.lagged:  # b_c += lag_c A_c d_{c-1}^{(k-1)}
+                b = b + (it.mix * _lag(it, it.mix).view(-1, 1, 1, 1, 1)) @ shift(it.prev)
             return affine_scan(it.mix * _link(it, it.mix).view(-1, 1, 1, 1, 1), b, matrix=True)
 
 
@@ -197,7 +226,11 @@ class DiagN(Surrogate):
         from .surrogates import diag_jacobian  # the estimator machinery lives in its own module
 
         a = diag_jacobian(it.weights, it.inputs, it.tilde, it.ctx, it.plan, it.gen)  # (C, B, T, ..., D)
-        return affine_scan(a * _link(it, a).view(-1, *[1] * (a.dim() - 1)), it.tilde - it.h)
+        ones = [1] * (a.dim() - 1)
+        b = it.tilde - it.h
+        if it.lagged:  # b_c += lag_c a_c o d_{c-1}^{(k-1)}
+            b = b + a * _lag(it, a).view(-1, *ones) * shift(it.prev)
+        return affine_scan(a * _link(it, a).view(-1, *ones), b)
 
 
 @dataclass(frozen=True)
@@ -207,13 +240,14 @@ class Newton(Surrogate):
     token: ClassVar[str] = "newton"
 
     def evals_per_iter(self, plan: "Plan") -> int:
-        # the batched forward, then one JVP for every chunk c >= 1 that receives a correction
-        return 1 + sum(1 for a in plan.link_factors()[1:] if a != 0.0)
+        # the batched forward, then one JVP for every chunk c >= 1: each is corrected by its predecessor's
+        # update of this sweep (linked) or of the previous one (lagged; skipped only in the first sweep)
+        return plan.chunks
 
     def delta(self, it: Iterate) -> Tensor:
         from .surrogates import newton_delta
 
-        return newton_delta(it.weights, it.inputs, it.tilde - it.h, it.ctx, it.plan)
+        return newton_delta(it.weights, it.inputs, it.tilde - it.h, it.ctx, it.plan, it.prev if it.lagged else None)
 
 
 SURROGATES: tuple[type[Surrogate], ...] = (Identity, Jacobi, HCN, DiagN, Newton)  # the grammar's choices

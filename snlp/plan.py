@@ -2,8 +2,9 @@
 
 `12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
 chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
-suffix states initialised from the prefix state h_S (`h0`) or from one batched forward
-(`fwd`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+suffix states initialised from the prefix state h_S (`h0`), from one batched forward
+(`fwd`) or from per-layer low-rank predictors of the states from the embedding (`preheat`,
+snlp.preheat; needs `snlp calibrate`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
 
 Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the chunk's H_res
 product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
@@ -18,10 +19,10 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from .correction import ESTIMATORS, SURROGATES, DiagN, Identity, Surrogate, parse_surrogate
+from .correction import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
 
-INITS = ("h0", "fwd")
-GRAMMAR = ("CxFM[-h0|-fwd][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
+INITS = ("h0", "fwd", "preheat")  # preheat: snlp.preheat (a calibration attached to the model)
+GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
            ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
@@ -129,18 +130,46 @@ class Plan:
         return n_layer / max(steps, 1)
 
     def link(self) -> list[bool]:
-        """link[c]: chunk c receives its predecessor's correction in the sweep, i.e. chunk c-1 is
-        corrected before chunk c in `order`. Forward order links every chunk; reversed order
-        links none, so at K = 1 it equals no correction (paper, correction-ordering table)."""
+        """link[c]: chunk c is visited after chunk c-1 in the correction sweep (`order`), so its
+        correction uses the predecessor's update from THIS sweep. Forward order links every chunk;
+        reversed order links only chunk 0 (which has no predecessor)."""
         if self.order is None:
             return [True] * self.chunks
         pos = {c: i for i, c in enumerate(self.order)}
         return [True] + [pos[c - 1] < pos[c] for c in range(1, self.chunks)]
 
+    def lag(self) -> list[bool]:
+        """lag[c]: chunk c > 0 is visited BEFORE chunk c-1 in the sweep, so its correction uses the
+        predecessor's most recent update, the one made in the previous sweep (zero in the first
+        sweep: at K = 1 a lagged chunk gets no correction). See `snlp.solver` for the recurrence."""
+        return [False] + [not linked for linked in self.link()[1:]]
+
     def link_factors(self) -> list[float]:
-        """Per chunk, the factor scaling its surrogate A_c in the correction: the ELK factor 1 - elk
-        where the chunk is linked to its predecessor (`link`), else 0."""
+        """Per chunk, the factor scaling its surrogate A_c applied to the predecessor's update of this
+        sweep: the ELK factor 1 - elk where the chunk is linked (`link`), else 0."""
         return [(1.0 - self.elk) if linked else 0.0 for linked in self.link()]
+
+    def lag_factors(self) -> list[float]:
+        """Per chunk, the factor scaling A_c applied to the predecessor's update of the PREVIOUS sweep:
+        1 - elk where the chunk is lagged (`lag`), else 0. link_factors + lag_factors = (1 - elk)
+        for every chunk c > 0: each chunk is corrected by exactly one update of its predecessor."""
+        return [(1.0 - self.elk) if lagged else 0.0 for lagged in self.lag()]
+
+    def exact_after(self) -> list[int]:
+        """t_c: after t_c iterations chunk c's output is exact (equals the fused model run
+        sequentially) whatever the init and surrogate. t_0 = 1; a linked chunk (or any chunk without
+        correction, surrogate none) is exact one iteration after its predecessor, a lagged one two
+        iterations after it (its input is exact at t_{c-1} + 1 but its lagged correction still
+        carries the predecessor's last nonzero update, made at t_{c-1}). So K >= C is exact for the
+        forward order, and K >= C + (number of lagged chunks) for any order (2C - 1 for reversed)."""
+        t, lags = [1], self.lag()
+        for c in range(1, self.chunks):
+            t.append(t[-1] + (2 if lags[c] and self.surrogate != Jacobi() else 1))
+        return t
+
+    def exact_iters(self) -> int:
+        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`)."""
+        return self.exact_after()[-1]
 
     # ----- string form -----
     def __str__(self) -> str:

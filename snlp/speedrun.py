@@ -14,7 +14,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  lockstep, and stop on the wall-clock budget at the same step
   eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
-  early-exit     K = 0 PPL with the last N layers skipped (snlp.diagnostics.early_exit)
+  early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
                  the plan maximising the paper's ideal SSD speedup at B = 4,
                  ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
@@ -538,7 +538,7 @@ def eval_records(stage_record: dict) -> list:
 
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
     from .checkpoint import load
-    from .diagnostics import early_exit
+    from .analysis import early_exit
 
     out = {}
     for name, d in model_dirs.items():

@@ -9,8 +9,9 @@ tilde = F(inputs):
       over `probes` (DiagN) Rademacher probes v (E[v o Jv] = diag J since E[v_i v_j] = delta_ij; the
       VJP variant uses v o J^T v, same expectation). The solver scales it by the link/ELK factors
       and solves d_c = a_c o d_{c-1} + b_c with the log-depth `snlp.scan.affine_scan`.
-  newton_delta(w, inputs, b, ctx, plan) -> d              (C, B, T, ..., D)
-      Exact Newton over depth (DEER): d_c = link_c (1 - elk) J_c(inputs_c) d_{c-1} + b_c with J_c d
+  newton_delta(w, inputs, b, ctx, plan, prev) -> d        (C, B, T, ..., D)
+      Exact Newton over depth (DEER): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c (e: the predecessor's
+      most recent update, this sweep's or, for chunks visited first, the previous sweep's) with J_c e
       from one forward-mode JVP of chunk c alone. This is a Python loop over chunks (C sequential
       JVPs): the reference solver for small models, not a fast path.
 
@@ -267,22 +268,25 @@ def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Pla
         return torch.ones_like(est[:1]).expand_as(inputs).index_copy(0, sel, est)
 
 
-def newton_delta(w: ChunkWeights, inputs: Tensor, b: Tensor, ctx, plan: Plan) -> Tensor:
-    """Exact Newton (DEER over depth): d_c = link_c (1 - elk) J_c(inputs_c) d_{c-1} + b_c, d_0 = b_0,
-    J_c d by one forward-mode JVP of chunk c alone (math SDPA, read-only KV cache). A Python loop
+def newton_delta(w: ChunkWeights, inputs: Tensor, b: Tensor, ctx, plan: Plan, prev: Tensor | None = None) -> Tensor:
+    """Exact Newton (DEER over depth): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c, d_0 = b_0, where
+    e_{c-1} is the predecessor's update of this sweep d_{c-1} (linked chunk) or of the previous sweep
+    `prev`[c-1] (lagged chunk, see snlp.solver; no correction when `prev` is None), J_c e by one
+    forward-mode JVP of chunk c alone (math SDPA, read-only KV cache). A Python loop
     over chunks: the reference solver, C - 1 sequential JVPs per iteration. Unlike the DiagN
     estimate nothing is detached: under autograd the JVPs are differentiated too (K >= C gives the
     sequential model's gradients)."""
-    link = plan.link_factors()
+    link, lag = plan.link_factors(), plan.lag_factors()
     cache = ctx.cache
     pc = None if cache is None else ReadOnlyCache(cache)  # chunk(c) names its own layer slots
     out = [b[0]]
     for c in range(1, b.shape[0]):
-        if link[c] == 0.0:
+        factor, e = (link[c], out[-1]) if link[c] else (lag[c], None if prev is None else prev[c - 1])
+        if factor == 0.0 or e is None:
             out.append(b[c])
             continue
         wc = w.chunk(c)
         f = lambda x, wc=wc: chunk_forward(wc, x.unsqueeze(0), ctx, pc)[0]  # noqa: E731
-        jd = jvp(f, inputs[c], out[-1])
-        out.append(link[c] * jd + b[c])
+        jd = jvp(f, inputs[c], e)
+        out.append(factor * jd + b[c])
     return torch.stack(out)

@@ -22,7 +22,7 @@ import snlp.evaluation as E
 from snlp import Plan, SNLPDivergenceError, fused_forward, parallel_forward
 from snlp.checkpoint import save_checkpoint
 from snlp.cli import main
-from snlp.diagnostics import early_exit
+from snlp.analysis import early_exit
 from snlp.evaluation import EvalConfig, EvalRecord, evaluate, reference_plan
 from snlp.metrics import implied_beta
 from snlp.present import frontier_plot, markdown_table, write_csv

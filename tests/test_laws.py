@@ -1,8 +1,10 @@
 """SNLP's exact laws, one parametrised set over every surrogate family and both model kinds (plain residual
 and mHC streams), on random fp64 models (paper Methods; App. Algorithm; the correction-propagation table):
 
-  1. K >= C reproduces the fused model run sequentially (for M = 1: the original model, logits and h_L);
-  2. staircase: after k iterations the first k chunks are exact;
+  1. K >= C reproduces the fused model run sequentially (for M = 1: the original model, logits and h_L); with
+     a non-forward correction order, K >= C + #chunks visited before their predecessor (`Plan.exact_iters`);
+  2. staircase: after k iterations chunk c is exact once k >= t_c (`Plan.exact_after`: the first k chunks
+     for forward order);
   3. propagation: perturb layer j; after k iterations without correction (Jacobi) exactly chunks
      j <= c < j + k have changed, with any correction every chunk c >= j has.
 
@@ -49,9 +51,10 @@ def cases(draw, kind: str, family: str, exact: bool, max_layers: int = 6, ordere
     fuse = draw(st.integers(1, min(3, L)))
     chunks = draw(st.integers(1, L // fuse))
     order = tuple(draw(st.permutations(range(chunks)))) if ordered and draw(st.booleans()) else None
-    iters = draw(st.integers(chunks, chunks + 1)) if exact else draw(st.integers(0, chunks))
-    plan = Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])), iters=iters,
+    plan = Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])), iters=0,
                 surrogate=draw(surrogates(family, chunks)), elk=draw(st.sampled_from([0.0, 0.25])), order=order)
+    K = plan.exact_iters()  # C for forward order
+    plan = plan.with_(iters=draw(st.integers(K, K + 1)) if exact else draw(st.integers(0, K)))
     B, T = draw(batch_shapes(max_T=33 if kind == "plain" else 12))
     return model, plan, tokens(model, B=B, T=T, seed=seed)
 
@@ -85,8 +88,12 @@ def test_after_k_iterations_the_first_k_chunks_are_exact(kind, family):
             res = solve(model, idx, plan, keep_states=True, check_finite=False)
             exact = fused_sequential(model, idx, plan).states[0]  # (C, B, T, [n,] D)
         assert len(res.states) == plan.iters + 1 and res.iters == plan.iters
+        t = plan.exact_after()
         for k, h in enumerate(res.states):
-            torch.testing.assert_close(h[:k].expand_as(exact[:k]), exact[:k], **TOL)
+            done = [c for c in range(plan.chunks) if t[c] <= k]
+            if plan.order is None:
+                assert done == list(range(min(k, plan.chunks)))  # forward order: the first k chunks
+            torch.testing.assert_close(h[done].expand_as(exact[done]), exact[done], **TOL)
 
     law()
 

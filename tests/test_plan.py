@@ -60,7 +60,7 @@ def test_ideal_speedup_counts_what_runs():
     assert Plan.parse("4xF1-K2-diag:jvp-probes:3").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 2))
     assert Plan.parse("4xF1-K2-diag:vjp").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 3))
     assert Plan.parse("4xF1-newton-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 4))  # 3 JVPs + 1 forward
-    assert Plan.parse("4xF1-newton-K2-order:reversed").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 1))
+    assert Plan.parse("4xF1-newton-K2-order:reversed").ideal_speedup(8) == pytest.approx(8 / (4 + 2 * 4))
     assert Plan.parse("4xF1-K8-tol:1e-3").ideal_speedup(8, iters=2) == pytest.approx(8 / (4 + 2))
     assert Plan.parse("4xF1-fwd-K2").ideal_speedup(8) == pytest.approx(8 / (4 + 2 + 1))
 
@@ -70,6 +70,15 @@ def test_ideal_speedup_counts_batched_evaluations():
     assert Plan.parse("12xF1-h0-K1").ideal_speedup(16) == pytest.approx(16 / 5)
     assert Plan.parse("12xF1-fwd-K2").ideal_speedup(16) == pytest.approx(16 / 7)
     assert Plan.parse("12xF2-h0-K1").ideal_speedup(32) == pytest.approx(32 / 9)
+
+
+def test_lag_and_exactness_follow_correction_order():
+    assert Plan.parse("4xF1-order:0.2.1.3").lag() == [False, False, True, False]
+    assert Plan.parse("4xF1-elk:0.5-order:0.2.1.3").lag_factors() == [0.0, 0.0, 0.5, 0.0]
+    assert Plan.parse("4xF1").exact_after() == [1, 2, 3, 4] and Plan.parse("4xF1").exact_iters() == 4
+    assert Plan.parse("4xF1-order:reversed").exact_after() == [1, 3, 5, 7]
+    assert Plan.parse("4xF1-order:reversed-none").exact_iters() == 4  # Jacobi ignores the order
+    assert Plan.parse("4xF1-order:0.2.1.3").exact_iters() == 5
 
 
 def test_link_follows_correction_order():

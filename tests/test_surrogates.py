@@ -24,6 +24,18 @@ from snlp.scan import affine_scan, sequential_scan
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
 
+def test_python_api_plan_strings():
+    model = make_model(seed=8, n_layer=9)
+    idx = tokens(model)
+    with torch.no_grad():
+        ref = model(idx)
+        for plan in ["8xF1-h0-K2-diag:vjp", "8xF1-h0-K2-diag:jvp-probes:2", "8xF1-fwd-K1-diag-subset:0.7",
+                     "8xF1-h0-K3-newton", "8xF1-h0-K8-tol:1e-6"]:
+            out = parallel_forward(model, idx, plan)
+            assert out.shape == ref.shape and torch.isfinite(out).all(), plan
+        torch.testing.assert_close(parallel_forward(model, idx, "8xF1-h0-K8-diag:vjp"), ref, rtol=1e-9, atol=1e-9)
+
+
 # ---------------------------------------------------------------- associative scan
 @settings(max_examples=60, deadline=None)
 @given(C=st.integers(1, 19), matrix=st.booleans(), broadcast=st.booleans(), seed=st.integers(0, 999))
@@ -166,9 +178,16 @@ def test_newton_delta_is_the_explicit_jacobian_recurrence():
         got = S.newton_delta(w, x, b, ctx, Plan(3, surrogate="newton"))
         torch.testing.assert_close(got, torch.stack(d), rtol=1e-10, atol=1e-10)
         damped = S.newton_delta(w, x, b, ctx, Plan(3, surrogate="newton", elk=0.5, order=(1, 0, 2)))
-    # order 1,0,2: chunk 1 is visited before chunk 0, so it gets no correction; chunk 2 gets half
+        prev = torch.randn_like(x)
+        lagged = S.newton_delta(w, x, b, ctx, Plan(3, surrogate="newton", elk=0.5, order=(1, 0, 2)), prev)
+    # order 1,0,2: chunk 1 is visited before chunk 0, so in the first sweep (no previous update) it gets
+    # no correction, later the previous sweep's update of chunk 0; chunk 2 gets half of this sweep's d_1
     torch.testing.assert_close(damped[1], b[1])
     torch.testing.assert_close(damped[2], 0.5 * (Js[2] @ b[1].reshape(-1)).view_as(b[2]) + b[2],
+                               rtol=1e-10, atol=1e-10)
+    want1 = 0.5 * (Js[1] @ prev[0].reshape(-1)).view_as(b[1]) + b[1]
+    torch.testing.assert_close(lagged[1], want1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lagged[2], 0.5 * (Js[2] @ want1.reshape(-1)).view_as(b[2]) + b[2],
                                rtol=1e-10, atol=1e-10)
 
 

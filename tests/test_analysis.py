@@ -1,0 +1,277 @@
+"""snlp.analysis (`snlp analyze`), preheat (`snlp calibrate`) and unverified Jacobi decoding: the
+issue's tests against dense autograd Jacobians, hand-computed values and the exactness laws."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import make_model, tokens
+
+import snlp.analysis as A
+from snlp import Plan, parallel_forward, preheat, solve
+from snlp.generate import jacobi_generate, sequential_generate
+from snlp.metrics import ar_match
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
+
+SMALL = dict(seq_len=8, max_tokens=48, batch=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(seed=3, n_layer=5)  # float64, perturbed weights (not identity blocks)
+
+
+@pytest.fixture(scope="module")
+def val(model):
+    return torch.randint(0, model.config.vocab_size, (400,), generator=torch.Generator().manual_seed(1))
+
+
+def _layer_setup(model, l=3, T=4):
+    idx = tokens(model, B=1, T=T, seed=5)
+    ctx = model.embed(idx)
+    h = model.run_layers(ctx.x0, ctx, 0, l)  # input of layer l
+    return A.branch(model, l, ctx), (lambda x: model.layer(l, x, ctx)), h
+
+
+def _dense(fn, h):
+    n = h.numel()
+    return torch.autograd.functional.jacobian(lambda x: fn(x.view_as(h)).reshape(-1), h.reshape(-1)).view(n, n)
+
+
+# ---------------------------------------------------------------- Jacobian diagnostics vs dense autograd
+def test_power_iteration_sigma_max_equals_dense_largest_singular_value(model):
+    g, _, h = _layer_setup(model)
+    want = torch.linalg.svdvals(_dense(g, h))[0]
+    sigma, change = A.power_sigma(g, h, iters=60, gen=torch.Generator().manual_seed(0))
+    assert abs(float(sigma[0]) - float(want)) / float(want) < 1e-3
+    assert change < 1e-3
+
+
+def test_hutchinson_frobenius_is_unbiased(model):
+    g, _, h = _layer_setup(model)
+    want = float((_dense(g, h) ** 2).sum())
+    est = A.hutchinson_frob2(g, h, probes=200, gen=torch.Generator().manual_seed(0))[:, 0]  # (P,)
+    se = float(est.std()) / math.sqrt(est.numel())
+    assert abs(float(est.mean()) - want) < 4 * se, (float(est.mean()), want, se)
+    assert se < 0.2 * want  # the test has power: the estimate is not just noise
+
+
+def test_amplification_is_the_dense_jacobian_vector_norm_ratio(model):
+    _, f, h = _layer_setup(model)
+    J = _dense(f, h)
+    got = A.amplification(f, h, probes=3, gen=torch.Generator().manual_seed(7))[:, 0]
+    gen = torch.Generator().manual_seed(7)  # the same probes, drawn in the same order
+    for p in range(3):
+        v = torch.randn(h.shape, generator=gen, dtype=h.dtype).reshape(-1)
+        assert float(got[p]) == pytest.approx(float((J @ v).norm() / v.norm()), rel=1e-9)
+
+
+def test_branch_is_the_layer_minus_its_residual_input(model):
+    g, f, h = _layer_setup(model)
+    ctx = model.embed(tokens(model, B=1, T=4, seed=5))
+    want = f(h) - (model.resid_lambdas[3] * h + model.x0_lambdas[3] * ctx.x0)
+    torch.testing.assert_close(g(h), want)
+
+
+def test_substitution_errors_hand_computed_on_a_linear_two_layer_toy():
+    """g_l(h) = W_l h (2 layers, one token, D = 2): h_1 = h_S + W_1 h_S, eps_1 = 0, eps_2 = W_2 W_1 h_S."""
+    W1 = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    W2 = torch.tensor([[2.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    hS = torch.tensor([[[3.0, 4.0]], [[0.0, 1.0]]], dtype=torch.float64)  # (B=2, T=1, D=2), ||h_S|| = 5, 1
+    g = lambda W, h: h @ W.T  # noqa: E731
+    h1 = hS + g(W1, hS)
+    errs = A.substitution_errors([g(W1, hS), g(W2, h1)], [g(W1, hS), g(W2, hS)], hS, tiny=0.0)
+    # eps_2 = W2 W1 h_S = (2 * h_S[1], 0): norms 8 and 2 -> mean 5; mean ||h_S|| = 3;
+    # g_2(h_S) = (2 h_S[0], 0): norms 6 and 0 -> mean 3
+    assert errs[0] == (0.0, 0.0, 0.0)
+    assert errs[1] == pytest.approx((5 / 3, 5 / 3, 5 / 3))
+    # C_eps accumulates: with eps_1 != 0 (swap the evaluation points) the sum's norm is used
+    errs = A.substitution_errors([hS, 2 * hS], [0 * hS, 0 * hS], hS, tiny=1e-300)
+    assert [e[1] for e in errs] == pytest.approx([1.0, 3.0]) and [e[0] for e in errs] == pytest.approx([1.0, 2.0])
+
+
+def test_jacobian_diagnostics_rows(model, val):
+    res = A.jacobian_diagnostics(model, val, A.AnalysisConfig(jac_suffix=3, jac_windows=2, power_iters=5, probes=2,
+                                                              **SMALL))
+    assert [d.layer for d in res.layers] == [2, 3, 4] and res.windows == 2
+    first = res.layers[0]
+    assert first.eps == 0 and first.c_eps == 0  # the first suffix layer reads h_S itself
+    assert all(d.sigma_max > 0 and d.frob > 0 and d.amp > 0 for d in res.layers)
+    assert all(d.eps > 0 and d.c_eps > 0 for d in res.layers[1:])
+
+
+# ---------------------------------------------------------------- ordering, Seq-Perm, AR-ness
+def test_ar_ness_matches_diffucoder_and_the_paper():
+    assert A.ar_ness(range(8)) == 1.0
+    assert A.ar_ness(range(7, -1, -1)) == pytest.approx(1 / 16)  # paper: 0.062 at N = 8
+    assert A.ar_ness(range(11, -1, -1)) == pytest.approx(0.042, abs=5e-4)
+    assert A.ar_ness([0, 2, 1, 3]) == pytest.approx((0 / 3 + 3 / 4) / 2)
+
+
+def test_seq_perm_identity_is_sequential_and_reversed_differs_from_no_correction(model, val):
+    cfg = A.AnalysisConfig(suffixes=(4,), shuffles=2, ordering_iters=(1, 2, 4), **SMALL)
+    res = A.correction_ordering(model, val, cfg)
+    rows = {r.name: r for r in res.tables[0].rows}
+    assert rows["forward"].seq_perm == pytest.approx(res.sequential_ppl, rel=1e-12)
+    assert rows["reversed"].ppl[1] == pytest.approx(rows["no correction"].ppl[1], rel=1e-12)  # K = 1: Jacobi
+    for K in (2, 4):
+        assert abs(rows["reversed"].ppl[K] - rows["no correction"].ppl[K]) > 1e-6
+    assert rows["reversed"].seq_perm != pytest.approx(res.sequential_ppl, rel=1e-9)
+    s = res.tables[0].summary()
+    assert s["K1"]["forward"] == rows["forward"].ppl[1] and s["seq_forward"] == rows["forward"].seq_perm
+    assert [r.name for r in res.tables[0].rows] == ["forward", "reversed", "shuffle_0", "shuffle_1", "no correction"]
+
+
+# ---------------------------------------------------------------- propagation staircase
+def test_propagation_staircase(model, val):
+    res = A.correction_propagation(model, val, A.AnalysisConfig(prop_suffix=4, **SMALL))
+    assert res.iters == [1, 2, 3, 4]
+    for K, row in zip(res.iters, res.without_correction):  # fp64: exactly identical columns j >= K
+        assert len(set(row[K - 1:])) == 1, (K, row)
+        assert len(set(row[:K])) == K  # and the earlier ones differ
+    first = res.with_correction[0]
+    assert len(set(first)) == len(first)  # with correction every active layer matters at K = 1
+    # K >= j is exact: the last-j model run sequentially, with or without correction
+    for j in range(1, 5):
+        assert res.with_correction[3][j - 1] == pytest.approx(res.without_correction[3][j - 1], rel=1e-10)
+
+
+# ---------------------------------------------------------------- early exit moved here
+def test_early_exit_is_importable_from_everywhere(model, val):
+    import snlp
+    assert snlp.early_exit is A.early_exit
+    rows = A.early_exit(model, val, [2, 5], A.AnalysisConfig(**SMALL).eval_config())
+    assert [r["N"] for r in rows] == [0, 2, 5]
+
+
+# ---------------------------------------------------------------- preheat
+def test_preheat_recovers_the_states_of_a_linear_toy():
+    """States exactly affine in x0 (a linear toy model: h_l = x0 A_l + c_l) are recovered at rank D."""
+    gen = torch.Generator().manual_seed(0)
+    N, D, L = 200, 6, 3
+    x0 = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    A_ = torch.randn(L, D, D, generator=gen, dtype=torch.float64)
+    c = torch.randn(L, D, generator=gen, dtype=torch.float64)
+    states = [x0 @ A_[l] + c[l] for l in range(L)]
+    V, U, b = preheat.fit_states(x0, states, rank=D)
+    pre = preheat.Preheat(V=V, U=U, b=b)
+    got = pre.predict(x0.view(4, 50, D), [0, 2])  # (2, B, T, D)
+    torch.testing.assert_close(got[0], states[0].view(4, 50, D), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got[1], states[2].view(4, 50, D), rtol=1e-9, atol=1e-9)
+    V, U, b = preheat.fit_states(x0, states, rank=2)  # low rank: an approximation, not exact
+    assert (preheat.Preheat(V=V, U=U, b=b).predict(x0.view(4, 50, D), [0])[0] - states[0].view(4, 50, D)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("plan", ["4xF1-preheat-K4", "2xF2-preheat-K2", "4xF1-preheat-K7-order:reversed",
+                                  "3xF1-preheat-K3-elk:0.25", "4xF1-preheat-K4-diag:jvp"])
+def test_preheat_init_keeps_the_exactness_laws(model, plan):
+    p = Plan.parse(plan)
+    idx = tokens(model, T=7)
+    pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+    preheat.attach(model, pre)
+    try:
+        with torch.no_grad():
+            from snlp import fused_sequential
+            states = solve(model, idx, p, keep_states=True).states
+            exact = fused_sequential(model, idx, p).states[0]
+            # the init is the predictor of each chunk's last layer, not h_S
+            want0 = pre.predict(model.embed(idx).x0, [model.config.n_layer - p.n_suffix + (c + 1) * p.fuse - 1
+                                                      for c in range(p.chunks)])
+            torch.testing.assert_close(states[0], want0)
+            torch.testing.assert_close(states[-1], exact, rtol=1e-9, atol=1e-9)
+    finally:
+        preheat.attach(model, None)
+
+
+def test_preheat_without_calibration_is_a_clear_error_and_the_file_roundtrips(tmp_path, model):
+    with pytest.raises(ValueError, match="snlp calibrate"):
+        parallel_forward(model, tokens(model), "4xF1-preheat-K1")
+    pre = preheat.fit(model, preheat.CalibrateConfig(rank=3, batch=2, seq_len=8), tokens=torch.arange(40) % 61)
+    assert pre.source == "data" and pre.rank == 3
+    back = preheat.Preheat.load(pre.save(tmp_path / "p.pt"))
+    torch.testing.assert_close(back.U, pre.U) and torch.testing.assert_close(back.V, pre.V)
+    with pytest.raises(ValueError, match="rank"):
+        preheat.fit(model, preheat.CalibrateConfig(rank=0))
+    assert str(Plan.parse("4xF1-preheat-K1")) == "4xF1-preheat-K1"
+
+
+# ---------------------------------------------------------------- Jacobi coupling
+@pytest.mark.parametrize("warm", [False, True])
+def test_naive_and_h0jd_with_K_ge_C_match_sequential_and_counts_follow_the_trace(model, warm):
+    prompt = [1, 5, 9]
+    ref = sequential_generate(model, prompt, max_new_tokens=10).tokens
+    res = jacobi_generate(model, prompt, "4xF1-h0-K4", block=3, max_new_tokens=10, verify=False, warm_start=warm)
+    assert res.tokens == ref and ar_match([res.tokens], [ref]) == 1.0
+    assert res.forwards == res.jacobi_iters == res.draft_steps  # unverified: no sequential check forwards
+    assert len(res.tokens) == res.accepted + res.rounds  # each round keeps n accepted guesses + 1 prediction
+    ver = jacobi_generate(model, prompt, "4xF1-h0-K1", block=3, max_new_tokens=10)
+    assert ver.tokens == ref and ver.forwards == ver.jacobi_iters + ver.rounds  # verified: one check per round
+
+
+def test_jacobi_coupling_rows(model, val):
+    cfg = A.AnalysisConfig(jacobi_plans=("4xF1",), jacobi_prompts=2, jacobi_prompt_len=3, jacobi_tokens=6,
+                           jacobi_window=3, **SMALL)
+    res = A.jacobi_coupling(model, val, cfg)
+    assert [r.config for r in res.rows] == ["naive K=1", "naive K=2", "h0-JD K=1", "h0-JD K=2"]
+    for r in res.rows:
+        assert r.tokens == 12 and r.forwards == r.jd_iters and 0 <= r.match <= 1
+        assert r.accept_per_iter == pytest.approx(r.tokens / r.jd_iters)
+        assert r.forwards_per_token == pytest.approx(r.forwards / r.tokens)
+    with pytest.raises(ValueError, match="warm_start"):
+        jacobi_generate(model, [1], None, warm_start=True)
+
+
+# ---------------------------------------------------------------- the whole analysis, CLI
+def test_analyze_writes_markdown_json_and_plots(model, val, tmp_path):
+    cfg = A.AnalysisConfig(jac_suffix=2, jac_windows=1, power_iters=3, probes=2, suffixes=(3,), shuffles=1,
+                           ordering_iters=(1, 2), prop_suffix=2, elk_suffix=2, elk_chunks=(1, 0), preheat_rank=2,
+                           jacobi_plans=("2xF1",), jacobi_prompts=1, jacobi_prompt_len=3, jacobi_tokens=4,
+                           jacobi_window=2, **SMALL)
+    res = A.analyze(model, val, cfg, checkpoint="tiny")
+    out = A.write(res, tmp_path / "an")
+    md = (out / "analysis.md").read_text()
+    for title in ("Jacobian diagnostics", "Correction ordering", "Correction propagation", "Early exit",
+                  "ELK tempering", "Preheat calibration", "Jacobi decoding"):
+        assert f"## {title}" in md
+    data = json.loads((out / "analysis.json").read_text())
+    assert set(res.seconds) == set(A.SECTIONS) and data["early_exit"][0]["N"] == 0
+    for png in ("jacobian.png", "ordering.png", "propagation.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    sec = A.report_section(res)
+    assert sec.startswith("### SNLP diagnostics") and "σmax" in sec
+    assert model.__dict__.get("preheat") is None  # the analysis leaves the model as it found it
+    with pytest.raises(ValueError, match="unknown analysis section"):
+        A.analyze(model, val, A.AnalysisConfig(only=("jacobians",)))
+
+
+def test_cli_analyze_and_calibrate(tmp_path, capsys):
+    from snlp.checkpoint import load, save_checkpoint
+    from snlp.cli import main
+    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 40
+    tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 20)
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n\n".join(text[i:i + 400] for i in range(0, len(text), 400)) * 4)  # ~14 KB: 3 docs
+    args = {"data": str(data), "text_field": "text", "max_chars": 0, "val_frac": 0.5, "cache_dir": str(tmp_path / "c")}
+    ck = save_checkpoint(tmp_path / "ck", make_model(seed=2, n_layer=4, vocab_size=tok.vocab_size).float(),
+                         tokenizer=tok, train_state={"args": args})
+    assert main(["calibrate", str(ck), "--rank", "4", "--batch", "2", "--seq-len", "8"]) == 0
+    model, _ = load(ck)
+    assert model.__dict__["preheat"].rank == 4  # stored beside the checkpoint, attached on load
+    assert main(["calibrate", str(ck), "--rank", "4", "--data", "train", "--seq-len", "8",
+                 "--out", str(tmp_path / "d.pt")]) == 0
+    assert preheat.Preheat.load(tmp_path / "d.pt").source == "data"
+    rc = main(["analyze", str(ck), "--only", "early-exit,ordering,elk", "--suffixes", "2", "--shuffles", "1",
+               "--seq-len", "8", "--max-tokens", "32", "--no-progress", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    md = (tmp_path / "out" / "analysis.md").read_text()
+    assert "## Early exit" in md and "## Correction ordering" in md and "preheat calibration: random" in md
+    assert "## Jacobian" not in md
+    assert main(["analyze", str(ck), "--only", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert main(["analyze", str(ck), "--layers", "9", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown analysis section" in capsys.readouterr().err
