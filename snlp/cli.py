@@ -13,7 +13,9 @@ from pathlib import Path
 # sub-command -> module
 COMMANDS = {
     "bench": "snlp.bench",
+    "convert": "snlp.convert",
     "eval": "snlp.eval",
+    "export": "snlp.export",
     "generate": "snlp.generate",
     "speedrun": "snlp.speedrun",
     "train": "snlp.train",

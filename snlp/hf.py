@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .model import GPT, GPTConfig, rope_inv_freq
 from .tokenizer import Tokenizer
@@ -174,7 +175,7 @@ def _load_hf(src: str, dtype):
     config_from_hf(cfg)  # unsupported options fail before the weights load
     try:
         m = AutoModelForCausalLM.from_pretrained(src, **kw)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
     try:
         t = AutoTokenizer.from_pretrained(src)

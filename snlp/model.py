@@ -124,8 +124,8 @@ class GPTConfig:
                               f"got {self.layer_windows}")
             else:
                 self.layer_windows = [int(w) for w in self.layer_windows]
-        if self.tie_embeddings and self.hc_streams:
-            errors.append("tie_embeddings is not supported with mHC")
+        if self.hc_streams and (self.tie_embeddings or self.norm_weights):
+            errors.append("tie_embeddings and norm_weights are not supported with mHC (hc_streams > 0)")
         if errors:
             raise ValueError("invalid GPTConfig: " + "; ".join(errors))
         self.window_pattern = self.window_pattern.upper()
