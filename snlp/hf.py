@@ -128,10 +128,14 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     cfg = config_from_hf(hf_model.config)
     state = state_from_hf(hf_model.state_dict(), cfg)
     dtype = _dtype(dtype) or state["wte.weight"].dtype
-    model = GPT(cfg)
-    model.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in state.items()},
-                          strict=not cfg.tie_embeddings)
-    return model.to(dtype).eval()
+    with torch.device("meta"):  # no random init of weights that are replaced right away
+        model = GPT(cfg)
+    model.load_state_dict({k: v.detach().to("cpu", dtype, copy=True) for k, v in state.items()},
+                          strict=not cfg.tie_embeddings, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    model.inv_freq = rope_inv_freq(cfg.rope_base, cfg.head_dim, cfg.rope_scaling)  # non-persistent: was on meta
+    return model.eval()
 
 
 def check_vocab(model: GPT, tok: Tokenizer | None) -> None:

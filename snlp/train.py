@@ -37,6 +37,13 @@ TOKENIZER_CHARS = 20_000_000  # BPE is trained on at most this many characters o
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (weights, optimizer, data position, RNG)")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training, the model flags "
+                   "(--depth, ...) are taken from the checkpoint")
+    p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
+                   help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
+                   "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib", help="stdlib | file/folder/glob (.txt, .py, .jsonl, .parquet) | "
                    "hf:NAME[:CONFIG][:SPLIT]; comma-separated to combine")
@@ -133,9 +140,14 @@ def build_optimizers(model: GPT, args) -> list[torch.optim.Optimizer]:
     scale = (model.config.n_embd / 768) ** -0.5
     hc = [p for name, p in model.blocks.named_parameters() if ".hc_" in name]
     matrices = [p for name, p in model.blocks.named_parameters() if p.dim() == 2 and ".hc_" not in name]
+    vectors = [p for name, p in model.blocks.named_parameters() if p.dim() == 1 and ".hc_" not in name]
+    vectors += [model.ln_f] if model.ln_f is not None else []  # Llama family: norm weights, q/k/v biases
     groups = [{"params": [model.wte.weight] + ([model.value_embeds] if hasattr(model, "value_embeds") else []),
-               "lr": args.embedding_lr * scale},
-              {"params": [model.lm_head.weight], "lr": args.unembedding_lr * scale}]
+               "lr": args.embedding_lr * scale}]
+    if not model.config.tie_embeddings:
+        groups.append({"params": [model.lm_head.weight], "lr": args.unembedding_lr * scale})
+    if vectors:
+        groups.append({"params": vectors, "lr": args.unembedding_lr * scale})
     if model.config.x0_residual:
         groups += [{"params": [model.x0_lambdas], "lr": args.scalar_lr},
                    {"params": [model.resid_lambdas], "lr": args.scalar_lr * 0.01}]
@@ -145,11 +157,15 @@ def build_optimizers(model: GPT, args) -> list[torch.optim.Optimizer]:
     rest = [p for p in model.parameters() if id(p) not in known]
     if rest:
         raise ValueError(f"{len(rest)} parameters have no optimizer group")
+    for g in groups:  # --freeze-prefix: frozen parameters are not optimised
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    groups = [g for g in groups if g["params"]]
+    matrices = [p for p in matrices if p.requires_grad]
     opts = []
-    if args.optimizer == "muon":
+    if args.optimizer == "muon" and matrices:
         opts.append(torch.optim.Muon(matrices, lr=args.matrix_lr or 0.02, weight_decay=args.weight_decay,
                                      momentum=0.95))
-    else:
+    elif matrices:
         groups.append({"params": matrices, "lr": args.matrix_lr or 0.003})
     opts.insert(0, torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay))
     return opts
@@ -296,6 +312,23 @@ def check_args(args) -> None:
         raise ValueError("--reg-lambda, --reg-warmup and --reg-stride must be >= 0")
     if args.steps is None and args.minutes is None:
         args.steps = 1000
+    if getattr(args, "init_from", None) and args.resume:
+        raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
+    if getattr(args, "freeze_prefix", None) is not None and args.freeze_prefix < -1:
+        raise ValueError(f"--freeze-prefix must be >= 0 (got {args.freeze_prefix})")
+
+
+def freeze_prefix(model: GPT, S: int) -> None:
+    """Train only layers S.. : the embedding (and a tied lm_head with it) and blocks 0..S-1 stop
+    requiring gradients. The paper's cheap CPU fine-tuning: only the SNLP suffix changes."""
+    L = model.config.n_layer
+    if not 0 <= S < L:
+        raise ValueError(f"--freeze-prefix S={S} must lie in [0, {L - 1}] (the model has {L} layers)")
+    model.wte.weight.requires_grad_(False)
+    if hasattr(model, "value_embeds"):
+        model.value_embeds.requires_grad_(False)
+    for block in model.blocks[:S]:
+        block.requires_grad_(False)
 
 
 def run(args) -> int:
@@ -323,11 +356,21 @@ def _train(args, rank, world, device, master, out) -> int:
                              f"start a new run instead")
     elif (out / "model.safetensors").is_file():
         raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    elif getattr(args, "init_from", None):
+        model, tok = load(args.init_from, device="cpu")
+        if tok is None:
+            raise ValueError(f"--init-from {args.init_from}: the checkpoint has no tokenizer (its token ids would be "
+                             f"meaningless); re-save it with one")
     tok, tokens = prepare_data(args, tok, rank, world)
     if model is None:
         model = GPT(build_config(args, tok.vocab_size))
         model.init_weights(seed=args.seed)
     cfg = model.config
+    if getattr(args, "freeze_prefix", None) is not None:  # (with --resume pass the same flag again)
+        S = args.freeze_prefix
+        if S == -1:  # the SNLP suffix of the regulariser: S = L - max(N)
+            S = cfg.n_layer - max(resolve_suffixes(cfg.n_layer, parse_suffixes(args.reg_n)))
+        freeze_prefix(model, S)
     if args.reg == "hcn" and cfg.hc_streams < 1:
         raise ValueError("--reg hcn needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn")
     detach = args.reg_detach if args.reg_detach is not None else args.reg == "hcn"  # paper: HCN detached, IDN not

@@ -313,3 +313,41 @@ def test_export_rejects_nanochat_models(tmp_path):
 def test_config_json_round_trip(tmp_path):
     cfg = config_from_hf(hf_tiny("llama-tied-llama3").config)
     assert GPTConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen3-headdim"])
+def test_train_init_from_and_freeze_prefix(family, tmp_path):
+    """`snlp train --init-from` continues a converted model with its own tokenizer (no BPE training) under
+    the IDN regulariser; `--freeze-prefix` (S = L - max(--reg-n)) leaves the embedding and the first S
+    layers bit-identical while the suffix moves; the result still exports to transformers."""
+    from safetensors.torch import load_file
+
+    from snlp.cli import main
+
+    hf, d = _tiny_dir(tmp_path, family)
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    common = ["train", "--init-from", str(tmp_path / "ck"), "--data", str(_text(tmp_path)), "--cache-dir",
+              str(tmp_path / "cache"), "--seq-len", "16", "--batch-size", "2", "--steps", "3", "--eval-every", "100",
+              "--eval-batches", "1", "--no-progress", "--device", "cpu", "--optimizer", "adamw", "--matrix-lr", "1e-3",
+              "--embedding-lr", "1e-3", "--reg", "idn", "--reg-n", "2"]
+    assert main([*common, "--out", str(tmp_path / "ft"), "--freeze-prefix"]) == 0
+    before, after = load_file(str(tmp_path / "ck" / "model.safetensors")), load_file(str(tmp_path / "ft" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for k in before:
+        same = torch.equal(before[k], after[k])
+        if k == "wte.weight" or k.startswith(("blocks.0.", "blocks.1.")):
+            assert same, k  # frozen prefix S = 4 - 2
+        elif k.startswith(("blocks.2.", "blocks.3.")) and k.endswith("c_fc.weight"):
+            assert not same, k
+    model, tok = load(tmp_path / "ft")
+    assert tok.foreign and tok.vocab_size == V and not list(tmp_path.glob("cache/*bpe*"))  # no tokenizer trained
+    assert main([*common, "--out", str(tmp_path / "ft2")]) == 0  # no freeze: everything trains
+    assert not torch.equal(load_file(str(tmp_path / "ft2" / "model.safetensors"))["wte.weight"], before["wte.weight"])
+    export_hf(model, tmp_path / "exp")
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(re(x).logits, model(x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="freeze-prefix S=9"):
+        main_raise = __import__("snlp.train", fromlist=["freeze_prefix"]).freeze_prefix
+        main_raise(model, 9)
