@@ -24,10 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from .model import GPT, GPTConfig
 from .tokenizer import FILENAME as TOKENIZER_FILE
+from .tokenizer import META_FILENAME as TOKENIZER_META
 from .tokenizer import Tokenizer
 
 WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
-OWN_FILES = (WEIGHTS, CONFIG, TOKENIZER_FILE, OPTIMIZER, TRAIN_STATE)
+OWN_FILES = (WEIGHTS, CONFIG, TOKENIZER_FILE, TOKENIZER_META, OPTIMIZER, TRAIN_STATE)
+TIED = "lm_head.weight"  # not stored when GPTConfig.tie_embeddings (it is wte.weight)
 
 
 def unwrap(model: torch.nn.Module) -> GPT:
@@ -47,7 +49,8 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if not (model.config.tie_embeddings and k == TIED)}
     save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "snlp": "1"})
     (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
     if tokenizer is not None:
@@ -119,6 +122,8 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
         raise ValueError(f"corrupt or truncated weights file {wf} ({e}); restore it or re-train") from e
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()  # expected names and shapes, no memory
+    if cfg.tie_embeddings:
+        ref.pop(TIED)
     missing, unexpected = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
     bad = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(ref[k].shape)}"
            for k in ref if k in state and state[k].shape != ref[k].shape]
@@ -128,7 +133,7 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
                         "shape mismatch " + ", ".join(bad[:5]) if bad else "") if p)
             + ". The files come from different models; re-save the checkpoint.")
     model = GPT(cfg)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
     model.to(device).eval()
     from .preheat import load_beside
     load_beside(model, path)  # CKPT/preheat.pt (snlp calibrate), read by plans with the preheat init

