@@ -517,3 +517,71 @@ class DistributedSNLP:
             done = emit(drafts[:nacc] + [nxt])
         res.decode_s = time.perf_counter() - t0 if res.tokens else 0.0
         return res
+
+
+# ----------------------------------------------------------------------------- benchmark
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order."""
+    out = [None] * dist.get_world_size()
+    with _comm("all_gather_object"):
+        dist.all_gather_object(out, obj)
+    return out
+
+def _timed(fn, warmup: int, runs: int) -> list[float]:
+    """ms per call, every call between two barriers (the slowest rank sets the time)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        with _comm("barrier"):
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        with _comm("barrier"):
+            dist.barrier()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return ts
+
+def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
+                          decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
+                          blocks: tuple[int, ...] = (4,)) -> list[dict]:
+    """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
+    forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
+    speculative decoding. `model_fn()` builds the (same) model on every rank. Medians in ms."""
+    import statistics
+
+    recs = []
+    gen = torch.Generator().manual_seed(seed)
+    for plan in plans:
+        runner = DistributedSNLP(model_fn(), plan, keep_layers=True)
+        V = runner.model.config.vocab_size
+        idx = torch.randint(0, V, (batch, tokens), generator=gen)
+        mem = gather_objects(runner.memory())
+        base = dict(plan=str(plan), world_size=dist.get_world_size(), tokens=tokens, batch=batch, runs=runs,
+                    chunks_per_rank=[list(b) for b in partition(plan.chunks, dist.get_world_size())],
+                    max_rank_bytes=max(m["total_bytes"] for m in mem))
+        with torch.inference_mode():
+            pipe = _timed(lambda: runner.pipeline_forward(idx), warmup, runs)
+            par = _timed(lambda: runner.solve(idx, check_finite=False), warmup, runs)
+        recs.append({**base, "what": "prefill", "pipeline_sequential_ms": statistics.median(pipe),
+                     "snlp_ms": statistics.median(par), "speedup": statistics.median(pipe) / statistics.median(par)})
+        if decode:
+            prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
+            modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
+            res: dict = {m: [] for m in modes}
+            for i in range(warmup + runs):
+                for mode, b in modes:
+                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1))
+                    if i >= warmup:
+                        res[(mode, b)].append(r)
+            seq_ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in res[("sequential", 0)])
+            ref = res[("sequential", 0)][0].tokens
+            for (mode, b), rs in res.items():
+                ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
+                rec = {**base, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
+                       "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
+                       "prompt_len": prompt_len, "new_tokens": new_tokens}
+                if mode == "speculative":
+                    rec.update(alpha=rs[0].acceptance_rate, tokens_per_round=rs[0].tokens_per_round)
+                recs.append(rec)
+    return recs

@@ -252,3 +252,69 @@ def test_dead_rank_makes_the_others_fail_not_hang():
     assert procs[0].exitcode == 3
     rank, step, msg = q.get(timeout=5)
     assert rank == 0 and step >= 3 and "rank 0 of 2" in msg and "peer rank died" in msg
+
+
+# ----------------------------------------------------------------------------- CLI (torchrun) and cost model
+def test_torchrun_generate_distributed_matches_sequential(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from snlp.checkpoint import save_checkpoint
+    from snlp.cli import main
+    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+    text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
+    tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    ckpt = save_checkpoint(tmp_path / "tiny", model, tokenizer=tok)
+    common = ["--prompt", "First Citizen:", "--max-new-tokens", "12", "--quiet"]
+    assert main(["generate", str(ckpt), "--mode", "sequential", "--json", str(tmp_path / "seq.json"), *common]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--mode", "speculative", "--plan", "3xF1-h0-K1",
+           "--block", "3", "--json", str(tmp_path / "dist.json"), *common]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seq, dst = (json.loads((tmp_path / f).read_text()) for f in ("seq.json", "dist.json"))
+    assert dst["tokens"] == seq["tokens"] and dst["matches_sequential"] and dst["world_size"] == 2
+    assert dst["chunks_per_rank"] == [[0, 2], [2, 3]] and len(dst["memory_per_rank"]) == 2
+    assert "over 2 ranks" in out.stdout
+
+
+def test_cost_model_laws():
+    from snlp.costmodel import SHAPES, Link, predict
+
+    shape, P = SHAPES["3B"], 4
+    free = Link(gbps=1e12, latency_us=0.0)
+    plan = Plan.parse("12xF1-h0-K2")
+    p = predict(shape, plan, P, free, layer_ms=1.0, head_ms=0.5)
+    assert p.sequential_ms == pytest.approx(32 * 1.0 + 0.5)
+    assert p.pipeline_ms == pytest.approx(p.sequential_ms)  # one request: pipelining adds only messages
+    assert p.tensor_parallel_ms == pytest.approx(p.sequential_ms / P)  # perfect split on a free link
+    assert p.snlp_ms == pytest.approx(20 + 2 * 3 + 0.5)  # S = 20 prefix layers + K * ceil(12/4) chunk layers + head
+    slow = Link(gbps=1e12, latency_us=1000.0)  # 1 ms per message: count the messages on the critical path
+    q = predict(shape, plan, P, slow, layer_ms=1.0, head_ms=0.5)
+    assert q.pipeline_ms - p.pipeline_ms == pytest.approx(P - 1)
+    assert q.tensor_parallel_ms - p.tensor_parallel_ms == pytest.approx(32 * 2 * 2 * (P - 1))  # 2 ring all-reduces/layer
+    # h_S broadcast (log2 P) + K all_gathers (P-1 each) + K-1 boundary sends + the token broadcast (log2 P)
+    assert q.snlp_ms - p.snlp_ms == pytest.approx(2 + 2 * (P - 1) + 1 + 2)
+    with pytest.raises(ValueError, match="fewer than the 4 devices"):
+        predict(shape, Plan.parse("2xF1-h0-K1"), P, free, 1.0, 0.5)
+
+
+def test_bench_simulate_devices_cli(tmp_path):
+    import json
+
+    from snlp.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["bench", "--simulate-devices", "8", "--shape", "70B", "--roofline-gbytes", "3350", "--dtype",
+                 "bfloat16", "--plans", "16xF4-h0-K2", "--link-gbps", "3600", "--link-latency-us", "2",
+                 "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert rec["devices"] == 8 and rec["snlp_ms"] < rec["sequential_ms"] and rec["fits_one_device_gb"] > 100
+    assert main(["bench", "--simulate-devices", "2", "--depth", "4", "--width", "64", "--head-dim", "32",
+                 "--vocab-size", "128", "--plans", "2xF1-h0-K1", "--runs", "2", "--warmup", "1",
+                 "--json", str(out)]) == 0  # measured on this CPU
+    assert json.loads(out.read_text())[0]["compute"].startswith("measured on cpu")
