@@ -82,6 +82,8 @@ def add_arguments(p) -> None:
                            "of measuring on --device (e.g. 3350 for an H100 SXM)")
     dist.add_argument("--roofline-efficiency", type=float, default=0.7,
                       help="fraction of --roofline-gbytes achieved (default 0.7)")
+    dist.add_argument("--op-floor-us", type=float, default=20.0,
+                      help="with --roofline-gbytes: the least time any op takes (kernel launches), us")
 
 
 def _token_counts(text: str) -> tuple[int, ...]:

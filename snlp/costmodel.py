@@ -17,6 +17,7 @@ bandwidth beta). Assumptions (written next to every table in docs/distributed.md
           throughput with many requests in flight, not one token's latency.)
   tp      tensor parallel over P (Megatron): each layer's matmuls split P ways, t_layer / P (perfect
           split: optimistic), plus 2 all_reduces of the state per layer; head split P ways.
+  floor   optional per-op floor (kernel launch overhead) for roofline inputs: an op never takes less.
   snlp    SNLP plan CxFM-init-KK over P ranks (snlp.distributed): the S-layer prefix on rank 0,
           broadcast of h_S (if S > 0), a fwd init costs one local batched chunk forward + one p2p, then
           K iterations of [evals_per_iter local batched forwards of ceil(C/P) chunks + one all_gather
@@ -109,8 +110,11 @@ class Prediction:
 
 
 def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float, head_ms: float,
-            tokens: int = 1, batch: int = 1, chunk_ms: float | None = None) -> Prediction:
-    """Per-token latency of sequential / pipeline / tensor parallel / SNLP (module docstring)."""
+            tokens: int = 1, batch: int = 1, chunk_ms: float | None = None, floor_ms: float = 0.0) -> Prediction:
+    """Per-token latency of sequential / pipeline / tensor parallel / SNLP (module docstring). `floor_ms`
+    is a per-op floor (kernel launches: no op takes less, however little it reads); measured times
+    already contain it, so it is for roofline inputs. It makes one batched op of n chunks cost
+    max(floor, n*M*layer_ms) and a tensor-parallel layer max(floor, layer_ms / P)."""
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an integer >= 1 (got {devices!r})")
     plan.check(shape.n_layer)
@@ -120,11 +124,13 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
         raise ValueError(f"plan {plan} has C = {C} chunks, fewer than the {P} devices (every device needs one)")
     msg = batch * tokens * shape.n_embd * shape.dtype_bytes  # one residual-stream state
     n_loc = math.ceil(C / P)
-    t_chunk = n_loc * M * layer_ms if chunk_ms is None else chunk_ms
+    t_chunk = max(floor_ms, n_loc * M * layer_ms) if chunk_ms is None else chunk_ms
+    tp_layer, head_tp = max(floor_ms, layer_ms / P), max(floor_ms, head_ms / P)
+    layer_ms, head_ms = max(floor_ms, layer_ms), max(floor_ms, head_ms)
     seq = L * layer_ms + head_ms
     pipe = L * layer_ms + (P - 1) * link.p2p_ms(msg) + head_ms
     comm_tp = L * 2 * link.all_reduce_ms(msg, P)
-    tp = L * layer_ms / P + comm_tp + head_ms / P
+    tp = L * tp_layer + comm_tp + head_tp
     gather = link.all_gather_ms(msg * (2 if plan.surrogate == "diag" else 1), P) if plan.surrogate != "none" else 0.0
     comm = (link.broadcast_ms(msg, P) if S > 0 else 0.0) + link.broadcast_ms(8 * batch, P)
     compute = S * layer_ms + head_ms

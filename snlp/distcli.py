@@ -161,12 +161,14 @@ def run_simulate(args) -> int:
     for plan in plans:
         if args.roofline_gbytes:
             layer, head = roofline_layer_ms(shape, args.roofline_gbytes, args.roofline_efficiency)
-            chunk, source = None, f"roofline {args.roofline_gbytes:g} GB/s x {args.roofline_efficiency:g}"
+            chunk, source = None, (f"roofline {args.roofline_gbytes:g} GB/s x {args.roofline_efficiency:g}, "
+                                   f"op floor {args.op_floor_us:g} us")
         else:
             layer, head, chunk = measure_layer_ms(shape, plan, P, counts[0], args.batch, str(device), dtype,
                                                   args.warmup, args.runs)
             source = f"measured on {device}"
-        p = predict(shape, plan, P, link, layer, head, counts[0], args.batch, chunk)
+        p = predict(shape, plan, P, link, layer, head, counts[0], args.batch, chunk,
+                    floor_ms=1e-3 * args.op_floor_us if args.roofline_gbytes else 0.0)
         recs.append({"plan": str(plan), "devices": P, "link_gbps": link.gbps, "link_latency_us": link.latency_us,
                      "tokens": counts[0], "batch": args.batch, "compute": source, "shape": shape.__dict__,
                      **p.to_dict()})

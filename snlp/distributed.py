@@ -559,12 +559,24 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
         mem = gather_objects(runner.memory())
         base = dict(plan=str(plan), world_size=dist.get_world_size(), tokens=tokens, batch=batch, runs=runs,
                     chunks_per_rank=[list(b) for b in partition(plan.chunks, dist.get_world_size())],
-                    max_rank_bytes=max(m["total_bytes"] for m in mem))
+                    max_rank_bytes=max(m["total_bytes"] for m in mem), memory_per_rank=mem)
         with torch.inference_mode():
             pipe = _timed(lambda: runner.pipeline_forward(idx), warmup, runs)
             par = _timed(lambda: runner.solve(idx, check_finite=False), warmup, runs)
+            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs
+            hS = runner.model.embed(idx).x0.contiguous()
+            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs)
+            prefix = []
+            if runner.rank == 0 and runner.S > 0:
+                ctx = runner.model.embed(idx)
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    runner.model.run_layers(ctx.x0, ctx, 0, runner.S)
+                    prefix.append(1e3 * (time.perf_counter() - t0))
         recs.append({**base, "what": "prefill", "pipeline_sequential_ms": statistics.median(pipe),
-                     "snlp_ms": statistics.median(par), "speedup": statistics.median(pipe) / statistics.median(par)})
+                     "snlp_ms": statistics.median(par), "speedup": statistics.median(pipe) / statistics.median(par),
+                     "h_S_broadcast_ms": statistics.median(bcast),
+                     "prefix_ms_rank0": statistics.median(prefix) if prefix else 0.0})
         if decode:
             prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
             modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
