@@ -8,8 +8,9 @@ the fused weights of ITS block only (`fusion.chunk_weights` on its layer range, 
 sequential prefix runs on rank 0, which broadcasts h_S once per solve (every rank needs h_S for the
 h0/fwd init); the head runs on the last rank. Replicating the prefix instead would cost every rank
 the prefix weights and KV cache and take the same time as rank 0's prefix, to save one O(B*T*D)
-broadcast, so the prefix is not replicated. Embeddings (and value-embedding tables) are replicated:
-every rank needs x0 and its layers' value embeddings for the tokens.
+broadcast, so the prefix is not replicated. The token embedding is replicated (every rank needs x0);
+of the per-layer value-embedding tables (each as big as the token embedding) a rank keeps only its
+own layers'.
 
 One iteration k on rank r (chunks c0..c1-1; paper Eq. snlp-iterative, the solver's recurrence
 d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
@@ -238,9 +239,25 @@ class DistributedSNLP:
         for l in range(L):
             if l not in keep:
                 model.blocks[l] = torch.nn.Module()  # free the weights this rank never reads
+        self._keep_value_embeds(set(range(self.first, self.stop)) | (set(range(self.S)) if self.rank == 0 else set()))
         if self.rank != self.last:
             model.lm_head = None
         self.device = model.wte.weight.device
+
+    def _keep_value_embeds(self, layers: set[int]) -> None:
+        """Keep only the value-embedding tables of `layers` (each is vocab x kv_dim, as big as the token
+        embedding) and renumber the model's and the fused chunks' slots to the kept tables."""
+        model = self.model
+        if not hasattr(model, "value_embeds"):
+            return
+        n_ve = model.value_embeds.shape[0]
+        keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
+        lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
+        lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
+        model.value_embeds = torch.nn.Parameter(model.value_embeds.data[keep].clone(), requires_grad=False)
+        model.ve_slot = [int(lut[s]) if s >= 0 and l in layers else -1 for l, s in enumerate(model.ve_slot)]
+        if self.w.ve_slot is not None:
+            self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
 
     # ----- memory -----
     def memory(self, cache: KVCache | None = None) -> dict:
