@@ -611,6 +611,8 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
                        "prompt_len": prompt_len, "new_tokens": new_tokens}
                 if mode == "speculative":
-                    rec.update(alpha=rs[0].acceptance_rate, tokens_per_round=rs[0].tokens_per_round)
+                    rec.update(alpha=rs[0].acceptance_rate, tokens_per_round=rs[0].tokens_per_round,
+                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs),
+                               verify_ms_per_round=statistics.median(1e3 * r.verify_s / r.rounds for r in rs))
                 recs.append(rec)
     return recs
