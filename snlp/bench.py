@@ -63,6 +63,27 @@ def add_arguments(p) -> None:
                      help="time forward, FD, JVP and VJP of ONE layer (the DiagN probe primitives) at each --tokens, "
                           "batch 1, with their ratio to forward (paper Table diag_ops_bench)")
     ops.add_argument("--layer", type=int, default=None, help="layer for --ops (default: the middle layer L // 2)")
+    dist = p.add_argument_group("multi-device (snlp.distributed, snlp.costmodel)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="under torchrun: distributed SNLP vs the layer-pipelined sequential forward (with --decode "
+                           "also decoding), e.g. torchrun --nproc_per_node=2 -m snlp bench --distributed --pin")
+    dist.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a dead peer rank is an error")
+    dist.add_argument("--pin", action="store_true", help="--distributed on CPU: pin local rank r to core r, 1 thread")
+    dist.add_argument("--simulate-devices", type=int, default=None, metavar="P",
+                      help="cost model: predicted per-token latency of sequential, pipeline, tensor parallel and SNLP "
+                           "over P devices (snlp.costmodel)")
+    dist.add_argument("--link-gbps", type=float, default=3600.0,
+                      help="--simulate-devices: link bandwidth per direction, Gbit/s (3600 ~ NVLink 4, 256 ~ PCIe 5 x16)")
+    dist.add_argument("--link-latency-us", type=float, default=10.0, help="--simulate-devices: per-message latency, us")
+    dist.add_argument("--shape", default=None, help="--simulate-devices: a preset shape (0.5B, 3B, 70B) instead of the "
+                      "size flags")
+    dist.add_argument("--roofline-gbytes", type=float, default=None,
+                      help="--simulate-devices: model compute as weight bytes / this memory bandwidth (GB/s) instead "
+                           "of measuring on --device (e.g. 3350 for an H100 SXM)")
+    dist.add_argument("--roofline-efficiency", type=float, default=0.7,
+                      help="fraction of --roofline-gbytes achieved (default 0.7)")
+    dist.add_argument("--op-floor-us", type=float, default=20.0,
+                      help="with --roofline-gbytes: the least time any op takes (kernel launches), us")
 
 
 def _token_counts(text: str) -> tuple[int, ...]:
@@ -231,6 +252,14 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
 
 
 def run(args) -> int:
+    if getattr(args, "simulate_devices", None) is not None:
+        from .distcli import run_simulate
+
+        return run_simulate(args)
+    if getattr(args, "distributed", False):
+        from .distcli import run_bench
+
+        return run_bench(args)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if args.ops:
         return run_ops(args, counts)

@@ -523,9 +523,18 @@ def add_arguments(p) -> None:
                         "round of each; the speedups reported are medians")
     p.add_argument("--quiet", action="store_true", help="do not stream the text")
     p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
+    p.add_argument("--distributed", action="store_true",
+                   help="layer-parallel over torchrun ranks (snlp.distributed): `torchrun --nproc_per_node=P -m snlp "
+                        "generate CKPT --distributed --plan ... --mode snlp|speculative|sequential`")
+    p.add_argument("--dist-timeout", type=float, default=120.0,
+                   help="--distributed: seconds before a dead or silent peer rank makes the others fail")
 
 
 def run(args) -> int:
+    if getattr(args, "distributed", False):
+        from .distcli import run_generate
+
+        return run_generate(args)
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
     if args.mode != "sequential" and args.plan is None and args.mode != "jacobi":

@@ -1,0 +1,327 @@
+"""Distributed SNLP (snlp.distributed) on CPU/gloo: the processes are spawned here (torch.multiprocessing,
+127.0.0.1, a free port). Each spawn runs many cases, so the whole file costs a few process starts.
+
+Laws: the distributed solve equals the single-process `solve` (states of every chunk, final state, logits)
+for idn / none / hcn / diag plans, h0 and fwd init, K = 1..C, even and uneven blocks; distributed cached
+SNLP decoding equals single-process `snlp_generate`; distributed speculative decoding equals sequential
+greedy decoding; a dead rank makes the survivor fail with RankFailureError instead of hanging; ranks
+with different plans or weights fail at start-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_model, tokens
+
+from snlp.fusion import chunk_weights
+from snlp.generate import sequential_generate, snlp_generate
+from snlp.plan import Plan
+from snlp.solver import solve
+from snlp.surrogates import select_chunks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAIN = dict()
+MHC = dict(hc_streams=2)
+SOLVE_CASES = (
+    [("plain", f"4xF1-h0-K{k}") for k in range(1, 5)]  # K = 1..C, C = 4 over 2 (even) and 3 (uneven) ranks
+    + [("plain", "4xF1-fwd-K2"), ("plain", "5xF1-h0-K2"), ("plain", "3xF2-fwd-K1"), ("plain", "6xF1-h0-K6"),
+       ("plain", "4xF1-h0-K2-elk:0.3"), ("plain", "4xF1-h0-K2-order:reversed"), ("plain", "4xF1-h0-K4-tol:1e-3"),
+       ("plain", "4xF1-fwd-K2-none"), ("plain", "5xF1-h0-K1-none"),
+       ("plain", "4xF1-h0-K2-diag:fd-probes:2"), ("plain", "5xF1-fwd-K1-diag:vjp-subset:1.3"),
+       ("plain", "4xF1-h0-K1-diag:jvp"),
+       ("mhc", "4xF1-h0-K2-hcn"), ("mhc", "3xF2-fwd-K1-hcn"), ("mhc", "5xF1-h0-K5-hcn"), ("mhc", "4xF1-h0-K1-diag:fd"),
+       ("fp32", "4xF1-h0-K2"), ("fp32", "4xF1-fwd-K1-hcn-mhc")])
+DECODE_CASES = [("plain", "4xF1-h0-K1"), ("plain", "5xF1-h0-K5"), ("plain", "4xF1-h0-K1-diag:fd"),
+                ("mhc", "4xF1-h0-K2-hcn")]
+PROMPTS = [[1, 5, 9], [7], [3, 3, 14, 2, 8]]
+
+
+def _model(kind: str):
+    if kind == "plain":
+        return make_model(seed=0)
+    if kind == "mhc":
+        return make_model(seed=1, **MHC)
+    if kind == "fp32":
+        return make_model(seed=2, dtype=torch.float32)
+    if kind == "fp32-mhc":
+        return make_model(seed=2, dtype=torch.float32, **MHC)
+    raise AssertionError(kind)
+
+
+def _case(kind: str, plan: str) -> tuple[str, str]:
+    if plan.endswith("-mhc"):  # fp32 mHC case
+        return "fp32-mhc", plan[:-4]
+    return kind, plan
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from snlp.distributed import init_distributed
+
+    init_distributed(timeout_s)
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.distributed import DistributedSNLP
+
+    _init(rank, world, port)
+    res = {"solve": {}, "decode": {}, "memory": {}}
+    for kind, plan in SOLVE_CASES:
+        kind, plan = _case(kind, plan)
+        model = _model(kind)
+        r = DistributedSNLP(model, plan).solve(tokens(model))
+        res["solve"][(kind, plan)] = dict(states=r.states, chunks=r.chunks, hidden=r.hidden, logits=r.logits,
+                                          iters=r.iters)
+    for kind, plan in DECODE_CASES:
+        runner = DistributedSNLP(_model(kind), plan, keep_layers=True)
+        for i, prompt in enumerate(PROMPTS):
+            res["decode"][(kind, plan, "snlp", i)] = runner.generate(prompt, "snlp", max_new_tokens=6).tokens
+            res["decode"][(kind, plan, "speculative", i)] = runner.generate(prompt, "speculative", 6, block=3).tokens
+            res["decode"][(kind, plan, "sequential", i)] = runner.generate(prompt, "sequential", 6).tokens
+    runner = DistributedSNLP(_model("plain"), "4xF1-h0-K1")
+    res["memory"] = runner.memory(runner.new_cache(32))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["P2", "P3"])
+def dist_results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"dist{request.param}")
+    _spawn(_worker, request.param, str(out))
+    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(request.param)]
+
+
+def _tol(kind: str) -> dict:
+    return dict(rtol=1e-5, atol=1e-5) if kind.startswith("fp32") else dict(rtol=1e-10, atol=1e-10)
+
+
+def test_distributed_solve_equals_single_process(dist_results):
+    P, ranks = dist_results
+    for kind, plan in SOLVE_CASES:
+        kind, plan = _case(kind, plan)
+        model = _model(kind)
+        with torch.no_grad():
+            ref = solve(model, tokens(model), plan, keep_states=True)
+        parts = [rk["solve"][(kind, plan)] for rk in ranks]
+        bounds = [p["chunks"] for p in parts]
+        assert bounds[0][0] == 0 and bounds[-1][1] == Plan.parse(plan).chunks
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous blocks covering every chunk
+        assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1  # as even as possible
+        states = torch.cat([p["states"] for p in parts])
+        torch.testing.assert_close(states, ref.states[-1], **_tol(kind), msg=f"{kind} {plan} P={P}")
+        torch.testing.assert_close(parts[-1]["hidden"], ref.hidden, **_tol(kind))
+        torch.testing.assert_close(parts[-1]["logits"], model.head(ref.hidden), **_tol(kind))
+        assert all(p["hidden"] is None for p in parts[:-1])
+        assert all(p["iters"] == ref.iters for p in parts)
+
+
+def test_distributed_decoding_equals_single_process(dist_results):
+    P, ranks = dist_results
+    for kind, plan in DECODE_CASES:
+        model = _model(kind)
+        for i, prompt in enumerate(PROMPTS):
+            seq = sequential_generate(model, prompt, 6).tokens
+            snlp = snlp_generate(model, prompt, plan, 6).tokens
+            for rk in ranks:  # every rank returns the broadcast tokens
+                assert rk["decode"][(kind, plan, "snlp", i)] == snlp, (kind, plan, prompt, P)
+                assert rk["decode"][(kind, plan, "speculative", i)] == seq
+                assert rk["decode"][(kind, plan, "sequential", i)] == seq
+
+
+def test_rank_holds_only_its_block(dist_results):
+    P, ranks = dist_results
+    full = make_model(seed=0)
+    total = sum(p.numel() * p.element_size() for b in full.blocks[2:] for p in b.parameters())  # the suffix
+    for r, rk in enumerate(ranks):
+        mem = rk["memory"]
+        assert mem["fused_weight_bytes"] < total * (2 / P if P == 3 else 0.6)  # its block, not the suffix
+        assert mem["kv_bytes"] > 0
+    # prefix layers live on rank 0 only; the last rank alone keeps the LM head
+    assert ranks[0]["memory"]["param_bytes"] > ranks[1]["memory"]["param_bytes"] or P == 2
+
+
+def test_local_weights_are_the_global_stack_sliced():
+    from snlp.distributed import partition
+
+    for kind in ("plain", "mhc"):
+        model = _model(kind)
+        for plan, P in (("4xF1-h0-K1", 3), ("3xF2-h0-K1", 2), ("5xF1-h0-K1", 2)):
+            p = Plan.parse(plan)
+            S = p.prefix_len(model.config.n_layer)
+            full = chunk_weights(model, S, p.chunks, p.fuse)
+            for c0, c1 in partition(p.chunks, P):
+                local = chunk_weights(model, S + c0 * p.fuse, c1 - c0, p.fuse)
+                ref = select_chunks(full, range(c0, c1))
+                for name in ("qkv", "attn_out", "fc", "proj", "alpha", "beta", "ve_gate", "ve_slot", "windows"):
+                    a, b = getattr(local, name), getattr(ref, name)
+                    if a is None and name in ("ve_gate", "ve_slot") and b is not None:
+                        # a block without value-embedding layers has none; the global stack pads it with zero slots
+                        assert bool((ref.ve_slot == model.value_embeds.shape[0]).all()), (kind, plan)
+                        continue
+                    if a is None and name == "windows" and b is not None:
+                        assert bool((b < 0).all()), (kind, plan)  # all-full windows are stored as None locally
+                        continue
+                    assert (a is None) == (b is None), name
+                    if a is not None:
+                        assert torch.equal(a, b), (kind, plan, name)
+
+
+def test_partition_uneven_and_refused():
+    from snlp.distributed import partition
+
+    assert partition(4, 3) == [(0, 2), (2, 3), (3, 4)]
+    assert partition(7, 2) == [(0, 4), (4, 7)]
+    assert partition(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="C = 2 chunks cannot be spread over 3 ranks"):
+        partition(2, 3)
+
+
+# ----------------------------------------------------------------------------- failures
+def _mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
+    from snlp.distributed import DistributedSNLP
+
+    _init(rank, world, port)
+    msgs = []
+    for seed, plan in (((0, 1), ("4xF1-h0-K1",) * 2), ((0, 0), ("4xF1-h0-K1", "4xF1-h0-K2"))):
+        try:
+            DistributedSNLP(make_model(seed=seed[rank]), plan[rank])
+            msgs.append("")
+        except ValueError as e:
+            msgs.append(str(e))
+    torch.save(msgs, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_mismatched_plans_or_weights_fail_at_start_up(tmp_path):
+    _spawn(_mismatch_worker, 2, str(tmp_path))
+    for r in range(2):
+        weights, plan = torch.load(tmp_path / f"rank{r}.pt")
+        assert "ranks [1] have a different model weights/config than rank 0" in weights
+        assert "ranks [1] have a different plan than rank 0" in plan
+
+
+def _dying_worker(rank: int, world: int, port: int, q, how: str) -> None:
+    import time
+
+    from snlp.distributed import DistributedSNLP, RankFailureError
+
+    _init(rank, world, port, timeout_s=30.0 if how == "kill" else 5.0)
+    runner = DistributedSNLP(make_model(seed=0), "4xF1-h0-K2")
+    model_idx = torch.tensor([[1, 2, 3]])
+    for step in range(1000):
+        if rank == 1 and step == 3:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)  # a rank dying mid-run
+            time.sleep(600)  # a rank hanging mid-run: the others must give up after the 5 s timeout
+        try:
+            runner.solve(model_idx)
+        except RankFailureError as e:
+            q.put((rank, step, str(e)))
+            raise SystemExit(3)
+    q.put((rank, -1, "finished without noticing the dead rank"))
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_dead_or_hung_rank_makes_the_others_fail_not_hang(how):
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_dying_worker, args=(r, 2, port, q, how)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=180)  # a hang guard, not a speed threshold: the gloo timeout is 30 s / 5 s
+    alive = procs[0].is_alive()
+    if how == "hang" or alive:
+        procs[1].kill()
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert not alive, "rank 0 hung after its peer died"
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert procs[0].exitcode == 3
+    rank, step, msg = q.get(timeout=5)
+    assert rank == 0 and step >= 3 and "rank 0 of 2" in msg and "peer rank died or did not answer" in msg
+
+
+# ----------------------------------------------------------------------------- CLI (torchrun) and cost model
+def test_torchrun_generate_distributed_matches_sequential(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from snlp.checkpoint import save_checkpoint
+    from snlp.cli import main
+    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+
+    text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
+    tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    ckpt = save_checkpoint(tmp_path / "tiny", model, tokenizer=tok)
+    common = ["--prompt", "First Citizen:", "--max-new-tokens", "12", "--quiet"]
+    assert main(["generate", str(ckpt), "--mode", "sequential", "--json", str(tmp_path / "seq.json"), *common]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--mode", "speculative", "--plan", "3xF1-h0-K1",
+           "--block", "3", "--json", str(tmp_path / "dist.json"), *common]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seq, dst = (json.loads((tmp_path / f).read_text()) for f in ("seq.json", "dist.json"))
+    assert dst["tokens"] == seq["tokens"] and dst["matches_sequential"] and dst["world_size"] == 2
+    assert dst["chunks_per_rank"] == [[0, 2], [2, 3]] and len(dst["memory_per_rank"]) == 2
+    assert "over 2 ranks" in out.stdout
+
+
+def test_cost_model_laws():
+    from snlp.costmodel import SHAPES, Link, predict
+
+    shape, P = SHAPES["3B"], 4
+    free = Link(gbps=1e12, latency_us=0.0)
+    plan = Plan.parse("12xF1-h0-K2")
+    p = predict(shape, plan, P, free, layer_ms=1.0, head_ms=0.5)
+    assert p.sequential_ms == pytest.approx(32 * 1.0 + 0.5)
+    assert p.pipeline_ms == pytest.approx(p.sequential_ms)  # one request: pipelining adds only messages
+    assert p.tensor_parallel_ms == pytest.approx(p.sequential_ms / P)  # perfect split on a free link
+    assert p.snlp_ms == pytest.approx(20 + 2 * 3 + 0.5)  # S = 20 prefix layers + K * ceil(12/4) chunk layers + head
+    slow = Link(gbps=1e12, latency_us=1000.0)  # 1 ms per message: count the messages on the critical path
+    q = predict(shape, plan, P, slow, layer_ms=1.0, head_ms=0.5)
+    assert q.pipeline_ms - p.pipeline_ms == pytest.approx(P - 1)
+    assert q.tensor_parallel_ms - p.tensor_parallel_ms == pytest.approx(32 * 2 * 2 * (P - 1))  # 2 ring all-reduces/layer
+    # h_S broadcast (log2 P) + K all_gathers (P-1 each) + K-1 boundary sends + the token broadcast (log2 P)
+    assert q.snlp_ms - p.snlp_ms == pytest.approx(2 + 2 * (P - 1) + 1 + 2)
+    with pytest.raises(ValueError, match="fewer than the 4 devices"):
+        predict(shape, Plan.parse("2xF1-h0-K1"), P, free, 1.0, 0.5)
+
+
+def test_bench_simulate_devices_cli(tmp_path):
+    import json
+
+    from snlp.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["bench", "--simulate-devices", "8", "--shape", "70B", "--roofline-gbytes", "3350", "--dtype",
+                 "bfloat16", "--plans", "16xF4-h0-K2", "--link-gbps", "3600", "--link-latency-us", "2",
+                 "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert rec["devices"] == 8 and rec["snlp_ms"] < rec["sequential_ms"] and rec["fits_one_device_gb"] > 100
+    assert main(["bench", "--simulate-devices", "2", "--depth", "4", "--width", "64", "--head-dim", "32",
+                 "--vocab-size", "128", "--plans", "2xF1-h0-K1", "--runs", "2", "--warmup", "1",
+                 "--json", str(out)]) == 0  # measured on this CPU
+    assert json.loads(out.read_text())[0]["compute"].startswith("measured on cpu")
