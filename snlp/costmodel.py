@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .correction import DiagN, Jacobi
 from .plan import Plan
 
 
@@ -131,7 +132,8 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
     pipe = L * layer_ms + (P - 1) * link.p2p_ms(msg) + head_ms
     comm_tp = L * 2 * link.all_reduce_ms(msg, P)
     tp = L * tp_layer + comm_tp + head_tp
-    gather = link.all_gather_ms(msg * (2 if plan.surrogate == "diag" else 1), P) if plan.surrogate != "none" else 0.0
+    sur = plan.surrogate
+    gather = link.all_gather_ms(msg * (2 if isinstance(sur, DiagN) else 1), P) if not isinstance(sur, Jacobi) else 0.0
     comm = (link.broadcast_ms(msg, P) if S > 0 else 0.0) + link.broadcast_ms(8 * batch, P)
     compute = S * layer_ms + head_ms
     if plan.init == "fwd":

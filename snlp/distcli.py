@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .cli import cli_device, cli_dtype, set_threads, write_json
+from .runtime import cli_device, cli_dtype, set_threads, write_json
 from .distributed import (DistributedSNLP, RankFailureError, gather_objects, distributed_benchmark, init_distributed,
                           partition)
 from .plan import Plan, parse_plans

@@ -62,12 +62,13 @@ from torch import Tensor
 from .cache import KVCache
 from .fusion import ChunkWeights, build_chunk_weights, chunk_forward
 from .model import GPT
+from .correction import HCN, DiagN, Identity, Jacobi
 from .plan import Plan
 from .scan import affine_scan
 from .solver import SNLPDivergenceError, _as_plan, _relative_update
 
 DEFAULT_TIMEOUT_S = 120.0
-SURROGATES = ("idn", "none", "hcn", "diag")  # newton (the sequential JVP reference) is not distributed
+SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
 
 
 class RankFailureError(RuntimeError):
@@ -217,9 +218,9 @@ class DistributedSNLP:
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
         plan = _as_plan(model, plan)
-        if plan.surrogate not in SURROGATES:
-            raise ValueError(f"plan {plan}: the {plan.surrogate} surrogate is not available distributed (valid: "
-                             f"{', '.join(SURROGATES)}); exact Newton is a sequential reference solver")
+        if not isinstance(plan.surrogate, SURROGATES):
+            raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
+                             f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers
@@ -316,14 +317,15 @@ class DistributedSNLP:
         from . import surrogates
 
         plan, c0, c1, M = self.plan, self.c0, self.c1, self.plan.fuse
-        sel = list(range(plan.chunks)) if plan.subset is None else list(plan.subset)
+        sur = plan.surrogate  # a DiagN
+        sel = list(range(plan.chunks)) if sur.subset is None else list(sur.subset)
         pos = [i for i, c in enumerate(sel) if c0 <= c < c1]  # rows of the global probe draw we own
         local = [sel[i] - c0 for i in pos]
-        v_all = surrogates.rademacher((plan.probes, len(sel), *inputs.shape[1:]), inputs, gen)
+        v_all = surrogates.rademacher((sur.probes, len(sel), *inputs.shape[1:]), inputs, gen)
         a = torch.ones_like(inputs)
         if not local:
             return a
-        with surrogates._estimator_mode(plan.estimator) as clone:
+        with surrogates._estimator_mode(sur.estimator) as clone:
             ws = surrogates._probe_weights(self.w, local, clone)
             cx = surrogates._plain(ctx, clone)
             layers = None
@@ -335,8 +337,8 @@ class DistributedSNLP:
             v = v_all[:, pos]
             if clone:
                 x, fx, v = x.clone(), fx.clone(), v.clone()
-            est = surrogates.hutchinson_diag(surrogates.chunk_probe_map(ws, cx, cache, layers, plan.probes), x, v,
-                                             plan.estimator, plan.eps, fx, token_dims=3)
+            est = surrogates.hutchinson_diag(surrogates.chunk_probe_map(ws, cx, cache, layers, sur.probes), x, v,
+                                             sur.estimator, sur.eps, fx, token_dims=3)
         return a.index_copy(0, idx, est.to(a.dtype))
 
     # ----- the solve -----
@@ -348,7 +350,7 @@ class DistributedSNLP:
         final state and (with `logits`) the logits; with `check_finite` every rank raises
         SNLPDivergenceError if the final state is not finite."""
         plan, model, w = self.plan, self.model, self.w
-        n, hcn = self.c1 - self.c0, plan.surrogate == "hcn"
+        n, hcn = self.c1 - self.c0, isinstance(plan.surrogate, HCN)
         ctx = model.embed(idx.to(self.device), cache)
         if self.rank == 0:
             hS = model.run_layers(ctx.x0, ctx, 0, self.S).contiguous()
@@ -365,22 +367,32 @@ class DistributedSNLP:
             boundary = self._shift_boundary(h[-1], hS)
         link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
         link = link.view(n, *[1] * hS.dim())  # (n, 1, ..., 1)
-        gen = torch.Generator(hS.device).manual_seed(0) if plan.surrogate == "diag" else None  # as solver.solve
-        iters, updates = 0, []
+        lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
+        lag = lag.view(n, *[1] * hS.dim())  # non-forward order: the previous sweep's update (snlp.solver)
+        lagged = bool(lag.any())
+        gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
+        iters, updates, d, last_boundary = 0, [], None, None
         for k in range(plan.iters):
             inputs = torch.cat([boundary[None], h[:-1]], 0)  # (n, B, T, ..., D)
             tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
-            if plan.surrogate == "none":
+            if isinstance(plan.surrogate, Jacobi):
                 d, h = tilde - h, tilde
             else:
-                if plan.surrogate == "idn":
-                    a = link
-                elif hcn:  # (n, B, T, n_s, n_s) stream mixing, scaled by the link factors
-                    a = mix * link
+                if isinstance(plan.surrogate, Identity):
+                    A = None
+                elif hcn:  # (n, B, T, n_s, n_s) stream mixing
+                    A = mix
                 else:
-                    a = self._local_diag(inputs, tilde, ctx, cache, gen) * link
-                d = self._scan(a, tilde - h, matrix=hcn)
+                    A = self._local_diag(inputs, tilde, ctx, cache, gen)
+                b = tilde - h
+                if lagged and d is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)}; for the first local chunk the
+                    # predecessor's previous update is the change of the received boundary state
+                    prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
+                    b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
+                a = link if A is None else A * link
+                d = self._scan(a, b, matrix=hcn)
                 h = h + d
+            last_boundary = boundary
             iters += 1
             stop = k == plan.iters - 1
             if plan.tol:  # the last rank owns the final state: it decides, everyone follows

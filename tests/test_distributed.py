@@ -31,7 +31,9 @@ MHC = dict(hc_streams=2)
 SOLVE_CASES = (
     [("plain", f"4xF1-h0-K{k}") for k in range(1, 5)]  # K = 1..C, C = 4 over 2 (even) and 3 (uneven) ranks
     + [("plain", "4xF1-fwd-K2"), ("plain", "5xF1-h0-K2"), ("plain", "3xF2-fwd-K1"), ("plain", "6xF1-h0-K6"),
-       ("plain", "4xF1-h0-K2-elk:0.3"), ("plain", "4xF1-h0-K2-order:reversed"), ("plain", "4xF1-h0-K4-tol:1e-3"),
+       ("plain", "4xF1-h0-K2-elk:0.3"), ("plain", "4xF1-h0-K2-order:reversed"),
+       ("plain", "4xF1-h0-K3-order:2.0.3.1"), ("plain", "4xF1-h0-K3-diag:fd-order:reversed"),
+       ("mhc", "4xF1-h0-K3-hcn-order:3.1.2.0"), ("plain", "4xF1-h0-K4-tol:1e-3"),
        ("plain", "4xF1-fwd-K2-none"), ("plain", "5xF1-h0-K1-none"),
        ("plain", "4xF1-h0-K2-diag:fd-probes:2"), ("plain", "5xF1-fwd-K1-diag:vjp-subset:1.3"),
        ("plain", "4xF1-h0-K1-diag:jvp"),
