@@ -12,5 +12,5 @@ from .solver import SNLPDivergenceError, SolveResult, fused_forward, fused_seque
 __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "solve", "parallel_forward", "fused_sequential",
            "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
-           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "EvalRecord", "evaluate",
-           "early_exit", "__version__"]
+           "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig",
+           "EvalRecord", "evaluate", "early_exit", "__version__"]
