@@ -517,7 +517,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-baseline", action="store_true",
-                   help="speculative mode: skip the timed comparison with sequential decoding (no measured speedup / s)")
+                   help="speculative mode: skip the timed comparison with sequential decoding (no measured "
+                        "speedup / s)")
     p.add_argument("--repeats", type=int, default=3,
                    help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
                         "round of each; the speedups reported are medians")

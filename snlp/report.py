@@ -213,11 +213,11 @@ def render_report(ctx: dict) -> str:
            f"the plan's teacher-forced Top-1 and s by its measured decode speedup. Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
            f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
-           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same prompts, "
-           f"after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
+           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same "
+           f"prompts, after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
            f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms over drafter ms per "
-           f"cached single-token decode step, both timed the same way), Ideal SSD = ((1 − α^(B+1))/(1 − α))/(B/s + 1) "
-           f"(not the layer-step ideal of the evaluation tables), Measured = sequential / speculative wall time "
+           f"cached single-token decode step, both timed the same way), Ideal SSD = "
+           f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables), Measured = sequential / speculative wall time "
            f"per token, '= sequential': the SSD output is token-for-token the sequential greedy output.\n",
            ssd_table(ssd),
            "\nDrafter candidates (predicted SSD speedup at B = 4): "

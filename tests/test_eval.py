@@ -34,8 +34,8 @@ PLANS = ["6xF1-h0-K6", "3xF2-h0-K4", "6xF1-h0-K1", "3xF2-fwd-K1"]
 CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=6, warmup=0, runs=2, time_tokens=3,
                  progress=False)
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
-        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_layer_speedup", "note",
-        "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
+        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_layer_speedup",
+        "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
