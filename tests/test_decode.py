@@ -250,16 +250,15 @@ def test_speculative_sampling_matches_model_distribution():
     assert a == sequential_generate(model, prompt, max_new_tokens=5, temperature=T, seed=3).tokens
 
 
-def test_plan_forward_is_the_fused_once_snlp_forward():
-    """The one "fuse once, solve, head" callable every app uses equals parallel_forward, with and
+def test_bound_runner_is_the_fused_once_snlp_forward():
+    """The one "fuse once, solve, head" callable every app uses (snlp.bind) equals parallel_forward, with and
     without a KV cache, and its finiteness check raises like parallel_forward's."""
-    from snlp import SNLPDivergenceError, parallel_forward
-    from snlp.solver import plan_forward
+    from snlp import SNLPDivergenceError, bind, parallel_forward
 
     model = make_model(n_layer=4)
     idx = tokens(model, B=1, T=7)
     for plan in ("4xF1-h0-K1", "2xF2-fwd-K1", "2xF2-h0-K2"):
-        fwd = plan_forward(model, plan)
+        fwd = bind(model, plan, check_finite=False)
         with torch.no_grad():
             torch.testing.assert_close(fwd(idx), parallel_forward(model, idx, plan), rtol=0, atol=0)
             a, b = KVCache.for_model(model, batch=1, max_len=8), KVCache.for_model(model, batch=1, max_len=8)
@@ -269,7 +268,7 @@ def test_plan_forward_is_the_fused_once_snlp_forward():
     with torch.no_grad():
         bad.blocks[3].mlp.c_fc.weight.fill_(float("inf"))
     with torch.no_grad(), pytest.raises(SNLPDivergenceError):
-        plan_forward(bad, "2xF1-h0-K1", check_finite=True)(idx)
+        bind(bad, "2xF1-h0-K1")(idx)
 
 
 def test_ideal_ssd_speedup_formula_and_its_domain():
