@@ -73,7 +73,18 @@ def sft(scfg: SFTConfig) -> TrainResult:
         Plan.parse(scfg.forward)  # a clear error before any loading
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
-    return fit(scfg.train, sft_job(scfg))
+    return fit(with_base_data(scfg.train, scfg.ckpt), sft_job(scfg))
+
+
+def with_base_data(cfg: TrainConfig, ckpt) -> TrainConfig:
+    """`cfg` with the base checkpoint's pretraining data settings (defaults where it has none): they
+    are saved with the SFT checkpoint, so `snlp eval SFT_CKPT` measures PPL on the pretraining split."""
+    from .checkpoint import load_training
+
+    base = (load_training(ckpt)[1] or {}).get("args", {})
+    default = TrainConfig(out="")
+    keys = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size")
+    return replace(cfg, **{k: base.get(k, getattr(default, k)) for k in keys})
 
 
 # ----- CLI -----

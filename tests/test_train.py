@@ -103,3 +103,18 @@ def test_shakespeare_learns_and_regulariser_lowers_gap(tmp_path):
     assert reg[-1]["gap_N3"] < 0.8 * plain[-1]["gap_N3"]  # ... which the regulariser keeps smaller
     regs = [r["reg"] for r in log(tmp_path / "reg") if "reg" in r]
     assert all(v > 0 for v in regs[1:])  # logged separately from CE
+
+
+def test_fit_library_entry_point(corpus, tmp_path):
+    """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file ends the run at its step."""
+    from snlp.train import TrainConfig, fit
+
+    (tmp_path / "stop").write_text("2")
+    cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=5, eval_every=100, eval_batches=1,
+                      no_progress=True, device="cpu", reg_n="1", stop_file=str(tmp_path / "stop"))
+    r = fit(cfg)
+    assert (r.steps, r.tokens, r.stopped_by) == (2, 2 * 2 * 16, "stop_file")
+    assert r.val_loss is not None and r.train_loss is not None and Path(r.out, "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="--seq-len must be >= 1"):
+        fit(TrainConfig(out=str(tmp_path / "bad"), seq_len=0))
