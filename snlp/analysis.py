@@ -717,7 +717,7 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
 def jacobian_table(j: JacobianResult) -> str:
     rows = [[d.layer, _fmt(d.sigma_max), _fmt(d.frob), _fmt(d.amp), _fmt(1e3 * d.eps, 3), _fmt(1e3 * d.c_eps, 3),
              _fmt(d.delta_g, 3)] for d in j.layers]
-    return md_table(["Layer", "σmax", "‖J‖_F", "amp.", "10³|ε_l|", "10³ C_ε", "Δ_g"], rows)
+    return md_table(["Layer", "σmax", "‖J‖_F", "amp.", "10³ \\|ε_l\\|", "10³ C_ε", "Δ_g"], rows)
 
 
 def ordering_tables(o: OrderingResult) -> str:
@@ -783,7 +783,7 @@ def to_markdown(res: AnalysisResult, plots: dict[str, str] | None = None) -> str
     if res.jacobian:
         j = res.jacobian
         out += ["## Jacobian diagnostics", "",
-                f"Suffix N = {j.suffix} (h_S after layer {res.jacobian.layers[0].layer if j.layers else '?'} - 1), "
+                f"Suffix N = {j.suffix} (h_S = the state after the first L - N layers; layers are 0-based), "
                 f"{j.windows} windows of {j.seq_len} tokens; σmax by {j.power_iters} power iterations (largest "
                 f"relative change in the last one: "
                 f"{max((d.sigma_rel_change for d in j.layers), default=float('nan')):.2e}); ‖J‖_F per token from "

@@ -275,3 +275,14 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
     assert main(["analyze", str(ck), "--only", "nope", "--out", str(tmp_path / "x")]) == 2
     assert main(["analyze", str(ck), "--layers", "9", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis section" in capsys.readouterr().err
+
+
+def test_mhc_models_are_analysed_on_the_stream_state():
+    model = make_model(seed=1, n_layer=3, hc_streams=2, x0_residual=False, value_embeds=False)
+    val = torch.randint(0, 61, (200,), generator=torch.Generator().manual_seed(0))
+    cfg = A.AnalysisConfig(only=("jacobian", "elk"), jac_suffix=2, jac_windows=1, power_iters=2, probes=1,
+                           elk_suffix=2, elk_chunks=(0,), elk_values=(0.0,), preheat_rank=2, seq_len=4, max_tokens=8,
+                           progress=False)
+    res = A.analyze(model, val, cfg)
+    assert len(res.jacobian.layers) == 2 and all(math.isfinite(d.sigma_max) for d in res.jacobian.layers)
+    assert set(res.elk.ppl) == {"0|h0|2xF1", "0|fwd|2xF1", "0|preheat|2xF1"}
