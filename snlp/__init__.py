@@ -3,7 +3,8 @@
 from .checkpoint import load, save_checkpoint
 from .diagnostics import early_exit
 from .eval import EvalConfig, evaluate
-from .fusion import ChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
+from .fusion import ChunkWeights, HCChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
+from .hf import export_hf, from_hf
 from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .tokenizer import Tokenizer
@@ -11,6 +12,6 @@ from .solver import SNLPDivergenceError, SolveResult, fused_forward, fused_seque
 
 __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "solve", "parallel_forward", "fused_sequential",
-           "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "build_chunk_weights",
+           "fused_forward", "SolveResult", "SNLPDivergenceError", "ChunkWeights", "HCChunkWeights", "build_chunk_weights",
            "chunk_forward", "chunk_weights", "load", "save_checkpoint", "Tokenizer", "EvalConfig", "evaluate",
-           "early_exit", "__version__"]
+           "early_exit", "from_hf", "export_hf", "__version__"]
