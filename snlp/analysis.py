@@ -624,7 +624,7 @@ class JacobiResult:
 
 def _prompts(val_tokens: Tensor, n: int, length: int, seed: int) -> list[list[int]]:
     cfg = EvalConfig(prompts=n, prompt_len=length, seed=seed)
-    from .eval import sample_prompts
+    from .evaldata import sample_prompts
     return sample_prompts(val_tokens, cfg)
 
 
@@ -922,7 +922,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from .checkpoint import load
-    from .eval import checkpoint_data, validation_tokens
+    from .evaldata import checkpoint_data, validation_tokens
 
     if args.threads is not None:
         if args.threads < 1:

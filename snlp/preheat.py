@@ -168,7 +168,7 @@ def run(args) -> int:
     cfg.check(model)
     tokens = None
     if args.data is not None:
-        from .eval import checkpoint_data, validation_tokens
+        from .evaldata import checkpoint_data, validation_tokens
         if tok is None:
             raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
         tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
