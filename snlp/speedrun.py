@@ -37,7 +37,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 import time
 from datetime import datetime
@@ -48,7 +47,7 @@ import torch
 
 from .runtime import cli_device
 from .report import MODELS, _fmt_s, environment, render_report
-from .train import TrainConfig, read_stop_file
+from .train import TrainConfig
 
 REG_LAMBDA = 0.5
 BLOCKS = (2, 4, 8)
@@ -256,15 +255,18 @@ class Stages:
 
 # ----- stages -----
 def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int | None = None,
-                 minutes: float | None = None, stop_file: Path | None = None) -> TrainConfig:
+                 minutes: float | None = None, lockstep: Path | None = None) -> TrainConfig:
     """The TrainConfig of a speedrun model (both models: same data, shape, seed and budget; IDN-Reg adds
-    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs."""
+    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs; with
+    `lockstep` (a folder) the run polls its step gate and stop file there (Lockstep)."""
     return TrainConfig(out=str(model_dir), data=cfg["data"], max_chars=cfg["max_chars"],
                        vocab_size=cfg["vocab_size"], cache_dir=str(cache), depth=cfg["depth"], width=cfg["width"],
                        head_dim=cfg["head_dim"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
                        seed=cfg["seed"], reg_n=str(cfg["reg_n"]), eval_every=100, save_every=100, log_every=1,
                        device=cfg["device"], reg="idn" if reg else "none", reg_lambda=REG_LAMBDA, steps=steps,
-                       minutes=minutes, stop_file=None if stop_file is None else str(stop_file), no_progress=True)
+                       minutes=minutes, no_progress=True,
+                       stop_file=None if lockstep is None else str(lockstep / "train.stop"),
+                       step_gate=None if lockstep is None else str(lockstep / "train.gate"))
 
 
 def _prepare(cfg: dict, cache: Path):
@@ -329,13 +331,15 @@ def _median_tok_s(log: list[dict], first_step: int) -> float | None:
 
 
 def _log_state(path: Path) -> dict:
-    """The latest step, train loss, tokens/s and val loss in a training log.jsonl (being written)."""
+    """The latest step, train loss, tokens/s, val loss and stop decision in a training log.jsonl (being written)."""
     st: dict = {}
     for r in _read_log(path):
         st["step"] = max(st.get("step", 0), r.get("step", 0))
         for k in ("loss", "tok_s", "val_loss"):
             if k in r:
                 st[k] = r[k]
+        if "loss" in r:  # a step record: "stop" names why the run ends after it (a resumed run's earlier
+            st["stop"] = r.get("stop")  # stop, e.g. stop_after, is superseded by its later steps)
     return st
 
 
@@ -388,58 +392,48 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 class Lockstep:
-    """Keeps side-by-side training processes at the same step: a process that has completed more steps
-    than the slowest live one is paused (SIGSTOP) until it catches up (SIGCONT). With a wall-clock budget
-    each run's LR schedule follows its own elapsed time, so in lockstep both have the same LR at the same
-    step; the first run to stop on the budget fixes the stop step N in the shared stop file, and the
-    others (at N or N - 1 by construction) stop at N too. POSIX only (elsewhere: no pausing)."""
+    """Side-by-side runs kept at the same step through two files every run polls (TrainConfig.step_gate and
+    .stop_file): a run starts step s only once the gate reads >= s, and the gate moves to s + 1 only when every
+    run has logged step s without deciding to stop there. With a wall-clock budget each run's LR schedule
+    follows its own elapsed time (equal at equal steps in lockstep), and the first run to stop on the budget
+    fixes the stop step N in the stop file: the others, held at the gate after step N, stop there too."""
 
-    def __init__(self, stop_file: Path | None):
-        self.stop_file, self.paused = stop_file, set()
-        self.enabled = stop_file is not None and hasattr(signal, "SIGSTOP")
+    def __init__(self, gate: Path, stop: Path):
+        self.gate_file, self.stop_file, self.gate, self.stopped = gate, stop, 0, False
+        stop.unlink(missing_ok=True)
+        self._open(1)
 
-    def update(self, procs: dict, steps: dict) -> None:
-        if not self.enabled or len(procs) < 2:
-            return self.release(procs)
-        lo = min(steps.get(k, 0) for k in procs)
-        for key, p in procs.items():
-            ahead = steps.get(key, 0) > lo
-            if ahead and key not in self.paused:
-                os.kill(p.pid, signal.SIGSTOP)
-                self.paused.add(key)
-            elif not ahead and key in self.paused:
-                os.kill(p.pid, signal.SIGCONT)
-                self.paused.discard(key)
+    def _open(self, step: int) -> None:
+        if step != self.gate:
+            _write_atomic(self.gate_file, str(step))
+            self.gate = step
 
-    def finished(self, step: int, procs: dict) -> None:
-        """A run stopped after `step`: the others stop there too."""
-        if self.enabled and read_stop_file(str(self.stop_file)) is None:
-            _write_atomic(self.stop_file, str(step))
-        self.release(procs)
-
-    def release(self, procs: dict) -> None:
-        for key in list(self.paused):
-            if key in procs and procs[key].is_alive():
-                os.kill(procs[key].pid, signal.SIGCONT)
-            self.paused.discard(key)
+    def update(self, states: dict[str, dict]) -> None:
+        """states: each run's latest log state (`_log_state`: last step, and "stop" once it decided to stop)."""
+        stops = [st.get("step", 0) for st in states.values() if st.get("stop")]
+        if stops:
+            if not self.stopped:
+                _write_atomic(self.stop_file, str(min(stops)))
+                self.stopped = True
+            return
+        self._open(min(st.get("step", 0) for st in states.values()) + 1)
 
 
 def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
-                 every: float = 30.0, stop_file: Path | None = None) -> dict[str, float]:
+                 every: float = 30.0) -> dict[str, float]:
     """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
-    each (0 = torch's default); in lockstep through `stop_file` when given (see Lockstep: a wall-clock budget
-    that ends every run at the same step); a status line every `every` seconds (a live bar on a terminal).
-    Returns each job's wall time. A failed run stops the others."""
+    each (0 = torch's default); in lockstep when their TrainConfigs name a step gate and a stop file (see
+    Lockstep: a wall-clock budget that ends every run at the same step); a status line every `every` seconds
+    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     groups = [jobs] if parallel else [[j] for j in jobs]
     seconds: dict[str, float] = {}
-    if stop_file is not None:
-        stop_file.unlink(missing_ok=True)
     for group in groups:
         t0 = time.perf_counter()
+        gated = [j.cfg.step_gate for j in group]
+        lock = Lockstep(Path(gated[0]), Path(group[0].cfg.stop_file)) if all(gated) else None
         procs = {j.key: _launch(j, threads, force, console) for j in group}
-        lock = Lockstep(stop_file if len(group) > 1 else None)
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=console, disable=not console.is_terminal)
         tasks = {j.key: bar.add_task(f"train {j.key}", total=j.cfg.steps, info="") for j in group}
@@ -448,14 +442,13 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
             with bar:
                 while procs:
                     time.sleep(0.05)
-                    status, steps = [], {}
+                    status, states = [], {}
                     for j in group:
-                        st = _log_state(j.model_dir / "log.jsonl")
-                        steps[j.key] = st.get("step", 0)
+                        st = states[j.key] = _log_state(j.model_dir / "log.jsonl")
                         info = " ".join(f"{k} {st[k]:,.{p}f}" for k, p in (("loss", 3), ("val_loss", 3), ("tok_s", 0))
                                         if k in st)
-                        bar.update(tasks[j.key], completed=steps[j.key], info=info)
-                        status.append(f"{j.key} step {steps[j.key]}/{j.cfg.steps or '?'} {info}")
+                        bar.update(tasks[j.key], completed=st.get("step", 0), info=info)
+                        status.append(f"{j.key} step {st.get('step', 0)}/{j.cfg.steps or '?'} {info}")
                     for key, p in list(procs.items()):
                         if p.is_alive():
                             continue
@@ -467,13 +460,12 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                             raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
                                                f"{_tail(job.log)}")
                         console.print(f"{key}: {_tail(job.log, 1)}")
-                        lock.finished(_log_state(job.model_dir / "log.jsonl").get("step", 0), procs)
-                    lock.update(procs, steps)
+                    if lock is not None:
+                        lock.update(states)
                     if not console.is_terminal and time.perf_counter() - last >= every and procs:
                         last = time.perf_counter()
                         console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
         finally:
-            lock.release(procs)
             for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
                 p.terminate()
             for p in procs.values():
@@ -666,10 +658,10 @@ def run(args) -> int:
     # Both models train side by side in lockstep (same step at every moment). With a wall-clock budget the
     # first run to reach it fixes the stop step for both (Lockstep), so the budget holds on a loaded machine
     # and the comparison stays at equal steps and tokens.
-    stop_file = out / "stages" / "train.stop" if pre.minutes else None
+    lockstep = out / "stages" if pre.minutes and parallel else None
     trains, jobs = {}, []
     for key, reg in (("noreg", False), ("idn", True)):
-        tcfg = train_config(cfg, out / key, cache, reg, steps=pre.steps, minutes=pre.minutes, stop_file=stop_file)
+        tcfg = train_config(cfg, out / key, cache, reg, steps=pre.steps, minutes=pre.minutes, lockstep=lockstep)
         settings = {"train": {k: v.replace(str(out), "{out}") if isinstance(v, str) else v
                               for k, v in dataclasses.asdict(tcfg).items()},
                     "tokenizer": tok["id"], "threads": train_threads, "lockstep": parallel}
@@ -686,7 +678,7 @@ def run(args) -> int:
         console.print(("side by side, " if parallel and len(jobs) > 1 else "")
                       + (f"{train_threads} intra-op thread(s) each; " if train_threads else "")
                       + "logs: " + ", ".join(str(j.log) for j in jobs))
-        walls = train_models(jobs, console, parallel, train_threads, args.force, stop_file=stop_file)
+        walls = train_models(jobs, console, parallel, train_threads, args.force)
         for j in jobs:
             trains[j.key] = stages.finish(f"train-{j.key}", j.settings, train_summary(j, fp, walls[j.key]),
                                           seconds=walls[j.key])

@@ -150,6 +150,7 @@ class TrainConfig:
     minutes: float | None = None
     stop_after: int | None = None
     stop_file: str | None = None  # a file holding an integer N: stop (and save) once step N is done
+    step_gate: str | None = None  # a file holding an integer G: step s starts only once G >= s (lockstep runs)
     optimizer: str = "muon"
     matrix_lr: float | None = None
     embedding_lr: float = 0.2
@@ -648,7 +649,20 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
             return "stop_file"
         return None
 
-    while stop_reason() is None:
+    def wait_gate():
+        """The stop reason, or None once the step gate lets step `step + 1` start (lockstep: a side-by-side
+        run never starts a step its peers have not all finished the one before; the stop file may end the
+        wait). Single-process runs only."""
+        while True:
+            reason = stop_reason()
+            if reason is not None or world > 1 or not cfg.step_gate:
+                return reason
+            gate = read_stop_file(cfg.step_gate)
+            if gate is not None and gate > step:
+                return None
+            time.sleep(0.002)
+
+    while wait_gate() is None:
         lam = reg.weight(step) if reg is not None else 0.0
         mult = lr_multiplier(step, progress.frac, cfg.warmup_steps, cfg.warmdown)
         set_lr(opts, mult)
@@ -696,15 +710,15 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
             bar.update(1)
             bar.set_postfix(loss=f"{stats[0]:.3f}", reg=f"{stats[1]:.3f}", tok_s=f"{tps:,.0f}",
                             lr=f"{opts[0].param_groups[0]['lr']:.2e}", refresh=False)
-        if step % cfg.log_every == 0 or step == 1:
+        stopped_by = stop_reason()  # decided before the step is logged: a lockstep peer reads both together
+        end = stopped_by is not None
+        if step % cfg.log_every == 0 or step == 1 or end:
             log({"step": step, "loss": train_loss, "reg": float(stats[1]), "lambda": lam, "tok_s": tps,
                  "elapsed": progress.elapsed, "lr_scale": mult,
-                 "grad_norm": float(gnorm) if gnorm is not None else None})
+                 "grad_norm": float(gnorm) if gnorm is not None else None, **({"stop": stopped_by} if end else {})})
         if not math.isfinite(train_loss):
             raise FloatingPointError(f"training loss became {train_loss} at step {step}; lower the learning "
                                      f"rates or --reg-lambda")
-        stopped_by = stop_reason()
-        end = stopped_by is not None
         if step % cfg.eval_every == 0 or end:
             last_eval = job.evaluate(model, vb)
             log({"step": step, "elapsed": progress.elapsed, **last_eval})

@@ -218,13 +218,13 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     budget = 0.2  # minutes
-    stop = tmp_path / "train.stop"
-    jobs = [TrainJob(k, train_config(cfg, tmp_path / k, cache, reg=reg, minutes=budget, stop_file=stop), {},
+    jobs = [TrainJob(k, train_config(cfg, tmp_path / k, cache, reg=reg, minutes=budget, lockstep=tmp_path), {},
                      tmp_path / f"{k}.partial.json") for k, reg in (("noreg", False), ("idn", True))]
-    walls = train_models(jobs, Console(force_terminal=False), parallel=True, threads=1, stop_file=stop)
+    walls = train_models(jobs, Console(force_terminal=False), parallel=True, threads=1)
     res = {j.key: train_summary(j, tok["fingerprint"], walls[j.key]) for j in jobs}
     assert res["noreg"]["steps"] == res["idn"]["steps"] > 1
-    assert int(stop.read_text()) == res["idn"]["steps"]
+    assert int((tmp_path / "train.stop").read_text()) == res["idn"]["steps"]
+    assert int((tmp_path / "train.gate").read_text()) == res["idn"]["steps"]  # nobody was let past the stop step
     per_step = max(r["train_seconds"] / r["steps"] for r in res.values())
     assert max(r["train_seconds"] for r in res.values()) <= budget * 60 + 3 * per_step + 5
 
