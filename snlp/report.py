@@ -227,6 +227,12 @@ def render_report(ctx: dict) -> str:
            "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
            "parallel are not droppable.\n",
            early_exit_table(ee),
+           "\n## SNLP diagnostics\n",
+           f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.analysis`; {st['diagnostics']['result']['power_iters']} "
+           f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
+           f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md).\n",
+           *[f"**{label}**\n\n" + st["diagnostics"]["result"]["markdown"][k].replace("### SNLP diagnostics (snlp analyze)\n", "")
+             for k, label in MODELS],
            "\n## Wall time per stage\n",
            "| Stage | This invocation | Wall time | Load at start → end |", "|:---|:---|---:|---:|"]
     for name in ctx["order"]:

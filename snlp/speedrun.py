@@ -15,6 +15,9 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
+  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.analysis:
+                 sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
+                 gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
                  the plan maximising the paper's ideal SSD speedup at B = 4,
                  ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
@@ -79,6 +82,8 @@ class Preset:
     ssd_repeats: int  # timed SSD rounds (after a warm-up of both sides); the report shows medians
     est_eval_s: float  # rough wall time of the evaluation stages, for the start-up estimate
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
+    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.analysis): power iterations for sigma_max
+    diag_probes: int = 8  # and Hutchinson / amplification probes
 
 
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
@@ -528,6 +533,20 @@ def eval_records(stage_record: dict) -> list:
     return [EvalRecord.from_dict(d) for d in stage_record["result"]["records"]]
 
 
+def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Preset, device: str) -> dict:
+    """A short `snlp analyze` per model: the Jacobian diagnostics of the suffix the plans use, as markdown."""
+    from .analysis import AnalysisConfig, analyze, report_section
+    from .checkpoint import load
+
+    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
+                         jac_windows=1, power_iters=preset.diag_power_iters, probes=preset.diag_probes, progress=False)
+    out = {}
+    for name, d in model_dirs.items():
+        model, _ = load(d, device=device)
+        out[name] = report_section(analyze(model, val, cfg, checkpoint=str(d)))
+    return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
+
+
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
     from .checkpoint import load
     from .analysis import early_exit
@@ -642,7 +661,8 @@ def run(args) -> int:
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
     train_threads = max(1, cores // 2) if is_cpu else 0
-    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
+    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "diagnostics",
+             "ssd-noreg", "ssd-idn"]
     stages = Stages(out, args.force, len(order), console)
     ecfg = eval_config(pre, args.seed)
     console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
@@ -703,6 +723,10 @@ def run(args) -> int:
         stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
                    {"models": [trains[k]["id"] for k, _ in MODELS], "suffixes": suffixes, **common},
                    lambda: stage_early_exit({k: out / k for k, _ in MODELS}, val(), suffixes, ecfg, args.device))
+        stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
+                   {"models": [trains[k]["id"] for k, _ in MODELS], "power_iters": pre.diag_power_iters,
+                    "probes": pre.diag_probes, "seq_len": pre.seq_len, "device": args.device, "threads": threads},
+                   lambda: stage_diagnostics({k: out / k for k, _ in MODELS}, val(), pre, args.device))
         for key, label in MODELS:
             stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
                        f"{','.join(map(str, BLOCKS))}",

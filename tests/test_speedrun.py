@@ -14,7 +14,8 @@ from snlp.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
-ALL = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "ssd-noreg", "ssd-idn"]
+ALL = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "diagnostics", "ssd-noreg",
+       "ssd-idn"]
 
 
 def tables(md: str) -> dict[str, list[list[str]]]:
@@ -90,6 +91,8 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
     for name in ("IDN Reg.", "No Reg."):
         assert all(float(c) > 1 for c in column(ee, name))
 
+    assert "SNLP diagnostics" in md and "σmax" in md  # the Jacobian diagnostics of both models
+
     tr = t["Training"]
     for name in ("Steps", "Tokens", "Train time", "Val CE (PPL)", "K=1 gap, start → end"):
         assert all(c not in ("", "-") for c in column(tr, name)[:2]), name
@@ -113,7 +116,7 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
     assert main(["speedrun", "--out", str(out), *TINY, "--plans", grid]) == 0
     s3 = summary(out)
     assert s3["ran"] == ["eval-noreg", "eval-idn", "ssd-noreg", "ssd-idn"]
-    assert s3["reused"] == ["tokenizer", "train-noreg", "train-idn", "early-exit"]
+    assert s3["reused"] == ["tokenizer", "train-noreg", "train-idn", "early-exit", "diagnostics"]
     assert len(t := tables((out / "report.md").read_text())["Main results"]) - 1 == 4
     assert "--plans 2xF1-h0-K1,1xF2-h0-K1" in (out / "report.md").read_text()
 
