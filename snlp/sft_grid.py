@@ -74,9 +74,17 @@ def run_grid(cfg: GridConfig) -> GridResult:
     return res
 
 
+def task_label(task: str) -> str:
+    """Short column name: a hub task as given, local files by their names (mc:a/b/x_test.csv -> x_test)."""
+    if not task.startswith("mc:"):
+        return task
+    names = [Path(p).stem or Path(p).name for p in task[3:].split(",") if p.strip()]
+    return "+".join(names) if len(names) <= 2 else f"{names[0]}+{len(names) - 1} more"
+
+
 def markdown(res: GridResult) -> str:
     tasks = res.tasks
-    head = "| SFT | Inference | " + " | ".join(f"{t} (N={res.rows[0].n[t]})" for t in tasks) + " | Avg. |"
+    head = "| SFT | Inference | " + " | ".join(f"{task_label(t)} (N={res.rows[0].n[t]})" for t in tasks) + " | Avg. |"
     lines = [f"`{res.ckpt}`, {res.scoring} scoring; accuracy % (95 % Wilson interval)", "", head,
              "|---|---|" + "---:|" * (len(tasks) + 1)]
     for r in res.rows:
