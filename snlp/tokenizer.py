@@ -98,6 +98,8 @@ class Tokenizer:
         from .chat import check_messages
 
         messages = check_messages(messages)
+        if self.foreign:
+            return self._render_foreign_chat(messages, add_generation_prompt)
         if messages[0]["role"] == "system":
             first = messages[1]  # check_messages guarantees a user turn follows
             messages = [{"role": "user", "content": messages[0]["content"] + "\n\n" + first["content"]}] + messages[2:]
@@ -115,6 +117,28 @@ class Tokenizer:
             ids.append(sp["assistant_start"])
             mask.append(0)
         return ids, mask
+
+    def _render_foreign_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and
+        as the assistant mask the tokens each assistant turn adds after the template's generation prompt for it
+        (its reply and end-of-turn markers), found by rendering the conversation up to every assistant turn."""
+        def ids(upto: int, gen: bool) -> list[int]:
+            text = self.apply_chat_template(messages[:upto], add_generation_prompt=gen)
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+        full = ids(len(messages), add_generation_prompt)
+        mask = [0] * len(full)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head, turn = ids(i, True), ids(i + 1, False)
+            start, stop = len(head), len(turn)
+            if full[:stop] != turn or turn[:start] != head:
+                raise ValueError("this chat template does not render a conversation as the concatenation of its "
+                                 "turns (a later turn changes earlier tokens), so the assistant tokens cannot be "
+                                 "masked; fine-tune with a template that appends turns")
+            mask[start:stop] = [1] * (stop - start)
+        return full, mask
 
     @property
     def bos_id(self) -> int:

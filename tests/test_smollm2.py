@@ -111,3 +111,26 @@ def test_tokenizer_and_chat_template(smol, hf_smol):
     assert tok.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert tok.eos_id == hf_tok.eos_token_id and tok.vocab_size == len(hf_tok)
     assert tok.decode(tok.encode(SENTENCE)) == SENTENCE
+
+
+def test_chat_rendering_masks_exactly_the_assistant_turns(smol, hf_smol):
+    """SFT data with a converted model: its own chat template renders the conversation (the same ids as
+    transformers' apply_chat_template), and the loss mask covers each assistant reply and its end-of-turn
+    marker, never the system / user text or the template's role headers."""
+    _, tok = smol
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Green."}]
+    ids, mask = tok.render_chat(msgs)
+    ref = hf_smol[1].apply_chat_template(msgs, tokenize=True, add_generation_prompt=False)
+    assert ids == (ref if isinstance(ref, list) else list(ref["input_ids"]))
+    spans, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    spans += [tok.decode(cur)] if cur else []
+    assert [s.strip() for s in spans] == ["Blue.<|im_end|>", "Green.<|im_end|>"]
+    gen_ids, gen_mask = tok.render_chat(msgs[:1], add_generation_prompt=True)
+    assert tok.decode(gen_ids).endswith("<|im_start|>assistant\n") and not any(gen_mask)
