@@ -623,9 +623,8 @@ class JacobiResult:
 
 
 def _prompts(val_tokens: Tensor, n: int, length: int, seed: int) -> list[list[int]]:
-    cfg = EvalConfig(prompts=n, prompt_len=length, seed=seed)
     from .evaldata import sample_prompts
-    return sample_prompts(val_tokens, cfg)
+    return sample_prompts(val_tokens, n, length, seed)
 
 
 def jacobi_coupling(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig()) -> JacobiResult:
