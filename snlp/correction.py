@@ -20,6 +20,7 @@ Newton (`newton`)   the exact J_c d_{c-1} by JVPs, chunk after chunk (DEER; a re
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar
@@ -60,7 +61,7 @@ class Iterate:
         return self.prev is not None and any(self.plan.lag_factors())
 
 
-class Surrogate:
+class Surrogate(ABC):
     """Base of the surrogate values. Subclasses are frozen dataclasses (hashable: plans are cache keys)."""
 
     token: ClassVar[str]
@@ -73,8 +74,9 @@ class Surrogate:
     def evals_per_iter(self, plan: "Plan") -> int:
         return 1
 
+    @abstractmethod
     def delta(self, it: Iterate) -> Tensor:
-        raise NotImplementedError  # every concrete surrogate below defines it
+        """d = h^{(k+1)} - h^{(k)} (C, B, T, ...) for this iteration."""
 
     def step(self, it: Iterate) -> tuple[Tensor, Tensor]:
         """(d, h^{(k+1)}) for this iteration."""
