@@ -4,7 +4,8 @@ decoding equals transformers' generate, export -> transformers reload gives the 
 tokenizer / chat template equal transformers'.
 
 Loading the GGUF takes 17 s (more on a busy box), so transformers' model is loaded once per session and the
-converted checkpoint is cached under the pytest cache, keyed by the GGUF file and the conversion code."""
+converted checkpoint is cached under the pytest cache, keyed by the GGUF file, the conversion code and the
+GPTConfig fields."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from snlp import load  # noqa: E402
+from snlp import GPTConfig, load  # noqa: E402
 from snlp.cli import main  # noqa: E402
 from snlp.generate import sequential_generate, speculative_generate  # noqa: E402
 
@@ -46,8 +47,9 @@ def smol_ckpt(request) -> Path:
     key = hashlib.sha256()
     st = (GGUF_DIR / GGUF).stat()
     key.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
-    for name in ("hf.py", "model.py", "checkpoint.py", "tokenizer.py"):
+    for name in ("hf.py", "checkpoint.py", "tokenizer.py"):  # the conversion code and the format it writes
         key.update((src / name).read_bytes())
+    key.update(",".join(GPTConfig.__dataclass_fields__).encode())
     d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]
     if not (d / "model.safetensors").is_file():
         for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
