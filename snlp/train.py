@@ -404,7 +404,11 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig) -> RegConfig:
     reg = RegConfig(surrogate=None if cfg.reg == "none" else cfg.reg, lam=cfg.reg_lambda,
                     suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup)
     reg.detach = cfg.reg_detach if cfg.reg_detach is not None else isinstance(reg.surrogate, HCN)
-    reg.check_model(model_cfg)
+    try:
+        reg.check_model(model_cfg)
+    except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms
+        raise ValueError(f"--reg {cfg.reg} needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn ({e})"
+                         if reg.surrogate.needs_mhc else str(e)) from None
     return reg
 
 
