@@ -13,7 +13,7 @@ Scoring (`--mc-scoring`):
           logit at that position, among the choices' letters only.
   loglik  the question as the user turn and each choice's text as the assistant reply; the prediction
           is the choice with the largest mean log-probability per token (length-normalised).
-Each method (sequential, then every plan via snlp.parallel_forward) scores the same questions.
+Each method (sequential, then every plan via a bound runner, snlp.bind) scores the same questions.
 Accuracy comes with a 95 % Wilson score interval and N; MMLU-style data with subjects gets a
 per-subject table.
 """
@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from .model import GPT
 from .plan import Plan
-from .solver import parallel_forward
+from .solver import bind
 
 LETTERS = "ABCDEFGHIJ"
 SEQ = "sequential"
@@ -219,8 +220,17 @@ def letter_ids(tokenizer, n: int) -> list[int]:
     return ids
 
 
-def _logits(model: GPT, x, method: Plan | None):
-    return model(x) if method is None else parallel_forward(model, x, method, check_finite=False)
+def _runner(model: GPT, method: Plan | None):
+    """The method's forward for every batch: None (sequential) or a bound SNLP runner (fused once)."""
+    return None if method is None else bind(model, method, check_finite=False)
+
+
+def _final_state(model: GPT, x, runner) -> Tensor:
+    """h_L (B, T, [n,] D) of the sequential model (runner None) or of the runner's SNLP solve."""
+    if runner is None:
+        ctx = model.embed(x)
+        return model.run_layers(ctx.x0, ctx, 0, model.config.n_layer)
+    return runner.solve(x).hidden
 
 
 def _pad(seqs: list[list[int]], pad: int, device):
@@ -237,15 +247,15 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
                    max_len: int | None = None) -> list[int]:
     """Predicted choice index per question by comparing the answer letters' logits at the answer position."""
     dev = model.wte.weight.device
-    preds = []
+    runner, preds = _runner(model, method), []
     for s in range(0, len(questions), batch):
         qs = questions[s:s + batch]
         seqs = [tokenizer.render_chat([{"role": "user", "content": letter_prompt(q)}], add_generation_prompt=True)[0]
                 for q in qs]
         if max_len:
             seqs = [sq[-max_len:] for sq in seqs]  # keep the answer position (left-truncate)
-        lg = _logits(model, _pad(seqs, 0, dev), method).float()  # (B, T, V)
-        last = lg[torch.arange(len(qs)), torch.tensor([len(sq) - 1 for sq in seqs])]  # (B, V)
+        h = _final_state(model, _pad(seqs, 0, dev), runner)  # (B, T, D): the head only where it is read
+        last = model.head(h[torch.arange(len(qs)), torch.tensor([len(sq) - 1 for sq in seqs])][:, None])[:, 0]  # (B, V)
         for q, row in zip(qs, last):
             preds.append(int(row[letter_ids(tokenizer, len(q.choices))].argmax()))
     return preds
@@ -266,11 +276,11 @@ def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Pla
                 cut = len(ids) - max_len
                 ids, pos = ids[cut:], [p - cut for p in pos if p - cut >= 1]
             items.append((qi, ids, pos))
-    scores = [[] for _ in questions]
+    scores, runner = [[] for _ in questions], _runner(model, method)
     for s in range(0, len(items), batch):
         chunk = items[s:s + batch]
         x = _pad([it[1] for it in chunk], 0, dev)
-        logp = F.log_softmax(_logits(model, x, method).float(), -1)  # (B, T, V)
+        logp = F.log_softmax(model.head(_final_state(model, x, runner)), -1)  # (B, T, V)
         for b, (qi, ids, pos) in enumerate(chunk):
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)
