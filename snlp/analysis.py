@@ -421,10 +421,7 @@ def correction_ordering(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisCo
                 else:
                     h = solve(model, x, Plan(chunks=N, iters=what, order=tuple(order)), check_finite=False,
                               prefix=prefix[N]).hidden
-                if not bool(torch.isfinite(h).all()):
-                    bad.add(cell)
-                else:
-                    nll[cell] += F.cross_entropy(model.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
+                _add_nll(model, h, y, nll, bad, cell)
                 bar.update()
             n_tok += y.numel()
     ppl = {c: float("inf") if c in bad else perplexity(v, n_tok) for c, v in nll.items()}
@@ -468,10 +465,7 @@ def correction_propagation(model: GPT, val_tokens, cfg: AnalysisConfig = Analysi
             for key in nll:
                 sur, K, j = key
                 h = solve(model, x, Plan(chunks=j, iters=K, surrogate=sur), check_finite=False, prefix=hS).hidden
-                if not bool(torch.isfinite(h).all()):
-                    bad.add(key)
-                else:
-                    nll[key] += F.cross_entropy(model.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
+                _add_nll(model, h, y, nll, bad, key)
                 bar.update()
             n_tok += y.numel()
     ppl = {k: float("inf") if k in bad else perplexity(v, n_tok) for k, v in nll.items()}
@@ -620,6 +614,15 @@ class JacobiResult:
     prompts: int
     gen_tokens: int
     rows: list[JacobiRow]
+
+
+def _add_nll(model: GPT, h: Tensor, y: Tensor, nll: dict, bad: set, key) -> None:
+    """Add the summed next-token NLL of final states h (B, T, D) for targets y (B, T) under `key`; a non-finite
+    state marks the key diverged instead (its PPL is reported as "div.")."""
+    if not bool(torch.isfinite(h).all()):
+        bad.add(key)
+    else:
+        nll[key] += F.cross_entropy(model.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
 
 
 def _prompts(val_tokens: Tensor, n: int, length: int, seed: int) -> list[list[int]]:
