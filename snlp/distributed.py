@@ -534,14 +534,7 @@ class DistributedSNLP:
                     verdict = [int(n_t), int(nxt_t)]
             nacc, nxt = self._tokens_from_last(verdict, 2)
             cache.rollback(P + nacc + 1)
-            res.draft_s += t2 - t1
-            res.verify_s += time.perf_counter() - t2
-            res.rounds += 1
-            res.draft_steps += Bk
-            res.drafted += Bk
-            res.accepted += nacc
-            res.examined += nacc + (nacc < Bk)
-            res.forwards += Bk + 1
+            res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=time.perf_counter() - t2)
             last = nxt
             done = emit(drafts[:nacc] + [nxt])
         res.decode_s = time.perf_counter() - t0 if res.tokens else 0.0

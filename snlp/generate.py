@@ -56,6 +56,20 @@ class GenerateResult:
     jacobi_iters: int = 0
     extra: dict = field(default_factory=dict)
 
+    def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
+                  verify_s: float) -> None:
+        """Count one speculative / Jacobi round: `drafted` guesses of which the leading `accepted` were kept
+        (examined: those plus the first rejection, if any), `steps` drafter steps, `forwards` on the critical
+        path, and the draft / verify time."""
+        self.rounds += 1
+        self.draft_steps += steps
+        self.drafted += drafted
+        self.accepted += accepted
+        self.examined += accepted + (accepted < drafted)
+        self.forwards += forwards
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
@@ -409,14 +423,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                 n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=dev).long(), gen)
                 n, nxt = int(n_t), int(nxt_t)
             cache.rollback(P + n + 1)  # keep the exact K/V of `last` and the accepted drafts
-            res.draft_s += t1 - t0
-            res.verify_s += _now(dev) - t1
-            res.rounds += 1
-            res.draft_steps += Bk
-            res.drafted += Bk
-            res.accepted += n
-            res.examined += n + (n < Bk)
-            res.forwards += Bk + 1
+            res.add_round(Bk, n, steps=Bk, forwards=Bk + 1, draft_s=t1 - t0, verify_s=_now(dev) - t1)
             ses.emit(drafts[:n] + [nxt])
         return ses.finish()
 
@@ -490,14 +497,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)
             cache.rollback(P + n + 1)
             carry = pred[n + 1:]
-            res.draft_s += t1 - t0
-            res.verify_s += _now(dev) - t1
-            res.rounds += 1
-            res.forwards += it + 1
-            res.draft_steps += it + 1
-            res.drafted += Bk
-            res.accepted += n
-            res.examined += n + (n < Bk)
+            res.add_round(Bk, n, steps=it + 1, forwards=it + 1, draft_s=t1 - t0, verify_s=_now(dev) - t1)
             ses.emit(g[:n] + [pred[n]])
         return ses.finish()
 
