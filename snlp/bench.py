@@ -19,7 +19,7 @@ from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .runtime import cli_device, cli_dtype, device_label, set_threads, write_json
 from .solver import bind
-from .timing import time_round_robin
+from .timing import now, time_round_robin
 
 
 def add_arguments(p) -> None:
@@ -112,12 +112,69 @@ def build_model(args) -> GPT:
     return model
 
 
+COMPILE_CALLS = 3  # untimed calls that trigger compilation (and, on CUDA, CUDA-graph warm-up and recording)
+
+
+def compile_step(fn, device):
+    """torch.compile a benchmark callable the way gpt-fast treats a decode step: one graph
+    (fullgraph=True, so a graph break or host sync is an error instead of a silent slowdown) and, on
+    CUDA, mode="reduce-overhead" (CUDA graphs: one launch per call)."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, mode=mode)
+
+
+def _trigger_compile(fns: dict, device) -> dict[str, float]:
+    """Call each compiled callable COMPILE_CALLS times, untimed by the benchmark: the seconds this
+    takes per callable is its compile time, reported apart from (never inside) the timings."""
+    secs = {}
+    for name, fn in fns.items():
+        t0 = now(device)
+        try:
+            for _ in range(COMPILE_CALLS):
+                fn()
+        except torch._dynamo.exc.TorchDynamoException as e:  # e.g. a graph break under fullgraph=True
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{name} does not compile as one graph (torch.compile fullgraph=True): {first}") from e
+        secs[name] = now(device) - t0
+    return secs
+
+
+def structural_ideal(t_seq: float, t_fixed: float, n_layer: int, steps: int) -> tuple[float, float]:
+    """(t_layer, ideal): with the sequential forward t_seq = t_fixed + L * t_layer (t_fixed = what both
+    sides pay once: embedding and head), a plan evaluating `steps` layers on its critical path
+    (Plan.critical_path_layers) ideally takes t_fixed + steps * t_layer, so its structural ideal is
+    t_seq / (t_fixed + steps * t_layer). It lies between 1 and the op-count ideal L / steps: the
+    fixed costs pull it towards 1. t_layer is clamped at 0 (noise could make t_fixed > t_seq)."""
+    t_layer = max(t_seq - t_fixed, 0.0) / n_layer
+    denom = t_fixed + max(steps, 1) * t_layer
+    return t_layer, (t_seq / denom if denom > 0 else 1.0)
+
+
 def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, warmup: int = 5, runs: int = 30,
               compile: bool = False, seed: int = 0) -> list[dict]:
-    """Time the sequential forward and each plan; returns one record per row (sequential first)."""
+    """Time the sequential forward and each plan; returns one record per row (sequential first).
+
+    Besides the rows, the fixed costs both sides pay once per forward are timed in the same
+    round-robin with the same treatment: the embedding (`model.embed`: token embedding, value
+    embeddings, RoPE tables) and the head (`model.head`: final norm, lm_head, softcap). Each record
+    carries them (`embed_ms`, `head_ms`, `fixed_ms`), the per-layer time of the sequential forward
+    `layer_ms` = (t_seq - fixed) / L, the `structural_ideal` = t_seq / (fixed + steps * layer_ms)
+    (steps = Plan.critical_path_layers at the iterations actually run) and `of_structural` = speedup /
+    structural_ideal: how much of what the plan allows on this device the implementation achieves.
+    `ideal_layer_speedup` is the op-count ideal L / steps (fixed costs ignored).
+
+    With `compile` every callable (rows, embed, head) is compiled by `compile_step` (fullgraph; on
+    CUDA reduce-overhead); the calls that trigger compilation run before the warm-up and are
+    reported as `compile_s` (`fixed_compile_s` for embed + head), never inside the timings. A
+    callable that does not compile as one graph is a ValueError naming it."""
     L = model.config.n_layer
     for plan in plans:
         plan.check(L)
+    if compile:
+        for plan in plans:
+            if plan.tol:
+                raise ValueError(f"plan {plan}: compile=True needs a fixed K (tol reads the update norm on the host "
+                                 f"every iteration, a graph break); drop -tol")
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(device)
@@ -128,24 +185,40 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
     for name, runner in runners.items():
         fwd[name] = (lambda r: lambda: r(idx))(runner)
     iters = {}  # iterations each plan ran (< K when its `tol` stopped it early; same idx every run)
+    compile_s: dict[str, float] = {}
     with torch.inference_mode():
         for name, runner in runners.items():  # once with the NaN/inf check, before timing
             iters[name] = runner.solve(idx, check_finite=True).iters
+        h_last = model.embed(idx).x0.clone()  # a hidden state of h_L's shape ((B, T, n, D) with mHC) for the head
+        # the fixed costs: return every tensor of the Context so a compiled graph cannot drop any of it
+        fixed = {"_embed": lambda: tuple(v for v in vars(model.embed(idx)).values() if isinstance(v, torch.Tensor)),
+                 "_head": lambda: model.head(h_last)}
+        fns = {**fwd, **fixed}
         if compile:  # the plan callables share one code object: allow one compiled graph per plan
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fwd) + 1)
-            fwd = {name: torch.compile(fn) for name, fn in fwd.items()}
-        times = time_round_robin(fwd, warmup, runs, device)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fns) + 1)
+            fns = {name: compile_step(fn, device) for name, fn in fns.items()}
+            compile_s = _trigger_compile(fns, device)
+        times = time_round_robin(fns, warmup, runs, device)
     base = statistics.median(times["sequential"])
+    embed_ms, head_ms = statistics.median(times["_embed"]), statistics.median(times["_head"])
+    fixed_ms = embed_ms + head_ms
     records = []
-    for name, ts in times.items():
+    for name in fwd:
+        ts = times[name]
         med = statistics.median(ts)
         plan = None if name == "sequential" else Plan.parse(name)
+        steps = L if plan is None else plan.critical_path_layers(L, iters[name])
+        layer_ms, struct = structural_ideal(base, fixed_ms, L, steps)
         records.append({
             "plan": name, "median_ms": med, "speedup": base / med,
             "ideal_layer_speedup": 1.0 if plan is None else plan.ideal_speedup(L, iters[name]), "iters": iters.get(name),
+            "critical_path_layers": steps, "embed_ms": embed_ms, "head_ms": head_ms, "fixed_ms": fixed_ms,
+            "layer_ms": layer_ms, "structural_ideal": struct, "of_structural": (base / med) / struct,
             "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts), "tokens": tokens, "batch": batch,
             "n_layer": L, "prefix": L if plan is None else plan.prefix_len(L), "device": str(device),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,
+            "compile_s": compile_s.get(name),
+            "fixed_compile_s": (compile_s["_embed"] + compile_s["_head"]) if compile else None,
         })
     return records
 
@@ -154,14 +227,21 @@ def print_table(records: list[dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    r0 = records[0]
+    title += (f"\nfixed (embed + head) {r0['fixed_ms']:.3f} ms, per layer {r0['layer_ms']:.3f} ms; "
+              f"ideal (layers) = L / steps, ideal (struct.) = t_seq / (fixed + steps * t_layer)")
+    if r0.get("compiled"):
+        title += f"; compile time {sum(r['compile_s'] for r in records) + r0['fixed_compile_s']:.1f} s (not timed)"
     table = Table(title=title)
-    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal (layers)", "min ms", "max ms"):
+    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal (layers)", "ideal (struct.)", "of struct.",
+                "min ms", "max ms"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for r in records:
         its = "-" if r.get("iters") is None else str(r["iters"])  # iterations run (tol may stop before K)
         table.add_row(r["plan"], str(r["prefix"]), its, f"{r['median_ms']:.3f}", f"{r['speedup']:.2f}x",
-                      f"{r['ideal_layer_speedup']:.2f}x", f"{r['min_ms']:.3f}", f"{r['max_ms']:.3f}")
-    Console().print(table)
+                      f"{r['ideal_layer_speedup']:.2f}x", f"{r['structural_ideal']:.2f}x",
+                      f"{100 * r['of_structural']:.0f}%", f"{r['min_ms']:.3f}", f"{r['max_ms']:.3f}")
+    Console(width=160).print(table)
 
 
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,

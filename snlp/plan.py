@@ -120,14 +120,17 @@ class Plan:
         JVP per corrected chunk; real op costs are in `snlp bench --ops`)."""
         return self.surrogate.evals_per_iter(self)
 
-    def ideal_speedup(self, n_layer: int, iters: int | None = None) -> float:
-        """The layer-step ideal L / (S + K * evals_per_iter + [init == fwd]): layer evaluations on the
-        critical path of sequential vs SNLP execution, assuming a batched evaluation costs one layer.
-        `iters` = the iterations actually run (with `tol` they may stop before K)."""
-        S = self.prefix_len(n_layer)
+    def critical_path_layers(self, n_layer: int, iters: int | None = None) -> int:
+        """Layer evaluations on the critical path of the SNLP forward, S + K * evals_per_iter +
+        [init == fwd], assuming a batched (fused) evaluation costs one layer. `iters` = the
+        iterations actually run (with `tol` they may stop before K)."""
         K = self.iters if iters is None else iters
-        steps = S + K * self.evals_per_iter + (1 if self.init == "fwd" else 0)
-        return n_layer / max(steps, 1)
+        return self.prefix_len(n_layer) + K * self.evals_per_iter + (1 if self.init == "fwd" else 0)
+
+    def ideal_speedup(self, n_layer: int, iters: int | None = None) -> float:
+        """The layer-step ideal L / (S + K * evals_per_iter + [init == fwd]) = L / `critical_path_layers`:
+        layer evaluations on the critical path of sequential vs SNLP execution."""
+        return n_layer / max(self.critical_path_layers(n_layer, iters), 1)
 
     def link(self) -> list[bool]:
         """link[c]: chunk c is visited after chunk c-1 in the correction sweep (`order`), so its
