@@ -58,6 +58,21 @@ def add_arguments(p) -> None:
     dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
     dec.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (decode ops are tiny: 1 is often best)")
+    suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.suite)")
+    suite.add_argument("--suite", choices=["paper"], default=None,
+                       help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached decode, "
+                            "eager and compiled, random weights; writes suite.json + suite.md to --out")
+    suite.add_argument("--quick", action="store_true", help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
+    suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
+    suite.add_argument("--shapes", default=None,
+                       help="--suite: comma-separated subset of the shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B (default all)")
+    suite.add_argument("--suite-tokens", type=int, default=None, help="--suite: prefill length T (default 2048; 16 quick)")
+    suite.add_argument("--suite-warmup", type=int, default=None,
+                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
+    suite.add_argument("--suite-runs", type=int, default=None,
+                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
+    suite.add_argument("--treatments", default="eager,compiled", help="--suite: eager and/or compiled")
+    suite.add_argument("--no-decode", action="store_true", help="--suite: skip the KV-cached decode rows")
     ops = p.add_argument_group("single-layer op benchmark (--ops)")
     ops.add_argument("--ops", action="store_true",
                      help="time forward, FD, JVP and VJP of ONE layer (the DiagN probe primitives) at each --tokens, "
@@ -332,6 +347,8 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
 
 
 def run(args) -> int:
+    if getattr(args, "suite", None):
+        return run_suite_cli(args)
     if getattr(args, "simulate_devices", None) is not None:
         from .distcli import run_simulate
 
@@ -363,6 +380,23 @@ def run(args) -> int:
                          f"{dtype} on {where}, median of {args.runs} runs")
     if args.json:
         write_json(args.json, records)
+    return 0
+
+
+def run_suite_cli(args) -> int:
+    import shlex
+    import sys
+
+    from .suite import SuiteConfig, run_suite
+
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
+    cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
+                      tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
+                      treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
+                      out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
+    result = run_suite(cfg)
+    print(result.markdown)
+    print(f"wrote {result.json_path} and {result.markdown_path}")
     return 0
 
 
