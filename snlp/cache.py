@@ -65,9 +65,16 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.length} cached + {T} new tokens > max_len {self.max_len}; "
                              f"allocate a longer cache (KVCache.for_model(..., max_len=...))")
 
-    def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new K/V (layers..., B, Hkv, T, hd) at positions start..start+T-1 of the given layer
-        slot(s); return views of positions 0..start+T-1 to attend over."""
+        slot(s); return views of positions 0..start+T-1 to attend over. With `start` a (T,) positions
+        tensor (the static-shape step, snlp.steps) the K/V go to those positions by an index copy and the
+        WHOLE slot (max_len positions) is returned: shapes never depend on the length, and the attention
+        mask (model.window_mask on the positions) hides everything after each query."""
+        if isinstance(start, Tensor):
+            self.k[layers].index_copy_(-2, start, k)
+            self.v[layers].index_copy_(-2, start, v)
+            return self.k[layers], self.v[layers]
         stop = start + k.shape[-2]
         self.k[layers, ..., start:stop, :] = k
         self.v[layers, ..., start:stop, :] = v

@@ -218,28 +218,34 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-def window_mask(windows: Tensor | int, T: int, S: int, q_start: int, device) -> Tensor:
-    """Boolean mask (..., T, S): query i (absolute position q_start + i) sees key j when
-    j <= q_start + i and, for a window w >= 0, q_start + i - j <= w."""
-    qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
+def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, device) -> Tensor:
+    """Boolean mask (..., T, S): query i (absolute position q_start + i, or q_start[i] when q_start is a
+    (T,) position tensor) sees key j when j <= its position and, for a window w >= 0, position - j <= w."""
+    if isinstance(q_start, Tensor):
+        qpos = q_start.to(device)[:, None]
+    else:
+        qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
     diff = qpos - torch.arange(S, device=device)[None, :]  # (T, S)
     w = torch.as_tensor(windows, device=device)[..., None, None]
     return (diff >= 0) & ((w < 0) | (diff <= w))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int = 0) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int | Tensor = 0) -> Tensor:
     """Causal (optionally sliding-window) attention. q (..., Hq, T, hd), k/v (..., Hkv, S, hd).
 
     `windows` is -1 (full) or an int/long tensor broadcastable to q.shape[:-3] (one window per
     leading index, e.g. per fused branch). Leading dims are flattened so fused SDPA kernels apply.
-    """
+    `q_start` is the absolute position of the first query (keys sit at 0..S-1), or a (T,) tensor of
+    the queries' positions: the static-shape decode step (snlp.steps), whose keys are a whole
+    preallocated cache of which the mask hides every position after the query's.
+
+    No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the
+    is_causal kernel would stall a CUDA stream and break a fullgraph torch.compile)."""
     lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
     gqa = Hq != k.shape[-3]
     q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
     full = isinstance(windows, int) and (windows < 0 or windows >= S)
-    if isinstance(windows, Tensor) and bool(((windows < 0) | (windows >= S)).all()):
-        full = True
-    if full and q_start == 0 and T == S:
+    if full and isinstance(q_start, int) and q_start == 0 and T == S:
         y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
     else:
         mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
@@ -276,7 +282,7 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
         self.layer_idx = layer  # slot in a KV cache (snlp.cache.KVCache)
 
-    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
+    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
         B, T, _ = xn.shape
         q = self.c_q(xn).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
@@ -392,7 +398,7 @@ class Block(nn.Module):
         else:
             self.ln_attn = self.ln_mlp = None
 
-    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int = 0) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
         if self.hc_attn is not None:
             x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start))
             return hc_sublayer(self.hc_mlp, x, self.mlp)
@@ -413,7 +419,7 @@ class Context:
     cos: Tensor
     sin: Tensor
     extra: dict = field(default_factory=dict)
-    start: int = 0
+    start: int | Tensor = 0  # a (T,) positions tensor in the static-shape step (snlp.steps)
     cache: object | None = None
 
 
@@ -511,21 +517,36 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
 
-    def rotary(self, T: int, start: int = 0) -> tuple[Tensor, Tensor]:
-        """RoPE tables for positions start..start+T-1, shaped (T, 1, hd/2)."""
-        t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+    def rotary(self, T: int, start: int | Tensor = 0) -> tuple[Tensor, Tensor]:
+        """RoPE tables for positions start..start+T-1 (or the (T,) positions tensor `start`), (T, 1, hd/2)."""
+        if isinstance(start, Tensor):
+            t = start.to(device=self.inv_freq.device, dtype=torch.float32)
+        else:
+            t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq.float())[:, None, :]  # fp32 in every dtype, as transformers does
         dtype = self.wte.weight.dtype
         sin = freqs.sin().to(dtype)
         return freqs.cos().to(dtype), -sin if self.config.rope_rotate_half else sin
 
-    def embed(self, idx: Tensor, cache=None) -> Context:
+    def embed(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
-        `cache` the tokens continue the cached sequence: they sit at positions cache.length.."""
+        `cache` the tokens continue the cached sequence: they sit at positions cache.length..
+        With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.steps) they sit
+        at those positions instead and `cache.length` is not read: the caller checked the room and owns
+        the length, so nothing here depends on a Python-side position (one compiled graph for every step)."""
         self.check_tokens(idx)
         idx = idx.long()
-        start = 0
-        if cache is not None:
+        start: int | Tensor = 0
+        if pos is not None:
+            if cache is None:
+                raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")
+            if pos.shape != (idx.shape[1],):
+                raise ValueError(f"pos must be a (T,) = ({idx.shape[1]},) tensor of positions, got {tuple(pos.shape)}")
+            if idx.shape[0] != cache.batch or idx.shape[1] > cache.max_len:
+                raise ValueError(f"KV cache holds batch {cache.batch} x {cache.max_len} positions, got ids "
+                                 f"{tuple(idx.shape)}")
+            start = pos
+        elif cache is not None:
             cache.check(idx.shape[0], idx.shape[1])
             start = cache.length
         x0 = self.wte(idx)
@@ -571,13 +592,15 @@ class GPT(nn.Module):
         self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)
         return trace
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None, pos: Tensor | None = None) -> Tensor:
         """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
         (targets == -1 are ignored). With a KV `cache` (snlp.cache.KVCache) idx continues the
-        cached sequence: its K/V are written at cache.length.. and the cache advances by T."""
-        ctx = self.embed(idx, cache)
+        cached sequence: its K/V are written at cache.length.. and the cache advances by T. With `pos`
+        ((T,) positions, the static-shape step of snlp.steps) the K/V go to those positions, the whole
+        cache is attended under a mask and the cache does not advance (the caller owns the length)."""
+        ctx = self.embed(idx, cache, pos)
         logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer))
-        if cache is not None:
+        if cache is not None and pos is None:
             cache.advance(idx.shape[1])
         if targets is None:
             return logits

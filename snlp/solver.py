@@ -87,7 +87,7 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
 
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
-          prefix: Tensor | None = None, init_states: Tensor | None = None) -> SolveResult:
+          prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -99,13 +99,15 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     `prefix` is an already computed h_S (B, T, D) for idx, e.g. from the training forward's trace,
     so the prefix layers are not run twice (not with a cache: the prefix K/V would stay unwritten).
     `init_states` (C, B, T, D) replaces the plan's init (h0 / fwd / preheat) by given chunk states, e.g. a
-    warm start from an earlier solve."""
+    warm start from an earlier solve. `pos` ((T,) positions, with `cache`) is the static-shape decode step
+    of snlp.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
+    not advance (the caller owns its length), so one compiled graph serves every step."""
     plan = _as_plan(model, plan)
     if prefix is not None and cache is not None:
         raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
                          "their K/V would never reach the cache while it advances; pass one or the other")
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
-    ctx = model.embed(idx, cache)
+    ctx = model.embed(idx, cache, pos)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
     if init_states is not None:  # a warm start (e.g. h0-JD: the previous Jacobi iteration's states)
@@ -142,7 +144,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     if cache is not None:
         if plan.iters == 0 and (plan.init != "fwd" or init_states is not None):  # nothing evaluated the
             chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # suffix: write the final inputs' K/V
-        cache.advance(idx.shape[1])
+        if pos is None:
+            cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
     return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates)
@@ -177,14 +180,15 @@ class Runner:
         return self
 
     def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
-              prefix: Tensor | None = None, init_states: Tensor | None = None) -> SolveResult:
+              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None
+              ) -> SolveResult:
         """`snlp.solve` with the bound weights."""
         return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
-                     init_states=init_states)
+                     init_states=init_states, pos=pos)
 
-    def __call__(self, idx: Tensor, cache=None) -> Tensor:
-        return self.model.head(self.solve(idx, cache=cache).hidden)
+    def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
+        return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)
 
     def __repr__(self) -> str:
         return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"
