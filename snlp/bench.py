@@ -57,7 +57,8 @@ def add_arguments(p) -> None:
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
     dec.add_argument("--threads", type=int, default=None,
-                     help="torch CPU threads (decode ops are tiny: 1 is often best)")
+                     help="torch CPU threads, also for the teacher-forced and --ops runs (tiny ops: 1 is often best "
+                          "on a shared CPU)")
     suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.suite)")
     suite.add_argument("--suite", choices=["paper"], default=None,
                        help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached decode, "
@@ -366,6 +367,7 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     device = cli_device(args.device)
+    set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(args)
     plans = parse_plans(args.plans, model.config.n_layer)
     dtype = cli_dtype(args.dtype, device)
@@ -393,6 +395,7 @@ def run_suite_cli(args) -> int:
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
                       tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
                       treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
+                      threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
     result = run_suite(cfg)
     print(result.markdown)
