@@ -27,6 +27,7 @@ from .model import GPT
 from .plan import Plan
 from .runtime import cli_device, progress_bar, write_json
 from .solver import bind
+from .steps import EagerStep, Step, sequential_step, snlp_step
 from .timing import now as _now
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
@@ -54,6 +55,7 @@ class GenerateResult:
     step_s: float = 0.0  # ... and the time in them (forward + next-token pick), timed like draft_s
     verify_s: float = 0.0
     jacobi_iters: int = 0
+    compile_s: float = 0.0  # compiling the static-shape steps (--compile), done before any timing
     extra: dict = field(default_factory=dict)
 
     def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
@@ -239,7 +241,8 @@ class _Session:
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
-                 on_tokens: Callable[[list[int]], None] | None, mode: str):
+                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | None = None,
+                 slack: int = 0):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = _prompt_list(model, prompt_ids)
         max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
@@ -247,7 +250,11 @@ class _Session:
             raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
         if len(self.prompt) > max_len:
             raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
-        self.cache = KVCache.for_model(model, batch=1, max_len=max_len)
+        # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
+        # allocated at its bucketed length (snlp.steps: the size is a graph shape); positions past max_len are
+        # never valid, the budget below is what counts
+        size = max_len + slack if step is None else step.cache_len(max_len + slack)
+        self.cache = KVCache.for_model(model, batch=1, max_len=size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.out: list[int] = []
@@ -259,11 +266,16 @@ class _Session:
     def ids(self, tokens: list[int]) -> Tensor:
         return torch.tensor([tokens], dtype=torch.long, device=self.device)
 
-    def prefill(self, forward: Callable) -> None:
+    def warm(self, step: Step | EagerStep, lengths: list[int]) -> None:
+        """Compile `step` for these input lengths before anything is timed (a no-op for eager steps);
+        the time goes to result.compile_s, never into the decode times."""
+        self.result.compile_s += step.warm(self.cache, lengths)
+
+    def prefill(self, step: Step | EagerStep) -> None:
         """Cache the prompt without its last token (that one starts the decode loop)."""
         t0 = _now(self.device)
         if len(self.prompt) > 1:
-            forward(self.ids(self.prompt[:-1]), self.cache)
+            step.prefill(self.ids(self.prompt[:-1]), self.cache)
         self.result.prefill_s = _now(self.device) - t0
         self.t0 = _now(self.device)
 
@@ -302,12 +314,18 @@ def _generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def _seq_forward(model: GPT) -> Callable:
-    return lambda idx, cache: model(idx, cache=cache)
+def _seq_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None) -> Step | EagerStep:
+    return step if step is not None else sequential_step(model, compile)
 
 
-def _snlp_forward(model: GPT, plan: Plan) -> Callable:
-    return bind(model, plan, check_finite=False)  # fused once per call: (idx, cache) -> logits
+def _snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None
+                  ) -> Step | EagerStep:
+    # fused once per call; no NaN/inf check inside the step (a host sync per token)
+    return step if step is not None else snlp_step(bind(model, plan, check_finite=False), compile)
+
+
+def _slack(*steps) -> int:
+    return max(s.slack for s in steps)
 
 
 # ----- autoregressive: sequential and SNLP -----
@@ -315,9 +333,10 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
                     on_tokens) -> GenerateResult:
     _check_common(max_new_tokens, temperature)
     with torch.inference_mode():
-        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode)
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, _slack(forward))
         ses.result.plan = None if plan is None else str(plan)
         gen = _generator(seed, ses.device) if temperature > 0 else None
+        ses.warm(forward, [forward.prefill_len(len(ses.prompt) - 1), 1])
         ses.prefill(forward)
         res = ses.result
         while not ses.done:
@@ -333,21 +352,26 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
 
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
-                        on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
-    """KV-cached sequential decoding (the reference). Greedy at temperature 0."""
-    return _autoregressive(model, prompt_ids, _seq_forward(model), "sequential", None, max_new_tokens,
-                           temperature, eos_id, seed, max_len, on_tokens)
+                        on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                        step: Step | EagerStep | None = None) -> GenerateResult:
+    """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
+    the decode step run as compiled static-shape steps (snlp.steps; compiled before timing, compile_s);
+    `step` passes a prebuilt one (snlp.steps.sequential_step) so repeated calls share its graphs."""
+    return _autoregressive(model, prompt_ids, _seq_forward(model, compile, step), "sequential", None,
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
+                  on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                  step: Step | EagerStep | None = None) -> GenerateResult:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
-    model of `plan` decoded sequentially (the original model for M = 1)."""
+    model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
+    `sequential_generate` (snlp.steps.snlp_step)."""
     plan = _as_plan(model, plan)
-    return _autoregressive(model, prompt_ids, _snlp_forward(model, plan), "snlp", plan, max_new_tokens,
-                           temperature, eos_id, seed, max_len, on_tokens)
+    return _autoregressive(model, prompt_ids, _snlp_forward(model, plan, compile, step), "snlp", plan,
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 
 
 # ----- self-speculative decoding -----
@@ -377,8 +401,9 @@ def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generato
 
 def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
                          temperature: float = 0.0, eos_id: int | None = None, seed: int | None = None,
-                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
-                         ) -> GenerateResult:
+                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                         compile: bool = False, draft: Step | EagerStep | None = None,
+                         verify: Step | EagerStep | None = None) -> GenerateResult:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -387,16 +412,21 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     K/V, so the drafter always conditions on the exact history (snlp.cache). Greedy (temperature 0)
     output equals `sequential_generate`; with temperature > 0 rejection sampling keeps the model's
     distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
-    logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact)."""
+    logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact).
+    `compile`: drafter and verifier run as compiled static-shape steps (snlp.steps; the verifier always
+    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones."""
     _check_common(max_new_tokens, temperature, block)
     plan = _as_plan(model, plan)
-    draft_fwd, verify_fwd = _snlp_forward(model, plan), _seq_forward(model)
+    draft_fwd, verify_fwd = _snlp_forward(model, plan, compile, draft), _seq_forward(model, compile, verify)
     greedy = temperature == 0
     with torch.inference_mode():
-        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative")
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
+                       _slack(draft_fwd, verify_fwd) + block)
         res, cache, dev = ses.result, ses.cache, ses.device
         res.plan, res.block = str(plan), block
         gen = None if greedy else _generator(seed, dev)
+        ses.warm(verify_fwd, [verify_fwd.prefill_len(len(ses.prompt) - 1), block + 1])
+        ses.warm(draft_fwd, [1])
         ses.prefill(verify_fwd)
         while not ses.done:
             P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
@@ -412,7 +442,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                 drafts.append(x)
             t1 = _now(dev)
             cache.rollback(P)  # verification rewrites positions P..P+Bk with exact K/V
-            logits = verify_fwd(ses.ids([ses.last] + drafts), cache)[0]  # (Bk+1, V)
+            logits = verify_fwd(ses.ids([ses.last] + drafts), cache, pad_to=block + 1)[0]  # (Bk+1, V)
             if greedy:
                 target = logits.argmax(-1).tolist()
                 n = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
@@ -459,10 +489,11 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     if warm_start and plan is None:
         raise ValueError("warm_start (h0-JD) warm-starts SNLP chunk states: it needs a plan")
     seq_fwd = _seq_forward(model)
-    jac_fwd = seq_fwd if plan is None else _snlp_forward(model, plan)
+    runner = None if plan is None else bind(model, plan, check_finite=False)
+    jac_fwd = seq_fwd if plan is None else snlp_step(runner)
     if warm_start:
         def warm_fwd(idx, cache, init):  # -> logits, final chunk states (C, 1, T, D)
-            res = jac_fwd.solve(idx, cache=cache, keep_states=True, init_states=init)
+            res = runner.solve(idx, cache=cache, keep_states=True, init_states=init)
             return model.head(res.hidden), res.states[-1]
     with torch.inference_mode():
         ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi")
