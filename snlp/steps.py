@@ -38,7 +38,7 @@ from .timing import sync
 
 StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), cache) -> logits (B, T, V)
 
-PREFILL_PAD = 64  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
+PREFILL_PAD = 16  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
 MIN_CACHE = 64  # compiled steps get caches of a power-of-two length >= this: the cache size is a graph shape
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): one graph per (step kind, shape) is expected
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 import snlp
+from snlp import Plan
+from snlp.bench import decode_benchmark
 from snlp.cache import KVCache
 from snlp.generate import sequential_generate, snlp_generate, speculative_generate
 from snlp.steps import Step, sequential_fn, sequential_step, snlp_fn, snlp_step
@@ -75,8 +77,9 @@ def compiled():
     torch.manual_seed(0)
     model = make_model(dtype=torch.float32, n_layer=3, scale=0.3)  # sliding windows on: the mask path
     runner = snlp.bind(model, PLAN, check_finite=False)
-    steps = {"seq": sequential_step(model, compile=True, prefill_pad=BLOCK + 1),  # prefill shares the verify graph
-             "snlp": snlp_step(runner, compile=True, prefill_pad=1)}  # prefill of 1 token shares the step graph
+    # graphs (all on one cache bucket of 64 positions): seq prefill (16), seq step (1), verify (B+1), snlp prefill
+    # (16), snlp step (1); every test below (and decode_benchmark) reuses them: prompts are <= 17 tokens
+    steps = {"seq": sequential_step(model, compile=True), "snlp": snlp_step(runner, compile=True)}
     return model, runner, steps
 
 
@@ -88,7 +91,7 @@ def test_compiled_steps_equal_eager(compiled):
         with torch.inference_mode():  # caches made as generate makes them (guards check dispatch keys)
             ce = KVCache.for_model(model, max_len=10)
             cc = KVCache.for_model(model, max_len=step.cache_len(10 + step.slack))  # the bucket generate uses too
-            pieces = [(0, 4)] + [(t, t + 1) for t in range(4, 10)] if name == "seq" else [(t, t + 1) for t in range(10)]
+            pieces = [(0, 4)] + [(t, t + 1) for t in range(4, 10)]
             for a, b in pieces:
                 x, y = eager(ids[:, a:b], ce), step(ids[:, a:b], cc) if b - a == 1 else step.prefill(ids[:, a:b], cc)
                 assert y.shape == x.shape
@@ -108,9 +111,24 @@ def test_compiled_generation_equals_eager(compiled):
                                 verify=steps["seq"])
     assert spec.tokens == ref.tokens  # the verifier keeps greedy output exact; short last rounds are padded
     assert spec.rounds >= 3
-    eager_snlp = snlp_generate(model, prompt[:2], PLAN, max_new_tokens=8)
-    got_snlp = snlp_generate(model, prompt[:2], PLAN, max_new_tokens=8, step=steps["snlp"])
+    eager_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8)
+    got_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8, step=steps["snlp"])
     assert got_snlp.tokens == eager_snlp.tokens
+    assert got.compile_s == 0.0  # the shared steps were compiled by the test before: nothing left to compile
+
+
+def test_compiled_decode_benchmark(compiled):
+    """`snlp bench --decode --compile`'s library function: both sides compiled, compile time reported apart, the
+    speculative rows still equal sequential, and the sequential row's achieved bandwidth is model bytes x tok/s."""
+    model, _, _ = compiled
+    recs = decode_benchmark(model, [Plan.parse(PLAN, 3)], prompt_len=5, new_tokens=6, blocks=(BLOCK,), warmup=1,
+                            runs=1, compile=True)
+    assert [r["mode"] for r in recs] == ["sequential", "snlp", "speculative"]
+    assert all(r["compiled"] for r in recs) and recs[-1]["matches_sequential"]
+    seq = recs[0]
+    assert seq["model_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        model.inv_freq.numel() * 4
+    assert seq["bandwidth_gb_s"] == pytest.approx(seq["model_bytes"] * seq["tokens_per_s"] / 1e9)
 
 
 @pytest.mark.parametrize("name,T", [("seq", 1), ("snlp", 1), ("seq", BLOCK + 1)])
