@@ -189,9 +189,11 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     verifier's B+1 positions, fullgraph; CUDA graphs on CUDA), built once here and shared by every run, so
     the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
-    the latencies."""
+    the latencies. With `compile`, each record's `host_syncs` counts the host syncs per step of its compiled
+    steps (snlp.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
     from .generate import ideal_ssd_speedup, sequential_generate, snlp_generate, speculative_generate
-    from .steps import sequential_step, snlp_step
+    from .cache import KVCache
+    from .steps import host_syncs, sequential_step, snlp_step
 
     L = model.config.n_layer
     for plan in plans:
@@ -217,6 +219,13 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     for _ in range(runs):  # round-robin: drift hits every row alike
         for key, fn in fns.items():
             results[key].append(fn())
+    syncs = {}  # host syncs per compiled step, on the very steps timed (0 expected; snlp.steps.host_syncs)
+    if compile:
+        with torch.inference_mode():
+            size = seq.cache_len(prompt_len + new_tokens + seq.slack + max(blocks))  # a bucket the runs used
+            for key, step, T in [(None, seq, 1), ("verify", seq, max(blocks) + 1)] + [(p, drafts[p], 1) for p in plans]:
+                cache = KVCache.for_model(model, max_len=size)
+                syncs[key] = host_syncs(step, cache, T, calls=2) / 2
     ms = {key: statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs) for key, rs in results.items()}
     base = ms[("sequential", None, 0)]
     seq_step_ms = statistics.median(r.ms_per_step for r in results[("sequential", None, 0)])
@@ -230,7 +239,8 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
                "new_tokens": new_tokens, "prompt_len": prompt_len, "runs": runs, "n_layer": L,
                "device": str(next(model.parameters()).device),
                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,
-               "compile_s": seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0)}
+               "compile_s": seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
+               "host_syncs": None if not compile else syncs[plan] + (syncs["verify"] if b else 0.0)}
         if mode == "sequential":
             rec["model_bytes"] = model_bytes(model)
             rec["bandwidth_gb_s"] = rec["model_bytes"] * rec["tokens_per_s"] / 1e9
@@ -278,7 +288,7 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     print(f"sequential: {seq['model_bytes'] / 1e6:.1f} MB of weights x {seq['tokens_per_s']:.1f} tok/s = "
           f"{seq['bandwidth_gb_s']:.2f} GB/s achieved"
           + (f"; compile time (not in any timing): {sum(r['compile_s'] for r in records if r['mode'] != 'speculative'):.1f} s"
-             if args.compile else ""))
+             f"; host syncs per compiled step: {max(r['host_syncs'] for r in records):g}" if args.compile else ""))
     if args.json:
         write_json(args.json, records)
     return 0
