@@ -27,6 +27,7 @@ from .model import GPT
 from .plan import Plan
 from .runtime import cli_device, progress_bar, write_json
 from .solver import bind
+from .steps import EagerStep, Step, sequential_step, snlp_step
 from .timing import now as _now
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
@@ -54,6 +55,7 @@ class GenerateResult:
     step_s: float = 0.0  # ... and the time in them (forward + next-token pick), timed like draft_s
     verify_s: float = 0.0
     jacobi_iters: int = 0
+    compile_s: float = 0.0  # compiling the static-shape steps (--compile), done before any timing
     extra: dict = field(default_factory=dict)
 
     def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
@@ -149,14 +151,17 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
 
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
-                          eos_id: int | None = None, progress: bool = False) -> tuple[list[dict], list[list[int]]]:
+                          eos_id: int | None = None, progress: bool = False, compile: bool = False
+                          ) -> tuple[list[dict], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
     (interleaved, so load drift hits every row alike). Per round the counters are summed over the
     prompts and `speculative_report` taken; each row (one per B) holds the medians over the rounds,
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
-    output equals the sequential one, every round). Returns (rows, sequential tokens per prompt)."""
+    output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
+    `compile`: both sides run compiled static-shape steps (snlp.steps), built once here and shared by every
+    run (compiled during the warm-up; rows carry `compile_s`)."""
     plan = _as_plan(model, plan)
     blocks = tuple(blocks)
     if not prompts:
@@ -168,19 +173,21 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
-    for _ in range(warmup):  # allocator, kernels, fused weights: both sides
-        sequential_generate(model, prompts[0], **kw)
+    seq_step, draft_step = _seq_forward(model, compile), _snlp_forward(model, plan, compile)
+    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step)
+    for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
+        sequential_generate(model, prompts[0], **seq_kw)
         for b in blocks:
-            speculative_generate(model, prompts[0], plan, block=b, **kw)
+            speculative_generate(model, prompts[0], plan, block=b, **spec_kw)
     reports: dict[int, list[dict]] = {b: [] for b in blocks}
     matches = dict.fromkeys(blocks, True)
     with progress_bar(repeats * len(prompts), f"SSD {plan} B={','.join(map(str, blocks))}", progress) as bar:
         for _ in range(repeats):
             seq_runs, spec_runs = [], {b: [] for b in blocks}
             for p in prompts:
-                seq_runs.append(sequential_generate(model, p, **kw))
+                seq_runs.append(sequential_generate(model, p, **seq_kw))
                 for b in blocks:
-                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **kw))
+                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **spec_kw))
                 bar.update()
             seq = merge_results(seq_runs)
             for b in blocks:
@@ -195,7 +202,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
             row[key] = statistics.median(r[key] for r in reps)
         a, s = row["alpha"], row["drafter_speedup_s"]
         row["ideal_ssd_speedup"] = ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan")
-        row.update(matches_sequential=matches[b], repeats=repeats, prompts=len(prompts), gen_tokens=max_new_tokens)
+        row.update(matches_sequential=matches[b], repeats=repeats, prompts=len(prompts), gen_tokens=max_new_tokens,
+                   compiled=compile, compile_s=seq_step.compile_s + draft_step.compile_s)
         rows.append(row)
     return rows, [r.tokens for r in seq_runs]
 
@@ -239,7 +247,8 @@ class _Session:
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
-                 on_tokens: Callable[[list[int]], None] | None, mode: str):
+                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | None = None,
+                 slack: int = 0):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = _prompt_list(model, prompt_ids)
         max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
@@ -247,7 +256,11 @@ class _Session:
             raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
         if len(self.prompt) > max_len:
             raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
-        self.cache = KVCache.for_model(model, batch=1, max_len=max_len)
+        # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
+        # allocated at its bucketed length (snlp.steps: the size is a graph shape); positions past max_len are
+        # never valid, the budget below is what counts
+        size = max_len + slack if step is None else step.cache_len(max_len + slack)
+        self.cache = KVCache.for_model(model, batch=1, max_len=size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.out: list[int] = []
@@ -259,11 +272,16 @@ class _Session:
     def ids(self, tokens: list[int]) -> Tensor:
         return torch.tensor([tokens], dtype=torch.long, device=self.device)
 
-    def prefill(self, forward: Callable) -> None:
+    def warm(self, step: Step | EagerStep, lengths: list[int]) -> None:
+        """Compile `step` for these input lengths before anything is timed (a no-op for eager steps);
+        the time goes to result.compile_s, never into the decode times."""
+        self.result.compile_s += step.warm(self.cache, lengths)
+
+    def prefill(self, step: Step | EagerStep) -> None:
         """Cache the prompt without its last token (that one starts the decode loop)."""
         t0 = _now(self.device)
         if len(self.prompt) > 1:
-            forward(self.ids(self.prompt[:-1]), self.cache)
+            step.prefill(self.ids(self.prompt[:-1]), self.cache)
         self.result.prefill_s = _now(self.device) - t0
         self.t0 = _now(self.device)
 
@@ -302,12 +320,18 @@ def _generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def _seq_forward(model: GPT) -> Callable:
-    return lambda idx, cache: model(idx, cache=cache)
+def _seq_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None) -> Step | EagerStep:
+    return step if step is not None else sequential_step(model, compile)
 
 
-def _snlp_forward(model: GPT, plan: Plan) -> Callable:
-    return bind(model, plan, check_finite=False)  # fused once per call: (idx, cache) -> logits
+def _snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None
+                  ) -> Step | EagerStep:
+    # fused once per call; no NaN/inf check inside the step (a host sync per token)
+    return step if step is not None else snlp_step(bind(model, plan, check_finite=False), compile)
+
+
+def _slack(*steps) -> int:
+    return max(s.slack for s in steps)
 
 
 # ----- autoregressive: sequential and SNLP -----
@@ -315,9 +339,10 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
                     on_tokens) -> GenerateResult:
     _check_common(max_new_tokens, temperature)
     with torch.inference_mode():
-        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode)
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, _slack(forward))
         ses.result.plan = None if plan is None else str(plan)
         gen = _generator(seed, ses.device) if temperature > 0 else None
+        ses.warm(forward, [forward.prefill_len(len(ses.prompt) - 1), 1])
         ses.prefill(forward)
         res = ses.result
         while not ses.done:
@@ -333,21 +358,26 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
 
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
-                        on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
-    """KV-cached sequential decoding (the reference). Greedy at temperature 0."""
-    return _autoregressive(model, prompt_ids, _seq_forward(model), "sequential", None, max_new_tokens,
-                           temperature, eos_id, seed, max_len, on_tokens)
+                        on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                        step: Step | EagerStep | None = None) -> GenerateResult:
+    """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
+    the decode step run as compiled static-shape steps (snlp.steps; compiled before timing, compile_s);
+    `step` passes a prebuilt one (snlp.steps.sequential_step) so repeated calls share its graphs."""
+    return _autoregressive(model, prompt_ids, _seq_forward(model, compile, step), "sequential", None,
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
+                  on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                  step: Step | EagerStep | None = None) -> GenerateResult:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
-    model of `plan` decoded sequentially (the original model for M = 1)."""
+    model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
+    `sequential_generate` (snlp.steps.snlp_step)."""
     plan = _as_plan(model, plan)
-    return _autoregressive(model, prompt_ids, _snlp_forward(model, plan), "snlp", plan, max_new_tokens,
-                           temperature, eos_id, seed, max_len, on_tokens)
+    return _autoregressive(model, prompt_ids, _snlp_forward(model, plan, compile, step), "snlp", plan,
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 
 
 # ----- self-speculative decoding -----
@@ -377,8 +407,9 @@ def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generato
 
 def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
                          temperature: float = 0.0, eos_id: int | None = None, seed: int | None = None,
-                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
-                         ) -> GenerateResult:
+                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                         compile: bool = False, draft: Step | EagerStep | None = None,
+                         verify: Step | EagerStep | None = None) -> GenerateResult:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -387,16 +418,21 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     K/V, so the drafter always conditions on the exact history (snlp.cache). Greedy (temperature 0)
     output equals `sequential_generate`; with temperature > 0 rejection sampling keeps the model's
     distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
-    logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact)."""
+    logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact).
+    `compile`: drafter and verifier run as compiled static-shape steps (snlp.steps; the verifier always
+    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones."""
     _check_common(max_new_tokens, temperature, block)
     plan = _as_plan(model, plan)
-    draft_fwd, verify_fwd = _snlp_forward(model, plan), _seq_forward(model)
+    draft_fwd, verify_fwd = _snlp_forward(model, plan, compile, draft), _seq_forward(model, compile, verify)
     greedy = temperature == 0
     with torch.inference_mode():
-        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative")
+        ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
+                       _slack(draft_fwd, verify_fwd) + block)
         res, cache, dev = ses.result, ses.cache, ses.device
         res.plan, res.block = str(plan), block
         gen = None if greedy else _generator(seed, dev)
+        ses.warm(verify_fwd, [verify_fwd.prefill_len(len(ses.prompt) - 1), block + 1])
+        ses.warm(draft_fwd, [1])
         ses.prefill(verify_fwd)
         while not ses.done:
             P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
@@ -412,7 +448,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                 drafts.append(x)
             t1 = _now(dev)
             cache.rollback(P)  # verification rewrites positions P..P+Bk with exact K/V
-            logits = verify_fwd(ses.ids([ses.last] + drafts), cache)[0]  # (Bk+1, V)
+            logits = verify_fwd(ses.ids([ses.last] + drafts), cache, pad_to=block + 1)[0]  # (Bk+1, V)
             if greedy:
                 target = logits.argmax(-1).tolist()
                 n = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
@@ -459,10 +495,11 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     if warm_start and plan is None:
         raise ValueError("warm_start (h0-JD) warm-starts SNLP chunk states: it needs a plan")
     seq_fwd = _seq_forward(model)
-    jac_fwd = seq_fwd if plan is None else _snlp_forward(model, plan)
+    runner = None if plan is None else bind(model, plan, check_finite=False)
+    jac_fwd = seq_fwd if plan is None else snlp_step(runner)
     if warm_start:
         def warm_fwd(idx, cache, init):  # -> logits, final chunk states (C, 1, T, D)
-            res = jac_fwd.solve(idx, cache=cache, keep_states=True, init_states=init)
+            res = runner.solve(idx, cache=cache, keep_states=True, init_states=init)
             return model.head(res.hidden), res.states[-1]
     with torch.inference_mode():
         ses = _Session(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi")
@@ -522,6 +559,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
                         "round of each; the speedups reported are medians")
+    p.add_argument("--compile", action="store_true",
+                   help="run prefill and decode steps compiled (torch.compile fullgraph static-shape steps, CUDA graphs on "
+                        "CUDA; sequential, snlp and speculative modes); compile time is reported, not timed")
     p.add_argument("--quiet", action="store_true", help="do not stream the text")
     p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
     p.add_argument("--distributed", action="store_true",
@@ -542,6 +582,9 @@ def run(args) -> int:
         raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
+    if args.mode == "jacobi" and getattr(args, "compile", False):
+        raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
+                         "every iteration); drop --compile for --mode jacobi")
     _check_common(args.max_new_tokens, args.temperature, args.block)
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
@@ -562,6 +605,7 @@ def run(args) -> int:
         prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id)
+    compile = getattr(args, "compile", False)
 
     printed = [""]
 
@@ -577,13 +621,13 @@ def run(args) -> int:
         sys.stdout.write(args.prompt)
     if args.mode == "sequential":
         res = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                                  **kw)
+                                  compile=compile, **kw)
     elif args.mode == "snlp":
         res = snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                            **kw)
+                            compile=compile, **kw)
     elif args.mode == "speculative":
         res = speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
-                                   seed=args.seed, on_tokens=on_tokens, **kw)
+                                   seed=args.seed, on_tokens=on_tokens, compile=compile, **kw)
     else:
         res = jacobi_generate(model, prompt, plan, block=args.block, on_tokens=on_tokens, **kw)
     if not args.quiet:
@@ -591,13 +635,15 @@ def run(args) -> int:
     text = tok.decode(res.tokens)
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
             f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}"
+    if compile:
+        stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": text, **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:  # s and the measured speedup: warm, repeated, medians
         rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                                  repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                                 seed=args.seed, eos_id=args.eos_id)
+                                                 seed=args.seed, eos_id=args.eos_id, compile=compile)
         rep = rows[0]
         record["report"] = rep
         record["sequential_tokens_per_s"] = 1e3 / rep["sequential_ms_per_token"]

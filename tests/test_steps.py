@@ -1,0 +1,168 @@
+"""Static-shape KV-cached steps (snlp.steps): positions as a tensor and masked attention over the whole cache
+equal the dynamic eager path; compiled (inductor, fullgraph) steps equal eager (logits within fp32 rounding,
+greedy tokens identical) for sequential, SNLP, speculative draft and verify steps; a compiled decode step
+runs no host sync (no aten::item / _local_scalar_dense in its profile); bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import configs, examples, make_model, mhc_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import snlp
+from snlp import Plan
+from snlp.bench import decode_benchmark
+from snlp.cache import KVCache
+from snlp.generate import sequential_generate, snlp_generate, speculative_generate
+from snlp.steps import Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _static_vs_dynamic(model, forward, ids, cut):
+    """Logits of a prefill of ids[:, :cut] and then one-token steps, through the dynamic path (cache length)
+    and through the static one (pos tensor, whole cache under a mask), max abs difference."""
+    B, T = ids.shape
+    dyn, sta = KVCache.for_model(model, batch=B, max_len=T + 3), KVCache.for_model(model, batch=B, max_len=T + 3)
+    diffs = []
+    with torch.no_grad():
+        for a, b in [(0, cut)] + [(t, t + 1) for t in range(cut, T)]:
+            x = forward(ids[:, a:b], dyn)
+            y = forward(ids[:, a:b], sta, pos=torch.arange(a, b))
+            sta.advance(b - a)
+            diffs.append((x - y).abs().max().item())
+    assert dyn.length == sta.length == T
+    return max(diffs)
+
+
+@given(cfg=configs(max_layers=5), plan_kind=st.sampled_from(["seq", "F1", "F2", "fwd"]), B=st.integers(1, 2),
+       T=st.integers(2, 12), data=st.data())
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_static_positions_equal_dynamic_path(cfg, plan_kind, B, T, data):
+    model = make_model(**cfg)
+    L = model.config.n_layer
+    cut = data.draw(st.integers(1, T))
+    if plan_kind == "seq":
+        forward = lambda idx, cache, pos=None: model(idx, cache=cache, pos=pos)  # noqa: E731
+    else:
+        fuse = 2 if plan_kind == "F2" and L >= 3 else 1
+        C = (L - 1) // fuse
+        plan = f"{C}xF{fuse}-{'fwd' if plan_kind == 'fwd' else 'h0'}-K{data.draw(st.integers(1, C))}"
+        forward = snlp.bind(model, plan, check_finite=False)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(T))
+    assert _static_vs_dynamic(model, forward, ids, cut) < 1e-10  # fp64
+
+
+def test_static_positions_mhc_hcn():
+    model = mhc_model(n_layer=4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    for forward in (lambda idx, cache, pos=None: model(idx, cache=cache, pos=pos),
+                    snlp.bind(model, "3xF1-h0-K1-hcn", check_finite=False)):
+        assert _static_vs_dynamic(model, forward, ids, 5) < 1e-10
+
+
+# ----- compiled steps (inductor compiles to C++ on CPU). One tiny model, few graphs: compiling is slow on
+# 2 cores, so every test below shares the module's steps (a graph per (step, length), compiled once).
+PLAN = "2xF1-h0-K1"
+BLOCK = 3
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch.manual_seed(0)
+    model = make_model(dtype=torch.float32, n_layer=3, scale=0.3)  # sliding windows on: the mask path
+    runner = snlp.bind(model, PLAN, check_finite=False)
+    # graphs (all on one cache bucket of 64 positions): seq prefill (16), seq step (1), verify (B+1), snlp prefill
+    # (16), snlp step (1); every test below (and decode_benchmark) reuses them: prompts are <= 17 tokens
+    steps = {"seq": sequential_step(model, compile=True), "snlp": snlp_step(runner, compile=True)}
+    return model, runner, steps
+
+
+def test_compiled_steps_equal_eager(compiled):
+    model, runner, steps = compiled
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    for name, eager in (("seq", sequential_step(model)), ("snlp", snlp_step(runner))):
+        step = steps[name]
+        with torch.inference_mode():  # caches made as generate makes them (guards check dispatch keys)
+            ce = KVCache.for_model(model, max_len=10)
+            cc = KVCache.for_model(model, max_len=step.cache_len(10 + step.slack))  # the bucket generate uses too
+            pieces = [(0, 4)] + [(t, t + 1) for t in range(4, 10)]
+            for a, b in pieces:
+                x, y = eager(ids[:, a:b], ce), step(ids[:, a:b], cc) if b - a == 1 else step.prefill(ids[:, a:b], cc)
+                assert y.shape == x.shape
+                assert (x - y).abs().max().item() < 1e-4, name  # fp32: rounding of fused kernels only
+                assert torch.equal(x.argmax(-1), y.argmax(-1))
+        assert cc.length == ce.length == 10
+    assert steps["seq"].compile_s > 0 and (1, 1) in steps["seq"]._seen
+
+
+def test_compiled_generation_equals_eager(compiled):
+    model, runner, steps = compiled
+    prompt = [3, 14, 15, 9, 2]
+    ref = sequential_generate(model, prompt, max_new_tokens=12)
+    got = sequential_generate(model, prompt, max_new_tokens=12, step=steps["seq"])
+    assert got.tokens == ref.tokens and len(got.tokens) == 12
+    spec = speculative_generate(model, prompt, PLAN, block=BLOCK, max_new_tokens=12, draft=steps["snlp"],
+                                verify=steps["seq"])
+    assert spec.tokens == ref.tokens  # the verifier keeps greedy output exact; short last rounds are padded
+    assert spec.rounds >= 3
+    eager_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8)
+    got_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8, step=steps["snlp"])
+    assert got_snlp.tokens == eager_snlp.tokens
+    assert got.compile_s == 0.0  # the shared steps were compiled by the test before: nothing left to compile
+
+
+def test_compiled_decode_benchmark(compiled):
+    """`snlp bench --decode --compile`'s library function: both sides compiled, compile time reported apart, the
+    speculative rows still equal sequential, and the sequential row's achieved bandwidth is model bytes x tok/s."""
+    model, _, _ = compiled
+    recs = decode_benchmark(model, [Plan.parse(PLAN, 3)], prompt_len=5, new_tokens=6, blocks=(BLOCK,), warmup=1,
+                            runs=1, compile=True)
+    assert [r["mode"] for r in recs] == ["sequential", "snlp", "speculative"]
+    assert all(r["compiled"] for r in recs) and recs[-1]["matches_sequential"]
+    assert all(r["host_syncs"] == 0 for r in recs)  # checked on the steps the benchmark timed
+    seq = recs[0]
+    assert seq["model_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        model.inv_freq.numel() * 4
+    assert seq["bandwidth_gb_s"] == pytest.approx(seq["model_bytes"] * seq["tokens_per_s"] / 1e9)
+
+
+@pytest.mark.parametrize("name,T", [("seq", 1), ("snlp", 1), ("seq", BLOCK + 1)])
+def test_compiled_step_has_no_host_sync(compiled, name, T):
+    """A compiled decode step (sequential, SNLP drafter, verifier over B+1 positions) never reads a value back
+    to the host: no aten::item / _local_scalar_dense in its CPU profile (on CUDA they would stall the stream
+    and forbid CUDA graphs; there `host_syncs` runs under torch.cuda.set_sync_debug_mode("error"))."""
+    model, _, steps = compiled
+    step = steps[name]
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=step.cache_len(4 * T + step.slack))  # same graph shapes as above
+        step(torch.ones(1, T, dtype=torch.long), cache)  # compiled already (shared graphs); now the cache has a length
+        assert host_syncs(step, cache, T, calls=3) == 0
+    assert cache.length == 4 * T
+
+
+def test_eager_step_does_sync_so_the_probe_can_fail():
+    """The eager CPU path still checks token ids on the host (an aten::item per forward): the probe sees it."""
+    model = make_model(dtype=torch.float32, n_layer=3)
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=4)
+        assert host_syncs(sequential_step(model), cache, 1, calls=2) > 0
+
+
+def test_step_input_errors():
+    model = make_model(dtype=torch.float32, n_layer=3)
+    with pytest.raises(ValueError, match="check_finite=False"):
+        snlp_fn(snlp.bind(model, PLAN))
+    with pytest.raises(ValueError, match="tol"):
+        snlp_fn(snlp.bind(model, "2xF1-h0-K2-tol:0.01", check_finite=False))
+    with pytest.raises(ValueError, match="prefill_pad"):
+        Step(sequential_fn(model), "cpu", compile=False, prefill_pad=0)
+    with pytest.raises(ValueError, match="pass the cache"):
+        model(torch.tensor([[1, 2]]), pos=torch.arange(2))
+    cache = KVCache.for_model(model, max_len=4)
+    with pytest.raises(ValueError, match=r"pos must be a \(T,\)"):
+        model(torch.tensor([[1, 2]]), cache=cache, pos=torch.arange(3))
+    with pytest.raises(ValueError, match="KV cache overflow"):  # the room check stays on the host, outside
+        Step(sequential_fn(model), "cpu", compile=False)(torch.ones(1, 5, dtype=torch.long), cache)
