@@ -74,6 +74,8 @@ def add_arguments(p) -> None:
                        help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
     suite.add_argument("--suite-runs", type=int, default=None,
                        help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
+    suite.add_argument("--suite-new-tokens", type=int, default=None,
+                       help="--suite: decoded tokens per decode run (default 128; 4 quick)")
     suite.add_argument("--treatments", default="eager,compiled", help="--suite: eager and/or compiled")
     suite.add_argument("--no-decode", action="store_true", help="--suite: skip the KV-cached decode rows")
     ops = p.add_argument_group("single-layer op benchmark (--ops)")
@@ -437,6 +439,7 @@ def run_suite_cli(args) -> int:
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
                       tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
+                      new_tokens=args.suite_new_tokens,
                       treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))

@@ -14,14 +14,14 @@ defaults on CUDA. Output: a JSON file (every record + device, torch / CUDA versi
 command) and a markdown table with the paper's speedup beside ours.
 
 `quick` is a CPU smoke run (CI): the same shapes shrunk (width 64, vocab 256, T = 16; depth cut to
-the plans' largest suffix + 2 prefix layers so every plan keeps its chunk structure), few runs,
-compiled on one shape only.
+the plans' largest suffix + 2 prefix layers so every plan keeps its chunk structure), few runs, one
+CPU thread, compiled prefill on one shape only and no compiled decode (compiling the static-shape
+decode steps takes minutes on a 2-core CPU; tests/test_steps.py checks them against eager).
 """
 
 from __future__ import annotations
 
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -30,17 +30,13 @@ from pathlib import Path
 
 import torch
 
-from .bench import benchmark, decode_benchmark
+from .bench import benchmark, decode_benchmark, model_bytes
 from .model import GPT, GPTConfig
 from .plan import Plan
 from .runtime import device_label
 
 RANDOM_WEIGHTS = "random weights (timing only)"
 TREATMENTS = ("eager", "compiled")
-# TODO(suite): drop this guard once main's decode_benchmark(compile=...) (the lead's compiled decode
-# steps) is merged here; until then the compiled decode column reports "-" with this reason.
-DECODE_COMPILE = "compile" in inspect.signature(decode_benchmark).parameters
-NO_DECODE_COMPILE = "compiled decode not available in this build (decode_benchmark has no compile=)"
 
 
 @dataclass(frozen=True)
@@ -121,6 +117,8 @@ class SuiteConfig:
     runs: int | None = None  # prefill timed rounds; None: 200 on cuda (paper), 5 on cpu, 3 with quick
     treatments: tuple[str, ...] = TREATMENTS  # eager and/or compiled
     decode: bool = True  # also time KV-cached decoding
+    decode_compiled: bool | None = None  # compiled decode too; None: yes, no with quick (compiling the static-shape
+    #                                      decode steps takes minutes on a 2-core CPU; tests/test_steps.py covers them)
     prompt_len: int = 16  # decode prompt (the paper's SSD protocol: prefill length 16)
     new_tokens: int | None = None  # decoded tokens per run; None: 128, 4 with quick
     decode_warmup: int | None = None  # None: 2 on cuda, 1 on cpu, 0 with quick
@@ -155,7 +153,8 @@ class SuiteConfig:
         cfg = replace(self, device=str(device), dtype=self.dtype or ("bfloat16" if cuda else "float32"),
                       shapes=shapes, tokens=tokens, warmup=pick(self.warmup, 1, 50, 2), runs=pick(self.runs, 3, 200, 5),
                       new_tokens=pick(self.new_tokens, 4, 128, 128), decode_warmup=pick(self.decode_warmup, 0, 2, 1),
-                      decode_runs=pick(self.decode_runs, 1, 10, 3), vocab_size=pick(self.vocab_size, 256, 32768, 32768),
+                      decode_runs=pick(self.decode_runs, 1, 10, 3),
+                      decode_compiled=self.decode_compiled if self.decode_compiled is not None else not q, vocab_size=pick(self.vocab_size, 256, 32768, 32768),
                       threads=self.threads if self.threads is not None else (1 if q and not cuda else None),
                       short_window=self.short_window if self.short_window is not None else
                       (max(tokens // 2, 1) if q else 512))
@@ -178,18 +177,13 @@ class SuiteResult:
     markdown_path: str | None = None
 
 
-def model_bytes(model: GPT) -> int:
-    """Bytes of all parameters and buffers: what gpt-fast multiplies by tokens/s for 'bandwidth achieved'."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
 def _meta(cfg: SuiteConfig) -> dict:
     device = torch.device(cfg.device)
     meta = {"suite": "paper", "quick": cfg.quick, "weights": RANDOM_WEIGHTS, "device": device_label(device),
             "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": cfg.dtype,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": cfg.command, "platform": platform.platform(), "batch": 1,
-            "compiled_decode": DECODE_COMPILE, "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads()}
     if hasattr(os, "getloadavg"):
         meta["loadavg_1min_start"] = os.getloadavg()[0]
     return meta
@@ -237,7 +231,7 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
                 r.update(common, kind="prefill", treatment=treatment,
                          paper_speedup=PAPER_PREFILL.get((shape.key, r["plan"])))
             result.records += recs
-            if cfg.decode:
+            if cfg.decode and (cfg.decode_compiled or not compiled):
                 result.records += _decode(model, plans, cfg, compiled, common, shape)
             if compiled:
                 torch._dynamo.reset()  # free this shape's graphs (and CUDA-graph pools) before the next
@@ -258,18 +252,14 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
 
 
 def _decode(model: GPT, plans: list[Plan], cfg: SuiteConfig, compiled: bool, common: dict, shape: Shape) -> list[dict]:
-    if compiled and not DECODE_COMPILE:  # TODO(suite): remove with the DECODE_COMPILE guard
-        return [{**common, "kind": "decode", "treatment": "compiled", "plan": p, "skipped": NO_DECODE_COMPILE}
-                for p in ["sequential", *map(str, plans)]]
-    kw = {"compile": compiled} if DECODE_COMPILE else {}
+    # compiled: static-shape steps (snlp.steps) on both sides, compile time apart, host syncs per step counted;
+    # the sequential row carries gpt-fast's "bandwidth achieved" = model bytes x tokens/s (bandwidth_gb_s)
     recs = decode_benchmark(model, plans, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, blocks=cfg.blocks,
-                            warmup=cfg.decode_warmup, runs=cfg.decode_runs, seed=cfg.seed, **kw)
+                            warmup=cfg.decode_warmup, runs=cfg.decode_runs, seed=cfg.seed, compile=compiled)
     for r in recs:
         r["decode_mode"] = r.pop("mode")  # sequential / snlp / speculative
         r.update(common, kind="decode", treatment="compiled" if compiled else "eager",
                  paper_drafter_s=PAPER_DRAFTER_S.get((shape.key, r["plan"])) if r["decode_mode"] == "snlp" else None)
-        if r["decode_mode"] == "sequential":  # gpt-fast's "bandwidth achieved": model bytes x tokens/s
-            r["bandwidth_gbs"] = common["model_bytes"] * r["tokens_per_s"] / 1e9
     return recs
 
 
@@ -280,9 +270,10 @@ def _x(v, fmt="{:.2f}x") -> str:
 
 def _find(records, **kw) -> dict | None:
     for r in records:
-        if all(r.get(k) == v for k, v in kw.items()) and "skipped" not in r:
+        if all(r.get(k) == v for k, v in kw.items()):
             return r
     return None
+
 
 
 def markdown(result: SuiteResult) -> str:
@@ -298,14 +289,12 @@ def markdown(result: SuiteResult) -> str:
              f"- window pattern {cfg.window_pattern} (short window {cfg.short_window}), vocab {cfg.vocab_size}"]
     if cfg.quick:
         lines.append("- QUICK: smoke-size shapes (width 64, depth = largest suffix + 2), NOT the paper's shapes; "
-                     f"compiled only on {QUICK_COMPILED}")
+                     f"compiled prefill only on {QUICK_COMPILED}" + ("" if cfg.decode_compiled else ", no compiled decode"))
     if "loadavg_1min_start" in m:
         lines.append(f"- 1-min load average: {m['loadavg_1min_start']:.2f} at start, "
                      f"{m.get('loadavg_1min_end', float('nan')):.2f} at end")
     if m.get("command"):
         lines.append(f"- command: `{m['command']}`")
-    if cfg.decode and "compiled" in cfg.treatments and not DECODE_COMPILE:
-        lines.append(f"- {NO_DECODE_COMPILE}")
     lines += ["", "| shape | plan | ideal (layers) | ideal (struct.) | prefill eager | of struct. | prefill compiled | "
               "of struct. | paper prefill | decode eager | decode compiled | paper s (SSD drafter) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -323,10 +312,13 @@ def markdown(result: SuiteResult) -> str:
                 _x(pc and 100 * pc["of_structural"], "{:.0f}%"), _x(PAPER_PREFILL.get((shape.key, plan))),
                 _x(de and de["speedup"]), _x(dc and dc["speedup"]), _x(PAPER_DRAFTER_S.get((shape.key, plan)))]) + " |")
     lines += ["", "Sequential baselines (the denominators): prefill median ms; compile s = the untimed calls that "
-              "compile every callable of the row set; decode ms/token and the bandwidth model bytes x tokens/s.", "",
-              "| shape | L | D | model MB | prefill eager ms | prefill compiled ms | compile s | decode eager ms/tok | "
-              "decode compiled ms/tok | decode eager GB/s | decode compiled GB/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "compile every callable of that treatment (never inside a timing); decode ms/token; GB/s = model bytes "
+              "x tokens/s of sequential decoding (gpt-fast's 'bandwidth achieved'); syncs = host syncs per compiled "
+              "decode step, the most over its steps (0 is the contract).", "",
+              "| shape | L | D | model MB | prefill eager ms | prefill compiled ms | prefill compile s | "
+              "decode eager ms/tok | decode compiled ms/tok | decode compile s | decode eager GB/s | "
+              "decode compiled GB/s | syncs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in [s for s in PAPER_SHAPES if s.key in cfg.shapes]:
         pe = _find(recs, shape=shape.key, plan="sequential", kind="prefill", treatment="eager")
         pc = _find(recs, shape=shape.key, plan="sequential", kind="prefill", treatment="compiled")
@@ -335,15 +327,17 @@ def markdown(result: SuiteResult) -> str:
         any_r = pe or pc or de or dc
         if any_r is None:
             continue
-        comp = None
-        if pc:
-            comp = sum(r["compile_s"] for r in recs if r.get("shape") == shape.key and r.get("kind") == "prefill"
-                       and r.get("treatment") == "compiled") + pc["fixed_compile_s"]
+        mine = [r for r in recs if r.get("shape") == shape.key and r.get("treatment") == "compiled"]
+        p_comp = (sum(r["compile_s"] for r in mine if r["kind"] == "prefill") + pc["fixed_compile_s"]) if pc else None
+        d_comp = sum(r["compile_s"] for r in mine if r["kind"] == "decode" and r["decode_mode"] != "speculative") \
+            if dc else None  # the speculative rows reuse the drafter's and the sequential verifier's graphs
+        syncs = max(r["host_syncs"] for r in mine if r["kind"] == "decode") if dc else None
         lines.append(" | ".join([
             f"| {shape.key}", str(any_r["n_layer"]), str(any_r["n_embd"]), f"{any_r['model_bytes'] / 1e6:.1f}",
-            _x(pe and pe["median_ms"], "{:.3f}"), _x(pc and pc["median_ms"], "{:.3f}"), _x(comp, "{:.1f}"),
-            _x(de and de["ms_per_token"], "{:.3f}"), _x(dc and dc["ms_per_token"], "{:.3f}"),
-            _x(de and de.get("bandwidth_gbs"), "{:.2f}"), _x(dc and dc.get("bandwidth_gbs"), "{:.2f}")]) + " |")
+            _x(pe and pe["median_ms"], "{:.3f}"), _x(pc and pc["median_ms"], "{:.3f}"), _x(p_comp, "{:.1f}"),
+            _x(de and de["ms_per_token"], "{:.3f}"), _x(dc and dc["ms_per_token"], "{:.3f}"), _x(d_comp, "{:.1f}"),
+            _x(de and de.get("bandwidth_gb_s"), "{:.2f}"), _x(dc and dc.get("bandwidth_gb_s"), "{:.2f}"),
+            _x(syncs, "{:g}")]) + " |")
     lines += ["", "Columns: *ideal (layers)* = L / (S + K x evals [+1 fwd]), the op-count ideal; *ideal (struct.)* = "
               "t_seq / (t_fixed + steps x t_layer) with the embedding + head time t_fixed measured (eager); *prefill* "
               "and *decode* = sequential time / plan time, same treatment both sides; *of struct.* = speedup / "

@@ -33,15 +33,18 @@ def _check_records(records: list[dict], compiled_shapes: set[str]) -> None:
                     assert math.isfinite(r[key]) and r[key] >= 0
                 assert r["paper_speedup"] == PAPER_PREFILL.get((shape.key, r["plan"]))
                 assert r["n_layer"] == max(Plan.parse(p).n_suffix for p in shape.plans) + 2  # shrunk: suffix + 2
-            decode = [r for r in rows if r["kind"] == "decode" and "skipped" not in r]
-            if treatment == "eager" or decode:
+            decode = [r for r in rows if r["kind"] == "decode"]
+            assert all(r["compiled"] is (treatment == "compiled") for r in decode)
+            if treatment == "compiled":
+                assert decode == []  # quick: compiled prefill only (compiled decode: tests/test_steps.py)
+            if decode:
                 snlp_rows = [r for r in decode if r["decode_mode"] == "snlp"]
                 assert [r["plan"] for r in snlp_rows] == list(shape.plans)
                 for r in snlp_rows:
                     assert r["paper_drafter_s"] == PAPER_DRAFTER_S.get((shape.key, r["plan"]))
                     assert math.isfinite(r["ms_per_token"]) and r["new_tokens"] == 4
                 seq = [r for r in decode if r["decode_mode"] == "sequential"]
-                assert len(seq) == 1 and seq[0]["bandwidth_gbs"] == pytest.approx(
+                assert len(seq) == 1 and seq[0]["bandwidth_gb_s"] == pytest.approx(
                     seq[0]["model_bytes"] * seq[0]["tokens_per_s"] / 1e9)
                 assert all(r["matches_sequential"] for r in decode if r["decode_mode"] == "speculative")
 
