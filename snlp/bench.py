@@ -63,13 +63,16 @@ def add_arguments(p) -> None:
                           "on a shared CPU)")
     suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.suite)")
     suite.add_argument("--suite", choices=["paper"], default=None,
-                       help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached decode, "
-                            "eager and compiled, random weights; writes suite.json + suite.md to --out")
-    suite.add_argument("--quick", action="store_true", help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
+                       help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
+                            "decode, eager and compiled, random weights; writes suite.json + suite.md to --out")
+    suite.add_argument("--quick", action="store_true",
+                       help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
     suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
     suite.add_argument("--shapes", default=None,
-                       help="--suite: comma-separated subset of the shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B (default all)")
-    suite.add_argument("--suite-tokens", type=int, default=None, help="--suite: prefill length T (default 2048; 16 quick)")
+                       help="--suite: comma-separated subset of the shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B "
+                            "(default all)")
+    suite.add_argument("--suite-tokens", type=int, default=None,
+                       help="--suite: prefill length T (default 2048; 16 quick)")
     suite.add_argument("--suite-warmup", type=int, default=None,
                        help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
     suite.add_argument("--suite-runs", type=int, default=None,

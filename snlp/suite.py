@@ -154,13 +154,15 @@ class SuiteConfig:
                       shapes=shapes, tokens=tokens, warmup=pick(self.warmup, 1, 50, 2), runs=pick(self.runs, 3, 200, 5),
                       new_tokens=pick(self.new_tokens, 4, 128, 128), decode_warmup=pick(self.decode_warmup, 0, 2, 1),
                       decode_runs=pick(self.decode_runs, 1, 10, 3),
-                      decode_compiled=self.decode_compiled if self.decode_compiled is not None else not q, vocab_size=pick(self.vocab_size, 256, 32768, 32768),
+                      decode_compiled=self.decode_compiled if self.decode_compiled is not None else not q,
+                      vocab_size=pick(self.vocab_size, 256, 32768, 32768),
                       threads=self.threads if self.threads is not None else (1 if q and not cuda else None),
                       short_window=self.short_window if self.short_window is not None else
                       (max(tokens // 2, 1) if q else 512))
         if cfg.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"suite: dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
-        counts = (cfg.tokens, cfg.runs, cfg.new_tokens, cfg.decode_runs, cfg.prompt_len, cfg.vocab_size, cfg.threads or 1)
+        counts = (cfg.tokens, cfg.runs, cfg.new_tokens, cfg.decode_runs, cfg.prompt_len, cfg.vocab_size,
+                  cfg.threads or 1)
         if min(counts) < 1 or min(cfg.warmup, cfg.decode_warmup) < 0 or not cfg.blocks or min(cfg.blocks) < 1:
             raise ValueError("suite: tokens, runs, new_tokens, decode_runs, prompt_len, vocab_size, threads and every "
                              "block must be >= 1, warm-ups >= 0")
@@ -289,7 +291,8 @@ def markdown(result: SuiteResult) -> str:
              f"- window pattern {cfg.window_pattern} (short window {cfg.short_window}), vocab {cfg.vocab_size}"]
     if cfg.quick:
         lines.append("- QUICK: smoke-size shapes (width 64, depth = largest suffix + 2), NOT the paper's shapes; "
-                     f"compiled prefill only on {QUICK_COMPILED}" + ("" if cfg.decode_compiled else ", no compiled decode"))
+                     f"compiled prefill only on {QUICK_COMPILED}"
+                     + ("" if cfg.decode_compiled else ", no compiled decode"))
     if "loadavg_1min_start" in m:
         lines.append(f"- 1-min load average: {m['loadavg_1min_start']:.2f} at start, "
                      f"{m.get('loadavg_1min_end', float('nan')):.2f} at end")

@@ -76,7 +76,8 @@ def test_compiled_forwards_equal_eager_and_the_benchmark_reports_compile_time_ap
     idx = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
     plans = parse_plans("2xF2-fwd-K1")  # one plan: compiling is slow on 2 cores (fused chunks, fwd init, IDN)
     with torch.inference_mode():
-        for fn in [lambda: model(idx)] + [(lambda r: lambda: r(idx))(bind(model, p, check_finite=False)) for p in plans]:
+        runners = [bind(model, p, check_finite=False) for p in plans]
+        for fn in [lambda: model(idx)] + [(lambda r: lambda: r(idx))(r) for r in runners]:
             eager = fn()
             compiled = compile_step(fn, idx.device)()
             torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)  # fp32: inductor's C++ vs eager
