@@ -46,7 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--compile", action="store_true", help="torch.compile both the sequential and SNLP forwards")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (fullgraph) both the sequential and SNLP forwards; with --decode the static-shape "
+                        "decode steps of both sides (CUDA graphs on CUDA); compile time is reported apart from timings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the records to this JSON file")
     dec = p.add_argument_group("decode benchmark (--decode)")
@@ -164,12 +166,34 @@ def print_table(records: list[dict], title: str) -> None:
     Console().print(table)
 
 
+def model_bytes(model: GPT) -> int:
+    """Bytes of the model's parameters and buffers: what one sequential decode step streams from memory
+    (gpt-fast's "model size"; tied embeddings counted once)."""
+    seen, n = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+    return n
+
+
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
-                     blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0) -> list[dict]:
+                     blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
+                     compile: bool = False) -> list[dict]:
     """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
     and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
-    with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential."""
+    with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
+    sequential row also gives the achieved memory bandwidth, model bytes x tokens/s (gpt-fast's figure).
+
+    `compile`: every side runs compiled static-shape steps (snlp.steps: prefill, the one-token step, the
+    verifier's B+1 positions, fullgraph; CUDA graphs on CUDA), built once here and shared by every run, so
+    the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
+    generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
+    the latencies. With `compile`, each record's `host_syncs` counts the host syncs per step of its compiled
+    steps (snlp.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
     from .generate import ideal_ssd_speedup, sequential_generate, snlp_generate, speculative_generate
+    from .cache import KVCache
+    from .steps import host_syncs, sequential_step, snlp_step
 
     L = model.config.n_layer
     for plan in plans:
@@ -179,13 +203,15 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     model.eval()
-    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens)}
+    seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
+    drafts = {plan: snlp_step(bind(model, plan, check_finite=False), compile) for plan in plans}
+    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
     for plan in plans:
-        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens))(plan)
+        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p]))(plan)
     for plan in plans:
         for b in blocks:
-            fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(model, prompt, p, b, new_tokens)
-                                             )(plan, b)
+            fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
+                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq))(plan, b)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -193,6 +219,13 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     for _ in range(runs):  # round-robin: drift hits every row alike
         for key, fn in fns.items():
             results[key].append(fn())
+    syncs = {}  # host syncs per compiled step, on the very steps timed (0 expected; snlp.steps.host_syncs)
+    if compile:
+        with torch.inference_mode():
+            size = seq.cache_len(prompt_len + new_tokens + seq.slack + max(blocks))  # a bucket the runs used
+            for key, step, T in [(None, seq, 1), ("verify", seq, max(blocks) + 1)] + [(p, drafts[p], 1) for p in plans]:
+                cache = KVCache.for_model(model, max_len=size)
+                syncs[key] = host_syncs(step, cache, T, calls=2) / 2
     ms = {key: statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs) for key, rs in results.items()}
     base = ms[("sequential", None, 0)]
     seq_step_ms = statistics.median(r.ms_per_step for r in results[("sequential", None, 0)])
@@ -205,7 +238,12 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
                "speedup": base / ms[(mode, plan, b)], "matches_sequential": r.tokens == ref_tokens,
                "new_tokens": new_tokens, "prompt_len": prompt_len, "runs": runs, "n_layer": L,
                "device": str(next(model.parameters()).device),
-               "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+               "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "compiled": compile,
+               "compile_s": seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
+               "host_syncs": None if not compile else syncs[plan] + (syncs["verify"] if b else 0.0)}
+        if mode == "sequential":
+            rec["model_bytes"] = model_bytes(model)
+            rec["bandwidth_gb_s"] = rec["model_bytes"] * rec["tokens_per_s"] / 1e9
         if mode == "speculative":
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
             # drafter speedup, like with like: sequential over drafter ms per cached single-token step
@@ -240,12 +278,17 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     except ValueError:
         raise ValueError(f"--blocks must be comma-separated integers, got {args.blocks!r}") from None
     records = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
-                               args.seed)
+                               args.seed, compile=args.compile)
     cfg = model.config
     where = device_label(device)
-    print_decode_table(records, f"cached greedy decode: L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} "
-                                f"prompt={args.prompt_len} new={args.new_tokens} {dtype} on {where}, "
-                                f"median of {args.runs} runs")
+    print_decode_table(records, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
+                                f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "
+                                f"{dtype} on {where}, median of {args.runs} runs")
+    seq = records[0]
+    print(f"sequential: {seq['model_bytes'] / 1e6:.1f} MB of weights x {seq['tokens_per_s']:.1f} tok/s = "
+          f"{seq['bandwidth_gb_s']:.2f} GB/s achieved"
+          + (f"; compile time (not in any timing): {sum(r['compile_s'] for r in records if r['mode'] != 'speculative'):.1f} s"
+             f"; host syncs per compiled step: {max(r['host_syncs'] for r in records):g}" if args.compile else ""))
     if args.json:
         write_json(args.json, records)
     return 0

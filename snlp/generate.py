@@ -151,14 +151,17 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
 
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
-                          eos_id: int | None = None, progress: bool = False) -> tuple[list[dict], list[list[int]]]:
+                          eos_id: int | None = None, progress: bool = False, compile: bool = False
+                          ) -> tuple[list[dict], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
     (interleaved, so load drift hits every row alike). Per round the counters are summed over the
     prompts and `speculative_report` taken; each row (one per B) holds the medians over the rounds,
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
-    output equals the sequential one, every round). Returns (rows, sequential tokens per prompt)."""
+    output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
+    `compile`: both sides run compiled static-shape steps (snlp.steps), built once here and shared by every
+    run (compiled during the warm-up; rows carry `compile_s`)."""
     plan = _as_plan(model, plan)
     blocks = tuple(blocks)
     if not prompts:
@@ -170,19 +173,21 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
-    for _ in range(warmup):  # allocator, kernels, fused weights: both sides
-        sequential_generate(model, prompts[0], **kw)
+    seq_step, draft_step = _seq_forward(model, compile), _snlp_forward(model, plan, compile)
+    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step)
+    for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
+        sequential_generate(model, prompts[0], **seq_kw)
         for b in blocks:
-            speculative_generate(model, prompts[0], plan, block=b, **kw)
+            speculative_generate(model, prompts[0], plan, block=b, **spec_kw)
     reports: dict[int, list[dict]] = {b: [] for b in blocks}
     matches = dict.fromkeys(blocks, True)
     with progress_bar(repeats * len(prompts), f"SSD {plan} B={','.join(map(str, blocks))}", progress) as bar:
         for _ in range(repeats):
             seq_runs, spec_runs = [], {b: [] for b in blocks}
             for p in prompts:
-                seq_runs.append(sequential_generate(model, p, **kw))
+                seq_runs.append(sequential_generate(model, p, **seq_kw))
                 for b in blocks:
-                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **kw))
+                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **spec_kw))
                 bar.update()
             seq = merge_results(seq_runs)
             for b in blocks:
@@ -197,7 +202,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
             row[key] = statistics.median(r[key] for r in reps)
         a, s = row["alpha"], row["drafter_speedup_s"]
         row["ideal_ssd_speedup"] = ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan")
-        row.update(matches_sequential=matches[b], repeats=repeats, prompts=len(prompts), gen_tokens=max_new_tokens)
+        row.update(matches_sequential=matches[b], repeats=repeats, prompts=len(prompts), gen_tokens=max_new_tokens,
+                   compiled=compile, compile_s=seq_step.compile_s + draft_step.compile_s)
         rows.append(row)
     return rows, [r.tokens for r in seq_runs]
 
@@ -553,6 +559,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
                         "round of each; the speedups reported are medians")
+    p.add_argument("--compile", action="store_true",
+                   help="run prefill and decode steps compiled (torch.compile fullgraph static-shape steps, CUDA graphs on "
+                        "CUDA; sequential, snlp and speculative modes); compile time is reported, not timed")
     p.add_argument("--quiet", action="store_true", help="do not stream the text")
     p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
     p.add_argument("--distributed", action="store_true",
@@ -573,6 +582,9 @@ def run(args) -> int:
         raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
+    if args.mode == "jacobi" and getattr(args, "compile", False):
+        raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
+                         "every iteration); drop --compile for --mode jacobi")
     _check_common(args.max_new_tokens, args.temperature, args.block)
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
@@ -593,6 +605,7 @@ def run(args) -> int:
         prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id)
+    compile = getattr(args, "compile", False)
 
     printed = [""]
 
@@ -608,13 +621,13 @@ def run(args) -> int:
         sys.stdout.write(args.prompt)
     if args.mode == "sequential":
         res = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                                  **kw)
+                                  compile=compile, **kw)
     elif args.mode == "snlp":
         res = snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                            **kw)
+                            compile=compile, **kw)
     elif args.mode == "speculative":
         res = speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
-                                   seed=args.seed, on_tokens=on_tokens, **kw)
+                                   seed=args.seed, on_tokens=on_tokens, compile=compile, **kw)
     else:
         res = jacobi_generate(model, prompt, plan, block=args.block, on_tokens=on_tokens, **kw)
     if not args.quiet:
@@ -622,13 +635,15 @@ def run(args) -> int:
     text = tok.decode(res.tokens)
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
             f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}"
+    if compile:
+        stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": text, **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:  # s and the measured speedup: warm, repeated, medians
         rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                                  repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                                 seed=args.seed, eos_id=args.eos_id)
+                                                 seed=args.seed, eos_id=args.eos_id, compile=compile)
         rep = rows[0]
         record["report"] = rep
         record["sequential_tokens_per_s"] = 1e3 / rep["sequential_ms_per_token"]

@@ -38,7 +38,7 @@ from .timing import sync
 
 StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), cache) -> logits (B, T, V)
 
-PREFILL_PAD = 64  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
+PREFILL_PAD = 16  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
 MIN_CACHE = 64  # compiled steps get caches of a power-of-two length >= this: the cache size is a graph shape
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): one graph per (step kind, shape) is expected
 
@@ -211,3 +211,29 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
         hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
         mark_static(*tree_leaves(list(vars(w).values()) + hc))
     return step
+
+
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")  # what reading a tensor value back to the host dispatches
+
+
+def host_syncs(step: Step | EagerStep, cache: KVCache, T: int = 1, calls: int = 3) -> int:
+    """Host syncs in `calls` calls of `step` on T tokens (it advances `cache`). On CUDA the calls run under
+    torch.cuda.set_sync_debug_mode("error"), which raises on any synchronising op, so this returns 0 or raises;
+    on CPU it counts aten::item / aten::_local_scalar_dense in a torch.profiler trace (the same ops are what
+    a CUDA sync would be). A compiled step must give 0 (tests/test_steps.py; bench --decode --compile checks it)."""
+    idx = torch.zeros(cache.batch, T, dtype=torch.long, device=cache.k.device)
+    if cache.k.is_cuda:
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(calls):
+                step(idx, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step(idx, cache)
+    return sum(e.count for e in prof.key_averages() if e.key in SYNC_OPS)

@@ -10,16 +10,15 @@ import torch
 from conftest import configs, examples, make_model, mhc_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.profiler import ProfilerActivity, profile
 
 import snlp
+from snlp import Plan
+from snlp.bench import decode_benchmark
 from snlp.cache import KVCache
 from snlp.generate import sequential_generate, snlp_generate, speculative_generate
-from snlp.steps import Step, sequential_fn, sequential_step, snlp_fn, snlp_step
+from snlp.steps import Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
 
 
 def _static_vs_dynamic(model, forward, ids, cut):
@@ -75,8 +74,9 @@ def compiled():
     torch.manual_seed(0)
     model = make_model(dtype=torch.float32, n_layer=3, scale=0.3)  # sliding windows on: the mask path
     runner = snlp.bind(model, PLAN, check_finite=False)
-    steps = {"seq": sequential_step(model, compile=True, prefill_pad=BLOCK + 1),  # prefill shares the verify graph
-             "snlp": snlp_step(runner, compile=True, prefill_pad=1)}  # prefill of 1 token shares the step graph
+    # graphs (all on one cache bucket of 64 positions): seq prefill (16), seq step (1), verify (B+1), snlp prefill
+    # (16), snlp step (1); every test below (and decode_benchmark) reuses them: prompts are <= 17 tokens
+    steps = {"seq": sequential_step(model, compile=True), "snlp": snlp_step(runner, compile=True)}
     return model, runner, steps
 
 
@@ -88,7 +88,7 @@ def test_compiled_steps_equal_eager(compiled):
         with torch.inference_mode():  # caches made as generate makes them (guards check dispatch keys)
             ce = KVCache.for_model(model, max_len=10)
             cc = KVCache.for_model(model, max_len=step.cache_len(10 + step.slack))  # the bucket generate uses too
-            pieces = [(0, 4)] + [(t, t + 1) for t in range(4, 10)] if name == "seq" else [(t, t + 1) for t in range(10)]
+            pieces = [(0, 4)] + [(t, t + 1) for t in range(4, 10)]
             for a, b in pieces:
                 x, y = eager(ids[:, a:b], ce), step(ids[:, a:b], cc) if b - a == 1 else step.prefill(ids[:, a:b], cc)
                 assert y.shape == x.shape
@@ -108,38 +108,47 @@ def test_compiled_generation_equals_eager(compiled):
                                 verify=steps["seq"])
     assert spec.tokens == ref.tokens  # the verifier keeps greedy output exact; short last rounds are padded
     assert spec.rounds >= 3
-    eager_snlp = snlp_generate(model, prompt[:2], PLAN, max_new_tokens=8)
-    got_snlp = snlp_generate(model, prompt[:2], PLAN, max_new_tokens=8, step=steps["snlp"])
+    eager_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8)
+    got_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=8, step=steps["snlp"])
     assert got_snlp.tokens == eager_snlp.tokens
+    assert got.compile_s == 0.0  # the shared steps were compiled by the test before: nothing left to compile
+
+
+def test_compiled_decode_benchmark(compiled):
+    """`snlp bench --decode --compile`'s library function: both sides compiled, compile time reported apart, the
+    speculative rows still equal sequential, and the sequential row's achieved bandwidth is model bytes x tok/s."""
+    model, _, _ = compiled
+    recs = decode_benchmark(model, [Plan.parse(PLAN, 3)], prompt_len=5, new_tokens=6, blocks=(BLOCK,), warmup=1,
+                            runs=1, compile=True)
+    assert [r["mode"] for r in recs] == ["sequential", "snlp", "speculative"]
+    assert all(r["compiled"] for r in recs) and recs[-1]["matches_sequential"]
+    assert all(r["host_syncs"] == 0 for r in recs)  # checked on the steps the benchmark timed
+    seq = recs[0]
+    assert seq["model_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        model.inv_freq.numel() * 4
+    assert seq["bandwidth_gb_s"] == pytest.approx(seq["model_bytes"] * seq["tokens_per_s"] / 1e9)
 
 
 @pytest.mark.parametrize("name,T", [("seq", 1), ("snlp", 1), ("seq", BLOCK + 1)])
 def test_compiled_step_has_no_host_sync(compiled, name, T):
     """A compiled decode step (sequential, SNLP drafter, verifier over B+1 positions) never reads a value back
     to the host: no aten::item / _local_scalar_dense in its CPU profile (on CUDA they would stall the stream
-    and forbid CUDA graphs)."""
+    and forbid CUDA graphs; there `host_syncs` runs under torch.cuda.set_sync_debug_mode("error"))."""
     model, _, steps = compiled
     step = steps[name]
-    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         cache = KVCache.for_model(model, max_len=step.cache_len(4 * T + step.slack))  # same graph shapes as above
-        step(ids, cache)  # compiled already (shared graphs), and the cache now has a length
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                step(ids, cache)
-    names = [e.key for e in prof.key_averages()]
-    assert any(n.startswith("aten::") or "Torch-Compiled" in n or "CompiledFunction" in n for n in names), names
-    assert not [n for n in names if n in SYNC_OPS], names
+        step(torch.ones(1, T, dtype=torch.long), cache)  # compiled already (shared graphs); now the cache has a length
+        assert host_syncs(step, cache, T, calls=3) == 0
     assert cache.length == 4 * T
 
 
-def test_eager_step_does_sync_so_the_profile_test_can_fail():
-    """The eager CPU path still checks token ids on the host (an aten::item per forward): the probe above sees it."""
+def test_eager_step_does_sync_so_the_probe_can_fail():
+    """The eager CPU path still checks token ids on the host (an aten::item per forward): the probe sees it."""
     model = make_model(dtype=torch.float32, n_layer=3)
-    cache = KVCache.for_model(model, max_len=4)
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(torch.tensor([[1]]), cache=cache)
-    assert any(e.key in SYNC_OPS for e in prof.key_averages())
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=4)
+        assert host_syncs(sequential_step(model), cache, 1, calls=2) > 0
 
 
 def test_step_input_errors():
