@@ -72,8 +72,14 @@ class KVCache:
         WHOLE slot (max_len positions) is returned: shapes never depend on the length, and the attention
         mask (model.window_mask on the positions) hides everything after each query."""
         if isinstance(start, Tensor):
-            self.k[layers].index_copy_(-2, start, k)
-            self.v[layers].index_copy_(-2, start, v)
+            # index_put_ on the whole buffer, not an index_copy_ into a per-layer view of it: under torch.compile
+            # a mutation through a view is functionalised into a copy of the WHOLE base (every layer's cache) per
+            # write, i.e. 2L full-cache copies per step; a direct index_put_ is re-inplaced into the buffer
+            sl = layers if isinstance(layers, slice) else slice(layers, layers + 1)
+            lay = torch.arange(sl.start, sl.stop, device=k.device)[:, None]  # (n, 1) layer slots x (T,) positions
+            vals = lambda x: x.reshape(lay.shape[0], *x.shape[-4:]).permute(0, 3, 1, 2, 4)  # noqa: E731 (n, T, B, H, hd)
+            torch.ops.aten.index_put_(self.k, [lay, None, None, start[None, :]], vals(k))
+            torch.ops.aten.index_put_(self.v, [lay, None, None, start[None, :]], vals(v))
             return self.k[layers], self.v[layers]
         stop = start + k.shape[-2]
         self.k[layers, ..., start:stop, :] = k

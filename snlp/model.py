@@ -247,6 +247,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     full = isinstance(windows, int) and (windows < 0 or windows >= S)
     if full and isinstance(q_start, int) and q_start == 0 and T == S:
         y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
+    elif full and isinstance(q_start, int) and T == 1 and q_start == S - 1:  # one cached decode query sees every
+        y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
     else:
         mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
         if mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
