@@ -19,6 +19,7 @@ from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .runtime import cli_device, cli_dtype, device_label, set_threads, write_json
 from .solver import bind
+from .steps import mark_static_runner
 from .timing import now, time_round_robin
 
 
@@ -219,6 +220,9 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         fns = {**fwd, **fixed}
         if compile:  # the plan callables share one code object: allow one compiled graph per plan
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fns) + 1)
+            if device.type == "cuda":  # CUDA graphs would copy the fused weights (plain tensors) in every replay
+                for runner in runners.values():
+                    mark_static_runner(runner)
             fns = {name: compile_step(fn, device) for name, fn in fns.items()}
             compile_s = _trigger_compile(fns, device)
         times = time_round_robin(fns, warmup, runs, device)

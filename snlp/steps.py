@@ -207,10 +207,16 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
         return EagerStep(runner)
     step = Step(snlp_fn(runner), runner.model.wte.weight.device, **kw)
     if step.mode == "reduce-overhead":
-        w = runner.weights
-        hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
-        mark_static(*tree_leaves(list(vars(w).values()) + hc))
+        mark_static_runner(runner)
     return step
+
+
+def mark_static_runner(runner: Runner) -> None:
+    """mark_static on every tensor of a runner's fused weights (they are plain tensors, not parameters, so
+    CUDA graphs would otherwise copy them in on every replay)."""
+    w = runner.weights
+    hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
+    mark_static(*tree_leaves(list(vars(w).values()) + hc))
 
 
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")  # what reading a tensor value back to the host dispatches
