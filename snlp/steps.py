@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from .cache import KVCache
+from .correction import DiagN, Newton
 from .model import GPT
 from .solver import Runner
 from .timing import sync
@@ -60,6 +61,12 @@ def snlp_fn(runner: Runner) -> StepFn:
     if runner.plan.tol:
         raise ValueError(f"plan {runner.plan} stops on a tolerance (tol), a host-side decision every iteration; "
                          f"a compiled step needs a fixed iteration count (drop -tol)")
+    if isinstance(runner.plan.surrogate, (DiagN, Newton)):
+        # measured: DiagN creates its probe torch.Generator inside the solve and Newton calls torch.func's JVP,
+        # and dynamo refuses both in one graph ("opaque object created", "function marked as skipped")
+        raise ValueError(f"plan {runner.plan}: the {runner.plan.surrogate.token} surrogate does not compile into one "
+                         f"graph (a probe generator / torch.func JVP inside the solve); compiled steps support the "
+                         f"idn, none and hcn surrogates; run this plan eagerly")
 
     def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
         return runner(idx, cache=cache, pos=pos)

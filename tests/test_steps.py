@@ -114,6 +114,21 @@ def test_compiled_generation_equals_eager(compiled):
     assert got.compile_s == 0.0  # the shared steps were compiled by the test before: nothing left to compile
 
 
+def test_compiled_hcn_step_equals_eager():
+    """mHC with the HCN surrogate (the chunk forward also returns the stream-mixing matrices) compiles into one
+    graph too; one-token steps only (one graph)."""
+    model = mhc_model(n_layer=3).float()
+    runner = snlp.bind(model, "2xF1-h0-K1-hcn", check_finite=False)
+    eager, step = snlp_step(runner), snlp_step(runner, compile=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ce, cc = KVCache.for_model(model, max_len=8), KVCache.for_model(model, max_len=step.cache_len(8))
+        for t in range(6):
+            x, y = eager(ids[:, t:t + 1], ce), step(ids[:, t:t + 1], cc)
+            assert (x - y).abs().max().item() < 1e-4 and torch.equal(x.argmax(-1), y.argmax(-1))
+        assert host_syncs(step, cc, 1, calls=1) == 0
+
+
 def test_compiled_decode_benchmark(compiled):
     """`snlp bench --decode --compile`'s library function: both sides compiled, compile time reported apart, the
     speculative rows still equal sequential, and the sequential row's achieved bandwidth is model bytes x tok/s."""
@@ -157,6 +172,9 @@ def test_step_input_errors():
         snlp_fn(snlp.bind(model, PLAN))
     with pytest.raises(ValueError, match="tol"):
         snlp_fn(snlp.bind(model, "2xF1-h0-K2-tol:0.01", check_finite=False))
+    for plan in ("2xF1-h0-K1-diag:fd", "2xF1-h0-K2-newton"):  # measured to break a fullgraph compile
+        with pytest.raises(ValueError, match="does not compile into one graph"):
+            snlp_fn(snlp.bind(model, plan, check_finite=False))
     with pytest.raises(ValueError, match="prefill_pad"):
         Step(sequential_fn(model), "cpu", compile=False, prefill_pad=0)
     with pytest.raises(ValueError, match="pass the cache"):
