@@ -101,3 +101,15 @@ def test_bench_decode(tmp_path, capsys):
             assert r["ideal_ssd_speedup"] == pytest.approx(ideal)
     assert "speculative" in capsys.readouterr().out
     assert main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--blocks", "0"]) == 2
+
+
+def test_generate_compile_flag(ckpt, tmp_path, capsys):
+    """`snlp generate --compile`: compiled static-shape steps (snlp.steps) give the eager greedy tokens; the
+    compile time is reported apart (JSON compile_s, the stats line) and Jacobi mode refuses the flag."""
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet")
+    comp = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet", "--compile")
+    assert comp["tokens"] == seq["tokens"]
+    assert comp["compile_s"] > 0 and seq["compile_s"] == 0.0
+    assert "compiled in" in capsys.readouterr().out
+    assert main(["generate", str(ckpt), "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--compile"]) == 2
+    assert "--compile supports" in capsys.readouterr().err
