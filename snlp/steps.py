@@ -5,11 +5,11 @@ A decode loop calls one forward per token (sequential, an SNLP plan, the specula
 compiled with `torch.compile(fullgraph=True)` (inductor: fused C++ on CPU, Triton + CUDA graphs with
 mode="reduce-overhead" on CUDA) it is a few kernels, but only if the step's graph never changes and never
 waits on the host. So a `Step` feeds the model
-  - the positions as a tensor `pos` (T,) instead of the cache's Python-side length: K/V are index-copied
-    to those positions and the WHOLE preallocated cache is attended under a causal/window mask built from
+  - the positions as a tensor `pos` (T,) instead of the cache's Python-side length: K/V are written to
+    those positions by one index_put_ and the WHOLE preallocated cache is attended under a causal/window mask built from
     `pos` (snlp.model.attend), so every decode step has the same shapes;
   - no host syncs: no token-range check (skipped under compile), no finiteness check (the runner is bound
-    with check_finite=False; the decode loop checks outside the step), no `.item()`
+    with check_finite=False, as the eager decode loops always bound theirs), no `.item()`
     (tests/test_steps.py counts `aten::item` / `aten::_local_scalar_dense` in a profile of a compiled step: 0);
   - bucketed cache sizes: a compiled step's cache is allocated at a power-of-two length (`cache_len`);
   - padded lengths: prefill pads the prompt to a multiple of `prefill_pad` (one graph per bucket, not per
