@@ -118,7 +118,7 @@ class Step:
         if n > T:  # repeat the last token: positions after the real ones are scratch (module docstring)
             idx = torch.cat([idx, idx[:, -1:].expand(B, n - T)], 1)
         pos = torch.arange(cache.length, cache.length + n, device=self.device)
-        key = (B, n)
+        key = (B, n, cache.max_len)  # every static shape of the graph: a new one compiles
         first = self.compiled and key not in self._seen
         if first and self.mode == "reduce-overhead":
             mark_static(cache.k, cache.v)
@@ -159,7 +159,7 @@ class Step:
         overwrite before reading (snlp.cache)."""
         t = 0.0
         for n in lengths:
-            key = (cache.batch, n)
+            key = (cache.batch, n, cache.max_len)
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
                 continue
             if self.mode == "reduce-overhead":
