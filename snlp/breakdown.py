@@ -34,9 +34,8 @@ from .fusion import chunk_forward
 from .model import GPT
 from .plan import Plan
 from .solver import bind
+from .steps import SYNC_OP
 from .timing import sync
-
-SYNC_OP = "aten::_local_scalar_dense"  # the host read of a device value behind .item() / int() / bool()
 
 
 def count_ops(fn, calls: int = 1) -> dict[str, int]:
