@@ -19,7 +19,7 @@ from .model import GPT, GPTConfig
 from .plan import Plan, parse_plans
 from .runtime import cli_device, cli_dtype, device_label, set_threads, write_json
 from .solver import bind
-from .steps import mark_static_runner
+from .steps import check_compilable, compile_fullgraph, mark_static_runner
 from .timing import now, time_round_robin
 
 
@@ -140,11 +140,8 @@ COMPILE_CALLS = 3  # untimed calls that trigger compilation (and, on CUDA, CUDA-
 
 
 def compile_step(fn, device):
-    """torch.compile a benchmark callable the way gpt-fast treats a decode step: one graph
-    (fullgraph=True, so a graph break or host sync is an error instead of a silent slowdown) and, on
-    CUDA, mode="reduce-overhead" (CUDA graphs: one launch per call)."""
-    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, mode=mode)
+    """torch.compile a benchmark callable as the decode steps are compiled (steps.compile_fullgraph)."""
+    return compile_fullgraph(fn, device)
 
 
 def _trigger_compile(fns: dict, device) -> dict[str, float]:
@@ -196,9 +193,7 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
         plan.check(L)
     if compile:
         for plan in plans:
-            if plan.tol:
-                raise ValueError(f"plan {plan}: compile=True needs a fixed K (tol reads the update norm on the host "
-                                 f"every iteration, a graph break); drop -tol")
+            check_compilable(plan)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(device)

@@ -51,22 +51,34 @@ def sequential_fn(model: GPT) -> StepFn:
     return step
 
 
+def check_compilable(plan) -> None:
+    """Raise a ValueError unless `plan` can run as ONE compiled graph: a `tol` plan decides on the host every
+    iteration whether to stop, and (measured) dynamo refuses DiagN's probe torch.Generator created inside the
+    solve and Newton's torch.func JVP ("opaque object created", "function marked as skipped")."""
+    if plan.tol:
+        raise ValueError(f"plan {plan} stops on a tolerance (tol), a host-side decision every iteration; a compiled "
+                         f"forward needs a fixed K (drop -tol)")
+    if isinstance(plan.surrogate, (DiagN, Newton)):
+        raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate does not compile into one graph (a probe "
+                         f"generator / torch.func JVP inside the solve); compiled forwards support the idn, none and "
+                         f"hcn surrogates; run this plan eagerly")
+
+
+def compile_fullgraph(fn, device, **kw):
+    """torch.compile as every compiled path here does it, gpt-fast style: one graph (fullgraph=True, so a graph
+    break or host sync is an error instead of a silent slowdown) and, on CUDA, mode="reduce-overhead" (CUDA
+    graphs: one launch per call). `kw` goes to torch.compile (e.g. dynamic=False)."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, mode=mode, **kw)
+
+
 def snlp_fn(runner: Runner) -> StepFn:
     """An SNLP runner's forward as a static-shape step. The runner must be bound with check_finite=False
-    (its NaN/inf check reads the state back to the host) and its plan must not stop on `tol` (the stopping
-    test is a host-side decision per iteration): both would break the graph."""
+    (its NaN/inf check reads the state back to the host) and its plan must compile (`check_compilable`)."""
     if runner.check_finite:
         raise ValueError("a static-shape step needs a runner bound with check_finite=False (snlp.bind(model, plan, "
                          "check_finite=False)): the NaN/inf check is a host sync; check the output outside the step")
-    if runner.plan.tol:
-        raise ValueError(f"plan {runner.plan} stops on a tolerance (tol), a host-side decision every iteration; "
-                         f"a compiled step needs a fixed iteration count (drop -tol)")
-    if isinstance(runner.plan.surrogate, (DiagN, Newton)):
-        # measured: DiagN creates its probe torch.Generator inside the solve and Newton calls torch.func's JVP,
-        # and dynamo refuses both in one graph ("opaque object created", "function marked as skipped")
-        raise ValueError(f"plan {runner.plan}: the {runner.plan.surrogate.token} surrogate does not compile into one "
-                         f"graph (a probe generator / torch.func JVP inside the solve); compiled steps support the "
-                         f"idn, none and hcn surrogates; run this plan eagerly")
+    check_compilable(runner.plan)
 
     def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
         return runner(idx, cache=cache, pos=pos)
@@ -88,8 +100,7 @@ class Step:
     fixed length (the verifier's B+1); `prefill` pads to a multiple of `prefill_pad`. Logits are cloned out
     of CUDA-graph memory, which the next replay overwrites."""
 
-    def __init__(self, fn: StepFn, device, compile: bool = True, mode: str | None = None,
-                 prefill_pad: int = PREFILL_PAD):
+    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD):
         self.device = torch.device(device)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
             raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
@@ -97,11 +108,10 @@ class Step:
         self.slack = prefill_pad  # extra cache positions padding may write past the logical length
         self.compile_s, self._seen = 0.0, set()
         if compile:
-            if mode is None and self.device.type == "cuda":
-                mode = "reduce-overhead"
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            fn = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
-        self.fn, self.mode = fn, mode
+            fn = compile_fullgraph(fn, self.device, dynamic=False)
+        self.fn = fn
+        self.mode = "reduce-overhead" if compile and self.device.type == "cuda" else None
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         B, T = idx.shape
