@@ -18,8 +18,8 @@ waits on the host. So a `Step` feeds the model
     and its K/V land past the cache length, i.e. in scratch the next step overwrites before reading
     (snlp.cache); the cache is allocated `slack` positions longer to hold it.
 The Python side (length bookkeeping, room check) stays outside the compiled function, where it is free.
-Compilation happens on the first call of each shape; `compile_s` accumulates the time of those calls so
-benchmarks report it separately and warm up before timing.
+Compilation happens in `warm`, called by the decode loops before their timers start (and by a call with a
+shape not compiled yet); `compile_s` accumulates its time so benchmarks report it apart from the timings.
 """
 
 from __future__ import annotations
@@ -127,19 +127,8 @@ class Step:
         idx = idx.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
         if n > T:  # repeat the last token: positions after the real ones are scratch (module docstring)
             idx = torch.cat([idx, idx[:, -1:].expand(B, n - T)], 1)
-        pos = torch.arange(cache.length, cache.length + n, device=self.device)
-        key = (B, n, cache.max_len)  # every static shape of the graph: a new one compiles
-        first = self.compiled and key not in self._seen
-        if first and self.mode == "reduce-overhead":
-            mark_static(cache.k, cache.v)
-        if first:
-            sync(self.device)
-            t0 = time.perf_counter()
-        logits = self.fn(idx, pos, cache)
-        if first:
-            sync(self.device)
-            self.compile_s += time.perf_counter() - t0
-            self._seen.add(key)
+        self.warm(cache, [n])  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
+        logits = self.fn(idx, torch.arange(cache.length, cache.length + n, device=self.device), cache)
         if self.mode == "reduce-overhead":
             logits = logits.clone()
         cache.advance(T)
@@ -169,7 +158,7 @@ class Step:
         overwrite before reading (snlp.cache)."""
         t = 0.0
         for n in lengths:
-            key = (cache.batch, n, cache.max_len)
+            key = (cache.batch, n, cache.max_len)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
                 continue
             if self.mode == "reduce-overhead":
