@@ -1,18 +1,18 @@
 """snlp: layer-parallel inference of Transformer language models (Structured Newton Layer Parallelism)."""
 
-from .checkpoint import load, save_checkpoint
-from .analysis import early_exit
-from .evaluation import EvalConfig, EvalRecord, evaluate
-from .mc import MCConfig, MCResult, evaluate_mc
-from .sft import SFTConfig, sft
-from .train import TrainConfig, TrainResult, fit
-from .fusion import ChunkWeights, HCChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
-from .hf import export_hf, from_hf
-from .model import GPT, GPTConfig
-from .correction import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
-from .plan import Plan, parse_plans
-from .tokenizer import Tokenizer
-from .solver import (Runner, SNLPDivergenceError, SolveResult, bind, fused_forward, fused_sequential,
+from snlp.io.checkpoint import load, save_checkpoint
+from snlp.eval.analysis import early_exit
+from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate
+from snlp.eval.mc import MCConfig, MCResult, evaluate_mc
+from snlp.train.sft import SFTConfig, sft
+from snlp.train.trainer import TrainConfig, TrainResult, fit
+from snlp.method.fusion import ChunkWeights, HCChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
+from snlp.io.hf import export_hf, from_hf
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
+from snlp.method.plan import Plan, parse_plans
+from snlp.io.tokenizer import Tokenizer
+from snlp.method.solver import (Runner, SNLPDivergenceError, SolveResult, bind, fused_forward, fused_sequential,
                      parallel_forward, permuted_sequential, solve)
 
 __version__ = "0.1.0"

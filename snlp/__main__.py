@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from snlp.apps.cli import main
 
 sys.exit(main())

@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import make_model, tokens
 
-import snlp.analysis as A
-from snlp import Plan, parallel_forward, preheat, solve
-from snlp.generate import jacobi_generate, sequential_generate
-from snlp.metrics import ar_match
+import snlp.eval.analysis as A
+from snlp import Plan, parallel_forward, solve
+from snlp.method import preheat
+from snlp.decode.generate import jacobi_generate, sequential_generate
+from snlp.eval.metrics import ar_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
 
@@ -249,9 +250,9 @@ def test_analyze_writes_markdown_json_and_plots(model, val, tmp_path):
 
 
 def test_cli_analyze_and_calibrate(tmp_path, capsys):
-    from snlp.checkpoint import load, save_checkpoint
-    from snlp.cli import main
-    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.apps.cli import main
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 40
     tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 20)

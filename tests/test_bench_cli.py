@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from snlp.cli import main
+from snlp.apps.cli import main
 
 TINY = ["--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97", "--warmup", "1", "--runs", "3"]
 

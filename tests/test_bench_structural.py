@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp.bench import benchmark, compile_step, structural_ideal
-from snlp.model import GPT, GPTConfig
-from snlp.plan import Plan, parse_plans
-from snlp.solver import bind
+from snlp.bench.forward import benchmark, compile_step, structural_ideal
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.method.plan import Plan, parse_plans
+from snlp.method.solver import bind
 
 
 def _tiny(depth=4, **kw) -> GPT:

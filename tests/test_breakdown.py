@@ -1,4 +1,4 @@
-"""snlp.breakdown: the forward taken apart (counts and consistency; timings are never asserted)."""
+"""snlp.bench.breakdown: the forward taken apart (counts and consistency; timings are never asserted)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_model, mhc_model
 
-from snlp.breakdown import count_ops, forward_breakdown
+from snlp.bench.breakdown import count_ops, forward_breakdown
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import snlp
-from snlp.checkpoint import load, load_training, save_checkpoint
-from snlp.model import GPT, GPTConfig
-from snlp.tokenizer import SPECIAL_TOKENS, Tokenizer
+from snlp.io.checkpoint import load, load_training, save_checkpoint
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.io.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 TEXT = ["To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20,
         "def f(x):\n    return x + 1  # héllo ✓\n" * 20]

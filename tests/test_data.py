@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from snlp import data as D
-from snlp.tokenizer import Tokenizer
+from snlp.io import data as D
+from snlp.io.tokenizer import Tokenizer
 
 
 def test_stdlib_default_needs_no_files():

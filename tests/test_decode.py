@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snlp import fused_forward, parallel_forward
-from snlp.cache import KVCache
-from snlp.generate import (GenerateResult, ideal_ssd_speedup, jacobi_generate, merge_results, snlp_generate,
+from snlp.model.cache import KVCache
+from snlp.decode.generate import (GenerateResult, ideal_ssd_speedup, jacobi_generate, merge_results, snlp_generate,
                            speculative_accept, speculative_benchmark, speculative_generate, speculative_report,
                            sequential_generate)
 
@@ -349,7 +349,7 @@ def test_bad_arguments():
         model(tokens(model, B=2, T=2), cache=c)
     with pytest.raises(ValueError, match="max_len"):
         KVCache.for_model(model, max_len=0)
-    from snlp.cli import main
+    from snlp.apps.cli import main
     assert main(["generate", "nowhere", "--mode", "beam"]) == 2
     assert main(["generate", "nowhere", "--mode", "speculative"]) == 2  # needs --plan
 

@@ -18,11 +18,11 @@ import torch
 import torch.multiprocessing as mp
 from conftest import make_model, tokens
 
-from snlp.fusion import chunk_weights
-from snlp.generate import sequential_generate, snlp_generate
-from snlp.plan import Plan
-from snlp.solver import solve
-from snlp.surrogates import select_chunks
+from snlp.method.fusion import chunk_weights
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.method.plan import Plan
+from snlp.method.solver import solve
+from snlp.method.jacobian import select_chunks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,7 +71,7 @@ def _free_port() -> int:
 def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from snlp.distributed import init_distributed
+    from snlp.dist.layer_parallel import init_distributed
 
     init_distributed(timeout_s)
 
@@ -79,7 +79,7 @@ def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from snlp.distributed import DistributedSNLP
+    from snlp.dist.layer_parallel import DistributedSNLP
 
     _init(rank, world, port)
     res = {"solve": {}, "decode": {}, "memory": {}}
@@ -162,7 +162,7 @@ def test_rank_holds_only_its_block(dist_results):
 
 
 def test_local_weights_are_the_global_stack_sliced():
-    from snlp.distributed import partition
+    from snlp.dist.layer_parallel import partition
 
     for kind in ("plain", "mhc"):
         model = _model(kind)
@@ -188,7 +188,7 @@ def test_local_weights_are_the_global_stack_sliced():
 
 
 def test_partition_uneven_and_refused():
-    from snlp.distributed import partition
+    from snlp.dist.layer_parallel import partition
 
     assert partition(4, 3) == [(0, 2), (2, 3), (3, 4)]
     assert partition(7, 2) == [(0, 4), (4, 7)]
@@ -199,7 +199,7 @@ def test_partition_uneven_and_refused():
 
 # ----------------------------------------------------------------------------- failures
 def _mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
-    from snlp.distributed import DistributedSNLP
+    from snlp.dist.layer_parallel import DistributedSNLP
 
     _init(rank, world, port)
     msgs = []
@@ -223,7 +223,7 @@ def test_mismatched_plans_or_weights_fail_at_start_up(tmp_path):
 def _dying_worker(rank: int, world: int, port: int, q, how: str) -> None:
     import time
 
-    from snlp.distributed import DistributedSNLP, RankFailureError
+    from snlp.dist.layer_parallel import DistributedSNLP, RankFailureError
 
     _init(rank, world, port, timeout_s=30.0 if how == "kill" else 5.0)
     runner = DistributedSNLP(make_model(seed=0), "4xF1-h0-K2")
@@ -269,9 +269,9 @@ def test_torchrun_generate_distributed_matches_sequential(tmp_path):
     import subprocess
     import sys
 
-    from snlp.checkpoint import save_checkpoint
-    from snlp.cli import main
-    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.apps.cli import main
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
     text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
     tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)
@@ -292,7 +292,7 @@ def test_torchrun_generate_distributed_matches_sequential(tmp_path):
 
 
 def test_cost_model_laws():
-    from snlp.costmodel import SHAPES, Link, predict
+    from snlp.dist.costmodel import SHAPES, Link, predict
 
     shape, P = SHAPES["3B"], 4
     free = Link(gbps=1e12, latency_us=0.0)
@@ -315,7 +315,7 @@ def test_cost_model_laws():
 def test_bench_simulate_devices_cli(tmp_path):
     import json
 
-    from snlp.cli import main
+    from snlp.apps.cli import main
 
     out = tmp_path / "sim.json"
     assert main(["bench", "--simulate-devices", "8", "--shape", "70B", "--roofline-gbytes", "3350", "--dtype",

@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 from conftest import make_model
 
-import snlp.embsim as EMB
-import snlp.evaldata as ED
-import snlp.evaluation as E
+import snlp.eval.embsim as EMB
+import snlp.eval.data as ED
+import snlp.eval.protocol as E
 from snlp import Plan, SNLPDivergenceError, fused_forward, parallel_forward
-from snlp.checkpoint import save_checkpoint
-from snlp.cli import main
-from snlp.analysis import early_exit
-from snlp.evaluation import EvalConfig, EvalRecord, evaluate, reference_plan
-from snlp.metrics import implied_beta
-from snlp.present import frontier_plot, markdown_table, write_csv
-from snlp.tokenizer import MIN_VOCAB, Tokenizer
+from snlp.io.checkpoint import save_checkpoint
+from snlp.apps.cli import main
+from snlp.eval.analysis import early_exit
+from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate, reference_plan
+from snlp.eval.metrics import implied_beta
+from snlp.eval.present import frontier_plot, markdown_table, write_csv
+from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
@@ -202,7 +202,7 @@ def ckpt(tmp_path_factory, model, tok):
 def test_validation_tokens_are_the_training_split(ckpt, tok, tmp_path):
     from argparse import Namespace
 
-    from snlp.train import prepare_data
+    from snlp.train.trainer import prepare_data
 
     path, root = ckpt
     data = ED.checkpoint_data(path, val_frac=None, cache_dir=str(tmp_path))  # recorded args, one override

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import make_model
 
-from snlp.checkpoint import save_checkpoint
-from snlp.cli import main
-from snlp.tokenizer import MIN_VOCAB, Tokenizer
+from snlp.io.checkpoint import save_checkpoint
+from snlp.apps.cli import main
+from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed in CI, so this never skips there
 
 from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, solve  # noqa: E402
-from snlp.fusion import build_chunk_weights, chunk_forward  # noqa: E402
-from snlp.generate import sequential_generate, speculative_generate  # noqa: E402
-from snlp.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
+from snlp.method.fusion import build_chunk_weights, chunk_forward  # noqa: E402
+from snlp.decode.generate import sequential_generate, speculative_generate  # noqa: E402
+from snlp.io.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -235,7 +235,7 @@ def test_from_dir_tokenizer_and_checkpoint(tmp_path):
 
 
 def test_cli_convert_export_generate(tmp_path, capsys):
-    from snlp.cli import main
+    from snlp.apps.cli import main
 
     hf, d = _tiny_dir(tmp_path, "mistral-window")
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
@@ -322,7 +322,7 @@ def test_train_init_from_and_freeze_prefix(family, tmp_path):
     layers bit-identical while the suffix moves; the result still exports to transformers."""
     from safetensors.torch import load_file
 
-    from snlp.cli import main
+    from snlp.apps.cli import main
 
     hf, d = _tiny_dir(tmp_path, family)
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
@@ -349,5 +349,5 @@ def test_train_init_from_and_freeze_prefix(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(re(x).logits, model(x), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="freeze-prefix S=9"):
-        main_raise = __import__("snlp.train", fromlist=["freeze_prefix"]).freeze_prefix
+        main_raise = __import__("snlp.train.trainer", fromlist=["freeze_prefix"]).freeze_prefix
         main_raise(model, 9)

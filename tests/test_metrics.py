@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snlp.metrics import ar_match, cosine, implied_beta, logit_sim, pareto_front, perplexity, top1_agreement
+from snlp.eval.metrics import ar_match, cosine, implied_beta, logit_sim, pareto_front, perplexity, top1_agreement
 
 # paper, App. "Interpreting AR Match Rate", table ar_match_rate_conversion (T = 32)
 PAPER_BETA = {0.95: 0.9969, 0.90: 0.9935, 0.80: 0.9859, 0.70: 0.9767, 0.60: 0.9654, 0.50: 0.9510,

@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snlp import GPT, GPTConfig, Plan, fused_forward, parallel_forward, solve
-from snlp.cache import KVCache
-from snlp.checkpoint import load, save_checkpoint
-from snlp.cli import main
-from snlp.fusion import chunk_forward, chunk_weights
-from snlp.model import hc_sublayer, norm, sinkhorn
-from snlp.regularizer import RegConfig, snlp_loss
+from snlp.model.cache import KVCache
+from snlp.io.checkpoint import load, save_checkpoint
+from snlp.apps.cli import main
+from snlp.method.fusion import chunk_forward, chunk_weights
+from snlp.model.gpt import hc_sublayer, norm, sinkhorn
+from snlp.train.regularizer import RegConfig, snlp_loss
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -311,7 +311,7 @@ def test_checkpoint_round_trip_keeps_mhc_logits_identical(tmp_path):
 def test_mhc_parameters_go_to_adamw_not_muon():
     from argparse import Namespace
 
-    from snlp.train import build_optimizers
+    from snlp.train.trainer import build_optimizers
     model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, hc_streams=2))
     args = Namespace(embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5, hc_lr=0.005, optimizer="muon",
                      matrix_lr=None, weight_decay=0.0)

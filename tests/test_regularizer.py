@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from snlp.model import GPT, GPTConfig
-from snlp.regularizer import RegConfig, k1_plan, resolve_suffixes, snlp_loss, snlp_states, supervised_layers
-from snlp.solver import solve
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.train.regularizer import RegConfig, k1_plan, resolve_suffixes, snlp_loss, snlp_states, supervised_layers
+from snlp.method.solver import solve
 
 
 def tiny_model(depth=5, seed=0):
@@ -110,7 +110,7 @@ def _rel(hat, target):
 def test_hcn_regulariser_matches_a_hand_computed_reference():
     """HCN: A_l = H_res,mlp(u) H_res,attn(h_S) of layer l at the h0 iterate (paper Eq. hcn-A), acting on the streams."""
     from conftest import mhc_model
-    from snlp.model import hc_sublayer
+    from snlp.model.gpt import hc_sublayer
 
     model = mhc_model(seed=3, n=2, dynamic=True, n_layer=5)
     idx = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
@@ -134,7 +134,7 @@ def test_hcn_regulariser_matches_a_hand_computed_reference():
 def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
     """DiagN (fd, one probe, the solver's seed-0 probes): a_c = v_c o (f_c(h_S + s v_c) - f_c(h_S)) / s with
     the relative per-token step s = eps * max(RMS(h_S), 1)."""
-    from snlp.surrogates import fd_step, rademacher
+    from snlp.method.jacobian import fd_step, rademacher
 
     model = tiny_model(depth=5, seed=4).double()
     idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snlp import chat
-from snlp.checkpoint import save_checkpoint
-from snlp.cli import main
-from snlp.mc import LETTERS, MCConfig, Question, evaluate_mc, letter_prompt, load_task, parse_file, wilson
-from snlp.model import GPT, GPTConfig
-from snlp.plan import Plan
-from snlp.regularizer import RegConfig
-from snlp.solver import fused_forward, parallel_forward
-from snlp.tokenizer import Tokenizer
-from snlp.train import TrainStep, lr_multiplier
+from snlp.io import chat
+from snlp.io.checkpoint import save_checkpoint
+from snlp.apps.cli import main
+from snlp.eval.mc import LETTERS, MCConfig, Question, evaluate_mc, letter_prompt, load_task, parse_file, wilson
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.method.plan import Plan
+from snlp.train.regularizer import RegConfig
+from snlp.method.solver import fused_forward, parallel_forward
+from snlp.io.tokenizer import Tokenizer
+from snlp.train.trainer import TrainStep, lr_multiplier
 
 TEXT = ["Which number is largest? Multiple Choice question: hello there, how are you today?"] * 20
 

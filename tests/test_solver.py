@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snlp import Jacobi, Plan, SNLPDivergenceError, bind, fused_forward, fused_sequential, parallel_forward, solve
-from snlp.fusion import chunk_weights
-from snlp.model import norm
+from snlp.method.fusion import chunk_weights
+from snlp.model.gpt import norm
 
 SURROGATES = ["idn", "none"]
 
@@ -168,7 +168,7 @@ def test_forward_order_is_the_plain_recurrence_bit_for_bit(plan):
         S = model.config.n_layer - p.n_suffix
         hS = model.run_layers(ctx.x0, ctx, 0, S)
         w = chunk_weights(model, S, p.chunks, p.fuse)
-        from snlp.fusion import chunk_forward
+        from snlp.method.fusion import chunk_forward
         h = hS.expand(p.chunks, *hS.shape)
         if p.init == "fwd":
             h = chunk_forward(w, h, ctx)
@@ -180,7 +180,7 @@ def test_forward_order_is_the_plain_recurrence_bit_for_bit(plan):
             elif p.elk == 0:
                 h = h + (tilde - h).cumsum(0)
             else:
-                from snlp.correction import transfer_matrix
+                from snlp.method.surrogates import transfer_matrix
                 h = h + torch.einsum("cj,j...->c...", transfer_matrix(tuple(p.link_factors())).to(h.dtype), tilde - h)
             want.append(h)
     assert len(got) == len(want)
@@ -284,7 +284,7 @@ def test_torch_compile_of_a_bound_runner_equals_eager():
 
 def test_prefix_state_with_a_kv_cache_is_refused():
     """solve(prefix=..., cache=...) would skip the prefix layers' K/V writes while the cache advances."""
-    from snlp.cache import KVCache
+    from snlp.model.cache import KVCache
 
     model = make_model(seed=1)
     idx = tokens(model, B=1)

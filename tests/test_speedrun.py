@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from snlp.cli import main
-from snlp.evaluation import EvalConfig, EvalRecord
-from snlp.hf import bundled_smollm2
-from snlp.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
+from snlp.apps.cli import main
+from snlp.eval.protocol import EvalConfig, EvalRecord
+from snlp.io.hf import bundled_smollm2
+from snlp.apps.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
@@ -179,7 +179,7 @@ def test_decode_timing_is_not_a_lone_first_step():
 
 
 def _tiny_corpus(tmp_path):
-    from snlp.speedrun import stage_tokenizer
+    from snlp.apps.speedrun import stage_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 13}\n" * 4 for i in range(600)))
@@ -195,8 +195,8 @@ def test_interrupted_training_resumes(tmp_path, capsys):
 
     from rich.console import Console
 
-    from snlp.speedrun import TrainJob, _write_json, train_config, train_models, train_summary
-    from snlp.train import fit
+    from snlp.apps.speedrun import TrainJob, _write_json, train_config, train_models, train_summary
+    from snlp.train.trainer import fit
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     job = TrainJob("m", train_config(cfg, tmp_path / "m", cache, reg=True, steps=6), {"any": "settings"},
@@ -223,7 +223,7 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
     down after the probe overran), and the budget holds to within a few steps."""
     from rich.console import Console
 
-    from snlp.speedrun import TrainJob, train_config, train_models, train_summary
+    from snlp.apps.speedrun import TrainJob, train_config, train_models, train_summary
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     budget = 0.2  # minutes
@@ -241,7 +241,7 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
 def test_failed_training_reports_its_log(tmp_path):
     from rich.console import Console
 
-    from snlp.speedrun import TrainJob, train_config, train_models
+    from snlp.apps.speedrun import TrainJob, train_config, train_models
 
     cfg = {"data": str(tmp_path / "missing.txt"), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32,
            "head_dim": 16, "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}

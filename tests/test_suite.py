@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from snlp.plan import Plan
-from snlp.suite import PAPER_DRAFTER_S, PAPER_PREFILL, PAPER_SHAPES, RANDOM_WEIGHTS, SuiteConfig, run_suite
+from snlp.method.plan import Plan
+from snlp.bench.suite import PAPER_DRAFTER_S, PAPER_PREFILL, PAPER_SHAPES, RANDOM_WEIGHTS, SuiteConfig, run_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snlp import DiagN, Plan, fused_forward, parallel_forward, solve
-from snlp import surrogates as S
-from snlp.cache import KVCache
-from snlp.cli import main
-from snlp.fusion import chunk_forward, chunk_weights
-from snlp.scan import affine_scan, sequential_scan
+from snlp.method import jacobian as S
+from snlp.model.cache import KVCache
+from snlp.apps.cli import main
+from snlp.method.fusion import chunk_forward, chunk_weights
+from snlp.method.scan import affine_scan, sequential_scan
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
@@ -266,7 +266,7 @@ def test_diag_estimate_is_detached_and_gradients_reach_the_weights(estimator):
 
 
 def test_regulariser_with_diag_is_finite_and_differentiable():
-    from snlp.regularizer import RegConfig, snlp_loss
+    from snlp.train.regularizer import RegConfig, snlp_loss
 
     model = make_model(seed=2).train()
     idx = tokens(model)
@@ -351,7 +351,7 @@ def test_probes_leave_the_cache_holding_the_real_iterates_kv(plan):
 
 
 def test_snlp_generate_with_diag_and_newton_equals_sequential_greedy():
-    from snlp.generate import sequential_generate, snlp_generate, speculative_generate
+    from snlp.decode.generate import sequential_generate, snlp_generate, speculative_generate
 
     model = make_model(seed=5, vocab_size=13)
     prompt = [1, 5, 7]
@@ -392,8 +392,8 @@ def test_bench_plans_with_diag_newton_and_tol_report_iterations(tmp_path, capsys
 
 
 def test_generate_cli_with_a_diag_plan(tmp_path):
-    from snlp.checkpoint import save_checkpoint
-    from snlp.tokenizer import MIN_VOCAB, Tokenizer
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
     text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
     tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)

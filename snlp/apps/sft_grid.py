@@ -1,0 +1,116 @@
+"""The paper's SFT x inference table (Table sft_task_results) in one command.
+
+`snlp sft-grid CKPT --data CHATS --plan PLAN --task T [--task T ...] --out DIR` fine-tunes CKPT twice
+(snlp.sft: the sequential forward, then the SNLP forward of PLAN) into DIR/sft-sequential and
+DIR/sft-PLAN (an existing run there is resumed or, if finished, reused), evaluates each under
+sequential and PLAN inference on every task (snlp.mc) and writes the 2 x 2 table with the paper's
+layout (SFT | Inference | one column per task | Avg.) to DIR/grid.md and DIR/grid.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from snlp.io.checkpoint import load
+from snlp.eval.mc import SEQ, MCConfig, evaluate_mc, load_task
+from snlp.method.plan import Plan
+from snlp.train.sft import SEQUENTIAL, SFTConfig, add_train_arguments, sft, train_config
+
+
+@dataclass
+class GridConfig:
+    ckpt: str
+    data: str
+    plan: str
+    tasks: list[str]
+    out: str
+    sft_args: object = None  # the parsed shared training flags (see snlp.sft.add_train_arguments)
+    scoring: str = "letter"
+    limit: int = 0
+
+
+@dataclass
+class GridRow:
+    sft: str  # "sequential" or the plan
+    inference: str
+    accuracy: dict  # task -> accuracy
+    ci: dict  # task -> (low, high)
+    n: dict  # task -> questions
+    avg: float
+
+
+@dataclass
+class GridResult:
+    ckpt: str
+    plan: str
+    tasks: list[str]
+    scoring: str
+    rows: list[GridRow] = field(default_factory=list)
+    sft_runs: dict = field(default_factory=dict)  # forward -> TrainResult as a dict
+
+
+def run_grid(cfg: GridConfig) -> GridResult:
+    plan = str(Plan.parse(cfg.plan))
+    questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
+    res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
+    for forward in (SEQUENTIAL, plan):
+        out = Path(cfg.out) / f"sft-{forward}"
+        tcfg = train_config(cfg.sft_args, str(out), resume=(out / "train_state.pt").is_file())
+        r = sft(SFTConfig(ckpt=cfg.ckpt, data=cfg.data, train=tcfg, forward=forward,
+                          max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac))
+        res.sft_runs[forward] = asdict(r)
+        model, tok = load(out)
+        per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),
+                                   questions[t]) for t in cfg.tasks}
+        for i, inference in enumerate((SEQ, plan)):
+            recs = {t: per_task[t].records[i] for t in cfg.tasks}
+            res.rows.append(GridRow(sft=forward, inference=inference,
+                                    accuracy={t: r.accuracy for t, r in recs.items()},
+                                    ci={t: (r.ci_low, r.ci_high) for t, r in recs.items()},
+                                    n={t: r.n for t, r in recs.items()},
+                                    avg=sum(r.accuracy for r in recs.values()) / len(recs)))
+    return res
+
+
+def task_label(task: str) -> str:
+    """Short column name: a hub task as given, local files by their names (mc:a/b/x_test.csv -> x_test)."""
+    if not task.startswith("mc:"):
+        return task
+    names = [Path(p).stem or Path(p).name for p in task[3:].split(",") if p.strip()]
+    return "+".join(names) if len(names) <= 2 else f"{names[0]}+{len(names) - 1} more"
+
+
+def markdown(res: GridResult) -> str:
+    tasks = res.tasks
+    head = "| SFT | Inference | " + " | ".join(f"{task_label(t)} (N={res.rows[0].n[t]})" for t in tasks) + " | Avg. |"
+    lines = [f"`{res.ckpt}`, {res.scoring} scoring; accuracy % (95 % Wilson interval)", "", head,
+             "|---|---|" + "---:|" * (len(tasks) + 1)]
+    for r in res.rows:
+        cells = [f"{100 * r.accuracy[t]:.1f} ({100 * r.ci[t][0]:.1f}–{100 * r.ci[t][1]:.1f})" for t in tasks]
+        lines.append(f"| {r.sft} | {r.inference} | " + " | ".join(cells) + f" | {100 * r.avg:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint to fine-tune")
+    p.add_argument("--data", required=True, help="chat data, as for snlp sft")
+    p.add_argument("--plan", required=True, help="SNLP plan for SNLP-forward SFT and SNLP inference, e.g. 8xF1-h0-K1")
+    p.add_argument("--task", action="append", required=True, help="multiple-choice task as for snlp eval --task; repeatable")
+    p.add_argument("--out", required=True, help="folder for the two SFT checkpoints and grid.md / grid.json")
+    p.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter")
+    p.add_argument("--mc-limit", type=int, default=0, help="first N questions per task (0 = all)")
+    add_train_arguments(p)
+
+
+def run(args) -> int:
+    res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
+                              sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
+    md = markdown(res)
+    out = Path(args.out)
+    (out / "grid.md").write_text(md)
+    (out / "grid.json").write_text(json.dumps(asdict(res), indent=2))
+    print(md)
+    print(f"wrote {out / 'grid.md'} and {out / 'grid.json'}")
+    return 0

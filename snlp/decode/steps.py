@@ -1,0 +1,251 @@
+"""Static-shape KV-cached steps: the forwards decoding runs, optionally compiled whole (gpt-fast's recipe).
+
+A decode loop calls one forward per token (sequential, an SNLP plan, the speculative drafter) or per round
+(the verifier over B+1 positions), plus one prefill. Run eagerly that is hundreds of small ops per token;
+compiled with `torch.compile(fullgraph=True)` (inductor: fused C++ on CPU, Triton + CUDA graphs with
+mode="reduce-overhead" on CUDA) it is a few kernels, but only if the step's graph never changes and never
+waits on the host. So a `Step` feeds the model
+  - the positions as a tensor `pos` (T,) instead of the cache's Python-side length: K/V are written to
+    those positions by one index_put_ and the WHOLE preallocated cache is attended under a causal/window mask built from
+    `pos` (snlp.model.attend), so every decode step has the same shapes;
+  - no host syncs: no token-range check (skipped under compile), no finiteness check (the runner is bound
+    with check_finite=False, as the eager decode loops always bound theirs), no `.item()`
+    (tests/test_steps.py counts `aten::_local_scalar_dense` in a profile of a compiled step: 0);
+  - bucketed cache sizes: a compiled step's cache is allocated at a power-of-two length (`cache_len`);
+  - padded lengths: prefill pads the prompt to a multiple of `prefill_pad` (one graph per bucket, not per
+    prompt length) and the verifier pads a short last round to the full block, so a run compiles a handful
+    of graphs, once. Padding sits AFTER the real tokens, causal attention keeps it out of their outputs,
+    and its K/V land past the cache length, i.e. in scratch the next step overwrites before reading
+    (snlp.cache); the cache is allocated `slack` positions longer to hold it.
+The Python side (length bookkeeping, room check) stays outside the compiled function, where it is free.
+Compilation happens in `warm`, called by the decode loops before their timers start (and by a call with a
+shape not compiled yet); `compile_s` accumulates its time so benchmarks report it apart from the timings.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from snlp.model.cache import KVCache
+from snlp.method.surrogates import DiagN, Newton
+from snlp.model.gpt import GPT
+from snlp.method.solver import Runner
+from snlp.runtime.timing import sync
+
+StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), cache) -> logits (B, T, V)
+
+PREFILL_PAD = 16  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
+MIN_CACHE = 64  # compiled steps get caches of a power-of-two length >= this: the cache size is a graph shape
+RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): one graph per (step kind, shape) is expected
+
+
+def sequential_fn(model: GPT) -> StepFn:
+    """The model's own forward as a static-shape step."""
+    def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        return model(idx, cache=cache, pos=pos)
+    return step
+
+
+def check_compilable(plan) -> None:
+    """Raise a ValueError unless `plan` can run as ONE compiled graph: a `tol` plan decides on the host every
+    iteration whether to stop, and (measured) dynamo refuses DiagN's probe torch.Generator created inside the
+    solve and Newton's torch.func JVP ("opaque object created", "function marked as skipped")."""
+    if plan.tol:
+        raise ValueError(f"plan {plan} stops on a tolerance (tol), a host-side decision every iteration; a compiled "
+                         f"forward needs a fixed K (drop -tol)")
+    if isinstance(plan.surrogate, (DiagN, Newton)):
+        raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate does not compile into one graph (a probe "
+                         f"generator / torch.func JVP inside the solve); compiled forwards support the idn, none and "
+                         f"hcn surrogates; run this plan eagerly")
+
+
+def compile_fullgraph(fn, device, **kw):
+    """torch.compile as every compiled path here does it, gpt-fast style: one graph (fullgraph=True, so a graph
+    break or host sync is an error instead of a silent slowdown) and, on CUDA, mode="reduce-overhead" (CUDA
+    graphs: one launch per call). `kw` goes to torch.compile (e.g. dynamic=False)."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, mode=mode, **kw)
+
+
+def snlp_fn(runner: Runner) -> StepFn:
+    """An SNLP runner's forward as a static-shape step. The runner must be bound with check_finite=False
+    (its NaN/inf check reads the state back to the host) and its plan must compile (`check_compilable`)."""
+    if runner.check_finite:
+        raise ValueError("a static-shape step needs a runner bound with check_finite=False (snlp.bind(model, plan, "
+                         "check_finite=False)): the NaN/inf check is a host sync; check the output outside the step")
+    check_compilable(runner.plan)
+
+    def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        return runner(idx, cache=cache, pos=pos)
+    return step
+
+
+def mark_static(*tensors) -> None:
+    """Tell CUDA graphs these tensors keep their address (the KV cache, fused weights): without it every
+    replay would copy them into the graph's input buffers, i.e. stream the whole cache and weights per token."""
+    for t in tensors:
+        if isinstance(t, Tensor):
+            torch._dynamo.mark_static_address(t)
+
+
+class Step:
+    """A KV-cached forward `(idx (B, T), cache) -> logits (B, T, V)` that advances the cache by T, run through
+    the static-shape path (positions as a tensor) and, with `compile`, torch.compile(fullgraph=True) of it
+    (mode="reduce-overhead", i.e. CUDA graphs, on CUDA; inductor's C++ on CPU). `pad_to` pads a call to a
+    fixed length (the verifier's B+1); `prefill` pads to a multiple of `prefill_pad`. Logits are cloned out
+    of CUDA-graph memory, which the next replay overwrites."""
+
+    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD):
+        self.device = torch.device(device)
+        if not isinstance(prefill_pad, int) or prefill_pad < 1:
+            raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
+        self.prefill_pad, self.compiled = prefill_pad, compile
+        self.slack = prefill_pad  # extra cache positions padding may write past the logical length
+        self.compile_s, self._seen = 0.0, set()
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            fn = compile_fullgraph(fn, self.device, dynamic=False)
+        self.fn = fn
+        self.mode = "reduce-overhead" if compile and self.device.type == "cuda" else None
+
+    def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
+        B, T = idx.shape
+        cache.check(B, T)
+        n = self.padded(T, cache, pad_to)
+        with torch.inference_mode():
+            return self._run(idx, cache, T, n)
+
+    def _run(self, idx: Tensor, cache: KVCache, T: int, n: int) -> Tensor:
+        B = idx.shape[0]
+        # a fresh contiguous long inference tensor every call: the graph's guards check the input's dtype,
+        # strides and dispatch keys, so a slice or a tensor made outside inference mode would recompile
+        idx = idx.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
+        if n > T:  # repeat the last token: positions after the real ones are scratch (module docstring)
+            idx = torch.cat([idx, idx[:, -1:].expand(B, n - T)], 1)
+        self.warm(cache, [n])  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
+        logits = self.fn(idx, torch.arange(cache.length, cache.length + n, device=self.device), cache)
+        if self.mode == "reduce-overhead":
+            logits = logits.clone()
+        cache.advance(T)
+        return logits[:, :T] if n > T else logits
+
+    def cache_len(self, n: int) -> int:
+        """Cache length to allocate for n positions: the next power of two (>= MIN_CACHE). The cache's size is a
+        static shape of the compiled graph, so exact sizes would recompile for every prompt / token budget;
+        buckets cost at most 2x masked attention work and a handful of graphs."""
+        return max(MIN_CACHE, 1 << (max(n, 1) - 1).bit_length())
+
+    def padded(self, T: int, cache: KVCache, pad_to: int | None = None) -> int:
+        """The length a call of T tokens runs at: pad_to when there is room for it in the cache, else T."""
+        return T if pad_to is None else max(T, min(pad_to, cache.max_len - cache.length))
+
+    def prefill_len(self, T: int) -> int:
+        return -(-T // self.prefill_pad) * self.prefill_pad
+
+    def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
+        """A prompt (B, T): padded up to a multiple of `prefill_pad`, so prompts of similar length share a graph."""
+        return self(idx, cache, pad_to=self.prefill_len(idx.shape[1]))
+
+    def warm(self, cache: KVCache, lengths) -> float:
+        """Compile the graphs for calls that will run at these (already padded, see `prefill_len`) lengths
+        before anything is timed; returns the seconds spent. They run on `cache` at positions from its current
+        length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
+        overwrite before reading (snlp.cache)."""
+        t = 0.0
+        for n in lengths:
+            key = (cache.batch, n, cache.max_len)  # every static shape of the graph: a new one compiles
+            if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
+                continue
+            if self.mode == "reduce-overhead":
+                mark_static(cache.k, cache.v)
+            sync(self.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():  # as __call__ runs it: same guards, same graph
+                idx = torch.zeros(cache.batch, n, dtype=torch.long, device=self.device)
+                self.fn(idx, torch.arange(cache.length, cache.length + n, device=self.device), cache)
+            sync(self.device)
+            t += time.perf_counter() - t0
+            self._seen.add(key)
+        self.compile_s += t
+        return t
+
+
+class EagerStep:
+    """The plain eager KV-cached forward with the Step interface: attends over the valid positions only (no
+    padding, no mask over the whole cache), which is what an eager CPU loop runs fastest."""
+
+    compiled, compile_s, slack = False, 0.0, 0
+
+    def __init__(self, forward: Callable[[Tensor, KVCache], Tensor]):
+        self.forward = forward
+
+    def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
+        return self.forward(idx, cache)
+
+    def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
+        return self.forward(idx, cache)
+
+    def prefill_len(self, T: int) -> int:
+        return T
+
+    def cache_len(self, n: int) -> int:
+        return n
+
+    def warm(self, cache: KVCache, lengths) -> float:
+        return 0.0
+
+
+def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep:
+    """The sequential model's cached forward: a compiled static-shape Step, or the eager forward."""
+    if not compile:
+        return EagerStep(lambda idx, cache: model(idx, cache=cache))
+    return Step(sequential_fn(model), model.wte.weight.device, **kw)
+
+
+def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
+    """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
+    if not compile:
+        return EagerStep(runner)
+    step = Step(snlp_fn(runner), runner.model.wte.weight.device, **kw)
+    if step.mode == "reduce-overhead":
+        mark_static_runner(runner)
+    return step
+
+
+def mark_static_runner(runner: Runner) -> None:
+    """mark_static on every tensor of a runner's fused weights (they are plain tensors, not parameters, so
+    CUDA graphs would otherwise copy them in on every replay)."""
+    w = runner.weights
+    hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
+    mark_static(*tree_leaves(list(vars(w).values()) + hc))
+
+
+SYNC_OP = "aten::_local_scalar_dense"  # the host read of a device value behind .item() / int() / bool()
+
+
+def host_syncs(step: Step | EagerStep, cache: KVCache, T: int = 1, calls: int = 3) -> int:
+    """Host syncs in `calls` calls of `step` on T tokens (it advances `cache`). On CUDA the calls run under
+    torch.cuda.set_sync_debug_mode("error"), which raises on any synchronising op, so this returns 0 or raises;
+    on CPU it counts aten::_local_scalar_dense (what every .item() / int() / bool() of a tensor ends in; one
+    per read) in a torch.profiler trace (the same reads are what a CUDA sync would be). A compiled step must give 0 (tests/test_steps.py; bench --decode --compile checks it)."""
+    idx = torch.zeros(cache.batch, T, dtype=torch.long, device=cache.k.device)
+    if cache.k.is_cuda:
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(calls):
+                step(idx, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step(idx, cache)
+    return sum(e.count for e in prof.key_averages() if e.key == SYNC_OP)

@@ -1,0 +1,623 @@
+"""Layer-parallel SNLP across processes (torch.distributed; gloo on CPU, NCCL on GPU; launched by torchrun).
+
+Partition (`partition`). With P ranks the plan's C suffix chunks are split into P contiguous blocks,
+as even as possible (the first C mod P ranks get one chunk more; C < P is refused). Rank r builds
+the fused weights of ITS block only (`fusion.chunk_weights` on its layer range, identical to
+`surrogates.select_chunks` of the full stack) and allocates the KV cache of its layers only
+(`WindowKVCache`); the suffix layers it does not own are dropped from its model copy. The
+sequential prefix runs on rank 0, which broadcasts h_S once per solve (every rank needs h_S for the
+h0/fwd init); the head runs on the last rank. Replicating the prefix instead would cost every rank
+the prefix weights and KV cache and take the same time as rank 0's prefix, to save one O(B*T*D)
+broadcast, so the prefix is not replicated. The token embedding is replicated (every rank needs x0);
+of the per-layer value-embedding tables (each as big as the token embedding) a rank keeps only its
+own layers'.
+
+One iteration k on rank r (chunks c0..c1-1; paper Eq. snlp-iterative, the solver's recurrence
+d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
+  1. inputs = [h_{c0-1}^{(k)}, h_{c0}^{(k)}, ..., h_{c1-2}^{(k)}], the first one received from rank r-1
+     (rank 0: h_S); tilde = F(inputs), one batched `chunk_forward` of the local chunks.
+  2. local affine maps a_c (IDN: the link/ELK factor, a scalar; HCN: the chunk's n x n H_res product
+     times it; DiagN: the Hutchinson diagonal times it; Jacobi/none: 0, no scan at all) and the local
+     scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
+     (A_r, B_r) = (a_{c1-1} o ... o a_{c0}, d^loc_{c1-1}).
+  3. all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
+     `snlp.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
+     with d_{c0-1} prepended: exactly the single-process recurrence, regrouped.
+  4. h^{(k+1)} = h^{(k)} + d; the boundary state h_{c1-1}^{(k+1)} goes to rank r+1 (point-to-point).
+Communication per iteration and rank: one all_gather of B*T*D (+ A_q: nothing for IDN, B*T*n*n for
+HCN, B*T*D for DiagN) and one B*T*D send/receive: O(B*T*D), independent of depth. Tensor
+parallelism over the same ranks all-reduces B*T*D twice PER LAYER (after attention and after the
+MLP), i.e. 2L all-reduces per forward vs 2K messages here (K iterations, K << L).
+
+Decoding. SNLP decode steps use the rank-local KV windows exactly like `solver.solve` uses the
+full cache; the token chosen on the last rank is broadcast. Self-speculative decoding drafts with
+the distributed SNLP forward and verifies with the ORIGINAL layers run layer-pipelined over the
+same ranks (`pipeline_forward`): every rank runs its own layer range sequentially and passes
+h on. Why pipelined rather than on one rank: the point of P ranks is that one device need not hold
+all weights and the whole KV cache, and the verifier shares the per-layer KV slots with the drafter
+(snlp.cache), which live on the ranks that own the layers; a one-rank verifier would need every
+layer's weights and cache there. The price is that the verifier keeps the original layer weights
+of its range next to the fused ones (`keep_layers=True`; for M = 1 a second copy).
+
+Start-up check: all ranks all_gather a SHA-256 of the plan string and of the model's state dict
+(before dropping unowned layers); a mismatch is a ValueError on every rank naming what differs.
+Failure: `init_distributed(timeout_s=...)` sets the process group's timeout; every collective and
+point-to-point call is wrapped so that a dead or hung peer surfaces as `RankFailureError` (which
+says which op, which rank and the timeout) instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from snlp.model.cache import KVCache
+from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
+from snlp.model.gpt import GPT
+from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi
+from snlp.method.plan import Plan
+from snlp.method.scan import affine_scan
+from snlp.method.solver import SNLPDivergenceError, _as_plan, _relative_update
+
+DEFAULT_TIMEOUT_S = 120.0
+SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
+
+
+class RankFailureError(RuntimeError):
+    """A peer rank died or did not answer within the process group's timeout."""
+
+
+# ----------------------------------------------------------------------------- process group
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.device = "cpu") -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) unless it already is: gloo on CPU, NCCL on CUDA, with `timeout_s` as
+    the collective timeout (a dead peer makes the others fail after at most this long). (rank, world)."""
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"--distributed needs the torchrun environment ({', '.join(missing)} unset): launch with "
+                             f"`torchrun --nproc_per_node=P -m snlp ...`")
+        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@contextmanager
+def _comm(op: str):
+    """Turn a failed collective / point-to-point call into a RankFailureError that says what happened."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, RankFailureError):
+            raise
+        r, P = dist.get_rank(), dist.get_world_size()
+        raise RankFailureError(f"rank {r} of {P}: {op} failed: a peer rank died or did not answer within the "
+                               f"process-group timeout ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+
+
+def _all_gather(t: Tensor, op: str) -> Tensor:
+    """(P, *t.shape): every rank's t."""
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    with _comm(op):
+        dist.all_gather(out, t)
+    return torch.stack(out)
+
+
+def _broadcast(t: Tensor, src: int, op: str) -> Tensor:
+    with _comm(op):
+        dist.broadcast(t, src)
+    return t
+
+
+# ----------------------------------------------------------------------------- partition and checks
+def partition(chunks: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous chunk blocks [c0, c1) per rank, sizes differing by at most one (the first
+    chunks mod world ranks get the extra chunk). Raises a ValueError if a rank would get none."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world size must be an integer >= 1 (got {world!r})")
+    if chunks < world:
+        raise ValueError(f"a plan with C = {chunks} chunks cannot be spread over {world} ranks: every rank needs at "
+                         f"least one chunk; use a plan with C >= {world} chunks or at most {chunks} ranks")
+    base, extra = divmod(chunks, world)
+    bounds, c0 = [], 0
+    for r in range(world):
+        c1 = c0 + base + (r < extra)
+        bounds.append((c0, c1))
+        c0 = c1
+    return bounds
+
+
+def model_digest(model: GPT) -> bytes:
+    """SHA-256 of the model config and every state-dict tensor's bytes (the start-up consistency check)."""
+    h = hashlib.sha256(repr(sorted(model.config.to_dict().items())).encode())
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def check_consistent(model: GPT, plan: Plan) -> None:
+    """All ranks must run the same plan on the same weights: all_gather of SHA-256 digests, then a
+    ValueError on EVERY rank (so none is left waiting) naming the ranks that differ."""
+    mine = hashlib.sha256(str(plan).encode()).digest() + model_digest(model)
+    allv = _all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "start-up consistency check")
+    problems = []
+    for what, sl in (("plan", slice(0, 32)), ("model weights/config", slice(32, 64))):
+        ref = allv[0, sl]
+        bad = [r for r in range(allv.shape[0]) if not torch.equal(allv[r, sl], ref)]
+        if bad:
+            problems.append(f"ranks {bad} have a different {what} than rank 0")
+    if problems:
+        raise ValueError(f"distributed SNLP start-up check failed: {'; '.join(problems)} (plan on this rank: {plan}); "
+                         f"every rank must load the same checkpoint and parse the same --plan")
+
+
+class WindowKVCache(KVCache):
+    """A KV cache holding only layers first..first+k.shape[0]-1 (this rank's); `write` takes the
+    absolute layer indices the model and the fused chunks use, so the rest of the code is unchanged."""
+
+    def __init__(self, k: Tensor, v: Tensor, first: int, length: int = 0):
+        super().__init__(k=k, v=v, length=length)
+        self.first = first
+
+    def write(self, layers, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        f = self.first
+        if isinstance(layers, slice):
+            layers = slice(layers.start - f, layers.stop - f)
+        elif isinstance(layers, Tensor):
+            layers = layers - f
+        else:
+            layers = int(layers) - f
+        return super().write(layers, k, v, start)
+
+
+# ----------------------------------------------------------------------------- the per-rank solver
+@dataclass
+class DistSolveResult:
+    """One rank's view of a distributed solve."""
+
+    states: Tensor  # (c1 - c0, B, T, ..., D) this rank's chunk outputs h_c after the last iteration
+    chunks: tuple[int, int]  # [c0, c1) owned by this rank
+    hidden: Tensor | None = None  # (B, T, ..., D) final state h_L: last rank only
+    logits: Tensor | None = None  # (B, T, V): last rank only, when asked for
+    iters: int = 0
+    updates: list[float] = field(default_factory=list)
+
+
+def _compose(a: Tensor, matrix: bool) -> Tensor:
+    """a_{n-1} o ... o a_0 over the leading dim, log-depth (pairwise products, order kept)."""
+    if not matrix:
+        return a.prod(0)
+    while a.shape[0] > 1:
+        odd = a[-1:] if a.shape[0] % 2 else a[:0]
+        even = a[: a.shape[0] - odd.shape[0]]
+        a = torch.cat([even[1::2] @ even[0::2], odd])  # later @ earlier
+    return a[0]
+
+
+class DistributedSNLP:
+    """Rank-local part of a distributed SNLP model (see the module docstring). Construct it on every
+    rank with the same model and plan, inside an initialised process group. It takes ownership of
+    `model`: unowned suffix layers (and, off rank 0, the prefix; off the last rank, the LM head) are
+    dropped to free their memory. `keep_layers` keeps the original layers of this rank's range for
+    the layer-pipelined sequential forward (speculative verifier, pipeline baseline)."""
+
+    def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True):
+        if not dist.is_initialized():
+            raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
+        plan = _as_plan(model, plan)
+        if not isinstance(plan.surrogate, SURROGATES):
+            raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
+                             f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.last = self.world - 1
+        self.plan, self.model, self.keep_layers = plan, model, keep_layers
+        L = model.config.n_layer
+        self.S, M = plan.prefix_len(L), plan.fuse
+        self.c0, self.c1 = partition(plan.chunks, self.world)[self.rank]
+        if check:
+            check_consistent(model, plan)
+        with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)
+            self.w: ChunkWeights = build_chunk_weights(model, self.S + self.c0 * M, self.c1 - self.c0, M)
+        # KV window and layer range this rank computes: rank 0 also owns the prefix layers
+        self.first = 0 if self.rank == 0 else self.S + self.c0 * M
+        self.stop = self.S + self.c1 * M
+        keep = set(range(self.first, self.stop)) if keep_layers else set()
+        if self.rank == 0:
+            keep |= set(range(self.S))
+        for l in range(L):
+            if l not in keep:
+                model.blocks[l] = torch.nn.Module()  # free the weights this rank never reads
+        self._keep_value_embeds(set(range(self.first, self.stop)) | (set(range(self.S)) if self.rank == 0 else set()))
+        if self.rank != self.last:
+            model.lm_head = None
+        self.device = model.wte.weight.device
+
+    def _keep_value_embeds(self, layers: set[int]) -> None:
+        """Keep only the value-embedding tables of `layers` (each is vocab x kv_dim, as big as the token
+        embedding) and renumber the model's and the fused chunks' slots to the kept tables."""
+        model = self.model
+        if not hasattr(model, "value_embeds"):
+            return
+        n_ve = model.value_embeds.shape[0]
+        keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
+        lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
+        lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
+        model.value_embeds = torch.nn.Parameter(model.value_embeds.data[keep].clone(), requires_grad=False)
+        model.ve_slot = [int(lut[s]) if s >= 0 and l in layers else -1 for l, s in enumerate(model.ve_slot)]
+        if self.w.ve_slot is not None:
+            self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
+
+    # ----- memory -----
+    def memory(self, cache: KVCache | None = None) -> dict:
+        """Bytes this rank holds: fused chunk weights, the model parameters it kept, and its KV window."""
+        def nbytes(obj) -> int:
+            if isinstance(obj, Tensor):
+                return obj.numel() * obj.element_size()
+            if hasattr(obj, "__dataclass_fields__"):
+                return sum(nbytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+            if isinstance(obj, tuple):
+                return sum(nbytes(x) for x in obj)
+            return 0
+        fused = nbytes(self.w)
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = 0 if cache is None else nbytes(cache.k) + nbytes(cache.v)
+        return {"fused_weight_bytes": fused, "param_bytes": params, "kv_bytes": kv, "total_bytes": fused + params + kv}
+
+    def new_cache(self, max_len: int, batch: int = 1) -> WindowKVCache:
+        """An empty KV cache for this rank's layers only (rank 0: prefix + its chunks)."""
+        cfg = self.model.config
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"KV cache max_len must be an integer >= 1 (got {max_len!r})")
+        p = self.model.wte.weight
+        shape = (self.stop - self.first, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        return WindowKVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
+                             torch.zeros(shape, dtype=p.dtype, device=p.device), self.first)
+
+    # ----- communication helpers -----
+    def _shift_boundary(self, last_state: Tensor, hS: Tensor) -> Tensor:
+        """Send this rank's last chunk state to rank r+1 and receive rank r-1's (rank 0: h_S)."""
+        with _comm("boundary-state exchange"):
+            req = dist.isend(last_state.contiguous(), self.rank + 1) if self.rank < self.last else None
+            if self.rank > 0:
+                got = torch.empty_like(hS)
+                dist.recv(got, self.rank - 1)
+            else:
+                got = hS
+            if req is not None:
+                req.wait()
+        return got
+
+    def _scan(self, a: Tensor, b: Tensor, matrix: bool) -> Tensor:
+        """d for this rank's chunks: d_c = a_c o d_{c-1} + b_c across ALL ranks' chunks (module docstring, 2-3)."""
+        d_loc = affine_scan(a, b, matrix)  # (n, ...) as if d_{c0-1} = 0
+        A = _all_gather(_compose(a, matrix), "all_gather of the per-rank affine totals")  # (P, ...)
+        Bt = _all_gather(d_loc[-1], "all_gather of the per-rank affine totals")  # (P, B, T, ..., D)
+        if self.rank == 0:
+            return d_loc
+        d_in = affine_scan(A[: self.rank], Bt[: self.rank], matrix)[-1]  # exclusive scan over ranks: d_{c0-1}
+        one = a[:1]  # never used by affine_scan (entry 0's factor)
+        return affine_scan(torch.cat([one, a]), torch.cat([d_in[None], b]), matrix)[1:]
+
+    def _local_diag(self, inputs: Tensor, tilde: Tensor, ctx, cache, gen: torch.Generator) -> Tensor:
+        """This rank's rows of `surrogates.diag_jacobian`: the same Rademacher draw over all (selected)
+        chunks as the single process (so results agree exactly), sliced to the local chunks."""
+        from snlp.method import jacobian as surrogates
+
+        plan, c0, c1, M = self.plan, self.c0, self.c1, self.plan.fuse
+        sur = plan.surrogate  # a DiagN
+        sel = list(range(plan.chunks)) if sur.subset is None else list(sur.subset)
+        pos = [i for i, c in enumerate(sel) if c0 <= c < c1]  # rows of the global probe draw we own
+        local = [sel[i] - c0 for i in pos]
+        v_all = surrogates.rademacher((sur.probes, len(sel), *inputs.shape[1:]), inputs, gen)
+        a = torch.ones_like(inputs)
+        if not local:
+            return a
+        with surrogates._estimator_mode(sur.estimator) as clone:
+            ws = surrogates._probe_weights(self.w, local, clone)
+            cx = surrogates._plain(ctx, clone)
+            layers = None
+            if cache is not None:  # the probe reads (never writes) this rank's window slots of the local chunks
+                layers = torch.tensor([self.w.start - self.first + c * M + m for c in local for m in range(M)],
+                                      device=cache.k.device)
+            idx = torch.tensor(local, device=inputs.device)
+            x, fx = inputs.detach().index_select(0, idx), tilde.detach().index_select(0, idx)
+            v = v_all[:, pos]
+            if clone:
+                x, fx, v = x.clone(), fx.clone(), v.clone()
+            est = surrogates.hutchinson_diag(surrogates.chunk_probe_map(ws, cx, cache, layers, sur.probes), x, v,
+                                             sur.estimator, sur.eps, fx, token_dims=3)
+        return a.index_copy(0, idx, est.to(a.dtype))
+
+    # ----- the solve -----
+    @torch.no_grad()
+    def solve(self, idx: Tensor, cache: KVCache | None = None, logits: bool = True,
+              check_finite: bool = True) -> DistSolveResult:
+        """Distributed `solver.solve` of token ids idx (B, T) (the same ids on every rank). With a KV
+        `cache` (from `new_cache`) an SNLP decode step on this rank's window. The last rank returns the
+        final state and (with `logits`) the logits; with `check_finite` every rank raises
+        SNLPDivergenceError if the final state is not finite."""
+        plan, model, w = self.plan, self.model, self.w
+        n, hcn = self.c1 - self.c0, isinstance(plan.surrogate, HCN)
+        ctx = model.embed(idx.to(self.device), cache)
+        if self.rank == 0:
+            hS = model.run_layers(ctx.x0, ctx, 0, self.S).contiguous()
+        else:
+            hS = torch.empty(ctx.x0.shape, dtype=ctx.x0.dtype, device=ctx.x0.device)
+        if self.S > 0:  # every rank needs h_S for its init; with no prefix h_S = x0 is known everywhere
+            _broadcast(hS, 0, "broadcast of the prefix state h_S")
+        else:
+            hS = ctx.x0.contiguous()
+        h = hS.expand(n, *hS.shape)  # (n, B, T, ..., D) h0 init
+        boundary = hS
+        if plan.init == "fwd":
+            h = chunk_forward(w, h, ctx, cache)
+            boundary = self._shift_boundary(h[-1], hS)
+        link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
+        link = link.view(n, *[1] * hS.dim())  # (n, 1, ..., 1)
+        lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
+        lag = lag.view(n, *[1] * hS.dim())  # non-forward order: the previous sweep's update (snlp.solver)
+        lagged = bool(lag.any())
+        gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
+        iters, updates, d, last_boundary = 0, [], None, None
+        for k in range(plan.iters):
+            inputs = torch.cat([boundary[None], h[:-1]], 0)  # (n, B, T, ..., D)
+            tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
+            if isinstance(plan.surrogate, Jacobi):
+                d, h = tilde - h, tilde
+            else:
+                if isinstance(plan.surrogate, Identity):
+                    A = None
+                elif hcn:  # (n, B, T, n_s, n_s) stream mixing
+                    A = mix
+                else:
+                    A = self._local_diag(inputs, tilde, ctx, cache, gen)
+                b = tilde - h
+                if lagged and d is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)}; for the first local chunk the
+                    # predecessor's previous update is the change of the received boundary state
+                    prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
+                    b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
+                a = link if A is None else A * link
+                d = self._scan(a, b, matrix=hcn)
+                h = h + d
+            last_boundary = boundary
+            iters += 1
+            stop = k == plan.iters - 1
+            if plan.tol:  # the last rank owns the final state: it decides, everyone follows
+                upd = torch.tensor([_relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
+                                   dtype=torch.float64)
+                updates.append(float(_broadcast(upd, self.last, "broadcast of the tol update")[0]))
+                stop = stop or updates[-1] < plan.tol
+            if stop:
+                break
+            boundary = self._shift_boundary(h[-1], hS)
+        if cache is not None:
+            if plan.iters == 0 and plan.init == "h0":  # as solver.solve: write the K/V of the final inputs
+                chunk_forward(w, hS.expand(n, *hS.shape), ctx, cache)
+            cache.advance(idx.shape[1])
+        res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates)
+        if self.rank == self.last:
+            res.hidden = h[-1]
+            if logits:
+                res.logits = model.head(res.hidden)
+        if check_finite:
+            ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0])
+            if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
+                raise SNLPDivergenceError(f"distributed SNLP plan {plan} diverged: the final hidden state contains "
+                                          f"NaN/inf (try more iterations, K >= {plan.chunks} is exact)")
+        return res
+
+    @torch.no_grad()
+    def pipeline_forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor | None:
+        """The ORIGINAL model run layer-pipelined over the ranks (rank r: its layer range, then h to
+        rank r+1): logits (B, T, V) on the last rank, None elsewhere. Needs keep_layers=True."""
+        if not self.keep_layers:
+            raise ValueError("pipeline_forward needs the original layers: construct DistributedSNLP(..., keep_layers=True)")
+        model = self.model
+        ctx = model.embed(idx.to(self.device), cache)
+        if self.rank == 0:
+            h = ctx.x0
+        else:
+            h = torch.empty(ctx.x0.shape, dtype=ctx.x0.dtype, device=ctx.x0.device)
+            with _comm("pipeline receive"):
+                dist.recv(h, self.rank - 1)
+        h = model.run_layers(h, ctx, self.first, self.stop)
+        if self.rank < self.last:
+            with _comm("pipeline send"):
+                dist.send(h.contiguous(), self.rank + 1)
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        return model.head(h) if self.rank == self.last else None
+
+    # ----- decoding -----
+    def _tokens_from_last(self, tokens: list[int] | None, count: int) -> list[int]:
+        t = torch.tensor(tokens if self.rank == self.last else [0] * count, dtype=torch.long)
+        return _broadcast(t, self.last, "broadcast of the chosen tokens").tolist()
+
+    def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
+                 temperature: float = 0.0, eos_id: int | None = None, seed: int = 0,
+                 max_len: int | None = None, on_tokens=None):
+        """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
+        `generate.GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a
+        distributed SNLP solve), `sequential` (the original model layer-pipelined: the pipeline
+        baseline), `speculative` (distributed SNLP drafts `block` tokens, the pipelined original model
+        verifies B+1 positions in one forward; greedy output equals sequential decoding)."""
+        from snlp.decode.generate import GenerateResult, _check_common, _prompt_list, speculative_accept
+
+        if mode not in ("snlp", "sequential", "speculative"):
+            raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
+        _check_common(max_new_tokens, temperature, block if mode == "speculative" else None)
+        prompt = _prompt_list(self.model, prompt_ids)
+        max_len = len(prompt) + max_new_tokens if max_len is None else max_len
+        if len(prompt) > max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the KV cache (max_len {max_len})")
+        cache = self.new_cache(max_len)
+        budget = min(max_new_tokens, max_len - len(prompt))
+        res = GenerateResult(tokens=[], mode=mode, plan=None if mode == "sequential" else str(self.plan),
+                             block=block if mode == "speculative" else 0)
+        res.stop = "max_new_tokens" if max_new_tokens <= max_len - len(prompt) else "max_len"
+        gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        ids = lambda toks: torch.tensor([toks], dtype=torch.long, device=self.device)  # noqa: E731
+        snlp = lambda x: self.solve(ids(x), cache, check_finite=False).logits  # noqa: E731
+        seq = lambda x: self.pipeline_forward(ids(x), cache)  # noqa: E731
+        step = seq if mode == "sequential" else snlp
+
+        def pick(logits: Tensor) -> int:
+            if temperature == 0:
+                return int(logits.argmax())
+            return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+
+        def emit(new: list[int]) -> bool:  # same on every rank: the tokens came from the broadcast
+            new = new[: budget - len(res.tokens)]
+            done = False
+            if eos_id is not None and eos_id in new:
+                new, done, res.stop = new[: new.index(eos_id) + 1], True, "eos"
+            res.tokens.extend(new)
+            if on_tokens is not None and new:
+                on_tokens(new)
+            return done or len(res.tokens) >= budget
+
+        t0 = time.perf_counter()
+        if len(prompt) > 1:
+            (seq if mode == "speculative" else step)(prompt[:-1])
+        res.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        last, done = prompt[-1], budget <= 0
+        while not done:
+            if mode != "speculative":
+                logits = step([last])
+                res.forwards += 1
+                last = self._tokens_from_last([pick(logits[0, -1])] if self.rank == self.last else None, 1)[0]
+                done = emit([last])
+                continue
+            P, Bk = cache.length, min(block, budget - len(res.tokens) - 1)
+            t1 = time.perf_counter()
+            drafts, qs, x = [], [], last
+            for _ in range(Bk):  # the drafter: distributed SNLP decode steps
+                logits = snlp([x])
+                tok = None
+                if self.rank == self.last:
+                    lg = logits[0, -1]
+                    if temperature > 0:
+                        qs.append(torch.softmax(lg.float() / temperature, -1))
+                        tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
+                    else:
+                        tok = [int(lg.argmax())]
+                x = self._tokens_from_last(tok, 1)[0]
+                drafts.append(x)
+            t2 = time.perf_counter()
+            cache.rollback(P)  # the verifier rewrites positions P..P+Bk with exact K/V
+            logits = seq([last] + drafts)
+            verdict = None
+            if self.rank == self.last:
+                lg = logits[0]  # (Bk+1, V)
+                if temperature == 0:
+                    target = lg.argmax(-1).tolist()
+                    nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
+                    verdict = [nacc, target[nacc]]
+                else:
+                    p = torch.softmax(lg.float() / temperature, -1)
+                    q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
+                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts]).long(), gen)
+                    verdict = [int(n_t), int(nxt_t)]
+            nacc, nxt = self._tokens_from_last(verdict, 2)
+            cache.rollback(P + nacc + 1)
+            res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=time.perf_counter() - t2)
+            last = nxt
+            done = emit(drafts[:nacc] + [nxt])
+        res.decode_s = time.perf_counter() - t0 if res.tokens else 0.0
+        return res
+
+
+# ----------------------------------------------------------------------------- benchmark
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order."""
+    out = [None] * dist.get_world_size()
+    with _comm("all_gather_object"):
+        dist.all_gather_object(out, obj)
+    return out
+
+def _timed(fn, warmup: int, runs: int) -> list[float]:
+    """ms per call, every call between two barriers (the slowest rank sets the time)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        with _comm("barrier"):
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        with _comm("barrier"):
+            dist.barrier()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return ts
+
+def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
+                          decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
+                          blocks: tuple[int, ...] = (4,)) -> list[dict]:
+    """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
+    forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
+    speculative decoding. `model_fn()` builds the (same) model on every rank. Medians in ms."""
+    import statistics
+
+    recs = []
+    gen = torch.Generator().manual_seed(seed)
+    for plan in plans:
+        runner = DistributedSNLP(model_fn(), plan, keep_layers=True)
+        V = runner.model.config.vocab_size
+        idx = torch.randint(0, V, (batch, tokens), generator=gen)
+        mem = gather_objects(runner.memory())
+        base = dict(plan=str(plan), world_size=dist.get_world_size(), tokens=tokens, batch=batch, runs=runs,
+                    chunks_per_rank=[list(b) for b in partition(plan.chunks, dist.get_world_size())],
+                    max_rank_bytes=max(m["total_bytes"] for m in mem), memory_per_rank=mem)
+        with torch.inference_mode():
+            pipe = _timed(lambda: runner.pipeline_forward(idx), warmup, runs)
+            par = _timed(lambda: runner.solve(idx, check_finite=False), warmup, runs)
+            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs
+            hS = runner.model.embed(idx).x0.contiguous()
+            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs)
+            prefix = []
+            if runner.rank == 0 and runner.S > 0:
+                ctx = runner.model.embed(idx)
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    runner.model.run_layers(ctx.x0, ctx, 0, runner.S)
+                    prefix.append(1e3 * (time.perf_counter() - t0))
+        recs.append({**base, "what": "prefill", "pipeline_sequential_ms": statistics.median(pipe),
+                     "snlp_ms": statistics.median(par), "speedup": statistics.median(pipe) / statistics.median(par),
+                     "h_S_broadcast_ms": statistics.median(bcast),
+                     "prefix_ms_rank0": statistics.median(prefix) if prefix else 0.0})
+        if decode:
+            prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
+            modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
+            res: dict = {m: [] for m in modes}
+            for i in range(warmup + runs):
+                for mode, b in modes:
+                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1))
+                    if i >= warmup:
+                        res[(mode, b)].append(r)
+            seq_ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in res[("sequential", 0)])
+            ref = res[("sequential", 0)][0].tokens
+            for (mode, b), rs in res.items():
+                ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
+                rec = {**base, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
+                       "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
+                       "prompt_len": prompt_len, "new_tokens": new_tokens}
+                if mode == "speculative":
+                    rec.update(alpha=rs[0].acceptance_rate, tokens_per_round=rs[0].tokens_per_round,
+                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs),
+                               verify_ms_per_round=statistics.median(1e3 * r.verify_s / r.rounds for r in rs))
+                recs.append(rec)
+    return recs

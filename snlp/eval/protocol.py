@@ -1,0 +1,289 @@
+"""The evaluation protocol: the sequential model and SNLP plans on validation tokens (paper metrics).
+
+`evaluate(model, val_tokens, plans, EvalConfig, tokenizer=...) -> list[EvalRecord]`, one record per
+row, the sequential baseline first (paper, "Metrics and protocol"):
+  PPL, dPPL         token-weighted over non-overlapping windows of `seq_len` validation tokens
+                    (up to `max_tokens` predicted tokens); dPPL relative to sequential
+  Top-1, LogitSim   teacher-forced on the same windows vs the sequential logits: argmax agreement
+                    and the mean cosine of the logit vectors
+  AR Match, beta    greedy KV-cached generation of `gen_tokens` tokens from `prompts` validation
+                    prompts of `prompt_len` tokens, positional agreement with a reference: the
+                    sequential model, or for fused plans (M > 1) the same fused model run
+                    sequentially (the plan with K = C); beta is the implied per-token agreement
+  EmbSim            cosine of MiniLM sentence embeddings of the decoded continuations vs the
+                    sequential ones (snlp.embsim; `pip install snlp[emb]`, offline)
+  Speedup           median per-token latency of KV-cached greedy decoding (`time_tokens` tokens
+                    at batch 1, prompt prefill not timed), sequential over plan; Prefill: the same
+                    for a batch-1 forward over `seq_len` tokens; both measured round-robin in this
+                    process after a warm-up (snlp.timing)
+  Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
+                    not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
+A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".
+Data loading is snlp.evaldata, tables / CSV / plots snlp.present, the `snlp eval` command snlp.eval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from snlp.eval.embsim import embedding_sims
+from snlp.eval.data import as_tokens, sample_prompts, windows
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
+from snlp.model.gpt import GPT
+from snlp.method.plan import Plan
+from snlp.runtime.device import progress_bar
+from snlp.method.solver import SNLPDivergenceError, bind
+from snlp.runtime.timing import time_round_robin
+
+SEQ = "sequential"
+
+
+@dataclass
+class EvalConfig:
+    """Protocol settings of `evaluate` (see the module docstring); `evaluate` never modifies it."""
+
+    seq_len: int = 256  # tokens per PPL window
+    max_tokens: int = 32768  # predicted tokens for PPL / Top-1 / LogitSim (at least one window)
+    prompts: int = 8  # AR-match / EmbSim prompts drawn from the validation tokens
+    prompt_len: int = 16
+    gen_tokens: int = 32  # greedy tokens generated per prompt (the T of the beta conversion)
+    warmup: int = 3  # timing: untimed rounds
+    runs: int = 20  # timing: timed rounds (medians)
+    # tokens decoded per timed decode run; speedup = ratio of decode time / time_tokens. Not 1: a lone
+    # first decode step right after the prefill is not representative (measured 2.7x vs 1.5x over 16)
+    time_tokens: int = 32
+    emb: bool = True  # compute EmbSim (needs the emb extra and a tokenizer)
+    seed: int = 0  # picks the prompts
+    progress: bool = True  # progress bars on stderr
+    batch: int = 8  # windows per teacher-forced forward
+
+    def check(self) -> None:
+        """Raise a ValueError naming every out-of-range setting."""
+        low = [f"{k}={getattr(self, k)}" for k in ("seq_len", "max_tokens", "prompts", "prompt_len", "gen_tokens",
+                                                   "runs", "time_tokens", "batch") if getattr(self, k) < 1]
+        if self.warmup < 0:
+            low.append(f"warmup={self.warmup}")
+        if low:
+            raise ValueError(f"evaluation settings out of range: {', '.join(low)} (warmup must be >= 0, the "
+                             f"others >= 1)")
+
+
+@dataclass(kw_only=True)
+class EvalRecord:
+    """One row of `evaluate`: the sequential model (plan "sequential", K/C/M/init None) or a plan.
+    Fields in the order of the JSON / CSV columns; None where a value does not apply or could not be
+    computed (a diverged plan has ppl inf, note "diverged" and no Top-1 / LogitSim / AR match)."""
+
+    plan: str
+    K: int | None = None  # iterations
+    S: int | None = None  # sequential prefix layers (L for the sequential model)
+    C: int | None = None  # chunks
+    M: int | None = None  # layers fused per chunk
+    init: str | None = None
+    ppl: float = math.nan
+    top1: float | None = None
+    logit_sim: float | None = None
+    note: str = ""  # "" or "diverged"
+    delta_ppl: float | None = None  # relative to sequential: 0.055 = +5.5%
+    ar_match: float | None = None
+    ar_beta: float | None = None  # per-token agreement implied by ar_match over gen_tokens
+    ar_reference: str | None = None  # "sequential" or the fused plan run sequentially (K = C)
+    emb_sim: float | None = None
+    latency_ms: float | None = None  # median decode ms/token
+    prefill_ms: float | None = None  # median ms of a batch-1 forward over seq_len tokens
+    speedup: float | None = None  # sequential latency_ms / this latency_ms
+    prefill_speedup: float | None = None
+    ideal_layer_speedup: float | None = None  # L / (S + K * evals + [fwd])
+    n_layer: int | None = None
+    tokens: int | None = None  # predicted tokens of the PPL windows
+    seq_len: int | None = None
+    prompts: int | None = None
+    gen_tokens: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+    @property
+    def is_sequential(self) -> bool:
+        return self.plan == SEQ
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalRecord":
+        """A record from its `to_dict` (e.g. a stored JSON row). Records written before the ideal
+        speedups got separate names carry the layer-step ideal as `ideal_speedup`."""
+        d = dict(d)
+        if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
+            d["ideal_layer_speedup"] = d.pop("ideal_speedup")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown evaluation record fields {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+
+@dataclass
+class _Quality:  # teacher-forced metrics of one row
+    ppl: float
+    top1: float | None
+    logit_sim: float | None
+    note: str = ""
+
+
+@dataclass
+class _Timing:  # medians of one row
+    latency_ms: float
+    prefill_ms: float
+
+
+def _bar(total: int, desc: str, cfg: EvalConfig):
+    return progress_bar(total, desc, cfg.progress)
+
+
+# ----- teacher-forced: PPL, Top-1, LogitSim -----
+def _logits_fns(model: GPT, plans: list[Plan]) -> dict:
+    """name -> idx (B, T) -> logits (B, T, V); the sequential model first (it is the reference).
+    Plans check for NaN/inf (SNLPDivergenceError)."""
+    return {SEQ: model, **{str(plan): bind(model, plan) for plan in plans}}
+
+
+@torch.inference_mode()
+def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig) -> dict[str, _Quality]:
+    """PPL, Top-1 and LogitSim (vs sequential) of the sequential model and each plan over the
+    windows wins (W, T + 1); a plan that diverges gets PPL inf and note "diverged"."""
+    device = next(model.parameters()).device
+    fns = _logits_fns(model, plans)
+    acc = {name: {"nll": 0.0, "top1": 0.0, "sim": 0.0, "n": 0} for name in fns}
+    diverged = set()
+    batches = wins.split(cfg.batch)
+    with _bar(len(batches) * len(fns), "PPL / Top-1 / LogitSim", cfg) as bar:
+        for b in batches:
+            x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T) inputs, targets
+            ref = None
+            for name, fn in fns.items():
+                bar.update()
+                if name in diverged:
+                    continue
+                try:
+                    logits = fn(x)  # (B, T, V) fp32
+                except SNLPDivergenceError:
+                    diverged.add(name)
+                    continue
+                ref = logits if ref is None else ref
+                a, n = acc[name], y.numel()
+                a["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+                a["top1"] += top1_agreement(logits, ref) * n
+                a["sim"] += logit_sim(logits, ref) * n
+                a["n"] += n
+    return {name: _Quality(math.inf, None, None, "diverged") if name in diverged else
+            _Quality(perplexity(a["nll"], a["n"]), a["top1"] / a["n"], a["sim"] / a["n"]) for name, a in acc.items()}
+
+
+# ----- generation: AR Match, EmbSim -----
+def reference_plan(plan: Plan) -> Plan | None:
+    """The AR-match reference of a plan: None (the sequential model) for M = 1, else the same fused
+    model run sequentially, i.e. the plan with K = C iterations (exact for the fused model)."""
+    return None if plan.fuse == 1 else Plan(chunks=plan.chunks, fuse=plan.fuse, init="h0", iters=plan.chunks)
+
+
+def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig
+                ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
+    """Greedy continuations (prompts x gen_tokens ids) of the sequential model and each plan, and
+    each plan's AR-match reference continuations (shared between plans with the same reference)."""
+    refs_needed = {str(r): r for r in map(reference_plan, plans) if r is not None}
+    rows = {SEQ: None, **{str(p): p for p in plans}, **refs_needed}
+    out = {}
+    with _bar(len(rows) * len(prompts), "AR match generation", cfg) as bar:
+        for name, plan in rows.items():
+            out[name] = []
+            for prompt in prompts:
+                res = sequential_generate(model, prompt, cfg.gen_tokens) if plan is None else \
+                    snlp_generate(model, prompt, plan, cfg.gen_tokens)
+                out[name].append(res.tokens)
+                bar.update()
+    refs = {str(p): out[SEQ if reference_plan(p) is None else str(reference_plan(p))] for p in plans}
+    return {name: out[name] for name in [SEQ, *map(str, plans)]}, {SEQ: out[SEQ], **refs}
+
+
+# ----- timing: speedup -----
+def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan], cfg: EvalConfig
+               ) -> dict[str, _Timing]:
+    """Median decode ms/token (KV-cached greedy, batch 1, `cfg.time_tokens` tokens, prompt prefill
+    not timed) and median ms of a batch-1 forward over `window` (1, T) for the sequential model and
+    each plan, round-robin after cfg.warmup untimed rounds."""
+    device = next(model.parameters()).device
+    rows = {SEQ: None, **{str(p): p for p in plans}}
+    decode_ms: dict[str, list[float]] = {name: [] for name in rows}
+    bar = _bar((cfg.warmup + cfg.runs) * len(rows), "decode timing (round-robin)", cfg)
+
+    def decoder(name, plan):  # appends ms/token; generate times its own decode loop (prefill excluded)
+        def run():
+            r = sequential_generate(model, prompt, cfg.time_tokens) if plan is None else \
+                snlp_generate(model, prompt, plan, cfg.time_tokens)
+            decode_ms[name].append(1e3 * r.decode_s / len(r.tokens))
+            bar.update()
+        return run
+
+    def forward(plan):
+        if plan is None:
+            return lambda: model(window)
+        runner = bind(model, plan, check_finite=False)
+        return lambda: runner(window)
+
+    with bar:
+        time_round_robin({name: decoder(name, p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
+    with torch.inference_mode():
+        prefill = time_round_robin({name: forward(p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
+    return {name: _Timing(latency_ms=statistics.median(decode_ms[name][-cfg.runs:]),  # the timed rounds
+                          prefill_ms=statistics.median(prefill[name])) for name in rows}
+
+
+# ----- the evaluation -----
+def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), tokenizer=None) -> list[EvalRecord]:
+    """Evaluate the sequential model and each plan (str or Plan) on validation token ids
+    `val_tokens` (1-D): one EvalRecord per row, plan "sequential" first, then the plans in order
+    (duplicates dropped). EmbSim needs `tokenizer` (to decode continuations) and the emb extra,
+    else it is None."""
+    cfg.check()
+    L = model.config.n_layer
+    plans = list(dict.fromkeys(Plan.parse(p, L) if isinstance(p, str) else p.check(L) for p in plans))
+    device = next(model.parameters()).device
+    val = as_tokens(val_tokens)  # (n,)
+    model.eval()
+    wins = windows(val, cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
+    prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
+    tf = teacher_forced(model, wins, plans, cfg)
+    gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg)
+    embs = embedding_sims(gens, tokenizer, device, SEQ) if cfg.emb else {}
+    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg)
+    protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, prompts=cfg.prompts,
+                    gen_tokens=cfg.gen_tokens, device=str(device),
+                    dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
+    return [_record(plan, L, tf, gens, refs, embs, times, cfg, protocol) for plan in [None, *plans]]
+
+
+def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalConfig, protocol: dict) -> EvalRecord:
+    """One row of `evaluate` from the per-phase results, each keyed by row name (plan None = sequential)."""
+    name = SEQ if plan is None else str(plan)
+    ref = None if plan is None else reference_plan(plan)
+    ar = ar_match(gens[name], refs[name]) if name in gens else None  # None: diverged
+    q, t, seq_t = tf[name], times[name], times[SEQ]
+    return EvalRecord(
+        plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
+        C=None if plan is None else plan.chunks, M=None if plan is None else plan.fuse,
+        init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=q.note,
+        delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
+        ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens),
+        ar_reference=SEQ if ref is None else str(ref), emb_sim=embs.get(name),
+        latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=seq_t.latency_ms / t.latency_ms,
+        prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
+        ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), **protocol)

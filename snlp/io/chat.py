@@ -1,0 +1,175 @@
+"""Chat data for SFT: conversations in the common Hugging Face schema
+
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+
+from local JSONL files (comma-separated, folders and globs as for `snlp train --data`) or
+`hf:NAME[:CONFIG][:SPLIT]` (the `datasets` library, needs network); a part `mc:PATH` turns
+multiple-choice questions (snlp.mc's files: ARC JSONL, MMLU CSV, plain JSONL) into one-turn chats,
+the lettered question then the answer letter (nanochat mixes ARC/MMLU train sets into SFT so). Rendered with the tokenizer's
+chat template (`Tokenizer.render_chat`) into token ids and an assistant mask.
+
+Batches are padded, one conversation per row: row i holds conversation i's tokens then padding, and
+its targets are the next tokens where the mask marks an assistant token and -1 (ignored) elsewhere.
+Attention is causal, so a conversation's tokens never see the padding after it nor another row:
+conversations never attend across each other, with the model's attention exactly as in pretraining
+(no packed-document mask is needed; the price is the padded positions' compute).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from snlp.io import data as D
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages, where: str = "conversation") -> list[dict]:
+    """Validate one conversation: a non-empty list of {role, content} with string content, an optional
+    leading system message, then user and assistant turns alternating, starting with user."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i} has role {m['role']!r}; valid roles: {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{where}: message {i} content must be a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    turns = out[1:] if out[0]["role"] == "system" else out
+    if not turns:
+        raise ValueError(f"{where}: a system message alone is not a conversation; add a user turn")
+    for i, m in enumerate(turns):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            raise ValueError(f"{where}: turn {i} is {m['role']!r} but {want!r} was expected (after an optional "
+                             f"system message, user and assistant alternate, starting with user)")
+    return out
+
+
+def _rows_from_file(path: Path):
+    if path.suffix.lower() != ".jsonl":
+        raise ValueError(f"chat data {path}: expected a .jsonl file of {{\"messages\": [...]}} rows")
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
+            if not isinstance(row, dict) or "messages" not in row:
+                raise ValueError(f"{path}:{i} has no 'messages' field (chat rows look like "
+                                 f"{{\"messages\": [{{\"role\": \"user\", \"content\": ...}}, ...]}})")
+            yield check_messages(row["messages"], f"{path}:{i}")
+
+
+def _rows_from_hf(spec: str):
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise ValueError(f"malformed Hugging Face source {spec!r}: use hf:NAME[:CONFIG][:SPLIT]")
+    name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
+    split = parts[2] if len(parts) > 2 and parts[2] else "train"
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"chat data {spec!r} needs the Hugging Face datasets library: pip install 'snlp[hf]'") from e
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        for i, row in enumerate(ds):
+            if "messages" not in row:
+                raise ValueError(f"dataset {name} rows have no 'messages' field (found {sorted(row)})")
+            yield check_messages(row["messages"], f"dataset {name} row {i}")
+    except ValueError:
+        raise
+    except Exception as e:  # offline, unknown dataset: assorted exception types
+        raise ValueError(f"could not stream Hugging Face dataset {spec!r} ({type(e).__name__}: {e}); check the "
+                         f"name and that the hub is reachable, or use a local .jsonl file") from e
+
+
+def load_conversations(spec: str, limit: int = 0) -> list[list[dict]]:
+    """Conversations of a data spec (comma-separated local .jsonl files/folders/globs or hf:...), at
+    most `limit` (0 = all), in file order."""
+    out = []
+    for part in D.parts(spec):
+        if part.startswith("mc:"):
+            rows = mc_conversations(part)
+        elif part.startswith("hf:"):
+            rows = _rows_from_hf(part)
+        else:
+            rows = (r for f in D.resolve_files(part) for r in _rows_from_file(f))
+        for conv in rows:
+            out.append(conv)
+            if limit and len(out) >= limit:
+                return out
+    if not out:
+        raise ValueError(f"chat data {spec!r} holds no conversations")
+    return out
+
+
+def mc_conversations(task: str):
+    """One-turn chats of a multiple-choice task: the lettered question (snlp.mc.letter_prompt) and the
+    answer letter, exactly what `snlp eval --task` scores."""
+    from snlp.eval.mc import LETTERS, letter_prompt, load_task
+
+    for q in load_task(task):
+        yield [{"role": "user", "content": letter_prompt(q)}, {"role": "assistant", "content": LETTERS[q.answer]}]
+
+
+@dataclass
+class ChatExample:
+    ids: list[int]
+    mask: list[int]  # 1 = assistant token (trained on)
+
+
+def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
+    """Render conversations with the tokenizer's chat template, truncated to `max_len` tokens; those
+    left with no assistant token to learn from are dropped."""
+    out = []
+    for conv in conversations:
+        ids, mask = tokenizer.render_chat(conv)
+        ids, mask = ids[:max_len], mask[:max_len]
+        if sum(mask[1:]) > 0:
+            out.append(ChatExample(ids, mask))
+    return out
+
+
+def split(examples: list, val_frac: float) -> tuple[list, list]:
+    """Deterministic split: every round(1/val_frac)-th example goes to validation (as snlp.data)."""
+    return D.split_documents(examples, val_frac)
+
+
+def collate(examples: list[ChatExample], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-padded inputs x (B, T) and targets y (B, T): y[i, t] = ids[t+1] where mask[t+1] is set,
+    else -1 (user turns, markers, padding). T = longest example - 1."""
+    T = max(len(e.ids) for e in examples) - 1
+    x = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    y = torch.full((len(examples), T), -1, dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids, m = torch.tensor(e.ids), torch.tensor(e.mask, dtype=torch.bool)
+        n = len(e.ids) - 1
+        x[i, :n] = ids[:-1]
+        y[i, :n] = torch.where(m[1:], ids[1:], -1)
+    return x, y
+
+
+def batch_at(examples: list[ChatExample], index: int, batch: int, seed: int, pad_id: int, rank: int = 0,
+             world: int = 1) -> tuple[Tensor, Tensor]:
+    """Micro-batch `index`: `batch * world` examples drawn by a generator seeded by (seed, index), this
+    rank taking rows rank*batch..; depends only on the global index (exact resume, DDP = one process)."""
+    rng = np.random.default_rng([seed, index])
+    pick = rng.integers(0, len(examples), size=batch * world)[rank * batch:(rank + 1) * batch]
+    return collate([examples[i] for i in pick], pad_id)
+
+
+def val_batches(examples: list[ChatExample], batch: int, n_batches: int, pad_id: int) -> list:
+    """Up to `n_batches` fixed batches of consecutive validation examples."""
+    return [collate(examples[i:i + batch], pad_id) for i in range(0, min(len(examples), batch * n_batches), batch)]

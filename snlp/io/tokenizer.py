@@ -1,0 +1,209 @@
+"""Tokenizer saved as tokenizer.json next to every checkpoint: either our own byte-level BPE (Hugging Face
+`tokenizers`, special tokens reserved up front so later chat/SFT data needs no re-training) or a foreign
+Hugging Face tokenizer of a converted model (snlp.hf), whose BOS/EOS tokens and chat template are kept in
+tokenizer_meta.json beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+FILENAME = "tokenizer.json"
+META_FILENAME = "tokenizer_meta.json"  # foreign tokenizers only: bos/eos tokens, chat template
+BOS = "<|bos|>"
+# reserved for chat / SFT (issue 5+): user and assistant turn markers
+SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
+
+
+class Tokenizer:
+    """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
+    chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
+    {"bos_token", "eos_token", "chat_template"} (each may be None)."""
+
+    def __init__(self, tok: HFTokenizer, meta: dict | None = None):
+        self.tok, self.meta = tok, meta
+        if meta is not None:
+            for key in ("bos_token", "eos_token"):
+                t = meta.get(key)
+                if t is not None and tok.token_to_id(t) is None:
+                    raise ValueError(f"tokenizer meta names {key}={t!r}, which is not in the tokenizer's vocabulary")
+            return
+        missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with snlp.tokenizer.Tokenizer.train")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> "Tokenizer":
+        """Train a byte-level BPE with `vocab_size` entries (specials and the 256 bytes included)."""
+        if vocab_size < MIN_VOCAB:
+            raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} specials), got {vocab_size}")
+        if vocab_size > 2 ** 32:
+            raise ValueError(f"vocab_size {vocab_size} too large")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer) -> "Tokenizer":
+        """Wrap a transformers fast tokenizer (its BOS/EOS tokens and chat template are kept)."""
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{type(hf_tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; "
+                             f"load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        template = getattr(hf_tokenizer, "chat_template", None)
+        meta = {"bos_token": hf_tokenizer.bos_token, "eos_token": hf_tokenizer.eos_token,
+                "chat_template": template if isinstance(template, str) else None}
+        return cls(HFTokenizer.from_str(backend.to_str()), meta)
+
+    @property
+    def foreign(self) -> bool:
+        """True for a converted model's tokenizer, False for our own BPE."""
+        return self.meta is not None
+
+    def token_id(self, token: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"unknown special token {token!r}; known: "
+                             f"{SPECIAL_TOKENS if self.meta is None else [self.meta['bos_token'], self.meta['eos_token']]}")
+        return i
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Chat template: token ids of a conversation and its assistant mask (1 = a token the model
+        is trained to produce). The hook every tokenizer implements: ours uses the reserved specials,
+        a wrapper of a Hugging Face tokenizer uses that model's own chat template.
+
+            <|bos|> <|user_start|> user <|user_end|> <|assistant_start|> reply <|assistant_end|> ...
+
+        The mask covers each reply and its <|assistant_end|> (so the model learns to stop), never the
+        markers before it. A system message is prepended to the first user turn (nanochat). With
+        `add_generation_prompt` an <|assistant_start|> is appended (the prompt for the reply)."""
+        from snlp.io.chat import check_messages
+
+        messages = check_messages(messages)
+        if self.foreign:
+            return self._render_foreign_chat(messages, add_generation_prompt)
+        if messages[0]["role"] == "system":
+            first = messages[1]  # check_messages guarantees a user turn follows
+            messages = [{"role": "user", "content": messages[0]["content"] + "\n\n" + first["content"]}] + messages[2:]
+        sp = {name: self.token_id(f"<|{name}|>") for name in ("user_start", "user_end", "assistant_start", "assistant_end")}
+        ids, mask = [self.bos_id], [0]
+        for m in messages:
+            body = self.encode(m["content"])
+            if m["role"] == "user":
+                part, pm = [sp["user_start"], *body, sp["user_end"]], [0] * (len(body) + 2)
+            else:
+                part, pm = [sp["assistant_start"], *body, sp["assistant_end"]], [0] + [1] * (len(body) + 1)
+            ids += part
+            mask += pm
+        if add_generation_prompt:
+            ids.append(sp["assistant_start"])
+            mask.append(0)
+        return ids, mask
+
+    def _render_foreign_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and
+        as the assistant mask the tokens each assistant turn adds after the template's generation prompt for it
+        (its reply and end-of-turn markers), found by rendering the conversation up to every assistant turn."""
+        def ids(upto: int, gen: bool) -> list[int]:
+            text = self.apply_chat_template(messages[:upto], add_generation_prompt=gen)
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+        full = ids(len(messages), add_generation_prompt)
+        mask = [0] * len(full)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head, turn = ids(i, True), ids(i + 1, False)
+            start, stop = len(head), len(turn)
+            if full[:stop] != turn or turn[:start] != head:
+                raise ValueError("this chat template does not render a conversation as the concatenation of its "
+                                 "turns (a later turn changes earlier tokens), so the assistant tokens cannot be "
+                                 "masked; fine-tune with a template that appends turns")
+            mask[start:stop] = [1] * (stop - start)
+        return full, mask
+
+    @property
+    def bos_id(self) -> int:
+        """Our BPE's <|bos|>; a foreign tokenizer's BOS, or its EOS where it has none (documents are then
+        separated by EOS, GPT-2 style)."""
+        if self.meta is None:
+            return self.token_id(BOS)
+        t = self.meta.get("bos_token") or self.meta.get("eos_token")
+        if t is None:
+            raise ValueError("this tokenizer has neither a BOS nor an EOS token")
+        return self.token_id(t)
+
+    @property
+    def eos_id(self) -> int | None:
+        """A foreign tokenizer's EOS id (None for our BPE, which has no end-of-text token)."""
+        t = (self.meta or {}).get("eos_token")
+        return None if t is None else self.token_id(t)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages [{"role", "content"}, ...] with the tokenizer's own chat template
+        (jinja, rendered by transformers exactly as for the original model)."""
+        template = (self.meta or {}).get("chat_template")
+        if not template:
+            raise ValueError("this tokenizer has no chat template (only converted instruct models carry one); "
+                             "drop --chat")
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
+                                     eos_token=self.meta.get("eos_token"), chat_template=template)
+        return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the tokenizer (keys the token cache)."""
+        import hashlib
+        return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+
+    def save(self, directory) -> Path:
+        path = Path(directory) / FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(path))
+        if self.meta is not None:
+            (path.parent / META_FILENAME).write_text(json.dumps(self.meta, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, directory) -> "Tokenizer":
+        """Load tokenizer.json from a directory (or the file itself)."""
+        path = Path(directory)
+        if path.is_dir():
+            path = path / FILENAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer at {path}; train one with `snlp train` (saved with every checkpoint)")
+        meta = None
+        if (path.parent / META_FILENAME).is_file():
+            try:
+                meta = json.loads((path.parent / META_FILENAME).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"corrupt {path.parent / META_FILENAME} ({e}); re-convert the model") from e
+        try:
+            return cls(HFTokenizer.from_file(str(path)), meta)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            if isinstance(e, ValueError) and ("special tokens" in str(e) or "tokenizer meta" in str(e)):
+                raise
+            raise ValueError(f"corrupt tokenizer file {path} ({e}); delete it and re-train or re-save the checkpoint") from e

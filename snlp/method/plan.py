@@ -1,0 +1,305 @@
+"""SNLP execution plans: `CxFM-init-KK[-surrogate][-probes:P][-eps:e][-subset:i.j][-tol:t][-elk:a][-order:...]`.
+
+`12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
+chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
+suffix states initialised from the prefix state h_S (`h0`), from one batched forward
+(`fwd`) or from per-layer low-rank predictors of the states from the embedding (`preheat`,
+snlp.preheat; needs `snlp calibrate`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+
+Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the chunk's H_res
+product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
+`eps`), optionally only on the chunks in `subset` (the others use A = I); `newton` the exact
+Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
+maximum: iterating stops once the relative update of the final state drops below t.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
+
+INITS = ("h0", "fwd", "preheat")  # preheat: snlp.preheat (a calibration attached to the model)
+GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
+           "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
+           "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
+           ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
+_HEAD = re.compile(r"^(\d+)xF(\d+)$")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K; the maximum when
+    `tol` > 0), the `surrogate` (a typed value from snlp.correction: Identity, Jacobi, HCN,
+    DiagN(estimator, probes, eps, subset), Newton; a grammar token such as "none" or "diag:vjp" is
+    accepted and converted), ELK damping `elk` (the correction is scaled by 1 - elk) and the
+    correction `order` (a permutation of chunk indices; None = forward, the paper's default)."""
+
+    chunks: int
+    fuse: int = 1
+    init: str = "h0"
+    iters: int = 1
+    surrogate: Surrogate = Identity()
+    elk: float = 0.0
+    order: tuple[int, ...] | None = None
+    tol: float = 0.0
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            problems.append(f"chunks C must be an integer >= 1 (got {self.chunks!r})")
+        if not isinstance(self.fuse, int) or self.fuse < 1:
+            problems.append(f"fused layers per chunk M must be an integer >= 1 (got {self.fuse!r})")
+        if self.init not in INITS:
+            problems.append(f"unknown init {self.init!r}: valid inits are {', '.join(INITS)}")
+        if not isinstance(self.iters, int) or self.iters < 0:
+            problems.append(f"iterations K must be an integer >= 0 (got {self.iters!r})")
+        if isinstance(self.surrogate, str):
+            sur = parse_surrogate(self.surrogate)
+            if sur is None:
+                problems.append(f"unknown surrogate {self.surrogate!r}: valid surrogates are "
+                                f"{', '.join(c.token for c in SURROGATES)} (diag[:{'|'.join(ESTIMATORS)}])")
+            else:
+                object.__setattr__(self, "surrogate", sur)
+        elif not isinstance(self.surrogate, Surrogate):
+            problems.append(f"surrogate must be a snlp.correction surrogate or its token, got {self.surrogate!r}")
+        if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
+            problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
+        if self.order is not None and isinstance(self.chunks, int):
+            if sorted(self.order) != list(range(self.chunks)):
+                problems.append(f"order {'.'.join(map(str, self.order))} must be a permutation of "
+                                f"0..{self.chunks - 1} (one index per chunk)")
+            elif list(self.order) == list(range(self.chunks)):
+                object.__setattr__(self, "order", None)  # forward is the canonical default
+            else:
+                object.__setattr__(self, "order", tuple(int(i) for i in self.order))
+        if not _finite(self.tol) or not float(self.tol) >= 0:
+            problems.append(f"tol must be a finite number >= 0, 0 = fixed K (got {self.tol})")
+        if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
+            problems += self.surrogate.check(self)
+        if problems:
+            raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
+        for name in ("elk", "tol"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    # ----- derived quantities -----
+    @property
+    def n_suffix(self) -> int:
+        """N = C * M suffix layers solved in parallel."""
+        return self.chunks * self.fuse
+
+    def prefix_len(self, n_layer: int) -> int:
+        """S = L - N sequential prefix layers; raises if the plan does not fit an L-layer model."""
+        self.check(n_layer)
+        return n_layer - self.n_suffix
+
+    def check(self, n_layer: int) -> "Plan":
+        """Raise a ValueError if the plan does not fit a model with `n_layer` layers."""
+        if self.n_suffix > n_layer:
+            fits = [f"{c}xF{self.fuse}" for c in range(1, n_layer // self.fuse + 1)][-3:]
+            raise ValueError(
+                f"plan {self} needs a suffix of N = {self.chunks}x{self.fuse} = {self.n_suffix} layers but the "
+                f"model has only L = {n_layer}; use at most {n_layer // self.fuse} chunks of {self.fuse} "
+                f"(e.g. {', '.join(fits) or 'a smaller M'})")
+        return self
+
+    def check_model(self, config) -> "Plan":
+        """Raise a ValueError unless the plan fits a model with this GPTConfig (depth; HCN needs mHC)."""
+        self.check(config.n_layer)
+        if self.surrogate.needs_mhc and config.hc_streams < 1:
+            raise ValueError(f"plan {self}: the {self.surrogate.token} surrogate needs an mHC model "
+                             f"(GPTConfig.hc_streams >= 1); this model has a plain residual stream, use idn")
+        return self
+
+    @property
+    def evals_per_iter(self) -> int:
+        """Batched suffix evaluations on the critical path per iteration (the surrogate's cost:
+        DiagN adds its estimator's batched probe passes, all P probes in one batch; exact Newton one
+        JVP per corrected chunk; real op costs are in `snlp bench --ops`)."""
+        return self.surrogate.evals_per_iter(self)
+
+    def critical_path_layers(self, n_layer: int, iters: int | None = None) -> int:
+        """Layer evaluations on the critical path of the SNLP forward, S + K * evals_per_iter +
+        [init == fwd], assuming a batched (fused) evaluation costs one layer. `iters` = the
+        iterations actually run (with `tol` they may stop before K)."""
+        K = self.iters if iters is None else iters
+        return self.prefix_len(n_layer) + K * self.evals_per_iter + (1 if self.init == "fwd" else 0)
+
+    def ideal_speedup(self, n_layer: int, iters: int | None = None) -> float:
+        """The layer-step ideal L / (S + K * evals_per_iter + [init == fwd]) = L / `critical_path_layers`:
+        layer evaluations on the critical path of sequential vs SNLP execution."""
+        return n_layer / max(self.critical_path_layers(n_layer, iters), 1)
+
+    def link(self) -> list[bool]:
+        """link[c]: chunk c is visited after chunk c-1 in the correction sweep (`order`), so its
+        correction uses the predecessor's update from THIS sweep. Forward order links every chunk;
+        reversed order links only chunk 0 (which has no predecessor)."""
+        if self.order is None:
+            return [True] * self.chunks
+        pos = {c: i for i, c in enumerate(self.order)}
+        return [True] + [pos[c - 1] < pos[c] for c in range(1, self.chunks)]
+
+    def lag(self) -> list[bool]:
+        """lag[c]: chunk c > 0 is visited BEFORE chunk c-1 in the sweep, so its correction uses the
+        predecessor's most recent update, the one made in the previous sweep (zero in the first
+        sweep: at K = 1 a lagged chunk gets no correction). See `snlp.solver` for the recurrence."""
+        return [False] + [not linked for linked in self.link()[1:]]
+
+    def link_factors(self) -> list[float]:
+        """Per chunk, the factor scaling its surrogate A_c applied to the predecessor's update of this
+        sweep: the ELK factor 1 - elk where the chunk is linked (`link`), else 0."""
+        return [(1.0 - self.elk) if linked else 0.0 for linked in self.link()]
+
+    def lag_factors(self) -> list[float]:
+        """Per chunk, the factor scaling A_c applied to the predecessor's update of the PREVIOUS sweep:
+        1 - elk where the chunk is lagged (`lag`), else 0. link_factors + lag_factors = (1 - elk)
+        for every chunk c > 0: each chunk is corrected by exactly one update of its predecessor."""
+        return [(1.0 - self.elk) if lagged else 0.0 for lagged in self.lag()]
+
+    def exact_after(self) -> list[int]:
+        """t_c: after t_c iterations chunk c's output is exact (equals the fused model run
+        sequentially) whatever the init and surrogate. t_0 = 1; a linked chunk (or any chunk without
+        correction, surrogate none) is exact one iteration after its predecessor, a lagged one two
+        iterations after it (its input is exact at t_{c-1} + 1 but its lagged correction still
+        carries the predecessor's last nonzero update, made at t_{c-1}). So K >= C is exact for the
+        forward order, and K >= C + (number of lagged chunks) for any order (2C - 1 for reversed)."""
+        t, lags = [1], self.lag()
+        for c in range(1, self.chunks):
+            t.append(t[-1] + (2 if lags[c] and self.surrogate != Jacobi() else 1))
+        return t
+
+    def exact_iters(self) -> int:
+        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`)."""
+        return self.exact_after()[-1]
+
+    # ----- string form -----
+    def __str__(self) -> str:
+        s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}{self.surrogate}"
+        if self.tol:
+            s += f"-tol:{self.tol:g}"
+        if self.elk:
+            s += f"-elk:{self.elk:g}"
+        if self.order is not None:
+            rev = tuple(range(self.chunks - 1, -1, -1))
+            s += "-order:" + ("reversed" if self.order == rev else ".".join(map(str, self.order)))
+        return s
+
+    @classmethod
+    def parse(cls, text: str, n_layer: int | None = None) -> "Plan":
+        """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
+        head, *tokens = _split(text.strip())
+        m = _HEAD.match(head)
+        if not m:
+            raise ValueError(f"malformed plan {text!r}: it must start with CxFM (e.g. 12xF2), got {head!r}. "
+                             f"Grammar: {GRAMMAR}")
+        kw: dict = {"chunks": int(m.group(1)), "fuse": int(m.group(2))}
+        seen = set()
+        for tok in tokens:
+            key, value = _token(tok, text)
+            if key in seen:
+                raise ValueError(f"malformed plan {text!r}: {key} given twice. Grammar: {GRAMMAR}")
+            seen.add(key)
+            kw[key] = value
+        if kw.get("order") == "reversed":
+            kw["order"] = tuple(range(kw["chunks"] - 1, -1, -1))
+        elif kw.get("order") == "forward":
+            kw["order"] = None
+        diag = {k: kw.pop(k) for k in ("probes", "eps", "subset") if k in kw}
+        if diag:
+            if not isinstance(kw.get("surrogate"), DiagN):
+                raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} only apply to the diag surrogate. "
+                                 f"Grammar: {GRAMMAR}")
+            try:
+                kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)
+            except ValueError as e:
+                raise ValueError(f"invalid SNLP plan {text!r}: {e}. Grammar: {GRAMMAR}") from None
+        if "tol" in kw and not kw["tol"] > 0:
+            raise ValueError(f"malformed plan {text!r}: tol must be a finite number > 0 (omit it for a fixed K). "
+                             f"Grammar: {GRAMMAR}")
+        plan = cls(**kw)
+        return plan.check(n_layer) if n_layer is not None else plan
+
+    @classmethod
+    def for_suffix(cls, n_suffix: int, fuse: int = 1, **kw) -> "Plan":
+        """Plan for a suffix of `n_suffix` layers fused `fuse` at a time (M must divide N)."""
+        if fuse < 1 or n_suffix < 1 or n_suffix % fuse:
+            raise ValueError(f"fused layers per chunk M={fuse} must divide the suffix length N={n_suffix} "
+                             f"(valid M: {[m for m in range(1, max(n_suffix, 1) + 1) if n_suffix % m == 0]})")
+        return cls(chunks=n_suffix // fuse, fuse=fuse, **kw)
+
+    def with_(self, **kw) -> "Plan":
+        """A copy with some fields replaced (validated)."""
+        return replace(self, **kw)
+
+
+def _split(text: str) -> list[str]:
+    """Split on '-' but keep negative exponents of numbers (tol:1e-05) inside their token."""
+    parts: list[str] = []
+    for part in text.split("-"):
+        if parts and re.search(r"\d[eE]$", parts[-1]) and part[:1].isdigit():
+            parts[-1] += "-" + part
+        else:
+            parts.append(part)
+    return parts
+
+
+def _token(tok: str, text: str):
+    if tok in INITS:
+        return "init", tok
+    sur = parse_surrogate(tok)
+    if sur is not None:
+        return "surrogate", sur
+    if re.fullmatch(r"probes:\d+", tok):
+        return "probes", int(tok[7:])
+    if re.fullmatch(r"subset:\d+(\.\d+)*", tok):
+        return "subset", tuple(int(i) for i in tok[7:].split("."))
+    for key in ("eps", "tol"):
+        if tok.startswith(key + ":"):
+            value = _number(tok[len(key) + 1:])
+            if value is not None and not math.isfinite(value):  # inf/nan would only surface as NaN logits later
+                raise ValueError(f"malformed plan {text!r}: {key} needs a finite number, got {tok[len(key) + 1:]!r}. "
+                                 f"Grammar: {GRAMMAR}")
+            if value is not None:
+                return key, value
+    if re.fullmatch(r"K\d+", tok):
+        return "iters", int(tok[1:])
+    if tok.startswith("elk:"):
+        value = _number(tok[4:])
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"malformed plan {text!r}: elk needs a finite number in [0, 1), got {tok[4:]!r}. "
+                             f"Grammar: {GRAMMAR}")
+        if value is not None:
+            return "elk", value
+    if tok.startswith("order:"):
+        val = tok[6:]
+        if val in ("forward", "reversed"):
+            return "order", val
+        if re.fullmatch(r"\d+(\.\d+)*", val):
+            return "order", tuple(int(i) for i in val.split("."))
+    raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
+    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1'."""
+    plans = [Plan.parse(p, n_layer) for p in text.split(",") if p.strip()]
+    if not plans:
+        raise ValueError(f"no plans given. Grammar: {GRAMMAR}")
+    return plans

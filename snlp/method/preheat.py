@@ -1,0 +1,178 @@
+"""Calibrate the preheat init: per-layer low-rank affine predictors of the states (paper App. "ELK Tempering and Preheat Initialization").
+
+Offline calibration fits, for every layer l, a low-rank affine predictor of the layer's output from
+the token's embedding x0 (per token):
+
+    h_l(x0) ~ (x0 V) U_l^T + b_l        x0 (..., D0), V (D0, r), U_l (Dh, r), b_l (Dh,)
+
+V holds the top-r right singular vectors of the (centred) calibration embeddings (a truncated SVD,
+shared by all layers since every layer reads the same x0), U_l and b_l are the least-squares fit of
+[x0 V, 1] to the sequential states h_l. D0 and Dh are the flattened trailing dims of x0 and h_l
+(D for plain models, n*D for mHC stream states). At inference the plan init `preheat`
+(`8xF1-preheat-K1`) starts chunk c at the predictor of its last layer instead of at h_S (h0) or
+F_c(h_S) (fwd). The calibration tokens are random tokens or real data (`snlp calibrate --data`); the
+paper calibrated on random tokens and found data calibration no better.
+
+Storage: `preheat.pt` beside the checkpoint (`snlp calibrate CKPT --out CKPT/preheat.pt`, the
+default); `snlp.checkpoint.load` attaches it to the model (`model.preheat`), which is what the solver
+reads. `attach(model, preheat)` does the same from Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+FILENAME = "preheat.pt"
+
+
+@dataclass
+class Preheat:
+    """Per-layer low-rank affine predictors of the sequential states from the embedding."""
+
+    V: Tensor  # (D0, r) shared embedding basis
+    U: Tensor  # (L, Dh, r) per-layer maps
+    b: Tensor  # (L, Dh) per-layer offsets
+    source: str = "random"  # calibration tokens: "random" or a data spec
+
+    @property
+    def rank(self) -> int:
+        return self.V.shape[1]
+
+    def predict(self, x0: Tensor, layers: list[int]) -> Tensor:
+        """Predicted outputs of `layers` (0-based layer indices) for embeddings x0 (B, T, *E):
+        (len(layers), B, T, *E) in x0's dtype."""
+        lead = x0.shape[:2]
+        z = x0.reshape(*lead, -1).to(self.V.dtype) @ self.V  # (B, T, r)
+        idx = torch.tensor(layers, device=self.U.device)
+        U, b = self.U.index_select(0, idx), self.b.index_select(0, idx)  # (C, Dh, r), (C, Dh)
+        h = torch.einsum("btr,cdr->cbtd", z, U) + b[:, None, None, :]  # (C, B, T, Dh)
+        return h.reshape(len(layers), *lead, *x0.shape[2:]).to(x0.dtype)
+
+    def to(self, device=None, dtype=None) -> "Preheat":
+        mv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+        return Preheat(V=mv(self.V), U=mv(self.U), b=mv(self.b), source=self.source)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source}, path)
+        return path
+
+    @classmethod
+    def load(cls, path) -> "Preheat":
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        return cls(V=d["V"], U=d["U"], b=d["b"], source=d.get("source", "random"))
+
+
+@dataclass
+class CalibrateConfig:
+    """`fit` settings: rank r, calibration tokens (random ids unless `tokens` are given to `fit`)."""
+
+    rank: int = 32
+    batch: int = 8
+    seq_len: int = 128
+    seed: int = 0
+
+    def check(self, model) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"preheat rank must be an integer >= 1 (got {self.rank!r})")
+        if self.batch < 1 or self.seq_len < 1:
+            raise ValueError(f"calibration batch and seq_len must be >= 1 (got {self.batch}, {self.seq_len})")
+
+
+def fit_states(x0: Tensor, states: list[Tensor], rank: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fit V (D0, r), U (L, Dh, r), b (L, Dh) from token embeddings x0 (N, D0) and per-layer
+    sequential states (N, Dh) each, in fp64: V = top-r right singular vectors of the centred x0,
+    [U_l^T; b_l] = least squares of [x0 V, 1] onto h_l."""
+    X = x0.double()
+    r = min(rank, X.shape[1])
+    V = torch.linalg.svd(X - X.mean(0), full_matrices=False).Vh[:r].T  # (D0, r)
+    Z = torch.cat([X @ V, torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)  # (N, r + 1)
+    H = torch.stack([h.double() for h in states], 0)  # (L, N, Dh)
+    sol = torch.linalg.lstsq(Z.expand(H.shape[0], *Z.shape), H).solution  # (L, r + 1, Dh)
+    return V, sol[:, :r].transpose(1, 2), sol[:, r]
+
+
+@torch.no_grad()
+def fit(model, cfg: CalibrateConfig = CalibrateConfig(), tokens: Tensor | None = None) -> Preheat:
+    """Calibrate the preheat predictors of every layer of `model` on `tokens` (1-D validation ids,
+    cut into cfg.batch windows of cfg.seq_len) or, if None, on uniformly random token ids."""
+    cfg.check(model)
+    device = next(model.parameters()).device
+    if tokens is None:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        idx = torch.randint(0, model.config.vocab_size, (cfg.batch, cfg.seq_len), generator=gen)
+        source = "random"
+    else:
+        tokens = tokens.flatten().long()
+        n = min(cfg.batch, tokens.numel() // cfg.seq_len)
+        if n < 1:
+            raise ValueError(f"calibration data has {tokens.numel()} tokens, fewer than one window of {cfg.seq_len}")
+        idx = tokens[:n * cfg.seq_len].view(n, cfg.seq_len)
+        source = "data"
+    trace = model.hidden_states(idx.to(device))  # [h_0 = x0, h_1 .. h_L]
+    flat = lambda t: t.reshape(t.shape[0] * t.shape[1], -1).cpu()  # noqa: E731  (B, T, *E) -> (N, prod E)
+    V, U, b = fit_states(flat(trace[0]), [flat(h) for h in trace[1:]], cfg.rank)
+    dtype = model.wte.weight.dtype
+    return Preheat(V=V.to(dtype), U=U.to(dtype), b=b.to(dtype), source=source).to(device)
+
+
+def attach(model, preheat: Preheat | None) -> None:
+    """Make `preheat` the model's calibration for plans with the `preheat` init (None detaches)."""
+    if preheat is not None and preheat.U.shape[0] != model.config.n_layer:
+        raise ValueError(f"preheat calibration has {preheat.U.shape[0]} layers, the model has {model.config.n_layer}")
+    w = model.wte.weight
+    model.__dict__["preheat"] = None if preheat is None else preheat.to(w.device, w.dtype)
+
+
+def of(model) -> Preheat:
+    """The model's attached calibration, or a clear error saying how to make one."""
+    pre = model.__dict__.get("preheat")
+    if pre is None:
+        raise ValueError("the preheat init needs a calibration: run `snlp calibrate CKPT --rank r` (writes "
+                         f"CKPT/{FILENAME}, loaded with the checkpoint) or snlp.preheat.attach(model, "
+                         "snlp.method.preheat.fit(model))")
+    return pre
+
+
+def load_beside(model, ckpt) -> None:
+    """Attach CKPT/preheat.pt to the model if the file exists (called by snlp.checkpoint.load)."""
+    path = Path(ckpt) / FILENAME
+    if path.is_file():
+        attach(model, Preheat.load(path))
+
+
+# ----------------------------------------------------------------------------- CLI: snlp calibrate
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("--rank", type=int, default=CalibrateConfig.rank, help="rank r of the embedding basis V")
+    p.add_argument("--data", default=None, help="calibrate on this data spec's validation split (default: "
+                   "uniformly random tokens, as the paper); 'train' = the checkpoint's training data")
+    p.add_argument("--batch", type=int, default=CalibrateConfig.batch, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=CalibrateConfig.seq_len, help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"output file (default: CKPT/{FILENAME}, loaded with the checkpoint)")
+
+
+def run(args) -> int:
+    from snlp.io.checkpoint import load
+
+    if not Path(args.ckpt).exists():
+        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    model, tok = load(args.ckpt)
+    cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
+    cfg.check(model)
+    tokens = None
+    if args.data is not None:
+        from snlp.eval.data import checkpoint_data, validation_tokens
+        if tok is None:
+            raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
+        tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
+    pre = fit(model, cfg, tokens)
+    out = pre.save(args.out or Path(args.ckpt) / FILENAME)
+    print(f"wrote {out}: rank {pre.rank}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
+    return 0

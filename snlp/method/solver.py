@@ -1,0 +1,244 @@
+"""The SNLP solver: sequential prefix, then K batched iterations over the fused suffix chunks.
+
+Per iteration k (paper Eq. snlp-iterative, Algorithm "IDN/HCN Batched SNLP Inference"):
+    inputs_c  = h_{c-1}^{(k)}            (h_0 = h_S, the exact prefix state)
+    tilde_c   = F_c(inputs_c)            all C chunks in ONE batched op (fusion.chunk_forward)
+    h_c^{(k+1)} = tilde_c + A_c e_{c-1}
+Correction order (paper App. "Correction Ordering"): the sweep visits the chunks in the order pi
+(`Plan.order`, forward by default) and chunk c is corrected by its predecessor's MOST RECENT update
+e_{c-1}: the update of this sweep, d_{c-1}^{(k)} = h_{c-1}^{(k+1)} - h_{c-1}^{(k)}, if pi visits
+c-1 before c ("linked"), else the update made in the previous sweep, d_{c-1}^{(k-1)} ("lagged";
+d^{(-1)} = 0, so at K = 1 a lagged chunk gets no correction and reversed order equals Jacobi, while
+from K = 2 on the previous sweep's updates still propagate along the permutation chain).
+Writing d_c = h_c^{(k+1)} - h_c^{(k)} turns the correction into the linear recurrence
+    d_c = a_c o d_{c-1} + (tilde_c - h_c^{(k)}) + a'_c o d_{c-1}^{(k-1)},   d_{-1} = 0,
+where a_c is the surrogate A_c times the link factor (the ELK factor 1 - elk where linked, else 0)
+and a'_c the surrogate times the lag factor (1 - elk where lagged, else 0); forward order has no
+lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
+  - idn: a_c = 1. Forward order is a prefix sum over chunks (cumsum); otherwise one (C x 2C)
+    transfer-matrix contraction of [b; d^{(k-1)}].
+  - none (Jacobi): a_c = 0, h^{(k+1)} = tilde.
+  - hcn: a_c = the chunk's H_res product over the mHC streams at the current iterate (returned by
+    the chunk forward); solved by a matrix associative scan (snlp.scan).
+  - diag: a_c = Hutchinson estimate of diag(J_c) (snlp.surrogates); elementwise associative scan.
+  - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
+Each surrogate is a typed value in snlp.correction that owns its grammar token, cost and correction;
+the lagged term is folded into b before the scan, so every surrogate keeps its one vectorised solve.
+Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1, t_c =
+t_{c-1} + 1 (linked) or + 2 (lagged); K >= C is exact for forward order, K >= C + #lagged for any.
+No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
+With `tol` > 0, K is a maximum: the solve stops once max over the batch of
+||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| (the final state's relative update) is below tol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from snlp.method.surrogates import DiagN, Iterate, scalar_correct
+from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
+from snlp.model.gpt import GPT
+from snlp.method.plan import Plan
+
+
+class SNLPDivergenceError(FloatingPointError):
+    """The SNLP iteration produced NaN/inf hidden states."""
+
+
+@dataclass
+class SolveResult:
+    """Outcome of an SNLP solve (or of the fused model run sequentially)."""
+
+    hidden: Tensor  # (B, T, D) final state h_L; with mHC every state has the stream dim: (B, T, n, D)
+    prefix: Tensor  # (B, T, D) exact prefix state h_S
+    plan: Plan
+    states: list[Tensor] = field(default_factory=list)  # chunk outputs (C, B, T, D); [0] = init
+    iters: int = 0  # iterations run (< plan.iters when `tol` stopped early)
+    updates: list[float] = field(default_factory=list)  # final-state relative update per iteration (tol > 0)
+
+
+def correct(b: Tensor, plan: Plan, prev: Tensor | None = None) -> Tensor:
+    """Solve the scalar-factor (IDN) correction recurrence over chunks for b = tilde - h_old (C, ...),
+    with the plan's link/ELK factors; `prev` is the previous sweep's update, read by lagged chunks."""
+    return scalar_correct(b, tuple(plan.link_factors()), tuple(plan.lag_factors()), prev)
+
+
+def _as_plan(model: GPT, plan: Plan | str) -> Plan:
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    return plan.check_model(model.config)
+
+
+def _relative_update(d: Tensor, h: Tensor) -> float:
+    """max over the batch of ||d|| / ||h|| for final-chunk tensors (B, T, ...)."""
+    num = d.float().flatten(1).norm(dim=1)
+    return float((num / (h.float().flatten(1).norm(dim=1) + 1e-12)).max())
+
+
+def _check_finite(h: Tensor, plan: Plan) -> None:
+    if not bool(torch.isfinite(h).all()):
+        raise SNLPDivergenceError(
+            f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf. Try more iterations "
+            f"(K >= {plan.chunks} is exact), fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init; "
+            f"check the sequential forward is finite first.")
+
+
+def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
+          check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
+          prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None) -> SolveResult:
+    """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
+    (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
+
+    With a KV `cache` (snlp.cache.KVCache) idx continues the cached sequence (SNLP decoding): the
+    prefix layers read/write the cache exactly; every suffix branch attends over the cached K/V
+    of earlier positions plus the new tokens' K/V computed from its current input estimate, so
+    the K/V left in the cache are those of the inputs the last iteration used. The cache then
+    advances by T. `weights` (from `chunk_weights`) skips the cache lookup, e.g. under torch.compile.
+    `prefix` is an already computed h_S (B, T, D) for idx, e.g. from the training forward's trace,
+    so the prefix layers are not run twice (not with a cache: the prefix K/V would stay unwritten).
+    `init_states` (C, B, T, D) replaces the plan's init (h0 / fwd / preheat) by given chunk states, e.g. a
+    warm start from an earlier solve. `pos` ((T,) positions, with `cache`) is the static-shape decode step
+    of snlp.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
+    not advance (the caller owns its length), so one compiled graph serves every step."""
+    plan = _as_plan(model, plan)
+    if prefix is not None and cache is not None:
+        raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
+                         "their K/V would never reach the cache while it advances; pass one or the other")
+    S, C = plan.prefix_len(model.config.n_layer), plan.chunks
+    ctx = model.embed(idx, cache, pos)
+    hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
+    w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
+    if init_states is not None:  # a warm start (e.g. h0-JD: the previous Jacobi iteration's states)
+        if init_states.shape != (C, *hS.shape):
+            raise ValueError(f"init_states must have shape (C, *h_S.shape) = {(C, *hS.shape)}, got "
+                             f"{tuple(init_states.shape)}")
+        h = init_states.to(hS.dtype)
+    elif plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.preheat)
+        from snlp.method import preheat
+        h = preheat.of(model).predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])  # (C, B, T, D)
+    else:
+        h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
+        if plan.init == "fwd":
+            h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
+    states = [h] if keep_states else []
+    sur = plan.surrogate
+    gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes
+    iters, updates, d = 0, [], None
+    for _ in range(plan.iters):
+        inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
+        if sur.needs_mix:
+            tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True)
+        else:
+            tilde, mix = chunk_forward(w, inputs, ctx, cache), None
+        prev = d if plan.order is not None else None  # the previous sweep's update: lagged chunks read it
+        d, h = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen, prev))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
+        iters += 1
+        if keep_states:
+            states.append(h)
+        if plan.tol:
+            updates.append(_relative_update(d[-1], h[-1]))
+            if updates[-1] < plan.tol:
+                break
+    if cache is not None:
+        if plan.iters == 0 and (plan.init != "fwd" or init_states is not None):  # nothing evaluated the
+            chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # suffix: write the final inputs' K/V
+        if pos is None:
+            cache.advance(idx.shape[1])
+    if check_finite:
+        _check_finite(h[-1], plan)
+    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates)
+
+
+def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:
+    """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
+    (see `solve`). Fuses the suffix weights on every call (always current); to run a plan many times,
+    `bind` it once."""
+    return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
+
+
+class Runner:
+    """A model bound to an SNLP plan (`snlp.bind`). The fused chunk weights are built once, here, and
+    held explicitly in `.weights`; nothing is cached behind the model's back. After the model's
+    weights change (an optimizer step, load_state_dict, an in-place edit through `.data`, which no
+    version counter sees) call `refresh()`. Calling the runner is the SNLP forward
+    idx (B, T) -> logits (B, T, V), optionally one KV-cached decode step; it is what bench, eval,
+    generate and the speculative drafter take, and `torch.compile(runner)` compiles it. The weights
+    are built without autograd: to train through the solve, call `solve(model, ...)` (fresh weights
+    with gradients) instead."""
+
+    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True):
+        self.model, self.plan, self.check_finite = model, _as_plan(model, plan), check_finite
+        self.refresh()
+
+    def refresh(self) -> "Runner":
+        """Rebuild the fused weights from the model's current parameters."""
+        with torch.no_grad():
+            self.weights = chunk_weights(self.model, self.plan.prefix_len(self.model.config.n_layer),
+                                         self.plan.chunks, self.plan.fuse)
+        return self
+
+    def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
+              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None
+              ) -> SolveResult:
+        """`snlp.solve` with the bound weights."""
+        return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
+                     check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
+                     init_states=init_states, pos=pos)
+
+    def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
+        return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)
+
+    def __repr__(self) -> str:
+        return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"
+
+
+def bind(model: GPT, plan: Plan | str, check_finite: bool = True) -> Runner:
+    """Bind `model` to `plan`: a Runner holding the plan's fused weights (see Runner). With
+    `check_finite` a NaN/inf final state raises SNLPDivergenceError (a host sync per call; decoding
+    loops and compiled code pass False and check outside the step)."""
+    return Runner(model, plan, check_finite)
+
+
+def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
+    """Run the *fused* model of `plan` sequentially (prefix, then chunk 1, 2, ..., C with the same
+    fused weights and op as the solver). This is what SNLP converges to for K >= C; fused plans
+    are compared against it (AR match, exactness). states[0] holds all chunk outputs (C,B,T,D)."""
+    plan = _as_plan(model, plan)
+    S = plan.prefix_len(model.config.n_layer)
+    ctx = model.embed(idx)
+    hS = model.run_layers(ctx.x0, ctx, 0, S)
+    w = chunk_weights(model, S, plan.chunks, plan.fuse)
+    h, outs = hS, []
+    for c in range(plan.chunks):  # inherently sequential: this is the reference, not the solver
+        h = chunk_forward(w.chunk(c), h[None], ctx)[0]
+        outs.append(h)
+    return SolveResult(hidden=h, prefix=hS, plan=plan, states=[torch.stack(outs)])
+
+
+def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[int, ...] | None = None,
+                        prefix: Tensor | None = None) -> SolveResult:
+    """Seq-Perm (paper App. "Correction Ordering"): the prefix, then the plan's fused suffix chunks
+    run sequentially in the order `order` (default `plan.order`; None = forward, which is
+    `fused_sequential`). It measures how much the suffix depends on its layer order at all, apart
+    from any solver. states[0] holds the chunk outputs (C, B, T, D) in execution order. `prefix` is
+    an already computed h_S (as in `solve`)."""
+    plan = _as_plan(model, plan)
+    order = plan.order if order is None else tuple(order)
+    if order is not None and sorted(order) != list(range(plan.chunks)):
+        raise ValueError(f"order {order} must be a permutation of 0..{plan.chunks - 1}")
+    S = plan.prefix_len(model.config.n_layer)
+    ctx = model.embed(idx)
+    hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)
+    w = chunk_weights(model, S, plan.chunks, plan.fuse)
+    h, outs = hS, []
+    for c in (order or range(plan.chunks)):  # inherently sequential: one chunk after another
+        h = chunk_forward(w.chunk(c), h[None], ctx)[0]
+        outs.append(h)
+    return SolveResult(hidden=h, prefix=hS, plan=plan, states=[torch.stack(outs)])
+
+
+def fused_forward(model: GPT, idx: Tensor, plan: Plan | str) -> Tensor:
+    """Logits (B, T, V) of the fused model of `plan` run sequentially."""
+    return model.head(fused_sequential(model, idx, plan).hidden)

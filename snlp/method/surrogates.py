@@ -1,0 +1,265 @@
+"""The structured surrogates A of the SNLP correction, one small typed value each (paper Sec.
+"Structured Surrogates"). A surrogate owns three things, so adding one touches this file only:
+
+  - its plan-grammar token (`token`, `__str__`; options such as DiagN's probes are extra plan parts),
+  - its cost per iteration in batched-chunk-evaluation units on the critical path (`evals_per_iter`),
+    which `Plan.ideal_speedup` uses,
+  - its correction (`delta`): given the batched chunk forward tilde = F(inputs) of one iteration, the
+    update d = h^{(k+1)} - h^{(k)} (C, B, T, ...) of the recurrence d_c = a_c o d_{c-1} + b_c,
+    b = tilde - h^{(k)} (snlp.solver docstring), with a_c = the surrogate times the plan's link factor.
+
+Identity (`idn`)    A = I: a prefix sum over chunks in forward order, else a transfer-matrix contraction.
+Jacobi (`none`)     A = 0: h^{(k+1)} = tilde.
+HCN (`hcn`)         A = the chunk's H_res product over the mHC streams (returned by the chunk forward;
+                    mHC models only), solved by the matrix associative scan.
+DiagN (`diag[:fd|jvp|vjp]`, options probes / eps / subset)
+                    A = a Hutchinson estimate of diag(J_c) (snlp.surrogates), elementwise scan.
+Newton (`newton`)   the exact J_c d_{c-1} by JVPs, chunk after chunk (DEER; a reference solver).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from snlp.method.scan import affine_scan
+
+if TYPE_CHECKING:
+    from snlp.method.plan import Plan
+
+ESTIMATORS = ("fd", "jvp", "vjp")  # how DiagN estimates diag(J): finite difference, forward AD, reverse AD
+# extra batched passes an estimator runs per iteration, all P probes stacked into one pass: fd one
+# forward f(x + s v); jvp one forward-mode pass; vjp a forward that records the graph plus its backward
+ESTIMATOR_PASSES = {"fd": 1, "jvp": 1, "vjp": 2}
+
+
+@dataclass
+class Iterate:
+    """What one iteration hands a surrogate: the plan, the fused weights and context, the chunk inputs
+    (C, B, T, ...), their batched forward tilde = F(inputs), the current chunk outputs h^{(k)}, the
+    mHC stream matrices of the forward (HCN; else None) and the probe generator (DiagN)."""
+
+    plan: "Plan"
+    weights: object
+    ctx: object
+    inputs: Tensor
+    tilde: Tensor
+    h: Tensor
+    mix: Tensor | None = None
+    gen: torch.Generator | None = None
+    prev: Tensor | None = None  # the previous sweep's update d^{(k-1)} (None in the first), for lagged chunks
+
+    @property
+    def lagged(self) -> bool:
+        """Whether some chunk reads the previous sweep's update (a non-forward correction order, K >= 2)."""
+        return self.prev is not None and any(self.plan.lag_factors())
+
+
+class Surrogate(ABC):
+    """Base of the surrogate values. Subclasses are frozen dataclasses (hashable: plans are cache keys)."""
+
+    token: ClassVar[str]
+    needs_mhc: ClassVar[bool] = False  # the surrogate reads the mHC stream-mixing matrices
+    needs_mix: ClassVar[bool] = False  # the chunk forward must also return them
+
+    def __str__(self) -> str:
+        return "-" + self.token
+
+    def evals_per_iter(self, plan: "Plan") -> int:
+        return 1
+
+    @abstractmethod
+    def delta(self, it: Iterate) -> Tensor:
+        """d = h^{(k+1)} - h^{(k)} (C, B, T, ...) for this iteration."""
+
+    def step(self, it: Iterate) -> tuple[Tensor, Tensor]:
+        """(d, h^{(k+1)}) for this iteration."""
+        d = self.delta(it)
+        return d, it.h + d
+
+    def check(self, plan: "Plan") -> list[str]:
+        """Problems of this surrogate within `plan` (e.g. a subset outside the chunk range)."""
+        return []
+
+
+def _link(it: Iterate, like: Tensor) -> Tensor:
+    """The plan's per-chunk link/ELK factors (C,) as a tensor like `like`."""
+    return torch.tensor(it.plan.link_factors(), device=like.device, dtype=like.dtype)
+
+
+def _lag(it: Iterate, like: Tensor) -> Tensor:
+    """The plan's per-chunk lag factors (C,) as a tensor like `like` (nonzero where the order visits a chunk
+    before its predecessor)."""
+    return torch.tensor(it.plan.lag_factors(), device=like.device, dtype=like.dtype)
+
+
+def shift(d: Tensor) -> Tensor:
+    """d_{c-1} at index c (zeros at c = 0): (C, ...) -> (C, ...)."""
+    return torch.cat([torch.zeros_like(d[:1]), d[:-1]], 0)
+
+
+@lru_cache(maxsize=256)
+def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = ()) -> Tensor:
+    """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); with lag factors
+    (some nonzero), the (C, 2C) [P, P U] with d = [P, P U] @ [b; d_prev], U[c, c-1] = lag[c]: the previous
+    sweep's update enters chunk c's b. Built once per plan (cached), never on the hot path."""
+    C = len(a)
+    P = torch.zeros(C, C, dtype=torch.float64)
+    for c in range(C):
+        if c > 0:
+            P[c, :c] = a[c] * P[c - 1, :c]
+        P[c, c] = 1.0
+    if not any(lag):
+        return P
+    U = torch.zeros(C, C, dtype=torch.float64)
+    for c in range(1, C):
+        U[c, c - 1] = lag[c]
+    return torch.cat([P, P @ U], 1)
+
+
+def scalar_correct(b: Tensor, a: tuple[float, ...], lag: tuple[float, ...] = (), prev: Tensor | None = None) -> Tensor:
+    """Solve d_c = a_c d_{c-1} + b_c + lag_c prev_{c-1} over the chunk dim of b (C, ...) for scalar factors."""
+    if prev is None or not any(lag):
+        if all(x == 1.0 for x in a[1:]):
+            return b.cumsum(0)  # IDN, forward order: a prefix sum over depth
+        P = transfer_matrix(tuple(a))
+    else:
+        P, b = transfer_matrix(tuple(a), tuple(lag)), torch.cat([b, prev], 0)  # [P, P U] @ [b; d_prev]
+    return torch.einsum("cj,j...->c...", P.to(device=b.device, dtype=b.dtype), b)
+
+
+@dataclass(frozen=True)
+class Identity(Surrogate):
+    """IDN: A = I (residual Transformers; the paper's default)."""
+
+    token: ClassVar[str] = "idn"
+
+    def __str__(self) -> str:
+        return ""  # the default: omitted from plan strings
+
+    def delta(self, it: Iterate) -> Tensor:
+        return scalar_correct(it.tilde - it.h, tuple(it.plan.link_factors()), tuple(it.plan.lag_factors()), it.prev)
+
+
+@dataclass(frozen=True)
+class Jacobi(Surrogate):
+    """No correction, A = 0: plain Jacobi iteration over depth."""
+
+    token: ClassVar[str] = "none"
+
+    def delta(self, it: Iterate) -> Tensor:
+        return it.tilde - it.h
+
+    def step(self, it: Iterate) -> tuple[Tensor, Tensor]:
+        return it.tilde - it.h, it.tilde  # exactly tilde, not h + (tilde - h) rounded
+
+
+@dataclass(frozen=True)
+class HCN(Surrogate):
+    """HC Newton: A = the chunk's residual-path stream matrix P_M P_A (n x n) at the current iterate."""
+
+    token: ClassVar[str] = "hcn"
+    needs_mhc: ClassVar[bool] = True
+    needs_mix: ClassVar[bool] = True
+
+    def delta(self, it: Iterate) -> Tensor:  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
+        b = it.tilde - it.h
+        with torch.autocast(b.device.type, enabled=False):  # corrections in h's dtype (fp32 under autocast)
+            if it.lagged:  # b_c += lag_c A_c d_{c-1}^{(k-1)}
+                b = b + (it.mix * _lag(it, it.mix).view(-1, 1, 1, 1, 1)) @ shift(it.prev)
+            return affine_scan(it.mix * _link(it, it.mix).view(-1, 1, 1, 1, 1), b, matrix=True)
+
+
+@dataclass(frozen=True)
+class DiagN(Surrogate):
+    """A = diag(J_c) from `probes` Hutchinson Rademacher probes by `estimator` (FD step `eps`, relative),
+    only on the chunks in `subset` (None = all; the others use A = I)."""
+
+    estimator: str = "fd"
+    probes: int = 1
+    eps: float = 1e-3
+    subset: tuple[int, ...] | None = None
+    token: ClassVar[str] = "diag"
+
+    def __post_init__(self):
+        problems = []
+        if self.estimator not in ESTIMATORS:
+            problems.append(f"unknown DiagN estimator {self.estimator!r}: valid estimators are {', '.join(ESTIMATORS)}")
+        if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
+            problems.append(f"probes must be an integer >= 1 (got {self.probes!r})")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            problems.append(f"FD step eps must be > 0 and finite (got {self.eps})")
+        if self.subset is not None:
+            sub = tuple(self.subset)
+            if not sub or len(set(sub)) != len(sub) or min(sub) < 0:
+                problems.append(f"subset must list distinct chunk indices >= 0 (got {'.'.join(map(str, sub))})")
+            else:
+                object.__setattr__(self, "subset", tuple(sorted(int(i) for i in sub)))
+        if problems:
+            raise ValueError("invalid DiagN surrogate: " + "; ".join(problems))
+        object.__setattr__(self, "eps", float(self.eps))
+
+    def __str__(self) -> str:
+        s = f"-diag:{self.estimator}"
+        if self.probes != 1:
+            s += f"-probes:{self.probes}"
+        if self.eps != 1e-3:
+            s += f"-eps:{self.eps:g}"
+        if self.subset is not None:
+            s += "-subset:" + ".".join(map(str, self.subset))
+        return s
+
+    def evals_per_iter(self, plan: "Plan") -> int:
+        return 1 + ESTIMATOR_PASSES[self.estimator]  # the P probes ride in the batch of one pass
+
+    def check(self, plan: "Plan") -> list[str]:
+        if self.subset is not None and max(self.subset) >= plan.chunks:
+            return [f"subset must list distinct chunk indices in 0..{plan.chunks - 1} "
+                    f"(got {'.'.join(map(str, self.subset))})"]
+        return []
+
+    def delta(self, it: Iterate) -> Tensor:
+        from snlp.method.jacobian import diag_jacobian  # the estimator machinery lives in its own module
+
+        a = diag_jacobian(it.weights, it.inputs, it.tilde, it.ctx, it.plan, it.gen)  # (C, B, T, ..., D)
+        ones = [1] * (a.dim() - 1)
+        b = it.tilde - it.h
+        if it.lagged:  # b_c += lag_c a_c o d_{c-1}^{(k-1)}
+            b = b + a * _lag(it, a).view(-1, *ones) * shift(it.prev)
+        return affine_scan(a * _link(it, a).view(-1, *ones), b)
+
+
+@dataclass(frozen=True)
+class Newton(Surrogate):
+    """Exact Newton over depth (DEER): J_c d_{c-1} by one JVP per linked chunk, chunk after chunk."""
+
+    token: ClassVar[str] = "newton"
+
+    def evals_per_iter(self, plan: "Plan") -> int:
+        # the batched forward, then one JVP for every chunk c >= 1: each is corrected by its predecessor's
+        # update of this sweep (linked) or of the previous one (lagged; skipped only in the first sweep)
+        return plan.chunks
+
+    def delta(self, it: Iterate) -> Tensor:
+        from snlp.method.jacobian import newton_delta
+
+        return newton_delta(it.weights, it.inputs, it.tilde - it.h, it.ctx, it.plan, it.prev if it.lagged else None)
+
+
+SURROGATES: tuple[type[Surrogate], ...] = (Identity, Jacobi, HCN, DiagN, Newton)  # the grammar's choices
+
+
+def parse_surrogate(tok: str) -> Surrogate | None:
+    """The surrogate a plan token names (`idn`, `none`, `hcn`, `newton`, `diag`, `diag:vjp`), else None."""
+    for cls in SURROGATES:
+        if tok == cls.token:
+            return cls()
+    if tok.startswith("diag:") and tok[5:] in ESTIMATORS:
+        return DiagN(estimator=tok[5:])
+    return None

@@ -1,0 +1,155 @@
+"""SNLP-aware training regulariser (paper Sec. "SNLP-Aware Training", Eq. snlp-training-loss):
+
+    L = L_CE + lambda * sum_{N in S} sum_{l in T_N} ||h_hat_l(N, K=1; A) - h_l^seq||_2 / (||h_l^seq||_2 + eps)
+
+h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) of the plan
+`RegConfig.plan(N)`, whose surrogate A is the config's typed surrogate (snlp.correction). Norms are
+over the hidden dim; the ratio is averaged over batch and positions, computed in fp32. With mHC
+(states (B, T, n, D)) the norm runs over all n streams together: the state the surrogate corrects
+is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
+T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (always including L).
+
+`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
+extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
+Results"), and the estimate is detached (snlp.surrogates): gradients flow through the chunk
+forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions the correction.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from snlp.method.surrogates import Identity, Surrogate, parse_surrogate
+from snlp.method.plan import Plan
+from snlp.method.solver import solve
+
+EPS = 1e-6
+
+
+@dataclass
+class RegConfig:
+    """The regulariser's settings. `surrogate`: the K=1 solve's surrogate (a snlp.correction value or its
+    plan token: Identity/"idn", HCN/"hcn" for mHC models, DiagN/"diag" = one FD probe, detached);
+    None = no regulariser."""
+
+    surrogate: Surrogate | str | None = None
+    lam: float = 0.5
+    suffixes: tuple[int, ...] = (8,)
+    stride: int = 0
+    detach: bool = False
+    warmup: int = 0  # steps over which lambda ramps linearly from 0
+
+    def __post_init__(self):
+        if isinstance(self.surrogate, str):
+            sur = parse_surrogate(self.surrogate)
+            if sur is None:
+                raise ValueError(f"unknown regulariser surrogate {self.surrogate!r}: use a plan surrogate token "
+                                 f"(idn, hcn, diag[:fd|jvp|vjp], ...)")
+            self.surrogate = sur
+
+    @property
+    def active(self) -> bool:
+        return self.surrogate is not None and self.lam > 0
+
+    @property
+    def kind(self) -> str:
+        """The surrogate's plan token, "none" without a regulariser (logs, records)."""
+        return "none" if self.surrogate is None else self.surrogate.token
+
+    def plan(self, n_suffix: int) -> Plan:
+        """The K=1 plan whose solve is regularised for suffix length N (IDN when inactive: the logged gap)."""
+        return k1_plan(n_suffix, self.surrogate or Identity())
+
+    def check_model(self, config) -> None:
+        """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
+        for n in resolve_suffixes(config.n_layer, self.suffixes) if config.n_layer > 1 else []:
+            self.plan(n).check_model(config)
+
+    def weight(self, step: int) -> float:
+        """lambda at optimizer step `step` (linear ramp over `warmup` steps)."""
+        if not self.active:
+            return 0.0
+        return self.lam * min(1.0, (step + 1) / self.warmup) if self.warmup > 0 else self.lam
+
+
+def parse_suffixes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(s) for s in str(text).split(",") if s.strip())
+    except ValueError as e:
+        raise ValueError(f"--reg-n must be comma-separated integers like 8,16,24, got {text!r}") from e
+    if not out or min(out) < 1:
+        raise ValueError(f"--reg-n needs suffix lengths >= 1, got {text!r}")
+    return out
+
+
+def resolve_suffixes(n_layer: int, suffixes) -> list[int]:
+    """Suffix lengths that fit: N >= L leaves no prefix, so it is clipped to L-1 (warned)."""
+    out = []
+    for n in suffixes:
+        if n >= n_layer:
+            warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}", stacklevel=2)
+            n = n_layer - 1
+        if n >= 1 and n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError(f"no regulariser suffix fits a {n_layer}-layer model (need 1 <= N < {n_layer})")
+    return out
+
+
+def supervised_layers(n_layer: int, n_suffix: int, stride: int) -> list[int]:
+    """T_N: layers l (h_l, 1-based, h_L = final) supervised for suffix length N, ascending."""
+    if stride < 0:
+        raise ValueError(f"--reg-stride must be >= 0, got {stride}")
+    S = n_layer - n_suffix
+    if stride == 0:
+        return [n_layer]
+    return sorted(range(n_layer, S, -stride))
+
+
+def k1_plan(n_suffix: int, surrogate: Surrogate | str = Identity()) -> Plan:
+    """The regulariser's plan: N unfused chunks, h0 init, K = 1."""
+    return Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
+
+
+def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
+    """K=1 SNLP states (N, B, T, D) of `plan` (`k1_plan`) for its N suffix layers: [j] is h_hat_{S+j+1}.
+    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
+    n_suffix = plan.n_suffix
+    prefix = None if trace is None else trace[model.config.n_layer - n_suffix]
+    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix)
+    return res.states[1], model.config.n_layer - n_suffix
+
+
+def relative_error(h_hat: Tensor, h_seq: Tensor) -> Tensor:
+    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim
+    (and the mHC stream dim: everything after (B, T)), fp32."""
+    h_hat, h_seq = h_hat.float(), h_seq.float()
+    dims = -1 if h_seq.dim() <= 3 else tuple(range(2, h_seq.dim()))  # (B, T, D) or mHC (B, T, n, D)
+    return ((h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)).mean()
+
+
+def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor:
+    """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
+    the same forward that produced the CE loss (so the model is not run twice for the target)."""
+    L = model.config.n_layer
+    if len(trace) != L + 1:
+        raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
+    total = torch.zeros((), device=idx.device, dtype=torch.float32)
+    for N in resolve_suffixes(L, cfg.suffixes):
+        states, S = snlp_states(model, idx, cfg.plan(N), trace)
+        for l in supervised_layers(L, N, cfg.stride):
+            target = trace[l].detach() if cfg.detach else trace[l]
+            total = total + relative_error(states[l - S - 1], target)
+    return total
+
+
+@torch.no_grad()
+def snlp_gap(model, idx: Tensor, plan: Plan) -> float:
+    """Measured K=1 SNLP-vs-sequential gap of `plan` (`k1_plan`): relative error of the final state h_L."""
+    trace = model.hidden_states(idx)
+    states, _ = snlp_states(model, idx, plan, trace)
+    return float(relative_error(states[-1], trace[-1]))
