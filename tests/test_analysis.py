@@ -13,7 +13,8 @@ from conftest import make_model, tokens
 import snlp.eval.analysis as A
 from snlp import Plan, parallel_forward, solve
 from snlp.method import preheat
-from snlp.decode.generate import jacobi_generate, sequential_generate
+from snlp.decode.jacobi import jacobi_generate
+from snlp.decode import sequential_generate
 from snlp.eval.metrics import ar_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from snlp import fused_forward, parallel_forward
 from snlp.model.cache import KVCache
-from snlp.decode.generate import (GenerateResult, ideal_ssd_speedup, jacobi_generate, merge_results, snlp_generate,
-                           speculative_accept, speculative_benchmark, speculative_generate, speculative_report,
-                           sequential_generate)
+from snlp.decode.session import GenerateResult, merge_results
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_accept, speculative_benchmark, speculative_generate, speculative_report
+from snlp.decode.jacobi import jacobi_generate
+from snlp.decode import snlp_generate, sequential_generate
 
 TOL = 1e-10  # float64
 

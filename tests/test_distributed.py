@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from conftest import make_model, tokens
 
 from snlp.method.fusion import chunk_weights
-from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode import sequential_generate, snlp_generate
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.method.jacobian import select_chunks

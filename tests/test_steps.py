@@ -15,7 +15,7 @@ import snlp
 from snlp import Plan
 from snlp.bench.forward import decode_benchmark
 from snlp.model.cache import KVCache
-from snlp.decode.generate import sequential_generate, snlp_generate, speculative_generate
+from snlp.decode import sequential_generate, snlp_generate, speculative_generate
 from snlp.decode.steps import Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

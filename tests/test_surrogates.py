@@ -351,7 +351,7 @@ def test_probes_leave_the_cache_holding_the_real_iterates_kv(plan):
 
 
 def test_snlp_generate_with_diag_and_newton_equals_sequential_greedy():
-    from snlp.decode.generate import sequential_generate, snlp_generate, speculative_generate
+    from snlp.decode import sequential_generate, snlp_generate, speculative_generate
 
     model = make_model(seed=5, vocab_size=13)
     prompt = [1, 5, 7]

@@ -11,11 +11,11 @@ import sys
 COMMANDS = {
     "analyze": "snlp.eval.analysis",
     "bench": "snlp.bench.forward",
-    "calibrate": "snlp.method.preheat",
+    "calibrate": "snlp.apps.calibrate",
     "convert": "snlp.apps.convert",
     "eval": "snlp.apps.eval",
     "export": "snlp.apps.export",
-    "generate": "snlp.decode.generate",
+    "generate": "snlp.apps.generate",
     "speedrun": "snlp.apps.speedrun",
     "sft": "snlp.train.sft",
     "sft-grid": "snlp.apps.sft_grid",

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from snlp.apps.common import plans_preheat
+from snlp.io.checkpoint import load
 from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
 from snlp.eval.protocol import EvalConfig, evaluate
 from snlp.model.gpt import GPT
@@ -75,8 +77,6 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 
 
 def run(args) -> int:
-    from snlp.io.checkpoint import load
-
     device = cli_device(args.device)
     set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")
@@ -88,6 +88,7 @@ def run(args) -> int:
     cfg.check()
     dtype = cli_dtype(args.dtype, device)
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    preheat = plans_preheat(args.ckpt, model, plans)
     if args.task:
         from snlp.eval import mc
 
@@ -97,7 +98,7 @@ def run(args) -> int:
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
           file=sys.stderr)
-    records = evaluate(model, val, plans, cfg, tokenizer=tok)
+    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat)
     c = model.config
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "

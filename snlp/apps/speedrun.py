@@ -138,7 +138,7 @@ def default_plans(n_layer: int) -> list[str]:
 def select_drafter(records: list, block: int = SELECT_BLOCK) -> tuple[object | None, list[tuple[str, float]]]:
     """The drafter rule (module docstring): the EvalRecord maximising ideal_ssd_speedup(Top-1, B,
     speedup) among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
-    from snlp.decode.generate import ideal_ssd_speedup
+    from snlp.decode.speculative import ideal_ssd_speedup
 
     scored = []
     for r in records:
@@ -593,7 +593,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     alike), counters summed over the prompts; the rows hold the medians over the rounds."""
     from snlp.io.checkpoint import load
     from snlp.eval.data import sample_prompts
-    from snlp.decode.generate import speculative_benchmark
+    from snlp.decode.speculative import speculative_benchmark
 
     best, scored = select_drafter(eval_records)
     if best is None:

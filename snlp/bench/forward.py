@@ -291,7 +291,8 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
     the latencies. With `compile`, each record's `host_syncs` counts the host syncs per step of its compiled
     steps (snlp.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
-    from snlp.decode.generate import ideal_ssd_speedup, sequential_generate, snlp_generate, speculative_generate
+    from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
+    from snlp.decode.generate import sequential_generate, snlp_generate
     from snlp.model.cache import KVCache
     from snlp.decode.steps import host_syncs, sequential_step, snlp_step
 

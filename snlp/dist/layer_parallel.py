@@ -65,7 +65,7 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.method.solver import SNLPDivergenceError, _as_plan, _relative_update
+from snlp.method.solver import SNLPDivergenceError, as_plan, relative_update
 
 DEFAULT_TIMEOUT_S = 120.0
 SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
@@ -217,7 +217,7 @@ class DistributedSNLP:
     def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True):
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
-        plan = _as_plan(model, plan)
+        plan = as_plan(model, plan)
         if not isinstance(plan.surrogate, SURROGATES):
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
                              f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
@@ -396,7 +396,7 @@ class DistributedSNLP:
             iters += 1
             stop = k == plan.iters - 1
             if plan.tol:  # the last rank owns the final state: it decides, everyone follows
-                upd = torch.tensor([_relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
+                upd = torch.tensor([relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
                                    dtype=torch.float64)
                 updates.append(float(_broadcast(upd, self.last, "broadcast of the tol update")[0]))
                 stop = stop or updates[-1] < plan.tol
@@ -454,12 +454,13 @@ class DistributedSNLP:
         distributed SNLP solve), `sequential` (the original model layer-pipelined: the pipeline
         baseline), `speculative` (distributed SNLP drafts `block` tokens, the pipelined original model
         verifies B+1 positions in one forward; greedy output equals sequential decoding)."""
-        from snlp.decode.generate import GenerateResult, _check_common, _prompt_list, speculative_accept
+        from snlp.decode.session import GenerateResult, check_decode_args, prompt_ids_list
+        from snlp.decode.speculative import speculative_accept
 
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
-        _check_common(max_new_tokens, temperature, block if mode == "speculative" else None)
-        prompt = _prompt_list(self.model, prompt_ids)
+        check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
+        prompt = prompt_ids_list(self.model, prompt_ids)
         max_len = len(prompt) + max_new_tokens if max_len is None else max_len
         if len(prompt) > max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens is longer than the KV cache (max_len {max_len})")

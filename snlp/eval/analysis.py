@@ -632,7 +632,8 @@ def _prompts(val_tokens: Tensor, n: int, length: int, seed: int) -> list[list[in
 
 def jacobi_coupling(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig()) -> JacobiResult:
     """Unverified JD over SNLP (naive / h0-JD, K = 1, 2) vs sequential greedy decoding."""
-    from snlp.decode.generate import jacobi_generate, sequential_generate
+    from snlp.decode.jacobi import jacobi_generate
+    from snlp.decode.generate import sequential_generate
     L = model.config.n_layer
     prompts = _prompts(as_tokens(val_tokens), cfg.jacobi_prompts, cfg.jacobi_prompt_len, cfg.seed)
     ref = [sequential_generate(model, p, max_new_tokens=cfg.jacobi_tokens).tokens for p in prompts]

@@ -40,7 +40,8 @@ from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
 from snlp.runtime.device import progress_bar
-from snlp.method.solver import SNLPDivergenceError, bind
+from snlp.method.preheat import Preheat
+from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
 from snlp.runtime.timing import time_round_robin
 
 SEQ = "sequential"
@@ -150,18 +151,19 @@ def _bar(total: int, desc: str, cfg: EvalConfig):
 
 
 # ----- teacher-forced: PPL, Top-1, LogitSim -----
-def _logits_fns(model: GPT, plans: list[Plan]) -> dict:
+def _logits_fns(model: GPT, plans: list[Plan], preheat: Preheat | None = None) -> dict:
     """name -> idx (B, T) -> logits (B, T, V); the sequential model first (it is the reference).
     Plans check for NaN/inf (SNLPDivergenceError)."""
-    return {SEQ: model, **{str(plan): bind(model, plan) for plan in plans}}
+    return {SEQ: model, **{str(plan): bind(model, plan, preheat=preheat_for(plan, preheat)) for plan in plans}}
 
 
 @torch.inference_mode()
-def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig) -> dict[str, _Quality]:
+def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig, preheat: Preheat | None = None
+                   ) -> dict[str, _Quality]:
     """PPL, Top-1 and LogitSim (vs sequential) of the sequential model and each plan over the
     windows wins (W, T + 1); a plan that diverges gets PPL inf and note "diverged"."""
     device = next(model.parameters()).device
-    fns = _logits_fns(model, plans)
+    fns = _logits_fns(model, plans, preheat)
     acc = {name: {"nll": 0.0, "top1": 0.0, "sim": 0.0, "n": 0} for name in fns}
     diverged = set()
     batches = wins.split(cfg.batch)
@@ -195,8 +197,8 @@ def reference_plan(plan: Plan) -> Plan | None:
     return None if plan.fuse == 1 else Plan(chunks=plan.chunks, fuse=plan.fuse, init="h0", iters=plan.chunks)
 
 
-def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig
-                ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
+def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig,
+                preheat: Preheat | None = None) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
     """Greedy continuations (prompts x gen_tokens ids) of the sequential model and each plan, and
     each plan's AR-match reference continuations (shared between plans with the same reference)."""
     refs_needed = {str(r): r for r in map(reference_plan, plans) if r is not None}
@@ -207,7 +209,7 @@ def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: Ev
             out[name] = []
             for prompt in prompts:
                 res = sequential_generate(model, prompt, cfg.gen_tokens) if plan is None else \
-                    snlp_generate(model, prompt, plan, cfg.gen_tokens)
+                    snlp_generate(model, prompt, plan, cfg.gen_tokens, preheat=preheat_for(plan, preheat))
                 out[name].append(res.tokens)
                 bar.update()
     refs = {str(p): out[SEQ if reference_plan(p) is None else str(reference_plan(p))] for p in plans}
@@ -215,8 +217,8 @@ def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: Ev
 
 
 # ----- timing: speedup -----
-def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan], cfg: EvalConfig
-               ) -> dict[str, _Timing]:
+def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan], cfg: EvalConfig,
+               preheat: Preheat | None = None) -> dict[str, _Timing]:
     """Median decode ms/token (KV-cached greedy, batch 1, `cfg.time_tokens` tokens, prompt prefill
     not timed) and median ms of a batch-1 forward over `window` (1, T) for the sequential model and
     each plan, round-robin after cfg.warmup untimed rounds."""
@@ -228,7 +230,7 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
     def decoder(name, plan):  # appends ms/token; generate times its own decode loop (prefill excluded)
         def run():
             r = sequential_generate(model, prompt, cfg.time_tokens) if plan is None else \
-                snlp_generate(model, prompt, plan, cfg.time_tokens)
+                snlp_generate(model, prompt, plan, cfg.time_tokens, preheat=preheat_for(plan, preheat))
             decode_ms[name].append(1e3 * r.decode_s / len(r.tokens))
             bar.update()
         return run
@@ -236,7 +238,7 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
     def forward(plan):
         if plan is None:
             return lambda: model(window)
-        runner = bind(model, plan, check_finite=False)
+        runner = bind(model, plan, check_finite=False, preheat=preheat_for(plan, preheat))
         return lambda: runner(window)
 
     with bar:
@@ -248,11 +250,12 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
 
 
 # ----- the evaluation -----
-def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), tokenizer=None) -> list[EvalRecord]:
+def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), tokenizer=None,
+             preheat: Preheat | None = None) -> list[EvalRecord]:
     """Evaluate the sequential model and each plan (str or Plan) on validation token ids
     `val_tokens` (1-D): one EvalRecord per row, plan "sequential" first, then the plans in order
     (duplicates dropped). EmbSim needs `tokenizer` (to decode continuations) and the emb extra,
-    else it is None."""
+    else it is None. `preheat`: the calibration that plans with the preheat init read (others ignore it)."""
     cfg.check()
     L = model.config.n_layer
     plans = list(dict.fromkeys(Plan.parse(p, L) if isinstance(p, str) else p.check(L) for p in plans))
@@ -261,10 +264,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     model.eval()
     wins = windows(val, cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
-    tf = teacher_forced(model, wins, plans, cfg)
-    gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg)
+    tf = teacher_forced(model, wins, plans, cfg, preheat)
+    gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg, preheat)
     embs = embedding_sims(gens, tokenizer, device, SEQ) if cfg.emb else {}
-    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg)
+    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
     protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, prompts=cfg.prompts,
                     gen_tokens=cfg.gen_tokens, device=str(device),
                     dtype=str(next(model.parameters()).dtype).replace("torch.", ""))

@@ -5,10 +5,12 @@
     tokenizer.json      the BPE tokenizer (optional)
     optimizer.pt        optimizer + LR-scheduler state (torch.save; optional, for --resume)
     train_state.pt      step, data position, RNG states, CLI args (torch.save; optional)
+    preheat.pt          a preheat calibration (`snlp calibrate`; optional, read by `load_preheat`)
 
 The directory is written to a temporary sibling and swapped in with os.replace, so a crash
 mid-save never leaves a half-written checkpoint under the real name. Files in an existing
-checkpoint directory that the save does not write (e.g. the training log) are carried over.
+checkpoint directory that the save does not write (e.g. the training log) are carried over, except a
+preheat calibration of other weights: it describes the old weights only, so it is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from snlp.method.preheat import FILENAME as PREHEAT_FILE
+from snlp.method.preheat import Preheat
+from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
@@ -65,7 +70,7 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
             shutil.rmtree(tmp)
             raise ValueError(f"checkpoint path {path} exists and is not a directory; choose another --out")
         for f in path.iterdir():  # carry over files this save does not own (training log, notes)
-            if f.name not in OWN_FILES and not (tmp / f.name).exists():
+            if f.name not in OWN_FILES and not (tmp / f.name).exists() and not _stale_preheat(f, model):
                 os.replace(f, tmp / f.name)
         old = path.parent / f".{path.name}.old-{os.getpid()}"
         os.replace(path, old)
@@ -74,6 +79,24 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     else:
         os.replace(tmp, path)
     return path
+
+
+def _stale_preheat(f: Path, model: GPT) -> bool:
+    """A preheat.pt that was not fitted on `model`'s weights (or cannot be read): not to be carried over."""
+    if f.name != PREHEAT_FILE:
+        return False
+    try:
+        return Preheat.load(f).fingerprint != weights_fingerprint(model)
+    except ValueError:
+        return True
+
+
+def load_preheat(path, model: GPT) -> Preheat | None:
+    """The preheat calibration stored in checkpoint `path` (CKPT/preheat.pt), checked against `model` and moved
+    to its device and dtype; None if the checkpoint has none. A calibration of other weights (the model was
+    trained after `snlp calibrate`) or of another model is a ValueError, never silently used."""
+    f = _dir(path) / PREHEAT_FILE
+    return Preheat.load(f).check(model) if f.is_file() else None
 
 
 def _dir(path) -> Path:
@@ -135,8 +158,6 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
     model = GPT(cfg)
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     model.to(device).eval()
-    from snlp.method.preheat import load_beside
-    load_beside(model, path)  # CKPT/preheat.pt (snlp calibrate), read by plans with the preheat init
     tok = None
     if (path / TOKENIZER_FILE).is_file():
         tok = Tokenizer.load(path)

@@ -13,9 +13,14 @@ shared by all layers since every layer reads the same x0), U_l and b_l are the l
 F_c(h_S) (fwd). The calibration tokens are random tokens or real data (`snlp calibrate --data`); the
 paper calibrated on random tokens and found data calibration no better.
 
-Storage: `preheat.pt` beside the checkpoint (`snlp calibrate CKPT --out CKPT/preheat.pt`, the
-default); `snlp.checkpoint.load` attaches it to the model (`model.preheat`), which is what the solver
-reads. `attach(model, preheat)` does the same from Python.
+A calibration is an explicit value: `fit(model)` returns a `Preheat`, which is passed to `solve` /
+`bind` / the generate and eval functions (`preheat=`); nothing is attached to the model. It records a
+fingerprint of the weights it was fitted on (`snlp.model.fingerprint`) and `check(model)` refuses other
+weights, so a calibration never outlives the weights it describes (a training step, a resumed run). It
+follows the states it predicts: `predict` returns them on x0's device and in x0's dtype.
+
+Storage: `preheat.pt` beside the checkpoint (`snlp calibrate CKPT`); `snlp.io.checkpoint.load_preheat(CKPT,
+model)` reads it back and checks it against the model.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from snlp.model.fingerprint import weights_fingerprint
 
 FILENAME = "preheat.pt"
 
@@ -37,6 +44,7 @@ class Preheat:
     U: Tensor  # (L, Dh, r) per-layer maps
     b: Tensor  # (L, Dh) per-layer offsets
     source: str = "random"  # calibration tokens: "random" or a data spec
+    fingerprint: str | None = None  # weights_fingerprint of the model it was fitted on (None: unknown)
 
     @property
     def rank(self) -> int:
@@ -46,26 +54,52 @@ class Preheat:
         """Predicted outputs of `layers` (0-based layer indices) for embeddings x0 (B, T, *E):
         (len(layers), B, T, *E) in x0's dtype."""
         lead = x0.shape[:2]
-        z = x0.reshape(*lead, -1).to(self.V.dtype) @ self.V  # (B, T, r)
-        idx = torch.tensor(layers, device=self.U.device)
-        U, b = self.U.index_select(0, idx), self.b.index_select(0, idx)  # (C, Dh, r), (C, Dh)
+        V, U, b = (t.to(device=x0.device, dtype=x0.dtype) for t in (self.V, self.U, self.b))  # no-ops once moved
+        z = x0.reshape(*lead, -1) @ V  # (B, T, r)
+        idx = torch.tensor(layers, device=x0.device)
+        U, b = U.index_select(0, idx), b.index_select(0, idx)  # (C, Dh, r), (C, Dh)
         h = torch.einsum("btr,cdr->cbtd", z, U) + b[:, None, None, :]  # (C, B, T, Dh)
-        return h.reshape(len(layers), *lead, *x0.shape[2:]).to(x0.dtype)
+        return h.reshape(len(layers), *lead, *x0.shape[2:])
+
+    def check(self, model, verify_weights: bool = True) -> "Preheat":
+        """Refuse a calibration of another model: other layer count or width, or (with `verify_weights`)
+        other weights than the fingerprint it recorded. Returns self, moved to the model's device/dtype."""
+        n, D = model.config.n_layer, model.wte.weight.shape[1]
+        if self.U.shape[0] != n:
+            raise ValueError(f"preheat calibration has {self.U.shape[0]} layers, the model has {n}: it belongs to "
+                             "another model; re-run `snlp calibrate`")
+        if self.V.shape[0] != D:
+            raise ValueError(f"preheat calibration reads embeddings of width {self.V.shape[0]}, the model's are {D}")
+        if verify_weights:
+            if self.fingerprint is None:
+                raise ValueError("preheat calibration records no weights fingerprint (written by an older snlp): "
+                                 "re-run `snlp calibrate` so it can be checked against the model")
+            if self.fingerprint != weights_fingerprint(model):
+                raise ValueError("preheat calibration was fitted on other weights than this model's (the weights "
+                                 "changed since `snlp calibrate`, e.g. training went on): re-run `snlp calibrate`")
+        w = model.wte.weight
+        return self.to(w.device, w.dtype)
 
     def to(self, device=None, dtype=None) -> "Preheat":
         mv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-        return Preheat(V=mv(self.V), U=mv(self.U), b=mv(self.b), source=self.source)
+        return Preheat(V=mv(self.V), U=mv(self.U), b=mv(self.b), source=self.source, fingerprint=self.fingerprint)
 
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source}, path)
+        torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
+                    "fingerprint": self.fingerprint}, path)
         return path
 
     @classmethod
     def load(cls, path) -> "Preheat":
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(V=d["V"], U=d["U"], b=d["b"], source=d.get("source", "random"))
+        try:
+            d = torch.load(path, map_location="cpu", weights_only=True)
+            return cls(V=d["V"], U=d["U"], b=d["b"], source=d.get("source", "random"),
+                       fingerprint=d.get("fingerprint"))
+        except Exception as e:  # torch.load raises many types on truncated / foreign files
+            raise ValueError(f"corrupt preheat calibration {path} ({type(e).__name__}: {e}); re-run `snlp calibrate`"
+                             ) from e
 
 
 @dataclass
@@ -118,61 +152,5 @@ def fit(model, cfg: CalibrateConfig = CalibrateConfig(), tokens: Tensor | None =
     flat = lambda t: t.reshape(t.shape[0] * t.shape[1], -1).cpu()  # noqa: E731  (B, T, *E) -> (N, prod E)
     V, U, b = fit_states(flat(trace[0]), [flat(h) for h in trace[1:]], cfg.rank)
     dtype = model.wte.weight.dtype
-    return Preheat(V=V.to(dtype), U=U.to(dtype), b=b.to(dtype), source=source).to(device)
-
-
-def attach(model, preheat: Preheat | None) -> None:
-    """Make `preheat` the model's calibration for plans with the `preheat` init (None detaches)."""
-    if preheat is not None and preheat.U.shape[0] != model.config.n_layer:
-        raise ValueError(f"preheat calibration has {preheat.U.shape[0]} layers, the model has {model.config.n_layer}")
-    w = model.wte.weight
-    model.__dict__["preheat"] = None if preheat is None else preheat.to(w.device, w.dtype)
-
-
-def of(model) -> Preheat:
-    """The model's attached calibration, or a clear error saying how to make one."""
-    pre = model.__dict__.get("preheat")
-    if pre is None:
-        raise ValueError("the preheat init needs a calibration: run `snlp calibrate CKPT --rank r` (writes "
-                         f"CKPT/{FILENAME}, loaded with the checkpoint) or snlp.preheat.attach(model, "
-                         "snlp.method.preheat.fit(model))")
-    return pre
-
-
-def load_beside(model, ckpt) -> None:
-    """Attach CKPT/preheat.pt to the model if the file exists (called by snlp.checkpoint.load)."""
-    path = Path(ckpt) / FILENAME
-    if path.is_file():
-        attach(model, Preheat.load(path))
-
-
-# ----------------------------------------------------------------------------- CLI: snlp calibrate
-def add_arguments(p) -> None:
-    p.add_argument("ckpt", help="checkpoint directory")
-    p.add_argument("--rank", type=int, default=CalibrateConfig.rank, help="rank r of the embedding basis V")
-    p.add_argument("--data", default=None, help="calibrate on this data spec's validation split (default: "
-                   "uniformly random tokens, as the paper); 'train' = the checkpoint's training data")
-    p.add_argument("--batch", type=int, default=CalibrateConfig.batch, help="calibration windows")
-    p.add_argument("--seq-len", type=int, default=CalibrateConfig.seq_len, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help=f"output file (default: CKPT/{FILENAME}, loaded with the checkpoint)")
-
-
-def run(args) -> int:
-    from snlp.io.checkpoint import load
-
-    if not Path(args.ckpt).exists():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
-    model, tok = load(args.ckpt)
-    cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
-    cfg.check(model)
-    tokens = None
-    if args.data is not None:
-        from snlp.eval.data import checkpoint_data, validation_tokens
-        if tok is None:
-            raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
-        tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
-    pre = fit(model, cfg, tokens)
-    out = pre.save(args.out or Path(args.ckpt) / FILENAME)
-    print(f"wrote {out}: rank {pre.rank}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
-    return 0
+    return Preheat(V=V.to(dtype), U=U.to(dtype), b=b.to(dtype), source=source,
+                   fingerprint=weights_fingerprint(model)).to(device)

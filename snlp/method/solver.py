@@ -42,6 +42,7 @@ from snlp.method.surrogates import DiagN, Iterate, scalar_correct
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
+from snlp.method.preheat import Preheat
 
 
 class SNLPDivergenceError(FloatingPointError):
@@ -60,21 +61,34 @@ class SolveResult:
     updates: list[float] = field(default_factory=list)  # final-state relative update per iteration (tol > 0)
 
 
-def correct(b: Tensor, plan: Plan, prev: Tensor | None = None) -> Tensor:
-    """Solve the scalar-factor (IDN) correction recurrence over chunks for b = tilde - h_old (C, ...),
-    with the plan's link/ELK factors; `prev` is the previous sweep's update, read by lagged chunks."""
-    return scalar_correct(b, tuple(plan.link_factors()), tuple(plan.lag_factors()), prev)
-
-
-def _as_plan(model: GPT, plan: Plan | str) -> Plan:
+def as_plan(model: GPT, plan: Plan | str) -> Plan:
+    """`plan` parsed if given as a string, and checked against the model's config."""
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     return plan.check_model(model.config)
 
 
-def _relative_update(d: Tensor, h: Tensor) -> float:
+def relative_update(d: Tensor, h: Tensor) -> float:
     """max over the batch of ||d|| / ||h|| for final-chunk tensors (B, T, ...)."""
     num = d.float().flatten(1).norm(dim=1)
     return float((num / (h.float().flatten(1).norm(dim=1) + 1e-12)).max())
+
+
+def check_preheat(plan: Plan, preheat: Preheat | None, model: GPT, verify_weights: bool = True) -> None:
+    """A preheat plan needs a calibration of this model; any other plan must not be given one."""
+    if plan.init == "preheat":
+        if preheat is None:
+            raise ValueError(f"plan {plan} starts from the preheat init: pass its calibration (preheat=...): "
+                             "snlp.method.preheat.fit(model), or `snlp calibrate CKPT` then "
+                             "snlp.io.checkpoint.load_preheat(CKPT, model)")
+        preheat.check(model, verify_weights)
+    elif preheat is not None:
+        raise ValueError(f"a preheat calibration was given but plan {plan} has the {plan.init} init, which does not "
+                         "read it; drop preheat= or use a -preheat- plan")
+
+
+def preheat_for(plan: Plan, preheat: Preheat | None) -> Preheat | None:
+    """The calibration to give `plan` when one is at hand for a set of plans: only preheat plans read it."""
+    return preheat if plan.init == "preheat" else None
 
 
 def _check_finite(h: Tensor, plan: Plan) -> None:
@@ -87,7 +101,8 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
 
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
-          prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None) -> SolveResult:
+          prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
+          preheat: Preheat | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -101,8 +116,11 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     `init_states` (C, B, T, D) replaces the plan's init (h0 / fwd / preheat) by given chunk states, e.g. a
     warm start from an earlier solve. `pos` ((T,) positions, with `cache`) is the static-shape decode step
     of snlp.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
-    not advance (the caller owns its length), so one compiled graph serves every step."""
-    plan = _as_plan(model, plan)
+    not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
+    calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
+    by them and refused by others (it would be silently unused)."""
+    plan = as_plan(model, plan)
+    check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
     if prefix is not None and cache is not None:
         raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
                          "their K/V would never reach the cache while it advances; pass one or the other")
@@ -115,9 +133,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
             raise ValueError(f"init_states must have shape (C, *h_S.shape) = {(C, *hS.shape)}, got "
                              f"{tuple(init_states.shape)}")
         h = init_states.to(hS.dtype)
-    elif plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.preheat)
-        from snlp.method import preheat
-        h = preheat.of(model).predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])  # (C, B, T, D)
+    elif plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.method.preheat)
+        h = preheat.predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])  # (C, B, T, D)
     else:
         h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
         if plan.init == "fwd":
@@ -138,7 +155,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
         if keep_states:
             states.append(h)
         if plan.tol:
-            updates.append(_relative_update(d[-1], h[-1]))
+            updates.append(relative_update(d[-1], h[-1]))
             if updates[-1] < plan.tol:
                 break
     if cache is not None:
@@ -168,12 +185,18 @@ class Runner:
     are built without autograd: to train through the solve, call `solve(model, ...)` (fresh weights
     with gradients) instead."""
 
-    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True):
-        self.model, self.plan, self.check_finite = model, _as_plan(model, plan), check_finite
+    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None):
+        self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
+        self.preheat = preheat
         self.refresh()
 
     def refresh(self) -> "Runner":
-        """Rebuild the fused weights from the model's current parameters."""
+        """Rebuild the fused weights from the model's current parameters (and re-check a preheat calibration
+        against them: new weights make it stale)."""
+        check_preheat(self.plan, self.preheat, self.model)
+        if self.preheat is not None:
+            w = self.model.wte.weight
+            self.preheat = self.preheat.to(w.device, w.dtype)
         with torch.no_grad():
             self.weights = chunk_weights(self.model, self.plan.prefix_len(self.model.config.n_layer),
                                          self.plan.chunks, self.plan.fuse)
@@ -185,7 +208,7 @@ class Runner:
         """`snlp.solve` with the bound weights."""
         return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
-                     init_states=init_states, pos=pos)
+                     init_states=init_states, pos=pos, preheat=self.preheat)
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
         return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)
@@ -194,18 +217,19 @@ class Runner:
         return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"
 
 
-def bind(model: GPT, plan: Plan | str, check_finite: bool = True) -> Runner:
+def bind(model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None) -> Runner:
     """Bind `model` to `plan`: a Runner holding the plan's fused weights (see Runner). With
     `check_finite` a NaN/inf final state raises SNLPDivergenceError (a host sync per call; decoding
-    loops and compiled code pass False and check outside the step)."""
-    return Runner(model, plan, check_finite)
+    loops and compiled code pass False and check outside the step). `preheat`: the calibration a plan with
+    the preheat init needs (checked against the model's weights here, once)."""
+    return Runner(model, plan, check_finite, preheat)
 
 
 def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
     """Run the *fused* model of `plan` sequentially (prefix, then chunk 1, 2, ..., C with the same
     fused weights and op as the solver). This is what SNLP converges to for K >= C; fused plans
     are compared against it (AR match, exactness). states[0] holds all chunk outputs (C,B,T,D)."""
-    plan = _as_plan(model, plan)
+    plan = as_plan(model, plan)
     S = plan.prefix_len(model.config.n_layer)
     ctx = model.embed(idx)
     hS = model.run_layers(ctx.x0, ctx, 0, S)
@@ -224,7 +248,7 @@ def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[
     `fused_sequential`). It measures how much the suffix depends on its layer order at all, apart
     from any solver. states[0] holds the chunk outputs (C, B, T, D) in execution order. `prefix` is
     an already computed h_S (as in `solve`)."""
-    plan = _as_plan(model, plan)
+    plan = as_plan(model, plan)
     order = plan.order if order is None else tuple(order)
     if order is not None and sorted(order) != list(range(plan.chunks)):
         raise ValueError(f"order {order} must be a permutation of 0..{plan.chunks - 1}")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 from snlp.io import chat
 from snlp.method.plan import Plan
-from snlp.method.solver import _as_plan
+from snlp.method.solver import as_plan
 from snlp.train.trainer import (Job, TrainConfig, TrainResult, TrainStep, _autocast, evaluate, fit, init_from_checkpoint,
                     rank0_first, reg_config)
 
@@ -44,7 +44,7 @@ def sft_job(scfg: SFTConfig):
     def make_job(cfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
         if model is None:  # a new run starts from the checkpoint; --resume passes the run's own
             model, tok = init_from_checkpoint(scfg.ckpt)
-        plan = None if scfg.plan() is None else _as_plan(model, scfg.plan())
+        plan = None if scfg.plan() is None else as_plan(model, scfg.plan())
         max_len = min(cfg.seq_len, model.config.sequence_len) + 1
         convs = rank0_first(lambda: chat.load_conversations(scfg.data, scfg.max_conversations), rank, world)
         examples = chat.render(convs, tok, max_len)

@@ -1,0 +1,40 @@
+"""Calibrate the preheat init of a checkpoint (paper App. "ELK Tempering and Preheat Initialization"):
+per-layer low-rank affine predictors of the states from the token embedding, written to CKPT/preheat.pt
+with a fingerprint of the weights they were fitted on (plans with the `preheat` init read it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from snlp.eval.data import checkpoint_data, validation_tokens
+from snlp.io.checkpoint import load
+from snlp.method.preheat import FILENAME, CalibrateConfig, fit
+
+
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("--rank", type=int, default=CalibrateConfig.rank, help="rank r of the embedding basis V")
+    p.add_argument("--data", default=None, help="calibrate on this data spec's validation split (default: "
+                   "uniformly random tokens, as the paper); 'train' = the checkpoint's training data")
+    p.add_argument("--batch", type=int, default=CalibrateConfig.batch, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=CalibrateConfig.seq_len, help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"output file (default: CKPT/{FILENAME}, read by plans with the "
+                   "preheat init)")
+
+
+def run(args) -> int:
+    if not Path(args.ckpt).exists():
+        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    model, tok = load(args.ckpt)
+    cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
+    cfg.check(model)
+    tokens = None
+    if args.data is not None:
+        if tok is None:
+            raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
+        tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
+    pre = fit(model, cfg, tokens)
+    out = pre.save(args.out or Path(args.ckpt) / FILENAME)
+    print(f"wrote {out}: rank {pre.rank}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
+    return 0

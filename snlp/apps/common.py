@@ -1,0 +1,21 @@
+"""Pieces every command shares: loading a checkpoint's model with the calibration its plans need."""
+
+from __future__ import annotations
+
+from snlp.io.checkpoint import load_preheat
+from snlp.method.plan import Plan
+from snlp.method.preheat import Preheat
+
+
+def plans_preheat(ckpt, model, plans) -> Preheat | None:
+    """CKPT/preheat.pt, checked against `model`, if any of `plans` starts from the preheat init; else None
+    (a checkpoint's calibration is read only when a plan needs it). A preheat plan without a calibration is
+    a clear error here, before any work starts."""
+    plans = [p for p in plans if p is not None]
+    if not any((Plan.parse(p) if isinstance(p, str) else p).init == "preheat" for p in plans):
+        return None
+    pre = load_preheat(ckpt, model)
+    if pre is None:
+        raise ValueError(f"a plan starts from the preheat init but checkpoint {ckpt} has no calibration: run "
+                         f"`snlp calibrate {ckpt}` first")
+    return pre

@@ -1,0 +1,90 @@
+"""Greedy Jacobi decoding, with the sequential model or an SNLP plan as the Jacobi forward (paper App.
+"Coupling SNLP with Jacobi Decoding"): verified (exact) or unverified (the paper's measurement mode)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, decode_plan, sequential_forward
+from snlp.decode.steps import snlp_step
+from snlp.method.plan import Plan
+from snlp.method.preheat import Preheat
+from snlp.method.solver import bind
+from snlp.model.gpt import GPT
+from snlp.runtime.timing import now
+
+import torch
+
+
+def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
+                    max_new_tokens: int = 64, eos_id: int | None = None, max_iters: int | None = None,
+                    max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                    verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None) -> GenerateResult:
+    """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens (the
+    lookahead window W). Each iteration feeds [last, g_1..g_B] in one cached forward and replaces
+    the guesses by the argmax predictions, until a fixed point or `max_iters` (default B+1, enough
+    for an exact forward).
+
+    With `plan` every iteration is an SNLP forward. `verify` (the decoding mode): the final guesses
+    are checked by one sequential forward (longest agreeing prefix + 1 token kept), so the output
+    equals sequential greedy decoding. `verify=False` (the measurement mode of the paper's
+    JD-coupling table, App. "Coupling SNLP with Jacobi Decoding"): the round keeps the longest
+    prefix of the guesses that the LAST SNLP iteration reproduces, plus its next prediction, with no
+    sequential forward, so the output may differ from sequential greedy decoding (compare with
+    `metrics.ar_match`). `warm_start` (h0-JD, needs a plan): the first JD iteration of a round
+    solves from the plan's init; later ones recompute the prefix state h_S of the new guesses but
+    start the suffix chunk states from the previous JD iteration's final states (features of the old
+    guesses); without it every iteration is a fresh SNLP solve (naive composition). Without a plan
+    the Jacobi forwards are the sequential model itself and the last iteration is the check.
+    Counters: jacobi_iters = JD iterations (forwards of the Jacobi model), forwards = jacobi_iters
+    plus one sequential check per round when verifying; accepted + rounds = tokens kept before the
+    budget/EOS cut."""
+    check_decode_args(max_new_tokens, 0.0, block)
+    plan = None if plan is None else decode_plan(model, plan)
+    if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 1):
+        raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
+    if warm_start and plan is None:
+        raise ValueError("warm_start (h0-JD) warm-starts SNLP chunk states: it needs a plan")
+    seq_fwd = sequential_forward(model)
+    runner = None if plan is None else bind(model, plan, check_finite=False, preheat=preheat)
+    jac_fwd = seq_fwd if plan is None else snlp_step(runner)
+    if warm_start:
+        def warm_fwd(idx, cache, init):  # -> logits, final chunk states (C, 1, T, D)
+            res = runner.solve(idx, cache=cache, keep_states=True, init_states=init)
+            return model.head(res.hidden), res.states[-1]
+    with torch.inference_mode():
+        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi")
+        res, cache, dev = ses.result, ses.cache, ses.device
+        res.plan, res.block = None if plan is None else str(plan), block
+        res.extra.update(verify=verify, warm_start=warm_start)
+        ses.prefill(seq_fwd)
+        carry: list[int] = []  # guesses left over from the previous block
+        while not ses.done:
+            P, Bk = cache.length, min(block, ses.remaining - 1)
+            g = (carry + [ses.last] * Bk)[:Bk]
+            t0 = now(dev)
+            states = None
+            for it in range(max_iters or Bk + 1):
+                cache.rollback(P)
+                if warm_start:
+                    logits, states = warm_fwd(ses.ids([ses.last] + g), cache, states)
+                else:
+                    logits = jac_fwd(ses.ids([ses.last] + g), cache)
+                pred = logits[0].argmax(-1).tolist()  # (Bk+1,)
+                res.jacobi_iters += 1
+                converged = pred[:Bk] == g
+                if converged or it + 1 == (max_iters or Bk + 1):
+                    break
+                g = pred[:Bk]
+            t1 = now(dev)
+            if plan is not None and verify:  # sequential check of the SNLP-Jacobi fixed point
+                g = pred[:Bk]
+                cache.rollback(P)
+                pred = seq_fwd(ses.ids([ses.last] + g), cache)[0].argmax(-1).tolist()
+                res.forwards += 1
+            n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)
+            cache.rollback(P + n + 1)
+            carry = pred[n + 1:]
+            res.add_round(Bk, n, steps=it + 1, forwards=it + 1, draft_s=t1 - t0, verify_s=now(dev) - t1)
+            ses.emit(g[:n] + [pred[n]])
+        return ses.finish()

@@ -1,0 +1,228 @@
+"""One decode session, shared by every decoding mode (sequential, SNLP, self-speculative, Jacobi) and by
+the distributed decoder: argument checks, the prompt, one static KV cache, output bookkeeping (EOS, budget,
+streaming), timing, and the result record `GenerateResult`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from snlp.decode.steps import EagerStep, Step, sequential_step, snlp_step
+from snlp.method.plan import Plan
+from snlp.method.preheat import Preheat
+from snlp.method.solver import bind
+from snlp.model.cache import KVCache
+from snlp.model.gpt import GPT
+from snlp.runtime.timing import now
+
+@dataclass
+class GenerateResult:
+    """Generated ids and decode statistics. Times exclude the prompt prefill (prefill_s)."""
+
+    tokens: list[int]
+    mode: str
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    plan: str | None = None
+    block: int = 0
+    stop: str = ""  # eos | max_new_tokens | max_len
+    forwards: int = 0  # forwards on the critical path (each SNLP solve counts once)
+    rounds: int = 0  # speculative/Jacobi rounds
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    examined: int = 0  # draft tokens compared: accepted ones + the first rejection of each round
+    draft_steps: int = 0
+    draft_s: float = 0.0  # time in the drafter's single-token steps (forward + next-token pick)
+    steps: int = 0  # single-token decode steps of sequential / snlp decoding ...
+    step_s: float = 0.0  # ... and the time in them (forward + next-token pick), timed like draft_s
+    verify_s: float = 0.0
+    jacobi_iters: int = 0
+    compile_s: float = 0.0  # compiling the static-shape steps (--compile), done before any timing
+    extra: dict = field(default_factory=dict)
+
+    def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
+                  verify_s: float) -> None:
+        """Count one speculative / Jacobi round: `drafted` guesses of which the leading `accepted` were kept
+        (examined: those plus the first rejection, if any), `steps` drafter steps, `forwards` on the critical
+        path, and the draft / verify time."""
+        self.rounds += 1
+        self.draft_steps += steps
+        self.drafted += drafted
+        self.accepted += accepted
+        self.examined += accepted + (accepted < drafted)
+        self.forwards += forwards
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-draft acceptance alpha: P(draft token accepted | all earlier drafts of the round
+        accepted), the maximum-likelihood alpha of the i.i.d. model behind the paper's formula."""
+        return self.accepted / self.examined if self.examined else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        return len(self.tokens) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        return 1e3 * self.draft_s / self.draft_steps if self.draft_steps else float("nan")
+
+    @property
+    def ms_per_step(self) -> float:
+        """Mean ms of a single-token decode step (sequential / snlp modes; prefill excluded)."""
+        return 1e3 * self.step_s / self.steps if self.steps else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, ms_per_token=1e3 / self.tokens_per_s if self.tokens else None)
+        if self.mode in ("speculative", "jacobi"):
+            d.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
+                     accepted_fraction=self.accepted / self.drafted if self.drafted else None)
+        return d
+
+
+
+def merge_results(results: list[GenerateResult]) -> GenerateResult:
+    """Sum the counters and times of several runs (e.g. one per prompt) into one result."""
+    first = results[0]
+    agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
+                         block=first.block)
+    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
+              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters"):
+        setattr(agg, f, sum(getattr(r, f) for r in results))
+    return agg
+
+
+def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt must be a list of ids or a (T,) / (1, T) tensor, got shape "
+                             f"{tuple(prompt_ids.shape)} (batched decoding is not supported)")
+        prompt_ids = prompt_ids.tolist()
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise ValueError("prompt must contain at least one token (e.g. the tokenizer's BOS id)")
+    V = model.config.vocab_size
+    if min(ids) < 0 or max(ids) >= V:
+        raise ValueError(f"prompt token ids must lie in [0, {V}), got range [{min(ids)}, {max(ids)}]")
+    return ids
+
+
+def check_decode_args(max_new_tokens: int, temperature: float, block: int | None = None) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, 0 = greedy (got {temperature})")
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"draft block size B must be an integer >= 1 (got {block!r})")
+
+
+def decode_plan(model: GPT, plan: Plan | str) -> Plan:
+    if plan is None:
+        raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
+    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    return plan.check(model.config.n_layer)
+
+
+class DecodeSession:
+    """Prompt, cache and output bookkeeping shared by every mode. The cache always holds the exact
+    K/V of all tokens but the last one (`last`), which the next forward feeds."""
+
+    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | None = None,
+                 slack: int = 0):
+        self.model, self.device = model, model.wte.weight.device
+        self.prompt = prompt_ids_list(model, prompt_ids)
+        max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
+        if len(self.prompt) > max_len:
+            raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
+        # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
+        # allocated at its bucketed length (snlp.steps: the size is a graph shape); positions past max_len are
+        # never valid, the budget below is what counts
+        size = max_len + slack if step is None else step.cache_len(max_len + slack)
+        self.cache = KVCache.for_model(model, batch=1, max_len=size)
+        self.budget = min(max_new_tokens, max_len - len(self.prompt))
+        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.out: list[int] = []
+        self.last = self.prompt[-1]
+        self.result = GenerateResult(tokens=self.out, mode=mode)
+        self.done = self.budget <= 0
+        self.result.stop = "max_new_tokens" if max_new_tokens <= max_len - len(self.prompt) else "max_len"
+
+    def ids(self, tokens: list[int]) -> Tensor:
+        return torch.tensor([tokens], dtype=torch.long, device=self.device)
+
+    def warm(self, step: Step | EagerStep, lengths: list[int]) -> None:
+        """Compile `step` for these input lengths before anything is timed (a no-op for eager steps);
+        the time goes to result.compile_s, never into the decode times."""
+        self.result.compile_s += step.warm(self.cache, lengths)
+
+    def prefill(self, step: Step | EagerStep) -> None:
+        """Cache the prompt without its last token (that one starts the decode loop)."""
+        t0 = now(self.device)
+        if len(self.prompt) > 1:
+            step.prefill(self.ids(self.prompt[:-1]), self.cache)
+        self.result.prefill_s = now(self.device) - t0
+        self.t0 = now(self.device)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.out)
+
+    def emit(self, new: list[int]) -> None:
+        """Append new tokens, cut at EOS / the budget, stream them."""
+        new = new[: self.remaining]
+        if self.eos_id is not None and self.eos_id in new:
+            new = new[: new.index(self.eos_id) + 1]
+            self.done, self.result.stop = True, "eos"
+        self.out.extend(new)
+        self.last = new[-1]
+        if self.remaining <= 0:
+            self.done = True
+        if self.on_tokens is not None and new:
+            self.on_tokens(new)
+
+    def finish(self) -> GenerateResult:
+        self.result.decode_s = now(self.device) - self.t0 if self.out else 0.0
+        return self.result
+
+
+def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """Next token from logits (V,): argmax at temperature 0, else a sample of softmax(logits / T)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    return gen
+
+
+def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None) -> Step | EagerStep:
+    return step if step is not None else sequential_step(model, compile)
+
+
+def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None,
+                 preheat: Preheat | None = None) -> Step | EagerStep:
+    # fused once per call; no NaN/inf check inside the step (a host sync per token)
+    if step is not None:
+        return step
+    return snlp_step(bind(model, plan, check_finite=False, preheat=preheat), compile)
+
+
+def step_slack(*steps) -> int:
+    return max(s.slack for s in steps)

@@ -1,0 +1,24 @@
+"""A fingerprint of a model's weights: what a calibration or a drafter was fitted on.
+
+The digest covers every parameter and buffer name, shape and value, with the values rounded to bfloat16
+first. Why bf16: a calibration fitted on fp32 weights must stay valid after `model.to(torch.bfloat16)` or
+`.to(torch.float64)` (the same weights in another precision), while any real change of the weights (a
+training step, another checkpoint) changes the rounded values of some of its millions of entries."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A 32-hex-digit digest of the model's state (names, shapes, bf16-rounded values); device and dtype free."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(model.state_dict(keep_vars=False).items()):
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        if t.is_floating_point():
+            t = t.detach().to(torch.bfloat16).view(torch.int16)  # rounding, not math: no emulated bf16 matmuls
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
