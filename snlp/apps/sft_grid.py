@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from snlp.io.checkpoint import load
-from snlp.eval.mc import SEQ, MCConfig, evaluate_mc, load_task
+from snlp.eval.mc import SEQ, MCConfig, evaluate_mc
+from snlp.io.mctasks import load_task
 from snlp.method.plan import Plan
 from snlp.train.sft import SEQUENTIAL, SFTConfig, add_train_arguments, sft, train_config
 

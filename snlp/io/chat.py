@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from snlp.io import data as D
+from snlp.io.mctasks import LETTERS, letter_prompt, load_task
 
 ROLES = ("system", "user", "assistant")
 
@@ -116,10 +117,8 @@ def load_conversations(spec: str, limit: int = 0) -> list[list[dict]]:
 
 
 def mc_conversations(task: str):
-    """One-turn chats of a multiple-choice task: the lettered question (snlp.mc.letter_prompt) and the
+    """One-turn chats of a multiple-choice task: the lettered question (snlp.io.mctasks.letter_prompt) and the
     answer letter, exactly what `snlp eval --task` scores."""
-    from snlp.eval.mc import LETTERS, letter_prompt, load_task
-
     for q in load_task(task):
         yield [{"role": "user", "content": letter_prompt(q)}, {"role": "assistant", "content": LETTERS[q.answer]}]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from snlp.method.surrogates import DiagN, Iterate, scalar_correct
+from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
