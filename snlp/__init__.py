@@ -1,24 +1,33 @@
-"""snlp: layer-parallel inference of Transformer language models (Structured Newton Layer Parallelism)."""
+"""snlp: layer-parallel inference of Transformer language models (Structured Newton Layer Parallelism).
 
-from snlp.io.checkpoint import load, save_checkpoint
-from snlp.eval.analysis import early_exit
+The public API is this screen; everything else is importable from its sub-package (docs/architecture.md):
+snlp.model, snlp.method, snlp.io, snlp.decode, snlp.train, snlp.eval, snlp.dist, snlp.bench, snlp.apps."""
+
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.jacobi import jacobi_generate
+from snlp.decode.session import GenerateResult
+from snlp.decode.speculative import speculative_generate
 from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate
-from snlp.eval.mc import MCConfig, MCResult, evaluate_mc
-from snlp.train.sft import SFTConfig, sft
-from snlp.train.trainer import TrainConfig, TrainResult, fit
-from snlp.method.fusion import ChunkWeights, HCChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
+from snlp.io.checkpoint import load, load_preheat, save_checkpoint
 from snlp.io.hf import export_hf, from_hf
-from snlp.model.gpt import GPT, GPTConfig
-from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
-from snlp.method.plan import Plan, parse_plans
 from snlp.io.tokenizer import Tokenizer
+from snlp.method.plan import Plan, parse_plans
+from snlp.method.preheat import Preheat
 from snlp.method.solver import (Runner, SNLPDivergenceError, SolveResult, bind, fused_forward, fused_sequential,
-                     parallel_forward, permuted_sequential, solve)
+                                parallel_forward, solve)
+from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
+from snlp.model.gpt import GPT, GPTConfig
 
 __version__ = "0.1.0"
-__all__ = ["GPT", "GPTConfig", "Plan", "parse_plans", "bind", "Runner", "solve", "parallel_forward",
-           "Surrogate", "Identity", "Jacobi", "HCN", "DiagN", "Newton", "fused_sequential",
-           "fused_forward", "permuted_sequential", "SolveResult", "SNLPDivergenceError", "ChunkWeights",
-           "HCChunkWeights", "build_chunk_weights", "chunk_forward", "chunk_weights", "load", "save_checkpoint",
-           "Tokenizer", "EvalConfig", "EvalRecord", "evaluate", "early_exit", "TrainConfig", "TrainResult", "fit",
-           "SFTConfig", "sft", "MCConfig", "MCResult", "evaluate_mc", "from_hf", "export_hf", "__version__"]
+__all__ = [
+    # the model and the method
+    "GPT", "GPTConfig", "Plan", "parse_plans", "Surrogate", "Identity", "Jacobi", "HCN", "DiagN", "Newton",
+    "solve", "bind", "Runner", "parallel_forward", "SolveResult", "SNLPDivergenceError", "fused_forward",
+    "fused_sequential", "Preheat",
+    # decoding
+    "sequential_generate", "snlp_generate", "speculative_generate", "jacobi_generate", "GenerateResult",
+    # checkpoints and Hugging Face models
+    "load", "save_checkpoint", "load_preheat", "Tokenizer", "from_hf", "export_hf",
+    # the paper's metrics
+    "evaluate", "EvalConfig", "EvalRecord", "__version__",
+]

@@ -205,7 +205,7 @@ def test_lagged_order_semantics_per_surrogate(order):
 
 
 def test_seq_perm_identity_is_sequential_and_permutations_change_it():
-    from snlp import permuted_sequential
+    from snlp.method.solver import permuted_sequential
     model = make_model(seed=17, n_layer=6)
     idx = tokens(model)
     with torch.no_grad():

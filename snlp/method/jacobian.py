@@ -58,14 +58,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from snlp.method.fusion import ChunkWeights, chunk_forward
-from snlp.method.plan import Plan
+if TYPE_CHECKING:  # annotations only: plan.py imports the surrogates, which import this module
+    from snlp.method.plan import Plan
 
 # ----------------------------------------------------------------------------- estimator core
 ProbeFn = Callable[[Tensor], Tensor]  # probe-stacked map (P, *X) -> (P, *X), applied probe-wise
