@@ -1,0 +1,54 @@
+"""The README's first screen and the exactness statements in the docs (issue 22 item 8, issue 19 item 6)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+import snlp
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
+
+
+def test_readme_first_screen_holds_install_quickstart_main_job_and_tests():
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:40])
+    assert 'pip install -e ".[dev]"' in head
+    assert "import torch, snlp" in head and "snlp.parallel_forward" in head
+    assert "snlp speedrun" in head
+    assert "python -m pytest -q" in head
+
+
+def test_no_doc_claims_k_ge_c_reproduces_the_sequential_model_for_fused_chunks():
+    """'K >= C reproduces the sequential forward' is false for M > 1 (it reproduces the fused model); every
+    statement of the law must say fused, or restrict itself to M = 1."""
+    bad = []
+    for f in DOCS:
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"K\s*(≥|>=)\s*(C|chunks|\(number of chunks\))", line) and re.search(r"sequential", line) \
+                    and not re.search(r"fused|M\s*=\s*1|F1", line):
+                bad.append(f"{f.name}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def _perturbed(depth=4):
+    torch.manual_seed(0)
+    m = snlp.GPT(snlp.GPTConfig.from_depth(depth)).double().eval()
+    with torch.no_grad():  # nanochat's zero-initialised projections make every layer the identity: perturb
+        for p in m.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return m
+
+
+def test_the_stated_law_fused_chunks_reproduce_the_fused_model_not_the_sequential_one():
+    m = _perturbed()
+    idx = torch.randint(0, m.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        ref, fused = m(idx), snlp.fused_forward(m, idx, "2xF2-h0-K8")
+        par = snlp.parallel_forward(m, idx, "2xF2-h0-K8")
+        m1 = snlp.parallel_forward(m, idx, "4xF1-h0-K4")
+    assert (par - fused).abs().max() < 1e-9
+    assert (par - ref).abs().max() > 1e-2  # the fused model is another model
+    assert (m1 - ref).abs().max() < 1e-9  # M = 1: the fused model is the sequential one
