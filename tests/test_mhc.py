@@ -18,7 +18,8 @@ from snlp.model.cache import KVCache
 from snlp.io.checkpoint import load, save_checkpoint
 from snlp.apps.cli import main
 from snlp.method.fusion import chunk_forward, chunk_weights
-from snlp.model.gpt import hc_sublayer, norm, sinkhorn
+from snlp.model.hc import hc_sublayer, sinkhorn
+from snlp.model.ops import norm
 from snlp.train.regularizer import RegConfig, snlp_loss
 
 TOL = dict(rtol=1e-9, atol=1e-9)

@@ -110,7 +110,7 @@ def _rel(hat, target):
 def test_hcn_regulariser_matches_a_hand_computed_reference():
     """HCN: A_l = H_res,mlp(u) H_res,attn(h_S) of layer l at the h0 iterate (paper Eq. hcn-A), acting on the streams."""
     from conftest import mhc_model
-    from snlp.model.gpt import hc_sublayer
+    from snlp.model.hc import hc_sublayer
 
     model = mhc_model(seed=3, n=2, dynamic=True, n_layer=5)
     idx = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))

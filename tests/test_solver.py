@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from snlp import Jacobi, Plan, SNLPDivergenceError, bind, fused_forward, fused_sequential, parallel_forward, solve
 from snlp.method.fusion import chunk_weights
-from snlp.model.gpt import norm
+from snlp.model.ops import norm
 
 SURROGATES = ["idn", "none"]
 

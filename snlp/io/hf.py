@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from snlp.model.gpt import GPT, GPTConfig, rope_inv_freq
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import Tokenizer
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")

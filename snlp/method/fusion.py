@@ -66,7 +66,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from snlp.model.gpt import GPT, VE_GATE_CHANNELS, Context, attend, hc_gate, hc_maps, mlp_act, norm, qk_rope
+from snlp.model.config import VE_GATE_CHANNELS
+from snlp.model.gpt import GPT, Context
+from snlp.model.hc import hc_gate, hc_maps
+from snlp.model.ops import attend, mlp_act, norm, qk_rope
 
 
 @dataclass

@@ -31,240 +31,20 @@ on identical streams, so the initial model computes what the plain one does. The
 off with mHC (x0_residual=None picks it automatically; explicitly asking for both is an error).
 """
 
+
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the normed input (nanochat)
-HC_SINKHORN_ITERS = 20  # Sinkhorn-Knopp rounds for H_res (mHC paper: 20)
-HC_RES_INIT = 4.0  # H_res logits at init: 0 on the diagonal, -HC_RES_INIT off it (H_res ~ I)
-HC_PRE_INIT = 2.0  # H_pre logits at init: +2 for stream (layer mod n), -2 for the others
-
-
-@dataclass
-class GPTConfig:
-    """Model hyper-parameters. Use `GPTConfig.from_depth` to size a model with one dial."""
-
-    vocab_size: int = 32768
-    n_layer: int = 16
-    n_head: int = 8
-    n_kv_head: int | None = None  # None -> n_head (no GQA)
-    n_embd: int = 1024
-    sequence_len: int = 2048
-    mlp_ratio: int = 4
-    window_pattern: str = "L"  # tiled over layers: L = full causal, S = sliding window of short_window
-    short_window: int = 0  # 0 -> sequence_len // 2 (nanochat)
-    x0_residual: bool | None = None  # None -> on for the plain model, off with mHC
-    value_embeds: bool = True
-    softcap: float = 15.0
-    rope_base: float = 10000.0
-    hc_streams: int = 0  # 0 = plain residual stream; n >= 1 = mHC with n streams
-    hc_dynamic: bool = True  # mHC: input-dependent H (dynamic) or learned constants (static)
-    # --- Llama-family switches (snlp.hf.from_hf sets them; the defaults are the nanochat model) ---
-    mlp_act: str = "relu2"  # "relu2": proj(relu(fc x)^2); "swiglu": proj(silu(gate x) * up x), c_fc = [gate; up]
-    ffn_dim: int = 0  # MLP hidden width; 0 -> mlp_ratio * n_embd
-    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    qk_norm: str = "rope_norm"  # "rope_norm": parameter-free RMSNorm after RoPE (nanochat); "weighted": per-head
-    #                             RMSNorm with a learned weight before RoPE (Qwen3); "none" (Llama, Qwen2, Mistral)
-    embed_norm: bool = True  # h_0 = norm(wte(idx)) (nanochat) or wte(idx) (Llama)
-    norm_eps: float | None = None  # RMSNorm eps; None -> torch's default (finfo(dtype).eps)
-    norm_weights: bool = False  # learned RMSNorm weights: per block ln_attn / ln_mlp, and ln_f before the head
-    rope_rotate_half: bool = False  # RoPE sign convention of HF's rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)
-    rope_scaling: dict | None = None  # None or HF's {"rope_type": "llama3", "factor", "low_freq_factor", ...}
-    attn_head_dim: int = 0  # explicit head dim (Qwen3: n_head * head_dim != n_embd); 0 -> n_embd // n_head
-    layer_windows: list | None = None  # explicit left context per layer (-1 full); overrides window_pattern
-    tie_embeddings: bool = False  # lm_head.weight is wte.weight
-
-    def __post_init__(self):
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        errors = []
-        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
-            if int(getattr(self, name)) < 1:
-                errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if not errors and self.attn_head_dim:
-            if self.attn_head_dim < 2 or self.attn_head_dim % 2:
-                errors.append(f"attn_head_dim={self.attn_head_dim} must be even and >= 2 (0 = n_embd // n_head)")
-            if self.n_head % self.n_kv_head:
-                errors.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)")
-        elif not errors:
-            if self.n_embd % self.n_head:
-                errors.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-            elif (self.n_embd // self.n_head) % 2:
-                errors.append(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for RoPE")
-            if self.n_head % self.n_kv_head:
-                errors.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)")
-        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
-            errors.append(f"window_pattern={self.window_pattern!r} must be a non-empty string of 'S' and 'L'")
-        if self.short_window < 0:
-            errors.append(f"short_window must be >= 0 (got {self.short_window})")
-        if self.softcap < 0:
-            errors.append(f"softcap must be >= 0, 0 disables it (got {self.softcap})")
-        if not isinstance(self.hc_streams, int) or self.hc_streams < 0:
-            errors.append(f"hc_streams must be an integer >= 0, 0 = no mHC (got {self.hc_streams!r})")
-        elif self.hc_streams > 0 and self.x0_residual:
-            errors.append(f"the x0 residual cannot be combined with mHC (hc_streams={self.hc_streams}): pass "
-                          f"x0_residual=False or leave it None (off automatically with mHC)")
-        if self.mlp_act not in ("relu2", "swiglu"):
-            errors.append(f"mlp_act={self.mlp_act!r} must be 'relu2' or 'swiglu'")
-        if self.qk_norm not in ("rope_norm", "weighted", "none"):
-            errors.append(f"qk_norm={self.qk_norm!r} must be 'rope_norm', 'weighted' or 'none'")
-        if self.ffn_dim < 0:
-            errors.append(f"ffn_dim must be >= 0, 0 = mlp_ratio * n_embd (got {self.ffn_dim})")
-        if self.norm_eps is not None and not self.norm_eps > 0:
-            errors.append(f"norm_eps must be > 0 or None (got {self.norm_eps})")
-        if self.rope_scaling is not None:
-            try:
-                rope_inv_freq(self.rope_base, 2, self.rope_scaling)
-            except ValueError as e:
-                errors.append(str(e))
-        if self.layer_windows is not None:
-            if len(self.layer_windows) != self.n_layer or any(int(w) != w or w < -1 for w in self.layer_windows):
-                errors.append(f"layer_windows must list n_layer={self.n_layer} integers >= -1 (-1 = full causal), "
-                              f"got {self.layer_windows}")
-            else:
-                self.layer_windows = [int(w) for w in self.layer_windows]
-        if self.hc_streams and (self.tie_embeddings or self.norm_weights):
-            errors.append("tie_embeddings and norm_weights are not supported with mHC (hc_streams > 0)")
-        if errors:
-            raise ValueError("invalid GPTConfig: " + "; ".join(errors))
-        self.window_pattern = self.window_pattern.upper()
-        if self.x0_residual is None:
-            self.x0_residual = self.hc_streams == 0
-        self.x0_residual, self.hc_dynamic = bool(self.x0_residual), bool(self.hc_dynamic)
-
-    @classmethod
-    def from_depth(cls, depth: int, aspect_ratio: int = 64, head_dim: int = 128, width: int | None = None,
-                   n_kv_head: int | None = None, **kw) -> "GPTConfig":
-        """Size a model from its depth like nanochat: width = depth * aspect_ratio rounded up to a
-        multiple of head_dim, heads = width / head_dim. `width` overrides the aspect ratio (the
-        paper's 0.5B model is depth 32, width 640, 5 heads of 128)."""
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1 (got {depth})")
-        if width is None:
-            width = head_dim * max(1, math.ceil(depth * aspect_ratio / head_dim))
-        elif width % head_dim:
-            raise ValueError(f"width={width} must be a multiple of head_dim={head_dim}")
-        n_head = width // head_dim
-        return cls(n_layer=depth, n_embd=width, n_head=n_head, n_kv_head=n_kv_head or n_head, **kw)
-
-    @property
-    def head_dim(self) -> int:
-        return self.attn_head_dim or self.n_embd // self.n_head
-
-    @property
-    def hidden_dim(self) -> int:
-        """MLP hidden width F (SwiGLU: c_fc has 2F outputs, gate then up)."""
-        return self.ffn_dim or self.mlp_ratio * self.n_embd
-
-    def window(self, layer: int) -> int:
-        """Left context of `layer` in tokens (-1 = full causal). With window_pattern the last layer is
-        always full; explicit layer_windows (HF sliding windows) are taken as they are."""
-        if self.layer_windows is not None:
-            return self.layer_windows[layer]
-        kind = self.window_pattern[layer % len(self.window_pattern)]
-        if kind == "L" or layer == self.n_layer - 1:
-            return -1
-        return self.short_window or self.sequence_len // 2
-
-    def has_ve(self, layer: int) -> bool:
-        """Value embeddings on alternating layers, always including the last (nanochat)."""
-        return self.value_embeds and layer % 2 == (self.n_layer - 1) % 2
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
-    """RMSNorm over the last dim; parameter-free unless a weight is given."""
-    return F.rms_norm(x, (x.size(-1),), weight, eps)
-
-
-def rope_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> Tensor:
-    """RoPE inverse frequencies (head_dim/2,) in fp32, as transformers computes them; `scaling` is an HF
-    rope_scaling dict: None/"default", or "llama3" (Llama 3.1: long wavelengths divided by `factor`,
-    a smooth ramp between low_freq_factor and high_freq_factor). Any other rope_type is a ValueError."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: none/'default' and 'llama3'")
-    try:
-        factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old = float(scaling["original_max_position_embeddings"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"llama3 rope_scaling needs factor, low_freq_factor, high_freq_factor and "
-                         f"original_max_position_embeddings (got {scaling})") from e
-    lo_wavelen, hi_wavelen = old / lo, old / hi
-    wavelen = 2 * math.pi / inv
-    out = torch.where(wavelen > lo_wavelen, inv / factor, inv)
-    smooth = (old / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * out / factor + smooth * out
-    medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
-    return torch.where(medium, smoothed, out)
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding on the last dim; x (..., T, H, hd), cos/sin (T, 1, hd/2)."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, device) -> Tensor:
-    """Boolean mask (..., T, S): query i (absolute position q_start + i, or q_start[i] when q_start is a
-    (T,) position tensor) sees key j when j <= its position and, for a window w >= 0, position - j <= w."""
-    if isinstance(q_start, Tensor):
-        qpos = q_start.to(device)[:, None]
-    else:
-        qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
-    diff = qpos - torch.arange(S, device=device)[None, :]  # (T, S)
-    w = torch.as_tensor(windows, device=device)[..., None, None]
-    return (diff >= 0) & ((w < 0) | (diff <= w))
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int | Tensor = 0) -> Tensor:
-    """Causal (optionally sliding-window) attention. q (..., Hq, T, hd), k/v (..., Hkv, S, hd).
-
-    `windows` is -1 (full) or an int/long tensor broadcastable to q.shape[:-3] (one window per
-    leading index, e.g. per fused branch). Leading dims are flattened so fused SDPA kernels apply.
-    `q_start` is the absolute position of the first query (keys sit at 0..S-1), or a (T,) tensor of
-    the queries' positions: the static-shape decode step (snlp.steps), whose keys are a whole
-    preallocated cache of which the mask hides every position after the query's.
-
-    No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the
-    is_causal kernel would stall a CUDA stream and break a fullgraph torch.compile)."""
-    lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
-    gqa = Hq != k.shape[-3]
-    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
-    full = isinstance(windows, int) and (windows < 0 or windows >= S)
-    if full and isinstance(q_start, int) and q_start == 0 and T == S:
-        y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
-    elif full and isinstance(q_start, int) and T == 1 and q_start == S - 1:  # one cached decode query sees every
-        y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
-    else:
-        mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
-        if mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
-            mask = mask.expand(*lead, T, S).reshape(-1, 1, T, S)
-        y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
-    return y.view(*lead, Hq, T, hd)
-
-
-def qk_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mode: str, qw: Tensor | None = None,
-            kw: Tensor | None = None, eps: float | None = None) -> tuple[Tensor, Tensor]:
-    """RoPE and the QK-norm of GPTConfig.qk_norm on q/k (..., T, H, hd); qw/kw broadcast against them."""
-    if mode == "rope_norm":  # nanochat: QK-norm after RoPE
-        return norm(rope(q, cos, sin)), norm(rope(k, cos, sin))
-    if mode == "weighted":  # Qwen3: weighted RMSNorm per head, then RoPE
-        q, k = norm(q, eps=eps) * qw, norm(k, eps=eps) * kw
-    return rope(q, cos, sin), rope(k, cos, sin)
+from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, VE_GATE_CHANNELS, GPTConfig
+from snlp.model.hc import HyperConn, hc_sublayer
+from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -302,66 +82,6 @@ class Attention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def sinkhorn(logits: Tensor, iters: int = HC_SINKHORN_ITERS) -> Tensor:
-    """Sinkhorn-Knopp projection of exp(logits) (..., n, n) onto the doubly stochastic matrices:
-    `iters` rounds of row then column normalisation, in at least fp32 (fp64 stays fp64). Columns
-    sum to 1 exactly, rows up to the convergence error. Each row is shifted by its max before exp
-    and entries are floored at 1e-30, so extreme logits neither overflow nor leave an all-zero
-    row/column (NaN); plain sums and divisions (not log space) keep it to 4 small ops per round."""
-    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    m = (lg - lg.amax(-1, keepdim=True)).exp().clamp_min(1e-30)
-    for _ in range(iters):
-        m = m / m.sum(-1, keepdim=True)
-        m = m / m.sum(-2, keepdim=True)
-    return m
-
-
-def hc_gate(alpha: Tensor, n: int) -> Tensor:
-    """Per-logit gate (..., n*n + 2n) from the three dynamic-mHC gates alpha (..., 3) = (res, pre, post)."""
-    return torch.cat([alpha[..., 0:1].expand(*alpha.shape[:-1], n * n), alpha[..., 1:2].expand(*alpha.shape[:-1], n),
-                      alpha[..., 2:3].expand(*alpha.shape[:-1], n)], -1)
-
-
-def hc_maps(logits: Tensor, n: int, dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """mHC logits (..., n*n + 2n) = [res | pre | post] -> H_res (..., n, n) doubly stochastic,
-    H_pre (..., n) in (0, 1), H_post (..., n) in (0, 2); computed in at least fp32, returned in `dtype`."""
-    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    res = sinkhorn(lg[..., : n * n].unflatten(-1, (n, n)))
-    pre, post = torch.sigmoid(lg[..., n * n: n * n + n]), 2 * torch.sigmoid(lg[..., n * n + n:])
-    return res.to(dtype), pre.to(dtype), post.to(dtype)
-
-
-class HyperConn(nn.Module):
-    """The mHC coefficients of one sublayer: bias (n*n + 2n) and, dynamic, phi (n*D, n*n + 2n) and
-    gates alpha (3,). forward(x (..., n, D)) -> (H_res, H_pre, H_post), see `hc_maps`; static H
-    have no leading dims (they broadcast)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        n, k = cfg.hc_streams, cfg.hc_streams * (cfg.hc_streams + 2)
-        self.n = n
-        self.bias = nn.Parameter(torch.zeros(k))
-        self.phi = nn.Parameter(torch.zeros(n * cfg.n_embd, k)) if cfg.hc_dynamic else None
-        self.alpha = nn.Parameter(torch.zeros(3)) if cfg.hc_dynamic else None
-
-    def logits(self, x: Tensor) -> Tensor:
-        if self.phi is None:
-            return self.bias
-        return self.bias + hc_gate(self.alpha, self.n) * (norm(x.flatten(-2)) @ self.phi)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return hc_maps(self.logits(x), self.n, x.dtype)
-
-
-def hc_sublayer(hc: HyperConn, x: Tensor, branch) -> Tensor:
-    """One mHC sublayer on streams x (..., n, D): H_res x + H_post (x) branch(norm(H_pre x))."""
-    res, pre, post = hc(x)
-    y = branch(norm((pre.unsqueeze(-2) @ x).squeeze(-2)))  # (..., D)
-    with torch.autocast(x.device.type, enabled=False):  # the streams stay in x's dtype (fp32 under autocast)
-        mixed = res @ x
-    return mixed + post.unsqueeze(-1) * y.unsqueeze(-2)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -372,15 +92,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(mlp_act(self.c_fc(x), self.c_proj.in_features if self.swiglu else 0))
-
-
-def mlp_act(a: Tensor, swiglu_dim: int = 0) -> Tensor:
-    """MLP activation of c_fc's output: relu^2 (..., F) -> (..., F) when swiglu_dim = 0, else SwiGLU with
-    hidden width F = swiglu_dim on k branches side by side, each [gate | up]: (..., k*2F) -> (..., k*F)."""
-    if not swiglu_dim:
-        return F.relu(a).square()
-    gu = a.unflatten(-1, (-1, 2, swiglu_dim))  # (..., k, 2, F)
-    return (F.silu(gu[..., 0, :]) * gu[..., 1, :]).flatten(-2)
 
 
 class Block(nn.Module):
