@@ -53,23 +53,80 @@ def add_arguments(p) -> None:
                    help="--distributed: seconds before a dead or silent peer rank makes the others fail")
 
 
-def run(args) -> int:
-    if getattr(args, "distributed", False):
-        from snlp.apps.dist import run_generate
-
-        return run_generate(args)
+def check_args(args) -> None:
+    """Refuse flag combinations a mode cannot honour, before anything is loaded."""
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
     if args.mode != "sequential" and args.plan is None and args.mode != "jacobi":
         raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
-    if args.mode == "jacobi" and getattr(args, "compile", False):
+    if args.mode == "jacobi" and args.compile:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
+
+
+def prompt_ids(args, tok) -> tuple[list[int], int | None]:
+    """The prompt's ids and the EOS id to stop at: with --chat the tokenizer's chat template and its EOS
+    (unless --eos-id says otherwise), else BOS + the text and --eos-id."""
+    if args.chat:
+        ids = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
+        return ids, tok.eos_id if args.eos_id is None else args.eos_id
+    return ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt)), \
+        args.eos_id
+
+
+def streamer(tok):
+    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right)."""
+    tokens, printed = [], [""]
+
+    def on_tokens(new: list[int]) -> None:
+        tokens.extend(new)
+        text = tok.decode(tokens)
+        sys.stdout.write(text[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = text
+    return on_tokens
+
+
+def decode(args, model, prompt, plan, preheat, eos_id, on_tokens):
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
+    if args.mode == "sequential":
+        return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
+                                   **kw)
+    if args.mode == "snlp":
+        return snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, compile=args.compile,
+                             preheat=preheat, **kw)
+    if args.mode == "speculative":
+        return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
+                                    seed=args.seed, compile=args.compile, preheat=preheat, **kw)
+    return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
+
+
+def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> str:
+    """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
+    EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
+    rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
+                                             repeats=args.repeats, warmup=1, temperature=args.temperature,
+                                             seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat)
+    rep = rows[0]
+    record["report"] = rep.to_dict()
+    record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
+    record["matches_sequential"] = rep.matches_sequential and res.tokens == seq_tokens[0]
+    return (f", s={rep.drafter_speedup_s:.2f}, speedup measured {rep.measured_speedup:.2f}x "
+            f"vs ideal SSD {rep.ideal_ssd_speedup:.2f}x (medians of {args.repeats} runs after a warm-up; "
+            f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
+
+
+def run(args) -> int:
+    if args.distributed:
+        from snlp.apps.dist import run_generate
+
+        return run_generate(args)
+    check_args(args)
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
@@ -77,62 +134,24 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    eos_id = args.eos_id
-    if args.chat:
-        prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
-        eos_id = tok.eos_id if eos_id is None else eos_id
-    else:
-        prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+    prompt, eos_id = prompt_ids(args, tok)
     plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
     preheat = plans_preheat(args.ckpt, model, [plan])
-    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id)
-    compile = getattr(args, "compile", False)
-
-    printed = [""]
-
-    def stream(_new: list[int]) -> None:  # decode everything so far: merges across tokens stay right
-        text = tok.decode(res_tokens)
-        sys.stdout.write(text[len(printed[0]):])
-        sys.stdout.flush()
-        printed[0] = text
-
-    res_tokens: list[int] = []
-    on_tokens = None if args.quiet else (lambda new: (res_tokens.extend(new), stream(new)))
     if not args.quiet:
         sys.stdout.write(args.prompt)
-    if args.mode == "sequential":
-        res = sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                                  compile=compile, **kw)
-    elif args.mode == "snlp":
-        res = snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, on_tokens=on_tokens,
-                            compile=compile, preheat=preheat, **kw)
-    elif args.mode == "speculative":
-        res = speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
-                                   seed=args.seed, on_tokens=on_tokens, compile=compile, preheat=preheat, **kw)
-    else:
-        res = jacobi_generate(model, prompt, plan, block=args.block, on_tokens=on_tokens, preheat=preheat, **kw)
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok))
     if not args.quiet:
         sys.stdout.write("\n")
-    text = tok.decode(res.tokens)
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
             f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}"
-    if compile:
+    if args.compile:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
-    record = {"tokens": res.tokens, "text": text, **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
+    record = {"tokens": res.tokens, "text": tok.decode(res.tokens),
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
-    if res.mode == "speculative" and not args.no_baseline:  # s and the measured speedup: warm, repeated, medians
-        rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
-                                                 repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                                 seed=args.seed, eos_id=eos_id, compile=compile,
-                                                 preheat=preheat)  # the same EOS as the run above
-        rep = rows[0]
-        record["report"] = rep.to_dict()
-        record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
-        record["matches_sequential"] = rep.matches_sequential and res.tokens == seq_tokens[0]
-        stats += (f", s={rep.drafter_speedup_s:.2f}, speedup measured {rep.measured_speedup:.2f}x "
-                  f"vs ideal SSD {rep.ideal_ssd_speedup:.2f}x (medians of {args.repeats} runs after a warm-up; "
-                  f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
+    if res.mode == "speculative" and not args.no_baseline:
+        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record)
     print(stats)
     if args.json:
         write_json(args.json, record)

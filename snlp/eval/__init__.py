@@ -1,0 +1,8 @@
+"""The paper's evaluation: metrics, the evaluation protocol (EvalConfig -> evaluate -> EvalRecord) and its
+validation data, EmbSim, multiple-choice tasks, presentation (tables, CSV, the frontier plot) and the analysis
+suite (snlp.eval.analysis)."""
+
+from snlp.eval.mc import MCConfig, MCResult, evaluate_mc
+from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate
+
+__all__ = ["EvalConfig", "EvalRecord", "evaluate", "MCConfig", "MCResult", "evaluate_mc"]
