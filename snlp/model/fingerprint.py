@@ -1,9 +1,10 @@
 """A fingerprint of a model's weights: what a calibration or a drafter was fitted on.
 
 The digest covers every parameter and buffer name, shape and value, with the values rounded to bfloat16
-first. Why bf16: a calibration fitted on fp32 weights must stay valid after `model.to(torch.bfloat16)` or
+first (through fp32). Why bf16: a calibration fitted on fp32 weights must stay valid after `model.to(torch.bfloat16)` or
 `.to(torch.float64)` (the same weights in another precision), while any real change of the weights (a
-training step, another checkpoint) changes the rounded values of some of its millions of entries."""
+training step, another checkpoint) changes the rounded values of some of its millions of entries. Weights that differ by less than bf16
+rounding everywhere fingerprint alike: a calibration fitted on one is as valid for the other."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     for name, t in sorted(model.state_dict(keep_vars=False).items()):
         h.update(f"{name}:{tuple(t.shape)};".encode())
         if t.is_floating_point():
-            t = t.detach().to(torch.bfloat16).view(torch.int16)  # rounding, not math: no emulated bf16 matmuls
+            # through fp32 first, so fp64 -> fp32 -> bf16 and fp64 -> bf16 cannot differ by double rounding
+            t = t.detach().float().to(torch.bfloat16).view(torch.int16)  # rounding, not math: no bf16 matmuls
         h.update(t.detach().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
