@@ -1,10 +1,11 @@
 """A fingerprint of a model's weights: what a calibration or a drafter was fitted on.
 
 The digest covers every parameter and buffer name, shape and value, with the values rounded to bfloat16
-first (through fp32). Why bf16: a calibration fitted on fp32 weights must stay valid after `model.to(torch.bfloat16)` or
-`.to(torch.float64)` (the same weights in another precision), while any real change of the weights (a
-training step, another checkpoint) changes the rounded values of some of its millions of entries. Weights that differ by less than bf16
-rounding everywhere fingerprint alike: a calibration fitted on one is as valid for the other."""
+first (through fp32). Why bf16: a calibration fitted on fp32 weights must stay valid after
+`model.to(torch.bfloat16)` or `.to(torch.float64)` (the same weights in another precision), while any real
+change of the weights (a training step, another checkpoint) changes the rounded values of some of its
+millions of entries. Weights that differ by less than bf16 rounding everywhere fingerprint alike: a
+calibration fitted on one is as valid for the other."""
 
 from __future__ import annotations
 
