@@ -217,11 +217,11 @@ def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep
 
 
 def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None,
-                 preheat: Preheat | None = None) -> Step | EagerStep:
+                 preheat: Preheat | None = None, share_weights: bool = False) -> Step | EagerStep:
     # fused once per call; no NaN/inf check inside the step (a host sync per token)
     if step is not None:
         return step
-    return snlp_step(bind(model, plan, check_finite=False, preheat=preheat), compile)
+    return snlp_step(bind(model, plan, check_finite=False, preheat=preheat, share_weights=share_weights), compile)
 
 
 def step_slack(*steps) -> int:

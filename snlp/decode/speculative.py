@@ -98,7 +98,8 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
-                          preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
+                          preheat: Preheat | None = None, share_weights: bool = False
+                          ) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -119,7 +120,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
-    seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat)
+    seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
     seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
@@ -179,7 +180,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          temperature: float = 0.0, eos_id: int | None = None, seed: int | None = None,
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
-                         verify: Step | EagerStep | None = None, preheat: Preheat | None = None) -> GenerateResult:
+                         verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
+                         share_weights: bool = False) -> GenerateResult:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -190,10 +192,13 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
     logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact).
     `compile`: drafter and verifier run as compiled static-shape steps (snlp.steps; the verifier always
-    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones."""
+    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones. `share_weights`
+    (M = 1 plans): the drafter's stacked weights and the verifier's layers are one storage (snlp.method.sharing:
+    the model's suffix parameters are moved into the drafter's stacks, values unchanged), so each weight byte
+    is streamed once."""
     check_decode_args(max_new_tokens, temperature, block)
     plan = decode_plan(model, plan)
-    draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat), sequential_forward(model, compile, verify)
+    draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat, share_weights), sequential_forward(model, compile, verify)
     greedy = temperature == 0
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,

@@ -44,6 +44,13 @@ def unwrap(model: torch.nn.Module) -> GPT:
     return model
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor safetensors can write: contiguous and alone in its storage (parameters shared with a drafter's
+    stacked weights, snlp.method.sharing, are views of one bigger storage)."""
+    t = t.contiguous()
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
 def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = None, optimizer=None,
                     scheduler=None, train_state: dict | None = None) -> Path:
     """Write a checkpoint directory atomically; returns its path. Only `model` is required."""
@@ -54,7 +61,7 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+    state = {k: _own_storage(v.detach().cpu()) for k, v in model.state_dict().items()
              if not (model.config.tie_embeddings and k == TIED)}
     save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "snlp": "1"})
     (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))

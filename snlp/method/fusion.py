@@ -115,6 +115,8 @@ class ChunkWeights:
     k_norm: Tensor | None = None  # (C, M, hd)
     eps: float | None = None  # RMSNorm eps (GPTConfig.norm_eps)
     swiglu_dim: int = 0  # SwiGLU hidden width F; 0 = relu^2
+    attn_in: Tensor | None = None  # (C, 1, D) input RMSNorm weights applied, not folded (shared weights, M = 1)
+    mlp_in: Tensor | None = None  # (C, 1, D) post-attention RMSNorm weights likewise (snlp.method.sharing)
 
     @property
     def chunks(self) -> int:
@@ -128,7 +130,7 @@ class ChunkWeights:
                        fc=take(self.fc), proj=take(self.proj), alpha=take(self.alpha), beta=take(self.beta),
                        ve_gate=take(self.ve_gate), ve_slot=take(self.ve_slot, slice(c * M, (c + 1) * M)),
                        windows=take(self.windows), qkv_bias=take(self.qkv_bias), q_norm=take(self.q_norm),
-                       k_norm=take(self.k_norm))
+                       k_norm=take(self.k_norm), attn_in=take(self.attn_in), mlp_in=take(self.mlp_in))
 
 
 @dataclass
@@ -211,18 +213,8 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         q_norm = torch.stack([b.attn.q_norm for b in blocks]).view(C, M, -1)
         k_norm = torch.stack([b.attn.k_norm for b in blocks]).view(C, M, -1)
 
-    ve_gate = ve_slot = None
     hc = cfg.hc_streams > 0
-    if any(b.attn.ve_gate is not None for b in blocks):
-        G, Hkv = min(VE_GATE_CHANNELS, D), cfg.n_kv_head
-        zero = qkv.new_zeros(G, Hkv)
-        ve_gate = torch.stack([b.attn.ve_gate.weight.t() if b.attn.ve_gate is not None else zero for b in blocks])
-        ve_gate = ve_gate.view(C, M, G, Hkv)
-        if not hc:
-            ve_gate = ve_gate.permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
-        n_ve = model.value_embeds.shape[0]
-        ve_slot = torch.tensor([model.ve_slot[l] if model.ve_slot[l] >= 0 else n_ve
-                                for l in range(start, start + N)], device=qkv.device)
+    ve_gate, ve_slot = value_embed_weights(model, start, C, M)
     windows = [cfg.window(l) for l in range(start, start + N)]
     win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, M, 1)
     common = dict(start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
@@ -240,6 +232,27 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         fc=fc.view(C, M, D, Fp).permute(0, 2, 1, 3).reshape(C, D, M * Fp).contiguous(),
         proj=proj.reshape(C, M * Fh, D).contiguous(), alpha=alpha, beta=beta, ve_gate=ve_gate,
         qkv_bias=None if qkv_bias is None else qkv_bias.view(C, 1, -1), **common)
+
+
+def value_embed_weights(model: GPT, start: int, chunks: int, fuse: int) -> tuple[Tensor | None, Tensor | None]:
+    """The value-embedding gates of the chunks' layers, (C, G, M*Hkv) (mHC: (C, M, G, Hkv)), zero for layers
+    without value embeddings, and each layer's slot (C*M,) in the padded table (n_ve = the zero pad); (None,
+    None) when no layer of the chunks has them."""
+    cfg, C, M = model.config, chunks, fuse
+    blocks = [model.blocks[l] for l in range(start, start + C * M)]
+    if not any(b.attn.ve_gate is not None for b in blocks):
+        return None, None
+    G, Hkv = min(VE_GATE_CHANNELS, cfg.n_embd), cfg.n_kv_head
+    w = next(b.attn.ve_gate.weight for b in blocks if b.attn.ve_gate is not None)
+    zero = w.new_zeros(G, Hkv)
+    ve_gate = torch.stack([b.attn.ve_gate.weight.t() if b.attn.ve_gate is not None else zero for b in blocks])
+    ve_gate = ve_gate.view(C, M, G, Hkv)
+    if not cfg.hc_streams:
+        ve_gate = ve_gate.permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
+    n_ve = model.value_embeds.shape[0]
+    ve_slot = torch.tensor([model.ve_slot[l] if model.ve_slot[l] >= 0 else n_ve
+                            for l in range(start, start + C * M)], device=w.device)
+    return ve_gate, ve_slot
 
 
 def _hc_fold(res: Tensor, post: Tensor) -> tuple[Tensor, Tensor]:
@@ -307,8 +320,8 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     C, B, T, D = h.shape
     M, Hq, Hkv, hd = w.fuse, w.n_head, w.n_kv_head, w.head_dim
     x = h if w.alpha is None else w.alpha.view(C, 1, 1, 1) * h + w.beta.view(C, 1, 1, 1) * ctx.x0
-    xn = norm(x, eps=w.eps)  # (C, B, T, D); the branches' norm weights are folded into qkv
-    xf = xn.view(C, B * T, D)
+    xn = norm(x, eps=w.eps)  # (C, B, T, D); the branches' norm weights are folded into qkv (or applied: attn_in)
+    xf = xn.view(C, B * T, D) if w.attn_in is None else xn.view(C, B * T, D) * w.attn_in
     qkv = bmm(xf, w.qkv, w.qkv_bias)
     qkv = qkv.view(C, B, T, M, Hq + 2 * Hkv, hd).permute(0, 3, 1, 2, 4, 5)  # (C, M, B, T, Hq+2Hkv, hd)
     q, k, v = qkv.split([Hq, Hkv, Hkv], dim=-2)
@@ -320,7 +333,8 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     y = _branch_attention(w, q, k, v, ctx, cache)  # (C, M, B, T, Hq, hd)
     y = y.permute(0, 2, 3, 1, 4, 5).reshape(C, B * T, M * Hq * hd)
     u = x + bmm(y, w.attn_out).view(C, B, T, D)  # summed attention branches
-    hid = mlp_act(bmm(norm(u, eps=w.eps).view(C, B * T, D), w.fc), w.swiglu_dim)  # (C, B*T, M*F)
+    un = norm(u, eps=w.eps).view(C, B * T, D)
+    hid = mlp_act(bmm(un if w.mlp_in is None else un * w.mlp_in, w.fc), w.swiglu_dim)  # (C, B*T, M*F)
     return u + bmm(hid, w.proj).view(C, B, T, D)  # summed MLP branches
 
 

@@ -43,6 +43,7 @@ from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
+from snlp.method.sharing import check_shareable, share_chunk_weights
 
 
 class SNLPDivergenceError(FloatingPointError):
@@ -185,9 +186,12 @@ class Runner:
     are built without autograd: to train through the solve, call `solve(model, ...)` (fresh weights
     with gradients) instead."""
 
-    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None):
+    def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None,
+                 share_weights: bool = False):
         self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
-        self.preheat = preheat
+        self.preheat, self.share_weights = preheat, share_weights
+        if share_weights:
+            check_shareable(model, self.plan.fuse)
         self.refresh()
 
     def refresh(self) -> "Runner":
@@ -197,9 +201,12 @@ class Runner:
         if self.preheat is not None:
             w = self.model.wte.weight
             self.preheat = self.preheat.to(w.device, w.dtype)
+        S = self.plan.prefix_len(self.model.config.n_layer)
         with torch.no_grad():
-            self.weights = chunk_weights(self.model, self.plan.prefix_len(self.model.config.n_layer),
-                                         self.plan.chunks, self.plan.fuse)
+            if self.share_weights:  # views of the model's own (re-homed) parameters: snlp.method.sharing
+                self.weights = share_chunk_weights(self.model, S, self.plan.chunks)
+            else:
+                self.weights = chunk_weights(self.model, S, self.plan.chunks, self.plan.fuse)
         return self
 
     def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
@@ -217,12 +224,16 @@ class Runner:
         return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"
 
 
-def bind(model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None) -> Runner:
+def bind(model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None,
+         share_weights: bool = False) -> Runner:
     """Bind `model` to `plan`: a Runner holding the plan's fused weights (see Runner). With
     `check_finite` a NaN/inf final state raises SNLPDivergenceError (a host sync per call; decoding
     loops and compiled code pass False and check outside the step). `preheat`: the calibration a plan with
-    the preheat init needs (checked against the model's weights here, once)."""
-    return Runner(model, plan, check_finite, preheat)
+    the preheat init needs (checked against the model's weights here, once). `share_weights` (M = 1 plans on
+    plain models): the runner's stacked weights and the model's suffix parameters become one storage (the
+    parameters are moved into the stacks, values unchanged; snlp.method.sharing), so a drafter and its
+    verifier stream each weight byte once and in-place weight updates reach the runner without a refresh."""
+    return Runner(model, plan, check_finite, preheat, share_weights)
 
 
 def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
