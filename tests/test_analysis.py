@@ -1,4 +1,4 @@
-"""snlp.analysis (`snlp analyze`), preheat (`snlp calibrate`) and unverified Jacobi decoding: the
+"""snlp.eval.analysis (`snlp analyze`), preheat (`snlp calibrate`) and unverified Jacobi decoding: the
 issue's tests against dense autograd Jacobians, hand-computed values and the exactness laws."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_seq_perm_identity_is_sequential_and_reversed_differs_from_no_correction
         assert abs(rows["reversed"].ppl[K] - rows["no correction"].ppl[K]) > 1e-6
     assert rows["reversed"].seq_perm != pytest.approx(res.sequential_ppl, rel=1e-9)
     s = res.tables[0].summary()
-    assert s["K1"]["forward"] == rows["forward"].ppl[1] and s["seq_forward"] == rows["forward"].seq_perm
+    assert s.idn[1].forward == rows["forward"].ppl[1] and s.seq_forward == rows["forward"].seq_perm
     assert [r.name for r in res.tables[0].rows] == ["forward", "reversed", "shuffle_0", "shuffle_1", "no correction"]
 
 
@@ -146,7 +146,7 @@ def test_early_exit_is_importable_from_everywhere(model, val):
     import snlp
     assert snlp.early_exit is A.early_exit
     rows = A.early_exit(model, val, [2, 5], A.AnalysisConfig(**SMALL).eval_config())
-    assert [r["N"] for r in rows] == [0, 2, 5]
+    assert [r.N for r in rows] == [0, 2, 5]
 
 
 # ---------------------------------------------------------------- preheat
@@ -286,4 +286,5 @@ def test_mhc_models_are_analysed_on_the_stream_state():
                            progress=False)
     res = A.analyze(model, val, cfg)
     assert len(res.jacobian.layers) == 2 and all(math.isfinite(d.sigma_max) for d in res.jacobian.layers)
-    assert set(res.elk.ppl) == {"0|h0|2xF1", "0|fwd|2xF1", "0|preheat|2xF1"}
+    assert {(r.alpha, r.init, r.chunking) for r in res.elk.rows} == {(0, "h0", "2xF1"), (0, "fwd", "2xF1"),
+                                                                      (0, "preheat", "2xF1")}

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from snlp.runtime.device import cli_device
-from snlp.apps.report import MODELS, _fmt_s, environment, render_report
+from snlp.apps.report import MODELS, fmt_s, environment, render_report
 from snlp.train.trainer import TrainConfig
 
 REG_LAMBDA = 0.5
@@ -212,7 +212,7 @@ class Stages:
         return self.dir / f"{name}.json"
 
     def elapsed(self) -> str:
-        return _fmt_s(time.perf_counter() - self.t0)
+        return fmt_s(time.perf_counter() - self.t0)
 
     def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> dict | None:
         """The stored record of `name` if it was made with `settings` and its `outputs` still exist
@@ -223,7 +223,7 @@ class Stages:
                 and all(Path(o).exists() for o in outputs)):
             return None
         self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec['finished']} in "
-                           f"{_fmt_s(rec['seconds'])}; elapsed {self.elapsed()})")
+                           f"{fmt_s(rec['seconds'])}; elapsed {self.elapsed()})")
         self.reused.append(name)
         self.records[name] = rec
         return rec
@@ -243,7 +243,7 @@ class Stages:
                "load_start": load0, "load_end": _load()}
         rec["id"] = _digest([rec["settings"], rec["finished"], seconds])
         _write_json(self.path(name), rec)
-        self.console.print(f"[green]{name} done[/green] in {_fmt_s(seconds)} (elapsed {self.elapsed()})")
+        self.console.print(f"[green]{name} done[/green] in {fmt_s(seconds)} (elapsed {self.elapsed()})")
         self.ran.append(name)
         self.records[name] = rec
         return rec
@@ -474,7 +474,7 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                         lock.update(states)
                     if not console.is_terminal and time.perf_counter() - last >= every and procs:
                         last = time.perf_counter()
-                        console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
+                        console.print(f"[train {fmt_s(last - t0)}] " + " | ".join(status))
         finally:
             for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
                 p.terminate()
@@ -540,7 +540,8 @@ def eval_records(stage_record: dict) -> list:
 
 def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Preset, device: str) -> dict:
     """A short `snlp analyze` per model: the Jacobian diagnostics of the suffix the plans use, as markdown."""
-    from snlp.eval.analysis import AnalysisConfig, analyze, report_section
+    from snlp.eval.analysis.common import AnalysisConfig
+    from snlp.eval.analysis.report import analyze, report_section
     from snlp.io.checkpoint import load
 
     cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
@@ -574,14 +575,15 @@ def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset,
 
 
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
+    from snlp.eval.analysis.earlyexit import early_exit
     from snlp.io.checkpoint import load
-    from snlp.eval.analysis import early_exit
 
     out = {}
     for name, d in model_dirs.items():
         model, _ = load(d, device=device)
-        out[name] = early_exit(model, val, suffixes, ecfg)
-        print(f"{name}: " + ", ".join(f"N={r['N']}: {r['ppl']:.2f}" for r in out[name]))
+        rows = early_exit(model, val, suffixes, ecfg)
+        print(f"{name}: " + ", ".join(f"N={r.N}: {r.ppl:.2f}" for r in rows))
+        out[name] = [dataclasses.asdict(r) for r in rows]  # the stage record is JSON
     return {"rows": out}
 
 
@@ -795,6 +797,6 @@ def run(args) -> int:
                                        "stages": {n: {"seconds": stages.records[n]["seconds"],
                                                       "result": stages.records[n]["result"]} for n in order}})
     console.print(f"wrote {out / 'report.md'}, {out / 'frontier.png'}")
-    console.print(f"[bold]speedrun finished[/bold] in {_fmt_s(wall)} ({len(stages.ran)} stages ran, "
+    console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(stages.ran)} stages ran, "
                   f"{len(stages.reused)} reused)")
     return 0
