@@ -9,7 +9,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -73,7 +73,7 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
     L = model.config.n_layer
     cfg.check(L)
     model.eval()
-    res = AnalysisResult(checkpoint=str(checkpoint), config=cfg, environment=environment())
+    res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment())  # a snapshot
     steps = [("jacobian", lambda: jacobian_diagnostics(model, val_tokens, cfg)),
              ("ordering", lambda: correction_ordering(model, val_tokens, cfg)),
              ("propagation", lambda: correction_propagation(model, val_tokens, cfg)),
