@@ -1,4 +1,4 @@
-"""snlp.analysis (`snlp analyze`), preheat (`snlp calibrate`) and unverified Jacobi decoding: the
+"""snlp.eval.analysis (`snlp analyze`), preheat (`snlp calibrate`) and unverified Jacobi decoding: the
 issue's tests against dense autograd Jacobians, hand-computed values and the exactness laws."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from conftest import make_model, tokens
 
 import snlp.eval.analysis as A
-from snlp import Plan, parallel_forward, solve
+from snlp import load_preheat
 from snlp.method import preheat
 from snlp.decode.jacobi import jacobi_generate
 from snlp.decode import sequential_generate
@@ -124,7 +124,7 @@ def test_seq_perm_identity_is_sequential_and_reversed_differs_from_no_correction
         assert abs(rows["reversed"].ppl[K] - rows["no correction"].ppl[K]) > 1e-6
     assert rows["reversed"].seq_perm != pytest.approx(res.sequential_ppl, rel=1e-9)
     s = res.tables[0].summary()
-    assert s["K1"]["forward"] == rows["forward"].ppl[1] and s["seq_forward"] == rows["forward"].seq_perm
+    assert s.idn[1].forward == rows["forward"].ppl[1] and s.seq_forward == rows["forward"].seq_perm
     assert [r.name for r in res.tables[0].rows] == ["forward", "reversed", "shuffle_0", "shuffle_1", "no correction"]
 
 
@@ -144,61 +144,13 @@ def test_propagation_staircase(model, val):
 
 # ---------------------------------------------------------------- early exit moved here
 def test_early_exit_is_importable_from_everywhere(model, val):
-    import snlp
-    assert snlp.early_exit is A.early_exit
+    from snlp.eval.analysis.earlyexit import early_exit
+    assert early_exit is A.early_exit
     rows = A.early_exit(model, val, [2, 5], A.AnalysisConfig(**SMALL).eval_config())
-    assert [r["N"] for r in rows] == [0, 2, 5]
+    assert [r.N for r in rows] == [0, 2, 5]
 
 
-# ---------------------------------------------------------------- preheat
-def test_preheat_recovers_the_states_of_a_linear_toy():
-    """States exactly affine in x0 (a linear toy model: h_l = x0 A_l + c_l) are recovered at rank D."""
-    gen = torch.Generator().manual_seed(0)
-    N, D, L = 200, 6, 3
-    x0 = torch.randn(N, D, generator=gen, dtype=torch.float64)
-    A_ = torch.randn(L, D, D, generator=gen, dtype=torch.float64)
-    c = torch.randn(L, D, generator=gen, dtype=torch.float64)
-    states = [x0 @ A_[l] + c[l] for l in range(L)]
-    V, U, b = preheat.fit_states(x0, states, rank=D)
-    pre = preheat.Preheat(V=V, U=U, b=b)
-    got = pre.predict(x0.view(4, 50, D), [0, 2])  # (2, B, T, D)
-    torch.testing.assert_close(got[0], states[0].view(4, 50, D), rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(got[1], states[2].view(4, 50, D), rtol=1e-9, atol=1e-9)
-    V, U, b = preheat.fit_states(x0, states, rank=2)  # low rank: an approximation, not exact
-    assert (preheat.Preheat(V=V, U=U, b=b).predict(x0.view(4, 50, D), [0])[0] - states[0].view(4, 50, D)).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("plan", ["4xF1-preheat-K4", "2xF2-preheat-K2", "4xF1-preheat-K7-order:reversed",
-                                  "3xF1-preheat-K3-elk:0.25", "4xF1-preheat-K4-diag:jvp"])
-def test_preheat_init_keeps_the_exactness_laws(model, plan):
-    p = Plan.parse(plan)
-    idx = tokens(model, T=7)
-    pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
-    preheat.attach(model, pre)
-    try:
-        with torch.no_grad():
-            from snlp import fused_sequential
-            states = solve(model, idx, p, keep_states=True).states
-            exact = fused_sequential(model, idx, p).states[0]
-            # the init is the predictor of each chunk's last layer, not h_S
-            want0 = pre.predict(model.embed(idx).x0, [model.config.n_layer - p.n_suffix + (c + 1) * p.fuse - 1
-                                                      for c in range(p.chunks)])
-            torch.testing.assert_close(states[0], want0)
-            torch.testing.assert_close(states[-1], exact, rtol=1e-9, atol=1e-9)
-    finally:
-        preheat.attach(model, None)
-
-
-def test_preheat_without_calibration_is_a_clear_error_and_the_file_roundtrips(tmp_path, model):
-    with pytest.raises(ValueError, match="snlp calibrate"):
-        parallel_forward(model, tokens(model), "4xF1-preheat-K1")
-    pre = preheat.fit(model, preheat.CalibrateConfig(rank=3, batch=2, seq_len=8), tokens=torch.arange(40) % 61)
-    assert pre.source == "data" and pre.rank == 3
-    back = preheat.Preheat.load(pre.save(tmp_path / "p.pt"))
-    torch.testing.assert_close(back.U, pre.U) and torch.testing.assert_close(back.V, pre.V)
-    with pytest.raises(ValueError, match="rank"):
-        preheat.fit(model, preheat.CalibrateConfig(rank=0))
-    assert str(Plan.parse("4xF1-preheat-K1")) == "4xF1-preheat-K1"
+# (the preheat calibration itself is tested in tests/test_preheat.py)
 
 
 # ---------------------------------------------------------------- Jacobi coupling
@@ -264,7 +216,7 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
                          tokenizer=tok, train_state={"args": args})
     assert main(["calibrate", str(ck), "--rank", "4", "--batch", "2", "--seq-len", "8"]) == 0
     model, _ = load(ck)
-    assert model.__dict__["preheat"].rank == 4  # stored beside the checkpoint, attached on load
+    assert load_preheat(ck, model).rank == 4  # stored beside the checkpoint, checked against its weights
     assert main(["calibrate", str(ck), "--rank", "4", "--data", "train", "--seq-len", "8",
                  "--out", str(tmp_path / "d.pt")]) == 0
     assert preheat.Preheat.load(tmp_path / "d.pt").source == "data"
@@ -287,4 +239,5 @@ def test_mhc_models_are_analysed_on_the_stream_state():
                            progress=False)
     res = A.analyze(model, val, cfg)
     assert len(res.jacobian.layers) == 2 and all(math.isfinite(d.sigma_max) for d in res.jacobian.layers)
-    assert set(res.elk.ppl) == {"0|h0|2xF1", "0|fwd|2xF1", "0|preheat|2xF1"}
+    assert {(r.alpha, r.init, r.chunking) for r in res.elk.rows} == {(0, "h0", "2xF1"), (0, "fwd", "2xF1"),
+                                                                      (0, "preheat", "2xF1")}

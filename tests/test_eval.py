@@ -158,13 +158,13 @@ def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
 
 def test_early_exit_skips_the_suffix(model, val, records):
     rows = early_exit(model, val, [2, 4, 2], CFG)
-    assert [(r["N"], r["seq_layers"]) for r in rows] == [(0, 6), (2, 4), (4, 2)]
-    assert rows[0]["ppl"] == pytest.approx(records[0].ppl, rel=1e-9)  # N = 0 is sequential
+    assert [(r.N, r.seq_layers) for r in rows] == [(0, 6), (2, 4), (4, 2)]
+    assert rows[0].ppl == pytest.approx(records[0].ppl, rel=1e-9)  # N = 0 is sequential
     x = val[:CFG.max_tokens + 1].unfold(0, CFG.seq_len + 1, CFG.seq_len)  # (W, T + 1)
     with torch.no_grad():  # K = 0 plans are early exit too
         ce = F.cross_entropy(parallel_forward(model, x[:, :-1], "2xF1-h0-K0").flatten(0, 1).double(),
                              x[:, 1:].flatten())
-    assert rows[1]["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-6)
+    assert rows[1].ppl == pytest.approx(math.exp(ce.item()), rel=1e-6)
     with pytest.raises(ValueError, match=r"\[0, L = 6\]"):
         early_exit(model, val, [7], CFG)
 

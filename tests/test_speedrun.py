@@ -141,11 +141,11 @@ def test_stages_redo_on_changed_settings_and_force(tmp_path):
         return st.run("x", "test", settings, lambda: calls.append(1) or {"n": len(calls)}), st
 
     r1, st = stage({"a": 1, "b": (1, 2)})
-    assert st.ran == ["x"] and r1["result"] == {"n": 1}
+    assert st.ran == ["x"] and r1.result == {"n": 1}
     r2, st = stage({"b": [1, 2], "a": 1})  # same settings (tuple/list, key order): reused
-    assert st.reused == ["x"] and r2["id"] == r1["id"] and len(calls) == 1
+    assert st.reused == ["x"] and r2.id == r1.id and len(calls) == 1
     r3, st = stage({"a": 2, "b": [1, 2]})  # changed: redone, new id
-    assert st.ran == ["x"] and r3["id"] != r1["id"] and r3["result"] == {"n": 2}
+    assert st.ran == ["x"] and r3.id != r1.id and r3.result == {"n": 2}
     _, st = stage({"a": 2, "b": [1, 2]}, force=True)
     assert st.ran == ["x"] and len(calls) == 3
     (tmp_path / "stages" / "x.json").write_text("{truncated")  # a corrupt record is redone, not an error
@@ -179,14 +179,14 @@ def test_decode_timing_is_not_a_lone_first_step():
 
 
 def _tiny_corpus(tmp_path):
-    from snlp.apps.speedrun import stage_tokenizer
+    from snlp.apps.speedrun import DataSpec, stage_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 13}\n" * 4 for i in range(600)))
     cfg = {"data": str(corpus), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32, "head_dim": 16,
            "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}
     cache = tmp_path / "cache"
-    return cfg, cache, stage_tokenizer(cfg, cache)
+    return cfg, cache, stage_tokenizer(DataSpec(cfg["data"], cfg["max_chars"], cfg["vocab_size"]), cache)
 
 
 def test_interrupted_training_resumes(tmp_path, capsys):

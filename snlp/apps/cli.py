@@ -9,7 +9,7 @@ import sys
 
 # sub-command -> module
 COMMANDS = {
-    "analyze": "snlp.eval.analysis",
+    "analyze": "snlp.apps.analyze",
     "bench": "snlp.bench.forward",
     "calibrate": "snlp.apps.calibrate",
     "convert": "snlp.apps.convert",

@@ -15,7 +15,7 @@ import torch
 
 from snlp import __version__
 
-def _fmt_s(s: float) -> str:
+def fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 60}:{s % 60:02d}" if s >= 60 else f"{s}s"
 
@@ -143,7 +143,7 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
              "|:---|---:|---:|---:|---:|---:|---:|"]
     for key, label in MODELS:
         t = trains[key]
-        lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {_fmt_s(t['train_seconds'])} | "
+        lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
                      f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({math.exp(t['val_loss']):.1f}) | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
     lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({math.exp(tok['unigram_ce']):.1f}) | |")
@@ -256,14 +256,14 @@ def render_report(ctx: dict) -> str:
            "| Stage | This invocation | Wall time | Load at start → end |", "|:---|:---|---:|---:|"]
     for name in ctx["order"]:
         r = st[name]
-        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {_fmt_s(r['seconds'])} | "
+        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {fmt_s(r['seconds'])} | "
                    f"{r.get('load_start')} → {r.get('load_end')} |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
-    out += [f"| **end to end** | | **{_fmt_s(total)}** | |",
+    out += [f"| **end to end** | | **{fmt_s(total)}** | |",
             "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran side by "
                                                        "side)" if ctx["parallel"] else "")
-            + f". This invocation took {_fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+            + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
             f"{len(ctx['reused'])} reused).\n",
             "## Full evaluation records\n"]
     for key, label in MODELS:

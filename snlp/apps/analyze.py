@@ -1,0 +1,95 @@
+"""Analyse a checkpoint: the paper's layer-parallelism diagnostics and inference ablations.
+
+`snlp analyze CKPT --out DIR` writes DIR/analysis.md (paper-style tables), DIR/analysis.json and PNG
+plots; every section is a module of snlp.eval.analysis (config dataclass in, result dataclass out):
+
+  jacobian     per suffix layer l, on real validation windows at the sequential input h_{l-1}:
+               sigma_max of J_g (g_l = the non-residual branch, f_l(h) = x_in,l(h) + g_l(h)) by power
+               iteration on J_g^T J_g with JVP/VJP (`power_iters`, the last relative change reported),
+               Hutchinson ||J_g||_F (E_v ||J_g v||^2 = ||J_g||_F^2 for Rademacher v), amplification
+               ||J_f v|| / ||v|| (Gaussian v), and the substitution errors |eps_l|, C_eps(l), Delta_g(l)
+               of the paper's variance-reduction paragraph (Sec. "Inference effect"), relative to the
+               prefix-state scale. J is the Jacobian of the whole window map (tokens couple through
+               attention); sigma_max is the window's, ||J||_F is reported per token: sqrt(||J||_F^2 / T).
+               mHC models: the same on the stream state (x_in = h, g = f - h).
+  ordering     per suffix size N: forward, reversed and R random shuffles of the IDN correction order:
+               Seq-Perm PPL (the permuted suffix run sequentially), IDN K = 1 / K = 4 PPL, no-correction
+               PPL, AR-ness (DiffuCoder, Gong et al. 2025: mean of local AR-ness@1, the fraction of
+               the N - 1 steps that visit the position right after the previous one, and global
+               AR-ness@1, the fraction of the N steps that visit the leftmost unvisited position;
+               forward 1, reversed 1 / (2N), the paper's values); summary: best shuffle, shuffle std
+               over finite values, "div." for non-finite PPL (paper Table ordering_summary, App.
+               "Correction Ordering").
+  propagation  PPL with only the last j of N suffix layers active (the others skipped), j = 1..N, at
+               K = 1..N, IDN vs no correction: the staircase (App. "Correction Propagation") + heat map.
+  early-exit   K = 0 PPL with the last N layers skipped (paper Table early_exit).
+  elk          PPL over ELK a x init {h0, fwd, preheat} x chunkings of N layers at K = 1 (App. "ELK
+               Tempering and Preheat Initialization"); preheat from the attached calibration or a
+               random-token one fitted here.
+  preheat      preheat calibrated on random tokens vs on data, per chunking (K = 1, a = 0), h0 alongside.
+  jacobi       JD x SNLP coupling (App. "Coupling SNLP with Jacobi Decoding"): naive composition (a
+               fresh SNLP solve per JD iteration) and h0-JD (deeper chunk states warm-started from the
+               previous JD iteration), K = 1, 2, lookahead window W, unverified: token match vs
+               sequential greedy, accepted tokens per JD iteration, JD iterations per round, forwards
+               per token.
+All PPLs are token-weighted over non-overlapping windows of `seq_len` validation tokens (snlp.eval).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from snlp.eval.analysis.common import SECTIONS, AnalysisConfig
+from snlp.eval.analysis.report import analyze, write
+from snlp.eval.data import checkpoint_data, validation_tokens
+from snlp.io.checkpoint import load, load_preheat
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
+    p.add_argument("--seq-len", type=int, default=AnalysisConfig.seq_len, help="tokens per PPL window")
+    p.add_argument("--max-tokens", type=int, default=AnalysisConfig.max_tokens, help="predicted tokens per PPL")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}")
+    p.add_argument("--layers", default=None, help="jacobian layers, 0-based, comma-separated (default: the last 8)")
+    p.add_argument("--suffixes", default=None, help="ordering / early-exit suffix sizes N (default 8,12,L)")
+    p.add_argument("--shuffles", type=int, default=AnalysisConfig.shuffles, help="random correction orders per N")
+    p.add_argument("--preheat-rank", type=int, default=AnalysisConfig.preheat_rank)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: on a shared or busy CPU "
+                   "more threads only add contention; raise it on a free machine)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", required=True, help="output folder for analysis.md, analysis.json and plots")
+
+
+def run(args) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    if not Path(args.ckpt).exists():
+        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    model, tok = load(args.ckpt)
+    if tok is None:
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
+    only = tuple(s.strip() for s in args.only.split(",") if s.strip())
+    cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
+                         suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
+                         seed=args.seed, progress=not args.no_progress)
+    cfg.check(model.config.n_layer)
+    val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
+    res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=load_preheat(args.ckpt, model))
+    out = write(res, args.out)
+    print(f"wrote {out / 'analysis.md'}, {out / 'analysis.json'} and plots ({sum(res.seconds.values()):.0f}s)")
+    return 0

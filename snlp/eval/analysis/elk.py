@@ -1,0 +1,119 @@
+"""ELK tempering x init, and preheat calibrations (App. "ELK Tempering and Preheat Initialization"):
+  elk      PPL over ELK a x init {h0, fwd, preheat} x chunkings of N layers at K = 1; preheat from the
+           attached calibration or a random-token one fitted here.
+  preheat  preheat calibrated on random tokens vs on data, per chunking (K = 1, a = 0), h0 alongside.
+Every use of snlp.method.preheat is in `preheat_ppls`, so a change of the preheat API is one edit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from snlp.eval.analysis.common import AnalysisConfig, plan_ppl, section_bar, sequential_ppl, window_ppl
+from snlp.eval.data import as_tokens, windows
+from snlp.method.plan import Plan
+from snlp.method.preheat import CalibrateConfig, Preheat
+from snlp.method.preheat import fit as fit_preheat
+from snlp.method.solver import preheat_for, solve
+from snlp.model.gpt import GPT
+
+INITS = ("h0", "fwd", "preheat")
+
+
+@dataclass
+class ElkRow:
+    alpha: float  # ELK a
+    init: str  # h0 | fwd | preheat
+    chunking: str  # CxFM
+    ppl: float
+
+
+@dataclass
+class ElkResult:
+    N: int
+    iters: int
+    sequential_ppl: float
+    preheat_source: str
+    rows: list[ElkRow]  # a-major, then init, then chunking (the sweep's order)
+
+
+@dataclass
+class PreheatRow:
+    calibration: str  # h0 (no preheat) | random | data
+    chunking: str  # CxFM
+    ppl: float  # at K = 1
+
+
+@dataclass
+class PreheatResult:
+    N: int
+    rank: int
+    rows: list[PreheatRow]  # calibration-major, then chunking
+
+
+def chunkings(N: int, chunks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(C, M) pairs with C * M = N for the requested C values (0 = N); those not dividing N dropped."""
+    out = []
+    for c in chunks:
+        c = N if c == 0 else c
+        if 1 <= c <= N and N % c == 0 and (c, N // c) not in out:
+            out.append((c, N // c))
+    return out
+
+
+def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfig, calibration: str = "given",
+                 tokens: Tensor | None = None, bar=None, preheat: Preheat | None = None) -> tuple[str, list[float]]:
+    """PPL of each plan over `wins`, the preheat plans with a calibration: "given" = `preheat` (the
+    checkpoint's), or one fitted here on random tokens when none is given; "random" / "data" = one fitted
+    here on random tokens / on `tokens`. Returns (where the calibration came from, the PPLs).
+    The one place the analysis touches preheat."""
+    if calibration == "given" and preheat is not None:
+        pre, source = preheat, preheat.source
+    else:
+        ccfg = CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
+        pre = fit_preheat(model, ccfg, tokens if calibration == "data" else None)
+        source = "random (fitted by analyze)" if calibration == "given" else calibration
+    ppls = []
+    for plan in plans:
+        p = preheat_for(plan, pre)
+        ppls.append(window_ppl(model, wins, lambda x: solve(model, x, plan, check_finite=False, preheat=p).hidden,
+                               cfg.batch))
+        if bar is not None:
+            bar.update()
+    return source, ppls
+
+
+def elk_sweep(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), preheat: Preheat | None = None
+              ) -> ElkResult:
+    """PPL over ELK a x init {h0, fwd, preheat} x chunkings at N = cfg.elk_suffix, K = 1."""
+    N = min(cfg.elk_suffix, model.config.n_layer)
+    wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
+    cells = [(a, init, C, M) for a in cfg.elk_values for init in INITS for C, M in chunkings(N, cfg.elk_chunks)]
+    plans = [Plan(chunks=C, fuse=M, init=init, iters=1, elk=a) for a, init, C, M in cells]
+    with section_bar(len(plans), "elk x init", cfg) as bar:
+        source, ppls = preheat_ppls(model, wins, plans, cfg, bar=bar, preheat=preheat)
+    rows = [ElkRow(alpha=a, init=init, chunking=f"{C}xF{M}", ppl=p) for (a, init, C, M), p in zip(cells, ppls)]
+    return ElkResult(N=N, iters=1, sequential_ppl=sequential_ppl(model, wins, cfg.batch), preheat_source=source,
+                     rows=rows)
+
+
+def preheat_calibrations(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig()) -> PreheatResult:
+    """K = 1 PPL with preheat calibrated on random tokens vs on validation data (the windows after
+    the PPL windows where the split is long enough, else the same ones), h0 alongside."""
+    N = min(cfg.elk_suffix, model.config.n_layer)
+    toks = as_tokens(val_tokens)
+    wins = windows(toks, cfg.seq_len, cfg.max_tokens)
+    used = wins.shape[0] * cfg.seq_len
+    calib_data = toks[used:] if toks.numel() - used >= 8 * cfg.seq_len else toks
+    chunks = chunkings(N, cfg.elk_chunks)
+    rows = []
+    with section_bar(3 * len(chunks), "preheat", cfg) as bar:
+        for C, M in chunks:
+            rows.append(PreheatRow("h0", f"{C}xF{M}", plan_ppl(model, wins, Plan(chunks=C, fuse=M, iters=1), cfg.batch)))
+            bar.update()
+        plans = [Plan(chunks=C, fuse=M, init="preheat", iters=1) for C, M in chunks]
+        for name in ("random", "data"):
+            _, ppls = preheat_ppls(model, wins, plans, cfg, calibration=name, tokens=calib_data, bar=bar)
+            rows += [PreheatRow(name, f"{C}xF{M}", p) for (C, M), p in zip(chunks, ppls)]
+    return PreheatResult(N=N, rank=cfg.preheat_rank, rows=rows)
