@@ -10,7 +10,7 @@ import sys
 # sub-command -> module
 COMMANDS = {
     "analyze": "snlp.eval.analysis",
-    "bench": "snlp.bench.forward",
+    "bench": "snlp.apps.bench",
     "calibrate": "snlp.method.preheat",
     "convert": "snlp.apps.convert",
     "eval": "snlp.apps.eval",
