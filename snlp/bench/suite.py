@@ -218,25 +218,50 @@ class SuiteRow:
 
 
 @dataclass
+class SuiteMeta:
+    """Where and how the suite ran (the JSON's "meta"): device, versions, dtype, date, command, load."""
+
+    quick: bool
+    device: str  # device_label: the GPU's name, or the CPU's
+    device_type: str  # cuda | cpu
+    torch: str
+    cuda: str | None  # torch.version.cuda (None: a CPU build)
+    dtype: str
+    date: str  # UTC, ISO 8601
+    command: str | None
+    platform: str
+    threads: int  # torch CPU threads during the run
+    suite: str = "paper"
+    weights: str = RANDOM_WEIGHTS
+    batch: int = 1
+    loadavg_1min_start: float | None = None  # None where os.getloadavg does not exist
+    loadavg_1min_end: float | None = None
+
+    @classmethod
+    def now(cls, cfg: SuiteConfig) -> "SuiteMeta":
+        device = torch.device(cfg.device)
+        return cls(quick=cfg.quick, device=device_label(device), device_type=device.type, torch=torch.__version__,
+                   cuda=torch.version.cuda, dtype=cfg.dtype,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command=cfg.command, platform=platform.platform(), threads=torch.get_num_threads(),
+                   loadavg_1min_start=_loadavg())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _loadavg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+@dataclass
 class SuiteResult:
     config: SuiteConfig  # resolved
-    meta: dict  # device, versions, dtype, date, command, load average, "random weights (timing only)"
+    meta: SuiteMeta
     records: list[SuiteRow] = field(default_factory=list)  # one per (shape, treatment, kind, row)
     markdown: str = ""
     json_path: str | None = None
     markdown_path: str | None = None
-
-
-def _meta(cfg: SuiteConfig) -> dict:
-    device = torch.device(cfg.device)
-    meta = {"suite": "paper", "quick": cfg.quick, "weights": RANDOM_WEIGHTS, "device": device_label(device),
-            "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": cfg.dtype,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": cfg.command, "platform": platform.platform(), "batch": 1,
-            "threads": torch.get_num_threads()}
-    if hasattr(os, "getloadavg"):
-        meta["loadavg_1min_start"] = os.getloadavg()[0]
-    return meta
 
 
 def _build(shape: Shape, cfg: SuiteConfig) -> GPT:
@@ -261,7 +286,7 @@ def run_suite(config: SuiteConfig) -> SuiteResult:
 
 
 def _run(cfg: SuiteConfig) -> SuiteResult:
-    result = SuiteResult(config=cfg, meta=_meta(cfg))
+    result = SuiteResult(config=cfg, meta=SuiteMeta.now(cfg))
     shapes = [s for s in PAPER_SHAPES if s.key in cfg.shapes]
     for shape in shapes:
         run_shape = shape.quick() if cfg.quick else shape
@@ -286,8 +311,7 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
         del model
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
-    if hasattr(os, "getloadavg"):
-        result.meta["loadavg_1min_end"] = os.getloadavg()[0]
+    result.meta.loadavg_1min_end = _loadavg()
     result.markdown = markdown(result)
     if cfg.out:
         out = Path(cfg.out)
@@ -342,8 +366,8 @@ def markdown(result: SuiteResult) -> str:
 def _header(result: SuiteResult) -> list[str]:
     cfg, m = result.config, result.meta
     lines = [f"## snlp bench --suite paper{' --quick' if cfg.quick else ''}", "",
-             f"- {RANDOM_WEIGHTS}; batch 1; {m['dtype']} on {m['device']} ({m['device_type']}); torch {m['torch']}, "
-             f"CUDA {m['cuda'] or '-'}; {m['threads']} CPU threads; {m['date']}",
+             f"- {RANDOM_WEIGHTS}; batch 1; {m.dtype} on {m.device} ({m.device_type}); torch {m.torch}, "
+             f"CUDA {m.cuda or '-'}; {m.threads} CPU threads; {m.date}",
              f"- prefill: T = {cfg.tokens}, {cfg.warmup} warm-up + {cfg.runs} timed rounds (round-robin, medians); "
              f"decode: prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, {cfg.decode_warmup} warm-up + "
              f"{cfg.decode_runs} timed runs" + ("" if cfg.decode else " (not run)"),
@@ -352,11 +376,11 @@ def _header(result: SuiteResult) -> list[str]:
         lines.append("- QUICK: smoke-size shapes (width 64, depth = largest suffix + 2), NOT the paper's shapes; "
                      f"compiled prefill only on {QUICK_COMPILED}"
                      + ("" if cfg.decode_compiled else ", no compiled decode"))
-    if "loadavg_1min_start" in m:
-        lines.append(f"- 1-min load average: {m['loadavg_1min_start']:.2f} at start, "
-                     f"{m.get('loadavg_1min_end', float('nan')):.2f} at end")
-    if m.get("command"):
-        lines.append(f"- command: `{m['command']}`")
+    if m.loadavg_1min_start is not None:
+        end = float("nan") if m.loadavg_1min_end is None else m.loadavg_1min_end
+        lines.append(f"- 1-min load average: {m.loadavg_1min_start:.2f} at start, {end:.2f} at end")
+    if m.command:
+        lines.append(f"- command: `{m.command}`")
     return lines
 
 
