@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -38,3 +39,43 @@ def test_bench_rejects_bad_plans_with_a_message(capsys):
 def test_console_entry_point_runs_as_a_module():
     res = subprocess.run([sys.executable, "-m", "snlp", "bench", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--plans" in res.stdout and "--compile" in res.stdout
+
+
+def test_bench_csv_is_written_from_the_same_records_as_the_json(tmp_path):
+    js, cs = tmp_path / "out.json", tmp_path / "out.csv"
+    assert main(["bench", *TINY, "--tokens", "2", "--plans", "2xF1-h0-K1", "--json", str(js), "--csv", str(cs)]) == 0
+    records = json.loads(js.read_text())
+    with cs.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["plan"] for r in rows] == [r["plan"] for r in records] == ["sequential", "2xF1-h0-K1"]
+    assert list(rows[0].keys()) == list(records[0].keys())  # one writer per format, the records' keys
+    assert float(rows[1]["median_ms"]) == pytest.approx(records[1]["median_ms"])
+
+
+def test_bench_ops_records_every_op_and_its_ratio_to_forward(tmp_path):
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "1,2", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["tokens"] for r in records] == [1, 2] and all(r["layer"] == 2 for r in records)  # L // 2
+    for r in records:
+        for op in ("forward", "fd", "jvp", "vjp", "fd_extra"):
+            assert r[f"{op}_ms"] > 0 and r[f"{op}_ratio"] == pytest.approx(r[f"{op}_ms"] / r["forward_ms"])
+
+
+def test_distributed_rows_keep_the_library_records_keys():
+    """apps.dist types distributed_benchmark's dicts: its JSON keeps every key and value, plus rank 0's context."""
+    from snlp.apps.dist import DistDecodeRow, DistPrefillRow, dist_bench_row
+
+    base = dict(plan="2xF1-h0-K1", world_size=2, tokens=1, batch=1, runs=3, chunks_per_rank=[[0], [1]],
+                max_rank_bytes=10, memory_per_rank=[{"total_bytes": 10}, {"total_bytes": 9}])
+    ctx = dict(loadavg=["0.1", "0.2", "0.3"], pinned=True, threads=1)
+    prefill = {**base, "what": "prefill", "pipeline_sequential_ms": 2.0, "snlp_ms": 1.0, "speedup": 2.0,
+               "h_S_broadcast_ms": 0.1, "prefix_ms_rank0": 0.0}
+    decode = {**base, "what": "decode", "mode": "speculative", "block": 4, "ms_per_token": 1.0,
+              "speedup_vs_pipeline": 1.5, "matches_sequential": True, "prompt_len": 16, "new_tokens": 8,
+              "alpha": 0.5, "tokens_per_round": 2.0, "draft_ms_per_step": 0.3, "verify_ms_per_round": 0.9}
+    for rec, cls in ((prefill, DistPrefillRow), (decode, DistDecodeRow)):
+        row = dist_bench_row(rec, **ctx)
+        assert isinstance(row, cls) and row.to_dict() == {**rec, **ctx}
+    with pytest.raises(TypeError):  # a key the row does not know is an error, not silently dropped
+        dist_bench_row({**prefill, "new_key": 1}, **ctx)

@@ -1,4 +1,4 @@
-"""bench.benchmark: the structural ideal (fixed costs measured) and the compiled teacher-forced path.
+"""snlp.bench.forward.benchmark: the structural ideal (fixed costs measured) and the compiled teacher-forced path.
 No wall-clock thresholds: only the records' consistency and compiled == eager."""
 
 from __future__ import annotations
@@ -53,21 +53,21 @@ def test_benchmark_records_the_structural_ideal_consistently():
     model = _tiny(depth=4)
     records = benchmark(model, parse_plans("2xF2-h0-K1,4xF1-fwd-K1,2xF1-h0-K2"), tokens=5, warmup=1, runs=3)
     seq = records[0]
-    assert seq["plan"] == "sequential" and seq["structural_ideal"] == 1.0 and seq["of_structural"] == 1.0
+    assert seq.plan == "sequential" and seq.structural_ideal == 1.0 and seq.of_structural == 1.0
     for r in records:
         for key in ("embed_ms", "head_ms", "fixed_ms", "layer_ms", "structural_ideal", "of_structural"):
-            assert math.isfinite(r[key]) and r[key] >= 0, (key, r)
-        assert r["embed_ms"] == seq["embed_ms"] and r["head_ms"] == seq["head_ms"]  # one measurement, every row
-        assert r["fixed_ms"] == pytest.approx(r["embed_ms"] + r["head_ms"])
-        assert r["layer_ms"] == pytest.approx(max(seq["median_ms"] - r["fixed_ms"], 0) / 4)
-        steps = r["critical_path_layers"]
-        assert r["structural_ideal"] == pytest.approx(seq["median_ms"] / (r["fixed_ms"] + steps * r["layer_ms"]))
-        assert r["of_structural"] == pytest.approx(r["speedup"] / r["structural_ideal"])
-        op = r["ideal_layer_speedup"]
+            assert math.isfinite(getattr(r, key)) and getattr(r, key) >= 0, (key, r)
+        assert r.embed_ms == seq.embed_ms and r.head_ms == seq.head_ms  # one measurement, every row
+        assert r.fixed_ms == pytest.approx(r.embed_ms + r.head_ms)
+        assert r.layer_ms == pytest.approx(max(seq.median_ms - r.fixed_ms, 0) / 4)
+        steps = r.critical_path_layers
+        assert r.structural_ideal == pytest.approx(seq.median_ms / (r.fixed_ms + steps * r.layer_ms))
+        assert r.of_structural == pytest.approx(r.speedup / r.structural_ideal)
+        op = r.ideal_layer_speedup
         assert op == pytest.approx(4 / steps)
-        assert min(1.0, op) - 1e-9 <= r["structural_ideal"] <= max(1.0, op) + 1e-9
-        assert r["compiled"] is False and r["compile_s"] is None
-    assert [r["critical_path_layers"] for r in records] == [4, 1, 2, 4]  # L; S + K; S + K + fwd; S + 2K
+        assert min(1.0, op) - 1e-9 <= r.structural_ideal <= max(1.0, op) + 1e-9
+        assert r.compiled is False and r.compile_s is None
+    assert [r.critical_path_layers for r in records] == [4, 1, 2, 4]  # L; S + K; S + K + fwd; S + 2K
 
 
 def test_compiled_forwards_equal_eager_and_the_benchmark_reports_compile_time_apart():
@@ -82,10 +82,10 @@ def test_compiled_forwards_equal_eager_and_the_benchmark_reports_compile_time_ap
             compiled = compile_step(fn, idx.device)()
             torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)  # fp32: inductor's C++ vs eager
     records = benchmark(model, plans, tokens=6, warmup=1, runs=3, compile=True)
-    assert [r["plan"] for r in records] == ["sequential", *map(str, plans)]
+    assert [r.plan for r in records] == ["sequential", *map(str, plans)]
     for r in records:
-        assert r["compiled"] is True and r["compile_s"] > 0 and r["fixed_compile_s"] > 0
-        assert math.isfinite(r["structural_ideal"]) and r["runs"] == 3
+        assert r.compiled is True and r.compile_s > 0 and r.fixed_compile_s > 0
+        assert math.isfinite(r.structural_ideal) and r.runs == 3
     torch._dynamo.reset()
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import snlp
 from snlp import Plan
-from snlp.bench.forward import decode_benchmark
+from snlp.bench.decode import decode_benchmark
 from snlp.model.cache import KVCache
 from snlp.decode import sequential_generate, snlp_generate, speculative_generate
 from snlp.decode.steps import Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
@@ -133,8 +133,8 @@ def test_compiled_decode_benchmark(compiled):
     """`snlp bench --decode --compile`'s library function: both sides compiled, compile time reported apart, the
     speculative rows still equal sequential, and the sequential row's achieved bandwidth is model bytes x tok/s."""
     model, _, _ = compiled
-    recs = decode_benchmark(model, [Plan.parse(PLAN, 3)], prompt_len=5, new_tokens=6, blocks=(BLOCK,), warmup=1,
-                            runs=1, compile=True)
+    recs = [r.to_dict() for r in decode_benchmark(model, [Plan.parse(PLAN, 3)], prompt_len=5, new_tokens=6,
+                                                  blocks=(BLOCK,), warmup=1, runs=1, compile=True)]
     assert [r["mode"] for r in recs] == ["sequential", "snlp", "speculative"]
     assert all(r["compiled"] for r in recs) and recs[-1]["matches_sequential"]
     assert all(r["host_syncs"] == 0 for r in recs)  # checked on the steps the benchmark timed

@@ -10,7 +10,7 @@ import sys
 # sub-command -> module
 COMMANDS = {
     "analyze": "snlp.apps.analyze",
-    "bench": "snlp.bench.forward",
+    "bench": "snlp.apps.bench",
     "calibrate": "snlp.apps.calibrate",
     "convert": "snlp.apps.convert",
     "eval": "snlp.apps.eval",

@@ -1,14 +1,21 @@
-"""CLI glue for `--distributed` (torchrun): `snlp generate CKPT --distributed` and `snlp bench --distributed`.
-snlp.generate.run / snlp.bench.run dispatch here; the work is done by snlp.distributed."""
+"""CLI glue for `--distributed` (torchrun): `snlp generate CKPT --distributed` and `snlp bench --distributed`,
+and the cost model's `snlp bench --simulate-devices`. snlp.decode.generate.run / snlp.apps.bench.run dispatch
+here; the work is done by snlp.dist.layer_parallel and snlp.dist.costmodel."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from snlp.bench.forward import ModelSpec, build_model
+from snlp.bench.records import write_records
+from snlp.dist.costmodel import Prediction
+from snlp.dist.costmodel import Shape as CostShape
 from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
 from snlp.dist.layer_parallel import (DistributedSNLP, RankFailureError, gather_objects, distributed_benchmark, init_distributed,
                           partition)
@@ -106,44 +113,119 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
     return 0
 
 
-def run_bench(args) -> int:
-    """`torchrun --nproc_per_node=P -m snlp bench --distributed ...` (called by snlp.bench.run)."""
-    return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, rank, world, device))
+@dataclass
+class DistBenchRow:
+    """What every row of `snlp bench --distributed` carries (snlp.dist.layer_parallel.distributed_benchmark's
+    keys), plus rank 0's run context."""
+
+    what: ClassVar[str]  # prefill | decode: the subclass
+    plan: str
+    world_size: int
+    tokens: int
+    batch: int
+    runs: int
+    chunks_per_rank: list[list[int]]
+    max_rank_bytes: int
+    memory_per_rank: list[dict]
+    loadavg: list[str]  # /proc/loadavg's 1, 5 and 15 min (empty where there is none)
+    pinned: bool  # --pin: one core and one thread per rank
+    threads: int
+
+    def to_dict(self) -> dict:
+        return {"what": self.what, **asdict(self)}
 
 
-def _run_bench_ranked(args, rank: int, world: int, device) -> int:
-    from snlp.bench.forward import build_model
+@dataclass
+class DistPrefillRow(DistBenchRow):
+    """Distributed SNLP prefill vs the layer-pipelined sequential forward (ms, medians)."""
 
+    what: ClassVar[str] = "prefill"
+    pipeline_sequential_ms: float
+    snlp_ms: float
+    speedup: float
+    h_S_broadcast_ms: float  # what replicating the prefix would save
+    prefix_ms_rank0: float  # ... and what it costs
+
+
+@dataclass
+class DistDecodeRow(DistBenchRow):
+    """Per-token decode latency of one mode (sequential pipelined / snlp / speculative at `block`)."""
+
+    what: ClassVar[str] = "decode"
+    mode: str
+    block: int | None
+    ms_per_token: float
+    speedup_vs_pipeline: float
+    matches_sequential: bool
+    prompt_len: int
+    new_tokens: int
+    alpha: float | None = None  # speculative rows only
+    tokens_per_round: float | None = None
+    draft_ms_per_step: float | None = None
+    verify_ms_per_round: float | None = None
+
+
+def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
+    """A distributed_benchmark record (a dict, keyed by `what`) as its typed row, with rank 0's context."""
+    cls = DistPrefillRow if rec["what"] == "prefill" else DistDecodeRow
+    return cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
+
+
+@dataclass
+class SimulateRow:
+    """One plan's cost-model prediction (`snlp bench --simulate-devices`)."""
+
+    plan: str
+    devices: int
+    link_gbps: float
+    link_latency_us: float
+    tokens: int
+    batch: int
+    compute: str  # where the per-layer times come from: measured on a device, or a roofline
+    shape: CostShape
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {**{k: v for k, v in d.items() if k != "prediction"}, **self.prediction.to_dict()}
+
+
+def run_bench(args, spec: ModelSpec) -> int:
+    """`torchrun --nproc_per_node=P -m snlp bench --distributed ...` (called by snlp.apps.bench.run with the
+    model flags as `spec`)."""
+    return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, spec, rank, world, device))
+
+
+def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> int:
     dtype = getattr(torch, cli_dtype(args.dtype, device))
-    model_fn = lambda: build_model(args).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
-    L = model_fn().config.n_layer if args.ckpt else args.depth
+    model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
+    L = model_fn().config.n_layer if spec.ckpt else spec.depth
     plans = parse_plans(args.plans, L)
     blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
-    recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, args.seed,
+    recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
                                  args.decode, args.prompt_len, args.new_tokens, blocks)
     if rank == 0:
         load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
-        for r in recs:
-            r.update(loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())
-        for r in recs:
-            if r["what"] == "prefill":
-                print(f"[{world} ranks] {r['plan']} prefill T={r['tokens']} B={r['batch']}: pipelined sequential "
-                      f"{r['pipeline_sequential_ms']:.2f} ms, distributed SNLP {r['snlp_ms']:.2f} ms "
-                      f"({r['speedup']:.2f}x); max rank memory {r['max_rank_bytes'] / 1e6:.1f} MB")
+        rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())
+                for r in recs]
+        for r in rows:
+            if isinstance(r, DistPrefillRow):
+                print(f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
+                      f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
+                      f"({r.speedup:.2f}x); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
             else:
-                print(f"[{world} ranks] {r['plan']} decode {r['mode']}{' B=' + str(r['block']) if r['block'] else ''}: "
-                      f"{r['ms_per_token']:.2f} ms/token ({r['speedup_vs_pipeline']:.2f}x vs pipelined sequential)"
-                      f"{', =seq' if r['matches_sequential'] else ''}")
+                print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
+                      f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x vs pipelined sequential)"
+                      f"{', =seq' if r.matches_sequential else ''}")
         print(f"load average {' '.join(load)}")
-        if args.json:
-            write_json(args.json, recs)
+        write_records(rows, args.json, args.csv)
     return 0
 
 
 def run_simulate(args) -> int:
-    """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.costmodel)."""
-    from snlp.dist.costmodel import SHAPES, Link, Shape, measure_layer_ms, predict, roofline_layer_ms
+    """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel)."""
+    from snlp.dist.costmodel import SHAPES, Link, measure_layer_ms, predict, roofline_layer_ms
 
     P = args.simulate_devices
     if P < 1:
@@ -157,15 +239,15 @@ def run_simulate(args) -> int:
 
         cfg = GPTConfig.from_depth(args.depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
                                    width=args.width, n_kv_head=args.kv_heads, vocab_size=args.vocab_size)
-        shape = Shape(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
-                      vocab_size=cfg.vocab_size, mlp_ratio=cfg.mlp_ratio)
+        shape = CostShape(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                          vocab_size=cfg.vocab_size, mlp_ratio=cfg.mlp_ratio)
     device = cli_device(args.device)
     dtype = getattr(torch, cli_dtype(args.dtype, device))
-    shape = Shape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
+    shape = CostShape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
     link = Link(args.link_gbps, args.link_latency_us)
     plans = parse_plans(args.plans, shape.n_layer)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
-    recs = []
+    rows = []
     for plan in plans:
         if args.roofline_gbytes:
             layer, head = roofline_layer_ms(shape, args.roofline_gbytes, args.roofline_efficiency)
@@ -177,13 +259,11 @@ def run_simulate(args) -> int:
             source = f"measured on {device}"
         p = predict(shape, plan, P, link, layer, head, counts[0], args.batch, chunk,
                     floor_ms=1e-3 * args.op_floor_us if args.roofline_gbytes else 0.0)
-        recs.append({"plan": str(plan), "devices": P, "link_gbps": link.gbps, "link_latency_us": link.latency_us,
-                     "tokens": counts[0], "batch": args.batch, "compute": source, "shape": shape.__dict__,
-                     **p.to_dict()})
+        rows.append(SimulateRow(plan=str(plan), devices=P, link_gbps=link.gbps, link_latency_us=link.latency_us,
+                                tokens=counts[0], batch=args.batch, compute=source, shape=shape, prediction=p))
         print(f"{plan} on {P} devices ({source}; link {link.gbps:g} Gbit/s, {link.latency_us:g} us): "
               f"sequential {p.sequential_ms:.3f} ms, pipeline {p.pipeline_ms:.3f} ms, tensor parallel "
               f"{p.tensor_parallel_ms:.3f} ms, SNLP {p.snlp_ms:.3f} ms (SNLP comm {p.comm_snlp_ms:.3f} ms, "
               f"TP comm {p.comm_tp_ms:.3f} ms); weights {p.fits_one_device_gb:.1f} GB")
-    if args.json:
-        write_json(args.json, recs)
+    write_records(rows, args.json, args.csv)
     return 0

@@ -4,9 +4,9 @@ For each of the paper's model shapes (Table "Main results for layer-parallel dec
 tab:main_results; shapes from its Sec. Experiments and the authors' run scripts) and the plans the
 paper times on it, with RANDOM weights (timing only: speed does not depend on the weights, quality
 does and is not measured here):
-  - teacher-forced prefill of T = 2048 tokens at batch 1 (`snlp.bench.benchmark`: sequential and
+  - teacher-forced prefill of T = 2048 tokens at batch 1 (`snlp.bench.forward.benchmark`: sequential and
     each plan round-robin in one process, medians, op-count and structural ideals),
-  - KV-cached greedy decode, per-token latency (`snlp.bench.decode_benchmark`; also self-speculative
+  - KV-cached greedy decode, per-token latency (`snlp.bench.decode.decode_benchmark`; also self-speculative
     rows, whose acceptance rate means nothing with random weights),
 each eager and compiled (torch.compile fullgraph, reduce-overhead on CUDA; compile time reported
 apart), bf16 on CUDA (fp32 on CPU). The paper's protocol is 50 warm-up + 200 timed runs: the
@@ -22,7 +22,6 @@ decode steps takes minutes on a 2-core CPU; tests/test_steps.py checks them agai
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 from dataclasses import asdict, dataclass, field, replace
@@ -30,9 +29,11 @@ from pathlib import Path
 
 import torch
 
-from snlp.bench.forward import benchmark, decode_benchmark, model_bytes
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.bench.decode import DecodeRow, decode_benchmark, model_bytes
+from snlp.bench.forward import ForwardRow, benchmark
+from snlp.bench.records import markdown_table, write_json
 from snlp.method.plan import Plan
+from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label
 
 RANDOM_WEIGHTS = "random weights (timing only)"
@@ -169,26 +170,98 @@ class SuiteConfig:
         return cfg
 
 
+@dataclass(frozen=True)
+class ShapeInfo:
+    """What every row of one shape carries: the shape as run (shrunk with quick) and its model's bytes."""
+
+    shape: str  # Shape.key
+    shape_title: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    hc_streams: int
+    x0: bool  # x0 residual (off with mHC)
+    ve: bool
+    vocab_size: int
+    model_bytes: int
+
+
+@dataclass
+class SuiteRow:
+    """One row of the suite: a prefill (ForwardRow) or decode (DecodeRow) row of one shape and treatment,
+    with the paper's number for it where the paper has one."""
+
+    kind: str  # prefill | decode
+    treatment: str  # eager | compiled
+    info: ShapeInfo
+    row: ForwardRow | DecodeRow
+    paper: float | None = None  # prefill: PAPER_PREFILL speedup; decode snlp rows: PAPER_DRAFTER_S
+
+    @property
+    def plan(self) -> str:
+        return self.row.plan
+
+    @property
+    def mode(self) -> str | None:
+        """A decode row's mode (sequential / snlp / speculative); None for prefill."""
+        return self.row.mode if isinstance(self.row, DecodeRow) else None
+
+    def to_dict(self) -> dict:
+        """Flat for the JSON: the row's keys (a decode row's `mode` as `decode_mode`), the shape's, kind,
+        treatment, and `paper_speedup` (prefill) or `paper_drafter_s` (decode)."""
+        d = self.row.to_dict()
+        if self.kind == "decode":
+            d["decode_mode"] = d.pop("mode")
+        d.update(asdict(self.info), kind=self.kind, treatment=self.treatment)
+        d["paper_speedup" if self.kind == "prefill" else "paper_drafter_s"] = self.paper
+        return d
+
+
+@dataclass
+class SuiteMeta:
+    """Where and how the suite ran (the JSON's "meta"): device, versions, dtype, date, command, load."""
+
+    quick: bool
+    device: str  # device_label: the GPU's name, or the CPU's
+    device_type: str  # cuda | cpu
+    torch: str
+    cuda: str | None  # torch.version.cuda (None: a CPU build)
+    dtype: str
+    date: str  # UTC, ISO 8601
+    command: str | None
+    platform: str
+    threads: int  # torch CPU threads during the run
+    suite: str = "paper"
+    weights: str = RANDOM_WEIGHTS
+    batch: int = 1
+    loadavg_1min_start: float | None = None  # None where os.getloadavg does not exist
+    loadavg_1min_end: float | None = None
+
+    @classmethod
+    def now(cls, cfg: SuiteConfig) -> "SuiteMeta":
+        device = torch.device(cfg.device)
+        return cls(quick=cfg.quick, device=device_label(device), device_type=device.type, torch=torch.__version__,
+                   cuda=torch.version.cuda, dtype=cfg.dtype,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command=cfg.command, platform=platform.platform(), threads=torch.get_num_threads(),
+                   loadavg_1min_start=_loadavg())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _loadavg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 @dataclass
 class SuiteResult:
     config: SuiteConfig  # resolved
-    meta: dict  # device, versions, dtype, date, command, load average, "random weights (timing only)"
-    records: list[dict] = field(default_factory=list)  # one per (shape, treatment, kind, row)
+    meta: SuiteMeta
+    records: list[SuiteRow] = field(default_factory=list)  # one per (shape, treatment, kind, row)
     markdown: str = ""
     json_path: str | None = None
     markdown_path: str | None = None
-
-
-def _meta(cfg: SuiteConfig) -> dict:
-    device = torch.device(cfg.device)
-    meta = {"suite": "paper", "quick": cfg.quick, "weights": RANDOM_WEIGHTS, "device": device_label(device),
-            "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": cfg.dtype,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": cfg.command, "platform": platform.platform(), "batch": 1,
-            "threads": torch.get_num_threads()}
-    if hasattr(os, "getloadavg"):
-        meta["loadavg_1min_start"] = os.getloadavg()[0]
-    return meta
 
 
 def _build(shape: Shape, cfg: SuiteConfig) -> GPT:
@@ -213,56 +286,49 @@ def run_suite(config: SuiteConfig) -> SuiteResult:
 
 
 def _run(cfg: SuiteConfig) -> SuiteResult:
-    result = SuiteResult(config=cfg, meta=_meta(cfg))
+    result = SuiteResult(config=cfg, meta=SuiteMeta.now(cfg))
     shapes = [s for s in PAPER_SHAPES if s.key in cfg.shapes]
     for shape in shapes:
         run_shape = shape.quick() if cfg.quick else shape
         model = _build(run_shape, cfg)
         plans = [Plan.parse(p, run_shape.depth) for p in shape.plans]
-        common = {"shape": shape.key, "shape_title": shape.title, "n_layer": run_shape.depth,
-                  "n_embd": run_shape.width, "n_head": run_shape.width // run_shape.head_dim,
-                  "hc_streams": shape.hc_streams, "x0": shape.x0 and not shape.hc_streams, "ve": shape.ve,
-                  "vocab_size": cfg.vocab_size, "model_bytes": model_bytes(model)}
+        info = ShapeInfo(shape=shape.key, shape_title=shape.title, n_layer=run_shape.depth, n_embd=run_shape.width,
+                         n_head=run_shape.width // run_shape.head_dim, hc_streams=shape.hc_streams,
+                         x0=shape.x0 and not shape.hc_streams, ve=shape.ve, vocab_size=cfg.vocab_size,
+                         model_bytes=model_bytes(model))
         for treatment in cfg.treatments:
             compiled = treatment == "compiled"
             if compiled and cfg.quick and shape.key != QUICK_COMPILED:
                 continue
-            recs = benchmark(model, plans, tokens=cfg.tokens, batch=1, warmup=cfg.warmup, runs=cfg.runs,
+            rows = benchmark(model, plans, tokens=cfg.tokens, batch=1, warmup=cfg.warmup, runs=cfg.runs,
                              compile=compiled, seed=cfg.seed)
-            for r in recs:
-                r.update(common, kind="prefill", treatment=treatment,
-                         paper_speedup=PAPER_PREFILL.get((shape.key, r["plan"])))
-            result.records += recs
+            result.records += [SuiteRow("prefill", treatment, info, r, PAPER_PREFILL.get((shape.key, r.plan)))
+                               for r in rows]
             if cfg.decode and (cfg.decode_compiled or not compiled):
-                result.records += _decode(model, plans, cfg, compiled, common, shape)
+                result.records += _decode(model, plans, cfg, treatment, info)
             if compiled:
                 torch._dynamo.reset()  # free this shape's graphs (and CUDA-graph pools) before the next
         del model
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
-    if hasattr(os, "getloadavg"):
-        result.meta["loadavg_1min_end"] = os.getloadavg()[0]
+    result.meta.loadavg_1min_end = _loadavg()
     result.markdown = markdown(result)
     if cfg.out:
         out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
         result.json_path, result.markdown_path = str(out / "suite.json"), str(out / "suite.md")
-        Path(result.json_path).write_text(json.dumps({"meta": result.meta, "config": asdict(cfg),
-                                                      "records": result.records}, indent=2))
+        write_json(result.json_path, {"meta": result.meta, "config": cfg, "records": result.records}, announce=False)
         Path(result.markdown_path).write_text(result.markdown)
     return result
 
 
-def _decode(model: GPT, plans: list[Plan], cfg: SuiteConfig, compiled: bool, common: dict, shape: Shape) -> list[dict]:
-    # compiled: static-shape steps (snlp.steps) on both sides, compile time apart, host syncs per step counted;
-    # the sequential row carries gpt-fast's "bandwidth achieved" = model bytes x tokens/s (bandwidth_gb_s)
-    recs = decode_benchmark(model, plans, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, blocks=cfg.blocks,
-                            warmup=cfg.decode_warmup, runs=cfg.decode_runs, seed=cfg.seed, compile=compiled)
-    for r in recs:
-        r["decode_mode"] = r.pop("mode")  # sequential / snlp / speculative
-        r.update(common, kind="decode", treatment="compiled" if compiled else "eager",
-                 paper_drafter_s=PAPER_DRAFTER_S.get((shape.key, r["plan"])) if r["decode_mode"] == "snlp" else None)
-    return recs
+def _decode(model: GPT, plans: list[Plan], cfg: SuiteConfig, treatment: str, info: ShapeInfo) -> list[SuiteRow]:
+    # compiled: static-shape steps (snlp.decode.steps) on both sides, compile time apart, host syncs per step
+    # counted; the sequential row carries gpt-fast's "bandwidth achieved" = model bytes x tokens/s (bandwidth_gb_s)
+    rows = decode_benchmark(model, plans, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, blocks=cfg.blocks,
+                            warmup=cfg.decode_warmup, runs=cfg.decode_runs, seed=cfg.seed,
+                            compile=treatment == "compiled")
+    return [SuiteRow("decode", treatment, info, r,
+                     PAPER_DRAFTER_S.get((info.shape, r.plan)) if r.mode == "snlp" else None) for r in rows]
 
 
 # ----------------------------------------------------------------------------------------- markdown
@@ -270,21 +336,38 @@ def _x(v, fmt="{:.2f}x") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def _find(records, **kw) -> dict | None:
-    for r in records:
-        if all(r.get(k) == v for k, v in kw.items()):
+def _find(rows: list[SuiteRow], shape: str, plan: str, kind: str, treatment: str,
+          mode: str | None = None) -> SuiteRow | None:
+    """The first row of this shape, plan, kind and treatment (and decode mode, when given)."""
+    for r in rows:
+        if (r.info.shape, r.plan, r.kind, r.treatment) == (shape, plan, kind, treatment) and mode in (None, r.mode):
             return r
     return None
-
 
 
 def markdown(result: SuiteResult) -> str:
     """The suite as markdown: a header (device, versions, protocol, RANDOM weights), one speedup table
     (ours beside the paper's) and one baseline table (sequential ms, compile time, decode bandwidth)."""
-    cfg, m, recs = result.config, result.meta, result.records
+    shapes = [s for s in PAPER_SHAPES if s.key in result.config.shapes]
+    lines = [*_header(result), "", *_speedup_table(shapes, result.records), "",
+             "Sequential baselines (the denominators): prefill median ms; compile s = the untimed calls that "
+             "compile every callable of that treatment (never inside a timing); decode ms/token; GB/s = model bytes "
+             "x tokens/s of sequential decoding (gpt-fast's 'bandwidth achieved'); syncs = host syncs per compiled "
+             "decode step, the most over its steps (0 is the contract).", "",
+             *_baseline_table(shapes, result.records), "",
+             "Columns: *ideal (layers)* = L / (S + K x evals [+1 fwd]), the op-count ideal; *ideal (struct.)* = "
+             "t_seq / (t_fixed + steps x t_layer) with the embedding + head time t_fixed measured (eager); *prefill* "
+             "and *decode* = sequential time / plan time, same treatment both sides; *of struct.* = speedup / "
+             "structural ideal of that treatment; *paper prefill* = tab:main_results Speedup (H100, eager, bf16); "
+             "*paper s* = tab:ssd_results drafter speedup. '-' = not run or not in the paper.", ""]
+    return "\n".join(lines)
+
+
+def _header(result: SuiteResult) -> list[str]:
+    cfg, m = result.config, result.meta
     lines = [f"## snlp bench --suite paper{' --quick' if cfg.quick else ''}", "",
-             f"- {RANDOM_WEIGHTS}; batch 1; {m['dtype']} on {m['device']} ({m['device_type']}); torch {m['torch']}, "
-             f"CUDA {m['cuda'] or '-'}; {m['threads']} CPU threads; {m['date']}",
+             f"- {RANDOM_WEIGHTS}; batch 1; {m.dtype} on {m.device} ({m.device_type}); torch {m.torch}, "
+             f"CUDA {m.cuda or '-'}; {m.threads} CPU threads; {m.date}",
              f"- prefill: T = {cfg.tokens}, {cfg.warmup} warm-up + {cfg.runs} timed rounds (round-robin, medians); "
              f"decode: prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, {cfg.decode_warmup} warm-up + "
              f"{cfg.decode_runs} timed runs" + ("" if cfg.decode else " (not run)"),
@@ -293,58 +376,53 @@ def markdown(result: SuiteResult) -> str:
         lines.append("- QUICK: smoke-size shapes (width 64, depth = largest suffix + 2), NOT the paper's shapes; "
                      f"compiled prefill only on {QUICK_COMPILED}"
                      + ("" if cfg.decode_compiled else ", no compiled decode"))
-    if "loadavg_1min_start" in m:
-        lines.append(f"- 1-min load average: {m['loadavg_1min_start']:.2f} at start, "
-                     f"{m.get('loadavg_1min_end', float('nan')):.2f} at end")
-    if m.get("command"):
-        lines.append(f"- command: `{m['command']}`")
-    lines += ["", "| shape | plan | ideal (layers) | ideal (struct.) | prefill eager | of struct. | prefill compiled | "
-              "of struct. | paper prefill | decode eager | decode compiled | paper s (SSD drafter) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for shape in [s for s in PAPER_SHAPES if s.key in cfg.shapes]:
+    if m.loadavg_1min_start is not None:
+        end = float("nan") if m.loadavg_1min_end is None else m.loadavg_1min_end
+        lines.append(f"- 1-min load average: {m.loadavg_1min_start:.2f} at start, {end:.2f} at end")
+    if m.command:
+        lines.append(f"- command: `{m.command}`")
+    return lines
+
+
+def _speedup_table(shapes: list[Shape], recs: list[SuiteRow]) -> list[str]:
+    """Per (shape, plan): the ideals, our prefill / decode speedups (eager, compiled), the paper's beside them."""
+    rows = []
+    for shape in shapes:
         for plan in shape.plans:
-            pe = _find(recs, shape=shape.key, plan=plan, kind="prefill", treatment="eager")
-            pc = _find(recs, shape=shape.key, plan=plan, kind="prefill", treatment="compiled")
-            de = _find(recs, shape=shape.key, plan=plan, kind="decode", treatment="eager", decode_mode="snlp")
-            dc = _find(recs, shape=shape.key, plan=plan, kind="decode", treatment="compiled", decode_mode="snlp")
+            pe, pc = (_find(recs, shape.key, plan, "prefill", t) for t in TREATMENTS)
+            de, dc = (_find(recs, shape.key, plan, "decode", t, mode="snlp") for t in TREATMENTS)
             any_p = pe or pc
-            lines.append(" | ".join([
-                f"| {shape.key}", f"`{plan}`", _x(any_p and any_p["ideal_layer_speedup"]),
-                _x(pe and pe["structural_ideal"]), _x(pe and pe["speedup"]),
-                _x(pe and 100 * pe["of_structural"], "{:.0f}%"), _x(pc and pc["speedup"]),
-                _x(pc and 100 * pc["of_structural"], "{:.0f}%"), _x(PAPER_PREFILL.get((shape.key, plan))),
-                _x(de and de["speedup"]), _x(dc and dc["speedup"]), _x(PAPER_DRAFTER_S.get((shape.key, plan)))]) + " |")
-    lines += ["", "Sequential baselines (the denominators): prefill median ms; compile s = the untimed calls that "
-              "compile every callable of that treatment (never inside a timing); decode ms/token; GB/s = model bytes "
-              "x tokens/s of sequential decoding (gpt-fast's 'bandwidth achieved'); syncs = host syncs per compiled "
-              "decode step, the most over its steps (0 is the contract).", "",
-              "| shape | L | D | model MB | prefill eager ms | prefill compiled ms | prefill compile s | "
-              "decode eager ms/tok | decode compiled ms/tok | decode compile s | decode eager GB/s | "
-              "decode compiled GB/s | syncs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for shape in [s for s in PAPER_SHAPES if s.key in cfg.shapes]:
-        pe = _find(recs, shape=shape.key, plan="sequential", kind="prefill", treatment="eager")
-        pc = _find(recs, shape=shape.key, plan="sequential", kind="prefill", treatment="compiled")
-        de = _find(recs, shape=shape.key, plan="sequential", kind="decode", treatment="eager")
-        dc = _find(recs, shape=shape.key, plan="sequential", kind="decode", treatment="compiled")
+            rows.append([
+                shape.key, f"`{plan}`", _x(any_p and any_p.row.ideal_layer_speedup),
+                _x(pe and pe.row.structural_ideal), _x(pe and pe.row.speedup),
+                _x(pe and 100 * pe.row.of_structural, "{:.0f}%"), _x(pc and pc.row.speedup),
+                _x(pc and 100 * pc.row.of_structural, "{:.0f}%"), _x(PAPER_PREFILL.get((shape.key, plan))),
+                _x(de and de.row.speedup), _x(dc and dc.row.speedup), _x(PAPER_DRAFTER_S.get((shape.key, plan)))])
+    return markdown_table(["shape", "plan", "ideal (layers)", "ideal (struct.)", "prefill eager", "of struct.",
+                           "prefill compiled", "of struct.", "paper prefill", "decode eager", "decode compiled",
+                           "paper s (SSD drafter)"], rows)
+
+
+def _baseline_table(shapes: list[Shape], recs: list[SuiteRow]) -> list[str]:
+    """Per shape: the sequential rows (the speedups' denominators), compile times and decode bandwidth."""
+    rows = []
+    for shape in shapes:
+        pe, pc = (_find(recs, shape.key, "sequential", "prefill", t) for t in TREATMENTS)
+        de, dc = (_find(recs, shape.key, "sequential", "decode", t) for t in TREATMENTS)
         any_r = pe or pc or de or dc
         if any_r is None:
             continue
-        mine = [r for r in recs if r.get("shape") == shape.key and r.get("treatment") == "compiled"]
-        p_comp = (sum(r["compile_s"] for r in mine if r["kind"] == "prefill") + pc["fixed_compile_s"]) if pc else None
-        d_comp = sum(r["compile_s"] for r in mine if r["kind"] == "decode" and r["decode_mode"] != "speculative") \
+        mine = [r for r in recs if r.info.shape == shape.key and r.treatment == "compiled"]
+        p_comp = (sum(r.row.compile_s for r in mine if r.kind == "prefill") + pc.row.fixed_compile_s) if pc else None
+        d_comp = sum(r.row.compile_s for r in mine if r.kind == "decode" and r.mode != "speculative") \
             if dc else None  # the speculative rows reuse the drafter's and the sequential verifier's graphs
-        syncs = max(r["host_syncs"] for r in mine if r["kind"] == "decode") if dc else None
-        lines.append(" | ".join([
-            f"| {shape.key}", str(any_r["n_layer"]), str(any_r["n_embd"]), f"{any_r['model_bytes'] / 1e6:.1f}",
-            _x(pe and pe["median_ms"], "{:.3f}"), _x(pc and pc["median_ms"], "{:.3f}"), _x(p_comp, "{:.1f}"),
-            _x(de and de["ms_per_token"], "{:.3f}"), _x(dc and dc["ms_per_token"], "{:.3f}"), _x(d_comp, "{:.1f}"),
-            _x(de and de.get("bandwidth_gb_s"), "{:.2f}"), _x(dc and dc.get("bandwidth_gb_s"), "{:.2f}"),
-            _x(syncs, "{:g}")]) + " |")
-    lines += ["", "Columns: *ideal (layers)* = L / (S + K x evals [+1 fwd]), the op-count ideal; *ideal (struct.)* = "
-              "t_seq / (t_fixed + steps x t_layer) with the embedding + head time t_fixed measured (eager); *prefill* "
-              "and *decode* = sequential time / plan time, same treatment both sides; *of struct.* = speedup / "
-              "structural ideal of that treatment; *paper prefill* = tab:main_results Speedup (H100, eager, bf16); "
-              "*paper s* = tab:ssd_results drafter speedup. '-' = not run or not in the paper.", ""]
-    return "\n".join(lines)
-
+        syncs = max(r.row.host_syncs for r in mine if r.kind == "decode") if dc else None
+        rows.append([
+            shape.key, str(any_r.info.n_layer), str(any_r.info.n_embd), f"{any_r.info.model_bytes / 1e6:.1f}",
+            _x(pe and pe.row.median_ms, "{:.3f}"), _x(pc and pc.row.median_ms, "{:.3f}"), _x(p_comp, "{:.1f}"),
+            _x(de and de.row.ms_per_token, "{:.3f}"), _x(dc and dc.row.ms_per_token, "{:.3f}"), _x(d_comp, "{:.1f}"),
+            _x(de and de.row.bandwidth_gb_s, "{:.2f}"), _x(dc and dc.row.bandwidth_gb_s, "{:.2f}"),
+            _x(syncs, "{:g}")])
+    return markdown_table(["shape", "L", "D", "model MB", "prefill eager ms", "prefill compiled ms",
+                           "prefill compile s", "decode eager ms/tok", "decode compiled ms/tok", "decode compile s",
+                           "decode eager GB/s", "decode compiled GB/s", "syncs"], rows)

@@ -1,0 +1,293 @@
+"""Benchmark SNLP plans against the sequential forward, measured side by side in one process.
+
+Teacher-forced forward over T tokens at batch B. Every callable is warmed up, then timed
+round-robin (one call of each per round, so drift hits all alike); we report medians, the speedup
+over sequential and the ideal speedup L / (S + K*evals + [fwd init]) so the gap is visible; the
+`iters` column is the iterations each plan ran (fewer than K when its `tol` stopped it).
+`--decode` times KV-cached decoding; `--ops` the per-layer cost of forward, FD, JVP and VJP (the
+DiagN probe primitives) at each of `--tokens 1,16,...`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from snlp.bench.decode import DecodeRow, decode_benchmark
+from snlp.bench.forward import ForwardRow, ModelSpec, benchmark, build_model
+from snlp.bench.ops import OpRow, op_benchmark
+from snlp.bench.records import write_records
+from snlp.method.plan import Plan, parse_plans
+from snlp.model.gpt import GPT
+from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+
+
+def add_arguments(p) -> None:
+    _add_model_flags(p)
+    _add_run_flags(p)
+    _add_decode_flags(p)
+    _add_suite_flags(p)
+    _add_ops_flags(p)
+    _add_dist_flags(p)
+
+
+def _add_model_flags(p) -> None:
+    src = p.add_argument_group("model (random weights unless --ckpt)")
+    src.add_argument("--depth", type=int, default=16, help="number of layers (the size dial), default 16")
+    src.add_argument("--width", type=int, default=None, help="model width; default depth * aspect ratio")
+    src.add_argument("--aspect-ratio", type=int, default=64, help="width per layer of depth (default 64)")
+    src.add_argument("--head-dim", type=int, default=128, help="attention head dim (default 128)")
+    src.add_argument("--kv-heads", type=int, default=None, help="KV heads for GQA (default: = heads)")
+    src.add_argument("--vocab-size", type=int, default=32768)
+    src.add_argument("--window-pattern", default="L", help="sliding-window pattern, e.g. SSSL (default L)")
+    src.add_argument("--no-x0", action="store_true", help="disable the x0 residual")
+    src.add_argument("--no-ve", action="store_true", help="disable value embeddings")
+    src.add_argument("--hc-streams", type=int, default=0, help="mHC with this many residual streams (0 = plain; "
+                     "turns the x0 residual off); plans may then use the hcn surrogate")
+    src.add_argument("--hc-static", action="store_true", help="static mHC (constant H) instead of dynamic")
+    src.add_argument("--ckpt", default=None, help="benchmark a checkpoint directory instead of random weights")
+
+
+def _add_run_flags(p) -> None:
+    p.add_argument("--plans", default="1xF12-h0-K1,12xF1-h0-K1", help="comma-separated plans")
+    p.add_argument("--tokens", "-T", type=_token_counts, default="1",
+                   help="tokens per forward (teacher-forced); with --ops a comma list, e.g. 1,16,32,64,128")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (fullgraph) both the sequential and SNLP forwards; with --decode the static-shape "
+                        "decode steps of both sides (CUDA graphs on CUDA); compile time is reported apart from timings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the records to this JSON file")
+    p.add_argument("--csv", default=None, help="write the records to this CSV file (the JSON's keys as columns)")
+
+
+def _add_decode_flags(p) -> None:
+    dec = p.add_argument_group("decode benchmark (--decode)")
+    dec.add_argument("--decode", action="store_true",
+                     help="benchmark KV-cached greedy decoding instead: per-token latency of sequential and each "
+                          "plan, and self-speculative decoding (each plan drafts, sequential verifies)")
+    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
+    dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
+    dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
+    dec.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads, also for the teacher-forced and --ops runs (tiny ops: 1 is often best "
+                          "on a shared CPU)")
+
+
+def _add_suite_flags(p) -> None:
+    suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.bench.suite)")
+    suite.add_argument("--suite", choices=["paper"], default=None,
+                       help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
+                            "decode, eager and compiled, random weights; writes suite.json + suite.md to --out")
+    suite.add_argument("--quick", action="store_true",
+                       help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
+    suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
+    suite.add_argument("--shapes", default=None,
+                       help="--suite: comma-separated subset of the shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B "
+                            "(default all)")
+    suite.add_argument("--suite-tokens", type=int, default=None,
+                       help="--suite: prefill length T (default 2048; 16 quick)")
+    suite.add_argument("--suite-warmup", type=int, default=None,
+                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
+    suite.add_argument("--suite-runs", type=int, default=None,
+                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
+    suite.add_argument("--suite-new-tokens", type=int, default=None,
+                       help="--suite: decoded tokens per decode run (default 128; 4 quick)")
+    suite.add_argument("--treatments", default="eager,compiled", help="--suite: eager and/or compiled")
+    suite.add_argument("--no-decode", action="store_true", help="--suite: skip the KV-cached decode rows")
+
+
+def _add_ops_flags(p) -> None:
+    ops = p.add_argument_group("single-layer op benchmark (--ops)")
+    ops.add_argument("--ops", action="store_true",
+                     help="time forward, FD, JVP and VJP of ONE layer (the DiagN probe primitives) at each --tokens, "
+                          "batch 1, with their ratio to forward (paper Table diag_ops_bench)")
+    ops.add_argument("--layer", type=int, default=None, help="layer for --ops (default: the middle layer L // 2)")
+
+
+def _add_dist_flags(p) -> None:
+    dist = p.add_argument_group("multi-device (snlp.dist.layer_parallel, snlp.dist.costmodel)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="under torchrun: distributed SNLP vs the layer-pipelined sequential forward (with --decode "
+                           "also decoding), e.g. torchrun --nproc_per_node=2 -m snlp bench --distributed --pin")
+    dist.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a dead peer rank is an error")
+    dist.add_argument("--pin", action="store_true", help="--distributed on CPU: pin local rank r to core r, 1 thread")
+    dist.add_argument("--simulate-devices", type=int, default=None, metavar="P",
+                      help="cost model: predicted per-token latency of sequential, pipeline, tensor parallel and SNLP "
+                           "over P devices (snlp.dist.costmodel)")
+    dist.add_argument("--link-gbps", type=float, default=3600.0,
+                      help="--simulate-devices: link bandwidth per direction, Gbit/s (3600 ~ NVLink 4, 256 ~ PCIe 5 x16)")
+    dist.add_argument("--link-latency-us", type=float, default=10.0, help="--simulate-devices: per-message latency, us")
+    dist.add_argument("--shape", default=None, help="--simulate-devices: a preset shape (0.5B, 3B, 70B) instead of the "
+                      "size flags")
+    dist.add_argument("--roofline-gbytes", type=float, default=None,
+                      help="--simulate-devices: model compute as weight bytes / this memory bandwidth (GB/s) instead "
+                           "of measuring on --device (e.g. 3350 for an H100 SXM)")
+    dist.add_argument("--roofline-efficiency", type=float, default=0.7,
+                      help="fraction of --roofline-gbytes achieved (default 0.7)")
+    dist.add_argument("--op-floor-us", type=float, default=20.0,
+                      help="with --roofline-gbytes: the least time any op takes (kernel launches), us")
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in str(text).split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--tokens must be an integer or a comma list like 1,16,32, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--tokens must be >= 1, got {text!r}")
+    return counts
+
+
+def model_spec(args) -> ModelSpec:
+    """The model flags as a ModelSpec (snlp.bench.forward.build_model's input)."""
+    return ModelSpec(depth=args.depth, width=args.width, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
+                     kv_heads=args.kv_heads, vocab_size=args.vocab_size, window_pattern=args.window_pattern,
+                     x0_residual=False if args.no_x0 else None, value_embeds=not args.no_ve,
+                     hc_streams=args.hc_streams, hc_dynamic=not args.hc_static, ckpt=args.ckpt, seed=args.seed)
+
+
+def run(args) -> int:
+    if getattr(args, "suite", None):
+        return run_suite_cli(args)
+    if getattr(args, "simulate_devices", None) is not None:
+        from snlp.apps.dist import run_simulate
+
+        return run_simulate(args)
+    if getattr(args, "distributed", False):
+        from snlp.apps.dist import run_bench
+
+        return run_bench(args, model_spec(args))
+    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    if args.ops:
+        return run_ops(args, counts)
+    if len(counts) != 1:
+        raise ValueError(f"--tokens takes one value (a comma list only with --ops), got {','.join(map(str, counts))}")
+    args.tokens = counts[0]
+    if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
+        raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
+    device = cli_device(args.device)
+    set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
+    model = build_model(model_spec(args))
+    plans = parse_plans(args.plans, model.config.n_layer)
+    dtype = cli_dtype(args.dtype, device)
+    model = model.to(device=device, dtype=getattr(torch, dtype))
+    if args.decode:
+        return run_decode(args, model, plans, device, dtype)
+    rows = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
+                     compile=args.compile, seed=args.seed)
+    cfg = model.config
+    print_table(rows, f"L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} T={args.tokens} B={args.batch} "
+                      f"{dtype} on {device_label(device)}, median of {args.runs} runs")
+    write_records(rows, args.json, args.csv)
+    return 0
+
+
+def print_table(rows: list[ForwardRow], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r0 = rows[0]
+    title += (f"\nfixed (embed + head) {r0.fixed_ms:.3f} ms, per layer {r0.layer_ms:.3f} ms; "
+              f"ideal (layers) = L / steps, ideal (struct.) = t_seq / (fixed + steps * t_layer)")
+    if r0.compiled:
+        title += f"; compile time {sum(r.compile_s for r in rows) + r0.fixed_compile_s:.1f} s (not timed)"
+    table = Table(title=title)
+    for col in ("plan", "S", "iters", "median ms", "speedup", "ideal (layers)", "ideal (struct.)", "of struct.",
+                "min ms", "max ms"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for r in rows:
+        its = "-" if r.iters is None else str(r.iters)  # iterations run (tol may stop before K)
+        table.add_row(r.plan, str(r.prefix), its, f"{r.median_ms:.3f}", f"{r.speedup:.2f}x",
+                      f"{r.ideal_layer_speedup:.2f}x", f"{r.structural_ideal:.2f}x",
+                      f"{100 * r.of_structural:.0f}%", f"{r.min_ms:.3f}", f"{r.max_ms:.3f}")
+    Console(width=160).print(table)
+
+
+def print_decode_table(rows: list[DecodeRow], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("mode", "plan", "B", "ms/token", "tok/s", "speedup", "alpha", "tok/round", "s", "SSD ideal", "=seq"):
+        table.add_column(col, justify="left" if col in ("mode", "plan") else "right")
+    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731  (None: not this row's mode)
+    for r in rows:
+        table.add_row(r.mode, r.plan, f(r.block, "{}"), f(r.ms_per_token, "{:.3f}"), f(r.tokens_per_s, "{:.1f}"),
+                      f(r.speedup, "{:.2f}x"), f(r.alpha, "{:.3f}"), f(r.tokens_per_round, "{:.2f}"),
+                      f(r.drafter_speedup_s, "{:.2f}"), f(r.ideal_ssd_speedup, "{:.2f}x"),
+                      "yes" if r.matches_sequential else "no")
+    Console(width=160).print(table)
+
+
+def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
+    set_threads(args.threads)
+    try:
+        blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--blocks must be comma-separated integers, got {args.blocks!r}") from None
+    rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
+                            args.seed, compile=args.compile)
+    cfg = model.config
+    print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
+                             f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "
+                             f"{dtype} on {device_label(device)}, median of {args.runs} runs")
+    seq = rows[0]
+    print(f"sequential: {seq.model_bytes / 1e6:.1f} MB of weights x {seq.tokens_per_s:.1f} tok/s = "
+          f"{seq.bandwidth_gb_s:.2f} GB/s achieved"
+          + (f"; compile time (not in any timing): {sum(r.compile_s for r in rows if r.mode != 'speculative'):.1f} s"
+             f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
+    write_records(rows, args.json, args.csv)
+    return 0
+
+
+def run_suite_cli(args) -> int:
+    import shlex
+    import sys
+
+    from snlp.bench.suite import SuiteConfig, run_suite
+
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
+    cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
+                      tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
+                      new_tokens=args.suite_new_tokens,
+                      treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
+                      threads=args.threads,
+                      out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
+    result = run_suite(cfg)
+    print(result.markdown)
+    print(f"wrote {result.json_path} and {result.markdown_path}")
+    return 0
+
+
+def print_ops_table(rows: list[OpRow], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("T", "Forward (ms)", "FD (ms)", "JVP (ms)", "VJP (ms)", "FD extra (ms)"):
+        table.add_column(col, justify="right")
+    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x)"  # noqa: E731
+    for r in rows:
+        table.add_row(str(r.tokens), f"{r.forward_ms:.3f}", cell(r, "fd"), cell(r, "jvp"), cell(r, "vjp"),
+                      cell(r, "fd_extra"))
+    Console(width=140).print(table)
+
+
+def run_ops(args, counts: tuple[int, ...]) -> int:
+    if args.runs < 1 or args.warmup < 0:
+        raise ValueError("--runs must be >= 1 and --warmup >= 0")
+    set_threads(args.threads)  # --threads (decode group) applies here too
+    device = cli_device(args.device)
+    dtype = cli_dtype(args.dtype, device)
+    model = build_model(model_spec(args)).to(device=device, dtype=getattr(torch, dtype))
+    rows = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
+    cfg = model.config
+    print_ops_table(rows, f"single-layer ops: layer {rows[0].layer} of L={cfg.n_layer} D={cfg.n_embd} "
+                          f"heads={cfg.n_head} B=1 {dtype} on {device_label(device)}, median of {args.runs} runs")
+    write_records(rows, args.json, args.csv)
+    return 0

@@ -1,0 +1,150 @@
+"""The KV-cached decode benchmark: per-token latency of sequential, SNLP and self-speculative decoding.
+
+`snlp bench --decode` (snlp.apps.bench) drives it; the suite (snlp.bench.suite) reuses it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
+from snlp.decode.steps import host_syncs, sequential_step, snlp_step
+from snlp.method.plan import Plan
+from snlp.method.solver import bind
+from snlp.model.cache import KVCache
+from snlp.model.gpt import GPT
+
+
+@dataclass
+class DecodeRow:
+    """One row of the decode benchmark: a mode (sequential / snlp / speculative), plan and block size."""
+
+    mode: str  # sequential, snlp (the plan decodes alone) or speculative (the plan drafts, sequential verifies)
+    plan: str  # "sequential" or the plan's text
+    block: int | None  # speculative draft block size B; None otherwise
+    ms_per_token: float  # median over runs
+    tokens_per_s: float
+    speedup: float  # sequential ms/token over this row's
+    matches_sequential: bool  # the greedy tokens equal sequential's
+    new_tokens: int
+    prompt_len: int
+    runs: int
+    n_layer: int
+    device: str
+    dtype: str
+    compiled: bool
+    compile_s: float  # compile time of this row's steps (speculative: drafter + verifier), never timed
+    host_syncs: float | None  # host syncs per compiled step (0 is the contract); None when eager
+    # sequential row only: gpt-fast's "bandwidth achieved" = model bytes x tokens/s
+    model_bytes: int | None = None
+    bandwidth_gb_s: float | None = None
+    # speculative rows only
+    alpha: float | None = None  # acceptance rate
+    tokens_per_round: float | None = None
+    drafter_speedup_s: float | None = None  # sequential over drafter ms per cached single-token step
+    drafter_ms_per_step: float | None = None
+    sequential_ms_per_step: float | None = None
+    ideal_ssd_speedup: float | None = None  # from alpha, B and s (snlp.decode.generate.ideal_ssd_speedup)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_bytes(model: GPT) -> int:
+    """Bytes of the model's parameters and buffers: what one sequential decode step streams from memory
+    (gpt-fast's "model size"; tied embeddings counted once)."""
+    seen, n = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+    return n
+
+
+def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
+                     blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
+                     compile: bool = False) -> list[DecodeRow]:
+    """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
+    and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
+    with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
+    sequential row also gives the achieved memory bandwidth, model bytes x tokens/s (gpt-fast's figure).
+
+    `compile`: every side runs compiled static-shape steps (snlp.steps: prefill, the one-token step, the
+    verifier's B+1 positions, fullgraph; CUDA graphs on CUDA), built once here and shared by every run, so
+    the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
+    generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
+    the latencies. With `compile`, each row's `host_syncs` counts the host syncs per step of its compiled
+    steps (snlp.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
+    for plan in plans:
+        plan.check(model.config.n_layer)
+    if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:
+        raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
+    model.eval()
+    seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
+    drafts = {plan: snlp_step(bind(model, plan, check_finite=False), compile) for plan in plans}
+    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
+    for plan in plans:
+        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p]))(plan)
+    for plan in plans:
+        for b in blocks:
+            fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
+                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq))(plan, b)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    results = {key: [] for key in fns}
+    for _ in range(runs):  # round-robin: drift hits every row alike
+        for key, fn in fns.items():
+            results[key].append(fn())
+    syncs = _compiled_syncs(model, seq, drafts, prompt_len + new_tokens + seq.slack + max(blocks),
+                            max(blocks)) if compile else None
+    return _rows(model, results, seq, drafts, syncs, dict(new_tokens=new_tokens, prompt_len=prompt_len, runs=runs,
+                                                                     compiled=compile))
+
+
+def _compiled_syncs(model: GPT, seq, drafts: dict, max_len: int, block: int) -> dict:
+    """Host syncs per compiled step, on the very steps timed (0 expected; snlp.decode.steps.host_syncs):
+    {None: sequential one-token step, "verify": the verifier's block + 1 positions, plan: its drafter}."""
+    syncs = {}
+    with torch.inference_mode():
+        size = seq.cache_len(max_len)  # a bucket the runs used
+        for key, step, T in [(None, seq, 1), ("verify", seq, block + 1)] + [(p, d, 1) for p, d in drafts.items()]:
+            cache = KVCache.for_model(model, max_len=size)
+            syncs[key] = host_syncs(step, cache, T, calls=2) / 2
+    return syncs
+
+
+def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, common: dict) -> list[DecodeRow]:
+    """One DecodeRow per (mode, plan, block) from the runs' GenerationResults (sequential first)."""
+    key0 = ("sequential", None, 0)
+    ms = {key: statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs) for key, rs in results.items()}
+    seq_step_ms = statistics.median(r.ms_per_step for r in results[key0])
+    ref_tokens = results[key0][0].tokens
+    param = next(model.parameters())
+    rows = []
+    for (mode, plan, b), rs in results.items():
+        r, t = rs[0], ms[(mode, plan, b)]
+        row = DecodeRow(
+            mode=mode, plan="sequential" if plan is None else str(plan), block=b or None, ms_per_token=t,
+            tokens_per_s=1e3 / t, speedup=ms[key0] / t, matches_sequential=r.tokens == ref_tokens,
+            n_layer=model.config.n_layer, device=str(param.device), dtype=str(param.dtype).replace("torch.", ""),
+            compile_s=seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
+            host_syncs=None if syncs is None else syncs[plan] + (syncs["verify"] if b else 0.0), **common)
+        if mode == "sequential":
+            row.model_bytes = model_bytes(model)
+            row.bandwidth_gb_s = row.model_bytes * row.tokens_per_s / 1e9
+        if mode == "speculative":
+            draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
+            # drafter speedup, like with like: sequential over drafter ms per cached single-token step
+            row.drafter_speedup_s = seq_step_ms / draft_ms
+            row.alpha, row.tokens_per_round = r.acceptance_rate, r.tokens_per_round
+            row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
+            row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)
+        rows.append(row)
+    return rows

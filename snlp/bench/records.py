@@ -1,0 +1,68 @@
+"""Writing benchmark records: one writer per format (JSON, CSV, markdown).
+
+A record is a dataclass with a `to_dict()` (ForwardRow, DecodeRow, OpRow, SuiteRow, the distributed rows):
+`to_dict()` fixes its JSON keys, and every format below is written from those dicts, so a file in any
+format carries the same keys as the JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+
+class Record(Protocol):
+    def to_dict(self) -> dict: ...
+
+
+def _plain(obj: Any) -> Any:
+    """json.dumps' fallback: a record by its to_dict(), any other dataclass (a config) by its fields."""
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def write_json(path, payload: Any, announce: bool = True) -> None:
+    """Write records (a list of them, or a dict holding them, e.g. {"meta", "config", "records"}) as JSON,
+    creating parent folders; `announce` prints where (the CLI's commands do, the suite's library call not)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_plain))
+    if announce:
+        print(f"wrote {path}")
+
+
+def write_csv(path, records: Iterable[Record], announce: bool = True) -> None:
+    """Write records as CSV, one row each; the columns are every key of any record, in order of first
+    appearance (rows of different kinds leave the others' columns empty). Nested values (lists, dicts)
+    are written as JSON."""
+    rows = [r.to_dict() for r in records]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+    if announce:
+        print(f"wrote {path}")
+
+
+def write_records(records: list, json_path: str | None = None, csv_path: str | None = None) -> None:
+    """A command's --json / --csv outputs (either may be None: not asked for)."""
+    if json_path:
+        write_json(json_path, records)
+    if csv_path:
+        write_csv(csv_path, records)
+
+
+def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
+    """A markdown table's lines: header, separator, one line per row of already-formatted cells."""
+    line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    return [line(columns), "|" + "---|" * len(columns), *(line(r) for r in rows)]
