@@ -98,7 +98,7 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
-                          preheat: Preheat | None = None, share_weights: bool = False
+                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0
                           ) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
@@ -121,7 +121,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
     seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
-    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step)
+    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
         for b in blocks:
@@ -181,7 +181,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                         share_weights: bool = False) -> GenerateResult:
+                         share_weights: bool = False, min_confidence: float = 0.0) -> GenerateResult:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -195,8 +195,13 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones. `share_weights`
     (M = 1 plans): the drafter's stacked weights and the verifier's layers are one storage (snlp.method.sharing:
     the model's suffix parameters are moved into the drafter's stacks, values unchanged), so each weight byte
-    is streamed once."""
+    is streamed once. `min_confidence` (adaptive drafting, SWIFT/Kangaroo-style): a round stops drafting after
+    a draft whose drafter probability (its top-1 probability when greedy, the sampled token's when sampling)
+    is below it, so drafts that are likely rejected cost no drafter steps; 0 drafts the whole block. Exact by
+    construction: the verifier checks whatever was drafted (the first draft of a round is always made)."""
     check_decode_args(max_new_tokens, temperature, block)
+    if not 0.0 <= min_confidence <= 1.0:
+        raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
     draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat, share_weights), sequential_forward(model, compile, verify)
     greedy = temperature == 0
@@ -217,10 +222,15 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                 logits = draft_fwd(ses.ids([x]), cache)[0, -1]
                 if greedy:
                     x = int(logits.argmax())
+                    conf = float(torch.softmax(logits.float(), -1)[x]) if min_confidence else 1.0
                 else:
                     qs.append(torch.softmax(logits.float() / temperature, -1))
                     x = int(torch.multinomial(qs[-1], 1, generator=gen))
+                    conf = float(qs[-1][x]) if min_confidence else 1.0
                 drafts.append(x)
+                if conf < min_confidence:  # likely rejected: verify what we have instead of drafting on
+                    break
+            Bk = len(drafts)
             t1 = now(dev)
             cache.rollback(P)  # verification rewrites positions P..P+Bk with exact K/V
             logits = verify_fwd(ses.ids([ses.last] + drafts), cache, pad_to=block + 1)[0]  # (Bk+1, V)
