@@ -18,7 +18,7 @@ plots; every section is a function here (config dataclass in, result dataclass o
                the N - 1 steps that visit the position right after the previous one, and global
                AR-ness@1, the fraction of the N steps that visit the leftmost unvisited position;
                forward 1, reversed 1 / (2N), the paper's values); summary: best shuffle, shuffle std
-               over finite values, "div." for non-finite PPL (paper Table ordering_summary, App.
+               over finite values, "diverged" for non-finite PPL (paper Table ordering_summary, App.
                "Correction Ordering").
   propagation  PPL with only the last j of N suffix layers active (the others skipped), j = 1..N, at
                K = 1..N, IDN vs no correction: the staircase (App. "Correction Propagation") + heat map.
@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .evaldata import as_tokens, windows
 from .evaluation import EvalConfig
+from .fmt import DIVERGED, PPL_SCI, sci
 from .metrics import ar_match, perplexity
 from .model import GPT
 from .plan import Plan
@@ -61,7 +62,7 @@ from .runtime import progress_bar
 from .solver import permuted_sequential, solve
 
 SECTIONS = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat", "jacobi")
-DIV = "div."
+DIV = DIVERGED  # snlp.fmt's word for a non-finite PPL, the same in every table the project writes
 
 
 # ============================================================================ configuration
@@ -131,7 +132,7 @@ def _fmt(x, digits: int = 2) -> str:
         return x
     if not math.isfinite(x):
         return DIV
-    return f"{x:.{digits}f}" if abs(x) < 1e5 else f"{x:.3g}"
+    return f"{x:.{digits}f}" if abs(x) < PPL_SCI else sci(x)  # snlp.fmt's rule: 1.7e8, not 174060849.26
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
@@ -618,7 +619,7 @@ class JacobiResult:
 
 def _add_nll(model: GPT, h: Tensor, y: Tensor, nll: dict, bad: set, key) -> None:
     """Add the summed next-token NLL of final states h (B, T, D) for targets y (B, T) under `key`; a non-finite
-    state marks the key diverged instead (its PPL is reported as "div.")."""
+    state marks the key diverged instead (its PPL is reported as "diverged")."""
     if not bool(torch.isfinite(h).all()):
         bad.add(key)
     else:
