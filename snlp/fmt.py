@@ -18,6 +18,9 @@ PPL_SCI = 1e4  # a PPL at or above this prints in scientific notation
 DELTA_RATIO = 10.0  # a ΔPPL above this (+1000 %) prints as the ratio ×(1 + ΔPPL)
 DIVERGED = "diverged"
 MISSING = "-"
+# the rule in words, for the reports' table captions
+RULE = ("PPL ≥ 10⁴ in scientific notation (1.7e8), ΔPPL above +1000 % as the PPL ratio to sequential (×1.3e7), "
+        "a non-finite PPL as 'diverged'")
 
 
 def _missing(x) -> bool:

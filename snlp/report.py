@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .fmt import fmt_delta_ppl, fmt_ppl, ppl_from_ce
+from .fmt import RULE, fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
 def _fmt_s(s: float) -> str:
     s = int(round(s))
@@ -222,9 +222,13 @@ def render_report(ctx: dict) -> str:
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
            "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
-           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂).\n",
+           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂). "
+           f"In every table: {RULE}.\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
            "\n![speed-quality frontier](frontier.png)\n",
+           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against its measured speedup, one "
+           "series per model, so the models compare by what the plans cost them; sequential is the star at "
+           "(1.0x, 0 %).\n",
            "## Self-speculative decoding\n",
            f"Drafter rule: per model, the evaluated plan that maximises the paper's ideal SSD speedup at "
            f"B = {ctx['select_block']}, ((1 − α^{ctx['select_block'] + 1})/(1 − α))/({ctx['select_block']}/s + 1), with α estimated by "
