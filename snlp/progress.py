@@ -6,6 +6,7 @@ seconds while the work runs and one when it ends, with the same calls the projec
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -61,7 +62,8 @@ class LineProgress:
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
 
     def write(self, msg: str, file=None, end: str = "\n") -> None:
-        print(msg, file=file or self.file, end=end, flush=True)
+        """A message, to stdout unless `file` says otherwise: where tqdm.write puts it (callers rely on that)."""
+        print(msg, file=file or sys.stdout, end=end, flush=True)
 
     def close(self) -> None:
         if not self.closed:
