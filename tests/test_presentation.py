@@ -200,3 +200,22 @@ def test_progress_lines_are_periodic_and_a_terminal_keeps_its_bar(monkeypatch):
     bar = progress_bar(3, "live")
     assert isinstance(bar, tqdm)  # an interactive terminal keeps the live bar
     bar.close()
+
+
+def test_training_in_a_log_writes_no_carriage_returns(tmp_path, capsys):
+    """`snlp train` (its step bar, the main offender: one update per step) with stderr not a terminal."""
+    from snlp.train import TrainConfig, fit
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs." * 3
+                                  for i in range(60)))
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=4, eval_every=2, eval_batches=1,
+                      no_progress=False, device="cpu", reg_n="1")
+    assert fit(cfg).steps == 4
+    cap = capsys.readouterr()
+    assert "\r" not in cap.err and "\r" not in cap.out
+    bar_lines = [line for line in cap.err.splitlines() if line.startswith("train: ")]
+    assert bar_lines and bar_lines[-1].startswith("train: 4/4 (100%) done in") and "loss=" in bar_lines[-1]
+    assert len(cap.err.splitlines()) <= 5  # however many steps: a line per 30 s and one at the end
+    assert "step 2:" in cap.out and "step 4:" in cap.out  # the evaluations still reach stdout
