@@ -69,6 +69,12 @@ def test_report_side_tables_use_the_rule():
     assert "800.000 (diverged)" in tt and "12.000 (1.6e5)" in tt and "5.000 (148.4)" in tt
 
 
+def test_analysis_tables_use_the_rule():
+    from snlp.analysis import _fmt as analysis_cell  # the cell formatter of every `snlp analyze` table
+
+    assert [analysis_cell(x) for x in (35.6612, HUGE_PPL, math.inf, None)] == ["35.66", "1.7e8", "diverged", "-"]
+
+
 # ----- the frontier plot -----
 def _readme_groups():
     """The speedrun's main table in README.md (what docs/speedrun_frontier.png shows)."""
