@@ -18,7 +18,7 @@ plots; every section is a module of snlp.eval.analysis (config dataclass in, res
                the N - 1 steps that visit the position right after the previous one, and global
                AR-ness@1, the fraction of the N steps that visit the leftmost unvisited position;
                forward 1, reversed 1 / (2N), the paper's values); summary: best shuffle, shuffle std
-               over finite values, "div." for non-finite PPL (paper Table ordering_summary, App.
+               over finite values, "diverged" for non-finite PPL (paper Table ordering_summary, App.
                "Correction Ordering").
   propagation  PPL with only the last j of N suffix layers active (the others skipped), j = 1..N, at
                K = 1..N, IDN vs no correction: the staircase (App. "Correction Propagation") + heat map.

@@ -113,5 +113,5 @@ def run(args) -> int:
         path.write_text(markdown_table(records))
         print(f"wrote {path}")
     if args.plot:
-        frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: PPL vs speedup")
+        frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0

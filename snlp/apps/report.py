@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
+from snlp.runtime.fmt import RULE, fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
 def fmt_s(s: float) -> str:
     s = int(round(s))
@@ -101,14 +102,13 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
         recs = evals[key]
         seq = recs[0]
         front = {recs[i].plan for i in pareto_front([(r.speedup, r.ppl) for r in recs])}
-        model = f"{label} [{seq.ppl:.2f}" + (f" ({seq.ppl / base - 1:+.1%})]" if key != "noreg" else "]")
+        model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
             mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
             ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({r.ar_beta:.4f})"
-            ppl = "inf (diverged)" if not math.isfinite(r.ppl) else f"{r.ppl:.2f}"
-            lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {ppl} | "
-                         f"{_num(r.delta_ppl, '{:+.1%}')} | {_num(r.speedup, '{:.2f}x')} | "
+            lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
+                         f"{fmt_delta_ppl(r.delta_ppl)} | {_num(r.speedup, '{:.2f}x')} | "
                          f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} |")
     return "\n".join(lines)
 
@@ -133,8 +133,8 @@ def early_exit_table(rows: dict[str, list[dict]]) -> str:
     lines = ["| N (skipped) | Seq layers | IDN Reg. | No Reg. |", "|---:|---:|---:|---:|"]
     idn = {r["N"]: r for r in rows["idn"]}
     for r in rows["noreg"]:
-        lines.append(f"| {r['N']} | {r['seq_layers']} | {_num(idn.get(r['N'], {}).get('ppl'), '{:.2f}')} | "
-                     f"{_num(r['ppl'], '{:.2f}')} |")
+        lines.append(f"| {r['N']} | {r['seq_layers']} | {fmt_ppl(idn.get(r['N'], {}).get('ppl'))} | "
+                     f"{fmt_ppl(r['ppl'])} |")
     return "\n".join(lines)
 
 
@@ -144,9 +144,9 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
     for key, label in MODELS:
         t = trains[key]
         lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
-                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({math.exp(t['val_loss']):.1f}) | "
+                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
-    lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({math.exp(tok['unigram_ce']):.1f}) | |")
+    lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
     return "\n".join(lines)
 
 
@@ -222,9 +222,13 @@ def render_report(ctx: dict) -> str:
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
            "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
-           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂).\n",
+           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂). "
+           f"In every table: {RULE}.\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
            "\n![speed-quality frontier](frontier.png)\n",
+           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against its measured speedup, one "
+           "series per model, so the models compare by what the plans cost them; sequential is the star at "
+           "(1.0x, 0 %).\n",
            "## Self-speculative decoding\n",
            f"Drafter rule: per model, the evaluated plan that maximises the paper's ideal SSD speedup at "
            f"B = {ctx['select_block']}, ((1 − α^{ctx['select_block'] + 1})/(1 − α))/({ctx['select_block']}/s + 1), with α estimated by "

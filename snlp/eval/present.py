@@ -5,14 +5,13 @@ beyond formatting and the Pareto front."""
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 
 from snlp.eval.protocol import EvalRecord
-from snlp.eval.metrics import pareto_front
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl
 
-COLUMNS = (  # (header, field, format) of the tables
-    ("Plan", "plan", "{}"), ("K", "K", "{}"), ("PPL", "ppl", "{:.2f}"), ("ΔPPL", "delta_ppl", "{:+.1%}"),
+COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / ΔPPL: snlp.fmt's rule
+    ("Plan", "plan", "{}"), ("K", "K", "{}"), ("PPL", "ppl", fmt_ppl), ("ΔPPL", "delta_ppl", fmt_delta_ppl),
     ("Speedup", "speedup", "{:.2f}x"), ("Prefill", "prefill_speedup", "{:.2f}x"),
     ("Ideal (layers)", "ideal_layer_speedup", "{:.2f}x"), ("Top-1", "top1", "{:.1%}"),
     ("LogitSim", "logit_sim", "{:.3f}"), ("EmbSim", "emb_sim", "{:.3f}"), ("AR Match", "ar_match", "{:.1%}"),
@@ -21,7 +20,7 @@ COLUMNS = (  # (header, field, format) of the tables
 
 def _cells(rec: EvalRecord) -> list[str]:
     vals = [getattr(rec, key) for _, key, _ in COLUMNS]
-    cells = ["-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, COLUMNS)]
+    cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, COLUMNS)]
     if rec.note:
         cells[0] += f" ({rec.note})"
     return cells
@@ -61,39 +60,13 @@ def write_csv(rows: list[dict], path) -> None:
 
 
 def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "") -> None:
-    """PNG of the speed-quality frontier: PPL vs measured speedup, one point per plan (labelled),
-    the sequential baseline (1.0x) as a star and each group's Pareto front as a line; one colour per
-    group, e.g. {"No Reg.": records, "IDN Reg.": records}. Diverged/untimed rows are left out."""
-    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
+    """PNG of the speed-quality frontier (snlp.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
+    series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
+    run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades, diverged and
+    untimed plans listed in the legend instead of plotted."""
+    from snlp.eval.frontier import frontier_figure
 
-    fig = Figure(figsize=(8, 5.5), layout="constrained")
-    ax = fig.add_subplot()
-    ppls = []
-    for i, (group, recs) in enumerate(groups.items()):
-        color = f"C{i % 10}"
-        pts = [(r.speedup, r.ppl) for r in recs]
-        keep = [j for j, (s, p) in enumerate(pts) if s is not None and p is not None and math.isfinite(p)]
-        front = pareto_front(pts)
-        ax.plot([pts[j][0] for j in front], [pts[j][1] for j in front], "-o", color=color, lw=2, alpha=0.5,
-                mfc="none", ms=12, label=f"{group}: Pareto front (ringed)")
-        for j in keep:
-            seq = recs[j].is_sequential
-            ax.scatter(*pts[j], color=color, marker="*" if seq else "o", s=140 if seq else 30, zorder=3,
-                       label=f"{group} (star: sequential)" if seq else None)
-            ax.annotate(recs[j].plan, pts[j], textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=color)
-            ppls.append(pts[j][1])
-    ax.axvline(1.0, color="gray", ls=":", lw=1)
-    ax.margins(x=0.12, y=0.08)  # room for the point labels
-    if ppls and max(ppls) > 3 * min(ppls):
-        ax.set_yscale("log")
-    else:
-        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-    ax.set_xlabel("measured speedup vs sequential (decode, batch 1)")
-    ax.set_ylabel("validation PPL (lower is better)")
-    ax.set_title(title or "SNLP speed-quality frontier")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig = frontier_figure(groups, title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)

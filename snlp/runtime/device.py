@@ -52,7 +52,15 @@ def device_label(device) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar on stderr (disabled unless `enabled`) that clears itself when done."""
+def progress_bar(total: int, desc: str, enabled: bool = True, **tqdm_kwargs):
+    """Progress on stderr (nothing unless `enabled`): on a terminal a tqdm bar that clears itself when done
+    (`tqdm_kwargs`, e.g. initial / unit / leave, go to it); elsewhere (CI logs, `> file`) a
+    snlp.progress.LineProgress, a plain line every 30 s and one at the end, since a tqdm bar there writes a
+    '\\r' update per step. sys.stderr is read at call time, so redirections made before the call count."""
+    from snlp.runtime.progress import LineProgress, is_terminal
+
+    if enabled and not is_terminal(sys.stderr):
+        return LineProgress(total, desc, sys.stderr, n=tqdm_kwargs.get("initial", 0))
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False, dynamic_ncols=True)
+    kwargs = {"leave": False, "dynamic_ncols": True, **tqdm_kwargs}
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, **kwargs)

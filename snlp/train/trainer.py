@@ -614,8 +614,9 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
               f"sequences/step/process on {world} x {device}", flush=True)
     bar = None
     if master and not cfg.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=progress.steps, initial=step, unit="step", dynamic_ncols=True)
+        from snlp.runtime.device import progress_bar  # a live bar on a terminal, plain periodic lines in a log
+
+        bar = progress_bar(progress.steps, "train", initial=step, unit="step", leave=True)
     tokens = int(resume_state.get("tokens", 0)) if resume_state else 0
 
     def save():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from snlp.runtime.fmt import DIVERGED, PPL_SCI, sci
 from snlp.eval.metrics import perplexity
 from snlp.eval.protocol import EvalConfig
 from snlp.method.plan import Plan
@@ -20,7 +21,7 @@ from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
 
 SECTIONS = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat", "jacobi")
-DIV = "div."  # the table cell of a non-finite (diverged) PPL
+DIV = DIVERGED  # snlp.runtime.fmt's word for a non-finite PPL, the same in every table the project writes
 
 
 @dataclass
@@ -87,14 +88,14 @@ def section_bar(total: int, desc: str, cfg: AnalysisConfig):
 
 
 def fmt(x, digits: int = 2) -> str:
-    """A table cell: '-' for a missing value, 'div.' for a non-finite one (a diverged solve)."""
+    """A table cell: '-' for a missing value, 'diverged' for a non-finite one (a diverged solve)."""
     if x is None:
         return "-"
     if isinstance(x, str):
         return x
     if not math.isfinite(x):
         return DIV
-    return f"{x:.{digits}f}" if abs(x) < 1e5 else f"{x:.3g}"
+    return f"{x:.{digits}f}" if abs(x) < PPL_SCI else sci(x)  # snlp.runtime.fmt's rule: 1.7e8, not 174060849.26
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
@@ -131,7 +132,7 @@ def sequential_ppl(model: GPT, wins: Tensor, batch: int = 8) -> float:
 
 def add_nll(model: GPT, h: Tensor, y: Tensor, nll: dict, bad: set, key: Hashable) -> None:
     """Add the summed next-token NLL of final states h (B, T, D) for targets y (B, T) under `key`; a
-    non-finite state marks the key diverged instead (its PPL is reported as "div."). Sections that
+    non-finite state marks the key diverged instead (its PPL is reported as "diverged"). Sections that
     share one prefix run over many cells accumulate per cell with this, then take perplexity()."""
     if not bool(torch.isfinite(h).all()):
         bad.add(key)

@@ -4,7 +4,7 @@ suffix run sequentially), IDN K = 1 / K = 4 PPL, no-correction PPL, AR-ness (Dif
 2025: mean of local AR-ness@1, the fraction of the N - 1 steps that visit the position right after
 the previous one, and global AR-ness@1, the fraction of the N steps that visit the leftmost unvisited
 position; forward 1, reversed 1 / (2N), the paper's values); summary: best shuffle, shuffle std over
-finite values, "div." for non-finite PPL."""
+finite values, "diverged" for non-finite PPL."""
 
 from __future__ import annotations
 

@@ -1,0 +1,65 @@
+"""How the project's tables print perplexities and PPL changes: one rule, used by the terminal table, the
+markdown tables and the speedrun report, so a blown-up plan reads the same everywhere.
+
+The rule:
+- a non-finite PPL (a plan whose solve diverged) prints as ``diverged``; None / NaN (not measured) as ``-``;
+- PPL >= 1e4 prints in short scientific notation (``1.7e8``): digits after the point of a PPL in the
+  millions are noise and a 12-character number reads as a precise, comparable value;
+- ΔPPL (PPL / sequential PPL - 1) above +1000 % prints as the ratio to the sequential PPL (``×13.2``,
+  ``×1.3e7``): "+1318860828.9%" hides the order of magnitude that matters; a non-finite ΔPPL is ``diverged``;
+  otherwise the usual signed percentage (``+5.5%``).
+"""
+
+from __future__ import annotations
+
+import math
+
+PPL_SCI = 1e4  # a PPL at or above this prints in scientific notation
+DELTA_RATIO = 10.0  # a ΔPPL above this (+1000 %) prints as the ratio ×(1 + ΔPPL)
+DIVERGED = "diverged"
+MISSING = "-"
+# the rule in words, for the reports' table captions
+RULE = ("PPL ≥ 10⁴ in scientific notation (1.7e8), ΔPPL above +1000 % as the PPL ratio to sequential (×1.3e7), "
+        "a non-finite PPL as 'diverged'")
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def sci(x: float, digits: int = 1) -> str:
+    """Short scientific notation: 174060849.26 -> '1.7e8', 2.5e-5 -> '2.5e-5' (no '+' or leading zeros
+    in the exponent, unlike '{:.1e}', whose '1.7e+08' is wider and harder to read in a table column)."""
+    mant, exp = f"{x:.{digits}e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def fmt_ppl(x, digits: int = 2) -> str:
+    """A perplexity cell: '35.66', '1.7e8', 'diverged' (non-finite) or '-' (None / NaN)."""
+    if _missing(x):
+        return MISSING
+    if not math.isfinite(x):
+        return DIVERGED
+    return sci(x) if abs(x) >= PPL_SCI else f"{x:.{digits}f}"
+
+
+def fmt_delta_ppl(d) -> str:
+    """A ΔPPL cell from the relative change d = PPL / PPL_sequential - 1: '+5.5%', '×13.2', '×1.3e7',
+    'diverged' (non-finite) or '-' (None / NaN)."""
+    if _missing(d):
+        return MISSING
+    if not math.isfinite(d):
+        return DIVERGED
+    if d > DELTA_RATIO:
+        ratio = 1.0 + d
+        return "×" + (sci(ratio) if ratio >= PPL_SCI else f"{ratio:.1f}")
+    return f"{d:+.1%}"
+
+
+def ppl_from_ce(ce: float) -> float:
+    """exp(cross-entropy) as a PPL, inf instead of OverflowError for a CE above ~709 (an early or
+    diverged training run), so the PPL formatter can say 'diverged' instead of the report crashing."""
+    try:
+        return math.exp(ce)
+    except OverflowError:
+        return math.inf

@@ -1,0 +1,227 @@
+"""Presentation that must not mislead (issue 22, item 12): blown-up PPLs in every table, the frontier
+plot, and progress output in logs."""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+
+import pytest
+import torch
+
+from snlp.eval.data import windows
+from snlp.eval.protocol import EvalConfig, EvalRecord, teacher_forced
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, sci
+from snlp.method.plan import Plan
+from snlp.eval.present import markdown_table, print_table
+from snlp.apps.report import early_exit_table, main_table, off_the_shelf_section, training_table
+from snlp.runtime.device import progress_bar
+
+from conftest import make_model
+
+HUGE_PPL, SEQ_PPL = 174060849.26, 13.1978  # the off-the-shelf row that printed "+1318860828.9%"
+
+
+def _recs(base: float = SEQ_PPL, huge: float = HUGE_PPL) -> list[EvalRecord]:
+    rows = [("sequential", base, 1.0, "", None), ("12xF1-h0-K1", huge, 0.82, "", 1), ("6xF2-h0-K1", 2300.0, 0.9, "", 1),
+            ("12xF1-h0-K2", 14.1, 0.71, "", 2), ("12xF1-h0-K4", 13.25, 0.55, "", 4),
+            ("4xF3-h0-K1", math.inf, 0.95, "diverged", 1), ("6xF2-h0-K2", 13.9, None, "", 2)]
+    return [EvalRecord(plan=p, K=k, ppl=v, delta_ppl=0.0 if p == "sequential" else v / base - 1, speedup=s, note=n,
+                       tokens=1000, seq_len=128) for p, v, s, n, k in rows]
+
+
+# ----- one formatting rule -----
+def test_the_ppl_and_delta_rule():
+    assert [fmt_ppl(x) for x in (35.6612, 9999.994, 1e4, HUGE_PPL, math.inf, -math.inf, math.nan, None)] == \
+        ["35.66", "9999.99", "1.0e4", "1.7e8", "diverged", "diverged", "-", "-"]
+    assert fmt_ppl(41.58, 1) == "41.6"
+    d = HUGE_PPL / SEQ_PPL - 1  # +1318860828.9 %
+    assert [fmt_delta_ppl(x) for x in (0.055, -0.011, 0.0, 10.0, 10.5, 173.2, d, math.inf, math.nan, None)] == \
+        ["+5.5%", "-1.1%", "+0.0%", "+1000.0%", "×11.5", "×174.2", "×1.3e7", "diverged", "-", "-"]
+    assert sci(2.5e-5) == "2.5e-5" and sci(123456.0, 2) == "1.23e5"
+
+
+def test_blown_up_rows_read_the_same_in_every_table(capsys):
+    recs = _recs()
+    md = markdown_table(recs)
+    print_table(recs, "off the shelf")  # rich, on the terminal
+    term = capsys.readouterr().out
+    report = main_table({"noreg": recs, "idn": _recs(base=SEQ_PPL * 0.99)}, {})
+    shelf = "\n".join(off_the_shelf_section({"result": {"model": "m", "n_layer": 30, "params": 1.35e8,
+                                                        "records": [r.to_dict() for r in recs]}}))
+    for name, text in (("markdown", md), ("terminal", term), ("report", report), ("off-the-shelf", shelf)):
+        assert "174060849" not in text and "1318860828" not in text, name
+        assert "1.7e8" in text and "×1.3e7" in text, name
+        assert "×174.3" in text and "+6.8%" in text, name  # ×(1 + Δ) beyond +1000 %, percentages below it
+        assert "inf" not in text, name  # a non-finite PPL says what happened
+    assert "| 4xF3-h0-K1 (diverged) | 1 | diverged | diverged |" in md
+    assert "| `4xF3-h0` | 1 | diverged | diverged |" in report
+
+
+def test_report_side_tables_use_the_rule():
+    ee = early_exit_table({"noreg": [{"N": 0, "seq_layers": 16, "ppl": 35.66}, {"N": 12, "seq_layers": 4, "ppl": HUGE_PPL}],
+                           "idn": [{"N": 0, "seq_layers": 16, "ppl": 35.27}, {"N": 12, "seq_layers": 4, "ppl": math.inf}]})
+    assert "| 12 | 4 | diverged | 1.7e8 |" in ee and "| 0 | 16 | 35.27 | 35.66 |" in ee
+    train = {"steps": 10, "tokens": 1000, "train_seconds": 5.0, "median_tok_s": 200.0, "gap_at_0": 0.5, "gap": 0.1}
+    # a CE whose exp overflows (a run that blew up) must not crash the report, and a large PPL is not 12 digits
+    tt = training_table({"unigram_ce": 5.0}, {"noreg": {**train, "val_loss": 800.0}, "idn": {**train, "val_loss": 12.0}})
+    assert "800.000 (diverged)" in tt and "12.000 (1.6e5)" in tt and "5.000 (148.4)" in tt
+
+
+def test_analysis_tables_use_the_rule():
+    from snlp.eval.analysis.common import fmt as analysis_cell  # the cell formatter of every `snlp analyze` table
+
+    assert [analysis_cell(x) for x in (35.6612, HUGE_PPL, math.inf, None)] == ["35.66", "1.7e8", "diverged", "-"]
+
+
+# ----- the frontier plot -----
+def _readme_groups():
+    """The speedrun's main table in README.md (what docs/speedrun_frontier.png shows)."""
+    rows = {"No Reg.": (35.66, [("1xF8-h0-K1", 41.58, 1.48), ("8xF1-h0-K1", 37.96, 1.43), ("4xF2-h0-K1", 36.49, 1.50),
+                                ("8xF1-fwd-K1", 36.21, 1.32), ("4xF2-h0-K2", 35.75, 1.31), ("8xF1-h0-K2", 35.73, 1.33),
+                                ("8xF1-h0-K4", 35.66, 1.10)]),
+            "IDN Reg.": (35.27, [("1xF8-h0-K1", 37.34, 1.49), ("4xF2-h0-K1", 35.57, 1.46), ("8xF1-fwd-K1", 35.49, 1.25),
+                                 ("8xF1-h0-K1", 35.36, 1.40), ("4xF2-h0-K2", 35.30, 1.32), ("8xF1-h0-K2", 35.27, 1.24),
+                                 ("8xF1-h0-K4", 35.27, 1.04)])}
+    return {g: [EvalRecord(plan="sequential", ppl=b, delta_ppl=0.0, speedup=1.0)]
+            + [EvalRecord(plan=p, ppl=v, delta_ppl=v / b - 1, speedup=s) for p, v, s in r] for g, (b, r) in rows.items()}
+
+
+def _boxes(fig, ax):
+    from snlp.eval.frontier import LABEL_GID
+
+    r = fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if t.get_gid() == LABEL_GID]
+    from matplotlib.text import Text
+
+    return labels, [Text.get_window_extent(t, r) for t in labels]  # the text's box: an Annotation's own adds its leader line
+
+
+def _points_px(ax):
+    """Pixel centres of every scatter point (plans and the sequential star)."""
+    return [tuple(ax.transData.transform(p)) for c in ax.collections for p in c.get_offsets()]
+
+
+@pytest.mark.parametrize("case", ["speedrun", "off-the-shelf"])
+def test_frontier_plots_delta_ppl_per_model_with_readable_labels(case, tmp_path):
+    from snlp.eval.frontier import frontier_figure
+    from snlp.eval.present import frontier_plot
+
+    groups = _readme_groups() if case == "speedrun" else {"SmolLM2": _recs()}
+    fig = frontier_figure(groups, "t")
+    ax = fig.axes[0]
+    fig.draw_without_rendering()
+    assert "ΔPPL" in ax.get_ylabel() and "speedup" in ax.get_xlabel()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    for g in groups:  # one series per model, named with its sequential PPL
+        assert any(t.startswith(g) and "Pareto front" in t for t in legend)
+    star = [c for c in ax.collections if len(c.get_offsets()) == 1 and tuple(c.get_offsets()[0]) == (1.0, 0.0)]
+    assert star, "the sequential run is drawn at (1.0x, 0 %)"
+    # the plotted y is ΔPPL in %, not PPL
+    ys = sorted(float(p[1]) for c in ax.collections for p in c.get_offsets())
+    plotted = sorted([0.0] + [100 * r.delta_ppl for rs in groups.values() for r in rs
+                              if not r.is_sequential and r.speedup is not None and math.isfinite(r.delta_ppl)])
+    assert ys == pytest.approx(plotted)
+    labels, boxes = _boxes(fig, ax)
+    n_plans = len(plotted) - 1
+    assert len(labels) == n_plans  # every plotted plan is labelled ...
+    for i, a in enumerate(boxes):  # ... and no label overlaps another
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    for box in boxes:  # nor a point
+        for x, y in _points_px(ax):
+            assert not box.contains(x, y)
+    frame = ax.get_window_extent(fig.canvas.get_renderer())
+    assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for b in boxes)
+    if case == "speedrun":  # 0.1 % next to 16.6 %: decades apart, symlog keeps the small ones apart
+        assert ax.get_yscale() == "symlog"
+    else:  # +1.3e9 % next to +0.4 %; a diverged and an untimed plan are listed, not silently dropped
+        assert ax.get_yscale() == "symlog"
+        assert any("4xF3-h0-K1 (diverged)" in t for t in legend) and any("6xF2-h0-K2 (not timed)" in t for t in legend)
+    frontier_plot(groups, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_frontier_axis_is_linear_when_delta_ppl_is_narrow():
+    from snlp.eval.frontier import frontier_figure, symlog_linthresh
+
+    assert symlog_linthresh([0.0, 2.0, 3.0, 5.0]) is None
+    assert symlog_linthresh([0.0, 0.085, 16.6]) == pytest.approx(0.1)
+    assert symlog_linthresh([0.0, 0.4, 1.3e9, math.inf]) == pytest.approx(1.0)
+    recs = [EvalRecord(plan="sequential", ppl=10.0, delta_ppl=0.0, speedup=1.0),
+            EvalRecord(plan="4xF2-h0-K1", ppl=10.3, delta_ppl=0.03, speedup=1.4),
+            EvalRecord(plan="4xF2-h0-K2", ppl=10.2, delta_ppl=0.02, speedup=1.2)]
+    assert frontier_figure({"m": recs}).axes[0].get_yscale() == "linear"
+
+
+# ----- progress in a log -----
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_in_a_log_is_plain_lines(capsys):
+    """stderr captured (not a terminal, like CI or `> file`): no carriage returns, a bounded number of lines
+    however many updates (tqdm wrote one '\\r' update per step)."""
+    with progress_bar(5000, "many steps") as bar:
+        for _ in range(5000):
+            bar.update()
+        bar.set_postfix(loss="1.234")
+        bar.write("a message")
+    cap = capsys.readouterr()
+    err = cap.err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) <= 2 and cap.out == "a message\n"  # messages go to stdout, as tqdm.write's do
+    assert lines[-1].startswith("many steps: 5000/5000 (100%) done in") and "loss=1.234" in lines[-1]
+    with progress_bar(10, "off", enabled=False) as bar:
+        bar.update(10)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_progress_producing_function_writes_no_carriage_returns(capsys):
+    torch.manual_seed(0)
+    model = make_model(n_layer=4)
+    val = torch.randint(0, model.config.vocab_size, (200,))
+    cfg = EvalConfig(seq_len=8, max_tokens=64, batch=1, progress=True)
+    teacher_forced(model, windows(val, 8, 64), [Plan.parse("2xF1-h0-K1", 4)], cfg)  # 8 windows x 2 rows of updates
+    err = capsys.readouterr().err
+    assert "\r" not in err and 1 <= len(err.splitlines()) <= 2
+    assert err.splitlines()[-1].startswith("PPL / Top-1 / LogitSim: 16/16 (100%) done in")
+
+
+def test_progress_lines_are_periodic_and_a_terminal_keeps_its_bar(monkeypatch):
+    from tqdm import tqdm
+
+    from snlp.runtime.progress import LineProgress
+
+    out = io.StringIO()
+    with LineProgress(3, "stage", out, interval=0.0) as bar:  # interval 0: a line at every update
+        for _ in range(3):
+            bar.update()
+    assert out.getvalue().splitlines()[0].startswith("stage: 1/3 (33%) at")
+    assert len(out.getvalue().splitlines()) == 4  # 3 periodic + the final line
+    monkeypatch.setattr(sys, "stderr", _Tty())
+    bar = progress_bar(3, "live")
+    assert isinstance(bar, tqdm)  # an interactive terminal keeps the live bar
+    bar.close()
+
+
+def test_training_in_a_log_writes_no_carriage_returns(tmp_path, capsys):
+    """`snlp train` (its step bar, the main offender: one update per step) with stderr not a terminal."""
+    from snlp.train.trainer import TrainConfig, fit
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs." * 3
+                                  for i in range(60)))
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=4, eval_every=2, eval_batches=1,
+                      no_progress=False, device="cpu", reg_n="1")
+    assert fit(cfg).steps == 4
+    cap = capsys.readouterr()
+    assert "\r" not in cap.err and "\r" not in cap.out
+    bar_lines = [line for line in cap.err.splitlines() if line.startswith("train: ")]
+    assert bar_lines and bar_lines[-1].startswith("train: 4/4 (100%) done in") and "loss=" in bar_lines[-1]
+    assert len(cap.err.splitlines()) <= 5  # however many steps: a line per 30 s and one at the end
+    assert "step 2:" in cap.out and "step 4:" in cap.out  # the evaluations still reach stdout
