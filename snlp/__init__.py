@@ -5,7 +5,8 @@ from snlp.eval.analysis import early_exit
 from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate
 from snlp.eval.mc import MCConfig, MCResult, evaluate_mc
 from snlp.train.sft import SFTConfig, sft
-from snlp.train.trainer import TrainConfig, TrainResult, fit
+from snlp.train.config import TrainConfig, TrainResult
+from snlp.train.trainer import fit
 from snlp.method.fusion import ChunkWeights, HCChunkWeights, build_chunk_weights, chunk_forward, chunk_weights
 from snlp.io.hf import export_hf, from_hf
 from snlp.model.gpt import GPT, GPTConfig

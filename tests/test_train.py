@@ -106,14 +106,17 @@ def test_shakespeare_learns_and_regulariser_lowers_gap(tmp_path):
 
 
 def test_fit_library_entry_point(corpus, tmp_path):
-    """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file ends the run at its step."""
-    from snlp.train.trainer import TrainConfig, fit
+    """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file (a hook the caller gives) ends the run
+    at its step."""
+    from snlp.apps.train import file_hooks
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
 
     (tmp_path / "stop").write_text("2")
     cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
                       head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=5, eval_every=100, eval_batches=1,
-                      no_progress=True, device="cpu", reg_n="1", stop_file=str(tmp_path / "stop"))
-    r = fit(cfg)
+                      no_progress=True, device="cpu", reg_n="1")
+    r = fit(cfg, hooks=file_hooks(tmp_path / "stop"))
     assert (r.steps, r.tokens, r.stopped_by) == (2, 2 * 2 * 16, "stop_file")
     assert r.val_loss is not None and r.train_loss is not None and Path(r.out, "model.safetensors").is_file()
     with pytest.raises(ValueError, match="--seq-len must be >= 1"):
