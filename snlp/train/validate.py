@@ -26,7 +26,7 @@ class ValidationResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.loss)
+        return math.exp(self.loss) if self.loss < 700 else math.inf  # math.exp overflows past ~709
 
     def record(self) -> dict:
         """The log.jsonl entry (val_loss, val_loss_plan, gap_N<n>): the keys readers of training logs
