@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from snlp.io import data as D
+import snlp.io.data as D
 from snlp.io.checkpoint import load
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT, GPTConfig

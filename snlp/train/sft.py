@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from snlp.io import chat
+import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult
