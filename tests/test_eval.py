@@ -202,7 +202,7 @@ def ckpt(tmp_path_factory, model, tok):
 def test_validation_tokens_are_the_training_split(ckpt, tok, tmp_path):
     from argparse import Namespace
 
-    from snlp.train.trainer import prepare_data
+    from snlp.train.pretrain import prepare_data
 
     path, root = ckpt
     data = ED.checkpoint_data(path, val_frac=None, cache_dir=str(tmp_path))  # recorded args, one override

@@ -349,5 +349,5 @@ def test_train_init_from_and_freeze_prefix(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(re(x).logits, model(x), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="freeze-prefix S=9"):
-        main_raise = __import__("snlp.train.trainer", fromlist=["freeze_prefix"]).freeze_prefix
+        main_raise = __import__("snlp.train.pretrain", fromlist=["freeze_prefix"]).freeze_prefix
         main_raise(model, 9)

@@ -312,7 +312,7 @@ def test_checkpoint_round_trip_keeps_mhc_logits_identical(tmp_path):
 def test_mhc_parameters_go_to_adamw_not_muon():
     from argparse import Namespace
 
-    from snlp.train.trainer import build_optimizers
+    from snlp.train.optim import build_optimizers
     model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, hc_streams=2))
     args = Namespace(embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5, hc_lr=0.005, optimizer="muon",
                      matrix_lr=None, weight_decay=0.0)

@@ -19,7 +19,8 @@ from snlp.method.plan import Plan
 from snlp.train.regularizer import RegConfig
 from snlp.method.solver import fused_forward, parallel_forward
 from snlp.io.tokenizer import Tokenizer
-from snlp.train.trainer import TrainStep, lr_multiplier
+from snlp.train.job import TrainStep
+from snlp.train.optim import lr_multiplier
 
 TEXT = ["Which number is largest? Multiple Choice question: hello there, how are you today?"] * 20
 

@@ -227,8 +227,8 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     budget = 0.2  # minutes
-    jobs = [TrainJob(k, train_config(cfg, tmp_path / k, cache, reg=reg, minutes=budget, lockstep=tmp_path), {},
-                     tmp_path / f"{k}.partial.json") for k, reg in (("noreg", False), ("idn", True))]
+    jobs = [TrainJob(k, train_config(cfg, tmp_path / k, cache, reg=reg, minutes=budget), {},
+                     tmp_path / f"{k}.partial.json", lockstep=tmp_path) for k, reg in (("noreg", False), ("idn", True))]
     walls = train_models(jobs, Console(force_terminal=False), parallel=True, threads=1)
     res = {j.key: train_summary(j, tok["fingerprint"], walls[j.key]) for j in jobs}
     assert res["noreg"]["steps"] == res["idn"]["steps"] > 1

@@ -106,15 +106,69 @@ def test_shakespeare_learns_and_regulariser_lowers_gap(tmp_path):
 
 
 def test_fit_library_entry_point(corpus, tmp_path):
-    """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file ends the run at its step."""
-    from snlp.train.trainer import TrainConfig, fit
+    """snlp.fit(TrainConfig) -> TrainResult, no argparse; a stop file (a hook the caller gives) ends the run
+    at its step."""
+    from snlp.apps.train import file_hooks
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
 
     (tmp_path / "stop").write_text("2")
     cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
                       head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=5, eval_every=100, eval_batches=1,
-                      no_progress=True, device="cpu", reg_n="1", stop_file=str(tmp_path / "stop"))
-    r = fit(cfg)
+                      no_progress=True, device="cpu", reg_n="1")
+    r = fit(cfg, hooks=file_hooks(tmp_path / "stop"))
     assert (r.steps, r.tokens, r.stopped_by) == (2, 2 * 2 * 16, "stop_file")
     assert r.val_loss is not None and r.train_loss is not None and Path(r.out, "model.safetensors").is_file()
     with pytest.raises(ValueError, match="--seq-len must be >= 1"):
         fit(TrainConfig(out=str(tmp_path / "bad"), seq_len=0))
+
+
+def test_hooks_steer_the_loop_and_the_last_step_is_validated(corpus, tmp_path):
+    """A before_step hook (a lockstep peer's stop, seen while waiting) ends the run with its reason, and the
+    run's last step is validated all the same; the validation is a typed record, logged with the old keys."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.hooks import TrainHooks
+    from snlp.train.trainer import fit
+
+    asked = []
+
+    def before_step(steps_done):
+        asked.append(steps_done)
+        return "peer" if steps_done >= 2 else None
+
+    cfg = TrainConfig(out=str(tmp_path / "h"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=5, eval_every=100, eval_batches=1,
+                      no_progress=True, device="cpu", reg_n="1")
+    r = fit(cfg, hooks=TrainHooks(before_step=before_step))
+    assert (r.steps, r.stopped_by, asked) == (2, "peer", [0, 1, 2])
+    assert r.validation is not None and r.val_loss == r.validation.loss and set(r.validation.gaps) == {1}
+    evals = [e for e in log(tmp_path / "h") if "val_loss" in e]
+    assert [e["step"] for e in evals] == [0, 2] and evals[-1] == {"step": 2, "elapsed": evals[-1]["elapsed"],
+                                                                   **r.validation.record()}
+    assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1"}
+
+
+def test_file_hooks(tmp_path):
+    """--stop-file and the lockstep gate as TrainHooks: the stop file is asked after a step and before the
+    next; the gate holds a step until it opens, the stop file ending the wait."""
+    import threading
+    import time
+
+    from snlp.apps.train import file_hooks, read_step_file
+
+    stop, gate = tmp_path / "stop", tmp_path / "gate"
+    assert file_hooks().should_stop is None and file_hooks().before_step is None
+    h = file_hooks(stop)
+    assert h.should_stop(5) is None and h.before_step(5) is None  # no file yet: go on
+    stop.write_text("3")
+    assert (h.should_stop(2), h.should_stop(3), h.before_step(4)) == (None, "stop_file", "stop_file")
+    stop.unlink()
+    gate.write_text("1")
+    g = file_hooks(stop, gate, poll_s=0.001)
+    assert g.before_step(0) is None  # step 1 may start
+    threading.Timer(0.05, lambda: gate.write_text("2")).start()
+    t = time.perf_counter()
+    assert g.before_step(1) is None and time.perf_counter() - t >= 0.04  # held until the gate opened step 2
+    threading.Timer(0.05, lambda: stop.write_text("2")).start()
+    assert g.before_step(2) == "stop_file"  # held at the gate, released by the stop file
+    assert read_step_file(tmp_path / "missing") is None and read_step_file(None) is None

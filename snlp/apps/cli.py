@@ -17,9 +17,9 @@ COMMANDS = {
     "export": "snlp.apps.export",
     "generate": "snlp.apps.generate",
     "speedrun": "snlp.apps.speedrun",
-    "sft": "snlp.train.sft",
+    "sft": "snlp.apps.sft",
     "sft-grid": "snlp.apps.sft_grid",
-    "train": "snlp.train.trainer",
+    "train": "snlp.apps.train",
 }
 
 

@@ -17,7 +17,9 @@ from snlp.io.checkpoint import load
 from snlp.eval.mc import SEQ, MCConfig, evaluate_mc
 from snlp.io.mctasks import load_task
 from snlp.method.plan import Plan
-from snlp.train.sft import SEQUENTIAL, SFTConfig, add_train_arguments, sft, train_config
+from snlp.apps.sft import add_train_arguments, train_config
+from snlp.apps.train import file_hooks
+from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
 
 
 @dataclass
@@ -60,7 +62,8 @@ def run_grid(cfg: GridConfig) -> GridResult:
         out = Path(cfg.out) / f"sft-{forward}"
         tcfg = train_config(cfg.sft_args, str(out), resume=(out / "train_state.pt").is_file())
         r = sft(SFTConfig(ckpt=cfg.ckpt, data=cfg.data, train=tcfg, forward=forward,
-                          max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac))
+                          max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac),
+                hooks=file_hooks(cfg.sft_args.stop_file))
         res.sft_runs[forward] = asdict(r)
         model, tok = load(out)
         per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),

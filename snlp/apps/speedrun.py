@@ -54,7 +54,7 @@ import torch
 
 from snlp.runtime.device import cli_device
 from snlp.apps.report import MODELS, environment, fmt_s, render_report
-from snlp.train.trainer import TrainConfig
+from snlp.train.config import TrainConfig
 
 if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
     from rich.console import Console
@@ -337,23 +337,21 @@ class Stages:
 
 # ----- stages -----
 def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int | None = None,
-                 minutes: float | None = None, lockstep: Path | None = None) -> TrainConfig:
+                 minutes: float | None = None) -> TrainConfig:
     """The TrainConfig of a speedrun model (both models: same data, shape, seed and budget; IDN-Reg adds
-    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs; with
-    `lockstep` (a folder) the run polls its step gate and stop file there (Lockstep)."""
+    the regulariser). Every step is logged (log_every 1): the side-by-side runner follows the logs (a
+    lockstep run's step gate and stop file are its TrainJob's, given to `fit` as hooks)."""
     return TrainConfig(out=str(model_dir), data=cfg["data"], max_chars=cfg["max_chars"],
                        vocab_size=cfg["vocab_size"], cache_dir=str(cache), depth=cfg["depth"], width=cfg["width"],
                        head_dim=cfg["head_dim"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
                        seed=cfg["seed"], reg_n=str(cfg["reg_n"]), eval_every=100, save_every=100, log_every=1,
                        device=cfg["device"], reg="idn" if reg else "none", reg_lambda=REG_LAMBDA, steps=steps,
-                       minutes=minutes, no_progress=True,
-                       stop_file=None if lockstep is None else str(lockstep / "train.stop"),
-                       step_gate=None if lockstep is None else str(lockstep / "train.gate"))
+                       minutes=minutes, no_progress=True)
 
 
 def _prepare(spec: DataSpec, cache: Path):
     """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
-    from snlp.train.trainer import prepare_data
+    from snlp.train.pretrain import prepare_data
 
     data = TrainConfig(out=str(cache / "unused"), data=spec.data, max_chars=spec.max_chars,
                        vocab_size=spec.vocab_size, cache_dir=str(cache))
@@ -374,14 +372,24 @@ def stage_tokenizer(spec: DataSpec, cache: Path) -> dict:
 
 @dataclasses.dataclass
 class TrainJob:
-    """One training run of the speedrun: its TrainConfig, the stage settings it is made with and the
+    """One training run of the speedrun: its TrainConfig, the stage settings it is made with, the
     marker that says an unfinished run in its folder was started with those settings (so it may be
-    resumed)."""
+    resumed) and, for side-by-side runs in lockstep, the folder of the step gate and stop file that
+    all of them poll (Lockstep)."""
 
     key: str
     cfg: TrainConfig
     settings: dict
     partial: Path
+    lockstep: Path | None = None
+
+    @property
+    def gate_file(self) -> Path | None:
+        return None if self.lockstep is None else self.lockstep / "train.gate"
+
+    @property
+    def stop_file(self) -> Path | None:
+        return None if self.lockstep is None else self.lockstep / "train.stop"
 
     @property
     def model_dir(self) -> Path:
@@ -425,10 +433,12 @@ def _log_state(path: Path) -> dict:
     return st
 
 
-def _train_child(cfg: TrainConfig, threads: int, log: str) -> None:
-    """A training process (spawned): its output goes to the job's log, then `train.fit(cfg)`."""
+def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | None, gate_file: Path | None) -> None:
+    """A training process (spawned): its output goes to the job's log, then `fit(cfg)`, polling the lockstep
+    files when given (hooks are built here: closures do not cross a spawn)."""
     import traceback
 
+    from snlp.apps.train import file_hooks
     from snlp.train.trainer import fit
 
     with open(log, "a", buffering=1) as f:
@@ -438,7 +448,7 @@ def _train_child(cfg: TrainConfig, threads: int, log: str) -> None:
         if threads:
             torch.set_num_threads(threads)
         try:
-            fit(cfg)
+            fit(cfg, hooks=file_hooks(stop_file, gate_file))
         except BaseException:
             traceback.print_exc()
             f.flush()
@@ -460,7 +470,8 @@ def _launch(job: TrainJob, threads: int, force: bool, console):
     with open(job.log, "a" if resume else "w") as f:
         f.write(f"train {job.key}: {job.cfg}\n")
     proc = multiprocessing.get_context("spawn").Process(
-        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log)),
+        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log), job.stop_file,
+                                   job.gate_file),
         name=f"snlp-train-{job.key}")
     proc.start()
     return proc
@@ -474,8 +485,8 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 class Lockstep:
-    """Side-by-side runs kept at the same step through two files every run polls (TrainConfig.step_gate and
-    .stop_file): a run starts step s only once the gate reads >= s, and the gate moves to s + 1 only when every
+    """Side-by-side runs kept at the same step through two files every run polls (TrainJob.gate_file and
+    .stop_file, read by the training loop's hooks: snlp.apps.train.file_hooks): a run starts step s only once the gate reads >= s, and the gate moves to s + 1 only when every
     run has logged step s without deciding to stop there. With a wall-clock budget each run's LR schedule
     follows its own elapsed time (equal at equal steps in lockstep), and the first run to stop on the budget
     fixes the stop step N in the stop file: the others, held at the gate after step N, stop there too."""
@@ -504,7 +515,7 @@ class Lockstep:
 def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
                  every: float = 30.0) -> dict[str, float]:
     """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
-    each (0 = torch's default); in lockstep when their TrainConfigs name a step gate and a stop file (see
+    each (0 = torch's default); in lockstep when every job names a lockstep folder (see
     Lockstep: a wall-clock budget that ends every run at the same step); a status line every `every` seconds
     (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -513,8 +524,7 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
     seconds: dict[str, float] = {}
     for group in groups:
         t0 = time.perf_counter()
-        gated = [j.cfg.step_gate for j in group]
-        lock = Lockstep(Path(gated[0]), Path(group[0].cfg.stop_file)) if all(gated) else None
+        lock = Lockstep(group[0].gate_file, group[0].stop_file) if all(j.lockstep for j in group) else None
         procs = {j.key: _launch(j, threads, force, console) for j in group}
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=console, disable=not console.is_terminal)
@@ -859,7 +869,7 @@ def _train_jobs(sr: Speedrun) -> list[TrainJob]:
     for key, reg in (("noreg", False), ("idn", True)):
         # train_config reads the settings as a dict (the training-launch side keeps that interface)
         tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
-                            minutes=pre.minutes, lockstep=lockstep)
+                            minutes=pre.minutes)
         settings = {"train": {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
                               for k, v in dataclasses.asdict(tcfg).items()},
                     "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
@@ -867,7 +877,7 @@ def _train_jobs(sr: Speedrun) -> list[TrainJob]:
         if rec is not None:
             sr.trains[key] = rec
         else:
-            jobs.append(TrainJob(key, tcfg, settings, sr.out / "stages" / f"train-{key}.partial.json"))
+            jobs.append(TrainJob(key, tcfg, settings, sr.out / "stages" / f"train-{key}.partial.json", lockstep))
     return jobs
 
 

@@ -1,0 +1,81 @@
+"""Chat SFT of a checkpoint with the sequential forward or an SNLP forward (paper, "Downstream task evaluation").
+
+`snlp sft CKPT --data CHATS --out DIR --forward sequential|PLAN` fine-tunes on conversations
+(snlp.chat: JSONL {"messages": [...]}, or hf:NAME[:CONFIG][:SPLIT]) with the loss on assistant
+tokens only. --forward PLAN computes that loss on the SNLP logits of PLAN with gradients through
+all K iterations (SNLP-forward SFT); --reg adds the SNLP-aware regulariser. Optimiser, LR schedule,
+checkpoints, --resume and DDP (torchrun) are `snlp train`'s (snlp.train.fit). LRs default to
+snlp train's times --lr-scale (0.1), as fine-tuning wants smaller steps than pretraining.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from snlp.apps.train import config_from_args, file_hooks
+from snlp.train.config import TrainConfig
+from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+
+
+def add_train_arguments(p, steps: int = 200) -> None:
+    """The optimisation flags SFT shares with `snlp train` (also used by `snlp sft-grid`)."""
+    o = p.add_argument_group("optimisation (as snlp train)")
+    o.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
+    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step")
+    o.add_argument("--stop-file", default=None, help="stop once the step number written in this file is done")
+    o.add_argument("--seq-len", type=int, default=512, help="conversations are truncated to this many tokens")
+    o.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch per process")
+    o.add_argument("--grad-accum", type=int, default=1)
+    o.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
+    o.add_argument("--lr-scale", type=float, default=0.1, help="multiplies snlp train's default LRs")
+    o.add_argument("--warmup-steps", type=int, default=0)
+    o.add_argument("--warmdown", type=float, default=0.5)
+    o.add_argument("--grad-clip", type=float, default=1.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    r = p.add_argument_group("SNLP-aware regulariser (as snlp train)")
+    r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none")
+    r.add_argument("--reg-lambda", type=float, default=0.5)
+    r.add_argument("--reg-n", default="4")
+    r.add_argument("--reg-stride", type=int, default=0)
+    r.add_argument("--reg-detach", action=argparse.BooleanOptionalAction, default=None)
+    r.add_argument("--reg-warmup", type=int, default=0)
+    e = p.add_argument_group("data and logging")
+    e.add_argument("--max-conversations", type=int, default=0, help="use at most this many (0 = all)")
+    e.add_argument("--val-frac", type=float, default=0.05, help="fraction of conversations held out")
+    e.add_argument("--eval-every", type=int, default=50)
+    e.add_argument("--eval-batches", type=int, default=4)
+    e.add_argument("--save-every", type=int, default=0)
+    e.add_argument("--log-every", type=int, default=10)
+    e.add_argument("--no-progress", action="store_true")
+
+
+def train_config(args, out: str, resume: bool = False) -> TrainConfig:
+    """TrainConfig of the shared flags, LRs scaled by --lr-scale."""
+    base = TrainConfig(out=out)
+    cfg = config_from_args(args)
+    s = args.lr_scale
+    if s <= 0:
+        raise ValueError(f"--lr-scale must be > 0 (got {s})")
+    return replace(cfg, out=out, resume=resume, matrix_lr=(0.02 if args.optimizer == "muon" else 0.003) * s,
+                   embedding_lr=base.embedding_lr * s, unembedding_lr=base.unembedding_lr * s,
+                   scalar_lr=base.scalar_lr * s, hc_lr=base.hc_lr * s)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("ckpt", help="checkpoint to fine-tune (snlp train --out)")
+    p.add_argument("--data", required=True, help="chat JSONL file(s)/folder/glob, comma-separated, or hf:NAME[:CONFIG][:SPLIT]")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--forward", default=SEQUENTIAL, help="sequential, or an SNLP plan (e.g. 4xF1-h0-K1) whose logits "
+                   "the loss is computed on, gradients through all K iterations")
+    p.add_argument("--resume", action="store_true", help="continue the SFT run saved in --out")
+    add_train_arguments(p)
+
+
+def run(args) -> int:
+    scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
+                     forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
+    sft(scfg, hooks=file_hooks(args.stop_file))
+    return 0

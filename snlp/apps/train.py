@@ -1,0 +1,150 @@
+"""Train a GPT from scratch, optionally with the SNLP-aware regulariser (--reg idn).
+
+Works out of the box on CPU with no network: `snlp train --out runs/x --depth 8 --minutes 3`
+trains a byte-level BPE on the standard library's Python sources and a small model on them.
+Training defaults (aspect ratio 32, head dim 64, vocab 4096, seq len 256) are smaller than
+`snlp bench`'s so a CPU run makes progress in minutes. Multi-process: `torchrun
+--nproc_per_node=P -m snlp train ...` (DDP; NCCL on GPU, gloo on CPU; rank 0 logs and saves).
+
+Library: `snlp.train.trainer.fit(TrainConfig(out=..., ...)) -> TrainResult`. The loop (optimisers, the
+stateless LR multiplier written into every param group each step, checkpoints, exact resume, DDP) is
+shared: a `Job` supplies the model, the batch source, the loss module and the validation, so
+pretraining (`pretrain_job`) and chat SFT (snlp.train.sft) run the same machinery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from snlp.train.config import TrainConfig
+from snlp.train.hooks import StopCheck, TrainHooks
+from snlp.train.trainer import fit
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out (weights, optimizer, data position, RNG)")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training, the model flags "
+                   "(--depth, ...) are taken from the checkpoint")
+    p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
+                   help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
+                   "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default="stdlib", help="stdlib | file/folder/glob (.txt, .py, .jsonl, .parquet) | "
+                   "hf:NAME[:CONFIG][:SPLIT]; comma-separated to combine")
+    d.add_argument("--text-field", default="text", help="text field of .jsonl/.parquet/hf rows")
+    d.add_argument("--max-chars", type=int, default=0, help="use at most this many characters (0 = all; hf: 200M)")
+    d.add_argument("--val-frac", type=float, default=0.05, help="fraction of documents held out for validation")
+    d.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (specials included)")
+    d.add_argument("--cache-dir", default=None, help="token cache folder (default $SNLP_CACHE or ~/.cache/snlp)")
+    m = p.add_argument_group("model (one dial: depth)")
+    m.add_argument("--depth", type=int, default=8)
+    m.add_argument("--width", type=int, default=None, help="model width; default depth * aspect ratio")
+    m.add_argument("--aspect-ratio", type=int, default=32, help="width per layer of depth (bench: 64)")
+    m.add_argument("--head-dim", type=int, default=64, help="attention head dim (bench: 128)")
+    m.add_argument("--kv-heads", type=int, default=None)
+    m.add_argument("--window-pattern", default="L")
+    m.add_argument("--no-x0", action="store_true", help="disable the x0 residual")
+    m.add_argument("--no-ve", action="store_true", help="disable value embeddings")
+    m.add_argument("--hc-streams", type=int, default=0, help="mHC with this many residual streams (0 = plain "
+                   "residual model); turns the x0 residual off")
+    m.add_argument("--hc-static", action="store_true", help="static mHC (learned constant H) instead of dynamic")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--seq-len", type=int, default=256)
+    o.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
+    o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    o.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000 unless --minutes)")
+    o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
+    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step; schedule still follows --steps")
+    o.add_argument("--stop-file", default=None, help="stop (and save) once the step number written in this file is done "
+                   "(checked every step; e.g. to stop two side-by-side runs at the same step)")
+    o.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="for the 2-D block matrices")
+    o.add_argument("--matrix-lr", type=float, default=None, help="block-matrix LR (default 0.02 muon, 0.003 adamw)")
+    o.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW LR of wte and value embeddings")
+    o.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW LR of lm_head")
+    o.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW LR of the x0 scalars (resid scalars: x0.01)")
+    o.add_argument("--hc-lr", type=float, default=0.005, help="AdamW LR of the mHC coefficient parameters "
+                   "(H biases, dynamic projections and gates)")
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--warmup-steps", type=int, default=10, help="linear LR warm-up")
+    o.add_argument("--warmdown", type=float, default=0.4, help="final fraction of the run with linear LR decay to 0")
+    o.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 = off)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--device", default=None, help="default: cuda if available (per local rank), else cpu")
+    r = p.add_argument_group("SNLP-aware regulariser (paper Eq. snlp-training-loss)")
+    r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none", help="surrogate of the regulariser's "
+                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per step, "
+                   "the diagonal estimate detached: gradients flow through the chunk forwards)")
+    r.add_argument("--reg-lambda", type=float, default=0.5)
+    r.add_argument("--reg-n", default="4", help="suffix lengths N, e.g. 8,16,24 (N >= depth is clipped to depth-1); also the N of the logged gap")
+    r.add_argument("--reg-stride", type=int, default=0, help="0 = final layer only; s > 0 adds L-s, L-2s, ...")
+    r.add_argument("--reg-detach", action=argparse.BooleanOptionalAction, default=None,
+                   help="detach the sequential target (default: on for --reg hcn as in the paper's mHC run, "
+                   "off otherwise)")
+    r.add_argument("--reg-warmup", type=int, default=0, help="steps to ramp lambda from 0")
+    e = p.add_argument_group("logging")
+    e.add_argument("--eval-every", type=int, default=50, help="validation every N steps (and at the end)")
+    e.add_argument("--eval-batches", type=int, default=4)
+    e.add_argument("--save-every", type=int, default=0, help="also save every N steps (0 = only at the end)")
+    e.add_argument("--log-every", type=int, default=10)
+    e.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def config_from_args(args) -> TrainConfig:
+    """The TrainConfig of parsed `snlp train` flags (attributes named like the fields; others ignored)."""
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+
+
+def run(args) -> int:
+    fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    return 0
+
+
+# ----- steering a run through files (--stop-file; snlp speedrun's lockstep) -----
+def read_step_file(path: str | Path | None) -> int | None:
+    """The step number written in a stop or gate file (None while it is absent or not yet an integer)."""
+    if not path:
+        return None
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def stop_file_check(path: str | Path) -> StopCheck:
+    """A stop check saying "stop_file" once the step number written in `path` is done (the file is re-read at every ask, so
+    another process may write or lower it while the run goes on)."""
+    def check(steps_done: int) -> str | None:
+        stop_at = read_step_file(path)
+        return "stop_file" if stop_at is not None and steps_done >= stop_at else None
+
+    return check
+
+
+def file_hooks(stop_file: str | Path | None = None, step_gate: str | Path | None = None,
+               poll_s: float = 0.002) -> TrainHooks:
+    """TrainHooks from files another process writes. `stop_file` (an integer N): stop, and save, once step N
+    is done; asked after every step and again just before the next starts, so a stop written in between
+    is not overrun. `step_gate` (an integer G; single-process runs): step s starts only once G >= s,
+    polled every `poll_s` seconds, the stop file ending the wait (lockstep side-by-side runs, snlp
+    speedrun)."""
+    stop = stop_file_check(stop_file) if stop_file else (lambda steps_done: None)
+    if not stop_file and not step_gate:
+        return TrainHooks()
+
+    def before_step(steps_done: int) -> str | None:
+        while True:
+            reason = stop(steps_done)
+            if reason is not None or not step_gate:
+                return reason
+            gate = read_step_file(step_gate)
+            if gate is not None and gate > steps_done:
+                return None
+            time.sleep(poll_s)
+
+    return TrainHooks(should_stop=stop, before_step=before_step)

@@ -1,0 +1,112 @@
+"""What a training run is given (`TrainConfig`) and what it gives back (`TrainResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snlp.train.validate import ValidationResult
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs (the library side of `snlp train`'s flags); `fit` never modifies it.
+    How a caller steers a running loop from outside (stop files, lockstep) is not configuration: it is
+    given to `fit` as `TrainHooks`."""
+
+    out: str
+    resume: bool = False
+    init_from: str | None = None  # start from this checkpoint's weights and tokenizer (no tokenizer training)
+    freeze_prefix: int | None = None  # train only layers S..; -1 = S = depth - max(reg_n), the SNLP suffix
+    # data
+    data: str = "stdlib"
+    text_field: str = "text"
+    max_chars: int = 0
+    val_frac: float = 0.05
+    vocab_size: int = 4096
+    cache_dir: str | None = None
+    # model (one dial: depth)
+    depth: int = 8
+    width: int | None = None
+    aspect_ratio: int = 32
+    head_dim: int = 64
+    kv_heads: int | None = None
+    window_pattern: str = "L"
+    no_x0: bool = False
+    no_ve: bool = False
+    hc_streams: int = 0
+    hc_static: bool = False
+    # optimisation
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    steps: int | None = None  # None and no minutes -> 1000
+    minutes: float | None = None
+    stop_after: int | None = None
+    optimizer: str = "muon"
+    matrix_lr: float | None = None
+    embedding_lr: float = 0.2
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5
+    hc_lr: float = 0.005
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    warmdown: float = 0.4
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str | None = None
+    # SNLP-aware regulariser
+    reg: str = "none"
+    reg_lambda: float = 0.5
+    reg_n: str = "4"
+    reg_stride: int = 0
+    reg_detach: bool | None = None
+    reg_warmup: int = 0
+    # logging
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 0
+    log_every: int = 10
+    no_progress: bool = False
+
+    @property
+    def total_steps(self) -> int | None:
+        return 1000 if self.steps is None and self.minutes is None else self.steps
+
+    def check(self) -> None:
+        """Raise a ValueError naming the flag of the first setting out of range."""
+        for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1 (got {self.steps})")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ValueError(f"--minutes must be > 0 (got {self.minutes})")
+        if not 0 <= self.warmdown <= 1:
+            raise ValueError(f"--warmdown must lie in [0, 1] (got {self.warmdown})")
+        if self.hc_streams < 0:
+            raise ValueError(f"--hc-streams must be >= 0 (got {self.hc_streams})")
+        if self.reg_lambda < 0 or self.reg_warmup < 0 or self.reg_stride < 0:
+            raise ValueError("--reg-lambda, --reg-warmup and --reg-stride must be >= 0")
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
+        if self.reg not in ("idn", "hcn", "diag", "none"):
+            raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.init_from and self.resume:
+            raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
+        if self.freeze_prefix is not None and self.freeze_prefix < -1:
+            raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
+
+
+@dataclass
+class TrainResult:
+    """What `fit` did: where the checkpoint is and how the run ended."""
+
+    out: str
+    steps: int
+    tokens: int  # input tokens processed (all ranks)
+    train_loss: float | None  # last step's training CE (all ranks' mean)
+    val_loss: float | None
+    wall_s: float  # this process's wall time, eval and saving included (the resumed part only)
+    elapsed_s: float  # the run's training clock (carried across resumes)
+    validation: ValidationResult | None = None  # the last validation of this process (None if it ran none)
+    stopped_by: str = "budget"  # budget | stop_after | a TrainHooks reason (e.g. stop_file)

@@ -1,0 +1,88 @@
+"""What the shared training loop trains (`Job`) and its per-micro-batch objective (`TrainStep`: CE plus the
+SNLP-aware regulariser), with the run's regulariser settings (`reg_config`)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from snlp.io.tokenizer import Tokenizer
+from snlp.method.plan import Plan
+from snlp.method.solver import solve
+from snlp.method.surrogates import HCN
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.train.config import TrainConfig
+from snlp.train.regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_loss
+from snlp.train.validate import ValidationResult
+
+
+@dataclass
+class Job:
+    """What the shared loop (`fit`) trains: pretraining (`pretrain_job`) and SFT (snlp.train.sft) build one.
+    The optimiser, LR schedule, checkpointing, resume and DDP machinery are the same for both."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    batch: Callable[[int, int, int], tuple[Tensor, Tensor]]  # (micro-batch index, rank, world) -> (x, y); y == -1 ignored
+    val_batches: list  # fixed [(x, y)] for validation
+    loss: nn.Module  # forward(x, y, lam) -> (loss, ce.detach(), reg.detach()); DDP wraps it
+    validate: Callable[[GPT, list], ValidationResult]  # (model, val_batches) -> the validation (no_grad)
+    describe: str = ""  # one line for the start banner
+    name: str = "snlp train"  # the banner's command name
+    state: dict = field(default_factory=dict)  # extra entries saved into train_state.pt (e.g. the SFT config)
+
+
+class TrainStep(nn.Module):
+    """One micro-batch: CE (targets == -1 ignored) and the regulariser. A module so DDP wraps it and
+    syncs the gradients of both terms.
+
+    plan None: the sequential forward; its trace feeds the regulariser (one forward for both).
+    plan given: CE on the SNLP logits of `plan` (snlp.solve under autograd: the fused chunk weights
+    are rebuilt from the parameters on every call, so gradients flow through all K iterations into
+    the model; the paper's SNLP-forward SFT); the regulariser then needs its own sequential trace."""
+
+    def __init__(self, model: GPT, reg: RegConfig, plan: Plan | None = None):
+        super().__init__()
+        self.model, self.reg, self.plan = model, reg, plan
+
+    def forward(self, x, y, lam: float):
+        m = self.model
+        trace = None
+        if self.plan is None:
+            ctx = m.embed(x)
+            trace = [ctx.x0]
+            logits = m.head(m.run_layers(ctx.x0, ctx, 0, m.config.n_layer, trace))
+        else:
+            logits = m.head(solve(m, x, self.plan).hidden)
+        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+        if lam > 0:
+            trace = trace if trace is not None else m.hidden_states(x)
+            reg = snlp_loss(m, x, trace, self.reg)
+            return ce + lam * reg, ce.detach(), reg.detach()
+        return ce, ce.detach(), torch.zeros((), device=x.device)
+
+
+def reg_config(cfg: TrainConfig, model_cfg: GPTConfig) -> RegConfig:
+    """The regulariser of a run (paper: HCN's target detached, IDN's not); checked against the model once
+    (e.g. --reg hcn needs an mHC model: --hc-streams N)."""
+    reg = RegConfig(surrogate=None if cfg.reg == "none" else cfg.reg, lam=cfg.reg_lambda,
+                    suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup)
+    reg.detach = cfg.reg_detach if cfg.reg_detach is not None else isinstance(reg.surrogate, HCN)
+    try:
+        reg.check_model(model_cfg)
+    except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms
+        raise ValueError(f"--reg {cfg.reg} needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn ({e})"
+                         if reg.surrogate.needs_mhc else str(e)) from None
+    return reg
+
+
+def gap_suffixes(cfg: TrainConfig, model_cfg: GPTConfig, reg: RegConfig, master: bool) -> list[int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if not master else "default")
+        return resolve_suffixes(model_cfg.n_layer, reg.suffixes) if model_cfg.n_layer > 1 else []

@@ -1,0 +1,17 @@
+"""The mixed-precision context of training and validation."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, ContextManager
+
+import torch
+
+
+def autocast_context(device) -> Callable[[], ContextManager]:
+    """A factory of the forward's autocast context: bf16 autocast on CUDA, nothing elsewhere (CPU runs
+    stay fp32, which keeps `--resume` bitwise exact there). A factory, not a context, because a context
+    manager is single-use and the loop enters one per micro-batch."""
+    if torch.device(device).type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext

@@ -1,0 +1,125 @@
+"""Pretraining from scratch (or from `--init-from` weights): the model of a TrainConfig, the tokenizer and
+token cache of its data, and the `Job` that `fit` trains by default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import snlp.io.data as D
+from snlp.io.checkpoint import load
+from snlp.io.tokenizer import Tokenizer
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.train.config import TrainConfig
+from snlp.train.distributed import rank0_first
+from snlp.train.job import Job, TrainStep, gap_suffixes, reg_config
+from snlp.train.precision import autocast_context
+from snlp.train.regularizer import parse_suffixes, resolve_suffixes
+from snlp.train.validate import validate
+
+TOKENIZER_CHARS = 20_000_000  # BPE is trained on at most this many characters of the train split
+
+
+def build_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of a new model: the run's depth dial and shape settings, the tokenizer's vocabulary."""
+    return GPTConfig.from_depth(cfg.depth, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim, width=cfg.width,
+                                n_kv_head=cfg.kv_heads, vocab_size=vocab_size, sequence_len=cfg.seq_len,
+                                window_pattern=cfg.window_pattern, x0_residual=False if cfg.no_x0 else None,
+                                value_embeds=not cfg.no_ve, hc_streams=cfg.hc_streams, hc_dynamic=not cfg.hc_static)
+
+
+def freeze_prefix(model: GPT, S: int) -> None:
+    """Train only layers S.. : the embedding (and a tied lm_head with it) and blocks 0..S-1 stop
+    requiring gradients. The paper's cheap CPU fine-tuning: only the SNLP suffix changes."""
+    L = model.config.n_layer
+    if not 0 <= S < L:
+        raise ValueError(f"--freeze-prefix S={S} must lie in [0, {L - 1}] (the model has {L} layers)")
+    model.wte.weight.requires_grad_(False)
+    if hasattr(model, "value_embeds"):
+        model.value_embeds.requires_grad_(False)
+    for block in model.blocks[:S]:
+        block.requires_grad_(False)
+
+
+def apply_freeze(model: GPT, cfg: TrainConfig) -> None:
+    """cfg.freeze_prefix on `model` (None: nothing frozen; -1: S = L - max(N), the regulariser's SNLP suffix).
+    A resumed run gets the same TrainConfig, so the same freeze."""
+    if cfg.freeze_prefix is None:
+        return
+    S = cfg.freeze_prefix
+    if S == -1:
+        L = model.config.n_layer
+        S = L - max(resolve_suffixes(L, parse_suffixes(cfg.reg_n)))
+    freeze_prefix(model, S)
+
+
+def init_from_checkpoint(path) -> tuple[GPT, Tokenizer]:
+    """Model (on CPU, train mode) and tokenizer of a checkpoint to start a new run from (fine-tuning:
+    `snlp sft`, `snlp train --init-from`). Only the weights are taken: optimiser state, step and
+    schedule start afresh."""
+    model, tok = load(path, device="cpu")
+    if tok is None:
+        raise ValueError(f"checkpoint {path} has no tokenizer.json; fine-tuning needs the model's tokenizer")
+    model.train()
+    return model, tok
+
+
+def prepare_data(cfg, tok: Tokenizer | None, rank: int, world: int) -> tuple[Tokenizer, D.TokenData]:
+    """Tokenizer (trained unless given) and cached token arrays. Rank 0 builds, others wait.
+    `cfg` is a TrainConfig (or anything with its data attributes)."""
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else D.cache_dir()
+    key = D.split_key(cfg.data, cfg.text_field, cfg.max_chars, cfg.val_frac)
+    tok_path = cache / f"{key}-bpe{cfg.vocab_size}.tokenizer.json"
+
+    def build():
+        nonlocal tok
+        docs = None
+        if tok is None and not tok_path.is_file():
+            docs = list(D.documents(cfg.data, cfg.text_field, cfg.max_chars))
+            train, _ = D.split_documents(docs, cfg.val_frac)
+            tok = Tokenizer.train(_capped(train, TOKENIZER_CHARS), cfg.vocab_size)
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = tok_path.with_name(tok_path.name + f".tmp-{os.getpid()}")
+            tok.tok.save(str(tmp))
+            os.replace(tmp, tok_path)
+        tok = tok or Tokenizer.load(tok_path)
+        ptrain, pval = D.token_paths(key, tok, cache)
+        if not (ptrain.is_file() and pval.is_file()):
+            docs = docs if docs is not None else list(D.documents(cfg.data, cfg.text_field, cfg.max_chars))
+            train, val = D.split_documents(docs, cfg.val_frac)
+        else:
+            train = val = []
+        return tok, D.load_tokens(train, val, tok, key, cache)
+
+    return rank0_first(build, rank, world)
+
+
+def _capped(docs, chars):
+    n = 0
+    for d in docs:
+        yield d
+        n += len(d)
+        if n >= chars:
+            return
+
+
+def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, rank: int, world: int,
+                 device) -> Job:
+    """Next-token pretraining on `cfg.data` (random windows of the token cache), with the regulariser.
+    `model`/`tok` are given when resuming; otherwise the tokenizer is trained and the model initialised."""
+    if model is None and cfg.init_from:  # fine-tuning: the checkpoint's weights and tokenizer
+        model, tok = init_from_checkpoint(cfg.init_from)
+    tok, tokens = prepare_data(cfg, tok, rank, world)
+    if model is None:
+        model = GPT(build_config(cfg, tok.vocab_size))
+        model.init_weights(seed=cfg.seed)
+    reg = reg_config(cfg, model.config)
+    suffixes = gap_suffixes(cfg, model.config, reg, rank == 0)
+    autocast = autocast_context(device)
+    return Job(model=model, tokenizer=tok,
+               batch=lambda micro, r, w: D.batch_at(tokens.train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w),
+               val_batches=D.val_batches(tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
+               loss=TrainStep(model, reg),
+               validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg),
+               describe=f"{len(tokens.train):,} train / {len(tokens.val):,} val tokens | reg {cfg.reg}"
+               + (f" lambda={reg.lam} N={suffixes} stride={reg.stride}" if reg.active else ""))
