@@ -207,20 +207,51 @@ def _compose(a: Tensor, matrix: bool) -> Tensor:
     return a[0]
 
 
+def _preheat_for(model: GPT, plan: Plan, preheat):
+    """The calibration a `preheat`-init plan starts from, on the model's device and dtype: the explicit
+    `preheat` (a snlp.preheat.Preheat) or else the one attached to the model (`preheat.of`). A plan with
+    another init gets None, and an explicit calibration for it is refused rather than silently unused."""
+    from . import preheat as ph
+
+    if plan.init != "preheat":
+        if preheat is not None:
+            raise ValueError(f"plan {plan} has the {plan.init} init, so the preheat calibration passed to "
+                             f"DistributedSNLP would be unused: pass preheat= only with a -preheat- plan")
+        return None
+    if preheat is None:
+        try:
+            preheat = ph.of(model)
+        except ValueError as e:
+            raise ValueError(f"distributed plan {plan} has the preheat init but no calibration was given: pass "
+                             f"DistributedSNLP(model, plan, preheat=snlp.preheat.fit(model)) or a Preheat.load("
+                             f"'CKPT/{ph.FILENAME}') (made by `snlp calibrate CKPT`)") from e
+    if not isinstance(preheat, ph.Preheat):
+        raise ValueError(f"preheat must be a snlp.preheat.Preheat (got {type(preheat).__name__})")
+    if preheat.U.shape[0] != model.config.n_layer:
+        raise ValueError(f"preheat calibration has {preheat.U.shape[0]} layers, the model has {model.config.n_layer}")
+    w = model.wte.weight
+    return preheat.to(w.device, w.dtype)
+
+
 class DistributedSNLP:
     """Rank-local part of a distributed SNLP model (see the module docstring). Construct it on every
     rank with the same model and plan, inside an initialised process group. It takes ownership of
     `model`: unowned suffix layers (and, off rank 0, the prefix; off the last rank, the LM head) are
     dropped to free their memory. `keep_layers` keeps the original layers of this rank's range for
-    the layer-pipelined sequential forward (speculative verifier, pipeline baseline)."""
+    the layer-pipelined sequential forward (speculative verifier, pipeline baseline). `preheat` is the
+    calibration (snlp.preheat.Preheat) of a plan with the preheat init (default: the one attached to
+    the model); every rank predicts its own chunks' initial states (and the state its first chunk
+    reads) from x0, so the preheat init costs no communication."""
 
-    def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True):
+    def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True,
+                 preheat=None):
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
         plan = _as_plan(model, plan)
         if not isinstance(plan.surrogate, SURROGATES):
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
                              f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
+        self.preheat = _preheat_for(model, plan, preheat)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers
@@ -362,7 +393,13 @@ class DistributedSNLP:
             hS = ctx.x0.contiguous()
         h = hS.expand(n, *hS.shape)  # (n, B, T, ..., D) h0 init
         boundary = hS
-        if plan.init == "fwd":
+        if plan.init == "preheat":  # as solver.solve: chunk c starts at the predictor of its last layer; the
+            # state chunk c0 reads is the prediction for chunk c0 - 1 (rank 0: h_S), computed here from x0
+            M, lo = plan.fuse, max(self.c0 - 1, 0)
+            pred = self.preheat.predict(ctx.x0, [self.S + (c + 1) * M - 1 for c in range(lo, self.c1)])
+            h = pred[self.c0 - lo:]
+            boundary = pred[0] if self.c0 > 0 else hS
+        elif plan.init == "fwd":
             h = chunk_forward(w, h, ctx, cache)
             boundary = self._shift_boundary(h[-1], hS)
         link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
@@ -404,8 +441,8 @@ class DistributedSNLP:
                 break
             boundary = self._shift_boundary(h[-1], hS)
         if cache is not None:
-            if plan.iters == 0 and plan.init == "h0":  # as solver.solve: write the K/V of the final inputs
-                chunk_forward(w, hS.expand(n, *hS.shape), ctx, cache)
+            if plan.iters == 0 and plan.init != "fwd":  # as solver.solve: write the K/V of the final inputs
+                chunk_forward(w, torch.cat([boundary[None], h[:-1]], 0), ctx, cache)
             cache.advance(idx.shape[1])
         res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates)
         if self.rank == self.last:

