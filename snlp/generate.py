@@ -641,9 +641,11 @@ def run(args) -> int:
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:  # s and the measured speedup: warm, repeated, medians
+        # the same stop rule as the run above (eos_id: the chat EOS under --chat), so both sides of the
+        # comparison decode the same tokens and the speedup compares runs of the same length
         rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                                  repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                                 seed=args.seed, eos_id=args.eos_id, compile=compile)
+                                                 seed=args.seed, eos_id=eos_id, compile=compile)
         rep = rows[0]
         record["report"] = rep
         record["sequential_tokens_per_s"] = 1e3 / rep["sequential_ms_per_token"]

@@ -107,3 +107,50 @@ def test_distributed_preheat_init_equals_single_process(world, tmp_path):
     for rk in ranks:
         assert "has the preheat init but no calibration was given" in rk["errors"]["none"]
         assert "would be unused" in rk["errors"]["unused"]
+
+
+# ----------------------------------------------------------------------------- item 4: --chat speculative baseline
+CHAT_TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+             "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
+CHAT_TEMPLATE = ("{% for m in messages %}<|user_start|>{{ m['content'] }}<|user_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
+CHAT_PROMPT = "First Citizen:"
+CHAT_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """A tiny checkpoint with a chat tokenizer (a converted model's kind: BOS/EOS tokens and a template) whose
+    model says EOS after a few tokens: its EOS row of lm_head is twice the row of the 4th greedy token, so
+    the greedy chat reply stops there (checked: stop == eos well before --max-new-tokens)."""
+    from snlp.checkpoint import save_checkpoint
+    from snlp.generate import sequential_generate
+    from snlp.tokenizer import BOS, MIN_VOCAB, Tokenizer
+
+    bpe = Tokenizer.train([CHAT_TEXT], vocab_size=MIN_VOCAB + 40)
+    tok = Tokenizer(bpe.tok, {"bos_token": BOS, "eos_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE})
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}]))
+    free = sequential_generate(model, prompt, CHAT_NEW).tokens
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_id] = 2 * model.lm_head.weight[free[3]]
+    stopped = sequential_generate(model, prompt, CHAT_NEW, eos_id=tok.eos_id)
+    assert stopped.stop == "eos" and len(stopped.tokens) < CHAT_NEW // 2, stopped  # the precondition of the tests
+    return save_checkpoint(tmp_path_factory.mktemp("chat") / "tiny-chat", model, tokenizer=tok), stopped.tokens
+
+
+def test_chat_speculative_baseline_stops_at_the_same_eos(chat_ckpt, tmp_path):
+    import json
+
+    from snlp.cli import main
+
+    ckpt, ref = chat_ckpt
+    out = tmp_path / "spec.json"
+    assert main(["generate", str(ckpt), "--chat", "--prompt", CHAT_PROMPT, "--mode", "speculative", "--plan",
+                 "2xF2-h0-K1", "--block", "3", "--repeats", "1", "--max-new-tokens", str(CHAT_NEW), "--quiet",
+                 "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens"] == ref and rec["stop"] == "eos"
+    # the baseline ran the same (EOS-stopped) decode: its tokens equal the reported run's
+    assert rec["matches_sequential"] and rec["report"]["matches_sequential"]
