@@ -45,6 +45,15 @@ def _run_ranked(command: str, args, body) -> int:
             dist.destroy_process_group()
 
 
+def _refuse_compile(args) -> None:
+    """--compile has no distributed counterpart: the distributed solve and the layer-pipelined forward
+    interleave collectives with the layer math and run eagerly; refused rather than silently ignored."""
+    if getattr(args, "compile", False):
+        raise ValueError("--compile is not supported with --distributed: the distributed solve and the "
+                         "layer-pipelined forward run eagerly (their collectives sit between the layer ops); "
+                         "drop --compile")
+
+
 def run_generate(args) -> int:
     """`torchrun --nproc_per_node=P -m snlp generate CKPT --distributed ...` (called by snlp.generate.run)."""
     if args.mode not in ("snlp", "sequential", "speculative"):
@@ -52,6 +61,9 @@ def run_generate(args) -> int:
                          f"not {args.mode}")
     if args.plan is None:
         raise ValueError("--distributed needs --plan: its chunks are what the ranks split (e.g. --plan 8xF1-h0-K1)")
+    _refuse_compile(args)
+    if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     if not os.path.exists(args.ckpt):
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
@@ -65,9 +77,14 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     model = model.to(device).eval()
     plan = Plan.parse(args.plan, model.config.n_layer)
-    prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+    eos_id = args.eos_id
+    if getattr(args, "chat", False):  # as snlp.generate.run: the chat template, and stop at its EOS
+        prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
+        eos_id = tok.eos_id if eos_id is None else eos_id
+    else:
+        prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     runner = DistributedSNLP(model, plan, keep_layers=args.mode != "snlp")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=args.eos_id,
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed)
     out: list[int] = []
     printed = [""]
@@ -85,6 +102,11 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         base = runner.generate(prompt, "sequential", **kw)
     res = runner.generate(prompt, args.mode, block=args.block,
                           on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
+    rounds = []  # as snlp.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
+    if base is not None:
+        for _ in range(args.repeats):
+            rounds.append((runner.generate(prompt, "sequential", **kw),
+                           runner.generate(prompt, args.mode, block=args.block, **kw)))
     mem = gather_objects(runner.memory())
     if rank == 0:
         if not args.quiet:
@@ -95,11 +117,17 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "
                  f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}")
         if base is not None:
+            from statistics import median as med
+
             record["sequential_tokens"] = base.tokens
-            record["matches_sequential"] = base.tokens == res.tokens
-            record["pipeline_sequential_tokens_per_s"] = base.tokens_per_s
+            record["matches_sequential"] = all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
+            record["repeats"] = len(rounds)
+            record["pipeline_sequential_tokens_per_s"] = med([s.tokens_per_s for s, _ in rounds])
+            record["speculative_tokens_per_s"] = med([p.tokens_per_s for _, p in rounds])
+            record["measured_speedup"] = med([p.tokens_per_s / s.tokens_per_s for s, p in rounds])
             stats += (f", alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}, "
-                      f"pipelined sequential {base.tokens_per_s:.1f} tok/s")
+                      f"pipelined sequential {record['pipeline_sequential_tokens_per_s']:.1f} tok/s, speedup "
+                      f"{record['measured_speedup']:.2f}x (medians of {len(rounds)} runs after a warm-up)")
         print(stats)
         if args.json:
             write_json(args.json, record)
@@ -108,6 +136,12 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
 
 def run_bench(args) -> int:
     """`torchrun --nproc_per_node=P -m snlp bench --distributed ...` (called by snlp.bench.run)."""
+    _refuse_compile(args)
+    if getattr(args, "ops", False):
+        raise ValueError("--ops (the single-layer op benchmark) is a single-process benchmark: drop --distributed")
+    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    if len(counts) != 1:
+        raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
     return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, rank, world, device))
 
 

@@ -154,3 +154,39 @@ def test_chat_speculative_baseline_stops_at_the_same_eos(chat_ckpt, tmp_path):
     assert rec["tokens"] == ref and rec["stop"] == "eos"
     # the baseline ran the same (EOS-stopped) decode: its tokens equal the reported run's
     assert rec["matches_sequential"] and rec["report"]["matches_sequential"]
+
+
+# ----------------------------------------------------------------------------- item 5: --distributed and its flags
+def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    ckpt, ref = chat_ckpt
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--chat", "--prompt", CHAT_PROMPT, "--mode",
+           "speculative", "--plan", "2xF1-h0-K1", "--block", "3", "--repeats", "2", "--max-new-tokens", str(CHAT_NEW),
+           "--quiet", "--json", str(tmp_path / "dist.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "dist.json").read_text())
+    assert rec["tokens"] == ref and rec["stop"] == "eos"  # the chat prompt, stopped at the chat EOS
+    assert rec["matches_sequential"] and rec["sequential_tokens"] == ref
+    assert rec["repeats"] == 2 and rec["measured_speedup"] > 0 and "medians of 2 runs" in out.stdout
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--compile"],
+     "--compile is not supported with --distributed"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "0"],
+     "--repeats must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--compile"], "--compile is not supported with --distributed"),
+    (["bench", "--distributed", "--depth", "4", "--tokens", "1,4"], "--distributed takes one --tokens value"),
+])
+def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
+    """Refused before any process group is set up (no torchrun needed to see the error)."""
+    from snlp.cli import main
+
+    assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
+    assert msg in capsys.readouterr().err
