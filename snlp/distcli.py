@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from .runtime import cli_device, cli_dtype, set_threads, write_json
-from .distributed import (DistributedSNLP, RankFailureError, gather_objects, distributed_benchmark, init_distributed,
-                          partition)
+from .distributed import (CollectiveError, DistributedSNLP, RankFailureError, gather_objects, distributed_benchmark,
+                          init_distributed, partition)
 from .plan import Plan, parse_plans
 
 
@@ -33,11 +33,12 @@ def _setup(args) -> tuple[int, int, torch.device]:
 
 def _run_ranked(command: str, args, body) -> int:
     """Set up the process group, run body(rank, world, device) -> exit code and tear the group down; a dead or
-    hung peer (RankFailureError) ends this rank with a clear message and exit code 3 instead of a hang."""
+    hung peer (RankFailureError), or a collective that failed for another reason (CollectiveError, which quotes
+    it), ends this rank with a clear message and exit code 3 instead of a hang."""
     rank, world, device = _setup(args)
     try:
         return body(rank, world, device)
-    except RankFailureError as e:
+    except (RankFailureError, CollectiveError) as e:
         print(f"snlp {command} (rank {rank}): error: {e}", file=sys.stderr)
         return 3
     finally:
@@ -70,20 +71,21 @@ def run_generate(args) -> int:
 
 
 def _run_generate_ranked(args, rank: int, world: int, device) -> int:
-    from .checkpoint import load
+    from .distload import RankCheckpoint
 
-    model, tok = load(args.ckpt, device="cpu")
+    ckpt = RankCheckpoint(args.ckpt, device)  # this rank reads only its own layers' tensors (snlp.distload)
+    tok = ckpt.tokenizer()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    model = model.to(device).eval()
-    plan = Plan.parse(args.plan, model.config.n_layer)
+    plan = Plan.parse(args.plan, ckpt.config.n_layer)
     eos_id = args.eos_id
     if getattr(args, "chat", False):  # as snlp.generate.run: the chat template, and stop at its EOS
         prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
         eos_id = tok.eos_id if eos_id is None else eos_id
     else:
         prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
-    runner = DistributedSNLP(model, plan, keep_layers=args.mode != "snlp")
+    runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
+                             preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed)
     out: list[int] = []

@@ -43,7 +43,13 @@ Start-up check: all ranks all_gather a SHA-256 of the plan string and of the mod
 (before dropping unowned layers); a mismatch is a ValueError on every rank naming what differs.
 Failure: `init_distributed(timeout_s=...)` sets the process group's timeout; every collective and
 point-to-point call is wrapped so that a dead or hung peer surfaces as `RankFailureError` (which
-says which op, which rank and the timeout) instead of a hang.
+says which op, which rank and the timeout) instead of a hang, and any other failure of the call as a
+`CollectiveError` quoting its own reason (both chain the original exception).
+
+Devices. Every tensor a collective or point-to-point call sees lives on the rank's device (the
+model's: NCCL takes CUDA tensors only), sampling uses a generator on that device, and with
+`checkpoint=` (snlp.distload) a rank reads from the checkpoint only the tensors of the layers it
+computes, straight onto its device, from a model built on the `meta` device.
 """
 
 from __future__ import annotations
@@ -71,8 +77,24 @@ DEFAULT_TIMEOUT_S = 120.0
 SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
 
 
-class RankFailureError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective / point-to-point call failed on this rank; the message names the op and carries the
+    original error (also chained as __cause__)."""
+
+
+class RankFailureError(CollectiveError):
     """A peer rank died or did not answer within the process group's timeout."""
+
+
+# what gloo and NCCL say when the failure is a peer that is gone or silent (a timeout, a closed / reset
+# connection, an aborted communicator); any other failure is reported with its own reason
+PEER_LOSS_MARKERS = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
+                     "connection refused", "communicator was aborted", "remote process exited", "network error")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, dist.DistNetworkError) or any(m in msg for m in PEER_LOSS_MARKERS)
 
 
 # ----------------------------------------------------------------------------- process group
@@ -94,15 +116,21 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.d
 
 @contextmanager
 def _comm(op: str):
-    """Turn a failed collective / point-to-point call into a RankFailureError that says what happened."""
+    """Say what failed: a collective / point-to-point call that failed because a peer is gone or silent
+    becomes a RankFailureError; any other failure (a bad argument, a tensor on the wrong device, a
+    backend error) a CollectiveError naming the op with the original error's own reason. Either way the
+    original exception is chained (__cause__) and quoted."""
     try:
         yield
-    except RuntimeError as e:
-        if isinstance(e, RankFailureError):
-            raise
+    except CollectiveError:
+        raise
+    except Exception as e:
         r, P = dist.get_rank(), dist.get_world_size()
-        raise RankFailureError(f"rank {r} of {P}: {op} failed: a peer rank died or did not answer within the "
-                               f"process-group timeout ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if _peer_lost(e):
+            raise RankFailureError(f"rank {r} of {P}: {op} failed: a peer rank died or did not answer within the "
+                                   f"process-group timeout ({why})") from e
+        raise CollectiveError(f"rank {r} of {P}: {op} failed: {why}") from e
 
 
 def _all_gather(t: Tensor, op: str) -> Tensor:
@@ -148,15 +176,17 @@ def model_digest(model: GPT) -> bytes:
     return h.digest()
 
 
-def check_consistent(model: GPT, plan: Plan) -> None:
+def check_consistent(model: GPT, plan: Plan, digest: bytes | None = None) -> None:
     """All ranks must run the same plan on the same weights: all_gather of SHA-256 digests, then a
-    ValueError on EVERY rank (so none is left waiting) naming the ranks that differ."""
-    mine = hashlib.sha256(str(plan).encode()).digest() + model_digest(model)
-    allv = _all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "start-up consistency check")
+    ValueError on EVERY rank (so none is left waiting) naming the ranks that differ. `digest` replaces
+    `model_digest(model)` where a rank holds only part of the model (snlp.distload)."""
+    mine = hashlib.sha256(str(plan).encode()).digest() + (model_digest(model) if digest is None else digest)
+    dev = model.wte.weight.device  # the collective runs on the rank's device (NCCL takes CUDA tensors only)
+    allv = _all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(dev), "start-up consistency check")
     problems = []
     for what, sl in (("plan", slice(0, 32)), ("model weights/config", slice(32, 64))):
-        ref = allv[0, sl]
-        bad = [r for r in range(allv.shape[0]) if not torch.equal(allv[r, sl], ref)]
+        ref = allv[0, sl].cpu()
+        bad = [r for r in range(allv.shape[0]) if not torch.equal(allv[r, sl].cpu(), ref)]
         if bad:
             problems.append(f"ranks {bad} have a different {what} than rank 0")
     if problems:
@@ -241,10 +271,13 @@ class DistributedSNLP:
     the layer-pipelined sequential forward (speculative verifier, pipeline baseline). `preheat` is the
     calibration (snlp.preheat.Preheat) of a plan with the preheat init (default: the one attached to
     the model); every rank predicts its own chunks' initial states (and the state its first chunk
-    reads) from x0, so the preheat init costs no communication."""
+    reads) from x0, so the preheat init costs no communication. `checkpoint` (a snlp.distload.RankCheckpoint)
+    fills a `meta`-device `model` (RankCheckpoint.meta_model) with this rank's tensors only: the embedding,
+    the per-layer scalars, the layers it computes (rank 0: and the prefix), their value-embedding rows and,
+    on the last rank, the head; the start-up check then compares the checkpoint's digest."""
 
     def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True,
-                 preheat=None):
+                 preheat=None, checkpoint=None):
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
         plan = _as_plan(model, plan)
@@ -258,8 +291,15 @@ class DistributedSNLP:
         L = model.config.n_layer
         self.S, M = plan.prefix_len(L), plan.fuse
         self.c0, self.c1 = partition(plan.chunks, self.world)[self.rank]
+        self._checkpoint = checkpoint
+        if checkpoint is not None:  # only this rank's layers (the ones it computes, rank 0: the prefix too)
+            first = 0 if self.rank == 0 else self.S + self.c0 * M
+            checkpoint.materialise(model, range(first, self.S + self.c1 * M), head=self.rank == self.last)
+        elif any(t.is_meta for t in model.parameters()):
+            raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
+                             "them (checkpoint=snlp.distload.RankCheckpoint(path, device))")
         if check:
-            check_consistent(model, plan)
+            check_consistent(model, plan, None if checkpoint is None else checkpoint.digest())
         with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)
             self.w: ChunkWeights = build_chunk_weights(model, self.S + self.c0 * M, self.c1 - self.c0, M)
         # KV window and layer range this rank computes: rank 0 also owns the prefix layers
@@ -286,7 +326,11 @@ class DistributedSNLP:
         keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
         lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
         lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
-        model.value_embeds = torch.nn.Parameter(model.value_embeds.data[keep].clone(), requires_grad=False)
+        if model.value_embeds.is_meta:  # a rank-local load: read only the kept tables from the checkpoint
+            table = self._checkpoint.rows("value_embeds", keep, model.value_embeds)
+        else:
+            table = model.value_embeds.data[keep].clone()
+        model.value_embeds = torch.nn.Parameter(table, requires_grad=False)
         model.ve_slot = [int(lut[s]) if s >= 0 and l in layers else -1 for l, s in enumerate(model.ve_slot)]
         if self.w.ve_slot is not None:
             self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
@@ -434,7 +478,7 @@ class DistributedSNLP:
             stop = k == plan.iters - 1
             if plan.tol:  # the last rank owns the final state: it decides, everyone follows
                 upd = torch.tensor([_relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
-                                   dtype=torch.float64)
+                                   dtype=torch.float64, device=self.device)
                 updates.append(float(_broadcast(upd, self.last, "broadcast of the tol update")[0]))
                 stop = stop or updates[-1] < plan.tol
             if stop:
@@ -450,7 +494,8 @@ class DistributedSNLP:
             if logits:
                 res.logits = model.head(res.hidden)
         if check_finite:
-            ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0])
+            ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0],
+                              device=self.device)
             if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
                 raise SNLPDivergenceError(f"distributed SNLP plan {plan} diverged: the final hidden state contains "
                                           f"NaN/inf (try more iterations, K >= {plan.chunks} is exact)")
@@ -480,7 +525,7 @@ class DistributedSNLP:
 
     # ----- decoding -----
     def _tokens_from_last(self, tokens: list[int] | None, count: int) -> list[int]:
-        t = torch.tensor(tokens if self.rank == self.last else [0] * count, dtype=torch.long)
+        t = torch.tensor(tokens if self.rank == self.last else [0] * count, dtype=torch.long, device=self.device)
         return _broadcast(t, self.last, "broadcast of the chosen tokens").tolist()
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
@@ -505,7 +550,9 @@ class DistributedSNLP:
         res = GenerateResult(tokens=[], mode=mode, plan=None if mode == "sequential" else str(self.plan),
                              block=block if mode == "speculative" else 0)
         res.stop = "max_new_tokens" if max_new_tokens <= max_len - len(prompt) else "max_len"
-        gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
+        # cannot drive CUDA sampling); only the last rank draws, and the tokens are broadcast
+        gen = torch.Generator(self.device).manual_seed(seed) if temperature > 0 else None
         ids = lambda toks: torch.tensor([toks], dtype=torch.long, device=self.device)  # noqa: E731
         snlp = lambda x: self.solve(ids(x), cache, check_finite=False).logits  # noqa: E731
         seq = lambda x: self.pipeline_forward(ids(x), cache)  # noqa: E731
@@ -567,7 +614,8 @@ class DistributedSNLP:
                 else:
                     p = torch.softmax(lg.float() / temperature, -1)
                     q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
-                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts]).long(), gen)
+                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(),
+                                                    gen)
                     verdict = [int(n_t), int(nxt_t)]
             nacc, nxt = self._tokens_from_last(verdict, 2)
             cache.rollback(P + nacc + 1)
@@ -614,7 +662,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
     for plan in plans:
         runner = DistributedSNLP(model_fn(), plan, keep_layers=True)
         V = runner.model.config.vocab_size
-        idx = torch.randint(0, V, (batch, tokens), generator=gen)
+        idx = torch.randint(0, V, (batch, tokens), generator=gen).to(runner.device)  # same CPU draw on every rank
         mem = gather_objects(runner.memory())
         base = dict(plan=str(plan), world_size=dist.get_world_size(), tokens=tokens, batch=batch, runs=runs,
                     chunks_per_rank=[list(b) for b in partition(plan.chunks, dist.get_world_size())],
