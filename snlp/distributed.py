@@ -295,7 +295,7 @@ class DistributedSNLP:
         if checkpoint is not None:  # only this rank's layers (the ones it computes, rank 0: the prefix too)
             first = 0 if self.rank == 0 else self.S + self.c0 * M
             checkpoint.materialise(model, range(first, self.S + self.c1 * M), head=self.rank == self.last)
-        elif any(t.is_meta for t in model.parameters()):
+        elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
             raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
                              "them (checkpoint=snlp.distload.RankCheckpoint(path, device))")
         if check:
@@ -326,7 +326,7 @@ class DistributedSNLP:
         keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
         lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
         lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
-        if model.value_embeds.is_meta:  # a rank-local load: read only the kept tables from the checkpoint
+        if model.value_embeds.is_meta and self._checkpoint is not None:  # a rank-local load: read only the kept tables from the checkpoint
             table = self._checkpoint.rows("value_embeds", keep, model.value_embeds)
         else:
             table = model.value_embeds.data[keep].clone()
@@ -450,7 +450,7 @@ class DistributedSNLP:
         link = link.view(n, *[1] * hS.dim())  # (n, 1, ..., 1)
         lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
         lag = lag.view(n, *[1] * hS.dim())  # non-forward order: the previous sweep's update (snlp.solver)
-        lagged = bool(lag.any())
+        lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
         gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
         iters, updates, d, last_boundary = 0, [], None, None
         for k in range(plan.iters):

@@ -190,3 +190,85 @@ def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys)
 
     assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- item 9: devices, rank-local load, errors
+COLLECTIVES = ("all_gather", "broadcast", "send", "recv", "isend", "irecv", "all_reduce")
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _record_collectives(log: list, call_real: bool) -> None:
+    """Wrap the torch.distributed calls snlp.distributed makes so that every tensor passed is recorded as
+    (op, device); with call_real=False (meta-device ranks: gloo has no data to move) the op is not run."""
+    import torch.distributed as dist
+
+    def wrap(name):
+        real = getattr(dist, name)
+
+        def f(*args, **kw):
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            ts += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            log.extend((name, str(t.device)) for t in ts)
+            if call_real:
+                return real(*args, **kw)
+            return _Done() if name in ("isend", "irecv") else None
+        return f
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name))
+
+
+def _devices_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.distributed import DistributedSNLP, check_consistent
+
+    _init(rank, world, port)
+    cpu_log, meta_log, meta_errors = [], [], []
+    _record_collectives(cpu_log, call_real=True)  # 1. CPU ranks, every path, the real gloo ops
+    model = make_model(seed=0)
+    runner = DistributedSNLP(model, "4xF1-h0-K2-tol:1e-9", keep_layers=True)
+    runner.solve(tokens(model))
+    for mode in ("snlp", "speculative", "sequential"):
+        runner.generate(PROMPT, mode, max_new_tokens=4, block=2, temperature=0.7, seed=1)
+    DistributedSNLP(make_model(seed=0), "4xF1-h0-K1-diag:fd").solve(tokens(model))
+    DistributedSNLP(make_model(seed=1, hc_streams=2), "4xF1-h0-K1-hcn").solve(tokens(model))
+    # 2. meta-device ranks: shapes only, so every tensor made for a collective shows where it was made; a host
+    # read of a meta value (the broadcast tol update, finiteness flag, tokens) ends each path, after its op
+    _record_collectives(meta_log, call_real=False)
+    meta = make_model(seed=0).to("meta")
+    meta.check_tokens = lambda idx: None  # meta ids hold no values to range-check
+    idx = tokens(make_model(seed=0)).to("meta")
+    for plan in ("4xF1-h0-K2", "4xF1-fwd-K2-tol:1e-3", "4xF1-h0-K1"):
+        r = DistributedSNLP(meta, plan, keep_layers=True, check=False)
+        for call in (lambda: r.solve(idx, check_finite=plan == "4xF1-h0-K1"), lambda: r.pipeline_forward(idx),
+                     lambda: r._tokens_from_last([1, 2] if r.rank == r.last else None, 2)):
+            try:
+                call()
+            except RuntimeError as e:  # "Tensor.item() cannot be called on meta tensors" and the like
+                meta_errors.append(str(e)[:80])
+        meta = make_model(seed=0).to("meta")
+        meta.check_tokens = lambda idx: None
+    try:
+        check_consistent(meta, r.plan, digest=bytes(32))
+    except RuntimeError as e:
+        meta_errors.append(str(e)[:80])
+    torch.save(dict(cpu=cpu_log, meta=meta_log, errors=meta_errors), os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_every_collective_tensor_lives_on_the_rank_device(tmp_path):
+    _spawn(_devices_worker, 2, str(tmp_path))
+    recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ops = {op for rec in recs for op, _ in rec["cpu"]}
+    assert {"all_gather", "broadcast", "recv", "send", "isend"} <= ops, ops  # every op the module uses was seen
+    for r, rec in enumerate(recs):
+        assert {dev for _, dev in rec["cpu"]} == {"cpu"}
+        meta_ops = {op for op, _ in rec["meta"]}
+        assert {"all_gather", "broadcast"} <= meta_ops, meta_ops
+        wrong = [(op, dev) for op, dev in rec["meta"] if dev != "meta"]
+        assert not wrong, f"rank {r}: collectives given tensors off the rank's device: {wrong}"
