@@ -284,7 +284,6 @@ class DistributedSNLP:
         if not isinstance(plan.surrogate, SURROGATES):
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
                              f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
-        self.preheat = _preheat_for(model, plan, preheat)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers
@@ -298,6 +297,7 @@ class DistributedSNLP:
         elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
             raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
                              "them (checkpoint=snlp.distload.RankCheckpoint(path, device))")
+        self.preheat = _preheat_for(model, plan, preheat)  # after materialising: it goes to the embedding's device
         if check:
             check_consistent(model, plan, None if checkpoint is None else checkpoint.digest())
         with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)

@@ -272,3 +272,91 @@ def test_every_collective_tensor_lives_on_the_rank_device(tmp_path):
         assert {"all_gather", "broadcast"} <= meta_ops, meta_ops
         wrong = [(op, dev) for op, dev in rec["meta"] if dev != "meta"]
         assert not wrong, f"rank {r}: collectives given tensors off the rank's device: {wrong}"
+
+
+class _RecordingFile:
+    """A safetensors handle that records which tensors are read (get_shape reads only the header)."""
+
+    def __init__(self, f, log: list):
+        self.f, self.log = f, log
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_tensor(self, name):
+        self.log.append(name)
+        return self.f.get_tensor(name)
+
+    def get_slice(self, name):
+        f, log = self.f.get_slice(name), self.log
+
+        class Slice:
+            def get_shape(self):
+                return f.get_shape()
+
+            def __getitem__(self, i):
+                log.append(name)
+                return f[i]
+        return Slice()
+
+
+LOAD_PLAN = "4xF1-preheat-K2"  # 6 layers: prefix 0-1 and chunks 2-5; rank 0: layers 0-3, rank 1: layers 4-5
+
+
+def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import snlp.distload as distload
+    from snlp.distributed import CollectiveError, DistributedSNLP, _comm
+
+    _init(rank, world, port)
+    reads: list[str] = []
+    real = distload.safe_open
+    distload.safe_open = lambda *a, **kw: _RecordingFile(real(*a, **kw), reads)
+    rc = distload.RankCheckpoint(ckpt, "cpu")
+    runner = DistributedSNLP(rc.meta_model(), LOAD_PLAN, keep_layers=True, checkpoint=rc, preheat=rc.preheat())
+    params = [(n, p.is_meta, p.numel() * p.element_size()) for n, p in runner.model.named_parameters()]
+    model = make_model(seed=0)
+    res = dict(reads=reads, params=params, range=(runner.first, runner.stop), inv_freq=runner.model.inv_freq,
+               solve=runner.solve(tokens(model)).states, decode=runner.generate(PROMPT, "speculative", 5, block=2).tokens)
+    try:  # 3. a collective that fails for a reason of its own (here: a root rank that does not exist)
+        with _comm("broadcast of a test tensor"):
+            dist.broadcast(torch.ones(3), world + 3)
+    except CollectiveError as e:
+        res["error"] = (type(e).__name__, str(e), type(e.__cause__).__name__)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
+    from snlp.checkpoint import load, save_checkpoint
+    from snlp.generate import sequential_generate
+
+    model = make_model(seed=0, dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model)
+    preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8)).save(ckpt / preheat.FILENAME)
+    _spawn(_load_worker, 2, str(ckpt), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ref_model, _ = load(ckpt)  # the whole model in one process (preheat.pt attached)
+    L, full = ref_model.config.n_layer, sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    for r, rk in enumerate(ranks):
+        first, stop = rk["range"]
+        assert (first, stop) == ((0, 4) if r == 0 else (4, 6))
+        read_layers = {int(n.split(".")[1]) for n in rk["reads"] if n.startswith("blocks.")}
+        assert read_layers == set(range(first, stop)), (r, read_layers)  # never another rank's layer
+        assert ("lm_head.weight" in rk["reads"]) == (r == 1)  # the head: last rank only
+        own = {n for n, _ in ref_model.named_parameters() if n.startswith("blocks.")
+               and first <= int(n.split(".")[1]) < stop}
+        kept = {n for n, meta, _ in rk["params"]}
+        assert own <= kept and not any(n.startswith("blocks.") and n not in own for n in kept)
+        assert not any(meta for _, meta, _ in rk["params"])  # nothing left unmaterialised
+        assert sum(b for *_, b in rk["params"]) < 0.8 * full
+        torch.testing.assert_close(rk["inv_freq"], ref_model.inv_freq, rtol=0, atol=0)
+        name, msg, cause = rk["error"]
+        assert name == "CollectiveError" and f"rank {r} of 2: broadcast of a test tensor failed" in msg
+        assert "invalid root rank" in msg and "peer rank died" not in msg and cause == "RuntimeError"
+    with torch.no_grad():
+        ref = solve(ref_model, tokens(ref_model), LOAD_PLAN, keep_states=True)
+    torch.testing.assert_close(torch.cat([rk["solve"] for rk in ranks]), ref.states[-1], rtol=1e-5, atol=1e-5)
+    seq = sequential_generate(ref_model, PROMPT, 5).tokens
+    assert all(rk["decode"] == seq for rk in ranks)
