@@ -151,13 +151,21 @@ def _run_bench_ranked(args, rank: int, world: int, device) -> int:
     from .bench import build_model
 
     dtype = getattr(torch, cli_dtype(args.dtype, device))
-    model_fn = lambda: build_model(args).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
-    L = model_fn().config.n_layer if args.ckpt else args.depth
+    ckpt = None
+    if args.ckpt:  # a rank reads only its own layers (snlp.distload)
+        from .distload import RankCheckpoint
+
+        ckpt = RankCheckpoint(args.ckpt, device)
+        model_fn = lambda: ckpt.meta_model().to(dtype=dtype)  # noqa: E731  filled by DistributedSNLP(checkpoint=)
+        L = ckpt.config.n_layer
+    else:  # random weights come from one RNG stream over the whole model: every rank draws all of it
+        model_fn = lambda: build_model(args).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
+        L = args.depth
     plans = parse_plans(args.plans, L)
     blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, args.seed,
-                                 args.decode, args.prompt_len, args.new_tokens, blocks)
+                                 args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt)
     if rank == 0:
         load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
         for r in recs:

@@ -651,16 +651,18 @@ def _timed(fn, warmup: int, runs: int) -> list[float]:
 
 def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
                           decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
-                          blocks: tuple[int, ...] = (4,)) -> list[dict]:
+                          blocks: tuple[int, ...] = (4,), checkpoint=None) -> list[dict]:
     """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
     forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
-    speculative decoding. `model_fn()` builds the (same) model on every rank. Medians in ms."""
+    speculative decoding. `model_fn()` builds the (same) model on every rank; with `checkpoint` (a
+    snlp.distload.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Medians in ms."""
     import statistics
 
     recs = []
     gen = torch.Generator().manual_seed(seed)
     for plan in plans:
-        runner = DistributedSNLP(model_fn(), plan, keep_layers=True)
+        pre = checkpoint.preheat() if checkpoint is not None and plan.init == "preheat" else None
+        runner = DistributedSNLP(model_fn(), plan, keep_layers=True, checkpoint=checkpoint, preheat=pre)
         V = runner.model.config.vocab_size
         idx = torch.randint(0, V, (batch, tokens), generator=gen).to(runner.device)  # same CPU draw on every rank
         mem = gather_objects(runner.memory())

@@ -319,6 +319,10 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     model = make_model(seed=0)
     res = dict(reads=reads, params=params, range=(runner.first, runner.stop), inv_freq=runner.model.inv_freq,
                solve=runner.solve(tokens(model)).states, decode=runner.generate(PROMPT, "speculative", 5, block=2).tokens)
+    n_reads = len(reads)
+    from snlp.distributed import distributed_benchmark  # the bench path (snlp bench --distributed --ckpt) too
+    res["bench"] = distributed_benchmark(rc.meta_model, [runner.plan], 4, 1, 0, 1, 0, checkpoint=rc)[0]
+    res["bench_reads"] = reads[n_reads:]
     try:  # 3. a collective that fails for a reason of its own (here: a root rank that does not exist)
         with _comm("broadcast of a test tensor"):
             dist.broadcast(torch.ones(3), world + 3)
@@ -352,6 +356,8 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
         assert not any(meta for _, meta, _ in rk["params"])  # nothing left unmaterialised
         assert sum(b for *_, b in rk["params"]) < 0.8 * full
         torch.testing.assert_close(rk["inv_freq"], ref_model.inv_freq, rtol=0, atol=0)
+        assert {int(n.split(".")[1]) for n in rk["bench_reads"] if n.startswith("blocks.")} == set(range(first, stop))
+        assert rk["bench"]["memory_per_rank"][r]["param_bytes"] < 0.8 * full and rk["bench"]["snlp_ms"] > 0
         name, msg, cause = rk["error"]
         assert name == "CollectiveError" and f"rank {r} of 2: broadcast of a test tensor failed" in msg
         assert "invalid root rank" in msg and "peer rank died" not in msg and cause == "RuntimeError"
