@@ -303,7 +303,7 @@ class _RecordingFile:
 LOAD_PLAN = "4xF1-preheat-K2"  # 6 layers: prefix 0-1 and chunks 2-5; rank 0: layers 0-3, rank 1: layers 4-5
 
 
-def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str, other: str) -> None:
     import torch.distributed as dist
 
     import snlp.distload as distload
@@ -328,6 +328,11 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
             dist.broadcast(torch.ones(3), world + 3)
     except CollectiveError as e:
         res["error"] = (type(e).__name__, str(e), type(e.__cause__).__name__)
+    mine = distload.RankCheckpoint(ckpt if rank == 0 else other, "cpu")  # rank 1 loads other weights
+    try:
+        DistributedSNLP(mine.meta_model(), LOAD_PLAN, checkpoint=mine, preheat=rc.preheat())
+    except ValueError as e:
+        res["mismatch"] = str(e)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -339,7 +344,8 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
     model = make_model(seed=0, dtype=torch.float32)
     ckpt = save_checkpoint(tmp_path / "ck", model)
     preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8)).save(ckpt / preheat.FILENAME)
-    _spawn(_load_worker, 2, str(ckpt), str(tmp_path))
+    other = save_checkpoint(tmp_path / "other", make_model(seed=5, dtype=torch.float32))
+    _spawn(_load_worker, 2, str(ckpt), str(tmp_path), str(other))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ref_model, _ = load(ckpt)  # the whole model in one process (preheat.pt attached)
     L, full = ref_model.config.n_layer, sum(p.numel() * p.element_size() for p in ref_model.parameters())
@@ -358,6 +364,7 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
         torch.testing.assert_close(rk["inv_freq"], ref_model.inv_freq, rtol=0, atol=0)
         assert {int(n.split(".")[1]) for n in rk["bench_reads"] if n.startswith("blocks.")} == set(range(first, stop))
         assert rk["bench"]["memory_per_rank"][r]["param_bytes"] < 0.8 * full and rk["bench"]["snlp_ms"] > 0
+        assert "ranks [1] have a different model weights/config than rank 0" in rk["mismatch"]  # the digest
         name, msg, cause = rk["error"]
         assert name == "CollectiveError" and f"rank {r} of 2: broadcast of a test tensor failed" in msg
         assert "invalid root rank" in msg and "peer rank died" not in msg and cause == "RuntimeError"
