@@ -40,7 +40,8 @@ layer's weights and cache there. The price is that the verifier keeps the origin
 of its range next to the fused ones (`keep_layers=True`; for M = 1 a second copy).
 
 Start-up check: all ranks all_gather a SHA-256 of the plan string and of the model's state dict
-(before dropping unowned layers); a mismatch is a ValueError on every rank naming what differs.
+(before dropping unowned layers; with `checkpoint=`, `RankCheckpoint.digest`); a mismatch is a
+ValueError on every rank naming what differs.
 Failure: `init_distributed(timeout_s=...)` sets the process group's timeout; every collective and
 point-to-point call is wrapped so that a dead or hung peer surfaces as `RankFailureError` (which
 says which op, which rank and the timeout) instead of a hang, and any other failure of the call as a
@@ -326,8 +327,8 @@ class DistributedSNLP:
         keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
         lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
         lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
-        if model.value_embeds.is_meta and self._checkpoint is not None:  # a rank-local load: read only the kept tables from the checkpoint
-            table = self._checkpoint.rows("value_embeds", keep, model.value_embeds)
+        if model.value_embeds.is_meta and self._checkpoint is not None:  # a rank-local load (snlp.distload):
+            table = self._checkpoint.rows("value_embeds", keep, model.value_embeds)  # read only the kept tables
         else:
             table = model.value_embeds.data[keep].clone()
         model.value_embeds = torch.nn.Parameter(table, requires_grad=False)

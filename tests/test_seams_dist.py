@@ -307,7 +307,7 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str, other: s
     import torch.distributed as dist
 
     import snlp.distload as distload
-    from snlp.distributed import CollectiveError, DistributedSNLP, _comm
+    from snlp.distributed import CollectiveError, DistributedSNLP, _comm, distributed_benchmark
 
     _init(rank, world, port)
     reads: list[str] = []
@@ -318,9 +318,9 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str, other: s
     params = [(n, p.is_meta, p.numel() * p.element_size()) for n, p in runner.model.named_parameters()]
     model = make_model(seed=0)
     res = dict(reads=reads, params=params, range=(runner.first, runner.stop), inv_freq=runner.model.inv_freq,
-               solve=runner.solve(tokens(model)).states, decode=runner.generate(PROMPT, "speculative", 5, block=2).tokens)
-    n_reads = len(reads)
-    from snlp.distributed import distributed_benchmark  # the bench path (snlp bench --distributed --ckpt) too
+               solve=runner.solve(tokens(model)).states,
+               decode=runner.generate(PROMPT, "speculative", 5, block=2).tokens)
+    n_reads = len(reads)  # the bench path (snlp bench --distributed --ckpt) reads only its own layers too
     res["bench"] = distributed_benchmark(rc.meta_model, [runner.plan], 4, 1, 0, 1, 0, checkpoint=rc)[0]
     res["bench_reads"] = reads[n_reads:]
     try:  # 3. a collective that fails for a reason of its own (here: a root rank that does not exist)
