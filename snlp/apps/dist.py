@@ -17,8 +17,9 @@ from snlp.bench.records import write_records
 from snlp.dist.costmodel import Prediction
 from snlp.dist.costmodel import Shape as CostShape
 from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
-from snlp.dist.layer_parallel import (DistributedSNLP, RankFailureError, gather_objects, distributed_benchmark, init_distributed,
-                          partition)
+from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, distributed_benchmark,
+                                      gather_objects, init_distributed, partition)
+from snlp.dist.load import RankCheckpoint
 from snlp.method.plan import Plan, parse_plans
 
 
@@ -40,11 +41,12 @@ def _setup(args) -> tuple[int, int, torch.device]:
 
 def _run_ranked(command: str, args, body) -> int:
     """Set up the process group, run body(rank, world, device) -> exit code and tear the group down; a dead or
-    hung peer (RankFailureError) ends this rank with a clear message and exit code 3 instead of a hang."""
+    hung peer (RankFailureError), or a collective that failed for another reason (CollectiveError, which quotes
+    it), ends this rank with a clear message and exit code 3 instead of a hang."""
     rank, world, device = _setup(args)
     try:
         return body(rank, world, device)
-    except RankFailureError as e:
+    except (RankFailureError, CollectiveError) as e:
         print(f"snlp {command} (rank {rank}): error: {e}", file=sys.stderr)
         return 3
     finally:
@@ -52,29 +54,46 @@ def _run_ranked(command: str, args, body) -> int:
             dist.destroy_process_group()
 
 
+def refuse_compile(args) -> None:
+    """--compile has no distributed counterpart: the distributed solve and the layer-pipelined forward
+    interleave collectives with the layer math and run eagerly; refused rather than silently ignored."""
+    if getattr(args, "compile", False):
+        raise ValueError("--compile is not supported with --distributed: the distributed solve and the "
+                         "layer-pipelined forward run eagerly (their collectives sit between the layer ops); "
+                         "drop --compile")
+
+
 def run_generate(args) -> int:
-    """`torchrun --nproc_per_node=P -m snlp generate CKPT --distributed ...` (called by snlp.generate.run)."""
+    """`torchrun --nproc_per_node=P -m snlp generate CKPT --distributed ...` (called by snlp.apps.generate.run)."""
     if args.mode not in ("snlp", "sequential", "speculative"):
         raise ValueError(f"--distributed supports --mode snlp, speculative or sequential (layer-pipelined), "
                          f"not {args.mode}")
     if args.plan is None:
         raise ValueError("--distributed needs --plan: its chunks are what the ranks split (e.g. --plan 8xF1-h0-K1)")
+    refuse_compile(args)
+    if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     if not os.path.exists(args.ckpt):
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
 
 
 def _run_generate_ranked(args, rank: int, world: int, device) -> int:
-    from snlp.io.checkpoint import load
 
-    model, tok = load(args.ckpt, device="cpu")
+    ckpt = RankCheckpoint(args.ckpt, device)  # this rank reads only its own layers' tensors (snlp.dist.load)
+    tok = ckpt.tokenizer()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    model = model.to(device).eval()
-    plan = Plan.parse(args.plan, model.config.n_layer)
-    prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
-    runner = DistributedSNLP(model, plan, keep_layers=args.mode != "snlp")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=args.eos_id,
+    plan = Plan.parse(args.plan, ckpt.config.n_layer)
+    eos_id = args.eos_id
+    if getattr(args, "chat", False):  # as snlp.apps.generate.run: the chat template, and stop at its EOS
+        prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
+        eos_id = tok.eos_id if eos_id is None else eos_id
+    else:
+        prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+    runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
+                             preheat=ckpt.preheat() if plan.init == "preheat" else None)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed)
     out: list[int] = []
     printed = [""]
@@ -92,6 +111,11 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         base = runner.generate(prompt, "sequential", **kw)
     res = runner.generate(prompt, args.mode, block=args.block,
                           on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
+    rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
+    if base is not None:
+        for _ in range(args.repeats):
+            rounds.append((runner.generate(prompt, "sequential", **kw),
+                           runner.generate(prompt, args.mode, block=args.block, **kw)))
     mem = gather_objects(runner.memory())
     if rank == 0:
         if not args.quiet:
@@ -102,11 +126,17 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "
                  f"{res.tokens_per_s:.1f} tok/s, stop: {res.stop}")
         if base is not None:
+            from statistics import median as med
+
             record["sequential_tokens"] = base.tokens
-            record["matches_sequential"] = base.tokens == res.tokens
-            record["pipeline_sequential_tokens_per_s"] = base.tokens_per_s
+            record["matches_sequential"] = all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
+            record["repeats"] = len(rounds)
+            record["pipeline_sequential_tokens_per_s"] = med([s.tokens_per_s for s, _ in rounds])
+            record["speculative_tokens_per_s"] = med([p.tokens_per_s for _, p in rounds])
+            record["measured_speedup"] = med([p.tokens_per_s / s.tokens_per_s for s, p in rounds])
             stats += (f", alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}, "
-                      f"pipelined sequential {base.tokens_per_s:.1f} tok/s")
+                      f"pipelined sequential {record['pipeline_sequential_tokens_per_s']:.1f} tok/s, speedup "
+                      f"{record['measured_speedup']:.2f}x (medians of {len(rounds)} runs after a warm-up)")
         print(stats)
         if args.json:
             write_json(args.json, record)
@@ -193,18 +223,30 @@ class SimulateRow:
 def run_bench(args, spec: ModelSpec) -> int:
     """`torchrun --nproc_per_node=P -m snlp bench --distributed ...` (called by snlp.apps.bench.run with the
     model flags as `spec`)."""
+    refuse_compile(args)
+    if getattr(args, "ops", False):
+        raise ValueError("--ops (the single-layer op benchmark) is a single-process benchmark: drop --distributed")
+    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    if len(counts) != 1:
+        raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
     return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, spec, rank, world, device))
 
 
 def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> int:
     dtype = getattr(torch, cli_dtype(args.dtype, device))
-    model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
-    L = model_fn().config.n_layer if spec.ckpt else spec.depth
+    ckpt = None
+    if spec.ckpt:  # a rank reads only its own layers (snlp.dist.load)
+        ckpt = RankCheckpoint(spec.ckpt, device)
+        model_fn = lambda: ckpt.meta_model().to(dtype=dtype)  # noqa: E731  filled by DistributedSNLP(checkpoint=)
+        L = ckpt.config.n_layer
+    else:  # random weights come from one RNG stream over the whole model: every rank draws all of it
+        model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
+        L = spec.depth
     plans = parse_plans(args.plans, L)
     blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
-                                 args.decode, args.prompt_len, args.new_tokens, blocks)
+                                 args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt)
     if rank == 0:
         load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
         rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())

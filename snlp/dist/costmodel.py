@@ -18,7 +18,7 @@ bandwidth beta). Assumptions (written next to every table in docs/distributed.md
   tp      tensor parallel over P (Megatron): each layer's matmuls split P ways, t_layer / P (perfect
           split: optimistic), plus 2 all_reduces of the state per layer; head split P ways.
   floor   optional per-op floor (kernel launch overhead) for roofline inputs: an op never takes less.
-  snlp    SNLP plan CxFM-init-KK over P ranks (snlp.distributed): the S-layer prefix on rank 0,
+  snlp    SNLP plan CxFM-init-KK over P ranks (snlp.dist.layer_parallel): the S-layer prefix on rank 0,
           broadcast of h_S (if S > 0), a fwd init costs one local batched chunk forward + one p2p, then
           K iterations of [evals_per_iter local batched forwards of ceil(C/P) chunks + one all_gather
           of the per-rank affine totals (B*T*D; twice that for DiagN) + one boundary p2p (not after the

@@ -40,10 +40,17 @@ layer's weights and cache there. The price is that the verifier keeps the origin
 of its range next to the fused ones (`keep_layers=True`; for M = 1 a second copy).
 
 Start-up check: all ranks all_gather a SHA-256 of the plan string and of the model's state dict
-(before dropping unowned layers); a mismatch is a ValueError on every rank naming what differs.
+(before dropping unowned layers; with `checkpoint=`, `RankCheckpoint.digest`); a mismatch is a
+ValueError on every rank naming what differs.
 Failure: `init_distributed(timeout_s=...)` sets the process group's timeout; every collective and
 point-to-point call is wrapped so that a dead or hung peer surfaces as `RankFailureError` (which
-says which op, which rank and the timeout) instead of a hang.
+says which op, which rank and the timeout) instead of a hang, and any other failure of the call as a
+`CollectiveError` quoting its own reason (both chain the original exception).
+
+Devices. Every tensor a collective or point-to-point call sees lives on the rank's device (the
+model's: NCCL takes CUDA tensors only), sampling uses a generator on that device, and with
+`checkpoint=` (snlp.dist.load) a rank reads from the checkpoint only the tensors of the layers it
+computes, straight onto its device, from a model built on the `meta` device.
 """
 
 from __future__ import annotations
@@ -65,14 +72,31 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.method.solver import SNLPDivergenceError, as_plan, relative_update
+from snlp.method.preheat import Preheat
+from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, relative_update
 
 DEFAULT_TIMEOUT_S = 120.0
 SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
 
 
-class RankFailureError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective / point-to-point call failed on this rank; the message names the op and carries the
+    original error (also chained as __cause__)."""
+
+
+class RankFailureError(CollectiveError):
     """A peer rank died or did not answer within the process group's timeout."""
+
+
+# what gloo and NCCL say when the failure is a peer that is gone or silent (a timeout, a closed / reset
+# connection, an aborted communicator); any other failure is reported with its own reason
+PEER_LOSS_MARKERS = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
+                     "connection refused", "communicator was aborted", "remote process exited", "network error")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, dist.DistNetworkError) or any(m in msg for m in PEER_LOSS_MARKERS)
 
 
 # ----------------------------------------------------------------------------- process group
@@ -94,15 +118,21 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.d
 
 @contextmanager
 def _comm(op: str):
-    """Turn a failed collective / point-to-point call into a RankFailureError that says what happened."""
+    """Say what failed: a collective / point-to-point call that failed because a peer is gone or silent
+    becomes a RankFailureError; any other failure (a bad argument, a tensor on the wrong device, a
+    backend error) a CollectiveError naming the op with the original error's own reason. Either way the
+    original exception is chained (__cause__) and quoted."""
     try:
         yield
-    except RuntimeError as e:
-        if isinstance(e, RankFailureError):
-            raise
+    except CollectiveError:
+        raise
+    except Exception as e:
         r, P = dist.get_rank(), dist.get_world_size()
-        raise RankFailureError(f"rank {r} of {P}: {op} failed: a peer rank died or did not answer within the "
-                               f"process-group timeout ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if _peer_lost(e):
+            raise RankFailureError(f"rank {r} of {P}: {op} failed: a peer rank died or did not answer within the "
+                                   f"process-group timeout ({why})") from e
+        raise CollectiveError(f"rank {r} of {P}: {op} failed: {why}") from e
 
 
 def _all_gather(t: Tensor, op: str) -> Tensor:
@@ -148,15 +178,17 @@ def model_digest(model: GPT) -> bytes:
     return h.digest()
 
 
-def check_consistent(model: GPT, plan: Plan) -> None:
+def check_consistent(model: GPT, plan: Plan, digest: bytes | None = None) -> None:
     """All ranks must run the same plan on the same weights: all_gather of SHA-256 digests, then a
-    ValueError on EVERY rank (so none is left waiting) naming the ranks that differ."""
-    mine = hashlib.sha256(str(plan).encode()).digest() + model_digest(model)
-    allv = _all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8), "start-up consistency check")
+    ValueError on EVERY rank (so none is left waiting) naming the ranks that differ. `digest` replaces
+    `model_digest(model)` where a rank holds only part of the model (snlp.dist.load)."""
+    mine = hashlib.sha256(str(plan).encode()).digest() + (model_digest(model) if digest is None else digest)
+    dev = model.wte.weight.device  # the collective runs on the rank's device (NCCL takes CUDA tensors only)
+    allv = _all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(dev), "start-up consistency check")
     problems = []
     for what, sl in (("plan", slice(0, 32)), ("model weights/config", slice(32, 64))):
-        ref = allv[0, sl]
-        bad = [r for r in range(allv.shape[0]) if not torch.equal(allv[r, sl], ref)]
+        ref = allv[0, sl].cpu()
+        bad = [r for r in range(allv.shape[0]) if not torch.equal(allv[r, sl].cpu(), ref)]
         if bad:
             problems.append(f"ranks {bad} have a different {what} than rank 0")
     if problems:
@@ -207,16 +239,34 @@ def _compose(a: Tensor, matrix: bool) -> Tensor:
     return a[0]
 
 
+def _preheat_for(model: GPT, plan: Plan, preheat: Preheat | None) -> Preheat | None:
+    """The calibration a `preheat`-init plan starts from, checked and on the model's device and dtype. A preheat
+    plan without one, or a calibration given to a plan with another init (it would be silently unused), is a
+    ValueError. Its weights fingerprint is checked here when the rank holds the whole model; a rank that holds
+    only its own layers got it from `RankCheckpoint.preheat()`, which checks it against the file."""
+    check_preheat(plan, preheat, model, verify_weights=False)
+    if preheat is None:
+        return None
+    return preheat.check(model, verify_weights=not any(p.is_meta for p in model.parameters()))
+
+
 class DistributedSNLP:
     """Rank-local part of a distributed SNLP model (see the module docstring). Construct it on every
     rank with the same model and plan, inside an initialised process group. It takes ownership of
     `model`: unowned suffix layers (and, off rank 0, the prefix; off the last rank, the LM head) are
     dropped to free their memory. `keep_layers` keeps the original layers of this rank's range for
-    the layer-pipelined sequential forward (speculative verifier, pipeline baseline)."""
+    the layer-pipelined sequential forward (speculative verifier, pipeline baseline). `preheat` is the
+    calibration (snlp.method.preheat.Preheat) a plan with the preheat init needs (required by such plans,
+    refused by others); every rank predicts its own chunks' initial states (and the state its first chunk
+    reads) from x0, so the preheat init costs no communication. `checkpoint` (a snlp.dist.load.RankCheckpoint)
+    fills a `meta`-device `model` (RankCheckpoint.meta_model) with this rank's tensors only: the embedding,
+    the per-layer scalars, the layers it computes (rank 0: and the prefix), their value-embedding rows and,
+    on the last rank, the head; the start-up check then compares the checkpoint's digest."""
 
-    def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True):
+    def __init__(self, model: GPT, plan: Plan | str, keep_layers: bool = False, check: bool = True,
+                 preheat=None, checkpoint=None):
         if not dist.is_initialized():
-            raise ValueError("DistributedSNLP needs an initialised process group (snlp.distributed.init_distributed)")
+            raise ValueError("DistributedSNLP needs an initialised process group (snlp.dist.layer_parallel.init_distributed)")
         plan = as_plan(model, plan)
         if not isinstance(plan.surrogate, SURROGATES):
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
@@ -227,8 +277,16 @@ class DistributedSNLP:
         L = model.config.n_layer
         self.S, M = plan.prefix_len(L), plan.fuse
         self.c0, self.c1 = partition(plan.chunks, self.world)[self.rank]
+        self._checkpoint = checkpoint
+        if checkpoint is not None:  # only this rank's layers (the ones it computes, rank 0: the prefix too)
+            first = 0 if self.rank == 0 else self.S + self.c0 * M
+            checkpoint.materialise(model, range(first, self.S + self.c1 * M), head=self.rank == self.last)
+        elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
+            raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
+                             "them (checkpoint=snlp.dist.load.RankCheckpoint(path, device))")
+        self.preheat = _preheat_for(model, plan, preheat)  # after materialising: it goes to the embedding's device
         if check:
-            check_consistent(model, plan)
+            check_consistent(model, plan, None if checkpoint is None else checkpoint.digest())
         with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)
             self.w: ChunkWeights = build_chunk_weights(model, self.S + self.c0 * M, self.c1 - self.c0, M)
         # KV window and layer range this rank computes: rank 0 also owns the prefix layers
@@ -255,7 +313,11 @@ class DistributedSNLP:
         keep = sorted({model.ve_slot[l] for l in layers if model.ve_slot[l] >= 0})
         lut = torch.full((n_ve + 1,), len(keep), dtype=torch.long)  # the zero pad slot maps to the new pad
         lut[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
-        model.value_embeds = torch.nn.Parameter(model.value_embeds.data[keep].clone(), requires_grad=False)
+        if model.value_embeds.is_meta and self._checkpoint is not None:  # a rank-local load (snlp.dist.load):
+            table = self._checkpoint.rows("value_embeds", keep, model.value_embeds)  # read only the kept tables
+        else:
+            table = model.value_embeds.data[keep].clone()
+        model.value_embeds = torch.nn.Parameter(table, requires_grad=False)
         model.ve_slot = [int(lut[s]) if s >= 0 and l in layers else -1 for l, s in enumerate(model.ve_slot)]
         if self.w.ve_slot is not None:
             self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
@@ -362,14 +424,20 @@ class DistributedSNLP:
             hS = ctx.x0.contiguous()
         h = hS.expand(n, *hS.shape)  # (n, B, T, ..., D) h0 init
         boundary = hS
-        if plan.init == "fwd":
+        if plan.init == "preheat":  # as solver.solve: chunk c starts at the predictor of its last layer; the
+            # state chunk c0 reads is the prediction for chunk c0 - 1 (rank 0: h_S), computed here from x0
+            M, lo = plan.fuse, max(self.c0 - 1, 0)
+            pred = self.preheat.predict(ctx.x0, [self.S + (c + 1) * M - 1 for c in range(lo, self.c1)])
+            h = pred[self.c0 - lo:]
+            boundary = pred[0] if self.c0 > 0 else hS
+        elif plan.init == "fwd":
             h = chunk_forward(w, h, ctx, cache)
             boundary = self._shift_boundary(h[-1], hS)
         link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
         link = link.view(n, *[1] * hS.dim())  # (n, 1, ..., 1)
         lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
         lag = lag.view(n, *[1] * hS.dim())  # non-forward order: the previous sweep's update (snlp.solver)
-        lagged = bool(lag.any())
+        lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
         gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
         iters, updates, d, last_boundary = 0, [], None, None
         for k in range(plan.iters):
@@ -397,15 +465,15 @@ class DistributedSNLP:
             stop = k == plan.iters - 1
             if plan.tol:  # the last rank owns the final state: it decides, everyone follows
                 upd = torch.tensor([relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
-                                   dtype=torch.float64)
+                                   dtype=torch.float64, device=self.device)
                 updates.append(float(_broadcast(upd, self.last, "broadcast of the tol update")[0]))
                 stop = stop or updates[-1] < plan.tol
             if stop:
                 break
             boundary = self._shift_boundary(h[-1], hS)
         if cache is not None:
-            if plan.iters == 0 and plan.init == "h0":  # as solver.solve: write the K/V of the final inputs
-                chunk_forward(w, hS.expand(n, *hS.shape), ctx, cache)
+            if plan.iters == 0 and plan.init != "fwd":  # as solver.solve: write the K/V of the final inputs
+                chunk_forward(w, torch.cat([boundary[None], h[:-1]], 0), ctx, cache)
             cache.advance(idx.shape[1])
         res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates)
         if self.rank == self.last:
@@ -413,7 +481,8 @@ class DistributedSNLP:
             if logits:
                 res.logits = model.head(res.hidden)
         if check_finite:
-            ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0])
+            ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0],
+                              device=self.device)
             if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
                 raise SNLPDivergenceError(f"distributed SNLP plan {plan} diverged: the final hidden state contains "
                                           f"NaN/inf (try more iterations, K >= {plan.chunks} is exact)")
@@ -443,7 +512,7 @@ class DistributedSNLP:
 
     # ----- decoding -----
     def _tokens_from_last(self, tokens: list[int] | None, count: int) -> list[int]:
-        t = torch.tensor(tokens if self.rank == self.last else [0] * count, dtype=torch.long)
+        t = torch.tensor(tokens if self.rank == self.last else [0] * count, dtype=torch.long, device=self.device)
         return _broadcast(t, self.last, "broadcast of the chosen tokens").tolist()
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
@@ -469,7 +538,9 @@ class DistributedSNLP:
         res = GenerateResult(tokens=[], mode=mode, plan=None if mode == "sequential" else str(self.plan),
                              block=block if mode == "speculative" else 0)
         res.stop = "max_new_tokens" if max_new_tokens <= max_len - len(prompt) else "max_len"
-        gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
+        # cannot drive CUDA sampling); only the last rank draws, and the tokens are broadcast
+        gen = torch.Generator(self.device).manual_seed(seed) if temperature > 0 else None
         ids = lambda toks: torch.tensor([toks], dtype=torch.long, device=self.device)  # noqa: E731
         snlp = lambda x: self.solve(ids(x), cache, check_finite=False).logits  # noqa: E731
         seq = lambda x: self.pipeline_forward(ids(x), cache)  # noqa: E731
@@ -531,7 +602,8 @@ class DistributedSNLP:
                 else:
                     p = torch.softmax(lg.float() / temperature, -1)
                     q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
-                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts]).long(), gen)
+                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(),
+                                                    gen)
                     verdict = [int(n_t), int(nxt_t)]
             nacc, nxt = self._tokens_from_last(verdict, 2)
             cache.rollback(P + nacc + 1)
@@ -567,18 +639,20 @@ def _timed(fn, warmup: int, runs: int) -> list[float]:
 
 def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
                           decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
-                          blocks: tuple[int, ...] = (4,)) -> list[dict]:
+                          blocks: tuple[int, ...] = (4,), checkpoint=None) -> list[dict]:
     """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
     forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
-    speculative decoding. `model_fn()` builds the (same) model on every rank. Medians in ms."""
+    speculative decoding. `model_fn()` builds the (same) model on every rank; with `checkpoint` (a
+    snlp.dist.load.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Medians in ms."""
     import statistics
 
     recs = []
     gen = torch.Generator().manual_seed(seed)
     for plan in plans:
-        runner = DistributedSNLP(model_fn(), plan, keep_layers=True)
+        pre = checkpoint.preheat() if checkpoint is not None and plan.init == "preheat" else None
+        runner = DistributedSNLP(model_fn(), plan, keep_layers=True, checkpoint=checkpoint, preheat=pre)
         V = runner.model.config.vocab_size
-        idx = torch.randint(0, V, (batch, tokens), generator=gen)
+        idx = torch.randint(0, V, (batch, tokens), generator=gen).to(runner.device)  # same CPU draw on every rank
         mem = gather_objects(runner.memory())
         base = dict(plan=str(plan), world_size=dist.get_world_size(), tokens=tokens, batch=batch, runs=runs,
                     chunks_per_rank=[list(b) for b in partition(plan.chunks, dist.get_world_size())],

@@ -102,11 +102,12 @@ def load_preheat(path, model: GPT) -> Preheat | None:
     """The preheat calibration stored in checkpoint `path` (CKPT/preheat.pt), checked against `model` and moved
     to its device and dtype; None if the checkpoint has none. A calibration of other weights (the model was
     trained after `snlp calibrate`) or of another model is a ValueError, never silently used."""
-    f = _dir(path) / PREHEAT_FILE
+    f = checkpoint_dir(path) / PREHEAT_FILE
     return Preheat.load(f).check(model) if f.is_file() else None
 
 
-def _dir(path) -> Path:
+def checkpoint_dir(path) -> Path:
+    """The checkpoint directory `path` names (a file inside it is accepted), or a clear error."""
     path = Path(path)
     if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
         path = path.parent
@@ -119,7 +120,7 @@ def _dir(path) -> Path:
 
 def load_config(path) -> GPTConfig:
     """The GPTConfig stored in a checkpoint's config.json."""
-    f = _dir(path) / CONFIG
+    f = checkpoint_dir(path) / CONFIG
     if not f.is_file():
         raise FileNotFoundError(f"checkpoint {f.parent} has no {CONFIG}; it is incomplete, re-save or re-train it")
     try:
@@ -141,7 +142,7 @@ def load_config(path) -> GPTConfig:
 def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None).
     Raises FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
-    path = _dir(path)
+    path = checkpoint_dir(path)
     cfg = load_config(path)
     wf = path / WEIGHTS
     if not wf.is_file():
@@ -176,7 +177,7 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
 
 def load_training(path) -> tuple[dict | None, dict | None]:
     """(optimizer.pt contents, train_state.pt contents) of a checkpoint, None where absent."""
-    path = _dir(path)
+    path = checkpoint_dir(path)
     out = []
     for name in (OPTIMIZER, TRAIN_STATE):
         f = path / name

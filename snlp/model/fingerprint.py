@@ -17,8 +17,15 @@ import torch
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A 32-hex-digit digest of the model's state (names, shapes, bf16-rounded values); device and dtype free."""
+    return fingerprint_items(sorted(model.state_dict(keep_vars=False).items()))
+
+
+@torch.no_grad()
+def fingerprint_items(items) -> str:
+    """The digest of (name, tensor) pairs in the order given (sorted by name for `weights_fingerprint`), e.g.
+    streamed one at a time from a checkpoint file."""
     h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(model.state_dict(keep_vars=False).items()):
+    for name, t in items:
         h.update(f"{name}:{tuple(t.shape)};".encode())
         if t.is_floating_point():
             # through fp32 first, so fp64 -> fp32 -> bf16 and fp64 -> bf16 cannot differ by double rounding

@@ -1,0 +1,372 @@
+"""Seams of the distributed path (issue 22 items 1, 4, 5, 9), on CPU / gloo with spawned ranks (as in
+tests/test_distributed.py): the preheat init distributed equals the single-process solve; `snlp generate
+--chat --mode speculative` compares like runs; `--distributed` honours or refuses --chat / --compile /
+--repeats; every tensor a collective sees lives on the rank's device, a rank materialises only its own
+layers from the checkpoint, and a collective that fails for a non-timeout reason says so."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_model, tokens
+
+from snlp.method import preheat
+from snlp.decode.generate import snlp_generate
+from snlp.method.solver import solve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PREHEAT_PLANS = ["4xF1-preheat-K1", "4xF1-preheat-K2-elk:0.25", "3xF2-preheat-K1", "5xF1-preheat-K0",
+                 "4xF1-preheat-K2-order:reversed", "4xF1-preheat-K1-diag:fd"]
+PREHEAT_MHC_PLANS = ["4xF1-preheat-K2-hcn"]
+DECODE_PLAN = "4xF1-preheat-K1"
+PROMPT = [1, 5, 9]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from snlp.dist.layer_parallel import init_distributed
+
+    init_distributed(timeout_s)
+
+
+def _spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+
+
+def _calibrated(mhc: bool = False):
+    model = make_model(seed=1, hc_streams=2) if mhc else make_model(seed=0)
+    return model, preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+
+
+# ----------------------------------------------------------------------------- item 1: the preheat init
+def _preheat_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    res = {"solve": {}, "errors": {}}
+    for mhc, plans in ((False, PREHEAT_PLANS), (True, PREHEAT_MHC_PLANS)):
+        for plan in plans:
+            model, pre = _calibrated(mhc)
+            r = DistributedSNLP(model, plan, preheat=pre).solve(tokens(model))  # the explicit calibration
+            res["solve"][(mhc, plan)] = dict(states=r.states, hidden=r.hidden, logits=r.logits)
+    model, pre = _calibrated()
+    runner = DistributedSNLP(model, DECODE_PLAN, keep_layers=True, preheat=pre)
+    res["attached"] = runner.solve(tokens(model)).states
+    res["decode"] = runner.generate(PROMPT, "snlp", max_new_tokens=5).tokens
+    for what, plan, kw in (("none", "4xF1-preheat-K1", {}), ("unused", "4xF1-h0-K1", {"preheat": pre})):
+        try:
+            DistributedSNLP(make_model(seed=0), plan, **kw)
+            res["errors"][what] = ""
+        except ValueError as e:
+            res["errors"][what] = str(e)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_preheat_init_equals_single_process(world, tmp_path):
+    _spawn(_preheat_worker, world, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    tol = dict(rtol=1e-10, atol=1e-10)  # fp64 models: the same ops regrouped
+    for mhc, plans in ((False, PREHEAT_PLANS), (True, PREHEAT_MHC_PLANS)):
+        for plan in plans:
+            model, pre = _calibrated(mhc)
+            with torch.no_grad():
+                ref = solve(model, tokens(model), plan, keep_states=True, preheat=pre)
+                h0 = solve(model, tokens(model), plan.replace("preheat", "h0"))
+            parts = [rk["solve"][(mhc, plan)] for rk in ranks]
+            states = torch.cat([p["states"] for p in parts])
+            torch.testing.assert_close(states, ref.states[-1], **tol, msg=f"{plan} P={world}")
+            torch.testing.assert_close(parts[-1]["hidden"], ref.hidden, **tol)
+            torch.testing.assert_close(parts[-1]["logits"], model.head(ref.hidden), **tol)
+            # the law has teeth: preheat and h0 differ here (the bug was a silent h0 solve)
+            assert (parts[-1]["hidden"] - h0.hidden).abs().max() > 1e-3, plan
+    model, pre = _calibrated()
+    with torch.no_grad():
+        ref = solve(model, tokens(model), DECODE_PLAN, keep_states=True, preheat=pre)
+    torch.testing.assert_close(torch.cat([rk["attached"] for rk in ranks]), ref.states[-1], rtol=1e-10, atol=1e-10)
+    dec = snlp_generate(model, PROMPT, DECODE_PLAN, 5, preheat=pre).tokens
+    assert all(rk["decode"] == dec for rk in ranks)
+    for rk in ranks:
+        assert "pass its calibration (preheat=...)" in rk["errors"]["none"]
+        assert "does not read it" in rk["errors"]["unused"]
+
+
+# ----------------------------------------------------------------------------- item 4: --chat speculative baseline
+CHAT_TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+             "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
+CHAT_TEMPLATE = ("{% for m in messages %}<|user_start|>{{ m['content'] }}<|user_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
+CHAT_PROMPT = "First Citizen:"
+CHAT_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """A tiny checkpoint with a chat tokenizer (a converted model's kind: BOS/EOS tokens and a template) whose
+    model says EOS after a few tokens: its EOS row of lm_head is twice the row of the 4th greedy token, so
+    the greedy chat reply stops there (checked: stop == eos well before --max-new-tokens)."""
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.decode.generate import sequential_generate
+    from snlp.io.tokenizer import BOS, MIN_VOCAB, Tokenizer
+
+    bpe = Tokenizer.train([CHAT_TEXT], vocab_size=MIN_VOCAB + 40)
+    tok = Tokenizer(bpe.tok, {"bos_token": BOS, "eos_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE})
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}]))
+    free = sequential_generate(model, prompt, CHAT_NEW).tokens
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_id] = 2 * model.lm_head.weight[free[3]]
+    stopped = sequential_generate(model, prompt, CHAT_NEW, eos_id=tok.eos_id)
+    assert stopped.stop == "eos" and len(stopped.tokens) < CHAT_NEW // 2, stopped  # the precondition of the tests
+    return save_checkpoint(tmp_path_factory.mktemp("chat") / "tiny-chat", model, tokenizer=tok), stopped.tokens
+
+
+def test_chat_speculative_baseline_stops_at_the_same_eos(chat_ckpt, tmp_path):
+    import json
+
+    from snlp.apps.cli import main
+
+    ckpt, ref = chat_ckpt
+    out = tmp_path / "spec.json"
+    assert main(["generate", str(ckpt), "--chat", "--prompt", CHAT_PROMPT, "--mode", "speculative", "--plan",
+                 "2xF2-h0-K1", "--block", "3", "--repeats", "1", "--max-new-tokens", str(CHAT_NEW), "--quiet",
+                 "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens"] == ref and rec["stop"] == "eos"
+    # the baseline ran the same (EOS-stopped) decode: its tokens equal the reported run's
+    assert rec["matches_sequential"] and rec["report"]["matches_sequential"]
+
+
+# ----------------------------------------------------------------------------- item 5: --distributed and its flags
+def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    ckpt, ref = chat_ckpt
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--chat", "--prompt", CHAT_PROMPT, "--mode",
+           "speculative", "--plan", "2xF1-h0-K1", "--block", "3", "--repeats", "2", "--max-new-tokens", str(CHAT_NEW),
+           "--quiet", "--json", str(tmp_path / "dist.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "dist.json").read_text())
+    assert rec["tokens"] == ref and rec["stop"] == "eos"  # the chat prompt, stopped at the chat EOS
+    assert rec["matches_sequential"] and rec["sequential_tokens"] == ref
+    assert rec["repeats"] == 2 and rec["measured_speedup"] > 0 and "medians of 2 runs" in out.stdout
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--compile"],
+     "--compile is not supported with --distributed"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "0"],
+     "--repeats must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--compile"], "--compile is not supported with --distributed"),
+    (["bench", "--distributed", "--depth", "4", "--tokens", "1,4"], "--distributed takes one --tokens value"),
+])
+def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
+    """Refused before any process group is set up (no torchrun needed to see the error)."""
+    from snlp.apps.cli import main
+
+    assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- item 9: devices, rank-local load, errors
+COLLECTIVES = ("all_gather", "broadcast", "send", "recv", "isend", "irecv", "all_reduce")
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _record_collectives(log: list, call_real: bool) -> None:
+    """Wrap the torch.distributed calls snlp.distributed makes so that every tensor passed is recorded as
+    (op, device); with call_real=False (meta-device ranks: gloo has no data to move) the op is not run."""
+    import torch.distributed as dist
+
+    def wrap(name):
+        real = getattr(dist, name)
+
+        def f(*args, **kw):
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            ts += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            log.extend((name, str(t.device)) for t in ts)
+            if call_real:
+                return real(*args, **kw)
+            return _Done() if name in ("isend", "irecv") else None
+        return f
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name))
+
+
+def _devices_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP, check_consistent
+
+    _init(rank, world, port)
+    cpu_log, meta_log, meta_errors = [], [], []
+    _record_collectives(cpu_log, call_real=True)  # 1. CPU ranks, every path, the real gloo ops
+    model = make_model(seed=0)
+    runner = DistributedSNLP(model, "4xF1-h0-K2-tol:1e-9", keep_layers=True)
+    runner.solve(tokens(model))
+    for mode in ("snlp", "speculative", "sequential"):
+        runner.generate(PROMPT, mode, max_new_tokens=4, block=2, temperature=0.7, seed=1)
+    DistributedSNLP(make_model(seed=0), "4xF1-h0-K1-diag:fd").solve(tokens(model))
+    DistributedSNLP(make_model(seed=1, hc_streams=2), "4xF1-h0-K1-hcn").solve(tokens(model))
+    # 2. meta-device ranks: shapes only, so every tensor made for a collective shows where it was made; a host
+    # read of a meta value (the broadcast tol update, finiteness flag, tokens) ends each path, after its op
+    _record_collectives(meta_log, call_real=False)
+    meta = make_model(seed=0).to("meta")
+    meta.check_tokens = lambda idx: None  # meta ids hold no values to range-check
+    idx = tokens(make_model(seed=0)).to("meta")
+    for plan in ("4xF1-h0-K2", "4xF1-fwd-K2-tol:1e-3", "4xF1-h0-K1"):
+        r = DistributedSNLP(meta, plan, keep_layers=True, check=False)
+        for call in (lambda: r.solve(idx, check_finite=plan == "4xF1-h0-K1"), lambda: r.pipeline_forward(idx),
+                     lambda: r._tokens_from_last([1, 2] if r.rank == r.last else None, 2)):
+            try:
+                call()
+            except RuntimeError as e:  # "Tensor.item() cannot be called on meta tensors" and the like
+                meta_errors.append(str(e)[:80])
+        meta = make_model(seed=0).to("meta")
+        meta.check_tokens = lambda idx: None
+    try:
+        check_consistent(meta, r.plan, digest=bytes(32))
+    except RuntimeError as e:
+        meta_errors.append(str(e)[:80])
+    torch.save(dict(cpu=cpu_log, meta=meta_log, errors=meta_errors), os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_every_collective_tensor_lives_on_the_rank_device(tmp_path):
+    _spawn(_devices_worker, 2, str(tmp_path))
+    recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ops = {op for rec in recs for op, _ in rec["cpu"]}
+    assert {"all_gather", "broadcast", "recv", "send", "isend"} <= ops, ops  # every op the module uses was seen
+    for r, rec in enumerate(recs):
+        assert {dev for _, dev in rec["cpu"]} == {"cpu"}
+        meta_ops = {op for op, _ in rec["meta"]}
+        assert {"all_gather", "broadcast"} <= meta_ops, meta_ops
+        wrong = [(op, dev) for op, dev in rec["meta"] if dev != "meta"]
+        assert not wrong, f"rank {r}: collectives given tensors off the rank's device: {wrong}"
+
+
+class _RecordingFile:
+    """A safetensors handle that records which tensors are read (get_shape reads only the header)."""
+
+    def __init__(self, f, log: list):
+        self.f, self.log = f, log
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_tensor(self, name):
+        self.log.append(name)
+        return self.f.get_tensor(name)
+
+    def get_slice(self, name):
+        f, log = self.f.get_slice(name), self.log
+
+        class Slice:
+            def get_shape(self):
+                return f.get_shape()
+
+            def __getitem__(self, i):
+                log.append(name)
+                return f[i]
+        return Slice()
+
+
+LOAD_PLAN = "4xF1-preheat-K2"  # 6 layers: prefix 0-1 and chunks 2-5; rank 0: layers 0-3, rank 1: layers 4-5
+
+
+def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str, other: str) -> None:
+    import torch.distributed as dist
+
+    import snlp.dist.load as distload
+    from snlp.dist.layer_parallel import CollectiveError, DistributedSNLP, _comm, distributed_benchmark
+
+    _init(rank, world, port)
+    reads: list[str] = []
+    real = distload.safe_open
+    distload.safe_open = lambda *a, **kw: _RecordingFile(real(*a, **kw), reads)
+    rc = distload.RankCheckpoint(ckpt, "cpu")
+    runner = DistributedSNLP(rc.meta_model(), LOAD_PLAN, keep_layers=True, checkpoint=rc, preheat=rc.preheat())
+    params = [(n, p.is_meta, p.numel() * p.element_size()) for n, p in runner.model.named_parameters()]
+    model = make_model(seed=0)
+    res = dict(reads=reads, params=params, range=(runner.first, runner.stop), inv_freq=runner.model.inv_freq,
+               solve=runner.solve(tokens(model)).states,
+               decode=runner.generate(PROMPT, "speculative", 5, block=2).tokens)
+    n_reads = len(reads)  # the bench path (snlp bench --distributed --ckpt) reads only its own layers too
+    res["bench"] = distributed_benchmark(rc.meta_model, [runner.plan], 4, 1, 0, 1, 0, checkpoint=rc)[0]
+    res["bench_reads"] = reads[n_reads:]
+    try:  # 3. a collective that fails for a reason of its own (here: a root rank that does not exist)
+        with _comm("broadcast of a test tensor"):
+            dist.broadcast(torch.ones(3), world + 3)
+    except CollectiveError as e:
+        res["error"] = (type(e).__name__, str(e), type(e.__cause__).__name__)
+    mine = distload.RankCheckpoint(ckpt if rank == 0 else other, "cpu")  # rank 1 loads other weights
+    try:
+        DistributedSNLP(mine.meta_model(), LOAD_PLAN, checkpoint=mine, preheat=rc.preheat())
+    except ValueError as e:
+        res["mismatch"] = str(e)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.decode.generate import sequential_generate
+
+    model = make_model(seed=0, dtype=torch.float32)
+    ckpt = save_checkpoint(tmp_path / "ck", model)
+    preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8)).save(ckpt / preheat.FILENAME)
+    other = save_checkpoint(tmp_path / "other", make_model(seed=5, dtype=torch.float32))
+    _spawn(_load_worker, 2, str(ckpt), str(tmp_path), str(other))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ref_model, _ = load(ckpt)  # the whole model in one process (preheat.pt attached)
+    L, full = ref_model.config.n_layer, sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    for r, rk in enumerate(ranks):
+        first, stop = rk["range"]
+        assert (first, stop) == ((0, 4) if r == 0 else (4, 6))
+        read_layers = {int(n.split(".")[1]) for n in rk["reads"] if n.startswith("blocks.")}
+        assert read_layers == set(range(first, stop)), (r, read_layers)  # never another rank's layer
+        assert ("lm_head.weight" in rk["reads"]) == (r == 1)  # the head: last rank only
+        own = {n for n, _ in ref_model.named_parameters() if n.startswith("blocks.")
+               and first <= int(n.split(".")[1]) < stop}
+        kept = {n for n, meta, _ in rk["params"]}
+        assert own <= kept and not any(n.startswith("blocks.") and n not in own for n in kept)
+        assert not any(meta for _, meta, _ in rk["params"])  # nothing left unmaterialised
+        assert sum(b for *_, b in rk["params"]) < 0.8 * full
+        torch.testing.assert_close(rk["inv_freq"], ref_model.inv_freq, rtol=0, atol=0)
+        assert {int(n.split(".")[1]) for n in rk["bench_reads"] if n.startswith("blocks.")} == set(range(first, stop))
+        assert rk["bench"]["memory_per_rank"][r]["param_bytes"] < 0.8 * full and rk["bench"]["snlp_ms"] > 0
+        assert "ranks [1] have a different model weights/config than rank 0" in rk["mismatch"]  # the digest
+        name, msg, cause = rk["error"]
+        assert name == "CollectiveError" and f"rank {r} of 2: broadcast of a test tensor failed" in msg
+        assert "invalid root rank" in msg and "peer rank died" not in msg and cause == "RuntimeError"
+    with torch.no_grad():
+        ref = solve(ref_model, tokens(ref_model), LOAD_PLAN, keep_states=True)
+    torch.testing.assert_close(torch.cat([rk["solve"] for rk in ranks]), ref.states[-1], rtol=1e-5, atol=1e-5)
+    seq = sequential_generate(ref_model, PROMPT, 5).tokens
+    assert all(rk["decode"] == seq for rk in ranks)
