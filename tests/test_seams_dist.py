@@ -335,8 +335,8 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str, other: s
 
 
 def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
-    from snlp.io.checkpoint import load, save_checkpoint
     from snlp.decode.generate import sequential_generate
+    from snlp.io.checkpoint import load, load_preheat, save_checkpoint
 
     model = make_model(seed=0, dtype=torch.float32)
     ckpt = save_checkpoint(tmp_path / "ck", model)
@@ -344,7 +344,7 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
     other = save_checkpoint(tmp_path / "other", make_model(seed=5, dtype=torch.float32))
     _spawn(_load_worker, 2, str(ckpt), str(tmp_path), str(other))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    ref_model, _ = load(ckpt)  # the whole model in one process (preheat.pt attached)
+    ref_model, _ = load(ckpt)  # the whole model in one process
     L, full = ref_model.config.n_layer, sum(p.numel() * p.element_size() for p in ref_model.parameters())
     for r, rk in enumerate(ranks):
         first, stop = rk["range"]
@@ -366,7 +366,43 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
         assert name == "CollectiveError" and f"rank {r} of 2: broadcast of a test tensor failed" in msg
         assert "invalid root rank" in msg and "peer rank died" not in msg and cause == "RuntimeError"
     with torch.no_grad():
-        ref = solve(ref_model, tokens(ref_model), LOAD_PLAN, keep_states=True)
+        ref = solve(ref_model, tokens(ref_model), LOAD_PLAN, keep_states=True, preheat=load_preheat(ckpt, ref_model))
     torch.testing.assert_close(torch.cat([rk["solve"] for rk in ranks]), ref.states[-1], rtol=1e-5, atol=1e-5)
     seq = sequential_generate(ref_model, PROMPT, 5).tokens
     assert all(rk["decode"] == seq for rk in ranks)
+
+
+# ----------------------------------------------------------------------------- a stale calibration, rank-local
+def _stale_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import snlp.dist.load as distload
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    rc = distload.RankCheckpoint(ckpt, "cpu")
+    try:
+        DistributedSNLP(rc.meta_model(), LOAD_PLAN, checkpoint=rc, preheat=rc.preheat())
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    torch.save(msg, os.path.join(out, f"stale{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_rank_local_load_refuses_a_calibration_of_other_weights(tmp_path):
+    """Issue 22 item 2 on the distributed path: each rank checks the digests of the tensors it read against the
+    calibration's, so a preheat.pt fitted before the weights changed is refused, not used (all ranks together
+    check every weight, none reads another rank's layers for it)."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    model = make_model(seed=0, dtype=torch.float32)
+    pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+    with torch.no_grad():
+        model.blocks[5].mlp.c_fc.weight.add_(0.05)  # training went on: only the last rank's layer changed
+    ckpt = save_checkpoint(tmp_path / "ck", model)
+    pre.save(ckpt / preheat.FILENAME)  # the stale file, copied back by hand
+    _spawn(_stale_worker, 2, str(ckpt), str(tmp_path))
+    msgs = [torch.load(tmp_path / f"stale{r}.pt") for r in range(2)]
+    for m in msgs:  # rank 1 found it; both ranks refuse (rank 0 alone would hang in its next collective)
+        assert m.startswith("rank 1:") and "other weights" in m and "blocks.5.mlp.c_fc.weight" in m

@@ -140,7 +140,7 @@ class DecodeSession:
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
                  on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | None = None,
-                 slack: int = 0):
+                 slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = prompt_ids_list(model, prompt_ids)
         max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
@@ -152,7 +152,8 @@ class DecodeSession:
         # allocated at its bucketed length (snlp.steps: the size is a graph shape); positions past max_len are
         # never valid, the budget below is what counts
         size = max_len + slack if step is None else step.cache_len(max_len + slack)
-        self.cache = KVCache.for_model(model, batch=1, max_len=size)
+        # `make_cache(max_len)`: another cache layout, e.g. a distributed rank's window of its own layers
+        self.cache = KVCache.for_model(model, batch=1, max_len=size) if make_cache is None else make_cache(size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.out: list[int] = []

@@ -72,7 +72,10 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
+from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, pick_token
+from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
+from snlp.runtime.timing import now
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, relative_update
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -243,7 +246,7 @@ def _preheat_for(model: GPT, plan: Plan, preheat: Preheat | None) -> Preheat | N
     """The calibration a `preheat`-init plan starts from, checked and on the model's device and dtype. A preheat
     plan without one, or a calibration given to a plan with another init (it would be silently unused), is a
     ValueError. Its weights fingerprint is checked here when the rank holds the whole model; a rank that holds
-    only its own layers got it from `RankCheckpoint.preheat()`, which checks it against the file."""
+    only its own layers checks the digests of the tensors it read instead (DistributedSNLP.__init__)."""
     check_preheat(plan, preheat, model, verify_weights=False)
     if preheat is None:
         return None
@@ -284,9 +287,11 @@ class DistributedSNLP:
         elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
             raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
                              "them (checkpoint=snlp.dist.load.RankCheckpoint(path, device))")
-        self.preheat = _preheat_for(model, plan, preheat)  # after materialising: it goes to the embedding's device
-        if check:
+        if check:  # (collective: every rank agrees before any rank can fail alone below)
             check_consistent(model, plan, None if checkpoint is None else checkpoint.digest())
+        self.preheat = _preheat_for(model, plan, preheat)  # after materialising: it goes to the embedding's device
+        if self.preheat is not None and checkpoint is not None:  # the tensors each rank read are the calibrated ones
+            self._agree(lambda: self.preheat.check_tensors(checkpoint.digests))
         with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)
             self.w: ChunkWeights = build_chunk_weights(model, self.S + self.c0 * M, self.c1 - self.c0, M)
         # KV window and layer range this rank computes: rank 0 also owns the prefix layers
@@ -302,6 +307,19 @@ class DistributedSNLP:
         if self.rank != self.last:
             model.lm_head = None
         self.device = model.wte.weight.device
+
+    def _agree(self, check) -> None:
+        """Run a local check on every rank and raise its ValueError on ALL ranks if it failed on any (a rank that
+        failed alone would leave the others waiting in the next collective until the timeout)."""
+        try:
+            check()
+            mine = None
+        except ValueError as e:
+            mine = str(e)
+        failed = [(r, m) for r, m in enumerate(gather_objects(mine)) if m]
+        if failed:
+            r, m = failed[0]
+            raise ValueError(f"rank {r}: {m}")
 
     def _keep_value_embeds(self, layers: set[int]) -> None:
         """Keep only the value-embedding tables of `layers` (each is vocab x kv_dim, as big as the token
@@ -517,101 +535,79 @@ class DistributedSNLP:
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
                  temperature: float = 0.0, eos_id: int | None = None, seed: int = 0,
-                 max_len: int | None = None, on_tokens=None):
+                 max_len: int | None = None, on_tokens=None) -> GenerateResult:
         """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
-        `generate.GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a
-        distributed SNLP solve), `sequential` (the original model layer-pipelined: the pipeline
-        baseline), `speculative` (distributed SNLP drafts `block` tokens, the pipelined original model
-        verifies B+1 positions in one forward; greedy output equals sequential decoding)."""
-        from snlp.decode.session import GenerateResult, check_decode_args, prompt_ids_list
-        from snlp.decode.speculative import speculative_accept
-
+        `GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a distributed SNLP
+        solve), `sequential` (the original model layer-pipelined: the pipeline baseline), `speculative`
+        (distributed SNLP drafts `block` tokens, the pipelined original model verifies B+1 positions in one
+        forward; greedy output equals sequential decoding). The bookkeeping (prompt, budget, EOS, streaming,
+        timing) is snlp.decode's DecodeSession, the same as single-process decoding; what differs is that only
+        the last rank has logits: it picks, and every rank follows the broadcast tokens."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
-        prompt = prompt_ids_list(self.model, prompt_ids)
-        max_len = len(prompt) + max_new_tokens if max_len is None else max_len
-        if len(prompt) > max_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the KV cache (max_len {max_len})")
-        cache = self.new_cache(max_len)
-        budget = min(max_new_tokens, max_len - len(prompt))
-        res = GenerateResult(tokens=[], mode=mode, plan=None if mode == "sequential" else str(self.plan),
-                             block=block if mode == "speculative" else 0)
-        res.stop = "max_new_tokens" if max_new_tokens <= max_len - len(prompt) else "max_len"
+        ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode,
+                            make_cache=self.new_cache)
+        ses.result.plan = None if mode == "sequential" else str(self.plan)
+        ses.result.block = block if mode == "speculative" else 0
         # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
         # cannot drive CUDA sampling); only the last rank draws, and the tokens are broadcast
         gen = torch.Generator(self.device).manual_seed(seed) if temperature > 0 else None
-        ids = lambda toks: torch.tensor([toks], dtype=torch.long, device=self.device)  # noqa: E731
-        snlp = lambda x: self.solve(ids(x), cache, check_finite=False).logits  # noqa: E731
-        seq = lambda x: self.pipeline_forward(ids(x), cache)  # noqa: E731
-        step = seq if mode == "sequential" else snlp
+        snlp = lambda x: self.solve(ses.ids(x), ses.cache, check_finite=False).logits  # noqa: E731
+        seq = lambda x: self.pipeline_forward(ses.ids(x), ses.cache)  # noqa: E731
+        t0 = now(self.device)
+        if len(ses.prompt) > 1:  # cache the prompt but its last token (the verifier's forward in SSD)
+            (snlp if mode == "snlp" else seq)(ses.prompt[:-1])
+        ses.result.prefill_s = now(self.device) - t0
+        ses.t0 = now(self.device)
+        while not ses.done:
+            if mode == "speculative":
+                self._speculative_round(ses, snlp, seq, block, temperature, gen)
+            else:
+                logits = (snlp if mode == "snlp" else seq)([ses.last])
+                ses.result.forwards += 1
+                pick = [pick_token(logits[0, -1], temperature, gen)] if self.rank == self.last else None
+                ses.emit(self._tokens_from_last(pick, 1))
+        return ses.finish()
 
-        def pick(logits: Tensor) -> int:
-            if temperature == 0:
-                return int(logits.argmax())
-            return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
-
-        def emit(new: list[int]) -> bool:  # same on every rank: the tokens came from the broadcast
-            new = new[: budget - len(res.tokens)]
-            done = False
-            if eos_id is not None and eos_id in new:
-                new, done, res.stop = new[: new.index(eos_id) + 1], True, "eos"
-            res.tokens.extend(new)
-            if on_tokens is not None and new:
-                on_tokens(new)
-            return done or len(res.tokens) >= budget
-
-        t0 = time.perf_counter()
-        if len(prompt) > 1:
-            (seq if mode == "speculative" else step)(prompt[:-1])
-        res.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        last, done = prompt[-1], budget <= 0
-        while not done:
-            if mode != "speculative":
-                logits = step([last])
-                res.forwards += 1
-                last = self._tokens_from_last([pick(logits[0, -1])] if self.rank == self.last else None, 1)[0]
-                done = emit([last])
-                continue
-            P, Bk = cache.length, min(block, budget - len(res.tokens) - 1)
-            t1 = time.perf_counter()
-            drafts, qs, x = [], [], last
-            for _ in range(Bk):  # the drafter: distributed SNLP decode steps
-                logits = snlp([x])
-                tok = None
-                if self.rank == self.last:
-                    lg = logits[0, -1]
-                    if temperature > 0:
-                        qs.append(torch.softmax(lg.float() / temperature, -1))
-                        tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
-                    else:
-                        tok = [int(lg.argmax())]
-                x = self._tokens_from_last(tok, 1)[0]
-                drafts.append(x)
-            t2 = time.perf_counter()
-            cache.rollback(P)  # the verifier rewrites positions P..P+Bk with exact K/V
-            logits = seq([last] + drafts)
-            verdict = None
+    def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, temperature: float, gen) -> None:
+        """One self-speculative round: B distributed SNLP drafter steps, one pipelined verification of the B+1
+        positions, the last rank's verdict (greedy prefix match or rejection sampling) broadcast to all."""
+        cache, res = ses.cache, ses.result
+        P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
+        t1 = now(self.device)
+        drafts, qs, x = [], [], ses.last
+        for _ in range(Bk):
+            logits = snlp([x])
+            tok = None
             if self.rank == self.last:
-                lg = logits[0]  # (Bk+1, V)
-                if temperature == 0:
-                    target = lg.argmax(-1).tolist()
-                    nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
-                    verdict = [nacc, target[nacc]]
+                lg = logits[0, -1]
+                if temperature > 0:
+                    qs.append(torch.softmax(lg.float() / temperature, -1))
+                    tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
                 else:
-                    p = torch.softmax(lg.float() / temperature, -1)
-                    q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
-                    n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(),
-                                                    gen)
-                    verdict = [int(n_t), int(nxt_t)]
-            nacc, nxt = self._tokens_from_last(verdict, 2)
-            cache.rollback(P + nacc + 1)
-            res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=time.perf_counter() - t2)
-            last = nxt
-            done = emit(drafts[:nacc] + [nxt])
-        res.decode_s = time.perf_counter() - t0 if res.tokens else 0.0
-        return res
+                    tok = [int(lg.argmax())]
+            x = self._tokens_from_last(tok, 1)[0]
+            drafts.append(x)
+        t2 = now(self.device)
+        cache.rollback(P)  # the verifier rewrites positions P..P+Bk with exact K/V
+        logits = seq([ses.last] + drafts)
+        verdict = None
+        if self.rank == self.last:
+            lg = logits[0]  # (Bk+1, V)
+            if temperature == 0:
+                target = lg.argmax(-1).tolist()
+                nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
+                verdict = [nacc, target[nacc]]
+            else:
+                p = torch.softmax(lg.float() / temperature, -1)
+                q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
+                n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(), gen)
+                verdict = [int(n_t), int(nxt_t)]
+        nacc, nxt = self._tokens_from_last(verdict, 2)
+        cache.rollback(P + nacc + 1)
+        res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=now(self.device) - t2)
+        ses.emit(drafts[:nacc] + [nxt])
 
 
 # ----------------------------------------------------------------------------- benchmark

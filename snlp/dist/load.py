@@ -24,7 +24,7 @@ from torch import Tensor
 from snlp.io.checkpoint import TIED, WEIGHTS, checkpoint_dir, load_config
 from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
-from snlp.model.fingerprint import fingerprint_items
+from snlp.model.fingerprint import tensor_digest
 from snlp.model.gpt import GPT
 
 
@@ -43,6 +43,7 @@ class RankCheckpoint:
         except Exception as e:  # safetensors raises its own error types for a corrupt header
             raise ValueError(f"corrupt or truncated weights file {self.file} ({e}); restore it or re-train") from e
         self.keys = set(self._f.keys())
+        self.digests: dict[str, str] = {}  # tensor_digest of every whole tensor read so far
 
     def meta_model(self) -> GPT:
         """GPT(config) on the meta device (no weights allocated), ready for `materialise`."""
@@ -64,7 +65,9 @@ class RankCheckpoint:
         like's dtype."""
         sl = self._f.get_slice(name)
         self._check(name, like, sl.get_shape())
-        return self._f.get_tensor(name).to(device=self.device, dtype=like.dtype)
+        t = self._f.get_tensor(name)
+        self.digests[name] = tensor_digest(t)  # what this rank holds, for checking a calibration against it
+        return t.to(device=self.device, dtype=like.dtype)
 
     def rows(self, name: str, rows: list[int], like: Tensor) -> Tensor:
         """like[rows] of the stored tensor `name` (e.g. some value-embedding tables), reading only those rows."""
@@ -122,22 +125,11 @@ class RankCheckpoint:
         return tok
 
     def preheat(self):
-        """CKPT/preheat.pt (snlp calibrate) or None, checked against these weights: the fingerprint is hashed
-        from the file one tensor at a time (as `weights_fingerprint` hashes a loaded model), so a rank never holds
-        the whole model; a calibration of other weights is a ValueError, as in `snlp.io.checkpoint.load_preheat`."""
+        """CKPT/preheat.pt (snlp calibrate) or None. A rank never reads the whole model, so it cannot check the
+        calibration's fingerprint here; `DistributedSNLP` checks the per-tensor digests of every tensor this rank
+        read (`digests`) against the calibration's, so all ranks together check every weight."""
         f = self.path / PREHEAT_FILE
-        if not f.is_file():
-            return None
-        pre = Preheat.load(f)
-        if pre.fingerprint is None:
-            raise ValueError(f"{f} records no weights fingerprint (written by an older snlp): re-run `snlp calibrate`")
-        tied = self.config.tie_embeddings
-        names = sorted(self.meta_model().state_dict())
-        got = fingerprint_items((n, self._f.get_tensor("wte.weight" if tied and n == TIED else n)) for n in names)
-        if got != pre.fingerprint:
-            raise ValueError(f"{f} was fitted on other weights than {self.file} (the weights changed since `snlp "
-                             "calibrate`): re-run `snlp calibrate`")
-        return pre
+        return Preheat.load(f) if f.is_file() else None
 
 
 def _rope_twin(cfg):

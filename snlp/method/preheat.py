@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from snlp.model.fingerprint import weights_fingerprint
+from snlp.model.fingerprint import fingerprint_digests, weights_digests, weights_fingerprint
 
 FILENAME = "preheat.pt"
 
@@ -45,6 +45,7 @@ class Preheat:
     b: Tensor  # (L, Dh) per-layer offsets
     source: str = "random"  # calibration tokens: "random" or a data spec
     fingerprint: str | None = None  # weights_fingerprint of the model it was fitted on (None: unknown)
+    digests: dict[str, str] | None = None  # per-tensor digests of those weights (a rank checks its own tensors)
 
     @property
     def rank(self) -> int:
@@ -80,15 +81,27 @@ class Preheat:
         w = model.wte.weight
         return self.to(w.device, w.dtype)
 
+    def check_tensors(self, read: dict[str, str]) -> None:
+        """Refuse the calibration unless every tensor in `read` ({name: tensor_digest}, e.g. what one rank of a
+        distributed run loaded) is the one it was fitted on: the per-rank form of `check`'s fingerprint test."""
+        if self.digests is None:
+            raise ValueError("preheat calibration records no per-tensor digests (written by an older snlp): re-run "
+                             "`snlp calibrate` so it can be checked against the weights")
+        bad = sorted(n for n, d in read.items() if self.digests.get(n) != d)
+        if bad:
+            raise ValueError(f"preheat calibration was fitted on other weights than this checkpoint's ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''} differ): re-run `snlp calibrate`")
+
     def to(self, device=None, dtype=None) -> "Preheat":
         mv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-        return Preheat(V=mv(self.V), U=mv(self.U), b=mv(self.b), source=self.source, fingerprint=self.fingerprint)
+        return Preheat(V=mv(self.V), U=mv(self.U), b=mv(self.b), source=self.source, fingerprint=self.fingerprint,
+                       digests=self.digests)
 
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
-                    "fingerprint": self.fingerprint}, path)
+                    "fingerprint": self.fingerprint, "digests": self.digests}, path)
         return path
 
     @classmethod
@@ -96,7 +109,7 @@ class Preheat:
         try:
             d = torch.load(path, map_location="cpu", weights_only=True)
             return cls(V=d["V"], U=d["U"], b=d["b"], source=d.get("source", "random"),
-                       fingerprint=d.get("fingerprint"))
+                       fingerprint=d.get("fingerprint"), digests=d.get("digests"))
         except Exception as e:  # torch.load raises many types on truncated / foreign files
             raise ValueError(f"corrupt preheat calibration {path} ({type(e).__name__}: {e}); re-run `snlp calibrate`"
                              ) from e
@@ -152,5 +165,6 @@ def fit(model, cfg: CalibrateConfig = CalibrateConfig(), tokens: Tensor | None =
     flat = lambda t: t.reshape(t.shape[0] * t.shape[1], -1).cpu()  # noqa: E731  (B, T, *E) -> (N, prod E)
     V, U, b = fit_states(flat(trace[0]), [flat(h) for h in trace[1:]], cfg.rank)
     dtype = model.wte.weight.dtype
+    digests = weights_digests(model)
     return Preheat(V=V.to(dtype), U=U.to(dtype), b=b.to(dtype), source=source,
-                   fingerprint=weights_fingerprint(model)).to(device)
+                   fingerprint=fingerprint_digests(digests), digests=digests).to(device)

@@ -15,20 +15,30 @@ import torch
 
 
 @torch.no_grad()
+def tensor_digest(t: torch.Tensor) -> str:
+    """A digest of one tensor's shape and bf16-rounded values (see the module docstring)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{tuple(t.shape)};".encode())
+    if t.is_floating_point():
+        # through fp32 first, so fp64 -> fp32 -> bf16 and fp64 -> bf16 cannot differ by double rounding
+        t = t.detach().float().to(torch.bfloat16).view(torch.int16)  # rounding, not math: no bf16 matmuls
+    h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def weights_digests(model: torch.nn.Module) -> dict[str, str]:
+    """{name: tensor_digest} of the model's state: what lets a rank that holds only some tensors check them."""
+    return {name: tensor_digest(t) for name, t in model.state_dict(keep_vars=False).items()}
+
+
+def fingerprint_digests(digests: dict[str, str]) -> str:
+    """The fingerprint of a whole state from its per-tensor digests (names sorted)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        h.update(f"{name}:{digests[name]};".encode())
+    return h.hexdigest()
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A 32-hex-digit digest of the model's state (names, shapes, bf16-rounded values); device and dtype free."""
-    return fingerprint_items(sorted(model.state_dict(keep_vars=False).items()))
-
-
-@torch.no_grad()
-def fingerprint_items(items) -> str:
-    """The digest of (name, tensor) pairs in the order given (sorted by name for `weights_fingerprint`), e.g.
-    streamed one at a time from a checkpoint file."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in items:
-        h.update(f"{name}:{tuple(t.shape)};".encode())
-        if t.is_floating_point():
-            # through fp32 first, so fp64 -> fp32 -> bf16 and fp64 -> bf16 cannot differ by double rounding
-            t = t.detach().float().to(torch.bfloat16).view(torch.int16)  # rounding, not math: no bf16 matmuls
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
+    return fingerprint_digests(weights_digests(model))
