@@ -76,12 +76,6 @@ def _as_plan(model: GPT, plan: Plan | str) -> Plan:
     return plan.check_model(model.config)
 
 
-def _relative_update(d: Tensor, h: Tensor) -> float:
-    """max over the batch of ||d|| / ||h|| for final-chunk tensors (B, T, ...)."""
-    num = d.float().flatten(1).norm(dim=1)
-    return float((num / (h.float().flatten(1).norm(dim=1) + 1e-12)).max())
-
-
 def _row_updates(d: Tensor, h: Tensor) -> Tensor:
     """(B,) float64 ||d_b|| / ||h_b|| of final-chunk tensors (B, T, ...). Norms in fp32 (fp64 for fp64 states),
     the ratio in fp64 so the per-row test `rel < tol` on the device and the host's `float(rel.max()) < tol`
@@ -146,7 +140,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes
     iters, updates, d = 0, [], None
     done = None  # tol: (B,) rows frozen by the per-row stop test (None until the first test)
-    row_iters = torch.zeros(hS.shape[0], dtype=torch.long, device=hS.device)
+    row_iters = torch.zeros(hS.shape[0], dtype=torch.long, device=hS.device) if plan.tol else None
     for _ in range(plan.iters):
         inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
         if done is not None:  # a frozen row re-reads the inputs of its last iteration: its K/V in a cache are
@@ -159,14 +153,12 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
         d, h_new = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen, prev))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
         if done is not None:  # frozen rows keep their state exactly and report a zero update
             d, h_new = _freeze(done, torch.zeros_like(d), d), _freeze(done, h, h_new)
-            row_iters += ~done
-        else:
-            row_iters += 1
         h = h_new
         iters += 1
         if keep_states:
             states.append(h)
         if plan.tol:
+            row_iters += 1 if done is None else ~done
             rel = _row_updates(d[-1], h[-1])  # (B,); 0 for frozen rows
             updates.append(float(rel.max()))  # the one host sync of the stop test: every row is below tol
             if updates[-1] < plan.tol:
@@ -180,6 +172,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
             cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
+    if row_iters is None:  # fixed K: every row ran every iteration
+        row_iters = torch.full((hS.shape[0],), iters, dtype=torch.long, device=hS.device)
     return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates,
                        row_iters=row_iters)
 

@@ -193,3 +193,56 @@ def test_a_cached_tol_solve_leaves_each_row_the_cache_it_would_have_alone(seed, 
             torch.testing.assert_close(cache.k[:, b:b + 1, :, :10], own.k[:, :, :, :10], **ROW)
             torch.testing.assert_close(cache.v[:, b:b + 1, :, :10], own.v[:, :, :, :10], **ROW)
     assert len(set(first.row_iters.tolist() + batch.row_iters.tolist())) > 1  # rows were frozen somewhere
+
+
+# ---------------------------------------------------------------- the same law in DistributedSNLP.solve
+DIST_CASES = [(0, 8, "8xF1-h0-K8-tol:2e-2"), (1, 6, "6xF1-h0-K6-tol:5e-2-elk:0.2")]  # rows stop apart in both
+
+
+def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from test_distributed import _init
+
+    from snlp.distributed import DistributedSNLP
+
+    _init(rank, world, port)
+    res = {}
+    for seed, layers, plan in DIST_CASES:
+        model = make_model(seed=seed, scale=0.05, n_layer=layers)
+        idx = tokens(model, B=4, T=10, seed=5)
+        runner = DistributedSNLP(model, plan)
+        r = runner.solve(idx)
+        cache = runner.new_cache(16, batch=4)
+        first = runner.solve(idx[:, :6], cache=cache)
+        step = runner.solve(idx[:, 6:], cache=cache)  # reads the K/V the tol-frozen rows left in the prefill
+        res[plan] = [(x.hidden, x.row_iters, x.iters, x.updates) for x in (r, first, step)]
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_distributed_tol_rows_converge_as_if_alone(tmp_path):
+    """DistributedSNLP.solve (2 gloo ranks; the last decides per row, every rank freezes the row) equals the
+    single-process solve of every row alone: a plain solve, a cached prefill and the decode step after it."""
+    from test_distributed import _spawn
+
+    _spawn(_dist_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for seed, layers, plan in DIST_CASES:
+        model = make_model(seed=seed, scale=0.05, n_layer=layers)
+        idx = tokens(model, B=4, T=10, seed=5)
+        runs = []
+        with torch.no_grad():
+            for b in range(4):
+                own = KVCache.for_model(model, batch=1, max_len=16)
+                runs.append([solve(model, idx[b:b + 1], plan), solve(model, idx[b:b + 1, :6], plan, cache=own),
+                             solve(model, idx[b:b + 1, 6:], plan, cache=own)])
+        for j in range(3):
+            hidden, row_iters, iters, updates = ranks[1][plan][j]
+            assert torch.equal(ranks[0][plan][j][1], row_iters) and ranks[0][plan][j][3] == updates  # ranks agree
+            for b in range(4):
+                torch.testing.assert_close(hidden[b:b + 1], runs[b][j].hidden, **ROW, msg=f"{plan} run {j} row {b}")
+                assert int(row_iters[b]) == runs[b][j].iters, (plan, j, b, row_iters)
+            assert iters == int(row_iters.max()) and len(updates) == iters
+        assert len({int(x) for j in range(3) for x in ranks[1][plan][j][1]}) > 1  # rows were frozen somewhere
