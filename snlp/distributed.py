@@ -322,7 +322,7 @@ class DistributedSNLP:
         sel = list(range(plan.chunks)) if sur.subset is None else list(sur.subset)
         pos = [i for i, c in enumerate(sel) if c0 <= c < c1]  # rows of the global probe draw we own
         local = [sel[i] - c0 for i in pos]
-        v_all = surrogates.rademacher((sur.probes, len(sel), *inputs.shape[1:]), inputs, gen)
+        v_all = surrogates.row_probes(sur.probes, inputs, gen, chunks=len(sel))  # one draw shared by the rows
         a = torch.ones_like(inputs)
         if not local:
             return a

@@ -88,7 +88,8 @@ from snlp.solver import solve  # noqa: E402
 
 ROW = dict(rtol=1e-10, atol=1e-10)  # fp64: a row alone and in the batch differ only by batched-matmul round-off
 TOLS = [0.1, 3e-2, 1e-2, 3e-3]
-TOL_FAMILIES = [("plain", "idn"), ("plain", "none"), ("plain", "newton"), ("mhc", "hcn"), ("mhc", "idn")]
+TOL_FAMILIES = [("plain", "idn"), ("plain", "none"), ("plain", "newton"), ("plain", "diag"), ("mhc", "hcn"),
+                ("mhc", "idn")]
 
 
 @st.composite
@@ -153,6 +154,21 @@ def test_a_tol_row_converges_as_if_alone(kind, family):
         _assert_rows_alone(batch, alone, idx.shape[0])
 
     law()
+
+
+@pytest.mark.parametrize("plan", ["4xF1-h0-K2-diag:fd", "4xF1-fwd-K3-diag:jvp-probes:2-order:reversed",
+                                  "4xF1-h0-K3-diag:vjp-subset:0.2"])
+def test_a_diag_row_does_not_depend_on_the_batch(plan):
+    """DiagN draws its Rademacher probes once per chunk and token, shared by the rows: a row's estimate, and
+    so its solve, is the same alone and in any batch (fixed K, no tol). Before, the draw spanned the batch,
+    so a row got other probes (and moved by O(1)) when its batch changed size."""
+    model = make_model(seed=0, scale=0.05, n_layer=6)
+    idx = tokens(model, B=3, T=8, seed=3)
+    with torch.no_grad():
+        batch = solve(model, idx, plan)
+        for b in range(3):
+            torch.testing.assert_close(batch.hidden[b:b + 1], solve(model, idx[b:b + 1], plan).hidden, **ROW)
+        torch.testing.assert_close(solve(model, idx[1:], plan).hidden, batch.hidden[1:], **ROW)
 
 
 def test_rows_stop_at_different_iterations_and_frozen_rows_stay_put():
