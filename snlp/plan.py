@@ -10,7 +10,8 @@ Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the ch
 product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
 `eps`), optionally only on the chunks in `subset` (the others use A = I); `newton` the exact
 Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
-maximum: iterating stops once the relative update of the final state drops below t.
+maximum: each sequence of the batch stops (is frozen) once the relative update of its final state
+drops below t, and the solve ends when all have (snlp.solver), so a row never depends on its batch.
 """
 
 from __future__ import annotations
