@@ -16,9 +16,12 @@ import torch
 from conftest import configs, examples, heads, make_model, mhc_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_laws import cases  # the laws' random plans
 
+from snlp.cache import KVCache
 from snlp.correction import ESTIMATORS, HCN, DiagN, Identity, Jacobi, Newton
 from snlp.plan import INITS, Plan
+from snlp.solver import solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,11 +84,6 @@ def test_close_plans_print_differently_and_nice_numbers_stay_short():
 
 
 # ---------------------------------------------------------------- item 3: a tol stop is per row
-from test_laws import cases  # noqa: E402  (the laws' random models and plans)
-
-from snlp.cache import KVCache  # noqa: E402
-from snlp.solver import solve  # noqa: E402
-
 ROW = dict(rtol=1e-10, atol=1e-10)  # fp64: a row alone and in the batch differ only by batched-matmul round-off
 TOLS = [0.1, 3e-2, 1e-2, 3e-3]
 TOL_FAMILIES = [("plain", "idn"), ("plain", "none"), ("plain", "newton"), ("plain", "diag"), ("mhc", "hcn"),
@@ -122,9 +120,9 @@ def _assert_rows_alone(batch, alone, B):
 
 def _splitting_tol(model, plan, idx, draw) -> float | None:
     """A tol that falls between two rows' final-state relative updates at some iteration of the fixed-K solve
-    (their geometric mean, at least 5% from both, above round-off), so that the rows meet it at different iterations: random
-    rows of a random model converge at nearly the same pace, and a fixed tol would rarely split them. None if
-    no iteration separates two rows."""
+    (their geometric mean, at least 5% from both, above round-off), so that the rows meet it at different
+    iterations: random rows of a random model converge at nearly the same pace, and a fixed tol would rarely
+    split them. None if no iteration separates two rows."""
     with torch.no_grad():
         states = solve(model, idx, plan.with_(tol=0.0), keep_states=True, check_finite=False).states
     splits = []
