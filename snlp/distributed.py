@@ -65,7 +65,7 @@ from .model import GPT
 from .correction import HCN, DiagN, Identity, Jacobi
 from .plan import Plan
 from .scan import affine_scan
-from .solver import SNLPDivergenceError, _as_plan, _freeze, _row_updates
+from .solver import SNLPDivergenceError, _as_plan, _freeze, _row_updates, _rows
 
 DEFAULT_TIMEOUT_S = 120.0
 SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
@@ -399,7 +399,7 @@ class DistributedSNLP:
                 d = self._scan(a, b, matrix=hcn)
                 h = h + d
             if done is not None:  # frozen rows keep their states exactly and report a zero update
-                d, h = _freeze(done, torch.zeros_like(d), d), _freeze(done, h_old, h)
+                d, h = d.masked_fill(_rows(done, d), 0), _freeze(done, h_old, h)
             last_boundary = boundary
             iters += 1
             stop = k == plan.iters - 1

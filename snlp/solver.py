@@ -85,9 +85,14 @@ def _row_updates(d: Tensor, h: Tensor) -> Tensor:
     return num / (h.detach().to(acc).flatten(1).norm(dim=1).double() + 1e-12)
 
 
+def _rows(done: Tensor, like: Tensor) -> Tensor:
+    """The (B,) row mask `done` shaped to broadcast over `like` (C, B, T, ...)."""
+    return done.view(1, -1, *[1] * (like.dim() - 2))
+
+
 def _freeze(done: Tensor, old: Tensor, new: Tensor) -> Tensor:
     """`new` with the rows (dim 1) flagged in `done` (B,) replaced by `old`, exactly (torch.where)."""
-    return torch.where(done.view(1, -1, *[1] * (new.dim() - 2)), old, new)
+    return torch.where(_rows(done, new), old, new)
 
 
 def _check_finite(h: Tensor, plan: Plan) -> None:
@@ -152,7 +157,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
         prev = d if plan.order is not None else None  # the previous sweep's update: lagged chunks read it
         d, h_new = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen, prev))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
         if done is not None:  # frozen rows keep their state exactly and report a zero update
-            d, h_new = _freeze(done, torch.zeros_like(d), d), _freeze(done, h, h_new)
+            d, h_new = d.masked_fill(_rows(done, d), 0), _freeze(done, h, h_new)
         h = h_new
         iters += 1
         if keep_states:
