@@ -141,7 +141,8 @@ def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
     N = 3
     with torch.no_grad():
         hS = model.hidden_states(idx)[5 - N]
-        v = rademacher((1, N, *hS.shape), hS, torch.Generator().manual_seed(0))[0]  # (C, B, T, D) as the solver draws
+        v = rademacher((1, N, 1, *hS.shape[1:]), hS, torch.Generator().manual_seed(0))[0]  # (C, 1, T, D) as the
+        # solver draws: one probe shared by the rows (surrogates.row_probes)
         s = fd_step(hS.expand(N, *hS.shape), 1e-3, token_dims=3)
 
         def diag(l, h, ctx, c):

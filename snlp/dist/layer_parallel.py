@@ -76,7 +76,7 @@ from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args
 from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
-from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, relative_update
+from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
 
 DEFAULT_TIMEOUT_S = 120.0
 SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
@@ -229,6 +229,7 @@ class DistSolveResult:
     logits: Tensor | None = None  # (B, T, V): last rank only, when asked for
     iters: int = 0
     updates: list[float] = field(default_factory=list)
+    row_iters: Tensor | None = None  # (B,) iterations each row ran before `tol` froze it (as solver.SolveResult)
 
 
 def _compose(a: Tensor, matrix: bool) -> Tensor:
@@ -401,7 +402,7 @@ class DistributedSNLP:
         sel = list(range(plan.chunks)) if sur.subset is None else list(sur.subset)
         pos = [i for i, c in enumerate(sel) if c0 <= c < c1]  # rows of the global probe draw we own
         local = [sel[i] - c0 for i in pos]
-        v_all = surrogates.rademacher((sur.probes, len(sel), *inputs.shape[1:]), inputs, gen)
+        v_all = surrogates.row_probes(sur.probes, inputs, gen, chunks=len(sel))  # one draw shared by the rows
         a = torch.ones_like(inputs)
         if not local:
             return a
@@ -458,8 +459,14 @@ class DistributedSNLP:
         lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
         gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
         iters, updates, d, last_boundary = 0, [], None, None
+        done = None  # tol: (B,) rows frozen by the per-row stop test, on every rank (as solver.solve)
+        last_inputs = None  # tol: the chunk inputs of the last iteration (what frozen rows keep reading)
+        row_iters = torch.zeros(hS.shape[0], dtype=torch.long, device=hS.device) if plan.tol else None
         for k in range(plan.iters):
             inputs = torch.cat([boundary[None], h[:-1]], 0)  # (n, B, T, ..., D)
+            if done is not None:  # a frozen row re-reads its last inputs (its cached K/V stay those of that iteration)
+                inputs = freeze_rows(done, last_inputs, inputs)
+            h_old = h
             tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
             if isinstance(plan.surrogate, Jacobi):
                 d, h = tilde - h, tilde
@@ -478,14 +485,20 @@ class DistributedSNLP:
                 a = link if A is None else A * link
                 d = self._scan(a, b, matrix=hcn)
                 h = h + d
+            if done is not None:  # frozen rows keep their states exactly and report a zero update
+                d, h = d.masked_fill(row_mask(done, d), 0), freeze_rows(done, h_old, h)
             last_boundary = boundary
             iters += 1
             stop = k == plan.iters - 1
-            if plan.tol:  # the last rank owns the final state: it decides, everyone follows
-                upd = torch.tensor([relative_update(d[-1], h[-1]) if self.rank == self.last else 0.0],
-                                   dtype=torch.float64, device=self.device)
-                updates.append(float(_broadcast(upd, self.last, "broadcast of the tol update")[0]))
+            if plan.tol:  # the last rank owns the final state: it decides per row, everyone follows
+                row_iters += 1 if done is None else ~done
+                rel = (row_updates(d[-1], h[-1]).cpu() if self.rank == self.last
+                       else torch.zeros(hS.shape[0], dtype=torch.float64))  # (B,); 0 for frozen rows
+                rel = _broadcast(rel, self.last, "broadcast of the tol updates")
+                updates.append(float(rel.max()))
                 stop = stop or updates[-1] < plan.tol
+                met = (rel < plan.tol).to(hS.device)
+                done, last_inputs = (met if done is None else done | met), inputs
             if stop:
                 break
             boundary = self._shift_boundary(h[-1], hS)
@@ -493,7 +506,9 @@ class DistributedSNLP:
             if plan.iters == 0 and plan.init != "fwd":  # as solver.solve: write the K/V of the final inputs
                 chunk_forward(w, torch.cat([boundary[None], h[:-1]], 0), ctx, cache)
             cache.advance(idx.shape[1])
-        res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates)
+        if row_iters is None:  # fixed K: every row ran every iteration
+            row_iters = torch.full((hS.shape[0],), iters, dtype=torch.long, device=hS.device)
+        res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates, row_iters=row_iters)
         if self.rank == self.last:
             res.hidden = h[-1]
             if logits:

@@ -78,6 +78,15 @@ def rademacher(shape, like: Tensor, gen: torch.Generator | None = None) -> Tenso
     return (bits * 2 - 1).to(like.dtype)
 
 
+def row_probes(P: int, x: Tensor, gen: torch.Generator | None = None, chunks: int | None = None) -> Tensor:
+    """P Rademacher probes (P, C, B, T, ..., D) for chunk inputs x (C, B, T, ..., D): ONE draw (P, C, 1, T, ..., D)
+    shared by every row of the batch, so a row's DiagN estimate (and with it its solve) does not depend on
+    what else is in the batch (a draw over B gave row b different probes in batches of different sizes).
+    `chunks` draws for that many chunks instead of x's (the distributed solve draws all chunks, then slices)."""
+    C = x.shape[0] if chunks is None else chunks
+    return rademacher((P, C, 1, *x.shape[2:]), x, gen).expand(P, C, *x.shape[1:]).contiguous()
+
+
 def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
     """FD step s = eps' * max(RMS, 1), RMS over the trailing dims after the first `token_dims` dims
     of x (one step per token; token_dims = 0: one RMS over all of x). Broadcasts against x.
@@ -261,7 +270,7 @@ def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Pla
         fx = tilde.detach() if sel is None else tilde.detach().index_select(0, sel)
         if clone:
             x, fx = x.clone(), fx.clone()
-        v = rademacher((P, *x.shape), x, gen)
+        v = row_probes(P, x, gen)
         est = hutchinson_diag(chunk_probe_map(ws, cx, cache, layers, P), x, v, sur.estimator, sur.eps, fx,
                               token_dims=3)
         if sel is None:

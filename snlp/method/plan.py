@@ -10,7 +10,8 @@ Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the ch
 product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
 `eps`), optionally only on the chunks in `subset` (the others use A = I); `newton` the exact
 Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
-maximum: iterating stops once the relative update of the final state drops below t.
+maximum: each sequence of the batch stops (is frozen) once the relative update of its final state
+drops below t, and the solve ends when all have (snlp.solver), so a row never depends on its batch.
 """
 
 from __future__ import annotations
@@ -178,9 +179,9 @@ class Plan:
     def __str__(self) -> str:
         s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}{self.surrogate}"
         if self.tol:
-            s += f"-tol:{self.tol:g}"
+            s += f"-tol:{format_number(self.tol)}"
         if self.elk:
-            s += f"-elk:{self.elk:g}"
+            s += f"-elk:{format_number(self.elk)}"
         if self.order is not None:
             rev = tuple(range(self.chunks - 1, -1, -1))
             s += "-order:" + ("reversed" if self.order == rev else ".".join(map(str, self.order)))
@@ -281,6 +282,14 @@ def _token(tok: str, text: str):
         if re.fullmatch(r"\d+(\.\d+)*", val):
             return "order", tuple(int(i) for i in val.split("."))
     raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
+
+
+def format_number(x: float) -> str:
+    """The plan-string form of a float that parses back to exactly x: the short `:g` form where that is
+    exact (0.5, 0.001, 1e-05), else repr's shortest round-trip digits (0.1000001, not :g's 0.1), so
+    `Plan.parse(str(p)) == p` and result rows keyed by `str(plan)` never merge two different plans."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def _number(text: str) -> float | None:

@@ -27,8 +27,11 @@ the lagged term is folded into b before the scan, so every surrogate keeps its o
 Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1, t_c =
 t_{c-1} + 1 (linked) or + 2 (lagged); K >= C is exact for forward order, K >= C + #lagged for any.
 No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
-With `tol` > 0, K is a maximum: the solve stops once max over the batch of
-||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| (the final state's relative update) is below tol.
+With `tol` > 0, K is a maximum and every row (sequence) of the batch converges on its own: a row whose
+final-state relative update ||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| is below tol is frozen (its states kept
+exactly, its chunk inputs held at those of its last iteration, so a KV cache gets that iteration's K/V)
+while the other rows iterate, and the solve stops once every row is frozen. A row's result therefore
+never depends on what else is in the batch (tests/test_seams_solver.py).
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ class SolveResult:
     prefix: Tensor  # (B, T, D) exact prefix state h_S
     plan: Plan
     states: list[Tensor] = field(default_factory=list)  # chunk outputs (C, B, T, D); [0] = init
-    iters: int = 0  # iterations run (< plan.iters when `tol` stopped early)
-    updates: list[float] = field(default_factory=list)  # final-state relative update per iteration (tol > 0)
+    iters: int = 0  # batched iterations run (< plan.iters when `tol` stopped every row early) = max(row_iters)
+    updates: list[float] = field(default_factory=list)  # per iteration, max over the batch of the final-state
+    # relative update (tol > 0; frozen rows count 0)
+    row_iters: Tensor | None = None  # (B,) iterations each row ran before `tol` froze it (all `iters` without tol)
 
 
 def as_plan(model: GPT, plan: Plan | str) -> Plan:
@@ -68,10 +73,23 @@ def as_plan(model: GPT, plan: Plan | str) -> Plan:
     return plan.check_model(model.config)
 
 
-def relative_update(d: Tensor, h: Tensor) -> float:
-    """max over the batch of ||d|| / ||h|| for final-chunk tensors (B, T, ...)."""
-    num = d.float().flatten(1).norm(dim=1)
-    return float((num / (h.float().flatten(1).norm(dim=1) + 1e-12)).max())
+def row_updates(d: Tensor, h: Tensor) -> Tensor:
+    """(B,) float64 ||d_b|| / ||h_b|| of final-chunk tensors (B, T, ...). Norms in fp32 (fp64 for fp64 states),
+    the ratio in fp64 so the per-row test `rel < tol` on the device and the host's `float(rel.max()) < tol`
+    (the Python float tol) compare the same numbers and can never disagree."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    num = d.detach().to(acc).flatten(1).norm(dim=1).double()
+    return num / (h.detach().to(acc).flatten(1).norm(dim=1).double() + 1e-12)
+
+
+def row_mask(done: Tensor, like: Tensor) -> Tensor:
+    """The (B,) row mask `done` shaped to broadcast over `like` (C, B, T, ...)."""
+    return done.view(1, -1, *[1] * (like.dim() - 2))
+
+
+def freeze_rows(done: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    """`new` with the rows (dim 1) flagged in `done` (B,) replaced by `old`, exactly (torch.where)."""
+    return torch.where(row_mask(done, new), old, new)
 
 
 def check_preheat(plan: Plan, preheat: Preheat | None, model: GPT, verify_weights: bool = True) -> None:
@@ -144,21 +162,33 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     sur = plan.surrogate
     gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes
     iters, updates, d = 0, [], None
+    done = None  # tol: (B,) rows frozen by the per-row stop test (None until the first test)
+    last_inputs = None  # tol: the chunk inputs of the last iteration (what frozen rows keep reading)
+    row_iters = torch.zeros(hS.shape[0], dtype=torch.long, device=hS.device) if plan.tol else None
     for _ in range(plan.iters):
         inputs = torch.cat([hS[None], h[:-1]], 0)  # (C, B, T, D): chunk c reads h_{c-1}^{(k)}
+        if done is not None:  # a frozen row re-reads the inputs of its last iteration: its K/V in a cache are
+            inputs = freeze_rows(done, last_inputs, inputs)  # those of that iteration, as if it had run alone
         if sur.needs_mix:
             tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True)
         else:
             tilde, mix = chunk_forward(w, inputs, ctx, cache), None
         prev = d if plan.order is not None else None  # the previous sweep's update: lagged chunks read it
-        d, h = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen, prev))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
+        d, h_new = sur.step(Iterate(plan, w, ctx, inputs, tilde, h, mix, gen, prev))  # d = h^{(k+1)} - h^{(k)} (C, B, T, D)
+        if done is not None:  # frozen rows keep their state exactly and report a zero update
+            d, h_new = d.masked_fill(row_mask(done, d), 0), freeze_rows(done, h, h_new)
+        h = h_new
         iters += 1
         if keep_states:
             states.append(h)
         if plan.tol:
-            updates.append(relative_update(d[-1], h[-1]))
+            row_iters += 1 if done is None else ~done
+            rel = row_updates(d[-1], h[-1])  # (B,); 0 for frozen rows
+            updates.append(float(rel.max()))  # the one host sync of the stop test: every row is below tol
             if updates[-1] < plan.tol:
                 break
+            done = rel < plan.tol if done is None else done | (rel < plan.tol)
+            last_inputs = inputs
     if cache is not None:
         if plan.iters == 0 and (plan.init != "fwd" or init_states is not None):  # nothing evaluated the
             chunk_forward(w, torch.cat([hS[None], h[:-1]], 0), ctx, cache)  # suffix: write the final inputs' K/V
@@ -166,7 +196,10 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
             cache.advance(idx.shape[1])
     if check_finite:
         _check_finite(h[-1], plan)
-    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates)
+    if row_iters is None:  # fixed K: every row ran every iteration
+        row_iters = torch.full((hS.shape[0],), iters, dtype=torch.long, device=hS.device)
+    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates,
+                       row_iters=row_iters)
 
 
 def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:

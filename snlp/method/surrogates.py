@@ -210,7 +210,9 @@ class DiagN(Surrogate):
         if self.probes != 1:
             s += f"-probes:{self.probes}"
         if self.eps != 1e-3:
-            s += f"-eps:{self.eps:g}"
+            from .plan import format_number  # exact round trip (plan.format_number); plan imports this module
+
+            s += f"-eps:{format_number(self.eps)}"
         if self.subset is not None:
             s += "-subset:" + ".".join(map(str, self.subset))
         return s
