@@ -19,7 +19,7 @@ def run(args) -> int:
     model, tok = from_hf(args.src, dtype=args.dtype)
     if tok is None:
         raise ValueError(f"{args.src} has no tokenizer; snlp checkpoints need one (save the tokenizer next to the "
-                         f"model, or use snlp.hf.from_hf(..., tokenizer=...) from Python)")
+                         f"model, or use snlp.io.hf.from_hf(..., tokenizer=...) from Python)")
     path = save_checkpoint(args.out, model, tok)
     cfg = model.config
     print(f"converted {args.src}: {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head}/{cfg.n_kv_head} heads, "

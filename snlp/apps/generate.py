@@ -23,7 +23,7 @@ from snlp.runtime.device import cli_device, write_json
 
 
 def add_arguments(p) -> None:
-    p.add_argument("ckpt", help="checkpoint directory (snlp.checkpoint.save_checkpoint)")
+    p.add_argument("ckpt", help="checkpoint directory (snlp.io.checkpoint.save_checkpoint)")
     p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
                    "tokenizer's chat template (no extra BOS) and stop at its EOS unless --eos-id is given")
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="do not stream the text")
     p.add_argument("--json", default=None, help="write tokens, text and statistics to this JSON file")
     p.add_argument("--distributed", action="store_true",
-                   help="layer-parallel over torchrun ranks (snlp.distributed): `torchrun --nproc_per_node=P -m snlp "
+                   help="layer-parallel over torchrun ranks (snlp.dist.layer_parallel): `torchrun --nproc_per_node=P -m snlp "
                         "generate CKPT --distributed --plan ... --mode snlp|speculative|sequential`")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="--distributed: seconds before a dead or silent peer rank makes the others fail")

@@ -1,6 +1,6 @@
 """The `snlp speedrun` report: hardware/library environment and the markdown tables of report.md
 (training summary, the paper's main / SSD / early-exit tables, wall time per stage).
-`render_report` gets everything it prints from the context `snlp.speedrun.run` assembles."""
+`render_report` gets everything it prints from the context `snlp.apps.speedrun.run` assembles."""
 
 from __future__ import annotations
 
@@ -168,19 +168,19 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
             markdown_table(recs)]
 
 
-def render_report(ctx: dict) -> str:
-    from snlp.eval.present import markdown_table
-
-    cfg, env, st, pre = ctx["cfg"], ctx["env"], ctx["stages"], ctx["preset"]
-    tok, trains = st["tokenizer"]["result"], {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
-    evals = ctx["evals"]  # model key -> list[EvalRecord]
+def _context(ctx: dict):
+    """The pieces every section reads: settings, environment, stage records, preset, per-model results."""
+    st = ctx["stages"]
+    trains = {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
     ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
-    ee = st["early-exit"]["result"]["rows"]
-    e0 = evals["noreg"][0]
+    return ctx["cfg"], ctx["env"], st, ctx["preset"], trains, ssd
+
+
+def _head(ctx: dict) -> list[str]:
+    cfg, env, st, _, _, _ = _context(ctx)
     loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
-    L, N = cfg["depth"], cfg["reg_n"]
     libs = ", ".join(f"{k} {v}" for k, v in env["libraries"].items())
-    out = ["# SNLP speedrun report\n",
+    return ["# SNLP speedrun report\n",
            f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
            f"**Hardware**: {env['cpu']}, {env['cores']} cores"
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
@@ -189,8 +189,14 @@ def render_report(ctx: dict) -> str:
            f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
            f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
            f"1-minute load average during them {min(loads):g} to {max(loads):g} (per stage below; above "
-           f"{env['cores']} means other jobs competed for the CPU, and wall-clock timings suffer).\n",
-           "## Setup\n",
+           f"{env['cores']} means other jobs competed for the CPU, and wall-clock timings suffer).\n"]
+
+
+def _setup(ctx: dict) -> list[str]:
+    cfg, env, st, pre, trains, _ = _context(ctx)
+    tok, e0 = st["tokenizer"]["result"], ctx["evals"]["noreg"][0]
+    L, N = cfg["depth"], cfg["reg_n"]
+    return ["## Setup\n",
            f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
            + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
            f"validation tokens (every 20th document is validation). One tokenizer and token cache for both models.",
@@ -204,7 +210,7 @@ def render_report(ctx: dict) -> str:
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
            f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
-           f"- Evaluation (`snlp.evaluation.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
+           f"- Evaluation (`snlp.eval.protocol.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
            f"{e0.seq_len}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
            f"{e0.prompts} prompts x {e0.gen_tokens} greedy tokens (fused plans vs the same fused model run "
            f"sequentially, as in the paper) with the implied per-token agreement β̂; EmbSim: cosine of MiniLM "
@@ -214,22 +220,12 @@ def render_report(ctx: dict) -> str:
            + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
               f"latency bound: on a small box more threads only add contention, and under load they stall)."
               if ctx["threads"] else "."),
-           "",
-           "## Training\n",
-           training_table(tok, trains),
-           f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
-           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
-           "## Main results\n",
-           "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
-           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂). "
-           f"In every table: {RULE}.\n",
-           main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
-           "\n![speed-quality frontier](frontier.png)\n",
-           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against its measured speedup, one "
-           "series per model, so the models compare by what the plans cost them; sequential is the star at "
-           "(1.0x, 0 %).\n",
-           "## Self-speculative decoding\n",
+           ""]
+
+
+def _ssd_section(ctx: dict) -> list[str]:
+    _, _, _, pre, _, ssd = _context(ctx)
+    return ["## Self-speculative decoding\n",
            f"Drafter rule: per model, the evaluated plan that maximises the paper's ideal SSD speedup at "
            f"B = {ctx['select_block']}, ((1 − α^{ctx['select_block'] + 1})/(1 − α))/({ctx['select_block']}/s + 1), with α estimated by "
            f"the plan's teacher-forced Top-1 and s by its measured decode speedup. Then SSD (SNLP drafter, "
@@ -244,32 +240,67 @@ def render_report(ctx: dict) -> str:
            ssd_table(ssd),
            "\nDrafter candidates (predicted SSD speedup at B = 4): "
            + "; ".join(f"{label}: " + ", ".join(f"`{p}` {v:.2f}x" for p, v in ssd[k].get("candidates", []))
-                       for k, label in MODELS) + "\n",
-           "## Early exit (K = 0)\n",
-           "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
-           "parallel are not droppable.\n",
-           early_exit_table(ee),
-           *off_the_shelf_section(st.get("off-the-shelf")),
-           "\n## SNLP diagnostics\n",
-           f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.analysis`; {st['diagnostics']['result']['power_iters']} "
+                       for k, label in MODELS) + "\n"]
+
+
+def _diagnostics(ctx: dict) -> list[str]:
+    cfg, _, st, _, _, _ = _context(ctx)
+    N = cfg["reg_n"]
+    return ["\n## SNLP diagnostics\n",
+           f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.eval.analysis`; {st['diagnostics']['result']['power_iters']} "
            f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
            f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md).\n",
            *[f"**{label}**\n\n" + st["diagnostics"]["result"]["markdown"][k].replace("### SNLP diagnostics (snlp analyze)\n", "")
-             for k, label in MODELS],
-           "\n## Wall time per stage\n",
-           "| Stage | This invocation | Wall time | Load at start → end |", "|:---|:---|---:|---:|"]
+             for k, label in MODELS]]
+
+
+def _stage_times(ctx: dict) -> list[str]:
+    st = ctx["stages"]
+    out = ["\n## Wall time per stage\n", "| Stage | This invocation | Wall time | Load at start → end |",
+           "|:---|:---|---:|---:|"]
     for name in ctx["order"]:
         r = st[name]
         out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {fmt_s(r['seconds'])} | "
                    f"{r.get('load_start')} → {r.get('load_end')} |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
-    out += [f"| **end to end** | | **{fmt_s(total)}** | |",
-            "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran side by "
-                                                       "side)" if ctx["parallel"] else "")
-            + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-            f"{len(ctx['reused'])} reused).\n",
-            "## Full evaluation records\n"]
+    return out + [f"| **end to end** | | **{fmt_s(total)}** | |",
+                  "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
+                                                            "side by side)" if ctx["parallel"] else "")
+                  + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+                  f"{len(ctx['reused'])} reused).\n"]
+
+
+def render_report(ctx: dict) -> str:
+    """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
+    from snlp.eval.present import markdown_table
+
+    cfg, _, st, _, trains, ssd = _context(ctx)
+    evals = ctx["evals"]  # model key -> list[EvalRecord]
+    N, e0 = cfg["reg_n"], evals["noreg"][0]
+    out = [*_head(ctx), *_setup(ctx),
+           "## Training\n",
+           training_table(st["tokenizer"]["result"], trains),
+           f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
+           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
+           "## Main results\n",
+           "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
+           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
+           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂). "
+           f"In every table: {RULE}.\n",
+           main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           "\n![speed-quality frontier](frontier.png)\n",
+           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against its measured speedup, one "
+           "series per model, so the models compare by what the plans cost them; sequential is the star at "
+           "(1.0x, 0 %).\n",
+           *_ssd_section(ctx),
+           "## Early exit (K = 0)\n",
+           "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
+           "parallel are not droppable.\n",
+           early_exit_table(st["early-exit"]["result"]["rows"]),
+           *off_the_shelf_section(st.get("off-the-shelf")),
+           *_diagnostics(ctx), *_stage_times(ctx),
+           "## Full evaluation records\n"]
     for key, label in MODELS:
         out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0.seq_len} tokens; Ideal (layers) = "
                 f"L / (S + K·evals + [fwd]), the layer-step count a device with spare parallel capacity could "

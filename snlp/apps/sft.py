@@ -1,7 +1,7 @@
 """Chat SFT of a checkpoint with the sequential forward or an SNLP forward (paper, "Downstream task evaluation").
 
 `snlp sft CKPT --data CHATS --out DIR --forward sequential|PLAN` fine-tunes on conversations
-(snlp.chat: JSONL {"messages": [...]}, or hf:NAME[:CONFIG][:SPLIT]) with the loss on assistant
+(snlp.io.chat: JSONL {"messages": [...]}, or hf:NAME[:CONFIG][:SPLIT]) with the loss on assistant
 tokens only. --forward PLAN computes that loss on the SNLP logits of PLAN with gradients through
 all K iterations (SNLP-forward SFT); --reg adds the SNLP-aware regulariser. Optimiser, LR schedule,
 checkpoints, --resume and DDP (torchrun) are `snlp train`'s (snlp.train.fit). LRs default to

@@ -1,9 +1,9 @@
 """The paper's SFT x inference table (Table sft_task_results) in one command.
 
 `snlp sft-grid CKPT --data CHATS --plan PLAN --task T [--task T ...] --out DIR` fine-tunes CKPT twice
-(snlp.sft: the sequential forward, then the SNLP forward of PLAN) into DIR/sft-sequential and
+(snlp.train.sft: the sequential forward, then the SNLP forward of PLAN) into DIR/sft-sequential and
 DIR/sft-PLAN (an existing run there is resumed or, if finished, reused), evaluates each under
-sequential and PLAN inference on every task (snlp.mc) and writes the 2 x 2 table with the paper's
+sequential and PLAN inference on every task (snlp.eval.mc) and writes the 2 x 2 table with the paper's
 layout (SFT | Inference | one column per task | Avg.) to DIR/grid.md and DIR/grid.json.
 """
 
@@ -29,7 +29,7 @@ class GridConfig:
     plan: str
     tasks: list[str]
     out: str
-    sft_args: object = None  # the parsed shared training flags (see snlp.sft.add_train_arguments)
+    sft_args: object = None  # the parsed shared training flags (see snlp.train.sft.add_train_arguments)
     scoring: str = "letter"
     limit: int = 0
 

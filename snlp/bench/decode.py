@@ -73,12 +73,12 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
     sequential row also gives the achieved memory bandwidth, model bytes x tokens/s (gpt-fast's figure).
 
-    `compile`: every side runs compiled static-shape steps (snlp.steps: prefill, the one-token step, the
+    `compile`: every side runs compiled static-shape steps (snlp.decode.steps: prefill, the one-token step, the
     verifier's B+1 positions, fullgraph; CUDA graphs on CUDA), built once here and shared by every run, so
     the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
     the latencies. With `compile`, each row's `host_syncs` counts the host syncs per step of its compiled
-    steps (snlp.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
+    steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
     for plan in plans:
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:

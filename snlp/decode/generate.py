@@ -51,8 +51,8 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
                         on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
                         step: Step | EagerStep | None = None) -> GenerateResult:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
-    the decode step run as compiled static-shape steps (snlp.steps; compiled before timing, compile_s);
-    `step` passes a prebuilt one (snlp.steps.sequential_step) so repeated calls share its graphs."""
+    the decode step run as compiled static-shape steps (snlp.decode.steps; compiled before timing, compile_s);
+    `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs."""
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 

@@ -149,7 +149,7 @@ class DecodeSession:
         if len(self.prompt) > max_len:
             raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
         # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
-        # allocated at its bucketed length (snlp.steps: the size is a graph shape); positions past max_len are
+        # allocated at its bucketed length (snlp.decode.steps: the size is a graph shape); positions past max_len are
         # never valid, the budget below is what counts
         size = max_len + slack if step is None else step.cache_len(max_len + slack)
         # `make_cache(max_len)`: another cache layout, e.g. a distributed rank's window of its own layers

@@ -107,7 +107,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     prompts and `speculative_report` taken; each row (one per B) holds the medians over the rounds,
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
     output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
-    `compile`: both sides run compiled static-shape steps (snlp.steps), built once here and shared by every
+    `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
     run (compiled during the warm-up; rows carry `compile_s`)."""
     plan = decode_plan(model, plan)
     blocks = tuple(blocks)
@@ -187,11 +187,11 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
 
     Drafter and verifier share ONE KV cache: the verifier rewrites every verified position with exact
-    K/V, so the drafter always conditions on the exact history (snlp.cache). Greedy (temperature 0)
+    K/V, so the drafter always conditions on the exact history (snlp.model.cache). Greedy (temperature 0)
     output equals `sequential_generate`; with temperature > 0 rejection sampling keeps the model's
     distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
     logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact).
-    `compile`: drafter and verifier run as compiled static-shape steps (snlp.steps; the verifier always
+    `compile`: drafter and verifier run as compiled static-shape steps (snlp.decode.steps; the verifier always
     scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones. `share_weights`
     (M = 1 plans): the drafter's stacked weights and the verifier's layers are one storage (snlp.method.sharing:
     the model's suffix parameters are moved into the drafter's stacks, values unchanged), so each weight byte

@@ -16,7 +16,7 @@ waits on the host. So a `Step` feeds the model
     prompt length) and the verifier pads a short last round to the full block, so a run compiles a handful
     of graphs, once. Padding sits AFTER the real tokens, causal attention keeps it out of their outputs,
     and its K/V land past the cache length, i.e. in scratch the next step overwrites before reading
-    (snlp.cache); the cache is allocated `slack` positions longer to hold it.
+    (snlp.model.cache); the cache is allocated `slack` positions longer to hold it.
 The Python side (length bookkeeping, room check) stays outside the compiled function, where it is free.
 Compilation happens in `warm`, called by the decode loops before their timers start (and by a call with a
 shape not compiled yet); `compile_s` accumulates its time so benchmarks report it apart from the timings.
@@ -155,7 +155,7 @@ class Step:
         """Compile the graphs for calls that will run at these (already padded, see `prefill_len`) lengths
         before anything is timed; returns the seconds spent. They run on `cache` at positions from its current
         length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
-        overwrite before reading (snlp.cache)."""
+        overwrite before reading (snlp.model.cache)."""
         t = 0.0
         for n in lengths:
             key = (cache.batch, n, cache.max_len)  # every static shape of the graph: a new one compiles

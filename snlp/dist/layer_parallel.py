@@ -21,7 +21,7 @@ d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
      scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
      (A_r, B_r) = (a_{c1-1} o ... o a_{c0}, d^loc_{c1-1}).
   3. all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
-     `snlp.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
+     `snlp.method.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
      with d_{c0-1} prepended: exactly the single-process recurrence, regrouped.
   4. h^{(k+1)} = h^{(k)} + d; the boundary state h_{c1-1}^{(k+1)} goes to rank r+1 (point-to-point).
 Communication per iteration and rank: one all_gather of B*T*D (+ A_q: nothing for IDN, B*T*n*n for
@@ -35,7 +35,7 @@ the distributed SNLP forward and verifies with the ORIGINAL layers run layer-pip
 same ranks (`pipeline_forward`): every rank runs its own layer range sequentially and passes
 h on. Why pipelined rather than on one rank: the point of P ranks is that one device need not hold
 all weights and the whole KV cache, and the verifier shares the per-layer KV slots with the drafter
-(snlp.cache), which live on the ranks that own the layers; a one-rank verifier would need every
+(snlp.model.cache), which live on the ranks that own the layers; a one-rank verifier would need every
 layer's weights and cache there. The price is that the verifier keeps the original layer weights
 of its range next to the fused ones (`keep_layers=True`; for M = 1 a second copy).
 
@@ -430,33 +430,11 @@ class DistributedSNLP:
         `cache` (from `new_cache`) an SNLP decode step on this rank's window. The last rank returns the
         final state and (with `logits`) the logits; with `check_finite` every rank raises
         SNLPDivergenceError if the final state is not finite."""
-        plan, model, w = self.plan, self.model, self.w
-        n, hcn = self.c1 - self.c0, isinstance(plan.surrogate, HCN)
-        ctx = model.embed(idx.to(self.device), cache)
-        if self.rank == 0:
-            hS = model.run_layers(ctx.x0, ctx, 0, self.S).contiguous()
-        else:
-            hS = torch.empty(ctx.x0.shape, dtype=ctx.x0.dtype, device=ctx.x0.device)
-        if self.S > 0:  # every rank needs h_S for its init; with no prefix h_S = x0 is known everywhere
-            _broadcast(hS, 0, "broadcast of the prefix state h_S")
-        else:
-            hS = ctx.x0.contiguous()
-        h = hS.expand(n, *hS.shape)  # (n, B, T, ..., D) h0 init
-        boundary = hS
-        if plan.init == "preheat":  # as solver.solve: chunk c starts at the predictor of its last layer; the
-            # state chunk c0 reads is the prediction for chunk c0 - 1 (rank 0: h_S), computed here from x0
-            M, lo = plan.fuse, max(self.c0 - 1, 0)
-            pred = self.preheat.predict(ctx.x0, [self.S + (c + 1) * M - 1 for c in range(lo, self.c1)])
-            h = pred[self.c0 - lo:]
-            boundary = pred[0] if self.c0 > 0 else hS
-        elif plan.init == "fwd":
-            h = chunk_forward(w, h, ctx, cache)
-            boundary = self._shift_boundary(h[-1], hS)
-        link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
-        link = link.view(n, *[1] * hS.dim())  # (n, 1, ..., 1)
-        lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=hS.dtype, device=hS.device)
-        lag = lag.view(n, *[1] * hS.dim())  # non-forward order: the previous sweep's update (snlp.solver)
-        lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
+        plan, w = self.plan, self.w
+        hcn = isinstance(plan.surrogate, HCN)
+        ctx = self.model.embed(idx.to(self.device), cache)
+        hS = self._prefix_state(ctx)
+        h, boundary = self._init_states(ctx, hS, cache)  # (n, B, T, ..., D), the state chunk c0 reads
         gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
         iters, updates, d, last_boundary = 0, [], None, None
         done = None  # tol: (B,) rows frozen by the per-row stop test, on every rank (as solver.solve)
@@ -468,23 +446,10 @@ class DistributedSNLP:
                 inputs = freeze_rows(done, last_inputs, inputs)
             h_old = h
             tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
-            if isinstance(plan.surrogate, Jacobi):
-                d, h = tilde - h, tilde
-            else:
-                if isinstance(plan.surrogate, Identity):
-                    A = None
-                elif hcn:  # (n, B, T, n_s, n_s) stream mixing
-                    A = mix
-                else:
-                    A = self._local_diag(inputs, tilde, ctx, cache, gen)
-                b = tilde - h
-                if lagged and d is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)}; for the first local chunk the
-                    # predecessor's previous update is the change of the received boundary state
-                    prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
-                    b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
-                a = link if A is None else A * link
-                d = self._scan(a, b, matrix=hcn)
-                h = h + d
+            prev = None  # non-forward order: the previous sweep's updates; for the first local chunk the
+            if d is not None and self._lagged:  # predecessor's is the change of the received boundary state
+                prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
+            d, h = self._correct(inputs, tilde, mix, h, prev, ctx, cache, gen)
             if done is not None:  # frozen rows keep their states exactly and report a zero update
                 d, h = d.masked_fill(row_mask(done, d), 0), freeze_rows(done, h_old, h)
             last_boundary = boundary
@@ -492,12 +457,9 @@ class DistributedSNLP:
             stop = k == plan.iters - 1
             if plan.tol:  # the last rank owns the final state: it decides per row, everyone follows
                 row_iters += 1 if done is None else ~done
-                rel = (row_updates(d[-1], h[-1]).cpu() if self.rank == self.last
-                       else torch.zeros(hS.shape[0], dtype=torch.float64))  # (B,); 0 for frozen rows
-                rel = _broadcast(rel, self.last, "broadcast of the tol updates")
-                updates.append(float(rel.max()))
-                stop = stop or updates[-1] < plan.tol
-                met = (rel < plan.tol).to(hS.device)
+                met, top = self._rows_met(d, h)
+                updates.append(top)
+                stop = stop or top < plan.tol
                 done, last_inputs = (met if done is None else done | met), inputs
             if stop:
                 break
@@ -509,16 +471,79 @@ class DistributedSNLP:
         if row_iters is None:  # fixed K: every row ran every iteration
             row_iters = torch.full((hS.shape[0],), iters, dtype=torch.long, device=hS.device)
         res = DistSolveResult(states=h, chunks=(self.c0, self.c1), iters=iters, updates=updates, row_iters=row_iters)
+        return self._finish(res, h, logits, check_finite)
+
+    def _prefix_state(self, ctx) -> Tensor:
+        """h_S on every rank: rank 0 runs the prefix layers and broadcasts (with no prefix h_S = x0 everywhere)."""
+        if self.S == 0:
+            return ctx.x0.contiguous()
+        if self.rank == 0:
+            hS = self.model.run_layers(ctx.x0, ctx, 0, self.S).contiguous()
+        else:
+            hS = torch.empty(ctx.x0.shape, dtype=ctx.x0.dtype, device=ctx.x0.device)
+        return _broadcast(hS, 0, "broadcast of the prefix state h_S")
+
+    def _init_states(self, ctx, hS: Tensor, cache) -> tuple[Tensor, Tensor]:
+        """This rank's chunk states at the init (n, B, T, ..., D) and the state its first chunk reads."""
+        plan, n = self.plan, self.c1 - self.c0
+        h = hS.expand(n, *hS.shape)  # h0 init
+        if plan.init == "preheat":  # as solver.solve: chunk c starts at the predictor of its last layer; the
+            # state chunk c0 reads is the prediction for chunk c0 - 1 (rank 0: h_S), computed here from x0
+            M, lo = plan.fuse, max(self.c0 - 1, 0)
+            pred = self.preheat.predict(ctx.x0, [self.S + (c + 1) * M - 1 for c in range(lo, self.c1)])
+            return pred[self.c0 - lo:], (pred[0] if self.c0 > 0 else hS)
+        if plan.init == "fwd":
+            h = chunk_forward(self.w, h, ctx, cache)
+            return h, self._shift_boundary(h[-1], hS)
+        return h, hS
+
+    @property
+    def _lagged(self) -> bool:  # from the plan, not a tensor: no device sync
+        return any(self.plan.lag_factors()[self.c0:self.c1])
+
+    def _correct(self, inputs: Tensor, tilde: Tensor, mix, h: Tensor, prev: Tensor | None, ctx, cache, gen
+                 ) -> tuple[Tensor, Tensor]:
+        """(d, h + d) of one iteration on this rank's chunks: the surrogate's A (none for Jacobi, I for IDN, the
+        stream mixing for HCN, a local Hutchinson diagonal for DiagN) and the scan across all ranks' chunks."""
+        plan, n = self.plan, self.c1 - self.c0
+        if isinstance(plan.surrogate, Jacobi):
+            return tilde - h, tilde
+        hcn = isinstance(plan.surrogate, HCN)
+        shape = (n, *[1] * (h.dim() - 1))  # (n, 1, ..., 1)
+        link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=h.dtype, device=h.device).view(shape)
+        if isinstance(plan.surrogate, Identity):
+            A = None
+        elif hcn:  # (n, B, T, n_s, n_s) stream mixing
+            A = mix
+        else:
+            A = self._local_diag(inputs, tilde, ctx, cache, gen)
+        b = tilde - h
+        if prev is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)} (non-forward order, snlp.method.solver)
+            lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=h.dtype, device=h.device).view(shape)
+            b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
+        d = self._scan(link if A is None else A * link, b, matrix=hcn)
+        return d, h + d
+
+    def _rows_met(self, d: Tensor, h: Tensor) -> tuple[Tensor, float]:
+        """The tol test per row, decided by the last rank (it owns the final state) and broadcast: (B,) rows
+        whose relative update is below tol, and the largest update (0 for frozen rows)."""
+        B = h.shape[1]
+        rel = (row_updates(d[-1], h[-1]) if self.rank == self.last  # (B,) float64 on the rank's device
+               else torch.zeros(B, dtype=torch.float64, device=self.device))
+        rel = _broadcast(rel, self.last, "broadcast of the tol updates")
+        return (rel < self.plan.tol).to(h.device), float(rel.max())
+
+    def _finish(self, res: DistSolveResult, h: Tensor, logits: bool, check_finite: bool) -> DistSolveResult:
         if self.rank == self.last:
             res.hidden = h[-1]
             if logits:
-                res.logits = model.head(res.hidden)
+                res.logits = self.model.head(res.hidden)
         if check_finite:
             ok = torch.tensor([1 if self.rank != self.last or bool(torch.isfinite(h[-1]).all()) else 0],
                               device=self.device)
             if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
-                raise SNLPDivergenceError(f"distributed SNLP plan {plan} diverged: the final hidden state contains "
-                                          f"NaN/inf (try more iterations, K >= {plan.chunks} is exact)")
+                raise SNLPDivergenceError(f"distributed SNLP plan {self.plan} diverged: the final hidden state "
+                                          f"contains NaN/inf (try more iterations, K >= {self.plan.chunks} is exact)")
         return res
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The speed-quality frontier figure (`snlp.present.frontier_plot` saves it): ΔPPL (%) of every plan against
+"""The speed-quality frontier figure (`snlp.eval.present.frontier_plot` saves it): ΔPPL (%) of every plan against
 its measured decode speedup, one series per model, so models are compared by what SNLP costs each of them
 rather than by absolute PPLs that differ between models before any plan runs.
 

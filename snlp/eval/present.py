@@ -1,4 +1,4 @@
-"""Presentation of evaluation records (snlp.evaluation.EvalRecord): the terminal table, the markdown
+"""Presentation of evaluation records (snlp.eval.protocol.EvalRecord): the terminal table, the markdown
 table of the paper's main-table columns, CSV and the speed-quality frontier plot. No computation
 beyond formatting and the Pareto front."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from snlp.eval.protocol import EvalRecord
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl
 
-COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / ΔPPL: snlp.fmt's rule
+COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / ΔPPL: snlp.runtime.fmt's rule
     ("Plan", "plan", "{}"), ("K", "K", "{}"), ("PPL", "ppl", fmt_ppl), ("ΔPPL", "delta_ppl", fmt_delta_ppl),
     ("Speedup", "speedup", "{:.2f}x"), ("Prefill", "prefill_speedup", "{:.2f}x"),
     ("Ideal (layers)", "ideal_layer_speedup", "{:.2f}x"), ("Top-1", "top1", "{:.1%}"),
@@ -60,7 +60,7 @@ def write_csv(rows: list[dict], path) -> None:
 
 
 def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "") -> None:
-    """PNG of the speed-quality frontier (snlp.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
+    """PNG of the speed-quality frontier (snlp.eval.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
     series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
     run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades, diverged and
     untimed plans listed in the legend instead of plotted."""

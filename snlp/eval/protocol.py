@@ -11,15 +11,15 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
                     sequential model, or for fused plans (M > 1) the same fused model run
                     sequentially (the plan with K = C); beta is the implied per-token agreement
   EmbSim            cosine of MiniLM sentence embeddings of the decoded continuations vs the
-                    sequential ones (snlp.embsim; `pip install snlp[emb]`, offline)
+                    sequential ones (snlp.eval.embsim; `pip install snlp[emb]`, offline)
   Speedup           median per-token latency of KV-cached greedy decoding (`time_tokens` tokens
                     at batch 1, prompt prefill not timed), sequential over plan; Prefill: the same
                     for a batch-1 forward over `seq_len` tokens; both measured round-robin in this
-                    process after a warm-up (snlp.timing)
+                    process after a warm-up (snlp.runtime.timing)
   Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
                     not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
 A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".
-Data loading is snlp.evaldata, tables / CSV / plots snlp.present, the `snlp eval` command snlp.eval.
+Data loading is snlp.eval.data, tables / CSV / plots snlp.eval.present, the `snlp eval` command snlp.eval.
 """
 
 from __future__ import annotations

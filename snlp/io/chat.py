@@ -4,7 +4,7 @@
 
 from local JSONL files (comma-separated, folders and globs as for `snlp train --data`) or
 `hf:NAME[:CONFIG][:SPLIT]` (the `datasets` library, needs network); a part `mc:PATH` turns
-multiple-choice questions (snlp.mc's files: ARC JSONL, MMLU CSV, plain JSONL) into one-turn chats,
+multiple-choice questions (snlp.eval.mc's files: ARC JSONL, MMLU CSV, plain JSONL) into one-turn chats,
 the lettered question then the answer letter (nanochat mixes ARC/MMLU train sets into SFT so). Rendered with the tokenizer's
 chat template (`Tokenizer.render_chat`) into token ids and an assistant mask.
 
@@ -142,7 +142,7 @@ def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
 
 
 def split(examples: list, val_frac: float) -> tuple[list, list]:
-    """Deterministic split: every round(1/val_frac)-th example goes to validation (as snlp.data)."""
+    """Deterministic split: every round(1/val_frac)-th example goes to validation (as snlp.io.data)."""
     return D.split_documents(examples, val_frac)
 
 

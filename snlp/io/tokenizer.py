@@ -1,6 +1,6 @@
 """Tokenizer saved as tokenizer.json next to every checkpoint: either our own byte-level BPE (Hugging Face
 `tokenizers`, special tokens reserved up front so later chat/SFT data needs no re-training) or a foreign
-Hugging Face tokenizer of a converted model (snlp.hf), whose BOS/EOS tokens and chat template are kept in
+Hugging Face tokenizer of a converted model (snlp.io.hf), whose BOS/EOS tokens and chat template are kept in
 tokenizer_meta.json beside it."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Tokenizer:
             return
         missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
         if missing:
-            raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with snlp.tokenizer.Tokenizer.train")
+            raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with snlp.io.tokenizer.Tokenizer.train")
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> "Tokenizer":

@@ -308,7 +308,7 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     mHC: (C, B, T, n, D) -> (C, B, T, n, D), and with `mix` (the HCN surrogate) also the chunks'
     residual-path stream matrices A = P_M P_A (C, B, T, n, n) at these inputs: returns (out, A).
 
-    With a KV `cache` (decoding, snlp.cache.KVCache) the T tokens sit at positions ctx.start..:
+    With a KV `cache` (decoding, snlp.model.cache.KVCache) the T tokens sit at positions ctx.start..:
     each branch writes the K/V it computes from its chunk input into its layer's slot and attends
     over the cached positions before them, still one batched op for all chunks. It does not
     advance the cache (the caller does, once the whole forward is done)."""
@@ -342,7 +342,7 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
     """Attention of all C*M fused branches, plain and mHC alike: q (C, M, B, T, Hq, hd), k/v (C, M, B, T, Hkv, hd)
     before RoPE -> (C, M, B, T, Hq, hd). QK-norm (with branch m's own Qwen3 weights) and RoPE, then causal
     attention with each branch's own window; with a KV cache, branch m of chunk c writes and reads layer
-    start + c*M + m's slot (see snlp.cache) and the queries sit at ctx.start.."""
+    start + c*M + m's slot (see snlp.model.cache) and the queries sit at ctx.start.."""
     C, M, B, T, Hq, hd = q.shape
     Hkv = k.shape[-2]
     qw = kw = None

@@ -8,7 +8,7 @@ tilde = F(inputs):
       Hutchinson estimate a_c ~ diag(J_c), J_c = dF_c/dx at the chunk's current input, averaged
       over `probes` (DiagN) Rademacher probes v (E[v o Jv] = diag J since E[v_i v_j] = delta_ij; the
       VJP variant uses v o J^T v, same expectation). The solver scales it by the link/ELK factors
-      and solves d_c = a_c o d_{c-1} + b_c with the log-depth `snlp.scan.affine_scan`.
+      and solves d_c = a_c o d_{c-1} + b_c with the log-depth `snlp.method.scan.affine_scan`.
   newton_delta(w, inputs, b, ctx, plan, prev) -> d        (C, B, T, ..., D)
       Exact Newton over depth (DEER): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c (e: the predecessor's
       most recent update, this sweep's or, for chunks visited first, the previous sweep's) with J_c e
@@ -281,7 +281,7 @@ def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Pla
 def newton_delta(w: ChunkWeights, inputs: Tensor, b: Tensor, ctx, plan: Plan, prev: Tensor | None = None) -> Tensor:
     """Exact Newton (DEER over depth): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c, d_0 = b_0, where
     e_{c-1} is the predecessor's update of this sweep d_{c-1} (linked chunk) or of the previous sweep
-    `prev`[c-1] (lagged chunk, see snlp.solver; no correction when `prev` is None), J_c e by one
+    `prev`[c-1] (lagged chunk, see snlp.method.solver; no correction when `prev` is None), J_c e by one
     forward-mode JVP of chunk c alone (math SDPA, read-only KV cache). A Python loop
     over chunks: the reference solver, C - 1 sequential JVPs per iteration. Unlike the DiagN
     estimate nothing is detached: under autograd the JVPs are differentiated too (K >= C gives the

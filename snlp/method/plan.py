@@ -4,14 +4,14 @@
 chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
 suffix states initialised from the prefix state h_S (`h0`), from one batched forward
 (`fwd`) or from per-layer low-rank predictors of the states from the embedding (`preheat`,
-snlp.preheat; needs `snlp calibrate`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
+snlp.method.preheat; needs `snlp calibrate`), K = 1 correction iteration (paper Sec. "Inference With Fusion and Chunking").
 
 Surrogates A (paper Sec. "Structured Surrogates"): `idn` A = I; `hcn` A = the chunk's H_res
 product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson probes (FD step
 `eps`), optionally only on the chunks in `subset` (the others use A = I); `newton` the exact
 Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
 maximum: each sequence of the batch stops (is frozen) once the relative update of its final state
-drops below t, and the solve ends when all have (snlp.solver), so a row never depends on its batch.
+drops below t, and the solve ends when all have (snlp.method.solver), so a row never depends on its batch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
 
-INITS = ("h0", "fwd", "preheat")  # preheat: snlp.preheat (a calibration attached to the model)
+INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration attached to the model)
 GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
@@ -33,7 +33,7 @@ _HEAD = re.compile(r"^(\d+)xF(\d+)$")
 @dataclass(frozen=True)
 class Plan:
     """How to run the suffix: `chunks` x `fuse` layers, `init`, `iters` (K; the maximum when
-    `tol` > 0), the `surrogate` (a typed value from snlp.correction: Identity, Jacobi, HCN,
+    `tol` > 0), the `surrogate` (a typed value from snlp.method.surrogates: Identity, Jacobi, HCN,
     DiagN(estimator, probes, eps, subset), Newton; a grammar token such as "none" or "diag:vjp" is
     accepted and converted), ELK damping `elk` (the correction is scaled by 1 - elk) and the
     correction `order` (a permutation of chunk indices; None = forward, the paper's default)."""
@@ -65,7 +65,7 @@ class Plan:
             else:
                 object.__setattr__(self, "surrogate", sur)
         elif not isinstance(self.surrogate, Surrogate):
-            problems.append(f"surrogate must be a snlp.correction surrogate or its token, got {self.surrogate!r}")
+            problems.append(f"surrogate must be a snlp.method.surrogates surrogate or its token, got {self.surrogate!r}")
         if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
             problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
         if self.order is not None and isinstance(self.chunks, int):
@@ -145,7 +145,7 @@ class Plan:
     def lag(self) -> list[bool]:
         """lag[c]: chunk c > 0 is visited BEFORE chunk c-1 in the sweep, so its correction uses the
         predecessor's most recent update, the one made in the previous sweep (zero in the first
-        sweep: at K = 1 a lagged chunk gets no correction). See `snlp.solver` for the recurrence."""
+        sweep: at K = 1 a lagged chunk gets no correction). See `snlp.method.solver` for the recurrence."""
         return [False] + [not linked for linked in self.link()[1:]]
 
     def link_factors(self) -> list[float]:

@@ -19,10 +19,10 @@ lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
     transfer-matrix contraction of [b; d^{(k-1)}].
   - none (Jacobi): a_c = 0, h^{(k+1)} = tilde.
   - hcn: a_c = the chunk's H_res product over the mHC streams at the current iterate (returned by
-    the chunk forward); solved by a matrix associative scan (snlp.scan).
-  - diag: a_c = Hutchinson estimate of diag(J_c) (snlp.surrogates); elementwise associative scan.
+    the chunk forward); solved by a matrix associative scan (snlp.method.scan).
+  - diag: a_c = Hutchinson estimate of diag(J_c) (snlp.method.jacobian); elementwise associative scan.
   - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
-Each surrogate is a typed value in snlp.correction that owns its grammar token, cost and correction;
+Each surrogate is a typed value in snlp.method.surrogates that owns its grammar token, cost and correction;
 the lagged term is folded into b before the scan, so every surrogate keeps its one vectorised solve.
 Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1, t_c =
 t_{c-1} + 1 (linked) or + 2 (lagged); K >= C is exact for forward order, K >= C + #lagged for any.
@@ -118,6 +118,22 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
             f"check the sequential forward is finite first.")
 
 
+def initial_states(plan: Plan, S: int, hS: Tensor, ctx, w: ChunkWeights, cache=None, init_states: Tensor | None = None,
+                   preheat: Preheat | None = None) -> Tensor:
+    """The chunk states (C, B, T, D) the iterations start from: given `init_states` (a warm start, e.g. h0-JD),
+    the preheat predictors of each chunk's last layer, h_S everywhere (h0), or one batched forward F_c(h_S) (fwd)."""
+    C = plan.chunks
+    if init_states is not None:
+        if init_states.shape != (C, *hS.shape):
+            raise ValueError(f"init_states must have shape (C, *h_S.shape) = {(C, *hS.shape)}, got "
+                             f"{tuple(init_states.shape)}")
+        return init_states.to(hS.dtype)
+    if plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.method.preheat)
+        return preheat.predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])
+    h = hS.expand(C, *hS.shape)  # h0 init: every chunk output starts at h_S
+    return chunk_forward(w, h, ctx, cache) if plan.init == "fwd" else h  # fwd: one-shot batched F_c(h_S)
+
+
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
           prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
@@ -125,7 +141,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
-    With a KV `cache` (snlp.cache.KVCache) idx continues the cached sequence (SNLP decoding): the
+    With a KV `cache` (snlp.model.cache.KVCache) idx continues the cached sequence (SNLP decoding): the
     prefix layers read/write the cache exactly; every suffix branch attends over the cached K/V
     of earlier positions plus the new tokens' K/V computed from its current input estimate, so
     the K/V left in the cache are those of the inputs the last iteration used. The cache then
@@ -134,7 +150,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     so the prefix layers are not run twice (not with a cache: the prefix K/V would stay unwritten).
     `init_states` (C, B, T, D) replaces the plan's init (h0 / fwd / preheat) by given chunk states, e.g. a
     warm start from an earlier solve. `pos` ((T,) positions, with `cache`) is the static-shape decode step
-    of snlp.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
+    of snlp.decode.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
     not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
     by them and refused by others (it would be silently unused)."""
@@ -147,17 +163,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     ctx = model.embed(idx, cache, pos)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
-    if init_states is not None:  # a warm start (e.g. h0-JD: the previous Jacobi iteration's states)
-        if init_states.shape != (C, *hS.shape):
-            raise ValueError(f"init_states must have shape (C, *h_S.shape) = {(C, *hS.shape)}, got "
-                             f"{tuple(init_states.shape)}")
-        h = init_states.to(hS.dtype)
-    elif plan.init == "preheat":  # per-layer low-rank affine predictors of the chunk outputs (snlp.method.preheat)
-        h = preheat.predict(ctx.x0, [S + (c + 1) * plan.fuse - 1 for c in range(C)])  # (C, B, T, D)
-    else:
-        h = hS.expand(C, *hS.shape)  # (C, B, T, D) h0 init: every chunk output starts at h_S
-        if plan.init == "fwd":
-            h = chunk_forward(w, h, ctx, cache)  # one-shot batched forward F_c(h_S)
+    h = initial_states(plan, S, hS, ctx, w, cache, init_states, preheat)  # (C, B, T, D)
     states = [h] if keep_states else []
     sur = plan.surrogate
     gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes

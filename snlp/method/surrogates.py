@@ -6,14 +6,14 @@
     which `Plan.ideal_speedup` uses,
   - its correction (`delta`): given the batched chunk forward tilde = F(inputs) of one iteration, the
     update d = h^{(k+1)} - h^{(k)} (C, B, T, ...) of the recurrence d_c = a_c o d_{c-1} + b_c,
-    b = tilde - h^{(k)} (snlp.solver docstring), with a_c = the surrogate times the plan's link factor.
+    b = tilde - h^{(k)} (snlp.method.solver docstring), with a_c = the surrogate times the plan's link factor.
 
 Identity (`idn`)    A = I: a prefix sum over chunks in forward order, else a transfer-matrix contraction.
 Jacobi (`none`)     A = 0: h^{(k+1)} = tilde.
 HCN (`hcn`)         A = the chunk's H_res product over the mHC streams (returned by the chunk forward;
                     mHC models only), solved by the matrix associative scan.
 DiagN (`diag[:fd|jvp|vjp]`, options probes / eps / subset)
-                    A = a Hutchinson estimate of diag(J_c) (snlp.surrogates), elementwise scan.
+                    A = a Hutchinson estimate of diag(J_c) (snlp.method.jacobian), elementwise scan.
 Newton (`newton`)   the exact J_c d_{c-1} by JVPs, chunk after chunk (DEER; a reference solver).
 """
 

@@ -68,7 +68,7 @@ class KVCache:
     def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new K/V (layers..., B, Hkv, T, hd) at positions start..start+T-1 of the given layer
         slot(s); return views of positions 0..start+T-1 to attend over. With `start` a (T,) positions
-        tensor (the static-shape step, snlp.steps) the K/V go to those positions (one index_put_) and the
+        tensor (the static-shape step, snlp.decode.steps) the K/V go to those positions (one index_put_) and the
         WHOLE slot (max_len positions) is returned: shapes never depend on the length, and the attention
         mask (model.window_mask on the positions) hides everything after each query."""
         if isinstance(start, Tensor):

@@ -33,7 +33,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     hc_streams: int = 0  # 0 = plain residual stream; n >= 1 = mHC with n streams
     hc_dynamic: bool = True  # mHC: input-dependent H (dynamic) or learned constants (static)
-    # --- Llama-family switches (snlp.hf.from_hf sets them; the defaults are the nanochat model) ---
+    # --- Llama-family switches (snlp.io.hf.from_hf sets them; the defaults are the nanochat model) ---
     mlp_act: str = "relu2"  # "relu2": proj(relu(fc x)^2); "swiglu": proj(silu(gate x) * up x), c_fc = [gate; up]
     ffn_dim: int = 0  # MLP hidden width; 0 -> mlp_ratio * n_embd
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)

@@ -9,7 +9,7 @@ The hidden state h_l is the output of block l, h_0 = norm(wte(idx)) = x0. Layer 
     f_l(h) = Block_l(h)                                         (x0 residual off)
 which is the layer map G_l(h) = h_l - f_l(h_{l-1}) of the paper's Eq. (residual).
 
-Llama family (snlp.hf.from_hf sets the switches; defaults are the nanochat model above): SwiGLU MLP,
+Llama family (snlp.io.hf.from_hf sets the switches; defaults are the nanochat model above): SwiGLU MLP,
 q/k/v biases (Qwen2), weighted per-head q/k RMSNorm before RoPE (Qwen3) or no QK-norm, h_0 = wte(idx)
 un-normalised, learned RMSNorm weights (ln_attn / ln_mlp per block, ln_f) with the model's eps,
 rotate-half RoPE with transformers' frequencies (llama3 scaling), explicit head_dim, no softcap,
@@ -62,7 +62,7 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(hd))
         self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
         self.window = cfg.window(layer)
-        self.layer_idx = layer  # slot in a KV cache (snlp.cache.KVCache)
+        self.layer_idx = layer  # slot in a KV cache (snlp.model.cache.KVCache)
 
     def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
         B, T, _ = xn.shape
@@ -124,7 +124,7 @@ class Context:
     """Per-forward inputs shared by every layer: x0 (B,T,D) = h_0 (with mHC (B,T,n,D): the normed
     embedding copied to every stream), value embeddings (n_ve,B,T,kv_dim)
     or None, and RoPE tables (T,1,hd/2). With a KV cache (decoding) the tokens sit at absolute
-    positions start..start+T-1 and every layer reads/writes `cache` (snlp.cache.KVCache)."""
+    positions start..start+T-1 and every layer reads/writes `cache` (snlp.model.cache.KVCache)."""
 
     idx: Tensor
     x0: Tensor
@@ -132,7 +132,7 @@ class Context:
     cos: Tensor
     sin: Tensor
     extra: dict = field(default_factory=dict)
-    start: int | Tensor = 0  # a (T,) positions tensor in the static-shape step (snlp.steps)
+    start: int | Tensor = 0  # a (T,) positions tensor in the static-shape step (snlp.decode.steps)
     cache: object | None = None
 
 
@@ -244,7 +244,7 @@ class GPT(nn.Module):
     def embed(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
         `cache` the tokens continue the cached sequence: they sit at positions cache.length..
-        With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.steps) they sit
+        With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.decode.steps) they sit
         at those positions instead and `cache.length` is not read: the caller checked the room and owns
         the length, so nothing here depends on a Python-side position (one compiled graph for every step)."""
         self.check_tokens(idx)
@@ -307,9 +307,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None, pos: Tensor | None = None) -> Tensor:
         """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
-        (targets == -1 are ignored). With a KV `cache` (snlp.cache.KVCache) idx continues the
+        (targets == -1 are ignored). With a KV `cache` (snlp.model.cache.KVCache) idx continues the
         cached sequence: its K/V are written at cache.length.. and the cache advances by T. With `pos`
-        ((T,) positions, the static-shape step of snlp.steps) the K/V go to those positions, the whole
+        ((T,) positions, the static-shape step of snlp.decode.steps) the K/V go to those positions, the whole
         cache is attended under a mask and the cache does not advance (the caller owns the length)."""
         ctx = self.embed(idx, cache, pos)
         logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer))

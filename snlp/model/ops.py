@@ -64,7 +64,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     `windows` is -1 (full) or an int/long tensor broadcastable to q.shape[:-3] (one window per
     leading index, e.g. per fused branch). Leading dims are flattened so fused SDPA kernels apply.
     `q_start` is the absolute position of the first query (keys sit at 0..S-1), or a (T,) tensor of
-    the queries' positions: the static-shape decode step (snlp.steps), whose keys are a whole
+    the queries' positions: the static-shape decode step (snlp.decode.steps), whose keys are a whole
     preallocated cache of which the mask hides every position after the query's.
 
     No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the

@@ -1,6 +1,6 @@
 """Small run-time helpers shared by the library and the command-line apps: device / dtype / thread
 settings, where a run happened (for table titles), progress bars and writing JSON results. Nothing
-here parses arguments; `snlp.cli` only parses and dispatches."""
+here parses arguments; `snlp.apps.cli` only parses and dispatches."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def device_label(device) -> str:
 def progress_bar(total: int, desc: str, enabled: bool = True, **tqdm_kwargs):
     """Progress on stderr (nothing unless `enabled`): on a terminal a tqdm bar that clears itself when done
     (`tqdm_kwargs`, e.g. initial / unit / leave, go to it); elsewhere (CI logs, `> file`) a
-    snlp.progress.LineProgress, a plain line every 30 s and one at the end, since a tqdm bar there writes a
+    snlp.runtime.progress.LineProgress, a plain line every 30 s and one at the end, since a tqdm bar there writes a
     '\\r' update per step. sys.stderr is read at call time, so redirections made before the call count."""
     from snlp.runtime.progress import LineProgress, is_terminal
 

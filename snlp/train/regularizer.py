@@ -3,7 +3,7 @@
     L = L_CE + lambda * sum_{N in S} sum_{l in T_N} ||h_hat_l(N, K=1; A) - h_l^seq||_2 / (||h_l^seq||_2 + eps)
 
 h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) of the plan
-`RegConfig.plan(N)`, whose surrogate A is the config's typed surrogate (snlp.correction). Norms are
+`RegConfig.plan(N)`, whose surrogate A is the config's typed surrogate (snlp.method.surrogates). Norms are
 over the hidden dim; the ratio is averaged over batch and positions, computed in fp32. With mHC
 (states (B, T, n, D)) the norm runs over all n streams together: the state the surrogate corrects
 is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
@@ -11,7 +11,7 @@ T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (alway
 
 `diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
 extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
-Results"), and the estimate is detached (snlp.surrogates): gradients flow through the chunk
+Results"), and the estimate is detached (snlp.method.jacobian): gradients flow through the chunk
 forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions the correction.
 """
 
@@ -32,7 +32,7 @@ EPS = 1e-6
 
 @dataclass
 class RegConfig:
-    """The regulariser's settings. `surrogate`: the K=1 solve's surrogate (a snlp.correction value or its
+    """The regulariser's settings. `surrogate`: the K=1 solve's surrogate (a snlp.method.surrogates value or its
     plan token: Identity/"idn", HCN/"hcn" for mHC models, DiagN/"diag" = one FD probe, detached);
     None = no regulariser."""
 
