@@ -171,12 +171,12 @@ def test_speculative_exact_drafter_accepts_everything():
     assert spec.acceptance_rate == 1.0 and spec.rounds == 4 and spec.tokens_per_round == 5.0
     assert spec.forwards == 4 * 5  # 4 rounds of 4 drafter steps + 1 verifier forward
     rep = speculative_report(spec, ref)
-    assert rep["alpha"] == 1.0 and ref.steps == 20  # one cached single-token step per token
+    assert rep.alpha == 1.0 and ref.steps == 20  # one cached single-token step per token
     # s compares per-step times of single-token forwards on both sides; measured speedup is end to end
-    assert rep["drafter_speedup_s"] == pytest.approx(ref.ms_per_step / spec.draft_ms_per_step)
-    assert rep["measured_speedup"] == pytest.approx(ref.decode_s / spec.decode_s)  # same number of tokens
-    assert rep["ideal_ssd_speedup"] == pytest.approx(5 / (4 / rep["drafter_speedup_s"] + 1))  # alpha = 1
-    assert "ideal_speedup" not in rep
+    assert rep.drafter_speedup_s == pytest.approx(ref.ms_per_step / spec.draft_ms_per_step)
+    assert rep.measured_speedup == pytest.approx(ref.decode_s / spec.decode_s)  # same number of tokens
+    assert rep.ideal_ssd_speedup == pytest.approx(5 / (4 / rep.drafter_speedup_s + 1))  # alpha = 1
+    assert not hasattr(rep, "ideal_speedup")
 
 
 def test_jacobi_sequential_model_and_snlp_plans_match_greedy():
@@ -294,10 +294,10 @@ def test_drafter_speedup_compares_per_step_times():
     spec = GenerateResult(tokens=list(range(10)), mode="speculative", decode_s=1.0, block=4, rounds=2, accepted=8,
                           examined=10, drafted=8, draft_steps=10, draft_s=0.5)
     rep = speculative_report(spec, seq)
-    assert rep["drafter_speedup_s"] == pytest.approx(2.0)  # 100 ms / 50 ms per step (ms/token would give 4)
-    assert rep["sequential_ms_per_step"] == pytest.approx(100.0) and rep["sequential_ms_per_token"] == 200.0
-    assert rep["measured_speedup"] == pytest.approx(2.0)
-    assert rep["ideal_ssd_speedup"] == pytest.approx(ideal_ssd_speedup(0.8, 4, 2.0))
+    assert rep.drafter_speedup_s == pytest.approx(2.0)  # 100 ms / 50 ms per step (ms/token would give 4)
+    assert rep.sequential_ms_per_step == pytest.approx(100.0) and rep.sequential_ms_per_token == 200.0
+    assert rep.measured_speedup == pytest.approx(2.0)
+    assert rep.ideal_ssd_speedup == pytest.approx(ideal_ssd_speedup(0.8, 4, 2.0))
     both = merge_results([seq, seq])
     assert (both.steps, both.step_s, both.decode_s, len(both.tokens)) == (20, 2.0, 4.0, 20)
 
@@ -308,17 +308,17 @@ def test_speculative_benchmark_rows():
     rows, seq_tokens = speculative_benchmark(model, prompts, "4xF1-h0-K4", blocks=(2, 3), max_new_tokens=9,
                                              repeats=1, warmup=0)
     assert seq_tokens == [sequential_generate(model, p, 9).tokens for p in prompts]
-    assert [r["block"] for r in rows] == [2, 3]
+    assert [r.block for r in rows] == [2, 3]
     for r in rows:  # an exact drafter (K >= C, M = 1) accepts everything
-        assert r["matches_sequential"] and r["alpha"] == 1.0 and (r["repeats"], r["prompts"]) == (1, 2)
+        assert r.matches_sequential and r.alpha == 1.0 and (r.repeats, r.prompts) == (1, 2)
         # one round: the row is that round's report, self-consistent
-        assert r["drafter_speedup_s"] == pytest.approx(r["sequential_ms_per_step"] / r["drafter_ms_per_step"])
-        assert r["measured_speedup"] == pytest.approx(r["sequential_ms_per_token"] / r["speculative_ms_per_token"])
-        assert r["ideal_ssd_speedup"] == pytest.approx(ideal_ssd_speedup(1.0, r["block"], r["drafter_speedup_s"]))
+        assert r.drafter_speedup_s == pytest.approx(r.sequential_ms_per_step / r.drafter_ms_per_step)
+        assert r.measured_speedup == pytest.approx(r.sequential_ms_per_token / r.speculative_ms_per_token)
+        assert r.ideal_ssd_speedup == pytest.approx(ideal_ssd_speedup(1.0, r.block, r.drafter_speedup_s))
     rows3, _ = speculative_benchmark(model, prompts[:1], "2xF2-h0-K1", blocks=(3,), max_new_tokens=6, repeats=3)
     r = rows3[0]
-    assert r["repeats"] == 3 and r["matches_sequential"]
-    assert r["ideal_ssd_speedup"] == pytest.approx(ideal_ssd_speedup(r["alpha"], 3, r["drafter_speedup_s"]))
+    assert r.repeats == 3 and r.matches_sequential
+    assert r.ideal_ssd_speedup == pytest.approx(ideal_ssd_speedup(r.alpha, 3, r.drafter_speedup_s))
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         speculative_benchmark(model, prompts, "2xF2-h0-K1", repeats=0)
     with pytest.raises(ValueError, match="at least one prompt"):

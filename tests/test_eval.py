@@ -133,12 +133,12 @@ def test_fused_reference_is_the_fused_model(model, val):
 def test_a_diverging_plan_is_recorded_and_the_rest_evaluated(model, val, monkeypatch, capsys):
     real = E.bind
 
-    def diverges(model, plan, check_finite=True):  # an SNLP plan that blows up: its NaN/inf check raises
+    def diverges(model, plan, check_finite=True, **kw):  # an SNLP plan that blows up: its NaN/inf check raises
         if str(plan) == "6xF1-h0-K1" and check_finite:
             def fail(idx, cache=None):
                 raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
             return fail
-        return real(model, plan, check_finite)
+        return real(model, plan, check_finite, **kw)
 
     monkeypatch.setattr(E, "bind", diverges)
     recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6"], CFG))  # emb on, but no tokenizer

@@ -47,7 +47,7 @@ def smol_ckpt(request) -> Path:
     key = hashlib.sha256()
     st = (GGUF_DIR / GGUF).stat()
     key.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
-    for name in ("hf.py", "checkpoint.py", "tokenizer.py"):  # the conversion code and the format it writes
+    for name in ("io/hf.py", "io/checkpoint.py", "io/tokenizer.py"):  # the conversion code and the format it writes
         key.update((src / name).read_bytes())
     key.update(",".join(GPTConfig.__dataclass_fields__).encode())
     d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]

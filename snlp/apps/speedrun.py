@@ -672,7 +672,7 @@ def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: l
 def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Preset, seed: int,
               device: str, blocks=BLOCKS) -> dict:
     """SSD with the drafter `select_drafter` picks from the EvalRecords, measured by
-    generate.speculative_benchmark: a warm-up of both sides, then preset.ssd_repeats rounds, each
+    snlp.decode.speculative.speculative_benchmark: a warm-up of both sides, then preset.ssd_repeats rounds, each
     decoding every prompt sequentially and at each B (interleaved, so load changes hit every row
     alike), counters summed over the prompts; the rows hold the medians over the rounds."""
     from snlp.io.checkpoint import load
@@ -691,13 +691,13 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
                                     progress=True)
     for rep in rows:
-        print(f"B={rep['block']}: alpha {rep['alpha']:.3f}, {rep['tokens_per_round']:.2f} tok/round, "
-              f"s {rep['drafter_speedup_s']:.2f}, ideal SSD {rep['ideal_ssd_speedup']:.2f}x, measured "
-              f"{rep['measured_speedup']:.2f}x (medians of {rep['repeats']}), output "
-              f"{'==' if rep['matches_sequential'] else '!='} sequential")
+        print(f"B={rep.block}: alpha {rep.alpha:.3f}, {rep.tokens_per_round:.2f} tok/round, "
+              f"s {rep.drafter_speedup_s:.2f}, ideal SSD {rep.ideal_ssd_speedup:.2f}x, measured "
+              f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}), output "
+              f"{'==' if rep.matches_sequential else '!='} sequential")
     return {"drafter": plan, "drafter_top1": best.top1, "drafter_eval_speedup": best.speedup,
             "candidates": scored, "prompts": len(prompts), "gen_tokens": G, "repeats": preset.ssd_repeats,
-            "sequential_ms_per_token": rows[0]["sequential_ms_per_token"], "rows": rows}
+            "sequential_ms_per_token": rows[0].sequential_ms_per_token, "rows": [r.to_dict() for r in rows]}
 
 
 def command_line(args) -> str:
