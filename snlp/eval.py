@@ -56,8 +56,13 @@ def add_arguments(p) -> None:
     t.add_argument("--task", default=None, help="mc:PATH[,PATH...] (ARC .jsonl, MMLU .csv, {question, choices, "
                    "answer} .jsonl; folders allowed) | arc-easy | arc-challenge | mmlu[:SUBJECT,...] (the last three "
                    "via the datasets library, online)")
-    t.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter", help="letter: answer-letter "
-                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text")
+    t.add_argument("--mc-scoring", choices=["letter", "loglik", "harness"], default=None, help="letter: answer-letter "
+                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text as a "
+                   "chat reply; harness: lm-evaluation-harness's protocol ('Question: ...\\nAnswer:' + ' choice', acc "
+                   "and acc_norm). Default: letter for checkpoints fine-tuned by snlp sft, else harness")
+    t.add_argument("--mc-shots", type=int, default=0, help="harness scoring: solved examples before each question")
+    t.add_argument("--mc-shots-from", default=None, help="harness k-shot: task spec the shots are drawn from "
+                   "(the train/dev split, e.g. mc:ARC-Easy-Train.jsonl)")
     t.add_argument("--mc-limit", type=int, default=0, help="first N questions only (0 = all)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the records to this JSON file")
