@@ -190,18 +190,16 @@ def test_harness_scores_equal_transformers(smol_pair, arc, k):
 
 def test_harness_mode_runs_every_plan_and_the_exact_plan_matches(smol_pair, arc):
     _, _, model, tok = smol_pair
-    qs = arc[2][:4]
+    qs = arc[2][:2]
     res = evaluate_mc(model, tok, MCConfig(task="arc", plans=["2xF1-h0-K2", "8xF1-h0-K1"], scoring="harness"), qs)
     seq, exact, approx = res.records
-    assert seq.method == "sequential" and not any(r.diverged for r in res.records)
+    assert [r.method for r in res.records] == ["sequential", "2xF1-h0-K2", "8xF1-h0-K1"]
+    assert not any(r.diverged for r in res.records) and all(0 <= r.norm_correct <= 2 for r in res.records)
     assert (exact.correct, exact.norm_correct) == (seq.correct, seq.norm_correct)
     s_seq = loglikelihoods(model, tok, qs, None)
     s_exact = loglikelihoods(model, tok, qs, Plan.parse("2xF1-h0-K2"))
-    s_approx = loglikelihoods(model, tok, qs, Plan.parse("8xF1-h0-K1"))
-    for a, b, c in zip(s_seq, s_exact, s_approx):
+    for a, b in zip(s_seq, s_exact):
         assert a == pytest.approx(b, abs=1e-3)  # K >= C: exact up to fp32 reordering
-        assert all(map(lambda v: v == v and v < 0, c))  # approximate logits, still log-probabilities
-    assert any(abs(a - c) > 1e-2 for sa, sc in zip(s_seq, s_approx) for a, c in zip(sa, sc))
     assert res.protocol.startswith("protocol: harness") and "0-shot" in res.protocol
 
 
@@ -217,3 +215,16 @@ def test_eval_cli_defaults_to_harness_and_captions_the_protocol(smol_pair, smol_
     md = (tmp_path / "r.md").read_text()
     assert "protocol: harness" in md and "1-shot" in md and "acc_norm" in md
     assert "protocol: harness" in capsys.readouterr().out
+
+
+def test_sft_grid_shows_a_diverged_inference_row(blowup):
+    """snlp sft-grid builds its rows from the MC records: a diverged one is shown, not a TypeError on None."""
+    from snlp.sft_grid import GridResult, grid_row
+    from snlp.sft_grid import markdown as grid_markdown
+
+    m, tok = blowup
+    res = evaluate_mc(m, tok, MCConfig(task="toy", plans=[DIVERGING]), QS)
+    rows = [grid_row("sequential", r.method, {"toy": r}) for r in res.records]
+    assert rows[0].avg == res.records[0].accuracy and rows[1].avg != rows[1].avg  # NaN
+    md = grid_markdown(GridResult("ck", DIVERGING, ["toy"], "letter", rows))
+    assert f"| sequential | {DIVERGING} | diverged | – |" in md
