@@ -14,10 +14,10 @@ Scoring (`--mc-scoring`):
   loglik  the question as the user turn and each choice's text as the assistant reply; the prediction
           is the choice with the largest mean log-probability per token (length-normalised).
   harness lm-evaluation-harness's multiple_choice protocol (its arc_easy task), the field's standard
-          for base models: context "Question: {question}\nAnswer:", continuation " {choice}", no chat
+          for base models: context "Question: {question}\\nAnswer:", continuation " {choice}", no chat
           template; `acc` ranks by the continuation's summed log-probability, `acc_norm` by that sum over
           the choice's character length. k-shot (`shots`) prepends k solved questions drawn from another
-          split as "Question: ...\nAnswer: {correct choice}" joined by "\n\n" (snlp.mc_harness).
+          split as "Question: ...\\nAnswer: {correct choice}" joined by "\\n\\n" (snlp.mc_harness).
 The `snlp eval --task` default is `harness`, except for checkpoints fine-tuned by `snlp sft` (nanochat's
 chat models), which default to `letter` (snlp.mc_harness.default_scoring).
 Each method (sequential, then every plan via a bound runner, snlp.bind) scores the same questions; a plan
