@@ -79,6 +79,7 @@ def test_a_diverged_plan_is_reported_diverged_not_scored(blowup, scoring):
     assert not seq.diverged and not exact.diverged and seq.accuracy is not None
     assert exact.correct == seq.correct  # K >= C is exact: the same picks as sequential
     md = markdown(res)
+    assert md.splitlines()[1].startswith(f"protocol: {scoring}")  # the caption line names the protocol
     row = next(line for line in md.splitlines() if line.startswith(f"| {DIVERGING} |"))
     assert "diverged" in row and "%" not in row
     assert json.loads(json.dumps(res.to_dict()))["records"][1]["diverged"] is True
