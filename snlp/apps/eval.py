@@ -10,11 +10,15 @@ snlp.eval.protocol.evaluate (see its docstring); this module only parses flags a
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 
+from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
+from snlp.eval.mc_eval import evaluate_mc
+from snlp.eval.mc_harness import default_scoring
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
 from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
@@ -58,8 +62,13 @@ def add_arguments(p) -> None:
     t.add_argument("--task", default=None, help="mc:PATH[,PATH...] (ARC .jsonl, MMLU .csv, {question, choices, "
                    "answer} .jsonl; folders allowed) | arc-easy | arc-challenge | mmlu[:SUBJECT,...] (the last three "
                    "via the datasets library, online)")
-    t.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter", help="letter: answer-letter "
-                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text")
+    t.add_argument("--mc-scoring", choices=["letter", "loglik", "harness"], default=None, help="letter: answer-letter "
+                   "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text as a "
+                   "chat reply; harness: lm-evaluation-harness's protocol ('Question: ...\\nAnswer:' + ' choice', acc "
+                   "and acc_norm). Default: letter for checkpoints fine-tuned by snlp sft, else harness")
+    t.add_argument("--mc-shots", type=int, default=0, help="harness scoring: solved examples before each question")
+    t.add_argument("--mc-shots-from", default=None, help="harness k-shot: task spec the shots are drawn from "
+                   "(the train/dev split, e.g. mc:ARC-Easy-Train.jsonl)")
     t.add_argument("--mc-limit", type=int, default=0, help="first N questions only (0 = all)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the records to this JSON file")
@@ -90,10 +99,8 @@ def run(args) -> int:
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     preheat = plans_preheat(args.ckpt, model, plans)
     if args.task:
-        from snlp.eval import mc
-
         args.plans_list = plans
-        return mc.run_task(args, model, tok)
+        return run_mc_task(args, model, tok, preheat)
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
@@ -114,4 +121,27 @@ def run(args) -> int:
         print(f"wrote {path}")
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
+    return 0
+
+
+def run_mc_task(args, model, tokenizer, preheat=None) -> int:
+    """`snlp eval CKPT --task ...`: multiple-choice accuracy instead of the LM metrics."""
+    scoring = args.mc_scoring or default_scoring(args.ckpt)
+    cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
+                   shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
+    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat)
+    r0 = result.records[0]
+    shots = f", {cfg.shots}-shot" if cfg.scoring == "harness" else ""
+    print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "
+                        f"{pct(r0.chance)} %), 95 % Wilson CI")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_dict(), indent=2))
+        print(f"wrote {path}", file=sys.stderr)
+    if args.markdown:
+        path = Path(args.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown(result))
+        print(f"wrote {path}", file=sys.stderr)
     return 0

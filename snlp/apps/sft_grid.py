@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from snlp.io.checkpoint import load
-from snlp.eval.mc import SEQ, MCConfig, evaluate_mc
+from snlp.eval.mc import SEQ, MCConfig
+from snlp.eval.mc_eval import evaluate_mc
 from snlp.io.mctasks import load_task
 from snlp.method.plan import Plan
 from snlp.apps.sft import add_train_arguments, train_config
@@ -69,13 +70,16 @@ def run_grid(cfg: GridConfig) -> GridResult:
         per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),
                                    questions[t]) for t in cfg.tasks}
         for i, inference in enumerate((SEQ, plan)):
-            recs = {t: per_task[t].records[i] for t in cfg.tasks}
-            res.rows.append(GridRow(sft=forward, inference=inference,
-                                    accuracy={t: r.accuracy for t, r in recs.items()},
-                                    ci={t: (r.ci_low, r.ci_high) for t, r in recs.items()},
-                                    n={t: r.n for t, r in recs.items()},
-                                    avg=sum(r.accuracy for r in recs.values()) / len(recs)))
+            res.rows.append(grid_row(forward, inference, {t: per_task[t].records[i] for t in cfg.tasks}))
     return res
+
+
+def grid_row(forward: str, inference: str, recs: dict) -> GridRow:
+    """One grid row from each task's MCRecord; a diverged record (accuracy None) makes Avg. NaN, not a crash."""
+    accs = [r.accuracy for r in recs.values()]
+    return GridRow(sft=forward, inference=inference, accuracy={t: r.accuracy for t, r in recs.items()},
+                   ci={t: (r.ci_low, r.ci_high) for t, r in recs.items()}, n={t: r.n for t, r in recs.items()},
+                   avg=float("nan") if None in accs else sum(accs) / len(accs))
 
 
 def task_label(task: str) -> str:
@@ -92,8 +96,10 @@ def markdown(res: GridResult) -> str:
     lines = [f"`{res.ckpt}`, {res.scoring} scoring; accuracy % (95 % Wilson interval)", "", head,
              "|---|---|" + "---:|" * (len(tasks) + 1)]
     for r in res.rows:
-        cells = [f"{100 * r.accuracy[t]:.1f} ({100 * r.ci[t][0]:.1f}–{100 * r.ci[t][1]:.1f})" for t in tasks]
-        lines.append(f"| {r.sft} | {r.inference} | " + " | ".join(cells) + f" | {100 * r.avg:.1f} |")
+        cells = ["diverged" if r.accuracy[t] is None else
+                 f"{100 * r.accuracy[t]:.1f} ({100 * r.ci[t][0]:.1f}–{100 * r.ci[t][1]:.1f})" for t in tasks]
+        avg = "–" if r.avg != r.avg else f"{100 * r.avg:.1f}"  # NaN: a task diverged
+        lines.append(f"| {r.sft} | {r.inference} | " + " | ".join(cells) + f" | {avg} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +109,7 @@ def add_arguments(p) -> None:
     p.add_argument("--plan", required=True, help="SNLP plan for SNLP-forward SFT and SNLP inference, e.g. 8xF1-h0-K1")
     p.add_argument("--task", action="append", required=True, help="multiple-choice task as for snlp eval --task; repeatable")
     p.add_argument("--out", required=True, help="folder for the two SFT checkpoints and grid.md / grid.json")
-    p.add_argument("--mc-scoring", choices=["letter", "loglik"], default="letter")
+    p.add_argument("--mc-scoring", choices=["letter", "loglik", "harness"], default="letter")
     p.add_argument("--mc-limit", type=int, default=0, help="first N questions per task (0 = all)")
     add_train_arguments(p)
 

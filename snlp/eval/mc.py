@@ -13,27 +13,33 @@ Scoring (`--mc-scoring`):
           logit at that position, among the choices' letters only.
   loglik  the question as the user turn and each choice's text as the assistant reply; the prediction
           is the choice with the largest mean log-probability per token (length-normalised).
-Each method (sequential, then every plan via a bound runner, snlp.bind) scores the same questions.
+  harness lm-evaluation-harness's multiple_choice protocol (its arc_easy task), the field's standard
+          for base models: context "Question: {question}\\nAnswer:", continuation " {choice}", no chat
+          template; `acc` ranks by the continuation's summed log-probability, `acc_norm` by that sum over
+          the choice's character length. k-shot (`shots`) prepends k solved questions drawn from another
+          split as "Question: ...\\nAnswer: {correct choice}" joined by "\\n\\n" (snlp.mc_harness).
+The `snlp eval --task` default is `harness`, except for checkpoints fine-tuned by `snlp sft` (nanochat's
+chat models), which default to `letter` (snlp.mc_harness.default_scoring).
+Each method (sequential, then every plan via a bound runner, snlp.bind) scores the same questions; a plan
+whose solve turns NaN/inf is recorded as diverged (accuracy None), never scored.
 Accuracy comes with a 95 % Wilson score interval and N; MMLU-style data with subjects gets a
 per-subject table.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snlp.io.mctasks import LETTERS, Question, letter_prompt, load_task
+from snlp.io.mctasks import LETTERS, Question, letter_prompt
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
-from snlp.method.solver import bind
+from snlp.method.preheat import Preheat
+from snlp.method.solver import bind, preheat_for
 
 SEQ = "sequential"
 
@@ -48,12 +54,14 @@ def letter_ids(tokenizer, n: int) -> list[int]:
     return ids
 
 
-def _runner(model: GPT, method: Plan | None):
-    """The method's forward for every batch: None (sequential) or a bound SNLP runner (fused once)."""
-    return None if method is None else bind(model, method, check_finite=False)
+def method_runner(model: GPT, method: Plan | None, preheat: Preheat | None = None):
+    """The method's forward for every batch: None (sequential) or a bound SNLP runner (fused once).
+    The runner checks its final state: a NaN/inf solve raises SNLPDivergenceError (the method is then
+    recorded as diverged) instead of NaN logits whose argmax silently picks choice 0."""
+    return None if method is None else bind(model, method, check_finite=True, preheat=preheat_for(method, preheat))
 
 
-def _final_state(model: GPT, x, runner) -> Tensor:
+def final_state(model: GPT, x, runner) -> Tensor:
     """h_L (B, T, [n,] D) of the sequential model (runner None) or of the runner's SNLP solve."""
     if runner is None:
         ctx = model.embed(x)
@@ -61,7 +69,7 @@ def _final_state(model: GPT, x, runner) -> Tensor:
     return runner.solve(x).hidden
 
 
-def _pad(seqs: list[list[int]], pad: int, device):
+def pad_batch(seqs: list[list[int]], pad: int, device):
     """Right-padded (B, T) long tensor: causal attention keeps each row's real tokens exact."""
     T = max(len(s) for s in seqs)
     x = torch.full((len(seqs), T), pad, dtype=torch.long)
@@ -72,17 +80,17 @@ def _pad(seqs: list[list[int]], pad: int, device):
 
 @torch.no_grad()
 def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Plan | None, batch: int = 16,
-                   max_len: int | None = None) -> list[int]:
+                   max_len: int | None = None, preheat: Preheat | None = None) -> list[int]:
     """Predicted choice index per question by comparing the answer letters' logits at the answer position."""
     dev = model.wte.weight.device
-    runner, preds = _runner(model, method), []
+    runner, preds = method_runner(model, method, preheat), []
     for s in range(0, len(questions), batch):
         qs = questions[s:s + batch]
         seqs = [tokenizer.render_chat([{"role": "user", "content": letter_prompt(q)}], add_generation_prompt=True)[0]
                 for q in qs]
         if max_len:
             seqs = [sq[-max_len:] for sq in seqs]  # keep the answer position (left-truncate)
-        h = _final_state(model, _pad(seqs, 0, dev), runner)  # (B, T, D): the head only where it is read
+        h = final_state(model, pad_batch(seqs, 0, dev), runner)  # (B, T, D): the head only where it is read
         last = model.head(h[torch.arange(len(qs)), torch.tensor([len(sq) - 1 for sq in seqs])][:, None])[:, 0]  # (B, V)
         for q, row in zip(qs, last):
             preds.append(int(row[letter_ids(tokenizer, len(q.choices))].argmax()))
@@ -91,7 +99,7 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
 
 @torch.no_grad()
 def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Plan | None, batch: int = 16,
-                   max_len: int | None = None) -> list[int]:
+                   max_len: int | None = None, preheat: Preheat | None = None) -> list[int]:
     """Predicted choice index per question by the mean log-probability of each choice's text as the reply."""
     dev = model.wte.weight.device
     items = []  # (question index, ids, first scored position, last scored position + 1)
@@ -104,11 +112,11 @@ def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Pla
                 cut = len(ids) - max_len
                 ids, pos = ids[cut:], [p - cut for p in pos if p - cut >= 1]
             items.append((qi, ids, pos))
-    scores, runner = [[] for _ in questions], _runner(model, method)
+    scores, runner = [[] for _ in questions], method_runner(model, method, preheat)
     for s in range(0, len(items), batch):
         chunk = items[s:s + batch]
-        x = _pad([it[1] for it in chunk], 0, dev)
-        logp = F.log_softmax(model.head(_final_state(model, x, runner)), -1)  # (B, T, V)
+        x = pad_batch([it[1] for it in chunk], 0, dev)
+        logp = F.log_softmax(model.head(final_state(model, x, runner)), -1)  # (B, T, V)
         for b, (qi, ids, pos) in enumerate(chunk):
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)
@@ -131,28 +139,48 @@ def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 class MCConfig:
     task: str  # --task spec
     plans: list = field(default_factory=list)  # Plans (or strings) evaluated after the sequential forward
-    scoring: str = "letter"  # letter | loglik
+    scoring: str = "letter"  # letter | loglik | harness
     limit: int = 0  # first N questions (0 = all)
     batch: int = 16
     max_len: int | None = None  # prompt tokens kept (left-truncated); None = the model's sequence_len
+    shots: int = 0  # harness scoring: solved examples before each question (k-shot)
+    shot_task: str | None = None  # harness k-shot: the --task spec the shots are drawn from (a train/dev split)
+    shot_seed: int = 1234  # harness k-shot: the sampler's seed (lm-evaluation-harness's default fewshot seed)
 
     def check(self) -> None:
-        if self.scoring not in ("letter", "loglik"):
-            raise ValueError(f"--mc-scoring must be letter or loglik (got {self.scoring!r})")
+        if self.scoring not in ("letter", "loglik", "harness"):
+            raise ValueError(f"--mc-scoring must be letter, loglik or harness (got {self.scoring!r})")
         if self.limit < 0 or self.batch < 1:
             raise ValueError("--mc-limit must be >= 0 and the batch >= 1")
+        if self.shots < 0:
+            raise ValueError(f"--mc-shots must be >= 0 (got {self.shots})")
+        if self.shots and self.scoring != "harness":
+            raise ValueError(f"--mc-shots {self.shots} needs --mc-scoring harness (the {self.scoring} protocol is "
+                             f"0-shot only)")
+        if self.shots and not self.shot_task:
+            raise ValueError(f"--mc-shots {self.shots} needs --mc-shots-from TASK: the split the solved examples are "
+                             f"drawn from (e.g. mc:ARC-Easy-Train.jsonl for ARC-Easy test; the harness uses the "
+                             f"task's train split)")
 
 
 @dataclass
 class MCRecord:
+    """One method's accuracy. harness scoring: `accuracy` is `acc`, the norm_* fields `acc_norm`. A
+    diverged method (NaN/inf solve) has diverged True and correct / accuracy / intervals None."""
+
     method: str  # "sequential" or the plan
     n: int
-    correct: int
-    accuracy: float
-    ci_low: float
-    ci_high: float
+    correct: int | None
+    accuracy: float | None
+    ci_low: float | None
+    ci_high: float | None
     chance: float  # expected accuracy of uniform guessing (mean 1/choices)
-    subjects: dict = field(default_factory=dict)  # subject -> {n, correct, accuracy, ci_low, ci_high}
+    subjects: dict = field(default_factory=dict)  # subject -> {n, correct, accuracy, ci_low, ci_high[, norm_*]}
+    norm_correct: int | None = None  # harness acc_norm; None for the other scorings
+    norm_accuracy: float | None = None
+    norm_ci_low: float | None = None
+    norm_ci_high: float | None = None
+    diverged: bool = False
 
 
 @dataclass
@@ -160,6 +188,8 @@ class MCResult:
     task: str
     scoring: str
     records: list[MCRecord]
+    protocol: str = ""  # one caption line naming the scoring protocol (shown above every table)
+    shots: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,41 +209,69 @@ def score(preds: list[int], questions: list[Question], method: str) -> MCRecord:
                     subjects if len(subjects) > 1 else {})
 
 
-def evaluate_mc(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question] | None = None) -> MCResult:
-    """Accuracy of the sequential forward and of each plan on the task's questions."""
-    cfg.check()
-    qs = questions if questions is not None else load_task(cfg.task)
-    if cfg.limit:
-        qs = qs[:cfg.limit]
-    plans = [Plan.parse(p) if isinstance(p, str) else p for p in cfg.plans]
-    for p in plans:
-        p.check(model.config.n_layer)
-    predict = predict_letter if cfg.scoring == "letter" else predict_loglik
-    max_len = cfg.max_len or model.config.sequence_len
-    records = []
-    for method in [None, *plans]:
-        preds = predict(model, tokenizer, qs, method, cfg.batch, max_len)
-        records.append(score(preds, qs, SEQ if method is None else str(method)))
-    return MCResult(cfg.task, cfg.scoring, records)
+def diverged_record(method: str, questions: list[Question]) -> MCRecord:
+    """The record of a method whose solve diverged: no accuracy (None), flagged, shown as "diverged"."""
+    return MCRecord(method, len(questions), None, None, None, None,
+                    sum(1 / len(q.choices) for q in questions) / max(len(questions), 1), {}, diverged=True)
+
+
+def protocol_caption(cfg: MCConfig) -> str:
+    """One line naming the scoring protocol: tables from different protocols are not comparable."""
+    if cfg.scoring == "letter":
+        return "protocol: letter (nanochat): lettered question as a chat user turn; argmax of the answer letters' logits"
+    if cfg.scoring == "loglik":
+        return ("protocol: loglik (snlp): question as a chat user turn, each choice as the assistant reply; "
+                "mean log-prob per token")
+    return (f"protocol: harness (lm-evaluation-harness multiple_choice, arc_easy format), {cfg.shots}-shot"
+            + (f" from {cfg.shot_task} (seed {cfg.shot_seed})" if cfg.shots else "")
+            + ": 'Question: {q}\\nAnswer:' + ' {choice}'; acc = summed log-prob, acc_norm = summed log-prob / "
+              "choice characters")
 
 
 # ----- presentation -----
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
     return f"{100 * x:.1f}"
+
+
+def _cells(r: MCRecord, harness: bool) -> list[str]:
+    """Accuracy, CI, correct / N [, acc_norm, its CI, correct / N] of one row; "diverged" for a NaN/inf solve."""
+    if r.diverged:
+        return ["diverged", "–", f"– / {r.n}"] * (2 if harness else 1)
+    out = [pct(r.accuracy), f"{pct(r.ci_low)}–{pct(r.ci_high)}", f"{r.correct} / {r.n}"]
+    if r.norm_accuracy is not None:
+        out += [pct(r.norm_accuracy), f"{pct(r.norm_ci_low)}–{pct(r.norm_ci_high)}", f"{r.norm_correct} / {r.n}"]
+    return out
+
+
+def _headers(result: MCResult) -> list[str]:
+    if result.scoring == "harness":
+        return ["Inference", "acc %", "95 % CI", "Correct / N", "acc_norm %", "95 % CI", "Correct / N"]
+    return ["Inference", "Accuracy", "95 % CI", "Correct / N"]
+
+
+def _subject_cell(r: MCRecord, s: str) -> str:
+    if r.diverged:
+        return "diverged"
+    v = r.subjects[s]
+    return pct(v["accuracy"]) + (f" / {pct(v['norm_accuracy'])}" if "norm_accuracy" in v else "")
 
 
 def markdown(result: MCResult) -> str:
     r0 = result.records[0]
-    lines = [f"Task `{result.task}`, {result.scoring} scoring, N = {r0.n} questions (chance {_pct(r0.chance)} %); "
-             f"accuracy in % with 95 % Wilson interval", "",
-             "| Inference | Accuracy | 95 % CI | Correct / N |", "|---|---:|---:|---:|"]
+    head = _headers(result)
+    lines = [f"Task `{result.task}`, {result.scoring} scoring, N = {r0.n} questions (chance {pct(r0.chance)} %); "
+             f"accuracy in % with 95 % Wilson interval", ""]
+    if result.protocol:
+        lines[-1:-1] = [result.protocol]  # the caption line: which protocol produced these numbers
+    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in result.records:
-        lines.append(f"| {r.method} | {_pct(r.accuracy)} | {_pct(r.ci_low)}–{_pct(r.ci_high)} | {r.correct} / {r.n} |")
+        lines.append(f"| {r.method} | " + " | ".join(_cells(r, result.scoring == "harness")) + " |")
     if r0.subjects:
-        lines += ["", "| Subject | N | " + " | ".join(r.method for r in result.records) + " |",
+        unit = " (acc / acc_norm %)" if result.scoring == "harness" else ""
+        lines += ["", f"| Subject{unit} | N | " + " | ".join(r.method for r in result.records) + " |",
                   "|---|---:|" + "---:|" * len(result.records)]
         for s, v in r0.subjects.items():
-            lines.append(f"| {s} | {v['n']} | " + " | ".join(_pct(r.subjects[s]["accuracy"]) for r in result.records) + " |")
+            lines.append(f"| {s} | {v['n']} | " + " | ".join(_subject_cell(r, s) for r in result.records) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,38 +280,18 @@ def print_table(result: MCResult, title: str) -> None:
     from rich.table import Table
 
     con = Console(width=200)
-    t = Table(title=title)
-    for h in ("Inference", "Accuracy %", "95 % CI", "Correct / N"):
-        t.add_column(h, justify="left" if h == "Inference" else "right")
+    t = Table(title=title, caption=result.protocol or None)
+    for h in _headers(result):
+        t.add_column(h if h != "Accuracy" else "Accuracy %", justify="left" if h == "Inference" else "right")
     for r in result.records:
-        t.add_row(r.method, _pct(r.accuracy), f"{_pct(r.ci_low)}–{_pct(r.ci_high)}", f"{r.correct} / {r.n}")
+        t.add_row(r.method, *_cells(r, result.scoring == "harness"))
     con.print(t)
     if result.records[0].subjects:
-        s = Table(title="per subject (accuracy %)")
+        s = Table(title="per subject (accuracy %" + (": acc / acc_norm)" if result.scoring == "harness" else ")"))
         s.add_column("Subject")
         s.add_column("N", justify="right")
         for r in result.records:
             s.add_column(r.method, justify="right")
         for name, v in result.records[0].subjects.items():
-            s.add_row(name, str(v["n"]), *(_pct(r.subjects[name]["accuracy"]) for r in result.records))
+            s.add_row(name, str(v["n"]), *(_subject_cell(r, name) for r in result.records))
         con.print(s)
-
-
-def run_task(args, model: GPT, tokenizer) -> int:
-    """`snlp eval CKPT --task ...` (called by snlp.eval.run)."""
-    cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=args.mc_scoring, limit=args.mc_limit, batch=args.batch)
-    result = evaluate_mc(model, tokenizer, cfg)
-    r0 = result.records[0]
-    print_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring, N = {r0.n} (chance {_pct(r0.chance)} %), "
-                        f"95 % Wilson CI")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=2))
-        print(f"wrote {path}", file=sys.stderr)
-    if args.markdown:
-        path = Path(args.markdown)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown(result))
-        print(f"wrote {path}", file=sys.stderr)
-    return 0

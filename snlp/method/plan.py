@@ -20,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from snlp.runtime.fmt import format_number
 from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
 
 INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration attached to the model)
@@ -282,14 +283,6 @@ def _token(tok: str, text: str):
         if re.fullmatch(r"\d+(\.\d+)*", val):
             return "order", tuple(int(i) for i in val.split("."))
     raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
-
-
-def format_number(x: float) -> str:
-    """The plan-string form of a float that parses back to exactly x: the short `:g` form where that is
-    exact (0.5, 0.001, 1e-05), else repr's shortest round-trip digits (0.1000001, not :g's 0.1), so
-    `Plan.parse(str(p)) == p` and result rows keyed by `str(plan)` never merge two different plans."""
-    short = f"{x:g}"
-    return short if float(short) == x else repr(float(x))
 
 
 def _number(text: str) -> float | None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from snlp.runtime.fmt import format_number  # exact round trip of the plan grammar's numbers
 from snlp.method.scan import affine_scan
 
 if TYPE_CHECKING:
@@ -210,8 +211,6 @@ class DiagN(Surrogate):
         if self.probes != 1:
             s += f"-probes:{self.probes}"
         if self.eps != 1e-3:
-            from .plan import format_number  # exact round trip (plan.format_number); plan imports this module
-
             s += f"-eps:{format_number(self.eps)}"
         if self.subset is not None:
             s += "-subset:" + ".".join(map(str, self.subset))

@@ -63,3 +63,11 @@ def ppl_from_ce(ce: float) -> float:
         return math.exp(ce)
     except OverflowError:
         return math.inf
+
+
+def format_number(x: float) -> str:
+    """The plan-string form of a float that parses back to exactly x: the short `:g` form where that is
+    exact (0.5, 0.001, 1e-05), else repr's shortest round-trip digits (0.1000001, not :g's 0.1), so
+    `Plan.parse(str(p)) == p` and result rows keyed by `str(plan)` never merge two different plans."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))

@@ -1,0 +1,223 @@
+"""Multiple-choice scoring: a diverged plan is reported diverged, not scored (issue 22 item 6), and the
+lm-evaluation-harness protocol (`--mc-scoring harness`) gives the same per-choice log-likelihoods and
+picks as a transformers-only scorer written here, on real ARC-Easy questions with the real
+SmolLM2-135M-Instruct (issue 22 item 13)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from snlp.io.checkpoint import save_checkpoint
+from snlp.apps.cli import main
+from snlp.eval.mc import MCConfig, markdown
+from snlp.eval.mc_eval import evaluate_mc
+from snlp.io.mctasks import Question, letter_prompt, parse_file
+from snlp.eval.mc_harness import default_scoring, draw_shots, loglikelihoods, predictions
+from snlp.model import GPT, GPTConfig
+from snlp.method.plan import Plan
+from snlp.method.solver import SNLPDivergenceError, bind
+from snlp.io.tokenizer import Tokenizer
+
+
+def _shared() -> Path:
+    """shared/ beside the repo (or beside a parent of a worktree): the data the docs' commands read."""
+    for p in Path(__file__).resolve().parents:
+        if (p / "shared/data/arc").is_dir():
+            return p / "shared"
+    raise AssertionError("shared/data/arc (ARC JSONL) not found beside the repository; the harness tests need it")
+
+
+# ----- item 6: a diverged plan is not scored -----
+QS = [Question("Which number is largest?", ("1", "7", "3", "2"), 1),
+      Question("Which one is a colour?", ("red", "dog", "run", "ten"), 0),
+      Question("hello there, how are you today?", ("fine", "bad", "ok"), 2)]
+DIVERGING, EXACT = "8xF1-h0-K1-newton", "8xF1-h0-K8"
+
+
+@pytest.fixture(scope="module")
+def blowup():
+    """A tiny depth-8 model whose MLP weights are scaled 1000x: the sequential forward stays finite
+    (pre-norm blocks add bounded updates) but the exact-Jacobian Newton step of a K=1 plan multiplies
+    the chunks' huge Jacobians and overflows to inf/NaN."""
+    text = ["Which number is largest? Multiple Choice question: hello there, how are you today?"] * 20
+    tok = Tokenizer.train(text + [letter_prompt(q) for q in QS] * 5, 300)
+    m = GPT(GPTConfig.from_depth(8, width=32, head_dim=16, vocab_size=tok.vocab_size, sequence_len=64))
+    m.init_weights(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in m.blocks:
+            for lin in (b.attn.c_proj, b.mlp.c_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+            b.mlp.c_fc.weight.mul_(1000)
+        m.lm_head.weight.normal_(0, 0.3, generator=g)
+    return m.eval(), tok
+
+
+def test_the_plan_really_diverges_and_the_sequential_forward_does_not(blowup):
+    m, tok = blowup
+    x = torch.tensor([tok.render_chat([{"role": "user", "content": letter_prompt(QS[0])}],
+                                      add_generation_prompt=True)[0]])
+    with torch.no_grad():
+        assert torch.isfinite(m(x)).all()
+        assert not torch.isfinite(bind(m, DIVERGING, check_finite=False)(x)).all()
+        with pytest.raises(SNLPDivergenceError):
+            bind(m, DIVERGING)(x)
+        torch.testing.assert_close(bind(m, EXACT)(x), m(x), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("scoring", ["letter", "loglik", "harness"])
+def test_a_diverged_plan_is_reported_diverged_not_scored(blowup, scoring):
+    m, tok = blowup
+    res = evaluate_mc(m, tok, MCConfig(task="toy", plans=[DIVERGING, EXACT], scoring=scoring), QS)
+    seq, div, exact = res.records
+    assert [r.method for r in res.records] == ["sequential", DIVERGING, EXACT]
+    assert div.diverged and div.accuracy is None and div.correct is None and div.ci_low is None
+    assert div.norm_accuracy is None and div.n == 3
+    assert not seq.diverged and not exact.diverged and seq.accuracy is not None
+    assert exact.correct == seq.correct  # K >= C is exact: the same picks as sequential
+    md = markdown(res)
+    assert md.splitlines()[1].startswith(f"protocol: {scoring}")  # the caption line names the protocol
+    row = next(line for line in md.splitlines() if line.startswith(f"| {DIVERGING} |"))
+    assert "diverged" in row and "%" not in row
+    assert json.loads(json.dumps(res.to_dict()))["records"][1]["diverged"] is True
+
+
+# ----- item 13: the harness protocol -----
+def test_draw_shots_is_the_harness_sampler():
+    pool = [Question(f"q{i}", ("a", "b"), i % 2) for i in range(50)]
+    qs = pool[:5] + [Question("new", ("a", "b"), 0)]
+    shots = draw_shots(qs, pool, 3, seed=1234)
+    rnd = random.Random(1234)  # the pool holds the questions: k + 1 drawn per question, itself removed
+    want = [[s for s in rnd.sample(pool, 4) if s != q][:3] for q in qs]
+    assert shots == want
+    assert all(len(s) == 3 and q not in s and len(set(s)) == 3 for q, s in zip(qs, shots))
+    other = [Question(f"t{i}", ("a", "b"), 0) for i in range(10)]
+    rnd = random.Random(7)  # a disjoint pool: exactly k drawn
+    assert draw_shots(qs, other, 2, seed=7) == [rnd.sample(other, 2) for _ in qs]
+    with pytest.raises(ValueError, match="shot pool"):
+        draw_shots(qs, other[:1], 2)
+
+
+def test_harness_config_errors():
+    with pytest.raises(ValueError, match="needs --mc-scoring harness"):
+        MCConfig(task="x", scoring="loglik", shots=1, shot_task="y").check()
+    with pytest.raises(ValueError, match="needs --mc-shots-from"):
+        MCConfig(task="x", scoring="harness", shots=1).check()
+    with pytest.raises(ValueError, match="letter, loglik or harness"):
+        MCConfig(task="x", scoring="acc").check()
+
+
+def test_default_scoring_is_harness_except_for_sft_checkpoints(blowup, tmp_path):
+    m, tok = blowup
+    save_checkpoint(tmp_path / "base", m, tok)
+    save_checkpoint(tmp_path / "pre", m, tok, train_state={"step": 3, "args": {}})
+    save_checkpoint(tmp_path / "sft", m, tok, train_state={"step": 3, "args": {}, "sft": {"forward": "sequential"}})
+    assert [default_scoring(tmp_path / n) for n in ("base", "pre", "sft")] == ["harness", "harness", "letter"]
+
+
+# ----- against transformers on real questions -----
+N_Q = 8
+
+
+@pytest.fixture(scope="module")
+def arc():
+    d = _shared() / "data/arc"
+    rows = [json.loads(line) for line in (d / "ARC-Easy-Test.jsonl").read_text().splitlines()[:N_Q]]
+    train = [json.loads(line) for line in (d / "ARC-Easy-Train.jsonl").read_text().splitlines()[:1]]
+    return rows, train, parse_file(d / "ARC-Easy-Test.jsonl")[:N_Q], parse_file(d / "ARC-Easy-Train.jsonl")[:1]
+
+
+def hf_scores(hf, hf_tok, ctx: str, choices: list[str]) -> list[float]:
+    """transformers alone: summed log-probs of the tokens of ' {choice}' after the context."""
+    out = []
+    ctx_ids = hf_tok(ctx, add_special_tokens=False)["input_ids"]
+    for c in choices:
+        cont = hf_tok(" " + c, add_special_tokens=False)["input_ids"]
+        # the harness splits encode(ctx + cont) at len(encode(ctx)); on these questions that is the same as
+        # encoding the continuation on its own (':' and ' word' never merge)
+        assert hf_tok(ctx + " " + c, add_special_tokens=False)["input_ids"] == ctx_ids + cont
+        ids = torch.tensor([ctx_ids + cont])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0].float(), -1)  # (T, V)
+        out.append(sum(float(logp[len(ctx_ids) - 1 + i, t]) for i, t in enumerate(cont)))
+    return out
+
+
+def _ctx(row, shot=None) -> str:
+    pre = ""
+    if shot is not None:
+        ans = [c["text"] for c in shot["question"]["choices"] if c["label"] == shot["answerKey"]][0]
+        pre = f"Question: {shot['question']['stem']}\nAnswer: {ans}\n\n"
+    return pre + f"Question: {row['question']['stem']}\nAnswer:"
+
+
+@pytest.fixture
+def smol_pair(smol_ckpt, request):
+    hf, hf_tok = request.getfixturevalue("hf_smol")
+    model, tok = request.getfixturevalue("smol")
+    return hf, hf_tok, model, tok
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_harness_scores_equal_transformers(smol_pair, arc, k):
+    hf, hf_tok, model, tok = smol_pair
+    rows, train, qs, pool = arc
+    assert [len(q.choices) for q in qs] == [len(r["question"]["choices"]) for r in rows]
+    ref = [hf_scores(hf, hf_tok, _ctx(r, train[0] if k else None), [c["text"] for c in r["question"]["choices"]])
+           for r in rows]
+    got = loglikelihoods(model, tok, qs, None, [pool[:1] if k else [] for _ in qs], batch=8)
+    for g, r in zip(got, ref):
+        assert g == pytest.approx(r, abs=2e-4, rel=1e-5)
+    acc, norm = predictions(qs, got)
+    texts = [[c["text"] for c in r["question"]["choices"]] for r in rows]
+    want_acc = [max(range(len(r)), key=r.__getitem__) for r in ref]
+    want_norm = [max(range(len(r)), key=lambda i: r[i] / len(t[i])) for r, t in zip(ref, texts)]
+    assert acc == want_acc and norm == want_norm
+    assert acc != norm or k == 1  # acc and acc_norm differ on these questions 0-shot: they are not one metric
+
+
+def test_harness_mode_runs_every_plan_and_the_exact_plan_matches(smol_pair, arc):
+    _, _, model, tok = smol_pair
+    qs = arc[2][:2]
+    res = evaluate_mc(model, tok, MCConfig(task="arc", plans=["2xF1-h0-K2", "8xF1-h0-K1"], scoring="harness"), qs)
+    seq, exact, approx = res.records
+    assert [r.method for r in res.records] == ["sequential", "2xF1-h0-K2", "8xF1-h0-K1"]
+    assert not any(r.diverged for r in res.records) and all(0 <= r.norm_correct <= 2 for r in res.records)
+    assert (exact.correct, exact.norm_correct) == (seq.correct, seq.norm_correct)
+    s_seq = loglikelihoods(model, tok, qs, None)
+    s_exact = loglikelihoods(model, tok, qs, Plan.parse("2xF1-h0-K2"))
+    for a, b in zip(s_seq, s_exact):
+        assert a == pytest.approx(b, abs=1e-3)  # K >= C: exact up to fp32 reordering
+    assert res.protocol.startswith("protocol: harness") and "0-shot" in res.protocol
+
+
+def test_eval_cli_defaults_to_harness_and_captions_the_protocol(smol_pair, smol_ckpt, tmp_path, capsys):
+    arc_test = _shared() / "data/arc/ARC-Easy-Test.jsonl"
+    arc_train = _shared() / "data/arc/ARC-Easy-Train.jsonl"
+    rc = main(["eval", str(smol_ckpt), "--task", f"mc:{arc_test}", "--plans", "2xF1-h0-K2", "--mc-limit", "2",
+               "--mc-shots", "1", "--mc-shots-from", f"mc:{arc_train}", "--device", "cpu",
+               "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
+    assert rc == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["scoring"] == "harness" and res["shots"] == 1 and [r["n"] for r in res["records"]] == [2, 2]
+    md = (tmp_path / "r.md").read_text()
+    assert "protocol: harness" in md and "1-shot" in md and "acc_norm" in md
+    assert "protocol: harness" in capsys.readouterr().out
+
+
+def test_sft_grid_shows_a_diverged_inference_row(blowup):
+    """snlp sft-grid builds its rows from the MC records: a diverged one is shown, not a TypeError on None."""
+    from snlp.apps.sft_grid import GridResult, grid_row
+    from snlp.apps.sft_grid import markdown as grid_markdown
+
+    m, tok = blowup
+    res = evaluate_mc(m, tok, MCConfig(task="toy", plans=[DIVERGING]), QS)
+    rows = [grid_row("sequential", r.method, {"toy": r}) for r in res.records]
+    assert rows[0].avg == res.records[0].accuracy and rows[1].avg != rows[1].avg  # NaN
+    md = grid_markdown(GridResult("ck", DIVERGING, ["toy"], "letter", rows))
+    assert f"| sequential | {DIVERGING} | diverged | – |" in md
