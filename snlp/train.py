@@ -37,6 +37,7 @@ from . import data as D
 from .checkpoint import load, load_training, save_checkpoint
 from .correction import HCN
 from .model import GPT, GPTConfig
+from .muon import Muon, default_ns_dtype, warn_if_emulated
 from .plan import Plan
 from .regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_gap, snlp_loss
 from .solver import solve
@@ -295,7 +296,7 @@ def init_from_checkpoint(path) -> tuple[GPT, Tokenizer]:
 
 
 def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """AdamW for embeddings, lm_head and scalars; Muon (torch.optim.Muon) or AdamW for the 2-D
+    """AdamW for embeddings, lm_head and scalars; Muon (snlp.muon: torch.optim.Muon's step) or AdamW for the 2-D
     block matrices. LRs are nanochat's, scaled by (width/768)^-0.5 for the AdamW embedding groups.
     The mHC coefficient parameters (blocks.*.hc_*: tiny H biases, projections, gates) go to AdamW.
     Every param group records its peak LR as "base_lr"; `set_lr` scales it each step."""
@@ -325,8 +326,9 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     matrices = [p for p in matrices if p.requires_grad]
     opts = []
     if cfg.optimizer == "muon" and matrices:
-        opts.append(torch.optim.Muon(matrices, lr=cfg.matrix_lr or 0.02, weight_decay=cfg.weight_decay,
-                                     momentum=0.95))
+        # snlp.muon.Muon: torch.optim.Muon with the Newton-Schulz iterations in fp32 where bf16 is emulated
+        # (CPUs without AVX512_BF16/AMX: torch's always-bf16 ones made a step ~20x slower than AdamW's)
+        opts.append(Muon(matrices, lr=cfg.matrix_lr or 0.02, weight_decay=cfg.weight_decay, momentum=0.95))
     elif matrices:
         groups.append({"params": matrices, "lr": cfg.matrix_lr or 0.003})
     opts.insert(0, torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay))
@@ -590,6 +592,10 @@ def _fit(cfg: TrainConfig, make_job, rank, world, device) -> TrainResult:
     model.to(device)
     model.train()
     opts = build_optimizers(model, cfg)
+    if master:  # the dtypes the step computes in: weights, CUDA autocast, Muon's Newton-Schulz iterations
+        warn_if_emulated(device, {p.dtype for p in model.parameters()}
+                         | ({torch.bfloat16} if device.type == "cuda" else set())
+                         | {o.ns_dtype or default_ns_dtype(device) for o in opts if isinstance(o, Muon)}, job.name)
     progress = Progress(cfg.total_steps, cfg.minutes)
     step, micro, elapsed0 = 0, 0, 0.0
     if resume_state is not None:
