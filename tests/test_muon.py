@@ -146,11 +146,18 @@ def _x86() -> bool:
 @pytest.mark.skipif(not _x86(), reason="ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN on x86 only")
 def test_train_muon_uses_fp32_where_bf16_is_emulated():
     """oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA, oneDNN's own switch: an AVX2-only EPYC as far as bf16
-    goes) has no native bf16 GEMM: emulated_dtype says so and `snlp train`'s Muon orthogonalises in fp32
+    goes) has no native bf16 GEMM: emulated_dtype says so, the warning names bf16, and `snlp train`'s
+    Muon orthogonalises in fp32
     (torch.optim.Muon stays in bf16 and runs ~20x slower there)."""
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import test_muon as t; "
-            "from snlp.muon import emulated_dtype; assert emulated_dtype('cpu', torch.bfloat16); "
-            "t.check_train_muon(torch.float32)")
+    code = "\n".join([
+        "import sys, warnings, torch", "sys.path.insert(0, sys.argv[1])", "import test_muon as t",
+        "from snlp.muon import emulated_dtype, warn_if_emulated",
+        "assert emulated_dtype('cpu', torch.bfloat16)",
+        "with warnings.catch_warnings(record=True) as w:",
+        "    warnings.simplefilter('always')",
+        "    warn_if_emulated('cpu', {torch.float32, torch.bfloat16}, 'snlp train')",
+        "assert len(w) == 1 and str(w[0].message).startswith('snlp train: bfloat16 math is emulated'), w",
+        "t.check_train_muon(torch.float32)"])
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests")], env=env, capture_output=True, text=True,
