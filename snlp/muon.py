@@ -63,8 +63,9 @@ def zeropower_via_newtonschulz(grad: Tensor, ns_coefficients: tuple[float, float
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon whose Newton–Schulz iterations run in `ns_dtype` (None: `default_ns_dtype` of
-    each parameter's device, fp32 where bf16 is emulated). Same arguments, defaults and state dict as torch.optim.Muon; ns_dtype is
-    an attribute, not a param-group entry, so optimizer checkpoints stay interchangeable."""
+    each parameter's device, fp32 where bf16 is emulated). Same arguments, defaults and state dict as
+    torch.optim.Muon; ns_dtype is an attribute, not a param-group entry, so optimizer checkpoints stay
+    interchangeable."""
 
     def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, **kwargs) -> None:
         if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
@@ -132,7 +133,7 @@ def warn_if_emulated(device, dtypes, where: str = "snlp") -> str | None:
     slow = sorted(str(d).removeprefix("torch.") for d in set(dtypes) if emulated_dtype(device, d))
     if not slow:
         return None
-    msg = (f"{where}: {', '.join(slow)} math is emulated on this CPU (oneDNN has no native kernel for it: no AVX512_BF16/AMX): expect it to run "
-           f"10-100x slower than float32; use float32 on this machine")
+    msg = (f"{where}: {', '.join(slow)} math is emulated on this CPU (oneDNN has no native kernel for it: no "
+           f"AVX512_BF16/AMX): expect it to run 10-100x slower than float32; use float32 on this machine")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return msg
