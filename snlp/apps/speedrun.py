@@ -1,7 +1,7 @@
 """The main job in one command: train, evaluate and report (tokenizer, No-Reg and IDN-Reg models,
 plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
 
-    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~15 min on 2 CPU cores
+    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~19 min on 2 CPU cores
     snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
 
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
@@ -97,10 +97,16 @@ class Preset:
     diag_probes: int = 8  # and Hutchinson / amplification probes
 
 
+# FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
+# unit (1 thread, CPU s): eval-* = teacher-forced 2.6 s per 1024 tokens (seq + 7 plans) + generations 17 s
+# + 2.5 s per timing round; off-the-shelf = 25 s load + 30 s per 1024 tokens + 18 s generations + 15 s per
+# timing round; SSD ~ prompts x tokens x repeats. Hence 8192 eval tokens (the plan-vs-sequential
+# statistics are paired over the same tokens), 2 + 10 timing rounds (medians of 10, round-robin), 4 SSD
+# prompts x 128 tokens x 3 rounds, 2048 off-the-shelf tokens with 1 + 3 rounds: ~14 min of stages -> ~8.
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
-              max_chars=0, eval_max_tokens=16384, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
-              eval_warmup=3, eval_runs=20, eval_time_tokens=32, ssd_prompts=8, ssd_tokens=128, ssd_repeats=3,
-              est_eval_s=450)  # from the stage times of a 4-token / single-round run, scaled to 32 tokens, 3 rounds
+              max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
+              eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=3,
+              est_eval_s=500, ots_tokens=2048)  # est: the stage estimates above + 12% (their ratio to the last full run)
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,

@@ -30,6 +30,7 @@ from snlp.train.config import TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
+from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
 from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
@@ -111,6 +112,10 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     job.model.to(ctx.device)
     job.model.train()
     opts = build_optimizers(job.model, cfg)
+    if ctx.master:  # the dtypes the step computes in: weights, CUDA autocast, Muon's Newton-Schulz iterations
+        warn_if_emulated(ctx.device, {p.dtype for p in job.model.parameters()}
+                         | ({torch.bfloat16} if ctx.device.type == "cuda" else set())
+                         | {o.ns_dtype or default_ns_dtype(ctx.device) for o in opts if isinstance(o, Muon)}, job.name)
     state = resume(start.resume, opts)
     progress = Progress(cfg.total_steps, cfg.minutes)
     progress.step, progress.elapsed = state.step, (start.resume.elapsed if start.resume else 0.0)
