@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 # Hypothesis depth. The default keeps CI fast; contributors run the exactness laws with >= 1000 examples each
-# before touching the solver / fusion / surrogates:  SNLP_HYPOTHESIS=thorough python -m pytest tests/test_laws.py
+# before touching the solver / fusion / surrogates:  SNLP_HYPOTHESIS=thorough python -m pytest tests/method/test_laws.py
 THOROUGH = os.environ.get("SNLP_HYPOTHESIS", "default") == "thorough"
 
 
@@ -143,3 +144,26 @@ def smol(smol_ckpt):
     from snlp import load
 
     return load(smol_ckpt)
+
+
+# ----------------------------------------------------------------------------- gloo process groups on CPU
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    """Join a gloo group on the loopback (in a spawned rank process), one intra-op thread per rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from snlp.dist.layer_parallel import init_distributed
+
+    init_distributed(timeout_s)
+
+
+def spawn_ranks(fn, world: int, *args) -> None:
+    """fn(rank, world, port, *args) in `world` processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)

@@ -16,7 +16,7 @@ command) and a markdown table with the paper's speedup beside ours.
 `quick` is a CPU smoke run (CI): the same shapes shrunk (width 64, vocab 256, T = 16; depth cut to
 the plans' largest suffix + 2 prefix layers so every plan keeps its chunk structure), few runs, one
 CPU thread, compiled prefill on one shape only and no compiled decode (compiling the static-shape
-decode steps takes minutes on a 2-core CPU; tests/test_steps.py checks them against eager).
+decode steps takes minutes on a 2-core CPU; tests/decode/test_steps.py checks them against eager).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class SuiteConfig:
     treatments: tuple[str, ...] = TREATMENTS  # eager and/or compiled
     decode: bool = True  # also time KV-cached decoding
     decode_compiled: bool | None = None  # compiled decode too; None: yes, no with quick (compiling the static-shape
-    #                                      decode steps takes minutes on a 2-core CPU; tests/test_steps.py covers them)
+    #                                      decode steps takes minutes on a 2-core CPU; tests/decode/test_steps.py covers them)
     prompt_len: int = 16  # decode prompt (the paper's SSD protocol: prefill length 16)
     new_tokens: int | None = None  # decoded tokens per run; None: 128, 4 with quick
     decode_warmup: int | None = None  # None: 2 on cuda, 1 on cpu, 0 with quick

@@ -10,7 +10,7 @@ waits on the host. So a `Step` feeds the model
     `pos` (snlp.model.attend), so every decode step has the same shapes;
   - no host syncs: no token-range check (skipped under compile), no finiteness check (the runner is bound
     with check_finite=False, as the eager decode loops always bound theirs), no `.item()`
-    (tests/test_steps.py counts `aten::_local_scalar_dense` in a profile of a compiled step: 0);
+    (tests/decode/test_steps.py counts `aten::_local_scalar_dense` in a profile of a compiled step: 0);
   - bucketed cache sizes: a compiled step's cache is allocated at a power-of-two length (`cache_len`);
   - padded lengths: prefill pads the prompt to a multiple of `prefill_pad` (one graph per bucket, not per
     prompt length) and the verifier pads a short last round to the full block, so a run compiles a handful
@@ -232,7 +232,7 @@ def host_syncs(step: Step | EagerStep, cache: KVCache, T: int = 1, calls: int = 
     """Host syncs in `calls` calls of `step` on T tokens (it advances `cache`). On CUDA the calls run under
     torch.cuda.set_sync_debug_mode("error"), which raises on any synchronising op, so this returns 0 or raises;
     on CPU it counts aten::_local_scalar_dense (what every .item() / int() / bool() of a tensor ends in; one
-    per read) in a torch.profiler trace (the same reads are what a CUDA sync would be). A compiled step must give 0 (tests/test_steps.py; bench --decode --compile checks it)."""
+    per read) in a torch.profiler trace (the same reads are what a CUDA sync would be). A compiled step must give 0 (tests/decode/test_steps.py; bench --decode --compile checks it)."""
     idx = torch.zeros(cache.batch, T, dtype=torch.long, device=cache.k.device)
     if cache.k.is_cuda:
         prev = torch.cuda.get_sync_debug_mode()

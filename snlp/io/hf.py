@@ -5,7 +5,7 @@ model back as a transformers directory. Paper App. "Off-the-Shelf Model Results"
 The conversion is exact: GPTConfig's Llama switches (SwiGLU, q/k/v biases, Qwen3 q/k norm weights,
 un-normalised embedding, RMSNorm eps and weights, rotate-half RoPE with transformers' frequencies incl.
 llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
-sequential forward compute what transformers computes (tests/test_hf.py checks it against transformers).
+sequential forward compute what transformers computes (tests/io/test_hf.py checks it against transformers).
 transformers is imported lazily: only conversion and export need it.
 """
 

@@ -42,7 +42,7 @@ keeps the two-stage shape of the plain fused layer, with stream mixing in place 
 with P_A = R_{a,M} ... R_{a,1} and G_{a,l} = R_{a,M} ... R_{a,l+1} (likewise for M): the later
 residual mixes of the same stage that multiply branch l's output are folded into its H_post, like
 the gamma folding of the x0 residual above. Why this definition:
-  - for M = 1 it is exactly the sequential mHC layer (tests/test_mhc.py), as the plain fused layer is;
+  - for M = 1 it is exactly the sequential mHC layer (tests/model/test_mhc.py), as the plain fused layer is;
   - it is the plain fused layer's recipe (all attention branches read the chunk input, all MLP
     branches read the aggregate post-attention state) with each "+ branch" replaced by the mHC
     sublayer; with n = 1 it is the plain fused layer up to the scalar branch scales;

@@ -31,7 +31,7 @@ With `tol` > 0, K is a maximum and every row (sequence) of the batch converges o
 final-state relative update ||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| is below tol is frozen (its states kept
 exactly, its chunk inputs held at those of its last iteration, so a KV cache gets that iteration's K/V)
 while the other rows iterate, and the solve stops once every row is frozen. A row's result therefore
-never depends on what else is in the batch (tests/test_seams_solver.py).
+never depends on what else is in the batch (tests/method/test_seams_solver.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ for M = 1 the drafter's branches are literally the model's layers. For M > 1 the
 reads a different input (the chunk input) than layer S+c*M+m does sequentially, so what a drafter
 writes there is only its estimate: fine for scratch positions the verifier rewrites, and in pure
 SNLP decoding (no verifier) the slots hold the fused model's own K/V, so cached SNLP decoding
-with K >= C equals the fused model run sequentially (tests/test_decode.py).
+with K >= C equals the fused model run sequentially (tests/decode/test_decode.py).
 """
 
 from __future__ import annotations

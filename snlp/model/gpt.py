@@ -13,7 +13,7 @@ Llama family (snlp.io.hf.from_hf sets the switches; defaults are the nanochat mo
 q/k/v biases (Qwen2), weighted per-head q/k RMSNorm before RoPE (Qwen3) or no QK-norm, h_0 = wte(idx)
 un-normalised, learned RMSNorm weights (ln_attn / ln_mlp per block, ln_f) with the model's eps,
 rotate-half RoPE with transformers' frequencies (llama3 scaling), explicit head_dim, no softcap,
-per-layer sliding windows and tied embeddings: the forward then equals transformers' (tests/test_hf.py).
+per-layer sliding windows and tied embeddings: the forward then equals transformers' (tests/io/test_hf.py).
 
 mHC (GPTConfig.hc_streams = n >= 1; manifold-constrained hyper-connections, Xie et al. 2025, after
 Zhu et al.'s hyper-connections; paper App. "Connection to Hyper-Connections and mHC"): the hidden

@@ -12,7 +12,7 @@ bf16 is emulated). Everything else (constructor checks, param groups, momentum b
 state-dict format, nesterov, decoupled weight decay, adjust_lr_fn, the ns coefficients and eps) is
 torch's, so a checkpoint written by either optimiser resumes with the other. The step below mirrors
 torch's `_single_tensor_muon` line by line; with ns_dtype=bfloat16 it is bit-identical to
-torch.optim.Muon (tests/test_muon.py checks this).
+torch.optim.Muon (tests/train/test_muon.py checks this).
 
 `emulated_dtype(device, dtype)` says when a low-precision dtype has no native kernels on the device,
 and `warn_if_emulated` lets `snlp train` say so before a run crawls.

@@ -1,5 +1,5 @@
 """Seams of the distributed path (issue 22 items 1, 4, 5, 9), on CPU / gloo with spawned ranks (as in
-tests/test_distributed.py): the preheat init distributed equals the single-process solve; `snlp generate
+tests/dist/test_distributed.py): the preheat init distributed equals the single-process solve; `snlp generate
 --chat --mode speculative` compares like runs; `--distributed` honours or refuses --chat / --compile /
 --repeats; every tensor a collective sees lives on the rank's device, a rank materialises only its own
 layers from the checkpoint, and a collective that fails for a non-timeout reason says so."""
@@ -7,12 +7,10 @@ layers from the checkpoint, and a collective that fails for a non-timeout reason
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import make_model, tokens
+from conftest import make_model, tokens, free_port as _free_port, init_gloo as _init, spawn_ranks as _spawn
 
 from snlp.method import preheat
 from snlp.decode.generate import snlp_generate
@@ -27,22 +25,7 @@ DECODE_PLAN = "4xF1-preheat-K1"
 PROMPT = [1, 5, 9]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from snlp.dist.layer_parallel import init_distributed
-
-    init_distributed(timeout_s)
-
-
-def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
 
 
 def _calibrated(mhc: bool = False):

@@ -228,7 +228,7 @@ def test_tol_stops_early_and_equals_running_that_many_iterations(surrogate, K):
         assert res.iters < K and len(res.updates) == res.iters and len(res.states) == res.iters + 1
         assert res.updates[-1] < 2e-2 and all(u >= 2e-2 for u in res.updates[:-1]), res.updates
         assert res.iters == max(res.row_iters.tolist())
-        for b, k in enumerate(res.row_iters.tolist()):  # each row stops on its own (tests/test_seams_solver.py)
+        for b, k in enumerate(res.row_iters.tolist()):  # each row stops on its own (tests/method/test_seams_solver.py)
             fixed = solve(model, idx, f"8xF1-h0-K{k}-{surrogate}")
             torch.testing.assert_close(res.hidden[b], fixed.hidden[b], rtol=0, atol=0)
         capped = solve(model, idx, f"8xF1-h0-K2-{surrogate}-tol:1e-30")  # K is the maximum

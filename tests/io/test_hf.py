@@ -3,7 +3,7 @@ models built with transformers (GQA, biases, Qwen3 q/k norm, sliding windows, ti
 llama3 RoPE scaling) against snlp's conversion: sequential logits, fused plans (K >= C exact, M = 1 equal to
 transformers), KV-cached greedy and speculative decoding vs transformers' generate, export round trip,
 checkpoint round trip, CLI convert/export, and the errors. The real SmolLM2-135M-Instruct tests are in
-tests/test_smollm2.py."""
+tests/io/test_smollm2.py."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from snlp.train.muon import Muon, emulated_dtype, warn_if_emulated
 
 K = 128
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 U = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
 
 

@@ -15,7 +15,7 @@ import torch
 from snlp.method.plan import Plan
 from snlp.bench.suite import PAPER_DRAFTER_S, PAPER_PREFILL, PAPER_SHAPES, RANDOM_WEIGHTS, SuiteConfig, run_suite
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check_records(records: list[dict], compiled_shapes: set[str]) -> None:
@@ -36,7 +36,7 @@ def _check_records(records: list[dict], compiled_shapes: set[str]) -> None:
             decode = [r for r in rows if r["kind"] == "decode"]
             assert all(r["compiled"] is (treatment == "compiled") for r in decode)
             if treatment == "compiled":
-                assert decode == []  # quick: compiled prefill only (compiled decode: tests/test_steps.py)
+                assert decode == []  # quick: compiled prefill only (compiled decode: tests/decode/test_steps.py)
             if decode:
                 snlp_rows = [r for r in decode if r["decode_mode"] == "snlp"]
                 assert [r["plan"] for r in snlp_rows] == list(shape.plans)

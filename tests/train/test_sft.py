@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from snlp.io import chat
 from snlp.io.checkpoint import save_checkpoint
 from snlp.apps.cli import main
-from snlp.eval.mc import MCConfig, evaluate_mc, wilson
+from snlp.eval.mc import MCConfig, wilson
+from snlp.eval.mc_eval import evaluate_mc
 from snlp.io.mctasks import LETTERS, Question, letter_prompt, load_task, parse_file
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.method.plan import Plan

@@ -150,7 +150,7 @@ def test_early_exit_is_importable_from_everywhere(model, val):
     assert [r.N for r in rows] == [0, 2, 5]
 
 
-# (the preheat calibration itself is tested in tests/test_preheat.py)
+# (the preheat calibration itself is tested in tests/method/test_preheat.py)
 
 
 # ---------------------------------------------------------------- Jacobi coupling

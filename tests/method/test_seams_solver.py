@@ -217,7 +217,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
     import torch.distributed as dist
-    from test_distributed import _init
+    from conftest import init_gloo as _init
 
     from snlp.dist.layer_parallel import DistributedSNLP
 
@@ -239,7 +239,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_distributed_tol_rows_converge_as_if_alone(tmp_path):
     """DistributedSNLP.solve (2 gloo ranks; the last decides per row, every rank freezes the row) equals the
     single-process solve of every row alone: a plain solve, a cached prefill and the decode step after it."""
-    from test_distributed import _spawn
+    from conftest import spawn_ranks as _spawn
 
     _spawn(_dist_worker, 2, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from snlp.apps.cli import main
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"
 TINY = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "32",
         "--batch-size", "4", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_model, tokens
+from conftest import make_model, tokens, free_port as _free_port, init_gloo as _init, spawn_ranks as _spawn
 
 from snlp.method.fusion import chunk_weights
 from snlp.decode import sequential_generate, snlp_generate
@@ -62,18 +61,6 @@ def _case(kind: str, plan: str) -> tuple[str, str]:
     return kind, plan
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from snlp.dist.layer_parallel import init_distributed
-
-    init_distributed(timeout_s)
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -100,9 +87,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
-
-def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["P2", "P3"])
