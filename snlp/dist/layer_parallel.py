@@ -69,7 +69,7 @@ from torch import Tensor
 from snlp.model.cache import KVCache
 from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
 from snlp.model.gpt import GPT
-from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi
+from snlp.method.surrogates import HCN, SURROGATES, DiagN, Identity, Jacobi
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, pick_token
@@ -79,7 +79,6 @@ from snlp.runtime.timing import now
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
 
 DEFAULT_TIMEOUT_S = 120.0
-SURROGATES = (Identity, Jacobi, HCN, DiagN)  # newton (the sequential JVP reference) is not distributed
 
 
 class CollectiveError(RuntimeError):
@@ -272,9 +271,10 @@ class DistributedSNLP:
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.dist.layer_parallel.init_distributed)")
         plan = as_plan(model, plan)
-        if not isinstance(plan.surrogate, SURROGATES):
+        if not plan.surrogate.distributed:  # the surrogate says (snlp.method.surrogates), no list kept here
+            valid = ", ".join(c.token for c in SURROGATES if c.distributed)
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
-                             f"{', '.join(c.token for c in SURROGATES)}); exact Newton is a sequential reference solver")
+                             f"{valid}); exact Newton is a sequential reference solver")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers

@@ -68,6 +68,7 @@ class Surrogate(ABC):
     token: ClassVar[str]
     needs_mhc: ClassVar[bool] = False  # the surrogate reads the mHC stream-mixing matrices
     needs_mix: ClassVar[bool] = False  # the chunk forward must also return them
+    distributed: ClassVar[bool] = True  # DistributedSNLP can run it (its A is local to a chunk: I, H_res, diag J)
 
     def __str__(self) -> str:
         return "-" + self.token
@@ -241,6 +242,7 @@ class Newton(Surrogate):
     """Exact Newton over depth (DEER): J_c d_{c-1} by one JVP per linked chunk, chunk after chunk."""
 
     token: ClassVar[str] = "newton"
+    distributed: ClassVar[bool] = False  # one JVP per chunk, chunk after chunk: a sequential reference solver
 
     def evals_per_iter(self, plan: "Plan") -> int:
         # the batched forward, then one JVP for every chunk c >= 1: each is corrected by its predecessor's
