@@ -151,7 +151,7 @@ def test_train_muon_uses_fp32_where_bf16_is_emulated():
     Muon orthogonalises in fp32
     (torch.optim.Muon stays in bf16 and runs ~20x slower there)."""
     code = "\n".join([
-        "import sys, warnings, torch", "sys.path.insert(0, sys.argv[1])", "import test_muon as t",
+        "import sys, warnings, torch", "sys.path[:0] = sys.argv[1:]", "import test_muon as t",
         "from snlp.train.muon import emulated_dtype, warn_if_emulated",
         "assert emulated_dtype('cpu', torch.bfloat16)",
         "with warnings.catch_warnings(record=True) as w:",
@@ -161,8 +161,9 @@ def test_train_muon_uses_fp32_where_bf16_is_emulated():
         "t.check_train_muon(torch.float32)"])
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests")], env=env, capture_output=True, text=True,
-                       timeout=300)
+    here = Path(__file__).resolve().parent  # this file's folder, and tests/ for conftest
+    r = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent)], env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
