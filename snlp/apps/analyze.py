@@ -24,7 +24,7 @@ plots; every section is a module of snlp.eval.analysis (config dataclass in, res
                K = 1..N, IDN vs no correction: the staircase (App. "Correction Propagation") + heat map.
   early-exit   K = 0 PPL with the last N layers skipped (paper Table early_exit).
   elk          PPL over ELK a x init {h0, fwd, preheat} x chunkings of N layers at K = 1 (App. "ELK
-               Tempering and Preheat Initialization"); preheat from the attached calibration or a
+               Tempering and Preheat Initialization"); preheat from the checkpoint's calibration or a
                random-token one fitted here.
   preheat      preheat calibrated on random tokens vs on data, per chunking (K = 1, a = 0), h0 alongside.
   jacobi       JD x SNLP coupling (App. "Coupling SNLP with Jacobi Decoding"): naive composition (a

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from snlp.runtime.fmt import format_number
 from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
 
-INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration attached to the model)
+INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration passed as preheat=)
 GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"

@@ -1,6 +1,6 @@
 """ELK tempering x init, and preheat calibrations (App. "ELK Tempering and Preheat Initialization"):
   elk      PPL over ELK a x init {h0, fwd, preheat} x chunkings of N layers at K = 1; preheat from the
-           attached calibration or a random-token one fitted here.
+           checkpoint's calibration (preheat=) or a random-token one fitted here.
   preheat  preheat calibrated on random tokens vs on data, per chunking (K = 1, a = 0), h0 alongside.
 Every use of snlp.method.preheat is in `preheat_ppls`, so a change of the preheat API is one edit."""
 
