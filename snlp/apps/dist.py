@@ -65,6 +65,9 @@ def refuse_compile(args) -> None:
 
 def run_generate(args) -> int:
     """`torchrun --nproc_per_node=P -m snlp generate CKPT --distributed ...` (called by snlp.apps.generate.run)."""
+    if getattr(args, "share_weights", False) or getattr(args, "min_confidence", 0.0):
+        raise ValueError("--share-weights and --min-confidence are single-process drafter options; the distributed "
+                         "drafter keeps each rank's own fused chunk weights and drafts whole blocks: drop them")
     if args.mode not in ("snlp", "sequential", "speculative"):
         raise ValueError(f"--distributed supports --mode snlp, speculative or sequential (layer-pipelined), "
                          f"not {args.mode}")

@@ -41,6 +41,12 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
                         "round of each; the speedups reported are medians")
+    p.add_argument("--share-weights", action="store_true",
+                   help="speculative, M = 1 plans: the drafter's stacked weights and the verifier's layers share one "
+                        "storage (each weight byte streamed once; snlp.method.sharing)")
+    p.add_argument("--min-confidence", type=float, default=0.0,
+                   help="speculative: stop a round's drafting after a draft whose drafter probability is below this "
+                        "(adaptive drafting; 0 = always draft --block tokens; exact either way)")
     p.add_argument("--compile", action="store_true",
                    help="run prefill and decode steps compiled (torch.compile fullgraph static-shape steps, CUDA graphs on "
                         "CUDA; sequential, snlp and speculative modes); compile time is reported, not timed")
@@ -65,6 +71,9 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
+    if args.mode != "speculative" and (args.share_weights or args.min_confidence):
+        raise ValueError("--share-weights and --min-confidence shape the speculative drafter: use them with "
+                         "--mode speculative")
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
@@ -102,7 +111,8 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens):
                              preheat=preheat, **kw)
     if args.mode == "speculative":
         return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
-                                    seed=args.seed, compile=args.compile, preheat=preheat, **kw)
+                                    seed=args.seed, compile=args.compile, preheat=preheat,
+                                    share_weights=args.share_weights, min_confidence=args.min_confidence, **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
@@ -111,7 +121,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> s
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                             seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat)
+                                             seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
+                                             share_weights=args.share_weights, min_confidence=args.min_confidence)
     rep = rows[0]
     record["report"] = rep.to_dict()
     record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token

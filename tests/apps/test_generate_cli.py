@@ -66,6 +66,23 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     assert sampled["tokens"] == again["tokens"] and len(sampled["tokens"]) == 24
 
 
+def test_generate_shared_weights_and_adaptive_drafting_flags(ckpt, tmp_path, capsys):
+    """--share-weights and --min-confidence (issue 21 items 2-3) keep speculative decoding exact; other modes refuse
+    them rather than ignore them."""
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet")
+    spec = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF1-h0-K1", "--block", "4", "--share-weights",
+                "--min-confidence", "0.6", "--repeats", "1", "--quiet")
+    assert spec["tokens"] == seq["tokens"] and spec["matches_sequential"]
+    assert spec["drafted"] <= 4 * spec["rounds"]
+    assert main(["generate", str(ckpt), "--mode", "snlp", "--plan", "2xF1-h0-K1", "--share-weights"]) == 2
+    assert "--mode speculative" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--mode", "speculative", "--plan", "2xF2-h0-K1", "--share-weights"]) == 2
+    assert "M = 1" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1",
+                 "--min-confidence", "0.5"]) == 2  # refused before any process group starts
+    assert "single-process drafter options" in capsys.readouterr().err
+
+
 def test_generate_bad_arguments(ckpt, capsys):
     assert main(["generate", str(ckpt), "--mode", "nope"]) == 2
     assert "unknown mode 'nope'" in capsys.readouterr().err
