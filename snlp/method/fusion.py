@@ -215,8 +215,7 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
 
     hc = cfg.hc_streams > 0
     ve_gate, ve_slot = value_embed_weights(model, start, C, M)
-    windows = [cfg.window(l) for l in range(start, start + N)]
-    win = None if all(w < 0 for w in windows) else torch.tensor(windows, device=qkv.device).view(C, M, 1)
+    win = branch_windows(model, start, C, M, qkv.device)
     common = dict(start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
                   ve_slot=ve_slot, windows=win, qk_norm=cfg.qk_norm, q_norm=q_norm, k_norm=k_norm, eps=cfg.norm_eps,
                   swiglu_dim=Fh if cfg.mlp_act == "swiglu" else 0)
@@ -232,6 +231,14 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         fc=fc.view(C, M, D, Fp).permute(0, 2, 1, 3).reshape(C, D, M * Fp).contiguous(),
         proj=proj.reshape(C, M * Fh, D).contiguous(), alpha=alpha, beta=beta, ve_gate=ve_gate,
         qkv_bias=None if qkv_bias is None else qkv_bias.view(C, 1, -1), **common)
+
+
+def branch_windows(model: GPT, start: int, chunks: int, fuse: int, device) -> Tensor | None:
+    """Each branch's left attention context (C, M, 1), or None when every layer of the chunks attends fully."""
+    windows = [model.config.window(l) for l in range(start, start + chunks * fuse)]
+    if all(w < 0 for w in windows):
+        return None
+    return torch.tensor(windows, device=device).view(chunks, fuse, 1)
 
 
 def value_embed_weights(model: GPT, start: int, chunks: int, fuse: int) -> tuple[Tensor | None, Tensor | None]:

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from snlp.method.fusion import ChunkWeights, value_embed_weights
+from snlp.method.fusion import ChunkWeights, branch_windows, value_embed_weights
 from snlp.model.gpt import GPT
 
 
@@ -109,7 +109,6 @@ def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
         stack = _stack_of(rows)
         stacks[name] = stack if stack is not None else _rehome(rows)
     C = chunks
-    windows = [cfg.window(l) for l in range(start, start + C)]
     ve_gate, ve_slot = value_embed_weights(model, start, C, 1)  # tiny (G x Hkv per layer): copied
     alpha = beta = None
     if cfg.x0_residual:  # M = 1: the chunk's residual path is the layer's own scalars, gamma = 1
@@ -123,7 +122,7 @@ def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
         fc=stacks["fc"].transpose(1, 2),  # (C, D, F') view of (C, F', D)
         proj=stacks["proj"].transpose(1, 2),  # (C, F, D) view of (C, D, F)
         alpha=alpha, beta=beta, ve_gate=ve_gate, ve_slot=ve_slot,
-        windows=None if all(w < 0 for w in windows) else torch.tensor(windows, device=stacks["qkv"].device).view(C, 1, 1),
+        windows=branch_windows(model, start, C, 1, stacks["qkv"].device),
         qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, q_norm=row("q_norm"), k_norm=row("k_norm"), eps=cfg.norm_eps,
         swiglu_dim=stacks["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0,
         attn_in=row("attn_in"), mlp_in=row("mlp_in"))
