@@ -436,6 +436,8 @@ class DistributedSNLP:
         hS = self._prefix_state(ctx)
         h, boundary = self._init_states(ctx, hS, cache)  # (n, B, T, ..., D), the state chunk c0 reads
         gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
+        factors = self._factors(hS)
+        lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
         iters, updates, d, last_boundary = 0, [], None, None
         done = None  # tol: (B,) rows frozen by the per-row stop test, on every rank (as solver.solve)
         last_inputs = None  # tol: the chunk inputs of the last iteration (what frozen rows keep reading)
@@ -447,9 +449,9 @@ class DistributedSNLP:
             h_old = h
             tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
             prev = None  # non-forward order: the previous sweep's updates; for the first local chunk the
-            if d is not None and self._lagged:  # predecessor's is the change of the received boundary state
+            if d is not None and lagged:  # predecessor's is the change of the received boundary state
                 prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
-            d, h = self._correct(inputs, tilde, mix, h, prev, ctx, cache, gen)
+            d, h = self._correct(inputs, tilde, mix, h, prev, factors, ctx, cache, gen)
             if done is not None:  # frozen rows keep their states exactly and report a zero update
                 d, h = d.masked_fill(row_mask(done, d), 0), freeze_rows(done, h_old, h)
             last_boundary = boundary
@@ -497,20 +499,22 @@ class DistributedSNLP:
             return h, self._shift_boundary(h[-1], hS)
         return h, hS
 
-    @property
-    def _lagged(self) -> bool:  # from the plan, not a tensor: no device sync
-        return any(self.plan.lag_factors()[self.c0:self.c1])
+    def _factors(self, hS: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's link and lag (ELK / order) factors of the correction, (n, 1, ..., 1) each: built once per
+        solve, not per iteration (each is a host-to-device copy)."""
+        shape = (self.c1 - self.c0, *[1] * hS.dim())
+        return tuple(torch.tensor(f[self.c0:self.c1], dtype=hS.dtype, device=hS.device).view(shape)
+                     for f in (self.plan.link_factors(), self.plan.lag_factors()))
 
-    def _correct(self, inputs: Tensor, tilde: Tensor, mix, h: Tensor, prev: Tensor | None, ctx, cache, gen
-                 ) -> tuple[Tensor, Tensor]:
+    def _correct(self, inputs: Tensor, tilde: Tensor, mix, h: Tensor, prev: Tensor | None,
+                 factors: tuple[Tensor, Tensor], ctx, cache, gen) -> tuple[Tensor, Tensor]:
         """(d, h + d) of one iteration on this rank's chunks: the surrogate's A (none for Jacobi, I for IDN, the
         stream mixing for HCN, a local Hutchinson diagonal for DiagN) and the scan across all ranks' chunks."""
-        plan, n = self.plan, self.c1 - self.c0
+        plan = self.plan
         if isinstance(plan.surrogate, Jacobi):
             return tilde - h, tilde
         hcn = isinstance(plan.surrogate, HCN)
-        shape = (n, *[1] * (h.dim() - 1))  # (n, 1, ..., 1)
-        link = torch.tensor(plan.link_factors()[self.c0:self.c1], dtype=h.dtype, device=h.device).view(shape)
+        link, lag = factors
         if isinstance(plan.surrogate, Identity):
             A = None
         elif hcn:  # (n, B, T, n_s, n_s) stream mixing
@@ -519,7 +523,6 @@ class DistributedSNLP:
             A = self._local_diag(inputs, tilde, ctx, cache, gen)
         b = tilde - h
         if prev is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)} (non-forward order, snlp.method.solver)
-            lag = torch.tensor(plan.lag_factors()[self.c0:self.c1], dtype=h.dtype, device=h.device).view(shape)
             b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
         d = self._scan(link if A is None else A * link, b, matrix=hcn)
         return d, h + d
