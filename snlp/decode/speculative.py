@@ -99,8 +99,8 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
-                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0
-                          ) -> tuple[list[SSDRow], list[list[int]]]:
+                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
+                          adaptive: bool = False) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -122,7 +122,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
     seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
-    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence)
+    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence,
+                                           adaptive=adaptive)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
         for b in blocks:

@@ -130,3 +130,47 @@ def test_generate_compile_flag(ckpt, tmp_path, capsys):
     assert "compiled in" in capsys.readouterr().out
     assert main(["generate", str(ckpt), "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--compile"]) == 2
     assert "--compile supports" in capsys.readouterr().err
+
+
+def test_generate_prompts_file_in_batches(ckpt, tmp_path, capsys):
+    """--prompts-file (JSONL or one prompt per line) with --batch-size: one result per prompt, in order, each equal to
+    that prompt's own --prompt run; speculative rows equal batched sequential ones; unsupported combinations refused."""
+    texts = ["First Citizen:", "All: Speak", "You are all resolved rather to die", "Resolved."]
+    jl, txt = tmp_path / "p.jsonl", tmp_path / "p.txt"
+    jl.write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    txt.write_text("\n".join(texts) + "\n\n")
+    singles = [_gen_prompt(ckpt, tmp_path, t) for t in texts]
+    out = tmp_path / "b.json"
+    for f, extra in ((jl, ["--mode", "sequential", "--batch-size", "3"]),
+                     (txt, ["--mode", "speculative", "--plan", "2xF1-h0-K1", "--block", "3", "--batch-size", "4",
+                            "--adaptive-block"]),
+                     (txt, ["--mode", "snlp", "--plan", "4xF1-h0-K4", "--batch-size", "2"])):
+        assert main(["generate", str(ckpt), "--prompts-file", str(f), "--max-new-tokens", "24", "--json", str(out),
+                     *extra]) == 0
+        rec = json.loads(out.read_text())
+        assert [r["prompt"] for r in rec["results"]] == texts
+        assert [r["tokens"] for r in rec["results"]] == singles
+        assert rec["tokens"] == 24 * 4 and rec["tokens_per_s"] > 0
+    assert rec["mode"] == "snlp" and rec["batch_size"] == 2
+    printed = capsys.readouterr().out
+    assert f"[3] {texts[3]}" in printed and "prompts in batches of" in printed
+    assert main(["generate", str(ckpt), "--prompts-file", str(txt), "--mode", "speculative", "--plan", "2xF1-h0-K1",
+                 "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out), "--quiet"]) == 0
+    spec = json.loads(out.read_text())
+    assert spec["matches_sequential"] and spec["measured_speedup"] > 0
+    for bad, msg in ((["--mode", "jacobi", "--plan", "2xF1-h0-K1"], "one prompt at a time"),
+                     (["--prompt", "x"], "not both"), (["--batch-size", "0"], "--batch-size"),
+                     (["--distributed", "--mode", "sequential"], "single-process options")):
+        assert main(["generate", str(ckpt), "--prompts-file", str(txt), *bad]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--batch-size", "2"]) == 2
+    assert "give --prompts-file" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt field"}\n')
+    assert main(["generate", str(ckpt), "--prompts-file", str(tmp_path / "bad.jsonl")]) == 2
+    assert '"prompt" string' in capsys.readouterr().err
+
+
+def _gen_prompt(ckpt, tmp_path, text):
+    out = tmp_path / "one.json"
+    assert main(["generate", str(ckpt), "--prompt", text, "--max-new-tokens", "24", "--json", str(out), "--quiet"]) == 0
+    return json.loads(out.read_text())["tokens"]
