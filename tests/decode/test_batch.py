@@ -128,7 +128,7 @@ def test_adaptive_block_follows_the_acceptance_rate():
         ctl.update(0, 4, 4)
         ctl.update(1, 4, 0)
     assert ctl.block(0) == 6 and ctl.block(1) == 1
-    a = (ctl.acc[0] + 1) / (ctl.exam[0] + 2)
+    a = (ctl.acc[0] + 1) / (ctl.exam[0] + 1)
     assert ideal_ssd_speedup(a, 6, 3.0) >= max(ideal_ssd_speedup(a, b, 3.0) for b in range(1, 6))
 
 
