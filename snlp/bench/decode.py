@@ -67,7 +67,8 @@ def model_bytes(model: GPT) -> int:
 
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
                      blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
-                     compile: bool = False) -> list[DecodeRow]:
+                     compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
+                     adaptive: bool = False) -> list[DecodeRow]:
     """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
     and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
     with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
@@ -78,7 +79,8 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
     the latencies. With `compile`, each row's `host_syncs` counts the host syncs per step of its compiled
-    steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
+    steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract.
+    `share_weights` / `min_confidence` / `adaptive`: the speculative rows' drafter options (speculative_generate)."""
     for plan in plans:
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:
@@ -87,14 +89,16 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     model.eval()
     seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
-    drafts = {plan: snlp_step(bind(model, plan, check_finite=False), compile) for plan in plans}
+    drafts = {plan: snlp_step(bind(model, plan, check_finite=False, share_weights=share_weights), compile)
+              for plan in plans}
+    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
     for plan in plans:
         fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p]))(plan)
     for plan in plans:
         for b in blocks:
             fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
-                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq))(plan, b)
+                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq, **spec_kw))(plan, b)
     for _ in range(warmup):
         for fn in fns.values():
             fn()

@@ -174,3 +174,29 @@ def _gen_prompt(ckpt, tmp_path, text):
     out = tmp_path / "one.json"
     assert main(["generate", str(ckpt), "--prompt", text, "--max-new-tokens", "24", "--json", str(out), "--quiet"]) == 0
     return json.loads(out.read_text())["tokens"]
+
+
+def test_bench_decode_batches_and_drafter_flags(tmp_path, capsys):
+    """--batch-sizes: batched sequential vs batched SSD per size (+ shared weights, confidence stop, adaptive block as
+    variants), every row identical to its sequential output; the flags shape the single-prompt rows too."""
+    out = tmp_path / "b.json"
+    base = ["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97",
+            "--new-tokens", "6", "--prompt-len", "5", "--warmup", "0", "--runs", "1", "--json", str(out)]
+    assert main([*base, "--plans", "2xF1-h0-K1,1xF2-h0-K1", "--blocks", "3", "--batch-sizes", "1,3",
+                 "--share-weights", "--min-confidence", "0.5", "--adaptive-block"]) == 0
+    recs = json.loads(out.read_text())
+    keys = [(r["batch"], r["mode"], r["plan"], r["variant"]) for r in recs]
+    assert keys[:6] == [(1, "sequential", "sequential", ""), (1, "speculative", "2xF1-h0-K1", ""),
+                        (1, "speculative", "2xF1-h0-K1", "conf:0.5"), (1, "speculative", "2xF1-h0-K1", "adaptive"),
+                        (1, "speculative", "2xF1-h0-K1", "+shared"), (1, "speculative", "2xF1-h0-K1", "conf:0.5+shared")]
+    assert (3, "speculative", "1xF2-h0-K1", "adaptive") in keys and (3, "speculative", "1xF2-h0-K1", "+shared") not in keys
+    assert all(r["matches_sequential"] and r["tokens_per_s"] > 0 for r in recs)
+    assert all(len(r["prompt_lens"]) == r["batch"] for r in recs)
+    assert "vs batched seq" in capsys.readouterr().out
+    assert main([*base, "--plans", "2xF1-h0-K1", "--blocks", "2", "--share-weights", "--min-confidence", "0.4"]) == 0
+    assert all(r["matches_sequential"] for r in json.loads(out.read_text()))
+    assert main([*base, "--plans", "1xF2-h0-K1", "--share-weights"]) == 2
+    assert "M = 1" in capsys.readouterr().err
+    assert main(["bench", "--depth", "4", "--width", "32", "--head-dim", "16", "--batch-sizes", "2"]) == 2
+    assert "use them with --decode" in capsys.readouterr().err
+    assert main([*base, "--plans", "2xF1-h0-K1", "--batch-sizes", "0"]) == 2
