@@ -96,9 +96,10 @@ class BatchSession:
     def positions(self, T: int, extra: list[int] | None = None) -> Tensor:
         """(B, T) positions of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
         along (compiled) sit at their frozen length, which is scratch."""
-        base = torch.tensor(self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)],
-                            device=self.device)
-        return base[:, None] + torch.arange(T, device=self.device)
+        starts = self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)]
+        if self.compact:  # eager: attention covers positions 0..span-1 only (KVCache.write), all this call needs
+            self.cache.span = max(starts) + T
+        return torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
 
     def ids(self, rows: list[list[int]], T: int | None = None) -> Tensor:
         """(B, T) ids, each row padded at its end (repeating its last token) to T (default: the longest row)."""
@@ -114,6 +115,7 @@ class BatchSession:
         t0 = now(self.device)
         if T > 0:
             rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]
+            self.cache.span = T if self.compact else None
             step.ragged(self.ids(rows, T), pos, self.cache)
         self.prefill_s = now(self.device) - t0
         for r in self.results:
