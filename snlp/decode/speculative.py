@@ -274,8 +274,10 @@ class AdaptiveBlock:
     0.9 per round: about the last 10 rounds, so it follows changes in how predictable the text is); the prior is
     one accepted draft, optimistic like the first round, which drafts max_block. (A uniform prior, (acc + 1) /
     (exam + 2), with a shorter memory caps the estimate near 0.94 even when every draft is accepted and, measured
-    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) Exact by
-    construction: only how many tokens are drafted changes; the verifier checks whatever was drafted."""
+    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch the
+    round drafts the largest of the live rows' blocks for every row (a batched drafter step costs the same whatever
+    the rows want). Exact by construction: only how many tokens are drafted changes; the verifier checks whatever
+    was drafted."""
 
     def __init__(self, max_block: int, rows: int = 1, decay: float = 0.9):
         self.max_block, self.decay = max_block, decay
@@ -371,8 +373,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
         ses.prefill(verify_fwd)
         while ses.active:
             live = set(ses.live())
-            want = [0 if j not in live else min(block if ctl is None else ctl.block(j), ses.remaining(j) - 1)
-                    for j in range(len(ses.rows))]
+            # adaptive: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same for
+            # every row, so a row that drafted less would only lose tokens (its extra drafts cost verifier width)
+            b = block if ctl is None else max(ctl.block(j) for j in live)
+            want = [0 if j not in live else min(b, ses.remaining(j) - 1) for j in range(len(ses.rows))]
             t0 = now(ses.device)
             drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
             t1 = now(ses.device)
