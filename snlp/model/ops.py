@@ -54,6 +54,8 @@ def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, de
     the leading dims before B (e.g. (C, M, 1) per fused branch, whose trailing 1 is the batch dim)."""
     if isinstance(q_start, Tensor) and q_start.dim() == 2:
         diff = q_start.to(device)[:, None, :, None] - torch.arange(S, device=device)  # (B, 1, T, S)
+        if isinstance(windows, int) and windows < 0:  # full attention: causal only (fewer ops per layer and step)
+            return diff >= 0
         w = torch.as_tensor(windows, device=device)[..., None, None, None]
         return (diff >= 0) & ((w < 0) | (diff <= w))
     if isinstance(q_start, Tensor):
