@@ -33,11 +33,21 @@ from torch import Tensor
 
 from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
 from snlp.decode.steps import EagerStep, Step
+from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
 
 RowsCallback = Callable[[int, list[int]], None]  # on_tokens of a batch: (prompt index, new tokens)
+
+
+def check_batch_plan(plan) -> None:
+    """Raise a ValueError for plans batched decoding cannot run: the DiagN / Newton surrogates evaluate probes or JVPs
+    through a read-only view of the cache that takes one Python start position, not per-row positions."""
+    if plan is not None and isinstance(plan.surrogate, (DiagN, Newton)):
+        raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate's probes read the KV cache at one start "
+                         f"position, not per row; batched decoding supports the idn, none and hcn surrogates (decode "
+                         f"the prompts one at a time for this plan)")
 
 
 def is_batch(prompt_ids) -> bool:
@@ -174,6 +184,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                          temperature: float, eos_id: int | None, seed: int | None, max_len: int | None,
                          on_tokens: RowsCallback | None) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
+    check_batch_plan(plan)
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
                            forward.slack, temperature, seed)

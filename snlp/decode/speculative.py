@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.batch import BatchSession, is_batch
+from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
                                  merge_results, sequential_forward, snlp_forward, step_slack)
@@ -361,6 +361,7 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
     """Self-speculative decoding of a ragged batch (snlp.decode.batch): per round, every live row drafts its own
     number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
     own length (its "rollback")."""
+    check_batch_plan(plan)
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
                            step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)

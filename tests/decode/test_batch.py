@@ -175,3 +175,28 @@ def test_batched_greedy_equals_transformers_left_padded_generate(family):
     assert [r.tokens for r in sequential_generate(model, prompts, max_new_tokens=n)] == out
     for plan in ("4xF1-h0-K1", "2xF2-h0-K1"):
         assert [r.tokens for r in speculative_generate(model, prompts, plan, block=3, max_new_tokens=n)] == out
+
+
+def test_mhc_hcn_and_preheat_plans_batch_exactly_and_diag_is_refused():
+    """mHC models with the HCN surrogate and preheat plans decode ragged batches row-exactly too; DiagN / Newton,
+    whose probes read the cache at one start position, are refused with a clear error."""
+    from conftest import mhc_model
+
+    from snlp.method.preheat import CalibrateConfig, fit
+
+    m = mhc_model(n_layer=5)
+    prompts = _prompts(m, [3, 7, 1], 0)
+    seq = [sequential_generate(m, p, max_new_tokens=8).tokens for p in prompts]
+    for plan in ("4xF1-h0-K1-hcn", "2xF2-h0-K1-hcn"):
+        assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=8)] == \
+            [snlp_generate(m, p, plan, max_new_tokens=8).tokens for p in prompts]
+        assert [r.tokens for r in speculative_generate(m, prompts, plan, block=3, max_new_tokens=8)] == seq
+    p = make_model(seed=9, n_layer=5)
+    pre = fit(p, CalibrateConfig(rank=4, batch=2, seq_len=16))
+    prompts = _prompts(p, [2, 5], 9)
+    assert [r.tokens for r in snlp_generate(p, prompts, "4xF1-preheat-K1", max_new_tokens=6, preheat=pre)] == \
+        [snlp_generate(p, q, "4xF1-preheat-K1", max_new_tokens=6, preheat=pre).tokens for q in prompts]
+    with pytest.raises(ValueError, match="per row"):
+        snlp_generate(p, prompts, "4xF1-h0-K1-diag")
+    with pytest.raises(ValueError, match="per row"):
+        speculative_generate(p, prompts, "4xF1-h0-K1-diag")
