@@ -29,18 +29,20 @@ def _prompts(model, lens, seed):
 @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(min_layers=4, max_layers=6), seed=st.integers(0, 100),
        lens=st.lists(st.integers(1, 9), min_size=2, max_size=4), block=st.integers(1, 4),
-       plan=st.sampled_from(PLANS), n=st.integers(1, 10))
-def test_every_row_equals_its_own_single_prompt_run(cfg, seed, lens, block, plan, n):
-    """fp64: batched sequential / SNLP / speculative (fixed and adaptive block) rows equal the single-prompt runs,
-    and the greedy speculative rows equal sequential greedy decoding."""
+       plan=st.sampled_from(PLANS), n=st.integers(1, 10), eos=st.one_of(st.none(), st.integers(0, 60)))
+def test_every_row_equals_its_own_single_prompt_run(cfg, seed, lens, block, plan, n, eos):
+    """fp64: batched sequential / SNLP / speculative (fixed and adaptive block, confidence stop) rows equal the
+    single-prompt runs, and the greedy speculative rows equal sequential greedy decoding; with an EOS id rows end
+    (and leave the batch) at different steps."""
     m = make_model(seed=seed, **cfg)
     prompts = _prompts(m, lens, seed)
-    seq = [sequential_generate(m, p, max_new_tokens=n).tokens for p in prompts]
-    assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == seq
-    assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=n)] == \
-        [snlp_generate(m, p, plan, max_new_tokens=n).tokens for p in prompts]
+    kw0 = dict(max_new_tokens=n, eos_id=eos)
+    seq = [sequential_generate(m, p, **kw0).tokens for p in prompts]
+    assert [r.tokens for r in sequential_generate(m, prompts, **kw0)] == seq
+    assert [r.tokens for r in snlp_generate(m, prompts, plan, **kw0)] == \
+        [snlp_generate(m, p, plan, **kw0).tokens for p in prompts]
     for kw in (dict(), dict(adaptive=True), dict(min_confidence=0.5)):
-        rows = speculative_generate(m, prompts, plan, block=block, max_new_tokens=n, **kw)
+        rows = speculative_generate(m, prompts, plan, block=block, **kw0, **kw)
         assert [r.tokens for r in rows] == seq
         assert all(r.drafted <= r.rounds * block and r.accepted <= r.drafted for r in rows)
 
@@ -63,7 +65,8 @@ def test_rows_stop_on_their_own_and_stream_in_order():
     prompts = _prompts(m, [2, 6, 4, 1], 3)
     eos = sequential_generate(m, prompts[1], max_new_tokens=12).tokens[3]  # row 1 ends at its 4th token
     streamed = {i: [] for i in range(4)}
-    for fn, kw in ((sequential_generate, {}), (speculative_generate, dict(plan="4xF1-h0-K1", block=3))):
+    for fn, kw in ((sequential_generate, {}), (speculative_generate, dict(plan="4xF1-h0-K1", block=3)),
+                   (speculative_generate, dict(plan="2xF2-h0-K1", block=4, adaptive=True, min_confidence=0.3))):
         for i in streamed:
             streamed[i].clear()
         rows = fn(m, prompts, max_new_tokens=12, eos_id=eos, max_len=14,
