@@ -16,10 +16,12 @@ import torch
 from snlp.decode.generate import MODES, sequential_generate, snlp_generate
 from snlp.decode.jacobi import jacobi_generate
 from snlp.decode.session import check_decode_args
+from snlp.decode.steps import sequential_step, snlp_step
 from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
 from snlp.method.plan import Plan
+from snlp.method.solver import bind
 from snlp.runtime.device import cli_device, write_json
 
 
@@ -121,19 +123,23 @@ def streamer(tok):
     return on_tokens
 
 
-def decode(args, model, prompt, plan, preheat, eos_id, on_tokens):
+def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None):
+    """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
+    graphs (--prompts-file decodes one batch per call)."""
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
+    steps = steps or {}
     if args.mode == "sequential":
         return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
-                                   **kw)
+                                   step=steps.get("seq"), **kw)
     if args.mode == "snlp":
         return snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, compile=args.compile,
-                             preheat=preheat, **kw)
+                             preheat=preheat, step=steps.get("draft"), **kw)
     if args.mode == "speculative":
         return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
                                     seed=args.seed, compile=args.compile, preheat=preheat,
                                     share_weights=args.share_weights, min_confidence=args.min_confidence,
-                                    adaptive=args.adaptive_block, **kw)
+                                    adaptive=args.adaptive_block, draft=steps.get("draft"), verify=steps.get("seq"),
+                                    **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
@@ -183,12 +189,24 @@ def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str 
     decode seconds summed over the batches (each batch's wall time, prefill excluded). Row i samples with seed
     --seed + i (snlp.decode.batch)."""
     results, wall = [], 0.0
+    steps = shared_steps(args, model, plan, preheat)
     for k in range(0, len(prompts), args.batch_size):
         a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
-        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None)
+        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None, steps)
         results.extend(rows)
         wall += rows[0].extra["batch"]["wall_s"]
     return results, wall
+
+
+def shared_steps(args, model, plan, preheat) -> dict:
+    """--compile: the sequential and drafter steps built once, so every batch reuses their compiled graphs."""
+    if not args.compile:
+        return {}
+    steps = {"seq": sequential_step(model, compile=True)}
+    if plan is not None:
+        steps["draft"] = snlp_step(bind(model, plan, check_finite=False, preheat=preheat,
+                                        share_weights=args.share_weights and args.mode == "speculative"), compile=True)
+    return steps
 
 
 def argparse_copy(args, **kw):
