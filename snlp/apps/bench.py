@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from snlp.bench.decode import DecodeRow, decode_benchmark
+from snlp.bench.decode import DecodeRow, batch_decode_benchmark, decode_benchmark
 from snlp.bench.forward import ForwardRow, ModelSpec, benchmark, build_model
 from snlp.bench.ops import OpRow, op_benchmark
 from snlp.bench.records import write_records
 from snlp.method.plan import Plan, parse_plans
+from snlp.method.sharing import check_shareable
 from snlp.model.gpt import GPT
 from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
 
@@ -73,6 +74,19 @@ def _add_decode_flags(p) -> None:
     dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
+    dec.add_argument("--batch-sizes", default=None,
+                     help="comma-separated batch sizes, e.g. 1,4,8: batched decoding of ragged prompts (one batch of "
+                          "each size), aggregate tok/s of batched sequential vs batched SSD per size, every row checked "
+                          "against its own sequential output")
+    dec.add_argument("--share-weights", action="store_true",
+                     help="speculative rows: the drafter shares the verifier's weights (M = 1 plans; with --batch-sizes "
+                          "both off and on are measured)")
+    dec.add_argument("--min-confidence", type=float, default=0.0,
+                     help="speculative rows: stop a round's drafting after a draft below this drafter probability "
+                          "(with --batch-sizes an extra variant beside the fixed block)")
+    dec.add_argument("--adaptive-block", action="store_true",
+                     help="speculative rows: the block adapts to the running acceptance rate (with --batch-sizes an "
+                          "extra variant beside the fixed block)")
     dec.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads, also for the teacher-forced and --ops runs (tiny ops: 1 is often best "
                           "on a shared CPU)")
@@ -162,6 +176,9 @@ def run(args) -> int:
         from snlp.apps.dist import run_bench
 
         return run_bench(args, model_spec(args))
+    if not args.decode and (args.batch_sizes or args.share_weights or args.min_confidence or args.adaptive_block):
+        raise ValueError("--batch-sizes, --share-weights, --min-confidence and --adaptive-block shape the decode "
+                         "benchmark: use them with --decode")
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if args.ops:
         return run_ops(args, counts)
@@ -224,14 +241,51 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     Console(width=160).print(table)
 
 
+def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...], device, dtype: str) -> int:
+    """--decode --batch-sizes: batched sequential vs batched SSD at each batch size (snlp.bench.decode)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
+    rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
+                                  args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
+                                  min_confidence=args.min_confidence, adaptive=args.adaptive_block)
+    table = Table(title=f"batched greedy decode{' (compiled)' if args.compile else ''}: ragged prompts "
+                        f"{args.prompt_len // 2 or 1}-{args.prompt_len} tokens, new={args.new_tokens}, {dtype} on "
+                        f"{device_label(device)}, median of {args.runs} runs, tok/s = the batch's aggregate")
+    for col in ("batch", "mode", "plan", "B", "variant", "tok/s", "vs batched seq", "alpha", "tok/round", "=seq"):
+        table.add_column(col, justify="left" if col in ("mode", "plan", "variant") else "right")
+    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+    for r in rows:
+        table.add_row(str(r.batch), r.mode, r.plan, f(r.block, "{}"), r.variant or "-", f"{r.tokens_per_s:.1f}",
+                      f"{r.speedup:.2f}x", f(r.alpha, "{:.3f}"), f(r.tokens_per_round, "{:.2f}"),
+                      "yes" if r.matches_sequential else "no")
+    Console(width=160).print(table)
+    write_records(rows, args.json, args.csv)
+    return 0
+
+
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
     set_threads(args.threads)
     try:
         blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     except ValueError:
         raise ValueError(f"--blocks must be comma-separated integers, got {args.blocks!r}") from None
+    if not 0.0 <= args.min_confidence <= 1.0:
+        raise ValueError(f"--min-confidence must lie in [0, 1], a probability (got {args.min_confidence})")
+    if args.batch_sizes is not None:
+        return run_batch_decode(args, model, plans, blocks, device, dtype)
+    if args.share_weights:
+        for plan in plans:
+            check_shareable(model, plan.fuse)
     rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
-                            args.seed, compile=args.compile)
+                            args.seed, compile=args.compile, share_weights=args.share_weights,
+                            min_confidence=args.min_confidence, adaptive=args.adaptive_block)
     cfg = model.config
     print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
                              f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "

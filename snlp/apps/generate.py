@@ -7,6 +7,7 @@ identical to sequential), jacobi (Jacobi decoding over a block of future tokens,
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import torch
 from snlp.decode.generate import MODES, sequential_generate, snlp_generate
 from snlp.decode.jacobi import jacobi_generate
 from snlp.decode.session import check_decode_args
+from snlp.decode.steps import sequential_step, snlp_step
 from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
 from snlp.method.plan import Plan
+from snlp.method.solver import bind
 from snlp.runtime.device import cli_device, write_json
 
 
@@ -47,6 +50,15 @@ def add_arguments(p) -> None:
     p.add_argument("--min-confidence", type=float, default=0.0,
                    help="speculative: stop a round's drafting after a draft whose drafter probability is below this "
                         "(adaptive drafting; 0 = always draft --block tokens; exact either way)")
+    p.add_argument("--adaptive-block", action="store_true",
+                   help="speculative: each round drafts the block (1..--block) that maximises the expected tokens per "
+                        "second at the running acceptance rate and the measured drafter/verifier costs (exact either way)")
+    p.add_argument("--prompts-file", default=None,
+                   help="decode every prompt of this file instead of --prompt: JSONL with a \"prompt\" field per line, "
+                        "or one prompt per line; results are printed (and written to --json) one per prompt, in order")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="--prompts-file: decode this many prompts at once as one ragged batch (sequential, snlp, "
+                        "speculative; every row's tokens equal its own single-prompt output)")
     p.add_argument("--compile", action="store_true",
                    help="run prefill and decode steps compiled (torch.compile fullgraph static-shape steps, CUDA graphs on "
                         "CUDA; sequential, snlp and speculative modes); compile time is reported, not timed")
@@ -71,9 +83,19 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
-    if args.mode != "speculative" and (args.share_weights or args.min_confidence):
-        raise ValueError("--share-weights and --min-confidence shape the speculative drafter: use them with "
-                         "--mode speculative")
+    if args.mode != "speculative" and (args.share_weights or args.min_confidence or args.adaptive_block):
+        raise ValueError("--share-weights, --min-confidence and --adaptive-block shape the speculative drafter: use "
+                         "them with --mode speculative")
+    if not isinstance(args.batch_size, int) or args.batch_size < 1:
+        raise ValueError(f"--batch-size must be an integer >= 1 (got {args.batch_size!r})")
+    if args.prompts_file is None and args.batch_size != 1:
+        raise ValueError("--batch-size batches the prompts of --prompts-file: give --prompts-file")
+    if args.prompts_file is not None:
+        if args.prompt:
+            raise ValueError("give either --prompt or --prompts-file, not both")
+        if args.mode == "jacobi":
+            raise ValueError("--prompts-file decodes batches with --mode sequential, snlp or speculative; Jacobi "
+                             "decoding serves one prompt at a time (use --prompt)")
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
@@ -101,18 +123,23 @@ def streamer(tok):
     return on_tokens
 
 
-def decode(args, model, prompt, plan, preheat, eos_id, on_tokens):
+def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None):
+    """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
+    graphs (--prompts-file decodes one batch per call)."""
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
+    steps = steps or {}
     if args.mode == "sequential":
         return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
-                                   **kw)
+                                   step=steps.get("seq"), **kw)
     if args.mode == "snlp":
         return snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, compile=args.compile,
-                             preheat=preheat, **kw)
+                             preheat=preheat, step=steps.get("draft"), **kw)
     if args.mode == "speculative":
         return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
                                     seed=args.seed, compile=args.compile, preheat=preheat,
-                                    share_weights=args.share_weights, min_confidence=args.min_confidence, **kw)
+                                    share_weights=args.share_weights, min_confidence=args.min_confidence,
+                                    adaptive=args.adaptive_block, draft=steps.get("draft"), verify=steps.get("seq"),
+                                    **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
@@ -122,7 +149,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> s
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
-                                             share_weights=args.share_weights, min_confidence=args.min_confidence)
+                                             share_weights=args.share_weights, min_confidence=args.min_confidence,
+                                             adaptive=args.adaptive_block)
     rep = rows[0]
     record["report"] = rep.to_dict()
     record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
@@ -132,7 +160,100 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> s
             f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a --prompts-file: JSONL (every non-empty line a JSON object with a "prompt" string) or plain
+    text (one prompt per non-empty line; a line is JSONL if it starts with "{")."""
+    if not Path(path).is_file():
+        raise ValueError(f"--prompts-file {path} does not exist")
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: a line starting with '{{' must be a JSON object ({e})") from e
+            if not isinstance(rec.get("prompt"), str):
+                raise ValueError(f"{path}:{n}: a JSONL line needs a \"prompt\" string field")
+            prompts.append(rec["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
+    return prompts
+
+
+def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str | None = None) -> tuple[list, float]:
+    """Decode the prompts in batches of --batch-size (one ragged batch each); returns the results in order and the
+    decode seconds summed over the batches (each batch's wall time, prefill excluded). Row i samples with seed
+    --seed + i (snlp.decode.batch)."""
+    results, wall = [], 0.0
+    steps = shared_steps(args, model, plan, preheat)
+    for k in range(0, len(prompts), args.batch_size):
+        a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
+        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None, steps)
+        results.extend(rows)
+        wall += rows[0].extra["batch"]["wall_s"]
+    return results, wall
+
+
+def shared_steps(args, model, plan, preheat) -> dict:
+    """--compile: the sequential and drafter steps built once, so every batch reuses their compiled graphs."""
+    if not args.compile:
+        return {}
+    steps = {"seq": sequential_step(model, compile=True)}
+    if plan is not None:
+        steps["draft"] = snlp_step(bind(model, plan, check_finite=False, preheat=preheat,
+                                        share_weights=args.share_weights and args.mode == "speculative"), compile=True)
+    return steps
+
+
+def argparse_copy(args, **kw):
+    new = type(args)(**vars(args))
+    for k, v in kw.items():
+        setattr(new, k, v)
+    return new
+
+
+def run_prompts_file(args, model, tok, plan, preheat) -> int:
+    """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
+    texts = read_prompts(args.prompts_file)
+    pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
+    prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
+    res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id)
+    total = sum(len(r.tokens) for r in res)
+    record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
+              "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
+              "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens),
+                           **{k: v for k, v in r.to_dict().items() if k not in ("tokens", "extra")}}
+                          for t, r in zip(texts, res)]}
+    for i, (t, r) in enumerate(zip(texts, res)):
+        if not args.quiet:
+            print(f"[{i}] {t}{tok.decode(r.tokens)}")
+    stats = f"[{args.mode}{' ' + str(plan) if plan else ''}] {len(prompts)} prompts in batches of {args.batch_size}: " \
+            f"{total} tokens, {record['tokens_per_s']:.1f} tok/s"
+    if args.mode == "speculative":
+        acc, exam = sum(r.accepted for r in res), sum(r.examined for r in res)
+        stats += f", alpha={acc / exam if exam else float('nan'):.3f}"
+        if not args.no_baseline:  # batched sequential decoding of the same batches: tokens and speed side by side
+            seq, seq_wall = decode_batches(args, model, prompts, plan, preheat, eos_id, mode="sequential")
+            record["sequential_tokens_per_s"] = sum(len(r.tokens) for r in seq) / seq_wall
+            record["matches_sequential"] = all(a.tokens == b.tokens for a, b in zip(res, seq))
+            record["measured_speedup"] = record["tokens_per_s"] / record["sequential_tokens_per_s"]
+            stats += f", speedup {record['measured_speedup']:.2f}x over batched sequential " \
+                     f"({record['sequential_tokens_per_s']:.1f} tok/s; one run each, no warm-up: use snlp bench " \
+                     f"--decode for medians), identical: {record['matches_sequential']}"
+    print(stats)
+    if args.json:
+        write_json(args.json, record)
+    return 0
+
+
 def run(args) -> int:
+    if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
+        raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
+                         "--distributed decodes one --prompt: drop them")
     if args.distributed:
         from snlp.apps.dist import run_generate
 
@@ -145,9 +266,11 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    prompt, eos_id = prompt_ids(args, tok)
     plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
     preheat = plans_preheat(args.ckpt, model, [plan])
+    if args.prompts_file is not None:
+        return run_prompts_file(args, model, tok, plan, preheat)
+    prompt, eos_id = prompt_ids(args, tok)
     if not args.quiet:
         sys.stdout.write(args.prompt)
     res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok))

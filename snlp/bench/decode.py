@@ -67,7 +67,8 @@ def model_bytes(model: GPT) -> int:
 
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
                      blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
-                     compile: bool = False) -> list[DecodeRow]:
+                     compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
+                     adaptive: bool = False) -> list[DecodeRow]:
     """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
     and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
     with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
@@ -78,7 +79,8 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     the baseline gets the same treatment as the plans. Compilation happens in the warm-up (and in each
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
     the latencies. With `compile`, each row's `host_syncs` counts the host syncs per step of its compiled
-    steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract."""
+    steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract.
+    `share_weights` / `min_confidence` / `adaptive`: the speculative rows' drafter options (speculative_generate)."""
     for plan in plans:
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:
@@ -87,14 +89,16 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     model.eval()
     seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
-    drafts = {plan: snlp_step(bind(model, plan, check_finite=False), compile) for plan in plans}
+    drafts = {plan: snlp_step(bind(model, plan, check_finite=False, share_weights=share_weights), compile)
+              for plan in plans}
+    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
     for plan in plans:
         fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p]))(plan)
     for plan in plans:
         for b in blocks:
             fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
-                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq))(plan, b)
+                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq, **spec_kw))(plan, b)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -147,4 +151,109 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
             row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)
         rows.append(row)
+    return rows
+
+
+@dataclass
+class BatchDecodeRow:
+    """One row of the batched decode benchmark (`batch_decode_benchmark`): a batch size, a mode and its drafter
+    options. tokens_per_s is the batch's aggregate: all rows' tokens over the batch's decode wall time (prefill
+    excluded), the median over runs; speedup is over batched sequential decoding at the same batch size."""
+
+    batch: int
+    mode: str  # sequential | speculative
+    plan: str
+    block: int | None
+    variant: str  # "" (fixed block), "adaptive" (AdaptiveBlock), "conf:<t>" (min_confidence), "+shared" (share_weights)
+    tokens_per_s: float
+    speedup: float
+    matches_sequential: bool  # every row equals its own single-prompt sequential greedy output, every run
+    alpha: float | None
+    tokens_per_round: float | None
+    drafted_per_round: float | None
+    new_tokens: int
+    prompt_lens: list
+    runs: int
+    compiled: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _variants(plans, blocks, share_weights: bool, min_confidence: float, adaptive: bool) -> list[tuple]:
+    """(plan, block, variant, speculative_generate kwargs) of every speculative row."""
+    out = []
+    for plan in plans:
+        for b in blocks:
+            for shared in (False, True) if share_weights and plan.fuse == 1 else (False,):  # sharing needs M = 1
+                tag = "+shared" if shared else ""
+                out.append((plan, b, tag, dict(share_weights=shared)))
+                if min_confidence:
+                    out.append((plan, b, f"conf:{min_confidence:g}{tag}", dict(share_weights=shared,
+                                                                             min_confidence=min_confidence)))
+                if adaptive:
+                    out.append((plan, b, f"adaptive{tag}", dict(share_weights=shared, adaptive=True)))
+    return out
+
+
+def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8), prompt_len: int = 16,
+                           new_tokens: int = 64, blocks=(4,), warmup: int = 1, runs: int = 3, seed: int = 0,
+                           compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
+                           adaptive: bool = False) -> list[BatchDecodeRow]:
+    """Batched greedy decoding (snlp.decode.batch) at each batch size: sequential vs self-speculative with every
+    plan x block (x shared weights off/on, x the --min-confidence stop, x the adaptive block), measured round-robin
+    in one process after `warmup` untimed runs. The prompts are ragged (lengths prompt_len/2..prompt_len, seeded);
+    every row is checked against its own single-prompt sequential output. Steps are built once per side and shared
+    by every run (compiled ones during the warm-up)."""
+    for plan in plans:
+        plan.check(model.config.n_layer)
+    if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1 or min(batch_sizes) < 1:
+        raise ValueError("--prompt-len, --new-tokens, every block size and every batch size must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (max(batch_sizes),), generator=gen).tolist()
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    model.eval()
+    seq = sequential_step(model, compile)
+    ref = [sequential_generate(model, p, new_tokens, step=seq).tokens for p in prompts]
+    specs = _variants(plans, blocks, share_weights, min_confidence, adaptive)
+    drafts = {(p, kw.get("share_weights", False)): snlp_step(bind(model, p, check_finite=False,
+                                                                  share_weights=kw.get("share_weights", False)), compile)
+              for p, _, _, kw in specs}
+    rows = []
+    for B in batch_sizes:
+        ps = prompts[:B]
+        fns = {("sequential", "sequential", None, ""): lambda: sequential_generate(model, [*ps], new_tokens, step=seq)}
+        for plan, b, tag, kw in specs:
+            kw = {k: v for k, v in kw.items() if k != "share_weights"}
+            fns[("speculative", str(plan), b, tag)] = (lambda p, b, kw, d: lambda: speculative_generate(
+                model, [*ps], p, b, new_tokens, draft=d, verify=seq, **kw))(
+                plan, b, kw, drafts[(plan, "shared" in tag)])
+        rows += _batch_rows(fns, ref[:B], warmup, runs, dict(batch=B, new_tokens=new_tokens, prompt_lens=lens[:B],
+                                                             runs=runs, compiled=compile))
+    return rows
+
+
+def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> list[BatchDecodeRow]:
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    res = {k: [] for k in fns}
+    for _ in range(runs):  # round-robin: load drift hits every row alike
+        for k, fn in fns.items():
+            res[k].append(fn())
+    tps = {k: statistics.median(r[0].extra["batch"]["tokens_per_s"] for r in rs) for k, rs in res.items()}
+    base = tps[("sequential", "sequential", None, "")]
+    rows = []
+    for (mode, plan, b, tag), rs in res.items():
+        last = rs[-1]
+        rounds, drafted = sum(r.rounds for r in last), sum(r.drafted for r in last)
+        acc, exam = sum(r.accepted for r in last), sum(r.examined for r in last)
+        spec = mode == "speculative"
+        rows.append(BatchDecodeRow(
+            mode=mode, plan=plan, block=b, variant=tag, tokens_per_s=tps[(mode, plan, b, tag)],
+            speedup=tps[(mode, plan, b, tag)] / base,
+            matches_sequential=all([r.tokens for r in run] == ref for run in rs),
+            alpha=acc / exam if spec and exam else None,
+            tokens_per_round=sum(len(r.tokens) for r in last) / rounds if spec and rounds else None,
+            drafted_per_round=drafted / rounds if spec and rounds else None, **common))
     return rows

@@ -1,4 +1,4 @@
-"""Decoding: static-shape steps, one decode session, and sequential / SNLP / self-speculative / Jacobi generation."""
+"""Decoding: static-shape steps, one decode session, ragged batches (snlp.decode.batch), and sequential / SNLP / self-speculative / Jacobi generation."""
 
 from snlp.decode.generate import MODES, sequential_generate, snlp_generate
 from snlp.decode.jacobi import jacobi_generate

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from snlp.decode.batch import batch_autoregressive, is_batch
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
                                  pick_token, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
@@ -28,6 +29,9 @@ MODES = ("sequential", "snlp", "speculative", "jacobi")
 def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed, max_len,
                     on_tokens) -> GenerateResult:
     check_decode_args(max_new_tokens, temperature)
+    if is_batch(prompt_ids):
+        return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed,
+                                    max_len, on_tokens)
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
         ses.result.plan = None if plan is None else str(plan)
@@ -49,10 +53,13 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
                         on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
-                        step: Step | EagerStep | None = None) -> GenerateResult:
+                        step: Step | EagerStep | None = None) -> GenerateResult | list[GenerateResult]:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
     the decode step run as compiled static-shape steps (snlp.decode.steps; compiled before timing, compile_s);
-    `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs."""
+    `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs.
+    A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns one
+    GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
+    prompt i's tokens."""
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 
@@ -60,11 +67,14 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
                   on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
-                  step: Step | EagerStep | None = None, preheat: Preheat | None = None) -> GenerateResult:
+                  step: Step | EagerStep | None = None, preheat: Preheat | None = None
+                  ) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
     model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
-    `sequential_generate` (snlp.decode.steps.snlp_step). `preheat`: the calibration a -preheat- plan needs."""
+    `sequential_generate` (snlp.decode.steps.snlp_step). `preheat`: the calibration a -preheat- plan needs. A list of
+    prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
+    its own, so a row's tokens do not depend on the batch)."""
     plan = decode_plan(model, plan)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
                                  merge_results, sequential_forward, snlp_forward, step_slack)
@@ -98,8 +99,8 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
-                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0
-                          ) -> tuple[list[SSDRow], list[list[int]]]:
+                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
+                          adaptive: bool = False) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -121,7 +122,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
     seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
-    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence)
+    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence,
+                                           adaptive=adaptive)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
         for b in blocks:
@@ -181,7 +183,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                         share_weights: bool = False, min_confidence: float = 0.0) -> GenerateResult:
+                         share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False
+                         ) -> GenerateResult | list[GenerateResult]:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -198,13 +201,23 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     is streamed once. `min_confidence` (adaptive drafting, SWIFT/Kangaroo-style): a round stops drafting after
     a draft whose drafter probability (its top-1 probability when greedy, the sampled token's when sampling)
     is below it, so drafts that are likely rejected cost no drafter steps; 0 drafts the whole block. Exact by
-    construction: the verifier checks whatever was drafted (the first draft of a round is always made)."""
+    construction: the verifier checks whatever was drafted (the first draft of a round is always made).
+    `adaptive`: the block adapts to the running acceptance rate (`AdaptiveBlock`; `block` is then the largest
+    draft length), exact by construction likewise.
+
+    A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns
+    one GenerateResult per prompt: every row drafts, accepts and rolls back on its own; `on_tokens(i, new)` then
+    streams prompt i's tokens; greedy rows equal their own single-prompt (= sequential) outputs."""
     check_decode_args(max_new_tokens, temperature, block)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
     draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat, share_weights), sequential_forward(model, compile, verify)
+    if is_batch(prompt_ids):
+        return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
+                                 eos_id, seed, max_len, on_tokens, min_confidence, adaptive)
     greedy = temperature == 0
+    ctl = AdaptiveBlock(block) if adaptive else None
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
                        step_slack(draft_fwd, verify_fwd) + block)
@@ -215,7 +228,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
         ses.warm(draft_fwd, [1])
         ses.prefill(verify_fwd)
         while not ses.done:
-            P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
+            P, Bk = cache.length, min(block if ctl is None else ctl.block(), ses.remaining - 1)  # none past the budget
             t0 = now(dev)
             drafts, qs, x = [], [], ses.last
             for _ in range(Bk):  # the drafter: SNLP decode steps, cached
@@ -244,6 +257,144 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                 n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=dev).long(), gen)
                 n, nxt = int(n_t), int(nxt_t)
             cache.rollback(P + n + 1)  # keep the exact K/V of `last` and the accepted drafts
-            res.add_round(Bk, n, steps=Bk, forwards=Bk + 1, draft_s=t1 - t0, verify_s=now(dev) - t1)
+            t2 = now(dev)
+            if ctl is not None:
+                ctl.timed(t1 - t0, Bk, t2 - t1)
+                ctl.update(0, Bk, n)
+            res.add_round(Bk, n, steps=Bk, forwards=Bk + 1, draft_s=t1 - t0, verify_s=t2 - t1)
             ses.emit(drafts[:n] + [nxt])
+        return ses.finish()
+
+
+class AdaptiveBlock:
+    """Adaptive draft length (issue 21 item 3): before each round, every row drafts the block 1..max_block that
+    maximises its expected tokens per unit of time, ideal_ssd_speedup(alpha_i, B, s), at its running acceptance
+    rate alpha_i and the measured cost ratio s = verifier forward / drafter step of THIS run (decayed means of the
+    timed rounds). alpha_i = (acc + 1) / (exam + 1) over decayed counts of its accepted / examined drafts (decay
+    0.9 per round: about the last 10 rounds, so it follows changes in how predictable the text is); the prior is
+    one accepted draft, optimistic like the first round, which drafts max_block. (A uniform prior, (acc + 1) /
+    (exam + 2), with a shorter memory caps the estimate near 0.94 even when every draft is accepted and, measured
+    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch the
+    round drafts the largest of the live rows' blocks for every row (a batched drafter step costs the same whatever
+    the rows want). Exact by construction: only how many tokens are drafted changes; the verifier checks whatever
+    was drafted."""
+
+    def __init__(self, max_block: int, rows: int = 1, decay: float = 0.9):
+        self.max_block, self.decay = max_block, decay
+        self.acc, self.exam = [0.0] * rows, [0.0] * rows
+        self.t_draft = self.t_verify = 0.0  # decayed sums of seconds and of counts (steps / rounds)
+        self.n_draft = self.n_verify = 0.0
+
+    def block(self, i: int = 0) -> int:
+        if not self.n_draft or not self.n_verify or not self.t_draft:
+            return self.max_block
+        alpha = (self.acc[i] + 1.0) / (self.exam[i] + 1.0)
+        s = (self.t_verify / self.n_verify) / (self.t_draft / self.n_draft)
+        return max(range(1, self.max_block + 1), key=lambda b: (ideal_ssd_speedup(alpha, b, s), -b))
+
+    def update(self, i: int, drafted: int, accepted: int) -> None:
+        self.acc[i] = self.decay * self.acc[i] + accepted
+        self.exam[i] = self.decay * self.exam[i] + accepted + (accepted < drafted)
+
+    def timed(self, draft_s: float, steps: int, verify_s: float) -> None:
+        d = self.decay
+        if steps:
+            self.t_draft, self.n_draft = d * self.t_draft + draft_s, d * self.n_draft + steps
+        self.t_verify, self.n_verify = d * self.t_verify + verify_s, d * self.n_verify + 1
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Batch rows were compacted: keep these (old indices)."""
+        self.acc, self.exam = [self.acc[j] for j in rows], [self.exam[j] for j in rows]
+
+
+def _draft_rows(ses: BatchSession, draft_fwd, want: list[int], temperature: float, min_confidence: float):
+    """One round of batched drafting: row j drafts up to want[j] tokens (0: none); a row stops early after a draft
+    below min_confidence; the round stops when no row wants more. Returns drafts, drafter probs (sampling), steps."""
+    B = len(ses.rows)
+    drafts, qs = [[] for _ in range(B)], [[] for _ in range(B)]
+    going = [w > 0 for w in want]
+    x, steps = list(ses.last), 0
+    while any(going):
+        logits = draft_fwd.ragged(ses.ids([[t] for t in x]), ses.positions(1, [steps] * B), ses.cache)[:, -1]
+        steps += 1
+        if temperature == 0:
+            x = logits.argmax(-1).tolist()
+            conf = torch.softmax(logits.float(), -1).gather(-1, logits.argmax(-1, keepdim=True))[:, 0].tolist() \
+                if min_confidence else [1.0] * B
+        else:
+            probs = torch.softmax(logits.float() / temperature, -1)  # (B, V)
+            x = [int(torch.multinomial(probs[j], 1, generator=ses.gens[ses.rows[j]])) if going[j] else x[j]
+                 for j in range(B)]
+            conf = [float(probs[j, x[j]]) for j in range(B)] if min_confidence else [1.0] * B
+        for j in range(B):
+            if going[j]:
+                drafts[j].append(x[j])
+                if temperature > 0:
+                    qs[j].append(probs[j])
+                going[j] = len(drafts[j]) < want[j] and conf[j] >= min_confidence
+    return drafts, qs, steps
+
+
+def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, pad_to: int | None):
+    """One batched verifier forward over [last, drafts...] of every row (padded at the end); each row keeps its
+    longest agreeing prefix (greedy) or its rejection-sampling prefix, plus one verifier token. Returns (n, next)."""
+    rows = [[t] + d for t, d in zip(ses.last, drafts)]
+    T = max(len(r) for r in rows) if pad_to is None else pad_to
+    logits = verify_fwd.ragged(ses.ids(rows, T), ses.positions(T), ses.cache)  # (B, T, V)
+    if temperature == 0:
+        target = logits.argmax(-1).tolist()
+        ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts, target)]
+        return ns, [tg[n] for tg, n in zip(target, ns)]
+    ns, nxt = [], []
+    for j, (dr, q) in enumerate(zip(drafts, qs)):
+        p = torch.softmax(logits[j, : len(dr) + 1].float() / temperature, -1)
+        q = torch.stack(q) if q else p.new_zeros(0, p.shape[-1])
+        n, t = speculative_accept(p[None], q[None], torch.tensor([dr], device=p.device).long(), ses.gens[ses.rows[j]])
+        ns.append(int(n))
+        nxt.append(int(t))
+    return ns, nxt
+
+
+def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
+                      temperature: float, eos_id, seed, max_len, on_tokens, min_confidence: float,
+                      adaptive: bool) -> list[GenerateResult]:
+    """Self-speculative decoding of a ragged batch (snlp.decode.batch): per round, every live row drafts its own
+    number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
+    own length (its "rollback")."""
+    check_batch_plan(plan)
+    with torch.inference_mode():
+        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
+                           step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
+        ctl = AdaptiveBlock(block, len(ses.rows)) if adaptive else None
+        for r in ses.results:
+            r.plan, r.block = str(plan), block
+        pad = block + 1 if verify_fwd.compiled else None  # one verifier graph: every round at B+1
+        draft_fwd.warm_ragged(ses.cache, ses.positions(1, [1] * len(ses.rows)))
+        verify_fwd.warm_ragged(ses.cache, ses.positions(block + 1, [1] * len(ses.rows)))
+        ses.prefill(verify_fwd)
+        while ses.active:
+            live = set(ses.live())
+            # adaptive: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same for
+            # every row, so a row that drafted less would only lose tokens (its extra drafts cost verifier width)
+            b = block if ctl is None else max(ctl.block(j) for j in live)
+            want = [0 if j not in live else min(b, ses.remaining(j) - 1) for j in range(len(ses.rows))]
+            t0 = now(ses.device)
+            drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
+            t1 = now(ses.device)
+            ns, nxt = _verify_rows(ses, verify_fwd, drafts, qs, temperature, pad)
+            t2 = now(ses.device)
+            if ctl is not None:
+                ctl.timed(t1 - t0, steps, t2 - t1)
+            for j in sorted(live):
+                if ctl is not None:
+                    ctl.update(j, len(drafts[j]), ns[j])
+                ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j], steps=len(drafts[j]), forwards=steps + 1,
+                                                   draft_s=t1 - t0, verify_s=t2 - t1)
+                ses.emit(j, drafts[j][: ns[j]] + [nxt[j]], ns[j] + 1)
+            keep = ses.live()
+            if ctl is not None and ses.compact and len(keep) < len(ses.rows):
+                ctl.keep_rows(keep)
+            ses.drop_finished()
+        for r in ses.results:
+            r.compile_s = draft_fwd.compile_s + verify_fwd.compile_s
         return ses.finish()

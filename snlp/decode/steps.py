@@ -151,6 +151,34 @@ class Step:
         """A prompt (B, T): padded up to a multiple of `prefill_pad`, so prompts of similar length share a graph."""
         return self(idx, cache, pad_to=self.prefill_len(idx.shape[1]))
 
+    def ragged(self, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        """A ragged batched call (snlp.decode.batch): idx (B, T) with row b at its own positions pos[b] (B, T);
+        the cache's length is neither read nor advanced (the caller keeps every row's length). A new shape
+        compiles here (into compile_s); `warm_ragged` does that before a decode loop's timers start."""
+        with torch.inference_mode():
+            idx = idx.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
+            pos = pos.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
+            self.warm_ragged(cache, pos)
+            logits = self.fn(idx, pos, cache)
+            return logits.clone() if self.mode == "reduce-overhead" else logits
+
+    def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:
+        """Compile the ragged graph for positions of this shape (B, T). It runs at `pos`, which must be scratch
+        (past every row's length): the real call writes there again before anything reads it."""
+        key = ("ragged", cache.batch, pos.shape[1], cache.max_len)
+        if not self.compiled or key in self._seen:
+            return 0.0
+        if self.mode == "reduce-overhead":
+            mark_static(cache.k, cache.v)
+        sync(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.fn(torch.zeros(pos.shape, dtype=torch.long, device=self.device), pos.to(self.device), cache)
+        sync(self.device)
+        self._seen.add(key)
+        self.compile_s += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
     def warm(self, cache: KVCache, lengths) -> float:
         """Compile the graphs for calls that will run at these (already padded, see `prefill_len`) lengths
         before anything is timed; returns the seconds spent. They run on `cache` at positions from its current
@@ -179,10 +207,20 @@ class EagerStep:
     """The plain eager KV-cached forward with the Step interface: attends over the valid positions only (no
     padding, no mask over the whole cache), which is what an eager CPU loop runs fastest."""
 
-    compiled, compile_s, slack = False, 0.0, 0
+    compiled, compile_s, slack, prefill_pad = False, 0.0, 0, 1
 
-    def __init__(self, forward: Callable[[Tensor, KVCache], Tensor]):
-        self.forward = forward
+    def __init__(self, forward: Callable[[Tensor, KVCache], Tensor], fn: StepFn | None = None):
+        self.forward, self.fn = forward, fn  # fn: the positions-tensor forward that ragged batches run
+
+    def ragged(self, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        """A ragged batched call (see Step.ragged), eager: the whole cache is attended under per-row masks."""
+        if self.fn is None:
+            raise ValueError("this eager step has no positions-tensor forward (EagerStep(forward, fn=...)), which "
+                             "batched decoding of prompts of different lengths needs")
+        return self.fn(idx, pos, cache)
+
+    def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:
+        return 0.0
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         return self.forward(idx, cache)
@@ -203,14 +241,14 @@ class EagerStep:
 def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep:
     """The sequential model's cached forward: a compiled static-shape Step, or the eager forward."""
     if not compile:
-        return EagerStep(lambda idx, cache: model(idx, cache=cache))
+        return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model))
     return Step(sequential_fn(model), model.wte.weight.device, **kw)
 
 
 def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
     """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
     if not compile:
-        return EagerStep(runner)
+        return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos))
     step = Step(snlp_fn(runner), runner.model.wte.weight.device, **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)

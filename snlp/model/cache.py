@@ -34,6 +34,7 @@ class KVCache:
     k: Tensor
     v: Tensor
     length: int = 0
+    span: int | None = None  # ragged (B, T) writes return positions 0..span-1 only (eager batches; see write)
 
     @classmethod
     def for_model(cls, model, batch: int = 1, max_len: int | None = None, device=None, dtype=None) -> "KVCache":
@@ -70,7 +71,21 @@ class KVCache:
         slot(s); return views of positions 0..start+T-1 to attend over. With `start` a (T,) positions
         tensor (the static-shape step, snlp.decode.steps) the K/V go to those positions (one index_put_) and the
         WHOLE slot (max_len positions) is returned: shapes never depend on the length, and the attention
-        mask (model.window_mask on the positions) hides everything after each query."""
+        mask (model.window_mask on the positions) hides everything after each query. With `start` a (B, T)
+        tensor (ragged batches, snlp.decode.batch) row b's K/V go to its own positions start[b]; `span`, when set
+        (by the eager batch loop: a Python int past every row's last position), cuts the returned views to
+        positions 0..span-1, so eager attention and its mask cover the positions in use, not the whole slot.
+        Compiled steps leave it None (the graph's shapes must not change)."""
+        if isinstance(start, Tensor) and start.dim() == 2:  # (B, T): row b's tokens at its own positions start[b]
+            sl = layers if isinstance(layers, slice) else slice(layers, layers + 1)
+            lay = torch.arange(sl.start, sl.stop, device=k.device)[:, None, None]  # (n, 1, 1) x (1, B, 1) x (B, T)
+            rows = torch.arange(start.shape[0], device=k.device)[None, :, None]
+            vals = lambda x: x.reshape(lay.shape[0], *x.shape[-4:]).permute(0, 1, 3, 2, 4)  # noqa: E731 (n, B, T, H, hd)
+            torch.ops.aten.index_put_(self.k, [lay, rows, None, start[None]], vals(k))
+            torch.ops.aten.index_put_(self.v, [lay, rows, None, start[None]], vals(v))
+            if self.span is not None:  # eager: attend over the positions in use, not the whole slot
+                return self.k[layers, ..., :self.span, :], self.v[layers, ..., :self.span, :]
+            return self.k[layers], self.v[layers]
         if isinstance(start, Tensor):
             # index_put_ on the whole buffer, not an index_copy_ into a per-layer view of it: under torch.compile
             # a mutation through a view is functionalised into a copy of the WHOLE base (every layer's cache) per
@@ -97,6 +112,11 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"can only roll a KV cache back to a length in [0, {self.length}], got {length}")
         self.length = length
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only these batch rows (a (B',) index tensor, in this order): finished sequences of a batch leave
+        it so later steps stop computing them (one copy of the kept rows' K/V)."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
 
     def reset(self) -> None:
         self.length = 0

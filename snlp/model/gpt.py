@@ -231,12 +231,13 @@ class GPT(nn.Module):
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
 
     def rotary(self, T: int, start: int | Tensor = 0) -> tuple[Tensor, Tensor]:
-        """RoPE tables for positions start..start+T-1 (or the (T,) positions tensor `start`), (T, 1, hd/2)."""
+        """RoPE tables for positions start..start+T-1 (or the (T,) positions tensor `start`), (T, 1, hd/2);
+        for a (B, T) positions tensor (ragged batches) per row, (B, T, 1, hd/2)."""
         if isinstance(start, Tensor):
             t = start.to(device=self.inv_freq.device, dtype=torch.float32)
         else:
             t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq.float())[:, None, :]  # fp32 in every dtype, as transformers does
+        freqs = (t[..., None] * self.inv_freq.float())[..., None, :]  # fp32 in every dtype, as transformers does
         dtype = self.wte.weight.dtype
         sin = freqs.sin().to(dtype)
         return freqs.cos().to(dtype), -sin if self.config.rope_rotate_half else sin
@@ -244,8 +245,8 @@ class GPT(nn.Module):
     def embed(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
         `cache` the tokens continue the cached sequence: they sit at positions cache.length..
-        With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.decode.steps) they sit
-        at those positions instead and `cache.length` is not read: the caller checked the room and owns
+        With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.decode.steps, or (B, T):
+        each row at its own positions, ragged batched decoding, snlp.decode.batch) they sit at those positions instead and `cache.length` is not read: the caller checked the room and owns
         the length, so nothing here depends on a Python-side position (one compiled graph for every step)."""
         self.check_tokens(idx)
         idx = idx.long()
@@ -253,8 +254,9 @@ class GPT(nn.Module):
         if pos is not None:
             if cache is None:
                 raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")
-            if pos.shape != (idx.shape[1],):
-                raise ValueError(f"pos must be a (T,) = ({idx.shape[1]},) tensor of positions, got {tuple(pos.shape)}")
+            if pos.shape != (idx.shape[1],) and pos.shape != idx.shape:
+                raise ValueError(f"pos must be a (T,) = ({idx.shape[1]},) tensor of positions, or (B, T) = "
+                                 f"{tuple(idx.shape)} (one row of positions per sequence), got {tuple(pos.shape)}")
             if idx.shape[0] != cache.batch or idx.shape[1] > cache.max_len:
                 raise ValueError(f"KV cache holds batch {cache.batch} x {cache.max_len} positions, got ids "
                                  f"{tuple(idx.shape)}")

@@ -48,7 +48,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, device) -> Tensor:
     """Boolean mask (..., T, S): query i (absolute position q_start + i, or q_start[i] when q_start is a
-    (T,) position tensor) sees key j when j <= its position and, for a window w >= 0, position - j <= w."""
+    (T,) position tensor) sees key j when j <= its position and, for a window w >= 0, position - j <= w.
+    With q_start a (B, T) tensor (ragged batched decoding: every row at its own positions, snlp.decode.batch)
+    the mask is per row, (..., B, 1, T, S) (the 1 broadcasts over heads), and `windows` broadcasts against
+    the leading dims before B (e.g. (C, M, 1) per fused branch, whose trailing 1 is the batch dim)."""
+    if isinstance(q_start, Tensor) and q_start.dim() == 2:
+        diff = q_start.to(device)[:, None, :, None] - torch.arange(S, device=device)  # (B, 1, T, S)
+        if isinstance(windows, int) and windows < 0:  # full attention: causal only (fewer ops per layer and step)
+            return diff >= 0
+        w = torch.as_tensor(windows, device=device)[..., None, None, None]
+        return (diff >= 0) & ((w < 0) | (diff <= w))
     if isinstance(q_start, Tensor):
         qpos = q_start.to(device)[:, None]
     else:
@@ -65,7 +74,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     leading index, e.g. per fused branch). Leading dims are flattened so fused SDPA kernels apply.
     `q_start` is the absolute position of the first query (keys sit at 0..S-1), or a (T,) tensor of
     the queries' positions: the static-shape decode step (snlp.decode.steps), whose keys are a whole
-    preallocated cache of which the mask hides every position after the query's.
+    preallocated cache of which the mask hides every position after the query's; or a (B, T) tensor, one
+    row of positions per sequence (ragged batches, q.shape[-4] = B).
 
     No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the
     is_causal kernel would stall a CUDA stream and break a fullgraph torch.compile)."""
@@ -79,7 +89,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
     else:
         mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
-        if mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
+        if isinstance(q_start, Tensor) and q_start.dim() == 2:  # per-row mask (..., B, 1, T, S)
+            mask = mask.expand(*lead, 1, T, S).reshape(-1, 1, T, S)
+        elif mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
             mask = mask.expand(*lead, T, S).reshape(-1, 1, T, S)
         y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
     return y.view(*lead, Hq, T, hd)

@@ -130,3 +130,73 @@ def test_generate_compile_flag(ckpt, tmp_path, capsys):
     assert "compiled in" in capsys.readouterr().out
     assert main(["generate", str(ckpt), "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--compile"]) == 2
     assert "--compile supports" in capsys.readouterr().err
+
+
+def test_generate_prompts_file_in_batches(ckpt, tmp_path, capsys):
+    """--prompts-file (JSONL or one prompt per line) with --batch-size: one result per prompt, in order, each equal to
+    that prompt's own --prompt run; speculative rows equal batched sequential ones; unsupported combinations refused."""
+    texts = ["First Citizen:", "All: Speak", "You are all resolved rather to die", "Resolved."]
+    jl, txt = tmp_path / "p.jsonl", tmp_path / "p.txt"
+    jl.write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    txt.write_text("\n".join(texts) + "\n\n")
+    singles = [_gen_prompt(ckpt, tmp_path, t) for t in texts]
+    out = tmp_path / "b.json"
+    for f, extra in ((jl, ["--mode", "sequential", "--batch-size", "3"]),
+                     (txt, ["--mode", "speculative", "--plan", "2xF1-h0-K1", "--block", "3", "--batch-size", "4",
+                            "--adaptive-block"]),
+                     (txt, ["--mode", "snlp", "--plan", "4xF1-h0-K4", "--batch-size", "2"])):
+        assert main(["generate", str(ckpt), "--prompts-file", str(f), "--max-new-tokens", "24", "--json", str(out),
+                     *extra]) == 0
+        rec = json.loads(out.read_text())
+        assert [r["prompt"] for r in rec["results"]] == texts
+        assert [r["tokens"] for r in rec["results"]] == singles
+        assert rec["tokens"] == 24 * 4 and rec["tokens_per_s"] > 0
+    assert rec["mode"] == "snlp" and rec["batch_size"] == 2
+    printed = capsys.readouterr().out
+    assert f"[3] {texts[3]}" in printed and "prompts in batches of" in printed
+    assert main(["generate", str(ckpt), "--prompts-file", str(txt), "--mode", "speculative", "--plan", "2xF1-h0-K1",
+                 "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out), "--quiet"]) == 0
+    spec = json.loads(out.read_text())
+    assert spec["matches_sequential"] and spec["measured_speedup"] > 0
+    for bad, msg in ((["--mode", "jacobi", "--plan", "2xF1-h0-K1"], "one prompt at a time"),
+                     (["--prompt", "x"], "not both"), (["--batch-size", "0"], "--batch-size"),
+                     (["--distributed", "--mode", "sequential"], "single-process options")):
+        assert main(["generate", str(ckpt), "--prompts-file", str(txt), *bad]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--batch-size", "2"]) == 2
+    assert "give --prompts-file" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt field"}\n')
+    assert main(["generate", str(ckpt), "--prompts-file", str(tmp_path / "bad.jsonl")]) == 2
+    assert '"prompt" string' in capsys.readouterr().err
+
+
+def _gen_prompt(ckpt, tmp_path, text):
+    out = tmp_path / "one.json"
+    assert main(["generate", str(ckpt), "--prompt", text, "--max-new-tokens", "24", "--json", str(out), "--quiet"]) == 0
+    return json.loads(out.read_text())["tokens"]
+
+
+def test_bench_decode_batches_and_drafter_flags(tmp_path, capsys):
+    """--batch-sizes: batched sequential vs batched SSD per size (+ shared weights, confidence stop, adaptive block as
+    variants), every row identical to its sequential output; the flags shape the single-prompt rows too."""
+    out = tmp_path / "b.json"
+    base = ["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97",
+            "--new-tokens", "6", "--prompt-len", "5", "--warmup", "0", "--runs", "1", "--json", str(out)]
+    assert main([*base, "--plans", "2xF1-h0-K1,1xF2-h0-K1", "--blocks", "3", "--batch-sizes", "1,3",
+                 "--share-weights", "--min-confidence", "0.5", "--adaptive-block"]) == 0
+    recs = json.loads(out.read_text())
+    keys = [(r["batch"], r["mode"], r["plan"], r["variant"]) for r in recs]
+    assert keys[:6] == [(1, "sequential", "sequential", ""), (1, "speculative", "2xF1-h0-K1", ""),
+                        (1, "speculative", "2xF1-h0-K1", "conf:0.5"), (1, "speculative", "2xF1-h0-K1", "adaptive"),
+                        (1, "speculative", "2xF1-h0-K1", "+shared"), (1, "speculative", "2xF1-h0-K1", "conf:0.5+shared")]
+    assert (3, "speculative", "1xF2-h0-K1", "adaptive") in keys and (3, "speculative", "1xF2-h0-K1", "+shared") not in keys
+    assert all(r["matches_sequential"] and r["tokens_per_s"] > 0 for r in recs)
+    assert all(len(r["prompt_lens"]) == r["batch"] for r in recs)
+    assert "vs batched seq" in capsys.readouterr().out
+    assert main([*base, "--plans", "2xF1-h0-K1", "--blocks", "2", "--share-weights", "--min-confidence", "0.4"]) == 0
+    assert all(r["matches_sequential"] for r in json.loads(out.read_text()))
+    assert main([*base, "--plans", "1xF2-h0-K1", "--share-weights"]) == 2
+    assert "M = 1" in capsys.readouterr().err
+    assert main(["bench", "--depth", "4", "--width", "32", "--head-dim", "16", "--batch-sizes", "2"]) == 2
+    assert "use them with --decode" in capsys.readouterr().err
+    assert main([*base, "--plans", "2xF1-h0-K1", "--batch-sizes", "0"]) == 2

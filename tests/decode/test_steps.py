@@ -184,3 +184,31 @@ def test_step_input_errors():
         model(torch.tensor([[1, 2]]), cache=cache, pos=torch.arange(3))
     with pytest.raises(ValueError, match="KV cache overflow"):  # the room check stays on the host, outside
         Step(sequential_fn(model), "cpu", compile=False)(torch.ones(1, 5, dtype=torch.long), cache)
+
+
+def test_compiled_ragged_batches_equal_eager_and_do_not_sync(compiled):
+    """Batched self-speculative decoding of ragged prompts (snlp.decode.batch) through the compiled steps: every row
+    equals its own sequential output, a finished row rides along at a frozen position, and the ragged (B, T)-positions
+    steps (drafter, verifier) run no host sync. Three new graphs (batch 3: prefill, drafter step, verifier)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from snlp.decode.steps import SYNC_OP
+
+    model, _, steps = compiled
+    prompts = [[3, 14, 15, 9, 2], [7], [1, 2, 3]]
+    ref = sequential_generate(model, prompts, max_new_tokens=10)
+    eos = ref[1].tokens[2]  # row 1 stops early and rides along in the compiled batch
+    ref = [sequential_generate(model, p, max_new_tokens=10, eos_id=eos).tokens for p in prompts]
+    spec = speculative_generate(model, prompts, PLAN, block=BLOCK, max_new_tokens=10, draft=steps["snlp"],
+                                verify=steps["seq"], eos_id=eos)
+    assert [r.tokens for r in spec] == ref and spec[1].stop == "eos"
+    assert spec[0].compile_s > 0
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, batch=3, max_len=64)  # the bucket the run used: no new graph
+        pos = torch.tensor([[4], [0], [2]])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for t in range(2):
+                steps["snlp"].ragged(torch.ones(3, 1, dtype=torch.long), pos + t, cache)
+                steps["seq"].ragged(torch.ones(3, BLOCK + 1, dtype=torch.long), pos + t + torch.arange(BLOCK + 1), cache)
+    assert sum(e.count for e in prof.key_averages() if e.key == SYNC_OP) == 0
+    assert ("ragged", 3, BLOCK + 1, 64) in steps["seq"]._seen

@@ -1,0 +1,207 @@
+"""Batched decoding of prompts of different lengths, exact per row (issue 21 item 1).
+
+`sequential_generate`, `snlp_generate` and `speculative_generate` given a LIST of prompts (or a (B, T) tensor with
+B > 1) decode them as one batch and return one GenerateResult per prompt, in order; one prompt still returns one
+result, decoded by the single-prompt loops (snlp.decode.session).
+
+Layout: ragged rows, LEFT-ALIGNED in one static KV cache (snlp.model.cache.KVCache, batch B). Row b's tokens sit at
+slots 0..len_b-1 and its RoPE position is the slot, so every row is laid out exactly as it would be alone (no
+left-padding offset, no position ids to shift): the only thing that differs from a single-prompt run is the
+mask. Each forward of T tokens passes a (B, T) positions tensor pos (row b at len_b..len_b+T-1): K/V are
+scattered there by one index_put_ with a batch index, attention covers the whole cache under a per-row causal
+(and window) mask built from pos (snlp.model.ops.window_mask), and RoPE takes the (B, T) positions. Rows with
+fewer real tokens than T in a call (a ragged prefill, the verifier of a row that drafted fewer tokens) are padded
+at their END: the padding's K/V land past that row's length, i.e. in scratch that the row's next forward
+overwrites before any query can see it (causal mask), so the cache is allocated with slack positions for it.
+
+Rows advance independently: each keeps its own length, budget, EOS and, in self-speculative decoding, accepts its
+own number of drafts per round and "rolls back" by setting its own length. Finished rows (EOS or their own budget)
+leave the batch: eagerly, the active rows of the batch and of the cache are compacted (KVCache.keep_rows, one copy
+of the kept K/V per finishing event), so later steps compute only live rows. Compiled steps keep the batch shape
+(a new batch size would compile a new graph mid-run): a finished row there rides along at a frozen position,
+its outputs ignored. Sampling (temperature > 0) draws row i (its index in the prompt list) from its own generator
+seeded `seed + i`, so a row's draws do not depend on the batch it was decoded in (up to floating-point
+differences of the batched matmuls).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
+from snlp.decode.steps import EagerStep, Step
+from snlp.method.surrogates import DiagN, Newton
+from snlp.model.cache import KVCache
+from snlp.model.gpt import GPT
+from snlp.runtime.timing import now
+
+RowsCallback = Callable[[int, list[int]], None]  # on_tokens of a batch: (prompt index, new tokens)
+
+
+def check_batch_plan(plan) -> None:
+    """Raise a ValueError for plans batched decoding cannot run: the DiagN / Newton surrogates evaluate probes or JVPs
+    through a read-only view of the cache that takes one Python start position, not per-row positions."""
+    if plan is not None and isinstance(plan.surrogate, (DiagN, Newton)):
+        raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate's probes read the KV cache at one start "
+                         f"position, not per row; batched decoding supports the idn, none and hcn surrogates (decode "
+                         f"the prompts one at a time for this plan)")
+
+
+def is_batch(prompt_ids) -> bool:
+    """True for a list of prompts (a list whose items are id lists / tensors) or a (B, T) tensor with B > 1; a single
+    prompt (a list of ids, a (T,) or (1, T) tensor) is not a batch."""
+    if isinstance(prompt_ids, Tensor):
+        return prompt_ids.dim() == 2 and prompt_ids.shape[0] > 1
+    return isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0 and \
+        isinstance(prompt_ids[0], (list, tuple, Tensor)) and not (isinstance(prompt_ids[0], Tensor)
+                                                                  and prompt_ids[0].dim() == 0)
+
+
+class BatchSession:
+    """Prompts, one ragged KV cache and per-row bookkeeping for batched decoding (module docstring). Batch row j
+    holds prompt `rows[j]`; `lens[j]` positions of it are cached (all its tokens but `last[j]`, which the next
+    forward feeds)."""
+
+    def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+                 on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep, slack: int = 0,
+                 temperature: float = 0.0, seed: int | None = None):
+        self.model, self.device = model, model.wte.weight.device
+        if isinstance(prompts, Tensor):
+            prompts = list(prompts)
+        self.prompts = [prompt_ids_list(model, p) for p in prompts]
+        lens = [len(p) for p in self.prompts]
+        caps = [n + max_new_tokens if max_len is None else max_len for n in lens]
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
+        for i, (n, cap) in enumerate(zip(lens, caps)):
+            if n > cap:
+                raise ValueError(f"prompt {i} of {n} tokens is longer than the KV cache (max_len {cap})")
+        self.budget = [min(max_new_tokens, cap - n) for n, cap in zip(lens, caps)]
+        # slack: the verifier's / a compiled step's padding past a row's length (module docstring)
+        size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(step.prefill_pad, 1)
+        self.cache = KVCache.for_model(model, batch=len(self.prompts), max_len=step.cache_len(size))
+        self.compact = not step.compiled  # compiled graphs keep their batch shape (module docstring)
+        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n
+                                       else "max_len") for n, cap in zip(lens, caps)]
+        self.rows = [i for i in range(len(self.prompts))]
+        self.lens = [n - 1 for n in lens]
+        self.last = [p[-1] for p in self.prompts]
+        self.done = [b <= 0 for b in self.budget]
+        self.gens = None if temperature == 0 else [make_generator(None if seed is None else seed + i, self.device)
+                                                  for i in range(len(self.prompts))]
+        self.prefill_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        return not all(self.done[i] for i in self.rows)
+
+    def remaining(self, j: int) -> int:
+        i = self.rows[j]
+        return self.budget[i] - len(self.results[i].tokens)
+
+    def positions(self, T: int, extra: list[int] | None = None) -> Tensor:
+        """(B, T) positions of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
+        along (compiled) sit at their frozen length, which is scratch."""
+        starts = self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)]
+        if self.compact:  # eager: attention covers positions 0..span-1 only (KVCache.write), all this call needs
+            self.cache.span = max(starts) + T
+        return torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+
+    def ids(self, rows: list[list[int]], T: int | None = None) -> Tensor:
+        """(B, T) ids, each row padded at its end (repeating its last token) to T (default: the longest row)."""
+        T = max(len(r) for r in rows) if T is None else T
+        return torch.tensor([r + [r[-1]] * (T - len(r)) for r in rows], dtype=torch.long, device=self.device)
+
+    def prefill(self, step: Step | EagerStep) -> None:
+        """Cache every prompt but its last token: one ragged forward over the right-padded prompts."""
+        T = -(-max(self.lens) // step.prefill_pad) * step.prefill_pad
+        pos = torch.arange(T, device=self.device).expand(len(self.prompts), T)
+        if T > 0:
+            step.warm_ragged(self.cache, pos)  # compiled before the timer starts
+        t0 = now(self.device)
+        if T > 0:
+            rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]
+            self.cache.span = T if self.compact else None
+            step.ragged(self.ids(rows, T), pos, self.cache)
+        self.prefill_s = now(self.device) - t0
+        for r in self.results:
+            r.prefill_s = self.prefill_s
+        self.t0 = now(self.device)
+
+    def emit(self, j: int, new: list[int], advance: int) -> None:
+        """Batch row j advances its cached length by `advance` and emits `new` (cut at EOS / its budget)."""
+        i = self.rows[j]
+        if self.done[i]:
+            return
+        res = self.results[i]
+        new = new[: self.remaining(j)]
+        if self.eos_id is not None and self.eos_id in new:
+            new = new[: new.index(self.eos_id) + 1]
+            self.done[i], res.stop = True, "eos"
+        res.tokens.extend(new)
+        self.lens[j] += advance
+        self.last[j] = new[-1]
+        if self.remaining(j) <= 0:
+            self.done[i] = True
+        if self.done[i]:
+            res.decode_s = now(self.device) - self.t0
+        if self.on_tokens is not None and new:
+            self.on_tokens(i, new)
+
+    def drop_finished(self) -> None:
+        """Eager: remove finished rows from the batch and the cache (they stop costing work)."""
+        keep = [j for j, i in enumerate(self.rows) if not self.done[i]]
+        if not self.compact or len(keep) == len(self.rows) or not keep:
+            return
+        self.cache.keep_rows(torch.tensor(keep, device=self.device))
+        self.rows, self.lens, self.last = ([xs[j] for j in keep] for xs in (self.rows, self.lens, self.last))
+
+    def live(self) -> list[int]:
+        """Batch rows still decoding."""
+        return [j for j, i in enumerate(self.rows) if not self.done[i]]
+
+    def pick(self, logits: Tensor, temperature: float) -> list[int]:
+        """Next token of every batch row from logits (B, V): argmax, or a sample from the row's own generator."""
+        if temperature == 0:
+            return logits.argmax(-1).tolist()
+        probs = torch.softmax(logits.float() / temperature, -1)
+        return [int(torch.multinomial(probs[j], 1, generator=self.gens[i])) for j, i in enumerate(self.rows)]
+
+    def finish(self) -> list[GenerateResult]:
+        wall = now(self.device) - self.t0
+        total = sum(len(r.tokens) for r in self.results)
+        for r in self.results:
+            r.extra["batch"] = dict(size=len(self.results), wall_s=wall, tokens=total,
+                                    tokens_per_s=total / wall if wall > 0 else float("nan"))
+        return self.results
+
+
+def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: str, plan, max_new_tokens: int,
+                         temperature: float, eos_id: int | None, seed: int | None, max_len: int | None,
+                         on_tokens: RowsCallback | None) -> list[GenerateResult]:
+    """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
+    check_batch_plan(plan)
+    with torch.inference_mode():
+        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
+                           forward.slack, temperature, seed)
+        for r in ses.results:
+            r.plan = None if plan is None else str(plan)
+        forward.warm_ragged(ses.cache, ses.positions(1, [1] * len(ses.rows)))  # scratch: past every prompt
+        ses.prefill(forward)
+        while ses.active:
+            t0 = now(ses.device)
+            x = ses.ids([[t] for t in ses.last])  # (B, 1)
+            nxt = ses.pick(forward.ragged(x, ses.positions(1), ses.cache)[:, -1], temperature)  # from (B, V)
+            dt = now(ses.device) - t0
+            for j in ses.live():
+                res = ses.results[ses.rows[j]]
+                res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1
+                ses.emit(j, [nxt[j]], 1)
+            ses.drop_finished()
+        for r in ses.results:
+            r.compile_s = forward.compile_s
+        return ses.finish()
