@@ -226,10 +226,10 @@ def _setup(ctx: dict) -> list[str]:
 def _ssd_section(ctx: dict) -> list[str]:
     _, _, _, pre, _, ssd = _context(ctx)
     return ["## Self-speculative decoding\n",
-           f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's "
-           f"teacher-forced Top-1 (the greedy acceptance estimate α) and its decode steps timed on this machine (a "
+           f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's SSD "
+           f"acceptance profile (a short greedy speculative decode) and its decode steps timed on this machine (a "
            f"cached single-token drafter step, the verifier over B + 1 positions) predict each (plan, B) as "
-           f"((1 − α^(B+1))/(1 − α)) tokens per round over B drafter steps plus one verification; the best "
+           f"tokens per round over B drafter steps plus one verification; the best "
            f"predictions are decoded briefly side by side with sequential decoding and the best measured one "
            f"drafts (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
@@ -246,18 +246,23 @@ def _ssd_section(ctx: dict) -> list[str]:
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
     """The drafter choice: snlp tune's candidates, predicted vs measured, and the proxy rule's pick beside it."""
     lines = ["\n### Drafter choice: snlp tune, predicted vs measured\n",
-             "Stage 1 predicts every (plan, B) from the eval stage's Top-1 and the timed steps (Predicted; Paper ideal "
-             f"= ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = Top-1); stage 2 measures the best predictions end to end "
-             "(Measured: median speedup over sequential greedy decoding, side by side, output checked). `>` = the "
-             "pick; unmeasured rows are the next best predictions.\n",
-             "| Model | Plan | B | Top-1 | s | Paper ideal | Predicted | Measured | = sequential |",
-             "|:---|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+             "Stage 1 predicts every (plan, B) from the plan's SSD acceptance profile (a short greedy speculative "
+             "decode at the largest B; Calib α its per-draft acceptance) and its decode steps timed on this machine "
+             "(Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1); stage 2 "
+             "measures the best predictions end to end (Measured: median speedup over sequential greedy decoding, "
+             "side by side, output checked). `>` = the pick; unmeasured rows are the next best predictions.\n",
+             "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
+             "Measured | = sequential |",
+             "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, label in MODELS:
         for j, r in enumerate(ssd[key].get("tune", [])):
+            meas = r["measured"]
             lines.append(f"| {label if j == 0 else ''} | {'> ' if r['pick'] else ''}`{r['plan']}` | {r['block']} | "
-                         f"{_num(r['top1'])} | {_num(r['s'], '{:.2f}x')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
+                         f"{_num(r['top1'])} | {_num(r['accept_alpha'])} | {_num(r['s'], '{:.2f}x')} | "
+                         f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | {_num(r['predicted_tokens_per_round'], '{:.2f}')} | "
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
-                         f"{_num(r['measured_speedup'], '{:.3f}x') if r['measured'] else '–'} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}') if meas else '–'} | "
+                         f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'} | "
                          f"{'–' if r['matches_sequential'] is None else 'yes' if r['matches_sequential'] else 'NO'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     return lines + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and the "

@@ -22,8 +22,8 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter: chosen by
-                 measurement (`snlp tune`, snlp.bench.tune): the eval stage's Top-1 of every plan (the
-                 greedy acceptance estimate) and the decode steps timed once on this machine predict each
+                 measurement (`snlp tune`, snlp.bench.tune): each plan's SSD acceptance profile (a short
+                 greedy speculative decode) and its decode steps timed once on this machine predict each
                  (plan, B); the 3 best predictions are decoded briefly side by side with sequential
                  decoding and the best MEASURED one drafts (the proxy rule, `select_drafter`: the paper's
                  ideal SSD speedup at B = 4 from Top-1 and the eval's decode speedup, is recorded next to it).
@@ -101,6 +101,7 @@ class Preset:
     tune_prompts: int = 2  # and its brief measurement: prompts x tokens x timed rounds (medians)
     tune_tokens: int = 64
     tune_repeats: int = 2
+    tune_accept_tokens: int = 64  # stage 1's acceptance profile: greedy SSD tokens per prompt and plan
 
 
 # FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
@@ -116,7 +117,7 @@ FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, ba
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
-               est_eval_s=30, tune_tokens=16)
+               est_eval_s=30, tune_tokens=16, tune_accept_tokens=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,8 +685,9 @@ def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: l
 
 def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, seed: int, blocks=BLOCKS):
     """The drafter by measurement (snlp.bench.tune): stage 1 reuses the eval stage's Top-1 / dPPL of every plan
-    (no second teacher-forced pass) and times the decode steps once (cached single-token steps, the verifier
-    over B+1 positions) to predict each (plan, B); stage 2 decodes the preset.tune_top best predictions briefly,
+    (no second teacher-forced pass), measures each plan's SSD acceptance profile (a short greedy speculative
+    decode) and times the decode steps once (cached single-token steps, the verifier over B+1 positions) to
+    predict each (plan, B); stage 2 decodes the preset.tune_top best predictions briefly,
     side by side with sequential decoding, and the best MEASURED one is the pick."""
     from snlp.bench.tune import TuneConfig, quality_from_records, tune
 
@@ -694,14 +696,14 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
         return None
     cfg = TuneConfig(plans=list(quality), blocks=tuple(blocks), top=preset.tune_top, prompts=preset.tune_prompts,
                      prompt_len=preset.eval_prompt_len, gen_tokens=preset.tune_tokens, repeats=preset.tune_repeats,
-                     warmup=1, step_runs=20, seed=seed + 2)
+                     warmup=1, step_runs=20, accept_tokens=preset.tune_accept_tokens, seed=seed + 2)
     return tune(model, val, cfg, quality=quality)
 
 
 def tune_rows(result) -> list[dict]:
     """The stage record's candidate rows: every measured candidate, then the next best predictions (the table)."""
-    keys = ("plan", "block", "top1", "s", "ideal_ssd_speedup", "predicted_speedup", "measured", "measured_speedup",
-            "alpha", "matches_sequential")
+    keys = ("plan", "block", "top1", "accept_alpha", "s", "ideal_ssd_speedup", "predicted_tokens_per_round",
+            "predicted_speedup", "measured", "tokens_per_round", "measured_speedup", "alpha", "matches_sequential")
     rows = sorted((c for c in result.candidates if c.goal == "ssd"), key=lambda c: (not c.measured,
                                                                                     -c.predicted_speedup))
     return [{k: getattr(c, k) for k in keys} | {"pick": c is result.picks["ssd"]} for c in rows[:8]]
@@ -984,7 +986,8 @@ def step_ssd(sr: Speedrun) -> None:
                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
                        "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": sr.cfg.seed,
                        "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
-                                   "tokens": pre.tune_tokens, "repeats": pre.tune_repeats},
+                                   "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
+                                   "accept_tokens": pre.tune_accept_tokens},
                        **sr.common()},
                       lambda key=key: stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), pre,
                                                 sr.cfg.seed, sr.cfg.device))

@@ -4,8 +4,8 @@ Two goals: exact self-speculative decoding (SSD: the plan, draft block B, thread
 measured tokens/s; every measured candidate's greedy output is checked against sequential decoding) and, with
 --max-dppl, SNLP decoding under a quality budget (the fastest plan whose calibration PPL is within the budget of
 sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the checkpoint's validation text and
-times the decode steps on this device (cached single-token steps, the verifier over B+1 positions), predicting
-each (plan, B); stage 2 decodes the --top best predictions end to end, side by side with sequential decoding
+its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
+this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes the --top best predictions end to end, side by side with sequential decoding
 after a warm-up (medians), and picks the best MEASURED. Prints the measured table (predicted vs measured) and the
 pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best.
 
@@ -53,6 +53,8 @@ def add_arguments(p) -> None:
     m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians)")
     m.add_argument("--warmup", type=int, default=d.warmup, help="stage-2 untimed rounds")
     m.add_argument("--step-runs", type=int, default=d.step_runs, help="stage-1 timed steps per cost")
+    m.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="stage-1 acceptance profile: greedy "
+                   "SSD tokens per prompt and plan at the largest B (0: predict from teacher-forced Top-1 alone)")
     m.add_argument("--seed", type=int, default=d.seed, help="prompt sampling seed")
     m.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
     m.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
@@ -95,7 +97,8 @@ def config_from_args(args) -> TuneConfig:
                      compile=args.compile, ssd=not args.no_ssd, max_dppl=parse_budget(args.max_dppl), top=args.top,
                      full_grid=args.full_grid, seq_len=args.seq_len, calib_tokens=args.calib_tokens,
                      prompts=args.prompts, prompt_len=args.prompt_len, gen_tokens=args.gen_tokens,
-                     repeats=args.repeats, warmup=args.warmup, step_runs=args.step_runs, seed=args.seed,
+                     repeats=args.repeats, warmup=args.warmup, step_runs=args.step_runs,
+                     accept_tokens=args.accept_tokens, seed=args.seed,
                      progress=not args.no_progress)
     cfg.check()
     return cfg

@@ -7,13 +7,17 @@ MEASUREMENT, for two goals:
         within the budget of sequential's, by measured tokens/s.
 
 Two stages:
-  1 (cheap model, seconds)  teacher-forced Top-1 agreement and PPL of every plan on calibration tokens (alpha of
-        the paper's SSD formula; dPPL), and the device costs of the steps decoding runs, timed round-robin after
-        a warm-up, per (threads, compile) setting: the sequential model's cached single-token step, each plan's
-        cached single-token drafter step and the verifier's forward over B+1 positions. Prediction per (plan, B):
-        tokens/round (1 - a^(B+1)) / (1 - a) over the round's cost B t_draft + t_verify(B+1) (the paper's ideal
-        SSD speedup, `ideal_ssd_speedup`, with the verifier's real cost instead of one sequential step; the
-        paper's own number is kept in `ideal_ssd_speedup`). SNLP: 1 / t_draft.
+  1 (cheap model, seconds)  agreement on calibration text: teacher-forced Top-1 and PPL of every plan (dPPL;
+        the paper's alpha estimate) and the acceptance profile SSD really sees: one greedy speculative decode per
+        plan at the largest B on calibration prompts (exact history: the verifier rewrites the cache), giving
+        P(a round accepts >= i drafts) for i <= B, hence tokens/round at every B <= max (teacher-forced Top-1
+        runs the suffix on approximate history everywhere and under-estimates aggressive drafters). Device costs
+        of the steps decoding runs, timed round-robin after a warm-up, per (threads, compile) setting: the
+        sequential model's cached single-token step, each plan's cached single-token drafter step and the
+        verifier's forward over B+1 positions. Prediction per (plan, B): tokens/round over the round's cost
+        B t_draft + t_verify(B+1) (the paper's ideal SSD speedup with the measured acceptance profile and the
+        verifier's real cost instead of one sequential step; the paper's own number from Top-1 is kept in
+        `ideal_ssd_speedup`). SNLP: 1 / t_draft.
   2 (end to end)  the shortlist (the `top` best predictions per goal, plus the best of every setting) is decoded
         for real: SSD by snlp.decode.speculative.speculative_benchmark (sequential and speculative side by side,
         warm-up, medians of `repeats` rounds, output checked), SNLP by KV-cached snlp_generate vs
@@ -35,7 +39,7 @@ import torch
 
 from snlp.bench.records import markdown_table
 from snlp.decode.generate import sequential_generate, snlp_generate
-from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark, speculative_generate
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.eval.protocol import EvalConfig, teacher_forced
@@ -80,6 +84,7 @@ class TuneConfig:
     repeats: int = 3  # stage-2 timed rounds (medians)
     warmup: int = 1  # stage-2 untimed rounds
     step_runs: int = 30  # stage-1 timed steps per cost (medians)
+    accept_tokens: int = 64  # stage-1 acceptance profile: greedy SSD tokens per prompt and plan (0: Top-1 model)
     seed: int = 0  # prompt sampling
     progress: bool = False
 
@@ -98,8 +103,9 @@ class TuneConfig:
         for k in ("top", "seq_len", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
             if not ints([getattr(self, k)]):
                 bad.append(f"{k} must be an integer >= 1 (got {getattr(self, k)!r})")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            bad.append(f"warmup must be an integer >= 0 (got {self.warmup!r})")
+        for k in ("warmup", "accept_tokens"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 0:
+                bad.append(f"{k} must be an integer >= 0 (got {getattr(self, k)!r})")
         if self.plans is not None and not self.plans:
             bad.append("plans is empty (None: the default grid)")
         if bad:
@@ -135,6 +141,23 @@ class PlanQuality:
 
 
 @dataclass
+class Acceptance:
+    """Stage 1: the acceptance profile of one drafter in greedy SSD at `block` drafts per round, from the rounds
+    that drafted the full block: reach[i - 1] = P(a round accepts >= i drafts). A B-draft round on the same history
+    accepts min(n, B) of them (greedy drafts do not depend on B), so tokens/round at any B <= block follow."""
+
+    plan: str
+    block: int
+    rounds: int
+    reach: list[float]
+    alpha: float  # accepted / examined: the i.i.d. per-draft alpha of the paper's formula
+
+    def tokens_per_round(self, B: int) -> float:
+        """1 + E[min(n, B)] = 1 + sum_{i <= B} P(n >= i)."""
+        return 1.0 + sum(self.reach[:B])
+
+
+@dataclass
 class StepCosts:
     """Stage 1: device costs of one (threads, compiled) setting, medians in ms."""
 
@@ -157,6 +180,8 @@ class Candidate:
     compiled: bool
     top1: float | None
     delta_ppl: float
+    accept_alpha: float | None  # stage-1 SSD acceptance (i.i.d. fit of the profile; None: not measured)
+    predicted_tokens_per_round: float | None  # SSD: from the acceptance profile (else the Top-1 i.i.d. model)
     s: float  # drafter speedup: sequential over drafter ms per cached single-token step (stage 1)
     predicted_speedup: float  # over sequential decoding (stage-1 model, module docstring)
     predicted_tokens_per_s: float
@@ -185,6 +210,7 @@ class TuneResult:
     device: str
     dtype: str
     quality: list[PlanQuality]
+    acceptance: list[Acceptance]
     costs: list[StepCosts]
     candidates: list[Candidate]
     picks: dict[str, Candidate | None]  # goal -> the best measured shortlisted candidate (None: none qualifies)
@@ -229,6 +255,33 @@ def quality_from_records(records) -> dict[str, PlanQuality]:
             for r in records if not r.is_sequential}
 
 
+def measure_acceptance(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: TuneConfig,
+                       preheat: Preheat | None = None) -> dict[str, Acceptance]:
+    """Stage 1: each plan's acceptance profile (Acceptance) from greedy SSD at the largest block, cfg.accept_tokens
+    tokens per prompt. Each round emits its accepted drafts plus one verifier token (on_tokens sees them), so a
+    round's accepted count is what it emitted minus 1; only rounds that drafted the whole block count."""
+    B = max(cfg.blocks)
+    seq, out = sequential_step(model), {}
+    for plan in plans:
+        draft = snlp_step(bind(model, plan, check_finite=False, preheat=preheat_for(plan, preheat)))
+        counts, emitted = [], [0]
+
+        def record(new, counts=counts, emitted=emitted):
+            if cfg.accept_tokens - emitted[0] - 1 >= B:  # this round drafted B (it had room for B drafts + 1)
+                counts.append(len(new) - 1)
+            emitted[0] += len(new)
+        acc = exam = 0
+        for p in prompts:
+            emitted[0] = 0
+            r = speculative_generate(model, p, plan, block=B, max_new_tokens=cfg.accept_tokens, draft=draft,
+                                     verify=seq, on_tokens=record)
+            acc, exam = acc + r.accepted, exam + r.examined
+        R = max(len(counts), 1)
+        out[str(plan)] = Acceptance(str(plan), B, len(counts), [sum(n >= i for n in counts) / R for i in range(1, B + 1)],
+                                    acc / exam if exam else math.nan)
+    return out
+
+
 def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneConfig, threads: int, compiled: bool,
                   preheat: Preheat | None = None) -> StepCosts:
     """Stage 1 device costs at one setting: every step decoding runs, timed round-robin (cfg.step_runs timed calls
@@ -263,9 +316,11 @@ def _timed_step(model: GPT, step, prompt: list[int], T: int, room: int):
     return run
 
 
-def predict(quality: dict[str, PlanQuality], costs: list[StepCosts], cfg: TuneConfig) -> list[Candidate]:
+def predict(quality: dict[str, PlanQuality], acceptance: dict[str, Acceptance], costs: list[StepCosts],
+            cfg: TuneConfig) -> list[Candidate]:
     """Stage 1: one Candidate per (goal, plan, block, setting) with its predicted speedup and tokens/s
-    (module docstring); diverged plans and plans without a Top-1 are left out."""
+    (module docstring): SSD tokens/round from the plan's acceptance profile when measured, else the i.i.d.
+    model with alpha = Top-1; diverged plans and plans without a Top-1 are left out."""
     out = []
     for c in costs:
         seq_tok_s = 1e3 / c.sequential_ms
@@ -273,20 +328,22 @@ def predict(quality: dict[str, PlanQuality], costs: list[StepCosts], cfg: TuneCo
             if q.note or q.top1 is None or name not in c.draft_ms:
                 continue
             td = c.draft_ms[name]
+            acc = acceptance.get(name)
             common = dict(plan=name, threads=c.threads, compiled=c.compiled, top1=q.top1, delta_ppl=q.delta_ppl,
-                          s=c.sequential_ms / td)
+                          s=c.sequential_ms / td, accept_alpha=acc.alpha if acc else None)
             if cfg.ssd:
                 a = min(max(float(q.top1), 0.0), 1.0)
                 for b in cfg.blocks:
-                    per_round = b + 1.0 if a >= 1.0 else (1.0 - a ** (b + 1)) / (1.0 - a)  # expected tokens/round
+                    iid = b + 1.0 if a >= 1.0 else (1.0 - a ** (b + 1)) / (1.0 - a)  # the paper's tokens/round
+                    per_round = acc.tokens_per_round(b) if acc and acc.rounds else iid
                     tok_s = 1e3 * per_round / (b * td + c.verify_ms[b])  # B drafter steps + one verify per round
                     out.append(Candidate(goal="ssd", block=b, predicted_speedup=tok_s / seq_tok_s,
-                                         predicted_tokens_per_s=tok_s,
+                                         predicted_tokens_per_s=tok_s, predicted_tokens_per_round=per_round,
                                          ideal_ssd_speedup=ideal_ssd_speedup(a, b, common["s"]), **common))
             if cfg.max_dppl is not None:
                 out.append(Candidate(goal="snlp", block=None, predicted_speedup=common["s"],
-                                     predicted_tokens_per_s=1e3 / td, within_budget=q.delta_ppl <= cfg.max_dppl,
-                                     **common))
+                                     predicted_tokens_per_s=1e3 / td, predicted_tokens_per_round=None,
+                                     within_budget=q.delta_ppl <= cfg.max_dppl, **common))
     return out
 
 
@@ -383,24 +440,27 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     val = as_tokens(val_tokens)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
     t0 = time.perf_counter()
-    if quality is None:
-        quality = calibration_quality(model, val, plans, cfg, preheat)
-    missing = [str(p) for p in plans if str(p) not in quality]
-    if missing:
-        raise ValueError(f"no calibration quality for plans {missing}")
-    quality = {str(p): quality[str(p)] for p in plans}
-    costs = [measure_costs(model, plans, prompts[0], cfg, t, c, preheat) for t, c in cfg.settings()]
-    cands = predict(quality, costs, cfg)
+    if quality is not None and any(str(p) not in quality for p in plans):
+        raise ValueError(f"no calibration quality for plans {[str(p) for p in plans if str(p) not in quality]}")
+    with torch_threads(cfg.settings()[0][0]):  # thread-independent, but never at an untried thread count
+        quality = quality if quality is not None else calibration_quality(model, val, plans, cfg, preheat)
+        quality = {str(p): quality[str(p)] for p in plans}
+        usable = [p for p in plans if not quality[str(p)].note and quality[str(p)].top1 is not None]
+        acceptance = measure_acceptance(model, sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed + 1),
+                                        usable, cfg, preheat) if cfg.ssd and cfg.accept_tokens else {}
+    costs = [measure_costs(model, usable, prompts[0], cfg, t, c, preheat) for t, c in cfg.settings()]
+    cands = predict(quality, acceptance, costs, cfg)
     shortlist(cands, cfg)
     t1 = time.perf_counter()
     todo = [c for c in cands if c.within_budget and (c.shortlisted or cfg.full_grid)]
     measure_ssd(model, prompts, [c for c in todo if c.goal == "ssd"], cfg, preheat)
     measure_snlp(model, prompts, [c for c in todo if c.goal == "snlp"], cfg, preheat)
     _normalise(cands)
-    return _result(model, cfg, list(quality.values()), costs, cands, t1 - t0, time.perf_counter() - t1)
+    return _result(model, cfg, list(quality.values()), list(acceptance.values()), costs, cands, t1 - t0,
+                   time.perf_counter() - t1)
 
 
-def _result(model: GPT, cfg: TuneConfig, quality, costs, cands, s1: float, s2: float) -> TuneResult:
+def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: float, s2: float) -> TuneResult:
     """Picks (best measured shortlisted candidate per goal), grid bests and the notes a reader needs."""
     goals = [g for g in GOALS if (g == "ssd" and cfg.ssd) or (g == "snlp" and cfg.max_dppl is not None)]
     picks = {g: _best([c for c in cands if c.goal == g and c.shortlisted]) for g in goals}
@@ -416,7 +476,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, costs, cands, s1: float, s2: f
                          f"sequentially on this machine")
     p = next(model.parameters())
     return TuneResult(config=cfg, n_layer=model.config.n_layer, device=str(p.device),
-                      dtype=str(p.dtype).replace("torch.", ""), quality=quality, costs=costs, candidates=cands,
+                      dtype=str(p.dtype).replace("torch.", ""), quality=quality, acceptance=acceptance, costs=costs, candidates=cands,
                       picks=picks, grid_best=best, pick_vs_best=ratio, notes=notes, stage1_s=s1, stage2_s=s2)
 
 
@@ -432,13 +492,14 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
     rows.sort(key=lambda c: (not c.measured, -(c.tokens_per_s or 0.0), -c.predicted_tokens_per_s))
     front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
     pick = result.picks.get(goal)
-    cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "pred x", "pred tok/s", "meas x",
-            "tok/s", "alpha", "= seq"]
+    cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
+            "pred x", "pred tok/s", "meas x", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
-             f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), f"{c.predicted_speedup:.2f}",
-             f"{c.predicted_tokens_per_s:.0f}", _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"),
-             _f(c.alpha, ".3f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
+             f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
+             _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
+             _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
+             _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     return markdown_table(cols, body)
 
 

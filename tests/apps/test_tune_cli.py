@@ -35,7 +35,7 @@ def _args(ckpt, *extra):
     path, data, cache = ckpt
     return ["tune", str(path), "--data", str(data), "--cache-dir", str(cache), "--plans", "2xF1-h0-K1,2xF1-fwd-K1",
             "--blocks", "2,3", "--threads", "1", "--calib-tokens", "64", "--seq-len", "32", "--prompts", "2",
-            "--prompt-len", "6", "--gen-tokens", "8", "--repeats", "1", "--step-runs", "3", "--no-progress", *extra]
+            "--prompt-len", "6", "--gen-tokens", "8", "--repeats", "1", "--step-runs", "3", "--accept-tokens", "12", "--no-progress", *extra]
 
 
 def test_tune_prints_the_table_and_pick_and_writes_json(ckpt, tmp_path, capsys):

@@ -20,7 +20,8 @@ from snlp.method.plan import Plan
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PLANS = ["2xF1-h0-K1", "4xF1-h0-K1", "2xF2-h0-K1", "4xF1-fwd-K1"]
-FAST = dict(calib_tokens=128, seq_len=32, prompts=2, prompt_len=6, gen_tokens=10, repeats=1, warmup=1, step_runs=3)
+FAST = dict(calib_tokens=128, seq_len=32, prompts=2, prompt_len=6, gen_tokens=10, repeats=1, warmup=1, step_runs=3,
+            accept_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,27 @@ def test_given_quality_replaces_the_calibration_pass(model, val):
     r = tune(model, val, cfg, quality=q)
     assert {c.plan for c in r.candidates} == {"2xF1-h0-K1"}  # the diverged plan is not a candidate
     assert r.candidates[0].top1 == 0.5 and r.picks["ssd"] is r.candidates[0]
+
+
+def test_acceptance_profile_is_a_survival_function_and_predicts_tokens_per_round(grid):
+    cfg, r = grid
+    assert {a.plan for a in r.acceptance} == {str(Plan.parse(p)) for p in PLANS}
+    for a in r.acceptance:
+        assert a.block == max(cfg.blocks) and len(a.reach) == a.block and a.rounds >= 1
+        assert all(1.0 >= x >= y >= 0.0 for x, y in zip(a.reach, a.reach[1:]))  # P(n >= i) falls with i
+        assert a.tokens_per_round(0) == 1.0 and a.tokens_per_round(a.block) <= a.block + 1
+    by_plan = {a.plan: a for a in r.acceptance}
+    for c in r.candidates:
+        if c.goal == "ssd":
+            assert c.predicted_tokens_per_round == pytest.approx(by_plan[c.plan].tokens_per_round(c.block))
+
+
+def test_an_exact_drafter_is_always_accepted(model, val):
+    cfg = TuneConfig(plans=["2xF1-h0-K2"], blocks=(3,), top=1, threads=(1,), **FAST)  # K = C: the model itself
+    r = tune(model, val, cfg)
+    (a,) = r.acceptance
+    assert a.reach == [1.0, 1.0, 1.0] and a.alpha == 1.0
+    assert r.picks["ssd"].alpha == 1.0 and r.picks["ssd"].matches_sequential
 
 
 def test_calibration_quality_matches_its_definition(model, val):
