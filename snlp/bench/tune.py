@@ -163,6 +163,7 @@ class StepCosts:
 
     threads: int
     compiled: bool
+    clock: str  # "thread_cpu" (CPU, one thread) or "wall" (measure_costs says why)
     sequential_ms: float  # the sequential model's cached single-token step
     layer_ms: float  # sequential_ms / L (the per-layer cost, head and embedding included pro rata)
     verify_ms: dict[int, float]  # B -> the verifier's cached forward over B + 1 positions
@@ -194,6 +195,7 @@ class Candidate:
     raw_tokens_per_s: float | None = None  # this run's own median
     sequential_tokens_per_s: float | None = None  # the sequential side of this candidate's runs
     alpha: float | None = None  # measured acceptance rate (SSD)
+    measured_s: float | None = None  # SSD: the drafter speedup s of the end-to-end runs (per-step wall times)
     tokens_per_round: float | None = None
     matches_sequential: bool | None = None  # SSD: every output equalled sequential's, every round
 
@@ -286,8 +288,12 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
                   preheat: Preheat | None = None) -> StepCosts:
     """Stage 1 device costs at one setting: every step decoding runs, timed round-robin (cfg.step_runs timed calls
     each after 2 untimed; compiled steps compile in the untimed ones), each on its own cache prefilled with
-    `prompt` and rolled back after every call, so every call runs at the same position."""
+    `prompt` and rolled back after every call, so every call runs at the same position. The clock: on a CPU at one
+    thread the thread's CPU time (measured on the shared 2-core box: wall time per 5-10 ms step = CPU time + a
+    near-constant ~4 ms wait for a core, which flattens the ratios between steps; CPU time stays within a few %
+    run to run), else wall time (a GPU's queue, or intra-op worker threads a thread clock does not see)."""
     device = model.wte.weight.device
+    clock = "thread_cpu" if device.type == "cpu" and threads == 1 else "wall"
     with torch_threads(threads), torch.inference_mode():
         seq = sequential_step(model, compiled)
         drafts = {str(p): snlp_step(bind(model, p, check_finite=False, preheat=preheat_for(p, preheat)), compiled)
@@ -295,10 +301,28 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
         fns = {"seq": _timed_step(model, seq, prompt, 1, max(cfg.blocks) + 1)}
         fns.update({b: _timed_step(model, seq, prompt, b + 1, max(cfg.blocks) + 1) for b in cfg.blocks})
         fns.update({name: _timed_step(model, d, prompt, 1, max(cfg.blocks) + 1) for name, d in drafts.items()})
-        ms = {k: statistics.median(v) for k, v in time_round_robin(fns, 2, cfg.step_runs, device).items()}
-    return StepCosts(threads=threads, compiled=compiled, sequential_ms=ms["seq"],
+        if clock == "wall":
+            times = time_round_robin(fns, 2, cfg.step_runs, device)
+        else:
+            times = _cpu_round_robin(fns, 2, cfg.step_runs)
+        ms = {k: statistics.median(v) for k, v in times.items()}
+    return StepCosts(threads=threads, compiled=compiled, clock=clock, sequential_ms=ms["seq"],
                      layer_ms=ms["seq"] / model.config.n_layer, verify_ms={b: ms[b] for b in cfg.blocks},
                      draft_ms={name: ms[name] for name in drafts})
+
+
+def _cpu_round_robin(fns: dict, warmup: int, runs: int) -> dict:
+    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    out = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            t0 = time.thread_time()
+            fn()
+            out[k].append(1e3 * (time.thread_time() - t0))
+    return out
 
 
 def _timed_step(model: GPT, step, prompt: list[int], T: int, room: int):
@@ -376,7 +400,7 @@ def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cf
             r = by_block[c.block]
             c.measured, c.measured_speedup, c.matches_sequential = True, r.measured_speedup, r.matches_sequential
             c.raw_tokens_per_s, c.sequential_tokens_per_s = 1e3 / r.speculative_ms_per_token, 1e3 / r.sequential_ms_per_token
-            c.alpha, c.tokens_per_round = r.alpha, r.tokens_per_round
+            c.alpha, c.tokens_per_round, c.measured_s = r.alpha, r.tokens_per_round, r.drafter_speedup_s
 
 
 def measure_snlp(model: GPT, prompts: list[list[int]], cands: list[Candidate], cfg: TuneConfig,
@@ -493,12 +517,12 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
     front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
     pick = result.picks.get(goal)
     cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
-            "pred x", "pred tok/s", "meas x", "tok/s", "alpha", "meas tok/rnd", "= seq"]
+            "pred x", "pred tok/s", "meas s", "meas x", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
              f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
-             _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
+             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     return markdown_table(cols, body)
 
