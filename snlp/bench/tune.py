@@ -18,7 +18,8 @@ Two stages:
         B t_draft + t_verify(B+1) (the paper's ideal SSD speedup with the measured acceptance profile and the
         verifier's real cost instead of one sequential step; the paper's own number from Top-1 is kept in
         `ideal_ssd_speedup`). SNLP: 1 / t_draft.
-  2 (end to end)  the shortlist (the `top` best predictions per goal, plus the best of every setting) is decoded
+  2 (end to end)  the shortlist (the `top` best plans per goal at their 2 best blocks, plus the best of every
+        setting; `shortlist`) is decoded
         for real: SSD by snlp.decode.speculative.speculative_benchmark (sequential and speculative side by side,
         warm-up, medians of `repeats` rounds, output checked), SNLP by KV-cached snlp_generate vs
         sequential_generate round-robin. The pick is the best MEASURED shortlisted candidate.
@@ -74,7 +75,7 @@ class TuneConfig:
     compile: bool = False  # also measure compiled static-shape steps (snlp.decode.steps)
     ssd: bool = True  # goal (a): exact SSD
     max_dppl: float | None = None  # goal (b) when set: SNLP decoding with calibration dPPL <= this (0.01 = 1 %)
-    top: int = 3  # stage-2 shortlist per goal (plus the best prediction of every setting)
+    top: int = 3  # stage-2 shortlist per goal: plans, each at its 2 best-predicted blocks (`shortlist`)
     full_grid: bool = False  # measure every candidate (validation of the shortlist)
     seq_len: int = 256  # calibration window
     calib_tokens: int = 8192  # teacher-forced calibration tokens (Top-1, PPL)
@@ -371,15 +372,19 @@ def predict(quality: dict[str, PlanQuality], acceptance: dict[str, Acceptance], 
     return out
 
 
-def shortlist(cands: list[Candidate], cfg: TuneConfig) -> None:
-    """Mark the stage-2 shortlist: per goal, the cfg.top best predictions among eligible candidates (SNLP: within
-    the budget), plus the best prediction of every (threads, compiled) setting."""
+def shortlist(cands: list[Candidate], cfg: TuneConfig, blocks_per_plan: int = 2) -> None:
+    """Mark the stage-2 shortlist, per goal: the cfg.top best (plan, setting) pairs by their best prediction
+    among eligible candidates (SNLP: within the budget), plus the best pair of every (threads, compiled)
+    setting, each at its `blocks_per_plan` best-predicted blocks. Distinct plans rather than the top rows: the
+    model's errors are mostly per plan (its step cost s), its block-to-block differences small, and one
+    speculative_benchmark call measures a plan's extra block for one more decode per prompt."""
     for goal in GOALS:
         ok = sorted((c for c in cands if c.goal == goal and c.within_budget), key=lambda c: -c.predicted_tokens_per_s)
-        for c in ok[:cfg.top]:
-            c.shortlisted = True
-        for setting in {(c.threads, c.compiled) for c in ok}:
-            next(c for c in ok if (c.threads, c.compiled) == setting).shortlisted = True
+        pairs = list(dict.fromkeys((c.plan, c.threads, c.compiled) for c in ok))  # best prediction first
+        chosen = set(pairs[:cfg.top]) | {next(p for p in pairs if p[1:] == s) for s in {p[1:] for p in pairs}}
+        for pair in chosen:
+            for c in [c for c in ok if (c.plan, c.threads, c.compiled) == pair][:blocks_per_plan]:
+                c.shortlisted = True
 
 
 def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cfg: TuneConfig,

@@ -59,7 +59,13 @@ def test_every_candidate_is_predicted_and_the_full_grid_measured(grid):
         assert c.predicted_tokens_per_s > 0 and c.predicted_speedup > 0 and 0 <= c.top1 <= 1
         if c.measured:
             assert c.tokens_per_s > 0 and c.measured_speedup > 0 and c.raw_tokens_per_s > 0
-    assert sum(c.shortlisted for c in ssd) == cfg.top  # one setting: its best prediction is among the top
+    # the shortlist: the top plans by their best prediction (one setting), each at its 2 best-predicted blocks
+    best = {}
+    for c in sorted(ssd, key=lambda c: -c.predicted_tokens_per_s):
+        best.setdefault(c.plan, []).append(c)
+    top_plans = sorted(best, key=lambda p: -best[p][0].predicted_tokens_per_s)[:cfg.top]
+    assert {(c.plan, c.block) for c in ssd if c.shortlisted} == {(c.plan, c.block) for p in top_plans
+                                                                   for c in best[p][:2]}
     assert r.costs[0].threads == 1 and set(r.costs[0].verify_ms) == {2, 3}
     assert set(r.costs[0].draft_ms) == {str(Plan.parse(p)) for p in PLANS}
 
