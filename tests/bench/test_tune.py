@@ -179,3 +179,14 @@ def test_bad_plans_are_refused(model, val, plans, msg):
 def test_missing_quality_is_refused(model, val):
     with pytest.raises(ValueError, match="no calibration quality"):
         tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], **FAST), quality={})
+
+
+def test_settings_default_to_the_current_thread_count_and_compile_adds_a_setting():
+    n = torch.get_num_threads()
+    assert TuneConfig().settings() == [(n, False)]
+    assert TuneConfig(threads=(1, 2), compile=True).settings() == [(1, False), (1, True), (2, False), (2, True)]
+
+
+def test_compile_refuses_a_tol_plan(model, val):
+    with pytest.raises(ValueError, match="tol"):
+        tune(model, val, TuneConfig(plans=["2xF1-h0-K4-tol:1e-3"], compile=True, **FAST))
