@@ -20,6 +20,7 @@ COMMANDS = {
     "sft": "snlp.apps.sft",
     "sft-grid": "snlp.apps.sft_grid",
     "train": "snlp.apps.train",
+    "tune": "snlp.apps.tune",
 }
 
 

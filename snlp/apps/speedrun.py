@@ -21,11 +21,13 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
-  ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter rule:
-                 the plan maximising the paper's ideal SSD speedup at B = 4,
-                 ((1 - a^5) / (1 - a)) / (4 / s + 1), with a = its teacher-forced Top-1 agreement
-                 (the greedy acceptance rate given the exact history) and s = its measured decode
-                 speedup. Measured alpha, tokens/round, s (per-step times of both sides) and
+  ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter: chosen by
+                 measurement (`snlp tune`, snlp.bench.tune): each plan's SSD acceptance profile (a short
+                 greedy speculative decode) and its decode steps timed once on this machine predict each
+                 (plan, B); the 3 best predictions are decoded briefly side by side with sequential
+                 decoding and the best MEASURED one drafts (the proxy rule, `select_drafter`: the paper's
+                 ideal SSD speedup at B = 4 from Top-1 and the eval's decode speedup, is recorded next to it).
+                 Measured alpha, tokens/round, s (per-step times of both sides) and
                  end-to-end speedup vs sequential greedy decoding, after a warm-up of both sides,
                  medians of 3 timed rounds (generate.speculative_benchmark), and a check that the
                  output equals sequential.
@@ -95,6 +97,11 @@ class Preset:
     ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
     diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.eval.analysis): power iterations for sigma_max
     diag_probes: int = 8  # and Hutchinson / amplification probes
+    tune_top: int = 3  # ssd-*: snlp tune's shortlist, measured end to end (stage 2)
+    tune_prompts: int = 2  # and its brief measurement: prompts x tokens x timed rounds (medians)
+    tune_tokens: int = 64
+    tune_repeats: int = 2
+    tune_accept_tokens: int = 64  # stage 1's acceptance profile: greedy SSD tokens per prompt and plan
 
 
 # FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
@@ -110,7 +117,7 @@ FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, ba
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
-               est_eval_s=30)
+               est_eval_s=30, tune_tokens=16, tune_accept_tokens=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +188,8 @@ def default_plans(n_layer: int) -> list[str]:
 
 
 def select_drafter(records: list, block: int = SELECT_BLOCK) -> tuple[object | None, list[tuple[str, float]]]:
-    """The drafter rule (module docstring): the EvalRecord maximising ideal_ssd_speedup(Top-1, B,
+    """The proxy drafter rule (module docstring; the speedrun drafts with tune_drafter's measured pick and
+    records this one next to it): the EvalRecord maximising ideal_ssd_speedup(Top-1, B,
     speedup) among plans that did not diverge; returns (record or None, [(plan, predicted speedup)])."""
     from snlp.decode.speculative import ideal_ssd_speedup
 
@@ -675,23 +683,53 @@ def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: l
     return {"rows": out}
 
 
+def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, seed: int, blocks=BLOCKS):
+    """The drafter by measurement (snlp.bench.tune): stage 1 reuses the eval stage's Top-1 / dPPL of every plan
+    (no second teacher-forced pass), measures each plan's SSD acceptance profile (a short greedy speculative
+    decode) and times the decode steps once (cached single-token steps, the verifier over B+1 positions) to
+    predict each (plan, B); stage 2 decodes the preset.tune_top best predictions briefly,
+    side by side with sequential decoding, and the best MEASURED one is the pick."""
+    from snlp.bench.tune import TuneConfig, quality_from_records, tune
+
+    quality = {p: q for p, q in quality_from_records(eval_records).items() if not q.note and q.top1 is not None}
+    if not quality:
+        return None
+    cfg = TuneConfig(plans=list(quality), blocks=tuple(blocks), top=preset.tune_top, prompts=preset.tune_prompts,
+                     prompt_len=preset.eval_prompt_len, gen_tokens=preset.tune_tokens, repeats=preset.tune_repeats,
+                     warmup=1, step_runs=20, accept_tokens=preset.tune_accept_tokens, seed=seed + 2)
+    return tune(model, val, cfg, quality=quality)
+
+
+def tune_rows(result) -> list[dict]:
+    """The stage record's candidate rows: every measured candidate, then the next best predictions (the table)."""
+    keys = ("plan", "block", "top1", "accept_alpha", "s", "ideal_ssd_speedup", "predicted_tokens_per_round",
+            "predicted_speedup", "measured", "tokens_per_round", "measured_speedup", "alpha", "matches_sequential")
+    rows = sorted((c for c in result.candidates if c.goal == "ssd"), key=lambda c: (not c.measured,
+                                                                                    -c.predicted_speedup))
+    return [{k: getattr(c, k) for k in keys} | {"pick": c is result.picks["ssd"]} for c in rows[:8]]
+
+
 def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Preset, seed: int,
               device: str, blocks=BLOCKS) -> dict:
-    """SSD with the drafter `select_drafter` picks from the EvalRecords, measured by
+    """SSD with the drafter `snlp tune` picks by measurement (tune_drafter), then measured at every B by
     snlp.decode.speculative.speculative_benchmark: a warm-up of both sides, then preset.ssd_repeats rounds, each
     decoding every prompt sequentially and at each B (interleaved, so load changes hit every row
-    alike), counters summed over the prompts; the rows hold the medians over the rounds."""
+    alike), counters summed over the prompts; the rows hold the medians over the rounds. The proxy rule
+    (`select_drafter`) is recorded next to it for comparison."""
     from snlp.io.checkpoint import load
     from snlp.eval.data import sample_prompts
     from snlp.decode.speculative import speculative_benchmark
 
-    best, scored = select_drafter(eval_records)
-    if best is None:
-        return {"drafter": None, "candidates": scored, "rows": []}
-    plan = best.plan
-    print(f"drafter: {plan} (predicted SSD speedup at B={SELECT_BLOCK}: "
-          f"{max(v for _, v in scored):.2f}x from Top-1 {best.top1:.3f}, s {best.speedup:.2f})")
+    proxy, scored = select_drafter(eval_records)
     model, _ = load(model_dir, device=device)
+    tuned = tune_drafter(model, val, eval_records, preset, seed, blocks)
+    pick = tuned.picks["ssd"] if tuned is not None else None
+    if pick is None:
+        return {"drafter": None, "candidates": scored, "rows": []}
+    plan = pick.plan
+    print(f"drafter (snlp tune): {plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
+          f"{pick.measured_speedup:.2f}x (proxy rule: {proxy.plan if proxy else None}); tune took "
+          f"{tuned.stage1_s + tuned.stage2_s:.0f} s")
     prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
@@ -701,9 +739,11 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
               f"s {rep.drafter_speedup_s:.2f}, ideal SSD {rep.ideal_ssd_speedup:.2f}x, measured "
               f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}), output "
               f"{'==' if rep.matches_sequential else '!='} sequential")
-    return {"drafter": plan, "drafter_top1": best.top1, "drafter_eval_speedup": best.speedup,
-            "candidates": scored, "prompts": len(prompts), "gen_tokens": G, "repeats": preset.ssd_repeats,
-            "sequential_ms_per_token": rows[0].sequential_ms_per_token, "rows": [r.to_dict() for r in rows]}
+    return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
+            proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
+            "tune_s": tuned.stage1_s + tuned.stage2_s, "prompts": len(prompts), "gen_tokens": G,
+            "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
+            "rows": [r.to_dict() for r in rows]}
 
 
 def command_line(args) -> str:
@@ -945,6 +985,9 @@ def step_ssd(sr: Speedrun) -> None:
                       {"model": sr.trains[key].id, "eval_stage": sr.evals[key].id, "blocks": list(BLOCKS),
                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
                        "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": sr.cfg.seed,
+                       "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
+                                   "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
+                                   "accept_tokens": pre.tune_accept_tokens},
                        **sr.common()},
                       lambda key=key: stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), pre,
                                                 sr.cfg.seed, sr.cfg.device))

@@ -87,6 +87,15 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
         assert all(c not in ("", "-") for c in column(ssd, name)), name
     assert column(ssd, "= sequential") == ["yes"] * 6  # the verifier makes SSD exact
     assert column(ssd, "B") == ["2", "4", "8"] * 2
+    tuned = t["Drafter choice: snlp tune, predicted vs measured"]  # the drafter is snlp tune's measured pick
+    assert sum(c.startswith("> ") for c in column(tuned, "Plan")) == 2  # one pick per model
+    measured = [r for r in tuned[1:] if r[tuned[0].index("Measured")] != "–"]
+    assert measured and all(r[tuned[0].index("= sequential")] == "yes" for r in measured)
+    for key in ("noreg", "idn"):
+        res = s["stages"][f"ssd-{key}"]["result"]
+        pick = next(r for r in res["tune"] if r["pick"])
+        assert res["drafter"] == pick["plan"] and pick["measured"]
+        assert pick["measured_speedup"] == max(r["measured_speedup"] for r in res["tune"] if r["measured"])
 
     ee = t["Early exit (K = 0)"]
     assert column(ee, "N (skipped)") == ["0", "1", "2", "3"]

@@ -1,0 +1,131 @@
+"""Choose the decoding plan for a checkpoint on this machine by measurement (snlp.bench.tune).
+
+Two goals: exact self-speculative decoding (SSD: the plan, draft block B, threads and compile that maximise
+measured tokens/s; every measured candidate's greedy output is checked against sequential decoding) and, with
+--max-dppl, SNLP decoding under a quality budget (the fastest plan whose calibration PPL is within the budget of
+sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the checkpoint's validation text and
+its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
+this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes the --top best predictions end to end, side by side with sequential decoding
+after a warm-up (medians), and picks the best MEASURED. Prints the measured table (predicted vs measured) and the
+pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best.
+
+    snlp tune runs/idn                                  # SSD, default grid (12 plans at L = 16) x B = 2,3,4,6,8
+    snlp tune runs/idn --max-dppl 1% --threads 1,2      # also SNLP within +1 % PPL; 1 and 2 torch threads
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from snlp.apps.common import plans_preheat
+from snlp.bench.records import write_json
+from snlp.bench.tune import TuneConfig, default_plans, summary, table, tune
+from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
+from snlp.io.checkpoint import load
+from snlp.runtime.device import cli_device, cli_dtype, device_label
+
+
+def add_arguments(p) -> None:
+    d = TuneConfig()
+    p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
+    p.add_argument("--plans", default=None, help="comma-separated candidate plans (default: 12 plans on suffixes "
+                   "of L/4, L/2, 3L/4 layers: F1-h0-K1, F1-h0-K2, F1-fwd-K1, F2-h0-K1)")
+    p.add_argument("--blocks", default=",".join(map(str, d.blocks)), help="SSD draft block sizes B")
+    p.add_argument("--threads", default=None, help="comma-separated torch thread counts to measure (default: the "
+                   "current count)")
+    p.add_argument("--compile", action="store_true", help="also measure compiled static-shape steps (compile time "
+                   "is spent once per plan and setting, never timed)")
+    p.add_argument("--max-dppl", default=None, help="goal (b): SNLP decoding within this PPL increase over "
+                   "sequential, e.g. 1%% or 0.01")
+    p.add_argument("--no-ssd", action="store_true", help="skip goal (a), exact SSD (needs --max-dppl)")
+    p.add_argument("--top", type=int, default=d.top, help="candidates per goal measured end to end (stage 2)")
+    p.add_argument("--full-grid", action="store_true", help="measure every candidate end to end: the pick vs the "
+                   "best of the grid (validation)")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--calib-tokens", type=int, default=d.calib_tokens, help="teacher-forced calibration tokens")
+    m.add_argument("--seq-len", type=int, default=d.seq_len, help="calibration window")
+    m.add_argument("--prompts", type=int, default=d.prompts, help="stage-2 prompts from the validation text")
+    m.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")
+    m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians)")
+    m.add_argument("--warmup", type=int, default=d.warmup, help="stage-2 untimed rounds")
+    m.add_argument("--step-runs", type=int, default=d.step_runs, help="stage-1 timed steps per cost")
+    m.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="stage-1 acceptance profile: greedy "
+                   "SSD tokens per prompt and plan at the largest B (0: predict from teacher-forced Top-1 alone)")
+    m.add_argument("--seed", type=int, default=d.seed, help="prompt sampling seed")
+    m.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
+    m.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
+    m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    m.add_argument("--all-rows", action="store_true", help="print the predicted-only rows too")
+    m.add_argument("--no-progress", action="store_true")
+    m.add_argument("--json", default=None, help="write the TuneResult (config, costs, every candidate, picks) here")
+
+
+def parse_budget(text: str | None) -> float | None:
+    """--max-dppl: '1%' or a fraction '0.01'; a bare number >= 1 is refused (ambiguous: 1 % or +100 %?)."""
+    if text is None:
+        return None
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"--max-dppl must be a percentage (1%) or a fraction (0.01), got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"--max-dppl must be >= 0 and finite, got {text!r}")
+    if not t.endswith("%") and v >= 1:
+        raise ValueError(f"--max-dppl {text!r} is ambiguous: write a percentage ({t}%) or a fraction < 1")
+    return v
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def config_from_args(args) -> TuneConfig:
+    cfg = TuneConfig(plans=[p.strip() for p in args.plans.split(",") if p.strip()] if args.plans else None,
+                     blocks=_ints(args.blocks, "--blocks"), threads=_ints(args.threads, "--threads"),
+                     compile=args.compile, ssd=not args.no_ssd, max_dppl=parse_budget(args.max_dppl), top=args.top,
+                     full_grid=args.full_grid, seq_len=args.seq_len, calib_tokens=args.calib_tokens,
+                     prompts=args.prompts, prompt_len=args.prompt_len, gen_tokens=args.gen_tokens,
+                     repeats=args.repeats, warmup=args.warmup, step_runs=args.step_runs,
+                     accept_tokens=args.accept_tokens, seed=args.seed,
+                     progress=not args.no_progress)
+    cfg.check()
+    return cfg
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
+    device = cli_device(args.device)
+    model, tok = load(args.ckpt, device="cpu")
+    if tok is None:
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp tune` needs it for the calibration text")
+    plans = cfg.plans or default_plans(model.config.n_layer)
+    preheat = plans_preheat(args.ckpt, model, plans)
+    cfg.plan_list(model.config.n_layer, preheat)  # unknown / unfit plans refused before anything runs
+    model = model.to(device=device, dtype=getattr(torch, cli_dtype(args.dtype, device))).eval()
+    data = checkpoint_data(args.ckpt, **{k: getattr(args, k, None) for k in DATA_DEFAULTS})
+    val = validation_tokens(tok, **data)
+    print(f"snlp tune: {args.ckpt}: {len(val):,} validation tokens of {data['data']}; {device_label(device)}",
+          file=sys.stderr)
+    result = tune(model, val, cfg, preheat=preheat)
+    for goal in result.picks:
+        title = "exact SSD" if goal == "ssd" else f"SNLP decoding, dPPL <= {100 * cfg.max_dppl:.2f} %"
+        print(f"\n{goal}: {title} ({'all rows' if args.all_rows else 'measured rows'}; > pick, * shortlist"
+              f"{', P Pareto front' if goal == 'snlp' else ''}; pred = stage-1 model, meas = end to end)")
+        print("\n".join(table(result, goal, measured_only=not args.all_rows)))
+    print(f"\nstage 1 {result.stage1_s:.1f} s, stage 2 {result.stage2_s:.1f} s")
+    print("\n".join(summary(result)))
+    if args.json:
+        write_json(args.json, {"checkpoint": str(args.ckpt), "device_label": device_label(device), **result.to_dict()})
+    return 0

@@ -1,0 +1,557 @@
+"""`snlp tune`: choose the plan (and draft block, torch threads, compile) for one checkpoint on this machine by
+MEASUREMENT, for two goals:
+
+  ssd   exact self-speculative decoding (paper, "Self-speculative decoding"): maximise measured tokens/s; every
+        measured candidate's greedy output is checked token for token against sequential decoding.
+  snlp  SNLP decoding under a quality budget (`max_dppl`, e.g. 0.01): the fastest plan whose calibration PPL is
+        within the budget of sequential's, by measured tokens/s.
+
+Two stages:
+  1 (cheap model, seconds)  agreement on calibration text: teacher-forced Top-1 and PPL of every plan (dPPL;
+        the paper's alpha estimate) and the acceptance profile SSD really sees: one greedy speculative decode per
+        plan at the largest B on calibration prompts (exact history: the verifier rewrites the cache), giving
+        P(a round accepts >= i drafts) for i <= B, hence tokens/round at every B <= max (teacher-forced Top-1
+        runs the suffix on approximate history everywhere and under-estimates aggressive drafters). Device costs
+        of the steps decoding runs, timed round-robin after a warm-up, per (threads, compile) setting: the
+        sequential model's cached single-token step, each plan's cached single-token drafter step and the
+        verifier's forward over B+1 positions. Prediction per (plan, B): tokens/round over the round's cost
+        B t_draft + t_verify(B+1) (the paper's ideal SSD speedup with the measured acceptance profile and the
+        verifier's real cost instead of one sequential step; the paper's own number from Top-1 is kept in
+        `ideal_ssd_speedup`). SNLP: 1 / t_draft.
+  2 (end to end)  the shortlist (the `top` best plans per goal at their 2 best blocks, plus the best of every
+        setting; `shortlist`) is decoded
+        for real: SSD by snlp.decode.speculative.speculative_benchmark (sequential and speculative side by side,
+        warm-up, medians of `repeats` rounds, output checked), SNLP by KV-cached snlp_generate vs
+        sequential_generate round-robin. The pick is the best MEASURED shortlisted candidate.
+Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
+drift between the per-plan runs cancels (raw tokens/s are kept too). `full_grid` measures every candidate and
+reports how far the pick is from the best of the grid (the validation of the shortlist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from snlp.bench.records import markdown_table
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark, speculative_generate
+from snlp.decode.steps import check_compilable, sequential_step, snlp_step
+from snlp.eval.data import as_tokens, sample_prompts, windows
+from snlp.eval.protocol import EvalConfig, teacher_forced
+from snlp.method.plan import Plan
+from snlp.method.preheat import Preheat
+from snlp.method.solver import bind, preheat_for
+from snlp.model.cache import KVCache
+from snlp.model.gpt import GPT
+from snlp.runtime.timing import time_round_robin
+
+GOALS = ("ssd", "snlp")
+
+
+def default_plans(n_layer: int) -> list[str]:
+    """The default grid: suffixes of N = L/4, L/2 and 3L/4 layers, each as one layer per chunk at K = 1 and 2,
+    with the one-shot `fwd` init, and as 2-layer fused chunks at K = 1 (12 plans at L = 16)."""
+    out = []
+    for N in sorted({max(1, n_layer // 4), max(1, n_layer // 2), max(1, 3 * n_layer // 4)}):
+        out += [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-fwd-K1"]
+        if N % 2 == 0:
+            out.append(f"{N // 2}xF2-h0-K1")
+    return out
+
+
+@dataclass
+class TuneConfig:
+    """What `tune` searches and how it measures (module docstring)."""
+
+    plans: list[str] | None = None  # None: default_plans(n_layer)
+    blocks: tuple[int, ...] = (2, 3, 4, 6, 8)  # SSD draft block sizes B
+    threads: tuple[int, ...] = ()  # torch CPU thread counts to measure; () = the current count
+    compile: bool = False  # also measure compiled static-shape steps (snlp.decode.steps)
+    ssd: bool = True  # goal (a): exact SSD
+    max_dppl: float | None = None  # goal (b) when set: SNLP decoding with calibration dPPL <= this (0.01 = 1 %)
+    top: int = 3  # stage-2 shortlist per goal: plans, each at its 2 best-predicted blocks (`shortlist`)
+    full_grid: bool = False  # measure every candidate (validation of the shortlist)
+    seq_len: int = 256  # calibration window
+    calib_tokens: int = 8192  # teacher-forced calibration tokens (Top-1, PPL)
+    prompts: int = 4  # stage-2 prompts (from the calibration tokens)
+    prompt_len: int = 16
+    gen_tokens: int = 64  # greedy tokens per prompt and run
+    repeats: int = 3  # stage-2 timed rounds (medians)
+    warmup: int = 1  # stage-2 untimed rounds
+    step_runs: int = 30  # stage-1 timed steps per cost (medians)
+    accept_tokens: int = 64  # stage-1 acceptance profile: greedy SSD tokens per prompt and plan (0: Top-1 model)
+    seed: int = 0  # prompt sampling
+    progress: bool = False
+
+    def check(self) -> None:
+        """Raise a ValueError naming every bad setting (nothing is run before)."""
+        bad = []
+        ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in xs)  # noqa: E731
+        if not self.blocks or not ints(self.blocks) or len(set(self.blocks)) != len(self.blocks):
+            bad.append(f"blocks must be distinct integers >= 1 (got {self.blocks!r})")
+        if not ints(self.threads) or len(set(self.threads)) != len(self.threads):
+            bad.append(f"threads must be distinct integers >= 1 (got {self.threads!r})")
+        if self.max_dppl is not None and not (isinstance(self.max_dppl, (int, float)) and 0 <= self.max_dppl < math.inf):
+            bad.append(f"max_dppl must be a finite fraction >= 0, e.g. 0.01 for 1 % (got {self.max_dppl!r})")
+        if not self.ssd and self.max_dppl is None:
+            bad.append("nothing to tune: the SSD goal is off and no max_dppl budget was given")
+        for k in ("top", "seq_len", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
+            if not ints([getattr(self, k)]):
+                bad.append(f"{k} must be an integer >= 1 (got {getattr(self, k)!r})")
+        for k in ("warmup", "accept_tokens"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 0:
+                bad.append(f"{k} must be an integer >= 0 (got {getattr(self, k)!r})")
+        if self.plans is not None and not self.plans:
+            bad.append("plans is empty (None: the default grid)")
+        if bad:
+            raise ValueError("bad tune settings: " + "; ".join(bad))
+
+    def settings(self) -> list[tuple[int, bool]]:
+        """(threads, compiled) pairs measured: every thread count, eager, and compiled too with `compile`."""
+        return [(t, c) for t in (self.threads or (torch.get_num_threads(),)) for c in ((False, True) if self.compile
+                                                                                       else (False,))]
+
+    def plan_list(self, n_layer: int, preheat: Preheat | None = None) -> list[Plan]:
+        """The plans, parsed and checked against the model (duplicates dropped); a ValueError for an unknown
+        plan, a preheat plan without calibration, or a tol plan under `compile`."""
+        plans = list(dict.fromkeys(Plan.parse(p, n_layer) for p in (self.plans or default_plans(n_layer))))
+        for p in plans:
+            if p.init == "preheat" and preheat is None:
+                raise ValueError(f"plan {p} starts from the preheat init but no calibration was given")
+            if self.compile:
+                check_compilable(p)
+        return plans
+
+
+@dataclass
+class PlanQuality:
+    """Calibration quality of one plan: teacher-forced Top-1 vs sequential (the greedy acceptance estimate) and
+    PPL, dPPL relative to sequential (0.01 = +1 %); note "diverged" when its solve blew up."""
+
+    plan: str
+    top1: float | None
+    ppl: float
+    delta_ppl: float
+    note: str = ""
+
+
+@dataclass
+class Acceptance:
+    """Stage 1: the acceptance profile of one drafter in greedy SSD at `block` drafts per round, from the rounds
+    that drafted the full block: reach[i - 1] = P(a round accepts >= i drafts). A B-draft round on the same history
+    accepts min(n, B) of them (greedy drafts do not depend on B), so tokens/round at any B <= block follow."""
+
+    plan: str
+    block: int
+    rounds: int
+    reach: list[float]
+    alpha: float  # accepted / examined: the i.i.d. per-draft alpha of the paper's formula
+
+    def tokens_per_round(self, B: int) -> float:
+        """1 + E[min(n, B)] = 1 + sum_{i <= B} P(n >= i)."""
+        return 1.0 + sum(self.reach[:B])
+
+
+@dataclass
+class StepCosts:
+    """Stage 1: device costs of one (threads, compiled) setting, medians in ms."""
+
+    threads: int
+    compiled: bool
+    clock: str  # "thread_cpu" (CPU, one thread) or "wall" (measure_costs says why)
+    sequential_ms: float  # the sequential model's cached single-token step
+    layer_ms: float  # sequential_ms / L (the per-layer cost, head and embedding included pro rata)
+    verify_ms: dict[int, float]  # B -> the verifier's cached forward over B + 1 positions
+    draft_ms: dict[str, float]  # plan -> its cached single-token SNLP step
+
+
+@dataclass
+class Candidate:
+    """One row of the table: a goal, plan, draft block (SSD only), threads and compile, predicted and measured."""
+
+    goal: str  # "ssd" or "snlp"
+    plan: str
+    block: int | None
+    threads: int
+    compiled: bool
+    top1: float | None
+    delta_ppl: float
+    accept_alpha: float | None  # stage-1 SSD acceptance (i.i.d. fit of the profile; None: not measured)
+    predicted_tokens_per_round: float | None  # SSD: from the acceptance profile (else the Top-1 i.i.d. model)
+    s: float  # drafter speedup: sequential over drafter ms per cached single-token step (stage 1)
+    predicted_speedup: float  # over sequential decoding (stage-1 model, module docstring)
+    predicted_tokens_per_s: float
+    ideal_ssd_speedup: float | None = None  # the paper's formula from (Top-1, B, s); SSD only
+    within_budget: bool = True  # snlp: delta_ppl <= max_dppl
+    shortlisted: bool = False
+    measured: bool = False
+    measured_speedup: float | None = None  # median of the per-round ratios, side by side with sequential
+    tokens_per_s: float | None = None  # measured_speedup x the setting's median sequential tokens/s
+    raw_tokens_per_s: float | None = None  # this run's own median
+    sequential_tokens_per_s: float | None = None  # the sequential side of this candidate's runs
+    alpha: float | None = None  # measured acceptance rate (SSD)
+    measured_s: float | None = None  # SSD: the drafter speedup s of the end-to-end runs (per-step wall times)
+    tokens_per_round: float | None = None
+    matches_sequential: bool | None = None  # SSD: every output equalled sequential's, every round
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TuneResult:
+    """Everything `tune` measured and picked; `to_dict` is the JSON."""
+
+    config: TuneConfig
+    n_layer: int
+    device: str
+    dtype: str
+    quality: list[PlanQuality]
+    acceptance: list[Acceptance]
+    costs: list[StepCosts]
+    candidates: list[Candidate]
+    picks: dict[str, Candidate | None]  # goal -> the best measured shortlisted candidate (None: none qualifies)
+    grid_best: dict[str, Candidate | None]  # goal -> the best of every measured candidate
+    pick_vs_best: dict[str, float | None]  # goal -> pick tokens/s over grid best's (1.0: the pick is the best)
+    notes: list[str] = field(default_factory=list)
+    stage1_s: float = 0.0
+    stage2_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op CPU threads set to n inside, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def calibration_quality(model: GPT, val, plans: list[Plan], cfg: TuneConfig, preheat: Preheat | None = None
+                        ) -> dict[str, PlanQuality]:
+    """Teacher-forced Top-1 and PPL of every plan vs sequential on up to cfg.calib_tokens calibration tokens
+    (snlp.eval.protocol.teacher_forced, the evaluation's own protocol)."""
+    seq_len = min(cfg.seq_len, model.config.sequence_len)
+    wins = windows(as_tokens(val), seq_len, cfg.calib_tokens)  # (W, T + 1)
+    ecfg = EvalConfig(seq_len=seq_len, max_tokens=cfg.calib_tokens, progress=cfg.progress)
+    tf = teacher_forced(model, wins, plans, ecfg, preheat)
+    base = tf["sequential"].ppl
+    return {str(p): PlanQuality(str(p), tf[str(p)].top1, tf[str(p)].ppl, tf[str(p)].ppl / base - 1.0, tf[str(p)].note)
+            for p in plans}
+
+
+def quality_from_records(records) -> dict[str, PlanQuality]:
+    """Stage-1 quality from evaluation records already measured (snlp.eval.protocol.EvalRecord: Top-1, PPL, dPPL),
+    e.g. the speedrun's eval stage: no second teacher-forced pass."""
+    return {r.plan: PlanQuality(r.plan, r.top1, r.ppl, r.delta_ppl if r.delta_ppl is not None else math.inf, r.note)
+            for r in records if not r.is_sequential}
+
+
+def measure_acceptance(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: TuneConfig,
+                       preheat: Preheat | None = None) -> dict[str, Acceptance]:
+    """Stage 1: each plan's acceptance profile (Acceptance) from greedy SSD at the largest block, cfg.accept_tokens
+    tokens per prompt. Each round emits its accepted drafts plus one verifier token (on_tokens sees them), so a
+    round's accepted count is what it emitted minus 1; only rounds that drafted the whole block count."""
+    B = max(cfg.blocks)
+    seq, out = sequential_step(model), {}
+    for plan in plans:
+        draft = snlp_step(bind(model, plan, check_finite=False, preheat=preheat_for(plan, preheat)))
+        counts, emitted = [], [0]
+
+        def record(new, counts=counts, emitted=emitted):
+            if cfg.accept_tokens - emitted[0] - 1 >= B:  # this round drafted B (it had room for B drafts + 1)
+                counts.append(len(new) - 1)
+            emitted[0] += len(new)
+        acc = exam = 0
+        for p in prompts:
+            emitted[0] = 0
+            r = speculative_generate(model, p, plan, block=B, max_new_tokens=cfg.accept_tokens, draft=draft,
+                                     verify=seq, on_tokens=record)
+            acc, exam = acc + r.accepted, exam + r.examined
+        R = max(len(counts), 1)
+        out[str(plan)] = Acceptance(str(plan), B, len(counts), [sum(n >= i for n in counts) / R for i in range(1, B + 1)],
+                                    acc / exam if exam else math.nan)
+    return out
+
+
+def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneConfig, threads: int, compiled: bool,
+                  preheat: Preheat | None = None) -> StepCosts:
+    """Stage 1 device costs at one setting: every step decoding runs, timed round-robin (cfg.step_runs timed calls
+    each after 2 untimed; compiled steps compile in the untimed ones), each on its own cache prefilled with
+    `prompt` and rolled back after every call, so every call runs at the same position. The clock: on a CPU at one
+    thread the thread's CPU time (measured on the shared 2-core box: wall time per 5-10 ms step = CPU time + a
+    near-constant ~4 ms wait for a core, which flattens the ratios between steps; CPU time stays within a few %
+    run to run), else wall time (a GPU's queue, or intra-op worker threads a thread clock does not see)."""
+    device = model.wte.weight.device
+    clock = "thread_cpu" if device.type == "cpu" and threads == 1 else "wall"
+    with torch_threads(threads), torch.inference_mode():
+        seq = sequential_step(model, compiled)
+        drafts = {str(p): snlp_step(bind(model, p, check_finite=False, preheat=preheat_for(p, preheat)), compiled)
+                  for p in plans}
+        fns = {"seq": _timed_step(model, seq, prompt, 1, max(cfg.blocks) + 1)}
+        fns.update({b: _timed_step(model, seq, prompt, b + 1, max(cfg.blocks) + 1) for b in cfg.blocks})
+        fns.update({name: _timed_step(model, d, prompt, 1, max(cfg.blocks) + 1) for name, d in drafts.items()})
+        if clock == "wall":
+            times = time_round_robin(fns, 2, cfg.step_runs, device)
+        else:
+            times = _cpu_round_robin(fns, 2, cfg.step_runs)
+        ms = {k: statistics.median(v) for k, v in times.items()}
+    return StepCosts(threads=threads, compiled=compiled, clock=clock, sequential_ms=ms["seq"],
+                     layer_ms=ms["seq"] / model.config.n_layer, verify_ms={b: ms[b] for b in cfg.blocks},
+                     draft_ms={name: ms[name] for name in drafts})
+
+
+def _cpu_round_robin(fns: dict, warmup: int, runs: int) -> dict:
+    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    out = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            t0 = time.thread_time()
+            fn()
+            out[k].append(1e3 * (time.thread_time() - t0))
+    return out
+
+
+def _timed_step(model: GPT, step, prompt: list[int], T: int, room: int):
+    """A call of `step` on T tokens after `prompt` (cached once), the cache rolled back after it: (pad_to=T makes a
+    compiled verifier run the padded shape speculative decoding runs)."""
+    cache = KVCache.for_model(model, max_len=step.cache_len(len(prompt) + room + step.slack))
+    step.warm(cache, [step.prefill_len(len(prompt))])
+    step.prefill(torch.tensor([prompt], device=model.wte.weight.device), cache)
+    P = cache.length
+    x = torch.tensor([prompt[-1:] * T], device=model.wte.weight.device)  # (1, T)
+
+    def run():
+        step(x, cache, pad_to=T)
+        cache.rollback(P)
+    return run
+
+
+def predict(quality: dict[str, PlanQuality], acceptance: dict[str, Acceptance], costs: list[StepCosts],
+            cfg: TuneConfig) -> list[Candidate]:
+    """Stage 1: one Candidate per (goal, plan, block, setting) with its predicted speedup and tokens/s
+    (module docstring): SSD tokens/round from the plan's acceptance profile when measured, else the i.i.d.
+    model with alpha = Top-1; diverged plans and plans without a Top-1 are left out."""
+    out = []
+    for c in costs:
+        seq_tok_s = 1e3 / c.sequential_ms
+        for name, q in quality.items():
+            if q.note or q.top1 is None or name not in c.draft_ms:
+                continue
+            td = c.draft_ms[name]
+            acc = acceptance.get(name)
+            common = dict(plan=name, threads=c.threads, compiled=c.compiled, top1=q.top1, delta_ppl=q.delta_ppl,
+                          s=c.sequential_ms / td, accept_alpha=acc.alpha if acc else None)
+            if cfg.ssd:
+                a = min(max(float(q.top1), 0.0), 1.0)
+                for b in cfg.blocks:
+                    iid = b + 1.0 if a >= 1.0 else (1.0 - a ** (b + 1)) / (1.0 - a)  # the paper's tokens/round
+                    per_round = acc.tokens_per_round(b) if acc and acc.rounds else iid
+                    tok_s = 1e3 * per_round / (b * td + c.verify_ms[b])  # B drafter steps + one verify per round
+                    out.append(Candidate(goal="ssd", block=b, predicted_speedup=tok_s / seq_tok_s,
+                                         predicted_tokens_per_s=tok_s, predicted_tokens_per_round=per_round,
+                                         ideal_ssd_speedup=ideal_ssd_speedup(a, b, common["s"]), **common))
+            if cfg.max_dppl is not None:
+                out.append(Candidate(goal="snlp", block=None, predicted_speedup=common["s"],
+                                     predicted_tokens_per_s=1e3 / td, predicted_tokens_per_round=None,
+                                     within_budget=q.delta_ppl <= cfg.max_dppl, **common))
+    return out
+
+
+def shortlist(cands: list[Candidate], cfg: TuneConfig, blocks_per_plan: int = 2) -> None:
+    """Mark the stage-2 shortlist, per goal: the cfg.top best (plan, setting) pairs by their best prediction
+    among eligible candidates (SNLP: within the budget), plus the best pair of every (threads, compiled)
+    setting, each at its `blocks_per_plan` best-predicted blocks. Distinct plans rather than the top rows: the
+    model's errors are mostly per plan (its step cost s), its block-to-block differences small, and one
+    speculative_benchmark call measures a plan's extra block for one more decode per prompt."""
+    for goal in GOALS:
+        ok = sorted((c for c in cands if c.goal == goal and c.within_budget), key=lambda c: -c.predicted_tokens_per_s)
+        pairs = list(dict.fromkeys((c.plan, c.threads, c.compiled) for c in ok))  # best prediction first
+        chosen = set(pairs[:cfg.top]) | {next(p for p in pairs if p[1:] == s) for s in {p[1:] for p in pairs}}
+        for pair in chosen:
+            for c in [c for c in ok if (c.plan, c.threads, c.compiled) == pair][:blocks_per_plan]:
+                c.shortlisted = True
+
+
+def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cfg: TuneConfig,
+                preheat: Preheat | None = None) -> None:
+    """Stage 2, SSD: per (setting, plan), one speculative_benchmark over the candidates' blocks (sequential and
+    speculative side by side, cfg.warmup untimed rounds, medians of cfg.repeats); fills the measured fields."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in cands:
+        groups.setdefault((c.threads, c.compiled, c.plan), []).append(c)
+    for (threads, compiled, plan), cs in groups.items():
+        with torch_threads(threads):
+            rows, _ = speculative_benchmark(
+                model, prompts, plan, sorted(c.block for c in cs), cfg.gen_tokens, repeats=cfg.repeats,
+                warmup=cfg.warmup, compile=compiled, preheat=preheat_for(Plan.parse(plan), preheat),
+                progress=cfg.progress)
+        by_block = {r.block: r for r in rows}
+        for c in cs:
+            r = by_block[c.block]
+            c.measured, c.measured_speedup, c.matches_sequential = True, r.measured_speedup, r.matches_sequential
+            c.raw_tokens_per_s, c.sequential_tokens_per_s = 1e3 / r.speculative_ms_per_token, 1e3 / r.sequential_ms_per_token
+            c.alpha, c.tokens_per_round, c.measured_s = r.alpha, r.tokens_per_round, r.drafter_speedup_s
+
+
+def measure_snlp(model: GPT, prompts: list[list[int]], cands: list[Candidate], cfg: TuneConfig,
+                 preheat: Preheat | None = None) -> None:
+    """Stage 2, SNLP: per setting, KV-cached greedy snlp_generate of every candidate and sequential_generate,
+    round-robin over the prompts (cfg.warmup untimed rounds, then cfg.repeats timed; steps built once)."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in cands:
+        groups.setdefault((c.threads, c.compiled), []).append(c)
+    for (threads, compiled), cs in groups.items():
+        with torch_threads(threads):
+            seq = sequential_step(model, compiled)
+            steps = {c.plan: snlp_step(bind(model, c.plan, check_finite=False,
+                                            preheat=preheat_for(Plan.parse(c.plan), preheat)), compiled) for c in cs}
+            run = {None: lambda p: sequential_generate(model, p, cfg.gen_tokens, step=seq)}
+            run.update({k: (lambda k: lambda p: snlp_generate(model, p, k, cfg.gen_tokens, step=steps[k]))(k)
+                        for k in steps})
+            ms = {k: [] for k in run}  # per timed round: ms per token over all prompts
+            for r in range(cfg.warmup + cfg.repeats):
+                tot = {k: [0.0, 0] for k in run}
+                for p in prompts:
+                    for k, fn in run.items():
+                        res = fn(p)
+                        tot[k][0] += res.decode_s
+                        tot[k][1] += len(res.tokens)
+                if r >= cfg.warmup:
+                    for k, (s, n) in tot.items():
+                        ms[k].append(1e3 * s / max(n, 1))
+        for c in cs:
+            c.measured = True
+            c.measured_speedup = statistics.median(a / b for a, b in zip(ms[None], ms[c.plan]))
+            c.raw_tokens_per_s = 1e3 / statistics.median(ms[c.plan])
+            c.sequential_tokens_per_s = 1e3 / statistics.median(ms[None])
+
+
+def _normalise(cands: list[Candidate]) -> None:
+    """tokens_per_s = measured speedup x the median sequential tokens/s of the candidate's setting and goal."""
+    ref: dict[tuple, list[float]] = {}
+    for c in cands:
+        if c.measured:
+            ref.setdefault((c.goal, c.threads, c.compiled), []).append(c.sequential_tokens_per_s)
+    for c in cands:
+        if c.measured:
+            c.tokens_per_s = c.measured_speedup * statistics.median(ref[(c.goal, c.threads, c.compiled)])
+
+
+def _best(cands: list[Candidate]) -> Candidate | None:
+    ok = [c for c in cands if c.measured and c.within_budget and c.matches_sequential is not False]
+    return max(ok, key=lambda c: c.tokens_per_s, default=None)
+
+
+def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,
+         preheat: Preheat | None = None) -> TuneResult:
+    """Choose the decoding plan for `model` on this machine by measurement (module docstring). `val_tokens`: the
+    calibration token ids (1-D); `quality`: stage-1 agreement already measured (quality_from_records), else it is
+    measured here; `preheat`: the calibration preheat plans read."""
+    cfg.check()
+    L = model.config.n_layer
+    plans = cfg.plan_list(L, preheat)
+    model.eval()
+    val = as_tokens(val_tokens)
+    prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
+    t0 = time.perf_counter()
+    if quality is not None and any(str(p) not in quality for p in plans):
+        raise ValueError(f"no calibration quality for plans {[str(p) for p in plans if str(p) not in quality]}")
+    with torch_threads(cfg.settings()[0][0]):  # thread-independent, but never at an untried thread count
+        quality = quality if quality is not None else calibration_quality(model, val, plans, cfg, preheat)
+        quality = {str(p): quality[str(p)] for p in plans}
+        usable = [p for p in plans if not quality[str(p)].note and quality[str(p)].top1 is not None]
+        acceptance = measure_acceptance(model, sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed + 1),
+                                        usable, cfg, preheat) if cfg.ssd and cfg.accept_tokens else {}
+    costs = [measure_costs(model, usable, prompts[0], cfg, t, c, preheat) for t, c in cfg.settings()]
+    cands = predict(quality, acceptance, costs, cfg)
+    shortlist(cands, cfg)
+    t1 = time.perf_counter()
+    todo = [c for c in cands if c.within_budget and (c.shortlisted or cfg.full_grid)]
+    measure_ssd(model, prompts, [c for c in todo if c.goal == "ssd"], cfg, preheat)
+    measure_snlp(model, prompts, [c for c in todo if c.goal == "snlp"], cfg, preheat)
+    _normalise(cands)
+    return _result(model, cfg, list(quality.values()), list(acceptance.values()), costs, cands, t1 - t0,
+                   time.perf_counter() - t1)
+
+
+def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: float, s2: float) -> TuneResult:
+    """Picks (best measured shortlisted candidate per goal), grid bests and the notes a reader needs."""
+    goals = [g for g in GOALS if (g == "ssd" and cfg.ssd) or (g == "snlp" and cfg.max_dppl is not None)]
+    picks = {g: _best([c for c in cands if c.goal == g and c.shortlisted]) for g in goals}
+    best = {g: _best([c for c in cands if c.goal == g]) for g in goals}
+    ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
+    notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
+             f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
+    if "snlp" in goals and picks["snlp"] is None:
+        notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
+    for g, p in picks.items():
+        if p is not None and p.measured_speedup < 1.0:
+            notes.append(f"{g}: the pick is slower than sequential decoding ({p.measured_speedup:.2f}x): decode "
+                         f"sequentially on this machine")
+    p = next(model.parameters())
+    return TuneResult(config=cfg, n_layer=model.config.n_layer, device=str(p.device),
+                      dtype=str(p.dtype).replace("torch.", ""), quality=quality, acceptance=acceptance, costs=costs, candidates=cands,
+                      picks=picks, grid_best=best, pick_vs_best=ratio, notes=notes, stage1_s=s1, stage2_s=s2)
+
+
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
+    """The markdown table of one goal, measured rows by measured tokens/s (best first), then (unless
+    `measured_only`) the predicted-only rows: `>` marks the pick, `*` the shortlist, `P` the SNLP Pareto front
+    over (dPPL, measured tokens/s)."""
+    rows = [c for c in result.candidates if c.goal == goal and (c.measured or not measured_only)]
+    rows.sort(key=lambda c: (not c.measured, -(c.tokens_per_s or 0.0), -c.predicted_tokens_per_s))
+    front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
+    pick = result.picks.get(goal)
+    cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
+            "pred x", "pred tok/s", "meas s", "meas x", "tok/s", "alpha", "meas tok/rnd", "= seq"]
+    body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
+             f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
+             f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
+             _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
+             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
+             _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
+    return markdown_table(cols, body)
+
+
+def _pareto(rows: list[Candidate]) -> set[int]:
+    """ids of the rows no other row beats on both dPPL (lower) and measured tokens/s (higher)."""
+    return {id(c) for c in rows if not any(o.delta_ppl <= c.delta_ppl and o.tokens_per_s >= c.tokens_per_s and
+                                           (o.delta_ppl, o.tokens_per_s) != (c.delta_ppl, c.tokens_per_s) for o in rows)}
+
+
+def summary(result: TuneResult) -> list[str]:
+    """One line per goal: the pick, predicted vs measured, and (full grid) how far from the grid's best."""
+    out = []
+    for g, p in result.picks.items():
+        if p is None:
+            out.append(f"{g}: no pick")
+            continue
+        what = f"`{p.plan}`" + (f" B={p.block}" if p.block else "") + f", {p.threads} threads" + \
+            (", compiled" if p.compiled else "")
+        line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential), "
+                f"predicted {p.predicted_speedup:.2f}x")
+        b = result.grid_best[g]
+        if result.config.full_grid and b is not None:
+            line += f"; best of the measured grid: `{b.plan}`" + (f" B={b.block}" if b.block else "") + \
+                f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+        out.append(line)
+    return out + result.notes

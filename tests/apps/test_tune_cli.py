@@ -1,0 +1,70 @@
+"""`snlp tune` on a real checkpoint (save_checkpoint + a tokenizer trained on a small corpus): the printed table
+and pick, the JSON, and bad flags refused with exit status 2 before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_model
+
+from snlp.apps.cli import main
+from snlp.apps.tune import parse_budget
+from snlp.io.checkpoint import save_checkpoint
+from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+        "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 6
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    data = root / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{i}: {TEXT}"}) + "\n" for i in range(40)))
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    return save_checkpoint(root / "tiny", model, tokenizer=tok), data, root / "cache"
+
+
+def _args(ckpt, *extra):
+    path, data, cache = ckpt
+    return ["tune", str(path), "--data", str(data), "--cache-dir", str(cache), "--plans", "2xF1-h0-K1,2xF1-fwd-K1",
+            "--blocks", "2,3", "--threads", "1", "--calib-tokens", "64", "--seq-len", "32", "--prompts", "2",
+            "--prompt-len", "6", "--gen-tokens", "8", "--repeats", "1", "--step-runs", "3", "--accept-tokens", "12", "--no-progress", *extra]
+
+
+def test_tune_prints_the_table_and_pick_and_writes_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(_args(ckpt, "--max-dppl", "50%", "--top", "2", "--json", str(out))) == 0
+    text = capsys.readouterr().out
+    assert "ssd pick:" in text and "| > " in text and "pred x" in text and "meas x" in text
+    d = json.loads(out.read_text())
+    assert d["config"]["max_dppl"] == 0.5 and d["config"]["threads"] == [1]
+    assert {c["goal"] for c in d["candidates"]} == {"ssd", "snlp"}
+    ssd = [c for c in d["candidates"] if c["goal"] == "ssd" and c["measured"]]
+    assert ssd and all(c["matches_sequential"] for c in ssd)
+    assert d["picks"]["ssd"]["tokens_per_s"] == max(c["tokens_per_s"] for c in ssd if c["shortlisted"])
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--max-dppl", "1"], "ambiguous"), (["--max-dppl", "x%"], "percentage"), (["--max-dppl=-1%"], ">= 0"),
+    (["--blocks", "0"], "blocks"), (["--blocks", "a"], "integers"), (["--threads", "0"], "threads"),
+    (["--plans", "7xF1-h0-K1"], "7"), (["--no-ssd"], "nothing to tune"),
+])
+def test_bad_flags_exit_2_with_a_message(ckpt, capsys, extra, msg):
+    args = _args(ckpt)
+    if extra[0] == "--plans":
+        args[args.index("--plans") + 1] = extra[1]
+        extra = []
+    assert main(args + extra) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_budget_parsing():
+    assert parse_budget("1%") == pytest.approx(0.01) and parse_budget("0.01") == 0.01 and parse_budget(None) is None
+    assert parse_budget("0%") == 0.0

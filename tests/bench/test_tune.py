@@ -1,0 +1,192 @@
+"""snlp.bench.tune on a tiny random fp64 model: the records' structure, the picks (argmax of the MEASURED column
+over the shortlist, budget respected), exactness of every measured SSD candidate (vs a naive no-cache greedy loop,
+not our decode code), bad input refused. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import make_model
+
+from snlp.bench.tune import (PlanQuality, TuneConfig, calibration_quality, default_plans, quality_from_records,
+                             summary, table, tune)
+from snlp.decode.speculative import speculative_generate
+from snlp.eval.protocol import EvalRecord
+from snlp.method.plan import Plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLANS = ["2xF1-h0-K1", "4xF1-h0-K1", "2xF2-h0-K1", "4xF1-fwd-K1"]
+FAST = dict(calib_tokens=128, seq_len=32, prompts=2, prompt_len=6, gen_tokens=10, repeats=1, warmup=1, step_runs=3,
+            accept_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(seed=5, n_layer=6, sequence_len=128)
+
+
+@pytest.fixture(scope="module")
+def val(model):
+    return torch.randint(0, model.config.vocab_size, (400,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def grid(model, val):
+    cfg = TuneConfig(plans=PLANS, blocks=(2, 3), threads=(1,), max_dppl=0.5, top=2, full_grid=True, **FAST)
+    return cfg, tune(model, val, cfg)
+
+
+def _naive_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_every_candidate_is_predicted_and_the_full_grid_measured(grid):
+    cfg, r = grid
+    ssd = [c for c in r.candidates if c.goal == "ssd"]
+    snlp = [c for c in r.candidates if c.goal == "snlp"]
+    assert {(c.plan, c.block) for c in ssd} == {(str(Plan.parse(p)), b) for p in PLANS for b in (2, 3)}
+    assert {c.plan for c in snlp} == {str(Plan.parse(p)) for p in PLANS} and all(c.block is None for c in snlp)
+    assert all(c.measured for c in ssd) and all(c.measured == c.within_budget for c in snlp)
+    for c in r.candidates:
+        assert c.predicted_tokens_per_s > 0 and c.predicted_speedup > 0 and 0 <= c.top1 <= 1
+        if c.measured:
+            assert c.tokens_per_s > 0 and c.measured_speedup > 0 and c.raw_tokens_per_s > 0
+    # the shortlist: the top plans by their best prediction (one setting), each at its 2 best-predicted blocks
+    best = {}
+    for c in sorted(ssd, key=lambda c: -c.predicted_tokens_per_s):
+        best.setdefault(c.plan, []).append(c)
+    top_plans = sorted(best, key=lambda p: -best[p][0].predicted_tokens_per_s)[:cfg.top]
+    assert {(c.plan, c.block) for c in ssd if c.shortlisted} == {(c.plan, c.block) for p in top_plans
+                                                                   for c in best[p][:2]}
+    assert r.costs[0].threads == 1 and set(r.costs[0].verify_ms) == {2, 3}
+    assert set(r.costs[0].draft_ms) == {str(Plan.parse(p)) for p in PLANS}
+
+
+def test_every_ssd_candidate_reproduces_sequential_greedy(grid, model, val):
+    _, r = grid
+    assert all(c.matches_sequential for c in r.candidates if c.goal == "ssd")
+    prompt = val[:6].tolist()
+    ref = _naive_greedy(model, prompt, 10)  # outside reference: full forward every token, no cache
+    for c in r.candidates:
+        if c.goal == "ssd":
+            assert speculative_generate(model, prompt, c.plan, block=c.block, max_new_tokens=10).tokens == ref
+
+
+def test_the_pick_is_the_best_measured_shortlisted_candidate(grid):
+    _, r = grid
+    for goal in ("ssd", "snlp"):
+        mine = [c for c in r.candidates if c.goal == goal and c.measured and c.within_budget]
+        short = [c for c in mine if c.shortlisted]
+        assert r.picks[goal] is max(short, key=lambda c: c.tokens_per_s)
+        assert r.grid_best[goal] is max(mine, key=lambda c: c.tokens_per_s)
+        assert r.pick_vs_best[goal] == pytest.approx(r.picks[goal].tokens_per_s / r.grid_best[goal].tokens_per_s)
+        assert r.pick_vs_best[goal] <= 1.0
+    assert r.picks["snlp"].delta_ppl <= 0.5
+
+
+def test_tables_and_json_carry_every_record(grid):
+    cfg, r = grid
+    d = json.loads(json.dumps(r.to_dict()))
+    assert set(d) >= {"config", "quality", "costs", "candidates", "picks", "grid_best", "pick_vs_best", "notes"}
+    assert len(d["candidates"]) == len(r.candidates) and d["config"]["blocks"] == [2, 3]
+    assert d["picks"]["ssd"]["plan"] == r.picks["ssd"].plan
+    lines = table(r, "ssd")
+    assert lines[0].startswith("| ") and len(lines) == 2 + sum(c.measured for c in r.candidates if c.goal == "ssd")
+    assert sum(line.startswith("| > ") for line in lines) == 1  # the pick, marked once
+    text = "\n".join(summary(r))
+    assert "ssd pick" in text and "snlp pick" in text and "pick / best" in text
+
+
+def test_a_budget_no_plan_meets_is_reported_not_bent(model, val):
+    cfg = TuneConfig(plans=["2xF1-h0-K1", "4xF1-h0-K1"], ssd=False, max_dppl=0.0, **FAST)
+    q = {p: PlanQuality(p, 0.9, 10.0, 0.02) for p in cfg.plans}  # +2 % each: over a 0 % budget
+    r = tune(model, val, cfg, quality=q)
+    assert r.picks == {"snlp": None} and not any(c.measured for c in r.candidates)
+    assert any("no plan within the budget" in n for n in r.notes)
+
+
+def test_given_quality_replaces_the_calibration_pass(model, val):
+    recs = [EvalRecord(plan="sequential", ppl=10.0), EvalRecord(plan="2xF1-h0-K1", ppl=10.5, top1=0.5, delta_ppl=0.05),
+            EvalRecord(plan="4xF1-h0-K1", ppl=math.inf, note="diverged", delta_ppl=math.inf)]
+    q = quality_from_records(recs)
+    assert set(q) == {"2xF1-h0-K1", "4xF1-h0-K1"}
+    cfg = TuneConfig(plans=list(q), blocks=(2,), top=1, **FAST)
+    r = tune(model, val, cfg, quality=q)
+    assert {c.plan for c in r.candidates} == {"2xF1-h0-K1"}  # the diverged plan is not a candidate
+    assert r.candidates[0].top1 == 0.5 and r.picks["ssd"] is r.candidates[0]
+
+
+def test_acceptance_profile_is_a_survival_function_and_predicts_tokens_per_round(grid):
+    cfg, r = grid
+    assert {a.plan for a in r.acceptance} == {str(Plan.parse(p)) for p in PLANS}
+    for a in r.acceptance:
+        assert a.block == max(cfg.blocks) and len(a.reach) == a.block and a.rounds >= 1
+        assert all(1.0 >= x >= y >= 0.0 for x, y in zip(a.reach, a.reach[1:]))  # P(n >= i) falls with i
+        assert a.tokens_per_round(0) == 1.0 and a.tokens_per_round(a.block) <= a.block + 1
+    by_plan = {a.plan: a for a in r.acceptance}
+    for c in r.candidates:
+        if c.goal == "ssd":
+            assert c.predicted_tokens_per_round == pytest.approx(by_plan[c.plan].tokens_per_round(c.block))
+
+
+def test_an_exact_drafter_is_always_accepted(model, val):
+    cfg = TuneConfig(plans=["2xF1-h0-K2"], blocks=(3,), top=1, threads=(1,), **FAST)  # K = C: the model itself
+    r = tune(model, val, cfg)
+    (a,) = r.acceptance
+    assert a.reach == [1.0, 1.0, 1.0] and a.alpha == 1.0
+    assert r.picks["ssd"].alpha == 1.0 and r.picks["ssd"].matches_sequential
+
+
+def test_calibration_quality_matches_its_definition(model, val):
+    cfg = TuneConfig(plans=["2xF1-h0-K2"], **FAST)  # K = C: exact, Top-1 1 and dPPL 0
+    q = calibration_quality(model, val, [Plan.parse("2xF1-h0-K2")], cfg)["2xF1-h0-K2"]
+    assert q.top1 == 1.0 and abs(q.delta_ppl) < 1e-9
+
+
+def test_default_grid_covers_twelve_plans_at_sixteen_layers():
+    plans = default_plans(16)
+    assert len(plans) == 12 and len(set(plans)) == 12
+    for p in plans:
+        Plan.parse(p, 16)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(blocks=()), "blocks"), (dict(blocks=(0, 2)), "blocks"), (dict(blocks=(2, 2)), "blocks"),
+    (dict(blocks=(2.5,)), "blocks"), (dict(threads=(0,)), "threads"), (dict(max_dppl=-0.01), "max_dppl"),
+    (dict(max_dppl=float("nan")), "max_dppl"), (dict(ssd=False), "nothing to tune"), (dict(top=0), "top"),
+    (dict(repeats=0), "repeats"), (dict(warmup=-1), "warmup"), (dict(plans=[]), "plans"),
+])
+def test_bad_settings_are_refused(model, val, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        tune(model, val, TuneConfig(**{**FAST, **kw}))
+
+
+@pytest.mark.parametrize("plans, msg", [(["9xF1-h0-K1"], "layers|suffix|n_layer"), (["nonsense"], "malformed"),
+                                        (["2xF1-preheat-K1"], "preheat")])
+def test_bad_plans_are_refused(model, val, plans, msg):
+    with pytest.raises(ValueError, match=msg):
+        tune(model, val, TuneConfig(plans=plans, **FAST))
+
+
+def test_missing_quality_is_refused(model, val):
+    with pytest.raises(ValueError, match="no calibration quality"):
+        tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], **FAST), quality={})
+
+
+def test_settings_default_to_the_current_thread_count_and_compile_adds_a_setting():
+    n = torch.get_num_threads()
+    assert TuneConfig().settings() == [(n, False)]
+    assert TuneConfig(threads=(1, 2), compile=True).settings() == [(1, False), (1, True), (2, False), (2, True)]
+
+
+def test_compile_refuses_a_tol_plan(model, val):
+    with pytest.raises(ValueError, match="tol"):
+        tune(model, val, TuneConfig(plans=["2xF1-h0-K4-tol:1e-3"], compile=True, **FAST))
