@@ -16,6 +16,7 @@ from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
                                  merge_results, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
+from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
@@ -98,8 +99,8 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
-                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0
-                          ) -> tuple[list[SSDRow], list[list[int]]]:
+                          preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
+                          drafter: Drafter | None = None) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -120,7 +121,9 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
-    seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
+    draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, True)
+    seq_step = sequential_forward(model, compile)
+    draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
     seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
@@ -152,6 +155,16 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     return rows, [r.tokens for r in seq_runs]
 
 
+def drafter_model_for(model: GPT, plan: Plan, drafter: Drafter, share_weights: bool, verify_weights: bool) -> GPT:
+    """The module an adapted `drafter` drafts with, after checking it belongs to `model` and fits `plan`."""
+    if share_weights:
+        raise ValueError("share_weights makes the drafter's stacks the verifier's own layers; an adapted drafter has "
+                         "its own suffix weights: drop share_weights or the drafter")
+    drafter.check(model, verify_weights)
+    drafter.check_plan(plan)
+    return drafter.model
+
+
 def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generator | None = None
                        ) -> tuple[Tensor, Tensor]:
     """Speculative rejection sampling (Leviathan et al. 2023), vectorised over a leading dim N.
@@ -181,7 +194,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                         share_weights: bool = False, min_confidence: float = 0.0) -> GenerateResult:
+                         share_weights: bool = False, min_confidence: float = 0.0, drafter: Drafter | None = None
+                         ) -> GenerateResult:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -198,12 +212,17 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     is streamed once. `min_confidence` (adaptive drafting, SWIFT/Kangaroo-style): a round stops drafting after
     a draft whose drafter probability (its top-1 probability when greedy, the sampled token's when sampling)
     is below it, so drafts that are likely rejected cost no drafter steps; 0 drafts the whole block. Exact by
-    construction: the verifier checks whatever was drafted (the first draft of a round is always made)."""
+    construction: the verifier checks whatever was drafted (the first draft of a round is always made).
+    `drafter` (snlp.method.drafter, `snlp adapt`): an adapted drafter of `model` drafts instead of the model's own
+    SNLP forward (its prefix is the model's, its suffix adapted; checked against the model's weights fingerprint
+    unless a prebuilt `draft` step is passed); `model` still verifies, so the output is the model's own."""
     check_decode_args(max_new_tokens, temperature, block)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
-    draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat, share_weights), sequential_forward(model, compile, verify)
+    draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, draft is None)
+    draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights)
+    verify_fwd = sequential_forward(model, compile, verify)
     greedy = temperature == 0
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,

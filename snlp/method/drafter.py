@@ -54,14 +54,15 @@ class Drafter:
         """Memory the drafter adds to its base: its suffix weights (the prefix, embedding and head are shared)."""
         return sum(t.numel() * t.element_size() for t in self.suffix_state().values())
 
-    def check(self, base: GPT) -> "Drafter":
+    def check(self, base: GPT, verify_weights: bool = True) -> "Drafter":
         """Raise a ValueError unless `base` is the model this drafter was adapted from (same config, same
-        weights by fingerprint) and the drafter's prefix is that base's own (shared) modules."""
+        weights by fingerprint: `verify_weights`, which reads every weight once) and the drafter's prefix is
+        that base's own (shared) modules."""
         if base.config.to_dict() != self.model.config.to_dict():
             raise ValueError(f"drafter for a {self.model.config.n_layer}-layer width-{self.model.config.n_embd} model "
                              f"cannot draft for this {base.config.n_layer}-layer width-{base.config.n_embd} model "
                              "(different config): adapt one for it with `snlp adapt`")
-        fp = weights_fingerprint(base)
+        fp = weights_fingerprint(base) if verify_weights else self.base_fingerprint
         if fp != self.base_fingerprint:
             raise ValueError(f"drafter was adapted from base weights {self.base_fingerprint}, but this model's "
                              f"weights fingerprint {fp}: it belongs to another model (or the model was changed "
@@ -70,6 +71,17 @@ class Drafter:
             raise ValueError("drafter's prefix is not this base's own modules: load it against the base "
                              "(snlp.io.drafter.load_drafter(DIR, base)) or build it with make_drafter(base, plan)")
         return self
+
+
+    def check_plan(self, plan: Plan) -> Plan:
+        """`plan` if it runs this drafter's suffix (same prefix length S and chunk layout: K, the init and the
+        surrogate may differ from the plan it was adapted for), else a ValueError."""
+        n = self.model.config.n_layer
+        if plan.prefix_len(n) != self.suffix_start or plan.fuse != self.plan.fuse:
+            raise ValueError(f"plan {plan} does not fit this drafter, adapted for {self.plan} (suffix of "
+                             f"{self.plan.chunks}x{self.plan.fuse} layers from layer {self.suffix_start}): use "
+                             f"{self.plan.chunks}xF{self.plan.fuse}-... or adapt a drafter for {plan}")
+        return plan
 
 
 def shares_prefix(drafter_model: GPT, base: GPT, S: int) -> bool:

@@ -78,12 +78,12 @@ def _attend_exact(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, windo
     rep = q.shape[-3] // k.shape[-3]  # GQA
     if rep > 1:
         k, v, kx, vx = (t.repeat_interleave(rep, dim=-3) for t in (k, v, kx, vx))
-    scale = hd ** -0.5
-    s_ex = (q @ kx.transpose(-1, -2)).float() * scale  # (C, M, B, Hq, T, T)
+    scale, acc = hd ** -0.5, torch.promote_types(q.dtype, torch.float32)  # softmax in >= fp32 (fp64 stays fp64)
+    s_ex = (q @ kx.transpose(-1, -2)).to(acc) * scale  # (C, M, B, Hq, T, T)
     win = -1 if windows is None else windows.view(*windows.shape[:2], 1, 1)  # (C, M, 1, 1) -> over (B, Hq)
     mask = window_mask(win, T, T, 0, q.device) & ~torch.eye(T, dtype=torch.bool, device=q.device)  # strict j < t
     s_ex = s_ex.masked_fill(~mask, float("-inf"))
-    s_self = (q * k).sum(-1, keepdim=True).float() * scale  # (C, M, B, Hq, T, 1)
+    s_self = (q * k).sum(-1, keepdim=True).to(acc) * scale  # (C, M, B, Hq, T, 1)
     p = torch.softmax(torch.cat([s_ex, s_self], -1), -1).to(q.dtype)
     return p[..., :T] @ vx + p[..., T:] * v
 
