@@ -18,6 +18,7 @@ from snlp.decode.session import check_decode_args
 from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
+from snlp.io.drafter import load_drafter
 from snlp.method.plan import Plan
 from snlp.runtime.device import cli_device, write_json
 
@@ -29,6 +30,10 @@ def add_arguments(p) -> None:
                    "tokenizer's chat template (no extra BOS) and stop at its EOS unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
+    p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "
+                   "with it and the checkpoint verifies (output identical to sequential); snlp mode decodes with it "
+                   "alone, which is the drafter's approximation of the model, not the model. --plan defaults to "
+                   "the drafter's")
     p.add_argument("--block", type=int, default=4, help="draft block size B (speculative, jacobi)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,7 +68,12 @@ def check_args(args) -> None:
     """Refuse flag combinations a mode cannot honour, before anything is loaded."""
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
-    if args.mode != "sequential" and args.plan is None and args.mode != "jacobi":
+    if args.drafter and args.mode not in ("speculative", "snlp"):
+        raise ValueError("--drafter drafts in --mode speculative (exact) or decodes alone in --mode snlp "
+                         f"(approximate); --mode {args.mode} does not use it")
+    if args.drafter and args.share_weights:
+        raise ValueError("--drafter has its own suffix weights: --share-weights cannot use it")
+    if args.mode != "sequential" and args.plan is None and args.mode != "jacobi" and not args.drafter:
         raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
@@ -101,28 +111,31 @@ def streamer(tok):
     return on_tokens
 
 
-def decode(args, model, prompt, plan, preheat, eos_id, on_tokens):
+def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, drafter=None):
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
     if args.mode == "sequential":
         return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
                                    **kw)
     if args.mode == "snlp":
-        return snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, compile=args.compile,
+        return snlp_generate(model if drafter is None else drafter.model, prompt, plan, temperature=args.temperature,
+                             seed=args.seed, compile=args.compile,
                              preheat=preheat, **kw)
     if args.mode == "speculative":
         return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
                                     seed=args.seed, compile=args.compile, preheat=preheat,
-                                    share_weights=args.share_weights, min_confidence=args.min_confidence, **kw)
+                                    share_weights=args.share_weights, min_confidence=args.min_confidence,
+                                    drafter=drafter, **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
-def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> str:
+def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
-                                             share_weights=args.share_weights, min_confidence=args.min_confidence)
+                                             share_weights=args.share_weights, min_confidence=args.min_confidence,
+                                             drafter=drafter)
     rep = rows[0]
     record["report"] = rep.to_dict()
     record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
@@ -133,6 +146,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> s
 
 
 def run(args) -> int:
+    if args.distributed and args.drafter:
+        raise ValueError("--drafter has its own suffix weights: --distributed cannot use it")
     if args.distributed:
         from snlp.apps.dist import run_generate
 
@@ -146,11 +161,18 @@ def run(args) -> int:
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     prompt, eos_id = prompt_ids(args, tok)
-    plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
+    drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
+    plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
+        Plan.parse(args.plan, model.config.n_layer)
+    if drafter is not None:
+        drafter.check_plan(plan)
+        if args.mode == "snlp":
+            print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
+                  "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
     preheat = plans_preheat(args.ckpt, model, [plan])
     if not args.quiet:
         sys.stdout.write(args.prompt)
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok))
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter)
     if not args.quiet:
         sys.stdout.write("\n")
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
@@ -162,7 +184,7 @@ def run(args) -> int:
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:
-        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record)
+        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
     print(stats)
     if args.json:
         write_json(args.json, record)

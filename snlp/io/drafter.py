@@ -119,3 +119,19 @@ def load_drafter(path, base: GPT) -> Drafter:
 def load_record(path) -> dict:
     """The adaptation record saved with a drafter (empty if none)."""
     return read_meta(path).get("record", {})
+
+
+def export_drafter_hf(drafter: Drafter, out, tokenizer=None) -> Path:
+    """Write the drafter as a transformers directory (snlp.io.hf.export_hf): the base's embedding, prefix layers,
+    norm and head with the drafter's adapted suffix layers, a plain Llama-family model that transformers runs
+    alone. transformers runs it SEQUENTIALLY, which is not the drafter's SNLP solve: the plan and the base's
+    fingerprint are recorded in config.json ("snlp_drafter"), and `snlp convert HF_DIR` + the plan (or
+    `make_drafter`) give back the drafter's SNLP forward exactly."""
+    from snlp.io.hf import export_hf
+
+    path = export_hf(drafter.model, out, tokenizer)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["snlp_drafter"] = {"plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint,
+                           "suffix_start": drafter.suffix_start}
+    _write_atomic(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
+    return path

@@ -251,3 +251,43 @@ def test_adapt_resume_equals_uninterrupted(tmp_path):
     wa, wb = (load_file(str(tmp_path / x / "d" / "drafter.safetensors")) for x in ("a", "b"))
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+# ------------------------------------------------------------------------------------------- CLI, export
+def test_cli_adapt_generate_eval_export(tmp_path, capsys):
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import load
+
+    base_dir, text, chats = tiny_ckpt(tmp_path)
+    d = tmp_path / "drafter"
+    assert main(["adapt", str(base_dir), "--plan", "2xF1-h0-K1", "--out", str(d), "--data", f"{text},chat:{chats}",
+                 "--steps", "4", "--seq-len", "16", "--eval-every", "2", "--no-progress"]) == 0
+    assert "adapted 2xF1-h0-K1 drafter" in capsys.readouterr().out
+    for mode in ("speculative", "snlp"):
+        assert main(["generate", str(base_dir), "--mode", mode, "--drafter", str(d), "--prompt", "t3 t4",
+                     "--max-new-tokens", "6", "--quiet", "--no-baseline", "--json", str(tmp_path / f"{mode}.json")]) == 0
+    spec, seq = json.loads((tmp_path / "speculative.json").read_text()), None
+    assert main(["generate", str(base_dir), "--prompt", "t3 t4", "--max-new-tokens", "6", "--quiet",
+                 "--json", str(tmp_path / "seq.json")]) == 0
+    seq = json.loads((tmp_path / "seq.json").read_text())
+    assert spec["tokens"] == seq["tokens"] and spec["plan"] == "2xF1-h0-K1"
+    assert main(["generate", str(base_dir), "--mode", "jacobi", "--drafter", str(d), "--prompt", "t1"]) == 2
+    assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
+                 "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
+                 "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
+    rows = json.loads((tmp_path / "ev.json").read_text())
+    assert [r["drafter"] for r in rows] == ["post-hoc", "adapted"]
+    assert all(s["matches_sequential"] for r in rows for s in r["ssd"]) and len(rows[0]["ssd"]) == 2
+    # export: base prefix + adapted suffix as a transformers model; back through transformers it is the drafter
+    assert main(["export", str(d), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    base, _ = load(base_dir)
+    drafter = load_drafter(d, base)
+    back, _ = from_hf(hf)
+    x = ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, drafter.model(x), atol=1e-4, rtol=1e-4)
+        p = drafter.plan
+        torch.testing.assert_close(back.head(solve(back, x, p).hidden), drafter.model.head(solve(drafter.model, x, p).hidden),
+                                   atol=1e-4, rtol=1e-4)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["snlp_drafter"]["plan"] == "2xF1-h0-K1"
