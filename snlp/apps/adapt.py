@@ -13,7 +13,9 @@ as a transformers model. Library: snlp.train.adapt.adapt(AdaptConfig).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from snlp.io.drafter import load_drafter
 from snlp.train.adapt import KV_MODES, AdaptConfig, adapt
 
 
@@ -64,3 +66,36 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(res.to_dict(), f, indent=2)
     return 0
+
+
+def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,
+                        plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4) -> dict:
+    """The speedrun's off-the-shelf adaptation (issue 20): adapt `plan`'s drafter of the loaded `model` for
+    `minutes` on the speedrun's text, then Top-1 (teacher-forced and SSD conditions) before/after from the
+    run's validation, and SSD alpha at B = `block` on `prompts` validation prompts for the post-hoc and the
+    adapted drafter (both must reproduce the model's greedy output). The drafter is written to a temporary
+    directory and removed."""
+    import shutil
+    import tempfile
+
+    from snlp.decode.speculative import speculative_benchmark
+    from snlp.eval.data import as_tokens, sample_prompts
+    from snlp.method.drafter import make_drafter
+
+    out = tempfile.mkdtemp(prefix="snlp-adapt-")
+    try:
+        cfg = AdaptConfig(src=src, plan=plan, out=str(Path(out) / "drafter"), data=data, max_chars=max_chars,
+                          minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
+                          no_progress=True)
+        res = adapt(cfg, base=(model, tok))
+        d = load_drafter(cfg.out, model)
+        ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)
+        ssd = {}
+        for name, drafter in (("post-hoc", make_drafter(model, plan, d.base_fingerprint)), ("adapted", d)):
+            rows, _ = speculative_benchmark(model, ps, plan, (block,), gen_tokens, repeats=1, warmup=0,
+                                            drafter=drafter)
+            ssd[name] = rows[0].to_dict()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"plan": plan, "minutes": res.minutes, "steps": res.steps, "tokens": res.tokens, "before": res.before,
+            "after": res.after, "block": block, "ssd": ssd, "extra_bytes": res.extra_bytes}

@@ -247,12 +247,13 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        save_every=cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
-def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict):
-    """The `make_job` of fit: the base (loaded once; frozen), its drafter (resumed: the run's suffix weights),
-    the token streams and the distillation step. `held` receives the base and drafter for the caller."""
+def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
+    """The `make_job` of fit: the base (`loaded` = (model, tokenizer), loaded once by the caller; frozen),
+    its drafter (resumed: the run's suffix weights), the token streams and the distillation step. `held`
+    receives the base and drafter for the caller."""
 
     def make_job(tcfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
-        base, btok = load_base(cfg.src, cfg.dtype)
+        base, btok = loaded
         base.requires_grad_(False)
         base.eval()
         drafter = make_drafter(base, plan)
@@ -281,17 +282,20 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict):
     return make_job
 
 
-def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None) -> AdaptResult:
+def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None = None) -> AdaptResult:
     """Adapt the drafter of `cfg.plan` to `cfg.src` and write it to `cfg.out` (snlp.io.drafter). A run stopped
     early (stop_after, a hook) keeps its checkpoint in OUT/run for `resume=True`; a finished one removes it
-    (the drafter directory then holds only the suffix weights, the record and log.jsonl)."""
+    (the drafter directory then holds only the suffix weights, the record and log.jsonl). `base`: the
+    (model, tokenizer) of cfg.src when the caller has it loaded already (its weights are not changed; its
+    parameters stop requiring gradients)."""
     plan = cfg.check()
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
     held: dict = {}
     t0 = time.perf_counter()
-    res = fit(_with_width(cfg), adapt_job(cfg, plan, held), hooks)
+    base = base if base is not None else load_base(cfg.src, cfg.dtype)
+    res = fit(train_config(cfg, base[0].config.n_embd), adapt_job(cfg, plan, held, base), hooks)
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
     drafter: Drafter = held["drafter"]
@@ -304,15 +308,3 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None) -> AdaptResult:
     if res.stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
         shutil.rmtree(out / RUN, ignore_errors=True)
     return result
-
-
-def _with_width(cfg: AdaptConfig) -> TrainConfig:
-    """The TrainConfig with the norm-weight LR that makes build_optimizers give them cfg.lr (it scales that
-    group by (width/768)^-0.5); the width is read from the base's config without loading its weights."""
-    p = Path(cfg.src)
-    if p.is_dir() and (p / "config.json").is_file():
-        width = json.loads((p / "config.json").read_text())["n_embd"] if (p / "model.safetensors").is_file() \
-            else json.loads((p / "config.json").read_text()).get("hidden_size", 768)
-    else:
-        width = 768  # a GGUF / hub id: the vector LR then follows the default scale (norm weights only)
-    return train_config(cfg, width)
