@@ -291,3 +291,21 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
         torch.testing.assert_close(back.head(solve(back, x, p).hidden), drafter.model.head(solve(drafter.model, x, p).hidden),
                                    atol=1e-4, rtol=1e-4)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["snlp_drafter"]["plan"] == "2xF1-h0-K1"
+
+
+def test_speedrun_adaptation_stage(tmp_path):
+    """The speedrun's off-the-shelf adaptation on a tiny model: a timed run, before/after records, SSD rows for
+    the post-hoc and the adapted drafter, both exact."""
+    from snlp.apps.adapt import speedrun_adaptation
+    from snlp.apps.report import adaptation_lines
+    from snlp.io.checkpoint import load
+
+    base_dir, text, _ = tiny_ckpt(tmp_path)
+    model, tok = load(base_dir)
+    val = torch.tensor(tok.encode(text.read_text()[:3000]))
+    a = speedrun_adaptation(model, tok, str(base_dir), str(text), 0, val, minutes=0.03, plan="2xF1-h0-K1",
+                            gen_tokens=8)
+    assert a["steps"] >= 1 and set(a["ssd"]) == {"post-hoc", "adapted"}
+    assert all(r["matches_sequential"] for r in a["ssd"].values())
+    assert "top1" in a["before"] and "top1" in a["after"]
+    assert "SSD acceptance alpha at B = 4" in adaptation_lines(a)[0]
