@@ -309,3 +309,12 @@ def test_speedrun_adaptation_stage(tmp_path):
     assert all(r["matches_sequential"] for r in a["ssd"].values())
     assert "top1" in a["before"] and "top1" in a["after"]
     assert "SSD acceptance alpha at B = 4" in adaptation_lines(a)[0]
+
+
+def test_adapt_own_kv_with_a_plan_ssd_does_not_cover(tmp_path):
+    from snlp.train.adapt import adapt
+
+    with pytest.raises(ValueError, match="SSD-conditions training supports"):
+        adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", steps=2))
+    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", kv="own", steps=3, eval_every=3))
+    assert res.steps == 3 and res.after["top1_ssd"] == 0.0 and res.after["top1"] > 0
