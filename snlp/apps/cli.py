@@ -9,6 +9,7 @@ import sys
 
 # sub-command -> module
 COMMANDS = {
+    "adapt": "snlp.apps.adapt",
     "analyze": "snlp.apps.analyze",
     "bench": "snlp.apps.bench",
     "calibrate": "snlp.apps.calibrate",

@@ -32,7 +32,15 @@ from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
 # ----- CLI -----
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
-    p.add_argument("--plans", required=True, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,2xF2-fwd-K2")
+    p.add_argument("--plans", default=None, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,2xF2-fwd-K2 (required "
+                   "unless --drafter: then default the drafter's plan)")
+    a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
+    a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "
+                   "(PPL of pure SNLP decoding with the drafter, which is its approximation of the model; Top-1, "
+                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s)")
+    a.add_argument("--chat-prompts", default=None, help="--drafter: chat set (chat:PATH.jsonl or PATH.jsonl) whose "
+                   "validation conversations' first user turns, in the model's chat template, are the SSD prompts")
+    a.add_argument("--blocks", default="2,4,8", help="--drafter: SSD draft block sizes B")
     d = p.add_argument_group("validation data (default: the checkpoint's training source and split)")
     d.add_argument("--data", default=None, help="data spec as for `snlp train --data`; default the one the "
                    "checkpoint was trained on, else stdlib")
@@ -89,6 +97,10 @@ def run(args) -> int:
     device = cli_device(args.device)
     set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")
+    if args.drafter:
+        return run_drafter_eval(args, model, tok, device)
+    if args.plans is None:
+        raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval` needs it to tokenize the "
                          f"validation data; save the checkpoint with its tokenizer")
@@ -121,6 +133,43 @@ def run(args) -> int:
         print(f"wrote {path}")
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
+    return 0
+
+
+def run_drafter_eval(args, model, tok, device) -> int:
+    """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter)."""
+    import snlp.io.chat as chat
+    from snlp.eval.drafter import DrafterEvalConfig, evaluate_drafter, markdown as drafter_markdown
+    from snlp.io.drafter import load_drafter
+
+    if args.task:
+        raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
+    if tok is None:
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval --drafter` needs it")
+    dtype = cli_dtype(args.dtype, device)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    drafter = load_drafter(args.drafter, model)  # refuses another base
+    plans = parse_plans(args.plans, model.config.n_layer) if args.plans else [drafter.plan]
+    data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
+    val = validation_tokens(tok, **data)
+    prompts = []
+    if args.chat_prompts:
+        spec = args.chat_prompts[len("chat:"):] if args.chat_prompts.startswith("chat:") else args.chat_prompts
+        _, held_out = chat.split(chat.load_conversations(spec), data["val_frac"])
+        prompts = [tok.render_chat([c[0]], add_generation_prompt=True)[0] for c in held_out[:args.prompts]
+                   if c[0]["role"] == "user"]
+    cfg = DrafterEvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
+                            batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
+                            gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
+                            progress=not args.no_progress)
+    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=tok.eos_id)
+    table = drafter_markdown(rows)
+    print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {data['data']}, "
+          f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
+    if args.json:
+        write_json(args.json, [r.to_dict() for r in rows])
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
     return 0
 
 

@@ -1,19 +1,37 @@
 """Export an snlp checkpoint of a Llama-family model (e.g. one made by `snlp convert`, possibly fine-tuned)
 as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (RMSNorm
-weights folded into the projections, unit norm weights, untied lm_head)."""
+weights folded into the projections, unit norm weights, untied lm_head). Given a drafter directory (`snlp adapt`),
+it writes the base's prefix with the drafter's adapted suffix as one transformers model (its plan recorded in
+config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp's: snlp.io.drafter)."""
 
 from __future__ import annotations
 
 from snlp.io.checkpoint import load
+from snlp.io.drafter import export_drafter_hf, is_drafter_dir, load_drafter, load_record
 from snlp.io.hf import export_hf
+from snlp.train.adapt import load_base
 
 
 def add_arguments(p) -> None:
-    p.add_argument("ckpt", help="snlp checkpoint directory")
+    p.add_argument("ckpt", help="snlp checkpoint directory, or a drafter directory (snlp adapt --out)")
+    p.add_argument("--base", default=None, help="a drafter's base (snlp checkpoint, .gguf or transformers directory); "
+                   "default: the one it was adapted from, as recorded in the drafter")
     p.add_argument("--out", required=True, help="transformers directory to write")
 
 
 def run(args) -> int:
+    if is_drafter_dir(args.ckpt):
+        src = args.base or load_record(args.ckpt).get("config", {}).get("src")
+        if not src:
+            raise ValueError(f"drafter {args.ckpt} does not record its base: pass --base")
+        base, tok = load_base(src)
+        drafter = load_drafter(args.ckpt, base)  # refuses another base
+        out = export_drafter_hf(drafter, args.out, tok)
+        print(f"exported drafter {args.ckpt} ({drafter.plan} on {src}) -> {out} (transformers "
+              f"{base.config.n_layer}-layer model: base prefix + adapted suffix)")
+        return 0
+    if args.base:
+        raise ValueError("--base is for drafter directories; an snlp checkpoint is exported as it is")
     model, tok = load(args.ckpt)
     out = export_hf(model, args.out, tok)
     print(f"exported {args.ckpt} -> {out} (transformers {model.config.n_layer}-layer model)")

@@ -20,6 +20,7 @@ from snlp.decode.steps import sequential_step, snlp_step
 from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
+from snlp.io.drafter import load_drafter
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.runtime.device import cli_device, write_json
@@ -32,6 +33,10 @@ def add_arguments(p) -> None:
                    "tokenizer's chat template (no extra BOS) and stop at its EOS unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
+    p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "
+                   "with it and the checkpoint verifies (output identical to sequential); snlp mode decodes with it "
+                   "alone, which is the drafter's approximation of the model, not the model. --plan defaults to "
+                   "the drafter's")
     p.add_argument("--block", type=int, default=4, help="draft block size B (speculative, jacobi)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,7 +80,12 @@ def check_args(args) -> None:
     """Refuse flag combinations a mode cannot honour, before anything is loaded."""
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
-    if args.mode != "sequential" and args.plan is None and args.mode != "jacobi":
+    if args.drafter and args.mode not in ("speculative", "snlp"):
+        raise ValueError("--drafter drafts in --mode speculative (exact) or decodes alone in --mode snlp "
+                         f"(approximate); --mode {args.mode} does not use it")
+    if args.drafter and args.share_weights:
+        raise ValueError("--drafter has its own suffix weights: --share-weights cannot use it")
+    if args.mode != "sequential" and args.plan is None and args.mode != "jacobi" and not args.drafter:
         raise ValueError(f"--mode {args.mode} needs --plan (e.g. --plan 4xF1-h0-K1)")
     if args.mode == "jacobi" and args.temperature != 0:
         raise ValueError("--mode jacobi is greedy only: use --temperature 0")
@@ -123,34 +133,34 @@ def streamer(tok):
     return on_tokens
 
 
-def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None):
+def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None, drafter=None):
     """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
-    graphs (--prompts-file decodes one batch per call)."""
+    graphs (--prompts-file decodes one batch per call); `drafter`: an adapted drafter (`snlp adapt`)."""
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
     steps = steps or {}
     if args.mode == "sequential":
         return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
                                    step=steps.get("seq"), **kw)
     if args.mode == "snlp":
-        return snlp_generate(model, prompt, plan, temperature=args.temperature, seed=args.seed, compile=args.compile,
-                             preheat=preheat, step=steps.get("draft"), **kw)
+        return snlp_generate(model if drafter is None else drafter.model, prompt, plan, temperature=args.temperature,
+                             seed=args.seed, compile=args.compile, preheat=preheat, step=steps.get("draft"), **kw)
     if args.mode == "speculative":
         return speculative_generate(model, prompt, plan, block=args.block, temperature=args.temperature,
                                     seed=args.seed, compile=args.compile, preheat=preheat,
                                     share_weights=args.share_weights, min_confidence=args.min_confidence,
                                     adaptive=args.adaptive_block, draft=steps.get("draft"), verify=steps.get("seq"),
-                                    **kw)
+                                    drafter=drafter, **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
-def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict) -> str:
+def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
                                              share_weights=args.share_weights, min_confidence=args.min_confidence,
-                                             adaptive=args.adaptive_block)
+                                             adaptive=args.adaptive_block, drafter=drafter)
     rep = rows[0]
     record["report"] = rep.to_dict()
     record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
@@ -184,27 +194,29 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str | None = None) -> tuple[list, float]:
+def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str | None = None,
+                   drafter=None) -> tuple[list, float]:
     """Decode the prompts in batches of --batch-size (one ragged batch each); returns the results in order and the
     decode seconds summed over the batches (each batch's wall time, prefill excluded). Row i samples with seed
     --seed + i (snlp.decode.batch)."""
     results, wall = [], 0.0
-    steps = shared_steps(args, model, plan, preheat)
+    steps = shared_steps(args, model, plan, preheat, drafter)
     for k in range(0, len(prompts), args.batch_size):
         a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
-        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None, steps)
+        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None, steps, drafter)
         results.extend(rows)
         wall += rows[0].extra["batch"]["wall_s"]
     return results, wall
 
 
-def shared_steps(args, model, plan, preheat) -> dict:
+def shared_steps(args, model, plan, preheat, drafter=None) -> dict:
     """--compile: the sequential and drafter steps built once, so every batch reuses their compiled graphs."""
     if not args.compile:
         return {}
     steps = {"seq": sequential_step(model, compile=True)}
     if plan is not None:
-        steps["draft"] = snlp_step(bind(model, plan, check_finite=False, preheat=preheat,
+        steps["draft"] = snlp_step(bind(model if drafter is None else drafter.model, plan, check_finite=False,
+                                        preheat=preheat,
                                         share_weights=args.share_weights and args.mode == "speculative"), compile=True)
     return steps
 
@@ -216,12 +228,12 @@ def argparse_copy(args, **kw):
     return new
 
 
-def run_prompts_file(args, model, tok, plan, preheat) -> int:
+def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
     texts = read_prompts(args.prompts_file)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
-    res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id)
+    res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
     total = sum(len(r.tokens) for r in res)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
@@ -254,6 +266,8 @@ def run(args) -> int:
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")
+    if args.distributed and args.drafter:
+        raise ValueError("--drafter has its own suffix weights: --distributed cannot use it")
     if args.distributed:
         from snlp.apps.dist import run_generate
 
@@ -266,14 +280,21 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    plan = None if args.plan is None else Plan.parse(args.plan, model.config.n_layer)
+    drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
+    plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
+        Plan.parse(args.plan, model.config.n_layer)
+    if drafter is not None:
+        drafter.check_plan(plan)
+        if args.mode == "snlp":
+            print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
+                  "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
     preheat = plans_preheat(args.ckpt, model, [plan])
     if args.prompts_file is not None:
-        return run_prompts_file(args, model, tok, plan, preheat)
+        return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)
     if not args.quiet:
         sys.stdout.write(args.prompt)
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok))
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter)
     if not args.quiet:
         sys.stdout.write("\n")
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
@@ -285,7 +306,7 @@ def run(args) -> int:
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:
-        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record)
+        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
     print(stats)
     if args.json:
         write_json(args.json, record)

@@ -165,7 +165,21 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
             f"SNLP-aware training, on the same validation documents in its own tokens ({recs[0].tokens:,} predicted "
             f"tokens). As in the paper's off-the-shelf table, aggressive K = 1 plans cost PPL on a model never trained "
             f"for them, and on a CPU at batch 1 the decode speedup can be below 1.\n",
-            markdown_table(recs)]
+            markdown_table(recs), *adaptation_lines(r.get("adaptation"))]
+
+
+def adaptation_lines(a: dict | None) -> list[str]:
+    """The off-the-shelf stage's short drafter adaptation (issue 20, `snlp adapt`), if it ran."""
+    if not a:
+        return []
+    b, f, s = a["before"], a["after"], a["ssd"]
+    return [f"\nA {a['minutes']:.1f}-minute `snlp adapt` of the {a['plan']} drafter ({a['steps']} steps, "
+            f"{a['tokens']:,} tokens; the model itself unchanged, it verifies): Top-1 agreement with the model "
+            f"{100 * b['top1']:.1f} % -> {100 * f['top1']:.1f} % (teacher-forced SNLP window), "
+            f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD "
+            f"acceptance alpha at B = {a['block']} {s['post-hoc']['alpha']:.3f} -> {s['adapted']['alpha']:.3f} "
+            f"(output identical to the model's: {'yes' if s['adapted']['matches_sequential'] else 'NO'}). "
+            f"Longer runs: docs/adapt.md.\n"]
 
 
 def _context(ctx: dict):

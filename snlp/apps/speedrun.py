@@ -95,6 +95,7 @@ class Preset:
     eval_threads: int = 1  # intra-op threads for evaluation and SSD (0 = torch's default)
     ots_plans: tuple[str, ...] = ("8xF1-h0-K1", "8xF1-h0-K2", "4xF2-h0-K1", "8xF1-h0-K8")  # off-the-shelf
     ots_tokens: int = 4096  # predicted tokens for the off-the-shelf PPL
+    ots_adapt_minutes: float = 0.0  # off-the-shelf: minutes of `snlp adapt` of the 8xF1-h0-K1 drafter (0 = none)
     diag_power_iters: int = 10  # Jacobian diagnostics stage (snlp.eval.analysis): power iterations for sigma_max
     diag_probes: int = 8  # and Hutchinson / amplification probes
     tune_top: int = 3  # ssd-*: snlp tune's shortlist, measured end to end (stage 2)
@@ -113,7 +114,7 @@ class Preset:
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
               max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=3,
-              est_eval_s=500, ots_tokens=2048)  # est: the stage estimates above + 12% (their ratio to the last full run)
+              est_eval_s=650, ots_tokens=2048, ots_adapt_minutes=2.0)  # est: the stage estimates + 12 % + 2.5 min adaptation
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
@@ -666,8 +667,17 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
                       seed=seed, progress=True)
     records = evaluate(model, val, list(preset.ots_plans), ecfg, tokenizer=tok)
     print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
-    return {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
-            "records": [r.to_dict() for r in records]}
+    out = {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
+           "records": [r.to_dict() for r in records]}
+    if preset.ots_adapt_minutes > 0:  # issue 20: a short `snlp adapt` of the drafter, the model unchanged
+        from snlp.apps.adapt import speedrun_adaptation
+
+        out["adaptation"] = a = speedrun_adaptation(model, tok, str(gguf), spec.data, spec.max_chars, val,
+                                                    preset.ots_adapt_minutes, seed)
+        print(f"adapted {a['plan']} drafter in {a['minutes']:.1f} min: Top-1 {a['before']['top1']:.3f} -> "
+              f"{a['after']['top1']:.3f}, SSD alpha at B={a['block']} {a['ssd']['post-hoc']['alpha']:.3f} -> "
+              f"{a['ssd']['adapted']['alpha']:.3f}")
+    return out
 
 
 def stage_early_exit(model_dirs: dict[str, Path], val: torch.Tensor, suffixes: list[int], ecfg, device: str) -> dict:

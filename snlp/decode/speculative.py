@@ -17,6 +17,7 @@ from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
                                  merge_results, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
+from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
@@ -100,7 +101,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
-                          adaptive: bool = False) -> tuple[list[SSDRow], list[list[int]]]:
+                          adaptive: bool = False, drafter: Drafter | None = None
+                          ) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -121,7 +123,9 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
-    seq_step, draft_step = sequential_forward(model, compile), snlp_forward(model, plan, compile, preheat=preheat, share_weights=share_weights)
+    draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, True)
+    seq_step = sequential_forward(model, compile)
+    draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
     seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence,
                                            adaptive=adaptive)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
@@ -154,6 +158,16 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     return rows, [r.tokens for r in seq_runs]
 
 
+def drafter_model_for(model: GPT, plan: Plan, drafter: Drafter, share_weights: bool, verify_weights: bool) -> GPT:
+    """The module an adapted `drafter` drafts with, after checking it belongs to `model` and fits `plan`."""
+    if share_weights:
+        raise ValueError("share_weights makes the drafter's stacks the verifier's own layers; an adapted drafter has "
+                         "its own suffix weights: drop share_weights or the drafter")
+    drafter.check(model, verify_weights)
+    drafter.check_plan(plan)
+    return drafter.model
+
+
 def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generator | None = None
                        ) -> tuple[Tensor, Tensor]:
     """Speculative rejection sampling (Leviathan et al. 2023), vectorised over a leading dim N.
@@ -183,8 +197,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                         share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False
-                         ) -> GenerateResult | list[GenerateResult]:
+                         share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False,
+                         drafter: Drafter | None = None) -> GenerateResult | list[GenerateResult]:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -207,12 +221,18 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
     A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns
     one GenerateResult per prompt: every row drafts, accepts and rolls back on its own; `on_tokens(i, new)` then
-    streams prompt i's tokens; greedy rows equal their own single-prompt (= sequential) outputs."""
+    streams prompt i's tokens; greedy rows equal their own single-prompt (= sequential) outputs.
+
+    `drafter` (snlp.method.drafter, `snlp adapt`): an adapted drafter of `model` drafts instead of the model's own
+    SNLP forward (its prefix is the model's, its suffix adapted; checked against the model's weights fingerprint
+    unless a prebuilt `draft` step is passed); `model` still verifies, so the output is the model's own."""
     check_decode_args(max_new_tokens, temperature, block)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
-    draft_fwd, verify_fwd = snlp_forward(model, plan, compile, draft, preheat, share_weights), sequential_forward(model, compile, verify)
+    draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, draft is None)
+    draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights)
+    verify_fwd = sequential_forward(model, compile, verify)
     if is_batch(prompt_ids):
         return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
                                  eos_id, seed, max_len, on_tokens, min_confidence, adaptive)

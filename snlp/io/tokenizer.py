@@ -5,6 +5,8 @@ tokenizer_meta.json beside it."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 from typing import Iterable
@@ -164,11 +166,17 @@ class Tokenizer:
         if not template:
             raise ValueError("this tokenizer has no chat template (only converted instruct models carry one); "
                              "drop --chat")
+        return self._chat_renderer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
+
+    @functools.cached_property
+    def _chat_renderer(self):
+        """transformers' tokenizer wrapper that renders the chat template, built once per Tokenizer (building
+        it copies the whole vocabulary: ~0.2 s for a 49k vocabulary, per conversation turn before)."""
         from transformers import PreTrainedTokenizerFast
 
-        hf = PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
-                                     eos_token=self.meta.get("eos_token"), chat_template=template)
-        return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
+                                       eos_token=self.meta.get("eos_token"), chat_template=self.meta["chat_template"])
 
     @property
     def vocab_size(self) -> int:

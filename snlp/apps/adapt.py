@@ -1,0 +1,101 @@
+"""Adapt an SNLP drafter to a pretrained model: `snlp adapt SRC --plan PLAN --out DIR --data D [--minutes M | --steps N]`.
+
+The model itself is not changed: it stays the verifier of self-speculative decoding (`snlp generate SRC --mode
+speculative --drafter DIR`, output identical to the model's own greedy decoding). Only the plan's suffix layers
+are copied and distilled so that the plan's K-iteration SNLP forward through them matches the model run
+sequentially (KL on the logits + MSE on the normalised final states; by default under self-speculative
+conditions: earlier positions' K/V exact, snlp.method.ssd_solve). SRC: an snlp checkpoint or anything
+`snlp convert` takes (.gguf, transformers directory). DIR gets the suffix weights, the plan, the base's weights
+fingerprint (another base is refused) and the adaptation record; `snlp export DIR --base SRC --out HF_DIR` writes it
+as a transformers model. Library: snlp.train.adapt.adapt(AdaptConfig).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from snlp.io.drafter import load_drafter
+from snlp.train.adapt import KV_MODES, AdaptConfig, adapt
+
+
+def add_arguments(p) -> None:
+    d = AdaptConfig(src="", plan="", out="")
+    p.add_argument("src", help="the base: snlp checkpoint directory, .gguf file or transformers directory")
+    p.add_argument("--plan", required=True, help="SNLP plan of the drafter, e.g. 8xF1-h0-K1")
+    p.add_argument("--out", required=True, help="drafter directory to write")
+    p.add_argument("--data", default=d.data, help="text data as for `snlp train --data`, and/or chat sets as "
+                   "chat:PATH.jsonl / chat:hf:NAME (rendered with the model's chat template); comma-separated")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 without --minutes)")
+    p.add_argument("--minutes", type=float, default=None, help="training-time budget (the LR schedule follows it)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW peak LR of the suffix weights")
+    p.add_argument("--kv", choices=KV_MODES, default=d.kv, help="exact: train under self-speculative conditions "
+                   "(earlier positions attend to the base's exact K/V); own: teacher-forced windows (pure SNLP)")
+    p.add_argument("--hidden-weight", type=float, default=d.hidden_weight, help="weight of the final-state MSE")
+    p.add_argument("--kl-weight", type=float, default=d.kl_weight, help="weight of the logit KL")
+    p.add_argument("--tau", type=float, default=d.tau, help="distillation temperature of the KL")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--warmdown", type=float, default=d.warmdown)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--val-frac", type=float, default=d.val_frac)
+    p.add_argument("--max-chars", type=int, default=d.max_chars, help="cap on the text data's characters (0: all)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--save-every", type=int, default=d.save_every, help="resumable checkpoints in DIR/run (0: end only)")
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
+    p.add_argument("--resume", action="store_true", help="continue the run in DIR/run")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"], help="the base's weight dtype")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write the AdaptResult to this JSON file")
+
+
+def run(args) -> int:
+    cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
+    res = adapt(cfg)
+    b, a = res.before, res.after
+    print(f"adapted {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
+          f"Top-1 {100 * b.get('top1', 0):.1f} -> {100 * a.get('top1', 0):.1f} % (SSD conditions "
+          f"{100 * b.get('top1_ssd', 0):.1f} -> {100 * a.get('top1_ssd', 0):.1f} %) | extra memory "
+          f"{res.extra_bytes / 2**20:.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res.to_dict(), f, indent=2)
+    return 0
+
+
+def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,
+                        plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4) -> dict:
+    """The speedrun's off-the-shelf adaptation (issue 20): adapt `plan`'s drafter of the loaded `model` for
+    `minutes` on the speedrun's text, then Top-1 (teacher-forced and SSD conditions) before/after from the
+    run's validation, and SSD alpha at B = `block` on `prompts` validation prompts for the post-hoc and the
+    adapted drafter (both must reproduce the model's greedy output). The drafter is written to a temporary
+    directory and removed."""
+    import shutil
+    import tempfile
+
+    from snlp.decode.speculative import speculative_benchmark
+    from snlp.eval.data import as_tokens, sample_prompts
+    from snlp.method.drafter import make_drafter
+
+    out = tempfile.mkdtemp(prefix="snlp-adapt-")
+    try:
+        cfg = AdaptConfig(src=src, plan=plan, out=str(Path(out) / "drafter"), data=data, max_chars=max_chars,
+                          minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
+                          no_progress=True)
+        res = adapt(cfg, base=(model, tok))
+        d = load_drafter(cfg.out, model)
+        ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)
+        ssd = {}
+        for name, drafter in (("post-hoc", make_drafter(model, plan, d.base_fingerprint)), ("adapted", d)):
+            rows, _ = speculative_benchmark(model, ps, plan, (block,), gen_tokens, repeats=1, warmup=0,
+                                            drafter=drafter)
+            ssd[name] = rows[0].to_dict()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"plan": plan, "minutes": res.minutes, "steps": res.steps, "tokens": res.tokens, "before": res.before,
+            "after": res.after, "block": block, "ssd": ssd, "extra_bytes": res.extra_bytes}

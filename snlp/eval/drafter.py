@@ -1,0 +1,133 @@
+"""Evaluate an adapted SNLP drafter against its base (issue 20; `snlp eval BASE --drafter DIR`).
+
+Rows: the base's post-hoc SNLP drafter (its own suffix layers: the paper's off-the-shelf setting) and the
+adapted drafter, for each plan that fits the drafter. Every metric compares with the BASE run sequentially:
+  PPL          of the drafter's SNLP logits on held-out windows (teacher-forced, the drafter's own K/V: pure
+               SNLP decoding with the drafter, which is its approximation of the model, not the model)
+  Top-1, LogitSim   the same logits vs the base's: argmax agreement and mean cosine (paper metrics)
+  Top-1 SSD    argmax agreement under self-speculative conditions (snlp.method.ssd_solve: earlier positions'
+               K/V exact, as the verifier leaves them), i.e. what a round's first draft sees
+  alpha, tokens/round, tokens/s    self-speculative decoding at each block size B on `prompts`
+               (snlp.decode.speculative.speculative_benchmark: interleaved with sequential decoding in this
+               process, medians over the repeats), whose greedy output must equal the base's (`identical`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from snlp.decode.speculative import speculative_benchmark
+from snlp.eval.data import as_tokens, windows
+from snlp.eval.metrics import logit_sim, perplexity
+from snlp.method.drafter import Drafter, make_drafter
+from snlp.method.plan import Plan
+from snlp.method.solver import solve
+from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
+from snlp.model.gpt import GPT
+from snlp.runtime.device import progress_bar
+
+
+@dataclass
+class DrafterEvalConfig:
+    seq_len: int = 256
+    max_tokens: int = 4096
+    batch: int = 4
+    blocks: tuple[int, ...] = (2, 4, 8)
+    gen_tokens: int = 64
+    repeats: int = 1
+    warmup: int = 1
+    progress: bool = False
+
+
+@dataclass
+class DrafterRecord:
+    """One row: `drafter` is "post-hoc" (the base's own suffix) or "adapted"; `ssd` one dict per block size
+    (SSDRow fields: alpha, tokens_per_round, measured_speedup, ... and matches_sequential)."""
+
+    plan: str
+    drafter: str
+    ppl: float
+    ppl_base: float
+    top1: float
+    logit_sim: float
+    top1_ssd: float | None
+    tokens: int
+    ssd: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def quality(base: GPT, drafter: Drafter, wins: torch.Tensor, batch: int, progress: bool = False) -> dict:
+    """PPL of the drafter's SNLP logits and of the base, Top-1 / LogitSim vs the base, and Top-1 under SSD
+    conditions (None for plans ssd_solve does not cover) over the windows wins (W, T + 1)."""
+    plan, dev = drafter.plan, base.wte.weight.device
+    S = plan.prefix_len(base.config.n_layer)
+    try:
+        check_ssd_plan(plan)
+        ssd = True
+    except ValueError:
+        ssd = False
+    acc = dict(nll=0.0, nll_base=0.0, top1=0.0, sim=0.0, top1_ssd=0.0, n=0)
+    batches = wins.split(batch)
+    with progress_bar(len(batches), f"quality {plan}", progress) as bar:
+        for b in batches:
+            x, y = b[:, :-1].to(dev), b[:, 1:].to(dev)
+            ctx = base.embed(x)
+            trace = [ctx.x0]
+            ref = base.head(base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace))  # (B, T, V)
+            lg = drafter.model.head(solve(drafter.model, x, plan, prefix=trace[S], check_finite=False).hidden)
+            n = y.numel()
+            acc["nll"] += F.cross_entropy(lg.flatten(0, 1), y.flatten(), reduction="sum").item()
+            acc["nll_base"] += F.cross_entropy(ref.flatten(0, 1), y.flatten(), reduction="sum").item()
+            acc["top1"] += (lg.argmax(-1) == ref.argmax(-1)).double().sum().item()
+            acc["sim"] += logit_sim(lg, ref) * n
+            if ssd:
+                hs = ssd_solve(drafter.model, x, plan, trace[S], exact_kv(base, trace, plan, ctx))
+                acc["top1_ssd"] += (drafter.model.head(hs).argmax(-1) == ref.argmax(-1)).double().sum().item()
+            acc["n"] += n
+            bar.update()
+    n = acc["n"]
+    return dict(ppl=perplexity(acc["nll"], n), ppl_base=perplexity(acc["nll_base"], n), top1=acc["top1"] / n,
+                logit_sim=acc["sim"] / n, top1_ssd=acc["top1_ssd"] / n if ssd else None, tokens=n)
+
+
+def evaluate_drafter(base: GPT, drafter: Drafter, val_tokens, prompts: list[list[int]], plans: list[Plan] | None = None,
+                     cfg: DrafterEvalConfig = DrafterEvalConfig(), eos_id: int | None = None) -> list[DrafterRecord]:
+    """Post-hoc and adapted rows for each plan (default: the drafter's own) that fits the drafter (same
+    suffix layout; K, init and surrogate may differ). `prompts`: token ids for the SSD rows (none: no SSD rows)."""
+    drafter.check(base)
+    wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
+    rows = []
+    for plan in plans or [drafter.plan]:
+        plan = drafter.check_plan(plan)
+        adapted = Drafter(model=drafter.model, plan=plan, base_fingerprint=drafter.base_fingerprint)
+        posthoc = make_drafter(base, plan, fingerprint=drafter.base_fingerprint)
+        for name, d in (("post-hoc", posthoc), ("adapted", adapted)):
+            q = quality(base, d, wins, cfg.batch, cfg.progress)
+            ssd = []
+            if prompts:
+                srows, _ = speculative_benchmark(base, prompts, plan, cfg.blocks, cfg.gen_tokens, cfg.repeats,
+                                                 cfg.warmup, eos_id=eos_id, progress=cfg.progress, drafter=d)
+                ssd = [r.to_dict() for r in srows]
+            rows.append(DrafterRecord(plan=str(plan), drafter=name, ssd=ssd, **q))
+    return rows
+
+
+def markdown(rows: list[DrafterRecord]) -> str:
+    """The rows as a markdown table: one line per (row, block size)."""
+    out = ["| plan | drafter | PPL (base) | Top-1 | LogitSim | Top-1 SSD | B | alpha | tokens/round | tok/s vs seq "
+           "| identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t1s = "-" if r.top1_ssd is None else f"{100 * r.top1_ssd:.1f} %"
+        head = f"| {r.plan} | {r.drafter} | {r.ppl:.4g} ({r.ppl_base:.4g}) | {100 * r.top1:.1f} % | {r.logit_sim:.3f} | {t1s} "
+        if not r.ssd:
+            out.append(head + "| - | - | - | - | - |")
+        for s in r.ssd:
+            out.append(head + f"| {s['block']} | {s['alpha']:.3f} | {s['tokens_per_round']:.2f} | "
+                       f"{s['measured_speedup']:.2f}x | {'yes' if s['matches_sequential'] else 'NO'} |")
+    return "\n".join(out)

@@ -1,0 +1,137 @@
+"""A drafter directory (`snlp adapt --out DIR`): the adapted suffix weights of an SNLP drafter and what they
+belong to, without any of the base model's weights.
+
+    DIR/drafter.safetensors   the suffix blocks' weights only ("blocks.<l>.<name>", l = S..L-1)
+    DIR/drafter.json          format, plan, the base's weights fingerprint and config, a digest per tensor,
+                              and the adaptation record (command, data, steps, minutes, tokens, metrics)
+
+`load_drafter(DIR, base)` rebuilds the Drafter on the base's own prefix (snlp.method.drafter) and refuses a
+different base (config or weights fingerprint), a missing, truncated or edited weights file (per-tensor
+digests) and missing or extra tensors, each with a clear ValueError. Writes are atomic: both files go to
+temporary names first, then replace the old ones; the per-tensor digests catch a half-replaced pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from snlp.method.drafter import Drafter, make_drafter
+from snlp.method.plan import Plan
+from snlp.model.fingerprint import tensor_digest
+from snlp.model.gpt import GPT
+
+FORMAT = "snlp-drafter"
+VERSION = 1
+WEIGHTS = "drafter.safetensors"
+META = "drafter.json"
+
+
+def is_drafter_dir(path) -> bool:
+    """True when `path` is a directory holding a drafter (drafter.json)."""
+    return (Path(path) / META).is_file()
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
+    """Write `drafter` (its suffix weights, plan, base fingerprint and config) and the adaptation `record`
+    (JSON-serialisable) to the directory `path`, atomically per file. Returns the path."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"drafter path {path} exists and is not a directory; choose another --out")
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in drafter.suffix_state().items()}
+    meta = {"format": FORMAT, "version": VERSION, "plan": str(drafter.plan),
+            "base_fingerprint": drafter.base_fingerprint, "config": drafter.model.config.to_dict(),
+            "suffix_start": drafter.suffix_start, "dtype": str(next(iter(state.values())).dtype),
+            "digests": {k: tensor_digest(v) for k, v in state.items()}, "record": record or {}}
+    _write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
+    _write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
+    return path
+
+
+def read_meta(path) -> dict:
+    """The drafter.json of a drafter directory, checked to be one (ValueError otherwise)."""
+    path = Path(path)
+    f = path / META
+    if not f.is_file():
+        raise ValueError(f"{path} is not a drafter directory (no {META}); make one with `snlp adapt`")
+    try:
+        meta = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f} is corrupt (not JSON: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{f} is not a {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{f} has drafter format version {meta.get('version')!r}; this snlp reads version {VERSION}")
+    missing = [k for k in ("plan", "base_fingerprint", "config", "digests") if k not in meta]
+    if missing:
+        raise ValueError(f"{f} is corrupt: it lacks {', '.join(missing)}")
+    return meta
+
+
+def load_drafter(path, base: GPT) -> Drafter:
+    """The drafter in directory `path`, built on `base` (which must be the model it was adapted from: same
+    config and weights fingerprint, else a ValueError saying so). Its suffix weights take the base's dtype
+    and device."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta["config"] != base.config.to_dict():
+        raise ValueError(f"drafter {path} was adapted for another model architecture "
+                         f"({meta['config'].get('n_layer')} layers, width {meta['config'].get('n_embd')}) than this "
+                         f"base ({base.config.n_layer} layers, width {base.config.n_embd})")
+    drafter = make_drafter(base, Plan.parse(meta["plan"]))
+    if drafter.base_fingerprint != meta["base_fingerprint"]:
+        raise ValueError(f"drafter {path} was adapted from base weights {meta['base_fingerprint']}, but this model's "
+                         f"weights fingerprint {drafter.base_fingerprint}: it belongs to another model (or the model "
+                         f"changed since); adapt a drafter for this one with `snlp adapt`")
+    try:
+        state = load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"drafter weights {path / WEIGHTS} are missing or corrupt: {e}") from None
+    want = set(drafter.suffix_state())
+    if set(state) != want or set(meta["digests"]) != want:
+        extra, lack = sorted(set(state) - want)[:3], sorted(want - set(state))[:3]
+        raise ValueError(f"drafter weights {path / WEIGHTS} do not match plan {meta['plan']}'s suffix "
+                         f"(unexpected {extra}, missing {lack}); the directory is corrupt")
+    bad = [k for k, v in state.items() if tensor_digest(v) != meta["digests"][k]]
+    if bad:
+        raise ValueError(f"drafter weights {path / WEIGHTS} do not match the digests in {META} ({len(bad)} tensors, "
+                         f"e.g. {bad[0]}): the files are corrupt or from different saves")
+    ref = base.wte.weight
+    with torch.no_grad():
+        own = drafter.model.state_dict()
+        for k, v in state.items():
+            own[k].copy_(v.to(device=ref.device, dtype=own[k].dtype))
+    return drafter
+
+
+def load_record(path) -> dict:
+    """The adaptation record saved with a drafter (empty if none)."""
+    return read_meta(path).get("record", {})
+
+
+def export_drafter_hf(drafter: Drafter, out, tokenizer=None) -> Path:
+    """Write the drafter as a transformers directory (snlp.io.hf.export_hf): the base's embedding, prefix layers,
+    norm and head with the drafter's adapted suffix layers, a plain Llama-family model that transformers runs
+    alone. transformers runs it SEQUENTIALLY, which is not the drafter's SNLP solve: the plan and the base's
+    fingerprint are recorded in config.json ("snlp_drafter"), and `snlp convert HF_DIR` + the plan (or
+    `make_drafter`) give back the drafter's SNLP forward exactly."""
+    from snlp.io.hf import export_hf
+
+    path = export_hf(drafter.model, out, tokenizer)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["snlp_drafter"] = {"plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint,
+                           "suffix_start": drafter.suffix_start}
+    _write_atomic(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
+    return path

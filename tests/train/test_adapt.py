@@ -1,0 +1,320 @@
+"""Adapted SNLP drafters (issue 20): the drafter shares the base's prefix, the SSD-conditions solve equals the
+real cached draft step, speculative decoding with an adapted drafter is the base's greedy output (tiny random
+transformers Llama models and the real SmolLM2), adaptation raises Top-1 agreement, resume is exact,
+drafter directories refuse other bases and corrupt files, export round-trips through transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from snlp.io.checkpoint import save_checkpoint
+from snlp.io.drafter import load_drafter, save_drafter
+from snlp.io.hf import from_hf
+from snlp.method.drafter import make_drafter
+from snlp.method.plan import Plan
+from snlp.method.solver import solve
+from snlp.method.ssd_solve import exact_kv, ssd_solve
+from snlp.model.cache import KVCache
+from conftest import make_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+V = 96
+
+
+def hf_tiny(seed: int = 0, layers: int = 4, **kw):
+    """A random transformers Llama (hidden 64, 4 heads / 2 KV heads) with random norm weights."""
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    cfg.update(kw)
+    torch.manual_seed(seed)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+    return m.eval()
+
+
+def tiny_base(seed: int = 0, layers: int = 4, **kw):
+    model, _ = from_hf(hf_tiny(seed, layers, **kw))
+    return model
+
+
+def perturb(drafter, seed: int = 3, scale: float = 0.05):
+    """Change the drafter's own weights (a stand-in for adaptation) so it really differs from the base."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for v in drafter.suffix_state().values():
+            v.add_(torch.randn(v.shape, generator=gen, dtype=v.dtype) * scale)
+    return drafter
+
+
+def ids(B=2, T=12, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------- Drafter
+def test_drafter_shares_prefix_and_leaves_the_base_alone():
+    base = tiny_base()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    d = perturb(make_drafter(base, "2xF1-h0-K1"))
+    assert d.model.wte is base.wte and d.model.blocks[1] is base.blocks[1] and d.model.lm_head is base.lm_head
+    assert d.model.blocks[2] is not base.blocks[2] and d.model.ln_f is base.ln_f
+    assert set(d.suffix_state()) == {k for k in base.state_dict() if k.startswith(("blocks.2.", "blocks.3."))}
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert d.check(base) is d
+    assert d.extra_bytes() == sum(p.numel() * 4 for l in (2, 3) for p in base.blocks[l].parameters())
+
+
+def test_fingerprint_refuses_another_base(tmp_path):
+    base, other = tiny_base(0), tiny_base(1)
+    d = make_drafter(base, "2xF1-h0-K1")
+    with pytest.raises(ValueError, match="another model"):
+        d.check(other)
+    save_drafter(tmp_path / "d", d)
+    with pytest.raises(ValueError, match="another model"):
+        load_drafter(tmp_path / "d", other)
+    with pytest.raises(ValueError, match="architecture"):
+        load_drafter(tmp_path / "d", tiny_base(0, layers=5))
+    with pytest.raises(ValueError, match="not this base's own"):
+        make_drafter(tiny_base(0), "2xF1-h0-K1").check(base)  # same weights, but not the base's own modules
+
+
+def test_drafter_dir_round_trip_and_corruption(tmp_path):
+    base = tiny_base()
+    d = perturb(make_drafter(base, "1xF2-h0-K2"))
+    p = save_drafter(tmp_path / "d", d, {"steps": 3})
+    back = load_drafter(p, base)
+    assert str(back.plan) == str(d.plan)
+    for k, v in d.suffix_state().items():
+        assert torch.equal(back.suffix_state()[k], v)
+    assert json.loads((p / "drafter.json").read_text())["record"] == {"steps": 3}
+    with pytest.raises(ValueError, match="not a drafter directory"):
+        load_drafter(tmp_path, base)
+    meta = json.loads((p / "drafter.json").read_text())
+    meta["digests"]["blocks.3.mlp.c_fc.weight"] = "0" * 32
+    (p / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="digests"):
+        load_drafter(p, base)
+    (p / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="missing or corrupt"):
+        load_drafter(p, base)
+    (p / "drafter.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_drafter(p, base)
+
+
+# ------------------------------------------------------------------------------------------- SSD conditions
+@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "3xF1-fwd-K2", "1xF2-h0-K1-none", "2xF2-h0-K1"])
+def test_ssd_solve_own_kv_is_the_solve(plan):
+    model = make_model(seed=1, n_layer=6)
+    x = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    p = Plan.parse(plan)
+    ref = solve(model, x, p)
+    got = ssd_solve(model, x, p, ref.prefix, None)
+    torch.testing.assert_close(got, ref.hidden, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "2xF2-fwd-K2", "3xF1-h0-K2-none"])
+def test_ssd_solve_is_the_cached_draft_step(plan):
+    """Position t of the window solve under SSD conditions = the real drafter decode step at t on a KV cache
+    that holds the base's exact K/V of positions < t (what the verifier leaves in self-speculative decoding)."""
+    base = make_model(seed=2, n_layer=6, window_pattern="SL", short_window=3)  # windows, x0, value embeddings
+    d = perturb(make_drafter(base, plan), scale=0.1)
+    x = torch.randint(0, base.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    p = Plan.parse(plan)
+    with torch.no_grad():
+        ctx = base.embed(x)
+        trace = [ctx.x0]
+        base.run_layers(ctx.x0, ctx, 0, 6, trace)
+        S = p.prefix_len(6)
+        got = ssd_solve(d.model, x, p, trace[S], exact_kv(base, trace, p, ctx))  # (1, T, D)
+        for t in range(x.shape[1]):
+            cache = KVCache.for_model(base, max_len=16)
+            if t:
+                base(x[:, :t], cache=cache)  # the verifier's exact K/V
+            step = solve(d.model, x[:, t:t + 1], p, cache=cache).hidden[0, -1]
+            torch.testing.assert_close(got[0, t], step, atol=1e-9, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+@pytest.mark.parametrize("plan,block", [("2xF1-h0-K1", 3), ("1xF2-h0-K2", 4), ("3xF1-fwd-K1", 2)])
+def test_speculative_with_adapted_drafter_is_the_base_greedy(plan, block):
+    """Greedy SSD with an adapted (here: perturbed) drafter emits exactly transformers' greedy output."""
+    from snlp.decode.speculative import speculative_generate
+
+    hf = hf_tiny(seed=5)
+    base, _ = from_hf(hf)
+    d = perturb(make_drafter(base, plan), scale=0.2)
+    prompt = ids(1, 5, seed=7)[0].tolist()
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                      pad_token_id=0)[0, len(prompt):].tolist()
+    got = speculative_generate(base, prompt, plan, block=block, max_new_tokens=20, drafter=d)
+    assert got.tokens == ref
+    assert got.drafted > 0 and got.mode == "speculative"
+    with pytest.raises(ValueError, match="share_weights"):
+        speculative_generate(base, prompt, plan, max_new_tokens=4, drafter=d, share_weights=True)
+    with pytest.raises(ValueError, match="does not fit this drafter"):
+        speculative_generate(base, prompt, "1xF1-h0-K1", max_new_tokens=4, drafter=d)
+    with pytest.raises(ValueError, match="another model"):
+        speculative_generate(tiny_base(9), prompt, plan, max_new_tokens=4, drafter=make_drafter(base, plan))
+
+
+def test_speculative_with_drafter_on_smollm2(smol):
+    """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
+    from snlp.decode.generate import sequential_generate
+    from snlp.decode.speculative import speculative_generate
+
+    model, tok = smol
+    d = perturb(make_drafter(model, "8xF1-h0-K1"), scale=0.002)
+    prompt = tok.render_chat([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)[0]
+    ref = sequential_generate(model, prompt, max_new_tokens=16)
+    got = speculative_generate(model, prompt, "8xF1-h0-K1", block=4, max_new_tokens=16, drafter=d)
+    assert got.tokens == ref.tokens
+
+
+# ------------------------------------------------------------------------------------------------ adapt()
+def tiny_ckpt(tmp_path, layers: int = 4):
+    """An snlp checkpoint of a tiny random Llama with a word-level tokenizer (t0..t92, <s>, </s>) and a
+    chat template, plus a text file and a chat file in its vocabulary."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(V - 3)} | {"<s>": V - 3, "</s>": V - 2, "<unk>": V - 1}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}")
+    model, stok = from_hf(hf_tiny(seed=11, layers=layers, initializer_range=0.25), tokenizer=fast)  # not ~identity
+    save_checkpoint(tmp_path / "base", model, stok)
+    text = tmp_path / "text.txt"
+    # structured text (arithmetic progressions mod 93): the base's behaviour on it is learnable from 2k tokens
+    text.write_text("\n\n".join(" ".join(f"t{(3 * d + 1 + k * (d % 5 + 1)) % (V - 3)}" for k in range(200))
+                                for d in range(12)))
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"t{i} t{i + 1}"},
+                                                        {"role": "assistant", "content": f"t{i + 2} t{i + 3} t{i}"}]})
+                               for i in range(40)))
+    return tmp_path / "base", text, chats
+
+
+def adapt_cfg(tmp_path, out="d", **kw):
+    from snlp.train.adapt import AdaptConfig
+
+    base, text, chats = tiny_ckpt(tmp_path)
+    cfg = dict(src=str(base), plan="2xF1-h0-K1", out=str(tmp_path / out), data=f"{text},chat:{chats}", steps=100,
+               seq_len=24, batch_size=4, lr=3e-3, eval_every=100, eval_batches=2, save_every=0, no_progress=True,
+               warmup_steps=2)
+    cfg.update(kw)
+    return AdaptConfig(**cfg)
+
+
+@pytest.mark.parametrize("kv", ["exact", "own"])
+def test_adapt_raises_top1_agreement(tmp_path, kv):
+    from snlp.io.checkpoint import load
+    from snlp.train.adapt import adapt
+
+    res = adapt(adapt_cfg(tmp_path, kv=kv))
+    key = "top1_ssd" if kv == "exact" else "top1"
+    assert res.steps == 100 and res.stopped_by == "budget"
+    assert res.after[key] > res.before[key] + 0.05, (res.before, res.after)
+    assert res.after["val_loss"] < 0.8 * res.before["val_loss"]
+    assert not (tmp_path / "d" / "run").exists()  # finished: only the drafter's own files remain
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors", "log.jsonl"]
+    base, _ = load(tmp_path / "base")
+    d = load_drafter(tmp_path / "d", base)  # the adapted drafter drafts for its base, the base's output unchanged
+    from snlp.decode.generate import sequential_generate
+    from snlp.decode.speculative import speculative_generate
+    ref = sequential_generate(base, [1, 2, 3], max_new_tokens=12)
+    assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=12, drafter=d).tokens == ref.tokens
+    with pytest.raises(ValueError, match="already holds a drafter"):
+        adapt(adapt_cfg(tmp_path / "again", out=str(tmp_path / "d")))
+
+
+def test_adapt_resume_equals_uninterrupted(tmp_path):
+    from safetensors.torch import load_file
+
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path / "a", steps=8, eval_every=4))
+    r1 = adapt(adapt_cfg(tmp_path / "b", steps=8, eval_every=4, stop_after=4, save_every=4))
+    assert r1.stopped_by == "stop_after" and (tmp_path / "b" / "d" / "run").is_dir()
+    r2 = adapt(adapt_cfg(tmp_path / "b", steps=8, eval_every=4, resume=True))
+    assert r2.steps == 8 and r2.stopped_by == "budget"
+    wa, wb = (load_file(str(tmp_path / x / "d" / "drafter.safetensors")) for x in ("a", "b"))
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+# ------------------------------------------------------------------------------------------- CLI, export
+def test_cli_adapt_generate_eval_export(tmp_path, capsys):
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import load
+
+    base_dir, text, chats = tiny_ckpt(tmp_path)
+    d = tmp_path / "drafter"
+    assert main(["adapt", str(base_dir), "--plan", "2xF1-h0-K1", "--out", str(d), "--data", f"{text},chat:{chats}",
+                 "--steps", "4", "--seq-len", "16", "--eval-every", "2", "--no-progress"]) == 0
+    assert "adapted 2xF1-h0-K1 drafter" in capsys.readouterr().out
+    for mode in ("speculative", "snlp"):
+        assert main(["generate", str(base_dir), "--mode", mode, "--drafter", str(d), "--prompt", "t3 t4",
+                     "--max-new-tokens", "6", "--quiet", "--no-baseline", "--json", str(tmp_path / f"{mode}.json")]) == 0
+    spec, seq = json.loads((tmp_path / "speculative.json").read_text()), None
+    assert main(["generate", str(base_dir), "--prompt", "t3 t4", "--max-new-tokens", "6", "--quiet",
+                 "--json", str(tmp_path / "seq.json")]) == 0
+    seq = json.loads((tmp_path / "seq.json").read_text())
+    assert spec["tokens"] == seq["tokens"] and spec["plan"] == "2xF1-h0-K1"
+    assert main(["generate", str(base_dir), "--mode", "jacobi", "--drafter", str(d), "--prompt", "t1"]) == 2
+    assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
+                 "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
+                 "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
+    rows = json.loads((tmp_path / "ev.json").read_text())
+    assert [r["drafter"] for r in rows] == ["post-hoc", "adapted"]
+    assert all(s["matches_sequential"] for r in rows for s in r["ssd"]) and len(rows[0]["ssd"]) == 2
+    # export: base prefix + adapted suffix as a transformers model; back through transformers it is the drafter
+    assert main(["export", str(d), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    base, _ = load(base_dir)
+    drafter = load_drafter(d, base)
+    back, _ = from_hf(hf)
+    x = ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, drafter.model(x), atol=1e-4, rtol=1e-4)
+        p = drafter.plan
+        torch.testing.assert_close(back.head(solve(back, x, p).hidden), drafter.model.head(solve(drafter.model, x, p).hidden),
+                                   atol=1e-4, rtol=1e-4)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["snlp_drafter"]["plan"] == "2xF1-h0-K1"
+
+
+def test_speedrun_adaptation_stage(tmp_path):
+    """The speedrun's off-the-shelf adaptation on a tiny model: a timed run, before/after records, SSD rows for
+    the post-hoc and the adapted drafter, both exact."""
+    from snlp.apps.adapt import speedrun_adaptation
+    from snlp.apps.report import adaptation_lines
+    from snlp.io.checkpoint import load
+
+    base_dir, text, _ = tiny_ckpt(tmp_path)
+    model, tok = load(base_dir)
+    val = torch.tensor(tok.encode(text.read_text()[:3000]))
+    a = speedrun_adaptation(model, tok, str(base_dir), str(text), 0, val, minutes=0.03, plan="2xF1-h0-K1",
+                            gen_tokens=8)
+    assert a["steps"] >= 1 and set(a["ssd"]) == {"post-hoc", "adapted"}
+    assert all(r["matches_sequential"] for r in a["ssd"].values())
+    assert "top1" in a["before"] and "top1" in a["after"]
+    assert "SSD acceptance alpha at B = 4" in adaptation_lines(a)[0]
+
+
+def test_adapt_own_kv_with_a_plan_ssd_does_not_cover(tmp_path):
+    from snlp.train.adapt import adapt
+
+    with pytest.raises(ValueError, match="SSD-conditions training supports"):
+        adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", steps=2))
+    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", kv="own", steps=3, eval_every=3))
+    assert res.steps == 3 and res.after["top1_ssd"] == 0.0 and res.after["top1"] > 0
