@@ -294,7 +294,7 @@ def run(args) -> int:
     prompt, eos_id = prompt_ids(args, tok)
     if not args.quiet:
         sys.stdout.write(args.prompt)
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter)
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter=drafter)
     if not args.quiet:
         sys.stdout.write("\n")
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \

@@ -166,6 +166,24 @@ def test_speculative_with_adapted_drafter_is_the_base_greedy(plan, block):
         speculative_generate(tiny_base(9), prompt, plan, max_new_tokens=4, drafter=make_drafter(base, plan))
 
 
+def test_batched_speculative_with_adapted_drafter_is_each_prompts_greedy():
+    """A ragged batch of prompts drafted by an adapted drafter: every row equals transformers' greedy output for
+    that prompt alone (the batch path builds its draft step from the drafter's module, the base verifies)."""
+    from snlp.decode.speculative import speculative_generate
+
+    hf = hf_tiny(seed=6)
+    base, _ = from_hf(hf)
+    d = perturb(make_drafter(base, "2xF1-h0-K1"), scale=0.2)
+    prompts = [ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
+    got = speculative_generate(base, prompts, "2xF1-h0-K1", block=3, max_new_tokens=12, drafter=d, adaptive=True)
+    assert len(got) == len(prompts)
+    for p, r in zip(prompts, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert r.tokens == ref
+    assert sum(r.drafted for r in got) > 0
+
+
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
     from snlp.decode.generate import sequential_generate
@@ -272,6 +290,14 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     seq = json.loads((tmp_path / "seq.json").read_text())
     assert spec["tokens"] == seq["tokens"] and spec["plan"] == "2xF1-h0-K1"
     assert main(["generate", str(base_dir), "--mode", "jacobi", "--drafter", str(d), "--prompt", "t1"]) == 2
+    # a prompts file decoded in ragged batches with the drafter: every row is its prompt's sequential output
+    (tmp_path / "prompts.txt").write_text("t3 t4\nt1\nt5 t6 t7\n")
+    assert main(["generate", str(base_dir), "--mode", "speculative", "--drafter", str(d), "--prompts-file",
+                 str(tmp_path / "prompts.txt"), "--batch-size", "2", "--max-new-tokens", "6", "--quiet",
+                 "--json", str(tmp_path / "batch.json")]) == 0
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    assert batch["matches_sequential"] and len(batch["results"]) == 3
+    assert batch["results"][0]["tokens"] == seq["tokens"]
     assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
                  "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
                  "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
