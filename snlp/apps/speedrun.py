@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from snlp.runtime.device import cli_device
+from snlp.runtime.device import cli_device, write_atomic
 from snlp.apps.report import MODELS, environment, fmt_s, render_report
 from snlp.train.config import TrainConfig
 
@@ -213,15 +213,8 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj) -> None:
-    _write_atomic(path, json.dumps(obj, indent=2, default=str))
+    write_atomic(path, json.dumps(obj, indent=2, default=str))
 
 
 def _read_json(path: Path):
@@ -513,7 +506,7 @@ class Lockstep:
 
     def _open(self, step: int) -> None:
         if step != self.gate:
-            _write_atomic(self.gate_file, str(step))
+            write_atomic(self.gate_file, str(step))
             self.gate = step
 
     def update(self, states: dict[str, dict]) -> None:
@@ -521,7 +514,7 @@ class Lockstep:
         stops = [st.get("step", 0) for st in states.values() if st.get("stop")]
         if stops:
             if not self.stopped:
-                _write_atomic(self.stop_file, str(min(stops)))
+                write_atomic(self.stop_file, str(min(stops)))
                 self.stopped = True
             return
         self._open(min(st.get("step", 0) for st in states.values()) + 1)
@@ -1038,7 +1031,7 @@ def step_report(sr: Speedrun) -> None:
     write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
     wall = time.perf_counter() - sr.t_start
     ctx = report_context(sr, records, wall)
-    _write_atomic(sr.out / "report.md", render_report(ctx))
+    write_atomic(sr.out / "report.md", render_report(ctx))
     _write_json(sr.out / "summary.json", summary(sr, ctx["env"], ctx["date"], wall))
     sr.console.print(f"wrote {sr.out / 'report.md'}, {sr.out / 'frontier.png'}")
     sr.console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(sr.stages.ran)} stages ran, "

@@ -14,7 +14,6 @@ temporary names first, then replace the old ones; the per-tensor digests catch a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from snlp.method.drafter import Drafter, make_drafter
 from snlp.method.plan import Plan
 from snlp.model.fingerprint import tensor_digest
 from snlp.model.gpt import GPT
+from snlp.runtime.device import write_atomic
 
 FORMAT = "snlp-drafter"
 VERSION = 1
@@ -35,12 +35,6 @@ META = "drafter.json"
 def is_drafter_dir(path) -> bool:
     """True when `path` is a directory holding a drafter (drafter.json)."""
     return (Path(path) / META).is_file()
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
@@ -55,8 +49,8 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
             "base_fingerprint": drafter.base_fingerprint, "config": drafter.model.config.to_dict(),
             "suffix_start": drafter.suffix_start, "dtype": str(next(iter(state.values())).dtype),
             "digests": {k: tensor_digest(v) for k, v in state.items()}, "record": record or {}}
-    _write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
-    _write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
+    write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
+    write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
     return path
 
 
@@ -133,5 +127,5 @@ def export_drafter_hf(drafter: Drafter, out, tokenizer=None) -> Path:
     cfg = json.loads((path / "config.json").read_text())
     cfg["snlp_drafter"] = {"plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint,
                            "suffix_start": drafter.suffix_start}
-    _write_atomic(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
+    write_atomic(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
     return path

@@ -5,9 +5,24 @@ here parses arguments; `snlp.apps.cli` only parses and dispatches."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
+
+
+def write_atomic(path, write) -> None:
+    """Write a file atomically: `write(tmp)` fills a temporary file beside `path` (creating parent folders), which
+    then replaces `path` in one os.replace, so a reader never sees a half-written file. `write` may also be a str:
+    the text to write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if isinstance(write, str):
+        tmp.write_text(write)
+    else:
+        write(tmp)
+    os.replace(tmp, path)
 
 
 def write_json(path, obj) -> None:
