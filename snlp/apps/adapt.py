@@ -33,6 +33,14 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW peak LR of the suffix weights")
     p.add_argument("--kv", choices=KV_MODES, default=d.kv, help="exact: train under self-speculative conditions "
                    "(earlier positions attend to the base's exact K/V); own: teacher-forced windows (pure SNLP)")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train rank-R deltas of the base's own "
+                   "suffix matrices (LoRA, merged into the weights before fusion) instead of full copies: the drafter "
+                   "adds only the deltas to memory and disk (0: full suffix weights)")
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="LoRA scale alpha / R (default alpha = R)")
+    p.add_argument("--from-model", default=None, metavar="CKPT", help="no training: package CKPT's suffix layers as "
+                   "the drafter (CKPT = SRC fine-tuned with its prefix frozen, e.g. the paper's route `snlp train "
+                   "--init-from SRC --reg idn --freeze-prefix --unembedding-lr 0`), validated against SRC like an "
+                   "adapted one")
     p.add_argument("--hidden-weight", type=float, default=d.hidden_weight, help="weight of the final-state MSE")
     p.add_argument("--kl-weight", type=float, default=d.kl_weight, help="weight of the logit KL")
     p.add_argument("--tau", type=float, default=d.tau, help="distillation temperature of the KL")
@@ -58,7 +66,8 @@ def run(args) -> int:
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     res = adapt(cfg)
     b, a = res.before, res.after
-    print(f"adapted {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
+    how = f"from {args.from_model}" if args.from_model else "adapted"
+    print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
           f"Top-1 {100 * b.get('top1', 0):.1f} -> {100 * a.get('top1', 0):.1f} % (SSD conditions "
           f"{100 * b.get('top1_ssd', 0):.1f} -> {100 * a.get('top1_ssd', 0):.1f} %) | extra memory "
           f"{res.extra_bytes / 2**20:.1f} MiB")

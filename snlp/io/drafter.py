@@ -49,6 +49,8 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
             "base_fingerprint": drafter.base_fingerprint, "config": drafter.model.config.to_dict(),
             "suffix_start": drafter.suffix_start, "dtype": str(next(iter(state.values())).dtype),
             "digests": {k: tensor_digest(v) for k, v in state.items()}, "record": record or {}}
+    if drafter.rank:  # LoRA deltas on the base's own suffix matrices (snlp.method.lowrank)
+        meta["lora"] = {"rank": drafter.rank, "alpha": drafter.alpha}
     write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
     write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
     return path
@@ -84,7 +86,10 @@ def load_drafter(path, base: GPT) -> Drafter:
         raise ValueError(f"drafter {path} was adapted for another model architecture "
                          f"({meta['config'].get('n_layer')} layers, width {meta['config'].get('n_embd')}) than this "
                          f"base ({base.config.n_layer} layers, width {base.config.n_embd})")
-    drafter = make_drafter(base, Plan.parse(meta["plan"]))
+    lora = meta.get("lora") or {}
+    if not isinstance(lora, dict) or not isinstance(lora.get("rank", 0), int):
+        raise ValueError(f"{path / META} is corrupt: bad 'lora' entry {lora!r}")
+    drafter = make_drafter(base, Plan.parse(meta["plan"]), rank=lora.get("rank", 0), alpha=lora.get("alpha"))
     if drafter.base_fingerprint != meta["base_fingerprint"]:
         raise ValueError(f"drafter {path} was adapted from base weights {meta['base_fingerprint']}, but this model's "
                          f"weights fingerprint {drafter.base_fingerprint}: it belongs to another model (or the model "
@@ -123,7 +128,7 @@ def export_drafter_hf(drafter: Drafter, out, tokenizer=None) -> Path:
     `make_drafter`) give back the drafter's SNLP forward exactly."""
     from snlp.io.hf import export_hf
 
-    path = export_hf(drafter.model, out, tokenizer)
+    path = export_hf(drafter.merged().model, out, tokenizer)
     cfg = json.loads((path / "config.json").read_text())
     cfg["snlp_drafter"] = {"plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint,
                            "suffix_start": drafter.suffix_start}

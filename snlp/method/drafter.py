@@ -13,6 +13,10 @@ base's, so the prefix is exact by construction and costs no memory; only the suf
 layers keep their indices (Attention.layer_idx), so in self-speculative decoding it shares the verifier's KV
 cache slot for slot (snlp.model.cache): the verifier rewrites every verified position with exact K/V.
 
+A LoRA drafter (`rank` > 0, snlp.method.lowrank) does not even copy the suffix matrices: each is the base's
+own weight plus a trained rank-r delta (merged into `.weight` by a parametrization, so fusion sees W0 + BA);
+it adds only the deltas and the suffix norm weights.
+
 `base_fingerprint` (snlp.model.fingerprint) records which weights the drafter was adapted from; `check(base)`
 refuses any other base with a ValueError (an adapted suffix is meaningless on another model's prefix).
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from snlp.method.lowrank import add_low_rank, check_rank, is_shared_key, merge_low_rank
 from snlp.method.plan import Plan
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT
@@ -33,11 +38,14 @@ from snlp.model.gpt import GPT
 @dataclass
 class Drafter:
     """A base model's adapted SNLP drafter: `model` (prefix shared with the base, suffix its own), the `plan`
-    it was adapted for, and the fingerprint of the base weights it belongs to."""
+    it was adapted for, and the fingerprint of the base weights it belongs to. `rank` > 0: the suffix matrices
+    are the base's plus rank-`rank` deltas of scale `alpha / rank` (snlp.method.lowrank); 0: full copies."""
 
     model: GPT
     plan: Plan
     base_fingerprint: str
+    rank: int = 0
+    alpha: float = 0.0
 
     @property
     def suffix_start(self) -> int:
@@ -45,10 +53,11 @@ class Drafter:
         return self.plan.prefix_len(self.model.config.n_layer)
 
     def suffix_state(self) -> dict[str, torch.Tensor]:
-        """The drafter's own weights: the suffix blocks' state, keyed as in the model ("blocks.<l>.<name>")."""
+        """The drafter's own weights: the suffix blocks' state, keyed as in the model ("blocks.<l>.<name>"); for a
+        LoRA drafter the deltas ("...parametrizations.weight.0.A/B") and norm weights, not the base's matrices."""
         S = self.suffix_start
         return {f"blocks.{l}.{k}": v for l in range(S, self.model.config.n_layer)
-                for k, v in self.model.blocks[l].state_dict().items()}
+                for k, v in self.model.blocks[l].state_dict().items() if not is_shared_key(k)}
 
     def extra_bytes(self) -> int:
         """Memory the drafter adds to its base: its suffix weights (the prefix, embedding and head are shared)."""
@@ -83,6 +92,16 @@ class Drafter:
                              f"{self.plan.chunks}xF{self.plan.fuse}-... or adapt a drafter for {plan}")
         return plan
 
+    def merged(self) -> "Drafter":
+        """This drafter with plain suffix weights (LoRA deltas merged into copies; the base is untouched), e.g. to
+        export it. A full-weight drafter is returned as is."""
+        if not self.rank:
+            return self
+        m = drafter_model(self.model, self.suffix_start)  # copies of the suffix blocks, parametrizations included
+        for block in m.blocks[self.suffix_start:]:
+            merge_low_rank(block)
+        return Drafter(model=m, plan=self.plan, base_fingerprint=self.base_fingerprint)
+
 
 def shares_prefix(drafter_model: GPT, base: GPT, S: int) -> bool:
     """True when the drafter's embedding, prefix blocks and head are the base's own Parameter objects."""
@@ -91,9 +110,10 @@ def shares_prefix(drafter_model: GPT, base: GPT, S: int) -> bool:
     return all(drafter_model.blocks[l] is base.blocks[l] for l in range(S))
 
 
-def drafter_model(base: GPT, S: int) -> GPT:
+def drafter_model(base: GPT, S: int, rank: int = 0, alpha: float = 0.0) -> GPT:
     """A GPT module object sharing `base`'s embedding, prefix blocks 0..S-1, final norm, head, scalars and
-    buffers, with deep copies of blocks S..L-1 (the drafter's own, trainable weights). The base is untouched."""
+    buffers, with deep copies of blocks S..L-1 (the drafter's own, trainable weights); `rank` > 0: the copies'
+    linear weights are the base's own plus rank-`rank` deltas instead. The base is untouched."""
     m = copy.copy(base)  # a new Module object whose registries are replaced below (never shared dicts)
     m._parameters = dict(base._parameters)  # ln_f, value_embeds, lambdas: shared Parameter objects
     m._buffers = dict(base._buffers)
@@ -103,24 +123,55 @@ def drafter_model(base: GPT, S: int) -> GPT:
     m.__dict__["_forward_pre_hooks"] = type(base._forward_pre_hooks)()
     blocks = list(base.blocks)
     m.blocks = nn.ModuleList(blocks[:S] + [copy.deepcopy(b) for b in blocks[S:]])
+    if rank:
+        for own, theirs in zip(m.blocks[S:], blocks[S:]):
+            add_low_rank(own, theirs, rank, alpha)
     m.ve_slot = list(base.ve_slot)
     return m
 
 
-def make_drafter(base: GPT, plan: Plan | str, fingerprint: str | None = None) -> Drafter:
+def make_drafter(base: GPT, plan: Plan | str, fingerprint: str | None = None, rank: int = 0,
+                 alpha: float | None = None) -> Drafter:
     """The unadapted drafter of `base` for `plan` (its suffix = copies of the base's own suffix layers, so it
     starts as the post-hoc SNLP forward of the base). `fingerprint`: the base's weights_fingerprint if already
-    computed (it reads every weight once)."""
+    computed (it reads every weight once). `rank` > 0: LoRA deltas of that rank (alpha default: rank) on the
+    base's own suffix matrices instead of copies."""
+    alpha = check_rank(rank, alpha)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     plan.check_model(base.config)
     if base.config.hc_streams:
         raise ValueError("drafters are built for plain residual-stream models (pretrained Llama-family checkpoints); "
                          "this model uses mHC (hc_streams > 0): train it with the SNLP regulariser instead")
     S = plan.prefix_len(base.config.n_layer)
-    return Drafter(model=drafter_model(base, S), plan=plan, base_fingerprint=fingerprint or weights_fingerprint(base))
+    return Drafter(model=drafter_model(base, S, rank, alpha), plan=plan,
+                   base_fingerprint=fingerprint or weights_fingerprint(base), rank=rank, alpha=alpha if rank else 0.0)
+
+
+def drafter_from_model(base: GPT, tuned: GPT, plan: Plan | str, fingerprint: str | None = None) -> Drafter:
+    """The drafter of `base` for `plan` whose suffix layers are `tuned`'s: e.g. the paper's route, `snlp train
+    --init-from BASE --reg idn --freeze-prefix`, which fine-tunes a copy of the model with the SNLP regulariser.
+    `tuned` must be `base` with only the suffix changed (same config; embedding, prefix blocks, final norm and
+    head equal: `--freeze-prefix S --unembedding-lr 0`), else its suffix would draft from a prefix state, or into a
+    head, it was not trained with: a ValueError."""
+    d = make_drafter(base, plan, fingerprint)
+    if tuned.config.to_dict() != base.config.to_dict():
+        raise ValueError("the fine-tuned model has another architecture than the base; a drafter needs the base's")
+    own = tuned.state_dict()
+    suffix = set(d.suffix_state())
+    changed = [k for k, v in base.state_dict().items() if k not in suffix and not torch.equal(v, own[k].to(v))]
+    if changed:
+        raise ValueError(f"the fine-tuned model differs from the base outside the suffix of {d.plan} ({len(changed)} "
+                         f"tensors, e.g. {changed[0]}): fine-tune with the prefix frozen (`snlp train --freeze-prefix "
+                         f"{d.suffix_start}`) and the final norm and head too (`--unembedding-lr 0`), so that its "
+                         "suffix drafts from the base's own prefix state into the base's own head")
+    with torch.no_grad():
+        for k, v in d.suffix_state().items():
+            v.copy_(own[k])
+    return d
 
 
 def suffix_parameters(drafter: Drafter) -> list[nn.Parameter]:
-    """The drafter's own (adaptable) parameters: those of its suffix blocks."""
+    """The drafter's own (adaptable) parameters: those of its suffix blocks (a LoRA drafter: the deltas and norm
+    weights, never the base's matrices under them)."""
     return [p for l in range(drafter.suffix_start, drafter.model.config.n_layer)
-            for p in drafter.model.blocks[l].parameters()]
+            for k, p in drafter.model.blocks[l].named_parameters() if not is_shared_key(k)]

@@ -38,7 +38,8 @@ import snlp.io.data as D
 from snlp.io.checkpoint import checkpoint_dir, load
 from snlp.io.drafter import save_drafter
 from snlp.io.hf import from_hf
-from snlp.method.drafter import Drafter, make_drafter, suffix_parameters
+from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
+from snlp.method.lowrank import check_rank
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
@@ -69,6 +70,9 @@ class AdaptConfig:
     batch_size: int = 4
     lr: float = 3e-4
     kv: str = "exact"
+    lora_rank: int = 0  # > 0: train rank-r deltas of the base's suffix matrices (snlp.method.lowrank), not copies
+    lora_alpha: float | None = None  # LoRA scale alpha / r (default alpha = r)
+    from_model: str | None = None  # no training: the drafter's suffix = this fine-tuned copy's (drafter_from_model)
     hidden_weight: float = 1.0
     kl_weight: float = 1.0
     tau: float = 1.0
@@ -98,6 +102,14 @@ class AdaptConfig:
             raise ValueError("--hidden-weight and --kl-weight must be >= 0 and not both 0")
         if not self.tau > 0 or not self.lr > 0:
             raise ValueError(f"--tau and --lr must be > 0 (got {self.tau}, {self.lr})")
+        check_rank(self.lora_rank, self.lora_alpha)
+        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes):
+            raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
+                             "no --lora-rank, --resume, --steps or --minutes")
+        if self.lora_rank and (self.resume or self.stop_after is not None):
+            # the shared loop's checkpoint is a plain GPT state; a LoRA drafter's parametrized state is not one
+            raise ValueError("--lora-rank runs cannot be stopped and resumed (--stop-after/--resume): run them to "
+                             "the end, or adapt full suffix weights (--lora-rank 0)")
         return plan
 
 
@@ -248,7 +260,7 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,
                        seed=cfg.seed, device=cfg.device, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
-                       save_every=cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
+                       save_every=0 if cfg.lora_rank else cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
 def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
@@ -260,7 +272,7 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
         base, btok = loaded
         base.requires_grad_(False)
         base.eval()
-        drafter = make_drafter(base, plan)
+        drafter = make_drafter(base, plan, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
         if model is not None:  # --resume: the run's own suffix weights (and its tokenizer)
             saved = model.state_dict()
             with torch.no_grad():
@@ -279,7 +291,8 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
                    val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
                    loss=AdaptStep(base, drafter, cfg),
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device),
-                   describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, suffix "
+                   describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
+                   f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
                    f"{cfg.data}", name="snlp adapt", state={"adapt": asdict(cfg)})
 
@@ -299,6 +312,8 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     held: dict = {}
     t0 = time.perf_counter()
     base = base if base is not None else load_base(cfg.src, cfg.dtype)
+    if cfg.from_model:
+        return import_drafter(cfg, plan, base)
     res = fit(train_config(cfg, base[0].config.n_embd), adapt_job(cfg, plan, held, base), hooks)
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
@@ -311,4 +326,25 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
     if res.stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
         shutil.rmtree(out / RUN, ignore_errors=True)
+    return result
+
+
+def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
+    """`adapt` with `from_model`: the drafter whose suffix is a fine-tuned copy's (snlp.method.drafter.
+    drafter_from_model; e.g. the paper's IDN fine-tuning with a frozen prefix), validated against the base on the
+    run's held-out batches (before = the post-hoc drafter, after = the imported one) and written to cfg.out."""
+    base, tok = loaded
+    base.eval()
+    tuned, _ = load_base(cfg.from_model, cfg.dtype)
+    tuned.to(base.wte.weight.device)
+    d = drafter_from_model(base, tuned, plan)
+    del tuned
+    device = base.wte.weight.device
+    _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
+    vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
+    after = validate_drafter(base, d, vb, cfg, device).record()
+    result = AdaptResult(out=cfg.out, plan=str(plan), kv=cfg.kv, steps=0, tokens=0, minutes=0.0,
+                         stopped_by="from_model", before=before, after=after, extra_bytes=d.extra_bytes())
+    save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg)})
     return result

@@ -344,3 +344,99 @@ def test_adapt_own_kv_with_a_plan_ssd_does_not_cover(tmp_path):
         adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", steps=2))
     res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", kv="own", steps=3, eval_every=3))
     assert res.steps == 3 and res.after["top1_ssd"] == 0.0 and res.after["top1"] > 0
+
+
+# ------------------------------------------------------------------------------------------- LoRA drafters
+def test_lora_drafter_shares_the_base_matrices_and_merges_exactly(tmp_path):
+    base = tiny_base()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    d = make_drafter(base, "2xF1-h0-K1", rank=4)
+    lin = d.model.blocks[2].attn.c_q
+    assert lin.parametrizations.weight.original is base.blocks[2].attn.c_q.weight  # W0 is the base's, no copy
+    x = ids(2, 10)
+    with torch.no_grad():  # B = 0 at the start: the LoRA drafter is the post-hoc drafter
+        torch.testing.assert_close(solve(d.model, x, d.plan).hidden,
+                                   solve(make_drafter(base, d.plan).model, x, d.plan).hidden, atol=0, rtol=0)
+    assert all(k.endswith((".A", ".B", "ln_attn", "ln_mlp")) for k in d.suffix_state())
+    assert d.extra_bytes() < 0.5 * make_drafter(base, d.plan).extra_bytes()
+    perturb(d, scale=0.2)
+    with torch.no_grad():
+        want = solve(d.model, x, d.plan).hidden
+        m = d.merged()
+        torch.testing.assert_close(solve(m.model, x, d.plan).hidden, want, atol=1e-6, rtol=1e-6)
+    assert not any(".A" in k for k in m.suffix_state()) and m.check(base) is m
+    back = load_drafter(save_drafter(tmp_path / "d", d), base)
+    assert back.rank == 4 and set(back.suffix_state()) == set(d.suffix_state())
+    with torch.no_grad():
+        torch.testing.assert_close(solve(back.model, x, d.plan).hidden, want, atol=0, rtol=0)
+    for k, v in base.state_dict().items():  # adapting, merging and loading never wrote into the base
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match="lora-rank"):
+        make_drafter(base, "2xF1-h0-K1", rank=-1)
+    with pytest.raises(ValueError, match="exceeds"):
+        make_drafter(base, "2xF1-h0-K1", rank=1000)
+
+
+def test_adapt_lora_raises_top1_and_drafts_exactly(tmp_path):
+    from snlp.decode.generate import sequential_generate
+    from snlp.decode.speculative import speculative_generate
+    from snlp.io.checkpoint import load
+    from snlp.train.adapt import adapt
+
+    res = adapt(adapt_cfg(tmp_path, lora_rank=4, lr=1e-2))
+    assert res.after["top1_ssd"] > res.before["top1_ssd"] + 0.05, (res.before, res.after)
+    assert res.after["val_loss"] < 0.8 * res.before["val_loss"]
+    base, _ = load(tmp_path / "base")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    d = load_drafter(tmp_path / "d", base)
+    assert d.rank == 4 and res.extra_bytes == d.extra_bytes()
+    ref = sequential_generate(base, [1, 2, 3], max_new_tokens=12)
+    assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=12, drafter=d).tokens == ref.tokens
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match="cannot be stopped and resumed"):
+        adapt(adapt_cfg(tmp_path / "r", lora_rank=4, stop_after=2))
+
+
+def test_lora_drafter_exports_merged_to_transformers(tmp_path):
+    from snlp.io.drafter import export_drafter_hf
+
+    base = tiny_base()
+    d = perturb(make_drafter(base, "2xF1-h0-K1", rank=2), scale=0.2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export_drafter_hf(d, tmp_path / "hf"))).eval()
+    x = ids(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, d.model(x), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------- the paper's route, packaged as a drafter
+def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
+    """`snlp train --init-from BASE --reg idn --freeze-prefix` (the paper's route: it changes the model) and
+    `snlp adapt BASE --from-model TUNED`: the tuned copy's suffix drafts for the unchanged base, exactly."""
+    from snlp.decode.generate import sequential_generate
+    from snlp.decode.speculative import speculative_generate
+    from snlp.io.checkpoint import load
+    from snlp.train.adapt import adapt
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    base_dir, text, _ = tiny_ckpt(tmp_path)
+    common = dict(init_from=str(base_dir), reg="idn", reg_n="2", reg_lambda=2.0, optimizer="adamw", matrix_lr=3e-3,
+                  unembedding_lr=3e-3, data=str(text), seq_len=24, batch_size=4, steps=6, eval_every=6,
+                  eval_batches=1, no_progress=True, cache_dir=str(tmp_path / "cache"))
+    fit(TrainConfig(out=str(tmp_path / "idn"), freeze_prefix=-1, **{**common, "unembedding_lr": 0.0}))
+    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), steps=None))
+    assert res.steps == 0 and res.stopped_by == "from_model" and "top1_ssd" in res.after
+    base, _ = load(base_dir)
+    tuned, _ = load(tmp_path / "idn")
+    d = load_drafter(tmp_path / "d", base)
+    for k, v in d.suffix_state().items():
+        assert torch.equal(v, tuned.state_dict()[k]), k
+        assert not torch.equal(v, base.state_dict()[k]) or "ln_" in k  # the fine-tuning changed the suffix
+    ref = sequential_generate(base, [1, 2, 3], max_new_tokens=10)
+    assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=10, drafter=d).tokens == ref.tokens
+    fit(TrainConfig(out=str(tmp_path / "all"), **common))  # the whole model fine-tuned: its prefix moved too
+    with pytest.raises(ValueError, match="freeze-prefix"):
+        adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), steps=None))
+    with pytest.raises(ValueError, match="without training"):
+        adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), steps=5))
