@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from snlp.method.lowrank import add_low_rank, check_rank, is_shared_key, merge_low_rank
+from snlp.method.lowrank import add_low_rank, check_rank, is_shared_key, merge_low_rank, shares_low_rank_base
 from snlp.method.plan import Plan
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT
@@ -79,6 +79,10 @@ class Drafter:
         if not shares_prefix(self.model, base, self.suffix_start):
             raise ValueError("drafter's prefix is not this base's own modules: load it against the base "
                              "(snlp.io.drafter.load_drafter(DIR, base)) or build it with make_drafter(base, plan)")
+        if self.rank and not all(shares_low_rank_base(self.model.blocks[l], base.blocks[l])
+                                 for l in range(self.suffix_start, base.config.n_layer)):
+            raise ValueError("LoRA drafter's deltas sit on another model's suffix matrices, not this base's own: load "
+                             "it against the base (snlp.io.drafter.load_drafter(DIR, base))")
         return self
 
 

@@ -66,6 +66,14 @@ def is_shared_key(key: str) -> bool:
     return key.endswith(".parametrizations.weight.original")
 
 
+def shares_low_rank_base(block: nn.Module, base_block: nn.Module) -> bool:
+    """True when every parametrized linear of `block` re-parametrises `base_block`'s own weight (W0 is the same
+    Parameter object), i.e. the deltas apply to this base."""
+    base_linears = dict(base_block.named_modules())
+    return all(lin.parametrizations.weight.original is base_linears[name].weight
+               for name, lin in block.named_modules() if parametrize.is_parametrized(lin, "weight"))
+
+
 def merge_low_rank(block: nn.Module) -> None:
     """Replace every low-rank parametrized linear of `block` by a plain nn.Linear holding its merged weight (a new
     Parameter). W0, the base's, is untouched: torch's remove_parametrizations(leave_parametrized=True) would write

@@ -5,6 +5,7 @@ drafter directories refuse other bases and corrupt files, export round-trips thr
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -364,7 +365,14 @@ def test_lora_drafter_shares_the_base_matrices_and_merges_exactly(tmp_path):
         want = solve(d.model, x, d.plan).hidden
         m = d.merged()
         torch.testing.assert_close(solve(m.model, x, d.plan).hidden, want, atol=1e-6, rtol=1e-6)
-    assert not any(".A" in k for k in m.suffix_state()) and m.check(base) is m
+    assert not any(".A" in k for k in m.suffix_state()) and m.check(base) is m and d.check(base) is d
+    twin = tiny_base()  # the same weights, but not the base's own Parameter objects under the deltas
+    stray = make_drafter(twin, "2xF1-h0-K1", rank=4)
+    stray.model = copy.copy(stray.model)
+    stray.model._modules = dict(stray.model._modules, wte=base.wte, lm_head=base.lm_head)
+    stray.model.blocks = torch.nn.ModuleList(list(base.blocks[:2]) + list(stray.model.blocks[2:]))
+    with pytest.raises(ValueError, match="another model's suffix matrices"):
+        stray.check(base)
     back = load_drafter(save_drafter(tmp_path / "d", d), base)
     assert back.rank == 4 and set(back.suffix_state()) == set(d.suffix_state())
     with torch.no_grad():
