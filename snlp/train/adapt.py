@@ -309,11 +309,11 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
-    held: dict = {}
     t0 = time.perf_counter()
     base = base if base is not None else load_base(cfg.src, cfg.dtype)
     if cfg.from_model:
         return import_drafter(cfg, plan, base)
+    held: dict = {}
     res = fit(train_config(cfg, base[0].config.n_embd), adapt_job(cfg, plan, held, base), hooks)
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
@@ -335,8 +335,7 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
     run's held-out batches (before = the post-hoc drafter, after = the imported one) and written to cfg.out."""
     base, tok = loaded
     base.eval()
-    tuned, _ = load_base(cfg.from_model, cfg.dtype)
-    tuned.to(base.wte.weight.device)
+    tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
     d = drafter_from_model(base, tuned, plan)
     del tuned
     device = base.wte.weight.device
