@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from snlp.decode.batch import is_batch
 from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, decode_plan, sequential_forward
 from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
@@ -40,6 +41,9 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     plus one sequential check per round when verifying; accepted + rounds = tokens kept before the
     budget/EOS cut."""
     check_decode_args(max_new_tokens, 0.0, block)
+    if is_batch(prompt_ids):  # a list of prompts / a (B, T) tensor: refused here, not a TypeError deep inside
+        raise ValueError("jacobi_generate decodes one prompt (a list of ids or a (T,) / (1, T) tensor); a list of "
+                         "prompts or a (B, T) batch is not supported: decode the prompts one at a time")
     plan = None if plan is None else decode_plan(model, plan)
     if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 1):
         raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
