@@ -312,3 +312,25 @@ def test_evaluate_cells_equal_their_references():
             logp = torch.log_softmax(fn(wins[:, :-1]).double(), -1)
             nll = -logp.gather(-1, wins[:, 1:, None]).mean()
             assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6), rec.plan  # fp32 logits, fp32 sums
+
+
+# ----------------------------------------------------------------------------- compiled cells (inductor: few, small)
+@pytest.mark.parametrize("kind", ["tol", "diag"])
+def test_compiled_cells_that_cannot_compile_are_refused(kind):
+    m = make_model(seed=1, n_layer=L)
+    for call in (lambda: snlp_generate(m, [1, 2, 3], PLANS[kind], max_new_tokens=2, compile=True),
+                 lambda: speculative_generate(m, [[1, 2, 3], [4]], PLANS[kind], max_new_tokens=2, compile=True)):
+        with pytest.raises(ValueError, match="compile|batched decoding supports") as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def test_compiled_cells_equal_their_references():
+    """compile=True (one cell: inductor costs minutes on 2 cores; tests/decode/test_steps.py has the others): a ragged
+    speculative batch with shared weights and an adaptive block equals the full-prefix argmax loop, in fp64."""
+    m = make_model(seed=2, n_layer=L)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
+    rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True,
+                                adaptive=True)
+    assert [r.tokens for r in rows] == [argmax_loop(m, p, 6, None)[0] for p in prompts]
