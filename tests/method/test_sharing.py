@@ -4,6 +4,8 @@ refresh, re-homes after the parameters get new storage, and refuses what it cann
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_model, tokens
@@ -135,6 +137,9 @@ def test_every_tensor_a_shared_runner_reads_follows_an_in_place_update_of_every_
         | ({"q_norm", "k_norm"} if cfg.qk_norm == "weighted" else set()) \
         | ({"ve_gate"} if cfg.value_embeds else set()) | ({"alpha", "beta"} if cfg.x0_residual else set())
     assert fields == want
+    floating = {f.name for r in runners for f in dataclasses.fields(r.weights)
+                if isinstance(getattr(r.weights, f.name), torch.Tensor) and getattr(r.weights, f.name).is_floating_point()}
+    assert floating == want  # nothing the chunk forward multiplies by is left out of the check
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in m.parameters():
@@ -158,6 +163,13 @@ def test_two_shared_runners_over_different_suffixes_follow_an_optimizer_step():
         m(idx).square().mean().backward()
         opt.step()
     with torch.no_grad():
+        for r in (a, b):
+            torch.testing.assert_close(r(idx), _fresh(m, r.plan, idx), rtol=1e-10, atol=1e-10, msg=str(r.plan))
+    a.refresh()  # refreshing one runner must not un-share the other (it used to re-home its layers again)
+    assert shares_storage(m, a.weights) and shares_storage(m, b.weights)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.9)
         for r in (a, b):
             torch.testing.assert_close(r(idx), _fresh(m, r.plan, idx), rtol=1e-10, atol=1e-10, msg=str(r.plan))
 
