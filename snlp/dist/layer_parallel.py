@@ -3,7 +3,7 @@
 Partition (`partition`). With P ranks the plan's C suffix chunks are split into P contiguous blocks,
 as even as possible (the first C mod P ranks get one chunk more; C < P is refused). Rank r builds
 the fused weights of ITS block only (`fusion.chunk_weights` on its layer range, identical to
-`surrogates.select_chunks` of the full stack) and allocates the KV cache of its layers only
+`jacobian.select_chunks` of the full stack) and allocates the KV cache of its layers only
 (`WindowKVCache`); the suffix layers it does not own are dropped from its model copy. The
 sequential prefix runs on rank 0, which broadcasts h_S once per solve (every rank needs h_S for the
 h0/fwd init); the head runs on the last rank. Replicating the prefix instead would cost every rank
@@ -17,8 +17,9 @@ d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
   1. inputs = [h_{c0-1}^{(k)}, h_{c0}^{(k)}, ..., h_{c1-2}^{(k)}], the first one received from rank r-1
      (rank 0: h_S); tilde = F(inputs), one batched `chunk_forward` of the local chunks.
   2. local affine maps a_c (IDN: the link/ELK factor, a scalar; HCN: the chunk's n x n H_res product
-     times it; DiagN: the Hutchinson diagonal times it; Jacobi/none: 0, no scan at all) and the local
-     scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
+     times it; DiagN: the Hutchinson diagonal times it; Jacobi/none: 0, no scan at all; each surrogate
+     owns its map and correction, `Surrogate.scan_step`, which the rank calls with its cross-rank scan)
+     and the local scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
      (A_r, B_r) = (a_{c1-1} o ... o a_{c0}, d^loc_{c1-1}).
   3. all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
      `snlp.method.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
