@@ -108,14 +108,15 @@ def _rehome(rows: list[Row]) -> Tensor:
     if any(p.dtype != first.dtype or p.device != first.device for p in params):
         raise ValueError("shared drafter/verifier weights need every layer's parameters in one dtype and on one "
                          f"device; found {sorted({(str(p.dtype), str(p.device)) for p in params})}")
-    home = first.new_zeros(shape)
-    for l, ps in enumerate(rows):
-        off = 0
-        for p, r in zip(ps, sizes):
-            if p is not None:
-                home[l, off:off + r].copy_(p.data)
-                p.data = home[l, off:off + r]
-            off += r
+    with torch.inference_mode(False):  # a normal tensor even when bound under inference mode: the parameters
+        home = first.new_zeros(shape)  # live here from now on, and training must still be able to save them
+        for l, ps in enumerate(rows):
+            off = 0
+            for p, r in zip(ps, sizes):
+                if p is not None:
+                    home[l, off:off + r].copy_(p.data)
+                    p.data = home[l, off:off + r]
+                off += r
     return home
 
 

@@ -189,3 +189,15 @@ def test_shares_storage_checks_every_layer_and_every_tensor():
         assert not shares_storage(m, b.weights)
         b.refresh()
         assert shares_storage(m, b.weights) and shares_storage(m, a.weights)
+
+
+def test_binding_shared_under_inference_mode_leaves_the_model_trainable():
+    """The homes the parameters move into are normal tensors even when the bind runs under inference mode (an
+    inference tensor cannot be saved for backward: the model could no longer be trained)."""
+    m = _model()
+    idx = tokens(m, T=5)
+    with torch.inference_mode():
+        r = bind(m, "2xF1-h0-K1", share_weights=True)
+    assert shares_storage(m, r.weights) and not any(p.is_inference() for p in m.parameters())
+    m(idx).square().mean().backward()
+    assert all(p.grad is not None for p in m.blocks[-1].parameters())
