@@ -73,6 +73,7 @@ class Surrogate(ABC):
     token: ClassVar[str]
     needs_mhc: ClassVar[bool] = False  # the surrogate reads the mHC stream-mixing matrices
     needs_mix: ClassVar[bool] = False  # the chunk forward must also return them
+    matrix: ClassVar[bool] = False  # A acts as an n x n matrix on the mHC stream dim (else elementwise)
     distributed: ClassVar[bool] = True  # DistributedSNLP can run it (its A is local to a chunk: I, H_res, diag J)
     random: ClassVar[bool] = False  # its map draws probes (a seeded generator per solve)
     gathered_states: ClassVar[int] = 1  # residual-stream-sized tensors a rank all-gathers per iteration (its
@@ -96,8 +97,6 @@ class Surrogate(ABC):
     def check(self, plan: "Plan") -> list[str]:
         """Problems of this surrogate within `plan` (e.g. a subset outside the chunk range)."""
         return []
-
-    matrix: ClassVar[bool] = False  # A acts as an n x n matrix on the mHC stream dim (else elementwise)
 
     def local_map(self, it: Iterate) -> Tensor | None:
         """A_c of the iterate's chunks (n, B, T, ...), local to each chunk; None for the identity."""
