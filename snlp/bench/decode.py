@@ -14,7 +14,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
 from snlp.decode.steps import host_syncs, sequential_step, snlp_step
 from snlp.method.plan import Plan
-from snlp.method.solver import bind
+from snlp.method.solver import Runner, bind
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
 
@@ -65,6 +65,25 @@ def model_bytes(model: GPT) -> int:
     return n
 
 
+def draft_runners(model: GPT, specs) -> dict[tuple[Plan, bool], Runner]:
+    """One bound drafter per distinct (plan, shared weights) of `specs`. Shared ones over any suffixes are views of
+    the model's one copy of its weights (snlp.method.sharing homes every layer once), so the "+shared" rows time
+    drafters that add no weight bytes (`storage_bytes`)."""
+    return {(p, s): bind(model, p, check_finite=False, share_weights=s) for p, s in dict.fromkeys(specs)}
+
+
+def storage_bytes(model: GPT, runners=()) -> int:
+    """Bytes of the distinct storages holding the model's parameters and the runners' floating-point chunk
+    weights (integer layout tensors, built from the config, left out): the model's own bytes when every runner
+    shares them, plus a copy of the suffix per unshared runner."""
+    seen = {}
+    tensors = list(model.parameters()) + [t for r in runners for t in vars(r.weights).values()
+                                          if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
                      blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
                      compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
@@ -89,8 +108,8 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     model.eval()
     seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
-    drafts = {plan: snlp_step(bind(model, plan, check_finite=False, share_weights=share_weights), compile)
-              for plan in plans}
+    runners = draft_runners(model, [(plan, share_weights) for plan in plans])
+    drafts = {plan: snlp_step(runners[(plan, share_weights)], compile) for plan in plans}
     spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
     for plan in plans:
@@ -216,9 +235,8 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
     seq = sequential_step(model, compile)
     ref = [sequential_generate(model, p, new_tokens, step=seq).tokens for p in prompts]
     specs = _variants(plans, blocks, share_weights, min_confidence, adaptive)
-    drafts = {(p, kw.get("share_weights", False)): snlp_step(bind(model, p, check_finite=False,
-                                                                  share_weights=kw.get("share_weights", False)), compile)
-              for p, _, _, kw in specs}
+    runners = draft_runners(model, [(p, kw.get("share_weights", False)) for p, _, _, kw in specs])
+    drafts = {key: snlp_step(r, compile) for key, r in runners.items()}
     rows = []
     for B in batch_sizes:
         ps = prompts[:B]

@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from snlp.method.surrogates import DiagN, Jacobi
 from snlp.method.plan import Plan
 
 
@@ -133,7 +132,7 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
     comm_tp = L * 2 * link.all_reduce_ms(msg, P)
     tp = L * tp_layer + comm_tp + head_tp
     sur = plan.surrogate
-    gather = link.all_gather_ms(msg * (2 if isinstance(sur, DiagN) else 1), P) if not isinstance(sur, Jacobi) else 0.0
+    gather = link.all_gather_ms(msg * sur.gathered_states, P) if sur.gathered_states else 0.0  # the surrogate says
     comm = (link.broadcast_ms(msg, P) if S > 0 else 0.0) + link.broadcast_ms(8 * batch, P)
     compute = S * layer_ms + head_ms
     if plan.init == "fwd":

@@ -3,7 +3,7 @@
 Partition (`partition`). With P ranks the plan's C suffix chunks are split into P contiguous blocks,
 as even as possible (the first C mod P ranks get one chunk more; C < P is refused). Rank r builds
 the fused weights of ITS block only (`fusion.chunk_weights` on its layer range, identical to
-`surrogates.select_chunks` of the full stack) and allocates the KV cache of its layers only
+`jacobian.select_chunks` of the full stack) and allocates the KV cache of its layers only
 (`WindowKVCache`); the suffix layers it does not own are dropped from its model copy. The
 sequential prefix runs on rank 0, which broadcasts h_S once per solve (every rank needs h_S for the
 h0/fwd init); the head runs on the last rank. Replicating the prefix instead would cost every rank
@@ -17,8 +17,9 @@ d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
   1. inputs = [h_{c0-1}^{(k)}, h_{c0}^{(k)}, ..., h_{c1-2}^{(k)}], the first one received from rank r-1
      (rank 0: h_S); tilde = F(inputs), one batched `chunk_forward` of the local chunks.
   2. local affine maps a_c (IDN: the link/ELK factor, a scalar; HCN: the chunk's n x n H_res product
-     times it; DiagN: the Hutchinson diagonal times it; Jacobi/none: 0, no scan at all) and the local
-     scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
+     times it; DiagN: the Hutchinson diagonal times it; Jacobi/none: 0, no scan at all; each surrogate
+     owns its map and correction, `Surrogate.scan_step`, which the rank calls with its cross-rank scan)
+     and the local scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
      (A_r, B_r) = (a_{c1-1} o ... o a_{c0}, d^loc_{c1-1}).
   3. all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
      `snlp.method.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
@@ -69,7 +70,7 @@ from torch import Tensor
 from snlp.model.cache import KVCache
 from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
 from snlp.model.gpt import GPT
-from snlp.method.surrogates import HCN, SURROGATES, DiagN, Identity, Jacobi
+from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, pick_token
@@ -392,36 +393,6 @@ class DistributedSNLP:
         one = a[:1]  # never used by affine_scan (entry 0's factor)
         return affine_scan(torch.cat([one, a]), torch.cat([d_in[None], b]), matrix)[1:]
 
-    def _local_diag(self, inputs: Tensor, tilde: Tensor, ctx, cache, gen: torch.Generator) -> Tensor:
-        """This rank's rows of `surrogates.diag_jacobian`: the same Rademacher draw over all (selected)
-        chunks as the single process (so results agree exactly), sliced to the local chunks."""
-        from snlp.method import jacobian as surrogates
-
-        plan, c0, c1, M = self.plan, self.c0, self.c1, self.plan.fuse
-        sur = plan.surrogate  # a DiagN
-        sel = list(range(plan.chunks)) if sur.subset is None else list(sur.subset)
-        pos = [i for i, c in enumerate(sel) if c0 <= c < c1]  # rows of the global probe draw we own
-        local = [sel[i] - c0 for i in pos]
-        v_all = surrogates.row_probes(sur.probes, inputs, gen, chunks=len(sel))  # one draw shared by the rows
-        a = torch.ones_like(inputs)
-        if not local:
-            return a
-        with surrogates._estimator_mode(sur.estimator) as clone:
-            ws = surrogates._probe_weights(self.w, local, clone)
-            cx = surrogates._plain(ctx, clone)
-            layers = None
-            if cache is not None:  # the probe reads (never writes) this rank's window slots of the local chunks
-                layers = torch.tensor([self.w.start - self.first + c * M + m for c in local for m in range(M)],
-                                      device=cache.k.device)
-            idx = torch.tensor(local, device=inputs.device)
-            x, fx = inputs.detach().index_select(0, idx), tilde.detach().index_select(0, idx)
-            v = v_all[:, pos]
-            if clone:
-                x, fx, v = x.clone(), fx.clone(), v.clone()
-            est = surrogates.hutchinson_diag(surrogates.chunk_probe_map(ws, cx, cache, layers, sur.probes), x, v,
-                                             sur.estimator, sur.eps, fx, token_dims=3)
-        return a.index_copy(0, idx, est.to(a.dtype))
-
     # ----- the solve -----
     @torch.no_grad()
     def solve(self, idx: Tensor, cache: KVCache | None = None, logits: bool = True,
@@ -431,11 +402,11 @@ class DistributedSNLP:
         final state and (with `logits`) the logits; with `check_finite` every rank raises
         SNLPDivergenceError if the final state is not finite."""
         plan, w = self.plan, self.w
-        hcn = isinstance(plan.surrogate, HCN)
+        sur = plan.surrogate
         ctx = self.model.embed(idx.to(self.device), cache)
         hS = self._prefix_state(ctx)
         h, boundary = self._init_states(ctx, hS, cache)  # (n, B, T, ..., D), the state chunk c0 reads
-        gen = torch.Generator(hS.device).manual_seed(0) if isinstance(plan.surrogate, DiagN) else None  # as solver.solve
+        gen = torch.Generator(hS.device).manual_seed(0) if sur.random else None  # as solver.solve
         factors = self._factors(hS)
         lagged = any(plan.lag_factors()[self.c0:self.c1])  # from the plan, not the tensor: no device sync
         iters, updates, d, last_boundary = 0, [], None, None
@@ -447,7 +418,7 @@ class DistributedSNLP:
             if done is not None:  # a frozen row re-reads its last inputs (its cached K/V stay those of that iteration)
                 inputs = freeze_rows(done, last_inputs, inputs)
             h_old = h
-            tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if hcn else (chunk_forward(w, inputs, ctx, cache), None)
+            tilde, mix = chunk_forward(w, inputs, ctx, cache, mix=True) if sur.needs_mix else (chunk_forward(w, inputs, ctx, cache), None)
             prev = None  # non-forward order: the previous sweep's updates; for the first local chunk the
             if d is not None and lagged:  # predecessor's is the change of the received boundary state
                 prev = torch.cat([(boundary - last_boundary)[None], d[:-1]], 0)
@@ -508,24 +479,11 @@ class DistributedSNLP:
 
     def _correct(self, inputs: Tensor, tilde: Tensor, mix, h: Tensor, prev: Tensor | None,
                  factors: tuple[Tensor, Tensor], ctx, cache, gen) -> tuple[Tensor, Tensor]:
-        """(d, h + d) of one iteration on this rank's chunks: the surrogate's A (none for Jacobi, I for IDN, the
-        stream mixing for HCN, a local Hutchinson diagonal for DiagN) and the scan across all ranks' chunks."""
-        plan = self.plan
-        if isinstance(plan.surrogate, Jacobi):
-            return tilde - h, tilde
-        hcn = isinstance(plan.surrogate, HCN)
-        link, lag = factors
-        if isinstance(plan.surrogate, Identity):
-            A = None
-        elif hcn:  # (n, B, T, n_s, n_s) stream mixing
-            A = mix
-        else:
-            A = self._local_diag(inputs, tilde, ctx, cache, gen)
-        b = tilde - h
-        if prev is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)} (non-forward order, snlp.method.solver)
-            b = b + lag * (prev if A is None else A @ prev if hcn else A * prev)
-        d = self._scan(link if A is None else A * link, b, matrix=hcn)
-        return d, h + d
+        """(d, h + d) of one iteration on this rank's chunks: the surrogate's own correction over this run of
+        chunks (`Surrogate.scan_step`: its local A, e.g. a Hutchinson diagonal of the rank's rows of the one
+        probe draw) with the scan across all ranks' chunks (`_scan`). Nothing here knows the surrogate's kind."""
+        it = Iterate(self.plan, self.w, ctx, inputs, tilde, h, mix, gen, chunk0=self.c0, cache_first=self.first)
+        return self.plan.surrogate.scan_step(it, self._scan, *factors, prev)
 
     def _rows_met(self, d: Tensor, h: Tensor) -> tuple[Tensor, float]:
         """The tol test per row, decided by the last rank (it owns the final state) and broadcast: (B,) rows

@@ -251,31 +251,41 @@ def _estimator_mode(estimator: str):
 
 # ----------------------------------------------------------------------------- entry points
 def diag_jacobian(w: ChunkWeights, inputs: Tensor, tilde: Tensor, ctx, plan: Plan,
-                  gen: torch.Generator | None = None) -> Tensor:
-    """Hutchinson estimate of diag(J_c) (C, B, T, ..., D) of every chunk map at its current input
-    `inputs` (C, B, T, ..., D), tilde = F(inputs); chunks outside the DiagN subset get a = 1. Detached."""
+                  gen: torch.Generator | None = None, chunk0: int = 0, cache_first: int = 0) -> Tensor:
+    """Hutchinson estimate of diag(J_c) (n, B, T, ..., D) of every chunk map at its current input
+    `inputs` (n, B, T, ..., D), tilde = F(inputs); chunks outside the DiagN subset get a = 1. Detached.
+    The n chunks are the plan's chunks chunk0 .. chunk0 + n - 1 (a rank of snlp.dist holds a run of them; the
+    single process all, chunk0 = 0): the Rademacher draw covers every (selected) chunk of the plan and each run
+    takes its rows, so the ranks' estimates are exactly the single process's. `cache_first`: the layer the KV
+    cache's slot 0 holds (a rank's window, snlp.dist; 0 for a full cache)."""
     sur = plan.surrogate  # a DiagN
-    C, P = inputs.shape[0], sur.probes
-    chunks = list(range(C)) if sur.subset is None else list(sur.subset)
+    n, P, M = inputs.shape[0], sur.probes, w.fuse
+    sel = list(range(max(plan.chunks, chunk0 + n))) if sur.subset is None else list(sur.subset)  # plan chunks
+    pos = [i for i, c in enumerate(sel) if chunk0 <= c < chunk0 + n]  # rows of the draw this run owns
+    local = [sel[i] - chunk0 for i in pos]
+    v_all = row_probes(P, inputs, gen, chunks=len(sel))  # one draw over the plan's selected chunks, every run
+    if not local:
+        return torch.ones_like(inputs)
     cache = ctx.cache
     with _estimator_mode(sur.estimator) as clone:
-        ws = _probe_weights(w, chunks, clone)
+        ws = _probe_weights(w, local, clone)
         cx = _plain(ctx, clone)
         layers = None
-        if cache is not None and sur.subset is not None:  # gathered chunks: name their layer slots explicitly
-            M = w.fuse
-            layers = torch.tensor([w.start + c * M + m for c in chunks for m in range(M)], device=cache.k.device)
-        sel = torch.tensor(chunks, device=inputs.device) if sur.subset is not None else None
-        x = inputs.detach() if sel is None else inputs.detach().index_select(0, sel)
-        fx = tilde.detach() if sel is None else tilde.detach().index_select(0, sel)
+        if cache is not None and (sur.subset is not None or cache_first):  # gathered chunks or a window: name
+            layers = torch.tensor([w.start - cache_first + c * M + m for c in local for m in range(M)],  # the slots
+                                  device=cache.k.device)
+        whole = local == list(range(n))
+        idx = None if whole else torch.tensor(local, device=inputs.device)
+        x = inputs.detach() if whole else inputs.detach().index_select(0, idx)
+        fx = tilde.detach() if whole else tilde.detach().index_select(0, idx)
+        v = v_all if len(pos) == len(sel) else v_all[:, pos]
         if clone:
-            x, fx = x.clone(), fx.clone()
-        v = row_probes(P, x, gen)
+            x, fx, v = x.clone(), fx.clone(), v.clone()
         est = hutchinson_diag(chunk_probe_map(ws, cx, cache, layers, P), x, v, sur.estimator, sur.eps, fx,
                               token_dims=3)
-        if sel is None:
+        if whole:
             return est
-        return torch.ones_like(est[:1]).expand_as(inputs).index_copy(0, sel, est)
+        return torch.ones_like(est[:1]).expand_as(inputs).index_copy(0, idx, est.to(inputs.dtype))
 
 
 def newton_delta(w: ChunkWeights, inputs: Tensor, b: Tensor, ctx, plan: Plan, prev: Tensor | None = None) -> Tensor:

@@ -1,4 +1,4 @@
-"""One set of weights for the drafter and the verifier (issue 21 item 2).
+"""One set of weights for the drafter and the verifier (issue 21 item 2; issue 27 items 2-3).
 
 A plan's fused chunk weights are stacked copies of the suffix layers' weights (`fusion.build_chunk_weights`):
 in self-speculative decoding the drafter (the SNLP forward, reading the stacks) and the verifier (the model,
@@ -7,24 +7,37 @@ bandwidth-bound device each decode step pays for both (measured: the same compil
 alone and 2.79 ms inside SSD, docs/benchmarks.md).
 
 For plans with M = 1 (one layer per chunk) on plain residual models the stacks need no arithmetic: chunk c is
-layer start + c itself. `share_chunk_weights` therefore moves the suffix layers' parameters INTO the stacks
-(each parameter's `.data` becomes a view of its row of the stack, values unchanged) and returns ChunkWeights
-whose tensors are views of the same stacks, so both sides read one copy:
+layer start + c itself. The model's per-layer parameters are therefore moved ONCE into one "home" stack per
+kind of tensor covering ALL n_layer layers (each parameter's `.data` becomes a view of its row, values
+unchanged), and every shared runner's ChunkWeights, whatever its suffix, are views of rows start .. start+C-1
+of those same homes:
 
-    stack (C, X, D) = [c_q; c_k; c_v] of every chunk layer   layer c's c_q.weight = stack[c, :Hq*hd]
-    ChunkWeights.qkv = stack.transpose(1, 2)                  (C, D, X): the batched matmul reads it strided
+    home["qkv"] (L, X, D) = [c_q; c_k; c_v] of every layer   layer l's c_q.weight = home["qkv"][l, :Hq*hd]
+    ChunkWeights.qkv = home["qkv"][start:start+C].transpose(1, 2)   (C, D, X): the batched matmul reads it strided
 
-Learned RMSNorm weights (Llama family) are not folded into the projections (that would make new numbers):
-the chunk multiplies its normed input by its layer's weight instead (`ChunkWeights.attn_in` / `mlp_in`), which
-is the layer's own arithmetic. The x0-residual scalars stay per layer (for M = 1, gamma = 1: nothing folds).
+Why the whole depth and not the suffix: two shared runners over different suffixes (bench binds every plan of
+a sweep shared) must read the same storage. Homing only a suffix made the second bind re-home the overlapping
+layers into a new stack while the first runner kept reading the old one (issue 27 item 2); one home over all
+layers is the union of every suffix, built once, and a later bind finds it and only takes views.
+
+Every tensor a shared runner reads from the model is a view of the model's own storage (`shared_tensors`):
+  - the projections c_q/c_k/c_v, c_proj, c_fc, mlp.c_proj (homes qkv, attn_out, fc, proj);
+  - Qwen2's q/k/v biases (qkv_bias), Qwen3's per-head q/k norm weights (q_norm, k_norm);
+  - learned RMSNorm weights (Llama family; attn_in, mlp_in): not folded into the projections (that would make
+    new numbers), the chunk multiplies its normed input by its layer's weight, the layer's own arithmetic;
+  - the value-embedding gates (home ve_gate (L, Hkv, G); rows of layers without value embeddings are zeros
+    that no parameter owns, so the chunk stays one batched op as in fusion);
+  - the x0-residual scalars (slices of the model's resid_lambdas / x0_lambdas; for M = 1, gamma = 1).
+What else the solve reads (embeddings, value-embedding tables, prefix layers, final norm, head) it reads from
+the model directly. Integer layout (value-embedding slots, windows) comes from the config.
 
 What keeps it correct: in-place updates of the parameters (optimizer steps, `load_state_dict`, edits through
-`.data[...]`) write into the stacks, so the projection matrices are never stale; the few tiny tensors that are
-still copies (value-embedding gates, G x Hkv per layer) follow on `Runner.refresh()`, which stays the contract
-after any weight change and costs no matrix copy here. Giving a parameter new storage (`model.to(...)`,
-`param.data = other`) breaks the sharing; `share_chunk_weights` (and so `refresh()`) notices and moves the
-parameters into fresh stacks again. Plans with M > 1 or mHC models (whose fused weights
-are sums and per-branch layouts, not the layers' tensors) are refused with a ValueError.
+`.data[...]`) write into the homes, so every shared runner follows them with no refresh. Giving a parameter
+new storage (`model.to(...)`, `param.data = other`) breaks its home: `shares_storage` (which checks every
+tensor of every chunk) then says False, and `Runner.refresh()` re-homes that kind of tensor (all layers) and
+takes fresh views; every other shared runner of the model must then be refreshed too (the documented contract
+after any change of storage). Plans with M > 1 and mHC models (whose fused weights are sums, products and
+per-branch layouts, not the layers' tensors) are refused with a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -37,56 +50,84 @@ from torch import Tensor
 from snlp.method.fusion import ChunkWeights, branch_windows, value_embed_weights
 from snlp.model.gpt import GPT
 
+Row = tuple[torch.nn.Parameter | None, ...]  # one layer's parameters in home order; None: zero rows (no tensor)
 
-def _params(model: GPT, layers: range) -> dict[str, list[tuple[torch.nn.Parameter, ...]]]:
-    """Per stack: for every layer, the parameters that are its rows, in stack order."""
-    blocks = [model.blocks[l] for l in layers]
+
+def _groups(model: GPT) -> dict[str, list[Row]]:
+    """Per home: for every layer 0 .. L-1, the parameters that are its rows, in home order."""
+    blocks, cfg = list(model.blocks), model.config
     out = {"qkv": [(b.attn.c_q.weight, b.attn.c_k.weight, b.attn.c_v.weight) for b in blocks],
            "attn_out": [(b.attn.c_proj.weight,) for b in blocks],
            "fc": [(b.mlp.c_fc.weight,) for b in blocks],
            "proj": [(b.mlp.c_proj.weight,) for b in blocks]}
-    if model.config.qkv_bias:
+    if cfg.qkv_bias:
         out["qkv_bias"] = [(b.attn.c_q.bias, b.attn.c_k.bias, b.attn.c_v.bias) for b in blocks]
     if blocks[0].ln_attn is not None:
         out["attn_in"] = [(b.ln_attn,) for b in blocks]
         out["mlp_in"] = [(b.ln_mlp,) for b in blocks]
-    if model.config.qk_norm == "weighted":
+    if cfg.qk_norm == "weighted":
         out["q_norm"] = [(b.attn.q_norm,) for b in blocks]
         out["k_norm"] = [(b.attn.k_norm,) for b in blocks]
+    if any(b.attn.ve_gate is not None for b in blocks):
+        out["ve_gate"] = [(None if b.attn.ve_gate is None else b.attn.ve_gate.weight,) for b in blocks]
     return out
 
 
-def _stack_of(rows: list[tuple[torch.nn.Parameter, ...]]) -> Tensor | None:
-    """The stack these parameters already live in (each one's storage the right rows of one contiguous
-    (C, R, ...) storage), rebuilt as a tensor over that storage; None if they do not."""
-    first = rows[0][0]
-    storage, rest = first.untyped_storage(), tuple(first.shape[1:])
-    R = sum(p.shape[0] for p in rows[0])
-    inner = math.prod(rest)
-    shape = (len(rows), R, *rest)
+def _layout(rows: list[Row]) -> tuple[Tensor, tuple[int, ...], list[tuple[int, ...]]]:
+    """(a parameter of the home, the home's shape (L, R, ...), each position's row count)."""
+    first = next(p for ps in rows for p in ps if p is not None)
+    sizes = [next(ps[i].shape[0] for ps in rows if ps[i] is not None) for i in range(len(rows[0]))]
+    return first, (len(rows), sum(sizes), *first.shape[1:]), sizes
+
+
+def _home_of(rows: list[Row]) -> Tensor | None:
+    """The home these parameters already live in (each one's storage exactly its rows of one contiguous
+    (L, R, ...) storage), rebuilt as a tensor over that storage; None if they do not (never homed, or some
+    parameter was given new storage since)."""
+    first, shape, sizes = _layout(rows)
+    storage, inner = first.untyped_storage(), math.prod(shape[2:])
     if storage.nbytes() != math.prod(shape) * first.element_size():
         return None
-    for c, ps in enumerate(rows):
+    for l, ps in enumerate(rows):
         off = 0
-        for p in ps:
-            if (p.untyped_storage().data_ptr() != storage.data_ptr() or p.dtype != first.dtype
-                    or tuple(p.shape[1:]) != rest or not p.is_contiguous()
-                    or p.storage_offset() != (c * R + off) * inner):
+        for p, r in zip(ps, sizes):
+            if p is not None and (p.untyped_storage().data_ptr() != storage.data_ptr() or p.dtype != first.dtype
+                                  or tuple(p.shape) != (r, *shape[2:]) or not p.is_contiguous()
+                                  or p.storage_offset() != (l * shape[1] + off) * inner):
                 return None
-            off += p.shape[0]
+            off += r
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, 0, shape)
 
 
 @torch.no_grad()
-def _rehome(rows: list[tuple[torch.nn.Parameter, ...]]) -> Tensor:
-    """Copy the parameters into one new stack (C, sum of rows, ...) and make each a view of its rows."""
-    stack = torch.stack([torch.cat([p.data for p in ps], 0) for ps in rows])
-    for c, ps in enumerate(rows):
-        off = 0
-        for p in ps:
-            p.data = stack[c, off:off + p.shape[0]]
-            off += p.shape[0]
-    return stack
+def _rehome(rows: list[Row]) -> Tensor:
+    """Copy the parameters into one new home (L, R, ...) (zeros where a layer has no such tensor) and make each
+    parameter a view of its rows: values unchanged, the parameter objects (and optimizer state) kept."""
+    first, shape, sizes = _layout(rows)
+    params = [p for ps in rows for p in ps if p is not None]
+    if any(p.dtype != first.dtype or p.device != first.device for p in params):
+        raise ValueError("shared drafter/verifier weights need every layer's parameters in one dtype and on one "
+                         f"device; found {sorted({(str(p.dtype), str(p.device)) for p in params})}")
+    with torch.inference_mode(False):  # a normal tensor even when bound under inference mode: the parameters
+        home = first.new_zeros(shape)  # live here from now on, and training must still be able to save them
+        for l, ps in enumerate(rows):
+            off = 0
+            for p, r in zip(ps, sizes):
+                if p is not None:
+                    home[l, off:off + r].copy_(p.data)
+                    p.data = home[l, off:off + r]
+                off += r
+    return home
+
+
+def homes(model: GPT) -> dict[str, Tensor]:
+    """The model's home stacks (module docstring), found where the parameters already live or made (once per
+    kind of tensor, over all layers) where they do not."""
+    out = {}
+    for name, rows in _groups(model).items():
+        home = _home_of(rows)
+        out[name] = home if home is not None else _rehome(rows)
+    return out
 
 
 def check_shareable(model: GPT, fuse: int) -> None:
@@ -95,39 +136,80 @@ def check_shareable(model: GPT, fuse: int) -> None:
                          f"chunk of M = {fuse} layers is a different matrix (concatenated, gamma-scaled)")
     if model.config.hc_streams:
         raise ValueError("shared drafter/verifier weights support plain residual models; mHC chunks keep a "
-                         "per-branch layout with folded stream coefficients")
+                         "per-branch layout with folded stream coefficients (computed, so not the layers' storage)")
 
 
 def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
-    """ChunkWeights of layers start .. start + chunks - 1 (M = 1) that share storage with the model's own
-    parameters (module docstring). Moves the parameters into stacks the first time (or after they were given
-    new storage); later calls build only views, no copy."""
+    """ChunkWeights of layers start .. start + chunks - 1 (M = 1) whose every tensor is a view of the model's own
+    parameter storage (module docstring). Homes the parameters the first time (or after some were given new
+    storage); later calls, for any suffix, build only views, no copy."""
     check_shareable(model, 1)
-    cfg = model.config
-    stacks = {}
-    for name, rows in _params(model, range(start, start + chunks)).items():
-        stack = _stack_of(rows)
-        stacks[name] = stack if stack is not None else _rehome(rows)
-    C = chunks
-    ve_gate, ve_slot = value_embed_weights(model, start, C, 1)  # tiny (G x Hkv per layer): copied
+    cfg, C = model.config, chunks
+    h = {k: v[start:start + C] for k, v in homes(model).items()}  # (C, R, ...) views
+    _, ve_slot = value_embed_weights(model, start, C, 1)  # None when no layer of the suffix has value embeddings
     alpha = beta = None
-    if cfg.x0_residual:  # M = 1: the chunk's residual path is the layer's own scalars, gamma = 1
-        alpha = model.resid_lambdas[start:start + C].detach()
-        beta = model.x0_lambdas[start:start + C].detach()
-    row = lambda k: None if k not in stacks else stacks[k].view(C, 1, -1)  # noqa: E731  (C, 1, D)
+    if cfg.x0_residual:  # M = 1: the chunk's residual path is the layer's own scalars, gamma = 1 (views)
+        alpha = model.resid_lambdas.data[start:start + C]
+        beta = model.x0_lambdas.data[start:start + C]
+    row = lambda k: None if k not in h else h[k].view(C, 1, -1)  # noqa: E731  (C, 1, D)
     return ChunkWeights(
         start=start, fuse=1, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
-        qkv=stacks["qkv"].transpose(1, 2),  # (C, D, X) view of (C, X, D)
-        attn_out=stacks["attn_out"].transpose(1, 2),  # (C, Hq*hd, D) view of (C, D, Hq*hd)
-        fc=stacks["fc"].transpose(1, 2),  # (C, D, F') view of (C, F', D)
-        proj=stacks["proj"].transpose(1, 2),  # (C, F, D) view of (C, D, F)
-        alpha=alpha, beta=beta, ve_gate=ve_gate, ve_slot=ve_slot,
-        windows=branch_windows(model, start, C, 1, stacks["qkv"].device),
+        qkv=h["qkv"].transpose(1, 2),  # (C, D, X) view of (C, X, D)
+        attn_out=h["attn_out"].transpose(1, 2),  # (C, Hq*hd, D) view of (C, D, Hq*hd)
+        fc=h["fc"].transpose(1, 2),  # (C, D, F') view of (C, F', D)
+        proj=h["proj"].transpose(1, 2),  # (C, F, D) view of (C, D, F)
+        alpha=alpha, beta=beta,
+        ve_gate=None if ve_slot is None else h["ve_gate"].transpose(1, 2),  # (C, G, Hkv) view of (C, Hkv, G)
+        ve_slot=ve_slot, windows=branch_windows(model, start, C, 1, h["qkv"].device),
         qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, q_norm=row("q_norm"), k_norm=row("k_norm"), eps=cfg.norm_eps,
-        swiglu_dim=stacks["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0,
+        swiglu_dim=h["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0,
         attn_in=row("attn_in"), mlp_in=row("mlp_in"))
 
 
+def shared_tensors(model: GPT, w: ChunkWeights) -> list[tuple[str, Tensor | None, Tensor | None]]:
+    """Every tensor a shared runner reads from the model, element by element: (field of `w`, its part for one
+    layer and one parameter, that parameter's own tensor). A None on one side only means that tensor is missing
+    there (e.g. weights built for another config); a layer without value embeddings has no gate to pair."""
+    C, S = w.chunks, w.start
+    groups = _groups(model)
+    rows_of = {"qkv": w.qkv.transpose(1, 2), "attn_out": w.attn_out.transpose(1, 2),  # (C, R, ...) each
+               "fc": w.fc.transpose(1, 2), "proj": w.proj.transpose(1, 2)}
+    for k in ("qkv_bias", "attn_in", "mlp_in", "q_norm", "k_norm"):  # (C, 1, R)
+        rows_of[k] = None if getattr(w, k) is None else getattr(w, k)[:, 0]
+    has_ve = any(p is not None for ps in groups.get("ve_gate", [])[S:S + C] for p in ps)
+    rows_of["ve_gate"] = None if w.ve_gate is None else w.ve_gate.transpose(1, 2)  # (C, Hkv, G)
+    out = []
+    for k, t in rows_of.items():
+        rows = groups.get(k) if k != "ve_gate" or has_ve else None
+        if t is None or rows is None:
+            if t is not None or rows is not None:
+                out.append((k, t, None if rows is None else rows[S][0]))
+            continue
+        for c in range(C):
+            off = 0
+            for p in rows[S + c]:
+                r = t.shape[1] if p is None else p.shape[0]
+                if p is not None:
+                    out.append((k, t[c, off:off + r], p.data))
+                off += r
+    for k, name in (("alpha", "resid_lambdas"), ("beta", "x0_lambdas")):
+        t, lam = getattr(w, k), getattr(model, name, None) if model.config.x0_residual else None
+        if t is None or lam is None:
+            if t is not None or lam is not None:
+                out.append((k, t, lam))
+            continue
+        out += [(k, t[c], lam.data[S + c]) for c in range(C)]
+    return out
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b are the same elements of the same storage (a write through one is seen by the other)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.storage_offset() == b.storage_offset() and tuple(a.shape) == tuple(b.shape)
+            and all(s == 1 or x == y for s, x, y in zip(a.shape, a.stride(), b.stride())))
+
+
 def shares_storage(model: GPT, w: ChunkWeights) -> bool:
-    """Whether `w` reads the model's own parameter storage (the qkv stack is the suffix layers' c_q/c_k/c_v)."""
-    return model.blocks[w.start].attn.c_q.weight.data_ptr() == w.qkv.data_ptr()
+    """Whether EVERY tensor `w` reads from the model (`shared_tensors`: every field, every chunk's layer, every
+    parameter) is exactly that parameter's storage: then any in-place update of the model reaches `w` unrefreshed."""
+    return all(a is not None and b is not None and _same_view(a, b) for _, a, b in shared_tensors(model, w))

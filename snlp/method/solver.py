@@ -235,7 +235,8 @@ class Runner:
 
     def refresh(self) -> "Runner":
         """Rebuild the fused weights from the model's current parameters (and re-check a preheat calibration
-        against them: new weights make it stale)."""
+        against them: new weights make it stale). Shared weights: fresh views of the model's homes, re-homing
+        only what was given new storage (no matrix copy otherwise)."""
         check_preheat(self.plan, self.preheat, self.model)
         if self.preheat is not None:
             w = self.model.wte.weight
@@ -269,9 +270,12 @@ def bind(model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Prehe
     `check_finite` a NaN/inf final state raises SNLPDivergenceError (a host sync per call; decoding
     loops and compiled code pass False and check outside the step). `preheat`: the calibration a plan with
     the preheat init needs (checked against the model's weights here, once). `share_weights` (M = 1 plans on
-    plain models): the runner's stacked weights and the model's suffix parameters become one storage (the
-    parameters are moved into the stacks, values unchanged; snlp.method.sharing), so a drafter and its
-    verifier stream each weight byte once and in-place weight updates reach the runner without a refresh."""
+    plain models): every tensor the runner reads from the model is a view of the model's own parameter storage
+    (the parameters of all layers are moved once into per-kind stacks, values unchanged; snlp.method.sharing),
+    so a drafter and its verifier stream each weight byte once, any number of shared runners over any suffixes
+    read one copy, and in-place weight updates (optimizer steps, load_state_dict, `.data[...]` edits) reach
+    every shared runner without a refresh. Giving parameters new storage (`model.to`, `p.data = t`) needs a
+    `refresh()` of every shared runner (`snlp.method.sharing.shares_storage` tells)."""
     return Runner(model, plan, check_finite, preheat, share_weights)
 
 

@@ -6,7 +6,10 @@
     which `Plan.ideal_speedup` uses,
   - its correction (`delta`): given the batched chunk forward tilde = F(inputs) of one iteration, the
     update d = h^{(k+1)} - h^{(k)} (C, B, T, ...) of the recurrence d_c = a_c o d_{c-1} + b_c,
-    b = tilde - h^{(k)} (snlp.method.solver docstring), with a_c = the surrogate times the plan's link factor.
+    b = tilde - h^{(k)} (snlp.method.solver docstring), with a_c = the surrogate times the plan's link factor;
+    and the same correction over a run of the chunks whose scan is given (`scan_step`: a rank of snlp.dist,
+    whose scan composes the ranks' affine maps), from the surrogate's own local map A (`local_map`), so the
+    distributed solver dispatches on nothing.
 
 Identity (`idn`)    A = I: a prefix sum over chunks in forward order, else a transfer-matrix contraction.
 Jacobi (`none`)     A = 0: h^{(k+1)} = tilde.
@@ -55,6 +58,8 @@ class Iterate:
     mix: Tensor | None = None
     gen: torch.Generator | None = None
     prev: Tensor | None = None  # the previous sweep's update d^{(k-1)} (None in the first), for lagged chunks
+    chunk0: int = 0  # the plan's index of the first chunk held here (a rank of snlp.dist holds a run of them)
+    cache_first: int = 0  # the layer the KV cache's slot 0 holds (a rank's window; 0 for a full cache)
 
     @property
     def lagged(self) -> bool:
@@ -68,7 +73,11 @@ class Surrogate(ABC):
     token: ClassVar[str]
     needs_mhc: ClassVar[bool] = False  # the surrogate reads the mHC stream-mixing matrices
     needs_mix: ClassVar[bool] = False  # the chunk forward must also return them
+    matrix: ClassVar[bool] = False  # A acts as an n x n matrix on the mHC stream dim (else elementwise)
     distributed: ClassVar[bool] = True  # DistributedSNLP can run it (its A is local to a chunk: I, H_res, diag J)
+    random: ClassVar[bool] = False  # its map draws probes (a seeded generator per solve)
+    gathered_states: ClassVar[int] = 1  # residual-stream-sized tensors a rank all-gathers per iteration (its
+    # affine total B_r, plus A_r where A is as big as a state: DiagN); the mHC n x n maps are small
 
     def __str__(self) -> str:
         return "-" + self.token
@@ -88,6 +97,27 @@ class Surrogate(ABC):
     def check(self, plan: "Plan") -> list[str]:
         """Problems of this surrogate within `plan` (e.g. a subset outside the chunk range)."""
         return []
+
+    def local_map(self, it: Iterate) -> Tensor | None:
+        """A_c of the iterate's chunks (n, B, T, ...), local to each chunk; None for the identity."""
+        return None
+
+    def apply(self, A: Tensor | None, x: Tensor) -> Tensor:
+        """A_c o x_c."""
+        return x if A is None else A @ x if self.matrix else A * x
+
+    def scan_step(self, it: Iterate, scan, link: Tensor, lag: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(d, h^{(k+1)}) of the iterate's chunks, a contiguous run of the plan's chunks, when the recurrence
+        d_c = link_c A_c o d_{c-1} + b_c + lag_c A_c o prev_c is solved by `scan(a, b, matrix)` over the run and
+        whatever precedes it (snlp.dist: an exclusive scan over the ranks, then the run's own). `link` / `lag`:
+        the run's factors (n, 1, ..., 1); `prev`: the previous sweep's update of each chunk's PREDECESSOR, at the
+        chunk's index (the first one's lives on the previous rank), None in forward order or the first sweep."""
+        A = self.local_map(it)
+        b = it.tilde - it.h
+        if prev is not None:  # b_c += lag_c A_c d_{c-1}^{(k-1)} (non-forward order, snlp.method.solver)
+            b = b + lag * self.apply(A, prev)
+        d = scan(link if A is None else A * link, b, self.matrix)
+        return d, it.h + d
 
 
 def _link(it: Iterate, like: Tensor) -> Tensor:
@@ -154,12 +184,16 @@ class Jacobi(Surrogate):
     """No correction, A = 0: plain Jacobi iteration over depth."""
 
     token: ClassVar[str] = "none"
+    gathered_states: ClassVar[int] = 0  # no scan, nothing gathered
 
     def delta(self, it: Iterate) -> Tensor:
         return it.tilde - it.h
 
     def step(self, it: Iterate) -> tuple[Tensor, Tensor]:
         return it.tilde - it.h, it.tilde  # exactly tilde, not h + (tilde - h) rounded
+
+    def scan_step(self, it: Iterate, scan, link: Tensor, lag: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        return self.step(it)  # A = 0: nothing couples the chunks, no scan
 
 
 @dataclass(frozen=True)
@@ -169,6 +203,10 @@ class HCN(Surrogate):
     token: ClassVar[str] = "hcn"
     needs_mhc: ClassVar[bool] = True
     needs_mix: ClassVar[bool] = True
+    matrix: ClassVar[bool] = True
+
+    def local_map(self, it: Iterate) -> Tensor:
+        return it.mix  # (n, B, T, n_s, n_s): returned by the chunk forward
 
     def delta(self, it: Iterate) -> Tensor:  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
         b = it.tilde - it.h
@@ -188,6 +226,8 @@ class DiagN(Surrogate):
     eps: float = 1e-3
     subset: tuple[int, ...] | None = None
     token: ClassVar[str] = "diag"
+    random: ClassVar[bool] = True
+    gathered_states: ClassVar[int] = 2
 
     def __post_init__(self):
         problems = []
@@ -226,10 +266,13 @@ class DiagN(Surrogate):
                     f"(got {'.'.join(map(str, self.subset))})"]
         return []
 
-    def delta(self, it: Iterate) -> Tensor:
+    def local_map(self, it: Iterate) -> Tensor:
         from snlp.method.jacobian import diag_jacobian  # the estimator machinery lives in its own module
 
-        a = diag_jacobian(it.weights, it.inputs, it.tilde, it.ctx, it.plan, it.gen)  # (C, B, T, ..., D)
+        return diag_jacobian(it.weights, it.inputs, it.tilde, it.ctx, it.plan, it.gen, it.chunk0, it.cache_first)
+
+    def delta(self, it: Iterate) -> Tensor:
+        a = self.local_map(it)  # (C, B, T, ..., D)
         ones = [1] * (a.dim() - 1)
         b = it.tilde - it.h
         if it.lagged:  # b_c += lag_c a_c o d_{c-1}^{(k-1)}
@@ -248,6 +291,10 @@ class Newton(Surrogate):
         # the batched forward, then one JVP for every chunk c >= 1: each is corrected by its predecessor's
         # update of this sweep (linked) or of the previous one (lagged; skipped only in the first sweep)
         return plan.chunks
+
+    def scan_step(self, it: Iterate, scan, link: Tensor, lag: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        raise ValueError("exact Newton runs one JVP per chunk, chunk after chunk: it has no local map to scan "
+                         "(a sequential reference solver, not available distributed)")
 
     def delta(self, it: Iterate) -> Tensor:
         from snlp.method.jacobian import newton_delta
