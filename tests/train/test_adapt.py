@@ -111,6 +111,43 @@ def test_drafter_dir_round_trip_and_corruption(tmp_path):
         load_drafter(p, base)
 
 
+def test_drafter_file_refuses_an_edit_below_bf16_resolution(tmp_path):
+    """Issue 27 item 9: one stored tensor replaced by its bf16 rounding (nearly every entry changed, each by less
+    than bf16 resolution) is an edited file: the per-tensor digests are exact."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_base()
+    p = save_drafter(tmp_path / "d", perturb(make_drafter(base, "2xF1-h0-K1")))
+    state = load_file(str(p / "drafter.safetensors"))
+    k = "blocks.3.mlp.c_fc.weight"
+    rounded = state[k].to(torch.bfloat16).float()
+    assert (rounded != state[k]).double().mean() > 0.9  # the edit really touches the tensor
+    state[k] = rounded
+    save_file(state, str(p / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="digests"):
+        load_drafter(p, base)
+
+
+def test_fp16_base_accepts_its_own_drafter_and_calibration(tmp_path):
+    """Issue 27 item 8: a model cast to float16 (fp16 -> bf16 double-rounds some entries) keeps its drafter and
+    its preheat calibration, and so do its bf16 / fp64 casts; another model is still refused."""
+    from snlp.method import preheat
+
+    base = tiny_base()  # fp32
+    p = save_drafter(tmp_path / "d", perturb(make_drafter(base, "2xF1-h0-K1")))
+    pre = preheat.fit(base, preheat.CalibrateConfig(rank=3, batch=2, seq_len=8), tokens=torch.arange(40) % V)
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        cast = tiny_base().to(dt)
+        d = load_drafter(p, cast)
+        assert d.model.blocks[3].mlp.c_fc.weight.dtype == dt
+        pre.check(cast)
+        d.check(cast)
+    with pytest.raises(ValueError, match="another model"):
+        load_drafter(p, tiny_base(1).to(torch.float16))
+    with pytest.raises(ValueError, match="other weights"):
+        pre.check(tiny_base(1).to(torch.float16))
+
+
 # ------------------------------------------------------------------------------------------- SSD conditions
 @pytest.mark.parametrize("plan", ["2xF1-h0-K1", "3xF1-fwd-K2", "1xF2-h0-K1-none", "2xF2-h0-K1"])
 def test_ssd_solve_own_kv_is_the_solve(plan):
