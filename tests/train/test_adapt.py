@@ -300,6 +300,89 @@ def test_adapt_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_adapt_resume_refuses_another_base(tmp_path):
+    """Issue 27 item 6: --resume with another base is refused before any work (it would otherwise continue and
+    stamp the new base's fingerprint on a drafter trained on the old one)."""
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, steps=6, eval_every=100, stop_after=2, save_every=2))
+    run = tmp_path / "d" / "run"
+    log, meta = (run / "log.jsonl").read_text(), (tmp_path / "d" / "drafter.json").read_text()
+    other, otok = from_hf(hf_tiny(seed=12, layers=4, initializer_range=0.25), tokenizer=word_tokenizer(V))
+    save_checkpoint(tmp_path / "other", other, otok)
+    with pytest.raises(ValueError, match="another base"):
+        adapt(adapt_cfg(tmp_path, src=str(tmp_path / "other"), steps=6, resume=True))
+    with pytest.raises(ValueError, match="plan"):
+        adapt(adapt_cfg(tmp_path, plan="1xF2-h0-K1", steps=6, resume=True))
+    assert (run / "log.jsonl").read_text() == log and (tmp_path / "d" / "drafter.json").read_text() == meta  # no work
+    assert adapt(adapt_cfg(tmp_path, steps=6, resume=True)).steps == 6  # its own base resumes
+
+
+def test_adapt_leaves_the_callers_model_where_and_as_it_was(tmp_path):
+    """Issue 27 item 7: adapting a caller's loaded model (the speedrun's) neither moves it nor leaves it frozen or
+    in eval mode; a run on another device trains a copy there (a meta device stands in for a GPU); the speedrun
+    stage trains on the device it is given and records it."""
+    from snlp.apps.adapt import speedrun_adaptation
+    from snlp.io.checkpoint import load
+    from snlp.train.adapt import adapt, adapt_job, train_config
+    from snlp.model.fingerprint import weights_fingerprint
+
+    cfg = adapt_cfg(tmp_path, steps=2, device="cpu")
+    model, tok = load(cfg.src)
+    model.train()
+    before = {n: (p.data_ptr(), p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    assert all(rg for _, _, rg, _ in before.values())
+    res = adapt(cfg, base=(model, tok))
+    assert res.device == "cpu" and res.steps == 2 and model.training
+    for n, p in model.named_parameters():
+        ptr, dev, rg, val = before[n]
+        assert (p.data_ptr(), p.device, p.requires_grad) == (ptr, dev, rg) and torch.equal(p, val), n
+
+    held: dict = {}
+    make_job = adapt_job(cfg, Plan.parse(cfg.plan), held, (model, tok), weights_fingerprint(model), owned=False)
+    job = make_job(train_config(cfg, model.config.n_embd), None, None, 0, 1, torch.device("meta"))
+    assert job.model.wte.weight.device.type == "meta" and held["base"] is not model
+    assert all((p.data_ptr(), p.device) == before[n][:2] for n, p in model.named_parameters())
+
+    val = torch.arange(200) % V
+    a = speedrun_adaptation(model, tok, cfg.src, cfg.data, 0, val, minutes=0.005, plan="2xF1-h0-K1", gen_tokens=6,
+                            device="cpu")
+    assert a["device"] == "cpu" and all(r["matches_sequential"] for r in a["ssd"].values())
+    assert all((p.data_ptr(), p.device, p.requires_grad) == before[n][:3] for n, p in model.named_parameters())
+
+
+def _ddp_adapt_rank(rank, world, port, cfg):
+    from conftest import init_gloo
+    from snlp.train.adapt import adapt
+
+    init_gloo(rank, world, port)
+    res = adapt(cfg)
+    assert res.world == world and res.steps == cfg.steps
+
+
+def test_adapt_under_ddp_equals_one_process(tmp_path):
+    """Issue 27 item 10: two gloo ranks of batch 2 all-reduce their gradients: the drafter equals one process's
+    of batch 4 (the same global batches, snlp.io.data.batch_at) up to fp32 reduction order; rank 0 alone writes."""
+    from safetensors.torch import load_file
+
+    from conftest import spawn_ranks
+    from snlp.train.adapt import adapt
+
+    one = adapt_cfg(tmp_path, out="one", steps=3, batch_size=4, eval_every=100, device="cpu")
+    adapt(one)
+    two = adapt_cfg(tmp_path, out="two", steps=3, batch_size=2, eval_every=100, device="cpu")
+    spawn_ranks(_ddp_adapt_rank, 2, two)
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("one", "two"))
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    assert set(wa) == set(wb)
+    moved = max((wa[k] - base[k]).abs().max().item() for k in wa)
+    assert moved > 1e-3  # the runs really trained
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=moved * 1e-3, rtol=0), k
+    rec = json.loads((tmp_path / "two" / "drafter.json").read_text())["record"]
+    assert rec["world"] == 2 and rec["steps"] == 3
+
+
 # ------------------------------------------------------------------------------------------- CLI, export
 def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     from snlp.apps.cli import main
