@@ -127,6 +127,7 @@ def mc_conversations(task: str):
 class ChatExample:
     ids: list[int]
     mask: list[int]  # 1 = assistant token (trained on)
+    messages: list[dict] | None = None  # the conversation it was rendered from (held-out prompts are cut from it)
 
 
 def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
@@ -137,13 +138,60 @@ def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
         ids, mask = tokenizer.render_chat(conv)
         ids, mask = ids[:max_len], mask[:max_len]
         if sum(mask[1:]) > 0:
-            out.append(ChatExample(ids, mask))
+            out.append(ChatExample(ids, mask, conv))
     return out
 
 
 def split(examples: list, val_frac: float) -> tuple[list, list]:
     """Deterministic split: every round(1/val_frac)-th example goes to validation (as snlp.io.data)."""
     return D.split_documents(examples, val_frac)
+
+
+RENDER_MAX = 1 << 20  # adaptation renders whole conversations (its windows are cut from the token stream)
+
+
+def split_conversations(conversations, tokenizer, val_frac: float,
+                        max_len: int = RENDER_MAX) -> tuple[list[ChatExample], list[ChatExample]]:
+    """THE train / held-out split of a chat set, one function for every user of it: `snlp adapt` trains on the
+    first part (`token_streams`) and `snlp eval --drafter --chat-prompts` cuts its prompts from the second
+    (snlp.eval.drafter.held_out_prompts). Conversations are rendered first and those left without an assistant
+    token are dropped BEFORE the split (so they cannot shift which conversations are held out); each example
+    keeps its `messages`."""
+    return split(render(conversations, tokenizer, max_len), val_frac)
+
+
+def chat_part(spec: str) -> str:
+    """The chat set of a `chat:SPEC` data part or a bare SPEC (what --chat-prompts takes)."""
+    return spec[len("chat:"):] if spec.startswith("chat:") else spec
+
+
+def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams of an adaptation data spec: text parts as `snlp train` reads them
+    (documents, BOS before each, split by document with snlp.io.data.split_documents), `chat:` parts rendered with
+    the tokenizer's chat template and split by `split_conversations`. `train` False: the held-out stream only
+    (the train stream comes back empty, its text is not tokenized)."""
+    docs_text = [s for s in D.parts(spec) if not s.startswith("chat:")]
+    tr_rows, va_rows = [], []
+    if docs_text:
+        docs = list(D.documents(",".join(docs_text), "text", max_chars))
+        tr, va = D.split_documents(docs, val_frac)
+        bos = tok.bos_id
+        tr_rows += [[bos] + ids for ids in tok.encode_batch(tr)] if train else []
+        va_rows += [[bos] + ids for ids in tok.encode_batch(va)]
+    for s in D.parts(spec):
+        if s.startswith("chat:"):
+            tr, va = split_conversations(load_conversations(chat_part(s)), tok, val_frac)
+            tr_rows += [e.ids for e in tr] if train else []
+            va_rows += [e.ids for e in va]
+    cat = lambda rows: np.asarray([t for r in rows for t in r], dtype=np.int64)  # noqa: E731
+    return cat(tr_rows), cat(va_rows)
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """A conversation's opening up to its first user turn (with the system message, if any): the prompt whose
+    reply a held-out conversation's first assistant turn is."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[:first + 1]
 
 
 def collate(examples: list[ChatExample], pad_id: int) -> tuple[Tensor, Tensor]:

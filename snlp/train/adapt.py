@@ -163,24 +163,9 @@ def load_base(src: str, dtype: str = "float32"):
 
 
 def token_stream(spec: str, tok, max_chars: int, val_frac: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) token streams of a data spec: text parts as `snlp train` reads them (documents, BOS
-    before each), `chat:` parts rendered with the tokenizer's chat template; split by document."""
-    docs_text = [s for s in D.parts(spec) if not s.startswith("chat:")]
-    train, val = [], []
-    if docs_text:
-        docs = list(D.documents(",".join(docs_text), "text", max_chars))
-        tr, va = D.split_documents(docs, val_frac)
-        bos = tok.bos_id
-        train += [[bos] + ids for ids in tok.encode_batch(tr)]
-        val += [[bos] + ids for ids in tok.encode_batch(va)]
-    for s in D.parts(spec):
-        if s.startswith("chat:"):
-            ex = chat.render(chat.load_conversations(s[len("chat:"):]), tok, 1 << 20)
-            tr, va = chat.split(ex, val_frac)
-            train += [e.ids for e in tr]
-            val += [e.ids for e in va]
-    cat = lambda rows: np.asarray([t for r in rows for t in r], dtype=np.int64)  # noqa: E731
-    return cat(train), cat(val)
+    """(train, val) token streams of a data spec: snlp.io.chat.token_streams (text parts as `snlp train` reads
+    them, `chat:` parts split by snlp.io.chat.split_conversations, the split `snlp eval --drafter` reuses)."""
+    return chat.token_streams(spec, tok, max_chars, val_frac)
 
 
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):

@@ -333,10 +333,10 @@ def test_adapt_leaves_the_callers_model_where_and_as_it_was(tmp_path):
     before = {n: (p.data_ptr(), p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
     assert all(rg for _, _, rg, _ in before.values())
     res = adapt(cfg, base=(model, tok))
-    assert res.device == "cpu" and res.steps == 2 and model.training
     for n, p in model.named_parameters():
         ptr, dev, rg, val = before[n]
         assert (p.data_ptr(), p.device, p.requires_grad) == (ptr, dev, rg) and torch.equal(p, val), n
+    assert model.training and res.device == "cpu" and res.steps == 2
 
     held: dict = {}
     make_job = adapt_job(cfg, Plan.parse(cfg.plan), held, (model, tok), weights_fingerprint(model), owned=False)
@@ -383,6 +383,52 @@ def test_adapt_under_ddp_equals_one_process(tmp_path):
     assert rec["world"] == 2 and rec["steps"] == 3
 
 
+def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
+    """Issue 27 item 4: with user-only conversations in the chat set (dropped by adaptation before its split),
+    `snlp eval --drafter --chat-prompts` takes its prompts from the conversations adaptation held out at the
+    drafter's own val_frac, never from those it trained on. Reference: the documented rule written out here
+    (render, drop conversations without an assistant token, every round(1/val_frac)-th held out)."""
+    from snlp.eval.drafter import drafter_split, held_out_prompts
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_record
+    from snlp.train.adapt import adapt, token_stream
+
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    convs = []
+    for i in range(40):  # unique user turns: a prompt identifies its conversation
+        user = {"role": "user", "content": f"t{i} t{(7 * i + 3) % 93} t{(11 * i + 5) % 93}"}
+        convs.append([user, {"role": "assistant", "content": f"t{(i + 2) % 93} t{(i + 3) % 93} t{i}"}])
+    for j in (0, 9, 23):  # user-only conversations: nothing to learn, adaptation drops them
+        convs.insert(j, [{"role": "user", "content": f"t{90 - j} t{91 - j}"}])
+    chats = tmp_path / "mixed.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
+    cfg = adapt_cfg(tmp_path, data=f"chat:{chats}", val_frac=0.2, steps=1, seq_len=16)
+    adapt(cfg)
+    _, tok = load(base_dir)
+
+    kept = [c for c in convs if sum(tok.render_chat(c)[1][1:]) > 0]  # the documented rule, by hand
+    trained = [c for i, c in enumerate(kept) if i % 5 != 4]
+    held = [c for i, c in enumerate(kept) if i % 5 == 4]
+    old_pick = [c for i, c in enumerate(convs) if i % 20 == 19]  # a6631c2: the raw list at the base's 0.05
+    assert any(c in trained for c in old_pick)  # the scenario is one where the old choice measured training data
+
+    split = drafter_split(load_record(cfg.out))
+    assert split.val_frac == 0.2 and split.data == cfg.data
+    prompts = held_out_prompts(f"chat:{chats}", tok, split.val_frac, 100)
+    assert prompts == [tok.render_chat(c[:1], add_generation_prompt=True)[0] for c in held]
+    train_ids = token_stream(cfg.data, tok, 0, cfg.val_frac)[0].tolist()
+    train_str = " " + " ".join(map(str, train_ids)) + " "
+    for c in held:  # behaviourally: no held-out user turn occurs in the token stream adaptation trained on
+        user = tok.render_chat(c[:1])[0][1:]
+        assert " " + " ".join(map(str, user)) + " " not in train_str
+    for c in trained[:3]:  # (and the check can fail: a trained one does occur)
+        assert " " + " ".join(map(str, tok.render_chat(c[:1])[0][1:])) + " " in train_str
+    with pytest.raises(ValueError, match="contradicts"):
+        drafter_split(load_record(cfg.out), val_frac=0.05)
+    with pytest.raises(ValueError, match="contradicts"):
+        drafter_split(load_record(cfg.out), data=str(chats))
+
+
 # ------------------------------------------------------------------------------------------- CLI, export
 def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     from snlp.apps.cli import main
@@ -410,7 +456,9 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert batch["matches_sequential"] and len(batch["results"]) == 3
     assert batch["results"][0]["tokens"] == seq["tokens"]
-    assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
+    assert main(["eval", str(base_dir), "--drafter", str(d), "--val-frac", "0.5", "--seq-len", "16"]) == 2
+    assert "contradicts the drafter's adaptation split" in capsys.readouterr().err
+    assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16",
                  "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
                  "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
     rows = json.loads((tmp_path / "ev.json").read_text())
