@@ -65,6 +65,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     res = adapt(cfg)
+    if res.rank != 0:  # torchrun: rank 0 reports and writes
+        return 0
     b, a = res.before, res.after
     how = f"from {args.from_model}" if args.from_model else "adapted"
     print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "

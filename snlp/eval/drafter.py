@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
+import snlp.io.data as D
 
 from snlp.decode.speculative import speculative_benchmark
 from snlp.eval.data import as_tokens, windows
@@ -76,20 +77,29 @@ class DrafterSplit:
     data: str
     val_frac: float
     max_chars: int = 0
+    keep: tuple[str, ...] | None = None  # eval's --data: these parts of `data` only (their held-out part)
 
 
 def drafter_split(record: dict, data: str | None = None, val_frac: float | None = None, max_chars: int | None = None,
                   text_field: str | None = None, cache_dir: str | None = None) -> DrafterSplit | None:
     """The split a drafter was adapted with (None when its record holds none: an older or hand-made drafter).
-    `data`, `val_frac`, `max_chars` (eval's flags; None = not given) must agree with it, else a ValueError: any
-    other split can put the drafter's training data into what eval holds out. `text_field` and `cache_dir` do
-    not apply (adaptation reads the "text" field and tokenizes afresh) and are refused."""
+    `val_frac`, `max_chars` (eval's flags; None = not given) must agree with it and `data` must name parts of
+    its data spec (their held-out part is then read, `keep`), else a ValueError: any other split can put the
+    drafter's training data into what eval holds out. `text_field` and `cache_dir` do not apply (adaptation
+    reads the "text" field and tokenizes afresh) and are refused."""
     cfg = (record or {}).get("config") or {}
     if "data" not in cfg or "val_frac" not in cfg:
         return None
     rec = DrafterSplit(data=cfg["data"], val_frac=float(cfg["val_frac"]), max_chars=int(cfg.get("max_chars") or 0))
-    for flag, given, want in (("--data", data, rec.data), ("--val-frac", val_frac, rec.val_frac),
-                              ("--max-chars", max_chars, rec.max_chars)):
+    if data is not None:
+        have = D.parts(rec.data)
+        alien = [p for p in D.parts(data) if p not in have]
+        if alien:
+            raise ValueError(f"--data {data!r} contradicts the drafter's adaptation split: {', '.join(alien)} is not "
+                             f"part of its data {rec.data!r}; eval measures a drafter on the held-out part of its own "
+                             f"data, so name parts of it or leave --data out")
+        rec.keep = tuple(D.parts(data))
+    for flag, given, want in (("--val-frac", val_frac, rec.val_frac), ("--max-chars", max_chars, rec.max_chars)):
         if given is not None and given != want:
             raise ValueError(f"{flag} {given!r} contradicts the drafter's adaptation split ({flag} {want!r}): eval "
                              f"measures a drafter on its own held-out data, so leave {flag} out")
@@ -101,7 +111,8 @@ def drafter_split(record: dict, data: str | None = None, val_frac: float | None 
 
 def held_out_tokens(split: DrafterSplit, tok) -> torch.Tensor:
     """The held-out token stream of a drafter's adaptation split (its `val` stream, snlp.io.chat.token_streams)."""
-    return torch.from_numpy(chat.token_streams(split.data, tok, split.max_chars, split.val_frac, train=False)[1])
+    return torch.from_numpy(chat.token_streams(split.data, tok, split.max_chars, split.val_frac, train=False,
+                                               keep=split.keep)[1])
 
 
 def held_out_prompts(spec: str, tok, val_frac: float, n: int) -> list[list[int]]:

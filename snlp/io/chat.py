@@ -165,21 +165,33 @@ def chat_part(spec: str) -> str:
     return spec[len("chat:"):] if spec.startswith("chat:") else spec
 
 
-def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool = True,
+                  keep: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train, held-out) token streams of an adaptation data spec: text parts as `snlp train` reads them
-    (documents, BOS before each, split by document with snlp.io.data.split_documents), `chat:` parts rendered with
-    the tokenizer's chat template and split by `split_conversations`. `train` False: the held-out stream only
-    (the train stream comes back empty, its text is not tokenized)."""
-    docs_text = [s for s in D.parts(spec) if not s.startswith("chat:")]
+    (documents, BOS before each, split by document with snlp.io.data.split_documents over all text parts
+    together), `chat:` parts rendered with the tokenizer's chat template and split by `split_conversations`.
+    `train` False: the held-out stream only (the train stream comes back empty, its text is not tokenized).
+    `keep`: only these parts' rows (e.g. the held-out documents of one file of the spec); the split is still
+    the whole spec's, so a kept document is held out exactly when adaptation held it out."""
+    all_parts = D.parts(spec)
+    keep = tuple(all_parts) if keep is None else keep
+    text = [s for s in all_parts if not s.startswith("chat:")]
     tr_rows, va_rows = [], []
-    if docs_text:
-        docs = list(D.documents(",".join(docs_text), "text", max_chars))
+    if any(s in keep for s in text):  # (no text part kept: the text is not even read)
+        if set(text) <= set(keep):
+            docs = [(None, d) for d in D.documents(",".join(text), "text", max_chars)]
+        elif max_chars or any(s.startswith("hf:") for s in text):
+            raise ValueError(f"cannot select parts of the capped text data {spec!r} (--max-chars or hf: sources): "
+                             f"use the whole spec")
+        else:  # uncapped local parts: documents(joined) is the parts' documents in order, so tag each with its part
+            docs = [(s, d) for s in text for d in D.documents(s, "text", 0)]
         tr, va = D.split_documents(docs, val_frac)
+        pick = lambda rows: [d for s, d in rows if s is None or s in keep]  # noqa: E731
         bos = tok.bos_id
-        tr_rows += [[bos] + ids for ids in tok.encode_batch(tr)] if train else []
-        va_rows += [[bos] + ids for ids in tok.encode_batch(va)]
-    for s in D.parts(spec):
-        if s.startswith("chat:"):
+        tr_rows += [[bos] + ids for ids in tok.encode_batch(pick(tr))] if train else []
+        va_rows += [[bos] + ids for ids in tok.encode_batch(pick(va))]
+    for s in all_parts:
+        if s.startswith("chat:") and s in keep:
             tr, va = split_conversations(load_conversations(chat_part(s)), tok, val_frac)
             tr_rows += [e.ids for e in tr] if train else []
             va_rows += [e.ids for e in va]

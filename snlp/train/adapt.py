@@ -131,6 +131,7 @@ class AdaptResult:
     extra_bytes: int = 0  # the drafter's own weights (what it adds to the base's memory)
     device: str = ""  # where the run trained (the resolved --device)
     world: int = 1  # processes (torchrun): gradients all-reduced, rank 0 the one writer
+    rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -349,7 +350,7 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     drafter: Drafter = held["drafter"]
     result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                          minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
-                         device=held["device"], world=held["world"])
+                         device=held["device"], world=held["world"], rank=held["rank"])
     if held["rank"] != 0:  # one writer: rank 0 (its log and checkpoint are the run's)
         return result
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]

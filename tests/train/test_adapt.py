@@ -429,6 +429,27 @@ def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
         drafter_split(load_record(cfg.out), data=str(chats))
 
 
+def test_eval_data_part_reads_the_adaptation_held_out_documents(tmp_path):
+    """Issue 27 item 4, text side: `snlp eval --drafter --data PART` (one file of the drafter's data) reads the
+    documents of PART that adaptation held out in ITS split of the whole spec (every round(1/val_frac)-th
+    document of all text parts together), not PART's own split."""
+    import snlp.io.data as D
+    from snlp.eval.drafter import DrafterSplit, held_out_tokens
+
+    _, tok = from_hf(hf_tiny(), tokenizer=word_tokenizer(V))
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n\n".join(f"t{i} t{i + 1} " * 900 for i in range(5)))  # ~4 KB paragraphs: one document each
+    b.write_text("\n\n".join(f"t{40 + i} t{41 + i} " * 900 for i in range(7)))
+    docs = [(f, d) for f in (a, b) for d in D.documents(str(f))]
+    assert len(docs) == 12
+    held = [d for i, (f, d) in enumerate(docs) if i % 4 == 3 and f == b]  # by hand: the whole spec's split
+    want = [t for d in held for t in [tok.bos_id] + tok.encode(d)]
+    got = held_out_tokens(DrafterSplit(data=f"{a},{b}", val_frac=0.25, keep=(str(b),)), tok)
+    assert got.tolist() == want and len(held) == 2
+    own = [d for i, d in enumerate(D.documents(str(b))) if i % 4 == 3]  # b's own split: another document
+    assert own != held
+
+
 # ------------------------------------------------------------------------------------------- CLI, export
 def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     from snlp.apps.cli import main
@@ -456,9 +477,10 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert batch["matches_sequential"] and len(batch["results"]) == 3
     assert batch["results"][0]["tokens"] == seq["tokens"]
-    assert main(["eval", str(base_dir), "--drafter", str(d), "--val-frac", "0.5", "--seq-len", "16"]) == 2
-    assert "contradicts the drafter's adaptation split" in capsys.readouterr().err
-    assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16",
+    for bad in (["--val-frac", "0.5"], ["--data", str(tmp_path / "elsewhere.txt")], ["--max-chars", "100"]):
+        assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16", *bad]) == 2
+        assert "contradicts the drafter's adaptation split" in capsys.readouterr().err
+    assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
                  "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
                  "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
     rows = json.loads((tmp_path / "ev.json").read_text())
