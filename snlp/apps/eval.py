@@ -37,9 +37,13 @@ def add_arguments(p) -> None:
     a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
     a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "
                    "(PPL of pure SNLP decoding with the drafter, which is its approximation of the model; Top-1, "
-                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s)")
+                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s) on the "
+                   "held-out part of the drafter's own adaptation split (--data may name parts of its data; a "
+                   "--val-frac or --max-chars other than its adaptation's is refused)")
     a.add_argument("--chat-prompts", default=None, help="--drafter: chat set (chat:PATH.jsonl or PATH.jsonl) whose "
-                   "validation conversations' first user turns, in the model's chat template, are the SSD prompts")
+                   "held-out conversations' openings (through the first user turn), in the model's chat template, are the SSD "
+                   "prompts; held out by the split adaptation used (snlp.io.chat.split_conversations, the drafter's "
+                   "val_frac)")
     a.add_argument("--blocks", default="2,4,8", help="--drafter: SSD draft block sizes B")
     d = p.add_argument_group("validation data (default: the checkpoint's training source and split)")
     d.add_argument("--data", default=None, help="data spec as for `snlp train --data`; default the one the "
