@@ -65,6 +65,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     res = adapt(cfg)
+    if res.rank != 0:  # torchrun: rank 0 reports and writes
+        return 0
     b, a = res.before, res.after
     how = f"from {args.from_model}" if args.from_model else "adapted"
     print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
@@ -78,12 +80,14 @@ def run(args) -> int:
 
 
 def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,
-                        plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4) -> dict:
+                        plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4,
+                        device: str | None = None) -> dict:
     """The speedrun's off-the-shelf adaptation (issue 20): adapt `plan`'s drafter of the loaded `model` for
     `minutes` on the speedrun's text, then Top-1 (teacher-forced and SSD conditions) before/after from the
     run's validation, and SSD alpha at B = `block` on `prompts` validation prompts for the post-hoc and the
     adapted drafter (both must reproduce the model's greedy output). The drafter is written to a temporary
-    directory and removed."""
+    directory and removed. `device`: where it trains (default: the model's own device, never another one the
+    machine happens to have); `model` itself is neither moved nor changed."""
     import shutil
     import tempfile
 
@@ -95,7 +99,7 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
     try:
         cfg = AdaptConfig(src=src, plan=plan, out=str(Path(out) / "drafter"), data=data, max_chars=max_chars,
                           minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
-                          no_progress=True)
+                          no_progress=True, device=device or str(model.wte.weight.device))
         res = adapt(cfg, base=(model, tok))
         d = load_drafter(cfg.out, model)
         ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)
@@ -106,5 +110,5 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
             ssd[name] = rows[0].to_dict()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return {"plan": plan, "minutes": res.minutes, "steps": res.steps, "tokens": res.tokens, "before": res.before,
+    return {"plan": plan, "device": res.device, "minutes": res.minutes, "steps": res.steps, "tokens": res.tokens, "before": res.before,
             "after": res.after, "block": block, "ssd": ssd, "extra_bytes": res.extra_bytes}

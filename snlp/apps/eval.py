@@ -37,9 +37,13 @@ def add_arguments(p) -> None:
     a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
     a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "
                    "(PPL of pure SNLP decoding with the drafter, which is its approximation of the model; Top-1, "
-                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s)")
+                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s) on the "
+                   "held-out part of the drafter's own adaptation split (--data may name parts of its data; a "
+                   "--val-frac or --max-chars other than its adaptation's is refused)")
     a.add_argument("--chat-prompts", default=None, help="--drafter: chat set (chat:PATH.jsonl or PATH.jsonl) whose "
-                   "validation conversations' first user turns, in the model's chat template, are the SSD prompts")
+                   "held-out conversations' openings (through the first user turn), in the model's chat template, are the SSD "
+                   "prompts; held out by the split adaptation used (snlp.io.chat.split_conversations, the drafter's "
+                   "val_frac)")
     a.add_argument("--blocks", default="2,4,8", help="--drafter: SSD draft block sizes B")
     d = p.add_argument_group("validation data (default: the checkpoint's training source and split)")
     d.add_argument("--data", default=None, help="data spec as for `snlp train --data`; default the one the "
@@ -137,10 +141,11 @@ def run(args) -> int:
 
 
 def run_drafter_eval(args, model, tok, device) -> int:
-    """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter)."""
-    import snlp.io.chat as chat
-    from snlp.eval.drafter import DrafterEvalConfig, evaluate_drafter, markdown as drafter_markdown
-    from snlp.io.drafter import load_drafter
+    """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter), on the held-out part
+    of the drafter's own adaptation split (flags that contradict it are refused)."""
+    from snlp.eval.drafter import (DrafterEvalConfig, drafter_split, evaluate_drafter, held_out_prompts,
+                                   held_out_tokens, markdown as drafter_markdown)
+    from snlp.io.drafter import load_drafter, load_record
 
     if args.task:
         raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
@@ -150,21 +155,21 @@ def run_drafter_eval(args, model, tok, device) -> int:
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     drafter = load_drafter(args.drafter, model)  # refuses another base
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else [drafter.plan]
-    data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
-    val = validation_tokens(tok, **data)
-    prompts = []
-    if args.chat_prompts:
-        spec = args.chat_prompts[len("chat:"):] if args.chat_prompts.startswith("chat:") else args.chat_prompts
-        _, held_out = chat.split(chat.load_conversations(spec), data["val_frac"])
-        prompts = [tok.render_chat([c[0]], add_generation_prompt=True)[0] for c in held_out[:args.prompts]
-                   if c[0]["role"] == "user"]
+    split = drafter_split(load_record(args.drafter), data=args.data, val_frac=args.val_frac, max_chars=args.max_chars,
+                          text_field=args.text_field, cache_dir=args.cache_dir)
+    if split is None:  # the drafter records no adaptation data: the checkpoint's split, as for the plans
+        data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
+        val, val_frac, source = validation_tokens(tok, **data), data["val_frac"], data["data"]
+    else:
+        val, val_frac, source = held_out_tokens(split, tok), split.val_frac, f"{split.data} (the drafter's split)"
+    prompts = held_out_prompts(args.chat_prompts, tok, val_frac, args.prompts) if args.chat_prompts else []
     cfg = DrafterEvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
                             batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
                             gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=tok.eos_id)
     table = drafter_markdown(rows)
-    print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {data['data']}, "
+    print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
     if args.json:
         write_json(args.json, [r.to_dict() for r in rows])

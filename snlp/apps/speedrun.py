@@ -666,7 +666,7 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
         from snlp.apps.adapt import speedrun_adaptation
 
         out["adaptation"] = a = speedrun_adaptation(model, tok, str(gguf), spec.data, spec.max_chars, val,
-                                                    preset.ots_adapt_minutes, seed)
+                                                    preset.ots_adapt_minutes, seed, device=device)
         print(f"adapted {a['plan']} drafter in {a['minutes']:.1f} min: Top-1 {a['before']['top1']:.3f} -> "
               f"{a['after']['top1']:.3f}, SSD alpha at B={a['block']} {a['ssd']['post-hoc']['alpha']:.3f} -> "
               f"{a['ssd']['adapted']['alpha']:.3f}")

@@ -10,6 +10,11 @@ adapted drafter, for each plan that fits the drafter. Every metric compares with
   alpha, tokens/round, tokens/s    self-speculative decoding at each block size B on `prompts`
                (snlp.decode.speculative.speculative_benchmark: interleaved with sequential decoding in this
                process, medians over the repeats), whose greedy output must equal the base's (`identical`).
+
+Held-out data: a drafter records the data spec and split it was adapted on (its record's config); every metric
+reads that split's held-out part (`drafter_split`, `held_out_tokens`), and chat prompts come from the held-out
+conversations of the SAME split function adaptation trained with (snlp.io.chat.split_conversations,
+`held_out_prompts`). Settings that contradict the record are refused: they would measure on training data.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+import snlp.io.chat as chat
+import snlp.io.data as D
 
 from snlp.decode.speculative import speculative_benchmark
 from snlp.eval.data import as_tokens, windows
@@ -59,6 +67,60 @@ class DrafterRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class DrafterSplit:
+    """The adaptation data of a drafter (its record's config): the spec, the held-out fraction and the text cap
+    that `snlp adapt` split it with."""
+
+    data: str
+    val_frac: float
+    max_chars: int = 0
+    keep: tuple[str, ...] | None = None  # eval's --data: these parts of `data` only (their held-out part)
+
+
+def drafter_split(record: dict, data: str | None = None, val_frac: float | None = None, max_chars: int | None = None,
+                  text_field: str | None = None, cache_dir: str | None = None) -> DrafterSplit | None:
+    """The split a drafter was adapted with (None when its record holds none: an older or hand-made drafter).
+    `val_frac`, `max_chars` (eval's flags; None = not given) must agree with it and `data` must name parts of
+    its data spec (their held-out part is then read, `keep`), else a ValueError: any other split can put the
+    drafter's training data into what eval holds out. `text_field` and `cache_dir` do not apply (adaptation
+    reads the "text" field and tokenizes afresh) and are refused."""
+    cfg = (record or {}).get("config") or {}
+    if "data" not in cfg or "val_frac" not in cfg:
+        return None
+    rec = DrafterSplit(data=cfg["data"], val_frac=float(cfg["val_frac"]), max_chars=int(cfg.get("max_chars") or 0))
+    if data is not None:
+        have = D.parts(rec.data)
+        alien = [p for p in D.parts(data) if p not in have]
+        if alien:
+            raise ValueError(f"--data {data!r} contradicts the drafter's adaptation split: {', '.join(alien)} is not "
+                             f"part of its data {rec.data!r}; eval measures a drafter on the held-out part of its own "
+                             f"data, so name parts of it or leave --data out")
+        rec.keep = tuple(D.parts(data))
+    for flag, given, want in (("--val-frac", val_frac, rec.val_frac), ("--max-chars", max_chars, rec.max_chars)):
+        if given is not None and given != want:
+            raise ValueError(f"{flag} {given!r} contradicts the drafter's adaptation split ({flag} {want!r}): eval "
+                             f"measures a drafter on its own held-out data, so leave {flag} out")
+    if text_field not in (None, "text") or cache_dir is not None:
+        raise ValueError("--text-field / --cache-dir do not apply with --drafter: the drafter's held-out split is "
+                         "read as its adaptation read it (the 'text' field, tokenized afresh)")
+    return rec
+
+
+def held_out_tokens(split: DrafterSplit, tok) -> torch.Tensor:
+    """The held-out token stream of a drafter's adaptation split (its `val` stream, snlp.io.chat.token_streams)."""
+    return torch.from_numpy(chat.token_streams(split.data, tok, split.max_chars, split.val_frac, train=False,
+                                               keep=split.keep)[1])
+
+
+def held_out_prompts(spec: str, tok, val_frac: float, n: int) -> list[list[int]]:
+    """Token ids of the first `n` held-out conversations' openings (through the first user turn, with the
+    generation prompt) of the chat set `spec` (chat:PATH or PATH), split by snlp.io.chat.split_conversations at
+    `val_frac`: the conversations `snlp adapt` held out of training at that fraction."""
+    _, val = chat.split_conversations(chat.load_conversations(chat.chat_part(spec)), tok, val_frac)
+    return [tok.render_chat(chat.prompt_messages(e.messages), add_generation_prompt=True)[0] for e in val[:n]]
 
 
 @torch.inference_mode()

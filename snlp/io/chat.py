@@ -127,6 +127,7 @@ def mc_conversations(task: str):
 class ChatExample:
     ids: list[int]
     mask: list[int]  # 1 = assistant token (trained on)
+    messages: list[dict] | None = None  # the conversation it was rendered from (held-out prompts are cut from it)
 
 
 def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
@@ -137,13 +138,72 @@ def render(conversations, tokenizer, max_len: int) -> list[ChatExample]:
         ids, mask = tokenizer.render_chat(conv)
         ids, mask = ids[:max_len], mask[:max_len]
         if sum(mask[1:]) > 0:
-            out.append(ChatExample(ids, mask))
+            out.append(ChatExample(ids, mask, conv))
     return out
 
 
 def split(examples: list, val_frac: float) -> tuple[list, list]:
     """Deterministic split: every round(1/val_frac)-th example goes to validation (as snlp.io.data)."""
     return D.split_documents(examples, val_frac)
+
+
+RENDER_MAX = 1 << 20  # adaptation renders whole conversations (its windows are cut from the token stream)
+
+
+def split_conversations(conversations, tokenizer, val_frac: float,
+                        max_len: int = RENDER_MAX) -> tuple[list[ChatExample], list[ChatExample]]:
+    """THE train / held-out split of a chat set, one function for every user of it: `snlp adapt` trains on the
+    first part (`token_streams`) and `snlp eval --drafter --chat-prompts` cuts its prompts from the second
+    (snlp.eval.drafter.held_out_prompts). Conversations are rendered first and those left without an assistant
+    token are dropped BEFORE the split (so they cannot shift which conversations are held out); each example
+    keeps its `messages`."""
+    return split(render(conversations, tokenizer, max_len), val_frac)
+
+
+def chat_part(spec: str) -> str:
+    """The chat set of a `chat:SPEC` data part or a bare SPEC (what --chat-prompts takes)."""
+    return spec[len("chat:"):] if spec.startswith("chat:") else spec
+
+
+def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool = True,
+                  keep: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams of an adaptation data spec: text parts as `snlp train` reads them
+    (documents, BOS before each, split by document with snlp.io.data.split_documents over all text parts
+    together), `chat:` parts rendered with the tokenizer's chat template and split by `split_conversations`.
+    `train` False: the held-out stream only (the train stream comes back empty, its text is not tokenized).
+    `keep`: only these parts' rows (e.g. the held-out documents of one file of the spec); the split is still
+    the whole spec's, so a kept document is held out exactly when adaptation held it out."""
+    all_parts = D.parts(spec)
+    keep = tuple(all_parts) if keep is None else keep
+    text = [s for s in all_parts if not s.startswith("chat:")]
+    tr_rows, va_rows = [], []
+    if any(s in keep for s in text):  # (no text part kept: the text is not even read)
+        if set(text) <= set(keep):
+            docs = [(None, d) for d in D.documents(",".join(text), "text", max_chars)]
+        elif max_chars or any(s.startswith("hf:") for s in text):
+            raise ValueError(f"cannot select parts of the capped text data {spec!r} (--max-chars or hf: sources): "
+                             f"use the whole spec")
+        else:  # uncapped local parts: documents(joined) is the parts' documents in order, so tag each with its part
+            docs = [(s, d) for s in text for d in D.documents(s, "text", 0)]
+        tr, va = D.split_documents(docs, val_frac)
+        pick = lambda rows: [d for s, d in rows if s is None or s in keep]  # noqa: E731
+        bos = tok.bos_id
+        tr_rows += [[bos] + ids for ids in tok.encode_batch(pick(tr))] if train else []
+        va_rows += [[bos] + ids for ids in tok.encode_batch(pick(va))]
+    for s in all_parts:
+        if s.startswith("chat:") and s in keep:
+            tr, va = split_conversations(load_conversations(chat_part(s)), tok, val_frac)
+            tr_rows += [e.ids for e in tr] if train else []
+            va_rows += [e.ids for e in va]
+    cat = lambda rows: np.asarray([t for r in rows for t in r], dtype=np.int64)  # noqa: E731
+    return cat(tr_rows), cat(va_rows)
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """A conversation's opening up to its first user turn (with the system message, if any): the prompt whose
+    reply a held-out conversation's first assistant turn is."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[:first + 1]
 
 
 def collate(examples: list[ChatExample], pad_id: int) -> tuple[Tensor, Tensor]:

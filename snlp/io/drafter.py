@@ -2,12 +2,14 @@
 belong to, without any of the base model's weights.
 
     DIR/drafter.safetensors   the suffix blocks' weights only ("blocks.<l>.<name>", l = S..L-1)
-    DIR/drafter.json          format, plan, the base's weights fingerprint and config, a digest per tensor,
-                              and the adaptation record (command, data, steps, minutes, tokens, metrics)
+    DIR/drafter.json          format, plan, the base's weights fingerprint and config, an exact digest per
+                              tensor, and the adaptation record (command, data, steps, minutes, tokens, metrics)
 
 `load_drafter(DIR, base)` rebuilds the Drafter on the base's own prefix (snlp.method.drafter) and refuses a
-different base (config or weights fingerprint), a missing, truncated or edited weights file (per-tensor
-digests) and missing or extra tensors, each with a clear ValueError. Writes are atomic: both files go to
+different base (config or weights fingerprint: the precision-tolerant one of snlp.model.fingerprint, so a
+base cast to fp16 / bf16 / fp64 keeps its drafter), a missing, truncated or edited weights file (per-tensor
+EXACT digests of the stored bytes: any edit, even below bf16 resolution, is refused) and missing or extra
+tensors, each with a clear ValueError. Writes are atomic: both files go to
 temporary names first, then replace the old ones; the per-tensor digests catch a half-replaced pair.
 """
 
@@ -22,12 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from snlp.method.drafter import Drafter, make_drafter
 from snlp.method.plan import Plan
-from snlp.model.fingerprint import tensor_digest
+from snlp.model.fingerprint import exact_digest, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
 
 FORMAT = "snlp-drafter"
-VERSION = 1
+VERSION = 2  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27)
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"
 
@@ -48,7 +50,7 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
     meta = {"format": FORMAT, "version": VERSION, "plan": str(drafter.plan),
             "base_fingerprint": drafter.base_fingerprint, "config": drafter.model.config.to_dict(),
             "suffix_start": drafter.suffix_start, "dtype": str(next(iter(state.values())).dtype),
-            "digests": {k: tensor_digest(v) for k, v in state.items()}, "record": record or {}}
+            "digests": {k: exact_digest(v) for k, v in state.items()}, "record": record or {}}
     if drafter.rank:  # LoRA deltas on the base's own suffix matrices (snlp.method.lowrank)
         meta["lora"] = {"rank": drafter.rank, "alpha": drafter.alpha}
     write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
@@ -69,7 +71,8 @@ def read_meta(path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{f} is not a {FORMAT} file")
     if meta.get("version") != VERSION:
-        raise ValueError(f"{f} has drafter format version {meta.get('version')!r}; this snlp reads version {VERSION}")
+        raise ValueError(f"{f} has drafter format version {meta.get('version')!r}; this snlp reads version {VERSION} "
+                         f"(version 1 drafters carry a fingerprint this snlp cannot check: adapt again)")
     missing = [k for k in ("plan", "base_fingerprint", "config", "digests") if k not in meta]
     if missing:
         raise ValueError(f"{f} is corrupt: it lacks {', '.join(missing)}")
@@ -90,7 +93,7 @@ def load_drafter(path, base: GPT) -> Drafter:
     if not isinstance(lora, dict) or not isinstance(lora.get("rank", 0), int):
         raise ValueError(f"{path / META} is corrupt: bad 'lora' entry {lora!r}")
     drafter = make_drafter(base, Plan.parse(meta["plan"]), rank=lora.get("rank", 0), alpha=lora.get("alpha"))
-    if drafter.base_fingerprint != meta["base_fingerprint"]:
+    if not same_weights(drafter.base_fingerprint, meta["base_fingerprint"]):
         raise ValueError(f"drafter {path} was adapted from base weights {meta['base_fingerprint']}, but this model's "
                          f"weights fingerprint {drafter.base_fingerprint}: it belongs to another model (or the model "
                          f"changed since); adapt a drafter for this one with `snlp adapt`")
@@ -103,7 +106,7 @@ def load_drafter(path, base: GPT) -> Drafter:
         extra, lack = sorted(set(state) - want)[:3], sorted(want - set(state))[:3]
         raise ValueError(f"drafter weights {path / WEIGHTS} do not match plan {meta['plan']}'s suffix "
                          f"(unexpected {extra}, missing {lack}); the directory is corrupt")
-    bad = [k for k, v in state.items() if tensor_digest(v) != meta["digests"][k]]
+    bad = [k for k, v in state.items() if exact_digest(v) != meta["digests"][k]]
     if bad:
         raise ValueError(f"drafter weights {path / WEIGHTS} do not match the digests in {META} ({len(bad)} tensors, "
                          f"e.g. {bad[0]}): the files are corrupt or from different saves")

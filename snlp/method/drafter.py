@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from snlp.method.lowrank import add_low_rank, check_rank, is_shared_key, merge_low_rank, shares_low_rank_base
 from snlp.method.plan import Plan
-from snlp.model.fingerprint import weights_fingerprint
+from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 
 
@@ -72,7 +72,7 @@ class Drafter:
                              f"cannot draft for this {base.config.n_layer}-layer width-{base.config.n_embd} model "
                              "(different config): adapt one for it with `snlp adapt`")
         fp = weights_fingerprint(base) if verify_weights else self.base_fingerprint
-        if fp != self.base_fingerprint:
+        if verify_weights and not same_weights(fp, self.base_fingerprint):  # tolerant of casts (fingerprint.py)
             raise ValueError(f"drafter was adapted from base weights {self.base_fingerprint}, but this model's "
                              f"weights fingerprint {fp}: it belongs to another model (or the model was changed "
                              "since); adapt a drafter for this one with `snlp adapt`")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from snlp.model.fingerprint import fingerprint_digests, weights_digests, weights_fingerprint
+from snlp.model.fingerprint import fingerprint_digests, same_weights, weights_digests, weights_fingerprint
 
 FILENAME = "preheat.pt"
 
@@ -72,10 +72,11 @@ class Preheat:
         if self.V.shape[0] != D:
             raise ValueError(f"preheat calibration reads embeddings of width {self.V.shape[0]}, the model's are {D}")
         if verify_weights:
-            if self.fingerprint is None:
-                raise ValueError("preheat calibration records no weights fingerprint (written by an older snlp): "
+            if self.fingerprint is None or len(self.fingerprint) != 64:
+                raise ValueError("preheat calibration records no precision-tolerant weights fingerprint (written by an "
+                                 "older snlp): "
                                  "re-run `snlp calibrate` so it can be checked against the model")
-            if self.fingerprint != weights_fingerprint(model):
+            if not same_weights(self.fingerprint, weights_fingerprint(model)):  # tolerant of casts (fingerprint.py)
                 raise ValueError("preheat calibration was fitted on other weights than this model's (the weights "
                                  "changed since `snlp calibrate`, e.g. training went on): re-run `snlp calibrate`")
         w = model.wte.weight
@@ -87,7 +88,7 @@ class Preheat:
         if self.digests is None:
             raise ValueError("preheat calibration records no per-tensor digests (written by an older snlp): re-run "
                              "`snlp calibrate` so it can be checked against the weights")
-        bad = sorted(n for n, d in read.items() if self.digests.get(n) != d)
+        bad = sorted(n for n, d in read.items() if not same_weights(self.digests.get(n), d))
         if bad:
             raise ValueError(f"preheat calibration was fitted on other weights than this checkpoint's ({', '.join(bad[:3])}"
                              f"{', ...' if len(bad) > 3 else ''} differ): re-run `snlp calibrate`")

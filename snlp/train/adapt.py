@@ -22,6 +22,7 @@ Data: any `--data` spec `snlp train` takes (text), and chat sets as `chat:SPEC` 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 import snlp.io.data as D
-from snlp.io.checkpoint import checkpoint_dir, load
+from snlp.io.checkpoint import checkpoint_dir, load, load_training
 from snlp.io.drafter import save_drafter
 from snlp.io.hf import from_hf
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
@@ -43,6 +44,7 @@ from snlp.method.lowrank import check_rank
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
+from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
 from snlp.train.config import TrainConfig
@@ -127,6 +129,9 @@ class AdaptResult:
     before: dict = field(default_factory=dict)  # the first validation's record (the unadapted drafter)
     after: dict = field(default_factory=dict)  # the last one
     extra_bytes: int = 0  # the drafter's own weights (what it adds to the base's memory)
+    device: str = ""  # where the run trained (the resolved --device)
+    world: int = 1  # processes (torchrun): gradients all-reduced, rank 0 the one writer
+    rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,24 +164,9 @@ def load_base(src: str, dtype: str = "float32"):
 
 
 def token_stream(spec: str, tok, max_chars: int, val_frac: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) token streams of a data spec: text parts as `snlp train` reads them (documents, BOS
-    before each), `chat:` parts rendered with the tokenizer's chat template; split by document."""
-    docs_text = [s for s in D.parts(spec) if not s.startswith("chat:")]
-    train, val = [], []
-    if docs_text:
-        docs = list(D.documents(",".join(docs_text), "text", max_chars))
-        tr, va = D.split_documents(docs, val_frac)
-        bos = tok.bos_id
-        train += [[bos] + ids for ids in tok.encode_batch(tr)]
-        val += [[bos] + ids for ids in tok.encode_batch(va)]
-    for s in D.parts(spec):
-        if s.startswith("chat:"):
-            ex = chat.render(chat.load_conversations(s[len("chat:"):]), tok, 1 << 20)
-            tr, va = chat.split(ex, val_frac)
-            train += [e.ids for e in tr]
-            val += [e.ids for e in va]
-    cat = lambda rows: np.asarray([t for r in rows for t in r], dtype=np.int64)  # noqa: E731
-    return cat(train), cat(val)
+    """(train, val) token streams of a data spec: snlp.io.chat.token_streams (text parts as `snlp train` reads
+    them, `chat:` parts split by snlp.io.chat.split_conversations, the split `snlp eval --drafter` reuses)."""
+    return chat.token_streams(spec, tok, max_chars, val_frac)
 
 
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
@@ -211,11 +201,14 @@ def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float) -> tuple[t
 
 class AdaptStep(nn.Module):
     """One micro-batch of distillation: forward(x, y, lam) -> (loss, KL, MSE), the trainer's TrainStep
-    interface (y and lam unused: the targets are the base's own outputs)."""
+    interface (y and lam unused: the targets are the base's own outputs). The drafter's model is a submodule,
+    so DDP (torchrun) all-reduces the gradients of its trainable suffix weights; the shared prefix, embedding
+    and head are frozen (requires_grad False) and DDP leaves them alone."""
 
     def __init__(self, base: GPT, drafter: Drafter, cfg: AdaptConfig):
         super().__init__()
         self.drafter, self.cfg = drafter, cfg
+        self.student = drafter.model  # registered: the parameters DDP syncs (the drafter's trainable suffix)
         self.base = [base]  # not a submodule: the base is the frozen teacher, never DDP-wrapped or saved here
 
     def forward(self, x, y, lam: float):
@@ -263,16 +256,21 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        save_every=0 if cfg.lora_rank else cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
-def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
-    """The `make_job` of fit: the base (`loaded` = (model, tokenizer), loaded once by the caller; frozen),
-    its drafter (resumed: the run's suffix weights), the token streams and the distillation step. `held`
-    receives the base and drafter for the caller."""
+def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerprint: str, owned: bool = True):
+    """The `make_job` of fit: the base (`loaded` = (model, tokenizer), loaded once by the caller; frozen, with
+    its weights `fingerprint`), its drafter (resumed: the run's suffix weights), the token streams and the
+    distillation step. `owned`: the base was loaded for this run and may be moved to the run's device; a
+    caller's model (owned False) is never moved: the run uses a copy on its device when they differ. `held`
+    receives the base, the drafter, this process's rank and world and the device for the caller."""
 
     def make_job(tcfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
         base, btok = loaded
-        base.requires_grad_(False)
+        device = torch.device(device)
+        if base.wte.weight.device != device:
+            base = base.to(device) if owned else copy.deepcopy(base).to(device)  # the caller's model stays put
+        base.requires_grad_(False)  # adapt() restores a caller's flags and mode when it returns
         base.eval()
-        drafter = make_drafter(base, plan, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+        drafter = make_drafter(base, plan, fingerprint=fingerprint, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
         if model is not None:  # --resume: the run's own suffix weights (and its tokenizer)
             saved = model.state_dict()
             with torch.no_grad():
@@ -280,12 +278,11 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
                     v.copy_(saved[k])
         for p in suffix_parameters(drafter):
             p.requires_grad_(True)
-        base.to(device)
         train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
             raise ValueError(f"--data {cfg.data!r} gives {len(train):,} train / {len(val):,} val tokens: need more "
                              f"than --seq-len + 1 = {cfg.seq_len + 1} in each")
-        held.update(base=base, drafter=drafter)
+        held.update(base=base, drafter=drafter, rank=rank, world=world, device=str(device))
         return Job(model=drafter.model, tokenizer=btok,
                    batch=lambda micro, r, w: D.batch_at(train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w),
                    val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
@@ -294,33 +291,71 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple):
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
-                   f"{cfg.data}", name="snlp adapt", state={"adapt": asdict(cfg)})
+                   f"{cfg.data}", name="snlp adapt", state={"adapt": asdict(cfg), "adapt_base": fingerprint})
 
     return make_job
+
+
+def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
+    """Refuse `--resume` of a run made for another base (weights fingerprint, snlp.model.fingerprint) or another
+    plan, before any work: continuing would stamp this base's fingerprint on a drafter trained on the other."""
+    run = Path(cfg.out) / RUN
+    if not run.is_dir():
+        return  # nothing to resume: fit refuses it with its own message
+    _, st = load_training(run)
+    if st is None:
+        return
+    rec = st.get("adapt_base")
+    if rec is None:
+        raise ValueError(f"--resume: the run in {run} records no base weights fingerprint (an older snlp), so it "
+                         f"cannot be checked against {cfg.src}: start a new run (without --resume)")
+    if not same_weights(rec, fingerprint):
+        raise ValueError(f"--resume: the run in {run} adapts a drafter of another base (weights {rec[:16]}...) than "
+                         f"{cfg.src} ({fingerprint[:16]}...): resume it with the base it started on, or start a new "
+                         f"run in another --out")
+    prev = (st.get("adapt") or {}).get("plan")
+    if prev is not None and str(Plan.parse(prev)) != str(plan):
+        raise ValueError(f"--resume: the run in {run} adapts plan {prev}, not {plan}: resume it with --plan {prev}")
 
 
 def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None = None) -> AdaptResult:
     """Adapt the drafter of `cfg.plan` to `cfg.src` and write it to `cfg.out` (snlp.io.drafter). A run stopped
     early (stop_after, a hook) keeps its checkpoint in OUT/run for `resume=True`; a finished one removes it
     (the drafter directory then holds only the suffix weights, the record and log.jsonl). `base`: the
-    (model, tokenizer) of cfg.src when the caller has it loaded already (its weights are not changed; its
-    parameters stop requiring gradients)."""
+    (model, tokenizer) of cfg.src when the caller has it loaded already: it is not changed, not moved (the run
+    uses a copy on cfg.device when it lives elsewhere), and its requires_grad flags and train/eval mode are as
+    before when this returns. Under torchrun the gradients are all-reduced and rank 0 alone writes."""
     plan = cfg.check()
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
     t0 = time.perf_counter()
+    owned = base is None
     base = base if base is not None else load_base(cfg.src, cfg.dtype)
     if cfg.from_model:
         return import_drafter(cfg, plan, base)
+    fingerprint = weights_fingerprint(base[0])
+    if cfg.resume:
+        check_resume(cfg, plan, fingerprint)
     held: dict = {}
-    res = fit(train_config(cfg, base[0].config.n_embd), adapt_job(cfg, plan, held, base), hooks)
-    log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
-    vals = [r for r in log if "top1" in r]
+    model = base[0]
+    flags, mode = [p.requires_grad for p in model.parameters()], model.training
+    try:
+        res = fit(train_config(cfg, model.config.n_embd), adapt_job(cfg, plan, held, base, fingerprint, owned), hooks)
+    finally:  # a caller's model leaves as it came (the run froze it while it ran)
+        if not owned:
+            for p, f in zip(model.parameters(), flags):
+                p.requires_grad_(f)
+            model.train(mode)
     drafter: Drafter = held["drafter"]
     result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
-                         minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, before=vals[0] if vals else {},
-                         after=vals[-1] if vals else {}, extra_bytes=drafter.extra_bytes())
+                         minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
+                         device=held["device"], world=held["world"], rank=held["rank"])
+    if held["rank"] != 0:  # one writer: rank 0 (its log and checkpoint are the run's)
+        return result
+    log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
+    vals = [r for r in log if "top1" in r]
+    result.before, result.after = (vals[0], vals[-1]) if vals else ({}, {})
     record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")

@@ -111,6 +111,43 @@ def test_drafter_dir_round_trip_and_corruption(tmp_path):
         load_drafter(p, base)
 
 
+def test_drafter_file_refuses_an_edit_below_bf16_resolution(tmp_path):
+    """Issue 27 item 9: one stored tensor replaced by its bf16 rounding (nearly every entry changed, each by less
+    than bf16 resolution) is an edited file: the per-tensor digests are exact."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_base()
+    p = save_drafter(tmp_path / "d", perturb(make_drafter(base, "2xF1-h0-K1")))
+    state = load_file(str(p / "drafter.safetensors"))
+    k = "blocks.3.mlp.c_fc.weight"
+    rounded = state[k].to(torch.bfloat16).float()
+    assert (rounded != state[k]).double().mean() > 0.9  # the edit really touches the tensor
+    state[k] = rounded
+    save_file(state, str(p / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="digests"):
+        load_drafter(p, base)
+
+
+def test_fp16_base_accepts_its_own_drafter_and_calibration(tmp_path):
+    """Issue 27 item 8: a model cast to float16 (fp16 -> bf16 double-rounds some entries) keeps its drafter and
+    its preheat calibration, and so do its bf16 / fp64 casts; another model is still refused."""
+    from snlp.method import preheat
+
+    base = tiny_base()  # fp32
+    p = save_drafter(tmp_path / "d", perturb(make_drafter(base, "2xF1-h0-K1")))
+    pre = preheat.fit(base, preheat.CalibrateConfig(rank=3, batch=2, seq_len=8), tokens=torch.arange(40) % V)
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        cast = tiny_base().to(dt)
+        d = load_drafter(p, cast)
+        assert d.model.blocks[3].mlp.c_fc.weight.dtype == dt
+        pre.check(cast)
+        d.check(cast)
+    with pytest.raises(ValueError, match="another model"):
+        load_drafter(p, tiny_base(1).to(torch.float16))
+    with pytest.raises(ValueError, match="other weights"):
+        pre.check(tiny_base(1).to(torch.float16))
+
+
 # ------------------------------------------------------------------------------------------- SSD conditions
 @pytest.mark.parametrize("plan", ["2xF1-h0-K1", "3xF1-fwd-K2", "1xF2-h0-K1-none", "2xF2-h0-K1"])
 def test_ssd_solve_own_kv_is_the_solve(plan):
@@ -263,6 +300,156 @@ def test_adapt_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_adapt_resume_refuses_another_base(tmp_path):
+    """Issue 27 item 6: --resume with another base is refused before any work (it would otherwise continue and
+    stamp the new base's fingerprint on a drafter trained on the old one)."""
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, steps=6, eval_every=100, stop_after=2, save_every=2))
+    run = tmp_path / "d" / "run"
+    log, meta = (run / "log.jsonl").read_text(), (tmp_path / "d" / "drafter.json").read_text()
+    other, otok = from_hf(hf_tiny(seed=12, layers=4, initializer_range=0.25), tokenizer=word_tokenizer(V))
+    save_checkpoint(tmp_path / "other", other, otok)
+    with pytest.raises(ValueError, match="another base"):
+        adapt(adapt_cfg(tmp_path, src=str(tmp_path / "other"), steps=6, resume=True))
+    with pytest.raises(ValueError, match="plan"):
+        adapt(adapt_cfg(tmp_path, plan="1xF2-h0-K1", steps=6, resume=True))
+    assert (run / "log.jsonl").read_text() == log and (tmp_path / "d" / "drafter.json").read_text() == meta  # no work
+    assert adapt(adapt_cfg(tmp_path, steps=6, resume=True)).steps == 6  # its own base resumes
+
+
+def test_adapt_leaves_the_callers_model_where_and_as_it_was(tmp_path):
+    """Issue 27 item 7: adapting a caller's loaded model (the speedrun's) neither moves it nor leaves it frozen or
+    in eval mode; a run on another device trains a copy there (a meta device stands in for a GPU); the speedrun
+    stage trains on the device it is given and records it."""
+    from snlp.apps.adapt import speedrun_adaptation
+    from snlp.io.checkpoint import load
+    from snlp.train.adapt import adapt, adapt_job, train_config
+    from snlp.model.fingerprint import weights_fingerprint
+
+    cfg = adapt_cfg(tmp_path, steps=2, device="cpu")
+    model, tok = load(cfg.src)
+    model.train()
+    before = {n: (p.data_ptr(), p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    assert all(rg for _, _, rg, _ in before.values())
+    res = adapt(cfg, base=(model, tok))
+    for n, p in model.named_parameters():
+        ptr, dev, rg, val = before[n]
+        assert (p.data_ptr(), p.device, p.requires_grad) == (ptr, dev, rg) and torch.equal(p, val), n
+    assert model.training and res.device == "cpu" and res.steps == 2
+
+    held: dict = {}
+    make_job = adapt_job(cfg, Plan.parse(cfg.plan), held, (model, tok), weights_fingerprint(model), owned=False)
+    job = make_job(train_config(cfg, model.config.n_embd), None, None, 0, 1, torch.device("meta"))
+    assert job.model.wte.weight.device.type == "meta" and held["base"] is not model
+    assert all((p.data_ptr(), p.device) == before[n][:2] for n, p in model.named_parameters())
+
+    val = torch.arange(200) % V
+    a = speedrun_adaptation(model, tok, cfg.src, cfg.data, 0, val, minutes=0.005, plan="2xF1-h0-K1", gen_tokens=6,
+                            device="cpu")
+    assert a["device"] == "cpu" and all(r["matches_sequential"] for r in a["ssd"].values())
+    assert all((p.data_ptr(), p.device, p.requires_grad) == before[n][:3] for n, p in model.named_parameters())
+
+
+def _ddp_adapt_rank(rank, world, port, cfg):
+    from conftest import init_gloo
+    from snlp.train.adapt import adapt
+
+    init_gloo(rank, world, port)
+    res = adapt(cfg)
+    assert res.world == world and res.steps == cfg.steps
+
+
+def test_adapt_under_ddp_equals_one_process(tmp_path):
+    """Issue 27 item 10: two gloo ranks of batch 2 all-reduce their gradients: the drafter equals one process's
+    of batch 4 (the same global batches, snlp.io.data.batch_at) up to fp32 reduction order; rank 0 alone writes."""
+    from safetensors.torch import load_file
+
+    from conftest import spawn_ranks
+    from snlp.train.adapt import adapt
+
+    one = adapt_cfg(tmp_path, out="one", steps=3, batch_size=4, eval_every=100, device="cpu")
+    adapt(one)
+    two = adapt_cfg(tmp_path, out="two", steps=3, batch_size=2, eval_every=100, device="cpu")
+    spawn_ranks(_ddp_adapt_rank, 2, two)
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("one", "two"))
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    assert set(wa) == set(wb)
+    moved = max((wa[k] - base[k]).abs().max().item() for k in wa)
+    assert moved > 1e-3  # the runs really trained
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=moved * 1e-3, rtol=0), k
+    rec = json.loads((tmp_path / "two" / "drafter.json").read_text())["record"]
+    assert rec["world"] == 2 and rec["steps"] == 3
+
+
+def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
+    """Issue 27 item 4: with user-only conversations in the chat set (dropped by adaptation before its split),
+    `snlp eval --drafter --chat-prompts` takes its prompts from the conversations adaptation held out at the
+    drafter's own val_frac, never from those it trained on. Reference: the documented rule written out here
+    (render, drop conversations without an assistant token, every round(1/val_frac)-th held out)."""
+    from snlp.eval.drafter import drafter_split, held_out_prompts
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_record
+    from snlp.train.adapt import adapt, token_stream
+
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    convs = []
+    for i in range(40):  # unique user turns: a prompt identifies its conversation
+        user = {"role": "user", "content": f"t{i} t{(7 * i + 3) % 93} t{(11 * i + 5) % 93}"}
+        convs.append([user, {"role": "assistant", "content": f"t{(i + 2) % 93} t{(i + 3) % 93} t{i}"}])
+    for j in (0, 9, 23):  # user-only conversations: nothing to learn, adaptation drops them
+        convs.insert(j, [{"role": "user", "content": f"t{90 - j} t{91 - j}"}])
+    chats = tmp_path / "mixed.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
+    cfg = adapt_cfg(tmp_path, data=f"chat:{chats}", val_frac=0.2, steps=1, seq_len=16)
+    adapt(cfg)
+    _, tok = load(base_dir)
+
+    kept = [c for c in convs if sum(tok.render_chat(c)[1][1:]) > 0]  # the documented rule, by hand
+    trained = [c for i, c in enumerate(kept) if i % 5 != 4]
+    held = [c for i, c in enumerate(kept) if i % 5 == 4]
+    old_pick = [c for i, c in enumerate(convs) if i % 20 == 19]  # a6631c2: the raw list at the base's 0.05
+    assert any(c in trained for c in old_pick)  # the scenario is one where the old choice measured training data
+
+    split = drafter_split(load_record(cfg.out))
+    assert split.val_frac == 0.2 and split.data == cfg.data
+    prompts = held_out_prompts(f"chat:{chats}", tok, split.val_frac, 100)
+    assert prompts == [tok.render_chat(c[:1], add_generation_prompt=True)[0] for c in held]
+    train_ids = token_stream(cfg.data, tok, 0, cfg.val_frac)[0].tolist()
+    train_str = " " + " ".join(map(str, train_ids)) + " "
+    for c in held:  # behaviourally: no held-out user turn occurs in the token stream adaptation trained on
+        user = tok.render_chat(c[:1])[0][1:]
+        assert " " + " ".join(map(str, user)) + " " not in train_str
+    for c in trained[:3]:  # (and the check can fail: a trained one does occur)
+        assert " " + " ".join(map(str, tok.render_chat(c[:1])[0][1:])) + " " in train_str
+    with pytest.raises(ValueError, match="contradicts"):
+        drafter_split(load_record(cfg.out), val_frac=0.05)
+    with pytest.raises(ValueError, match="contradicts"):
+        drafter_split(load_record(cfg.out), data=str(chats))
+
+
+def test_eval_data_part_reads_the_adaptation_held_out_documents(tmp_path):
+    """Issue 27 item 4, text side: `snlp eval --drafter --data PART` (one file of the drafter's data) reads the
+    documents of PART that adaptation held out in ITS split of the whole spec (every round(1/val_frac)-th
+    document of all text parts together), not PART's own split."""
+    import snlp.io.data as D
+    from snlp.eval.drafter import DrafterSplit, held_out_tokens
+
+    _, tok = from_hf(hf_tiny(), tokenizer=word_tokenizer(V))
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n\n".join(f"t{i} t{i + 1} " * 900 for i in range(5)))  # ~4 KB paragraphs: one document each
+    b.write_text("\n\n".join(f"t{40 + i} t{41 + i} " * 900 for i in range(7)))
+    docs = [(f, d) for f in (a, b) for d in D.documents(str(f))]
+    assert len(docs) == 12
+    held = [d for i, (f, d) in enumerate(docs) if i % 4 == 3 and f == b]  # by hand: the whole spec's split
+    want = [t for d in held for t in [tok.bos_id] + tok.encode(d)]
+    got = held_out_tokens(DrafterSplit(data=f"{a},{b}", val_frac=0.25, keep=(str(b),)), tok)
+    assert got.tolist() == want and len(held) == 2
+    own = [d for i, d in enumerate(D.documents(str(b))) if i % 4 == 3]  # b's own split: another document
+    assert own != held
+
+
 # ------------------------------------------------------------------------------------------- CLI, export
 def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     from snlp.apps.cli import main
@@ -290,6 +477,9 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert batch["matches_sequential"] and len(batch["results"]) == 3
     assert batch["results"][0]["tokens"] == seq["tokens"]
+    for bad in (["--val-frac", "0.5"], ["--data", str(tmp_path / "elsewhere.txt")], ["--max-chars", "100"]):
+        assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16", *bad]) == 2
+        assert "contradicts the drafter's adaptation split" in capsys.readouterr().err
     assert main(["eval", str(base_dir), "--drafter", str(d), "--data", str(text), "--seq-len", "16",
                  "--max-tokens", "64", "--chat-prompts", f"chat:{chats}", "--prompts", "2", "--gen-tokens", "6",
                  "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
