@@ -24,12 +24,10 @@ from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.io.tokenizer import Tokenizer
 
 
-def _shared() -> Path:
-    """shared/ beside the repo (or beside a parent of a worktree): the data the docs' commands read."""
-    for p in Path(__file__).resolve().parents:
-        if (p / "shared/data/arc").is_dir():
-            return p / "shared"
-    raise AssertionError("shared/data/arc (ARC JSONL) not found beside the repository; the harness tests need it")
+# The first 40 ARC-Easy test and 8 train questions, vendored (tests/data/README.md: source and licence), so the
+# tests need nothing beside the repository.
+ARC = Path(__file__).resolve().parents[1] / "data/arc"
+ARC_TEST, ARC_TRAIN = ARC / "ARC-Easy-Test-head.jsonl", ARC / "ARC-Easy-Train-head.jsonl"
 
 
 # ----- item 6: a diverged plan is not scored -----
@@ -126,10 +124,9 @@ N_Q = 8
 
 @pytest.fixture(scope="module")
 def arc():
-    d = _shared() / "data/arc"
-    rows = [json.loads(line) for line in (d / "ARC-Easy-Test.jsonl").read_text().splitlines()[:N_Q]]
-    train = [json.loads(line) for line in (d / "ARC-Easy-Train.jsonl").read_text().splitlines()[:1]]
-    return rows, train, parse_file(d / "ARC-Easy-Test.jsonl")[:N_Q], parse_file(d / "ARC-Easy-Train.jsonl")[:1]
+    rows = [json.loads(line) for line in ARC_TEST.read_text().splitlines()[:N_Q]]
+    train = [json.loads(line) for line in ARC_TRAIN.read_text().splitlines()[:1]]
+    return rows, train, parse_file(ARC_TEST)[:N_Q], parse_file(ARC_TRAIN)[:1]
 
 
 def hf_scores(hf, hf_tok, ctx: str, choices: list[str]) -> list[float]:
@@ -197,10 +194,8 @@ def test_harness_mode_runs_every_plan_and_the_exact_plan_matches(smol_pair, arc)
 
 
 def test_eval_cli_defaults_to_harness_and_captions_the_protocol(smol_pair, smol_ckpt, tmp_path, capsys):
-    arc_test = _shared() / "data/arc/ARC-Easy-Test.jsonl"
-    arc_train = _shared() / "data/arc/ARC-Easy-Train.jsonl"
-    rc = main(["eval", str(smol_ckpt), "--task", f"mc:{arc_test}", "--plans", "2xF1-h0-K2", "--mc-limit", "2",
-               "--mc-shots", "1", "--mc-shots-from", f"mc:{arc_train}", "--device", "cpu",
+    rc = main(["eval", str(smol_ckpt), "--task", f"mc:{ARC_TEST}", "--plans", "2xF1-h0-K2", "--mc-limit", "2",
+               "--mc-shots", "1", "--mc-shots-from", f"mc:{ARC_TRAIN}", "--device", "cpu",
                "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
     assert rc == 0
     res = json.loads((tmp_path / "r.json").read_text())
@@ -221,3 +216,4 @@ def test_sft_grid_shows_a_diverged_inference_row(blowup):
     assert rows[0].avg == res.records[0].accuracy and rows[1].avg != rows[1].avg  # NaN
     md = grid_markdown(GridResult("ck", DIVERGING, ["toy"], "letter", rows))
     assert f"| sequential | {DIVERGING} | diverged | – |" in md
+
