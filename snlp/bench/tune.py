@@ -44,7 +44,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark, speculative_generate
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
 from snlp.eval.data import as_tokens, sample_prompts, windows
-from snlp.eval.protocol import EvalConfig, teacher_forced
+from snlp.eval.protocol import EvalConfig, Quality, teacher_forced
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
@@ -140,6 +140,11 @@ class PlanQuality:
     ppl: float
     delta_ppl: float
     note: str = ""
+
+    @classmethod
+    def from_quality(cls, plan: str, q: Quality, sequential_ppl: float) -> "PlanQuality":
+        """From the evaluation protocol's teacher-forced record of the plan and sequential's PPL."""
+        return cls(plan, q.top1, q.ppl, q.ppl / sequential_ppl - 1.0, q.note)
 
 
 @dataclass
@@ -248,10 +253,8 @@ def calibration_quality(model: GPT, val, plans: list[Plan], cfg: TuneConfig, pre
     seq_len = min(cfg.seq_len, model.config.sequence_len)
     wins = windows(as_tokens(val), seq_len, cfg.calib_tokens)  # (W, T + 1)
     ecfg = EvalConfig(seq_len=seq_len, max_tokens=cfg.calib_tokens, progress=cfg.progress)
-    tf = teacher_forced(model, wins, plans, ecfg, preheat)
-    base = tf["sequential"].ppl
-    return {str(p): PlanQuality(str(p), tf[str(p)].top1, tf[str(p)].ppl, tf[str(p)].ppl / base - 1.0, tf[str(p)].note)
-            for p in plans}
+    tf: dict[str, Quality] = teacher_forced(model, wins, plans, ecfg, preheat)  # row name -> its record
+    return {str(p): PlanQuality.from_quality(str(p), tf[str(p)], tf["sequential"].ppl) for p in plans}
 
 
 def quality_from_records(records) -> dict[str, PlanQuality]:
