@@ -7,7 +7,8 @@ sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the c
 its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
 this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes the --top best predictions end to end, side by side with sequential decoding
 after a warm-up (medians), and picks the best MEASURED. Prints the measured table (predicted vs measured) and the
-pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best.
+pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
+(without it that validation is not run: the JSON records grid_best and pick_vs_best as null).
 
     snlp tune runs/idn                                  # SSD, default grid (12 plans at L = 16) x B = 2,3,4,6,8
     snlp tune runs/idn --max-dppl 1% --threads 1,2      # also SNLP within +1 % PPL; 1 and 2 torch threads

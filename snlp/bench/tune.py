@@ -25,7 +25,8 @@ Two stages:
         sequential_generate round-robin. The pick is the best MEASURED shortlisted candidate.
 Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
 drift between the per-plan runs cancels (raw tokens/s are kept too). `full_grid` measures every candidate and
-reports how far the pick is from the best of the grid (the validation of the shortlist).
+reports how far the pick is from the best of the grid (the validation of the shortlist); without it that
+validation is not run and recorded as such (`grid_best` and `pick_vs_best` None, "not run" in the summary).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark, speculative_generate
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
 from snlp.eval.data import as_tokens, sample_prompts, windows
-from snlp.eval.protocol import EvalConfig, teacher_forced
+from snlp.eval.protocol import EvalConfig, Quality, teacher_forced
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
@@ -140,6 +141,11 @@ class PlanQuality:
     delta_ppl: float
     note: str = ""
 
+    @classmethod
+    def from_quality(cls, plan: str, q: Quality, sequential_ppl: float) -> "PlanQuality":
+        """From the evaluation protocol's teacher-forced record of the plan and sequential's PPL."""
+        return cls(plan, q.top1, q.ppl, q.ppl / sequential_ppl - 1.0, q.note)
+
 
 @dataclass
 class Acceptance:
@@ -217,8 +223,10 @@ class TuneResult:
     costs: list[StepCosts]
     candidates: list[Candidate]
     picks: dict[str, Candidate | None]  # goal -> the best measured shortlisted candidate (None: none qualifies)
-    grid_best: dict[str, Candidate | None]  # goal -> the best of every measured candidate
-    pick_vs_best: dict[str, float | None]  # goal -> pick tokens/s over grid best's (1.0: the pick is the best)
+    # the validation of the shortlist, only when it ran (config.full_grid); None when it did not: without the full
+    # grid the best measured candidate is the pick by construction, which validates nothing
+    grid_best: dict[str, Candidate | None] | None  # goal -> the best of every measured candidate
+    pick_vs_best: dict[str, float | None] | None  # goal -> pick tokens/s over grid best's (1.0: the pick is the best)
     notes: list[str] = field(default_factory=list)
     stage1_s: float = 0.0
     stage2_s: float = 0.0
@@ -245,10 +253,8 @@ def calibration_quality(model: GPT, val, plans: list[Plan], cfg: TuneConfig, pre
     seq_len = min(cfg.seq_len, model.config.sequence_len)
     wins = windows(as_tokens(val), seq_len, cfg.calib_tokens)  # (W, T + 1)
     ecfg = EvalConfig(seq_len=seq_len, max_tokens=cfg.calib_tokens, progress=cfg.progress)
-    tf = teacher_forced(model, wins, plans, ecfg, preheat)
-    base = tf["sequential"].ppl
-    return {str(p): PlanQuality(str(p), tf[str(p)].top1, tf[str(p)].ppl, tf[str(p)].ppl / base - 1.0, tf[str(p)].note)
-            for p in plans}
+    tf: dict[str, Quality] = teacher_forced(model, wins, plans, ecfg, preheat)  # row name -> its record
+    return {str(p): PlanQuality.from_quality(str(p), tf[str(p)], tf["sequential"].ppl) for p in plans}
 
 
 def quality_from_records(records) -> dict[str, PlanQuality]:
@@ -493,8 +499,10 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     """Picks (best measured shortlisted candidate per goal), grid bests and the notes a reader needs."""
     goals = [g for g in GOALS if (g == "ssd" and cfg.ssd) or (g == "snlp" and cfg.max_dppl is not None)]
     picks = {g: _best([c for c in cands if c.goal == g and c.shortlisted]) for g in goals}
-    best = {g: _best([c for c in cands if c.goal == g]) for g in goals}
-    ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
+    best = ratio = None  # the grid was not run: no validation to record
+    if cfg.full_grid:
+        best = {g: _best([c for c in cands if c.goal == g]) for g in goals}
+        ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
     notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     if "snlp" in goals and picks["snlp"] is None:
@@ -539,7 +547,8 @@ def _pareto(rows: list[Candidate]) -> set[int]:
 
 
 def summary(result: TuneResult) -> list[str]:
-    """One line per goal: the pick, predicted vs measured, and (full grid) how far from the grid's best."""
+    """One line per goal: the pick, predicted vs measured, and how far from the grid's best (full grid; else the
+    line says the validation was not run)."""
     out = []
     for g, p in result.picks.items():
         if p is None:
@@ -549,8 +558,9 @@ def summary(result: TuneResult) -> list[str]:
             (", compiled" if p.compiled else "")
         line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential), "
                 f"predicted {p.predicted_speedup:.2f}x")
-        b = result.grid_best[g]
-        if result.config.full_grid and b is not None:
+        if result.grid_best is None:
+            line += "; full-grid validation: not run (--full-grid)"
+        elif (b := result.grid_best[g]) is not None:
             line += f"; best of the measured grid: `{b.plan}`" + (f" B={b.block}" if b.block else "") + \
                 f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
         out.append(line)

@@ -12,7 +12,8 @@ Scoring (`--mc-scoring`):
           template, then the assistant prompt; the prediction is the answer letter with the largest
           logit at that position, among the choices' letters only.
   loglik  the question as the user turn and each choice's text as the assistant reply; the prediction
-          is the choice with the largest mean log-probability per token (length-normalised).
+          is the choice with the largest mean log-probability per token (length-normalised) over the
+          tokens of the choice's text only, never the template's end-of-turn tokens (`choice_positions`).
   harness lm-evaluation-harness's multiple_choice protocol (its arc_easy task), the field's standard
           for base models: context "Question: {question}\\nAnswer:", continuation " {choice}", no chat
           template; `acc` ranks by the continuation's summed log-probability, `acc_norm` by that sum over
@@ -97,17 +98,39 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
     return preds
 
 
+def choice_positions(tokenizer, question: str, choice: str) -> tuple[list[int], list[int]]:
+    """The conversation (`question` as the user turn, `choice` as the assistant reply) rendered with the
+    tokenizer's chat template, and the positions of the tokens of the choice's text in it: the protocol scores
+    the choice only, never the template's end-of-turn suffix (nanochat's <|assistant_end|>; ChatML's
+    `<|im_end|>` + `\n`, which the assistant mask also covers). Derived from the rendering, not from a
+    count of suffix tokens: within the reply's masked span, the shortest window of tokens whose decoding
+    contains the choice's text (a token merged across the text's edge is kept: it carries part of it)."""
+    ids, mask = tokenizer.render_chat([{"role": "user", "content": question}, {"role": "assistant", "content": choice}])
+    span = [t for t, m in enumerate(mask) if m]  # the reply and the template's end-of-turn tokens
+    text = choice.strip()  # templates may trim the reply
+
+    def covers(a: int, b: int) -> bool:
+        return text in tokenizer.decode(ids[span[0] + a:span[0] + b])
+
+    if not span or span != list(range(span[0], span[-1] + 1)) or not covers(0, len(span)):
+        raise ValueError(f"the chat template does not render the choice {choice!r} as the assistant reply's text "
+                         f"(masked reply decodes to {tokenizer.decode([ids[t] for t in span])!r}); use --mc-scoring "
+                         f"harness or letter")
+    stop = next(b for b in range(1, len(span) + 1) if covers(0, b))  # the first tokens that hold the whole text
+    start = max(a for a in range(stop) if covers(a, stop))  # ... less any template tokens before it
+    return ids, span[start:stop]
+
+
 @torch.no_grad()
-def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Plan | None, batch: int = 16,
-                   max_len: int | None = None, preheat: Preheat | None = None) -> list[int]:
-    """Predicted choice index per question by the mean log-probability of each choice's text as the reply."""
+def loglik_scores(model: GPT, tokenizer, questions: list[Question], method: Plan | None, batch: int = 16,
+                  max_len: int | None = None, preheat: Preheat | None = None) -> list[list[float]]:
+    """Per question, per choice: the mean log-probability of the tokens of the choice's text as the assistant
+    reply (`choice_positions`)."""
     dev = model.wte.weight.device
-    items = []  # (question index, ids, first scored position, last scored position + 1)
+    items = []  # (question index, ids, scored positions)
     for qi, q in enumerate(questions):
         for c in q.choices:
-            ids, mask = tokenizer.render_chat([{"role": "user", "content": q.question},
-                                               {"role": "assistant", "content": c}])
-            pos = [t for t, m in enumerate(mask) if m][:-1]  # the choice's text, not the end marker
+            ids, pos = choice_positions(tokenizer, q.question, c)
             if max_len and len(ids) > max_len:
                 cut = len(ids) - max_len
                 ids, pos = ids[cut:], [p - cut for p in pos if p - cut >= 1]
@@ -121,6 +144,13 @@ def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Pla
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)
             scores[qi].append(float(logp[b, p - 1, tok].mean()))  # token t is predicted at t-1
+    return scores
+
+
+def predict_loglik(model: GPT, tokenizer, questions: list[Question], method: Plan | None, batch: int = 16,
+                   max_len: int | None = None, preheat: Preheat | None = None) -> list[int]:
+    """Predicted choice index per question by the mean log-probability of each choice's text as the reply."""
+    scores = loglik_scores(model, tokenizer, questions, method, batch, max_len, preheat)
     return [max(range(len(sc)), key=sc.__getitem__) for sc in scores]
 
 
@@ -221,7 +251,7 @@ def protocol_caption(cfg: MCConfig) -> str:
         return "protocol: letter (nanochat): lettered question as a chat user turn; argmax of the answer letters' logits"
     if cfg.scoring == "loglik":
         return ("protocol: loglik (snlp): question as a chat user turn, each choice as the assistant reply; "
-                "mean log-prob per token")
+                "mean log-prob per token of the choice's text")
     return (f"protocol: harness (lm-evaluation-harness multiple_choice, arc_easy format), {cfg.shots}-shot"
             + (f" from {cfg.shot_task} (seed {cfg.shot_seed})" if cfg.shots else "")
             + ": 'Question: {q}\\nAnswer:' + ' {choice}'; acc = summed log-prob, acc_norm = summed log-prob / "

@@ -133,11 +133,14 @@ class EvalRecord:
 
 
 @dataclass
-class _Quality:  # teacher-forced metrics of one row
-    ppl: float
-    top1: float | None
-    logit_sim: float | None
-    note: str = ""
+class Quality:
+    """Teacher-forced metrics of one row (the sequential model or a plan) over the evaluation windows, as
+    `teacher_forced` returns them: the quality columns of an `EvalRecord`, and what `snlp tune`'s stage 1 reads."""
+
+    ppl: float  # perplexity on the windows' next tokens; inf when the plan diverged
+    top1: float | None  # fraction of positions whose argmax equals sequential's (1.0 for sequential); None: diverged
+    logit_sim: float | None  # mean cosine similarity of the logits to sequential's; None: diverged
+    note: str = ""  # "" or "diverged" (the solve turned NaN/inf: no metric is measured)
 
 
 @dataclass
@@ -159,7 +162,7 @@ def _logits_fns(model: GPT, plans: list[Plan], preheat: Preheat | None = None) -
 
 @torch.inference_mode()
 def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig, preheat: Preheat | None = None
-                   ) -> dict[str, _Quality]:
+                   ) -> dict[str, Quality]:
     """PPL, Top-1 and LogitSim (vs sequential) of the sequential model and each plan over the
     windows wins (W, T + 1); a plan that diverges gets PPL inf and note "diverged"."""
     device = next(model.parameters()).device
@@ -186,8 +189,8 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                 a["top1"] += top1_agreement(logits, ref) * n
                 a["sim"] += logit_sim(logits, ref) * n
                 a["n"] += n
-    return {name: _Quality(math.inf, None, None, "diverged") if name in diverged else
-            _Quality(perplexity(a["nll"], a["n"]), a["top1"] / a["n"], a["sim"] / a["n"]) for name, a in acc.items()}
+    return {name: Quality(math.inf, None, None, "diverged") if name in diverged else
+            Quality(perplexity(a["nll"], a["n"]), a["top1"] / a["n"], a["sim"] / a["n"]) for name, a in acc.items()}
 
 
 # ----- generation: AR Match, EmbSim -----

@@ -49,6 +49,9 @@ def test_tune_prints_the_table_and_pick_and_writes_json(ckpt, tmp_path, capsys):
     ssd = [c for c in d["candidates"] if c["goal"] == "ssd" and c["measured"]]
     assert ssd and all(c["matches_sequential"] for c in ssd)
     assert d["picks"]["ssd"]["tokens_per_s"] == max(c["tokens_per_s"] for c in ssd if c["shortlisted"])
+    # no --full-grid: the shortlist's validation did not run, and neither the JSON nor the text claims it did
+    assert d["grid_best"] is None and d["pick_vs_best"] is None
+    assert "full-grid validation: not run" in text and "pick / best" not in text
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -113,6 +113,21 @@ def test_a_budget_no_plan_meets_is_reported_not_bent(model, val):
     assert any("no plan within the budget" in n for n in r.notes)
 
 
+def test_without_the_full_grid_no_validation_is_claimed(model, val):
+    """Issue 27 item 12: without full_grid only the shortlist is measured, so its best IS the pick; recording that
+    as grid_best with pick / best = 1.0 claimed a validation that never ran."""
+    cfg = TuneConfig(plans=["2xF1-h0-K1", "4xF1-h0-K1"], blocks=(2,), threads=(1,), top=1, **FAST)
+    q = {str(Plan.parse(p)): PlanQuality(p, 0.9, 10.0, 0.0) for p in cfg.plans}
+    r = tune(model, val, cfg, quality=q)
+    assert not cfg.full_grid and r.picks["ssd"] is not None
+    assert any(not c.measured for c in r.candidates if c.goal == "ssd")  # a grid existed, and was not run
+    assert r.grid_best is None and r.pick_vs_best is None
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["grid_best"] is None and d["pick_vs_best"] is None
+    line = summary(r)[0]  # then the notes
+    assert line.startswith("ssd pick") and "not run" in line and "pick / best" not in "\n".join(summary(r))
+
+
 def test_given_quality_replaces_the_calibration_pass(model, val):
     recs = [EvalRecord(plan="sequential", ppl=10.0), EvalRecord(plan="2xF1-h0-K1", ppl=10.5, top1=0.5, delta_ppl=0.05),
             EvalRecord(plan="4xF1-h0-K1", ppl=math.inf, note="diverged", delta_ppl=math.inf)]

@@ -96,6 +96,27 @@ def test_sequential_record_is_the_model_against_itself(records, model, val):
     assert seq.ar_reference == "sequential" and seq.S == 6
 
 
+def test_teacher_forced_returns_the_public_quality_record(model, val):
+    """snlp.eval.protocol.Quality (public: `snlp tune` reads it): one per row, its fields by their definitions,
+    computed here from the model's and the bound plan's logits."""
+    from snlp.eval.protocol import Quality, teacher_forced
+    from snlp.method.solver import bind
+
+    T, W, plan = CFG.seq_len, 4, "6xF1-h0-K1"
+    wins = torch.stack([val[i * T:(i + 1) * T + 1] for i in range(W)])  # (W, T + 1)
+    tf = E.teacher_forced(model, wins, [Plan.parse(plan, 6)], CFG)
+    assert teacher_forced is E.teacher_forced and set(tf) == {"sequential", plan}
+    assert all(type(q) is Quality and q.note == "" for q in tf.values())
+    x, y = wins[:, :-1], wins[:, 1:]
+    with torch.no_grad():
+        ref, got = model(x), bind(model, plan)(x)  # (W, T, V)
+    ce = F.cross_entropy(got.flatten(0, 1).double(), y.flatten())
+    assert tf[plan].ppl == pytest.approx(math.exp(ce.item()), rel=1e-6)
+    assert tf[plan].top1 == pytest.approx((got.argmax(-1) == ref.argmax(-1)).double().mean().item(), abs=1e-12)
+    assert tf[plan].logit_sim == pytest.approx(F.cosine_similarity(got, ref, dim=-1).mean().item(), abs=1e-6)
+    assert tf["sequential"].top1 == 1.0
+
+
 def test_exact_plans_match_their_references(records):
     seq, rec = records[0], _by_plan(records)
     exact = rec["6xF1-h0-K6"]  # M = 1, K >= C: the sequential model itself

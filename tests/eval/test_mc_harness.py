@@ -24,12 +24,10 @@ from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.io.tokenizer import Tokenizer
 
 
-def _shared() -> Path:
-    """shared/ beside the repo (or beside a parent of a worktree): the data the docs' commands read."""
-    for p in Path(__file__).resolve().parents:
-        if (p / "shared/data/arc").is_dir():
-            return p / "shared"
-    raise AssertionError("shared/data/arc (ARC JSONL) not found beside the repository; the harness tests need it")
+# The first 40 ARC-Easy test and 8 train questions, vendored (tests/data/README.md: source and licence), so the
+# tests need nothing beside the repository.
+ARC = Path(__file__).resolve().parents[1] / "data/arc"
+ARC_TEST, ARC_TRAIN = ARC / "ARC-Easy-Test-head.jsonl", ARC / "ARC-Easy-Train-head.jsonl"
 
 
 # ----- item 6: a diverged plan is not scored -----
@@ -126,10 +124,9 @@ N_Q = 8
 
 @pytest.fixture(scope="module")
 def arc():
-    d = _shared() / "data/arc"
-    rows = [json.loads(line) for line in (d / "ARC-Easy-Test.jsonl").read_text().splitlines()[:N_Q]]
-    train = [json.loads(line) for line in (d / "ARC-Easy-Train.jsonl").read_text().splitlines()[:1]]
-    return rows, train, parse_file(d / "ARC-Easy-Test.jsonl")[:N_Q], parse_file(d / "ARC-Easy-Train.jsonl")[:1]
+    rows = [json.loads(line) for line in ARC_TEST.read_text().splitlines()[:N_Q]]
+    train = [json.loads(line) for line in ARC_TRAIN.read_text().splitlines()[:1]]
+    return rows, train, parse_file(ARC_TEST)[:N_Q], parse_file(ARC_TRAIN)[:1]
 
 
 def hf_scores(hf, hf_tok, ctx: str, choices: list[str]) -> list[float]:
@@ -197,10 +194,8 @@ def test_harness_mode_runs_every_plan_and_the_exact_plan_matches(smol_pair, arc)
 
 
 def test_eval_cli_defaults_to_harness_and_captions_the_protocol(smol_pair, smol_ckpt, tmp_path, capsys):
-    arc_test = _shared() / "data/arc/ARC-Easy-Test.jsonl"
-    arc_train = _shared() / "data/arc/ARC-Easy-Train.jsonl"
-    rc = main(["eval", str(smol_ckpt), "--task", f"mc:{arc_test}", "--plans", "2xF1-h0-K2", "--mc-limit", "2",
-               "--mc-shots", "1", "--mc-shots-from", f"mc:{arc_train}", "--device", "cpu",
+    rc = main(["eval", str(smol_ckpt), "--task", f"mc:{ARC_TEST}", "--plans", "2xF1-h0-K2", "--mc-limit", "2",
+               "--mc-shots", "1", "--mc-shots-from", f"mc:{ARC_TRAIN}", "--device", "cpu",
                "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
     assert rc == 0
     res = json.loads((tmp_path / "r.json").read_text())
@@ -221,3 +216,74 @@ def test_sft_grid_shows_a_diverged_inference_row(blowup):
     assert rows[0].avg == res.records[0].accuracy and rows[1].avg != rows[1].avg  # NaN
     md = grid_markdown(GridResult("ck", DIVERGING, ["toy"], "letter", rows))
     assert f"| sequential | {DIVERGING} | diverged | – |" in md
+
+
+# ----- issue 27 item 5: --mc-scoring loglik scores the choice's text, not the template's end-of-turn tokens -----
+LOGLIK_QS = [Question("What is the capital of France?", ("Paris", "New York City", "a, b."), 0),
+             Question("Which gas do plants take in?", ("carbon dioxide", "oxygen"), 0)]
+
+
+def test_loglik_scores_the_choice_text_only_with_smollm2s_template(smol_pair):
+    """SmolLM2's ChatML template ends a reply in <|im_end|> + '\\n' (both in the assistant mask). Reference:
+    transformers' own template rendering of the generation prompt, then the tokens of the choice alone, and
+    the mean log-prob of those tokens under transformers' model."""
+    from snlp.eval.mc import choice_positions, loglik_scores
+
+    hf, hf_tok, model, tok = smol_pair
+    ref = []
+    for q in LOGLIK_QS:
+        prompt = hf_tok.apply_chat_template([{"role": "user", "content": q.question}], add_generation_prompt=True,
+                                            tokenize=False)
+        p_ids = hf_tok(prompt, add_special_tokens=False)["input_ids"]
+        row = []
+        for c in q.choices:
+            c_ids = hf_tok(c, add_special_tokens=False)["input_ids"]
+            ids, pos = choice_positions(tok, q.question, c)
+            assert tok.decode([ids[t] for t in pos]) == c  # before the fix: 'Paris<|im_end|>'
+            assert ids[:len(p_ids) + len(c_ids)] == p_ids + c_ids and pos == list(range(len(p_ids), len(p_ids) + len(c_ids)))
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([p_ids + c_ids])).logits[0].float(), -1)  # (T, V)
+            row.append(sum(float(logp[len(p_ids) - 1 + i, t]) for i, t in enumerate(c_ids)) / len(c_ids))
+        ref.append(row)
+    got = loglik_scores(model, tok, LOGLIK_QS, None)
+    for g, r in zip(got, ref):
+        assert g == pytest.approx(r, abs=1e-4)
+
+
+CHATML_LIKE = [  # (template, what the reply's masked span holds besides the choice)
+    # ChatML-like: a two-token end-of-turn suffix after the reply
+    ("{% for m in messages %}<s> {{ m['content'] }} </s> t1{% endfor %}{% if add_generation_prompt %}<s>{% endif %}",
+     "</s> t1"),
+    # a longer suffix, and a template token inside the reply's span before the text
+    ("{% for m in messages %}<s> t2 {{ m['content'] }} </s> t1 t3{% endfor %}{% if add_generation_prompt %}<s>{% endif %}",
+     "t2 ... </s> t1 t3"),
+]
+
+
+@pytest.mark.parametrize("template,extra", CHATML_LIKE)
+def test_loglik_scored_tokens_decode_to_the_choice_under_any_template(template, extra):
+    from conftest import word_tokenizer
+    from snlp.eval.mc import choice_positions
+
+    hf = word_tokenizer(40)
+    hf.chat_template = template
+    tok = Tokenizer.from_hf(hf)
+    for c in ("t5", "t5 t6 t7"):
+        ids, mask = tok.render_chat([{"role": "user", "content": "t9 t8"}, {"role": "assistant", "content": c}])
+        assert sum(mask) > len(c.split())  # the mask covers more than the choice: what the fix must leave out
+        ids, pos = choice_positions(tok, "t9 t8", c)
+        assert tok.decode([ids[t] for t in pos]) == c and len(pos) == len(c.split())
+    native = Tokenizer.train(["the capital of france is paris"] * 5, 300)  # nanochat's own template
+    ids, pos = choice_positions(native, "capital?", "paris")
+    assert [ids[t] for t in pos] == native.encode("paris")
+
+
+def test_loglik_refuses_a_template_that_does_not_render_the_choice():
+    from conftest import word_tokenizer
+    from snlp.eval.mc import choice_positions
+
+    hf = word_tokenizer(40)
+    hf.chat_template = ("{% for m in messages %}<s> t1{% if m['role'] == 'user' %} {{ m['content'] }}{% endif %} </s>"
+                        "{% endfor %}{% if add_generation_prompt %}<s> t1{% endif %}")  # drops the reply's text
+    with pytest.raises(ValueError, match="does not render the choice 't5'"):
+        choice_positions(Tokenizer.from_hf(hf), "t9", "t5")
