@@ -34,7 +34,7 @@ from torch import Tensor
 from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
-from snlp.model.cache import KVCache
+from snlp.model.cache import KVCache, RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
 
@@ -66,7 +66,7 @@ class BatchSession:
     forward feeds)."""
 
     def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | None, max_len: int | None,
-                 on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep, slack: int = 0,
+                 on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
                  temperature: float = 0.0, seed: int | None = None):
         self.model, self.device = model, model.wte.weight.device
         if isinstance(prompts, Tensor):
@@ -80,10 +80,15 @@ class BatchSession:
             if n > cap:
                 raise ValueError(f"prompt {i} of {n} tokens is longer than the KV cache (max_len {cap})")
         self.budget = [min(max_new_tokens, cap - n) for n, cap in zip(lens, caps)]
+        # `step`: the step(s) this batch runs (a drafter and a verifier); if ANY is compiled, the cache size is the
+        # compiled one's bucket and the batch keeps its shape (a new batch size or cache size would compile a new
+        # graph mid-run, e.g. a compiled drafter beside an eager verifier: issue 27 item 14)
+        steps = tuple(step) if isinstance(step, (tuple, list)) else (step,)
+        lead = next((s for s in steps if s.compiled), steps[0])
         # slack: the verifier's / a compiled step's padding past a row's length (module docstring)
-        size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(step.prefill_pad, 1)
-        self.cache = KVCache.for_model(model, batch=len(self.prompts), max_len=step.cache_len(size))
-        self.compact = not step.compiled  # compiled graphs keep their batch shape (module docstring)
+        size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
+        self.cache = KVCache.for_model(model, batch=len(self.prompts), max_len=lead.cache_len(size))
+        self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n
                                        else "max_len") for n, cap in zip(lens, caps)]
@@ -103,13 +108,16 @@ class BatchSession:
         i = self.rows[j]
         return self.budget[i] - len(self.results[i].tokens)
 
-    def positions(self, T: int, extra: list[int] | None = None) -> Tensor:
-        """(B, T) positions of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
-        along (compiled) sit at their frozen length, which is scratch."""
+    def positions(self, T: int, extra: list[int] | None = None, real: list[int] | None = None) -> RowPositions:
+        """Positions (B, T) of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
+        along (compiled) sit at their frozen length, which is scratch. `real[j]`: how many of row j's T tokens are
+        real (the rest is end padding; default all). Eagerly the call also carries its span: attention covers
+        positions 0..span-1 only, all this call needs (compiled steps drop it: their shapes must not change)."""
         starts = self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)]
-        if self.compact:  # eager: attention covers positions 0..span-1 only (KVCache.write), all this call needs
-            self.cache.span = max(starts) + T
-        return torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        mask = None if real is None else \
+            torch.arange(T, device=self.device) < torch.tensor(real, device=self.device)[:, None]  # (B, T)
+        return RowPositions(pos, span=max(starts) + T if self.compact else None, real=mask)
 
     def ids(self, rows: list[list[int]], T: int | None = None) -> Tensor:
         """(B, T) ids, each row padded at its end (repeating its last token) to T (default: the longest row)."""
@@ -119,13 +127,16 @@ class BatchSession:
     def prefill(self, step: Step | EagerStep) -> None:
         """Cache every prompt but its last token: one ragged forward over the right-padded prompts."""
         T = -(-max(self.lens) // step.prefill_pad) * step.prefill_pad
-        pos = torch.arange(T, device=self.device).expand(len(self.prompts), T)
+        # every row from position 0 (lens are the prompts' cached lengths here); row j's first lens[j] tokens are
+        # real, the rest end padding that a `tol` plan's stop test must not see (RowPositions.real)
+        pos = RowPositions(torch.arange(T, device=self.device).repeat(len(self.prompts), 1),
+                           span=T if self.compact else None,
+                           real=torch.arange(T, device=self.device) < torch.tensor(self.lens, device=self.device)[:, None])
         if T > 0:
             step.warm_ragged(self.cache, pos)  # compiled before the timer starts
         t0 = now(self.device)
         if T > 0:
             rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]
-            self.cache.span = T if self.compact else None
             step.ragged(self.ids(rows, T), pos, self.cache)
         self.prefill_s = now(self.device) - t0
         for r in self.results:
@@ -185,6 +196,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                          on_tokens: RowsCallback | None) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
     check_batch_plan(plan)
+    c0 = forward.compile_s  # a prebuilt step's total so far: this call reports only what it compiled
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
                            forward.slack, temperature, seed)
@@ -203,5 +215,5 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                 ses.emit(j, [nxt[j]], 1)
             ses.drop_finished()
         for r in ses.results:
-            r.compile_s = forward.compile_s
+            r.compile_s = forward.compile_s - c0
         return ses.finish()

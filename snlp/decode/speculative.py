@@ -239,8 +239,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     greedy = temperature == 0
     ctl = AdaptiveBlock(block) if adaptive else None
     with torch.inference_mode():
-        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
-                       step_slack(draft_fwd, verify_fwd) + block)
+        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
+                            (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block)
         res, cache, dev = ses.result, ses.cache, ses.device
         res.plan, res.block = str(plan), block
         gen = None if greedy else make_generator(seed, dev)
@@ -382,9 +382,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
     number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
     own length (its "rollback")."""
     check_batch_plan(plan)
+    c0 = draft_fwd.compile_s + verify_fwd.compile_s  # prebuilt steps' totals so far: report this call's only
     with torch.inference_mode():
-        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
-                           step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
+        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
+                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
         ctl = AdaptiveBlock(block, len(ses.rows)) if adaptive else None
         for r in ses.results:
             r.plan, r.block = str(plan), block
@@ -416,5 +417,5 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
                 ctl.keep_rows(keep)
             ses.drop_finished()
         for r in ses.results:
-            r.compile_s = draft_fwd.compile_s + verify_fwd.compile_s
+            r.compile_s = draft_fwd.compile_s + verify_fwd.compile_s - c0
         return ses.finish()
