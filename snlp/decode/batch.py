@@ -87,7 +87,7 @@ class BatchSession:
         lead = next((s for s in steps if s.compiled), steps[0])
         # slack: the verifier's / a compiled step's padding past a row's length (module docstring)
         size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
-        self.cache = KVCache.for_model(model, batch=len(self.prompts), max_len=lead.cache_len(size))
+        self.cache = lead.new_cache(model, len(self.prompts), lead.cache_len(size))
         self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n

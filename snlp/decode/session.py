@@ -157,7 +157,8 @@ class DecodeSession:
         lead = next((s for s in steps if s.compiled), steps[0] if steps else None)
         size = max_len + slack if lead is None else lead.cache_len(max_len + slack)
         # `make_cache(max_len)`: another cache layout, e.g. a distributed rank's window of its own layers
-        self.cache = KVCache.for_model(model, batch=1, max_len=size) if make_cache is None else make_cache(size)
+        self.cache = make_cache(size) if make_cache is not None else \
+            KVCache.for_model(model, batch=1, max_len=size) if lead is None else lead.new_cache(model, 1, size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.out: list[int] = []

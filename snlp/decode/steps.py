@@ -107,7 +107,7 @@ class Step:
             raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
         self.prefill_pad, self.compiled = prefill_pad, compile
         self.slack = prefill_pad  # extra cache positions padding may write past the logical length
-        self.compile_s, self._seen = 0.0, set()
+        self.compile_s, self._seen, self._pool = 0.0, set(), {}
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
@@ -134,6 +134,19 @@ class Step:
             logits = logits.clone()
         cache.advance(T)
         return logits[:, :T] if n > T else logits
+
+    def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
+        """An empty cache for a decode call through this step. With CUDA graphs the buffers of a shape are reused
+        from call to call (a call's positions are all written before they are read, snlp.model.cache), so the
+        graph's static cache address never changes and no later call re-records it; otherwise a new cache."""
+        if self.mode != "reduce-overhead":
+            return KVCache.for_model(model, batch=batch, max_len=max_len)
+        w = model.wte.weight
+        key = (id(model), batch, max_len, w.dtype, w.device)
+        if key not in self._pool:
+            self._pool[key] = KVCache.for_model(model, batch=batch, max_len=max_len)
+        kept = self._pool[key]
+        return KVCache(k=kept.k, v=kept.v)  # a fresh length over the same (static-address) buffers
 
     def cache_len(self, n: int) -> int:
         """Cache length to allocate for n positions: the next power of two (>= MIN_CACHE). The cache's size is a
@@ -250,6 +263,9 @@ class EagerStep:
 
     def cache_len(self, n: int) -> int:
         return n
+
+    def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
+        return KVCache.for_model(model, batch=batch, max_len=max_len)
 
     def warm(self, cache: KVCache, lengths) -> float:
         return 0.0
