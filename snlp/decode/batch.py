@@ -101,6 +101,33 @@ class BatchSession:
         self.prefill_s = 0.0
 
     @property
+    def plain(self) -> bool:
+        """One row left (a single prompt, or an eager batch compacted down to one row): calls run the plain cached
+        forward at the row's length (`call`), the single-prompt path: an int start, so no per-row mask is built and
+        a one-token query attends through SDPA's unmasked fast path (the masked ragged path costs ~1 ms per forward
+        on small CPU models), and compiled steps run their single-prompt graphs."""
+        return len(self.rows) == 1 and (self.compact or len(self.prompts) == 1)
+
+    def call(self, step: Step | EagerStep, rows: list[list[int]], T: int | None = None, extra: list[int] | None = None,
+             pad_to: int | None = None) -> Tensor:
+        """Logits (B, T', V) of one forward over `rows` (row j's tokens at lens[j] (+ extra[j]) ..; padded at their
+        end to T, default the longest): a ragged call, or with one row (`plain`) the plain cached forward at that
+        row's length (T' is then the row's own length; `pad_to` pads a compiled call, e.g. the verifier's B+1)."""
+        if self.plain:
+            self.cache.seek(self.lens[0] + (extra[0] if extra is not None else 0))
+            return step(self.ids(rows), self.cache, pad_to=pad_to)  # advances the length: callers re-seek
+        T = T if T is not None else pad_to if pad_to is not None else max(len(r) for r in rows)
+        return step.ragged(self.ids(rows, T), self.positions(T, extra), self.cache)
+
+    def warm(self, step: Step | EagerStep, T: int) -> None:
+        """Compile `step` for calls of T tokens before anything is timed (a no-op eagerly or for a seen shape)."""
+        if self.plain:
+            self.cache.seek(0)
+            step.warm(self.cache, [T])
+        else:
+            step.warm_ragged(self.cache, self.positions(T, [1] * len(self.rows)))  # scratch: past every prompt
+
+    @property
     def active(self) -> bool:
         return not all(self.done[i] for i in self.rows)
 
@@ -125,7 +152,18 @@ class BatchSession:
         return torch.tensor([r + [r[-1]] * (T - len(r)) for r in rows], dtype=torch.long, device=self.device)
 
     def prefill(self, step: Step | EagerStep) -> None:
-        """Cache every prompt but its last token: one ragged forward over the right-padded prompts."""
+        """Cache every prompt but its last token: one ragged forward over the right-padded prompts (one prompt: the
+        plain padded prefill of the single-prompt path)."""
+        if self.plain:
+            n = self.lens[0]
+            self.cache.seek(0)
+            step.warm(self.cache, [step.prefill_len(n)] if n else [])
+            t0 = now(self.device)
+            if n:
+                step.prefill(self.ids([self.prompts[self.rows[0]][:-1]]), self.cache)
+            self.prefill_s = self.results[self.rows[0]].prefill_s = now(self.device) - t0
+            self.t0 = now(self.device)
+            return
         T = -(-max(self.lens) // step.prefill_pad) * step.prefill_pad
         # every row from position 0 (lens are the prompts' cached lengths here); row j's first lens[j] tokens are
         # real, the rest end padding that a `tol` plan's stop test must not see (RowPositions.real)

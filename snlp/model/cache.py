@@ -125,6 +125,13 @@ class KVCache:
         self.v[layers, ..., start:stop, :] = v
         return self.k[layers, ..., :stop, :], self.v[layers, ..., :stop, :]
 
+    def seek(self, length: int) -> None:
+        """Set the valid length to any position whose K/V have been written (a decode loop that keeps its rows'
+        lengths itself, e.g. a batch of one row, snlp.decode.batch, moves the pointer both ways)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot seek a KV cache of max_len {self.max_len} to length {length}")
+        self.length = length
+
     def advance(self, n: int) -> None:
         """Commit n more positions (their K/V must have been written)."""
         if n < 0 or self.length + n > self.max_len:

@@ -135,3 +135,33 @@ def test_a_cache_holds_no_per_call_state():
     length only, so one shared cache can serve an eager and a compiled step in the same loop."""
     import dataclasses
     assert [f.name for f in dataclasses.fields(KVCache)] == ["k", "v", "length"]
+
+
+# ----- one speculative round for one prompt and for a batch (a single prompt is a batch of one)
+
+@pytest.mark.parametrize("plan", ["6xF1-h0-K1", "3xF2-h0-K1", "6xF1-fwd-K2", "6xF1-h0-K3-tol:0.3",
+                                  "3xF1-h0-K1-diag:fd", "2xF1-h0-K2-order:reversed"])
+def test_single_prompt_speculative_equals_the_argmax_loop_and_its_batch_row(plan):
+    """Greedy speculative decoding of one prompt (fixed block, adaptive block, confidence stop) equals the naive
+    full-prefix argmax loop, streams what it returns, and equals its row in a ragged batch (eager) for the plans a
+    batch supports; the per-row surrogates a batch refuses (diag) still decode a single prompt."""
+    m = make_model(seed=7, n_layer=6)
+    prompts = _prompts(m, (6, 2, 11), 7)
+    ref = [_argmax_loop(m, p, 9) for p in prompts]
+    for kw in (dict(block=3), dict(block=4, adaptive=True), dict(block=4, min_confidence=0.4)):
+        got = []
+        one = speculative_generate(m, prompts[0], plan, max_new_tokens=9, on_tokens=got.extend, **kw)
+        assert one.tokens == got == ref[0] and "batch" not in one.extra
+        assert one.drafted <= one.rounds * kw["block"] and one.accepted <= one.drafted
+        if "diag" not in plan:
+            assert [r.tokens for r in speculative_generate(m, prompts, plan, max_new_tokens=9, **kw)] == ref
+
+
+def test_sampled_single_prompt_equals_its_batch_row():
+    """Sampling: one prompt with seed s draws what row 0 of a batch draws (its generator is seeded s + 0), in fp64."""
+    m = make_model(seed=8, n_layer=4)
+    prompts = _prompts(m, (3, 8), 8)
+    kw = dict(block=3, max_new_tokens=12, temperature=0.8, seed=11)
+    one = speculative_generate(m, prompts[0], "4xF1-h0-K1", **kw)
+    rows = speculative_generate(m, prompts, "4xF1-h0-K1", **kw)
+    assert one.tokens == rows[0].tokens and len(one.tokens) == 12
