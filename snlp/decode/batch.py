@@ -2,7 +2,9 @@
 
 `sequential_generate`, `snlp_generate` and `speculative_generate` given a LIST of prompts (or a (B, T) tensor with
 B > 1) decode them as one batch and return one GenerateResult per prompt, in order; one prompt still returns one
-result, decoded by the single-prompt loops (snlp.decode.session).
+result. Self-speculative decoding runs ONE round for both: a single prompt is a batch of one whose forwards take
+the plain cached path (`BatchSession.plain`: an int start, no per-row mask), so a fix to the round lands once;
+sequential / SNLP decoding of one prompt keeps its own short loop (snlp.decode.generate).
 
 Layout: ragged rows, LEFT-ALIGNED in one static KV cache (snlp.model.cache.KVCache, batch B). Row b's tokens sit at
 slots 0..len_b-1 and its RoPE position is the slot, so every row is laid out exactly as it would be alone (no
@@ -34,7 +36,7 @@ from torch import Tensor
 from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
-from snlp.model.cache import KVCache, RowPositions
+from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
 
@@ -135,16 +137,14 @@ class BatchSession:
         i = self.rows[j]
         return self.budget[i] - len(self.results[i].tokens)
 
-    def positions(self, T: int, extra: list[int] | None = None, real: list[int] | None = None) -> RowPositions:
+    def positions(self, T: int, extra: list[int] | None = None) -> RowPositions:
         """Positions (B, T) of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
-        along (compiled) sit at their frozen length, which is scratch. `real[j]`: how many of row j's T tokens are
-        real (the rest is end padding; default all). Eagerly the call also carries its span: attention covers
-        positions 0..span-1 only, all this call needs (compiled steps drop it: their shapes must not change)."""
+        along (compiled) sit at their frozen length, which is scratch. Eagerly the call also carries its span:
+        attention covers positions 0..span-1 only, all this call needs (compiled steps drop it: their shapes must
+        not change). Every token counts as real: only the prefill pads rows that an SNLP plan reads (`prefill`)."""
         starts = self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)]
         pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-        mask = None if real is None else \
-            torch.arange(T, device=self.device) < torch.tensor(real, device=self.device)[:, None]  # (B, T)
-        return RowPositions(pos, span=max(starts) + T if self.compact else None, real=mask)
+        return RowPositions(pos, span=max(starts) + T if self.compact else None)
 
     def ids(self, rows: list[list[int]], T: int | None = None) -> Tensor:
         """(B, T) ids, each row padded at its end (repeating its last token) to T (default: the longest row)."""
@@ -169,7 +169,8 @@ class BatchSession:
         # real, the rest end padding that a `tol` plan's stop test must not see (RowPositions.real)
         pos = RowPositions(torch.arange(T, device=self.device).repeat(len(self.prompts), 1),
                            span=T if self.compact else None,
-                           real=torch.arange(T, device=self.device) < torch.tensor(self.lens, device=self.device)[:, None])
+                           real=torch.arange(T, device=self.device) < torch.tensor(self.lens, device=self.device)[:, None]
+                           )
         if T > 0:
             step.warm_ragged(self.cache, pos)  # compiled before the timer starts
         t0 = now(self.device)

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
-                                 merge_results, sequential_forward, snlp_forward, step_slack)
+from snlp.decode.session import (GenerateResult, check_decode_args, decode_plan, merge_results, sequential_forward,
+                                 snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan

@@ -89,7 +89,8 @@ def test_compiled_ragged_prefill_compiles_once():
 def test_compiled_drafter_with_eager_verifier_compiles_nothing_per_step():
     """Item 14: a compiled drafter beside the eager verifier compiles its graph once for a batch, not at every step
     (on a6631c2 the eager verifier's span, state on the shared cache, changed the drafter's attended cache length every
-    step: a recompile each), and a second call with a fresh cache compiles nothing. Greedy rows equal the argmax loop."""
+    step: a recompile each), and a second call with a fresh cache compiles nothing. Greedy rows equal the argmax
+    loop."""
     m = make_model(seed=2, n_layer=4)
     runner = bind(m, "4xF1-h0-K1", check_finite=False)
     draft, cnt = _counted(snlp_fn(runner))
