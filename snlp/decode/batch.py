@@ -2,7 +2,9 @@
 
 `sequential_generate`, `snlp_generate` and `speculative_generate` given a LIST of prompts (or a (B, T) tensor with
 B > 1) decode them as one batch and return one GenerateResult per prompt, in order; one prompt still returns one
-result, decoded by the single-prompt loops (snlp.decode.session).
+result. Self-speculative decoding runs ONE round for both: a single prompt is a batch of one whose forwards take
+the plain cached path (`BatchSession.plain`: an int start, no per-row mask), so a fix to the round lands once;
+sequential / SNLP decoding of one prompt keeps its own short loop (snlp.decode.generate).
 
 Layout: ragged rows, LEFT-ALIGNED in one static KV cache (snlp.model.cache.KVCache, batch B). Row b's tokens sit at
 slots 0..len_b-1 and its RoPE position is the slot, so every row is laid out exactly as it would be alone (no
@@ -34,7 +36,7 @@ from torch import Tensor
 from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
-from snlp.model.cache import KVCache
+from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
 
@@ -66,7 +68,7 @@ class BatchSession:
     forward feeds)."""
 
     def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | None, max_len: int | None,
-                 on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep, slack: int = 0,
+                 on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
                  temperature: float = 0.0, seed: int | None = None):
         self.model, self.device = model, model.wte.weight.device
         if isinstance(prompts, Tensor):
@@ -80,10 +82,15 @@ class BatchSession:
             if n > cap:
                 raise ValueError(f"prompt {i} of {n} tokens is longer than the KV cache (max_len {cap})")
         self.budget = [min(max_new_tokens, cap - n) for n, cap in zip(lens, caps)]
+        # `step`: the step(s) this batch runs (a drafter and a verifier); if ANY is compiled, the cache size is the
+        # compiled one's bucket and the batch keeps its shape (a new batch size or cache size would compile a new
+        # graph mid-run, e.g. a compiled drafter beside an eager verifier: issue 27 item 14)
+        steps = tuple(step) if isinstance(step, (tuple, list)) else (step,)
+        lead = next((s for s in steps if s.compiled), steps[0])
         # slack: the verifier's / a compiled step's padding past a row's length (module docstring)
-        size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(step.prefill_pad, 1)
-        self.cache = KVCache.for_model(model, batch=len(self.prompts), max_len=step.cache_len(size))
-        self.compact = not step.compiled  # compiled graphs keep their batch shape (module docstring)
+        size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
+        self.cache = lead.new_cache(model, len(self.prompts), lead.cache_len(size))
+        self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n
                                        else "max_len") for n, cap in zip(lens, caps)]
@@ -96,6 +103,33 @@ class BatchSession:
         self.prefill_s = 0.0
 
     @property
+    def plain(self) -> bool:
+        """One row left (a single prompt, or an eager batch compacted down to one row): calls run the plain cached
+        forward at the row's length (`call`), the single-prompt path: an int start, so no per-row mask is built and
+        a one-token query attends through SDPA's unmasked fast path (the masked ragged path costs ~1 ms per forward
+        on small CPU models), and compiled steps run their single-prompt graphs."""
+        return len(self.rows) == 1 and (self.compact or len(self.prompts) == 1)
+
+    def call(self, step: Step | EagerStep, rows: list[list[int]], T: int | None = None, extra: list[int] | None = None,
+             pad_to: int | None = None) -> Tensor:
+        """Logits (B, T', V) of one forward over `rows` (row j's tokens at lens[j] (+ extra[j]) ..; padded at their
+        end to T, default the longest): a ragged call, or with one row (`plain`) the plain cached forward at that
+        row's length (T' is then the row's own length; `pad_to` pads a compiled call, e.g. the verifier's B+1)."""
+        if self.plain:
+            self.cache.seek(self.lens[0] + (extra[0] if extra is not None else 0))
+            return step(self.ids(rows), self.cache, pad_to=pad_to)  # advances the length: callers re-seek
+        T = T if T is not None else pad_to if pad_to is not None else max(len(r) for r in rows)
+        return step.ragged(self.ids(rows, T), self.positions(T, extra), self.cache)
+
+    def warm(self, step: Step | EagerStep, T: int) -> None:
+        """Compile `step` for calls of T tokens before anything is timed (a no-op eagerly or for a seen shape)."""
+        if self.plain:
+            self.cache.seek(0)
+            step.warm(self.cache, [T])
+        else:
+            step.warm_ragged(self.cache, self.positions(T, [1] * len(self.rows)))  # scratch: past every prompt
+
+    @property
     def active(self) -> bool:
         return not all(self.done[i] for i in self.rows)
 
@@ -103,13 +137,14 @@ class BatchSession:
         i = self.rows[j]
         return self.budget[i] - len(self.results[i].tokens)
 
-    def positions(self, T: int, extra: list[int] | None = None) -> Tensor:
-        """(B, T) positions of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
-        along (compiled) sit at their frozen length, which is scratch."""
+    def positions(self, T: int, extra: list[int] | None = None) -> RowPositions:
+        """Positions (B, T) of a call of T tokens: row j at lens[j] (+ extra[j]) ..; finished rows that still ride
+        along (compiled) sit at their frozen length, which is scratch. Eagerly the call also carries its span:
+        attention covers positions 0..span-1 only, all this call needs (compiled steps drop it: their shapes must
+        not change). Every token counts as real: only the prefill pads rows that an SNLP plan reads (`prefill`)."""
         starts = self.lens if extra is None else [n + e for n, e in zip(self.lens, extra)]
-        if self.compact:  # eager: attention covers positions 0..span-1 only (KVCache.write), all this call needs
-            self.cache.span = max(starts) + T
-        return torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        return RowPositions(pos, span=max(starts) + T if self.compact else None)
 
     def ids(self, rows: list[list[int]], T: int | None = None) -> Tensor:
         """(B, T) ids, each row padded at its end (repeating its last token) to T (default: the longest row)."""
@@ -117,15 +152,30 @@ class BatchSession:
         return torch.tensor([r + [r[-1]] * (T - len(r)) for r in rows], dtype=torch.long, device=self.device)
 
     def prefill(self, step: Step | EagerStep) -> None:
-        """Cache every prompt but its last token: one ragged forward over the right-padded prompts."""
+        """Cache every prompt but its last token: one ragged forward over the right-padded prompts (one prompt: the
+        plain padded prefill of the single-prompt path)."""
+        if self.plain:
+            n = self.lens[0]
+            self.cache.seek(0)
+            step.warm(self.cache, [step.prefill_len(n)] if n else [])
+            t0 = now(self.device)
+            if n:
+                step.prefill(self.ids([self.prompts[self.rows[0]][:-1]]), self.cache)
+            self.prefill_s = self.results[self.rows[0]].prefill_s = now(self.device) - t0
+            self.t0 = now(self.device)
+            return
         T = -(-max(self.lens) // step.prefill_pad) * step.prefill_pad
-        pos = torch.arange(T, device=self.device).expand(len(self.prompts), T)
+        # every row from position 0 (lens are the prompts' cached lengths here); row j's first lens[j] tokens are
+        # real, the rest end padding that a `tol` plan's stop test must not see (RowPositions.real)
+        pos = RowPositions(torch.arange(T, device=self.device).repeat(len(self.prompts), 1),
+                           span=T if self.compact else None,
+                           real=torch.arange(T, device=self.device) < torch.tensor(self.lens, device=self.device)[:, None]
+                           )
         if T > 0:
             step.warm_ragged(self.cache, pos)  # compiled before the timer starts
         t0 = now(self.device)
         if T > 0:
             rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]
-            self.cache.span = T if self.compact else None
             step.ragged(self.ids(rows, T), pos, self.cache)
         self.prefill_s = now(self.device) - t0
         for r in self.results:
@@ -185,6 +235,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                          on_tokens: RowsCallback | None) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
     check_batch_plan(plan)
+    c0 = forward.compile_s  # a prebuilt step's total so far: this call reports only what it compiled
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
                            forward.slack, temperature, seed)
@@ -203,5 +254,5 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                 ses.emit(j, [nxt[j]], 1)
             ses.drop_finished()
         for r in ses.results:
-            r.compile_s = forward.compile_s
+            r.compile_s = forward.compile_s - c0
         return ses.finish()

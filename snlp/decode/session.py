@@ -139,7 +139,7 @@ class DecodeSession:
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
-                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | None = None,
+                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
                  slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = prompt_ids_list(model, prompt_ids)
@@ -151,9 +151,14 @@ class DecodeSession:
         # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
         # allocated at its bucketed length (snlp.decode.steps: the size is a graph shape); positions past max_len are
         # never valid, the budget below is what counts
-        size = max_len + slack if step is None else step.cache_len(max_len + slack)
+        # with several steps (a drafter and a verifier) a compiled one sets the size: an eager verifier's exact size
+        # would give a compiled drafter a new cache shape, i.e. a new graph, per call (issue 27 item 14)
+        steps = tuple(step) if isinstance(step, (tuple, list)) else (() if step is None else (step,))
+        lead = next((s for s in steps if s.compiled), steps[0] if steps else None)
+        size = max_len + slack if lead is None else lead.cache_len(max_len + slack)
         # `make_cache(max_len)`: another cache layout, e.g. a distributed rank's window of its own layers
-        self.cache = KVCache.for_model(model, batch=1, max_len=size) if make_cache is None else make_cache(size)
+        self.cache = make_cache(size) if make_cache is not None else \
+            KVCache.for_model(model, batch=1, max_len=size) if lead is None else lead.new_cache(model, 1, size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
         self.eos_id, self.on_tokens = eos_id, on_tokens
         self.out: list[int] = []
@@ -208,8 +213,14 @@ def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None) 
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
+    """A generator for one run's draws: seeded with `seed`, or, without one, from fresh OS entropy
+    (Generator.seed()) WITHOUT touching torch's global RNG (torch.seed() would reseed it: a caller's seeded
+    global stream would change under a sampling call, issue 27 item 11)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
     return gen
 
 

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
-                                 merge_results, sequential_forward, snlp_forward, step_slack)
+from snlp.decode.session import (GenerateResult, check_decode_args, decode_plan, merge_results, sequential_forward,
+                                 snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
@@ -236,54 +236,13 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     if is_batch(prompt_ids):
         return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
                                  eos_id, seed, max_len, on_tokens, min_confidence, adaptive)
-    greedy = temperature == 0
-    ctl = AdaptiveBlock(block) if adaptive else None
-    with torch.inference_mode():
-        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
-                       step_slack(draft_fwd, verify_fwd) + block)
-        res, cache, dev = ses.result, ses.cache, ses.device
-        res.plan, res.block = str(plan), block
-        gen = None if greedy else make_generator(seed, dev)
-        ses.warm(verify_fwd, [verify_fwd.prefill_len(len(ses.prompt) - 1), block + 1])
-        ses.warm(draft_fwd, [1])
-        ses.prefill(verify_fwd)
-        while not ses.done:
-            P, Bk = cache.length, min(block if ctl is None else ctl.block(), ses.remaining - 1)  # none past the budget
-            t0 = now(dev)
-            drafts, qs, x = [], [], ses.last
-            for _ in range(Bk):  # the drafter: SNLP decode steps, cached
-                logits = draft_fwd(ses.ids([x]), cache)[0, -1]
-                if greedy:
-                    x = int(logits.argmax())
-                    conf = float(torch.softmax(logits.float(), -1)[x]) if min_confidence else 1.0
-                else:
-                    qs.append(torch.softmax(logits.float() / temperature, -1))
-                    x = int(torch.multinomial(qs[-1], 1, generator=gen))
-                    conf = float(qs[-1][x]) if min_confidence else 1.0
-                drafts.append(x)
-                if conf < min_confidence:  # likely rejected: verify what we have instead of drafting on
-                    break
-            Bk = len(drafts)
-            t1 = now(dev)
-            cache.rollback(P)  # verification rewrites positions P..P+Bk with exact K/V
-            logits = verify_fwd(ses.ids([ses.last] + drafts), cache, pad_to=block + 1)[0]  # (Bk+1, V)
-            if greedy:
-                target = logits.argmax(-1).tolist()
-                n = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
-                nxt = target[n]
-            else:
-                p = torch.softmax(logits.float() / temperature, -1)
-                q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
-                n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=dev).long(), gen)
-                n, nxt = int(n_t), int(nxt_t)
-            cache.rollback(P + n + 1)  # keep the exact K/V of `last` and the accepted drafts
-            t2 = now(dev)
-            if ctl is not None:
-                ctl.timed(t1 - t0, Bk, t2 - t1)
-                ctl.update(0, Bk, n)
-            res.add_round(Bk, n, steps=Bk, forwards=Bk + 1, draft_s=t1 - t0, verify_s=t2 - t1)
-            ses.emit(drafts[:n] + [nxt])
-        return ses.finish()
+    # one prompt: the same round as a batch, run as a batch of one (BatchSession.plain: the plain cached forwards
+    # of the single-prompt path, no masks), so every fix to the round lands once
+    stream = None if on_tokens is None else (lambda i, new: on_tokens(new))
+    res = _speculative_rows(model, [prompt_ids], plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
+                            eos_id, seed, max_len, stream, min_confidence, adaptive)[0]
+    res.extra.pop("batch", None)
+    return res
 
 
 class AdaptiveBlock:
@@ -335,7 +294,7 @@ def _draft_rows(ses: BatchSession, draft_fwd, want: list[int], temperature: floa
     going = [w > 0 for w in want]
     x, steps = list(ses.last), 0
     while any(going):
-        logits = draft_fwd.ragged(ses.ids([[t] for t in x]), ses.positions(1, [steps] * B), ses.cache)[:, -1]
+        logits = ses.call(draft_fwd, [[t] for t in x], 1, [steps] * B)[:, -1]  # (B, V)
         steps += 1
         if temperature == 0:
             x = logits.argmax(-1).tolist()
@@ -359,8 +318,7 @@ def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, 
     """One batched verifier forward over [last, drafts...] of every row (padded at the end); each row keeps its
     longest agreeing prefix (greedy) or its rejection-sampling prefix, plus one verifier token. Returns (n, next)."""
     rows = [[t] + d for t, d in zip(ses.last, drafts)]
-    T = max(len(r) for r in rows) if pad_to is None else pad_to
-    logits = verify_fwd.ragged(ses.ids(rows, T), ses.positions(T), ses.cache)  # (B, T, V)
+    logits = ses.call(verify_fwd, rows, pad_to=pad_to)  # (B, T, V), T >= every row's length
     if temperature == 0:
         target = logits.argmax(-1).tolist()
         ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts, target)]
@@ -380,17 +338,19 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
                       adaptive: bool) -> list[GenerateResult]:
     """Self-speculative decoding of a ragged batch (snlp.decode.batch): per round, every live row drafts its own
     number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
-    own length (its "rollback")."""
-    check_batch_plan(plan)
+    own length (its "rollback"). One prompt runs the same round as a batch of one (BatchSession.plain)."""
+    if len(prompts) != 1:  # one row runs the plain single-prompt forwards, which every surrogate supports
+        check_batch_plan(plan)
+    c0 = draft_fwd.compile_s + verify_fwd.compile_s  # prebuilt steps' totals so far: report this call's only
     with torch.inference_mode():
-        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative", verify_fwd,
-                           step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
+        ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
+                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
         ctl = AdaptiveBlock(block, len(ses.rows)) if adaptive else None
         for r in ses.results:
             r.plan, r.block = str(plan), block
         pad = block + 1 if verify_fwd.compiled else None  # one verifier graph: every round at B+1
-        draft_fwd.warm_ragged(ses.cache, ses.positions(1, [1] * len(ses.rows)))
-        verify_fwd.warm_ragged(ses.cache, ses.positions(block + 1, [1] * len(ses.rows)))
+        ses.warm(draft_fwd, 1)
+        ses.warm(verify_fwd, block + 1)
         ses.prefill(verify_fwd)
         while ses.active:
             live = set(ses.live())
@@ -416,5 +376,5 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
                 ctl.keep_rows(keep)
             ses.drop_finished()
         for r in ses.results:
-            r.compile_s = draft_fwd.compile_s + verify_fwd.compile_s
+            r.compile_s = draft_fwd.compile_s + verify_fwd.compile_s - c0
         return ses.finish()

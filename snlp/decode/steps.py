@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from snlp.model.cache import KVCache
+from snlp.model.cache import KVCache, RowPositions
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.gpt import GPT
 from snlp.method.solver import Runner
@@ -98,20 +98,22 @@ class Step:
     the static-shape path (positions as a tensor) and, with `compile`, torch.compile(fullgraph=True) of it
     (mode="reduce-overhead", i.e. CUDA graphs, on CUDA; inductor's C++ on CPU). `pad_to` pads a call to a
     fixed length (the verifier's B+1); `prefill` pads to a multiple of `prefill_pad`. Logits are cloned out
-    of CUDA-graph memory, which the next replay overwrites."""
+    of CUDA-graph memory, which the next replay overwrites. `backend`: another torch.compile backend (e.g.
+    torch._dynamo.testing.CompileCounter, which counts the graphs dynamo compiles without inductor's cost)."""
 
-    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD):
+    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None):
         self.device = torch.device(device)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
             raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
         self.prefill_pad, self.compiled = prefill_pad, compile
         self.slack = prefill_pad  # extra cache positions padding may write past the logical length
-        self.compile_s, self._seen = 0.0, set()
+        self.compile_s, self._seen, self._pool = 0.0, set(), {}
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            fn = compile_fullgraph(fn, self.device, dynamic=False)
+            fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
+                torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.fn = fn
-        self.mode = "reduce-overhead" if compile and self.device.type == "cuda" else None
+        self.mode = "reduce-overhead" if compile and backend is None and self.device.type == "cuda" else None
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         B, T = idx.shape
@@ -122,17 +124,29 @@ class Step:
 
     def _run(self, idx: Tensor, cache: KVCache, T: int, n: int) -> Tensor:
         B = idx.shape[0]
-        # a fresh contiguous long inference tensor every call: the graph's guards check the input's dtype,
-        # strides and dispatch keys, so a slice or a tensor made outside inference mode would recompile
-        idx = idx.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
         if n > T:  # repeat the last token: positions after the real ones are scratch (module docstring)
             idx = torch.cat([idx, idx[:, -1:].expand(B, n - T)], 1)
+        idx = self.graph_input(idx)  # laid out as the warm-up's (graph_input): the guards pass
         self.warm(cache, [n])  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
-        logits = self.fn(idx, torch.arange(cache.length, cache.length + n, device=self.device), cache)
+        pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
+        logits = self.fn(idx, pos, cache)
         if self.mode == "reduce-overhead":
             logits = logits.clone()
         cache.advance(T)
         return logits[:, :T] if n > T else logits
+
+    def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
+        """An empty cache for a decode call through this step. With CUDA graphs the buffers of a shape are reused
+        from call to call (a call's positions are all written before they are read, snlp.model.cache), so the
+        graph's static cache address never changes and no later call re-records it; otherwise a new cache."""
+        if self.mode != "reduce-overhead":
+            return KVCache.for_model(model, batch=batch, max_len=max_len)
+        w = model.wte.weight
+        key = (id(model), batch, max_len, w.dtype, w.device)
+        if key not in self._pool:
+            self._pool[key] = KVCache.for_model(model, batch=batch, max_len=max_len)
+        kept = self._pool[key]
+        return KVCache(k=kept.k, v=kept.v)  # a fresh length over the same (static-address) buffers
 
     def cache_len(self, n: int) -> int:
         """Cache length to allocate for n positions: the next power of two (>= MIN_CACHE). The cache's size is a
@@ -151,33 +165,49 @@ class Step:
         """A prompt (B, T): padded up to a multiple of `prefill_pad`, so prompts of similar length share a graph."""
         return self(idx, cache, pad_to=self.prefill_len(idx.shape[1]))
 
-    def ragged(self, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+    def graph_input(self, x: Tensor) -> Tensor:
+        """`x` as every compiled call receives it: a fresh contiguous long inference tensor on the step's device.
+        The graph's guards check dtype, strides and dispatch keys, so a warm-up with an expanded (stride 0) or
+        non-inference tensor and a real call with a contiguous one would compile twice (issue 27 item 13)."""
+        with torch.inference_mode():
+            return x.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
+
+    def key(self, kind, cache: KVCache, n: int) -> tuple:
+        """What a compiled graph is specialised on: every static shape (batch, length, cache size) and, with CUDA
+        graphs, the cache's buffer (a new address re-records the graph, so a fresh cache is warmed too)."""
+        buf = (cache.k.data_ptr(), cache.v.data_ptr()) if self.mode == "reduce-overhead" else ()
+        return (kind, cache.batch, n, cache.max_len, *buf)
+
+    def ragged(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> Tensor:
         """A ragged batched call (snlp.decode.batch): idx (B, T) with row b at its own positions pos[b] (B, T);
         the cache's length is neither read nor advanced (the caller keeps every row's length). A new shape
-        compiles here (into compile_s); `warm_ragged` does that before a decode loop's timers start."""
+        compiles here (into compile_s); `warm_ragged` does that before a decode loop's timers start. Of a
+        RowPositions only the positions enter the graph (its span would change the shapes; `real` only serves
+        `tol` plans, which do not compile)."""
+        pos = self.graph_input(pos.pos if isinstance(pos, RowPositions) else pos)
         with torch.inference_mode():
-            idx = idx.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
-            pos = pos.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
+            idx = self.graph_input(idx)
             self.warm_ragged(cache, pos)
             logits = self.fn(idx, pos, cache)
             return logits.clone() if self.mode == "reduce-overhead" else logits
 
-    def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:
+    def warm_ragged(self, cache: KVCache, pos: Tensor | RowPositions) -> float:
         """Compile the ragged graph for positions of this shape (B, T). It runs at `pos`, which must be scratch
-        (past every row's length): the real call writes there again before anything reads it."""
-        key = ("ragged", cache.batch, pos.shape[1], cache.max_len)
+        (past every row's length): the real call writes there again before anything reads it. The inputs are
+        laid out exactly as `ragged` lays them out (`graph_input`), so the real call compiles nothing new."""
+        pos = self.graph_input(pos.pos if isinstance(pos, RowPositions) else pos)
+        key = self.key("ragged", cache, pos.shape[1])
         if not self.compiled or key in self._seen:
             return 0.0
-        if self.mode == "reduce-overhead":
-            mark_static(cache.k, cache.v)
         sync(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.fn(torch.zeros(pos.shape, dtype=torch.long, device=self.device), pos.to(self.device), cache)
+            self.fn(self.graph_input(torch.zeros(pos.shape, dtype=torch.long, device=self.device)), pos, cache)
         sync(self.device)
         self._seen.add(key)
-        self.compile_s += time.perf_counter() - t0
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.compile_s += dt
+        return dt
 
     def warm(self, cache: KVCache, lengths) -> float:
         """Compile the graphs for calls that will run at these (already padded, see `prefill_len`) lengths
@@ -186,16 +216,15 @@ class Step:
         overwrite before reading (snlp.model.cache)."""
         t = 0.0
         for n in lengths:
-            key = (cache.batch, n, cache.max_len)  # every static shape of the graph: a new one compiles
+            key = self.key("step", cache, n)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
                 continue
-            if self.mode == "reduce-overhead":
-                mark_static(cache.k, cache.v)
             sync(self.device)
             t0 = time.perf_counter()
             with torch.inference_mode():  # as __call__ runs it: same guards, same graph
-                idx = torch.zeros(cache.batch, n, dtype=torch.long, device=self.device)
-                self.fn(idx, torch.arange(cache.length, cache.length + n, device=self.device), cache)
+                idx = self.graph_input(torch.zeros(cache.batch, n, dtype=torch.long, device=self.device))
+                pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
+                self.fn(idx, pos, cache)
             sync(self.device)
             t += time.perf_counter() - t0
             self._seen.add(key)
@@ -212,8 +241,9 @@ class EagerStep:
     def __init__(self, forward: Callable[[Tensor, KVCache], Tensor], fn: StepFn | None = None):
         self.forward, self.fn = forward, fn  # fn: the positions-tensor forward that ragged batches run
 
-    def ragged(self, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-        """A ragged batched call (see Step.ragged), eager: the whole cache is attended under per-row masks."""
+    def ragged(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> Tensor:
+        """A ragged batched call (see Step.ragged), eager: the cache's positions 0..span-1 (all of it without a
+        span) are attended under per-row masks."""
         if self.fn is None:
             raise ValueError("this eager step has no positions-tensor forward (EagerStep(forward, fn=...)), which "
                              "batched decoding of prompts of different lengths needs")
@@ -233,6 +263,9 @@ class EagerStep:
 
     def cache_len(self, n: int) -> int:
         return n
+
+    def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
+        return KVCache.for_model(model, batch=batch, max_len=max_len)
 
     def warm(self, cache: KVCache, lengths) -> float:
         return 0.0

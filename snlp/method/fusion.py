@@ -361,6 +361,8 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
     if cache is not None:
         kc, vc = cache.write(slice(w.start, w.start + C * M), k.reshape(C * M, B, Hkv, T, hd),
                              v.reshape(C * M, B, Hkv, T, hd), ctx.start)  # (C*M, B, Hkv, S, hd)
+        if ctx.span is not None:  # eager ragged call: attend over the positions in use only (RowPositions)
+            kc, vc = kc[..., :ctx.span, :], vc[..., :ctx.span, :]
         S = kc.shape[-2]
         k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
     y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0)  # (C, M, B, Hq, T, hd)

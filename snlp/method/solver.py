@@ -73,13 +73,19 @@ def as_plan(model: GPT, plan: Plan | str) -> Plan:
     return plan.check_model(model.config)
 
 
-def row_updates(d: Tensor, h: Tensor) -> Tensor:
+def row_updates(d: Tensor, h: Tensor, real: Tensor | None = None) -> Tensor:
     """(B,) float64 ||d_b|| / ||h_b|| of final-chunk tensors (B, T, ...). Norms in fp32 (fp64 for fp64 states),
     the ratio in fp64 so the per-row test `rel < tol` on the device and the host's `float(rel.max()) < tol`
-    (the Python float tol) compare the same numbers and can never disagree."""
+    (the Python float tol) compare the same numbers and can never disagree. `real` (B, T) bool: only those
+    positions count (a ragged batch pads short rows at their end; the padding must not move a row's stop test,
+    or a row would freeze, and cache K/V, differently than alone: issue 27 item 1)."""
     acc = torch.promote_types(h.dtype, torch.float32)
-    num = d.detach().to(acc).flatten(1).norm(dim=1).double()
-    return num / (h.detach().to(acc).flatten(1).norm(dim=1).double() + 1e-12)
+    d, h = d.detach().to(acc), h.detach().to(acc)
+    if real is not None:  # zero the padding: it adds nothing to either norm
+        keep = real.view(*real.shape, *[1] * (h.dim() - 2))
+        d, h = d.masked_fill(~keep, 0), h.masked_fill(~keep, 0)
+    num = d.flatten(1).norm(dim=1).double()
+    return num / (h.flatten(1).norm(dim=1).double() + 1e-12)
 
 
 def row_mask(done: Tensor, like: Tensor) -> Tensor:
@@ -189,7 +195,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
             states.append(h)
         if plan.tol:
             row_iters += 1 if done is None else ~done
-            rel = row_updates(d[-1], h[-1])  # (B,); 0 for frozen rows
+            rel = row_updates(d[-1], h[-1], ctx.real)  # (B,); 0 for frozen rows; end padding left out
             updates.append(float(rel.max()))  # the one host sync of the stop test: every row is below tol
             if updates[-1] < plan.tol:
                 break

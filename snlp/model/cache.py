@@ -27,6 +27,31 @@ import torch
 from torch import Tensor
 
 
+def mark_static_cuda(*tensors: Tensor) -> None:
+    """Mark CUDA cache buffers as static inputs of compiled (CUDA-graph) steps, at creation, for EVERY cache: a graph
+    then reads the buffer in place instead of copying the whole cache in per replay, and every cache is marked the
+    same way, so a fresh cache of a seen shape matches the compiled graph (docs/usage.md, "Compiled decoding: what
+    may change between calls"). Unguarded: a new buffer address re-records the CUDA graph (no recompile), which the
+    decode loops do in their warm-up (snlp.decode.steps.Step.warm). A no-op on CPU (no CUDA graphs there)."""
+    for t in tensors:
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t)
+
+
+@dataclass(frozen=True)
+class RowPositions:
+    """The positions of one ragged batched call (snlp.decode.batch), passed as `pos=` with the ids: a step is a
+    function of its arguments, the cache only data. pos (B, T): row b's tokens sit at positions pos[b]. `span`
+    (eager only; None in compiled steps, whose shapes must not change): every position the call reads or writes
+    is < span, so attention covers the cache's positions 0..span-1 instead of the whole slot. `real` (B, T) bool
+    or None (all real): False on the padding at the end of a short row (a ragged prefill), which a `tol` plan's
+    per-row stop test must not see (snlp.method.solver.row_updates), so a row freezes as it would alone."""
+
+    pos: Tensor
+    span: int | None = None
+    real: Tensor | None = None
+
+
 @dataclass
 class KVCache:
     """Preallocated K/V of every layer. k, v: (L, B, Hkv, max_len, hd); `length` valid positions."""
@@ -34,7 +59,9 @@ class KVCache:
     k: Tensor
     v: Tensor
     length: int = 0
-    span: int | None = None  # ragged (B, T) writes return positions 0..span-1 only (eager batches; see write)
+
+    def __post_init__(self):
+        mark_static_cuda(self.k, self.v)
 
     @classmethod
     def for_model(cls, model, batch: int = 1, max_len: int | None = None, device=None, dtype=None) -> "KVCache":
@@ -72,10 +99,9 @@ class KVCache:
         tensor (the static-shape step, snlp.decode.steps) the K/V go to those positions (one index_put_) and the
         WHOLE slot (max_len positions) is returned: shapes never depend on the length, and the attention
         mask (model.window_mask on the positions) hides everything after each query. With `start` a (B, T)
-        tensor (ragged batches, snlp.decode.batch) row b's K/V go to its own positions start[b]; `span`, when set
-        (by the eager batch loop: a Python int past every row's last position), cuts the returned views to
-        positions 0..span-1, so eager attention and its mask cover the positions in use, not the whole slot.
-        Compiled steps leave it None (the graph's shapes must not change)."""
+        tensor (ragged batches, snlp.decode.batch) row b's K/V go to its own positions start[b] and the whole slot
+        is returned too; an eager caller that knows a bound on the positions in use (`RowPositions.span`, carried
+        by the call's Context) cuts the returned views itself. The cache holds no per-call state."""
         if isinstance(start, Tensor) and start.dim() == 2:  # (B, T): row b's tokens at its own positions start[b]
             sl = layers if isinstance(layers, slice) else slice(layers, layers + 1)
             lay = torch.arange(sl.start, sl.stop, device=k.device)[:, None, None]  # (n, 1, 1) x (1, B, 1) x (B, T)
@@ -83,8 +109,6 @@ class KVCache:
             vals = lambda x: x.reshape(lay.shape[0], *x.shape[-4:]).permute(0, 1, 3, 2, 4)  # noqa: E731 (n, B, T, H, hd)
             torch.ops.aten.index_put_(self.k, [lay, rows, None, start[None]], vals(k))
             torch.ops.aten.index_put_(self.v, [lay, rows, None, start[None]], vals(v))
-            if self.span is not None:  # eager: attend over the positions in use, not the whole slot
-                return self.k[layers, ..., :self.span, :], self.v[layers, ..., :self.span, :]
             return self.k[layers], self.v[layers]
         if isinstance(start, Tensor):
             # index_put_ on the whole buffer, not an index_copy_ into a per-layer view of it: under torch.compile
@@ -100,6 +124,13 @@ class KVCache:
         self.k[layers, ..., start:stop, :] = k
         self.v[layers, ..., start:stop, :] = v
         return self.k[layers, ..., :stop, :], self.v[layers, ..., :stop, :]
+
+    def seek(self, length: int) -> None:
+        """Set the valid length to any position whose K/V have been written (a decode loop that keeps its rows'
+        lengths itself, e.g. a batch of one row, snlp.decode.batch, moves the pointer both ways)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot seek a KV cache of max_len {self.max_len} to length {length}")
+        self.length = length
 
     def advance(self, n: int) -> None:
         """Commit n more positions (their K/V must have been written)."""
@@ -117,6 +148,7 @@ class KVCache:
         """Keep only these batch rows (a (B',) index tensor, in this order): finished sequences of a batch leave
         it so later steps stop computing them (one copy of the kept rows' K/V)."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]
+        mark_static_cuda(self.k, self.v)
 
     def reset(self) -> None:
         self.length = 0

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from snlp.model.cache import RowPositions
 from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, VE_GATE_CHANNELS, GPTConfig
 from snlp.model.hc import HyperConn, hc_sublayer
 from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq
@@ -64,7 +65,8 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
         self.layer_idx = layer  # slot in a KV cache (snlp.model.cache.KVCache)
 
-    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
+    def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0,
+                span: int | None = None) -> Tensor:
         B, T, _ = xn.shape
         q = self.c_q(xn).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
@@ -76,6 +78,8 @@ class Attention(nn.Module):
                        self.eps)
         if cache is not None:  # cached: write the new K/V at start.., attend over positions 0..start+T-1
             kc, vc = cache.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2), start)  # (B, Hkv, S, hd)
+            if span is not None:  # eager ragged call: attend over the positions in use only (RowPositions)
+                kc, vc = kc[..., :span, :], vc[..., :span, :]
             y = attend(q.transpose(1, 2), kc, vc, self.window, q_start=start)
             return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window)
@@ -111,11 +115,12 @@ class Block(nn.Module):
         else:
             self.ln_attn = self.ln_mlp = None
 
-    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0,
+                span: int | None = None) -> Tensor:
         if self.hc_attn is not None:
-            x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start))
+            x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start, span))
             return hc_sublayer(self.hc_mlp, x, self.mlp)
-        x = x + self.attn(norm(x, self.ln_attn, self.eps), ve, cos, sin, cache, start)
+        x = x + self.attn(norm(x, self.ln_attn, self.eps), ve, cos, sin, cache, start, span)
         return x + self.mlp(norm(x, self.ln_mlp, self.eps))
 
 
@@ -124,7 +129,10 @@ class Context:
     """Per-forward inputs shared by every layer: x0 (B,T,D) = h_0 (with mHC (B,T,n,D): the normed
     embedding copied to every stream), value embeddings (n_ve,B,T,kv_dim)
     or None, and RoPE tables (T,1,hd/2). With a KV cache (decoding) the tokens sit at absolute
-    positions start..start+T-1 and every layer reads/writes `cache` (snlp.model.cache.KVCache)."""
+    positions start..start+T-1 and every layer reads/writes `cache` (snlp.model.cache.KVCache). A ragged batched
+    call (snlp.model.cache.RowPositions) also carries `span` (eager: attention covers cache positions 0..span-1)
+    and `real` ((B, T) bool, False on a short row's end padding): per-call facts travel with the call, never as
+    state on the shared cache."""
 
     idx: Tensor
     x0: Tensor
@@ -134,6 +142,8 @@ class Context:
     extra: dict = field(default_factory=dict)
     start: int | Tensor = 0  # a (T,) positions tensor in the static-shape step (snlp.decode.steps)
     cache: object | None = None
+    span: int | None = None
+    real: Tensor | None = None
 
 
 class GPT(nn.Module):
@@ -242,15 +252,19 @@ class GPT(nn.Module):
         sin = freqs.sin().to(dtype)
         return freqs.cos().to(dtype), -sin if self.config.rope_rotate_half else sin
 
-    def embed(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Context:
+    def embed(self, idx: Tensor, cache=None, pos: Tensor | RowPositions | None = None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV
         `cache` the tokens continue the cached sequence: they sit at positions cache.length..
         With `pos` (a (T,) long tensor of absolute positions, static-shape decoding, snlp.decode.steps, or (B, T):
         each row at its own positions, ragged batched decoding, snlp.decode.batch) they sit at those positions instead and `cache.length` is not read: the caller checked the room and owns
-        the length, so nothing here depends on a Python-side position (one compiled graph for every step)."""
+        the length, so nothing here depends on a Python-side position (one compiled graph for every step). A
+        `RowPositions` (an eager ragged call) brings its (B, T) positions plus `span` / `real` into the Context."""
         self.check_tokens(idx)
         idx = idx.long()
         start: int | Tensor = 0
+        span = real = None
+        if isinstance(pos, RowPositions):  # a ragged batched call: positions plus what the call knows of them
+            pos, span, real = pos.pos, pos.span, pos.real
         if pos is not None:
             if cache is None:
                 raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")
@@ -271,7 +285,7 @@ class GPT(nn.Module):
             x0 = x0.unsqueeze(-2).expand(*x0.shape[:-1], self.config.hc_streams, x0.shape[-1])
         ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
         cos, sin = self.rotary(idx.shape[1], start)
-        return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache)
+        return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache, span=span, real=real)
 
     def layer(self, l: int, h: Tensor, ctx: Context) -> Tensor:
         """f_l(h): the full map of layer l from h_{l-1} to h_l (x0 mixing included)."""
@@ -280,7 +294,7 @@ class GPT(nn.Module):
         slot = self.ve_slot[l]
         ve = ctx.ve[slot] if slot >= 0 else None
         if ctx.cache is not None:
-            return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start)
+            return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start, ctx.span)
         return self.blocks[l](h, ve, ctx.cos, ctx.sin)
 
     def head(self, h: Tensor) -> Tensor:
@@ -307,7 +321,8 @@ class GPT(nn.Module):
         self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)
         return trace
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None, pos: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None,
+                pos: Tensor | RowPositions | None = None) -> Tensor:
         """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
         (targets == -1 are ignored). With a KV `cache` (snlp.model.cache.KVCache) idx continues the
         cached sequence: its K/V are written at cache.length.. and the cache advances by T. With `pos`

@@ -95,7 +95,7 @@ def test_compiled_steps_equal_eager(compiled):
                 assert (x - y).abs().max().item() < 1e-4, name  # fp32: rounding of fused kernels only
                 assert torch.equal(x.argmax(-1), y.argmax(-1))
         assert cc.length == ce.length == 10
-    assert steps["seq"].compile_s > 0 and (1, 1, cc.max_len) in steps["seq"]._seen
+    assert steps["seq"].compile_s > 0 and ("step", 1, 1, cc.max_len) in steps["seq"]._seen
 
 
 def test_compiled_generation_equals_eager(compiled):
