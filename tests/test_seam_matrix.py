@@ -129,7 +129,10 @@ def refusals(cell: Cell) -> list[str]:
     plan, why = PLANS[cell.kind], []
     if cell.entry == "jacobi" and cell.form in BATCH_FORMS:
         why.append("jacobi")
-    if cell.kind == "diag" and cell.form in BATCH_FORMS and cell.entry != "sequential":
+    # DiagN probes read the cache at one start: a batch of several prompts is refused; speculative decoding runs a
+    # list of one as a single prompt, snlp_generate does not
+    several = cell.form in ("ragged", "tensorBT") or (cell.form == "list1" and cell.entry == "snlp")
+    if cell.kind == "diag" and several and cell.entry != "sequential":
         why.append("batched decoding supports")
     if cell.share and cell.entry == "drafter":
         why.append("share_weights")
@@ -287,13 +290,13 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve):
         runner = bind(m, plan, share_weights=share)
         if other is not None and share:
             bind(m, other, share_weights=True)  # a second shared runner over another suffix
-        torch.testing.assert_close(runner(idx), per_row(m), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(runner(idx), per_row(m), rtol=1e-6, atol=1e-6)  # the head returns fp32 logits
         gen = torch.Generator().manual_seed(seed + 1)
         for p in m.parameters():  # every parameter, gates and norms included
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
         if not share:
             runner.refresh()
-        torch.testing.assert_close(runner(idx), per_row(m), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(runner(idx), per_row(m), rtol=1e-6, atol=1e-6)  # the head returns fp32 logits
 
 
 # ----------------------------------------------------------------------------- evaluate
