@@ -279,9 +279,10 @@ class SNLPLM(TemplateLM):
             h = self._hidden(x.to(self._device))  # (B, T, [n,] D)
             for (req, ctx, cont), row, hb in zip(chunk, rows, h):
                 n = len(cont)
-                # the head only where a continuation token is predicted: (1, n, V)
+                # the head only where a continuation token is predicted: (1, n, V); the head's logits are fp32,
+                # their log-softmax is taken in fp64 so that sums over long continuations lose nothing
                 with torch.inference_mode():
-                    logp = F.log_softmax(self.forward_model.head(hb[None, len(row) - n:len(row)]).float(), -1)
+                    logp = F.log_softmax(self.forward_model.head(hb[None, len(row) - n:len(row)]).double(), -1)
                 greedy = logp.argmax(-1)
                 for req_str, cont_toks, lp in order.get_cache(req_str=req, cxt_toks=ctx, cont_toks=cont, logits=logp):
                     k = len(cont_toks)

@@ -4,7 +4,7 @@ exported directory), on the tiny offline tasks of tests/data/harness/ (ARC-style
 greedy generation, document log-likelihood).
 
 Invariants: per-request log-likelihoods within 1e-4 and identical acc / acc_norm; identical greedy answers and
-rolling log-likelihoods; a K >= C plan reproduces the sequential numbers; self-speculative decoding with a plan
+rolling log-likelihoods; an M = 1 (F1) plan with K >= C reproduces the sequential numbers; self-speculative decoding with a plan
 or an (adapted) drafter answers as the model does, while loglikelihood goes through the drafter's own weights.
 Nothing reaches a hub: the tasks read local JSON files, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set."""
 
@@ -37,13 +37,16 @@ from snlp.eval.harness import SNLPLM, load_any  # noqa: E402
 from snlp.io.drafter import save_drafter  # noqa: E402
 from snlp.io.hf import export_hf  # noqa: E402
 from snlp.method.drafter import make_drafter  # noqa: E402
+from snlp.io.tokenizer import Tokenizer  # noqa: E402
 from snlp.model.gpt import GPT  # noqa: E402
+
+from conftest import make_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "harness"
 LAYERS = 6
-EXACT, APPROX = "4xF1-h0-K4", "4xF1-h0-K1"  # K >= C: the sequential model; K = 1: an approximation
+EXACT, APPROX = "4xF1-h0-K4", "4xF1-h0-K1"  # F1 with K >= C: the sequential model; K = 1: an approximation
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -141,7 +144,7 @@ def test_generate_until_matches_hf_model(both):
 
 
 def test_exact_plan_gives_sequential_numbers(both, base, tasks):
-    """K >= C: the plan's solve is the sequential forward, so every request's log-likelihood and the metrics are
+    """F1 (M = 1) with K >= C: the plan's solve is the sequential forward, so every request's log-likelihood and the metrics are
     the sequential ones; a K = 1 plan really runs (its numbers differ)."""
     _, seq = both["snlp_arc_tiny"]
     reqs = requests(seq, "snlp_arc_tiny", "loglikelihood")
@@ -161,7 +164,7 @@ def test_exact_plan_gives_sequential_numbers(both, base, tasks):
 def test_speculative_and_drafter_answers_equal_the_model(both, base, tmp_path):
     """generate_until through self-speculative decoding (the plan's own forward drafting, or an adapted drafter's)
     answers exactly as the model (= the hf model's greedy answers); the drafter's loglikelihood is its own
-    approximation: with K >= C it is the drafter's sequential forward, not the base's."""
+    approximation: F1 with K >= C gives the drafter's sequential forward, not the base's."""
     model, tok = base
     hf, _ = both["snlp_gen_tiny"]
     reqs = requests(hf, "snlp_gen_tiny", "generate_until")
@@ -243,3 +246,29 @@ def test_snlp_imports_without_lm_eval():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_own_tokenizer_model_against_a_naive_loop():
+    """A tiny fp64 model with snlp's own BPE (BOS before each document, its own chat format): each request's
+    log-likelihood is the naive sum of log-softmax over the full forward's logits, the same in batches of 1 and 3
+    for a plan (ragged rows are independent), and the chat template renders as render_chat does."""
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=64, window_pattern="L")
+    pairs = [("the cat", " sat on the mat"), ("a dog ran", " in"), ("the", " park. a cat"), ("a", " mat")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=0) for p in pairs]
+    got = SNLPLM(pretrained=model, tokenizer=tok, batch_size=2, dtype="float64").loglikelihood(reqs)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got):
+        c, w = [tok.bos_id] + tok.encode(ctx), [tok.bos_id] + tok.encode(ctx + cont)
+        x = torch.tensor([w[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x)[0].double(), -1)
+        ref = sum(float(logp[t - 1, w[t]]) for t in range(len(c), len(w)))
+        assert ll == pytest.approx(ref, abs=1e-9)
+        assert greedy == all(int(logp[t - 1].argmax()) == w[t] for t in range(len(c), len(w)))
+    one = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=1, dtype="float64").loglikelihood(reqs)
+    three = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=3, dtype="float64").loglikelihood(reqs)
+    assert [a[0] for a in one] == pytest.approx([b[0] for b in three], abs=1e-10)
+    assert max(abs(a[0] - b[0]) for a, b in zip(one, got)) > 1e-6  # the plan is not the sequential model here
+    msgs = [{"role": "user", "content": "the cat"}]
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64")
+    assert lm.tok_encode(lm.apply_chat_template(msgs)) == tok.render_chat(msgs, add_generation_prompt=True)[0]
