@@ -45,7 +45,13 @@ def method_file(method: str) -> str:
 
 
 def run(args) -> int:
-    from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, print_table
+    try:
+        from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, print_table
+    except ImportError as e:
+        if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
+            raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
+                             "lm-eval)") from e
+        raise
 
     if args.task:
         raise ValueError("--harness runs harness tasks; --task is snlp's own multiple-choice scoring: give one of them")

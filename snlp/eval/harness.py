@@ -272,6 +272,8 @@ class SNLPLM(TemplateLM):
             for _, ctx, cont in chunk:
                 if not ctx or not cont:
                     raise ValueError("a loglikelihood request needs a non-empty context and continuation")
+                if len(cont) > self.max_length:
+                    raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
                 rows.append((ctx + cont)[-(self.max_length + 1):][:-1])  # the last token is only predicted
             x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
             for i, r in enumerate(rows):
