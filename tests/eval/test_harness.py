@@ -250,3 +250,29 @@ def test_snlp_imports_without_lm_eval():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["ok", "2"], r.stdout + r.stderr
     assert "pip install -e '.[harness]'" in r.stderr
+
+
+def test_own_tokenizer_model_against_a_naive_loop():
+    """A tiny fp64 model with snlp's own BPE (BOS before each document, its own chat format): each request's
+    log-likelihood is the naive sum of log-softmax over the full forward's logits, the same in batches of 1 and 3
+    for a plan (ragged rows are independent), and the chat template renders as render_chat does."""
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=64, window_pattern="L")
+    pairs = [("the cat", " sat on the mat"), ("a dog ran", " in"), ("the", " park. a cat"), ("a", " mat")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=0) for p in pairs]
+    got = SNLPLM(pretrained=model, tokenizer=tok, batch_size=2, dtype="float64").loglikelihood(reqs)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got):
+        c, w = [tok.bos_id] + tok.encode(ctx), [tok.bos_id] + tok.encode(ctx + cont)
+        x = torch.tensor([w[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x)[0].double(), -1)
+        ref = sum(float(logp[t - 1, w[t]]) for t in range(len(c), len(w)))
+        assert ll == pytest.approx(ref, abs=1e-9)
+        assert greedy == all(int(logp[t - 1].argmax()) == w[t] for t in range(len(c), len(w)))
+    one = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=1, dtype="float64").loglikelihood(reqs)
+    three = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=3, dtype="float64").loglikelihood(reqs)
+    assert [a[0] for a in one] == pytest.approx([b[0] for b in three], abs=1e-10)
+    assert max(abs(a[0] - b[0]) for a, b in zip(one, got)) > 1e-6  # the plan is not the sequential model here
+    msgs = [{"role": "user", "content": "the cat"}]
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64")
+    assert lm.tok_encode(lm.apply_chat_template(msgs)) == tok.render_chat(msgs, add_generation_prompt=True)[0]
