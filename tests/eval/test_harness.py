@@ -305,3 +305,17 @@ def test_a_diverged_plan_is_shown_diverged(tasks):
     assert recs[1].diverged and not recs[1].results
     row = next(line for line in markdown(recs).splitlines() if line.startswith("| snlp_arc_tiny | acc |"))
     assert row.endswith("| diverged |") and " ± " in row
+
+
+def test_chat_template_run_matches_hf_model(hf, base, tasks):
+    """apply_chat_template=True (the harness's --apply_chat_template): the same chat-rendered prompts and
+    log-likelihoods as the hf model."""
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    ours = SNLPLM(pretrained=base[0], tokenizer=base[1], batch_size=4)
+    runs = [lm_eval.simple_evaluate(model=lm, tasks=["snlp_arc_tiny"], num_fewshot=1, limit=2, task_manager=tm,
+                                    apply_chat_template=True, log_samples=True, bootstrap_iters=10) for lm in (hf, ours)]
+    a, b = (samples(r, "snlp_arc_tiny") for r in runs)
+    assert [s["arguments"] for s in a] == [s["arguments"] for s in b]
+    assert a[0]["arguments"][0][0].startswith("<|im_start|>")  # really chat-rendered
+    torch.testing.assert_close(torch.tensor(lls(runs[1], "snlp_arc_tiny")), torch.tensor(lls(runs[0], "snlp_arc_tiny")),
+                               atol=1e-4, rtol=0)
