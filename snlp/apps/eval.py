@@ -19,6 +19,7 @@ import torch
 from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
 from snlp.eval.mc_eval import evaluate_mc
 from snlp.eval.mc_harness import default_scoring
+from snlp.apps import eval_harness
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
 from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
@@ -87,6 +88,7 @@ def add_arguments(p) -> None:
     o.add_argument("--csv", default=None, help="write the records to this CSV file")
     o.add_argument("--markdown", default=None, help="write the table to this markdown file")
     o.add_argument("--plot", default=None, help="write the speed-quality frontier to this PNG")
+    eval_harness.add_arguments(p)  # --harness TASKS ... (snlp.apps.eval_harness)
 
 
 def config_from_args(args, model: GPT) -> EvalConfig:
@@ -98,6 +100,8 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 
 
 def run(args) -> int:
+    if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
+        return eval_harness.run(args)
     device = cli_device(args.device)
     set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")

@@ -1,0 +1,99 @@
+"""`snlp eval CKPT --harness TASKS`: lm-evaluation-harness tasks for the sequential model and each plan (issue 29).
+
+One harness run per method (sequential, every --plans plan, and the --drafter's plan through the adapted drafter),
+one table of the harness's metrics with their stderr (snlp.eval.harness.markdown), and the harness's own JSON per
+method under --harness-out. Tasks are the harness's names (online: its hub datasets) or YAML files under
+--harness-include (offline: `dataset_path: json` with local `data_files`; tests/data/harness/ has examples).
+Needs the optional extra: pip install -e ".[harness]" (lm-eval); it is imported only when --harness is given.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from snlp.apps.common import plans_preheat
+from snlp.method.plan import parse_plans
+from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
+
+
+def add_arguments(p) -> None:
+    h = p.add_argument_group("lm-evaluation-harness tasks (pip install -e '.[harness]'): one run per method")
+    h.add_argument("--harness", default=None, metavar="TASKS", help="comma-separated harness task names (e.g. "
+                   "arc_easy,hellaswag; online) or names of tasks in --harness-include YAML files (offline)")
+    h.add_argument("--harness-include", default=None, metavar="DIR", help="folder of task YAML files (e.g. "
+                   "dataset_path: json with local data_files); the harness's own tasks stay available")
+    h.add_argument("--num-fewshot", type=int, default=None, help="--harness: solved examples per prompt (default: "
+                   "each task's own)")
+    h.add_argument("--limit", type=float, default=None, help="--harness: first N documents per task (a fraction "
+                   "below 1: that share)")
+    h.add_argument("--fewshot-seed", type=int, default=1234, help="--harness: the few-shot sampler's seed (the "
+                   "harness's default)")
+    h.add_argument("--apply-chat-template", action="store_true", help="--harness: prompts in the model's chat "
+                   "template, as the harness's --apply_chat_template")
+    h.add_argument("--harness-decode", choices=["snlp", "speculative"], default=None, help="--harness generate_until "
+                   "with a plan: snlp (the plan's own answers; default for --plans) or speculative (exact: the model's "
+                   "answers; always for --drafter)")
+    h.add_argument("--harness-block", type=int, default=4, help="--harness-decode speculative: draft block size")
+    h.add_argument("--harness-out", default=None, metavar="DIR", help="the harness's JSON per method "
+                   "(DIR/<method>.json) and the table (DIR/table.md); default harness-<CKPT name>")
+
+
+def method_file(method: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", method) + ".json"
+
+
+def run(args) -> int:
+    try:
+        from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, print_table
+    except ImportError as e:
+        if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
+            raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
+                             "lm-eval)") from e
+        raise
+
+    if args.task:
+        raise ValueError("--harness runs harness tasks; --task is snlp's own multiple-choice scoring: give one of them")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0 (got {args.num_fewshot})")
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit must be > 0 (got {args.limit})")
+    if args.harness_include and not Path(args.harness_include).is_dir():
+        raise ValueError(f"--harness-include {args.harness_include} is not a folder of task YAML files")
+    tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--harness needs at least one task name")
+    device = cli_device(args.device)
+    set_threads(args.threads)
+    dtype = cli_dtype(args.dtype, device)
+    model, tok, ckpt = load_any(args.ckpt)
+    plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
+    preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
+    common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block)
+    lms = [SNLPLM(pretrained=model, **common)]
+    lms += [SNLPLM(pretrained=model, plan=p, preheat=preheat, decode=args.harness_decode, **common) for p in plans]
+    if args.drafter:
+        lms.append(SNLPLM(pretrained=model, drafter=args.drafter, decode="speculative", **common))
+    records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
+                               limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                               include=args.harness_include, apply_chat_template=args.apply_chat_template,
+                               fewshot_seed=args.fewshot_seed)
+    shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
+    limit = "" if args.limit is None else f", limit {args.limit:g}"
+    title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit} | "
+             f"{dtype} on {device_label(device)}")
+    print_table(records, title, caption="value ± the harness's stderr")
+    out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
+    out.mkdir(parents=True, exist_ok=True)
+    for rec in records:
+        write_json(out / method_file(rec.method), rec.harness or rec.to_dict())
+    table = markdown(records)
+    (out / "table.md").write_text(f"{title}\n\n{table}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"{title}\n\n{table}")
+    if args.json:
+        write_json(args.json, [r.to_dict() for r in records])
+    print(f"wrote the harness's JSON per method and table.md to {out}", file=sys.stderr)
+    return 0

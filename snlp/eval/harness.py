@@ -1,0 +1,455 @@
+"""SNLP as an lm-evaluation-harness model (issue 29): `SNLPLM`, registered as `snlp` when this module is imported.
+
+    pip install -e ".[harness]"        # lm-eval (an optional extra: snlp imports without it)
+
+    import lm_eval, snlp.eval.harness
+    lm_eval.simple_evaluate(model="snlp", model_args="pretrained=CKPT,plan=12xF1-h0-K1", tasks=["arc_easy"])
+    lm_eval.simple_evaluate(model=SNLPLM(pretrained=CKPT, drafter=DIR), tasks=[...])
+
+`pretrained`: anything snlp loads (an snlp checkpoint directory, a transformers directory, a .gguf file, a hub id
+when online) or a GPT object (then `tokenizer=` gives its snlp Tokenizer). The forward that scores requests:
+  sequential          plan None, drafter None: the model itself.
+  plan=PLAN           the plan's SNLP solve (snlp.bind; approximate unless K >= chunks), with the checkpoint's
+                      preheat calibration where the plan starts from `preheat`.
+  drafter=DIR         an adapted drafter (snlp adapt) on this model: loglikelihoods through the drafter's SNLP
+                      solve (its approximation of the model, plan = the drafter's unless plan= names another that
+                      fits it); generate_until through exact self-speculative decoding, so answers equal the model's.
+generate_until decodes with `decode=`: `sequential` (no plan), `snlp` (every forward the plan's solve: the plan's
+own answers; the default for plan=) or `speculative` (the plan or the drafter drafts, the model verifies: the
+model's own answers; the default for drafter=), in ragged batches (snlp.decode.batch) of `batch_size` prompts.
+
+The harness's conventions are kept, its code is used rather than copied: TemplateLM's context/continuation
+encoding, the Collator's longest-first order and its one-token-continuation logits cache (group_by="contexts"),
+the rolling windows of lm_eval.utils, normalize_gen_kwargs / handle_stop_sequences / postprocess_generated_text for
+generation, cache_hook.add_partial for the request cache; the chat template is the model's own, applied as the
+harness's `hf` model applies it (add_generation_prompt, continue_final_message). Generation options a mode cannot
+honour (top_p, top_k, ...) are refused with a ValueError, never ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from snlp.decode.batch import check_batch_plan
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.speculative import speculative_generate
+from snlp.io.checkpoint import load, load_preheat
+from snlp.io.drafter import load_drafter
+from snlp.io.hf import from_hf
+from snlp.io.tokenizer import Tokenizer
+from snlp.method.drafter import Drafter
+from snlp.method.plan import Plan
+from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
+from snlp.model.gpt import GPT
+
+DECODES = ("sequential", "snlp", "speculative")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused
+GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature"}
+
+
+def is_snlp_checkpoint(path: Path) -> bool:
+    """An snlp checkpoint directory: config.json holds GPTConfig fields (a transformers directory's names an
+    architecture / model_type), next to model.safetensors."""
+    cfg = path / "config.json"
+    if not (path.is_dir() and cfg.is_file() and (path / "model.safetensors").is_file()):
+        return False
+    try:
+        d = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True  # let snlp's loader say what is wrong with it
+    return not ({"architectures", "model_type"} & set(d))
+
+
+def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
+    """(model, tokenizer, snlp checkpoint dir or None) of an snlp checkpoint, a transformers directory, a .gguf file
+    or a hub id (snlp.from_hf)."""
+    p = Path(pretrained).expanduser()
+    if is_snlp_checkpoint(p):
+        model, tok = load(p)
+        return model, tok, p
+    model, tok = from_hf(str(p) if p.exists() else pretrained)
+    return model, tok, None
+
+
+def _bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("true", "1", "yes"):
+        return True
+    if str(v).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {v!r}")
+
+
+@register_model("snlp")
+class SNLPLM(TemplateLM):
+    """An lm-evaluation-harness LM over an snlp model: the sequential forward, an SNLP plan or an adapted drafter
+    (module docstring). model_args as for the harness's `hf` model: pretrained=, plan=, drafter=, dtype=,
+    device=, batch_size=, max_length=, add_bos_token=, plus decode= (sequential | snlp | speculative), block=
+    (speculative draft length), seed= (sampling), logits_cache= (the Collator's one-token-continuation reuse)."""
+
+    def __init__(self, pretrained: str | GPT, plan: str | Plan | None = None, drafter: str | Drafter | None = None,
+                 dtype: str | None = None, device: str | None = None, batch_size: int | str = 1,
+                 max_batch_size: int | None = None, max_length: int | None = None, add_bos_token: bool | None = None,
+                 decode: str | None = None, block: int = 4, seed: int = 1234, logits_cache: bool = True,
+                 tokenizer: Tokenizer | None = None, preheat=None, **kwargs) -> None:
+        super().__init__()
+        if kwargs:
+            raise ValueError(f"snlp harness model: unknown model_args {sorted(kwargs)}; known: pretrained, plan, "
+                             f"drafter, dtype, device, batch_size, max_length, add_bos_token, decode, block, seed, "
+                             f"logits_cache")
+        if str(batch_size).startswith("auto"):
+            raise ValueError("batch_size=auto is not supported by the snlp harness model: give a number of requests "
+                             "per forward (e.g. batch_size=8)")
+        self._batch_size = int(batch_size) if max_batch_size is None else min(int(batch_size), int(max_batch_size))
+        if self._batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype not in (None, "auto") and dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (default float32 on cpu, bfloat16 on cuda)")
+        self._device = torch.device(device)
+        self._rank, self._world_size = 0, 1
+
+        ckpt = None
+        if isinstance(pretrained, GPT):
+            model, tok, name = pretrained, tokenizer, "model"
+        else:
+            model, tok, ckpt = load_any(str(pretrained))
+            tok, name = tokenizer or tok, Path(str(pretrained)).name
+        if tok is None:
+            raise ValueError(f"{pretrained}: no tokenizer; the harness sends text, so the model needs its tokenizer "
+                             f"(save the checkpoint with it, or pass tokenizer=)")
+        torch_dtype = DTYPES[dtype] if dtype in DTYPES else (torch.bfloat16 if self._device.type == "cuda"
+                                                            else torch.float32)
+        self.model = model.to(device=self._device, dtype=torch_dtype).eval()
+        self.tokenizer, self.name = tok, name
+        L = self.model.config.n_layer
+
+        self.drafter = None
+        if drafter is not None:
+            self.drafter = drafter.check(self.model) if isinstance(drafter, Drafter) else load_drafter(drafter, self.model)
+        if plan is not None:
+            plan = Plan.parse(plan, L) if isinstance(plan, str) else plan.check(L)
+        if self.drafter is not None:
+            plan = self.drafter.check_plan(plan) if plan is not None else self.drafter.plan
+        self.plan = plan
+        if decode is None:
+            decode = "sequential" if plan is None else "speculative" if self.drafter is not None else "snlp"
+        if decode not in DECODES:
+            raise ValueError(f"decode={decode!r}: use one of {', '.join(DECODES)}")
+        if (decode == "sequential") != (plan is None):
+            raise ValueError(f"decode={decode} needs " + ("no plan (the model's own decoding)" if plan is not None
+                             else "a plan= or a drafter= (it decodes with the plan's SNLP forward)"))
+        self.decode, self.block, self.seed = decode, int(block), int(seed)
+        self.logits_cache = _bool(logits_cache)
+        self._max_length = int(max_length) if max_length else self.model.config.sequence_len
+        self.add_bos_token = (not tok.foreign) if add_bos_token is None else _bool(add_bos_token)
+
+        # the forward that scores log-likelihoods: the drafter's model (its prefix is this model's own) or the model
+        self.forward_model = self.drafter.model if self.drafter is not None else self.model
+        if preheat is None and plan is not None and plan.init == "preheat":
+            if ckpt is None:
+                raise ValueError(f"plan {plan} starts from the preheat init, which needs an snlp checkpoint with a "
+                                 f"calibration (`snlp calibrate CKPT`), or preheat= from Python")
+            preheat = load_preheat(ckpt, self.model)
+            if preheat is None:
+                raise ValueError(f"plan {plan} starts from the preheat init but checkpoint {ckpt} has no calibration: "
+                                 f"run `snlp calibrate {ckpt}` first")
+        self.preheat = None if plan is None else preheat_for(plan, preheat)
+        # a bound runner fuses the plan's weights once; check_finite: a NaN/inf solve raises SNLPDivergenceError
+        self.runner = None if plan is None else bind(self.forward_model, plan, check_finite=True, preheat=self.preheat)
+
+    # ----- the harness's model properties -----
+    @property
+    def method(self) -> str:
+        """The method's name in tables: sequential, the plan, or drafter:PLAN."""
+        if self.plan is None:
+            return "sequential"
+        return f"drafter:{self.plan}" if self.drafter is not None else str(self.plan)
+
+    @property
+    def eot_token_id(self) -> int:
+        # EOS of a converted model; snlp's own BPE separates documents by <|bos|> and has no EOS
+        eos = self.tokenizer.eos_id
+        return self.tokenizer.bos_id if eos is None else eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id  # a foreign tokenizer's BOS, or its EOS where it has none (as the hf model)
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return 256
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"snlp-{self.name}-{self.tokenizer.fingerprint()}".replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        own = (self.tokenizer.meta or {}).get("chat_template")
+        return own if own else "snlp render_chat (<|user_start|> ... <|assistant_start|>)"
+
+    # ----- tokenization -----
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        bos = self.prefix_token_id
+        # as the hf model: a string that already starts with BOS (a chat template's) gets no second one
+        if add_special_tokens is None:
+            add_special_tokens = not string.startswith(self.tokenizer.decode([bos]))
+        ids = self.tokenizer.tok.encode(string, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [bos]:
+            ids = [bos] + ids
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.tok.decode([int(t) for t in tokens], skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _hf_chat(self):
+        """transformers' renderer of a converted model's chat template (the hf model renders with it)."""
+        from transformers import PreTrainedTokenizerFast
+
+        meta = self.tokenizer.meta
+        return PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tok, bos_token=meta.get("bos_token"),
+                                       eos_token=meta.get("eos_token"), chat_template=meta["chat_template"])
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if (self.tokenizer.meta or {}).get("chat_template"):
+            return self._hf_chat.apply_chat_template(chat_history, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=not add_generation_prompt)
+        # snlp's own chat format; continue_final_message: the final assistant turn stays open (no end marker)
+        ids, _ = self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
+        end = self.tokenizer.token_id("<|assistant_end|>")
+        if not add_generation_prompt and chat_history[-1]["role"] == "assistant" and ids[-1:] == [end]:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    # ----- scoring -----
+    @torch.inference_mode()
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states h_L (B, T, [n,] D) of right-padded inputs x (B, T): causal attention keeps each row's
+        real tokens exact, and an SNLP solve is per position causal too."""
+        if self.runner is None:
+            ctx = self.model.embed(x)
+            return self.model.run_layers(ctx.x0, ctx, 0, self.model.config.n_layer)
+        return self.runner.solve(x).hidden
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), is greedy) per (strings, context ids, continuation ids) request,
+        in the harness's order: longest first, one forward per group of requests that share context + all but the
+        last continuation token (the Collator's logits cache)."""
+        def longest_first(req):
+            toks = req[1] + req[2]
+            return -len(toks), tuple(toks)
+
+        order = Collator(requests, sort_fn=longest_first, group_by="contexts" if self.logits_cache else None,
+                         group_fn=lambda req: req[-2] + req[-1][:-1])
+        res = []
+        for chunk in order.get_batched(n=self.batch_size):
+            rows = []
+            for _, ctx, cont in chunk:
+                if not ctx or not cont:
+                    raise ValueError("a loglikelihood request needs a non-empty context and continuation")
+                if len(cont) > self.max_length:
+                    raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
+                rows.append((ctx + cont)[-(self.max_length + 1):][:-1])  # the last token is only predicted
+            x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+            for i, r in enumerate(rows):
+                x[i, :len(r)] = torch.tensor(r)
+            h = self._hidden(x.to(self._device))  # (B, T, [n,] D)
+            for (req, ctx, cont), row, hb in zip(chunk, rows, h):
+                n = len(cont)
+                # the head only where a continuation token is predicted: (1, n, V); the head's logits are fp32,
+                # their log-softmax is taken in fp64 so that sums over long continuations lose nothing
+                with torch.inference_mode():
+                    logp = F.log_softmax(self.forward_model.head(hb[None, len(row) - n:len(row)]).double(), -1)
+                greedy = logp.argmax(-1)
+                for req_str, cont_toks, lp in order.get_cache(req_str=req, cxt_toks=ctx, cont_toks=cont, logits=logp):
+                    k = len(cont_toks)
+                    ct = torch.tensor(cont_toks, dtype=torch.long, device=lp.device)[None]  # (1, k)
+                    answer = (float(lp[:, -k:].gather(2, ct[..., None]).sum()), bool((greedy[:, -k:] == ct).all()))
+                    res.append(answer)
+                    if req_str is not None:  # rolling windows are cached per document instead
+                        self.cache_hook.add_partial("loglikelihood", req_str, answer)
+        return order.get_original(res)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole documents over the harness's disjoint rolling windows of max_length tokens."""
+        windows, counts = [], []
+        for (string,) in [req.args for req in requests]:
+            w = [(None,) + make_disjoint_window(win) for win in get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1)]
+            windows += w
+            counts.append(len(w))
+        scores, out, i = self._loglikelihood_tokens(windows), [], 0
+        for req, n in zip(requests, counts):
+            total = sum(s for s, _ in scores[i:i + n])
+            i += n
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return out
+
+    # ----- generation -----
+    def _generate(self, prompts: list[list[int]], max_new: int, temperature: float) -> list[list[int]]:
+        """New tokens per prompt, one ragged batch (a single prompt is decoded alone)."""
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.tokenizer.eos_id, seed=self.seed)
+        if len(prompts) > 1 and self.plan is not None:
+            try:
+                check_batch_plan(self.plan)
+            except ValueError:  # DiagN / Newton probes read the cache at one position: one prompt at a time
+                return [t for p in prompts for t in self._generate_one(p, kw)]
+        return self._generate_one(prompts if len(prompts) > 1 else prompts[0], kw)
+
+    def _generate_one(self, batch, kw) -> list[list[int]]:
+        if self.decode == "sequential":
+            res = sequential_generate(self.model, batch, **kw)
+        elif self.decode == "snlp":
+            res = snlp_generate(self.forward_model, batch, self.plan, preheat=self.preheat, **kw)
+        else:
+            res = speculative_generate(self.model, batch, self.plan, block=self.block, preheat=self.preheat,
+                                       drafter=self.drafter, **kw)
+        return [r.tokens for r in (res if isinstance(res, list) else [res])]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
+        batched by identical generation kwargs, longest prompt first (the harness's order)."""
+        order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+                         group_by="gen_kwargs", group_fn=lambda r: r[1])
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        res = []
+        for chunk in order.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*chunk)
+            kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
+            refused = sorted(set(kw) - GEN_KEYS)
+            if refused:
+                raise ValueError(f"generation options {refused} are not supported by the snlp harness model "
+                                 f"(greedy, or sampling at a temperature, until stop strings / max_gen_toks)")
+            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+            max_new = int(kw["max_gen_toks"])
+            temperature = float(kw["temperature"]) if kw["do_sample"] else 0.0
+            if max_new >= self.max_length:
+                raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
+            prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
+            for context, gen_kwargs, toks in zip(contexts, all_kwargs, self._generate(prompts, max_new, temperature)):
+                s = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
+                res.append(s)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
+        return order.get_original(res)
+
+
+# ----- one harness run per method, and the table of their metrics -----
+@dataclass
+class HarnessRecord:
+    """One method's harness run: `results` is the harness's own results dict (task -> "metric,filter" -> value,
+    with "metric_stderr,filter"), JSON-safe; a plan whose solve turned NaN/inf has diverged True and no results."""
+
+    method: str
+    results: dict = field(default_factory=dict)
+    diverged: bool = False
+    harness: dict = field(default_factory=dict)  # the harness's whole output (configs, versions, n-shot, ...)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def json_safe(obj) -> dict:
+    """The harness's output as plain JSON values (its own serializer for numpy scalars, functions, ...)."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(obj, default=handle_non_serializable))
+
+
+def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
+                     include: str | None = None, apply_chat_template: bool = False, fewshot_seed: int = 1234,
+                     bootstrap_iters: int = 1000) -> list[HarnessRecord]:
+    """lm_eval.simple_evaluate once per method (each an SNLPLM), on the same tasks, few-shot seed and limit."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include, include_defaults=False) if include else None
+    if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing the harness's own tasks takes ~25 s
+        tm = TaskManager(include_path=include)
+    out = []
+    for lm in lms:
+        try:
+            r = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
+                                        apply_chat_template=apply_chat_template, fewshot_random_seed=fewshot_seed,
+                                        bootstrap_iters=bootstrap_iters, log_samples=False)
+        except SNLPDivergenceError:
+            out.append(HarnessRecord(lm.method, diverged=True))
+            continue
+        r = json_safe(r)
+        out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
+    return out
+
+
+def metric_rows(records: list[HarnessRecord]) -> list[tuple[str, str, str]]:
+    """(task, metric, filter) in the harness's order, over every method that has results."""
+    rows = []
+    for rec in records:
+        for task, d in rec.results.items():
+            for key in d:
+                if "," not in key or "_stderr," in key:
+                    continue
+                metric, filt = key.split(",", 1)
+                if (task, metric, filt) not in rows:
+                    rows.append((task, metric, filt))
+    return rows
+
+
+def cell(rec: HarnessRecord, task: str, metric: str, filt: str) -> str:
+    """value ± stderr as the harness prints them (4 decimals); "diverged" for a NaN/inf solve, "-" if absent."""
+    if rec.diverged:
+        return "diverged"
+    d = rec.results.get(task, {})
+    v, se = d.get(f"{metric},{filt}"), d.get(f"{metric}_stderr,{filt}")
+    if not isinstance(v, (int, float)):
+        return "-"
+    return f"{v:.4f}" + (f" ± {se:.4f}" if isinstance(se, (int, float)) else "")
+
+
+def markdown(records: list[HarnessRecord]) -> str:
+    """One table: a row per task metric, a column per method (value ± the harness's stderr)."""
+    head = ["Task", "Metric", "Filter"] + [r.method for r in records]
+    lines = ["| " + " | ".join(head) + " |", "|:---|:---|:---|" + "---:|" * len(records)]
+    for task, metric, filt in metric_rows(records):
+        lines.append(f"| {task} | {metric} | {filt} | " + " | ".join(cell(r, task, metric, filt) for r in records)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def print_table(records: list[HarnessRecord], title: str, caption: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, caption=caption)
+    for h in ("Task", "Metric", "Filter"):
+        t.add_column(h)
+    for r in records:
+        t.add_column(r.method, justify="right")
+    for task, metric, filt in metric_rows(records):
+        t.add_row(task, metric, filt, *(cell(r, task, metric, filt) for r in records))
+    Console(width=200).print(t)

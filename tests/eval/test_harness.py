@@ -1,0 +1,321 @@
+"""snlp as an lm-evaluation-harness model (issue 29), against the harness's own `hf` model (HFLM) on the SAME
+transformers checkpoint: the real SmolLM2-135M-Instruct cut to its first 6 layers (both sides load the one
+exported directory), on the tiny offline tasks of tests/data/harness/ (ARC-style multiple choice with 2-shot,
+greedy generation, document log-likelihood).
+
+Invariants: per-request log-likelihoods within 1e-4 and identical acc / acc_norm; identical greedy answers and
+rolling log-likelihoods; an M = 1 (F1) plan with K >= C reproduces the sequential numbers; self-speculative decoding with a plan
+or an (adapted) drafter answers as the model does, while loglikelihood goes through the drafter's own weights.
+Nothing reaches a hub: the tasks read local JSON files, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / huggingface_hub read them
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from snlp.apps.cli import main  # noqa: E402
+from snlp.eval.harness import SNLPLM, load_any  # noqa: E402
+from snlp.io.drafter import save_drafter  # noqa: E402
+from snlp.io.hf import export_hf  # noqa: E402
+from snlp.method.drafter import make_drafter  # noqa: E402
+from snlp.io.tokenizer import Tokenizer  # noqa: E402
+from snlp.model.gpt import GPT  # noqa: E402
+
+from conftest import make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "harness"
+LAYERS = 6
+EXACT, APPROX = "4xF1-h0-K4", "4xF1-h0-K1"  # F1 with K >= C: the sequential model; K = 1: an approximation
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """Offline even when datasets / huggingface_hub were imported before the env vars were set."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    old = datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = True, True
+    yield
+    datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = old
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    """The shipped task YAMLs with their data_files made absolute (they name them relative to the repo root)."""
+    d = tmp_path_factory.mktemp("tasks")
+    for f in DATA.glob("*.yaml"):
+        (d / f.name).write_text(f.read_text().replace("tests/data/harness/", f"{DATA}/"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def smol_dir(smol, tmp_path_factory) -> Path:
+    """SmolLM2's first LAYERS layers as a transformers directory (snlp.export_hf): the one checkpoint both sides load."""
+    model, tok = smol
+    cut = GPT(dataclasses.replace(model.config, n_layer=LAYERS))
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.") or int(k.split(".")[1]) < LAYERS}
+    missing, unexpected = cut.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)  # the tied head only
+    return export_hf(cut.eval(), tmp_path_factory.mktemp("smol6") / "hf", tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def base(smol_dir):
+    model, tok, _ = load_any(str(smol_dir))
+    return model, tok
+
+
+def run(lm, tm, task, shots):
+    return lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=shots, task_manager=tm, log_samples=True,
+                                   bootstrap_iters=10, fewshot_random_seed=1234)
+
+
+@pytest.fixture(scope="module")
+def hf(smol_dir):
+    return HFLM(pretrained=str(smol_dir), device="cpu", batch_size=1, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def both(hf, base, tasks):
+    """Each task through the harness's hf model (batch 1) and SNLPLM (batch 4, ragged): {task: (hf, ours)}."""
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    ours = SNLPLM(pretrained=base[0], tokenizer=base[1], batch_size=4)
+    spec = {"snlp_arc_tiny": 2, "snlp_gen_tiny": 0, "snlp_text_tiny": 0}
+    return {t: (run(hf, tm, t, k), run(ours, tm, t, k)) for t, k in spec.items()}
+
+
+def samples(result, task):
+    return result["samples"][task]
+
+
+def lls(result, task) -> list[float]:
+    return [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for s in samples(result, task) for r in s["resps"]]
+
+
+def requests(result, task, kind) -> list[Instance]:
+    return [Instance(request_type=kind, doc=s["doc"], arguments=tuple(a), idx=i)
+            for s in samples(result, task) for i, a in enumerate(s["arguments"])]
+
+
+def test_loglikelihood_matches_hf_model(both):
+    hf, ours = both["snlp_arc_tiny"]
+    a, b = samples(hf, "snlp_arc_tiny"), samples(ours, "snlp_arc_tiny")
+    assert [s["arguments"] for s in a] == [s["arguments"] for s in b]  # same 2-shot prompts (same seed)
+    assert "Answer:" in a[0]["arguments"][0][0].split("\n\n")[0]  # really 2-shot
+    ref, got = torch.tensor(lls(hf, "snlp_arc_tiny")), torch.tensor(lls(ours, "snlp_arc_tiny"))
+    assert len(ref) == 24 and (ref != 0).all()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    for m in ("acc,none", "acc_norm,none", "acc_stderr,none", "acc_norm_stderr,none"):
+        assert ours["results"]["snlp_arc_tiny"][m] == hf["results"]["snlp_arc_tiny"][m], m
+    assert [s["acc"] for s in a] == [s["acc"] for s in b] and [s["acc_norm"] for s in a] == [s["acc_norm"] for s in b]
+
+
+def test_rolling_loglikelihood_matches_hf_model(both):
+    hf, ours = both["snlp_text_tiny"]
+    torch.testing.assert_close(torch.tensor(lls(ours, "snlp_text_tiny"), dtype=torch.float64),
+                               torch.tensor(lls(hf, "snlp_text_tiny"), dtype=torch.float64), atol=1e-3, rtol=1e-5)
+    for m in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["snlp_text_tiny"][m] == pytest.approx(hf["results"]["snlp_text_tiny"][m], rel=1e-5)
+
+
+def test_generate_until_matches_hf_model(both):
+    hf, ours = both["snlp_gen_tiny"]
+    ref = [s["resps"] for s in samples(hf, "snlp_gen_tiny")]
+    assert [s["resps"] for s in samples(ours, "snlp_gen_tiny")] == ref
+    assert any(r[0][0].strip() for r in ref)  # something was generated
+
+
+def test_exact_plan_gives_sequential_numbers(both, base, tasks):
+    """F1 (M = 1) with K >= C: the plan's solve is the sequential forward, so every request's log-likelihood and the metrics are
+    the sequential ones; a K = 1 plan really runs (its numbers differ)."""
+    _, seq = both["snlp_arc_tiny"]
+    reqs = requests(seq, "snlp_arc_tiny", "loglikelihood")
+    ref = [r for s in samples(seq, "snlp_arc_tiny") for r in s["filtered_resps"]]
+    exact = SNLPLM(pretrained=base[0], tokenizer=base[1], plan=EXACT, batch_size=3).loglikelihood(reqs)
+    torch.testing.assert_close(torch.tensor([x[0] for x in exact]), torch.tensor([x[0] for x in ref]),
+                               atol=1e-5, rtol=0)
+    assert [x[1] for x in exact] == [x[1] for x in ref]
+    approx = SNLPLM(pretrained=base[0], tokenizer=base[1], plan=APPROX, batch_size=3).loglikelihood(reqs)
+    assert max(abs(a[0] - b[0]) for a, b in zip(approx, ref)) > 1e-2
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    r = run(SNLPLM(pretrained=base[0], tokenizer=base[1], plan=EXACT, batch_size=4), tm, "snlp_arc_tiny", 2)
+    for m in ("acc,none", "acc_norm,none"):
+        assert r["results"]["snlp_arc_tiny"][m] == seq["results"]["snlp_arc_tiny"][m]
+
+
+def test_speculative_and_drafter_answers_equal_the_model(both, base, tmp_path):
+    """generate_until through self-speculative decoding (the plan's own forward drafting, or an adapted drafter's)
+    answers exactly as the model (= the hf model's greedy answers); the drafter's loglikelihood is its own
+    approximation: F1 with K >= C gives the drafter's sequential forward, not the base's."""
+    model, tok = base
+    hf, _ = both["snlp_gen_tiny"]
+    reqs = requests(hf, "snlp_gen_tiny", "generate_until")
+    ref = [s["resps"][0][0] for s in samples(hf, "snlp_gen_tiny")]
+    spec = SNLPLM(pretrained=model, tokenizer=tok, plan=APPROX, decode="speculative", block=3, batch_size=4)
+    assert spec.generate_until(reqs) == ref
+
+    d = make_drafter(model, APPROX)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an "adapted" suffix: the drafter's own weights, not the base's
+        for block in d.model.blocks[d.suffix_start:]:
+            for p in block.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    save_drafter(tmp_path / "drafter", d)
+    lm = SNLPLM(pretrained=model, tokenizer=tok, drafter=str(tmp_path / "drafter"), batch_size=4)
+    assert lm.decode == "speculative" and lm.method == f"drafter:{APPROX}"
+    assert lm.generate_until(reqs) == ref
+
+    _, seq = both["snlp_arc_tiny"]
+    ll = requests(seq, "snlp_arc_tiny", "loglikelihood")[:8]
+    own = SNLPLM(pretrained=model, tokenizer=tok, drafter=str(tmp_path / "drafter"), plan=EXACT).loglikelihood(ll)
+    ref_d = SNLPLM(pretrained=d.model, tokenizer=tok).loglikelihood(ll)  # the drafter's model run sequentially
+    base_ll = SNLPLM(pretrained=model, tokenizer=tok).loglikelihood(ll)
+    torch.testing.assert_close(torch.tensor([x[0] for x in own]), torch.tensor([x[0] for x in ref_d]), atol=1e-4, rtol=0)
+    assert max(abs(a[0] - b[0]) for a, b in zip(own, base_ll)) > 1e-3
+
+
+def test_chat_template_as_hf_model(hf, base):
+    model, tok = base
+    ours = SNLPLM(pretrained=model, tokenizer=tok)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question: 2 + 2?\nAnswer:"}]
+    for history, gen in ((chat, True), (chat + [{"role": "assistant", "content": "4"}], False)):
+        text = ours.apply_chat_template(history, add_generation_prompt=gen)
+        assert text == hf.apply_chat_template(history, add_generation_prompt=gen)
+        assert ours.tok_encode(text) == hf.tok_encode(text)
+    assert ours.chat_template(True) == hf.chat_template(True)
+    assert ours.tok_encode("Question: why?") == hf.tok_encode("Question: why?")
+
+
+def test_cli_harness_one_run_per_method(smol_dir, tasks, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["eval", str(smol_dir), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--plans",
+                 EXACT, "--num-fewshot", "1", "--limit", "3", "--batch", "4", "--harness-out",
+                 str(out)]) == 0
+    printed = capsys.readouterr().out
+    runs = {m: json.loads((out / f"{m}.json").read_text()) for m in ("sequential", EXACT)}
+    for m, r in runs.items():
+        assert r["n-shot"]["snlp_arc_tiny"] == 1 and "acc_norm,none" in r["results"]["snlp_arc_tiny"], m
+        assert m in printed
+    seq, ex = runs["sequential"]["results"]["snlp_arc_tiny"], runs[EXACT]["results"]["snlp_arc_tiny"]
+    assert seq["acc,none"] == ex["acc,none"] and seq["acc_norm,none"] == ex["acc_norm,none"]
+    table = (out / "table.md").read_text()
+    assert f"| Task | Metric | Filter | sequential | {EXACT} |" in table and "| snlp_arc_tiny | acc |" in table
+    assert " ± " in table
+
+
+def test_registered_and_refusals(smol_dir, base):
+    model, tok = base
+    lm = get_model("snlp").create_from_arg_string(f"pretrained={smol_dir},plan={APPROX},batch_size=2")
+    assert isinstance(lm, SNLPLM) and str(lm.plan) == APPROX and lm.batch_size == 2 and lm.decode == "snlp"
+    with pytest.raises(ValueError, match="unknown model_args"):
+        SNLPLM(pretrained=model, tokenizer=tok, temprature=0.5)
+    with pytest.raises(ValueError, match="decode=speculative needs a plan"):
+        SNLPLM(pretrained=model, tokenizer=tok, decode="speculative")
+    with pytest.raises(ValueError, match="batch_size=auto"):
+        SNLPLM(pretrained=model, tokenizer=tok, batch_size="auto")
+    req = Instance(request_type="generate_until", doc={}, idx=0,
+                   arguments=("Hello", {"until": ["\n"], "max_gen_toks": 2, "do_sample": True, "top_p": 0.9}))
+    with pytest.raises(ValueError, match="top_p"):
+        SNLPLM(pretrained=model, tokenizer=tok).generate_until([req])
+
+
+def test_snlp_imports_without_lm_eval():
+    """lm-eval is an optional extra: snlp, its CLI and `snlp eval` import without it; the harness module does not,
+    and `snlp eval --harness` says how to install it."""
+    code = ("import sys; sys.modules['lm_eval'] = None\n"
+            "import snlp, snlp.apps.cli, snlp.apps.eval, snlp.eval\n"
+            "try:\n    import snlp.eval.harness\nexcept ImportError:\n    print('ok')\n"
+            "from snlp.apps.cli import main\n"
+            "print(main(['eval', 'CKPT', '--harness', 'arc_easy']))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "2"], r.stdout + r.stderr
+    assert "pip install -e '.[harness]'" in r.stderr
+
+
+def test_own_tokenizer_model_against_a_naive_loop():
+    """A tiny fp64 model with snlp's own BPE (BOS before each document, its own chat format): each request's
+    log-likelihood is the naive sum of log-softmax over the full forward's logits, the same in batches of 1 and 3
+    for a plan (ragged rows are independent), and the chat template renders as render_chat does."""
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=64, window_pattern="L")
+    pairs = [("the cat", " sat on the mat"), ("a dog ran", " in"), ("the", " park. a cat"), ("a", " mat")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=0) for p in pairs]
+    got = SNLPLM(pretrained=model, tokenizer=tok, batch_size=2, dtype="float64").loglikelihood(reqs)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got):
+        c, w = [tok.bos_id] + tok.encode(ctx), [tok.bos_id] + tok.encode(ctx + cont)
+        x = torch.tensor([w[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x)[0].double(), -1)
+        ref = sum(float(logp[t - 1, w[t]]) for t in range(len(c), len(w)))
+        assert ll == pytest.approx(ref, abs=1e-9)
+        assert greedy == all(int(logp[t - 1].argmax()) == w[t] for t in range(len(c), len(w)))
+    one = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=1, dtype="float64").loglikelihood(reqs)
+    three = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=3, dtype="float64").loglikelihood(reqs)
+    assert [a[0] for a in one] == pytest.approx([b[0] for b in three], abs=1e-10)
+    assert max(abs(a[0] - b[0]) for a, b in zip(one, got)) > 1e-6  # the plan is not the sequential model here
+    msgs = [{"role": "user", "content": "the cat"}]
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64")
+    assert lm.tok_encode(lm.apply_chat_template(msgs)) == tok.render_chat(msgs, add_generation_prompt=True)[0]
+
+
+def test_a_diverged_plan_is_shown_diverged(tasks):
+    """A plan whose solve turns NaN/inf is a `diverged` column, not NaN log-likelihoods scored as picks: a tiny
+    depth-8 model whose MLP inputs are scaled 1000x (the sequential forward stays finite, the exact-Jacobian Newton
+    step of a K = 1 plan overflows)."""
+    from snlp.eval.harness import evaluate_methods, markdown
+    from snlp.model.config import GPTConfig
+
+    tok = Tokenizer.train([(DATA / "arc_tiny_test.jsonl").read_text()] * 3, 300)
+    m = GPT(GPTConfig.from_depth(8, width=32, head_dim=16, vocab_size=tok.vocab_size, sequence_len=128))
+    m.init_weights(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in m.blocks:
+            for lin in (b.attn.c_proj, b.mlp.c_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+            b.mlp.c_fc.weight.mul_(1000)
+        m.lm_head.weight.normal_(0, 0.3, generator=g)
+    lms = [SNLPLM(pretrained=m, tokenizer=tok, plan=p, batch_size=8) for p in (None, "8xF1-h0-K1-newton")]
+    recs = evaluate_methods(lms, ["snlp_arc_tiny"], num_fewshot=0, limit=2, include=str(tasks), bootstrap_iters=10)
+    assert [r.method for r in recs] == ["sequential", "8xF1-h0-K1-newton"]
+    assert not recs[0].diverged and recs[0].results["snlp_arc_tiny"]["acc,none"] in (0.0, 0.5, 1.0)
+    assert recs[1].diverged and not recs[1].results
+    row = next(line for line in markdown(recs).splitlines() if line.startswith("| snlp_arc_tiny | acc |"))
+    assert row.endswith("| diverged |") and " ± " in row
+
+
+def test_chat_template_run_matches_hf_model(hf, base, tasks):
+    """apply_chat_template=True (the harness's --apply_chat_template): the same chat-rendered prompts and
+    log-likelihoods as the hf model."""
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    ours = SNLPLM(pretrained=base[0], tokenizer=base[1], batch_size=4)
+    runs = [lm_eval.simple_evaluate(model=lm, tasks=["snlp_arc_tiny"], num_fewshot=1, limit=2, task_manager=tm,
+                                    apply_chat_template=True, log_samples=True, bootstrap_iters=10) for lm in (hf, ours)]
+    a, b = (samples(r, "snlp_arc_tiny") for r in runs)
+    assert [s["arguments"] for s in a] == [s["arguments"] for s in b]
+    assert a[0]["arguments"][0][0].startswith("<|im_start|>")  # really chat-rendered
+    torch.testing.assert_close(torch.tensor(lls(runs[1], "snlp_arc_tiny")), torch.tensor(lls(runs[0], "snlp_arc_tiny")),
+                               atol=1e-4, rtol=0)
