@@ -43,7 +43,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import speculative_generate
-from snlp.io.checkpoint import load, load_preheat
+from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.drafter import load_drafter
 from snlp.io.hf import from_hf
 from snlp.io.tokenizer import Tokenizer
@@ -56,19 +56,6 @@ DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused
 GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature"}
-
-
-def is_snlp_checkpoint(path: Path) -> bool:
-    """An snlp checkpoint directory: config.json holds GPTConfig fields (a transformers directory's names an
-    architecture / model_type), next to model.safetensors."""
-    cfg = path / "config.json"
-    if not (path.is_dir() and cfg.is_file() and (path / "model.safetensors").is_file()):
-        return False
-    try:
-        d = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return True  # let snlp's loader say what is wrong with it
-    return not ({"architectures", "model_type"} & set(d))
 
 
 def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:

@@ -118,6 +118,20 @@ def checkpoint_dir(path) -> Path:
     return path
 
 
+def is_snlp_checkpoint(path) -> bool:
+    """An snlp checkpoint directory: config.json holds GPTConfig fields next to model.safetensors (a transformers
+    directory has the same two files, but its config names an architecture / model_type)."""
+    path = Path(path)
+    cfg = path / CONFIG
+    if not (path.is_dir() and cfg.is_file() and (path / WEIGHTS).is_file()):
+        return False
+    try:
+        d = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True  # let snlp's loader say what is wrong with it
+    return not ({"architectures", "model_type"} & set(d))
+
+
 def load_config(path) -> GPTConfig:
     """The GPTConfig stored in a checkpoint's config.json."""
     f = checkpoint_dir(path) / CONFIG

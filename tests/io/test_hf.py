@@ -343,3 +343,21 @@ def test_train_init_from_and_freeze_prefix(family, tmp_path):
     with pytest.raises(ValueError, match="freeze-prefix S=9"):
         main_raise = __import__("snlp.train.pretrain", fromlist=["freeze_prefix"]).freeze_prefix
         main_raise(model, 9)
+
+
+def test_adapt_reads_a_transformers_directory_and_an_snlp_checkpoint(tmp_path):
+    """`snlp adapt HF_DIR`: a transformers directory also holds model.safetensors, and was taken for an snlp checkpoint
+    ("unknown GPTConfig fields"); both kinds load, with transformers' logits as the reference."""
+    from snlp.io.checkpoint import is_snlp_checkpoint
+    from snlp.train.adapt import load_base
+
+    hf, d = _tiny_dir(tmp_path)
+    assert not is_snlp_checkpoint(d)
+    model, tok = load_base(str(d))
+    save_checkpoint(tmp_path / "ck", model, tok)
+    assert is_snlp_checkpoint(tmp_path / "ck")
+    again, _ = load_base(str(tmp_path / "ck"))
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again(x), model(x), atol=0, rtol=0)
