@@ -252,7 +252,9 @@ def value_embed_weights(model: GPT, start: int, chunks: int, fuse: int) -> tuple
     G, Hkv = min(VE_GATE_CHANNELS, cfg.n_embd), cfg.n_kv_head
     w = next(b.attn.ve_gate.weight for b in blocks if b.attn.ve_gate is not None)
     zero = w.new_zeros(G, Hkv)
-    ve_gate = torch.stack([b.attn.ve_gate.weight.t() if b.attn.ve_gate is not None else zero for b in blocks])
+    # the block gates on norm(x, ln_attn)[:G]: a learned norm weight is folded into the gate's rows, as into qkv
+    ve_gate = torch.stack([zero if b.attn.ve_gate is None else b.attn.ve_gate.weight.t() if b.ln_attn is None else
+                           b.attn.ve_gate.weight.t() * b.ln_attn[:G, None] for b in blocks])
     ve_gate = ve_gate.view(C, M, G, Hkv)
     if not cfg.hc_streams:
         ve_gate = ve_gate.permute(0, 2, 1, 3).reshape(C, G, M * Hkv)
@@ -335,7 +337,8 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     if w.ve_slot is not None:
         ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
-        gate = 2 * torch.sigmoid(bmm(xn[..., :G].reshape(C, B * T, G), w.ve_gate))  # (C, B*T, M*Hkv)
+        # the gate reads the block's normed input, norm weights included (folded into ve_gate, or applied in xf)
+        gate = 2 * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
         v = v + gate.view(C, B, T, M, Hkv).permute(0, 3, 1, 2, 4).unsqueeze(-1) * ve
     y = _branch_attention(w, q, k, v, ctx, cache)  # (C, M, B, T, Hq, hd)
     y = y.permute(0, 2, 3, 1, 4, 5).reshape(C, B * T, M * Hq * hd)

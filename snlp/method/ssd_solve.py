@@ -51,7 +51,8 @@ def _qkv(w: ChunkWeights, h: Tensor, ctx: Context) -> tuple[Tensor, Tensor, Tens
         ve_all = torch.cat([ctx.ve, torch.zeros_like(ctx.ve[:1])], 0)  # zero slot for layers without
         ve = ve_all[w.ve_slot].view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
-        gate = 2 * torch.sigmoid(bmm(xn[..., :G].reshape(C, B * T, G), w.ve_gate))  # (C, B*T, M*Hkv)
+        # the gate reads the block's normed input, norm weights included (folded into ve_gate, or applied in xf)
+        gate = 2 * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
         v = v + gate.view(C, B, T, M, Hkv).permute(0, 3, 1, 2, 4).unsqueeze(-1) * ve
     qw = kw = None
     if w.q_norm is not None:

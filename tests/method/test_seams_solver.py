@@ -260,3 +260,17 @@ def test_distributed_tol_rows_converge_as_if_alone(tmp_path):
                 assert int(row_iters[b]) == runs[b][j].iters, (plan, j, b, row_iters)
             assert iters == int(row_iters.max()) and len(updates) == iters
         assert len({int(x) for j in range(3) for x in ranks[1][plan][j][1]}) > 1  # rows were frozen somewhere
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_value_embedding_gate_reads_the_weighted_norm(share):
+    """norm_weights + value_embeds: the block gates its value embedding on norm(x, ln_attn)[:G]; a fused chunk gated
+    on the unweighted norm (off by 0.08 at K >= C on a6631c2). K >= C, M = 1 equals the model (fp64)."""
+    from snlp import bind
+
+    m = make_model(seed=1, n_layer=4, value_embeds=True, norm_weights=True)
+    with torch.no_grad():
+        for b in m.blocks:
+            b.ln_attn.normal_(1, 0.5, generator=torch.Generator().manual_seed(2))
+        idx = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(bind(m, "4xF1-h0-K4", share_weights=share)(idx), m(idx), rtol=1e-12, atol=1e-12)
