@@ -16,6 +16,8 @@ Two gaps of torch 2.13's CPU build are bridged here, neither touches the math:
   return a CPU generator tagged with the device it was asked for, and the mode checks at every `generator=` use
   that the tag matches the device of the tensor made (what real CUDA checks: "Expected a 'cuda' device type for
   generator"). A generator made without device= is tagged cpu and fails there.
+- torch.cuda.synchronize() (the timers' wait for the device) fails without a CUDA runtime: inside fake_cuda it is
+  recorded like a host read (it is one: the host waits for the device).
 - autograd on fake cuda tensors aborts the process (its InputMetadata opens the guard): fake-cuda tests run under
   no_grad; the training step is traced on the `meta` device instead.
 """
@@ -159,16 +161,19 @@ HOST_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torc
 
 
 def _caller() -> str:
-    """path:function of the innermost snlp frame on the stack (the code that asked for the host read)."""
+    """path:function of the innermost snlp frame on the stack (the code that asked for the host read); for a read
+    inside snlp/runtime (the timers' sync) the snlp frame that called it is added: "timing.py:sync <- loop"."""
     import sys
 
-    f = sys._getframe(1)
+    f, found = sys._getframe(1), []
     while f is not None:
         name = f.f_code.co_filename.replace("\\", "/")
         if "/snlp/" in name and "/tests/" not in name:
-            return "snlp/" + name.rsplit("/snlp/", 1)[1] + ":" + f.f_code.co_name
+            found.append("snlp/" + name.rsplit("/snlp/", 1)[1] + ":" + f.f_code.co_name)
+            if "/snlp/runtime/" not in name:
+                break
         f = f.f_back
-    return "?"
+    return (found[0] if len(found) == 1 else f"{found[0]} <- {found[-1]}") if found else "?"
 
 
 def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -216,8 +221,19 @@ def fake_cuda(host_reads: list | None = None):
     ("path/to/file.py:function", what) of the snlp frame that made it and answers 0 (False / True for a bool read:
     True, the answer that lets a loop go on; a stop test of a tolerance plan reads 0.0 and stops)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with tagged_generators(), mode, IndexViaAten(host_reads):
-        yield mode
+    saved = torch.cuda.synchronize
+
+    def synchronize(device=None):  # a CPU-only build has no CUDA runtime to wait for: recorded as a host read
+        if host_reads is None:
+            raise RuntimeError("torch.cuda.synchronize() on a path that must not wait for the device")
+        host_reads.append((_caller(), "torch.cuda.synchronize"))
+
+    torch.cuda.synchronize = synchronize
+    try:
+        with tagged_generators(), mode, IndexViaAten(host_reads):
+            yield mode
+    finally:
+        torch.cuda.synchronize = saved
 
 
 def to_cuda(module: torch.nn.Module) -> torch.nn.Module:
