@@ -17,7 +17,8 @@ Two gaps of torch 2.13's CPU build are bridged here, neither touches the math:
   that the tag matches the device of the tensor made (what real CUDA checks: "Expected a 'cuda' device type for
   generator"). A generator made without device= is tagged cpu and fails there.
 - torch.cuda.synchronize() (the timers' wait for the device) fails without a CUDA runtime: inside fake_cuda it is
-  recorded like a host read (it is one: the host waits for the device).
+  recorded like a host read (it is one: the host waits for the device). torch.distributed.broadcast asks
+  torch.cuda.get_device_capability: answered (9, 0), an H100.
 - autograd on fake cuda tensors aborts the process (its InputMetadata opens the guard): fake-cuda tests run under
   no_grad; the training step is traced on the `meta` device instead.
 """
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
@@ -65,7 +66,7 @@ def _expand_index(t: torch.Tensor, index) -> tuple[torch.Tensor, list]:
             dim += 1
             tensors.append(None)
         else:
-            idx = i if isinstance(i, torch.Tensor) else torch.tensor(i, device=t.device)
+            idx = i if isinstance(i, torch.Tensor) else torch.tensor(i, device=t.device, dtype=None if len(i) else torch.long)
             if idx.device != t.device and idx.dim() > 0:  # what torch raises for a cuda tensor indexed by a cpu one
                 raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor "
                                    f"({t.device}); got {idx.device}")
@@ -140,9 +141,9 @@ class IndexViaAten(TorchFunctionMode):
                 if self.host_reads is None:
                     aten._local_scalar_dense.default(aten.sum.default(t))  # raises DataDependentOutputException
                 self.host_reads.append((_caller(), func.__name__))
-                if func is torch.Tensor.tolist:
-                    return [0] * t.numel() if t.dim() == 1 else [[0] * t.shape[-1]] * t.shape[0]
-                return {"__bool__": True, "__float__": 0.0}.get(func.__name__, 0)
+                return _answer(func, t)
+            if self.host_reads is not None and isinstance(t, FakeTensor):  # host bookkeeping made inside the mode:
+                return _answer(func, t)  # a CPU value, not a sync, but a fake one has no value either: 0 (not recorded)
             return func(*args, **kwargs)
         gen = kwargs.get("generator")
         if gen is not None:
@@ -158,6 +159,17 @@ class IndexViaAten(TorchFunctionMode):
 
 HOST_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
               torch.Tensor.__bool__, torch.Tensor.__index__)
+
+
+def _answer(func, t: torch.Tensor):
+    """What a recorded host read returns: 0 (True for bool, so loops go on; nested zero lists for tolist)."""
+    if func is torch.Tensor.tolist:
+        return 0 if t.dim() == 0 else _zeros_list(list(t.shape))
+    return {"__bool__": True, "__float__": 0.0}.get(func.__name__, 0)
+
+
+def _zeros_list(shape: list[int]):
+    return [0] * shape[0] if len(shape) == 1 else [_zeros_list(shape[1:]) for _ in range(shape[0])]
 
 
 def _caller() -> str:
@@ -228,12 +240,14 @@ def fake_cuda(host_reads: list | None = None):
             raise RuntimeError("torch.cuda.synchronize() on a path that must not wait for the device")
         host_reads.append((_caller(), "torch.cuda.synchronize"))
 
+    saved_cap = torch.cuda.get_device_capability
     torch.cuda.synchronize = synchronize
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # dist.broadcast asks (FP8 handling): an H100
     try:
         with tagged_generators(), mode, IndexViaAten(host_reads):
             yield mode
     finally:
-        torch.cuda.synchronize = saved
+        torch.cuda.synchronize, torch.cuda.get_device_capability = saved, saved_cap
 
 
 def to_cuda(module: torch.nn.Module) -> torch.nn.Module:
