@@ -41,6 +41,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("bench/forward.py", "benchmark"): _CPU_DRAW,
     ("bench/ops.py", "op_benchmark"): _CPU_DRAW,
     ("eval/data.py", "sample_prompts"): _CPU_DRAW,
+    ("bench/selfcheck.py", "_ids"): _CPU_DRAW,
+    ("bench/selfcheck.py", "law_model"): "the law model is built and perturbed on the CPU from a seed (the same "
+                                         "weights on every device), then moved with .to(device)",
     ("eval/analysis/jacobian.py", "power_sigma"): "power-iteration bookkeeping compared with .cpu() norms on the host",
     ("eval/analysis/jacobian.py", "jacobian_diagnostics"): _CPU_DRAW,
     ("eval/analysis/ordering.py", "orders_for"): "a CPU generator for random chunk orders (Python permutations)",
