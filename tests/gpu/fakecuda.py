@@ -241,6 +241,9 @@ def fake_cuda(host_reads: list | None = None):
         host_reads.append((_caller(), "torch.cuda.synchronize"))
 
     saved_cap = torch.cuda.get_device_capability
+    saved_tolist = FakeTensor.tolist
+    FakeTensor.tolist = torch.Tensor.tolist  # FakeTensor's own reads element by element (one .item() each); a GPU
+    # tensor's .tolist() is ONE device-to-host copy: the mode sees it as one read
     torch.cuda.synchronize = synchronize
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # dist.broadcast asks (FP8 handling): an H100
     try:
@@ -248,6 +251,7 @@ def fake_cuda(host_reads: list | None = None):
             yield mode
     finally:
         torch.cuda.synchronize, torch.cuda.get_device_capability = saved, saved_cap
+        FakeTensor.tolist = saved_tolist
 
 
 def to_cuda(module: torch.nn.Module) -> torch.nn.Module:

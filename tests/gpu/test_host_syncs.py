@@ -64,3 +64,30 @@ def test_decode_loops_read_the_device_only_where_documented(loop):
     undocumented = sorted(set(sites) - set(DOCUMENTED))
     assert not undocumented, f"{loop}: host syncs at undocumented sites {undocumented} (all: {dict(sites)})"
     assert any(not s.startswith(TIMER) for s in sites), "a decode loop reads its tokens: the recorder saw nothing"
+
+
+def _run(device):
+    """The parts of a training Run that reduce_step reads (a single process, no hooks)."""
+    from types import SimpleNamespace
+
+    from snlp.train.distributed import DistContext
+    from snlp.train.optim import Progress
+
+    return SimpleNamespace(ctx=DistContext(rank=0, world=1, device=torch.device(device)),
+                           hooks=SimpleNamespace(should_stop=None), t_start=0.0, progress=Progress(10, None))
+
+
+def test_training_step_statistics_read_the_device_once():
+    """reduce_step read the step's statistics with five float()s of device tensors (clock, loss twice, reg, grad
+    norm): five syncs per training step. Now one .tolist() of them stacked."""
+    from snlp.train.trainer import LoopState, reduce_step
+
+    reads: list = []
+    with fake_cuda(host_reads=reads):
+        reduce_step(_run("cuda"), LoopState(step=1), torch.zeros(2, device="cuda"), 8, 0.5, 1.0,
+                    torch.zeros((), device="cuda"))
+    assert [what for _, what in reads] == ["tolist"], reads
+    # the values, on the CPU, against the inputs
+    st = reduce_step(_run("cpu"), LoopState(step=1), torch.tensor([2.5, 0.25]), 8, 0.5, 1.0, torch.tensor(1.5))
+    assert (st.loss, st.reg, st.grad_norm, st.tokens, st.lam) == (2.5, 0.25, 1.5, 8, 0.5)
+    assert reduce_step(_run("cpu"), LoopState(step=1), torch.tensor([1.0, 0.0]), 8, 0.5, 1.0, None).grad_norm is None
