@@ -192,25 +192,24 @@ def test_decode_steps():
 
 # ----------------------------------------------------------------------------- training (meta) and adaptation
 def test_training_step_with_muon_and_regulariser_on_meta():
-    """A pretraining step (CE + the SNLP regulariser, backward, AdamW + Muon) on meta: autograd cannot run on
-    fake cuda tensors, and autocast("cuda") is disabled without CUDA, so bf16 autocast itself is not traced."""
+    """A pretraining micro-batch as the trainer runs it (snlp.train.job.TrainStep: CE + the SNLP regulariser),
+    backward, then AdamW + Muon (snlp.train.optim.build_optimizers) on meta: autograd cannot run on fake cuda
+    tensors, and autocast("cuda") is disabled without CUDA, so bf16 autocast itself is not traced."""
     from snlp.train.config import TrainConfig
+    from snlp.train.job import TrainStep
     from snlp.train.optim import build_optimizers
-    from snlp.train.regularizer import RegConfig, snlp_loss
+    from snlp.train.regularizer import RegConfig
 
     model = meta_model("nanochat").train()
     x = ids(2, 6, device="meta")
-    trace = []
-    h = model.run_layers(*(lambda c: (c.x0, c))(model.embed(x)), 0, L, trace)
-    ce = torch.nn.functional.cross_entropy(model.head(h).flatten(0, 1), x.flatten())
-    trace.insert(0, model.embed(x).x0)
-    reg = snlp_loss(model, x, trace, RegConfig(surrogate="idn", suffixes=(4,)))
-    (ce + 0.5 * reg).backward()
+    loss, ce, reg = TrainStep(model, RegConfig(surrogate="idn", suffixes=(4,)))(x, x, 0.5)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
     opts = build_optimizers(model, TrainConfig(out="unused", optimizer="muon"))
     with tagged_generators():
         for o in opts:
             o.step()
-    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(p.device.type == "meta" for p in model.parameters()) and ce.device.type == reg.device.type == "meta"
 
 
 def test_ssd_solve():
