@@ -51,8 +51,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("io/chat.py", "collate"): _HOST,
     ("dist/load.py", "rows"): "an empty (0, ...) placeholder moved with .to(device) on the next line",
     ("dist/layer_parallel.py", "distributed_benchmark"): _CPU_DRAW,
-    ("dist/layer_parallel.py", "_keep_value_embeds"): PENDING + " (index tensors built on the CPU: check they are "
-                                                               "moved before indexing device tables)",
+    ("dist/layer_parallel.py", "_keep_value_embeds"): "host bookkeeping at start-up: the slot lookup table is read on "
+                                                      "the host (int(lut[s])) and moved with .to(device) where it "
+                                                      "indexes a device tensor",
     ("eval/mc.py", "pad_batch"): _HOST,
     ("eval/mc.py", "predict_letter"): PENDING + " (CPU index tensors into a device tensor: an H2D copy per batch; "
                                                 "device=dev)",
