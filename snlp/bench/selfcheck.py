@@ -238,7 +238,12 @@ def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
     t0 = time.perf_counter()
     res = SelfcheckResult(device=str(device), device_name=device_name(device), versions=versions(), config=asdict(cfg))
     res.checks = law_checks(device, cfg.compile, cfg.seed)
-    res.forward, res.decode = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
+    t1 = time.perf_counter()
+    try:
+        res.forward, res.decode = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
+    except Exception as e:  # the report (with the laws' results) must still be written: the failure is a check
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        res.checks.append(Check("speed suite runs", False, f"{type(e).__name__}: {first}", time.perf_counter() - t1))
     res.seconds = time.perf_counter() - t0
     return res
 
