@@ -29,6 +29,9 @@ DOCUMENTED = {
     "snlp/decode/speculative.py:_draft_rows": "batched drafting: the drafted tokens of every row",
     "snlp/decode/speculative.py:_verify_rows": "batched verify: target tokens and the accepted counts",
     "snlp/decode/jacobi.py:jacobi_generate": "the fixed-point test of each Jacobi sweep (accept by design)",
+    "snlp/decode/batch.py:<listcomp>": "sampling: each row's multinomial draw read back (one per row)",
+    "snlp/decode/speculative.py:<listcomp>": "batched sampling: each row's drafted token / confidence",
+    "snlp/method/solver.py:solve": "a tol plan's stop test, once per iteration (by design)",
     TIMER + "snlp/decode/generate.py:_autoregressive": "per-step timing (step_s); the token read waits anyway",
     TIMER + "snlp/decode/session.py:prefill": "prefill timing",
     TIMER + "snlp/decode/session.py:finish": "the decode clock",
@@ -49,6 +52,13 @@ LOOPS = {
     "speculative-batch": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
                                                         max_new_tokens=4),
     "jacobi": lambda m: jacobi_generate(m, [1, 2, 3], max_new_tokens=4),
+    "sequential-batch-sampled": lambda m: sequential_generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=3,
+                                                              temperature=0.8, seed=1),
+    "speculative-batch-sampled": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
+                                                                max_new_tokens=3, temperature=0.8, seed=1),
+    "speculative-shared-weights": lambda m: speculative_generate(m, [1, 2, 3], "4xF1-h0-K1", block=2,
+                                                                 max_new_tokens=3, share_weights=True),
+    "snlp-tol": lambda m: snlp_generate(m, [1, 2, 3], "2xF2-h0-K3-tol:1e-3", max_new_tokens=3),
 }
 
 
