@@ -19,6 +19,7 @@ COMMANDS = {
     "generate": "snlp.apps.generate",
     "speedrun": "snlp.apps.speedrun",
     "sft": "snlp.apps.sft",
+    "selfcheck": "snlp.apps.selfcheck",
     "sft-grid": "snlp.apps.sft_grid",
     "train": "snlp.apps.train",
     "tune": "snlp.apps.tune",

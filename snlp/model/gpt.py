@@ -233,9 +233,11 @@ class GPT(nn.Module):
             raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
             raise ValueError(f"token ids must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
-        # host-side range check: skipped on CUDA (a device-side assert fires instead, no sync here)
-        # and under torch.compile (it would break the graph)
-        if not idx.is_cuda and not torch.compiler.is_compiling():
+        # range check only where the ids already sit in host memory (CPU): on any accelerator it would be a
+        # device-to-host sync on every forward (CUDA's embedding kernel asserts on the device instead; decode
+        # entry points validate a request's prompt once, where it is made), and under torch.compile it would break
+        # the graph. docs/gpu.md lists the host syncs of every path.
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")

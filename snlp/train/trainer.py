@@ -242,15 +242,19 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
         stats /= ctx.world
         if ctl[1] > 0:  # only then: the reason string costs a second collective
             reason = agree_on_reason(ctx, reason)
-    run.progress.step, run.progress.elapsed = state.step, float(ctl[0])
-    step_tokens = int(ctl[2]) if ctx.world > 1 else n_tok
+    # ONE device-to-host read for everything the log needs: each float() of a device tensor is a sync that drains
+    # the launch queue, and a step had five (docs/gpu.md, host syncs)
+    gn = gnorm.detach().double().reshape(1) if gnorm is not None else ctl.new_zeros(1)
+    clock, _, tok, loss, reg_v, gn_v = torch.cat([ctl, stats.detach().double().reshape(2), gn]).tolist()
+    run.progress.step, run.progress.elapsed = state.step, clock
+    step_tokens = int(tok) if ctx.world > 1 else n_tok
     state.tokens += step_tokens
-    state.train_loss = float(stats[0])
+    state.train_loss = loss
     now = time.perf_counter()
     tps = step_tokens / max(now - state.t_last, 1e-9)
     state.t_last = now
-    return StepStats(loss=float(stats[0]), reg=float(stats[1]), lam=lam, lr_scale=mult, tokens=step_tokens,
-                     tok_s=tps, grad_norm=float(gnorm) if gnorm is not None else None, hook_reason=reason)
+    return StepStats(loss=loss, reg=reg_v, lam=lam, lr_scale=mult, tokens=step_tokens,
+                     tok_s=tps, grad_norm=gn_v if gnorm is not None else None, hook_reason=reason)
 
 
 def log_step(run: Run, state: LoopState, st: StepStats) -> None:

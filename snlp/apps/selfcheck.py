@@ -1,0 +1,37 @@
+"""Check this install on your device (the first command to run on a GPU): the exactness laws, then a small timed suite.
+
+Laws: K >= C reproduces the fused model, M = 1 equals sequential, speculative greedy == sequential, batched rows ==
+single rows, compiled == eager, a converted transformers model's logits == transformers' own (when installed),
+fingerprints and refusals. Then prefill and decode timings (eager and compiled). Prints one pass/fail table and
+writes selfcheck.json (device, versions, every check and number) to --out: attach it to a bug report. Exit status 1
+when a check fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from snlp.bench.records import write_json
+from snlp.bench.selfcheck import SelfcheckConfig, selfcheck, table
+from snlp.runtime.device import cli_device
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="selfcheck", help="directory for selfcheck.json")
+    p.add_argument("--quick", action="store_true", help="a smaller speed suite (CI)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="the compiled check and timings (torch.compile; CUDA graphs on CUDA); auto: on for cuda, off "
+                        "on the CPU, where inductor's C++ compile takes minutes on a cold cache")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    device = cli_device(args.device)
+    compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    res = selfcheck(SelfcheckConfig(device=str(device), quick=args.quick, compile=compile, seed=args.seed))
+    print("\n".join(table(res)))
+    write_json(Path(args.out) / "selfcheck.json", res.to_dict())
+    return 0 if res.passed else 1

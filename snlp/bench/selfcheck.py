@@ -1,0 +1,268 @@
+"""`snlp selfcheck`: the first command a GPU user runs (issue 28, item 4).
+
+In a few minutes on the user's device it checks the laws that matter (each against an outside reference: the fused
+model run sequentially, the sequential forward, single rows, the eager path, transformers' own logits), then times a
+small version of the paper's speed suite (eager and compiled; prefill = a forward over T tokens, decode = KV-cached
+greedy decoding) and returns one record: device, versions, every check and every number, for a bug report.
+
+The laws run in fp32 (tolerances for fp32 accumulation order, which differs between a fused and an unfused
+kernel); the timings in the device's default dtype (bf16 on CUDA, fp32 on CPU). Nothing here is asserted about speed.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from snlp.bench.decode import decode_benchmark
+from snlp.bench.forward import ModelSpec, benchmark, build_model
+from snlp.decode.generate import sequential_generate
+from snlp.decode.speculative import speculative_generate
+from snlp.decode.steps import sequential_step, snlp_fn
+from snlp.method.plan import Plan
+from snlp.method.solver import bind, fused_sequential, parallel_forward, solve
+from snlp.model.fingerprint import weights_fingerprint
+from snlp.model.gpt import GPT, GPTConfig
+
+
+@dataclass
+class SelfcheckConfig:
+    """What to run. `quick`: a smaller speed suite (CI); `compile`: the compiled checks and timings too."""
+
+    device: str = "cpu"
+    quick: bool = False
+    compile: bool = True
+    seed: int = 0
+
+
+@dataclass
+class Check:
+    """One law or refusal: passed, what was compared (max error / tokens), seconds."""
+
+    name: str
+    passed: bool | None  # None: skipped (e.g. transformers not installed)
+    detail: str
+    seconds: float
+
+
+@dataclass
+class SelfcheckResult:
+    device: str
+    device_name: str
+    versions: dict
+    config: dict
+    checks: list[Check] = field(default_factory=list)
+    forward: list[dict] = field(default_factory=list)  # snlp.bench.forward.ForwardRow dicts (prefill)
+    decode: list[dict] = field(default_factory=list)  # snlp.bench.decode.DecodeRow dicts
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed is not False for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None}
+    from snlp import __version__
+
+    out["snlp"] = __version__
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = None
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def law_model(device, seed: int = 0) -> GPT:
+    """A small fp32 model whose blocks are not identities (the product's init zeroes the output projections,
+    which would make every law hold trivially): init + seeded noise on every parameter."""
+    cfg = GPTConfig(vocab_size=97, n_layer=8, n_head=4, n_kv_head=2, n_embd=64, sequence_len=128,
+                    window_pattern="SL", short_window=5)
+    model = GPT(cfg)
+    model.init_weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.to(device).eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (one host read: a check, not a hot path)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _ids(model: GPT, B: int, T: int, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)  # the same ids on every device
+    return torch.randint(0, model.config.vocab_size, (B, T), generator=gen).to(device)
+
+
+TOL = 1e-4  # fp32: a fused chunk sums in another order than the layers it fuses
+
+
+def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
+    model = law_model(device, seed)
+    idx = _ids(model, 2, 24, seed, device)
+    prompts = [[int(t) for t in _ids(model, 1, n, seed + n, "cpu")[0]] for n in (5, 9)]
+    checks: list[Check] = []
+
+    def run(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            passed, detail = fn()
+        except Exception as e:  # a check that crashes fails with its reason: the report must still be written
+            passed, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        checks.append(Check(name, passed, detail, time.perf_counter() - t0))
+
+    @torch.no_grad()
+    def fused_exact():
+        plan = Plan.parse("3xF2-h0-K3")
+        err = _rel(solve(model, idx, plan).hidden, fused_sequential(model, idx, plan).hidden)
+        return err < TOL, f"K >= C: SNLP vs the fused model run sequentially, max rel err {err:.2e} (tol {TOL})"
+
+    @torch.no_grad()
+    def m1_sequential():
+        err = _rel(parallel_forward(model, idx, "4xF1-h0-K4"), model(idx))
+        return err < TOL, f"M = 1, K = C: SNLP logits vs the sequential forward, max rel err {err:.2e}"
+
+    def speculative():
+        ref = [r.tokens for r in (sequential_generate(model, p, 12) for p in prompts)]
+        got = [speculative_generate(model, p, "4xF1-h0-K1", block=3, max_new_tokens=12).tokens for p in prompts]
+        return got == ref, f"greedy speculative (4xF1-h0-K1, B=3) tokens == sequential for {len(prompts)} prompts"
+
+    def batched():
+        ref = [sequential_generate(model, p, 10).tokens for p in prompts]
+        got = [r.tokens for r in sequential_generate(model, prompts, 10)]
+        spec = [r.tokens for r in speculative_generate(model, prompts, "4xF1-h0-K1", block=3, max_new_tokens=10)]
+        return got == ref and spec == ref, "batched rows (ragged prompts 5, 9) == each row alone (sequential, " \
+                                           "speculative)"
+
+    def compiled():
+        step = sequential_step(model, compile=True)
+        ref = [sequential_generate(model, p, 8).tokens for p in prompts]
+        got = [sequential_generate(model, p, 8, step=step).tokens for p in prompts]
+        return got == ref, f"compiled static-shape step (compile {step.compile_s:.1f} s) tokens == eager"
+
+    def hf():
+        try:
+            import transformers
+        except ImportError:
+            return None, "transformers not installed: skipped"
+        from snlp.io.hf import model_from_hf
+
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       attn_implementation="sdpa")
+        ref_model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+        ours = model_from_hf(ref_model).to(device)
+        ref_model = ref_model.to(device)
+        x = _ids(ours, 2, 16, seed, device)
+        with torch.no_grad():
+            err = _rel(ours(x), ref_model(x).logits)
+        return err < TOL, f"converted Llama logits vs transformers' own, max rel err {err:.2e}"
+
+    def fingerprints():
+        a, b = weights_fingerprint(model), weights_fingerprint(model)
+        other = law_model("cpu", seed + 3)
+        c = weights_fingerprint(other)
+        return a == b and a != c, "weights fingerprint: stable for one model, different for other weights"
+
+    def refusals():
+        refused = []
+        for what, fn in [("a malformed plan", lambda: Plan.parse("3xFoo")),
+                         ("a compiled step with the host-side NaN check", lambda: snlp_fn(bind(model, "4xF1-h0-K1"))),
+                         ("a tol plan compiled", lambda: snlp_fn(bind(model, "4xF1-h0-K4-tol:1e-3",
+                                                                      check_finite=False))),
+                         ("the preheat init without a calibration", lambda: solve(model, idx, "4xF1-preheat-K1"))]:
+            try:
+                fn()
+            except ValueError:
+                refused.append(what)
+                continue
+            return False, f"not refused: {what}"
+        return True, "refused with a ValueError: " + "; ".join(refused)
+
+    run("K >= C reproduces the fused model", fused_exact)
+    run("M = 1 equals sequential", m1_sequential)
+    run("speculative greedy == sequential", speculative)
+    run("batched rows == single rows", batched)
+    if compile:
+        run("compiled == eager", compiled)
+    else:
+        checks.append(Check("compiled == eager", None, "skipped (--compile off)", 0.0))
+    run("transformers logits", hf)
+    run("fingerprints", fingerprints)
+    run("refusals", refusals)
+    return checks
+
+
+def speed_suite(device, quick: bool, compile: bool, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """A small version of the paper's speed column: prefill (a T-token forward) and KV-cached decoding,
+    sequential vs SNLP plans, eager and (with `compile`) compiled."""
+    spec = ModelSpec(depth=4 if quick else 8, aspect_ratio=32, head_dim=32 if quick else 64,
+                     vocab_size=1024 if quick else 4096, seed=seed)
+    model = build_model(spec).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    L = model.config.n_layer
+    plans = [Plan.parse(f"1xF{L // 2}-h0-K1", L), Plan.parse(f"{L // 2}xF1-h0-K1", L)]
+    T = 64 if quick else 512
+    runs, warm = (3, 1) if quick else (10, 2)
+    forward, decode = [], []
+    for comp in ([False, True] if compile else [False]):
+        forward += [r.to_dict() for r in benchmark(model, plans, tokens=T, warmup=warm, runs=runs, compile=comp,
+                                                   seed=seed)]
+        decode += [r.to_dict() for r in decode_benchmark(model, plans[1:], prompt_len=8, new_tokens=8 if quick else 32,
+                                                         blocks=(3,), warmup=1, runs=1 if quick else 3, seed=seed,
+                                                         compile=comp)]
+    return forward, decode
+
+
+def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
+    device = torch.device(cfg.device)
+    t0 = time.perf_counter()
+    res = SelfcheckResult(device=str(device), device_name=device_name(device), versions=versions(), config=asdict(cfg))
+    res.checks = law_checks(device, cfg.compile, cfg.seed)
+    t1 = time.perf_counter()
+    try:
+        res.forward, res.decode = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
+    except Exception as e:  # the report (with the laws' results) must still be written: the failure is a check
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        res.checks.append(Check("speed suite runs", False, f"{type(e).__name__}: {first}", time.perf_counter() - t1))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def table(res: SelfcheckResult) -> list[str]:
+    """The pass/fail table and the speed rows, as lines of text."""
+    lines = [f"snlp selfcheck on {res.device} ({res.device_name}); torch {res.versions['torch']}, "
+             f"CUDA {res.versions['cuda']}", ""]
+    w = max(len(c.name) for c in res.checks)
+    for c in res.checks:
+        mark = "PASS" if c.passed else ("skip" if c.passed is None else "FAIL")
+        lines.append(f"{mark}  {c.name:<{w}}  {c.detail}  ({c.seconds:.1f} s)")
+    lines += ["", "prefill (forward over T tokens)    ms     speedup  compiled"]
+    for r in res.forward:
+        lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}")
+    lines += ["", "decode (greedy, KV cache)          ms/tok speedup  compiled"]
+    for r in res.decode:
+        name = r["mode"] if r["mode"] == "sequential" else f"{r['mode']} {r['plan']}" + \
+            (f" B={r['block']}" if r["block"] else "")
+        lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}")
+    lines += ["", f"{'ALL CHECKS PASSED' if res.passed else 'SOME CHECKS FAILED'} in {res.seconds:.0f} s"]
+    return lines

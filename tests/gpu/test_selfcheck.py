@@ -1,0 +1,37 @@
+"""`snlp selfcheck` on the CPU (issue 28, item 4): every law passes, the table is printed and the JSON holds the
+device, the versions, every check and every timing. The compiled check is off here (auto on the CPU):
+tests/decode/test_steps.py covers compiled == eager, and a cold inductor cache would cost minutes."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from snlp.apps.cli import main
+from snlp.bench.selfcheck import Check, SelfcheckResult, table
+
+
+def test_selfcheck_cli_on_cpu(tmp_path, capsys):
+    assert main(["selfcheck", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rec = json.loads((tmp_path / "selfcheck.json").read_text())
+    assert rec["passed"] and rec["device"] == "cpu" and rec["versions"]["torch"] == torch.__version__
+    names = [c["name"] for c in rec["checks"]]
+    assert names == ["K >= C reproduces the fused model", "M = 1 equals sequential", "speculative greedy == sequential",
+                     "batched rows == single rows", "compiled == eager", "transformers logits", "fingerprints",
+                     "refusals"]
+    assert all(c["passed"] for c in rec["checks"] if c["name"] != "compiled == eager")
+    assert {r["plan"] for r in rec["forward"]} >= {"sequential"} and all(r["median_ms"] > 0 for r in rec["forward"])
+    assert {r["mode"] for r in rec["decode"]} == {"sequential", "snlp", "speculative"}
+    assert all(r["matches_sequential"] for r in rec["decode"])  # greedy decoding of every mode == sequential
+    assert "ALL CHECKS PASSED" in out and out.count("PASS ") == 7
+
+
+def test_a_failed_check_fails_the_run():
+    res = SelfcheckResult(device="cpu", device_name="x", versions={"torch": "t", "cuda": None}, config={},
+                          checks=[Check("a", True, "", 0.0), Check("b", False, "off by 1", 0.0),
+                                  Check("c", None, "skipped", 0.0)])
+    assert not res.passed
+    lines = table(res)
+    assert any(line.startswith("FAIL  b") for line in lines) and lines[-1].startswith("SOME CHECKS FAILED")
