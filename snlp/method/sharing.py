@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.utils import parametrize
 from torch import Tensor
 
 from snlp.method.fusion import ChunkWeights, branch_windows, value_embed_weights
@@ -137,6 +138,14 @@ def check_shareable(model: GPT, fuse: int) -> None:
     if model.config.hc_streams:
         raise ValueError("shared drafter/verifier weights support plain residual models; mHC chunks keep a "
                          "per-branch layout with folded stream coefficients (computed, so not the layers' storage)")
+    # checked before any parameter is re-homed, so a refusal leaves the model as it was
+    if any(parametrize.is_parametrized(mod) for mod in model.modules()):
+        raise ValueError("shared weights need the layers' own parameters; this model's weights are computed by a "
+                         "parametrization (e.g. a LoRA drafter's merged deltas): bind it without share_weights")
+    if any(p.is_inference() for p in model.parameters()):
+        raise ValueError("shared weights re-home the model's parameters, and these are inference tensors (made "
+                         "under torch.inference_mode, e.g. loaded there): load the model outside inference_mode or "
+                         "bind without share_weights")
 
 
 def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:

@@ -201,3 +201,21 @@ def test_binding_shared_under_inference_mode_leaves_the_model_trainable():
     assert shares_storage(m, r.weights) and not any(p.is_inference() for p in m.parameters())
     m(idx).square().mean().backward()
     assert all(p.grad is not None for p in m.blocks[-1].parameters())
+
+
+def test_sharing_refuses_inference_tensors_and_parametrized_weights_and_leaves_the_model_working():
+    """A model whose parameters are inference tensors (built or loaded under inference_mode) raised deep inside the
+    re-homing and left the model unusable; a LoRA drafter's parametrized .weight is computed, so sharing it shared
+    nothing (a stale runner, 0.9 off). Both are refused up front and the model still decodes (fp64)."""
+    from snlp import sequential_generate
+    from snlp.method.drafter import make_drafter
+
+    with torch.inference_mode():
+        m = make_model(seed=4, n_layer=4)
+    before = sequential_generate(m, [1, 2, 3], max_new_tokens=4).tokens
+    with pytest.raises(ValueError, match="inference tensors"):
+        bind(m, "2xF1-h0-K1", share_weights=True)
+    assert sequential_generate(m, [1, 2, 3], max_new_tokens=4).tokens == before
+    d = make_drafter(make_model(seed=5, n_layer=4, n_kv_head=2, n_head=2), "2xF1-h0-K1", rank=1)
+    with pytest.raises(ValueError, match="parametrization"):
+        bind(d.model, "2xF1-h0-K1", share_weights=True)
