@@ -235,13 +235,21 @@ class SNLPLM(TemplateLM):
 
     # ----- scoring -----
     @torch.inference_mode()
-    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden states h_L (B, T, [n,] D) of right-padded inputs x (B, T): causal attention keeps each row's
-        real tokens exact, and an SNLP solve is per position causal too."""
+    def _hidden(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Final hidden states h_L (B, T, [n,] D) of right-padded inputs x (B, T) whose rows hold lengths[i] real
+        tokens: causal attention keeps each row's real tokens exact, and an SNLP solve is per position causal too.
+        A `tol` plan's per-row stop test takes norms over the whole row, padding included, so its rows are solved
+        at their own lengths (one solve per row): a request's score never depends on its batch."""
         if self.runner is None:
             ctx = self.model.embed(x)
             return self.model.run_layers(ctx.x0, ctx, 0, self.model.config.n_layer)
-        return self.runner.solve(x).hidden
+        if not self.runner.plan.tol:
+            return self.runner.solve(x).hidden
+        rows = [self.runner.solve(x[i:i + 1, :n]).hidden[0] for i, n in enumerate(lengths)]  # (n, [n,] D) each
+        out = rows[0].new_zeros(x.shape[0], x.shape[1], *rows[0].shape[1:])
+        for i, r in enumerate(rows):
+            out[i, :r.shape[0]] = r
+        return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), is greedy) per (strings, context ids, continuation ids) request,
@@ -262,10 +270,10 @@ class SNLPLM(TemplateLM):
                 if len(cont) > self.max_length:
                     raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
                 rows.append((ctx + cont)[-(self.max_length + 1):][:-1])  # the last token is only predicted
-            x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+            x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=self._device)  # right-padded
             for i, r in enumerate(rows):
-                x[i, :len(r)] = torch.tensor(r)
-            h = self._hidden(x.to(self._device))  # (B, T, [n,] D)
+                x[i, :len(r)] = torch.tensor(r, device=self._device)
+            h = self._hidden(x, [len(r) for r in rows])  # (B, T, [n,] D)
             for (req, ctx, cont), row, hb in zip(chunk, rows, h):
                 n = len(cont)
                 # the head only where a continuation token is predicted: (1, n, V); the head's logits are fp32,

@@ -92,7 +92,8 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
         if max_len:
             seqs = [sq[-max_len:] for sq in seqs]  # keep the answer position (left-truncate)
         h = final_state(model, pad_batch(seqs, 0, dev), runner)  # (B, T, D): the head only where it is read
-        last = model.head(h[torch.arange(len(qs)), torch.tensor([len(sq) - 1 for sq in seqs])][:, None])[:, 0]  # (B, V)
+        at = torch.tensor([len(sq) - 1 for sq in seqs], device=dev)  # each row's answer position
+        last = model.head(h[torch.arange(len(qs), device=dev), at][:, None])[:, 0]  # (B, V)
         for q, row in zip(qs, last):
             preds.append(int(row[letter_ids(tokenizer, len(q.choices))].argmax()))
     return preds

@@ -272,14 +272,27 @@ def test_own_tokenizer_model_against_a_naive_loop():
         ref = sum(float(logp[t - 1, w[t]]) for t in range(len(c), len(w)))
         assert ll == pytest.approx(ref, abs=1e-9)
         assert greedy == all(int(logp[t - 1].argmax()) == w[t] for t in range(len(c), len(w)))
-    for plan in ("2xF1-h0-K1", "3xF1-h0-K2-tol:0.3"):  # tol: a row's stop test must not see its right padding
-        one = SNLPLM(pretrained=model, tokenizer=tok, plan=plan, batch_size=1, dtype="float64").loglikelihood(reqs)
-        three = SNLPLM(pretrained=model, tokenizer=tok, plan=plan, batch_size=3, dtype="float64").loglikelihood(reqs)
-        assert [a[0] for a in one] == pytest.approx([b[0] for b in three], abs=1e-10), plan
-        assert max(abs(a[0] - b[0]) for a, b in zip(one, got)) > 1e-6  # the plan is not the sequential model here
+    one = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=1, dtype="float64").loglikelihood(reqs)
+    three = SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", batch_size=3, dtype="float64").loglikelihood(reqs)
+    assert [a[0] for a in one] == pytest.approx([b[0] for b in three], abs=1e-10)
+    assert max(abs(a[0] - b[0]) for a, b in zip(one, got)) > 1e-6  # the plan is not the sequential model here
     msgs = [{"role": "user", "content": "the cat"}]
     lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64")
     assert lm.tok_encode(lm.apply_chat_template(msgs)) == tok.render_chat(msgs, add_generation_prompt=True)[0]
+
+
+def test_tol_plan_scores_do_not_depend_on_the_batch():
+    """A tol plan's per-row stop test took its norms over the right padding of a batch: a request's log-likelihood
+    moved by up to 0.9 between batch size 1 and 4 (depth-8 fp64 model, requests of very different lengths)."""
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    model = make_model(seed=5, vocab_size=tok.vocab_size, n_layer=8, sequence_len=64, window_pattern="L")
+    pairs = [("the cat sat on the mat. a dog ran in the park. the cat", " sat on the mat"), ("a", " in"),
+             ("the", " park. a cat"), ("a dog", " mat")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=0) for p in pairs]
+    plan = "7xF1-h0-K6-tol:0.5"
+    one = SNLPLM(pretrained=model, tokenizer=tok, plan=plan, batch_size=1, dtype="float64").loglikelihood(reqs)
+    four = SNLPLM(pretrained=model, tokenizer=tok, plan=plan, batch_size=4, dtype="float64").loglikelihood(reqs)
+    assert [a[0] for a in one] == pytest.approx([b[0] for b in four], abs=1e-10)
 
 
 def test_a_diverged_plan_is_shown_diverged(tasks):
