@@ -1,30 +1,33 @@
 """The seam-law matrix (issue 27): every public entry point x input form x plan kind x treatment, drawn by hypothesis.
 
 Each cell obeys ONE law: its output equals its reference, or the call is refused with a one-line ValueError that
-names the combination. A cell that is neither is a defect. The references are written here, not taken from snlp:
+names the combination. A cell that is neither is a defect. The references are written here:
 
   entry point                      reference
   -------------------------------  ------------------------------------------------------------------------------
-  sequential_generate              a full-prefix argmax loop over model(idx) (no cache)
-  speculative_generate (drafter=)  the same loop (speculative decoding is exact)
+  sequential_generate              a full-prefix argmax loop over model(idx) (no cache, no solver)
+  speculative_generate (drafter=)  the same loop (speculative decoding is exact whatever the drafter drafts)
   jacobi_generate (verified)       the same loop
-  snlp_generate, K >= C, forward   a full-prefix argmax loop over fused_forward (= the model for M = 1)
-  snlp_generate, K < C             the same prompt run alone as a single prompt (rows never depend on the batch)
-  bind / Runner                    the rows run one at a time through a fresh unshared bind (also after an
-                                   in-place update of every parameter with no refresh, and with a second shared
-                                   runner over another suffix bound in between)
+  snlp_generate, K >= C, forward   the same loop for M = 1; for M > 1 the loop over fused_forward (the fused model:
+                                   snlp's fusion run chunk by chunk, not its solver)
+  snlp_generate, K < C / tol       the same prompt run alone as a single prompt (a row never depends on its batch)
+  bind / Runner                    IDN, M = 1, h0 / fwd (any K): the paper's iteration written out layer by layer
+                                   below (naive_idn_logits); tol / DiagN / F2 / HCN: each row alone through a fresh
+                                   unshared bind. Also after an in-place update of every parameter with no refresh,
+                                   and for a second shared runner over another suffix bound in between
   evaluate                         a K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals the
-                                   exp(mean NLL) of the runner's teacher-forced logits on the same windows
+                                   exp(mean NLL) of the plan's logits on the protocol's windows
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence.
+bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows.
 
-Precision of each claim: fp64: token for token, every cell. fp32 / bf16 / fp16: token for token up to the first
-step whose reference top-2 logit margin is below MARGIN[dtype] (a near-tie may flip under another kernel's rounding,
-e.g. the verifier scoring B + 1 positions in one forward); cells whose reference is itself an snlp run (K < C) are
-claimed in fp64 only. A new entry point, input form, plan kind or treatment adds its row here (CONTRIBUTING.md).
+Precision of each claim: fp64: token for token, every cell. fp32 / bf16 / fp16: every token the cell produced is
+within MARGIN[dtype] of the best logit of its reference run in fp64 on the same weights, teacher-forced along the
+produced path (so every step is checked, and a near-tie may go either way), and the run stops at its budget or EOS;
+cells whose reference is itself an snlp run (K < C) are claimed in fp64 only. A new entry point, input form, plan
+kind or treatment adds its row here (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
@@ -174,16 +177,15 @@ def rows_of(cell: Cell, out) -> list[list[int]]:
     return [out.tokens]
 
 
-def reference(cell: Cell, m, prompt: list[int], n: int, eos: int | None):
-    """The cell's outside reference tokens for one prompt (fp64 cells), or None when the reference is the same prompt
-    run alone (snlp K < C, tol, preheat)."""
+def reference_fn(cell: Cell, m):
+    """The logits function (ids (1, T) -> logits) whose full-prefix argmax loop is the cell's outside reference, or
+    None when the reference is the same prompt run alone (snlp K < C, tol, preheat)."""
     plan = Plan.parse(PLANS[cell.kind], L)
     if cell.entry in ("sequential", "speculative", "drafter", "jacobi"):
-        return argmax_loop(m, prompt, n, eos)[0]
+        return m
     if plan.iters >= plan.chunks and plan.order is None and not plan.tol and cell.kind != "preheat":
         # M = 1: the model itself; M > 1: the fused model of the plan (fused_forward runs its chunks one by one)
-        fn = m if plan.fuse == 1 else (lambda idx: fused_forward(m, idx, plan))
-        return argmax_loop(fn, prompt, n, eos)[0]
+        return m if plan.fuse == 1 else (lambda idx: fused_forward(m, idx, plan))
     return None
 
 
@@ -233,17 +235,18 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
     rows = rows_of(cell, run(cell, m, arg, preheat, n, eos, drafter))
     used = prompts if cell.form in ("ragged", "tensorBT") else prompts[:1]
     assert len(rows) == len(used)
-    ref64 = None if cell.dtype == "fp64" else copy.deepcopy(m).double()
+    m64 = None if cell.dtype == "fp64" else copy.deepcopy(m).double()  # the same weights in fp64
     for p, got in zip(used, rows):
-        if ref64 is not None:  # low precision: a near-argmax of the same weights in fp64 at every step taken
-            why = near_argmax_path(ref64, p, got, n, eos, MARGIN[cell.dtype])
+        if m64 is not None:  # low precision: a near-argmax of the reference in fp64 at every step taken
+            why = near_argmax_path(reference_fn(cell, m64), p, got, n, eos, MARGIN[cell.dtype])
             assert why is None, f"{cell}: {why}"
             continue
-        ref = reference(cell, m, p, n, eos)
-        if ref is None:  # K < C: the same prompt alone, as a single prompt
+        fn = reference_fn(cell, m)
+        if fn is None:  # K < C: the same prompt alone, as a single prompt
             alone = Cell(**{**cell.__dict__, "form": "one"})
             assert got == run(alone, m, p, preheat, n, eos, drafter).tokens, f"{cell}: row != its single-prompt run"
         else:
+            ref = argmax_loop(fn, p, n, eos)[0]
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
