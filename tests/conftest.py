@@ -60,6 +60,22 @@ def mhc_model(seed: int = 0, n: int = 2, dynamic: bool = True, res_scale: float 
     return model
 
 
+def blowup_model(vocab_size: int, sequence_len: int = 64) -> GPT:
+    """A tiny depth-8 model whose MLP inputs are scaled 1000x: the sequential forward stays finite (pre-norm blocks
+    add bounded updates) but the exact-Jacobian Newton step of a K = 1 plan multiplies the chunks' huge Jacobians
+    and overflows to inf/NaN (a plan that diverges)."""
+    m = GPT(GPTConfig.from_depth(8, width=32, head_dim=16, vocab_size=vocab_size, sequence_len=sequence_len))
+    m.init_weights(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in m.blocks:
+            for lin in (b.attn.c_proj, b.mlp.c_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+            b.mlp.c_fc.weight.mul_(1000)
+        m.lm_head.weight.normal_(0, 0.3, generator=g)
+    return m.eval()
+
+
 def tokens(model: GPT, B: int = 2, T: int = 9, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, model.config.vocab_size, (B, T), generator=gen)

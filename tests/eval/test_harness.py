@@ -40,7 +40,7 @@ from snlp.method.drafter import make_drafter  # noqa: E402
 from snlp.io.tokenizer import Tokenizer  # noqa: E402
 from snlp.model.gpt import GPT  # noqa: E402
 
-from conftest import make_model  # noqa: E402
+from conftest import blowup_model, make_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -300,18 +300,9 @@ def test_a_diverged_plan_is_shown_diverged(tasks):
     depth-8 model whose MLP inputs are scaled 1000x (the sequential forward stays finite, the exact-Jacobian Newton
     step of a K = 1 plan overflows)."""
     from snlp.eval.harness import evaluate_methods, markdown
-    from snlp.model.config import GPTConfig
 
     tok = Tokenizer.train([(DATA / "arc_tiny_test.jsonl").read_text()] * 3, 300)
-    m = GPT(GPTConfig.from_depth(8, width=32, head_dim=16, vocab_size=tok.vocab_size, sequence_len=128))
-    m.init_weights(seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for b in m.blocks:
-            for lin in (b.attn.c_proj, b.mlp.c_proj):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
-            b.mlp.c_fc.weight.mul_(1000)
-        m.lm_head.weight.normal_(0, 0.3, generator=g)
+    m = blowup_model(tok.vocab_size, sequence_len=128)
     lms = [SNLPLM(pretrained=m, tokenizer=tok, plan=p, batch_size=8) for p in (None, "8xF1-h0-K1-newton")]
     recs = evaluate_methods(lms, ["snlp_arc_tiny"], num_fewshot=0, limit=2, include=str(tasks), bootstrap_iters=10)
     assert [r.method for r in recs] == ["sequential", "8xF1-h0-K1-newton"]

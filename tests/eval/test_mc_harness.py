@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import blowup_model
 
 from snlp.io.checkpoint import save_checkpoint
 from snlp.apps.cli import main
@@ -18,7 +19,6 @@ from snlp.eval.mc import MCConfig, markdown
 from snlp.eval.mc_eval import evaluate_mc
 from snlp.io.mctasks import Question, letter_prompt, parse_file
 from snlp.eval.mc_harness import default_scoring, draw_shots, loglikelihoods, predictions
-from snlp.model import GPT, GPTConfig
 from snlp.method.plan import Plan
 from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.io.tokenizer import Tokenizer
@@ -44,16 +44,7 @@ def blowup():
     the chunks' huge Jacobians and overflows to inf/NaN."""
     text = ["Which number is largest? Multiple Choice question: hello there, how are you today?"] * 20
     tok = Tokenizer.train(text + [letter_prompt(q) for q in QS] * 5, 300)
-    m = GPT(GPTConfig.from_depth(8, width=32, head_dim=16, vocab_size=tok.vocab_size, sequence_len=64))
-    m.init_weights(seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for b in m.blocks:
-            for lin in (b.attn.c_proj, b.mlp.c_proj):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
-            b.mlp.c_fc.weight.mul_(1000)
-        m.lm_head.weight.normal_(0, 0.3, generator=g)
-    return m.eval(), tok
+    return blowup_model(tok.vocab_size), tok
 
 
 def test_the_plan_really_diverges_and_the_sequential_forward_does_not(blowup):
