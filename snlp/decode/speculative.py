@@ -249,26 +249,26 @@ class AdaptiveBlock:
     """Adaptive draft length (issue 21 item 3): before each round, every row drafts the block 1..max_block that
     maximises its expected tokens per unit of time, ideal_ssd_speedup(alpha_i, B, s), at its running acceptance
     rate alpha_i and the measured cost ratio s = verifier forward / drafter step of THIS run (decayed means of the
-    timed rounds). alpha_i = (acc + 1) / (exam + 1) over decayed counts of its accepted / examined drafts (decay
+    timed rounds; sampling: the plan's ideal ratio `cost_ratio`, so a seeded run does not depend on the clock). alpha_i = (acc + 1) / (exam + 1) over decayed counts of its accepted / examined drafts (decay
     0.9 per round: about the last 10 rounds, so it follows changes in how predictable the text is); the prior is
     one accepted draft, optimistic like the first round, which drafts max_block. (A uniform prior, (acc + 1) /
     (exam + 2), with a shorter memory caps the estimate near 0.94 even when every draft is accepted and, measured
-    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch the
+    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch a greedy
     round drafts the largest of the live rows' blocks for every row (a batched drafter step costs the same whatever
-    the rows want). Exact by construction: only how many tokens are drafted changes; the verifier checks whatever
+    the rows want); a sampled round drafts each row's own block (its draws then do not depend on the batch). Exact by construction: only how many tokens are drafted changes; the verifier checks whatever
     was drafted."""
 
-    def __init__(self, max_block: int, rows: int = 1, decay: float = 0.9):
-        self.max_block, self.decay = max_block, decay
+    def __init__(self, max_block: int, rows: int = 1, decay: float = 0.9, cost_ratio: float | None = None):
+        self.max_block, self.decay, self.cost_ratio = max_block, decay, cost_ratio
         self.acc, self.exam = [0.0] * rows, [0.0] * rows
         self.t_draft = self.t_verify = 0.0  # decayed sums of seconds and of counts (steps / rounds)
         self.n_draft = self.n_verify = 0.0
 
     def block(self, i: int = 0) -> int:
-        if not self.n_draft or not self.n_verify or not self.t_draft:
+        if self.cost_ratio is None and (not self.n_draft or not self.n_verify or not self.t_draft):
             return self.max_block
         alpha = (self.acc[i] + 1.0) / (self.exam[i] + 1.0)
-        s = (self.t_verify / self.n_verify) / (self.t_draft / self.n_draft)
+        s = self.cost_ratio or (self.t_verify / self.n_verify) / (self.t_draft / self.n_draft)
         return max(range(1, self.max_block + 1), key=lambda b: (ideal_ssd_speedup(alpha, b, s), -b))
 
     def update(self, i: int, drafted: int, accepted: int) -> None:
@@ -345,7 +345,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
                            (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
-        ctl = AdaptiveBlock(block, len(ses.rows)) if adaptive else None
+        # sampling: the block must not depend on the clock (a seeded run repeats its draws), so the cost ratio is
+        # the plan's ideal one, L / (S + K * evals) layer steps, not the measured one
+        ratio = plan.ideal_speedup(model.config.n_layer) if temperature > 0 else None
+        ctl = AdaptiveBlock(block, len(ses.rows), cost_ratio=ratio) if adaptive else None
         for r in ses.results:
             r.plan, r.block = str(plan), block
         pad = block + 1 if verify_fwd.compiled else None  # one verifier graph: every round at B+1
@@ -354,10 +357,14 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
         ses.prefill(verify_fwd)
         while ses.active:
             live = set(ses.live())
-            # adaptive: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same for
-            # every row, so a row that drafted less would only lose tokens (its extra drafts cost verifier width)
+            # adaptive, greedy: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same
+            # for every row, so a row that drafted less would only lose tokens (its extra drafts cost verifier width).
+            # Sampling: each row its own block, so its draws (and tokens) do not depend on its neighbours
             b = block if ctl is None else max(ctl.block(j) for j in live)
-            want = [0 if j not in live else min(b, ses.remaining(j) - 1) for j in range(len(ses.rows))]
+            own = [block if ctl is None or temperature == 0 else ctl.block(j) if j in live else 0
+                   for j in range(len(ses.rows))]
+            want = [0 if j not in live else min(b if temperature == 0 else own[j], ses.remaining(j) - 1)
+                    for j in range(len(ses.rows))]
             t0 = now(ses.device)
             drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
             t1 = now(ses.device)
@@ -368,8 +375,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             for j in sorted(live):
                 if ctl is not None:
                     ctl.update(j, len(drafts[j]), ns[j])
-                ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j], steps=len(drafts[j]), forwards=steps + 1,
-                                                   draft_s=t1 - t0, verify_s=t2 - t1)
+                # the row's own counts: its drafter steps (its share of the round's drafting time) and its verifier
+                ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j], steps=len(drafts[j]),
+                                                   forwards=len(drafts[j]) + 1,
+                                                   draft_s=(t1 - t0) * len(drafts[j]) / max(steps, 1), verify_s=t2 - t1)
                 ses.emit(j, drafts[j][: ns[j]] + [nxt[j]], ns[j] + 1)
             keep = ses.live()
             if ctl is not None and ses.compact and len(keep) < len(ses.rows):

@@ -73,7 +73,7 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, pick_token
+from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, make_generator, pick_token
 from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
@@ -553,7 +553,7 @@ class DistributedSNLP:
         ses.result.block = block if mode == "speculative" else 0
         # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
         # cannot drive CUDA sampling); only the last rank draws, and the tokens are broadcast
-        gen = torch.Generator(self.device).manual_seed(seed) if temperature > 0 else None
+        gen = make_generator(seed, self.device) if temperature > 0 else None  # seed None: fresh, global RNG untouched
         snlp = lambda x: self.solve(ses.ids(x), ses.cache, check_finite=False).logits  # noqa: E731
         seq = lambda x: self.pipeline_forward(ses.ids(x), ses.cache)  # noqa: E731
         t0 = now(self.device)

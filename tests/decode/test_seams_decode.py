@@ -181,3 +181,27 @@ def test_sampled_single_prompt_equals_its_batch_row():
     one = speculative_generate(m, prompts[0], "4xF1-h0-K1", **kw)
     rows = speculative_generate(m, prompts, "4xF1-h0-K1", **kw)
     assert one.tokens == rows[0].tokens and len(one.tokens) == 12
+
+
+def test_adaptive_sampling_repeats_and_its_rows_do_not_depend_on_the_batch():
+    """adaptive=True with temperature > 0 picked its block from wall-clock timings (a seeded run drew differently from
+    run to run) and a batch drafted the largest row's block for every row (a row's draws depended on its
+    neighbours). Now: the same seed gives the same tokens, and row i equals the prompt alone with seed + i."""
+    m = make_model(seed=9, n_layer=6)
+    prompts = _prompts(m, [3, 7, 2, 5], 9)
+    kw = dict(plan="4xF1-h0-K1", block=4, max_new_tokens=12, temperature=1.0, adaptive=True)
+    runs = {tuple(speculative_generate(m, prompts[1], seed=9, **kw).tokens) for _ in range(4)}
+    assert len(runs) == 1
+    rows = speculative_generate(m, prompts, seed=100, **kw)
+    assert [r.tokens for r in rows] == [speculative_generate(m, p, seed=100 + i, **kw).tokens
+                                        for i, p in enumerate(prompts)]
+
+
+def test_batch_rows_count_their_own_forwards():
+    """A speculative row's `forwards` counted the round's longest drafting (the batch's), not its own drafts + 1."""
+    m = make_model(seed=10, n_layer=6)
+    prompts = _prompts(m, [4, 6, 3], 10)
+    rows = speculative_generate(m, prompts, "4xF1-h0-K1", block=3, max_new_tokens=7, min_confidence=0.5)
+    for p, r in zip(prompts, rows):
+        one = speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=7, min_confidence=0.5)
+        assert (r.tokens, r.drafted, r.forwards, r.rounds) == (one.tokens, one.drafted, one.forwards, one.rounds)
