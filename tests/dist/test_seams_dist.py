@@ -215,6 +215,7 @@ def _devices_worker(rank: int, world: int, port: int, out: str) -> None:
     runner.solve(tokens(model))
     for mode in ("snlp", "speculative", "sequential"):
         runner.generate(PROMPT, mode, max_new_tokens=4, block=2, temperature=0.7, seed=1)
+    runner.generate(PROMPT, "snlp", max_new_tokens=2, temperature=0.7, seed=None)  # crashed: manual_seed(None)
     DistributedSNLP(make_model(seed=0), "4xF1-h0-K1-diag:fd").solve(tokens(model))
     DistributedSNLP(make_model(seed=1, hc_streams=2), "4xF1-h0-K1-hcn").solve(tokens(model))
     # 2. meta-device ranks: shapes only, so every tensor made for a collective shows where it was made; a host
