@@ -102,23 +102,35 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
 def choice_positions(tokenizer, question: str, choice: str) -> tuple[list[int], list[int]]:
     """The conversation (`question` as the user turn, `choice` as the assistant reply) rendered with the
     tokenizer's chat template, and the positions of the tokens of the choice's text in it: the protocol scores
-    the choice only, never the template's end-of-turn suffix (nanochat's <|assistant_end|>; ChatML's
-    `<|im_end|>` + `\n`, which the assistant mask also covers). Derived from the rendering, not from a
-    count of suffix tokens: within the reply's masked span, the shortest window of tokens whose decoding
-    contains the choice's text (a token merged across the text's edge is kept: it carries part of it)."""
-    ids, mask = tokenizer.render_chat([{"role": "user", "content": question}, {"role": "assistant", "content": choice}])
-    span = [t for t, m in enumerate(mask) if m]  # the reply and the template's end-of-turn tokens
+    the choice only, never the template's own tokens around it (nanochat's <|assistant_end|>; ChatML's
+    `<|im_end|>` + `\n`, which the assistant mask also covers; a reply prefix such as Qwen3's empty think block).
+    Derived from the rendering, not from a count of template tokens: the same conversation is rendered with two
+    other replies (sentinels), and the tokens where the renderings differ are the reply's own (a token merged
+    across the text's edge differs too, so it is kept: it carries part of the text); within them, the reply's
+    masked tokens, less any at the edges that hold none of the text."""
+    def render(reply: str) -> tuple[list[int], list[int]]:
+        return tokenizer.render_chat([{"role": "user", "content": question}, {"role": "assistant", "content": reply}])
+
+    ids, mask = render(choice)
+    head = tail = len(ids)
+    for sentinel in ("zqxjv", "QWKPF"):  # two, so a choice that starts or ends like one sentinel is still cut right
+        other, _ = render(sentinel)
+        n = min(len(ids), len(other))
+        pre = next((k for k in range(n) if ids[k] != other[k]), n)
+        suf = next((k for k in range(n - pre) if ids[-1 - k] != other[-1 - k]), n - pre)
+        head, tail = min(head, pre), min(tail, suf)
+    span = [t for t in range(head, len(ids) - tail) if mask[t]]  # the reply's own tokens
     text = choice.strip()  # templates may trim the reply
 
     def covers(a: int, b: int) -> bool:
-        return text in tokenizer.decode(ids[span[0] + a:span[0] + b])
+        return text in tokenizer.decode([ids[t] for t in span[a:b]])
 
     if not span or span != list(range(span[0], span[-1] + 1)) or not covers(0, len(span)):
         raise ValueError(f"the chat template does not render the choice {choice!r} as the assistant reply's text "
-                         f"(masked reply decodes to {tokenizer.decode([ids[t] for t in span])!r}); use --mc-scoring "
-                         f"harness or letter")
-    stop = next(b for b in range(1, len(span) + 1) if covers(0, b))  # the first tokens that hold the whole text
-    start = max(a for a in range(stop) if covers(a, stop))  # ... less any template tokens before it
+                         f"(the reply's tokens decode to {tokenizer.decode([ids[t] for t in span])!r}); use "
+                         f"--mc-scoring harness or letter")
+    start = max(a for a in range(len(span)) if covers(a, len(span)))  # drop edge tokens that hold none of it
+    stop = min(b for b in range(start + 1, len(span) + 1) if covers(start, b))
     return ids, span[start:stop]
 
 

@@ -248,6 +248,10 @@ CHATML_LIKE = [  # (template, what the reply's masked span holds besides the cho
     # a longer suffix, and a template token inside the reply's span before the text
     ("{% for m in messages %}<s> t2 {{ m['content'] }} </s> t1 t3{% endfor %}{% if add_generation_prompt %}<s>{% endif %}",
      "t2 ... </s> t1 t3"),
+    # a reply prefix inside the assistant turn that holds the choice's own words (a Qwen3-style think block): the
+    # first window holding the text was the template's t5, not the reply's
+    ("{% for m in messages %}<s> {% if m['role'] == 'assistant' %}t5 t6 {% endif %}{{ m['content'] }} </s>{% endfor %}"
+     "{% if add_generation_prompt %}<s>{% endif %}", "t5 t6 ... </s>"),
 ]
 
 
@@ -259,11 +263,14 @@ def test_loglik_scored_tokens_decode_to_the_choice_under_any_template(template, 
     hf = word_tokenizer(40)
     hf.chat_template = template
     tok = Tokenizer.from_hf(hf)
-    for c in ("t5", "t5 t6 t7"):
+    for c in ("t5", "t6", "t5 t6 t7"):
         ids, mask = tok.render_chat([{"role": "user", "content": "t9 t8"}, {"role": "assistant", "content": c}])
         assert sum(mask) > len(c.split())  # the mask covers more than the choice: what the fix must leave out
         ids, pos = choice_positions(tok, "t9 t8", c)
         assert tok.decode([ids[t] for t in pos]) == c and len(pos) == len(c.split())
+        # the reply's tokens are the last ones before the end-of-turn marker (the outside reference: the rendering)
+        end = max(t for t, i in enumerate(ids) if i == tok.token_id("</s>"))
+        assert pos == list(range(end - len(c.split()), end))
     native = Tokenizer.train(["the capital of france is paris"] * 5, 300)  # nanochat's own template
     ids, pos = choice_positions(native, "capital?", "paris")
     assert [ids[t] for t in pos] == native.encode("paris")
