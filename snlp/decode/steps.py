@@ -146,7 +146,12 @@ class Step:
         if key not in self._pool:
             self._pool[key] = KVCache.for_model(model, batch=batch, max_len=max_len)
         kept = self._pool[key]
-        return KVCache(k=kept.k, v=kept.v)  # a fresh length over the same (static-address) buffers
+        # a fresh length over the same (static-address) buffers, zeroed: masked attention still multiplies the
+        # scratch past a call's positions by 0, and a NaN / inf an earlier call left there (a diverged drafter, an
+        # fp16 overflow) would poison every later call (0 * NaN = NaN); a memset on the device, no host sync
+        kept.k.zero_()
+        kept.v.zero_()
+        return KVCache(k=kept.k, v=kept.v)
 
     def cache_len(self, n: int) -> int:
         """Cache length to allocate for n positions: the next power of two (>= MIN_CACHE). The cache's size is a

@@ -120,15 +120,22 @@ class Surrogate(ABC):
         return d, it.h + d
 
 
+@lru_cache(maxsize=256)
+def _factors(values: tuple[float, ...], device, dtype: torch.dtype) -> Tensor:
+    """Per-chunk factors (C,) on the device, made once per plan, device and dtype: torch.tensor of host data is a
+    synchronising host-to-device copy on a GPU, so not once per iteration."""
+    return torch.tensor(values, device=device, dtype=dtype)
+
+
 def _link(it: Iterate, like: Tensor) -> Tensor:
     """The plan's per-chunk link/ELK factors (C,) as a tensor like `like`."""
-    return torch.tensor(it.plan.link_factors(), device=like.device, dtype=like.dtype)
+    return _factors(tuple(it.plan.link_factors()), like.device, like.dtype)
 
 
 def _lag(it: Iterate, like: Tensor) -> Tensor:
     """The plan's per-chunk lag factors (C,) as a tensor like `like` (nonzero where the order visits a chunk
     before its predecessor)."""
-    return torch.tensor(it.plan.lag_factors(), device=like.device, dtype=like.dtype)
+    return _factors(tuple(it.plan.lag_factors()), like.device, like.dtype)
 
 
 def shift(d: Tensor) -> Tensor:
@@ -137,22 +144,25 @@ def shift(d: Tensor) -> Tensor:
 
 
 @lru_cache(maxsize=256)
-def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = ()) -> Tensor:
+def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = (), device=None,
+                    dtype: torch.dtype = torch.float64) -> Tensor:
     """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); with lag factors
     (some nonzero), the (C, 2C) [P, P U] with d = [P, P U] @ [b; d_prev], U[c, c-1] = lag[c]: the previous
-    sweep's update enters chunk c's b. Built once per plan (cached), never on the hot path."""
+    sweep's update enters chunk c's b. Built in fp64 on `device` and cast to `dtype`, once per plan, device and dtype
+    (cached), so an eager solve copies nothing from the host per iteration; a compiled one (dynamo traces through the
+    cache) builds it from device ops, not CPU nodes that would split its CUDA graph."""
     C = len(a)
-    P = torch.zeros(C, C, dtype=torch.float64)
+    P = torch.zeros(C, C, dtype=torch.float64, device=device)
     for c in range(C):
         if c > 0:
             P[c, :c] = a[c] * P[c - 1, :c]
         P[c, c] = 1.0
-    if not any(lag):
-        return P
-    U = torch.zeros(C, C, dtype=torch.float64)
-    for c in range(1, C):
-        U[c, c - 1] = lag[c]
-    return torch.cat([P, P @ U], 1)
+    if any(lag):
+        U = torch.zeros(C, C, dtype=torch.float64, device=device)
+        for c in range(1, C):
+            U[c, c - 1] = lag[c]
+        P = torch.cat([P, P @ U], 1)
+    return P.to(dtype)
 
 
 def scalar_correct(b: Tensor, a: tuple[float, ...], lag: tuple[float, ...] = (), prev: Tensor | None = None) -> Tensor:
@@ -160,10 +170,10 @@ def scalar_correct(b: Tensor, a: tuple[float, ...], lag: tuple[float, ...] = (),
     if prev is None or not any(lag):
         if all(x == 1.0 for x in a[1:]):
             return b.cumsum(0)  # IDN, forward order: a prefix sum over depth
-        P = transfer_matrix(tuple(a))
+        P = transfer_matrix(tuple(a), (), b.device, b.dtype)
     else:
-        P, b = transfer_matrix(tuple(a), tuple(lag)), torch.cat([b, prev], 0)  # [P, P U] @ [b; d_prev]
-    return torch.einsum("cj,j...->c...", P.to(device=b.device, dtype=b.dtype), b)
+        P, b = transfer_matrix(tuple(a), tuple(lag), b.device, b.dtype), torch.cat([b, prev], 0)  # [P, P U] @ [b; d_prev]
+    return torch.einsum("cj,j...->c...", P, b)
 
 
 @dataclass(frozen=True)

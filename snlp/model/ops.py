@@ -56,14 +56,18 @@ def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, de
         diff = q_start.to(device)[:, None, :, None] - torch.arange(S, device=device)  # (B, 1, T, S)
         if isinstance(windows, int) and windows < 0:  # full attention: causal only (fewer ops per layer and step)
             return diff >= 0
-        w = torch.as_tensor(windows, device=device)[..., None, None, None]
+        if isinstance(windows, int):  # a Python window compares as a scalar: no host-to-device copy per layer
+            return (diff >= 0) & (diff <= windows)
+        w = windows.to(device)[..., None, None, None]
         return (diff >= 0) & ((w < 0) | (diff <= w))
     if isinstance(q_start, Tensor):
         qpos = q_start.to(device)[:, None]
     else:
         qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
     diff = qpos - torch.arange(S, device=device)[None, :]  # (T, S)
-    w = torch.as_tensor(windows, device=device)[..., None, None]
+    if isinstance(windows, int):  # scalar compares: torch.as_tensor of a Python int is a synchronising H2D copy
+        return diff >= 0 if windows < 0 else (diff >= 0) & (diff <= windows)
+    w = windows.to(device)[..., None, None]
     return (diff >= 0) & ((w < 0) | (diff <= w))
 
 

@@ -205,3 +205,19 @@ def test_batch_rows_count_their_own_forwards():
     for p, r in zip(prompts, rows):
         one = speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=7, min_confidence=0.5)
         assert (r.tokens, r.drafted, r.forwards, r.rounds) == (one.tokens, one.drafted, one.forwards, one.rounds)
+
+
+def test_a_pooled_cache_is_not_poisoned_by_an_earlier_call():
+    """CUDA graphs reuse one cache buffer per shape (Step.new_cache); masked attention multiplies the scratch past a
+    call's positions by 0, so a NaN an earlier call wrote there (a diverged drafter, an fp16 overflow; here a token
+    that embeds to NaN) turned every later healthy call into token 0. The pooled branch runs on the CPU by giving an
+    eager-compiled Step the mode compile takes on CUDA."""
+    m = make_model(seed=11, n_layer=2, sequence_len=256, window_pattern="L", dtype=torch.float32)
+    with torch.no_grad():
+        m.wte.weight[7] = float("nan")
+    step = Step(sequential_fn(m), "cpu", compile=False)
+    step.mode = "reduce-overhead"  # the pooled (static-address) cache branch, as compile selects it on CUDA
+    ref = _argmax_loop(m, [1, 2, 3], 8)
+    assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref
+    sequential_generate(m, [7] * 40, 8, step=step)  # writes NaN K/V across the pooled buffer
+    assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref

@@ -32,8 +32,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("method/preheat.py", "fit"): _CPU_DRAW,
     ("method/preheat.py", "fit_states"): "the calibration's fp64 least squares runs on a CPU copy of the states "
                                          "(fit moves them with .cpu()), once per calibration",
-    ("method/surrogates.py", "transfer_matrix"): "a (C, C) fp64 matrix built once per plan (lru_cache) on the CPU; "
-                                                 "scalar_correct moves it to b's device and dtype",
     ("bench/breakdown.py", "forward_breakdown"): _CPU_DRAW,
     ("bench/decode.py", "decode_benchmark"): _CPU_DRAW,
     ("bench/decode.py", "batch_decode_benchmark"): _CPU_DRAW,
