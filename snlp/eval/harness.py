@@ -139,9 +139,14 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"decode={decode} needs " + ("no plan (the model's own decoding)" if plan is not None
                              else "a plan= or a drafter= (it decodes with the plan's SNLP forward)"))
         self.decode, self.block, self.seed = decode, int(block), int(seed)
+        if self.block < 1:
+            raise ValueError(f"block (the speculative draft length) must be >= 1, got {block!r}")
+        if max_length is not None and int(max_length) < 1:
+            raise ValueError(f"max_length must be >= 1 (or left out for the model's sequence_len), got {max_length!r}")
         self.logits_cache = _bool(logits_cache)
         self._max_length = int(max_length) if max_length else self.model.config.sequence_len
         self.add_bos_token = (not tok.foreign) if add_bos_token is None else _bool(add_bos_token)
+        self._bos_given = add_bos_token is not None  # an explicit add_bos_token=False also stops the tokenizer's own
 
         # the forward that scores log-likelihoods: the drafter's model (its prefix is this model's own) or the model
         self.forward_model = self.drafter.model if self.drafter is not None else self.model
@@ -203,7 +208,8 @@ class SNLPLM(TemplateLM):
         bos = self.prefix_token_id
         # as the hf model: a string that already starts with BOS (a chat template's) gets no second one
         if add_special_tokens is None:
-            add_special_tokens = not string.startswith(self.tokenizer.decode([bos]))
+            add_special_tokens = not string.startswith(self.tokenizer.decode([bos])) and (
+                self.add_bos_token or not self._bos_given)
         ids = self.tokenizer.tok.encode(string, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and ids[:1] != [bos]:
             ids = [bos] + ids
@@ -223,9 +229,14 @@ class SNLPLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if (self.tokenizer.meta or {}).get("chat_template"):
-            return self._hf_chat.apply_chat_template(chat_history, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=not add_generation_prompt)
+            from jinja2.exceptions import TemplateError
+
+            kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=not add_generation_prompt)
+            try:
+                return self._hf_chat.apply_chat_template(chat_history, **kw)
+            except TemplateError:  # a template without a system role (Gemma-style): as the hf model, drop that turn
+                return self._hf_chat.apply_chat_template([m for m in chat_history if m["role"] != "system"], **kw)
         # snlp's own chat format; continue_final_message: the final assistant turn stays open (no end marker)
         ids, _ = self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
         end = self.tokenizer.token_id("<|assistant_end|>")
@@ -238,12 +249,13 @@ class SNLPLM(TemplateLM):
     def _hidden(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Final hidden states h_L (B, T, [n,] D) of right-padded inputs x (B, T) whose rows hold lengths[i] real
         tokens: causal attention keeps each row's real tokens exact, and an SNLP solve is per position causal too.
-        A `tol` plan's per-row stop test takes norms over the whole row, padding included, so its rows are solved
-        at their own lengths (one solve per row): a request's score never depends on its batch."""
+        A `tol` plan's per-row stop test takes norms over the whole row, padding included, and a DiagN plan draws
+        its probes with the shape of the whole batch, so their rows are solved at their own lengths (one solve per
+        row): a request's score never depends on its batch."""
         if self.runner is None:
             ctx = self.model.embed(x)
             return self.model.run_layers(ctx.x0, ctx, 0, self.model.config.n_layer)
-        if not self.runner.plan.tol:
+        if not (self.runner.plan.tol or self.runner.plan.surrogate.random):
             return self.runner.solve(x).hidden
         rows = [self.runner.solve(x[i:i + 1, :n]).hidden[0] for i, n in enumerate(lengths)]  # (n, [n,] D) each
         out = rows[0].new_zeros(x.shape[0], x.shape[1], *rows[0].shape[1:])
@@ -295,7 +307,11 @@ class SNLPLM(TemplateLM):
         windows, counts = [], []
         for (string,) in [req.args for req in requests]:
             w = [(None,) + make_disjoint_window(win) for win in get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                # the prefix token is the first window's BOS: with snlp's own tokenizer the document itself gets
+                # none (it would add a second one); a foreign tokenizer encodes as the hf model's does
+                token_list=self.tok_encode(string) if self.tokenizer.foreign else
+                self.tok_encode(string, add_special_tokens=False),
+                prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1)]
             windows += w
             counts.append(len(w))
@@ -310,7 +326,7 @@ class SNLPLM(TemplateLM):
     # ----- generation -----
     def _generate(self, prompts: list[list[int]], max_new: int, temperature: float) -> list[list[int]]:
         """New tokens per prompt, one ragged batch (a single prompt is decoded alone)."""
-        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.tokenizer.eos_id, seed=self.seed)
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.eot_token_id, seed=self.seed)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
@@ -327,6 +343,16 @@ class SNLPLM(TemplateLM):
             res = speculative_generate(self.model, batch, self.plan, block=self.block, preheat=self.preheat,
                                        drafter=self.drafter, **kw)
         return [r.tokens for r in (res if isinstance(res, list) else [res])]
+
+    def _cut_at_stop(self, toks: list[int], until: list[str]) -> list[int]:
+        """The tokens up to the first one after which the continuation, decoded with special tokens KEPT, holds a
+        stop string (the hf model's stopping criterion): a stop string that is a special token (an end-of-turn
+        marker) vanishes from the skip-special decoding the answer is cut from, so it must stop generation here."""
+        for i in range(1, len(toks) + 1):
+            text = self.tok_decode(toks[:i], skip_special_tokens=False)
+            if any(u and u in text for u in until):
+                return toks[:i]
+        return toks
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
@@ -349,6 +375,7 @@ class SNLPLM(TemplateLM):
                 raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, self._generate(prompts, max_new, temperature)):
+                toks = self._cut_at_stop(toks, until)
                 s = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
                 res.append(s)
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
