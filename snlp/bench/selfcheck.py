@@ -141,13 +141,27 @@ def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
         err = _rel(parallel_forward(model, idx, "4xF1-h0-K4"), model(idx))
         return err < TOL, f"M = 1, K = C: SNLP logits vs the sequential forward, max rel err {err:.2e}"
 
+    @torch.no_grad()
+    def argmax_loop(p: list[int], n: int) -> list[int]:
+        """The outside reference of every decoding law: greedy by a full forward over the whole prefix per token (no
+        KV cache, no static shapes), so a defect of the cached paths cannot hide in both sides of a law."""
+        ids = list(p)
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids], device=device))[0, -1].argmax()))
+        return ids[len(p):]
+
+    def cached():
+        ref = [argmax_loop(p, 12) for p in prompts]
+        got = [sequential_generate(model, p, 12).tokens for p in prompts]
+        return got == ref, f"KV-cached greedy decoding == a full-prefix argmax loop for {len(prompts)} prompts"
+
     def speculative():
-        ref = [r.tokens for r in (sequential_generate(model, p, 12) for p in prompts)]
+        ref = [argmax_loop(p, 12) for p in prompts]
         got = [speculative_generate(model, p, "4xF1-h0-K1", block=3, max_new_tokens=12).tokens for p in prompts]
-        return got == ref, f"greedy speculative (4xF1-h0-K1, B=3) tokens == sequential for {len(prompts)} prompts"
+        return got == ref, f"greedy speculative (4xF1-h0-K1, B=3) tokens == the argmax loop for {len(prompts)} prompts"
 
     def batched():
-        ref = [sequential_generate(model, p, 10).tokens for p in prompts]
+        ref = [argmax_loop(p, 10) for p in prompts]
         got = [r.tokens for r in sequential_generate(model, prompts, 10)]
         spec = [r.tokens for r in speculative_generate(model, prompts, "4xF1-h0-K1", block=3, max_new_tokens=10)]
         return got == ref and spec == ref, "batched rows (ragged prompts 5, 9) == each row alone (sequential, " \
@@ -155,9 +169,12 @@ def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
 
     def compiled():
         step = sequential_step(model, compile=True)
-        ref = [sequential_generate(model, p, 8).tokens for p in prompts]
+        ref = [argmax_loop(p, 8) for p in prompts]
         got = [sequential_generate(model, p, 8, step=step).tokens for p in prompts]
-        return got == ref, f"compiled static-shape step (compile {step.compile_s:.1f} s) tokens == eager"
+        spec = [r.tokens for r in speculative_generate(model, prompts, "4xF1-h0-K1", block=3, max_new_tokens=8,
+                                                       compile=True, verify=step)]
+        return got == ref and spec == ref, f"compiled sequential step (compile {step.compile_s:.1f} s) and " \
+                                           "compiled speculative batch (drafter + padded verifier) == the argmax loop"
 
     def hf():
         try:
@@ -199,6 +216,7 @@ def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
             return False, f"not refused: {what}"
         return True, "refused with a ValueError: " + "; ".join(refused)
 
+    run("cached decoding == argmax loop", cached)
     run("K >= C reproduces the fused model", fused_exact)
     run("M = 1 equals sequential", m1_sequential)
     run("speculative greedy == sequential", speculative)

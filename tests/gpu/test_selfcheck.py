@@ -18,14 +18,14 @@ def test_selfcheck_cli_on_cpu(tmp_path, capsys):
     rec = json.loads((tmp_path / "selfcheck.json").read_text())
     assert rec["passed"] and rec["device"] == "cpu" and rec["versions"]["torch"] == torch.__version__
     names = [c["name"] for c in rec["checks"]]
-    assert names == ["K >= C reproduces the fused model", "M = 1 equals sequential", "speculative greedy == sequential",
+    assert names == ["cached decoding == argmax loop", "K >= C reproduces the fused model", "M = 1 equals sequential", "speculative greedy == sequential",
                      "batched rows == single rows", "compiled == eager", "transformers logits", "fingerprints",
                      "refusals"]
     assert all(c["passed"] for c in rec["checks"] if c["name"] != "compiled == eager")
     assert {r["plan"] for r in rec["forward"]} >= {"sequential"} and all(r["median_ms"] > 0 for r in rec["forward"])
     assert {r["mode"] for r in rec["decode"]} == {"sequential", "snlp", "speculative"}
     assert all(r["matches_sequential"] for r in rec["decode"])  # greedy decoding of every mode == sequential
-    assert "ALL CHECKS PASSED" in out and out.count("PASS ") == 7
+    assert "ALL CHECKS PASSED" in out and out.count("PASS ") == 8
 
 
 def test_a_failed_check_fails_the_run():
