@@ -26,7 +26,7 @@ import copy
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,8 @@ from snlp.train.trainer import fit
 from snlp.train.validate import ValidationResult
 
 KV_MODES = ("exact", "own")
+RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha")  # --resume must keep these
+TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
 
 
@@ -313,9 +315,19 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
         raise ValueError(f"--resume: the run in {run} adapts a drafter of another base (weights {rec[:16]}...) than "
                          f"{cfg.src} ({fingerprint[:16]}...): resume it with the base it started on, or start a new "
                          f"run in another --out")
-    prev = (st.get("adapt") or {}).get("plan")
+    saved = st.get("adapt") or {}
+    prev = saved.get("plan")
     if prev is not None and str(Plan.parse(prev)) != str(plan):
         raise ValueError(f"--resume: the run in {run} adapts plan {prev}, not {plan}: resume it with --plan {prev}")
+    # the run's data, split and training mode: another one would train the second leg on what the record (the
+    # last leg's settings) calls held out, or change what the drafter learns mid-run
+    now = asdict(cfg)
+    was = {k: chat.resolve_spec(saved[k]) if k == "data" else saved[k] for k in RESUME_FIXED if k in saved}
+    diff = [k for k in RESUME_FIXED if k in was and was[k] != now[k]]
+    if diff:
+        raise ValueError(f"--resume: the run in {run} was started with "
+                         + ", ".join(f"--{k.replace('_', '-')} {was[k]!r} (not {now[k]!r})" for k in diff)
+                         + ": resume it with the settings it started with, or start a new run in another --out")
 
 
 def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None = None) -> AdaptResult:
@@ -326,6 +338,9 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     uses a copy on cfg.device when it lives elsewhere), and its requires_grad flags and train/eval mode are as
     before when this returns. Under torchrun the gradients are all-reduced and rank 0 alone writes."""
     plan = cfg.check()
+    # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
+    cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
+                  from_model=chat.local_path(cfg.from_model))
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
@@ -369,16 +384,36 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
     drafter_from_model; e.g. the paper's IDN fine-tuning with a frozen prefix), validated against the base on the
     run's held-out batches (before = the post-hoc drafter, after = the imported one) and written to cfg.out."""
     base, tok = loaded
+    mode = base.training
     base.eval()
-    tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
-    d = drafter_from_model(base, tuned, plan)
-    del tuned
-    device = base.wte.weight.device
-    _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
-    vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
-    before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
-    after = validate_drafter(base, d, vb, cfg, device).record()
+    try:  # a caller's model leaves in the mode it came in
+        tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
+        d = drafter_from_model(base, tuned, plan)
+        del tuned
+        device = base.wte.weight.device
+        _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
+        vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
+        after = validate_drafter(base, d, vb, cfg, device).record()
+    finally:
+        base.train(mode)
     result = AdaptResult(out=cfg.out, plan=str(plan), kv=cfg.kv, steps=0, tokens=0, minutes=0.0,
                          stopped_by="from_model", before=before, after=after, extra_bytes=d.extra_bytes())
-    save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg)})
+    save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg), "tuned": tuned_split(cfg.from_model)})
     return result
+
+
+def tuned_split(ckpt: str) -> dict:
+    """What a --from-model drafter's suffix was trained on: `snlp train`'s data settings (TRAIN_DATA, from the
+    tuned checkpoint's train_state.pt args; `split` None when it records none, e.g. a .gguf or transformers
+    directory). `snlp eval --drafter` holds out THIS split (the adapt command's --data only validated the
+    import), or asks for explicit held-out data when there is none."""
+    p = Path(ckpt)
+    args = {}
+    if is_snlp_checkpoint(p):
+        args = (load_training(checkpoint_dir(p))[1] or {}).get("args") or {}
+    split = None
+    if "data" in args and "val_frac" in args:
+        split = {k: args.get(k) for k in TRAIN_DATA}
+        split["data"] = chat.resolve_spec(split["data"])  # (as snlp train read it from this cwd, if it exists here)
+    return {"src": ckpt, "split": split}
