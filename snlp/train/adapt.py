@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -48,6 +50,7 @@ from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
 from snlp.train.config import TrainConfig
+from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
 from snlp.train.trainer import fit
@@ -352,6 +355,19 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     fingerprint = weights_fingerprint(base[0])
     if cfg.resume:
         check_resume(cfg, plan, fingerprint)
+    # torchrun: the group outlives fit (which leaves a group it did not create alone), so every rank can wait for
+    # rank 0's drafter below; it is destroyed here only if this call created it (a caller's group stays)
+    ctx = setup_dist(cfg.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    try:
+        return _adapt(cfg, plan, hooks, base, owned, fingerprint, t0)
+    finally:
+        if ctx is not None:
+            teardown_dist(ctx)
+
+
+def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, fingerprint: str, t0: float) -> AdaptResult:
+    """adapt's run and save (see `adapt`); all ranks return once rank 0 has written the drafter."""
+    out = Path(cfg.out)
     held: dict = {}
     model = base[0]
     flags, mode = [p.requires_grad for p in model.parameters()], model.training
@@ -366,17 +382,23 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                          minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
                          device=held["device"], world=held["world"], rank=held["rank"])
-    if held["rank"] != 0:  # one writer: rank 0 (its log and checkpoint are the run's)
-        return result
+    if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
+        save_result(cfg, out, drafter, result, res.stopped_by, t0)
+    if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
+        dist.barrier()
+    return result
+
+
+def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float):
+    """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log."""
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
     result.before, result.after = (vals[0], vals[-1]) if vals else ({}, {})
     record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
-    if res.stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
+    if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
         shutil.rmtree(out / RUN, ignore_errors=True)
-    return result
 
 
 def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:

@@ -203,3 +203,35 @@ def test_drafter_eval_refuses_a_preheat_plan_before_any_work():
     with pytest.raises(ValueError, match="2xF1-preheat-K1.*-h0 or -fwd"):
         evaluate_drafter(base, d, val, [], [Plan.parse("2xF1-fwd-K1"), Plan.parse("2xF1-preheat-K1")],
                          DrafterEvalConfig(seq_len=16, max_tokens=64, batch=2))
+
+
+# ----------------------------------------------------------------------------------------------- F9
+def _two_legs_rank(rank, world, port, leg1, leg2):
+    import torch.distributed as dist
+    from pathlib import Path
+
+    from conftest import init_gloo
+    from snlp.train.adapt import adapt
+
+    init_gloo(rank, world, port)
+    r1 = adapt(leg1)
+    assert r1.stopped_by == "stop_after"
+    assert (Path(leg1.out) / "drafter.json").is_file()  # every rank returns after rank 0 wrote the drafter
+    assert dist.is_initialized()  # the caller's group outlives the run
+    r2 = adapt(leg2)  # the second call in the same launch (hung in DDP setup: rank 0 had destroyed the group)
+    assert r2.steps == leg2.steps and r2.stopped_by == "budget" and dist.is_initialized()
+    dist.destroy_process_group()
+
+
+def test_adapt_twice_in_one_torchrun_launch(tmp_path):
+    """F9: under a caller's process group, adapt() stopped and then resumed in the same launch: no hang, every
+    rank waits for rank 0's drafter, and the caller's group is not destroyed."""
+    import json as _json
+
+    from conftest import spawn_ranks
+
+    leg1 = adapt_cfg(tmp_path, steps=4, batch_size=2, eval_every=100, stop_after=2, save_every=2, device="cpu")
+    leg2 = adapt_cfg(tmp_path, steps=4, batch_size=2, eval_every=100, resume=True, device="cpu")
+    spawn_ranks(_two_legs_rank, 2, leg1, leg2)
+    rec = _json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]
+    assert rec["world"] == 2 and rec["steps"] == 4
