@@ -69,7 +69,6 @@ def test_from_model_drafter_is_measured_on_the_tuned_models_split(tmp_path):
     flags contradicting it and --chat-prompts from its training data are refused; a tuned model recording no
     data makes eval ask for explicit held-out data. F5: a caller's base leaves adapt in the mode it came in."""
     import snlp.io.data as D
-    from snlp.eval.drafter import drafter_prompts, drafter_split, held_out_tokens
     from snlp.io.drafter import load_record
     from snlp.train.adapt import adapt
     from snlp.train.config import TrainConfig
@@ -88,6 +87,7 @@ def test_from_model_drafter_is_measured_on_the_tuned_models_split(tmp_path):
     cfg = adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), steps=None)
     adapt(cfg, base=(model, tok))
     assert model.training  # F5
+    from snlp.eval.drafter import drafter_prompts, drafter_split, held_out_tokens
 
     rec = load_record(cfg.out)
     split = drafter_split(rec)
@@ -235,3 +235,38 @@ def test_adapt_twice_in_one_torchrun_launch(tmp_path):
     spawn_ranks(_two_legs_rank, 2, leg1, leg2)
     rec = _json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]
     assert rec["world"] == 2 and rec["steps"] == 4
+
+
+def test_cli_eval_refuses_regrouped_chat_prompts_and_unrecorded_tuned_data(tmp_path, capsys):
+    """F1 / F2 through the CLI only (so the check can fail on code without the new functions): `snlp eval
+    --drafter --chat-prompts FOLDER` (the drafter's chat parts grouped otherwise) exits with one line naming the
+    drafter's parts; a --from-model drafter whose tuned model records no training data asks for --data."""
+    from snlp.apps.cli import main
+
+    base_dir, text, chats = tiny_ckpt(tmp_path)
+    d = tmp_path / "chats"
+    d.mkdir()
+    for name, lo in (("a", 0), ("b", 50)):
+        (d / f"{name}.jsonl").write_text("\n".join(json.dumps({"messages": [
+            {"role": "user", "content": f"t{i % 90} t{(i + 1) % 90}"}, {"role": "assistant", "content": f"t{i % 90}"}]})
+            for i in range(lo, lo + 20)))
+    fm = ["--plan", "2xF1-h0-K1", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--no-progress",
+          "--device", "cpu"]
+    common = fm + ["--steps", "1"]
+    assert main(["adapt", str(base_dir), "--out", str(tmp_path / "dr"), "--data",
+                 f"{text},chat:{d / 'a.jsonl'},chat:{d / 'b.jsonl'}", "--val-frac", "0.2", *common]) == 0
+    ev = ["--max-tokens", "32", "--seq-len", "16", "--prompts", "1", "--gen-tokens", "2", "--blocks", "2", "--runs",
+          "1", "--warmup", "0", "--device", "cpu", "--no-progress"]
+    capsys.readouterr()
+    assert main(["eval", str(base_dir), "--drafter", str(tmp_path / "dr"), "--chat-prompts", str(d), *ev]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a.jsonl" in err and "b.jsonl" in err, err
+    tuned, ttok = load(base_dir)
+    with torch.no_grad():
+        tuned.blocks[3].mlp.c_fc.weight.mul_(1.01)  # a "fine-tuned" suffix, saved with no training record
+    save_checkpoint(tmp_path / "tuned", tuned, ttok)
+    assert main(["adapt", str(base_dir), "--out", str(tmp_path / "fm"), "--from-model", str(tmp_path / "tuned"),
+                 "--data", str(text), *fm]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(base_dir), "--drafter", str(tmp_path / "fm"), *ev]) == 2
+    assert "explicitly" in capsys.readouterr().err
