@@ -41,7 +41,8 @@ def add_arguments(p) -> None:
                    "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s) on the "
                    "held-out part of the drafter's own adaptation split (--data may name parts of its data; a "
                    "--val-frac or --max-chars other than its adaptation's is refused)")
-    a.add_argument("--chat-prompts", default=None, help="--drafter: chat set (chat:PATH.jsonl or PATH.jsonl) whose "
+    a.add_argument("--chat-prompts", default=None, help="--drafter: the drafter's adaptation data or exactly one of "
+                   "its chat parts (chat:PATH.jsonl or PATH.jsonl), whose "
                    "held-out conversations' openings (through the first user turn), in the model's chat template, are the SSD "
                    "prompts; held out by the split adaptation used (snlp.io.chat.split_conversations, the drafter's "
                    "val_frac)")
@@ -147,7 +148,7 @@ def run(args) -> int:
 def run_drafter_eval(args, model, tok, device) -> int:
     """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter), on the held-out part
     of the drafter's own adaptation split (flags that contradict it are refused)."""
-    from snlp.eval.drafter import (DrafterEvalConfig, drafter_split, evaluate_drafter, held_out_prompts,
+    from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
     from snlp.io.drafter import load_drafter, load_record
 
@@ -165,8 +166,9 @@ def run_drafter_eval(args, model, tok, device) -> int:
         data = checkpoint_data(args.ckpt, **{k: getattr(args, k) for k in DATA_DEFAULTS})
         val, val_frac, source = validation_tokens(tok, **data), data["val_frac"], data["data"]
     else:
-        val, val_frac, source = held_out_tokens(split, tok), split.val_frac, f"{split.data} (the drafter's split)"
-    prompts = held_out_prompts(args.chat_prompts, tok, val_frac, args.prompts) if args.chat_prompts else []
+        whose = "the tuned model's split" if split.tuned is not None else "the drafter's split"
+        val, val_frac, source = held_out_tokens(split, tok), split.val_frac, f"{split.data} ({whose})"
+    prompts = drafter_prompts(split, args.chat_prompts, tok, val_frac, args.prompts) if args.chat_prompts else []
     cfg = DrafterEvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
                             batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
                             gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,

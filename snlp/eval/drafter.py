@@ -14,7 +14,11 @@ adapted drafter, for each plan that fits the drafter. Every metric compares with
 Held-out data: a drafter records the data spec and split it was adapted on (its record's config); every metric
 reads that split's held-out part (`drafter_split`, `held_out_tokens`), and chat prompts come from the held-out
 conversations of the SAME split function adaptation trained with (snlp.io.chat.split_conversations,
-`held_out_prompts`). Settings that contradict the record are refused: they would measure on training data.
+`drafter_prompts`): --chat-prompts must name exactly the drafter's data or exactly one of its chat: parts (paths
+compared resolved), each part split on its own as adaptation split it. A --from-model drafter's suffix was trained
+by `snlp train` on the tuned checkpoint's data: eval holds out THAT split (recorded in the drafter), or, when the
+tuned checkpoint recorded none, asks for explicit held-out data. Settings that contradict the record are
+refused: they would measure on training data.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import snlp.io.chat as chat
 import snlp.io.data as D
 
 from snlp.decode.speculative import speculative_benchmark
-from snlp.eval.data import as_tokens, windows
+from snlp.eval.data import as_tokens, validation_tokens, windows
 from snlp.eval.metrics import logit_sim, perplexity
 from snlp.method.drafter import Drafter, make_drafter
 from snlp.method.plan import Plan
@@ -78,6 +82,7 @@ class DrafterSplit:
     val_frac: float
     max_chars: int = 0
     keep: tuple[str, ...] | None = None  # eval's --data: these parts of `data` only (their held-out part)
+    tuned: dict | None = None  # a --from-model drafter: `snlp train`'s data settings of the tuned suffix
 
 
 def drafter_split(record: dict, data: str | None = None, val_frac: float | None = None, max_chars: int | None = None,
@@ -88,17 +93,20 @@ def drafter_split(record: dict, data: str | None = None, val_frac: float | None 
     drafter's training data into what eval holds out. `text_field` and `cache_dir` do not apply (adaptation
     reads the "text" field and tokenizes afresh) and are refused."""
     cfg = (record or {}).get("config") or {}
+    if cfg.get("from_model"):
+        return tuned_drafter_split(record, data, val_frac, max_chars, text_field, cache_dir)
     if "data" not in cfg or "val_frac" not in cfg:
         return None
     rec = DrafterSplit(data=cfg["data"], val_frac=float(cfg["val_frac"]), max_chars=int(cfg.get("max_chars") or 0))
     if data is not None:
-        have = D.parts(rec.data)
-        alien = [p for p in D.parts(data) if p not in have]
+        have = D.parts(chat.resolve_spec(rec.data))
+        alien = [p for p in D.parts(data) if chat.resolve_part(p) not in have]
         if alien:
             raise ValueError(f"--data {data!r} contradicts the drafter's adaptation split: {', '.join(alien)} is not "
                              f"part of its data {rec.data!r}; eval measures a drafter on the held-out part of its own "
                              f"data, so name parts of it or leave --data out")
-        rec.keep = tuple(D.parts(data))
+        rec.keep = tuple(chat.resolve_part(p) for p in D.parts(data))
+        rec.data = chat.resolve_spec(rec.data)  # keep's form (an older record's relative paths: from this cwd)
     for flag, given, want in (("--val-frac", val_frac, rec.val_frac), ("--max-chars", max_chars, rec.max_chars)):
         if given is not None and given != want:
             raise ValueError(f"{flag} {given!r} contradicts the drafter's adaptation split ({flag} {want!r}): eval "
@@ -109,8 +117,38 @@ def drafter_split(record: dict, data: str | None = None, val_frac: float | None 
     return rec
 
 
+def tuned_drafter_split(record: dict, data, val_frac, max_chars, text_field, cache_dir) -> DrafterSplit | None:
+    """The held-out split of a --from-model drafter: its suffix was trained by `snlp train` on the tuned
+    checkpoint's data, not on the adapt command's --data. The tuned checkpoint's recorded split (eval flags may
+    only repeat it), else None when held-out data is given explicitly (--data: the caller's word), else a
+    ValueError asking for it."""
+    tuned = (record or {}).get("tuned") or {}
+    src = tuned.get("src") or record["config"]["from_model"]
+    split = tuned.get("split")
+    if split is None:
+        if data is not None:
+            return None
+        raise ValueError(f"this drafter packages the suffix of --from-model {src}, trained by `snlp train` on data "
+                         f"the drafter does not record: pass held-out data explicitly (--data, --val-frac) that "
+                         f"{src}'s training did not see")
+    given = {"data": data, "val_frac": val_frac, "max_chars": max_chars, "text_field": text_field,
+             "cache_dir": cache_dir}
+    bad = [k for k, v in given.items() if v is not None and k != "cache_dir"
+           and (chat.resolve_spec(v) if k == "data" else v) != split[k]]
+    if bad:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in bad)} contradict(s) the split {src} was "
+                         f"trained on ({', '.join(f'{k}={split[k]!r}' for k in bad)}): this --from-model drafter is "
+                         f"measured on that training run's held-out part, so leave them out")
+    tuned_split = {**split, "cache_dir": cache_dir if cache_dir is not None else split.get("cache_dir")}
+    return DrafterSplit(data=split["data"], val_frac=float(split["val_frac"]),
+                        max_chars=int(split.get("max_chars") or 0), tuned=tuned_split)
+
+
 def held_out_tokens(split: DrafterSplit, tok) -> torch.Tensor:
-    """The held-out token stream of a drafter's adaptation split (its `val` stream, snlp.io.chat.token_streams)."""
+    """The held-out token stream of a drafter's adaptation split (its `val` stream, snlp.io.chat.token_streams;
+    a --from-model drafter's: the tuned checkpoint's validation split as `snlp train` made it)."""
+    if split.tuned is not None:
+        return validation_tokens(tok, **split.tuned)
     return torch.from_numpy(chat.token_streams(split.data, tok, split.max_chars, split.val_frac, train=False,
                                                keep=split.keep)[1])
 
@@ -121,6 +159,38 @@ def held_out_prompts(spec: str, tok, val_frac: float, n: int) -> list[list[int]]
     `val_frac`: the conversations `snlp adapt` held out of training at that fraction."""
     _, val = chat.split_conversations(chat.load_conversations(chat.chat_part(spec)), tok, val_frac)
     return [tok.render_chat(chat.prompt_messages(e.messages), add_generation_prompt=True)[0] for e in val[:n]]
+
+
+def drafter_prompts(split: DrafterSplit | None, spec: str, tok, val_frac: float, n: int) -> list[list[int]]:
+    """The --chat-prompts SPEC prompts of a drafter eval, refusing any SPEC whose split could differ from the one
+    adaptation trained with: SPEC must be exactly the drafter's recorded data (its chat: parts' held-out
+    conversations, each part split on its own, in order) or exactly one of its chat: parts (paths compared
+    resolved; a bare PATH means chat:PATH). A folder, glob or comma list grouping the same files otherwise is
+    split otherwise, and its "held-out" part holds training conversations. A --from-model drafter (`tuned`):
+    SPEC must not be part of the tuned checkpoint's training data. No recorded split (older drafter): as given."""
+    if split is None:
+        return held_out_prompts(spec, tok, val_frac, n)
+    given = [chat.resolve_part(p if p.startswith("chat:") else "chat:" + p) for p in D.parts(spec)]
+    if split.tuned is not None:
+        trained = D.parts(split.data)
+        if any(chat.chat_part(g) in trained for g in given):
+            raise ValueError(f"--chat-prompts {spec!r} is part of the data {split.data!r} the --from-model drafter's "
+                             f"suffix was trained on: name a chat set its training did not read")
+        return held_out_prompts(spec, tok, val_frac, n)
+    have = D.parts(chat.resolve_spec(split.data))
+    parts = [p for p in have if p.startswith("chat:")]
+    if D.parts(chat.resolve_spec(spec)) == have and parts:
+        pick = parts  # the whole adaptation spec: every chat part's held-out conversations
+    elif len(given) == 1 and given[0] in parts:
+        pick = given
+    else:
+        raise ValueError(f"--chat-prompts {spec!r} is neither the drafter's adaptation data nor exactly one of its "
+                         f"chat parts ({', '.join(parts) or 'none'}): another grouping of the files is split otherwise "
+                         f"and holds training conversations; name one of those parts")
+    out = []
+    for p in pick:
+        out += held_out_prompts(p, tok, val_frac, n - len(out))
+    return out[:n]
 
 
 @torch.inference_mode()
@@ -163,10 +233,14 @@ def evaluate_drafter(base: GPT, drafter: Drafter, val_tokens, prompts: list[list
     """Post-hoc and adapted rows for each plan (default: the drafter's own) that fits the drafter (same
     suffix layout; K, init and surrogate may differ). `prompts`: token ids for the SSD rows (none: no SSD rows)."""
     drafter.check(base)
+    plans = [drafter.check_plan(p) for p in plans or [drafter.plan]]
+    pre = [str(p) for p in plans if p.init == "preheat"]
+    if pre:  # refused before any work: the drafter rows take no calibration (the CLI cannot pass one)
+        raise ValueError(f"plan {', '.join(pre)} starts from the preheat init, which drafter eval does not take (no "
+                         f"calibration is passed to it): use the -h0 or -fwd init of the plan")
     wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
     rows = []
-    for plan in plans or [drafter.plan]:
-        plan = drafter.check_plan(plan)
+    for plan in plans:
         adapted = Drafter(model=drafter.model, plan=plan, base_fingerprint=drafter.base_fingerprint)
         posthoc = make_drafter(base, plan, fingerprint=drafter.base_fingerprint)
         for name, d in (("post-hoc", posthoc), ("adapted", adapted)):

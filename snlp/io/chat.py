@@ -17,7 +17,9 @@ conversations never attend across each other, with the model's attention exactly
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +160,31 @@ def split_conversations(conversations, tokenizer, val_frac: float,
     token are dropped BEFORE the split (so they cannot shift which conversations are held out); each example
     keeps its `messages`."""
     return split(render(conversations, tokenizer, max_len), val_frac)
+
+
+def local_path(path: str | None) -> str | None:
+    """`path` made absolute when it names something local (a file, folder, or a glob that matches): what a
+    drafter records, so that reading it again from another directory reads the same data. Names that are not
+    local (stdlib, hf:..., a hub name) stay as they are."""
+    if not path or path == "stdlib" or path.startswith("hf:"):
+        return path
+    p = os.path.expanduser(path)
+    return os.path.abspath(p) if os.path.exists(p) or glob.glob(p) else path
+
+
+def resolve_part(part: str) -> str:
+    """One data spec part with its local path absolute (`local_path`), its chat: / mc: prefixes kept."""
+    head = ""
+    for pre in ("chat:", "mc:"):
+        if part[len(head):].startswith(pre):
+            head += pre
+    return head + local_path(part[len(head):])
+
+
+def resolve_spec(spec: str | None) -> str:
+    """A data spec with every local part absolute (`resolve_part`): the form a drafter records and the form
+    eval compares against (so `d/a.jsonl` and `/abs/d/a.jsonl` are one part, another cwd's `d/a.jsonl` not)."""
+    return ",".join(resolve_part(p) for p in D.parts(spec))
 
 
 def chat_part(spec: str) -> str:

@@ -3,18 +3,21 @@ belong to, without any of the base model's weights.
 
     DIR/drafter.safetensors   the suffix blocks' weights only ("blocks.<l>.<name>", l = S..L-1)
     DIR/drafter.json          format, plan, the base's weights fingerprint and config, an exact digest per
-                              tensor, and the adaptation record (command, data, steps, minutes, tokens, metrics)
+                              tensor, a digest of every field that shapes the weights (plan, suffix_start, dtype,
+                              LoRA rank/alpha, config, fingerprint, the tensor digests), and the adaptation record
+                              (command, data, steps, minutes, tokens, metrics)
 
 `load_drafter(DIR, base)` rebuilds the Drafter on the base's own prefix (snlp.method.drafter) and refuses a
 different base (config or weights fingerprint: the precision-tolerant one of snlp.model.fingerprint, so a
 base cast to fp16 / bf16 / fp64 keeps its drafter), a missing, truncated or edited weights file (per-tensor
-EXACT digests of the stored bytes: any edit, even below bf16 resolution, is refused) and missing or extra
-tensors, each with a clear ValueError. Writes are atomic: both files go to
+EXACT digests of the stored bytes: any edit, even below bf16 resolution, is refused), an edited drafter.json
+field that changes what the weights compute (e.g. LoRA alpha; its `meta_digest`) and missing or extra tensors, each with a clear ValueError. Writes are atomic: both files go to
 temporary names first, then replace the old ones; the per-tensor digests catch a half-replaced pair.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,14 +27,24 @@ from safetensors.torch import load_file, save_file
 
 from snlp.method.drafter import Drafter, make_drafter
 from snlp.method.plan import Plan
-from snlp.model.fingerprint import exact_digest, same_weights
+from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
 
 FORMAT = "snlp-drafter"
-VERSION = 2  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27)
+VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27); 3: meta_digest
+SIGNED = ("format", "version", "plan", "base_fingerprint", "config", "suffix_start", "dtype", "digests", "lora")
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"
+
+
+def meta_digest(meta: dict) -> str:
+    """A digest of the drafter.json fields that decide what the stored weights compute (SIGNED: the plan, the
+    suffix start, the dtype, LoRA rank/alpha, config, base fingerprint and the per-tensor digests): an edit of
+    any of them (alpha 2 -> 8 moves the logits, the tensors stay bit-identical) no longer matches."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps({k: meta.get(k) for k in SIGNED}, sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def is_drafter_dir(path) -> bool:
@@ -53,6 +66,7 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
             "digests": {k: exact_digest(v) for k, v in state.items()}, "record": record or {}}
     if drafter.rank:  # LoRA deltas on the base's own suffix matrices (snlp.method.lowrank)
         meta["lora"] = {"rank": drafter.rank, "alpha": drafter.alpha}
+    meta["meta_digest"] = meta_digest(meta)
     write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
     write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
     return path
@@ -72,10 +86,13 @@ def read_meta(path) -> dict:
         raise ValueError(f"{f} is not a {FORMAT} file")
     if meta.get("version") != VERSION:
         raise ValueError(f"{f} has drafter format version {meta.get('version')!r}; this snlp reads version {VERSION} "
-                         f"(version 1 drafters carry a fingerprint this snlp cannot check: adapt again)")
-    missing = [k for k in ("plan", "base_fingerprint", "config", "digests") if k not in meta]
+                         f"(older drafters lack checks this snlp needs: adapt again)")
+    missing = [k for k in ("plan", "base_fingerprint", "config", "digests", "meta_digest") if k not in meta]
     if missing:
         raise ValueError(f"{f} is corrupt: it lacks {', '.join(missing)}")
+    if meta_digest(meta) != meta["meta_digest"]:
+        raise ValueError(f"{f} was edited: its fields that decide what the weights compute ({', '.join(SIGNED[2:])}) "
+                         f"do not match its meta_digest; the directory is corrupt (adapt again)")
     return meta
 
 
@@ -94,6 +111,9 @@ def load_drafter(path, base: GPT) -> Drafter:
         raise ValueError(f"{path / META} is corrupt: bad 'lora' entry {lora!r}")
     drafter = make_drafter(base, Plan.parse(meta["plan"]), rank=lora.get("rank", 0), alpha=lora.get("alpha"))
     if not same_weights(drafter.base_fingerprint, meta["base_fingerprint"]):
+        note = precision_note(meta.get("dtype"), base.wte.weight.dtype)
+        if note:  # the documented fp16-vs-bf16 exception (snlp.model.fingerprint), not another model
+            raise ValueError(f"drafter {path}'s base weights fingerprint does not match this model's{note}")
         raise ValueError(f"drafter {path} was adapted from base weights {meta['base_fingerprint']}, but this model's "
                          f"weights fingerprint {drafter.base_fingerprint}: it belongs to another model (or the model "
                          f"changed since); adapt a drafter for this one with `snlp adapt`")

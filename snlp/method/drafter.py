@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from snlp.method.lowrank import add_low_rank, check_rank, is_shared_key, merge_low_rank, shares_low_rank_base
 from snlp.method.plan import Plan
-from snlp.model.fingerprint import same_weights, weights_fingerprint
+from snlp.model.fingerprint import precision_note, same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 
 
@@ -73,6 +73,10 @@ class Drafter:
                              "(different config): adapt one for it with `snlp adapt`")
         fp = weights_fingerprint(base) if verify_weights else self.base_fingerprint
         if verify_weights and not same_weights(fp, self.base_fingerprint):  # tolerant of casts (fingerprint.py)
+            note = precision_note(next(self.model.blocks[self.suffix_start].parameters()).dtype, base.wte.weight.dtype)
+            if note:  # the documented fp16-vs-bf16 exception (snlp.model.fingerprint), not another model
+                raise ValueError(f"drafter's base weights fingerprint {self.base_fingerprint} does not match this "
+                                 f"model's {fp}{note}")
             raise ValueError(f"drafter was adapted from base weights {self.base_fingerprint}, but this model's "
                              f"weights fingerprint {fp}: it belongs to another model (or the model was changed "
                              "since); adapt a drafter for this one with `snlp adapt`")

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from snlp.model.fingerprint import fingerprint_digests, same_weights, weights_digests, weights_fingerprint
+from snlp.model.fingerprint import (fingerprint_digests, precision_note, same_weights, weights_digests,
+                                   weights_fingerprint)
 
 FILENAME = "preheat.pt"
 
@@ -77,6 +78,9 @@ class Preheat:
                                  "older snlp): "
                                  "re-run `snlp calibrate` so it can be checked against the model")
             if not same_weights(self.fingerprint, weights_fingerprint(model)):  # tolerant of casts (fingerprint.py)
+                note = precision_note(self.V.dtype, model.wte.weight.dtype)  # V keeps the dtype it was fitted in
+                if note:  # the documented fp16-vs-bf16 exception, not another model
+                    raise ValueError(f"preheat calibration does not match this model's weights fingerprint{note}")
                 raise ValueError("preheat calibration was fitted on other weights than this model's (the weights "
                                  "changed since `snlp calibrate`, e.g. training went on): re-run `snlp calibrate`")
         w = model.wte.weight

@@ -134,3 +134,18 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """The model's precision-tolerant fingerprint (64 hex digits; names, shapes, values): compare with
     `same_weights`. Device free; dtype tolerant as the module docstring states."""
     return fingerprint_digests(weights_digests(model))
+
+
+HALVES = ("torch.float16", "torch.bfloat16")
+
+
+def precision_note(made_in, used_in) -> str:
+    """The mismatch message's precision clause: when a drafter / calibration made on an fp16 copy meets a bf16
+    one (or the reverse), the fingerprints can differ although both are casts of one original (the documented
+    exception above): say so and name the dtype to use, instead of blaming another model. "" otherwise."""
+    a, b = str(made_in), str(used_in)
+    if a != b and a in HALVES and b in HALVES:
+        return (f"; it was made on a {a} copy and this model is {b}: if both are copies of one model, an fp16 and a "
+                f"bf16 copy need not fingerprint alike (snlp.model.fingerprint): load the model in {a} (the dtype it "
+                f"was made on) or in the original's dtype; else it belongs to another model")
+    return ""

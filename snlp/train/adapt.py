@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -48,12 +50,15 @@ from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
 from snlp.train.config import TrainConfig
+from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
 from snlp.train.trainer import fit
 from snlp.train.validate import ValidationResult
 
 KV_MODES = ("exact", "own")
+RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha")  # --resume must keep these
+TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
 
 
@@ -313,9 +318,19 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
         raise ValueError(f"--resume: the run in {run} adapts a drafter of another base (weights {rec[:16]}...) than "
                          f"{cfg.src} ({fingerprint[:16]}...): resume it with the base it started on, or start a new "
                          f"run in another --out")
-    prev = (st.get("adapt") or {}).get("plan")
+    saved = st.get("adapt") or {}
+    prev = saved.get("plan")
     if prev is not None and str(Plan.parse(prev)) != str(plan):
         raise ValueError(f"--resume: the run in {run} adapts plan {prev}, not {plan}: resume it with --plan {prev}")
+    # the run's data, split and training mode: another one would train the second leg on what the record (the
+    # last leg's settings) calls held out, or change what the drafter learns mid-run
+    now = asdict(cfg)
+    was = {k: chat.resolve_spec(saved[k]) if k == "data" else saved[k] for k in RESUME_FIXED if k in saved}
+    diff = [k for k in RESUME_FIXED if k in was and was[k] != now[k]]
+    if diff:
+        raise ValueError(f"--resume: the run in {run} was started with "
+                         + ", ".join(f"--{k.replace('_', '-')} {was[k]!r} (not {now[k]!r})" for k in diff)
+                         + ": resume it with the settings it started with, or start a new run in another --out")
 
 
 def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None = None) -> AdaptResult:
@@ -326,6 +341,9 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     uses a copy on cfg.device when it lives elsewhere), and its requires_grad flags and train/eval mode are as
     before when this returns. Under torchrun the gradients are all-reduced and rank 0 alone writes."""
     plan = cfg.check()
+    # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
+    cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
+                  from_model=chat.local_path(cfg.from_model))
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
@@ -337,6 +355,19 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     fingerprint = weights_fingerprint(base[0])
     if cfg.resume:
         check_resume(cfg, plan, fingerprint)
+    # torchrun: the group outlives fit (which leaves a group it did not create alone), so every rank can wait for
+    # rank 0's drafter below; it is destroyed here only if this call created it (a caller's group stays)
+    ctx = setup_dist(cfg.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    try:
+        return _adapt(cfg, plan, hooks, base, owned, fingerprint, t0)
+    finally:
+        if ctx is not None:
+            teardown_dist(ctx)
+
+
+def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, fingerprint: str, t0: float) -> AdaptResult:
+    """adapt's run and save (see `adapt`); all ranks return once rank 0 has written the drafter."""
+    out = Path(cfg.out)
     held: dict = {}
     model = base[0]
     flags, mode = [p.requires_grad for p in model.parameters()], model.training
@@ -351,17 +382,23 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                          minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
                          device=held["device"], world=held["world"], rank=held["rank"])
-    if held["rank"] != 0:  # one writer: rank 0 (its log and checkpoint are the run's)
-        return result
+    if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
+        save_result(cfg, out, drafter, result, res.stopped_by, t0)
+    if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
+        dist.barrier()
+    return result
+
+
+def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float):
+    """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log."""
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
     result.before, result.after = (vals[0], vals[-1]) if vals else ({}, {})
     record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
-    if res.stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
+    if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
         shutil.rmtree(out / RUN, ignore_errors=True)
-    return result
 
 
 def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
@@ -369,16 +406,36 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
     drafter_from_model; e.g. the paper's IDN fine-tuning with a frozen prefix), validated against the base on the
     run's held-out batches (before = the post-hoc drafter, after = the imported one) and written to cfg.out."""
     base, tok = loaded
+    mode = base.training
     base.eval()
-    tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
-    d = drafter_from_model(base, tuned, plan)
-    del tuned
-    device = base.wte.weight.device
-    _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
-    vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
-    before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
-    after = validate_drafter(base, d, vb, cfg, device).record()
+    try:  # a caller's model leaves in the mode it came in
+        tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
+        d = drafter_from_model(base, tuned, plan)
+        del tuned
+        device = base.wte.weight.device
+        _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
+        vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
+        after = validate_drafter(base, d, vb, cfg, device).record()
+    finally:
+        base.train(mode)
     result = AdaptResult(out=cfg.out, plan=str(plan), kv=cfg.kv, steps=0, tokens=0, minutes=0.0,
                          stopped_by="from_model", before=before, after=after, extra_bytes=d.extra_bytes())
-    save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg)})
+    save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg), "tuned": tuned_split(cfg.from_model)})
     return result
+
+
+def tuned_split(ckpt: str) -> dict:
+    """What a --from-model drafter's suffix was trained on: `snlp train`'s data settings (TRAIN_DATA, from the
+    tuned checkpoint's train_state.pt args; `split` None when it records none, e.g. a .gguf or transformers
+    directory). `snlp eval --drafter` holds out THIS split (the adapt command's --data only validated the
+    import), or asks for explicit held-out data when there is none."""
+    p = Path(ckpt)
+    args = {}
+    if is_snlp_checkpoint(p):
+        args = (load_training(checkpoint_dir(p))[1] or {}).get("args") or {}
+    split = None
+    if "data" in args and "val_frac" in args:
+        split = {k: args.get(k) for k in TRAIN_DATA}
+        split["data"] = chat.resolve_spec(split["data"])  # (as snlp train read it from this cwd, if it exists here)
+    return {"src": ckpt, "split": split}

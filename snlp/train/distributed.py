@@ -18,6 +18,7 @@ class DistContext:
     rank: int
     world: int
     device: torch.device
+    owns_group: bool = False  # setup_dist created the process group (teardown_dist destroys only such a one)
 
     @property
     def master(self) -> bool:
@@ -41,13 +42,15 @@ def setup_dist(device_arg: str | None) -> DistContext:
         if device.index is None:
             device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    owns = world > 1 and not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistContext(rank, world, device)
+    return DistContext(rank, world, device, owns)
 
 
 def teardown_dist(ctx: DistContext) -> None:
-    if ctx.world > 1 and dist.is_initialized():
+    """Destroy the process group if setup_dist created it (a caller's group outlives the run)."""
+    if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -98,11 +98,13 @@ def test_drafter_dir_round_trip_and_corruption(tmp_path):
     assert json.loads((p / "drafter.json").read_text())["record"] == {"steps": 3}
     with pytest.raises(ValueError, match="not a drafter directory"):
         load_drafter(tmp_path, base)
-    meta = json.loads((p / "drafter.json").read_text())
+    good = (p / "drafter.json").read_text()
+    meta = json.loads(good)
     meta["digests"]["blocks.3.mlp.c_fc.weight"] = "0" * 32
     (p / "drafter.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="digests"):
         load_drafter(p, base)
+    (p / "drafter.json").write_text(good)
     (p / "drafter.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="missing or corrupt"):
         load_drafter(p, base)
