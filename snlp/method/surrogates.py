@@ -121,10 +121,15 @@ class Surrogate(ABC):
 
 
 @lru_cache(maxsize=256)
-def _factors(values: tuple[float, ...], device, dtype: torch.dtype) -> Tensor:
-    """Per-chunk factors (C,) on the device, made once per plan, device and dtype: torch.tensor of host data is a
-    synchronising host-to-device copy on a GPU, so not once per iteration."""
+def _cached_factors(values: tuple[float, ...], device, dtype: torch.dtype, inference: bool) -> Tensor:
     return torch.tensor(values, device=device, dtype=dtype)
+
+
+def _factors(values: tuple[float, ...], device, dtype: torch.dtype) -> Tensor:
+    """Per-chunk factors (C,) on the device, made once per plan, device, dtype and inference mode: torch.tensor of host
+    data is a synchronising host-to-device copy on a GPU, so not once per iteration (and a tensor made under
+    inference_mode cannot enter autograd, so the two modes keep their own)."""
+    return _cached_factors(values, device, dtype, torch.is_inference_mode_enabled())
 
 
 def _link(it: Iterate, like: Tensor) -> Tensor:
@@ -143,9 +148,15 @@ def shift(d: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(d[:1]), d[:-1]], 0)
 
 
-@lru_cache(maxsize=256)
 def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = (), device=None,
                     dtype: torch.dtype = torch.float64) -> Tensor:
+    """`_transfer_matrix`, cached per inference mode too (a tensor made under inference_mode cannot enter autograd)."""
+    return _transfer_matrix(a, lag, device, dtype, torch.is_inference_mode_enabled())
+
+
+@lru_cache(maxsize=256)
+def _transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...], device, dtype: torch.dtype,
+                     inference: bool) -> Tensor:
     """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); with lag factors
     (some nonzero), the (C, 2C) [P, P U] with d = [P, P U] @ [b; d_prev], U[c, c-1] = lag[c]: the previous
     sweep's update enters chunk c's b. Built in fp64 on `device` and cast to `dtype`, once per plan, device and dtype

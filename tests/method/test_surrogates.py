@@ -409,3 +409,14 @@ def test_generate_cli_with_a_diag_plan(tmp_path):
                      "--quiet", "--json", str(out)]) == 0
         outs[mode] = json.loads(Path(out).read_text())
     assert len(outs["snlp"]["tokens"]) == 8 and outs["snlp"]["tokens"] == outs["sequential"]["tokens"]
+
+
+def test_cached_factors_serve_inference_mode_and_autograd_alike():
+    """The transfer matrices and link / lag factors are cached per plan and device: one made under inference_mode
+    (an eval run) reached a later training step's autograd graph ("Inference tensors cannot be saved for backward")."""
+    m = make_model(seed=0, n_layer=4, dtype=torch.float32)
+    idx = torch.randint(0, m.config.vocab_size, (1, 6))
+    for plan in ("4xF1-h0-K2-elk:0.3", "3xF1-h0-K3-order:reversed", "3xF1-h0-K2-none"):
+        with torch.inference_mode():
+            solve(m, idx, plan)
+        solve(m, idx, plan).hidden.sum().backward()  # gradients through the same cached factors
