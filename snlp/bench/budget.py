@@ -91,10 +91,7 @@ class BudgetPlan:
             d = self.drift()
             todo = [q for q in self.stages.values() if q.actual_s is None]  # this stage and the later ones
             left = self.budget_s - self.margin_s - self.tail_s - elapsed_s
-            fixed = sum(q.cost.fixed_s for q in todo) * d
-            scalable = sum(q.cost.scalable_s for q in todo) * d
-            s = 1.0 if scalable <= 0 else (left - fixed) / scalable
-            p.scale = min(1.0, max(p.cost.min_scale, s))
+            p.scale = max(p.cost.min_scale, _common_scale([q.cost for q in todo], left / d))
         p.raw_s = p.cost.at(p.scale)
         p.planned_s = p.raw_s * (self.drift() if self.budget_s is not None else 1.0)
         return p.scale
@@ -133,7 +130,6 @@ def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, 
         raise ValueError(f"the budget must be > 0 seconds (got {budget_s:g})")
     margin_s = margin * budget_s
     fixed = sum(c.fixed_s for c in costs)
-    scalable = sum(c.scalable_s for c in costs)
     room = budget_s - margin_s - fixed_s - min_train_s  # what the stages may take
     floor = fixed + sum(c.scalable_s * c.min_scale for c in costs)
     if room < floor:
@@ -141,11 +137,25 @@ def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, 
         raise ValueError(f"a budget of {budget_s / 60:.1f} min cannot hold this job on this box: it needs at least "
                          f"{need / 60:.1f} min ({min_train_s:.0f} s of training, {floor:.0f} s of stages at their "
                          f"smallest, {fixed_s:.0f} s fixed, {margin:.0%} margin)")
-    s = 1.0 if scalable <= 0 else min(1.0, (room - fixed) / scalable)
-    # a common scale s, clamped per stage; the clamp can only add seconds, so training takes what is left
+    s = _common_scale(costs, room)
     stages = {c.name: StagePlan(c, share_s=c.at(max(c.min_scale, s))) for c in costs}
     train_s = budget_s - margin_s - fixed_s - sum(p.share_s for p in stages.values())
     return BudgetPlan(budget_s, train_s, fixed_s, margin_s, stages, probe, tail_s=tail_s)
+
+
+def _common_scale(costs: list[StageCost], room: float) -> float:
+    """The largest s <= 1 with sum(c.at(max(c.min_scale, s))) <= room (0 when even the floors do not fit):
+    the total is piecewise linear and increasing in s, so bisection."""
+    def total(s):
+        return sum(c.at(max(c.min_scale, s)) for c in costs)
+
+    if total(1.0) <= room:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if total(mid) <= room else (lo, mid)
+    return lo
 
 
 def _median_time(fn, reps: int) -> float:
