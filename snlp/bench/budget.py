@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-DRIFT_RANGE = (0.5, 3.0)  # how far observed actual / planned may correct the remaining estimates
+DRIFT_RANGE = (1.0, 3.0)  # observed actual / planned corrects the remaining estimates up only: keeping the
+# budget matters more than using all of it (a few fast small stages must not make a big later one look cheap)
 
 
 @dataclass(frozen=True)
