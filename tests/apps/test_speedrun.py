@@ -365,3 +365,34 @@ def test_adaptation_data_is_tokenised_once(tmp_path):
     assert again[0].tolist() == list(range(5)) and again[1].tolist() == list(range(3))
     token_stream(str(corpus), tok, 0, 0.05)
     assert len(list(cache.iterdir())) == 1
+
+
+def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
+    """Speedrun.run_stage under a budget: a stage starting late gets the scale that fits what is left (written
+    out here from fake costs), its record stores the planned seconds and what shrank, and a re-run reuses it
+    (the stored settings are the unshrunk ones) without calling it again."""
+    import argparse
+
+    from snlp.apps.speedrun import add_arguments, setup
+    from snlp.bench.budget import StageCost, plan_budget
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "sr"), "--quick", "--depth", "4", "--device", "cpu", "--budget", "10"])
+    sr = setup(args)
+    sr.budget = plan_budget(600, [StageCost("eval-noreg", 10, 100), StageCost("ssd-noreg", 10, 100)], fixed_s=0,
+                            min_train_s=60, margin=0.04)
+    sr.t_start -= 600 - 24 - 80  # 80 s left for both stages: 2 x 10 fixed + 2 x 100 s at s = 0.3
+    calls = []
+
+    def fn(scale):
+        calls.append(scale)
+        return {"scale": scale}, f"prompts 8 -> {round(8 * scale)}"
+
+    rec = sr.run_stage("eval-noreg", "test", {"x": 1}, fn)
+    assert rec.result["scale"] == pytest.approx(0.3, abs=0.01) and rec.shrunk == "prompts 8 -> 2"
+    assert rec.planned == pytest.approx(10 + 100 * 0.3, abs=1) and sr.budget.stages["eval-noreg"].actual_s is not None
+    stored = json.loads((tmp_path / "sr" / "stages" / "eval-noreg.json").read_text())
+    assert stored["shrunk"] == "prompts 8 -> 2" and stored["planned"] == pytest.approx(rec.planned)
+    again = setup(args).run_stage("eval-noreg", "test", {"x": 1}, fn)
+    assert again.status == "reused" and len(calls) == 1 and again.shrunk == "prompts 8 -> 2"
