@@ -1143,6 +1143,8 @@ def _train_jobs(sr: Speedrun) -> list[TrainJob]:
         rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
             sr.trains[key] = rec
+            if budgeted and rec.result.get("minutes"):  # the share it trained (the report's training sentence)
+                sr.cfg = dataclasses.replace(sr.cfg, minutes=rec.result["minutes"])
         else:
             jobs.append(TrainJob(key, tcfg, settings, sr.out / "stages" / f"train-{key}.partial.json", lockstep))
     return jobs
@@ -1167,8 +1169,8 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     for j in jobs:
         if pre.minutes:
             sr.stages.notes[f"train-{j.key}"] = {"planned": pre.minutes * 60 + TRAIN_OVERHEAD_S}
-        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, train_summary(j, fingerprint, walls[j.key]),
-                                            seconds=walls[j.key])
+        result = {**train_summary(j, fingerprint, walls[j.key]), "minutes": pre.minutes}
+        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, result, seconds=walls[j.key])
 
 
 def step_eval(sr: Speedrun) -> None:
