@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default=d.data, help="text data as for `snlp train --data`, and/or chat sets as "
                    "chat:PATH.jsonl / chat:hf:NAME (rendered with the model's chat template); comma-separated")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 without --minutes)")
+    p.add_argument("--cache-dir", default=None, help="keep the tokenised text data in this folder and reuse it "
+                   "(default: tokenise on every run)")
     p.add_argument("--minutes", type=float, default=None, help="training-time budget (the LR schedule follows it)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -81,13 +83,14 @@ def run(args) -> int:
 
 def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,
                         plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4,
-                        device: str | None = None) -> dict:
+                        device: str | None = None, cache_dir: str | None = None) -> dict:
     """The speedrun's off-the-shelf adaptation (issue 20): adapt `plan`'s drafter of the loaded `model` for
     `minutes` on the speedrun's text, then Top-1 (teacher-forced and SSD conditions) before/after from the
     run's validation, and SSD alpha at B = `block` on `prompts` validation prompts for the post-hoc and the
     adapted drafter (both must reproduce the model's greedy output). The drafter is written to a temporary
     directory and removed. `device`: where it trains (default: the model's own device, never another one the
-    machine happens to have); `model` itself is neither moved nor changed."""
+    machine happens to have); `model` itself is neither moved nor changed. `cache_dir`: where the tokenised
+    training data is kept and reused (AdaptConfig.cache_dir)."""
     import shutil
     import tempfile
 
@@ -99,7 +102,7 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
     try:
         cfg = AdaptConfig(src=src, plan=plan, out=str(Path(out) / "drafter"), data=data, max_chars=max_chars,
                           minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
-                          no_progress=True, device=device or str(model.wte.weight.device))
+                          no_progress=True, device=device or str(model.wte.weight.device), cache_dir=cache_dir)
         res = adapt(cfg, base=(model, tok))
         d = load_drafter(cfg.out, model)
         ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)

@@ -297,19 +297,35 @@ def _diagnostics(ctx: dict) -> list[str]:
 
 def _stage_times(ctx: dict) -> list[str]:
     st = ctx["stages"]
-    out = ["\n## Wall time per stage\n", "| Stage | This invocation | Wall time | Load at start → end |",
-           "|:---|:---|---:|---:|"]
+    out = ["\n## Wall time per stage\n", "| Stage | This invocation | Planned | Wall time | Shrunk to keep the budget "
+           "| Load at start → end |", "|:---|:---|---:|---:|:---|---:|"]
     for name in ctx["order"]:
         r = st[name]
-        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {fmt_s(r['seconds'])} | "
-                   f"{r.get('load_start')} → {r.get('load_end')} |")
+        planned = fmt_s(r["planned"]) if r.get("planned") is not None else "–"
+        out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {planned} | {fmt_s(r['seconds'])} | "
+                   f"{r.get('shrunk') or '–'} | {r.get('load_start')} → {r.get('load_end')} |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
-    return out + [f"| **end to end** | | **{fmt_s(total)}** | |",
+    return out + [f"| **end to end** | | | **{fmt_s(total)}** | | |",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-                  f"{len(ctx['reused'])} reused).\n"]
+                  f"{len(ctx['reused'])} reused)" + _budget_line(ctx) + ".\n"]
+
+
+def _budget_line(ctx: dict) -> str:
+    """The budget sentence under the stage table: the budget, the probe and training's share (speedrun --budget)."""
+    b, minutes = ctx.get("budget"), ctx.get("budget_minutes")
+    if minutes is None:
+        return "; no budget (Planned = the cost model's prediction from the probe, nothing shrinks)" if b else ""
+    text = f"; budget {fmt_s(minutes * 60)}: "
+    if not b:
+        return text + "every stage was reused, nothing planned"
+    pr = b.get("probe") or {}
+    return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: training step {pr.get('train_step_s', 0) * 1e3:.0f} ms, "
+            f"eval window {pr.get('window_s', 0) * 1e3:.0f} ms, decode {pr.get('decode_token_s', 0) * 1e3:.1f} ms/token) "
+            f"planned each stage (Planned: its share when it started, corrected by how far the earlier stages "
+            f"overran) and gave training {fmt_s(b['train_s'])}; a stage that would not fit ran smaller (Shrunk)")
 
 
 def render_report(ctx: dict) -> str:

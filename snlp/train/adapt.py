@@ -96,6 +96,7 @@ class AdaptConfig:
     resume: bool = False
     seed: int = 0
     device: str | None = None
+    cache_dir: str | None = None  # keep the tokenised text data here, keyed by data and tokenizer (None: re-tokenise)
     dtype: str = "float32"
     no_progress: bool = False
 
@@ -168,10 +169,23 @@ def load_base(src: str, dtype: str = "float32"):
     return model, tok
 
 
-def token_stream(spec: str, tok, max_chars: int, val_frac: float) -> tuple[np.ndarray, np.ndarray]:
+def token_stream(spec: str, tok, max_chars: int, val_frac: float, cache_dir=None) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) token streams of a data spec: snlp.io.chat.token_streams (text parts as `snlp train` reads
-    them, `chat:` parts split by snlp.io.chat.split_conversations, the split `snlp eval --drafter` reuses)."""
-    return chat.token_streams(spec, tok, max_chars, val_frac)
+    them, `chat:` parts split by snlp.io.chat.split_conversations, the split `snlp eval --drafter` reuses).
+    `cache_dir`: read from / write to an .npz there keyed like `snlp train`'s token cache (the data's files, cap
+    and split, the tokenizer's fingerprint); text-only specs (chat: parts are re-rendered every time)."""
+    if cache_dir is None or any(s.startswith("chat:") for s in D.parts(spec)):
+        return chat.token_streams(spec, tok, max_chars, val_frac)
+    path = Path(cache_dir) / f"{D.split_key(spec, 'text', max_chars, val_frac)}-{tok.fingerprint()}.adapt.npz"
+    if path.is_file():
+        with np.load(path) as z:
+            return z["train"], z["val"]
+    train, val = chat.token_streams(spec, tok, max_chars, val_frac)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}.npz")
+    np.savez(tmp, train=train, val=val)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return train, val
 
 
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
@@ -283,7 +297,7 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                     v.copy_(saved[k])
         for p in suffix_parameters(drafter):
             p.requires_grad_(True)
-        train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac)
+        train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
             raise ValueError(f"--data {cfg.data!r} gives {len(train):,} train / {len(val):,} val tokens: need more "
                              f"than --seq-len + 1 = {cfg.seq_len + 1} in each")

@@ -11,7 +11,7 @@ import pytest
 from snlp.apps.cli import main
 from snlp.eval.protocol import EvalConfig, EvalRecord
 from snlp.io.hf import bundled_smollm2
-from snlp.apps.speedrun import FULL, QUICK, Stages, default_plans, select_drafter
+from snlp.apps.speedrun import FULL, QUICK, Stages, default_plans, select_drafter, suffix_depth
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
@@ -175,7 +175,10 @@ def test_drafter_rule_and_default_grid():
     assert dict(scored)["4xF2-h0-K1"] == pytest.approx((1 - 0.9 ** 5) / 0.1 / (4 / 1.5 + 1))
     assert select_drafter(recs[:1])[0] is None
     grid = default_plans(16)
-    assert grid == ["8xF1-h0-K1", "8xF1-h0-K2", "8xF1-h0-K4", "8xF1-fwd-K1", "4xF2-h0-K1", "4xF2-h0-K2", "1xF8-h0-K1"]
+    # the paper's suffix: three quarters of the depth (24 of 32 layers), so 12 of 16
+    assert [suffix_depth(L) for L in (4, 8, 16, 32)] == [3, 6, 12, 24]
+    assert grid == ["12xF1-h0-K1", "12xF1-h0-K2", "12xF1-h0-K4", "12xF1-fwd-K1", "6xF2-h0-K1", "6xF2-h0-K2",
+                    "1xF12-h0-K1"]
     assert {int(p.split("-K")[1]) for p in grid} == {1, 2, 4}
 
 
@@ -258,3 +261,138 @@ def test_failed_training_reports_its_log(tmp_path):
                    tmp_path / "bad.partial.json")
     with pytest.raises(RuntimeError, match="unknown data source"):
         train_models([job], Console(force_terminal=False))
+
+
+def test_budget_args_and_shrinking():
+    """--budget gives training what is left, so it is refused beside --minutes / --steps; the default run is
+    budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""
+    import argparse
+
+    from snlp.apps.speedrun import (_preset, add_arguments, check_args, shrink_diagnostics, shrink_eval, shrink_ots,
+                                    shrink_ssd, eval_config)
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad, match in ((["--budget", "20", "--minutes", "5"], "--budget or --minutes"),
+                       (["--budget", "20", "--steps", "5"], "--budget or --minutes"), (["--budget", "0"], "> 0")):
+        args = p.parse_args(["--out", "x", *bad])
+        with pytest.raises(ValueError, match=match):
+            check_args(args, _preset(args))
+    assert _preset(p.parse_args(["--out", "x"])).budget_minutes == 20
+    assert _preset(p.parse_args(["--out", "x", "--minutes", "3"])).budget_minutes is None
+    assert _preset(p.parse_args(["--out", "x", "--quick"])).budget_minutes is None
+    q = _preset(p.parse_args(["--out", "x", "--quick", "--budget", "4"]))
+    assert (q.budget_minutes, q.steps, q.minutes) == (4, None, None)
+
+    ecfg = eval_config(FULL, 0)
+    same, note = shrink_eval(ecfg, 1.0)
+    assert same == ecfg and note == ""
+    small, note = shrink_eval(ecfg, 0.5)
+    assert (small.prompts, small.runs) == (4, 5) and small.max_tokens == ecfg.max_tokens
+    assert note == "prompts 8 -> 4, timing rounds 10 -> 5"
+    tiny, _ = shrink_eval(ecfg, 0.01)
+    assert (tiny.prompts, tiny.runs) == (2, 3)  # floors
+    for fn in (shrink_ots, shrink_diagnostics, shrink_ssd):
+        new, note = fn(FULL, 0.01)
+        assert new.ots_plans == FULL.ots_plans and new.depth == FULL.depth and note
+        assert fn(FULL, 1.0) == (FULL, "")
+    new, _ = shrink_ssd(FULL, 0.01)
+    assert min(new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats) == 1
+
+
+def test_stage_costs_cover_every_later_stage():
+    from snlp.apps.speedrun import eval_config, stage_costs
+    from snlp.bench.budget import Probe
+
+    order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "off-the-shelf",
+             "diagnostics", "ssd-noreg", "ssd-idn"]
+    pr = Probe(train_step_s=1.0, window_s=0.02, decode_token_s=0.003)
+    costs = stage_costs(FULL, default_plans(16), order, pr, eval_config(FULL, 0))
+    assert [c.name for c in costs] == order[3:]
+    assert all(c.fixed_s > 0 and c.scalable_s >= 0 for c in costs)
+    assert all(c.scalable_s > 0 for c in costs if c.name.startswith(("eval", "ssd", "off")))
+    slower = stage_costs(FULL, default_plans(16), order, Probe(2.0, 0.04, 0.006), eval_config(FULL, 0))
+    assert all(b.at(1) > a.at(1) for a, b in zip(costs, slower))  # a slower box predicts longer stages
+
+
+def test_off_the_shelf_conversion_is_cached(tmp_path):
+    """The converted off-the-shelf model is kept under the run's cache and read back instead of converting the
+    GGUF again (~75 s); an unreadable copy is converted anew. A stand-in 'GGUF' that from_hf cannot read shows
+    which path ran."""
+    import torch
+
+    from snlp.apps.speedrun import ots_model
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import Tokenizer
+    from snlp.model.gpt import GPT, GPTConfig
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"not a gguf")
+    cache = tmp_path / "cache"
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig.from_depth(2, head_dim=16, width=32, vocab_size=300, sequence_len=32)).eval()
+    tok = Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], vocab_size=300)
+    save_checkpoint(cache / f"ots-fake-{gguf.stat().st_size}", ref, tok)
+    model, tok2 = ots_model(gguf, cache)
+    x = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert tok2.fingerprint() == tok.fingerprint()
+    (cache / f"ots-fake-{gguf.stat().st_size}" / "model.safetensors").write_bytes(b"corrupt")
+    with pytest.raises(Exception) as e:  # converting again: the stand-in is no GGUF
+        ots_model(gguf, cache)
+    assert "gguf" in str(e.value).lower() or "magic" in str(e.value).lower()
+
+
+def test_adaptation_data_is_tokenised_once(tmp_path):
+    """The off-the-shelf adaptation's token streams are kept in the run's cache and read back (the stand-in
+    written over the cache file comes back), equal to tokenising afresh; without a cache nothing is written."""
+    import numpy as np
+
+    from snlp.io.tokenizer import Tokenizer
+    from snlp.train.adapt import token_stream
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7}\n" * 3 for i in range(200)))
+    tok = Tokenizer.train([corpus.read_text()], vocab_size=300)
+    fresh = token_stream(str(corpus), tok, 0, 0.05)
+    cache = tmp_path / "cache"
+    first = token_stream(str(corpus), tok, 0, 0.05, cache_dir=cache)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, first)) and len(fresh[0]) > 100
+    (f,) = cache.glob("*.adapt.npz")
+    np.savez(f, train=np.arange(5), val=np.arange(3))
+    again = token_stream(str(corpus), tok, 0, 0.05, cache_dir=cache)
+    assert again[0].tolist() == list(range(5)) and again[1].tolist() == list(range(3))
+    token_stream(str(corpus), tok, 0, 0.05)
+    assert len(list(cache.iterdir())) == 1
+
+
+def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
+    """Speedrun.run_stage under a budget: a stage starting late gets the scale that fits what is left (written
+    out here from fake costs), its record stores the planned seconds and what shrank, and a re-run reuses it
+    (the stored settings are the unshrunk ones) without calling it again."""
+    import argparse
+
+    from snlp.apps.speedrun import add_arguments, setup
+    from snlp.bench.budget import StageCost, plan_budget
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "sr"), "--quick", "--depth", "4", "--device", "cpu", "--budget", "10"])
+    sr = setup(args)
+    sr.budget = plan_budget(600, [StageCost("eval-noreg", 10, 100), StageCost("ssd-noreg", 10, 100)], fixed_s=0,
+                            min_train_s=60, margin=0.04)
+    sr.t_start -= 600 - 24 - 80  # 80 s left for both stages: 2 x 10 fixed + 2 x 100 s at s = 0.3
+    calls = []
+
+    def fn(scale):
+        calls.append(scale)
+        return {"scale": scale}, f"prompts 8 -> {round(8 * scale)}"
+
+    rec = sr.run_stage("eval-noreg", "test", {"x": 1}, fn)
+    assert rec.result["scale"] == pytest.approx(0.3, abs=0.01) and rec.shrunk == "prompts 8 -> 2"
+    assert rec.planned == pytest.approx(10 + 100 * 0.3, abs=1) and sr.budget.stages["eval-noreg"].actual_s is not None
+    stored = json.loads((tmp_path / "sr" / "stages" / "eval-noreg.json").read_text())
+    assert stored["shrunk"] == "prompts 8 -> 2" and stored["planned"] == pytest.approx(rec.planned)
+    again = setup(args).run_stage("eval-noreg", "test", {"x": 1}, fn)
+    assert again.status == "reused" and len(calls) == 1 and again.shrunk == "prompts 8 -> 2"
