@@ -246,17 +246,18 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
 
 class AdaptiveBlock:
-    """Adaptive draft length (issue 21 item 3): before each round, every row drafts the block 1..max_block that
-    maximises its expected tokens per unit of time, ideal_ssd_speedup(alpha_i, B, s), at its running acceptance
-    rate alpha_i and the measured cost ratio s = verifier forward / drafter step of THIS run (decayed means of the
-    timed rounds; sampling: the plan's ideal ratio `cost_ratio`, so a seeded run does not depend on the clock). alpha_i = (acc + 1) / (exam + 1) over decayed counts of its accepted / examined drafts (decay
-    0.9 per round: about the last 10 rounds, so it follows changes in how predictable the text is); the prior is
-    one accepted draft, optimistic like the first round, which drafts max_block. (A uniform prior, (acc + 1) /
-    (exam + 2), with a shorter memory caps the estimate near 0.94 even when every draft is accepted and, measured
-    on the speedrun model (alpha 0.96-1.0, s 1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch a greedy
-    round drafts the largest of the live rows' blocks for every row (a batched drafter step costs the same whatever
-    the rows want); a sampled round drafts each row's own block (its draws then do not depend on the batch). Exact by construction: only how many tokens are drafted changes; the verifier checks whatever
-    was drafted."""
+    """Adaptive draft length (issue 21 item 3): before each round, every row drafts the block 1..max_block that maximises
+    its expected tokens per unit of time, ideal_ssd_speedup(alpha_i, B, s), at its running acceptance rate alpha_i
+    and the measured cost ratio s = verifier forward / drafter step of THIS run (decayed means of the timed rounds;
+    sampling: the plan's ideal ratio `cost_ratio`, so a seeded run does not depend on the clock). alpha_i = (acc +
+    1) / (exam + 1) over decayed counts of its accepted / examined drafts (decay 0.9 per round: about the last 10
+    rounds, so it follows changes in how predictable the text is); the prior is one accepted draft, optimistic like
+    the first round, which drafts max_block. (A uniform prior, (acc + 1) / (exam + 2), with a shorter memory caps
+    the estimate near 0.94 even when every draft is accepted and, measured on the speedrun model (alpha 0.96-1.0, s
+    1.7), settled on B = 2-3 and lost to the fixed B = 4.) In a batch a greedy round drafts the largest of the live
+    rows' blocks for every row (a batched drafter step costs the same whatever the rows want); a sampled round
+    drafts each row's own block (its draws then do not depend on the batch). Exact by construction: only how many
+    tokens are drafted changes; the verifier checks whatever was drafted."""
 
     def __init__(self, max_block: int, rows: int = 1, decay: float = 0.9, cost_ratio: float | None = None):
         self.max_block, self.decay, self.cost_ratio = max_block, decay, cost_ratio
