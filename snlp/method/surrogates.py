@@ -129,6 +129,8 @@ def _factors(values: tuple[float, ...], device, dtype: torch.dtype) -> Tensor:
     """Per-chunk factors (C,) on the device, made once per plan, device, dtype and inference mode: torch.tensor of host
     data is a synchronising host-to-device copy on a GPU, so not once per iteration (and a tensor made under
     inference_mode cannot enter autograd, so the two modes keep their own)."""
+    if torch.compiler.is_compiling():  # traced into the graph as device ops (dynamo cannot read the mode)
+        return torch.tensor(values, device=device, dtype=dtype)
     return _cached_factors(values, device, dtype, torch.is_inference_mode_enabled())
 
 
@@ -150,7 +152,10 @@ def shift(d: Tensor) -> Tensor:
 
 def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = (), device=None,
                     dtype: torch.dtype = torch.float64) -> Tensor:
-    """`_transfer_matrix`, cached per inference mode too (a tensor made under inference_mode cannot enter autograd)."""
+    """`_transfer_matrix`, cached per inference mode too (a tensor made under inference_mode cannot enter autograd);
+    while compiling, built in the graph (dynamo traces through lru_cache, and cannot read the inference mode)."""
+    if torch.compiler.is_compiling():
+        return _transfer_matrix.__wrapped__(a, lag, device, dtype, False)
     return _transfer_matrix(a, lag, device, dtype, torch.is_inference_mode_enabled())
 
 

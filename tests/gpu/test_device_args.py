@@ -34,6 +34,7 @@ ALLOWED: dict[tuple[str, str], str] = {
                                          "(fit moves them with .cpu()), once per calibration",
     ("bench/breakdown.py", "forward_breakdown"): _CPU_DRAW,
     ("bench/decode.py", "decode_benchmark"): _CPU_DRAW,
+    ("bench/budget.py", "probe"): _CPU_DRAW,
     ("bench/decode.py", "batch_decode_benchmark"): _CPU_DRAW,
     ("bench/forward.py", "benchmark"): _CPU_DRAW,
     ("bench/ops.py", "op_benchmark"): _CPU_DRAW,
