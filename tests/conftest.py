@@ -60,6 +60,19 @@ def mhc_model(seed: int = 0, n: int = 2, dynamic: bool = True, res_scale: float 
     return model
 
 
+@torch.no_grad()
+def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
+    """The outside reference of greedy decoding: a full forward over the whole prefix per token (no KV cache, no
+    static shapes), `logits_fn` ids (1, T) -> logits (1, T, V) (a model, or e.g. its fused forward); stops after
+    `eos_id`."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(logits_fn(torch.tensor([ids]))[0, -1].argmax()))
+        if ids[-1] == eos_id:
+            break
+    return ids[len(prompt):]
+
+
 def blowup_model(vocab_size: int, sequence_len: int = 64) -> GPT:
     """A tiny depth-8 model whose MLP inputs are scaled 1000x: the sequential forward stays finite (pre-norm blocks
     add bounded updates) but the exact-Jacobian Newton step of a K = 1 plan multiplies the chunks' huge Jacobians

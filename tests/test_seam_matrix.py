@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import examples, make_model, mhc_model
+from conftest import argmax_loop, examples, make_model, mhc_model
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
@@ -67,6 +67,8 @@ PLANS = {
 ENTRIES = ("sequential", "snlp", "speculative", "drafter", "jacobi")
 FORMS = ("one", "tensor1d", "tensor1T", "list1", "ragged", "tensorBT")
 BATCH_FORMS = ("list1", "ragged", "tensorBT")
+# bf16 / fp16 cells on the CPU: the claim under test is the dtype treatment itself, on models of width 16, where
+# emulated bf16 (AVX2-only boxes) costs microseconds; nothing here picks a dtype for speed
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # how far below the best logit of an fp64 copy of the same weights a low-precision cell's token may be
 MARGIN = {"fp32": 1e-3, "bf16": 0.3, "fp16": 0.1}
@@ -85,22 +87,6 @@ class Cell:
 
 
 # ----------------------------------------------------------------------------- the references (no snlp decoding)
-@torch.no_grad()
-def argmax_loop(logits_fn, prompt: list[int], n: int, eos: int | None) -> tuple[list[int], float]:
-    """Greedy decoding by a full-prefix forward per token: (tokens, smallest top-2 logit margin on the way)."""
-    ids, out, margin = list(prompt), [], math.inf
-    for _ in range(n):
-        logits = logits_fn(torch.tensor([ids]))[0, -1].double()
-        top = logits.topk(2).values
-        margin = min(margin, float(top[0] - top[1]))
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids.append(tok)
-        if tok == eos:
-            break
-    return out, margin
-
-
 @torch.no_grad()
 def near_argmax_path(ref_model, prompt: list[int], got: list[int], n: int, eos: int | None, delta: float) -> str | None:
     """None if every produced token is within `delta` of the largest logit of `ref_model` (an fp64 copy) given the
@@ -246,7 +232,7 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
             alone = Cell(**{**cell.__dict__, "form": "one"})
             assert got == run(alone, m, p, preheat, n, eos, drafter).tokens, f"{cell}: row != its single-prompt run"
         else:
-            ref = argmax_loop(fn, p, n, eos)[0]
+            ref = argmax_loop(fn, p, n, eos)
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
@@ -361,4 +347,4 @@ def test_compiled_cells_equal_their_references():
     prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
     rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True,
                                 adaptive=True)
-    assert [r.tokens for r in rows] == [argmax_loop(m, p, 6, None)[0] for p in prompts]
+    assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]

@@ -361,11 +361,14 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             # adaptive, greedy: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same
             # for every row, so a row that drafted less would only lose tokens (its extra drafts cost verifier width).
             # Sampling: each row its own block, so its draws (and tokens) do not depend on its neighbours
-            b = block if ctl is None else max(ctl.block(j) for j in live)
-            own = [block if ctl is None or temperature == 0 else ctl.block(j) if j in live else 0
-                   for j in range(len(ses.rows))]
-            want = [0 if j not in live else min(b if temperature == 0 else own[j], ses.remaining(j) - 1)
-                    for j in range(len(ses.rows))]
+            rows = range(len(ses.rows))
+            if ctl is None:
+                blocks = [block for _ in rows]
+            elif temperature == 0:
+                blocks = [max(ctl.block(j) for j in live) for _ in rows]
+            else:
+                blocks = [ctl.block(j) if j in live else 0 for j in rows]
+            want = [min(blocks[j], ses.remaining(j) - 1) if j in live else 0 for j in rows]
             t0 = now(ses.device)
             drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
             t1 = now(ses.device)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -120,18 +120,26 @@ class Surrogate(ABC):
         return d, it.h + d
 
 
-@lru_cache(maxsize=256)
-def _cached_factors(values: tuple[float, ...], device, dtype: torch.dtype, inference: bool) -> Tensor:
-    return torch.tensor(values, device=device, dtype=dtype)
+def device_constant(build):
+    """Cache a small constant tensor `build(*args)` (args hashable, the device and dtype among them) per args and
+    inference mode: torch.tensor of host data is a synchronising host-to-device copy on a GPU, so it is made once,
+    not once per iteration; a tensor made under inference_mode cannot enter autograd, so the two modes keep their
+    own. While compiling it is built in the graph as device ops (dynamo traces through lru_cache and cannot read the
+    inference mode)."""
+    cached = lru_cache(maxsize=256)(lambda inference, *args: build(*args))
+
+    @wraps(build)
+    def get(*args):
+        if torch.compiler.is_compiling():
+            return build(*args)
+        return cached(torch.is_inference_mode_enabled(), *args)
+    return get
 
 
+@device_constant
 def _factors(values: tuple[float, ...], device, dtype: torch.dtype) -> Tensor:
-    """Per-chunk factors (C,) on the device, made once per plan, device, dtype and inference mode: torch.tensor of host
-    data is a synchronising host-to-device copy on a GPU, so not once per iteration (and a tensor made under
-    inference_mode cannot enter autograd, so the two modes keep their own)."""
-    if torch.compiler.is_compiling():  # traced into the graph as device ops (dynamo cannot read the mode)
-        return torch.tensor(values, device=device, dtype=dtype)
-    return _cached_factors(values, device, dtype, torch.is_inference_mode_enabled())
+    """Per-chunk factors (C,) on the device."""
+    return torch.tensor(values, device=device, dtype=dtype)
 
 
 def _link(it: Iterate, like: Tensor) -> Tensor:
@@ -150,23 +158,13 @@ def shift(d: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(d[:1]), d[:-1]], 0)
 
 
+@device_constant
 def transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...] = (), device=None,
                     dtype: torch.dtype = torch.float64) -> Tensor:
-    """`_transfer_matrix`, cached per inference mode too (a tensor made under inference_mode cannot enter autograd);
-    while compiling, built in the graph (dynamo traces through lru_cache, and cannot read the inference mode)."""
-    if torch.compiler.is_compiling():
-        return _transfer_matrix.__wrapped__(a, lag, device, dtype, False)
-    return _transfer_matrix(a, lag, device, dtype, torch.is_inference_mode_enabled())
-
-
-@lru_cache(maxsize=256)
-def _transfer_matrix(a: tuple[float, ...], lag: tuple[float, ...], device, dtype: torch.dtype,
-                     inference: bool) -> Tensor:
     """(C, C) P with d = P @ b solving d_c = a_c d_{c-1} + b_c for scalar a (a[0] unused); with lag factors
     (some nonzero), the (C, 2C) [P, P U] with d = [P, P U] @ [b; d_prev], U[c, c-1] = lag[c]: the previous
-    sweep's update enters chunk c's b. Built in fp64 on `device` and cast to `dtype`, once per plan, device and dtype
-    (cached), so an eager solve copies nothing from the host per iteration; a compiled one (dynamo traces through the
-    cache) builds it from device ops, not CPU nodes that would split its CUDA graph."""
+    sweep's update enters chunk c's b. Built in fp64 on `device` and cast to `dtype`, once per plan, device, dtype
+    and inference mode (device_constant)."""
     C = len(a)
     P = torch.zeros(C, C, dtype=torch.float64, device=device)
     for c in range(C):

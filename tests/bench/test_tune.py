@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import argmax_loop, make_model
 
 from snlp.bench.tune import (PlanQuality, TuneConfig, calibration_quality, default_plans, quality_from_records,
                              summary, table, tune)
@@ -40,14 +40,6 @@ def grid(model, val):
     return cfg, tune(model, val, cfg)
 
 
-def _naive_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_every_candidate_is_predicted_and_the_full_grid_measured(grid):
     cfg, r = grid
     ssd = [c for c in r.candidates if c.goal == "ssd"]
@@ -74,7 +66,7 @@ def test_every_ssd_candidate_reproduces_sequential_greedy(grid, model, val):
     _, r = grid
     assert all(c.matches_sequential for c in r.candidates if c.goal == "ssd")
     prompt = val[:6].tolist()
-    ref = _naive_greedy(model, prompt, 10)  # outside reference: full forward every token, no cache
+    ref = argmax_loop(model, prompt, 10)  # outside reference: full forward every token, no cache
     for c in r.candidates:
         if c.goal == "ssd":
             assert speculative_generate(model, prompt, c.plan, block=c.block, max_new_tokens=10).tokens == ref

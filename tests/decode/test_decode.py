@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import configs, make_model, tokens
+from conftest import argmax_loop, configs, make_model, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,17 +22,6 @@ TOL = 1e-10  # float64
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
-
-
-def _greedy_uncached(model, prompt, n, eos_id=None):
-    """Reference greedy decoding without any cache: full forward over the whole sequence per token."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-            if ids[-1] == eos_id:
-                break
-    return ids[len(prompt):]
 
 
 def _decode_in_pieces(forward, idx, cuts, cache):
@@ -131,7 +120,7 @@ def test_speculative_greedy_equals_sequential(cfg, data):
     jac = jacobi_generate(model, prompt, plan, block=block, max_new_tokens=n, eos_id=eos, max_len=max_len)
     assert spec.tokens == ref.tokens == jac.tokens
     budget = min(n, (max_len or 99) - len(prompt))
-    assert ref.tokens == _greedy_uncached(model, prompt, budget, eos)
+    assert ref.tokens == argmax_loop(model, prompt, budget, eos)
     if eos is not None and eos in ref.tokens:
         assert ref.tokens[-1] == eos and ref.tokens.count(eos) == 1 and spec.stop == "eos"
     else:
@@ -182,7 +171,7 @@ def test_speculative_exact_drafter_accepts_everything():
 def test_jacobi_sequential_model_and_snlp_plans_match_greedy():
     model = make_model(n_layer=4)
     prompt = [5, 9, 2, 40]
-    ref = _greedy_uncached(model, prompt, 17)
+    ref = argmax_loop(model, prompt, 17)
     for plan in (None, "4xF1-h0-K1", "2xF2-h0-K1", "4xF1-h0-K4"):
         for block in (1, 3, 8):
             res = jacobi_generate(model, prompt, plan, block=block, max_new_tokens=17)

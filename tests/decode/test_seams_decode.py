@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import argmax_loop, make_model
 from torch._dynamo.testing import CompileCounter
 
 from snlp import bind, sequential_generate, snlp_generate, speculative_generate
@@ -21,15 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _prompts(model, lens, seed):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
-
-
-def _argmax_loop(model, prompt, n):
-    """The outside reference: greedy decoding by a full forward over the whole prefix per token (no cache)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("seed", [3, 5, 6])
@@ -45,7 +36,7 @@ def test_tol_rows_with_k_below_chunks_equal_their_single_prompt_run(seed):
     assert [r.tokens for r in snlp_generate(m, prompts, plan, **kw)] == alone
     assert [r.tokens for r in snlp_generate(m, prompts[::-1], plan, **kw)] == alone[::-1]
     # the same plan as a drafter: rows equal the naive argmax loop (the verifier keeps the model's output)
-    ref = [_argmax_loop(m, p, 10) for p in prompts]
+    ref = [argmax_loop(m, p, 10) for p in prompts]
     assert [r.tokens for r in speculative_generate(m, prompts, plan, block=3, **kw)] == ref
 
 
@@ -95,7 +86,7 @@ def test_compiled_ragged_prefill_compiles_once():
     prompts = _prompts(m, (5, 2, 9), 1)
     step, cnt = _counted(sequential_fn(m))
     rows = sequential_generate(m, prompts, max_new_tokens=4, step=step)
-    assert [r.tokens for r in rows] == [_argmax_loop(m, p, 4) for p in prompts]
+    assert [r.tokens for r in rows] == [argmax_loop(m, p, 4) for p in prompts]
     assert cnt.frame_count == len(step._seen) == 2  # the prefill graph and the one-token graph, once each
     rows = sequential_generate(m, _prompts(m, (7, 3, 4), 2), max_new_tokens=4, step=step)  # a fresh cache, same shapes
     assert cnt.frame_count == 2
@@ -111,7 +102,7 @@ def test_compiled_drafter_with_eager_verifier_compiles_nothing_per_step():
     draft, cnt = _counted(snlp_fn(runner))
     prompts = _prompts(m, (4, 1, 7), 2)
     rows = speculative_generate(m, prompts, "4xF1-h0-K1", block=3, max_new_tokens=6, draft=draft)
-    assert [r.tokens for r in rows] == [_argmax_loop(m, p, 6) for p in prompts]
+    assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]
     first = cnt.frame_count
     assert first == len(draft._seen) == 1
     speculative_generate(m, _prompts(m, (6, 2, 3), 3), "4xF1-h0-K1", block=3, max_new_tokens=6, draft=draft)
@@ -163,7 +154,7 @@ def test_single_prompt_speculative_equals_the_argmax_loop_and_its_batch_row(plan
     batch supports; the per-row surrogates a batch refuses (diag) still decode a single prompt."""
     m = make_model(seed=7, n_layer=6)
     prompts = _prompts(m, (6, 2, 11), 7)
-    ref = [_argmax_loop(m, p, 9) for p in prompts]
+    ref = [argmax_loop(m, p, 9) for p in prompts]
     for kw in (dict(block=3), dict(block=4, adaptive=True), dict(block=4, min_confidence=0.4)):
         got = []
         one = speculative_generate(m, prompts[0], plan, max_new_tokens=9, on_tokens=got.extend, **kw)
@@ -217,7 +208,7 @@ def test_a_pooled_cache_is_not_poisoned_by_an_earlier_call():
         m.wte.weight[7] = float("nan")
     step = Step(sequential_fn(m), "cpu", compile=False)
     step.mode = "reduce-overhead"  # the pooled (static-address) cache branch, as compile selects it on CUDA
-    ref = _argmax_loop(m, [1, 2, 3], 8)
+    ref = argmax_loop(m, [1, 2, 3], 8)
     assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref
     sequential_generate(m, [7] * 40, 8, step=step)  # writes NaN K/V across the pooled buffer
     assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref
