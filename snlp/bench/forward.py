@@ -125,6 +125,13 @@ def structural_ideal(t_seq: float, t_fixed: float, n_layer: int, steps: int) -> 
     return t_layer, (t_seq / denom if denom > 0 else 1.0)
 
 
+def context_tensors(ctx) -> tuple[torch.Tensor, ...]:
+    """Every tensor an embedding Context (snlp.model.gpt.Context) holds, named field by field: dynamo before torch
+    2.13 cannot trace `vars()` of a dataclass under fullgraph (seen on torch 2.11 + CUDA: the compiled `_embed` of
+    `snlp selfcheck` failed with "Unsupported method call")."""
+    return tuple(t for t in (ctx.x0, ctx.ve, ctx.cos, ctx.sin) if t is not None)
+
+
 def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, warmup: int = 5, runs: int = 30,
               compile: bool = False, seed: int = 0) -> list[ForwardRow]:
     """Time the sequential forward and each plan; returns one row each (sequential first).
@@ -164,7 +171,7 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
             iters[name] = runner.solve(idx, check_finite=True).iters
         h_last = model.embed(idx).x0.clone()  # a hidden state of h_L's shape ((B, T, n, D) with mHC) for the head
         # the fixed costs: return every tensor of the Context so a compiled graph cannot drop any of it
-        fixed = {"_embed": lambda: tuple(v for v in vars(model.embed(idx)).values() if isinstance(v, torch.Tensor)),
+        fixed = {"_embed": lambda: context_tensors(model.embed(idx)),
                  "_head": lambda: model.head(h_last)}
         fns = {**fwd, **fixed}
         if compile:  # the plan callables share one code object: allow one compiled graph per plan

@@ -24,6 +24,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -288,6 +290,14 @@ def run_suite(config: SuiteConfig) -> SuiteResult:
 def _run(cfg: SuiteConfig) -> SuiteResult:
     result = SuiteResult(config=cfg, meta=SuiteMeta.now(cfg))
     shapes = [s for s in PAPER_SHAPES if s.key in cfg.shapes]
+    t0 = time.perf_counter()
+
+    def done(what: str) -> None:
+        """A line per finished part, and the files rewritten with every record so far: the full CUDA protocol
+        runs for minutes, and a run cut short (a timeout, a lease that ends) keeps what it measured."""
+        print(f"suite: {what} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        _write(result, cfg)
+
     for shape in shapes:
         run_shape = shape.quick() if cfg.quick else shape
         model = _build(run_shape, cfg)
@@ -304,21 +314,28 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
                              compile=compiled, seed=cfg.seed)
             result.records += [SuiteRow("prefill", treatment, info, r, PAPER_PREFILL.get((shape.key, r.plan)))
                                for r in rows]
+            done(f"{shape.key} {treatment} prefill")
             if cfg.decode and (cfg.decode_compiled or not compiled):
                 result.records += _decode(model, plans, cfg, treatment, info)
+                done(f"{shape.key} {treatment} decode")
             if compiled:
                 torch._dynamo.reset()  # free this shape's graphs (and CUDA-graph pools) before the next
         del model
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
     result.meta.loadavg_1min_end = _loadavg()
+    _write(result, cfg)
+    return result
+
+
+def _write(result: SuiteResult, cfg: SuiteConfig) -> None:
+    """result.markdown from the records so far, and suite.json + suite.md under cfg.out (when set)."""
     result.markdown = markdown(result)
     if cfg.out:
         out = Path(cfg.out)
         result.json_path, result.markdown_path = str(out / "suite.json"), str(out / "suite.md")
         write_json(result.json_path, {"meta": result.meta, "config": cfg, "records": result.records}, announce=False)
         Path(result.markdown_path).write_text(result.markdown)
-    return result
 
 
 def _decode(model: GPT, plans: list[Plan], cfg: SuiteConfig, treatment: str, info: ShapeInfo) -> list[SuiteRow]:
