@@ -14,6 +14,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,12 +42,30 @@ class SelfcheckConfig:
 
 @dataclass
 class Check:
-    """One law or refusal: passed, what was compared (max error / tokens), seconds."""
+    """One law or refusal: passed, what was compared (max error / tokens), seconds; for a check that raised, the
+    traceback (the JSON carries it whole: the table's one line cannot hold, say, an inductor failure's cause)."""
 
     name: str
     passed: bool | None  # None: skipped (e.g. transformers not installed)
     detail: str
     seconds: float
+    traceback: str | None = None
+
+
+def failure(e: BaseException) -> str:
+    """One line that names what went wrong: the exception's type and its first non-empty lines, then the innermost
+    cause of its chain. A wrapper's first line alone can say nothing (torch's BackendCompilerFailed starts with
+    "backend='inductor' raised:" and puts the reason on the lines after: all the first GPU run's report showed)."""
+    def text(x: BaseException) -> str:
+        lines = [ln.strip() for ln in str(x).splitlines() if ln.strip()]
+        return f"{type(x).__name__}: {' | '.join(lines[:3])}" if lines else type(x).__name__
+
+    root, seen = e, {id(e)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(root))
+    out = text(e) if root is e else f"{text(e)} <- {text(root)}"
+    return out[:600]
 
 
 @dataclass
@@ -127,7 +146,8 @@ def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
         try:
             passed, detail = fn()
         except Exception as e:  # a check that crashes fails with its reason: the report must still be written
-            passed, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            checks.append(Check(name, False, failure(e), time.perf_counter() - t0, traceback.format_exc()))
+            return
         checks.append(Check(name, passed, detail, time.perf_counter() - t0))
 
     @torch.no_grad()
@@ -231,9 +251,10 @@ def law_checks(device, compile: bool, seed: int = 0) -> list[Check]:
     return checks
 
 
-def speed_suite(device, quick: bool, compile: bool, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def speed_suite(device, quick: bool, compile: bool, seed: int = 0) -> tuple[list[dict], list[dict], list[Check]]:
     """A small version of the paper's speed column: prefill (a T-token forward) and KV-cached decoding,
-    sequential vs SNLP plans, eager and (with `compile`) compiled."""
+    sequential vs SNLP plans, eager and (with `compile`) compiled. Each of the (up to) four parts runs on its own:
+    one that raises becomes a failed check with its reason and traceback, and the rows of the others are kept."""
     spec = ModelSpec(depth=4 if quick else 8, aspect_ratio=32, head_dim=32 if quick else 64,
                      vocab_size=1024 if quick else 4096, seed=seed)
     model = build_model(spec).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -241,14 +262,23 @@ def speed_suite(device, quick: bool, compile: bool, seed: int = 0) -> tuple[list
     plans = [Plan.parse(f"1xF{L // 2}-h0-K1", L), Plan.parse(f"{L // 2}xF1-h0-K1", L)]
     T = 64 if quick else 512
     runs, warm = (3, 1) if quick else (10, 2)
-    forward, decode = [], []
+    forward, decode, failed = [], [], []
     for comp in ([False, True] if compile else [False]):
-        forward += [r.to_dict() for r in benchmark(model, plans, tokens=T, warmup=warm, runs=runs, compile=comp,
-                                                   seed=seed)]
-        decode += [r.to_dict() for r in decode_benchmark(model, plans[1:], prompt_len=8, new_tokens=8 if quick else 32,
-                                                         blocks=(3,), warmup=1, runs=1 if quick else 3, seed=seed,
-                                                         compile=comp)]
-    return forward, decode
+        parts = {"prefill": (forward, lambda: benchmark(model, plans, tokens=T, warmup=warm, runs=runs, compile=comp,
+                                                         seed=seed)),
+                 "decode": (decode, lambda: decode_benchmark(model, plans[1:], prompt_len=8,
+                                                             new_tokens=8 if quick else 32, blocks=(3,), warmup=1,
+                                                             runs=1 if quick else 3, seed=seed, compile=comp))}
+        for part, (rows, fn) in parts.items():
+            t0 = time.perf_counter()
+            try:
+                rows += [r.to_dict() for r in fn()]
+            except Exception as e:
+                failed.append(Check(f"speed: {'compiled' if comp else 'eager'} {part} runs", False, failure(e),
+                                    time.perf_counter() - t0, traceback.format_exc()))
+        if comp:
+            torch._dynamo.reset()  # free the graphs (and CUDA-graph pools) of this model
+    return forward, decode, failed
 
 
 def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
@@ -258,10 +288,11 @@ def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
     res.checks = law_checks(device, cfg.compile, cfg.seed)
     t1 = time.perf_counter()
     try:
-        res.forward, res.decode = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
+        res.forward, res.decode, failed = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
+        res.checks += failed
     except Exception as e:  # the report (with the laws' results) must still be written: the failure is a check
-        first = str(e).splitlines()[0][:300] if str(e) else ""
-        res.checks.append(Check("speed suite runs", False, f"{type(e).__name__}: {first}", time.perf_counter() - t1))
+        res.checks.append(Check("speed suite runs", False, failure(e), time.perf_counter() - t1,
+                                traceback.format_exc()))
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -35,3 +35,34 @@ def test_a_failed_check_fails_the_run():
     assert not res.passed
     lines = table(res)
     assert any(line.startswith("FAIL  b") for line in lines) and lines[-1].startswith("SOME CHECKS FAILED")
+
+
+def test_a_wrapped_failure_names_its_cause():
+    """The first GPU run's report said only "BackendCompilerFailed: backend='inductor' raised:": the reason sat on the
+    lines after and in the exception's cause. The check's line now carries both, and the JSON the traceback."""
+    from snlp.bench.selfcheck import failure
+
+    try:
+        try:
+            raise TypeError("fake cause: unsupported dtype\nmore")
+        except TypeError as inner:
+            raise RuntimeError("backend='inductor' raised:\nTypeError: fake cause: unsupported dtype") from inner
+    except RuntimeError as e:
+        line = failure(e)
+    assert "backend='inductor' raised:" in line and "fake cause: unsupported dtype" in line
+    assert line.endswith("TypeError: fake cause: unsupported dtype | more")
+
+
+def test_a_failing_speed_part_keeps_the_other_rows(monkeypatch):
+    """A speed part that raises (the first H100 run: the compiled part) is its own failed check with a traceback;
+    the rows the other parts measured stay in the report."""
+    import snlp.bench.selfcheck as sc
+
+    def broken(*a, **k):
+        raise RuntimeError("decode broke")
+
+    monkeypatch.setattr(sc, "decode_benchmark", broken)
+    forward, decode, failed = sc.speed_suite(torch.device("cpu"), quick=True, compile=False)
+    assert {r["plan"] for r in forward} >= {"sequential"} and decode == []
+    assert [c.name for c in failed] == ["speed: eager decode runs"] and not failed[0].passed
+    assert "decode broke" in failed[0].detail and "Traceback" in failed[0].traceback
