@@ -191,6 +191,26 @@ def smol(smol_ckpt):
     return load(smol_ckpt)
 
 
+SMOL_CUT = 6  # layers of the cut SmolLM2 that the harness tests give to both the harness's hf model and snlp's
+
+
+@pytest.fixture(scope="session")
+def smol_cut_hf(smol, tmp_path_factory) -> Path:
+    """SmolLM2's first SMOL_CUT layers as a transformers directory (snlp.export_hf), exported once per session: the
+    one checkpoint that the harness's own `hf` model and snlp's harness model both load (tests/eval/test_harness*)."""
+    import dataclasses
+
+    from snlp.io.hf import export_hf
+
+    model, tok = smol
+    cut = GPT(dataclasses.replace(model.config, n_layer=SMOL_CUT))
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("blocks.") or int(k.split(".")[1]) < SMOL_CUT}
+    missing, unexpected = cut.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)  # the tied head only
+    return export_hf(cut.eval(), tmp_path_factory.mktemp("smol6") / "hf", tokenizer=tok)
+
+
 # ----------------------------------------------------------------------------- gloo process groups on CPU
 def free_port() -> int:
     with socket.socket() as s:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from snlp.apps.common import plans_preheat
-from snlp.method.plan import parse_plans
+from snlp.method.plan import Plan, parse_plans
 from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
 
 
@@ -44,6 +44,33 @@ def method_file(method: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", method) + ".json"
 
 
+def check_plan_list(text: str) -> None:
+    """Refuse a --plans list that names one plan twice (as written, or as two spellings of one canonical plan, e.g.
+    8xF1-K1 and 8xF1-h0-K1): its second run would overwrite the first one's harness JSON."""
+    seen: dict[str, str] = {}
+    for p in (x.strip() for x in text.split(",") if x.strip()):
+        c = str(Plan.parse(p))
+        if c in seen:
+            same = "" if seen[c] == p else f" ({seen[c]} and {p} are one plan)"
+            raise ValueError(f"--plans lists {c} twice{same}: each method's harness JSON needs its own file; give "
+                             f"each plan once")
+        seen[c] = p
+
+
+def check_method_files(methods: list[str]) -> None:
+    """Refuse methods whose harness JSON files would coincide (one would overwrite the other): a plan listed twice,
+    two spellings of one plan (8xF1-K1 and 8xF1-h0-K1), or names that map to one file name (compared without case,
+    as a case-insensitive file system does)."""
+    seen: dict[str, str] = {}
+    for m in methods:
+        f = method_file(m).lower()
+        if f in seen:
+            same = "is listed twice" if seen[f] == m else f"and {seen[f]} would both be written to {method_file(m)}"
+            raise ValueError(f"--harness: method {m} {same}: each method's harness JSON needs its own file; give each "
+                             f"plan once")
+        seen[f] = m
+
+
 def run(args) -> int:
     try:
         from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, print_table
@@ -67,14 +94,18 @@ def run(args) -> int:
     device = cli_device(args.device)
     set_threads(args.threads)
     dtype = cli_dtype(args.dtype, device)
+    if args.plans:  # a plan given twice (or two spellings of one) would overwrite its own JSON: refused before loading
+        check_plan_list(args.plans)
     model, tok, ckpt = load_any(args.ckpt)
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
     preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
-    common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block)
+    common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block,
+                  name=args.ckpt)
     lms = [SNLPLM(pretrained=model, **common)]
     lms += [SNLPLM(pretrained=model, plan=p, preheat=preheat, decode=args.harness_decode, **common) for p in plans]
     if args.drafter:
         lms.append(SNLPLM(pretrained=model, drafter=args.drafter, decode="speculative", **common))
+    check_method_files([lm.method for lm in lms])  # with the drafter's: before any harness run
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,

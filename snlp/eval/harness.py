@@ -84,18 +84,19 @@ class SNLPLM(TemplateLM):
     """An lm-evaluation-harness LM over an snlp model: the sequential forward, an SNLP plan or an adapted drafter
     (module docstring). model_args as for the harness's `hf` model: pretrained=, plan=, drafter=, dtype=,
     device=, batch_size=, max_length=, add_bos_token=, plus decode= (sequential | snlp | speculative), block=
-    (speculative draft length), seed= (sampling), logits_cache= (the Collator's one-token-continuation reuse)."""
+    (speculative draft length), seed= (sampling), logits_cache= (the Collator's one-token-continuation reuse), name=
+    (what `model_args` records as pretrained= for a GPT object). `model_args` is the string that rebuilds it."""
 
     def __init__(self, pretrained: str | GPT, plan: str | Plan | None = None, drafter: str | Drafter | None = None,
                  dtype: str | None = None, device: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, max_length: int | None = None, add_bos_token: bool | None = None,
                  decode: str | None = None, block: int = 4, seed: int = 1234, logits_cache: bool = True,
-                 tokenizer: Tokenizer | None = None, preheat=None, **kwargs) -> None:
+                 tokenizer: Tokenizer | None = None, preheat=None, name: str | None = None, **kwargs) -> None:
         super().__init__()
         if kwargs:
             raise ValueError(f"snlp harness model: unknown model_args {sorted(kwargs)}; known: pretrained, plan, "
                              f"drafter, dtype, device, batch_size, max_length, add_bos_token, decode, block, seed, "
-                             f"logits_cache")
+                             f"logits_cache, name")
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by the snlp harness model: give a number of requests "
                              "per forward (e.g. batch_size=8)")
@@ -109,8 +110,11 @@ class SNLPLM(TemplateLM):
         self._rank, self._world_size = 0, 1
 
         ckpt = None
+        # what model_args records as pretrained=: the path or hub id given, or for a GPT object `name` (the CLI
+        # passes the checkpoint it loaded)
+        self._source = name if isinstance(pretrained, GPT) else str(pretrained)
         if isinstance(pretrained, GPT):
-            model, tok, name = pretrained, tokenizer, "model"
+            model, tok, name = pretrained, tokenizer, name or "model"
         else:
             model, tok, ckpt = load_any(str(pretrained))
             tok, name = tokenizer or tok, Path(str(pretrained)).name
@@ -123,6 +127,8 @@ class SNLPLM(TemplateLM):
         self.tokenizer, self.name = tok, name
         L = self.model.config.n_layer
 
+        self._drafter_source = drafter if drafter is None or isinstance(drafter, str) else None
+        self._add_bos_given = add_bos_token
         self.drafter = None
         if drafter is not None:
             self.drafter = drafter.check(self.model) if isinstance(drafter, Drafter) else load_drafter(drafter, self.model)
@@ -161,6 +167,30 @@ class SNLPLM(TemplateLM):
         self.preheat = None if plan is None else preheat_for(plan, preheat)
         # a bound runner fuses the plan's weights once; check_finite: a NaN/inf solve raises SNLPDivergenceError
         self.runner = None if plan is None else bind(self.forward_model, plan, check_finite=True, preheat=self.preheat)
+
+    # ----- what produced the numbers: recorded in every run's config, as the harness records its hf model's -----
+    @property
+    def model_args(self) -> str:
+        """The model_args string (the harness's `key=value,...`) that rebuilds this model: `lm_eval --model snlp
+        --model_args ...` or SNLPLM.create_from_arg_string. pretrained= is the path or hub id given (a GPT object:
+        its `name`, "<GPT object>" without one); a Drafter object is "<Drafter object>" (a directory is its path);
+        add_bos_token only when it was given (else the tokenizer's own rule, which a recorded value would change)."""
+        args = {"pretrained": self._source or "<GPT object>"}
+        if self.drafter is not None:
+            args["drafter"] = self._drafter_source or "<Drafter object>"
+        if self.plan is not None:
+            args["plan"] = str(self.plan)
+        args.update(decode=self.decode, block=self.block, dtype=str(self.model.wte.weight.dtype).removeprefix("torch."),
+                    device=str(self._device), batch_size=self.batch_size, max_length=self.max_length, seed=self.seed,
+                    logits_cache=self.logits_cache)
+        if self._add_bos_given is not None:
+            args["add_bos_token"] = _bool(self._add_bos_given)
+        return ",".join(f"{k}={v}" for k, v in args.items())
+
+    def get_model_info(self) -> dict:
+        """Added to the run's config by simple_evaluate (as the hf model's parameter count and dtype)."""
+        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(self.model.wte.weight.dtype), "method": self.method}
 
     # ----- the harness's model properties -----
     @property
@@ -417,13 +447,16 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     out = []
     for lm in lms:
         try:
-            r = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
-                                        apply_chat_template=apply_chat_template, fewshot_random_seed=fewshot_seed,
-                                        bootstrap_iters=bootstrap_iters, log_samples=False)
+            # model_args / batch_size / device are only recorded in the run's config (the model is built already)
+            r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=tasks, num_fewshot=num_fewshot,
+                                        limit=limit, task_manager=tm, apply_chat_template=apply_chat_template,
+                                        fewshot_random_seed=fewshot_seed, bootstrap_iters=bootstrap_iters,
+                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device))
         except SNLPDivergenceError:
             out.append(HarnessRecord(lm.method, diverged=True))
             continue
         r = json_safe(r)
+        r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
         out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
     return out
 

@@ -18,9 +18,10 @@ Scoring (`--mc-scoring`):
           for base models: context "Question: {question}\\nAnswer:", continuation " {choice}", no chat
           template; `acc` ranks by the continuation's summed log-probability, `acc_norm` by that sum over
           the choice's character length. k-shot (`shots`) prepends k solved questions drawn from another
-          split as "Question: ...\\nAnswer: {correct choice}" joined by "\\n\\n" (snlp.mc_harness).
+          split as "Question: ...\\nAnswer: {correct choice}" joined by "\\n\\n". Scored by lm-evaluation-harness
+          itself when lm-eval is installed (snlp.eval.harness_mc), else by snlp's copy (snlp.eval.mc_harness).
 The `snlp eval --task` default is `harness`, except for checkpoints fine-tuned by `snlp sft` (nanochat's
-chat models), which default to `letter` (snlp.mc_harness.default_scoring).
+chat models), which default to `letter` (snlp.eval.mc_harness.default_scoring).
 Each method (sequential, then every plan via a bound runner, snlp.bind) scores the same questions; a plan
 whose solve turns NaN/inf is recorded as diverged (accuracy None), never scored.
 Accuracy comes with a 95 % Wilson score interval and N; MMLU-style data with subjects gets a
@@ -189,10 +190,19 @@ class MCConfig:
     shots: int = 0  # harness scoring: solved examples before each question (k-shot)
     shot_task: str | None = None  # harness k-shot: the --task spec the shots are drawn from (a train/dev split)
     shot_seed: int = 1234  # harness k-shot: the sampler's seed (lm-evaluation-harness's default fewshot seed)
+    # harness scoring: "auto" (lm-evaluation-harness itself when lm-eval is installed, else snlp's copy of the
+    # protocol), "lm_eval" (the harness, refused without it) or "snlp" (the copy)
+    implementation: str = "auto"
 
     def check(self) -> None:
         if self.scoring not in ("letter", "loglik", "harness"):
             raise ValueError(f"--mc-scoring must be letter, loglik or harness (got {self.scoring!r})")
+        if self.implementation not in ("auto", "lm_eval", "snlp"):
+            raise ValueError(f"the harness scoring's implementation must be auto, lm_eval or snlp (got "
+                             f"{self.implementation!r})")
+        if self.implementation != "auto" and self.scoring != "harness":
+            raise ValueError(f"implementation={self.implementation} applies to the harness scoring only (got "
+                             f"{self.scoring})")
         if self.limit < 0 or self.batch < 1:
             raise ValueError("--mc-limit must be >= 0 and the batch >= 1")
         if self.shots < 0:
@@ -204,6 +214,24 @@ class MCConfig:
             raise ValueError(f"--mc-shots {self.shots} needs --mc-shots-from TASK: the split the solved examples are "
                              f"drawn from (e.g. mc:ARC-Easy-Train.jsonl for ARC-Easy test; the harness uses the "
                              f"task's train split)")
+
+
+def shot_layout(questions: list[Question], pool: list[Question] | None, k: int) -> tuple[str | None, int | None]:
+    """Where the shots come from, as the harness sees it: (None, None) for 0-shot or a pool disjoint from the
+    questions (its own split); ("test", N) when the pool is the questions' own task and the questions are its first
+    N (fewshot_split == test_split, --limit N). Refuses a pool that shares only some questions, and a pool too small
+    for k shots (k + 1 when the question itself is in it)."""
+    if not k:
+        return None, None
+    pool = pool or []
+    same = not set(pool).isdisjoint(questions)
+    if same and list(pool[:len(questions)]) != list(questions):
+        raise ValueError("the shot pool (--mc-shots-from) shares some of the questions but the questions are not its "
+                         "first N: draw the shots from another split (e.g. the train split) or from the questions' "
+                         "own task")
+    if len(pool) < k + same:
+        raise ValueError(f"{k}-shot needs at least {k + same} questions in the shot pool, which holds {len(pool)}")
+    return ("test", len(questions)) if same else (None, None)
 
 
 @dataclass
@@ -239,7 +267,13 @@ class MCResult:
 
 
 def score(preds: list[int], questions: list[Question], method: str) -> MCRecord:
-    ok = [int(p == q.answer) for p, q in zip(preds, questions)]
+    """The record of one method's predicted choice per question."""
+    return score_ok([p == q.answer for p, q in zip(preds, questions)], questions, method)
+
+
+def score_ok(right: list[bool], questions: list[Question], method: str) -> MCRecord:
+    """The record of one method from whether each question was answered right."""
+    ok = [int(bool(x)) for x in right]
     n, c = len(ok), sum(ok)
     subjects = {}
     for s in sorted({q.subject for q in questions if q.subject}):

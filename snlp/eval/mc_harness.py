@@ -1,5 +1,11 @@
 """lm-evaluation-harness's multiple-choice protocol for snlp.mc (`--mc-scoring harness`, `--mc-shots K`).
 
+Where lm-eval is installed (the optional extra `.[harness]`) `evaluate_harness` scores through the harness itself
+(snlp.eval.harness_mc: the questions as one harness task, each method an snlp.eval.harness.SNLPLM, the harness's
+simple_evaluate): one implementation of the protocol. The functions below (`draw_shots`, `encode_pair`,
+`loglikelihoods`, `predictions`) are snlp's COPY of that protocol, kept only as the fallback for installs without
+lm-eval (tests/eval/test_harness_mc.py checks that both give the same numbers as the harness's `hf` model).
+
 The field's standard numbers for base models (model cards, leaderboards) come from EleutherAI's
 lm-evaluation-harness; its `arc_easy` task (output_type multiple_choice) scores
     context       "Question: {question}\\nAnswer:"             (doc_to_text)
@@ -26,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snlp.eval.mc import (SEQ, MCConfig, MCRecord, MCResult, final_state, pad_batch, method_runner, diverged_record, protocol_caption, score)
+from snlp.eval.mc import (SEQ, MCConfig, MCRecord, MCResult, diverged_record, final_state, method_runner, pad_batch,
+                          protocol_caption, score_ok, shot_layout)
 from snlp.io.mctasks import Question, load_task
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
@@ -50,7 +57,7 @@ def context(q: Question, shots: list[Question]) -> str:
 def draw_shots(questions: list[Question], pool: list[Question], k: int, seed: int = 1234) -> list[list[Question]]:
     """k solved examples per question from `pool`, one seeded sampler for the whole run (the harness's
     ContextSampler): random.Random(seed).sample(pool, k [+ 1 when the pool holds the question]) per
-    question in order, the question itself removed."""
+    question in order, the question itself removed (the fallback without lm-eval)."""
     if k == 0:
         return [[] for _ in questions]
     same = not set(pool).isdisjoint(questions)
@@ -123,30 +130,64 @@ def predictions(questions: list[Question], scores: list[list[float]]) -> tuple[l
     return acc, norm
 
 
-def harness_record(name: str, questions: list[Question], acc: list[int], norm: list[int]) -> MCRecord:
-    """score() of the acc picks with the acc_norm picks' counts in the norm_* fields (and per subject)."""
-    r = score(acc, questions, name)
-    rn = score(norm, questions, name)
+def harness_record(name: str, questions: list[Question], acc: list[bool], norm: list[bool]) -> MCRecord:
+    """The record of one method from each question's acc and acc_norm (right or wrong): the acc counts, with the
+    acc_norm counts in the norm_* fields (and per subject)."""
+    r = score_ok(acc, questions, name)
+    rn = score_ok(norm, questions, name)
     r.norm_correct, r.norm_accuracy, r.norm_ci_low, r.norm_ci_high = rn.correct, rn.accuracy, rn.ci_low, rn.ci_high
     for s, v in r.subjects.items():
         v.update({f"norm_{k}": rn.subjects[s][k] for k in ("correct", "accuracy", "ci_low", "ci_high")})
     return r
 
 
+def lm_eval_scorer():
+    """snlp.eval.harness_mc when lm-eval is installed, else None (the copy of the protocol in this module is used)."""
+    try:
+        from snlp.eval import harness_mc
+    except ImportError as e:
+        if (getattr(e, "name", None) or "").split(".")[0] != "lm_eval":
+            raise
+        return None
+    return harness_mc
+
+
 def evaluate_harness(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question], plans: list[Plan],
                      max_len: int, preheat: Preheat | None = None) -> MCResult:
-    """snlp.eval.mc.evaluate_mc for scoring "harness": acc and acc_norm of the sequential forward and each plan."""
-    shots = draw_shots(questions, load_task(cfg.shot_task) if cfg.shots else [], cfg.shots, cfg.shot_seed)
+    """snlp.eval.mc.evaluate_mc for scoring "harness": acc and acc_norm of the sequential forward and each plan,
+    scored by the harness itself when lm-eval is installed (cfg.implementation "auto" or "lm_eval"), else by the
+    copy of the protocol in this module ("auto" without lm-eval, or "snlp")."""
+    pool = load_task(cfg.shot_task) if cfg.shots else []
+    shot_layout(questions, pool, cfg.shots)  # refuses, up front, shots the harness cannot express
+    harness_mc = None if cfg.implementation == "snlp" else lm_eval_scorer()
+    if harness_mc is None and cfg.implementation == "lm_eval":
+        raise ValueError("implementation=lm_eval needs lm-evaluation-harness: pip install -e '.[harness]'")
+    if harness_mc is not None:
+        import lm_eval
+
+        how = f"scored by lm-evaluation-harness {lm_eval.__version__} itself"
+    else:
+        shots = draw_shots(questions, pool, cfg.shots, cfg.shot_seed)
+        how = "scored by snlp's copy of the protocol (" + ("implementation=snlp)" if cfg.implementation == "snlp"
+                                                           else "lm-eval not installed)")
     records = []
     for method in [None, *plans]:
         name = SEQ if method is None else str(method)
         try:
-            sc = loglikelihoods(model, tokenizer, questions, method, shots, cfg.batch, max_len, preheat)
+            if harness_mc is not None:
+                samples = harness_mc.mc_samples(model, tokenizer, questions, method, pool, cfg.shots, cfg.shot_seed,
+                                                cfg.batch, max_len, preheat)
+                acc, norm = [s.acc for s in samples], [s.acc_norm for s in samples]
+            else:
+                sc = loglikelihoods(model, tokenizer, questions, method, shots, cfg.batch, max_len, preheat)
+                picks, norm_picks = predictions(questions, sc)
+                acc = [p == q.answer for p, q in zip(picks, questions)]
+                norm = [p == q.answer for p, q in zip(norm_picks, questions)]
         except SNLPDivergenceError:
             records.append(diverged_record(name, questions))
             continue
-        records.append(harness_record(name, questions, *predictions(questions, sc)))
-    return MCResult(cfg.task, cfg.scoring, records, protocol_caption(cfg), cfg.shots)
+        records.append(harness_record(name, questions, acc, norm))
+    return MCResult(cfg.task, cfg.scoring, records, f"{protocol_caption(cfg)}; {how}", cfg.shots)
 
 
 def default_scoring(ckpt) -> str:

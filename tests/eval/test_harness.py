@@ -10,7 +10,6 @@ Nothing reaches a hub: the tasks read local JSON files, HF_HUB_OFFLINE / HF_DATA
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,75 +25,24 @@ import torch  # noqa: E402
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
+from harness_fixtures import DATA, base, hf, lls, offline, requests, run, samples, tasks  # noqa: E402,F401
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval.utils import simple_parse_args_string  # noqa: E402
 
 from snlp.apps.cli import main  # noqa: E402
-from snlp.eval.harness import SNLPLM, load_any  # noqa: E402
+from snlp.eval.harness import SNLPLM  # noqa: E402
 from snlp.io.drafter import save_drafter  # noqa: E402
-from snlp.io.hf import export_hf  # noqa: E402
 from snlp.method.drafter import make_drafter  # noqa: E402
 from snlp.io.tokenizer import Tokenizer  # noqa: E402
-from snlp.model.gpt import GPT  # noqa: E402
 
 from conftest import blowup_model, make_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "harness"
-LAYERS = 6
 EXACT, APPROX = "4xF1-h0-K4", "4xF1-h0-K1"  # F1 with K >= C: the sequential model; K = 1: an approximation
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    """Offline even when datasets / huggingface_hub were imported before the env vars were set."""
-    import datasets
-    import huggingface_hub.constants as hub
-
-    old = datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
-    datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = True, True
-    yield
-    datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = old
-
-
-@pytest.fixture(scope="module")
-def tasks(tmp_path_factory) -> Path:
-    """The shipped task YAMLs with their data_files made absolute (they name them relative to the repo root)."""
-    d = tmp_path_factory.mktemp("tasks")
-    for f in DATA.glob("*.yaml"):
-        (d / f.name).write_text(f.read_text().replace("tests/data/harness/", f"{DATA}/"))
-    return d
-
-
-@pytest.fixture(scope="module")
-def smol_dir(smol, tmp_path_factory) -> Path:
-    """SmolLM2's first LAYERS layers as a transformers directory (snlp.export_hf): the one checkpoint both sides load."""
-    model, tok = smol
-    cut = GPT(dataclasses.replace(model.config, n_layer=LAYERS))
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("blocks.") or int(k.split(".")[1]) < LAYERS}
-    missing, unexpected = cut.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing)  # the tied head only
-    return export_hf(cut.eval(), tmp_path_factory.mktemp("smol6") / "hf", tokenizer=tok)
-
-
-@pytest.fixture(scope="module")
-def base(smol_dir):
-    model, tok, _ = load_any(str(smol_dir))
-    return model, tok
-
-
-def run(lm, tm, task, shots):
-    return lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=shots, task_manager=tm, log_samples=True,
-                                   bootstrap_iters=10, fewshot_random_seed=1234)
-
-
-@pytest.fixture(scope="module")
-def hf(smol_dir):
-    return HFLM(pretrained=str(smol_dir), device="cpu", batch_size=1, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -208,26 +156,75 @@ def test_chat_template_as_hf_model(hf, base):
     assert ours.tok_encode("Question: why?") == hf.tok_encode("Question: why?")
 
 
-def test_cli_harness_one_run_per_method(smol_dir, tasks, tmp_path, capsys):
+def test_cli_harness_one_run_per_method(smol_cut_hf, base, tasks, tmp_path, capsys):
+    """`snlp eval --harness`: one harness JSON per method (sequential, a plan, a drafter whose plan is that same plan:
+    three files), each recording in its config the model_args that produced it, in the harness's own `key=value`
+    form; the harness's registry rebuilds the model from them, and the rebuilt model's run gives the same numbers."""
+    save_drafter(tmp_path / "drafter", make_drafter(base[0], EXACT))  # an unadapted copy: K >= C, the model itself
     out = tmp_path / "out"
-    assert main(["eval", str(smol_dir), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--plans",
-                 EXACT, "--num-fewshot", "1", "--limit", "3", "--batch", "4", "--harness-out",
-                 str(out)]) == 0
+    assert main(["eval", str(smol_cut_hf), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--plans",
+                 EXACT, "--drafter", str(tmp_path / "drafter"), "--num-fewshot", "1", "--limit", "3", "--batch", "4",
+                 "--harness-out", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    runs = {m: json.loads((out / f"{m}.json").read_text()) for m in ("sequential", EXACT)}
+    files = {"sequential": "sequential", EXACT: EXACT, f"drafter:{EXACT}": f"drafter_{EXACT}"}
+    runs = {m: json.loads((out / f"{f}.json").read_text()) for m, f in files.items()}
+    assert sorted(p.name for p in out.iterdir()) == sorted([f"{f}.json" for f in files.values()] + ["table.md"])
     for m, r in runs.items():
         assert r["n-shot"]["snlp_arc_tiny"] == 1 and "acc_norm,none" in r["results"]["snlp_arc_tiny"], m
         assert m in printed
+        cfg = r["config"]
+        args = simple_parse_args_string(cfg["model_args"])  # the harness's own parser of --model_args
+        assert cfg["model"] == "snlp" and cfg["batch_size"] == 4 and cfg["device"] == "cpu", m
+        want = {"pretrained": str(smol_cut_hf), "dtype": "float32", "device": "cpu", "batch_size": 4, "block": 4,
+                "decode": {"sequential": "sequential", EXACT: "snlp"}.get(m, "speculative")}
+        assert {k: args.get(k) for k in want} == want, m
+        assert args.get("plan") == (None if m == "sequential" else EXACT), m
+        assert args.get("drafter") == (str(tmp_path / "drafter") if m.startswith("drafter") else None), m
+        rebuilt = get_model(cfg["model"]).create_from_arg_string(cfg["model_args"])
+        assert rebuilt.method == m and rebuilt.model_args == cfg["model_args"], m
     seq, ex = runs["sequential"]["results"]["snlp_arc_tiny"], runs[EXACT]["results"]["snlp_arc_tiny"]
     assert seq["acc,none"] == ex["acc,none"] and seq["acc_norm,none"] == ex["acc_norm,none"]
+    again = lm_eval.simple_evaluate(model=get_model("snlp").create_from_arg_string(runs[EXACT]["config"]["model_args"]),
+                                    tasks=["snlp_arc_tiny"], num_fewshot=1, limit=3, bootstrap_iters=10,
+                                    task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+    for k in ("acc,none", "acc_norm,none"):
+        assert again["results"]["snlp_arc_tiny"][k] == ex[k]
     table = (out / "table.md").read_text()
-    assert f"| Task | Metric | Filter | sequential | {EXACT} |" in table and "| snlp_arc_tiny | acc |" in table
-    assert " ± " in table
+    assert f"| Task | Metric | Filter | sequential | {EXACT} | drafter:{EXACT} |" in table
+    assert "| snlp_arc_tiny | acc |" in table and " ± " in table
 
 
-def test_registered_and_refusals(smol_dir, base):
+@pytest.mark.parametrize("plans,says", [
+    (f"{APPROX},{APPROX}", f"--plans lists {APPROX} twice: "),
+    ("4xF1-K1,4xF1-h0-K1", f"lists {APPROX} twice (4xF1-K1 and {APPROX} are one plan)"),
+    (f"{EXACT},4xF1-h0-K4-order:forward", f"lists {EXACT} twice ({EXACT} and 4xF1-h0-K4-order:forward are one plan)")])
+def test_cli_harness_refuses_a_plan_twice_before_any_work(tmp_path, capsys, plans, says):
+    """A plan listed twice, or two spellings of one canonical plan, would overwrite its own harness JSON: a one-line
+    ValueError before anything is loaded (the checkpoint here does not even exist) and nothing written."""
+    out = tmp_path / "out"
+    assert main(["eval", str(tmp_path / "no-such-ckpt"), "--harness", "snlp_arc_tiny", "--plans", plans,
+                 "--harness-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and not out.exists(), err
+
+
+def test_method_files_refuse_any_collision():
+    """Names that map to one file (or differ only in case, as on a case-insensitive file system) are refused too:
+    with the current names a drafter's file (drafter_PLAN.json) cannot meet a plan's (PLAN.json), this checks the
+    rule itself."""
+    from snlp.apps.eval_harness import check_method_files, method_file
+
+    check_method_files(["sequential", APPROX, f"drafter:{APPROX}"])  # three distinct files
+    assert method_file(f"drafter:{APPROX}") == f"drafter_{APPROX}.json"
+    with pytest.raises(ValueError, match="would both be written to drafter_x.json"):
+        check_method_files(["sequential", "drafter:x", "drafter_x"])
+    with pytest.raises(ValueError, match="would both be written"):
+        check_method_files(["sequential", "Sequential"])
+
+
+def test_registered_and_refusals(smol_cut_hf, base):
     model, tok = base
-    lm = get_model("snlp").create_from_arg_string(f"pretrained={smol_dir},plan={APPROX},batch_size=2")
+    lm = get_model("snlp").create_from_arg_string(f"pretrained={smol_cut_hf},plan={APPROX},batch_size=2")
     assert isinstance(lm, SNLPLM) and str(lm.plan) == APPROX and lm.batch_size == 2 and lm.decode == "snlp"
     with pytest.raises(ValueError, match="unknown model_args"):
         SNLPLM(pretrained=model, tokenizer=tok, temprature=0.5)
