@@ -73,6 +73,28 @@ def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None)
     return ids[len(prompt):]
 
 
+def count_aten(fn) -> "collections.Counter":
+    """aten ops (by name, views included) that one call of `fn` dispatches, counted by a TorchDispatchMode under
+    no_grad (composite ops arrive decomposed). A count of what runs, not a time: the GPU cost of a kernel is at
+    least a launch (docs/gpu.md, "First GPU run")."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func._schema.name.split("::")[-1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count() as c:
+        fn()
+    return c.ops
+
+
 def blowup_model(vocab_size: int, sequence_len: int = 64) -> GPT:
     """A tiny depth-8 model whose MLP inputs are scaled 1000x: the sequential forward stays finite (pre-norm blocks
     add bounded updates) but the exact-Jacobian Newton step of a K = 1 plan multiplies the chunks' huge Jacobians

@@ -312,6 +312,19 @@ def _padded_ve(ctx: Context) -> Tensor:
     return ctx.extra["ve_pad"]
 
 
+def chunk_ve(w: ChunkWeights, ctx: Context) -> Tensor:
+    """The value embeddings of every branch (C*M, B, T, Hkv*hd): a gather of the padded stack by w.ve_slot, made
+    once per forward (memoised in ctx.extra: the solver's iterations all read the same ones) instead of once per
+    chunk evaluation. One slot, keyed by the ve_slot tensor itself (held, so its id stays unique): callers that
+    slice weights per chunk (exact Newton, fused_sequential) replace it instead of piling up gathers."""
+    if torch.compiler.is_compiling():  # traced once; an identity-keyed memo would only add guards
+        return _padded_ve(ctx)[w.ve_slot]
+    hit = ctx.extra.get("chunk_ve")
+    if hit is None or hit[0] is not w.ve_slot:
+        hit = ctx.extra["chunk_ve"] = (w.ve_slot, _padded_ve(ctx)[w.ve_slot])
+    return hit[1]
+
+
 def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: bool = False):
     """Evaluate all C fused chunks at once: chunk inputs h (C, B, T, D) -> outputs (C, B, T, D);
     mHC: (C, B, T, n, D) -> (C, B, T, n, D), and with `mix` (the HCN surrogate) also the chunks'
@@ -335,7 +348,7 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
     qkv = qkv.view(C, B, T, M, Hq + 2 * Hkv, hd).permute(0, 3, 1, 2, 4, 5)  # (C, M, B, T, Hq+2Hkv, hd)
     q, k, v = qkv.split([Hq, Hkv, Hkv], dim=-2)
     if w.ve_slot is not None:
-        ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
+        ve = chunk_ve(w, ctx).view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
         # the gate reads the block's normed input, norm weights included (folded into ve_gate, or applied in xf)
         gate = 2 * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
@@ -368,7 +381,8 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
             kc, vc = kc[..., :ctx.span, :], vc[..., :ctx.span, :]
         S = kc.shape[-2]
         k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
-    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0)  # (C, M, B, Hq, T, hd)
+    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0,  # (C, M, B, Hq, T, hd)
+               masks=ctx.extra.setdefault("masks", {}))  # the (C*M*B, 1, T, S) mask: once per forward
     return y.transpose(-3, -2)
 
 
@@ -407,7 +421,7 @@ def _hc_attention(w: HCChunkWeights, xn: Tensor, ctx: Context, cache, B: int, T:
     qkv = bmm(xn, wq, None if w.qkv_bias is None else w.qkv_bias.view(CM, 1, -1))
     q, k, v = qkv.view(C, M, B, T, Hq + 2 * Hkv, hd).split([Hq, Hkv, Hkv], dim=4)  # (C, M, B, T, H*, hd)
     if w.ve_slot is not None:
-        ve = _padded_ve(ctx)[w.ve_slot].view(C, M, B, T, Hkv, hd)
+        ve = chunk_ve(w, ctx).view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[2]
         gate = 2 * torch.sigmoid(bmm(xn[..., :G], w.ve_gate.view(CM, G, Hkv)))
         v = v + gate.view(C, M, B, T, Hkv, 1) * ve

@@ -29,6 +29,27 @@ def affine_scan(a: Tensor, b: Tensor, matrix: bool = False) -> Tensor:
     return b
 
 
+def transfer_blocks(a: Tensor) -> Tensor:
+    """The recurrence d_c = a_c d_{c-1} + b_c written as d_c = sum_j P[c, j] b_j for matrices a (C, n, n) that do
+    not vary over the token dims: P (C, C, n, n) with P[c, c] = I, P[c, j] = a_c a_{c-1} ... a_{j+1} (j < c), 0
+    above the diagonal. Built by `affine_scan` itself on identity blocks (ceil(log2 C) rounds of n x n products)."""
+    C, n = a.shape[0], a.shape[-1]
+    eye = torch.eye(C * n, dtype=a.dtype, device=a.device).view(C, n, C, n).transpose(1, 2)  # [c, j] = I if c == j
+    return affine_scan(a[:, None], eye, matrix=True)  # (C, C, n, n): column j is the scan of the unit input at j
+
+
+def transfer_scan(P: Tensor, b: Tensor) -> Tensor:
+    """Solve the recurrence of `transfer_blocks` (P (C, C, n, n)) for b (C, ..., n, D): ONE (C n x C n) matmul over
+    all tokens, d[c, ..., i, :] = sum_{j, k} P[c, j, i, k] b[j, ..., k, :], instead of the ceil(log2 C) rounds of
+    `affine_scan`, each of which writes the whole state three times (matmul, add, cat). The (j, k) contraction
+    needs b with chunk and stream dims in front: one copy of b; the result is returned as a view in b's layout."""
+    C, n, D = b.shape[0], b.shape[-2], b.shape[-1]
+    mid = b.shape[1:-2]
+    rows = b.movedim(-2, 1).reshape(C * n, -1)  # (C n, ... D): the one copy
+    out = P.transpose(1, 2).reshape(C * n, C * n) @ rows  # (C n, ... D)
+    return out.view(C, n, *mid, D).movedim(1, -2)  # (C, ..., n, D)
+
+
 def sequential_scan(a: Tensor, b: Tensor, matrix: bool = False) -> Tensor:
     """The same recurrence as a plain loop over chunks: the reference `affine_scan` is tested against."""
     mul = torch.matmul if matrix else torch.mul

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from snlp.runtime.fmt import format_number  # exact round trip of the plan grammar's numbers
-from snlp.method.scan import affine_scan
+from snlp.method.scan import affine_scan, transfer_blocks, transfer_scan
 
 if TYPE_CHECKING:
     from snlp.method.plan import Plan
@@ -234,10 +234,30 @@ class HCN(Surrogate):
 
     def delta(self, it: Iterate) -> Tensor:  # mix (C, B, T, n, n) acts on the stream dim of b (C, B, T, n, D)
         b = it.tilde - it.h
+        # static mHC: the chunk forward returns one constant A per chunk (the folded H, fusion.HCWeights.fixed)
+        # expanded over (B, T); use it as (C, 1, 1, n, n) so no product below materialises it per token. Decided by
+        # the weights, never by B or T: a row's result must not depend on its batch (the two paths round differently)
+        const = getattr(getattr(it.weights, "hc", None), "fixed", None) is not None
+        A = it.mix[:, :1, :1] if const else it.mix
         with torch.autocast(b.device.type, enabled=False):  # corrections in h's dtype (fp32 under autocast)
             if it.lagged:  # b_c += lag_c A_c d_{c-1}^{(k-1)}
-                b = b + (it.mix * _lag(it, it.mix).view(-1, 1, 1, 1, 1)) @ shift(it.prev)
-            return affine_scan(it.mix * _link(it, it.mix).view(-1, 1, 1, 1, 1), b, matrix=True)
+                b = b + (A * _lag(it, A).view(-1, 1, 1, 1, 1)) @ shift(it.prev)
+            a = A * _link(it, A).view(-1, 1, 1, 1, 1)
+            if const:  # one (C n x C n) contraction over all tokens instead of log2(C) rounds over the state
+                return transfer_scan(_hcn_transfer(it, a[:, 0, 0]), b)
+            return affine_scan(a, b, matrix=True)
+
+
+def _hcn_transfer(it: Iterate, a: Tensor) -> Tensor:
+    """transfer_blocks(a) for the constant linked maps a (C, n, n) of static mHC, built once per forward: they depend
+    on the weights and the plan only, so the solver's iterations reuse it (memo in the Context, keyed by the weight
+    set and the plan, both held so their ids stay unique)."""
+    if torch.compiler.is_compiling():  # traced once; an identity-keyed memo would only add guards
+        return transfer_blocks(a)
+    hit = it.ctx.extra.get("hcn_transfer")
+    if hit is None or hit[0] is not it.weights or hit[1] is not it.plan or hit[2] != (a.dtype, a.device):
+        hit = it.ctx.extra["hcn_transfer"] = (it.weights, it.plan, (a.dtype, a.device), transfer_blocks(a))
+    return hit[3]
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from snlp.model.cache import RowPositions
 from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, VE_GATE_CHANNELS, GPTConfig
-from snlp.model.hc import HyperConn, hc_sublayer
+from snlp.model.hc import HyperConn, hc_maps, hc_sublayer
 from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq
 
 
@@ -66,7 +66,8 @@ class Attention(nn.Module):
         self.layer_idx = layer  # slot in a KV cache (snlp.model.cache.KVCache)
 
     def forward(self, xn: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, masks: dict | None = None) -> Tensor:
+        """`masks`: the forward's attention-mask memo (snlp.model.ops.attention_mask), shared by its layers."""
         B, T, _ = xn.shape
         q = self.c_q(xn).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
@@ -80,9 +81,9 @@ class Attention(nn.Module):
             kc, vc = cache.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2), start)  # (B, Hkv, S, hd)
             if span is not None:  # eager ragged call: attend over the positions in use only (RowPositions)
                 kc, vc = kc[..., :span, :], vc[..., :span, :]
-            y = attend(q.transpose(1, 2), kc, vc, self.window, q_start=start)
+            y = attend(q.transpose(1, 2), kc, vc, self.window, q_start=start, masks=masks)
             return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window, masks=masks)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -116,11 +117,14 @@ class Block(nn.Module):
             self.ln_attn = self.ln_mlp = None
 
     def forward(self, x: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cache=None, start: int | Tensor = 0,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, masks: dict | None = None, hc: tuple | None = None) -> Tensor:
+        """`masks`: the forward's attention-mask memo; `hc`: static mHC's precomputed ((H_res, H_pre, H_post) of the
+        attention sublayer, the same of the MLP sublayer) (GPT.static_hc), None to compute them here."""
         if self.hc_attn is not None:
-            x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start, span))
-            return hc_sublayer(self.hc_mlp, x, self.mlp)
-        x = x + self.attn(norm(x, self.ln_attn, self.eps), ve, cos, sin, cache, start, span)
+            x = hc_sublayer(self.hc_attn, x, lambda xn: self.attn(xn, ve, cos, sin, cache, start, span, masks),
+                            None if hc is None else hc[0])
+            return hc_sublayer(self.hc_mlp, x, self.mlp, None if hc is None else hc[1])
+        x = x + self.attn(norm(x, self.ln_attn, self.eps), ve, cos, sin, cache, start, span, masks)
         return x + self.mlp(norm(x, self.ln_mlp, self.eps))
 
 
@@ -132,7 +136,9 @@ class Context:
     positions start..start+T-1 and every layer reads/writes `cache` (snlp.model.cache.KVCache). A ragged batched
     call (snlp.model.cache.RowPositions) also carries `span` (eager: attention covers cache positions 0..span-1)
     and `real` ((B, T) bool, False on a short row's end padding): per-call facts travel with the call, never as
-    state on the shared cache."""
+    state on the shared cache. `extra` holds what the forward derives once and every layer / iteration reuses (the
+    attention masks, static mHC's maps, the fused branches' value embeddings, HCN's transfer blocks): it lives and
+    dies with the Context, and a Context whose batch changes drops it (snlp.method.jacobian.repeat_context)."""
 
     idx: Tensor
     x0: Tensor
@@ -289,15 +295,38 @@ class GPT(nn.Module):
         cos, sin = self.rotary(idx.shape[1], start)
         return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache, span=span, real=real)
 
+    def static_hc(self, ctx: Context, dtype: torch.dtype) -> tuple[dict, tuple[Tensor, Tensor, Tensor]] | None:
+        """Static mHC (hc_dynamic=False): the (H_res (N, 2, n, n), H_pre (N, 2, n), H_post (N, 2, n)) of both
+        sublayers of every layer that has them (N of them; row i of the returned {layer: i} map), from ONE batched
+        Sinkhorn per forward, memoised in ctx.extra. Static H depend on parameters only, so computing them per
+        sublayer repeats the same ~90 tiny ops (20 Sinkhorn rounds of 4) 2L times per forward: launch-bound work
+        on a GPU (docs/gpu.md, "First GPU run"). None for plain and dynamic-mHC models."""
+        cfg = self.config
+        if not cfg.hc_streams or cfg.hc_dynamic:
+            return None
+        key = ("static_hc", dtype)
+        if key not in ctx.extra:
+            # every layer that has its blocks (a rank of snlp.dist frees the blocks it never runs)
+            layers = [l for l, b in enumerate(self.blocks) if getattr(b, "hc_attn", None) is not None]
+            bias = torch.stack([h.bias for l in layers for h in (self.blocks[l].hc_attn, self.blocks[l].hc_mlp)])
+            maps = hc_maps(bias.view(len(layers), 2, -1), cfg.hc_streams, dtype)
+            ctx.extra[key] = ({l: i for i, l in enumerate(layers)}, maps)
+        return ctx.extra[key]
+
     def layer(self, l: int, h: Tensor, ctx: Context) -> Tensor:
         """f_l(h): the full map of layer l from h_{l-1} to h_l (x0 mixing included)."""
         if self.config.x0_residual:
             h = self.resid_lambdas[l] * h + self.x0_lambdas[l] * ctx.x0
         slot = self.ve_slot[l]
         ve = ctx.ve[slot] if slot >= 0 else None
+        masks = ctx.extra.setdefault("masks", {})
+        hc = self.static_hc(ctx, h.dtype)
+        if hc is not None:  # layer l's row: views, no kernel
+            i, (res, pre, post) = hc[0][l], hc[1]
+            hc = ((res[i, 0], pre[i, 0], post[i, 0]), (res[i, 1], pre[i, 1], post[i, 1]))
         if ctx.cache is not None:
-            return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start, ctx.span)
-        return self.blocks[l](h, ve, ctx.cos, ctx.sin)
+            return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start, ctx.span, masks, hc)
+        return self.blocks[l](h, ve, ctx.cos, ctx.sin, masks=masks, hc=hc)
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32. With mHC,

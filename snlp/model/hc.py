@@ -61,9 +61,10 @@ class HyperConn(nn.Module):
         return hc_maps(self.logits(x), self.n, x.dtype)
 
 
-def hc_sublayer(hc: HyperConn, x: Tensor, branch) -> Tensor:
-    """One mHC sublayer on streams x (..., n, D): H_res x + H_post (x) branch(norm(H_pre x))."""
-    res, pre, post = hc(x)
+def hc_sublayer(hc: HyperConn, x: Tensor, branch, maps: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """One mHC sublayer on streams x (..., n, D): H_res x + H_post (x) branch(norm(H_pre x)). `maps`: its
+    (H_res, H_pre, H_post) already computed (static mHC: once per forward for every layer, GPT.static_hc)."""
+    res, pre, post = hc(x) if maps is None else maps
     y = branch(norm((pre.unsqueeze(-2) @ x).squeeze(-2)))  # (..., D)
     with torch.autocast(x.device.type, enabled=False):  # the streams stay in x's dtype (fp32 under autocast)
         mixed = res @ x

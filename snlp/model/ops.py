@@ -71,7 +71,54 @@ def window_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, de
     return (diff >= 0) & ((w < 0) | (diff <= w))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int | Tensor = 0) -> Tensor:
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float attention mask SDPA makes of a boolean one itself (aten.where in the query's dtype: 0 where
+    `allowed`, -inf elsewhere), so SDPA needs no conversion of its own (scalar_tensor x 2 + where, a mask-sized
+    write, on every call). Values identical to the boolean mask's, hence outputs too."""
+    return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
+
+
+def _memo_key(x) -> tuple:
+    """A mask memo's key part for a window / position argument: Python ints by value, tensors by identity (the
+    entry keeps a reference, so an id is never reused while its entry lives; no host read of the values)."""
+    return ("tensor", id(x)) if isinstance(x, Tensor) else ("int", x)
+
+
+def attention_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, lead: tuple, device,
+                   dtype: torch.dtype, masks: dict | None = None) -> Tensor:
+    """The additive mask `attend` hands SDPA: (T, S) for one int window and int / (T,) positions (broadcast over
+    every head and batch row: never materialised per row), else (N, 1, T, S) with N = prod(lead) (per-row positions
+    (B, T), or per-branch window tensors). With `masks` (a dict that lives for one forward, Context.extra["masks"])
+    each mask is built once per forward instead of once per layer / branch stack / iteration: entries for int
+    windows are keyed by (window, T, S, positions, lead, dtype, device); a window TENSOR (a fused branch stack's
+    (C, M, 1)) keeps a single slot that the next different stack replaces, so callers that slice weights per
+    chunk (the exact-Newton reference, fused_sequential) never pile up masks. Not used while compiling."""
+    # a compiled graph is traced once, and a key by tensor identity would make dynamo guard on that identity (a
+    # recompile per call): no memo while compiling
+    if masks is None or torch.compiler.is_compiling():
+        return _build_mask(windows, T, S, q_start, lead, device, dtype)
+    key = (_memo_key(windows), T, S, _memo_key(q_start), tuple(lead), dtype, str(device))
+    slot = "branch" if isinstance(windows, Tensor) else key
+    if slot in masks and masks[slot][1] == key:
+        return masks[slot][2]
+    mask = _build_mask(windows, T, S, q_start, lead, device, dtype)
+    masks[slot] = ((windows, q_start), key, mask)  # the keyed tensors stay referenced (see _memo_key)
+    return mask
+
+
+def _build_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, lead: tuple, device,
+                dtype: torch.dtype) -> Tensor:
+    """attention_mask without the memo."""
+    mask = window_mask(windows, T, S, q_start, device)  # (..., T, S) bool
+    if isinstance(q_start, Tensor) and q_start.dim() == 2:  # per-row mask (..., B, 1, T, S)
+        mask = mask.expand(*lead, 1, T, S).reshape(-1, 1, T, S)
+    elif mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
+        mask = mask.expand(*lead, T, S).reshape(-1, 1, T, S)
+    return additive_mask(mask, dtype)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start: int | Tensor = 0,
+           masks: dict | None = None) -> Tensor:
     """Causal (optionally sliding-window) attention. q (..., Hq, T, hd), k/v (..., Hkv, S, hd).
 
     `windows` is -1 (full) or an int/long tensor broadcastable to q.shape[:-3] (one window per
@@ -79,7 +126,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     `q_start` is the absolute position of the first query (keys sit at 0..S-1), or a (T,) tensor of
     the queries' positions: the static-shape decode step (snlp.decode.steps), whose keys are a whole
     preallocated cache of which the mask hides every position after the query's; or a (B, T) tensor, one
-    row of positions per sequence (ragged batches, q.shape[-4] = B).
+    row of positions per sequence (ragged batches, q.shape[-4] = B). `masks`: a per-forward memo (see
+    `attention_mask`); without it the mask is built for this call alone.
+
+    Full causal attention from position 0 takes SDPA's is_causal path (no mask: the flash kernel on CUDA); every
+    other case hands SDPA an additive float mask in q's dtype (`attention_mask`).
 
     No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the
     is_causal kernel would stall a CUDA stream and break a fullgraph torch.compile)."""
@@ -92,11 +143,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     elif full and isinstance(q_start, int) and T == 1 and q_start == S - 1:  # one cached decode query sees every
         y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
     else:
-        mask = window_mask(windows if not full else -1, T, S, q_start, q.device)  # (..., T, S)
-        if isinstance(q_start, Tensor) and q_start.dim() == 2:  # per-row mask (..., B, 1, T, S)
-            mask = mask.expand(*lead, 1, T, S).reshape(-1, 1, T, S)
-        elif mask.dim() > 2:  # per-branch windows: one mask per flattened leading index
-            mask = mask.expand(*lead, T, S).reshape(-1, 1, T, S)
+        mask = attention_mask(windows if not full else -1, T, S, q_start, lead, q.device, q.dtype, masks)
         y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
     return y.view(*lead, Hq, T, hd)
 

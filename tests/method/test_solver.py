@@ -238,6 +238,35 @@ def test_sliding_windows_are_kept_in_the_fused_batched_path():
             torch.testing.assert_close(parallel_forward(windowed, idx, plan), w, rtol=1e-9, atol=1e-9)
 
 
+# What an iteration re-runs (docs/gpu.md, "First GPU run: prefill gap analysis"): ops that depend only on the
+# tokens and the weights (attention masks, value-embedding gathers, static mHC maps and HCN transfer blocks) are made
+# once per forward, so one more iteration adds none of them. Counts, not times.
+SETUP_OPS = {"arange", "ge", "le", "lt", "bitwise_and", "bitwise_or", "logical_not", "where", "full", "masked_fill_",
+             "index", "eye", "exp", "amax", "clamp_min", "div", "sigmoid_"}
+
+
+@pytest.mark.parametrize("case", ["windows+ve", "static-mhc-hcn"])
+def test_one_more_iteration_rebuilds_no_mask_gather_or_map(case):
+    from conftest import count_aten, mhc_model
+
+    if case == "windows+ve":
+        model, plans = make_model(seed=2, n_layer=6, window_pattern="SSL", short_window=3), ("4xF1-h0-K3", "4xF1-h0-K4")
+    else:
+        model, plans = mhc_model(seed=2, n=3, dynamic=False, n_layer=6, window_pattern="SL", short_window=3), \
+            ("4xF1-h0-K3-hcn", "4xF1-h0-K4-hcn")
+    idx = tokens(model, T=9)
+    runners = [bind(model, p, check_finite=False) for p in plans]
+    ops = [count_aten(lambda r=r: r(idx)) for r in runners]
+    extra = ops[1] - ops[0]
+    assert sum(extra.values()) > 0 and not set(extra) & SETUP_OPS, extra
+    if case == "static-mhc-hcn":  # the correction is one contraction, not log2(C) rounds of matmul + add + cat
+        assert extra["mm"] == 1, extra
+    with torch.no_grad():
+        for plan, r in zip(plans, runners):  # and the plans still are what they compute (K >= C: the fused model)
+            if Plan.parse(plan).iters >= 4:
+                torch.testing.assert_close(r(idx), fused_forward(model, idx, plan), rtol=1e-9, atol=1e-9)
+
+
 # ---------------------------------------------------------------- weights cache, gradients, errors
 def test_parallel_forward_always_reads_the_current_weights():
     """No implicit fused-weight cache: an in-place edit through `.data` (no version bump) used to leave

@@ -18,7 +18,7 @@ from snlp.method import jacobian as S
 from snlp.model.cache import KVCache
 from snlp.apps.cli import main
 from snlp.method.fusion import chunk_forward, chunk_weights
-from snlp.method.scan import affine_scan, sequential_scan
+from snlp.method.scan import affine_scan, sequential_scan, transfer_blocks, transfer_scan
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
@@ -48,6 +48,18 @@ def test_affine_scan_equals_sequential_scan(C, matrix, broadcast, seed):
         a = torch.randn(C, 1, 1, 1, 1, generator=g, dtype=torch.float64) if broadcast else torch.randn_like(b)
     torch.testing.assert_close(affine_scan(a, b, matrix=matrix), sequential_scan(a, b, matrix=matrix),
                                rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(C=st.integers(1, 19), n=st.integers(1, 4), seed=st.integers(0, 999))
+def test_transfer_scan_equals_sequential_scan(C, n, seed):
+    """Static mHC's HCN maps are constant over the tokens: transfer_blocks + one contraction solve the same
+    recurrence as the naive loop over chunks (and as the log-depth scan)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(C, n, n, generator=g, dtype=torch.float64) * 0.7
+    b = torch.randn(C, 2, 3, n, 5, generator=g, dtype=torch.float64)  # (C, B, T, n, D)
+    want = sequential_scan(a[:, None, None].expand(C, 2, 3, n, n), b, matrix=True)
+    torch.testing.assert_close(transfer_scan(transfer_blocks(a), b), want, rtol=1e-10, atol=1e-10)
 
 
 # ---------------------------------------------------------------- estimator statistics on a known diagonal

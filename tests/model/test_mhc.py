@@ -350,3 +350,28 @@ def test_train_mhc_with_hcn_regulariser_learns_and_generates(tmp_path, capsys):
     assert main(["bench", "--depth", "2", "--width", "32", "--head-dim", "16", "--vocab-size", "97", "--warmup", "1",
                  "--runs", "2", "--hc-streams", "2", "--hc-static", "--plans", "2xF1-h0-K1-hcn,1xF2-h0-K1"]) == 0
     assert "2xF1-h0-K1-hcn" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- static H once per forward (docs/gpu.md, "First GPU run")
+def test_static_mhc_forward_runs_one_sinkhorn_and_equals_the_per_sublayer_loop():
+    """Static H depend on parameters only: the forward computes every sublayer's (H_res, H_pre, H_post) in ONE
+    batched Sinkhorn (its op count no longer grows with depth: it was ~90 tiny ops per sublayer, 2L per forward),
+    and the logits equal a loop over the layers in which each sublayer's HyperConn computes its own H."""
+    from conftest import count_aten
+
+    def divs(L):
+        model = mhc_model(seed=L, n=3, dynamic=False, n_layer=L)
+        return count_aten(lambda: model(tokens(model)))["div"]
+
+    assert divs(2) == divs(5)
+
+    model = mhc_model(seed=4, n=3, dynamic=False, n_layer=5)
+    idx = tokens(model)
+    with torch.no_grad():
+        ctx = model.embed(idx)
+        h = ctx.x0
+        for l, block in enumerate(model.blocks):  # the reference: per-sublayer H from each block's HyperConn
+            ve = ctx.ve[model.ve_slot[l]] if model.ve_slot[l] >= 0 else None
+            h = hc_sublayer(block.hc_attn, h, lambda xn: block.attn(xn, ve, ctx.cos, ctx.sin))
+            h = hc_sublayer(block.hc_mlp, h, block.mlp)
+        torch.testing.assert_close(model(idx), model.head(h), rtol=1e-12, atol=1e-12)

@@ -83,3 +83,68 @@ def test_x0_and_value_embeddings_change_the_function():
         idx = tokens(m) if idx is None else idx
         outs.append(m(idx))
     assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
+
+
+# ---------------------------------------------------------------- attention masks (docs/gpu.md, "First GPU run")
+def test_additive_window_mask_is_the_naive_visibility_rule():
+    """additive_mask(window_mask(...)): 0 exactly where query i (at position q_start + i) may see key j by the
+    definition (j <= position, position - j <= w for a window w >= 0), -inf elsewhere, in the query's dtype."""
+    from snlp.model.ops import additive_mask, window_mask
+
+    for w, T, S, start in [(-1, 5, 5, 0), (2, 6, 6, 0), (2, 3, 7, 4), (0, 4, 4, 0), (9, 4, 4, 0)]:
+        m = additive_mask(window_mask(w, T, S, start, "cpu"), torch.bfloat16)
+        assert m.dtype == torch.bfloat16 and m.shape == (T, S)
+        for i in range(T):
+            for j in range(S):
+                p = start + i
+                visible = j <= p and (w < 0 or p - j <= w)
+                assert m[i, j].item() == (0.0 if visible else float("-inf")), (w, T, S, start, i, j)
+
+
+def test_sequential_forward_builds_each_window_mask_once_and_sdpa_gets_no_bool_mask():
+    """A boolean attn_mask makes SDPA convert it to a float mask of the same shape on every call (scalar_tensor x 2 +
+    where), and the mask itself was rebuilt by every windowed layer. Now every windowed layer of a forward receives
+    the same additive float mask object (one per distinct window), and the logits are those of the same layers
+    with a fresh boolean mask per layer (SDPA's own conversion: the values are identical)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from snlp.model.ops import window_mask
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.masks, self.causal = [], 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                if kwargs.get("attn_mask") is not None:
+                    self.masks.append(kwargs["attn_mask"])
+                self.causal += bool(kwargs.get("is_causal"))
+            return func(*args, **kwargs)
+
+    model = make_model(seed=3, n_layer=6, window_pattern="SSL", short_window=3)  # windows 3, 3, -1, 3, 3, -1
+    idx = tokens(model, B=2, T=9)
+    with torch.no_grad(), Record() as rec:
+        out = model(idx)
+    assert len(rec.masks) == 4 and rec.causal == 2
+    assert all(m.dtype == torch.float64 for m in rec.masks)
+    assert len({id(m) for m in rec.masks}) == 1  # one mask for the one short window, built once
+
+    def bool_mask_attend(q, k, v, windows=-1, q_start=0, masks=None):  # the old path: a bool mask per call
+        T, S = q.shape[-2], k.shape[-2]
+        if windows < 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[-3] != k.shape[-3])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(windows, T, S, 0, q.device),
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+
+    import snlp.model.gpt as gpt
+
+    orig, gpt.attend = gpt.attend, bool_mask_attend
+    try:
+        with torch.no_grad():
+            ref = model(idx)
+    finally:
+        gpt.attend = orig
+    assert torch.equal(out, ref)
