@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from snlp.apps.common import plans_preheat
-from snlp.method.plan import Plan, parse_plans
+from snlp.method.plan import parse_plans
 from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
 
 
@@ -45,16 +45,9 @@ def method_file(method: str) -> str:
 
 
 def check_plan_list(text: str) -> None:
-    """Refuse a --plans list that names one plan twice (as written, or as two spellings of one canonical plan, e.g.
-    8xF1-K1 and 8xF1-h0-K1): its second run would overwrite the first one's harness JSON."""
-    seen: dict[str, str] = {}
-    for p in (x.strip() for x in text.split(",") if x.strip()):
-        c = str(Plan.parse(p))
-        if c in seen:
-            same = "" if seen[c] == p else f" ({seen[c]} and {p} are one plan)"
-            raise ValueError(f"--plans lists {c} twice{same}: each method's harness JSON needs its own file; give "
-                             f"each plan once")
-        seen[c] = p
+    """Refuse a --plans list that names one plan twice (snlp.method.plan.parse_plans) before the checkpoint loads:
+    its second run would overwrite the first one's harness JSON."""
+    parse_plans(text)
 
 
 def check_method_files(methods: list[str]) -> None:

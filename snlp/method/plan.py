@@ -300,8 +300,18 @@ def _finite(x) -> bool:
 
 
 def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
-    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1'."""
-    plans = [Plan.parse(p, n_layer) for p in text.split(",") if p.strip()]
+    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1'. A plan named twice (as written, or as two
+    spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer keys its rows, runners or
+    output files by the plan, so the second would silently replace or repeat the first."""
+    plans, seen = [], {}
+    for p in (x.strip() for x in text.split(",") if x.strip()):
+        plan = Plan.parse(p, n_layer)
+        c = str(plan)
+        if c in seen:
+            same = "" if seen[c] == p else f" ({seen[c]} and {p} are one plan)"
+            raise ValueError(f"--plans lists {c} twice{same}: give each plan once")
+        seen[c] = p
+        plans.append(plan)
     if not plans:
         raise ValueError(f"no plans given. Grammar: {GRAMMAR}")
     return plans

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -153,3 +155,12 @@ def test_plan_lists():
     assert [str(p) for p in parse_plans("1xF12-h0-K1, 12xF1-h0-K1")] == ["1xF12-h0-K1", "12xF1-h0-K1"]
     with pytest.raises(ValueError, match="no plans"):
         parse_plans(" , ")
+
+
+@pytest.mark.parametrize("text, says", [("4xF1-h0-K1,4xF1-h0-K1", "lists 4xF1-h0-K1 twice: "),
+                                        ("4xF1-K1, 4xF1-h0-K1", "(4xF1-K1 and 4xF1-h0-K1 are one plan)")])
+def test_parse_plans_refuses_a_plan_twice(text, says):
+    """Every consumer keys rows / runners / files by the plan (bench's runner dict kept one of two, eval repeated the
+    row): a plan named twice, in any spelling, is one line of refusal wherever a plan list is parsed."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_plans(text, 8)
