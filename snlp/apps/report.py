@@ -242,10 +242,10 @@ def _ssd_section(ctx: dict) -> list[str]:
     return ["## Self-speculative decoding\n",
            f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's SSD "
            f"acceptance profile (a short greedy speculative decode) and its decode steps timed on this machine (a "
-           f"cached single-token drafter step, the verifier over B + 1 positions) predict each (plan, B) as "
-           f"tokens per round over B drafter steps plus one verification; the best "
-           f"predictions are decoded briefly side by side with sequential decoding and the best measured one "
-           f"drafts (table below). Then SSD (SNLP drafter, "
+           f"cached single-token drafter step, the verifier over B + 1 positions) predict each plan at "
+           f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
+           f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
+           f"alike) and the best measured one drafts (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
            f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
            f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same "
@@ -260,11 +260,12 @@ def _ssd_section(ctx: dict) -> list[str]:
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
     """The drafter choice: snlp tune's candidates, predicted vs measured, and the proxy rule's pick beside it."""
     lines = ["\n### Drafter choice: snlp tune, predicted vs measured\n",
-             "Stage 1 predicts every (plan, B) from the plan's SSD acceptance profile (a short greedy speculative "
-             "decode at the largest B; Calib α its per-draft acceptance) and its decode steps timed on this machine "
-             "(Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1); stage 2 "
-             "measures the best predictions end to end (Measured: median speedup over sequential greedy decoding, "
-             "side by side, output checked). `>` = the pick; unmeasured rows are the next best predictions.\n",
+             "Stage 1 predicts every plan at the headline B from its SSD acceptance profile (a short greedy "
+             "speculative decode; Calib α its per-draft acceptance) and its decode steps timed on this machine "
+             "(Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
+             "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
+             "round-robin after one sequential baseline (Measured: median speedup over sequential greedy decoding, "
+             "output checked). `>` = the pick; unmeasured rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
              "Measured | = sequential |",
              "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]

@@ -5,8 +5,9 @@ measured tokens/s; every measured candidate's greedy output is checked against s
 --max-dppl, SNLP decoding under a quality budget (the fastest plan whose calibration PPL is within the budget of
 sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the checkpoint's validation text and
 its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
-this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes the --top best predictions end to end, side by side with sequential decoding
-after a warm-up (medians), and picks the best MEASURED. Prints the measured table (predicted vs measured) and the
+this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes
+the --top best predictions end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
+(medians), and picks the best MEASURED. Prints the measured table (predicted vs measured) and the
 pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
 (without it that validation is not run: the JSON records grid_best and pick_vs_best as null).
 

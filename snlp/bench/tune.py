@@ -20,9 +20,10 @@ Two stages:
         `ideal_ssd_speedup`). SNLP: 1 / t_draft.
   2 (end to end)  the shortlist (the `top` best plans per goal at their 2 best blocks, plus the best of every
         setting; `shortlist`) is decoded
-        for real: SSD by snlp.decode.speculative.speculative_benchmark (sequential and speculative side by side,
-        warm-up, medians of `repeats` rounds, output checked), SNLP by KV-cached snlp_generate vs
-        sequential_generate round-robin. The pick is the best MEASURED shortlisted candidate.
+        for real: SSD by snlp.decode.speculative.speculative_shootout (every shortlisted candidate of a setting in
+        ONE round-robin after one sequential baseline, warm-up, medians of `repeats` rounds, output checked), SNLP
+        by KV-cached snlp_generate vs sequential_generate round-robin. The pick is the best MEASURED shortlisted
+        candidate.
 Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
 drift between the per-plan runs cancels (raw tokens/s are kept too). `full_grid` measures every candidate and
 reports how far the pick is from the best of the grid (the validation of the shortlist); without it that
@@ -41,7 +42,7 @@ import torch
 
 from snlp.bench.records import markdown_table
 from snlp.decode.generate import sequential_generate, snlp_generate
-from snlp.decode.speculative import ideal_ssd_speedup, speculative_benchmark, speculative_generate
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.eval.protocol import EvalConfig, Quality, teacher_forced
@@ -382,8 +383,8 @@ def shortlist(cands: list[Candidate], cfg: TuneConfig, blocks_per_plan: int = 2)
     """Mark the stage-2 shortlist, per goal: the cfg.top best (plan, setting) pairs by their best prediction
     among eligible candidates (SNLP: within the budget), plus the best pair of every (threads, compiled)
     setting, each at its `blocks_per_plan` best-predicted blocks. Distinct plans rather than the top rows: the
-    model's errors are mostly per plan (its step cost s), its block-to-block differences small, and one
-    speculative_benchmark call measures a plan's extra block for one more decode per prompt."""
+    model's errors are mostly per plan (its step cost s), its block-to-block differences small, and a plan's
+    extra block costs one more decode per prompt in the stage-2 round-robin."""
     for goal in GOALS:
         ok = sorted((c for c in cands if c.goal == goal and c.within_budget), key=lambda c: -c.predicted_tokens_per_s)
         pairs = list(dict.fromkeys((c.plan, c.threads, c.compiled) for c in ok))  # best prediction first
@@ -395,20 +396,21 @@ def shortlist(cands: list[Candidate], cfg: TuneConfig, blocks_per_plan: int = 2)
 
 def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cfg: TuneConfig,
                 preheat: Preheat | None = None) -> None:
-    """Stage 2, SSD: per (setting, plan), one speculative_benchmark over the candidates' blocks (sequential and
-    speculative side by side, cfg.warmup untimed rounds, medians of cfg.repeats); fills the measured fields."""
+    """Stage 2, SSD: per (threads, compiled) setting, ONE side-by-side measurement of every candidate
+    (snlp.decode.speculative.speculative_shootout: one sequential baseline, the candidates round-robin after it on
+    every prompt, cfg.warmup untimed rounds, medians of cfg.repeats); fills the measured fields. One round-robin,
+    not one benchmark per plan: the pick compares the candidates' speedups, and separate benchmarks, each against
+    its own baseline taken minutes apart, let load drift between them decide it (issue 29: a K = 2 drafter, s 1.27,
+    was picked over K = 1, s 1.55, on one prompt and one round each)."""
     groups: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        groups.setdefault((c.threads, c.compiled, c.plan), []).append(c)
-    for (threads, compiled, plan), cs in groups.items():
+        groups.setdefault((c.threads, c.compiled), []).append(c)
+    for (threads, compiled), cs in groups.items():
         with torch_threads(threads):
-            rows, _ = speculative_benchmark(
-                model, prompts, plan, sorted(c.block for c in cs), cfg.gen_tokens, repeats=cfg.repeats,
-                warmup=cfg.warmup, compile=compiled, preheat=preheat_for(Plan.parse(plan), preheat),
-                progress=cfg.progress)
-        by_block = {r.block: r for r in rows}
-        for c in cs:
-            r = by_block[c.block]
+            rows, _ = speculative_shootout(model, prompts, [(c.plan, c.block) for c in cs], cfg.gen_tokens,
+                                           repeats=cfg.repeats, warmup=cfg.warmup, compile=compiled, preheat=preheat,
+                                           progress=cfg.progress)
+        for c, r in zip(cs, rows):
             c.measured, c.measured_speedup, c.matches_sequential = True, r.measured_speedup, r.matches_sequential
             c.raw_tokens_per_s, c.sequential_tokens_per_s = 1e3 / r.speculative_ms_per_token, 1e3 / r.sequential_ms_per_token
             c.alpha, c.tokens_per_round, c.measured_s = r.alpha, r.tokens_per_round, r.drafter_speedup_s

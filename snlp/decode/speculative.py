@@ -20,6 +20,7 @@ from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
+from snlp.method.solver import preheat_for
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
 from snlp.runtime.timing import now
@@ -111,51 +112,91 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
     output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
     `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
-    run (compiled during the warm-up; rows carry `compile_s`)."""
+    run (compiled during the warm-up; rows carry `compile_s`). `speculative_shootout` measures several drafters
+    in the same way, against one sequential baseline."""
     plan = decode_plan(model, plan)
     blocks = tuple(blocks)
-    if not prompts:
-        raise ValueError("speculative_benchmark needs at least one prompt")
-    for b in blocks:
-        check_decode_args(max_new_tokens, temperature, b)
     if not blocks:
         raise ValueError("speculative_benchmark needs at least one block size")
-    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
     draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, True)
     seq_step = sequential_forward(model, compile)
     draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
-    seq_kw, spec_kw = dict(kw, step=seq_step), dict(kw, draft=draft_step, verify=seq_step, min_confidence=min_confidence,
-                                           adaptive=adaptive)
+    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
+    return _side_by_side(model, prompts, [(plan, b, draft_step) for b in blocks], seq_step, max_new_tokens, repeats,
+                         warmup, temperature, seed, eos_id, progress, compile, spec_kw)
+
+
+def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
+                         warmup: int = 1, eos_id: int | None = None, progress: bool = False, compile: bool = False,
+                         preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
+    """Several greedy drafters, `cases` = [(plan, B), ...], measured against ONE sequential baseline in ONE
+    round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially,
+    then by every case (their order rotated round by round, so no case always runs right after the baseline);
+    per round and case the counters are summed over the prompts; each row holds the medians over the rounds. So
+    load drift hits every drafter alike and their measured speedups compare (`snlp tune` picks among them by
+    it): one benchmark per drafter, one after another, compared each against its own baseline taken at another
+    moment. Each plan's drafter step is built once (shared by its blocks); `preheat` goes to the plans that read
+    it. Returns (rows in the order of `cases`, sequential tokens per prompt)."""
+    cases = [(decode_plan(model, p), b) for p, b in cases]
+    if not cases:
+        raise ValueError("speculative_shootout needs at least one (plan, block) case")
+    seq_step = sequential_forward(model, compile)
+    steps = {}
+    for plan, _ in cases:
+        if str(plan) not in steps:
+            steps[str(plan)] = snlp_forward(model, plan, compile, preheat=preheat_for(plan, preheat))
+    return _side_by_side(model, prompts, [(p, b, steps[str(p)]) for p, b in cases], seq_step, max_new_tokens,
+                         repeats, warmup, 0.0, 0, eos_id, progress, compile, {})
+
+
+def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
+                  temperature: float, seed: int | None, eos_id: int | None, progress: bool, compile: bool,
+                  spec_kw: dict) -> tuple[list[SSDRow], list[list[int]]]:
+    """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
+    the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings)."""
+    if not prompts:
+        raise ValueError("speculative_benchmark needs at least one prompt")
+    for _, b, _ in cases:
+        check_decode_args(max_new_tokens, temperature, b)
+    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
+    seq_kw = dict(kw, step=seq_step)
+
+    def spec(i: int, p):
+        plan, b, step = cases[i]
+        return speculative_generate(model, p, plan, block=b, draft=step, verify=seq_step, **kw, **spec_kw)
+
+    n = len(cases)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
         sequential_generate(model, prompts[0], **seq_kw)
-        for b in blocks:
-            speculative_generate(model, prompts[0], plan, block=b, **spec_kw)
-    reports: dict[int, list[SpeculativeReport]] = {b: [] for b in blocks}
-    matches = dict.fromkeys(blocks, True)
-    with progress_bar(repeats * len(prompts), f"SSD {plan} B={','.join(map(str, blocks))}", progress) as bar:
-        for _ in range(repeats):
-            seq_runs, spec_runs = [], {b: [] for b in blocks}
+        for i in range(n):
+            spec(i, prompts[0])
+    reports: list[list[SpeculativeReport]] = [[] for _ in cases]
+    matches = [True] * n
+    label = ", ".join(f"{p} B={b}" for p, b, _ in cases)
+    with progress_bar(repeats * len(prompts), f"SSD {label}", progress) as bar:
+        for r in range(repeats):
+            order = [(r + i) % n for i in range(n)]  # rotated each round
+            seq_runs, spec_runs = [], [[] for _ in cases]
             for p in prompts:
                 seq_runs.append(sequential_generate(model, p, **seq_kw))
-                for b in blocks:
-                    spec_runs[b].append(speculative_generate(model, p, plan, block=b, **spec_kw))
+                for i in order:
+                    spec_runs[i].append(spec(i, p))
                 bar.update()
             seq = merge_results(seq_runs)
-            for b in blocks:
-                reports[b].append(speculative_report(merge_results(spec_runs[b]), seq))
-                matches[b] &= all(x.tokens == y.tokens for x, y in zip(spec_runs[b], seq_runs))
+            for i in range(n):
+                reports[i].append(speculative_report(merge_results(spec_runs[i]), seq))
+                matches[i] &= all(x.tokens == y.tokens for x, y in zip(spec_runs[i], seq_runs))
     rows = []
-    for b in blocks:
-        med = {k: statistics.median(getattr(r, k) for r in reports[b]) for k in _MEDIAN_FIELDS}
+    for i, (plan, b, step) in enumerate(cases):
+        med = {k: statistics.median(getattr(x, k) for x in reports[i]) for k in _MEDIAN_FIELDS}
         a, s = med["alpha"], med["drafter_speedup_s"]
         rows.append(SSDRow(plan=str(plan), block=b, **med,
                            ideal_ssd_speedup=ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan"),
-                           matches_sequential=matches[b], repeats=repeats, prompts=len(prompts),
-                           gen_tokens=max_new_tokens, compiled=compile,
-                           compile_s=seq_step.compile_s + draft_step.compile_s))
-    return rows, [r.tokens for r in seq_runs]
+                           matches_sequential=matches[i], repeats=repeats, prompts=len(prompts),
+                           gen_tokens=max_new_tokens, compiled=compile, compile_s=seq_step.compile_s + step.compile_s))
+    return rows, [x.tokens for x in seq_runs]
 
 
 def drafter_model_for(model: GPT, plan: Plan, drafter: Drafter, share_weights: bool, verify_weights: bool) -> GPT:

@@ -84,6 +84,17 @@ def test_the_pick_is_the_best_measured_shortlisted_candidate(grid):
     assert r.picks["snlp"].delta_ppl <= 0.5
 
 
+def test_stage_two_measures_every_ssd_candidate_against_one_baseline(grid):
+    """Issue 29: stage 2 decoded each plan in its own benchmark against its own sequential baseline, one after
+    another, so load drift between them (and one prompt, one round) could pick a slower drafter. Now every measured
+    candidate of a setting ran in one round-robin after ONE sequential baseline: the same sequential tokens/s."""
+    _, r = grid
+    ssd = [c for c in r.candidates if c.goal == "ssd" and c.measured]
+    assert len({c.plan for c in ssd}) == len(PLANS) > 1
+    assert len({c.sequential_tokens_per_s for c in ssd}) == 1
+    assert all(c.tokens_per_s == pytest.approx(c.measured_speedup * c.sequential_tokens_per_s) for c in ssd)
+
+
 def test_tables_and_json_carry_every_record(grid):
     cfg, r = grid
     d = json.loads(json.dumps(r.to_dict()))

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from snlp import fused_forward, parallel_forward
 from snlp.model.cache import KVCache
 from snlp.decode.session import GenerateResult, merge_results
-from snlp.decode.speculative import ideal_ssd_speedup, speculative_accept, speculative_benchmark, speculative_generate, speculative_report
+from snlp.decode.speculative import (ideal_ssd_speedup, speculative_accept, speculative_benchmark, speculative_generate,
+                                     speculative_report, speculative_shootout)
 from snlp.decode.jacobi import jacobi_generate
 from snlp.decode import snlp_generate, sequential_generate
 
@@ -312,6 +313,29 @@ def test_speculative_benchmark_rows():
         speculative_benchmark(model, prompts, "2xF2-h0-K1", repeats=0)
     with pytest.raises(ValueError, match="at least one prompt"):
         speculative_benchmark(model, [], "2xF2-h0-K1")
+
+
+def test_speculative_shootout_measures_every_drafter_against_one_baseline():
+    """Several drafters in ONE round-robin (snlp tune's stage 2, issue 29): one row per (plan, B) in the given order,
+    every output equal to a full-prefix argmax loop (outside reference), and one sequential baseline shared by every
+    row (one benchmark per drafter had its own, taken at another moment, and load drift between them picked)."""
+    model = make_model(n_layer=4)
+    prompts = [[1, 2, 3], [7, 8]]
+    cases = [("2xF2-h0-K1", 2), ("4xF1-h0-K1", 3), ("2xF2-h0-K1", 3), ("4xF1-h0-K4", 2)]
+    rows, seq_tokens = speculative_shootout(model, prompts, cases, max_new_tokens=8, repeats=2, warmup=1)
+    assert seq_tokens == [argmax_loop(model, p, 8) for p in prompts]
+    assert [(r.plan, r.block) for r in rows] == cases
+    for r in rows:
+        assert r.matches_sequential and (r.repeats, r.prompts, r.gen_tokens) == (2, 2, 8)
+        assert r.measured_speedup == pytest.approx(r.sequential_ms_per_token / r.speculative_ms_per_token, rel=0.5)
+    assert len({r.sequential_ms_per_token for r in rows}) == 1 and len({r.sequential_ms_per_step for r in rows}) == 1
+    assert rows[-1].alpha == 1.0  # K >= C, M = 1: the model itself drafts
+    for p, (plan, b) in zip(prompts, cases[1:3]):  # the drafters it measured decode exactly on their own too
+        assert speculative_generate(model, p, plan, block=b, max_new_tokens=8).tokens == argmax_loop(model, p, 8)
+    with pytest.raises(ValueError, match="at least one"):
+        speculative_shootout(model, prompts, [])
+    with pytest.raises(ValueError, match="block size"):
+        speculative_shootout(model, prompts, [("2xF2-h0-K1", 0)])
 
 
 def test_bad_arguments():
