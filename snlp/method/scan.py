@@ -45,9 +45,13 @@ def transfer_scan(P: Tensor, b: Tensor) -> Tensor:
     needs b with chunk and stream dims in front: one copy of b; the result is returned as a view in b's layout."""
     C, n, D = b.shape[0], b.shape[-2], b.shape[-1]
     mid = b.shape[1:-2]
-    rows = b.movedim(-2, 1).reshape(C * n, -1)  # (C n, ... D): the one copy
-    out = P.transpose(1, 2).reshape(C * n, C * n) @ rows  # (C n, ... D)
-    return out.view(C, n, *mid, D).movedim(1, -2)  # (C, ..., n, D)
+    B = mid[0] if mid else 1  # batch rows (b is (C, B, T, n, D) in the solver)
+    # One GEMM per row, not one over all rows' columns: a GEMM's rounding in a column can depend on how many columns
+    # there are (fp64 on the CPU: 1e-13 between a row alone and in a batch of 3), and a row must never depend on its
+    # batch (the tol stop test, the seam matrix). Same FLOPs, one (bmm) launch.
+    rows = b.reshape(C, B, -1, n, D).permute(1, 0, 3, 2, 4).reshape(B, C * n, -1)  # (B, C n, R D): the one copy
+    out = torch.bmm(P.transpose(1, 2).reshape(C * n, C * n).expand(B, C * n, C * n), rows)  # (B, C n, R D)
+    return out.view(B, C, n, -1, D).permute(1, 0, 3, 2, 4).reshape(b.shape)  # (C, ..., n, D)
 
 
 def sequential_scan(a: Tensor, b: Tensor, matrix: bool = False) -> Tensor:

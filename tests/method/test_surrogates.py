@@ -62,6 +62,18 @@ def test_transfer_scan_equals_sequential_scan(C, n, seed):
     torch.testing.assert_close(transfer_scan(transfer_blocks(a), b), want, rtol=1e-10, atol=1e-10)
 
 
+def test_transfer_scan_row_never_depends_on_its_batch():
+    """Review (rev-gpu N1): one (C n x C n) GEMM over every row's columns rounded a row differently in a batch of 3
+    than alone (fp64, 1e-13 on MKL); a batched step's row must equal the row alone bit for bit, as the scan it
+    replaced did. One GEMM per row keeps each row's arithmetic the same whatever rides along."""
+    g = torch.Generator().manual_seed(0)
+    P = transfer_blocks(torch.randn(8, 4, 4, generator=g, dtype=torch.float64) * 0.5)
+    b = torch.randn(8, 3, 1, 4, 64, generator=g, dtype=torch.float64)  # (C, B, T, n, D): a one-token step of 3 rows
+    full = transfer_scan(P, b)
+    for r in range(3):
+        assert torch.equal(full[:, r:r + 1], transfer_scan(P, b[:, r:r + 1].contiguous()))
+
+
 # ---------------------------------------------------------------- estimator statistics on a known diagonal
 def _linear(n=12, seed=0):
     g = torch.Generator().manual_seed(seed)
