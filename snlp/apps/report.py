@@ -113,19 +113,33 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
+SSD_MEASURED = ("Measured = the median over the timed rounds of each round's paired ratio, sequential over speculative "
+                "wall time per token of that round (both sides decoded the same prompts, interleaved, so load drift "
+                "between rounds cancels); Rounds = the lowest and highest of those per-round ratios; Seq / SSD ms/tok "
+                "= the median over the rounds of each side's own ms per token, taken separately, so their ratio "
+                "equals Measured only when the load held still from round to round")
+
+
+def _rounds(r: dict) -> str:
+    xs = r.get("round_speedups") or []
+    return f"{min(xs):.2f}–{max(xs):.2f}x" if xs else "–"
+
+
 def ssd_table(ssd: dict[str, dict]) -> str:
-    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal SSD | Measured | = sequential |",
-             "|:---|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal SSD | Measured | Rounds | Seq ms/tok | SSD ms/tok "
+             "| = sequential |", "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, label in MODELS:
         res = ssd[key]
         if not res.get("drafter"):
-            lines.append(f"| {label} | (no usable drafter) | | | | | | | |")
+            lines.append(f"| {label} | (no usable drafter) | | | | | | | | | | |")
             continue
         for j, r in enumerate(res["rows"]):
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
-                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {'yes' if r['matches_sequential'] else 'NO'} |")
+                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {_rounds(r)} | "
+                         f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
+                         f"{'yes' if r['matches_sequential'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -245,15 +259,16 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"cached single-token drafter step, the verifier over B + 1 positions) predict each plan at "
            f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
            f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
-           f"alike) and the best measured one drafts (table below). Then SSD (SNLP drafter, "
+           f"alike) and the best measured one drafts where its lead exceeds the measurement's own noise, else the "
+           f"best prediction among those within it (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
            f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
            f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same "
            f"prompts, after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
            f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms over drafter ms per "
            f"cached single-token decode step, both timed the same way), Ideal SSD = "
-           f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables), Measured = sequential / speculative wall time "
-           f"per token, '= sequential': the SSD output is token-for-token the sequential greedy output.\n",
+           f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
+           f"'= sequential': the SSD output is token-for-token the sequential greedy output.\n",
            ssd_table(ssd), *_tune_section(ssd, ctx)]
 
 
@@ -264,8 +279,11 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "speculative decode; Calib α its per-draft acceptance) and its decode steps timed on this machine "
              "(Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
-             "round-robin after one sequential baseline (Measured: median speedup over sequential greedy decoding, "
-             "output checked). `>` = the pick; unmeasured rows are the next best predictions.\n",
+             "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
+             "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
+             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise, else, "
+             "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
+             "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
              "Measured | = sequential |",
              "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -277,10 +295,12 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | {_num(r['predicted_tokens_per_round'], '{:.2f}')} | "
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}') if meas else '–'} | "
-                         f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'} | "
+                         f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
+                         f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
                          f"{'–' if r['matches_sequential'] is None else 'yes' if r['matches_sequential'] else 'NO'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
-    return lines + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and the "
+    rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
+    return lines + rules + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and the "
                     f"eval's decode speedup, no end-to-end measurement) would have drafted with: {proxy}. Tune took "
                     + ", ".join(f"{label} {ssd[k].get('tune_s', 0):.0f} s" for k, label in MODELS) + ".\n"]
 
@@ -311,7 +331,7 @@ def _stage_times(ctx: dict) -> list[str]:
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-                  f"{len(ctx['reused'])} reused)" + _budget_line(ctx) + ".\n"]
+                  f"{len(ctx['reused'])} reused)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
 
 def _budget_line(ctx: dict) -> str:
@@ -323,10 +343,47 @@ def _budget_line(ctx: dict) -> str:
     if not b:
         return text + "every stage was reused, nothing planned"
     pr = b.get("probe") or {}
+    if b.get("train_reused"):
+        train = (f"training was reused (the invocation that made it gave it {fmt_s(b['train_s'])}: its share, not "
+                 f"this plan's)")
+    else:
+        train = (f"gave training {fmt_s(b['train_s'])} (its floor: {ctx.get('train_floor_steps')} steps, "
+                 f"{fmt_s(b.get('train_floor_s') or 0)} at the recorded runs' pace on this box, before any other stage "
+                 f"shrinks)")
+    reused = [n for n, p in b.get("stages", {}).items() if p.get("reused")]
     return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: training step {pr.get('train_step_s', 0) * 1e3:.0f} ms, "
             f"eval window {pr.get('window_s', 0) * 1e3:.0f} ms, decode {pr.get('decode_token_s', 0) * 1e3:.1f} ms/token) "
             f"planned each stage (Planned: its share when it started, corrected by how far the earlier stages "
-            f"overran) and gave training {fmt_s(b['train_s'])}; a stage that would not fit ran smaller (Shrunk)")
+            f"overran) and {train}; a stage that would not fit ran smaller (Shrunk)"
+            + (f"; reused stages ({', '.join(reused)}) show the plan and wall time they were recorded with" if reused
+               else ""))
+
+
+def budget_verdict(ctx: dict) -> list[str]:
+    """Whether this invocation kept its budget, by how much it did not, and the training floor's warnings."""
+    minutes = ctx.get("budget_minutes")
+    if minutes is None:
+        return []
+    b, budget, wall = ctx.get("budget") or {}, minutes * 60, ctx["wall"]
+    out = []
+    if wall > budget:
+        out.append(f"**Budget exceeded by {fmt_s(wall - budget)}**: this invocation took {fmt_s(wall)} against a budget "
+                   f"of {fmt_s(budget)} (the stages above show which ran over their plan, and which could shrink no "
+                   f"further).")
+    else:
+        out.append(f"Budget kept: this invocation took {fmt_s(wall)} of {fmt_s(budget)}.")
+    if b.get("train_cut"):
+        out.append(f"**Training was cut below its floor**: even with every other stage at its floor the budget left "
+                   f"training {fmt_s(b['train_s'])} of the {fmt_s(b['train_floor_s'])} that "
+                   f"{ctx.get('train_floor_steps')} steps take on this box"
+                   + (f"; a budget of {b['floor_budget_s'] / 60:.1f} min would have left it its floor"
+                      if b.get("floor_budget_s") else "") + ".")
+    steps, floor = ctx["cfg"].get("train_steps"), ctx.get("train_floor_steps")
+    if floor and steps is not None and steps < floor:
+        out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest at which a recorded "
+                   f"run showed the paper's effect): the comparison of No-Reg and IDN-Reg rests on less training than "
+                   f"any recorded run's.")
+    return ["\n" + " ".join(out) + "\n"]
 
 
 def render_report(ctx: dict) -> str:

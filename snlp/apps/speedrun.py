@@ -6,10 +6,13 @@ plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontie
 
 The budget (snlp.bench.budget): before training, the box is measured (a few training steps, one evaluation
 window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
-predicted from those measurements (stage_costs), and training gets what is left of the budget; when a stage
-starts, what is left is shared again among it and the stages after it, corrected by how far the finished
-ones overran, and a stage that would not fit runs smaller (shrink_*: fewer prompts, timing rounds, repeats,
-a shorter off-the-shelf adaptation; never fewer plans or models). --minutes / --steps fix training instead
+predicted from those measurements (stage_costs: exactly the knobs shrink_* sets at each scale; a fresh OUT/cache
+adds the off-the-shelf conversion and tokenising), and training gets what is left of the budget, but at least its
+floor (MIN_TRAIN_STEPS at the recorded pace) while the other stages can still shrink; when a stage starts, what is
+left is shared again among it and the stages after it, corrected by how far the finished ones overran, and a stage
+that would not fit runs smaller (shrink_*: fewer prompts, timing rounds, repeats, a shorter off-the-shelf
+adaptation; never fewer plans or models). Reused stages are done in the plan; the report says whether the budget
+was kept and by how much it was not. --minutes / --steps fix training instead
 (no budget); --quick trains 120 steps (no budget unless --budget is given).
 
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
@@ -34,11 +37,13 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  measurement at B = 4 (`snlp tune`, snlp.bench.tune): each plan's SSD acceptance profile (a
                  short greedy speculative decode) and its decode steps timed once on this machine predict each
                  plan; the 3 best predictions are decoded in one round-robin after one sequential baseline
-                 and the best MEASURED one drafts (the proxy rule, `select_drafter`: the paper's
-                 ideal SSD speedup at B = 4 from Top-1 and the eval's decode speedup, is recorded next to it).
-                 Measured alpha, tokens/round, s (per-step times of both sides) and
-                 end-to-end speedup vs sequential greedy decoding, after a warm-up of both sides,
-                 medians of 3 timed rounds (generate.speculative_benchmark), and a check that the
+                 and the best MEASURED one drafts where its lead exceeds the shootout's own noise, else the
+                 best stage-1 prediction among those within it (snlp.bench.tune.pick); the proxy rule
+                 (`select_drafter`: the paper's ideal SSD speedup at B = 4 from Top-1 and the eval's decode
+                 speedup) is recorded next to it. Measured alpha, tokens/round, s (per-step times of both sides)
+                 and end-to-end speedup vs sequential greedy decoding (the median over 3 timed rounds of each
+                 round's paired sequential / speculative ratio), after a warm-up of both sides
+                 (decode.speculative.speculative_benchmark), and a check that the
                  output equals sequential.
   report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
 Training resumes from its last save (every 100 steps) if interrupted.
@@ -284,6 +289,7 @@ class StageRecord:
     id: str = ""  # digest of settings, finish time and seconds: a stage made from this one names it
     planned: float | None = None  # the seconds the budget planned for it when it started (snlp.bench.budget)
     shrunk: str = ""  # what the budget shrank to keep the total ("prompts 8 -> 5, ..."; "" = nothing)
+    scale: float | None = None  # the budget's scale it ran at (None: not budgeted, or an older record)
     status: str = "ran"
 
     def to_json(self) -> dict:
@@ -298,7 +304,7 @@ class StageRecord:
         if not (isinstance(d, dict) and all(k in d for k in need)):
             return None
         return cls(**{k: d[k] for k in need}, load_start=d.get("load_start"), load_end=d.get("load_end"),
-                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), status="reused")
+                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), scale=d.get("scale"), status="reused")
 
 
 class Stages:
@@ -325,11 +331,19 @@ class Stages:
     def elapsed(self) -> str:
         return fmt_s(time.perf_counter() - self.t0)
 
+    def peek(self, name: str, settings: dict, outputs: list[Path] = ()) -> StageRecord | None:
+        """The stored record of `name` if it was made with `settings` and its `outputs` still exist (and not
+        --force), else None; nothing is registered or printed (lookup does that)."""
+        rec = None if self.force else StageRecord.from_json(_read_json(self.path(name)))
+        if not (rec is not None and rec.settings == _canon(settings) and all(Path(o).exists() for o in outputs)):
+            return None
+        return rec
+
     def lookup(self, name: str, settings: dict, outputs: list[Path] = ()) -> StageRecord | None:
         """The stored record of `name` if it was made with `settings` and its `outputs` still exist
         (and not --force), else None."""
-        rec = None if self.force else StageRecord.from_json(_read_json(self.path(name)))
-        if not (rec is not None and rec.settings == _canon(settings) and all(Path(o).exists() for o in outputs)):
+        rec = self.peek(name, settings, outputs)
+        if rec is None:
             return None
         self.console.print(f"[dim][{self.number()}/{self.total}] reusing {name}[/dim] (made {rec.finished} in "
                            f"{fmt_s(rec.seconds)}; elapsed {self.elapsed()})")
@@ -643,16 +657,41 @@ def eval_config(preset: Preset, seed: int, progress: bool = True):
 # N = 3L/4; a speculative decode ~ half a sequential one per token; the off-the-shelf model ~ OTS_*_RATIO times
 # ours), set so that the probe on a loaded 2-core box (load 2-3: window 68 ms, decode 11 ms/token) predicts the
 # stage times docs/speedrun.md recorded on an idle one within ~1.5x (eval 72 s, off-the-shelf ~185 s without its
-# now cached conversion and data, SSD 78 s); while the run goes, overruns correct them (BudgetPlan.drift).
+# now cached conversion and data, SSD 78 s); while the run goes, overruns correct them (BudgetPlan.drift). Each
+# stage's shrinkable part is the cost of exactly the knobs its shrink_* sets at a scale (whole prompts and rounds,
+# rounded as shrink_* rounds them); what shrink_* never changes (warm-up rounds, the off-the-shelf timing rounds,
+# teacher-forced windows) is in the fixed part.
 TRAIN_OVERHEAD_S = 20.0  # spawning both trainings, their final evaluation and save
 REPORT_S = 5.0
 MIN_TRAIN_S = 60.0
+# Training's floor: the run exists to compare the two trained models, so under a budget the other stages shrink
+# toward their floors before training gets less than MIN_TRAIN_STEPS steps (at the probe's pace). 100: the fewest
+# steps a recorded run trained and still showed the paper's effect (105 steps, docs/speedrun.md: K = 1 dPPL +0.2 %
+# IDN-Reg vs +2.5 % No-Reg); fewer is untested. A lockstep step of the two models side by side took 3.9x (AVX2 run,
+# 105 steps in 524 s, load 1.6-5.2) and 4.6x (/work/sr-h29, 104 steps in 622 s, load 2-4.8) the probe's training
+# step (the IDN regulariser, Muon, the validation passes and the load), hence TRAIN_PACE: the floor buys ~87-103
+# steps at those paces. When even the stages' floors leave less, training gets what they leave and the report says
+# it was cut below its floor.
+MIN_TRAIN_STEPS = 100
+TRAIN_PACE = 4.0
 OTS_WINDOW_RATIO = 30.0  # SmolLM2-135M (30 layers, width 576) vs the speedrun model: per teacher-forced window
 # (~38x the FLOPs; measured 2026-11-26 at load 4: 1.3 s per 256-token window vs the probe's 43 ms; 10 before, which
 # planned the stage at 3:46 when it took 4:38, issue 29)
 OTS_TOKEN_RATIO = 20.0  # and per decode token (batch 1) on CPU
 SPEC_TOKEN = 0.5  # a speculative decode's cost per token relative to sequential's (drafting plus verification)
-OTS_LOAD_S = 30.0  # reading the cached snlp checkpoint and its tokenised data (first run: + the GGUF conversion)
+OTS_LOAD_S = 30.0  # reading the cached snlp checkpoint and its tokenised data, loading the stage's code
+# A fresh OUT/cache (a first run, or --force) also converts the GGUF and tokenises the off-the-shelf data: measured on
+# the 2-core EPYC VM at load 0.1-1.0 (2026-11-26) 21.5 s of conversion, 2.3 s for the validation text and 5.8 s for
+# the adaptation's data (full stdlib corpus), while the probe's reference_work took OTS_PREP_REF_S. The plan scales
+# them by the probe's reference_work over that (a slower or busier box: longer), which does not depend on the run's
+# model shape as the probe's window does. Not conservative beyond that: docs/speedrun.md recorded ~75 s of conversion
+# on 2 loaded cores earlier, which today's code did not reproduce (~19 s inside a --quick run at load 3).
+OTS_CONVERT_S = 21.5
+OTS_TOKENISE_VAL_S = 2.3
+OTS_TOKENISE_ADAPT_S = 5.8
+OTS_PREP_REF_S = 0.020
+OTS_ADAPT_FLOOR = 0.25  # shrink_ots: the adaptation never gets less than a quarter of its minutes
+DIAG_SETUP_ITERS = 18  # diagnostics: each suffix layer's set-up costs about as much as 18 of its iterations
 
 
 def _plan_factor(plan: str) -> float:
@@ -661,45 +700,91 @@ def _plan_factor(plan: str) -> float:
     return 0.25 + 0.75 * K
 
 
-def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg) -> list[StageCost]:
-    """Each budgeted stage's predicted seconds (snlp.bench.budget.StageCost: fixed + shrinkable part) on the
-    box the probe `pr` measured; the shrinkable part is what shrink_* cut (prompts, rounds, repeats)."""
+def _floor_scale(pairs) -> float:
+    """The scale at and below which every (n, floor) knob of a shrink is at its floor (_fewer); 1 if none shrinks."""
+    return max((lo / n for n, lo in pairs if n > lo), default=1.0)
+
+
+def ots_prep_s(pre: Preset, pr, convert: bool, tokenise: bool) -> float:
+    """The off-the-shelf stage's preparation on this box: loading (OTS_LOAD_S), plus, when OUT/cache does not hold
+    them, the GGUF conversion and the tokenising of its validation text (and of its adaptation's data when it
+    adapts): the constants above scaled by the probe's reference_work (unscaled for a probe without one)."""
+    box = pr.ref_s / OTS_PREP_REF_S if getattr(pr, "ref_s", 0.0) else 1.0
+    tok = OTS_TOKENISE_VAL_S + (OTS_TOKENISE_ADAPT_S if pre.ots_adapt_minutes else 0.0)
+    return OTS_LOAD_S + (OTS_CONVERT_S * convert + tok * tokenise) * box
+
+
+def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg, ots_convert: bool = False,
+                ots_tokenise: bool = False) -> list[StageCost]:
+    """Each budgeted stage's predicted seconds (snlp.bench.budget.StageCost) on the box the probe `pr` measured:
+    a fixed part and the cost of the knobs its shrink_* sets at a scale (`vary`: prompts, rounds, repeats, the
+    adaptation's minutes), down to the scale where they all sit at their floors (`min_scale`). `ots_convert` /
+    `ots_tokenise`: OUT/cache lacks the converted off-the-shelf model / its tokenised data (a fresh run)."""
     from snlp.bench.budget import StageCost
 
     w, tok = pr.window_s, pr.decode_token_s
     W = max(1, ecfg.max_tokens // ecfg.seq_len)
-    tf = W * w * (1 + sum(_plan_factor(p) for p in plans))  # sequential + every plan, teacher forced
-    gens = ecfg.prompts * ecfg.gen_tokens * tok * (1 + len(plans))  # AR Match / EmbSim generations
-    timing = (ecfg.warmup + ecfg.runs) * ecfg.time_tokens * tok * (1 + len(plans))
+    rows = 1 + len(plans)  # sequential + every plan
+    tf = W * w * (1 + sum(_plan_factor(p) for p in plans))  # teacher forced
+
+    def eval_knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
+        return (e.prompts * e.gen_tokens + e.runs * e.time_tokens) * tok * rows
+
+    def eval_cost(name):
+        return StageCost(name, 3 + tf + ecfg.warmup * ecfg.time_tokens * tok * rows, eval_knobs(ecfg),
+                         min_scale=_floor_scale(((ecfg.prompts, EVAL_FLOORS["prompts"]), (ecfg.runs, EVAL_FLOORS["runs"]))),
+                         vary=lambda s: eval_knobs(shrink_eval(ecfg, s)[0]))
+
     L = pre.depth
-    out = {f"eval-{k}": StageCost(f"eval-{k}", 3 + tf, gens + timing) for k, _ in MODELS}
+    out = {f"eval-{k}": eval_cost(f"eval-{k}") for k, _ in MODELS}
     n_suffixes = len({max(1, L // 4), L // 2, (3 * L) // 4})
-    out["early-exit"] = StageCost("early-exit", 2 + 2 * n_suffixes * W * w)
+    out["early-exit"] = StageCost("early-exit", 2 + 2 * n_suffixes * W * w, min_scale=1.0)
+
     ots_plans = list(pre.ots_plans)
     ots_W = max(1, pre.ots_tokens // min(256, pre.seq_len * 4))
     ots_tf = ots_W * w * OTS_WINDOW_RATIO * (1 + sum(_plan_factor(p) for p in ots_plans))
-    # timing rounds (1 warm-up + max(3, runs / 4)): 16 decode tokens and one window forward of every row
-    ots_timing = (1 + max(3, pre.eval_runs // 4)) * (16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans))
-                                                     + w * OTS_WINDOW_RATIO * (1 + sum(map(_plan_factor, ots_plans))))
-    # the adaptation: its minutes, data and before/after evaluation (~30 s), then its SSD check: both drafters (post
-    # hoc, adapted) at B = 4 on 2 prompts; at alpha ~ 0 a token costs ~3 sequential steps (drafts + verify + baseline)
+    # timing rounds (1 warm-up + max(3, runs / 4), never shrunk): 16 decode tokens and one window forward of every row
+    ots_timing = (1 + ots_rounds(pre)) * (16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans))
+                                          + w * OTS_WINDOW_RATIO * (1 + sum(map(_plan_factor, ots_plans))))
+    # the adaptation: its minutes (what shrinks), data and before/after evaluation (~30 s), then its SSD check: both
+    # drafters (post hoc, adapted) at B = 4 on 2 prompts; at alpha ~ 0 a token costs ~3 sequential steps
     ots_check = 2 * 2 * pre.ots_check_tokens * tok * OTS_TOKEN_RATIO * 3
-    ots_adapt = 30.0 + ots_check if pre.ots_adapt_minutes else 0.0  # what shrinking leaves: all but the minutes
+    ots_adapt = 30.0 + ots_check if pre.ots_adapt_minutes else 0.0
     ots_gens = 2 * 16 * tok * OTS_TOKEN_RATIO * len(ots_plans)
-    out["off-the-shelf"] = StageCost("off-the-shelf", OTS_LOAD_S + ots_tf + ots_gens + ots_adapt,
-                                     ots_timing + pre.ots_adapt_minutes * 60)
-    diag = 2 * suffix_depth(L) * (pre.diag_power_iters + pre.diag_probes) * 3 * w / L  # per-layer JVP / VJP
-    out["diagnostics"] = StageCost("diagnostics", 3 + diag / 2, diag / 2)
+    out["off-the-shelf"] = StageCost(
+        "off-the-shelf", ots_prep_s(pre, pr, ots_convert, ots_tokenise) + ots_tf + ots_gens + ots_timing + ots_adapt,
+        pre.ots_adapt_minutes * 60, min_scale=OTS_ADAPT_FLOOR if pre.ots_adapt_minutes else 1.0,
+        vary=lambda s: shrink_ots(pre, s)[0].ots_adapt_minutes * 60)
+
+    iter_s = suffix_depth(L) * 3 * w / L  # one power iteration or probe (JVP / VJP) over the suffix of both models
+    diag = (pre.diag_power_iters, pre.diag_probes)
+    out["diagnostics"] = StageCost(
+        "diagnostics", 3 + DIAG_SETUP_ITERS * iter_s, sum(diag) * iter_s,
+        min_scale=_floor_scale(((pre.diag_power_iters, DIAG_FLOORS["diag_power_iters"]),
+                                (pre.diag_probes, DIAG_FLOORS["diag_probes"]))),
+        vary=lambda s: iter_s * sum(getattr(shrink_diagnostics(pre, s)[0], k) for k in DIAG_FLOORS))
+
     # snlp tune at one block (tune_drafter): stage 1 = each plan's acceptance decode on every tune prompt + the
     # step timing (20 rounds of every step); stage 2 = per timed round and prompt, sequential + the top plans
     # (one round-robin), plus a warm-up on one prompt; the benchmark likewise with every B of BLOCKS
-    tune1 = len(plans) * pre.tune_prompts * pre.tune_accept_tokens * tok * 2 + 20 * (2 * len(plans) + 1) * tok
-    tune2 = (pre.tune_repeats * pre.tune_prompts + 1) * pre.tune_tokens * tok * (1 + pre.tune_top * SPEC_TOKEN)
-    bench = (pre.ssd_repeats * pre.ssd_prompts + 1) * pre.ssd_tokens * tok * (1 + len(BLOCKS) * SPEC_TOKEN)
-    floor = min(SSD_FLOORS["ssd_prompts"] / pre.ssd_prompts, 1) * min(SSD_FLOORS["ssd_repeats"] / pre.ssd_repeats, 1)
+    tune2_tok = pre.tune_tokens * tok * (1 + pre.tune_top * SPEC_TOKEN)
+    bench_tok = pre.ssd_tokens * tok * (1 + len(BLOCKS) * SPEC_TOKEN)
+
+    def ssd_knobs(p) -> float:
+        return (len(plans) * p.tune_prompts * p.tune_accept_tokens * tok * 2 + p.tune_repeats * p.tune_prompts * tune2_tok
+                + p.ssd_repeats * p.ssd_prompts * bench_tok)
+
+    ssd_fixed = 3 + 20 * (2 * len(plans) + 1) * tok + tune2_tok + bench_tok  # step timing, the two warm-ups
+    ssd_floor = _floor_scale([(getattr(pre, k), lo) for k, lo in SSD_FLOORS.items()])
     for k, _ in MODELS:
-        out[f"ssd-{k}"] = StageCost(f"ssd-{k}", 3 + tune1, tune2 + bench, min_scale=floor)
+        out[f"ssd-{k}"] = StageCost(f"ssd-{k}", ssd_fixed, ssd_knobs(pre), min_scale=ssd_floor,
+                                    vary=lambda s: ssd_knobs(shrink_ssd(pre, s)[0]))
     return [out[n] for n in order if n in out]
+
+
+def ots_rounds(pre: Preset) -> int:
+    """The off-the-shelf stage's timed rounds (after one warm-up): fixed, whatever the budget's scale."""
+    return max(3, pre.eval_runs // 4)
 
 
 def _fewer(n: int, scale: float, lo: int) -> int:
@@ -712,30 +797,37 @@ def _shrunk(pairs: list[tuple[str, float, float]]) -> str:
     return ", ".join(f"{k} {a:g} -> {b:g}" for k, a, b in pairs if a != b)
 
 
+EVAL_FLOORS = dict(prompts=2, runs=3)  # what shrink_eval never goes below
+
+
 def shrink_eval(ecfg, scale: float):
-    """(EvalConfig, description) of an eval-* stage at `scale`: fewer AR-Match prompts and timing rounds."""
-    new = dataclasses.replace(ecfg, prompts=_fewer(ecfg.prompts, scale, 2), runs=_fewer(ecfg.runs, scale, 3))
+    """(EvalConfig, description) of an eval-* stage at `scale`: fewer AR-Match prompts and timing rounds (the warm-up
+    rounds, the teacher-forced tokens and the plans stay)."""
+    new = dataclasses.replace(ecfg, prompts=_fewer(ecfg.prompts, scale, EVAL_FLOORS["prompts"]),
+                              runs=_fewer(ecfg.runs, scale, EVAL_FLOORS["runs"]))
     return new, _shrunk([("prompts", ecfg.prompts, new.prompts), ("timing rounds", ecfg.runs, new.runs)])
 
 
 def shrink_ots(pre: Preset, scale: float) -> tuple[Preset, str]:
-    """The off-the-shelf stage at `scale`: fewer timing rounds and a shorter drafter adaptation."""
-    new = dataclasses.replace(pre, eval_runs=_fewer(pre.eval_runs, scale, 3),
-                              ots_adapt_minutes=round(pre.ots_adapt_minutes * max(scale, 0.25), 2))
-    return new, _shrunk([("timing rounds", max(3, pre.eval_runs // 4), max(3, new.eval_runs // 4)),
-                         ("adaptation minutes", pre.ots_adapt_minutes, new.ots_adapt_minutes)])
+    """The off-the-shelf stage at `scale`: a shorter drafter adaptation (never below OTS_ADAPT_FLOOR of its minutes).
+    Its tokens, plans and timing rounds (ots_rounds) stay."""
+    new = dataclasses.replace(pre, ots_adapt_minutes=round(pre.ots_adapt_minutes * max(scale, OTS_ADAPT_FLOOR), 2))
+    return new, _shrunk([("adaptation minutes", pre.ots_adapt_minutes, new.ots_adapt_minutes)])
+
+
+DIAG_FLOORS = dict(diag_power_iters=3, diag_probes=2)  # what shrink_diagnostics never goes below
 
 
 def shrink_diagnostics(pre: Preset, scale: float) -> tuple[Preset, str]:
-    new = dataclasses.replace(pre, diag_power_iters=_fewer(pre.diag_power_iters, scale, 3),
-                              diag_probes=_fewer(pre.diag_probes, scale, 2))
+    new = dataclasses.replace(pre, **{k: _fewer(getattr(pre, k), scale, lo) for k, lo in DIAG_FLOORS.items()})
     return new, _shrunk([("power iterations", pre.diag_power_iters, new.diag_power_iters),
                          ("probes", pre.diag_probes, new.diag_probes)])
 
 
 SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=2, tune_prompts=2, tune_repeats=2)  # what shrink_ssd never goes below:
 # a median of one round of one prompt is noise (issue 29: at 1-3 prompts and 1-2 rounds a one-prompt measurement
-# picked a slower drafter and the SSD rows swung by 0.3x); the stage costs ~1 minute at these floors
+# picked a slower drafter and the SSD rows swung by 0.3x); the stage costs ~1 minute at these floors. Floors bound
+# shrinking only: they never raise a preset's value (--quick's 2 SSD prompts stay 2: a smoke test, docs/speedrun.md)
 
 
 def shrink_ssd(pre: Preset, scale: float) -> tuple[Preset, str]:
@@ -779,14 +871,50 @@ def stage_diagnostics(model_dirs: dict[str, Path], val: torch.Tensor, preset: Pr
     return {"markdown": out, "power_iters": cfg.power_iters, "probes": cfg.probes}
 
 
-def ots_model(gguf: Path, cache: Path):
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB pieces (the bundled 98 MB GGUF: 0.12 s on the 2-core box)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def converter_digest() -> str:
+    """What the off-the-shelf conversion depends on besides the GGUF's bytes: the source of snlp's converter and
+    tokenizer modules (snlp.io.hf, snlp.io.tokenizer) and the versions of transformers and gguf, which read and
+    de-quantise the file. A change to any of them converts anew."""
+    from importlib import metadata
+
+    import snlp.io.hf
+    import snlp.io.tokenizer
+
+    h = hashlib.sha256()
+    for mod in (snlp.io.hf, snlp.io.tokenizer):
+        h.update(Path(mod.__file__).read_bytes())
+    for pkg in ("transformers", "gguf"):
+        try:
+            h.update(f"{pkg} {metadata.version(pkg)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{pkg} -".encode())
+    return h.hexdigest()[:16]
+
+
+def ots_cache_dir(cache: Path, digest: str, converter: str) -> Path:
+    """Where the converted off-the-shelf model is kept: named by the GGUF's content digest and the converter's."""
+    return cache / f"ots-{digest[:16]}-{converter}"
+
+
+def ots_model(gguf: Path, cache: Path, digest: str | None = None, converter: str | None = None):
     """(model, tokenizer) of the off-the-shelf GGUF, converted once (snlp.from_hf: ~75 s of de-quantising on 2
-    cores) and kept as an snlp checkpoint under `cache` (~3 s to load), named by the file's name and size so
-    another GGUF is converted anew; --force clears the cache with the stages. A corrupt copy is converted again."""
+    loaded cores) and kept as an snlp checkpoint under `cache` (~3 s to load), named by the file's sha256 and the
+    converter's digest (converter_digest), so another file, even of the same name and size, or another converter
+    converts anew; --force clears the cache with the stages. A corrupt copy is converted again. `digest` /
+    `converter`: already computed (file_sha256, converter_digest)."""
     from snlp.io.checkpoint import load, save_checkpoint
     from snlp.io.hf import from_hf
 
-    ck = cache / f"ots-{gguf.stem}-{gguf.stat().st_size}"
+    ck = ots_cache_dir(cache, digest or file_sha256(gguf), converter or converter_digest())
     if ck.is_dir():
         try:
             model, tok = load(ck)
@@ -800,7 +928,27 @@ def ots_model(gguf: Path, cache: Path):
     return model, tok
 
 
-def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str) -> dict:
+def ots_cached(ck: Path, spec: DataSpec, cache: Path, adapt: bool) -> tuple[bool, bool]:
+    """(the converted model, its tokenised validation data and, with `adapt`, adaptation data) are in `cache` (ck:
+    ots_cache_dir). The data's files are named by the model's tokenizer, read from the converted copy; without it
+    both count as missing (a fresh cache)."""
+    from snlp.io import data as D
+    from snlp.io.tokenizer import Tokenizer
+
+    if not (ck / "model.safetensors").is_file():
+        return False, False
+    try:
+        tok = Tokenizer.load(ck)
+    except (OSError, ValueError):
+        return False, False
+    key = D.split_key(spec.data, "text", spec.max_chars, 0.05)
+    val = D.token_paths(key, tok, cache)[1]
+    adapt_file = cache / f"{key}-{tok.fingerprint()}.adapt.npz"  # snlp.train.adapt.token_stream's name
+    return True, val.is_file() and (not adapt or adapt_file.is_file())
+
+
+def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset, seed: int, device: str,
+                        digest: str | None = None, converter: str | None = None) -> dict:
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
     tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
@@ -808,11 +956,11 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
     from snlp.eval.protocol import EvalConfig, evaluate
     from snlp.eval.present import print_table
 
-    model, tok = ots_model(gguf, cache)
+    model, tok = ots_model(gguf, cache, digest, converter)
     model = model.to(device).eval()
     val = validation_tokens(tok, data=spec.data, max_chars=spec.max_chars, cache_dir=cache)  # cached in `cache`
     ecfg = EvalConfig(seq_len=min(256, preset.seq_len * 4), max_tokens=preset.ots_tokens, prompts=2, prompt_len=16,
-                      gen_tokens=16, warmup=1, runs=max(3, preset.eval_runs // 4), time_tokens=16, emb=False,
+                      gen_tokens=16, warmup=1, runs=ots_rounds(preset), time_tokens=16, emb=False,
                       seed=seed, progress=True)
     records = evaluate(model, val, list(preset.ots_plans), ecfg, tokenizer=tok)
     print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
@@ -849,7 +997,8 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
     teacher-forced pass), measures each plan's SSD acceptance profile (a short greedy speculative decode) and times
     the decode steps once (cached single-token steps, the verifier over B+1 positions) to predict each plan;
     stage 2 decodes the preset.tune_top best predictions in ONE round-robin after one sequential baseline
-    (snlp.decode.speculative.speculative_shootout) and the best MEASURED one is the pick. One block, not the best
+    (snlp.decode.speculative.speculative_shootout) and the best MEASURED one is the pick unless others are within its
+    noise (snlp.bench.tune.pick: then the best stage-1 prediction among them). One block, not the best
     of B = 2, 4, 8: the stage-2 budget then buys more prompts and rounds for the choice the report headlines
     (issue 29: a pick made at B = 8, or on one prompt and one round, drafted the B = 4 row with a slower plan)."""
     from snlp.bench.tune import TuneConfig, quality_from_records, tune
@@ -866,7 +1015,8 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
 def tune_rows(result) -> list[dict]:
     """The stage record's candidate rows: every measured candidate, then the next best predictions (the table)."""
     keys = ("plan", "block", "top1", "accept_alpha", "s", "ideal_ssd_speedup", "predicted_tokens_per_round",
-            "predicted_speedup", "measured", "tokens_per_round", "measured_speedup", "alpha", "matches_sequential")
+            "predicted_speedup", "measured", "tokens_per_round", "measured_speedup", "round_speedups", "noise", "alpha",
+            "matches_sequential")
     rows = sorted((c for c in result.candidates if c.goal == "ssd"), key=lambda c: (not c.measured,
                                                                                     -c.predicted_speedup))
     return [{k: getattr(c, k) for k in keys} | {"pick": c is result.picks["ssd"]} for c in rows[:8]]
@@ -892,7 +1042,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     plan = pick.plan
     print(f"drafter (snlp tune): {plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
           f"{pick.measured_speedup:.2f}x (proxy rule: {proxy.plan if proxy else None}); tune took "
-          f"{tuned.stage1_s + tuned.stage2_s:.0f} s")
+          f"{tuned.stage1_s + tuned.stage2_s:.0f} s; {tuned.pick_rule.get('ssd', '')}")
     prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
@@ -904,6 +1054,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
               f"{'==' if rep.matches_sequential else '!='} sequential")
     return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
             proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
+            "pick_rule": tuned.pick_rule.get("ssd", ""),
             "tune_s": tuned.stage1_s + tuned.stage2_s, "prompts": len(prompts), "gen_tokens": G,
             "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
             "rows": [r.to_dict() for r in rows]}
@@ -987,6 +1138,7 @@ class Speedrun:
     evals: dict[str, StageRecord] = dataclasses.field(default_factory=dict)  # model key -> eval-* record
     val_tokens: torch.Tensor | None = None
     budget: BudgetPlan | None = None  # made on first need (plan): a run whose stages are all reused never probes
+    ots_digests: tuple[str, str] | None = None  # (the GGUF's sha256, converter_digest()), computed on first need
 
     @property
     def cache(self) -> Path:
@@ -1016,10 +1168,80 @@ class Speedrun:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
+    def ots_key(self) -> tuple[str, str]:
+        """(sha256 of the off-the-shelf GGUF, converter_digest()): the stage's settings and its cache's name."""
+        if self.ots_digests is None:
+            t = time.perf_counter()
+            self.ots_digests = (file_sha256(self.ots), converter_digest())
+            self.console.print(f"[dim]off-the-shelf: sha256 of {self.ots.name} in {time.perf_counter() - t:.2f} s[/dim]")
+        return self.ots_digests
+
+    def stage_settings(self, name: str) -> tuple[dict, list[Path]] | None:
+        """(settings, outputs) stage `name` is made with now (what a stored record must match to be reused); None
+        when a stage it depends on has not finished in this invocation yet (it will then run anew: its inputs'
+        ids will be new)."""
+        pre = self.preset
+        if name.startswith(("eval-", "ssd-")):
+            key = name.split("-", 1)[1]
+            if key not in self.trains or (name.startswith("ssd-") and key not in self.evals):
+                return None
+            if name.startswith("eval-"):
+                return {"model": self.trains[key].id, "plans": self.plans, **self.common()}, []
+            return ({"model": self.trains[key].id, "eval_stage": self.evals[key].id, "blocks": list(BLOCKS),
+                     "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
+                     "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": self.cfg.seed,
+                     "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
+                                 "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
+                                 "accept_tokens": pre.tune_accept_tokens},
+                     **self.common()}, [])
+        if name == "off-the-shelf":
+            if self.ots is None:
+                return None
+            digest, converter = self.ots_key()
+            return ({"gguf": self.ots.name, "sha256": digest, "converter": converter, "plans": list(pre.ots_plans),
+                     "tokens": pre.ots_tokens, "adapt_minutes": pre.ots_adapt_minutes,
+                     "check_tokens": pre.ots_check_tokens, "data": dataclasses.asdict(self.cfg.data_spec),
+                     **self.common()}, [])
+        if any(k not in self.trains for k, _ in MODELS):
+            return None
+        if name == "early-exit":
+            return {"models": self.model_ids(), "suffixes": early_exit_suffixes(self.cfg.depth), **self.common()}, []
+        if name == "diagnostics":
+            return ({"models": self.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
+                     "seq_len": pre.seq_len, "device": self.cfg.device, "threads": self.eval_threads}, [])
+        raise ValueError(f"no budgeted stage named {name!r}")
+
+    def reusable(self) -> dict[str, StageRecord]:
+        """The budgeted stages not reached yet whose stored record a lookup would reuse now (their inputs are known
+        and unchanged): the plan counts them as done, not as work still to fit into the budget."""
+        out = {}
+        for name in self.order:
+            if name in ("tokenizer", "train-noreg", "train-idn") or name in self.stages.records \
+                    or name in self.stages.running:
+                continue
+            got = self.stage_settings(name)
+            if got is not None and (rec := self.stages.peek(name, *got)) is not None:
+                out[name] = rec
+        return out
+
+    def _mark_reused(self) -> None:
+        """Tell the plan which stages are reused: those this invocation looked up already and those it will."""
+        if self.budget is None:
+            return
+        done = {n: r for n, r in self.stages.records.items() if r.status == "reused"} | self.reusable()
+        for name, rec in done.items():
+            if name in self.budget.stages and not self.budget.stages[name].reused \
+                    and self.budget.stages[name].actual_s is None:
+                self.budget.reuse(name, rec.planned, rec.seconds, rec.scale)
+
     def plan(self) -> BudgetPlan:
         """The budget plan (snlp.bench.budget), made on first use: the box is probed, each later stage's cost
-        predicted from the probe (stage_costs), training gets what is left of --budget. Without a budget the
-        plan only holds the predictions (the report's Planned column) and nothing shrinks."""
+        predicted from the probe (stage_costs; the off-the-shelf stage's conversion and tokenising when OUT/cache
+        lacks them), training gets what is left of --budget, at least its floor (MIN_TRAIN_STEPS at the probe's
+        pace) while the stages can still shrink. Stages reused from an earlier invocation are done in the plan
+        (with their recorded plan and wall time); when training itself was reused, the plan keeps the share it was
+        given and nothing is refused. Without a budget the plan only holds the predictions (the report's Planned
+        column) and nothing shrinks."""
         if self.budget is None:
             from snlp.bench.budget import plan_budget, probe
             from snlp.train.pretrain import build_config
@@ -1028,29 +1250,48 @@ class Speedrun:
             mcfg = build_config(tcfg, self.tokenizer.result["vocab_size"] if self.tokenizer else self.cfg.vocab_size)
             pr = probe(mcfg, self.cfg.batch_size, train_threads=self.train_threads, eval_threads=self.eval_threads,
                        seed=self.cfg.seed, device=self.cfg.device)
-            costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg)
+            reused = {n: r for n, r in self.stages.records.items() if r.status == "reused"} | self.reusable()
+            convert = tokenise = False
+            if self.ots is not None and "off-the-shelf" not in reused:
+                model_cached, data_cached = ots_cached(ots_cache_dir(self.cache, *self.ots_key()), self.cfg.data_spec,
+                                                       self.cache, self.preset.ots_adapt_minutes > 0)
+                convert, tokenise = not model_cached, not data_cached
+            costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg, convert, tokenise)
             budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
-            self.budget = plan_budget(budget, costs, fixed_s=self.elapsed() + TRAIN_OVERHEAD_S + REPORT_S,
-                                      min_train_s=MIN_TRAIN_S, probe=pr, tail_s=REPORT_S)
+            trained = all(k in self.trains for k, _ in MODELS)  # reused: this invocation does not train
+            self.budget = plan_budget(
+                budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S,
+                min_train_s=None if trained else MIN_TRAIN_S, probe=pr, tail_s=REPORT_S,
+                train_floor_s=MIN_TRAIN_STEPS * TRAIN_PACE * pr.train_step_s,
+                reused={n: (r.planned, r.seconds, r.scale) for n, r in reused.items() if n in {c.name for c in costs}})
+            if trained:  # what the reused training was given (its record's), not a share of this plan
+                self.budget.train_s = 60 * (self.trains["idn"].result.get("minutes") or 0)
             self.console.print(f"probe ({pr.seconds:.1f} s): training step {pr.train_step_s * 1e3:.0f} ms, eval window "
                                f"{pr.window_s * 1e3:.0f} ms, decode {pr.decode_token_s * 1e3:.1f} ms/token; predicted "
-                               "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" for c in costs)
+                               "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" + (" (reused)" if c.name in reused
+                                                                                      else "") for c in costs)
+                               + (" (the off-the-shelf GGUF conversion and data tokenising included: OUT/cache "
+                                  "lacks them)" if convert or tokenise else "")
                                + (f"; budget {fmt_s(budget)}" if budget else ""))
         return self.budget
 
     def run_stage(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> StageRecord:
         """Stages.run under the budget: a stage that has to run gets its scale from the plan when it starts
-        (BudgetPlan.start; 1 = whole) and fn(scale) returns (result, what it shrank). The stage's settings are its
-        unshrunk ones, so a re-run reuses it whatever the scale was; the record keeps the plan and the shrink."""
+        (BudgetPlan.start; 1 = whole) and fn(scale) returns (result, what it shrank). The stage's settings
+        (stage_settings) are its unshrunk ones, so a re-run reuses it whatever the scale was; the record keeps the
+        plan, the scale and the shrink. A reused stage is done in the plan with what it recorded."""
         rec = self.stages.lookup(name, settings, outputs)
         if rec is not None:
+            self._mark_reused()
             return rec
         plan = self.plan()
+        self._mark_reused()  # stages this invocation will reuse are not work left to fit in
         scale = plan.start(name, self.elapsed())
 
         def go():
             result, shrunk = fn(scale)
-            self.stages.notes[name] = {"planned": plan.stages[name].planned_s, "shrunk": shrunk}
+            self.stages.notes[name] = {"planned": plan.stages[name].planned_s, "shrunk": shrunk,
+                                       "scale": scale if plan.budget_s is not None else None}
             if shrunk:
                 self.console.print(f"[yellow]{name}: shrunk to keep the budget[/yellow] (scale {scale:.2f}): {shrunk}")
             return result
@@ -1135,9 +1376,15 @@ def _budget_minutes(sr: Speedrun) -> float:
     minutes = round(plan.train_share(sr.elapsed(), TRAIN_OVERHEAD_S) / 60, 2)
     sr.preset = dataclasses.replace(sr.preset, minutes=minutes)
     sr.cfg = dataclasses.replace(sr.cfg, minutes=minutes)
+    pace = TRAIN_PACE * plan.probe.train_step_s  # seconds per lockstep step of the two models (MIN_TRAIN_STEPS)
     sr.console.print(f"budget {sr.preset.budget_minutes:g} min: training gets {minutes:g} min (~"
-                     f"{minutes * 60 / plan.probe.train_step_s:.0f} steps at the probe's pace, fewer side by side), "
-                     f"the other stages {fmt_s(sum(p.share_s for p in plan.stages.values()))}")
+                     f"{minutes * 60 / pace:.0f} steps at the recorded runs' pace; floor {MIN_TRAIN_STEPS} steps, "
+                     f"{fmt_s(plan.train_floor_s)}), the other stages "
+                     f"{fmt_s(sum(p.share_s for p in plan.stages.values() if not p.reused))}")
+    if plan.train_cut:
+        sr.console.print(f"[yellow]training cut below its floor[/yellow]: the other stages at their floors leave it "
+                         f"{fmt_s(plan.train_s)} of the {fmt_s(plan.train_floor_s)} that {MIN_TRAIN_STEPS} steps take "
+                         f"on this box; the comparison of the two models rests on fewer steps than any recorded run")
     return minutes
 
 
@@ -1196,16 +1443,18 @@ def step_eval(sr: Speedrun) -> None:
         return stage_eval(sr.out / key, sr.validation(), sr.plans, ecfg, sr.cfg.device), shrunk
 
     for key, label in MODELS:
-        sr.evals[key] = sr.run_stage(
-            f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
-            {"model": sr.trains[key].id, "plans": sr.plans, **sr.common()}, lambda scale, key=key: run(key, scale))
+        sr.evals[key] = sr.run_stage(f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
+                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale))
+
+
+def early_exit_suffixes(L: int) -> list[int]:
+    return sorted({max(1, L // 4), L // 2, (3 * L) // 4} - {0})
 
 
 def step_early_exit(sr: Speedrun) -> None:
-    L = sr.cfg.depth
-    suffixes = sorted({max(1, L // 4), L // 2, (3 * L) // 4} - {0})
+    suffixes = early_exit_suffixes(sr.cfg.depth)
     sr.run_stage("early-exit", f"K=0 PPL skipping the last N = {suffixes} layers",
-                 {"models": sr.model_ids(), "suffixes": suffixes, **sr.common()},
+                 sr.stage_settings("early-exit")[0],
                  lambda scale: (stage_early_exit(sr.model_dirs(), sr.validation(), suffixes, sr.ecfg, sr.cfg.device),
                                 ""))
 
@@ -1217,13 +1466,10 @@ def step_off_the_shelf(sr: Speedrun) -> None:
 
     def run(scale):
         p, shrunk = shrink_ots(pre, scale)
-        return stage_off_the_shelf(sr.ots, spec, sr.cache, p, sr.cfg.seed, sr.cfg.device), shrunk
+        return stage_off_the_shelf(sr.ots, spec, sr.cache, p, sr.cfg.seed, sr.cfg.device, *sr.ots_key()), shrunk
 
     sr.run_stage("off-the-shelf", f"post-hoc SNLP on {sr.ots.name}: {', '.join(pre.ots_plans)}",
-                 {"gguf": sr.ots.name, "size": sr.ots.stat().st_size, "plans": list(pre.ots_plans),
-                  "tokens": pre.ots_tokens, "adapt_minutes": pre.ots_adapt_minutes,
-                  "check_tokens": pre.ots_check_tokens, "data": dataclasses.asdict(spec),
-                  **sr.common()}, run)
+                 sr.stage_settings("off-the-shelf")[0], run)
 
 
 def step_diagnostics(sr: Speedrun) -> None:
@@ -1234,8 +1480,7 @@ def step_diagnostics(sr: Speedrun) -> None:
         return stage_diagnostics(sr.model_dirs(), sr.validation(), p, sr.cfg.device), shrunk
 
     sr.run_stage("diagnostics", f"Jacobian diagnostics of the last {sr.cfg.reg_n} layers (snlp analyze)",
-                 {"models": sr.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
-                  "seq_len": pre.seq_len, "device": sr.cfg.device, "threads": sr.eval_threads}, run)
+                 sr.stage_settings("diagnostics")[0], run)
 
 
 def step_ssd(sr: Speedrun) -> None:
@@ -1248,14 +1493,8 @@ def step_ssd(sr: Speedrun) -> None:
 
     for key, label in MODELS:
         sr.run_stage(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
-                      f"{','.join(map(str, BLOCKS))}",
-                      {"model": sr.trains[key].id, "eval_stage": sr.evals[key].id, "blocks": list(BLOCKS),
-                       "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
-                       "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": sr.cfg.seed,
-                       "drafter": {"rule": "snlp tune", "top": pre.tune_top, "prompts": pre.tune_prompts,
-                                   "tokens": pre.tune_tokens, "repeats": pre.tune_repeats,
-                                   "accept_tokens": pre.tune_accept_tokens},
-                       **sr.common()}, lambda scale, key=key: run(key, scale))
+                      f"{','.join(map(str, BLOCKS))}", sr.stage_settings(f"ssd-{key}")[0],
+                      lambda scale, key=key: run(key, scale))
 
 
 def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
@@ -1272,7 +1511,8 @@ def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
             "command": sr.command, "order": sr.order, "ran": st.ran, "reused": st.reused, "wall": wall,
             "threads": sr.eval_threads, "parallel": sr.parallel, "train_threads": sr.train_threads,
             "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS,
-            "budget": None if sr.budget is None else sr.budget.to_dict(), "budget_minutes": sr.preset.budget_minutes}
+            "budget": None if sr.budget is None else sr.budget.to_dict(), "budget_minutes": sr.preset.budget_minutes,
+            "train_floor_steps": MIN_TRAIN_STEPS if sr.preset.budget_minutes is not None else None}
 
 
 def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
@@ -1281,6 +1521,7 @@ def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
     return {"command": sr.command, "date": date, "settings": sr.settings(), "preset": dataclasses.asdict(sr.preset),
             "plans": sr.plans, "ran": st.ran, "reused": st.reused, "wall_seconds": wall, "environment": env,
             "budget": None if sr.budget is None else sr.budget.to_dict(),
+            "budget_exceeded_s": None if sr.preset.budget_minutes is None else max(0.0, wall - 60 * sr.preset.budget_minutes),
             "stages": {n: {"seconds": st.records[n].seconds, "result": st.records[n].result} for n in sr.order}}
 
 
@@ -1298,6 +1539,9 @@ def step_report(sr: Speedrun) -> None:
     write_atomic(sr.out / "report.md", render_report(ctx))
     _write_json(sr.out / "summary.json", summary(sr, ctx["env"], ctx["date"], wall))
     sr.console.print(f"wrote {sr.out / 'report.md'}, {sr.out / 'frontier.png'}")
+    if sr.preset.budget_minutes is not None and wall > 60 * sr.preset.budget_minutes:
+        sr.console.print(f"[yellow]budget exceeded by {fmt_s(wall - 60 * sr.preset.budget_minutes)}[/yellow] "
+                         f"({fmt_s(wall)} of {fmt_s(60 * sr.preset.budget_minutes)}; report.md says so)")
     sr.console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(sr.stages.ran)} stages ran, "
                      f"{len(sr.stages.reused)} reused)")
 

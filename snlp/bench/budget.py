@@ -8,13 +8,22 @@ it runs, `BudgetPlan.start(stage, elapsed)` returns the scale of the shrinkable 
 start: 1 while the job is on time; below 1 when earlier stages overran (their actual / planned ratio also
 corrects the estimates of the stages still to run), so that the remaining stages fit into what is left of the
 budget. A stage never shrinks below its `min_scale`: the total then grows, and the report says by how much.
-What a scale means (fewer prompts, fewer timing rounds; never fewer plans or models) is the caller's.
+What a scale means (fewer prompts, fewer timing rounds; never fewer plans or models) is the caller's; a stage's
+cost at a scale is what its caller says the knobs it sets at that scale cost (`StageCost.vary`), so the plan
+counts what will run.
+
+Training has a floor (`train_floor_s`, the caller's: the seconds the job's purpose needs): the other stages shrink
+toward their floors before training gets less than it; when even their floors leave training less than its floor
+the plan says so (`train_cut`), and below `min_train_s` the job is refused. A stage an earlier invocation made and
+this one reuses (`reuse`, or `reused` when planning) is done: it is neither shared again nor counted as still to
+run, and it keeps the plan and wall time it was recorded with.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 DRIFT_RANGE = (1.0, 3.0)  # observed actual / planned corrects the remaining estimates up only: keeping the
 # budget matters more than using all of it (a few fast small stages must not make a big later one look cheap)
@@ -28,19 +37,23 @@ class Probe:
     window_s: float  # one teacher-forced forward over an evaluation window (batch 1, seq_len tokens)
     decode_token_s: float  # one KV-cached greedy decode step at batch 1
     seconds: float = 0.0  # wall time of the probe itself
+    ref_s: float = 0.0  # a fixed workload whatever the job's shape (reference_work; 0: not measured)
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """A stage's predicted wall time at scale s: fixed_s + scalable_s * s, s in [min_scale, 1]."""
+    """A stage's predicted wall time at scale s in [min_scale, 1]: fixed_s + the shrinkable part, which is
+    `vary(s)` when given (the seconds of the knobs the stage really runs at s: a step function when they are
+    whole prompts and rounds; non-decreasing in s, vary(1) = scalable_s) and scalable_s * s otherwise."""
 
     name: str
     fixed_s: float
     scalable_s: float = 0.0
     min_scale: float = 0.25
+    vary: Callable[[float], float] | None = field(default=None, compare=False, repr=False)
 
     def at(self, scale: float) -> float:
-        return self.fixed_s + self.scalable_s * scale
+        return self.fixed_s + (self.vary(scale) if self.vary is not None else self.scalable_s * scale)
 
 
 @dataclass
@@ -50,14 +63,15 @@ class StagePlan:
 
     cost: StageCost
     share_s: float
-    scale: float = 1.0
+    scale: float | None = 1.0  # None: a reused stage whose record did not keep its scale
     planned_s: float | None = None  # predicted seconds at the scale it started with, drift-corrected
     raw_s: float | None = None  # the cost model's seconds at that scale (what drift compares against)
     actual_s: float | None = None
+    reused: bool = False  # made by an earlier invocation: planned_s / actual_s / scale are its recorded ones
 
     @property
     def shrunk(self) -> bool:
-        return self.scale < 1.0
+        return self.scale is not None and self.scale < 1.0
 
 
 @dataclass
@@ -71,6 +85,10 @@ class BudgetPlan:
     stages: dict[str, StagePlan] = field(default_factory=dict)
     probe: Probe | None = None
     tail_s: float = 0.0  # fixed costs after the last planned stage (the report)
+    train_floor_s: float = 0.0  # the least training the job's purpose needs (the caller's), before stages shrink
+    train_cut: bool = False  # training's share is below train_floor_s: even the stages' floors did not leave it
+    floor_budget_s: float | None = None  # when cut: the least budget that would have left training its floor
+    train_reused: bool = False  # training was made by an earlier invocation: train_s is what that one gave it
 
     def drift(self) -> float:
         """Observed actual / planned seconds of the stages that ran, clamped to DRIFT_RANGE (1 before any)."""
@@ -86,6 +104,7 @@ class BudgetPlan:
         and the fixed costs still to come, `tail_s`), each clamped to its min_scale. Records it and the
         planned seconds at that scale."""
         p = self.stages[name]
+        p.reused, p.actual_s = False, None  # it runs (an expected reuse that did not happen runs after all)
         if self.budget_s is None:
             p.scale = 1.0
         else:
@@ -103,50 +122,79 @@ class BudgetPlan:
         60 s. Without a budget: 0."""
         if self.budget_s is None:
             return 0.0
-        rest = sum(p.share_s for p in self.stages.values())
+        rest = sum(p.share_s for p in self.stages.values() if not p.reused)
         self.train_s = max(60.0, self.budget_s - self.margin_s - self.tail_s - overhead_s - elapsed_s - rest)
+        self.train_cut = self.train_s < self.train_floor_s - 1.0  # 1 s: the moments between planning and starting
         return self.train_s
 
     def finish(self, name: str, actual_s: float) -> None:
         self.stages[name].actual_s = actual_s
 
+    def reuse(self, name: str, planned_s: float | None, actual_s: float, scale: float | None = None) -> None:
+        """Stage `name` is reused from an earlier invocation (or will be: a re-run knows it before it gets there):
+        done, with the plan, wall time and scale it was recorded with; nothing of this budget goes to it and the
+        drift correction ignores it (its time was spent under another invocation's load)."""
+        p = self.stages[name]
+        p.reused, p.planned_s, p.actual_s, p.raw_s = True, planned_s, actual_s, None
+        p.scale = scale  # None: not recorded (an older record)
+        p.share_s = 0.0
+
     def to_dict(self) -> dict:
         return {"budget_s": self.budget_s, "train_s": self.train_s, "fixed_s": self.fixed_s,
                 "margin_s": self.margin_s, "probe": None if self.probe is None else vars(self.probe),
-                "tail_s": self.tail_s,
+                "tail_s": self.tail_s, "train_floor_s": self.train_floor_s, "train_cut": self.train_cut,
+                "floor_budget_s": self.floor_budget_s, "train_reused": self.train_reused,
                 "stages": {n: {"share_s": p.share_s, "scale": p.scale, "planned_s": p.planned_s,
-                               "actual_s": p.actual_s} for n, p in self.stages.items()}}
+                               "actual_s": p.actual_s, "reused": p.reused} for n, p in self.stages.items()}}
 
 
-def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, min_train_s: float,
-                margin: float = 0.04, probe: Probe | None = None, tail_s: float = 0.0) -> BudgetPlan:
+def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, min_train_s: float | None,
+                margin: float = 0.04, probe: Probe | None = None, tail_s: float = 0.0, train_floor_s: float = 0.0,
+                reused: dict[str, tuple[float | None, float, float | None]] | None = None) -> BudgetPlan:
     """Shares of a budget: every stage at scale 1, training gets the rest (budget - margin - fixed - stages).
-    When that is under min_train_s the stages shrink (a common scale, each at least its min_scale) to give
-    training min_train_s; a budget that cannot hold even that is refused (ValueError naming the minimum).
-    budget_s None: no budget; the plan only holds the estimates (training's share 0: it is not timed)."""
+    When that is under max(train_floor_s, min_train_s) the stages shrink (a common scale, each at least its
+    min_scale) to give training that; when even their floors leave training less than its floor, training gets
+    what the floors leave (`train_cut`), and a budget that cannot leave it min_train_s is refused (ValueError naming
+    the minimum). `reused`: stages an earlier invocation made, name -> (planned, actual seconds, scale) as recorded
+    (BudgetPlan.reuse). min_train_s None: training too was made earlier (nothing is refused: what is left runs, at
+    its floors at worst, and the caller reports by how much the budget was exceeded); train_s is then 0 until the
+    caller records the reused training's share. budget_s None: no budget; the plan only holds the estimates
+    (training's share 0: it is not timed)."""
+    reused = reused or {}
     if budget_s is None:
         stages = {c.name: StagePlan(c, share_s=c.at(1.0)) for c in costs}
-        return BudgetPlan(None, 0.0, fixed_s, 0.0, stages, probe, tail_s=tail_s)
-    if budget_s <= 0:
-        raise ValueError(f"the budget must be > 0 seconds (got {budget_s:g})")
-    margin_s = margin * budget_s
-    fixed = sum(c.fixed_s for c in costs)
-    room = budget_s - margin_s - fixed_s - min_train_s  # what the stages may take
-    floor = fixed + sum(c.scalable_s * c.min_scale for c in costs)
-    if room < floor:
-        need = (floor + fixed_s + min_train_s) / (1 - margin)
-        raise ValueError(f"a budget of {budget_s / 60:.1f} min cannot hold this job on this box: it needs at least "
-                         f"{need / 60:.1f} min ({min_train_s:.0f} s of training, {floor:.0f} s of stages at their "
-                         f"smallest, {fixed_s:.0f} s fixed, {margin:.0%} margin)")
-    s = _common_scale(costs, room)
-    stages = {c.name: StagePlan(c, share_s=c.at(max(c.min_scale, s))) for c in costs}
-    train_s = budget_s - margin_s - fixed_s - sum(p.share_s for p in stages.values())
-    return BudgetPlan(budget_s, train_s, fixed_s, margin_s, stages, probe, tail_s=tail_s)
+        plan = BudgetPlan(None, 0.0, fixed_s, 0.0, stages, probe, tail_s=tail_s, train_reused=min_train_s is None)
+    else:
+        if budget_s <= 0:
+            raise ValueError(f"the budget must be > 0 seconds (got {budget_s:g})")
+        margin_s = margin * budget_s
+        todo = [c for c in costs if c.name not in reused]
+        avail = budget_s - margin_s - fixed_s  # what the stages and training may take
+        floor = sum(c.at(c.min_scale) for c in todo)  # the stages at their smallest
+        if min_train_s is not None and avail - floor < min_train_s:
+            need = (floor + fixed_s + min_train_s) / (1 - margin)
+            raise ValueError(f"a budget of {budget_s / 60:.1f} min cannot hold this job on this box: it needs at least "
+                             f"{need / 60:.1f} min ({min_train_s:.0f} s of training, {floor:.0f} s of stages at their "
+                             f"smallest, {fixed_s:.0f} s fixed, {margin:.0%} margin)")
+        want = 0.0 if min_train_s is None else max(min_train_s, train_floor_s)
+        s = _common_scale(todo, avail - want)
+        stages = {c.name: StagePlan(c, share_s=c.at(max(c.min_scale, s))) for c in costs}
+        train_s = 0.0 if min_train_s is None else avail - sum(stages[c.name].share_s for c in todo)
+        plan = BudgetPlan(budget_s, train_s, fixed_s, margin_s, stages, probe, tail_s=tail_s,
+                          train_floor_s=train_floor_s if min_train_s is not None else 0.0,
+                          train_reused=min_train_s is None)
+        plan.train_cut = min_train_s is not None and train_s < train_floor_s - 1e-9
+        if plan.train_cut:
+            plan.floor_budget_s = (floor + fixed_s + train_floor_s) / (1 - margin)
+    for name, (planned, actual, scale) in reused.items():
+        plan.reuse(name, planned, actual, scale)
+    return plan
 
 
 def _common_scale(costs: list[StageCost], room: float) -> float:
     """The largest s <= 1 with sum(c.at(max(c.min_scale, s))) <= room (0 when even the floors do not fit):
-    the total is piecewise linear and increasing in s, so bisection."""
+    the total is non-decreasing in s (piecewise linear, or a step function where the knobs are whole prompts and
+    rounds), so bisection."""
     def total(s):
         return sum(c.at(max(c.min_scale, s)) for c in costs)
 
@@ -169,12 +217,31 @@ def _median_time(fn, reps: int, sync=lambda: None) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def reference_work(seed: int = 0):
+    """A fixed CPU workload, the same whatever the job's model: two 576 -> 1536 -> 576 ReLU MLP passes over 256
+    tokens in fp32 (1.8 GFLOP, a SmolLM2-sized layer's matmuls; ~20 ms on one idle core of the 2-core EPYC VM).
+    Its time measures the box and its load for work that does not scale with the job's model (e.g. converting a
+    fixed pretrained model), where the probe's other timings depend on the job's shape."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 576, generator=g)
+    w1, w2 = torch.randn(576, 1536, generator=g) / 24, torch.randn(1536, 576, generator=g) / 40
+
+    def run():
+        h = x
+        for _ in range(2):
+            h = torch.relu(h @ w1) @ w2
+        return h
+    return run
+
+
 def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16, seed: int = 0,
           train_threads: int = 0, eval_threads: int = 0, device: str = "cpu") -> Probe:
     """Measure the box on a fresh model of `config` (snlp.model.GPTConfig; weights do not change the cost):
     `train_steps` optimizer steps at (batch_size, sequence_len) after one warm-up, the median of three
-    teacher-forced windows and one greedy decode round of `decode_tokens` (per token). Threads as the job uses
-    them (0: unchanged), on `device`."""
+    teacher-forced windows and one greedy decode round of `decode_tokens` (per token), and the median of five
+    runs of `reference_work` on one CPU thread. Threads as the job uses them (0: unchanged), on `device`."""
     import torch
 
     from snlp.decode.generate import sequential_generate
@@ -211,6 +278,10 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
             t = time.perf_counter()
             sequential_generate(model, prompt, decode_tokens)
             decode_token_s = (time.perf_counter() - t) / decode_tokens
+            torch.set_num_threads(1)
+            ref = reference_work(seed)
+            ref()  # warm-up
+            ref_s = sorted(_median_time(ref, 1) for _ in range(5))[2]
     finally:
         torch.set_num_threads(old)
-    return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0)
+    return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s)

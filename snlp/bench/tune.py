@@ -23,7 +23,10 @@ Two stages:
         for real: SSD by snlp.decode.speculative.speculative_shootout (every shortlisted candidate of a setting in
         ONE round-robin after one sequential baseline, warm-up, medians of `repeats` rounds, output checked), SNLP
         by KV-cached snlp_generate vs sequential_generate round-robin. The pick is the best MEASURED shortlisted
-        candidate.
+        candidate where its lead exceeds the measurement's own noise (`pick`: half the range of each candidate's
+        per-round paired ratios); candidates within that noise of it tie, and the tie goes to the highest stage-1
+        prediction among them (an independent measurement: the acceptance profile and the step timings), then to
+        the plan's name, and the result says so (`pick_rule`). Non-finite measurements are excluded with a note.
 Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
 drift between the per-plan runs cancels (raw tokens/s are kept too). `full_grid` measures every candidate and
 reports how far the pick is from the best of the grid (the validation of the shortlist); without it that
@@ -199,6 +202,8 @@ class Candidate:
     shortlisted: bool = False
     measured: bool = False
     measured_speedup: float | None = None  # median of the per-round ratios, side by side with sequential
+    round_speedups: list[float] | None = None  # the per-round paired ratios (sequential / this ms per token)
+    noise: float | None = None  # half the range of round_speedups over their median (None: one round, unknown)
     tokens_per_s: float | None = None  # measured_speedup x the setting's median sequential tokens/s
     raw_tokens_per_s: float | None = None  # this run's own median
     sequential_tokens_per_s: float | None = None  # the sequential side of this candidate's runs
@@ -223,14 +228,15 @@ class TuneResult:
     acceptance: list[Acceptance]
     costs: list[StepCosts]
     candidates: list[Candidate]
-    picks: dict[str, Candidate | None]  # goal -> the best measured shortlisted candidate (None: none qualifies)
+    picks: dict[str, Candidate | None]  # goal -> the picked shortlisted candidate (`pick`; None: none qualifies)
     # the validation of the shortlist, only when it ran (config.full_grid); None when it did not: without the full
-    # grid the best measured candidate is the pick by construction, which validates nothing
+    # grid the pick comes from the measured shortlist by construction, which validates nothing
     grid_best: dict[str, Candidate | None] | None  # goal -> the best of every measured candidate
     pick_vs_best: dict[str, float | None] | None  # goal -> pick tokens/s over grid best's (1.0: the pick is the best)
     notes: list[str] = field(default_factory=list)
     stage1_s: float = 0.0
     stage2_s: float = 0.0
+    pick_rule: dict[str, str] = field(default_factory=dict)  # goal -> how the pick was made (best measured / tie rule)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -412,6 +418,7 @@ def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cf
                                            progress=cfg.progress)
         for c, r in zip(cs, rows):
             c.measured, c.measured_speedup, c.matches_sequential = True, r.measured_speedup, r.matches_sequential
+            c.round_speedups, c.noise = list(r.round_speedups), round_noise(r.round_speedups)
             c.raw_tokens_per_s, c.sequential_tokens_per_s = 1e3 / r.speculative_ms_per_token, 1e3 / r.sequential_ms_per_token
             c.alpha, c.tokens_per_round, c.measured_s = r.alpha, r.tokens_per_round, r.drafter_speedup_s
 
@@ -444,7 +451,8 @@ def measure_snlp(model: GPT, prompts: list[list[int]], cands: list[Candidate], c
                         ms[k].append(1e3 * s / max(n, 1))
         for c in cs:
             c.measured = True
-            c.measured_speedup = statistics.median(a / b for a, b in zip(ms[None], ms[c.plan]))
+            c.round_speedups = [a / b for a, b in zip(ms[None], ms[c.plan])]
+            c.measured_speedup, c.noise = statistics.median(c.round_speedups), round_noise(c.round_speedups)
             c.raw_tokens_per_s = 1e3 / statistics.median(ms[c.plan])
             c.sequential_tokens_per_s = 1e3 / statistics.median(ms[None])
 
@@ -460,9 +468,66 @@ def _normalise(cands: list[Candidate]) -> None:
             c.tokens_per_s = c.measured_speedup * statistics.median(ref[(c.goal, c.threads, c.compiled)])
 
 
+def round_noise(ratios) -> float | None:
+    """The noise of a measured speedup from its own rounds: half the range of the per-round paired ratios over
+    their median (a median of R rounds moves by about that much from one measurement to the next on a box whose
+    load changes); None for one round (no estimate) or a non-finite ratio."""
+    xs = list(ratios)
+    if len(xs) < 2 or not all(math.isfinite(x) for x in xs):
+        return None
+    return (max(xs) - min(xs)) / (2 * statistics.median(xs))
+
+
+def _finite(c: Candidate) -> bool:
+    return c.tokens_per_s is not None and math.isfinite(c.tokens_per_s) and math.isfinite(c.measured_speedup)
+
+
+def _eligible(cands: list[Candidate]) -> list[Candidate]:
+    return [c for c in cands if c.measured and c.within_budget and c.matches_sequential is not False and _finite(c)]
+
+
 def _best(cands: list[Candidate]) -> Candidate | None:
-    ok = [c for c in cands if c.measured and c.within_budget and c.matches_sequential is not False]
-    return max(ok, key=lambda c: c.tokens_per_s, default=None)
+    """The best measured candidate (exact, within budget, finite measurements)."""
+    return max(_eligible(cands), key=lambda c: c.tokens_per_s, default=None)
+
+
+def _name(c: Candidate) -> str:
+    return f"{c.plan}" + (f" B={c.block}" if c.block else "") + (f" ({c.threads} thr, compiled)" if c.compiled else "")
+
+
+def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
+    """(the pick among measured candidates, the rule that made it). The best measured wins where its lead over
+    every other candidate exceeds the noise of the two (the larger of their `noise`: half the range of their
+    per-round ratios); the candidates within that noise of the best tie with it (a candidate without a noise
+    estimate, one round, ties), and among the tied the highest stage-1 prediction (predicted tokens/s: the
+    acceptance profile and step timings, measured apart from the shootout) wins, then the plan's name, then the
+    block. Ineligible candidates (not exact, over the dPPL budget, non-finite measurements) never count."""
+    ok = _eligible(cands)
+    if not ok:
+        return None, "no eligible measured candidate"
+    best = max(ok, key=lambda c: c.tokens_per_s)
+
+    def noise(c):
+        a, b = best.noise, c.noise
+        return None if a is None or b is None else max(a, b)
+
+    tied = [c for c in ok if c is best or noise(c) is None or best.tokens_per_s / c.tokens_per_s - 1 <= noise(c)]
+    if len(tied) == 1:
+        rest = sorted((c for c in ok if c is not best), key=lambda c: -c.tokens_per_s)
+        if not rest:
+            return best, f"the only measured candidate: {_name(best)} {best.measured_speedup:.3f}x"
+        nxt = rest[0]
+        return best, (f"best measured: {_name(best)} {best.measured_speedup:.3f}x, "
+                      f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), more than the "
+                      f"noise of the two (±{noise(nxt):.1%}: half the range of their per-round ratios)")
+    chosen = sorted(tied, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
+    what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
+                     for c in sorted(tied, key=lambda c: -c.tokens_per_s))
+    one_round = any(c.noise is None for c in tied)
+    return chosen, (f"within noise: {what} are within the per-round spread of the best measured"
+                    + (" (one timed round: no noise estimate, every candidate ties)" if one_round else "")
+                    + f"; the tie goes to the highest stage-1 prediction: {_name(chosen)} "
+                    f"(predicted {chosen.predicted_speedup:.3f}x)")
 
 
 def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,
@@ -498,15 +563,19 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
 
 
 def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: float, s2: float) -> TuneResult:
-    """Picks (best measured shortlisted candidate per goal), grid bests and the notes a reader needs."""
+    """Picks (`pick` over the shortlisted candidates of each goal, and its rule), grid bests and the notes a reader
+    needs."""
     goals = [g for g in GOALS if (g == "ssd" and cfg.ssd) or (g == "snlp" and cfg.max_dppl is not None)]
-    picks = {g: _best([c for c in cands if c.goal == g and c.shortlisted]) for g in goals}
+    made = {g: pick([c for c in cands if c.goal == g and c.shortlisted]) for g in goals}
+    picks, rules = {g: m[0] for g, m in made.items()}, {g: m[1] for g, m in made.items()}
     best = ratio = None  # the grid was not run: no validation to record
     if cfg.full_grid:
         best = {g: _best([c for c in cands if c.goal == g]) for g in goals}
         ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
     notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
+    notes += [f"{c.goal} candidate {_name(c)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
+              f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
     for g, p in picks.items():
@@ -516,7 +585,8 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     p = next(model.parameters())
     return TuneResult(config=cfg, n_layer=model.config.n_layer, device=str(p.device),
                       dtype=str(p.dtype).replace("torch.", ""), quality=quality, acceptance=acceptance, costs=costs, candidates=cands,
-                      picks=picks, grid_best=best, pick_vs_best=ratio, notes=notes, stage1_s=s1, stage2_s=s2)
+                      picks=picks, grid_best=best, pick_vs_best=ratio, notes=notes, stage1_s=s1, stage2_s=s2,
+                      pick_rule=rules)
 
 
 def _f(x, fmt: str) -> str:
@@ -526,18 +596,19 @@ def _f(x, fmt: str) -> str:
 def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
     """The markdown table of one goal, measured rows by measured tokens/s (best first), then (unless
     `measured_only`) the predicted-only rows: `>` marks the pick, `*` the shortlist, `P` the SNLP Pareto front
-    over (dPPL, measured tokens/s)."""
+    over (dPPL, measured tokens/s); noise = half the range of the per-round ratios (round_noise)."""
     rows = [c for c in result.candidates if c.goal == goal and (c.measured or not measured_only)]
     rows.sort(key=lambda c: (not c.measured, -(c.tokens_per_s or 0.0), -c.predicted_tokens_per_s))
     front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
     pick = result.picks.get(goal)
     cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
-            "pred x", "pred tok/s", "meas s", "meas x", "tok/s", "alpha", "meas tok/rnd", "= seq"]
+            "pred x", "pred tok/s", "meas s", "meas x", "noise", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
              f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
-             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
+             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), "–" if c.noise is None else f"±{c.noise:.1%}",
+             _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     return markdown_table(cols, body)
 
@@ -559,7 +630,7 @@ def summary(result: TuneResult) -> list[str]:
         what = f"`{p.plan}`" + (f" B={p.block}" if p.block else "") + f", {p.threads} threads" + \
             (", compiled" if p.compiled else "")
         line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential), "
-                f"predicted {p.predicted_speedup:.2f}x")
+                f"predicted {p.predicted_speedup:.2f}x; {result.pick_rule.get(g, '')}")
         if result.grid_best is None:
             line += "; full-grid validation: not run (--full-grid)"
         elif (b := result.grid_best[g]) is not None:

@@ -6,7 +6,7 @@ against sequential decoding (typed rows, `SSDRow`)."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -83,8 +83,17 @@ def speculative_report(spec: GenerateResult, seq: GenerateResult) -> Speculative
 
 @dataclass
 class SSDRow(SpeculativeReport):
-    """One block size of `speculative_benchmark`: the medians over the timed rounds of each report field,
-    the ideal SSD speedup of the median alpha and s, and how the rounds were run."""
+    """One block size of `speculative_benchmark` (one case of `speculative_shootout`): the medians over the timed
+    rounds of each report field, the ideal SSD speedup of the median alpha and s, and how the rounds were run.
+
+    `measured_speedup` is the median over the rounds of each round's PAIRED ratio, sequential over speculative
+    ms per token of that round (the two sides ran interleaved on the same prompts, so load drift between rounds
+    cancels); the per-round ratios are `round_speedups`. `sequential_ms_per_token` / `speculative_ms_per_token`
+    are the medians of each side over the rounds, taken separately: their ratio equals `measured_speedup` only
+    when the load did not drift between rounds. Compile time (compiled steps, never inside a timing):
+    `compile_s` is what this row's own calls compiled (its verifier shape at B + 1, and its drafter's graphs when
+    it was the first row to run that drafter); `shared_compile_s` is the sequential baseline's, the same in every
+    row of one measurement (count it once)."""
 
     matches_sequential: bool = True  # every speculative output equalled the sequential one, every round
     repeats: int = 0
@@ -92,6 +101,8 @@ class SSDRow(SpeculativeReport):
     gen_tokens: int = 0
     compiled: bool = False
     compile_s: float = 0.0
+    shared_compile_s: float = 0.0
+    round_speedups: list[float] = field(default_factory=list)
 
 
 _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_ms_per_step", "drafter_ms_per_step",
@@ -112,7 +123,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
     output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
     `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
-    run (compiled during the warm-up; rows carry `compile_s`). `speculative_shootout` measures several drafters
+    run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
     in the same way, against one sequential baseline."""
     plan = decode_plan(model, plan)
     blocks = tuple(blocks)
@@ -131,7 +142,9 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
                          preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
     """Several greedy drafters, `cases` = [(plan, B), ...], measured against ONE sequential baseline in ONE
     round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially,
-    then by every case (their order rotated round by round, so no case always runs right after the baseline);
+    then by every case, their order rotated prompt by prompt across the rounds (`rotation`: over all the timed
+    prompts every case runs at every position, right after the baseline included, as often as any other, give or
+    take one, whatever the number of cases, prompts and rounds);
     per round and case the counters are summed over the prompts; each row holds the medians over the rounds. So
     load drift hits every drafter alike and their measured speedups compare (`snlp tune` picks among them by
     it): one benchmark per drafter, one after another, compared each against its own baseline taken at another
@@ -149,11 +162,20 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
                          repeats, warmup, 0.0, 0, eos_id, progress, compile, {})
 
 
+def rotation(slot: int, n: int) -> list[int]:
+    """The order of n cases at the `slot`-th timed prompt of a round-robin (slot = round x prompts + prompt): a
+    rotation that moves by one every prompt, so over S slots each case runs at each position floor(S / n) or
+    ceil(S / n) times (a rotation per round only would never put a third case first in two rounds)."""
+    return [(slot + i) % n for i in range(n)]
+
+
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
                   temperature: float, seed: int | None, eos_id: int | None, progress: bool, compile: bool,
                   spec_kw: dict) -> tuple[list[SSDRow], list[list[int]]]:
     """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
-    the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings)."""
+    the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings). Compile time is
+    attributed call by call: what the steps compiled during a sequential call is shared, during a case's call
+    that case's own."""
     if not prompts:
         raise ValueError("speculative_benchmark needs at least one prompt")
     for _, b, _ in cases:
@@ -162,14 +184,28 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
     seq_kw = dict(kw, step=seq_step)
+    n = len(cases)
+    steps = [seq_step] + list({id(st): st for _, _, st in cases}.values())
+    shared, own = [0.0], [0.0] * n
+
+    def compiled() -> float:
+        return sum(st.compile_s for st in steps)
+
+    def seq(p):
+        c = compiled()
+        res = sequential_generate(model, p, **seq_kw)
+        shared[0] += compiled() - c
+        return res
 
     def spec(i: int, p):
         plan, b, step = cases[i]
-        return speculative_generate(model, p, plan, block=b, draft=step, verify=seq_step, **kw, **spec_kw)
+        c = compiled()
+        res = speculative_generate(model, p, plan, block=b, draft=step, verify=seq_step, **kw, **spec_kw)
+        own[i] += compiled() - c
+        return res
 
-    n = len(cases)
     for _ in range(warmup):  # allocator, kernels, fused weights, compiled graphs: both sides
-        sequential_generate(model, prompts[0], **seq_kw)
+        seq(prompts[0])
         for i in range(n):
             spec(i, prompts[0])
     reports: list[list[SpeculativeReport]] = [[] for _ in cases]
@@ -177,16 +213,15 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
     label = ", ".join(f"{p} B={b}" for p, b, _ in cases)
     with progress_bar(repeats * len(prompts), f"SSD {label}", progress) as bar:
         for r in range(repeats):
-            order = [(r + i) % n for i in range(n)]  # rotated each round
             seq_runs, spec_runs = [], [[] for _ in cases]
-            for p in prompts:
-                seq_runs.append(sequential_generate(model, p, **seq_kw))
-                for i in order:
+            for j, p in enumerate(prompts):
+                seq_runs.append(seq(p))
+                for i in rotation(r * len(prompts) + j, n):
                     spec_runs[i].append(spec(i, p))
                 bar.update()
-            seq = merge_results(seq_runs)
+            seq_res = merge_results(seq_runs)
             for i in range(n):
-                reports[i].append(speculative_report(merge_results(spec_runs[i]), seq))
+                reports[i].append(speculative_report(merge_results(spec_runs[i]), seq_res))
                 matches[i] &= all(x.tokens == y.tokens for x, y in zip(spec_runs[i], seq_runs))
     rows = []
     for i, (plan, b, step) in enumerate(cases):
@@ -195,7 +230,8 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         rows.append(SSDRow(plan=str(plan), block=b, **med,
                            ideal_ssd_speedup=ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan"),
                            matches_sequential=matches[i], repeats=repeats, prompts=len(prompts),
-                           gen_tokens=max_new_tokens, compiled=compile, compile_s=seq_step.compile_s + step.compile_s))
+                           gen_tokens=max_new_tokens, compiled=compile, compile_s=own[i], shared_compile_s=shared[0],
+                           round_speedups=[x.measured_speedup for x in reports[i]]))
     return rows, [x.tokens for x in seq_runs]
 
 

@@ -61,3 +61,56 @@ def test_tight_budget_shrinks_up_front_and_too_small_is_refused():
     assert all(shares[c.name] < c.fixed_s + c.scalable_s for c in COSTS)
     with pytest.raises(ValueError, match="budget of 2.0 min cannot hold"):
         plan_budget(120, COSTS, fixed_s=40, min_train_s=60)
+
+
+def test_a_stage_cost_counts_its_knobs():
+    """`vary`: the shrinkable part is what the knobs cost at a scale (a step function of whole rounds), not a line."""
+    rounds = lambda s: max(3, round(10 * s))  # noqa: E731  3..10 rounds of 2 s
+    c = StageCost("eval", fixed_s=30, scalable_s=20, min_scale=0.3, vary=lambda s: 2.0 * rounds(s))
+    assert [c.at(s) for s in (1.0, 0.5, 0.3)] == [50.0, 40.0, 36.0]
+    plan = plan_budget(300, [c], fixed_s=0, min_train_s=60, margin=0.0)
+    plan.train_share(0)
+    assert plan.start("eval", 300 - 41) == pytest.approx(0.5, abs=0.05)  # 41 s left: 5 rounds (40 s) fit, 6 do not
+    assert plan.stages["eval"].planned_s == 40.0
+
+
+def test_reused_stages_are_done_not_work_left():
+    """Review finding 2: a stage an earlier invocation made is done in the plan (its recorded plan and wall time),
+    so the stage that runs is not shrunk for work that will never happen, and it is not in the drift correction.
+    Reference: 130 s left for the one stage that runs (110 s at scale 1) -> scale 1."""
+    costs = [StageCost("eval", 10, 100), StageCost("ssd", 10, 100)]
+    plan = plan_budget(600, costs, fixed_s=0, min_train_s=60, margin=0.0)
+    plan.train_share(0)
+    plan.reuse("eval", planned_s=110.0, actual_s=300.0, scale=0.5)  # it overran 3x in its own invocation
+    assert plan.start("ssd", 600 - 130) == 1.0 and plan.drift() == 1.0
+    d = plan.to_dict()["stages"]["eval"]
+    assert (d["planned_s"], d["actual_s"], d["scale"], d["reused"]) == (110.0, 300.0, 0.5, True)
+
+
+def test_a_rerun_of_the_last_stages_is_not_refused_for_work_done():
+    """Review finding 2: with training and the early stages reused, planning counted them (and a minute of training)
+    and refused a re-run of the last stage on a slow box; now only what runs is planned and nothing is refused."""
+    costs = [StageCost("eval", 500, 500), StageCost("ssd", 10, 100)]  # eval alone does not fit at its floor
+    with pytest.raises(ValueError, match="cannot hold"):
+        plan_budget(600, costs, fixed_s=0, min_train_s=60)
+    plan = plan_budget(600, costs, fixed_s=0, min_train_s=None, reused={"eval": (700.0, 650.0, None)})
+    assert plan.train_reused and plan.stages["eval"].reused and plan.stages["ssd"].share_s == pytest.approx(110)
+    assert plan.start("ssd", 20) == 1.0
+
+
+def test_training_floor_shrinks_the_stages_first_and_says_when_it_is_cut():
+    """Review finding 11: training absorbed every slow-down before any stage shrank. With a floor, the stages shrink
+    toward their floors first; when even their floors leave training less, it gets what they leave and the plan says
+    so (with the budget that would have held the floor). Sums written out here."""
+    costs = [StageCost("a", 50, 200, min_scale=0.25), StageCost("b", 50, 100, min_scale=0.5)]  # 450 s; floors 200 s
+    room = 1000 - 40 - 60  # budget - margin (4 %) - fixed
+    plan = plan_budget(1000, costs, fixed_s=60, min_train_s=60, train_floor_s=200)
+    assert plan.train_s == pytest.approx(room - 400) and not plan.train_cut  # nothing to shrink: 500 >= 200
+    plan = plan_budget(1000, costs, fixed_s=60, min_train_s=60, train_floor_s=600)
+    s = (room - 600 - 100) / 300  # a + b at a common scale s (>= both floors) leave training exactly 600
+    assert plan.train_s == pytest.approx(600) and not plan.train_cut
+    assert plan.stages["a"].share_s == pytest.approx(50 + 200 * s) and plan.stages["b"].share_s == pytest.approx(50 + 100 * s)
+    plan = plan_budget(1000, costs, fixed_s=60, min_train_s=60, train_floor_s=800)
+    assert plan.train_cut and plan.train_s == pytest.approx(room - 200)  # the stages at their floors: 100 + 100
+    assert plan.floor_budget_s == pytest.approx((200 + 60 + 800) / 0.96)
+    assert plan.to_dict()["train_cut"] is True

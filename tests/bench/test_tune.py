@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -72,12 +73,16 @@ def test_every_ssd_candidate_reproduces_sequential_greedy(grid, model, val):
             assert speculative_generate(model, prompt, c.plan, block=c.block, max_new_tokens=10).tokens == ref
 
 
-def test_the_pick_is_the_best_measured_shortlisted_candidate(grid):
+def test_the_pick_follows_the_stated_rule(grid):
+    """FAST times one round: no noise estimate, so every shortlisted candidate ties with the best measured and the
+    highest stage-1 prediction wins (snlp.bench.tune.pick; the rule with real rounds: test_pick_rule_*)."""
     _, r = grid
     for goal in ("ssd", "snlp"):
         mine = [c for c in r.candidates if c.goal == goal and c.measured and c.within_budget]
-        short = [c for c in mine if c.shortlisted]
-        assert r.picks[goal] is max(short, key=lambda c: c.tokens_per_s)
+        short = [c for c in mine if c.shortlisted and c.matches_sequential is not False]
+        assert all(c.noise is None and len(c.round_speedups) == 1 for c in short)
+        assert r.picks[goal] is sorted(short, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
+        assert "one timed round" in r.pick_rule[goal]
         assert r.grid_best[goal] is max(mine, key=lambda c: c.tokens_per_s)
         assert r.pick_vs_best[goal] == pytest.approx(r.picks[goal].tokens_per_s / r.grid_best[goal].tokens_per_s)
         assert r.pick_vs_best[goal] <= 1.0
@@ -208,3 +213,58 @@ def test_settings_default_to_the_current_thread_count_and_compile_adds_a_setting
 def test_compile_refuses_a_tol_plan(model, val):
     with pytest.raises(ValueError, match="tol"):
         tune(model, val, TuneConfig(plans=["2xF1-h0-K4-tol:1e-3"], compile=True, **FAST))
+
+
+def _cand(plan, rounds, pred=1.2, match=True, block=4):
+    from snlp.bench.tune import Candidate, round_noise
+
+    x = statistics.median(rounds)
+    return Candidate(goal="ssd", plan=plan, block=block, threads=1, compiled=False, top1=0.9, delta_ppl=0.0,
+                     accept_alpha=0.9, predicted_tokens_per_round=4.0, s=1.5, predicted_speedup=pred,
+                     predicted_tokens_per_s=100.0 * pred, shortlisted=True, measured=True, measured_speedup=x,
+                     tokens_per_s=100.0 * x, matches_sequential=match, round_speedups=list(rounds),
+                     noise=round_noise(rounds))
+
+
+def _picked(model, cands):
+    from snlp.bench.tune import _result
+
+    r = _result(model, TuneConfig(), [], [], [], cands, 0.0, 0.0)
+    return r.picks["ssd"], r.pick_rule["ssd"], r.notes
+
+
+def test_pick_rule_best_measured_beyond_the_noise(model):
+    """Review finding 7: the best measured wins where its lead over the next exceeds the noise of the two (half the
+    range of their per-round ratios over the median): here +16 % against ±1.6 %."""
+    a, b = _cand("A", [1.50, 1.52, 1.55], pred=1.0), _cand("B", [1.30, 1.32, 1.31], pred=1.5)
+    assert a.noise == pytest.approx(0.05 / (2 * 1.52))
+    got, rule, _ = _picked(model, [b, a])
+    assert got is a and rule.startswith("best measured") and "±1.6%" in rule
+
+
+def test_pick_rule_within_noise_goes_to_the_prediction(model):
+    """Review finding 7 (shootout_noise.py: identical candidates spread +6 % to +14 % in one shootout): candidates
+    within the best's noise tie with it and the highest stage-1 prediction among them wins; one outside it never
+    does, whatever its prediction; equal predictions go to the plan's name. The rule is recorded."""
+    a = _cand("6xF2-h0-K1", [1.40, 1.55, 1.60], pred=1.40)  # 1.55, noise 0.2 / 3.1 = 6.5 %
+    b = _cand("1xF12-h0-K1", [1.45, 1.51, 1.60], pred=1.41)  # 1.51: 2.6 % below a, within 6.5 %
+    c = _cand("12xF1-h0-K1", [1.30, 1.37, 1.42], pred=1.90)  # 1.37: 13 % below a, beyond its noise
+    got, rule, _ = _picked(model, [a, b, c])
+    assert got is b and rule.startswith("within noise") and "12xF1" not in rule and "1xF12-h0-K1" in rule
+    twin = _cand("0xTwin", [1.45, 1.51, 1.60], pred=1.41)  # the same prediction as b: the name decides
+    assert _picked(model, [a, b, twin])[0] is twin
+    single = [_cand("A", [1.6], pred=1.0), _cand("B", [1.5], pred=1.1)]  # one round: no noise estimate, all tie
+    got, rule, _ = _picked(model, single)
+    assert got.plan == "B" and "one timed round" in rule
+
+
+def test_pick_rule_excludes_non_finite_and_inexact_measurements(model):
+    """Review finding 12 (tune_pick_rules.py): max() over tokens/s took a NaN timing in first position. Non-finite
+    measurements are excluded with a note; a faster candidate whose output differs from sequential never counts."""
+    nan = _cand("N", [1.5, 1.5, 1.5], pred=9.0)
+    nan.measured_speedup = nan.tokens_per_s = math.nan
+    fast_wrong = _cand("W", [2.0, 2.0, 2.0], pred=9.0, match=False)
+    ok = _cand("B", [1.6, 1.6, 1.6], pred=1.0)
+    got, _, notes = _picked(model, [nan, fast_wrong, ok, _cand("C", [1.3, 1.3, 1.3])])
+    assert got is ok
+    assert any("N" in n and "non-finite" in n for n in notes) and any("W B=4" in n for n in notes)
