@@ -17,6 +17,8 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    and for a second shared runner over another suffix bound in between
   evaluate                         a K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals the
                                    exp(mean NLL) of the plan's logits on the protocol's windows
+  a diverging plan (blow-up model) snlp_generate (any form, greedy or sampled), jacobi verify=False: raise
+                                   SNLPDivergenceError naming the step; speculative / verified jacobi: the argmax loop
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
@@ -39,12 +41,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import argmax_loop, examples, make_model, mhc_model
+from conftest import argmax_loop, blowup_model, examples, make_model, mhc_model
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from snlp import (bind, evaluate, fused_forward, jacobi_generate, parallel_forward, sequential_generate, snlp_generate,
-                  speculative_generate)
+from snlp import (SNLPDivergenceError, bind, evaluate, fused_forward, jacobi_generate, parallel_forward,
+                  sequential_generate, snlp_generate, speculative_generate)
 from snlp.eval.protocol import EvalConfig
 from snlp.method.drafter import make_drafter
 from snlp.method.plan import Plan
@@ -248,6 +250,82 @@ def test_tol_rows_do_not_depend_on_the_batch(seed):
     assert snlp_generate(m, [a], plan, max_new_tokens=10)[0].tokens == alone
     assert snlp_generate(m, [a, b], plan, max_new_tokens=10)[0].tokens == alone
     assert snlp_generate(m, [b, a], plan, max_new_tokens=10)[1].tokens == alone
+
+
+# ----------------------------------------------------------------------------- a diverging plan
+DIVERGING_ENTRIES = ("snlp", "snlp-sampled", "speculative", "drafter", "jacobi", "jacobi-unverified")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("entry", DIVERGING_ENTRIES)
+def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
+    """A plan whose solve turns NaN/inf: the blow-up model (tests/conftest.py; its sequential forward is finite, the
+    exact-Newton step of 8xF1-h0-K1-newton overflows). Newton plans cannot batch (refused as in the matrix), so the
+    batch forms of snlp_generate take the same model in fp16, where every plan's solve overflows (8xF1-h0-K1).
+    Law: where the tokens are the plan's own (snlp_generate, greedy or sampled; Jacobi with verify=False) the call
+    raises SNLPDivergenceError naming the plan and the generated token whose logits were NaN/inf; it emitted the
+    argmax of NaN logits (token 0) before (rev-harness finding 2). Where the model verifies (speculative decoding with
+    the plan's forward or a drafter, verified Jacobi) the output equals the full-prefix argmax loop: diverged drafts
+    cost speed only. Any other outcome is a defect; the flag rides on the decode loop's own host read."""
+    several = form in ("ragged", "tensorBT") or (form == "list1" and entry.startswith("snlp"))
+    m, plan = blowup_model(61, sequence_len=64), "8xF1-h0-K1-newton"
+    if several and entry.startswith("snlp"):
+        m, plan = m.half(), "8xF1-h0-K1"
+    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
+    arg = {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
+           "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
+           "tensorBT": lambda: torch.tensor(prompts)}[form]()
+    kw = dict(max_new_tokens=5)
+    call = {"snlp": lambda: snlp_generate(m, arg, plan, **kw),
+            "snlp-sampled": lambda: snlp_generate(m, arg, plan, temperature=1.0, seed=0, **kw),
+            "speculative": lambda: speculative_generate(m, arg, plan, block=3, **kw),
+            "drafter": lambda: speculative_generate(m, arg, plan, block=3, drafter=make_drafter(m, plan), **kw),
+            "jacobi": lambda: jacobi_generate(m, arg, plan, block=3, **kw),
+            "jacobi-unverified": lambda: jacobi_generate(m, arg, plan, block=3, verify=False, **kw)}[entry]
+    refused = "jacobi" if entry.startswith("jacobi") and form in BATCH_FORMS else \
+        "batched decoding supports" if form in ("ragged", "tensorBT") and not entry.startswith("snlp") else None
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            call()
+    elif entry in ("snlp", "snlp-sampled", "jacobi-unverified"):
+        rows = r"prompt\(s\) \[0(, 1)*(, 2)*\]" if several else r"contain NaN/inf"
+        with pytest.raises(SNLPDivergenceError, match=rf"SNLP plan {plan} diverged while decoding: the logits of "
+                                                      rf"generated token 1 .*{rows}") as err:
+            call()
+        assert "\n" not in str(err.value)
+    else:
+        out = call()
+        got = [r.tokens for r in out] if isinstance(out, list) else [out.tokens]
+        assert got == [argmax_loop(m, p, 5) for p in prompts[:len(got)]] and len(got) == (len(prompts) if several
+                                                                                             or form == "list1" else 1)
+
+
+def test_finite_snlp_decoding_is_unchanged_by_the_check():
+    """The same blow-up model with an exact plan (K >= C, M = 1: the model itself) decodes as the full-prefix argmax
+    loop, alone and in a ragged batch, and its sampled tokens are those of a naive loop drawing softmax(logits / T)
+    of the full forward from a generator seeded seed + i for prompt i (snlp.decode.batch's rule)."""
+    m = blowup_model(61, sequence_len=64).double()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in (3, 8)]
+    plan = "8xF1-h0-K8"
+    assert snlp_generate(m, prompts[0], plan, max_new_tokens=6).tokens == argmax_loop(m, prompts[0], 6)
+    assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=6)] == [argmax_loop(m, p, 6)
+                                                                                     for p in prompts]
+
+    def naive_sample(p, seed, n=6, t=2.0):
+        g, ids = torch.Generator().manual_seed(seed), list(p)
+        for _ in range(n):
+            with torch.no_grad():
+                probs = torch.softmax(m(torch.tensor([ids]))[0, -1].float() / t, -1)
+            ids.append(int(torch.multinomial(probs, 1, generator=g)))
+        return ids[len(p):]
+
+    rows = snlp_generate(m, prompts, plan, max_new_tokens=6, temperature=2.0, seed=5)
+    assert [r.tokens for r in rows] == [naive_sample(p, 5 + i) for i, p in enumerate(prompts)]
+    assert snlp_generate(m, prompts[1], plan, max_new_tokens=6, temperature=2.0, seed=9).tokens == \
+        naive_sample(prompts[1], 9)
 
 
 # ----------------------------------------------------------------------------- bind / Runner

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
 from snlp.apps.common import plans_preheat
 from snlp.method.plan import parse_plans
 from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
@@ -66,7 +68,7 @@ def check_method_files(methods: list[str]) -> None:
 
 def run(args) -> int:
     try:
-        from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, print_table
+        from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table
     except ImportError as e:
         if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
             raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
@@ -89,9 +91,14 @@ def run(args) -> int:
     dtype = cli_dtype(args.dtype, device)
     if args.plans:  # a plan given twice (or two spellings of one) would overwrite its own JSON: refused before loading
         check_plan_list(args.plans)
+    model_arg("pretrained", args.ckpt)  # each run records them in its model_args: a ',' is refused before loading
+    if args.drafter:
+        model_arg("drafter", args.drafter)
     model, tok, ckpt = load_any(args.ckpt)
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
     preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
+    # loaded here, so converted here: SNLPLM never converts a model object it is given
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block,
                   name=args.ckpt)
     lms = [SNLPLM(pretrained=model, **common)]

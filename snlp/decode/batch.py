@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.session import GenerateResult, make_generator, prompt_ids_list
+from snlp.decode.session import GenerateResult, check_picked, make_generator, pick_tokens, prompt_ids_list
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import RowPositions
@@ -214,12 +214,10 @@ class BatchSession:
         """Batch rows still decoding."""
         return [j for j, i in enumerate(self.rows) if not self.done[i]]
 
-    def pick(self, logits: Tensor, temperature: float) -> list[int]:
-        """Next token of every batch row from logits (B, V): argmax, or a sample from the row's own generator."""
-        if temperature == 0:
-            return logits.argmax(-1).tolist()
-        probs = torch.softmax(logits.float() / temperature, -1)
-        return [int(torch.multinomial(probs[j], 1, generator=self.gens[i])) for j, i in enumerate(self.rows)]
+    def pick(self, logits: Tensor, temperature: float, flag: bool = False) -> list[int]:
+        """Next token of every batch row from logits (B, V): argmax, or a sample from the row's own generator;
+        `flag` (an SNLP forward): NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tokens)."""
+        return pick_tokens(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
 
     def finish(self) -> list[GenerateResult]:
         wall = now(self.device) - self.t0
@@ -246,9 +244,14 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
         while ses.active:
             t0 = now(ses.device)
             x = ses.ids([[t] for t in ses.last])  # (B, 1)
-            nxt = ses.pick(forward.ragged(x, ses.positions(1), ses.cache)[:, -1], temperature)  # from (B, V)
+            nxt = ses.pick(forward.ragged(x, ses.positions(1), ses.cache)[:, -1], temperature,
+                           flag=plan is not None)  # from (B, V)
             dt = now(ses.device) - t0
-            for j in ses.live():
+            live = ses.live()
+            if plan is not None:  # NaN/inf logits of a live row raise (a finished row riding along is ignored)
+                check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
+                             [ses.rows[j] for j in live])
+            for j in live:
                 res = ses.results[ses.rows[j]]
                 res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1
                 ses.emit(j, [nxt[j]], 1)

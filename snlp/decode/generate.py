@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from snlp.decode.batch import batch_autoregressive, is_batch
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, decode_plan, make_generator,
-                                 pick_token, sequential_forward, snlp_forward, step_slack)
+from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, decode_plan,
+                                 make_generator, pick_token, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -42,8 +42,11 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
         while not ses.done:
             t0 = now(ses.device)
             x = ses.ids([ses.last])
-            nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen)  # from logits (V,)
+            # from logits (V,); an SNLP forward's NaN/inf logits raise (flagged on the same host read)
+            nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=plan is not None)
             res.step_s += now(ses.device) - t0  # timed like the speculative drafter's steps
+            if plan is not None:
+                check_picked([nxt], plan, len(ses.out))
             res.steps += 1
             res.forwards += 1
             ses.emit([nxt])
@@ -74,7 +77,9 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
     `sequential_generate` (snlp.decode.steps.snlp_step). `preheat`: the calibration a -preheat- plan needs. A list of
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
-    its own, so a row's tokens do not depend on the batch)."""
+    its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises
+    SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's
+    tokens, no extra sync) instead of emitting tokens read off them."""
     plan = decode_plan(model, plan)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)

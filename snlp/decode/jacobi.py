@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from snlp.decode.batch import is_batch
-from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, decode_plan, sequential_forward
+from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, decode_plan,
+                                 pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -32,7 +33,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     JD-coupling table, App. "Coupling SNLP with Jacobi Decoding"): the round keeps the longest
     prefix of the guesses that the LAST SNLP iteration reproduces, plus its next prediction, with no
     sequential forward, so the output may differ from sequential greedy decoding (compare with
-    `metrics.ar_match`). `warm_start` (h0-JD, needs a plan): the first JD iteration of a round
+    `metrics.ar_match`); a plan whose solve turns NaN/inf then raises SNLPDivergenceError (verified, the sequential
+    check keeps the output exact and a diverged guess only costs speed). `warm_start` (h0-JD, needs a plan): the first JD iteration of a round
     solves from the plan's init; later ones recompute the prefix state h_S of the new guesses but
     start the suffix chunk states from the previous JD iteration's final states (features of the old
     guesses); without it every iteration is a fresh SNLP solve (naive composition). Without a plan
@@ -74,7 +76,13 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
                     logits, states = warm_fwd(ses.ids([ses.last] + g), cache, states)
                 else:
                     logits = jac_fwd(ses.ids([ses.last] + g), cache)
-                pred = logits[0].argmax(-1).tolist()  # (Bk+1,)
+                # (Bk+1,); unverified, the SNLP iterations' tokens are the output: NaN/inf logits raise (the flag
+                # rides on this host read); verified, the sequential check below keeps the output exact
+                if plan is not None and not verify:
+                    pred = pick_tokens(logits[0], 0.0, flag=True)
+                    check_picked(pred, plan, len(ses.out))
+                else:
+                    pred = logits[0].argmax(-1).tolist()
                 res.jacobi_iters += 1
                 converged = pred[:Bk] == g
                 if converged or it + 1 == (max_iters or Bk + 1):

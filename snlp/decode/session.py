@@ -13,7 +13,7 @@ from torch import Tensor
 from snlp.decode.steps import EagerStep, Step, sequential_step, snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.method.solver import bind
+from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
@@ -205,11 +205,44 @@ class DecodeSession:
         return self.result
 
 
-def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    """Next token from logits (V,): argmax at temperature 0, else a sample of softmax(logits / T)."""
+NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
+
+
+def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
+                flag: bool = False) -> list[int]:
+    """Next token of each row of logits (B, V): argmax at temperature 0, else a sample of softmax(logits / T) drawn
+    from the row's own generator gens[j]. `flag` (an SNLP forward's logits): a row whose logits hold NaN/inf gets
+    NONFINITE instead of a token read off them; the flag rides on the one host read of the tokens that every decode
+    step does anyway (no extra sync), and `check_picked` raises on it."""
+    finite = torch.isfinite(logits).all(-1) if flag else None  # (B,)
     if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+        tok = logits.argmax(-1)
+    else:
+        probs = torch.softmax(logits.float() / temperature, -1)
+        if flag:  # a non-finite row draws from a stand-in (its token is dropped below): multinomial refuses NaN
+            probs = torch.where(finite[:, None], probs, 1.0)
+        tok = torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)])
+    return (tok if finite is None else torch.where(finite, tok, NONFINITE)).tolist()
+
+
+def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, flag: bool = False) -> int:
+    """Next token from logits (V,): argmax at temperature 0, else a sample of softmax(logits / T); with `flag`,
+    NONFINITE if the logits hold NaN/inf (pick_tokens)."""
+    return pick_tokens(logits[None], temperature, [gen], flag)[0]
+
+
+def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None) -> None:
+    """Raise SNLPDivergenceError, naming the plan and the step, if a flagged pick of an SNLP forward's logits met
+    NaN/inf (a NONFINITE entry): no token is emitted from them. `step`: tokens generated before this one;
+    `prompts`: the batch rows' prompt indices."""
+    if NONFINITE not in tokens:
+        return
+    where = f"generated token {step + 1}"
+    if prompts is not None:
+        where += f" of prompt(s) {[i for i, t in zip(prompts, tokens) if t == NONFINITE]}"
+    raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
+                              f"token is read off them). Try more iterations (K >= {plan.chunks} is exact), "
+                              f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
@@ -230,7 +263,8 @@ def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep
 
 def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None,
                  preheat: Preheat | None = None, share_weights: bool = False) -> Step | EagerStep:
-    # fused once per call; no NaN/inf check inside the step (a host sync per token)
+    # fused once per call; no NaN/inf check of the solve inside the step (a host sync per token): the decode loop
+    # flags NaN/inf logits on the host read of the tokens it does anyway (pick_tokens / check_picked)
     if step is not None:
         return step
     return snlp_step(bind(model, plan, check_finite=False, preheat=preheat, share_weights=share_weights), compile)

@@ -73,7 +73,8 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.decode.session import DecodeSession, GenerateResult, check_decode_args, make_generator, pick_token
+from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, make_generator,
+                                 pick_token)
 from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
@@ -567,8 +568,12 @@ class DistributedSNLP:
             else:
                 logits = (snlp if mode == "snlp" else seq)([ses.last])
                 ses.result.forwards += 1
-                pick = [pick_token(logits[0, -1], temperature, gen)] if self.rank == self.last else None
-                ses.emit(self._tokens_from_last(pick, 1))
+                pick = [pick_token(logits[0, -1], temperature, gen, flag=mode == "snlp")] \
+                    if self.rank == self.last else None
+                toks = self._tokens_from_last(pick, 1)
+                if mode == "snlp":  # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits
+                    check_picked(toks, self.plan, len(ses.out))
+                ses.emit(toks)
         return ses.finish()
 
     def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, temperature: float, gen) -> None:

@@ -14,16 +14,23 @@ when online) or a GPT object (then `tokenizer=` gives its snlp Tokenizer). The f
   drafter=DIR         an adapted drafter (snlp adapt) on this model: loglikelihoods through the drafter's SNLP
                       solve (its approximation of the model, plan = the drafter's unless plan= names another that
                       fits it); generate_until through exact self-speculative decoding, so answers equal the model's.
-generate_until decodes with `decode=`: `sequential` (no plan), `snlp` (every forward the plan's solve: the plan's
-own answers; the default for plan=) or `speculative` (the plan or the drafter drafts, the model verifies: the
+generate_until decodes with `decode=`: `sequential` (no plan), `snlp` (KV-cached SNLP decoding, snlp_generate: every
+forward the plan's solve over the new token, with a cache holding each earlier token's K/V from the last iteration of
+its own solve; the default for plan=) or `speculative` (the plan or the drafter drafts, the model verifies: the
 model's own answers; the default for drafter=), in ragged batches (snlp.decode.batch) of `batch_size` prompts.
+decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
+solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
+greedy answers under its full-sequence scores only for K = 1 from h0 and for K >= C without tol (then both are the
+model, or its fused model); for K >= 2 below C, the fwd init, tol, DiagN / Newton they differ (docs/harness.md). A plan that
+diverges raises SNLPDivergenceError in every request type (generation: snlp_generate's own check).
 
 The harness's conventions are kept, its code is used rather than copied: TemplateLM's context/continuation
 encoding, the Collator's longest-first order and its one-token-continuation logits cache (group_by="contexts"),
 the rolling windows of lm_eval.utils, normalize_gen_kwargs / handle_stop_sequences / postprocess_generated_text for
 generation, cache_hook.add_partial for the request cache; the chat template is the model's own, applied as the
 harness's `hf` model applies it (add_generation_prompt, continue_final_message). Generation options a mode cannot
-honour (top_p, top_k, ...) are refused with a ValueError, never ignored.
+honour (top_p < 1 when sampling, num_beams > 1, ...) are refused with a ValueError, never ignored; their no-op
+values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, handle_arg_string, make_disjoint_window
 
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
@@ -54,8 +61,24 @@ from snlp.model.gpt import GPT
 
 DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused
+# generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused unless it is a no-op:
 GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature"}
+# the values at which transformers' generate (the harness's hf model passes these to it) changes nothing
+GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
+             "top_p": (1.0, None), "top_k": (0, None), "min_p": (0.0, None), "typical_p": (1.0, None),
+             "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "repetition_penalty": (1.0, None),
+             "encoder_repetition_penalty": (1.0, None), "no_repeat_ngram_size": (0, None), "use_cache": (True, False)}
+BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 (refused): any value is a no-op
+# filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
+# (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
+SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+
+
+def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
+    """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
+    implement (beam search, top-p / top-k sampling, repetition penalties, ...): those the caller must not lose."""
+    return sorted(k for k in set(kw) - GEN_KEYS if not (
+        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
 def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
@@ -67,6 +90,25 @@ def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
         return model, tok, p
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None
+
+
+def model_arg(key: str, value) -> str:
+    """`value` as written in a model_args string so that the harness's parser (lm_eval.utils.simple_parse_args_string:
+    split at ',', then at the first '=', each value typed by handle_arg_string) reads it back unchanged: a string it
+    would read as a number, a boolean or None, or whose outer blanks it would strip, is quoted ('='s in a value are
+    kept as they are). A ',' cannot be written (the parser splits there, with no escape): ValueError."""
+    text = str(value)
+    if "," in text:
+        raise ValueError(f"{key}={text!r} holds a ',', which the harness's model_args string cannot carry (lm-eval "
+                         f"splits model_args at every ','): the run could not be recorded so that it rebuilds; give a "
+                         f"path without ',' (rename it or link to it)")
+    return f'"{text}"' if isinstance(value, str) and handle_arg_string(text) != text else text
+
+
+def _on(w: torch.Tensor, device) -> bool:
+    """Whether tensor w lives on `device` ("cuda" without an index: any CUDA device)."""
+    d = torch.device(device)
+    return d.type == w.device.type and (d.index is None or d.index == w.device.index)
 
 
 def _bool(v) -> bool:
@@ -84,8 +126,13 @@ class SNLPLM(TemplateLM):
     """An lm-evaluation-harness LM over an snlp model: the sequential forward, an SNLP plan or an adapted drafter
     (module docstring). model_args as for the harness's `hf` model: pretrained=, plan=, drafter=, dtype=,
     device=, batch_size=, max_length=, add_bos_token=, plus decode= (sequential | snlp | speculative), block=
-    (speculative draft length), seed= (sampling), logits_cache= (the Collator's one-token-continuation reuse), name=
-    (what `model_args` records as pretrained= for a GPT object). `model_args` is the string that rebuilds it."""
+    (speculative draft length), seed= (sampling: the r-th request of a generate_until call draws from seed + r),
+    logits_cache= (the Collator's one-token-continuation reuse), name= (what `model_args` records as pretrained= for
+    a GPT object). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
+    it). With a plan, loglikelihood scores the plan's full-sequence solve and decode=snlp generates by KV-cached SNLP
+    decoding: the two agree only for K = 1 from h0 and for K >= C (module docstring), so generation rows and MC rows
+    of one plan are two approximations of the model. A GPT (or Drafter) object is used on its own device in its own
+    dtype and never converted: a dtype / device other than its own is a ValueError."""
 
     def __init__(self, pretrained: str | GPT, plan: str | Plan | None = None, drafter: str | Drafter | None = None,
                  dtype: str | None = None, device: str | None = None, batch_size: int | str = 1,
@@ -103,10 +150,8 @@ class SNLPLM(TemplateLM):
         self._batch_size = int(batch_size) if max_batch_size is None else min(int(batch_size), int(max_batch_size))
         if self._batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype not in (None, "auto") and dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (default float32 on cpu, bfloat16 on cuda)")
-        self._device = torch.device(device)
         self._rank, self._world_size = 0, 1
 
         ckpt = None
@@ -114,28 +159,56 @@ class SNLPLM(TemplateLM):
         # passes the checkpoint it loaded)
         self._source = name if isinstance(pretrained, GPT) else str(pretrained)
         if isinstance(pretrained, GPT):
+            # a caller's model is used as it is, on its own device in its own dtype (as the harness's hf model uses
+            # a model instance), and never converted: it would change under the caller, and a converted copy would
+            # double its memory. A dtype / device other than its own is refused, not ignored.
             model, tok, name = pretrained, tokenizer, name or "model"
+            w = model.wte.weight
+            asked = ([f"dtype={dtype}"] if dtype not in (None, "auto") and DTYPES[dtype] != w.dtype else []) + \
+                ([f"device={device}"] if device is not None and not _on(w, device) else [])
+            if asked:
+                raise ValueError(f"pretrained is a GPT object in {str(w.dtype).removeprefix('torch.')} on {w.device}, "
+                                 f"but {' '.join(asked)} was asked: the harness model never converts a caller's model "
+                                 f"(it would change under you); convert it first (model.to(device, dtype)), leave "
+                                 f"dtype / device out, or pass its path")
+            self._device = w.device
         else:
             model, tok, ckpt = load_any(str(pretrained))
             tok, name = tokenizer or tok, Path(str(pretrained)).name
+            self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            torch_dtype = DTYPES[dtype] if dtype in DTYPES else (torch.bfloat16 if self._device.type == "cuda"
+                                                                else torch.float32)
+            model = model.to(device=self._device, dtype=torch_dtype).eval()  # loaded here: ours to convert
         if tok is None:
             raise ValueError(f"{pretrained}: no tokenizer; the harness sends text, so the model needs its tokenizer "
                              f"(save the checkpoint with it, or pass tokenizer=)")
-        torch_dtype = DTYPES[dtype] if dtype in DTYPES else (torch.bfloat16 if self._device.type == "cuda"
-                                                            else torch.float32)
-        self.model = model.to(device=self._device, dtype=torch_dtype).eval()
+        self.model = model
         self.tokenizer, self.name = tok, name
         L = self.model.config.n_layer
 
         self._drafter_source = drafter if drafter is None or isinstance(drafter, str) else None
         self._add_bos_given = add_bos_token
         self.drafter = None
-        if drafter is not None:
-            self.drafter = drafter.check(self.model) if isinstance(drafter, Drafter) else load_drafter(drafter, self.model)
+        if isinstance(drafter, Drafter):
+            w = self.model.wte.weight  # a caller's drafter is never converted either: its suffix must match the model
+            own = {(p.dtype, p.device) for p in drafter.model.blocks[drafter.suffix_start:].parameters()}
+            if own != {(w.dtype, w.device)}:
+                mine = ", ".join(sorted(f"{str(t).removeprefix('torch.')} on {d}" for t, d in own))
+                raise ValueError(f"the Drafter object's suffix is in {mine}, the model in "
+                                 f"{str(w.dtype).removeprefix('torch.')} on {w.device}: convert both (model.to(...), "
+                                 f"drafter.model.to(...)) or pass the drafter's directory (load_drafter gives it the "
+                                 f"model's dtype and device)")
+            self.drafter = drafter.check(self.model)
+        elif drafter is not None:
+            self.drafter = load_drafter(drafter, self.model)
         if plan is not None:
             plan = Plan.parse(plan, L) if isinstance(plan, str) else plan.check(L)
         if self.drafter is not None:
             plan = self.drafter.check_plan(plan) if plan is not None else self.drafter.plan
+            if plan.init == "preheat":  # as `snlp eval --drafter`: refused before any calibration is read
+                raise ValueError(f"plan {plan} starts from the preheat init, whose calibration describes the base "
+                                 f"model's suffix, not the drafter's own adapted one: use the -h0 or -fwd init of "
+                                 f"the plan with drafter=")
         self.plan = plan
         if decode is None:
             decode = "sequential" if plan is None else "speculative" if self.drafter is not None else "snlp"
@@ -171,21 +244,23 @@ class SNLPLM(TemplateLM):
     # ----- what produced the numbers: recorded in every run's config, as the harness records its hf model's -----
     @property
     def model_args(self) -> str:
-        """The model_args string (the harness's `key=value,...`) that rebuilds this model: `lm_eval --model snlp
-        --model_args ...` or SNLPLM.create_from_arg_string. pretrained= is the path or hub id given (a GPT object:
-        its `name`, "<GPT object>" without one); a Drafter object is "<Drafter object>" (a directory is its path);
-        add_bos_token only when it was given (else the tokenizer's own rule, which a recorded value would change)."""
+        """The model_args string (the harness's `key=value,...`) that rebuilds this model with the run's batch_size
+        and device, which the harness records beside it (config.batch_size / config.device) and passes again itself
+        (its CLI's --batch_size / --device, simple_evaluate's batch_size= / device=), so they are not in it.
+        pretrained= is the path or hub id given (a GPT object: its `name`, "<GPT object>" without one); a Drafter
+        object is "<Drafter object>" (a directory is its path); add_bos_token only when it was given (else the
+        tokenizer's own rule, which a recorded value would change). A value the harness's parser would not read
+        back as itself is quoted (model_arg); one holding ',' cannot be written at all: a ValueError."""
         args = {"pretrained": self._source or "<GPT object>"}
         if self.drafter is not None:
             args["drafter"] = self._drafter_source or "<Drafter object>"
         if self.plan is not None:
             args["plan"] = str(self.plan)
         args.update(decode=self.decode, block=self.block, dtype=str(self.model.wte.weight.dtype).removeprefix("torch."),
-                    device=str(self._device), batch_size=self.batch_size, max_length=self.max_length, seed=self.seed,
-                    logits_cache=self.logits_cache)
+                    max_length=self.max_length, seed=self.seed, logits_cache=self.logits_cache)
         if self._add_bos_given is not None:
             args["add_bos_token"] = _bool(self._add_bos_given)
-        return ",".join(f"{k}={v}" for k, v in args.items())
+        return ",".join(f"{k}={model_arg(k, v)}" for k, v in args.items())
 
     def get_model_info(self) -> dict:
         """Added to the run's config by simple_evaluate (as the hf model's parameter count and dtype)."""
@@ -354,14 +429,16 @@ class SNLPLM(TemplateLM):
         return out
 
     # ----- generation -----
-    def _generate(self, prompts: list[list[int]], max_new: int, temperature: float) -> list[list[int]]:
-        """New tokens per prompt, one ragged batch (a single prompt is decoded alone)."""
-        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.eot_token_id, seed=self.seed)
+    def _generate(self, prompts: list[list[int]], max_new: int, temperature: float, first: int = 0) -> list[list[int]]:
+        """New tokens per prompt, one ragged batch (a single prompt is decoded alone). Sampling: prompt j draws from
+        its own generator seeded `seed + first + j` (snlp.decode.batch's per-row rule, offset by the rows decoded
+        before it in this generate_until call), so every request gets its own draws whatever the batch size."""
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.eot_token_id, seed=self.seed + first)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
             except ValueError:  # DiagN / Newton probes read the cache at one position: one prompt at a time
-                return [t for p in prompts for t in self._generate_one(p, kw)]
+                return [t for j, p in enumerate(prompts) for t in self._generate_one(p, dict(kw, seed=kw["seed"] + j))]
         return self._generate_one(prompts if len(prompts) > 1 else prompts[0], kw)
 
     def _generate_one(self, batch, kw) -> list[list[int]]:
@@ -386,25 +463,31 @@ class SNLPLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
-        batched by identical generation kwargs, longest prompt first (the harness's order)."""
+        batched by identical generation kwargs, longest prompt first (the harness's order). Sampling: the r-th
+        request decoded in this call (in that order) draws from a generator seeded `seed + r`, so a task's `repeats`
+        get distinct draws at any batch size, and the same requests with the same seed get the same answers."""
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        res = []
+        res, first = [], 0  # first: rows decoded so far in this call (sampling seeds, _generate)
         for chunk in order.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
             kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
-            refused = sorted(set(kw) - GEN_KEYS)
+            # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
+            temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
+            refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
             if refused:
-                raise ValueError(f"generation options {refused} are not supported by the snlp harness model "
-                                 f"(greedy, or sampling at a temperature, until stop strings / max_gen_toks)")
+                raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
+                                 f"supported by the snlp harness model (greedy, or sampling at a temperature from the "
+                                 f"whole distribution, until stop strings / max_gen_toks)")
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
             max_new = int(kw["max_gen_toks"])
-            temperature = float(kw["temperature"]) if kw["do_sample"] else 0.0
             if max_new >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            for context, gen_kwargs, toks in zip(contexts, all_kwargs, self._generate(prompts, max_new, temperature)):
+            answers = self._generate(prompts, max_new, temperature, first)
+            first += len(prompts)
+            for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):
                 toks = self._cut_at_stop(toks, until)
                 s = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
                 res.append(s)
@@ -416,7 +499,9 @@ class SNLPLM(TemplateLM):
 @dataclass
 class HarnessRecord:
     """One method's harness run: `results` is the harness's own results dict (task -> "metric,filter" -> value,
-    with "metric_stderr,filter"), JSON-safe; a plan whose solve turned NaN/inf has diverged True and no results."""
+    with "metric_stderr,filter"), JSON-safe; a plan whose solve (or SNLP decoding) turned NaN/inf has diverged True,
+    no results, and `harness` holds the config its run would have recorded (model_args, batch_size, device, seeds, ...)
+    with the error."""
 
     method: str
     results: dict = field(default_factory=dict)
@@ -434,6 +519,9 @@ def json_safe(obj) -> dict:
     return json.loads(json.dumps(obj, default=handle_non_serializable))
 
 
+SEEDS = dict(random_seed=0, numpy_random_seed=1234, torch_random_seed=1234)  # simple_evaluate's defaults, recorded
+
+
 def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
                      include: str | None = None, apply_chat_template: bool = False, fewshot_seed: int = 1234,
                      bootstrap_iters: int = 1000) -> list[HarnessRecord]:
@@ -444,6 +532,7 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = TaskManager(include_path=include, include_defaults=False) if include else None
     if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing the harness's own tasks takes ~25 s
         tm = TaskManager(include_path=include)
+    [lm.model_args for lm in lms]  # every run records them: one that cannot be written is refused before any run
     out = []
     for lm in lms:
         try:
@@ -451,9 +540,17 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
             r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=tasks, num_fewshot=num_fewshot,
                                         limit=limit, task_manager=tm, apply_chat_template=apply_chat_template,
                                         fewshot_random_seed=fewshot_seed, bootstrap_iters=bootstrap_iters,
-                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device))
-        except SNLPDivergenceError:
-            out.append(HarnessRecord(lm.method, diverged=True))
+                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device), **SEEDS)
+        except SNLPDivergenceError as e:
+            # no results, but the same config as every other method's run (what would have produced them)
+            cfg = dict(model="snlp", model_args=lm.model_args, **lm.get_model_info(), batch_size=lm.batch_size,
+                       batch_sizes=[], device=str(lm.device), use_cache=None, limit=limit,
+                       bootstrap_iters=bootstrap_iters, gen_kwargs=None, random_seed=SEEDS["random_seed"],
+                       numpy_seed=SEEDS["numpy_random_seed"], torch_seed=SEEDS["torch_random_seed"],
+                       fewshot_seed=fewshot_seed)
+            out.append(HarnessRecord(lm.method, diverged=True, harness=json_safe(dict(
+                config=cfg, results={}, diverged=True, error=str(e), tasks=list(tasks), num_fewshot=num_fewshot,
+                apply_chat_template=apply_chat_template))))
             continue
         r = json_safe(r)
         r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)

@@ -390,3 +390,40 @@ def test_rank_local_load_refuses_a_calibration_of_other_weights(tmp_path):
     msgs = [torch.load(tmp_path / f"stale{r}.pt") for r in range(2)]
     for m in msgs:  # rank 1 found it; both ranks refuse (rank 0 alone would hang in its next collective)
         assert m.startswith("rank 1:") and "other weights" in m and "blocks.5.mlp.c_fc.weight" in m
+
+
+# ----------------------------------------------------------------------------- a diverging plan (rev-harness 2)
+def _diverge_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from conftest import blowup_model
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+    from snlp.method.solver import SNLPDivergenceError
+
+    _init(rank, world, port)
+    res = {}
+    runner = DistributedSNLP(blowup_model(61), "8xF1-h0-K1-diag:fd", keep_layers=True)
+    for temperature in (0.0, 1.0):
+        try:
+            res[temperature] = runner.generate(PROMPT, "snlp", max_new_tokens=4, temperature=temperature).tokens
+        except SNLPDivergenceError as e:
+            res[temperature] = str(e)
+    res["sequential"] = runner.generate(PROMPT, "sequential", max_new_tokens=4).tokens
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_distributed_snlp_decoding_of_a_diverging_plan_raises_on_every_rank(tmp_path):
+    """The blow-up model's DiagN K = 1 solve overflows (tests/conftest.py): distributed SNLP decoding emitted the argmax
+    of its NaN logits; now the last rank's pick flags them, the flag is broadcast like a token, and EVERY rank raises
+    SNLPDivergenceError (none is left waiting), greedy and sampled; the sequential pipeline still decodes as the
+    full-prefix argmax loop."""
+    from conftest import argmax_loop, blowup_model
+
+    _spawn(_diverge_worker, 2, str(tmp_path))
+    ref = argmax_loop(blowup_model(61), PROMPT, 4)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for temperature in (0.0, 1.0):
+            assert "diverged while decoding: the logits of generated token 1" in str(res[temperature]), (rank, res)
+        assert res["sequential"] == ref

@@ -159,10 +159,15 @@ def test_chat_template_as_hf_model(hf, base):
 def test_cli_harness_one_run_per_method(smol_cut_hf, base, tasks, tmp_path, capsys):
     """`snlp eval --harness`: one harness JSON per method (sequential, a plan, a drafter whose plan is that same plan:
     three files), each recording in its config the model_args that produced it, in the harness's own `key=value`
-    form; the harness's registry rebuilds the model from them, and the rebuilt model's run gives the same numbers."""
+    form, and beside them batch_size and device, which the harness passes again itself (in model_args they made
+    `simple_evaluate(model="snlp", model_args=..., batch_size=...)` and the harness's CLI fail: got multiple values
+    for 'batch_size'); the harness rebuilds the model from them, and the rebuilt model's run gives the same numbers.
+    The checkpoint's path holds a '=', which model_args carry as it is."""
     save_drafter(tmp_path / "drafter", make_drafter(base[0], EXACT))  # an unadapted copy: K >= C, the model itself
+    ckpt = tmp_path / "smol=cut"
+    ckpt.symlink_to(smol_cut_hf, target_is_directory=True)
     out = tmp_path / "out"
-    assert main(["eval", str(smol_cut_hf), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--plans",
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--plans",
                  EXACT, "--drafter", str(tmp_path / "drafter"), "--num-fewshot", "1", "--limit", "3", "--batch", "4",
                  "--harness-out", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
@@ -175,23 +180,62 @@ def test_cli_harness_one_run_per_method(smol_cut_hf, base, tasks, tmp_path, caps
         cfg = r["config"]
         args = simple_parse_args_string(cfg["model_args"])  # the harness's own parser of --model_args
         assert cfg["model"] == "snlp" and cfg["batch_size"] == 4 and cfg["device"] == "cpu", m
-        want = {"pretrained": str(smol_cut_hf), "dtype": "float32", "device": "cpu", "batch_size": 4, "block": 4,
+        want = {"pretrained": str(ckpt), "dtype": "float32", "block": 4,
                 "decode": {"sequential": "sequential", EXACT: "snlp"}.get(m, "speculative")}
-        assert {k: args.get(k) for k in want} == want, m
+        assert {k: args.get(k) for k in want} == want and not {"batch_size", "device"} & set(args), m
         assert args.get("plan") == (None if m == "sequential" else EXACT), m
         assert args.get("drafter") == (str(tmp_path / "drafter") if m.startswith("drafter") else None), m
-        rebuilt = get_model(cfg["model"]).create_from_arg_string(cfg["model_args"])
-        assert rebuilt.method == m and rebuilt.model_args == cfg["model_args"], m
+        rebuilt = get_model(cfg["model"]).create_from_arg_string(cfg["model_args"],
+                                                                 dict(batch_size=cfg["batch_size"], device=cfg["device"]))
+        assert rebuilt.method == m and rebuilt.model_args == cfg["model_args"] and rebuilt.batch_size == 4, m
     seq, ex = runs["sequential"]["results"]["snlp_arc_tiny"], runs[EXACT]["results"]["snlp_arc_tiny"]
     assert seq["acc,none"] == ex["acc,none"] and seq["acc_norm,none"] == ex["acc_norm,none"]
-    again = lm_eval.simple_evaluate(model=get_model("snlp").create_from_arg_string(runs[EXACT]["config"]["model_args"]),
-                                    tasks=["snlp_arc_tiny"], num_fewshot=1, limit=3, bootstrap_iters=10,
-                                    task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
-    for k in ("acc,none", "acc_norm,none"):
-        assert again["results"]["snlp_arc_tiny"][k] == ex[k]
+    for m in (EXACT, f"drafter:{EXACT}"):  # the harness's own rebuild: by name, with its own batch_size / device
+        cfg = runs[m]["config"]
+        again = lm_eval.simple_evaluate(model=cfg["model"], model_args=cfg["model_args"], batch_size=cfg["batch_size"],
+                                        device=cfg["device"], tasks=["snlp_arc_tiny"], num_fewshot=1, limit=3,
+                                        bootstrap_iters=10,
+                                        task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+        assert again["config"]["model_args"] == cfg["model_args"]
+        for k in ("acc,none", "acc_norm,none", "acc_stderr,none"):
+            assert again["results"]["snlp_arc_tiny"][k] == runs[m]["results"]["snlp_arc_tiny"][k], (m, k)
     table = (out / "table.md").read_text()
     assert f"| Task | Metric | Filter | sequential | {EXACT} | drafter:{EXACT} |" in table
     assert "| snlp_arc_tiny | acc |" in table and " ± " in table
+
+
+def test_documented_rerun_command_rebuilds_a_column(smol_cut_hf, tasks, tmp_path):
+    """docs/harness.md's rerun of one column: the harness's own CLI (lm-eval's `cli_evaluate`, with snlp.eval.harness
+    imported: lm-eval has no plugin discovery, so the bare `lm_eval` command does not know `snlp`) given the
+    recorded model_args, batch_size and device, prints the recorded metrics."""
+    lm = SNLPLM(pretrained=str(smol_cut_hf), plan=APPROX, batch_size=3, device="cpu")
+    r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=["snlp_arc_tiny"], num_fewshot=0, limit=3,
+                                bootstrap_iters=0, batch_size=lm.batch_size, device=str(lm.device),
+                                task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+    cfg, acc = r["config"], r["results"]["snlp_arc_tiny"]
+    run_cli = ('import sys, snlp.eval.harness; from lm_eval.__main__ import cli_evaluate; sys.argv[0] = "lm_eval"; '
+               'cli_evaluate()')
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([sys.executable, "-c", run_cli, "--model", "snlp", "--model_args", cfg["model_args"],
+                        "--batch_size", str(cfg["batch_size"]), "--device", cfg["device"], "--tasks", "snlp_arc_tiny",
+                        "--include_path", str(tasks), "--num_fewshot", "0", "--limit", "3", "--output_path",
+                        str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    # the CLI records model_args parsed (a dict): the recorded string, read by the harness's own parser
+    assert out["config"]["model_args"] == simple_parse_args_string(cfg["model_args"])
+    assert str(out["config"]["batch_size"]) == "3"  # the CLI keeps its argument as text
+    for k in ("acc,none", "acc_norm,none"):
+        assert out["results"]["snlp_arc_tiny"][k] == acc[k], k
+
+
+def test_cli_harness_refuses_a_path_with_a_comma_before_any_work(tmp_path, capsys):
+    """A ',' cannot be carried by the recorded model_args (lm-eval splits there): refused in one line before the
+    checkpoint is loaded (it does not even exist) and nothing written."""
+    out = tmp_path / "out"
+    assert main(["eval", str(tmp_path / "a,b"), "--harness", "snlp_arc_tiny", "--harness-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a ','" in err and len(err.splitlines()) == 1 and not out.exists(), err
 
 
 @pytest.mark.parametrize("plans,says", [
@@ -307,6 +351,35 @@ def test_a_diverged_plan_is_shown_diverged(tasks):
     assert recs[1].diverged and not recs[1].results
     row = next(line for line in markdown(recs).splitlines() if line.startswith("| snlp_arc_tiny | acc |"))
     assert row.endswith("| diverged |") and " ± " in row
+
+
+def test_a_diverging_plan_generation_is_diverged_not_scored(tasks):
+    """generate_until with decode=snlp on a plan whose solve turns NaN: its answers were the argmax of NaN logits
+    (token 0, here BOS: the answer ''), scored as a real exact_match of 0.0. snlp_generate now raises
+    SNLPDivergenceError, so the method is `diverged` (as its loglikelihood always was), and its record carries the
+    config every other method's run records (model_args, batch_size, device, seeds, ...). decode=speculative still
+    answers as the model: the model verifies every token."""
+    from snlp.eval.harness import evaluate_methods, markdown
+    from snlp.method.solver import SNLPDivergenceError
+
+    plan = "8xF1-h0-K1-newton"
+    tok = Tokenizer.train([(DATA / "arc_tiny_test.jsonl").read_text()] * 3, 300)
+    m = blowup_model(tok.vocab_size, sequence_len=128)
+    req = [Instance("generate_until", {}, ("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": False}), 0)]
+    with pytest.raises(SNLPDivergenceError, match=f"plan {plan} diverged while decoding"):
+        SNLPLM(pretrained=m, tokenizer=tok, plan=plan).generate_until(req)
+    seq = SNLPLM(pretrained=m, tokenizer=tok).generate_until(req)
+    assert SNLPLM(pretrained=m, tokenizer=tok, plan=plan, decode="speculative").generate_until(req) == seq
+    lms = [SNLPLM(pretrained=m, tokenizer=tok, plan=p, batch_size=4, name="ckpt") for p in (None, plan)]
+    recs = evaluate_methods(lms, ["snlp_gen_tiny"], num_fewshot=0, include=str(tasks), bootstrap_iters=10)
+    assert [(r.method, r.diverged) for r in recs] == [("sequential", False), (plan, True)]
+    row = next(line for line in markdown(recs).splitlines() if line.startswith("| snlp_gen_tiny | exact_match |"))
+    assert row.endswith("| diverged |")
+    ok, bad = recs[0].harness["config"], recs[1].harness["config"]
+    assert set(bad) == set(ok) and bad["model_args"] == lms[1].model_args and "plan=" + plan in bad["model_args"]
+    assert {k: v for k, v in bad.items() if k not in ("model_args", "method")} == \
+        {k: v for k, v in ok.items() if k not in ("model_args", "method")}
+    assert recs[1].harness["diverged"] and "diverged while decoding" in recs[1].harness["error"]
 
 
 def test_chat_template_run_matches_hf_model(hf, base, tasks):

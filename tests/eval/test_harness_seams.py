@@ -1,8 +1,11 @@
-"""Seams of the snlp harness model found by an independent review (issue 29): each against the harness's own `hf`
+"""Seams of the snlp harness model found by independent reviews (issue 29): each against the harness's own `hf`
 model (HFLM) on the same tiny random Llama saved as a transformers directory, or against a naive loop written here.
 A DiagN plan's scores do not depend on the batch; a stop string that is a special token stops generation; snlp's
 own tokenizer scores a rolling document once from BOS; an explicit add_bos_token=False is honoured; a template
-without a system role drops the system turn, as the hf model does."""
+without a system role drops the system turn, as the hf model does. Second review (rev-harness): identical sampled
+requests draw their own samples; a caller's model and drafter are never converted; a drafter with a preheat plan
+is refused for its real reason; no-op generation options are accepted, the others refused; model_args values
+round-trip through the harness's parser (a ',' is refused)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from tokenizers import Tokenizer as HFTok  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, processors  # noqa: E402
 
-from snlp.eval.harness import SNLPLM  # noqa: E402
+from lm_eval.utils import simple_parse_args_string  # noqa: E402
+
+from snlp.eval.harness import SNLPLM, model_arg  # noqa: E402
 from snlp.io.tokenizer import Tokenizer  # noqa: E402
+from snlp.method.drafter import make_drafter  # noqa: E402
 
 V = 64
 
@@ -132,3 +138,156 @@ def test_bad_block_and_max_length_are_refused_up_front():
         SNLPLM(pretrained=model, tokenizer=tok, plan="2xF1-h0-K1", decode="speculative", block=0)
     with pytest.raises(ValueError, match="max_length"):
         SNLPLM(pretrained=model, tokenizer=tok, max_length=0)
+
+
+def _own_tiny(n_layer=3, **kw):
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    return make_model(vocab_size=tok.vocab_size, n_layer=n_layer, sequence_len=64, window_pattern="L", **kw), tok
+
+
+def test_sampled_requests_draw_their_own_samples():
+    """A task with `repeats: N` and do_sample sends one request N times: every batch was re-seeded with seed=, so the
+    N answers were ~batch_size distinct samples (at batch 1 all identical). Now the r-th request decoded in a call
+    draws from seed + r: reference, a naive loop sampling softmax(logits / T) of the full forward from a generator
+    seeded 1234 + r, at batch 1 and 4; the same seed gives the same answers, another seed others."""
+    model, tok = _own_tiny()
+    g = {"until": [], "max_gen_toks": 8, "do_sample": True, "temperature": 5.0}
+    reqs = _reqs("generate_until", [("the cat", dict(g))] * 8)
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64")
+    prompt = lm.tok_encode("the cat")
+
+    def naive(seed):
+        gen, ids = torch.Generator().manual_seed(seed), list(prompt)
+        for _ in range(8):
+            with torch.no_grad():
+                probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float() / 5.0, -1)
+            ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+            if ids[-1] == lm.eot_token_id:
+                break
+        return lm.tok_decode(ids[len(prompt):])
+
+    ref = [naive(1234 + r) for r in range(8)]
+    assert len(set(ref)) == 8
+    for bs in (1, 4):
+        assert SNLPLM(pretrained=model, tokenizer=tok, batch_size=bs).generate_until(reqs) == ref, bs
+    assert SNLPLM(pretrained=model, tokenizer=tok, batch_size=4).generate_until(reqs) == ref  # one seed: one answer
+    other = SNLPLM(pretrained=model, tokenizer=tok, batch_size=4, seed=7).generate_until(reqs)
+    assert other == [naive(7 + r) for r in range(8)] and other != ref
+
+
+def test_caller_objects_are_never_converted():
+    """SNLPLM converted a GPT object in place (model.to(dtype, device)): the caller's model changed dtype, and with a
+    Drafter object the base and the shared prefix were converted but the drafter's own suffix not (a dtype crash at
+    the first request; on CUDA the default bfloat16 did it with no dtype given). Now a caller's objects are used as
+    they are: no dtype given takes the model's own, a different dtype / device is refused in one line, and nothing
+    of the caller's changes (dtype, device, values)."""
+    model, tok = _own_tiny(n_layer=4, dtype=torch.float32)
+    d = make_drafter(model, "2xF1-h0-K2")
+    with torch.no_grad():  # an "adapted" suffix: the drafter's own weights
+        for p in d.model.blocks[d.suffix_start:].parameters():
+            p.add_(0.05)
+    states = {"model": model.state_dict(), "drafter": d.model.state_dict()}
+    before = {k: {n: (v.clone(), v.dtype, v.device) for n, v in sd.items()} for k, sd in states.items()}
+    reqs = _reqs("loglikelihood", [("the cat", " sat on the mat")])
+
+    for kw, says in ((dict(dtype="float64"), "dtype=float64"), (dict(device="meta"), "device=meta"),
+                     (dict(drafter=d, dtype="float64"), "dtype=float64")):
+        with pytest.raises(ValueError, match=f"GPT object in float32 on cpu, but {says} was asked") as err:
+            SNLPLM(pretrained=model, tokenizer=tok, **kw)
+        assert "\n" not in str(err.value)
+    lm = SNLPLM(pretrained=model, tokenizer=tok, drafter=d, dtype="float32", device="cpu")
+    assert lm.model is model and lm.loglikelihood(reqs)[0][0] < 0
+    for name, sd in (("model", model.state_dict()), ("drafter", d.model.state_dict())):
+        for n, v in sd.items():
+            ref, dt, dev = before[name][n]
+            assert v.dtype == dt and v.device == dev and torch.equal(v, ref), (name, n)
+
+    # an fp64 model without dtype= stays fp64 (the CPU default float32 converted it before)
+    m64, _ = _own_tiny(n_layer=4)
+    assert SNLPLM(pretrained=m64, tokenizer=tok).model.wte.weight.dtype == torch.float64
+    assert m64.wte.weight.dtype == torch.float64
+
+    # a drafter in another dtype than its base: refused (the crash of the review), and once both are converted by
+    # their owner, its log-likelihoods are its model's own (plan K >= C: the drafter's model run sequentially)
+    model.double()
+    with pytest.raises(ValueError, match="Drafter object's suffix is in float32 on cpu, the model in float64"):
+        SNLPLM(pretrained=model, tokenizer=tok, drafter=d)
+    d.model.double()
+    got = SNLPLM(pretrained=model, tokenizer=tok, drafter=d).loglikelihood(reqs)[0][0]
+    ids = [tok.bos_id] + tok.encode("the cat sat on the mat")
+    ctx = 1 + len(tok.encode("the cat"))
+    with torch.no_grad():
+        logp = torch.log_softmax(d.model(torch.tensor([ids[:-1]]))[0].double(), -1)
+    assert got == pytest.approx(sum(float(logp[t - 1, ids[t]]) for t in range(ctx, len(ids))), abs=1e-9)
+
+
+def test_a_drafter_with_a_preheat_plan_is_refused_for_its_reason():
+    """The calibration describes the base's suffix, not the drafter's adapted one: refused up front as `snlp eval
+    --drafter` does (it said the weights changed and to re-run `snlp calibrate`, which cannot help)."""
+    model, tok = _own_tiny(n_layer=4)
+    d = make_drafter(model, "2xF1-h0-K1")
+    with pytest.raises(ValueError, match="preheat init, whose calibration describes the base model's suffix, not the "
+                                         "drafter's own adapted one: use the -h0 or -fwd init"):
+        SNLPLM(pretrained=model, tokenizer=tok, drafter=d, plan="2xF1-preheat-K1")
+
+
+def test_no_op_generation_options_are_accepted_and_the_others_refused():
+    """num_beams: 1 (two stock harness tasks), top_p: 1.0, top_k: 0 / None, ... change nothing in transformers'
+    generate (the hf model's): accepted, the same answers as without them; sampling filters under greedy decoding
+    (top_p: 0.95 with do_sample false, as the harness's cruxeval) filter nothing greedy picks: accepted. Options that
+    change the answer (beam search, top-p sampling, a repetition penalty) stay refused, naming the option."""
+    model, tok = _own_tiny()
+    lm = SNLPLM(pretrained=model, tokenizer=tok)
+    base = {"until": ["."], "max_gen_toks": 5, "do_sample": False}
+    want = lm.generate_until(_reqs("generate_until", [("the cat", base)]))
+    noops = [dict(num_beams=1), dict(top_p=1.0, top_k=0, min_p=0.0), dict(top_k=None, typical_p=1.0),
+             dict(repetition_penalty=1.0, no_repeat_ngram_size=0, num_return_sequences=1, use_cache=True),
+             dict(top_p=0.95), dict(top_k=50, early_stopping=True, length_penalty=2.0)]
+    for extra in noops:
+        assert lm.generate_until(_reqs("generate_until", [("the cat", {**base, **extra})])) == want, extra
+    sampled = {**base, "do_sample": True, "temperature": 0.7}
+    lm.generate_until(_reqs("generate_until", [("the cat", {**sampled, "top_p": 1.0, "num_beams": 1})]))
+    for gen, bad in (({**sampled, "top_p": 0.95}, "top_p=0.95"), ({**sampled, "top_k": 50}, "top_k=50"),
+                     ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "repetition_penalty": 1.2},
+                                                                "repetition_penalty=1.2")):
+        with pytest.raises(ValueError, match=f"generation options {bad} are not supported"):
+            lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
+
+
+@pytest.mark.parametrize("value", ["/ckpts/run=3/step=100", "123", "1e3", "true", "None", " padded ", '"quoted"',
+                                   "8xF1-h0-K1-tol:0.05"])
+def test_model_arg_values_read_back_unchanged(value):
+    """A model_args value is read back by the harness's parser (split at ',', then at the first '=', then typed):
+    '='s in a path survive, a value it would type (a number, a boolean, None) or strip is quoted."""
+    assert simple_parse_args_string(f"pretrained={model_arg('pretrained', value)},batch_size=2") == {
+        "pretrained": value, "batch_size": 2}
+
+
+def test_a_path_with_a_comma_cannot_be_recorded(tmp_path):
+    """lm-eval splits model_args at every ',' (no escape): such a path is refused wherever model_args are recorded,
+    naming the reason, instead of a JSON whose recorded model_args rebuild another path."""
+    model, tok = _own_tiny()
+    with pytest.raises(ValueError, match="holds a ',', which the harness's model_args string cannot carry"):
+        model_arg("pretrained", "/ckpts/a,b")
+    lm = SNLPLM(pretrained=model, tokenizer=tok, name=str(tmp_path / "a,b"))
+    with pytest.raises(ValueError, match="holds a ','"):
+        lm.model_args
+
+
+def test_snlp_generation_and_loglikelihood_are_two_approximations():
+    """What docs/harness.md says of decode=snlp: generation is KV-cached SNLP decoding (snlp_generate), loglikelihood
+    the plan's full-sequence solve. They coincide for K = 1 from h0 and for K >= C: the plan's generated tokens are
+    greedy under its own loglikelihood scores; for K = 2 < C or the fwd init they are not (on this model and these
+    prompts, fp64), so a table's generation rows and MC rows are two approximations."""
+    from snlp.decode.generate import snlp_generate
+
+    model, tok = _own_tiny(n_layer=6)
+    prompts = ["the cat", "a dog ran", "the"]
+    greedy = {}
+    for plan in ("4xF1-h0-K1", "4xF1-h0-K4", "2xF2-h0-K2", "4xF1-h0-K2", "4xF1-fwd-K1"):
+        lm = SNLPLM(pretrained=model, tokenizer=tok, plan=plan)
+        ids = [lm.tok_encode(p) for p in prompts]
+        gens = [r.tokens for r in snlp_generate(model, ids, plan, max_new_tokens=8)]
+        greedy[plan] = [g for _, g in lm._loglikelihood_tokens([((p, ""), c, g) for p, c, g in zip(prompts, ids, gens)])]
+    assert all(greedy["4xF1-h0-K1"]) and all(greedy["4xF1-h0-K4"]) and all(greedy["2xF2-h0-K2"]), greedy
+    assert not all(greedy["4xF1-h0-K2"]) and not all(greedy["4xF1-fwd-K1"]), greedy
