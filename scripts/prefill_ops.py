@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
 
 from snlp.bench.suite import PAPER_SHAPES
 from snlp.method.plan import Plan
@@ -73,12 +74,8 @@ def _is_view(func) -> bool:
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _region(skip: int = 3) -> str:
@@ -107,7 +104,7 @@ class Count(TorchDispatchMode):
         if self.quiet or _is_view(func) or func in NO_KERNEL:
             return out
         name = func._schema.name.split("::")[-1]
-        if not any(True for _ in _tensors(out)):  # promote_types, sym_size, ...: no kernel
+        if not _tensors(out):  # promote_types, sym_size, ...: no kernel
             return out
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(out))
         if name.endswith("_") and not nbytes:  # in-place op: it writes its first argument

@@ -35,6 +35,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("bench/breakdown.py", "forward_breakdown"): _CPU_DRAW,
     ("bench/decode.py", "decode_benchmark"): _CPU_DRAW,
     ("bench/budget.py", "probe"): _CPU_DRAW,
+    ("bench/budget.py", "reference_work"): "a fixed CPU workload that measures the box (its speed and load) for the "
+                                           "host-side costs it scales (GGUF conversion, tokenising); never a model "
+                                           "path",
     ("bench/decode.py", "batch_decode_benchmark"): _CPU_DRAW,
     ("bench/forward.py", "benchmark"): _CPU_DRAW,
     ("bench/ops.py", "op_benchmark"): _CPU_DRAW,

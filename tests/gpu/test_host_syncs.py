@@ -23,13 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TIMER = "snlp/runtime/timing.py:sync <- "
 # site -> why the loop reads the device there (docs/gpu.md keeps the same list with accept / should-go)
 DOCUMENTED = {
-    "snlp/decode/session.py:pick_token": "the next token goes back into the prompt list / EOS test (by design)",
-    "snlp/decode/batch.py:pick": "each row's next token (EOS, per-row lengths): one read per row and step",
-    "snlp/decode/speculative.py:speculative_generate": "draft tokens (one read per drafted token) and accept/reject",
+    "snlp/decode/session.py:pick_tokens": "every row's next token (prompt list, EOS, per-row lengths; greedy or "
+                                          "sampled), with an SNLP forward's NaN/inf flag: one .tolist() per step",
     "snlp/decode/speculative.py:_draft_rows": "batched drafting: the drafted tokens of every row",
     "snlp/decode/speculative.py:_verify_rows": "batched verify: target tokens and the accepted counts",
     "snlp/decode/jacobi.py:jacobi_generate": "the fixed-point test of each Jacobi sweep (accept by design)",
-    "snlp/decode/batch.py:<listcomp>": "sampling: each row's multinomial draw read back (one per row)",
     "snlp/decode/speculative.py:<listcomp>": "batched sampling: each row's drafted token / confidence",
     "snlp/method/solver.py:solve": "a tol plan's stop test, once per iteration (by design)",
     TIMER + "snlp/decode/generate.py:_autoregressive": "per-step timing (step_s); the token read waits anyway",
@@ -39,7 +37,6 @@ DOCUMENTED = {
     TIMER + "snlp/decode/batch.py:prefill": "prefill timing",
     TIMER + "snlp/decode/batch.py:emit": "a finished row's clock",
     TIMER + "snlp/decode/batch.py:finish": "the decode clock",
-    TIMER + "snlp/decode/speculative.py:speculative_generate": "draft / verify timing (draft_s, step_s)",
     TIMER + "snlp/decode/speculative.py:_speculative_rows": "batched draft / verify timing",
     TIMER + "snlp/decode/jacobi.py:jacobi_generate": "sweep timing",
 }
