@@ -68,10 +68,28 @@ def environment(device: str) -> dict:
             libs[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             libs[pkg] = "not installed"
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "isa": cpu_isa(),
             "memory_gib": _mem_gib(), "device": device_label(device), "python": platform.python_version(),
             "platform": platform.platform(), "snlp": __version__ + (f" (git {r})" if (r := _git_rev()) else ""),
             "libraries": libs}
+
+
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")  # what caps torch's CPU kernels
+
+
+def cpu_isa() -> dict:
+    """What CPU kernels torch picks here: ATen's vector capability (e.g. AVX512, AVX2) and the caps set in the
+    environment (an AVX2 box is emulated with them; oneDNN alone does not cap MKL's GEMMs or ATen's kernels)."""
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "caps": {k: os.environ[k] for k in ISA_CAPS
+                                                                       if k in os.environ}}
+
+
+def isa_label(isa: dict | None) -> str:
+    """ "ATen AVX2; ONEDNN_MAX_CPU_ISA=AVX2" for the report's hardware line ("" for a record without it)."""
+    if not isa:
+        return ""
+    caps = " ".join(f"{k}={v}" for k, v in isa.get("caps", {}).items())
+    return f"ATen {isa['aten']}" + (f"; {caps}" if caps else "")
 
 
 # ----- report -----
@@ -212,6 +230,7 @@ def _head(ctx: dict) -> list[str]:
            f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
            f"**Hardware**: {env['cpu']}, {env['cores']} cores"
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
+           + (f" ({isa})" if (isa := isa_label(env.get("isa"))) else "")
            + f"; device `{cfg['device']}`" + (f" ({env['device']})" if cfg["device"].startswith("cuda") else "")
            + ", float32. "
            f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",

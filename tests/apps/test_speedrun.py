@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from snlp.apps.cli import main
 from snlp.eval.protocol import EvalConfig, EvalRecord
@@ -72,6 +73,7 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys):
     assert "![speed-quality frontier](frontier.png)" in md
     assert "snlp speedrun --out" in md and "--quick" in md  # the exact command
     assert "cores" in md and "torch" in md  # hardware and library versions
+    assert f"(ATen {torch.backends.cpu.get_cpu_capability()}" in md  # the CPU kernels torch picked
     t = tables(md)
 
     main_t = t["Main results"]
@@ -359,7 +361,8 @@ def test_off_the_shelf_cost_counts_what_the_stage_runs():
     assert base.scalable_s - no_adapt.scalable_s == pytest.approx(60.0)  # the minutes are what shrinks
     # the timing rounds (1 warm-up + max(3, runs / 4)) run at every scale: fixed; only the adaptation's minutes shrink
     rounds = 1 + max(3, FULL.eval_runs // 4)
-    windows = rounds * 0.02 * OTS_WINDOW_RATIO * (1 + sum(0.25 + 0.75 * int(p.rsplit("-K", 1)[1]) for p in FULL.ots_plans))
+    # SmolLM2's plans run 8 of its 30 layers K times after 22 sequential ones
+    windows = rounds * 0.02 * OTS_WINDOW_RATIO * (1 + sum((22 + 8 * int(p.rsplit("-K", 1)[1])) / 30 for p in FULL.ots_plans))
     timing = rounds * 16 * 0.003 * OTS_TOKEN_RATIO * (1 + len(FULL.ots_plans)) + windows
     assert no_adapt.scalable_s == 0.0
     more_rounds = ots(dataclasses.replace(FULL, ots_adapt_minutes=0.0, eval_runs=20))  # max(3, 20 // 4) = 5 timed
@@ -590,8 +593,9 @@ def _written_out(pre, plans, ecfg, pr):
     def evals(e):
         return 3 + tf + (e.prompts * e.gen_tokens + (e.warmup + e.runs) * e.time_tokens) * tok * n
 
-    def ots(p):
-        rows, f = 1 + len(p.ots_plans), 1 + sum(map(factor, p.ots_plans))
+    def ots(p):  # SmolLM2 (30 layers): its plans run 8 suffix layers K times after 22 sequential ones
+        assert all(q.split("-")[0] in ("8xF1", "4xF2") for q in p.ots_plans)
+        rows, f = 1 + len(p.ots_plans), 1 + sum((22 + 8 * int(q.rsplit("-K", 1)[1])) / 30 for q in p.ots_plans)
         timing = (1 + max(3, p.eval_runs // 4)) * (16 * tok * OTS_TOKEN_RATIO * rows + w * OTS_WINDOW_RATIO * f)
         adapt = 30 + 2 * 2 * p.ots_check_tokens * tok * OTS_TOKEN_RATIO * 3 + 60 * p.ots_adapt_minutes
         fused = sum(int(q.split("xF")[1].split("-")[0]) > 1 for q in p.ots_plans)  # their AR Match reference
@@ -782,3 +786,15 @@ def test_off_the_shelf_plan_tracks_the_recorded_idle_run():
     busier = Probe(**dict(recorded, ref_s=2 * recorded["ref_s"]))  # reference_work 2x slower: SmolLM2 windows too
     assert ots_window_s(busier) == pytest.approx(2 * ots_window_s(Probe(**recorded))) == pytest.approx(
         2 * OTS_WINDOW_REF * recorded["ref_s"])
+
+
+def test_hardware_line_names_the_isa_caps(monkeypatch):
+    """An AVX2 box emulated on an AVX-512 one (docs/speedrun.md) is only what the report says it is if the report
+    names the caps: ONEDNN_MAX_CPU_ISA alone leaves MKL's GEMMs and ATen's vector kernels at AVX-512."""
+    from snlp.apps.report import ISA_CAPS, cpu_isa, isa_label
+
+    for k in ISA_CAPS:
+        monkeypatch.delenv(k, raising=False)
+    assert isa_label(cpu_isa()) == f"ATen {torch.backends.cpu.get_cpu_capability()}"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert isa_label(cpu_isa()).endswith("; ONEDNN_MAX_CPU_ISA=AVX2") and isa_label(None) == ""
