@@ -74,7 +74,7 @@ def environment(device: str) -> dict:
             "libraries": libs}
 
 
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")  # what caps torch's CPU kernels
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")  # torch's CPU kernel caps
 
 
 def cpu_isa() -> dict:

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from snlp.runtime.device import cli_device, write_atomic
-from snlp.apps.report import MODELS, environment, fmt_s, render_report
+from snlp.apps.report import MODELS, cpu_isa, environment, fmt_s, render_report
 from snlp.train.config import TrainConfig
 
 if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
@@ -708,26 +708,37 @@ DIAG_SETUP_ITERS = 18  # diagnostics: each suffix layer's set-up costs about as 
 
 def _plan_factor(plan: str, depth: int) -> float:
     """A plan's teacher-forced cost in sequential windows of a `depth`-layer model (coarse; a CPU forward is FLOP
-    bound, so the batched suffix costs its layers): (S + K N) / L for N = C x M suffix layers, S = L - N run once.
-    0.25 + 0.75 K at N = 3L/4 (the speedrun's grid); SmolLM2's 8-of-30-layer plans cost far less per K."""
+    bound, so a batched suffix evaluation costs its N layers): (S + (K x evals per iteration + [init fwd]) N) / L for
+    N = C x M suffix layers after S = L - N sequential ones, the plan's own critical-path count (Plan.
+    critical_path_layers) with each batched evaluation weighted by N. 0.25 + 0.75 K for the IDN/h0 plans at N = 3L/4
+    (the speedrun's grid); SmolLM2's 8-of-30-layer plans cost far less per K; DiagN and exact Newton add their probe
+    and JVP passes; K = 0 is the prefix alone."""
     from snlp.method.plan import Plan
 
     pl = Plan.parse(plan)
     N = min(pl.chunks * pl.fuse, depth)
-    return ((depth - N) + (pl.iters or 1) * N) / depth
+    evals = pl.iters * pl.evals_per_iter + (1 if pl.init == "fwd" else 0)
+    return ((depth - N) + evals * N) / depth
 
 
-def _fused(plan: str) -> bool:
-    """Whether a plan fuses layers (CxFM with M > 1): its AR Match reference is its own fused model run sequentially."""
+def _ar_references(plans: list[str]) -> int:
+    """How many AR Match reference models `snlp.eval.protocol.generations` decodes besides the sequential one and
+    the plans: one per distinct fused model (CxFM with M > 1, run sequentially) that is not itself a plan listed."""
+    from snlp.eval.protocol import reference_plan
     from snlp.method.plan import Plan
 
-    return Plan.parse(plan).fuse > 1
+    parsed = [Plan.parse(p) for p in plans]
+    # a plan that is its own reference (K = C, e.g. 1xF8-h0-K1) is one row: generations keys its rows by name
+    return len({str(r) for r in map(reference_plan, parsed) if r is not None} - {str(p) for p in parsed})
 
 
 def ots_window_s(pr) -> float:
-    """One SmolLM2 teacher-forced window on this box: OTS_WINDOW_REF reference_work runs, or, for a probe without
-    one, OTS_WINDOW_RATIO of the speedrun model's window (see the constants)."""
-    return OTS_WINDOW_REF * pr.ref_s if getattr(pr, "ref_s", 0.0) else OTS_WINDOW_RATIO * pr.window_s
+    """One SmolLM2 teacher-forced window on this box: OTS_WINDOW_REF reference_work runs (a CPU workload, so only
+    where the run's windows run on the CPU), else OTS_WINDOW_RATIO of the speedrun model's window as the probe
+    measured it on the run's device (see the constants)."""
+    if getattr(pr, "ref_s", 0.0) and getattr(pr, "device", "cpu") == "cpu":
+        return OTS_WINDOW_REF * pr.ref_s
+    return OTS_WINDOW_RATIO * pr.window_s
 
 
 def _floor_scale(pairs) -> float:
@@ -755,10 +766,11 @@ def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg, ots_c
     w, tok = pr.window_s, pr.decode_token_s
     W = max(1, ecfg.max_tokens // ecfg.seq_len)
     rows = 1 + len(plans)  # sequential + every plan
+    gen_rows = rows + _ar_references(plans)  # AR Match also decodes each fused plan's reference model
     tf = W * w * (1 + sum(_plan_factor(p, pre.depth) for p in plans))  # teacher forced
 
     def eval_knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
-        return (e.prompts * e.gen_tokens + e.runs * e.time_tokens) * tok * rows
+        return (e.prompts * e.gen_tokens * gen_rows + e.runs * e.time_tokens * rows) * tok
 
     def eval_cost(name):
         return StageCost(name, 3 + tf + ecfg.warmup * ecfg.time_tokens * tok * rows, eval_knobs(ecfg),
@@ -782,9 +794,9 @@ def stage_costs(pre: Preset, plans: list[str], order: list[str], pr, ecfg, ots_c
     # drafters (post hoc, adapted) at B = 4 on 2 prompts; at alpha ~ 0 a token costs ~3 sequential steps
     ots_check = 2 * 2 * pre.ots_check_tokens * tok * OTS_TOKEN_RATIO * 3
     ots_adapt = 30.0 + ots_check if pre.ots_adapt_minutes else 0.0
-    # AR Match: 2 prompts x 16 tokens of the sequential model, of every plan, and of every fused plan's own model run
-    # sequentially (its reference)
-    ots_gens = 2 * 16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans) + sum(map(_fused, ots_plans)))
+    # AR Match: 2 prompts x 16 tokens of the sequential model, of every plan, and of every fused model run
+    # sequentially (the fused plans' reference)
+    ots_gens = 2 * 16 * tok * OTS_TOKEN_RATIO * (1 + len(ots_plans) + _ar_references(ots_plans))
     out["off-the-shelf"] = StageCost(
         "off-the-shelf", ots_prep_s(pre, pr, ots_convert, ots_tokenise) + ots_tf + ots_gens + ots_timing + ots_adapt,
         pre.ots_adapt_minutes * 60, min_scale=OTS_ADAPT_FLOOR if pre.ots_adapt_minutes else 1.0,
@@ -1128,6 +1140,21 @@ def _preset(args) -> Preset:
     return dataclasses.replace(pre, **over)
 
 
+def check_plans(plans: list) -> None:
+    """Refuse, before any training, the plans the speedrun's models cannot run (evaluation would raise after the
+    training it needs): the preheat init needs a calibration the speedrun does not make, and HCN an mHC model (the
+    speedrun's models have a plain residual stream)."""
+    from snlp.method.surrogates import HCN
+
+    for p in plans:
+        if p.init == "preheat":
+            raise ValueError(f"--plans {p}: the preheat init needs a calibration (snlp calibrate CKPT) that the "
+                             "speedrun does not make; evaluate it with `snlp eval` after `snlp calibrate`")
+        if isinstance(p.surrogate, HCN):
+            raise ValueError(f"--plans {p}: the hcn surrogate needs an mHC model and the speedrun's models have a "
+                             "plain residual stream: use idn")
+
+
 def check_args(args, pre: Preset) -> None:
     if pre.depth < 2:
         raise ValueError(f"--depth must be >= 2 (got {pre.depth})")
@@ -1192,7 +1219,8 @@ class Speedrun:
 
     def common(self) -> dict:
         """The settings every evaluation stage is made with."""
-        return {"eval": dataclasses.asdict(self.ecfg), "device": self.cfg.device, "threads": self.eval_threads}
+        return {"eval": dataclasses.asdict(self.ecfg), "device": self.cfg.device, "threads": self.eval_threads,
+                "cpu_kernels": cpu_isa()}
 
     def settings(self) -> dict:
         """summary.json's "settings": the config and the number of steps both models trained."""
@@ -1242,7 +1270,8 @@ class Speedrun:
             return {"models": self.model_ids(), "suffixes": early_exit_suffixes(self.cfg.depth), **self.common()}, []
         if name == "diagnostics":
             return ({"models": self.model_ids(), "power_iters": pre.diag_power_iters, "probes": pre.diag_probes,
-                     "seq_len": pre.seq_len, "device": self.cfg.device, "threads": self.eval_threads}, [])
+                     "seq_len": pre.seq_len, "device": self.cfg.device, "threads": self.eval_threads,
+                     "cpu_kernels": cpu_isa()}, [])
         raise ValueError(f"no budgeted stage named {name!r}")
 
     def reusable(self) -> dict[str, StageRecord]:
@@ -1353,7 +1382,9 @@ def setup(args) -> Speedrun:
     pre = _preset(args)
     check_args(args, pre)
     out = Path(args.out)
-    plans = [str(p) for p in parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)]
+    parsed = parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)
+    check_plans(parsed)
+    plans = [str(p) for p in parsed]
     cfg = SpeedrunConfig(data=args.data, max_chars=pre.max_chars, vocab_size=pre.vocab_size, depth=pre.depth,
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
                          seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
@@ -1437,7 +1468,10 @@ def _train_jobs(sr: Speedrun) -> list[TrainJob]:
                  for k, v in dataclasses.asdict(tcfg).items()}
         if budgeted:
             train["minutes"] = f"budget {pre.budget_minutes:g}"
-        settings = {"train": train, "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel}
+        # the CPU kernels torch picks (ATen's capability, ISA caps): other kernels are another measurement (and a
+        # budgeted training another number of steps), never a stage to reuse under the report's new hardware line
+        settings = {"train": train, "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel,
+                    "cpu_kernels": cpu_isa()}
         rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
             sr.trains[key] = rec

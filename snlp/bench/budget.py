@@ -38,6 +38,7 @@ class Probe:
     decode_token_s: float  # one KV-cached greedy decode step at batch 1
     seconds: float = 0.0  # wall time of the probe itself
     ref_s: float = 0.0  # a fixed workload whatever the job's shape (reference_work; 0: not measured)
+    device: str = "cpu"  # where the model timings ran (reference_work always runs on one CPU thread)
 
 
 @dataclass(frozen=True)
@@ -284,4 +285,5 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
             ref_s = sorted(_median_time(ref, 1) for _ in range(5))[2]
     finally:
         torch.set_num_threads(old)
-    return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s)
+    return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s,
+                 device=torch.device(device).type)
