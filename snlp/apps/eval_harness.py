@@ -46,12 +46,6 @@ def method_file(method: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", method) + ".json"
 
 
-def check_plan_list(text: str) -> None:
-    """Refuse a --plans list that names one plan twice (snlp.method.plan.parse_plans) before the checkpoint loads:
-    its second run would overwrite the first one's harness JSON."""
-    parse_plans(text)
-
-
 def check_method_files(methods: list[str]) -> None:
     """Refuse methods whose harness JSON files would coincide (one would overwrite the other): a plan listed twice,
     two spellings of one plan (8xF1-K1 and 8xF1-h0-K1), or names that map to one file name (compared without case,
@@ -89,8 +83,8 @@ def run(args) -> int:
     device = cli_device(args.device)
     set_threads(args.threads)
     dtype = cli_dtype(args.dtype, device)
-    if args.plans:  # a plan given twice (or two spellings of one) would overwrite its own JSON: refused before loading
-        check_plan_list(args.plans)
+    if args.plans:  # a plan given twice (or two spellings of one) would overwrite its own JSON: parse_plans refuses
+        parse_plans(args.plans)  # it before the checkpoint loads
     model_arg("pretrained", args.ckpt)  # each run records them in its model_args: a ',' is refused before loading
     if args.drafter:
         model_arg("drafter", args.drafter)

@@ -716,27 +716,25 @@ def _plan_factor(plan: str, depth: int) -> float:
     from snlp.method.plan import Plan
 
     pl = Plan.parse(plan)
-    N = min(pl.chunks * pl.fuse, depth)
-    evals = pl.iters * pl.evals_per_iter + (1 if pl.init == "fwd" else 0)
-    return ((depth - N) + evals * N) / depth
+    S = pl.prefix_len(depth)
+    return (S + (pl.critical_path_layers(depth) - S) * pl.n_suffix) / depth
 
 
 def _ar_references(plans: list[str]) -> int:
     """How many AR Match reference models `snlp.eval.protocol.generations` decodes besides the sequential one and
     the plans: one per distinct fused model (CxFM with M > 1, run sequentially) that is not itself a plan listed."""
-    from snlp.eval.protocol import reference_plan
+    from snlp.eval.protocol import generation_rows
     from snlp.method.plan import Plan
 
     parsed = [Plan.parse(p) for p in plans]
-    # a plan that is its own reference (K = C, e.g. 1xF8-h0-K1) is one row: generations keys its rows by name
-    return len({str(r) for r in map(reference_plan, parsed) if r is not None} - {str(p) for p in parsed})
+    return len(generation_rows(parsed)) - 1 - len({str(p) for p in parsed})  # less the sequential row and the plans
 
 
 def ots_window_s(pr) -> float:
     """One SmolLM2 teacher-forced window on this box: OTS_WINDOW_REF reference_work runs (a CPU workload, so only
     where the run's windows run on the CPU), else OTS_WINDOW_RATIO of the speedrun model's window as the probe
     measured it on the run's device (see the constants)."""
-    if getattr(pr, "ref_s", 0.0) and getattr(pr, "device", "cpu") == "cpu":
+    if pr.ref_s and pr.device == "cpu":
         return OTS_WINDOW_REF * pr.ref_s
     return OTS_WINDOW_RATIO * pr.window_s
 
@@ -750,7 +748,7 @@ def ots_prep_s(pre: Preset, pr, convert: bool, tokenise: bool) -> float:
     """The off-the-shelf stage's preparation on this box: loading (OTS_LOAD_S), plus, when OUT/cache does not hold
     them, the GGUF conversion and the tokenising of its validation text (and of its adaptation's data when it
     adapts): the constants above scaled by the probe's reference_work (unscaled for a probe without one)."""
-    box = pr.ref_s / OTS_PREP_REF_S if getattr(pr, "ref_s", 0.0) else 1.0
+    box = pr.ref_s / OTS_PREP_REF_S if pr.ref_s else 1.0
     tok = OTS_TOKENISE_VAL_S + (OTS_TOKENISE_ADAPT_S if pre.ots_adapt_minutes else 0.0)
     return OTS_LOAD_S + (OTS_CONVERT_S * convert + tok * tokenise) * box
 
@@ -1274,6 +1272,10 @@ class Speedrun:
                      "cpu_kernels": cpu_isa()}, [])
         raise ValueError(f"no budgeted stage named {name!r}")
 
+    def reused_records(self) -> dict[str, StageRecord]:
+        """The stages this invocation reused so far and those it will reuse (reusable)."""
+        return {n: r for n, r in self.stages.records.items() if r.status == "reused"} | self.reusable()
+
     def reusable(self) -> dict[str, StageRecord]:
         """The budgeted stages not reached yet whose stored record a lookup would reuse now (their inputs are known
         and unchanged): the plan counts them as done, not as work still to fit into the budget."""
@@ -1291,8 +1293,7 @@ class Speedrun:
         """Tell the plan which stages are reused: those this invocation looked up already and those it will."""
         if self.budget is None:
             return
-        done = {n: r for n, r in self.stages.records.items() if r.status == "reused"} | self.reusable()
-        for name, rec in done.items():
+        for name, rec in self.reused_records().items():
             if name in self.budget.stages and not self.budget.stages[name].reused \
                     and self.budget.stages[name].actual_s is None:
                 self.budget.reuse(name, rec.planned, rec.seconds, rec.scale)
@@ -1313,7 +1314,7 @@ class Speedrun:
             mcfg = build_config(tcfg, self.tokenizer.result["vocab_size"] if self.tokenizer else self.cfg.vocab_size)
             pr = probe(mcfg, self.cfg.batch_size, train_threads=self.train_threads, eval_threads=self.eval_threads,
                        seed=self.cfg.seed, device=self.cfg.device)
-            reused = {n: r for n, r in self.stages.records.items() if r.status == "reused"} | self.reusable()
+            reused = self.reused_records()
             convert = tokenise = False
             if self.ots is not None and "off-the-shelf" not in reused:
                 model_cached, data_cached = ots_cached(ots_cache_dir(self.cache, *self.ots_key()), self.cfg.data_spec,

@@ -532,7 +532,8 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = TaskManager(include_path=include, include_defaults=False) if include else None
     if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing the harness's own tasks takes ~25 s
         tm = TaskManager(include_path=include)
-    [lm.model_args for lm in lms]  # every run records them: one that cannot be written is refused before any run
+    for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
+        lm.model_args
     out = []
     for lm in lms:
         try:

@@ -200,12 +200,18 @@ def reference_plan(plan: Plan) -> Plan | None:
     return None if plan.fuse == 1 else Plan(chunks=plan.chunks, fuse=plan.fuse, init="h0", iters=plan.chunks)
 
 
+def generation_rows(plans: list[Plan]) -> dict[str, Plan | None]:
+    """What `generations` decodes, by name: the sequential model (None), each plan, and each plan's AR-match
+    reference (shared between plans with the same reference; a plan that is its own reference is one row)."""
+    refs_needed = {str(r): r for r in map(reference_plan, plans) if r is not None}
+    return {SEQ: None, **{str(p): p for p in plans}, **refs_needed}
+
+
 def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig,
                 preheat: Preheat | None = None) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
     """Greedy continuations (prompts x gen_tokens ids) of the sequential model and each plan, and
-    each plan's AR-match reference continuations (shared between plans with the same reference)."""
-    refs_needed = {str(r): r for r in map(reference_plan, plans) if r is not None}
-    rows = {SEQ: None, **{str(p): p for p in plans}, **refs_needed}
+    each plan's AR-match reference continuations (generation_rows)."""
+    rows = generation_rows(plans)
     out = {}
     with _bar(len(rows) * len(prompts), "AR match generation", cfg) as bar:
         for name, plan in rows.items():
