@@ -113,6 +113,13 @@ def _add_suite_flags(p) -> None:
                        help="--suite: decoded tokens per decode run (default 128; 4 quick)")
     suite.add_argument("--treatments", default="eager,compiled", help="--suite: eager and/or compiled")
     suite.add_argument("--no-decode", action="store_true", help="--suite: skip the KV-cached decode rows")
+    suite.add_argument("--vs-paper", default=None, metavar="PATH",
+                       help="time snlp side by side with the paper's own code (a checkout of nanochat-snlp at PATH) on "
+                            "the paper's prefill shapes and plans, same device, same process, round-robin; writes "
+                            "vs_paper.json + vs_paper.md to --out (uses --shapes, --quick, --treatments, --suite-tokens, "
+                            "--suite-warmup, --suite-runs)")
+    suite.add_argument("--no-ablations", action="store_true",
+                       help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
 
 
 def _add_ops_flags(p) -> None:
@@ -166,6 +173,10 @@ def model_spec(args) -> ModelSpec:
 
 
 def run(args) -> int:
+    if getattr(args, "vs_paper", None):
+        if getattr(args, "suite", None):
+            raise ValueError("--vs-paper and --suite are two runs: give one")
+        return run_vs_paper_cli(args)
     if getattr(args, "suite", None):
         return run_suite_cli(args)
     if getattr(args, "simulate_devices", None) is not None:
@@ -297,6 +308,25 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
              f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
     write_records(rows, args.json, args.csv)
     return 0
+
+
+def run_vs_paper_cli(args) -> int:
+    import shlex
+    import sys
+
+    from snlp.bench.vs_paper import VsPaperConfig, run_vs_paper
+
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
+    out = None if args.out == "bench-suite" else args.out
+    cfg = VsPaperConfig(paper=args.vs_paper, shapes=split(args.shapes), device=args.device, quick=args.quick,
+                        tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
+                        treatments=split(args.treatments) or (), ablations=not args.no_ablations, seed=args.seed,
+                        out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
+    cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
+    result = run_vs_paper(cfg)
+    print(result.markdown)
+    print(f"wrote {cfg.out}/vs_paper.json and {cfg.out}/vs_paper.md")
+    return 1 if result.failures else 0
 
 
 def run_suite_cli(args) -> int:

@@ -1,0 +1,55 @@
+"""Merge the GPU campaign's parts (scripts/gpu_campaign.sh) into DIR/campaign.json and DIR/campaign.md, and
+print the markdown: the part statuses, then each part's own table, the side-by-side table last."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(out: str) -> int:
+    root = Path(out)
+    parts = root / "parts"
+    merged: dict = {"status": {}, "parts": {}}
+    for f in sorted(parts.glob("*.status.json")):
+        s = json.loads(f.read_text())
+        merged["status"][s["part"]] = s
+    for name, path in (("vs_paper_eager", parts / "vs_paper_eager" / "vs_paper.json"),
+                       ("vs_paper_compiled", parts / "vs_paper_compiled" / "vs_paper.json"),
+                       ("attn", parts / "attn.json"), ("profile", parts / "profile" / "profile.json")):
+        if path.is_file():
+            merged["parts"][name] = json.loads(path.read_text())
+    lines = ["# GPU campaign", ""]
+    lines += [f"- part {k}: rc {v['rc']} in {v['seconds']} s" + (" (TIMED OUT)" if v["rc"] in (124, 137) else "")
+              for k, v in merged["status"].items()]
+    a = merged["parts"].get("attn")
+    if a:
+        lines += ["", f"## Attention formulations ({a['device']}, T = {a['T']}, window {a['window']})", "",
+                  "| case | heads | formulation | ms | max abs err | first call s |", "|---|---|---|---|---|---|"]
+        for r in a["rows"]:
+            lines.append(f"| {r['case']} | {r['heads']} | {r['formulation']} | " +
+                         (f"ERROR {r['error'][:100]} | | |" if "error" in r else
+                          f"{r['ms']:.3f} | {r['max_abs_err']:.1e} | {r['first_call_s']:.1f} |"))
+    p = merged["parts"].get("profile")
+    if p:
+        lines += ["", "## One call profiled", "", "| callable | kernels | device ms |", "|---|---|---|"]
+        lines += [f"| {k} | {v['kernels']} | {v['device_ms']:.2f} |" for k, v in p.items()]
+    for name in ("vs_paper_compiled", "vs_paper_eager"):
+        md = parts / name / "vs_paper.md"
+        if md.is_file():
+            text = md.read_text()
+            lines += ["", f"## {name}", "", text.split("\nEvery timed callable:")[0] if name == "vs_paper_eager"
+                      else text]
+    prof = parts / "profile" / "profile.txt"
+    if prof.is_file():  # beside campaign.md, so one folder holds what a device call brings back
+        (root / "profile.txt").write_text(prof.read_text())
+    text = "\n".join(lines) + "\n"
+    (root / "campaign.md").write_text(text)
+    (root / "campaign.json").write_text(json.dumps(merged, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/gpu-campaign"))

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU campaign: everything a lent GPU should measure, in one call of at most 8 minutes, read top to bottom.
+#
+#   bash scripts/gpu_campaign.sh [--quick] [--out DIR] [--paper PATH] [--parts a,b,...]
+#
+# Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
+# parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
+# and prints the table last (a device call returns the tail of its output). --quick is the CPU smoke run CI
+# keeps green (tests/bench/test_campaign.py), so a lent GPU is never spent on a crash.
+#
+# On a lent GPU (from the repo root, the paper's code copied into the ignored .paper/ and carried):
+#   mkdir -p .paper && cp -r ../shared/anchors/nanochat-snlp .paper/
+#   device run: PYTHONUNBUFFERED=1 bash scripts/gpu_campaign.sh --out $OUT     (carry: .paper)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1 ;;
+    --out) OUT="$2"; shift ;;
+    --paper) PAPER="$2"; shift ;;
+    --parts) PARTS="$2"; shift ;;
+    *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$PAPER" ]; then
+  for p in .paper/nanochat-snlp ../shared/anchors/nanochat-snlp; do [ -f "$p/nanochat/gpt.py" ] && PAPER=$p && break; done
+fi
+PY=python3
+mkdir -p "$OUT/parts"
+LOG="$OUT/log.txt"; : > "$LOG"
+if [ "$QUICK" = 1 ]; then
+  DEV=cpu; Q=--quick; T_SHORT=240; T_LONG=300
+  ATTN="--device cpu --tokens 256 --window 64 --heads 2 --head-dim 32 --branches 4 --runs 3"
+  PROF="--device cpu --quick --tokens 64"
+  DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
+else
+  DEV=cuda; Q=""; T_SHORT=55; T_LONG=170
+  ATTN="--device cuda"
+  PROF="--device cuda --shape 0.5B --plan 24xF1-h0-K2 --plan2 24xF1-h0-K4"
+  DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
+fi
+PARTS=${PARTS:-$DEFAULT_PARTS}
+
+# the machine, first: what the numbers below ran on
+$PY - <<'EOF' 2>&1 | tee -a "$LOG"
+import torch, platform
+print("campaign: torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("campaign: device", torch.cuda.get_device_name(), f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")
+EOF
+
+part() {  # part NAME SECONDS CMD...: run one part under its limit; its status goes to the log
+  local name=$1 secs=$2; shift 2
+  case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
+  echo "campaign: part $name (limit ${secs}s) at $(date -u +%T)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "campaign: part $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" > "$OUT/parts/$name.status.json"
+}
+
+if [ -n "$PAPER" ]; then
+  # 1. snlp vs the paper's code, eager, the three 0.5B shapes, with the baseline ablations
+  part vs_paper_eager $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --treatments eager \
+      --out "$OUT/parts/vs_paper_eager"
+else
+  echo "campaign: no checkout of the paper's code (--paper PATH, .paper/nanochat-snlp): vs-paper parts skipped" | tee -a "$LOG"
+fi
+# 2. which attention kernel pays for a sliding window only (single layer, 24-branch stack)
+part attn $T_SHORT $PY scripts/attn_windows.py $ATTN --json "$OUT/parts/attn.json"
+if [ -n "$PAPER" ]; then
+  # 3. one call of each side profiled: kernel counts and where the device time goes (K=2 and K=4: one more iteration)
+  part profile $T_SHORT $PY scripts/profile_prefill.py --paper "$PAPER" $PROF --out "$OUT/parts/profile"
+  # 4. compiled (CUDA graphs) snlp beside eager snlp and the paper, one shape
+  part vs_paper_compiled $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --shapes 0.5B-nox0ve \
+      --treatments eager,compiled --no-ablations --out "$OUT/parts/vs_paper_compiled"
+fi
+
+# the table, last
+$PY scripts/campaign_table.py "$OUT"

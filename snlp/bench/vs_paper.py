@@ -1,0 +1,284 @@
+"""`snlp bench --vs-paper PATH`: snlp and the paper's code on the paper's prefill suite, side by side.
+
+For each shape of snlp.bench.suite.PAPER_SHAPES the paper's GPT (random weights) and snlp's GPT of the
+same shape are built on one device; every callable below runs on the same tokens, round-robin in one
+process (so load drift hits all alike), after a common warm-up; medians and spreads are reported:
+  - paper: its sequential forward as published (fp32 weights cast per call, masked SDPA for short
+    windows), the two baseline ablations (bf16 weights; windows off), and each plan through the path
+    its evaluator uses (snlp.bench.paper_peer.paper_plan_fn);
+  - snlp: its sequential forward and each plan (bound runner), eager and, with the compiled treatment,
+    torch.compile fullgraph (CUDA graphs on CUDA; compile time reported apart).
+Both speedup definitions are in the table: the paper's (its sequential as published / its plan) and the
+strongest-baseline one (the fastest sequential either side offers / the plan). Random weights: speed only.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from snlp.bench.forward import COMPILE_CALLS, compile_step
+from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_linear_weights, load_paper_code,
+                                   paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_for, summarise,
+                                   time_side_by_side)
+from snlp.bench.records import markdown_table, write_json
+from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
+from snlp.decode.steps import check_compilable, mark_static_runner
+from snlp.method.plan import Plan
+from snlp.method.solver import bind
+from snlp.runtime.device import device_label
+from snlp.runtime.timing import now
+
+TREATMENTS = ("eager", "compiled")
+
+
+@dataclass
+class VsPaperConfig:
+    """What to run; None = the device's default (see `resolved`)."""
+
+    paper: str  # path of the paper's checkout
+    shapes: tuple[str, ...] | None = None  # keys of PAPER_SHAPES; None: the three 0.5B shapes
+    device: str | None = None
+    quick: bool = False  # CPU smoke: shrunk shapes (width 64), T = 64, few runs
+    tokens: int | None = None  # None: 2048 (the paper's prefill), 64 with quick
+    warmup: int | None = None  # None: 20 on cuda, 1 elsewhere
+    runs: int | None = None  # None: 50 on cuda, 3 elsewhere
+    treatments: tuple[str, ...] = ("eager",)
+    ablations: bool = True  # the paper baseline's bf16-weights and windows-off variants, snlp's windows-off
+    vocab_size: int | None = None  # None: 32768 (256 with quick)
+    seed: int = 0
+    out: str | None = None  # directory for vs_paper.json and vs_paper.md
+    command: str | None = None
+
+    def resolved(self) -> "VsPaperConfig":
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--vs-paper: device cuda requested but CUDA is not available; use cpu")
+        shapes = tuple(self.shapes) if self.shapes else SHAPE_KEYS[:3]
+        bad = [s for s in shapes if s not in SHAPE_KEYS]
+        if bad:
+            raise ValueError(f"--vs-paper: unknown shape(s) {', '.join(bad)}; valid: {', '.join(SHAPE_KEYS)}")
+        bad = [t for t in self.treatments if t not in TREATMENTS]
+        if bad or not self.treatments:
+            raise ValueError(f"--vs-paper: treatments must be a non-empty subset of {', '.join(TREATMENTS)}")
+        cuda, q = device.type == "cuda", self.quick
+        cfg = replace(self, device=str(device), shapes=shapes,
+                      tokens=self.tokens or (64 if q else 2048),
+                      warmup=self.warmup if self.warmup is not None else (1 if q or not cuda else 20),
+                      runs=self.runs or (3 if q or not cuda else 50),
+                      vocab_size=self.vocab_size or (256 if q else 32768))
+        if min(cfg.tokens, cfg.runs, cfg.vocab_size) < 1 or cfg.warmup < 0:
+            raise ValueError("--vs-paper: tokens, runs and vocab size must be >= 1, warm-up >= 0")
+        if cfg.tokens < 2:
+            raise ValueError("--vs-paper: the paper's forward needs T >= 2 (its smear gate reads the previous token)")
+        return cfg
+
+
+@dataclass
+class VsPaperResult:
+    config: VsPaperConfig
+    meta: dict
+    rows: list[PeerRow] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)  # {shape, callable, error, traceback}
+    markdown: str = ""
+
+
+def _meta(cfg: VsPaperConfig, code: PaperCode) -> dict:
+    dev = torch.device(cfg.device)
+    return dict(device=device_label(dev), device_type=dev.type, torch=torch.__version__, cuda=torch.version.cuda,
+                dtype=str(code.dtype).replace("torch.", ""), python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=cfg.command, paper_root=code.root, paper_stubs=code.stubs,
+                weights="random weights (timing only)", batch=1)
+
+
+def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
+    cfg = config.resolved()
+    dev = torch.device(cfg.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the paper: bf16 on CUDA, fp32 on CPU
+    code = load_paper_code(cfg.paper, dtype)
+    result = VsPaperResult(config=cfg, meta=_meta(cfg, code))
+    t0 = time.perf_counter()
+    for key in cfg.shapes:
+        shape = next(s for s in PAPER_SHAPES if s.key == key)
+        try:
+            _run_shape(shape, cfg, code, dev, result)
+        except Exception as e:  # one shape's failure must not discard the others' rows
+            result.failures.append(_failure(key, "shape", e))
+        print(f"vs-paper: {key} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        _write(result, cfg)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    _write(result, cfg)
+    return result
+
+
+def _failure(shape: str, what: str, e: BaseException) -> dict:
+    return dict(shape=shape, callable=what, error=f"{type(e).__name__}: {e}".splitlines()[0][:400],
+                traceback=traceback.format_exc())
+
+
+def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.device, result: VsPaperResult) -> None:
+    run_shape = shape.quick() if cfg.quick else shape
+    seq_len = max(2048, cfg.tokens)
+    pcfg = paper_config(code, run_shape, cfg.vocab_size, seq_len, "SSSL")
+    short = next(w for (w, _), c in zip(_paper_windows(code, pcfg), "SSSL") if c == "S")
+    paper = build_paper_model(code, pcfg, dev, cfg.seed)
+    plans = [Plan.parse(p, run_shape.depth) for p in shape.plans]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.tokens), generator=gen).to(dev)
+    fns, meta = {}, {}
+
+    def add(name, fn, side, plan, variant, note=""):
+        fns[name], meta[name] = fn, (side, plan, variant, note)
+
+    add("paper/sequential", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper)), "paper", "sequential",
+        "as published", "fp32 weights cast per Linear call; short windows through a boolean-mask SDPA")
+    if cfg.ablations:
+        add("paper/sequential/windows-off", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper, False)),
+            "paper", "sequential", "windows off", "every layer full causal (flash SDPA): a different function")
+        if dtype_of(code) != torch.float32:
+            paper_bf16 = cast_linear_weights(copy.deepcopy(paper), code.dtype)
+            add("paper/sequential/bf16-weights", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper_bf16)),
+                "paper", "sequential", "bf16 weights", "weights cast once, not per call")
+    for plan in plans:
+        try:
+            f = paper_plan_fn(code, paper, plan, run_shape)
+            add(f"paper/{plan}", (lambda f: lambda: f(idx))(f), "paper", str(plan), "as published",
+                "its parallel path: full causal attention in the suffix (windows dropped)" +
+                (", no value embeddings, chunk weights stacked inside the call" if plan.fuse > 1 else ""))
+        except Exception as e:
+            result.failures.append(_failure(shape.key, f"paper/{plan}", e))
+
+    # snlp uses the paper's window widths: nanochat's short window = ceil(T_ctx / 4 / 128) * 128 tokens back
+    model = snlp_model_for(run_shape, cfg.vocab_size, seq_len, "SSSL", short, dev, code.dtype, cfg.seed)
+    runners = {str(p): bind(model, p, check_finite=False) for p in plans}
+    add("snlp/sequential", lambda: model(idx), "snlp", "sequential", "eager")
+    for name, r in runners.items():
+        add(f"snlp/{name}", (lambda r: lambda: r(idx))(r), "snlp", name, "eager")
+    if cfg.ablations:
+        model_l = snlp_model_for(run_shape, cfg.vocab_size, seq_len, "L", short, dev, code.dtype, cfg.seed)
+        add("snlp/sequential/windows-off", lambda: model_l(idx), "snlp", "sequential", "windows off (eager)",
+            "every layer full causal: a different function")
+        for p in plans:
+            r = bind(model_l, p, check_finite=False)
+            add(f"snlp/{p}/windows-off", (lambda r: lambda: r(idx))(r), "snlp", str(p), "windows off (eager)",
+                "every layer full causal: a different function")
+    compile_s = {}
+    if "compiled" in cfg.treatments:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(plans) + 4)
+        targets = {"snlp/sequential/compiled": (lambda: model(idx), "sequential")}
+        for name, r in runners.items():
+            try:
+                check_compilable(r.plan)
+            except ValueError as e:
+                result.failures.append(_failure(shape.key, f"snlp/{name}/compiled", e))
+                continue
+            if dev.type == "cuda":
+                mark_static_runner(r)
+            targets[f"snlp/{name}/compiled"] = ((lambda r: lambda: r(idx))(r), name)
+        for name, (fn, plan) in targets.items():
+            cfn = compile_step(fn, dev)
+            try:
+                t = now(dev)
+                with torch.inference_mode():
+                    for _ in range(COMPILE_CALLS):
+                        cfn()
+                compile_s[name] = now(dev) - t
+                add(name, cfn, "snlp", plan, "compiled", "torch.compile fullgraph" +
+                    (", CUDA graphs (reduce-overhead)" if dev.type == "cuda" else ""))
+            except Exception as e:
+                result.failures.append(_failure(shape.key, name, e))
+    # the same tokens for every callable; one failing callable is dropped before timing, not the shape
+    with torch.inference_mode():
+        for name in list(fns):
+            try:
+                fns[name]()
+            except Exception as e:
+                result.failures.append(_failure(shape.key, name, e))
+                del fns[name]
+    times = time_side_by_side(fns, cfg.warmup, cfg.runs, dev)
+    result.rows += summarise(shape.key, times, meta, compile_s)
+
+
+def dtype_of(code: PaperCode) -> torch.dtype:
+    return code.dtype
+
+
+def _paper_windows(code: PaperCode, pcfg) -> list[tuple[int, int]]:
+    return code.gpt.GPT._compute_window_sizes(None, pcfg)
+
+
+# ------------------------------------------------------------------------------------------ report
+def _write(result: VsPaperResult, cfg: VsPaperConfig) -> None:
+    result.markdown = markdown(result)
+    if cfg.out:
+        out = Path(cfg.out)
+        write_json(out / "vs_paper.json", {"meta": result.meta, "config": asdict(cfg), "rows": result.rows,
+                                           "failures": result.failures}, announce=False)
+        (out / "vs_paper.md").write_text(result.markdown)
+
+
+def _get(rows, shape, side, plan, variant) -> PeerRow | None:
+    return next((r for r in rows if (r.shape, r.side, r.plan, r.variant) == (shape, side, plan, variant)), None)
+
+
+def _ms(r: PeerRow | None) -> str:
+    return "-" if r is None else f"{r.median_ms:.2f} ({r.p10_ms:.2f}-{r.p90_ms:.2f})"
+
+
+def _ratio(a: PeerRow | None, b: PeerRow | None) -> str:
+    return "-" if a is None or b is None else f"{a.median_ms / b.median_ms:.2f}x"
+
+
+def markdown(result: VsPaperResult) -> str:
+    cfg, m = result.config, result.meta
+    lines = [f"## snlp bench --vs-paper{' --quick' if cfg.quick else ''}", "",
+             f"- {m['weights']}; batch 1; T = {cfg.tokens}; {m['dtype']} on {m['device']}; torch {m['torch']}, "
+             f"CUDA {m['cuda'] or '-'}; {m['date']}",
+             f"- {cfg.warmup} warm-up + {cfg.runs} timed rounds, every callable round-robin in one process; ms = median "
+             "(p10-p90); host clock around a device synchronise",
+             f"- the paper's code: {m['paper_root']}" + (f" (stand-ins for {', '.join(m['paper_stubs'])})"
+                                                         if m["paper_stubs"] else "")]
+    if cfg.quick:
+        lines.append("- QUICK: smoke-size shapes (width 64), NOT the paper's shapes")
+    rows = []
+    for key in cfg.shapes:
+        shape = next(s for s in PAPER_SHAPES if s.key == key)
+        rs = [r for r in result.rows if r.shape == key]
+        p_seq = _get(rs, key, "paper", "sequential", "as published")
+        seqs = [r for r in rs if r.plan == "sequential" and "windows off" not in r.variant]
+        best = min(seqs, key=lambda r: r.median_ms) if seqs else None
+        for plan in ("sequential",) + tuple(shape.plans):
+            pp = _get(rs, key, "paper", plan, "as published")
+            se = _get(rs, key, "snlp", plan, "eager")
+            sc = _get(rs, key, "snlp", plan, "compiled")
+            fastest = min((r for r in (se, sc) if r), key=lambda r: r.median_ms, default=None)
+            rows.append([key, f"`{plan}`", _ms(pp), _ms(se), _ms(sc),
+                         _ratio(pp, fastest) if plan != "sequential" else _ratio(p_seq, fastest),
+                         _ratio(p_seq, pp) if plan != "sequential" else "-",
+                         _ratio(best, fastest) if plan != "sequential" else "-",
+                         f"{PAPER_PREFILL[(key, plan)]:.2f}x" if (key, plan) in PAPER_PREFILL else "-"])
+    lines += ["", *markdown_table(
+        ["shape", "plan", "paper ms", "snlp eager ms", "snlp compiled ms", "paper ms / snlp ms",
+         "paper's speedup (its seq / its plan)", "snlp vs strongest seq", "paper's table"], rows)]
+    lines += ["", "*paper ms / snlp ms*: the paper's time over snlp's fastest treatment (> 1: snlp is faster). "
+              "*strongest seq*: the fastest sequential forward timed for that shape on either side (its variant "
+              "below). The paper's parallel paths compute a different function from its own sequential model "
+              "(windows dropped in the suffix; value embeddings too in fused chunks); snlp's plans keep both."]
+    abl = [[r.shape, r.side, f"`{r.plan}`", r.variant, _ms(r), "-" if r.compile_s is None else f"{r.compile_s:.1f}",
+            r.note] for r in result.rows]
+    lines += ["", "Every timed callable:", "", *markdown_table(
+        ["shape", "side", "plan", "variant", "ms (p10-p90)", "compile s", "note"], abl)]
+    if result.failures:
+        lines += ["", "Failures (the JSON has the tracebacks):", ""]
+        lines += [f"- {f['shape']} {f['callable']}: {f['error']}" for f in result.failures]
+    return "\n".join(lines) + "\n"
