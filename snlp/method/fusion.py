@@ -69,7 +69,7 @@ from torch import Tensor
 from snlp.model.config import VE_GATE_CHANNELS
 from snlp.model.gpt import GPT, Context
 from snlp.model.hc import hc_gate, hc_maps
-from snlp.model.ops import attend, mlp_act, norm, qk_rope
+from snlp.model.ops import attend, attend_branches, mlp_act, norm, qk_rope, window_groups
 
 
 @dataclass
@@ -117,6 +117,8 @@ class ChunkWeights:
     swiglu_dim: int = 0  # SwiGLU hidden width F; 0 = relu^2
     attn_in: Tensor | None = None  # (C, 1, D) input RMSNorm weights applied, not folded (shared weights, M = 1)
     mlp_in: Tensor | None = None  # (C, 1, D) post-attention RMSNorm weights likewise (snlp.method.sharing)
+    window_values: tuple[int, ...] | None = None  # the C*M branches' windows as host ints (None: all full)
+    window_groups: tuple | None = None  # snlp.model.ops.window_groups(window_values): prefill attention by window
 
     @property
     def chunks(self) -> int:
@@ -126,11 +128,13 @@ class ChunkWeights:
         """The weights of chunk c alone (a C = 1 stack), for running the fused model sequentially."""
         M = self.fuse
         take = lambda t, s=slice(c, c + 1): None if t is None else t[s]  # noqa: E731
+        vals = None if self.window_values is None else self.window_values[c * M:(c + 1) * M]
         return replace(self, start=self.start + c * M, qkv=take(self.qkv), attn_out=take(self.attn_out),
                        fc=take(self.fc), proj=take(self.proj), alpha=take(self.alpha), beta=take(self.beta),
                        ve_gate=take(self.ve_gate), ve_slot=take(self.ve_slot, slice(c * M, (c + 1) * M)),
-                       windows=take(self.windows), qkv_bias=take(self.qkv_bias), q_norm=take(self.q_norm),
-                       k_norm=take(self.k_norm), attn_in=take(self.attn_in), mlp_in=take(self.mlp_in))
+                       qkv_bias=take(self.qkv_bias), q_norm=take(self.q_norm),
+                       k_norm=take(self.k_norm), attn_in=take(self.attn_in), mlp_in=take(self.mlp_in),
+                       **window_fields(vals, self.qkv.device, vals is not None and any(w >= 0 for w in vals)))
 
 
 @dataclass
@@ -215,9 +219,8 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
 
     hc = cfg.hc_streams > 0
     ve_gate, ve_slot = value_embed_weights(model, start, C, M)
-    win = branch_windows(model, start, C, M, qkv.device)
     common = dict(start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
-                  ve_slot=ve_slot, windows=win, qk_norm=cfg.qk_norm, q_norm=q_norm, k_norm=k_norm, eps=cfg.norm_eps,
+                  ve_slot=ve_slot, **branch_windows(model, start, C, M, qkv.device), qk_norm=cfg.qk_norm, q_norm=q_norm, k_norm=k_norm, eps=cfg.norm_eps,
                   swiglu_dim=Fh if cfg.mlp_act == "swiglu" else 0)
     if hc:  # every branch reads its own input: weights stay per branch, batched over C*M in the forward
         return HCChunkWeights(
@@ -233,12 +236,21 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
         qkv_bias=None if qkv_bias is None else qkv_bias.view(C, 1, -1), **common)
 
 
-def branch_windows(model: GPT, start: int, chunks: int, fuse: int, device) -> Tensor | None:
-    """Each branch's left attention context (C, M, 1), or None when every layer of the chunks attends fully."""
-    windows = [model.config.window(l) for l in range(start, start + chunks * fuse)]
-    if all(w < 0 for w in windows):
-        return None
-    return torch.tensor(windows, device=device).view(chunks, fuse, 1)
+def branch_windows(model: GPT, start: int, chunks: int, fuse: int, device) -> dict:
+    """The ChunkWeights window fields of layers start .. start + C*M - 1: `windows`, each branch's left attention
+    context (C, M, 1) (None when every layer attends fully), its host copy `window_values` and the branches grouped
+    by window for prefill attention (`window_groups`, see snlp.model.ops.attend_branches)."""
+    values = tuple(model.config.window(l) for l in range(start, start + chunks * fuse))
+    return window_fields(values, device, any(w >= 0 for w in values), (chunks, fuse, 1))
+
+
+def window_fields(values: tuple[int, ...] | None, device, windowed: bool, shape: tuple | None = None) -> dict:
+    """windows / window_values / window_groups from the branches' host windows (see branch_windows)."""
+    if values is None or not windowed:
+        return dict(windows=None, window_values=None, window_groups=None)
+    shape = shape or (1, len(values), 1)
+    return dict(windows=torch.tensor(values, device=device).view(shape), window_values=values,
+                window_groups=window_groups(values, device))
 
 
 def value_embed_weights(model: GPT, start: int, chunks: int, fuse: int) -> tuple[Tensor | None, Tensor | None]:
@@ -381,8 +393,12 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
             kc, vc = kc[..., :ctx.span, :], vc[..., :ctx.span, :]
         S = kc.shape[-2]
         k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
-    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0,  # (C, M, B, Hq, T, hd)
-               masks=ctx.extra.setdefault("masks", {}))  # the (C*M*B, 1, T, S) mask: once per forward
+    masks = ctx.extra.setdefault("masks", {})  # masks built once per forward, not per iteration
+    if cache is None and w.window_values is not None:  # prefill: branches grouped by window (full ones causal)
+        y = attend_branches(q.reshape(C * M, B, Hq, T, hd), k.reshape(C * M, B, Hkv, T, hd),
+                            v.reshape(C * M, B, Hkv, T, hd), w.window_values, w.window_groups, masks)
+        return y.view(C, M, B, Hq, T, hd).transpose(-3, -2)
+    y = attend(q, k, v, win, q_start=ctx.start if cache is not None else 0, masks=masks)  # (C, M, B, Hq, T, hd)
     return y.transpose(-3, -2)
 
 

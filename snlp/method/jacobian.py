@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from snlp.method.fusion import ChunkWeights, chunk_forward
+from snlp.method.fusion import ChunkWeights, chunk_forward, window_fields
 if TYPE_CHECKING:  # annotations only: plan.py imports the surrogates, which import this module
     from snlp.method.plan import Plan
 
@@ -168,11 +168,22 @@ def select_chunks(w: ChunkWeights, chunks) -> ChunkWeights:
     if chunks == list(range(w.chunks)):
         return w
     parts = [w.chunk(c) for c in chunks]
-    return parts[0] if len(parts) == 1 else _merge(w, parts)
+    if len(parts) == 1:
+        return parts[0]
+    merged = _merge(w, parts)
+    # the window fields are derived from the host windows, not concatenated (a chunk whose layers all attend
+    # fully has none): rebuilt for the selection
+    vals = None if w.window_values is None else tuple(x for c in chunks
+                                                       for x in w.window_values[c * w.fuse:(c + 1) * w.fuse])
+    return dataclasses.replace(merged, **window_fields(vals, w.qkv.device, vals is not None and any(x >= 0 for x in vals),
+                                                       (len(chunks), w.fuse, 1)))
 
 
 def _is_dataclass(x) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+_DERIVED = ("windows", "window_values", "window_groups")  # rebuilt by select_chunks, never concatenated
 
 
 def _merge(full, vals: list):
@@ -180,7 +191,7 @@ def _merge(full, vals: list):
         return torch.cat(vals, 0) if any(v is not full for v in vals) else full
     if _is_dataclass(full):
         return dataclasses.replace(vals[0], **{f.name: _merge(getattr(full, f.name), [getattr(v, f.name) for v in vals])
-                                               for f in dataclasses.fields(full) if f.init})
+                                               for f in dataclasses.fields(full) if f.init and f.name not in _DERIVED})
     if isinstance(full, tuple):
         return tuple(_merge(x, [v[i] for v in vals]) for i, x in enumerate(full))
     return vals[0]

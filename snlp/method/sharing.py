@@ -169,7 +169,7 @@ def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
         proj=h["proj"].transpose(1, 2),  # (C, F, D) view of (C, D, F)
         alpha=alpha, beta=beta,
         ve_gate=None if ve_slot is None else h["ve_gate"].transpose(1, 2),  # (C, G, Hkv) view of (C, Hkv, G)
-        ve_slot=ve_slot, windows=branch_windows(model, start, C, 1, h["qkv"].device),
+        ve_slot=ve_slot, **branch_windows(model, start, C, 1, h["qkv"].device),
         qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, q_norm=row("q_norm"), k_norm=row("k_norm"), eps=cfg.norm_eps,
         swiglu_dim=h["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0,
         attn_in=row("attn_in"), mlp_in=row("mlp_in"))
