@@ -133,6 +133,9 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--prompt-lookup", type=int, default=None,
                        help="--suite decode: transformers' prompt_lookup_num_tokens (default 10; 3 quick)")
     suite.add_argument("--no-transformers", action="store_true", help="--suite decode: skip the transformers rows")
+    suite.add_argument("--drafter", default=None,
+                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra self-speculative "
+                            "rows where it drafts with its own plan")
     suite.add_argument("--alpha", default=None,
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
@@ -361,9 +364,9 @@ def run_suite_cli(args) -> int:
     if args.suite == "decode":
         return run_decode_suite_cli(args, shlex.join(["snlp", *sys.argv[1:]]))
     if args.suite_plans or args.early_exit is not None or args.prompt_lookup is not None or args.no_transformers \
-            or args.alpha:
-        raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers and --alpha belong to "
-                         "--suite decode")
+            or args.alpha or args.drafter:
+        raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers, --alpha and --drafter belong "
+                         "to --suite decode")
 
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
@@ -412,9 +415,9 @@ def run_decode_suite_cli(args, command: str) -> int:
     blocks = _ints(args.blocks, "--blocks")
     plans = split(args.suite_plans)
     if args.shapes:
-        if args.ckpt:
-            raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt (or "
-                             "drop --shapes to decode the checkpoint)")
+        if args.ckpt or args.drafter:
+            raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt and "
+                             "--drafter (or drop --shapes to decode the checkpoint)")
         try:
             alphas = tuple(float(a) for a in split(args.alpha or "0.6,0.8"))
         except ValueError:
@@ -433,7 +436,8 @@ def run_decode_suite_cli(args, command: str) -> int:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
     cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
                             batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompt_len=args.prompt_len,
-                            new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, early_exit=args.early_exit,
+                            new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,
+                            early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
                             rounds=args.suite_runs, transformers=not args.no_transformers, threads=args.threads,
                             seed=args.seed, command=command)

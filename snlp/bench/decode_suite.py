@@ -6,7 +6,8 @@ Methods (each a row per batch size):
                           CUDA: snlp.decode.steps) -- the reference every row's tokens are compared with;
   snlp snlp               every forward an SNLP solve of a plan (approximate unless K >= C with M = 1);
   snlp speculative        self-speculative decoding: the plan drafts, the model verifies (exact), both sides
-                          compiled in the compiled treatment;
+                          compiled in the compiled treatment; with an adapted drafter (`snlp adapt`) also
+                          "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
   hf greedy (static)      transformers' `generate`, greedy, with a static cache (+ its own torch.compile on CUDA);
   hf early-exit E         `generate(assistant_early_exit=E)`: transformers' LayerSkip self-speculation (the first E
                           layers and the head draft); batch 1 only (transformers' assisted generation);
@@ -85,6 +86,7 @@ class DecodeSuiteConfig:
     new_tokens: int | None = None  # None: 128; 8 quick
     plans: tuple[str, ...] | None = None  # SNLP plans (snlp rows and drafters); None: one, L/2 layers of F1, K = 1
     blocks: tuple[int, ...] = (4,)  # speculative draft block sizes
+    drafter: str | None = None  # an adapted drafter directory (`snlp adapt`) of this model: speculative rows with it
     early_exit: int | None = None  # transformers' assistant_early_exit; None: L // 4 (at least 1)
     prompt_lookup: int | None = None  # transformers' prompt_lookup_num_tokens; None: 10 (its docs' value); 3 quick
     treatments: tuple[str, ...] | None = None  # eager / compiled; None: both on cuda, eager on cpu
@@ -254,9 +256,14 @@ def transformers_version() -> tuple[str | None, str | None]:
     return v, None
 
 
+TWIN_TOL = 1e-3  # fp32 logits of the reloaded export vs snlp's, max relative error (the export is exact: ~1e-6)
+
+
 def hf_twin(model: GPT, device, dtype):
     """(transformers model, None) holding `model`'s weights, written by snlp's export and loaded back by
-    transformers, or (None, why not)."""
+    transformers, or (None, why not). `model` is the fp32 CPU model: the twin's fp32 logits on a probe must equal
+    snlp's (a transformers version that reads the exported config differently, e.g. another RoPE field, would
+    otherwise decode another model); only then are both cast to the run's dtype."""
     v, why = transformers_version()
     if why:
         return None, why
@@ -269,11 +276,24 @@ def hf_twin(model: GPT, device, dtype):
             export_hf(model, d)
         except ValueError as e:
             return None, f"transformers cannot hold this model: {e}"
+        except Exception as e:  # noqa: BLE001  (another transformers version may refuse snlp's export)
+            return None, f"snlp's export failed under transformers {v}: {failure(e)}"
         try:
-            hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa")
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=dtype, attn_implementation="sdpa")
-    hf = hf.to(device).eval()
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="sdpa")
+        except Exception as e:  # noqa: BLE001
+            return None, f"transformers {v} cannot load snlp's export: {failure(e)}"
+    hf = hf.float().eval()
+    probe = torch.arange(min(16, model.config.vocab_size)).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        ours, theirs = model(probe).float(), hf(probe).logits.float()
+    err = float((ours - theirs).abs().max() / ours.abs().max().clamp_min(1e-30))
+    if not err < TWIN_TOL:
+        return None, (f"transformers {v} reloads snlp's export with other logits (max rel err {err:.1e} > "
+                      f"{TWIN_TOL:g}): not the same model")
+    hf = hf.to(device=device, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # every method decodes exactly the token budget, EOS or not
     hf.generation_config.pad_token_id = 0
     return hf, None
@@ -285,19 +305,23 @@ def _tokens(out) -> list[list[int]]:
     return [r.tokens for r in out] if isinstance(out, list) else [out.tokens]
 
 
-def build_steps(model: GPT, plans: list[Plan], treatments) -> dict:
+def build_steps(model: GPT, plans: list[Plan], treatments, drafter=None) -> dict:
     """The decode steps every batch size shares (compiled graphs are built once, in the first warm-up):
-    {(treatment, None): sequential, (treatment, plan): the plan's SNLP step (bound once, check_finite=False)}."""
+    {(treatment, None): sequential, (treatment, plan): the plan's SNLP step (bound once, check_finite=False),
+    (treatment, "drafter"): the adapted drafter's SNLP step over its own plan}."""
     steps = {}
     for treatment in treatments:
         comp = treatment == "compiled"
         steps[(treatment, None)] = sequential_step(model, comp)
         for plan in plans:
             steps[(treatment, plan)] = snlp_step(bind(model, plan, check_finite=False), comp)
+        if drafter is not None:
+            steps[(treatment, "drafter")] = snlp_step(bind(drafter.model, drafter.plan, check_finite=False), comp)
     return steps
 
 
-def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict) -> list[tuple]:
+def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
+                  drafter_plan: Plan | None = None) -> list[tuple]:
     """(row fields, its steps, callable -> GenerateResult(s)) of every snlp method and treatment."""
     n, out = cfg.new_tokens, []
     arg = prompts[0] if len(prompts) == 1 else prompts
@@ -314,6 +338,12 @@ def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list
                 out.append((dict(method="snlp speculative", treatment=treatment, plan=str(plan), block=b, exact=True),
                             (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
                                 model, arg, p, b, n, draft=d, verify=seq)))
+        if (treatment, "drafter") in steps:  # the adapted drafter drafts (its step is bound on its own module)
+            draft, plan = steps[(treatment, "drafter")], drafter_plan
+            for b in cfg.blocks:
+                out.append((dict(method="snlp speculative (drafter)", treatment=treatment, plan=str(plan), block=b,
+                                 exact=True), (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
+                                     model, arg, p, b, n, draft=d, verify=seq)))
     return out
 
 
@@ -329,7 +359,7 @@ def _hf_methods(hf, prompts: list, cfg: DecodeSuiteConfig, early_exit: int) -> l
         gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
 
         def call():
-            with torch.inference_mode():
+            with torch.no_grad():  # as generate itself runs (inference tensors would meet its compiled cache)
                 return hf.generate(ids, attention_mask=mask, generation_config=gc)[:, T:].tolist()
         return call
 
@@ -361,11 +391,11 @@ def _check(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]]) -> N
 
 
 def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
-              early_exit: int, hf_note: str | None) -> list[DecodeSuiteRow]:
+              early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None) -> list[DecodeSuiteRow]:
     """Every method at one batch size (len(prompts)): warm-up, then round-robin timing; rows in method order."""
     B, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
     rows, fns, results, row_steps = [], {}, {}, {}
-    for i, (kw, step, fn) in enumerate(_snlp_methods(model, prompts, cfg, plans, steps)):
+    for i, (kw, step, fn) in enumerate(_snlp_methods(model, prompts, cfg, plans, steps, drafter_plan)):
         row = DecodeSuiteRow(library="snlp", batch=B, **kw)
         rows.append(row)
         row_steps[i] = step
@@ -405,7 +435,7 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
         row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
         if row.library == "snlp":
             row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None
-            if row.method == "snlp speculative":
+            if row.method.startswith("snlp speculative"):
                 rs = res if isinstance(res, list) else [res]
                 exam = sum(r.examined for r in rs)
                 row.alpha = sum(r.accepted for r in rs) / exam if exam else None
@@ -434,8 +464,15 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         if early_exit >= L:
             raise ValueError(f"decode suite: early exit E={early_exit} must be below the model's {L} layers")
         device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+        drafter = None
+        if cfg.drafter:  # checked against the fp32 weights it was adapted from, before any cast
+            from snlp.io.drafter import load_drafter
+
+            drafter = load_drafter(cfg.drafter, model)
         hf, hf_note = (None, "--no-transformers") if not cfg.transformers else hf_twin(model, device, dtype)
         model = model.to(device=device, dtype=dtype).eval()
+        if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
+            drafter.model.to(device=device, dtype=dtype).eval()
         prompts, kind = make_prompts(model, tok, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed)
         eager = sequential_step(model, False)
         ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
@@ -448,9 +485,10 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
             hf_note=hf_note)
         result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
-        steps = build_steps(model, plans, cfg.treatments)
+        steps = build_steps(model, plans, cfg.treatments, drafter)
         for B in cfg.batch_sizes:
-            result.rows += run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note)
+            result.rows += run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
+                                     None if drafter is None else drafter.plan)
             if progress is not None:
                 progress(f"batch {B} done")
         return result

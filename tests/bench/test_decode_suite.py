@@ -140,3 +140,38 @@ def test_refusals_come_before_any_work(argv, says, capsys):
 def test_paper_suite_refuses_the_decode_suites_flags(capsys):
     assert main(["bench", "--suite", "paper", "--quick", "--alpha", "0.5"]) == 2
     assert "belong to --suite decode" in capsys.readouterr().err
+
+
+def test_an_adapted_drafter_gets_its_own_exact_speculative_rows(tmp_path):
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    base = random_llama(quick=True, seed=3)
+    save_checkpoint(tmp_path / "ck", base)
+    drafter = make_drafter(base, "3xF1-h0-K1")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # another suffix than the base's: the drafter must be the one drafting
+        for block in drafter.model.blocks[drafter.suffix_start:]:
+            for p in block.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    save_drafter(tmp_path / "dr", drafter)
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), drafter=str(tmp_path / "dr"), quick=True,
+                                             device="cpu", batch_sizes=(1, 2), new_tokens=6, rounds=1, warmup=0,
+                                             transformers=False))
+    rows = [r for r in res.rows if r.method == "snlp speculative (drafter)"]
+    assert [r.batch for r in rows] == [1, 2] and all(r.plan == "3xF1-h0-K1" for r in rows)
+    assert all(r.matches_sequential and 0.0 <= r.alpha <= 1.0 for r in rows)
+    assert res.reference == [argmax_loop(base, p, 6) for p in res.prompts]
+    own = [r for r in res.rows if r.method == "snlp speculative" and r.batch == 1]
+    assert own and own[0].alpha != rows[0].alpha  # the drafter's suffix, not the base's, drafted
+
+
+def test_a_drafter_of_another_model_is_refused(tmp_path):
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    save_checkpoint(tmp_path / "ck", random_llama(quick=True, seed=3))
+    save_drafter(tmp_path / "dr", make_drafter(random_llama(quick=True, seed=4), "3xF1-h0-K1"))
+    with pytest.raises(ValueError, match="belongs to another model"):
+        run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), drafter=str(tmp_path / "dr"), quick=True,
+                                           device="cpu", batch_sizes=(1,), new_tokens=2, rounds=1, warmup=0))
