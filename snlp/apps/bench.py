@@ -441,7 +441,12 @@ def run_decode_suite_cli(args, command: str) -> int:
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
                             rounds=args.suite_runs, transformers=not args.no_transformers, threads=args.threads,
                             seed=args.seed, command=command)
-    result = run_decode_suite(cfg, progress=progress_line)
+    def progress(result, what: str) -> None:
+        progress_line(result, what)
+        if args.json:
+            write_json(args.json, result.to_dict(), announce=False)
+
+    result = run_decode_suite(cfg, progress=progress)
     if args.json:
         write_json(args.json, result.to_dict())
     if args.csv:

@@ -147,7 +147,8 @@ class DecodeSuiteRow:
     mismatched_rows: int | None = None  # prompts whose tokens differ from that reference
     first_mismatch: int | None = None  # earliest differing token position over the prompts
     alpha: float | None = None  # snlp speculative rows: the acceptance rate (last round)
-    compile_s: float | None = None  # snlp compiled rows: compile time of the row's steps, never timed
+    compile_s: float | None = None  # snlp compiled rows: compile time of the row's steps so far (they are shared by
+    #                                 every batch size: cumulative over the batches run up to this one), never timed
     skipped: str | None = None
 
     def to_dict(self) -> dict:
@@ -448,7 +449,9 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
 
 def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=None, label: str | None = None,
                      progress=None) -> DecodeSuiteResult:
-    """Run the suite (module docstring) on `config.ckpt` (or a given CPU `model`); one result with every row."""
+    """Run the suite (module docstring) on `config.ckpt` (or a given CPU `model`, moved to the run's device and
+    dtype in place); one result with every row. `progress(result, what)` is called after each batch size with the
+    rows so far (the CLI rewrites its JSON there: a run cut short keeps what it measured)."""
     cfg = config.resolved()
     threads = torch.get_num_threads()
     if cfg.threads:
@@ -490,7 +493,7 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             result.rows += run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
                                      None if drafter is None else drafter.plan)
             if progress is not None:
-                progress(f"batch {B} done")
+                progress(result, f"batch {B} done")
         return result
     finally:
         torch.set_num_threads(threads)
@@ -518,7 +521,7 @@ def markdown(result: DecodeSuiteResult) -> str:
             f"no ({r.mismatched_rows}/{r.batch} prompts, from token {r.first_mismatch})"
         note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
         if r.compile_s:
-            note = (note + "; " if note else "") + f"compile {r.compile_s:.1f} s (not timed)"
+            note = (note + "; " if note else "") + f"its steps compiled in {r.compile_s:.1f} s so far (not timed)"
         lines.append(f"| {r.batch} | {r.method} | {r.treatment} | {r.plan or '-'} | {r.block or '-'} | {tps} | "
                      f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
                      f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | {'yes' if r.exact else 'no'} | {eq} | "
@@ -665,5 +668,5 @@ def prediction_markdown(rows: list[PredictionRow], quick: bool) -> str:
     return "\n".join(lines)
 
 
-def progress_line(what: str) -> None:
+def progress_line(result, what: str) -> None:
     print(f"decode suite: {what}", file=sys.stderr, flush=True)
