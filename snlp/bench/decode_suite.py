@@ -90,7 +90,8 @@ class DecodeSuiteConfig:
     early_exit: int | None = None  # transformers' assistant_early_exit; None: L // 4 (at least 1)
     prompt_lookup: int | None = None  # transformers' prompt_lookup_num_tokens; None: 10 (its docs' value); 3 quick
     treatments: tuple[str, ...] | None = None  # eager / compiled; None: both on cuda, eager on cpu
-    warmup: int | None = None  # untimed rounds before timing; None: 2 on cuda, 1 on cpu
+    warmup: int | None = None  # untimed rounds before timing (at least 1: the first call compiles); None: 2 on
+    #                            cuda, 1 on cpu
     rounds: int | None = None  # timed rounds; None: 10 on cuda, 5 on cpu, 3 quick
     transformers: bool = True  # the transformers rows (skipped with a reason when they cannot run)
     threads: int | None = None  # torch CPU threads (restored after); None: leave, 1 with quick on cpu
@@ -383,12 +384,41 @@ def _compile_s(steps) -> float:
     return sum(s.compile_s for s in steps)
 
 
-def _check(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]]) -> None:
+def fold_tokens(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]]) -> None:
+    """Fold one call's tokens into the row's verdict: the worst over its calls (most prompts off, earliest token)."""
     bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
-    row.matches_sequential, row.mismatched_rows = not bad and len(got) == len(ref), len(bad)
     pos = [next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), min(len(got[i]), len(ref[i])))
            for i in bad]
-    row.first_mismatch = min(pos) if pos else None
+    ok = not bad and len(got) == len(ref)
+    row.matches_sequential = ok and row.matches_sequential is not False
+    row.mismatched_rows = max(len(bad), row.mismatched_rows or 0)
+    if pos:
+        row.first_mismatch = min(pos + ([row.first_mismatch] if row.first_mismatch is not None else []))
+
+
+def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, check) -> dict[int, list[float]]:
+    """Seconds per timed call of each fns[i], round-robin after `warmup` untimed rounds (at least one: the first
+    call compiles and tells whether the method runs here at all), the device synchronised around every call.
+    A call that raises makes its row a skipped one with the reason and the round, and the others go on."""
+    times = {i: [] for i in fns}
+    for r in range(max(warmup, 1) + rounds):
+        timed = r >= max(warmup, 1)
+        for i in list(fns):
+            t0 = now(device)
+            try:
+                fns[i]()
+            except Exception as e:  # noqa: BLE001  (transformers raises assorted errors for unsupported options)
+                where = "its first call" if r == 0 else f"{'timed' if timed else 'warm-up'} round {r + 1}"
+                rows[i].skipped = f"failed in {where}: {failure(e)}"
+                rows[i].matches_sequential = rows[i].mismatched_rows = rows[i].first_mismatch = None
+                del fns[i]
+                times.pop(i)
+                continue
+            dt = now(device) - t0
+            check(i)
+            if timed:
+                times[i].append(dt)
+    return times
 
 
 def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
@@ -420,19 +450,15 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
             def call(fn=fn, i=i):
                 results[i] = fn()
             fns[i] = call
-    for i in list(fns):  # a method that cannot run here is a skipped row with its reason, not a crashed suite
-        try:
-            fns[i]()
-        except Exception as e:  # noqa: BLE001  (transformers raises assorted errors for unsupported options)
-            rows[i].skipped = failure(e)
-            del fns[i]
-    times = time_round_robin(fns, max(cfg.warmup - 1, 0), cfg.rounds, device)
-    for i, ms in times.items():
+    def check(i: int) -> None:  # every call's tokens, warm-up included (a replayed graph must not drift)
         row, res = rows[i], results[i]
-        got = _tokens(res) if row.library == "snlp" else res
-        _check(row, got, ref)
-        row.seconds = [t / 1e3 for t in ms]
-        tps = sorted(B * n / s for s in row.seconds)
+        fold_tokens(row, _tokens(res) if row.library == "snlp" else res, ref)
+
+    times = round_robin_calls(fns, rows, cfg.warmup, cfg.rounds, device, check)
+    for i, secs in times.items():
+        row, res = rows[i], results[i]
+        row.seconds = secs
+        tps = sorted(B * n / s for s in secs)
         row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
         if row.library == "snlp":
             row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None

@@ -175,3 +175,39 @@ def test_a_drafter_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="belongs to another model"):
         run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), drafter=str(tmp_path / "dr"), quick=True,
                                            device="cpu", batch_sizes=(1,), new_tokens=2, rounds=1, warmup=0))
+
+
+def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
+    from snlp.bench.decode_suite import DecodeSuiteRow, round_robin_calls
+
+    calls = {"ok": 0, "flaky": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    def flaky():
+        calls["flaky"] += 1
+        if calls["flaky"] == 3:
+            raise RuntimeError("CUDA graph overwritten\nsecond line")
+
+    rows = [DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=1),
+            DecodeSuiteRow(method="b", library="snlp", treatment="eager", batch=1)]
+    seen = []
+    times = round_robin_calls({0: ok, 1: flaky}, rows, warmup=1, rounds=4, device="cpu", check=seen.append)
+    assert list(times) == [0] and len(times[0]) == 4 and calls["ok"] == 5
+    assert rows[1].skipped.startswith("failed in timed round 3: RuntimeError: CUDA graph overwritten")
+    assert seen.count(1) == 2 and seen.count(0) == 5  # tokens checked after every call that returned
+
+
+def test_a_row_is_as_good_as_its_worst_call():
+    from snlp.bench.decode_suite import DecodeSuiteRow, fold_tokens
+
+    row = DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=2)
+    ref = [[1, 2, 3], [4, 5, 6]]
+    fold_tokens(row, [[1, 2, 3], [4, 5, 6]], ref)
+    assert row.matches_sequential and row.mismatched_rows == 0 and row.first_mismatch is None
+    fold_tokens(row, [[1, 2, 3], [4, 9, 6]], ref)
+    fold_tokens(row, [[1, 2, 3], [4, 5, 6]], ref)  # a later good call does not clear the verdict
+    assert row.matches_sequential is False and row.mismatched_rows == 1 and row.first_mismatch == 1
+    fold_tokens(row, [[7, 2, 3], [4, 5, 6]], ref)
+    assert row.first_mismatch == 0 and row.mismatched_rows == 1
