@@ -82,7 +82,7 @@ class DecodeSuiteConfig:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
-    prompt_len: int | None = None  # None: 32; 8 quick
+    prompt_len: int | None = None  # None: 16 (the paper's SSD protocol, as `snlp bench --prompt-len`); 8 quick
     new_tokens: int | None = None  # None: 128; 8 quick
     plans: tuple[str, ...] | None = None  # SNLP plans (snlp rows and drafters); None: one, L/2 layers of F1, K = 1
     blocks: tuple[int, ...] = (4,)  # speculative draft block sizes
@@ -111,7 +111,7 @@ class DecodeSuiteConfig:
             raise ValueError(f"decode suite: treatments must be eager and/or compiled, got {', '.join(bad)}")
         cfg = replace(self, device=str(device), dtype=self.dtype or ("bfloat16" if cuda else "float32"),
                       batch_sizes=tuple(self.batch_sizes) if self.batch_sizes else ((1, 4) if q else (1, 4, 8)),
-                      prompt_len=pick(self.prompt_len, 8, 32, 32), new_tokens=pick(self.new_tokens, 8, 128, 128),
+                      prompt_len=pick(self.prompt_len, 8, 16, 16), new_tokens=pick(self.new_tokens, 8, 128, 128),
                       prompt_lookup=pick(self.prompt_lookup, 3, 10, 10), treatments=treatments,
                       warmup=pick(self.warmup, 1, 2, 1), rounds=pick(self.rounds, 3, 10, 5),
                       threads=self.threads if self.threads is not None else (1 if q and not cuda else None))
