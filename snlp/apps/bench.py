@@ -10,6 +10,8 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from snlp.bench.decode import DecodeRow, batch_decode_benchmark, decode_benchmark
@@ -400,15 +402,15 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.bench.records import write_csv, write_json
 
     refused = [flag for flag, used in (
-        ("--out", args.out != "bench-suite"), ("--suite-tokens", args.suite_tokens is not None),
+        ("--suite-tokens", args.suite_tokens is not None), ("--no-ablations", args.no_ablations),
         ("--no-decode", args.no_decode), ("--decode", args.decode), ("--ops", args.ops),
         ("--share-weights", args.share_weights), ("--min-confidence", bool(args.min_confidence)),
         ("--adaptive-block", args.adaptive_block), ("--distributed", args.distributed),
         ("--simulate-devices", args.simulate_devices is not None),
         ("--plans", args.plans != DEFAULT_PLANS)) if used]
     if refused:
-        raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans; output: --json / "
-                         f"--csv)")
+        raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans)")
+    out = None if args.out == "bench-suite" else Path(args.out)  # --out DIR: JSON + markdown there
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     treatments = None if args.treatments == DEFAULT_TREATMENTS and not args.compile else \
         split(args.treatments) if args.treatments != DEFAULT_TREATMENTS else ("eager", "compiled")
@@ -426,11 +428,15 @@ def run_decode_suite_cli(args, command: str) -> int:
         for shape in split(args.shapes):
             rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype, treatments,
                                            args.suite_warmup, args.suite_runs, args.seed, args.threads)
-        if args.json:
-            write_json(args.json, {"command": command, "rows": rows})
+        text = prediction_markdown(rows, args.quick)
+        for path in [args.json] + ([out / "prediction.json"] if out else []):
+            if path:
+                write_json(path, {"command": command, "rows": rows})
+        if out:
+            (out / "prediction.md").write_text(text + "\n")
         if args.csv:
             write_csv(args.csv, rows)
-        print(prediction_markdown(rows, args.quick))
+        print(text)
         return 0
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
@@ -441,17 +447,22 @@ def run_decode_suite_cli(args, command: str) -> int:
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
                             rounds=args.suite_runs, transformers=not args.no_transformers, threads=args.threads,
                             seed=args.seed, command=command)
+    paths = [p for p in (args.json, out and out / "decode.json") if p]
+
     def progress(result, what: str) -> None:
         progress_line(result, what)
-        if args.json:
-            write_json(args.json, result.to_dict(), announce=False)
+        for path in paths:
+            write_json(path, result.to_dict(), announce=False)
 
     result = run_decode_suite(cfg, progress=progress)
-    if args.json:
-        write_json(args.json, result.to_dict())
+    text = markdown(result)
+    for path in paths:
+        write_json(path, result.to_dict())
+    if out:
+        (out / "decode.md").write_text(text + "\n")
     if args.csv:
         write_csv(args.csv, result.rows)
-    print(markdown(result))
+    print(text)
     return 0
 
 

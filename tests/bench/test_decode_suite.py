@@ -36,10 +36,14 @@ def argmax_loop(model: GPT, prompt: list[int], n: int) -> list[int]:
 
 def test_quick_cli_runs_every_method_and_exact_ones_equal_sequential(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--json", str(out),
+                 "--out", str(tmp_path / "dir")]) == 0
     table = capsys.readouterr().out
     assert "| snlp speculative |" in table and "(CPU numbers)" in table
+    md = (tmp_path / "dir" / "decode.md").read_text().strip()
+    assert md.startswith("# decode suite") and md in table  # the printed table is the file's
     res = json.loads(out.read_text())
+    assert json.loads((tmp_path / "dir" / "decode.json").read_text())["rows"] == res["rows"]
     rows = res["rows"]
     assert sorted({r["batch"] for r in rows}) == [1, 4]
     model = random_llama(quick=True, seed=0)  # what --quick decodes: the same seeded weights
@@ -115,15 +119,16 @@ def test_prediction_is_the_hand_count_of_its_measured_step_times():
 def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--shapes", "0.5B", "--alpha", "0.7",
-                 "--suite-plans", "24xF1-h0-K2", "--suite-runs", "2", "--json", str(out)]) == 0
+                 "--suite-plans", "24xF1-h0-K2", "--suite-runs", "2", "--json", str(out), "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "PREDICTED" in text and "(predicted)" in text
+    assert (tmp_path / "prediction.md").read_text().strip() in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["alpha"] for r in rows] == [0.7] and rows[0]["label"].startswith("PREDICTION")
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--out", "x"], "does not take --out"),
+    (["--no-ablations"], "does not take --no-ablations"),
     (["--plans", "2xF1-h0-K1"], "--suite-plans"),
     (["--alpha", "0.5"], "use it with --shapes"),
     (["--shapes", "0.5B", "--ckpt", "x"], "drop --ckpt"),
