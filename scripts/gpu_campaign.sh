@@ -88,10 +88,10 @@ fi
 
 # 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt;
 #    random Llama-family weights without), and the random-weights 0.5B drafter step times with a PREDICTED speedup
-part decode $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV ${DCKPT:+--ckpt "$DCKPT"} \
+part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV ${DCKPT:+--ckpt "$DCKPT"} \
     ${DPLANS:+--suite-plans "$DPLANS"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
     --out "$OUT/parts/decode"
-part decode_shape $T_SHORT $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
+part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
     --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"
 
 # the table, last

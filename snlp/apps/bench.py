@@ -449,10 +449,12 @@ def run_decode_suite_cli(args, command: str) -> int:
                             seed=args.seed, command=command)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 
-    def progress(result, what: str) -> None:
+    def progress(result, what: str) -> None:  # a run cut short keeps every batch size it finished
         progress_line(result, what)
         for path in paths:
             write_json(path, result.to_dict(), announce=False)
+        if out:
+            (out / "decode.md").write_text(markdown(result) + "\n")
 
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)

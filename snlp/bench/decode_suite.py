@@ -601,25 +601,28 @@ def _shape_model(key: str, quick: bool, device, dtype, seed: int) -> tuple[GPT, 
 def step_times(model: GPT, steps: dict, prompt_len: int, warmup: int, rounds: int, device) -> dict[str, list[float]]:
     """ms per call of each `steps[name] = (step, T)`: T tokens at batch 1 after a prompt of prompt_len, the argmax
     of the last position read on the host (what a decode loop does every step), the cache rolled back after each
-    call so every call runs at the same position. Round-robin (snlp.runtime.timing)."""
-    caches = {}
+    call so every call runs at the same position. One untimed call of each, then `warmup` untimed and `rounds`
+    timed rounds round-robin (snlp.runtime.timing)."""
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen)
     longest = max(T for _, T in steps.values())
-    for step, _ in steps.values():
-        if id(step) not in caches:
-            cache = step.new_cache(model, 1, step.cache_len(step.prefill_len(prompt_len) + step.slack + longest))
-            with torch.inference_mode():
-                step.prefill(prompt.to(device), cache)
-            caches[id(step)] = cache
+    # one cache for every step, prefilled once by the first (the sequential step): a drafter reads the prefix K/V
+    # the model wrote, as in self-speculative decoding, and no step compiles a prefill graph of its own
+    first = next(iter(steps.values()))[0]
+    cache = first.new_cache(model, 1, max(s.cache_len(s.prefill_len(prompt_len) + s.slack + longest)
+                                          for s, _ in steps.values()))
+    with torch.inference_mode():
+        first.prefill(prompt.to(device), cache)
 
     def call(step, T):
-        cache = caches[id(step)]
         start = cache.length
         x = torch.zeros(1, T, dtype=torch.long, device=device)
         step(x, cache, pad_to=T)[:, -1].argmax(-1).tolist()
         cache.rollback(start)
-    return time_round_robin({k: (lambda s=s, T=T: call(s, T)) for k, (s, T) in steps.items()}, warmup, rounds, device)
+    fns = {k: (lambda s=s, T=T: call(s, T)) for k, (s, T) in steps.items()}
+    for fn in fns.values():  # compiles (a compiled step's first call at a shape), whatever `warmup` says
+        fn()
+    return time_round_robin(fns, warmup, rounds, device)
 
 
 def paper_shape_prediction(shape: str = "0.5B", alphas: tuple[float, ...] = (0.6, 0.8), plans=None,
