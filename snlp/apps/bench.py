@@ -123,9 +123,9 @@ def _add_suite_flags(p) -> None:
                        help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
     suite.add_argument("--suite-new-tokens", type=int, default=None,
                        help="--suite: decoded tokens per decode run (default 128; 4 quick)")
-    suite.add_argument("--treatments", default=DEFAULT_TREATMENTS,
-                       help="--suite: eager and/or compiled (--suite decode: default both on cuda, eager on cpu "
-                            "unless --compile)")
+    suite.add_argument("--treatments", default=None,
+                       help=f"--suite: eager and/or compiled (default {DEFAULT_TREATMENTS}; --suite decode: both on "
+                            f"cuda, eager on cpu unless --compile)")
     suite.add_argument("--no-decode", action="store_true", help="--suite paper: skip the KV-cached decode rows")
     suite.add_argument("--suite-plans", default=None,
                        help="--suite decode: comma-separated SNLP plans (snlp rows and drafters); default one plan, "
@@ -338,6 +338,11 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     return 0
 
 
+def _treatments(args, split) -> tuple:
+    """--treatments of the paper suite and --vs-paper: the default when not given; empty when given empty (refused)."""
+    return split(DEFAULT_TREATMENTS if args.treatments is None else args.treatments) or ()
+
+
 def run_vs_paper_cli(args) -> int:
     import shlex
     import sys
@@ -348,7 +353,7 @@ def run_vs_paper_cli(args) -> int:
     out = None if args.out == "bench-suite" else args.out
     cfg = VsPaperConfig(paper=args.vs_paper, shapes=split(args.shapes), device=args.device, quick=args.quick,
                         tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
-                        treatments=split(args.treatments) or (), ablations=not args.no_ablations, seed=args.seed,
+                        treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
     cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
     result = run_vs_paper(cfg)
@@ -367,14 +372,14 @@ def run_suite_cli(args) -> int:
         return run_decode_suite_cli(args, shlex.join(["snlp", *sys.argv[1:]]))
     if args.suite_plans or args.early_exit is not None or args.prompt_lookup is not None or args.no_transformers \
             or args.alpha or args.drafter:
-        raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers, --alpha and --drafter belong "
-                         "to --suite decode")
+        raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers, --alpha and --drafter "
+                         "belong to --suite decode")
 
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
                       tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
                       new_tokens=args.suite_new_tokens,
-                      treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
+                      treatments=_treatments(args, split), decode=not args.no_decode, seed=args.seed,
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
     result = run_suite(cfg)
@@ -412,8 +417,9 @@ def run_decode_suite_cli(args, command: str) -> int:
         raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans)")
     out = None if args.out == "bench-suite" else Path(args.out)  # --out DIR: JSON + markdown there
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
-    treatments = None if args.treatments == DEFAULT_TREATMENTS and not args.compile else \
-        split(args.treatments) if args.treatments != DEFAULT_TREATMENTS else ("eager", "compiled")
+    if args.treatments and args.compile:
+        raise ValueError("--suite decode: give the treatments once, --treatments or --compile (= eager,compiled)")
+    treatments = split(args.treatments) if args.treatments else ("eager", "compiled") if args.compile else None
     blocks = _ints(args.blocks, "--blocks")
     plans = split(args.suite_plans)
     if args.shapes:
@@ -426,8 +432,8 @@ def run_decode_suite_cli(args, command: str) -> int:
             raise ValueError(f"--alpha must be comma-separated numbers in [0, 1], got {args.alpha!r}") from None
         rows = []
         for shape in split(args.shapes):
-            rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype, treatments,
-                                           args.suite_warmup, args.suite_runs, args.seed, args.threads)
+            rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype,
+                                           treatments, args.suite_warmup, args.suite_runs, args.seed, args.threads)
         text = prediction_markdown(rows, args.quick)
         for path in [args.json] + ([out / "prediction.json"] if out else []):
             if path:

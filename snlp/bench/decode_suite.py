@@ -132,7 +132,8 @@ class DecodeSuiteRow:
     """One method at one batch size. tokens_per_s: batch x new tokens over the call's wall time (prefill included),
     median over rounds, with the min and max; None (and `skipped` says why) where the method could not run."""
 
-    method: str  # snlp sequential | snlp snlp | snlp speculative | hf greedy (static) | hf early-exit | hf prompt-lookup
+    method: str  # snlp sequential | snlp snlp | snlp speculative [(drafter)] | hf greedy (static) | hf early-exit |
+    #              hf prompt-lookup
     library: str  # snlp | transformers
     treatment: str  # eager | compiled
     batch: int
@@ -691,7 +692,8 @@ def prediction_markdown(rows: list[PredictionRow], quick: bool) -> str:
              f"{r0.device}, {r0.dtype}, L={r0.n_layer} D={r0.n_embd}; step times are medians of {r0.rounds} rounds "
              f"(batch 1, argmax read each step); alpha is GIVEN, not measured; predicted = tokens per round x "
              f"t_seq / (B t_draft + t_verify(B+1)); paper formula = the same with t_verify = t_seq. These are "
-             f"predictions, not measured end-to-end speedups." + (" (CPU numbers)" if r0.device_type == "cpu" else ""), "",
+             f"predictions, not measured end-to-end speedups."
+             + (" (CPU numbers)" if r0.device_type == "cpu" else ""), "",
              "| treatment | plan | B | alpha | seq ms | drafter ms | verify ms | s | PREDICTED speedup | "
              "paper formula |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -129,6 +129,8 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["--no-ablations"], "does not take --no-ablations"),
+    (["--treatments", "compiled", "--compile"], "give the treatments once"),
+    (["--treatments", "eager,jit"], "treatments must be eager and/or compiled"),
     (["--plans", "2xF1-h0-K1"], "--suite-plans"),
     (["--alpha", "0.5"], "use it with --shapes"),
     (["--shapes", "0.5B", "--ckpt", "x"], "drop --ckpt"),
