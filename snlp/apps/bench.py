@@ -426,6 +426,13 @@ def run_decode_suite_cli(args, command: str) -> int:
         if args.ckpt or args.drafter:
             raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt and "
                              "--drafter (or drop --shapes to decode the checkpoint)")
+        unused = [flag for flag, used in (
+            ("--batch-sizes", args.batch_sizes is not None), ("--suite-new-tokens", args.suite_new_tokens is not None),
+            ("--early-exit", args.early_exit is not None), ("--prompt-lookup", args.prompt_lookup is not None),
+            ("--no-transformers", args.no_transformers)) if used]
+        if unused:
+            raise ValueError(f"--suite decode --shapes times single steps at batch 1 (no decoding, no transformers): "
+                             f"it does not take {', '.join(unused)}")
         try:
             alphas = tuple(float(a) for a in split(args.alpha or "0.6,0.8"))
         except ValueError:
@@ -433,7 +440,8 @@ def run_decode_suite_cli(args, command: str) -> int:
         rows = []
         for shape in split(args.shapes):
             rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype,
-                                           treatments, args.suite_warmup, args.suite_runs, args.seed, args.threads)
+                                           treatments, args.suite_warmup, args.suite_runs, args.seed, args.threads,
+                                           args.prompt_len)
         text = prediction_markdown(rows, args.quick)
         for path in [args.json] + ([out / "prediction.json"] if out else []):
             if path:

@@ -630,17 +630,18 @@ def paper_shape_prediction(shape: str = "0.5B", alphas: tuple[float, ...] = (0.6
                            blocks: tuple[int, ...] = (4,), quick: bool = False, device: str | None = None,
                            dtype: str | None = None, treatments: tuple[str, ...] | None = None,
                            warmup: int | None = None, rounds: int | None = None, seed: int = 0,
-                           threads: int | None = None) -> list[PredictionRow]:
+                           threads: int | None = None, prompt_len: int = 16) -> list[PredictionRow]:
     """Random weights at a paper shape: s of each drafter plan (the shape's own plans unless `plans`) and the
-    PREDICTED end-to-end speedup at each given alpha and block (module docstring). `threads`: torch CPU threads
+    PREDICTED end-to-end speedup at each given alpha and block (module docstring), the steps timed after a prompt of
+    `prompt_len` tokens. `threads`: torch CPU threads
     during the run (restored after); None: leave them, 1 with quick on the CPU."""
     if shape not in SHAPE_KEYS:
         raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(SHAPE_KEYS)}")
     bad = [a for a in alphas if not 0.0 <= a <= 1.0]
     if bad or not alphas:
         raise ValueError(f"alpha must lie in [0, 1] (an acceptance rate), got {bad or 'none'}")
-    if not blocks or min(blocks) < 1:
-        raise ValueError("every block must be >= 1")
+    if not blocks or min(blocks) < 1 or prompt_len < 1:
+        raise ValueError("every block and the prompt length must be >= 1")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dt = dtype or ("bfloat16" if cuda else "float32")
@@ -652,12 +653,13 @@ def paper_shape_prediction(shape: str = "0.5B", alphas: tuple[float, ...] = (0.6
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed)
+        return _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed, prompt_len)
     finally:
         torch.set_num_threads(before)
 
 
-def _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed) -> list[PredictionRow]:
+def _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed,
+             prompt_len) -> list[PredictionRow]:
     model, run = _shape_model(shape, quick, dev, getattr(torch, dt), seed)
     L = model.config.n_layer
     plans = [Plan.parse(p, L) for p in (plans or run.plans)]
@@ -670,7 +672,7 @@ def _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, r
         steps = {"seq": (seq, 1)}
         steps.update({("verify", b): (seq, b + 1) for b in blocks})
         steps.update({p: (snlp_step(bind(model, p, check_finite=False), comp), 1) for p in plans})
-        ms = {k: statistics.median(v) for k, v in step_times(model, steps, 16, warmup, rounds, dev).items()}
+        ms = {k: statistics.median(v) for k, v in step_times(model, steps, prompt_len, warmup, rounds, dev).items()}
         for p in plans:
             s = ms["seq"] / ms[p]
             for b in blocks:

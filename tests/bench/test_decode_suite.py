@@ -135,6 +135,7 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--alpha", "0.5"], "use it with --shapes"),
     (["--shapes", "0.5B", "--ckpt", "x"], "drop --ckpt"),
     (["--shapes", "0.5B", "--alpha", "1.5"], "alpha must lie in [0, 1]"),
+    (["--shapes", "0.5B", "--batch-sizes", "1,4"], "does not take --batch-sizes"),
     (["--batch-sizes", "1,9"], "batch sizes must lie in 1..8"),
     (["--early-exit", "6"], "must be below the model's 6 layers"),
     (["--suite-plans", "9xF1-h0-K1"], "L = 6"),
