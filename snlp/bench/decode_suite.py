@@ -8,7 +8,9 @@ Methods (each a row per batch size):
   snlp speculative        self-speculative decoding: the plan drafts, the model verifies (exact), both sides
                           compiled in the compiled treatment; with an adapted drafter (`snlp adapt`) also
                           "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
-  hf greedy (static)      transformers' `generate`, greedy, with a static cache (+ its own torch.compile on CUDA);
+  hf greedy               transformers' `generate`, greedy, its default (dynamic) cache, eager;
+  hf greedy (static)      the same with one persistent StaticCache reset per call (transformers' static-cache recipe),
+                          eager and compiled (its own torch.compile of the static-cache forward, on CUDA);
   hf early-exit E         `generate(assistant_early_exit=E)`: transformers' LayerSkip self-speculation (the first E
                           layers and the head draft); batch 1 only (transformers' assisted generation);
   hf prompt-lookup N      `generate(prompt_lookup_num_tokens=N)`; batch 1 only.
@@ -29,6 +31,7 @@ acceptance rate alpha gives a PREDICTED end-to-end speedup (random weights have 
 from __future__ import annotations
 
 import datetime
+import inspect
 import platform
 import statistics
 import sys
@@ -359,26 +362,53 @@ def _hf_methods(hf, prompts: list, cfg: DecodeSuiteConfig, early_exit: int) -> l
     mask = torch.ones_like(ids)
     T, B, n = ids.shape[1], ids.shape[0], cfg.new_tokens
 
-    def gen(**kw):
+    def gen(cache=None, **kw):
         gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+        extra = {} if cache is None else {cache_kw: cache}
 
         def call():
+            if cache is not None:
+                cache.reset()
             with torch.no_grad():  # as generate itself runs (inference tensors would meet its compiled cache)
-                return hf.generate(ids, attention_mask=mask, generation_config=gc)[:, T:].tolist()
+                return hf.generate(ids, attention_mask=mask, generation_config=gc, **extra)[:, T:].tolist()
         return call
 
-    out = []
+    # the model's forward names its cache argument: `cache` in transformers 5.x, `past_key_values` before
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    out = [(dict(method="hf greedy", treatment="eager", exact=True), gen())]  # the default (dynamic) cache
     for treatment in cfg.treatments:
         if treatment == "compiled" and hf.device.type != "cuda":
             continue  # transformers compiles its static-cache forward on CUDA only (its auto-compile rule)
+        static, note = static_cache(hf, B, T + n), {}
+        if static is None:  # no persistent cache in this version: generate allocates a static cache per call
+            note = dict(cache_implementation="static")
         out.append((dict(method="hf greedy (static)", treatment=treatment, exact=True),
-                    gen(cache_implementation="static", disable_compile=treatment == "eager")))
+                    gen(static, disable_compile=treatment == "eager", **note)))
     assisted = [(dict(method="hf early-exit", treatment="eager", plan=f"E={early_exit}", exact=True),
                  gen(assistant_early_exit=early_exit)),
                 (dict(method="hf prompt-lookup", treatment="eager", plan=f"N={cfg.prompt_lookup}", exact=True),
                  gen(prompt_lookup_num_tokens=cfg.prompt_lookup))]
     out += [(row, fn if B == 1 else ASSISTED_BATCH1) for row, fn in assisted]
     return out
+
+
+def static_cache(hf, batch: int, length: int):
+    """One transformers StaticCache for `batch` rows of `length` positions, reset before each call: transformers'
+    documented static-cache recipe (a persistent cache, so a compiled forward with CUDA graphs keeps its addresses
+    from call to call, as snlp's compiled steps keep theirs); None where this transformers version builds none."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return None
+    try:
+        return StaticCache(config=hf.config, max_cache_len=length)  # transformers >= 4.56: shapes on first use
+    except TypeError:
+        pass
+    try:
+        return StaticCache(config=hf.config, max_batch_size=batch, max_cache_len=length, device=hf.device,
+                           dtype=hf.dtype)
+    except TypeError:
+        return None
 
 
 def _compile_s(steps) -> float:
@@ -441,7 +471,7 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
     if hf is None:
         why = hf_note
         rows += [DecodeSuiteRow(method=m, library="transformers", treatment="eager", batch=B, skipped=why)
-                 for m in ("hf greedy (static)", "hf early-exit", "hf prompt-lookup")]
+                 for m in ("hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup")]
     else:
         for kw, fn in _hf_methods(hf, prompts, cfg, early_exit):
             row = DecodeSuiteRow(library="transformers", batch=B, **kw)

@@ -69,10 +69,10 @@ def test_quick_cli_runs_every_method_and_exact_ones_equal_sequential(tmp_path, c
         assert hf and all("not installed" in r["skipped"] for r in hf)
         return
     b1 = {r["method"]: r for r in hf if r["batch"] == 1}
-    assert set(b1) == {"hf greedy (static)", "hf early-exit", "hf prompt-lookup"}
+    assert set(b1) == {"hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup"}
     assert all(r["skipped"] is None and r["matches_sequential"] for r in b1.values())  # transformers' tokens = ours
     b4 = {r["method"]: r for r in hf if r["batch"] == 4}
-    assert b4["hf greedy (static)"]["matches_sequential"]
+    assert b4["hf greedy"]["matches_sequential"] and b4["hf greedy (static)"]["matches_sequential"]
     assert "batch size 1 only" in b4["hf early-exit"]["skipped"] and "batch size 1" in b4["hf prompt-lookup"]["skipped"]
 
 
