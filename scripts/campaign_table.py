@@ -41,6 +41,10 @@ def main(out: str) -> int:
             text = md.read_text()
             lines += ["", f"## {name}", "", text.split("\nEvery timed callable:")[0] if name == "vs_paper_eager"
                       else text]
+    for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md"):
+        if md.is_file():
+            lines += ["", "#" + md.read_text()]
+            merged["parts"][md.parent.name] = json.loads(md.with_suffix(".json").read_text())
     prof = parts / "profile" / "profile.txt"
     if prof.is_file():  # beside campaign.md, so one folder holds what a device call brings back
         (root / "profile.txt").write_text(prof.read_text())

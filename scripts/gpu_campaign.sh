@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU campaign: everything a lent GPU should measure, in one call of at most 8 minutes, read top to bottom.
 #
-#   bash scripts/gpu_campaign.sh [--quick] [--out DIR] [--paper PATH] [--parts a,b,...]
+#   bash scripts/gpu_campaign.sh [--quick] [--out DIR] [--paper PATH] [--parts a,b,...] [--decode-ckpt CKPT]
+#                                [--decode-plans P,...]
 #
 # Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
 # parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
@@ -15,14 +16,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
-QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""
+QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=""; DPLANS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --out) OUT="$2"; shift ;;
     --paper) PAPER="$2"; shift ;;
     --parts) PARTS="$2"; shift ;;
-    *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST)" >&2; exit 2 ;;
+    --decode-ckpt) DCKPT="$2"; shift ;;
+    --decode-plans) DPLANS="$2"; shift ;;
+    *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST, --decode-ckpt CKPT," \
+            "--decode-plans P,...)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -81,6 +85,14 @@ if [ -n "$PAPER" ]; then
   part vs_paper_compiled $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --shapes 0.5B-nox0ve \
       --treatments eager,compiled --no-ablations --out "$OUT/parts/vs_paper_compiled"
 fi
+
+# 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt;
+#    random Llama-family weights without), and the random-weights 0.5B drafter step times with a PREDICTED speedup
+part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV ${DCKPT:+--ckpt "$DCKPT"} \
+    ${DPLANS:+--suite-plans "$DPLANS"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
+    --out "$OUT/parts/decode"
+part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
+    --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"
 
 # the table, last
 $PY scripts/campaign_table.py "$OUT"

@@ -17,6 +17,8 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    and for a second shared runner over another suffix bound in between
   evaluate                         a K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals the
                                    exp(mean NLL) of the plan's logits on the protocol's windows
+  run_decode_suite (bench)         its reference tokens are the argmax loop; every row it calls exact equals them
+                                   (fp64), a K >= C plan with M > 1 (the fused model) is not called exact
   a diverging plan (blow-up model) snlp_generate (any form, greedy or sampled), jacobi verify=False: raise
                                    SNLPDivergenceError naming the step; speculative / verified jacobi: the argmax loop
 
@@ -426,3 +428,36 @@ def test_compiled_cells_equal_their_references():
     rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True,
                                 adaptive=True)
     assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]
+
+
+# ----------------------------------------------------------------------------- the decode suite (snlp bench --suite decode)
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2"]), seed=st.integers(0, 50),
+       sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans())
+def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, tmp_path_factory):
+    """The decode suite's rows (bench entry point): its reference is the argmax loop, every row it calls exact (snlp
+    sequential, speculative with the model's own or an adapted drafter, an SNLP plan with K >= C and M = 1) gives
+    the reference's tokens in fp64, and a K >= C plan with M > 1 (the fused model) is not called exact."""
+    from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
+    from snlp.io.drafter import save_drafter
+
+    m = make_model(seed=seed, n_layer=L)
+    path = None
+    if drafter:
+        d = make_drafter(m, PLANS["F1"])
+        with torch.no_grad():
+            for p in d.model.blocks[d.suffix_start:].parameters():
+                p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(seed)))
+        path = tmp_path_factory.mktemp("drafter")
+        save_drafter(path, d)
+    cfg = DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=sizes, prompt_len=5, new_tokens=6,
+                            plans=(PLANS[kind],), blocks=(3,), rounds=1, warmup=0, transformers=False, seed=seed,
+                            drafter=None if path is None else str(path))
+    res = run_decode_suite(cfg, model=m)
+    assert res.reference == [argmax_loop(m, p, 6) for p in res.prompts]
+    snlp_row = next(r for r in res.rows if r.method == "snlp snlp")
+    assert snlp_row.exact == (kind == "exact")
+    assert ("snlp speculative (drafter)" in {r.method for r in res.rows}) == drafter
+    for r in res.rows:
+        if r.library == "snlp" and r.exact:
+            assert r.matches_sequential, r

@@ -10,6 +10,8 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from snlp.bench.decode import DecodeRow, batch_decode_benchmark, decode_benchmark
@@ -48,8 +50,12 @@ def _add_model_flags(p) -> None:
     src.add_argument("--ckpt", default=None, help="benchmark a checkpoint directory instead of random weights")
 
 
+DEFAULT_PLANS = "1xF12-h0-K1,12xF1-h0-K1"
+DEFAULT_TREATMENTS = "eager,compiled"
+
+
 def _add_run_flags(p) -> None:
-    p.add_argument("--plans", default="1xF12-h0-K1,12xF1-h0-K1", help="comma-separated plans")
+    p.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated plans")
     p.add_argument("--tokens", "-T", type=_token_counts, default="1",
                    help="tokens per forward (teacher-forced); with --ops a comma list, e.g. 1,16,32,64,128")
     p.add_argument("--batch", type=int, default=1)
@@ -93,10 +99,16 @@ def _add_decode_flags(p) -> None:
 
 
 def _add_suite_flags(p) -> None:
-    suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.bench.suite)")
-    suite.add_argument("--suite", choices=["paper"], default=None,
-                       help="run the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
-                            "decode, eager and compiled, random weights; writes suite.json + suite.md to --out")
+    suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.bench.suite) and the decode suite "
+                                 "(--suite decode; snlp.bench.decode_suite)")
+    suite.add_argument("--suite", choices=["paper", "decode"], default=None,
+                       help="paper: the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
+                            "decode, eager and compiled, random weights; writes suite.json + suite.md to --out. "
+                            "decode: tokens/s of snlp's sequential, SNLP and self-speculative decoding against "
+                            "transformers' generate (static cache, assistant_early_exit, prompt lookup) on one model "
+                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, or 'smollm2'; default "
+                            "random weights) at --batch-sizes (default 1,4,8); with --shapes instead: random weights "
+                            "at a paper shape, drafter vs sequential step times and a PREDICTED speedup at --alpha")
     suite.add_argument("--quick", action="store_true",
                        help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
     suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
@@ -111,8 +123,24 @@ def _add_suite_flags(p) -> None:
                        help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
     suite.add_argument("--suite-new-tokens", type=int, default=None,
                        help="--suite: decoded tokens per decode run (default 128; 4 quick)")
-    suite.add_argument("--treatments", default="eager,compiled", help="--suite: eager and/or compiled")
-    suite.add_argument("--no-decode", action="store_true", help="--suite: skip the KV-cached decode rows")
+    suite.add_argument("--treatments", default=None,
+                       help=f"--suite: eager and/or compiled (default {DEFAULT_TREATMENTS}; --suite decode: both on "
+                            f"cuda, eager on cpu unless --compile)")
+    suite.add_argument("--no-decode", action="store_true", help="--suite paper: skip the KV-cached decode rows")
+    suite.add_argument("--suite-plans", default=None,
+                       help="--suite decode: comma-separated SNLP plans (snlp rows and drafters); default one plan, "
+                            "L/2 layers of F1, K=1; with --shapes the shape's own plans")
+    suite.add_argument("--early-exit", type=int, default=None,
+                       help="--suite decode: transformers' assistant_early_exit E (default L // 4)")
+    suite.add_argument("--prompt-lookup", type=int, default=None,
+                       help="--suite decode: transformers' prompt_lookup_num_tokens (default 10; 3 quick)")
+    suite.add_argument("--no-transformers", action="store_true", help="--suite decode: skip the transformers rows")
+    suite.add_argument("--drafter", default=None,
+                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra self-speculative "
+                            "rows where it drafts with its own plan")
+    suite.add_argument("--alpha", default=None,
+                       help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
+                            "(take them from a trained model's measured alpha; default 0.6,0.8)")
     suite.add_argument("--vs-paper", default=None, metavar="PATH",
                        help="time snlp side by side with the paper's own code (a checkout of nanochat-snlp at PATH) on "
                             "the paper's prefill shapes and plans, same device, same process, round-robin; writes "
@@ -310,6 +338,11 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     return 0
 
 
+def _treatments(args, split) -> tuple:
+    """--treatments of the paper suite and --vs-paper: the default when not given; empty when given empty (refused)."""
+    return split(DEFAULT_TREATMENTS if args.treatments is None else args.treatments) or ()
+
+
 def run_vs_paper_cli(args) -> int:
     import shlex
     import sys
@@ -320,7 +353,7 @@ def run_vs_paper_cli(args) -> int:
     out = None if args.out == "bench-suite" else args.out
     cfg = VsPaperConfig(paper=args.vs_paper, shapes=split(args.shapes), device=args.device, quick=args.quick,
                         tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
-                        treatments=split(args.treatments) or (), ablations=not args.no_ablations, seed=args.seed,
+                        treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
     cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
     result = run_vs_paper(cfg)
@@ -335,16 +368,117 @@ def run_suite_cli(args) -> int:
 
     from snlp.bench.suite import SuiteConfig, run_suite
 
+    if args.suite == "decode":
+        return run_decode_suite_cli(args, shlex.join(["snlp", *sys.argv[1:]]))
+    if args.suite_plans or args.early_exit is not None or args.prompt_lookup is not None or args.no_transformers \
+            or args.alpha or args.drafter:
+        raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers, --alpha and --drafter "
+                         "belong to --suite decode")
+
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,
                       tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
                       new_tokens=args.suite_new_tokens,
-                      treatments=split(args.treatments) or (), decode=not args.no_decode, seed=args.seed,
+                      treatments=_treatments(args, split), decode=not args.no_decode, seed=args.seed,
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
     result = run_suite(cfg)
     print(result.markdown)
     print(f"wrote {result.json_path} and {result.markdown_path}")
+    return 0
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{flag} must be integers >= 1, got {text!r}")
+    return vals
+
+
+def run_decode_suite_cli(args, command: str) -> int:
+    """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
+    from snlp.bench.decode_suite import (DecodeSuiteConfig, markdown, paper_shape_prediction, prediction_markdown,
+                                         progress_line, run_decode_suite)
+    from snlp.bench.records import write_csv, write_json
+
+    refused = [flag for flag, used in (
+        ("--suite-tokens", args.suite_tokens is not None), ("--no-ablations", args.no_ablations),
+        ("--no-decode", args.no_decode), ("--decode", args.decode), ("--ops", args.ops),
+        ("--share-weights", args.share_weights), ("--min-confidence", bool(args.min_confidence)),
+        ("--adaptive-block", args.adaptive_block), ("--distributed", args.distributed),
+        ("--simulate-devices", args.simulate_devices is not None),
+        ("--plans", args.plans != DEFAULT_PLANS)) if used]
+    if refused:
+        raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans)")
+    out = None if args.out == "bench-suite" else Path(args.out)  # --out DIR: JSON + markdown there
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
+    if args.treatments and args.compile:
+        raise ValueError("--suite decode: give the treatments once, --treatments or --compile (= eager,compiled)")
+    treatments = split(args.treatments) if args.treatments else ("eager", "compiled") if args.compile else None
+    blocks = _ints(args.blocks, "--blocks")
+    plans = split(args.suite_plans)
+    if args.shapes:
+        if args.ckpt or args.drafter:
+            raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt and "
+                             "--drafter (or drop --shapes to decode the checkpoint)")
+        unused = [flag for flag, used in (
+            ("--batch-sizes", args.batch_sizes is not None), ("--suite-new-tokens", args.suite_new_tokens is not None),
+            ("--early-exit", args.early_exit is not None), ("--prompt-lookup", args.prompt_lookup is not None),
+            ("--no-transformers", args.no_transformers)) if used]
+        if unused:
+            raise ValueError(f"--suite decode --shapes times single steps at batch 1 (no decoding, no transformers): "
+                             f"it does not take {', '.join(unused)}")
+        try:
+            alphas = tuple(float(a) for a in split(args.alpha or "0.6,0.8"))
+        except ValueError:
+            raise ValueError(f"--alpha must be comma-separated numbers in [0, 1], got {args.alpha!r}") from None
+        rows = []
+        for shape in split(args.shapes):
+            rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype,
+                                           treatments, args.suite_warmup, args.suite_runs, args.seed, args.threads,
+                                           args.prompt_len)
+        text = prediction_markdown(rows, args.quick)
+        for path in [args.json] + ([out / "prediction.json"] if out else []):
+            if path:
+                write_json(path, {"command": command, "rows": rows})
+        if out:
+            (out / "prediction.md").write_text(text + "\n")
+        if args.csv:
+            write_csv(args.csv, rows)
+        print(text)
+        return 0
+    if args.alpha:
+        raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
+    cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
+                            batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompt_len=args.prompt_len,
+                            new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,
+                            early_exit=args.early_exit,
+                            prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
+                            rounds=args.suite_runs, transformers=not args.no_transformers, threads=args.threads,
+                            seed=args.seed, command=command)
+    paths = [p for p in (args.json, out and out / "decode.json") if p]
+
+    def progress(result, what: str) -> None:  # a run cut short keeps every batch size it finished
+        progress_line(result, what)
+        for path in paths:
+            write_json(path, result.to_dict(), announce=False)
+        if out:
+            (out / "decode.md").write_text(markdown(result) + "\n")
+
+    result = run_decode_suite(cfg, progress=progress)
+    text = markdown(result)
+    for path in paths:
+        write_json(path, result.to_dict())
+    if out:
+        (out / "decode.md").write_text(text + "\n")
+    if args.csv:
+        write_csv(args.csv, result.rows)
+    print(text)
     return 0
 
 

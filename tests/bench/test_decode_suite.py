@@ -1,0 +1,221 @@
+"""`snlp bench --suite decode` (snlp.bench.decode_suite) on the CPU at smoke size: every exact method's tokens equal
+an outside reference (a full-prefix argmax loop over the model; transformers' own greedy generate where it is
+installed), the rows transformers cannot run are skipped with their reason, the prediction's arithmetic is the
+hand count, and options the suite cannot honour are refused. No wall-clock thresholds."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from snlp.apps.cli import main
+from snlp.bench.decode_suite import (DecodeSuiteConfig, paper_shape_prediction, random_llama, run_decode_suite)
+from snlp.decode.speculative import ideal_ssd_speedup
+from snlp.io.checkpoint import save_checkpoint
+from snlp.model.gpt import GPT, GPTConfig
+
+try:
+    import transformers  # noqa: F401
+    HAVE_HF = True
+except ImportError:
+    HAVE_HF = False
+
+
+@torch.no_grad()
+def argmax_loop(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Greedy by a full forward over the whole prefix per token: no KV cache, no static shapes."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_quick_cli_runs_every_method_and_exact_ones_equal_sequential(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--json", str(out),
+                 "--out", str(tmp_path / "dir")]) == 0
+    table = capsys.readouterr().out
+    assert "| snlp speculative |" in table and "(CPU numbers)" in table
+    md = (tmp_path / "dir" / "decode.md").read_text().strip()
+    assert md.startswith("# decode suite") and md in table  # the printed table is the file's
+    res = json.loads(out.read_text())
+    assert json.loads((tmp_path / "dir" / "decode.json").read_text())["rows"] == res["rows"]
+    rows = res["rows"]
+    assert sorted({r["batch"] for r in rows}) == [1, 4]
+    model = random_llama(quick=True, seed=0)  # what --quick decodes: the same seeded weights
+    n = res["meta"]["new_tokens"]
+    assert res["reference"] == [argmax_loop(model, p, n) for p in res["prompts"]]
+    methods = {r["method"] for r in rows}
+    assert {"snlp sequential", "snlp snlp", "snlp speculative"} <= methods
+    for r in rows:
+        if r["skipped"]:
+            assert r["tokens_per_s"] is None
+            continue
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert len(r["seconds"]) == res["config"]["rounds"]
+        assert r["tokens_per_s"] == pytest.approx(sorted(r["batch"] * n / s for s in r["seconds"])[1])  # median of 3
+        if r["exact"]:  # fp32 on one CPU: exact methods give the reference's tokens
+            assert r["matches_sequential"], r
+    snlp_rows = [r for r in rows if r["library"] == "snlp"]
+    assert all(not r["skipped"] for r in snlp_rows) and {r["treatment"] for r in snlp_rows} == {"eager"}
+    spec = [r for r in snlp_rows if r["method"] == "snlp speculative"]
+    assert spec and all(0.0 <= r["alpha"] <= 1.0 for r in spec)
+    hf = [r for r in rows if r["library"] == "transformers"]
+    if not HAVE_HF:
+        assert hf and all("not installed" in r["skipped"] for r in hf)
+        return
+    b1 = {r["method"]: r for r in hf if r["batch"] == 1}
+    assert set(b1) == {"hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup"}
+    assert all(r["skipped"] is None and r["matches_sequential"] for r in b1.values())  # transformers' tokens = ours
+    b4 = {r["method"]: r for r in hf if r["batch"] == 4}
+    assert b4["hf greedy"]["matches_sequential"] and b4["hf greedy (static)"]["matches_sequential"]
+    assert "batch size 1 only" in b4["hf early-exit"]["skipped"] and "batch size 1" in b4["hf prompt-lookup"]["skipped"]
+
+
+def test_transformers_missing_skips_its_rows_with_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1,), new_tokens=4, rounds=1,
+                                             warmup=0))
+    hf = [r for r in res.rows if r.library == "transformers"]
+    assert hf and all(r.skipped == "transformers is not installed" and r.tokens_per_s is None for r in hf)
+    assert res.meta.hf_note == "transformers is not installed"
+    assert all(r.tokens_per_s for r in res.rows if r.library == "snlp")
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
+def test_a_model_transformers_cannot_hold_is_decoded_by_snlp_and_its_hf_rows_say_why(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=97, n_layer=4, n_head=2, n_embd=32, sequence_len=128))  # nanochat-style
+    model.init_weights(seed=0)
+    save_checkpoint(tmp_path / "ck", model)
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), quick=True, device="cpu", batch_sizes=(1,),
+                                             new_tokens=4, rounds=1, warmup=0, plans=("2xF1-h0-K2",)))
+    hf = [r for r in res.rows if r.library == "transformers"]
+    assert all("transformers cannot hold this model" in r.skipped and "x0_residual" in r.skipped for r in hf)
+    snlp_rows = {r.method: r for r in res.rows if r.library == "snlp"}
+    assert snlp_rows["snlp speculative"].matches_sequential
+    assert snlp_rows["snlp snlp"].exact and snlp_rows["snlp snlp"].matches_sequential  # K = C, M = 1: exact
+    assert res.reference == [argmax_loop(model.eval(), p, 4) for p in res.prompts]
+
+
+def test_prediction_is_the_hand_count_of_its_measured_step_times():
+    rows = paper_shape_prediction("0.5B", alphas=(0.0, 0.5, 1.0), plans=("24xF1-h0-K2",), blocks=(2, 4), quick=True,
+                                  device="cpu", rounds=2, warmup=0)
+    assert len(rows) == 6 and all(r.label.startswith("PREDICTION") for r in rows)
+    for r in rows:
+        assert r.s == pytest.approx(r.sequential_ms / r.drafter_ms)
+        per_round = {0.0: 1.0, 0.5: (1 - 0.5 ** (r.block + 1)) / 0.5, 1.0: r.block + 1.0}[r.alpha]
+        assert r.predicted_speedup == pytest.approx(per_round * r.sequential_ms /
+                                                    (r.block * r.drafter_ms + r.verify_ms))
+        assert r.predicted_paper_formula == pytest.approx(ideal_ssd_speedup(r.alpha, r.block, r.s))
+        assert r.predicted_paper_formula == pytest.approx(per_round / (r.block / r.s + 1))
+        assert math.isfinite(r.verify_ms) and r.verify_ms > 0
+
+
+def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--shapes", "0.5B", "--alpha", "0.7",
+                 "--suite-plans", "24xF1-h0-K2", "--suite-runs", "2", "--json", str(out), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "PREDICTED" in text and "(predicted)" in text
+    assert (tmp_path / "prediction.md").read_text().strip() in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["alpha"] for r in rows] == [0.7] and rows[0]["label"].startswith("PREDICTION")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--no-ablations"], "does not take --no-ablations"),
+    (["--treatments", "compiled", "--compile"], "give the treatments once"),
+    (["--treatments", "eager,jit"], "treatments must be eager and/or compiled"),
+    (["--plans", "2xF1-h0-K1"], "--suite-plans"),
+    (["--alpha", "0.5"], "use it with --shapes"),
+    (["--shapes", "0.5B", "--ckpt", "x"], "drop --ckpt"),
+    (["--shapes", "0.5B", "--alpha", "1.5"], "alpha must lie in [0, 1]"),
+    (["--shapes", "0.5B", "--batch-sizes", "1,4"], "does not take --batch-sizes"),
+    (["--batch-sizes", "1,9"], "batch sizes must lie in 1..8"),
+    (["--early-exit", "6"], "must be below the model's 6 layers"),
+    (["--suite-plans", "9xF1-h0-K1"], "L = 6"),
+])
+def test_refusals_come_before_any_work(argv, says, capsys):
+    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_paper_suite_refuses_the_decode_suites_flags(capsys):
+    assert main(["bench", "--suite", "paper", "--quick", "--alpha", "0.5"]) == 2
+    assert "belong to --suite decode" in capsys.readouterr().err
+
+
+def test_an_adapted_drafter_gets_its_own_exact_speculative_rows(tmp_path):
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    base = random_llama(quick=True, seed=3)
+    save_checkpoint(tmp_path / "ck", base)
+    drafter = make_drafter(base, "3xF1-h0-K1")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # another suffix than the base's: the drafter must be the one drafting
+        for block in drafter.model.blocks[drafter.suffix_start:]:
+            for p in block.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    save_drafter(tmp_path / "dr", drafter)
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), drafter=str(tmp_path / "dr"), quick=True,
+                                             device="cpu", batch_sizes=(1, 2), new_tokens=6, rounds=1, warmup=0,
+                                             transformers=False))
+    rows = [r for r in res.rows if r.method == "snlp speculative (drafter)"]
+    assert [r.batch for r in rows] == [1, 2] and all(r.plan == "3xF1-h0-K1" for r in rows)
+    assert all(r.matches_sequential and 0.0 <= r.alpha <= 1.0 for r in rows)
+    assert res.reference == [argmax_loop(base, p, 6) for p in res.prompts]
+    own = [r for r in res.rows if r.method == "snlp speculative" and r.batch == 1]
+    assert own and own[0].alpha != rows[0].alpha  # the drafter's suffix, not the base's, drafted
+
+
+def test_a_drafter_of_another_model_is_refused(tmp_path):
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    save_checkpoint(tmp_path / "ck", random_llama(quick=True, seed=3))
+    save_drafter(tmp_path / "dr", make_drafter(random_llama(quick=True, seed=4), "3xF1-h0-K1"))
+    with pytest.raises(ValueError, match="belongs to another model"):
+        run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), drafter=str(tmp_path / "dr"), quick=True,
+                                           device="cpu", batch_sizes=(1,), new_tokens=2, rounds=1, warmup=0))
+
+
+def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
+    from snlp.bench.decode_suite import DecodeSuiteRow, round_robin_calls
+
+    calls = {"ok": 0, "flaky": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    def flaky():
+        calls["flaky"] += 1
+        if calls["flaky"] == 3:
+            raise RuntimeError("CUDA graph overwritten\nsecond line")
+
+    rows = [DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=1),
+            DecodeSuiteRow(method="b", library="snlp", treatment="eager", batch=1)]
+    seen = []
+    times = round_robin_calls({0: ok, 1: flaky}, rows, warmup=1, rounds=4, device="cpu", check=seen.append)
+    assert list(times) == [0] and len(times[0]) == 4 and calls["ok"] == 5
+    assert rows[1].skipped.startswith("failed in timed round 3: RuntimeError: CUDA graph overwritten")
+    assert seen.count(1) == 2 and seen.count(0) == 5  # tokens checked after every call that returned
+
+
+def test_a_row_is_as_good_as_its_worst_call():
+    from snlp.bench.decode_suite import DecodeSuiteRow, fold_tokens
+
+    row = DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=2)
+    ref = [[1, 2, 3], [4, 5, 6]]
+    fold_tokens(row, [[1, 2, 3], [4, 5, 6]], ref)
+    assert row.matches_sequential and row.mismatched_rows == 0 and row.first_mismatch is None
+    fold_tokens(row, [[1, 2, 3], [4, 9, 6]], ref)
+    fold_tokens(row, [[1, 2, 3], [4, 5, 6]], ref)  # a later good call does not clear the verdict
+    assert row.matches_sequential is False and row.mismatched_rows == 1 and row.first_mismatch == 1
+    fold_tokens(row, [[7, 2, 3], [4, 5, 6]], ref)
+    assert row.first_mismatch == 0 and row.mismatched_rows == 1
