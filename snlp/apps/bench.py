@@ -101,14 +101,16 @@ def _add_decode_flags(p) -> None:
 def _add_suite_flags(p) -> None:
     suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.bench.suite) and the decode suite "
                                  "(--suite decode; snlp.bench.decode_suite)")
-    suite.add_argument("--suite", choices=["paper", "decode"], default=None,
+    suite.add_argument("--suite", choices=["paper", "decode", "train"], default=None,
                        help="paper: the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
                             "decode, eager and compiled, random weights; writes suite.json + suite.md to --out. "
                             "decode: tokens/s of snlp's sequential, SNLP and self-speculative decoding against "
                             "transformers' generate (static cache, assistant_early_exit, prompt lookup) on one model "
                             "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, or 'smollm2'; default "
                             "random weights) at --batch-sizes (default 1,4,8); with --shapes instead: random weights "
-                            "at a paper shape, drafter vs sequential step times and a PREDICTED speedup at --alpha")
+                            "at a paper shape, drafter vs sequential step times and a PREDICTED speedup at --alpha. "
+                            "train: training step speed (tokens/s, MFU, compile time) at one shape (default 0.5B), "
+                            "eager vs compiled, plain vs --regs; writes train.json + train.md to --out")
     suite.add_argument("--quick", action="store_true",
                        help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
     suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
@@ -148,6 +150,20 @@ def _add_suite_flags(p) -> None:
                             "--suite-warmup, --suite-runs)")
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
+    tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")
+    tr.add_argument("--regs", default="none,idn", help="--suite train: regulariser variants, none and/or idn / hcn")
+    tr.add_argument("--reg-n", default="24", help="--suite train: the regulariser's suffix lengths N (the paper's "
+                    "0.5B IDN-Reg run: 24; clipped to depth - 1)")
+    tr.add_argument("--train-batch", type=int, default=None, help="--suite train: sequences per step (default 8 on "
+                    "cuda, 4 on cpu, 2 quick)")
+    tr.add_argument("--train-seq-len", type=int, default=None, help="--suite train: tokens per sequence (default "
+                    "2048 on cuda, 256 on cpu, 32 quick)")
+    tr.add_argument("--train-steps", type=int, default=None, help="--suite train: timed steps (default 10 cuda, 3 "
+                    "cpu, 2 quick)")
+    tr.add_argument("--train-warmup", type=int, default=None, help="--suite train: untimed steps after the first "
+                    "(default 3 cuda, 1 cpu)")
+    tr.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="--suite train: the block "
+                    "matrices' optimizer")
 
 
 def _add_ops_flags(p) -> None:
@@ -205,6 +221,8 @@ def run(args) -> int:
         if getattr(args, "suite", None):
             raise ValueError("--vs-paper and --suite are two runs: give one")
         return run_vs_paper_cli(args)
+    if getattr(args, "suite", None) == "train":
+        return run_train_suite_cli(args)
     if getattr(args, "suite", None):
         return run_suite_cli(args)
     if getattr(args, "simulate_devices", None) is not None:
@@ -360,6 +378,29 @@ def run_vs_paper_cli(args) -> int:
     print(result.markdown)
     print(f"wrote {cfg.out}/vs_paper.json and {cfg.out}/vs_paper.md")
     return 1 if result.failures else 0
+
+
+def run_train_suite_cli(args) -> int:
+    """--suite train: snlp.bench.train.run_train_bench from the flags."""
+    import shlex
+    import sys
+
+    from snlp.bench.train import TrainBenchConfig, run_train_bench
+
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else ()  # noqa: E731
+    shapes = split(args.shapes) or ("0.5B",)
+    if len(shapes) != 1:
+        raise ValueError(f"--suite train runs one shape, got --shapes {args.shapes}")
+    cfg = TrainBenchConfig(shape=shapes[0], quick=args.quick, device=args.device, batch_size=args.train_batch,
+                           seq_len=args.train_seq_len, steps=args.train_steps, warmup=args.train_warmup,
+                           treatments=_treatments(args, split), regs=split(args.regs), reg_n=args.reg_n,
+                           optimizer=args.optimizer, threads=args.threads, seed=args.seed, out=args.out,
+                           command=shlex.join(["snlp", *sys.argv[1:]]))
+    result = run_train_bench(cfg)
+    print(result.markdown)
+    if result.json_path:
+        print(f"wrote {result.json_path} and {result.markdown_path}")
+    return 0
 
 
 def run_suite_cli(args) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from snlp.apps.train import config_from_args, file_hooks
+from snlp.apps.train import add_speed_arguments, config_from_args, file_hooks
 from snlp.train.config import TrainConfig
 from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
 
@@ -35,6 +35,7 @@ def add_train_arguments(p, steps: int = 200) -> None:
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    add_speed_arguments(o)
     r = p.add_argument_group("SNLP-aware regulariser (as snlp train)")
     r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none")
     r.add_argument("--reg-lambda", type=float, default=0.5)

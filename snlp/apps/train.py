@@ -76,6 +76,7 @@ def add_arguments(p) -> None:
     o.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 = off)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="default: cuda if available (per local rank), else cpu")
+    add_speed_arguments(o)
     r = p.add_argument_group("SNLP-aware regulariser (paper Eq. snlp-training-loss)")
     r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none", help="surrogate of the regulariser's "
                    "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per step, "
@@ -93,6 +94,17 @@ def add_arguments(p) -> None:
     e.add_argument("--save-every", type=int, default=0, help="also save every N steps (0 = only at the end)")
     e.add_argument("--log-every", type=int, default=10)
     e.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def add_speed_arguments(o) -> None:
+    """--compile and --time-reg (snlp train and snlp sft)."""
+    o.add_argument("--compile", action="store_true",
+                   help="compile the step: model, loss and regulariser (or the SNLP-forward SFT solve) under "
+                   "torch.compile (one graph, static shapes; bf16 autocast on CUDA, fp32 on CPU), Muon's Newton-Schulz "
+                   "iterations too, AdamW fused on CUDA; the first step compiles")
+    o.add_argument("--time-reg", type=int, default=0, metavar="ROUNDS",
+                   help="after training, time ROUNDS micro-batch steps with and without the regulariser (needs --reg) "
+                   "and report the overhead in the summary")
 
 
 def config_from_args(args) -> TrainConfig:

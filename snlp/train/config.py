@@ -54,6 +54,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str | None = None
+    compile: bool = False  # the loss module under torch.compile (snlp.train.compiled), Muon's NS iterations too
+    time_reg: int = 0  # after training, time this many micro-batch steps with and without the regulariser
     # SNLP-aware regulariser
     reg: str = "none"
     reg_lambda: float = 0.5
@@ -91,6 +93,10 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
             raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.time_reg < 0:
+            raise ValueError(f"--time-reg must be >= 0 (got {self.time_reg})")
+        if self.time_reg and self.reg == "none":
+            raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg")
         if self.init_from and self.resume:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
@@ -110,3 +116,29 @@ class TrainResult:
     elapsed_s: float  # the run's training clock (carried across resumes)
     validation: ValidationResult | None = None  # the last validation of this process (None if it ran none)
     stopped_by: str = "budget"  # budget | stop_after | a TrainHooks reason (e.g. stop_file)
+    speed: StepSpeed | None = None  # tokens/s and MFU of this process's steps (None if it ran none)
+
+
+@dataclass
+class StepSpeed:
+    """How fast the steps ran (the run's summary; summary.json). Steady = the steps after the first `warm` of this
+    process (their first calls compile, build caches and warm the allocator), timed from the step's start to its
+    statistics on the host (validation and saving left out)."""
+
+    compiled: bool
+    steps: int  # steady steps timed
+    warm: int  # first steps left out
+    tok_s: float | None  # steady tokens/s (this run's all ranks)
+    step_s: float | None  # steady mean seconds per optimizer step
+    first_step_s: float | None  # the first step's seconds (compiled: includes tracing and compiling)
+    flops_per_token: float | None  # model FLOPs per token of one forward + backward (snlp.train.flops)
+    peak_flops: float | None  # the device's dense bf16 peak (snlp.runtime.peak; None on CPU or an unknown card)
+    mfu: float | None  # model FLOPs utilisation at the steady tok/s; None without a known peak
+    tflops: float | None  # achieved model TFLOP/s per process (what MFU divides by the peak; also on CPU)
+    device: str = ""
+    reg_step_s: float | None = None  # --time-reg: median seconds per micro-batch step with the regulariser
+    plain_step_s: float | None = None  # ... and without it (same batch, same compiled/eager treatment)
+
+    @property
+    def reg_overhead(self) -> float | None:
+        return self.reg_step_s / self.plain_step_s if self.reg_step_s and self.plain_step_s else None

@@ -51,7 +51,10 @@ class TrainStep(nn.Module):
         super().__init__()
         self.model, self.reg, self.plan = model, reg, plan
 
-    def forward(self, x, y, lam: float):
+    def forward(self, x, y, lam: float | Tensor):
+        """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
+        step: an input of the graph, so the ramp of --reg-warmup is no recompile; the regulariser then runs
+        whenever it is active, and the branch is fixed when the graph is traced)."""
         m = self.model
         trace = None
         if self.plan is None:
@@ -62,7 +65,7 @@ class TrainStep(nn.Module):
             # check_finite=False: no host sync per micro-batch; the trainer checks the loss is finite each step
             logits = m.head(solve(m, x, self.plan, check_finite=False).hidden)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
-        if lam > 0:
+        if (self.reg.active if isinstance(lam, Tensor) else lam > 0):
             trace = trace if trace is not None else m.hidden_states(x)
             reg = snlp_loss(m, x, trace, self.reg)
             return ce + lam * reg, ce.detach(), reg.detach()

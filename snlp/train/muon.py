@@ -72,6 +72,7 @@ class Muon(torch.optim.Muon):
             raise ValueError(f"Muon: ns_dtype must be a floating torch.dtype or None (got {ns_dtype!r})")
         super().__init__(params, *args, **kwargs)
         self.ns_dtype = ns_dtype
+        self.orthogonalize = zeropower_via_newtonschulz  # snlp.train.compiled.compile_optimizers compiles it
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,7 +95,7 @@ class Muon(torch.optim.Muon):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 dtype = self.ns_dtype or default_ns_dtype(param.device)
-                update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
+                update = self.orthogonalize(update, group["ns_coefficients"], group["ns_steps"],
                                                     group["eps"], dtype)
                 adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 param.mul_(1 - lr * wd)

@@ -46,7 +46,10 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
         opts.append(Muon(matrices, lr=cfg.matrix_lr or 0.02, weight_decay=cfg.weight_decay, momentum=0.95))
     elif matrices:
         groups.append({"params": matrices, "lr": cfg.matrix_lr or 0.003})
-    opts.insert(0, torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay))
+    # --compile on CUDA: AdamW's fused multi-tensor kernel (nanochat's choice), same update and state dict format
+    fused = cfg.compile and model.wte.weight.is_cuda
+    opts.insert(0, torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay,
+                                     **({"fused": True} if fused else {})))
     for o in opts:
         for g in o.param_groups:
             g["base_lr"] = g["lr"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import torch.nn.functional as F
+
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
 from snlp.method.plan import Plan
@@ -60,8 +62,11 @@ def sft_job(scfg: SFTConfig):
         pad = 0  # any id: padding sits after each row's tokens (causal: unseen) and its targets are -1
         reg = reg_config(cfg, model.config)
         autocast = autocast_context(device)
+        batch = lambda micro, r, w: chat.batch_at(train, micro, cfg.batch_size, cfg.seed, pad, r, w)  # noqa: E731
+        if cfg.compile:  # static shapes: one graph for every batch, not one per longest conversation
+            batch = fixed_length(batch, max_len - 1, pad)
         return Job(model=model, tokenizer=tok,
-                   batch=lambda micro, r, w: chat.batch_at(train, micro, cfg.batch_size, cfg.seed, pad, r, w),
+                   batch=batch,
                    val_batches=chat.val_batches(val, cfg.batch_size, cfg.eval_batches, pad),
                    loss=TrainStep(model, reg, plan),
                    validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan),
@@ -70,6 +75,17 @@ def sft_job(scfg: SFTConfig):
                    name="snlp sft", state={"sft": {k: v for k, v in asdict(scfg).items() if k != "train"}})
 
     return make_job
+
+
+def fixed_length(batch, T: int, pad: int):
+    """`batch` with every micro-batch right-padded to T positions (inputs `pad`, targets -1). The CE over the real
+    targets is unchanged (causal attention: the padding comes after every real token, and its targets are ignored);
+    the regulariser's mean runs over all positions, padding included, as it does over a batch's own padding."""
+    def padded(micro: int, rank: int, world: int):
+        x, y = batch(micro, rank, world)
+        n = T - x.shape[1]
+        return F.pad(x, (0, n), value=pad), F.pad(y, (0, n), value=-1)
+    return padded
 
 
 def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:

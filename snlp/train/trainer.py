@@ -17,7 +17,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,16 +26,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state
-from snlp.train.config import TrainConfig, TrainResult
+from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
+from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
+from snlp.train.flops import mfu, step_flops
 from snlp.train.hooks import TrainHooks
-from snlp.train.job import Job
+from snlp.train.job import Job, TrainStep
 from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
 from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
+from snlp.train.regularizer import RegConfig
 from snlp.train.validate import ValidationResult
-from snlp.runtime.device import progress_bar
+from snlp.runtime.device import device_label, progress_bar
+from snlp.runtime.peak import peak_bf16_flops
+from snlp.runtime.timing import time_round_robin
 
 
 @dataclass
@@ -46,12 +51,14 @@ class Run:
     ctx: DistContext
     job: Job
     opts: list
-    stepper: nn.Module  # job.loss, DDP-wrapped when world > 1
+    stepper: nn.Module | CompiledStep  # job.loss, DDP-wrapped when world > 1, compiled with --compile
     progress: Progress
     autocast: Callable
     hooks: TrainHooks
     bar: object | None  # tqdm bar on rank 0 unless no_progress
     t_start: float  # perf_counter() at the run's training clock 0 (earlier when resumed)
+    peak_flops: float | None = None  # the device's dense bf16 peak (None: CPU or an unknown card)
+    flops_per_token: float | None = None  # model FLOPs per token of a forward + backward, counted at the first step
 
     @property
     def out(self) -> Path:
@@ -71,6 +78,8 @@ class LoopState:
     validated_at: int | None = None  # the step of `validation`
     stopped_by: str | None = None
     t_last: float = 0.0  # perf_counter() at the end of the previous step (tokens/s)
+    step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
+    mfu: float | None = None  # the last step's MFU (logged on every row)
 
 
 @dataclass
@@ -85,6 +94,8 @@ class StepStats:
     tok_s: float
     grad_norm: float | None
     hook_reason: str | None  # rank 0's TrainHooks.should_stop answer after this step, agreed by all ranks
+    step_s: float = 0.0  # the step's own seconds: its start to its statistics on the host
+    mfu: float | None = None  # model FLOPs utilisation of this step (None without a known peak)
 
 
 def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: TrainHooks | None = None) -> TrainResult:
@@ -98,7 +109,10 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
         t_wall = time.perf_counter()
         run, state = setup(cfg, make_job, hooks or TrainHooks(), ctx)
         train_loop(run, state)
-        return finish(run, state, t_wall)
+        speed = step_speed(run, state)
+        if speed is not None and cfg.time_reg:
+            speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
+        return finish(run, state, t_wall, speed)
     finally:
         teardown_dist(ctx)
 
@@ -120,15 +134,22 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     progress = Progress(cfg.total_steps, cfg.minutes)
     progress.step, progress.elapsed = state.step, (start.resume.elapsed if start.resume else 0.0)
     stepper = job.loss
+    if cfg.compile:
+        if not isinstance(job.loss, TrainStep):
+            raise ValueError(f"--compile compiles the pretraining / SFT step; {job.name} has its own step")
+        check_compile(job.loss.reg, job.loss.plan)
     if ctx.world > 1:
         stepper = nn.parallel.DistributedDataParallel(
             stepper, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    if cfg.compile:
+        stepper = CompiledStep(stepper, ctx.device)
+        compile_optimizers(opts, ctx.device)
     announce(cfg, job, ctx)
     bar = None
     if ctx.master and not cfg.no_progress:
         bar = progress_bar(progress.steps, "train", initial=state.step, unit="step", leave=True)  # lines off a tty
     run = Run(cfg, ctx, job, opts, stepper, progress, autocast_context(ctx.device), hooks, bar,
-              t_start=time.perf_counter() - progress.elapsed)
+              t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device))
     state.t_last = time.perf_counter()
     return run, state
 
@@ -198,6 +219,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     """One optimizer step: grad_accum micro-batches (DDP syncs the gradients on the last), clipping, the
     update at this step's LR; then the ranks agree on the clock, the hooks' stop and the statistics."""
     cfg, ctx = run.cfg, run.ctx
+    t0 = time.perf_counter()
     reg = getattr(run.job.loss, "reg", None)
     lam = reg.weight(state.step) if reg is not None else 0.0
     mult = lr_multiplier(state.step, run.progress.frac, cfg.warmup_steps, cfg.warmdown)
@@ -210,6 +232,9 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         state.micro += 1
         n_tok += x.numel()
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math)
+            run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast) / x.numel()
+            t0 = time.perf_counter()  # the count is not the step's time
         sync = nullcontext() if (ctx.world == 1 or a == cfg.grad_accum - 1) else run.stepper.no_sync()
         with sync:
             with run.autocast():
@@ -225,7 +250,12 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         o.zero_grad(set_to_none=True)
     state.step += 1
     stats = torch.stack([ce_sum.float(), reg_sum.float()]) / cfg.grad_accum
-    return reduce_step(run, state, stats, n_tok, lam, mult, gnorm)
+    st = reduce_step(run, state, stats, n_tok, lam, mult, gnorm)
+    st.step_s = time.perf_counter() - t0  # after reduce_step's host read: the device has finished the step
+    state.step_times.append((st.tokens, st.step_s))
+    # MFU per process: its own tokens over its own device's peak (DDP ranks run in lockstep)
+    st.mfu = state.mfu = mfu(run.flops_per_token, n_tok / max(st.step_s, 1e-9), run.peak_flops)
+    return st
 
 
 def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult: float, gnorm) -> StepStats:
@@ -267,7 +297,7 @@ def log_step(run: Run, state: LoopState, st: StepStats) -> None:
     if state.step % run.cfg.log_every == 0 or state.step == 1 or end:
         write_log(run, {"step": state.step, "loss": st.loss, "reg": st.reg, "lambda": st.lam, "tok_s": st.tok_s,
                         "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
-                        **({"stop": state.stopped_by} if end else {})})
+                        "step_s": st.step_s, **({"stop": state.stopped_by} if end else {})}, st.mfu)
 
 
 def validate_and_log(run: Run, state: LoopState) -> None:
@@ -275,10 +305,10 @@ def validate_and_log(run: Run, state: LoopState) -> None:
     v = run.job.validate(run.job.model, run.job.val_batches)
     state.validation, state.validated_at = v, state.step
     if state.step == 0:
-        write_log(run, {"step": 0, **v.record()})
+        write_log(run, {"step": 0, **v.record()}, state.mfu)
         say(run, f"step 0: {v}")
     else:
-        write_log(run, {"step": state.step, "elapsed": run.progress.elapsed, **v.record()})
+        write_log(run, {"step": state.step, "elapsed": run.progress.elapsed, **v.record()}, state.mfu)
         say(run, f"step {state.step}: {v} | train loss {state.train_loss:.4f}")
 
 
@@ -291,8 +321,55 @@ def save(run: Run, state: LoopState) -> None:
     barrier(run.ctx)
 
 
-def finish(run: Run, state: LoopState, t_wall: float) -> TrainResult:
-    """Close the bar, print the summary line (rank 0) and say what the run did."""
+WARM_STEPS = 2  # steps left out of the steady speed: compiling (step 1), allocator and cache warm-up
+
+
+def step_speed(run: Run, state: LoopState) -> StepSpeed | None:
+    """The steady speed of this process's steps (None if it ran none): the first WARM_STEPS are left out when
+    enough steps ran (else only the first, or none of a single step)."""
+    times = state.step_times
+    if not times:
+        return None
+    warm = WARM_STEPS if len(times) > WARM_STEPS + 1 else min(1, len(times) - 1)
+    steady = times[warm:]
+    secs = sum(t for _, t in steady)
+    tok_s = sum(n for n, _ in steady) / max(secs, 1e-9)
+    per_proc = tok_s / run.ctx.world
+    fpt = run.flops_per_token
+    return StepSpeed(compiled=run.cfg.compile, steps=len(steady), warm=warm, tok_s=tok_s, step_s=secs / len(steady),
+                     first_step_s=times[0][1], flops_per_token=fpt, peak_flops=run.peak_flops,
+                     mfu=mfu(fpt, per_proc, run.peak_flops), tflops=fpt * per_proc / 1e12 if fpt else None,
+                     device=device_label(run.ctx.device))
+
+
+def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, float]:
+    """Median seconds of one micro-batch step (forward + backward) with the regulariser and without it, timed
+    round-robin after a warm-up round on the next training batch, in the run's treatment (compiled or eager;
+    this process alone, no gradient sync). Nothing the run saved changes: no optimizer step, gradients cleared."""
+    loss, ctx = run.job.loss, run.ctx
+    plain = TrainStep(loss.model, RegConfig(), loss.plan)
+    with_reg = loss
+    if run.cfg.compile:
+        with_reg = run.stepper if ctx.world == 1 else CompiledStep(loss, ctx.device)
+        plain = CompiledStep(plain, ctx.device)
+    x, y = (t.to(ctx.device) for t in run.job.batch(state.micro, ctx.rank, ctx.world))
+    lam = max(loss.reg.weight(state.step), 1e-12)
+
+    def call(fn, lam_: float):
+        def go():
+            with run.autocast():
+                out = fn(x, y, lam_)[0]
+            out.backward()
+        return go
+
+    times = time_round_robin({"reg": call(with_reg, lam), "plain": call(plain, 0.0)}, 1, rounds, ctx.device)
+    run.job.model.zero_grad(set_to_none=True)
+    med = lambda v: sorted(v)[len(v) // 2] / 1e3  # noqa: E731
+    return med(times["reg"]), med(times["plain"])
+
+
+def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = None) -> TrainResult:
+    """Close the bar, print the summary lines and write summary.json (rank 0), and say what the run did."""
     if run.bar is not None:
         run.bar.close()
     total = time.perf_counter() - run.t_start
@@ -300,15 +377,41 @@ def finish(run: Run, state: LoopState, t_wall: float) -> TrainResult:
     if run.ctx.master:
         print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
-    return TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
-                       val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
-                       elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget")
+        if speed is not None:
+            print(speed_line(speed), flush=True)
+    result = TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
+                         val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
+                         elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
+                         speed=speed)
+    if run.ctx.master:
+        summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
+        summary["validation"] = v.record() if v else None
+        summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None
+        summary["mfu"] = speed.mfu if speed else None
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return result
 
 
-def write_log(run: Run, rec: dict) -> None:
+def speed_line(sp: StepSpeed) -> str:
+    """The summary's speed line: steady tokens/s, step time, MFU (or why there is none) and the regulariser's cost."""
+    mfu_text = (f"MFU {sp.mfu:.1%} of {sp.peak_flops / 1e12:.0f} TFLOP/s bf16 peak" if sp.mfu is not None else
+                "MFU n/a (no known peak for this device; the model TFLOP/s is the peak-free figure)")
+    line = (f"{'compiled' if sp.compiled else 'eager'} steps: {sp.tok_s:,.0f} tokens/s, {sp.step_s * 1e3:.1f} ms/step "
+            f"over {sp.steps} steady steps (first {sp.warm} left out; step 1 took {sp.first_step_s:.1f}s) | "
+            + (f"{sp.flops_per_token / 1e6:.2f} MFLOP/token, {sp.tflops:.3f} model TFLOP/s | " if sp.tflops else "")
+            + mfu_text)
+    if sp.reg_overhead is not None:
+        line += (f" | regulariser: {sp.reg_step_s * 1e3:.1f} vs {sp.plain_step_s * 1e3:.1f} ms per micro-batch step "
+                 f"({sp.reg_overhead:.2f}x)")
+    return line
+
+
+def write_log(run: Run, rec: dict, step_mfu: float | None) -> None:
+    """One log.jsonl row; every row carries `mfu`, the MFU of the latest step (null before the first step and
+    without a known device peak, e.g. on CPU)."""
     if run.ctx.master:
         with open(run.out / "log.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps({**rec, "mfu": step_mfu}) + "\n")
 
 
 def say(run: Run, msg: str) -> None:

@@ -1,0 +1,302 @@
+"""Training speed: `snlp bench --suite train [--quick]` (`run_train_bench`): tokens/s, MFU and compile time of the
+training step at one of the paper's shapes (default its 0.5B model, depth 32, width 640), eager vs compiled
+(snlp.train.compiled) and plain vs the SNLP regulariser (`--reg idn --reg-n 24`, the paper's 0.5B IDN-Reg run).
+
+Each variant trains a fresh model (same seed) for `warmup + steps` optimizer steps of `snlp train`'s step on random
+tokens (speed does not depend on the data): bf16 autocast on CUDA, fp32 on CPU, the run's optimizers (Muon + AdamW;
+compiled: Muon's Newton-Schulz iterations compiled, AdamW fused on CUDA), gradient clipping, one host read per step
+as the trainer does. Step 1 compiles; its time is reported apart (`first_step_s`, and `compile_s` = that minus a
+steady step). The timed steps are the `steps` after `warmup`; tokens/s = tokens per step / median step time.
+Model FLOPs per token are counted once per variant on its real step (snlp.train.flops) and MFU is over the card's
+dense bf16 peak (snlp.runtime.peak; none on CPU, where the model TFLOP/s is reported instead). A variant that
+runs out of device memory is recorded as such and the others still run.
+
+`quick` is the CPU smoke size (CI): depth 2, width 64, T = 32, batch 2, vocab 256, 2 warm-up + 2 timed steps,
+regulariser N clipped to depth - 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from snlp.bench.records import markdown_table, write_json
+from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
+from snlp.model.gpt import GPT
+from snlp.runtime.device import device_label
+from snlp.runtime.peak import peak_bf16_flops
+from snlp.runtime.timing import sync
+from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
+from snlp.train.config import TrainConfig
+from snlp.train.flops import mfu, step_flops
+from snlp.train.job import TrainStep, reg_config
+from snlp.train.optim import build_optimizers
+from snlp.train.precision import autocast_context
+from snlp.train.regularizer import RegConfig, parse_suffixes, resolve_suffixes
+
+REGS = ("none", "idn")
+QUICK_SHAPE = dict(depth=2, width=64, head_dim=32)
+
+
+@dataclass
+class TrainBenchConfig:
+    """What to run. None means the default for the device (see `resolved`)."""
+
+    shape: str = "0.5B"  # a key of snlp.bench.suite.PAPER_SHAPES
+    quick: bool = False  # CPU smoke size
+    device: str | None = None  # None: cuda if available, else cpu
+    batch_size: int | None = None  # sequences per step; None: 8 on cuda, 4 on cpu, 2 quick
+    seq_len: int | None = None  # None: 2048 on cuda (the paper's), 256 on cpu, 32 quick
+    steps: int | None = None  # timed steps; None: 10 on cuda, 3 on cpu, 2 quick
+    warmup: int | None = None  # untimed steps after the first; None: 3 on cuda, 1 on cpu and quick
+    treatments: tuple[str, ...] = TREATMENTS  # eager and/or compiled
+    regs: tuple[str, ...] = REGS  # none (plain) and/or idn / hcn (the regulariser's surrogate)
+    reg_n: str = "24"  # suffix lengths N of the regulariser (clipped to depth - 1)
+    reg_lambda: float = 0.5
+    optimizer: str = "muon"
+    vocab_size: int | None = None  # None: 32768, 256 quick
+    window_pattern: str = "SSSL"  # nanochat-snlp's base_train default (the paper's runs)
+    threads: int | None = None  # torch CPU threads (restored after)
+    seed: int = 0
+    out: str | None = None  # directory for train.json and train.md (None: write nothing)
+    command: str | None = None
+
+    def resolved(self) -> "TrainBenchConfig":
+        """A copy with every None default filled in for the device, validated (ValueError otherwise)."""
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("train bench: device cuda requested but CUDA is not available; use cpu")
+        cuda, q = device.type == "cuda", self.quick
+        pick = lambda v, quick, gpu, cpu: v if v is not None else (quick if q else gpu if cuda else cpu)  # noqa: E731
+        if self.shape not in SHAPE_KEYS:
+            raise ValueError(f"train bench: unknown shape {self.shape!r}; valid: {', '.join(SHAPE_KEYS)}")
+        bad = [t for t in self.treatments if t not in TREATMENTS]
+        if bad or not self.treatments:
+            raise ValueError(f"train bench: treatments must be a non-empty subset of {', '.join(TREATMENTS)}")
+        bad = [r for r in self.regs if r not in ("none", "idn", "hcn")]
+        if bad or not self.regs:
+            raise ValueError(f"train bench: regs must be a non-empty subset of none, idn, hcn (diag does not "
+                             f"compile), got {', '.join(self.regs) or 'none'}")
+        parse_suffixes(self.reg_n)
+        cfg = replace(self, device=str(device), batch_size=pick(self.batch_size, 2, 8, 4),
+                      seq_len=pick(self.seq_len, 32, 2048, 256), steps=pick(self.steps, 2, 10, 3),
+                      warmup=pick(self.warmup, 1, 3, 1), vocab_size=pick(self.vocab_size, 256, 32768, 32768),
+                      threads=self.threads)
+        if min(cfg.batch_size, cfg.seq_len, cfg.steps, cfg.vocab_size) < 1 or cfg.warmup < 0:
+            raise ValueError("train bench: batch size, seq len, steps and vocab size must be >= 1, warm-up >= 0")
+        if cfg.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"train bench: optimizer must be muon or adamw, got {cfg.optimizer!r}")
+        return cfg
+
+    def run_shape(self) -> Shape:
+        shape = next(s for s in PAPER_SHAPES if s.key == self.shape)
+        return replace(shape, **QUICK_SHAPE) if self.quick else shape
+
+
+@dataclass
+class TrainBenchRow:
+    """One variant: a treatment (eager / compiled) and a regulariser (none / idn ...)."""
+
+    shape: str
+    treatment: str
+    reg: str
+    reg_n: list[int]  # the suffix lengths regularised (after clipping); [] without a regulariser
+    n_layer: int
+    n_embd: int
+    params: int
+    batch: int
+    seq_len: int
+    tokens_per_step: int
+    steps: int  # timed
+    warmup: int
+    step_ms: float | None = None  # median
+    step_ms_min: float | None = None
+    tokens_per_s: float | None = None
+    first_step_s: float | None = None  # step 1: compiled, this includes tracing and compiling
+    compile_s: float | None = None  # first_step_s - one median step (compiled rows)
+    flops_per_token: float | None = None
+    tflops: float | None = None  # achieved model TFLOP/s
+    mfu: float | None = None  # over the device's dense bf16 peak; None without one (CPU)
+    peak_mem_gb: float | None = None  # CUDA max allocated
+    loss_first: float | None = None
+    loss_last: float | None = None
+    error: str | None = None  # e.g. out of memory: the row has no timings
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainBenchResult:
+    config: TrainBenchConfig
+    meta: dict
+    rows: list[TrainBenchRow] = field(default_factory=list)
+    json_path: str | None = None
+    markdown_path: str | None = None
+
+    def row(self, treatment: str, reg: str) -> TrainBenchRow | None:
+        return next((r for r in self.rows if r.treatment == treatment and r.reg == reg and r.error is None), None)
+
+    def ratios(self) -> dict:
+        """compiled / eager tokens/s per regulariser, and the regulariser's step-time overhead per treatment."""
+        out = {}
+        for reg in self.config.regs:
+            e, c = self.row("eager", reg), self.row("compiled", reg)
+            if e and c:
+                out[f"compiled_speedup_{reg}"] = c.tokens_per_s / e.tokens_per_s
+        for t in self.config.treatments:
+            plain = self.row(t, "none")
+            for reg in self.config.regs:
+                r = self.row(t, reg)
+                if reg != "none" and plain and r:
+                    out[f"reg_overhead_{reg}_{t}"] = r.step_ms / plain.step_ms
+        return out
+
+    @property
+    def markdown(self) -> str:
+        cfg, m = self.config, self.meta
+        f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+        rows = [[r.treatment, r.reg + (f" N={','.join(map(str, r.reg_n))}" if r.reg_n else ""),
+                 f(r.step_ms, "{:.1f}"), f(r.tokens_per_s, "{:,.0f}"), f(r.mfu, "{:.1%}"), f(r.tflops, "{:.4g}"),
+                 f(r.flops_per_token and r.flops_per_token / 1e9, "{:.4g}"), f(r.first_step_s, "{:.1f}"),
+                 f(r.compile_s, "{:.1f}"), f(r.peak_mem_gb, "{:.1f}"), r.error or ""] for r in self.rows]
+        lines = [f"# Training step speed: {cfg.shape} shape ({'quick, shrunk: ' if cfg.quick else ''}depth "
+                 f"{self.rows[0].n_layer if self.rows else '?'}, width {self.rows[0].n_embd if self.rows else '?'}), "
+                 f"batch {cfg.batch_size} x T {cfg.seq_len}, {cfg.optimizer}", "",
+                 f"{m['device']} ({m['dtype']}), torch {m['torch']}, {m['date']}; median of {cfg.steps} steps after "
+                 f"1 + {cfg.warmup} untimed; random tokens; MFU over {f(m['peak_tflops'], '{:.0f}')} TFLOP/s dense "
+                 f"bf16" + ("" if m["peak_tflops"] else " (no known peak for this device: MFU n/a, model TFLOP/s "
+                                                        "given instead)"), "",
+                 *markdown_table(["treatment", "reg", "ms/step", "tok/s", "MFU", "model TFLOP/s", "GFLOP/token",
+                                  "step 1 (s)", "compile (s)", "peak GB", "error"], rows)]
+        ratios = self.ratios()
+        if ratios:
+            lines += ["", " | ".join(f"{k} {v:.2f}x" for k, v in ratios.items())]
+        return "\n".join(lines) + "\n"
+
+
+def run_train_bench(cfg: TrainBenchConfig) -> TrainBenchResult:
+    """Run every (treatment, regulariser) variant of `cfg` and write train.json / train.md to cfg.out (if set)."""
+    cfg = cfg.resolved()
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        device = torch.device(cfg.device)
+        peak = peak_bf16_flops(device)
+        result = TrainBenchResult(config=cfg, meta={
+            "suite": "train", "quick": cfg.quick, "device": device_label(device), "device_type": device.type,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "dtype": "bfloat16 autocast" if device.type == "cuda" else "float32", "peak_tflops": peak and peak / 1e12,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": cfg.command, "platform": platform.platform(), "threads": torch.get_num_threads()})
+        t0 = time.perf_counter()
+        for reg in cfg.regs:
+            for treatment in cfg.treatments:
+                result.rows.append(run_variant(cfg, treatment, reg, peak))
+                print(f"train bench: {treatment} reg={reg} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+                      flush=True)
+                _write(result, cfg)  # every row so far: a run cut short keeps what it measured
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+def build(cfg: TrainBenchConfig, reg_kind: str, device) -> tuple[GPT, TrainStep]:
+    """A fresh model of the run's shape (seeded) and its training step with the regulariser `reg_kind`."""
+    shape = cfg.run_shape()
+    mcfg = shape.config(cfg.vocab_size, cfg.window_pattern, max(cfg.seq_len // 4, 1), cfg.seq_len)
+    model = GPT(mcfg)
+    model.init_weights(seed=cfg.seed)
+    model.to(device).train()
+    tcfg = TrainConfig(out="", reg=reg_kind, reg_n=cfg.reg_n, reg_lambda=cfg.reg_lambda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # N >= depth is clipped (resolve_suffixes): the row records the N used
+        reg = reg_config(tcfg, mcfg) if reg_kind != "none" else RegConfig()  # as snlp train builds it
+    return model, TrainStep(model, reg)
+
+
+def run_variant(cfg: TrainBenchConfig, treatment: str, reg_kind: str, peak: float | None) -> TrainBenchRow:
+    """Train a fresh model for 1 + warmup + steps steps in one variant and time the last `steps`."""
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model, loss = build(cfg, reg_kind, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ns = resolve_suffixes(model.config.n_layer, loss.reg.suffixes) if loss.reg.active else []
+    B, T = cfg.batch_size, cfg.seq_len
+    row = TrainBenchRow(shape=cfg.shape, treatment=treatment, reg=reg_kind, reg_n=ns,
+                        n_layer=model.config.n_layer, n_embd=model.config.n_embd, params=model.num_params(), batch=B,
+                        seq_len=T, tokens_per_step=B * T, steps=cfg.steps, warmup=cfg.warmup)
+    compiled = treatment == "compiled"
+    tcfg = TrainConfig(out="", optimizer=cfg.optimizer, compile=compiled)
+    autocast = autocast_context(device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    batches = [torch.randint(0, cfg.vocab_size, (B, T + 1), generator=gen) for _ in range(4)]
+    batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in batches]
+    lam = loss.reg.weight(0) if loss.reg.active else 0.0
+    try:
+        opts = build_optimizers(model, tcfg)
+        step_fn = loss
+        if compiled:
+            check_compile(loss.reg)
+            step_fn = CompiledStep(loss, device)
+            compile_optimizers(opts, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        row.flops_per_token = step_flops(loss, *batches[0], lam, autocast) / (B * T)
+        times, losses = [], []
+        for i in range(1 + cfg.warmup + cfg.steps):
+            x, y = batches[i % len(batches)]
+            sync(device)
+            t = time.perf_counter()
+            with autocast():
+                out = step_fn(x, y, lam)
+            out[0].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            losses.append(float(out[1]))  # the trainer's one host read per step
+            times.append(time.perf_counter() - t)
+        timed = times[1 + cfg.warmup:]
+        med = statistics.median(timed)
+        row.step_ms, row.step_ms_min = med * 1e3, min(timed) * 1e3
+        row.tokens_per_s = B * T / med
+        row.first_step_s = times[0]
+        row.compile_s = times[0] - med if compiled else None
+        row.tflops = row.flops_per_token * row.tokens_per_s / 1e12
+        row.mfu = mfu(row.flops_per_token, row.tokens_per_s, peak)
+        row.loss_first, row.loss_last = losses[0], losses[-1]
+        if device.type == "cuda":
+            row.peak_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
+    except torch.cuda.OutOfMemoryError as e:
+        row.error = f"out of memory: {str(e).splitlines()[0][:160]}"
+    finally:
+        del model, loss
+        if compiled:
+            torch._dynamo.reset()  # the compiled code holds the variant's model: free it before the next
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def _write(result: TrainBenchResult, cfg: TrainBenchConfig) -> None:
+    if not cfg.out:
+        return
+    out = Path(cfg.out)
+    write_json(out / "train.json", {"meta": result.meta, "config": cfg, "records": result.rows,
+                                    "ratios": result.ratios()}, announce=False)
+    (out / "train.md").write_text(result.markdown)
+    result.json_path, result.markdown_path = str(out / "train.json"), str(out / "train.md")
