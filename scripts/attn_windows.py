@@ -22,6 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from snlp.model import ops
+
 
 def window_mask(T, w, device, dtype):
     i = torch.arange(T, device=device)[:, None]
@@ -104,7 +106,9 @@ def main():
             "sdpa_causal (full, not windowed)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "sdpa_float_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=fm),
             "sdpa_bool_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=vis),
-            "banded": lambda: banded(q, k, v, w),
+            "banded (5-D, one cat)": lambda: banded(q, k, v, w),
+            # snlp's window w sees w + 1 keys (position - j <= w); this script's masks see w (i - j < w)
+            "snlp banded_attention": lambda: ops.banded_attention(q, k, v, w - 1, {}),
         }
         if flex is not None:
             try:
@@ -127,8 +131,23 @@ def main():
                 ~torch.ones(T, T, dtype=torch.bool, device=dev).tril(), float("-inf")).expand(H - Hs, T, T)])
             fns["sdpa_float_mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m_mixed[None])
             fns.pop("sdpa_bool_mask")
-            fns["banded"] = lambda: torch.cat([banded(qs, ks, vs, w), F.scaled_dot_product_attention(
-                ql, kl, vl, is_causal=True)], dim=1)
+            fns.pop("banded (5-D, one cat)")
+            fns.pop("snlp banded_attention")
+            # snlp's grouped stack through ops.attend_branches: branches of `heads` heads, the short ones first as
+            # in the reference above (the grouping gathers by index either way)
+            nb = a.branches
+            bw = tuple(w - 1 if i < nb - nl else -1 for i in range(nb))  # snlp's w - 1 = this script's w
+            groups = ops.window_groups(bw, dev)
+            qg, kg, vg = (t.view(1, nb, a.heads, T, hd).transpose(0, 1) for t in (q, k, v))  # (N, 1, H, T, hd)
+
+            def grouped(kind):
+                prev = ops.set_window_kernel(kind)
+                try:
+                    return ops.attend_branches(qg, kg, vg, bw, groups, {}).transpose(0, 1).reshape(1, H, T, hd)
+                finally:
+                    ops.set_window_kernel(prev)
+            fns["snlp attend_branches (masked)"] = lambda: grouped("masked")
+            fns["snlp attend_branches (banded)"] = lambda: grouped("banded")
             fns["grouped: mask + causal"] = lambda: torch.cat([F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=fm), F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)], dim=1)
             if flex is not None:

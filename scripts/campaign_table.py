@@ -41,7 +41,8 @@ def main(out: str) -> int:
             text = md.read_text()
             lines += ["", f"## {name}", "", text.split("\nEvery timed callable:")[0] if name == "vs_paper_eager"
                       else text]
-    for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md"):
+    for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",
+               parts / "decode_trained" / "decode.md", parts / "train" / "train.md"):
         if md.is_file():
             lines += ["", "#" + md.read_text()]
             merged["parts"][md.parent.name] = json.loads(md.with_suffix(".json").read_text())

@@ -41,11 +41,13 @@ if [ "$QUICK" = 1 ]; then
   ATTN="--device cpu --tokens 256 --window 64 --heads 2 --head-dim 32 --branches 4 --runs 3"
   PROF="--device cpu --quick --tokens 64"
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
+  TRAIN_ARGS=""
 else
   DEV=cuda; Q=""; T_SHORT=55; T_LONG=170
   ATTN="--device cuda"
   PROF="--device cuda --shape 0.5B --plan 24xF1-h0-K2 --plan2 24xF1-h0-K4"
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
+  TRAIN_ARGS="--train-batch 4 --train-steps 6 --train-warmup 2"
 fi
 PARTS=${PARTS:-$DEFAULT_PARTS}
 
@@ -60,6 +62,7 @@ EOF
 
 part() {  # part NAME SECONDS CMD...: run one part under its limit; its status goes to the log
   local name=$1 secs=$2; shift 2
+  local limit_var="LIMIT_$name"; secs=${!limit_var:-$secs}  # LIMIT_<part>=SECONDS overrides a part's limit
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
   echo "campaign: part $name (limit ${secs}s) at $(date -u +%T)" | tee -a "$LOG"
   local t0=$SECONDS
@@ -93,6 +96,19 @@ part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV $
     --out "$OUT/parts/decode"
 part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
     --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"
+
+# 5b. (--parts decode_trained) the speedrun-shaped IDN-Reg model (depth 16, width 128, N = 12) trained here for a few
+#     hundred steps, then the decode suite on it: measured acceptance, tokens/s of every decoder, same prompts
+if [ "$QUICK" = 1 ]; then TRAINED="--depth 4 --width 64 --steps 3 --reg-n 2 --seq-len 64"; DPLAN=2xF1-h0-K1
+else TRAINED="--depth 16 --width 128 --steps ${TRAINED_STEPS:-300} --reg-n 12 --seq-len 256"; DPLAN=12xF1-h0-K1; fi
+part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained' $TRAINED --head-dim 32 --vocab-size 4096 \
+    --batch-size 8 --reg idn --device $DEV --no-progress --max-chars 2000000 && $PY -m snlp bench --suite decode $Q \
+    --device $DEV --ckpt '$OUT/parts/trained' --suite-plans $DPLAN --batch-sizes 1,4 --suite-new-tokens 64 \
+    --suite-warmup 2 --suite-runs 5 --out '$OUT/parts/decode_trained'"
+
+# 6. (--parts train) training step speed at the 0.5B shape: eager vs compiled, plain vs --reg idn --reg-n 24
+part train $T_LONG $PY -m snlp bench --suite train $Q --device $DEV --shapes 0.5B ${TRAIN_ARGS:-} \
+    --out "$OUT/parts/train"
 
 # the table, last
 $PY scripts/campaign_table.py "$OUT"
