@@ -194,10 +194,10 @@ def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
     with torch.no_grad():
         ctx = base.embed(x)
         trace = [ctx.x0]
-        base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace)
+        hL = base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace)  # what the head reads (backout applied)
         S = plan.prefix_len(base.config.n_layer)
         kvx = exact_kv(base, trace, plan, ctx) if kv == "exact" else None
-        return trace[S], trace[-1], base.head(trace[-1]), kvx
+        return trace[S], hL, base.head(hL), kvx
 
 
 def student(drafter: Drafter, x: torch.Tensor, hS: torch.Tensor, kvx, kv: str) -> torch.Tensor:
