@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import snlp.io.chat as chat
 import snlp.io.data as D
 from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_training
+from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import save_drafter
 from snlp.io.hf import from_hf
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
@@ -160,8 +161,8 @@ class AdaptValidation(ValidationResult):
 def load_base(src: str, dtype: str = "float32"):
     """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
     p = Path(src)
-    if is_snlp_checkpoint(p):  # a transformers directory also holds model.safetensors: from_hf reads it
-        model, tok = load(checkpoint_dir(p))
+    if is_snlp_checkpoint(p) or is_nanochat_dir(p):  # a transformers directory also holds model.safetensors
+        model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok
     model, tok = from_hf(src, dtype=dtype)
     if tok is None:
