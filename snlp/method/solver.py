@@ -156,7 +156,7 @@ def initial_states(plan: Plan, S: int, hS: Tensor, ctx, w: ChunkWeights, cache=N
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
           prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
-          preheat: Preheat | None = None) -> SolveResult:
+          preheat: Preheat | None = None, hb: Tensor | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -172,7 +172,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     of snlp.decode.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
     not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
-    by them and refused by others (it would be silently unused)."""
+    by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
+    (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`)."""
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
     if prefix is not None and cache is not None:
@@ -181,9 +182,16 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     b = model.config.backout_layer
     if prefix is not None and b is not None and b < S:
-        raise ValueError(f"solve(prefix=...) skips the prefix layers, but this model's backout reads layer {b}'s "
-                         f"output, inside the prefix of plan {plan} (S = {S}): run the solve without prefix=")
+        if hb is None:
+            raise ValueError(f"solve(prefix=...) skips the prefix layers, but this model's backout reads layer {b}'s "
+                             f"output, inside the prefix of plan {plan} (S = {S}): pass it as hb= "
+                             f"(GPT.prefix_backout(trace, S)) or run the solve without prefix=")
+    elif hb is not None:
+        raise ValueError(f"solve(hb=...) is the backout state of a precomputed prefix holding the backout layer; "
+                         f"plan {plan} (S = {S}) with {'no prefix' if prefix is None else 'this model'} never reads it")
     ctx = model.embed(idx, cache, pos)
+    if hb is not None:
+        ctx.hb = hb
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
     h = initial_states(plan, S, hS, ctx, w, cache, init_states, preheat)  # (C, B, T, D)
@@ -274,12 +282,12 @@ class Runner:
         return self
 
     def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
-              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None
-              ) -> SolveResult:
+              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
+              hb: Tensor | None = None) -> SolveResult:
         """`snlp.solve` with the bound weights."""
         return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
-                     init_states=init_states, pos=pos, preheat=self.preheat)
+                     init_states=init_states, pos=pos, preheat=self.preheat, hb=hb)
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
         return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)

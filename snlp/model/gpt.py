@@ -357,6 +357,12 @@ class GPT(nn.Module):
                              f"not compute (it started after that layer); run the layers from 0 with one Context")
         return h - self.backout_lambda * hb
 
+    def prefix_backout(self, trace: list[Tensor], S: int) -> Tensor | None:
+        """From a sequential trace [h_0, ..h_S..]: the backout state a solve from the precomputed prefix h_S needs
+        (`solve(..., prefix=trace[S], hb=...)`): layer b's output when b < S, else None (the solve has it)."""
+        b = self.config.backout_layer
+        return trace[b + 1] if b is not None and b < S else None
+
     def static_hc(self, ctx: Context, dtype: torch.dtype) -> tuple[dict, tuple[Tensor, Tensor, Tensor]] | None:
         """Static mHC (hc_dynamic=False): the (H_res (N, 2, n, n), H_pre (N, 2, n), H_post (N, 2, n)) of both
         sublayers of every layer that has them (N of them; row i of the returned {layer: i} map), from ONE batched

@@ -175,5 +175,23 @@ def test_export_and_distributed_refuse_the_parts_they_lack(tmp_path):
     with pytest.raises(ValueError, match="Llama-family") as err:
         snlp.export_hf(model, tmp_path / "hf")
     assert "smear" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="backout"):
-        solve(model, ref("nanochat-L")["idx"], "2xF1-h0-K1", prefix=torch.zeros(2, 160, 32))
+
+
+def test_a_solve_from_a_precomputed_prefix_takes_the_backout_state():
+    """solve(prefix=h_S) skips the prefix layers: with the backout layer (3 of 6) inside the prefix it needs that
+    layer's output as hb= (GPT.prefix_backout of the trace) and then equals the plain solve; without it, or with an
+    hb the plan never reads, it is a one-line ValueError."""
+    model, _ = snlp.load(DATA / "nanochat-L")
+    idx = ref("nanochat-L")["idx"][:, :32]
+    with torch.no_grad():
+        trace = model.hidden_states(idx)
+        for plan, S in (("2xF1-h0-K1", 4), ("5xF1-h0-K2", 1)):
+            hb = model.prefix_backout(trace, S)
+            assert (hb is None) == (S <= 3)
+            got = solve(model, idx, plan, prefix=trace[S], hb=hb).hidden
+            torch.testing.assert_close(got, solve(model, idx, plan).hidden, rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="pass it as hb=") as err:
+            solve(model, idx, "2xF1-h0-K1", prefix=trace[4])
+        assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match="never reads it"):
+            solve(model, idx, "5xF1-h0-K2", prefix=trace[1], hb=trace[4])
