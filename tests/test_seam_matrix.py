@@ -413,10 +413,12 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano):
 
 
 # ----------------------------------------------------------------------------- evaluate
-def test_evaluate_cells_equal_their_references():
+@pytest.mark.parametrize("nano", [False, True])
+def test_evaluate_cells_equal_their_references(nano):
     """evaluate: the K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals exp(mean NLL) of the
-    plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping)."""
-    m = make_model(seed=3, n_layer=L)
+    plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping);
+    `nano`: with nanochat-snlp's parts (NANOCHAT)."""
+    m = make_model(seed=3, n_layer=L, **(NANOCHAT if nano else {}))
     val = torch.randint(0, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     cfg = EvalConfig(seq_len=16, max_tokens=64, prompts=2, prompt_len=4, gen_tokens=4, warmup=0, runs=1,
                      time_tokens=2, emb=False, progress=False, batch=2)

@@ -125,10 +125,13 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32) -> GPT:
+def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
+                  overrides: dict | None = None) -> GPT:
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
     the last one; a model_NNNNNN.pt path names its step). bf16 checkpoints are upcast to fp32 by default, as
-    nanochat's own CPU loader does."""
+    nanochat's own CPU loader does. The code constants above (RoPE base, q/k scale, gate scale) are those of
+    nanochat-snlp at 330ce33 and are not recorded in the files: a checkpoint of another nanochat version that
+    changed them loads with `overrides` (GPTConfig fields, e.g. {"rope_base": 10000.0, "qk_scale": 1.0})."""
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         path, step = path.parent, int(m.group(1)) if step is None else step
@@ -154,6 +157,11 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     gate = next((v for k, v in sd.items() if re.match(r"transformer\.h\.\d+\.attn\.ve_gate\.weight$", k)), None)
     cfg = config_from_nanochat(mc, ve_gate_channels=12 if gate is None else int(gate.shape[1]),
                                smear="smear_gate.weight" in sd, backout="backout_lambda" in sd)
+    if overrides:
+        bad = sorted(set(overrides) - set(GPTConfig.__dataclass_fields__))
+        if bad:
+            raise ValueError(f"overrides name no GPTConfig field: {bad}")
+        cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()

@@ -80,6 +80,10 @@ def test_steps_paths_and_bad_input(tmp_path):
     (d / "meta_000100.json").write_text(json.dumps({**meta, "step": 100}))
     assert is_nanochat_dir(d) and is_nanochat_dir(d / "model_000100.pt") and not is_nanochat_dir(tmp_path)
     load_nanochat(d / "model_000000.pt")
+    changed = load_nanochat(d, step=0, overrides={"rope_base": 10000.0})  # another nanochat version's constant
+    assert changed.config.rope_base == 10000.0 and changed.config.smear
+    with pytest.raises(ValueError, match="no GPTConfig field"):
+        load_nanochat(d, overrides={"rope": 1})
     with pytest.raises(ValueError, match="no step 7"):
         load_nanochat(d, step=7)
     (d / "meta_000100.json").write_text("{not json")
