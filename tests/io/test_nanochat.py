@@ -199,3 +199,15 @@ def test_a_solve_from_a_precomputed_prefix_takes_the_backout_state():
         assert "\n" not in str(err.value)
         with pytest.raises(ValueError, match="never reads it"):
             solve(model, idx, "5xF1-h0-K2", prefix=trace[1], hb=trace[4])
+
+
+def test_log_space_sinkhorn_is_the_sinkhorn_of_the_tempered_logits():
+    """hc_maps="softmax"'s H_res (nanochat-snlp's log-space Sinkhorn at temperature tau) is the same projection as
+    snlp's exp-space Sinkhorn of logits / tau (fp64, logits of moderate range), columns summing to 1 exactly."""
+    from snlp.model.hc import sinkhorn, sinkhorn_log
+
+    lg = torch.randn(5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for tau, iters in ((1.0, 20), (0.25, 10)):
+        a, b = sinkhorn_log(lg, iters, tau), sinkhorn(lg / tau, iters)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a.sum(-2), torch.ones(5, 4, dtype=torch.float64), rtol=0, atol=1e-12)
