@@ -25,7 +25,10 @@ names the combination. A cell that is neither is a defect. The references are wr
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows.
+bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, nanochat-
+snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
+backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
+12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
 
 Precision of each claim: fp64: token for token, every cell. fp32 / bf16 / fp16: every token the cell produced is
 within MARGIN[dtype] of the best logit of its reference run in fp64 on the same weights, teacher-forced along the
@@ -76,6 +79,9 @@ BATCH_FORMS = ("list1", "ragged", "tensorBT")
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # how far below the best logit of an fp64 copy of the same weights a low-precision cell's token may be
 MARGIN = {"fp32": 1e-3, "bf16": 0.3, "fp16": 0.1}
+# nanochat-snlp's model parts (snlp.io.nanochat sets them on its checkpoints); the smear gate reads 24 channels
+NANOCHAT = dict(smear=True, backout=True, qk_scale=1.2, ve_gate_channels=12, ve_gate_scale=3.0, n_embd=32)
+NANOCHAT_MHC = dict(dynamic=False, hc_maps="softmax", hc_sinkhorn_iters=10, hc_sinkhorn_tau=0.05)
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,20 @@ def refusals(cell: Cell) -> list[str]:
     return why
 
 
+def model_for(kind: str, seed: int, cfg: dict):
+    """The cell's model: mHC for HCN cells (nanochat-snlp's static softmax-map mHC with cfg["nanochat"]), else a
+    plain one with cfg's switches; cfg["nanochat"] turns on nanochat-snlp's parts (NANOCHAT)."""
+    cfg = dict(cfg)
+    nano = NANOCHAT if cfg.pop("nanochat", False) else None
+    if kind == "hcn":
+        return mhc_model(seed=seed, n_layer=L, **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
+    return make_model(seed=seed, n_layer=L, **cfg, **(nano or {}))
+
+
 def build(cell: Cell, seed: int, cfg: dict):
     """(model, prompts as lists, the call's prompt argument, preheat or None)."""
     dtype = DTYPES[cell.dtype]
-    m = mhc_model(seed=seed, n_layer=L) if cell.kind == "hcn" else make_model(seed=seed, n_layer=L, **cfg)
+    m = model_for(cell.kind, seed, cfg)
     gen = torch.Generator().manual_seed(seed)
     lens = {"ragged": [3, 15, 5], "tensorBT": [7, 7]}.get(cell.form, [6])
     prompts = [torch.randint(0, m.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
@@ -205,7 +221,7 @@ def reference_is_snlp(cell: Cell) -> bool:
 @settings_matrix
 @given(cell=cells(), seed=st.integers(0, 50), n=st.integers(1, 8), eos=st.one_of(st.none(), st.integers(0, 60)),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "x0_residual": st.booleans(),
-                                  "window_pattern": st.sampled_from(["L", "SL"])}))
+                                  "window_pattern": st.sampled_from(["L", "SL"]), "nanochat": st.booleans()}))
 def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cfg):
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)
@@ -338,11 +354,15 @@ RUNNER_KINDS = ("F1", "fwd", "tol", "diag", "exact", "F2", "hcn")
 def naive_idn_logits(m, idx, plan: Plan):
     """The paper's IDN iteration for M = 1, forward order, written out layer by layer with the model's own layers:
     G_c(H) = H_c - f_c(H_{c-1}), A = I, so H_c <- f_c(H_{c-1}^old) + (H_{c-1}^new - H_{c-1}^old), H_{-1} = h_S fixed;
-    init h0: every H_c = h_S; fwd: H_c = f_c(h_S)."""
+    init h0: every H_c = h_S; fwd: H_c = f_c(h_S). nanochat's backout (the paper's _logits): the head reads
+    H_{C-1} - backout_lambda * h_b with h_b layer b = L // 2's output, its iterate H_{b-S} when b >= S."""
     S, C = plan.prefix_len(L), plan.chunks
     ctx = m.embed(idx)
-    h_s = m.run_layers(ctx.x0, ctx, 0, S)
-    f = lambda c, x: m.run_layers(x, ctx, S + c, S + c + 1)  # noqa: E731
+    h_s, hb = ctx.x0, None
+    for l in range(S):  # the exact prefix; hb: the backout layer's output if the prefix holds it
+        h_s = m.layer(l, h_s, ctx)
+        hb = h_s if l == L // 2 else hb
+    f = lambda c, x: m.layer(S + c, x, ctx)  # noqa: E731
     H = [h_s] * C if plan.init == "h0" else [f(c, h_s) for c in range(C)]
     for _ in range(plan.iters):
         new = []
@@ -350,18 +370,22 @@ def naive_idn_logits(m, idx, plan: Plan):
             out = f(c, h_s if c == 0 else H[c - 1])
             new.append(out if c == 0 else out + new[c - 1] - H[c - 1])
         H = new
-    return m.head(H[-1])
+    if not m.config.backout:
+        return m.head(H[-1])
+    b = L // 2
+    return m.head(H[-1] - m.backout_lambda * (H[b - S] if b >= S else hb))
 
 
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(RUNNER_KINDS), share=st.booleans(), other=st.sampled_from(["2xF1-h0-K1", "7xF1-h0-K2", None]),
-       seed=st.integers(0, 50), ve=st.booleans())
-def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve):
+       seed=st.integers(0, 50), ve=st.booleans(), nano=st.booleans())
+def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano):
     """A (B, T) batch through a runner equals its reference (F1 / fwd / K >= C: the IDN iteration written out above;
     tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an in-place update of
     EVERY parameter with no refresh (shared) or with refresh (unshared), with a second shared runner over another
-    suffix bound in between (and checked too); or sharing is refused with a one-line error (M > 1, mHC)."""
-    m = mhc_model(seed=seed, n_layer=L) if kind == "hcn" else make_model(seed=seed, n_layer=L, value_embeds=ve)
+    suffix bound in between (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
+    nanochat-snlp's parts (smear, backout read from the iterate, q/k scale, its VE gate; its mHC for HCN)."""
+    m = model_for(kind, seed, {"value_embeds": ve, "nanochat": nano})
     plan = PLANS[kind]
     idx = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(seed))
     if share and (kind in ("F2", "hcn")):
@@ -391,10 +415,12 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve):
 
 
 # ----------------------------------------------------------------------------- evaluate
-def test_evaluate_cells_equal_their_references():
+@pytest.mark.parametrize("nano", [False, True])
+def test_evaluate_cells_equal_their_references(nano):
     """evaluate: the K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals exp(mean NLL) of the
-    plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping)."""
-    m = make_model(seed=3, n_layer=L)
+    plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping);
+    `nano`: with nanochat-snlp's parts (NANOCHAT)."""
+    m = make_model(seed=3, n_layer=L, **(NANOCHAT if nano else {}))
     val = torch.randint(0, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     cfg = EvalConfig(seq_len=16, max_tokens=64, prompts=2, prompt_len=4, gen_tokens=4, warmup=0, runs=1,
                      time_tokens=2, emb=False, progress=False, batch=2)
@@ -461,3 +487,16 @@ def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafte
     for r in res.rows:
         if r.library == "snlp" and r.exact:
             assert r.matches_sequential, r
+
+
+def test_compiled_nanochat_cell_equals_its_reference():
+    """compile=True with nanochat-snlp's parts: the static-shape steps write the ids at their (B, T) positions and
+    read each predecessor back for the smear, and the backout reads the suffix iterate; a ragged speculative batch
+    with shared weights and an SNLP K >= C batch equal the full-prefix argmax loop, in fp64."""
+    m = make_model(seed=4, n_layer=L, **NANOCHAT)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
+    want = [argmax_loop(m, p, 6) for p in prompts]
+    rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True)
+    assert [r.tokens for r in rows] == want
+    assert [r.tokens for r in snlp_generate(m, prompts, PLANS["exact"], max_new_tokens=6, compile=True)] == want

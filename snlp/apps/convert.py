@@ -1,21 +1,37 @@
 """Convert a Hugging Face causal LM (Llama, Qwen2, Mistral, Qwen3: a local directory, a .gguf file or a hub
-id) into an snlp checkpoint that `snlp eval`, `generate`, `bench --ckpt` and `train --init-from` take."""
+id) or a nanochat / nanochat-snlp checkpoint directory (model_NNNNNN.pt + meta_NNNNNN.json) into an snlp checkpoint
+that `snlp eval`, `generate`, `bench --ckpt` and `train --init-from` take."""
 
 from __future__ import annotations
 
+import torch
+
 from snlp.io.checkpoint import save_checkpoint
 from snlp.io.hf import SUPPORTED, from_hf
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 
 
 def add_arguments(p) -> None:
-    p.add_argument("src", help=f"transformers directory (config.json + safetensors), .gguf file or hub id; "
-                               f"architectures: {', '.join(SUPPORTED)}")
+    p.add_argument("src", help=f"transformers directory (config.json + safetensors), .gguf file or hub id "
+                               f"(architectures: {', '.join(SUPPORTED)}), or a nanochat / nanochat-snlp checkpoint "
+                               f"directory (model_NNNNNN.pt + meta_NNNNNN.json; its last step, or --step)")
+    p.add_argument("--step", type=int, default=None, help="nanochat checkpoints: the step to convert (default: the last)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype of the checkpoint")
 
 
 def run(args) -> int:
+    if is_nanochat_dir(args.src):  # its tokenizer (a tiktoken pickle in nanochat's base dir) is not converted
+        model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype))
+        path = save_checkpoint(args.out, model)
+        cfg = model.config
+        print(f"converted nanochat checkpoint {args.src}: {cfg.n_layer} layers, width {cfg.n_embd}, "
+              f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M "
+              f"parameters -> {path} (no tokenizer: nanochat's is not converted; pass token ids)")
+        return 0
+    if args.step is not None:
+        raise ValueError("--step names a step of a nanochat checkpoint directory; this source is not one")
     model, tok = from_hf(args.src, dtype=args.dtype)
     if tok is None:
         raise ValueError(f"{args.src} has no tokenizer; snlp checkpoints need one (save the tokenizer next to the "

@@ -151,7 +151,7 @@ class Step:
         # fp16 overflow) would poison every later call (0 * NaN = NaN); a memset on the device, no host sync
         kept.k.zero_()
         kept.v.zero_()
-        return KVCache(k=kept.k, v=kept.v)
+        return KVCache(k=kept.k, v=kept.v, ids=kept.ids)
 
     def cache_len(self, n: int) -> int:
         """Cache length to allocate for n positions: the next power of two (>= MIN_CACHE). The cache's size is a

@@ -277,6 +277,9 @@ class DistributedSNLP:
             valid = ", ".join(c.token for c in SURROGATES if c.distributed)
             raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
                              f"{valid}); exact Newton is a sequential reference solver")
+        if model.config.smear or model.config.backout:
+            raise ValueError("distributed SNLP does not carry nanochat's smear / backout (the smear's token history "
+                             "and the backout's halfway state would have to cross ranks): run this model on one device")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers

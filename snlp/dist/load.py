@@ -139,7 +139,7 @@ def _rope_twin(cfg):
 
     return dataclasses.replace(cfg, n_layer=1, vocab_size=1, n_head=1, n_kv_head=1, n_embd=cfg.head_dim,
                                attn_head_dim=0, ffn_dim=0, mlp_ratio=1, hc_streams=0, x0_residual=None,
-                               layer_windows=None, tie_embeddings=False)
+                               layer_windows=None, tie_embeddings=False, smear=False, backout=False)
 
 
 def param_bytes(model: torch.nn.Module) -> int:

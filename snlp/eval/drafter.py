@@ -212,7 +212,8 @@ def quality(base: GPT, drafter: Drafter, wins: torch.Tensor, batch: int, progres
             ctx = base.embed(x)
             trace = [ctx.x0]
             ref = base.head(base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace))  # (B, T, V)
-            lg = drafter.model.head(solve(drafter.model, x, plan, prefix=trace[S], check_finite=False).hidden)
+            lg = drafter.model.head(solve(drafter.model, x, plan, prefix=trace[S], check_finite=False,
+                                          hb=base.prefix_backout(trace, S)).hidden)
             n = y.numel()
             acc["nll"] += F.cross_entropy(lg.flatten(0, 1), y.flatten(), reduction="sum").item()
             acc["nll_base"] += F.cross_entropy(ref.flatten(0, 1), y.flatten(), reduction="sum").item()

@@ -51,6 +51,7 @@ from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
+from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
 from snlp.io.hf import from_hf
 from snlp.io.tokenizer import Tokenizer
@@ -88,6 +89,9 @@ def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
     if is_snlp_checkpoint(p):
         model, tok = load(p)
         return model, tok, p
+    if is_nanochat_dir(p):  # a nanochat / nanochat-snlp checkpoint directory (no tokenizer comes with it)
+        model, tok = load(p)
+        return model, tok, None
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None
 

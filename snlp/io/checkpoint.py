@@ -28,6 +28,7 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
@@ -154,8 +155,11 @@ def load_config(path) -> GPTConfig:
 
 
 def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
-    """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None).
-    Raises FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
+    nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
+    tokenizer). Raises FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    if is_nanochat_dir(path):
+        return load_nanochat(path, device=device), None
     path = checkpoint_dir(path)
     cfg = load_config(path)
     wf = path / WEIGHTS

@@ -61,14 +61,13 @@ Every branch reads its own input (q . x), so the projections run batched over th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from snlp.model.config import VE_GATE_CHANNELS
 from snlp.model.gpt import GPT, Context
-from snlp.model.hc import hc_gate, hc_maps
+from snlp.model.hc import hc_gate, hc_maps, maps_of
 from snlp.model.ops import attend, attend_branches, mlp_act, norm, qk_rope, window_groups
 
 
@@ -82,6 +81,7 @@ class HCWeights:
     phi: tuple[Tensor, Tensor] | None  # (C, n*D, M*(n*n + 2n)) dynamic projections, the M sublayers side by side
     gate: tuple[Tensor, Tensor] | None  # (C, M, n*n + 2n) dynamic gates (alpha per logit)
     fixed: tuple[tuple[Tensor, Tensor, Tensor], ...] | None  # static: per stage (P (C,n,n), pre (C,M,n), coef (C,M,n))
+    maps: dict = field(default_factory=dict)  # hc_maps' kind and Sinkhorn settings (snlp.model.hc.maps_of)
 
     def take(self, c: int) -> "HCWeights":
         sl = lambda ts: None if ts is None else tuple(t[c:c + 1] for t in ts)  # noqa: E731
@@ -111,10 +111,11 @@ class ChunkWeights:
     windows: Tensor | None  # (C, M, 1) left context per branch, None when all are full
     qkv_bias: Tensor | None = None  # (C, 1, M*X) (Qwen2)
     qk_norm: str = "rope_norm"  # GPTConfig.qk_norm
-    q_norm: Tensor | None = None  # (C, M, hd) Qwen3 per-head q/k RMSNorm weights (not foldable: they act per head)
-    k_norm: Tensor | None = None  # (C, M, hd)
+    q_norm: Tensor | None = None  # (C, M, hd) Qwen3 per-head q/k RMSNorm weights (not foldable: they act per head);
+    k_norm: Tensor | None = None  # (C, M, hd)   with qk_norm "rope_norm", the constant GPTConfig.qk_scale (or None)
     eps: float | None = None  # RMSNorm eps (GPTConfig.norm_eps)
     swiglu_dim: int = 0  # SwiGLU hidden width F; 0 = relu^2
+    ve_scale: float = 2.0  # value-embedding gate = ve_scale * sigmoid(.) (GPTConfig.ve_gate_scale)
     attn_in: Tensor | None = None  # (C, 1, D) input RMSNorm weights applied, not folded (shared weights, M = 1)
     mlp_in: Tensor | None = None  # (C, 1, D) post-attention RMSNorm weights likewise (snlp.method.sharing)
     window_values: tuple[int, ...] | None = None  # the C*M branches' windows as host ints (None: all full)
@@ -216,24 +217,34 @@ def build_chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> Chunk
     if cfg.qk_norm == "weighted":
         q_norm = torch.stack([b.attn.q_norm for b in blocks]).view(C, M, -1)
         k_norm = torch.stack([b.attn.k_norm for b in blocks]).view(C, M, -1)
+    else:
+        q_norm = k_norm = qk_scale_rows(cfg, C, M, qkv)
 
     hc = cfg.hc_streams > 0
     ve_gate, ve_slot = value_embed_weights(model, start, C, M)
     common = dict(start=start, fuse=M, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim,
                   ve_slot=ve_slot, **branch_windows(model, start, C, M, qkv.device), qk_norm=cfg.qk_norm, q_norm=q_norm, k_norm=k_norm, eps=cfg.norm_eps,
-                  swiglu_dim=Fh if cfg.mlp_act == "swiglu" else 0)
+                  swiglu_dim=Fh if cfg.mlp_act == "swiglu" else 0, ve_scale=cfg.ve_gate_scale)
     if hc:  # every branch reads its own input: weights stay per branch, batched over C*M in the forward
         return HCChunkWeights(
             qkv=qkv.transpose(1, 2).reshape(C, M, D, -1).contiguous(), attn_out=attn_out.reshape(C, M, -1, D),
             fc=fc.view(C, M, D, Fp), proj=proj.reshape(C, M, Fh, D), alpha=None, beta=None, ve_gate=ve_gate,
             qkv_bias=None if qkv_bias is None else qkv_bias.view(C, M, 1, -1),
-            hc=_hc_weights(blocks, C, M, cfg.hc_streams), **common)
+            hc=_hc_weights(blocks, C, M, cfg.hc_streams, maps_of(cfg)), **common)
     return ChunkWeights(
         qkv=qkv.view(C, M * qkv.shape[1], D).transpose(1, 2).contiguous(),
         attn_out=attn_out.reshape(C, -1, D).contiguous(),
         fc=fc.view(C, M, D, Fp).permute(0, 2, 1, 3).reshape(C, D, M * Fp).contiguous(),
         proj=proj.reshape(C, M * Fh, D).contiguous(), alpha=alpha, beta=beta, ve_gate=ve_gate,
         qkv_bias=None if qkv_bias is None else qkv_bias.view(C, 1, -1), **common)
+
+
+def qk_scale_rows(cfg, C: int, M: int, like: Tensor) -> Tensor | None:
+    """GPTConfig.qk_scale as every branch's (C, M, hd) q/k multiplier (a broadcast constant, no memory), None at 1:
+    with the "rope_norm" QK-norm the fused attention multiplies q and k by q_norm / k_norm after the norm."""
+    if cfg.qk_scale == 1.0:
+        return None
+    return like.new_full((), cfg.qk_scale).expand(C, M, cfg.head_dim)
 
 
 def branch_windows(model: GPT, start: int, chunks: int, fuse: int, device) -> dict:
@@ -261,7 +272,7 @@ def value_embed_weights(model: GPT, start: int, chunks: int, fuse: int) -> tuple
     blocks = [model.blocks[l] for l in range(start, start + C * M)]
     if not any(b.attn.ve_gate is not None for b in blocks):
         return None, None
-    G, Hkv = min(VE_GATE_CHANNELS, cfg.n_embd), cfg.n_kv_head
+    G, Hkv = min(cfg.ve_gate_channels, cfg.n_embd), cfg.n_kv_head
     w = next(b.attn.ve_gate.weight for b in blocks if b.attn.ve_gate is not None)
     zero = w.new_zeros(G, Hkv)
     # the block gates on norm(x, ln_attn)[:G]: a learned norm weight is folded into the gate's rows, as into qkv
@@ -289,22 +300,22 @@ def _hc_fold(res: Tensor, post: Tensor) -> tuple[Tensor, Tensor]:
     return G, torch.stack(coefs, -2)
 
 
-def _hc_weights(blocks, C: int, M: int, n: int) -> HCWeights:
+def _hc_weights(blocks, C: int, M: int, n: int, maps: dict) -> HCWeights:
     k = n * (n + 2)
     stages = [[b.hc_attn for b in blocks], [b.hc_mlp for b in blocks]]
     bias = tuple(torch.stack([h.bias for h in st]).view(C, M, k) for st in stages)
     if blocks[0].hc_attn.phi is None:  # static: fold the parameter-only H once per weight set
         fixed = []
         for b in bias:
-            res, pre, post = hc_maps(b, n, b.dtype)
+            res, pre, post = hc_maps(b, n, b.dtype, **maps)
             P, coef = _hc_fold(res, post)
             fixed.append((P, pre, coef))
-        return HCWeights(n=n, bias=bias, phi=None, gate=None, fixed=tuple(fixed))
+        return HCWeights(n=n, bias=bias, phi=None, gate=None, fixed=tuple(fixed), maps=maps)
     nD = blocks[0].hc_attn.phi.shape[0]
     phi = tuple(torch.stack([h.phi for h in st]).view(C, M, nD, k).permute(0, 2, 1, 3).reshape(C, nD, M * k)
                 for st in stages)
     gate = tuple(torch.stack([hc_gate(h.alpha, n) for h in st]).view(C, M, k) for st in stages)
-    return HCWeights(n=n, bias=bias, phi=phi, gate=gate, fixed=None)
+    return HCWeights(n=n, bias=bias, phi=phi, gate=gate, fixed=None, maps=maps)
 
 
 def chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
@@ -363,7 +374,7 @@ def chunk_forward(w: ChunkWeights, h: Tensor, ctx: Context, cache=None, mix: boo
         ve = chunk_ve(w, ctx).view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
         # the gate reads the block's normed input, norm weights included (folded into ve_gate, or applied in xf)
-        gate = 2 * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
+        gate = w.ve_scale * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
         v = v + gate.view(C, B, T, M, Hkv).permute(0, 3, 1, 2, 4).unsqueeze(-1) * ve
     y = _branch_attention(w, q, k, v, ctx, cache)  # (C, M, B, T, Hq, hd)
     y = y.permute(0, 2, 3, 1, 4, 5).reshape(C, B * T, M * Hq * hd)
@@ -411,7 +422,7 @@ def _hc_stage(hw: HCWeights, s: int, z: Tensor) -> tuple[Tensor, Tensor, Tensor]
     C, B, T, n, D = z.shape
     M, k = hw.bias[s].shape[1:]
     dyn = bmm(norm(z.reshape(C, B * T, n * D)), hw.phi[s]).view(C, B, T, M, k)  # all M sublayers at once
-    res, pre, post = hc_maps(hw.bias[s][:, None, None] + hw.gate[s][:, None, None] * dyn, n, z.dtype)
+    res, pre, post = hc_maps(hw.bias[s][:, None, None] + hw.gate[s][:, None, None] * dyn, n, z.dtype, **hw.maps)
     P, coef = _hc_fold(res, post)
     return P, pre, coef
 
@@ -439,7 +450,7 @@ def _hc_attention(w: HCChunkWeights, xn: Tensor, ctx: Context, cache, B: int, T:
     if w.ve_slot is not None:
         ve = chunk_ve(w, ctx).view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[2]
-        gate = 2 * torch.sigmoid(bmm(xn[..., :G], w.ve_gate.view(CM, G, Hkv)))
+        gate = w.ve_scale * torch.sigmoid(bmm(xn[..., :G], w.ve_gate.view(CM, G, Hkv)))
         v = v + gate.view(C, M, B, T, Hkv, 1) * ve
     y = _branch_attention(w, q, k, v, ctx, cache).reshape(CM, B * T, Hq * hd)
     return bmm(y, w.attn_out.view(CM, Hq * hd, D)).view(C, M, B, T, D)

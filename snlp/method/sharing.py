@@ -48,7 +48,7 @@ import torch
 from torch.nn.utils import parametrize
 from torch import Tensor
 
-from snlp.method.fusion import ChunkWeights, branch_windows, value_embed_weights
+from snlp.method.fusion import ChunkWeights, branch_windows, qk_scale_rows, value_embed_weights
 from snlp.model.gpt import GPT
 
 Row = tuple[torch.nn.Parameter | None, ...]  # one layer's parameters in home order; None: zero rows (no tensor)
@@ -170,8 +170,10 @@ def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
         alpha=alpha, beta=beta,
         ve_gate=None if ve_slot is None else h["ve_gate"].transpose(1, 2),  # (C, G, Hkv) view of (C, Hkv, G)
         ve_slot=ve_slot, **branch_windows(model, start, C, 1, h["qkv"].device),
-        qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, q_norm=row("q_norm"), k_norm=row("k_norm"), eps=cfg.norm_eps,
-        swiglu_dim=h["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0,
+        qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, eps=cfg.norm_eps,
+        q_norm=row("q_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),
+        k_norm=row("k_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),
+        swiglu_dim=h["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0, ve_scale=cfg.ve_gate_scale,
         attn_in=row("attn_in"), mlp_in=row("mlp_in"))
 
 
@@ -184,6 +186,8 @@ def shared_tensors(model: GPT, w: ChunkWeights) -> list[tuple[str, Tensor | None
     rows_of = {"qkv": w.qkv.transpose(1, 2), "attn_out": w.attn_out.transpose(1, 2),  # (C, R, ...) each
                "fc": w.fc.transpose(1, 2), "proj": w.proj.transpose(1, 2)}
     for k in ("qkv_bias", "attn_in", "mlp_in", "q_norm", "k_norm"):  # (C, 1, R)
+        if k in ("q_norm", "k_norm") and w.qk_norm != "weighted":  # the constant qk_scale: no parameter behind it
+            continue
         rows_of[k] = None if getattr(w, k) is None else getattr(w, k)[:, 0]
     has_ve = any(p is not None for ps in groups.get("ve_gate", [])[S:S + C] for p in ps)
     rows_of["ve_gate"] = None if w.ve_gate is None else w.ve_gate.transpose(1, 2)  # (C, Hkv, G)

@@ -57,7 +57,8 @@ class SNLPDivergenceError(FloatingPointError):
 class SolveResult:
     """Outcome of an SNLP solve (or of the fused model run sequentially)."""
 
-    hidden: Tensor  # (B, T, D) final state h_L; with mHC every state has the stream dim: (B, T, n, D)
+    hidden: Tensor  # (B, T, D) the state the head reads: h_L (with nanochat's backout, minus the backout state,
+    #                 `backout_state`); with mHC every state has the stream dim: (B, T, n, D)
     prefix: Tensor  # (B, T, D) exact prefix state h_S
     plan: Plan
     states: list[Tensor] = field(default_factory=list)  # chunk outputs (C, B, T, D); [0] = init
@@ -124,6 +125,18 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
             f"check the sequential forward is finite first.")
 
 
+def backout_state(model: GPT, plan: Plan, ctx, states: Tensor) -> Tensor | None:
+    """What the backout subtracts (GPTConfig.backout; None without it): layer b = n_layer // 2's output, exact
+    from the prefix when b < S (ctx.hb, kept by run_layers), else the current iterate of the chunk that holds layer
+    b, states[(b - S) // M] (C, B, T, ...) -> (B, T, ...): for M = 1 layer b's own iterate (exact once that chunk
+    is, so K >= C gives the sequential logits), for M > 1 the fused chunk's output, as the paper's code reads it."""
+    b = model.config.backout_layer
+    if b is None:
+        return None
+    S = plan.prefix_len(model.config.n_layer)
+    return ctx.hb if b < S else states[(b - S) // plan.fuse]
+
+
 def initial_states(plan: Plan, S: int, hS: Tensor, ctx, w: ChunkWeights, cache=None, init_states: Tensor | None = None,
                    preheat: Preheat | None = None) -> Tensor:
     """The chunk states (C, B, T, D) the iterations start from: given `init_states` (a warm start, e.g. h0-JD),
@@ -143,7 +156,7 @@ def initial_states(plan: Plan, S: int, hS: Tensor, ctx, w: ChunkWeights, cache=N
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
           prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
-          preheat: Preheat | None = None) -> SolveResult:
+          preheat: Preheat | None = None, hb: Tensor | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -159,14 +172,26 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     of snlp.decode.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
     not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
-    by them and refused by others (it would be silently unused)."""
+    by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
+    (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`)."""
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
     if prefix is not None and cache is not None:
         raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
                          "their K/V would never reach the cache while it advances; pass one or the other")
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
+    b = model.config.backout_layer
+    if prefix is not None and b is not None and b < S:
+        if hb is None:
+            raise ValueError(f"solve(prefix=...) skips the prefix layers, but this model's backout reads layer {b}'s "
+                             f"output, inside the prefix of plan {plan} (S = {S}): pass it as hb= "
+                             f"(GPT.prefix_backout(trace, S)) or run the solve without prefix=")
+    elif hb is not None:
+        raise ValueError(f"solve(hb=...) is the backout state of a precomputed prefix holding the backout layer; "
+                         f"plan {plan} (S = {S}) with {'no prefix' if prefix is None else 'this model'} never reads it")
     ctx = model.embed(idx, cache, pos)
+    if hb is not None:
+        ctx.hb = hb
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
     h = initial_states(plan, S, hS, ctx, w, cache, init_states, preheat)  # (C, B, T, D)
@@ -210,7 +235,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
         _check_finite(h[-1], plan)
     if row_iters is None:  # fixed K: every row ran every iteration
         row_iters = torch.full((hS.shape[0],), iters, dtype=torch.long, device=hS.device)
-    return SolveResult(hidden=h[-1], prefix=hS, plan=plan, states=states, iters=iters, updates=updates,
+    hidden = model.finish(h[-1], backout_state(model, plan, ctx, h))
+    return SolveResult(hidden=hidden, prefix=hS, plan=plan, states=states, iters=iters, updates=updates,
                        row_iters=row_iters)
 
 
@@ -256,12 +282,12 @@ class Runner:
         return self
 
     def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
-              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None
-              ) -> SolveResult:
+              prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
+              hb: Tensor | None = None) -> SolveResult:
         """`snlp.solve` with the bound weights."""
         return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
-                     init_states=init_states, pos=pos, preheat=self.preheat)
+                     init_states=init_states, pos=pos, preheat=self.preheat, hb=hb)
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
         return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)
@@ -298,7 +324,9 @@ def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
     for c in range(plan.chunks):  # inherently sequential: this is the reference, not the solver
         h = chunk_forward(w.chunk(c), h[None], ctx)[0]
         outs.append(h)
-    return SolveResult(hidden=h, prefix=hS, plan=plan, states=[torch.stack(outs)])
+    states = torch.stack(outs)
+    return SolveResult(hidden=model.finish(h, backout_state(model, plan, ctx, states)), prefix=hS, plan=plan,
+                       states=[states])
 
 
 def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[int, ...] | None = None,
@@ -313,6 +341,9 @@ def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[
     if order is not None and sorted(order) != list(range(plan.chunks)):
         raise ValueError(f"order {order} must be a permutation of 0..{plan.chunks - 1}")
     S = plan.prefix_len(model.config.n_layer)
+    if model.config.backout:  # which chunk output would stand for layer b's is not defined once the order changes
+        raise ValueError("permuted_sequential reorders the suffix, and this model's backout reads a layer's output "
+                         "at a fixed depth: Seq-Perm is not defined for nanochat's backout")
     ctx = model.embed(idx)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)
     w = chunk_weights(model, S, plan.chunks, plan.fuse)

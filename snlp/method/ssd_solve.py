@@ -52,7 +52,7 @@ def _qkv(w: ChunkWeights, h: Tensor, ctx: Context) -> tuple[Tensor, Tensor, Tens
         ve = ve_all[w.ve_slot].view(C, M, B, T, Hkv, hd)
         G = w.ve_gate.shape[1]
         # the gate reads the block's normed input, norm weights included (folded into ve_gate, or applied in xf)
-        gate = 2 * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
+        gate = w.ve_scale * torch.sigmoid(bmm(xf[..., :G], w.ve_gate))  # (C, B*T, M*Hkv)
         v = v + gate.view(C, B, T, M, Hkv).permute(0, 3, 1, 2, 4).unsqueeze(-1) * ve
     qw = kw = None
     if w.q_norm is not None:
@@ -115,6 +115,9 @@ def ssd_solve(model: GPT, idx: Tensor, plan: Plan, prefix: Tensor, kv: tuple[Ten
     state `prefix` = h_S (B, T, D), every position under SSD conditions (`kv` = the base's exact K/V; None:
     own K/V, i.e. snlp.solve). Differentiable in the model's suffix weights (the drafter's training forward)."""
     check_ssd_plan(plan)
+    if model.config.backout:
+        raise ValueError("ssd_solve returns h_L, and this model's head reads h_L minus its backout state: drafter "
+                         "training under SSD conditions does not carry nanochat's backout")
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     ctx = model.embed(idx)
     w = chunk_weights(model, S, C, plan.fuse)

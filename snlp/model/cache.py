@@ -54,14 +54,19 @@ class RowPositions:
 
 @dataclass
 class KVCache:
-    """Preallocated K/V of every layer. k, v: (L, B, Hkv, max_len, hd); `length` valid positions."""
+    """Preallocated K/V of every layer. k, v: (L, B, Hkv, max_len, hd); `length` valid positions. `ids` (B, max_len)
+    long: the token id at every position, for models whose layer input reads the previous token (the smear,
+    GPTConfig.smear; None for the others); it follows the K/V's rules (written with them, scratch past `length`)."""
 
     k: Tensor
     v: Tensor
     length: int = 0
+    ids: Tensor | None = None
 
     def __post_init__(self):
         mark_static_cuda(self.k, self.v)
+        if self.ids is not None:
+            mark_static_cuda(self.ids)
 
     @classmethod
     def for_model(cls, model, batch: int = 1, max_len: int | None = None, device=None, dtype=None) -> "KVCache":
@@ -75,7 +80,8 @@ class KVCache:
         p = model.wte.weight
         shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
         kw = dict(device=device or p.device, dtype=dtype or p.dtype)
-        return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw))
+        ids = torch.zeros(batch, max_len, dtype=torch.long, device=kw["device"]) if cfg.smear else None
+        return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw), ids=ids)
 
     @property
     def batch(self) -> int:
@@ -125,6 +131,19 @@ class KVCache:
         self.v[layers, ..., start:stop, :] = v
         return self.k[layers, ..., :stop, :], self.v[layers, ..., :stop, :]
 
+    def write_ids(self, idx: Tensor, start: int | Tensor) -> Tensor:
+        """Record token ids idx (B, T) at positions start.. (an int, a (T,) or a (B, T) positions tensor, as in
+        `write`); returns the whole (B, max_len) id buffer."""
+        if self.ids is None:
+            raise ValueError("this model's smear reads the previous token from the KV cache, but the cache keeps no "
+                             "token ids: allocate it with KVCache.for_model(model, ...)")
+        if isinstance(start, Tensor):
+            rows = torch.arange(idx.shape[0], device=idx.device)[:, None]  # (B, 1) x (T,) or (B, T) positions
+            torch.ops.aten.index_put_(self.ids, [rows, start.expand(idx.shape)], idx)
+        else:
+            self.ids[:, start:start + idx.shape[1]] = idx
+        return self.ids
+
     def seek(self, length: int) -> None:
         """Set the valid length to any position whose K/V have been written (a decode loop that keeps its rows'
         lengths itself, e.g. a batch of one row, snlp.decode.batch, moves the pointer both ways)."""
@@ -149,6 +168,9 @@ class KVCache:
         it so later steps stop computing them (one copy of the kept rows' K/V)."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]
         mark_static_cuda(self.k, self.v)
+        if self.ids is not None:
+            self.ids = self.ids[rows]
+            mark_static_cuda(self.ids)
 
     def reset(self) -> None:
         self.length = 0

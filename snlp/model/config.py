@@ -12,6 +12,8 @@ VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the no
 HC_SINKHORN_ITERS = 20  # Sinkhorn-Knopp rounds for H_res (mHC paper: 20)
 HC_RES_INIT = 4.0  # H_res logits at init: 0 on the diagonal, -HC_RES_INIT off it (H_res ~ I)
 HC_PRE_INIT = 2.0  # H_pre logits at init: +2 for stream (layer mod n), -2 for the others
+SMEAR_CHANNELS = 24  # the smear gate reads the first channels of the normed embedding (nanochat)
+HC_MAPS = ("sigmoid", "softmax")  # GPTConfig.hc_maps
 
 
 @dataclass
@@ -47,6 +49,16 @@ class GPTConfig:
     attn_head_dim: int = 0  # explicit head dim (Qwen3: n_head * head_dim != n_embd); 0 -> n_embd // n_head
     layer_windows: list | None = None  # explicit left context per layer (-1 full); overrides window_pattern
     tie_embeddings: bool = False  # lm_head.weight is wte.weight
+    # --- nanochat(-snlp) checkpoints (snlp.io.nanochat sets them; defaults keep the model above unchanged) ---
+    smear: bool = False  # h_0[t] += smear_lambda * sigmoid(smear_gate . h_0[t, :24]) * h_0[t-1] (pre-smear values)
+    backout: bool = False  # the head reads h_L - backout_lambda * h_{backout_layer + 1} (GPT.backout_layer)
+    qk_scale: float = 1.0  # q and k are multiplied by it after RoPE + QK-norm (nanochat-snlp: 1.2)
+    ve_gate_channels: int = VE_GATE_CHANNELS  # the value-embedding gate reads this many channels (nanochat-snlp: 12)
+    ve_gate_scale: float = 2.0  # value-embedding gate = scale * sigmoid(.) (nanochat-snlp: 3)
+    hc_maps: str = "sigmoid"  # mHC maps: "sigmoid" (H_pre = sigmoid, H_post = 2 sigmoid, Sinkhorn of exp(logits))
+    #                           or "softmax" (nanochat-snlp: H_pre, H_post = softmax, log-space Sinkhorn of logits/tau)
+    hc_sinkhorn_iters: int = HC_SINKHORN_ITERS  # Sinkhorn rounds for H_res (nanochat-snlp: 10)
+    hc_sinkhorn_tau: float = 1.0  # Sinkhorn temperature (hc_maps="softmax" only; nanochat-snlp: 0.05)
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -97,6 +109,22 @@ class GPTConfig:
                               f"got {self.layer_windows}")
             else:
                 self.layer_windows = [int(w) for w in self.layer_windows]
+        if self.qk_scale <= 0 or (self.qk_scale != 1.0 and self.qk_norm != "rope_norm"):
+            errors.append(f"qk_scale={self.qk_scale} must be > 0, and != 1 only with qk_norm='rope_norm'")
+        if not 1 <= self.ve_gate_channels:
+            errors.append(f"ve_gate_channels must be >= 1 (got {self.ve_gate_channels})")
+        if self.ve_gate_scale <= 0:
+            errors.append(f"ve_gate_scale must be > 0 (got {self.ve_gate_scale})")
+        if self.smear and self.n_embd < SMEAR_CHANNELS:
+            errors.append(f"smear needs n_embd >= {SMEAR_CHANNELS} (its gate reads that many channels), got "
+                          f"{self.n_embd}")
+        if self.hc_maps not in HC_MAPS:
+            errors.append(f"hc_maps={self.hc_maps!r} must be one of {HC_MAPS}")
+        if self.hc_sinkhorn_iters < 1 or not self.hc_sinkhorn_tau > 0:
+            errors.append(f"hc_sinkhorn_iters must be >= 1 and hc_sinkhorn_tau > 0 (got {self.hc_sinkhorn_iters}, "
+                          f"{self.hc_sinkhorn_tau})")
+        elif self.hc_maps == "sigmoid" and self.hc_sinkhorn_tau != 1.0:
+            errors.append(f"hc_sinkhorn_tau={self.hc_sinkhorn_tau} is read by hc_maps='softmax' only")
         if self.hc_streams and (self.tie_embeddings or self.norm_weights):
             errors.append("tie_embeddings and norm_weights are not supported with mHC (hc_streams > 0)")
         if errors:
@@ -139,6 +167,11 @@ class GPTConfig:
         if kind == "L" or layer == self.n_layer - 1:
             return -1
         return self.short_window or self.sequence_len // 2
+
+    @property
+    def backout_layer(self) -> int | None:
+        """The layer whose output the backout subtracts (the halfway layer n_layer // 2, as nanochat), or None."""
+        return self.n_layer // 2 if self.backout else None
 
     def has_ve(self, layer: int) -> bool:
         """Value embeddings on alternating layers, always including the last (nanochat)."""

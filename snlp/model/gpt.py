@@ -29,6 +29,19 @@ starts static. Init: H_res ~ I, H_pre favours stream l mod n (breaks the symmetr
 copied streams), H_post = 1; with the zero output projections every block starts as the identity
 on identical streams, so the initial model computes what the plain one does. The x0 residual is
 off with mHC (x0_residual=None picks it automatically; explicitly asking for both is an error).
+nanochat-snlp's mHC (GPTConfig.hc_maps = "softmax") is static with H_pre, H_post softmaxes over the streams and
+H_res a log-space Sinkhorn of logits / tau (snlp.model.hc.hc_maps).
+
+nanochat(-snlp) parts (snlp.io.nanochat sets them; all off by default):
+  - smear (GPTConfig.smear): h_0[t] = e[t] + smear_lambda * sigmoid(smear_gate . e[t, :24]) * e[t-1] with e the
+    normed embeddings (e[-1] = 0). It depends on the previous TOKEN only, so a KV-cached call reads the previous
+    position's id from the cache (KVCache.ids), and a cached multi-token call smears its first token too (the full
+    sequence's function; nanochat's engine skips that token in chunked prefill).
+  - backout (GPTConfig.backout): the head reads h_L - backout_lambda * h_{b+1}, b = n_layer // 2 the halfway
+    layer (h_{b+1} its output). `run_layers` keeps h_{b+1} in the Context (Context.hb) and subtracts it once it
+    has run the last layer; an SNLP solve subtracts the current iterate of the chunk holding layer b (its output
+    state; for M = 1 layer b's iterate, exact at convergence), as the paper's code does (snlp.method.solver).
+  - qk_scale (q, k times 1.2 after the QK-norm), ve_gate_channels / ve_gate_scale (12 channels, 3 sigmoid).
 """
 
 
@@ -43,8 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from snlp.model.cache import RowPositions
-from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, VE_GATE_CHANNELS, GPTConfig
-from snlp.model.hc import HyperConn, hc_maps, hc_sublayer
+from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, SMEAR_CHANNELS, GPTConfig
+from snlp.model.hc import HyperConn, hc_maps, hc_sublayer, maps_of
 from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq
 
 
@@ -61,7 +74,9 @@ class Attention(nn.Module):
         if cfg.qk_norm == "weighted":  # Qwen3: per-head RMSNorm weights of q and k, applied before RoPE
             self.q_norm = nn.Parameter(torch.ones(hd))
             self.k_norm = nn.Parameter(torch.ones(hd))
-        self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
+        self.ve_gate = nn.Linear(min(cfg.ve_gate_channels, D), cfg.n_kv_head, bias=False) if cfg.has_ve(layer) else None
+        self.ve_scale = cfg.ve_gate_scale
+        self.qk_scale = cfg.qk_scale if cfg.qk_scale != 1.0 else None
         self.window = cfg.window(layer)
         self.layer_idx = layer  # slot in a KV cache (snlp.model.cache.KVCache)
 
@@ -73,10 +88,11 @@ class Attention(nn.Module):
         k = self.c_k(xn).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(xn).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # gated value embedding (ResFormer-style), gate in (0, 2)
-            gate = 2 * torch.sigmoid(self.ve_gate(xn[..., : self.ve_gate.in_features]))
+            gate = self.ve_scale * torch.sigmoid(self.ve_gate(xn[..., : self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * ve.view_as(v)
-        q, k = qk_rope(q, k, cos, sin, self.qk_norm, getattr(self, "q_norm", None), getattr(self, "k_norm", None),
-                       self.eps)
+        qw, kw = (self.qk_scale, self.qk_scale) if self.qk_scale else (getattr(self, "q_norm", None),
+                                                                       getattr(self, "k_norm", None))
+        q, k = qk_rope(q, k, cos, sin, self.qk_norm, qw, kw, self.eps)
         if cache is not None:  # cached: write the new K/V at start.., attend over positions 0..start+T-1
             kc, vc = cache.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2), start)  # (B, Hkv, S, hd)
             if span is not None:  # eager ragged call: attend over the positions in use only (RowPositions)
@@ -150,6 +166,7 @@ class Context:
     cache: object | None = None
     span: int | None = None
     real: Tensor | None = None
+    hb: Tensor | None = None  # backout: layer n_layer // 2's output, set by GPT.run_layers when it runs that layer
 
 
 class GPT(nn.Module):
@@ -168,6 +185,11 @@ class GPT(nn.Module):
         if cfg.x0_residual:
             self.resid_lambdas = nn.Parameter(torch.ones(L))
             self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        if cfg.smear:  # nanochat's names, so its state dicts load as they are
+            self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+        if cfg.backout:
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
         # value embeddings live in ONE stacked table so all layers' lookups are a single gather
         self.ve_slot = [-1] * L
         ve_layers = [l for l in range(L) if cfg.has_ve(l)]
@@ -216,6 +238,11 @@ class GPT(nn.Module):
         if cfg.x0_residual:
             self.resid_lambdas.fill_(1.0)
             self.x0_lambdas.fill_(0.1)
+        if cfg.smear:  # smear starts off (lambda 0), backout at nanochat's 0.2
+            self.smear_gate.weight.zero_()
+            self.smear_lambda.zero_()
+        if cfg.backout:
+            self.backout_lambda.fill_(0.2)
         if hasattr(self, "value_embeds"):
             uniform_(self.value_embeds, s)
         n = cfg.hc_streams
@@ -289,11 +316,52 @@ class GPT(nn.Module):
         x0 = self.wte(idx)
         if self.config.embed_norm:
             x0 = norm(x0)
+        if self.config.smear:
+            x0 = self.smear(x0, idx, cache, start)
         if self.config.hc_streams:  # mHC expand: h_0 = the embedding copied to every stream
             x0 = x0.unsqueeze(-2).expand(*x0.shape[:-1], self.config.hc_streams, x0.shape[-1])
         ve = self.value_embeds[:, idx] if hasattr(self, "value_embeds") else None  # (n_ve, B, T, kv)
         cos, sin = self.rotary(idx.shape[1], start)
         return Context(idx=idx, x0=x0, ve=ve, cos=cos, sin=sin, start=start, cache=cache, span=span, real=real)
+
+    def smear(self, e: Tensor, idx: Tensor, cache=None, start: int | Tensor = 0) -> Tensor:
+        """h_0 from the embeddings e (B, T, D): each position mixes in the previous token's embedding through the
+        smear gate (module docstring). Without a cache the call starts at position 0 (no predecessor). With one,
+        the ids are recorded at their positions (KVCache.ids) and the predecessor of the call's first token (of
+        every token, for position tensors: static-shape steps, ragged rows) is read back from there."""
+        if cache is None:
+            prev = torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], 1)  # (B, T, D), e[-1] = 0
+        elif isinstance(start, Tensor):  # (T,) or (B, T) positions: write the ids, then read each position - 1
+            ids = cache.write_ids(idx, start)  # (B, max_len)
+            before = (start - 1).clamp_min(0).expand(idx.shape)  # (B, T)
+            prev = self.embed_ids(ids.gather(1, before)) * (start > 0).expand(idx.shape).unsqueeze(-1)
+        else:
+            ids = cache.write_ids(idx, start)
+            first = self.embed_ids(ids[:, start - 1:start]) if start > 0 else torch.zeros_like(e[:, :1])
+            prev = torch.cat([first, e[:, :-1]], 1)
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(e[..., :SMEAR_CHANNELS]))  # (B, T, 1)
+        return e + gate * prev
+
+    def embed_ids(self, idx: Tensor) -> Tensor:
+        """The (normed) token embeddings of idx, before the smear."""
+        e = self.wte(idx)
+        return norm(e) if self.config.embed_norm else e
+
+    def finish(self, h: Tensor, hb: Tensor | None) -> Tensor:
+        """What the head reads: h_L, minus backout_lambda * hb (layer n_layer // 2's output, or the SNLP iterate
+        that stands for it) with the backout on."""
+        if not self.config.backout:
+            return h
+        if hb is None:
+            raise ValueError(f"the backout subtracts layer {self.config.backout_layer}'s output, which this run did "
+                             f"not compute (it started after that layer); run the layers from 0 with one Context")
+        return h - self.backout_lambda * hb
+
+    def prefix_backout(self, trace: list[Tensor], S: int) -> Tensor | None:
+        """From a sequential trace [h_0, ..h_S..]: the backout state a solve from the precomputed prefix h_S needs
+        (`solve(..., prefix=trace[S], hb=...)`): layer b's output when b < S, else None (the solve has it)."""
+        b = self.config.backout_layer
+        return trace[b + 1] if b is not None and b < S else None
 
     def static_hc(self, ctx: Context, dtype: torch.dtype) -> tuple[dict, tuple[Tensor, Tensor, Tensor]] | None:
         """Static mHC (hc_dynamic=False): the (H_res (N, 2, n, n), H_pre (N, 2, n), H_post (N, 2, n)) of both
@@ -309,7 +377,7 @@ class GPT(nn.Module):
             # every layer that has its blocks (a rank of snlp.dist frees the blocks it never runs)
             layers = [l for l, b in enumerate(self.blocks) if getattr(b, "hc_attn", None) is not None]
             bias = torch.stack([h.bias for l in layers for h in (self.blocks[l].hc_attn, self.blocks[l].hc_mlp)])
-            maps = hc_maps(bias.view(len(layers), 2, -1), cfg.hc_streams, dtype)
+            maps = hc_maps(bias.view(len(layers), 2, -1), cfg.hc_streams, dtype, **maps_of(cfg))
             ctx.extra[key] = ({l: i for i, l in enumerate(layers)}, maps)
         return ctx.extra[key]
 
@@ -338,19 +406,32 @@ class GPT(nn.Module):
         return c * torch.tanh(logits / c) if c > 0 else logits
 
     def run_layers(self, h: Tensor, ctx: Context, start: int, stop: int, trace: list | None = None) -> Tensor:
-        """Apply layers start..stop-1 sequentially, optionally appending each h_l to `trace`."""
+        """Apply layers start..stop-1 sequentially, optionally appending each h_l to `trace`. With the backout
+        on, layer n_layer // 2's output is kept in ctx.hb, and a run that ends with the last layer returns what the
+        head reads, h_L - backout_lambda * ctx.hb (`finish`; the trace keeps the layers' own outputs)."""
+        b = self.config.backout_layer
         for l in range(start, stop):
             h = self.layer(l, h, ctx)
+            if l == b:
+                ctx.hb = h
             if trace is not None:
                 trace.append(h)
+        if b is not None and stop == self.config.n_layer:
+            h = self.finish(h, ctx.hb)
         return h
 
     def hidden_states(self, idx: Tensor) -> list[Tensor]:
-        """Sequential trace [h_0, h_1, ..., h_L], each (B,T,D) ((B,T,n,D) with mHC)."""
+        """Sequential trace [h_0, h_1, ..., h_L], each (B,T,D) ((B,T,n,D) with mHC): the layers' outputs (with the
+        backout on, the head reads `final_state`, not h_L)."""
         ctx = self.embed(idx)
         trace = [ctx.x0]
         self.run_layers(ctx.x0, ctx, 0, self.config.n_layer, trace)
         return trace
+
+    def final_state(self, idx: Tensor) -> Tensor:
+        """The state the head reads after the sequential forward of idx (h_L, backout applied)."""
+        ctx = self.embed(idx)
+        return self.run_layers(ctx.x0, ctx, 0, self.config.n_layer)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None,
                 pos: Tensor | RowPositions | None = None) -> Tensor:

@@ -277,9 +277,11 @@ def attend_branches(q: Tensor, k: Tensor, v: Tensor, windows: tuple[int, ...],
 
 def qk_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mode: str, qw: Tensor | None = None,
             kw: Tensor | None = None, eps: float | None = None) -> tuple[Tensor, Tensor]:
-    """RoPE and the QK-norm of GPTConfig.qk_norm on q/k (..., T, H, hd); qw/kw broadcast against them."""
-    if mode == "rope_norm":  # nanochat: QK-norm after RoPE
-        return norm(rope(q, cos, sin)), norm(rope(k, cos, sin))
+    """RoPE and the QK-norm of GPTConfig.qk_norm on q/k (..., T, H, hd); qw/kw broadcast against them: Qwen3's
+    per-head weights ("weighted"), or with "rope_norm" the scale GPTConfig.qk_scale (None: 1)."""
+    if mode == "rope_norm":  # nanochat: QK-norm after RoPE (then nanochat-snlp's qk_scale)
+        q, k = norm(rope(q, cos, sin)), norm(rope(k, cos, sin))
+        return (q, k) if qw is None else (q * qw, k * kw)
     if mode == "weighted":  # Qwen3: weighted RMSNorm per head, then RoPE
         q, k = norm(q, eps=eps) * qw, norm(k, eps=eps) * kw
     return rope(q, cos, sin), rope(k, cos, sin)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import snlp.io.chat as chat
 import snlp.io.data as D
 from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_training
+from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import save_drafter
 from snlp.io.hf import from_hf
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
@@ -160,8 +161,8 @@ class AdaptValidation(ValidationResult):
 def load_base(src: str, dtype: str = "float32"):
     """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
     p = Path(src)
-    if is_snlp_checkpoint(p):  # a transformers directory also holds model.safetensors: from_hf reads it
-        model, tok = load(checkpoint_dir(p))
+    if is_snlp_checkpoint(p) or is_nanochat_dir(p):  # a transformers directory also holds model.safetensors
+        model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok
     model, tok = from_hf(src, dtype=dtype)
     if tok is None:
@@ -189,22 +190,23 @@ def token_stream(spec: str, tok, max_chars: int, val_frac: float, cache_dir=None
 
 
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
-    """The base's sequential pass over x (no grad): prefix state h_S, final state h_L, logits and, for
-    kv="exact", the suffix layers' exact K/V."""
+    """The base's sequential pass over x (no grad): prefix state h_S, final state h_L, logits, for kv="exact" the
+    suffix layers' exact K/V, and the backout state a solve from h_S needs (GPT.prefix_backout; None without)."""
     with torch.no_grad():
         ctx = base.embed(x)
         trace = [ctx.x0]
-        base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace)
+        hL = base.run_layers(ctx.x0, ctx, 0, base.config.n_layer, trace)  # what the head reads (backout applied)
         S = plan.prefix_len(base.config.n_layer)
         kvx = exact_kv(base, trace, plan, ctx) if kv == "exact" else None
-        return trace[S], trace[-1], base.head(trace[-1]), kvx
+        return trace[S], hL, base.head(hL), kvx, base.prefix_backout(trace, S)
 
 
-def student(drafter: Drafter, x: torch.Tensor, hS: torch.Tensor, kvx, kv: str) -> torch.Tensor:
+def student(drafter: Drafter, x: torch.Tensor, hS: torch.Tensor, kvx, kv: str, hb: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """The drafter's final state h_L (B, T, D) from the exact h_S: SSD conditions or a teacher-forced window."""
     if kv == "exact":
         return ssd_solve(drafter.model, x, drafter.plan, hS, kvx)
-    return solve(drafter.model, x, drafter.plan, prefix=hS, check_finite=False).hidden
+    return solve(drafter.model, x, drafter.plan, prefix=hS, check_finite=False, hb=hb).hidden
 
 
 def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,8 +234,8 @@ class AdaptStep(nn.Module):
 
     def forward(self, x, y, lam: float):
         c = self.cfg
-        hS, hL_t, logits_t, kvx = teacher(self.base[0], x, self.drafter.plan, c.kv)
-        kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv), c.tau)
+        hS, hL_t, logits_t, kvx, hb = teacher(self.base[0], x, self.drafter.plan, c.kv)
+        kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau)
         return c.kl_weight * kl + c.hidden_weight * mse, kl.detach(), mse.detach()
 
 
@@ -249,11 +251,11 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
         modes = ("own",)
     for x, _ in batches:
         x = x.to(device)
-        hS, hL_t, logits_t, kvx = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
+        hS, hL_t, logits_t, kvx, hb = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
         ref = logits_t.argmax(-1)
         outs = {"exact": (0.0, 0.0, 0.0)}
         for mode in modes:
-            k, m, lg = distill_terms(drafter, hL_t, logits_t, student(drafter, x, hS, kvx, mode), cfg.tau)
+            k, m, lg = distill_terms(drafter, hL_t, logits_t, student(drafter, x, hS, kvx, mode, hb), cfg.tau)
             outs[mode] = (float(k), float(m), float((lg.argmax(-1) == ref).double().mean()))
         kl += outs[cfg.kv][0]
         mse += outs[cfg.kv][1]

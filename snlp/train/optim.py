@@ -29,6 +29,11 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     if model.config.x0_residual:
         groups += [{"params": [model.x0_lambdas], "lr": cfg.scalar_lr},
                    {"params": [model.resid_lambdas], "lr": cfg.scalar_lr * 0.01}]
+    # nanochat's smear gate and backout scalar: AdamW at nanochat-snlp's 0.2 (= 0.4 x its scalar LR of 0.5)
+    smear = [p for name in ("smear_gate", "smear_lambda", "backout_lambda") if hasattr(model, name)
+             for p in ([getattr(model, name)] if name != "smear_gate" else [model.smear_gate.weight])]
+    if smear:
+        groups.append({"params": smear, "lr": cfg.scalar_lr * 0.4})
     if hc:
         groups.append({"params": hc, "lr": cfg.hc_lr})
     known = {id(p) for g in groups for p in g["params"]} | {id(p) for p in matrices}

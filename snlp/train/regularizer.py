@@ -122,8 +122,9 @@ def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = Non
     """K=1 SNLP states (N, B, T, D) of `plan` (`k1_plan`) for its N suffix layers: [j] is h_hat_{S+j+1}.
     With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
     n_suffix = plan.n_suffix
-    prefix = None if trace is None else trace[model.config.n_layer - n_suffix]
-    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix)
+    S = model.config.n_layer - n_suffix
+    prefix, hb = (None, None) if trace is None else (trace[S], model.prefix_backout(trace, S))
+    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb)
     return res.states[1], model.config.n_layer - n_suffix
 
 

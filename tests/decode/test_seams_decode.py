@@ -138,10 +138,11 @@ def test_second_calls_with_fresh_caches_compile_nothing():
 
 
 def test_a_cache_holds_no_per_call_state():
-    """The span of a ragged call travels with its positions (RowPositions), not on the cache: a KVCache is K/V and a
-    length only, so one shared cache can serve an eager and a compiled step in the same loop."""
+    """The span of a ragged call travels with its positions (RowPositions), not on the cache: a KVCache is per-position
+    data (K/V, and the token ids a smear model reads back) and a length only, so one shared cache can serve an eager
+    and a compiled step in the same loop."""
     import dataclasses
-    assert [f.name for f in dataclasses.fields(KVCache)] == ["k", "v", "length"]
+    assert [f.name for f in dataclasses.fields(KVCache)] == ["k", "v", "length", "ids"]
 
 
 # ----- one speculative round for one prompt and for a batch (a single prompt is a batch of one)

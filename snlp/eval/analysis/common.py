@@ -127,7 +127,7 @@ def plan_ppl(model: GPT, wins: Tensor, plan: Plan | str, batch: int = 8) -> floa
 
 
 def sequential_ppl(model: GPT, wins: Tensor, batch: int = 8) -> float:
-    return window_ppl(model, wins, lambda x: model.hidden_states(x)[-1], batch)
+    return window_ppl(model, wins, model.final_state, batch)
 
 
 def add_nll(model: GPT, h: Tensor, y: Tensor, nll: dict, bad: set, key: Hashable) -> None:

@@ -133,7 +133,7 @@ def _cells(Ns: list[int], Ks: list[int], orders: dict[int, list[tuple[str, list[
     return cells
 
 
-def _cell_hidden(model: GPT, x, cell: Cell, order: list[int] | None, prefix):
+def _cell_hidden(model: GPT, x, cell: Cell, order: list[int] | None, prefix, hb=None):
     """The final states of `cell` from the prefix state (B, T, D) of its N."""
     if cell.kind == "seq":
         return permuted_sequential(model, x, Plan(chunks=cell.N), order=tuple(order), prefix=prefix).hidden
@@ -141,7 +141,7 @@ def _cell_hidden(model: GPT, x, cell: Cell, order: list[int] | None, prefix):
         plan = Plan(chunks=cell.N, iters=cell.K, surrogate="none")
     else:
         plan = Plan(chunks=cell.N, iters=cell.K, order=tuple(order))
-    return solve(model, x, plan, check_finite=False, prefix=prefix).hidden
+    return solve(model, x, plan, check_finite=False, prefix=prefix, hb=hb).hidden
 
 
 @torch.inference_mode()
@@ -162,7 +162,8 @@ def correction_ordering(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisCo
             ctx = model.embed(x)
             prefix = {N: model.run_layers(ctx.x0, ctx, 0, L - N) for N in Ns}
             for cell in cells:
-                h = _cell_hidden(model, x, cell, dict(orders[cell.N]).get(cell.order), prefix[cell.N])
+                hb = ctx.hb if model.config.backout and model.config.backout_layer < L - cell.N else None
+                h = _cell_hidden(model, x, cell, dict(orders[cell.N]).get(cell.order), prefix[cell.N], hb)
                 add_nll(model, h, y, nll, bad, cell)
                 bar.update()
             n_tok += y.numel()

@@ -43,7 +43,9 @@ def correction_propagation(model: GPT, val_tokens, cfg: AnalysisConfig = Analysi
             hS = model.run_layers(ctx.x0, ctx, 0, L - N)  # the state before the (partly skipped) suffix
             for key in nll:
                 sur, K, j = key
-                h = solve(model, x, Plan(chunks=j, iters=K, surrogate=sur), check_finite=False, prefix=hS).hidden
+                plan = Plan(chunks=j, iters=K, surrogate=sur)
+                hb = ctx.hb if model.config.backout and model.config.backout_layer < L - j else None
+                h = solve(model, x, plan, check_finite=False, prefix=hS, hb=hb).hidden
                 add_nll(model, h, y, nll, bad, key)
                 bar.update()
             n_tok += y.numel()

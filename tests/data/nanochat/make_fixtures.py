@@ -1,0 +1,105 @@
+"""Write the tiny nanochat(-snlp) checkpoints of tests/io/test_nanochat.py WITH THE PAPER'S OWN CODE, and the
+logits that code computes on them (reference.pt beside each checkpoint).
+
+Run once, by hand, with a checkout of the paper's repository (github phymhan/nanochat-snlp, commit 330ce33):
+
+    NANOCHAT_DTYPE=float32 python tests/data/nanochat/make_fixtures.py PATH/TO/nanochat-snlp
+
+It runs in a child process whose sys.path starts with that checkout (its top-level package `snlp` shadows ours
+there, never here); its tokenizer packages are stubbed (no generation is needed). Each checkpoint is written by the
+paper's `nanochat.checkpoint_manager.save_checkpoint` (`model_000000.pt` + `meta_000000.json`) from the paper's
+`GPT` with every parameter drawn at random (so smear, backout, lambdas, gates and mHC maps all matter), rounded to
+bf16 and stored in bf16 (small files; the references are computed from the same rounded values in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+CHILD = r'''
+import importlib.util, json, os, sys, types
+import torch
+sys.modules["rustbpe"] = types.ModuleType("rustbpe")  # tokenizer packages: not needed to build / run the model
+sys.modules["tiktoken"] = types.ModuleType("tiktoken")
+engine = types.ModuleType("nanochat.engine"); engine.KVCache = None
+sys.modules["nanochat.engine"] = engine
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.checkpoint_manager import save_checkpoint
+spec = importlib.util.spec_from_file_location("paper_inference_idn", os.path.join(sys.argv[1], "snlp", "inference_idn.py"))
+idn = importlib.util.module_from_spec(spec); spec.loader.exec_module(idn)
+
+out = sys.argv[2]
+SPECS = {
+    # sliding windows (short = 128 at sequence_len 512), value embeddings, x0 lambdas, smear, backout, GQA, MTP head
+    "nanochat-sw": dict(sequence_len=512, vocab_size=100, n_layer=6, n_head=2, n_kv_head=1, n_embd=32,
+                        window_pattern="SSL", num_mtp_steps=1),
+    # full windows: the paper's IDN solve computes the same function, so its plan logits are references too
+    "nanochat-L": dict(sequence_len=512, vocab_size=100, n_layer=6, n_head=2, n_kv_head=2, n_embd=32,
+                       window_pattern="L"),
+    # mHC (static, softmax H_pre / H_post, log-space Sinkhorn with temperature); the paper trains it without x0
+    "nanochat-mhc": dict(sequence_len=512, vocab_size=100, n_layer=4, n_head=2, n_kv_head=1, n_embd=32,
+                         window_pattern="L", use_mhc=True, mhc_num_streams=4, no_x0_resid=True),
+}
+for name, kw in SPECS.items():
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = GPTConfig(**kw)
+    model = GPT(cfg)
+    model.init_weights()
+    with torch.no_grad():
+        s = (3 / cfg.n_embd) ** 0.5
+        for pname, p in model.named_parameters():
+            if pname.endswith(("wte.weight",)) or pname.startswith("value_embeds"):
+                p.copy_(torch.randn_like(p))
+            elif pname == "resid_lambdas":
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif pname == "x0_lambdas":
+                p.copy_(0.2 * torch.randn_like(p))
+            elif pname == "smear_lambda":
+                p.fill_(0.7)
+            elif pname == "backout_lambda":
+                p.fill_(0.35)
+            elif "H_res_logits" in pname:
+                p.copy_(0.1 * torch.randn_like(p) - 0.4 + 0.5 * torch.eye(p.shape[0]))
+            elif "H_pre_logits" in pname or "H_post_logits" in pname:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif pname == "lm_head.weight":
+                p.copy_(0.3 * torch.randn_like(p))
+            else:  # projections (c_proj included: zero at init would hide every block), gates, MTP
+                p.uniform_(-s, s)
+            p.copy_(p.to(torch.bfloat16).float())
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (2, 160), generator=g)
+    ref = {"idx": idx}
+    with torch.no_grad():
+        ref["logits"] = model(idx)
+        if name == "nanochat-L":  # the paper's per-layer IDN solve (M = 1, h0 init), backout reading the iterate
+            for S, K in ((2, 1), (2, 2), (0, 2), (4, 1)):
+                par = list(range(S, cfg.n_layer))
+                pw = idn.PrecomputedWeights(model, par)
+                ref[f"idn_S{S}_K{K}"] = idn.forward_idn_batched(model, idx, S, pw, K=K)
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    meta = {"step": 0, "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "user_config": {}, "device_batch_size": 1, "max_seq_len": cfg.sequence_len}
+    save_checkpoint(os.path.join(out, name), 0, state, None, meta)
+    torch.save(ref, os.path.join(out, name, "reference.pt"))
+    print(name, {k: tuple(v.shape) for k, v in ref.items()})
+'''
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__)
+        return 2
+    paper = Path(sys.argv[1]).resolve()
+    env = {**os.environ, "NANOCHAT_DTYPE": "float32", "PYTHONPATH": str(paper)}
+    return subprocess.call([sys.executable, "-c", CHILD, str(paper), str(HERE)], env=env, cwd=str(paper))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

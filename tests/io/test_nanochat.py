@@ -1,0 +1,213 @@
+"""nanochat / nanochat-snlp checkpoints in (snlp.io.nanochat): the tiny checkpoints under tests/data/nanochat were
+written by the paper's own code (tests/data/nanochat/make_fixtures.py), and reference.pt beside each holds the
+logits that code computed on them (its GPT.forward, and for nanochat-L its per-layer IDN solve). snlp must load
+each with `snlp.load(DIR)` / `snlp convert DIR` and give those logits (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import argmax_loop
+
+import snlp
+from snlp import parallel_forward, sequential_generate, snlp_generate, solve, speculative_generate
+from snlp.apps.cli import main as cli_main
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+from snlp.model.cache import KVCache
+from snlp.train.config import TrainConfig
+from snlp.train.optim import build_optimizers
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nanochat"
+NAMES = ("nanochat-sw", "nanochat-L", "nanochat-mhc")
+ATOL = 2e-5  # fp32 logits of order 5: round-off of two implementations of the same function
+
+
+def ref(name: str) -> dict:
+    return torch.load(DATA / name / "reference.pt")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_gives_the_paper_codes_logits(name):
+    """snlp.load(DIR) of a checkpoint the paper's code wrote gives that code's logits on 2 x 160 tokens (windows
+    of 128 crossed, value embeddings, x0 lambdas, smear, backout, GQA, mHC with softmax maps and a tau-0.05
+    Sinkhorn); the MTP head it stores is dropped."""
+    model, tok = snlp.load(DATA / name)
+    r = ref(name)
+    assert tok is None and model.config.smear and model.config.backout and model.config.qk_scale == 1.2
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+    assert not any("mtp" in k for k in model.state_dict())
+
+
+@pytest.mark.parametrize("plan,key", [("4xF1-h0-K1", "idn_S2_K1"), ("4xF1-h0-K2", "idn_S2_K2"),
+                                      ("6xF1-h0-K2", "idn_S0_K2"), ("2xF1-h0-K1", "idn_S4_K1")])
+def test_idn_solve_gives_the_paper_codes_plan_logits(plan, key):
+    """The paper's per-layer IDN solve (forward_idn_batched, h0 init, K iterations) on its own checkpoint equals
+    snlp's M = 1 IDN plan, with the backout (layer 3 of 6) read from the iterate when it sits in the suffix
+    (S = 0, 2) and from the exact prefix when it does not (S = 4); K >= C gives the sequential logits."""
+    model, _ = snlp.load(DATA / "nanochat-L")
+    r = ref("nanochat-L")
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, r["idx"], plan), r[key], rtol=0, atol=ATOL)
+        C = int(plan.split("x")[0])
+        torch.testing.assert_close(parallel_forward(model, r["idx"], f"{C}xF1-h0-K{C}"), r["logits"], rtol=0,
+                                   atol=ATOL)
+
+
+def test_convert_writes_an_snlp_checkpoint_with_the_same_logits(tmp_path, capsys):
+    out = tmp_path / "conv"
+    assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out)]) == 0
+    assert "no tokenizer" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["smear"] and cfg["backout"] and cfg["ve_gate_channels"] == 12 and cfg["short_window"] == 128
+    model, _ = snlp.load(out)
+    r = ref("nanochat-sw")
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+
+
+def test_steps_paths_and_bad_input(tmp_path):
+    """The last step by default, a model_NNNNNN.pt path names its step; a missing step, a corrupt meta, a foreign
+    tensor and mHC with the x0 residual are one-line ValueErrors before any model is built."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    meta = json.loads((d / "meta_000000.json").read_text())
+    (d / "meta_000100.json").write_text(json.dumps({**meta, "step": 100}))
+    assert is_nanochat_dir(d) and is_nanochat_dir(d / "model_000100.pt") and not is_nanochat_dir(tmp_path)
+    load_nanochat(d / "model_000000.pt")
+    changed = load_nanochat(d, step=0, overrides={"rope_base": 10000.0})  # another nanochat version's constant
+    assert changed.config.rope_base == 10000.0 and changed.config.smear
+    with pytest.raises(ValueError, match="no GPTConfig field"):
+        load_nanochat(d, overrides={"rope": 1})
+    with pytest.raises(ValueError, match="no step 7"):
+        load_nanochat(d, step=7)
+    (d / "meta_000100.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_nanochat(d)
+    sd = torch.load(d / "model_000000.pt")
+    torch.save({**sd, "transformer.h.0.attn.extra": torch.zeros(1)}, d / "model_000100.pt")
+    (d / "meta_000100.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="does not map") as err:
+        load_nanochat(d)
+    assert "\n" not in str(err.value)
+    mc = json.loads((DATA / "nanochat-mhc" / "meta_000000.json").read_text())
+    mc["model_config"]["no_x0_resid"] = False
+    m = tmp_path / "mhc"
+    shutil.copytree(DATA / "nanochat-mhc", m)
+    (m / "meta_000000.json").write_text(json.dumps(mc))
+    with pytest.raises(ValueError, match="mHC with the x0 residual"):
+        snlp.load(m)
+
+
+def test_an_older_checkpoint_without_smear_and_backout(tmp_path):
+    """nanochat's loader patches a missing smear gate / backout scalar with zeros (off): snlp loads the model
+    without those parts, and its logits are the full model's with smear_lambda = backout_lambda = 0."""
+    d = tmp_path / "old"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    for k in ("smear_gate.weight", "smear_lambda", "backout_lambda"):
+        sd.pop(k)
+    torch.save(sd, d / "model_000000.pt")
+    old, _ = snlp.load(d)
+    full, _ = snlp.load(DATA / "nanochat-L")
+    assert not old.config.smear and not old.config.backout
+    with torch.no_grad():
+        full.smear_lambda.zero_()
+        full.backout_lambda.zero_()
+        idx = ref("nanochat-L")["idx"]
+        torch.testing.assert_close(old(idx), full(idx), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["nanochat-sw", "nanochat-mhc"])
+def test_chunked_cached_prefill_equals_the_full_forward(name):
+    """The smear reads the previous TOKEN: a KV-cached forward in pieces (int positions, then a static-shape (T,)
+    positions call) gives the full forward's logits at every position, in fp64 (nanochat's own engine skips the
+    smear of a cached multi-token call's first token; the sequence's function does not)."""
+    model, _ = snlp.load(DATA / name)
+    model = model.double()
+    idx = ref(name)["idx"][:, :140]
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.for_model(model, batch=2, max_len=160)
+        parts = [model(idx[:, :50], cache=cache), model(idx[:, 50:51], cache=cache), model(idx[:, 51:100], cache=cache)]
+        pos = torch.arange(100, 140)
+        parts.append(model(idx[:, 100:], cache=cache, pos=pos))
+        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["nanochat-sw", "nanochat-mhc"])
+def test_decoding_a_checkpoint_equals_the_argmax_loop(name):
+    """Sequential, SNLP (K >= C) and speculative decoding of a ragged batch of the paper's checkpoint: the full-prefix
+    argmax loop over its forward (the paper's function), fp64."""
+    model, _ = snlp.load(DATA / name)
+    model = model.double()
+    idx = ref(name)["idx"]
+    prompts = [idx[0, :5].tolist(), idx[1, :17].tolist()]
+    want = [argmax_loop(model, p, 6) for p in prompts]
+    L = model.config.n_layer
+    plan, kind = (f"{L - 1}xF1-h0-K{L - 1}", "") if name == "nanochat-sw" else (f"{L}xF1-h0-K{L}-hcn", "-hcn")
+    assert [r.tokens for r in sequential_generate(model, prompts, max_new_tokens=6)] == want
+    assert [r.tokens for r in snlp_generate(model, prompts, plan, max_new_tokens=6)] == want
+    assert [r.tokens for r in speculative_generate(model, prompts, f"{L - 1}xF1-h0-K1{kind}", block=3,
+                                                   max_new_tokens=6)] == want
+
+
+def test_training_reaches_the_smear_and_backout():
+    """Both training forwards (sequential loss, loss through an SNLP solve) give the smear gate, smear scalar and
+    backout scalar a gradient, and the optimizer groups hold them."""
+    model, _ = snlp.load(DATA / "nanochat-sw")
+    model.train()
+    idx = ref("nanochat-sw")["idx"][:, :40]
+    for loss in (lambda: model(idx[:, :-1], targets=idx[:, 1:]),
+                 lambda: torch.nn.functional.cross_entropy(
+                     model.head(solve(model, idx[:, :-1], "4xF1-h0-K1").hidden).flatten(0, 1), idx[:, 1:].flatten())):
+        model.zero_grad()
+        loss().backward()
+        for p in (model.smear_gate.weight, model.smear_lambda, model.backout_lambda):
+            assert p.grad is not None and p.grad.abs().sum() > 0
+    groups = [p for o in build_optimizers(model, TrainConfig(out="unused")) for g in o.param_groups for p in g["params"]]
+    assert any(p is model.smear_lambda for p in groups) and any(p is model.backout_lambda for p in groups)
+
+
+def test_export_and_distributed_refuse_the_parts_they_lack(tmp_path):
+    model, _ = snlp.load(DATA / "nanochat-L")
+    with pytest.raises(ValueError, match="Llama-family") as err:
+        snlp.export_hf(model, tmp_path / "hf")
+    assert "smear" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_solve_from_a_precomputed_prefix_takes_the_backout_state():
+    """solve(prefix=h_S) skips the prefix layers: with the backout layer (3 of 6) inside the prefix it needs that
+    layer's output as hb= (GPT.prefix_backout of the trace) and then equals the plain solve; without it, or with an
+    hb the plan never reads, it is a one-line ValueError."""
+    model, _ = snlp.load(DATA / "nanochat-L")
+    idx = ref("nanochat-L")["idx"][:, :32]
+    with torch.no_grad():
+        trace = model.hidden_states(idx)
+        for plan, S in (("2xF1-h0-K1", 4), ("5xF1-h0-K2", 1)):
+            hb = model.prefix_backout(trace, S)
+            assert (hb is None) == (S <= 3)
+            got = solve(model, idx, plan, prefix=trace[S], hb=hb).hidden
+            torch.testing.assert_close(got, solve(model, idx, plan).hidden, rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="pass it as hb=") as err:
+            solve(model, idx, "2xF1-h0-K1", prefix=trace[4])
+        assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match="never reads it"):
+            solve(model, idx, "5xF1-h0-K2", prefix=trace[1], hb=trace[4])
+
+
+def test_log_space_sinkhorn_is_the_sinkhorn_of_the_tempered_logits():
+    """hc_maps="softmax"'s H_res (nanochat-snlp's log-space Sinkhorn at temperature tau) is the same projection as
+    snlp's exp-space Sinkhorn of logits / tau (fp64, logits of moderate range), columns summing to 1 exactly."""
+    from snlp.model.hc import sinkhorn, sinkhorn_log
+
+    lg = torch.randn(5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for tau, iters in ((1.0, 20), (0.25, 10)):
+        a, b = sinkhorn_log(lg, iters, tau), sinkhorn(lg / tau, iters)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a.sum(-2), torch.ones(5, 4, dtype=torch.float64), rtol=0, atol=1e-12)
