@@ -140,13 +140,22 @@ def paper_config(code: PaperCode, shape, vocab_size: int, sequence_len: int, win
 def build_paper_model(code: PaperCode, cfg, device: torch.device, seed: int = 0):
     """The paper's GPT as its `load_model` builds it (meta, to_empty, init_weights, eval; static mHC maps
     cached), with its zero-initialised output projections filled with small random values so no layer is an
-    identity (speed does not depend on the values, but a zero layer would make the exactness checks vacuous)."""
+    identity (speed does not depend on the values, but a zero layer would make the exactness checks vacuous), and the
+    parameters its init_weights skips set (seeded: `seed` draws every random value here)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = code.gpt.GPT(cfg)
     model.to_empty(device=device)
     model.init_weights()
     with torch.no_grad():
+        # its init_weights leaves the smear gate, the smear and backout scalars and a buffer as to_empty left them
+        # (uninitialised memory: NaN at times); its load_model overwrites them from a checkpoint. Give them values
+        # so the smear and the backout take part.
+        model.smear_gate.weight.uniform_(-0.1, 0.1)
+        model.smear_lambda.fill_(0.1)
+        model.backout_lambda.fill_(0.2)
+        if hasattr(model, "reg_warmup_factor"):
+            model.reg_warmup_factor.fill_(1.0)
         s = 0.5 * cfg.n_embd ** -0.5
         for block in model.transformer.h:
             block.attn.c_proj.weight.uniform_(-s, s)
@@ -253,6 +262,23 @@ def time_side_by_side(fns: dict, warmup: int, runs: int, device) -> dict[str, li
     """Round-robin medians (host clock around a device synchronise, as snlp.runtime.timing does)."""
     with torch.inference_mode():
         return time_round_robin(fns, warmup, runs, device)
+
+
+def snlp_model_from_paper(paper, device, dtype) -> GPT:
+    """snlp's GPT holding the paper model's own weights (snlp.io.nanochat's mapping, as for a checkpoint of it):
+    the same function as the paper's sequential forward (tests/io/test_nanochat.py), so both sides time, and the
+    CPU check compares, one set of weights."""
+    from dataclasses import asdict as _asdict
+
+    from snlp.io.nanochat import config_from_nanochat, state_from_nanochat
+
+    pc = paper.config
+    gate = next((b.attn.ve_gate for b in paper.transformer.h if b.attn.ve_gate is not None), None)
+    cfg = config_from_nanochat(_asdict(pc), ve_gate_channels=12 if gate is None else gate.weight.shape[1])
+    sd = {k: v.detach().float().cpu() for k, v in paper.state_dict().items()}
+    model = GPT(cfg)
+    model.load_state_dict(state_from_nanochat(sd, cfg))
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def snlp_model_for(shape, vocab_size: int, sequence_len: int, window_pattern: str, short_window: int,

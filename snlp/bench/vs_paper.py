@@ -27,8 +27,8 @@ import torch
 
 from snlp.bench.forward import COMPILE_CALLS, compile_step
 from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_linear_weights, load_paper_code,
-                                   paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_for, summarise,
-                                   time_side_by_side)
+                                   paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_for,
+                                   snlp_model_from_paper, summarise, time_side_by_side)
 from snlp.bench.records import markdown_table, write_json
 from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
 from snlp.decode.steps import check_compilable, mark_static_runner
@@ -47,8 +47,8 @@ class VsPaperConfig:
     paper: str  # path of the paper's checkout
     shapes: tuple[str, ...] | None = None  # keys of PAPER_SHAPES; None: the three 0.5B shapes
     device: str | None = None
-    quick: bool = False  # CPU smoke: shrunk shapes (width 64), T = 64, few runs
-    tokens: int | None = None  # None: 2048 (the paper's prefill), 64 with quick
+    quick: bool = False  # CPU smoke: shrunk shapes (width 64), T = 256 (windows of 128 bite), few runs
+    tokens: int | None = None  # None: 2048 (the paper's prefill), 256 with quick
     warmup: int | None = None  # None: 20 on cuda, 1 elsewhere
     runs: int | None = None  # None: 50 on cuda, 3 elsewhere
     treatments: tuple[str, ...] = ("eager",)
@@ -71,7 +71,7 @@ class VsPaperConfig:
             raise ValueError(f"--vs-paper: treatments must be a non-empty subset of {', '.join(TREATMENTS)}")
         cuda, q = device.type == "cuda", self.quick
         cfg = replace(self, device=str(device), shapes=shapes,
-                      tokens=self.tokens or (64 if q else 2048),
+                      tokens=self.tokens or (256 if q else 2048),
                       warmup=self.warmup if self.warmup is not None else (1 if q or not cuda else 20),
                       runs=self.runs or (3 if q or not cuda else 50),
                       vocab_size=self.vocab_size or (256 if q else 32768))
@@ -83,11 +83,33 @@ class VsPaperConfig:
 
 
 @dataclass
+class Agreement:
+    """One plan's logits on both sides, same weights, same tokens (fp32 on the CPU): max |paper - snlp| and each
+    side's max |plan - its sequential|, for the windows as published and for a window-free copy of the model."""
+
+    shape: str
+    plan: str
+    windows: str  # "SSSL" (as published) | "L" (window-free copy)
+    paper_vs_snlp: float  # max abs logit difference, paper's plan vs snlp's plan
+    paper_vs_seq: float  # paper's plan vs the (shared) sequential model
+    snlp_vs_seq: float
+    same_function: bool  # paper_vs_snlp within fp32 round-off (AGREE_TOL)
+    why: str  # where they differ: the paper path's approximation(s) that apply here
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+AGREE_TOL = 2e-4  # fp32 logits (softcap 15) of two orderings of the same arithmetic
+
+
+@dataclass
 class VsPaperResult:
     config: VsPaperConfig
     meta: dict
     rows: list[PeerRow] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)  # {shape, callable, error, traceback}
+    agreement: list[Agreement] = field(default_factory=list)
     markdown: str = ""
 
 
@@ -128,7 +150,9 @@ def _failure(shape: str, what: str, e: BaseException) -> dict:
 
 def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.device, result: VsPaperResult) -> None:
     run_shape = shape.quick() if cfg.quick else shape
-    seq_len = max(2048, cfg.tokens)
+    # the context the paper's model is built for, which sets its short window (ceil(seq_len / 4 / 128) * 128 tokens):
+    # 2048 as in the paper; with quick the tokens themselves, so the 128-token windows bite at T = 256
+    seq_len = cfg.tokens if cfg.quick else max(2048, cfg.tokens)
     pcfg = paper_config(code, run_shape, cfg.vocab_size, seq_len, "SSSL")
     short = next(w for (w, _), c in zip(_paper_windows(code, pcfg), "SSSL") if c == "S")
     paper = build_paper_model(code, pcfg, dev, cfg.seed)
@@ -159,13 +183,14 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
             result.failures.append(_failure(shape.key, f"paper/{plan}", e))
 
     # snlp uses the paper's window widths: nanochat's short window = ceil(T_ctx / 4 / 128) * 128 tokens back
-    model = snlp_model_for(run_shape, cfg.vocab_size, seq_len, "SSSL", short, dev, code.dtype, cfg.seed)
+    model = snlp_model_from_paper(paper, dev, code.dtype)  # the paper model's own weights
     runners = {str(p): bind(model, p, check_finite=False) for p in plans}
     add("snlp/sequential", lambda: model(idx), "snlp", "sequential", "eager")
     for name, r in runners.items():
         add(f"snlp/{name}", (lambda r: lambda: r(idx))(r), "snlp", name, "eager")
     if cfg.ablations:
-        model_l = snlp_model_for(run_shape, cfg.vocab_size, seq_len, "L", short, dev, code.dtype, cfg.seed)
+        model_l = snlp_model_from_paper(build_paper_model(code, paper_config(
+            code, run_shape, cfg.vocab_size, seq_len, "L"), dev, cfg.seed), dev, code.dtype)
         add("snlp/sequential/windows-off", lambda: model_l(idx), "snlp", "sequential", "windows off (eager)",
             "every layer full causal: a different function")
         for p in plans:
@@ -207,6 +232,48 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
                 del fns[name]
     times = time_side_by_side(fns, cfg.warmup, cfg.runs, dev)
     result.rows += summarise(shape.key, times, meta, compile_s)
+    if dev.type == "cpu":  # fp32: the correctness check (on a GPU bf16 round-off would hide small differences)
+        try:
+            result.agreement += agreement(code, shape, run_shape, plans, cfg, seq_len, dev)
+        except Exception as e:
+            result.failures.append(_failure(shape.key, "agreement", e))
+
+
+def _approximations(plan: Plan, windowed: bool, cfg_paper) -> list[str]:
+    """What the paper's path for `plan` computes differently from the plan over the same model."""
+    why = []
+    if windowed:
+        why.append("drops the sliding windows in the suffix (full causal attention)")
+    if plan.fuse > 1 and not cfg_paper.no_ve:
+        why.append("drops the value embeddings in fused chunks")
+    if plan.fuse > 1 and not cfg_paper.no_x0_resid:
+        why.append("scales fused chunks by averaged resid / x0 lambdas")
+    return why
+
+
+def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan], cfg: VsPaperConfig, seq_len: int,
+              dev) -> list[Agreement]:
+    """Both sides' plans on the same weights and tokens, with the published windows and window-free."""
+    out = []
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.tokens), generator=gen).to(dev)
+    for pattern in ("SSSL", "L"):
+        pcfg = paper_config(code, run_shape, cfg.vocab_size, seq_len, pattern)
+        paper = build_paper_model(code, pcfg, dev, cfg.seed)
+        model = snlp_model_from_paper(paper, dev, torch.float32)
+        with torch.inference_mode():
+            seq = model(idx).float()
+            for plan in plans:
+                p = paper_plan_fn(code, paper, plan, run_shape)(idx).float()
+                sn = bind(model, plan)(idx).float()
+                d = (p - sn).abs().max().item()
+                bites = any(w < cfg.tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
+                why = _approximations(plan, bites, pcfg)
+                out.append(Agreement(shape=shape.key, plan=str(plan), windows=pattern, paper_vs_snlp=d,
+                                     paper_vs_seq=(p - seq).abs().max().item(),
+                                     snlp_vs_seq=(sn - seq).abs().max().item(), same_function=d <= AGREE_TOL,
+                                     why="; ".join(why) if why else "-"))
+    return out
 
 
 def dtype_of(code: PaperCode) -> torch.dtype:
@@ -223,7 +290,8 @@ def _write(result: VsPaperResult, cfg: VsPaperConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         write_json(out / "vs_paper.json", {"meta": result.meta, "config": asdict(cfg), "rows": result.rows,
-                                           "failures": result.failures}, announce=False)
+                                           "agreement": result.agreement, "failures": result.failures},
+                   announce=False)
         (out / "vs_paper.md").write_text(result.markdown)
 
 
@@ -278,6 +346,13 @@ def markdown(result: VsPaperResult) -> str:
             r.note] for r in result.rows]
     lines += ["", "Every timed callable:", "", *markdown_table(
         ["shape", "side", "plan", "variant", "ms (p10-p90)", "compile s", "note"], abl)]
+    if result.agreement:
+        lines += ["", f"Correctness (fp32, same weights and tokens; agree = max |paper - snlp| <= {AGREE_TOL:g}):", "",
+                  *markdown_table(["shape", "plan", "windows", "max |paper - snlp|", "paper plan vs seq",
+                                   "snlp plan vs seq", "agree", "the paper's path differs by"],
+                                  [[a.shape, f"`{a.plan}`", a.windows, f"{a.paper_vs_snlp:.2e}", f"{a.paper_vs_seq:.2e}",
+                                    f"{a.snlp_vs_seq:.2e}", "yes" if a.same_function else "no", a.why]
+                                   for a in result.agreement])]
     if result.failures:
         lines += ["", "Failures (the JSON has the tracebacks):", ""]
         lines += [f"- {f['shape']} {f['callable']}: {f['error']}" for f in result.failures]

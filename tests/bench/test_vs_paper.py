@@ -1,0 +1,57 @@
+"""snlp bench --vs-paper against the paper's own code (nanochat-snlp). The code is the user's checkout, never
+vendored: these tests use the copy beside the repository (../shared/anchors/nanochat-snlp, present in CI) or
+$SNLP_PAPER_CODE, and skip, saying so, on a clone with nothing beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from snlp.bench.paper_peer import load_paper_code
+
+ROOT = Path(__file__).resolve().parents[2]
+CANDIDATES = [os.environ.get("SNLP_PAPER_CODE", ""), str(ROOT / ".paper" / "nanochat-snlp"),
+              str(ROOT.parent / "shared" / "anchors" / "nanochat-snlp")]
+PAPER = next((p for p in CANDIDATES if p and (Path(p) / "nanochat" / "gpt.py").is_file()), None)
+needs_paper = pytest.mark.skipif(PAPER is None, reason="no checkout of the paper's code beside the repository "
+                                                       "(../shared/anchors/nanochat-snlp or $SNLP_PAPER_CODE)")
+
+
+def test_a_folder_that_is_not_the_papers_code_is_refused_before_any_import(tmp_path):
+    import torch
+
+    with pytest.raises(ValueError, match="not a checkout of the paper's code"):
+        load_paper_code(str(tmp_path), torch.float32)
+
+
+def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
+    from snlp.apps.cli import main
+
+    assert main(["bench", "--vs-paper", str(tmp_path), "--suite", "paper", "--device", "cpu"]) == 2
+    assert "two runs" in capsys.readouterr().err
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
+    assert "not a checkout of the paper's code" in capsys.readouterr().err
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--shapes", "7B"]) == 2
+    assert "unknown shape" in capsys.readouterr().err
+
+
+@needs_paper
+def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approximation(tmp_path):
+    """Same weights (the paper model's, mapped by snlp.io.nanochat), same tokens, fp32 on the CPU: every plan agrees
+    with the paper's path to round-off on a window-free model (M = 1 with value embeddings, fused chunks without them,
+    static mHC with HCN), and where the published windows bite the paper's path differs and the report says why."""
+    from snlp.bench.vs_paper import AGREE_TOL, VsPaperConfig, run_vs_paper
+
+    res = run_vs_paper(VsPaperConfig(paper=PAPER, quick=True, treatments=("eager",), ablations=False, runs=1,
+                                     warmup=0, out=str(tmp_path)))
+    assert not res.failures, res.failures
+    assert {r.side for r in res.rows} == {"paper", "snlp"}
+    free = [a for a in res.agreement if a.windows == "L"]
+    windowed = [a for a in res.agreement if a.windows == "SSSL"]
+    assert free and all(a.same_function and a.paper_vs_snlp <= AGREE_TOL and a.why == "-" for a in free)
+    assert windowed and all(not a.same_function and "drops the sliding windows" in a.why for a in windowed)
+    data = json.loads((tmp_path / "vs_paper.json").read_text())
+    assert len(data["agreement"]) == len(res.agreement) and "Correctness" in (tmp_path / "vs_paper.md").read_text()
