@@ -211,3 +211,15 @@ def test_log_space_sinkhorn_is_the_sinkhorn_of_the_tempered_logits():
         a, b = sinkhorn_log(lg, iters, tau), sinkhorn(lg / tau, iters)
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(a.sum(-2), torch.ones(5, 4, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_exact_plans_on_the_windowed_checkpoint_give_the_paper_codes_logits(share):
+    """nanochat-sw (windows of 128 crossed by its 160 tokens, VE, smear, backout in the suffix): a bound K >= C, M = 1
+    plan (shared or own weights) gives the paper code's sequential logits; the paper's own parallel path drops the
+    windows, so no plan reference of its own exists for this checkpoint."""
+    model, _ = snlp.load(DATA / "nanochat-sw")
+    r = ref("nanochat-sw")
+    with torch.no_grad():
+        torch.testing.assert_close(snlp.bind(model, "5xF1-h0-K5", share_weights=share)(r["idx"]), r["logits"],
+                                   rtol=0, atol=ATOL)
