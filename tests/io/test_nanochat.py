@@ -223,3 +223,21 @@ def test_exact_plans_on_the_windowed_checkpoint_give_the_paper_codes_logits(shar
     with torch.no_grad():
         torch.testing.assert_close(snlp.bind(model, "5xF1-h0-K5", share_weights=share)(r["idx"]), r["logits"],
                                    rtol=0, atol=ATOL)
+
+
+def test_the_analyses_read_the_backed_out_state():
+    """The early-exit table's N = 0 row and the analyses' sequential PPL are the model's own PPL (the head reads
+    h_L minus the backout state), exp of the mean NLL of its logits on the same windows."""
+    from snlp.eval.analysis.common import sequential_ppl
+    from snlp.eval.analysis.earlyexit import early_exit
+    from snlp.eval.protocol import EvalConfig
+
+    model, _ = snlp.load(DATA / "nanochat-L")
+    val = ref("nanochat-L")["idx"].flatten()
+    wins = torch.stack([val[i * 32:(i + 1) * 32 + 1] for i in range(4)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(wins[:, :-1]).double(), -1)
+        want = float(torch.exp(-logp.gather(-1, wins[:, 1:, None]).mean()))
+    assert sequential_ppl(model, wins) == pytest.approx(want, rel=1e-5)
+    rows = early_exit(model, val, [2], EvalConfig(seq_len=32, max_tokens=128, batch=2, progress=False))
+    assert rows[0].N == 0 and rows[0].ppl == pytest.approx(want, rel=1e-5)
