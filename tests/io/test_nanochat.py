@@ -58,6 +58,17 @@ def test_idn_solve_gives_the_paper_codes_plan_logits(plan, key):
                                    atol=ATOL)
 
 
+@pytest.mark.parametrize("plan,key", [("3xF1-h0-K1-hcn", "hcn_S1_K1"), ("4xF1-h0-K2-hcn", "hcn_S0_K2")])
+def test_hcn_solve_gives_the_paper_codes_plan_logits(plan, key):
+    """The paper's per-layer HCN solve (forward_hcn_batched: A = H_res,mlp H_res,attn of its softmax-map mHC, h0
+    init, K iterations, the backout of layer 2 of 4 read from the iterate) on its own mHC checkpoint equals snlp's
+    M = 1 HCN plan."""
+    model, _ = snlp.load(DATA / "nanochat-mhc")
+    r = ref("nanochat-mhc")
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, r["idx"], plan), r[key], rtol=0, atol=ATOL)
+
+
 def test_convert_writes_an_snlp_checkpoint_with_the_same_logits(tmp_path, capsys):
     out = tmp_path / "conv"
     assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out)]) == 0
