@@ -252,3 +252,19 @@ def test_the_analyses_read_the_backed_out_state():
     assert sequential_ppl(model, wins) == pytest.approx(want, rel=1e-5)
     rows = early_exit(model, val, [2], EvalConfig(seq_len=32, max_tokens=128, batch=2, progress=False))
     assert rows[0].N == 0 and rows[0].ppl == pytest.approx(want, rel=1e-5)
+
+
+def test_analyze_runs_on_a_checkpoint_and_refuses_ordering_before_any_work():
+    """snlp's analyses on the paper's checkpoint: propagation runs (a skipped backout layer's output stands at h_S,
+    as the paper's code fills it), and the ordering section (Seq-Perm, undefined with the backout) is a one-line
+    refusal before any section runs."""
+    from snlp.eval import analysis as A
+
+    model, _ = snlp.load(DATA / "nanochat-L")
+    val = ref("nanochat-L")["idx"].flatten()
+    cfg = A.AnalysisConfig(seq_len=16, max_tokens=64, batch=2, progress=False)
+    res = A.analyze(model, val, A.AnalysisConfig(**{**cfg.__dict__, "only": ("propagation", "early-exit")}))
+    assert res.propagation is not None and res.early_exit[0].N == 0
+    with pytest.raises(ValueError, match="ordering") as err:
+        A.analyze(model, val, cfg)
+    assert "\n" not in str(err.value)
