@@ -268,3 +268,21 @@ def test_analyze_runs_on_a_checkpoint_and_refuses_ordering_before_any_work():
     with pytest.raises(ValueError, match="ordering") as err:
         A.analyze(model, val, cfg)
     assert "\n" not in str(err.value)
+
+
+def test_compiled_state_keys_and_an_older_meta(tmp_path):
+    """A state dict saved from a torch.compile'd model (keys prefixed `_orig_mod.`) and a meta from before the
+    window / mHC / MTP options (nanochat's loader patches them: window "L", mHC and MTP off) load to the same logits."""
+    d = tmp_path / "old"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    torch.save({f"_orig_mod.{k}": v for k, v in sd.items()}, d / "model_000000.pt")
+    meta = json.loads((d / "meta_000000.json").read_text())
+    for k in ("window_pattern", "use_mhc", "mhc_num_streams", "mhc_sinkhorn_iters", "mhc_sinkhorn_tau",
+              "num_mtp_steps", "mtp_loss_weight", "no_x0_resid", "no_ve"):
+        meta["model_config"].pop(k)
+    (d / "meta_000000.json").write_text(json.dumps(meta))
+    model, _ = snlp.load(d)
+    r = ref("nanochat-L")
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
