@@ -58,6 +58,17 @@ def test_idn_solve_gives_the_paper_codes_plan_logits(plan, key):
                                    atol=ATOL)
 
 
+@pytest.mark.parametrize("plan,key", [("3xF1-h0-K1-hcn", "hcn_S1_K1"), ("4xF1-h0-K2-hcn", "hcn_S0_K2")])
+def test_hcn_solve_gives_the_paper_codes_plan_logits(plan, key):
+    """The paper's per-layer HCN solve (forward_hcn_batched: A = H_res,mlp H_res,attn of its softmax-map mHC, h0
+    init, K iterations, the backout of layer 2 of 4 read from the iterate) on its own mHC checkpoint equals snlp's
+    M = 1 HCN plan."""
+    model, _ = snlp.load(DATA / "nanochat-mhc")
+    r = ref("nanochat-mhc")
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, r["idx"], plan), r[key], rtol=0, atol=ATOL)
+
+
 def test_convert_writes_an_snlp_checkpoint_with_the_same_logits(tmp_path, capsys):
     out = tmp_path / "conv"
     assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out)]) == 0
@@ -211,3 +222,67 @@ def test_log_space_sinkhorn_is_the_sinkhorn_of_the_tempered_logits():
         a, b = sinkhorn_log(lg, iters, tau), sinkhorn(lg / tau, iters)
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(a.sum(-2), torch.ones(5, 4, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_exact_plans_on_the_windowed_checkpoint_give_the_paper_codes_logits(share):
+    """nanochat-sw (windows of 128 crossed by its 160 tokens, VE, smear, backout in the suffix): a bound K >= C, M = 1
+    plan (shared or own weights) gives the paper code's sequential logits; the paper's own parallel path drops the
+    windows, so no plan reference of its own exists for this checkpoint."""
+    model, _ = snlp.load(DATA / "nanochat-sw")
+    r = ref("nanochat-sw")
+    with torch.no_grad():
+        torch.testing.assert_close(snlp.bind(model, "5xF1-h0-K5", share_weights=share)(r["idx"]), r["logits"],
+                                   rtol=0, atol=ATOL)
+
+
+def test_the_analyses_read_the_backed_out_state():
+    """The early-exit table's N = 0 row and the analyses' sequential PPL are the model's own PPL (the head reads
+    h_L minus the backout state), exp of the mean NLL of its logits on the same windows."""
+    from snlp.eval.analysis.common import sequential_ppl
+    from snlp.eval.analysis.earlyexit import early_exit
+    from snlp.eval.protocol import EvalConfig
+
+    model, _ = snlp.load(DATA / "nanochat-L")
+    val = ref("nanochat-L")["idx"].flatten()
+    wins = torch.stack([val[i * 32:(i + 1) * 32 + 1] for i in range(4)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(wins[:, :-1]).double(), -1)
+        want = float(torch.exp(-logp.gather(-1, wins[:, 1:, None]).mean()))
+    assert sequential_ppl(model, wins) == pytest.approx(want, rel=1e-5)
+    rows = early_exit(model, val, [2], EvalConfig(seq_len=32, max_tokens=128, batch=2, progress=False))
+    assert rows[0].N == 0 and rows[0].ppl == pytest.approx(want, rel=1e-5)
+
+
+def test_analyze_runs_on_a_checkpoint_and_refuses_ordering_before_any_work():
+    """snlp's analyses on the paper's checkpoint: propagation runs (a skipped backout layer's output stands at h_S,
+    as the paper's code fills it), and the ordering section (Seq-Perm, undefined with the backout) is a one-line
+    refusal before any section runs."""
+    from snlp.eval import analysis as A
+
+    model, _ = snlp.load(DATA / "nanochat-L")
+    val = ref("nanochat-L")["idx"].flatten()
+    cfg = A.AnalysisConfig(seq_len=16, max_tokens=64, batch=2, progress=False)
+    res = A.analyze(model, val, A.AnalysisConfig(**{**cfg.__dict__, "only": ("propagation", "early-exit")}))
+    assert res.propagation is not None and res.early_exit[0].N == 0
+    with pytest.raises(ValueError, match="ordering") as err:
+        A.analyze(model, val, cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_compiled_state_keys_and_an_older_meta(tmp_path):
+    """A state dict saved from a torch.compile'd model (keys prefixed `_orig_mod.`) and a meta from before the
+    window / mHC / MTP options (nanochat's loader patches them: window "L", mHC and MTP off) load to the same logits."""
+    d = tmp_path / "old"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    torch.save({f"_orig_mod.{k}": v for k, v in sd.items()}, d / "model_000000.pt")
+    meta = json.loads((d / "meta_000000.json").read_text())
+    for k in ("window_pattern", "use_mhc", "mhc_num_streams", "mhc_sinkhorn_iters", "mhc_sinkhorn_tau",
+              "num_mtp_steps", "mtp_loss_weight", "no_x0_resid", "no_ve"):
+        meta["model_config"].pop(k)
+    (d / "meta_000000.json").write_text(json.dumps(meta))
+    model, _ = snlp.load(d)
+    r = ref("nanochat-L")
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)

@@ -41,8 +41,9 @@ def early_exit(model: GPT, val_tokens, suffixes: list[int], cfg: EvalConfig = Ev
         for b in batches:
             x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T)
             trace = model.hidden_states(x)  # [h_0 .. h_L], each (B, T, D)
+            hb = model.prefix_backout(trace, L)  # nanochat's backout: the N = 0 row is the model's own head input
             for n in Ns:
-                logits = model.head(trace[L - n])  # (B, T, V)
+                logits = model.head(model.finish(trace[L], hb) if n == 0 else trace[L - n])  # (B, T, V)
                 nll[n] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
             n_tok += y.numel()
             bar.update()

@@ -149,6 +149,9 @@ def correction_ordering(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisCo
     """Seq-Perm, IDN K = cfg.ordering_iters and no-correction PPL per order and suffix size N (xF1, h0).
     The prefix runs once per batch and N for every cell."""
     L = model.config.n_layer
+    if model.config.backout:  # Seq-Perm (permuted_sequential) refuses it; say so before any work
+        raise ValueError("correction ordering runs Seq-Perm, which nanochat's backout does not define (it reads a "
+                         "layer's output at a fixed depth)")
     wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.max_tokens)
     device = next(model.parameters()).device
     Ns, Ks = cfg.suffix_sizes(L), list(cfg.ordering_iters)

@@ -44,7 +44,8 @@ def correction_propagation(model: GPT, val_tokens, cfg: AnalysisConfig = Analysi
             for key in nll:
                 sur, K, j = key
                 plan = Plan(chunks=j, iters=K, surrogate=sur)
-                hb = ctx.hb if model.config.backout and model.config.backout_layer < L - j else None
+                b = model.config.backout_layer  # nanochat's backout: a skipped layer's output stands at h_S, as
+                hb = None if b is None or b >= L - j else ctx.hb if b < L - N else hS  # the paper's code fills it
                 h = solve(model, x, plan, check_finite=False, prefix=hS, hb=hb).hidden
                 add_nll(model, h, y, nll, bad, key)
                 bar.update()

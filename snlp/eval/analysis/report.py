@@ -75,6 +75,9 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
     checkpoint's calibration for the ELK x init sweep (one is fitted on random tokens when None)."""
     L = model.config.n_layer
     cfg.check(L)
+    if model.config.backout and "ordering" in cfg.only:  # before any section runs
+        raise ValueError("the ordering section runs Seq-Perm, which nanochat's backout does not define (it reads a "
+                         "layer's output at a fixed depth): leave ordering out of --only for this model")
     model.eval()
     res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment())  # a snapshot
     steps = [("jacobian", lambda: jacobian_diagnostics(model, val_tokens, cfg)),

@@ -1,5 +1,6 @@
 """Write the tiny nanochat(-snlp) checkpoints of tests/io/test_nanochat.py WITH THE PAPER'S OWN CODE, and the
-logits that code computes on them (reference.pt beside each checkpoint).
+logits that code computes on them (reference.pt beside each checkpoint): its forward, and its IDN (nanochat-L) and
+HCN (nanochat-mhc) solves.
 
 Run once, by hand, with a checkout of the paper's repository (github phymhan/nanochat-snlp, commit 330ce33):
 
@@ -32,6 +33,8 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.checkpoint_manager import save_checkpoint
 spec = importlib.util.spec_from_file_location("paper_inference_idn", os.path.join(sys.argv[1], "snlp", "inference_idn.py"))
 idn = importlib.util.module_from_spec(spec); spec.loader.exec_module(idn)
+spec = importlib.util.spec_from_file_location("paper_inference_hcn", os.path.join(sys.argv[1], "snlp", "inference_hcn.py"))
+hcn = importlib.util.module_from_spec(spec); spec.loader.exec_module(hcn)
 
 out = sys.argv[2]
 SPECS = {
@@ -83,6 +86,10 @@ for name, kw in SPECS.items():
                 par = list(range(S, cfg.n_layer))
                 pw = idn.PrecomputedWeights(model, par)
                 ref[f"idn_S{S}_K{K}"] = idn.forward_idn_batched(model, idx, S, pw, K=K)
+        if name == "nanochat-mhc":  # its per-layer HCN solve (A = H_res,mlp H_res,attn), backout reading the iterate
+            for S, K in ((1, 1), (0, 2)):
+                pw = hcn.MHCPrecomputedWeights(model, list(range(S, cfg.n_layer)))
+                ref[f"hcn_S{S}_K{K}"] = hcn.forward_hcn_batched(model, idx, S, pw, K=K)
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     meta = {"step": 0, "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
             "user_config": {}, "device_batch_size": 1, "max_seq_len": cfg.sequence_len}
