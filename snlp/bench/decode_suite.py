@@ -567,7 +567,7 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.device} ({m.device_type}), torch {m.torch}, CUDA {m.cuda}, transformers {m.transformers}, "
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
-             f"{cfg.warmup} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
+             f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
              f"snlp's eager sequential greedy tokens"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
@@ -587,7 +587,37 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
                      f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | {'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + comparisons(result.rows))
+
+
+def _versus(a: DecodeSuiteRow, b: DecodeSuiteRow) -> str:
+    """a's median tok/s over b's, and "a tie" where their min-max ranges overlap (inside the rounds' noise)."""
+    tie = a.tokens_per_s_min <= b.tokens_per_s_max and b.tokens_per_s_min <= a.tokens_per_s_max
+    return f"{a.tokens_per_s / b.tokens_per_s:.2f}x" + (" (a tie: the min-max ranges overlap)" if tie else "")
+
+
+def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
+    """The head-to-head lines the table implies, each from two of its rows: snlp's sequential decoding against the
+    faster of transformers' greedy rows (dynamic / static cache) at each batch size and treatment, and the fastest
+    self-speculative row of snlp (among those with the sequential tokens) against transformers' fastest assisted
+    row at each batch size."""
+    ran = [r for r in rows if r.tokens_per_s is not None]
+    out = []
+    for B in dict.fromkeys(r.batch for r in rows):
+        for t in ("eager", "compiled"):
+            seq = next((r for r in ran if (r.batch, r.treatment, r.method) == (B, t, "snlp sequential")), None)
+            hfs = [r for r in ran if (r.batch, r.treatment) == (B, t) and r.method in ("hf greedy (static)", "hf greedy")]
+            if seq and hfs:
+                hf = max(hfs, key=lambda r: r.tokens_per_s)
+                out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
+                           f"row ({hf.method})")
+        ours = [r for r in ran if r.batch == B and r.method.startswith("snlp speculative") and r.matches_sequential]
+        theirs = [r for r in ran if r.batch == B and r.method in ("hf early-exit", "hf prompt-lookup")]
+        if ours and theirs:
+            a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
+            out.append(f"- B={B}: the fastest snlp self-speculative row ({a.treatment}, {a.plan}, block {a.block}) "
+                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan})")
+    return out
 
 
 # ------------------------------------------------------------------------------- random weights: the prediction
