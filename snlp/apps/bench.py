@@ -106,9 +106,10 @@ def _add_suite_flags(p) -> None:
                             "decode, eager and compiled, random weights; writes suite.json + suite.md to --out. "
                             "decode: tokens/s of snlp's sequential, SNLP and self-speculative decoding against "
                             "transformers' generate (static cache, assistant_early_exit, prompt lookup) on one model "
-                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, or 'smollm2'; default "
-                            "random weights) at --batch-sizes (default 1,4,8); with --shapes instead: random weights "
-                            "at a paper shape, drafter vs sequential step times and a PREDICTED speedup at --alpha. "
+                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, 'smollm2', or "
+                            "'random-smollm2' for random weights at its shape; default random weights) at "
+                            "--batch-sizes (default 1,4,8); with --shapes instead: random weights at a paper shape, "
+                            "drafter vs sequential step times and a PREDICTED speedup at --alpha. "
                             "train: training step speed (tokens/s, MFU, compile time) at one shape (default 0.5B), "
                             "eager vs compiled, plain vs --regs; writes train.json + train.md to --out")
     suite.add_argument("--quick", action="store_true",

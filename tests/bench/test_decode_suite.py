@@ -238,3 +238,13 @@ def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_ti
     assert lines[1] == ("- B=1: the fastest snlp self-speculative row (eager, 6xF1-h0-K1, block 4) 3.00x the tok/s of "
                         "the fastest transformers assisted row (hf early-exit, E=2)")  # a row off the tokens is no row
     assert len(lines) == 2
+
+
+def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
+    from snlp.bench.decode_suite import load_model
+
+    model, tok, label = load_model("random-smollm2", quick=False)
+    c = model.config  # the converted GGUF's (tests/io/test_smollm2.py checks these against transformers' model)
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.hidden_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert c.tie_embeddings and c.rope_base == 100000.0 and tok is None
+    assert label.startswith("random weights (SmolLM2-135M's shape") and "speed only" in label
