@@ -139,8 +139,8 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode: transformers' prompt_lookup_num_tokens (default 10; 3 quick)")
     suite.add_argument("--no-transformers", action="store_true", help="--suite decode: skip the transformers rows")
     suite.add_argument("--drafter", default=None,
-                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra self-speculative "
-                            "rows where it drafts with its own plan")
+                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra "
+                            "self-speculative rows where it drafts with its own plan")
     suite.add_argument("--alpha", default=None,
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")

@@ -615,7 +615,8 @@ def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
     for B in dict.fromkeys(r.batch for r in rows):
         for t in ("eager", "compiled"):
             seq = next((r for r in ran if (r.batch, r.treatment, r.method) == (B, t, "snlp sequential")), None)
-            hfs = [r for r in ran if (r.batch, r.treatment) == (B, t) and r.method in ("hf greedy (static)", "hf greedy")]
+            hfs = [r for r in ran
+                   if (r.batch, r.treatment) == (B, t) and r.method in ("hf greedy (static)", "hf greedy")]
             if seq and hfs:
                 hf = max(hfs, key=lambda r: r.tokens_per_s)
                 out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
