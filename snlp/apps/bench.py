@@ -444,8 +444,8 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 def run_decode_suite_cli(args, command: str) -> int:
     """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
-    from snlp.bench.decode_suite import (DecodeSuiteConfig, markdown, paper_shape_prediction, prediction_markdown,
-                                         progress_line, run_decode_suite)
+    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
+    from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
 
     refused = [flag for flag, used in (

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from snlp.apps.cli import main
-from snlp.bench.decode_suite import (DecodeSuiteConfig, paper_shape_prediction, random_llama, run_decode_suite)
+from snlp.bench.decode_suite import DecodeSuiteConfig, random_llama, run_decode_suite
+from snlp.bench.ssd_prediction import paper_shape_prediction
 from snlp.decode.speculative import ideal_ssd_speedup
 from snlp.io.checkpoint import save_checkpoint
 from snlp.model.gpt import GPT, GPTConfig
