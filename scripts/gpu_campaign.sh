@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
-QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=""; DPLANS=""
+QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -90,8 +90,9 @@ if [ -n "$PAPER" ]; then
 fi
 
 # 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt;
-#    random Llama-family weights without), and the random-weights 0.5B drafter step times with a PREDICTED speedup
-part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV ${DCKPT:+--ckpt "$DCKPT"} \
+#    default random weights at SmolLM2-135M's shape: its GGUF is over a device call's 64 MiB), and the random-weights
+#    0.5B drafter step times with a PREDICTED speedup
+part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV --ckpt "$DCKPT" \
     ${DPLANS:+--suite-plans "$DPLANS"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
     --out "$OUT/parts/decode"
 part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \

@@ -106,9 +106,10 @@ def _add_suite_flags(p) -> None:
                             "decode, eager and compiled, random weights; writes suite.json + suite.md to --out. "
                             "decode: tokens/s of snlp's sequential, SNLP and self-speculative decoding against "
                             "transformers' generate (static cache, assistant_early_exit, prompt lookup) on one model "
-                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, or 'smollm2'; default "
-                            "random weights) at --batch-sizes (default 1,4,8); with --shapes instead: random weights "
-                            "at a paper shape, drafter vs sequential step times and a PREDICTED speedup at --alpha. "
+                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, 'smollm2', or "
+                            "'random-smollm2' for random weights at its shape; default random weights) at "
+                            "--batch-sizes (default 1,4,8); with --shapes instead: random weights at a paper shape, "
+                            "drafter vs sequential step times and a PREDICTED speedup at --alpha. "
                             "train: training step speed (tokens/s, MFU, compile time) at one shape (default 0.5B), "
                             "eager vs compiled, plain vs --regs; writes train.json + train.md to --out")
     suite.add_argument("--quick", action="store_true",
@@ -138,8 +139,8 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode: transformers' prompt_lookup_num_tokens (default 10; 3 quick)")
     suite.add_argument("--no-transformers", action="store_true", help="--suite decode: skip the transformers rows")
     suite.add_argument("--drafter", default=None,
-                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra self-speculative "
-                            "rows where it drafts with its own plan")
+                       help="--suite decode: an adapted drafter directory (snlp adapt) of --ckpt: extra "
+                            "self-speculative rows where it drafts with its own plan")
     suite.add_argument("--alpha", default=None,
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
@@ -443,8 +444,8 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 def run_decode_suite_cli(args, command: str) -> int:
     """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
-    from snlp.bench.decode_suite import (DecodeSuiteConfig, markdown, paper_shape_prediction, prediction_markdown,
-                                         progress_line, run_decode_suite)
+    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
+    from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
 
     refused = [flag for flag, used in (

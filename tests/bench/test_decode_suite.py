@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from snlp.apps.cli import main
-from snlp.bench.decode_suite import (DecodeSuiteConfig, paper_shape_prediction, random_llama, run_decode_suite)
+from snlp.bench.decode_suite import DecodeSuiteConfig, random_llama, run_decode_suite
+from snlp.bench.ssd_prediction import paper_shape_prediction
 from snlp.decode.speculative import ideal_ssd_speedup
 from snlp.io.checkpoint import save_checkpoint
 from snlp.model.gpt import GPT, GPTConfig
@@ -219,3 +220,32 @@ def test_a_row_is_as_good_as_its_worst_call():
     assert row.matches_sequential is False and row.mismatched_rows == 1 and row.first_mismatch == 1
     fold_tokens(row, [[7, 2, 3], [4, 5, 6]], ref)
     assert row.first_mismatch == 0 and row.mismatched_rows == 1
+
+
+def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_tie():
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
+
+    def row(method, tps, lo, hi, treatment="eager", **kw):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment=treatment, batch=1, tokens_per_s=tps, tokens_per_s_min=lo, tokens_per_s_max=hi,
+                              **kw)
+    rows = [row("snlp sequential", 100, 95, 105), row("hf greedy", 50, 45, 55), row("hf greedy (static)", 80, 70, 96),
+            row("snlp speculative", 300, 290, 310, plan="6xF1-h0-K1", block=4, matches_sequential=True),
+            row("snlp speculative", 900, 890, 910, plan="2xF1-h0-K1", block=4, matches_sequential=False),
+            row("hf early-exit", 100, 90, 110, plan="E=2"), row("hf prompt-lookup", None, None, None, skipped="x")]
+    lines = comparisons(rows)
+    assert lines[0] == ("- B=1, eager: snlp sequential 1.25x (a tie: the min-max ranges overlap) the tok/s of "
+                        "transformers' faster greedy row (hf greedy (static))")
+    assert lines[1] == ("- B=1: the fastest snlp self-speculative row (eager, 6xF1-h0-K1, block 4) 3.00x the tok/s of "
+                        "the fastest transformers assisted row (hf early-exit, E=2)")  # a row off the tokens is no row
+    assert len(lines) == 2
+
+
+def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
+    from snlp.bench.decode_suite import load_model
+
+    model, tok, label = load_model("random-smollm2", quick=False)
+    c = model.config  # the converted GGUF's (tests/io/test_smollm2.py checks these against transformers' model)
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.hidden_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert c.tie_embeddings and c.rope_base == 100000.0 and tok is None
+    assert label.startswith("random weights (SmolLM2-135M's shape") and "speed only" in label
