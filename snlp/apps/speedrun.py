@@ -8,7 +8,8 @@ The budget (snlp.bench.budget): before training, the box is measured (a few trai
 window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
 predicted from those measurements (stage_costs: exactly the knobs shrink_* sets at each scale; a fresh OUT/cache
 adds the off-the-shelf conversion and tokenising), and training gets what is left of the budget, but at least its
-floor (MIN_TRAIN_STEPS at the recorded pace) while the other stages can still shrink; when a stage starts, what is
+floor (MIN_TRAIN_STEPS at the pace of both models' own training steps, which the probe times) while the other stages
+can still shrink; when a stage starts, what is
 left is shared again among it and the stages after it, corrected by how far the finished ones overran, and a stage
 that would not fit runs smaller (shrink_*: fewer prompts, timing rounds, repeats, a shorter off-the-shelf
 adaptation; never fewer plans or models). Reused stages are done in the plan; the report says whether the budget
