@@ -14,7 +14,9 @@ import torch
 from snlp.apps.cli import main
 from snlp.eval.protocol import EvalConfig, EvalRecord
 from snlp.io.hf import bundled_smollm2
-from snlp.apps.speedrun import FULL, QUICK, SELECT_BLOCK, Stages, default_plans, select_drafter, suffix_depth
+from snlp.apps.speedrun.preset import FULL, QUICK, SELECT_BLOCK, default_plans, suffix_depth
+from snlp.apps.speedrun.records import Stages
+from snlp.apps.speedrun.ssd import select_drafter
 
 # --quick plus test-only shrinking: depth 4 (N = 2), 12 steps on 300k characters of the stdlib
 TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
@@ -218,7 +220,8 @@ def test_decode_timing_is_not_a_lone_first_step():
 
 
 def _tiny_corpus(tmp_path):
-    from snlp.apps.speedrun import DataSpec, stage_tokenizer
+    from snlp.apps.speedrun.preset import DataSpec
+    from snlp.apps.speedrun.tokenizer import stage_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 13}\n" * 4 for i in range(600)))
@@ -234,14 +237,15 @@ def test_interrupted_training_resumes(tmp_path, capsys):
 
     from rich.console import Console
 
-    from snlp.apps.speedrun import TrainJob, _write_json, train_config, train_models, train_summary
+    from snlp.apps.speedrun.train import TrainJob, train_config, train_models, train_summary
+    from snlp.apps.speedrun.records import write_json
     from snlp.train.trainer import fit
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     job = TrainJob("m", train_config(cfg, tmp_path / "m", cache, reg=True, steps=6), {"any": "settings"},
                    tmp_path / "m.partial.json")
     console = Console(file=None, force_terminal=False)
-    _write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
+    write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
     assert fit(dataclasses.replace(job.cfg, stop_after=3)).steps == 3  # "killed" after its step-3 save
     capsys.readouterr()
     walls = train_models([job], console, threads=1)
@@ -250,7 +254,7 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
     assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
     # a run made with other settings is thrown away, not resumed
-    _write_json(job.partial, {"other": "settings"})
+    write_json(job.partial, {"other": "settings"})
     train_models([job], console, threads=1)
     assert "resuming" not in capsys.readouterr().out
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
@@ -262,7 +266,7 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
     down after the probe overran), and the budget holds to within a few steps."""
     from rich.console import Console
 
-    from snlp.apps.speedrun import TrainJob, train_config, train_models, train_summary
+    from snlp.apps.speedrun.train import TrainJob, train_config, train_models, train_summary
 
     cfg, cache, tok = _tiny_corpus(tmp_path)
     budget = 0.2  # minutes
@@ -280,7 +284,7 @@ def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
 def test_failed_training_reports_its_log(tmp_path):
     from rich.console import Console
 
-    from snlp.apps.speedrun import TrainJob, train_config, train_models
+    from snlp.apps.speedrun.train import TrainJob, train_config, train_models
 
     cfg = {"data": str(tmp_path / "missing.txt"), "max_chars": 0, "vocab_size": 300, "depth": 2, "width": 32,
            "head_dim": 16, "seq_len": 32, "batch_size": 4, "seed": 0, "reg_n": 1, "device": "cpu"}
@@ -295,8 +299,12 @@ def test_budget_args_and_shrinking():
     budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""
     import argparse
 
-    from snlp.apps.speedrun import (_preset, add_arguments, check_args, shrink_diagnostics, shrink_eval, shrink_ots,
-                                    shrink_ssd, eval_config)
+    from snlp.apps.speedrun.job import preset_of, add_arguments, check_args
+    from snlp.apps.speedrun.diagnostics import shrink_diagnostics
+    from snlp.apps.speedrun.evaluate import shrink_eval
+    from snlp.apps.speedrun.off_the_shelf import shrink_ots
+    from snlp.apps.speedrun.ssd import shrink_ssd
+    from snlp.apps.speedrun.preset import eval_config
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -304,11 +312,11 @@ def test_budget_args_and_shrinking():
                        (["--budget", "20", "--steps", "5"], "--budget or --minutes"), (["--budget", "0"], "> 0")):
         args = p.parse_args(["--out", "x", *bad])
         with pytest.raises(ValueError, match=match):
-            check_args(args, _preset(args))
-    assert _preset(p.parse_args(["--out", "x"])).budget_minutes == 20
-    assert _preset(p.parse_args(["--out", "x", "--minutes", "3"])).budget_minutes is None
-    assert _preset(p.parse_args(["--out", "x", "--quick"])).budget_minutes is None
-    q = _preset(p.parse_args(["--out", "x", "--quick", "--budget", "4"]))
+            check_args(args, preset_of(args))
+    assert preset_of(p.parse_args(["--out", "x"])).budget_minutes == 20
+    assert preset_of(p.parse_args(["--out", "x", "--minutes", "3"])).budget_minutes is None
+    assert preset_of(p.parse_args(["--out", "x", "--quick"])).budget_minutes is None
+    q = preset_of(p.parse_args(["--out", "x", "--quick", "--budget", "4"]))
     assert (q.budget_minutes, q.steps, q.minutes) == (4, None, None)
 
     ecfg = eval_config(FULL, 0)
@@ -329,7 +337,8 @@ def test_budget_args_and_shrinking():
 
 
 def test_stage_costs_cover_every_later_stage():
-    from snlp.apps.speedrun import eval_config, stage_costs
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe
 
     order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit", "off-the-shelf",
@@ -341,7 +350,7 @@ def test_stage_costs_cover_every_later_stage():
     assert all(c.scalable_s > 0 for c in costs if c.name.startswith(("eval", "ssd", "off")))
     slower = stage_costs(FULL, default_plans(16), order, Probe(2.0, 0.04, 0.006), eval_config(FULL, 0))
     assert all(b.at(1) > a.at(1) for a, b in zip(costs, slower))  # a slower box predicts longer stages
-    from snlp.apps.speedrun import shrink_ssd
+    from snlp.apps.speedrun.ssd import shrink_ssd
     ssd = next(c for c in costs if c.name == "ssd-idn")  # the budget's floor for SSD is where shrink_ssd stops
     assert shrink_ssd(FULL, ssd.min_scale)[0] == shrink_ssd(FULL, 0.01)[0] != FULL
 
@@ -353,7 +362,9 @@ def test_off_the_shelf_cost_counts_what_the_stage_runs():
     and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio ~30)."""
     import dataclasses
 
-    from snlp.apps.speedrun import OTS_TOKEN_RATIO, OTS_WINDOW_RATIO, eval_config, stage_costs
+    from snlp.apps.speedrun.off_the_shelf import OTS_TOKEN_RATIO, OTS_WINDOW_RATIO
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe
 
     assert (FULL.ots_tokens, FULL.ots_check_tokens) == (1024, 16) and OTS_WINDOW_RATIO >= 25
@@ -385,7 +396,7 @@ def test_off_the_shelf_conversion_is_cached(tmp_path):
     which path ran."""
     import torch
 
-    from snlp.apps.speedrun import converter_digest, file_sha256, ots_cache_dir, ots_model
+    from snlp.apps.speedrun.off_the_shelf import converter_digest, file_sha256, ots_cache_dir, ots_model
     from snlp.io.checkpoint import save_checkpoint
     from snlp.io.tokenizer import Tokenizer
     from snlp.model.gpt import GPT, GPTConfig
@@ -420,7 +431,7 @@ def test_off_the_shelf_cache_is_keyed_by_content(tmp_path):
     import torch
 
     import snlp.io.hf as hf
-    from snlp.apps.speedrun import converter_digest, file_sha256, ots_model
+    from snlp.apps.speedrun.off_the_shelf import converter_digest, file_sha256, ots_model
     from snlp.io.tokenizer import Tokenizer
     from snlp.model.gpt import GPT, GPTConfig
 
@@ -477,7 +488,7 @@ def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
     (the stored settings are the unshrunk ones) without calling it again."""
     import argparse
 
-    from snlp.apps.speedrun import add_arguments, setup
+    from snlp.apps.speedrun.job import add_arguments, setup
     from snlp.bench.budget import StageCost, plan_budget
 
     p = argparse.ArgumentParser()
@@ -512,7 +523,7 @@ ORDER = ["eval-noreg", "eval-idn", "early-exit", "off-the-shelf", "diagnostics",
 def _budgeted(tmp_path, budget="10"):
     import argparse
 
-    from snlp.apps.speedrun import add_arguments, setup
+    from snlp.apps.speedrun.job import add_arguments, setup
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -522,7 +533,7 @@ def _budgeted(tmp_path, budget="10"):
 
 def _trained(sr, minutes=8.67, steps=105):
     """Reused training records (an earlier invocation trained both models with `minutes` of the budget)."""
-    from snlp.apps.speedrun import StageRecord
+    from snlp.apps.speedrun.records import StageRecord
 
     for k in ("noreg", "idn"):
         sr.trains[k] = sr.stages.records[f"train-{k}"] = StageRecord(
@@ -592,8 +603,10 @@ def test_a_reused_training_reports_its_own_share(tmp_path):
 
 def _written_out(pre, plans, ecfg, pr):
     """Each stage's predicted seconds as a function of the knobs it runs, written out (docs: the cost model)."""
-    from snlp.apps.speedrun import (BLOCKS, DIAG_SETUP_ITERS, OTS_LOAD_S, OTS_TOKEN_RATIO, OTS_WINDOW_RATIO,
-                                    SPEC_TOKEN, suffix_depth)
+    from snlp.apps.speedrun.preset import BLOCKS, suffix_depth
+    from snlp.apps.speedrun.diagnostics import DIAG_SETUP_ITERS
+    from snlp.apps.speedrun.off_the_shelf import OTS_LOAD_S, OTS_TOKEN_RATIO, OTS_WINDOW_RATIO
+    from snlp.apps.speedrun.ssd import SPEC_TOKEN
 
     w, tok = pr.window_s, pr.decode_token_s
     factor = lambda p: 0.25 + 0.75 * (int(p.rsplit("-K", 1)[1]) + ("-fwd-" in p))  # noqa: E731  (fwd: one more pass)
@@ -635,8 +648,12 @@ def test_every_stage_costs_exactly_the_knobs_its_shrink_sets():
     any scale but its cost model shrank them (under-planned by 80 s, 38 %, at its floor), and eval's warm-up rounds
     and rounded knobs made it under-plan by 12 % at its floor. Every stage at every scale must cost what the knobs
     its shrink_* sets cost, with the fixed parts fixed (the cost model written out above)."""
-    from snlp.apps.speedrun import (eval_config, shrink_diagnostics, shrink_eval, shrink_ots, shrink_ssd,
-                                    stage_costs)
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.diagnostics import shrink_diagnostics
+    from snlp.apps.speedrun.evaluate import shrink_eval
+    from snlp.apps.speedrun.off_the_shelf import shrink_ots
+    from snlp.apps.speedrun.ssd import shrink_ssd
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe
 
     pr, plans = Probe(**AVX2), default_plans(16)
@@ -668,8 +685,9 @@ def test_a_fresh_cache_plans_the_conversion_and_tokenising(tmp_path):
     data (a fresh --quick --budget 3 ended at 3:14). ots_cached reads what the cache holds, by the names the
     functions that write them use (validation_tokens, token_stream: the reference), and the cost model adds the
     stated conversion / tokenising seconds scaled by the probe."""
-    from snlp.apps.speedrun import (OTS_CONVERT_S, OTS_PREP_REF_S, OTS_TOKENISE_ADAPT_S, OTS_TOKENISE_VAL_S, DataSpec,
-                                    eval_config, ots_cache_dir, ots_cached, stage_costs)
+    from snlp.apps.speedrun.off_the_shelf import OTS_CONVERT_S, OTS_PREP_REF_S, OTS_TOKENISE_ADAPT_S, OTS_TOKENISE_VAL_S, ots_cache_dir, ots_cached
+    from snlp.apps.speedrun.preset import DataSpec, eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe
     from snlp.eval.data import validation_tokens
     from snlp.io.checkpoint import save_checkpoint
@@ -731,7 +749,9 @@ def test_training_keeps_a_floor_on_a_slower_box(slower):
     fixed part alone is ~5 min here), training gets everything the floors leave, the plan says so, and the report says
     how many steps ran."""
     from snlp.apps.report import budget_verdict
-    from snlp.apps.speedrun import MIN_TRAIN_STEPS, eval_config, stage_costs, train_pace
+    from snlp.apps.speedrun.train import MIN_TRAIN_STEPS, train_pace
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe, plan_budget
 
     pr = Probe(**{k: v * slower for k, v in AVX2.items()})
@@ -752,7 +772,9 @@ def test_training_floor_shrinks_the_stages_on_the_recorded_box():
     """At the AVX2 run's probe, fresh cache (the conversion counted) or not, training keeps its floor and every stage
     runs whole; on a box 1.1x slower the stages shrink so that training keeps its floor, give or take the whole
     prompts and rounds they shrink by (no cut)."""
-    from snlp.apps.speedrun import MIN_TRAIN_STEPS, eval_config, stage_costs, train_pace
+    from snlp.apps.speedrun.train import MIN_TRAIN_STEPS, train_pace
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe, plan_budget
 
     for slower, ref_s in ((1.0, 0.0), (1.0, 0.0197), (1.1, 0.0), (1.1, 0.0197 * 1.1)):
@@ -791,7 +813,9 @@ def test_off_the_shelf_plan_tracks_the_recorded_idle_run():
     its weight size nor the load, and training lost ~3 minutes to the over-estimate. Now the window is priced from
     the probe's reference_work (a SmolLM2-sized workload) and the AR Match generations are counted as the stage runs
     them (the fused plan's own reference included): planned within 25 % of the recording, and never under it."""
-    from snlp.apps.speedrun import OTS_WINDOW_REF, eval_config, ots_window_s, stage_costs
+    from snlp.apps.speedrun.off_the_shelf import OTS_WINDOW_REF, ots_window_s
+    from snlp.apps.speedrun.preset import eval_config
+    from snlp.apps.speedrun.costs import stage_costs
     from snlp.bench.budget import Probe
 
     recorded = dict(train_step_s=1.198, window_s=0.04621, decode_token_s=0.006855, ref_s=0.01965)  # its probe
@@ -821,24 +845,24 @@ def test_plan_factor_prices_what_the_plan_runs():
     of the depth-16 model (one thread) over sequential: 12xF1-fwd-K1 1.73 (priced 1.0), 12xF1-h0-K0 0.39 (priced
     1.0), 12xF1-h0-K2-diag 3.7 (priced 1.75). Now the plan's own critical-path count, each batched evaluation
     weighted by its N layers."""
-    from snlp.apps.speedrun import _ar_references, _plan_factor
+    from snlp.apps.speedrun.common import ar_references, plan_factor
 
     for plan in default_plans(16):
         if "-h0-" in plan:  # the grid's IDN/h0 plans at N = 3L/4: unchanged
-            assert _plan_factor(plan, 16) == pytest.approx(0.25 + 0.75 * int(plan.rsplit("-K", 1)[1]))
-    assert _plan_factor("12xF1-fwd-K1", 16) == pytest.approx((4 + 2 * 12) / 16)  # the forward init: one more pass
-    assert _plan_factor("12xF1-h0-K0", 16) == pytest.approx(4 / 16)  # the prefix alone
-    assert _plan_factor("12xF1-h0-K2-diag", 16) > 3
-    assert _plan_factor("8xF1-h0-K8", 30) == pytest.approx((22 + 64) / 30)  # SmolLM2's 8-of-30-layer plans
+            assert plan_factor(plan, 16) == pytest.approx(0.25 + 0.75 * int(plan.rsplit("-K", 1)[1]))
+    assert plan_factor("12xF1-fwd-K1", 16) == pytest.approx((4 + 2 * 12) / 16)  # the forward init: one more pass
+    assert plan_factor("12xF1-h0-K0", 16) == pytest.approx(4 / 16)  # the prefix alone
+    assert plan_factor("12xF1-h0-K2-diag", 16) > 3
+    assert plan_factor("8xF1-h0-K8", 30) == pytest.approx((22 + 64) / 30)  # SmolLM2's 8-of-30-layer plans
     # AR Match references: one per fused model, shared by its plans; a plan that is its own reference is one row
-    assert _ar_references(["4xF2-h0-K1", "4xF2-h0-K2"]) == 1
-    assert _ar_references(["4xF2-h0-K1", "1xF8-h0-K1", "8xF1-h0-K1"]) == 1
+    assert ar_references(["4xF2-h0-K1", "4xF2-h0-K2"]) == 1
+    assert ar_references(["4xF2-h0-K1", "1xF8-h0-K1", "8xF1-h0-K1"]) == 1
 
 
 def test_a_gpu_probe_prices_smollm2_from_its_own_window():
     """Review (helper-9): reference_work runs on one CPU thread, so on --device cuda it priced a GPU SmolLM2 window
     at ~1 s. A probe taken on another device prices it from the speedrun model's window measured there."""
-    from snlp.apps.speedrun import OTS_WINDOW_RATIO, OTS_WINDOW_REF, ots_window_s
+    from snlp.apps.speedrun.off_the_shelf import OTS_WINDOW_RATIO, OTS_WINDOW_REF, ots_window_s
     from snlp.bench.budget import Probe
 
     kw = dict(train_step_s=0.05, window_s=0.002, decode_token_s=0.004, ref_s=0.02)
@@ -858,7 +882,7 @@ def test_plans_the_models_cannot_run_are_refused_before_training(tmp_path, capsy
 # ----- the report states what ran (every figure from the stage records; per-row references; speeds as measured)
 import dataclasses  # noqa: E402
 
-from snlp.apps.speedrun import eval_config  # noqa: E402
+from snlp.apps.speedrun.preset import eval_config
 
 L16 = ("12xF1-h0-K1", "12xF1-h0-K4", "1xF12-h0-K1")
 
@@ -1012,7 +1036,7 @@ def test_the_training_floor_is_priced_from_the_real_training_steps(tmp_path, mon
     steps took 6:32. The probe now times both models' own training steps (the IDN regulariser runs in the IDN one:
     counted here), and the floor is MIN_TRAIN_STEPS of the slower of the two (they train side by side)."""
     import snlp.train.job as J
-    from snlp.apps.speedrun import MIN_TRAIN_STEPS
+    from snlp.apps.speedrun.train import MIN_TRAIN_STEPS
 
     calls = []
     real = J.snlp_loss
@@ -1038,7 +1062,7 @@ def test_off_the_shelf_is_opt_in(tmp_path, monkeypatch, capsys):
 
     import snlp.io.hf as H
     from snlp.apps.report import adaptation_lines
-    from snlp.apps.speedrun import add_arguments, setup
+    from snlp.apps.speedrun.job import add_arguments, setup
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -1080,3 +1104,21 @@ def test_the_ssd_text_says_how_each_s_was_timed_and_the_alpha_sample():
     assert column(tables(md)["Self-speculative decoding"], "α over")[0] == "3 × 128 tok, 3 rnd"
     assert "over 2 prompts × 64 tokens per plan" in md
     assert "wall clock" in _render(tune_clock="wall").split("Drafter choice")[1].split("|")[0]
+
+
+def test_the_frontier_draws_the_main_tables_front():
+    """The plot's Pareto line is the main table's `*` (ties inside the timing range included), not a second front
+    computed from medians alone: 1xF12-h0-K1 is faster by median but ties 12xF1-h0-K1 with worse PPL."""
+    from snlp.apps.report import pooled_speeds, tied_front
+    from snlp.eval.frontier import frontier_figure
+
+    ctx = _report_ctx(speeds={k: {"12xF1-h0-K1": [1.8, 2.0, 2.2], "12xF1-h0-K4": [1.1, 1.2, 1.1],
+                                  "1xF12-h0-K1": [1.9, 2.1, 2.3]} for k in ("noreg", "idn")})
+    recs = ctx["evals"]["noreg"]
+    speeds = pooled_speeds(ctx["evals"])
+    front = tied_front([(r.plan, speeds[r.plan], r.ppl) for r in recs])
+    recs = [dataclasses.replace(r, speedup=speeds[r.plan].median) for r in recs]
+    line = lambda fig: next(ln for ln in fig.axes[0].get_lines() if "Pareto" in ln.get_label())  # noqa: E731
+    assert 2.1 in list(line(frontier_figure({"No Reg.": recs}, "t")).get_xdata())  # medians alone: on the front
+    xs = list(line(frontier_figure({"No Reg.": recs}, "t", fronts={"No Reg.": front})).get_xdata())
+    assert 2.1 not in xs and 2.0 in xs
