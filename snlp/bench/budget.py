@@ -1,4 +1,4 @@
-"""A wall-clock budget that a multi-stage job plans and keeps (`snlp speedrun --budget MINUTES`, issue 29).
+"""A wall-clock budget that a multi-stage job plans and keeps (`snlp speedrun --budget MINUTES`).
 
 The job first measures the box (`probe`: a few training steps, one evaluation window, one decode round of a
 fresh model of the job's shape; seconds), predicts each later stage from those measurements (`StageCost`: a

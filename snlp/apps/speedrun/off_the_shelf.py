@@ -191,7 +191,7 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
     print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
     out = {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
            "records": [r.to_dict() for r in records]}
-    if preset.ots_adapt_minutes > 0:  # issue 20: a short `snlp adapt` of the drafter, the model unchanged
+    if preset.ots_adapt_minutes > 0:  # a short `snlp adapt` of the drafter, the model unchanged
         from snlp.apps.adapt import speedrun_adaptation
 
         out["adaptation"] = a = speedrun_adaptation(model, tok, str(gguf), spec.data, spec.max_chars, val,

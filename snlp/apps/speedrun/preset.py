@@ -54,7 +54,7 @@ class Preset:
     budget_minutes: float | None = None  # the whole run's wall-clock budget (`--budget`; training gets what is left)
 
 
-# FULL fits 20 minutes on 2 idle cores (issue 22): 10 min of training, then ~8 min of stages. Measured per
+# FULL fits 20 minutes on 2 idle cores: 10 min of training, then ~8 min of stages. Measured per
 # unit (1 thread, CPU s): eval-* = teacher-forced 2.6 s per 1024 tokens (seq + 7 plans) + generations 17 s
 # + 2.5 s per timing round; off-the-shelf = 25 s load + 30 s per 1024 tokens + 18 s generations + 15 s per
 # timing round; SSD ~ prompts x tokens x repeats. Hence 8192 eval tokens (the plan-vs-sequential
@@ -108,7 +108,8 @@ class SpeedrunConfig:
 def suffix_depth(n_layer: int) -> int:
     """The parallel suffix N of a depth-L speedrun: three quarters of the depth, as the paper (its 32-layer
     0.5B models regularise and parallelise a suffix of N = 24, tab. idn_reg_ablation), e.g. 12 of 16 layers.
-    The drafter then runs L - N = L/4 layers one after another instead of L/2 (issue 29: 8 of 16 capped SSD)."""
+    The drafter then runs L - N = L/4 layers one after another instead of L/2 (with N = 8 of 16 the sequential
+    prefix capped the drafter's speedup, and SSD's with it)."""
     return max(1, (3 * n_layer) // 4)
 
 

@@ -46,7 +46,7 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
     (snlp.decode.speculative.speculative_shootout) and the best MEASURED one is the pick unless others are within its
     noise (snlp.bench.tune.pick: then the best stage-1 prediction among them). One block, not the best
     of B = 2, 4, 8: the stage-2 budget then buys more prompts and rounds for the choice the report headlines
-    (issue 29: a pick made at B = 8, or on one prompt and one round, drafted the B = 4 row with a slower plan)."""
+    (a pick made at B = 8, or on one prompt and one round, drafted the B = 4 row with a slower plan)."""
     from snlp.bench.tune import TuneConfig, quality_from_records, tune
 
     quality = {p: q for p, q in quality_from_records(eval_records).items() if not q.note and q.top1 is not None}
@@ -69,7 +69,7 @@ def tune_rows(result) -> list[dict]:
 
 
 SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=2, tune_prompts=2, tune_repeats=2)  # what shrink_ssd never goes below:
-# a median of one round of one prompt is noise (issue 29: at 1-3 prompts and 1-2 rounds a one-prompt measurement
+# a median of one round of one prompt is noise (at 1-3 prompts and 1-2 rounds a one-prompt measurement
 # picked a slower drafter and the SSD rows swung by 0.3x); the stage costs ~1 minute at these floors. Floors bound
 # shrinking only: they never raise a preset's value (--quick's 2 SSD prompts stay 2: a smoke test, docs/speedrun.md)
 
