@@ -527,8 +527,8 @@ def _budget_line(ctx: dict) -> str:
         pace = train_pace_s(ctx)
         train = (f"gave training {fmt_s(b['train_s'])} (its floor: {floor} steps, priced at "
                  f"{fmt_s(b.get('train_floor_s') or 0)} from the probe's training steps, before any other stage "
-                 f"shrinks" + (f"; the training that ran kept {pace:.2f} s per step, so {floor} steps took "
-                               f"{fmt_s(floor * pace)} at its pace" if pace and floor else "") + ")")
+                 f"shrinks" + (f"; the training that ran kept {pace:.2f} s per step, at which {floor} steps take "
+                               f"{fmt_s(floor * pace)}" if pace and floor else "") + ")")
     steps = pr.get("train_steps_s") or {}
     step = (", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + " per training step" if steps else
             f"training step {pr.get('train_step_s', 0) * 1e3:.0f} ms")

@@ -1029,6 +1029,11 @@ def test_the_training_floor_verdict_rests_on_what_ran():
     assert "floor" not in text and "cut" not in text
     text = " ".join(budget_verdict(_report_ctx(budget=cut, steps=40, train_seconds=156.0)))  # 3.9 s per step
     assert "trained 40 steps, fewer than the floor's 100" in text and "60 missing steps take 3:54" in text
+    # the budget line prices the floor at the pace training kept: the run, 100 steps in 6:32 (not 12:42)
+    from snlp.apps.report import _budget_line
+
+    line = _budget_line(_report_ctx(budget=cut, steps=130, train_seconds=510.0))
+    assert "kept 3.92 s per step, at which 100 steps take 6:32" in line
 
 
 def test_the_training_floor_is_priced_from_the_real_training_steps(tmp_path, monkeypatch):
