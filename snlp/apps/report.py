@@ -164,7 +164,7 @@ def tied_front(rows: list[tuple[str, Speed | None, float]]) -> set[str]:
     return {b[0] for b in ok if not any(dominates(a, b) for a in ok if a is not b)}
 
 
-def _ar_cells(r, depth: int) -> tuple[str, str]:
+def _ar_cells(r) -> tuple[str, str]:
     """(AR Match against the sequential model with β̂, the fused-model agreement apart: only for fused plans, whose
     paper reference is the same fused model run sequentially, named in the cell)."""
     seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
@@ -188,17 +188,17 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
     for key, label in MODELS:
         recs = evals[key]
         seq = recs[0]
-        L = seq.n_layer or recs[0].S
+        L = seq.n_layer  # None: a record without it (no layer count to state)
         front = tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in recs])
         model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
             mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
             sp = speeds.get(r.plan)
-            ar, fused = _ar_cells(r, L)
+            ar, fused = _ar_cells(r)
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
                          f"{fmt_delta_ppl(r.delta_ppl)} | {'-' if sp is None else f'{sp.median:.2f}x'} | "
-                         f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {layer_evaluations(r.plan, L)} | "
+                         f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {'-' if L is None else layer_evaluations(r.plan, L)} | "
                          f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} | {fused} |")
     return "\n".join(lines)
 
