@@ -1127,3 +1127,16 @@ def test_the_frontier_draws_the_main_tables_front():
     assert 2.1 in list(line(frontier_figure({"No Reg.": recs}, "t")).get_xdata())  # medians alone: on the front
     xs = list(line(frontier_figure({"No Reg.": recs}, "t", fronts={"No Reg.": front})).get_xdata())
     assert 2.1 not in xs and 2.0 in xs
+
+
+def test_an_eval_record_made_before_the_new_columns_is_made_anew(tmp_path):
+    """A stored eval record without AR Match against the sequential model, the per-round decode ratios and the
+    settings it ran with cannot fill the report's columns: its settings no longer match, so a re-run evaluates anew
+    instead of reusing it."""
+    sr = _budgeted(tmp_path)()
+    _trained(sr)
+    new = sr.stage_settings("eval-noreg")[0]
+    old = {k: v for k, v in new.items() if k != "rows"}
+    sr.stages.begin("eval-noreg", "test")
+    sr.stages.finish("eval-noreg", old, {"records": []}, seconds=1.0)
+    assert sr.stages.peek("eval-noreg", old) is not None and sr.stages.peek("eval-noreg", new) is None

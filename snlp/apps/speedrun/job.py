@@ -17,6 +17,7 @@ import torch
 from snlp.apps.report import MODELS, cpu_isa, fmt_s
 from snlp.apps.speedrun.costs import REPORT_S, stage_costs
 from snlp.apps.speedrun.early_exit import early_exit_suffixes
+from snlp.apps.speedrun.evaluate import EVAL_ROWS
 from snlp.apps.speedrun.off_the_shelf import converter_digest, file_sha256, ots_cache_dir, ots_cached
 from snlp.apps.speedrun.preset import (BLOCKS, FULL, Preset, QUICK, SpeedrunConfig, default_plans, eval_config,
                                        suffix_depth)
@@ -223,7 +224,9 @@ class Speedrun:
             if key not in self.trains or (name.startswith("ssd-") and key not in self.evals):
                 return None
             if name.startswith("eval-"):
-                return {"model": self.trains[key].id, "plans": self.plans, **self.common()}, []
+                # "rows": what each row records; a record made before a row recorded its AR match against the
+                # sequential model, its per-round decode ratios and the settings it ran with is made anew
+                return {"model": self.trains[key].id, "plans": self.plans, "rows": EVAL_ROWS, **self.common()}, []
             return ({"model": self.trains[key].id, "eval_stage": self.evals[key].id, "blocks": list(BLOCKS),
                      "prompts": pre.ssd_prompts, "prompt_len": pre.eval_prompt_len, "tokens": pre.ssd_tokens,
                      "repeats": pre.ssd_repeats, "timing": "per-step s, medians", "seed": self.cfg.seed,
