@@ -1,6 +1,6 @@
 """The `snlp speedrun` report: hardware/library environment and the markdown tables of report.md
 (training summary, the paper's main / SSD / early-exit tables, wall time per stage).
-`render_report` gets everything it prints from the context `snlp.apps.speedrun.run` assembles."""
+`render_report` gets everything it prints from the context `snlp.apps.speedrun.final.report_context` assembles."""
 
 from __future__ import annotations
 
