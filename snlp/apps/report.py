@@ -1,6 +1,6 @@
 """The `snlp speedrun` report: hardware/library environment and the markdown tables of report.md
 (training summary, the paper's main / SSD / early-exit tables, wall time per stage).
-`render_report` gets everything it prints from the context `snlp.apps.speedrun.run` assembles."""
+`render_report` gets everything it prints from the context `snlp.apps.speedrun.final.report_context` assembles."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from snlp import __version__
+from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import RULE, fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
 def fmt_s(s: float) -> str:
@@ -108,27 +111,129 @@ def _config(plan: str) -> str:
     return re.sub(r"-K\d+", "", plan)
 
 
-def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
-    """The paper's main table from the EvalRecords of each model: its plans from higher to lower PPL."""
-    from snlp.eval.metrics import pareto_front
+def layer_evaluations(plan: str, depth: int) -> int:
+    """Layer evaluations per token of `plan` on a `depth`-layer model: its S prefix layers once, then every
+    critical-path step of its suffix (K x evaluations per iteration, + the fwd init) evaluates all N suffix layers
+    at once, which one CPU thread computes one after another. The sequential model: L."""
+    from snlp.method.plan import Plan
 
-    head = ("| Model | Config | K | PPL | ΔPPL | Speedup | Top-1 | LogitSim | EmbSim | AR Match (β̂) |\n"
-            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if plan == "sequential":
+        return depth
+    pl = Plan.parse(plan)
+    S = pl.prefix_len(depth)
+    return S + (pl.critical_path_layers(depth) - S) * pl.n_suffix
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A plan's decode speedup on one architecture: the median of every timed round's paired ratio (sequential over
+    plan ms/token of that round) of every model of that architecture, their lowest and highest, and how many."""
+
+    median: float
+    lo: float
+    hi: float
+    rounds: int
+
+    def ties(self, other: "Speed") -> bool:
+        """The ranges of per-round ratios overlap: the difference is inside the timing noise."""
+        return self.lo <= other.hi and other.lo <= self.hi
+
+
+def pooled_speeds(evals: dict[str, list]) -> dict[str, Speed]:
+    """Plan -> its Speed over both models' timed rounds: the models share one architecture, and a plan's decode cost
+    does not depend on the weights (fixed K, no early stop), so the two timings of a plan measure one thing twice.
+    Records without per-round ratios count their one speedup."""
+    pool: dict[str, list[float]] = {}
+    for key, _ in MODELS:
+        for r in evals.get(key, []):
+            xs = r.speedup_rounds or ([r.speedup] if r.speedup else [])
+            pool.setdefault(r.plan, []).extend(x for x in xs if x is not None and math.isfinite(x))
+    return {p: Speed(statistics.median(xs), min(xs), max(xs), len(xs)) for p, xs in pool.items() if xs}
+
+
+def tied_front(rows: list[tuple[str, Speed | None, float]]) -> set[str]:
+    """The names on the speed-quality Pareto front of (name, speed, ppl) rows when speeds inside each other's
+    ranges tie: a row is dominated by one at most as bad in PPL that is faster beyond both ranges, or by one that
+    ties it in speed and has strictly lower PPL. Rows without a speed or a finite PPL are never on it."""
+    ok = [(n, sp, p) for n, sp, p in rows if sp is not None and p is not None and math.isfinite(p)]
+
+    def dominates(a, b) -> bool:
+        (_, sa, pa), (_, sb, pb) = a, b
+        return (sa.lo > sb.hi and pa <= pb) or (sa.ties(sb) and pa < pb)
+
+    return {b[0] for b in ok if not any(dominates(a, b) for a in ok if a is not b)}
+
+
+def _ar_cells(r) -> tuple[str, str]:
+    """(AR Match against the sequential model with β̂, the fused-model agreement apart: only for fused plans, whose
+    paper reference is the same fused model run sequentially, named in the cell)."""
+    seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
+    gen = r.gen_tokens or 1
+    ar = "-" if seq is None else f"{100 * seq:.1f}% ({implied_beta(seq, gen):.4f})"
+    fused = ("–" if (r.M or 1) == 1 or r.ar_match is None else
+             f"{100 * r.ar_match:.1f}% vs `{r.ar_reference}`")
+    return ar, fused
+
+
+def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
+    """The paper's main table from the EvalRecords of each model: its plans from higher to lower PPL. Speedup is
+    the plan's decode speedup over both models' timed rounds (pooled_speeds), with their range; `*` marks the
+    Pareto front where speeds inside each other's range tie (tied_front)."""
+    head = ("| Model | Config | K | PPL | ΔPPL | Speedup | Rounds | Layer evals | Top-1 | LogitSim | EmbSim | "
+            "AR Match vs seq. (β̂) | AR Match vs fused model |\n"
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     base = evals["noreg"][0].ppl
+    speeds = pooled_speeds(evals)
     for key, label in MODELS:
         recs = evals[key]
         seq = recs[0]
-        front = {recs[i].plan for i in pareto_front([(r.speedup, r.ppl) for r in recs])}
+        L = seq.n_layer  # None: a record without it (no layer count to state)
+        front = tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in recs])
         model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
             mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
-            ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({r.ar_beta:.4f})"
+            sp = speeds.get(r.plan)
+            ar, fused = _ar_cells(r)
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
-                         f"{fmt_delta_ppl(r.delta_ppl)} | {_num(r.speedup, '{:.2f}x')} | "
-                         f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} |")
+                         f"{fmt_delta_ppl(r.delta_ppl)} | {'-' if sp is None else f'{sp.median:.2f}x'} | "
+                         f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {'-' if L is None else layer_evaluations(r.plan, L)} | "
+                         f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} | {fused} |")
     return "\n".join(lines)
+
+
+def speed_columns(ctx: dict) -> str:
+    """What each speed column of this run measured, on its device and threads, and what a GPU would change; the
+    example is this run's plan with the most layer evaluations per token."""
+    cfg, evals = ctx["cfg"], ctx["evals"]
+    L, device, threads = cfg["depth"], cfg["device"], ctx.get("threads") or 0
+    speeds = pooled_speeds(evals)
+    recs = [r for r in evals["noreg"][1:] if r.plan in speeds]
+    ex = max(recs, key=lambda r: layer_evaluations(r.plan, L)) if recs else None
+    where = (f"{threads} CPU thread{'s' if threads != 1 else ''}" if device == "cpu" and threads else f"`{device}`")
+    text = (f"**What the speed columns measure** (this run: {where}). Speedup = wall-clock decode time per token at "
+            f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
+            f"(one architecture: a plan's cost does not depend on the weights); Rounds = the lowest and highest of "
+            f"those ratios, and `*` treats speeds inside each other's range as ties. Layer evals = layer evaluations "
+            f"per token (sequential: L = {L}); Prefill (full records) = the same ratio for a teacher-forced forward "
+            f"over {evals['noreg'][0].seq_len} tokens; Ideal (layers) = L over the plan's critical-path layer steps. ")
+    if device == "cpu" and threads == 1:
+        text += ("On one CPU thread a plan's batched suffix evaluation computes its N layers one after another, so "
+                 "Speedup is not layer parallelism: a plan that evaluates more layers than the model can only be "
+                 "faster where it issues fewer decode-step dispatches (kernel launches and Python per layer step), "
+                 "and Prefill, compute bound, tracks L / Layer evals")
+        if ex is not None:
+            sp = speeds[ex.plan]
+            text += (f" (here `{ex.plan}` evaluates {layer_evaluations(ex.plan, L)} layers per token against {L}: "
+                     f"Speedup {sp.median:.2f}x, Prefill {_num(ex.prefill_speedup, '{:.2f}x')})")
+        text += (". On a GPU, where a batched suffix step of N layers runs in about the time of one at batch 1, "
+                 "decode and prefill speedups move toward Ideal (layers); this run did not measure that.")
+    else:
+        text += ("With several threads or on an accelerator a batched suffix step can evaluate its layers in "
+                 "parallel, so Speedup mixes layer parallelism with dispatch counts; Ideal (layers) is what spare "
+                 "parallel capacity could approach.")
+    return text + "\n"
 
 
 SSD_MEASURED = ("Measured = the median over the timed rounds of each round's paired ratio, sequential over speculative "
@@ -144,16 +249,19 @@ def _rounds(r: dict) -> str:
 
 
 def ssd_table(ssd: dict[str, dict]) -> str:
-    lines = ["| Model | Drafter | s | B | α | Tok/Rnd | Ideal SSD | Measured | Rounds | Seq ms/tok | SSD ms/tok "
-             "| = sequential |", "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    lines = ["| Model | Drafter | s | B | α | α over | Tok/Rnd | Ideal SSD | Measured | Rounds | Seq ms/tok | "
+             "SSD ms/tok | = sequential |", "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, label in MODELS:
         res = ssd[key]
         if not res.get("drafter"):
-            lines.append(f"| {label} | (no usable drafter) | | | | | | | | | | |")
+            lines.append(f"| {label} | (no usable drafter) | | | | | | | | | | | |")
             continue
         for j, r in enumerate(res["rows"]):
+            n = r.get("prompts") or res.get("prompts")
+            sample = (f"{n} × {r.get('gen_tokens') or res.get('gen_tokens')} tok, "
+                      f"{len(r.get('round_speedups') or []) or r.get('repeats') or res.get('repeats')} rnd" if n else "–")
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
-                         f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | "
+                         f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | {sample} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
                          f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
@@ -201,17 +309,21 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
 
 
 def adaptation_lines(a: dict | None) -> list[str]:
-    """The off-the-shelf stage's short drafter adaptation (issue 20, `snlp adapt`), if it ran."""
+    """The off-the-shelf stage's short drafter adaptation (`snlp adapt`), if it ran: its measured SSD speed beside
+    its acceptance, and the sample both rest on."""
     if not a:
         return []
     b, f, s = a["before"], a["after"], a["ssd"]
+    post, ad = s["post-hoc"], s["adapted"]
+    n = f"{ad.get('prompts', '-')} prompts × {ad.get('gen_tokens', '-')} tokens, {ad.get('repeats', 1)} round"
     return [f"\nA {a['minutes']:.1f}-minute `snlp adapt` of the {a['plan']} drafter ({a['steps']} steps, "
             f"{a['tokens']:,} tokens; the model itself unchanged, it verifies): Top-1 agreement with the model "
             f"{100 * b['top1']:.1f} % -> {100 * f['top1']:.1f} % (teacher-forced SNLP window), "
-            f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD "
-            f"acceptance alpha at B = {a['block']} {s['post-hoc']['alpha']:.3f} -> {s['adapted']['alpha']:.3f} "
-            f"(output identical to the model's: {'yes' if s['adapted']['matches_sequential'] else 'NO'}). "
-            f"Longer runs: docs/adapt.md.\n"]
+            f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD at "
+            f"B = {a['block']} over {n}: acceptance alpha {post['alpha']:.3f} -> {ad['alpha']:.3f}, decode speed "
+            f"{_num(post.get('measured_speedup'), '{:.2f}x')} -> {_num(ad.get('measured_speedup'), '{:.2f}x')} "
+            f"sequential (the verifier makes the output the model's whatever the drafter: "
+            f"{'identical' if ad['matches_sequential'] else 'NOT identical'}). Longer runs: docs/adapt.md.\n"]
 
 
 def _context(ctx: dict):
@@ -220,6 +332,23 @@ def _context(ctx: dict):
     trains = {k: st[f"train-{k}"]["result"] for k, _ in MODELS}
     ssd = {k: st[f"ssd-{k}"]["result"] for k, _ in MODELS}
     return ctx["cfg"], ctx["env"], st, ctx["preset"], trains, ssd
+
+
+def per_model(values: dict[str, object], fmt=str) -> str:
+    """One figure when both models ran with it, else each model's ("3 (No Reg.), 10 (IDN Reg.)"): a budget may
+    shrink one model's stage and not the other's."""
+    vals = [values[k] for k, _ in MODELS if k in values]
+    if vals and all(v == vals[0] for v in vals):
+        return fmt(vals[0])
+    return ", ".join(f"{fmt(values[k])} ({label})" for k, label in MODELS if k in values)
+
+
+def eval_ran(ctx: dict) -> dict[str, dict]:
+    """Model key -> the evaluation settings its eval stage ran with (after any shrink; a record without them: the
+    settings it was made with)."""
+    st = ctx["stages"]
+    return {k: st[f"eval-{k}"]["result"].get("eval") or st[f"eval-{k}"].get("settings", {}).get("eval", {})
+            for k, _ in MODELS if f"eval-{k}" in st}
 
 
 def _head(ctx: dict) -> list[str]:
@@ -243,6 +372,13 @@ def _setup(ctx: dict) -> list[str]:
     cfg, env, st, pre, trains, _ = _context(ctx)
     tok, e0 = st["tokenizer"]["result"], ctx["evals"]["noreg"][0]
     L, N = cfg["depth"], cfg["reg_n"]
+    ran = eval_ran(ctx)
+
+    def ev(name):  # what each model's eval stage ran with, the records' own counts first
+        got = {k: e.get(name) for k, e in ran.items()}
+        if name in ("prompts", "gen_tokens"):
+            got = {k: getattr(ctx["evals"][k][0], name) for k, _ in MODELS}
+        return got
     return ["## Setup\n",
            f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
            + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
@@ -259,11 +395,12 @@ def _setup(ctx: dict) -> list[str]:
            f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
            f"- Evaluation (`snlp.eval.protocol.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
            f"{e0.seq_len}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
-           f"{e0.prompts} prompts x {e0.gen_tokens} greedy tokens (fused plans vs the same fused model run "
-           f"sequentially, as in the paper) with the implied per-token agreement β̂; EmbSim: cosine of MiniLM "
-           f"sentence embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
-           f"sequential / plan, {pre.eval_runs} timed rounds of {pre.eval_time_tokens} tokens round-robin after "
-           f"{pre.eval_warmup} warm-up"
+           f"{per_model(ev('prompts'))} prompts x {per_model(ev('gen_tokens'))} greedy tokens, every row against the "
+           f"sequential model, with the implied per-token agreement β̂ (fused plans also against the same fused model "
+           f"run sequentially, the paper's reference, in a column apart); EmbSim: cosine of MiniLM sentence "
+           f"embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
+           f"sequential / plan, {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
+           f"round-robin after {per_model(ev('warmup'))} warm-up round(s) on each model"
            + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
               f"latency bound: on a small box more threads only add contention, and under load they stall)."
               if ctx["threads"] else "."),
@@ -272,6 +409,7 @@ def _setup(ctx: dict) -> list[str]:
 
 def _ssd_section(ctx: dict) -> list[str]:
     _, _, _, pre, _, ssd = _context(ctx)
+    used = {k: ssd[k] for k, _ in MODELS if ssd[k].get("drafter")}
     return ["## Self-speculative decoding\n",
            f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's SSD "
            f"acceptance profile (a short greedy speculative decode) and its decode steps timed on this machine (a "
@@ -280,12 +418,15 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
            f"alike) and the best measured one drafts where its lead exceeds the measurement's own noise, else the "
            f"best prediction among those within it (table below). Then SSD (SNLP drafter, "
-           f"sequential verifier, one shared KV cache) greedy-decodes {ssd['idn'].get('gen_tokens', '-')} tokens "
-           f"from each of {ssd['idn'].get('prompts', '-')} validation prompts of {pre.eval_prompt_len} tokens at "
-           f"B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential greedy decoding of the same "
-           f"prompts, after a warm-up of both sides; {ssd['idn'].get('repeats', 1)} timed rounds, medians shown. "
-           f"α = measured per-draft acceptance, s = measured drafter speedup (sequential ms over drafter ms per "
-           f"cached single-token decode step, both timed the same way), Ideal SSD = "
+           f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
+           f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
+           f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential "
+           f"greedy decoding of the same prompts, after a warm-up of both sides; "
+           f"{per_model({k: r.get('repeats') for k, r in used.items()})} timed rounds, medians shown. "
+           f"α = measured per-draft acceptance (the median over the rounds; α over = the tokens each round drafted "
+           f"for: prompts × tokens), s = measured drafter speedup (sequential ms over drafter ms per cached "
+           f"single-token decode step, both by wall clock around each step inside these decodes; the drafter "
+           f"choice below times its steps apart, on its own clock), Ideal SSD = "
            f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
            f"'= sequential': the SSD output is token-for-token the sequential greedy output.\n",
            ssd_table(ssd), *_tune_section(ssd, ctx)]
@@ -293,10 +434,15 @@ def _ssd_section(ctx: dict) -> list[str]:
 
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
     """The drafter choice: snlp tune's candidates, predicted vs measured, and the proxy rule's pick beside it."""
+    clock = per_model({k: {"thread_cpu": "the thread's CPU time", "wall": "wall clock"}.get(
+        ssd[k].get("tune_clock"), "-") for k, _ in MODELS if ssd[k].get("tune")})
+    sample = per_model({k: f"{ssd[k]['tune_prompts']} prompts × {ssd[k]['tune_accept_tokens']} tokens"
+                        for k, _ in MODELS if ssd[k].get("tune_prompts")})
     lines = ["\n### Drafter choice: snlp tune, predicted vs measured\n",
              "Stage 1 predicts every plan at the headline B from its SSD acceptance profile (a short greedy "
-             "speculative decode; Calib α its per-draft acceptance) and its decode steps timed on this machine "
-             "(Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
+             f"speculative decode; Calib α its per-draft acceptance, over {sample or 'the tune prompts'} per plan) and "
+             f"its decode steps timed on this machine (s: median step times on {clock or 'its clock'}, so not the "
+             "wall-clock s of the table above; Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
@@ -353,6 +499,17 @@ def _stage_times(ctx: dict) -> list[str]:
                   f"{len(ctx['reused'])} reused)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
 
+def train_pace_s(ctx: dict) -> float | None:
+    """Seconds per step the training that ran kept (the slower model's training time over its steps; side by side
+    in lockstep both stop at the same step), or None when nothing says (no steps)."""
+    st = ctx["stages"]
+    trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
+    paced = [t["train_seconds"] / t["steps"] for t in trains if t.get("steps") and t.get("train_seconds")]
+    if not paced:
+        return None
+    return max(paced) if ctx.get("parallel") else sum(paced)
+
+
 def _budget_line(ctx: dict) -> str:
     """The budget sentence under the stage table: the budget, the probe and training's share (speedrun --budget)."""
     b, minutes = ctx.get("budget"), ctx.get("budget_minutes")
@@ -362,15 +519,21 @@ def _budget_line(ctx: dict) -> str:
     if not b:
         return text + "every stage was reused, nothing planned"
     pr = b.get("probe") or {}
+    floor = ctx.get("train_floor_steps")
     if b.get("train_reused"):
         train = (f"training was reused (the invocation that made it gave it {fmt_s(b['train_s'])}: its share, not "
                  f"this plan's)")
     else:
-        train = (f"gave training {fmt_s(b['train_s'])} (its floor: {ctx.get('train_floor_steps')} steps, "
-                 f"{fmt_s(b.get('train_floor_s') or 0)} at the recorded runs' pace on this box, before any other stage "
-                 f"shrinks)")
+        pace = train_pace_s(ctx)
+        train = (f"gave training {fmt_s(b['train_s'])} (its floor: {floor} steps, priced at "
+                 f"{fmt_s(b.get('train_floor_s') or 0)} from the probe's training steps, before any other stage "
+                 f"shrinks" + (f"; the training that ran kept {pace:.2f} s per step, at which {floor} steps take "
+                               f"{fmt_s(floor * pace)}" if pace and floor else "") + ")")
+    steps = pr.get("train_steps_s") or {}
+    step = (", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + " per training step" if steps else
+            f"training step {pr.get('train_step_s', 0) * 1e3:.0f} ms")
     reused = [n for n, p in b.get("stages", {}).items() if p.get("reused")]
-    return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: training step {pr.get('train_step_s', 0) * 1e3:.0f} ms, "
+    return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: {step}, "
             f"eval window {pr.get('window_s', 0) * 1e3:.0f} ms, decode {pr.get('decode_token_s', 0) * 1e3:.1f} ms/token) "
             f"planned each stage (Planned: its share when it started, corrected by how far the earlier stages "
             f"overran) and {train}; a stage that would not fit ran smaller (Shrunk)"
@@ -379,7 +542,8 @@ def _budget_line(ctx: dict) -> str:
 
 
 def budget_verdict(ctx: dict) -> list[str]:
-    """Whether this invocation kept its budget, by how much it did not, and the training floor's warnings."""
+    """Whether this invocation kept its budget, by how much it did not, and, when fewer steps ran than training's
+    floor, by how much: from the steps and the pace of the training that ran, not the plan's prediction."""
     minutes = ctx.get("budget_minutes")
     if minutes is None:
         return []
@@ -391,17 +555,15 @@ def budget_verdict(ctx: dict) -> list[str]:
                    f"further).")
     else:
         out.append(f"Budget kept: this invocation took {fmt_s(wall)} of {fmt_s(budget)}.")
-    if b.get("train_cut"):
-        out.append(f"**Training was cut below its floor**: even with every other stage at its floor the budget left "
-                   f"training {fmt_s(b['train_s'])} of the {fmt_s(b['train_floor_s'])} that "
-                   f"{ctx.get('train_floor_steps')} steps take on this box"
-                   + (f"; a budget of {b['floor_budget_s'] / 60:.1f} min would have left it its floor"
-                      if b.get("floor_budget_s") else "") + ".")
     steps, floor = ctx["cfg"].get("train_steps"), ctx.get("train_floor_steps")
     if floor and steps is not None and steps < floor:
+        pace = train_pace_s(ctx)
         out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest at which a recorded "
                    f"run showed the paper's effect): the comparison of No-Reg and IDN-Reg rests on less training than "
-                   f"any recorded run's.")
+                   f"any recorded run's"
+                   + (f"; at the {pace:.2f} s per step this training kept, the {floor - steps} missing steps take "
+                      f"{fmt_s((floor - steps) * pace)}, which a longer budget would give it" if pace and not
+                      b.get("train_reused") else "") + ".")
     return ["\n" + " ".join(out) + "\n"]
 
 
@@ -419,14 +581,18 @@ def render_report(ctx: dict) -> str:
            f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front, "
-           "`†` = the self-speculative drafter chosen below. AR Match shows the rate and (β̂). "
+           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front (speeds "
+           "inside each other's Rounds range tie), `†` = the self-speculative drafter chosen below. AR Match vs seq. "
+           "compares every row with the sequential model (rate and β̂), so the column compares rows; AR Match vs "
+           "fused model is the paper's reference for fused plans (M > 1), named per row: the same fused model run "
+           "sequentially, which a plan with K = C is itself (100 % by construction). "
            f"In every table: {RULE}.\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           "\n" + speed_columns(ctx),
            "\n![speed-quality frontier](frontier.png)\n",
-           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against its measured speedup, one "
-           "series per model, so the models compare by what the plans cost them; sequential is the star at "
-           "(1.0x, 0 %).\n",
+           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against the main table's decode "
+           "Speedup (wall clock, both models' rounds pooled; not Prefill, not Ideal), one series per model, so the "
+           "models compare by what the plans cost them; sequential is the star at (1.0x, 0 %).\n",
            *_ssd_section(ctx),
            "## Early exit (K = 0)\n",
            "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
@@ -436,9 +602,11 @@ def render_report(ctx: dict) -> str:
            *_diagnostics(ctx), *_stage_times(ctx),
            "## Full evaluation records\n"]
     for key, label in MODELS:
-        out += [f"**{label}** (Prefill = teacher-forced forward speedup over {e0.seq_len} tokens; Ideal (layers) = "
-                f"L / (S + K·evals + [fwd]), the layer-step count a device with spare parallel capacity could "
-                f"approach)\n", markdown_table(evals[key])]
+        out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
+                f"timed rounds alone, where the main table pools both models'; Prefill = teacher-forced forward "
+                f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]), the layer-step count a "
+                f"device with spare parallel capacity could approach; AR Match against each row's own reference, "
+                f"the main table's vs fused model)\n", markdown_table(evals[key])]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
                "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
     return "\n".join(out)

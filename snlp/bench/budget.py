@@ -1,4 +1,4 @@
-"""A wall-clock budget that a multi-stage job plans and keeps (`snlp speedrun --budget MINUTES`, issue 29).
+"""A wall-clock budget that a multi-stage job plans and keeps (`snlp speedrun --budget MINUTES`).
 
 The job first measures the box (`probe`: a few training steps, one evaluation window, one decode round of a
 fresh model of the job's shape; seconds), predicts each later stage from those measurements (`StageCost`: a
@@ -39,6 +39,10 @@ class Probe:
     seconds: float = 0.0  # wall time of the probe itself
     ref_s: float = 0.0  # a fixed workload whatever the job's shape (reference_work; 0: not measured)
     device: str = "cpu"  # where the model timings ran (reference_work always runs on one CPU thread)
+    # the caller's own training steps (probe's `train_fns`, time_steps): name -> seconds per step, each alone, and
+    # one step of all of them as the job runs them (side by side: the slowest; else their sum)
+    train_steps_s: dict = field(default_factory=dict)
+    lockstep_s: float = 0.0  # 0: not measured (no train_fns)
 
 
 @dataclass(frozen=True)
@@ -237,12 +241,32 @@ def reference_work(seed: int = 0):
     return run
 
 
+def time_steps(fns: dict[str, Callable[[], None]], rounds: int, side_by_side: bool, sync=lambda: None
+               ) -> tuple[dict[str, float], float]:
+    """(median seconds of each step alone, seconds of one step of all of them as a job runs them): side by side in
+    processes of their own, one core each, the slowest (what a lockstep waits for); else one after another, the
+    sum. Each step runs once untimed first (first-call allocations). Not threads of this process: the steps'
+    Python-side work holds the GIL, and measured that way two steps used 0.6-0.9 of the two cores, i.e. they ran
+    one after another. What two processes cost each other (memory bandwidth, the box's load) is not in it: the
+    caller corrects from what ran."""
+    for fn in fns.values():
+        fn()
+    sync()
+    alone = {k: _median_time(fn, rounds, sync) for k, fn in fns.items()}
+    return alone, (max if side_by_side else sum)(alone.values())
+
+
 def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16, seed: int = 0,
-          train_threads: int = 0, eval_threads: int = 0, device: str = "cpu") -> Probe:
+          train_threads: int = 0, eval_threads: int = 0, device: str = "cpu",
+          train_fns: dict[str, Callable[[], Callable[[], None]]] | None = None, side_by_side: bool = False) -> Probe:
     """Measure the box on a fresh model of `config` (snlp.model.GPTConfig; weights do not change the cost):
     `train_steps` optimizer steps at (batch_size, sequence_len) after one warm-up, the median of three
     teacher-forced windows and one greedy decode round of `decode_tokens` (per token), and the median of five
-    runs of `reference_work` on one CPU thread. Threads as the job uses them (0: unchanged), on `device`."""
+    runs of `reference_work` on one CPU thread. Threads as the job uses them (0: unchanged), on `device`.
+    `train_fns`: name -> a factory of the job's own training step (its loss, regulariser and optimizers); then
+    those are timed instead of a plain AdamW step (time_steps: each alone, and a step of all of them as the job
+    runs them, `side_by_side` or one after another; train_step_s is the first one), so a training budget is
+    priced by the steps the job really runs."""
     import torch
 
     from snlp.decode.generate import sequential_generate
@@ -266,8 +290,14 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
 
         if train_threads:
             torch.set_num_threads(train_threads)
-        step()  # warm-up: first-call allocations
-        train_step_s = _median_time(step, max(1, train_steps), sync)
+        steps_s, lockstep_s = {}, 0.0
+        if train_fns:
+            steps_s, lockstep_s = time_steps({k: make() for k, make in train_fns.items()}, max(1, train_steps),
+                                             side_by_side, sync)
+            train_step_s = next(iter(steps_s.values()))
+        else:
+            step()  # warm-up: first-call allocations
+            train_step_s = _median_time(step, max(1, train_steps), sync)
         torch.set_num_threads(eval_threads or old)
         model.eval()
         w = x[:1, :T]  # (1, T): one evaluation window
@@ -286,4 +316,4 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
     finally:
         torch.set_num_threads(old)
     return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s,
-                 device=torch.device(device).type)
+                 device=torch.device(device).type, train_steps_s=steps_s, lockstep_s=lockstep_s)

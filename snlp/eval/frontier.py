@@ -115,8 +115,10 @@ def place_labels(ax, items: list[tuple[float, float, str, str]], paths: list[lis
     return anns
 
 
-def frontier_figure(groups: dict, title: str = ""):
-    """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record)."""
+def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dict | None = None):
+    """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record); `xlabel`:
+    what the records' speedup measured, when the caller knows more than "decode, batch 1"; `fronts`: {model label:
+    the plan names on its front} when the caller decided it (e.g. with timing ties), else pareto_front's."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
     from matplotlib.ticker import FuncFormatter
@@ -140,6 +142,10 @@ def frontier_figure(groups: dict, title: str = ""):
         keep = [j for j, (s, d) in enumerate(pts) if s is not None and d is not None and math.isfinite(s)
                 and math.isfinite(d)]
         front = pareto_front([(1.0, 0.0), *pts])  # the sequential run is a point of every front
+        if fronts is not None and group in fronts:
+            on = fronts[group]
+            front = sorted([0] * ("sequential" in on) + [j + 1 for j in keep if rows[j].plan in on],
+                           key=lambda k: 1.0 if k == 0 else pts[k - 1][0])
         fx = [(1.0, 0.0) if j == 0 else pts[j - 1] for j in front]
         seq_ppl = f" (sequential PPL {fmt_ppl(seq.ppl)})" if seq is not None else ""
         ax.plot([p[0] for p in fx], [p[1] for p in fx], "-o", color=color, lw=2, alpha=0.45, mfc="none", ms=11,
@@ -160,7 +166,7 @@ def frontier_figure(groups: dict, title: str = ""):
     else:
         ax.set_ylabel("ΔPPL vs the model's sequential PPL (%, lower is better)")
     ax.yaxis.set_major_formatter(FuncFormatter(_pct_label))
-    ax.set_xlabel("measured speedup vs sequential (decode, batch 1)")
+    ax.set_xlabel(xlabel or "measured speedup vs sequential (decode, batch 1)")
     ax.set_title(title or "SNLP speed-quality frontier")
     ax.grid(alpha=0.3)
     for what in left_out:  # text-only legend rows: the layout makes room for them, unlike a free fig.text

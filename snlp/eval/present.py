@@ -59,14 +59,15 @@ def write_csv(rows: list[dict], path) -> None:
     print(f"wrote {path}")
 
 
-def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "") -> None:
+def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xlabel: str = "",
+                  fronts: dict[str, set[str]] | None = None) -> None:
     """PNG of the speed-quality frontier (snlp.eval.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
     series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
     run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades, diverged and
     untimed plans listed in the legend instead of plotted."""
     from snlp.eval.frontier import frontier_figure
 
-    fig = frontier_figure(groups, title)
+    fig = frontier_figure(groups, title, xlabel, fronts)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)

@@ -9,13 +9,16 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
   AR Match, beta    greedy KV-cached generation of `gen_tokens` tokens from `prompts` validation
                     prompts of `prompt_len` tokens, positional agreement with a reference: the
                     sequential model, or for fused plans (M > 1) the same fused model run
-                    sequentially (the plan with K = C); beta is the implied per-token agreement
+                    sequentially (the plan with K = C); beta is the implied per-token agreement.
+                    `ar_match_seq`: every row's agreement with the sequential model (one reference for
+                    all rows, so rows compare; equal to AR Match for M = 1)
   EmbSim            cosine of MiniLM sentence embeddings of the decoded continuations vs the
                     sequential ones (snlp.eval.embsim; `pip install snlp[emb]`, offline)
   Speedup           median per-token latency of KV-cached greedy decoding (`time_tokens` tokens
                     at batch 1, prompt prefill not timed), sequential over plan; Prefill: the same
                     for a batch-1 forward over `seq_len` tokens; both measured round-robin in this
-                    process after a warm-up (snlp.runtime.timing)
+                    process after a warm-up (snlp.runtime.timing); `speedup_rounds`: each timed round's
+                    paired ratio, sequential over plan ms/token of that round (the spread of Speedup)
   Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
                     not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
 A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".
@@ -97,10 +100,12 @@ class EvalRecord:
     ar_match: float | None = None
     ar_beta: float | None = None  # per-token agreement implied by ar_match over gen_tokens
     ar_reference: str | None = None  # "sequential" or the fused plan run sequentially (K = C)
+    ar_match_seq: float | None = None  # AR match against the sequential model, whatever ar_reference is
     emb_sim: float | None = None
     latency_ms: float | None = None  # median decode ms/token
     prefill_ms: float | None = None  # median ms of a batch-1 forward over seq_len tokens
     speedup: float | None = None  # sequential latency_ms / this latency_ms
+    speedup_rounds: list[float] | None = None  # per timed round: sequential / this ms per token of that round
     prefill_speedup: float | None = None
     ideal_layer_speedup: float | None = None  # L / (S + K * evals + [fwd])
     n_layer: int | None = None
@@ -144,9 +149,10 @@ class Quality:
 
 
 @dataclass
-class _Timing:  # medians of one row
+class _Timing:  # medians of one row, and its decode ms/token of every timed round (round-robin order)
     latency_ms: float
     prefill_ms: float
+    rounds_ms: list[float] = dataclasses.field(default_factory=list)
 
 
 def _bar(total: int, desc: str, cfg: EvalConfig):
@@ -255,7 +261,8 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
     with torch.inference_mode():
         prefill = time_round_robin({name: forward(p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
     return {name: _Timing(latency_ms=statistics.median(decode_ms[name][-cfg.runs:]),  # the timed rounds
-                          prefill_ms=statistics.median(prefill[name])) for name in rows}
+                          prefill_ms=statistics.median(prefill[name]), rounds_ms=decode_ms[name][-cfg.runs:])
+            for name in rows}
 
 
 # ----- the evaluation -----
@@ -288,6 +295,7 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
     name = SEQ if plan is None else str(plan)
     ref = None if plan is None else reference_plan(plan)
     ar = ar_match(gens[name], refs[name]) if name in gens else None  # None: diverged
+    ar_seq = ar_match(gens[name], gens[SEQ]) if name in gens else None
     q, t, seq_t = tf[name], times[name], times[SEQ]
     return EvalRecord(
         plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
@@ -295,7 +303,8 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
         init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=q.note,
         delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
         ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens),
-        ar_reference=SEQ if ref is None else str(ref), emb_sim=embs.get(name),
+        ar_reference=SEQ if ref is None else str(ref), ar_match_seq=ar_seq, emb_sim=embs.get(name),
         latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=seq_t.latency_ms / t.latency_ms,
+        speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
         prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
         ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), **protocol)

@@ -34,7 +34,8 @@ PLANS = ["6xF1-h0-K6", "3xF2-h0-K4", "6xF1-h0-K1", "3xF2-fwd-K1"]
 CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=6, warmup=0, runs=2, time_tokens=3,
                  progress=False)
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
-        "ar_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "prefill_speedup", "ideal_layer_speedup",
+        "ar_reference", "ar_match_seq", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
+        "prefill_speedup", "ideal_layer_speedup",
         "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
 
 
@@ -126,6 +127,33 @@ def test_exact_plans_match_their_references(records):
     fused = rec["3xF2-h0-K4"]  # M = 2, K >= C: exactly the fused model, the AR reference of fused plans
     assert fused.ar_reference == "3xF2-h0-K3" and fused.ar_match == 1.0
     assert rec["3xF2-fwd-K1"].ar_reference == "3xF2-h0-K3"
+
+
+def test_every_row_is_also_compared_with_the_sequential_model(records, model, val):
+    """AR Match's reference changes from row to row (a fused plan's is its own fused model, so the plan that IS that
+    model shows 100 %); ar_match_seq compares every row's continuations (the plan's own KV-cached decode) with the
+    sequential model's, decoded here by a naive loop over the model's full forward (no KV cache, no SNLP code)."""
+    from snlp.decode.generate import snlp_generate
+    from snlp.eval.data import sample_prompts
+
+    def greedy(fn, prompt):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(CFG.gen_tokens):
+                ids.append(int(fn(torch.tensor([ids]))[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    prompts = sample_prompts(val, CFG.prompts, CFG.prompt_len, CFG.seed)
+    seq = [greedy(model, p) for p in prompts]
+    for r in records[1:]:
+        got = [snlp_generate(model, p, Plan.parse(r.plan, 6), CFG.gen_tokens).tokens for p in prompts]
+        want = sum(a == b for g, s in zip(got, seq) for a, b in zip(g, s)) / (len(prompts) * CFG.gen_tokens)
+        assert r.ar_match_seq == pytest.approx(want), r.plan
+        if r.M == 1:
+            assert r.ar_match_seq == r.ar_match
+    assert records[0].ar_match_seq == 1.0
+    for r in records:  # the per-round paired ratios behind Speedup: one per timed round
+        assert len(r.speedup_rounds) == CFG.runs and all(x > 0 for x in r.speedup_rounds)
 
 
 def test_aggressive_plan_disagrees_and_reports_its_plan_fields(records):

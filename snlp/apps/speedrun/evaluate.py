@@ -1,0 +1,81 @@
+"""Stages `eval-noreg`, `eval-idn`: the plan grid on the validation split (snlp.eval.protocol), its cost and its shrink
+rule."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from snlp.apps.report import MODELS
+from snlp.apps.speedrun.common import ar_references, fewer, floor_scale, plan_factor, shrink_text
+from snlp.apps.speedrun.preset import Preset
+from snlp.apps.speedrun.records import StageRecord
+
+if TYPE_CHECKING:
+    from snlp.bench.budget import StageCost
+    from snlp.apps.speedrun.job import Speedrun
+
+
+EVAL_ROWS = 2  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval"
+EVAL_FLOORS = dict(prompts=2, runs=3)  # what shrink_eval never goes below
+
+
+def shrink_eval(ecfg, scale: float):
+    """(EvalConfig, description) of an eval-* stage at `scale`: fewer AR-Match prompts and timing rounds (the warm-up
+    rounds, the teacher-forced tokens and the plans stay)."""
+    new = dataclasses.replace(ecfg, prompts=fewer(ecfg.prompts, scale, EVAL_FLOORS["prompts"]),
+                              runs=fewer(ecfg.runs, scale, EVAL_FLOORS["runs"]))
+    return new, shrink_text([("prompts", ecfg.prompts, new.prompts), ("timing rounds", ecfg.runs, new.runs)])
+
+
+def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
+    from snlp.io.checkpoint import load
+    from snlp.eval.protocol import evaluate
+    from snlp.eval.present import print_table
+
+    model, tok = load(model_dir, device=device)
+    records = evaluate(model, val, plans, ecfg, tokenizer=tok)
+    print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
+    # stored as JSON (EvalRecord.from_dict reads the rows back), with the settings it ran with (a budget may have
+    # shrunk them: the report states these, not the preset's)
+    return {"records": [r.to_dict() for r in records], "eval": dataclasses.asdict(ecfg)}
+
+
+def eval_records(stage_record: StageRecord) -> list:
+    """The EvalRecords of a stored eval-* stage record (JSON rows)."""
+    from snlp.eval.protocol import EvalRecord
+
+    return [EvalRecord.from_dict(d) for d in stage_record.result["records"]]
+
+
+def step_eval(sr: Speedrun) -> None:
+    def run(key, scale):
+        ecfg, shrunk = shrink_eval(sr.ecfg, scale)
+        return stage_eval(sr.out / key, sr.validation(), sr.plans, ecfg, sr.cfg.device), shrunk
+
+    for key, label in MODELS:
+        sr.evals[key] = sr.run_stage(f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
+                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale))
+
+
+def cost(name: str, pre: Preset, plans: list[str], pr, ecfg) -> StageCost:
+    """An eval-* stage's predicted seconds on the box the probe `pr` measured: the teacher-forced windows of the
+    sequential model and every plan, the warm-up rounds (fixed), and the generations and timed rounds shrink_eval
+    sets at a scale (AR Match also decodes each fused plan's reference model)."""
+    from snlp.bench.budget import StageCost
+
+    w, tok = pr.window_s, pr.decode_token_s
+    W = max(1, ecfg.max_tokens // ecfg.seq_len)
+    rows = 1 + len(plans)  # sequential + every plan
+    gen_rows = rows + ar_references(plans)
+    tf = W * w * (1 + sum(plan_factor(p, pre.depth) for p in plans))  # teacher forced
+
+    def knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
+        return (e.prompts * e.gen_tokens * gen_rows + e.runs * e.time_tokens * rows) * tok
+
+    return StageCost(name, 3 + tf + ecfg.warmup * ecfg.time_tokens * tok * rows, knobs(ecfg),
+                     min_scale=floor_scale(((ecfg.prompts, EVAL_FLOORS["prompts"]), (ecfg.runs, EVAL_FLOORS["runs"]))),
+                     vary=lambda s: knobs(shrink_eval(ecfg, s)[0]))
