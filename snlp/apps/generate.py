@@ -21,7 +21,7 @@ from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
 from snlp.io.drafter import load_drafter
-from snlp.method.plan import Plan
+from snlp.method.plan import cli_plan
 from snlp.method.solver import bind
 from snlp.runtime.device import cli_device, write_json
 
@@ -282,7 +282,7 @@ def run(args) -> int:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
-        Plan.parse(args.plan, model.config.n_layer)
+        cli_plan(args.plan, model.config.n_layer)
     if drafter is not None:
         drafter.check_plan(plan)
         if args.mode == "snlp":
