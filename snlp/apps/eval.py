@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
     d.add_argument("--max-chars", type=int, default=None, help="as for snlp train")
     d.add_argument("--val-frac", type=float, default=None, help="validation fraction (default: training's, 0.05)")
     d.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
+    d.add_argument("--data-encoding", default=None, help="text encoding of local data files (default: training's, "
+                   "utf-8)")
     e = p.add_argument_group("protocol")
     e.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len))")
     e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most")

@@ -20,6 +20,7 @@ from snlp.decode.steps import sequential_step, snlp_step
 from snlp.decode.speculative import speculative_benchmark, speculative_generate
 from snlp.apps.common import plans_preheat
 from snlp.io.checkpoint import load
+from snlp.io.data import read_text
 from snlp.io.drafter import load_drafter
 from snlp.method.plan import cli_plan
 from snlp.method.solver import bind
@@ -61,6 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts-file", default=None,
                    help="decode every prompt of this file instead of --prompt: JSONL with a \"prompt\" field per line, "
                         "or one prompt per line; results are printed (and written to --json) one per prompt, in order")
+    p.add_argument("--prompts-encoding", default="utf-8", help="text encoding of --prompts-file (e.g. latin-1)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="--prompts-file: decode this many prompts at once as one ragged batch (sequential, snlp, "
                         "speculative; every row's tokens equal its own single-prompt output)")
@@ -106,6 +108,7 @@ def check_args(args) -> None:
         if args.mode == "jacobi":
             raise ValueError("--prompts-file decodes batches with --mode sequential, snlp or speculative; Jacobi "
                              "decoding serves one prompt at a time (use --prompt)")
+        read_prompts(args.prompts_file, args.prompts_encoding)  # a missing or undecodable file: before the model loads
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
@@ -170,13 +173,13 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
     """The prompts of a --prompts-file: JSONL (every non-empty line a JSON object with a "prompt" string) or plain
     text (one prompt per non-empty line; a line is JSONL if it starts with "{")."""
     if not Path(path).is_file():
         raise ValueError(f"--prompts-file {path} does not exist")
     prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, encoding, "--prompts-encoding").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -230,7 +233,7 @@ def argparse_copy(args, **kw):
 
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
-    texts = read_prompts(args.prompts_file)
+    texts = read_prompts(args.prompts_file, args.prompts_encoding)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)

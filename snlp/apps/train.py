@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     d.add_argument("--max-chars", type=int, default=0, help="use at most this many characters (0 = all; hf: 200M)")
     d.add_argument("--val-frac", type=float, default=0.05, help="fraction of documents held out for validation")
     d.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (specials included)")
+    d.add_argument("--data-encoding", default="utf-8", help="text encoding of local data files (e.g. latin-1); "
+                   "a byte that does not decode is an error naming the file and offset")
     d.add_argument("--cache-dir", default=None, help="token cache folder (default $SNLP_CACHE or ~/.cache/snlp)")
     m = p.add_argument_group("model (one dial: depth)")
     m.add_argument("--depth", type=int, default=8)

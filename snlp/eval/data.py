@@ -12,7 +12,8 @@ from torch import Tensor
 from snlp.io import data as D
 
 # `snlp train`'s data flags (argparse dests) and their defaults
-DATA_DEFAULTS = {"data": "stdlib", "text_field": "text", "max_chars": 0, "val_frac": 0.05, "cache_dir": None}
+DATA_DEFAULTS = {"data": "stdlib", "text_field": "text", "max_chars": 0, "val_frac": 0.05, "cache_dir": None,
+                 "data_encoding": "utf-8"}
 
 
 def as_tokens(val_tokens) -> Tensor:
@@ -54,15 +55,15 @@ def checkpoint_data(ckpt, **overrides) -> dict:
 
 
 def validation_tokens(tok, data: str = "stdlib", text_field: str = "text", max_chars: int = 0,
-                      val_frac: float = 0.05, cache_dir=None) -> Tensor:
+                      val_frac: float = 0.05, cache_dir=None, data_encoding: str = "utf-8") -> Tensor:
     """Validation token ids (1-D) of `data`'s document split, exactly as `snlp train` makes it (same
     split, same token cache key), tokenized with `tok` (the checkpoint's: no tokenizer training). Only
     the validation documents are tokenized when the cache lacks them."""
     cache = Path(cache_dir) if cache_dir else D.cache_dir()
-    key = D.split_key(data, text_field, max_chars, val_frac)
+    key = D.split_key(data, text_field, max_chars, val_frac, data_encoding)
     pval = D.token_paths(key, tok, cache)[1]
     if pval.is_file():
         return as_tokens(D.open_memmap(pval, tok.vocab_size))
-    _, docs = D.split_documents(list(D.documents(data, text_field, max_chars)), val_frac)
+    _, docs = D.split_documents(list(D.documents(data, text_field, max_chars, data_encoding)), val_frac)
     cache.mkdir(parents=True, exist_ok=True)
     return as_tokens(D.tokenize_to_memmap(docs, tok, pval))
