@@ -205,6 +205,11 @@ class DecodeSession:
         return self.result
 
 
+class NonFiniteModelError(FloatingPointError):
+    """Decoding met NaN/inf logits that the model's own sequential forward gives too: the model (its layers or
+    its head, e.g. an fp16 lm_head without softcap overflowing) is the cause, not the SNLP plan."""
+
+
 NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
 
 
@@ -231,18 +236,43 @@ def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, 
     return pick_tokens(logits[None], temperature, [gen], flag)[0]
 
 
-def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None) -> None:
-    """Raise SNLPDivergenceError, naming the plan and the step, if a flagged pick of an SNLP forward's logits met
-    NaN/inf (a NONFINITE entry): no token is emitted from them. `step`: tokens generated before this one;
-    `prompts`: the batch rows' prompt indices."""
+def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None, model: GPT | None = None,
+                 seqs: list[list[int]] | None = None) -> None:
+    """Raise, naming the plan and the step, if a flagged pick of an SNLP forward's logits met NaN/inf (a NONFINITE
+    entry): no token is emitted from them. `step`: tokens generated before this one; `prompts`: the batch rows'
+    prompt indices. With the `model` and each row's tokens so far (`seqs`, the logits' context), the error says
+    where the values came from (`nonfinite_source`): the model's own forward (NonFiniteModelError, which does not
+    blame the plan) or the plan's solver state (SNLPDivergenceError)."""
     if NONFINITE not in tokens:
         return
+    bad = [j for j, t in enumerate(tokens) if t == NONFINITE]
     where = f"generated token {step + 1}"
     if prompts is not None:
-        where += f" of prompt(s) {[i for i, t in zip(prompts, tokens) if t == NONFINITE]}"
+        where += f" of prompt(s) {[prompts[j] for j in bad]}"
+    source = nonfinite_source(model, seqs[bad[0]]) if model is not None and seqs is not None else None
+    if source is not None:
+        raise NonFiniteModelError(f"the logits of {where} contain NaN/inf under plan {plan}, and so do the model's "
+                                 f"own: {source}; the plan is not the cause")
+    known = " (the model's own forward gives finite logits here)" if model is not None and seqs is not None else ""
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
-                              f"token is read off them). Try more iterations (K >= {plan.chunks} is exact), "
-                              f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
+                              f"token is read off them); they come from the solver's state{known}. Try more "
+                              f"iterations (K >= {plan.chunks} is exact), fewer/larger chunks, ELK damping (-elk:0.1) "
+                              f"or the h0 init")
+
+
+def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
+    """Why the model's own sequential forward over `seq` gives NaN/inf logits at its last position (its layers or
+    its head: final norm, lm_head, softcap), or None if they are finite, so that non-finite SNLP logits come from
+    the solver's state. Run only on the error path: one uncached forward, off the timed loop."""
+    with torch.inference_mode():
+        h = model.hidden_states(torch.tensor([seq], device=model.wte.weight.device))[-1][:, -1:]  # (1, 1, D)
+        if not bool(torch.isfinite(h).all()):
+            return "its layers' final hidden state is already NaN/inf (run sequentially)"
+        if bool(torch.isfinite(model.head(h)).all()):
+            return None
+    cap = "" if model.config.softcap > 0 else ", which has no logit softcap,"
+    return (f"its final hidden state is finite but its head (final norm and lm_head{cap} in "
+            f"{model.lm_head.weight.dtype}) overflows on it; decode in float32 or bfloat16")
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
