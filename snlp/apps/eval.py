@@ -27,7 +27,7 @@ from snlp.eval.protocol import EvalConfig, evaluate
 from snlp.model.gpt import GPT
 from snlp.method.plan import parse_plans
 from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
+from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
 
 # ----- CLI -----
@@ -138,10 +138,8 @@ def run(args) -> int:
     if args.csv:
         write_csv([r.to_dict() for r in records], args.csv)
     if args.markdown:
-        path = Path(args.markdown)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown_table(records))
-        print(f"wrote {path}")
+        write_atomic(args.markdown, markdown_table(records))
+        print(f"wrote {args.markdown}")
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0
@@ -182,7 +180,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     if args.json:
         write_json(args.json, [r.to_dict() for r in rows])
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_atomic(args.markdown, table + "\n")
     return 0
 
 
@@ -197,13 +195,9 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "
                         f"{pct(r0.chance)} %), 95 % Wilson CI")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=2))
-        print(f"wrote {path}", file=sys.stderr)
+        write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
-        path = Path(args.markdown)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown(result))
-        print(f"wrote {path}", file=sys.stderr)
+        write_atomic(args.markdown, markdown(result))
+        print(f"wrote {args.markdown}", file=sys.stderr)
     return 0

@@ -15,6 +15,7 @@ pretraining (`pretrain_job`) and chat SFT (snlp.train.sft) run the same machiner
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -103,7 +104,10 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    res = fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    if res.stopped_by == "interrupt":
+        print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -27,9 +27,7 @@ def write_atomic(path, write) -> None:
 
 def write_json(path, obj) -> None:
     """Write a command's machine-readable results (creating parent folders) and say where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
+    write_atomic(path, json.dumps(obj, indent=2))
     print(f"wrote {path}")
 
 

@@ -114,7 +114,7 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     if model is None:
         model = GPT(build_config(cfg, tok.vocab_size))
         model.init_weights(seed=cfg.seed)
-    reg = reg_config(cfg, model.config)
+    reg = reg_config(cfg, model.config, rank == 0)
     suffixes = gap_suffixes(cfg, model.config, reg, rank == 0)
     autocast = autocast_context(device)
     return Job(model=model, tokenizer=tok,

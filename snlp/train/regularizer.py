@@ -66,7 +66,7 @@ class RegConfig:
 
     def check_model(self, config) -> None:
         """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
-        for n in resolve_suffixes(config.n_layer, self.suffixes) if config.n_layer > 1 else []:
+        for n in resolve_suffixes(config.n_layer, self.suffixes, warn=False) if config.n_layer > 1 else []:
             self.plan(n).check_model(config)
 
     def weight(self, step: int) -> float:
@@ -86,12 +86,14 @@ def parse_suffixes(text: str) -> tuple[int, ...]:
     return out
 
 
-def resolve_suffixes(n_layer: int, suffixes) -> list[int]:
-    """Suffix lengths that fit: N >= L leaves no prefix, so it is clipped to L-1 (warned)."""
+def resolve_suffixes(n_layer: int, suffixes, warn: bool = True) -> list[int]:
+    """Suffix lengths that fit: N >= L leaves no prefix, so it is clipped to L-1 (warned if `warn`)."""
     out = []
     for n in suffixes:
         if n >= n_layer:
-            warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}", stacklevel=2)
+            if warn:
+                warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}",
+                              stacklevel=2)
             n = n_layer - 1
         if n >= 1 and n not in out:
             out.append(n)
@@ -139,7 +141,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
     if len(trace) != L + 1:
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
-    for N in resolve_suffixes(L, cfg.suffixes):
+    for N in resolve_suffixes(L, cfg.suffixes, warn=False):  # clipping was said once, at the run's start
         states, S = snlp_states(model, idx, cfg.plan(N), trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]

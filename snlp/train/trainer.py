@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state
+from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state, trim_log
 from snlp.train.config import TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
-from snlp.train.hooks import TrainHooks
+from snlp.train.hooks import InterruptStop, TrainHooks, with_stop
 from snlp.train.job import Job
 from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
@@ -36,6 +36,7 @@ from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
 from snlp.train.validate import ValidationResult
 from snlp.runtime.device import progress_bar
+from snlp.runtime.outputs import locked_output
 
 
 @dataclass
@@ -94,11 +95,14 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     Multi-process under torchrun (DDP)."""
     cfg.check()
     ctx = setup_dist(cfg.device)
+    interrupted = InterruptStop()  # Ctrl-C during the loop: stop after the step, save (snlp.train.hooks)
     try:
-        t_wall = time.perf_counter()
-        run, state = setup(cfg, make_job, hooks or TrainHooks(), ctx)
-        train_loop(run, state)
-        return finish(run, state, t_wall)
+        with locked_output(cfg.out) if ctx.master else nullcontext():  # a second run on cfg.out is refused
+            t_wall = time.perf_counter()
+            run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
+            with interrupted.armed():
+                train_loop(run, state)
+            return finish(run, state, t_wall)
     finally:
         teardown_dist(ctx)
 
@@ -107,6 +111,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume)
+    if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
+        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)
