@@ -33,6 +33,7 @@ COMMANDS = {
     "tune": "snlp.apps.tune",
 }
 # argparse dests naming a file a command writes; `out` names a folder unless the module's OUTPUT_FILES lists it
+# (a module's OUTPUT_DIRS names more folders)
 OUTPUT_FILES = ("json", "csv", "markdown", "plot")
 
 
@@ -79,7 +80,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
 
     sub = parser.commands[args.command]
     files = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ()))
-    for dest in dict.fromkeys(files + ("out",)):
+    for dest in dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ()))):
         value = getattr(args, dest, None)
         if not isinstance(value, str) or not value or value == sub.get_default(dest):
             continue  # not given (a default folder is created when the command writes there)

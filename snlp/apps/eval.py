@@ -30,6 +30,9 @@ from snlp.eval.present import frontier_plot, markdown_table, print_table, write_
 from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
 
+OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
+
+
 # ----- CLI -----
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
@@ -103,6 +106,8 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 
 
 def run(args) -> int:
+    if args.bootstrap_iters is not None and not args.harness:
+        raise ValueError("--bootstrap-iters sets the harness's stderr bootstrap: use it with --harness")
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
@@ -173,7 +178,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
                             batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
                             gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
-    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=tok.eos_id)
+    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")

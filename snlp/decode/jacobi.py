@@ -19,7 +19,7 @@ import torch
 
 
 def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
-                    max_new_tokens: int = 64, eos_id: int | None = None, max_iters: int | None = None,
+                    max_new_tokens: int = 64, eos_id: int | list[int] | None = None, max_iters: int | None = None,
                     max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                     verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None) -> GenerateResult:
     """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens (the

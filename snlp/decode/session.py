@@ -4,6 +4,7 @@ streaming), timing, and the result record `GenerateResult`."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -138,7 +139,7 @@ class DecodeSession:
     """Prompt, cache and output bookkeeping shared by every mode. The cache always holds the exact
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
-    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
                  slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
         self.model, self.device = model, model.wte.weight.device
@@ -160,7 +161,7 @@ class DecodeSession:
         self.cache = make_cache(size) if make_cache is not None else \
             KVCache.for_model(model, batch=1, max_len=size) if lead is None else lead.new_cache(model, 1, size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
-        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id), on_tokens
         self.out: list[int] = []
         self.last = self.prompt[-1]
         self.result = GenerateResult(tokens=self.out, mode=mode)
@@ -190,8 +191,9 @@ class DecodeSession:
     def emit(self, new: list[int]) -> None:
         """Append new tokens, cut at EOS / the budget, stream them."""
         new = new[: self.remaining]
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[: new.index(self.eos_id) + 1]
+        cut = cut_at_stop(new, self.stops)
+        if cut is not None:
+            new = cut
             self.done, self.result.stop = True, "eos"
         self.out.extend(new)
         self.last = new[-1]
@@ -208,6 +210,28 @@ class DecodeSession:
 class NonFiniteModelError(FloatingPointError):
     """Decoding met NaN/inf logits that the model's own sequential forward gives too: the model (its layers or
     its head, e.g. an fp16 lm_head without softcap overflowing) is the cause, not the SNLP plan."""
+
+
+def stop_set(eos_id) -> frozenset[int]:
+    """The token ids decoding stops after: `eos_id` None (none), one id, or several (a Hugging Face model's
+    generation_config.json lists every end-of-sequence id: Llama-3-Instruct's <|eot_id|> and <|end_of_text|>, ...)."""
+    if eos_id is None:
+        return frozenset()
+    try:
+        ids = [operator.index(eos_id)] if not hasattr(eos_id, "__iter__") else [operator.index(i) for i in eos_id]
+    except TypeError:
+        ids = [-1]
+    if any(i < 0 for i in ids) or isinstance(eos_id, bool):
+        raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r})")
+    return frozenset(ids)
+
+
+def cut_at_stop(new: list[int], stops: frozenset[int]) -> list[int] | None:
+    """`new` up to and including its first stop id, or None if it holds none."""
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[:i + 1]
+    return None
 
 
 NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
