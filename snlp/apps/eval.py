@@ -13,21 +13,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
-from snlp.eval.mc_eval import evaluate_mc
-from snlp.eval.mc_harness import default_scoring
 from snlp.apps import eval_harness
-from snlp.apps.common import plans_preheat
-from snlp.io.checkpoint import load
-from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
-from snlp.eval.protocol import EvalConfig, evaluate
-from snlp.model.gpt import GPT
-from snlp.method.plan import parse_plans
-from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+from snlp.eval.config import EvalConfig
+
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.model.gpt import GPT
 
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
@@ -72,7 +64,7 @@ def add_arguments(p) -> None:
                    help="tokens decoded per timed run (prefill not timed)")
     e.add_argument("--no-emb", action="store_true", help="skip EmbSim (sentence embeddings)")
     e.add_argument("--seed", type=int, default=EvalConfig.seed, help="prompt sampling seed")
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (tiny models: 1 is often fastest)")
@@ -106,6 +98,17 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
+    from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
+    from snlp.eval.protocol import evaluate
+    from snlp.io.checkpoint import load
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.bootstrap_iters is not None and not args.harness:
         raise ValueError("--bootstrap-iters sets the harness's stderr bootstrap: use it with --harness")
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
@@ -153,9 +156,14 @@ def run(args) -> int:
 def run_drafter_eval(args, model, tok, device) -> int:
     """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter), on the held-out part
     of the drafter's own adaptation split (flags that contradict it are refused)."""
+    import torch
+
+    from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
     from snlp.io.drafter import load_drafter, load_record
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_dtype, device_label, write_atomic, write_json
 
     if args.task:
         raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
@@ -191,6 +199,10 @@ def run_drafter_eval(args, model, tok, device) -> int:
 
 def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     """`snlp eval CKPT --task ...`: multiple-choice accuracy instead of the LM metrics."""
+    from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
+    from snlp.eval.mc_eval import evaluate_mc
+    from snlp.eval.mc_harness import default_scoring
+    from snlp.runtime.device import write_atomic
     scoring = args.mc_scoring or default_scoring(args.ckpt)
     cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
                    shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))

@@ -13,11 +13,6 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
-from snlp.apps.common import plans_preheat
-from snlp.method.plan import parse_plans
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
 
 def add_arguments(p) -> None:
@@ -63,6 +58,12 @@ def check_method_files(methods: list[str]) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+
     try:
         from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table
     except ImportError as e:

@@ -11,20 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from snlp.decode.generate import MODES, sequential_generate, snlp_generate
-from snlp.decode.jacobi import jacobi_generate
-from snlp.decode.session import check_decode_args
-from snlp.decode.steps import sequential_step, snlp_step
-from snlp.decode.speculative import speculative_benchmark, speculative_generate
-from snlp.apps.common import plans_preheat
-from snlp.io.checkpoint import load
-from snlp.io.data import read_text
-from snlp.io.drafter import load_drafter
-from snlp.method.plan import cli_plan
-from snlp.method.solver import bind
-from snlp.runtime.device import cli_device, write_json
+# The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.
+MODES = ("sequential", "snlp", "speculative", "jacobi")  # snlp.decode.generate.MODES (tests check they agree)
 
 
 def add_arguments(p) -> None:
@@ -44,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-baseline", action="store_true",
                    help="speculative mode: skip the timed comparison with sequential decoding (no measured "
                         "speedup / s)")
@@ -81,6 +69,8 @@ def add_arguments(p) -> None:
 
 def check_args(args) -> None:
     """Refuse flag combinations a mode cannot honour, before anything is loaded."""
+    from snlp.decode.session import check_decode_args
+
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
     if args.drafter and args.mode not in ("speculative", "snlp"):
@@ -140,6 +130,10 @@ def streamer(tok):
 def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None, drafter=None):
     """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
     graphs (--prompts-file decodes one batch per call); `drafter`: an adapted drafter (`snlp adapt`)."""
+    from snlp.decode.generate import sequential_generate, snlp_generate
+    from snlp.decode.jacobi import jacobi_generate
+    from snlp.decode.speculative import speculative_generate
+
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
     steps = steps or {}
     if args.mode == "sequential":
@@ -160,6 +154,8 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
 def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
+    from snlp.decode.speculative import speculative_benchmark
+
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
@@ -177,6 +173,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
 def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
     """The prompts of a --prompts-file: JSONL (every non-empty line a JSON object with a "prompt" string) or plain
     text (one prompt per non-empty line; a line is JSONL if it starts with "{")."""
+    from snlp.io.data import read_text
+
     if not Path(path).is_file():
         raise ValueError(f"--prompts-file {path} does not exist")
     prompts = []
@@ -217,6 +215,9 @@ def shared_steps(args, model, plan, preheat, drafter=None) -> dict:
     """--compile: the sequential and drafter steps built once, so every batch reuses their compiled graphs."""
     if not args.compile:
         return {}
+    from snlp.decode.steps import sequential_step, snlp_step
+    from snlp.method.solver import bind
+
     steps = {"seq": sequential_step(model, compile=True)}
     if plan is not None:
         steps["draft"] = snlp_step(bind(model if drafter is None else drafter.model, plan, check_finite=False,
@@ -234,6 +235,8 @@ def argparse_copy(args, **kw):
 
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
+    from snlp.runtime.device import write_json
+
     texts = read_prompts(args.prompts_file, args.prompts_encoding)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
@@ -267,6 +270,15 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter
+    from snlp.method.plan import cli_plan
+    from snlp.runtime.device import cli_device, write_json
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")

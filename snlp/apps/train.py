@@ -19,10 +19,11 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from snlp.train.config import TrainConfig
-from snlp.train.hooks import StopCheck, TrainHooks
-from snlp.train.trainer import fit
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.train.config import TrainConfig
+    from snlp.train.hooks import StopCheck, TrainHooks
 
 
 def add_arguments(p) -> None:
@@ -100,10 +101,14 @@ def add_arguments(p) -> None:
 
 def config_from_args(args) -> TrainConfig:
     """The TrainConfig of parsed `snlp train` flags (attributes named like the fields; others ignored)."""
+    from snlp.train.config import TrainConfig
+
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
 
 
 def run(args) -> int:
+    from snlp.train.trainer import fit
+
     res = fit(config_from_args(args), hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
@@ -139,6 +144,8 @@ def file_hooks(stop_file: str | Path | None = None, step_gate: str | Path | None
     is not overrun. `step_gate` (an integer G; single-process runs): step s starts only once G >= s,
     polled every `poll_s` seconds, the stop file ending the wait (lockstep side-by-side runs, snlp
     speedrun)."""
+    from snlp.train.hooks import TrainHooks
+
     stop = stop_file_check(stop_file) if stop_file else (lambda steps_done: None)
     if not stop_file and not step_gate:
         return TrainHooks()
