@@ -3,8 +3,8 @@ id) into an snlp checkpoint that `snlp eval`, `generate`, `bench --ckpt` and `tr
 
 from __future__ import annotations
 
-from snlp.io.checkpoint import save_checkpoint
-from snlp.io.hf import SUPPORTED, from_hf
+# the library (and torch) loads in run(), not here: --help answers without it
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")  # snlp.io.hf's
 
 
 def add_arguments(p) -> None:
@@ -16,6 +16,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.hf import from_hf
+
     model, tok = from_hf(args.src, dtype=args.dtype)
     if tok is None:
         raise ValueError(f"{args.src} has no tokenizer; snlp checkpoints need one (save the tokenizer next to the "

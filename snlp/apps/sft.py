@@ -13,9 +13,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from typing import TYPE_CHECKING
+
 from snlp.apps.train import config_from_args, file_hooks
-from snlp.train.config import TrainConfig
-from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.train.config import TrainConfig
+SEQUENTIAL = "sequential"  # snlp.train.sft.SEQUENTIAL (tests check they agree)
 
 
 def add_train_arguments(p, steps: int = 200) -> None:
@@ -54,6 +58,8 @@ def add_train_arguments(p, steps: int = 200) -> None:
 
 def train_config(args, out: str, resume: bool = False) -> TrainConfig:
     """TrainConfig of the shared flags, LRs scaled by --lr-scale."""
+    from snlp.train.config import TrainConfig
+
     base = TrainConfig(out=out)
     cfg = config_from_args(args)
     s = args.lr_scale
@@ -75,6 +81,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.train.sft import SFTConfig, sft
+
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
     sft(scfg, hooks=file_hooks(args.stop_file))
