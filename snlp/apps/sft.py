@@ -11,6 +11,7 @@ snlp train's times --lr-scale (0.1), as fine-tuning wants smaller steps than pre
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 from typing import TYPE_CHECKING
@@ -85,5 +86,8 @@ def run(args) -> int:
 
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
-    sft(scfg, hooks=file_hooks(args.stop_file))
+    res = sft(scfg, hooks=file_hooks(args.stop_file))
+    if res.stopped_by == "interrupt":
+        print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
+        return 130
     return 0
