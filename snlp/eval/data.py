@@ -3,6 +3,7 @@ split and token cache as `snlp train`), non-overlapping PPL windows and seeded g
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,15 @@ def checkpoint_data(ckpt, **overrides) -> dict:
     from snlp.io.checkpoint import load_training
 
     trained = (load_training(ckpt)[1] or {}).get("args", {})
-    return {k: overrides[k] if overrides.get(k) is not None else trained.get(k, v) for k, v in DATA_DEFAULTS.items()}
+    out = {k: overrides[k] if overrides.get(k) is not None else trained.get(k, v) for k, v in DATA_DEFAULTS.items()}
+    cache = out["cache_dir"]
+    if overrides.get("cache_dir") is None and cache and not Path(cache).is_absolute() and not Path(cache).is_dir():
+        # checkpoints record an absolute path now (snlp.train.checkpointing.recorded_args); an older one's is relative
+        # to the folder its training ran in, which is not this one
+        warnings.warn(f"checkpoint {ckpt} records its token cache as the relative path {cache} (from the folder its "
+                      f"training ran in), which is not a folder here: the validation split is tokenised anew into "
+                      f"{Path(cache).absolute()}; pass --cache-dir to read the run's cache", stacklevel=2)
+    return out
 
 
 def validation_tokens(tok, data: str = "stdlib", text_field: str = "text", max_chars: int = 0,

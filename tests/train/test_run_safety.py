@@ -117,6 +117,18 @@ def test_read_only_out_is_refused(tmp_path, capsys):
         ro.chmod(0o700)
 
 
+def test_a_read_only_folder_is_named(tmp_path, capsys, monkeypatch):
+    """A folder the probe file cannot be created in (a read-only mount: simulated, root writes everywhere)."""
+    import snlp.runtime.outputs as O
+
+    def refuse(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(O.tempfile, "mkstemp", refuse)
+    assert main(["eval", str(tmp_path / "ck"), "--plans", "2xF1-h0-K1", "--json", str(tmp_path / "r.json")]) == 2
+    assert f"--json {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)" in capsys.readouterr().err
+
+
 def test_json_results_are_written_atomically(tmp_path, monkeypatch):
     """A write that fails half-way leaves the previous file whole, and no temporary beside it."""
     from snlp.runtime.device import write_json
@@ -191,6 +203,23 @@ def test_checkpoint_records_an_absolute_cache_path(corpus, tmp_path, monkeypatch
     _, tok = load(work / "run")
     validation_tokens(tok, **data)
     assert list(elsewhere.iterdir()) == []  # read the run's cache; nothing re-tokenised here
+
+
+def test_an_old_relative_cache_path_is_warned_of(corpus, tmp_path, monkeypatch):
+    """A checkpoint saved before the path was recorded absolute: reading it elsewhere says so instead of silently
+    re-tokenising into a new folder."""
+    monkeypatch.chdir(tmp_path)
+    fit(cfg("run", corpus, "cache", steps=1))
+    st = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
+    st["args"]["cache_dir"] = "cache"  # as 3c0d6cc recorded it
+    torch.save(st, tmp_path / "run" / "train_state.pt")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning, match=r"relative path cache .*pass --cache-dir"):
+        checkpoint_data(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint_data(tmp_path / "run", cache_dir=str(tmp_path / "cache"))  # given: no warning
 
 
 def test_reg_none_warns_of_no_clipping(corpus, tmp_path):
