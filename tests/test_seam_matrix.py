@@ -297,9 +297,9 @@ def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
     elif entry in ("snlp", "snlp-sampled") and several:  # fp16: the model's own forward overflows too (in its
         # layers: the sequential trace, the outside reference, is NaN/inf), so the error names the model, not the plan
         assert not torch.isfinite(m.hidden_states(torch.tensor([prompts[0]]))[-1]).all()
-        with pytest.raises(NonFiniteModelError, match=r"the logits of generated token 1 of prompt\(s\) \[0(, 1)*(, 2)*\] "
-                           r"contain NaN/inf under plan 8xF1-h0-K1, and so do the model's own: its layers' .*the plan "
-                           r"is not the cause") as err:
+        with pytest.raises(NonFiniteModelError, match=r"the logits of generated token 1 of prompt\(s\) "
+                           r"\[0(, 1)*(, 2)*\] contain NaN/inf under plan 8xF1-h0-K1, and so do the model's own: its "
+                           r"layers' .*the plan is not the cause") as err:
             call()
         assert "\n" not in str(err.value)
     elif entry in ("snlp", "snlp-sampled", "jacobi-unverified"):

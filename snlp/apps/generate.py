@@ -19,8 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp.io.checkpoint.save_checkpoint)")
     p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
-                   "tokenizer's chat template (no extra BOS) and stop at its end-of-sequence ids (the converted model's "
-                   "generation config's list, else the tokenizer's EOS) unless --eos-id is given")
+                   "tokenizer's chat template (no extra BOS) and stop at its end-of-sequence ids (the converted "
+                   "model's generation config's list, else the tokenizer's EOS) unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
     p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "

@@ -138,7 +138,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
 
 
 def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
-                         warmup: int = 1, eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
+                         warmup: int = 1, eos_id: int | list[int] | None = None, progress: bool = False,
+                         compile: bool = False,
                          preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
     """Several greedy drafters, `cases` = [(plan, B), ...], measured against ONE sequential baseline in ONE
     round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially,

@@ -336,9 +336,9 @@ def cli_plan(text: str, n_layer: int | None = None) -> Plan:
 
 
 def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
-    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1', each read by `cli_plan` (K capped). A plan named twice (as written, or as two
-    spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer keys its rows, runners or
-    output files by the plan, so the second would silently replace or repeat the first."""
+    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1', each read by `cli_plan` (K capped). A plan named
+    twice (as written, or as two spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer
+    keys its rows, runners or output files by the plan, so the second would silently replace or repeat the first."""
     plans, seen = [], {}
     for p in (x.strip() for x in text.split(",") if x.strip()):
         plan = cli_plan(p, n_layer)

@@ -19,8 +19,8 @@ def test_a_negative_or_missing_K_is_named(text):
     assert "unknown part" not in str(e.value)
 
 
-@pytest.mark.parametrize("text", ["１２xF1-h0-K1", "12xF1-h0-K１", "4xF1-h0-K1-tol:１e-3", "4xF1-h0-K1-order:０.1.2.3",
-                                  "4xF1-h0-K1-diag-probes:２"])
+@pytest.mark.parametrize("text", ["１２xF1-h0-K1", "12xF1-h0-K１", "4xF1-h0-K1-tol:１e-3",
+                                  "4xF1-h0-K1-order:０.1.2.3", "4xF1-h0-K1-diag-probes:２"])
 def test_non_ascii_digits_are_refused(text):
     with pytest.raises(ValueError, match=r"is not ASCII"):
         Plan.parse(text)

@@ -126,7 +126,8 @@ def test_a_read_only_folder_is_named(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(O.tempfile, "mkstemp", refuse)
     assert main(["eval", str(tmp_path / "ck"), "--plans", "2xF1-h0-K1", "--json", str(tmp_path / "r.json")]) == 2
-    assert f"--json {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)" in err
 
 
 def test_json_results_are_written_atomically(tmp_path, monkeypatch):
@@ -175,7 +176,8 @@ def test_ctrl_c_stops_after_the_step_saves_and_resume_matches_an_uninterrupted_r
     assert log_steps(tmp_path / "part") == [1, 6]  # the killed run's 4 and 5 dropped, nothing twice
     recs = [json.loads(line) for line in (tmp_path / "part" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "val_loss" in r] == [0, 3, 6]  # validated at the interrupt, then the end
-    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "model.safetensors"))
     for k in a:  # the outside reference: the same 6 steps run without an interrupt
         assert torch.equal(a[k], b[k]), k
 
