@@ -86,6 +86,16 @@ def test_the_lock_is_held_during_the_run(corpus, tmp_path):
     assert seen
 
 
+def test_snlp_adapt_locks_its_out_too(tmp_path, capsys):
+    from snlp.runtime.outputs import locked_output
+
+    out = tmp_path / "drafter"
+    with locked_output(out):  # the run in progress (flock: a second open file description conflicts in-process too)
+        rc = main(["adapt", str(tmp_path / "no-such-base"), "--plan", "2xF1-h0-K1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--out {out} is in use by a run in progress (pid {os.getpid()})" in err
+
+
 # ----- output paths checked before any work
 @pytest.mark.parametrize("argv,msg", [
     (["train", "--out", "{file}"], "--out {file} exists and is a file, not a folder"),
