@@ -82,8 +82,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.method.plan import cli_plan
     from snlp.train.sft import SFTConfig, sft
 
+    if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
+        args.forward = str(cli_plan(args.forward))
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
     res = sft(scfg, hooks=file_hooks(args.stop_file))

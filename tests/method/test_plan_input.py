@@ -57,6 +57,22 @@ def test_capping_changes_no_output():
             torch.testing.assert_close(cut, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_the_command_line_says_so_in_one_line(tmp_path):
+    """`snlp tune` reads its plans before the checkpoint: the cap is one warning line, then the missing checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "snlp", "tune", str(tmp_path / "no-ckpt"), "--plans",
+                        "2xF1-h0-K999999999"], cwd=root, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == ("snlp: warning: plan 2xF1-h0-K999999999: K = 999999999 is beyond K = 2, from which the plan "
+                        "is exact (its output equals the model run sequentially); running 2xF1-h0-K2")
+    assert r.returncode == 2 and "no-ckpt" in lines[-1]
+
+
 def test_capped_duplicates_are_one_plan():
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="are one plan"):
         parse_plans("4xF1-h0-K4,4xF1-h0-K8")
