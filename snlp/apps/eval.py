@@ -109,6 +109,12 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.plot:  # the figure is written after the whole evaluation: a format matplotlib lacks fails here
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
+            raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
     if args.bootstrap_iters is not None and not args.harness:
         raise ValueError("--bootstrap-iters sets the harness's stderr bootstrap: use it with --harness")
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)

@@ -103,6 +103,7 @@ def test_snlp_adapt_locks_its_out_too(tmp_path, capsys):
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{file}/r.json"], "--json {file}/r.json: {file} is a file"),
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--csv", "{dir}"], "--csv {dir} is a folder; name a file"),
     (["generate", "{ckpt}", "--json", "{file}/g.json"], "--json {file}/g.json: {file} is a file"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--plot", "{dir}/f.xyz"], "--plot {dir}/f.xyz: name a file ending in"),
     (["calibrate", "{ckpt}", "--out", "{dir}"], "--out {dir} is a folder; name a file"),
 ])
 def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, msg):
