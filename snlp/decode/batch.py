@@ -253,7 +253,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             if plan is not None:  # NaN/inf logits of a live row raise (a finished row riding along is ignored)
                 check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
                              [ses.rows[j] for j in live], model=model,
-                             seqs=[ses.prompts[ses.rows[j]] + ses.results[ses.rows[j]].tokens for j in live])
+                             context=lambda k: ses.prompts[ses.rows[live[k]]] + ses.results[ses.rows[live[k]]].tokens)
             for j in live:
                 res = ses.results[ses.rows[j]]
                 res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1

@@ -46,7 +46,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
             nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=plan is not None)
             res.step_s += now(ses.device) - t0  # timed like the speculative drafter's steps
             if plan is not None:
-                check_picked([nxt], plan, len(ses.out), model=model, seqs=[ses.prompt + ses.out])
+                check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
             res.steps += 1
             res.forwards += 1
             ses.emit([nxt])

@@ -80,7 +80,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
                 # rides on this host read); verified, the sequential check below keeps the output exact
                 if plan is not None and not verify:
                     pred = pick_tokens(logits[0], 0.0, flag=True)
-                    check_picked(pred, plan, len(ses.out))
+                    check_picked(pred, plan, len(ses.out), model=model,
+                                 context=lambda i: ses.prompt + ses.out + g[:i])  # position i's logits: after g[:i]
                 else:
                     pred = logits[0].argmax(-1).tolist()
                 res.jacobi_iters += 1

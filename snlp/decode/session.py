@@ -261,27 +261,29 @@ def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, 
 
 
 def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None, model: GPT | None = None,
-                 seqs: list[list[int]] | None = None) -> None:
+                 context: Callable[[int], list[int]] | None = None) -> None:
     """Raise, naming the plan and the step, if a flagged pick of an SNLP forward's logits met NaN/inf (a NONFINITE
     entry): no token is emitted from them. `step`: tokens generated before this one; `prompts`: the batch rows'
-    prompt indices. With the `model` and each row's tokens so far (`seqs`, the logits' context), the error says
-    where the values came from (`nonfinite_source`): the model's own forward (NonFiniteModelError, which does not
-    blame the plan) or the plan's solver state (SNLPDivergenceError)."""
+    prompt indices. With the `model` and `context(j)`, the token ids whose last position's logits are entry j of
+    `tokens` (called only on this error path), the error says where the values came from (`nonfinite_source`): the
+    model's own forward (NonFiniteModelError, which does not blame the plan) or the plan's solver state
+    (SNLPDivergenceError)."""
     if NONFINITE not in tokens:
         return
     bad = [j for j, t in enumerate(tokens) if t == NONFINITE]
     where = f"generated token {step + 1}"
     if prompts is not None:
         where += f" of prompt(s) {[prompts[j] for j in bad]}"
-    source = nonfinite_source(model, seqs[bad[0]]) if model is not None and seqs is not None else None
+    known = model is not None and context is not None
+    source = nonfinite_source(model, context(bad[0])) if known else None
     if source is not None:
         raise NonFiniteModelError(f"the logits of {where} contain NaN/inf under plan {plan}, and so do the model's "
-                                 f"own: {source}; the plan is not the cause")
-    known = " (the model's own forward gives finite logits here)" if model is not None and seqs is not None else ""
+                                  f"own: {source}; the plan is not the cause")
+    origin = ("they come from the solver's state (the model's own forward gives finite logits here)" if known else
+              "check the model's own forward is finite")
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
-                              f"token is read off them); they come from the solver's state{known}. Try more "
-                              f"iterations (K >= {plan.chunks} is exact), fewer/larger chunks, ELK damping (-elk:0.1) "
-                              f"or the h0 init")
+                              f"token is read off them); {origin}. Try more iterations (K >= {plan.chunks} is exact), "
+                              f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
 
 
 def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
