@@ -3,20 +3,7 @@
 The public API is this screen; everything else is importable from its sub-package (docs/architecture.md):
 snlp.model, snlp.method, snlp.io, snlp.decode, snlp.train, snlp.eval, snlp.dist, snlp.bench, snlp.apps."""
 
-from snlp.decode.generate import sequential_generate, snlp_generate
-from snlp.decode.jacobi import jacobi_generate
-from snlp.decode.session import GenerateResult
-from snlp.decode.speculative import speculative_generate
-from snlp.eval.protocol import EvalConfig, EvalRecord, evaluate
-from snlp.io.checkpoint import load, load_preheat, save_checkpoint
-from snlp.io.hf import export_hf, from_hf
-from snlp.io.tokenizer import Tokenizer
-from snlp.method.plan import Plan, parse_plans
-from snlp.method.preheat import Preheat
-from snlp.method.solver import (Runner, SNLPDivergenceError, SolveResult, bind, fused_forward, fused_sequential,
-                                parallel_forward, solve)
-from snlp.method.surrogates import HCN, DiagN, Identity, Jacobi, Newton, Surrogate
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.runtime.lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = [
@@ -31,3 +18,19 @@ __all__ = [
     # the paper's metrics
     "evaluate", "EvalConfig", "EvalRecord", "__version__",
 ]
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "snlp.decode.generate": "sequential_generate snlp_generate",
+    "snlp.decode.jacobi": "jacobi_generate",
+    "snlp.decode.session": "GenerateResult",
+    "snlp.decode.speculative": "speculative_generate",
+    "snlp.eval.protocol": "EvalConfig EvalRecord evaluate",
+    "snlp.io.checkpoint": "load load_preheat save_checkpoint",
+    "snlp.io.hf": "export_hf from_hf",
+    "snlp.io.tokenizer": "Tokenizer",
+    "snlp.method.plan": "Plan parse_plans",
+    "snlp.method.preheat": "Preheat",
+    "snlp.method.solver": "Runner SNLPDivergenceError SolveResult bind fused_forward fused_sequential "
+                          "parallel_forward solve",
+    "snlp.method.surrogates": "HCN DiagN Identity Jacobi Newton Surrogate",
+    "snlp.model.gpt": "GPT GPTConfig",
+})

@@ -64,11 +64,12 @@ def mhc_model(seed: int = 0, n: int = 2, dynamic: bool = True, res_scale: float 
 def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
     """The outside reference of greedy decoding: a full forward over the whole prefix per token (no KV cache, no
     static shapes), `logits_fn` ids (1, T) -> logits (1, T, V) (a model, or e.g. its fused forward); stops after
-    `eos_id`."""
+    `eos_id` (one id, or any of a list of them)."""
+    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(logits_fn(torch.tensor([ids]))[0, -1].argmax()))
-        if ids[-1] == eos_id:
+        if ids[-1] in stops:
             break
     return ids[len(prompt):]
 

@@ -12,10 +12,14 @@ as a transformers model. Library: snlp.train.adapt.adapt(AdaptConfig).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 from snlp.io.drafter import load_drafter
+from snlp.runtime.device import write_atomic
+from snlp.runtime.outputs import locked_output
 from snlp.train.adapt import KV_MODES, AdaptConfig, adapt
 
 
@@ -65,8 +69,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.method.plan import cli_plan
+
+    args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
-    res = adapt(cfg)
+    master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
+    with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
+        res = adapt(cfg)
     if res.rank != 0:  # torchrun: rank 0 reports and writes
         return 0
     b, a = res.before, res.after
@@ -76,8 +85,7 @@ def run(args) -> int:
           f"{100 * b.get('top1_ssd', 0):.1f} -> {100 * a.get('top1_ssd', 0):.1f} %) | extra memory "
           f"{res.extra_bytes / 2**20:.1f} MiB")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res.to_dict(), f, indent=2)
+        write_atomic(args.json, json.dumps(res.to_dict(), indent=2))
     return 0
 
 

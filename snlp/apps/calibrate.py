@@ -11,6 +11,9 @@ from snlp.io.checkpoint import load
 from snlp.method.preheat import FILENAME, CalibrateConfig, fit
 
 
+OUTPUT_FILES = ("out",)  # --out names a file (snlp.apps.cli checks it before the run)
+
+
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory")
     p.add_argument("--rank", type=int, default=CalibrateConfig.rank, help="rank r of the embedding basis V")

@@ -1,11 +1,19 @@
 """The `snlp` command line. Each sub-command lives in its own module, which provides
-`add_arguments(parser)` and `run(args) -> int`; the module's docstring is its help text."""
+`add_arguments(parser)` and `run(args) -> int`; the module's docstring is its help text.
+
+Only the module of the command given is imported (the list of commands reads the others' docstrings from
+their source), and the modules import torch and the library inside `run`, so `snlp --help`, `snlp CMD --help`
+and argument errors answer without loading torch. Output paths (--out, --json, --csv, --markdown, --plot) are
+checked before the command runs, so a result that cannot be written costs no work."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import sys
+import warnings
 
 # sub-command -> module
 COMMANDS = {
@@ -24,25 +32,73 @@ COMMANDS = {
     "train": "snlp.apps.train",
     "tune": "snlp.apps.tune",
 }
+# argparse dests naming a file a command writes; `out` names a folder unless the module's OUTPUT_FILES lists it
+# (a module's OUTPUT_DIRS names more folders)
+OUTPUT_FILES = ("json", "csv", "markdown", "plot")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def module_doc(modname: str) -> str:
+    """A command module's docstring, read from its source without importing it."""
+    spec = importlib.util.find_spec(modname)
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser. `command` None: every sub-command's module is imported and its flags added; a name: only that
+    one's (the others are listed from their docstrings; "" imports none). `parser.commands` maps each
+    sub-command to its sub-parser."""
     parser = argparse.ArgumentParser(prog="snlp", description="Layer-parallel inference of Transformer LMs "
                                      "(Structured Newton Layer Parallelism).")
+    parser.commands = {}
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, modname in COMMANDS.items():
+        if command is not None and name != command:
+            doc = module_doc(modname).strip() or name
+            parser.commands[name] = sub.add_parser(name, help=doc.splitlines()[0])
+            continue
         mod = importlib.import_module(modname)
         doc = (mod.__doc__ or name).strip()
         p = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        p.set_defaults(func=mod.run, module=mod)
+        parser.commands[name] = p
     return parser
 
 
+def command_of(argv: list[str]) -> str:
+    """The sub-command `argv` names (its first word that is not an option: `snlp` itself takes only -h), or "" if
+    it names none."""
+    word = next((a for a in argv if not a.startswith("-")), "")
+    return word if word in COMMANDS else ""
+
+
+def check_outputs(parser: argparse.ArgumentParser, args) -> None:
+    """Raise a ValueError for the first output path given that cannot be written (snlp.runtime.outputs)."""
+    from snlp.runtime.outputs import check_output_dir, check_output_file
+
+    sub = parser.commands[args.command]
+    files = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ()))
+    for dest in dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ()))):
+        value = getattr(args, dest, None)
+        if not isinstance(value, str) or not value or value == sub.get_default(dest):
+            continue  # not given (a default folder is created when the command writes there)
+        flag = "--" + dest.replace("_", "-")
+        (check_output_file if dest in files else check_output_dir)(value, flag)
+
+
+def one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    return f"snlp: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_of(argv))
+    args = parser.parse_args(argv)
+    formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
+    try:  # the command's own lines
+        check_outputs(parser, args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
@@ -50,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"snlp {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":

@@ -4,11 +4,8 @@ that `snlp eval`, `generate`, `bench --ckpt` and `train --init-from` take."""
 
 from __future__ import annotations
 
-import torch
-
-from snlp.io.checkpoint import save_checkpoint
-from snlp.io.hf import SUPPORTED, from_hf
-from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+# the library (and torch) loads in run(), not here: --help answers without it
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")  # snlp.io.hf's
 
 
 def add_arguments(p) -> None:
@@ -22,6 +19,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.hf import from_hf
+    from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+
     if is_nanochat_dir(args.src):  # its tokenizer (a tiktoken pickle in nanochat's base dir) is not converted
         model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype))
         path = save_checkpoint(args.out, model)

@@ -20,7 +20,7 @@ from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
 from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, distributed_benchmark,
                                       gather_objects, init_distributed, partition)
 from snlp.dist.load import RankCheckpoint
-from snlp.method.plan import Plan, parse_plans
+from snlp.method.plan import cli_plan, parse_plans
 
 
 def _setup(args) -> tuple[int, int, torch.device]:
@@ -87,11 +87,11 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
     tok = ckpt.tokenizer()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    plan = Plan.parse(args.plan, ckpt.config.n_layer)
+    plan = cli_plan(args.plan, ckpt.config.n_layer)
     eos_id = args.eos_id
     if getattr(args, "chat", False):  # as snlp.apps.generate.run: the chat template, and stop at its EOS
         prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
-        eos_id = tok.eos_id if eos_id is None else eos_id
+        eos_id = (list(tok.stop_ids) or None) if eos_id is None else eos_id
     else:
         prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,

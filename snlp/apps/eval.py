@@ -13,21 +13,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
-from snlp.eval.mc_eval import evaluate_mc
-from snlp.eval.mc_harness import default_scoring
 from snlp.apps import eval_harness
-from snlp.apps.common import plans_preheat
-from snlp.io.checkpoint import load
-from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
-from snlp.eval.protocol import EvalConfig, evaluate
-from snlp.model.gpt import GPT
-from snlp.method.plan import parse_plans
-from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
+from snlp.eval.config import EvalConfig
+
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.model.gpt import GPT
+
+
+OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
 
 
 # ----- CLI -----
@@ -54,6 +49,8 @@ def add_arguments(p) -> None:
     d.add_argument("--max-chars", type=int, default=None, help="as for snlp train")
     d.add_argument("--val-frac", type=float, default=None, help="validation fraction (default: training's, 0.05)")
     d.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
+    d.add_argument("--data-encoding", default=None, help="text encoding of local data files (default: training's, "
+                   "utf-8)")
     e = p.add_argument_group("protocol")
     e.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len))")
     e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most")
@@ -67,7 +64,7 @@ def add_arguments(p) -> None:
                    help="tokens decoded per timed run (prefill not timed)")
     e.add_argument("--no-emb", action="store_true", help="skip EmbSim (sentence embeddings)")
     e.add_argument("--seed", type=int, default=EvalConfig.seed, help="prompt sampling seed")
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (tiny models: 1 is often fastest)")
@@ -101,6 +98,25 @@ def config_from_args(args, model: GPT) -> EvalConfig:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
+    from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
+    from snlp.eval.protocol import evaluate
+    from snlp.io.checkpoint import load
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.plot:  # the figure is written after the whole evaluation: a format matplotlib lacks fails here
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
+            raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
+    if args.bootstrap_iters is not None and not args.harness:
+        raise ValueError("--bootstrap-iters sets the harness's stderr bootstrap: use it with --harness")
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
@@ -136,10 +152,8 @@ def run(args) -> int:
     if args.csv:
         write_csv([r.to_dict() for r in records], args.csv)
     if args.markdown:
-        path = Path(args.markdown)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown_table(records))
-        print(f"wrote {path}")
+        write_atomic(args.markdown, markdown_table(records))
+        print(f"wrote {args.markdown}")
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0
@@ -148,9 +162,14 @@ def run(args) -> int:
 def run_drafter_eval(args, model, tok, device) -> int:
     """`snlp eval CKPT --drafter DIR`: post-hoc vs adapted drafter rows (snlp.eval.drafter), on the held-out part
     of the drafter's own adaptation split (flags that contradict it are refused)."""
+    import torch
+
+    from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
     from snlp.io.drafter import load_drafter, load_record
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_dtype, device_label, write_atomic, write_json
 
     if args.task:
         raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
@@ -173,19 +192,23 @@ def run_drafter_eval(args, model, tok, device) -> int:
                             batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
                             gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
-    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=tok.eos_id)
+    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
     if args.json:
         write_json(args.json, [r.to_dict() for r in rows])
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_atomic(args.markdown, table + "\n")
     return 0
 
 
 def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     """`snlp eval CKPT --task ...`: multiple-choice accuracy instead of the LM metrics."""
+    from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
+    from snlp.eval.mc_eval import evaluate_mc
+    from snlp.eval.mc_harness import default_scoring
+    from snlp.runtime.device import write_atomic
     scoring = args.mc_scoring or default_scoring(args.ckpt)
     cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
                    shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
@@ -195,13 +218,9 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "
                         f"{pct(r0.chance)} %), 95 % Wilson CI")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=2))
-        print(f"wrote {path}", file=sys.stderr)
+        write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
-        path = Path(args.markdown)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown(result))
-        print(f"wrote {path}", file=sys.stderr)
+        write_atomic(args.markdown, markdown(result))
+        print(f"wrote {args.markdown}", file=sys.stderr)
     return 0

@@ -13,11 +13,6 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
-from snlp.apps.common import plans_preheat
-from snlp.method.plan import parse_plans
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_json
 
 
 def add_arguments(p) -> None:
@@ -38,6 +33,8 @@ def add_arguments(p) -> None:
                    "with a plan: snlp (the plan's own answers; default for --plans) or speculative (exact: the model's "
                    "answers; always for --drafter)")
     h.add_argument("--harness-block", type=int, default=4, help="--harness-decode speculative: draft block size")
+    h.add_argument("--bootstrap-iters", type=int, default=None, help="--harness: bootstrap draws of the stderr of "
+                   "bootstrapped metrics (default: the harness's own, 100000 in lm-eval 0.4; 0 = no stderr)")
     h.add_argument("--harness-out", default=None, metavar="DIR", help="the harness's JSON per method "
                    "(DIR/<method>.json) and the table (DIR/table.md); default harness-<CKPT name>")
 
@@ -61,6 +58,12 @@ def check_method_files(methods: list[str]) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+
     try:
         from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table
     except ImportError as e:
@@ -73,6 +76,8 @@ def run(args) -> int:
         raise ValueError("--harness runs harness tasks; --task is snlp's own multiple-choice scoring: give one of them")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0 (got {args.num_fewshot})")
+    if args.bootstrap_iters is not None and args.bootstrap_iters < 0:
+        raise ValueError(f"--bootstrap-iters must be >= 0 (got {args.bootstrap_iters})")
     if args.limit is not None and args.limit <= 0:
         raise ValueError(f"--limit must be > 0 (got {args.limit})")
     if args.harness_include and not Path(args.harness_include).is_dir():
@@ -103,7 +108,7 @@ def run(args) -> int:
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
-                               fewshot_seed=args.fewshot_seed)
+                               fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
     limit = "" if args.limit is None else f", limit {args.limit:g}"
     title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit} | "
@@ -114,10 +119,9 @@ def run(args) -> int:
     for rec in records:
         write_json(out / method_file(rec.method), rec.harness or rec.to_dict())
     table = markdown(records)
-    (out / "table.md").write_text(f"{title}\n\n{table}")
+    write_atomic(out / "table.md", f"{title}\n\n{table}")
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"{title}\n\n{table}")
+        write_atomic(args.markdown, f"{title}\n\n{table}")
     if args.json:
         write_json(args.json, [r.to_dict() for r in records])
     print(f"wrote the harness's JSON per method and table.md to {out}", file=sys.stderr)

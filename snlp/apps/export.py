@@ -6,11 +6,6 @@ config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp
 
 from __future__ import annotations
 
-from snlp.io.checkpoint import load
-from snlp.io.drafter import export_drafter_hf, is_drafter_dir, load_drafter, load_record
-from snlp.io.hf import export_hf
-from snlp.train.adapt import load_base
-
 
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="snlp checkpoint directory, or a drafter directory (snlp adapt --out)")
@@ -20,6 +15,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    # the library (and torch) loads here, not at the top: --help answers without it
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import export_drafter_hf, is_drafter_dir, load_drafter, load_record
+    from snlp.io.hf import export_hf
+    from snlp.train.adapt import load_base
+
     if is_drafter_dir(args.ckpt):
         src = args.base or load_record(args.ckpt).get("config", {}).get("src")
         if not src:

@@ -11,26 +11,16 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from snlp.decode.generate import MODES, sequential_generate, snlp_generate
-from snlp.decode.jacobi import jacobi_generate
-from snlp.decode.session import check_decode_args
-from snlp.decode.steps import sequential_step, snlp_step
-from snlp.decode.speculative import speculative_benchmark, speculative_generate
-from snlp.apps.common import plans_preheat
-from snlp.io.checkpoint import load
-from snlp.io.drafter import load_drafter
-from snlp.method.plan import Plan
-from snlp.method.solver import bind
-from snlp.runtime.device import cli_device, write_json
+# The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.
+MODES = ("sequential", "snlp", "speculative", "jacobi")  # snlp.decode.generate.MODES (tests check they agree)
 
 
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp.io.checkpoint.save_checkpoint)")
     p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
-                   "tokenizer's chat template (no extra BOS) and stop at its EOS unless --eos-id is given")
+                   "tokenizer's chat template (no extra BOS) and stop at its end-of-sequence ids (the converted "
+                   "model's generation config's list, else the tokenizer's EOS) unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
     p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "
@@ -42,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-baseline", action="store_true",
                    help="speculative mode: skip the timed comparison with sequential decoding (no measured "
                         "speedup / s)")
@@ -61,6 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts-file", default=None,
                    help="decode every prompt of this file instead of --prompt: JSONL with a \"prompt\" field per line, "
                         "or one prompt per line; results are printed (and written to --json) one per prompt, in order")
+    p.add_argument("--prompts-encoding", default="utf-8", help="text encoding of --prompts-file (e.g. latin-1)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="--prompts-file: decode this many prompts at once as one ragged batch (sequential, snlp, "
                         "speculative; every row's tokens equal its own single-prompt output)")
@@ -78,6 +69,8 @@ def add_arguments(p) -> None:
 
 def check_args(args) -> None:
     """Refuse flag combinations a mode cannot honour, before anything is loaded."""
+    from snlp.decode.session import check_decode_args
+
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
     if args.drafter and args.mode not in ("speculative", "snlp"):
@@ -106,6 +99,7 @@ def check_args(args) -> None:
         if args.mode == "jacobi":
             raise ValueError("--prompts-file decodes batches with --mode sequential, snlp or speculative; Jacobi "
                              "decoding serves one prompt at a time (use --prompt)")
+        read_prompts(args.prompts_file, args.prompts_encoding)  # a missing or undecodable file: before the model loads
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
@@ -115,7 +109,7 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     (unless --eos-id says otherwise), else BOS + the text and --eos-id."""
     if args.chat:
         ids = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
-        return ids, tok.eos_id if args.eos_id is None else args.eos_id
+        return ids, (list(tok.stop_ids) or None) if args.eos_id is None else args.eos_id
     return ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt)), \
         args.eos_id
 
@@ -136,6 +130,10 @@ def streamer(tok):
 def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None, drafter=None):
     """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
     graphs (--prompts-file decodes one batch per call); `drafter`: an adapted drafter (`snlp adapt`)."""
+    from snlp.decode.generate import sequential_generate, snlp_generate
+    from snlp.decode.jacobi import jacobi_generate
+    from snlp.decode.speculative import speculative_generate
+
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
     steps = steps or {}
     if args.mode == "sequential":
@@ -156,6 +154,8 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
 def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
+    from snlp.decode.speculative import speculative_benchmark
+
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
@@ -170,13 +170,15 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"sequential {record['sequential_tokens_per_s']:.1f} tok/s)")
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
     """The prompts of a --prompts-file: JSONL (every non-empty line a JSON object with a "prompt" string) or plain
     text (one prompt per non-empty line; a line is JSONL if it starts with "{")."""
+    from snlp.io.data import read_text
+
     if not Path(path).is_file():
         raise ValueError(f"--prompts-file {path} does not exist")
     prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, encoding, "--prompts-encoding").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -213,6 +215,9 @@ def shared_steps(args, model, plan, preheat, drafter=None) -> dict:
     """--compile: the sequential and drafter steps built once, so every batch reuses their compiled graphs."""
     if not args.compile:
         return {}
+    from snlp.decode.steps import sequential_step, snlp_step
+    from snlp.method.solver import bind
+
     steps = {"seq": sequential_step(model, compile=True)}
     if plan is not None:
         steps["draft"] = snlp_step(bind(model if drafter is None else drafter.model, plan, check_finite=False,
@@ -230,7 +235,9 @@ def argparse_copy(args, **kw):
 
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
-    texts = read_prompts(args.prompts_file)
+    from snlp.runtime.device import write_json
+
+    texts = read_prompts(args.prompts_file, args.prompts_encoding)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
@@ -263,6 +270,15 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter
+    from snlp.method.plan import cli_plan
+    from snlp.runtime.device import cli_device, write_json
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")
@@ -282,7 +298,7 @@ def run(args) -> int:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
-        Plan.parse(args.plan, model.config.n_layer)
+        cli_plan(args.plan, model.config.n_layer)
     if drafter is not None:
         drafter.check_plan(plan)
         if args.mode == "snlp":

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from snlp.bench.records import write_json
-from snlp.bench.selfcheck import SelfcheckConfig, selfcheck, table
-from snlp.runtime.device import cli_device
-
 
 def add_arguments(p) -> None:
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out", default="selfcheck", help="directory for selfcheck.json")
     p.add_argument("--quick", action="store_true", help="a smaller speed suite (CI)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
@@ -29,7 +23,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    device = cli_device(args.device)
+    import torch  # here, not at the top: --help answers without loading torch
+
+    from snlp.bench.records import write_json
+    from snlp.bench.selfcheck import SelfcheckConfig, selfcheck, table
+    from snlp.runtime.device import cli_device
+
+    device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     res = selfcheck(SelfcheckConfig(device=str(device), quick=args.quick, compile=compile, seed=args.seed))
     print("\n".join(table(res)))

@@ -11,11 +11,16 @@ snlp train's times --lr-scale (0.1), as fine-tuning wants smaller steps than pre
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
+from typing import TYPE_CHECKING
+
 from snlp.apps.train import add_speed_arguments, config_from_args, file_hooks
-from snlp.train.config import TrainConfig
-from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.train.config import TrainConfig
+SEQUENTIAL = "sequential"  # snlp.train.sft.SEQUENTIAL (tests check they agree)
 
 
 def add_train_arguments(p, steps: int = 200) -> None:
@@ -55,6 +60,8 @@ def add_train_arguments(p, steps: int = 200) -> None:
 
 def train_config(args, out: str, resume: bool = False) -> TrainConfig:
     """TrainConfig of the shared flags, LRs scaled by --lr-scale."""
+    from snlp.train.config import TrainConfig
+
     base = TrainConfig(out=out)
     cfg = config_from_args(args)
     s = args.lr_scale
@@ -76,7 +83,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.method.plan import cli_plan
+    from snlp.train.sft import SFTConfig, sft
+
+    if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
+        args.forward = str(cli_plan(args.forward))
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
-    sft(scfg, hooks=file_hooks(args.stop_file))
+    res = sft(scfg, hooks=file_hooks(args.stop_file))
+    if res.stopped_by == "interrupt":
+        print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
+        return 130
     return 0

@@ -13,14 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from snlp.io.checkpoint import load
-from snlp.eval.mc import SEQ, MCConfig
-from snlp.eval.mc_eval import evaluate_mc
-from snlp.io.mctasks import load_task
-from snlp.method.plan import Plan
 from snlp.apps.sft import add_train_arguments, train_config
 from snlp.apps.train import file_hooks
-from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
 
 
 @dataclass
@@ -56,6 +50,14 @@ class GridResult:
 
 
 def run_grid(cfg: GridConfig) -> GridResult:
+    # the library (and torch) loads here, not at the top: --help answers without it
+    from snlp.eval.mc import SEQ, MCConfig
+    from snlp.eval.mc_eval import evaluate_mc
+    from snlp.io.checkpoint import load
+    from snlp.io.mctasks import load_task
+    from snlp.method.plan import Plan
+    from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+
     plan = str(Plan.parse(cfg.plan))
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
@@ -115,6 +117,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.method.plan import cli_plan
+
+    args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
     md = markdown(res)

@@ -15,13 +15,15 @@ pretraining (`pretrain_job`) and chat SFT (snlp.train.sft) run the same machiner
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from snlp.train.config import TrainConfig
-from snlp.train.hooks import StopCheck, TrainHooks
-from snlp.train.trainer import fit
+if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.train.config import TrainConfig
+    from snlp.train.hooks import StopCheck, TrainHooks
 
 
 def add_arguments(p) -> None:
@@ -41,6 +43,8 @@ def add_arguments(p) -> None:
     d.add_argument("--max-chars", type=int, default=0, help="use at most this many characters (0 = all; hf: 200M)")
     d.add_argument("--val-frac", type=float, default=0.05, help="fraction of documents held out for validation")
     d.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (specials included)")
+    d.add_argument("--data-encoding", default="utf-8", help="text encoding of local data files (e.g. latin-1); "
+                   "a byte that does not decode is an error naming the file and offset")
     d.add_argument("--cache-dir", default=None, help="token cache folder (default $SNLP_CACHE or ~/.cache/snlp)")
     m = p.add_argument_group("model (one dial: depth)")
     m.add_argument("--depth", type=int, default=8)
@@ -109,11 +113,18 @@ def add_speed_arguments(o) -> None:
 
 def config_from_args(args) -> TrainConfig:
     """The TrainConfig of parsed `snlp train` flags (attributes named like the fields; others ignored)."""
+    from snlp.train.config import TrainConfig
+
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
 
 
 def run(args) -> int:
-    fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    from snlp.train.trainer import fit
+
+    res = fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    if res.stopped_by == "interrupt":
+        print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -145,6 +156,8 @@ def file_hooks(stop_file: str | Path | None = None, step_gate: str | Path | None
     is not overrun. `step_gate` (an integer G; single-process runs): step s starts only once G >= s,
     polled every `poll_s` seconds, the stop file ending the wait (lockstep side-by-side runs, snlp
     speedrun)."""
+    from snlp.train.hooks import TrainHooks
+
     stop = stop_file_check(stop_file) if stop_file else (lambda steps_done: None)
     if not stop_file and not step_gate:
         return TrainHooks()

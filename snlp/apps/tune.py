@@ -28,6 +28,7 @@ from snlp.bench.records import write_json
 from snlp.bench.tune import TuneConfig, default_plans, summary, table, tune
 from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
 from snlp.io.checkpoint import load
+from snlp.method.plan import parse_plans
 from snlp.runtime.device import cli_device, cli_dtype, device_label
 
 
@@ -95,7 +96,8 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...]:
 
 
 def config_from_args(args) -> TuneConfig:
-    cfg = TuneConfig(plans=[p.strip() for p in args.plans.split(",") if p.strip()] if args.plans else None,
+    # each plan as the command line reads one (a K beyond the exact count capped, with a warning)
+    cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans else None,
                      blocks=_ints(args.blocks, "--blocks"), threads=_ints(args.threads, "--threads"),
                      compile=args.compile, ssd=not args.no_ssd, max_dppl=parse_budget(args.max_dppl), top=args.top,
                      full_grid=args.full_grid, seq_len=args.seq_len, calib_tokens=args.calib_tokens,

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
+from snlp.runtime.device import write_atomic
+
 
 class Record(Protocol):
     def to_dict(self) -> dict: ...
@@ -30,9 +32,7 @@ def _plain(obj: Any) -> Any:
 def write_json(path, payload: Any, announce: bool = True) -> None:
     """Write records (a list of them, or a dict holding them, e.g. {"meta", "config", "records"}) as JSON,
     creating parent folders; `announce` prints where (the CLI's commands do, the suite's library call not)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=_plain))
+    write_atomic(path, json.dumps(payload, indent=2, default=_plain))
     if announce:
         print(f"wrote {path}")
 
@@ -43,13 +43,15 @@ def write_csv(path, records: Iterable[Record], announce: bool = True) -> None:
     are written as JSON."""
     rows = [r.to_dict() for r in records]
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+
+    write_atomic(path, write)
     if announce:
         print(f"wrote {path}")
 

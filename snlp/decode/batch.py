@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.session import GenerateResult, check_picked, make_generator, pick_tokens, prompt_ids_list
+from snlp.decode.session import (GenerateResult, check_picked, cut_at_stop, make_generator, pick_tokens,
+                                 prompt_ids_list, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import RowPositions
@@ -67,7 +68,7 @@ class BatchSession:
     holds prompt `rows[j]`; `lens[j]` positions of it are cached (all its tokens but `last[j]`, which the next
     forward feeds)."""
 
-    def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+    def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
                  temperature: float = 0.0, seed: int | None = None):
         self.model, self.device = model, model.wte.weight.device
@@ -91,7 +92,7 @@ class BatchSession:
         size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
         self.cache = lead.new_cache(model, len(self.prompts), lead.cache_len(size))
         self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
-        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id), on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n
                                        else "max_len") for n, cap in zip(lens, caps)]
         self.rows = [i for i in range(len(self.prompts))]
@@ -189,8 +190,9 @@ class BatchSession:
             return
         res = self.results[i]
         new = new[: self.remaining(j)]
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[: new.index(self.eos_id) + 1]
+        cut = cut_at_stop(new, self.stops)
+        if cut is not None:
+            new = cut
             self.done[i], res.stop = True, "eos"
         res.tokens.extend(new)
         self.lens[j] += advance
@@ -229,7 +231,7 @@ class BatchSession:
 
 
 def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: str, plan, max_new_tokens: int,
-                         temperature: float, eos_id: int | None, seed: int | None, max_len: int | None,
+                         temperature: float, eos_id: int | list[int] | None, seed: int | None, max_len: int | None,
                          on_tokens: RowsCallback | None) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
     check_batch_plan(plan)
@@ -250,7 +252,8 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             live = ses.live()
             if plan is not None:  # NaN/inf logits of a live row raise (a finished row riding along is ignored)
                 check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
-                             [ses.rows[j] for j in live])
+                             [ses.rows[j] for j in live], model=model,
+                             context=lambda k: ses.prompts[ses.rows[live[k]]] + ses.results[ses.rows[live[k]]].tokens)
             for j in live:
                 res = ses.results[ses.rows[j]]
                 res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1

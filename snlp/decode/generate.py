@@ -46,7 +46,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
             nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=plan is not None)
             res.step_s += now(ses.device) - t0  # timed like the speculative drafter's steps
             if plan is not None:
-                check_picked([nxt], plan, len(ses.out))
+                check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
             res.steps += 1
             res.forwards += 1
             ses.emit([nxt])
@@ -54,7 +54,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
 
 
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
-                        eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
+                        eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                         on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
                         step: Step | EagerStep | None = None) -> GenerateResult | list[GenerateResult]:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
@@ -68,7 +68,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
-                  eos_id: int | None = None, seed: int | None = None, max_len: int | None = None,
+                  eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                   on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
                   step: Step | EagerStep | None = None, preheat: Preheat | None = None
                   ) -> GenerateResult | list[GenerateResult]:

@@ -19,7 +19,7 @@ import torch
 
 
 def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
-                    max_new_tokens: int = 64, eos_id: int | None = None, max_iters: int | None = None,
+                    max_new_tokens: int = 64, eos_id: int | list[int] | None = None, max_iters: int | None = None,
                     max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                     verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None) -> GenerateResult:
     """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens (the
@@ -80,7 +80,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
                 # rides on this host read); verified, the sequential check below keeps the output exact
                 if plan is not None and not verify:
                     pred = pick_tokens(logits[0], 0.0, flag=True)
-                    check_picked(pred, plan, len(ses.out))
+                    check_picked(pred, plan, len(ses.out), model=model,
+                                 context=lambda i: ses.prompt + ses.out + g[:i])  # position i's logits: after g[:i]
                 else:
                     pred = logits[0].argmax(-1).tolist()
                 res.jacobi_iters += 1

@@ -4,6 +4,7 @@ streaming), timing, and the result record `GenerateResult`."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -138,7 +139,7 @@ class DecodeSession:
     """Prompt, cache and output bookkeeping shared by every mode. The cache always holds the exact
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
-    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | None, max_len: int | None,
+    def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
                  slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
         self.model, self.device = model, model.wte.weight.device
@@ -160,7 +161,7 @@ class DecodeSession:
         self.cache = make_cache(size) if make_cache is not None else \
             KVCache.for_model(model, batch=1, max_len=size) if lead is None else lead.new_cache(model, 1, size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
-        self.eos_id, self.on_tokens = eos_id, on_tokens
+        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id), on_tokens
         self.out: list[int] = []
         self.last = self.prompt[-1]
         self.result = GenerateResult(tokens=self.out, mode=mode)
@@ -190,8 +191,9 @@ class DecodeSession:
     def emit(self, new: list[int]) -> None:
         """Append new tokens, cut at EOS / the budget, stream them."""
         new = new[: self.remaining]
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[: new.index(self.eos_id) + 1]
+        cut = cut_at_stop(new, self.stops)
+        if cut is not None:
+            new = cut
             self.done, self.result.stop = True, "eos"
         self.out.extend(new)
         self.last = new[-1]
@@ -203,6 +205,33 @@ class DecodeSession:
     def finish(self) -> GenerateResult:
         self.result.decode_s = now(self.device) - self.t0 if self.out else 0.0
         return self.result
+
+
+class NonFiniteModelError(FloatingPointError):
+    """Decoding met NaN/inf logits that the model's own sequential forward gives too: the model (its layers or
+    its head, e.g. an fp16 lm_head without softcap overflowing) is the cause, not the SNLP plan."""
+
+
+def stop_set(eos_id) -> frozenset[int]:
+    """The token ids decoding stops after: `eos_id` None (none), one id, or several (a Hugging Face model's
+    generation_config.json lists every end-of-sequence id: Llama-3-Instruct's <|eot_id|> and <|end_of_text|>, ...)."""
+    if eos_id is None:
+        return frozenset()
+    try:
+        ids = [operator.index(eos_id)] if not hasattr(eos_id, "__iter__") else [operator.index(i) for i in eos_id]
+    except TypeError:
+        ids = [-1]
+    if any(i < 0 for i in ids) or isinstance(eos_id, bool):
+        raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r})")
+    return frozenset(ids)
+
+
+def cut_at_stop(new: list[int], stops: frozenset[int]) -> list[int] | None:
+    """`new` up to and including its first stop id, or None if it holds none."""
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[:i + 1]
+    return None
 
 
 NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
@@ -231,18 +260,45 @@ def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, 
     return pick_tokens(logits[None], temperature, [gen], flag)[0]
 
 
-def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None) -> None:
-    """Raise SNLPDivergenceError, naming the plan and the step, if a flagged pick of an SNLP forward's logits met
-    NaN/inf (a NONFINITE entry): no token is emitted from them. `step`: tokens generated before this one;
-    `prompts`: the batch rows' prompt indices."""
+def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None, model: GPT | None = None,
+                 context: Callable[[int], list[int]] | None = None) -> None:
+    """Raise, naming the plan and the step, if a flagged pick of an SNLP forward's logits met NaN/inf (a NONFINITE
+    entry): no token is emitted from them. `step`: tokens generated before this one; `prompts`: the batch rows'
+    prompt indices. With the `model` and `context(j)`, the token ids whose last position's logits are entry j of
+    `tokens` (called only on this error path), the error says where the values came from (`nonfinite_source`): the
+    model's own forward (NonFiniteModelError, which does not blame the plan) or the plan's solver state
+    (SNLPDivergenceError)."""
     if NONFINITE not in tokens:
         return
+    bad = [j for j, t in enumerate(tokens) if t == NONFINITE]
     where = f"generated token {step + 1}"
     if prompts is not None:
-        where += f" of prompt(s) {[i for i, t in zip(prompts, tokens) if t == NONFINITE]}"
+        where += f" of prompt(s) {[prompts[j] for j in bad]}"
+    known = model is not None and context is not None
+    source = nonfinite_source(model, context(bad[0])) if known else None
+    if source is not None:
+        raise NonFiniteModelError(f"the logits of {where} contain NaN/inf under plan {plan}, and so do the model's "
+                                  f"own: {source}; the plan is not the cause")
+    origin = ("they come from the solver's state (the model's own forward gives finite logits here)" if known else
+              "check the model's own forward is finite")
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
-                              f"token is read off them). Try more iterations (K >= {plan.chunks} is exact), "
+                              f"token is read off them); {origin}. Try more iterations (K >= {plan.chunks} is exact), "
                               f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
+
+
+def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
+    """Why the model's own sequential forward over `seq` gives NaN/inf logits at its last position (its layers or
+    its head: final norm, lm_head, softcap), or None if they are finite, so that non-finite SNLP logits come from
+    the solver's state. Run only on the error path: one uncached forward, off the timed loop."""
+    with torch.inference_mode():
+        h = model.hidden_states(torch.tensor([seq], device=model.wte.weight.device))[-1][:, -1:]  # (1, 1, D)
+        if not bool(torch.isfinite(h).all()):
+            return "its layers' final hidden state is already NaN/inf (run sequentially)"
+        if bool(torch.isfinite(model.head(h)).all()):
+            return None
+    cap = "" if model.config.softcap > 0 else ", which has no logit softcap,"
+    return (f"its final hidden state is finite but its head (final norm and lm_head{cap} in "
+            f"{model.lm_head.weight.dtype}) overflows on it; decode in float32 or bfloat16")
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

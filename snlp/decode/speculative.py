@@ -111,7 +111,7 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
-                          eos_id: int | None = None, progress: bool = False, compile: bool = False,
+                          eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
                           adaptive: bool = False, drafter: Drafter | None = None
                           ) -> tuple[list[SSDRow], list[list[int]]]:
@@ -138,7 +138,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
 
 
 def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
-                         warmup: int = 1, eos_id: int | None = None, progress: bool = False, compile: bool = False,
+                         warmup: int = 1, eos_id: int | list[int] | None = None, progress: bool = False,
+                         compile: bool = False,
                          preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
     """Several greedy drafters, `cases` = [(plan, B), ...], measured against ONE sequential baseline in ONE
     round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially,
@@ -170,7 +171,7 @@ def rotation(slot: int, n: int) -> list[int]:
 
 
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
-                  temperature: float, seed: int | None, eos_id: int | None, progress: bool, compile: bool,
+                  temperature: float, seed: int | None, eos_id: int | list[int] | None, progress: bool, compile: bool,
                   spec_kw: dict) -> tuple[list[SSDRow], list[list[int]]]:
     """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
     the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings). Compile time is
@@ -270,7 +271,7 @@ def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generato
 
 
 def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
-                         temperature: float = 0.0, eos_id: int | None = None, seed: int | None = None,
+                         temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int | None = None,
                          max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,

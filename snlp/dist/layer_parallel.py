@@ -539,7 +539,7 @@ class DistributedSNLP:
         return _broadcast(t, self.last, "broadcast of the chosen tokens").tolist()
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
-                 temperature: float = 0.0, eos_id: int | None = None, seed: int = 0,
+                 temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int = 0,
                  max_len: int | None = None, on_tokens=None) -> GenerateResult:
         """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
         `GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a distributed SNLP

@@ -3,6 +3,7 @@ split and token cache as `snlp train`), non-overlapping PPL windows and seeded g
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ from torch import Tensor
 from snlp.io import data as D
 
 # `snlp train`'s data flags (argparse dests) and their defaults
-DATA_DEFAULTS = {"data": "stdlib", "text_field": "text", "max_chars": 0, "val_frac": 0.05, "cache_dir": None}
+DATA_DEFAULTS = {"data": "stdlib", "text_field": "text", "max_chars": 0, "val_frac": 0.05, "cache_dir": None,
+                 "data_encoding": "utf-8"}
 
 
 def as_tokens(val_tokens) -> Tensor:
@@ -50,19 +52,27 @@ def checkpoint_data(ckpt, **overrides) -> dict:
     from snlp.io.checkpoint import load_training
 
     trained = (load_training(ckpt)[1] or {}).get("args", {})
-    return {k: overrides[k] if overrides.get(k) is not None else trained.get(k, v) for k, v in DATA_DEFAULTS.items()}
+    out = {k: overrides[k] if overrides.get(k) is not None else trained.get(k, v) for k, v in DATA_DEFAULTS.items()}
+    cache = out["cache_dir"]
+    if overrides.get("cache_dir") is None and cache and not Path(cache).is_absolute() and not Path(cache).is_dir():
+        # checkpoints record an absolute path now (snlp.train.checkpointing.recorded_args); an older one's is relative
+        # to the folder its training ran in, which is not this one
+        warnings.warn(f"checkpoint {ckpt} records its token cache as the relative path {cache} (from the folder its "
+                      f"training ran in), which is not a folder here: the validation split is tokenised anew into "
+                      f"{Path(cache).absolute()}; pass --cache-dir to read the run's cache", stacklevel=2)
+    return out
 
 
 def validation_tokens(tok, data: str = "stdlib", text_field: str = "text", max_chars: int = 0,
-                      val_frac: float = 0.05, cache_dir=None) -> Tensor:
+                      val_frac: float = 0.05, cache_dir=None, data_encoding: str = "utf-8") -> Tensor:
     """Validation token ids (1-D) of `data`'s document split, exactly as `snlp train` makes it (same
     split, same token cache key), tokenized with `tok` (the checkpoint's: no tokenizer training). Only
     the validation documents are tokenized when the cache lacks them."""
     cache = Path(cache_dir) if cache_dir else D.cache_dir()
-    key = D.split_key(data, text_field, max_chars, val_frac)
+    key = D.split_key(data, text_field, max_chars, val_frac, data_encoding)
     pval = D.token_paths(key, tok, cache)[1]
     if pval.is_file():
         return as_tokens(D.open_memmap(pval, tok.vocab_size))
-    _, docs = D.split_documents(list(D.documents(data, text_field, max_chars)), val_frac)
+    _, docs = D.split_documents(list(D.documents(data, text_field, max_chars, data_encoding)), val_frac)
     cache.mkdir(parents=True, exist_ok=True)
     return as_tokens(D.tokenize_to_memmap(docs, tok, pval))

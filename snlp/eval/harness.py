@@ -286,6 +286,12 @@ class SNLPLM(TemplateLM):
         return self.tokenizer.bos_id if eos is None else eos
 
     @property
+    def stop_ids(self) -> list[int]:
+        """The ids generation stops after: the converted model's generation-config list (as transformers' generate
+        under the harness's hf model), else the end-of-text token."""
+        return list(self.tokenizer.stop_ids) or [self.eot_token_id]
+
+    @property
     def prefix_token_id(self) -> int:
         return self.tokenizer.bos_id  # a foreign tokenizer's BOS, or its EOS where it has none (as the hf model)
 
@@ -437,7 +443,8 @@ class SNLPLM(TemplateLM):
         """New tokens per prompt, one ragged batch (a single prompt is decoded alone). Sampling: prompt j draws from
         its own generator seeded `seed + first + j` (snlp.decode.batch's per-row rule, offset by the rows decoded
         before it in this generate_until call), so every request gets its own draws whatever the batch size."""
-        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.eot_token_id, seed=self.seed + first)
+        # stop where the hf model's generate stops: the generation config's eos ids (snlp.io.tokenizer.stop_ids)
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids, seed=self.seed + first)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
@@ -528,10 +535,14 @@ SEEDS = dict(random_seed=0, numpy_random_seed=1234, torch_random_seed=1234)  # s
 
 def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
                      include: str | None = None, apply_chat_template: bool = False, fewshot_seed: int = 1234,
-                     bootstrap_iters: int = 1000) -> list[HarnessRecord]:
-    """lm_eval.simple_evaluate once per method (each an SNLPLM), on the same tasks, few-shot seed and limit."""
+                     bootstrap_iters: int | None = None) -> list[HarnessRecord]:
+    """lm_eval.simple_evaluate once per method (each an SNLPLM), on the same tasks, few-shot seed and limit.
+    `bootstrap_iters` None: the harness's own default (its stderr of bootstrapped metrics, e.g. 100000 draws)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    if bootstrap_iters is None:
+        bootstrap_iters = harness_bootstrap_iters()
 
     tm = TaskManager(include_path=include, include_defaults=False) if include else None
     if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing the harness's own tasks takes ~25 s
@@ -561,6 +572,16 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
         r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
         out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
     return out
+
+
+def harness_bootstrap_iters() -> int:
+    """lm_eval.simple_evaluate's default bootstrap_iters, read from its signature (100000 in lm-eval 0.4), so the
+    stderr printed as "the harness's" is the one `lm_eval` itself reports."""
+    import inspect
+
+    from lm_eval import evaluator
+
+    return inspect.signature(inspect.unwrap(evaluator.simple_evaluate)).parameters["bootstrap_iters"].default
 
 
 def metric_rows(records: list[HarnessRecord]) -> list[tuple[str, str, str]]:

@@ -8,6 +8,7 @@ import csv
 from pathlib import Path
 
 from snlp.eval.protocol import EvalRecord
+from snlp.runtime.device import write_atomic
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl
 
 COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / ΔPPL: snlp.runtime.fmt's rule
@@ -49,13 +50,15 @@ def print_table(records: list[EvalRecord], title: str) -> None:
 
 def write_csv(rows: list[dict], path) -> None:
     """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, empty cells for None."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows({k: ("" if r.get(k) is None else r[k]) for k in fields} for r in rows)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows({k: ("" if r.get(k) is None else r[k]) for k in fields} for r in rows)
+
+    write_atomic(path, write)
     print(f"wrote {path}")
 
 
@@ -69,6 +72,5 @@ def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xl
 
     fig = frontier_figure(groups, title, xlabel, fronts)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=150, format=path.suffix.lstrip(".").lower() or "png"))
     print(f"wrote {path}")

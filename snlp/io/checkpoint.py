@@ -181,6 +181,7 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
             p for p in (f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
                         "shape mismatch " + ", ".join(bad[:5]) if bad else "") if p)
             + ". The files come from different models; re-save the checkpoint.")
+    check_finite(state, wf)
     model = GPT(cfg)
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     model.to(device).eval()
@@ -191,6 +192,18 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
             raise ValueError(f"{path / TOKENIZER_FILE} has {tok.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}; the tokenizer belongs to another model")
     return model, tok
+
+
+def check_finite(state: dict, where) -> None:
+    """Raise a ValueError naming the first tensor of `state` that holds a NaN or an infinity (and how many):
+    such a model decodes garbage and every SNLP plan built on it inherits the non-finite values, so the
+    error belongs to the checkpoint, said once at load, not to whatever runs it later."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise ValueError(f"weights in {where} are not finite: tensor {name} {tuple(t.shape)} holds {nan} NaN and "
+                             f"{inf} inf values (of {t.numel()}); the checkpoint is broken (a diverged training run "
+                             f"saves such weights): restore or re-train it")
 
 
 def load_training(path) -> tuple[dict | None, dict | None]:

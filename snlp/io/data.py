@@ -6,7 +6,9 @@ and a token cache (numpy memmap) so a corpus is tokenized once.
     PATH | FOLDER | GLOB      text files (split into ~4 KB documents at blank lines), .jsonl
                               (one JSON object per line, text in --text-field), .parquet (pyarrow)
     hf:NAME[:CONFIG][:SPLIT]  a Hugging Face dataset, streamed (needs the `datasets` extra)
-Documents are joined with the tokenizer's bos token in front of each.
+Documents are joined with the tokenizer's bos token in front of each. Local files are decoded strictly in the
+given encoding (UTF-8 by default): a byte that does not decode, or a NUL byte (binary data), is refused
+naming the file and the offset, never replaced.
 """
 
 from __future__ import annotations
@@ -82,6 +84,54 @@ def split_text(text: str, size: int = DOC_CHARS) -> Iterator[str]:
         yield "\n\n".join(buf)
 
 
+def decode_error(path, raw: bytes, e: UnicodeDecodeError, encoding: str, option: str, offset: int = 0,
+                 line: int = 1) -> ValueError:
+    """The error for bytes of `path` (`raw`, starting at byte `offset` and line `line` of the file) that do not
+    decode: the file, the byte offset and line, and what to pass."""
+    line += raw.count(b"\n", 0, e.start)
+    return ValueError(f"{path} is not {encoding} text: byte 0x{raw[e.start]:02x} at offset {offset + e.start} (line "
+                      f"{line}) does not decode; "
+                      f"if the file is in another encoding pass it, e.g. {option} latin-1 (or convert the file: "
+                      f"iconv -f latin-1 -t utf-8)")
+
+
+def check_not_binary(path, raw: bytes, encoding: str, offset: int = 0) -> None:
+    """Refuse NUL bytes: no text encoding but UTF-16/32 writes them, so they mean binary data."""
+    nul = raw.find(b"\0")
+    if nul >= 0 and not encoding.lower().replace("_", "-").startswith(("utf-16", "utf-32", "utf16", "utf32")):
+        raise ValueError(f"{path} holds a NUL byte at offset {offset + nul}: it is binary data, not text")
+
+
+def read_text(path, encoding: str = "utf-8", option: str = "--data-encoding") -> str:
+    """The text of a file decoded strictly in `encoding`; a ValueError naming the file, the byte offset and the
+    `option` to pass when it does not decode (or holds NUL bytes)."""
+    raw = Path(path).read_bytes()
+    check_not_binary(path, raw, encoding)
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise decode_error(path, raw, e, encoding, option) from None
+    except LookupError:
+        raise ValueError(f"unknown text encoding {encoding!r} ({option})") from None
+
+
+def read_lines(path, encoding: str = "utf-8", option: str = "--data-encoding") -> Iterator[str]:
+    """The lines of a file (streamed, for large .jsonl), each decoded as `read_text` does."""
+    try:
+        "".encode(encoding)
+    except LookupError:
+        raise ValueError(f"unknown text encoding {encoding!r} ({option})") from None
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            check_not_binary(path, raw, encoding, offset)
+            try:
+                yield raw.decode(encoding)
+            except UnicodeDecodeError as e:
+                raise decode_error(path, raw, e, encoding, option, offset, n) from None
+            offset += len(raw)
+
+
 def _field(row, field: str, where: str):
     if not isinstance(row, dict) or field not in row:
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
@@ -89,18 +139,17 @@ def _field(row, field: str, where: str):
     return row[field]
 
 
-def file_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """Documents of one local file."""
+def file_documents(path: Path, text_field: str = "text", encoding: str = "utf-8") -> Iterator[str]:
+    """Documents of one local file (text and .jsonl decoded strictly in `encoding`)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
-                    yield str(_field(row, text_field, f"{path}:{i}"))
+        for i, line in enumerate(read_lines(path, encoding), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
+                yield str(_field(row, text_field, f"{path}:{i}"))
     elif suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -113,7 +162,7 @@ def file_documents(path: Path, text_field: str = "text") -> Iterator[str]:
             if text:
                 yield str(text)
     else:
-        yield from split_text(path.read_text(encoding="utf-8", errors="replace"))
+        yield from split_text(read_text(path, encoding))
 
 
 def hf_documents(spec: str, text_field: str = "text") -> Iterator[str]:
@@ -143,14 +192,15 @@ def parts(spec: str | None) -> list[str]:
     return out or ["stdlib"]
 
 
-def documents(spec: str | None, text_field: str = "text", max_chars: int = 0) -> Iterator[str]:
+def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,
+              encoding: str = "utf-8") -> Iterator[str]:
     """All documents of a data spec in a deterministic order, optionally capped at `max_chars`
-    characters in total (streamed hf: sources default to HF_DEFAULT_CHARS)."""
+    characters in total (streamed hf: sources default to HF_DEFAULT_CHARS); local files decoded in `encoding`."""
     total = 0
     cap = max_chars or (HF_DEFAULT_CHARS if any(p.startswith("hf:") for p in parts(spec)) else 0)
     for part in parts(spec):
         it = hf_documents(part, text_field) if part.startswith("hf:") else \
-            (d for f in resolve_files(part) for d in file_documents(f, text_field))
+            (d for f in resolve_files(part) for d in file_documents(f, text_field, encoding))
         for doc in it:
             if not doc.strip():
                 continue
@@ -160,9 +210,11 @@ def documents(spec: str | None, text_field: str = "text", max_chars: int = 0) ->
                 return
 
 
-def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0) -> str:
-    """Hash of a data spec: parts, text field, cap and every local file's path, size and mtime."""
-    h = hashlib.sha256(json.dumps([parts(spec), text_field, max_chars]).encode())
+def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0, encoding: str = "utf-8") -> str:
+    """Hash of a data spec: parts, text field, cap, encoding (when not UTF-8, so UTF-8 keys stay as they were)
+    and every local file's path, size and mtime."""
+    h = hashlib.sha256(json.dumps([parts(spec), text_field, max_chars]
+                                  + ([encoding] if encoding.lower().replace("_", "-") != "utf-8" else [])).encode())
     for part in parts(spec):
         if not part.startswith("hf:"):
             for f in resolve_files(part):
@@ -171,10 +223,11 @@ def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0) -
     return h.hexdigest()[:16]
 
 
-def split_key(spec: str | None, text_field: str = "text", max_chars: int = 0, val_frac: float = 0.05) -> str:
+def split_key(spec: str | None, text_field: str = "text", max_chars: int = 0, val_frac: float = 0.05,
+              encoding: str = "utf-8") -> str:
     """Cache key of a data spec's train/validation split (`source_key` plus the validation fraction):
     names the tokenizer and token files `snlp train` writes and `snlp eval` reads."""
-    return source_key(spec, text_field, max_chars) + f"-v{round(val_frac, 6)}"
+    return source_key(spec, text_field, max_chars, encoding) + f"-v{round(val_frac, 6)}"
 
 
 def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[str]]:

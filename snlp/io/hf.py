@@ -229,7 +229,19 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     if tok is not None and not isinstance(tok, Tokenizer):
         tok = Tokenizer.from_hf(tok)
     check_vocab(model, tok)
+    if tok is not None and tok.foreign and "eos_token_ids" not in tok.meta:
+        tok = tok.with_stop_ids(generation_eos_ids(hf_model))
     return model, tok
+
+
+def generation_eos_ids(hf_model) -> list[int] | None:
+    """The end-of-sequence ids transformers' generate stops after for `hf_model`: its generation config's
+    eos_token_id (generation_config.json; without one, derived from config.json), as a list; None if it has none."""
+    gc = getattr(hf_model, "generation_config", None)
+    ids = getattr(gc, "eos_token_id", None)
+    if ids is None:
+        return None
+    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)] or None
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -338,6 +350,12 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         rot.inv_freq = inv
         if hasattr(rot, "original_inv_freq"):
             rot.original_inv_freq = inv
+    if tokenizer is not None:  # generation stops where snlp's does (the default config would say eos 2)
+        stops = list(tokenizer.stop_ids)
+        hf_model.config.bos_token_id = tokenizer.bos_id
+        hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
+        hf_model.generation_config.bos_token_id = tokenizer.bos_id
+        hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))

@@ -25,7 +25,8 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
 class Tokenizer:
     """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
     chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
-    {"bos_token", "eos_token", "chat_template"} (each may be None)."""
+    {"bos_token", "eos_token", "chat_template"} (each may be None) and, when the model's generation config lists
+    them, "eos_token_ids": every id generation stops after (`stop_ids`)."""
 
     def __init__(self, tok: HFTokenizer, meta: dict | None = None):
         self.tok, self.meta = tok, meta
@@ -34,6 +35,11 @@ class Tokenizer:
                 t = meta.get(key)
                 if t is not None and tok.token_to_id(t) is None:
                     raise ValueError(f"tokenizer meta names {key}={t!r}, which is not in the tokenizer's vocabulary")
+            ids = meta.get("eos_token_ids")
+            if ids is not None and not (isinstance(ids, list) and ids and all(
+                    isinstance(i, int) and 0 <= i < tok.get_vocab_size(with_added_tokens=True) for i in ids)):
+                raise ValueError(f"tokenizer meta eos_token_ids={ids!r} must be a non-empty list of token ids of "
+                                 f"this tokenizer")
             return
         missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
         if missing:
@@ -158,6 +164,24 @@ class Tokenizer:
         """A foreign tokenizer's EOS id (None for our BPE, which has no end-of-text token)."""
         t = (self.meta or {}).get("eos_token")
         return None if t is None else self.token_id(t)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids generation stops after, as transformers' generate stops: the model's generation config's
+        eos_token_id list when the converted model has one (Llama-3-Instruct and Qwen2.5 list several, not all of
+        them the tokenizer's EOS), else the tokenizer's EOS; () for our BPE (no end-of-text token)."""
+        ids = (self.meta or {}).get("eos_token_ids")
+        if ids:
+            return tuple(ids)
+        return () if self.eos_id is None else (self.eos_id,)
+
+    def with_stop_ids(self, ids) -> "Tokenizer":
+        """This (foreign) tokenizer with `ids` (an int, a list of ints, or None: none recorded) as its stop ids."""
+        if self.meta is None:
+            raise ValueError("only a converted model's tokenizer records generation stop ids")
+        ids = None if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+        meta = {k: v for k, v in self.meta.items() if k != "eos_token_ids"}
+        return Tokenizer(self.tok, {**meta, "eos_token_ids": list(dict.fromkeys(ids))} if ids else meta)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages [{"role", "content"}, ...] with the tokenizer's own chat template

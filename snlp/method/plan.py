@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
+import warnings
 from dataclasses import dataclass, replace
 
 from snlp.runtime.fmt import format_number
@@ -28,7 +30,7 @@ GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
            ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
-_HEAD = re.compile(r"^(\d+)xF(\d+)$")
+_HEAD = re.compile(r"^([0-9]+)xF([0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,12 @@ class Plan:
         """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
+        _check_ascii(text)
+        bad_k = re.search(r"(?:^|-)K(?=-|$)", text)
+        if bad_k:  # K-1 splits at its minus sign into 'K' and '1'
+            got = re.match(r"-?[^-]*", text[bad_k.end():]).group(0)
+            raise ValueError(f"malformed plan {text!r}: the iteration count K{got} must be an integer >= 0 written "
+                             f"right after K (e.g. K1). Grammar: {GRAMMAR}")
         head, *tokens = _split(text.strip())
         m = _HEAD.match(head)
         if not m:
@@ -237,6 +245,22 @@ class Plan:
         """A copy with some fields replaced (validated)."""
         return replace(self, **kw)
 
+    def capped(self) -> "Plan":
+        """This plan with K lowered to `exact_iters` where it is larger. From exact_iters on every chunk
+        equals the (fused) model run sequentially, so each further iteration recomputes the same states:
+        a larger K changes no output and only costs time (K = 10**9 never returns)."""
+        return self if self.iters <= self.exact_iters() else self.with_(iters=self.exact_iters())
+
+
+def _check_ascii(text: str) -> None:
+    """Plan strings are ASCII: int() and float() would read full-width or other Unicode digits
+    (１２xF１) as numbers, so a plan copied from formatted text would parse as something not written."""
+    for i, ch in enumerate(text):
+        if not ch.isascii():
+            name = unicodedata.name(ch, f"U+{ord(ch):04X}")
+            raise ValueError(f"malformed plan {text!r}: character {ch!r} ({name}) at position {i} is not ASCII; "
+                             f"write plans with ASCII digits and letters, e.g. 12xF2-h0-K1")
+
 
 def _split(text: str) -> list[str]:
     """Split on '-' but keep negative exponents of numbers (tol:1e-05) inside their token."""
@@ -255,9 +279,9 @@ def _token(tok: str, text: str):
     sur = parse_surrogate(tok)
     if sur is not None:
         return "surrogate", sur
-    if re.fullmatch(r"probes:\d+", tok):
+    if re.fullmatch(r"probes:[0-9]+", tok):
         return "probes", int(tok[7:])
-    if re.fullmatch(r"subset:\d+(\.\d+)*", tok):
+    if re.fullmatch(r"subset:[0-9]+(\.[0-9]+)*", tok):
         return "subset", tuple(int(i) for i in tok[7:].split("."))
     for key in ("eps", "tol"):
         if tok.startswith(key + ":"):
@@ -267,7 +291,7 @@ def _token(tok: str, text: str):
                                  f"Grammar: {GRAMMAR}")
             if value is not None:
                 return key, value
-    if re.fullmatch(r"K\d+", tok):
+    if re.fullmatch(r"K[0-9]+", tok):
         return "iters", int(tok[1:])
     if tok.startswith("elk:"):
         value = _number(tok[4:])
@@ -280,7 +304,7 @@ def _token(tok: str, text: str):
         val = tok[6:]
         if val in ("forward", "reversed"):
             return "order", val
-        if re.fullmatch(r"\d+(\.\d+)*", val):
+        if re.fullmatch(r"[0-9]+(\.[0-9]+)*", val):
             return "order", tuple(int(i) for i in val.split("."))
     raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
 
@@ -299,13 +323,25 @@ def _finite(x) -> bool:
         return False
 
 
+def cli_plan(text: str, n_layer: int | None = None) -> Plan:
+    """A plan a user wrote (a command's --plan/--plans): `Plan.parse`, with a K beyond the plan's exact
+    iteration count capped to it (`Plan.capped`) and a warning saying so."""
+    plan = Plan.parse(text, n_layer)
+    capped = plan.capped()
+    if capped != plan:
+        warnings.warn(f"plan {text}: K = {plan.iters} is beyond K = {capped.iters}, from which the plan is exact (its "
+                      f"output equals the {'fused ' if plan.fuse > 1 else ''}model run sequentially); running {capped}",
+                      UserWarning, stacklevel=2)
+    return capped
+
+
 def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
-    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1'. A plan named twice (as written, or as two
-    spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer keys its rows, runners or
-    output files by the plan, so the second would silently replace or repeat the first."""
+    """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1', each read by `cli_plan` (K capped). A plan named
+    twice (as written, or as two spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer
+    keys its rows, runners or output files by the plan, so the second would silently replace or repeat the first."""
     plans, seen = [], {}
     for p in (x.strip() for x in text.split(",") if x.strip()):
-        plan = Plan.parse(p, n_layer)
+        plan = cli_plan(p, n_layer)
         c = str(plan)
         if c in seen:
             same = "" if seen[c] == p else f" ({seen[c]} and {p} are one plan)"

@@ -18,18 +18,19 @@ def write_atomic(path, write) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if isinstance(write, str):
-        tmp.write_text(write)
-    else:
-        write(tmp)
-    os.replace(tmp, path)
+    try:
+        if isinstance(write, str):
+            tmp.write_text(write)
+        else:
+            write(tmp)
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves neither half a file nor its temporary
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path, obj) -> None:
     """Write a command's machine-readable results (creating parent folders) and say where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
+    write_atomic(path, json.dumps(obj, indent=2))
     print(f"wrote {path}")
 
 

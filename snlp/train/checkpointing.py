@@ -3,6 +3,8 @@ states and the optimizer states, so `--resume` continues bitwise exactly (on CPU
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import snlp.io.data as D
 from snlp.io.checkpoint import load, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
@@ -58,8 +61,41 @@ def open_run(out: Path, resume: bool) -> Start:
 
 def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
     """The checkpoint (weights, tokenizer, optimizers) with `state` (step, micro, elapsed, tokens, args, ...)
-    and this process's RNG states in train_state.pt."""
+    and this process's RNG states in train_state.pt. The token cache folder is recorded as the absolute path
+    the run used (`recorded_args`)."""
+    if isinstance(state.get("args"), dict):
+        state = {**state, "args": recorded_args(state["args"])}
     save_checkpoint(out, model, tok, optimizer=OptimizerBundle(opts), train_state={**state, "rng": rng_state()})
+
+
+def recorded_args(args: dict) -> dict:
+    """A run's settings as its checkpoint records them: `cache_dir` (None: $SNLP_CACHE or the default at this
+    moment) as an absolute path, so `snlp eval` of the checkpoint from another working directory, or under
+    another $SNLP_CACHE, reads the token cache the run wrote instead of re-tokenising into a new one."""
+    if "cache_dir" not in args:
+        return args
+    return {**args, "cache_dir": str(Path(args["cache_dir"] or D.cache_dir()).expanduser().absolute())}
+
+
+def trim_log(log: Path, step: int) -> None:
+    """Drop the records of steps after `step` from a run's log.jsonl (rewritten atomically): a run killed
+    after its last save logged steps that `--resume` from that save runs, and logs, again."""
+    if not log.is_file():
+        return
+    lines = log.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if not ln.strip() or _step(ln) is None or _step(ln) <= step]
+    if len(keep) != len(lines):
+        tmp = log.with_name(log.name + f".tmp-{os.getpid()}")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, log)
+
+
+def _step(line: str) -> int | None:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
 def rng_state() -> dict:

@@ -24,6 +24,7 @@ class TrainConfig:
     val_frac: float = 0.05
     vocab_size: int = 4096
     cache_dir: str | None = None
+    data_encoding: str = "utf-8"  # of local text/.jsonl files, decoded strictly
     # model (one dial: depth)
     depth: int = 8
     width: int | None = None

@@ -3,7 +3,6 @@ SNLP-aware regulariser), with the run's regulariser settings (`reg_config`)."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,9 +71,10 @@ class TrainStep(nn.Module):
         return ce, ce.detach(), torch.zeros((), device=x.device)
 
 
-def reg_config(cfg: TrainConfig, model_cfg: GPTConfig) -> RegConfig:
+def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> RegConfig:
     """The regulariser of a run (paper: HCN's target detached, IDN's not); checked against the model once
-    (e.g. --reg hcn needs an mHC model: --hc-streams N)."""
+    (e.g. --reg hcn needs an mHC model: --hc-streams N). A suffix length N >= depth is clipped, and warned once
+    (on the `master` rank) only when the regulariser is on: with --reg none, N only names the logged gap."""
     reg = RegConfig(surrogate=None if cfg.reg == "none" else cfg.reg, lam=cfg.reg_lambda,
                     suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup)
     reg.detach = cfg.reg_detach if cfg.reg_detach is not None else isinstance(reg.surrogate, HCN)
@@ -83,10 +83,12 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig) -> RegConfig:
     except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms
         raise ValueError(f"--reg {cfg.reg} needs an mHC model: add --hc-streams N (N >= 1), or use --reg idn ({e})"
                          if reg.surrogate.needs_mhc else str(e)) from None
+    if reg.active and master and model_cfg.n_layer > 1:
+        resolve_suffixes(model_cfg.n_layer, reg.suffixes)  # warns of each clipped N
     return reg
 
 
 def gap_suffixes(cfg: TrainConfig, model_cfg: GPTConfig, reg: RegConfig, master: bool) -> list[int]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore" if not master else "default")
-        return resolve_suffixes(model_cfg.n_layer, reg.suffixes) if model_cfg.n_layer > 1 else []
+    """The suffix lengths N of the logged gap (the regulariser's), clipped to the model; `reg_config` warned
+    of the clipping if the regulariser is on."""
+    return resolve_suffixes(model_cfg.n_layer, reg.suffixes, warn=False) if model_cfg.n_layer > 1 else []

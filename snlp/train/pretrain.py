@@ -68,14 +68,15 @@ def prepare_data(cfg, tok: Tokenizer | None, rank: int, world: int) -> tuple[Tok
     """Tokenizer (trained unless given) and cached token arrays. Rank 0 builds, others wait.
     `cfg` is a TrainConfig (or anything with its data attributes)."""
     cache = Path(cfg.cache_dir) if cfg.cache_dir else D.cache_dir()
-    key = D.split_key(cfg.data, cfg.text_field, cfg.max_chars, cfg.val_frac)
+    encoding = getattr(cfg, "data_encoding", "utf-8")
+    key = D.split_key(cfg.data, cfg.text_field, cfg.max_chars, cfg.val_frac, encoding)
     tok_path = cache / f"{key}-bpe{cfg.vocab_size}.tokenizer.json"
 
     def build():
         nonlocal tok
         docs = None
         if tok is None and not tok_path.is_file():
-            docs = list(D.documents(cfg.data, cfg.text_field, cfg.max_chars))
+            docs = list(D.documents(cfg.data, cfg.text_field, cfg.max_chars, encoding))
             train, _ = D.split_documents(docs, cfg.val_frac)
             tok = Tokenizer.train(_capped(train, TOKENIZER_CHARS), cfg.vocab_size)
             cache.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,7 @@ def prepare_data(cfg, tok: Tokenizer | None, rank: int, world: int) -> tuple[Tok
         tok = tok or Tokenizer.load(tok_path)
         ptrain, pval = D.token_paths(key, tok, cache)
         if not (ptrain.is_file() and pval.is_file()):
-            docs = docs if docs is not None else list(D.documents(cfg.data, cfg.text_field, cfg.max_chars))
+            docs = docs if docs is not None else list(D.documents(cfg.data, cfg.text_field, cfg.max_chars, encoding))
             train, val = D.split_documents(docs, cfg.val_frac)
         else:
             train = val = []
@@ -113,7 +114,7 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     if model is None:
         model = GPT(build_config(cfg, tok.vocab_size))
         model.init_weights(seed=cfg.seed)
-    reg = reg_config(cfg, model.config)
+    reg = reg_config(cfg, model.config, rank == 0)
     suffixes = gap_suffixes(cfg, model.config, reg, rank == 0)
     autocast = autocast_context(device)
     return Job(model=model, tokenizer=tok,

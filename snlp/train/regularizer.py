@@ -66,7 +66,7 @@ class RegConfig:
 
     def check_model(self, config) -> None:
         """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
-        for n in resolve_suffixes(config.n_layer, self.suffixes) if config.n_layer > 1 else []:
+        for n in resolve_suffixes(config.n_layer, self.suffixes, warn=False) if config.n_layer > 1 else []:
             self.plan(n).check_model(config)
 
     def weight(self, step: int) -> float:

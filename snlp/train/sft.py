@@ -60,7 +60,7 @@ def sft_job(scfg: SFTConfig):
                              f"assistant reply within {max_len} tokens); need at least 2")
         train, val = chat.split(examples, scfg.val_frac)
         pad = 0  # any id: padding sits after each row's tokens (causal: unseen) and its targets are -1
-        reg = reg_config(cfg, model.config)
+        reg = reg_config(cfg, model.config, rank == 0)
         autocast = autocast_context(device)
         batch = lambda micro, r, w: chat.batch_at(train, micro, cfg.batch_size, cfg.seed, pad, r, w)  # noqa: E731
         if cfg.compile:  # static shapes: one graph for every batch, not one per longest conversation

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state
+from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state, trim_log
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
 from snlp.train.flops import mfu, step_flops
-from snlp.train.hooks import TrainHooks
+from snlp.train.hooks import InterruptStop, TrainHooks, with_stop
 from snlp.train.job import Job, TrainStep
 from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
@@ -41,6 +41,7 @@ from snlp.train.validate import ValidationResult
 from snlp.runtime.device import device_label, progress_bar
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.timing import time_round_robin
+from snlp.runtime.outputs import locked_output
 
 
 @dataclass
@@ -105,14 +106,17 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     Multi-process under torchrun (DDP)."""
     cfg.check()
     ctx = setup_dist(cfg.device)
+    interrupted = InterruptStop()  # Ctrl-C during the loop: stop after the step, save (snlp.train.hooks)
     try:
-        t_wall = time.perf_counter()
-        run, state = setup(cfg, make_job, hooks or TrainHooks(), ctx)
-        train_loop(run, state)
-        speed = step_speed(run, state)
-        if speed is not None and cfg.time_reg:
-            speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
-        return finish(run, state, t_wall, speed)
+        with locked_output(cfg.out) if ctx.master else nullcontext():  # a second run on cfg.out is refused
+            t_wall = time.perf_counter()
+            run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
+            with interrupted.armed():
+                train_loop(run, state)
+            speed = step_speed(run, state)
+            if speed is not None and cfg.time_reg:
+                speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
+            return finish(run, state, t_wall, speed)
     finally:
         teardown_dist(ctx)
 
@@ -121,6 +125,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume)
+    if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
+        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)

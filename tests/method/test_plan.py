@@ -95,7 +95,7 @@ def test_link_follows_correction_order():
     ("0xF2", "chunks C must be an integer >= 1"),
     ("2xF0", "M must be an integer >= 1"),
     ("4xF1-h1", "unknown part 'h1'"),
-    ("4xF1-K-1", "unknown part 'K'"),
+    ("4xF1-K-1", "the iteration count K-1 must be an integer >= 0"),
     ("4xF1-jacobi", "unknown part 'jacobi'"),
     ("4xF1-K1-K2", "iters given twice"),
     ("4xF1-elk:1.0", r"ELK damping must lie in \[0, 1\)"),

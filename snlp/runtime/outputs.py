@@ -1,0 +1,106 @@
+"""Where a command writes: output paths checked before any work starts, and an output folder locked by the run
+that owns it (results are written atomically by snlp.runtime.device.write_atomic).
+
+A result that cannot be written is found out before the work that produces it (an evaluation that fails on
+its --json after an hour loses the hour); a result is written to a temporary sibling and renamed, so a crash
+or a full disk never leaves half a file under the real name; two runs writing one folder would interleave
+their logs and overwrite each other's checkpoints, so the second is refused while the first holds the lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe(folder: Path, what: str, path: Path) -> None:
+    """Create and remove a file in `folder` (access() would not see read-only mounts, nor that root is root)."""
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path}: {folder} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".snlp-write-check-", dir=folder)
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output_file(path, what: str = "output") -> None:
+    """Raise a ValueError unless a file can be written at `path` (its folder may not exist yet: then its
+    nearest existing ancestor must be a writable folder). Nothing is left behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; name a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {path} exists and is not writable")
+    _probe(_nearest_existing(path.parent), what, path)
+
+
+def check_output_dir(path, what: str = "output folder") -> None:
+    """Raise a ValueError unless `path` is, or can be created as, a folder that can be written in."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} exists and is a file, not a folder; choose another path")
+    _probe(_nearest_existing(path), what, path)
+
+
+class OutputLocked(ValueError):
+    """Another live process holds the output folder's lock."""
+
+
+def lock_path(folder) -> Path:
+    """The lock file of an output folder: a hidden sibling, since a checkpoint save swaps the folder itself."""
+    folder = Path(folder).absolute()
+    return folder.parent / f".{folder.name}.lock"
+
+
+@contextmanager
+def locked_output(folder, what: str = "--out") -> Iterator[None]:
+    """Hold an exclusive lock on output `folder` for the block (an advisory flock on its lock file, released by
+    the kernel when the process ends, however it ends); a second holder is refused at once with an OutputLocked
+    error naming the pid that holds it. Without fcntl (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    lock = lock_path(folder)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise OutputLocked(f"{what} {folder} is in use by a run in progress (pid {holder}); wait for it "
+                                   f"or choose another {what}") from None
+            raise
+        try:  # the lock file we hold must still be the one at `lock` (a finishing holder may have removed it)
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(lock)
+        finally:
+            os.close(fd)

@@ -1,0 +1,49 @@
+"""`snlp --help`, `snlp CMD --help` and argument errors answer without importing torch (it took seconds to load
+before any argument was read); the commands' lists that stand in for the library's constants agree with them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["train", "generate", "eval", "convert", "export", "sft", "sft-grid", "selfcheck"]
+PROBE = ("import sys\nfrom snlp.apps.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+
+
+def probe(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bogus"], *[[c, "--help"] for c in FAST],
+                                  ["train", "--bogus-flag"], ["eval", "ckpt", "--runs", "x"]])
+def test_help_and_argument_errors_do_not_import_torch(argv):
+    r = probe(*argv)
+    assert r.stdout.strip().splitlines()[-1] == "NO-TORCH", r.stderr
+    if argv == ["--help"]:
+        for c in FAST:
+            assert f"    {c}" in r.stdout  # every command is listed with its docstring's first line
+    if argv[-1].startswith("--bogus") or argv == ["bogus"] or "x" in argv:
+        assert "error" in r.stderr
+
+
+def test_stand_in_constants_equal_the_librarys():
+    import snlp.apps.convert as convert
+    import snlp.apps.generate as generate
+    import snlp.apps.sft as sft
+    from snlp.decode.generate import MODES
+    from snlp.io.hf import SUPPORTED
+    from snlp.train.sft import SEQUENTIAL
+
+    assert generate.MODES == MODES and convert.SUPPORTED == SUPPORTED and sft.SEQUENTIAL == SEQUENTIAL
+
+
+def test_the_library_still_loads_on_use():
+    r = subprocess.run([sys.executable, "-c", "import sys, snlp\nassert 'torch' not in sys.modules\n"
+                        "print(snlp.GPT.__module__, snlp.Plan.parse('4xF1-h0-K1'), 'torch' in sys.modules)\n"
+                        "print(sorted(set(snlp.__all__) - set(dir(snlp))))"],
+                       cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.stdout.splitlines() == ["snlp.model.gpt 4xF1-h0-K1 True", "[]"], r.stderr

@@ -1,0 +1,137 @@
+"""A Hugging Face model's generation config (generation_config.json: eos_token_id, possibly a list, as
+Llama-3-Instruct and Qwen2.5 ship) is carried through convert, checkpoint, load and export, and every snlp
+generation path stops where transformers' generate stops; `snlp eval --harness` uses the harness's own bootstrap
+count for its stderr."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import word_tokenizer  # noqa: E402
+from snlp import load, sequential_generate, snlp_generate, speculative_generate  # noqa: E402
+from snlp.apps.cli import main  # noqa: E402
+
+V = 97
+EOS = V - 2  # the word tokenizer's </s>
+PROMPT = [5, 17, 3, 44, 9, 12]
+N = 16
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=V - 3, eos_token_id=EOS, attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A transformers directory whose generation_config.json lists the tokenizer's EOS and one more id: a token
+    greedy decoding of PROMPT emits at its 4th step (and not before)."""
+    hf = tiny_llama()
+    with torch.no_grad():
+        free = hf.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                           pad_token_id=0)[0, len(PROMPT):].tolist()
+    k = next(i for i in range(3, N) if free[i] not in free[:i] and free[i] != EOS)
+    stop = free[k]
+    hf.generation_config.eos_token_id = [EOS, stop]
+    d = tmp_path_factory.mktemp("hf") / "model"
+    hf.save_pretrained(str(d))
+    word_tokenizer(V).save_pretrained(str(d))
+    assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [EOS, stop]
+    with torch.no_grad():  # the outside reference: transformers' own generate with that config
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval().generate(
+            torch.tensor([PROMPT]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert ref == free[:k + 1] and ref[-1] == stop
+    return d, stop, ref
+
+
+def test_convert_load_and_every_decoding_path_stop_where_transformers_does(hf_dir, tmp_path):
+    d, stop, ref = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    model, tok = load(tmp_path / "ck")
+    assert tok.stop_ids == (EOS, stop) and tok.eos_id == EOS
+    eos = list(tok.stop_ids)
+    assert sequential_generate(model, PROMPT, max_new_tokens=N, eos_id=eos).tokens == ref
+    assert snlp_generate(model, PROMPT, "4xF1-h0-K4", max_new_tokens=N, eos_id=eos).tokens == ref  # K >= C: exact
+    for plan in ("2xF1-h0-K1", "1xF2-h0-K1"):
+        assert speculative_generate(model, PROMPT, plan, block=3, max_new_tokens=N, eos_id=eos).tokens == ref
+    rows = sequential_generate(model, [PROMPT, PROMPT[:4]], max_new_tokens=N, eos_id=eos)  # a ragged batch
+    assert rows[0].tokens == ref and rows[0].stop == "eos"
+    rows = speculative_generate(model, [PROMPT, PROMPT[:4]], "2xF1-h0-K1", block=3, max_new_tokens=N, eos_id=eos)
+    assert rows[0].tokens == ref
+
+
+def test_generate_chat_stops_at_the_generation_config_ids(hf_dir, tmp_path):
+    d, stop, _ = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    _, tok = load(tmp_path / "ck")
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "t3 t7"}]))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval().generate(
+            torch.tensor([prompt]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", "t3 t7", "--chat", "--max-new-tokens", str(N),
+                 "--quiet", "--no-baseline", "--json", str(tmp_path / "g.json")]) == 0
+    assert json.loads((tmp_path / "g.json").read_text())["tokens"] == ref
+
+
+def test_export_writes_the_list_and_transformers_stops_there(hf_dir, tmp_path):
+    d, stop, ref = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    gc = json.loads((tmp_path / "exp" / "generation_config.json").read_text())
+    assert gc["eos_token_id"] == [EOS, stop] and gc["bos_token_id"] == V - 3
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval().generate(
+            torch.tensor([PROMPT]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert again == ref
+
+
+def test_harness_generation_stops_at_the_generation_config_ids(hf_dir, tmp_path):
+    pytest.importorskip("lm_eval")
+    from snlp.eval.harness import SNLPLM
+
+    d, stop, ref = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    model, tok = load(tmp_path / "ck")
+    for plan, decode in ((None, None), ("2xF1-h0-K1", "speculative"), ("4xF1-h0-K4", "snlp")):
+        lm = SNLPLM(pretrained=model, tokenizer=tok, plan=plan, decode=decode, device="cpu")
+        assert lm._generate([PROMPT], N, 0.0) == [ref]
+
+
+def test_harness_stderr_uses_the_harness_bootstrap_count(monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    import importlib
+    import inspect
+
+    import lm_eval.tasks
+    from snlp.eval.harness import evaluate_methods
+
+    seen = {}
+
+    class Tasks:
+        all_tasks = ["t"]
+
+        def __init__(self, *a, **k):
+            pass
+
+    def fake_evaluate(**kw):
+        seen.update(kw)
+        return {"results": {}, "config": {}}
+
+    class LM:
+        method, model_args, batch_size, device = "sequential", "pretrained=x", 1, "cpu"
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Tasks)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake_evaluate)
+    evaluate_methods([LM()], ["t"])
+    real = inspect.unwrap(importlib.import_module("lm_eval.evaluator").simple_evaluate)
+    assert seen["bootstrap_iters"] == inspect.signature(real).parameters["bootstrap_iters"].default == 100000
+    evaluate_methods([LM()], ["t"], bootstrap_iters=7)  # an explicit count is passed as given
+    assert seen["bootstrap_iters"] == 7

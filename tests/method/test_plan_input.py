@@ -1,0 +1,78 @@
+"""Plan strings a user writes: a negative K is named as such, non-ASCII digits are refused (int() reads
+full-width digits), and a K beyond the iteration count from which the plan is exact is capped with a warning
+(K = 10**9 used to be accepted and never return)."""
+
+import warnings
+
+import pytest
+import torch
+
+from snlp.method.plan import Plan, cli_plan, parse_plans
+from snlp.method.solver import parallel_forward
+from snlp.model.gpt import GPT, GPTConfig
+
+
+@pytest.mark.parametrize("text", ["12xF1-h0-K-1", "12xF1-K-3-none", "12xF1-h0-K"])
+def test_a_negative_or_missing_K_is_named(text):
+    with pytest.raises(ValueError, match=r"the iteration count K(-\d)? must be an integer >= 0") as e:
+        parse_plans(text)
+    assert "unknown part" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["１２xF1-h0-K1", "12xF1-h0-K１", "4xF1-h0-K1-tol:１e-3",
+                                  "4xF1-h0-K1-order:０.1.2.3", "4xF1-h0-K1-diag-probes:２"])
+def test_non_ascii_digits_are_refused(text):
+    with pytest.raises(ValueError, match=r"is not ASCII"):
+        Plan.parse(text)
+
+
+@pytest.mark.parametrize("text,capped", [("4xF1-h0-K999999999", "4xF1-h0-K4"), ("2xF3-fwd-K7", "2xF3-fwd-K2"),
+                                         ("3xF1-h0-K9-order:reversed", "3xF1-h0-K5-order:reversed"),
+                                         ("4xF1-h0-K50-tol:0.001", "4xF1-h0-K4-tol:0.001")])
+def test_K_beyond_exact_is_capped_with_a_warning(text, capped):
+    with pytest.warns(UserWarning, match=r"beyond K = \d+, from which the plan is exact"):
+        assert str(parse_plans(text)[0]) == capped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert str(cli_plan(capped)) == capped  # no warning at or below the exact count
+        assert Plan.parse(text).iters > Plan.parse(capped).iters  # the library's parse keeps what it is given
+
+
+def test_capping_changes_no_output():
+    """The capped plan's logits equal the uncapped plan's bit for bit, and for M = 1 the model's own forward (the
+    outside reference: the layers run one after another)."""
+    m = GPT(GPTConfig.from_depth(6, head_dim=8, width=16, vocab_size=64, sequence_len=16)).double()
+    m.init_weights(seed=0)
+    m.eval()
+    idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for text in ("3xF2-h0-K8", "6xF1-h0-K12", "6xF1-fwd-K30-order:reversed"):
+        plan = Plan.parse(text)
+        with pytest.warns(UserWarning):
+            capped = cli_plan(text)
+        with torch.no_grad():
+            full, cut = parallel_forward(m, idx, plan), parallel_forward(m, idx, capped)
+            ref = m(idx)
+        torch.testing.assert_close(cut, full, rtol=0, atol=0)
+        if plan.fuse == 1:
+            torch.testing.assert_close(cut, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_the_command_line_says_so_in_one_line(tmp_path):
+    """`snlp tune` reads its plans before the checkpoint: the cap is one warning line, then the missing checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "snlp", "tune", str(tmp_path / "no-ckpt"), "--plans",
+                        "2xF1-h0-K999999999"], cwd=root, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == ("snlp: warning: plan 2xF1-h0-K999999999: K = 999999999 is beyond K = 2, from which the plan "
+                        "is exact (its output equals the model run sequentially); running 2xF1-h0-K2")
+    assert r.returncode == 2 and "no-ckpt" in lines[-1]
+
+
+def test_capped_duplicates_are_one_plan():
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="are one plan"):
+        parse_plans("4xF1-h0-K4,4xF1-h0-K8")

@@ -1,0 +1,246 @@
+"""A training run owns its output folder and loses nothing to bad input or an interrupt: a second run on the same
+--out is refused while the first holds it; an output path that cannot be written is refused before any work;
+Ctrl-C stops after the step in progress and saves; a resume never duplicates logged steps; the checkpoint records
+where its token cache is; --reg none warns of no regulariser clipping."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from snlp.apps.cli import main
+from snlp.eval.data import checkpoint_data, validation_tokens
+from snlp.io.checkpoint import load
+from snlp.train.config import TrainConfig
+from snlp.train.hooks import TrainHooks
+from snlp.train.trainer import fit
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt"
+TINY = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "32",
+        "--batch-size", "4", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "c.txt").write_text(SHAKESPEARE.read_text()[:60_000])
+    return d / "c.txt"
+
+
+def cfg(out, corpus, cache, **kw) -> TrainConfig:
+    return TrainConfig(**{**dict(out=str(out), data=str(corpus), cache_dir=str(cache), depth=3, width=32, head_dim=16,
+                                 vocab_size=300, seq_len=32, batch_size=4, eval_every=100, eval_batches=1,
+                                 no_progress=True, device="cpu"), **kw})
+
+
+def log_steps(out) -> list[int]:
+    """The step of every per-step record (validation records carry val_loss)."""
+    recs = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    return [r["step"] for r in recs if "loss" in r and "val_loss" not in r]
+
+
+# ----- one run per output folder
+def test_a_second_run_on_a_locked_out_is_refused_in_one_line(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(  # another process: a run in progress holding --out
+        [sys.executable, "-c", "import sys, time\nfrom snlp.runtime.outputs import locked_output\n"
+         f"with locked_output({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc = main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY,
+                   "--steps", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--out {out} is in use by a run in progress (pid {holder.pid})" in err
+        assert len(err.strip().splitlines()) == 1
+        assert not (out / "log.jsonl").exists() and not (out / "model.safetensors").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone (killed: the kernel released its lock): the folder is free again
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY,
+                 "--steps", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no lock file left
+
+
+def test_the_lock_is_held_during_the_run(corpus, tmp_path):
+    """Inside a run (a hook asked between steps), a second fit on the same folder is refused."""
+    seen = []
+
+    def probe(steps_done):
+        if steps_done == 1 and not seen:
+            with pytest.raises(ValueError, match="is in use by a run in progress"):
+                fit(cfg(tmp_path / "run", corpus, tmp_path / "c", steps=1))
+            seen.append(True)
+        return None
+
+    fit(cfg(tmp_path / "run", corpus, tmp_path / "c", steps=2), hooks=TrainHooks(should_stop=probe))
+    assert seen
+
+
+def test_snlp_adapt_locks_its_out_too(tmp_path, capsys):
+    from snlp.runtime.outputs import locked_output
+
+    out = tmp_path / "drafter"
+    with locked_output(out):  # the run in progress (flock: a second open file description conflicts in-process too)
+        rc = main(["adapt", str(tmp_path / "no-such-base"), "--plan", "2xF1-h0-K1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--out {out} is in use by a run in progress (pid {os.getpid()})" in err
+
+
+# ----- output paths checked before any work
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--out", "{file}"], "--out {file} exists and is a file, not a folder"),
+    (["train", "--out", "{file}/sub"], "--out {file}/sub: {file} is a file, not a folder"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{file}/r.json"], "--json {file}/r.json: {file} is a file"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--csv", "{dir}"], "--csv {dir} is a folder; name a file"),
+    (["generate", "{ckpt}", "--json", "{file}/g.json"], "--json {file}/g.json: {file} is a file"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--plot", "{dir}/f.xyz"], "--plot {dir}/f.xyz: name a file ending in"),
+    (["calibrate", "{ckpt}", "--out", "{dir}"], "--out {dir} is a folder; name a file"),
+])
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, msg):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    subs = {"file": str(f), "dir": str(tmp_path), "ckpt": str(tmp_path / "no-such-ckpt")}
+    # the checkpoint does not exist either: the output error (not the checkpoint one) shows the check came first
+    rc = main([a.format(**subs) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg.format(**subs) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
+def test_read_only_out_is_refused(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(["train", "--out", str(ro / "run"), *TINY]) == 2
+        assert "cannot write in" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_read_only_folder_is_named(tmp_path, capsys, monkeypatch):
+    """A folder the probe file cannot be created in (a read-only mount: simulated, root writes everywhere)."""
+    import snlp.runtime.outputs as O
+
+    def refuse(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(O.tempfile, "mkstemp", refuse)
+    assert main(["eval", str(tmp_path / "ck"), "--plans", "2xF1-h0-K1", "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)" in err
+
+
+def test_json_results_are_written_atomically(tmp_path, monkeypatch):
+    """A write that fails half-way leaves the previous file whole, and no temporary beside it."""
+    from snlp.runtime.device import write_json
+
+    path = tmp_path / "r.json"
+    write_json(path, {"a": 1})
+
+    real = Path.write_text
+
+    def broken(self, text, *a, **k):  # the disk fills up half-way through the write
+        real(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", broken)
+    with pytest.raises(OSError):
+        write_json(path, {"a": 2})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"a": 1} and list(tmp_path.iterdir()) == [path]
+
+
+# ----- interrupts, resume, the log
+def test_ctrl_c_stops_after_the_step_saves_and_resume_matches_an_uninterrupted_run(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    full = fit(cfg(tmp_path / "full", corpus, cache, steps=6))
+    assert full.steps == 6
+
+    def ctrl_c_at(step):
+        def hook(steps_done):
+            if steps_done == step:
+                os.kill(os.getpid(), signal.SIGINT)  # what a terminal's Ctrl-C sends
+            return None
+        return TrainHooks(should_stop=hook)
+
+    part = fit(cfg(tmp_path / "part", corpus, cache, steps=6), hooks=ctrl_c_at(3))
+    assert part.stopped_by == "interrupt" and part.steps == 3
+    assert load_file(str(tmp_path / "part" / "model.safetensors"))  # saved
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    # a run killed later (after its last save) had logged steps 4 and 5: resume must not log them twice
+    with open(tmp_path / "part" / "log.jsonl", "a") as f:
+        for s in (4, 5):
+            f.write(json.dumps({"step": s, "loss": 9.0, "reg": 0.0}) + "\n")
+    fit(cfg(tmp_path / "part", corpus, cache, steps=6, resume=True))
+    assert log_steps(tmp_path / "full") == [1, 6]  # step 1 and the end (log_every 10)
+    assert log_steps(tmp_path / "part") == [1, 6]  # the killed run's 4 and 5 dropped, nothing twice
+    recs = [json.loads(line) for line in (tmp_path / "part" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 3, 6]  # validated at the interrupt, then the end
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "model.safetensors"))
+    for k in a:  # the outside reference: the same 6 steps run without an interrupt
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, monkeypatch):
+    import snlp.apps.train as T
+
+    monkeypatch.setattr(T, "file_hooks", lambda *a, **k: TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 2 else None))
+    rc = main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"),
+               *TINY, "--steps", "5"])
+    err = capsys.readouterr().err
+    assert rc == 130 and f"saved {tmp_path / 'run'} at step 2; continue with --resume" in err
+
+
+# ----- the recorded cache path, the regulariser warning
+def test_checkpoint_records_an_absolute_cache_path(corpus, tmp_path, monkeypatch):
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    fit(cfg("run", corpus, "cache", steps=1))
+    monkeypatch.chdir(elsewhere)
+    data = checkpoint_data(work / "run")
+    assert data["cache_dir"] == str(work / "cache")
+    _, tok = load(work / "run")
+    validation_tokens(tok, **data)
+    assert list(elsewhere.iterdir()) == []  # read the run's cache; nothing re-tokenised here
+
+
+def test_an_old_relative_cache_path_is_warned_of(corpus, tmp_path, monkeypatch):
+    """A checkpoint saved before the path was recorded absolute: reading it elsewhere says so instead of silently
+    re-tokenising into a new folder."""
+    monkeypatch.chdir(tmp_path)
+    fit(cfg("run", corpus, "cache", steps=1))
+    st = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
+    st["args"]["cache_dir"] = "cache"  # as 3c0d6cc recorded it
+    torch.save(st, tmp_path / "run" / "train_state.pt")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning, match=r"relative path cache .*pass --cache-dir"):
+        checkpoint_data(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint_data(tmp_path / "run", cache_dir=str(tmp_path / "cache"))  # given: no warning
+
+
+def test_reg_none_warns_of_no_clipping(corpus, tmp_path):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fit(cfg(tmp_path / "none", corpus, tmp_path / "c", steps=1, depth=2, reg="none", reg_n="4"))
+    assert not [x for x in w if "clipped" in str(x.message)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fit(cfg(tmp_path / "idn", corpus, tmp_path / "c", steps=1, depth=2, reg="idn", reg_n="4"))
+    assert len([x for x in w if "clipped" in str(x.message)]) == 1  # said once, at the start
