@@ -68,7 +68,7 @@ from torch import Tensor
 
 from snlp.model.gpt import GPT, Context
 from snlp.model.hc import hc_gate, hc_maps, maps_of
-from snlp.model.ops import attend, attend_branches, mlp_act, norm, qk_rope, window_groups
+from snlp.model.ops import attend, attend_branches, mlp_act, norm, qk_rope, uses_band, window_groups
 
 
 @dataclass
@@ -405,7 +405,11 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
         S = kc.shape[-2]
         k, v = kc.view(C, M, B, Hkv, S, hd), vc.view(C, M, B, Hkv, S, hd)
     masks = ctx.extra.setdefault("masks", {})  # masks built once per forward, not per iteration
-    if cache is None and w.window_values is not None:  # prefill: branches grouped by window (full ones causal)
+    # prefill: branches grouped by window (full ones causal, short ones banded) where the banded kernel is taken; on
+    # CUDA one masked SDPA over every branch was measured faster than gathering the groups (H200, 24 branches of 5
+    # heads at T = 2048: 0.95 ms against 1.18 ms, docs/gpu.md)
+    if cache is None and w.window_values is not None and \
+            uses_band(T, min(x for x in w.window_values if x >= 0), q.device):
         y = attend_branches(q.reshape(C * M, B, Hq, T, hd), k.reshape(C * M, B, Hkv, T, hd),
                             v.reshape(C * M, B, Hkv, T, hd), w.window_values, w.window_groups, masks)
         return y.view(C, M, B, Hq, T, hd).transpose(-3, -2)
