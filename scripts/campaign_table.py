@@ -39,8 +39,11 @@ def main(out: str) -> int:
         md = parts / name / "vs_paper.md"
         if md.is_file():
             text = md.read_text()
-            lines += ["", f"## {name}", "", text.split("\nEvery timed callable:")[0] if name == "vs_paper_eager"
-                      else text]
+            if name == "vs_paper_eager":  # the summary and the correctness check; every callable is in the JSON
+                head, _, rest = text.partition("\nEvery timed callable:")
+                tail = rest[rest.find("\nCorrectness"):] if "\nCorrectness" in rest else ""
+                text = head + tail
+            lines += ["", f"## {name}", "", text]
     for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",
                parts / "decode_trained" / "decode.md", parts / "train" / "train.md"):
         if md.is_file():

@@ -25,7 +25,8 @@ names the combination. A cell that is neither is a defect. The references are wr
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, nanochat-
+bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, the window
+kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
 backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
 12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
@@ -513,3 +514,41 @@ def test_compiled_nanochat_cell_equals_its_reference():
     rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True)
     assert [r.tokens for r in rows] == want
     assert [r.tokens for r in snlp_generate(m, prompts, PLANS["exact"], max_new_tokens=6, compile=True)] == want
+
+
+# ----------------------------------------------------------------------------- the window kernel (a treatment)
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "diag", "exact", "exactF2", "tol"]), seed=st.integers(0, 50),
+       nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
+def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
+    """snlp.model.ops.set_window_kernel("banded") (sliding windows through query blocks that attend their w + b keys;
+    fused stacks grouped by window) against "masked" (every score under one mask, the reference) at prompts long
+    enough for the band to skip keys: the sequential forward, a runner (shared weights where allowed), parallel_forward
+    and SNLP decoding give the masked kernel's results (fp64 weights); speculative decoding gives the argmax loop."""
+    from snlp.model.ops import set_window_kernel
+
+    cfg = {"window_pattern": pattern, "short_window": 4, "sequence_len": 96, "nanochat": nano}
+    m = model_for(kind, seed, cfg if kind != "hcn" else {"nanochat": nano})
+    if kind == "hcn":  # the mHC cell's model, with windows
+        m = mhc_model(seed=seed, n_layer=L, window_pattern=pattern, short_window=4, sequence_len=96,
+                      **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
+    plan = PLANS[kind]
+    share = share and kind in ("F1", "fwd", "exact")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
+    prompts = [idx[0, :40].tolist(), idx[1, :37].tolist()]
+    prev = set_window_kernel("masked")
+    try:
+        with torch.no_grad():
+            ref = (m(idx), bind(m, plan)(idx), parallel_forward(m, idx, plan))
+            ref_dec = [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] if kind != "diag" else None
+            set_window_kernel("banded")
+            got = (m(idx), bind(m, plan, share_weights=share)(idx), parallel_forward(m, idx, plan))
+            for a, b in zip(got, ref):  # fp64 states, fp32 logits (the head's softcap runs in fp32)
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            if ref_dec is not None:
+                assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
+            spec = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=4)
+            assert [r.tokens for r in spec] == [argmax_loop(m, p, 4) for p in prompts]
+    finally:
+        set_window_kernel(prev)

@@ -314,7 +314,7 @@ def test_mhc_parameters_go_to_adamw_not_muon():
 
     from snlp.train.optim import build_optimizers
     model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=16, hc_streams=2))
-    args = Namespace(embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5, hc_lr=0.005, optimizer="muon",
+    args = Namespace(embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5, hc_lr=0.005, optimizer="muon", compile=False,
                      matrix_lr=None, weight_decay=0.0)
     adamw, muon = build_optimizers(model, args)
     hc = {id(p) for name, p in model.named_parameters() if ".hc_" in name}

@@ -1,0 +1,33 @@
+"""The GPU campaign's CPU smoke run (scripts/gpu_campaign.sh --quick): a lent GPU must never be spent on a crash.
+The parts that need the paper's code run when a checkout of it is beside the repository (as in CI); the heavier
+parts (compiled prefill, decode and train suites) have their own quick tests (test_decode_suite, test_train_bench,
+test_vs_paper) and are run by the campaign's --quick by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from test_vs_paper import PAPER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_campaign_runs_its_parts_and_prints_the_table_last(tmp_path):
+    parts = "attn,profile,vs_paper_eager" if PAPER else "attn"
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path), "--parts", parts]
+    if PAPER:
+        cmd += ["--paper", PAPER]
+    env = {**os.environ, "LIMIT_vs_paper_eager": "600"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert set(merged["status"]) == set(parts.split(","))
+    assert all(s["rc"] == 0 for s in merged["status"].values()), merged["status"]
+    table = (tmp_path / "campaign.md").read_text()
+    assert out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table is printed last
+    assert "Attention formulations" in table
+    if PAPER:
+        assert "vs_paper_eager" in table and "Correctness" in table
