@@ -40,6 +40,16 @@ ALLOWED: dict[tuple[str, str], str] = {
                                            "path",
     ("bench/decode.py", "batch_decode_benchmark"): _CPU_DRAW,
     ("bench/forward.py", "benchmark"): _CPU_DRAW,
+    ("bench/vs_paper.py", "_run_shape"): _CPU_DRAW,
+    ("bench/vs_paper.py", "agreement"): _CPU_DRAW,
+    ("bench/train.py", "run_variant"): _CPU_DRAW,
+    ("bench/ssd_prediction.py", "step_times"): _CPU_DRAW,
+    ("bench/decode_suite.py", "make_prompts"): _HOST,
+    ("bench/decode_suite.py", "random_llama"): "the random model is built and perturbed on the CPU from a seed (the "
+                                               "same weights on every device), then moved",
+    ("bench/decode_suite.py", "hf_twin"): "a probe of the fp32 CPU model against its transformers twin, on the CPU "
+                                          "before either is moved to the run's device",
+    ("apps/speedrun/train.py", "make"): _CPU_DRAW,
     ("bench/ops.py", "op_benchmark"): _CPU_DRAW,
     ("eval/data.py", "sample_prompts"): _CPU_DRAW,
     ("bench/selfcheck.py", "_ids"): _CPU_DRAW,
