@@ -248,6 +248,14 @@ def _approximations(plan: Plan, windowed: bool, cfg_paper) -> list[str]:
         why.append("drops the value embeddings in fused chunks")
     if plan.fuse > 1 and not cfg_paper.no_x0_resid:
         why.append("scales fused chunks by averaged resid / x0 lambdas")
+    L = cfg_paper.n_layer
+    if plan.chunks == 1 and plan.fuse > 1:  # forward_idn_fused
+        if L // 2 >= L - plan.n_suffix:
+            why.append("subtracts the backout from the chunk's input (it fills every suffix state with it), not from "
+                       f"layer {L // 2}'s output")
+        if plan.iters > 1:
+            why.append("applies the fused block to its own output once per extra iteration (F(F(h)); snlp's 1xFM is "
+                       "exact after K = 1)")
     return why
 
 
@@ -268,7 +276,7 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
                 sn = bind(model, plan)(idx).float()
                 d = (p - sn).abs().max().item()
                 bites = any(w < cfg.tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
-                why = _approximations(plan, bites, pcfg)
+                why = _approximations(plan, bites, pcfg)  # a tie of the logits makes an approximation harmless
                 out.append(Agreement(shape=shape.key, plan=str(plan), windows=pattern, paper_vs_snlp=d,
                                      paper_vs_seq=(p - seq).abs().max().item(),
                                      snlp_vs_seq=(sn - seq).abs().max().item(), same_function=d <= AGREE_TOL,

@@ -29,6 +29,7 @@ from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
@@ -192,18 +193,6 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
             raise ValueError(f"{path / TOKENIZER_FILE} has {tok.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}; the tokenizer belongs to another model")
     return model, tok
-
-
-def check_finite(state: dict, where) -> None:
-    """Raise a ValueError naming the first tensor of `state` that holds a NaN or an infinity (and how many):
-    such a model decodes garbage and every SNLP plan built on it inherits the non-finite values, so the
-    error belongs to the checkpoint, said once at load, not to whatever runs it later."""
-    for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-            raise ValueError(f"weights in {where} are not finite: tensor {name} {tuple(t.shape)} holds {nan} NaN and "
-                             f"{inf} inf values (of {t.numel()}); the checkpoint is broken (a diverged training run "
-                             f"saves such weights): restore or re-train it")
 
 
 def load_training(path) -> tuple[dict | None, dict | None]:

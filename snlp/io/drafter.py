@@ -30,6 +30,7 @@ from snlp.method.plan import Plan
 from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
+from snlp.io.weights import check_finite
 
 FORMAT = "snlp-drafter"
 VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27); 3: meta_digest
@@ -121,6 +122,7 @@ def load_drafter(path, base: GPT) -> Drafter:
         state = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"drafter weights {path / WEIGHTS} are missing or corrupt: {e}") from None
+    check_finite(state, path / WEIGHTS)
     want = set(drafter.suffix_state())
     if set(state) != want or set(meta["digests"]) != want:
         extra, lack = sorted(set(state) - want)[:3], sorted(want - set(state))[:3]

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import Tokenizer
+from snlp.io.weights import check_finite
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
@@ -144,6 +145,7 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
     cfg = config_from_hf(hf_model.config)
     state = state_from_hf(hf_model.state_dict(), cfg)
+    check_finite(state, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
     dtype = _dtype(dtype) or state["wte.weight"].dtype
     with torch.device("meta"):  # no random init of weights that are replaced right away
         model = GPT(cfg)

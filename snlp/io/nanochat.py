@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from snlp.io.weights import check_finite
 from snlp.model.gpt import GPT, GPTConfig
 
 MODEL_RE, META_RE = re.compile(r"^model_(\d+)\.pt$"), re.compile(r"^meta_(\d+)\.json$")
@@ -163,6 +164,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
             raise ValueError(f"overrides name no GPTConfig field: {bad}")
         cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
+    check_finite(state, mf)
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"

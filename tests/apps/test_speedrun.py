@@ -1140,3 +1140,16 @@ def test_an_eval_record_made_before_the_new_columns_is_made_anew(tmp_path):
     sr.stages.begin("eval-noreg", "test")
     sr.stages.finish("eval-noreg", old, {"records": []}, seconds=1.0)
     assert sr.stages.peek("eval-noreg", old) is not None and sr.stages.peek("eval-noreg", new) is None
+
+
+def test_speeds_tie_only_when_each_median_is_inside_the_others_range():
+    """A 2.01x plan (1.74-2.13x) and a 1.59x one (1.41-1.75x) overlap by 0.01 at their ends: not a tie (each median is
+    outside the other's range), so the faster plan with a slightly worse PPL stays on the front beside the slower one
+    with the better PPL. Medians inside each other's ranges still tie, and the lower PPL wins."""
+    from snlp.apps.report import Speed, tied_front
+
+    fast, slow = Speed(2.01, 1.74, 2.13, 6), Speed(1.59, 1.41, 1.75, 6)
+    assert not fast.ties(slow) and not slow.ties(fast)
+    assert tied_front([("h0-K1", fast, 40.50), ("fwd-K1", slow, 40.41)]) == {"h0-K1", "fwd-K1"}
+    near = Speed(1.95, 1.80, 2.10, 6)
+    assert fast.ties(near) and tied_front([("h0-K1", fast, 40.50), ("near", near, 40.41)]) == {"near"}

@@ -55,3 +55,23 @@ def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approxima
     assert windowed and all(not a.same_function and "drops the sliding windows" in a.why for a in windowed)
     data = json.loads((tmp_path / "vs_paper.json").read_text())
     assert len(data["agreement"]) == len(res.agreement) and "Correctness" in (tmp_path / "vs_paper.md").read_text()
+
+
+@needs_paper
+def test_every_disagreement_names_its_cause():
+    """Shapes the CLI does not time, where the paper's forward_idn_fused (1 x FM) holds the backout layer and re-applies
+    its block for K > 1: wherever paper and snlp disagree the report names why; where it names nothing they agree."""
+    from dataclasses import replace
+
+    import torch
+
+    from snlp.bench import vs_paper as V
+    from snlp.bench.suite import PAPER_SHAPES
+    from snlp.method.plan import Plan
+
+    cfg = V.VsPaperConfig(paper=PAPER, quick=True).resolved()
+    code = load_paper_code(PAPER, torch.float32)
+    shape = replace(PAPER_SHAPES[0], depth=6, width=64, head_dim=32, plans=("1xF4-h0-K1", "1xF4-h0-K2", "2xF2-h0-K1"))
+    rows = V.agreement(code, shape, shape, [Plan.parse(p, 6) for p in shape.plans], cfg, 256, torch.device("cpu"))
+    assert all(a.same_function == (a.why == "-") for a in rows), [(a.plan, a.windows, a.why) for a in rows]
+    assert any("backout" in a.why for a in rows) and any("own output" in a.why for a in rows)

@@ -1,6 +1,8 @@
 """A checkpoint's weights are checked once, at load: a NaN or inf tensor is named there, before any decoding or
 evaluation blames a plan for it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,3 +40,55 @@ def test_finite_weights_load_unchanged(tmp_path):
     m2, _ = load(tmp_path / "ck")
     for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_every_loader_names_non_finite_weights(tmp_path):
+    """Not only snlp checkpoints: a transformers directory (and a model object), a nanochat checkpoint and an adapted
+    drafter with one NaN are refused at load naming the tensor (from_hf loaded them silently and sequential decoding
+    then emitted token 0 forever)."""
+    import shutil
+
+    from snlp.io.drafter import load_drafter, save_drafter
+    from snlp.io.hf import export_hf, from_hf
+    from snlp.io.nanochat import load_nanochat
+    from snlp.method.drafter import make_drafter
+    from snlp.method.plan import Plan
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, sequence_len=16, mlp_act="swiglu",
+                    embed_norm=False, x0_residual=False, value_embeds=False, rope_rotate_half=True, norm_weights=True,
+                    softcap=0.0, qk_norm="none")
+    m = GPT(cfg)
+    m.init_weights(seed=0)
+    with torch.no_grad():
+        m.blocks[1].mlp.c_proj.weight[0, 0] = float("nan")
+    export_hf(m, tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"blocks\.1\.mlp\.c_proj\.weight .*holds 1 NaN"):
+        from_hf(tmp_path / "hf")
+    with pytest.raises(ValueError, match="holds 1 NaN"):
+        from_hf(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"))
+
+    src = Path(__file__).resolve().parents[1] / "data" / "nanochat" / "nanochat-L"
+    shutil.copytree(src, tmp_path / "nc")
+    pt = sorted((tmp_path / "nc").glob("model_*.pt"))[-1]
+    sd = torch.load(pt, weights_only=True)
+    key = next(k for k in sd if k.endswith("mlp.c_fc.weight"))
+    sd[key] = sd[key].clone()
+    sd[key].view(-1)[0] = float("inf")
+    torch.save(sd, pt)
+    with pytest.raises(ValueError, match=r"mlp\.c_fc\.weight .*holds 0 NaN and 1 inf"):
+        load_nanochat(tmp_path / "nc")
+
+    base = tiny()
+    d = make_drafter(base, Plan.parse("1xF1-h0-K1"))
+    save_drafter(tmp_path / "dr", d)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(tmp_path / "dr" / "drafter.safetensors"))
+    k = next(iter(w))
+    w[k] = w[k].clone()
+    w[k].view(-1)[0] = float("nan")
+    save_file(w, str(tmp_path / "dr" / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="not finite"):
+        load_drafter(tmp_path / "dr", base)

@@ -1,0 +1,17 @@
+"""Checks of loaded weights, shared by every loader (snlp checkpoints, transformers / GGUF, nanochat, drafters)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_finite(state: dict, where) -> None:
+    """Raise a ValueError naming the first tensor of `state` that holds a NaN or an infinity (and how many):
+    such a model decodes garbage and every SNLP plan built on it inherits the non-finite values, so the
+    error belongs to the checkpoint, said once at load, not to whatever runs it later."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise ValueError(f"weights in {where} are not finite: tensor {name} {tuple(t.shape)} holds {nan} NaN and "
+                             f"{inf} inf values (of {t.numel()}); the checkpoint is broken (a diverged training run "
+                             f"saves such weights): restore or re-train it")
