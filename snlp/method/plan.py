@@ -221,7 +221,8 @@ class Plan:
         diag = {k: kw.pop(k) for k in ("probes", "eps", "subset") if k in kw}
         if diag:
             if not isinstance(kw.get("surrogate"), DiagN):
-                raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} only apply to the diag surrogate. "
+                raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} "
+                                 f"{'applies' if len(diag) == 1 else 'apply'} only to the diag surrogate. "
                                  f"Grammar: {GRAMMAR}")
             try:
                 kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)
