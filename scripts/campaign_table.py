@@ -41,7 +41,8 @@ def main(out: str) -> int:
             text = md.read_text()
             if name == "vs_paper_eager":  # the summary and the correctness check; every callable is in the JSON
                 head, _, rest = text.partition("\nEvery timed callable:")
-                tail = rest[rest.find("\nCorrectness"):] if "\nCorrectness" in rest else ""
+                cut = [i for i in (rest.find("\nCorrectness"), rest.find("\nFailures")) if i >= 0]
+                tail = rest[min(cut):] if cut else ""
                 text = head + tail
             lines += ["", f"## {name}", "", text]
     for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",

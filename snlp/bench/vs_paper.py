@@ -71,10 +71,10 @@ class VsPaperConfig:
             raise ValueError(f"--vs-paper: treatments must be a non-empty subset of {', '.join(TREATMENTS)}")
         cuda, q = device.type == "cuda", self.quick
         cfg = replace(self, device=str(device), shapes=shapes,
-                      tokens=self.tokens or (256 if q else 2048),
+                      tokens=self.tokens if self.tokens is not None else (256 if q else 2048),
                       warmup=self.warmup if self.warmup is not None else (1 if q or not cuda else 20),
-                      runs=self.runs or (3 if q or not cuda else 50),
-                      vocab_size=self.vocab_size or (256 if q else 32768))
+                      runs=self.runs if self.runs is not None else (3 if q or not cuda else 50),
+                      vocab_size=self.vocab_size if self.vocab_size is not None else (256 if q else 32768))
         if min(cfg.tokens, cfg.runs, cfg.vocab_size) < 1 or cfg.warmup < 0:
             raise ValueError("--vs-paper: tokens, runs and vocab size must be >= 1, warm-up >= 0")
         if cfg.tokens < 2:

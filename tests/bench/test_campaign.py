@@ -31,3 +31,19 @@ def test_quick_campaign_runs_its_parts_and_prints_the_table_last(tmp_path):
     assert "Attention formulations" in table
     if PAPER:
         assert "vs_paper_eager" in table and "Correctness" in table
+
+
+def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
+    """The eager vs-paper part's per-callable table is left to the JSON, but its failures and its correctness check
+    reach the printed table (a device call returns only the tail of its output)."""
+    part = tmp_path / "parts" / "vs_paper_eager"
+    part.mkdir(parents=True)
+    (part / "vs_paper.md").write_text("## x\n\n| a |\n\nEvery timed callable:\n\n| every |\n\nFailures (the JSON has "
+                                      "the tracebacks):\n\n- s c: RuntimeError: boom\n")
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "boom" in out and "| every |" not in out
+    (part / "vs_paper.md").write_text("## x\n\nEvery timed callable:\n\n| every |\n\nCorrectness (fp32):\n\n| c |\n")
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "Correctness" in out and "| every |" not in out

@@ -36,6 +36,9 @@ def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
     assert "not a checkout of the paper's code" in capsys.readouterr().err
     assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--shapes", "7B"]) == 2
     assert "unknown shape" in capsys.readouterr().err
+    for flag in ("--suite-tokens", "--suite-runs"):  # 0 is refused, not taken for the default
+        assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", flag, "0"]) == 2
+        assert "must be >= 1" in capsys.readouterr().err
 
 
 @needs_paper
