@@ -345,7 +345,7 @@ def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list
                     lambda seq=seq: sequential_generate(model, arg, n, step=seq)))
         for plan in plans:
             draft = steps[(treatment, plan)]
-            exact = plan.iters >= plan.chunks and plan.fuse == 1 and not plan.tol
+            exact = plan.iters >= plan.exact_iters() and plan.fuse == 1 and not plan.tol  # ordered plans need more
             out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
                         lambda p=plan, d=draft: snlp_generate(model, arg, p, n, step=d)))
             for b in cfg.blocks:

@@ -249,3 +249,21 @@ def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
     assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.hidden_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
     assert c.tie_embeddings and c.rope_base == 100000.0 and tok is None
     assert label.startswith("random weights (SmolLM2-135M's shape") and "speed only" in label
+
+
+def test_an_ordered_plan_is_exact_only_after_its_own_exact_iterations():
+    """A reversed correction order needs Plan.exact_iters() > C iterations: at K = C its row is not called exact (its
+    tokens differed from sequential while the row said exact), at K = exact_iters it is, and its tokens agree."""
+    from conftest import make_model
+
+    from snlp.method.plan import Plan
+
+    m = make_model(seed=1, n_layer=4)
+    late = Plan.parse("3xF1-h0-K3-order:reversed", 4)
+    done = late.with_(iters=late.exact_iters())
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1,), prompt_len=5,
+                                             new_tokens=4, plans=(str(late), str(done)), blocks=(2,), rounds=1,
+                                             warmup=0, transformers=False), model=m)
+    rows = {r.plan: r for r in res.rows if r.method == "snlp snlp"}
+    assert late.exact_iters() > late.chunks
+    assert not rows[str(late)].exact and rows[str(done)].exact and rows[str(done)].matches_sequential
