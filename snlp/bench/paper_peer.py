@@ -251,7 +251,7 @@ def summarise(shape: str, times: dict[str, list[float]], meta: dict[str, tuple[s
     rows = []
     for name, ts in times.items():
         side, plan, variant, note = meta[name]
-        q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+        q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9  # within min..max
         rows.append(PeerRow(shape=shape, side=side, plan=plan, variant=variant, median_ms=statistics.median(ts),
                             min_ms=min(ts), max_ms=max(ts), p10_ms=q[0], p90_ms=q[-1], runs=len(ts),
                             compile_s=(compile_s or {}).get(name), note=note))

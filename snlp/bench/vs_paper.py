@@ -93,14 +93,16 @@ class Agreement:
     paper_vs_snlp: float  # max abs logit difference, paper's plan vs snlp's plan
     paper_vs_seq: float  # paper's plan vs the (shared) sequential model
     snlp_vs_seq: float
-    same_function: bool  # paper_vs_snlp within fp32 round-off (AGREE_TOL)
+    same_function: bool  # paper_vs_snlp within fp32 round-off: AGREE_TOL x the largest |logit| of the sequential model
     why: str  # where they differ: the paper path's approximation(s) that apply here
+    logit_scale: float = 0.0  # the largest |logit| of the sequential model (same_function's scale)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-AGREE_TOL = 2e-4  # fp32 logits (softcap 15) of two orderings of the same arithmetic
+AGREE_TOL = 1e-5  # relative to the logits' scale: fp32 round-off of two orderings of the same arithmetic is ~1e-7,
+#                   one dropped window of one layer moves them ~4e-3 (the paper's init keeps logits small: |logit| ~ 3e-2)
 
 
 @dataclass
@@ -271,6 +273,7 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
         model = snlp_model_from_paper(paper, dev, torch.float32)
         with torch.inference_mode():
             seq = model(idx).float()
+            scale = seq.abs().max().item()
             for plan in plans:
                 p = paper_plan_fn(code, paper, plan, run_shape)(idx).float()
                 sn = bind(model, plan)(idx).float()
@@ -279,7 +282,8 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
                 why = _approximations(plan, bites, pcfg)  # a tie of the logits makes an approximation harmless
                 out.append(Agreement(shape=shape.key, plan=str(plan), windows=pattern, paper_vs_snlp=d,
                                      paper_vs_seq=(p - seq).abs().max().item(),
-                                     snlp_vs_seq=(sn - seq).abs().max().item(), same_function=d <= AGREE_TOL,
+                                     snlp_vs_seq=(sn - seq).abs().max().item(), logit_scale=scale,
+                                     same_function=d <= AGREE_TOL * scale,
                                      why="; ".join(why) if why else "-"))
     return out
 
@@ -355,7 +359,8 @@ def markdown(result: VsPaperResult) -> str:
     lines += ["", "Every timed callable:", "", *markdown_table(
         ["shape", "side", "plan", "variant", "ms (p10-p90)", "compile s", "note"], abl)]
     if result.agreement:
-        lines += ["", f"Correctness (fp32, same weights and tokens; agree = max |paper - snlp| <= {AGREE_TOL:g}):", "",
+        lines += ["", f"Correctness (fp32, same weights and tokens; agree = max |paper - snlp| <= {AGREE_TOL:g} x the "
+                  "largest |logit| of the sequential model):", "",
                   *markdown_table(["shape", "plan", "windows", "max |paper - snlp|", "paper plan vs seq",
                                    "snlp plan vs seq", "agree", "the paper's path differs by"],
                                   [[a.shape, f"`{a.plan}`", a.windows, f"{a.paper_vs_snlp:.2e}", f"{a.paper_vs_seq:.2e}",
