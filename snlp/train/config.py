@@ -93,6 +93,9 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
             raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.compile and self.reg == "diag":
+            raise ValueError("--compile with --reg diag: the DiagN regulariser's probe generator does not trace into "
+                             "one graph; use --reg idn / hcn, or train without --compile")
         if self.time_reg < 0:
             raise ValueError(f"--time-reg must be >= 0 (got {self.time_reg})")
         if self.time_reg and self.reg == "none":
