@@ -124,7 +124,7 @@ class TrainResult:
 
 @dataclass
 class StepSpeed:
-    """How fast the steps ran (the run's summary; summary.json). Steady = the steps after the first `warm` of this
+    """How fast the steps ran (the run's summary; train_summary.json). Steady = the steps after the first `warm` of this
     process (their first calls compile, build caches and warm the allocator), timed from the step's start to its
     statistics on the host (validation and saving left out)."""
 

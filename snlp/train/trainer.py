@@ -369,7 +369,7 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, fl
 
 
 def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = None) -> TrainResult:
-    """Close the bar, print the summary lines and write summary.json (rank 0), and say what the run did."""
+    """Close the bar, print the summary lines and write train_summary.json (rank 0), and say what the run did."""
     if run.bar is not None:
         run.bar.close()
     total = time.perf_counter() - run.t_start
@@ -388,7 +388,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         summary["validation"] = v.record() if v else None
         summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None
         summary["mfu"] = speed.mfu if speed else None
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (run.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return result
 
 

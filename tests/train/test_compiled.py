@@ -154,7 +154,7 @@ TINY = ["--depth", "3", "--width", "64", "--head-dim", "32", "--vocab-size", "30
 
 def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
     """`snlp train --compile` and the eager run log the same losses step for step (fp32, same data and init); every
-    log row has `mfu` (null on a CPU: no known peak), summary.json the steady speed and model FLOPs; --time-reg
+    log row has `mfu` (null on a CPU: no known peak), train_summary.json the steady speed and model FLOPs; --time-reg
     times the step with and without the regulariser."""
     from snlp.apps.cli import main
 
@@ -177,7 +177,7 @@ def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
     for a, b in zip(steps["eager"], steps["compiled"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["lambda"] == a["lambda"]
         assert b["reg"] == pytest.approx(a["reg"], rel=5e-2, abs=1e-6)
-    summaries = {k: json.loads((tmp_path / k / "summary.json").read_text()) for k in ("eager", "compiled")}
+    summaries = {k: json.loads((tmp_path / k / "train_summary.json").read_text()) for k in ("eager", "compiled")}
     for k, s in summaries.items():
         sp = s["speed"]
         assert sp["compiled"] is (k == "compiled") and s["mfu"] is None and sp["peak_flops"] is None
