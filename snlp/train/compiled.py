@@ -47,16 +47,18 @@ def check_compile(reg: RegConfig, plan=None) -> None:
 
 
 class CompiledStep:
-    """`module(x, y, lam) -> (loss, ce, reg)` (a TrainStep, or DDP around one) compiled whole. Called like the
-    module: lam a float, written into the graph's lambda input. `backend`: another torch.compile backend (tests:
+    """`module(x, y, lam) -> (loss, ce, reg)` (a TrainStep) compiled whole. Called like the module: lam a float,
+    written into the graph's lambda input. `wrap` wraps the compiled module (DDP under torchrun: DDP around the
+    compiled step, since dynamo cannot trace DDP's own forward into one graph: its bucket rebuild is a graph break;
+    the gradients are all-reduced by DDP's hooks as in eager). `backend`: another torch.compile backend (tests:
     torch._dynamo.testing.CompileCounterWithBackend("inductor") counts the graphs dynamo hands inductor). The
     first call and its backward compile (the backward lazily, at the first `backward()`): callers time that step
     apart."""
 
-    def __init__(self, module: nn.Module, device, backend=None, fullgraph: bool = True):
+    def __init__(self, module: nn.Module, device, backend=None, wrap=None):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.module = module
-        self.fn = torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend or "inductor")
+        compiled = torch.compile(module, fullgraph=True, dynamic=False, backend=backend or "inductor")
+        self.fn = wrap(compiled) if wrap is not None else compiled
         self.lam = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, x: Tensor, y: Tensor, lam: float):
@@ -64,8 +66,8 @@ class CompiledStep:
         return self.fn(x, y, self.lam)
 
     def no_sync(self):
-        """DDP's no_sync of the wrapped module (gradient accumulation)."""
-        return self.module.no_sync()
+        """DDP's no_sync (gradient accumulation; only with a DDP `wrap`)."""
+        return self.fn.no_sync()
 
 
 def compile_optimizers(opts, device) -> None:

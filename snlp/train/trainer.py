@@ -138,12 +138,15 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
         if not isinstance(job.loss, TrainStep):
             raise ValueError(f"--compile compiles the pretraining / SFT step; {job.name} has its own step")
         check_compile(job.loss.reg, job.loss.plan)
+    ddp = None
     if ctx.world > 1:
-        stepper = nn.parallel.DistributedDataParallel(
-            stepper, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        ddp = lambda m: nn.parallel.DistributedDataParallel(  # noqa: E731
+            m, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     if cfg.compile:
-        stepper = CompiledStep(stepper, ctx.device)
+        stepper = CompiledStep(stepper, ctx.device, wrap=ddp)
         compile_optimizers(opts, ctx.device)
+    elif ddp is not None:
+        stepper = ddp(stepper)
     announce(cfg, job, ctx)
     bar = None
     if ctx.master and not cfg.no_progress:

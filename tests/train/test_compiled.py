@@ -196,3 +196,21 @@ def test_train_compile_refuses_diag_before_any_work(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "x"), "--data", str(missing), *TINY, "--compile", "--reg",
                  "diag"]) == 2
     assert "--compile with --reg diag" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_sft_fixed_length_batches_leave_the_loss_unchanged():
+    """--compile pads SFT batches to one length (static shapes): inputs after every real token (causal attention
+    keeps them out of the real positions) and targets -1, so the sequential CE and its gradients are the unpadded
+    batch's."""
+    from snlp.train.sft import fixed_length
+
+    model = tiny()
+    x, y = batch(3, T=9)
+    padded = fixed_length(lambda micro, rank, world: (x, y), 16, 0)
+    px, py = padded(0, 0, 1)
+    assert px.shape == py.shape == (2, 16) and (py[:, 9:] == -1).all() and torch.equal(px[:, :9], x)
+    step = TrainStep(model, RegConfig())
+    ref, got = eager_reference(step, x, y, 0.0), eager_reference(step, px, py, 0.0)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for n in ref[3]:
+        torch.testing.assert_close(got[3][n], ref[3][n], rtol=1e-5, atol=1e-6, msg=n)
