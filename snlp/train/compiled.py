@@ -12,7 +12,7 @@ What keeps it ONE graph, traced once per run:
     the model skips its token-range check while compiling;
   - fullgraph=True: a graph break is an error, not a silent slowdown.
 bf16 autocast on CUDA is entered around the call (snlp.train.precision), fp32 on CPU. The optimizers: AdamW's
-fused multi-tensor kernel on CUDA and Muon's Newton-Schulz iterations compiled (`compile_optimizers`).
+fused multi-tensor kernel and Muon's Newton-Schulz iterations compiled, both on CUDA only (`compile_optimizers`).
 
 Refused (a ValueError before any work): the DiagN regulariser and SFT plans that cannot run as one graph (a
 `tol` stop test is a host decision every iteration; DiagN's probe generator and Newton's JVP do not trace), the
@@ -71,9 +71,14 @@ class CompiledStep:
 
 
 def compile_optimizers(opts, device) -> None:
-    """Compile what pays in the optimizer step: Muon's Newton-Schulz iterations (5 x 3 GEMMs per matrix and the
-    element-wise work between them: inductor fuses the latter; one graph per distinct matrix shape). AdamW gets
-    its fused kernel where it is built (snlp.train.optim.build_optimizers, CUDA)."""
+    """On CUDA, compile what pays in the optimizer step there (nanochat compiles the same): Muon's Newton-Schulz
+    iterations (5 x 3 GEMMs per matrix and the element-wise work between them, which inductor fuses; one graph per
+    distinct matrix shape). On a CPU they stay eager: GEMM-bound, not measured to pay, and (measured on a CPU with
+    native bf16) the compiled bf16 iterations round differently from oneDNN's, ~1 % of the update apart (each ~1 %
+    from the fp32 result), which moves a compiled run off the eager run's trajectory. AdamW gets its fused kernel
+    where it is built (snlp.train.optim.build_optimizers, CUDA)."""
+    if torch.device(device).type != "cuda":
+        return
     for o in opts:
         if isinstance(o, Muon):
             o.orthogonalize = torch.compile(zeropower_via_newtonschulz, fullgraph=True, dynamic=False)
