@@ -54,7 +54,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str | None = None
-    compile: bool = False  # the loss module under torch.compile (snlp.train.compiled), Muon's NS iterations too
+    compile: bool = False  # the loss module under torch.compile (snlp.train.compiled); on CUDA Muon's NS and fused AdamW
     time_reg: int = 0  # after training, time this many micro-batch steps with and without the regulariser
     # SNLP-aware regulariser
     reg: str = "none"
