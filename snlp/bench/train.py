@@ -4,7 +4,7 @@ training step at one of the paper's shapes (default its 0.5B model, depth 32, wi
 
 Each variant trains a fresh model (same seed) for `warmup + steps` optimizer steps of `snlp train`'s step on random
 tokens (speed does not depend on the data): bf16 autocast on CUDA, fp32 on CPU, the run's optimizers (Muon + AdamW;
-compiled: Muon's Newton-Schulz iterations compiled, AdamW fused on CUDA), gradient clipping, one host read per step
+compiled on CUDA: Muon's Newton-Schulz iterations compiled, AdamW fused), gradient clipping, one host read per step
 as the trainer does. Step 1 compiles; its time is reported apart (`first_step_s`, and `compile_s` = that minus a
 steady step). The timed steps are the `steps` after `warmup`; tokens/s = tokens per step / median step time.
 Model FLOPs per token are counted once per variant on its real step (snlp.train.flops) and MFU is over the card's

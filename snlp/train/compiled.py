@@ -12,7 +12,7 @@ What keeps it ONE graph, traced once per run:
     the model skips its token-range check while compiling;
   - fullgraph=True: a graph break is an error, not a silent slowdown.
 bf16 autocast on CUDA is entered around the call (snlp.train.precision), fp32 on CPU. The optimizers: AdamW's
-fused multi-tensor kernel on CUDA and Muon's Newton-Schulz iterations compiled (`compile_optimizers`).
+fused multi-tensor kernel and Muon's Newton-Schulz iterations compiled, both on CUDA only (`compile_optimizers`).
 
 Refused (a ValueError before any work): the DiagN regulariser and SFT plans that cannot run as one graph (a
 `tol` stop test is a host decision every iteration; DiagN's probe generator and Newton's JVP do not trace), the
@@ -47,16 +47,18 @@ def check_compile(reg: RegConfig, plan=None) -> None:
 
 
 class CompiledStep:
-    """`module(x, y, lam) -> (loss, ce, reg)` (a TrainStep, or DDP around one) compiled whole. Called like the
-    module: lam a float, written into the graph's lambda input. `backend`: another torch.compile backend (tests:
+    """`module(x, y, lam) -> (loss, ce, reg)` (a TrainStep) compiled whole. Called like the module: lam a float,
+    written into the graph's lambda input. `wrap` wraps the compiled module (DDP under torchrun: DDP around the
+    compiled step, since dynamo cannot trace DDP's own forward into one graph: its bucket rebuild is a graph break;
+    the gradients are all-reduced by DDP's hooks as in eager). `backend`: another torch.compile backend (tests:
     torch._dynamo.testing.CompileCounterWithBackend("inductor") counts the graphs dynamo hands inductor). The
     first call and its backward compile (the backward lazily, at the first `backward()`): callers time that step
     apart."""
 
-    def __init__(self, module: nn.Module, device, backend=None, fullgraph: bool = True):
+    def __init__(self, module: nn.Module, device, backend=None, wrap=None):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.module = module
-        self.fn = torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend or "inductor")
+        compiled = torch.compile(module, fullgraph=True, dynamic=False, backend=backend or "inductor")
+        self.fn = wrap(compiled) if wrap is not None else compiled
         self.lam = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, x: Tensor, y: Tensor, lam: float):
@@ -64,14 +66,19 @@ class CompiledStep:
         return self.fn(x, y, self.lam)
 
     def no_sync(self):
-        """DDP's no_sync of the wrapped module (gradient accumulation)."""
-        return self.module.no_sync()
+        """DDP's no_sync (gradient accumulation; only with a DDP `wrap`)."""
+        return self.fn.no_sync()
 
 
 def compile_optimizers(opts, device) -> None:
-    """Compile what pays in the optimizer step: Muon's Newton-Schulz iterations (5 x 3 GEMMs per matrix and the
-    element-wise work between them: inductor fuses the latter; one graph per distinct matrix shape). AdamW gets
-    its fused kernel where it is built (snlp.train.optim.build_optimizers, CUDA)."""
+    """On CUDA, compile what pays in the optimizer step there (nanochat compiles the same): Muon's Newton-Schulz
+    iterations (5 x 3 GEMMs per matrix and the element-wise work between them, which inductor fuses; one graph per
+    distinct matrix shape). On a CPU they stay eager: GEMM-bound there and not measured to pay; (measured on a CPU
+    with native bf16) the compiled bf16 iterations also round differently from oneDNN's, ~1 % of the update apart,
+    each ~1 % from the fp32 result. AdamW gets its fused kernel where it is built (snlp.train.optim.build_optimizers,
+    CUDA)."""
+    if torch.device(device).type != "cuda":
+        return
     for o in opts:
         if isinstance(o, Muon):
             o.orthogonalize = torch.compile(zeropower_via_newtonschulz, fullgraph=True, dynamic=False)

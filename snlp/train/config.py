@@ -55,7 +55,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str | None = None
-    compile: bool = False  # the loss module under torch.compile (snlp.train.compiled), Muon's NS iterations too
+    compile: bool = False  # the loss module under torch.compile (snlp.train.compiled); on CUDA Muon's NS and fused AdamW
     time_reg: int = 0  # after training, time this many micro-batch steps with and without the regulariser
     # SNLP-aware regulariser
     reg: str = "none"
@@ -94,6 +94,9 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
             raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.compile and self.reg == "diag":
+            raise ValueError("--compile with --reg diag: the DiagN regulariser's probe generator does not trace into "
+                             "one graph; use --reg idn / hcn, or train without --compile")
         if self.time_reg < 0:
             raise ValueError(f"--time-reg must be >= 0 (got {self.time_reg})")
         if self.time_reg and self.reg == "none":
@@ -122,7 +125,7 @@ class TrainResult:
 
 @dataclass
 class StepSpeed:
-    """How fast the steps ran (the run's summary; summary.json). Steady = the steps after the first `warm` of this
+    """How fast the steps ran (the run's summary; train_summary.json). Steady = the steps after the first `warm` of this
     process (their first calls compile, build caches and warm the allocator), timed from the step's start to its
     statistics on the host (validation and saving left out)."""
 

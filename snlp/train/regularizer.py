@@ -94,7 +94,8 @@ def resolve_suffixes(n_layer: int, suffixes, warn: bool = True) -> list[int]:
     for n in suffixes:
         if n >= n_layer:
             if warn:
-                warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}", stacklevel=2)
+                warnings.warn(f"regulariser suffix N={n} >= n_layer={n_layer}: clipped to N={n_layer - 1}",
+                              stacklevel=2)
             n = n_layer - 1
         if n >= 1 and n not in out:
             out.append(n)

@@ -18,10 +18,12 @@ import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult
+from snlp.train.compiled import check_compile
 from snlp.train.distributed import rank0_first
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job, TrainStep, reg_config
 from snlp.train.precision import autocast_context
+from snlp.train.regularizer import RegConfig
 from snlp.train.pretrain import init_from_checkpoint
 from snlp.train.trainer import fit
 from snlp.train.validate import validate
@@ -92,7 +94,9 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
     if scfg.forward != SEQUENTIAL:
-        Plan.parse(scfg.forward)  # a clear error before any loading
+        plan = Plan.parse(scfg.forward)  # a clear error before any loading
+        if scfg.train.compile:
+            check_compile(RegConfig(), plan)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
     return fit(with_base_data(scfg.train, scfg.ckpt), sft_job(scfg), hooks)

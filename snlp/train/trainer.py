@@ -144,12 +144,15 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
         if not isinstance(job.loss, TrainStep):
             raise ValueError(f"--compile compiles the pretraining / SFT step; {job.name} has its own step")
         check_compile(job.loss.reg, job.loss.plan)
+    ddp = None
     if ctx.world > 1:
-        stepper = nn.parallel.DistributedDataParallel(
-            stepper, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        ddp = lambda m: nn.parallel.DistributedDataParallel(  # noqa: E731
+            m, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     if cfg.compile:
-        stepper = CompiledStep(stepper, ctx.device)
+        stepper = CompiledStep(stepper, ctx.device, wrap=ddp)
         compile_optimizers(opts, ctx.device)
+    elif ddp is not None:
+        stepper = ddp(stepper)
     announce(cfg, job, ctx)
     bar = None
     if ctx.master and not cfg.no_progress:
@@ -375,7 +378,7 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, fl
 
 
 def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = None) -> TrainResult:
-    """Close the bar, print the summary lines and write summary.json (rank 0), and say what the run did."""
+    """Close the bar, print the summary lines and write train_summary.json (rank 0), and say what the run did."""
     if run.bar is not None:
         run.bar.close()
     total = time.perf_counter() - run.t_start
@@ -394,7 +397,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         summary["validation"] = v.record() if v else None
         summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None
         summary["mfu"] = speed.mfu if speed else None
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (run.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return result
 
 

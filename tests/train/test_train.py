@@ -140,8 +140,8 @@ def test_hooks_steer_the_loop_and_the_last_step_is_validated(corpus, tmp_path):
     assert r.validation is not None and r.val_loss == r.validation.loss and set(r.validation.gaps) == {1}
     evals = [e for e in log(tmp_path / "h") if "val_loss" in e]
     assert [e["step"] for e in evals] == [0, 2] and evals[-1] == {"step": 2, "elapsed": evals[-1]["elapsed"],
-                                                                   **r.validation.record(), "mfu": evals[-1]["mfu"]}
-    assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1", "mfu"}  # every log row carries the MFU
+                                                                   **r.validation.record(), "mfu": None}
+    assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1", "mfu"}  # mfu: null on a CPU (no known peak)
 
 
 def test_file_hooks(tmp_path):

@@ -1,0 +1,216 @@
+"""The compiled training step (snlp.train.compiled) against the eager one, and its model-FLOPs / MFU arithmetic.
+
+References: the eager TrainStep under autograd (loss, CE, regulariser and every parameter's gradient, fp32) for
+the compiled step; dynamo's own counters (graphs compiled, graph breaks) and `error_on_recompile` for "one graph,
+traced once"; a hand count of the model's matmuls for FlopCounterMode's number. Inductor compiles C++ on the CPU:
+the models are tiny (depth 3, width 64) and each test compiles one graph."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from snlp.method.plan import Plan
+from snlp.model.config import VE_GATE_CHANNELS
+from snlp.runtime.peak import peak_for_name
+from snlp.train.compiled import CompiledStep, check_compile
+from snlp.train.flops import mfu, step_flops
+from snlp.train.job import TrainStep
+from snlp.train.regularizer import RegConfig
+from conftest import make_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(**cfg):
+    """fp32, non-identity blocks, GQA (2 query heads, 1 KV head), sliding-window layers (the mask path)."""
+    return make_model(dtype=torch.float32, n_layer=3, n_embd=64, n_head=2, n_kv_head=1, vocab_size=64,
+                      sequence_len=16, **cfg).train()
+
+
+def batch(seed: int, B: int = 2, T: int = 16, V: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    y[0, :3] = -1  # ignored targets, as SFT's masks make them
+    return x, y
+
+
+def eager_reference(step: TrainStep, x, y, lam: float):
+    """(loss, ce, reg, {name: grad}) of the eager step; leaves the gradients cleared."""
+    loss, ce, rg = step(x, y, lam)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in step.model.named_parameters() if p.grad is not None}
+    step.model.zero_grad(set_to_none=True)
+    return loss.detach(), ce, rg, grads
+
+
+def run_compiled_against_eager(step: TrainStep, lams: list[float]) -> CompileCounterWithBackend:
+    """Call the compiled step on a new batch and lambda each time, with the weights updated in place in between
+    (an optimizer's way): loss, CE, regulariser and every gradient equal the eager step's. After the first call a
+    recompile is an error (dynamo's error_on_recompile)."""
+    counters.clear()
+    backend = CompileCounterWithBackend("inductor")
+    compiled = CompiledStep(step, "cpu", backend=backend)
+    for i, lam in enumerate(lams):
+        x, y = batch(i)
+        ref = eager_reference(step, x, y, lam)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss, ce, rg = compiled(x, y, lam)
+            loss.backward()
+        torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ce, ref[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rg, ref[2], rtol=1e-5, atol=1e-6)
+        grads = {n: p.grad for n, p in step.model.named_parameters() if p.grad is not None}
+        assert grads.keys() == ref[3].keys()
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref[3][n], rtol=1e-4, atol=1e-6, msg=n)
+        with torch.no_grad():  # a step of plain SGD: the graph must read the live weights, not copies of them
+            for p in step.model.parameters():
+                if p.grad is not None:
+                    p.sub_(0.05 * p.grad)
+        step.model.zero_grad(set_to_none=True)
+    assert backend.frame_count == 1  # one graph, traced once for all the calls
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return backend
+
+
+def test_compiled_pretraining_step_with_regulariser_equals_eager_and_compiles_once():
+    """The sequential forward, CE and the IDN regulariser's K=1 solve (N = 2 of 3 layers: 2 chunks, K=1 is not
+    exact, so the term is non-zero) in one graph; lambda ramping (--reg-warmup) is an input, not a recompile."""
+    step = TrainStep(tiny(), RegConfig(surrogate="idn", lam=0.5, suffixes=(2,), warmup=4))
+    lams = [step.reg.weight(s) for s in range(3)]
+    assert len(set(lams)) == 3
+    assert float(eager_reference(step, *batch(0), lams[0])[2]) > 1e-3  # the regulariser really contributes
+    run_compiled_against_eager(step, lams)
+
+
+def test_compiled_snlp_forward_sft_step_equals_eager_and_compiles_once():
+    """SNLP-forward SFT: CE on the logits of a fused plan's solve (chunk weights rebuilt from the parameters inside
+    the graph, gradients through the K iterations)."""
+    step = TrainStep(tiny(x0_residual=False), RegConfig(), Plan.parse("1xF2-h0-K2"))
+    run_compiled_against_eager(step, [0.0, 0.0, 0.0])
+
+
+def test_compile_refuses_what_does_not_trace_into_one_graph():
+    with pytest.raises(ValueError, match="--reg diag"):
+        check_compile(RegConfig(surrogate="diag"))
+    with pytest.raises(ValueError, match="tol"):
+        check_compile(RegConfig(), Plan.parse("2xF1-h0-K4-tol1e-3"))
+    check_compile(RegConfig(surrogate="idn"), Plan.parse("2xF1-h0-K2"))  # these compile
+
+
+def matmul_params(model) -> int:
+    """Every weight a matmul reads: the blocks' 2-D matrices and lm_head (embedding tables are lookups)."""
+    return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks")) \
+        + model.lm_head.weight.numel()
+
+
+@pytest.mark.parametrize("window_pattern", ["L", "SL"])
+def test_step_flops_equal_a_hand_count(window_pattern):
+    """6 FLOPs per matmul weight per token (forward 2, backward 4) and 12 x L x (heads x head_dim) x T for causal
+    attention over the full T x T square (forward QK^T and PV: 4; backward: 8), nanochat's estimate_flops. The
+    regulariser adds its K=1 solve: N suffix layers once more (the prefix state is the trace's)."""
+    model = tiny(window_pattern=window_pattern)
+    cfg = model.config
+    x, y = batch(0)
+    B, T = x.shape
+    attn = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    plain = step_flops(TrainStep(model, RegConfig()), x, y, 0.0, nullcontext) / (B * T)
+    assert plain == 6 * matmul_params(model) + attn
+    N = 2
+    reg = step_flops(TrainStep(model, RegConfig(surrogate="idn", suffixes=(N,))), x, y, 0.5, nullcontext) / (B * T)
+    suffix = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "ve_gate" not in n
+                 and any(n.startswith(f"blocks.{l}.") for l in range(cfg.n_layer - N, cfg.n_layer)))
+    # the solve's batched chunks all run a value-embedding gate (zero weights and a zero embedding slot for a layer
+    # without one): executed matmuls, counted
+    gate = cfg.n_kv_head * min(VE_GATE_CHANNELS, cfg.n_embd) if hasattr(model, "value_embeds") else 0
+    assert reg == plain + 6 * (suffix + N * gate) + 12 * N * cfg.n_head * cfg.head_dim * T
+    assert all(p.grad is None for p in model.parameters())  # counting leaves no gradients behind
+
+
+def test_mfu_arithmetic_and_peak_table():
+    assert mfu(1e9, 4e5, 989e12) == pytest.approx(1e9 * 4e5 / 989e12)
+    assert mfu(1e9, 4e5, None) is None and mfu(None, 4e5, 989e12) is None
+    assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_for_name("NVIDIA H200") == 989e12
+    assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_for_name("NVIDIA H100 PCIe") == 756e12
+    assert peak_for_name("Some Future GPU") is None
+
+
+# ----------------------------------------------------------------------------- snlp train --compile end to end
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt"
+TINY = ["--depth", "3", "--width", "64", "--head-dim", "32", "--vocab-size", "300", "--seq-len", "16",
+        "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+        "--steps", "4", "--warmup-steps", "1", "--log-every", "1", "--reg", "idn", "--reg-n", "2",
+        "--reg-warmup", "3"]
+
+
+def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
+    """`snlp train --compile` and the eager run log the same losses step for step (fp32, same data and init); every
+    log row has `mfu` (null on a CPU: no known peak), train_summary.json the steady speed and model FLOPs; --time-reg
+    times the step with and without the regulariser."""
+    from snlp.apps.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:60_000])
+    common = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY]
+    assert main(["train", "--out", str(tmp_path / "eager"), *common, "--time-reg", "2"]) == 0
+    assert main(["train", "--out", str(tmp_path / "compiled"), *common, "--compile"]) == 0
+    logs = {k: [json.loads(l) for l in (tmp_path / k / "log.jsonl").read_text().splitlines()]
+            for k in ("eager", "compiled")}
+    for rows in logs.values():
+        assert all("mfu" in r and r["mfu"] is None for r in rows)
+    steps = {k: [r for r in rows if "loss" in r] for k, rows in logs.items()}
+    assert [r["step"] for r in steps["compiled"]] == [1, 2, 3, 4]
+    # The step itself is equal up to fp32 rounding (the tests above). Over steps that rounding grows where a gradient
+    # is rounding noise: at init the K=1 states equal the sequential ones up to rounding (reg ~2e-8 at step 1), so
+    # the regulariser's gradient is noise, which Muon orthogonalises into a full-size update. Measured (eager vs
+    # compiled, and vs compiled with eager Newton-Schulz): the CE agrees to ~1e-5 relative over 6 steps, the small
+    # regulariser term (~1e-3) by ~1-2 %.
+    for a, b in zip(steps["eager"], steps["compiled"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["lambda"] == a["lambda"]
+        assert b["reg"] == pytest.approx(a["reg"], rel=5e-2, abs=1e-6)
+    summaries = {k: json.loads((tmp_path / k / "train_summary.json").read_text()) for k in ("eager", "compiled")}
+    for k, s in summaries.items():
+        sp = s["speed"]
+        assert sp["compiled"] is (k == "compiled") and s["mfu"] is None and sp["peak_flops"] is None
+        assert sp["steps"] == 2 and sp["warm"] == 2 and sp["tok_s"] > 0 and sp["flops_per_token"] > 0
+        assert sp["tflops"] == pytest.approx(sp["flops_per_token"] * sp["tok_s"] / 1e12)
+    assert summaries["eager"]["speed"]["flops_per_token"] == summaries["compiled"]["speed"]["flops_per_token"]
+    sp = summaries["eager"]["speed"]
+    assert sp["reg_step_s"] > 0 and sp["plain_step_s"] > 0
+    assert sp["reg_overhead"] == pytest.approx(sp["reg_step_s"] / sp["plain_step_s"])
+
+
+def test_train_compile_refuses_diag_before_any_work(tmp_path, capsys):
+    from snlp.apps.cli import main
+
+    missing = tmp_path / "missing.txt"  # never read: the refusal comes first
+    assert main(["train", "--out", str(tmp_path / "x"), "--data", str(missing), *TINY, "--compile", "--reg",
+                 "diag"]) == 2
+    assert "--compile with --reg diag" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_sft_fixed_length_batches_leave_the_loss_unchanged():
+    """--compile pads SFT batches to one length (static shapes): inputs after every real token (causal attention
+    keeps them out of the real positions) and targets -1, so the sequential CE and its gradients are the unpadded
+    batch's."""
+    from snlp.train.sft import fixed_length
+
+    model = tiny()
+    x, y = batch(3, T=9)
+    padded = fixed_length(lambda micro, rank, world: (x, y), 16, 0)
+    px, py = padded(0, 0, 1)
+    assert px.shape == py.shape == (2, 16) and (py[:, 9:] == -1).all() and torch.equal(px[:, :9], x)
+    step = TrainStep(model, RegConfig())
+    ref, got = eager_reference(step, x, y, 0.0), eager_reference(step, px, py, 0.0)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for n in ref[3]:
+        torch.testing.assert_close(got[3][n], ref[3][n], rtol=1e-5, atol=1e-6, msg=n)
