@@ -1,4 +1,4 @@
-"""The README's first screen and the exactness statements in the docs (issue 22 item 8, issue 19 item 6)."""
+"""The README's first screen and the exactness statements in the docs."""
 
 from __future__ import annotations
 

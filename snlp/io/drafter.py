@@ -32,7 +32,7 @@ from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
 
 FORMAT = "snlp-drafter"
-VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27); 3: meta_digest
+VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint; 3: meta_digest
 SIGNED = ("format", "version", "plan", "base_fingerprint", "config", "suffix_start", "dtype", "digests", "lora")
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"

@@ -332,7 +332,7 @@ def test_budget_args_and_shrinking():
         assert new.ots_plans == FULL.ots_plans and new.depth == FULL.depth and note
         assert fn(FULL, 1.0) == (FULL, "")
     new, _ = shrink_ssd(FULL, 0.01)
-    # SSD floors (issue 29): one prompt and one round made the drafter choice and the SSD rows noise
+    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise
     assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats) == (3, 2, 2, 2)
 
 
@@ -356,7 +356,7 @@ def test_stage_costs_cover_every_later_stage():
 
 
 def test_off_the_shelf_cost_counts_what_the_stage_runs():
-    """Issue 29: the off-the-shelf stage ran 4:38 against 3:46 planned and the SSD stages after it shrank to one prompt.
+    """On a loaded box the off-the-shelf stage ran 4:38 against 3:46 planned and the SSD stages after it shrank to one prompt.
     Measured parts (load 4): 2048 teacher-forced tokens 130 s, the adaptation's SSD check of both drafters 58 s, the
     timing rounds' window forwards ~40 s. The stage now evaluates 1024 tokens and checks on 16 tokens per prompt,
     and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio ~30)."""

@@ -1,4 +1,4 @@
-"""snlp as an lm-evaluation-harness model (issue 29), against the harness's own `hf` model (HFLM) on the SAME
+"""snlp as an lm-evaluation-harness model, against the harness's own `hf` model (HFLM) on the SAME
 transformers checkpoint: the real SmolLM2-135M-Instruct cut to its first 6 layers (both sides load the one
 exported directory), on the tiny offline tasks of tests/data/harness/ (ARC-style multiple choice with 2-shot,
 greedy generation, document log-likelihood).

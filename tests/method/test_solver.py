@@ -312,7 +312,7 @@ def test_torch_compile_of_a_bound_runner_equals_eager():
     idx = tokens(model, T=5)
     runner = bind(model, "2xF2-h0-K1", check_finite=False)
     with torch.no_grad():
-        compiled = torch.compile(runner, backend="aot_eager")  # fullgraph: issue 11 (host syncs in attend)
+        compiled = torch.compile(runner, backend="aot_eager")  # fullgraph: no host sync in attend
         torch.testing.assert_close(compiled(idx), runner(idx), rtol=1e-5, atol=1e-5)
 
 
