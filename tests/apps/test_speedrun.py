@@ -67,7 +67,7 @@ def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.slow  # a whole speedrun / training run: deselected by default, run by CI (-m slow)
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sr"
     assert main(["speedrun", "--out", str(out), *RUN]) == 0
@@ -232,7 +232,7 @@ def _tiny_corpus(tmp_path):
     return cfg, cache, stage_tokenizer(DataSpec(cfg["data"], cfg["max_chars"], cfg["vocab_size"]), cache)
 
 
-@pytest.mark.slow  # a whole speedrun / training run: deselected by default, run by CI (-m slow)
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_interrupted_training_resumes(tmp_path, capsys):
     """A training run killed after a save resumes from it (same settings) instead of starting over."""
     import dataclasses
@@ -262,7 +262,7 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
-@pytest.mark.slow  # a whole speedrun / training run: deselected by default, run by CI (-m slow)
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
     """Side by side in lockstep with a wall-clock budget: the No-Reg run is faster per step, yet both stop at
     the same step once the budget is spent (the old timing probe fixed a step count that a machine slowing

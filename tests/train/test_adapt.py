@@ -224,7 +224,7 @@ def test_batched_speculative_with_adapted_drafter_is_each_prompts_greedy():
     assert sum(r.drafted for r in got) > 0
 
 
-@pytest.mark.slow  # adapts and decodes the real SmolLM2: deselected by default, run by CI (-m slow)
+@pytest.mark.slow  # adapts and decodes the real SmolLM2 (CI runs -m slow)
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
     from snlp.decode.generate import sequential_generate
@@ -363,7 +363,7 @@ def _ddp_adapt_rank(rank, world, port, cfg):
     assert res.world == world and res.steps == cfg.steps
 
 
-@pytest.mark.slow  # two spawned gloo ranks: deselected by default, run by CI (-m slow)
+@pytest.mark.slow  # two spawned gloo ranks (CI runs -m slow)
 def test_adapt_under_ddp_equals_one_process(tmp_path):
     """Two gloo ranks of batch 2 all-reduce their gradients: the drafter equals one process's
     of batch 4 (the same global batches, snlp.io.data.batch_at) up to fp32 reduction order; rank 0 alone writes."""
