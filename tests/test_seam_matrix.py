@@ -263,8 +263,8 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
 
 @pytest.mark.parametrize("seed", [3, 5, 6])
 def test_tol_rows_do_not_depend_on_the_batch(seed):
-    """A tol row must not depend on its batch, as fixed cells: a tol plan with K < C, prompts of 3 and 15 tokens, a depth-8 fp64 model (the seeds
-    whose row 0 froze at another iteration in the batch than alone on a6631c2)."""
+    """A tol row must not depend on its batch, as fixed cells: a tol plan with K < C, prompts of 3 and 15 tokens, a
+    depth-8 fp64 model (the seeds whose row 0 froze at another iteration in the batch than alone on a6631c2)."""
     m = make_model(seed=seed, n_layer=8)
     gen = torch.Generator().manual_seed(seed)
     a, b = (torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 15))

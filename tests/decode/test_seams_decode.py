@@ -44,7 +44,7 @@ def test_tol_rows_with_k_below_chunks_equal_their_single_prompt_run(seed):
                                        ("7xF1-h0-K6-tol:0.5-order:reversed", 1), ("7xF1-h0-K5-tol:0.5-hcn", 8),
                                        ("4xF2-h0-K3-tol:0.5", 0)])
 def test_tol_plans_of_every_kind_batch_exactly(plan, seed):
-    """The same over plan kinds (h0 / fwd init, reversed order, mHC with hcn, F2; all K < C): every row of a ragged batch
+    """The same over plan kinds (h0 / fwd init, reversed, mHC with hcn, F2; all K < C): every row of a ragged batch
     (a 1-token prompt, which caches nothing, among them) equals its single-prompt run. The seeds are ones where
     a6631c2 differed (the F2 case did not differ there in 12 seeds; it is kept for coverage)."""
     from conftest import mhc_model

@@ -375,9 +375,9 @@ def _stale_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None
 
 
 def test_rank_local_load_refuses_a_calibration_of_other_weights(tmp_path):
-    """A calibration must not outlive its weights, on the distributed path: each rank checks the digests of the tensors it read against the
-    calibration's, so a preheat.pt fitted before the weights changed is refused, not used (all ranks together
-    check every weight, none reads another rank's layers for it)."""
+    """A calibration must not outlive its weights, on the distributed path: each rank checks the digests of the
+    tensors it read against the calibration's, so a preheat.pt fitted before the weights changed is refused, not used
+    (all ranks together check every weight, none reads another rank's layers for it)."""
     from snlp.io.checkpoint import save_checkpoint
 
     model = make_model(seed=0, dtype=torch.float32)
