@@ -360,9 +360,10 @@ def test_stage_costs_cover_every_later_stage():
 
 def test_off_the_shelf_cost_counts_what_the_stage_runs():
     """On a loaded box the off-the-shelf stage ran 4:38 against 3:46 planned; the SSD stages after it shrank to one
-    prompt. Measured parts (load 4): 2048 teacher-forced tokens 130 s, the adaptation's SSD check of both drafters 58 s, the
-    timing rounds' window forwards ~40 s. The stage now evaluates 1024 tokens and checks on 16 tokens per prompt,
-    and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio ~30)."""
+    prompt. Measured parts (load 4): 2048 teacher-forced tokens 130 s, the adaptation's SSD check of both drafters
+    58 s, the timing rounds' window forwards ~40 s. The stage now evaluates 1024 tokens and checks on 16 tokens per
+    prompt, and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio
+    ~30)."""
     import dataclasses
 
     from snlp.apps.speedrun.off_the_shelf import OTS_TOKEN_RATIO, OTS_WINDOW_RATIO
