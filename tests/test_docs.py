@@ -1,4 +1,4 @@
-"""The README's first screen and the exactness statements in the docs (issue 22 item 8, issue 19 item 6)."""
+"""The README's first screen and the exactness statements in the docs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,46 @@ import snlp
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
+ALL_DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_second_with_the_slow_tests():
+    """A fresh machine needs two commands: one runs the main job, one passes the tests; CI runs the second with the
+    tests the default run leaves out (marked slow), so nothing leaves CI."""
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:15])
+    assert "bash scripts/speedrun.sh" in head and "bash scripts/test.sh" in head
+    for script in ("scripts/speedrun.sh", "scripts/test.sh"):
+        assert (ROOT / script).is_file()
+    assert "scripts/test.sh --all" in (ROOT / ".ci" / "run").read_text()
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert "-m slow" in test_sh
+    py = (ROOT / "pyproject.toml").read_text()
+    assert "-m 'not slow'" in py and '"slow:' in py
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_doc_link_resolves():
+    """Every relative link of the README, CONTRIBUTING.md and docs/ (records included) names a file that exists and,
+    for `file.md#anchor`, a heading of that file."""
+    bad = []
+    for f in ALL_DOCS:
+        text = re.sub(r"```.*?```", "", f.read_text(), flags=re.S)  # links inside code blocks are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f
+            if not dest.exists():
+                bad.append(f"{f.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"(?m)^#+ (.*)$", dest.read_text())}
+                if anchor not in heads:
+                    bad.append(f"{f.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
 
 
 def test_readme_first_screen_holds_install_quickstart_main_job_and_tests():

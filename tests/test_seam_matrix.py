@@ -1,4 +1,4 @@
-"""The seam-law matrix (issue 27): every public entry point x input form x plan kind x treatment, drawn by hypothesis.
+"""The seam-law matrix: every public entry point x input form x plan kind x treatment, drawn by hypothesis.
 
 Each cell obeys ONE law: its output equals its reference, or the call is refused with a one-line ValueError that
 names the combination. A cell that is neither is a defect. The references are written here:
@@ -61,7 +61,7 @@ from snlp.method.preheat import CalibrateConfig, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-L = 8  # every plan below is over a depth-8 model (the tol seam of issue 27 #1 needs the depth)
+L = 8  # every plan below is over a depth-8 model (the tol-rows-versus-batch seam needs the depth)
 PLANS = {
     "F1": "6xF1-h0-K1",
     "F2": "3xF2-h0-K1",
@@ -263,8 +263,8 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
 
 @pytest.mark.parametrize("seed", [3, 5, 6])
 def test_tol_rows_do_not_depend_on_the_batch(seed):
-    """Issue 27 #1 as fixed cells: a tol plan with K < C, prompts of 3 and 15 tokens, a depth-8 fp64 model (the seeds
-    whose row 0 froze at another iteration in the batch than alone on a6631c2)."""
+    """A tol row must not depend on its batch, as fixed cells: a tol plan with K < C, prompts of 3 and 15 tokens, a
+    depth-8 fp64 model (the seeds whose row 0 froze at another iteration in the batch than alone on a6631c2)."""
     m = make_model(seed=seed, n_layer=8)
     gen = torch.Generator().manual_seed(seed)
     a, b = (torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 15))

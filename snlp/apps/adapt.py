@@ -92,7 +92,7 @@ def run(args) -> int:
 def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,
                         plan: str = "8xF1-h0-K1", prompts: int = 2, gen_tokens: int = 32, block: int = 4,
                         device: str | None = None, cache_dir: str | None = None) -> dict:
-    """The speedrun's off-the-shelf adaptation (issue 20): adapt `plan`'s drafter of the loaded `model` for
+    """The speedrun's off-the-shelf adaptation: adapt `plan`'s drafter of the loaded `model` for
     `minutes` on the speedrun's text, then Top-1 (teacher-forced and SSD conditions) before/after from the
     run's validation, and SSD alpha at B = `block` on `prompts` validation prompts for the post-hoc and the
     adapted drafter (both must reproduce the model's greedy output). The drafter is written to a temporary

@@ -1,4 +1,4 @@
-"""`snlp eval CKPT --harness TASKS`: lm-evaluation-harness tasks for the sequential model and each plan (issue 29).
+"""`snlp eval CKPT --harness TASKS`: lm-evaluation-harness tasks for the sequential model and each plan.
 
 One harness run per method (sequential, every --plans plan, and the --drafter's plan through the adapted drafter),
 one table of the harness's metrics with their stderr (snlp.eval.harness.markdown), and the harness's own JSON per

@@ -1,4 +1,4 @@
-"""Where an SNLP forward's time goes, next to the sequential forward it replaces (issue 11, item 3).
+"""Where an SNLP forward's time goes, next to the sequential forward it replaces.
 
 The structural ideal of a plan charges the batched suffix one layer per iteration,
 

@@ -1,4 +1,4 @@
-"""`snlp selfcheck`: the first command a GPU user runs (issue 28, item 4).
+"""`snlp selfcheck`: the first command a GPU user runs.
 
 In a few minutes on the user's device it checks the laws that matter (each against an outside reference: the fused
 model run sequentially, the sequential forward, single rows, the eager path, transformers' own logits), then times a

@@ -406,7 +406,7 @@ def measure_ssd(model: GPT, prompts: list[list[int]], cands: list[Candidate], cf
     (snlp.decode.speculative.speculative_shootout: one sequential baseline, the candidates round-robin after it on
     every prompt, cfg.warmup untimed rounds, medians of cfg.repeats); fills the measured fields. One round-robin,
     not one benchmark per plan: the pick compares the candidates' speedups, and separate benchmarks, each against
-    its own baseline taken minutes apart, let load drift between them decide it (issue 29: a K = 2 drafter, s 1.27,
+    its own baseline taken minutes apart, let load drift between them decide it (a K = 2 drafter, s 1.27,
     was picked over K = 1, s 1.55, on one prompt and one round each)."""
     groups: dict[tuple, list[Candidate]] = {}
     for c in cands:

@@ -1,4 +1,4 @@
-"""Batched decoding of prompts of different lengths, exact per row (issue 21 item 1).
+"""Batched decoding of prompts of different lengths, exact per row.
 
 `sequential_generate`, `snlp_generate` and `speculative_generate` given a LIST of prompts (or a (B, T) tensor with
 B > 1) decode them as one batch and return one GenerateResult per prompt, in order; one prompt still returns one
@@ -85,7 +85,7 @@ class BatchSession:
         self.budget = [min(max_new_tokens, cap - n) for n, cap in zip(lens, caps)]
         # `step`: the step(s) this batch runs (a drafter and a verifier); if ANY is compiled, the cache size is the
         # compiled one's bucket and the batch keeps its shape (a new batch size or cache size would compile a new
-        # graph mid-run, e.g. a compiled drafter beside an eager verifier: issue 27 item 14)
+        # graph mid-run, e.g. a compiled drafter beside an eager verifier)
         steps = tuple(step) if isinstance(step, (tuple, list)) else (step,)
         lead = next((s for s in steps if s.compiled), steps[0])
         # slack: the verifier's / a compiled step's padding past a row's length (module docstring)

@@ -153,7 +153,7 @@ class DecodeSession:
         # allocated at its bucketed length (snlp.decode.steps: the size is a graph shape); positions past max_len are
         # never valid, the budget below is what counts
         # with several steps (a drafter and a verifier) a compiled one sets the size: an eager verifier's exact size
-        # would give a compiled drafter a new cache shape, i.e. a new graph, per call (issue 27 item 14)
+        # would give a compiled drafter a new cache shape, i.e. a new graph, per call
         steps = tuple(step) if isinstance(step, (tuple, list)) else (() if step is None else (step,))
         lead = next((s for s in steps if s.compiled), steps[0] if steps else None)
         size = max_len + slack if lead is None else lead.cache_len(max_len + slack)
@@ -304,7 +304,7 @@ def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
 def make_generator(seed: int | None, device) -> torch.Generator:
     """A generator for one run's draws: seeded with `seed`, or, without one, from fresh OS entropy
     (Generator.seed()) WITHOUT touching torch's global RNG (torch.seed() would reseed it: a caller's seeded
-    global stream would change under a sampling call, issue 27 item 11)."""
+    global stream would change under a sampling call)."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()

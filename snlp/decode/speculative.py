@@ -324,7 +324,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
 
 class AdaptiveBlock:
-    """Adaptive draft length (issue 21 item 3): before each round, every row drafts the block 1..max_block that maximises
+    """Adaptive draft length: before each round, every row drafts the block 1..max_block that maximises
     its expected tokens per unit of time, ideal_ssd_speedup(alpha_i, B, s), at its running acceptance rate alpha_i
     and the measured cost ratio s = verifier forward / drafter step of THIS run (decayed means of the timed rounds;
     sampling: the plan's ideal ratio `cost_ratio`, so a seeded run does not depend on the clock). alpha_i = (acc +

@@ -173,7 +173,7 @@ class Step:
     def graph_input(self, x: Tensor) -> Tensor:
         """`x` as every compiled call receives it: a fresh contiguous long inference tensor on the step's device.
         The graph's guards check dtype, strides and dispatch keys, so a warm-up with an expanded (stride 0) or
-        non-inference tensor and a real call with a contiguous one would compile twice (issue 27 item 13)."""
+        non-inference tensor and a real call with a contiguous one would compile twice."""
         with torch.inference_mode():
             return x.to(device=self.device, dtype=torch.long).clone(memory_format=torch.contiguous_format)
 

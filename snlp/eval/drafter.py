@@ -1,4 +1,4 @@
-"""Evaluate an adapted SNLP drafter against its base (issue 20; `snlp eval BASE --drafter DIR`).
+"""Evaluate an adapted SNLP drafter against its base (`snlp eval BASE --drafter DIR`).
 
 Rows: the base's post-hoc SNLP drafter (its own suffix layers: the paper's off-the-shelf setting) and the
 adapted drafter, for each plan that fits the drafter. Every metric compares with the BASE run sequentially:

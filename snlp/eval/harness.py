@@ -1,4 +1,4 @@
-"""SNLP as an lm-evaluation-harness model (issue 29): `SNLPLM`, registered as `snlp` when this module is imported.
+"""SNLP as an lm-evaluation-harness model: `SNLPLM`, registered as `snlp` when this module is imported.
 
     pip install -e ".[harness]"        # lm-eval (an optional extra: snlp imports without it)
 

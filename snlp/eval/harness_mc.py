@@ -1,4 +1,4 @@
-"""snlp's multiple-choice questions scored by lm-evaluation-harness itself (issue 29): the `harness` scoring of
+"""snlp's multiple-choice questions scored by lm-evaluation-harness itself: the `harness` scoring of
 `snlp eval --task` / `evaluate_mc` when `lm-eval` is installed (the optional extra `.[harness]`).
 
 The questions (snlp.io.mctasks.Question, from any `--task` spec: ARC JSONL, MMLU CSV, plain JSONL) become the docs

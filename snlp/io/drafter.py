@@ -33,7 +33,7 @@ from snlp.runtime.device import write_atomic
 from snlp.io.weights import check_finite
 
 FORMAT = "snlp-drafter"
-VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint (issue 27); 3: meta_digest
+VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint; 3: meta_digest
 SIGNED = ("format", "version", "plan", "base_fingerprint", "config", "suffix_start", "dtype", "digests", "lora")
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"

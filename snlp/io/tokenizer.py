@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 FILENAME = "tokenizer.json"
 META_FILENAME = "tokenizer_meta.json"  # foreign tokenizers only: bos/eos tokens, chat template
 BOS = "<|bos|>"
-# reserved for chat / SFT (issue 5+): user and assistant turn markers
+# reserved for chat / SFT: user and assistant turn markers
 SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
 

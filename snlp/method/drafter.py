@@ -1,4 +1,4 @@
-"""An SNLP drafter adapted to a pretrained base model (issue 20; paper App. "Pretrained TinyLlama Fine-Tuning").
+"""An SNLP drafter adapted to a pretrained base model (paper App. "Pretrained TinyLlama Fine-Tuning").
 
 Post hoc, a pretrained model's K = 1 SNLP forward is a poor approximation of the model (paper, off-the-shelf
 table): its suffix layers were never trained to be run from the prefix state h_S. A `Drafter` keeps the base

@@ -1,4 +1,4 @@
-"""Low-rank (LoRA) deltas of a drafter's suffix weights (issue 20: "full suffix weights or low-rank deltas").
+"""Low-rank (LoRA) deltas of a drafter's suffix weights (the drafter stores full suffix weights or low-rank deltas).
 
 A LoRA drafter does not copy the base's suffix matrices. Each suffix linear weight is re-parametrised as
 

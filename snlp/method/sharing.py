@@ -1,4 +1,4 @@
-"""One set of weights for the drafter and the verifier (issue 21 item 2; issue 27 items 2-3).
+"""One set of weights for the drafter and the verifier.
 
 A plan's fused chunk weights are stacked copies of the suffix layers' weights (`fusion.build_chunk_weights`):
 in self-speculative decoding the drafter (the SNLP forward, reading the stacks) and the verifier (the model,
@@ -17,7 +17,7 @@ of those same homes:
 
 Why the whole depth and not the suffix: two shared runners over different suffixes (bench binds every plan of
 a sweep shared) must read the same storage. Homing only a suffix made the second bind re-home the overlapping
-layers into a new stack while the first runner kept reading the old one (issue 27 item 2); one home over all
+layers into a new stack while the first runner kept reading the old one (stale after an update); one home over all
 layers is the union of every suffix, built once, and a later bind finds it and only takes views.
 
 Every tensor a shared runner reads from the model is a view of the model's own storage (`shared_tensors`):

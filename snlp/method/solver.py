@@ -79,7 +79,7 @@ def row_updates(d: Tensor, h: Tensor, real: Tensor | None = None) -> Tensor:
     the ratio in fp64 so the per-row test `rel < tol` on the device and the host's `float(rel.max()) < tol`
     (the Python float tol) compare the same numbers and can never disagree. `real` (B, T) bool: only those
     positions count (a ragged batch pads short rows at their end; the padding must not move a row's stop test,
-    or a row would freeze, and cache K/V, differently than alone: issue 27 item 1)."""
+    or a row would freeze, and cache K/V, differently than alone)."""
     acc = torch.promote_types(h.dtype, torch.float32)
     d, h = d.detach().to(acc), h.detach().to(acc)
     if real is not None:  # zero the padding: it adds nothing to either norm

@@ -1,4 +1,4 @@
-"""The SNLP solve under self-speculative-decoding conditions, over a whole window in one forward (issue 20).
+"""The SNLP solve under self-speculative-decoding conditions, over a whole window in one forward.
 
 In self-speculative decoding (snlp.decode.speculative) the drafter decodes with the verifier's KV cache: at
 a draft position t every suffix branch attends to the EXACT per-layer K/V of the earlier positions j < t (the

@@ -1,4 +1,4 @@
-"""Adapt an SNLP drafter to a pretrained model (issue 20): `adapt(AdaptConfig) -> AdaptResult`, `snlp adapt`.
+"""Adapt an SNLP drafter to a pretrained model: `adapt(AdaptConfig) -> AdaptResult`, `snlp adapt`.
 
 The base model stays unchanged (it verifies in self-speculative decoding, so greedy output stays the base's
 own, bit for bit). Only the drafter's copy of the plan's suffix layers is trained (snlp.method.drafter):

@@ -4,7 +4,7 @@ torch.optim.Muon (torch/optim/_muon.py) always casts the update to bfloat16 befo
 Newton–Schulz iterations. That is fast on CUDA and on CPUs with native bf16 GEMMs (oneDNN with
 AVX512_BF16 or AMX: ~2x fp32 per core), but a CPU without them (AVX2-only EPYC/Xeon) emulates bf16 at
 1-3 GFLOP/s against 60-150 in fp32, and `snlp train --depth 8` made ~100 tokens/s with Muon against
-~2,100 with AdamW there (issue 22, item 10).
+~2,100 with AdamW there.
 
 `Muon` here is torch's optimiser with one change: the orthogonalisation runs in `ns_dtype`
 (default `default_ns_dtype`: bf16 where the device has native bf16 GEMMs, as torch does, fp32 where

@@ -67,7 +67,7 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
 
 
 def test_generate_shared_weights_and_adaptive_drafting_flags(ckpt, tmp_path, capsys):
-    """--share-weights and --min-confidence (issue 21 items 2-3) keep speculative decoding exact; other modes refuse
+    """--share-weights and --min-confidence keep speculative decoding exact; other modes refuse
     them rather than ignore them."""
     seq = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet")
     spec = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF1-h0-K1", "--block", "4", "--share-weights",

@@ -67,6 +67,7 @@ def summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sr"
     assert main(["speedrun", "--out", str(out), *RUN]) == 0
@@ -231,6 +232,7 @@ def _tiny_corpus(tmp_path):
     return cfg, cache, stage_tokenizer(DataSpec(cfg["data"], cfg["max_chars"], cfg["vocab_size"]), cache)
 
 
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_interrupted_training_resumes(tmp_path, capsys):
     """A training run killed after a save resumes from it (same settings) instead of starting over."""
     import dataclasses
@@ -260,6 +262,7 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
+@pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
     """Side by side in lockstep with a wall-clock budget: the No-Reg run is faster per step, yet both stop at
     the same step once the budget is spent (the old timing probe fixed a step count that a machine slowing
@@ -332,7 +335,7 @@ def test_budget_args_and_shrinking():
         assert new.ots_plans == FULL.ots_plans and new.depth == FULL.depth and note
         assert fn(FULL, 1.0) == (FULL, "")
     new, _ = shrink_ssd(FULL, 0.01)
-    # SSD floors (issue 29): one prompt and one round made the drafter choice and the SSD rows noise
+    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise
     assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats) == (3, 2, 2, 2)
 
 
@@ -356,10 +359,11 @@ def test_stage_costs_cover_every_later_stage():
 
 
 def test_off_the_shelf_cost_counts_what_the_stage_runs():
-    """Issue 29: the off-the-shelf stage ran 4:38 against 3:46 planned and the SSD stages after it shrank to one prompt.
-    Measured parts (load 4): 2048 teacher-forced tokens 130 s, the adaptation's SSD check of both drafters 58 s, the
-    timing rounds' window forwards ~40 s. The stage now evaluates 1024 tokens and checks on 16 tokens per prompt,
-    and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio ~30)."""
+    """On a loaded box the off-the-shelf stage ran 4:38 against 3:46 planned; the SSD stages after it shrank to one
+    prompt. Measured parts (load 4): 2048 teacher-forced tokens 130 s, the adaptation's SSD check of both drafters
+    58 s, the timing rounds' window forwards ~40 s. The stage now evaluates 1024 tokens and checks on 16 tokens per
+    prompt, and the cost model counts the check and the window forwards (it has the SmolLM2 / speedrun window ratio
+    ~30)."""
     import dataclasses
 
     from snlp.apps.speedrun.off_the_shelf import OTS_TOKEN_RATIO, OTS_WINDOW_RATIO

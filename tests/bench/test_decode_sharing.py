@@ -1,5 +1,5 @@
 """`bench --decode --share-weights` binds every plan shared: with plans over different suffixes its "+shared" rows
-must time drafters that read ONE copy of the weights, the model's own (issue 27 item 2)."""
+must time drafters that read ONE copy of the weights, the model's own."""
 
 from __future__ import annotations
 

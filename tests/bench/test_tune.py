@@ -90,7 +90,7 @@ def test_the_pick_follows_the_stated_rule(grid):
 
 
 def test_stage_two_measures_every_ssd_candidate_against_one_baseline(grid):
-    """Issue 29: stage 2 decoded each plan in its own benchmark against its own sequential baseline, one after
+    """Stage 2 used to decode each plan in its own benchmark against its own sequential baseline, one after
     another, so load drift between them (and one prompt, one round) could pick a slower drafter. Now every measured
     candidate of a setting ran in one round-robin after ONE sequential baseline: the same sequential tokens/s."""
     _, r = grid
@@ -122,7 +122,7 @@ def test_a_budget_no_plan_meets_is_reported_not_bent(model, val):
 
 
 def test_without_the_full_grid_no_validation_is_claimed(model, val):
-    """Issue 27 item 12: without full_grid only the shortlist is measured, so its best IS the pick; recording that
+    """Without full_grid only the shortlist is measured, so its best IS the pick; recording that
     as grid_best with pick / best = 1.0 claimed a validation that never ran."""
     cfg = TuneConfig(plans=["2xF1-h0-K1", "4xF1-h0-K1"], blocks=(2,), threads=(1,), top=1, **FAST)
     q = {str(Plan.parse(p)): PlanQuality(p, 0.9, 10.0, 0.0) for p in cfg.plans}

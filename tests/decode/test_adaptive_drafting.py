@@ -1,4 +1,4 @@
-"""Adaptive drafting (issue 21 item 3): a round stops drafting after a low-confidence draft. Exact by
+"""Adaptive drafting: a round stops drafting after a low-confidence draft. Exact by
 construction: greedy output equals sequential greedy decoding whatever the threshold (law, hypothesis over
 models, prompts, blocks, plans and thresholds), and a higher threshold never drafts more."""
 

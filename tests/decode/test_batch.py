@@ -1,4 +1,4 @@
-"""Batched decoding of ragged prompts (issue 21 item 1; snlp.decode.batch): every row's tokens equal that prompt's own
+"""Batched decoding of ragged prompts (snlp.decode.batch): every row's tokens equal that prompt's own
 single-prompt output (sequential, SNLP, self-speculative, adaptive block and confidence stop), greedy speculative
 rows equal sequential greedy decoding, rows stop on their own (EOS, budget, max_len), sampled rows do not depend on
 the batch, and batched greedy decoding equals transformers' left-padded batched generate (the outside reference)."""

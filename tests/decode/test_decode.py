@@ -316,7 +316,7 @@ def test_speculative_benchmark_rows():
 
 
 def test_speculative_shootout_measures_every_drafter_against_one_baseline():
-    """Several drafters in ONE round-robin (snlp tune's stage 2, issue 29): one row per (plan, B) in the given order,
+    """Several drafters in ONE round-robin (snlp tune's stage 2): one row per (plan, B) in the given order,
     every output equal to a full-prefix argmax loop (outside reference), and one sequential baseline shared by every
     row (one benchmark per drafter had its own, taken at another moment, and load drift between them picked)."""
     model = make_model(n_layer=4)

@@ -1,4 +1,4 @@
-"""Seams of batched and compiled decoding (issue 27 items 1, 11, 13, 14): a row of a ragged batch equals the same prompt
+"""Seams of batched and compiled decoding: a row of a ragged batch equals the same prompt
 run alone for a `tol` plan with K < C too (padding stays out of the per-row stop test); sampling without a seed leaves
 torch's global RNG alone; compiled steps compile exactly the graphs their warm-up compiled, and a second call with a
 FRESH cache compiles nothing (dynamo's own count, torch._dynamo.testing.CompileCounter: no inductor, so these are
@@ -25,7 +25,7 @@ def _prompts(model, lens, seed):
 
 @pytest.mark.parametrize("seed", [3, 5, 6])
 def test_tol_rows_with_k_below_chunks_equal_their_single_prompt_run(seed):
-    """Item 1: prompts of 3 and 15 tokens, 7xF1-h0-K6-tol:0.5 (K < C), 10 new tokens: row 0 of the batch equals the
+    """Prompts of 3 and 15 tokens, 7xF1-h0-K6-tol:0.5 (K < C), 10 new tokens: row 0 of the batch equals the
     prompt run alone and as a list of one (on a6631c2 the ragged prefill's padding entered row 0's stop norm, so it
     froze at another iteration and cached other K/V: these seeds differed)."""
     m = make_model(seed=seed, n_layer=8)
@@ -44,7 +44,7 @@ def test_tol_rows_with_k_below_chunks_equal_their_single_prompt_run(seed):
                                        ("7xF1-h0-K6-tol:0.5-order:reversed", 1), ("7xF1-h0-K5-tol:0.5-hcn", 8),
                                        ("4xF2-h0-K3-tol:0.5", 0)])
 def test_tol_plans_of_every_kind_batch_exactly(plan, seed):
-    """Item 1 over plan kinds (h0 / fwd init, reversed order, mHC with hcn, F2; all K < C): every row of a ragged batch
+    """The same over plan kinds (h0 / fwd init, reversed, mHC with hcn, F2; all K < C): every row of a ragged batch
     (a 1-token prompt, which caches nothing, among them) equals its single-prompt run. The seeds are ones where
     a6631c2 differed (the F2 case did not differ there in 12 seeds; it is kept for coverage)."""
     from conftest import mhc_model
@@ -56,7 +56,7 @@ def test_tol_plans_of_every_kind_batch_exactly(plan, seed):
 
 
 def test_sampling_without_a_seed_leaves_the_global_rng_alone():
-    """Item 11: a caller's seeded global stream is the same with and without a seed=None sampling call in between
+    """A caller's seeded global stream is the same with and without a seed=None sampling call in between
     (on a6631c2 make_generator called torch.seed(), which reseeds the global generator)."""
     m = make_model(seed=0, n_layer=4)
     prompts = _prompts(m, (4, 2), 0)
@@ -79,7 +79,7 @@ def _counted(fn):
 
 
 def test_compiled_ragged_prefill_compiles_once():
-    """Item 13: the ragged prefill's warm-up and real call pass identically laid-out inputs, so every graph is
+    """The ragged prefill's warm-up and real call pass identically laid-out inputs, so every graph is
     compiled once, by the warm-up, and none inside the timed prefill (on a6631c2 the warm-up's positions were an
     expand (stride 0) and the real call's contiguous: one more compile than shapes). Rows equal the argmax loop."""
     m = make_model(seed=1, n_layer=4)
@@ -93,7 +93,7 @@ def test_compiled_ragged_prefill_compiles_once():
 
 
 def test_compiled_drafter_with_eager_verifier_compiles_nothing_per_step():
-    """Item 14: a compiled drafter beside the eager verifier compiles its graph once for a batch, not at every step
+    """A compiled drafter beside the eager verifier compiles its graph once for a batch, not at every step
     (on a6631c2 the eager verifier's span, state on the shared cache, changed the drafter's attended cache length every
     step: a recompile each), and a second call with a fresh cache compiles nothing. Greedy rows equal the argmax
     loop."""
@@ -115,7 +115,7 @@ def test_compiled_drafter_with_eager_verifier_compiles_nothing_per_step():
 
 
 def test_second_calls_with_fresh_caches_compile_nothing():
-    """Item 14: every KVCache is laid out the same way at creation, so generate / speculative_generate / batched calls
+    """Every KVCache is laid out the same way at creation, so generate / speculative_generate / batched calls
     that reuse compiled steps compile nothing new on a fresh cache of a seen shape (compiled drafter AND verifier)."""
     m = make_model(seed=4, n_layer=4)
     runner = bind(m, "2xF2-h0-K1", check_finite=False)

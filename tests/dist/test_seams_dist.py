@@ -1,4 +1,4 @@
-"""Seams of the distributed path (issue 22 items 1, 4, 5, 9), on CPU / gloo with spawned ranks (as in
+"""Seams of the distributed path, on CPU / gloo with spawned ranks (as in
 tests/dist/test_distributed.py): the preheat init distributed equals the single-process solve; `snlp generate
 --chat --mode speculative` compares like runs; `--distributed` honours or refuses --chat / --compile /
 --repeats; every tensor a collective sees lives on the rank's device, a rank materialises only its own
@@ -33,7 +33,7 @@ def _calibrated(mhc: bool = False):
     return model, preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
 
 
-# ----------------------------------------------------------------------------- item 1: the preheat init
+# ----------------------------------------------------------------------------- the preheat init
 def _preheat_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -89,7 +89,7 @@ def test_distributed_preheat_init_equals_single_process(world, tmp_path):
         assert "does not read it" in rk["errors"]["unused"]
 
 
-# ----------------------------------------------------------------------------- item 4: --chat speculative baseline
+# ----------------------------------------------------------------------------- --chat speculative baseline
 CHAT_TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
              "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 20
 CHAT_TEMPLATE = ("{% for m in messages %}<|user_start|>{{ m['content'] }}<|user_end|>{% endfor %}"
@@ -136,7 +136,7 @@ def test_chat_speculative_baseline_stops_at_the_same_eos(chat_ckpt, tmp_path):
     assert rec["matches_sequential"] and rec["report"]["matches_sequential"]
 
 
-# ----------------------------------------------------------------------------- item 5: --distributed and its flags
+# ----------------------------------------------------------------------------- --distributed and its flags
 def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     import json
     import subprocess
@@ -172,7 +172,7 @@ def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys)
     assert msg in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- item 9: devices, rank-local load, errors
+# ----------------------------------------------------------------------------- devices, rank-local load, errors
 COLLECTIVES = ("all_gather", "broadcast", "send", "recv", "isend", "irecv", "all_reduce")
 
 
@@ -375,9 +375,9 @@ def _stale_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None
 
 
 def test_rank_local_load_refuses_a_calibration_of_other_weights(tmp_path):
-    """Issue 22 item 2 on the distributed path: each rank checks the digests of the tensors it read against the
-    calibration's, so a preheat.pt fitted before the weights changed is refused, not used (all ranks together
-    check every weight, none reads another rank's layers for it)."""
+    """A calibration must not outlive its weights, on the distributed path: each rank checks the digests of the
+    tensors it read against the calibration's, so a preheat.pt fitted before the weights changed is refused, not used
+    (all ranks together check every weight, none reads another rank's layers for it)."""
     from snlp.io.checkpoint import save_checkpoint
 
     model = make_model(seed=0, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""snlp as an lm-evaluation-harness model (issue 29), against the harness's own `hf` model (HFLM) on the SAME
+"""snlp as an lm-evaluation-harness model, against the harness's own `hf` model (HFLM) on the SAME
 transformers checkpoint: the real SmolLM2-135M-Instruct cut to its first 6 layers (both sides load the one
 exported directory), on the tiny offline tasks of tests/data/harness/ (ARC-style multiple choice with 2-shot,
 greedy generation, document log-likelihood).
@@ -113,6 +113,7 @@ def test_exact_plan_gives_sequential_numbers(both, base, tasks):
         assert r["results"]["snlp_arc_tiny"][m] == seq["results"]["snlp_arc_tiny"][m]
 
 
+@pytest.mark.slow  # speculative + drafter harness runs of the cut SmolLM2 (CI runs -m slow)
 def test_speculative_and_drafter_answers_equal_the_model(both, base, tmp_path):
     """generate_until through self-speculative decoding (the plan's own forward drafting, or an adapted drafter's)
     answers exactly as the model (= the hf model's greedy answers); the drafter's loglikelihood is its own
@@ -204,6 +205,7 @@ def test_cli_harness_one_run_per_method(smol_cut_hf, base, tasks, tmp_path, caps
     assert "| snlp_arc_tiny | acc |" in table and " ± " in table
 
 
+@pytest.mark.slow  # a second lm-eval run through its own CLI (CI runs -m slow)
 def test_documented_rerun_command_rebuilds_a_column(smol_cut_hf, tasks, tmp_path):
     """docs/harness.md's rerun of one column: the harness's own CLI (lm-eval's `cli_evaluate`, with snlp.eval.harness
     imported: lm-eval has no plugin discovery, so the bare `lm_eval` command does not know `snlp`) given the

@@ -1,5 +1,5 @@
 """snlp's own multiple-choice scoring (`--mc-scoring harness`, evaluate_mc) as a thin layer over lm-evaluation-harness
-(issue 29): with lm-eval installed, the questions become one harness task in the arc_easy format and each method is
+: with lm-eval installed, the questions become one harness task in the arc_easy format and each method is
 run by the harness itself through SNLPLM (snlp.eval.harness_mc); snlp's hand copy of the protocol
 (snlp.eval.mc_harness) is only the fallback without lm-eval.
 

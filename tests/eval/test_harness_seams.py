@@ -1,4 +1,4 @@
-"""Seams of the snlp harness model found by independent reviews (issue 29): each against the harness's own `hf`
+"""Seams of the snlp harness model found by independent reviews: each against the harness's own `hf`
 model (HFLM) on the same tiny random Llama saved as a transformers directory, or against a naive loop written here.
 A DiagN plan's scores do not depend on the batch; a stop string that is a special token stops generation; snlp's
 own tokenizer scores a rolling document once from BOS; an explicit add_bos_token=False is honoured; a template

@@ -1,4 +1,4 @@
-"""The offline harness tasks of tests/data/harness/ for ARC-Challenge, MMLU-style and HellaSwag-style data (issue 29).
+"""The offline harness tasks of tests/data/harness/ for ARC-Challenge, MMLU-style and HellaSwag-style data.
 
 Each is checked against two outside references:
   - the harness's OWN task definition (its installed arc_challenge / mmlu / hellaswag YAML, its hellaswag

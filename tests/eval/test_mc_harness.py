@@ -1,7 +1,7 @@
-"""Multiple-choice scoring: a diverged plan is reported diverged, not scored (issue 22 item 6), and the
+"""Multiple-choice scoring: a diverged plan is reported diverged, not scored, and the
 lm-evaluation-harness protocol (`--mc-scoring harness`) gives the same per-choice log-likelihoods and
 picks as a transformers-only scorer written here, on real ARC-Easy questions with the real
-SmolLM2-135M-Instruct (issue 22 item 13)."""
+SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ARC = Path(__file__).resolve().parents[1] / "data/arc"
 ARC_TEST, ARC_TRAIN = ARC / "ARC-Easy-Test-head.jsonl", ARC / "ARC-Easy-Train-head.jsonl"
 
 
-# ----- item 6: a diverged plan is not scored -----
+# ----- a diverged plan is not scored -----
 QS = [Question("Which number is largest?", ("1", "7", "3", "2"), 1),
       Question("Which one is a colour?", ("red", "dog", "run", "ten"), 0),
       Question("hello there, how are you today?", ("fine", "bad", "ok"), 2)]
@@ -76,7 +76,7 @@ def test_a_diverged_plan_is_reported_diverged_not_scored(blowup, scoring):
     assert json.loads(json.dumps(res.to_dict()))["records"][1]["diverged"] is True
 
 
-# ----- item 13: the harness protocol -----
+# ----- the harness protocol -----
 def test_draw_shots_is_the_harness_sampler():
     pool = [Question(f"q{i}", ("a", "b"), i % 2) for i in range(50)]
     qs = pool[:5] + [Question("new", ("a", "b"), 0)]
@@ -209,7 +209,7 @@ def test_sft_grid_shows_a_diverged_inference_row(blowup):
     assert f"| sequential | {DIVERGING} | diverged | – |" in md
 
 
-# ----- issue 27 item 5: --mc-scoring loglik scores the choice's text, not the template's end-of-turn tokens -----
+# ----- --mc-scoring loglik scores the choice's text, not the template's end-of-turn tokens -----
 LOGLIK_QS = [Question("What is the capital of France?", ("Paris", "New York City", "a, b."), 0),
              Question("Which gas do plants take in?", ("carbon dioxide", "oxygen"), 0)]
 

@@ -1,4 +1,4 @@
-"""Presentation that must not mislead (issue 22, item 12): blown-up PPLs in every table, the frontier
+"""Presentation that must not mislead: blown-up PPLs in every table, the frontier
 plot, and progress output in logs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The device-mismatch tier (issue 28, item 1): every CUDA path run on a device that holds no data.
+"""The device-mismatch tier: every CUDA path run on a device that holds no data.
 
 Models are built on `meta` and moved to data-less `cuda:0` tensors under FakeTensorMode (tests/gpu/fakecuda.py), so
 on this CPU-only torch any tensor a path creates on the CPU raises FakeTensorDeviceMismatchError where it meets a

@@ -1,4 +1,4 @@
-"""The distributed path on a fake process group (issue 28, item 2): DistributedSNLP's solve and speculative decode on
+"""The distributed path on a fake process group: DistributedSNLP's solve and speculative decode on
 fake cuda tensors (tests/gpu/fakecuda.py) with torch.distributed's `fake` backend (collectives that communicate
 nothing), for world sizes 2-4 and every rank index. A recording shim wraps the torch.distributed functions (it
 observes the calls and forwards them unchanged) and every collective's tensors are checked for what NCCL needs:

@@ -1,4 +1,4 @@
-"""`snlp selfcheck` on the CPU (issue 28, item 4): every law passes, the table is printed and the JSON holds the
+"""`snlp selfcheck` on the CPU: every law passes, the table is printed and the JSON holds the
 device, the versions, every check and every timing. The compiled check is off here (auto on the CPU):
 tests/decode/test_steps.py covers compiled == eager, and a cold inductor cache would cost minutes."""
 

@@ -47,6 +47,7 @@ def test_converted_logits_equal_transformers(smol, hf_smol):
     assert (out.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow  # the real SmolLM2 decoded against transformers' generate (CI runs -m slow)
 def test_speculative_equals_transformers_generate(smol, hf_smol):
     model, tok = smol
     hf, hf_tok = hf_smol

@@ -1,6 +1,6 @@
 """The preheat init (paper App. "ELK Tempering and Preheat Initialization") as an explicit value: fitted,
-passed to solve/bind, stored with a fingerprint of the weights it describes, refused when they change
-(issue 22 item 2), following the model's dtype/device (issue 19: never a hidden attribute)."""
+passed to solve/bind, stored with a fingerprint of the weights it describes, refused when they change,
+following the model's dtype/device (never a hidden attribute)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_calibration_file_roundtrips_with_its_fingerprint(tmp_path, model):
 
 
 def test_a_calibration_of_other_weights_is_refused(model):
-    """Issue 22 item 2: a calibration must not outlive its weights (training went on, another checkpoint)."""
+    """A calibration must not outlive its weights (training went on, another checkpoint)."""
     other = make_model(seed=3, n_layer=5)
     pre = _fit(other)
     bind(other, "4xF1-preheat-K1", preheat=pre)  # its own weights: fine
@@ -130,7 +130,7 @@ def test_load_preheat_refuses_a_file_that_does_not_match(tmp_path):
 
 
 def test_preheat_follows_the_model_dtype(model):
-    """Issue 22 item 2: after model.to(float32) (or to a GPU) the calibration's predictions follow; before,
+    """After model.to(float32) (or to a GPU) the calibration's predictions follow; before,
     it stayed fp32 on CPU and any -preheat plan on another dtype/device failed."""
     m = make_model(seed=8, n_layer=5)  # fp64
     pre = _fit(m)

@@ -1,4 +1,4 @@
-"""Seams of the solver and its plan strings (issue 22, items 3 and 7).
+"""Seams of the solver and its plan strings.
 
   - `Plan.parse(str(p)) == p` for every valid plan over the whole grammar (inits, surrogates and their
     options, tol, ELK, orders, chunkings): a plan string never loses digits (`elk:0.1000001` and
@@ -26,7 +26,7 @@ from snlp.method.solver import solve
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ---------------------------------------------------------------- item 7: plan strings round-trip exactly
+# ---------------------------------------------------------------- plan strings round-trip exactly
 def _floats(lo: float, hi: float, **kw):
     """Any finite float in [lo, hi] (subnormals and 17-digit values included) or a nice short one."""
     return st.one_of(st.floats(lo, hi, allow_nan=False, allow_infinity=False, **kw),
@@ -83,7 +83,7 @@ def test_close_plans_print_differently_and_nice_numbers_stay_short():
     assert all(float(format_number(x)) == x for x in (math.pi, 5e-324, 1.7976931348623157e308, 1 / 3))
 
 
-# ---------------------------------------------------------------- item 3: a tol stop is per row
+# ---------------------------------------------------------------- a tol stop is per row
 ROW = dict(rtol=1e-10, atol=1e-10)  # fp64: a row alone and in the batch differ only by batched-matmul round-off
 TOLS = [0.1, 3e-2, 1e-2, 3e-3]
 TOL_FAMILIES = [("plain", "idn"), ("plain", "none"), ("plain", "newton"), ("plain", "diag"), ("mhc", "hcn"),

@@ -1,4 +1,4 @@
-"""One set of weights for drafter and verifier (issue 21 item 2, snlp.method.sharing): a shared runner gives
+"""One set of weights for drafter and verifier (snlp.method.sharing): a shared runner gives
 the copied runner's logits, reads the model's own parameter storage, follows in-place updates without a
 refresh, re-homes after the parameters get new storage, and refuses what it cannot share."""
 
@@ -121,7 +121,7 @@ FAMILIES = {"nanochat-ve": lambda: _model(), "nanochat-no-x0": lambda: _model(x0
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_tensor_a_shared_runner_reads_follows_an_in_place_update_of_every_parameter(family):
-    """Issue 27 items 2-3: two shared runners over different suffixes, then p.add_(noise) for EVERY parameter of
+    """Two shared runners over different suffixes, then p.add_(noise) for EVERY parameter of
     the model and no refresh: both equal a fresh unshared bind (fp64), and every tensor they read (projections,
     biases, norm weights, q/k norms, value-embedding gates, x0 scalars) is the model's own storage."""
     m = FAMILIES[family]()
@@ -149,7 +149,7 @@ def test_every_tensor_a_shared_runner_reads_follows_an_in_place_update_of_every_
 
 
 def test_two_shared_runners_over_different_suffixes_follow_an_optimizer_step():
-    """Issue 27 item 2: the second shared bind over another suffix must not un-share the first (it used to
+    """The second shared bind over another suffix must not un-share the first (it used to
     re-home the overlapping layers into a new stack: the first runner then read stale weights)."""
     m = _model()
     idx = tokens(m, T=7)

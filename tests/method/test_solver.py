@@ -238,7 +238,7 @@ def test_sliding_windows_are_kept_in_the_fused_batched_path():
             torch.testing.assert_close(parallel_forward(windowed, idx, plan), w, rtol=1e-9, atol=1e-9)
 
 
-# What an iteration re-runs (docs/gpu.md, "First GPU run: prefill gap analysis"): ops that depend only on the
+# What an iteration re-runs (docs/records/gpu-prefill-gap-2026-11-26.md): ops that depend only on the
 # tokens and the weights (attention masks, value-embedding gathers, static mHC maps and HCN transfer blocks) are made
 # once per forward, so one more iteration adds none of them. Counts, not times.
 SETUP_OPS = {"arange", "ge", "le", "lt", "bitwise_and", "bitwise_or", "logical_not", "where", "full", "masked_fill_",
@@ -312,7 +312,7 @@ def test_torch_compile_of_a_bound_runner_equals_eager():
     idx = tokens(model, T=5)
     runner = bind(model, "2xF2-h0-K1", check_finite=False)
     with torch.no_grad():
-        compiled = torch.compile(runner, backend="aot_eager")  # fullgraph: issue 11 (host syncs in attend)
+        compiled = torch.compile(runner, backend="aot_eager")  # fullgraph: no host sync in attend
         torch.testing.assert_close(compiled(idx), runner(idx), rtol=1e-5, atol=1e-5)
 
 

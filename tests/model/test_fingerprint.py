@@ -1,4 +1,4 @@
-"""The weights fingerprint's stated tolerance (snlp.model.fingerprint, issue 27 items 8 and 9): equal across every
+"""The weights fingerprint's stated tolerance (snlp.model.fingerprint): equal across every
 chain of casts among fp64/fp32/bf16/fp16 of the same weights (both orders, either side recorded), different for
 a real change, and the exact digest different for any change of the stored bits."""
 

@@ -1,4 +1,4 @@
-"""Adapted SNLP drafters (issue 20): the drafter shares the base's prefix, the SSD-conditions solve equals the
+"""Adapted SNLP drafters: the drafter shares the base's prefix, the SSD-conditions solve equals the
 real cached draft step, speculative decoding with an adapted drafter is the base's greedy output (tiny random
 transformers Llama models and the real SmolLM2), adaptation raises Top-1 agreement, resume is exact,
 drafter directories refuse other bases and corrupt files, export round-trips through transformers."""
@@ -114,7 +114,7 @@ def test_drafter_dir_round_trip_and_corruption(tmp_path):
 
 
 def test_drafter_file_refuses_an_edit_below_bf16_resolution(tmp_path):
-    """Issue 27 item 9: one stored tensor replaced by its bf16 rounding (nearly every entry changed, each by less
+    """One stored tensor replaced by its bf16 rounding (nearly every entry changed, each by less
     than bf16 resolution) is an edited file: the per-tensor digests are exact."""
     from safetensors.torch import load_file, save_file
 
@@ -131,7 +131,7 @@ def test_drafter_file_refuses_an_edit_below_bf16_resolution(tmp_path):
 
 
 def test_fp16_base_accepts_its_own_drafter_and_calibration(tmp_path):
-    """Issue 27 item 8: a model cast to float16 (fp16 -> bf16 double-rounds some entries) keeps its drafter and
+    """A model cast to float16 (fp16 -> bf16 double-rounds some entries) keeps its drafter and
     its preheat calibration, and so do its bf16 / fp64 casts; another model is still refused."""
     from snlp.method import preheat
 
@@ -224,6 +224,7 @@ def test_batched_speculative_with_adapted_drafter_is_each_prompts_greedy():
     assert sum(r.drafted for r in got) > 0
 
 
+@pytest.mark.slow  # adapts and decodes the real SmolLM2 (CI runs -m slow)
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
     from snlp.decode.generate import sequential_generate
@@ -303,7 +304,7 @@ def test_adapt_resume_equals_uninterrupted(tmp_path):
 
 
 def test_adapt_resume_refuses_another_base(tmp_path):
-    """Issue 27 item 6: --resume with another base is refused before any work (it would otherwise continue and
+    """--resume with another base is refused before any work (it would otherwise continue and
     stamp the new base's fingerprint on a drafter trained on the old one)."""
     from snlp.train.adapt import adapt
 
@@ -321,7 +322,7 @@ def test_adapt_resume_refuses_another_base(tmp_path):
 
 
 def test_adapt_leaves_the_callers_model_where_and_as_it_was(tmp_path):
-    """Issue 27 item 7: adapting a caller's loaded model (the speedrun's) neither moves it nor leaves it frozen or
+    """Adapting a caller's loaded model (the speedrun's) neither moves it nor leaves it frozen or
     in eval mode; a run on another device trains a copy there (a meta device stands in for a GPU); the speedrun
     stage trains on the device it is given and records it."""
     from snlp.apps.adapt import speedrun_adaptation
@@ -362,8 +363,9 @@ def _ddp_adapt_rank(rank, world, port, cfg):
     assert res.world == world and res.steps == cfg.steps
 
 
+@pytest.mark.slow  # two spawned gloo ranks (CI runs -m slow)
 def test_adapt_under_ddp_equals_one_process(tmp_path):
-    """Issue 27 item 10: two gloo ranks of batch 2 all-reduce their gradients: the drafter equals one process's
+    """Two gloo ranks of batch 2 all-reduce their gradients: the drafter equals one process's
     of batch 4 (the same global batches, snlp.io.data.batch_at) up to fp32 reduction order; rank 0 alone writes."""
     from safetensors.torch import load_file
 
@@ -386,7 +388,7 @@ def test_adapt_under_ddp_equals_one_process(tmp_path):
 
 
 def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
-    """Issue 27 item 4: with user-only conversations in the chat set (dropped by adaptation before its split),
+    """With user-only conversations in the chat set (dropped by adaptation before its split),
     `snlp eval --drafter --chat-prompts` takes its prompts from the conversations adaptation held out at the
     drafter's own val_frac, never from those it trained on. Reference: the documented rule written out here
     (render, drop conversations without an assistant token, every round(1/val_frac)-th held out)."""
@@ -432,7 +434,7 @@ def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
 
 
 def test_eval_data_part_reads_the_adaptation_held_out_documents(tmp_path):
-    """Issue 27 item 4, text side: `snlp eval --drafter --data PART` (one file of the drafter's data) reads the
+    """Text side of the chat-set split: `snlp eval --drafter --data PART` (one file of the drafter's data) reads the
     documents of PART that adaptation held out in ITS split of the whole spec (every round(1/val_frac)-th
     document of all text parts together), not PART's own split."""
     import snlp.io.data as D

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine, in one command (after nanochat's runs/speedrun.sh):
+#   bash scripts/speedrun.sh                 # install into .venv, then `snlp speedrun --out runs/speedrun`
+#   bash scripts/speedrun.sh --budget 30     # any further arguments go to `snlp speedrun` (docs/speedrun.md)
+# It trains two depth-16 models (plain and IDN-regularised) inside a 20-minute budget, evaluates the paper's plans
+# on both, decodes, and writes runs/speedrun/report.md. Set SNLP_NO_VENV=1 to install into the current Python
+# instead of .venv (an environment you manage yourself).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+snlp_setup
+exec python3 -m snlp.apps.cli speedrun --out "${SNLP_OUT:-runs/speedrun}" "$@"
