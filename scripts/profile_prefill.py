@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from snlp.bench.paper_peer import (build_paper_model, load_paper_code, paper_config, paper_plan_fn,
-                                   paper_sequential_fn, snlp_model_for)
+                                   paper_sequential_fn, snlp_model_from_paper)
 from snlp.bench.suite import PAPER_SHAPES
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
@@ -64,8 +64,7 @@ def main():
     seq_len = max(2048, a.tokens)
     pcfg = paper_config(code, shape, 32768 if not a.quick else 256, seq_len, "SSSL")
     paper = build_paper_model(code, pcfg, dev)
-    model = snlp_model_for(shape, pcfg.vocab_size, seq_len, "SSSL", 512 if not a.quick else seq_len // 4, dev,
-                           dtype)
+    model = snlp_model_from_paper(paper, dev, dtype)  # the same weights and window widths
     idx = torch.randint(0, pcfg.vocab_size, (1, a.tokens), device=dev)
     fns = {"paper sequential": lambda: paper_sequential_fn(code, paper)(idx), "snlp sequential": lambda: model(idx)}
     for text in filter(None, (a.plan, a.plan2)):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from snlp.method.plan import Plan
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.model.gpt import GPT
 from snlp.runtime.timing import time_round_robin
 
 PAPER_FILES = ("nanochat/gpt.py", "nanochat/jacobi_forward.py", "snlp/inference_idn.py", "snlp/inference_hcn.py")
@@ -268,24 +268,12 @@ def snlp_model_from_paper(paper, device, dtype) -> GPT:
     """snlp's GPT holding the paper model's own weights (snlp.io.nanochat's mapping, as for a checkpoint of it):
     the same function as the paper's sequential forward (tests/io/test_nanochat.py), so both sides time, and the
     CPU check compares, one set of weights."""
-    from dataclasses import asdict as _asdict
-
     from snlp.io.nanochat import config_from_nanochat, state_from_nanochat
 
     pc = paper.config
     gate = next((b.attn.ve_gate for b in paper.transformer.h if b.attn.ve_gate is not None), None)
-    cfg = config_from_nanochat(_asdict(pc), ve_gate_channels=12 if gate is None else gate.weight.shape[1])
+    cfg = config_from_nanochat(asdict(pc), ve_gate_channels=12 if gate is None else gate.weight.shape[1])
     sd = {k: v.detach().float().cpu() for k, v in paper.state_dict().items()}
     model = GPT(cfg)
     model.load_state_dict(state_from_nanochat(sd, cfg))
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def snlp_model_for(shape, vocab_size: int, sequence_len: int, window_pattern: str, short_window: int,
-                   device, dtype, seed: int = 0) -> GPT:
-    """snlp's model of the same shape (random weights, seeded), in `dtype` on `device`."""
-    cfg: GPTConfig = shape.config(vocab_size, window_pattern, short_window, sequence_len)
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    model.init_weights(seed=seed)
     return model.to(device=device, dtype=dtype).eval()

@@ -15,6 +15,7 @@ strongest-baseline one (the fastest sequential either side offers / the plan). R
 from __future__ import annotations
 
 import copy
+import functools
 import datetime
 import platform
 import sys
@@ -27,8 +28,8 @@ import torch
 
 from snlp.bench.forward import COMPILE_CALLS, compile_step
 from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_linear_weights, load_paper_code,
-                                   paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_for,
-                                   snlp_model_from_paper, summarise, time_side_by_side)
+                                   paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_from_paper,
+                                   summarise, time_side_by_side)
 from snlp.bench.records import markdown_table, write_json
 from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
 from snlp.decode.steps import check_compilable, mark_static_runner
@@ -156,48 +157,45 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
     # 2048 as in the paper; with quick the tokens themselves, so the 128-token windows bite at T = 256
     seq_len = cfg.tokens if cfg.quick else max(2048, cfg.tokens)
     pcfg = paper_config(code, run_shape, cfg.vocab_size, seq_len, "SSSL")
-    short = next(w for (w, _), c in zip(_paper_windows(code, pcfg), "SSSL") if c == "S")
     paper = build_paper_model(code, pcfg, dev, cfg.seed)
     plans = [Plan.parse(p, run_shape.depth) for p in shape.plans]
     gen = torch.Generator().manual_seed(cfg.seed)
     idx = torch.randint(0, cfg.vocab_size, (1, cfg.tokens), generator=gen).to(dev)
     fns, meta = {}, {}
 
-    def add(name, fn, side, plan, variant, note=""):
+    def add(name, fn, side, plan, variant, note=""):  # fn: a callable of no argument (a compiled one)
         fns[name], meta[name] = fn, (side, plan, variant, note)
 
-    add("paper/sequential", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper)), "paper", "sequential",
+    def add_idx(name, fn, *rest):  # fn: a forward of the tokens, called on this shape's idx
+        add(name, functools.partial(fn, idx), *rest)
+
+    add_idx("paper/sequential", paper_sequential_fn(code, paper), "paper", "sequential",
         "as published", "fp32 weights cast per Linear call; short windows through a boolean-mask SDPA")
     if cfg.ablations:
-        add("paper/sequential/windows-off", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper, False)),
-            "paper", "sequential", "windows off", "every layer full causal (flash SDPA): a different function")
-        if dtype_of(code) != torch.float32:
+        add_idx("paper/sequential/windows-off", paper_sequential_fn(code, paper, False), "paper", "sequential", "windows off", "every layer full causal (flash SDPA): a different function")
+        if code.dtype != torch.float32:
             paper_bf16 = cast_linear_weights(copy.deepcopy(paper), code.dtype)
-            add("paper/sequential/bf16-weights", (lambda f: lambda: f(idx))(paper_sequential_fn(code, paper_bf16)),
-                "paper", "sequential", "bf16 weights", "weights cast once, not per call")
+            add_idx("paper/sequential/bf16-weights", paper_sequential_fn(code, paper_bf16), "paper", "sequential", "bf16 weights", "weights cast once, not per call")
     for plan in plans:
         try:
-            f = paper_plan_fn(code, paper, plan, run_shape)
-            add(f"paper/{plan}", (lambda f: lambda: f(idx))(f), "paper", str(plan), "as published",
+            add_idx(f"paper/{plan}", paper_plan_fn(code, paper, plan, run_shape), "paper", str(plan), "as published",
                 "its parallel path: full causal attention in the suffix (windows dropped)" +
                 (", no value embeddings, chunk weights stacked inside the call" if plan.fuse > 1 else ""))
         except Exception as e:
             result.failures.append(_failure(shape.key, f"paper/{plan}", e))
 
-    # snlp uses the paper's window widths: nanochat's short window = ceil(T_ctx / 4 / 128) * 128 tokens back
-    model = snlp_model_from_paper(paper, dev, code.dtype)  # the paper model's own weights
+    model = snlp_model_from_paper(paper, dev, code.dtype)  # the paper model's own weights and window widths
     runners = {str(p): bind(model, p, check_finite=False) for p in plans}
-    add("snlp/sequential", lambda: model(idx), "snlp", "sequential", "eager")
+    add_idx("snlp/sequential", model, "snlp", "sequential", "eager")
     for name, r in runners.items():
-        add(f"snlp/{name}", (lambda r: lambda: r(idx))(r), "snlp", name, "eager")
+        add_idx(f"snlp/{name}", r, "snlp", name, "eager")
     if cfg.ablations:
         model_l = snlp_model_from_paper(build_paper_model(code, paper_config(
             code, run_shape, cfg.vocab_size, seq_len, "L"), dev, cfg.seed), dev, code.dtype)
-        add("snlp/sequential/windows-off", lambda: model_l(idx), "snlp", "sequential", "windows off (eager)",
+        add_idx("snlp/sequential/windows-off", model_l, "snlp", "sequential", "windows off (eager)",
             "every layer full causal: a different function")
         for p in plans:
-            r = bind(model_l, p, check_finite=False)
-            add(f"snlp/{p}/windows-off", (lambda r: lambda: r(idx))(r), "snlp", str(p), "windows off (eager)",
+            add_idx(f"snlp/{p}/windows-off", bind(model_l, p, check_finite=False), "snlp", str(p), "windows off (eager)",
                 "every layer full causal: a different function")
     compile_s = {}
     if "compiled" in cfg.treatments:
@@ -286,10 +284,6 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
                                      same_function=d <= AGREE_TOL * scale,
                                      why="; ".join(why) if why else "-"))
     return out
-
-
-def dtype_of(code: PaperCode) -> torch.dtype:
-    return code.dtype
 
 
 def _paper_windows(code: PaperCode, pcfg) -> list[tuple[int, int]]:
