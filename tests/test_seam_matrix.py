@@ -21,15 +21,26 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    (fp64), a K >= C plan with M > 1 (the fused model) is not called exact
   a diverging plan (blow-up model) snlp_generate (any form, greedy or sampled), jacobi verify=False: raise
                                    SNLPDivergenceError naming the step; speculative / verified jacobi: the argmax loop
+  static mHC (every entry point)   its dynamic twin: the same weights with random phi and gates alpha = 0, whose H
+                                   are the maps of the biases computed per token (no GPT.static_hc, no transfer_scan)
+  window wider than every T        the same weights with full causal attention (window_pattern "L")
+  window 0 on every layer          each token run alone (RoPE rotates its query and key alike)
+  a converted transformers model   transformers itself: its logits, the argmax loop over its forward, its generate
+  with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
+  compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
+  torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
-Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
+Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
 backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
 12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
+Window widths (WINDOWS): one width tiled ("SL"), width 1, a width wider than T, and widths 0 / 1 / 2 / 3 / 5 / wider
+than T / full mixed per layer. mHC of the HCN cells (MHC): dynamic or static (sigmoid maps; with NANOCHAT the softmax
+maps).
 
 Precision of each claim: fp64: token for token, every cell. fp32 / bf16 / fp16: every token the cell produced is
 within MARGIN[dtype] of the best logit of its reference run in fp64 on the same weights, teacher-forced along the
@@ -609,6 +620,92 @@ def test_window_zero_sees_each_token_alone():
         argmax_loop(token_alone, p, 6)
 
 
+# ----------------------------------------------------------------------------- Hugging Face sliding windows
+# transformers' Mistral (one sliding_window on every layer) and Qwen2 (use_sliding_window: sliding layers from
+# max_window_layers on, full ones below) with sliding_window < T, random weights (norms and biases too), built
+# offline; snlp.io.hf converts sliding_window s to a left context of s - 1 keys
+HF_WINDOWS = {"mistral-4": ("MistralConfig", dict(sliding_window=4)),
+              "mistral-1": ("MistralConfig", dict(sliding_window=1)),
+              "qwen2-3": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=3, max_window_layers=2)),
+              "qwen2-2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=2, max_window_layers=0))}
+
+
+def hf_window_model(case: str, dtype=torch.float64):
+    """(transformers model, the left context per layer it computes) for a HF_WINDOWS case: 4 layers, width 64, 4
+    heads over 2 KV heads, vocabulary 97, no EOS id (so generate runs its whole budget)."""
+    transformers = pytest.importorskip("transformers")
+    name, kw = HF_WINDOWS[case]
+    cfg = getattr(transformers, name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      attn_implementation="sdpa", eos_token_id=None, bos_token_id=None, **kw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * 4
+    return hf.to(dtype).eval(), [cfg.sliding_window - 1 if t == "sliding_attention" else -1 for t in types]
+
+
+@pytest.mark.parametrize("case", list(HF_WINDOWS))
+def test_hf_sliding_window_conversion_at_every_entry_point(case, tmp_path):
+    """A converted transformers model with sliding windows shorter than the sequence, against transformers itself
+    (fp64; transformers' RMSNorm computes in fp32, so logits agree to ~1e-7): the forward and K >= C plans (a runner,
+    parallel_forward) give its logits; sequential, K >= C SNLP and speculative decoding (M = 1 and M = 2 drafts) of
+    a ragged batch give the argmax loop over its full-prefix forward, and, where sliding_window >= 3, the tokens of
+    its `generate` (transformers 5.24's cached generate departs from its own full-prefix forward at sliding_window 1,
+    and at 2 on some prompts); a K < C plan decodes each row as alone; export writes a transformers directory that
+    loads with the same logits and converts back to the same windows. Export refuses a model with two sliding
+    widths (no transformers architecture has them) with a one-line error."""
+    from snlp.io.hf import export_hf, from_hf
+
+    hf, windows = hf_window_model(case)
+    model, _ = from_hf(hf)
+    assert model.config.layer_windows == windows and max(windows) < 12
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 97, (2, 20), generator=gen)
+    with torch.no_grad():
+        ref = hf(x).logits.float()
+        torch.testing.assert_close(model(x), ref, rtol=0, atol=1e-6)
+        for plan in ("4xF1-h0-K4", "2xF1-fwd-K2", "3xF1-h0-K3"):
+            torch.testing.assert_close(bind(model, plan)(x), ref, rtol=0, atol=1e-6, msg=plan)
+            torch.testing.assert_close(parallel_forward(model, x, plan), ref, rtol=0, atol=1e-6, msg=plan)
+    prompts = [torch.randint(0, 97, (k,), generator=gen).tolist() for k in (3, 11, 6)]
+    n = 10
+    loop = [argmax_loop(lambda ids: hf(ids).logits, p, n) for p in prompts]
+    if min(w for w in windows if w >= 0) >= 2:
+        with torch.no_grad():
+            outs = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):]
+                    for p in prompts]
+        assert [o.tolist() for o in outs] == loop  # transformers' cache agrees with its own forward here
+    assert [r.tokens for r in sequential_generate(model, prompts, max_new_tokens=n)] == loop
+    assert [r.tokens for r in snlp_generate(model, prompts, "4xF1-h0-K4", max_new_tokens=n)] == loop
+    for plan in ("2xF1-h0-K1", "1xF2-h0-K1"):
+        assert [r.tokens for r in speculative_generate(model, prompts, plan, block=3, max_new_tokens=n)] == loop
+    alone = [snlp_generate(model, p, "3xF1-h0-K1", max_new_tokens=n).tokens for p in prompts]
+    assert [r.tokens for r in snlp_generate(model, prompts, "3xF1-h0-K1", max_new_tokens=n)] == alone
+    # export round trip (fp32 files: transformers' own loading path)
+    transformers = pytest.importorskip("transformers")
+    m32, _ = from_hf(hf.float())
+    out = export_hf(m32, tmp_path / "exp")
+    back_hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    back, _ = from_hf(str(out))
+    assert back.config.layer_windows == windows
+    with torch.no_grad():
+        ref32 = hf.float()(x).logits
+        torch.testing.assert_close(back_hf(x).logits, ref32, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(back(x), ref32, rtol=1e-4, atol=1e-4)
+    two = copy.deepcopy(m32)
+    two.config.layer_windows = [1, 2, -1, -1]
+    with pytest.raises(ValueError, match="several sliding-window sizes") as err:
+        export_hf(two, tmp_path / "two")
+    assert "\n" not in str(err.value)
+
+
 # ----------------------------------------------------------------------------- compiled cells (inductor: few, small)
 @pytest.mark.parametrize("kind", ["tol", "diag"])
 def test_compiled_cells_that_cannot_compile_are_refused(kind):
@@ -629,6 +726,63 @@ def test_compiled_cells_equal_their_references():
     rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True,
                                 adaptive=True)
     assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]
+
+
+# compiled cells of the main entry points on a depth-6 model (inductor compiles a few graphs per cell: ~15-40 s of
+# CPU each, so one cell runs by default and the others are marked slow): static mHC or nanochat-snlp's parts, with
+# widths mixed per layer (full, wider than T, 0, 1, 2, 3: the F2 stacks hold two finite widths each)
+COMPILED_WINDOWS = [-1, 100, 0, 1, 2, 3]
+COMPILED = {
+    "plan-static": ("plan", dict(dynamic=False), "4xF1-h0-K2-hcn"),
+    "sequential-static": ("sequential", dict(dynamic=False), None),
+    "decode-static": ("snlp", dict(dynamic=False), "4xF1-h0-K2-hcn"),
+    "decode-exact-nanochat": ("snlp", {**NANOCHAT, **NANOCHAT_MHC}, "4xF1-h0-K4-hcn"),
+    "speculative-windows": ("speculative", None, "2xF2-h0-K1"),
+    "plan-nanochat": ("plan", NANOCHAT, "2xF2-h0-K1"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(k, marks=() if k == "plan-static" else pytest.mark.slow)
+                                  for k in COMPILED])
+def test_compiled_entry_points_equal_their_references(name):
+    """compile=True / torch.compile at the main entry points equals the eager cell's reference (fp64 weights):
+    the plan forward (torch.compile of a runner over a (B, T) batch: each row alone through a fresh eager bind),
+    sequential decoding and SNLP decoding of a ragged batch (K >= C, M = 1: the full-prefix argmax loop; K < C: each
+    prompt alone, eager), and speculative decoding (the argmax loop). The models: static mHC (its maps and HCN's
+    constant A folded into the graph), nanochat-snlp's parts (with its static softmax-map mHC where the plan is
+    HCN), a plain model; every one with the widths of COMPILED_WINDOWS."""
+    entry, extra, plan = COMPILED[name]
+    n_layer = len(COMPILED_WINDOWS)
+    kw = dict(seed=11, n_layer=n_layer, layer_windows=COMPILED_WINDOWS, sequence_len=64)
+    if extra is None:
+        m = make_model(**kw)
+    elif "dynamic" in extra:
+        m = mhc_model(**kw, **extra)
+    else:
+        m = make_model(**kw, **extra)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
+    n = 5
+    if entry == "plan":
+        idx = torch.randint(0, m.config.vocab_size, (2, 12), generator=gen)
+        with torch.no_grad():
+            want = torch.cat([bind(m, plan)(idx[i:i + 1]) for i in range(2)])
+            got = torch.compile(bind(m, plan, check_finite=False), fullgraph=True)(idx)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        return
+    loop = [argmax_loop(m, p, n) for p in prompts]
+    if entry == "sequential":
+        rows = sequential_generate(m, prompts, max_new_tokens=n, compile=True)
+        want = loop
+    elif entry == "speculative":
+        rows = speculative_generate(m, prompts, plan, block=3, max_new_tokens=n, compile=True)
+        want = loop
+    else:
+        p = Plan.parse(plan, n_layer)
+        rows = snlp_generate(m, prompts, plan, max_new_tokens=n, compile=True)
+        want = loop if p.iters >= p.chunks and p.fuse == 1 else \
+            [snlp_generate(m, q, plan, max_new_tokens=n).tokens for q in prompts]
+    assert [r.tokens for r in rows] == want
 
 
 # ----------------------------------------------------------------------------- the decode suite (snlp bench --suite decode)
