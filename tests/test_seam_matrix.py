@@ -461,20 +461,24 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, win
 
 
 # ----------------------------------------------------------------------------- evaluate
-@pytest.mark.parametrize("nano", [False, True])
-def test_evaluate_cells_equal_their_references(nano):
+@pytest.mark.parametrize("model", ["plain", "nanochat", "static-mhc", "nanochat-mhc"])
+def test_evaluate_cells_equal_their_references(model):
     """evaluate: the K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals exp(mean NLL) of the
     plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping);
-    `nano`: with nanochat-snlp's parts (NANOCHAT)."""
-    m = make_model(seed=3, n_layer=L, **(NANOCHAT if nano else {}))
+    with nanochat-snlp's parts (NANOCHAT), and on static mHC (an HCN row too) with widths mixed per layer."""
+    mhc = model.endswith("mhc")
+    m = model_for("hcn" if mhc else "F1", 3, {"nanochat": model.startswith("nanochat"), "hc": "static",
+                                              **({"windows": "mixed"} if mhc else {})})
     val = torch.randint(0, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     cfg = EvalConfig(seq_len=16, max_tokens=64, prompts=2, prompt_len=4, gen_tokens=4, warmup=0, runs=1,
                      time_tokens=2, emb=False, progress=False, batch=2)
-    seq, exact, approx = evaluate(m, val, ["6xF1-h0-K6", "6xF1-h0-K1"], cfg)
+    approx_plans = ["6xF1-h0-K1"] + (["6xF1-h0-K2-hcn"] if mhc else [])
+    seq, exact, *approx = evaluate(m, val, ["6xF1-h0-K6", *approx_plans], cfg)
     assert exact.ppl == pytest.approx(seq.ppl, rel=1e-12) and exact.top1 == seq.top1 and exact.ar_match == 1.0
     with torch.no_grad():
         wins = torch.stack([val[i * 16:(i + 1) * 16 + 1] for i in range(64 // 16)])
-        for fn, rec in ((m, seq), (lambda x: parallel_forward(m, x, "6xF1-h0-K1"), approx)):
+        rows = [(m, seq)] + [(lambda x, p=p: parallel_forward(m, x, p), r) for p, r in zip(approx_plans, approx)]
+        for fn, rec in rows:
             logp = torch.log_softmax(fn(wins[:, :-1]).double(), -1)
             nll = -logp.gather(-1, wins[:, 1:, None]).mean()
             assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6), rec.plan  # fp32 logits, fp32 sums
@@ -656,9 +660,11 @@ def test_hf_sliding_window_conversion_at_every_entry_point(case, tmp_path):
     """A converted transformers model with sliding windows shorter than the sequence, against transformers itself
     (fp64; transformers' RMSNorm computes in fp32, so logits agree to ~1e-7): the forward and K >= C plans (a runner,
     parallel_forward) give its logits; sequential, K >= C SNLP and speculative decoding (M = 1 and M = 2 drafts) of
-    a ragged batch give the argmax loop over its full-prefix forward, and, where sliding_window >= 3, the tokens of
-    its `generate` (transformers 5.24's cached generate departs from its own full-prefix forward at sliding_window 1,
-    and at 2 on some prompts); a K < C plan decodes each row as alone; export writes a transformers directory that
+    a ragged batch (shared weights with an adaptive block, an adapted drafter) and verified Jacobi decoding give the
+    argmax loop over its full-prefix forward, and, where sliding_window >= 3, the tokens of its `generate`
+    (transformers 5.24's cached generate departs from its own full-prefix forward at sliding_window 1, and at 2 on
+    some prompts); a K >= C plan with M = 2 decodes as the loop over fused_forward; a K < C plan (with and without
+    tol) decodes each row as alone; export writes a transformers directory that
     loads with the same logits and converts back to the same windows. Export refuses a model with two sliding
     widths (no transformers architecture has them) with a one-line error."""
     from snlp.io.hf import export_hf, from_hf
@@ -686,8 +692,17 @@ def test_hf_sliding_window_conversion_at_every_entry_point(case, tmp_path):
     assert [r.tokens for r in snlp_generate(model, prompts, "4xF1-h0-K4", max_new_tokens=n)] == loop
     for plan in ("2xF1-h0-K1", "1xF2-h0-K1"):
         assert [r.tokens for r in speculative_generate(model, prompts, plan, block=3, max_new_tokens=n)] == loop
-    alone = [snlp_generate(model, p, "3xF1-h0-K1", max_new_tokens=n).tokens for p in prompts]
-    assert [r.tokens for r in snlp_generate(model, prompts, "3xF1-h0-K1", max_new_tokens=n)] == alone
+    shared = speculative_generate(model, prompts, "3xF1-h0-K1", block=3, max_new_tokens=n, share_weights=True,
+                                  adaptive=True)
+    drafted = speculative_generate(model, prompts, "2xF1-h0-K1", block=3, max_new_tokens=n,
+                                   drafter=make_drafter(model, "2xF1-h0-K1"))
+    assert [r.tokens for r in shared] == [r.tokens for r in drafted] == loop
+    assert [jacobi_generate(model, p, "3xF1-h0-K1", block=3, max_new_tokens=n).tokens for p in prompts] == loop
+    fused = [argmax_loop(lambda ids: fused_forward(model, ids, "2xF2-h0-K2"), p, n) for p in prompts]
+    assert [r.tokens for r in snlp_generate(model, prompts, "2xF2-h0-K2", max_new_tokens=n)] == fused
+    for plan in ("3xF1-h0-K1", "3xF1-h0-K2-tol:0.5"):
+        alone = [snlp_generate(model, p, plan, max_new_tokens=n).tokens for p in prompts]
+        assert [r.tokens for r in snlp_generate(model, prompts, plan, max_new_tokens=n)] == alone, plan
     # export round trip (fp32 files: transformers' own loading path)
     transformers = pytest.importorskip("transformers")
     m32, _ = from_hf(hf.float())
