@@ -753,6 +753,7 @@ COMPILED = {
     "decode-static": ("snlp", dict(dynamic=False), "4xF1-h0-K2-hcn"),
     "decode-exact-nanochat": ("snlp", {**NANOCHAT, **NANOCHAT_MHC}, "4xF1-h0-K4-hcn"),
     "speculative-windows": ("speculative", None, "2xF2-h0-K1"),
+    "speculative-static": ("speculative", dict(dynamic=False), "4xF1-h0-K1-hcn"),
     "plan-nanochat": ("plan", NANOCHAT, "2xF2-h0-K1"),
 }
 
