@@ -121,7 +121,8 @@ def _invocations(text: str, commands) -> list[tuple[int, str, str]]:
 
 def test_every_flag_a_guide_gives_a_command_exists():
     """`snlp CMD --flag` in the README, CONTRIBUTING.md and the guides (docs/*.md; the dated records keep the
-    flags of their day) names a flag CMD's parser has, so a command copied from a guide runs."""
+    flags of their day) names a flag CMD's parser has, so a command copied from a guide runs; so does every flag of
+    a guide's "## Options" section, for the commands whose cli.md tables it links."""
     flags = _command_flags()
     bad = []
     for f in GUIDES:
@@ -131,6 +132,14 @@ def test_every_flag_a_guide_gives_a_command_exists():
             for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest):
                 if flag not in flags[cmd]:
                     bad.append(f"{f.relative_to(ROOT)}:{i}: snlp {cmd} has no {flag}")
+        # an "## Options" section names its commands by linking their tables in cli.md; its flags are theirs
+        for sec in re.findall(r"(?ms)^## Options\n(.*?)(?=^## |\Z)", f.read_text()):
+            cmds = set(re.findall(r"cli\.md#snlp-([\w-]+)|<!-- flags: snlp ([\w-]+)", sec))
+            cmds = {a or b for a, b in cmds}
+            sec = re.sub(r"`pip [^`]*`", "", sec)  # another program's flags
+            known = set().union(*(flags[c] for c in cmds if c in flags))
+            for flag in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", sec)) - known):
+                bad.append(f"{f.relative_to(ROOT)}: Options of {sorted(cmds)} name {flag}, which none of them has")
     assert not bad, "\n".join(bad)
 
 
