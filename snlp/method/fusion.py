@@ -399,12 +399,13 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
         qw, kw = w.q_norm.view(C, M, 1, 1, 1, hd), w.k_norm.view(C, M, 1, 1, 1, hd)
     q, k = qk_rope(q, k, ctx.cos, ctx.sin, w.qk_norm, qw, kw, w.eps)
     if cache is None and w.window_values is not None and uses_flex(T, w.window_values, q.device, q.requires_grad):
-        # one FlexAttention call over every branch (entry (c*M + m)*B + b has branch c*M + m's window): each visits
-        # only the key blocks its window sees, no gathers by window (compiled graphs only, see set_window_kernel).
+        # one FlexAttention call over every branch (entry (c*M + m)*B + b has branch c*M + m's window, read from the
+        # weights' window tensor): each visits only the key blocks its window sees, no gathers by window (compiled
+        # graphs only, see set_window_kernel)
         q, k, v = (t.reshape(C * M * B, T, -1, hd).transpose(1, 2) for t in (q, k, v))  # (C*M*B, H, T, hd)
         if q.device.type == "cpu":  # inductor's CPU flex template reads its inputs' layout as 4-D buffers: a view of
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the 6-D stack fails to lower
-        y = flex_window_attention(q, k, v, w.window_values, B)
+        y = flex_window_attention(q, k, v, w.windows.view(-1), B)
         return y.transpose(1, 2).reshape(C, M, B, T, Hq, hd)
     q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (C, M, B, H, T, hd)
     win = -1 if w.windows is None else w.windows  # (C, M, 1): leading dims (C, M, B)

@@ -189,32 +189,33 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
 FLEX_BLOCK = 128  # FlexAttention's tile (its default BLOCK_SIZE): the block mask's granularity
 
 
-def flex_block_mask(windows: tuple[int, ...], rows: int, T: int, device, grad: bool = True) -> BlockMask:
-    """The FlexAttention BlockMask of causal sliding-window attention over a batch of len(windows) * rows sequences
-    whose entry n has window windows[n // rows] (w < 0: causal only), queries and keys at 0..T-1: query p sees key
-    j iff j <= p and (w < 0 or p - j <= w), as window_mask. Built from block-level arithmetic, not by evaluating
-    the mask on every (p, j) pair as create_block_mask does (that is a T x T pass per sequence): query block i
-    (positions i*b .. i*b + b - 1, b = FLEX_BLOCK) and key block j have differences p - j in [lo, hi] with
-    lo = (i - j) b - b + 1, hi = (i - j) b + b - 1, so the pair is visited iff hi >= 0 and lo <= w, and needs no
-    mask (a full block) iff lo >= 0 and hi <= w and both blocks lie inside the sequence (a partial last block
-    keeps the mask). O(windows * (T / b)^2) small integer ops: cheap enough to build inside the compiled graph on
-    every call (no host cache, no guard on its identity; the same ops in every layer are one after
-    aot_autograd's common-subexpression pass). `grad`: also build the transposed (key-major) block lists the
-    backward reads."""
+def flex_block_mask(windows: Tensor | int, rows: int, T: int, device, grad: bool = True) -> BlockMask:
+    """The FlexAttention BlockMask of causal sliding-window attention over a batch of sequences, queries and keys at
+    0..T-1: query p sees key j iff j <= p and (w < 0 or p - j <= w), as window_mask. `windows` is one int window
+    for every sequence, or a (W,) tensor: sequence n has window windows[n // rows] (a fused stack's branches, each
+    over `rows` batch rows; read from the tensor inside the mask, so no host copy and no per-value recompile).
+
+    Built from block-level arithmetic, not by evaluating the mask on every (p, j) pair as create_block_mask does
+    (a T x T pass per sequence): query block i (positions i*b .. i*b + b - 1, b = FLEX_BLOCK) and key block j have
+    differences p - j in [lo, hi], lo = (i - j) b - b + 1, hi = (i - j) b + b - 1, so the pair is visited iff
+    hi >= 0 and lo <= w, and needs no mask (a full block) iff lo >= 0 and hi <= w and both blocks lie inside the
+    sequence (a partial last block keeps the mask). O(W (T / b)^2) small integer ops: cheap enough to build inside
+    the compiled graph on every call (no host cache, no guard on a cached object; the same ops in every layer
+    are computed once after aot_autograd's common-subexpression pass). `grad`: also build the transposed
+    (key-major) block lists the backward reads."""
     b = FLEX_BLOCK
     n = -(-T // b)
     inside = T // b  # blocks wholly inside the sequence
-    w = torch.tensor(windows, device=device)  # (W,) host ints: a constant of the traced graph
-    w = torch.where(w < 0, T, w)[:, None, None]  # (W, 1, 1); full attention = a window no pair exceeds
+    one = isinstance(windows, int)
+    w = torch.tensor([windows], device=device) if one else windows.reshape(-1)  # (W,)
+    W, R = w.shape[0], 1 if one else rows  # one window: a (1, 1, ...) block mask broadcasts over the batch
+    wb = torch.where(w < 0, T, w)[:, None, None]  # (W, 1, 1); full attention = a window no pair exceeds
     i = torch.arange(n, device=device)
     d = (i[:, None] - i[None, :]) * b  # (n, n): query block i, key block j
     lo, hi = d - (b - 1), d + (b - 1)
-    visit = (hi >= 0) & (lo <= w)  # (W, n, n)
-    full = (lo >= 0) & (hi <= w) & (i[:, None] < inside) & (i[None, :] < inside)
+    visit = (hi >= 0) & (lo <= wb)  # (W, n, n)
+    full = (lo >= 0) & (hi <= wb) & (i[:, None] < inside) & (i[None, :] < inside)
     part = visit & ~full
-
-    W = len(windows)
-    R = rows if W > 1 else 1  # one window: a (1, 1, ...) block mask broadcasts over the batch
 
     def lists(m: Tensor) -> tuple[Tensor, Tensor]:  # (W, n, n) bool -> counts (W*R, 1, n), indices (W*R, 1, n, n)
         num = m.sum(-1, dtype=torch.int32)
@@ -223,22 +224,25 @@ def flex_block_mask(windows: tuple[int, ...], rows: int, T: int, device, grad: b
                 idx[:, None].expand(W, R, n, n).reshape(W * R, 1, n, n))
 
     (kv_num, kv_idx), (full_num, full_idx) = lists(part), lists(full)
-    wins = w.view(-1)
-
-    def mask_mod(bi, h, q_idx, kv_idx):  # bi: the batch entry, a sequence of branch bi // rows
-        win = wins[bi // rows] if W > 1 else wins[0]
-        return (kv_idx <= q_idx) & (q_idx - kv_idx <= win)
+    if one:
+        def mask_mod(bi, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) if windows < 0 else (kv_idx <= q_idx) & (q_idx - kv_idx <= windows)
+    else:
+        def mask_mod(bi, h, q_idx, kv_idx):  # bi: the batch entry, a sequence of branch bi // rows
+            win = w[bi // rows]
+            return (kv_idx <= q_idx) & ((win < 0) | (q_idx - kv_idx <= win))
 
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod,
                                     seq_lengths=(T, T), compute_q_blocks=grad)
 
 
-def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: tuple[int, ...], rows: int) -> Tensor:
+def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, rows: int = 1) -> Tensor:
     """Causal sliding-window attention through FlexAttention: q (N, Hq, T, hd), k/v (N, Hkv, T, hd) -> (N, Hq, T,
-    hd) with N = len(windows) * rows and entry n attending with window windows[n // rows] (w < 0: causal only), so
-    a fused stack's branches, each with its own window, run as ONE call that visits only the key blocks each window
-    can see. Meant for compiled graphs (`uses_flex`); the softmax scale is SDPA's 1 / sqrt(hd)."""
-    bm = flex_block_mask(tuple(windows), rows, q.shape[-2], q.device,
+    hd); `windows` one int for every sequence, or a (W,) tensor with N = W * rows, entry n attending with window
+    windows[n // rows] (w < 0: causal only), so a fused stack's branches, each with its own window, run as ONE call
+    that visits only the key blocks each window can see. Meant for compiled graphs (`uses_flex`); the softmax scale
+    is SDPA's 1 / sqrt(hd)."""
+    bm = flex_block_mask(windows, rows, q.shape[-2], q.device,
                          grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -329,7 +333,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
     elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
             uses_flex(T, (windows,), q.device, q.requires_grad):
-        y = flex_window_attention(q4, k4, v4, (windows,), q4.shape[0])
+        y = flex_window_attention(q4, k4, v4, windows)
     elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
             uses_band(T, windows, q.device):
         y = banded_attention(q4, k4, v4, windows, masks)
