@@ -30,12 +30,16 @@ from snlp.model import ops
 
 
 def _thread_ms(fn, runs: int) -> float:
+    """Median thread CPU time of the calling thread (robust to other processes on a shared box); the process CPU
+    time of the same calls must agree (a kernel that spread work over other threads would show there only)."""
     fn()
-    ts = []
+    ts, ps = [], []
     for _ in range(runs):
-        t = time.thread_time()
+        t, p = time.thread_time(), time.process_time()
         fn()
         ts.append((time.thread_time() - t) * 1e3)
+        ps.append((time.process_time() - p) * 1e3)
+    _thread_ms.process_ms = statistics.median(ps)
     return statistics.median(ts)
 
 
@@ -66,6 +70,14 @@ def _reference(q, k, v, windows, rows):
                                           v.double().repeat_interleave(rep, 1), attn_mask=allowed)
 
 
+def in_kernel(kind, fn):
+    prev = ops.set_window_kernel(kind)
+    try:
+        return fn()
+    finally:
+        ops.set_window_kernel(prev)
+
+
 def kernels(a) -> dict:
     dev = torch.device(a.device)
     if dev.type == "cpu":
@@ -83,6 +95,7 @@ def kernels(a) -> dict:
             q, k, v = (torch.randn(N, a.heads, T, a.head_dim, device=dev, dtype=dt) for _ in range(3))
             ref = _reference(q, k, v, windows, 1)
             groups = ops.window_groups(windows, dev)
+            wt = torch.tensor(windows, device=dev)  # (N,) one window per branch
 
             def run(kind):
                 prev = ops.set_window_kernel(kind)
@@ -91,14 +104,20 @@ def kernels(a) -> dict:
                         return ops.attend(q, k, v, w, masks={})
                     if kind == "banded":
                         return ops.attend_branches(q, k, v, windows, groups, {})
-                    wt = torch.tensor(windows, device=dev)  # (N,): one masked SDPA over every branch
-                    return ops.attend(q, k, v, wt, masks={})
+                    return ops.attend(q, k, v, wt, masks={})  # one masked SDPA over every branch
                 finally:
                     ops.set_window_kernel(prev)
 
-            fns = {"masked (eager)": lambda: run("masked"),
-                   ("banded (eager)" if case == "layer" else "grouped by window, banded (eager)"): lambda: run("banded"),
-                   "flex (compiled)": lambda: flex(q, k, v, windows, 1)}
+            banded = "banded" if case == "layer" else "grouped by window, banded"
+            fns = {"masked (eager)": lambda: run("masked"), f"{banded} (eager)": lambda: run("banded"),
+                   "masked (compiled)": lambda: in_kernel("masked", compiled["masked"]),
+                   f"{banded} (compiled)": lambda: in_kernel("banded", compiled["banded"]),
+                   "flex (compiled)": lambda: flex(q, k, v, w if case == "layer" else wt, 1)}
+            # attend / attend_branches compiled, the kernel read while tracing (each its own graph)
+            compiled = {kind: torch.compile(lambda: (ops.attend(q, k, v, w) if case == "layer" else
+                                                     ops.attend_branches(q, k, v, windows, groups) if kind == "banded"
+                                                     else ops.attend(q, k, v, wt)), fullgraph=True, dynamic=False)
+                        for kind in ("masked", "banded")}
             with torch.inference_mode():
                 for name, fn in fns.items():
                     t0 = time.perf_counter()
@@ -106,9 +125,11 @@ def kernels(a) -> dict:
                     first = time.perf_counter() - t0
                     err = (y.double() - ref).abs().max().item()
                     ms = timer(fn, a.runs)
+                    pms = getattr(timer, "process_ms", None)
                     out["rows"].append(dict(T=T, window=w, case=case, branches=N, heads=a.heads, formulation=name,
-                                            ms=ms, max_abs_err=err, first_call_s=first))
-                    print(f"| {T} | {w} | {case} | {N} | {name} | {ms:.2f} | {err:.1e} | {first:.1f} |", flush=True)
+                                            ms=ms, process_ms=pms, max_abs_err=err, first_call_s=first))
+                    print(f"| {T} | {w} | {case} | {N} | {name} | {ms:.2f} | "
+                          f"{'-' if pms is None else f'{pms:.2f}'} | {err:.1e} | {first:.1f} |", flush=True)
     return out
 
 
@@ -271,8 +292,8 @@ def main():
     a.runs = a.runs or (3 if a.quick or a.what != "prefill" else 50)
     a.warmup = a.warmup or (1 if a.quick else 10)
     if a.what == "kernels":
-        print("| T | window | case | branches | formulation | ms | max abs err | first call s |\n|---|---|---|---|---|---|"
-              "---|---|")
+        print("| T | window | case | branches | formulation | ms | process ms | max abs err | first call s |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         out = kernels(a)
     elif a.what == "counts":
         print("| forward | kernel | launches | generated | extern | aten fallback | by name |\n|---|---|---|---|---|---|"
