@@ -7,6 +7,9 @@
     PYTHONPATH=$PWD python3 scripts/flex_windows.py counts [--json F]
         kernels per compiled forward (inductor's generated code, counted by kind) of a small windowed model, sequential
         and a fused plan, under the masked and the flex kernel (CPU).
+    PYTHONPATH=$PWD python3 scripts/flex_windows.py forward [--pattern S|SSSL] [--json F]
+        whole compiled forwards on the CPU (scripts/window_cost.py's model, T = 4096, window 256): the sequential
+        forward, 6xF1-h0-K1 and 3xF2-h0-K1 under the masked, banded and flex kernels, thread time, one thread.
     PYTHONPATH=$PWD python3 scripts/flex_windows.py prefill [--device cuda] [--quick] [--out DIR]
         the GPU campaign's `flex` part: the 0.5B-nox0ve shape (SSSL, short window 512, T = 2048, bf16), its
         sequential forward and `12xF2-h0-K1`, `12xF2-h0-K2`, each compiled (fullgraph; CUDA graphs on CUDA) once per
@@ -256,6 +259,48 @@ def prefill(a) -> dict:
     return out
 
 
+def forward(a) -> dict:
+    """Whole compiled forwards on the CPU: scripts/window_cost.py's model (depth 8, width 256, every layer but the
+    last with a 256-token window; --pattern SSSL mixes full layers in), T = 4096, fp32, one thread, thread time:
+    the sequential forward and two plans, compiled under each window kernel."""
+    import snlp
+
+    torch.set_num_threads(1)
+    T, w = (256, 32) if a.quick else (4096, 256)
+    cfg = snlp.GPTConfig.from_depth(8, width=256, head_dim=64, vocab_size=512, window_pattern=a.pattern,
+                                    short_window=w, sequence_len=T)
+    torch.manual_seed(0)
+    model = snlp.GPT(cfg)
+    model.init_weights(seed=0)
+    with torch.no_grad():  # init zeroes the output projections: attention would not reach the compared logits
+        for prm in model.parameters():
+            prm.add_(torch.randn_like(prm) * 0.02)
+    model.eval()
+    idx = torch.randint(0, 512, (1, T))
+    out = {"T": T, "window": w, "pattern": a.pattern, "clock": "thread time, 1 thread", "rows": []}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    with torch.inference_mode():
+        for plan in (None, "6xF1-h0-K1", "3xF2-h0-K1"):
+            r = snlp.bind(model, plan, check_finite=False) if plan else model
+            ref = None
+            for kind in ("masked", "banded", "flex"):
+                ops.set_window_kernel(kind)
+                torch._dynamo.reset()
+                c = torch.compile(lambda: r(idx), fullgraph=True, dynamic=False)
+                t0 = time.perf_counter()
+                y = c()
+                first = time.perf_counter() - t0
+                ref = y if ref is None else ref
+                ms = _thread_ms(c, a.runs)
+                row = dict(forward=plan or "sequential", kernel=kind, ms=ms, compile_s=first,
+                           max_abs_diff_vs_masked=(y - ref).abs().max().item())
+                out["rows"].append(row)
+                print(f"| {row['forward']} | {kind} | {ms:.0f} | {first:.0f} | {row['max_abs_diff_vs_masked']:.1e} |",
+                      flush=True)
+    ops.set_window_kernel("auto")
+    return out
+
+
 def _q(ts, p):
     s = sorted(ts)
     return s[min(len(s) - 1, int(p * len(s)))]
@@ -278,7 +323,8 @@ def prefill_markdown(out: dict) -> str:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["kernels", "counts", "prefill"])
+    p.add_argument("what", choices=["kernels", "counts", "prefill", "forward"])
+    p.add_argument("--pattern", default="S", help="forward: the model's window pattern")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--heads", type=int, default=4)
@@ -295,6 +341,9 @@ def main():
         print("| T | window | case | branches | formulation | ms | process ms | max abs err | first call s |\n"
               "|---|---|---|---|---|---|---|---|---|")
         out = kernels(a)
+    elif a.what == "forward":
+        print("| forward | kernel (compiled) | ms | compile s | max abs diff vs masked |\n|---|---|---|---|---|")
+        out = forward(a)
     elif a.what == "counts":
         print("| forward | kernel | launches | generated | extern | aten fallback | by name |\n|---|---|---|---|---|---|"
               "---|")

@@ -169,7 +169,8 @@ def _has_flex(graphs) -> bool:
 @pytest.mark.parametrize("plan", [None, "3xF2-h0-K2", "6xF1-h0-K1"])
 def test_flex_is_taken_inside_compiled_graphs_only(kernel, plan):
     """With "flex" the compiled sequential forward and plans (mixed S/L stacks) run FlexAttention, and equal the
-    masked reference; eager calls, "masked" and "banded" never do; "auto" on the CPU keeps the banded kernel."""
+    masked reference; eager calls, "masked" and "banded" never do; "auto" on the CPU takes it where the band pays
+    only (not at T = 40 with window 5: 2 (w + b) > T)."""
     model = make_model(seed=2, n_layer=6, window_pattern="SSSL", short_window=5, sequence_len=64)
     idx = tokens(model, T=40)
     run = (lambda: model(idx)) if plan is None else (lambda r=bind(model, plan, check_finite=False): r(idx))
@@ -188,14 +189,18 @@ def test_flex_is_taken_inside_compiled_graphs_only(kernel, plan):
 def test_auto_follows_the_measurements(kernel, monkeypatch):
     """auto, while compiling: FlexAttention on CUDA for stacks that mix windows (measured faster than one masked SDPA
     over every branch and than grouping), not for one layer or a stack of one window (masked measured faster / not
-    measured), never on the CPU; never while not compiling; "flex" wherever a window bites, except a CPU backward."""
+    measured); on the CPU where the banded kernel would be taken (measured slower than flex), never for a CPU
+    backward; never while not compiling; "flex" wherever a window bites, except a CPU backward."""
     assert not ops.uses_flex(2048, (512, -1), "cuda", False)  # not compiling
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     kernel("auto")
     assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)
     assert not ops.uses_flex(2048, (512,), "cuda", False)
     assert not ops.uses_flex(2048, (512, 512), "cuda", False)
-    assert not ops.uses_flex(2048, (512, -1), "cpu", False)
+    assert ops.uses_flex(2048, (512, -1), "cpu", False) and ops.uses_flex(4096, (256,), "cpu", False)
+    assert not ops.uses_flex(2048, (512, -1), "cpu", True)  # a CPU training graph
+    assert not ops.uses_flex(1000, (512,), "cpu", False)  # the band would not pay: masked
+    assert ops.uses_band(1000, 300, "cpu") == ops.uses_flex(1000, (300, -1), "cpu", False)
     kernel("flex")
     assert ops.uses_flex(2048, (512,), "cuda", True) and ops.uses_flex(2048, (512,), "cpu", False)
     assert not ops.uses_flex(2048, (-1, 2047, 4000), "cuda", False)  # no window bites: the causal path
@@ -228,6 +233,37 @@ def test_cpu_training_never_takes_flex(kernel):
     assert not _has_flex(graphs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_takes_flex_in_compiled_cpu_graphs_where_the_band_pays(kernel):
+    model = make_model(seed=1, n_layer=4, window_pattern="SSSL", short_window=8, sequence_len=128)
+    idx = tokens(model, T=100)
+    r = bind(model, "2xF2-h0-K1", check_finite=False)
+    with torch.no_grad():
+        kernel("masked")
+        refs = (model(idx), r(idx))
+        kernel("auto")
+        for fn, ref in zip((lambda: model(idx), lambda: r(idx)), refs):
+            graphs, out = _graphs(fn)
+            assert _has_flex(graphs)
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_backout_survives_flex_in_a_compiled_graph(kernel):
+    """nanochat-snlp's backout keeps layer n_layer // 2's output in the Context across later FlexAttention calls (an
+    attribute of an object made inside the graph was lost there under torch 2.13: the head read None)."""
+    model = make_model(seed=3, n_layer=6, window_pattern="SSSL", short_window=5, sequence_len=64, smear=True,
+                       backout=True, qk_scale=1.2, ve_gate_channels=12, ve_gate_scale=3.0, n_embd=32)
+    idx = tokens(model, T=40)
+    r = bind(model, "3xF2-h0-K1", check_finite=False)
+    with torch.no_grad():
+        kernel("masked")
+        refs = (model(idx), r(idx))
+        kernel("flex")
+        for fn, ref in zip((lambda: model(idx), lambda: r(idx)), refs):
+            graphs, out = _graphs(fn)
+            assert _has_flex(graphs)
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.slow
