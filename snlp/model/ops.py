@@ -132,11 +132,11 @@ def set_window_kernel(kind: str) -> str:
     (eager FlexAttention materialises every score: a slow reference), and not where torch has no kernel for it (its
     backward on the CPU); elsewhere "flex" chooses as "auto" does. "auto": by measurement, per device:
       - CPU: banded once the band excludes at least half of the causal scores (14.5 against 108 ms of thread time at
-        T = 4096, w = 256, one layer), and where it would be, inside a compiled graph that builds no backward,
-        FlexAttention (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.9 ms against
-        28.0 for the banded kernel compiled, 22.3 eager, 230 masked compiled; at T = 2048, w = 512 14.0 against 20.3;
-        a stack of 6 short + 2 full branches 313 against 430 grouped and banded, compiled, and 135 against 183:
-        docs/records/2026-11-26-flex-windows.md);
+        T = 4096, w = 256, one layer), compiled graphs included: FlexAttention compiled beats the banded kernel per
+        call (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.9 ms against 28.0
+        banded compiled; a stack of 6 short + 2 full branches 313 against 430), but not per compiled forward (depth
+        8, width 256, T = 4096, w = 256: sequential 833 against 828 ms, 6xF1-h0-K1 935 against 938, 3xF2-h0-K1 901
+        against 936: ties) while its CPU compile takes longer (docs/records/2026-11-26-flex-windows.md);
       - CUDA, one layer: masked (H200, T = 2048, window 512, bf16: cuDNN's masked SDPA 0.069 ms, banded 0.466,
         FlexAttention compiled 0.134);
       - CUDA, a compiled fused stack whose branches mix windows (an SSSL suffix: 18 short + 6 full branches of 5
@@ -177,9 +177,8 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     a single layer, the C*M branches' for a fused stack) takes `flex_window_attention` (see set_window_kernel):
     only while torch.compile traces (eager FlexAttention is an unfused reference that materialises every score),
     only if some window bites (w < T - 1), and never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
-    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows (measured faster there, one
-    layer measured slower), on the CPU where the banded kernel would be taken for the narrowest window (measured
-    faster than the banded kernel, compiled or not)."""
+    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows only (measured faster there,
+    one layer measured slower; see set_window_kernel for the CPU's measurements)."""
     if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
         return False
     if all(w < 0 or w >= T - 1 for w in windows):
@@ -189,8 +188,6 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
         return False
     if _window_kernel == "flex":
         return True
-    if kind == "cpu":
-        return uses_band(T, min(w for w in windows if w >= 0), device)
     return kind == "cuda" and len(set(windows)) > 1
 
 
