@@ -188,7 +188,7 @@ def counts(a) -> dict:
     return out
 
 
-def prefill(a) -> dict:
+def prefill(a, save=lambda out: None) -> dict:
     from snlp import bind
     from snlp.bench.forward import COMPILE_CALLS, compile_step
     from snlp.bench.suite import PAPER_SHAPES
@@ -221,10 +221,9 @@ def prefill(a) -> dict:
            "shape": shape.key, "T": T, "window": w, "pattern": "SSSL", "dtype": "bfloat16" if cuda else "float32",
            "cuda_graphs": cuda, "compile_s": {}, "max_abs_diff_logits": {}, "rows": [], "failures": []}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-    fns = {}
     with torch.inference_mode():
-        for name, fn in targets.items():
-            ref = None
+        for name, fn in targets.items():  # per forward: compile both kernels, then time them round-robin, then save
+            ref, fns = None, {}
             for kind in ("masked", "flex"):
                 cfn = compile_step(fn, dev)
 
@@ -248,14 +247,15 @@ def prefill(a) -> dict:
                     out["max_abs_diff_logits"][name] = (y - ref).abs().max().item()
                 fns[label] = call
                 print(f"compiled {label} in {out['compile_s'][label]:.1f} s", flush=True)
-        times = time_round_robin(fns, a.warmup, a.runs, dev)
+            times = time_round_robin(fns, a.warmup, a.runs, dev)
+            for label, ts in times.items():
+                kind = label.split(" / ")[1]
+                base = times.get(f"{name} / masked")
+                out["rows"].append(dict(forward=name, kernel=kind, median_ms=statistics.median(ts), p10_ms=_q(ts, 0.1),
+                                        p90_ms=_q(ts, 0.9), runs=len(ts), vs_masked=None if base is None else
+                                        statistics.median(base) / statistics.median(ts)))
+            save(out)  # a part cut short by its time limit keeps the forwards it finished
     ops.set_window_kernel("auto")
-    for label, ts in times.items():
-        name, kind = label.split(" / ")
-        base = times.get(f"{name} / masked")
-        out["rows"].append(dict(forward=name, kernel=kind, median_ms=statistics.median(ts), p10_ms=_q(ts, 0.1),
-                                p90_ms=_q(ts, 0.9), runs=len(ts),
-                                vs_masked=None if base is None else statistics.median(base) / statistics.median(ts)))
     return out
 
 
@@ -309,13 +309,15 @@ def _q(ts, p):
 def prefill_markdown(out: dict) -> str:
     lines = [f"## FlexAttention window kernel, compiled prefill ({out['device']}, {out['shape']}, {out['pattern']} "
              f"window {out['window']}, T = {out['T']}, {out['dtype']}" + (", CUDA graphs" if out["cuda_graphs"] else "")
-             + ")", "", "| forward | kernel | median ms (p10-p90) | masked / this | compile s | max abs diff vs masked |",
+             + ")", "",
+             "| forward | kernel | median ms (p10-p90) | masked / this | compile s | max abs diff vs masked |",
              "|---|---|---|---|---|---|"]
     for r in out["rows"]:
         label = f"{r['forward']} / {r['kernel']}"
         diff = out["max_abs_diff_logits"].get(r["forward"]) if r["kernel"] == "flex" else None
+        vs = "-" if r["vs_masked"] is None else f"{r['vs_masked']:.2f}x"
         lines.append(f"| {r['forward']} | {r['kernel']} | {r['median_ms']:.2f} ({r['p10_ms']:.2f}-{r['p90_ms']:.2f}) | "
-                     f"{r['vs_masked']:.2f}x | {out['compile_s'].get(label, float('nan')):.1f} | "
+                     f"{vs} | {out['compile_s'].get(label, float('nan')):.1f} | "
                      f"{'-' if diff is None else f'{diff:.1e}'} |")
     lines += [f"- FAILED {f}" for f in out["failures"]]
     return "\n".join(lines) + "\n"
@@ -345,15 +347,17 @@ def main():
         print("| forward | kernel (compiled) | ms | compile s | max abs diff vs masked |\n|---|---|---|---|---|")
         out = forward(a)
     elif a.what == "counts":
-        print("| forward | kernel | launches | generated | extern | aten fallback | by name |\n|---|---|---|---|---|---|"
-              "---|")
+        print("| forward | kernel | launches | generated | extern | aten fallback | by name |\n"
+              "|---|---|---|---|---|---|---|")
         out = counts(a)
     else:
-        out = prefill(a)
-        if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "flex.json").write_text(json.dumps(out, indent=1))
-            (Path(a.out) / "flex.md").write_text(prefill_markdown(out))
+        def save(out):
+            if a.out:
+                Path(a.out).mkdir(parents=True, exist_ok=True)
+                (Path(a.out) / "flex.json").write_text(json.dumps(out, indent=1))
+                (Path(a.out) / "flex.md").write_text(prefill_markdown(out))
+        out = prefill(a, save)
+        save(out)
         print(prefill_markdown(out))
         if out["failures"]:
             raise SystemExit(1)

@@ -113,8 +113,8 @@ part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained
 #     the same shape per kernel (SNLP_WINDOW_ATTENTION: masked, then flex)
 if [ "$QUICK" = 1 ]; then FLEX_TRAIN="--train-batch 2 --train-steps 1 --train-warmup 1"
 else FLEX_TRAIN="--train-batch 4 --train-steps 4 --train-warmup 1"; fi
-part flex $T_LONG $PY scripts/flex_windows.py prefill $Q --device $DEV --out "$OUT/parts/flex"
-part flex_train $T_LONG bash -c "for k in masked flex; do SNLP_WINDOW_ATTENTION=\$k $PY -m snlp bench --suite train $Q \
+part flex $((T_LONG + 130)) $PY scripts/flex_windows.py prefill $Q --device $DEV --out "$OUT/parts/flex"
+part flex_train $((T_LONG + 70)) bash -c "for k in masked flex; do SNLP_WINDOW_ATTENTION=\$k $PY -m snlp bench --suite train $Q \
     --device $DEV --shapes 0.5B-nox0ve --treatments compiled --regs none $FLEX_TRAIN --out '$OUT/parts/flex_train_'\$k \
     || exit 1; done"
 

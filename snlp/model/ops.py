@@ -212,19 +212,25 @@ def flex_block_mask(windows: Tensor | int, rows: int, T: int, device, grad: bool
     n = -(-T // b)
     inside = T // b  # blocks wholly inside the sequence
     one = isinstance(windows, int)
-    w = torch.tensor([windows], device=device) if one else windows.reshape(-1)  # (W,)
-    W, R = w.shape[0], 1 if one else rows  # one window: a (1, 1, ...) block mask broadcasts over the batch
-    wb = torch.where(w < 0, T, w)[:, None, None]  # (W, 1, 1); full attention = a window no pair exceeds
+    if one:  # host arithmetic: every layer's lists are the same ops (one after CSE), a (1, 1, ...) mask broadcasts
+        wb, W, R = T if windows < 0 else windows, 1, 1  # full attention = a window no pair exceeds
+    else:
+        w = windows.reshape(-1)  # (W,)
+        wb, W, R = torch.where(w < 0, T, w)[:, None, None], w.shape[0], rows  # (W, 1, 1)
     i = torch.arange(n, device=device)
     d = (i[:, None] - i[None, :]) * b  # (n, n): query block i, key block j
     lo, hi = d - (b - 1), d + (b - 1)
-    visit = (hi >= 0) & (lo <= wb)  # (W, n, n)
-    full = (lo >= 0) & (hi <= wb) & (i[:, None] < inside) & (i[None, :] < inside)
+    visit = ((hi >= 0) & (lo <= wb)).expand(W, n, n)
+    full = ((lo >= 0) & (hi <= wb) & (i[:, None] < inside) & (i[None, :] < inside)).expand(W, n, n)
     part = visit & ~full
 
     def lists(m: Tensor) -> tuple[Tensor, Tensor]:  # (W, n, n) bool -> counts (W*R, 1, n), indices (W*R, 1, n, n)
         num = m.sum(-1, dtype=torch.int32)
-        idx = torch.argsort((~m).to(torch.int32), dim=-1, stable=True).to(torch.int32)  # listed blocks first
+        # listed key blocks first, in order: block j goes to slot (number of listed blocks before it); unlisted ones
+        # to a spare slot n that is cut off (a scatter, not a sort: inductor lowers it, a sort falls back to aten)
+        slot = torch.where(m, m.cumsum(-1) - 1, n)
+        idx = torch.zeros(W, n, n + 1, dtype=torch.int32, device=device).scatter_(
+            -1, slot, i.to(torch.int32).expand(W, n, n))[..., :n]
         return (num[:, None].expand(W, R, n).reshape(W * R, 1, n),
                 idx[:, None].expand(W, R, n, n).reshape(W * R, 1, n, n))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import examples, make_model, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
