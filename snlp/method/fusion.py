@@ -405,7 +405,7 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
         q, k, v = (t.reshape(C * M * B, T, -1, hd).transpose(1, 2) for t in (q, k, v))  # (C*M*B, H, T, hd)
         if q.device.type == "cpu":  # inductor's CPU flex template reads its inputs' layout as 4-D buffers: a view of
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the 6-D stack fails to lower
-        y = flex_window_attention(q, k, v, w.windows.view(-1), B)
+        y = flex_window_attention(q, k, v, w.windows.view(-1), B, ctx.extra.setdefault("masks", {}), w.window_values)
         return y.transpose(1, 2).reshape(C, M, B, T, Hq, hd)
     q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (C, M, B, H, T, hd)
     win = -1 if w.windows is None else w.windows  # (C, M, 1): leading dims (C, M, B)

@@ -204,15 +204,14 @@ def flex_block_mask(windows: Tensor | int, rows: int, T: int, device, grad: bool
     (a T x T pass per sequence): query block i (positions i*b .. i*b + b - 1, b = FLEX_BLOCK) and key block j have
     differences p - j in [lo, hi], lo = (i - j) b - b + 1, hi = (i - j) b + b - 1, so the pair is visited iff
     hi >= 0 and lo <= w, and needs no mask (a full block) iff lo >= 0 and hi <= w and both blocks lie inside the
-    sequence (a partial last block keeps the mask). O(W (T / b)^2) small integer ops: cheap enough to build inside
-    the compiled graph on every call (no host cache, no guard on a cached object; the same ops in every layer
-    are computed once after aot_autograd's common-subexpression pass). `grad`: also build the transposed
-    (key-major) block lists the backward reads."""
+    sequence (a partial last block keeps the mask). O(W (T / b)^2) small integer ops, built inside the compiled
+    graph (no host cache to guard on), once per forward through the forward's mask memo (flex_window_attention).
+    `grad`: also build the transposed (key-major) block lists the backward reads."""
     b = FLEX_BLOCK
     n = -(-T // b)
     inside = T // b  # blocks wholly inside the sequence
     one = isinstance(windows, int)
-    if one:  # host arithmetic: every layer's lists are the same ops (one after CSE), a (1, 1, ...) mask broadcasts
+    if one:  # host arithmetic, and a (1, 1, ...) block mask that broadcasts over the batch
         wb, W, R = T if windows < 0 else windows, 1, 1  # full attention = a window no pair exceeds
     else:
         w = windows.reshape(-1)  # (W,)
@@ -247,14 +246,23 @@ def flex_block_mask(windows: Tensor | int, rows: int, T: int, device, grad: bool
                                     seq_lengths=(T, T), compute_q_blocks=grad)
 
 
-def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, rows: int = 1) -> Tensor:
+def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, rows: int = 1,
+                          masks: dict | None = None, key: tuple | int | None = None) -> Tensor:
     """Causal sliding-window attention through FlexAttention: q (N, Hq, T, hd), k/v (N, Hkv, T, hd) -> (N, Hq, T,
     hd); `windows` one int for every sequence, or a (W,) tensor with N = W * rows, entry n attending with window
     windows[n // rows] (w < 0: causal only), so a fused stack's branches, each with its own window, run as ONE call
     that visits only the key blocks each window can see. Meant for compiled graphs (`uses_flex`); the softmax scale
-    is SDPA's 1 / sqrt(hd)."""
-    bm = flex_block_mask(windows, rows, q.shape[-2], q.device,
-                         grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    is SDPA's 1 / sqrt(hd). With `masks` (the forward's memo, see `attention_mask`) the block mask is built once per
+    forward for each (T, `key`, rows): `key` names the windows by host values (the int, or a stack's window tuple),
+    never by tensor identity, so a compiled graph keeps it in its memo without guarding on an object."""
+    T = q.shape[-2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    slot = ("flex", T, windows if isinstance(windows, int) else key, rows, grad, str(q.device))
+    bm = None if masks is None or slot[2] is None else masks.get(slot)
+    if bm is None:
+        bm = flex_block_mask(windows, rows, T, q.device, grad=grad)
+        if masks is not None and slot[2] is not None:
+            masks[slot] = bm
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -344,7 +352,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
     elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
             uses_flex(T, (windows,), q.device, q.requires_grad):
-        y = flex_window_attention(q4, k4, v4, windows)
+        y = flex_window_attention(q4, k4, v4, windows, masks=masks)
     elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
             uses_band(T, windows, q.device):
         y = banded_attention(q4, k4, v4, windows, masks)
