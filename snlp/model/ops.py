@@ -141,7 +141,8 @@ def set_window_kernel(kind: str) -> str:
         FlexAttention compiled 0.134);
       - CUDA, a compiled fused stack whose branches mix windows (an SSSL suffix: 18 short + 6 full branches of 5
         heads, same card and shapes): FlexAttention with a per-branch window 0.44 ms against 0.95 for one masked
-        SDPA over every branch and 1.18 for the branches grouped by window (docs/gpu.md); eager, masked.
+        SDPA over every branch and 1.18 for the branches grouped by window (docs/gpu.md); eager, or in a graph that
+        builds a backward (not measured), masked.
     Fused stacks group their branches by window only where the banded kernel is taken (snlp.method.fusion). The
     environment variable SNLP_WINDOW_ATTENTION sets the default. All four compute the same function (round-off
     apart)."""
@@ -177,18 +178,20 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     a single layer, the C*M branches' for a fused stack) takes `flex_window_attention` (see set_window_kernel):
     only while torch.compile traces (eager FlexAttention is an unfused reference that materialises every score),
     only if some window bites (w < T - 1), and never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
-    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows only (measured faster there,
-    one layer measured slower; see set_window_kernel for the CPU's measurements)."""
+    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows in graphs without a backward
+    only (their forward measured faster there, one layer measured slower, no backward measured yet; see
+    set_window_kernel for the CPU's measurements)."""
     if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
         return False
     if all(w < 0 or w >= T - 1 for w in windows):
         return False
     kind = torch.device(device).type
-    if kind == "cpu" and requires_grad and torch.is_grad_enabled():
+    backward = requires_grad and torch.is_grad_enabled()
+    if kind == "cpu" and backward:
         return False
     if _window_kernel == "flex":
         return True
-    return kind == "cuda" and len(set(windows)) > 1
+    return kind == "cuda" and len(set(windows)) > 1 and not backward
 
 
 FLEX_BLOCK = 128  # FlexAttention's tile (its default BLOCK_SIZE): the block mask's granularity

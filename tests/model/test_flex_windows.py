@@ -186,13 +186,16 @@ def test_flex_is_taken_inside_compiled_graphs_only(kernel, plan):
 
 def test_auto_follows_the_measurements(kernel, monkeypatch):
     """auto, while compiling: FlexAttention on CUDA for stacks that mix windows (measured faster than one masked SDPA
-    over every branch and than grouping), not for one layer or a stack of one window (masked measured faster / not
-    measured); never on the CPU (a tie with the banded kernel per compiled forward); never while not compiling;
-    "flex" wherever a window bites, except a CPU backward."""
+    over every branch and than grouping) without a backward, not for one layer or a stack of one window (masked
+    measured faster / not measured); never on the CPU (a tie with the banded kernel per compiled forward); never
+    while not compiling; "flex" wherever a window bites, except a CPU backward."""
     assert not ops.uses_flex(2048, (512, -1), "cuda", False)  # not compiling
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     kernel("auto")
-    assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)
+    assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", False)
+    assert not ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)  # a training graph: backward not measured
+    with torch.no_grad():
+        assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)
     assert not ops.uses_flex(2048, (512,), "cuda", False)
     assert not ops.uses_flex(2048, (512, 512), "cuda", False)
     assert not ops.uses_flex(2048, (512, -1), "cpu", False) and not ops.uses_flex(4096, (256,), "cpu", False)
