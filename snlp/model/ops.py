@@ -133,10 +133,10 @@ def set_window_kernel(kind: str) -> str:
     backward on the CPU); elsewhere "flex" chooses as "auto" does. "auto": by measurement, per device:
       - CPU: banded once the band excludes at least half of the causal scores (14.5 against 108 ms of thread time at
         T = 4096, w = 256, one layer), compiled graphs included: FlexAttention compiled beats the banded kernel per
-        call (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.9 ms against 28.0
-        banded compiled; a stack of 6 short + 2 full branches 313 against 430), but not per compiled forward (depth
-        8, width 256, T = 4096, w = 256: sequential 833 against 828 ms, 6xF1-h0-K1 935 against 938, 3xF2-h0-K1 901
-        against 936: ties) while its CPU compile takes longer (docs/records/2026-11-26-flex-windows.md);
+        call (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.8 ms against 22.7
+        banded compiled; a stack of 6 short + 2 full branches 316 against 432), but not per compiled forward (depth
+        8, width 256, T = 4096, w = 256: flex / banded 0.94-1.08 over the sequential forward, 6xF1-h0-K1 and
+        3xF2-h0-K1 in two runs: ties) while its CPU compile takes longer (docs/records/2026-11-26-flex-windows.md);
       - CUDA, one layer: masked (H200, T = 2048, window 512, bf16: cuDNN's masked SDPA 0.069 ms, banded 0.466,
         FlexAttention compiled 0.134);
       - CUDA, a compiled fused stack whose branches mix windows (an SSSL suffix: 18 short + 6 full branches of 5
