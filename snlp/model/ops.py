@@ -153,11 +153,6 @@ def set_window_kernel(kind: str) -> str:
     return prev
 
 
-def window_kernel() -> str:
-    """The current window kernel setting (see set_window_kernel)."""
-    return _window_kernel
-
-
 def band_block(window: int) -> int:
     """Query block size b of the banded formulation for a window w: about w / 2 (a multiple of 16, at least 16).
     Each block attends w + b keys; smaller blocks waste fewer scores but make smaller matmuls (on the CPU, w = 256
