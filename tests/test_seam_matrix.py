@@ -34,7 +34,8 @@ Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, the window
-kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point), nanochat-
+kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
+flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
 backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
 12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
@@ -883,5 +884,51 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
                 assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
             spec = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=4)
             assert [r.tokens for r in spec] == [argmax_loop(m, p, 4) for p in prompts]
+    finally:
+        set_window_kernel(prev)
+
+
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "exact", "exactF2"]), seed=st.integers(0, 50),
+       nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
+def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
+    """set_window_kernel("flex") (FlexAttention with a block-sparse window mask, taken inside compiled graphs only;
+    fused stacks as one call with per-branch windows) against "masked": the compiled sequential forward and compiled
+    runner (shared weights where allowed) run FlexAttention and give the masked kernel's results (fp64, aot_autograd
+    graphs: FlexAttention's own reference kernel; inductor's is tests/model/test_flex_windows.py); eagerly (no flex:
+    parallel_forward, SNLP decoding, whose cached calls never take it) the results are the masked kernel's too."""
+    from snlp.model.ops import set_window_kernel
+
+    cfg = {"window_pattern": pattern, "short_window": 4, "sequence_len": 96, "nanochat": nano}
+    m = model_for(kind, seed, cfg if kind != "hcn" else {"nanochat": nano})
+    if kind == "hcn":
+        m = mhc_model(seed=seed, n_layer=L, window_pattern=pattern, short_window=4, sequence_len=96,
+                      **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
+    plan = PLANS[kind]
+    share = share and kind in ("F1", "fwd", "exact")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
+    prompts = [idx[0, :40].tolist(), idx[1, :37].tolist()]
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm.code)
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example)
+
+    prev = set_window_kernel("masked")
+    try:
+        with torch.no_grad():
+            runner = bind(m, plan, check_finite=False, share_weights=share)
+            ref = (m(idx), runner(idx), parallel_forward(m, idx, plan))
+            ref_dec = [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)]
+            set_window_kernel("flex")
+            torch._dynamo.reset()
+            got = tuple(torch.compile(f, backend=backend, fullgraph=True)() for f in (lambda: m(idx),
+                                                                                      lambda: runner(idx)))
+            assert len(graphs) == 2 and all("flex_attention" in g for g in graphs)
+            for a, b in zip(got + (parallel_forward(m, idx, plan),), ref):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
     finally:
         set_window_kernel(prev)
