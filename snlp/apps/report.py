@@ -559,7 +559,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise, else, "
+             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise (a rule "
+             "apart from the main table's `*`: a few shootout rounds are too few for its sign test), else, "
              "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
              "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "

@@ -58,7 +58,8 @@ def step_eval(sr: Speedrun) -> None:
 
     for key, label in MODELS:
         sr.evals[key] = sr.run_stage(f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
-                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale))
+                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale),
+                                     same_as=None if key == MODELS[0][0] else f"eval-{MODELS[0][0]}")
 
 
 def cost(name: str, pre: Preset, plans: list[str], pr, ecfg) -> StageCost:
