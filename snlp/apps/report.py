@@ -759,7 +759,8 @@ def render_report(ctx: dict) -> str:
            "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."
            "implied_beta; from a few hundred tokens, so its third decimal is noise). AR Match vs fused model is the "
            "paper's reference for fused plans (M > 1), named per row: the same fused model run sequentially; a plan "
-           "with K = C is that model itself ('= itself')."
+           "with K = C is that model itself ('= itself'). The IDN header's PPL difference from No Reg. compares two "
+           "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
            + (f" {r}." if (r := ppl_format_rule(evals)) else "") + "\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
            *drafter_off_front(evals, ssd),
@@ -767,7 +768,8 @@ def render_report(ctx: dict) -> str:
            "\n![speed-quality frontier](frontier.png)\n",
            "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against the main table's decode "
            "Speedup (wall clock, both models' rounds pooled; not Prefill, not Ideal), one series per model, so the "
-           "models compare by what the plans cost them; sequential is the star at (1.0x, 0 %).\n",
+           "models compare by what the plans cost them, with a bar over the lowest to highest timed round (Rounds); "
+           "the ringed line joins the main table's `*` plans; sequential is the star at (1.0x, 0 %).\n",
            *_ssd_section(ctx),
            "## Early exit (K = 0)\n",
            "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
@@ -778,7 +780,8 @@ def render_report(ctx: dict) -> str:
            "## Full evaluation records\n"]
     for key, label in MODELS:
         out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
-                f"timed rounds alone, where the main table pools both models'; Prefill = teacher-forced forward "
+                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan "
+                f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]), the layer-step count a "
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
                 f"as in the main table's AR Match vs seq. (the fused-model agreement is the main table's last "

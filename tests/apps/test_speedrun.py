@@ -1324,3 +1324,22 @@ def test_the_script_does_not_charge_the_install_to_the_clock():
     run = [ln for ln in script.splitlines() if "snlp.apps.cli speedrun" in ln and not ln.lstrip().startswith("#")]
     assert run and not any(ln.lstrip().startswith("exec ") for ln in run)
     assert "an install before it, as scripts/speedrun.sh runs, is not counted" in _render()
+
+
+def test_the_frontier_shows_each_plans_timing_spread():
+    """The plot drew no ranges, so a reader could not see why a plan was left off the front: each plotted plan has a
+    bar over its lowest to highest timed round."""
+    from snlp.apps.report import pooled_speeds
+    from snlp.eval.frontier import frontier_figure
+
+    ctx = _report_ctx()
+    speeds = pooled_speeds(ctx["evals"])
+    recs = [dataclasses.replace(r, speedup=speeds[r.plan].median) for r in ctx["evals"]["noreg"]]
+    fig = frontier_figure({"No Reg.": recs}, "t", spreads={"No Reg.": {p: (s.lo, s.hi) for p, s in speeds.items()}})
+    bars = [c for c in fig.axes[0].containers if "timed round" in str(c.get_label())]
+    assert len(bars) == 1
+    segs = bars[0].lines[2][0].get_segments()  # the x error bars, one segment per plan
+    ends = sorted((round(min(x for x, _ in sg), 3), round(max(x for x, _ in sg), 3)) for sg in segs)
+    assert (1.8, 2.4) in ends and len(segs) == 3
+    assert not [c for c in frontier_figure({"No Reg.": recs}, "t").axes[0].containers
+                if "timed round" in str(c.get_label())]

@@ -62,7 +62,8 @@ def step_report(sr: Speedrun) -> None:
     frontier_plot(pooled, sr.out / "frontier.png", title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {where}",
                   xlabel=f"decode speedup vs sequential (wall clock, batch 1, {where}; both models' rounds)",
                   fronts={label: tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in records[k]])
-                          for k, label in MODELS})  # the main table's `*`: speeds inside each other's range tie
+                          for k, label in MODELS},  # the main table's `*`: paired rounds and PPL ties
+                  spreads={label: {p: (sp.lo, sp.hi) for p, sp in speeds.items()} for _, label in MODELS})
     write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
     wall = time.perf_counter() - sr.t_start
     ctx = report_context(sr, records, wall)
