@@ -545,6 +545,16 @@ def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
             f"step does not depend on B.")
 
 
+def tune_rule_note(ssd: dict[str, dict]) -> str:
+    """Why the drafter choice ties by noise and not by the main table's sign test: with the shootout's rounds the
+    test could never call a difference (the rounds each model's tune ran: its record's tune_repeats)."""
+    ns = {r.get("tune_repeats") for r in ssd.values() if r.get("tune_repeats")}
+    if ns and all(sign_test_wins(n) is None for n in ns):
+        return (f"a rule apart from the main table's `*`: {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
+                f"shootout rounds are too few for its sign test to call any difference")
+    return "a rule apart from the main table's `*`"
+
+
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
     """The drafter choice: snlp tune's candidates, predicted vs measured, and the proxy rule's pick beside it."""
     clock = per_model({k: {"thread_cpu": "the thread's CPU time", "wall": "wall clock"}.get(
@@ -559,8 +569,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise (a rule "
-             "apart from the main table's `*`: a few shootout rounds are too few for its sign test), else, "
+             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise ("
+             f"{tune_rule_note(ssd)}), else, "
              "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
              "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "

@@ -1240,6 +1240,7 @@ def test_every_column_is_defined_where_it_is_printed():
                  "absorbing-divergence model", "the pair's pace", "keeps 2 processes busy while the models train"):
         assert term in md, term
     assert "above 2 means other jobs" not in md
+    assert "2 shootout rounds are too few for its sign test" in md  # the tune's tie rule is not the main table's
     ctx = _report_ctx()
     ctx["stages"]["train-noreg"]["result"] = {**ctx["stages"]["train-noreg"]["result"], "median_step_s": 1.1}
     ctx["stages"]["train-idn"]["result"] = {**ctx["stages"]["train-idn"]["result"], "median_step_s": 1.74}
