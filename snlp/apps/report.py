@@ -182,6 +182,26 @@ def speed_order(a: Speed, b: Speed) -> int:
     return 1 if a.median > b.median else -1
 
 
+# the two-sided 97.5 % quantile of Student's t by degrees of freedom; beyond 30 the value at 30, which is above
+# every later one (it falls to 1.96), so the test only ties more
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
+    """+1 when the row with per-window cross-entropies wa has the lower PPL beyond a two-sided paired t-test at 5 %
+    over the windows both were scored on (the same windows in the same order: the difference's sampling error is
+    the windows' spread of it, not the PPL's own), -1 when higher, 0 a tie; None when the windows do not pair."""
+    if not wa or not wb or len(wa) != len(wb) or len(wa) < 2:
+        return None
+    d = [a - b for a, b in zip(wa, wb)]
+    m, sd = statistics.fmean(d), statistics.stdev(d)
+    t = T_975[min(len(d) - 1, len(T_975)) - 1]
+    if abs(m) <= t * sd / math.sqrt(len(d)):
+        return 0
+    return 1 if m < 0 else -1
+
+
 def ppl_order(pa: float, pb: float, tol: float = PPL_TIE) -> int:
     """+1 when PPL pa is better (lower) than pb by more than `tol` relative, -1 when worse, 0 a tie."""
     if pb > pa * (1 + tol):
@@ -208,32 +228,51 @@ def pooled_speeds(evals: dict[str, list]) -> dict[str, Speed]:
             for p, xs in pool.items() if xs}
 
 
-def tied_front(rows: list[tuple[str, Speed | None, float]], tol: float = PPL_TIE) -> set[str]:
-    """The names on the speed-quality Pareto front of (name, speed, ppl) rows, where what the run does not resolve
-    ties: speeds by speed_order (paired rounds, sign test), PPLs within `tol` of each other (ppl_order). A row is
-    dominated by one at least as good on both axes and better on one; two rows tied on both are both on it or both
-    off. Rows without a speed or a finite PPL are never on it."""
-    ok = [(n, sp, p) for n, sp, p in rows if sp is not None and p is not None and math.isfinite(p)]
+def tied_front(rows: list[tuple], tol: float = PPL_TIE) -> set[str]:
+    """The names on the speed-quality Pareto front of (name, speed, ppl[, per-window cross-entropies]) rows, where
+    what the run does not resolve ties: speeds by speed_order (paired rounds, sign test), PPLs by window_order
+    (paired windows, t-test) where both rows have their windows, else within `tol` of each other (ppl_order). A
+    row is dominated by one at least as good on both axes and better on one; two rows tied on both are both on it
+    or both off. Rows without a speed or a finite PPL are never on it."""
+    ok = [(r[0], r[1], r[2], r[3] if len(r) > 3 else None) for r in rows
+          if r[1] is not None and r[2] is not None and math.isfinite(r[2])]
 
     def dominates(a, b) -> bool:
-        (_, sa, pa), (_, sb, pb) = a, b
-        s, q = speed_order(sa, sb), ppl_order(pa, pb, tol)
+        (_, sa, pa, wa), (_, sb, pb, wb) = a, b
+        s, q = speed_order(sa, sb), window_order(wa, wb)
+        q = ppl_order(pa, pb, tol) if q is None else q
         return s >= 0 and q >= 0 and (s > 0 or q > 0)
 
     return {b[0] for b in ok if not any(dominates(a, b) for a in ok if a is not b)}
 
 
-def front_rule(speeds: dict[str, Speed]) -> str:
-    """The sentence stating tied_front's rule with this run's paired-round counts."""
+def front_rows(recs: list, speeds: dict[str, Speed]) -> list[tuple]:
+    """tied_front's rows of one model's EvalRecords: (plan, pooled speed, PPL, per-window cross-entropies)."""
+    return [(r.plan, speeds.get(r.plan), r.ppl, r.window_ce) for r in recs]
+
+
+def front_rule(speeds: dict[str, Speed], evals: dict[str, list] | None = None) -> str:
+    """The sentence stating tied_front's rule with this run's paired-round and window counts."""
     ns = sorted({len(paired_ratios(a, b)) for p, a in speeds.items() for q, b in speeds.items() if p < q} - {0})
     need = "; ".join(f"{k} of {n}" if (k := sign_test_wins(n)) else f"never at {n}" for n in ns)
     return (f"`*` = on the model's speed–quality Pareto front, where what this run does not resolve ties: one plan "
             f"decodes faster than another only when it was faster in enough of the timed rounds that timed both "
             f"(the same model's same round: plans are timed round-robin, so a round's load hits them alike) for a "
-            f"two-sided sign test at {SIGN_LEVEL:.0%} ({need or 'no paired rounds'} rounds), and PPLs within "
-            f"{PPL_TIE:.0%} of each other tie (one training seed and one validation sample per model: this run does "
-            f"not resolve quality differences that small); a plan is off the front when another is at least as "
-            f"good on both and better on one")
+            f"two-sided sign test at {SIGN_LEVEL:.0%} ({need or 'no paired rounds'} rounds); "
+            + ppl_rule(evals or {}) + "; a plan is off the front when another is at least as good on both and "
+            "better on one")
+
+
+def ppl_rule(evals: dict[str, list]) -> str:
+    """The PPL half of the front's rule, for the records this run has: paired windows where they hold them."""
+    recs = [r for rs in evals.values() for r in rs if r.note == ""]
+    n = {len(r.window_ce) for r in recs if r.window_ce}
+    if recs and n and all(r.window_ce for r in recs):
+        return (f"one plan's PPL is better than another's only when its mean cross-entropy over the same "
+                f"{'/'.join(map(str, sorted(n)))} validation windows is lower beyond a two-sided paired t-test at "
+                f"5 % (the difference's standard error from its spread over the windows), else they tie")
+    return (f"PPLs within {PPL_TIE:.0%} of each other tie (one training seed and one validation sample per model, "
+            f"and these records hold no per-window losses to test a difference with)")
 
 
 def _ar_cells(r) -> tuple[str, str]:
@@ -261,7 +300,7 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
         recs = evals[key]
         seq = recs[0]
         L = seq.n_layer  # None: a record without it (no layer count to state)
-        front = tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in recs])
+        front = tied_front(front_rows(recs, speeds))
         model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
@@ -734,7 +773,7 @@ def drafter_off_front(evals: dict[str, list], ssd: dict[str, dict]) -> list[str]
     speeds, out = pooled_speeds(evals), []
     for key, label in MODELS:
         d = ssd[key].get("drafter")
-        front = tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in evals[key]])
+        front = tied_front(front_rows(evals[key], speeds))
         if d and d not in front:
             out.append(f"{label}: the drafter `{d}` is off this front: it was chosen by its measured speculative "
                        f"decoding speed (the sequential model verifies, so its PPL does not reach the output), "
@@ -763,7 +802,7 @@ def render_report(ctx: dict) -> str:
            "regulariser).\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           f"iterations; rows from higher to lower PPL. {front_rule(pooled_speeds(evals))}. `†` = the "
+           f"iterations; rows from higher to lower PPL. {front_rule(pooled_speeds(evals), evals)}. `†` = the "
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
            "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "
            "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."

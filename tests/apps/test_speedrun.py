@@ -1344,3 +1344,40 @@ def test_the_frontier_shows_each_plans_timing_spread():
     assert (1.8, 2.4) in ends and len(segs) == 3
     assert not [c for c in frontier_figure({"No Reg.": recs}, "t").axes[0].containers
                 if "timed round" in str(c.get_label())]
+
+
+def test_ppl_ties_rest_on_the_paired_windows_when_the_records_hold_them():
+    """A PPL tie rule from the records: two rows of one model are scored on the same validation windows, so their
+    difference's sampling error is its spread over the windows. window_order is a two-sided paired t-test at 5 %,
+    checked against scipy's; on the front it decides where both rows have their windows."""
+    import numpy as np
+    from scipy.stats import ttest_rel
+
+    from snlp.apps.report import Speed, tied_front, window_order
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 8, 16, 31):
+        for _ in range(40):
+            a = rng.normal(3.4, 0.3, n)
+            b = a + rng.normal(rng.choice([0.0, 0.02, 0.1]), 0.05, n)
+            res = ttest_rel(a, b)
+            want = 0 if res.pvalue >= 0.05 else (1 if a.mean() < b.mean() else -1)
+            if abs(res.pvalue - 0.05) > 1e-3:  # the table's third decimal
+                assert window_order(list(a), list(b)) == want, (n, res.pvalue)
+    assert window_order([1.0, 2.0], [1.0]) is None and window_order(None, [1.0, 2.0]) is None
+    same = Speed(1.5, 1.4, 1.6, 2, (("noreg", (1.5, 1.5)),))
+    steady = [3.0 + 0.1 * i for i in range(32)]
+    better = [x - 0.004 for x in steady]  # 0.4 % lower PPL, in every window alike: resolved
+    noisy = [x + (0.05 if i % 2 else -0.05) - 0.004 for i, x in enumerate(steady)]  # same mean, spread: not
+    import math
+
+    ppl = lambda w: math.exp(sum(w) / len(w))  # noqa: E731
+    assert tied_front([("a", same, ppl(steady), steady), ("b", same, ppl(better), better)]) == {"b"}
+    assert tied_front([("a", same, ppl(steady), steady), ("b", same, ppl(noisy), noisy)]) == {"a", "b"}
+    ctx = _report_ctx()
+    for k in ("noreg", "idn"):
+        ctx["evals"][k] = [dataclasses.replace(r, window_ce=steady) for r in ctx["evals"][k]]
+    from snlp.apps.report import render_report
+
+    md = render_report(ctx)
+    assert "over the same 32 validation windows" in md and "paired t-test at 5 %" in md

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from snlp.apps.speedrun.job import Speedrun
 
 
-EVAL_ROWS = 2  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval"
+EVAL_ROWS = 3  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval";
+# 3 = window_ce (the report's PPL ties)
 EVAL_FLOORS = dict(prompts=2, runs=3)  # what shrink_eval never goes below
 
 
