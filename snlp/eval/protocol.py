@@ -164,8 +164,8 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                     continue
                 ref = logits if ref is None else ref
                 a, n = acc[name], y.numel()
+                a["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
                 nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, T)
-                a["nll"] += nll.sum().item()
                 a["win"] += nll.mean(1).tolist()  # (B,) per window: every row's windows pair by position
                 a["top1"] += top1_agreement(logits, ref) * n
                 a["sim"] += logit_sim(logits, ref) * n
