@@ -312,10 +312,18 @@ def prefill_markdown(out: dict) -> str:
              + ")", "",
              "| forward | kernel | median ms (p10-p90) | masked / this | compile s | max abs diff vs masked |",
              "|---|---|---|---|---|---|"]
+    if not out["cuda_graphs"]:
+        lines[1:1] = ["", "Smoke run off a GPU: the shapes and the device are not the ones the kernels are chosen for; "
+                      "the timings below check that each path runs, they compare nothing.", ""]
+    base = {r["forward"]: r for r in out["rows"] if r["kernel"] == "masked"}
     for r in out["rows"]:
         label = f"{r['forward']} / {r['kernel']}"
         diff = out["max_abs_diff_logits"].get(r["forward"]) if r["kernel"] == "flex" else None
-        vs = "-" if r["vs_masked"] is None else f"{r['vs_masked']:.2f}x"
+        vs = "-" if r["vs_masked"] is None or r["kernel"] == "masked" else f"{r['vs_masked']:.2f}x"
+        m = base.get(r["forward"])
+        if m is not None and r is not m and (m["p10_ms"] <= r["median_ms"] <= m["p90_ms"]
+                                             and r["p10_ms"] <= m["median_ms"] <= r["p90_ms"]):
+            vs += " (tie: each median inside the other's p10-p90)"
         lines.append(f"| {r['forward']} | {r['kernel']} | {r['median_ms']:.2f} ({r['p10_ms']:.2f}-{r['p90_ms']:.2f}) | "
                      f"{vs} | {out['compile_s'].get(label, float('nan')):.1f} | "
                      f"{'-' if diff is None else f'{diff:.1e}'} |")

@@ -122,6 +122,8 @@ def _build_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, le
 
 WINDOW_KERNELS = ("auto", "banded", "masked", "flex")
 _window_kernel = os.environ.get("SNLP_WINDOW_ATTENTION", "auto")
+if _window_kernel not in WINDOW_KERNELS:  # refused at import: a misspelt kernel would otherwise run as "auto"
+    raise ValueError(f"SNLP_WINDOW_ATTENTION must be one of {', '.join(WINDOW_KERNELS)}, got {_window_kernel!r}")
 
 
 def set_window_kernel(kind: str) -> str:
@@ -251,15 +253,17 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int
     windows[n // rows] (w < 0: causal only), so a fused stack's branches, each with its own window, run as ONE call
     that visits only the key blocks each window can see. Meant for compiled graphs (`uses_flex`); the softmax scale
     is SDPA's 1 / sqrt(hd). With `masks` (the forward's memo, see `attention_mask`) the block mask is built once per
-    forward for each (T, `key`, rows): `key` names the windows by host values (the int, or a stack's window tuple),
+    forward for each (`key`, rows): `key` names the windows by host values (the int, or a stack's window tuple),
     never by tensor identity, so a compiled graph keeps it in its memo without guarding on an object."""
     T = q.shape[-2]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    slot = ("flex", T, windows if isinstance(windows, int) else key, rows, grad, str(q.device))
-    bm = None if masks is None or slot[2] is None else masks.get(slot)
+    # No T in the key: the memo lives for one forward (one T), and a dict keyed by T would make dynamo specialise T
+    # (one graph per prompt length even under dynamic=True)
+    slot = ("flex", windows if isinstance(windows, int) else key, rows, grad, str(q.device))
+    bm = None if masks is None or slot[1] is None else masks.get(slot)
     if bm is None:
         bm = flex_block_mask(windows, rows, T, q.device, grad=grad)
-        if masks is not None and slot[2] is not None:
+        if masks is not None and slot[1] is not None:
             masks[slot] = bm
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -70,4 +70,27 @@ def test_quick_flex_parts_run_and_reach_the_table(tmp_path):
     assert all(d < 1e-4 for d in flex["max_abs_diff_logits"].values()) and len(flex["max_abs_diff_logits"]) == 3
     table = (tmp_path / "campaign.md").read_text()
     assert "FlexAttention window kernel" in table
-    assert "window kernel masked" in table and "window kernel flex" in table
+    assert "window kernel masked" in table and "window kernel flex (not taken" in table
+    assert "Smoke run off a GPU" in table  # CPU smoke timings are labelled as comparing nothing
+
+
+def test_flex_table_calls_overlapping_timings_a_tie():
+    """The flex part's table marks a kernel whose median lies inside masked's p10-p90 and vice versa as a tie, and
+    says a run off a GPU compares nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flex_windows", ROOT / "scripts" / "flex_windows.py")
+    fw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fw)
+    row = dict(forward="sequential", runs=5)
+    out = {"device": "cpu", "shape": "s", "pattern": "SSSL", "window": 8, "T": 64, "dtype": "float32",
+           "cuda_graphs": False, "compile_s": {}, "max_abs_diff_logits": {}, "failures": [],
+           "rows": [dict(row, kernel="masked", median_ms=10.0, p10_ms=8.0, p90_ms=12.0, vs_masked=1.0),
+                    dict(row, kernel="flex", median_ms=9.0, p10_ms=7.0, p90_ms=11.0, vs_masked=10 / 9),
+                    dict(row, forward="p", kernel="masked", median_ms=10.0, p10_ms=9.5, p90_ms=10.5, vs_masked=1.0),
+                    dict(row, forward="p", kernel="flex", median_ms=5.0, p10_ms=4.5, p90_ms=5.5, vs_masked=2.0)]}
+    md = fw.prefill_markdown(out)
+    assert "Smoke run off a GPU" in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert "1.11x (tie" in next(ln for ln in lines if ln.startswith("| sequential | flex"))
+    assert "2.00x |" in next(ln for ln in lines if ln.startswith("| p | flex"))

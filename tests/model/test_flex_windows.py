@@ -269,3 +269,41 @@ def test_compiled_plan_and_forward_with_flex_compile_once_and_equal_the_referenc
             assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
             for out in outs:
                 torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("plan", [None, "2xF2-h0-K1"])
+def test_new_prompt_lengths_do_not_recompile_a_dynamic_flex_graph(kernel, plan):
+    """A graph compiled with dynamic=True serves every prompt length under "flex" as it does under "masked": the
+    block-mask memo is per forward, so its key must not hold T (a dict keyed by T specialises T, one graph per
+    length, and torch's recompile limit then fails a fullgraph compile at the ninth length)."""
+    model = make_model(seed=2, n_layer=4, window_pattern="SSSL", short_window=5, sequence_len=300)
+    run = model if plan is None else bind(model, plan, check_finite=False)
+    kernel("flex")
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    c = torch.compile(lambda i: run(i), backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for T in range(40, 50):
+            idx = tokens(model, B=2, T=T, seed=T)
+            kernel("masked")
+            ref = run(idx)
+            kernel("flex")
+            torch.testing.assert_close(c(idx), ref, rtol=1e-9, atol=1e-9)
+    assert _has_flex(graphs) and len(graphs) == 1
+
+
+def test_a_misspelt_window_kernel_variable_is_refused_at_import():
+    """SNLP_WINDOW_ATTENTION=flexx used to run as "auto" silently."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SNLP_WINDOW_ATTENTION": "flexx"}
+    r = subprocess.run([sys.executable, "-c", "import snlp.model.ops"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "SNLP_WINDOW_ATTENTION must be one of auto, banded, masked, flex, got 'flexx'" in r.stderr
+    env["SNLP_WINDOW_ATTENTION"] = "banded"
+    assert subprocess.run([sys.executable, "-c", "import snlp.model.ops"], env=env).returncode == 0
