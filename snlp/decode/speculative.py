@@ -41,6 +41,16 @@ def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
     return per_round / (block / s + 1.0)
 
 
+def max_tokens_per_round(tokens: int, block: int) -> float:
+    """The most tokens per round a decode of `tokens` new tokens can average at draft block B (every draft
+    accepted): a round keeps min(B + 1, tokens left) tokens (it drafts at most tokens left - 1), so the decode takes
+    ceil(tokens / (B + 1)) rounds and its last one is cut short unless B + 1 divides `tokens` (16 tokens at B = 4:
+    4 rounds, 4.0 per round, not 5)."""
+    if tokens < 1 or block < 1:
+        raise ValueError(f"tokens and block must be >= 1 (got {tokens}, {block})")
+    return tokens / -(-tokens // (block + 1))
+
+
 @dataclass
 class SpeculativeReport:
     """Measured vs ideal speedup of one speculative run over one sequential run of the same model (ms are
