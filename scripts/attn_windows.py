@@ -8,7 +8,8 @@ each against the masked reference (max abs error).
 Formulations: sdpa_causal (flash, full causal: the lower bound and the paper's fused path), sdpa_float_mask
 (snlp today: an additive mask), sdpa_bool_mask (the paper's sequential), banded (query blocks of w attend their
 own and the previous key block: 2w keys, one shared (w, 2w) mask), flex (FlexAttention, block-sparse
-sliding-window mask, compiled), and for the stack: grouped (full branches through is_causal, short ones
+sliding-window mask, compiled; snlp's own `flex_window_attention` too: block lists built in the graph, a stack's
+branches along the batch dim), and for the stack: grouped (full branches through is_causal, short ones
 through the best short formulation).
 """
 
@@ -98,6 +99,7 @@ def main():
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as e:  # noqa: BLE001
         out["flex_error"] = repr(e)
+    snlp_flex = torch.compile(ops.flex_window_attention, dynamic=False) if flex is not None else None
     for label, H in (("layer", a.heads), ("stack", a.heads * a.branches)):
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, H, T, hd, device=dev, dtype=dt) for _ in range(3))
@@ -118,6 +120,8 @@ def main():
                 fns["flex (compiled)"] = lambda: flex(q, k, v, block_mask=bm)
             except Exception as e:  # noqa: BLE001
                 out.setdefault("errors", []).append(f"{label} flex: {e!r}")
+        if label == "layer" and snlp_flex is not None:
+            fns["snlp flex_window_attention (compiled)"] = lambda: snlp_flex(q, k, v, w - 1, 1)
         if label == "stack":
             nl = a.branches // 4  # SSSL: one full branch in four
             Hs = a.heads * (a.branches - nl)
@@ -146,6 +150,10 @@ def main():
                     return ops.attend_branches(qg, kg, vg, bw, groups, {}).transpose(0, 1).reshape(1, H, T, hd)
                 finally:
                     ops.set_window_kernel(prev)
+            if snlp_flex is not None:  # snlp's own flex path: branches along the batch dim, windows read by the mask
+                bwt = torch.tensor(bw, device=dev)
+                fns["snlp flex_window_attention (compiled)"] = lambda: snlp_flex(
+                    qg[:, 0], kg[:, 0], vg[:, 0], bwt, 1).unsqueeze(0).reshape(1, H, T, hd)
             fns["snlp attend_branches (masked)"] = lambda: grouped("masked")
             fns["snlp attend_branches (banded)"] = lambda: grouped("banded")
             fns["grouped: mask + causal"] = lambda: torch.cat([F.scaled_dot_product_attention(

@@ -45,6 +45,15 @@ def main(out: str) -> int:
                 tail = rest[min(cut):] if cut else ""
                 text = head + tail
             lines += ["", f"## {name}", "", text]
+    flex = parts / "flex" / "flex.json"
+    if flex.is_file():
+        merged["parts"]["flex"] = json.loads(flex.read_text())
+        lines += ["", "#" + (parts / "flex" / "flex.md").read_text()]
+    for kind in ("masked", "flex"):  # one compiled training step per window kernel
+        md = parts / f"flex_train_{kind}" / "train.md"
+        if md.is_file():
+            lines += ["", f"## Compiled training step, window kernel {kind}", "", md.read_text()]
+            merged["parts"][f"flex_train_{kind}"] = json.loads(md.with_suffix(".json").read_text())
     for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",
                parts / "decode_trained" / "decode.md", parts / "train" / "train.md"):
         if md.is_file():

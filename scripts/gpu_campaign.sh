@@ -107,6 +107,17 @@ part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained
     --device $DEV --ckpt '$OUT/parts/trained' --suite-plans $DPLAN --batch-sizes 1,4 --suite-new-tokens 64 \
     --suite-warmup 2 --suite-runs 5 --out '$OUT/parts/decode_trained'"
 
+# 5c. (--parts flex) the FlexAttention window kernel inside compiled prefill: 0.5B-nox0ve (SSSL, window 512), its
+#     sequential forward, 12xF2-h0-K1 and 12xF2-h0-K2, each compiled (CUDA graphs) with the masked and the flex kernel,
+#     round-robin in one process (scripts/flex_windows.py prefill); (--parts flex_train) one compiled training step of
+#     the same shape per kernel (SNLP_WINDOW_ATTENTION: masked, then flex)
+if [ "$QUICK" = 1 ]; then FLEX_TRAIN="--train-batch 2 --train-steps 1 --train-warmup 1"
+else FLEX_TRAIN="--train-batch 4 --train-steps 4 --train-warmup 1"; fi
+part flex $((T_LONG + 130)) $PY scripts/flex_windows.py prefill $Q --device $DEV --out "$OUT/parts/flex"
+part flex_train $((T_LONG + 70)) bash -c "for k in masked flex; do SNLP_WINDOW_ATTENTION=\$k $PY -m snlp bench --suite train $Q \
+    --device $DEV --shapes 0.5B-nox0ve --treatments compiled --regs none $FLEX_TRAIN --out '$OUT/parts/flex_train_'\$k \
+    || exit 1; done"
+
 # 6. (--parts train) training step speed at the 0.5B shape: eager vs compiled, plain vs --reg idn --reg-n 24
 part train $T_LONG $PY -m snlp bench --suite train $Q --device $DEV --shapes 0.5B ${TRAIN_ARGS:-} \
     --out "$OUT/parts/train"

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,17 @@ def hf_smol():
     return m, t
 
 
+def _cache_dir(request, name: str) -> Path:
+    """pytest's cache folder, or one under the system temp folder when the cache plugin is off
+    (`-p no:cacheprovider`): the conversion is still made once and reused."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir(name))
+    d = Path(tempfile.gettempdir()) / f"{name}-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 @pytest.fixture(scope="session")
 def smol_ckpt(request) -> Path:
     """`snlp convert <gguf> --out DIR`, cached: re-converted when the GGUF or the conversion code changes."""
@@ -198,7 +210,7 @@ def smol_ckpt(request) -> Path:
     for name in ("io/hf.py", "io/checkpoint.py", "io/tokenizer.py"):  # the conversion code and the format it writes
         key.update((src / name).read_bytes())
     key.update(",".join(GPTConfig.__dataclass_fields__).encode())
-    d = Path(request.config.cache.mkdir("snlp-smollm2")) / key.hexdigest()[:16]
+    d = _cache_dir(request, "snlp-smollm2") / key.hexdigest()[:16]
     if not (d / "model.safetensors").is_file():
         for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
             if old.is_dir() and old != d:

@@ -92,3 +92,73 @@ def test_the_stated_law_fused_chunks_reproduce_the_fused_model_not_the_sequentia
     assert (par - fused).abs().max() < 1e-9
     assert (par - ref).abs().max() > 1e-2  # the fused model is another model
     assert (m1 - ref).abs().max() < 1e-9  # M = 1: the fused model is the sequential one
+
+
+def _command_flags() -> dict[str, set[str]]:
+    """Each sub-command's long options, from the real parsers (building them imports no torch)."""
+    from snlp.apps.cli import build_parser
+
+    return {name: {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
+            for name, sub in build_parser().commands.items()}
+
+
+GUIDES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]  # not records/
+
+
+def _invocations(text: str, commands) -> list[tuple[int, str, str]]:
+    """(line, command, the text of its arguments) for every `snlp CMD ...` of a markdown text: inside inline code up
+    to the closing backtick, elsewhere (code blocks) to a comment (` # `), a table cell's end or the line's end."""
+    out = []
+    names = "|".join(sorted(map(re.escape, commands), key=len, reverse=True))
+    for i, line in enumerate(text.splitlines(), 1):
+        for m in re.finditer(rf"(`?)(?:python -m |-m )?\bsnlp ({names})(?![\w-])", line):
+            rest = line[m.end():]
+            end = rest.find("`") if m.group(1) else len(rest)
+            rest = rest[:end if end >= 0 else len(rest)].split("|")[0].split(" # ")[0]
+            out.append((i, m.group(2), rest))
+    return out
+
+
+def test_every_flag_a_guide_gives_a_command_exists():
+    """`snlp CMD --flag` in the README, CONTRIBUTING.md and the guides (docs/*.md; the dated records keep the
+    flags of their day) names a flag CMD's parser has, so a command copied from a guide runs; so does every flag of
+    a guide's "## Options" section, for the commands whose cli.md tables it links."""
+    flags = _command_flags()
+    bad = []
+    for f in GUIDES:
+        if f.name == "cli.md":  # generated from the parsers; its help texts name other commands in prose
+            continue
+        for i, cmd, rest in _invocations(f.read_text(), flags):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest):
+                if flag not in flags[cmd]:
+                    bad.append(f"{f.relative_to(ROOT)}:{i}: snlp {cmd} has no {flag}")
+        # an "## Options" section names its commands by linking their tables in cli.md; its flags are theirs
+        for sec in re.findall(r"(?ms)^## Options\n(.*?)(?=^## |\Z)", f.read_text()):
+            cmds = set(re.findall(r"cli\.md#snlp-([\w-]+)|<!-- flags: snlp ([\w-]+)", sec))
+            cmds = {a or b for a, b in cmds}
+            sec = re.sub(r"`pip [^`]*`", "", sec)  # another program's flags
+            known = set().union(*(flags[c] for c in cmds if c in flags))
+            for flag in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", sec)) - known):
+                bad.append(f"{f.relative_to(ROOT)}: Options of {sorted(cmds)} name {flag}, which none of them has")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_options_table_lists_exactly_its_commands_flags():
+    """An options table marked `<!-- flags: snlp CMD -->` lists CMD's long options, each once, and every one of them
+    (`--help` aside): the reference cannot drift from the parser."""
+    flags = _command_flags()
+    bad, seen = [], 0
+    for f in GUIDES:
+        text = f.read_text()
+        for m in re.finditer(r"<!-- flags: snlp ([\w-]+)(?: except ([^>]*?))? -->\n((?:\|.*\n?)+)", text):
+            seen += 1
+            cmd, skip = m.group(1), set((m.group(2) or "").split())
+            rows = [r.split("|")[1] for r in m.group(3).splitlines()[2:]]
+            listed = [fl for cell in rows for fl in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", cell)]
+            want = flags[cmd] - {"--help"} - skip
+            if set(listed) != want or len(listed) != len(set(listed)):
+                dup = sorted({x for x in listed if listed.count(x) > 1})
+                bad.append(f"{f.name}: snlp {cmd}: missing {sorted(want - set(listed))}, "
+                           f"unknown {sorted(set(listed) - want)}, twice {dup}")
+    assert seen, "no options table is marked"
+    assert not bad, "\n".join(bad)

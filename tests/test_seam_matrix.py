@@ -24,15 +24,27 @@ names the combination. A cell that is neither is a defect. The references are wr
   a model whose own forward is     every entry and form (sequential, snlp, speculative with the plan's forward or
   NaN/inf (a NaN weight)           a drafter, jacobi with or without a plan): raise NonFiniteModelError naming the
                                    model and generated token 1, never SNLPDivergenceError nor tokens read off NaN
+  static mHC (every entry point)   its dynamic twin: the same weights with random phi and gates alpha = 0, whose H
+                                   are the maps of the biases computed per token (no GPT.static_hc, no transfer_scan)
+  window wider than every T        the same weights with full causal attention (window_pattern "L")
+  window 0 on every layer          each token run alone (RoPE rotates its query and key alike)
+  a converted transformers model   transformers itself: its logits, the argmax loop over its forward, its generate
+  with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
+  compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
+  torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
-Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), preheat, K >= C.
+Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, the window
-kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point), nanochat-
+kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
+flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
 backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
 12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
+Window widths (WINDOWS): one width tiled ("SL"), width 1, a width wider than T, and widths 0 / 1 / 2 / 3 / 5 / wider
+than T / full mixed per layer. mHC of the HCN cells (MHC): dynamic or static (sigmoid maps; with NANOCHAT the softmax
+maps).
 
 Precision of each claim: fp64: token for token, every cell. fp32 / bf16 / fp16: every token the cell produced is
 within MARGIN[dtype] of the best logit of its reference run in fp64 on the same weights, teacher-forced along the
@@ -54,7 +66,7 @@ from conftest import argmax_loop, blowup_model, examples, make_model, mhc_model
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from snlp import (SNLPDivergenceError, bind, evaluate, fused_forward, jacobi_generate, parallel_forward,
+from snlp import (GPT, GPTConfig, SNLPDivergenceError, bind, evaluate, fused_forward, jacobi_generate, parallel_forward,
                   sequential_generate, snlp_generate, speculative_generate)
 from snlp.decode.session import NonFiniteModelError
 from snlp.eval.protocol import EvalConfig
@@ -72,6 +84,7 @@ PLANS = {
     "tol": "7xF1-h0-K6-tol:0.5",
     "diag": "6xF1-h0-K1-diag",
     "hcn": "6xF1-h0-K2-hcn",
+    "hcntol": "6xF1-h0-K3-hcn-tol:0.5",
     "preheat": "6xF1-preheat-K1",
     "exact": "6xF1-h0-K6",
     "exactF2": "3xF2-h0-K3",
@@ -87,6 +100,19 @@ MARGIN = {"fp32": 1e-3, "bf16": 0.3, "fp16": 0.1}
 # nanochat-snlp's model parts (snlp.io.nanochat sets them on its checkpoints); the smear gate reads 24 channels
 NANOCHAT = dict(smear=True, backout=True, qk_scale=1.2, ve_gate_channels=12, ve_gate_scale=3.0, n_embd=32)
 NANOCHAT_MHC = dict(dynamic=False, hc_maps="softmax", hc_sinkhorn_iters=10, hc_sinkhorn_tau=0.05)
+MHC_KINDS = ("hcn", "hcntol")  # the plan kinds that run on an mHC model
+# mHC variants of the HCN cells: input-dependent H (dynamic), or learned constants (static: GPT.static_hc's one
+# batched Sinkhorn per forward, the solver's constant A through transfer_scan); with NANOCHAT, nanochat-snlp's static
+# softmax-map mHC (NANOCHAT_MHC)
+MHC = {"dynamic": dict(dynamic=True), "static": dict(dynamic=False)}
+# the window widths of the cells (left context per layer, -1 = full causal; every prompt + budget here is <= 32
+# tokens): one width tiled as "SL" (the last layer is always full), width 1 on every layer but the last, a width
+# wider than any sequence (the full causal function, taken through the window path), and widths mixed per layer:
+# 0 (each token sees itself only), 1, 2, 3, 5, wider than T, and full, in an order that puts different widths in
+# one fused stack of F2 / F3 plans
+WINDOWS = {"L": dict(window_pattern="L"), "SL": dict(window_pattern="SL", short_window=3),
+           "S1": dict(window_pattern="S", short_window=1), "wide": dict(window_pattern="S", short_window=64),
+           "mixed": dict(layer_windows=[1, 2, 5, 100, -1, 3, 0, -1])}
 
 
 @dataclass(frozen=True)
@@ -137,18 +163,22 @@ def refusals(cell: Cell) -> list[str]:
         why.append("share_weights")
     if cell.share and "xF1" not in plan:
         why.append("M = 1")
-    if cell.share and cell.kind == "hcn":
+    if cell.share and cell.kind in MHC_KINDS:
         why.append("mHC")
     return why
 
 
 def model_for(kind: str, seed: int, cfg: dict):
-    """The cell's model: mHC for HCN cells (nanochat-snlp's static softmax-map mHC with cfg["nanochat"]), else a
-    plain one with cfg's switches; cfg["nanochat"] turns on nanochat-snlp's parts (NANOCHAT)."""
+    """The cell's model: mHC for HCN cells (cfg["hc"]: an MHC variant, dynamic by default; with cfg["nanochat"]
+    nanochat-snlp's static softmax-map mHC), else a plain one with cfg's switches; cfg["nanochat"] turns on
+    nanochat-snlp's parts (NANOCHAT); cfg["windows"] names the window widths (WINDOWS; default: make_model's)."""
     cfg = dict(cfg)
     nano = NANOCHAT if cfg.pop("nanochat", False) else None
-    if kind == "hcn":
-        return mhc_model(seed=seed, n_layer=L, **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
+    hc = MHC[cfg.pop("hc", "dynamic")]
+    cfg.update(WINDOWS[cfg.pop("windows")] if "windows" in cfg else {})
+    if kind in MHC_KINDS:  # mHC has no x0 residual
+        keep = {k: v for k, v in cfg.items() if k != "x0_residual"}
+        return mhc_model(seed=seed, n_layer=L, **{**hc, **keep, **({**NANOCHAT, **NANOCHAT_MHC} if nano else {})})
     return make_model(seed=seed, n_layer=L, **cfg, **(nano or {}))
 
 
@@ -229,11 +259,12 @@ def reference_is_snlp(cell: Cell) -> bool:
 @given(cell=cells(), seed=st.integers(0, 50), n=st.integers(1, 8),
        eos=st.one_of(st.none(), st.integers(0, 60), st.lists(st.integers(0, 60), min_size=1, max_size=3)),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "x0_residual": st.booleans(),
-                                  "window_pattern": st.sampled_from(["L", "SL"]), "nanochat": st.booleans()}))
+                                  "windows": st.sampled_from(list(WINDOWS)), "hc": st.sampled_from(list(MHC)),
+                                  "nanochat": st.booleans()}))
 def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cfg):
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)
-    drafter = make_drafter(m, PLANS[cell.kind]) if cell.entry == "drafter" and cell.kind != "hcn" else None
+    drafter = make_drafter(m, PLANS[cell.kind]) if cell.entry == "drafter" and cell.kind not in MHC_KINDS else None
     if cell.entry == "drafter" and drafter is None:  # the drafter itself is refused for mHC models
         with pytest.raises(ValueError, match="mHC"):
             make_drafter(m, PLANS[cell.kind])
@@ -406,7 +437,7 @@ def test_finite_snlp_decoding_is_unchanged_by_the_check():
 
 
 # ----------------------------------------------------------------------------- bind / Runner
-RUNNER_KINDS = ("F1", "fwd", "tol", "diag", "exact", "F2", "hcn")
+RUNNER_KINDS = ("F1", "fwd", "tol", "diag", "exact", "F2", "hcn", "hcntol")
 
 
 @torch.no_grad()
@@ -437,17 +468,19 @@ def naive_idn_logits(m, idx, plan: Plan):
 
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(RUNNER_KINDS), share=st.booleans(), other=st.sampled_from(["2xF1-h0-K1", "7xF1-h0-K2", None]),
-       seed=st.integers(0, 50), ve=st.booleans(), nano=st.booleans())
-def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano):
+       seed=st.integers(0, 50), ve=st.booleans(), nano=st.booleans(), windows=st.sampled_from(list(WINDOWS)),
+       hc=st.sampled_from(list(MHC)))
+def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, windows, hc):
     """A (B, T) batch through a runner equals its reference (F1 / fwd / K >= C: the IDN iteration written out above;
     tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an in-place update of
     EVERY parameter with no refresh (shared) or with refresh (unshared), with a second shared runner over another
     suffix bound in between (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
-    nanochat-snlp's parts (smear, backout read from the iterate, q/k scale, its VE gate; its mHC for HCN)."""
-    m = model_for(kind, seed, {"value_embeds": ve, "nanochat": nano})
+    nanochat-snlp's parts (smear, backout read from the iterate, q/k scale, its VE gate; its mHC for HCN); `windows`:
+    the window widths (WINDOWS); `hc`: dynamic or static mHC for the HCN kinds (MHC)."""
+    m = model_for(kind, seed, {"value_embeds": ve, "nanochat": nano, "windows": windows, "hc": hc})
     plan = PLANS[kind]
     idx = torch.randint(0, m.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(seed))
-    if share and (kind in ("F2", "hcn")):
+    if share and (kind in ("F2", *MHC_KINDS)):
         with pytest.raises(ValueError, match="M = 1|mHC"):
             bind(m, plan, share_weights=True)
         return
@@ -474,23 +507,264 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano):
 
 
 # ----------------------------------------------------------------------------- evaluate
-@pytest.mark.parametrize("nano", [False, True])
-def test_evaluate_cells_equal_their_references(nano):
+@pytest.mark.parametrize("model", ["plain", "nanochat", "static-mhc", "nanochat-mhc"])
+def test_evaluate_cells_equal_their_references(model):
     """evaluate: the K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals exp(mean NLL) of the
     plan's own teacher-forced logits on every window of the protocol (seq_len + 1 tokens each, non-overlapping);
-    `nano`: with nanochat-snlp's parts (NANOCHAT)."""
-    m = make_model(seed=3, n_layer=L, **(NANOCHAT if nano else {}))
+    with nanochat-snlp's parts (NANOCHAT), and on static mHC (an HCN row too) with widths mixed per layer."""
+    mhc = model.endswith("mhc")
+    m = model_for("hcn" if mhc else "F1", 3, {"nanochat": model.startswith("nanochat"), "hc": "static",
+                                              **({"windows": "mixed"} if mhc else {})})
     val = torch.randint(0, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     cfg = EvalConfig(seq_len=16, max_tokens=64, prompts=2, prompt_len=4, gen_tokens=4, warmup=0, runs=1,
                      time_tokens=2, emb=False, progress=False, batch=2)
-    seq, exact, approx = evaluate(m, val, ["6xF1-h0-K6", "6xF1-h0-K1"], cfg)
+    approx_plans = ["6xF1-h0-K1"] + (["6xF1-h0-K2-hcn"] if mhc else [])
+    seq, exact, *approx = evaluate(m, val, ["6xF1-h0-K6", *approx_plans], cfg)
     assert exact.ppl == pytest.approx(seq.ppl, rel=1e-12) and exact.top1 == seq.top1 and exact.ar_match == 1.0
     with torch.no_grad():
         wins = torch.stack([val[i * 16:(i + 1) * 16 + 1] for i in range(64 // 16)])
-        for fn, rec in ((m, seq), (lambda x: parallel_forward(m, x, "6xF1-h0-K1"), approx)):
+        rows = [(m, seq)] + [(lambda x, p=p: parallel_forward(m, x, p), r) for p, r in zip(approx_plans, approx)]
+        for fn, rec in rows:
             logp = torch.log_softmax(fn(wins[:, :-1]).double(), -1)
             nll = -logp.gather(-1, wins[:, 1:, None]).mean()
             assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6), rec.plan  # fp32 logits, fp32 sums
+
+
+# ----------------------------------------------------------------------------- static mHC (fixed cells)
+STATIC_MHC = {"sigmoid": dict(dynamic=False), "softmax": NANOCHAT_MHC, "nanochat": {**NANOCHAT, **NANOCHAT_MHC}}
+MHC_PLANS = ("6xF1-h0-K2-hcn", "6xF1-h0-K3-hcn-tol:0.5", "3xF2-h0-K1-hcn", "7xF1-h0-K1", "6xF1-h0-K6-hcn")
+
+
+def dynamic_twin(m, seed: int):
+    """The dynamic-mHC model computing the same function as the static mHC model `m`: its weights, every HyperConn
+    given a random phi and gates alpha = 0, so each H is the maps of its bias computed per token on the dynamic path
+    (HyperConn.forward per sublayer; the solver's A per token through affine_scan), not by GPT.static_hc's one
+    batched Sinkhorn and the constant A of transfer_scan."""
+    twin = GPT(GPTConfig(**{**m.config.to_dict(), "hc_dynamic": True})).to(m.wte.weight.dtype)
+    missing, unexpected = twin.load_state_dict(m.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith((".phi", ".alpha")) for k in missing), (missing, unexpected)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if name.endswith(".phi"):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            elif name.endswith(".alpha"):
+                p.zero_()
+    return twin.eval()
+
+
+@pytest.mark.parametrize("windows", ["SL", "mixed"])
+@pytest.mark.parametrize("maps", list(STATIC_MHC))
+def test_static_mhc_cells_equal_their_dynamic_twin(maps, windows):
+    """Static mHC (hc_dynamic=False: GPT.static_hc, HCN's constant A through transfer_scan) at every entry point,
+    against its dynamic twin (`dynamic_twin`, the same function through the per-token path), fp64: the forward,
+    parallel_forward and a runner over a (B, T) batch give the twin's logits for every plan in MHC_PLANS (HCN with
+    K < C, with tol, fused F2, the IDN surrogate on an mHC model, K >= C); sequential, SNLP (ragged list and (B, T)
+    tensor), speculative (ragged) and Jacobi decoding give the twin's tokens: the argmax loop for the exact entries,
+    the twin's own SNLP decoding of each prompt alone for the plans with K < C. `maps`: sigmoid maps, nanochat-snlp's
+    softmax maps with a tau-0.05 Sinkhorn, and those with nanochat-snlp's other parts (NANOCHAT)."""
+    m = mhc_model(seed=5, n_layer=L, **{**STATIC_MHC[maps], **WINDOWS[windows]})
+    twin = dynamic_twin(m, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, m.config.vocab_size, (3, 13), generator=gen)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 15, 5)]
+    square = idx[:2, :6]  # a (B, T) tensor of prompts
+    n = 6
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx), twin(idx), rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        for plan in MHC_PLANS:
+            want = torch.cat([bind(twin, plan)(idx[i:i + 1]) for i in range(idx.shape[0])])
+            torch.testing.assert_close(bind(m, plan)(idx), want, rtol=1e-6, atol=1e-6, msg=plan)
+            torch.testing.assert_close(parallel_forward(m, idx, plan), want, rtol=1e-6, atol=1e-6, msg=plan)
+    loop = [argmax_loop(twin, p, n) for p in prompts]
+    assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == loop
+    for plan in MHC_PLANS:
+        p = Plan.parse(plan, L)
+        exact = p.iters >= p.chunks and p.fuse == 1 and not p.tol
+        alone = loop if exact else [snlp_generate(twin, q, plan, max_new_tokens=n).tokens for q in prompts]
+        assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=n)] == alone, plan
+        sq = [snlp_generate(twin, q, plan, max_new_tokens=n).tokens for q in square.tolist()]
+        assert [r.tokens for r in snlp_generate(m, square, plan, max_new_tokens=n)] == sq, plan
+        spec = speculative_generate(m, prompts, plan, block=3, max_new_tokens=n)
+        assert [r.tokens for r in spec] == loop, plan
+        assert jacobi_generate(m, prompts[1], plan, block=3, max_new_tokens=n).tokens == loop[1], plan
+
+
+# ----------------------------------------------------------------------------- window widths (fixed cells)
+@pytest.mark.parametrize("windows", ["S1", "wide", "mixed"])
+@pytest.mark.parametrize("mhc", [False, True])
+def test_window_widths_at_every_entry_point(windows, mhc):
+    """Widths 0 (each token sees itself only), 1, 2, 3, 5, wider than the sequence, and full, mixed per layer
+    (WINDOWS), on plain models with value embeddings and the x0 residual and on static-mHC models: the sequential
+    forward equals its outside reference where one exists without the window code (widths wider than every sequence:
+    the same weights with full causal attention, window_pattern "L"), and for every plan (fused stacks mixing
+    widths, K < C, tol, K >= C) the forward and a runner over a (B, T) batch equal each row alone through a fresh
+    bind, and parallel_forward the runner; decoding: sequential, speculative, K >= C SNLP (M = 1: the argmax loop,
+    M > 1: the loop over fused_forward) and, for K < C, each prompt alone, ragged; at prompts of 48 tokens the banded
+    kernel (stacks grouped by window) gives the masked kernel's results. A window of w keeps w keys to the left."""
+    from snlp.model.ops import set_window_kernel
+
+    cfg = {"windows": windows, "hc": "static", "sequence_len": 96}
+    m = model_for("hcn" if mhc else "F1", 7, cfg)
+    if windows == "wide":
+        full = GPT(GPTConfig(**{**m.config.to_dict(), "window_pattern": "L"})).double().eval()
+        full.load_state_dict(m.state_dict())  # no layer windowed: attention never takes the window path
+        assert all(b.attn.window == -1 for b in full.blocks) and any(b.attn.window > 0 for b in m.blocks)
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 15, 9)]
+    plans = ["6xF1-h0-K1", "3xF2-h0-K1", "2xF3-fwd-K1", "7xF1-h0-K6-tol:0.5", "6xF1-h0-K6", "3xF2-h0-K3"]
+    plans += ["6xF1-h0-K2-hcn"] if mhc else []
+    n = 6
+    prev = set_window_kernel("masked")
+    try:
+        with torch.no_grad():
+            ref = m(idx)
+            if windows == "wide":
+                torch.testing.assert_close(ref, full(idx), rtol=1e-6, atol=1e-6)
+            outs = {}
+            for plan in plans:
+                want = torch.cat([bind(m, plan)(idx[i:i + 1, :13]) for i in range(2)])
+                got = bind(m, plan)(idx[:, :13])
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=plan)
+                torch.testing.assert_close(parallel_forward(m, idx[:, :13], plan), got, rtol=1e-6, atol=1e-6)
+                outs[plan] = (bind(m, plan)(idx), parallel_forward(m, idx, plan))
+            set_window_kernel("banded")
+            torch.testing.assert_close(m(idx), ref, rtol=1e-6, atol=1e-6)
+            for plan in plans:
+                for a, b in zip((bind(m, plan)(idx), parallel_forward(m, idx, plan)), outs[plan]):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"banded {plan}")
+    finally:
+        set_window_kernel(prev)
+    loop = [argmax_loop(m, p, n) for p in prompts]
+    if windows == "wide":
+        assert loop == [argmax_loop(full, p, n) for p in prompts]
+    assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == loop
+    for plan in plans:
+        p = Plan.parse(plan, L)
+        if p.iters >= p.chunks and not p.tol:
+            fn = m if p.fuse == 1 else (lambda x, plan=plan: fused_forward(m, x, plan))
+            want = loop if p.fuse == 1 else [argmax_loop(fn, q, n) for q in prompts]
+        else:
+            want = [snlp_generate(m, q, plan, max_new_tokens=n).tokens for q in prompts]
+        assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=n)] == want, plan
+        assert [r.tokens for r in speculative_generate(m, prompts, plan, block=3, max_new_tokens=n)] == loop, plan
+
+
+def test_window_zero_sees_each_token_alone():
+    """An outside law of the narrowest window: with width 0 on every layer (each token attends to itself only; no
+    smear) the logits at position t are the logits of token t run alone (RoPE rotates its query and key alike), for
+    the forward, a runner and SNLP decoding (the argmax loop of the same law)."""
+    m = make_model(seed=9, n_layer=L, layer_windows=[0] * L)
+    idx = torch.randint(0, m.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        alone = torch.cat([m(idx[:, t:t + 1]) for t in range(idx.shape[1])], 1)
+        torch.testing.assert_close(m(idx), alone, rtol=1e-6, atol=1e-6)
+        for plan in ("6xF1-h0-K1", "3xF2-h0-K3", "6xF1-h0-K6"):
+            each = torch.cat([bind(m, plan)(idx[:, t:t + 1]) for t in range(idx.shape[1])], 1)
+            torch.testing.assert_close(bind(m, plan)(idx), each, rtol=1e-6, atol=1e-6, msg=plan)
+    token_alone = lambda ids: m(ids[:, -1:])  # noqa: E731
+    p = idx[0, :4].tolist()
+    assert sequential_generate(m, p, max_new_tokens=6).tokens == argmax_loop(token_alone, p, 6)
+    assert snlp_generate(m, [p, idx[1, :7].tolist()], "6xF1-h0-K6", max_new_tokens=6)[0].tokens == \
+        argmax_loop(token_alone, p, 6)
+
+
+# ----------------------------------------------------------------------------- Hugging Face sliding windows
+# transformers' Mistral (one sliding_window on every layer) and Qwen2 (use_sliding_window: sliding layers from
+# max_window_layers on, full ones below) with sliding_window < T, random weights (norms and biases too), built
+# offline; snlp.io.hf converts sliding_window s to a left context of s - 1 keys
+HF_WINDOWS = {"mistral-4": ("MistralConfig", dict(sliding_window=4)),
+              "mistral-1": ("MistralConfig", dict(sliding_window=1)),
+              "qwen2-3": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=3, max_window_layers=2)),
+              "qwen2-2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=2, max_window_layers=0))}
+
+
+def hf_window_model(case: str, dtype=torch.float64):
+    """(transformers model, the left context per layer it computes) for a HF_WINDOWS case: 4 layers, width 64, 4
+    heads over 2 KV heads, vocabulary 97, no EOS id (so generate runs its whole budget)."""
+    transformers = pytest.importorskip("transformers")
+    name, kw = HF_WINDOWS[case]
+    cfg = getattr(transformers, name)(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      attn_implementation="sdpa", eos_token_id=None, bos_token_id=None, **kw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * 4
+    return hf.to(dtype).eval(), [cfg.sliding_window - 1 if t == "sliding_attention" else -1 for t in types]
+
+
+@pytest.mark.parametrize("case", list(HF_WINDOWS))
+def test_hf_sliding_window_conversion_at_every_entry_point(case, tmp_path):
+    """A converted transformers model with sliding windows shorter than the sequence, against transformers itself
+    (fp64; transformers' RMSNorm computes in fp32, so logits agree to ~1e-7): the forward and K >= C plans (a runner,
+    parallel_forward) give its logits; sequential, K >= C SNLP and speculative decoding (M = 1 and M = 2 drafts) of
+    a ragged batch (shared weights with an adaptive block, an adapted drafter) and verified Jacobi decoding give the
+    argmax loop over its full-prefix forward, and, where sliding_window >= 3, the tokens of its `generate`
+    (transformers 5.24's cached generate departs from its own full-prefix forward at sliding_window 1, and at 2 on
+    some prompts); a K >= C plan with M = 2 decodes as the loop over fused_forward; a K < C plan (with and without
+    tol) decodes each row as alone; export writes a transformers directory that
+    loads with the same logits and converts back to the same windows. Export refuses a model with two sliding
+    widths (no transformers architecture has them) with a one-line error."""
+    from snlp.io.hf import export_hf, from_hf
+
+    hf, windows = hf_window_model(case)
+    model, _ = from_hf(hf)
+    assert model.config.layer_windows == windows and max(windows) < 12
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 97, (2, 20), generator=gen)
+    with torch.no_grad():
+        ref = hf(x).logits.float()
+        torch.testing.assert_close(model(x), ref, rtol=0, atol=1e-6)
+        for plan in ("4xF1-h0-K4", "2xF1-fwd-K2", "3xF1-h0-K3"):
+            torch.testing.assert_close(bind(model, plan)(x), ref, rtol=0, atol=1e-6, msg=plan)
+            torch.testing.assert_close(parallel_forward(model, x, plan), ref, rtol=0, atol=1e-6, msg=plan)
+    prompts = [torch.randint(0, 97, (k,), generator=gen).tolist() for k in (3, 11, 6)]
+    n = 10
+    loop = [argmax_loop(lambda ids: hf(ids).logits, p, n) for p in prompts]
+    if min(w for w in windows if w >= 0) >= 2:
+        with torch.no_grad():
+            outs = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):]
+                    for p in prompts]
+        assert [o.tolist() for o in outs] == loop  # transformers' cache agrees with its own forward here
+    assert [r.tokens for r in sequential_generate(model, prompts, max_new_tokens=n)] == loop
+    assert [r.tokens for r in snlp_generate(model, prompts, "4xF1-h0-K4", max_new_tokens=n)] == loop
+    for plan in ("2xF1-h0-K1", "1xF2-h0-K1"):
+        assert [r.tokens for r in speculative_generate(model, prompts, plan, block=3, max_new_tokens=n)] == loop
+    shared = speculative_generate(model, prompts, "3xF1-h0-K1", block=3, max_new_tokens=n, share_weights=True,
+                                  adaptive=True)
+    drafted = speculative_generate(model, prompts, "2xF1-h0-K1", block=3, max_new_tokens=n,
+                                   drafter=make_drafter(model, "2xF1-h0-K1"))
+    assert [r.tokens for r in shared] == [r.tokens for r in drafted] == loop
+    assert [jacobi_generate(model, p, "3xF1-h0-K1", block=3, max_new_tokens=n).tokens for p in prompts] == loop
+    fused = [argmax_loop(lambda ids: fused_forward(model, ids, "2xF2-h0-K2"), p, n) for p in prompts]
+    assert [r.tokens for r in snlp_generate(model, prompts, "2xF2-h0-K2", max_new_tokens=n)] == fused
+    for plan in ("3xF1-h0-K1", "3xF1-h0-K2-tol:0.5"):
+        alone = [snlp_generate(model, p, plan, max_new_tokens=n).tokens for p in prompts]
+        assert [r.tokens for r in snlp_generate(model, prompts, plan, max_new_tokens=n)] == alone, plan
+    # export round trip (fp32 files: transformers' own loading path)
+    transformers = pytest.importorskip("transformers")
+    m32, _ = from_hf(hf.float())
+    out = export_hf(m32, tmp_path / "exp")
+    back_hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    back, _ = from_hf(str(out))
+    assert back.config.layer_windows == windows
+    with torch.no_grad():
+        ref32 = hf.float()(x).logits
+        torch.testing.assert_close(back_hf(x).logits, ref32, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(back(x), ref32, rtol=1e-4, atol=1e-4)
+    two = copy.deepcopy(m32)
+    two.config.layer_windows = [1, 2, -1, -1]
+    with pytest.raises(ValueError, match="several sliding-window sizes") as err:
+        export_hf(two, tmp_path / "two")
+    assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- compiled cells (inductor: few, small)
@@ -515,18 +789,78 @@ def test_compiled_cells_equal_their_references():
     assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]
 
 
+# compiled cells of the main entry points on a depth-6 model (inductor compiles a few graphs per cell: ~15-40 s of
+# CPU each, so one cell runs by default and the others are marked slow): static mHC or nanochat-snlp's parts, with
+# widths mixed per layer (full, wider than T, 0, 1, 2, 3: the F2 stacks hold two finite widths each)
+COMPILED_WINDOWS = [-1, 100, 0, 1, 2, 3]
+COMPILED = {
+    "plan-static": ("plan", dict(dynamic=False), "4xF1-h0-K2-hcn"),
+    "sequential-static": ("sequential", dict(dynamic=False), None),
+    "decode-static": ("snlp", dict(dynamic=False), "4xF1-h0-K2-hcn"),
+    "decode-exact-nanochat": ("snlp", {**NANOCHAT, **NANOCHAT_MHC}, "4xF1-h0-K4-hcn"),
+    "speculative-windows": ("speculative", None, "2xF2-h0-K1"),
+    "speculative-static": ("speculative", dict(dynamic=False), "4xF1-h0-K1-hcn"),
+    "plan-nanochat": ("plan", NANOCHAT, "2xF2-h0-K1"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(k, marks=() if k == "plan-static" else pytest.mark.slow)
+                                  for k in COMPILED])
+def test_compiled_entry_points_equal_their_references(name):
+    """compile=True / torch.compile at the main entry points equals the eager cell's reference (fp64 weights):
+    the plan forward (torch.compile of a runner over a (B, T) batch: each row alone through a fresh eager bind),
+    sequential decoding and SNLP decoding of a ragged batch (K >= C, M = 1: the full-prefix argmax loop; K < C: each
+    prompt alone, eager), and speculative decoding (the argmax loop). The models: static mHC (its maps and HCN's
+    constant A folded into the graph), nanochat-snlp's parts (with its static softmax-map mHC where the plan is
+    HCN), a plain model; every one with the widths of COMPILED_WINDOWS."""
+    entry, extra, plan = COMPILED[name]
+    n_layer = len(COMPILED_WINDOWS)
+    kw = dict(seed=11, n_layer=n_layer, layer_windows=COMPILED_WINDOWS, sequence_len=64)
+    if extra is None:
+        m = make_model(**kw)
+    elif "dynamic" in extra:
+        m = mhc_model(**kw, **extra)
+    else:
+        m = make_model(**kw, **extra)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
+    n = 5
+    if entry == "plan":
+        idx = torch.randint(0, m.config.vocab_size, (2, 12), generator=gen)
+        with torch.no_grad():
+            want = torch.cat([bind(m, plan)(idx[i:i + 1]) for i in range(2)])
+            got = torch.compile(bind(m, plan, check_finite=False), fullgraph=True)(idx)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        return
+    loop = [argmax_loop(m, p, n) for p in prompts]
+    if entry == "sequential":
+        rows = sequential_generate(m, prompts, max_new_tokens=n, compile=True)
+        want = loop
+    elif entry == "speculative":
+        rows = speculative_generate(m, prompts, plan, block=3, max_new_tokens=n, compile=True)
+        want = loop
+    else:
+        p = Plan.parse(plan, n_layer)
+        rows = snlp_generate(m, prompts, plan, max_new_tokens=n, compile=True)
+        want = loop if p.iters >= p.chunks and p.fuse == 1 else \
+            [snlp_generate(m, q, plan, max_new_tokens=n).tokens for q in prompts]
+    assert [r.tokens for r in rows] == want
+
+
 # ----------------------------------------------------------------------------- the decode suite (snlp bench --suite decode)
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2"]), seed=st.integers(0, 50),
-       sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans())
-def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, tmp_path_factory):
+       sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans(), nano=st.booleans(),
+       windows=st.sampled_from(list(WINDOWS)))
+def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, tmp_path_factory):
     """The decode suite's rows (bench entry point): its reference is the argmax loop, every row it calls exact (snlp
     sequential, speculative with the model's own or an adapted drafter, an SNLP plan with K >= C and M = 1) gives
-    the reference's tokens in fp64, and a K >= C plan with M > 1 (the fused model) is not called exact."""
+    the reference's tokens in fp64, and a K >= C plan with M > 1 (the fused model) is not called exact; `nano`:
+    nanochat-snlp's parts (NANOCHAT), `windows`: the window widths (WINDOWS)."""
     from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
     from snlp.io.drafter import save_drafter
 
-    m = make_model(seed=seed, n_layer=L)
+    m = model_for(kind, seed, {"nanochat": nano, "windows": windows})
     path = None
     if drafter:
         d = make_drafter(m, PLANS["F1"])
@@ -595,5 +929,51 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
                 assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
             spec = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=4)
             assert [r.tokens for r in spec] == [argmax_loop(m, p, 4) for p in prompts]
+    finally:
+        set_window_kernel(prev)
+
+
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "exact", "exactF2"]), seed=st.integers(0, 50),
+       nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
+def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
+    """set_window_kernel("flex") (FlexAttention with a block-sparse window mask, taken inside compiled graphs only;
+    fused stacks as one call with per-branch windows) against "masked": the compiled sequential forward and compiled
+    runner (shared weights where allowed) run FlexAttention and give the masked kernel's results (fp64, aot_autograd
+    graphs: FlexAttention's own reference kernel; inductor's is tests/model/test_flex_windows.py); eagerly (no flex:
+    parallel_forward, SNLP decoding, whose cached calls never take it) the results are the masked kernel's too."""
+    from snlp.model.ops import set_window_kernel
+
+    cfg = {"window_pattern": pattern, "short_window": 4, "sequence_len": 96, "nanochat": nano}
+    m = model_for(kind, seed, cfg if kind != "hcn" else {"nanochat": nano})
+    if kind == "hcn":
+        m = mhc_model(seed=seed, n_layer=L, window_pattern=pattern, short_window=4, sequence_len=96,
+                      **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
+    plan = PLANS[kind]
+    share = share and kind in ("F1", "fwd", "exact")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
+    prompts = [idx[0, :40].tolist(), idx[1, :37].tolist()]
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm.code)
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example)
+
+    prev = set_window_kernel("masked")
+    try:
+        with torch.no_grad():
+            runner = bind(m, plan, check_finite=False, share_weights=share)
+            ref = (m(idx), runner(idx), parallel_forward(m, idx, plan))
+            ref_dec = [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)]
+            set_window_kernel("flex")
+            torch._dynamo.reset()
+            got = tuple(torch.compile(f, backend=backend, fullgraph=True)() for f in (lambda: m(idx),
+                                                                                      lambda: runner(idx)))
+            assert len(graphs) == 2 and all("flex_attention" in g for g in graphs)
+            for a, b in zip(got + (parallel_forward(m, idx, plan),), ref):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
     finally:
         set_window_kernel(prev)

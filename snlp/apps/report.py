@@ -17,7 +17,7 @@ import torch
 
 from snlp import __version__
 from snlp.eval.metrics import implied_beta
-from snlp.runtime.fmt import RULE, fmt_delta_ppl, fmt_ppl, ppl_from_ce
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
 def fmt_s(s: float) -> str:
     s = int(round(s))
@@ -124,45 +124,155 @@ def layer_evaluations(plan: str, depth: int) -> int:
     return S + (pl.critical_path_layers(depth) - S) * pl.n_suffix
 
 
+PPL_TIE = 0.01  # PPLs within 1 % of each other tie: one training seed and one validation sample per model
+SIGN_LEVEL = 0.05  # the two-sided sign test's level at which one plan's speed beats another's
+
+
 @dataclass(frozen=True)
 class Speed:
     """A plan's decode speedup on one architecture: the median of every timed round's paired ratio (sequential over
-    plan ms/token of that round) of every model of that architecture, their lowest and highest, and how many."""
+    plan ms/token of that round) of every model of that architecture, their lowest and highest, and how many;
+    `paired`: (model key, that model's per-round ratios in round order), so two plans compare round by round."""
 
     median: float
     lo: float
     hi: float
     rounds: int
+    paired: tuple = ()
 
     def ties(self, other: "Speed") -> bool:
-        """Each median lies inside the other's range of per-round ratios: the difference is inside the timing noise.
-        (Ranges that merely overlap at their ends do not tie: that rule chained a ~2x cluster to a 1.6x plan.)"""
+        """Each median lies inside the other's range of per-round ratios (the rule for speeds without paired
+        rounds). Ranges that merely overlap at their ends do not tie: that rule chained a ~2x cluster to a 1.6x
+        plan."""
         return other.lo <= self.median <= other.hi and self.lo <= other.median <= self.hi
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance, under equal speed (each round a fair coin), of a split at least as
+    lopsided as wins : losses (rounds where the two are equal are left out)."""
+    n, k = wins + losses, max(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
+
+
+def sign_test_wins(n: int, level: float = SIGN_LEVEL) -> int | None:
+    """The fewest wins of n paired rounds at which the sign test calls one plan faster (None: n rounds never can)."""
+    return next((k for k in range((n + 1) // 2, n + 1) if k * 2 > n and sign_test_p(k, n - k) < level), None)
+
+
+def paired_ratios(a: Speed, b: Speed) -> list[float]:
+    """Plan a's speed over plan b's in every round that timed both (same model, same round index: the plans are
+    timed round-robin, so a round's load hits both alike). Rounds of different models never pair: the two models'
+    evaluations ran in different stages, under different load."""
+    db = dict(b.paired)
+    return [x / y for key, xs in a.paired if key in db for x, y in zip(xs, db[key]) if y > 0]
+
+
+def speed_order(a: Speed, b: Speed) -> int:
+    """+1 when plan a decodes faster than b, -1 when slower, 0 when the timings do not resolve them: a is faster
+    when it won enough of the rounds that timed both for a two-sided sign test at SIGN_LEVEL (paired_ratios).
+    Speeds without paired rounds fall back to the range rule (Speed.ties, else the higher median)."""
+    ratios = paired_ratios(a, b)
+    if ratios:
+        wins, losses = sum(r > 1 for r in ratios), sum(r < 1 for r in ratios)
+        return 0 if sign_test_p(wins, losses) >= SIGN_LEVEL else (1 if wins > losses else -1)
+    if a.ties(b) or a.median == b.median:
+        return 0
+    return 1 if a.median > b.median else -1
+
+
+# the two-sided 97.5 % quantile of Student's t by degrees of freedom; beyond 30 the value at 30, which is above
+# every later one (it falls to 1.96), so the test only ties more
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
+    """+1 when the row with per-window cross-entropies wa has the lower PPL beyond a two-sided paired t-test at 5 %
+    over the windows both were scored on (the same windows in the same order: the difference's sampling error is
+    the windows' spread of it, not the PPL's own), -1 when higher, 0 a tie; None when the windows do not pair."""
+    if not wa or not wb or len(wa) != len(wb) or len(wa) < 2:
+        return None
+    d = [a - b for a, b in zip(wa, wb)]
+    m, sd = statistics.fmean(d), statistics.stdev(d)
+    t = T_975[min(len(d) - 1, len(T_975)) - 1]
+    if abs(m) <= t * sd / math.sqrt(len(d)):
+        return 0
+    return 1 if m < 0 else -1
+
+
+def ppl_order(pa: float, pb: float, tol: float = PPL_TIE) -> int:
+    """+1 when PPL pa is better (lower) than pb by more than `tol` relative, -1 when worse, 0 a tie."""
+    if pb > pa * (1 + tol):
+        return 1
+    if pa > pb * (1 + tol):
+        return -1
+    return 0
+
+
 def pooled_speeds(evals: dict[str, list]) -> dict[str, Speed]:
-    """Plan -> its Speed over both models' timed rounds: the models share one architecture, and a plan's decode cost
-    does not depend on the weights (fixed K, no early stop), so the two timings of a plan measure one thing twice.
-    Records without per-round ratios count their one speedup."""
+    """Plan -> its Speed over both models' timed rounds: the models share one architecture (fixed K, no early stop),
+    so the two timings of a plan measure one cost twice, up to the load of the moment each ran. Records without
+    per-round ratios count their one speedup."""
     pool: dict[str, list[float]] = {}
+    paired: dict[str, list] = {}
     for key, _ in MODELS:
         for r in evals.get(key, []):
-            xs = r.speedup_rounds or ([r.speedup] if r.speedup else [])
-            pool.setdefault(r.plan, []).extend(x for x in xs if x is not None and math.isfinite(x))
-    return {p: Speed(statistics.median(xs), min(xs), max(xs), len(xs)) for p, xs in pool.items() if xs}
+            xs = [x for x in (r.speedup_rounds or ([r.speedup] if r.speedup else []))
+                  if x is not None and math.isfinite(x)]
+            pool.setdefault(r.plan, []).extend(xs)
+            if r.speedup_rounds and len(xs) == len(r.speedup_rounds):  # a round left out would misalign the pairs
+                paired.setdefault(r.plan, []).append((key, tuple(xs)))
+    return {p: Speed(statistics.median(xs), min(xs), max(xs), len(xs), tuple(paired.get(p, ())))
+            for p, xs in pool.items() if xs}
 
 
-def tied_front(rows: list[tuple[str, Speed | None, float]]) -> set[str]:
-    """The names on the speed-quality Pareto front of (name, speed, ppl) rows when speeds inside each other's
-    ranges tie: a row is dominated by one at most as bad in PPL that is faster beyond both ranges, or by one that
-    ties it in speed and has strictly lower PPL. Rows without a speed or a finite PPL are never on it."""
-    ok = [(n, sp, p) for n, sp, p in rows if sp is not None and p is not None and math.isfinite(p)]
+def tied_front(rows: list[tuple], tol: float = PPL_TIE) -> set[str]:
+    """The names on the speed-quality Pareto front of (name, speed, ppl[, per-window cross-entropies]) rows, where
+    what the run does not resolve ties: speeds by speed_order (paired rounds, sign test), PPLs by window_order
+    (paired windows, t-test) where both rows have their windows, else within `tol` of each other (ppl_order). A
+    row is dominated by one at least as good on both axes and better on one; two rows tied on both are both on it
+    or both off. Rows without a speed or a finite PPL are never on it."""
+    ok = [(r[0], r[1], r[2], r[3] if len(r) > 3 else None) for r in rows
+          if r[1] is not None and r[2] is not None and math.isfinite(r[2])]
 
     def dominates(a, b) -> bool:
-        (_, sa, pa), (_, sb, pb) = a, b
-        return (sa.lo > sb.hi and pa <= pb) or (sa.ties(sb) and pa < pb)
+        (_, sa, pa, wa), (_, sb, pb, wb) = a, b
+        s, q = speed_order(sa, sb), window_order(wa, wb)
+        q = ppl_order(pa, pb, tol) if q is None else q
+        return s >= 0 and q >= 0 and (s > 0 or q > 0)
 
     return {b[0] for b in ok if not any(dominates(a, b) for a in ok if a is not b)}
+
+
+def front_rows(recs: list, speeds: dict[str, Speed]) -> list[tuple]:
+    """tied_front's rows of one model's EvalRecords: (plan, pooled speed, PPL, per-window cross-entropies)."""
+    return [(r.plan, speeds.get(r.plan), r.ppl, r.window_ce) for r in recs]
+
+
+def front_rule(speeds: dict[str, Speed], evals: dict[str, list] | None = None) -> str:
+    """The sentence stating tied_front's rule with this run's paired-round and window counts."""
+    ns = sorted({len(paired_ratios(a, b)) for p, a in speeds.items() for q, b in speeds.items() if p < q} - {0})
+    need = "; ".join(f"{k} of {n}" if (k := sign_test_wins(n)) else f"never at {n}" for n in ns)
+    return (f"`*` = on the model's speed–quality Pareto front, where what this run does not resolve ties: one plan "
+            f"decodes faster than another only when it was faster in enough of the timed rounds that timed both "
+            f"(the same model's same round: plans are timed round-robin, so a round's load hits them alike) for a "
+            f"two-sided sign test at {SIGN_LEVEL:.0%} ({need or 'no paired rounds'} rounds); "
+            + ppl_rule(evals or {}) + "; a plan is off the front when another is at least as good on both and "
+            "better on one")
+
+
+def ppl_rule(evals: dict[str, list]) -> str:
+    """The PPL half of the front's rule, for the records this run has: paired windows where they hold them."""
+    recs = [r for rs in evals.values() for r in rs if r.note == ""]
+    n = {len(r.window_ce) for r in recs if r.window_ce}
+    if recs and n and all(r.window_ce for r in recs):
+        return (f"one plan's PPL is better than another's only when its mean cross-entropy over the same "
+                f"{'/'.join(map(str, sorted(n)))} validation windows is lower beyond a two-sided paired t-test at "
+                f"5 % (the difference's standard error from its spread over the windows), else they tie")
+    return (f"PPLs within {PPL_TIE:.0%} of each other tie (one training seed and one validation sample per model, "
+            f"and these records hold no per-window losses to test a difference with)")
 
 
 def _ar_cells(r) -> tuple[str, str]:
@@ -170,9 +280,9 @@ def _ar_cells(r) -> tuple[str, str]:
     paper reference is the same fused model run sequentially, named in the cell)."""
     seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
     gen = r.gen_tokens or 1
-    ar = "-" if seq is None else f"{100 * seq:.1f}% ({implied_beta(seq, gen):.4f})"
+    ar = "-" if seq is None else f"{100 * seq:.1f}% ({implied_beta(seq, gen):.3f})"
     fused = ("–" if (r.M or 1) == 1 or r.ar_match is None else
-             f"{100 * r.ar_match:.1f}% vs `{r.ar_reference}`")
+             "= itself (K = C)" if r.ar_reference == r.plan else f"{100 * r.ar_match:.1f}% vs `{r.ar_reference}`")
     return ar, fused
 
 
@@ -190,7 +300,7 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
         recs = evals[key]
         seq = recs[0]
         L = seq.n_layer  # None: a record without it (no layer count to state)
-        front = tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in recs])
+        front = tied_front(front_rows(recs, speeds))
         model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
@@ -204,6 +314,19 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
+def model_gap(evals: dict[str, list]) -> str:
+    """How far apart the two models' own median speedups of one plan are (their stages ran at different moments,
+    under different load), said beside the pooled Speedup: the pooled range holds that gap."""
+    own = {k: {r.plan: statistics.median(r.speedup_rounds) for r in evals.get(k, [])[1:] if r.speedup_rounds}
+           for k, _ in MODELS}
+    gaps = [abs(own["noreg"][p] / own["idn"][p] - 1) for p in own.get("noreg", {}) if p in own.get("idn", {})
+            and own["idn"][p] > 0]
+    if not gaps:
+        return ""
+    return (f", yet the two models' own medians of one plan differ by up to {max(gaps):.0%} (Full records): "
+            f"their evaluations ran in different stages, and the box's load between them moves every plan's ratio")
+
+
 def speed_columns(ctx: dict) -> str:
     """What each speed column of this run measured, on its device and threads, and what a GPU would change; the
     example is this run's plan with the most layer evaluations per token."""
@@ -215,8 +338,9 @@ def speed_columns(ctx: dict) -> str:
     where = (f"{threads} CPU thread{'s' if threads != 1 else ''}" if device == "cpu" and threads else f"`{device}`")
     text = (f"**What the speed columns measure** (this run: {where}). Speedup = wall-clock decode time per token at "
             f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
-            f"(one architecture: a plan's cost does not depend on the weights); Rounds = the lowest and highest of "
-            f"those ratios, and `*` treats speeds inside each other's range as ties. Layer evals = layer evaluations "
+            f"(they share one architecture, so a plan has one cost{model_gap(evals)}); Rounds = the lowest and highest "
+            f"of those ratios, the spread (`*` compares plans round by round instead, as said above). The timing "
+            f"decodes {evals['noreg'][0].gen_tokens or '-'} tokens from one prompt per round. Layer evals = layer evaluations "
             f"per token (sequential: L = {L}); Prefill (full records) = the same ratio for a teacher-forced forward "
             f"over {evals['noreg'][0].seq_len} tokens; Ideal (layers) = L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
@@ -228,8 +352,9 @@ def speed_columns(ctx: dict) -> str:
             sp = speeds[ex.plan]
             text += (f" (here `{ex.plan}` evaluates {layer_evaluations(ex.plan, L)} layers per token against {L}: "
                      f"Speedup {sp.median:.2f}x, Prefill {_num(ex.prefill_speedup, '{:.2f}x')})")
-        text += (". On a GPU, where a batched suffix step of N layers runs in about the time of one at batch 1, "
-                 "decode and prefill speedups move toward Ideal (layers); this run did not measure that.")
+        text += (". On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
+                 "the layers' work leaves the device's parallel units idle, the paper's premise); decode and prefill "
+                 "speedups would then move toward Ideal (layers). This run did not measure that.")
     else:
         text += ("With several threads or on an accelerator a batched suffix step can evaluate its layers in "
                  "parallel, so Speedup mixes layer parallelism with dispatch counts; Ideal (layers) is what spare "
@@ -271,23 +396,27 @@ def ssd_table(ssd: dict[str, dict]) -> str:
 
 
 def early_exit_table(rows: dict[str, list[dict]]) -> str:
-    lines = ["| N (skipped) | Seq layers | IDN Reg. | No Reg. |", "|---:|---:|---:|---:|"]
+    lines = ["| N (skipped) | Seq layers | No Reg. | IDN Reg. |", "|---:|---:|---:|---:|"]
     idn = {r["N"]: r for r in rows["idn"]}
     for r in rows["noreg"]:
-        lines.append(f"| {r['N']} | {r['seq_layers']} | {fmt_ppl(idn.get(r['N'], {}).get('ppl'))} | "
-                     f"{fmt_ppl(r['ppl'])} |")
+        lines.append(f"| {r['N']} | {r['seq_layers']} | {fmt_ppl(r['ppl'])} | "
+                     f"{fmt_ppl(idn.get(r['N'], {}).get('ppl'))} |")
     return "\n".join(lines)
 
 
 def training_table(tok: dict, trains: dict[str, dict]) -> str:
-    lines = ["| Model | Steps | Tokens | Train time | tok/s (median) | Val CE (PPL) | K=1 gap, start → end |",
-             "|:---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| Model | Steps | Tokens | Train time | tok/s (median) | Own step (tok/s) | Val CE (PPL) | "
+             "K=1 gap, start → end |", "|:---|---:|---:|---:|---:|---:|---:|---:|"]
     for key, label in MODELS:
         t = trains[key]
+        own = t.get("median_step_s")
+        tokens_per_step = t["tokens"] / t["steps"] if t.get("steps") else None
+        own_cell = "–" if not own or not tokens_per_step else f"{own:.2f} s ({tokens_per_step / own:,.0f})"
         lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
-                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
+                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {own_cell} | "
+                     f"{t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
-    lines.append(f"| unigram baseline | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
+    lines.append(f"| unigram baseline | | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
     return "\n".join(lines)
 
 
@@ -365,8 +494,11 @@ def _head(ctx: dict) -> list[str]:
            + ", float32. "
            f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
            f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
-           f"1-minute load average during them {min(loads):g} to {max(loads):g} (per stage below; above "
-           f"{env['cores']} means other jobs competed for the CPU, and wall-clock timings suffer).\n"]
+           f"1-minute load average, sampled at each stage's start and end, {min(loads):g} to {max(loads):g} (per "
+           f"stage below). The run's own work keeps {'2 processes' if ctx.get('parallel') else '1 process'} busy "
+           f"while the models train and 1 in the other stages, so a load above that means other jobs competed for "
+           f"the {env['cores']} cores and wall-clock timings suffer; a 1-minute average lags, and samples at the "
+           f"ends of a stage can miss what happened inside it.\n"]
 
 
 def _setup(ctx: dict) -> list[str]:
@@ -429,8 +561,37 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"single-token decode step, both by wall clock around each step inside these decodes; the drafter "
            f"choice below times its steps apart, on its own clock), Ideal SSD = "
            f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
-           f"'= sequential': the SSD output is token-for-token the sequential greedy output.\n",
+           f"'= sequential': the SSD output is token-for-token the sequential greedy output."
+           + s_figures(ctx["evals"], used) + "\n",
            ssd_table(ssd), *_tune_section(ssd, ctx)]
+
+
+def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
+    """Why a drafter's s here differs from the main table's Speedup of the same plan (and from tune's s): each is
+    timed in its own stage, on its own decode, at its own moment's load; the sequential step of each says how much."""
+    seq_eval = {k: evals[k][0].latency_ms for k in used if evals.get(k) and evals[k][0].latency_ms}
+    seq_ssd = {k: statistics.median(r["sequential_ms_per_token"] for r in used[k]["rows"]
+                                    if r.get("sequential_ms_per_token"))
+               for k in used if any(r.get("sequential_ms_per_token") for r in used[k].get("rows", []))}
+    if not seq_eval or not seq_ssd:
+        return ""
+    f = lambda v: f"{v:.2f}"  # noqa: E731
+    return (f" A drafter's s is not the main table's Speedup of the same plan, nor tune's s: the main table times "
+            f"short decodes of one prompt in the evaluation stage, this table times every step of these longer "
+            f"decodes (a longer KV cache) in its own stage, tune its own short decodes on its own clock, each at "
+            f"its moment's load: the sequential decode step took {per_model(seq_eval, f)} ms per token in the "
+            f"evaluation and {per_model(seq_ssd, f)} ms here. s moves with B only by that noise: the drafter's "
+            f"step does not depend on B.")
+
+
+def tune_rule_note(ssd: dict[str, dict]) -> str:
+    """Why the drafter choice ties by noise and not by the main table's sign test: with the shootout's rounds the
+    test could never call a difference (the rounds each model's tune ran: its record's tune_repeats)."""
+    ns = {r.get("tune_repeats") for r in ssd.values() if r.get("tune_repeats")}
+    if ns and all(sign_test_wins(n) is None for n in ns):
+        return (f"a rule apart from the main table's `*`: {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
+                f"shootout rounds are too few for its sign test to call any difference")
+    return "a rule apart from the main table's `*`"
 
 
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
@@ -447,7 +608,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise, else, "
+             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise ("
+             f"{tune_rule_note(ssd)}), else, "
              "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
              "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
@@ -491,7 +653,15 @@ def _diagnostics(ctx: dict) -> list[str]:
     return ["\n## SNLP diagnostics\n",
            f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.eval.analysis`; {st['diagnostics']['result']['power_iters']} "
            f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
-           f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md).\n",
+           f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md). "
+           f"Layer l (0-based) with g_l its non-residual branch (f_l(h) = x_in,l(h) + g_l(h)), at the sequential "
+           f"input: σmax = the largest singular value of J_g over the whole window (power iteration); ‖J‖_F = "
+           f"J_g's Frobenius norm per token, sqrt(‖J_g‖_F² / T) over the window's T tokens (Hutchinson probes), so it "
+           f"can be below σmax, which is the whole window's; amp. = ‖J_f v‖/‖v‖ for Gaussian v (the whole layer, "
+           f"residual included); the substitution errors of the paper's variance-reduction paragraph, with h_S "
+           f"the state entering the suffix and ε_l = g_l(h_l−1 sequential) − g_l(h_S): |ε_l| = ‖ε_l‖/‖h_S‖, C_ε = "
+           f"‖Σ_(r ≤ l) ε_r‖/‖h_S‖ (cumulative), Δ_g = ‖ε_l‖/‖g_l(h_S)‖; norms over each sample's (T, D), means over "
+           f"samples.\n",
            *[f"**{label}**\n\n" + st["diagnostics"]["result"]["markdown"][k].replace("### SNLP diagnostics (snlp analyze)\n", "")
              for k, label in MODELS]]
 
@@ -511,7 +681,8 @@ def _stage_times(ctx: dict) -> list[str]:
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-                  f"{len(ctx['reused'])} reused)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
+                  f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; an "
+                  f"install before it, as scripts/speedrun.sh runs, is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
 
 def train_pace_s(ctx: dict) -> float | None:
@@ -550,8 +721,10 @@ def _budget_line(ctx: dict) -> str:
     reused = [n for n, p in b.get("stages", {}).items() if p.get("reused")]
     return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: {step}, "
             f"eval window {pr.get('window_s', 0) * 1e3:.0f} ms, decode {pr.get('decode_token_s', 0) * 1e3:.1f} ms/token) "
-            f"planned each stage (Planned: its share when it started, corrected by how far the earlier stages "
-            f"overran) and {train}; a stage that would not fit ran smaller (Shrunk)"
+            f"planned each stage (Planned: the cost model's prediction of the stage at the scale it ran with, "
+            f"times how far the finished stages had overrun their predictions when it started; a stage shrinks "
+            f"when that would not fit its share of what was left; training's Planned adds its start-up and final "
+            f"save to its time) and {train}; a stage that would not fit ran smaller (Shrunk)"
             + (f"; reused stages ({', '.join(reused)}) show the plan and wall time they were recorded with" if reused
                else ""))
 
@@ -582,6 +755,46 @@ def budget_verdict(ctx: dict) -> list[str]:
     return ["\n" + " ".join(out) + "\n"]
 
 
+def versus_sequential(records: list) -> list:
+    """The records with AR Match and β̂ against the sequential model for every row (the fused-model agreement a
+    fused plan's `ar_match` holds is shown apart), so the column means one thing in every table."""
+    import dataclasses
+
+    out = []
+    for r in records:
+        seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
+        out.append(dataclasses.replace(r, ar_match=seq,
+                                       ar_beta=None if seq is None else implied_beta(seq, r.gen_tokens or 1)))
+    return out
+
+
+def ppl_format_rule(evals: dict[str, list]) -> str:
+    """How the tables print PPLs this large, said only when a record of this run needs it (no example figures:
+    the reader would take them for this run's)."""
+    recs = [r for rs in evals.values() for r in rs]
+    parts = []
+    if any(r.ppl is not None and math.isfinite(r.ppl) and r.ppl >= 1e4 for r in recs):
+        parts.append("PPL ≥ 10⁴ in scientific notation")
+    if any(r.delta_ppl is not None and math.isfinite(r.delta_ppl) and r.delta_ppl > 10 for r in recs):
+        parts.append("ΔPPL above +1000 % as × the PPL ratio to sequential")
+    if any(r.ppl is None or not math.isfinite(r.ppl) for r in recs):
+        parts.append("a non-finite PPL as 'diverged'")
+    return "In every table: " + ", ".join(parts) if parts else ""
+
+
+def drafter_off_front(evals: dict[str, list], ssd: dict[str, dict]) -> list[str]:
+    """A sentence for each model whose drafter (`†`) is not on its `*` front: the two answer different questions."""
+    speeds, out = pooled_speeds(evals), []
+    for key, label in MODELS:
+        d = ssd[key].get("drafter")
+        front = tied_front(front_rows(evals[key], speeds))
+        if d and d not in front:
+            out.append(f"{label}: the drafter `{d}` is off this front: it was chosen by its measured speculative "
+                       f"decoding speed (the sequential model verifies, so its PPL does not reach the output), "
+                       f"which the front does not measure.")
+    return ["\n" + " ".join(out) + "\n"] if out else []
+
+
 def render_report(ctx: dict) -> str:
     """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
     from snlp.eval.present import markdown_table
@@ -593,21 +806,33 @@ def render_report(ctx: dict) -> str:
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
            f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
-           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end.\n",
+           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. tok/s (median): "
+           f"tokens per wall-clock second of each training step, the median over steps"
+           + ("; the two trained side by side in lockstep, so each waits for the slower one and this is the pair's "
+              "pace, the same for both by construction" if ctx["parallel"] else "")
+           + ". Own step: the median of the model's own step time (its start to its statistics"
+           + (", without the lockstep wait" if ctx["parallel"] else "")
+           + ") and the tokens per second it implies: what one step of each model costs (IDN Reg.'s includes the "
+           "regulariser).\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           "iterations; rows from higher to lower PPL. `*` = on the model's speed–quality Pareto front (speeds "
-           "inside each other's Rounds range tie), `†` = the self-speculative drafter chosen below. AR Match vs seq. "
-           "compares every row with the sequential model (rate and β̂), so the column compares rows; AR Match vs "
-           "fused model is the paper's reference for fused plans (M > 1), named per row: the same fused model run "
-           "sequentially, which a plan with K = C is itself (100 % by construction). "
-           f"In every table: {RULE}.\n",
+           f"iterations; rows from higher to lower PPL. {front_rule(pooled_speeds(evals), evals)}. `†` = the "
+           "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
+           "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "
+           "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."
+           "implied_beta; from a few hundred tokens, so its third decimal is noise). AR Match vs fused model is the "
+           "paper's reference for fused plans (M > 1), named per row: the same fused model run sequentially; a plan "
+           "with K = C is that model itself ('= itself'). The IDN header's PPL difference from No Reg. compares two "
+           "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
+           + (f" {r}." if (r := ppl_format_rule(evals)) else "") + "\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           *drafter_off_front(evals, ssd),
            "\n" + speed_columns(ctx),
            "\n![speed-quality frontier](frontier.png)\n",
            "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against the main table's decode "
            "Speedup (wall clock, both models' rounds pooled; not Prefill, not Ideal), one series per model, so the "
-           "models compare by what the plans cost them; sequential is the star at (1.0x, 0 %).\n",
+           "models compare by what the plans cost them, with a bar over the lowest to highest timed round (Rounds); "
+           "the ringed line joins the main table's `*` plans; sequential is the star at (1.0x, 0 %).\n",
            *_ssd_section(ctx),
            "## Early exit (K = 0)\n",
            "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
@@ -618,10 +843,12 @@ def render_report(ctx: dict) -> str:
            "## Full evaluation records\n"]
     for key, label in MODELS:
         out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
-                f"timed rounds alone, where the main table pools both models'; Prefill = teacher-forced forward "
+                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan "
+                f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]), the layer-step count a "
-                f"device with spare parallel capacity could approach; AR Match against each row's own reference, "
-                f"the main table's vs fused model)\n", markdown_table(evals[key])]
+                f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
+                f"as in the main table's AR Match vs seq. (the fused-model agreement is the main table's last "
+                f"column))\n", markdown_table(versus_sequential(evals[key]))]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
                "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
     return "\n".join(out)

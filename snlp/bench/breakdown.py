@@ -17,7 +17,7 @@ evaluation were free of overhead. structural_ideal - suffix_ideal is the price o
 traffic (and its C-times larger activations); suffix_ideal - measured is every other cost of the SNLP
 forward (solver loop, correction, input stacking, host syncs). `suffix_matmul_ms` (the batched matmuls
 alone) and `suffix_weight_bytes` give the achieved weight bandwidth. aten op and host-sync counts per
-forward come from torch.profiler. Timings only: nothing here is asserted by tests (docs/benchmarks.md,
+forward come from torch.profiler. Timings only: nothing here is asserted by tests (docs/records/2026-11-22-bench-cpu.md,
 "Where the CPU time goes").
 """
 

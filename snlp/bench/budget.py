@@ -103,14 +103,19 @@ class BudgetPlan:
         r = sum(p.actual_s for p in done) / sum(p.raw_s for p in done)
         return min(max(r, DRIFT_RANGE[0]), DRIFT_RANGE[1])
 
-    def start(self, name: str, elapsed_s: float) -> float:
+    def start(self, name: str, elapsed_s: float, same_as: str | None = None) -> float:
         """The scale for stage `name` about to start at `elapsed_s` into the job: the largest common scale
         (<= 1) at which it and every stage not yet run fit into what is left of the budget (less the margin
-        and the fixed costs still to come, `tail_s`), each clamped to its min_scale. Records it and the
-        planned seconds at that scale."""
+        and the fixed costs still to come, `tail_s`), each clamped to its min_scale. `same_as`: a twin stage
+        whose results this one's are compared with (the other model's): once the twin has its scale (it ran,
+        or was reused with its scale recorded) this stage runs at that scale, so the two rest on equal samples,
+        and the later stages' shares absorb any overrun. Records the scale and the planned seconds at it."""
         p = self.stages[name]
         p.reused, p.actual_s = False, None  # it runs (an expected reuse that did not happen runs after all)
-        if self.budget_s is None:
+        twin = self.stages.get(same_as) if same_as else None
+        if twin is not None and twin.actual_s is not None and twin.scale is not None:
+            p.scale = twin.scale
+        elif self.budget_s is None:
             p.scale = 1.0
         else:
             d = self.drift()

@@ -524,7 +524,9 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
                      for c in sorted(tied, key=lambda c: -c.tokens_per_s))
     one_round = any(c.noise is None for c in tied)
-    return chosen, (f"within noise: {what} are within the per-round spread of the best measured"
+    leads = ", ".join(f"{_name(c)} by {best.tokens_per_s / c.tokens_per_s - 1:+.1%}" for c in tied if c is not best)
+    return chosen, (f"within noise: {what}; the best measured ({_name(best)}) leads {leads}, no more than the "
+                    "larger noise of the two (half the range of their per-round ratios over their median)"
                     + (" (one timed round: no noise estimate, every candidate ties)" if one_round else "")
                     + f"; the tie goes to the highest stage-1 prediction: {_name(chosen)} "
                     f"(predicted {chosen.predicted_speedup:.3f}x)")

@@ -115,10 +115,12 @@ def place_labels(ax, items: list[tuple[float, float, str, str]], paths: list[lis
     return anns
 
 
-def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dict | None = None):
+def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dict | None = None,
+                    spreads: dict | None = None):
     """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record); `xlabel`:
     what the records' speedup measured, when the caller knows more than "decode, batch 1"; `fronts`: {model label:
-    the plan names on its front} when the caller decided it (e.g. with timing ties), else pareto_front's."""
+    the plan names on its front} when the caller decided it (e.g. with timing ties), else pareto_front's;
+    `spreads`: {model label: {plan: (lowest, highest) speedup of its timed rounds}}, drawn as horizontal bars."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
     from matplotlib.ticker import FuncFormatter
@@ -152,6 +154,13 @@ def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dic
                 label=f"{group}{seq_ppl}: Pareto front (ringed)")
         ax.scatter([pts[j][0] for j in keep], [pts[j][1] for j in keep], color=color, s=28, zorder=3,
                    label=f"{group}: plans")
+        spread = (spreads or {}).get(group, {})
+        bars = [j for j in keep if rows[j].plan in spread]
+        if bars:  # each plan's per-round range: (2, n) distances left and right of the plotted speedup
+            ax.errorbar([pts[j][0] for j in bars], [pts[j][1] for j in bars], fmt="none", ecolor=color, alpha=0.5,
+                        lw=1, capsize=3, label=f"{group}: lowest–highest timed round",
+                        xerr=[[max(0.0, pts[j][0] - spread[rows[j].plan][0]) for j in bars],
+                              [max(0.0, spread[rows[j].plan][1] - pts[j][0]) for j in bars]])
         paths.append(fx)
         labels += [(pts[j][0], pts[j][1], rows[j].plan, color) for j in keep]
         ys += [pts[j][1] for j in keep]

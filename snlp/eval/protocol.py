@@ -88,6 +88,7 @@ class EvalRecord:
     gen_tokens: int | None = None
     device: str | None = None
     dtype: str | None = None
+    window_ce: list[float] | None = None  # mean next-token cross-entropy of each PPL window (paired across rows)
 
     @property
     def is_sequential(self) -> bool:
@@ -119,6 +120,7 @@ class Quality:
     top1: float | None  # fraction of positions whose argmax equals sequential's (1.0 for sequential); None: diverged
     logit_sim: float | None  # mean cosine similarity of the logits to sequential's; None: diverged
     note: str = ""  # "" or "diverged" (the solve turned NaN/inf: no metric is measured)
+    window_ce: list[float] | None = None  # each window's mean cross-entropy, in window order (the PPL's sample)
 
 
 @dataclass
@@ -146,7 +148,7 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
     windows wins (W, T + 1); a plan that diverges gets PPL inf and note "diverged"."""
     device = next(model.parameters()).device
     fns = _logits_fns(model, plans, preheat)
-    acc = {name: {"nll": 0.0, "top1": 0.0, "sim": 0.0, "n": 0} for name in fns}
+    acc = {name: {"nll": 0.0, "top1": 0.0, "sim": 0.0, "n": 0, "win": []} for name in fns}
     diverged = set()
     batches = wins.split(cfg.batch)
     with _bar(len(batches) * len(fns), "PPL / Top-1 / LogitSim", cfg) as bar:
@@ -165,11 +167,14 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                 ref = logits if ref is None else ref
                 a, n = acc[name], y.numel()
                 a["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+                nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, T)
+                a["win"] += nll.mean(1).tolist()  # (B,) per window: every row's windows pair by position
                 a["top1"] += top1_agreement(logits, ref) * n
                 a["sim"] += logit_sim(logits, ref) * n
                 a["n"] += n
     return {name: Quality(math.inf, None, None, "diverged") if name in diverged else
-            Quality(perplexity(a["nll"], a["n"]), a["top1"] / a["n"], a["sim"] / a["n"]) for name, a in acc.items()}
+            Quality(perplexity(a["nll"], a["n"]), a["top1"] / a["n"], a["sim"] / a["n"], window_ce=a["win"])
+            for name, a in acc.items()}
 
 
 # ----- generation: AR Match, EmbSim -----
@@ -288,4 +293,4 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
         latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
         speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
         prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
-        ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), **protocol)
+        ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), window_ce=q.window_ce, **protocol)

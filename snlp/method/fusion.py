@@ -30,7 +30,9 @@ O_l and P_l. For M = 1 this is the layer itself; with x0 off it is the paper's f
 Value embeddings inside a chunk: each layer that has them keeps its own table and gate; its gate
 reads the shared norm(x_C). Layers without them get a zero embedding (so their gate is inert),
 which keeps the whole chunk one batched op. Sliding windows: every branch keeps its own window
-through a per-branch attention mask (the reference code drops windows; we do not).
+(the reference code drops windows; we do not): through a per-branch attention mask, branches grouped by
+window (banded kernel), or one FlexAttention call with a per-branch window mask inside compiled graphs
+(snlp.model.ops.set_window_kernel).
 
 mHC chunks (GPTConfig.hc_streams = n; states (C, B, T, n, D)). Layer l's sublayers are
 x' = R x + p (x) F(norm(q . x)) with R = H_res, q = H_pre, p = H_post (see snlp.model). A chunk
@@ -68,7 +70,8 @@ from torch import Tensor
 
 from snlp.model.gpt import GPT, Context
 from snlp.model.hc import hc_gate, hc_maps, maps_of
-from snlp.model.ops import attend, attend_branches, mlp_act, norm, qk_rope, uses_band, window_groups
+from snlp.model.ops import (attend, attend_branches, flex_window_attention, mlp_act, norm, qk_rope, uses_band,
+                            uses_flex, window_groups)
 
 
 @dataclass
@@ -395,6 +398,15 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
     if w.q_norm is not None:
         qw, kw = w.q_norm.view(C, M, 1, 1, 1, hd), w.k_norm.view(C, M, 1, 1, 1, hd)
     q, k = qk_rope(q, k, ctx.cos, ctx.sin, w.qk_norm, qw, kw, w.eps)
+    if cache is None and w.window_values is not None and uses_flex(T, w.window_values, q.device, q.requires_grad):
+        # one FlexAttention call over every branch (entry (c*M + m)*B + b has branch c*M + m's window, read from the
+        # weights' window tensor): each visits only the key blocks its window sees, no gathers by window (compiled
+        # graphs only, see set_window_kernel)
+        q, k, v = (t.reshape(C * M * B, T, -1, hd).transpose(1, 2) for t in (q, k, v))  # (C*M*B, H, T, hd)
+        if q.device.type == "cpu":  # inductor's CPU flex template reads its inputs' layout as 4-D buffers: a view of
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the 6-D stack fails to lower
+        y = flex_window_attention(q, k, v, w.windows.view(-1), B, ctx.extra.setdefault("masks", {}), w.window_values)
+        return y.transpose(1, 2).reshape(C, M, B, T, Hq, hd)
     q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (C, M, B, H, T, hd)
     win = -1 if w.windows is None else w.windows  # (C, M, 1): leading dims (C, M, B)
     if cache is not None:

@@ -4,7 +4,7 @@ A plan's fused chunk weights are stacked copies of the suffix layers' weights (`
 in self-speculative decoding the drafter (the SNLP forward, reading the stacks) and the verifier (the model,
 reading its own parameters) then stream two copies of every suffix weight byte, and on a cache- or
 bandwidth-bound device each decode step pays for both (measured: the same compiled drafter step took 1.97 ms
-alone and 2.79 ms inside SSD, docs/benchmarks.md).
+alone and 2.79 ms inside SSD, docs/records/2026-11-22-bench-cpu.md).
 
 For plans with M = 1 (one layer per chunk) on plain residual models the stacks need no arithmetic: chunk c is
 layer start + c itself. The model's per-layer parameters are therefore moved ONCE into one "home" stack per

@@ -166,7 +166,18 @@ class Context:
     cache: object | None = None
     span: int | None = None
     real: Tensor | None = None
-    hb: Tensor | None = None  # backout: layer n_layer // 2's output, set by GPT.run_layers when it runs that layer
+
+    @property
+    def hb(self) -> Tensor | None:
+        """backout: layer n_layer // 2's output, set by GPT.run_layers when it runs that layer (or by a solve given
+        it for a precomputed prefix). Kept in `extra` rather than as a field: under torch.compile (2.13) an attribute
+        set on a Context made inside the graph is lost when dynamo traces a FlexAttention call after it (the
+        higher-order op's subgraph speculation restores the object's attributes, not its dict's entries)."""
+        return self.extra.get("hb")
+
+    @hb.setter
+    def hb(self, value: Tensor | None) -> None:
+        self.extra["hb"] = value
 
 
 class GPT(nn.Module):

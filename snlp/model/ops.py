@@ -1,6 +1,6 @@
 """The model's tensor ops, shared by the sequential model and the fused chunks: RMSNorm, RoPE, masked
 attention over a (possibly static, masked) KV window, sliding-window attention that pays for the window only
-(banded), q/k norm + RoPE, MLP activations."""
+(banded; FlexAttention with a block-sparse window mask inside compiled graphs), q/k norm + RoPE, MLP activations."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     """RMSNorm over the last dim; parameter-free unless a weight is given."""
@@ -119,19 +120,32 @@ def _build_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, le
     return additive_mask(mask, dtype)
 
 
-WINDOW_KERNELS = ("auto", "banded", "masked")
+WINDOW_KERNELS = ("auto", "banded", "masked", "flex")
 _window_kernel = os.environ.get("SNLP_WINDOW_ATTENTION", "auto")
 
 
 def set_window_kernel(kind: str) -> str:
     """How a sliding-window layer's prefill attention is computed; returns the previous setting. "masked": one
     SDPA over all T x T scores under an additive mask (the reference); "banded": query blocks of b attend only
-    their w + b keys (`banded_attention`); "auto": banded where it was measured to pay (the CPU, once the band
-    excludes at least half of the causal scores: 14.5 against 108 ms of thread time at T = 4096, w = 256), masked
-    elsewhere (on an H200 at T = 2048, window 512, cuDNN's masked SDPA took 0.069 ms for one layer against 0.466 banded
-    and 0.134 FlexAttention: docs/gpu.md). Fused stacks group their branches by window only where the banded kernel
-    is taken (snlp.method.fusion). The environment variable
-    SNLP_WINDOW_ATTENTION sets the default. All three compute the same function (round-off apart)."""
+    their w + b keys (`banded_attention`); "flex": FlexAttention with a block-sparse sliding-window mask
+    (`flex_window_attention`) wherever it runs compiled, i.e. inside a torch.compile'd forward, plan or train step
+    (eager FlexAttention materialises every score: a slow reference), and not where torch has no kernel for it (its
+    backward on the CPU); elsewhere "flex" chooses as "auto" does. "auto": by measurement, per device:
+      - CPU: banded once the band excludes at least half of the causal scores (14.5 against 108 ms of thread time at
+        T = 4096, w = 256, one layer), compiled graphs included: FlexAttention compiled beats the banded kernel per
+        call (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.8 ms against 22.7
+        banded compiled; a stack of 6 short + 2 full branches 316 against 432), but not per compiled forward (depth
+        8, width 256, T = 4096, w = 256: flex / banded 0.94-1.08 over the sequential forward, 6xF1-h0-K1 and
+        3xF2-h0-K1 in two runs: ties) while its CPU compile takes longer (docs/records/2026-11-26-flex-windows.md);
+      - CUDA, one layer: masked (H200, T = 2048, window 512, bf16: cuDNN's masked SDPA 0.069 ms, banded 0.466,
+        FlexAttention compiled 0.134);
+      - CUDA, a compiled fused stack whose branches mix windows (an SSSL suffix: 18 short + 6 full branches of 5
+        heads, same card and shapes): FlexAttention with a per-branch window 0.44 ms against 0.95 for one masked
+        SDPA over every branch and 1.18 for the branches grouped by window (docs/gpu.md); eager, or in a graph that
+        builds a backward (not measured), masked.
+    Fused stacks group their branches by window only where the banded kernel is taken (snlp.method.fusion). The
+    environment variable SNLP_WINDOW_ATTENTION sets the default. All four compute the same function (round-off
+    apart)."""
     global _window_kernel
     if kind not in WINDOW_KERNELS:
         raise ValueError(f"window attention kernel must be one of {', '.join(WINDOW_KERNELS)}, got {kind!r}")
@@ -151,7 +165,103 @@ def uses_band(T: int, window: int, device) -> bool:
     if _window_kernel == "masked" or window < 0 or window >= T - 1:
         return False
     pays = 2 * (window + band_block(window)) <= T  # keys per block vs the causal average T / 2
-    return pays if _window_kernel == "banded" else pays and torch.device(device).type == "cpu"
+    return pays if _window_kernel == "banded" else pays and torch.device(device).type == "cpu"  # auto, flex
+
+
+def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> bool:
+    """Whether a prefill of T tokens (queries and keys at 0..T-1) over branches with these windows (one entry for
+    a single layer, the C*M branches' for a fused stack) takes `flex_window_attention` (see set_window_kernel):
+    only while torch.compile traces (eager FlexAttention is an unfused reference that materialises every score),
+    only if some window bites (w < T - 1), and never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
+    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows in graphs without a backward
+    only (their forward measured faster there, one layer measured slower, no backward measured yet; see
+    set_window_kernel for the CPU's measurements)."""
+    if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
+        return False
+    if all(w < 0 or w >= T - 1 for w in windows):
+        return False
+    kind = torch.device(device).type
+    backward = requires_grad and torch.is_grad_enabled()
+    if kind == "cpu" and backward:
+        return False
+    if _window_kernel == "flex":
+        return True
+    return kind == "cuda" and len(set(windows)) > 1 and not backward
+
+
+FLEX_BLOCK = 128  # FlexAttention's tile (its default BLOCK_SIZE): the block mask's granularity
+
+
+def flex_block_mask(windows: Tensor | int, rows: int, T: int, device, grad: bool = True) -> BlockMask:
+    """The FlexAttention BlockMask of causal sliding-window attention over a batch of sequences, queries and keys at
+    0..T-1: query p sees key j iff j <= p and (w < 0 or p - j <= w), as window_mask. `windows` is one int window
+    for every sequence, or a (W,) tensor: sequence n has window windows[n // rows] (a fused stack's branches, each
+    over `rows` batch rows; read from the tensor inside the mask, so no host copy and no per-value recompile).
+
+    Built from block-level arithmetic, not by evaluating the mask on every (p, j) pair as create_block_mask does
+    (a T x T pass per sequence): query block i (positions i*b .. i*b + b - 1, b = FLEX_BLOCK) and key block j have
+    differences p - j in [lo, hi], lo = (i - j) b - b + 1, hi = (i - j) b + b - 1, so the pair is visited iff
+    hi >= 0 and lo <= w, and needs no mask (a full block) iff lo >= 0 and hi <= w and both blocks lie inside the
+    sequence (a partial last block keeps the mask). O(W (T / b)^2) small integer ops, built inside the compiled
+    graph (no host cache to guard on), once per forward through the forward's mask memo (flex_window_attention).
+    `grad`: also build the transposed (key-major) block lists the backward reads."""
+    b = FLEX_BLOCK
+    n = -(-T // b)
+    inside = T // b  # blocks wholly inside the sequence
+    one = isinstance(windows, int)
+    if one:  # host arithmetic, and a (1, 1, ...) block mask that broadcasts over the batch
+        wb, W, R = T if windows < 0 else windows, 1, 1  # full attention = a window no pair exceeds
+    else:
+        w = windows.reshape(-1)  # (W,)
+        wb, W, R = torch.where(w < 0, T, w)[:, None, None], w.shape[0], rows  # (W, 1, 1)
+    i = torch.arange(n, device=device)
+    d = (i[:, None] - i[None, :]) * b  # (n, n): query block i, key block j
+    lo, hi = d - (b - 1), d + (b - 1)
+    visit = ((hi >= 0) & (lo <= wb)).expand(W, n, n)
+    full = ((lo >= 0) & (hi <= wb) & (i[:, None] < inside) & (i[None, :] < inside)).expand(W, n, n)
+    part = visit & ~full
+
+    def lists(m: Tensor) -> tuple[Tensor, Tensor]:  # (W, n, n) bool -> counts (W*R, 1, n), indices (W*R, 1, n, n)
+        num = m.sum(-1, dtype=torch.int32)
+        # listed key blocks first, in order: block j goes to slot (number of listed blocks before it); unlisted ones
+        # to a spare slot n that is cut off (a scatter, not a sort: inductor lowers it, a sort falls back to aten)
+        slot = torch.where(m, m.cumsum(-1) - 1, n)
+        idx = torch.zeros(W, n, n + 1, dtype=torch.int32, device=device).scatter_(
+            -1, slot, i.to(torch.int32).expand(W, n, n))[..., :n]
+        return (num[:, None].expand(W, R, n).reshape(W * R, 1, n),
+                idx[:, None].expand(W, R, n, n).reshape(W * R, 1, n, n))
+
+    (kv_num, kv_idx), (full_num, full_idx) = lists(part), lists(full)
+    if one:
+        def mask_mod(bi, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) if windows < 0 else (kv_idx <= q_idx) & (q_idx - kv_idx <= windows)
+    else:
+        def mask_mod(bi, h, q_idx, kv_idx):  # bi: the batch entry, a sequence of branch bi // rows
+            win = w[bi // rows]
+            return (kv_idx <= q_idx) & ((win < 0) | (q_idx - kv_idx <= win))
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod,
+                                    seq_lengths=(T, T), compute_q_blocks=grad)
+
+
+def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, rows: int = 1,
+                          masks: dict | None = None, key: tuple | int | None = None) -> Tensor:
+    """Causal sliding-window attention through FlexAttention: q (N, Hq, T, hd), k/v (N, Hkv, T, hd) -> (N, Hq, T,
+    hd); `windows` one int for every sequence, or a (W,) tensor with N = W * rows, entry n attending with window
+    windows[n // rows] (w < 0: causal only), so a fused stack's branches, each with its own window, run as ONE call
+    that visits only the key blocks each window can see. Meant for compiled graphs (`uses_flex`); the softmax scale
+    is SDPA's 1 / sqrt(hd). With `masks` (the forward's memo, see `attention_mask`) the block mask is built once per
+    forward for each (T, `key`, rows): `key` names the windows by host values (the int, or a stack's window tuple),
+    never by tensor identity, so a compiled graph keeps it in its memo without guarding on an object."""
+    T = q.shape[-2]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    slot = ("flex", T, windows if isinstance(windows, int) else key, rows, grad, str(q.device))
+    bm = None if masks is None or slot[2] is None else masks.get(slot)
+    if bm is None:
+        bm = flex_block_mask(windows, rows, T, q.device, grad=grad)
+        if masks is not None and slot[2] is not None:
+            masks[slot] = bm
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _band_masks(T: int, w: int, b: int, device, dtype, masks: dict | None) -> tuple[Tensor, Tensor]:
@@ -223,8 +333,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     `attention_mask`); without it the mask is built for this call alone.
 
     Full causal attention from position 0 takes SDPA's is_causal path (no mask: the flash kernel on CUDA); an int
-    window from position 0 takes the banded path where it pays (`uses_band`); every other case hands SDPA an
-    additive float mask in q's dtype (`attention_mask`). Fused stacks whose branches differ in window go through
+    window from position 0 takes FlexAttention inside a compiled graph where chosen (`uses_flex`), else the banded
+    path where it pays (`uses_band`); every other case hands SDPA an additive float mask in q's dtype
+    (`attention_mask`). Fused stacks whose branches differ in window go through
     `attend_branches`, which groups them.
 
     No host sync: a tensor of windows always takes the mask path (reading the windows back to pick the
@@ -237,6 +348,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         y = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
     elif full and isinstance(q_start, int) and T == 1 and q_start == S - 1:  # one cached decode query sees every
         y = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=gqa)  # key: no mask to build (per layer, per token)
+    elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
+            uses_flex(T, (windows,), q.device, q.requires_grad):
+        y = flex_window_attention(q4, k4, v4, windows, masks=masks)
     elif isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and T == S and \
             uses_band(T, windows, q.device):
         y = banded_attention(q4, k4, v4, windows, masks)

@@ -10,6 +10,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from test_vs_paper import PAPER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +49,25 @@ def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
     out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
                          text=True, check=True).stdout
     assert "Correctness" in out and "| every |" not in out
+
+
+@pytest.mark.slow
+def test_quick_flex_parts_run_and_reach_the_table(tmp_path):
+    """The FlexAttention parts (compiled prefill, masked vs flex, round-robin; one compiled training step per kernel)
+    at CPU smoke size: both succeed, every forward has both kernels timed, flex's logits match masked's, and their
+    tables are printed."""
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path), "--parts",
+           "flex,flex_train"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT,
+                         env={**os.environ, "LIMIT_flex": "900", "LIMIT_flex_train": "600"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert all(s["rc"] == 0 for s in merged["status"].values()), (merged["status"], (tmp_path / "log.txt").read_text())
+    flex = merged["parts"]["flex"]
+    assert not flex["failures"]
+    assert {(r["forward"], r["kernel"]) for r in flex["rows"]} == {
+        (f, k) for f in ("sequential", "12xF2-h0-K1", "12xF2-h0-K2") for k in ("masked", "flex")}
+    assert all(d < 1e-4 for d in flex["max_abs_diff_logits"].values()) and len(flex["max_abs_diff_logits"]) == 3
+    table = (tmp_path / "campaign.md").read_text()
+    assert "FlexAttention window kernel" in table
+    assert "window kernel masked" in table and "window kernel flex" in table

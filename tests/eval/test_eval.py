@@ -37,7 +37,7 @@ CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
         "ar_reference", "ar_match_seq", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
         "prefill_speedup", "ideal_layer_speedup",
-        "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype"}
+        "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype", "window_ce"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
@@ -118,6 +118,11 @@ def test_teacher_forced_returns_the_public_quality_record(model, val):
     assert tf[plan].top1 == pytest.approx((got.argmax(-1) == ref.argmax(-1)).double().mean().item(), abs=1e-12)
     assert tf[plan].logit_sim == pytest.approx(F.cosine_similarity(got, ref, dim=-1).mean().item(), abs=1e-6)
     assert tf["sequential"].top1 == 1.0
+    # each window's own mean cross-entropy, window by window (a naive loop), in window order: the PPL's sample
+    for name, logits in (("sequential", ref), (plan, got)):
+        naive = [F.cross_entropy(logits[w].double(), y[w]).item() for w in range(W)]
+        assert tf[name].window_ce == pytest.approx(naive, rel=1e-6)
+        assert math.exp(sum(tf[name].window_ce) / W) == pytest.approx(tf[name].ppl, rel=1e-6)
 
 
 def test_exact_plans_match_their_references(records):

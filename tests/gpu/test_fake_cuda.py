@@ -225,3 +225,43 @@ def test_ssd_solve():
         kv = exact_kv(model, trace, plan, ctx)
         S = plan.prefix_len(L)
         assert on_cuda(ssd_solve(model, x, plan, trace[S], kv)) and on_cuda(ssd_solve(model, x, plan, trace[S], None))
+
+
+def test_flex_window_path_stays_on_cuda_without_host_reads(monkeypatch):
+    """The FlexAttention window kernel's tensors (block lists, the per-branch window its mask reads) are made on the
+    query's device and never read back: the sequential forward and a mixed-window fused plan under "flex", with the
+    compiled-graph condition forced. FlexAttention itself (torch's, compiled even in its eager form) is replaced by a
+    stand-in that checks every tensor it would receive, evaluates the mask once on cuda indices and returns q's
+    shape (the values are tests/model/test_flex_windows.py's)."""
+    from snlp.model import ops
+
+    seen = []
+
+    def stand_in(q, k, v, block_mask, enable_gqa):
+        bm = block_mask
+        tensors = (q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+        assert all(on_cuda(t) for t in tensors)
+        i = torch.zeros((), dtype=torch.int32, device="cuda")
+        assert on_cuda(bm.mask_mod(i, i, i, i))
+        seen.append(q.shape)
+        return torch.empty_like(q)
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(ops, "flex_attention", stand_in)
+    prev = ops.set_window_kernel("flex")
+    reads: list = []
+    try:
+        cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, n_kv_head=1, n_embd=32, sequence_len=300,
+                        window_pattern="SSSL", short_window=130)
+        with torch.device("meta"):
+            model = GPT(cfg).eval()
+        with fake_cuda(reads), torch.no_grad():
+            model = to_cuda(model)
+            idx = torch.zeros(2, 260, dtype=torch.long, device="cuda")
+            assert on_cuda(model(idx))
+            assert on_cuda(bind(model, "2xF2-h0-K2", check_finite=False)(idx))
+        assert not reads
+        # 3 windowed layers of the sequential forward, then the plan's 2 iterations over one stack of 4 branches
+        assert seen == [(2, 2, 260, 16)] * 3 + [(8, 2, 260, 16)] * 2
+    finally:
+        ops.set_window_kernel(prev)

@@ -50,7 +50,7 @@ def test_banded_attention_is_the_naive_window_loop(T, w, N, hkv, rep, seed):
 
 
 def test_set_window_kernel_refuses_unknown_kinds(kernel):
-    with pytest.raises(ValueError, match="auto, banded, masked"):
+    with pytest.raises(ValueError, match="auto, banded, masked, flex"):
         kernel("flash")
 
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from snlp.apps.speedrun.job import Speedrun
 
 
-EVAL_ROWS = 2  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval"
+EVAL_ROWS = 3  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval";
+# 3 = window_ce (the report's PPL ties)
 EVAL_FLOORS = dict(prompts=2, runs=3)  # what shrink_eval never goes below
 
 
@@ -58,7 +59,8 @@ def step_eval(sr: Speedrun) -> None:
 
     for key, label in MODELS:
         sr.evals[key] = sr.run_stage(f"eval-{key}", f"{label}: sequential + {len(sr.plans)} plans",
-                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale))
+                                     sr.stage_settings(f"eval-{key}")[0], lambda scale, key=key: run(key, scale),
+                                     same_as=None if key == MODELS[0][0] else f"eval-{MODELS[0][0]}")
 
 
 def cost(name: str, pre: Preset, plans: list[str], pr, ecfg) -> StageCost:

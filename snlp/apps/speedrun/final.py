@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from snlp.apps.report import MODELS, environment, fmt_s, pooled_speeds, render_report, tied_front
+from snlp.apps.report import MODELS, environment, fmt_s, front_rows, pooled_speeds, render_report, tied_front
 from snlp.apps.speedrun.evaluate import eval_records
 from snlp.apps.speedrun.preset import BLOCKS, REG_LAMBDA, SELECT_BLOCK
 from snlp.apps.speedrun.records import write_json
@@ -61,8 +61,8 @@ def step_report(sr: Speedrun) -> None:
              and sr.eval_threads else sr.cfg.device)
     frontier_plot(pooled, sr.out / "frontier.png", title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {where}",
                   xlabel=f"decode speedup vs sequential (wall clock, batch 1, {where}; both models' rounds)",
-                  fronts={label: tied_front([(r.plan, speeds.get(r.plan), r.ppl) for r in records[k]])
-                          for k, label in MODELS})  # the main table's `*`: speeds inside each other's range tie
+                  fronts={label: tied_front(front_rows(records[k], speeds)) for k, label in MODELS},  # the main table's `*`: paired rounds and PPL ties
+                  spreads={label: {p: (sp.lo, sp.hi) for p, sp in speeds.items()} for _, label in MODELS})
     write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
     wall = time.perf_counter() - sr.t_start
     ctx = report_context(sr, records, wall)

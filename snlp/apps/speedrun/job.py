@@ -303,7 +303,8 @@ class Speedrun:
                                + (f"; budget {fmt_s(budget)}" if budget else ""))
         return self.budget
 
-    def run_stage(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = ()) -> StageRecord:
+    def run_stage(self, name: str, desc: str, settings: dict, fn, outputs: list[Path] = (),
+                  same_as: str | None = None) -> StageRecord:
         """Stages.run under the budget: a stage that has to run gets its scale from the plan when it starts
         (BudgetPlan.start; 1 = whole) and fn(scale) returns (result, what it shrank). The stage's settings
         (stage_settings) are its unshrunk ones, so a re-run reuses it whatever the scale was; the record keeps the
@@ -314,7 +315,7 @@ class Speedrun:
             return rec
         plan = self.plan()
         self._mark_reused()  # stages this invocation will reuse are not work left to fit in
-        scale = plan.start(name, self.elapsed())
+        scale = plan.start(name, self.elapsed(), same_as)  # same_as: the other model's stage, equal samples
 
         def go():
             result, shrunk = fn(scale)

@@ -134,7 +134,8 @@ def step_ssd(sr: Speedrun) -> None:
     for key, label in MODELS:
         sr.run_stage(f"ssd-{key}", f"{label}: self-speculative decoding with the best drafter, B = "
                       f"{','.join(map(str, BLOCKS))}", sr.stage_settings(f"ssd-{key}")[0],
-                      lambda scale, key=key: run(key, scale))
+                      lambda scale, key=key: run(key, scale),
+                      same_as=None if key == MODELS[0][0] else f"ssd-{MODELS[0][0]}")  # equal samples
 
 
 def cost(name: str, pre: Preset, plans: list[str], pr) -> StageCost:

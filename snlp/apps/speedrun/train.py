@@ -136,6 +136,13 @@ def _median_tok_s(log: list[dict], first_step: int) -> float | None:
     return rates[len(rates) // 2] if rates else None
 
 
+def _median_step_s(log: list[dict], first_step: int) -> float | None:
+    """The median of the model's own step times (`step_s`: a step's start to its statistics, without the lockstep
+    wait for the other model that `tok_s` includes)."""
+    secs = sorted(r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step)
+    return secs[len(secs) // 2] if secs else None
+
+
 def _log_state(path: Path) -> dict:
     """The latest step, train loss, tokens/s, val loss and stop decision in a training log.jsonl (being written)."""
     st: dict = {}
@@ -300,6 +307,7 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     return {"steps": steps, "tokens": steps * c.batch_size * c.seq_len * c.grad_accum,
             "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
             "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
+            "median_step_s": _median_step_s(log, first_step=2),
             "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
             "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
 

@@ -1,0 +1,271 @@
+"""The FlexAttention window kernel (set_window_kernel("flex")) computes the masked reference's function: its block
+lists are exactly the blocks a window sees (against torch's create_block_mask, which evaluates the mask on every
+pair), compiled (inductor, fp32) it equals a naive softmax loop and the masked SDPA over T, windows, heads, GQA and
+batch rows, forward and gradients, and it is taken where `set_window_kernel` says: inside compiled graphs only, one
+graph per forward, no recompiles after the first call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import examples, make_model, tokens
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask
+
+from snlp import bind
+from snlp.model import ops
+
+
+def naive_loop(q, k, v, windows, rows):
+    """Softmax over the keys j with 0 <= i - j <= w (w < 0: j <= i), one query row of one sequence at a time;
+    sequence n has window windows[n // rows]; GQA by repeating k/v."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    N, _, T, hd = q.shape
+    out = torch.empty_like(q)
+    for n in range(N):
+        w = windows[n // rows]
+        for i in range(T):
+            lo = max(0, i - w) if w >= 0 else 0
+            s = q[n, :, i:i + 1] @ k[n, :, lo:i + 1].transpose(-1, -2) / hd ** 0.5
+            out[n, :, i:i + 1] = torch.softmax(s, -1) @ v[n, :, lo:i + 1]
+    return out
+
+
+def masked_reference(q, k, v, windows, rows):
+    """The masked kernel: one SDPA over every score under each sequence's window mask (ops.attention_mask)."""
+    wt = torch.tensor(windows).repeat_interleave(rows)  # (N,)
+    return ops.attend(q, k, v, wt)
+
+
+@pytest.fixture
+def kernel():
+    prev = ops.set_window_kernel("auto")
+    yield ops.set_window_kernel
+    ops.set_window_kernel(prev)
+
+
+# ------------------------------------------------------------------------------------------ the block lists
+@settings(max_examples=examples(40), deadline=None)
+@given(T=st.integers(1, 700), windows=st.lists(st.integers(-1, 700), min_size=1, max_size=4),
+       rows=st.integers(1, 3))
+def test_block_lists_are_exactly_the_blocks_the_window_sees(T, windows, rows):
+    """Visited blocks = the blocks holding at least one visible (query, key) pair, as create_block_mask finds them by
+    evaluating the mask everywhere; a block listed as full has every pair visible (so skipping its mask is exact)."""
+    wt = torch.tensor(windows)
+    mine = ops.flex_block_mask(wt, rows, T, "cpu")
+    N = len(windows) * rows
+
+    def mask_mod(b, h, qi, ki):
+        w = wt[b // rows]
+        return (ki <= qi) & ((w < 0) | (qi - ki <= w))
+    ref = create_block_mask(mask_mod, N, None, T, T, device="cpu")
+    assert torch.equal(mine.to_dense(), ref.to_dense())
+    # every pair inside a full block is visible
+    i = torch.arange(T)
+    d = i[:, None] - i[None, :]
+    for n in range(N):
+        w = windows[n // rows]
+        vis = (d >= 0) & ((w < 0) | (d <= w))
+        nf = int(mine.full_kv_num_blocks[n, 0].sum())
+        qb, kb = torch.nonzero(torch.stack([
+            torch.zeros(mine.full_kv_num_blocks.shape[-1], mine.full_kv_num_blocks.shape[-1], dtype=torch.bool)
+            .index_fill_(1, mine.full_kv_indices[n, 0, r, :mine.full_kv_num_blocks[n, 0, r]].long(), True)[r]
+            for r in range(mine.full_kv_num_blocks.shape[-1])]), as_tuple=True)
+        assert len(qb) == nf
+        B = ops.FLEX_BLOCK
+        for a, b in zip(qb.tolist(), kb.tolist()):
+            assert vis[a * B:(a + 1) * B, b * B:(b + 1) * B].all()
+            assert (a + 1) * B <= T and (b + 1) * B <= T
+
+
+def test_one_int_window_gives_a_broadcast_block_mask():
+    bm = ops.flex_block_mask(300, 5, 1000, "cpu")
+    assert bm.kv_num_blocks.shape[:2] == (1, 1)  # one mask for every sequence and head
+    assert torch.equal(bm.to_dense(), create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 300), None, None,
+                                                        1000, 1000, device="cpu").to_dense())
+
+
+# ------------------------------------------------------------------------------------------ compiled, exact
+_flex = torch.compile(ops.flex_window_attention, fullgraph=True, dynamic=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.sampled_from([40, 200]), n_win=st.sampled_from([1, 3]), rows=st.sampled_from([1, 2]),
+       hkv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]), data=st.data(), seed=st.integers(0, 2 ** 16))
+def test_compiled_flex_is_the_naive_loop_and_the_masked_reference(T, n_win, rows, hkv, rep, data, seed):
+    """fp32, inductor: per-branch windows (a tensor: its values vary without a recompile) over `rows` batch rows,
+    GQA (Hq = rep * Hkv), windows from 0 (the diagonal only) past T (causal) and -1 (full)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    windows = tuple(data.draw(st.lists(st.integers(-1, T + 5), min_size=n_win, max_size=n_win)))
+    gen = torch.Generator().manual_seed(seed)
+    N = n_win * rows
+    q = torch.randn(N, hkv * rep, T, 16, generator=gen)
+    k, v = (torch.randn(N, hkv, T, 16, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        got = _flex(q, k, v, torch.tensor(windows), rows)
+        torch.testing.assert_close(got, masked_reference(q, k, v, windows, rows), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), naive_loop(q.double(), k.double(), v.double(), windows, rows),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_flex_one_window_equals_the_naive_loop():
+    """The single-layer form (an int window, a broadcast block mask) at T across a block edge, GQA, two rows."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 150, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 150, 16, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        got = _flex(q, k, v, 37)
+    torch.testing.assert_close(got.double(), naive_loop(q.double(), k.double(), v.double(), (37,), 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("windows,rows", [((5, -1, 0), 2), ((130,), 1)])
+def test_flex_gradients_equal_the_masked_reference(monkeypatch, windows, rows):
+    """Training through the kernel: autograd gradients of q, k, v through FlexAttention's own autograd (its dense
+    backward, traced by aot_autograd) equal the masked SDPA's, fp64. torch 2.13 refuses any FlexAttention backward
+    on the CPU at its input check (and inductor has no CPU backward kernel), so this lifts the check to test the
+    block lists' transposes and the mask under autograd; a CPU training step takes the masked kernel instead
+    (test_cpu_training_never_takes_flex)."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    gen = torch.Generator().manual_seed(3)
+    N, T = len(windows) * rows, 150
+    q = torch.randn(N, 4, T, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(N, 2, T, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g = torch.randn(N, 4, T, 8, generator=gen, dtype=torch.float64)
+    f = torch.compile(ops.flex_window_attention, backend="aot_eager", fullgraph=True)
+    win = torch.tensor(windows) if len(windows) > 1 else windows[0]
+    got = torch.autograd.grad(f(q, k, v, win, rows), (q, k, v), g)
+    want = torch.autograd.grad(masked_reference(q, k, v, windows, rows), (q, k, v), g)
+    naive = torch.autograd.grad(naive_loop(q, k, v, windows, rows), (q, k, v), g)
+    for a, b, c in zip(got, want, naive):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------ where it is taken
+def _graphs(fn):
+    """Graphs dynamo captures for one call of fn (run eagerly after capture), fullgraph."""
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)()
+    return graphs, out
+
+
+def _has_flex(graphs) -> bool:
+    return any("flex_attention" in g.code for g in graphs)
+
+
+@pytest.mark.parametrize("plan", [None, "3xF2-h0-K2", "6xF1-h0-K1"])
+def test_flex_is_taken_inside_compiled_graphs_only(kernel, plan):
+    """With "flex" the compiled sequential forward and plans (mixed S/L stacks) run FlexAttention, and equal the
+    masked reference; eager calls, "masked" and "banded" never do, nor "auto" on the CPU."""
+    model = make_model(seed=2, n_layer=6, window_pattern="SSSL", short_window=5, sequence_len=64)
+    idx = tokens(model, T=40)
+    run = (lambda: model(idx)) if plan is None else (lambda r=bind(model, plan, check_finite=False): r(idx))
+    with torch.no_grad():
+        kernel("masked")
+        ref = run()
+        for kind, want in (("flex", True), ("masked", False), ("banded", False), ("auto", False)):
+            kernel(kind)
+            graphs, out = _graphs(run)
+            assert _has_flex(graphs) == want, kind
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+        kernel("flex")  # eager: the unfused FlexAttention would materialise every score; the auto choice runs
+        torch.testing.assert_close(run(), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_follows_the_measurements(kernel, monkeypatch):
+    """auto, while compiling: FlexAttention on CUDA for stacks that mix windows (measured faster than one masked SDPA
+    over every branch and than grouping) without a backward, not for one layer or a stack of one window (masked
+    measured faster / not measured); never on the CPU (a tie with the banded kernel per compiled forward); never
+    while not compiling; "flex" wherever a window bites, except a CPU backward."""
+    assert not ops.uses_flex(2048, (512, -1), "cuda", False)  # not compiling
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernel("auto")
+    assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", False)
+    assert not ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)  # a training graph: backward not measured
+    with torch.no_grad():
+        assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)
+    assert not ops.uses_flex(2048, (512,), "cuda", False)
+    assert not ops.uses_flex(2048, (512, 512), "cuda", False)
+    assert not ops.uses_flex(2048, (512, -1), "cpu", False) and not ops.uses_flex(4096, (256,), "cpu", False)
+    kernel("flex")
+    assert ops.uses_flex(2048, (512,), "cuda", True) and ops.uses_flex(2048, (512,), "cpu", False)
+    assert not ops.uses_flex(2048, (-1, 2047, 4000), "cuda", False)  # no window bites: the causal path
+    assert not ops.uses_flex(2048, (512,), "cpu", True)  # torch has no CPU backward for it
+    with torch.no_grad():
+        assert ops.uses_flex(2048, (512,), "cpu", True)  # requires_grad tensors under no_grad: no backward
+    for kind in ("masked", "banded"):
+        kernel(kind)
+        assert not ops.uses_flex(2048, (512, -1), "cuda", False)
+
+
+def test_cpu_training_never_takes_flex(kernel):
+    """A compiled CPU forward that builds a graph for the backward (a training step) takes the masked kernel even
+    under "flex" (torch refuses FlexAttention's CPU backward), and its gradients are the masked reference's."""
+    model = make_model(seed=4, n_layer=4, window_pattern="SL", short_window=3, sequence_len=64)
+    idx = tokens(model, T=20)
+
+    def loss():
+        return model(idx).square().mean()
+    kernel("masked")
+    want = torch.autograd.grad(loss(), list(model.parameters()))
+    kernel("flex")
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(loss, backend=backend, fullgraph=True)(), list(model.parameters()))
+    assert not _has_flex(graphs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_backout_survives_flex_in_a_compiled_graph(kernel):
+    """nanochat-snlp's backout keeps layer n_layer // 2's output in the Context across later FlexAttention calls (an
+    attribute of an object made inside the graph was lost there under torch 2.13: the head read None)."""
+    model = make_model(seed=3, n_layer=6, window_pattern="SSSL", short_window=5, sequence_len=64, smear=True,
+                       backout=True, qk_scale=1.2, ve_gate_channels=12, ve_gate_scale=3.0, n_embd=32)
+    idx = tokens(model, T=40)
+    r = bind(model, "3xF2-h0-K1", check_finite=False)
+    with torch.no_grad():
+        kernel("masked")
+        refs = (model(idx), r(idx))
+        kernel("flex")
+        for fn, ref in zip((lambda: model(idx), lambda: r(idx)), refs):
+            graphs, out = _graphs(fn)
+            assert _has_flex(graphs)
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_compiled_plan_and_forward_with_flex_compile_once_and_equal_the_reference(kernel):
+    """inductor, fp32: the sequential forward and a fused plan under "flex" equal the masked eager reference; three
+    calls after a reset make one graph each (no graph break, no recompile after the first call)."""
+    model = make_model(seed=6, n_layer=6, window_pattern="SSSL", short_window=5, sequence_len=64, dtype=torch.float32)
+    idx = tokens(model, T=40)
+    r = bind(model, "3xF2-h0-K2", check_finite=False)
+    with torch.no_grad():
+        kernel("masked")
+        refs = (model(idx), r(idx))
+        kernel("flex")
+        for fn, ref in zip((lambda: model(idx), lambda: r(idx)), refs):
+            torch._dynamo.reset()
+            counters.clear()
+            c = torch.compile(fn, fullgraph=True, dynamic=False)
+            outs = [c() for _ in range(3)]
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+            for out in outs:
+                torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
