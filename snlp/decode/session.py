@@ -278,10 +278,11 @@ def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None =
     if plan is None:
         if context is not None:  # the logits at the last position of context(j) predict the token after it
             where += f" (its logits at sequence position {len(context(bad[0])) - 1})"
-        source = nonfinite_source(model, context(bad[0])) if model is not None and context is not None else None
-        raise NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf logits for {where}: "
-                                  f"{source or UNCACHED_FINITE}; no token is read off them (check its weights are "
-                                  f"finite)")
+        known = model is not None and context is not None  # else (a distributed rank) the source is not looked up
+        source = (nonfinite_source(model, context(bad[0])) or UNCACHED_FINITE) if known else None
+        raise NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf logits for {where}"
+                                  + (f": {source}" if source else "") + "; no token is read off them (check its "
+                                  "weights are finite)")
     known = model is not None and context is not None
     source = nonfinite_source(model, context(bad[0])) if known else None
     if source is not None:

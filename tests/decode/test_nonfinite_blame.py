@@ -124,3 +124,15 @@ def test_a_finite_model_decodes_as_before_through_the_model_check():
     ref = argmax_loop(m, PROMPT, 8)
     for entry in ("sequential", "speculative", "jacobi", "jacobi-plan-verified"):
         assert MODEL_CALLS[entry](m, PROMPT).tokens == ref, entry
+
+
+def test_without_the_model_the_error_claims_no_source():
+    """A caller that cannot rerun the model (a distributed rank) gets the step, and no claim about where the NaN/inf
+    came from that nothing checked."""
+    from snlp.decode.session import NONFINITE, check_picked
+
+    check_picked([3, 4], None, 0)  # finite tokens: nothing to say
+    with pytest.raises(NonFiniteModelError) as e:
+        check_picked([NONFINITE], None, 4)
+    assert str(e.value) == ("the model's own forward (not an SNLP plan) gives NaN/inf logits for generated token 5; no "
+                            "token is read off them (check its weights are finite)")
