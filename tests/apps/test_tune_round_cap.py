@@ -3,7 +3,6 @@ cuts: the report states that bound (16 tokens at B = 4 average at most 4.0 per r
 running speculative decoding itself with a drafter that is always accepted."""
 
 import pytest
-import torch
 from conftest import make_model
 from test_speedrun import _report_ctx
 
