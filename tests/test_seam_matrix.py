@@ -21,6 +21,9 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    (fp64), a K >= C plan with M > 1 (the fused model) is not called exact
   a diverging plan (blow-up model) snlp_generate (any form, greedy or sampled), jacobi verify=False: raise
                                    SNLPDivergenceError naming the step; speculative / verified jacobi: the argmax loop
+  a model whose own forward is     every entry and form (sequential, snlp, speculative with the plan's forward or
+  NaN/inf (a NaN weight)           a drafter, jacobi with or without a plan): raise NonFiniteModelError naming the
+                                   model and generated token 1, never SNLPDivergenceError nor tokens read off NaN
   static mHC (every entry point)   its dynamic twin: the same weights with random phi and gates alpha = 0, whose H
                                    are the maps of the biases computed per token (no GPT.static_hc, no transfer_scan)
   window wider than every T        the same weights with full causal attention (window_pattern "L")
@@ -363,6 +366,48 @@ def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
         got = [r.tokens for r in out] if isinstance(out, list) else [out.tokens]
         assert got == [argmax_loop(m, p, 5) for p in prompts[:len(got)]] and len(got) == (len(prompts) if several
                                                                                              or form == "list1" else 1)
+
+
+NONFINITE_ENTRIES = ("sequential", "sequential-sampled", "snlp", "speculative", "speculative-sampled", "drafter",
+                     "jacobi", "jacobi-plan", "jacobi-unverified")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("entry", NONFINITE_ENTRIES)
+def test_a_model_whose_own_forward_is_nonfinite_raises_naming_the_model(entry, form):
+    """A NaN weight in a middle layer (set after building, as after loading): the model's own forward is NaN from
+    the first generated token on. Law: every entry and form raises NonFiniteModelError (one line, generated token 1,
+    the model named as the cause), never SNLPDivergenceError and never tokens read off NaN logits (greedy read token
+    0 before, on every path but SNLP decoding's); Jacobi refuses batch forms as in the matrix."""
+    m, plan = blowup_model(61, sequence_len=64), "8xF1-h0-K1"
+    with torch.no_grad():
+        m.blocks[3].mlp.c_proj.weight[0, 0] = float("nan")
+    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
+    arg = {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
+           "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
+           "tensorBT": lambda: torch.tensor(prompts)}[form]()
+    kw, hot = dict(max_new_tokens=5), dict(temperature=0.8, seed=0)
+    call = {"sequential": lambda: sequential_generate(m, arg, **kw),
+            "sequential-sampled": lambda: sequential_generate(m, arg, **hot, **kw),
+            "snlp": lambda: snlp_generate(m, arg, plan, **kw),
+            "speculative": lambda: speculative_generate(m, arg, plan, block=3, **kw),
+            "speculative-sampled": lambda: speculative_generate(m, arg, plan, block=3, **hot, **kw),
+            "drafter": lambda: speculative_generate(m, arg, plan, block=3, drafter=make_drafter(m, plan), **kw),
+            "jacobi": lambda: jacobi_generate(m, arg, None, block=3, **kw),
+            "jacobi-plan": lambda: jacobi_generate(m, arg, plan, block=3, **kw),
+            "jacobi-unverified": lambda: jacobi_generate(m, arg, plan, block=3, verify=False, **kw)}[entry]
+    if entry.startswith("jacobi") and form in BATCH_FORMS:
+        with pytest.raises(ValueError, match="jacobi"):
+            call()
+        return
+    with pytest.raises(NonFiniteModelError, match=r"generated token 1\b") as err:
+        call()
+    msg = str(err.value)
+    assert not isinstance(err.value, SNLPDivergenceError) and "\n" not in msg
+    assert ("the plan is not the cause" if entry in ("snlp", "jacobi-unverified") else
+            "the model's own forward (not an SNLP plan)") in msg
 
 
 def test_finite_snlp_decoding_is_unchanged_by_the_check():

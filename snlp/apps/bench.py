@@ -11,17 +11,18 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# the flags read no torch: `snlp bench --help` and argument errors answer before it loads (snlp.apps.cli); the
+# library is imported inside the functions that run
+if TYPE_CHECKING:
+    import torch
 
-from snlp.bench.decode import DecodeRow, batch_decode_benchmark, decode_benchmark
-from snlp.bench.forward import ForwardRow, ModelSpec, benchmark, build_model
-from snlp.bench.ops import OpRow, op_benchmark
-from snlp.bench.records import write_records
-from snlp.method.plan import Plan, parse_plans
-from snlp.method.sharing import check_shareable
-from snlp.model.gpt import GPT
-from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+    from snlp.bench.decode import DecodeRow
+    from snlp.bench.forward import ForwardRow, ModelSpec
+    from snlp.bench.ops import OpRow
+    from snlp.method.plan import Plan
+    from snlp.model.gpt import GPT
 
 
 def add_arguments(p) -> None:
@@ -61,7 +62,7 @@ def _add_run_flags(p) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compile", action="store_true",
@@ -211,6 +212,8 @@ def _token_counts(text: str) -> tuple[int, ...]:
 
 def model_spec(args) -> ModelSpec:
     """The model flags as a ModelSpec (snlp.bench.forward.build_model's input)."""
+    from snlp.bench.forward import ModelSpec
+
     return ModelSpec(depth=args.depth, width=args.width, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
                      kv_heads=args.kv_heads, vocab_size=args.vocab_size, window_pattern=args.window_pattern,
                      x0_residual=False if args.no_x0 else None, value_embeds=not args.no_ve,
@@ -218,6 +221,14 @@ def model_spec(args) -> ModelSpec:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.bench.forward import benchmark, build_model
+    from snlp.bench.records import write_records
+    from snlp.method.plan import parse_plans
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the flag's default
     if getattr(args, "vs_paper", None):
         if getattr(args, "suite", None):
             raise ValueError("--vs-paper and --suite are two runs: give one")
@@ -304,6 +315,10 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     from rich.console import Console
     from rich.table import Table
 
+    from snlp.bench.decode import batch_decode_benchmark
+    from snlp.bench.records import write_records
+    from snlp.runtime.device import device_label
+
     try:
         sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
     except ValueError:
@@ -329,6 +344,11 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
 
 
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
+    from snlp.bench.decode import decode_benchmark
+    from snlp.bench.records import write_records
+    from snlp.method.sharing import check_shareable
+    from snlp.runtime.device import device_label, set_threads
+
     set_threads(args.threads)
     try:
         blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
@@ -539,6 +559,13 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
 
 
 def run_ops(args, counts: tuple[int, ...]) -> int:
+    import torch
+
+    from snlp.bench.forward import build_model
+    from snlp.bench.ops import op_benchmark
+    from snlp.bench.records import write_records
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+
     if args.runs < 1 or args.warmup < 0:
         raise ValueError("--runs must be >= 1 and --warmup >= 0")
     set_threads(args.threads)  # --threads (decode group) applies here too

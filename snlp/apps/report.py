@@ -531,8 +531,8 @@ def _setup(ctx: dict) -> list[str]:
            f"{per_model(ev('prompts'))} prompts x {per_model(ev('gen_tokens'))} greedy tokens, every row against the "
            f"sequential model, with the implied per-token agreement β̂ (fused plans also against the same fused model "
            f"run sequentially, the paper's reference, in a column apart); EmbSim: cosine of MiniLM sentence "
-           f"embeddings of the continuations; Speedup: median KV-cached decode latency per token at batch 1, "
-           f"sequential / plan, {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
+           f"embeddings of the continuations; Speedup: KV-cached decode latency per token at batch 1, sequential / "
+           f"plan, the median of the paired per-round ratios of {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
            f"round-robin after {per_model(ev('warmup'))} warm-up round(s) on each model"
            + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
               f"latency bound: on a small box more threads only add contention, and under load they stall)."
@@ -622,15 +622,29 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['top1'])} | {_num(r['accept_alpha'])} | {_num(r['s'], '{:.2f}x')} | "
                          f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | {_num(r['predicted_tokens_per_round'], '{:.2f}')} | "
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
-                         f"{_num(r['tokens_per_round'], '{:.2f}') if meas else '–'} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
                          f"{'–' if r['matches_sequential'] is None else 'yes' if r['matches_sequential'] else 'NO'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
+    capped = per_model({k: ssd[k]["tune_tokens"] for k, _ in MODELS if ssd[k].get("tune_tokens")})
+    if capped:
+        rules.append(f"\nMeas. tok/rnd is over stage 2's decodes of {capped} tokens per prompt, whose last round the "
+                     "token budget cuts short: in brackets the most a decode of that length can average at B (every "
+                     "draft accepted, snlp.decode.speculative.max_tokens_per_round); Pred. tok/rnd is per uncut round, "
+                     "so it compares with the measured value against that bound, not against B + 1.")
     return lines + rules + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and the "
                     f"eval's decode speedup, no end-to-end measurement) would have drafted with: {proxy}. Tune took "
                     + ", ".join(f"{label} {ssd[k].get('tune_s', 0):.0f} s" for k, label in MODELS) + ".\n"]
+
+
+def _round_cap(rec: dict, row: dict) -> str:
+    """The cell's bracket: the most tokens per round stage 2's decodes of rec["tune_tokens"] tokens allow at the
+    row's B ("" for records made before it was stored)."""
+    from snlp.decode.speculative import max_tokens_per_round
+
+    return f" (≤ {max_tokens_per_round(rec['tune_tokens'], row['block']):.2f})" if rec.get("tune_tokens") else ""
 
 
 def _diagnostics(ctx: dict) -> list[str]:

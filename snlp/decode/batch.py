@@ -218,7 +218,7 @@ class BatchSession:
 
     def pick(self, logits: Tensor, temperature: float, flag: bool = False) -> list[int]:
         """Next token of every batch row from logits (B, V): argmax, or a sample from the row's own generator;
-        `flag` (an SNLP forward): NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tokens)."""
+        `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tokens)."""
         return pick_tokens(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
 
     def finish(self) -> list[GenerateResult]:
@@ -247,13 +247,14 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             t0 = now(ses.device)
             x = ses.ids([[t] for t in ses.last])  # (B, 1)
             nxt = ses.pick(forward.ragged(x, ses.positions(1), ses.cache)[:, -1], temperature,
-                           flag=plan is not None)  # from (B, V)
+                           flag=True)  # from (B, V); the finiteness flag rides on this host read
             dt = now(ses.device) - t0
             live = ses.live()
-            if plan is not None:  # NaN/inf logits of a live row raise (a finished row riding along is ignored)
-                check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
-                             [ses.rows[j] for j in live], model=model,
-                             context=lambda k: ses.prompts[ses.rows[live[k]]] + ses.results[ses.rows[live[k]]].tokens)
+            # NaN/inf logits of a live row raise, naming the plan or (plan None) the model's own forward (a finished
+            # row riding along is ignored)
+            check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
+                         [ses.rows[j] for j in live], model=model,
+                         context=lambda k: ses.prompts[ses.rows[live[k]]] + ses.results[ses.rows[live[k]]].tokens)
             for j in live:
                 res = ses.results[ses.rows[j]]
                 res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1

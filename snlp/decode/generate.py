@@ -42,11 +42,11 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
         while not ses.done:
             t0 = now(ses.device)
             x = ses.ids([ses.last])
-            # from logits (V,); an SNLP forward's NaN/inf logits raise (flagged on the same host read)
-            nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=plan is not None)
+            # from logits (V,); NaN/inf logits raise, naming the plan or the model's own forward: the finiteness flag
+            # rides on the host read of the picked token (pick_tokens), no extra sync per step
+            nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=True)
             res.step_s += now(ses.device) - t0  # timed like the speculative drafter's steps
-            if plan is not None:
-                check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
+            check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
             res.steps += 1
             res.forwards += 1
             ses.emit([nxt])
@@ -62,7 +62,9 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs.
     A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns one
     GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
-    prompt i's tokens."""
+    prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated
+    token and its position (flagged on the host read of each step's token, no extra sync) instead of emitting
+    tokens read off them."""
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from snlp.decode.batch import is_batch
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, decode_plan,
-                                 pick_tokens, sequential_forward)
+from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
+                                 decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -76,28 +76,32 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
                     logits, states = warm_fwd(ses.ids([ses.last] + g), cache, states)
                 else:
                     logits = jac_fwd(ses.ids([ses.last] + g), cache)
-                # (Bk+1,); unverified, the SNLP iterations' tokens are the output: NaN/inf logits raise (the flag
-                # rides on this host read); verified, the sequential check below keeps the output exact
+                # (Bk+1,); the tokens that are the output (unverified SNLP iterations, or the model's own Jacobi
+                # forward) are flagged: NaN/inf logits read as NONFINITE on this host read (no extra sync); verified
+                # SNLP iterations only guess (a diverged guess costs speed), the sequential check below is flagged
+                flag = plan is None or not verify
+                pred = pick_tokens(logits[0], 0.0, flag=True) if flag else logits[0].argmax(-1).tolist()
                 if plan is not None and not verify:
-                    pred = pick_tokens(logits[0], 0.0, flag=True)
                     check_picked(pred, plan, len(ses.out), model=model,
                                  context=lambda i: ses.prompt + ses.out + g[:i])  # position i's logits: after g[:i]
-                else:
-                    pred = logits[0].argmax(-1).tolist()
                 res.jacobi_iters += 1
                 converged = pred[:Bk] == g
-                if converged or it + 1 == (max_iters or Bk + 1):
+                # a NONFINITE guess is never fed back: the prefix it ends is settled, the check below raises on it
+                if converged or it + 1 == (max_iters or Bk + 1) or NONFINITE in pred[:Bk]:
                     break
                 g = pred[:Bk]
             t1 = now(dev)
             if plan is not None and verify:  # sequential check of the SNLP-Jacobi fixed point
                 g = pred[:Bk]
                 cache.rollback(P)
-                pred = seq_fwd(ses.ids([ses.last] + g), cache)[0].argmax(-1).tolist()
+                pred = pick_tokens(seq_fwd(ses.ids([ses.last] + g), cache)[0], 0.0, flag=True)
                 res.forwards += 1
+            # pred[:n] == g[:n] holds no NONFINITE (g never does): only the model's token pred[n] can be one
             n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)
+            check_picked([pred[n]], None, len(ses.out) + n, model=model, context=lambda i: ses.prompt + ses.out + g[:n])
             cache.rollback(P + n + 1)
             carry = pred[n + 1:]
+            carry = carry[: carry.index(NONFINITE)] if NONFINITE in carry else carry
             res.add_round(Bk, n, steps=it + 1, forwards=it + 1, draft_s=t1 - t0, verify_s=now(dev) - t1)
             ses.emit(g[:n] + [pred[n]])
         return ses.finish()

@@ -240,7 +240,7 @@ NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/in
 def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
                 flag: bool = False) -> list[int]:
     """Next token of each row of logits (B, V): argmax at temperature 0, else a sample of softmax(logits / T) drawn
-    from the row's own generator gens[j]. `flag` (an SNLP forward's logits): a row whose logits hold NaN/inf gets
+    from the row's own generator gens[j]. `flag`: a row whose logits hold NaN/inf gets
     NONFINITE instead of a token read off them; the flag rides on the one host read of the tokens that every decode
     step does anyway (no extra sync), and `check_picked` raises on it."""
     finite = torch.isfinite(logits).all(-1) if flag else None  # (B,)
@@ -267,13 +267,22 @@ def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None =
     prompt indices. With the `model` and `context(j)`, the token ids whose last position's logits are entry j of
     `tokens` (called only on this error path), the error says where the values came from (`nonfinite_source`): the
     model's own forward (NonFiniteModelError, which does not blame the plan) or the plan's solver state
-    (SNLPDivergenceError)."""
+    (SNLPDivergenceError). `plan` None: the logits are the model's own forward's (sequential decoding, a
+    speculative or Jacobi verifier), so a NONFINITE entry raises NonFiniteModelError."""
     if NONFINITE not in tokens:
         return
     bad = [j for j, t in enumerate(tokens) if t == NONFINITE]
     where = f"generated token {step + 1}"
     if prompts is not None:
         where += f" of prompt(s) {[prompts[j] for j in bad]}"
+    if plan is None:
+        if context is not None:  # the logits at the last position of context(j) predict the token after it
+            where += f" (its logits at sequence position {len(context(bad[0])) - 1})"
+        known = model is not None and context is not None  # else (a distributed rank) the source is not looked up
+        source = (nonfinite_source(model, context(bad[0])) or UNCACHED_FINITE) if known else None
+        raise NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf logits for {where}"
+                                  + (f": {source}" if source else "") + "; no token is read off them (check its "
+                                  "weights are finite)")
     known = model is not None and context is not None
     source = nonfinite_source(model, context(bad[0])) if known else None
     if source is not None:
@@ -284,6 +293,13 @@ def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None =
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
                               f"token is read off them); {origin}. Try more iterations (K >= {plan.chunks} is exact), "
                               f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
+
+
+# why a cached multi-token forward can be NaN/inf where the uncached one over the same prefix is not: masked attention
+# weighs a later position's values by exactly 0, and 0 * inf / 0 * NaN is NaN (torch's attention does not skip them)
+UNCACHED_FINITE = ("the uncached forward over the same prefix is finite, so NaN/inf keys/values of a later position "
+                   "(a draft or guess fed in the same forward, or left in the cache) reach it through masked attention "
+                   "(0 * inf is NaN)")
 
 
 def nonfinite_source(model: GPT, seq: list[int]) -> str | None:

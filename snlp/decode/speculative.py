@@ -14,8 +14,8 @@ from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
-from snlp.decode.session import (GenerateResult, check_decode_args, decode_plan, merge_results, sequential_forward,
-                                 snlp_forward, step_slack)
+from snlp.decode.session import (NONFINITE, GenerateResult, check_decode_args, check_picked, decode_plan,
+                                 merge_results, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
@@ -39,6 +39,16 @@ def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
         raise ValueError(f"drafter speedup s must be a finite number > 0 (got {s!r})")
     per_round = block + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (block + 1)) / (1.0 - alpha)
     return per_round / (block / s + 1.0)
+
+
+def max_tokens_per_round(tokens: int, block: int) -> float:
+    """The most tokens per round a decode of `tokens` new tokens can average at draft block B (every draft
+    accepted): a round keeps min(B + 1, tokens left) tokens (it drafts at most tokens left - 1), so the decode takes
+    ceil(tokens / (B + 1)) rounds and its last one is cut short unless B + 1 divides `tokens` (16 tokens at B = 4:
+    4 rounds, 4.0 per round, not 5)."""
+    if tokens < 1 or block < 1:
+        raise ValueError(f"tokens and block must be >= 1 (got {tokens}, {block})")
+    return tokens / -(-tokens // (block + 1))
 
 
 @dataclass
@@ -381,6 +391,9 @@ def _draft_rows(ses: BatchSession, draft_fwd, want: list[int], temperature: floa
                 if min_confidence else [1.0] * B
         else:
             probs = torch.softmax(logits.float() / temperature, -1)  # (B, V)
+            # a NaN/inf drafter row drafts from the uniform stand-in q (multinomial refuses NaN): rejection sampling
+            # is exact for any q, and the verifier's own logits are checked in _verify_rows
+            probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / probs.shape[-1])
             x = [int(torch.multinomial(probs[j], 1, generator=ses.gens[ses.rows[j]])) if going[j] else x[j]
                  for j in range(B)]
             conf = [float(probs[j, x[j]]) for j in range(B)] if min_confidence else [1.0] * B
@@ -398,15 +411,24 @@ def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, 
     longest agreeing prefix (greedy) or its rejection-sampling prefix, plus one verifier token. Returns (n, next)."""
     rows = [[t] + d for t, d in zip(ses.last, drafts)]
     logits = ses.call(verify_fwd, rows, pad_to=pad_to)  # (B, T, V), T >= every row's length
+    # the verifier is the model's own forward: a position whose logits hold NaN/inf reads as NONFINITE, which no
+    # draft equals, so acceptance stops there and the row's next token is NONFINITE (check_picked raises on it);
+    # folded into the tokens' host read, no extra sync. Positions past the first rejection are never read.
+    finite = torch.isfinite(logits).all(-1)  # (B, T)
     if temperature == 0:
-        target = logits.argmax(-1).tolist()
+        target = torch.where(finite, logits.argmax(-1), NONFINITE).tolist()
         ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts, target)]
         return ns, [tg[n] for tg, n in zip(target, ns)]
     ns, nxt = [], []
     for j, (dr, q) in enumerate(zip(drafts, qs)):
+        ok = finite[j, : len(dr) + 1]  # (n+1,)
         p = torch.softmax(logits[j, : len(dr) + 1].float() / temperature, -1)
+        p = torch.where(ok[:, None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
         q = torch.stack(q) if q else p.new_zeros(0, p.shape[-1])
         n, t = speculative_accept(p[None], q[None], torch.tensor([dr], device=p.device).long(), ses.gens[ses.rows[j]])
+        first_bad = torch.where(ok, len(dr) + 1, torch.arange(len(dr) + 1, device=p.device)).min()  # len(dr)+1: none
+        t = torch.where(first_bad <= n, NONFINITE, t)  # a token drawn at or after a NaN/inf position is not emitted
+        n = torch.minimum(n, first_bad)
         ns.append(int(n))
         nxt.append(int(t))
     return ns, nxt
@@ -452,6 +474,11 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             t1 = now(ses.device)
             ns, nxt = _verify_rows(ses, verify_fwd, drafts, qs, temperature, pad)
             t2 = now(ses.device)
+            for j in sorted(live):  # the verifier's NaN/inf logits: the model's own forward (plan None)
+                check_picked([nxt[j]], None, len(ses.results[ses.rows[j]].tokens) + ns[j],
+                             [ses.rows[j]] if len(ses.results) > 1 else None, model=model,
+                             context=lambda k, j=j: (ses.prompts[ses.rows[j]] + ses.results[ses.rows[j]].tokens
+                                                     + drafts[j][: ns[j]]))
             if ctl is not None:
                 ctl.timed(t1 - t0, steps, t2 - t1)
             for j in sorted(live):

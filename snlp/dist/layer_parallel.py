@@ -73,8 +73,8 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, make_generator,
-                                 pick_token)
+from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
+                                 make_generator, pick_token)
 from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
@@ -571,11 +571,11 @@ class DistributedSNLP:
             else:
                 logits = (snlp if mode == "snlp" else seq)([ses.last])
                 ses.result.forwards += 1
-                pick = [pick_token(logits[0, -1], temperature, gen, flag=mode == "snlp")] \
-                    if self.rank == self.last else None
+                pick = [pick_token(logits[0, -1], temperature, gen, flag=True)] if self.rank == self.last else None
                 toks = self._tokens_from_last(pick, 1)
-                if mode == "snlp":  # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits
-                    check_picked(toks, self.plan, len(ses.out))
+                # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits; plan None: the
+                # model's own forward
+                check_picked(toks, self.plan if mode == "snlp" else None, len(ses.out))
                 ses.emit(toks)
         return ses.finish()
 
@@ -592,7 +592,8 @@ class DistributedSNLP:
             if self.rank == self.last:
                 lg = logits[0, -1]
                 if temperature > 0:
-                    qs.append(torch.softmax(lg.float() / temperature, -1))
+                    q = torch.softmax(lg.float() / temperature, -1)  # NaN/inf: a uniform stand-in (any q is exact)
+                    qs.append(torch.where(torch.isfinite(q).all(), q, 1.0 / q.shape[-1]))
                     tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
                 else:
                     tok = [int(lg.argmax())]
@@ -604,16 +605,20 @@ class DistributedSNLP:
         verdict = None
         if self.rank == self.last:
             lg = logits[0]  # (Bk+1, V)
+            finite = torch.isfinite(lg).all(-1)  # (Bk+1,): the verifier's NaN/inf position reads as NONFINITE
             if temperature == 0:
-                target = lg.argmax(-1).tolist()
+                target = torch.where(finite, lg.argmax(-1), NONFINITE).tolist()
                 nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
                 verdict = [nacc, target[nacc]]
             else:
                 p = torch.softmax(lg.float() / temperature, -1)
+                p = torch.where(finite[:, None], p, 1.0 / p.shape[-1])  # a stand-in: its draw is dropped below
                 q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
                 n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(), gen)
-                verdict = [int(n_t), int(nxt_t)]
+                bad = torch.where(finite, Bk + 1, torch.arange(Bk + 1, device=p.device)).min()
+                verdict = [int(torch.minimum(n_t, bad)), int(torch.where(bad <= n_t, NONFINITE, nxt_t))]
         nacc, nxt = self._tokens_from_last(verdict, 2)
+        check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)
         res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=now(self.device) - t2)
         ses.emit(drafts[:nacc] + [nxt])

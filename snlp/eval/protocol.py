@@ -14,11 +14,13 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
                     all rows, so rows compare; equal to AR Match for M = 1)
   EmbSim            cosine of MiniLM sentence embeddings of the decoded continuations vs the
                     sequential ones (snlp.eval.embsim; `pip install snlp[emb]`, offline)
-  Speedup           median per-token latency of KV-cached greedy decoding (`time_tokens` tokens
-                    at batch 1, prompt prefill not timed), sequential over plan; Prefill: the same
-                    for a batch-1 forward over `seq_len` tokens; both measured round-robin in this
-                    process after a warm-up (snlp.runtime.timing); `speedup_rounds`: each timed round's
-                    paired ratio, sequential over plan ms/token of that round (the spread of Speedup)
+  Speedup           per-token latency of KV-cached greedy decoding (`time_tokens` tokens at batch 1,
+                    prompt prefill not timed), sequential over plan: the median of `speedup_rounds`, each
+                    timed round's paired ratio, sequential over plan ms/token of that round (pairs
+                    share the round's load; the speedrun report's main table pools the same ratios);
+                    `latency_ms` is the median of the plan's own rounds; Prefill: the ratio of the
+                    median batch-1 forward times over `seq_len` tokens; both measured round-robin in
+                    this process after a warm-up (snlp.runtime.timing)
   Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
                     not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
 A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".
@@ -75,7 +77,7 @@ class EvalRecord:
     emb_sim: float | None = None
     latency_ms: float | None = None  # median decode ms/token
     prefill_ms: float | None = None  # median ms of a batch-1 forward over seq_len tokens
-    speedup: float | None = None  # sequential latency_ms / this latency_ms
+    speedup: float | None = None  # median of speedup_rounds (not sequential latency_ms / this latency_ms)
     speedup_rounds: list[float] | None = None  # per timed round: sequential / this ms per token of that round
     prefill_speedup: float | None = None
     ideal_layer_speedup: float | None = None  # L / (S + K * evals + [fwd])
@@ -266,6 +268,14 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     return [_record(plan, L, tf, gens, refs, embs, times, cfg, protocol) for plan in [None, *plans]]
 
 
+def paired_median(seq_ms: list[float], plan_ms: list[float]) -> float:
+    """Sequential over plan: the median of each timed round's paired ratio seq_ms[i] / plan_ms[i] (both sides of a
+    round ran back to back under the same load)."""
+    if not seq_ms:
+        raise ValueError("paired_median needs the timed rounds of both sides")
+    return statistics.median(a / b for a, b in zip(seq_ms, plan_ms, strict=True))
+
+
 def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalConfig, protocol: dict) -> EvalRecord:
     """One row of `evaluate` from the per-phase results, each keyed by row name (plan None = sequential)."""
     name = SEQ if plan is None else str(plan)
@@ -280,7 +290,7 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
         delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
         ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens),
         ar_reference=SEQ if ref is None else str(ref), ar_match_seq=ar_seq, emb_sim=embs.get(name),
-        latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=seq_t.latency_ms / t.latency_ms,
+        latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
         speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
         prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
         ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), window_ce=q.window_ce, **protocol)

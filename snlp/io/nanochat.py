@@ -8,9 +8,10 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
   - RoPE base 100000, QK-norm after RoPE then q, k x 1.2 (qk_scale), softcap 15, relu^2 MLP of width 4D;
   - value embeddings on alternating layers (the last included) with a gate of 3 sigmoid over the first 12
     channels (ve_gate_scale, ve_gate_channels; the channel count is read from the stored gate);
-  - window_pattern tiled over the layers, the last always full: "S" layers see ceil(sequence_len / 4 / 128) * 128
-    earlier tokens; "L" layers attend fully (nanochat's window of sequence_len tokens: the same for any input up
-    to sequence_len tokens, the context the model was trained for);
+  - window_pattern tiled over the layers, the last always "L" (`layer_windows`, nanochat's FA3 window_size=(w, 0):
+    a query sees itself and the w tokens before it): "S" layers see ceil(sequence_len / 4 / 128) * 128 earlier
+    tokens, "L" layers sequence_len, so past sequence_len tokens the loaded model computes nanochat's function
+    (not full causal attention; up to sequence_len tokens the two are the same);
   - resid / x0 lambdas unless no_x0_resid; the smear gate and the backout (smear, backout); mHC with
     mhc_num_streams static streams, softmax H_pre / H_post and a log-space Sinkhorn (hc_maps="softmax" with its
     iterations and temperature); multi-token-prediction heads (mtp_projs, training only) are dropped;
@@ -60,6 +61,13 @@ def short_window(sequence_len: int) -> int:
     return math.ceil(sequence_len / 4 / 128) * 128
 
 
+def nanochat_windows(pattern: str, n_layer: int, sequence_len: int) -> list[int]:
+    """Each layer's left context as nanochat's _compute_window_sizes sets it: "L" -> sequence_len, "S" ->
+    short_window(sequence_len), the pattern tiled over the layers and the last layer "L"."""
+    w = [short_window(sequence_len) if pattern[i % len(pattern)] == "S" else sequence_len for i in range(n_layer)]
+    return w[:-1] + [sequence_len]
+
+
 def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = True, backout: bool = True) -> GPTConfig:
     """The GPTConfig of nanochat's model_config dict (meta_NNNNNN.json), with its defaults for absent keys."""
     try:
@@ -78,8 +86,11 @@ def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = Tru
         raise ValueError("this nanochat checkpoint combines mHC with the x0 residual (use_mhc without no_x0_resid), "
                          "which snlp's mHC model does not carry (nanochat-snlp's trainer turns x0 off with mHC)")
     pattern = str(mc.get("window_pattern", "L")).upper()  # nanochat's loader patches a missing pattern to "L"
+    if not pattern or set(pattern) - {"S", "L"}:
+        raise ValueError(f"nanochat window_pattern {pattern!r} must be a non-empty string of 'S' and 'L'")
     return GPTConfig(
         **kw, mlp_ratio=4, window_pattern=pattern, short_window=short_window(kw["sequence_len"]),
+        layer_windows=nanochat_windows(pattern, L, kw["sequence_len"]),
         x0_residual=not mc.get("no_x0_resid", False), value_embeds=not mc.get("no_ve", False), softcap=SOFTCAP,
         rope_base=ROPE_BASE, qk_norm="rope_norm", qk_scale=QK_SCALE, ve_gate_channels=ve_gate_channels,
         ve_gate_scale=VE_GATE_SCALE, smear=smear, backout=backout,

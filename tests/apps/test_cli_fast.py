@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["train", "generate", "eval", "convert", "export", "sft", "sft-grid", "selfcheck"]
+FAST = ["train", "generate", "eval", "convert", "export", "sft", "sft-grid", "selfcheck", "bench", "speedrun"]
 PROBE = ("import sys\nfrom snlp.apps.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
          "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
 
@@ -19,14 +19,16 @@ def probe(*argv) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["bogus"], *[[c, "--help"] for c in FAST],
-                                  ["train", "--bogus-flag"], ["eval", "ckpt", "--runs", "x"]])
+                                  ["train", "--bogus-flag"], ["eval", "ckpt", "--runs", "x"],
+                                  ["bench", "--bogus-flag"], ["bench", "--runs", "x"], ["speedrun"],
+                                  ["speedrun", "--out", "o", "--budget", "x"]])
 def test_help_and_argument_errors_do_not_import_torch(argv):
     r = probe(*argv)
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH", r.stderr
     if argv == ["--help"]:
         for c in FAST:
             assert f"    {c}" in r.stdout  # every command is listed with its docstring's first line
-    if argv[-1].startswith("--bogus") or argv == ["bogus"] or "x" in argv:
+    if argv[-1].startswith("--bogus") or argv in (["bogus"], ["speedrun"]) or "x" in argv:
         assert "error" in r.stderr
 
 

@@ -95,6 +95,28 @@ def test_generate_bad_arguments(ckpt, capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mode", [["--mode", "sequential"], ["--mode", "speculative", "--plan", "2xF1-h0-K1"],
+                                  ["--mode", "jacobi"], ["--mode", "sequential", "--temperature", "0.8"]])
+def test_a_model_whose_own_forward_turns_nan_exits_2_naming_it(ckpt, monkeypatch, capsys, mode):
+    """Weights made NaN after loading (the load checks them): `snlp generate` exited 0 printing tokens read off NaN
+    logits (token 0 over and over). Now every mode stops with one line naming the model's own forward, not a plan."""
+    import snlp.io.checkpoint as C
+
+    real = C.load
+
+    def broken(*a, **kw):
+        model, tok = real(*a, **kw)
+        with torch.no_grad():
+            model.blocks[1].mlp.c_proj.weight[0, 0] = float("nan")
+        return model, tok
+
+    monkeypatch.setattr(C, "load", broken)
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "8", *mode]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("snlp generate: error: the model's own forward (not an SNLP plan) gives NaN/inf logits "
+                          "for generated token 1") and "\n" not in err, err
+
+
 def test_bench_decode(tmp_path, capsys):
     out = tmp_path / "d.json"
     rc = main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97",

@@ -1,10 +1,14 @@
 """NaN/inf logits met while SNLP-decoding are blamed on where they came from: the model's own head or layers
 (its sequential forward, the outside reference, gives them too) or the plan's solver state."""
 
+import re
+
 import pytest
 import torch
 
-from snlp import SNLPDivergenceError, sequential_generate, snlp_generate
+from conftest import argmax_loop
+
+from snlp import SNLPDivergenceError, jacobi_generate, sequential_generate, snlp_generate, speculative_generate
 from snlp.decode.session import NonFiniteModelError
 from snlp.model.gpt import GPT, GPTConfig
 
@@ -25,7 +29,10 @@ def test_exact_plan_on_an_overflowing_head_names_the_head_not_the_plan():
     with torch.inference_mode():  # the outside reference: the model's own forward, layer after layer
         h = m.hidden_states(torch.tensor([prompt]))[-1]
         assert torch.isfinite(h).all() and not torch.isfinite(m(torch.tensor([prompt]))[0, -1]).all()
-    assert len(sequential_generate(m, prompt, max_new_tokens=3).tokens) == 3  # it reads argmax off inf logits
+    with pytest.raises(NonFiniteModelError, match=r"the model's own forward \(not an SNLP plan\) gives NaN/inf "
+                       r"logits for generated token 1 \(its logits at sequence position 3\): its final hidden state is "
+                       r"finite but its head"):
+        sequential_generate(m, prompt, max_new_tokens=3)  # it read token 0 off the inf logits before
     for prompts in (prompt, [prompt, prompt[:3]]):  # one prompt, and a ragged batch
         with pytest.raises(NonFiniteModelError, match=r"under plan 4xF1-h0-K4, and so do the model's own: its final "
                            r"hidden state is finite but its head .*no logit softcap.*overflows.*the plan is not the "
@@ -41,3 +48,91 @@ def test_a_diverging_plan_on_a_finite_model_is_still_the_plans():
     with pytest.raises(SNLPDivergenceError, match=r"come from the solver's state \(the model's own forward gives "
                        r"finite logits here\)"):
         snlp_generate(m, [3, 1, 4, 1, 5, 9], "8xF1-h0-K1-newton", max_new_tokens=3)
+
+
+def nan_after_token_model():
+    """A float32 model whose embedding row of one token X is NaN, X being a token its finite greedy decoding of
+    PROMPT emits (and PROMPT does not hold): the model's own forward is finite until X is fed, then NaN at every later
+    position (attention mixes it in). Returns the model and, from the outside reference (a full-prefix forward per
+    token, no cache), the 1-based index of the first generated token whose logits are NaN/inf, and X."""
+    m = GPT(GPTConfig.from_depth(4, width=32, head_dim=16, vocab_size=61, sequence_len=64))
+    m.init_weights(seed=0)
+    m.eval()
+    assert m.lm_head.weight.data_ptr() != m.wte.weight.data_ptr()
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))  # varied greedy tokens
+        x = next(t for t in argmax_loop(m, PROMPT, 8) if t not in PROMPT)
+        m.wte.weight[x] = float("nan")
+    ids = list(PROMPT)
+    for k in range(1, 9):  # the naive loop: token k's logits are those at position len(ids) - 1
+        with torch.no_grad():
+            lg = m(torch.tensor([ids]))[0, -1]
+        if not torch.isfinite(lg).all():
+            return m, k, x
+        ids.append(int(lg.argmax()))
+    raise AssertionError("the model never turned NaN")
+
+
+PROMPT = [1, 5, 7, 3]
+MODEL_CALLS = {  # every decoding path whose tokens are (or are verified by) the model's own forward
+    "sequential": lambda m, p: sequential_generate(m, p, max_new_tokens=8),
+    "sequential-sampled": lambda m, p: sequential_generate(m, p, max_new_tokens=8, temperature=0.8, seed=0),
+    "sequential-batch": lambda m, p: sequential_generate(m, [p, p[1:]], max_new_tokens=8),
+    "speculative": lambda m, p: speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=8),
+    "speculative-sampled": lambda m, p: speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=8,
+                                                             temperature=0.8, seed=0),
+    "speculative-batch": lambda m, p: speculative_generate(m, [p, p[1:]], "4xF1-h0-K1", block=3, max_new_tokens=8),
+    "jacobi": lambda m, p: jacobi_generate(m, p, None, block=3, max_new_tokens=8),
+    "jacobi-plan-verified": lambda m, p: jacobi_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=8),
+}
+
+
+@pytest.mark.parametrize("entry", MODEL_CALLS)
+def test_the_models_own_nonfinite_forward_raises_naming_the_model_and_the_step(entry):
+    """Outside reference: the full-prefix forward loop finds the first generated token k whose logits are NaN/inf.
+    Every path that read its tokens off the model's own forward emitted token 0 there silently; now each raises
+    NonFiniteModelError naming the model's own forward (never the plan), the token and its position. One token per
+    forward (sequential): exactly token k, at position len(prompt) + k - 2. Several tokens per forward (a verifier
+    over drafts, Jacobi guesses): token k or an earlier one, since a NaN fed later in the same forward reaches earlier
+    positions through masked attention (0 * NaN is NaN), which the message then says."""
+    m, k, x = nan_after_token_model()
+    prompt = PROMPT
+    if "sampled" in entry:  # the draws need not emit X: the prompt ends with it, so token 1's logits are NaN
+        prompt, k = PROMPT + [x], 1
+    with pytest.raises(NonFiniteModelError, match=r"^the model's own forward \(not an SNLP plan\) gives NaN/inf "
+                       r"logits for generated token \d+") as e:
+        MODEL_CALLS[entry](m, prompt)
+    msg = str(e.value)
+    assert not isinstance(e.value, SNLPDivergenceError) and "\n" not in msg and "plan 4x" not in msg
+    got = re.match(r".*generated token (\d+)( of prompt\(s\) \[0(, 1)?\])? \(its logits at sequence position (\d+)\)",
+                   msg)
+    step, pos = int(got.group(1)), int(got.group(4))
+    assert pos == len(prompt) + step - 2
+    if entry.startswith("sequential"):
+        assert step == k and "its layers' final hidden state is already NaN/inf" in msg
+    else:
+        assert 1 <= step <= k
+        assert ("its layers' final hidden state is already NaN/inf" in msg) == (step == k)
+        assert ("masked attention" in msg) == (step < k)
+
+
+def test_a_finite_model_decodes_as_before_through_the_model_check():
+    """The check changes no token of a finite model: each path equals the full-prefix argmax loop."""
+    m, _, _ = nan_after_token_model()
+    with torch.no_grad():
+        m.wte.weight.nan_to_num_(0.0)
+    ref = argmax_loop(m, PROMPT, 8)
+    for entry in ("sequential", "speculative", "jacobi", "jacobi-plan-verified"):
+        assert MODEL_CALLS[entry](m, PROMPT).tokens == ref, entry
+
+
+def test_without_the_model_the_error_claims_no_source():
+    """A caller that cannot rerun the model (a distributed rank) gets the step, and no claim about where the NaN/inf
+    came from that nothing checked."""
+    from snlp.decode.session import NONFINITE, check_picked
+
+    check_picked([3, 4], None, 0)  # finite tokens: nothing to say
+    with pytest.raises(NonFiniteModelError) as e:
+        check_picked([NONFINITE], None, 4)
+    assert str(e.value) == ("the model's own forward (not an SNLP plan) gives NaN/inf logits for generated token 5; no "
+                            "token is read off them (check its weights are finite)")

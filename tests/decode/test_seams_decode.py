@@ -12,6 +12,7 @@ from conftest import argmax_loop, make_model
 from torch._dynamo.testing import CompileCounter
 
 from snlp import bind, sequential_generate, snlp_generate, speculative_generate
+from snlp.decode.session import NonFiniteModelError
 from snlp.decode.steps import Step, sequential_fn, snlp_fn
 from snlp.model.cache import KVCache
 
@@ -211,5 +212,6 @@ def test_a_pooled_cache_is_not_poisoned_by_an_earlier_call():
     step.mode = "reduce-overhead"  # the pooled (static-address) cache branch, as compile selects it on CUDA
     ref = argmax_loop(m, [1, 2, 3], 8)
     assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref
-    sequential_generate(m, [7] * 40, 8, step=step)  # writes NaN K/V across the pooled buffer
+    with pytest.raises(NonFiniteModelError):  # the model's own NaN logits raise, after writing NaN K/V across the
+        sequential_generate(m, [7] * 40, 8, step=step)  # pooled buffer
     assert sequential_generate(m, [1, 2, 3], 8, step=step).tokens == ref

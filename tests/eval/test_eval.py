@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import json
 import math
+import statistics
 import sys
 
 import pytest
@@ -74,8 +75,9 @@ def test_records_come_in_order_with_every_key_filled(records):
         assert isinstance(r, EvalRecord)
         optional = {"K", "C", "M", "init"} if r.plan == "sequential" else set()
         assert [k for k in KEYS - optional if getattr(r, k) is None] == [], r.plan  # emb_sim too: emb is in dev
-        # the speedups are ratios of the measured medians, sequential over this row
-        assert r.speedup == pytest.approx(seq.latency_ms / r.latency_ms, rel=1e-12)
+        # decode: the median of the rounds' paired ratios; prefill: the ratio of the measured medians
+        assert r.speedup == pytest.approx(statistics.median(r.speedup_rounds), rel=1e-12)
+        assert len(r.speedup_rounds) == CFG.runs
         assert r.prefill_speedup == pytest.approx(seq.prefill_ms / r.prefill_ms, rel=1e-12)
         assert 0 <= r.top1 <= 1 and 0 <= r.ar_match <= 1 and -1 <= r.emb_sim <= 1 + 1e-6
         assert r.ar_beta == pytest.approx(implied_beta(r.ar_match, CFG.gen_tokens))
@@ -169,6 +171,23 @@ def test_aggressive_plan_disagrees_and_reports_its_plan_fields(records):
     assert agg.delta_ppl == pytest.approx(agg.ppl / records[0].ppl - 1)
 
 
+def test_decode_speedup_is_the_paired_median_of_the_rounds(model, val, monkeypatch):
+    """The report defines Speedup as the median of each timed round's paired ratio (sequential over plan ms/token of
+    the same round) while the record held the ratio of the two medians: with rounds seq [10, 10, 30] and plan
+    [5, 20, 10] ms the paired ratios are 2, 0.5, 3 (median 2) where the medians' ratio is 10 / 10 = 1. Every table
+    reads the record, so they now agree with the definition."""
+    rounds = {"sequential": [10.0, 10.0, 30.0], "6xF1-h0-K1": [5.0, 20.0, 10.0]}
+
+    def timed(model, prompt, window, plans, cfg, preheat=None):
+        return {k: E._Timing(latency_ms=statistics.median(v), prefill_ms=1.0, rounds_ms=v) for k, v in rounds.items()}
+
+    monkeypatch.setattr(E, "time_plans", timed)
+    rec = _by_plan(evaluate(model, val, ["6xF1-h0-K1"], dataclasses.replace(CFG, emb=False)))["6xF1-h0-K1"]
+    ratios = [a / b for a, b in zip(rounds["sequential"], rounds["6xF1-h0-K1"])]
+    assert rec.speedup_rounds == ratios and rec.speedup == statistics.median(ratios) == 2.0
+    assert rec.latency_ms == 10.0 and rec.speedup != rounds["sequential"][1] / rec.latency_ms
+
+
 def test_record_from_stored_rows():
     row = {"plan": "2xF1-h0-K1", "K": 1, "ppl": 5.0, "ideal_speedup": 2.0}  # written before the rename
     assert EvalRecord.from_dict(row).ideal_layer_speedup == 2.0
@@ -198,7 +217,7 @@ def test_a_diverging_plan_is_recorded_and_the_rest_evaluated(model, val, monkeyp
     recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6"], CFG))  # emb on, but no tokenizer
     bad, good = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"]
     assert bad.ppl == math.inf and bad.note == "diverged" and bad.top1 is None and bad.ar_match is None
-    assert bad.speedup == pytest.approx(recs["sequential"].latency_ms / bad.latency_ms)  # still timed
+    assert bad.speedup == pytest.approx(statistics.median(bad.speedup_rounds))  # still timed
     assert good.note == "" and good.top1 == 1.0 and good.ar_match == 1.0
     assert good.emb_sim is None and "EmbSim needs the tokenizer" in capsys.readouterr().err
     assert "6xF1-h0-K1 (diverged) | 1 | diverged | diverged |" in markdown_table(list(recs.values()))

@@ -324,6 +324,27 @@ def test_own_tokenizer_model_against_a_naive_loop():
     assert lm.tok_encode(lm.apply_chat_template(msgs)) == tok.render_chat(msgs, add_generation_prompt=True)[0]
 
 
+@pytest.mark.parametrize("kw", [{}, {"plan": APPROX, "decode": "speculative", "block": 3}])
+def test_generate_until_on_a_model_whose_own_forward_turns_nan_raises_naming_it(kw):
+    """A weight made NaN after loading: generate_until answered with tokens read off NaN logits (token 0); now the
+    sequential and the speculative answers raise NonFiniteModelError naming the model's own forward, which the
+    harness run does not record as a plan's divergence."""
+    from snlp import SNLPDivergenceError
+    from snlp.decode.session import NonFiniteModelError
+
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=64, window_pattern="L")
+    with torch.no_grad():
+        model.blocks[1].mlp.c_proj.weight[0, 0] = float("nan")
+    req = Instance(request_type="generate_until", doc={}, arguments=("the cat", {"until": ["\n"], "max_gen_toks": 5}),
+                   idx=0)
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64", **kw)
+    with pytest.raises(NonFiniteModelError, match=r"^the model's own forward \(not an SNLP plan\) gives NaN/inf "
+                       r"logits for generated token 1") as e:
+        lm.generate_until([req])
+    assert not isinstance(e.value, SNLPDivergenceError)
+
+
 def test_tol_plan_scores_do_not_depend_on_the_batch():
     """A tol plan's per-row stop test took its norms over the right padding of a batch: a request's log-likelihood
     moved by up to 0.9 between batch size 1 and 4 (depth-8 fp64 model, requests of very different lengths)."""

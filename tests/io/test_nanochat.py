@@ -286,3 +286,60 @@ def test_compiled_state_keys_and_an_older_meta(tmp_path):
     r = ref("nanochat-L")
     with torch.no_grad():
         torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+
+
+def naive_window_attention(windows: dict[int, int]):
+    """Attention as nanochat defines its windows, written out: query i attends to keys j with 0 <= i - j <= w
+    (FA3's window_size=(w, 0); its SDPA fallback's mask `row - col <= window`), softmax(q k^T / sqrt(hd)) v; `w` is
+    the calling layer's entry of `windows`, set by a pre-hook on its attention (not read from the snlp config)."""
+    current = {}
+
+    def attend(q, k, v, _windows=-1, q_start=0, masks=None):  # q (B, Hq, T, hd), k/v (B, Hkv, S, hd)
+        T, S = q.shape[-2], k.shape[-2]
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        i = torch.arange(T)[:, None] + q_start
+        j = torch.arange(S)[None, :]
+        allowed = (j <= i) & (i - j <= current["w"])  # (T, S)
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+    def hooks(model):
+        return [blk.attn.register_forward_pre_hook(lambda mod, args, w=windows[n]: current.update(w=w))
+                for n, blk in enumerate(model.blocks)]
+
+    return attend, hooks
+
+
+@pytest.mark.parametrize("name", ["nanochat-L", "nanochat-sw"])
+def test_inputs_past_sequence_len_get_nanochats_windows(name, monkeypatch):
+    """nanochat's "L" layers (and its last layer) attend over a window of sequence_len tokens, not the whole input:
+    past sequence_len tokens the loaded model computed full causal attention there, another function than the
+    checkpoint's. Outside reference: the same weights with attention written out naively, each layer's window
+    taken from nanochat's rule (L: sequence_len, S: ceil(sequence_len / 4 / 128) * 128, the last layer L) and
+    checked to be the model's own function on inputs of at most sequence_len tokens."""
+    import snlp.model.gpt as G
+
+    model, _ = snlp.load(DATA / name)
+    model = model.double()
+    cfg = model.config
+    mc = json.loads(next((DATA / name).glob("meta_*.json")).read_text())["model_config"]
+    W, pattern = mc["sequence_len"], mc["window_pattern"]
+    short = -(-W // 4 // 128) * 128
+    windows = {n: short if pattern[n % len(pattern)] == "S" and n < cfg.n_layer - 1 else W
+               for n in range(cfg.n_layer)}
+    idx = torch.randint(0, cfg.vocab_size, (1, W + 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, short_got = model(idx), model(idx[:, :W])
+    attend, hooks = naive_window_attention(windows)
+    monkeypatch.setattr(G, "attend", attend)
+    handles = hooks(model)
+    with torch.no_grad():
+        want, short_want = model(idx), model(idx[:, :W])
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(short_got, short_want, rtol=0, atol=1e-9)  # the naive attention is the model's
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    monkeypatch.undo()
+    # cached decoding across sequence_len equals the argmax loop over the windowed forward
+    prompt = idx[0, : W - 3].tolist()
+    assert sequential_generate(model, prompt, max_new_tokens=8).tokens == argmax_loop(model, prompt, 8)

