@@ -61,9 +61,11 @@ class CompiledStep:
         self.fn = wrap(compiled) if wrap is not None else compiled
         self.lam = torch.zeros((), dtype=torch.float32, device=device)
 
-    def __call__(self, x: Tensor, y: Tensor, lam: float):
+    def __call__(self, x: Tensor, y: Tensor, lam: float, valid: Tensor | None = None):
         self.lam.fill_(lam)
-        return self.fn(x, y, self.lam)
+        if valid is None:
+            return self.fn(x, y, self.lam)
+        return self.fn(x, y, self.lam, valid)
 
     def no_sync(self):
         """DDP's no_sync (gradient accumulation; only with a DDP `wrap`)."""
