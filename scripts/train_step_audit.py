@@ -32,11 +32,32 @@ from snlp.train.optim import build_optimizers
 from snlp.train.regularizer import RegConfig
 
 
+METADATA = {"aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::_unsafe_view",
+            "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided", "aten::empty_like",
+            "aten::t", "aten::transpose", "aten::expand", "aten::detach", "aten::alias", "aten::unsqueeze",
+            "aten::squeeze", "aten::permute", "aten::slice", "aten::select", "aten::unbind", "aten::split",
+            "aten::lift_fresh", "aten::numpy_T", "aten::mT", "aten::_local_scalar_dense", "aten::item",
+            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernel behind them
+
+
 def leaf_ops(prof) -> collections.Counter:
-    """Leaf aten ops (no aten op under them): what would launch device kernels."""
+    """Kernel launches by op: aten ops that compute (not in METADATA) and call no other computing aten op; a
+    multi-tensor aten::_foreach_* op counts once (one multi-tensor kernel on CUDA; the CPU runs it tensor by tensor
+    underneath). Host syncs (aten::_local_scalar_dense) are counted apart (`syncs`)."""
+    def under_foreach(e) -> bool:
+        while e.cpu_parent is not None:
+            e = e.cpu_parent
+            if e.name.startswith("aten::_foreach_"):
+                return True
+        return False
     c = collections.Counter()
     for e in prof.events():
-        if e.name.startswith("aten::") and not any(ch.name.startswith("aten::") for ch in e.cpu_children):
+        if e.name == "aten::_local_scalar_dense":
+            c["sync"] += 1
+        if not e.name.startswith("aten::") or e.name in METADATA or under_foreach(e):
+            continue
+        if e.name.startswith("aten::_foreach_") or not any(ch.name.startswith("aten::") and ch.name not in METADATA
+                                                           for ch in e.cpu_children):
             c[e.name] += 1
     return c
 
@@ -74,6 +95,39 @@ def phases(model, opts, fn, x, y, lam) -> dict:
     return out
 
 
+def time_optimizer(a) -> None:
+    """Host cost of the optimizer step at the full depth with a narrow model (dispatch dominates): the run's
+    optimizers with Muon per matrix and stacked, round-robin, thread time per step, median (p10-p90)."""
+    import statistics
+    import time
+
+    runs = {}
+    for stack in (False, True):
+        model, opts, fn = build(a.depth, a.width, a.seq_len, RegConfig(), False)
+        for o in opts:
+            if isinstance(o, Muon):
+                o.stack = stack
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 512, (a.batch, a.seq_len), generator=g) for _ in range(2))
+        fn(x, y, 0.0)[0].backward()
+        grads = [(p, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+        runs["stacked" if stack else "per matrix"] = (opts, grads)
+    times = {k: [] for k in runs}
+    for r in range(a.time_optimizer + 2):
+        for k, (opts, grads) in runs.items():
+            for p, gr in grads:
+                p.grad = gr
+            c0 = time.thread_time()
+            for o in opts:
+                o.step()
+            if r >= 2:
+                times[k].append((time.thread_time() - c0) * 1e3)
+    for k, v in times.items():
+        q = statistics.quantiles(v, n=10, method="inclusive")
+        print(f"optimizer step, depth {a.depth} width {a.width}, Muon {k}: {statistics.median(v):.2f} ms thread "
+              f"({q[0]:.2f}-{q[-1]:.2f}), {len(v)} rounds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depth", type=int, default=32)
@@ -81,9 +135,32 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--time-optimizer", type=int, default=0, metavar="ROUNDS",
+                    help="only time the optimizer step, Muon per matrix vs stacked, round-robin (thread ms)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.time_optimizer:
+        return time_optimizer(a)
     report = {}
+    for stack in (False, True):  # the optimizer alone at the full depth: torch's per-matrix loop vs stacked
+        model, opts, fn = build(a.depth, a.width, a.seq_len, RegConfig(), False)
+        for o in opts:
+            if isinstance(o, Muon):
+                o.stack = stack
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 512, (a.batch, a.seq_len), generator=g) for _ in range(2))
+        for _ in range(2):
+            fn(x, y, 0.0)[0].backward()
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                for o in opts:
+                    o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+        c = leaf_ops(p)
+        print(json.dumps({f"optimizer step, depth {a.depth}, Muon {'stacked' if stack else 'per matrix'}":
+                          {"launches": sum(v for k, v in c.items() if k != "sync"),
+                           "matmuls": sum(v for k, v in c.items() if "mm" in k),
+                           "top": c.most_common(6)}}), flush=True)
     for reg_name, reg in (("none", RegConfig()), ("idn", RegConfig(surrogate="idn", lam=0.5, suffixes=(24,)))):
         for compiled in (False, True):
             depth = a.compile_depth if compiled else a.depth
@@ -105,8 +182,8 @@ def main() -> None:
                 ph = phases(model, opts, fn, x, y, lam)
             key = f"{'compiled' if compiled else 'eager'}-{reg_name} (depth {depth})"
             report[key] = {
-                "leaf_aten_ops": {k: sum(v.values()) for k, v in ph.items()},
-                "host_syncs": {k: v.get("aten::_local_scalar_dense", 0) for k, v in ph.items()},
+                "leaf_aten_ops": {k: sum(n for op, n in v.items() if op != "sync") for k, v in ph.items()},
+                "host_syncs": {k: v.get("sync", 0) for k, v in ph.items()},
                 "top_ops_fwd_bwd": ph["forward+backward"].most_common(8),
                 "top_ops_optimizer": ph["optimizer step"].most_common(8),
                 "inductor_kernels_generated": kernels if compiled else None,

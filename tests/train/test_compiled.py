@@ -138,7 +138,7 @@ def test_mfu_arithmetic_and_peak_table():
     assert mfu(1e9, 4e5, 989e12) == pytest.approx(1e9 * 4e5 / 989e12)
     assert mfu(1e9, 4e5, None) is None and mfu(None, 4e5, 989e12) is None
     assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_for_name("NVIDIA H200") == 989e12
+    assert peak_for_name("NVIDIA H200") == 989e12 and peak_for_name("NVIDIA H200 NVL") == 836e12
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12
     assert peak_for_name("Some Future GPU") is None
