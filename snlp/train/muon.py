@@ -12,7 +12,11 @@ bf16 is emulated). Everything else (constructor checks, param groups, momentum b
 state-dict format, nesterov, decoupled weight decay, adjust_lr_fn, the ns coefficients and eps) is
 torch's, so a checkpoint written by either optimiser resumes with the other. The step below mirrors
 torch's `_single_tensor_muon` line by line; with ns_dtype=bfloat16 it is bit-identical to
-torch.optim.Muon (tests/train/test_muon.py checks this).
+torch.optim.Muon (tests/train/test_muon.py checks this). With `stack=True` (what `snlp train` builds) the
+matrices of each shape are updated together, the same algorithm with multi-tensor ops and one stacked
+Newton-Schulz (`zeropower_stacked`), equal to torch's per-matrix result to the NS dtype's rounding: a
+per-matrix loop costs ~20 small kernels per matrix, 4,824 launches per step at depth 32, 140 stacked
+(docs/records/2026-11-26-training-step-audit.md).
 
 `emulated_dtype(device, dtype)` says when a low-precision dtype has no native kernels on the device,
 and `warn_if_emulated` lets `snlp train` say so before a run crawls.
