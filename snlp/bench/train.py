@@ -194,11 +194,13 @@ class TrainBenchResult:
         lines = [f"# Training step speed: {cfg.shape} shape ({'quick, shrunk: ' if cfg.quick else ''}depth "
                  f"{self.rows[0].n_layer if self.rows else '?'}, width {self.rows[0].n_embd if self.rows else '?'}), "
                  f"batch {cfg.batch_size} x T {cfg.seq_len}, {cfg.optimizer}", "",
-                 f"{m['device']} ({m['dtype']}), torch {m['torch']}, {m['date']}; median (p10-p90) of {cfg.steps} steps after "
+                 f"{m['device']} ({m['dtype']}), torch {m['torch']}, {m['date']}; median (p10-p90) of {cfg.steps} "
+                 f"steps after "
                  f"1 + {cfg.warmup} untimed; random tokens; MFU over {f(m['peak_tflops'], '{:.0f}')} TFLOP/s dense "
                  f"bf16" + ("" if m["peak_tflops"] else " (no known peak for this device: MFU n/a, model TFLOP/s "
                                                         "given instead)"), "",
-                 *markdown_table(["treatment", "reg", "ms/step (p10-p90)", "tok/s", "MFU", "model TFLOP/s", "GFLOP/token",
+                 *markdown_table(["treatment", "reg", "ms/step (p10-p90)", "tok/s", "MFU", "model TFLOP/s",
+                                  "GFLOP/token",
                                   "step 1 (s)", "compile (s)", "peak GB", "error"], rows)]
         spreads = self.ratio_spreads()
         if spreads:

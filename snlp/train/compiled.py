@@ -77,8 +77,8 @@ def compile_optimizers(opts, device) -> None:
     iterations (5 x 3 GEMMs per matrix and the element-wise work between them, which inductor fuses; one graph per
     distinct matrix shape; stacked, snlp.train.muon.zeropower_stacked, one call per shape). On a CPU they stay
     eager: GEMM-bound there and not measured to pay; (measured on a CPU with native bf16) the compiled bf16
-    iterations also round differently from oneDNN's, ~1 % of the update apart, each ~1 % from the fp32 result. AdamW gets its fused kernel where it is built (snlp.train.optim.build_optimizers,
-    CUDA)."""
+    iterations also round differently from oneDNN's, ~1 % of the update apart, each ~1 % from the fp32 result.
+    AdamW gets its fused kernel where it is built (snlp.train.optim.build_optimizers, CUDA)."""
     if torch.device(device).type != "cuda":
         return
     for o in opts:

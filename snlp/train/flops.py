@@ -44,8 +44,9 @@ def _mapping() -> dict:
 
 def step_flops(step: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: float, autocast, *extra) -> int:
     """Model FLOPs of one forward + backward of the loss module `step` (forward(x, y, lam, *extra) -> (loss, ...))
-    on the batch (x, y) (`extra`: the batch's valid mask, if it has one). The parameters' gradients are left as they were (None in the trainer: counted between steps), and
-    the RNG states too, so counting changes nothing the run computes."""
+    on the batch (x, y) (`extra`: the batch's valid mask, if it has one). The parameters' gradients are left as
+    they were (None in the trainer: counted between steps), and the RNG states too, so counting changes nothing the
+    run computes."""
     params = [p for p in step.parameters() if p.requires_grad]
     before = [p.grad for p in params]
     for p in params:

@@ -258,7 +258,7 @@ METADATA = {"aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::res
             "aten::t", "aten::transpose", "aten::expand", "aten::detach", "aten::alias", "aten::unsqueeze",
             "aten::squeeze", "aten::permute", "aten::slice", "aten::select", "aten::unbind", "aten::split",
             "aten::lift_fresh", "aten::numpy_T", "aten::mT", "aten::_local_scalar_dense", "aten::item",
-            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernel behind them
+            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernels
 
 
 def launches(prof) -> int:
