@@ -160,8 +160,8 @@ def _add_suite_flags(p) -> None:
                     "cuda, 4 on cpu, 2 quick)")
     tr.add_argument("--train-seq-len", type=int, default=None, help="--suite train: tokens per sequence (default "
                     "2048 on cuda, 256 on cpu, 32 quick)")
-    tr.add_argument("--train-steps", type=int, default=None, help="--suite train: timed steps (default 10 cuda, 3 "
-                    "cpu, 2 quick)")
+    tr.add_argument("--train-steps", type=int, default=None, help="--suite train: timed steps (default 20 cuda, 5 "
+                    "cpu, 3 quick; each row reports their median and p10-p90)")
     tr.add_argument("--train-warmup", type=int, default=None, help="--suite train: untimed steps after the first "
                     "(default 3 cuda, 1 cpu)")
     tr.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="--suite train: the block "

@@ -11,7 +11,14 @@ Model FLOPs per token are counted once per variant on its real step (snlp.train.
 dense bf16 peak (snlp.runtime.peak; none on CPU, where the model TFLOP/s is reported instead). A variant that
 runs out of device memory is recorded as such and the others still run.
 
-`quick` is the CPU smoke size (CI): depth 2, width 64, T = 32, batch 2, vocab 256, 2 warm-up + 2 timed steps,
+Noise: each row keeps its timed steps' p10-p90 (`step_ms_p10` / `step_ms_p90`, and every step in `step_ms_timed`),
+and each ratio (compiled / eager tokens/s, regularised / plain step time) carries the range the two rows' spreads
+allow (`ratio_spreads`: lowest = the ratio of the two rows' opposite ends); a range that contains 1 is reported
+as a tie, not as a speedup or an overhead. The variants run one after another (each its own model), so the
+spreads hold the noise within a variant, not a drift of the machine between variants: on a shared host time
+steps round-robin instead (docs/records).
+
+`quick` is the CPU smoke size (CI): depth 2, width 64, T = 32, batch 2, vocab 256, 1 warm-up + 3 timed steps,
 regulariser N clipped to depth - 1.
 """
 
@@ -56,7 +63,7 @@ class TrainBenchConfig:
     device: str | None = None  # None: cuda if available, else cpu
     batch_size: int | None = None  # sequences per step; None: 8 on cuda, 4 on cpu, 2 quick
     seq_len: int | None = None  # None: 2048 on cuda (the paper's), 256 on cpu, 32 quick
-    steps: int | None = None  # timed steps; None: 10 on cuda, 3 on cpu, 2 quick
+    steps: int | None = None  # timed steps; None: 20 on cuda, 5 on cpu, 3 quick (a p10-p90 needs several)
     warmup: int | None = None  # untimed steps after the first; None: 3 on cuda, 1 on cpu and quick
     treatments: tuple[str, ...] = TREATMENTS  # eager and/or compiled
     regs: tuple[str, ...] = REGS  # none (plain) and/or idn / hcn (the regulariser's surrogate)
@@ -88,7 +95,7 @@ class TrainBenchConfig:
                              f"compile), got {', '.join(self.regs) or 'none'}")
         parse_suffixes(self.reg_n)
         cfg = replace(self, device=str(device), batch_size=pick(self.batch_size, 2, 8, 4),
-                      seq_len=pick(self.seq_len, 32, 2048, 256), steps=pick(self.steps, 2, 10, 3),
+                      seq_len=pick(self.seq_len, 32, 2048, 256), steps=pick(self.steps, 3, 20, 5),
                       warmup=pick(self.warmup, 1, 3, 1), vocab_size=pick(self.vocab_size, 256, 32768, 32768),
                       threads=self.threads)
         if min(cfg.batch_size, cfg.seq_len, cfg.steps, cfg.vocab_size) < 1 or cfg.warmup < 0:
@@ -120,6 +127,9 @@ class TrainBenchRow:
     warmup: int
     step_ms: float | None = None  # median
     step_ms_min: float | None = None
+    step_ms_p10: float | None = None  # the timed steps' 10th / 90th percentiles (inclusive method: within min..max)
+    step_ms_p90: float | None = None
+    step_ms_timed: list[float] | None = None  # every timed step, in order
     tokens_per_s: float | None = None
     first_step_s: float | None = None  # step 1: compiled, this includes tracing and compiling
     compile_s: float | None = None  # first_step_s - one median step (compiled rows)
@@ -148,17 +158,28 @@ class TrainBenchResult:
 
     def ratios(self) -> dict:
         """compiled / eager tokens/s per regulariser, and the regulariser's step-time overhead per treatment."""
+        return {k: v["ratio"] for k, v in self.ratio_spreads().items()}
+
+    def ratio_spreads(self) -> dict:
+        """Each ratio of `ratios` with the range its two rows' p10-p90 spreads allow and whether that range holds 1
+        (a tie: the difference is inside the noise). A ratio num/den of step times ranges over num_p10/den_p90 ..
+        num_p90/den_p10 (a speedup, eager over compiled step time, likewise)."""
         out = {}
+
+        def add(name: str, num: TrainBenchRow, den: TrainBenchRow) -> None:  # num / den of step times
+            lo, hi = num.step_ms_p10 / den.step_ms_p90, num.step_ms_p90 / den.step_ms_p10
+            out[name] = {"ratio": num.step_ms / den.step_ms, "lo": lo, "hi": hi, "tie": lo <= 1.0 <= hi}
+
         for reg in self.config.regs:
             e, c = self.row("eager", reg), self.row("compiled", reg)
             if e and c:
-                out[f"compiled_speedup_{reg}"] = c.tokens_per_s / e.tokens_per_s
+                add(f"compiled_speedup_{reg}", e, c)
         for t in self.config.treatments:
             plain = self.row(t, "none")
             for reg in self.config.regs:
                 r = self.row(t, reg)
                 if reg != "none" and plain and r:
-                    out[f"reg_overhead_{reg}_{t}"] = r.step_ms / plain.step_ms
+                    add(f"reg_overhead_{reg}_{t}", r, plain)
         return out
 
     @property
@@ -166,21 +187,25 @@ class TrainBenchResult:
         cfg, m = self.config, self.meta
         f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
         rows = [[r.treatment, r.reg + (f" N={','.join(map(str, r.reg_n))}" if r.reg_n else ""),
-                 f(r.step_ms, "{:.1f}"), f(r.tokens_per_s, "{:,.0f}"), f(r.mfu, "{:.1%}"), f(r.tflops, "{:.4g}"),
+                 f(r.step_ms, "{:.1f}") + (f" ({r.step_ms_p10:.1f}-{r.step_ms_p90:.1f})" if r.step_ms_p10 else ""),
+                 f(r.tokens_per_s, "{:,.0f}"), f(r.mfu, "{:.1%}"), f(r.tflops, "{:.4g}"),
                  f(r.flops_per_token and r.flops_per_token / 1e9, "{:.4g}"), f(r.first_step_s, "{:.1f}"),
                  f(r.compile_s, "{:.1f}"), f(r.peak_mem_gb, "{:.1f}"), r.error or ""] for r in self.rows]
         lines = [f"# Training step speed: {cfg.shape} shape ({'quick, shrunk: ' if cfg.quick else ''}depth "
                  f"{self.rows[0].n_layer if self.rows else '?'}, width {self.rows[0].n_embd if self.rows else '?'}), "
                  f"batch {cfg.batch_size} x T {cfg.seq_len}, {cfg.optimizer}", "",
-                 f"{m['device']} ({m['dtype']}), torch {m['torch']}, {m['date']}; median of {cfg.steps} steps after "
+                 f"{m['device']} ({m['dtype']}), torch {m['torch']}, {m['date']}; median (p10-p90) of {cfg.steps} "
+                 f"steps after "
                  f"1 + {cfg.warmup} untimed; random tokens; MFU over {f(m['peak_tflops'], '{:.0f}')} TFLOP/s dense "
                  f"bf16" + ("" if m["peak_tflops"] else " (no known peak for this device: MFU n/a, model TFLOP/s "
                                                         "given instead)"), "",
-                 *markdown_table(["treatment", "reg", "ms/step", "tok/s", "MFU", "model TFLOP/s", "GFLOP/token",
+                 *markdown_table(["treatment", "reg", "ms/step (p10-p90)", "tok/s", "MFU", "model TFLOP/s",
+                                  "GFLOP/token",
                                   "step 1 (s)", "compile (s)", "peak GB", "error"], rows)]
-        ratios = self.ratios()
-        if ratios:
-            lines += ["", " | ".join(f"{k} {v:.2f}x" for k, v in ratios.items())]
+        spreads = self.ratio_spreads()
+        if spreads:
+            lines += ["", " | ".join(f"{k} {v['ratio']:.2f}x ({v['lo']:.2f}-{v['hi']:.2f}"
+                                     + (": tie, inside the spreads)" if v["tie"] else ")") for k, v in spreads.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -272,6 +297,9 @@ def run_variant(cfg: TrainBenchConfig, treatment: str, reg_kind: str, peak: floa
         timed = times[1 + cfg.warmup:]
         med = statistics.median(timed)
         row.step_ms, row.step_ms_min = med * 1e3, min(timed) * 1e3
+        q = statistics.quantiles(timed, n=10, method="inclusive") if len(timed) > 1 else [timed[0]] * 9
+        row.step_ms_p10, row.step_ms_p90 = q[0] * 1e3, q[-1] * 1e3
+        row.step_ms_timed = [t * 1e3 for t in timed]
         row.tokens_per_s = B * T / med
         row.first_step_s = times[0]
         row.compile_s = times[0] - med if compiled else None
@@ -297,6 +325,7 @@ def _write(result: TrainBenchResult, cfg: TrainBenchConfig) -> None:
         return
     out = Path(cfg.out)
     write_json(out / "train.json", {"meta": result.meta, "config": cfg, "records": result.rows,
-                                    "ratios": result.ratios()}, announce=False)
+                                    "ratios": result.ratios(), "ratio_spreads": result.ratio_spreads()},
+               announce=False)
     (out / "train.md").write_text(result.markdown)
     result.json_path, result.markdown_path = str(out / "train.json"), str(out / "train.md")

@@ -233,27 +233,31 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return messages[:first + 1]
 
 
-def collate(examples: list[ChatExample], pad_id: int) -> tuple[Tensor, Tensor]:
+def collate(examples: list[ChatExample], pad_id: int, with_valid: bool = False) -> tuple[Tensor, ...]:
     """Right-padded inputs x (B, T) and targets y (B, T): y[i, t] = ids[t+1] where mask[t+1] is set,
-    else -1 (user turns, markers, padding). T = longest example - 1."""
+    else -1 (user turns, markers, padding). T = longest example - 1. With `with_valid`, also valid (B, T) bool:
+    True on each row's own positions, False on its padding (the positions a mean over tokens must skip)."""
     T = max(len(e.ids) for e in examples) - 1
     x = torch.full((len(examples), T), pad_id, dtype=torch.long)
     y = torch.full((len(examples), T), -1, dtype=torch.long)
+    valid = torch.zeros((len(examples), T), dtype=torch.bool)
     for i, e in enumerate(examples):
         ids, m = torch.tensor(e.ids), torch.tensor(e.mask, dtype=torch.bool)
         n = len(e.ids) - 1
         x[i, :n] = ids[:-1]
         y[i, :n] = torch.where(m[1:], ids[1:], -1)
-    return x, y
+        valid[i, :n] = True
+    return (x, y, valid) if with_valid else (x, y)
 
 
 def batch_at(examples: list[ChatExample], index: int, batch: int, seed: int, pad_id: int, rank: int = 0,
-             world: int = 1) -> tuple[Tensor, Tensor]:
+             world: int = 1, with_valid: bool = False) -> tuple[Tensor, ...]:
     """Micro-batch `index`: `batch * world` examples drawn by a generator seeded by (seed, index), this
-    rank taking rows rank*batch..; depends only on the global index (exact resume, DDP = one process)."""
+    rank taking rows rank*batch..; depends only on the global index (exact resume, DDP = one process).
+    `with_valid`: as for `collate`."""
     rng = np.random.default_rng([seed, index])
     pick = rng.integers(0, len(examples), size=batch * world)[rank * batch:(rank + 1) * batch]
-    return collate([examples[i] for i in pick], pad_id)
+    return collate([examples[i] for i in pick], pad_id, with_valid)
 
 
 def val_batches(examples: list[ChatExample], batch: int, n_batches: int, pad_id: int) -> list:

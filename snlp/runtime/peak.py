@@ -9,7 +9,8 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
     ("H100", 989.0),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
-    ("H200", 989.0),  # the H100's compute with more memory
+    ("H200 NVL", 836.0),  # the PCIe card's lower clocks (datasheet 1,671 TFLOP/s with sparsity)
+    ("H200", 989.0),  # SXM: the H100's compute with more memory
     ("H800", 989.0),
     ("GH200", 989.0),
     ("A100", 312.0),

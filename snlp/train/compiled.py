@@ -27,7 +27,7 @@ from torch import Tensor
 
 from snlp.decode.steps import check_compilable
 from snlp.method.surrogates import DiagN, Newton
-from snlp.train.muon import Muon, zeropower_via_newtonschulz
+from snlp.train.muon import Muon, zeropower_stacked, zeropower_via_newtonschulz
 from snlp.train.regularizer import RegConfig
 
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): each TrainStep instance compiled (the bench's
@@ -61,9 +61,11 @@ class CompiledStep:
         self.fn = wrap(compiled) if wrap is not None else compiled
         self.lam = torch.zeros((), dtype=torch.float32, device=device)
 
-    def __call__(self, x: Tensor, y: Tensor, lam: float):
+    def __call__(self, x: Tensor, y: Tensor, lam: float, valid: Tensor | None = None):
         self.lam.fill_(lam)
-        return self.fn(x, y, self.lam)
+        if valid is None:
+            return self.fn(x, y, self.lam)
+        return self.fn(x, y, self.lam, valid)
 
     def no_sync(self):
         """DDP's no_sync (gradient accumulation; only with a DDP `wrap`)."""
@@ -73,12 +75,13 @@ class CompiledStep:
 def compile_optimizers(opts, device) -> None:
     """On CUDA, compile what pays in the optimizer step there (nanochat compiles the same): Muon's Newton-Schulz
     iterations (5 x 3 GEMMs per matrix and the element-wise work between them, which inductor fuses; one graph per
-    distinct matrix shape). On a CPU they stay eager: GEMM-bound there and not measured to pay; (measured on a CPU
-    with native bf16) the compiled bf16 iterations also round differently from oneDNN's, ~1 % of the update apart,
-    each ~1 % from the fp32 result. AdamW gets its fused kernel where it is built (snlp.train.optim.build_optimizers,
-    CUDA)."""
+    distinct matrix shape; stacked, snlp.train.muon.zeropower_stacked, one call per shape). On a CPU they stay
+    eager: GEMM-bound there and not measured to pay; (measured on a CPU with native bf16) the compiled bf16
+    iterations also round differently from oneDNN's, ~1 % of the update apart, each ~1 % from the fp32 result.
+    AdamW gets its fused kernel where it is built (snlp.train.optim.build_optimizers, CUDA)."""
     if torch.device(device).type != "cuda":
         return
     for o in opts:
         if isinstance(o, Muon):
             o.orthogonalize = torch.compile(zeropower_via_newtonschulz, fullgraph=True, dynamic=False)
+            o.orthogonalize_stacked = torch.compile(zeropower_stacked, fullgraph=True, dynamic=False)

@@ -42,10 +42,11 @@ def _mapping() -> dict:
     return out
 
 
-def step_flops(step: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: float, autocast) -> int:
-    """Model FLOPs of one forward + backward of the loss module `step` (forward(x, y, lam) -> (loss, ...)) on the
-    batch (x, y). The parameters' gradients are left as they were (None in the trainer: counted between steps), and
-    the RNG states too, so counting changes nothing the run computes."""
+def step_flops(step: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: float, autocast, *extra) -> int:
+    """Model FLOPs of one forward + backward of the loss module `step` (forward(x, y, lam, *extra) -> (loss, ...))
+    on the batch (x, y) (`extra`: the batch's valid mask, if it has one). The parameters' gradients are left as
+    they were (None in the trainer: counted between steps), and the RNG states too, so counting changes nothing the
+    run computes."""
     params = [p for p in step.parameters() if p.requires_grad]
     before = [p.grad for p in params]
     for p in params:
@@ -55,7 +56,7 @@ def step_flops(step: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: flo
     try:
         with FlopCounterMode(display=False, custom_mapping=_mapping()) as counter:
             with autocast():
-                loss = step(x, y, lam)[0]
+                loss = step(x, y, lam, *extra)[0]
             loss.backward()
         return int(counter.get_total_flops())
     finally:

@@ -28,7 +28,9 @@ class Job:
 
     model: GPT
     tokenizer: Tokenizer
-    batch: Callable[[int, int, int], tuple[Tensor, Tensor]]  # (micro-batch index, rank, world) -> (x, y); y == -1 ignored
+    # (micro-batch index, rank, world) -> (x, y) or (x, y, valid); y == -1 ignored; valid (B, T) bool marks a padded
+    # batch's real positions (the regulariser's mean and the tokens counted run over them)
+    batch: Callable[[int, int, int], tuple[Tensor, ...]]
     val_batches: list  # fixed [(x, y)] for validation
     loss: nn.Module  # forward(x, y, lam) -> (loss, ce.detach(), reg.detach()); DDP wraps it
     validate: Callable[[GPT, list], ValidationResult]  # (model, val_batches) -> the validation (no_grad)
@@ -50,10 +52,12 @@ class TrainStep(nn.Module):
         super().__init__()
         self.model, self.reg, self.plan = model, reg, plan
 
-    def forward(self, x, y, lam: float | Tensor):
+    def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
         step: an input of the graph, so the ramp of --reg-warmup is no recompile; the regulariser then runs
-        whenever it is active, and the branch is fixed when the graph is traced)."""
+        whenever it is active, and the branch is fixed when the graph is traced). `valid` (B, T) bool: a padded
+        batch's real positions (SFT), over which the regulariser averages; the CE needs none (padding's targets
+        are -1)."""
         m = self.model
         trace = None
         if self.plan is None:
@@ -66,7 +70,7 @@ class TrainStep(nn.Module):
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
         if (self.reg.active if isinstance(lam, Tensor) else lam > 0):
             trace = trace if trace is not None else m.hidden_states(x)
-            reg = snlp_loss(m, x, trace, self.reg)
+            reg = snlp_loss(m, x, trace, self.reg, valid)
             return ce + lam * reg, ce.detach(), reg.detach()
         return ce, ce.detach(), torch.zeros((), device=x.device)
 

@@ -12,7 +12,11 @@ bf16 is emulated). Everything else (constructor checks, param groups, momentum b
 state-dict format, nesterov, decoupled weight decay, adjust_lr_fn, the ns coefficients and eps) is
 torch's, so a checkpoint written by either optimiser resumes with the other. The step below mirrors
 torch's `_single_tensor_muon` line by line; with ns_dtype=bfloat16 it is bit-identical to
-torch.optim.Muon (tests/train/test_muon.py checks this).
+torch.optim.Muon (tests/train/test_muon.py checks this). With `stack=True` (what `snlp train` builds) the
+matrices of each shape are updated together, the same algorithm with multi-tensor ops and one stacked
+Newton-Schulz (`zeropower_stacked`), equal to torch's per-matrix result to the NS dtype's rounding: a
+per-matrix loop costs ~20 small kernels per matrix, 4,824 launches per step at depth 32, 140 stacked
+(docs/records/2026-11-26-training-step-audit.md).
 
 `emulated_dtype(device, dtype)` says when a low-precision dtype has no native kernels on the device,
 and `warn_if_emulated` lets `snlp train` say so before a run crawls.
@@ -26,7 +30,8 @@ import torch
 from torch import Tensor
 from torch.optim._muon import _adjust_lr
 
-__all__ = ["Muon", "default_ns_dtype", "emulated_dtype", "warn_if_emulated", "zeropower_via_newtonschulz"]
+__all__ = ["Muon", "default_ns_dtype", "emulated_dtype", "warn_if_emulated", "zeropower_stacked",
+           "zeropower_via_newtonschulz"]
 
 
 def default_ns_dtype(device) -> torch.dtype:
@@ -61,18 +66,45 @@ def zeropower_via_newtonschulz(grad: Tensor, ns_coefficients: tuple[float, float
     return ortho_grad
 
 
+def zeropower_stacked(grads: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
+                      dtype: torch.dtype) -> Tensor:
+    """`zeropower_via_newtonschulz` of k same-shape matrices at once: grads (k, m, n) -> (k, m, n). The same
+    iteration (each matrix scaled by its own Frobenius norm, tall ones transposed, the same addmm chain as batched
+    baddbmm), so one launch per operation for the k matrices instead of k launches: a model's blocks give k =
+    depth matrices of each of ~4 shapes, which a per-matrix loop turns into ~60 small kernels per matrix."""
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if grads.dim() != 3:
+        raise ValueError("zeropower_stacked takes a (k, m, n) stack of matrices")
+    a, b, c = ns_coefficients
+    x = grads.to(dtype, copy=True)  # (k, m, n)
+    tall = grads.size(-2) > grads.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.mT  # (k, r, r), r = min(m, n)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon whose Newton–Schulz iterations run in `ns_dtype` (None: `default_ns_dtype` of
     each parameter's device, fp32 where bf16 is emulated). Same arguments, defaults and state dict as
     torch.optim.Muon; ns_dtype is an attribute, not a param-group entry, so optimizer checkpoints stay
     interchangeable."""
 
-    def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, **kwargs) -> None:
+    def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, stack: bool = False, **kwargs) -> None:
         if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
             raise ValueError(f"Muon: ns_dtype must be a floating torch.dtype or None (got {ns_dtype!r})")
         super().__init__(params, *args, **kwargs)
         self.ns_dtype = ns_dtype
-        self.orthogonalize = zeropower_via_newtonschulz  # snlp.train.compiled.compile_optimizers compiles it
+        # stack: update the matrices of each shape together (multi-tensor momentum / decay / update, one stacked
+        # Newton-Schulz), the same algorithm to the NS dtype's rounding; False: torch's per-matrix loop, bit for bit
+        self.stack = stack
+        self.orthogonalize = zeropower_via_newtonschulz  # snlp.train.compiled.compile_optimizers compiles these
+        self.orthogonalize_stacked = zeropower_stacked
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,6 +121,9 @@ class Muon(torch.optim.Muon):
             lr = group["lr"]
             lr = lr.item() if isinstance(lr, Tensor) else lr  # torch: _to_scalar (a 1-element Tensor lr)
             wd, momentum = group["weight_decay"], group["momentum"]
+            if self.stack:
+                self._stacked_update(group, params, grads, bufs, lr)
+                continue
             for param, grad, buf in zip(params, grads, bufs):
                 if grad.ndim != 2:
                     raise ValueError("Param gradient must be a 2D matrix")
@@ -101,6 +136,27 @@ class Muon(torch.optim.Muon):
                 param.mul_(1 - lr * wd)
                 param.add_(update, alpha=-adjusted_lr)
         return loss
+
+    def _stacked_update(self, group: dict, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
+                        lr: float) -> None:
+        """The per-matrix update of `step` for every matrix of the group, a shape at a time: momentum, nesterov,
+        decay and update as multi-tensor ops, the orthogonalisation as one stacked Newton-Schulz."""
+        by_shape: dict = {}
+        for p, g, b in zip(params, grads, bufs):
+            if g.ndim != 2:
+                raise ValueError("Param gradient must be a 2D matrix")
+            by_shape.setdefault((tuple(p.shape), p.dtype, p.device), []).append((p, g, b))
+        wd, momentum = group["weight_decay"], group["momentum"]
+        for (shape, _, device), items in by_shape.items():
+            ps, gs, bs = (list(t) for t in zip(*items))
+            torch._foreach_lerp_(bs, gs, 1 - momentum)
+            ups = torch._foreach_lerp(gs, bs, momentum) if group["nesterov"] else bs
+            dtype = self.ns_dtype or default_ns_dtype(device)
+            ortho = self.orthogonalize_stacked(torch.stack(ups), group["ns_coefficients"], group["ns_steps"],
+                                               group["eps"], dtype)  # (k, m, n)
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
+            torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_add_(ps, list(ortho.to(ps[0].dtype).unbind(0)), alpha=-adjusted_lr)
 
 
 def emulated_dtype(device, dtype: torch.dtype) -> bool:

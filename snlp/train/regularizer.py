@@ -129,17 +129,24 @@ def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = Non
     return res.states[1], model.config.n_layer - n_suffix
 
 
-def relative_error(h_hat: Tensor, h_seq: Tensor) -> Tensor:
+def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None) -> Tensor:
     """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim
-    (and the mHC stream dim: everything after (B, T)), fp32."""
+    (and the mHC stream dim: everything after (B, T)), fp32. `valid` (B, T) bool: the mean runs over its True
+    positions only (a padded batch's real tokens), so padding a batch changes nothing; a device-side division
+    (no host read of the count)."""
     h_hat, h_seq = h_hat.float(), h_seq.float()
     dims = -1 if h_seq.dim() <= 3 else tuple(range(2, h_seq.dim()))  # (B, T, D) or mHC (B, T, n, D)
-    return ((h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)).mean()
+    err = (h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)  # (B, T)
+    if valid is None:
+        return err.mean()
+    w = valid.to(err.dtype)
+    return (err * w).sum() / w.sum().clamp(min=1.0)
 
 
-def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor:
+def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None) -> Tensor:
     """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
-    the same forward that produced the CE loss (so the model is not run twice for the target)."""
+    the same forward that produced the CE loss (so the model is not run twice for the target). `valid`: the
+    (B, T) mask of real positions of a padded batch (`relative_error`); None: every position."""
     L = model.config.n_layer
     if len(trace) != L + 1:
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
@@ -148,7 +155,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig) -> Tensor
         states, S = snlp_states(model, idx, cfg.plan(N), trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
-            total = total + relative_error(states[l - S - 1], target)
+            total = total + relative_error(states[l - S - 1], target, valid)
     return total
 
 

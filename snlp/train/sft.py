@@ -64,7 +64,10 @@ def sft_job(scfg: SFTConfig):
         pad = 0  # any id: padding sits after each row's tokens (causal: unseen) and its targets are -1
         reg = reg_config(cfg, model.config, rank == 0)
         autocast = autocast_context(device)
-        batch = lambda micro, r, w: chat.batch_at(train, micro, cfg.batch_size, cfg.seed, pad, r, w)  # noqa: E731
+        # with the mask of each row's real positions: the regulariser averages over them and the trainer counts
+        # them as the step's tokens, whatever the padding (the batch's own, or --compile's fixed length)
+        batch = lambda micro, r, w: chat.batch_at(train, micro, cfg.batch_size, cfg.seed, pad, r, w,  # noqa: E731
+                                                  with_valid=True)
         if cfg.compile:  # static shapes: one graph for every batch, not one per longest conversation
             batch = fixed_length(batch, max_len - 1, pad)
         return Job(model=model, tokenizer=tok,
@@ -80,13 +83,14 @@ def sft_job(scfg: SFTConfig):
 
 
 def fixed_length(batch, T: int, pad: int):
-    """`batch` with every micro-batch right-padded to T positions (inputs `pad`, targets -1). The CE over the real
-    targets is unchanged (causal attention: the padding comes after every real token, and its targets are ignored);
-    the regulariser's mean runs over all positions, padding included, as it does over a batch's own padding."""
+    """`batch` with every micro-batch right-padded to T positions (inputs `pad`, targets -1, valid False). The CE
+    over the real targets is unchanged (causal attention: the padding comes after every real token, and its targets
+    are ignored), and so is the regulariser, whose mean runs over the valid positions only (`relative_error`)."""
     def padded(micro: int, rank: int, world: int):
-        x, y = batch(micro, rank, world)
+        x, y, *valid = batch(micro, rank, world)
         n = T - x.shape[1]
-        return F.pad(x, (0, n), value=pad), F.pad(y, (0, n), value=-1)
+        out = F.pad(x, (0, n), value=pad), F.pad(y, (0, n), value=-1)
+        return (*out, F.pad(valid[0], (0, n), value=False)) if valid else out
     return padded
 
 

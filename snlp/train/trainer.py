@@ -237,17 +237,21 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     reg_sum = torch.zeros((), device=ctx.device)
     n_tok = 0
     for a in range(cfg.grad_accum):
-        x, y = run.job.batch(state.micro, ctx.rank, ctx.world)
+        x, y, valid = unpack(run.job.batch(state.micro, ctx.rank, ctx.world))
         state.micro += 1
-        n_tok += x.numel()
+        # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
+        # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
+        n_tok += x.numel() if valid is None else int(valid.sum())
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math)
-            run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast) / x.numel()
+        extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
+        if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
+            # per position computed, padding included: MFU = these FLOPs x real tokens/s counts useful work only
+            run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast, *extra) / x.numel()
             t0 = time.perf_counter()  # the count is not the step's time
         sync = nullcontext() if (ctx.world == 1 or a == cfg.grad_accum - 1) else run.stepper.no_sync()
         with sync:
             with run.autocast():
-                loss, ce, rg = run.stepper(x, y, lam)
+                loss, ce, rg = run.stepper(x, y, lam, *extra)
             (loss / cfg.grad_accum).backward()
         ce_sum += ce
         reg_sum += rg
@@ -265,6 +269,11 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     # MFU per process: its own tokens over its own device's peak (DDP ranks run in lockstep)
     st.mfu = state.mfu = mfu(run.flops_per_token, n_tok / max(st.step_s, 1e-9), run.peak_flops)
     return st
+
+
+def unpack(b: tuple) -> tuple:
+    """A job's micro-batch as (x, y, valid): valid None when the job gives none (every position real)."""
+    return (b[0], b[1], b[2] if len(b) > 2 else None)
 
 
 def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult: float, gnorm) -> StepStats:
@@ -361,13 +370,13 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, fl
     if run.cfg.compile:
         with_reg = run.stepper if ctx.world == 1 else CompiledStep(loss, ctx.device)
         plain = CompiledStep(plain, ctx.device)
-    x, y = (t.to(ctx.device) for t in run.job.batch(state.micro, ctx.rank, ctx.world))
+    x, y, *valid = (t.to(ctx.device) for t in run.job.batch(state.micro, ctx.rank, ctx.world))
     lam = max(loss.reg.weight(state.step), 1e-12)
 
     def call(fn, lam_: float):
         def go():
             with run.autocast():
-                out = fn(x, y, lam_)[0]
+                out = fn(x, y, lam_, *valid)[0]
             out.backward()
         return go
 

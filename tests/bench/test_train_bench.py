@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 
 from snlp.apps.cli import main
-from snlp.bench.train import TrainBenchConfig, run_train_bench
+from snlp.bench.train import TrainBenchConfig, TrainBenchResult, TrainBenchRow, run_train_bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,6 +38,13 @@ def test_quick_train_bench_runs_every_variant(tmp_path, capsys):
                                                             / by["eager", "none"]["tokens_per_s"])
     assert ratios["reg_overhead_idn_compiled"] == pytest.approx(by["compiled", "idn"]["step_ms"]
                                                                 / by["compiled", "none"]["step_ms"])
+    for name, sp in data["ratio_spreads"].items():  # each ratio with the range its rows' spreads allow
+        assert sp["lo"] <= sp["ratio"] <= sp["hi"] and sp["ratio"] == pytest.approx(ratios[name])
+        assert sp["tie"] is (sp["lo"] <= 1.0 <= sp["hi"])
+    for r in rows:
+        assert len(r["step_ms_timed"]) == r["steps"] == 3
+        t = r["step_ms_timed"]
+        assert min(t) <= r["step_ms_p10"] <= r["step_ms"] <= r["step_ms_p90"] <= max(t)
     assert data["meta"]["peak_tflops"] is None and data["meta"]["device_type"] == "cpu"
     md = (tmp_path / "train.md").read_text()
     assert "MFU n/a" in md and md in printed
@@ -49,3 +57,35 @@ def test_train_bench_refuses_bad_settings(tmp_path):
         run_train_bench(TrainBenchConfig(quick=True, regs=("diag",)))
     assert main(["bench", "--suite", "train", "--quick", "--shapes", "0.5B,3B", "--out", str(tmp_path)]) == 2
     assert not Path(tmp_path, "train.json").exists()
+
+
+def _row(treatment: str, reg: str, ms: list[float]) -> TrainBenchRow:
+    """A timed row made by hand (the ratio arithmetic alone, no model)."""
+    ms = sorted(ms)
+    q = statistics.quantiles(ms, n=10, method="inclusive")
+    return TrainBenchRow(shape="0.5B", treatment=treatment, reg=reg, reg_n=[], n_layer=1, n_embd=1, params=1,
+                         batch=1, seq_len=100, tokens_per_step=100, steps=len(ms), warmup=0,
+                         step_ms=statistics.median(ms), step_ms_p10=q[0], step_ms_p90=q[-1], step_ms_timed=ms,
+                         tokens_per_s=100 / (statistics.median(ms) / 1e3))
+
+
+def test_train_bench_ratios_inside_the_spreads_are_ties():
+    """A ratio whose rows' p10-p90 spreads overlap is a tie, printed as one; separated spreads give a ratio whose
+    range excludes 1. Hand-made rows: eager 200 ms +-5, compiled 100 ms +-5 (a 2x speedup, no overlap); the
+    regulariser's rows overlap the plain ones (a 1.02x "overhead" inside the noise)."""
+    cfg = TrainBenchConfig(device="cpu", regs=("none", "idn"), treatments=("eager", "compiled")).resolved()
+    res = TrainBenchResult(config=cfg, meta={})
+    res.rows = [_row("eager", "none", [195, 198, 200, 202, 205]), _row("compiled", "none", [95, 98, 100, 102, 105]),
+                _row("eager", "idn", [199, 201, 204, 206, 210]), _row("compiled", "idn", [150, 151, 152, 153, 154])]
+    sp = res.ratio_spreads()
+    s = sp["compiled_speedup_none"]
+    assert s["ratio"] == pytest.approx(2.0) and not s["tie"] and s["lo"] > 1.0
+    assert s["lo"] == pytest.approx(res.rows[0].step_ms_p10 / res.rows[1].step_ms_p90)
+    assert sp["reg_overhead_idn_eager"]["tie"] and sp["reg_overhead_idn_eager"]["ratio"] == pytest.approx(1.02)
+    assert not sp["reg_overhead_idn_compiled"]["tie"]
+    assert res.ratios()["compiled_speedup_none"] == pytest.approx(2.0)
+    res.meta = {"device": "cpu", "dtype": "float32", "torch": "x", "date": "d", "peak_tflops": None}
+    md = res.markdown
+    assert "reg_overhead_idn_eager 1.02x (" in md and "tie, inside the spreads" in md
+    assert "compiled_speedup_none 2.00x (" in md and md.count("tie, inside") == 1
+    assert "200.0 (" in md  # the row's median with its p10-p90

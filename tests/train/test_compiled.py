@@ -138,7 +138,7 @@ def test_mfu_arithmetic_and_peak_table():
     assert mfu(1e9, 4e5, 989e12) == pytest.approx(1e9 * 4e5 / 989e12)
     assert mfu(1e9, 4e5, None) is None and mfu(None, 4e5, 989e12) is None
     assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_for_name("NVIDIA H200") == 989e12
+    assert peak_for_name("NVIDIA H200") == 989e12 and peak_for_name("NVIDIA H200 NVL") == 836e12
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12
     assert peak_for_name("Some Future GPU") is None
@@ -214,3 +214,82 @@ def test_sft_fixed_length_batches_leave_the_loss_unchanged():
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
     for n in ref[3]:
         torch.testing.assert_close(got[3][n], ref[3][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_sft_padding_changes_neither_the_regulariser_nor_the_tokens_counted():
+    """SFT batches are padded (to the longest row eagerly, to one fixed length under --compile). The regulariser is
+    a mean over the real tokens (the paper's mean over batch and positions of the sequences), so padding must not
+    move it: the reference is the padding-free value, each row's regulariser computed on the row alone (no padding
+    at all) and averaged over the rows' tokens. The compiled step on the fixed-length batch gives that value, and
+    the trainer counts only real tokens (tokens/s and MFU)."""
+    from snlp.io.chat import ChatExample, collate
+    from snlp.train.regularizer import snlp_loss
+    from snlp.train.sft import fixed_length
+    from snlp.train.trainer import unpack
+
+    model = tiny()
+    with torch.no_grad():  # weights away from the init, so the K=1 gap is far from 0 at every position
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (12, 6)]
+    exs = [ChatExample(ids, [False] * 3 + [True] * (len(ids) - 3)) for ids in rows]
+    reg = RegConfig(surrogate="idn", lam=0.5, suffixes=(2,))
+    with torch.no_grad():  # padding-free reference: each row alone, weighted by its token count
+        alone = [(snlp_loss(model, x, model.hidden_states(x), reg), x.numel())
+                 for x, _ in (collate([e], 0) for e in exs)]
+        ref = sum(r * n for r, n in alone) / sum(n for _, n in alone)
+    x, y, valid = collate(exs, 0, with_valid=True)
+    assert valid.sum() == 11 + 5 and x.shape == (2, 11)
+    px, py, pvalid = fixed_length(lambda micro, rank, world: (x, y, valid), 16, 0)(0, 0, 1)
+    assert px.shape == pvalid.shape == (2, 16) and int(pvalid.sum()) == 16
+    assert unpack((px, py))[2] is None and unpack((px, py, pvalid))[2] is pvalid
+    step = TrainStep(model, reg)
+    with torch.no_grad():
+        eager_rg = step(x, y, 0.5, valid)[2]
+        padded_rg = step(px, py, 0.5, pvalid)[2]
+    torch.testing.assert_close(eager_rg, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded_rg, ref, rtol=1e-5, atol=1e-6)
+    compiled = CompiledStep(step, "cpu")
+    loss, ce, rg = compiled(px, py, 0.5, pvalid)
+    torch.testing.assert_close(rg, ref, rtol=1e-5, atol=1e-6)
+    ref_loss = step(x, y, 0.5, valid)[0]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_sft_compile_logs_real_tokens_not_padding(tmp_path):
+    """`snlp sft --compile --reg idn` pads every batch to one length; the tokens it logs are the rows' real tokens,
+    the same count as the eager run (which pads to the longest row), and its regulariser the eager one's."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import Tokenizer
+    from snlp.model.config import GPTConfig
+    from snlp.model.gpt import GPT
+
+    text = ["what is %d plus %d" % (i, i + 1) for i in range(40)]
+    tk = Tokenizer.train(text * 3, 300)
+    m = GPT(GPTConfig.from_depth(3, width=64, head_dim=32, vocab_size=tk.vocab_size, sequence_len=64))
+    m.init_weights(seed=0)
+    with torch.no_grad():  # away from the init (zero output projections: a K=1 gap of ~1e-8, all rounding)
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_checkpoint(tmp_path / "base", m, tk)
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for i, t in enumerate(text):
+            f.write(json.dumps({"messages": [{"role": "user", "content": t},
+                                             {"role": "assistant", "content": str(2 * i + 1) * (1 + i % 4)}]}) + "\n")
+    flags = ["--steps", "2", "--batch-size", "4", "--seq-len", "64", "--eval-every", "1000", "--eval-batches", "1",
+             "--no-progress", "--device", "cpu", "--reg", "idn", "--reg-n", "2", "--log-every", "1"]
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--out", str(out),
+                     *flags, *extra]) == 0
+        runs[name] = (json.loads((out / "train_summary.json").read_text()),
+                      [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()])
+    (es, elog), (cs, clog) = runs["eager"], runs["compiled"]
+    assert cs["tokens"] == es["tokens"] and es["tokens"] < 2 * 4 * 63  # real tokens, not 63 padded positions a row
+    er, cr = [r for r in elog if "reg" in r], [r for r in clog if "reg" in r]
+    assert len(er) == len(cr) == 2
+    for a, b in zip(er, cr):
+        assert abs(a["reg"] - b["reg"]) <= 1e-4 * abs(a["reg"]) and a["reg"] > 0

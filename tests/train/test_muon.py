@@ -227,3 +227,77 @@ def test_warning_names_the_emulated_dtype():
         assert msg.startswith("snlp train: bfloat16") and "\n" not in msg
     else:
         assert warn_if_emulated("cpu", {torch.float32, torch.bfloat16}) is None
+
+
+shapes = st.lists(st.sampled_from([(8, 8), (24, 8), (8, 24), (16, 48)]), min_size=1, max_size=6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(options, shapes)
+def test_stacked_update_is_torch_muon_per_matrix_to_fp32_rounding(o, shape_list):
+    """Muon(stack=True) (snlp train's: the matrices of a shape updated together, one stacked Newton-Schulz) gives
+    every matrix the update of torch's per-matrix algorithm (float64 re-run) to fp32 rounding, whatever the mix of
+    shapes (square, tall, wide; several of a shape) and options."""
+    gen = torch.Generator().manual_seed(o["seed"])
+    kw = {k: o[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "adjust_lr_fn")}
+    p0 = [0.05 * torch.randn(*s, generator=gen) for s in shape_list]
+    grads = [[torch.randn(*s, generator=gen) for s in shape_list] for _ in range(3)]
+    params = [torch.nn.Parameter(p.clone()) for p in p0]
+    opt = Muon(params, ns_dtype=torch.float32, stack=True, **kw)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    for i, p in enumerate(params):
+        ref = reference_steps(p0[i], [gs[i] for gs in grads], **kw)
+        assert rel_change_err(p.detach(), ref, p0[i]) <= K * U[torch.float32], shape_list[i]
+
+
+METADATA = {"aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::_unsafe_view",
+            "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided", "aten::empty_like",
+            "aten::t", "aten::transpose", "aten::expand", "aten::detach", "aten::alias", "aten::unsqueeze",
+            "aten::squeeze", "aten::permute", "aten::slice", "aten::select", "aten::unbind", "aten::split",
+            "aten::lift_fresh", "aten::numpy_T", "aten::mT", "aten::_local_scalar_dense", "aten::item",
+            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernels
+
+
+def launches(prof) -> int:
+    """Kernel launches a profiled CPU run stands for on a GPU: aten ops that compute (not in METADATA) and call no
+    other computing aten op; a multi-tensor aten::_foreach_* op counted once (one multi-tensor kernel on CUDA; the
+    CPU runs it tensor by tensor underneath)."""
+    def under_foreach(e) -> bool:
+        while e.cpu_parent is not None:
+            e = e.cpu_parent
+            if e.name.startswith("aten::_foreach_"):
+                return True
+        return False
+    n = 0
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.name in METADATA or under_foreach(e):
+            continue
+        if e.name.startswith("aten::_foreach_") or not any(c.name.startswith("aten::") and c.name not in METADATA
+                                                           for c in e.cpu_children):
+            n += 1
+    return n
+
+
+def test_stacked_step_launches_per_shape_not_per_matrix():
+    """The launches of a stacked Muon step (torch.profiler: leaf aten ops, a multi-tensor op once; see `launches`)
+    barely grow with the number of matrices of a shape (the stack's copies); torch's per-matrix loop grows
+    ~linearly with it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(n_per_shape: int, stack: bool) -> int:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in [(16, 16), (16, 48)] * n_per_shape]
+        opt = Muon(params, lr=0.02, ns_dtype=torch.float32, stack=stack)
+        for _ in range(2):  # the second step: buffers exist
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                opt.step()
+        return launches(prof)
+
+    stack2, stack8 = ops(2, stack=True), ops(8, stack=True)
+    loop2, loop8 = ops(2, stack=False), ops(8, stack=False)
+    assert loop8 > 3.5 * loop2 and stack8 < 1.5 * stack2 and stack8 < loop8 / 4, (stack2, stack8, loop2, loop8)
