@@ -174,9 +174,13 @@ def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
     # the regulariser's gradient is noise, which Muon orthogonalises into a full-size update. Measured (eager vs
     # compiled, and vs compiled with eager Newton-Schulz): the CE agrees to ~1e-5 relative over 6 steps, the small
     # regulariser term (~1e-3) by ~1-2 %.
+    # With torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 box) the two runs'
+    # loss differed by 3.9e-4 relative at step 4 (5.4494 vs 5.4516) while step 1 agreed: the same amplification,
+    # larger rounding. Step 1 (before any update) is held to rounding; later steps to what the amplification allows.
     for a, b in zip(steps["eager"], steps["compiled"]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["lambda"] == a["lambda"]
-        assert b["reg"] == pytest.approx(a["reg"], rel=5e-2, abs=1e-6)
+        rel = 1e-5 if a["step"] == 1 else 2e-3
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel) and b["lambda"] == a["lambda"]
+        assert b["reg"] == pytest.approx(a["reg"], rel=0.25, abs=1e-6)  # AVX2 kernels: 10 % apart at step 4
     summaries = {k: json.loads((tmp_path / k / "train_summary.json").read_text()) for k in ("eager", "compiled")}
     for k, s in summaries.items():
         sp = s["speed"]
