@@ -66,6 +66,18 @@ def predict(n_seq: float, n_draft: float, n_verify: float, block: int, alpha: fl
     return dict(s=t_seq / t_draft, tokens_per_round=per_round, speedup=per_round * t_seq / (block * t_draft + t_verify))
 
 
+def weight_mb(cfg, plan: Plan | None, dtype: str) -> float:
+    """MB of weights one step reads: every layer once per evaluation (a drafter: its prefix once, its suffix once
+    per iteration, once more for a `fwd` init) plus the head; the embedding row is negligible."""
+    D, hd = cfg.n_embd, cfg.head_dim
+    layer = 2 * D * cfg.n_head * hd + 2 * D * cfg.n_kv_head * hd + (3 if cfg.mlp_act == "swiglu" else 2) * D * \
+        (cfg.ffn_dim or cfg.mlp_ratio * D)
+    L = cfg.n_layer
+    evals = L if plan is None else plan.prefix_len(L) + (L - plan.prefix_len(L)) * (
+        plan.iters * plan.evals_per_iter + (plan.init == "fwd"))
+    return (evals * layer + cfg.vocab_size * D) * torch.finfo(getattr(torch, dtype)).bits / 8 / 1e6
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="snlp checkpoint directory (only its config.json is read)")
@@ -77,6 +89,11 @@ def main(argv=None) -> int:
                    "speedup of those rows (t_step proportional to the chain, see predict())")
     p.add_argument("--overhead", default="0,0.1", help="fixed per-step cost f of each step as a fraction of the "
                    "sequential step (graph launch, the token read): the prediction is printed for each")
+    p.add_argument("--kernel-us", default="", help="per-kernel latencies c (us, comma-separated): also print the "
+                   "prediction with t = c x chain + the step's weight bytes / --hbm-gbps (each weight read once per "
+                   "evaluation of its layer), i.e. neither term assumed away")
+    p.add_argument("--hbm-gbps", type=float, default=3350 * 0.7, help="weight-read bandwidth (GB/s; default an "
+                   "H100 SXM's 3,350 at 70 %%)")
     p.add_argument("--json", help="write every count here")
     a = p.parse_args(argv)
     torch.autocast = _Autocast  # the model runs on meta (see prefill_ops._Autocast)
@@ -120,6 +137,18 @@ def main(argv=None) -> int:
                     preds.append(dict(plan=plan, block=b, alpha=alpha, chain=col, overhead=f, **r))
                     print(f"| {plan} | {b} | {alpha:.3f} | {col} | {f:g} | {r['s']:.2f} | {r['tokens_per_round']:.2f} "
                           f"| {r['speedup']:.2f}x (predicted) |")
+                for c in (float(x) for x in a.kernel_us.split(",") if x):
+                    us = lambda n, mb: c * n + mb * 1e3 / a.hbm_gbps  # MB / (GB/s) = ms; x 1e3 -> us
+                    mb_seq, mb_plan = weight_mb(cfg, None, a.dtype), weight_mb(cfg, Plan.parse(plan), a.dtype)
+                    t_seq, t_d = us(by["sequential"][col], mb_seq), us(by[plan][col], mb_plan)
+                    t_v = us(by[f"verify B={b}"][col], mb_seq)
+                    per_round = b + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (b + 1)) / (1.0 - alpha)
+                    r = dict(s=t_seq / t_d, tokens_per_round=per_round, speedup=per_round * t_seq / (b * t_d + t_v),
+                             seq_us=t_seq, draft_us=t_d, verify_us=t_v)
+                    preds.append(dict(plan=plan, block=b, alpha=alpha, chain=col, kernel_us=c, **r))
+                    print(f"| {plan} | {b} | {alpha:.3f} | {col} x {c:g} us + bytes | - | {r['s']:.2f} | "
+                          f"{r['tokens_per_round']:.2f} | {r['speedup']:.2f}x (predicted; seq {t_seq:.0f} us, "
+                          f"draft {t_d:.0f} us) |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(src=os.path.abspath(a.src), prompt=a.prompt, cache_len=cache_len, dtype=a.dtype,
