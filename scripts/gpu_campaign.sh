@@ -2,7 +2,7 @@
 # The GPU campaign: everything a lent GPU should measure, in one call of at most 8 minutes, read top to bottom.
 #
 #   bash scripts/gpu_campaign.sh [--quick] [--out DIR] [--paper PATH] [--parts a,b,...] [--decode-ckpt CKPT]
-#                                [--decode-plans P,...]
+#                                [--decode-plans P,...] [--decode-drafter DIR]
 #
 # Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
 # parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
-QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""
+QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""; DDRAFTER=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -25,8 +25,9 @@ while [ $# -gt 0 ]; do
     --parts) PARTS="$2"; shift ;;
     --decode-ckpt) DCKPT="$2"; shift ;;
     --decode-plans) DPLANS="$2"; shift ;;
+    --decode-drafter) DDRAFTER="$2"; shift ;;  # an adapted drafter of --decode-ckpt (snlp adapt): its own rows
     *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST, --decode-ckpt CKPT," \
-            "--decode-plans P,...)" >&2; exit 2 ;;
+            "--decode-plans P,..., --decode-drafter DIR)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -93,7 +94,7 @@ fi
 #    default random weights at SmolLM2-135M's shape: its GGUF is over a device call's 64 MiB), and the random-weights
 #    0.5B drafter step times with a PREDICTED speedup
 part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV --ckpt "$DCKPT" \
-    ${DPLANS:+--suite-plans "$DPLANS"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
+    ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
     --out "$OUT/parts/decode"
 part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
     --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"
