@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
+from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
@@ -125,7 +126,6 @@ def layer_evaluations(plan: str, depth: int) -> int:
 
 
 PPL_TIE = 0.01  # PPLs within 1 % of each other tie: one training seed and one validation sample per model
-SIGN_LEVEL = 0.05  # the two-sided sign test's level at which one plan's speed beats another's
 
 
 @dataclass(frozen=True)
@@ -145,20 +145,6 @@ class Speed:
         rounds). Ranges that merely overlap at their ends do not tie: that rule chained a ~2x cluster to a 1.6x
         plan."""
         return other.lo <= self.median <= other.hi and self.lo <= other.median <= self.hi
-
-
-def sign_test_p(wins: int, losses: int) -> float:
-    """Two-sided exact sign test: the chance, under equal speed (each round a fair coin), of a split at least as
-    lopsided as wins : losses (rounds where the two are equal are left out)."""
-    n, k = wins + losses, max(wins, losses)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
-
-
-def sign_test_wins(n: int, level: float = SIGN_LEVEL) -> int | None:
-    """The fewest wins of n paired rounds at which the sign test calls one plan faster (None: n rounds never can)."""
-    return next((k for k in range((n + 1) // 2, n + 1) if k * 2 > n and sign_test_p(k, n - k) < level), None)
 
 
 def paired_ratios(a: Speed, b: Speed) -> list[float]:
@@ -366,12 +352,23 @@ SSD_MEASURED = ("Measured = the median over the timed rounds of each round's pai
                 "wall time per token of that round (both sides decoded the same prompts, interleaved, so load drift "
                 "between rounds cancels); Rounds = the lowest and highest of those per-round ratios; Seq / SSD ms/tok "
                 "= the median over the rounds of each side's own ms per token, taken separately, so their ratio "
-                "equals Measured only when the load held still from round to round")
+                "equals Measured only when the load held still from round to round; Measured is in bold where every round "
+                "was faster than sequential, and marked (tie) where the rounds lie on both sides of 1.0: those rounds "
+                "do not tell SSD from sequential decoding")
 
 
 def _rounds(r: dict) -> str:
     xs = r.get("round_speedups") or []
     return f"{min(xs):.2f}–{max(xs):.2f}x" if xs else "–"
+
+
+def _measured_cell(r: dict) -> str:
+    """Measured, in bold only where every timed round was faster than sequential; rounds on both sides of 1.0 do
+    not resolve SSD from sequential decoding, so the cell says tie."""
+    cell, xs = _num(r["measured_speedup"], "{:.3f}x"), r.get("round_speedups") or []
+    if xs and min(xs) <= 1.0 <= max(xs):
+        return f"{cell} (tie)"
+    return f"**{cell}**" if xs and min(xs) > 1.0 else cell
 
 
 def ssd_table(ssd: dict[str, dict]) -> str:
@@ -389,7 +386,7 @@ def ssd_table(ssd: dict[str, dict]) -> str:
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | {sample} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
-                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {_rounds(r)} | "
+                         f"{_measured_cell(r)} | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
                          f"{'yes' if r['matches_sequential'] else 'NO'} |")
     return "\n".join(lines)
@@ -585,13 +582,15 @@ def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
 
 
 def tune_rule_note(ssd: dict[str, dict]) -> str:
-    """Why the drafter choice ties by noise and not by the main table's sign test: with the shootout's rounds the
-    test could never call a difference (the rounds each model's tune ran: its record's tune_repeats)."""
+    """The drafter choice's rule: the main table's sign test over the shootout's paired rounds, and when the rounds
+    each model's tune ran (its record's tune_repeats) are too few for any split to resolve a lead, that it ties."""
+    rule = (f"the main table's rule for its `*`: a two-sided sign test at {SIGN_LEVEL:.0%} over the paired rounds, each "
+            "round's ratios over that round's sequential decode")
     ns = {r.get("tune_repeats") for r in ssd.values() if r.get("tune_repeats")}
     if ns and all(sign_test_wins(n) is None for n in ns):
-        return (f"a rule apart from the main table's `*`: {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
-                f"shootout rounds are too few for its sign test to call any difference")
-    return "a rule apart from the main table's `*`"
+        return (f"{rule}; at {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
+                "shootout rounds no split resolves a lead, so every measured candidate ties with the best")
+    return rule
 
 
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
@@ -608,9 +607,10 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise ("
-             f"{tune_rule_note(ssd)}), else, "
-             "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
+             "own noise; output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
+             f"other candidate ({tune_rule_note(ssd)}), else, "
+             "among the candidates they do not separate from it, the best prediction (the rule under the table says "
+             "which, with each lead's split of rounds); unmeasured "
              "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
              "Measured | = sequential |",
