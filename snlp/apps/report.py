@@ -696,6 +696,19 @@ def train_pace_s(ctx: dict) -> float | None:
     return max(paced) if ctx.get("parallel") else sum(paced)
 
 
+def stepping_pace_s(ctx: dict) -> float | None:
+    """Seconds per training step while stepping: each model's tokens per step over its median tokens/s, without
+    the start-up and validation passes train_seconds holds; the slower model's when the two trained side by side
+    (lockstep), their sum when one after the other. Falls back to train_pace_s where no median was recorded."""
+    st = ctx["stages"]
+    trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
+    paced = [t["tokens"] / t["steps"] / t["median_tok_s"] for t in trains
+             if t.get("steps") and t.get("tokens") and t.get("median_tok_s")]
+    if not paced or len(paced) != len(trains):
+        return train_pace_s(ctx)
+    return max(paced) if ctx.get("parallel") else sum(paced)
+
+
 def _budget_line(ctx: dict) -> str:
     """The budget sentence under the stage table: the budget, the probe and training's share (speedrun --budget)."""
     b, minutes = ctx.get("budget"), ctx.get("budget_minutes")
@@ -710,11 +723,12 @@ def _budget_line(ctx: dict) -> str:
         train = (f"training was reused (the invocation that made it gave it {fmt_s(b['train_s'])}: its share, not "
                  f"this plan's)")
     else:
-        pace = train_pace_s(ctx)
+        pace = stepping_pace_s(ctx)
         train = (f"gave training {fmt_s(b['train_s'])} (its floor: {floor} steps, priced at "
                  f"{fmt_s(b.get('train_floor_s') or 0)} from the probe's training steps, before any other stage "
-                 f"shrinks" + (f"; the training that ran kept {pace:.2f} s per step, at which {floor} steps take "
-                               f"{fmt_s(floor * pace)}" if pace and floor else "") + ")")
+                 f"shrinks" + (f"; the training that ran stepped at {pace:.2f} s per step, its start-up and "
+                               f"validation aside, at which {floor} steps take {fmt_s(floor * pace)}"
+                               if pace and floor else "") + ")")
     steps = pr.get("train_steps_s") or {}
     step = (", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + " per training step" if steps else
             f"training step {pr.get('train_step_s', 0) * 1e3:.0f} ms")
@@ -745,13 +759,23 @@ def budget_verdict(ctx: dict) -> list[str]:
         out.append(f"Budget kept: this invocation took {fmt_s(wall)} of {fmt_s(budget)}.")
     steps, floor = ctx["cfg"].get("train_steps"), ctx.get("train_floor_steps")
     if floor and steps is not None and steps < floor:
-        pace = train_pace_s(ctx)
+        pace = stepping_pace_s(ctx)
+        why = ""
+        if pace and not b.get("train_reused"):
+            why = (f"; at the {pace:.2f} s per step this training stepped at (start-up aside), the {floor - steps} "
+                   f"missing steps take {fmt_s((floor - steps) * pace)}")
+            priced = (b.get("train_floor_s") or 0) / floor
+            if wall < budget:  # the budget was not what ran out: say what did
+                why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s, "
+                        + (f"training stepped slower than that, " if pace > priced else "")
+                        + f"training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "
+                        f"{fmt_s(budget - wall)} of its budget unused" if priced else
+                        f". The run ended with {fmt_s(budget - wall)} of its budget unused")
+            else:
+                why += ", which a longer budget would give it"
         out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest at which a recorded "
                    f"run showed the paper's effect): the comparison of No-Reg and IDN-Reg rests on less training than "
-                   f"any recorded run's"
-                   + (f"; at the {pace:.2f} s per step this training kept, the {floor - steps} missing steps take "
-                      f"{fmt_s((floor - steps) * pace)}, which a longer budget would give it" if pace and not
-                      b.get("train_reused") else "") + ".")
+                   f"any recorded run's" + why + ".")
     return ["\n" + " ".join(out) + "\n"]
 
 

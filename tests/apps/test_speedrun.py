@@ -1046,12 +1046,30 @@ def test_the_training_floor_verdict_rests_on_what_ran():
     text = " ".join(budget_verdict(_report_ctx(budget=cut)))  # 130 steps in 8:30: more than the floor
     assert "floor" not in text and "cut" not in text
     text = " ".join(budget_verdict(_report_ctx(budget=cut, steps=40, train_seconds=156.0)))  # 3.9 s per step
-    assert "trained 40 steps, fewer than the floor's 100" in text and "60 missing steps take 3:54" in text
+    assert "trained 40 steps, fewer than the floor's 100" in text and "60 missing steps take 4:06" in text
+    assert "a longer budget would give it" in text  # this run overran its budget
     # the budget line prices the floor at the pace training kept: the issue's run, 100 steps in 6:32 (not 12:42)
     from snlp.apps.report import _budget_line
 
     line = _budget_line(_report_ctx(budget=cut, steps=130, train_seconds=510.0))
-    assert "kept 3.92 s per step, at which 100 steps take 6:32" in line
+    assert "stepped at 4.10 s per step, its start-up and validation aside, at which 100 steps take 6:50" in line
+
+
+def test_a_floor_missed_with_budget_left_is_not_blamed_on_the_budget():
+    """Review 2 findings 4 and 9 (fresh3 run: 80 steps of the floor's 100, priced at 4.80 s a step, stepped at
+    7.79 s, the run ended at 17:40 of 20:00): the verdict said the 20 missing steps were what "a longer budget
+    would give it" while 2:20 of the budget went unused, and priced them with start-up and validation included
+    (8.10 s). It now says what happened, at the stepping pace (2048 tokens / 262.74 tok/s)."""
+    from snlp.apps.report import budget_verdict
+
+    budget = {"train_s": 640.3, "train_floor_s": 480.0, "train_cut": False, "probe": {}, "stages": {}}
+    ctx = _report_ctx(budget=budget, steps=80, train_seconds=648.4, wall=1059.5)
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"train-{k}"]["result"]["median_tok_s"] = 262.74
+    text = " ".join(budget_verdict(ctx))
+    assert "a longer budget" not in text and "trained 80 steps, fewer than the floor's 100" in text
+    assert "7.79 s per step" in text and "20 missing steps take 2:36" in text
+    assert "priced a step at 4.80 s, training stepped slower than that" in text and "2:20 of its budget unused" in text
 
 
 def test_the_training_floor_is_priced_from_the_real_training_steps(tmp_path, monkeypatch):
