@@ -478,12 +478,28 @@ def eval_ran(ctx: dict) -> dict[str, dict]:
             for k, _ in MODELS if f"eval-{k}" in st}
 
 
+def _opening(ctx: dict, load: float, cores: int) -> str:
+    """The lines a reader sees first: what the clock counted (not the install) and, when the load during the stages
+    exceeded the cores, that this run's timings were contended."""
+    minutes = ctx.get("budget_minutes")
+    text = (f"**Time**: this invocation took {fmt_s(ctx['wall'])}"
+            + (f" of its {fmt_s(minutes * 60)} budget" if minutes is not None else "")
+            + ", from the start of its Python process; an install before it, as scripts/speedrun.sh runs, is not "
+            "counted.")
+    if cores and load > cores:
+        text += (f" **This run's timings were contended**: the 1-minute load average reached {load:g} on {cores} "
+                 "cores during the stages, so other jobs competed for them; every speed and time figure below (the "
+                 "training pace, Speedup, Prefill, s, Measured, the stage times) was taken under that load and is "
+                 "not this box's speed.")
+    return text + "\n"
+
+
 def _head(ctx: dict) -> list[str]:
     cfg, env, st, _, _, _ = _context(ctx)
     loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
     libs = ", ".join(f"{k} {v}" for k, v in env["libraries"].items())
     return ["# SNLP speedrun report\n",
-           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
+           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n", _opening(ctx, max(loads), env["cores"]),
            f"**Hardware**: {env['cpu']}, {env['cores']} cores"
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
            + (f" ({isa})" if (isa := isa_label(env.get("isa"))) else "")
@@ -681,8 +697,8 @@ def _stage_times(ctx: dict) -> list[str]:
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-                  f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; an "
-                  f"install before it, as scripts/speedrun.sh runs, is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
+                  f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; the "
+                  f"install is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
 
 def train_pace_s(ctx: dict) -> float | None:
@@ -766,9 +782,9 @@ def budget_verdict(ctx: dict) -> list[str]:
                    f"missing steps take {fmt_s((floor - steps) * pace)}")
             priced = (b.get("train_floor_s") or 0) / floor
             if wall < budget:  # the budget was not what ran out: say what did
-                why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s, "
-                        + (f"training stepped slower than that, " if pace > priced else "")
-                        + f"training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "
+                why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s"
+                        + (" and training stepped slower than that" if pace > priced else "")
+                        + f"; training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "
                         f"{fmt_s(budget - wall)} of its budget unused" if priced else
                         f". The run ended with {fmt_s(budget - wall)} of its budget unused")
             else:
