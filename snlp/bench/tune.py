@@ -528,8 +528,9 @@ def _rule(n: int) -> str:
     if n == 1:
         return "one timed round: no sign test resolves a lead"
     k = sign_test_wins(n)
-    return (f"a two-sided sign test at {SIGN_LEVEL:.0%} over the paired rounds calls a lead from "
-            + (f"{k} of {n} rounds won" if k else f"no split of {n} rounds"))
+    test = f"a two-sided sign test at {SIGN_LEVEL:.0%} over the paired rounds"
+    return (f"{test} resolves a lead from {k} of {n} rounds won" if k else
+            f"under {test}, no split of {n} rounds resolves a lead")
 
 
 def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
