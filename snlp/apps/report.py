@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
+from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, ppl_from_ce
 
@@ -125,7 +126,6 @@ def layer_evaluations(plan: str, depth: int) -> int:
 
 
 PPL_TIE = 0.01  # PPLs within 1 % of each other tie: one training seed and one validation sample per model
-SIGN_LEVEL = 0.05  # the two-sided sign test's level at which one plan's speed beats another's
 
 
 @dataclass(frozen=True)
@@ -145,20 +145,6 @@ class Speed:
         rounds). Ranges that merely overlap at their ends do not tie: that rule chained a ~2x cluster to a 1.6x
         plan."""
         return other.lo <= self.median <= other.hi and self.lo <= other.median <= self.hi
-
-
-def sign_test_p(wins: int, losses: int) -> float:
-    """Two-sided exact sign test: the chance, under equal speed (each round a fair coin), of a split at least as
-    lopsided as wins : losses (rounds where the two are equal are left out)."""
-    n, k = wins + losses, max(wins, losses)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
-
-
-def sign_test_wins(n: int, level: float = SIGN_LEVEL) -> int | None:
-    """The fewest wins of n paired rounds at which the sign test calls one plan faster (None: n rounds never can)."""
-    return next((k for k in range((n + 1) // 2, n + 1) if k * 2 > n and sign_test_p(k, n - k) < level), None)
 
 
 def paired_ratios(a: Speed, b: Speed) -> list[float]:
@@ -366,12 +352,23 @@ SSD_MEASURED = ("Measured = the median over the timed rounds of each round's pai
                 "wall time per token of that round (both sides decoded the same prompts, interleaved, so load drift "
                 "between rounds cancels); Rounds = the lowest and highest of those per-round ratios; Seq / SSD ms/tok "
                 "= the median over the rounds of each side's own ms per token, taken separately, so their ratio "
-                "equals Measured only when the load held still from round to round")
+                "equals Measured only when the load held still from round to round; Measured is in bold where every round "
+                "was faster than sequential, and marked (tie) where the rounds lie on both sides of 1.0: those rounds "
+                "do not tell SSD from sequential decoding")
 
 
 def _rounds(r: dict) -> str:
     xs = r.get("round_speedups") or []
     return f"{min(xs):.2f}–{max(xs):.2f}x" if xs else "–"
+
+
+def _measured_cell(r: dict) -> str:
+    """Measured, in bold only where every timed round was faster than sequential; rounds on both sides of 1.0 do
+    not resolve SSD from sequential decoding, so the cell says tie."""
+    cell, xs = _num(r["measured_speedup"], "{:.3f}x"), r.get("round_speedups") or []
+    if xs and min(xs) <= 1.0 <= max(xs):
+        return f"{cell} (tie)"
+    return f"**{cell}**" if xs and min(xs) > 1.0 else cell
 
 
 def ssd_table(ssd: dict[str, dict]) -> str:
@@ -389,7 +386,7 @@ def ssd_table(ssd: dict[str, dict]) -> str:
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | {sample} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
-                         f"**{_num(r['measured_speedup'], '{:.3f}x')}** | {_rounds(r)} | "
+                         f"{_measured_cell(r)} | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
                          f"{'yes' if r['matches_sequential'] else 'NO'} |")
     return "\n".join(lines)
@@ -481,12 +478,28 @@ def eval_ran(ctx: dict) -> dict[str, dict]:
             for k, _ in MODELS if f"eval-{k}" in st}
 
 
+def _opening(ctx: dict, load: float, cores: int) -> str:
+    """The lines a reader sees first: what the clock counted (not the install) and, when the load during the stages
+    exceeded the cores, that this run's timings were contended."""
+    minutes = ctx.get("budget_minutes")
+    text = (f"**Time**: this invocation took {fmt_s(ctx['wall'])}"
+            + (f" of its {fmt_s(minutes * 60)} budget" if minutes is not None else "")
+            + ", from the start of its Python process; an install before it, as scripts/speedrun.sh runs, is not "
+            "counted.")
+    if cores and load > cores:
+        text += (f" **This run's timings were contended**: the 1-minute load average reached {load:g} on {cores} "
+                 "cores during the stages, so other jobs competed for them; every speed and time figure below (the "
+                 "training pace, Speedup, Prefill, s, Measured, the stage times) was taken under that load and is "
+                 "not this box's speed.")
+    return text + "\n"
+
+
 def _head(ctx: dict) -> list[str]:
     cfg, env, st, _, _, _ = _context(ctx)
     loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
     libs = ", ".join(f"{k} {v}" for k, v in env["libraries"].items())
     return ["# SNLP speedrun report\n",
-           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n",
+           f"Generated {ctx['date']} by\n\n    {ctx['command']}\n", _opening(ctx, max(loads), env["cores"]),
            f"**Hardware**: {env['cpu']}, {env['cores']} cores"
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
            + (f" ({isa})" if (isa := isa_label(env.get("isa"))) else "")
@@ -549,8 +562,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"cached single-token drafter step, the verifier over B + 1 positions) predict each plan at "
            f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
            f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
-           f"alike) and the best measured one drafts where its lead exceeds the measurement's own noise, else the "
-           f"best prediction among those within it (table below). Then SSD (SNLP drafter, "
+           f"alike) and the best measured one drafts where the paired rounds resolve its lead (a sign test), else "
+           f"the best prediction among those they do not separate from it (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
            f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
            f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential "
@@ -585,13 +598,15 @@ def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
 
 
 def tune_rule_note(ssd: dict[str, dict]) -> str:
-    """Why the drafter choice ties by noise and not by the main table's sign test: with the shootout's rounds the
-    test could never call a difference (the rounds each model's tune ran: its record's tune_repeats)."""
+    """The drafter choice's rule: the main table's sign test over the shootout's paired rounds, and when the rounds
+    each model's tune ran (its record's tune_repeats) are too few for any split to resolve a lead, that it ties."""
+    rule = (f"the main table's rule for its `*`: a two-sided sign test at {SIGN_LEVEL:.0%} over the paired rounds, each "
+            "round's ratios over that round's sequential decode")
     ns = {r.get("tune_repeats") for r in ssd.values() if r.get("tune_repeats")}
     if ns and all(sign_test_wins(n) is None for n in ns):
-        return (f"a rule apart from the main table's `*`: {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
-                f"shootout rounds are too few for its sign test to call any difference")
-    return "a rule apart from the main table's `*`"
+        return (f"{rule}; at {per_model({k: r['tune_repeats'] for k, r in ssd.items() if r.get('tune_repeats')})} "
+                "shootout rounds no split resolves a lead, so every measured candidate ties with the best")
+    return rule
 
 
 def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
@@ -608,9 +623,10 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
              "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where its lead exceeds that noise ("
-             f"{tune_rule_note(ssd)}), else, "
-             "among the candidates within it, the best prediction (the rule under the table says which); unmeasured "
+             "own noise; output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
+             f"other candidate ({tune_rule_note(ssd)}), else, "
+             "among the candidates they do not separate from it, the best prediction (the rule under the table says "
+             "which, with each lead's split of rounds); unmeasured "
              "rows are the next best predictions.\n",
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
              "Measured | = sequential |",
@@ -681,8 +697,8 @@ def _stage_times(ctx: dict) -> list[str]:
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
-                  f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; an "
-                  f"install before it, as scripts/speedrun.sh runs, is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
+                  f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; the "
+                  f"install is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
 
 def train_pace_s(ctx: dict) -> float | None:
@@ -693,6 +709,19 @@ def train_pace_s(ctx: dict) -> float | None:
     paced = [t["train_seconds"] / t["steps"] for t in trains if t.get("steps") and t.get("train_seconds")]
     if not paced:
         return None
+    return max(paced) if ctx.get("parallel") else sum(paced)
+
+
+def stepping_pace_s(ctx: dict) -> float | None:
+    """Seconds per training step while stepping: each model's tokens per step over its median tokens/s, without
+    the start-up and validation passes train_seconds holds; the slower model's when the two trained side by side
+    (lockstep), their sum when one after the other. Falls back to train_pace_s where no median was recorded."""
+    st = ctx["stages"]
+    trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
+    paced = [t["tokens"] / t["steps"] / t["median_tok_s"] for t in trains
+             if t.get("steps") and t.get("tokens") and t.get("median_tok_s")]
+    if not paced or len(paced) != len(trains):
+        return train_pace_s(ctx)
     return max(paced) if ctx.get("parallel") else sum(paced)
 
 
@@ -710,11 +739,12 @@ def _budget_line(ctx: dict) -> str:
         train = (f"training was reused (the invocation that made it gave it {fmt_s(b['train_s'])}: its share, not "
                  f"this plan's)")
     else:
-        pace = train_pace_s(ctx)
+        pace = stepping_pace_s(ctx)
         train = (f"gave training {fmt_s(b['train_s'])} (its floor: {floor} steps, priced at "
                  f"{fmt_s(b.get('train_floor_s') or 0)} from the probe's training steps, before any other stage "
-                 f"shrinks" + (f"; the training that ran kept {pace:.2f} s per step, at which {floor} steps take "
-                               f"{fmt_s(floor * pace)}" if pace and floor else "") + ")")
+                 f"shrinks" + (f"; the training that ran stepped at {pace:.2f} s per step, its start-up and "
+                               f"validation aside, at which {floor} steps take {fmt_s(floor * pace)}"
+                               if pace and floor else "") + ")")
     steps = pr.get("train_steps_s") or {}
     step = (", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + " per training step" if steps else
             f"training step {pr.get('train_step_s', 0) * 1e3:.0f} ms")
@@ -745,13 +775,23 @@ def budget_verdict(ctx: dict) -> list[str]:
         out.append(f"Budget kept: this invocation took {fmt_s(wall)} of {fmt_s(budget)}.")
     steps, floor = ctx["cfg"].get("train_steps"), ctx.get("train_floor_steps")
     if floor and steps is not None and steps < floor:
-        pace = train_pace_s(ctx)
+        pace = stepping_pace_s(ctx)
+        why = ""
+        if pace and not b.get("train_reused"):
+            why = (f"; at the {pace:.2f} s per step this training stepped at (start-up aside), the {floor - steps} "
+                   f"missing steps take {fmt_s((floor - steps) * pace)}")
+            priced = (b.get("train_floor_s") or 0) / floor
+            if wall < budget:  # the budget was not what ran out: say what did
+                why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s"
+                        + (" and training stepped slower than that" if pace > priced else "")
+                        + f"; training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "
+                        f"{fmt_s(budget - wall)} of its budget unused" if priced else
+                        f". The run ended with {fmt_s(budget - wall)} of its budget unused")
+            else:
+                why += ", which a longer budget would give it"
         out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest at which a recorded "
                    f"run showed the paper's effect): the comparison of No-Reg and IDN-Reg rests on less training than "
-                   f"any recorded run's"
-                   + (f"; at the {pace:.2f} s per step this training kept, the {floor - steps} missing steps take "
-                      f"{fmt_s((floor - steps) * pace)}, which a longer budget would give it" if pace and not
-                      b.get("train_reused") else "") + ".")
+                   f"any recorded run's" + why + ".")
     return ["\n" + " ".join(out) + "\n"]
 
 

@@ -23,8 +23,9 @@ Two stages:
         for real: SSD by snlp.decode.speculative.speculative_shootout (every shortlisted candidate of a setting in
         ONE round-robin after one sequential baseline, warm-up, medians of `repeats` rounds, output checked), SNLP
         by KV-cached snlp_generate vs sequential_generate round-robin. The pick is the best MEASURED shortlisted
-        candidate where its lead exceeds the measurement's own noise (`pick`: half the range of each candidate's
-        per-round paired ratios); candidates within that noise of it tie, and the tie goes to the highest stage-1
+        candidate where the shootout's paired rounds resolve its lead (`pick`: the main table's two-sided sign test;
+        half the range of the per-round ratios where two were not timed in the same rounds); the candidates it
+        does not resolve tie, and the tie goes to the highest stage-1
         prediction among them (an independent measurement: the acceptance profile and the step timings), then to
         the plan's name, and the result says so (`pick_rule`). Non-finite measurements are excluded with a note.
 Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from snlp.bench.records import markdown_table
+from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
@@ -495,40 +497,73 @@ def _name(c: Candidate) -> str:
     return f"{c.plan}" + (f" B={c.block}" if c.block else "") + (f" ({c.threads} thr, compiled)" if c.compiled else "")
 
 
+def paired_rounds(a: Candidate, b: Candidate) -> list[float] | None:
+    """a's speed over b's in every shootout round that timed both (one round-robin per (threads, compiled) setting
+    and goal, each round's ratios over that round's sequential decode, so a round's load hits both alike); None
+    where the two were not timed in the same rounds."""
+    if (a.goal, a.threads, a.compiled) != (b.goal, b.threads, b.compiled) or not a.round_speedups \
+            or not b.round_speedups or len(a.round_speedups) != len(b.round_speedups):
+        return None
+    return [x / y for x, y in zip(a.round_speedups, b.round_speedups) if y > 0]
+
+
+def _leads(best: Candidate, c: Candidate) -> tuple[bool, str]:
+    """(whether best's lead over c is resolved, how the rounds split). With paired rounds: the two-sided sign test
+    at SIGN_LEVEL, the main table's rule for its Pareto front; without them: best's lead beyond the larger of the
+    two noises (half the range of their per-round ratios; no estimate, one round: unresolved)."""
+    ratios = paired_rounds(best, c)
+    if ratios:
+        wins, losses = sum(r > 1 for r in ratios), sum(r < 1 for r in ratios)
+        return (wins > losses and sign_test_p(wins, losses) < SIGN_LEVEL,
+                f"faster in {wins} of {len(ratios)} paired rounds")
+    a, b = best.noise, c.noise
+    if a is None or b is None:
+        return False, "no noise estimate (one timed round)"
+    lead = best.tokens_per_s / c.tokens_per_s - 1
+    return lead > max(a, b), f"noise ±{max(a, b):.1%}"
+
+
+def _rule(n: int) -> str:
+    """The sign test's threshold at n paired rounds, in words."""
+    if n == 1:
+        return "one timed round: no sign test resolves a lead"
+    k = sign_test_wins(n)
+    test = f"a two-sided sign test at {SIGN_LEVEL:.0%} over the paired rounds"
+    return (f"{test} resolves a lead from {k} of {n} rounds won" if k else
+            f"under {test}, no split of {n} rounds resolves a lead")
+
+
 def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     """(the pick among measured candidates, the rule that made it). The best measured wins where its lead over
-    every other candidate exceeds the noise of the two (the larger of their `noise`: half the range of their
-    per-round ratios); the candidates within that noise of the best tie with it (a candidate without a noise
-    estimate, one round, ties), and among the tied the highest stage-1 prediction (predicted tokens/s: the
-    acceptance profile and step timings, measured apart from the shootout) wins, then the plan's name, then the
-    block. Ineligible candidates (not exact, over the dPPL budget, non-finite measurements) never count."""
+    every other candidate is resolved by the rounds: the two-sided sign test at SIGN_LEVEL over the shootout's
+    paired rounds (the main table's rule for its Pareto front), or, for candidates not timed in the same rounds,
+    a lead beyond the larger noise of the two (half the range of their per-round ratios). The candidates it does
+    not resolve tie with it, and among the tied the highest stage-1 prediction (predicted tokens/s: the acceptance
+    profile and step timings, measured apart from the shootout) wins, then the plan's name, then the block.
+    Ineligible candidates (not exact, over the dPPL budget, non-finite measurements) never count."""
     ok = _eligible(cands)
     if not ok:
         return None, "no eligible measured candidate"
     best = max(ok, key=lambda c: c.tokens_per_s)
-
-    def noise(c):
-        a, b = best.noise, c.noise
-        return None if a is None or b is None else max(a, b)
-
-    tied = [c for c in ok if c is best or noise(c) is None or best.tokens_per_s / c.tokens_per_s - 1 <= noise(c)]
+    verdict = {id(c): _leads(best, c) for c in ok if c is not best}
+    tied = [c for c in ok if c is best or not verdict[id(c)][0]]
+    ns = sorted({len(r) for c in ok if c is not best and (r := paired_rounds(best, c))})
+    rule = "; ".join(_rule(n) for n in ns) or "no paired rounds: a lead must exceed the larger noise of the two"
     if len(tied) == 1:
         rest = sorted((c for c in ok if c is not best), key=lambda c: -c.tokens_per_s)
         if not rest:
             return best, f"the only measured candidate: {_name(best)} {best.measured_speedup:.3f}x"
         nxt = rest[0]
         return best, (f"best measured: {_name(best)} {best.measured_speedup:.3f}x, "
-                      f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), more than the "
-                      f"noise of the two (±{noise(nxt):.1%}: half the range of their per-round ratios)")
+                      f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), "
+                      f"{verdict[id(nxt)][1]}, which the rounds resolve ({rule})")
     chosen = sorted(tied, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
                      for c in sorted(tied, key=lambda c: -c.tokens_per_s))
-    one_round = any(c.noise is None for c in tied)
-    leads = ", ".join(f"{_name(c)} by {best.tokens_per_s / c.tokens_per_s - 1:+.1%}" for c in tied if c is not best)
-    return chosen, (f"within noise: {what}; the best measured ({_name(best)}) leads {leads}, no more than the "
-                    "larger noise of the two (half the range of their per-round ratios over their median)"
-                    + (" (one timed round: no noise estimate, every candidate ties)" if one_round else "")
-                    + f"; the tie goes to the highest stage-1 prediction: {_name(chosen)} "
+    leads = ", ".join(f"{_name(c)} by {best.tokens_per_s / c.tokens_per_s - 1:+.1%} ({verdict[id(c)][1]})"
+                      for c in sorted(tied, key=lambda c: -c.tokens_per_s) if c is not best)
+    return chosen, (f"tie: {what}; the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve "
+                    f"({rule}); the tie goes to the highest stage-1 prediction: {_name(chosen)} "
                     f"(predicted {chosen.predicted_speedup:.3f}x)")
 
 
