@@ -17,6 +17,7 @@ from test_vs_paper import PAPER
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the whole CPU smoke campaign: ~3.5 min on a 2-core box (docs/records/test-durations-2026-11-26.md)
 def test_quick_campaign_runs_its_parts_and_prints_the_table_last(tmp_path):
     parts = "attn,profile,vs_paper_eager" if PAPER else "attn"
     cmd = ["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path), "--parts", parts]

@@ -42,6 +42,7 @@ def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
 
 
 @needs_paper
+@pytest.mark.slow  # ~50 s: both codebases' quick suite, every plan (a bare clone skips it: no paper checkout)
 def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approximation(tmp_path):
     """Same weights (the paper model's, mapped by snlp.io.nanochat), same tokens, fp32 on the CPU: every plan agrees
     with the paper's path to round-off on a window-free model (M = 1 with value embeddings, fused chunks without them,
