@@ -55,7 +55,7 @@ def main(out: str) -> int:
             rec = json.loads(md.with_suffix(".json").read_text())
             merged["parts"][f"flex_train_{kind}"] = rec
             note = ""
-            if kind == "flex" and "cuda" not in json.dumps(rec).lower():  # torch has no CPU backward for FlexAttention:
+            if kind == "flex" and rec.get("device_type") != "cuda":  # torch has no CPU backward for FlexAttention:
                 note = " (not taken: on the CPU a training graph falls back to the auto kernel)"  # a label, not a claim
             lines += ["", f"## Compiled training step, window kernel {kind}{note}", "", md.read_text()]
     for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",
