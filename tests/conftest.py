@@ -267,3 +267,13 @@ def spawn_ranks(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+@pytest.fixture
+def kernel():
+    """snlp.model.ops.set_window_kernel, with the process-wide window kernel restored after the test that sets it."""
+    from snlp.model import ops
+
+    prev = ops.set_window_kernel("auto")
+    yield ops.set_window_kernel
+    ops.set_window_kernel(prev)

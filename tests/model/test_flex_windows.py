@@ -40,13 +40,6 @@ def masked_reference(q, k, v, windows, rows):
     return ops.attend(q, k, v, wt)
 
 
-@pytest.fixture
-def kernel():
-    prev = ops.set_window_kernel("auto")
-    yield ops.set_window_kernel
-    ops.set_window_kernel(prev)
-
-
 # ------------------------------------------------------------------------------------------ the block lists
 @settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(1, 700), windows=st.lists(st.integers(-1, 700), min_size=1, max_size=4),

@@ -30,14 +30,6 @@ def naive_window_attention(q, k, v, w):
     return out
 
 
-@pytest.fixture
-def kernel():
-    """Restore the process-wide window kernel after a test that sets it."""
-    prev = ops.set_window_kernel("auto")
-    yield ops.set_window_kernel
-    ops.set_window_kernel(prev)
-
-
 @settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(2, 90), w=st.integers(0, 40), N=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
        rep=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
