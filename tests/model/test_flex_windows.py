@@ -142,16 +142,22 @@ def test_flex_gradients_equal_the_masked_reference(monkeypatch, windows, rows):
 
 
 # ------------------------------------------------------------------------------------------ where it is taken
-def _graphs(fn):
-    """Graphs dynamo captures for one call of fn (run eagerly after capture), fullgraph."""
+def _recording_compile(fn, **kw):
+    """torch.compile(fn, fullgraph=True) after a dynamo reset, with a backend that records every graph dynamo
+    captures (and runs it eagerly): (compiled fn, the list of graphs)."""
     graphs = []
 
     def backend(gm, example):
         graphs.append(gm)
         return gm.forward
     torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True)()
-    return graphs, out
+    return torch.compile(fn, backend=backend, fullgraph=True, **kw), graphs
+
+
+def _graphs(fn):
+    """Graphs dynamo captures for one call of fn (run eagerly after capture), fullgraph."""
+    c, graphs = _recording_compile(fn)
+    return graphs, c()
 
 
 def _has_flex(graphs) -> bool:
@@ -214,13 +220,8 @@ def test_cpu_training_never_takes_flex(kernel):
     kernel("masked")
     want = torch.autograd.grad(loss(), list(model.parameters()))
     kernel("flex")
-    graphs = []
-
-    def backend(gm, example):
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    got = torch.autograd.grad(torch.compile(loss, backend=backend, fullgraph=True)(), list(model.parameters()))
+    c, graphs = _recording_compile(loss)
+    got = torch.autograd.grad(c(), list(model.parameters()))
     assert not _has_flex(graphs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -272,13 +273,7 @@ def test_new_prompt_lengths_do_not_recompile_a_dynamic_flex_graph(kernel, plan):
     model = make_model(seed=2, n_layer=4, window_pattern="SSSL", short_window=5, sequence_len=300)
     run = model if plan is None else bind(model, plan, check_finite=False)
     kernel("flex")
-    graphs = []
-
-    def backend(gm, example):
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    c = torch.compile(lambda i: run(i), backend=backend, fullgraph=True, dynamic=True)
+    c, graphs = _recording_compile(lambda i: run(i), dynamic=True)
     with torch.no_grad():
         for T in range(40, 50):
             idx = tokens(model, B=2, T=T, seed=T)
