@@ -95,6 +95,17 @@ def phases(model, opts, fn, x, y, lam) -> dict:
     return out
 
 
+def optimizer_setup(a, stack: bool):
+    """The audit's model, optimizers (Muon per matrix or stacked) and step function, with one fixed batch."""
+    model, opts, fn = build(a.depth, a.width, a.seq_len, RegConfig(), False)
+    for o in opts:
+        if isinstance(o, Muon):
+            o.stack = stack
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 512, (a.batch, a.seq_len), generator=g) for _ in range(2))
+    return model, opts, fn, x, y
+
+
 def time_optimizer(a) -> None:
     """Host cost of the optimizer step at the full depth with a narrow model (dispatch dominates): the run's
     optimizers with Muon per matrix and stacked, round-robin, thread time per step, median (p10-p90)."""
@@ -103,12 +114,7 @@ def time_optimizer(a) -> None:
 
     runs = {}
     for stack in (False, True):
-        model, opts, fn = build(a.depth, a.width, a.seq_len, RegConfig(), False)
-        for o in opts:
-            if isinstance(o, Muon):
-                o.stack = stack
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.randint(0, 512, (a.batch, a.seq_len), generator=g) for _ in range(2))
+        model, opts, fn, x, y = optimizer_setup(a, stack)
         fn(x, y, 0.0)[0].backward()
         grads = [(p, p.grad.clone()) for p in model.parameters() if p.grad is not None]
         runs["stacked" if stack else "per matrix"] = (opts, grads)
@@ -143,12 +149,7 @@ def main() -> None:
         return time_optimizer(a)
     report = {}
     for stack in (False, True):  # the optimizer alone at the full depth: torch's per-matrix loop vs stacked
-        model, opts, fn = build(a.depth, a.width, a.seq_len, RegConfig(), False)
-        for o in opts:
-            if isinstance(o, Muon):
-                o.stack = stack
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.randint(0, 512, (a.batch, a.seq_len), generator=g) for _ in range(2))
+        model, opts, fn, x, y = optimizer_setup(a, stack)
         for _ in range(2):
             fn(x, y, 0.0)[0].backward()
             with profile(activities=[ProfilerActivity.CPU]) as p:
