@@ -12,8 +12,11 @@ if [[ "${1:-}" == "--all" ]]; then all=1; shift; fi
 source scripts/setup_env.sh
 snlp_setup
 python3 -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
-python3 -m pytest -q "$@"
+# The default tests on every core (pytest-xdist; at most 4 workers, each loads SmolLM2 once); `-n 0` among the
+# arguments runs them in one process. The slow ones stay in one process: they spawn ranks and time wall clocks.
+workers=$(python3 -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+python3 -m pytest -q -n "$workers" "$@"
 if (( all )); then
-    rc=0; python3 -m pytest -q -m slow "$@" || rc=$?
+    rc=0; python3 -m pytest -q -n 0 -m slow "$@" || rc=$?
     (( rc == 0 || rc == 5 )) || exit $rc   # 5: no slow test among the paths given
 fi

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from hypothesis import strategies as st
 
 # Hypothesis depth. The default keeps CI fast; contributors run the exactness laws with >= 1000 examples each
@@ -25,6 +26,11 @@ def examples(n: int) -> int:
     return max(n, 1000) if THOROUGH else n
 
 from snlp import GPT, GPTConfig
+
+# Under pytest-xdist (scripts/test.sh runs `-n N`) the N workers share the cores: each takes its share of intra-op
+# threads, so the tiny models' many small ops do not contend across workers.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture
@@ -211,11 +217,16 @@ def smol_ckpt(request) -> Path:
         key.update((src / name).read_bytes())
     key.update(",".join(GPTConfig.__dataclass_fields__).encode())
     d = _cache_dir(request, "snlp-smollm2") / key.hexdigest()[:16]
-    if not (d / "model.safetensors").is_file():
-        for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
-            if old.is_dir() and old != d:
-                shutil.rmtree(old, ignore_errors=True)
-        assert main(["convert", str(gguf), "--out", str(d)]) == 0
+    # xdist workers share the cache: one converts under the lock, into a fresh folder renamed into place, so no
+    # worker reads a half-written conversion
+    with FileLock(str(d.parent / "convert.lock")):
+        if not (d / "model.safetensors").is_file():
+            for old in d.parent.iterdir():  # one cached conversion at a time (~540 MB each)
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            tmp = d.parent / f"{d.name}.partial"
+            assert main(["convert", str(gguf), "--out", str(tmp)]) == 0
+            tmp.rename(d)
     return d
 
 

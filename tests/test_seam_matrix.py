@@ -778,6 +778,7 @@ def test_compiled_cells_that_cannot_compile_are_refused(kind):
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_compiled_cells_equal_their_references():
     """compile=True (one cell: inductor costs minutes on 2 cores; tests/decode/test_steps.py has the others): a ragged
     speculative batch with shared weights and an adaptive block equals the full-prefix argmax loop, in fp64."""
@@ -789,9 +790,10 @@ def test_compiled_cells_equal_their_references():
     assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in prompts]
 
 
-# compiled cells of the main entry points on a depth-6 model (inductor compiles a few graphs per cell: ~15-40 s of
-# CPU each, so one cell runs by default and the others are marked slow): static mHC or nanochat-snlp's parts, with
-# widths mixed per layer (full, wider than T, 0, 1, 2, 3: the F2 stacks hold two finite widths each)
+# compiled cells of the main entry points on a depth-6 model (inductor compiles a few graphs per cell: ~15-55 s of
+# CPU each, so every cell is marked slow; tests/decode/test_steps.py and tests/model/test_flex_windows.py keep small
+# compiled checks in the default run): static mHC or nanochat-snlp's parts, with widths mixed per layer (full,
+# wider than T, 0, 1, 2, 3: the F2 stacks hold two finite widths each)
 COMPILED_WINDOWS = [-1, 100, 0, 1, 2, 3]
 COMPILED = {
     "plan-static": ("plan", dict(dynamic=False), "4xF1-h0-K2-hcn"),
@@ -804,8 +806,8 @@ COMPILED = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(k, marks=() if k == "plan-static" else pytest.mark.slow)
-                                  for k in COMPILED])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_entry_points_equal_their_references(name):
     """compile=True / torch.compile at the main entry points equals the eager cell's reference (fp64 weights):
     the plan forward (torch.compile of a runner over a (B, T) batch: each row alone through a fresh eager bind),
@@ -882,6 +884,7 @@ def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafte
             assert r.matches_sequential, r
 
 
+@pytest.mark.slow
 def test_compiled_nanochat_cell_equals_its_reference():
     """compile=True with nanochat-snlp's parts: the static-shape steps write the ids at their (B, T) positions and
     read each predecessor back for the smear, and the backout reads the suffix iterate; a ragged speculative batch
@@ -936,6 +939,7 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "exact", "exactF2"]), seed=st.integers(0, 50),
        nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
+@pytest.mark.slow
 def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
     """set_window_kernel("flex") (FlexAttention with a block-sparse window mask, taken inside compiled graphs only;
     fused stacks as one call with per-branch windows) against "masked": the compiled sequential forward and compiled

@@ -142,6 +142,7 @@ def test_bench_decode(tmp_path, capsys):
     assert main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--blocks", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_generate_compile_flag(ckpt, tmp_path, capsys):
     """`snlp generate --compile`: compiled static-shape steps (snlp.steps) give the eager greedy tokens; the
     compile time is reported apart (JSON compile_s, the stats line) and Jacobi mode refuses the flag."""

@@ -70,6 +70,7 @@ def test_benchmark_records_the_structural_ideal_consistently():
     assert [r.critical_path_layers for r in records] == [4, 1, 2, 4]  # L; S + K; S + K + fwd; S + 2K
 
 
+@pytest.mark.slow
 def test_compiled_forwards_equal_eager_and_the_benchmark_reports_compile_time_apart():
     torch._dynamo.reset()
     model = _tiny(depth=4)

@@ -80,6 +80,7 @@ def test_suite_config_rejects_bad_input_with_a_message():
         SuiteConfig(quick=True, runs=0).resolved()
 
 
+@pytest.mark.slow
 def test_quick_suite_cli_end_to_end(tmp_path):
     out = tmp_path / "suite"
     res = subprocess.run([sys.executable, "-m", "snlp", "bench", "--suite", "paper", "--quick", "--out", str(out)],

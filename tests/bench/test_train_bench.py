@@ -16,6 +16,7 @@ from snlp.bench.train import TrainBenchConfig, TrainBenchResult, TrainBenchRow, 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow
 def test_quick_train_bench_runs_every_variant(tmp_path, capsys):
     assert main(["bench", "--suite", "train", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out

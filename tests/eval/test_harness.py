@@ -157,6 +157,7 @@ def test_chat_template_as_hf_model(hf, base):
     assert ours.tok_encode("Question: why?") == hf.tok_encode("Question: why?")
 
 
+@pytest.mark.slow
 def test_cli_harness_one_run_per_method(smol_cut_hf, base, tasks, tmp_path, capsys):
     """`snlp eval --harness`: one harness JSON per method (sequential, a plan, a drafter whose plan is that same plan:
     three files), each recording in its config the model_args that produced it, in the harness's own `key=value`

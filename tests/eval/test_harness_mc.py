@@ -130,6 +130,7 @@ def test_the_task_is_the_harness_arc_easy(arc):
         assert requests(ours, k) == requests(own, k)
 
 
+@pytest.mark.slow
 def test_records_equal_the_hand_copy_for_every_method(base, arc):
     """evaluate_mc through the harness and through the hand copy: the same records (acc and acc_norm counts) for the
     sequential forward and a K = 1 plan, 2-shot from the train split; the caption names the implementation."""

@@ -214,6 +214,7 @@ LOGLIK_QS = [Question("What is the capital of France?", ("Paris", "New York City
              Question("Which gas do plants take in?", ("carbon dioxide", "oxygen"), 0)]
 
 
+@pytest.mark.slow
 def test_loglik_scores_the_choice_text_only_with_smollm2s_template(smol_pair):
     """SmolLM2's ChatML template ends a reply in <|im_end|> + '\\n' (both in the assistant mask). Reference:
     transformers' own template rendering of the generation prompt, then the tokens of the choice alone, and

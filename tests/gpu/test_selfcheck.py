@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from snlp.apps.cli import main
 from snlp.bench.selfcheck import Check, SelfcheckResult, table
 
 
+@pytest.mark.slow
 def test_selfcheck_cli_on_cpu(tmp_path, capsys):
     assert main(["selfcheck", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

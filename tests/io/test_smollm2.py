@@ -62,6 +62,7 @@ def test_speculative_equals_transformers_generate(smol, hf_smol):
         assert speculative_generate(model, p, "8xF1-h0-K2", block=4, max_new_tokens=n).tokens == ref
 
 
+@pytest.mark.slow
 def test_export_reload_same_logits(smol_ckpt, hf_smol, tmp_path):
     hf, hf_tok = hf_smol
     out = tmp_path / "exp"

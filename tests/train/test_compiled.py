@@ -80,6 +80,7 @@ def run_compiled_against_eager(step: TrainStep, lams: list[float]) -> CompileCou
     return backend
 
 
+@pytest.mark.slow
 def test_compiled_pretraining_step_with_regulariser_equals_eager_and_compiles_once():
     """The sequential forward, CE and the IDN regulariser's K=1 solve (N = 2 of 3 layers: 2 chunks, K=1 is not
     exact, so the term is non-zero) in one graph; lambda ramping (--reg-warmup) is an input, not a recompile."""
@@ -90,6 +91,7 @@ def test_compiled_pretraining_step_with_regulariser_equals_eager_and_compiles_on
     run_compiled_against_eager(step, lams)
 
 
+@pytest.mark.slow
 def test_compiled_snlp_forward_sft_step_equals_eager_and_compiles_once():
     """SNLP-forward SFT: CE on the logits of a fused plan's solve (chunk weights rebuilt from the parameters inside
     the graph, gradients through the K iterations)."""
@@ -152,6 +154,7 @@ TINY = ["--depth", "3", "--width", "64", "--head-dim", "32", "--vocab-size", "30
         "--reg-warmup", "3"]
 
 
+@pytest.mark.slow
 def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
     """`snlp train --compile` and the eager run log the same losses step for step (fp32, same data and init); every
     log row has `mfu` (null on a CPU: no known peak), train_summary.json the steady speed and model FLOPs; --time-reg
@@ -261,6 +264,7 @@ def test_sft_padding_changes_neither_the_regulariser_nor_the_tokens_counted():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sft_compile_logs_real_tokens_not_padding(tmp_path):
     """`snlp sft --compile --reg idn` pads every batch to one length; the tokens it logs are the rows' real tokens,
     the same count as the eager run (which pads to the longest row), and its regulariser the eager one's."""
