@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import inspect
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ REGIONS = {"sinkhorn": "mhc H (sinkhorn)", "hc_maps": "mhc H (sinkhorn)", "hc_su
            "scalar_correct": "correction (IDN scan)", "affine_scan": "correction (HCN scan)",
            "delta": "correction", "step": "correction", "initial_states": "solver init", "solve": "solver glue",
            "head": "head", "embed": "embed", "rotary": "embed"}
+GEMMS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
 
 
 def _is_view(func) -> bool:
@@ -98,11 +100,17 @@ class Count(TorchDispatchMode):
         self.kernels = self.tiny = 0
         self.out = self.copy = self.f32 = 0
         self.quiet = 0  # > 0 inside SDPA's math fallback on meta
+        self.made = set()  # storages written during the forward: a GEMM operand outside it is a weight (or buffer)
+        self.gemms = []  # one _Heavy per GEMM kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if not _is_view(func):  # a view of a weight (w.t() in F.linear) shares the weight's storage
+            self.made.update(t.untyped_storage()._cdata for t in _tensors(out))
         if self.quiet or _is_view(func) or func in NO_KERNEL:
             return out
+        if func in GEMMS:
+            self.gemms.append(self._gemm(func, args, out))
         name = func._schema.name.split("::")[-1]
         if not _tensors(out):  # promote_types, sym_size, ...: no kernel
             return out
@@ -125,6 +133,88 @@ class Count(TorchDispatchMode):
         return out
 
 
+    def _gemm(self, func, args, out) -> "_Heavy":
+        """2 m n k FLOPs (per batch entry) and the bytes a GEMM kernel must move at least: each operand read once,
+        the result written once; `weight` = the bytes of operands that existed before the forward (parameters and
+        the bound runner's stacked chunk weights)."""
+        a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else (args[0], args[1])
+        k = a.shape[-1]
+        flops = 2 * out.numel() * k
+        ins = [t for t in _tensors(args) if t.dim() > 0]
+        moved = sum(t.numel() * t.element_size() for t in ins) + out.numel() * out.element_size()
+        weight = sum(t.numel() * t.element_size() for t in ins if t.untyped_storage()._cdata not in self.made)
+        return _Heavy("gemm", _part(), flops, moved, weight, out.numel() * out.element_size())
+
+
+@dataclass
+class _Heavy:
+    """One GEMM or attention kernel: FLOPs as the CUDA kernel computes them (`flops`; attention: a dict by kernel
+    model, see _attention_pairs), the HBM bytes it moves at least (`bytes`), of which weights (`weight`)."""
+
+    kind: str  # gemm / attention
+    part: str  # layers (sequential layers and a plan's prefix) / stack (fused chunks) / head
+    flops: int | dict
+    bytes: int
+    weight: int = 0
+    out: int = 0  # bytes written (the result)
+
+
+def _part() -> str:
+    """Which part of a forward issued the current op: the fused chunk stack of a plan, the LM head, or the sequential
+    layers (a plan's prefix included)."""
+    f = inspect.currentframe()
+    while f is not None:
+        if "snlp" in f.f_code.co_filename:
+            if f.f_code.co_name in ("chunk_forward", "_hc_chunk_forward"):
+                return "stack"
+            if f.f_code.co_name == "head":
+                return "head"
+        f = f.f_back
+    return "layers"
+
+
+def _windows_of_call(n: int) -> list[int] | None:
+    """The window of each of the n flattened sequences of the SDPA call being made (-1: full causal), read from the
+    snlp frame that issued it: a fused stack's `_branch_attention` (the weights' host tuple of branch windows, each
+    branch over n / (C*M) rows) or `attend` (an int window). None when neither says (then every score counts)."""
+    f = inspect.currentframe()
+    while f is not None:
+        if "snlp" in f.f_code.co_filename:
+            if f.f_code.co_name == "_branch_attention":
+                wv = getattr(f.f_locals.get("w"), "window_values", None)
+                if wv is None:
+                    return [-1] * n
+                return [w for w in wv for _ in range(n // len(wv))]
+            if f.f_code.co_name == "attend" and isinstance(f.f_locals.get("windows"), int):
+                return [f.f_locals["windows"]] * n
+        f = f.f_back
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_pairs(T: int, window: int, block: int = 128) -> dict:
+    """(query, key) pairs one head of one causal sliding-window sequence (queries and keys at 0..T-1, key j visible
+    to query p iff j <= p and (window < 0 or p - j <= window)) costs under each kernel model:
+      all     every T x T score (SDPA with an explicit mask: cuDNN / memory-efficient kernels visit every block);
+      causal  the key blocks a causal flash kernel visits (block x block tiles on or below the diagonal), windows
+              ignored: SDPA is_causal=True, and the paper's parallel suffix, which drops the windows;
+      flex    the tiles FlexAttention visits under snlp's sliding-window block mask (flex_block_mask's rule:
+              hi >= 0 and lo <= w, tiles of `block`);
+      exact   the visible pairs only (the work the function needs)."""
+    n = -(-T // block)
+    size = [min(block, T - i * block) for i in range(n)]
+    wb = T if window < 0 else window
+    causal = flex = 0
+    for i in range(n):
+        for j in range(i + 1):
+            d = (i - j) * block
+            causal += size[i] * size[j]
+            if d + block - 1 >= 0 and d - (block - 1) <= wb:
+                flex += size[i] * size[j]
+    exact = sum(min(p, wb) + 1 for p in range(T))
+    return dict(all=T * T, causal=causal, flex=flex, exact=exact)
+
+
 class Attn(TorchFunctionMode):
     """Every scaled_dot_product_attention call: causal / masked, and the mask bytes."""
 
@@ -134,6 +224,7 @@ class Attn(TorchFunctionMode):
         self.causal = self.masked = self.plain = 0
         self.mask_bytes = 0
         self.masks = collections.Counter()
+        self.calls = []  # one _Heavy per SDPA kernel
 
     def one_kernel(self, name, func, args, kwargs):
         self.c.quiet += 1
@@ -178,6 +269,7 @@ class Attn(TorchFunctionMode):
             self.causal += 1
         else:
             self.plain += 1
+        self.calls.append(self._heavy(args, kwargs, mask))
         self.c.ops["sdpa"] += 1
         self.c.kernels += 1
         self.c.by_region["sdpa kernel"] += 1
@@ -188,6 +280,47 @@ class Attn(TorchFunctionMode):
             self.c.quiet -= 1
 
 
+    @staticmethod
+    def _heavy(args, kwargs, mask) -> _Heavy:
+        """FLOPs of this call under each scenario of SCENARIOS (4 hd FLOPs per (query, key) pair: q.k and p.v), and
+        the bytes it moves at least: q, k, v read, the output written, an explicit mask read."""
+        q, k, v = args[:3]
+        hd, T, S = q.shape[-1], q.shape[-2], k.shape[-2]
+        n, H = int(torch.Size(q.shape[:-3]).numel()), q.shape[-3]
+        el = q.element_size()
+        moved = (q.numel() + k.numel() + v.numel() + q.numel()) * el + (0 if mask is None else mask.numel() * el)
+        causal = kwargs.get("is_causal", False) and mask is None
+        wins = _windows_of_call(n) if T == S else None
+        part = _part()
+        flops = {}
+        for sc, route in SCENARIOS.items():
+            total = 0
+            for w in (wins if wins is not None else [None] * n):
+                pairs = _attention_pairs(T, -1 if w is None else w)
+                if w is None or T != S:
+                    key = "causal" if causal else "all"
+                    pairs = dict(all=T * S, causal=pairs["causal"] if T == S else T * S)
+                else:
+                    key = route(part, causal, wins)
+                total += pairs[key]
+            flops[sc] = 4 * H * hd * total
+        return _Heavy("attention", part, flops, moved, 0, q.numel() * el)
+
+
+# How each attention call is computed on CUDA, per scenario: (part, is_causal, the call's windows) -> a key of
+# _attention_pairs. measured = what the H200 runs timed (T = 2048: one layer is_causal or masked, a fused stack one
+# masked SDPA over every branch); flex = snlp's compiled CUDA default now (a stack that mixes windows through
+# FlexAttention, single layers unchanged); paper = the paper's code (its parallel suffix full causal, windows
+# dropped; its sequential layers masked); exact = the visible pairs only.
+SCENARIOS = {
+    "measured": lambda part, causal, wins: "causal" if causal else "all",
+    "flex": lambda part, causal, wins: "causal" if causal else
+    ("flex" if part == "stack" and len(set(wins)) > 1 else "all"),
+    "paper": lambda part, causal, wins: "causal" if causal or part == "stack" else "all",
+    "exact": lambda part, causal, wins: "exact",
+}
+
+
 def measure(fn, regions: bool = False) -> dict:
     c = Count(regions)
     a = Attn(c)
@@ -195,6 +328,18 @@ def measure(fn, regions: bool = False) -> dict:
     with torch.no_grad(), flops, a, c:  # no_grad, not inference_mode: composite ops (linear, rms_norm, matmul) then
         #                                 reach the counter decomposed into the aten kernels they run
         fn()
+    heavy = c.gemms + a.calls
+    parts = {}
+    for h in heavy:
+        d = parts.setdefault(h.part, dict(gemm_gflop=0.0, weight_mb=0.0, heavy_mb=0.0,
+                                          **{f"attn_gflop_{sc}": 0.0 for sc in SCENARIOS}))
+        if h.kind == "gemm":
+            d["gemm_gflop"] += h.flops / 1e9
+        else:
+            for sc in SCENARIOS:
+                d[f"attn_gflop_{sc}"] += h.flops[sc] / 1e9
+        d["weight_mb"] += h.weight / 2**20
+        d["heavy_mb"] += h.bytes / 2**20
     return dict(kernels=c.kernels, tiny=c.tiny, out_mb=c.out / 2**20, mask_built_mb=c.mb_region["attention mask"],
                 copy_mb=c.copy / 2**20, f32_mb=c.f32 / 2**20,
                 sdpa_causal=a.causal, sdpa_masked=a.masked, sdpa_plain=a.plain, mask_mb=a.mask_bytes / 2**20,
@@ -202,7 +347,9 @@ def measure(fn, regions: bool = False) -> dict:
                 gflop=flops.get_total_flops() / 1e9, ops=dict(c.ops.most_common()),
                 regions=dict(c.by_region.most_common()),
                 mb_region={k: round(v) for k, v in c.mb_region.most_common()},
-                mb_op={k: round(v) for k, v in c.mb_op.most_common()})
+                mb_op={k: round(v) for k, v in c.mb_op.most_common()}, parts=parts,
+                heavy=[(h.kind, h.part, h.flops, h.bytes) for h in heavy],
+                heavy_out=[(h.kind, h.part, h.flops, h.out) for h in heavy])
 
 
 class _Autocast(torch.autocast):
@@ -219,6 +366,83 @@ def build(shape, tokens: int, dtype) -> GPT:
     return model.to(dtype=dtype).eval()
 
 
+def floor_ms(heavy, scenario: str, peak: float, bw: float, parts=None) -> float:
+    """Roofline floor of a forward's GEMM and attention kernels: the sum over kernels of max(FLOPs / peak, bytes /
+    bandwidth) (peak in TFLOP/s, bandwidth in TB/s), attention FLOPs as `scenario` computes them; `parts` keeps
+    only kernels of those parts. Everything else a forward runs (norms, RoPE, residuals, the correction) adds to it."""
+    t = 0.0
+    for kind, part, flops, nbytes in heavy:
+        if parts is None or part in parts:
+            f = flops if kind == "gemm" else flops[scenario]
+            t = t + max(f / (peak * 1e12), nbytes / (bw * 1e12))
+    return t * 1e3
+
+
+def flops_of(row: dict, scenario: str, parts=None) -> float:
+    """GFLOP of a forward (GEMMs + attention as `scenario` computes it), optionally of some parts only."""
+    return sum(d["gemm_gflop"] + d[f"attn_gflop_{scenario}"] for p, d in row["parts"].items()
+               if parts is None or p in parts)
+
+
+def bound_report(rows: list[dict], peak: float, bw: float, times: dict, target: float) -> list[str]:
+    """The bound tables (--bound): per forward FLOPs, bytes and roofline floors; with `times` (measured ms per
+    forward name, one shape), the achieved TFLOP/s and the best time each plan could reach."""
+    out = [f"\n# GEMM + attention work per forward, and its roofline floor at {peak:g} TFLOP/s and {bw:g} TB/s",
+           "(attention GFLOP as CUDA computes it: measured = one layer causal or masked (all scores), a stack masked; "
+           "flex = a mixed-window stack through FlexAttention's window blocks; paper = the paper's suffix full causal; "
+           "exact = visible pairs only; MB = 2^20 bytes; weights = GEMM operands that exist before the forward)",
+           "| shape | forward | GEMM GFLOP | attention GFLOP measured / flex / paper / exact | weight MB read | "
+           "GEMM + attention MB moved | eager MB written by other ops | floor ms measured / flex / paper |",
+           "|---" * 8 + "|"]
+    scs = ("measured", "flex", "paper", "exact")
+    for r in rows:
+        P = r["parts"].values()
+        attn = " / ".join(f"{sum(d[f'attn_gflop_{sc}'] for d in P):.1f}" for sc in scs)
+        heavy_mb = sum(d["heavy_mb"] for d in P)
+        written = sum(nb for kind, part, fl, nb in r["heavy_out"]) / 2**20
+        out.append(f"| {r['shape']} | {r['forward']} | {sum(d['gemm_gflop'] for d in P):.1f} | {attn} | "
+                   f"{sum(d['weight_mb'] for d in P):.0f} | {heavy_mb:.0f} | {r['out_mb'] - written:.0f} | " +
+                   " / ".join(f"{floor_ms(r['heavy'], sc, peak, bw):.3f}" for sc in scs[:3]) + " |")
+    if not times:
+        return out
+    seq = next((r for r in rows if r["forward"] == "sequential"), None)
+    if seq is None or "sequential" not in times:
+        raise SystemExit("--times needs a time for the sequential forward (sequential=MS)")
+    t_seq = times["sequential"]
+    head = floor_ms(seq["heavy"], "measured", peak, bw, ("head",))
+    f_seq = flops_of(seq, "measured")
+    ach = f_seq / t_seq  # GFLOP per ms = TFLOP/s
+    out += [f"\n# against the measured sequential forward: {t_seq:g} ms, {f_seq:.1f} GFLOP as computed = "
+            f"{ach:.0f} TFLOP/s, {100 * ach / peak:.1f} % of {peak:g}",
+            f"(a) the plan at the sequential's achieved TFLOP/s; (b) the whole plan at its roofline floor; (c) its "
+            f"sequential part (prefix layers at the measured sequential's cost per layer FLOP, the head at its floor "
+            f"{head:.3f} ms) plus its stack at the stack's floor; budget = the stack time a {target:g}x speedup leaves, "
+            f"and the TFLOP/s the stack then needs (% of peak). Speedups are over the measured sequential.",
+            "| forward | scenario | measured ms | achieved TFLOP/s | GFLOP | (a) ms / x | (b) ms / x | (c) ms / x | "
+            f"stack GFLOP | stack budget ms for {target:g}x | stack TFLOP/s needed |", "|---" * 11 + "|"]
+    f_layers = flops_of(seq, "measured", ("layers",))
+    for r in rows:
+        if r["forward"] == "sequential":
+            continue
+        t = times.get(r["forward"])
+        for sc in ("measured", "flex"):
+            f = flops_of(r, sc)
+            ta = f / ach
+            tb = floor_ms(r["heavy"], sc, peak, bw)
+            prefix = (t_seq - head) * flops_of(r, "measured", ("layers",)) / f_layers
+            stack_floor = floor_ms(r["heavy"], sc, peak, bw, ("stack",))
+            tc = head + prefix + stack_floor
+            budget = t_seq / target - head - prefix
+            f_stack = flops_of(r, sc, ("stack",))
+            need = f"{f_stack / budget:.0f} ({100 * f_stack / budget / peak:.0f} %)" if budget > 0 else "impossible"
+            meas = f"{t:g}" if t is not None and sc == "measured" else "-"
+            achieved = f"{f / t:.0f}" if t is not None and sc == "measured" else "-"
+            out.append(f"| {r['forward']} | {sc} | {meas} | {achieved} | {f:.1f} | {ta:.2f} / {t_seq / ta:.2f}x | "
+                       f"{tb:.2f} / {t_seq / tb:.2f}x | {tc:.2f} / {t_seq / tc:.2f}x | {f_stack:.1f} | "
+                       f"{budget:.2f} | {need} |")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="0.5B-nox0ve,0.5B,0.5B-mhc,3B")
@@ -227,6 +451,15 @@ def main(argv=None) -> int:
     p.add_argument("--regions", action="store_true", help="split kernels by the snlp function that issued them")
     p.add_argument("--extra-iter", action="store_true", help="also count each plan at K + 1 (the cost of an iteration)")
     p.add_argument("--json", help="write every count here")
+    p.add_argument("--batch", type=int, default=1, help="sequences per forward")
+    p.add_argument("--plans", help="comma-separated plans instead of each shape's suite plans")
+    p.add_argument("--bound", action="store_true", help="also print GEMM / attention FLOPs per CUDA kernel model, "
+                   "weight and GEMM bytes, and roofline floors")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for --bound (H200 SXM: 989)")
+    p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for --bound, TB/s (H200: 4.8)")
+    p.add_argument("--times", help="with --bound and one shape: measured ms per forward, e.g. "
+                   "sequential=5.24,12xF2-h0-K1=3.96: achieved TFLOP/s and each plan's best time")
+    p.add_argument("--target", type=float, default=2.0, help="speedup whose stack budget --times prints")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     torch.autocast = _Autocast  # the models run on meta (see _Autocast)
@@ -234,17 +467,30 @@ def main(argv=None) -> int:
     cols = ("kernels", "tiny", "out_mb", "mask_built_mb", "copy_mb", "sdpa_causal", "sdpa_masked", "mask_mb", "gflop")
     head = ("| shape | forward | kernels | tiny | MB out | mask MB built | copy MB | sdpa causal | sdpa masked | "
             "mask MB read | GFLOP |")
-    print(f"# one eager prefill forward, batch 1, T = {a.tokens}, {a.dtype}, meta device (counts, not times)")
+    times = {}
+    for item in (a.times or "").split(","):
+        if item.strip():
+            name, _, ms = item.partition("=")
+            try:
+                times[name.strip()] = float(ms)
+            except ValueError:
+                p.error(f"--times: {item!r} is not NAME=MS")
+    if times and (not a.bound or len(a.shapes.split(",")) != 1):
+        p.error("--times needs --bound and exactly one shape")
+    if a.batch < 1:
+        p.error(f"--batch must be >= 1, got {a.batch}")
+    print(f"# one eager prefill forward, batch {a.batch}, T = {a.tokens}, {a.dtype}, meta device (counts, not times)")
     print(head)
     print("|---" * 11 + "|")
     for key in a.shapes.split(","):
         shape = next(s for s in PAPER_SHAPES if s.key == key)
         model = build(shape, a.tokens, dtype)
-        idx = torch.zeros(1, a.tokens, dtype=torch.long, device="meta")
+        idx = torch.zeros(a.batch, a.tokens, dtype=torch.long, device="meta")
         fwds = {"sequential": lambda: model(idx)}
-        plans = list(shape.plans)
+        suite = [x.strip() for x in a.plans.split(",")] if a.plans else list(shape.plans)
+        plans = list(suite)
         if a.extra_iter:
-            plans += [str(replace(Plan.parse(s), iters=Plan.parse(s).iters + 1)) for s in shape.plans]
+            plans += [str(replace(Plan.parse(s), iters=Plan.parse(s).iters + 1)) for s in suite]
         for s in plans:
             runner = bind(model, s, check_finite=False)
             fwds[s] = (lambda r: lambda: r(idx))(runner)
@@ -264,10 +510,12 @@ def main(argv=None) -> int:
             plan = Plan.parse(r["forward"])
             nxt = by.get((r["shape"], str(replace(plan, iters=plan.iters + 1))))
             if nxt is None or plan.iters + 1 != Plan.parse(nxt["forward"]).iters or r["forward"] not in \
-                    next(s for s in PAPER_SHAPES if s.key == r["shape"]).plans:
+                    (a.plans.split(",") if a.plans else next(s for s in PAPER_SHAPES if s.key == r["shape"]).plans):
                 continue
             print(f"| {r['shape']} | {r['forward']} -> K+1 | " + " | ".join(
                 f"{nxt[c] - r[c]:.0f}" for c in cols) + " |")
+    if a.bound:
+        print("\n".join(bound_report(rows, a.peak_tflops, a.hbm_tbs, times, a.target)))
     if a.regions:
         for r in rows:
             print(f"\n{r['shape']} {r['forward']}: kernels by region: " +
