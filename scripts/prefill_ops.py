@@ -37,6 +37,8 @@ import collections
 import functools
 import inspect
 import json
+import os
+import re
 import sys
 from dataclasses import dataclass, replace
 
@@ -69,6 +71,13 @@ REGIONS = {"sinkhorn": "mhc H (sinkhorn)", "hc_maps": "mhc H (sinkhorn)", "hc_su
            "delta": "correction", "step": "correction", "initial_states": "solver init", "solve": "solver glue",
            "head": "head", "embed": "embed", "rotary": "embed"}
 GEMMS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
+# composite matmuls that reach the counter whole under inference_mode (the paper's code runs in it): one GEMM each
+COMPOSITE_GEMMS = (aten.linear.default, aten.matmul.default, aten.einsum.default)
+SNLP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "snlp" + os.sep
+# the functions whose kernels are a plan's fused stack or the LM head: snlp's, and the paper code's (peer counts)
+STACK_FUNCS = {"chunk_forward", "_hc_chunk_forward", "_batched_forward", "_batched_chunks_forward",
+               "_fused_forward_chunk", "_fused_split_forward"}
+HEAD_FUNCS = {"head", "_logits"}
 
 
 def _is_view(func) -> bool:
@@ -102,14 +111,34 @@ class Count(TorchDispatchMode):
         self.quiet = 0  # > 0 inside SDPA's math fallback on meta
         self.made = set()  # storages written during the forward: a GEMM operand outside it is a weight (or buffer)
         self.gemms = []  # one _Heavy per GEMM kernel
+        self.wd = set()  # storages computed from weights alone (the paper's per-call casts and stacks of them)
+        self.wprep = 0  # bytes those ops write
+
+    def _is_weight(self, t: torch.Tensor) -> bool:
+        """A floating tensor that existed before the forward (not the token ids), or one made from such alone."""
+        sid = t.untyped_storage()._cdata
+        return sid in self.wd or (sid not in self.made and t.is_floating_point())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not _is_view(func):  # a view of a weight (w.t() in F.linear) shares the weight's storage
-            self.made.update(t.untyped_storage()._cdata for t in _tensors(out))
-        if self.quiet or _is_view(func) or func in NO_KERNEL:
+        view = _is_view(func)
+        if view:  # ops that MAY alias (to, reshape, contiguous: they reach the counter whole under inference_mode)
+            #       are kernels when they copy
+            srcs = {t.untyped_storage()._cdata for t in _tensors(args)}
+            view = all(t.untyped_storage()._cdata in srcs for t in _tensors(out))
+        if not view:  # a view of a weight (w.t() in F.linear) shares the weight's storage
+            outs = {t.untyped_storage()._cdata for t in _tensors(out)}
+            ins = [t for t in _tensors(args) if t.dim() > 0]
+            if ins and all(self._is_weight(t) for t in ins):  # made from weights alone: a cast or a stack of them
+                self.wd.update(outs)
+                if not self.quiet and not func._schema.name.endswith("_"):
+                    self.wprep += sum(t.numel() * t.element_size() for t in _tensors(out))
+            else:  # a freed storage's address can be reused by a new tensor
+                self.wd.difference_update(outs)
+            self.made.update(outs)
+        if self.quiet or view or func in NO_KERNEL:
             return out
-        if func in GEMMS:
+        if func in GEMMS or func in COMPOSITE_GEMMS:
             self.gemms.append(self._gemm(func, args, out))
         name = func._schema.name.split("::")[-1]
         if not _tensors(out):  # promote_types, sym_size, ...: no kernel
@@ -123,7 +152,7 @@ class Count(TorchDispatchMode):
         self.out += nbytes
         if name in COPIES:
             self.copy += nbytes
-        if name == "_to_copy" and any(t.dtype in (torch.bfloat16, torch.float16) for t in _tensors(args[:1])) \
+        if name in ("_to_copy", "to") and any(t.dtype in (torch.bfloat16, torch.float16) for t in _tensors(args[:1])) \
                 and any(t.dtype == torch.float32 for t in _tensors(out)):
             self.f32 += nbytes
         r = _region()
@@ -137,12 +166,21 @@ class Count(TorchDispatchMode):
         """2 m n k FLOPs (per batch entry) and the bytes a GEMM kernel must move at least: each operand read once,
         the result written once; `weight` = the bytes of operands that existed before the forward (parameters and
         the bound runner's stacked chunk weights)."""
-        a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else (args[0], args[1])
-        k = a.shape[-1]
+        if func is aten.einsum.default:  # 2 x output size x the sizes of the summed-out indices
+            eq, ops = args[0].replace(" ", ""), args[1]
+            lhs, rhs = eq.split("->")
+            sizes = {c: n for term, t in zip(lhs.split(","), ops) for c, n in zip(term, t.shape)}
+            k = 1
+            for c in set(lhs.replace(",", "")) - set(rhs):
+                k *= sizes[c]
+            ins = [t for t in ops if t.dim() > 0]
+        else:
+            a = args[1] if func in (aten.addmm.default, aten.baddbmm.default) else args[0]
+            k = a.shape[-1]
+            ins = [t for t in _tensors(args) if t.dim() > 0]
         flops = 2 * out.numel() * k
-        ins = [t for t in _tensors(args) if t.dim() > 0]
         moved = sum(t.numel() * t.element_size() for t in ins) + out.numel() * out.element_size()
-        weight = sum(t.numel() * t.element_size() for t in ins if t.untyped_storage()._cdata not in self.made)
+        weight = sum(t.numel() * t.element_size() for t in ins if self._is_weight(t))
         return _Heavy("gemm", _part(), flops, moved, weight, out.numel() * out.element_size())
 
 
@@ -164,11 +202,10 @@ def _part() -> str:
     layers (a plan's prefix included)."""
     f = inspect.currentframe()
     while f is not None:
-        if "snlp" in f.f_code.co_filename:
-            if f.f_code.co_name in ("chunk_forward", "_hc_chunk_forward"):
-                return "stack"
-            if f.f_code.co_name == "head":
-                return "head"
+        if f.f_code.co_name in STACK_FUNCS:
+            return "stack"
+        if f.f_code.co_name in HEAD_FUNCS:
+            return "head"
         f = f.f_back
     return "layers"
 
@@ -179,7 +216,7 @@ def _windows_of_call(n: int) -> list[int] | None:
     branch over n / (C*M) rows) or `attend` (an int window). None when neither says (then every score counts)."""
     f = inspect.currentframe()
     while f is not None:
-        if "snlp" in f.f_code.co_filename:
+        if f.f_code.co_filename.startswith(SNLP_DIR):  # this repository's package (the paper's has an snlp too)
             if f.f_code.co_name == "_branch_attention":
                 wv = getattr(f.f_locals.get("w"), "window_values", None)
                 if wv is None:
@@ -340,7 +377,7 @@ def measure(fn, regions: bool = False) -> dict:
                 d[f"attn_gflop_{sc}"] += h.flops[sc] / 1e9
         d["weight_mb"] += h.weight / 2**20
         d["heavy_mb"] += h.bytes / 2**20
-    return dict(kernels=c.kernels, tiny=c.tiny, out_mb=c.out / 2**20, mask_built_mb=c.mb_region["attention mask"],
+    return dict(kernels=c.kernels, tiny=c.tiny, out_mb=c.out / 2**20, weight_prep_mb=c.wprep / 2**20, mask_built_mb=c.mb_region["attention mask"],
                 copy_mb=c.copy / 2**20, f32_mb=c.f32 / 2**20,
                 sdpa_causal=a.causal, sdpa_masked=a.masked, sdpa_plain=a.plain, mask_mb=a.mask_bytes / 2**20,
                 masks=dict((f"{s}:{d}", n) for (s, d), n in a.masks.items()),
@@ -364,6 +401,37 @@ def build(shape, tokens: int, dtype) -> GPT:
     with torch.device("meta"):
         model = GPT(cfg)
     return model.to(dtype=dtype).eval()
+
+
+def count_forwards(shape, tokens: int, batch: int, dtype, plans, regions: bool = False) -> list[dict]:
+    """`measure` of the sequential forward and of each plan (bound runners) of one shape, batch x tokens ids."""
+    model = build(shape, tokens, dtype)
+    idx = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    fwds = {"sequential": lambda: model(idx)}
+    for s in plans:
+        fwds[s] = (lambda r: lambda: r(idx))(bind(model, s, check_finite=False))
+    return [dict(shape=shape.key, side="snlp", forward=name, tokens=tokens, batch=batch, **measure(fn, regions))
+            for name, fn in fwds.items()]
+
+
+def count_paper(code, shape, tokens: int, batch: int, plans, regions: bool = False) -> list[dict]:
+    """`measure` of the paper's own code (snlp.bench.paper_peer: its GPT with fp32 master weights, its sequential
+    forward and its callable for each plan, on `meta`) for the same shape; plans it has no path for are left out."""
+    from snlp.bench.paper_peer import build_paper_model, paper_config, paper_plan_fn, paper_sequential_fn
+    model = build_paper_model(code, paper_config(code, shape, 32768, max(2048, tokens), "SSSL"), torch.device("meta"))
+    idx = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    fwds = {"sequential": paper_sequential_fn(code, model)}
+    for s in plans:
+        try:
+            fwds[s] = paper_plan_fn(code, model, Plan.parse(s), shape)
+        except ValueError:
+            continue
+    return [dict(shape=shape.key, side="paper", forward=name, tokens=tokens, batch=batch,
+                 **measure((lambda f: lambda: f(idx))(fn), regions)) for name, fn in fwds.items()]
+
+
+def label(r: dict) -> str:
+    return r["forward"] if r["side"] == "snlp" else f"paper: {r['forward']}"
 
 
 def floor_ms(heavy, scenario: str, peak: float, bw: float, parts=None) -> float:
@@ -390,21 +458,23 @@ def bound_report(rows: list[dict], peak: float, bw: float, times: dict, target: 
     out = [f"\n# GEMM + attention work per forward, and its roofline floor at {peak:g} TFLOP/s and {bw:g} TB/s",
            "(attention GFLOP as CUDA computes it: measured = one layer causal or masked (all scores), a stack masked; "
            "flex = a mixed-window stack through FlexAttention's window blocks; paper = the paper's suffix full causal; "
-           "exact = visible pairs only; MB = 2^20 bytes; weights = GEMM operands that exist before the forward)",
+           "exact = visible pairs only; MB = 2^20 bytes; weights = GEMM operands that exist before the forward or are made from weights alone; prepared = what such casts and stacks write)",
            "| shape | forward | GEMM GFLOP | attention GFLOP measured / flex / paper / exact | weight MB read | "
-           "GEMM + attention MB moved | eager MB written by other ops | floor ms measured / flex / paper |",
-           "|---" * 8 + "|"]
+           "weight MB prepared | GEMM + attention MB moved | eager MB written by other ops | "
+           "floor ms measured / flex / paper |", "|---" * 9 + "|"]
     scs = ("measured", "flex", "paper", "exact")
     for r in rows:
         P = r["parts"].values()
         attn = " / ".join(f"{sum(d[f'attn_gflop_{sc}'] for d in P):.1f}" for sc in scs)
         heavy_mb = sum(d["heavy_mb"] for d in P)
         written = sum(nb for kind, part, fl, nb in r["heavy_out"]) / 2**20
-        out.append(f"| {r['shape']} | {r['forward']} | {sum(d['gemm_gflop'] for d in P):.1f} | {attn} | "
-                   f"{sum(d['weight_mb'] for d in P):.0f} | {heavy_mb:.0f} | {r['out_mb'] - written:.0f} | " +
+        out.append(f"| {r['shape']} | {label(r)} | {sum(d['gemm_gflop'] for d in P):.1f} | {attn} | "
+                   f"{sum(d['weight_mb'] for d in P):.0f} | {r['weight_prep_mb']:.0f} | {heavy_mb:.0f} | "
+                   f"{r['out_mb'] - written:.0f} | " +
                    " / ".join(f"{floor_ms(r['heavy'], sc, peak, bw):.3f}" for sc in scs[:3]) + " |")
     if not times:
         return out
+    rows = [r for r in rows if r["side"] == "snlp"]
     seq = next((r for r in rows if r["forward"] == "sequential"), None)
     if seq is None or "sequential" not in times:
         raise SystemExit("--times needs a time for the sequential forward (sequential=MS)")
@@ -419,7 +489,8 @@ def bound_report(rows: list[dict], peak: float, bw: float, times: dict, target: 
             f"{head:.3f} ms) plus its stack at the stack's floor; budget = the stack time a {target:g}x speedup leaves, "
             f"and the TFLOP/s the stack then needs (% of peak). Speedups are over the measured sequential.",
             "| forward | scenario | measured ms | achieved TFLOP/s | GFLOP | (a) ms / x | (b) ms / x | (c) ms / x | "
-            f"stack GFLOP | stack budget ms for {target:g}x | stack TFLOP/s needed |", "|---" * 11 + "|"]
+            f"stack GFLOP | stack ms measured (derived) / TFLOP/s | stack budget ms for {target:g}x | "
+            "stack TFLOP/s needed |", "|---" * 12 + "|"]
     f_layers = flops_of(seq, "measured", ("layers",))
     for r in rows:
         if r["forward"] == "sequential":
@@ -435,11 +506,56 @@ def bound_report(rows: list[dict], peak: float, bw: float, times: dict, target: 
             budget = t_seq / target - head - prefix
             f_stack = flops_of(r, sc, ("stack",))
             need = f"{f_stack / budget:.0f} ({100 * f_stack / budget / peak:.0f} %)" if budget > 0 else "impossible"
-            meas = f"{t:g}" if t is not None and sc == "measured" else "-"
-            achieved = f"{f / t:.0f}" if t is not None and sc == "measured" else "-"
+            timed = t is not None and sc == "measured"
+            meas = f"{t:g}" if timed else "-"
+            achieved = f"{f / t:.0f}" if timed else "-"
+            derived = f"{t - head - prefix:.2f} / {f_stack / (t - head - prefix):.0f}" if timed else "-"
             out.append(f"| {r['forward']} | {sc} | {meas} | {achieved} | {f:.1f} | {ta:.2f} / {t_seq / ta:.2f}x | "
-                       f"{tb:.2f} / {t_seq / tb:.2f}x | {tc:.2f} / {t_seq / tc:.2f}x | {f_stack:.1f} | "
+                       f"{tb:.2f} / {t_seq / tb:.2f}x | {tc:.2f} / {t_seq / tc:.2f}x | {f_stack:.1f} | {derived} | "
                        f"{budget:.2f} | {need} |")
+    return out
+
+
+def sweep_report(calib: list[dict], points: list[list[dict]], depth: int, times: dict, lat_layer: float,
+                 lat_iter: float, peak: float, bw: float) -> list[str]:
+    """PREDICTED times at other (tokens, batch) from a latency + throughput model calibrated on the measured times
+    at the counted point (`calib`): each sequential layer costs `lat_layer` us plus its FLOPs at a rate R_layers,
+    each solver iteration `lat_iter` us plus its stack FLOPs at a rate R_stack (one per plan), the head its roofline
+    floor; R_layers and R_stack are what the measured times leave after the latencies. Attention FLOPs as timed
+    (scenario "measured"). At the calibration point it returns the measured times by construction."""
+    calib = [r for r in calib if r["side"] == "snlp"]
+    seq = next(r for r in calib if r["forward"] == "sequential")
+    head = floor_ms(seq["heavy"], "measured", peak, bw, ("head",))
+    f_layers = flops_of(seq, "measured", ("layers",))
+    r_layers = f_layers / (times["sequential"] - head - depth * lat_layer / 1e3)
+    rate = {}
+    for r in calib:
+        t = times.get(r["forward"])
+        if r["forward"] == "sequential" or t is None:
+            continue
+        plan = Plan.parse(r["forward"])
+        n_pre = depth - plan.chunks * plan.fuse
+        pre = n_pre * lat_layer / 1e3 + flops_of(r, "measured", ("layers",)) / r_layers
+        rate[r["forward"]] = flops_of(r, "measured", ("stack",)) / (t - head - pre - plan.iters * lat_iter / 1e3)
+    out = [f"\n# PREDICTED (model, not measured): {lat_layer:g} us per sequential layer and {lat_iter:g} us per "
+           f"iteration of latency, the rest at the rates the measured times imply at T = {seq['tokens']}, batch "
+           f"{seq['batch']}: layers {r_layers:.0f} TFLOP/s, stacks " +
+           ", ".join(f"{k} {v:.0f}" for k, v in rate.items()) + " TFLOP/s",
+           "| T | batch | sequential ms | " + " | ".join(f"{k} ms / x" for k in rate) + " |",
+           "|---" * (3 + len(rate)) + "|"]
+    for rows in points:
+        s = next(r for r in rows if r["forward"] == "sequential")
+        hd = floor_ms(s["heavy"], "measured", peak, bw, ("head",))
+        t_seq = hd + depth * lat_layer / 1e3 + flops_of(s, "measured", ("layers",)) / r_layers
+        cells = []
+        for name, rs in rate.items():
+            r = next(x for x in rows if x["forward"] == name)
+            plan = Plan.parse(name)
+            n_pre = depth - plan.chunks * plan.fuse
+            t = hd + n_pre * lat_layer / 1e3 + flops_of(r, "measured", ("layers",)) / r_layers + \
+                plan.iters * lat_iter / 1e3 + flops_of(r, "measured", ("stack",)) / rs
+            cells.append(f"{t:.3f} / {t_seq / t:.2f}x")
+        out.append(f"| {s['tokens']} | {s['batch']} | {t_seq:.3f} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -452,6 +568,8 @@ def main(argv=None) -> int:
     p.add_argument("--extra-iter", action="store_true", help="also count each plan at K + 1 (the cost of an iteration)")
     p.add_argument("--json", help="write every count here")
     p.add_argument("--batch", type=int, default=1, help="sequences per forward")
+    p.add_argument("--paper", metavar="PATH", help="also count the paper's own code (a checkout of nanochat-snlp) "
+                   "for the same shapes and plans, on meta")
     p.add_argument("--plans", help="comma-separated plans instead of each shape's suite plans")
     p.add_argument("--bound", action="store_true", help="also print GEMM / attention FLOPs per CUDA kernel model, "
                    "weight and GEMM bytes, and roofline floors")
@@ -460,6 +578,10 @@ def main(argv=None) -> int:
     p.add_argument("--times", help="with --bound and one shape: measured ms per forward, e.g. "
                    "sequential=5.24,12xF2-h0-K1=3.96: achieved TFLOP/s and each plan's best time")
     p.add_argument("--target", type=float, default=2.0, help="speedup whose stack budget --times prints")
+    p.add_argument("--sweep", help="with --times: PREDICTED times at other points, e.g. 256:1,512:1,2048:8 "
+                   "(tokens:batch), from a model calibrated on the measured times (see sweep_report)")
+    p.add_argument("--latency-us", default="30,35", help="--sweep's latency per sequential layer and per "
+                   "solver iteration, in us (an assumption: compiled kernels per layer x the time per kernel)")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     torch.autocast = _Autocast  # the models run on meta (see _Autocast)
@@ -477,48 +599,66 @@ def main(argv=None) -> int:
                 p.error(f"--times: {item!r} is not NAME=MS")
     if times and (not a.bound or len(a.shapes.split(",")) != 1):
         p.error("--times needs --bound and exactly one shape")
+    if a.sweep and not times:
+        p.error("--sweep needs --times (the measured point it is calibrated on)")
+    for item in (a.sweep or "").split(","):
+        if item.strip() and not re.fullmatch(r"\s*[1-9][0-9]*(:[1-9][0-9]*)?\s*", item):
+            p.error(f"--sweep: {item!r} is not TOKENS[:BATCH]")
+    if not re.fullmatch(r"[0-9.]+(,[0-9.]+)?", a.latency_us):
+        p.error(f"--latency-us must be US or US,US, got {a.latency_us!r}")
     if a.batch < 1:
         p.error(f"--batch must be >= 1, got {a.batch}")
+    paper = None
+    if a.paper:
+        from snlp.bench.paper_peer import load_paper_code
+        try:
+            paper = load_paper_code(a.paper, dtype)
+        except ValueError as e:
+            p.error(str(e))
     print(f"# one eager prefill forward, batch {a.batch}, T = {a.tokens}, {a.dtype}, meta device (counts, not times)")
     print(head)
     print("|---" * 11 + "|")
     for key in a.shapes.split(","):
         shape = next(s for s in PAPER_SHAPES if s.key == key)
-        model = build(shape, a.tokens, dtype)
-        idx = torch.zeros(a.batch, a.tokens, dtype=torch.long, device="meta")
-        fwds = {"sequential": lambda: model(idx)}
         suite = [x.strip() for x in a.plans.split(",")] if a.plans else list(shape.plans)
         plans = list(suite)
         if a.extra_iter:
             plans += [str(replace(Plan.parse(s), iters=Plan.parse(s).iters + 1)) for s in suite]
-        for s in plans:
-            runner = bind(model, s, check_finite=False)
-            fwds[s] = (lambda r: lambda: r(idx))(runner)
-        for name, fn in fwds.items():
-            r = measure(fn, a.regions)
-            rows.append(dict(shape=key, forward=name, **r))
-            print(f"| {key} | {name} | " + " | ".join(
+        counted = count_forwards(shape, a.tokens, a.batch, dtype, plans, a.regions)
+        if paper is not None:
+            counted += count_paper(paper, shape, a.tokens, a.batch, plans, a.regions)
+        for r in counted:
+            rows.append(r)
+            print(f"| {key} | {label(r)} | " + " | ".join(
                 f"{r[c]:.0f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
     if a.extra_iter:  # one more iteration = the plan at K + 1 minus the plan at K
         print(f"\n# one more iteration (the plan at K + 1 minus the plan at K)")
         print(head.replace("forward", "plan"))
         print("|---" * 11 + "|")
-        by = {(r["shape"], r["forward"]): r for r in rows}
+        by = {(r["shape"], r["side"], r["forward"]): r for r in rows}
         for r in rows:
-            if r["forward"] == "sequential" or (r["shape"], r["forward"]) not in by:
+            if r["forward"] == "sequential":
                 continue
             plan = Plan.parse(r["forward"])
-            nxt = by.get((r["shape"], str(replace(plan, iters=plan.iters + 1))))
+            nxt = by.get((r["shape"], r["side"], str(replace(plan, iters=plan.iters + 1))))
             if nxt is None or plan.iters + 1 != Plan.parse(nxt["forward"]).iters or r["forward"] not in \
                     (a.plans.split(",") if a.plans else next(s for s in PAPER_SHAPES if s.key == r["shape"]).plans):
                 continue
-            print(f"| {r['shape']} | {r['forward']} -> K+1 | " + " | ".join(
+            print(f"| {r['shape']} | {label(r)} -> K+1 | " + " | ".join(
                 f"{nxt[c] - r[c]:.0f}" for c in cols) + " |")
     if a.bound:
         print("\n".join(bound_report(rows, a.peak_tflops, a.hbm_tbs, times, a.target)))
+    if a.sweep:
+        shape = next(s for s in PAPER_SHAPES if s.key == a.shapes.split(",")[0])
+        lat = [float(x) for x in a.latency_us.split(",")]
+        pts = []
+        for item in a.sweep.split(","):
+            t, _, b = item.partition(":")
+            pts.append(count_forwards(shape, int(t), int(b or 1), dtype, [x for x in times if x != "sequential"]))
+        print("\n".join(sweep_report(rows, pts, shape.depth, times, lat[0], lat[-1], a.peak_tflops, a.hbm_tbs)))
     if a.regions:
         for r in rows:
-            print(f"\n{r['shape']} {r['forward']}: kernels by region: " +
+            print(f"\n{r['shape']} {label(r)}: kernels by region: " +
                   ", ".join(f"{k} {v}" for k, v in r["regions"].items()))
             print(f"  masks: {r['masks'] or '-'}")
             print("  top ops: " + ", ".join(f"{k} {v}" for k, v in list(r["ops"].items())[:14]))
