@@ -2,6 +2,10 @@
 
     PYTHONPATH=$PWD python3 scripts/prefill_ops.py [--shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B] [--tokens 2048]
                                                    [--dtype bfloat16] [--regions] [--extra-iter] [--json FILE]
+                                                   [--batch B] [--plans P,...] [--paper PATH]
+                                                   [--bound [--peak-tflops 989] [--hbm-tbs 4.8]
+                                                    [--times sequential=MS,PLAN=MS,... [--target 2.0]
+                                                     [--sweep T:B,... [--latency-us 30,35]]]]
 
 The models are the suite's (snlp.bench.suite.PAPER_SHAPES: random weights, window pattern SSSL with a 512-token
 short window, vocab 32768, batch 1), built on the `meta` device: every aten op runs its shape / dtype rules and no
@@ -28,6 +32,18 @@ TorchDispatchMode on CPU tensors) is counted as those 3 ops. rms_norm counts as 
 confirmed by the GPU profile). Counting only: nothing here is timed, and a count is not a time. `--regions` prints
 each forward's kernels and bytes by the snlp function that issued them and its top ops; `--extra-iter` also counts
 every plan at K + 1 and prints the difference (what one more iteration costs). `--json` keeps everything.
+
+`--bound` adds the work the GPU kernels do: GEMM FLOPs (2 m n k per mm / bmm / addmm, and per linear / einsum /
+matmul where they reach the counter whole), attention FLOPs per kernel model (4 hd per (query, key) pair the kernel
+visits, tiles of 128: `measured` = a masked SDPA computes every score, an is_causal one the causal tiles, a fused
+stack one masked call; `flex` = a mixed-window stack through FlexAttention's block mask; `paper` = the paper's
+suffix full causal; `exact` = the visible pairs), the weight bytes GEMMs read (operands that existed before the
+forward, or were made from such alone: casts and stacks of weights, whose writes are `weight MB prepared`), the
+bytes GEMM and attention kernels must move, and the roofline floor sum(max(FLOPs / peak, bytes / bandwidth)) over
+them. `--times` takes measured ms per forward (one shape) and prints the achieved TFLOP/s and each plan's best time
+(at the sequential's efficiency, at its floor, and with its prefix at the measured cost and its stack at the floor);
+`--sweep` PREDICTS times at other T / batch from a latency + throughput model calibrated on those times.
+`--paper PATH` also counts the paper's own code (a nanochat-snlp checkout) for the same shapes and plans.
 """
 
 from __future__ import annotations
@@ -424,10 +440,18 @@ def count_paper(code, shape, tokens: int, batch: int, plans, regions: bool = Fal
     for s in plans:
         try:
             fwds[s] = paper_plan_fn(code, model, Plan.parse(s), shape)
-        except ValueError:
+        except ValueError:  # no path for this plan in the paper's evaluator
             continue
-    return [dict(shape=shape.key, side="paper", forward=name, tokens=tokens, batch=batch,
-                 **measure((lambda f: lambda: f(idx))(fn), regions)) for name, fn in fwds.items()]
+        except RuntimeError as e:  # its weight precomputation reads values (.item()), which meta tensors have not
+            print(f"paper: {shape.key} {s}: not countable on meta ({str(e).splitlines()[0]})", file=sys.stderr)
+    rows = []
+    for name, fn in fwds.items():
+        try:
+            rows.append(dict(shape=shape.key, side="paper", forward=name, tokens=tokens, batch=batch,
+                             **measure((lambda f: lambda: f(idx))(fn), regions)))
+        except RuntimeError as e:
+            print(f"paper: {shape.key} {name}: not countable on meta ({str(e).splitlines()[0]})", file=sys.stderr)
+    return rows
 
 
 def label(r: dict) -> str:
@@ -599,6 +623,27 @@ def main(argv=None) -> int:
                 p.error(f"--times: {item!r} is not NAME=MS")
     if times and (not a.bound or len(a.shapes.split(",")) != 1):
         p.error("--times needs --bound and exactly one shape")
+    keys = [k.strip() for k in a.shapes.split(",") if k.strip()]
+    bad = [k for k in keys if k not in {s.key for s in PAPER_SHAPES}]
+    if bad or not keys:
+        p.error(f"--shapes: unknown {', '.join(bad) or '(none given)'}; valid: {', '.join(s.key for s in PAPER_SHAPES)}")
+    for x in (a.plans or "").split(","):
+        if x.strip():
+            try:
+                Plan.parse(x.strip())
+            except ValueError as e:
+                p.error(f"--plans: {e}")
+    if times:
+        shape0 = next((s for s in PAPER_SHAPES if s.key == a.shapes.split(",")[0]), None)
+        known = {"sequential"} | set(x.strip() for x in a.plans.split(",")) if a.plans else \
+            {"sequential"} | set(shape0.plans if shape0 else ())
+        if a.extra_iter:
+            known |= {str(replace(Plan.parse(x), iters=Plan.parse(x).iters + 1)) for x in known - {"sequential"}}
+        bad = [n for n in times if n not in known]
+        if bad:
+            p.error(f"--times names forwards that are not counted: {', '.join(bad)} (counted: {', '.join(sorted(known))})")
+    if min(a.peak_tflops, a.hbm_tbs, a.target) <= 0:
+        p.error("--peak-tflops, --hbm-tbs and --target must be > 0")
     if a.sweep and not times:
         p.error("--sweep needs --times (the measured point it is calibrated on)")
     for item in (a.sweep or "").split(","):
