@@ -335,8 +335,9 @@ def test_budget_args_and_shrinking():
         assert new.ots_plans == FULL.ots_plans and new.depth == FULL.depth and note
         assert fn(FULL, 1.0) == (FULL, "")
     new, _ = shrink_ssd(FULL, 0.01)
-    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise
-    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats) == (3, 2, 2, 2)
+    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise; tune keeps its rounds
+    # (its sign test needs 6) and decodes fewer tokens
+    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 2, 2, 6, 16)
 
 
 def test_stage_costs_cover_every_later_stage():
