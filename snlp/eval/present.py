@@ -74,14 +74,16 @@ def write_csv(rows: list[dict], path) -> None:
 
 
 def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xlabel: str = "",
-                  fronts: dict[str, set[str]] | None = None, spreads: dict | None = None) -> None:
+                  fronts: dict[str, set[str]] | None = None, spreads: dict | None = None,
+                  intervals: dict | None = None) -> None:
     """PNG of the speed-quality frontier (snlp.eval.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
     series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
-    run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades, diverged and
+    run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades (its linear part covering the
+    `intervals` when given), diverged and
     untimed plans listed in the legend instead of plotted."""
     from snlp.eval.frontier import frontier_figure
 
-    fig = frontier_figure(groups, title, xlabel, fronts, spreads)
+    fig = frontier_figure(groups, title, xlabel, fronts, spreads, intervals)
     path = Path(path)
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=150, format=path.suffix.lstrip(".").lower() or "png"))
     print(f"wrote {path}")
