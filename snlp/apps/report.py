@@ -944,7 +944,7 @@ def budget_verdict(ctx: dict) -> list[str]:
 def weaker_training(ctx: dict) -> str:
     """What the short training leaves weaker, from the training and tokenizer records: one seed per model, the share
     of an epoch, the validation PPL reached."""
-    st = ctx["stages"]
+    st = ctx.get("stages") or {}
     trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
     corpus = (st.get("tokenizer", {}).get("result") or {}).get("train_tokens")
     if not trains or not all(t.get("tokens") for t in trains):
@@ -961,16 +961,18 @@ def paper_effect(ctx: dict) -> str:
     (NxF1-h0-K1) costs IDN-Reg less PPL than No-Reg, tested by a two-sided paired t-test over the windows both were
     scored on (each window's plan-minus-sequential cross-entropy, one model's against the other's), with the
     regulariser's end-of-training K = 1 gap beside it."""
-    plan = f"{ctx['cfg']['reg_n']}xF1-h0-K1"
-    got = {k: (next((r for r in ctx["evals"].get(k, []) if r.plan == plan), None), ctx["evals"].get(k, [None])[0])
-           for k, _ in MODELS}
+    n, evals = ctx.get("cfg", {}).get("reg_n"), ctx.get("evals") or {}
+    if not n or not all(evals.get(k) for k, _ in MODELS):
+        return ""
+    plan = f"{n}xF1-h0-K1"
+    got = {k: (next((r for r in evals[k] if r.plan == plan), None), evals[k][0]) for k, _ in MODELS}
     if any(r is None or s is None or r.delta_ppl is None or not math.isfinite(r.delta_ppl) for r, s in got.values()):
         return ""
     d = {k: ([a - b for a, b in zip(r.window_ce, s.window_ce)] if r.window_ce and s.window_ce else None)
          for k, (r, s) in got.items()}
     order = window_order(d["idn"], d["noreg"])
     dp = {k: fmt_delta_ppl(r.delta_ppl) for k, (r, _) in got.items()}
-    gaps = {k: (ctx["stages"][f"train-{k}"].get("result") or {}).get("gap") for k, _ in MODELS}
+    gaps = {k: ((ctx.get("stages") or {}).get(f"train-{k}", {}).get("result") or {}).get("gap") for k, _ in MODELS}
     gap = (f"; the regulariser's K = 1 gap at the end of training {gaps['idn']:.4f} (IDN-Reg) against "
            f"{gaps['noreg']:.4f} (No-Reg)" if all(g is not None for g in gaps.values()) else "")
     what = f"`{plan}` costs {dp['idn']} PPL for IDN-Reg against {dp['noreg']} for No-Reg"
