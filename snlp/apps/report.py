@@ -188,6 +188,66 @@ def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     return 1 if m < 0 else -1
 
 
+def delta_ppl_interval(wp: list[float] | None, ws: list[float] | None) -> tuple[float, float] | None:
+    """The 95 % interval of a plan's ΔPPL against its sequential model from their per-window cross-entropies over
+    the same windows (two-sided paired t, as window_order): exp(mean difference ± t·sd/√n) − 1; None when the
+    windows do not pair. Equal windows make the PPL exp(the mean of the window means), so this is ΔPPL's."""
+    if not wp or not ws or len(wp) != len(ws) or len(wp) < 2:
+        return None
+    d = [a - b for a, b in zip(wp, ws)]
+    m, h = statistics.fmean(d), T_975[min(len(d) - 1, len(T_975)) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+    return math.expm1(m - h), math.expm1(m + h)
+
+
+def ppl_intervals(evals: dict[str, list]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Model key -> plan -> its ΔPPL 95 % interval (delta_ppl_interval) against its own sequential row, for the
+    plans whose records hold their windows."""
+    out = {}
+    for key, _ in MODELS:
+        recs = evals.get(key, [])
+        seq = recs[0] if recs else None
+        out[key] = {r.plan: iv for r in recs[1:] if seq is not None
+                    and (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) is not None}
+    return out
+
+
+def frontier_note(evals: dict[str, list]) -> str:
+    """The paragraph under the frontier: what its axes and bars are, and which plans' ΔPPL this run resolves from
+    the model's sequential PPL (the interval excludes 0) and which it does not."""
+    from snlp.eval.frontier import axis_linthresh
+
+    text = ("The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against the main table's decode "
+            "Speedup (wall clock, both models' rounds pooled; not Prefill, not Ideal), one series per model, so the "
+            "models compare by what the plans cost them, with a horizontal bar over the lowest to highest timed round "
+            "(Rounds); the ringed line joins the main table's `*` plans; sequential is the star at (1.0x, 0 %).")
+    ivs = ppl_intervals(evals)
+    if not any(ivs.values()):
+        return text + (" Its ΔPPL axis has no noise bars: these records hold no per-window losses, and a difference "
+                       f"between two PPLs within {PPL_TIE:.0%} is a tie (the main table's rule).")
+    n = {len(r.window_ce) for rs in evals.values() for r in rs if r.window_ce}
+    ys = [100 * r.delta_ppl for rs in evals.values() for r in rs[1:] if r.delta_ppl is not None]
+    lin = axis_linthresh(ys, [50 * (hi - lo) for iv in ivs.values() for lo, hi in iv.values()])
+    text += (f" Vertical bars: each plan's 95 % ΔPPL interval from a paired t-test over the {'/'.join(map(str, sorted(n)))} "
+             "validation windows it shares with its sequential model; plans whose bars overlap may tie (the main "
+             "table's `*` tests each pair on its own windows). "
+             + ("The ΔPPL axis is linear. " if lin is None else
+                f"The ΔPPL axis is linear within ±{lin:g} %, wider than every bar, and logarithmic beyond, so no "
+                "difference inside the noise is drawn as a gap. "))
+    for key, label in MODELS:
+        iv = ivs.get(key) or {}
+        if not iv:
+            continue
+        tied = [p for p, (lo, hi) in iv.items() if lo <= 0.0 <= hi]
+        worse = [p for p, (lo, _) in iv.items() if lo > 0.0]
+        better = [p for p, (_, hi) in iv.items() if hi < 0.0]
+        said = [f"{len(worse)} above its sequential PPL beyond the noise" + (f" ({', '.join(f'`{p}`' for p in worse)})" if worse else "")]
+        if better:
+            said.append(f"{len(better)} below it beyond the noise ({', '.join(f'`{p}`' for p in better)})")
+        said.append(f"{len(tied)} not told from it" + (f" ({', '.join(f'`{p}`' for p in tied)})" if tied else ""))
+        text += f"{label}: " + ", ".join(said) + ". "
+    return text.rstrip()
+
+
 def ppl_order(pa: float, pb: float, tol: float = PPL_TIE) -> int:
     """+1 when PPL pa is better (lower) than pb by more than `tol` relative, -1 when worse, 0 a tie."""
     if pb > pa * (1 + tol):
@@ -264,11 +324,10 @@ def ppl_rule(evals: dict[str, list]) -> str:
 def _ar_cells(r) -> tuple[str, str]:
     """(AR Match against the sequential model with β̂, the fused-model agreement apart: only for fused plans, whose
     paper reference is the same fused model run sequentially, named in the cell)."""
-    seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
-    gen = r.gen_tokens or 1
-    ar = "-" if seq is None else f"{100 * seq:.1f}% ({implied_beta(seq, gen):.3f})"
-    fused = ("–" if (r.M or 1) == 1 or r.ar_match is None else
-             "= itself (K = C)" if r.ar_reference == r.plan else f"{100 * r.ar_match:.1f}% vs `{r.ar_reference}`")
+    ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({implied_beta(r.ar_match, r.gen_tokens or 1):.3f})"
+    fused = ("–" if (r.M or 1) == 1 or r.ar_match_fused is None else
+             "= itself (K = C)" if r.ar_fused_reference == r.plan else
+             f"{100 * r.ar_match_fused:.1f}% vs `{r.ar_fused_reference}`")
     return ar, fused
 
 
@@ -336,8 +395,11 @@ def speed_columns(ctx: dict) -> str:
                  "and Prefill, compute bound, tracks L / Layer evals")
         if ex is not None:
             sp = speeds[ex.plan]
+            prefill = {k: r.prefill_speedup for k, _ in MODELS for r in evals.get(k, [])
+                       if r.plan == ex.plan and r.prefill_speedup is not None}
             text += (f" (here `{ex.plan}` evaluates {layer_evaluations(ex.plan, L)} layers per token against {L}: "
-                     f"Speedup {sp.median:.2f}x, Prefill {_num(ex.prefill_speedup, '{:.2f}x')})")
+                     f"Speedup {sp.median:.2f}x, both models' rounds pooled; Prefill "
+                     f"{per_model(prefill, lambda v: f'{v:.2f}x') if prefill else '-'}, each model's own)")
         text += (". On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
                  "the layers' work leaves the device's parallel units idle, the paper's premise); decode and prefill "
                  "speedups would then move toward Ideal (layers). This run did not measure that.")
@@ -390,6 +452,28 @@ def ssd_table(ssd: dict[str, dict]) -> str:
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
                          f"{'yes' if r['matches_sequential'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def early_exit_note(rows: dict[str, list[dict]], tokens: int | None) -> str:
+    """What the early-exit table shows, from its rows: each model's PPL change per N against its own N = 0 row,
+    where a cost does not grow with N, and the sample it rests on (no general claim about droppable layers)."""
+    parts, flat = [], []
+    for key, label in MODELS:
+        rs = sorted(rows.get(key, []), key=lambda r: r["N"])
+        base = next((r["ppl"] for r in rs if r["N"] == 0), None)
+        skip = [r for r in rs if r["N"] > 0 and math.isfinite(r["ppl"])]
+        if not base or not skip:
+            continue
+        parts.append(f"{label} " + ", ".join(f"{fmt_delta_ppl(r['ppl'] / base - 1)} at N = {r['N']}" for r in skip))
+        flat += [f"{label} at N = {b['N']} is below its N = {a['N']}" for a, b in zip(skip, skip[1:])
+                 if b["ppl"] < a["ppl"]]
+    if not parts:
+        return ""
+    return ("Against each model's own N = 0: " + "; ".join(parts) + "."
+            + (" The cost does not grow with N everywhere: " + ", ".join(flat) + "." if flat else "")
+            + f" One validation sample ({f'{tokens:,} tokens' if tokens else 'the evaluation windows'}) per model, one training seed, no test of the "
+            "differences: the table says what skipping cost these two models on it, not which layers a model of "
+            "this kind can drop.")
 
 
 def early_exit_table(rows: dict[str, list[dict]]) -> str:
@@ -514,6 +598,19 @@ def _head(ctx: dict) -> list[str]:
            f"ends of a stage can miss what happened inside it.\n"]
 
 
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _arch_parts(model: dict | None) -> str:
+    """The model's nanochat extras as its checkpoint config has them ("" for a context without it)."""
+    if not model:
+        return ""
+    x0 = "x0 residual" if model.get("x0_residual") else "no x0 residual"
+    ve = "value embeddings" if model.get("value_embeds") else "no value embeddings"
+    return f"{x0} + {ve}" if model.get("x0_residual") and model.get("value_embeds") else f"{x0}, {ve}"
+
+
 def _setup(ctx: dict) -> list[str]:
     cfg, env, st, pre, trains, _ = _context(ctx)
     tok, e0 = st["tokenizer"]["result"], ctx["evals"]["noreg"][0]
@@ -528,9 +625,11 @@ def _setup(ctx: dict) -> list[str]:
     return ["## Setup\n",
            f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
            + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
-           f"validation tokens (every 20th document is validation). One tokenizer and token cache for both models.",
+           f"validation tokens" + (f" (every {_ordinal(tok['val_every'])} document is validation)" if tok.get("val_every")
+                                    else "") + ". One tokenizer and token cache for both models.",
            f"- Model: nanochat-style GPT, depth L = {L}, width {cfg['width']}, {cfg['width'] // cfg['head_dim']} heads "
-           f"of {cfg['head_dim']}, x0 residual + value embeddings, sequence length {cfg['seq_len']}, "
+           f"of {cfg['head_dim']}, " + (f"{parts}, " if (parts := _arch_parts(ctx.get("model"))) else "")
+           + f"sequence length {cfg['seq_len']}, "
            f"{ctx['params'] / 1e6:.2f}M parameters.",
            f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
            f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
@@ -621,9 +720,11 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              f"its decode steps timed on this machine (s: median step times on {clock or 'its clock'}, so not the "
              "wall-clock s of the table above; Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
              "charges the verifier one sequential step); stage 2 measures the best predictions end to end in one "
-             "round-robin after one sequential baseline (Measured: the median over the rounds of each round's paired "
-             "speedup over sequential greedy decoding, ± half the range of those per-round ratios, the measurement's "
-             "own noise; output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
+             "round-robin after one sequential baseline" + (f" ({stage2})" if (stage2 := tune_sample(ssd)) else "")
+             + " (Measured: the median over the rounds of each round's paired "
+             "speedup over sequential greedy decoding, ± half the range of those per-round ratios: the spread within "
+             "this shootout, not how far another measurement of the same drafter lands, said under the table; "
+             "output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
              f"other candidate ({tune_rule_note(ssd)}), else, "
              "among the candidates they do not separate from it, the best prediction (the rule under the table says "
              "which, with each lead's split of rounds); unmeasured "
@@ -650,9 +751,53 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                      "token budget cuts short: in brackets the most a decode of that length can average at B (every "
                      "draft accepted, snlp.decode.speculative.max_tokens_per_round); Pred. tok/rnd is per uncut round, "
                      "so it compares with the measured value against that bound, not against B + 1.")
-    return lines + rules + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and the "
-                    f"eval's decode speedup, no end-to-end measurement) would have drafted with: {proxy}. Tune took "
+    return lines + rules + tune_vs_ssd(ssd) + [f"\nThe proxy rule (the paper's ideal SSD speedup at B = {ctx['select_block']} from Top-1 and each "
+                    f"model's own decode Speedup in its eval stage, the median of its own timed rounds as in the Full "
+                    f"records, not the main table's Speedup pooled over both models; no end-to-end measurement) would "
+                    f"have drafted with: {proxy}. Tune took "
                     + ", ".join(f"{label} {ssd[k].get('tune_s', 0):.0f} s" for k, label in MODELS) + ".\n"]
+
+
+def tune_sample(ssd: dict[str, dict]) -> str:
+    """Stage 2's sample as each model's tune ran it: rounds of prompts × tokens ("" for records without it)."""
+    got = {k: f"{r['tune_repeats']} rounds of {r['tune_prompts']} prompts × {r['tune_tokens']} tokens"
+           for k, r in ssd.items() if r.get("tune_repeats") and r.get("tune_prompts") and r.get("tune_tokens")}
+    return per_model(got) if got else ""
+
+
+def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
+    """The drafter's Measured in tune's shootout beside the SSD table's at the same B: two measurements of one
+    speed on other prompts, decode lengths and moments. Their difference against the shootout's own ± is this run's
+    measure of how far one measurement of a drafter's speed carries to the next."""
+    parts, gaps, noise = [], [], []
+    for key, label in MODELS:
+        res = ssd.get(key) or {}
+        pick = next((r for r in res.get("tune", []) if r.get("pick") and r.get("measured_speedup")), None)
+        row = next((r for r in res.get("rows", []) if pick and r.get("block") == pick["block"]
+                    and r.get("measured_speedup")), None)
+        if pick is None or row is None:
+            continue
+        a, b = pick["measured_speedup"], row["measured_speedup"]
+        gaps.append(abs(b / a - 1))
+        noise += [pick["noise"]] if pick.get("noise") is not None else []
+        parts.append(f"{label} `{res.get('drafter')}` at B = {pick['block']}: {a:.3f}x here"
+                     + (f" (±{pick['noise']:.1%})" if pick.get("noise") is not None else "")
+                     + f", {b:.3f}x in the SSD table ({b / a - 1:+.1%})")
+    if not parts:
+        return []
+    ssd_sample = per_model({k: f"{r.get('repeats')} rounds of {r.get('prompts')} prompts × {r.get('gen_tokens')} tokens"
+                            for k, r in ssd.items() if r.get("drafter")})
+    beyond = noise and max(gaps) > max(noise)
+    here = tune_sample(ssd) or "the shootout's decodes"
+    return [f"\nThe drafter's Measured here and in the SSD table above are two measurements of one speed: "
+            + "; ".join(parts) + f". They decode other prompts for other lengths (here {here}; "
+            f"there {ssd_sample}, a longer KV cache) at another moment's load, so they differ by up to "
+            f"{max(gaps):.0%} in this run"
+            + (", more than the ± of the shootout's own rounds: that ± is the spread within one shootout, not the "
+               "spread from one stage to the next, which is this difference" if beyond else
+               ", within the ± of the shootout's own rounds")
+            + ". The SSD table's figure is the drafter's speed as this run measured it; this table's ranks the "
+            "candidates it timed together."]
 
 
 def _round_cap(rec: dict, row: dict) -> str:
@@ -789,23 +934,56 @@ def budget_verdict(ctx: dict) -> list[str]:
                         f". The run ended with {fmt_s(budget - wall)} of its budget unused")
             else:
                 why += ", which a longer budget would give it"
-        out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest at which a recorded "
-                   f"run showed the paper's effect): the comparison of No-Reg and IDN-Reg rests on less training than "
-                   f"any recorded run's" + why + ".")
+        rec = ctx.get("train_floor_record")
+        out.append(f"**The models trained {steps} steps, fewer than the floor's {floor}** (the fewest steps at which a "
+                   f"recorded run showed the paper's effect" + (f": {rec}" if rec else "") + ")" + why + ". "
+                   + weaker_training(ctx) + paper_effect(ctx))
     return ["\n" + " ".join(out) + "\n"]
 
 
-def versus_sequential(records: list) -> list:
-    """The records with AR Match and β̂ against the sequential model for every row (the fused-model agreement a
-    fused plan's `ar_match` holds is shown apart), so the column means one thing in every table."""
-    import dataclasses
+def weaker_training(ctx: dict) -> str:
+    """What the short training leaves weaker, from the training and tokenizer records: one seed per model, the share
+    of an epoch, the validation PPL reached."""
+    st = ctx.get("stages") or {}
+    trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
+    corpus = (st.get("tokenizer", {}).get("result") or {}).get("train_tokens")
+    if not trains or not all(t.get("tokens") for t in trains):
+        return ""
+    tokens = trains[0]["tokens"]
+    epoch = f"{tokens / corpus:.2f} of an epoch ({tokens:,} of {corpus:,} training tokens)" if corpus else f"{tokens:,} tokens"
+    ppl = " and ".join(f"{label} {fmt_ppl(ppl_from_ce(st[f'train-{k}']['result']['val_loss']), 1)}" for k, label in MODELS
+                       if (st.get(f"train-{k}", {}).get("result") or {}).get("val_loss") is not None)
+    return (f"Each model is one seed trained on {epoch}" + (f", to validation PPL {ppl}" if ppl else "") + ". ")
 
-    out = []
-    for r in records:
-        seq = r.ar_match_seq if r.ar_match_seq is not None else (r.ar_match if (r.M or 1) == 1 else None)
-        out.append(dataclasses.replace(r, ar_match=seq,
-                                       ar_beta=None if seq is None else implied_beta(seq, r.gen_tokens or 1)))
-    return out
+
+def paper_effect(ctx: dict) -> str:
+    """Whether this run shows the paper's effect at the steps it trained: the K = 1 plan over the regularised suffix
+    (NxF1-h0-K1) costs IDN-Reg less PPL than No-Reg, tested by a two-sided paired t-test over the windows both were
+    scored on (each window's plan-minus-sequential cross-entropy, one model's against the other's), with the
+    regulariser's end-of-training K = 1 gap beside it."""
+    n, evals = ctx.get("cfg", {}).get("reg_n"), ctx.get("evals") or {}
+    if not n or not all(evals.get(k) for k, _ in MODELS):
+        return ""
+    plan = f"{n}xF1-h0-K1"
+    got = {k: (next((r for r in evals[k] if r.plan == plan), None), evals[k][0]) for k, _ in MODELS}
+    if any(r is None or s is None or r.delta_ppl is None or not math.isfinite(r.delta_ppl) for r, s in got.values()):
+        return ""
+    d = {k: ([a - b for a, b in zip(r.window_ce, s.window_ce)] if r.window_ce and s.window_ce else None)
+         for k, (r, s) in got.items()}
+    order = window_order(d["idn"], d["noreg"])
+    dp = {k: fmt_delta_ppl(r.delta_ppl) for k, (r, _) in got.items()}
+    gaps = {k: ((ctx.get("stages") or {}).get(f"train-{k}", {}).get("result") or {}).get("gap") for k, _ in MODELS}
+    gap = (f"; the regulariser's K = 1 gap at the end of training {gaps['idn']:.4f} (IDN-Reg) against "
+           f"{gaps['noreg']:.4f} (No-Reg)" if all(g is not None for g in gaps.values()) else "")
+    what = f"`{plan}` costs {dp['idn']} PPL for IDN-Reg against {dp['noreg']} for No-Reg"
+    if order is None:
+        return f"This run's own figures: {what} (no per-window losses to test the difference){gap}."
+    n = len(d["idn"])
+    if order > 0:
+        return (f"This run shows the effect at these steps: {what}, a difference a paired t-test over the {n} "
+                f"validation windows resolves{gap}.")
+    return (f"This run does not show the effect at these steps: {what}, a difference a paired t-test over the {n} "
+            f"validation windows {'does not resolve' if order == 0 else 'resolves the other way'}{gap}.")
 
 
 def ppl_format_rule(evals: dict[str, list]) -> str:
@@ -869,14 +1047,11 @@ def render_report(ctx: dict) -> str:
            *drafter_off_front(evals, ssd),
            "\n" + speed_columns(ctx),
            "\n![speed-quality frontier](frontier.png)\n",
-           "The frontier plots each plan's ΔPPL (vs its own model's sequential PPL) against the main table's decode "
-           "Speedup (wall clock, both models' rounds pooled; not Prefill, not Ideal), one series per model, so the "
-           "models compare by what the plans cost them, with a bar over the lowest to highest timed round (Rounds); "
-           "the ringed line joins the main table's `*` plans; sequential is the star at (1.0x, 0 %).\n",
+           frontier_note(evals) + "\n",
            *_ssd_section(ctx),
            "## Early exit (K = 0)\n",
-           "PPL when the last N layers are skipped (logits read off h_{L−N}): the suffix layers SNLP runs in "
-           "parallel are not droppable.\n",
+           "PPL when the last N layers are skipped (logits read off h_{L−N}). "
+           + early_exit_note(st["early-exit"]["result"]["rows"], e0.tokens) + "\n",
            early_exit_table(st["early-exit"]["result"]["rows"]),
            *off_the_shelf_section(st.get("off-the-shelf")),
            *_diagnostics(ctx), *_stage_times(ctx),
@@ -887,8 +1062,8 @@ def render_report(ctx: dict) -> str:
                 f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]), the layer-step count a "
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
-                f"as in the main table's AR Match vs seq. (the fused-model agreement is the main table's last "
-                f"column))\n", markdown_table(versus_sequential(evals[key]))]
+                f"as in the main table's AR Match vs seq., in every table and file of this run (records.csv: "
+                f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
                "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
     return "\n".join(out)

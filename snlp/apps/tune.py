@@ -25,6 +25,7 @@ import torch
 
 from snlp.apps.common import plans_preheat
 from snlp.bench.records import write_json
+from snlp.bench.stats import fewest_sign_rounds
 from snlp.bench.tune import TuneConfig, default_plans, summary, table, tune
 from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
 from snlp.io.checkpoint import load
@@ -54,7 +55,8 @@ def add_arguments(p) -> None:
     m.add_argument("--prompts", type=int, default=d.prompts, help="stage-2 prompts from the validation text")
     m.add_argument("--prompt-len", type=int, default=d.prompt_len)
     m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")
-    m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians)")
+    m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians); "
+                   f"below {fewest_sign_rounds()} the pick's sign test resolves no lead and the best prediction picks")
     m.add_argument("--warmup", type=int, default=d.warmup, help="stage-2 untimed rounds")
     m.add_argument("--step-runs", type=int, default=d.step_runs, help="stage-1 timed steps per cost")
     m.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="stage-1 acceptance profile: greedy "

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from snlp.bench.records import markdown_table
-from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
@@ -89,7 +89,7 @@ class TuneConfig:
     prompts: int = 4  # stage-2 prompts (from the calibration tokens)
     prompt_len: int = 16
     gen_tokens: int = 64  # greedy tokens per prompt and run
-    repeats: int = 3  # stage-2 timed rounds (medians)
+    repeats: int = 6  # stage-2 timed rounds (medians): 6 is the fewest at which `pick`'s sign test can resolve a lead
     warmup: int = 1  # stage-2 untimed rounds
     step_runs: int = 30  # stage-1 timed steps per cost (medians)
     accept_tokens: int = 64  # stage-1 acceptance profile: greedy SSD tokens per prompt and plan (0: Top-1 model)
@@ -613,6 +613,10 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     notes += [f"{c.goal} candidate {_name(c)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
               f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
+    if cfg.repeats < fewest_sign_rounds() and any(sum(c.measured for c in cands if c.goal == g) > 1 for g in goals):
+        notes.append(f"stage 2 timed {cfg.repeats} round(s): the pick's sign test resolves a lead from "
+                     f"{fewest_sign_rounds()} rounds on, so every measured candidate tied and the best prediction "
+                     f"among them picked")
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
     for g, p in picks.items():

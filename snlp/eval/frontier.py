@@ -5,7 +5,9 @@ rather than by absolute PPLs that differ between models before any plan runs.
 - ΔPPL is relative to the model's own sequential PPL (EvalRecord.delta_ppl), so every model's sequential
   run sits at (1.0x, 0 %): one star marks it for all.
 - ΔPPL spanning decades (+0.1 % next to +16 %, or a blown-up plan at +1e9 % next to plans at +0.2 %) gets a
-  symlog axis (linear near 0, logarithmic beyond; `symlog_linthresh`), so the small differences stay visible.
+  symlog axis (linear near 0, logarithmic beyond; `symlog_linthresh`), so the small differences stay visible; when
+  the caller gives each plan's ΔPPL interval, the bars are drawn and the linear part covers the widest of them
+  (`axis_linthresh`), so a difference inside the noise is never stretched into a gap.
 - Plan labels are placed greedily (`place_labels`) where they overlap neither another label nor a point,
   with a leader line when pushed away from their point; a plan that diverged or was not timed cannot be
   plotted and is listed under the axes instead of silently dropped.
@@ -35,6 +37,21 @@ def symlog_linthresh(deltas_pct) -> float | None:
     if not mags or math.log10(max(mags) / min(mags)) <= SYMLOG_DECADES:
         return None
     return 10.0 ** round(math.log10(min(mags)))
+
+
+def axis_linthresh(deltas_pct, halfwidths_pct=()) -> float | None:
+    """The frontier's y axis for these ΔPPL values (%): None for a linear axis, else the symlog axis' linear range.
+    symlog_linthresh's, widened to the power of ten at or above the widest interval in `halfwidths_pct` (each plan's
+    ΔPPL uncertainty): differences inside the noise then stay on the linear part, where the axis stretches nothing
+    (a linear range of 0.01 % drew ΔPPLs of -0.02 % and +0.03 %, tied by their paired t-test, a decade apart).
+    Linear when the widened range leaves less than a decade above it."""
+    lin = symlog_linthresh(deltas_pct)
+    wide = [h for h in halfwidths_pct if h is not None and math.isfinite(h) and h > 0]
+    if lin is None or not wide:
+        return lin
+    lin = max(lin, 10.0 ** math.ceil(math.log10(max(wide))))
+    top = max((abs(d) for d in deltas_pct if d is not None and math.isfinite(d)), default=0.0)
+    return lin if top > 10 * lin else None
 
 
 def _pct_label(v: float, _pos=None) -> str:
@@ -116,11 +133,13 @@ def place_labels(ax, items: list[tuple[float, float, str, str]], paths: list[lis
 
 
 def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dict | None = None,
-                    spreads: dict | None = None):
+                    spreads: dict | None = None, intervals: dict | None = None):
     """The frontier Figure of groups {model label: [EvalRecord]} (each list with its sequential record); `xlabel`:
     what the records' speedup measured, when the caller knows more than "decode, batch 1"; `fronts`: {model label:
     the plan names on its front} when the caller decided it (e.g. with timing ties), else pareto_front's;
-    `spreads`: {model label: {plan: (lowest, highest) speedup of its timed rounds}}, drawn as horizontal bars."""
+    `spreads`: {model label: {plan: (lowest, highest) speedup of its timed rounds}}, drawn as horizontal bars;
+    `intervals`: {model label: {plan: (low, high) ΔPPL in %}}, e.g. a paired test's interval, drawn as vertical bars
+    and setting the axis (axis_linthresh) so that no difference inside them is stretched."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
     from matplotlib.ticker import FuncFormatter
@@ -131,7 +150,7 @@ def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dic
     fig = Figure(figsize=(9, 6), layout="constrained")
     FigureCanvasAgg(fig)  # a renderer for measuring the labels before saving
     ax = fig.add_subplot()
-    labels, left_out, ys, paths = [], [], [0.0], []
+    labels, left_out, ys, paths, halfwidths = [], [], [0.0], [], []
     for i, (group, recs) in enumerate(groups.items()):
         color = f"C{i % 10}"
         seq = next((r for r in recs if r.is_sequential), None)
@@ -161,6 +180,14 @@ def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dic
                         lw=1, capsize=3, label=f"{group}: lowest–highest timed round",
                         xerr=[[max(0.0, pts[j][0] - spread[rows[j].plan][0]) for j in bars],
                               [max(0.0, spread[rows[j].plan][1] - pts[j][0]) for j in bars]])
+        ivs = (intervals or {}).get(group, {})
+        vbars = [j for j in keep if rows[j].plan in ivs]
+        if vbars:  # each plan's ΔPPL interval: (2, n) distances below and above the plotted ΔPPL
+            ax.errorbar([pts[j][0] for j in vbars], [pts[j][1] for j in vbars], fmt="none", ecolor=color, alpha=0.5,
+                        lw=1, capsize=3, label=f"{group}: ΔPPL 95 % interval",
+                        yerr=[[max(0.0, pts[j][1] - ivs[rows[j].plan][0]) for j in vbars],
+                              [max(0.0, ivs[rows[j].plan][1] - pts[j][1]) for j in vbars]])
+            halfwidths += [(ivs[rows[j].plan][1] - ivs[rows[j].plan][0]) / 2 for j in vbars]
         paths.append(fx)
         labels += [(pts[j][0], pts[j][1], rows[j].plan, color) for j in keep]
         ys += [pts[j][1] for j in keep]
@@ -168,7 +195,7 @@ def frontier_figure(groups: dict, title: str = "", xlabel: str = "", fronts: dic
     ax.axvline(1.0, color="gray", ls=":", lw=1)
     ax.axhline(0.0, color="gray", ls=":", lw=1)
     ax.margins(x=0.15, y=0.12)  # room for the labels inside the axes
-    lin = symlog_linthresh(ys)
+    lin = axis_linthresh(ys, halfwidths)
     if lin is not None:
         ax.set_yscale("symlog", linthresh=lin)
         ax.set_ylabel(f"ΔPPL vs the model's sequential PPL (%, lower is better)\nsymlog axis: linear within ±{lin:g} %")

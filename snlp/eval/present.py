@@ -16,12 +16,21 @@ COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / 
     ("Speedup", "speedup", "{:.2f}x"), ("Prefill", "prefill_speedup", "{:.2f}x"),
     ("Ideal (layers)", "ideal_layer_speedup", "{:.2f}x"), ("Top-1", "top1", "{:.1%}"),
     ("LogitSim", "logit_sim", "{:.3f}"), ("EmbSim", "emb_sim", "{:.3f}"), ("AR Match", "ar_match", "{:.1%}"),
-    ("β̂", "ar_beta", "{:.4f}"))
+    ("β̂", "ar_beta", "{:.3f}"), ("AR Match vs fused", "ar_match_fused", "{:.1%}"))
+# AR Match and β̂ are against the sequential model in every row; a fused plan's agreement with the same fused model
+# run sequentially (the paper's reference for M > 1) has its own column, shown only when a record has it. β̂ to three
+# decimals: from a few hundred greedy tokens its third decimal is already noise.
+OPTIONAL = ("ar_match_fused",)
 
 
-def _cells(rec: EvalRecord) -> list[str]:
-    vals = [getattr(rec, key) for _, key, _ in COLUMNS]
-    cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, COLUMNS)]
+def columns(records: list[EvalRecord]) -> list[tuple]:
+    """COLUMNS, without the optional ones no record fills."""
+    return [c for c in COLUMNS if c[1] not in OPTIONAL or any(getattr(r, c[1]) is not None for r in records)]
+
+
+def _cells(rec: EvalRecord, cols=COLUMNS) -> list[str]:
+    vals = [getattr(rec, key) for _, key, _ in cols]
+    cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, cols)]
     if rec.note:
         cells[0] += f" ({rec.note})"
     return cells
@@ -29,9 +38,10 @@ def _cells(rec: EvalRecord) -> list[str]:
 
 def markdown_table(records: list[EvalRecord]) -> str:
     """The records as a GitHub markdown table (the paper's main-table columns, '-' where empty)."""
-    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
-             "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in records]
+    cols = columns(records)
+    lines = ["| " + " | ".join(h for h, _, _ in cols) + " |",
+             "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(cols))) + "|"]
+    lines += ["| " + " | ".join(_cells(r, cols)) + " |" for r in records]
     return "\n".join(lines) + "\n"
 
 
@@ -41,10 +51,11 @@ def print_table(records: list[EvalRecord], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for header, _, _ in COLUMNS:
+    cols = columns(records)
+    for header, _, _ in cols:
         table.add_column(header, justify="left" if header == "Plan" else "right")
     for r in records:
-        table.add_row(*_cells(r))
+        table.add_row(*_cells(r, cols))
     Console(width=200).print(table)
 
 
@@ -63,14 +74,16 @@ def write_csv(rows: list[dict], path) -> None:
 
 
 def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xlabel: str = "",
-                  fronts: dict[str, set[str]] | None = None, spreads: dict | None = None) -> None:
+                  fronts: dict[str, set[str]] | None = None, spreads: dict | None = None,
+                  intervals: dict | None = None) -> None:
     """PNG of the speed-quality frontier (snlp.eval.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
     series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
-    run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades, diverged and
+    run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades (its linear part covering the
+    `intervals` when given), diverged and
     untimed plans listed in the legend instead of plotted."""
     from snlp.eval.frontier import frontier_figure
 
-    fig = frontier_figure(groups, title, xlabel, fronts, spreads)
+    fig = frontier_figure(groups, title, xlabel, fronts, spreads, intervals)
     path = Path(path)
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=150, format=path.suffix.lstrip(".").lower() or "png"))
     print(f"wrote {path}")

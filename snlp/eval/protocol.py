@@ -7,11 +7,11 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
   Top-1, LogitSim   teacher-forced on the same windows vs the sequential logits: argmax agreement
                     and the mean cosine of the logit vectors
   AR Match, beta    greedy KV-cached generation of `gen_tokens` tokens from `prompts` validation
-                    prompts of `prompt_len` tokens, positional agreement with a reference: the
-                    sequential model, or for fused plans (M > 1) the same fused model run
-                    sequentially (the plan with K = C); beta is the implied per-token agreement.
-                    `ar_match_seq`: every row's agreement with the sequential model (one reference for
-                    all rows, so rows compare; equal to AR Match for M = 1)
+                    prompts of `prompt_len` tokens, positional agreement with the sequential model
+                    (one reference for every row, so rows compare); beta is the implied per-token
+                    agreement. `ar_match_fused`: for fused plans (M > 1) the agreement with the paper's
+                    reference for them, the same fused model run sequentially (the plan with K = C,
+                    named in `ar_fused_reference`); None for M = 1
   EmbSim            cosine of MiniLM sentence embeddings of the decoded continuations vs the
                     sequential ones (snlp.eval.embsim; `pip install snlp[emb]`, offline)
   Speedup           per-token latency of KV-cached greedy decoding (`time_tokens` tokens at batch 1,
@@ -70,10 +70,10 @@ class EvalRecord:
     logit_sim: float | None = None
     note: str = ""  # "" or "diverged"
     delta_ppl: float | None = None  # relative to sequential: 0.055 = +5.5%
-    ar_match: float | None = None
+    ar_match: float | None = None  # AR match against the sequential model (every row)
     ar_beta: float | None = None  # per-token agreement implied by ar_match over gen_tokens
-    ar_reference: str | None = None  # "sequential" or the fused plan run sequentially (K = C)
-    ar_match_seq: float | None = None  # AR match against the sequential model, whatever ar_reference is
+    ar_match_fused: float | None = None  # fused plans (M > 1): AR match against the same fused model run sequentially
+    ar_fused_reference: str | None = None  # that reference plan (K = C); None for M = 1 and the sequential row
     emb_sim: float | None = None
     latency_ms: float | None = None  # median decode ms/token
     prefill_ms: float | None = None  # median ms of a batch-1 forward over seq_len tokens
@@ -100,10 +100,20 @@ class EvalRecord:
     @classmethod
     def from_dict(cls, d: dict) -> "EvalRecord":
         """A record from its `to_dict` (e.g. a stored JSON row). Records written before the ideal
-        speedups got separate names carry the layer-step ideal as `ideal_speedup`."""
+        speedups got separate names carry the layer-step ideal as `ideal_speedup`; records written before
+        `ar_match_fused` held a fused plan's agreement with its fused reference in `ar_match` (and its
+        reference in `ar_reference`), the agreement with the sequential model in `ar_match_seq` where they
+        have it: read into the fields of one meaning each."""
         d = dict(d)
         if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
             d["ideal_layer_speedup"] = d.pop("ideal_speedup")
+        if "ar_match_fused" not in d and ("ar_reference" in d or "ar_match_seq" in d):
+            fused = (d.get("M") or 1) > 1
+            old, seq, ref = d.get("ar_match"), d.pop("ar_match_seq", None), d.pop("ar_reference", None)
+            d["ar_match_fused"], d["ar_fused_reference"] = (old, ref) if fused else (None, None)
+            d["ar_match"] = seq if seq is not None or fused else old
+            gen = d.get("gen_tokens") or 1
+            d["ar_beta"] = None if d["ar_match"] is None else implied_beta(d["ar_match"], gen)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -280,16 +290,16 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
     """One row of `evaluate` from the per-phase results, each keyed by row name (plan None = sequential)."""
     name = SEQ if plan is None else str(plan)
     ref = None if plan is None else reference_plan(plan)
-    ar = ar_match(gens[name], refs[name]) if name in gens else None  # None: diverged
-    ar_seq = ar_match(gens[name], gens[SEQ]) if name in gens else None
+    ar = ar_match(gens[name], gens[SEQ]) if name in gens else None  # None: diverged
+    fused = ar_match(gens[name], refs[name]) if name in gens and ref is not None else None
     q, t, seq_t = tf[name], times[name], times[SEQ]
     return EvalRecord(
         plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
         C=None if plan is None else plan.chunks, M=None if plan is None else plan.fuse,
         init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=q.note,
         delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
-        ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens),
-        ar_reference=SEQ if ref is None else str(ref), ar_match_seq=ar_seq, emb_sim=embs.get(name),
+        ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens), ar_match_fused=fused,
+        ar_fused_reference=None if ref is None else str(ref), emb_sim=embs.get(name),
         latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
         speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
         prefill_speedup=seq_t.prefill_ms / t.prefill_ms,

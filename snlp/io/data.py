@@ -230,6 +230,11 @@ def split_key(spec: str | None, text_field: str = "text", max_chars: int = 0, va
     return source_key(spec, text_field, max_chars, encoding) + f"-v{round(val_frac, 6)}"
 
 
+def validation_every(val_frac: float) -> int:
+    """split_documents' stride: every this-many-th document is validation."""
+    return max(2, round(1 / val_frac))
+
+
 def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[str]]:
     """Deterministic split by document: every round(1/val_frac)-th document goes to validation."""
     if not docs:
@@ -239,7 +244,7 @@ def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[s
                          "(plain text is cut at blank lines into ~4 KB documents; add more text)")
     if not 0 < val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {val_frac}")
-    every = max(2, round(1 / val_frac))
+    every = validation_every(val_frac)
     val = [d for i, d in enumerate(docs) if i % every == every - 1]
     train = [d for i, d in enumerate(docs) if i % every != every - 1]
     if not val:

@@ -335,8 +335,9 @@ def test_budget_args_and_shrinking():
         assert new.ots_plans == FULL.ots_plans and new.depth == FULL.depth and note
         assert fn(FULL, 1.0) == (FULL, "")
     new, _ = shrink_ssd(FULL, 0.01)
-    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise
-    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats) == (3, 2, 2, 2)
+    # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise; tune keeps its rounds
+    # (its sign test needs 6) and decodes fewer tokens
+    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 2, 2, 6, 16)
 
 
 def test_stage_costs_cover_every_later_stage():
@@ -901,6 +902,7 @@ def test_plans_the_models_cannot_run_are_refused_before_training(tmp_path, capsy
 import dataclasses  # noqa: E402
 
 from snlp.apps.speedrun.preset import eval_config
+from snlp.eval.metrics import implied_beta
 
 L16 = ("12xF1-h0-K1", "12xF1-h0-K4", "1xF12-h0-K1")
 
@@ -909,10 +911,11 @@ def _rec(plan, ppl, rounds, ar, ar_seq, runs=3, **kw):
     from snlp.method.plan import Plan
 
     p = None if plan == "sequential" else Plan.parse(plan, 16)
+    fused = p is not None and p.fuse > 1
     return EvalRecord(plan=plan, K=p and p.iters, S=16 if p is None else p.prefix_len(16), C=p and p.chunks,
                       M=p and p.fuse, init=p and p.init, ppl=ppl, top1=1.0 if p is None else 0.8, logit_sim=0.9,
-                      delta_ppl=ppl / 20.0 - 1, ar_match=ar, ar_beta=0.99, ar_match_seq=ar_seq,
-                      ar_reference="sequential" if p is None or p.fuse == 1 else str(p), emb_sim=0.9,
+                      delta_ppl=ppl / 20.0 - 1, ar_match=ar_seq, ar_beta=implied_beta(ar_seq, 32),
+                      ar_match_fused=ar if fused else None, ar_fused_reference=str(p) if fused else None, emb_sim=0.9,
                       latency_ms=5.0, prefill_ms=50.0, speedup=statistics.median(rounds), speedup_rounds=rounds,
                       prefill_speedup=0.4, ideal_layer_speedup=2.0, n_layer=16, tokens=8192, seq_len=256, prompts=8,
                       gen_tokens=32, device="cpu", dtype="float32", **kw)
@@ -1294,15 +1297,39 @@ def test_the_training_result_keeps_each_models_own_step():
 
 def test_full_records_compare_with_the_sequential_model():
     """The full records' AR Match showed 100.0 % for `1xF12-h0-K1` (against itself) and their β̂ another quantity
-    than the main table's under one symbol: both are against the sequential model in every table now."""
-    from snlp.eval.metrics import implied_beta
-
+    than the main table's under one symbol: both are against the sequential model in every table now. Review 2
+    finding 14: they printed β̂ to 4 decimals where the main table says its third is noise; both print 3."""
     md = _render()
     full = md.split("## Full evaluation records")[1]
     t = tables("## x\n" + full.split("**IDN Reg.**")[0])["x"]
     row = next(r for r in t[1:] if r[0] == "1xF12-h0-K1")
-    assert row[t[0].index("AR Match")] == "40.0%" and row[t[0].index("β̂")] == f"{implied_beta(0.4, 32):.4f}"
+    assert row[t[0].index("AR Match")] == "40.0%" and row[t[0].index("β̂")] == f"{implied_beta(0.4, 32):.3f}"
+    assert row[t[0].index("AR Match vs fused")] == "100.0%"
     assert "each row's own reference" not in md
+
+
+def test_one_name_means_one_quantity_in_records_console_and_csv(tmp_path, capsys):
+    """Review 2 finding 13: the records, the console table and records.csv carried a fused plan's agreement with its
+    fused model under `ar_match` / "AR Match" (100.0 % for `1xF12-h0-K1`), the name the report uses for the
+    agreement with the sequential model (40.0 %). Now `ar_match` / `ar_beta` are against the sequential model
+    everywhere and the fused-model figure is `ar_match_fused`, in a column of its own."""
+    import csv
+
+    from snlp.eval.present import markdown_table, print_table, write_csv
+
+    recs = _report_ctx()["evals"]["noreg"]
+    fused = next(r for r in recs if r.plan == "1xF12-h0-K1")
+    assert fused.ar_match == 0.4 and fused.ar_match_fused == 1.0
+    head, _, *rows = markdown_table(recs).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = [c.strip() for c in next(r for r in rows if "1xF12" in r).strip("|").split("|")]
+    assert row[cols.index("AR Match")] == "40.0%" and row[cols.index("AR Match vs fused")] == "100.0%"
+    assert "AR Match vs fused" not in markdown_table(recs[:2])  # no fused plan: no such column
+    print_table(recs, "t")
+    assert "AR Match vs fused" in capsys.readouterr().out
+    write_csv([r.to_dict() for r in recs], tmp_path / "r.csv")
+    got = next(r for r in csv.DictReader(open(tmp_path / "r.csv")) if r["plan"] == "1xF12-h0-K1")
+    assert float(got["ar_match"]) == 0.4 and float(got["ar_match_fused"]) == 1.0 and "ar_match_seq" not in got
 
 
 def test_layout_and_speed_notes_follow_the_records():

@@ -35,7 +35,7 @@ PLANS = ["6xF1-h0-K6", "3xF2-h0-K4", "6xF1-h0-K1", "3xF2-fwd-K1"]
 CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=6, warmup=0, runs=2, time_tokens=3,
                  progress=False)
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
-        "ar_reference", "ar_match_seq", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
+        "ar_match_fused", "ar_fused_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
         "prefill_speedup", "ideal_layer_speedup",
         "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype", "window_ce"}
 
@@ -73,7 +73,8 @@ def test_records_come_in_order_with_every_key_filled(records):
     seq = records[0]
     for r in records:
         assert isinstance(r, EvalRecord)
-        optional = {"K", "C", "M", "init"} if r.plan == "sequential" else set()
+        optional = ({"K", "C", "M", "init"} if r.plan == "sequential" else set()) | (
+            {"ar_match_fused", "ar_fused_reference"} if (r.M or 1) == 1 else set())  # fused plans only
         assert [k for k in KEYS - optional if getattr(r, k) is None] == [], r.plan  # emb_sim too: emb is in dev
         # decode: the median of the rounds' paired ratios; prefill: the ratio of the measured medians
         assert r.speedup == pytest.approx(statistics.median(r.speedup_rounds), rel=1e-12)
@@ -96,7 +97,7 @@ def test_sequential_record_is_the_model_against_itself(records, model, val):
     assert seq.delta_ppl == 0.0 and seq.top1 == 1.0 and seq.ar_match == 1.0 and seq.ar_beta == 1.0
     assert seq.logit_sim == pytest.approx(1.0, abs=1e-6) and seq.emb_sim == pytest.approx(1.0, abs=1e-5)
     assert seq.ideal_layer_speedup == 1.0  # L / L layer steps
-    assert seq.ar_reference == "sequential" and seq.S == 6
+    assert seq.ar_match_fused is None and seq.ar_fused_reference is None and seq.S == 6
 
 
 def test_teacher_forced_returns_the_public_quality_record(model, val):
@@ -128,18 +129,19 @@ def test_teacher_forced_returns_the_public_quality_record(model, val):
 def test_exact_plans_match_their_references(records):
     seq, rec = records[0], _by_plan(records)
     exact = rec["6xF1-h0-K6"]  # M = 1, K >= C: the sequential model itself
-    assert exact.top1 == 1.0 and exact.ar_match == 1.0 and exact.ar_reference == "sequential"
+    assert exact.top1 == 1.0 and exact.ar_match == 1.0 and exact.ar_match_fused is None
     assert exact.ppl == pytest.approx(seq.ppl, rel=1e-5) and abs(exact.delta_ppl) < 1e-5
     assert exact.logit_sim == pytest.approx(1.0, abs=1e-6) and exact.emb_sim == pytest.approx(1.0, abs=1e-5)
     fused = rec["3xF2-h0-K4"]  # M = 2, K >= C: exactly the fused model, the AR reference of fused plans
-    assert fused.ar_reference == "3xF2-h0-K3" and fused.ar_match == 1.0
-    assert rec["3xF2-fwd-K1"].ar_reference == "3xF2-h0-K3"
+    assert fused.ar_fused_reference == "3xF2-h0-K3" and fused.ar_match_fused == 1.0
+    assert rec["3xF2-fwd-K1"].ar_fused_reference == "3xF2-h0-K3"
 
 
 def test_every_row_is_also_compared_with_the_sequential_model(records, model, val):
-    """AR Match's reference changes from row to row (a fused plan's is its own fused model, so the plan that IS that
-    model shows 100 %); ar_match_seq compares every row's continuations (the plan's own KV-cached decode) with the
-    sequential model's, decoded here by a naive loop over the model's full forward (no KV cache, no SNLP code)."""
+    """AR Match's reference changed from row to row (a fused plan's was its own fused model, so the plan that IS that
+    model showed 100 %); ar_match now compares every row's continuations (the plan's own KV-cached decode) with the
+    sequential model's, decoded here by a naive loop over the model's full forward (no KV cache, no SNLP code), and
+    the fused-model agreement is ar_match_fused (M > 1 only)."""
     from snlp.decode.generate import snlp_generate
     from snlp.eval.data import sample_prompts
 
@@ -155,10 +157,10 @@ def test_every_row_is_also_compared_with_the_sequential_model(records, model, va
     for r in records[1:]:
         got = [snlp_generate(model, p, Plan.parse(r.plan, 6), CFG.gen_tokens).tokens for p in prompts]
         want = sum(a == b for g, s in zip(got, seq) for a, b in zip(g, s)) / (len(prompts) * CFG.gen_tokens)
-        assert r.ar_match_seq == pytest.approx(want), r.plan
-        if r.M == 1:
-            assert r.ar_match_seq == r.ar_match
-    assert records[0].ar_match_seq == 1.0
+        assert r.ar_match == pytest.approx(want), r.plan
+        assert r.ar_beta == pytest.approx(implied_beta(r.ar_match, CFG.gen_tokens))
+        assert (r.ar_match_fused is None) == (r.M == 1)
+    assert records[0].ar_match == 1.0
     for r in records:  # the per-round paired ratios behind Speedup: one per timed round
         assert len(r.speedup_rounds) == CFG.runs and all(x > 0 for x in r.speedup_rounds)
 
@@ -321,3 +323,21 @@ def test_cli_errors_exit_2_with_a_message(ckpt, capsys):
     assert "validation split has only" in capsys.readouterr().err
     assert main(["eval", str(path), "--plans", "6xF1-h0-K1", *small, "--runs", "0"]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+def test_records_written_before_ar_match_fused_read_into_one_meaning_per_field():
+    """Stored records (speedrun stage JSON) held a fused plan's fused-model agreement in `ar_match`, its sequential
+    agreement in `ar_match_seq`: read back, `ar_match` is against the sequential model in every row and the
+    fused-model figure is `ar_match_fused`; a record without `ar_match_seq` has no sequential figure for a fused plan."""
+    old = dict(plan="6xF2-h0-K1", M=2, ar_match=1.0, ar_beta=1.0, ar_reference="6xF2-h0-K1", ar_match_seq=0.4,
+               gen_tokens=32)
+    r = EvalRecord.from_dict(old)
+    assert (r.ar_match, r.ar_match_fused, r.ar_fused_reference) == (0.4, 1.0, "6xF2-h0-K1")
+    assert r.ar_beta == pytest.approx(implied_beta(0.4, 32))
+    m1 = EvalRecord.from_dict(dict(plan="12xF1-h0-K1", M=1, ar_match=0.5, ar_beta=0.9, ar_reference="sequential",
+                                   ar_match_seq=0.5, gen_tokens=32))
+    assert m1.ar_match == 0.5 and m1.ar_match_fused is None and m1.ar_fused_reference is None
+    older = EvalRecord.from_dict(dict(plan="6xF2-h0-K1", M=2, ar_match=1.0, ar_beta=1.0, ar_reference="6xF2-h0-K1"))
+    assert older.ar_match is None and older.ar_beta is None and older.ar_match_fused == 1.0
+    new = EvalRecord(plan="6xF2-h0-K1", M=2, ar_match=0.4, ar_match_fused=1.0, ar_fused_reference="6xF2-h0-K1")
+    assert EvalRecord.from_dict(new.to_dict()) == new

@@ -29,8 +29,9 @@ def ar_references(plans: list[str]) -> int:
 
 
 def floor_scale(pairs) -> float:
-    """The scale at and below which every (n, floor) knob of a shrink is at its floor (fewer); 1 if none shrinks."""
-    return max((lo / n for n, lo in pairs if n > lo), default=1.0)
+    """The scale at and below which every (n, floor) knob of a shrink is at its floor (fewer): the lowest of the knobs'
+    own lo / n (the largest of them leaves a knob with a lower one above its floor); 1 if none shrinks."""
+    return min((lo / n for n, lo in pairs if n > lo), default=1.0)
 
 
 def fewer(n: int, scale: float, lo: int) -> int:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from snlp.apps.report import MODELS, environment, fmt_s, front_rows, pooled_speeds, render_report, tied_front
+from snlp.apps.report import (MODELS, environment, fmt_s, front_rows, pooled_speeds, ppl_intervals, render_report,
+                              tied_front)
 from snlp.apps.speedrun.evaluate import eval_records
 from snlp.apps.speedrun.preset import BLOCKS, REG_LAMBDA, SELECT_BLOCK
 from snlp.apps.speedrun.records import write_json
-from snlp.apps.speedrun.train import MIN_TRAIN_STEPS
+from snlp.apps.speedrun.train import FLOOR_RECORD, MIN_TRAIN_STEPS
 from snlp.runtime.device import write_atomic
 
 if TYPE_CHECKING:
@@ -25,17 +26,20 @@ def report_context(sr: Speedrun, records: dict[str, list], wall: float) -> dict:
     from snlp.io.checkpoint import load_config
     from snlp.model.gpt import GPT
 
+    mcfg = load_config(sr.out / "noreg")
     with torch.device("meta"):  # the parameter count without allocating the weights
-        params = GPT(load_config(sr.out / "noreg")).num_params()
+        params = GPT(mcfg).num_params()
     st = sr.stages
     return {"cfg": sr.settings(), "env": environment(sr.cfg.device),
             "stages": {n: r.to_json() for n, r in st.records.items()}, "evals": records, "preset": sr.preset,
-            "params": params, "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+            "params": params, "model": {"x0_residual": mcfg.x0_residual, "value_embeds": mcfg.value_embeds},
+            "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "command": sr.command, "order": sr.order, "ran": st.ran, "reused": st.reused, "wall": wall,
             "threads": sr.eval_threads, "parallel": sr.parallel, "train_threads": sr.train_threads,
             "reg_lambda": REG_LAMBDA, "select_block": SELECT_BLOCK, "blocks": BLOCKS,
             "budget": None if sr.budget is None else sr.budget.to_dict(), "budget_minutes": sr.preset.budget_minutes,
-            "train_floor_steps": MIN_TRAIN_STEPS if sr.preset.budget_minutes is not None else None}
+            "train_floor_steps": MIN_TRAIN_STEPS if sr.preset.budget_minutes is not None else None,
+            "train_floor_record": FLOOR_RECORD}
 
 
 def summary(sr: Speedrun, env: dict, date: str, wall: float) -> dict:
@@ -62,7 +66,9 @@ def step_report(sr: Speedrun) -> None:
     frontier_plot(pooled, sr.out / "frontier.png", title=f"SNLP speed-quality frontier: depth {sr.cfg.depth}, {where}",
                   xlabel=f"decode speedup vs sequential (wall clock, batch 1, {where}; both models' rounds)",
                   fronts={label: tied_front(front_rows(records[k], speeds)) for k, label in MODELS},  # the main table's `*`: paired rounds and PPL ties
-                  spreads={label: {p: (sp.lo, sp.hi) for p, sp in speeds.items()} for _, label in MODELS})
+                  spreads={label: {p: (sp.lo, sp.hi) for p, sp in speeds.items()} for _, label in MODELS},
+                  intervals={label: {p: (100 * lo, 100 * hi) for p, (lo, hi) in ppl_intervals(records)[k].items()}
+                             for k, label in MODELS})  # the paired t-test's ΔPPL intervals, the report's rule
     write_csv([{"model": label, **r.to_dict()} for k, label in MODELS for r in records[k]], sr.out / "records.csv")
     wall = time.perf_counter() - sr.t_start
     ctx = report_context(sr, records, wall)

@@ -48,8 +48,8 @@ class Preset:
     diag_probes: int = 8  # and Hutchinson / amplification probes
     tune_top: int = 3  # ssd-*: snlp tune's shortlist, measured end to end (stage 2)
     tune_prompts: int = 3  # and its brief measurement: prompts x tokens x timed rounds (medians)
-    tune_tokens: int = 64
-    tune_repeats: int = 3
+    tune_tokens: int = 32  # 6 rounds of 32 tokens cost what 3 rounds of 64 did: the rounds' time comes from their length
+    tune_repeats: int = 6  # the fewest at which its sign test can resolve a lead (snlp.bench.stats.fewest_sign_rounds)
     tune_accept_tokens: int = 64  # stage 1's acceptance profile: greedy SSD tokens per prompt and plan
     budget_minutes: float | None = None  # the whole run's wall-clock budget (`--budget`; training gets what is left)
 
@@ -69,7 +69,7 @@ FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, ba
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
                max_chars=1_000_000, eval_max_tokens=2048, eval_prompts=4, eval_prompt_len=8, eval_gen_tokens=16,
                eval_warmup=1, eval_runs=5, eval_time_tokens=16, ssd_prompts=2, ssd_tokens=32, ssd_repeats=2,
-               est_eval_s=30, tune_tokens=16, tune_accept_tokens=16)
+               est_eval_s=30, tune_tokens=8, tune_accept_tokens=16)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,8 +43,9 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
     teacher-forced pass), measures each plan's SSD acceptance profile (a short greedy speculative decode) and times
     the decode steps once (cached single-token steps, the verifier over B+1 positions) to predict each plan;
     stage 2 decodes the preset.tune_top best predictions in ONE round-robin after one sequential baseline
-    (snlp.decode.speculative.speculative_shootout) and the best MEASURED one is the pick unless others are within its
-    noise (snlp.bench.tune.pick: then the best stage-1 prediction among them). One block, not the best
+    (snlp.decode.speculative.speculative_shootout), preset.tune_repeats rounds, and the best MEASURED one is the pick
+    where the paired rounds resolve its lead (snlp.bench.tune.pick: else the best stage-1 prediction among those
+    they do not separate from it). One block, not the best
     of B = 2, 4, 8: the stage-2 budget then buys more prompts and rounds for the choice the report headlines
     (a pick made at B = 8, or on one prompt and one round, drafted the B = 4 row with a slower plan)."""
     from snlp.bench.tune import TuneConfig, quality_from_records, tune
@@ -68,18 +69,22 @@ def tune_rows(result) -> list[dict]:
     return [{k: getattr(c, k) for k in keys} | {"pick": c is result.picks["ssd"]} for c in rows[:8]]
 
 
-SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=2, tune_prompts=2, tune_repeats=2)  # what shrink_ssd never goes below:
+SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=2, tune_prompts=2, tune_tokens=16)  # what shrink_ssd never goes below:
 # a median of one round of one prompt is noise (at 1-3 prompts and 1-2 rounds a one-prompt measurement
-# picked a slower drafter and the SSD rows swung by 0.3x); the stage costs ~1 minute at these floors. Floors bound
-# shrinking only: they never raise a preset's value (--quick's 2 SSD prompts stay 2: a smoke test, docs/speedrun.md)
+# picked a slower drafter and the SSD rows swung by 0.3x); 16 tokens leave a decode at B = 4 three full rounds.
+# tune's shootout rounds never shrink: fewer than snlp.bench.stats.fewest_sign_rounds() (6) and no lead can pass the
+# pick's sign test, so the best prediction would pick whatever was measured; its decodes get shorter instead.
+# Floors bound shrinking only: they never raise a preset's value (--quick's 2 SSD prompts stay 2: a smoke test,
+# docs/speedrun.md)
+SSD_KNOBS = ("ssd_prompts", "ssd_repeats", "tune_prompts", "tune_tokens")
 
 
 def shrink_ssd(pre: Preset, scale: float) -> tuple[Preset, str]:
-    """An ssd-* stage at `scale`: fewer prompts and timed rounds (tune's brief measurement and the benchmark), never
-    below SSD_FLOORS; the plans tune considers and the blocks stay."""
+    """An ssd-* stage at `scale`: fewer prompts and timed rounds of the benchmark, fewer prompts and shorter decodes
+    of tune's brief measurement (its rounds stay: they decide whether a lead resolves), never below SSD_FLOORS; the
+    plans tune considers and the blocks stay."""
     new = dataclasses.replace(pre, **{k: fewer(getattr(pre, k), scale, lo) for k, lo in SSD_FLOORS.items()})
-    return new, shrink_text([(k.replace("_", " "), getattr(pre, k), getattr(new, k))
-                         for k in ("ssd_prompts", "ssd_repeats", "tune_prompts", "tune_repeats")])
+    return new, shrink_text([(k.replace("_", " "), getattr(pre, k), getattr(new, k)) for k in SSD_KNOBS])
 
 
 def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Preset, seed: int,
@@ -146,13 +151,13 @@ def cost(name: str, pre: Preset, plans: list[str], pr) -> StageCost:
     from snlp.bench.budget import StageCost
 
     tok = pr.decode_token_s
-    tune2_tok = pre.tune_tokens * tok * (1 + pre.tune_top * SPEC_TOKEN)
     bench_tok = pre.ssd_tokens * tok * (1 + len(BLOCKS) * SPEC_TOKEN)
 
-    def knobs(p) -> float:
-        return (len(plans) * p.tune_prompts * p.tune_accept_tokens * tok * 2 + p.tune_repeats * p.tune_prompts * tune2_tok
-                + p.ssd_repeats * p.ssd_prompts * bench_tok)
+    def knobs(p) -> float:  # stage 2's warm-up decodes p.tune_tokens too, so it shrinks with them
+        tune2_tok = p.tune_tokens * tok * (1 + p.tune_top * SPEC_TOKEN)
+        return (len(plans) * p.tune_prompts * p.tune_accept_tokens * tok * 2 + (p.tune_repeats * p.tune_prompts + 1)
+                * tune2_tok + p.ssd_repeats * p.ssd_prompts * bench_tok)
 
-    fixed = 3 + 20 * (2 * len(plans) + 1) * tok + tune2_tok + bench_tok  # step timing, the two warm-ups
+    fixed = 3 + 20 * (2 * len(plans) + 1) * tok + bench_tok  # step timing, the benchmark's warm-up
     return StageCost(name, fixed, knobs(pre), min_scale=floor_scale([(getattr(pre, k), lo) for k, lo in SSD_FLOORS.items()]),
                      vary=lambda s: knobs(shrink_ssd(pre, s)[0]))

@@ -17,13 +17,16 @@ if TYPE_CHECKING:
     from snlp.apps.speedrun.job import Speedrun
 
 
+def _train_config(spec: DataSpec, cache: Path) -> TrainConfig:
+    return TrainConfig(out=str(cache / "unused"), data=spec.data, max_chars=spec.max_chars,
+                       vocab_size=spec.vocab_size, cache_dir=str(cache))
+
+
 def prepare(spec: DataSpec, cache: Path):
     """(tokenizer, TokenData) exactly as training builds them (cached under `cache`)."""
     from snlp.train.pretrain import prepare_data
 
-    data = TrainConfig(out=str(cache / "unused"), data=spec.data, max_chars=spec.max_chars,
-                       vocab_size=spec.vocab_size, cache_dir=str(cache))
-    return prepare_data(data, None, 0, 1)
+    return prepare_data(_train_config(spec, cache), None, 0, 1)
 
 
 def stage_tokenizer(spec: DataSpec, cache: Path) -> dict:
@@ -34,8 +37,11 @@ def stage_tokenizer(spec: DataSpec, cache: Path) -> dict:
     unigram_ce = float(-np.log(counts / counts.sum())[val_ids].mean())
     print(f"tokenizer: vocab {tok.vocab_size}, {len(train_ids):,} train / {len(val_ids):,} val tokens, "
           f"unigram CE {unigram_ce:.3f} ({time.perf_counter() - t:.1f}s)")
+    from snlp.io.data import validation_every
+
     return {"vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint(), "train_tokens": int(len(train_ids)),
-            "val_tokens": int(len(val_ids)), "unigram_ce": unigram_ce}
+            "val_tokens": int(len(val_ids)), "unigram_ce": unigram_ce,
+            "val_every": validation_every(_train_config(spec, cache).val_frac)}  # the split the report states
 
 
 def val_tokens(spec: DataSpec, cache: Path) -> torch.Tensor:

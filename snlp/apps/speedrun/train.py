@@ -30,13 +30,14 @@ MIN_TRAIN_S = 60.0  # below this the budget is refused
 
 # Training's floor: the run exists to compare the two trained models, so under a budget the other stages shrink
 # toward their floors before training gets less than MIN_TRAIN_STEPS steps. 100: the fewest steps a recorded run
-# trained and still showed the paper's effect (105 steps, docs/speedrun.md: K = 1 dPPL +0.2 % IDN-Reg vs +2.5 %
-# No-Reg); fewer is untested. The floor's seconds are MIN_TRAIN_STEPS lockstep steps as the probe measures them on
+# trained and still showed the paper's effect (FLOOR_RECORD: K = 1 dPPL +0.2 % IDN-Reg vs +2.5 % No-Reg); fewer is
+# untested. The floor's seconds are MIN_TRAIN_STEPS lockstep steps as the probe measures them on
 # this box: both models' own training steps (loss, IDN regulariser, Muon + AdamW; training_step), the slower of the
 # two when they train side by side (train_pace). Two processes on two cores also cost each other, which the probe
 # does not see, so the report states what ran: the steps, and the pace the training itself kept. When even the
 # stages' floors leave less, training gets what they leave.
 MIN_TRAIN_STEPS = 100
+FLOOR_RECORD = "docs/records/speedrun-2026-11-26.md, 105 steps"  # the run the floor rests on, as the report cites it
 
 
 def train_config(cfg: dict, model_dir: Path, cache: Path, reg: bool, steps: int | None = None,

@@ -1,0 +1,50 @@
+"""`snlp tune`'s shootout decides its pick by a two-sided sign test over paired rounds; at 3 rounds no split can pass
+it (3 of 3: p = 0.25), so the best prediction always picked. tune now times the fewest rounds at which a lead can
+resolve, in the speedrun too, whose budget pays for them with shorter decodes, not with training."""
+
+import pytest
+from scipy.stats import binomtest
+
+from snlp.apps.speedrun.preset import FULL, QUICK
+from snlp.apps.speedrun.ssd import SSD_FLOORS, shrink_ssd
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds
+from snlp.bench.tune import Candidate, TuneConfig, pick
+
+
+def test_the_fewest_rounds_that_can_resolve_a_lead():
+    """Outside reference: scipy's exact binomial test, two-sided as the code's."""
+    n = fewest_sign_rounds()
+    assert binomtest(n, n, 0.5).pvalue < SIGN_LEVEL <= binomtest(n - 1, n - 1, 0.5).pvalue
+    assert n == 6
+
+
+def test_tune_times_enough_rounds_and_the_speedrun_pays_with_shorter_decodes():
+    n = fewest_sign_rounds()
+    assert TuneConfig().repeats >= n and FULL.tune_repeats >= n and QUICK.tune_repeats >= n
+    for scale in (1.0, 0.7, 0.4, 0.1, 0.01):  # a budget shrinks the decodes and prompts, never the rounds
+        assert shrink_ssd(FULL, scale)[0].tune_repeats == FULL.tune_repeats
+    at_floor, what = shrink_ssd(FULL, 0.01)
+    assert at_floor.tune_tokens == SSD_FLOORS["tune_tokens"] < FULL.tune_tokens and "tune tokens" in what
+    # stage 2 decodes no more tokens per prompt than the 3 rounds of 64 it timed before: the time the added rounds
+    # take comes from the rounds' length, so nothing else (training) pays for them
+    assert FULL.tune_repeats * FULL.tune_tokens <= 3 * 64
+
+
+def _cand(plan, rounds, pred):
+    return Candidate(goal="ssd", plan=plan, block=4, threads=1, compiled=False, top1=0.9, delta_ppl=0.0,
+                     accept_alpha=0.9, predicted_tokens_per_round=4.5, s=1.5, predicted_speedup=pred,
+                     predicted_tokens_per_s=pred * 100, measured=True, measured_speedup=sorted(rounds)[len(rounds) // 2],
+                     round_speedups=list(rounds), noise=0.05, tokens_per_s=100 * sorted(rounds)[len(rounds) // 2],
+                     alpha=0.9, matches_sequential=True)
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_a_lead_won_in_every_round_resolves_only_from_six_rounds(n):
+    """The same lead, won in every round: at 3 rounds a tie (the better prediction picks), at 6 the best measured."""
+    fast = _cand("12xF1-h0-K2", [1.32, 1.33, 1.30, 1.31, 1.34, 1.29][:n], pred=1.28)
+    slow = _cand("6xF2-h0-K2", [1.16, 1.17, 1.15, 1.18, 1.16, 1.15][:n], pred=1.32)
+    chosen, rule = pick([fast, slow])
+    if n < fewest_sign_rounds():
+        assert chosen is slow and rule.startswith("tie") and f"no split of {n} rounds resolves a lead" in rule
+    else:
+        assert chosen is fast and "which the rounds resolve" in rule and "from 6 of 6 rounds won" in rule
