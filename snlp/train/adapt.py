@@ -353,7 +353,8 @@ def self_distilled_stream(cfg: AdaptConfig, base: GPT, tok, fingerprint: str, ve
     gen = np.asarray([t for r in g.rows for t in r], dtype=np.int64)
     what = (f"{cfg.data} ({g.prompts:,} chat prompts with the base's greedy replies of <= {cfg.self_distill} tokens"
             f"{f', {g.skipped} too long skipped' if g.skipped else ''}: {g.reply_tokens:,} reply tokens, "
-            f"{g.generated:,} decoded in {g.seconds:.0f} s{f', the rest cached' if g.generated < g.prompts else ''})")
+            + (f"all read from {g.cache}" if g.cache and not g.generated else f"{g.generated:,} decoded in {g.seconds:.0f} s")
+            + (f", {g.prompts - g.generated:,} read from {g.cache}" if g.cache and 0 < g.generated < g.prompts else "") + ")")
     return np.concatenate([rows, gen]), what
 
 

@@ -11,7 +11,9 @@ parts stay as they are; the held-out stream is the unchanged human one.
 
 Cache: one .npz per (base weights fingerprint, N, stop ids) in `cache_dir`, holding one reply per prompt keyed
 by the digest of the prompt's ids; a later run (more prompts, another --out, --resume) generates only the prompts
-it lacks. Two runs writing one store at once lose nothing but work (the replace is atomic; the last one wins).
+it lacks. Two runs writing one store at once lose nothing but work (the replace is atomic; the last one wins);
+under torchrun every process decodes the replies it lacks itself (the same tokens: greedy and deterministic).
+Decoding happens while the job is built, before the run's training clock (--minutes) starts.
 """
 
 from __future__ import annotations
