@@ -19,6 +19,8 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    exp(mean NLL) of the plan's logits on the protocol's windows
   run_decode_suite (bench)         its reference tokens are the argmax loop; every row it calls exact equals them
                                    (fp64), a K >= C plan with M > 1 (the fused model) is not called exact
+  self-distillation replies        the argmax loop of each prompt, stopped at its first stop id (fp64; prompts
+  (snlp adapt --self-distill)      sorted and batched by length, returned in order)
   a diverging plan (blow-up model) snlp_generate (any form, greedy or sampled), jacobi verify=False: raise
                                    SNLPDivergenceError naming the step; speculative / verified jacobi: the argmax loop
   a model whose own forward is     every entry and form (sequential, snlp, speculative with the plan's forward or
@@ -896,6 +898,28 @@ def test_compiled_nanochat_cell_equals_its_reference():
     rows = speculative_generate(m, prompts, PLANS["F1"], block=3, max_new_tokens=6, compile=True, share_weights=True)
     assert [r.tokens for r in rows] == want
     assert [r.tokens for r in snlp_generate(m, prompts, PLANS["exact"], max_new_tokens=6, compile=True)] == want
+
+
+
+# ----------------------------------------------------------------------------- self-distillation data (snlp adapt)
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 50), lens=st.lists(st.integers(1, 12), min_size=1, max_size=5), nano=st.booleans(),
+       windows=st.sampled_from(list(WINDOWS)), eos=st.booleans(), budget=st.sampled_from([8192, 20]))
+def test_self_distill_replies_equal_the_argmax_loop(seed, lens, nano, windows, eos, budget):
+    """`snlp adapt --self-distill`'s replies (snlp.train.selfgen.greedy_replies: prompts sorted by length, grouped
+    into ragged batches under a cached-positions budget, returned in the caller's order) are the argmax loop of
+    each prompt, in fp64; with a stop id, each reply ends at its first stop; `nano`: nanochat-snlp's parts,
+    `windows`: the window widths, `budget` 20: one or two prompts per batch."""
+    import snlp.train.selfgen as SG
+
+    m = model_for("F1", seed, {"nanochat": nano, "windows": windows})
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in lens]
+    want = [argmax_loop(m, p, 6) for p in prompts]
+    stops = (want[0][2],) if eos else ()  # a token the first reply really emits
+    if eos:
+        want = [argmax_loop(m, p, 6, eos_id=list(stops)) for p in prompts]
+    assert SG.greedy_replies(m, prompts, 6, stops, batch=3, max_positions=budget) == want
 
 
 # ----------------------------------------------------------------------------- the window kernel (a treatment)

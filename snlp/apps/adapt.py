@@ -31,8 +31,15 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default=d.data, help="text data as for `snlp train --data`, and/or chat sets as "
                    "chat:PATH.jsonl / chat:hf:NAME (rendered with the model's chat template); comma-separated")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 without --minutes)")
-    p.add_argument("--cache-dir", default=None, help="keep the tokenised text data in this folder and reuse it "
-                   "(default: tokenise on every run)")
+    p.add_argument("--cache-dir", default=None, help="keep the tokenised text data (and --self-distill's "
+                   "generated replies) in this folder and reuse them (default: tokenise / generate on every run)")
+    p.add_argument("--self-distill", type=int, default=d.self_distill, metavar="N", help="train on the base's own "
+                   "greedy replies: each training conversation of the chat: parts becomes its opening user turn plus "
+                   "the base's greedy reply of up to N tokens (generated once, kept in --cache-dir when given); text "
+                   "parts and the held-out split are unchanged (0: the data's own replies)")
+    p.add_argument("--self-distill-prompts", type=int, default=d.self_distill_prompts, metavar="P",
+                   help="with --self-distill: at most P training prompts per chat part, the first in file order "
+                   "(0: all)")
     p.add_argument("--minutes", type=float, default=None, help="training-time budget (the LR schedule follows it)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)

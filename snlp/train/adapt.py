@@ -18,6 +18,9 @@ atomic saves are `snlp train`'s (snlp.train.trainer.fit with an adaptation `Job`
 in OUT/run while it runs (for --resume) and the drafter directory OUT (snlp.io.drafter) is written at the end.
 Data: any `--data` spec `snlp train` takes (text), and chat sets as `chat:SPEC` (snlp.io.chat: JSONL
 {"messages": [...]} or hf:NAME), rendered with the model's own chat template; comma-separated specs mix.
+With `self_distill` N the chat parts' training conversations are replaced by their opening prompts followed by the
+base's own greedy reply of N tokens (snlp.train.selfgen: what self-speculative decoding verifies against); the
+held-out stream stays the human one.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ from snlp.train.config import TrainConfig
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
+from snlp.train.selfgen import self_distill_rows
 from snlp.train.trainer import fit
 from snlp.train.validate import ValidationResult
 
 KV_MODES = ("exact", "own")
-RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha")  # --resume must keep these
+RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha", "self_distill",
+                "self_distill_prompts")  # --resume must keep these
 TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
 
@@ -98,6 +103,8 @@ class AdaptConfig:
     seed: int = 0
     device: str | None = None
     cache_dir: str | None = None  # keep the tokenised text data here, keyed by data and tokenizer (None: re-tokenise)
+    self_distill: int = 0  # > 0: train on the base's own greedy replies of this many tokens (snlp.train.selfgen)
+    self_distill_prompts: int = 0  # at most this many training prompts per chat part (0: all)
     dtype: str = "float32"
     no_progress: bool = False
 
@@ -115,6 +122,16 @@ class AdaptConfig:
         if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
                              "no --lora-rank, --resume, --steps or --minutes")
+        if self.self_distill < 0 or self.self_distill_prompts < 0:
+            raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
+                             f"{self.self_distill_prompts})")
+        if self.self_distill_prompts and not self.self_distill:
+            raise ValueError("--self-distill-prompts caps the prompts of --self-distill N: give --self-distill too")
+        if self.self_distill and self.from_model:
+            raise ValueError("--self-distill generates training data, and --from-model trains nothing: use one")
+        if self.self_distill and not any(p.startswith("chat:") for p in D.parts(self.data)):
+            raise ValueError(f"--self-distill needs chat prompts: --data {self.data!r} has no chat:PATH part (the "
+                             f"base replies to the opening user turn of each training conversation)")
         if self.lora_rank and (self.resume or self.stop_after is not None):
             # the shared loop's checkpoint is a plain GPT state; a LoRA drafter's parametrized state is not one
             raise ValueError("--lora-rank runs cannot be stopped and resumed (--stop-after/--resume): run them to "
@@ -300,6 +317,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
         for p in suffix_parameters(drafter):
             p.requires_grad_(True)
         train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
+        what = cfg.data
+        if cfg.self_distill:
+            train, what = self_distilled_stream(cfg, base, btok, fingerprint, verbose=rank == 0)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
             raise ValueError(f"--data {cfg.data!r} gives {len(train):,} train / {len(val):,} val tokens: need more "
                              f"than --seq-len + 1 = {cfg.seq_len + 1} in each")
@@ -312,9 +332,30 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
-                   f"{cfg.data}", name="snlp adapt", state={"adapt": asdict(cfg), "adapt_base": fingerprint})
+                   f"{what}", name="snlp adapt", state={"adapt": asdict(cfg), "adapt_base": fingerprint})
 
     return make_job
+
+
+def self_distilled_stream(cfg: AdaptConfig, base: GPT, tok, fingerprint: str, verbose: bool = False
+                          ) -> tuple[np.ndarray, str]:
+    """The training stream of a --self-distill run: the text parts' training documents as `token_stream` reads
+    them, then every chat part's training prompts each followed by the base's greedy reply (snlp.train.selfgen),
+    in place of the human conversations; and a description of it. The held-out stream is not touched."""
+    text = tuple(p for p in D.parts(cfg.data) if not p.startswith("chat:"))
+    rows = chat.token_streams(cfg.data, tok, cfg.max_chars, cfg.val_frac, keep=text)[0] if text else \
+        np.zeros(0, dtype=np.int64)
+    g = self_distill_rows(base, tok, cfg.data, cfg.val_frac, cfg.self_distill, fingerprint,
+                          cfg.self_distill_prompts, cfg.cache_dir, verbose=verbose)
+    if not g.rows:
+        raise ValueError(f"--self-distill {cfg.self_distill}: no training prompt of {cfg.data!r} fits the model's "
+                         f"{base.config.sequence_len} positions with its reply")
+    gen = np.asarray([t for r in g.rows for t in r], dtype=np.int64)
+    what = (f"{cfg.data} ({g.prompts:,} chat prompts with the base's greedy replies of <= {cfg.self_distill} tokens"
+            f"{f', {g.skipped} too long skipped' if g.skipped else ''}: {g.reply_tokens:,} reply tokens, "
+            + (f"all read from {g.cache}" if g.cache and not g.generated else f"{g.generated:,} decoded in {g.seconds:.0f} s")
+            + (f", {g.prompts - g.generated:,} read from {g.cache}" if g.cache and 0 < g.generated < g.prompts else "") + ")")
+    return np.concatenate([rows, gen]), what
 
 
 def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:

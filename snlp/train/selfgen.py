@@ -1,0 +1,155 @@
+"""Self-distillation data for `snlp adapt --self-distill N`: the base's own greedy replies to the training prompts.
+
+A drafter is accepted where it agrees with the base's GREEDY continuation (self-speculative decoding verifies
+against it), so its training text can be what the base itself writes rather than human replies: for every
+TRAINING conversation of each `chat:` part of the data (snlp.io.chat.split_conversations, the split every
+drafter user shares: held-out conversations are never read here), the opening through its first user turn is
+rendered with the generation prompt (exactly how `snlp eval --drafter` renders its held-out prompts), the base
+decodes N tokens greedily from it (snlp.decode's batched KV-cached sequential decoding, stopping after the
+tokenizer's stop ids), and the row prompt + reply replaces the human conversation in the training stream. Text
+parts stay as they are; the held-out stream is the unchanged human one.
+
+Cache: one .npz per (base weights fingerprint, N, stop ids) in `cache_dir`, holding one reply per prompt keyed
+by the digest of the prompt's ids; a later run (more prompts, another --out, --resume) generates only the prompts
+it lacks. Two runs writing one store at once lose nothing but work (the replace is atomic; the last one wins);
+under torchrun every process decodes the replies it lacks itself (the same tokens: greedy and deterministic).
+Decoding happens while the job is built, before the run's training clock (--minutes) starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import snlp.io.chat as chat
+import snlp.io.data as D
+from snlp.decode.generate import sequential_generate
+from snlp.model.gpt import GPT
+
+GEN_BATCH = 32  # prompts per batched decode (sorted by length, so a batch's rows pad little) ...
+GEN_TOKENS = 8192  # ... and at most this many cached positions per batch (rows x (longest prompt + N))
+
+
+@dataclass
+class SelfGen:
+    """The self-distilled rows (prompt + reply) of the training prompts, and how they were obtained."""
+
+    rows: list[list[int]]
+    prompts: int = 0  # training prompts used
+    skipped: int = 0  # prompts left out: prompt + N tokens longer than the model's sequence_len
+    generated: int = 0  # prompts decoded by this call (the others came from the cache)
+    reply_tokens: int = 0  # tokens of the base's replies in `rows`
+    seconds: float = 0.0  # time spent decoding
+    cache: str | None = None  # the store used (None: no cache_dir)
+    per_part: dict = field(default_factory=dict)  # chat part -> prompts used
+
+
+def prompt_key(ids: list[int]) -> str:
+    """Digest of one prompt's token ids: its entry in the store."""
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+def store_path(cache_dir: str, fingerprint: str, n_tokens: int, stops: tuple[int, ...]) -> Path:
+    key = hashlib.sha256(f"{fingerprint}|{n_tokens}|{','.join(map(str, stops))}".encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"selfgen-{key}.npz"
+
+
+def read_store(path: Path) -> dict[str, list[int]]:
+    if not path.is_file():
+        return {}
+    with np.load(path) as z:
+        keys, flat, off = z["keys"], z["ids"], z["offsets"]
+    return {str(k): flat[off[i]:off[i + 1]].tolist() for i, k in enumerate(keys)}
+
+
+def write_store(path: Path, store: dict[str, list[int]]) -> None:
+    keys = sorted(store)
+    off = np.cumsum([0] + [len(store[k]) for k in keys])
+    flat = np.asarray([t for k in keys for t in store[k]], dtype=np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}.npz")
+    np.savez(tmp, keys=np.asarray(keys, dtype="U32"), ids=flat, offsets=off)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def training_prompts(spec: str, tok, val_frac: float, max_prompts: int = 0) -> dict[str, list[list[int]]]:
+    """chat part -> the token ids of its TRAINING conversations' openings (through the first user turn, with the
+    generation prompt), in conversation order, at most `max_prompts` per part (0: all). Each part is split on its
+    own by snlp.io.chat.split_conversations, as adaptation and `snlp eval --drafter` split it."""
+    out = {}
+    for part in D.parts(spec):
+        if part.startswith("chat:"):
+            tr, _ = chat.split_conversations(chat.load_conversations(chat.chat_part(part)), tok, val_frac)
+            tr = tr[:max_prompts] if max_prompts else tr
+            out[part] = [tok.render_chat(chat.prompt_messages(e.messages), add_generation_prompt=True)[0] for e in tr]
+    return out
+
+
+@torch.no_grad()
+def greedy_replies(model: GPT, prompts: list[list[int]], n_tokens: int, stops: tuple[int, ...],
+                   batch: int = GEN_BATCH, max_positions: int = GEN_TOKENS) -> list[list[int]]:
+    """The base's greedy reply (at most n_tokens, through the first stop id) to each prompt, in order: batched
+    KV-cached sequential decoding of the prompts sorted by length (each row's tokens are its own single-prompt
+    run's, snlp.decode.batch), at most `batch` prompts and `max_positions` cached positions per batch."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    groups, cur = [], []
+    for i in order:  # ascending lengths: the row just added is the batch's longest
+        if cur and (len(cur) >= batch or (len(cur) + 1) * (len(prompts[i]) + n_tokens) > max_positions):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups += [cur] if cur else []
+    for idx in groups:
+        res = sequential_generate(model, [prompts[i] for i in idx], max_new_tokens=n_tokens,
+                                  eos_id=list(stops) or None)
+        res = res if isinstance(res, list) else [res]
+        for i, r in zip(idx, res):
+            out[i] = list(r.tokens)
+    return out
+
+
+def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int, fingerprint: str,
+                      max_prompts: int = 0, cache_dir: str | None = None, verbose: bool = False) -> SelfGen:
+    """The rows prompt + the base's greedy reply of n_tokens for the training prompts of `spec`'s chat parts
+    (`training_prompts`), read from / added to the store in `cache_dir` (keyed by `fingerprint` = the base's
+    weights fingerprint, n_tokens and the tokenizer's stop ids; one entry per prompt digest)."""
+    stops = tuple(int(t) for t in (tok.stop_ids or ()))
+    limit = model.config.sequence_len
+    per_part = training_prompts(spec, tok, val_frac, max_prompts)
+    prompts, skipped = [], 0
+    for ps in per_part.values():
+        keep = [p for p in ps if len(p) + n_tokens <= limit]
+        skipped += len(ps) - len(keep)
+        prompts += keep
+    path = store_path(cache_dir, fingerprint, n_tokens, stops) if cache_dir else None
+    store = read_store(path) if path else {}
+    keys = [prompt_key(p) for p in prompts]
+    todo = sorted({k: p for k, p in zip(keys, prompts) if k not in store}.items())
+    t0 = time.perf_counter()
+    if todo:
+        if verbose:
+            print(f"self-distill: the base decodes {n_tokens} tokens for {len(todo):,} of {len(prompts):,} training "
+                  f"prompts{f' ({len(prompts) - len(todo):,} cached)' if len(todo) < len(prompts) else ''}",
+                  file=sys.stderr, flush=True)
+        was = model.training
+        model.eval()
+        try:
+            replies = greedy_replies(model, [p for _, p in todo], n_tokens, stops)
+        finally:
+            model.train(was)
+        store.update({k: r for (k, _), r in zip(todo, replies)})
+        if path:
+            write_store(path, store)
+    seconds = time.perf_counter() - t0
+    rows = [p + store[k] for p, k in zip(prompts, keys)]
+    return SelfGen(rows=rows, prompts=len(prompts), skipped=skipped, generated=len(todo),
+                   reply_tokens=sum(len(store[k]) for k in keys), seconds=seconds,
+                   cache=None if path is None else str(path), per_part={k: len(v) for k, v in per_part.items()})
