@@ -489,7 +489,10 @@ def bound_report(rows: list[dict], peak: float, bw: float, times: dict, target: 
     scs = ("measured", "flex", "paper", "exact")
     for r in rows:
         P = r["parts"].values()
-        attn = " / ".join(f"{sum(d[f'attn_gflop_{sc}'] for d in P):.1f}" for sc in scs)
+        # the paper's calls carry no window the counter can read (its frames are not snlp's): its one figure is
+        # what its kernels compute, never a flex or visible-pairs figure
+        attn = (f"{sum(d['attn_gflop_measured'] for d in P):.1f} (its kernels) / - / - / -" if r["side"] == "paper"
+                else " / ".join(f"{sum(d[f'attn_gflop_{sc}'] for d in P):.1f}" for sc in scs))
         heavy_mb = sum(d["heavy_mb"] for d in P)
         written = sum(nb for kind, part, fl, nb in r["heavy_out"]) / 2**20
         out.append(f"| {r['shape']} | {label(r)} | {sum(d['gemm_gflop'] for d in P):.1f} | {attn} | "
@@ -551,7 +554,12 @@ def sweep_report(calib: list[dict], points: list[list[dict]], depth: int, times:
     seq = next(r for r in calib if r["forward"] == "sequential")
     head = floor_ms(seq["heavy"], "measured", peak, bw, ("head",))
     f_layers = flops_of(seq, "measured", ("layers",))
-    r_layers = f_layers / (times["sequential"] - head - depth * lat_layer / 1e3)
+    left = times["sequential"] - head - depth * lat_layer / 1e3
+    if left <= 0:
+        raise ValueError(f"--sweep: the measured sequential {times['sequential']:g} ms is at or under the model's "
+                         f"latency alone ({depth} x {lat_layer:g} us + the head's floor {head:.3f} ms): lower "
+                         f"--latency-us or calibrate at a larger T")
+    r_layers = f_layers / left
     rate = {}
     for r in calib:
         t = times.get(r["forward"])
@@ -560,7 +568,11 @@ def sweep_report(calib: list[dict], points: list[list[dict]], depth: int, times:
         plan = Plan.parse(r["forward"])
         n_pre = depth - plan.chunks * plan.fuse
         pre = n_pre * lat_layer / 1e3 + flops_of(r, "measured", ("layers",)) / r_layers
-        rate[r["forward"]] = flops_of(r, "measured", ("stack",)) / (t - head - pre - plan.iters * lat_iter / 1e3)
+        left = t - head - pre - plan.iters * lat_iter / 1e3
+        if left <= 0:
+            raise ValueError(f"--sweep: the measured {r['forward']} {t:g} ms is at or under the model's latency and "
+                             f"prefix alone ({t - left:.3f} ms): lower --latency-us or calibrate at a larger T")
+        rate[r["forward"]] = flops_of(r, "measured", ("stack",)) / left
     out = [f"\n# PREDICTED (model, not measured): {lat_layer:g} us per sequential layer and {lat_iter:g} us per "
            f"iteration of latency, the rest at the rates the measured times imply at T = {seq['tokens']}, batch "
            f"{seq['batch']}: layers {r_layers:.0f} TFLOP/s, stacks " +
@@ -696,6 +708,11 @@ def main(argv=None) -> int:
     if a.sweep:
         shape = next(s for s in PAPER_SHAPES if s.key == a.shapes.split(",")[0])
         lat = [float(x) for x in a.latency_us.split(",")]
+        try:  # the calibration alone (no points) first: a model the measured times cannot fit is refused before work
+            sweep_report(rows, [], shape.depth, times, lat[0], lat[-1], a.peak_tflops, a.hbm_tbs)
+        except ValueError as e:
+            print(f"prefill_ops.py: error: {e}", file=sys.stderr)
+            return 2
         pts = []
         for item in a.sweep.split(","):
             t, _, b = item.partition(":")

@@ -13,7 +13,7 @@ source scripts/setup_env.sh
 snlp_setup
 python3 -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 # The default tests on every core (pytest-xdist; at most 4 workers, each loads SmolLM2 once); `-n 0` among the
-# arguments runs them in one process. The slow ones stay in one process: they spawn ranks and time wall clocks.
+# arguments runs them in one process. The slow ones stay in one process: whole pipelines, some timing wall clocks.
 workers=$(python3 -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 python3 -m pytest -q -n "$workers" "$@"
 if (( all )); then

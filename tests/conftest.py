@@ -196,7 +196,10 @@ def _cache_dir(request, name: str) -> Path:
     cache = getattr(request.config, "cache", None)
     if cache is not None:
         return Path(cache.mkdir(name))
-    d = Path(tempfile.gettempdir()) / f"{name}-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    # one folder per checkout: a checkout whose conversion code differs (another key) clears only its own folder,
+    # never a conversion another checkout's run is reading
+    root = hashlib.sha256(str(Path(request.config.rootpath).resolve()).encode()).hexdigest()[:8]
+    d = Path(tempfile.gettempdir()) / f"{name}-{os.getuid() if hasattr(os, 'getuid') else 'user'}-{root}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

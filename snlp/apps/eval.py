@@ -1,8 +1,9 @@
 """Evaluate a checkpoint: the sequential model and SNLP plans on its validation split (paper metrics).
 
 One row per plan, the sequential baseline first: PPL / dPPL over non-overlapping --seq-len windows,
-Top-1 and LogitSim vs the sequential logits, AR Match over --gen-tokens greedy tokens (fused plans vs
-the fused model run sequentially) with the implied per-token agreement beta, EmbSim (MiniLM sentence
+Top-1 and LogitSim vs the sequential logits, AR Match over --gen-tokens greedy tokens vs the sequential
+model (a fused plan's agreement with its fused model run sequentially is its own column, AR Match vs fused)
+with the implied per-token agreement beta, EmbSim (MiniLM sentence
 embeddings, `pip install snlp[emb]`), the decode / prefill speedup measured round-robin in this
 process, and the ideal layer-step speedup L / (S + K + [fwd]). The protocol is
 snlp.eval.protocol.evaluate (see its docstring); this module only parses flags and presents the records.

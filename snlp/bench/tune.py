@@ -37,6 +37,7 @@ validation is not run and recorded as such (`grid_best` and `pick_vs_best` None,
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 import time
@@ -494,7 +495,7 @@ def _best(cands: list[Candidate]) -> Candidate | None:
 
 
 def _name(c: Candidate) -> str:
-    return f"{c.plan}" + (f" B={c.block}" if c.block else "") + (f" ({c.threads} thr, compiled)" if c.compiled else "")
+    return f"{c.plan}" + (f" B={c.block}" if c.block else "") + f" ({c.threads} thr{', compiled' if c.compiled else ''})"
 
 
 def paired_rounds(a: Candidate, b: Candidate) -> list[float] | None:
@@ -613,10 +614,14 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     notes += [f"{c.goal} candidate {_name(c)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
               f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
-    if cfg.repeats < fewest_sign_rounds() and any(sum(c.measured for c in cands if c.goal == g) > 1 for g in goals):
-        notes.append(f"stage 2 timed {cfg.repeats} round(s): the pick's sign test resolves a lead from "
-                     f"{fewest_sign_rounds()} rounds on, so every measured candidate tied and the best prediction "
-                     f"among them picked")
+    # the sign test judges only candidates timed in the same rounds (one setting); across settings the noise rule
+    # can resolve a lead from 2 rounds, so the note names the case the sign test alone decided
+    paired = [g for g in goals if any(paired_rounds(a, b) for a, b in itertools.combinations(
+        [c for c in cands if c.goal == g and c.measured], 2))]
+    if cfg.repeats < fewest_sign_rounds() and paired:
+        notes.append(f"stage 2 timed {cfg.repeats} round(s): the sign test over paired rounds resolves a lead from "
+                     f"{fewest_sign_rounds()} rounds on, so {' and '.join(paired)} candidates timed in the same "
+                     f"rounds tied, and the best prediction among them picked")
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
     for g, p in picks.items():

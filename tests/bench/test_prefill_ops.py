@@ -111,3 +111,29 @@ def test_bad_options_are_refused_before_any_work(argv, capsys):
         prefill_ops.main(["--shapes", "0.5B-nox0ve"] + argv)
     assert e.value.code == 2
     assert "one eager prefill" not in capsys.readouterr().out
+
+
+def test_sweep_refuses_a_calibration_its_latency_model_cannot_fit(rows):
+    """A measured time at or under the latency the model charges alone would give a negative FLOP rate and
+    nonsense predictions: refused with the reason, for the sequential forward and for a plan."""
+    shape, by = rows
+    calib = list(by.values())
+    with pytest.raises(ValueError, match="sequential .* latency alone"):
+        prefill_ops.sweep_report(calib, [], shape.depth, {"sequential": 1e-3}, 30.0, 30.0, 989.0, 4.8)
+    with pytest.raises(ValueError, match="12xF2-h0-K1 .* latency and prefix alone"):
+        prefill_ops.sweep_report(calib, [], shape.depth, {"sequential": 50.0, "12xF2-h0-K1": 1e-3}, 30.0, 30.0,
+                                 989.0, 4.8)
+    assert prefill_ops.sweep_report(calib, [], shape.depth, {"sequential": 50.0, "12xF2-h0-K1": 40.0}, 1.0, 1.0,
+                                    989.0, 4.8)
+
+
+def test_bound_table_gives_the_papers_rows_one_attention_figure(rows):
+    """The paper's calls carry no window the counter reads, so its row shows what its kernels compute and no flex or
+    visible-pairs figure (which would repeat the kernel count under another name)."""
+    import copy
+
+    _, by = rows
+    paper = copy.deepcopy(by["sequential"])
+    paper["side"] = "paper"
+    line = next(x for x in prefill_ops.bound_report([paper], 989.0, 4.8, {}, 2.0) if "paper: sequential" in x)
+    assert "(its kernels) / - / - / -" in line

@@ -283,3 +283,20 @@ def test_pick_rule_excludes_non_finite_and_inexact_measurements(model):
     got, _, notes = _picked(model, [nan, fast_wrong, ok, _cand("C", [1.3] * 6)])
     assert got is ok
     assert any("N" in n and "non-finite" in n for n in notes) and any("W B=4" in n for n in notes)
+
+
+def test_few_rounds_note_only_where_the_sign_test_judged(model):
+    """With fewer rounds than the sign test needs, candidates of one setting (paired rounds) always tie, and the note
+    says so; candidates timed under different thread counts have no paired rounds, the noise rule resolves their
+    lead from 2 rounds, and no note claims a tie. Names carry the thread count, so two settings of one plan differ."""
+    from snlp.bench.tune import _result
+
+    fast, slow = _cand("6xF1-h0-K2", [1.60, 1.61, 1.59], pred=1.2), _cand("6xF1-h0-K2", [1.10, 1.11, 1.09], pred=1.5)
+    slow.threads = 2
+    r = _result(model, TuneConfig(repeats=3, threads=(1, 2)), [], [], [], [fast, slow], 0.0, 0.0)
+    assert r.picks["ssd"] is fast and "which the rounds resolve" in r.pick_rule["ssd"]
+    assert not any("round(s)" in n for n in r.notes)
+    assert "(1 thr)" in r.pick_rule["ssd"] and "(2 thr)" in r.pick_rule["ssd"]
+    slow.threads = 1  # one setting: paired rounds, 3 of 3 won cannot resolve at 5 %
+    r = _result(model, TuneConfig(repeats=3), [], [], [], [fast, slow], 0.0, 0.0)
+    assert r.picks["ssd"] is slow and any("timed 3 round(s)" in n and "tied" in n for n in r.notes)

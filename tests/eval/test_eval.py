@@ -341,3 +341,13 @@ def test_records_written_before_ar_match_fused_read_into_one_meaning_per_field()
     assert older.ar_match is None and older.ar_beta is None and older.ar_match_fused == 1.0
     new = EvalRecord(plan="6xF2-h0-K1", M=2, ar_match=0.4, ar_match_fused=1.0, ar_fused_reference="6xF2-h0-K1")
     assert EvalRecord.from_dict(new.to_dict()) == new
+
+
+def test_eval_help_says_ar_match_is_against_the_sequential_model():
+    """`snlp eval --help` (the module docstring) names AR Match's one reference, the sequential model, and the fused
+    plans' own column; it used to say fused plans were compared with their fused model."""
+    import snlp.apps.eval as app
+
+    doc = " ".join(app.__doc__.split())
+    assert "AR Match over --gen-tokens greedy tokens vs the sequential model" in doc
+    assert "(fused plans vs the fused model run sequentially)" not in doc and "AR Match vs fused" in doc

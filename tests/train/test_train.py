@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 
 from snlp.apps.cli import main
@@ -61,7 +62,7 @@ def test_ddp_matches_single_process(corpus, tmp_path):
     cache = tmp_path / "cache"
     args = ["--steps", "3", "--reg", "idn", "--reg-n", "2", "--warmup-steps", "1", "--log-every", "1"]
     single = train(tmp_path / "one", corpus, cache, *args)  # also fills the token cache
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "-m", "snlp",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "snlp",
            "train", "--out", str(tmp_path / "two"), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *args]
     i = cmd.index("--batch-size")
     cmd[i + 1] = "2"  # 2 processes x 2 = the single process's global batch of 4
