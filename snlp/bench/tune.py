@@ -494,8 +494,10 @@ def _best(cands: list[Candidate]) -> Candidate | None:
     return max(_eligible(cands), key=lambda c: c.tokens_per_s, default=None)
 
 
-def _name(c: Candidate) -> str:
-    return f"{c.plan}" + (f" B={c.block}" if c.block else "") + f" ({c.threads} thr{', compiled' if c.compiled else ''})"
+def _name_of(c: Candidate, setting: bool = False) -> str:
+    """The candidate's plan and block; its setting (threads, compiled) where asked or compiled."""
+    return f"{c.plan}" + (f" B={c.block}" if c.block else "") + \
+        (f" ({c.threads} thr{', compiled' if c.compiled else ''})" if setting or c.compiled else "")
 
 
 def paired_rounds(a: Candidate, b: Candidate) -> list[float] | None:
@@ -546,6 +548,11 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     if not ok:
         return None, "no eligible measured candidate"
     best = max(ok, key=lambda c: c.tokens_per_s)
+    mixed = len({(c.threads, c.compiled) for c in ok}) > 1  # name the settings only where they differ
+
+    def _name(c: Candidate) -> str:
+        return _name_of(c, mixed)
+
     verdict = {id(c): _leads(best, c) for c in ok if c is not best}
     tied = [c for c in ok if c is best or not verdict[id(c)][0]]
     ns = sorted({len(r) for c in ok if c is not best and (r := paired_rounds(best, c))})
@@ -612,7 +619,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
         ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
     notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
-    notes += [f"{c.goal} candidate {_name(c)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
+    notes += [f"{c.goal} candidate {_name_of(c, True)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
               f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
     # the sign test judges only candidates timed in the same rounds (one setting); across settings the noise rule
     # can resolve a lead from 2 rounds, so the note names the case the sign test alone decided

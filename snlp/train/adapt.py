@@ -318,7 +318,7 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
             p.requires_grad_(True)
         train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
         what = cfg.data
-        if cfg.self_distill:
+        if cfg.self_distill and len(val) > cfg.seq_len + 1:  # a data error is refused before the decoding
             train, what = self_distilled_stream(cfg, base, btok, fingerprint, verbose=rank == 0)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
             raise ValueError(f"--data {cfg.data!r} gives {len(train):,} train / {len(val):,} val tokens: need more "
@@ -346,13 +346,16 @@ def self_distilled_stream(cfg: AdaptConfig, base: GPT, tok, fingerprint: str, ve
     rows = chat.token_streams(cfg.data, tok, cfg.max_chars, cfg.val_frac, keep=text)[0] if text else \
         np.zeros(0, dtype=np.int64)
     g = self_distill_rows(base, tok, cfg.data, cfg.val_frac, cfg.self_distill, fingerprint,
-                          cfg.self_distill_prompts, cfg.cache_dir, verbose=verbose)
+                          cfg.self_distill_prompts, cfg.cache_dir, verbose=verbose, need_tokens=cfg.seq_len + 1,
+                          other_tokens=len(rows))
     if not g.rows:
         raise ValueError(f"--self-distill {cfg.self_distill}: no training prompt of {cfg.data!r} fits the model's "
                          f"{base.config.sequence_len} positions with its reply")
     gen = np.asarray([t for r in g.rows for t in r], dtype=np.int64)
     what = (f"{cfg.data} ({g.prompts:,} chat prompts with the base's greedy replies of <= {cfg.self_distill} tokens"
-            f"{f', {g.skipped} too long skipped' if g.skipped else ''}: {g.reply_tokens:,} reply tokens, "
+            f"{f', {g.skipped} too long skipped' if g.skipped else ''}"
+            f"{f', {g.held_out_twins} equal to a held-out prompt left out' if g.held_out_twins else ''}: "
+            f"{g.reply_tokens:,} reply tokens, "
             + (f"all read from {g.cache}" if g.cache and not g.generated else f"{g.generated:,} decoded in {g.seconds:.0f} s")
             + (f", {g.prompts - g.generated:,} read from {g.cache}" if g.cache and 0 < g.generated < g.prompts else "") + ")")
     return np.concatenate([rows, gen]), what

@@ -9,8 +9,12 @@ decodes N tokens greedily from it (snlp.decode's batched KV-cached sequential de
 tokenizer's stop ids), and the row prompt + reply replaces the human conversation in the training stream. Text
 parts stay as they are; the held-out stream is the unchanged human one.
 
-Cache: one .npz per (base weights fingerprint, N, stop ids) in `cache_dir`, holding one reply per prompt keyed
-by the digest of the prompt's ids; a later run (more prompts, another --out, --resume) generates only the prompts
+A training prompt whose ids equal a held-out prompt's (two conversations that open alike) is left out, so no
+reply the drafter is scored on is one it trained on.
+
+Cache: one .npz per (base weights fingerprint, the base's config, its dtype and device type, N, stop ids) in
+`cache_dir` (the config: a base re-saved with another rope_base or window decodes other replies from the same
+weights), holding one reply per prompt keyed by the digest of the prompt's ids; a later run (more prompts, another --out, --resume) generates only the prompts
 it lacks. Two runs writing one store at once lose nothing but work (the replace is atomic; the last one wins);
 under torchrun every process decodes the replies it lacks itself (the same tokens: greedy and deterministic).
 Decoding happens while the job is built, before the run's training clock (--minutes) starts.
@@ -19,10 +23,11 @@ Decoding happens while the job is built, before the run's training clock (--minu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +49,7 @@ class SelfGen:
     rows: list[list[int]]
     prompts: int = 0  # training prompts used
     skipped: int = 0  # prompts left out: prompt + N tokens longer than the model's sequence_len
+    held_out_twins: int = 0  # training prompts left out: equal to a held-out prompt
     generated: int = 0  # prompts decoded by this call (the others came from the cache)
     reply_tokens: int = 0  # tokens of the base's replies in `rows`
     seconds: float = 0.0  # time spent decoding
@@ -79,17 +85,34 @@ def write_store(path: Path, store: dict[str, list[int]]) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def training_prompts(spec: str, tok, val_frac: float, max_prompts: int = 0) -> dict[str, list[list[int]]]:
-    """chat part -> the token ids of its TRAINING conversations' openings (through the first user turn, with the
-    generation prompt), in conversation order, at most `max_prompts` per part (0: all). Each part is split on its
-    own by snlp.io.chat.split_conversations, as adaptation and `snlp eval --drafter` split it."""
-    out = {}
+def training_prompts(spec: str, tok, val_frac: float, max_prompts: int = 0
+                     ) -> tuple[list[tuple[str, list[list[int]]]], int]:
+    """([(chat part, the token ids of its TRAINING conversations' openings)], training prompts left out), one entry
+    per chat part of `spec` in order (a part named twice counts twice, as the human stream counts it). An opening
+    runs through the first user turn, with the generation prompt, in conversation order, at most `max_prompts`
+    per part (0: all). Each part is split on its own by snlp.io.chat.split_conversations, as adaptation and
+    `snlp eval --drafter` split it; a training opening equal to a held-out one is left out and counted."""
+    def render(e):
+        return tok.render_chat(chat.prompt_messages(e.messages), add_generation_prompt=True)[0]
+
+    out, twins = [], 0
     for part in D.parts(spec):
         if part.startswith("chat:"):
-            tr, _ = chat.split_conversations(chat.load_conversations(chat.chat_part(part)), tok, val_frac)
-            tr = tr[:max_prompts] if max_prompts else tr
-            out[part] = [tok.render_chat(chat.prompt_messages(e.messages), add_generation_prompt=True)[0] for e in tr]
-    return out
+            tr, va = chat.split_conversations(chat.load_conversations(chat.chat_part(part)), tok, val_frac)
+            held = {tuple(render(e)) for e in va}
+            ps = [render(e) for e in tr]
+            keep = [p for p in ps if tuple(p) not in held]
+            twins += len(ps) - len(keep)
+            out.append((part, keep[:max_prompts] if max_prompts else keep))
+    return out, twins
+
+
+def base_identity(model: GPT, fingerprint: str) -> str:
+    """What decides the base's greedy replies, for the store's key: its weights fingerprint, its config (the same
+    weights under another rope_base, window or softcap decode differently), dtype and device type."""
+    p = next(model.parameters())
+    conf = json.dumps(asdict(model.config), sort_keys=True, default=str)
+    return f"{fingerprint}|{hashlib.sha256(conf.encode()).hexdigest()[:16]}|{p.dtype}|{p.device.type}"
 
 
 @torch.no_grad()
@@ -117,19 +140,26 @@ def greedy_replies(model: GPT, prompts: list[list[int]], n_tokens: int, stops: t
 
 
 def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int, fingerprint: str,
-                      max_prompts: int = 0, cache_dir: str | None = None, verbose: bool = False) -> SelfGen:
+                      max_prompts: int = 0, cache_dir: str | None = None, verbose: bool = False,
+                      need_tokens: int = 0, other_tokens: int = 0) -> SelfGen:
     """The rows prompt + the base's greedy reply of n_tokens for the training prompts of `spec`'s chat parts
-    (`training_prompts`), read from / added to the store in `cache_dir` (keyed by `fingerprint` = the base's
-    weights fingerprint, n_tokens and the tokenizer's stop ids; one entry per prompt digest)."""
+    (`training_prompts`), read from / added to the store in `cache_dir` (keyed by `base_identity`, n_tokens and
+    the tokenizer's stop ids; one entry per prompt digest). `need_tokens`: a ValueError, before any decoding, when
+    even replies of the full n_tokens could not give the stream (with `other_tokens` of text beside it) more."""
     stops = tuple(int(t) for t in (tok.stop_ids or ()))
     limit = model.config.sequence_len
-    per_part = training_prompts(spec, tok, val_frac, max_prompts)
-    prompts, skipped = [], 0
-    for ps in per_part.values():
+    parts, twins = training_prompts(spec, tok, val_frac, max_prompts)
+    prompts, skipped, per_part = [], 0, {}
+    for part, ps in parts:
         keep = [p for p in ps if len(p) + n_tokens <= limit]
         skipped += len(ps) - len(keep)
         prompts += keep
-    path = store_path(cache_dir, fingerprint, n_tokens, stops) if cache_dir else None
+        per_part[part] = per_part.get(part, 0) + len(keep)
+    most = other_tokens + sum(len(p) + n_tokens for p in prompts)
+    if need_tokens and most <= need_tokens:
+        raise ValueError(f"--self-distill {n_tokens}: {len(prompts):,} training prompts with replies of at most "
+                         f"{n_tokens} tokens give at most {most:,} train tokens: need more than {need_tokens:,}")
+    path = store_path(cache_dir, base_identity(model, fingerprint), n_tokens, stops) if cache_dir else None
     store = read_store(path) if path else {}
     keys = [prompt_key(p) for p in prompts]
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in store}.items())
@@ -150,6 +180,6 @@ def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int
             write_store(path, store)
     seconds = time.perf_counter() - t0
     rows = [p + store[k] for p, k in zip(prompts, keys)]
-    return SelfGen(rows=rows, prompts=len(prompts), skipped=skipped, generated=len(todo),
+    return SelfGen(rows=rows, prompts=len(prompts), skipped=skipped, held_out_twins=twins, generated=len(todo),
                    reply_tokens=sum(len(store[k]) for k in keys), seconds=seconds,
-                   cache=None if path is None else str(path), per_part={k: len(v) for k, v in per_part.items()})
+                   cache=None if path is None else str(path), per_part=per_part)

@@ -105,3 +105,53 @@ def test_bad_self_distill_combinations_are_refused_before_any_work(tmp_path, kw,
     with pytest.raises(ValueError, match=msg):
         adapt(cfg)  # (the base does not even exist: refused before loading it)
     assert not (tmp_path / "d").exists()
+
+
+def test_store_key_follows_what_decides_the_replies_and_bad_data_is_refused_before_decoding(tmp_path, monkeypatch):
+    """The same weights under another config (rope_base) or dtype decode other replies: they get their own store,
+    never the other base's replies. A stream too short even with full replies is refused before any decoding."""
+    import dataclasses
+
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    model, tok = load(base_dir)
+    model = model.double().eval()
+    path, _ = chat_file(tmp_path)
+    fp, cache = weights_fingerprint(model), str(tmp_path / "cache")
+    first = SG.self_distill_rows(model, tok, f"chat:{path}", 0.2, 7, fp, cache_dir=cache)
+    other = type(model)(dataclasses.replace(model.config, rope_base=model.config.rope_base * 50)).double().eval()
+    other.load_state_dict(model.state_dict())
+    assert weights_fingerprint(other) == fp  # the weights alone cannot tell the two bases apart
+    again = SG.self_distill_rows(other, tok, f"chat:{path}", 0.2, 7, fp, cache_dir=cache)
+    assert again.generated == again.prompts and again.cache != first.cache
+    prompts = SG.training_prompts(f"chat:{path}", tok, 0.2)[0][0][1]
+    assert again.rows == [p + argmax_loop(other, p, 7, eos_id=list(tok.stop_ids)) for p in prompts]
+    assert SG.base_identity(model.float(), fp) != SG.base_identity(model.double(), fp)
+
+    def fail(*a, **k):
+        raise AssertionError("decoded although the stream cannot be long enough")
+
+    monkeypatch.setattr(SG, "greedy_replies", fail)
+    with pytest.raises(ValueError, match="give at most .* train tokens: need more than 100,000"):
+        SG.self_distill_rows(model, tok, f"chat:{path}", 0.2, 8, fp, cache_dir=cache, need_tokens=100_000)
+
+
+def test_a_part_named_twice_counts_twice_and_held_out_twins_are_left_out(tmp_path):
+    """`chat:X,chat:X` weighs X twice in the human stream, so its prompts count twice here too; a training
+    conversation that opens exactly as a held-out one does is left out (its reply is what the drafter is scored
+    on), and counted."""
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    model, tok = load(base_dir)
+    path, convs = chat_file(tmp_path)
+    one, _ = SG.training_prompts(f"chat:{path}", tok, 0.2)
+    two, _ = SG.training_prompts(f"chat:{path},chat:{path}", tok, 0.2)
+    assert len(two) == 2 and two[0][1] == two[1][1] == one[0][1]
+    g = SG.self_distill_rows(model, tok, f"chat:{path},chat:{path}", 0.2, 3, weights_fingerprint(model))
+    assert g.prompts == 2 * len(one[0][1]) and sum(g.per_part.values()) == g.prompts
+    kept = [c for c in convs if len(c) > 1]
+    # with the twin second, conversation 4 (every 5th is held out) is kept[3]: the twin opens as it does
+    twin = [dict(kept[3][0]), {"role": "assistant", "content": "t5"}]
+    path2 = tmp_path / "twins.jsonl"
+    path2.write_text("\n".join(json.dumps({"messages": c}) for c in [kept[0], twin, *kept[1:]]))
+    parts, twins = SG.training_prompts(f"chat:{path2}", tok, 0.2)
+    opening = tok.render_chat(kept[3][:1], add_generation_prompt=True)[0]
+    assert twins == 1 and opening not in parts[0][1]
