@@ -485,16 +485,26 @@ def early_exit_table(rows: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def stepping_recorded(trains) -> bool:
+    """Whether every training record holds the stepping pace (tokens over summed step time) and the mean own step;
+    older records hold medians only, and the table says which it shows."""
+    trains = list(trains)
+    return bool(trains) and all(t.get("stepping_tok_s") and t.get("mean_step_s") for t in trains)
+
+
 def training_table(tok: dict, trains: dict[str, dict]) -> str:
-    lines = ["| Model | Steps | Tokens | Train time | tok/s (median) | Own step (tok/s) | Val CE (PPL) | "
-             "K=1 gap, start → end |", "|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    stepping = stepping_recorded(trains[k] for k, _ in MODELS)
+    lines = [f"| Model | Steps | Tokens | Train time | tok/s ({'stepping' if stepping else 'median'}) | Own step "
+             f"({'mean' if stepping else 'median'}; tok/s) | Val CE (PPL) | K=1 gap, start → end |",
+             "|:---|---:|---:|---:|---:|---:|---:|---:|"]
     for key, label in MODELS:
         t = trains[key]
-        own = t.get("median_step_s")
+        own = t.get("mean_step_s") if stepping else t.get("median_step_s")
+        rate = t.get("stepping_tok_s") if stepping else t.get("median_tok_s")
         tokens_per_step = t["tokens"] / t["steps"] if t.get("steps") else None
         own_cell = "–" if not own or not tokens_per_step else f"{own:.2f} s ({tokens_per_step / own:,.0f})"
         lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
-                     f"{_num(t['median_tok_s'], '{:,.0f}')} | {own_cell} | "
+                     f"{_num(rate, '{:,.0f}')} | {own_cell} | "
                      f"{t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
     lines.append(f"| unigram baseline | | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
@@ -863,8 +873,8 @@ def stepping_pace_s(ctx: dict) -> float | None:
     (lockstep), their sum when one after the other. Falls back to train_pace_s where no median was recorded."""
     st = ctx["stages"]
     trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
-    paced = [t["tokens"] / t["steps"] / t["median_tok_s"] for t in trains
-             if t.get("steps") and t.get("tokens") and t.get("median_tok_s")]
+    key = "stepping_tok_s" if stepping_recorded(trains) else "median_tok_s"
+    paced = [t["tokens"] / t["steps"] / t[key] for t in trains if t.get("steps") and t.get("tokens") and t.get(key)]
     if not paced or len(paced) != len(trains):
         return train_pace_s(ctx)
     return max(paced) if ctx.get("parallel") else sum(paced)
@@ -1024,11 +1034,14 @@ def render_report(ctx: dict) -> str:
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
            f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
-           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. tok/s (median): "
-           f"tokens per wall-clock second of each training step, the median over steps"
+           f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. "
+           + ("tok/s (stepping): the tokens of the steps over the sum of their wall-clock times, start-up and "
+              "validation passes left out (Train time holds them)" if stepping_recorded(trains.values()) else
+              "tok/s (median): tokens per wall-clock second of each training step, the median over steps")
            + ("; the two trained side by side in lockstep, so each waits for the slower one and this is the pair's "
-              "pace, the same for both by construction" if ctx["parallel"] else "")
-           + ". Own step: the median of the model's own step time (its start to its statistics"
+              "pace (the two differ only by when each step's clock stops)" if ctx["parallel"] else "")
+           + f". Own step: the {'mean' if stepping_recorded(trains.values()) else 'median'} of the model's own "
+           "step time (its start to its statistics"
            + (", without the lockstep wait" if ctx["parallel"] else "")
            + ") and the tokens per second it implies: what one step of each model costs (IDN Reg.'s includes the "
            "regulariser).\n",

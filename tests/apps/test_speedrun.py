@@ -1279,7 +1279,7 @@ def test_every_column_is_defined_where_it_is_printed():
     ctx = _report_ctx()
     ctx["stages"]["train-noreg"]["result"] = {**ctx["stages"]["train-noreg"]["result"], "median_step_s": 1.1}
     ctx["stages"]["train-idn"]["result"] = {**ctx["stages"]["train-idn"]["result"], "median_step_s": 1.74}
-    own = column(tables(render_report(ctx))["Training"], "Own step (tok/s)")[:2]
+    own = column(tables(render_report(ctx))["Training"], "Own step (median; tok/s)")[:2]
     assert own == ["1.10 s (1,862)", "1.74 s (1,177)"]  # 2048 tokens a step
     line = _budget_line(_report_ctx(budget={"train_s": 510.0, "train_floor_s": 300.0, "probe": {}, "stages": {}}))
     assert "its share when it started" not in line and "prediction of the stage at the scale it ran with" in line

@@ -225,3 +225,26 @@ def test_training_in_a_log_writes_no_carriage_returns(tmp_path, capsys):
     assert bar_lines and bar_lines[-1].startswith("train: 4/4 (100%) done in") and "loss=" in bar_lines[-1]
     assert len(cap.err.splitlines()) <= 5  # however many steps: a line per 30 s and one at the end
     assert "step 2:" in cap.out and "step 4:" in cap.out  # the evaluations still reach stdout
+
+
+def test_training_pace_is_tokens_over_the_summed_step_time_not_a_median():
+    """A loaded box's heavy-tailed steps: the median of per-step tok/s overstates the pace the run stepped at (a
+    fresh report said 1,183 tok/s where its own 909,312 tokens took 958 s). The stepping pace is the tokens over
+    the summed step wall times; the table, its caption and the floor's price use it, and name their statistic."""
+    from snlp.apps.report import stepping_pace_s
+    from snlp.apps.speedrun.train import _mean_step_s, _stepping_tok_s
+
+    log = [{"step": 0, "val_loss": 8.0}, {"step": 1, "tok_s": 50.0, "step_s": 9.0}] + \
+        [{"step": s, "tok_s": x, "step_s": 2048 / x} for s, x in zip(range(2, 8), [1000, 1000, 1000, 1000, 250, 250])]
+    walls = [2048 / x for x in (1000, 1000, 1000, 1000, 250, 250)]
+    assert _stepping_tok_s(log, 2) == pytest.approx(6 * 2048 / sum(walls))  # 500 tok/s; the median says 1000
+    assert _mean_step_s(log, 2) == pytest.approx(sum(walls) / 6)
+    train = {"steps": 6, "tokens": 6 * 2048, "train_seconds": 40.0, "median_tok_s": 1000.0, "gap_at_0": 0.5, "gap": 0.1,
+             "val_loss": 4.0, "median_step_s": 2.048, "stepping_tok_s": _stepping_tok_s(log, 2),
+             "mean_step_s": _mean_step_s(log, 2)}
+    tt = training_table({"unigram_ce": 5.0}, {"noreg": train, "idn": train})
+    assert "tok/s (stepping)" in tt and "Own step (mean; tok/s)" in tt and "| 500 |" in tt
+    ctx = {"stages": {"train-noreg": {"result": train}, "train-idn": {"result": train}}, "parallel": True}
+    assert stepping_pace_s(ctx) == pytest.approx(sum(walls) / 6)
+    old = {k: v for k, v in train.items() if k not in ("stepping_tok_s", "mean_step_s")}  # records before the fix
+    assert "tok/s (median)" in training_table({"unigram_ce": 5.0}, {"noreg": old, "idn": old})

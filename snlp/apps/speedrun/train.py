@@ -137,6 +137,20 @@ def _median_tok_s(log: list[dict], first_step: int) -> float | None:
     return rates[len(rates) // 2] if rates else None
 
 
+def _stepping_tok_s(log: list[dict], first_step: int) -> float | None:
+    """Tokens over the summed wall time of the steps (each step's tokens / its `tok_s`), start-up and validation
+    passes left out: the pace the run actually stepped at. The median of `tok_s` understates a heavy-tailed step
+    time (a loaded box's slow steps), and a budget priced on it runs out."""
+    rates = [r["tok_s"] for r in log if r.get("tok_s") and r["step"] >= first_step]
+    return len(rates) / sum(1.0 / x for x in rates) if rates else None  # equal tokens per step: harmonic mean
+
+
+def _mean_step_s(log: list[dict], first_step: int) -> float | None:
+    """The mean of the model's own step times (`step_s`), what the training log's summary prints."""
+    secs = [r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step]
+    return sum(secs) / len(secs) if secs else None
+
+
 def _median_step_s(log: list[dict], first_step: int) -> float | None:
     """The median of the model's own step times (`step_s`: a step's start to its statistics, without the lockstep
     wait for the other model that `tok_s` includes)."""
@@ -309,6 +323,7 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
             "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
             "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
             "median_step_s": _median_step_s(log, first_step=2),
+            "stepping_tok_s": _stepping_tok_s(log, first_step=2), "mean_step_s": _mean_step_s(log, first_step=2),
             "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
             "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
 
