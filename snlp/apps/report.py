@@ -414,9 +414,10 @@ SSD_MEASURED = ("Measured = the median over the timed rounds of each round's pai
                 "wall time per token of that round (both sides decoded the same prompts, interleaved, so load drift "
                 "between rounds cancels); Rounds = the lowest and highest of those per-round ratios; Seq / SSD ms/tok "
                 "= the median over the rounds of each side's own ms per token, taken separately, so their ratio "
-                "equals Measured only when the load held still from round to round; Measured is in bold where every round "
-                "was faster than sequential, and marked (tie) where the rounds lie on both sides of 1.0: those rounds "
-                "do not tell SSD from sequential decoding")
+                "equals Measured only when the load held still from round to round; Measured is in bold where the rounds "
+                "resolve SSD from sequential decoding by the main table's rule (a two-sided sign test at 5 % over the "
+                "rounds faster and slower than sequential: 6 of 6 at the fewest), and marked (tie) where they do not "
+                "(rounds on both sides of 1.0, or too few rounds for the test)")
 
 
 def _rounds(r: dict) -> str:
@@ -425,12 +426,16 @@ def _rounds(r: dict) -> str:
 
 
 def _measured_cell(r: dict) -> str:
-    """Measured, in bold only where every timed round was faster than sequential; rounds on both sides of 1.0 do
-    not resolve SSD from sequential decoding, so the cell says tie."""
+    """Measured, in bold only where the rounds resolve SSD from sequential decoding by the main table's two-sided
+    sign test at SIGN_LEVEL (rounds faster vs slower than sequential); otherwise the cell says tie (3 rounds, all
+    faster, give p = 0.25: no resolution)."""
     cell, xs = _num(r["measured_speedup"], "{:.3f}x"), r.get("round_speedups") or []
-    if xs and min(xs) <= 1.0 <= max(xs):
-        return f"{cell} (tie)"
-    return f"**{cell}**" if xs and min(xs) > 1.0 else cell
+    if not xs:
+        return cell
+    wins, losses = sum(x > 1.0 for x in xs), sum(x < 1.0 for x in xs)
+    if wins != losses and sign_test_p(wins, losses) < SIGN_LEVEL:
+        return f"**{cell}**" if wins > losses else cell  # a resolved slowdown is plain
+    return f"{cell} (tie)"
 
 
 def ssd_table(ssd: dict[str, dict]) -> str:

@@ -800,7 +800,7 @@ def test_the_ssd_table_shows_what_its_caption_says():
     from snlp.apps.report import ssd_table
 
     row = dict(block=4, drafter_speedup_s=1.9, alpha=0.99, tokens_per_round=4.9, ideal_ssd_speedup=1.6,
-               measured_speedup=1.2, round_speedups=[1.1, 1.3, 1.2], sequential_ms_per_token=10.8,
+               measured_speedup=1.2, round_speedups=[1.1, 1.3, 1.2, 1.15, 1.25, 1.2], sequential_ms_per_token=10.8,
                speculative_ms_per_token=10.0, matches_sequential=True)
     t = tables("## SSD\n" + ssd_table({"noreg": {"drafter": "6xF2-h0-K1", "rows": [row]},
                                         "idn": {"drafter": None}}) + "\n")["SSD"]
@@ -823,7 +823,15 @@ def test_an_ssd_measured_inside_the_noise_is_a_tie_not_bold():
     slow = {**row, "measured_speedup": 0.9, "round_speedups": [0.9, 0.85, 0.95]}
     t = tables("## SSD\n" + ssd_table({"noreg": {"drafter": "12xF1-h0-K2", "rows": [row, slow]},
                                         "idn": {"drafter": None}}) + "\n")["SSD"]
-    assert column(t, "Measured")[:2] == ["1.046x (tie)", "0.900x"]
+    assert column(t, "Measured")[:2] == ["1.046x (tie)", "0.900x (tie)"]
+    # reading 3 (ssd-noreg.json B = 4: rounds 1.004, 1.143, 1.076, bold): 3 of 3 faster gives p = 0.25 under the main
+    # table's sign test, a tie; 6 of 6 resolves (p = 0.031) and is bold; 6 of 6 slower resolves a slowdown (plain)
+    three = {**row, "measured_speedup": 1.076, "round_speedups": [1.004, 1.143, 1.076]}
+    six = {**row, "measured_speedup": 1.08, "round_speedups": [1.004, 1.143, 1.076, 1.08, 1.09, 1.07]}
+    six_slow = {**row, "measured_speedup": 0.9, "round_speedups": [0.9, 0.85, 0.95, 0.9, 0.91, 0.89]}
+    t = tables("## SSD\n" + ssd_table({"noreg": {"drafter": "12xF1-h0-K2", "rows": [three, six, six_slow]},
+                                        "idn": {"drafter": None}}) + "\n")["SSD"]
+    assert column(t, "Measured")[:3] == ["1.076x (tie)", "**1.080x**", "0.900x"]
 
 
 def test_off_the_shelf_plan_tracks_the_recorded_idle_run():
