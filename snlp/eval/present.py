@@ -31,6 +31,10 @@ def columns(records: list[EvalRecord]) -> list[tuple]:
 def _cells(rec: EvalRecord, cols=COLUMNS) -> list[str]:
     vals = [getattr(rec, key) for _, key, _ in cols]
     cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, cols)]
+    for i, (_, key, _) in enumerate(cols):  # the fused agreement names its reference; K = C is the reference itself
+        if key == "ar_match_fused" and rec.ar_match_fused is not None and rec.ar_fused_reference:
+            cells[i] = ("= itself (K = C)" if rec.ar_fused_reference == rec.plan
+                        else f"{cells[i]} vs {rec.ar_fused_reference}")
     if rec.note:
         cells[0] += f" ({rec.note})"
     return cells

@@ -1312,7 +1312,7 @@ def test_full_records_compare_with_the_sequential_model():
     t = tables("## x\n" + full.split("**IDN Reg.**")[0])["x"]
     row = next(r for r in t[1:] if r[0] == "1xF12-h0-K1")
     assert row[t[0].index("AR Match")] == "40.0%" and row[t[0].index("β̂")] == f"{implied_beta(0.4, 32):.3f}"
-    assert row[t[0].index("AR Match vs fused")] == "100.0%"
+    assert row[t[0].index("AR Match vs fused")] == "= itself (K = C)"
     assert "each row's own reference" not in md
 
 
@@ -1331,7 +1331,7 @@ def test_one_name_means_one_quantity_in_records_console_and_csv(tmp_path, capsys
     head, _, *rows = markdown_table(recs).splitlines()
     cols = [c.strip() for c in head.strip("|").split("|")]
     row = [c.strip() for c in next(r for r in rows if "1xF12" in r).strip("|").split("|")]
-    assert row[cols.index("AR Match")] == "40.0%" and row[cols.index("AR Match vs fused")] == "100.0%"
+    assert row[cols.index("AR Match")] == "40.0%" and row[cols.index("AR Match vs fused")] == "= itself (K = C)"
     assert "AR Match vs fused" not in markdown_table(recs[:2])  # no fused plan: no such column
     print_table(recs, "t")
     assert "AR Match vs fused" in capsys.readouterr().out

@@ -248,3 +248,15 @@ def test_training_pace_is_tokens_over_the_summed_step_time_not_a_median():
     assert stepping_pace_s(ctx) == pytest.approx(sum(walls) / 6)
     old = {k: v for k, v in train.items() if k not in ("stepping_tok_s", "mean_step_s")}  # records before the fix
     assert "tok/s (median)" in training_table({"unigram_ce": 5.0}, {"noreg": old, "idn": old})
+
+
+def test_the_full_records_fused_column_names_its_reference_and_k_eq_c_is_itself():
+    """A fresh report's Full records printed "AR Match vs fused 100.0%" for `1xF12-h0-K1` (K = C: the plan is its own
+    fused reference, so 100 % is guaranteed) where the main table says "= itself"; the column now shows what the main
+    table's last column shows."""
+    recs = [EvalRecord(plan="1xF12-h0-K1", K=1, ppl=40.0, ar_match=0.03, ar_match_fused=1.0,
+                       ar_fused_reference="1xF12-h0-K1"),
+            EvalRecord(plan="6xF2-h0-K1", K=1, ppl=39.0, ar_match=0.19, ar_match_fused=0.188,
+                       ar_fused_reference="6xF2-h0-K6")]
+    md = markdown_table(recs)
+    assert "= itself (K = C)" in md and "100.0%" not in md and "18.8% vs 6xF2-h0-K6" in md
