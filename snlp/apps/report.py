@@ -1078,7 +1078,9 @@ def render_report(ctx: dict) -> str:
         out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
                 f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan "
                 f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
-                f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]), the layer-step count a "
+                f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]): S the sequential prefix "
+                f"layers, evals the batched suffix evaluations per iteration (1 for IDN; a fused chunk of M layers "
+                f"evaluates them side by side, so it is one step), [fwd] 1 for a forward-pass init, the layer-step count a "
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
                 f"as in the main table's AR Match vs seq., in every table and file of this run (records.csv: "
                 f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]

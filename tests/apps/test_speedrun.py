@@ -1464,3 +1464,10 @@ def test_ppl_ties_rest_on_the_paired_windows_when_the_records_hold_them():
 
     md = render_report(ctx)
     assert "over the same 32 validation windows" in md and "paired t-test at 5 %" in md
+
+
+def test_the_ideal_formula_defines_its_symbols():
+    """Reading 3 finding 9: the Full records' Ideal (layers) = L / (S + K·evals + [fwd]) used S and evals undefined,
+    and a reader who took evals = M expected 1.00x for `1xF12-h0-K1` where the record says 3.20x."""
+    full = _render().split("## Full evaluation records")[1]
+    assert "S the sequential prefix layers" in full and "a fused chunk of M layers" in full and "[fwd] 1 for" in full
