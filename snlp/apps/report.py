@@ -587,9 +587,10 @@ def _opening(ctx: dict, load: float, cores: int) -> str:
             "counted.")
     if cores and load > cores:
         text += (f" **This run's timings were contended**: the 1-minute load average reached {load:g} on {cores} "
-                 "cores during the stages, so other jobs competed for them; every speed and time figure below (the "
-                 "training pace, Speedup, Prefill, s, Measured, the stage times) was taken under that load and is "
-                 "not this box's speed.")
+                 "cores at its highest sample (each stage's load, sampled at its start and end, is in the stage "
+                 "table), so other jobs competed for them; the speed and time figures below (the training pace, "
+                 "Speedup, Prefill, s, Measured, the stage times) were taken under loads up to that and are not this "
+                 "box's idle speed.")
     return text + "\n"
 
 
