@@ -94,6 +94,16 @@ PLANS = {
 ENTRIES = ("sequential", "snlp", "speculative", "drafter", "jacobi")
 FORMS = ("one", "tensor1d", "tensor1T", "list1", "ragged", "tensorBT")
 BATCH_FORMS = ("list1", "ragged", "tensorBT")
+
+
+def as_form(prompts: list[list[int]], form: str):
+    """The generation entries' prompt argument in one of FORMS, from the prompts as lists (one prompt for the
+    single-prompt forms, all of them for the batch forms)."""
+    return {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
+            "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
+            "tensorBT": lambda: torch.tensor(prompts)}[form]()
+
+
 # bf16 / fp16 cells on the CPU: the claim under test is the dtype treatment itself, on models of width 16, where
 # emulated bf16 (AVX2-only boxes) costs microseconds; nothing here picks a dtype for speed
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,9 +205,7 @@ def build(cell: Cell, seed: int, cfg: dict):
     m = m.to(dtype)
     if preheat is not None:
         preheat = preheat.to("cpu", dtype)
-    arg = {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
-           "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
-           "tensorBT": lambda: torch.tensor(prompts)}[cell.form]()
+    arg = as_form(prompts, cell.form)
     return m, prompts, arg, preheat
 
 
@@ -334,9 +342,7 @@ def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
     lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
-    arg = {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
-           "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
-           "tensorBT": lambda: torch.tensor(prompts)}[form]()
+    arg = as_form(prompts, form)
     kw = dict(max_new_tokens=5)
     call = {"snlp": lambda: snlp_generate(m, arg, plan, **kw),
             "snlp-sampled": lambda: snlp_generate(m, arg, plan, temperature=1.0, seed=0, **kw),
@@ -387,9 +393,7 @@ def test_a_model_whose_own_forward_is_nonfinite_raises_naming_the_model(entry, f
     lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
-    arg = {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
-           "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
-           "tensorBT": lambda: torch.tensor(prompts)}[form]()
+    arg = as_form(prompts, form)
     kw, hot = dict(max_new_tokens=5), dict(temperature=0.8, seed=0)
     call = {"sequential": lambda: sequential_generate(m, arg, **kw),
             "sequential-sampled": lambda: sequential_generate(m, arg, **hot, **kw),
