@@ -14,7 +14,6 @@ not depend on the width, so a narrow model of the 0.5B shape's depth and window 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 
 import torch
@@ -22,6 +21,7 @@ import torch._inductor.metrics
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
+from snlp.bench.launches import leaf_ops
 from snlp.model.config import GPTConfig
 from snlp.model.gpt import GPT
 from snlp.train.compiled import CompiledStep
@@ -30,36 +30,6 @@ from snlp.train.job import TrainStep
 from snlp.train.muon import Muon
 from snlp.train.optim import build_optimizers
 from snlp.train.regularizer import RegConfig
-
-
-METADATA = {"aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::_unsafe_view",
-            "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided", "aten::empty_like",
-            "aten::t", "aten::transpose", "aten::expand", "aten::detach", "aten::alias", "aten::unsqueeze",
-            "aten::squeeze", "aten::permute", "aten::slice", "aten::select", "aten::unbind", "aten::split",
-            "aten::lift_fresh", "aten::numpy_T", "aten::mT", "aten::_local_scalar_dense", "aten::item",
-            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernels
-
-
-def leaf_ops(prof) -> collections.Counter:
-    """Kernel launches by op: aten ops that compute (not in METADATA) and call no other computing aten op; a
-    multi-tensor aten::_foreach_* op counts once (one multi-tensor kernel on CUDA; the CPU runs it tensor by tensor
-    underneath). Host syncs (aten::_local_scalar_dense) are counted apart (`syncs`)."""
-    def under_foreach(e) -> bool:
-        while e.cpu_parent is not None:
-            e = e.cpu_parent
-            if e.name.startswith("aten::_foreach_"):
-                return True
-        return False
-    c = collections.Counter()
-    for e in prof.events():
-        if e.name == "aten::_local_scalar_dense":
-            c["sync"] += 1
-        if not e.name.startswith("aten::") or e.name in METADATA or under_foreach(e):
-            continue
-        if e.name.startswith("aten::_foreach_") or not any(ch.name.startswith("aten::") and ch.name not in METADATA
-                                                           for ch in e.cpu_children):
-            c[e.name] += 1
-    return c
 
 
 def build(depth: int, width: int, T: int, reg: RegConfig, compiled: bool):

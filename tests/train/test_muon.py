@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from snlp.bench.launches import launches
 from snlp.train.muon import Muon, emulated_dtype, warn_if_emulated
 
 K = 128
@@ -251,34 +252,6 @@ def test_stacked_update_is_torch_muon_per_matrix_to_fp32_rounding(o, shape_list)
     for i, p in enumerate(params):
         ref = reference_steps(p0[i], [gs[i] for gs in grads], **kw)
         assert rel_change_err(p.detach(), ref, p0[i]) <= K * U[torch.float32], shape_list[i]
-
-
-METADATA = {"aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::_unsafe_view",
-            "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided", "aten::empty_like",
-            "aten::t", "aten::transpose", "aten::expand", "aten::detach", "aten::alias", "aten::unsqueeze",
-            "aten::squeeze", "aten::permute", "aten::slice", "aten::select", "aten::unbind", "aten::split",
-            "aten::lift_fresh", "aten::numpy_T", "aten::mT", "aten::_local_scalar_dense", "aten::item",
-            "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::view_as"}  # no kernels
-
-
-def launches(prof) -> int:
-    """Kernel launches a profiled CPU run stands for on a GPU: aten ops that compute (not in METADATA) and call no
-    other computing aten op; a multi-tensor aten::_foreach_* op counted once (one multi-tensor kernel on CUDA; the
-    CPU runs it tensor by tensor underneath)."""
-    def under_foreach(e) -> bool:
-        while e.cpu_parent is not None:
-            e = e.cpu_parent
-            if e.name.startswith("aten::_foreach_"):
-                return True
-        return False
-    n = 0
-    for e in prof.events():
-        if not e.name.startswith("aten::") or e.name in METADATA or under_foreach(e):
-            continue
-        if e.name.startswith("aten::_foreach_") or not any(c.name.startswith("aten::") and c.name not in METADATA
-                                                           for c in e.cpu_children):
-            n += 1
-    return n
 
 
 def test_stacked_step_launches_per_shape_not_per_matrix():
