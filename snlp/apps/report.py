@@ -805,7 +805,7 @@ def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
                             for k, r in ssd.items() if r.get("drafter")})
     beyond = noise and max(gaps) > max(noise)
     here = tune_sample(ssd) or "the shootout's decodes"
-    return [f"\nThe drafter's Measured here and in the SSD table above are two measurements of one speed: "
+    return ["\nThe drafter's Measured here and in the SSD table above are two measurements of one speed: "
             + "; ".join(parts) + f". They decode other prompts for other lengths (here {here}; "
             f"there {ssd_sample}, a longer KV cache) at another moment's load, so they differ by up to "
             f"{max(gaps):.0%} in this run"
@@ -874,9 +874,10 @@ def train_pace_s(ctx: dict) -> float | None:
 
 
 def stepping_pace_s(ctx: dict) -> float | None:
-    """Seconds per training step while stepping: each model's tokens per step over its median tokens/s, without
-    the start-up and validation passes train_seconds holds; the slower model's when the two trained side by side
-    (lockstep), their sum when one after the other. Falls back to train_pace_s where no median was recorded."""
+    """Seconds per training step while stepping: each model's tokens per step over its stepping tokens/s (tokens
+    over the summed step times; the median tokens/s in records older than that), without the start-up and
+    validation passes train_seconds holds; the slower model's when the two trained side by side (lockstep), their
+    sum when one after the other. Falls back to train_pace_s where no rate was recorded."""
     st = ctx["stages"]
     trains = [st[f"train-{k}"].get("result") or {} for k, _ in MODELS if f"train-{k}" in st]
     key = "stepping_tok_s" if stepping_recorded(trains) else "median_tok_s"
@@ -1036,17 +1037,18 @@ def render_report(ctx: dict) -> str:
     cfg, _, st, _, trains, ssd = _context(ctx)
     evals = ctx["evals"]  # model key -> list[EvalRecord]
     N, e0 = cfg["reg_n"], evals["noreg"][0]
+    stepping = stepping_recorded(trains.values())
     out = [*_head(ctx), *_setup(ctx),
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
            f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
            f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. "
            + ("tok/s (stepping): the tokens of the steps over the sum of their wall-clock times, start-up and "
-              "validation passes left out (Train time holds them)" if stepping_recorded(trains.values()) else
+              "validation passes left out (Train time holds them)" if stepping else
               "tok/s (median): tokens per wall-clock second of each training step, the median over steps")
            + ("; the two trained side by side in lockstep, so each waits for the slower one and this is the pair's "
               "pace (the two differ only by when each step's clock stops)" if ctx["parallel"] else "")
-           + f". Own step: the {'mean' if stepping_recorded(trains.values()) else 'median'} of the model's own "
+           + f". Own step: the {'mean' if stepping else 'median'} of the model's own "
            "step time (its start to its statistics"
            + (", without the lockstep wait" if ctx["parallel"] else "")
            + ") and the tokens per second it implies: what one step of each model costs (IDN Reg.'s includes the "
