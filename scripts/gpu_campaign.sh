@@ -41,12 +41,14 @@ if [ "$QUICK" = 1 ]; then
   DEV=cpu; Q=--quick; T_SHORT=240; T_LONG=300
   ATTN="--device cpu --tokens 256 --window 64 --heads 2 --head-dim 32 --branches 4 --runs 3"
   PROF="--device cpu --quick --tokens 64"
+  PROFC="--device cpu --quick --tokens 64 --shape 0.5B-nox0ve --plan 12xF2-h0-K1 --plan2 12xF2-h0-K2"
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
   TRAIN_ARGS=""
 else
   DEV=cuda; Q=""; T_SHORT=55; T_LONG=170
   ATTN="--device cuda"
   PROF="--device cuda --shape 0.5B --plan 24xF1-h0-K2 --plan2 24xF1-h0-K4"
+  PROFC="--device cuda --shape 0.5B-nox0ve --plan 12xF2-h0-K1 --plan2 12xF2-h0-K2"
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
   TRAIN_ARGS="--train-batch 4 --train-steps 6 --train-warmup 2"
 fi
@@ -85,6 +87,10 @@ part attn $T_SHORT $PY scripts/attn_windows.py $ATTN --json "$OUT/parts/attn.jso
 if [ -n "$PAPER" ]; then
   # 3. one call of each side profiled: kernel counts and where the device time goes (K=2 and K=4: one more iteration)
   part profile $T_SHORT $PY scripts/profile_prefill.py --paper "$PAPER" $PROF --out "$OUT/parts/profile"
+  # 3b. (--parts profile_compiled) snlp's compiled 12xF2-h0-K1 against -K2, with CUDA graphs (as timed) and without
+  #     (every kernel by name): what the K = 1 plan pays once beyond one evaluation of its stack
+  part profile_compiled $T_LONG bash -c "for m in graphs kernels; do $PY scripts/profile_prefill.py --paper '$PAPER' \
+      $PROFC --compiled \$m --out '$OUT/parts/profile_compiled_'\$m || exit 1; done"
   # 4. compiled (CUDA graphs) snlp beside eager snlp and the paper, one shape
   part vs_paper_compiled $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --shapes 0.5B-nox0ve \
       --treatments eager,compiled --no-ablations --out "$OUT/parts/vs_paper_compiled"

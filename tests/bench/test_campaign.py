@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow  # the whole CPU smoke campaign: ~3.5 min on a 2-core box (docs/records/test-durations-2026-11-26.md)
 def test_quick_campaign_runs_its_parts_and_prints_the_table_last(tmp_path):
-    parts = "attn,profile,vs_paper_eager" if PAPER else "attn"
+    parts = "attn,profile,profile_compiled,vs_paper_eager" if PAPER else "attn"
     cmd = ["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path), "--parts", parts]
     if PAPER:
         cmd += ["--paper", PAPER]
@@ -34,6 +34,8 @@ def test_quick_campaign_runs_its_parts_and_prints_the_table_last(tmp_path):
     assert "Attention formulations" in table
     if PAPER:
         assert "vs_paper_eager" in table and "Correctness" in table
+        for mode in ("graphs", "kernels"):  # the compiled profiles and their paid-once split reach the table
+            assert f"Compiled, profiled ({mode})" in table and "paid once" in table
 
 
 def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
