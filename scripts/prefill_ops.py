@@ -430,6 +430,18 @@ def count_forwards(shape, tokens: int, batch: int, dtype, plans, regions: bool =
             for name, fn in fwds.items()]
 
 
+class MetaItems(torch.overrides.TorchFunctionMode):
+    """The paper's CxF1 evaluator averages its per-layer resid / x0 lambdas into Python floats (`.item()`) when it
+    builds a plan, which a `meta` tensor cannot give. While it builds, a meta tensor's `.item()` answers 1.0: the
+    floats only scale the plan's elementwise work, so no kernel, FLOP or byte count depends on them (tensors it
+    keeps, such as its stacked lambdas, stay on meta)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return 1.0
+        return func(*args, **(kwargs or {}))
+
+
 def count_paper(code, shape, tokens: int, batch: int, plans, regions: bool = False) -> list[dict]:
     """`measure` of the paper's own code (snlp.bench.paper_peer: its GPT with fp32 master weights, its sequential
     forward and its callable for each plan, on `meta`) for the same shape; plans it has no path for are left out."""
@@ -439,10 +451,11 @@ def count_paper(code, shape, tokens: int, batch: int, plans, regions: bool = Fal
     fwds = {"sequential": paper_sequential_fn(code, model)}
     for s in plans:
         try:
-            fwds[s] = paper_plan_fn(code, model, Plan.parse(s), shape)
+            with MetaItems():
+                fwds[s] = paper_plan_fn(code, model, Plan.parse(s), shape)
         except ValueError:  # no path for this plan in the paper's evaluator
             continue
-        except RuntimeError as e:  # its weight precomputation reads values (.item()), which meta tensors have not
+        except RuntimeError as e:  # a weight precomputation that reads other values than the lambdas
             print(f"paper: {shape.key} {s}: not countable on meta ({str(e).splitlines()[0]})", file=sys.stderr)
     rows = []
     for name, fn in fwds.items():

@@ -137,3 +137,33 @@ def test_bound_table_gives_the_papers_rows_one_attention_figure(rows):
     paper["side"] = "paper"
     line = next(x for x in prefill_ops.bound_report([paper], 989.0, 4.8, {}, 2.0) if "paper: sequential" in x)
     assert "(its kernels) / - / - / -" in line
+
+
+def test_meta_items_answer_a_float_on_meta_only():
+    """The paper's CxF1 plans read their lambdas with .item() while they build: on meta that raises, so the count
+    answers a float there and nowhere else (a real tensor keeps its value; outside the mode meta still raises)."""
+    m = torch.ones(3, device="meta")
+    with pytest.raises(Exception):
+        m[0].item()
+    with prefill_ops.MetaItems():
+        assert m[0].item() == 1.0
+        assert torch.tensor([0.25])[0].item() == 0.25
+
+
+def test_paper_cxf1_plans_count_on_meta_at_the_05b_shape():
+    """The paper's CxF1 evaluator (its lambdas averaged into floats) is counted beside snlp's on a 0.5B-shaped model
+    (x0 and resid lambdas on) at smoke size, with the same GEMM FLOPs at K = 1 as its sequential forward."""
+    from test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("no checkout of the paper's code beside the repository (../shared/anchors/nanochat-snlp)")
+    from snlp.bench.paper_peer import load_paper_code
+
+    shape = next(s for s in PAPER_SHAPES if s.key == "0.5B").quick()
+    code = load_paper_code(PAPER, torch.bfloat16)
+    plan = f"{shape.depth // 2}xF1-h0-K1"
+    rows = {r["forward"]: r for r in prefill_ops.count_paper(code, shape, 64, 1, [plan])}
+    assert set(rows) == {"sequential", plan}
+    def gemm(r):
+        return sum(d["gemm_gflop"] for d in r["parts"].values())
+    assert gemm(rows[plan]) == pytest.approx(gemm(rows["sequential"]), rel=1e-6) and gemm(rows[plan]) > 0
