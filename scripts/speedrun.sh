@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-snlp_setup
+case " $* " in  # the SmolLM2 GGUF only for the opt-in off-the-shelf stage, which loads it
+  *" --off-the-shelf "*) snlp_setup smollm2 ;;
+  *) snlp_setup ;;
+esac
 # Not `exec`: the run's clock starts at its Python process's start (snlp.apps.speedrun.job.process_age), and an
 # exec'd process keeps this script's start, which would charge the install above to the budget.
 python3 -m snlp.apps.cli speedrun --out "${SNLP_OUT:-runs/speedrun}" "$@"

