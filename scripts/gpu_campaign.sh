@@ -96,11 +96,13 @@ if [ -n "$PAPER" ]; then
       --treatments eager,compiled --no-ablations --out "$OUT/parts/vs_paper_compiled"
 fi
 
-# 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt;
+# 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt,
+#    DECODE_BATCHES=1 for batch 1 only, DECODE_BLOCKS=4,8 for the draft blocks;
 #    default random weights at SmolLM2-135M's shape: its GGUF is over a device call's 64 MiB), and the random-weights
 #    0.5B drafter step times with a PREDICTED speedup
 part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV --ckpt "$DCKPT" \
-    ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} --batch-sizes 1,4 --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
+    ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} --batch-sizes "${DECODE_BATCHES:-1,4}" \
+    ${DECODE_BLOCKS:+--blocks "$DECODE_BLOCKS"} --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
     --out "$OUT/parts/decode"
 part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
     --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"
