@@ -359,6 +359,23 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
+def speed_chain(speeds: dict[str, Speed]) -> str:
+    """The main table's Speedup column as the timings order it: every timed plan (the rows; sequential is the
+    1.00x they are measured against) by median Speedup, each adjacent
+    pair joined by `>` where speed_order resolves it (the `*` rule's sign test over the paired rounds) and by `≈`
+    where it does not, so a reader sees which of the column's differences are ties. Adjacent pairs only: `≈` is
+    not transitive, and A ≈ B ≈ C does not say A ties C."""
+    ranked = sorted(((p, sp) for p, sp in speeds.items() if p != "sequential"), key=lambda kv: -kv[1].median)
+    if len(ranked) < 2:
+        return ""
+    parts = [f"`{ranked[0][0]}` {ranked[0][1].median:.2f}x"]
+    for (_, a), (q, b) in zip(ranked, ranked[1:]):
+        parts.append(f"{'>' if speed_order(a, b) > 0 else '≈'} `{q}` {b.median:.2f}x")
+    ties = sum(p.startswith("≈") for p in parts[1:])
+    return (f"Speedup, ordered (adjacent plans; `>` where the sign test over the paired rounds tells them apart, `≈` "
+            f"where it does not: {ties} of {len(ranked) - 1} adjacent differences are ties): " + " ".join(parts) + ".")
+
+
 def model_gap(evals: dict[str, list]) -> str:
     """How far apart the two models' own median speedups of one plan are (their stages ran at different moments,
     under different load), said beside the pooled Speedup: the pooled range holds that gap."""
@@ -1065,6 +1082,7 @@ def render_report(ctx: dict) -> str:
            "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
            + (f" {r}." if (r := ppl_format_rule(evals)) else "") + "\n",
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
+           *([f"\n{c}"] if (c := speed_chain(pooled_speeds(evals))) else []),
            *drafter_off_front(evals, ssd),
            "\n" + speed_columns(ctx),
            "\n![speed-quality frontier](frontier.png)\n",

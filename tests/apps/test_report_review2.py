@@ -174,3 +174,26 @@ def test_setup_states_the_split_and_architecture_that_ran():
     assert "document is validation" not in bare and "x0 residual" not in bare
     ctx["model"] = {"x0_residual": True, "value_embeds": True}
     assert "x0 residual + value embeddings" in _section(render_report(ctx), "## Setup")
+
+
+def test_the_speedup_column_says_which_differences_are_ties():
+    """The Speedup column reads as an ordering; the sentence under the table orders the plans by median and marks
+    each adjacent pair `>` only where the sign test over the paired rounds resolves it, else `≈` (checked against
+    scipy's exact binomial test)."""
+    from scipy.stats import binomtest
+
+    from snlp.apps.report import pooled_speeds, speed_chain
+
+    # a beats b in 10 of 10 paired rounds; b and c split their rounds 5 / 5 although b's median is higher
+    a = {"noreg": [2.0, 2.1, 2.2, 1.5, 2.5], "idn": [2.0, 2.1, 2.2, 1.6, 2.4]}
+    b = {"noreg": [1.7, 1.75, 1.8, 1.2, 2.1], "idn": [1.7, 1.75, 1.8, 1.3, 2.2]}
+    c = {"noreg": [1.8, 1.6, 1.9, 1.1, 2.2], "idn": [1.6, 1.8, 1.7, 1.4, 2.1]}
+    ctx = _report_ctx(speeds={k: {"12xF1-h0-K1": a[k], "12xF1-h0-K4": b[k], "1xF12-h0-K1": c[k]}
+                              for k in ("noreg", "idn")})
+    wins_ab = sum(x > y for k in a for x, y in zip(a[k], b[k]))
+    wins_bc = sum(x > y for k in b for x, y in zip(b[k], c[k]))
+    assert binomtest(wins_ab, 10).pvalue < 0.05 and binomtest(wins_bc, 10).pvalue >= 0.05
+    chain = speed_chain(pooled_speeds(ctx["evals"]))
+    assert "`12xF1-h0-K1` " in chain and "> `12xF1-h0-K4`" in chain and "≈ `1xF12-h0-K1`" in chain
+    assert "1 of 2 adjacent differences are ties" in chain
+    assert chain in render_report(ctx)
