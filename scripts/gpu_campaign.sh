@@ -42,6 +42,7 @@ if [ "$QUICK" = 1 ]; then
   ATTN="--device cpu --tokens 256 --window 64 --heads 2 --head-dim 32 --branches 4 --runs 3"
   PROF="--device cpu --quick --tokens 64"
   PROFC="--device cpu --quick --tokens 64 --shape 0.5B-nox0ve --plan 12xF2-h0-K1 --plan2 12xF2-h0-K2"
+  PROFC_MODES=kernels  # no CUDA graphs on a CPU
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
   TRAIN_ARGS=""
 else
@@ -49,6 +50,7 @@ else
   ATTN="--device cuda"
   PROF="--device cuda --shape 0.5B --plan 24xF1-h0-K2 --plan2 24xF1-h0-K4"
   PROFC="--device cuda --shape 0.5B-nox0ve --plan 12xF2-h0-K1 --plan2 12xF2-h0-K2"
+  PROFC_MODES="graphs kernels"
   DEFAULT_PARTS=vs_paper_eager,attn,profile,vs_paper_compiled
   TRAIN_ARGS="--train-batch 4 --train-steps 6 --train-warmup 2"
 fi
@@ -87,9 +89,9 @@ part attn $T_SHORT $PY scripts/attn_windows.py $ATTN --json "$OUT/parts/attn.jso
 if [ -n "$PAPER" ]; then
   # 3. one call of each side profiled: kernel counts and where the device time goes (K=2 and K=4: one more iteration)
   part profile $T_SHORT $PY scripts/profile_prefill.py --paper "$PAPER" $PROF --out "$OUT/parts/profile"
-  # 3b. (--parts profile_compiled) snlp's compiled 12xF2-h0-K1 against -K2, with CUDA graphs (as timed) and without
-  #     (every kernel by name): what the K = 1 plan pays once beyond one evaluation of its stack
-  part profile_compiled $T_LONG bash -c "for m in graphs kernels; do $PY scripts/profile_prefill.py --paper '$PAPER' \
+  # 3b. (--parts profile_compiled) snlp's compiled 12xF2-h0-K0 / -K1 / -K2, with CUDA graphs (as timed) and without
+  #     (every kernel by name): what the K = 1 plan pays once beyond one evaluation of its stack and beyond K = 0
+  part profile_compiled $T_LONG bash -c "for m in $PROFC_MODES; do $PY scripts/profile_prefill.py --paper '$PAPER' \
       $PROFC --compiled \$m --out '$OUT/parts/profile_compiled_'\$m || exit 1; done"
   # 4. compiled (CUDA graphs) snlp beside eager snlp and the paper, one shape
   part vs_paper_compiled $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --shapes 0.5B-nox0ve \

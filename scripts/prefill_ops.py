@@ -431,8 +431,8 @@ def count_forwards(shape, tokens: int, batch: int, dtype, plans, regions: bool =
 
 
 class MetaItems(torch.overrides.TorchFunctionMode):
-    """The paper's CxF1 evaluator averages its per-layer resid / x0 lambdas into Python floats (`.item()`) when it
-    builds a plan, which a `meta` tensor cannot give. While it builds, a meta tensor's `.item()` answers 1.0: the
+    """The paper's IDN plans (CxFM, its batched and fused paths) average its per-layer resid / x0 lambdas into Python
+    floats (`.item()`) when they build, which a `meta` tensor cannot give. While it builds, a meta tensor's `.item()` answers 1.0: the
     floats only scale the plan's elementwise work, so no kernel, FLOP or byte count depends on them (tensors it
     keeps, such as its stacked lambdas, stay on meta)."""
 

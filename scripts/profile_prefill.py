@@ -5,13 +5,18 @@ forward and plan on the same shape (random weights), the top kernels by device t
     PYTHONPATH=$PWD python3 scripts/profile_prefill.py --paper PATH [--shape 0.5B] [--plan 24xF1-h0-K2]
         [--plan2 24xF1-h0-K4] [--tokens 2048] [--compiled graphs|kernels] [--out DIR]
 
-`--plan2` adds the same plan at another K. Then a forward's kernels are split by name into what one more
-iteration costs and what the plan pays once, t(K) = once + K * iter fitted per kernel name on the two plans: the
-table "paid once / per iteration" (what a K = 1 plan spends beyond one evaluation of its stack).
+`--plan2` adds the same plan at another K (and, on snlp's side, the plan at K = 0: embedding, prefix, init and head
+only). Then a forward's kernels are split by name into what one more iteration costs and what the plan pays once,
+t(K) = once + K * iter fitted per kernel name on the two plans, with t(K = 0) beside it: "stack once" = once - t(0)
+is what the K = 1 plan spends beyond one evaluation of its stack and beyond the sequential work every K pays (the
+table "paid once / per iteration"). Generated kernels (triton_* / cpp_*) are pooled by name without their counter,
+i.e. per list of fused ops, so a pooled row may hold several kernels of one graph (its name says how many). On a CPU
+there are no device kernels: the split runs over aten ops' self CPU time (a smoke test, not a measurement).
 
-`--compiled` profiles snlp's sequential forward and plans compiled as `snlp bench` times them (torch.compile
-fullgraph): `graphs` with CUDA graphs (mode reduce-overhead, the benchmarked treatment: input copies a replay makes
-show up as memcpy kernels), `kernels` without (mode default: every generated kernel launched on its own, so each is
+`--compiled` profiles snlp's plans compiled as `snlp bench` times them (torch.compile fullgraph; snlp's sequential
+forward is left out, its eager profile is the `profile` part's): `graphs` with CUDA graphs (mode reduce-overhead, the
+benchmarked treatment: input copies a replay makes show up as memcpy kernels; on a CPU, where there are no CUDA
+graphs, it is refused), `kernels` without (mode default: every generated kernel launched on its own, so each is
 attributed by name). The paper's code stays eager, as it runs.
 """
 
@@ -57,42 +62,58 @@ def prof(fn, device, rows=14, reps=REPS):
     dev_us = sum(getattr(e, "self_device_time_total", 0) for e in kernels)
     table = ev.table(sort_by=key, row_limit=rows, max_name_column_width=60)
     # per name: device kernels on CUDA; on a CPU the ops' self time (no kernels there), so the split runs anywhere
-    named = kernels if device.type == "cuda" else [e for e in ev if e.self_cpu_time_total > 0]
+    named = kernels if device.type == "cuda" else [e for e in ev if e.self_cpu_time_total > 0
+                                                   and e.key.startswith(("aten::", "snlp::"))]
     by_name = {}
     for e in named:
         us = getattr(e, key, 0)
         c, t = by_name.get(e.key, (0, 0.0))
         by_name[e.key] = (c + e.count / reps, t + us / 1e3 / reps)
-    return dict(kernels=n_kernels / reps, device_ms=dev_us / 1e3 / reps, table=table, by_name=by_name)
+    return dict(kernels=n_kernels / reps, device_ms=dev_us / 1e3 / reps, table=table, by_name=by_name,
+                cpu_ms=sum(t for _, t in by_name.values()))
 
 
-def split_once(a: dict, b: dict, ka: int, kb: int, rows: int = 16) -> list[dict]:
+def pooled(d: dict) -> dict:
+    """{name: (calls, ms, distinct kernels)} with generated kernels' counters dropped (triton_poi_fused_add_3 and _7
+    are one row: two compiles number them differently, so rows of two graphs compare like with like)."""
+    out = {}
+    for name, (c, ms) in d.items():
+        k = re.sub(r"_\d+$", "", name) if name.startswith(("triton_", "cpp_")) else name
+        c0, t0, n0 = out.get(k, (0, 0.0, 0))
+        out[k] = (c0 + c, t0 + ms, n0 + 1)
+    return out
+
+
+def split_once(a: dict, b: dict, ka: int, kb: int, rows: int = 16, zero: dict | None = None) -> list[dict]:
     """Per kernel name, t(K) = once + K * iter fitted on two profiles of one plan at K = ka and kb (ka < kb):
-    iter = (t_b - t_a) / (kb - ka), once = t_a - ka * iter; the rows with the largest |once| first. Names differ
-    between compiles of two graphs only by a generated counter (triton_poi_fused_add_3 vs _7), so generated names
-    are pooled with the counter dropped."""
-    def pool(d):
-        out = {}
-        for name, (c, ms) in d.items():
-            k = re.sub(r"_\d+$", "", name) if name.startswith(("triton_", "cpp_")) else name
-            c0, t0 = out.get(k, (0, 0.0))
-            out[k] = (c0 + c, t0 + ms)
-        return out
-    a, b = pool(a), pool(b)
+    iter = (t_b - t_a) / (kb - ka), once = t_a - ka * iter; with `zero` (the plan at K = 0), t0 beside it and
+    stack_once = once - t0, the part of `once` that K = 0 does not pay. Rows with the largest |stack once| (|once|
+    without K = 0) first."""
+    a, b, z = pooled(a), pooled(b), pooled(zero or {})
     res = []
-    for name in set(a) | set(b):
-        (ca, ta), (cb, tb) = a.get(name, (0, 0.0)), b.get(name, (0, 0.0))
+    for name in set(a) | set(b) | set(z):
+        (ca, ta, na), (cb, tb, nb) = a.get(name, (0, 0.0, 0)), b.get(name, (0, 0.0, 0))
         it = (tb - ta) / (kb - ka)
-        res.append(dict(name=name, calls_a=ca, ms_a=ta, calls_b=cb, ms_b=tb, iter_ms=it, once_ms=ta - ka * it))
-    res.sort(key=lambda r: -abs(r["once_ms"]))
+        once = ta - ka * it
+        row = dict(name=name, kernels=max(na, nb), calls_a=ca, ms_a=ta, calls_b=cb, ms_b=tb, iter_ms=it, once_ms=once)
+        if zero is not None:
+            c0, t0, _ = z.get(name, (0, 0.0, 0))
+            row.update(calls_0=c0, ms_0=t0, stack_once_ms=once - t0)
+        res.append(row)
+    res.sort(key=lambda r: -abs(r.get("stack_once_ms", r["once_ms"])))
     return res[:rows]
 
 
 def split_table(rows: list[dict], pa: str, pb: str) -> str:
-    head = f"| kernel | calls {pa} | ms {pa} | calls {pb} | ms {pb} | per iteration ms | paid once ms |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['name'][:70]} | {r['calls_a']:g} | {r['ms_a']:.3f} | {r['calls_b']:g} | {r['ms_b']:.3f} | "
-              f"{r['iter_ms']:.3f} | {r['once_ms']:.3f} |" for r in rows]
+    zero = bool(rows) and "ms_0" in rows[0]
+    head = (f"| kernel | calls {pa} | ms {pa} | calls {pb} | ms {pb} | per iteration ms | paid once ms |"
+            + (" ms K=0 | stack once ms |" if zero else ""))
+    lines = [head, "|---" * (9 if zero else 7) + "|"]
+    for r in rows:
+        name = r["name"][:70] + (f" ({r['kernels']} kernels)" if r["kernels"] > 1 else "")
+        lines.append(f"| {name} | {r['calls_a']:g} | {r['ms_a']:.3f} | {r['calls_b']:g} | {r['ms_b']:.3f} | "
+                     f"{r['iter_ms']:.3f} | {r['once_ms']:.3f} |"
+                     + (f" {r['ms_0']:.3f} | {r['stack_once_ms']:.3f} |" if zero else ""))
     return "\n".join(lines)
 
 
@@ -111,11 +132,20 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     shape = next(s for s in PAPER_SHAPES if s.key == a.shape)
+    dev = torch.device(a.device)
+    for text in filter(None, (a.plan, a.plan2)):
+        try:
+            Plan.parse(text, shape.depth)
+        except ValueError as e:
+            ap.error(str(e).splitlines()[0])
     if a.plan2:  # checked before the paper's code is loaded or any model built
         pa, pb = Plan.parse(a.plan, shape.depth), Plan.parse(a.plan2, shape.depth)
         if replace(pa, iters=1) != replace(pb, iters=1) or pa.iters >= pb.iters:
             ap.error(f"--plan2 must be --plan at a larger K (got {a.plan} and {a.plan2})")
-    dev = torch.device(a.device)
+        if pa.tol:  # a tol plan may stop before K, and the fit would use a K it never ran
+            ap.error(f"--plan / --plan2 with a tol stop cannot be split by K (got {a.plan})")
+    if a.compiled == "graphs" and dev.type != "cuda":
+        ap.error("--compiled graphs needs CUDA (CUDA graphs); on a CPU use --compiled kernels")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     code = load_paper_code(a.paper, dtype)
     if a.quick:
@@ -125,12 +155,16 @@ def main():
     paper = build_paper_model(code, pcfg, dev)
     model = snlp_model_from_paper(paper, dev, dtype)  # the same weights and window widths
     idx = torch.randint(0, pcfg.vocab_size, (1, a.tokens), device=dev)
-    fns = {"paper sequential": lambda: paper_sequential_fn(code, paper)(idx), "snlp sequential": lambda: model(idx)}
-    for text in filter(None, (a.plan, a.plan2)):
-        plan = Plan.parse(text, shape.depth)
+    fns = {"paper sequential": lambda: paper_sequential_fn(code, paper)(idx)}
+    if not a.compiled:
+        fns["snlp sequential"] = lambda: model(idx)
+    plans = [Plan.parse(t, shape.depth) for t in filter(None, (a.plan, a.plan2))]
+    k0 = replace(plans[0], iters=0) if a.plan2 else None
+    for plan in plans:
         pf = paper_plan_fn(code, paper, plan, shape)
-        r = bind(model, plan, check_finite=False)
         fns[f"paper {plan}"] = (lambda f: lambda: f(idx))(pf)
+    for plan in ([k0] if k0 else []) + plans:
+        r = bind(model, plan, check_finite=False)
         fns[f"snlp {plan}"] = (lambda r: lambda: r(idx))(r)
         if a.compiled and dev.type == "cuda":
             mark_static_runner(r)  # as the benchmark does: the fused weights keep their address across replays
@@ -150,14 +184,19 @@ def main():
     if a.plan2:
         pa, pb = Plan.parse(a.plan, shape.depth), Plan.parse(a.plan2, shape.depth)
         for side in ("snlp", "paper"):
+            zero = res[f"snlp {k0}"]["by_name"] if side == "snlp" else None
             splits[side + (tag if side == "snlp" else "")] = split_once(
-                res[f"{side} {pa}"]["by_name"], res[f"{side} {pb}"]["by_name"], pa.iters, pb.iters)
+                res[f"{side} {pa}"]["by_name"], res[f"{side} {pb}"]["by_name"], pa.iters, pb.iters, zero=zero)
     text = "\n\n".join(f"== {k}: {v['kernels']:g} kernels, {v['device_ms']:.2f} ms device per call (the table: "
                         f"totals over {REPS} calls)\n{v['table']}"
                         for k, v in res.items())
     for side, rows in splits.items():
+        t0, t1, t2 = (res[f"snlp {p}"]["device_ms" if dev.type == "cuda" else "cpu_ms"] for p in (k0, pa, pb))
+        lin = (f"; whole forward t(0) / t({pa.iters}) / t({pb.iters}) = {t0:.3f} / {t1:.3f} / {t2:.3f} ms"
+               if side.startswith("snlp") else "")
         text += (f"\n\n== {side}: paid once / per iteration, per kernel name (t(K) = once + K * iter on {a.plan} "
-                 f"and {a.plan2}; {'device' if dev.type == 'cuda' else 'CPU self'} ms)\n"
+                 f"and {a.plan2}{', t(0) from ' + str(k0) if side.startswith('snlp') else ''}; "
+                 f"{'device' if dev.type == 'cuda' else 'CPU self'} ms{lin})\n"
                  + split_table(rows, f"K={Plan.parse(a.plan, shape.depth).iters}",
                                f"K={Plan.parse(a.plan2, shape.depth).iters}"))
     if a.out:

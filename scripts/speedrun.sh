@@ -8,8 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-case " $* " in  # the SmolLM2 GGUF only for the opt-in off-the-shelf stage, which loads it
-  *" --off-the-shelf "*) snlp_setup smollm2 ;;
+case " $* " in  # the SmolLM2 GGUF only for the opt-in off-the-shelf stage, which loads it (argparse also takes
+  *" --of"*) snlp_setup smollm2 ;;  # its abbreviations, --of, --off-the, ...: no other flag starts with --of)
   *) snlp_setup ;;
 esac
 # Not `exec`: the run's clock starts at its Python process's start (snlp.apps.speedrun.job.process_age), and an

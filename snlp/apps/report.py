@@ -361,19 +361,26 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
 
 def speed_chain(speeds: dict[str, Speed]) -> str:
     """The main table's Speedup column as the timings order it: every timed plan (the rows; sequential is the
-    1.00x they are measured against) by median Speedup, each adjacent
-    pair joined by `>` where speed_order resolves it (the `*` rule's sign test over the paired rounds) and by `≈`
-    where it does not, so a reader sees which of the column's differences are ties. Adjacent pairs only: `≈` is
-    not transitive, and A ≈ B ≈ C does not say A ties C."""
+    1.00x they are measured against) by median Speedup, each adjacent pair joined by `>` where speed_order (the
+    `*` rule) calls the first faster, `<` where it calls the second faster although its median is lower, and `≈`
+    where it resolves neither. Pairs with paired rounds are judged by the sign test over them; pairs without fall
+    back to speed_order's range rule, and the sentence says how many did. Adjacent pairs only: `≈` is not
+    transitive, and A ≈ B ≈ C does not say A ties C."""
     ranked = sorted(((p, sp) for p, sp in speeds.items() if p != "sequential"), key=lambda kv: -kv[1].median)
     if len(ranked) < 2:
         return ""
-    parts = [f"`{ranked[0][0]}` {ranked[0][1].median:.2f}x"]
+    parts, unpaired = [f"`{ranked[0][0]}` {ranked[0][1].median:.2f}x"], 0
     for (_, a), (q, b) in zip(ranked, ranked[1:]):
-        parts.append(f"{'>' if speed_order(a, b) > 0 else '≈'} `{q}` {b.median:.2f}x")
+        order = speed_order(a, b)
+        unpaired += not paired_ratios(a, b)
+        parts.append(f"{'>' if order > 0 else '<' if order < 0 else '≈'} `{q}` {b.median:.2f}x")
     ties = sum(p.startswith("≈") for p in parts[1:])
-    return (f"Speedup, ordered (adjacent plans; `>` where the sign test over the paired rounds tells them apart, `≈` "
-            f"where it does not: {ties} of {len(ranked) - 1} adjacent differences are ties): " + " ".join(parts) + ".")
+    rule = "the sign test over the paired rounds" + (
+        f" ({unpaired} of {len(ranked) - 1} pairs have no paired rounds: each median inside the other's range is a tie "
+        f"there)" if unpaired else "")
+    return (f"Speedup, ordered by median (adjacent plans; `>` / `<` where {rule} calls the left / right plan faster, "
+            f"`≈` where it does not tell them apart: {ties} of {len(ranked) - 1} adjacent differences are ties): "
+            + " ".join(parts) + ".")
 
 
 def model_gap(evals: dict[str, list]) -> str:

@@ -197,3 +197,19 @@ def test_the_speedup_column_says_which_differences_are_ties():
     assert "`12xF1-h0-K1` " in chain and "> `12xF1-h0-K4`" in chain and "≈ `1xF12-h0-K1`" in chain
     assert "1 of 2 adjacent differences are ties" in chain
     assert chain in render_report(ctx)
+
+
+def test_the_speed_order_shows_a_resolved_reversal_and_unpaired_pairs():
+    """A plan with the lower median that wins most paired rounds is printed `<` (faster), not `≈`; speeds without
+    paired rounds are judged by the range rule, and the sentence says so."""
+    from snlp.apps.report import Speed, speed_chain
+
+    # b wins 15 of 20 rounds (scipy binomtest p = 0.041) although a's median is higher
+    ra = [3.0] * 5 + [1.0] * 15
+    rb = [1.5] * 5 + [1.1] * 15
+    a = Speed(2.0, 1.0, 3.0, 20, (("noreg", tuple(ra)),))
+    b = Speed(1.46, 1.1, 1.5, 20, (("noreg", tuple(rb)),))
+    chain = speed_chain({"x": a, "y": b})
+    assert "`x` 2.00x < `y`" in chain and "0 of 1 adjacent differences are ties" in chain
+    lone = speed_chain({"x": Speed(2.01, 2.01, 2.01, 1), "y": Speed(2.00, 2.00, 2.00, 1)})
+    assert "1 of 1 pairs have no paired rounds" in lone

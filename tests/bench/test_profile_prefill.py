@@ -34,11 +34,35 @@ def test_generated_kernel_names_pool_across_graphs_and_only_those():
     assert rows["triton_poi_fused_add"]["ms_a"] == pytest.approx(2.0)
     assert rows["triton_poi_fused_add"]["iter_ms"] == pytest.approx(1.0)
     assert "aten::mm_2x" in rows  # a non-generated name keeps its digits
+    assert rows["triton_poi_fused_add"]["kernels"] == 2 and rows["aten::mm_2x"]["kernels"] == 1
+    assert "(2 kernels)" in profile_prefill.split_table(list(rows.values()), "K=1", "K=2")
 
 
-def test_plan2_must_be_the_same_plan_at_a_larger_k():
-    for plan2 in ("12xF2-h0-K1", "6xF2-h0-K2"):
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_prefill.py"), "--paper", "/nonexistent",
-                              "--shape", "0.5B-nox0ve", "--plan", "12xF2-h0-K1", "--plan2", plan2],
-                             capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 2 and "--plan2 must be --plan at a larger K" in out.stderr, out.stderr[-500:]
+def test_k0_separates_what_every_k_pays_from_what_the_stack_pays_once():
+    # prefix GEMMs (4 ms at every K, K = 0 included), a stack init paid once when K >= 1 (0.9 ms), 2 ms per iteration
+    def at(K):
+        d = {"gemm_prefix": (8, 4.0)}
+        if K:
+            d["stack_init"] = (1, 0.9)
+            d["stack_bmm"] = (5 * K, 2.0 * K)
+        return d
+    rows = {r["name"]: r for r in profile_prefill.split_once(at(1), at(2), 1, 2, zero=at(0))}
+    assert rows["gemm_prefix"]["once_ms"] == pytest.approx(4.0) and rows["gemm_prefix"]["stack_once_ms"] == 0
+    assert rows["stack_init"]["stack_once_ms"] == pytest.approx(0.9)
+    assert rows["stack_bmm"]["stack_once_ms"] == pytest.approx(0.0) and rows["stack_bmm"]["iter_ms"] == 2.0
+    assert profile_prefill.split_once(at(1), at(2), 1, 2, zero=at(0))[0]["name"] == "stack_init"
+    assert "stack once ms" in profile_prefill.split_table(list(rows.values()), "K=1", "K=2")
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--plan", "12xF2-h0-K1", "--plan2", "12xF2-h0-K1"], "--plan2 must be --plan at a larger K"),
+    (["--plan", "12xF2-h0-K1", "--plan2", "6xF2-h0-K2"], "--plan2 must be --plan at a larger K"),
+    (["--plan", "12xF2-h0-K1-tol:0.001", "--plan2", "12xF2-h0-K2-tol:0.001"], "tol stop cannot be split"),
+    (["--compiled", "graphs", "--device", "cpu"], "--compiled graphs needs CUDA"),
+    (["--plan", "12xF2-h0-K1-tol1e-3"], "malformed plan"),
+])
+def test_options_it_cannot_honour_are_refused_before_any_work(argv, why):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_prefill.py"), "--paper", "/nonexistent",
+                          "--shape", "0.5B-nox0ve", *argv],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and why in out.stderr, out.stderr[-500:]

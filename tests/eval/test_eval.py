@@ -238,10 +238,18 @@ def test_embedder_loads_without_a_progress_bar_in_a_log(capfd):
     pytest.importorskip("sentence_transformers")
     from transformers.utils import logging as hf_logging
 
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     before = hf_logging.is_progress_bar_enabled()
     assert EMB.load_embedder.__wrapped__("cpu") is not None
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled() == before
+    disable_progress_bars()  # a caller that switched huggingface_hub's bars off keeps them off
+    try:
+        EMB.load_embedder.__wrapped__("cpu")
+        assert are_progress_bars_disabled() and hf_logging.is_progress_bar_enabled() == before
+    finally:
+        enable_progress_bars()
 
 
 def test_early_exit_skips_the_suffix(model, val, records):
