@@ -307,13 +307,16 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
 
 def log_step(run: Run, state: LoopState, st: StepStats) -> None:
     """The progress bar, and the step's log.jsonl record every log_every steps, at step 1 and at the end."""
+    # `reg`: the regulariser term over the whole micro-batch; under --reg-rows F < 1 the term covers only the first
+    # ceil(F * B) rows, a different (noisier) number, so it is logged as `reg_subset`, never as `reg`
+    reg_key = "reg" if run.cfg.reg_rows in (None, 1) else "reg_subset"
     if run.bar is not None:
         run.bar.update(1)
-        run.bar.set_postfix(loss=f"{st.loss:.3f}", reg=f"{st.reg:.3f}", tok_s=f"{st.tok_s:,.0f}",
+        run.bar.set_postfix(loss=f"{st.loss:.3f}", **{reg_key: f"{st.reg:.3f}"}, tok_s=f"{st.tok_s:,.0f}",
                             lr=f"{run.opts[0].param_groups[0]['lr']:.2e}", refresh=False)
     end = state.stopped_by is not None
     if state.step % run.cfg.log_every == 0 or state.step == 1 or end:
-        write_log(run, {"step": state.step, "loss": st.loss, "reg": st.reg, "lambda": st.lam, "tok_s": st.tok_s,
+        write_log(run, {"step": state.step, "loss": st.loss, reg_key: st.reg, "lambda": st.lam, "tok_s": st.tok_s,
                         "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
                         "step_s": st.step_s, **({"stop": state.stopped_by} if end else {})}, st.mfu)
 
