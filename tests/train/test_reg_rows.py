@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import make_model
 from snlp.train.config import TrainConfig
 from snlp.train.job import TrainStep
-from snlp.train.regularizer import (RegConfig, check_rows, reg_rows, relative_error, resolve_suffixes, snlp_loss,
+from snlp.train.regularizer import (RegConfig, check_rows, reg_rows, relative_error, resolve_suffixes,
                                     snlp_states, supervised_layers)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,3 +174,33 @@ def test_train_and_sft_refuse_reg_rows_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "a").exists()
+
+
+def test_train_logs_the_subset_term_under_its_own_name(tmp_path, capsys):
+    """`snlp train --reg-rows 0.5`: the log's train rows carry `reg_subset` (the term over the regularised rows), never
+    `reg` (the whole micro-batch's, which a default run logs); the validation gap keeps its name; the banner says the
+    rows; the summary's FLOPs per token are the plain step's plus half the full regulariser's extra."""
+    import json
+    from pathlib import Path
+
+    from snlp.apps.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt").read_text()[:30_000])
+    common = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--depth", "3", "--width", "64",
+              "--head-dim", "32", "--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--eval-every", "2",
+              "--eval-batches", "1", "--no-progress", "--device", "cpu", "--steps", "2", "--log-every", "1",
+              "--reg-n", "2"]
+    logs, fpt = {}, {}
+    for name, extra in (("plain", []), ("all", ["--reg", "idn"]), ("half", ["--reg", "idn", "--reg-rows", "0.5"])):
+        assert main(["train", "--out", str(tmp_path / name), *common, *extra]) == 0
+        said = capsys.readouterr()
+        assert ("rows=2/4 (--reg-rows 0.5)" in said.out + said.err) is (name == "half")
+        logs[name] = [json.loads(l) for l in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+        fpt[name] = json.loads((tmp_path / name / "train_summary.json").read_text())["speed"]["flops_per_token"]
+    train = lambda rows: [r for r in rows if "loss" in r]  # noqa: E731
+    assert all("reg" in r and "reg_subset" not in r for r in train(logs["all"]))
+    assert all("reg_subset" in r and "reg" not in r for r in train(logs["half"]))
+    assert any(r["reg_subset"] > 0 for r in train(logs["half"]))
+    assert any("gap_N2" in r for r in logs["half"]) and any("gap_N2" in r for r in logs["all"])
+    assert fpt["half"] == pytest.approx(fpt["plain"] + (fpt["all"] - fpt["plain"]) / 2)
