@@ -4,10 +4,13 @@ each variant per round, so the shared machine's drift hits all alike), single-th
 Each variant is the trainer's step (snlp.train.trainer.train_step's work): TrainStep forward + backward (compiled
 with snlp.train.compiled.CompiledStep or eager), gradient clipping, the run's optimizers (Muon + AdamW; eager on a
 CPU as `compile_optimizers` leaves them), zero_grad, one host read of the CE. Every variant owns a model from the
-same seed. Prints a JSON line per variant and a table: median and p10-p90 of thread ms per step, and each ratio with
-the range the spreads allow (a range that holds 1 is a tie).
+same seed. Prints a JSON line per variant and a table: median and p10-p90 of thread ms per step, model FLOPs per
+token (snlp.train.flops, counted once on the eager step), and each ratio with the range the spreads allow (a range
+that holds 1 is a tie). A variant is TREATMENT-KIND, KIND none, idn, hcn or KIND:F (the regulariser on the first
+ceil(F x batch) rows of each step, `snlp train --reg-rows F`).
 
     PYTHONPATH=$PWD nice -n 10 python scripts/train_step_rr.py [--rounds 8] [--depth 16 --width 128 ...]
+    PYTHONPATH=$PWD nice -n 10 python scripts/train_step_rr.py --variants eager-none,eager-idn,eager-idn:0.25
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 
 from snlp.model.config import GPTConfig
 from snlp.model.gpt import GPT
 from snlp.train.compiled import CompiledStep, compile_optimizers
+from snlp.train.flops import step_flops
 from snlp.train.config import TrainConfig
 from snlp.train.job import TrainStep
 from snlp.train.optim import build_optimizers
@@ -40,6 +45,9 @@ def variant(mcfg: GPTConfig, compiled: bool, reg: RegConfig, seed: int):
         compile_optimizers(opts, "cpu")
     lam = reg.weight(0) if reg.active else 0.0
 
+    def flops(x, y) -> float:  # model FLOPs per token of one forward + backward of the eager step
+        return step_flops(step, x, y, lam, nullcontext) / x.numel()
+
     def run(x, y) -> float:
         loss, ce, _ = fn(x, y, lam)
         loss.backward()
@@ -49,6 +57,7 @@ def variant(mcfg: GPTConfig, compiled: bool, reg: RegConfig, seed: int):
         for o in opts:
             o.zero_grad(set_to_none=True)
         return float(ce)  # the trainer's one host read per step
+    run.flops = flops
     return run
 
 
@@ -76,11 +85,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, a.vocab, (a.batch, a.seq_len + 1), generator=g) for _ in range(4)]
     batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
-    fns, first = {}, {}
+    fns, first, fpt = {}, {}, {}
     for name in a.variants.split(","):
         treat, kind = name.split("-")
-        reg = RegConfig() if kind == "none" else RegConfig(surrogate=kind, lam=0.5, suffixes=(a.reg_n,))
+        kind, _, frac = kind.partition(":")
+        reg = RegConfig() if kind == "none" else RegConfig(surrogate=kind, lam=0.5, suffixes=(a.reg_n,),
+                                                           rows=float(frac) if frac else 1.0)
         fns[name] = variant(mcfg, treat == "compiled", reg, 0)
+        fpt[name] = fns[name].flops(*batches[0])
         t0 = time.perf_counter()
         fns[name](*batches[0])  # compiles (compiled variants)
         first[name] = time.perf_counter() - t0
@@ -105,10 +117,13 @@ def main() -> None:
         stats[n] = (med, p10, p90)
         print(json.dumps({"variant": n, "thread_ms": thread[n], "wall_ms": wall[n], "thread_median_ms": med,
                           "thread_p10_ms": p10, "thread_p90_ms": p90, "wall_median_ms": wmed, "wall_p10_ms": wp10,
-                          "wall_p90_ms": wp90, "first_step_s": first[n], "tok_s_thread": tokens / (med / 1e3)}))
-    print(f"\n| variant | thread ms/step median (p10-p90) | tok/s (thread) | first step s |\n|---|---|---|---|")
+                          "wall_p90_ms": wp90, "first_step_s": first[n], "tok_s_thread": tokens / (med / 1e3),
+                          "flops_per_token": fpt[n]}))
+    print("\n| variant | thread ms/step median (p10-p90) | tok/s (thread) | MFLOP/token | first step s |\n"
+          "|---|---|---|---|---|")
     for n, (med, p10, p90) in stats.items():
-        print(f"| {n} | {med:.0f} ({p10:.0f}-{p90:.0f}) | {tokens / (med / 1e3):,.0f} | {first[n]:.1f} |")
+        print(f"| {n} | {med:.0f} ({p10:.0f}-{p90:.0f}) | {tokens / (med / 1e3):,.0f} | {fpt[n] / 1e6:.2f} "
+              f"| {first[n]:.1f} |")
 
     def ratio(label, num, den):
         if num in stats and den in stats:
@@ -116,10 +131,15 @@ def main() -> None:
             lo, hi = a10 / b90, a90 / b10
             print(f"{label}: {a_ / b_:.2f}x ({lo:.2f}-{hi:.2f}{': tie' if lo <= 1 <= hi else ''})")
     print()
-    ratio("compiled speedup, plain (eager / compiled ms)", "eager-none", "compiled-none")
-    ratio("compiled speedup, idn", "eager-idn", "compiled-idn")
-    ratio("regulariser overhead, eager (idn / plain ms)", "eager-idn", "eager-none")
-    ratio("regulariser overhead, compiled", "compiled-idn", "compiled-none")
+    for n in stats:
+        treat, kind = n.split("-")
+        if treat == "eager" and f"compiled-{kind}" in stats:
+            ratio(f"compiled speedup, {kind} (eager / compiled ms)", n, f"compiled-{kind}")
+    for n in stats:
+        treat, kind = n.split("-")
+        if kind != "none" and f"{treat}-none" in stats:
+            ratio(f"regulariser overhead {kind}, {treat} ({kind} / plain ms; FLOP ratio "
+                  f"{fpt[n] / fpt[f'{treat}-none']:.3f})", n, f"{treat}-none")
 
 
 if __name__ == "__main__":

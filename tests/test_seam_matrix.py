@@ -34,6 +34,9 @@ names the combination. A cell that is neither is a defect. The references are wr
   with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
   torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
+  the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
+  on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
+  sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
@@ -1009,3 +1012,64 @@ def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, 
             assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
     finally:
         set_window_kernel(prev)
+
+
+# ----------------------------------------------------------------------------- the regulariser on a row fraction
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["F1", "hcn", "diag"]), seed=st.integers(0, 50), B=st.integers(1, 5),
+       rows=st.sampled_from([0.01, 0.2, 0.25, 0.5, 0.6, 0.75, 1.0]), masked=st.booleans(), sft_plan=st.booleans(),
+       nano=st.booleans(), windows=st.sampled_from(list(WINDOWS)), N=st.sampled_from([3, 6]),
+       stride=st.sampled_from([0, 2]), detach=st.booleans())
+def test_regulariser_row_fraction_equals_a_fresh_call_on_its_rows(kind, seed, B, rows, masked, sft_plan, nano,
+                                                                   windows, N, stride, detach):
+    """`snlp train / sft --reg-rows F` (RegConfig.rows): the training step's loss, regulariser term and every gradient
+    equal the CE over all B rows plus lambda x a FRESH regulariser call (rows = 1, its own sequential trace) on the
+    first r = ceil(F B) rows and their valid mask, fp64; F = 1 is r = B (bit for bit: tests/train/test_reg_rows.py).
+    Crossed with the surrogate (IDN, HCN on an mHC model, DiagN), a padded SFT batch's mask, the SNLP-forward SFT
+    step (a plan's CE; the regulariser's trace of its rows only), nanochat's parts and window widths. Compiled: the
+    eager cell's reference (tests/train/test_compiled.py, slow). Refused: F outside (0, 1] and an F that leaves no
+    row, each a one-line ValueError naming --reg-rows."""
+    import torch.nn.functional as F
+
+    from snlp.train.job import TrainStep
+    from snlp.train.regularizer import RegConfig, check_rows, snlp_loss
+
+    sur = {"F1": "idn", "hcn": "hcn", "diag": "diag"}[kind]
+    m = model_for(kind, seed, {"nanochat": nano, "windows": windows})
+    gen = torch.Generator().manual_seed(seed)
+    T = 9
+    x, y = (torch.randint(0, m.config.vocab_size, (B, T), generator=gen) for _ in range(2))
+    valid = None
+    if masked:  # each row's real tokens first, as snlp.io.chat.collate pads
+        valid = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,), generator=gen)[:, None]  # (B, T)
+    plan = Plan.parse("2xF2-h0-K1") if sft_plan and kind != "hcn" else None
+    lam = 0.5
+    cfg = RegConfig(surrogate=sur, lam=lam, suffixes=(N,), stride=stride, detach=detach, rows=rows)
+    r = min(B, math.ceil(round(rows * B, 9)))
+    assert cfg.n_rows(B) == r >= 1
+    step = TrainStep(m, cfg, plan)
+    extra = () if valid is None else (valid,)
+    loss, ce, rg = step(x, y, lam, *extra)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    # the reference: the CE of the whole batch (sequential, or the plan's logits) + a fresh call on the first r rows
+    logits = m(x) if plan is None else parallel_forward(m, x, plan, check_finite=False)
+    ref_ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-1)
+    xs = x[:r].clone()
+    fresh = RegConfig(surrogate=sur, lam=lam, suffixes=(N,), stride=stride, detach=detach)
+    ref_rg = snlp_loss(m, xs, m.hidden_states(xs), fresh, None if valid is None else valid[:r].clone())
+    torch.testing.assert_close(rg, ref_rg.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ce.double(), ref_ce.detach().double(), rtol=1e-10, atol=1e-12)
+    (ref_ce + lam * ref_rg).backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=n)
+    for bad in (0.0, -rows, 1.0 + rows, float("nan")):
+        with pytest.raises(ValueError, match=r"--reg-rows must lie in \(0, 1\]") as e:
+            RegConfig(surrogate=sur, rows=bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="--reg-rows .* leaves the regulariser no row"):
+        check_rows(1e-12, B)

@@ -153,7 +153,9 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
     tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")
-    tr.add_argument("--regs", default="none,idn", help="--suite train: regulariser variants, none and/or idn / hcn")
+    tr.add_argument("--regs", default="none,idn", help="--suite train: regulariser variants, none and/or idn / hcn; "
+                    "KIND:F (e.g. idn:0.25) runs it on the first ceil(F x batch) rows of each step (snlp train "
+                    "--reg-rows F)")
     tr.add_argument("--reg-n", default="24", help="--suite train: the regulariser's suffix lengths N (the paper's "
                     "0.5B IDN-Reg run: 24; clipped to depth - 1)")
     tr.add_argument("--train-batch", type=int, default=None, help="--suite train: sequences per step (default 8 on "

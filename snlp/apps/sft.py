@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from snlp.apps.train import add_speed_arguments, config_from_args, file_hooks
+from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, config_from_args, file_hooks
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -48,6 +48,7 @@ def add_train_arguments(p, steps: int = 200) -> None:
     r.add_argument("--reg-stride", type=int, default=0)
     r.add_argument("--reg-detach", action=argparse.BooleanOptionalAction, default=None)
     r.add_argument("--reg-warmup", type=int, default=0)
+    add_reg_rows_argument(r)
     e = p.add_argument_group("data and logging")
     e.add_argument("--max-conversations", type=int, default=0, help="use at most this many (0 = all)")
     e.add_argument("--val-frac", type=float, default=0.05, help="fraction of conversations held out")

@@ -92,12 +92,22 @@ def add_arguments(p) -> None:
                    help="detach the sequential target (default: on for --reg hcn as in the paper's mHC run, "
                    "off otherwise)")
     r.add_argument("--reg-warmup", type=int, default=0, help="steps to ramp lambda from 0")
+    add_reg_rows_argument(r)
     e = p.add_argument_group("logging")
     e.add_argument("--eval-every", type=int, default=50, help="validation every N steps (and at the end)")
     e.add_argument("--eval-batches", type=int, default=4)
     e.add_argument("--save-every", type=int, default=0, help="also save every N steps (0 = only at the end)")
     e.add_argument("--log-every", type=int, default=10)
     e.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def add_reg_rows_argument(r) -> None:
+    """--reg-rows (snlp train and snlp sft)."""
+    r.add_argument("--reg-rows", type=float, default=None, metavar="F",
+                   help="run the regulariser's K=1 solve on the first ceil(F x batch size) rows of each micro-batch "
+                   "only (0 < F <= 1; the loader draws rows at random, so a random subset; the term is their mean, "
+                   "not rescaled: same expectation, more variance); the CE still covers every row. Default: all rows "
+                   "(the paper's objective). The log's term is then `reg_subset`")
 
 
 def add_speed_arguments(o) -> None:

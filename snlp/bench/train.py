@@ -1,6 +1,8 @@
 """Training speed: `snlp bench --suite train [--quick]` (`run_train_bench`): tokens/s, MFU and compile time of the
 training step at one of the paper's shapes (default its 0.5B model, depth 32, width 640), eager vs compiled
-(snlp.train.compiled) and plain vs the SNLP regulariser (`--reg idn --reg-n 24`, the paper's 0.5B IDN-Reg run).
+(snlp.train.compiled) and plain vs the SNLP regulariser (`--reg idn --reg-n 24`, the paper's 0.5B IDN-Reg run). A
+variant `KIND:F` (e.g. `idn:0.25`) runs the regulariser on the first ceil(F x batch) rows of each step
+(`snlp train --reg-rows F`): the same row and ratios, named by the variant.
 
 Each variant trains a fresh model (same seed) for `warmup + steps` optimizer steps of `snlp train`'s step on random
 tokens (speed does not depend on the data): bf16 autocast on CUDA, fp32 on CPU, the run's optimizers (Muon + AdamW;
@@ -48,7 +50,7 @@ from snlp.train.flops import mfu, step_flops
 from snlp.train.job import TrainStep, reg_config
 from snlp.train.optim import build_optimizers
 from snlp.train.precision import autocast_context
-from snlp.train.regularizer import RegConfig, parse_suffixes, resolve_suffixes
+from snlp.train.regularizer import RegConfig, check_rows, parse_suffixes, resolve_suffixes
 
 REGS = ("none", "idn")
 QUICK_SHAPE = dict(depth=2, width=64, head_dim=32)
@@ -66,7 +68,7 @@ class TrainBenchConfig:
     steps: int | None = None  # timed steps; None: 20 on cuda, 5 on cpu, 3 quick (a p10-p90 needs several)
     warmup: int | None = None  # untimed steps after the first; None: 3 on cuda, 1 on cpu and quick
     treatments: tuple[str, ...] = TREATMENTS  # eager and/or compiled
-    regs: tuple[str, ...] = REGS  # none (plain) and/or idn / hcn (the regulariser's surrogate)
+    regs: tuple[str, ...] = REGS  # none (plain) and/or idn / hcn (the regulariser's surrogate), KIND:F a row fraction
     reg_n: str = "24"  # suffix lengths N of the regulariser (clipped to depth - 1)
     reg_lambda: float = 0.5
     optimizer: str = "muon"
@@ -89,10 +91,11 @@ class TrainBenchConfig:
         bad = [t for t in self.treatments if t not in TREATMENTS]
         if bad or not self.treatments:
             raise ValueError(f"train bench: treatments must be a non-empty subset of {', '.join(TREATMENTS)}")
-        bad = [r for r in self.regs if r not in ("none", "idn", "hcn")]
+        bad = [r for r in self.regs if reg_variant(r)[0] not in ("none", "idn", "hcn")]
         if bad or not self.regs:
             raise ValueError(f"train bench: regs must be a non-empty subset of none, idn, hcn (diag does not "
-                             f"compile), got {', '.join(self.regs) or 'none'}")
+                             f"compile), each regulariser optionally as KIND:F (--reg-rows F), got "
+                             f"{', '.join(self.regs) or 'none'}")
         parse_suffixes(self.reg_n)
         cfg = replace(self, device=str(device), batch_size=pick(self.batch_size, 2, 8, 4),
                       seq_len=pick(self.seq_len, 32, 2048, 256), steps=pick(self.steps, 3, 20, 5),
@@ -102,6 +105,10 @@ class TrainBenchConfig:
             raise ValueError("train bench: batch size, seq len, steps and vocab size must be >= 1, warm-up >= 0")
         if cfg.optimizer not in ("muon", "adamw"):
             raise ValueError(f"train bench: optimizer must be muon or adamw, got {cfg.optimizer!r}")
+        for r in cfg.regs:  # each row fraction leaves the batch a row (the refusal of snlp train --reg-rows)
+            rows = reg_variant(r)[1]
+            if rows is not None:
+                check_rows(rows, cfg.batch_size)
         return cfg
 
     def run_shape(self) -> Shape:
@@ -140,6 +147,7 @@ class TrainBenchRow:
     loss_first: float | None = None
     loss_last: float | None = None
     error: str | None = None  # e.g. out of memory: the row has no timings
+    reg_rows: int | None = None  # rows of each step the regulariser's solve ran on (None without a regulariser)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +194,8 @@ class TrainBenchResult:
     def markdown(self) -> str:
         cfg, m = self.config, self.meta
         f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
-        rows = [[r.treatment, r.reg + (f" N={','.join(map(str, r.reg_n))}" if r.reg_n else ""),
+        rows = [[r.treatment, r.reg + (f" N={','.join(map(str, r.reg_n))}" if r.reg_n else "")
+                 + (f" rows {r.reg_rows}/{r.batch}" if r.reg_rows is not None and r.reg_rows < r.batch else ""),
                  f(r.step_ms, "{:.1f}") + (f" ({r.step_ms_p10:.1f}-{r.step_ms_p90:.1f})" if r.step_ms_p10 else ""),
                  f(r.tokens_per_s, "{:,.0f}"), f(r.mfu, "{:.1%}"), f(r.tflops, "{:.4g}"),
                  f(r.flops_per_token and r.flops_per_token / 1e9, "{:.4g}"), f(r.first_step_s, "{:.1f}"),
@@ -207,6 +216,21 @@ class TrainBenchResult:
             lines += ["", " | ".join(f"{k} {v['ratio']:.2f}x ({v['lo']:.2f}-{v['hi']:.2f}"
                                      + (": tie, inside the spreads)" if v["tie"] else ")") for k, v in spreads.items())]
         return "\n".join(lines) + "\n"
+
+
+def reg_variant(name: str) -> tuple[str, float | None]:
+    """A --regs variant as (surrogate kind, row fraction F or None = every row): "idn" or "idn:0.25"."""
+    kind, sep, frac = name.partition(":")
+    if not sep:
+        return kind, None
+    if kind == "none":
+        raise ValueError(f"train bench: variant {name!r}: a row fraction needs a regulariser (idn:F, hcn:F)")
+    try:
+        rows = float(frac)
+    except ValueError:
+        raise ValueError(f"train bench: variant {name!r}: F of KIND:F must be a number in (0, 1]") from None
+    check_rows(rows)
+    return kind, rows
 
 
 def run_train_bench(cfg: TrainBenchConfig) -> TrainBenchResult:
@@ -237,16 +261,19 @@ def run_train_bench(cfg: TrainBenchConfig) -> TrainBenchResult:
 
 
 def build(cfg: TrainBenchConfig, reg_kind: str, device) -> tuple[GPT, TrainStep]:
-    """A fresh model of the run's shape (seeded) and its training step with the regulariser `reg_kind`."""
+    """A fresh model of the run's shape (seeded) and its training step with the regulariser variant `reg_kind`
+    (`reg_variant`)."""
     shape = cfg.run_shape()
     mcfg = shape.config(cfg.vocab_size, cfg.window_pattern, max(cfg.seq_len // 4, 1), cfg.seq_len)
     model = GPT(mcfg)
     model.init_weights(seed=cfg.seed)
     model.to(device).train()
-    tcfg = TrainConfig(out="", reg=reg_kind, reg_n=cfg.reg_n, reg_lambda=cfg.reg_lambda)
+    kind, rows = reg_variant(reg_kind)
+    tcfg = TrainConfig(out="", reg=kind, reg_n=cfg.reg_n, reg_lambda=cfg.reg_lambda, reg_rows=rows,
+                       batch_size=cfg.batch_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # N >= depth is clipped (resolve_suffixes): the row records the N used
-        reg = reg_config(tcfg, mcfg) if reg_kind != "none" else RegConfig()  # as snlp train builds it
+        reg = reg_config(tcfg, mcfg) if kind != "none" else RegConfig()  # as snlp train builds it
     return model, TrainStep(model, reg)
 
 
@@ -260,6 +287,7 @@ def run_variant(cfg: TrainBenchConfig, treatment: str, reg_kind: str, peak: floa
         ns = resolve_suffixes(model.config.n_layer, loss.reg.suffixes) if loss.reg.active else []
     B, T = cfg.batch_size, cfg.seq_len
     row = TrainBenchRow(shape=cfg.shape, treatment=treatment, reg=reg_kind, reg_n=ns,
+                        reg_rows=loss.reg.n_rows(cfg.batch_size) if loss.reg.active else None,
                         n_layer=model.config.n_layer, n_embd=model.config.n_embd, params=model.num_params(), batch=B,
                         seq_len=T, tokens_per_step=B * T, steps=cfg.steps, warmup=cfg.warmup)
     compiled = treatment == "compiled"

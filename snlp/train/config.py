@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
 
@@ -64,6 +65,7 @@ class TrainConfig:
     reg_stride: int = 0
     reg_detach: bool | None = None
     reg_warmup: int = 0
+    reg_rows: float | None = None  # the solve on the first ceil(F * batch_size) rows (None: all, the paper's)
     # logging
     eval_every: int = 50
     eval_batches: int = 4
@@ -94,6 +96,11 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
             raise ValueError(f"--reg must be one of idn, hcn, diag, none (got {self.reg!r})")
+        if self.reg_rows is not None:
+            if self.reg == "none" or self.reg_lambda == 0:
+                raise ValueError("--reg-rows sets the regulariser's share of each micro-batch: it needs --reg "
+                                 "(idn, hcn, diag) and --reg-lambda > 0")
+            check_rows(self.reg_rows, self.batch_size)
         if self.compile and self.reg == "diag":
             raise ValueError("--compile with --reg diag: the DiagN regulariser's probe generator does not trace into "
                              "one graph; use --reg idn / hcn, or train without --compile")

@@ -69,7 +69,9 @@ class TrainStep(nn.Module):
             logits = m.head(solve(m, x, self.plan, check_finite=False).hidden)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
         if (self.reg.active if isinstance(lam, Tensor) else lam > 0):
-            trace = trace if trace is not None else m.hidden_states(x)
+            if trace is None:  # SNLP-forward SFT: the sequential trace of only the rows the regulariser reads
+                r = self.reg.n_rows(x.size(0))
+                trace = m.hidden_states(x if r == x.size(0) else x[:r])
             reg = snlp_loss(m, x, trace, self.reg, valid)
             return ce + lam * reg, ce.detach(), reg.detach()
         return ce, ce.detach(), torch.zeros((), device=x.device)
@@ -80,7 +82,8 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> R
     (e.g. --reg hcn needs an mHC model: --hc-streams N). A suffix length N >= depth is clipped, and warned once
     (on the `master` rank) only when the regulariser is on: with --reg none, N only names the logged gap."""
     reg = RegConfig(surrogate=None if cfg.reg == "none" else cfg.reg, lam=cfg.reg_lambda,
-                    suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup)
+                    suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup,
+                    rows=1.0 if cfg.reg_rows is None else cfg.reg_rows)
     reg.detach = cfg.reg_detach if cfg.reg_detach is not None else isinstance(reg.surrogate, HCN)
     try:
         reg.check_model(model_cfg)

@@ -123,4 +123,5 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
                loss=TrainStep(model, reg),
                validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg),
                describe=f"{len(tokens.train):,} train / {len(tokens.val):,} val tokens | reg {cfg.reg}"
-               + (f" lambda={reg.lam} N={suffixes} stride={reg.stride}" if reg.active else ""))
+               + (f" lambda={reg.lam} N={suffixes} stride={reg.stride}{reg.rows_text(cfg.batch_size)}"
+                  if reg.active else ""))

@@ -9,6 +9,15 @@ over the hidden dim; the ratio is averaged over batch and positions, computed in
 is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
 T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (always including L).
 
+`rows` (F, `--reg-rows`): the K=1 solve runs on the first r = ceil(F * B) rows of each (B, T) micro-batch only, the
+CE on all B. The term is a mean over rows and positions, so it is NOT rescaled: the data loader draws each row at
+random, so the first rows are a random subset and the subset's mean has the full batch's expectation (for a
+padded SFT batch, whose mean runs over the valid positions, a ratio of two means: the same up to O(1/rows)),
+with more variance (the row draw's part B / r ~ 1/F times, rows being independent). The solve's cost scales with
+the rows: its extra FLOPs per token are r / B ~ F times F = 1's (`snlp.train.flops`). The row count is a Python
+int of the static batch shape, so a compiled step keeps one graph. F = 1 is the paper's objective exactly: nothing
+is sliced.
+
 `diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
 extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
 Results"), and the estimate is detached (snlp.method.jacobian): gradients flow through the chunk
@@ -17,6 +26,7 @@ forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -42,8 +52,10 @@ class RegConfig:
     stride: int = 0
     detach: bool = False
     warmup: int = 0  # steps over which lambda ramps linearly from 0
+    rows: float = 1.0  # F: the solve runs on the first ceil(F * B) rows of each micro-batch (`n_rows`)
 
     def __post_init__(self):
+        check_rows(self.rows)
         if isinstance(self.surrogate, str):
             sur = parse_surrogate(self.surrogate)
             if sur is None:
@@ -69,11 +81,37 @@ class RegConfig:
         for n in resolve_suffixes(config.n_layer, self.suffixes, warn=False) if config.n_layer > 1 else []:
             self.plan(n).check_model(config)
 
+    def n_rows(self, batch: int) -> int:
+        """Rows of a `batch`-row micro-batch the solve runs on: ceil(F * batch); a ValueError if that is 0
+        (`check_rows`: a mean over no rows would be NaN)."""
+        check_rows(self.rows, batch)
+        return reg_rows(self.rows, batch)
+
+    def rows_text(self, batch: int) -> str:
+        """The banner's note of --reg-rows ("" for all rows, the paper's objective)."""
+        return "" if self.rows == 1 else f" rows={self.n_rows(batch)}/{batch} (--reg-rows {self.rows:g})"
+
     def weight(self, step: int) -> float:
         """lambda at optimizer step `step` (linear ramp over `warmup` steps)."""
         if not self.active:
             return 0.0
         return self.lam * min(1.0, (step + 1) / self.warmup) if self.warmup > 0 else self.lam
+
+
+def check_rows(rows: float, batch: int | None = None) -> None:
+    """Raise a ValueError (one line, in --reg-rows' terms) unless 0 < rows <= 1 and, given the micro-batch size,
+    it leaves the solve at least one row."""
+    if not (isinstance(rows, (int, float)) and 0 < rows <= 1):  # also refuses NaN
+        raise ValueError(f"--reg-rows must lie in (0, 1], a fraction of each micro-batch's rows (got {rows!r})")
+    if batch is not None and reg_rows(rows, batch) < 1:
+        raise ValueError(f"--reg-rows {rows:g} of a {batch}-row micro-batch leaves the regulariser no row "
+                         f"(ceil(F * B) = 0): use at least {1 / batch:g}")
+
+
+def reg_rows(rows: float, batch: int) -> int:
+    """ceil(rows * batch), the product first rounded to 9 decimals so float noise does not add a row
+    (0.3 * 10 = 3.0000000000000004 is 3 rows, not 4) or leave one (1.0 * B is B)."""
+    return min(batch, math.ceil(round(rows * batch, 9)))
 
 
 def parse_suffixes(text: str) -> tuple[int, ...]:
@@ -146,10 +184,16 @@ def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None) ->
 def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None) -> Tensor:
     """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
     the same forward that produced the CE loss (so the model is not run twice for the target). `valid`: the
-    (B, T) mask of real positions of a padded batch (`relative_error`); None: every position."""
+    (B, T) mask of real positions of a padded batch (`relative_error`); None: every position. With cfg.rows < 1
+    the sum is over the first r = `cfg.n_rows(B)` rows of idx, trace and valid (the module docstring: not
+    rescaled); the trace may then hold just those r rows (a trace computed for the regulariser alone)."""
     L = model.config.n_layer
     if len(trace) != L + 1:
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
+    r = cfg.n_rows(idx.size(0))
+    if r < idx.size(0):  # a static slice of the batch dim: the solve's work scales with r
+        idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
+        valid = None if valid is None else valid[:r]  # (r, T)
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for N in resolve_suffixes(L, cfg.suffixes, warn=False):
         states, S = snlp_states(model, idx, cfg.plan(N), trace)

@@ -76,7 +76,8 @@ def sft_job(scfg: SFTConfig):
                    loss=TrainStep(model, reg, plan),
                    validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan),
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "
-                   f"{len(val):,} val conversations of {scfg.data}" + (f" | reg {cfg.reg} lambda={reg.lam}" if reg.active else ""),
+                   f"{len(val):,} val conversations of {scfg.data}"
+                   + (f" | reg {cfg.reg} lambda={reg.lam}{reg.rows_text(cfg.batch_size)}" if reg.active else ""),
                    name="snlp sft", state={"sft": {k: v for k, v in asdict(scfg).items() if k != "train"}})
 
     return make_job
@@ -97,6 +98,7 @@ def fixed_length(batch, T: int, pad: int):
 def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
+    scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
     if scfg.forward != SEQUENTIAL:
         plan = Plan.parse(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:

@@ -36,7 +36,7 @@ from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
 from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
-from snlp.train.regularizer import RegConfig
+from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
 from snlp.runtime.device import device_label, progress_bar
 from snlp.runtime.peak import peak_bf16_flops
@@ -307,13 +307,17 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
 
 def log_step(run: Run, state: LoopState, st: StepStats) -> None:
     """The progress bar, and the step's log.jsonl record every log_every steps, at step 1 and at the end."""
+    # `reg`: the regulariser term over the whole micro-batch; when --reg-rows leaves out rows the term covers only the
+    # first ceil(F * B), a different (noisier) number, so it is logged as `reg_subset`, never as `reg`
+    rows = run.cfg.reg_rows
+    reg_key = "reg" if rows is None or reg_rows(rows, run.cfg.batch_size) == run.cfg.batch_size else "reg_subset"
     if run.bar is not None:
         run.bar.update(1)
-        run.bar.set_postfix(loss=f"{st.loss:.3f}", reg=f"{st.reg:.3f}", tok_s=f"{st.tok_s:,.0f}",
+        run.bar.set_postfix(loss=f"{st.loss:.3f}", **{reg_key: f"{st.reg:.3f}"}, tok_s=f"{st.tok_s:,.0f}",
                             lr=f"{run.opts[0].param_groups[0]['lr']:.2e}", refresh=False)
     end = state.stopped_by is not None
     if state.step % run.cfg.log_every == 0 or state.step == 1 or end:
-        write_log(run, {"step": state.step, "loss": st.loss, "reg": st.reg, "lambda": st.lam, "tok_s": st.tok_s,
+        write_log(run, {"step": state.step, "loss": st.loss, reg_key: st.reg, "lambda": st.lam, "tok_s": st.tok_s,
                         "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
                         "step_s": st.step_s, **({"stop": state.stopped_by} if end else {})}, st.mfu)
 

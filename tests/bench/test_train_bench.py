@@ -60,6 +60,29 @@ def test_train_bench_refuses_bad_settings(tmp_path):
     assert not Path(tmp_path, "train.json").exists()
 
 
+def test_train_bench_row_fraction_variant(tmp_path, capsys):
+    """--regs idn:F: the regulariser on ceil(F x batch) rows of each step (snlp train --reg-rows F), its own row and
+    ratio; its FLOPs per token are the plain step's plus the full regulariser's extra x rows / batch."""
+    assert main(["bench", "--suite", "train", "--quick", "--device", "cpu", "--treatments", "eager", "--regs",
+                 "none,idn,idn:0.5", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    by = {r["reg"]: r for r in data["records"]}
+    assert list(by) == ["none", "idn", "idn:0.5"] and all(r["error"] is None for r in by.values())
+    assert (by["none"]["reg_rows"], by["idn"]["reg_rows"], by["idn:0.5"]["reg_rows"]) == (None, 2, 1)
+    extra = by["idn"]["flops_per_token"] - by["none"]["flops_per_token"]
+    assert extra > 0 and by["idn:0.5"]["flops_per_token"] == pytest.approx(by["none"]["flops_per_token"] + extra / 2)
+    assert set(data["ratios"]) == {"reg_overhead_idn_eager", "reg_overhead_idn:0.5_eager"}
+    assert "idn:0.5 N=1 rows 1/2" in (tmp_path / "train.md").read_text()
+    capsys.readouterr()
+    for regs, msg in (("none:0.5", "needs a regulariser"), ("idn:1.5", r"must lie in \(0, 1\]"),
+                      ("idn:x", "must be a number"), ("idn:1e-12", "no row")):
+        with pytest.raises(ValueError, match=msg):
+            run_train_bench(TrainBenchConfig(quick=True, regs=("none", regs)))
+        assert main(["bench", "--suite", "train", "--quick", "--regs", f"none,{regs}", "--out",
+                     str(tmp_path / "no")]) == 2
+    assert not (tmp_path / "no").exists()
+
+
 def _row(treatment: str, reg: str, ms: list[float]) -> TrainBenchRow:
     """A timed row made by hand (the ratio arithmetic alone, no model)."""
     ms = sorted(ms)

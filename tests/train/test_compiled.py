@@ -92,6 +92,17 @@ def test_compiled_pretraining_step_with_regulariser_equals_eager_and_compiles_on
 
 
 @pytest.mark.slow
+def test_compiled_step_on_a_row_fraction_equals_eager_and_compiles_once():
+    """--reg-rows 0.5 (the solve on the first ceil(F B) rows): the row count is a Python int of the static batch shape,
+    so the slice is part of the one graph, traced once whatever lambda (--reg-warmup), and equal to eager."""
+    step = TrainStep(tiny(), RegConfig(surrogate="idn", lam=0.5, suffixes=(2,), warmup=4, rows=0.5))
+    assert step.reg.n_rows(batch(0)[0].size(0)) == 1
+    lams = [step.reg.weight(s) for s in range(3)]
+    assert float(eager_reference(step, *batch(0), lams[0])[2]) > 1e-3
+    run_compiled_against_eager(step, lams)
+
+
+@pytest.mark.slow
 def test_compiled_snlp_forward_sft_step_equals_eager_and_compiles_once():
     """SNLP-forward SFT: CE on the logits of a fused plan's solve (chunk weights rebuilt from the parameters inside
     the graph, gradients through the K iterations)."""
@@ -134,6 +145,28 @@ def test_step_flops_equal_a_hand_count(window_pattern):
     gate = cfg.n_kv_head * min(VE_GATE_CHANNELS, cfg.n_embd) if hasattr(model, "value_embeds") else 0
     assert reg == plain + 6 * (suffix + N * gate) + 12 * N * cfg.n_head * cfg.head_dim * T
     assert all(p.grad is None for p in model.parameters())  # counting leaves no gradients behind
+
+
+@pytest.mark.parametrize("rows", [0.25, 0.5, 0.6, 1.0])
+def test_step_flops_of_a_row_fraction_scale_the_regulariser_by_its_rows(rows):
+    """--reg-rows F: the regulariser's K=1 solve runs on r = ceil(F B) of the B rows, so its FLOPs per token are the
+    hand count of the whole batch's solve (as above) times r / B, and the plain step's are unchanged:
+    FLOPs = plain x (1 + (reg extra) x r / B)."""
+    model = tiny()
+    cfg = model.config
+    x, y = batch(0, B=5)
+    B, T = x.shape
+    plain = step_flops(TrainStep(model, RegConfig()), x, y, 0.0, nullcontext)
+    assert plain == (6 * matmul_params(model) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T) * B * T
+    N = 2
+    suffix = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "ve_gate" not in n
+                 and any(n.startswith(f"blocks.{l}.") for l in range(cfg.n_layer - N, cfg.n_layer)))
+    gate = cfg.n_kv_head * min(VE_GATE_CHANNELS, cfg.n_embd) if hasattr(model, "value_embeds") else 0
+    extra = 6 * (suffix + N * gate) + 12 * N * cfg.n_head * cfg.head_dim * T  # per token of a regularised row
+    r = {0.25: 2, 0.5: 3, 0.6: 3, 1.0: 5}[rows]  # ceil(F x 5)
+    reg = step_flops(TrainStep(model, RegConfig(surrogate="idn", suffixes=(N,), rows=rows)), x, y, 0.5, nullcontext)
+    assert reg == plain + extra * r * T
+    assert reg / (B * T) == pytest.approx(plain / (B * T) + extra * r / B, rel=1e-12)
 
 
 def test_mfu_arithmetic_and_peak_table():

@@ -1,0 +1,76 @@
+"""Compare `snlp eval --json` records of several checkpoints scored on the same validation windows (e.g. training arms
+that differ only in their regulariser), with the paired 95 % intervals of snlp.apps.report (two-sided paired t over
+the windows' cross-entropies, as the speedrun report tests its PPL ties).
+
+    PYTHONPATH=$PWD python scripts/compare_evals.py noreg=runs/noreg.json idn=runs/idn.json rows25=runs/r25.json \
+        [--against noreg]
+
+Prints markdown: per arm and plan the PPL and ΔPPL against the arm's own sequential model with its interval; then
+per plan each arm's ΔPPL against the `--against` arm's (the ratio (1 + ΔPPL_arm) / (1 + ΔPPL_ref) - 1, paired per
+window) and each arm's sequential PPL against the reference arm's. An interval that holds 0 is a tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from snlp.apps.report import delta_ppl_interval
+
+
+def pct(v: float) -> str:
+    return f"{100 * v:+.2f} %"
+
+
+def interval(iv) -> str:
+    if iv is None:
+        return "-"
+    lo, hi = iv
+    return f"[{pct(lo)}, {pct(hi)}]" + (" tie" if lo <= 0 <= hi else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("arms", nargs="+", help="NAME=PATH of an `snlp eval --json` file")
+    ap.add_argument("--against", default=None, help="the reference arm (default: the first)")
+    a = ap.parse_args()
+    arms = {}
+    for spec in a.arms:
+        name, _, path = spec.partition("=")
+        rows = json.loads(open(path).read())
+        arms[name] = {r["plan"]: r for r in rows}
+    ref = a.against or next(iter(arms))
+    plans = [p for p in next(iter(arms.values())) if p != "sequential"]
+    windows = {len(r["window_ce"]) for rs in arms.values() for r in rs.values()}
+    print(f"Windows per row: {sorted(windows)} (paired across rows and arms: the same validation windows)\n")
+    print("| arm | plan | PPL | ΔPPL vs its sequential | 95 % interval |\n|---|---|---:|---:|---|")
+    for name, rs in arms.items():
+        seq = rs["sequential"]
+        print(f"| {name} | sequential | {seq['ppl']:.2f} | - | - |")
+        for p in plans:
+            r = rs[p]
+            print(f"| {name} | {p} | {r['ppl']:.2f} | {pct(r['delta_ppl'])} | "
+                  f"{interval(delta_ppl_interval(r['window_ce'], seq['window_ce']))} |")
+    print(f"\nAgainst `{ref}` (paired per window; ΔPPL ratio = (1 + ΔPPL_arm) / (1 + ΔPPL_{ref}) - 1; "
+          f"sequential = PPL_arm / PPL_{ref} - 1):\n")
+    print("| arm | " + " | ".join(f"{p}: ΔPPL ratio [95 %]" for p in plans) + " | sequential PPL [95 %] |")
+    print("|---|" + "---|" * (len(plans) + 1))
+    rs0 = arms[ref]
+    d0 = {p: [x - y for x, y in zip(rs0[p]["window_ce"], rs0["sequential"]["window_ce"])] for p in plans}
+    for name, rs in arms.items():
+        if name == ref:
+            continue
+        cells = []
+        for p in plans:
+            d = [x - y for x, y in zip(rs[p]["window_ce"], rs["sequential"]["window_ce"])]
+            iv = delta_ppl_interval(d, d0[p])
+            ratio = (1 + rs[p]["delta_ppl"]) / (1 + rs0[p]["delta_ppl"]) - 1
+            cells.append(f"{pct(ratio)} {interval(iv)}")
+        seq = rs["sequential"]["ppl"] / rs0["sequential"]["ppl"] - 1
+        seq_iv = delta_ppl_interval(rs["sequential"]["window_ce"], rs0["sequential"]["window_ce"])
+        cells.append(f"{pct(seq)} {interval(seq_iv)}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
