@@ -130,10 +130,11 @@ part flex_train $((T_LONG + 70)) bash -c "for k in masked flex; do SNLP_WINDOW_A
     || exit 1; done"
 
 # 6. (--parts train) training step speed at the 0.5B shape: eager vs compiled, plain vs --reg idn --reg-n 24
-#    (the --reg-rows variant, --regs none,idn,idn:0.25, is left out: the four variants here already ran past the
-#    part's limit on the H200, docs/records/gpu-2026-11-26-h200-call2; run it as its own call, e.g. --treatments eager)
+#    (the --reg-rows variant, --regs none,idn,idn:0.25, is left out by default: the four variants here already ran
+#    past the part's limit on the H200, docs/records/gpu-2026-11-26-h200-call2; TRAIN_REGS=none,idn:0.25
+#    TRAIN_TREATMENTS=eager times the regulariser's overhead alone in one short call)
 part train $T_LONG $PY -m snlp bench --suite train $Q --device $DEV --shapes 0.5B ${TRAIN_ARGS:-} \
-    --out "$OUT/parts/train"
+    ${TRAIN_REGS:+--regs "$TRAIN_REGS"} ${TRAIN_TREATMENTS:+--treatments "$TRAIN_TREATMENTS"} --out "$OUT/parts/train"
 
 # the table, last
 $PY scripts/campaign_table.py "$OUT"
