@@ -40,8 +40,22 @@ def main() -> None:
         rows = json.loads(open(path).read())
         arms[name] = {r["plan"]: r for r in rows}
     ref = a.against or next(iter(arms))
+    if ref not in arms:
+        ap.error(f"--against {ref!r} is not one of the arms ({', '.join(arms)})")
     plans = [p for p in next(iter(arms.values())) if p != "sequential"]
-    windows = {len(r["window_ce"]) for rs in arms.values() for r in rs.values()}
+    # the pairing the intervals assume, checked: every arm holds the sequential row and every plan, each row the
+    # same number of windows of the same length over the same number of tokens (the records hold no window
+    # offsets: same counts and lengths is what can be checked)
+    for name, rs in arms.items():
+        missing = [p for p in ["sequential", *plans] if p not in rs]
+        if missing:
+            ap.error(f"arm {name!r} has no row for {', '.join(missing)}: every arm must score the same plans")
+    shapes = {(len(r.get("window_ce") or []), r.get("seq_len"), r.get("tokens"))
+              for rs in arms.values() for p, r in rs.items() if p in ("sequential", *plans)}
+    if len(shapes) != 1 or not next(iter(shapes))[0]:
+        ap.error(f"the arms were not scored on the same validation windows (windows, window length, tokens: "
+                 f"{sorted(shapes, key=str)}): paired intervals need the same windows")
+    windows = {next(iter(shapes))[0]}
     print(f"Windows per row: {sorted(windows)} (paired across rows and arms: the same validation windows)\n")
     print("| arm | plan | PPL | ΔPPL vs its sequential | 95 % interval |\n|---|---|---:|---:|---|")
     for name, rs in arms.items():

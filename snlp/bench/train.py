@@ -108,7 +108,11 @@ class TrainBenchConfig:
         for r in cfg.regs:  # each row fraction leaves the batch a row (the refusal of snlp train --reg-rows)
             rows = reg_variant(r)[1]
             if rows is not None:
-                check_rows(rows, cfg.batch_size)
+                try:
+                    check_rows(rows, cfg.batch_size)
+                except ValueError as e:
+                    raise ValueError(f"train bench: variant {r!r} leaves a {cfg.batch_size}-row batch no row for "
+                                     f"the regulariser (F x B rounds to 0)") from e
         return cfg
 
     def run_shape(self) -> Shape:
@@ -229,7 +233,11 @@ def reg_variant(name: str) -> tuple[str, float | None]:
         rows = float(frac)
     except ValueError:
         raise ValueError(f"train bench: variant {name!r}: F of KIND:F must be a number in (0, 1]") from None
-    check_rows(rows)
+    try:
+        check_rows(rows)
+    except ValueError as e:  # in the bench's own terms: it has no --reg-rows flag
+        raise ValueError(f"train bench: variant {name!r}: F of KIND:F must lie in (0, 1], a fraction of each "
+                         f"micro-batch's rows (as snlp train --reg-rows F)") from e
     return kind, rows
 
 

@@ -11,9 +11,9 @@ T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (alway
 
 `rows` (F, `--reg-rows`): the K=1 solve runs on the first r = ceil(F * B) rows of each (B, T) micro-batch only, the
 CE on all B. The term is a mean over rows and positions, so it is NOT rescaled: the data loader draws each row at
-random, so the first rows are a random subset and the subset's mean has the full batch's expectation (for a
-padded SFT batch, whose mean runs over the valid positions, a ratio of two means: the same up to O(1/rows)),
-with more variance (the row draw's part B / r ~ 1/F times, rows being independent). The solve's cost scales with
+random, so the first rows are a random subset and the subset's mean has the full batch's expectation (a padded
+SFT batch's term is a mean over its real tokens: the subset's masked sum is then divided by r / B of the whole
+batch's real-token count, not by its own, which keeps that expectation exact), with more variance (the row draw's part B / r ~ 1/F times, rows being independent). The solve's cost scales with
 the rows: its extra FLOPs per token are r / B ~ F times F = 1's (`snlp.train.flops`). The row count is a Python
 int of the static batch shape, so a compiled step keeps one graph. F = 1 is the paper's objective exactly: nothing
 is sliced.
@@ -105,7 +105,7 @@ def check_rows(rows: float, batch: int | None = None) -> None:
         raise ValueError(f"--reg-rows must lie in (0, 1], a fraction of each micro-batch's rows (got {rows!r})")
     if batch is not None and reg_rows(rows, batch) < 1:
         raise ValueError(f"--reg-rows {rows:g} of a {batch}-row micro-batch leaves the regulariser no row "
-                         f"(ceil(F * B) = 0): use at least {1 / batch:g}")
+                         f"(F x B rounds to 0 rows): any F whose F x B is at least 1e-9 gives one")
 
 
 def reg_rows(rows: float, batch: int) -> int:
@@ -167,18 +167,19 @@ def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = Non
     return res.states[1], model.config.n_layer - n_suffix
 
 
-def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None) -> Tensor:
+def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None, count: Tensor | None = None) -> Tensor:
     """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim
     (and the mHC stream dim: everything after (B, T)), fp32. `valid` (B, T) bool: the mean runs over its True
     positions only (a padded batch's real tokens), so padding a batch changes nothing; a device-side division
-    (no host read of the count)."""
+    (no host read of the count). `count` (with `valid`): divide the masked sum by it instead of by valid's own
+    count (`snlp_loss`'s row subset: the whole batch's real tokens scaled to the subset)."""
     h_hat, h_seq = h_hat.float(), h_seq.float()
     dims = -1 if h_seq.dim() <= 3 else tuple(range(2, h_seq.dim()))  # (B, T, D) or mHC (B, T, n, D)
     err = (h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)  # (B, T)
     if valid is None:
         return err.mean()
     w = valid.to(err.dtype)
-    return (err * w).sum() / w.sum().clamp(min=1.0)
+    return (err * w).sum() / (w.sum().clamp(min=1.0) if count is None else count)
 
 
 def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None) -> Tensor:
@@ -190,16 +191,21 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
     L = model.config.n_layer
     if len(trace) != L + 1:
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
-    r = cfg.n_rows(idx.size(0))
-    if r < idx.size(0):  # a static slice of the batch dim: the solve's work scales with r
+    B, r, count = idx.size(0), cfg.n_rows(idx.size(0)), None
+    if r < B:  # a static slice of the batch dim: the solve's work scales with r
+        if valid is not None:
+            # a padded batch's term is a token-weighted mean: over the subset's own tokens, short rows would weigh
+            # more than in the whole batch's mean. Dividing the subset's masked sum by r / B of the whole batch's
+            # real-token count makes its expectation over the random rows the whole batch's term, exactly
+            count = valid.float().sum().clamp(min=1.0) * (r / B)  # 0-dim, on the device
+            valid = valid[:r]  # (r, T)
         idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
-        valid = None if valid is None else valid[:r]  # (r, T)
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for N in resolve_suffixes(L, cfg.suffixes, warn=False):
         states, S = snlp_states(model, idx, cfg.plan(N), trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
-            total = total + relative_error(states[l - S - 1], target, valid)
+            total = total + relative_error(states[l - S - 1], target, valid, count)
     return total
 
 

@@ -76,8 +76,9 @@ def test_train_bench_row_fraction_variant(tmp_path, capsys):
     capsys.readouterr()
     for regs, msg in (("none:0.5", "needs a regulariser"), ("idn:1.5", r"must lie in \(0, 1\]"),
                       ("idn:x", "must be a number"), ("idn:1e-12", "no row")):
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(ValueError, match=msg) as e:
             run_train_bench(TrainBenchConfig(quick=True, regs=("none", regs)))
+        assert "--reg-rows" not in str(e.value).replace("snlp train --reg-rows", "")  # the bench has no such flag
         assert main(["bench", "--suite", "train", "--quick", "--regs", f"none,{regs}", "--out",
                      str(tmp_path / "no")]) == 2
     assert not (tmp_path / "no").exists()

@@ -113,9 +113,12 @@ def test_a_row_fraction_equals_a_fresh_regulariser_on_the_sliced_batch(rows, B, 
     xs = x[:r].clone()
     ref_rg = paper_loss(model, xs, model.hidden_states(xs), RegConfig(surrogate="idn", suffixes=(4,), stride=2),
                         None if valid is None else valid[:r].clone())
+    if valid is not None:  # the subset's masked sum over r / B of the whole batch's real tokens, not its own
+        ref_rg = ref_rg * valid[:r].sum() / (valid.sum() * r / B)
     ref_ce = TrainStep(model, RegConfig())(x, y, 0.0)[0]
     assert float(ref_rg.detach()) > 1e-3
-    torch.testing.assert_close(rg, ref_rg.detach(), rtol=1e-12, atol=1e-12)
+    tol = 1e-12 if valid is None else 2e-7  # the rescaled reference: the term's own fp32 arithmetic (relative_error)
+    torch.testing.assert_close(rg, ref_rg.detach(), rtol=tol, atol=1e-12)
     torch.testing.assert_close(ce, ref_ce.detach(), rtol=0, atol=0)
     want = grads_of(model, ref_ce + lam * ref_rg)
     assert got.keys() == want.keys()
@@ -124,6 +127,33 @@ def test_a_row_fraction_equals_a_fresh_regulariser_on_the_sliced_batch(rows, B, 
     # and it is not the whole batch's regulariser (the rows differ)
     full = TrainStep(model, RegConfig(surrogate="idn", lam=lam, suffixes=(4,), stride=2))
     assert abs(float(full(x, y, lam, *(() if valid is None else (valid,)))[2]) - float(rg)) > 1e-6
+
+
+@pytest.mark.parametrize("B,rows", [(4, 0.25), (4, 0.5), (5, 0.4)])
+def test_a_padded_subset_has_the_whole_batchs_expectation_exactly(B, rows):
+    """The loader's rows are exchangeable, so every r-subset of a batch is equally likely to be its first r rows:
+    the mean of the subset term over all C(B, r) subsets must equal the whole batch's term (fp64), padded rows of
+    unequal length included (a mean over the subset's own tokens would weigh short rows more)."""
+    import itertools
+
+    model = make_model(seed=5, n_layer=5)
+    x, _ = batch(B=B, seed=6)
+    lens = torch.tensor([1, x.size(1), 3, 7, 2][:B])
+    valid = torch.arange(x.size(1))[None, :] < lens[:, None]  # (B, T), rows of very unequal length
+    full = RegConfig(surrogate="idn", suffixes=(3,), stride=1)
+    sub = RegConfig(surrogate="idn", suffixes=(3,), stride=1, rows=rows)
+    from snlp.train.regularizer import snlp_loss
+
+    with torch.no_grad():
+        want = float(snlp_loss(model, x, model.hidden_states(x), full, valid))
+        r = sub.n_rows(B)
+        terms = []
+        for rows_first in itertools.combinations(range(B), r):
+            order = list(rows_first) + [i for i in range(B) if i not in rows_first]
+            xo, vo = x[order], valid[order]
+            terms.append(float(snlp_loss(model, xo, model.hidden_states(xo), sub, vo)))
+    assert r < B and len(set(round(t, 9) for t in terms)) > 1  # the subsets differ
+    assert sum(terms) / len(terms) == pytest.approx(want, rel=1e-6)  # the term's fp32 norms; the old bias was ~4 %
 
 
 def test_snlp_forward_sft_traces_only_the_regularised_rows():

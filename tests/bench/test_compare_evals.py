@@ -1,0 +1,45 @@
+"""scripts/compare_evals.py: arms of `snlp eval --json` compared on the same validation windows; arms scored on other
+windows or other plans are refused (the paired intervals would pair unrelated windows)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def arm(path: Path, seq_ce, plan_ce, windows=None):
+    def row(plan, ce):
+        ce = ce[:windows] if windows else ce
+        return dict(plan=plan, ppl=math.exp(sum(ce) / len(ce)), delta_ppl=0.0, window_ce=ce, seq_len=64, tokens=512)
+    rows = [row("sequential", seq_ce), row("4xF1-h0-K1", plan_ce)]
+    seq = rows[0]["ppl"]
+    rows[1]["delta_ppl"] = rows[1]["ppl"] / seq - 1
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), *args], capture_output=True,
+                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_same_windows_compare_and_other_windows_are_refused(tmp_path):
+    seq = [3.0, 3.1, 2.9, 3.2, 3.05, 2.95, 3.15, 3.0]
+    a = arm(tmp_path / "a.json", seq, [x + 0.10 for x in seq])  # the plan 10 % worse in every window
+    b = arm(tmp_path / "b.json", seq, [x + 0.01 + 0.001 * (i % 2) for i, x in enumerate(seq)])
+    out = run(f"a={a}", f"b={b}")
+    assert out.returncode == 0, out.stderr
+    assert "Windows per row: [8]" in out.stdout and "| b | " in out.stdout
+    short = arm(tmp_path / "s.json", seq, [x + 0.01 for x in seq], windows=4)
+    out = run(f"a={a}", f"s={short}")
+    assert out.returncode == 2 and "not scored on the same validation windows" in out.stderr
+    (tmp_path / "m.json").write_text(json.dumps(json.loads(Path(a).read_text())[:1]))
+    out = run(f"a={a}", f"m={tmp_path / 'm.json'}")
+    assert out.returncode == 2 and "has no row for 4xF1-h0-K1" in out.stderr
+    out = run(f"a={a}", f"b={b}", "--against", "c")
+    assert out.returncode == 2 and "--against 'c' is not one of the arms" in out.stderr
