@@ -160,7 +160,7 @@ def test_paper_cxf1_plans_count_on_meta_at_the_05b_shape():
     from snlp.bench.paper_peer import load_paper_code
 
     shape = next(s for s in PAPER_SHAPES if s.key == "0.5B").quick()
-    code = load_paper_code(PAPER, torch.bfloat16)
+    code = load_paper_code(PAPER, torch.float32)  # the dtype test_vs_paper loads it with: one per process
     plan = f"{shape.depth // 2}xF1-h0-K1"
     rows = {r["forward"]: r for r in prefill_ops.count_paper(code, shape, 64, 1, [plan])}
     assert set(rows) == {"sequential", plan}
