@@ -20,7 +20,7 @@ from pathlib import Path
 from snlp.io.drafter import load_drafter
 from snlp.runtime.device import write_atomic
 from snlp.runtime.outputs import locked_output
-from snlp.train.adapt import KV_MODES, AdaptConfig, adapt
+from snlp.train.adapt import KV_MODES, LOSS_ON, AdaptConfig, adapt
 
 
 def add_arguments(p) -> None:
@@ -40,6 +40,12 @@ def add_arguments(p) -> None:
     p.add_argument("--self-distill-prompts", type=int, default=d.self_distill_prompts, metavar="P",
                    help="with --self-distill: at most P training prompts per chat part, the first in file order "
                    "(0: all)")
+    p.add_argument("--loss-on", choices=LOSS_ON, default=d.loss_on, help="all: the loss over every window position "
+                   "(prompt and reply tokens alike); replies: averaged over the positions that predict an assistant "
+                   "reply token only (what self-speculative decoding drafts), prompts kept as context; chat: data only")
+    p.add_argument("--init-drafter", default=None, metavar="DIR", help="start the suffix weights (LoRA deltas or full) "
+                   "from this saved drafter of the same base, suffix, LoRA setting and data split, with a fresh "
+                   "optimizer and LR schedule (--resume continues one run instead)")
     p.add_argument("--minutes", type=float, default=None, help="training-time budget (the LR schedule follows it)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)

@@ -193,17 +193,20 @@ def chat_part(spec: str) -> str:
 
 
 def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool = True,
-                  keep: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  keep: tuple[str, ...] | None = None, with_mask: bool = False) -> tuple[np.ndarray, ...]:
     """(train, held-out) token streams of an adaptation data spec: text parts as `snlp train` reads them
     (documents, BOS before each, split by document with snlp.io.data.split_documents over all text parts
     together), `chat:` parts rendered with the tokenizer's chat template and split by `split_conversations`.
     `train` False: the held-out stream only (the train stream comes back empty, its text is not tokenized).
     `keep`: only these parts' rows (e.g. the held-out documents of one file of the spec); the split is still
-    the whole spec's, so a kept document is held out exactly when adaptation held it out."""
+    the whole spec's, so a kept document is held out exactly when adaptation held it out. `with_mask`: also
+    the two streams' assistant masks (1 = a reply token, `ChatExample.mask`, the mask SFT trains on; 0 on
+    every text token), aligned token for token: (train, held-out, train mask, held-out mask)."""
     all_parts = D.parts(spec)
     keep = tuple(all_parts) if keep is None else keep
     text = [s for s in all_parts if not s.startswith("chat:")]
     tr_rows, va_rows = [], []
+    tr_mask, va_mask = [], []  # aligned with the rows: text documents have no replies (all 0)
     if any(s in keep for s in text):  # (no text part kept: the text is not even read)
         if set(text) <= set(keep):
             docs = [(None, d) for d in D.documents(",".join(text), "text", max_chars)]
@@ -217,12 +220,18 @@ def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool =
         bos = tok.bos_id
         tr_rows += [[bos] + ids for ids in tok.encode_batch(pick(tr))] if train else []
         va_rows += [[bos] + ids for ids in tok.encode_batch(pick(va))]
+        tr_mask += [[0] * len(r) for r in tr_rows]
+        va_mask += [[0] * len(r) for r in va_rows]
     for s in all_parts:
         if s.startswith("chat:") and s in keep:
             tr, va = split_conversations(load_conversations(chat_part(s)), tok, val_frac)
             tr_rows += [e.ids for e in tr] if train else []
             va_rows += [e.ids for e in va]
+            tr_mask += [e.mask for e in tr] if train else []
+            va_mask += [e.mask for e in va]
     cat = lambda rows: np.asarray([t for r in rows for t in r], dtype=np.int64)  # noqa: E731
+    if with_mask:
+        return cat(tr_rows), cat(va_rows), cat(tr_mask), cat(va_mask)
     return cat(tr_rows), cat(va_rows)
 
 

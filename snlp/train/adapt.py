@@ -11,7 +11,12 @@ own, bit for bit). Only the drafter's copy of the plan's suffix layers is traine
            position attends to the base's exact K/V of earlier positions and to its own only at itself,
            what a cached draft step sees), or kv="own" (a plain teacher-forced window, snlp.solve);
   loss     KL(teacher || student) on the logits (temperature tau) + hidden_weight * MSE between the
-           RMS-normalised final states (the issue's probe used the MSE term alone).
+           RMS-normalised final states (the issue's probe used the MSE term alone), averaged over every window
+           position (loss_on="all") or over the positions whose next token is an assistant reply token only
+           (loss_on="replies": the chat mask SFT trains on, snlp.io.chat; prompts stay in the context).
+
+A run can start its suffix from a saved drafter of the same base and suffix layout (init_drafter) with a fresh
+optimiser and LR schedule, to continue training it on other settings (unlike resume, which continues one run).
 
 Optimiser (AdamW on the suffix weights), stateless LR schedule, progress, checkpoints with exact resume and
 atomic saves are `snlp train`'s (snlp.train.trainer.fit with an adaptation `Job`): the run's checkpoint lives
@@ -43,7 +48,7 @@ import snlp.io.chat as chat
 import snlp.io.data as D
 from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_training
 from snlp.io.nanochat import is_nanochat_dir
-from snlp.io.drafter import save_drafter
+from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
 from snlp.method.lowrank import check_rank
@@ -62,8 +67,10 @@ from snlp.train.trainer import fit
 from snlp.train.validate import ValidationResult
 
 KV_MODES = ("exact", "own")
+LOSS_ON = ("all", "replies")
 RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha", "self_distill",
-                "self_distill_prompts")  # --resume must keep these
+                "self_distill_prompts", "loss_on", "init_drafter")  # --resume must keep these
+SPLIT = ("data", "val_frac", "max_chars")  # what decides a run's held-out documents
 TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
 
@@ -105,6 +112,8 @@ class AdaptConfig:
     cache_dir: str | None = None  # keep the tokenised text data here, keyed by data and tokenizer (None: re-tokenise)
     self_distill: int = 0  # > 0: train on the base's own greedy replies of this many tokens (snlp.train.selfgen)
     self_distill_prompts: int = 0  # at most this many training prompts per chat part (0: all)
+    loss_on: str = "all"  # "replies": the loss averaged over assistant-reply positions only (chat data)
+    init_drafter: str | None = None  # a saved drafter of this base whose suffix weights the run starts from
     dtype: str = "float32"
     no_progress: bool = False
 
@@ -119,6 +128,8 @@ class AdaptConfig:
         if not self.tau > 0 or not self.lr > 0:
             raise ValueError(f"--tau and --lr must be > 0 (got {self.tau}, {self.lr})")
         check_rank(self.lora_rank, self.lora_alpha)
+        if self.init_drafter and self.from_model:
+            raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
         if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
                              "no --lora-rank, --resume, --steps or --minutes")
@@ -132,6 +143,15 @@ class AdaptConfig:
         if self.self_distill and not any(p.startswith("chat:") for p in D.parts(self.data)):
             raise ValueError(f"--self-distill needs chat prompts: --data {self.data!r} has no chat:PATH part (the "
                              f"base replies to the opening user turn of each training conversation)")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"--loss-on must be one of {', '.join(LOSS_ON)} (got {self.loss_on!r})")
+        if self.loss_on == "replies":
+            text = [p for p in D.parts(self.data) if not p.startswith("chat:")]
+            if text or self.from_model:
+                raise ValueError("--loss-on replies averages the loss over chat replies: " + (
+                    "--from-model trains nothing" if self.from_model else
+                    f"--data has text parts without replies ({', '.join(text)}): give chat:PATH parts only, "
+                    "or --loss-on all"))
         if self.lora_rank and (self.resume or self.stop_after is not None):
             # the shared loop's checkpoint is a plain GPT state; a LoRA drafter's parametrized state is not one
             raise ValueError("--lora-rank runs cannot be stopped and resumed (--stop-after/--resume): run them to "
@@ -206,6 +226,12 @@ def token_stream(spec: str, tok, max_chars: int, val_frac: float, cache_dir=None
     return train, val
 
 
+def reply_mask_stream(cfg: AdaptConfig, tok) -> np.ndarray:
+    """The assistant mask of the human training stream (`token_stream`'s train stream, token for token: 1 on
+    a reply token, snlp.io.chat's mask)."""
+    return chat.token_streams(cfg.data, tok, cfg.max_chars, cfg.val_frac, with_mask=True)[2]
+
+
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
     """The base's sequential pass over x (no grad): prefix state h_S, final state h_L, logits, for kv="exact" the
     suffix layers' exact K/V, and the backout state a solve from h_S needs (GPT.prefix_backout; None without)."""
@@ -226,20 +252,30 @@ def student(drafter: Drafter, x: torch.Tensor, hS: torch.Tensor, kvx, kv: str, h
     return solve(drafter.model, x, drafter.plan, prefix=hS, check_finite=False, hb=hb).hidden
 
 
-def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float, weight: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL(teacher || student) per token at temperature tau (scaled by tau^2), MSE of the RMS-normalised final
-    states, the student's logits)."""
+    states, the student's logits). `weight` (B, T) 0/1: both terms averaged over the positions it marks only
+    (0 when it marks none); None: over every position."""
     logits_s = drafter.model.head(hL_s)
     V = logits_s.shape[-1]
-    kl = F.kl_div(F.log_softmax(logits_s.view(-1, V) / tau, -1), F.log_softmax(logits_t.view(-1, V) / tau, -1),
-                  log_target=True, reduction="batchmean") * tau * tau
-    mse = F.mse_loss(norm(hL_s.float()), norm(hL_t.float()))
+    ls, lt = F.log_softmax(logits_s.view(-1, V) / tau, -1), F.log_softmax(logits_t.view(-1, V) / tau, -1)
+    if weight is None:
+        kl = F.kl_div(ls, lt, log_target=True, reduction="batchmean") * tau * tau
+        mse = F.mse_loss(norm(hL_s.float()), norm(hL_t.float()))
+        return kl, mse, logits_s
+    w = weight.reshape(-1).to(ls.dtype)  # (B*T,)
+    n = w.sum().clamp_min(1.0)
+    kl = (F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1) * w).sum() / n * tau * tau
+    sq = (norm(hL_s.float()) - norm(hL_t.float())).pow(2).mean(-1).reshape(-1)  # (B*T,)
+    mse = (sq * w.to(sq.dtype)).sum() / n.to(sq.dtype)
     return kl, mse, logits_s
 
 
 class AdaptStep(nn.Module):
     """One micro-batch of distillation: forward(x, y, lam) -> (loss, KL, MSE), the trainer's TrainStep
-    interface (y and lam unused: the targets are the base's own outputs). The drafter's model is a submodule,
+    interface (lam unused; the targets are the base's own outputs, so y carries the loss_on="replies" mask:
+    y[b, t] = 1 when the token after position t is a reply token, unused with "all"). The drafter's model is a submodule,
     so DDP (torchrun) all-reduces the gradients of its trainable suffix weights; the shared prefix, embedding
     and head are frozen (requires_grad False) and DDP leaves them alone."""
 
@@ -252,7 +288,9 @@ class AdaptStep(nn.Module):
     def forward(self, x, y, lam: float):
         c = self.cfg
         hS, hL_t, logits_t, kvx, hb = teacher(self.base[0], x, self.drafter.plan, c.kv)
-        kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau)
+        w = y if c.loss_on == "replies" else None  # the batch's y: 1 where the next token is a reply token
+        kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau,
+                                   w)
         return c.kl_weight * kl + c.hidden_weight * mse, kl.detach(), mse.detach()
 
 
@@ -294,12 +332,14 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        save_every=0 if cfg.lora_rank else cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
-def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerprint: str, owned: bool = True):
+def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerprint: str, owned: bool = True,
+              init: dict | None = None):
     """The `make_job` of fit: the base (`loaded` = (model, tokenizer), loaded once by the caller; frozen, with
     its weights `fingerprint`), its drafter (resumed: the run's suffix weights), the token streams and the
     distillation step. `owned`: the base was loaded for this run and may be moved to the run's device; a
     caller's model (owned False) is never moved: the run uses a copy on its device when they differ. `held`
-    receives the base, the drafter, this process's rank and world and the device for the caller."""
+    receives the base, the drafter, this process's rank and world and the device for the caller. `init`: the
+    suffix state the drafter starts from (`init_state`; a resumed run's own weights replace it)."""
 
     def make_job(tcfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
         base, btok = loaded
@@ -309,6 +349,10 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
         base.requires_grad_(False)  # adapt() restores a caller's flags and mode when it returns
         base.eval()
         drafter = make_drafter(base, plan, fingerprint=fingerprint, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+        if init is not None:  # --init-drafter: its suffix weights, exactly (checked by init_state)
+            with torch.no_grad():
+                for k, v in drafter.suffix_state().items():
+                    v.copy_(init[k])
         if model is not None:  # --resume: the run's own suffix weights (and its tokenizer)
             saved = model.state_dict()
             with torch.no_grad():
@@ -318,14 +362,27 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
             p.requires_grad_(True)
         train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
         what = cfg.data
+        mask = reply_mask_stream(cfg, btok) if cfg.loss_on == "replies" and not cfg.self_distill else None
         if cfg.self_distill and len(val) > cfg.seq_len + 1:  # a data error is refused before the decoding
-            train, what = self_distilled_stream(cfg, base, btok, fingerprint, verbose=rank == 0)
+            train, what, mask = self_distilled_stream(cfg, base, btok, fingerprint, verbose=rank == 0)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
             raise ValueError(f"--data {cfg.data!r} gives {len(train):,} train / {len(val):,} val tokens: need more "
                              f"than --seq-len + 1 = {cfg.seq_len + 1} in each")
+        if mask is not None:
+            assert len(mask) == len(train), (len(mask), len(train))  # one mask entry per training token
+            what += f"; loss on the {int(mask.sum()):,} reply tokens only"
+
+        def batch(micro, r, w):
+            x, y = D.batch_at(train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w)
+            if mask is None:
+                return x, y
+            # the same windows of the mask (batch_at's offsets depend only on the stream's length and the seed):
+            # its shifted half marks the positions whose next token is a reply token, SFT's target mask
+            return x, D.batch_at(mask, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w)[1]
+
         held.update(base=base, drafter=drafter, rank=rank, world=world, device=str(device))
         return Job(model=drafter.model, tokenizer=btok,
-                   batch=lambda micro, r, w: D.batch_at(train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w),
+                   batch=batch,
                    val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
                    loss=AdaptStep(base, drafter, cfg),
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device),
@@ -338,10 +395,11 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
 
 
 def self_distilled_stream(cfg: AdaptConfig, base: GPT, tok, fingerprint: str, verbose: bool = False
-                          ) -> tuple[np.ndarray, str]:
+                          ) -> tuple[np.ndarray, str, np.ndarray | None]:
     """The training stream of a --self-distill run: the text parts' training documents as `token_stream` reads
     them, then every chat part's training prompts each followed by the base's greedy reply (snlp.train.selfgen),
-    in place of the human conversations; and a description of it. The held-out stream is not touched."""
+    in place of the human conversations; a description of it; and with loss_on="replies" its reply mask (1 on
+    the base's reply tokens, 0 on the prompts; None otherwise). The held-out stream is not touched."""
     text = tuple(p for p in D.parts(cfg.data) if not p.startswith("chat:"))
     rows = chat.token_streams(cfg.data, tok, cfg.max_chars, cfg.val_frac, keep=text)[0] if text else \
         np.zeros(0, dtype=np.int64)
@@ -358,7 +416,51 @@ def self_distilled_stream(cfg: AdaptConfig, base: GPT, tok, fingerprint: str, ve
             f"{g.reply_tokens:,} reply tokens, "
             + (f"all read from {g.cache}" if g.cache and not g.generated else f"{g.generated:,} decoded in {g.seconds:.0f} s")
             + (f", {g.prompts - g.generated:,} read from {g.cache}" if g.cache and 0 < g.generated < g.prompts else "") + ")")
-    return np.concatenate([rows, gen]), what
+    mask = None
+    if cfg.loss_on == "replies":  # (no text parts: refused by AdaptConfig.check)
+        mask = np.asarray([int(i >= n) for r, n in zip(g.rows, g.prompt_lens) for i in range(len(r))],
+                          dtype=np.int64)
+        mask = np.concatenate([np.zeros(len(rows), dtype=np.int64), mask])
+    return np.concatenate([rows, gen]), what, mask
+
+
+def init_state(cfg: AdaptConfig, plan: Plan, base: GPT, fingerprint: str) -> tuple[dict, str]:
+    """The suffix weights (and the meta digest) of `cfg.init_drafter`, which the run starts from, after refusing,
+    before any work, a drafter of another base (weights fingerprint), another suffix (prefix length and fusion:
+    K and the init may differ), another LoRA rank / alpha, or another data split (its training documents could
+    be this run's held-out ones); snlp.io.drafter.load_drafter then checks its files' digests."""
+    d = cfg.init_drafter
+    meta = read_meta(d)
+    if not same_weights(meta["base_fingerprint"], fingerprint):
+        raise ValueError(f"--init-drafter {d} was adapted from other base weights ({meta['base_fingerprint'][:16]}...) "
+                         f"than {cfg.src} ({fingerprint[:16]}...): start from a drafter of this base")
+    was = Plan.parse(meta["plan"])
+    n = base.config.n_layer
+    if was.prefix_len(n) != plan.prefix_len(n) or was.fuse != plan.fuse:
+        raise ValueError(f"--init-drafter {d} drafts plan {was}, whose suffix (layers {was.prefix_len(n)}.., fused "
+                         f"by {was.fuse}) is not plan {plan}'s (layers {plan.prefix_len(n)}.., fused by {plan.fuse})")
+    lora = meta.get("lora") or {}
+    have = (lora.get("rank", 0), float(lora.get("alpha", 0.0)) if lora else 0.0)
+    want = (cfg.lora_rank, float(cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank) if cfg.lora_rank
+            else 0.0)
+    if have != want:
+        raise ValueError(f"--init-drafter {d} has LoRA rank {have[0]}, alpha {have[1]:g} (0: full suffix weights), "
+                         f"this run --lora-rank {want[0]}, alpha {want[1]:g}: give the drafter's own")
+    rec = meta.get("record") or {}
+    was_cfg = rec.get("config") or {}
+    if rec.get("stopped_by") == "from_model" or not all(k in was_cfg for k in SPLIT):
+        raise ValueError(f"--init-drafter {d} records no `snlp adapt` data split (a --from-model or library-made "
+                         f"drafter): its training documents are unknown, so this run's held-out ones could be "
+                         f"among them")
+    split = {k: chat.resolve_spec(was_cfg[k]) if k == "data" else was_cfg[k] for k in SPLIT}
+    now = {k: getattr(cfg, k) for k in SPLIT}
+    diff = [k for k in SPLIT if split[k] != now[k]]
+    if diff:
+        raise ValueError(f"--init-drafter {d} was adapted with " + ", ".join(
+            f"--{k.replace('_', '-')} {split[k]!r} (not {now[k]!r})" for k in diff)
+            + ": another split would hold out documents it trained on; use its split")
+    state = load_drafter(d, base).suffix_state()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}, meta["meta_digest"]
 
 
 def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
@@ -403,7 +505,7 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     plan = cfg.check()
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
-                  from_model=chat.local_path(cfg.from_model))
+                  from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter))
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
@@ -413,26 +515,29 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     if cfg.from_model:
         return import_drafter(cfg, plan, base)
     fingerprint = weights_fingerprint(base[0])
+    init = init_state(cfg, plan, base[0], fingerprint) if cfg.init_drafter else None
     if cfg.resume:
         check_resume(cfg, plan, fingerprint)
     # torchrun: the group outlives fit (which leaves a group it did not create alone), so every rank can wait for
     # rank 0's drafter below; it is destroyed here only if this call created it (a caller's group stays)
     ctx = setup_dist(cfg.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     try:
-        return _adapt(cfg, plan, hooks, base, owned, fingerprint, t0)
+        return _adapt(cfg, plan, hooks, base, owned, fingerprint, t0, init)
     finally:
         if ctx is not None:
             teardown_dist(ctx)
 
 
-def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, fingerprint: str, t0: float) -> AdaptResult:
+def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, fingerprint: str, t0: float,
+           init: tuple | None = None) -> AdaptResult:
     """adapt's run and save (see `adapt`); all ranks return once rank 0 has written the drafter."""
     out = Path(cfg.out)
     held: dict = {}
     model = base[0]
     flags, mode = [p.requires_grad for p in model.parameters()], model.training
     try:
-        res = fit(train_config(cfg, model.config.n_embd), adapt_job(cfg, plan, held, base, fingerprint, owned), hooks)
+        res = fit(train_config(cfg, model.config.n_embd),
+                  adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None), hooks)
     finally:  # a caller's model leaves as it came (the run froze it while it ran)
         if not owned:
             for p, f in zip(model.parameters(), flags):
@@ -443,18 +548,21 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
                          minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
                          device=held["device"], world=held["world"], rank=held["rank"])
     if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
-        save_result(cfg, out, drafter, result, res.stopped_by, t0)
+        save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
     if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
         dist.barrier()
     return result
 
 
-def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float):
-    """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log."""
+def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float,
+                init_digest: str | None = None):
+    """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log.
+    `init_digest`: the meta digest of the --init-drafter the run started from (recorded)."""
     log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
     vals = [r for r in log if "top1" in r]
     result.before, result.after = (vals[0], vals[-1]) if vals else ({}, {})
-    record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0}
+    record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0,
+              **({"init_drafter_digest": init_digest} if init_digest else {})}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
     if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept

@@ -47,6 +47,7 @@ class SelfGen:
     """The self-distilled rows (prompt + reply) of the training prompts, and how they were obtained."""
 
     rows: list[list[int]]
+    prompt_lens: list[int] = field(default_factory=list)  # the prompt's length in each row (the reply follows it)
     prompts: int = 0  # training prompts used
     skipped: int = 0  # prompts left out: prompt + N tokens longer than the model's sequence_len
     held_out_twins: int = 0  # training prompts left out: equal to a held-out prompt
@@ -180,6 +181,6 @@ def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int
             write_store(path, store)
     seconds = time.perf_counter() - t0
     rows = [p + store[k] for p, k in zip(prompts, keys)]
-    return SelfGen(rows=rows, prompts=len(prompts), skipped=skipped, held_out_twins=twins, generated=len(todo),
+    return SelfGen(rows=rows, prompt_lens=[len(p) for p in prompts], prompts=len(prompts), skipped=skipped, held_out_twins=twins, generated=len(todo),
                    reply_tokens=sum(len(store[k]) for k in keys), seconds=seconds,
                    cache=None if path is None else str(path), per_part=per_part)

@@ -1,0 +1,224 @@
+"""`snlp adapt --loss-on replies` and `--init-drafter DIR`: the replies-only loss is a hand-written masked mean over the
+positions that predict a reply token (fp64, a reply masker written here from the template's markers), `all` is the
+plain mean over every position and the plain batches; a run started from a drafter starts from its weights exactly
+(LoRA and full suffix); bad combinations are refused with one line before any work."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import snlp.io.data as D
+from snlp.io.checkpoint import load, save_checkpoint
+from snlp.io.drafter import load_drafter
+from snlp.io.hf import from_hf
+from snlp.model.fingerprint import weights_fingerprint
+from snlp.model.ops import norm
+from conftest import word_tokenizer
+from test_adapt import V, adapt_cfg, hf_tiny, tiny_ckpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def chat_cfg(tmp_path, out="d", **kw):
+    """adapt_cfg on the chat part alone (--loss-on replies refuses text parts), windows short enough for its
+    two held-out conversations."""
+    cfg = adapt_cfg(tmp_path, out=out, **{"seq_len": 8, **kw})
+    cfg.data = cfg.data.split(",")[1]
+    return cfg
+
+
+def naive_reply_mask(stream: list[int], tok) -> list[int]:
+    """1 on every reply token of a stream of two-turn conversations rendered by the tiny template
+    (`<s>user</s><s>assistant</s>` per conversation): the tokens after every second <s> through the next </s>."""
+    bos, eos = tok.bos_id, tok.token_id("</s>")
+    out, opened, inside = [], 0, False
+    for t in stream:
+        out.append(int(inside))
+        if t == bos and not inside:
+            opened += 1
+            inside = opened % 2 == 0
+        elif t == eos and inside:
+            inside = False
+    return out
+
+
+def build_job(cfg, dtype=torch.float64, init=None):
+    from snlp.train.adapt import adapt_job, train_config
+
+    model, tok = load(cfg.src)
+    model = model.to(dtype)
+    held: dict = {}
+    job = adapt_job(cfg, cfg.check(), held, (model, tok), weights_fingerprint(model), init=init)(
+        train_config(cfg, model.config.n_embd), None, tok, 0, 1, "cpu")
+    return job, held, tok
+
+
+def naive_terms(held, x, mask, tau):
+    """(KL, MSE) of the drafter against the base on x, each a Python-loop mean over the positions with mask 1
+    (every position when mask is None), in fp64."""
+    from snlp.train.adapt import student, teacher
+
+    base, drafter = held["base"], held["drafter"]
+    with torch.no_grad():
+        hS, hL_t, lg_t, kvx, hb = teacher(base, x, drafter.plan, "exact")
+        hL_s = student(drafter, x, hS, kvx, "exact", hb)
+        lg_s = drafter.model.head(hL_s)
+    kl = mse = 0.0
+    n = 0
+    B, T = x.shape
+    for b in range(B):
+        for t in range(T):
+            if mask is not None and not mask[b][t]:
+                continue
+            p = torch.softmax(lg_t[b, t].double() / tau, -1)
+            q = torch.softmax(lg_s[b, t].double() / tau, -1)
+            kl += float((p * (p.log() - q.log())).sum()) * tau * tau
+            d = norm(hL_s[b, t].double()) - norm(hL_t[b, t].double())
+            mse += float((d * d).mean())
+            n += 1
+    return kl / max(n, 1), mse / max(n, 1), n
+
+
+def test_replies_loss_is_the_masked_mean_over_reply_positions_and_all_is_unchanged(tmp_path):
+    from snlp.train.adapt import token_stream
+
+    cfg = chat_cfg(tmp_path, loss_on="replies", tau=1.5)
+    job, held, tok = build_job(cfg)
+    train, _ = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
+    ref_mask = naive_reply_mask(train.tolist(), tok)
+    assert 0 < sum(ref_mask) < len(ref_mask)
+    n_len = len(train) - cfg.seq_len - 1
+    for micro in range(3):
+        x, w = job.batch(micro, 0, 1)
+        assert torch.equal(x, D.batch_at(train, micro, cfg.seq_len, cfg.batch_size, cfg.seed)[0])
+        # the windows' offsets (D.batch_at's draw) and the mask of the token AFTER each position
+        starts = np.random.default_rng([cfg.seed, micro]).integers(0, n_len + 1, size=cfg.batch_size)
+        want = [[ref_mask[s + t + 1] for t in range(cfg.seq_len)] for s in starts]
+        assert w.tolist() == want
+        loss, kl, mse = (float(v.detach()) for v in job.loss(x, w, 0.0))
+        rkl, rmse, n = naive_terms(held, x, want, cfg.tau)
+        assert n > 0
+        assert abs(kl - rkl) < 1e-6 * max(1, rkl) and abs(mse - rmse) < 1e-6 * max(1, rmse)
+        assert abs(loss - (cfg.kl_weight * rkl + cfg.hidden_weight * rmse)) < 1e-6
+    # a window without reply positions contributes nothing (not a NaN)
+    zero = job.loss(x, torch.zeros_like(w), 0.0)[0]
+    assert float(zero.detach()) == 0.0
+
+    job_all, held_all, _ = build_job(chat_cfg(tmp_path, out="d_all", tau=1.5))
+    for micro in range(2):
+        b = job_all.batch(micro, 0, 1)
+        ref = D.batch_at(train, micro, cfg.seq_len, cfg.batch_size, cfg.seed)
+        assert all(torch.equal(u, v) for u, v in zip(b, ref))  # the plain batches: y the next tokens
+        loss, kl, mse = job_all.loss(*b, 0.0)
+        rkl, rmse, n = naive_terms(held_all, b[0], None, 1.5)
+        assert n == b[0].numel()
+        assert abs(float(kl) - rkl) < 1e-6 * max(1, rkl) and abs(float(mse) - rmse) < 1e-6 * max(1, rmse)
+
+
+def test_replies_mask_of_self_distilled_rows_marks_the_base_replies(tmp_path):
+    """With --self-distill the reply positions are the base's reply tokens after each training prompt."""
+    import snlp.train.selfgen as SG
+
+    cfg = chat_cfg(tmp_path, loss_on="replies", self_distill=5, cache_dir=str(tmp_path / "cache"))
+    job, held, tok = build_job(cfg)
+    g = SG.self_distill_rows(held["base"], tok, cfg.data, cfg.val_frac, 5, weights_fingerprint(held["base"]),
+                             cache_dir=cfg.cache_dir)
+    assert g.generated == 0  # the job's own call decoded them
+    prompts = [p for _, ps in SG.training_prompts(cfg.data, tok, cfg.val_frac)[0] for p in ps]
+    stream, ref = [], []
+    for row, p in zip(g.rows, prompts):
+        assert row[:len(p)] == p
+        stream += row
+        ref += [0] * len(p) + [1] * (len(row) - len(p))
+    assert sum(ref) == g.reply_tokens
+    n_len = len(stream) - cfg.seq_len - 1
+    for micro in range(3):
+        x, w = job.batch(micro, 0, 1)
+        starts = np.random.default_rng([cfg.seed, micro]).integers(0, n_len + 1, size=cfg.batch_size)
+        assert x.tolist() == [stream[s:s + cfg.seq_len] for s in starts]
+        assert w.tolist() == [ref[s + 1:s + cfg.seq_len + 1] for s in starts]
+    assert "loss on the" in job.describe and "reply tokens only" in job.describe
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_init_drafter_starts_from_its_weights_exactly(tmp_path, lora):
+    from snlp.train.adapt import adapt, init_state
+
+    first = adapt(chat_cfg(tmp_path, out="a", steps=3, lora_rank=lora))
+    model, _ = load(chat_cfg(tmp_path).src)
+    saved = load_drafter(tmp_path / "a", model).suffix_state()
+    cfg = chat_cfg(tmp_path, out="b", steps=2, lora_rank=lora, init_drafter=str(tmp_path / "a"), loss_on="replies")
+    state, digest = init_state(cfg, cfg.check(), model, weights_fingerprint(model))
+    assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+    fresh = build_job(cfg, dtype=torch.float32)[1]["drafter"].suffix_state()
+    assert not all(torch.equal(fresh[k], saved[k]) for k in saved)  # (without it: the post-hoc drafter)
+    own = build_job(cfg, dtype=torch.float32, init=state)[1]["drafter"].suffix_state()
+    assert all(torch.equal(own[k], saved[k]) for k in saved)  # loaded bit for bit into the run's drafter
+    res = adapt(cfg)
+    assert res.before["val_loss"] == first.after["val_loss"]  # step 0 validates the drafter it started from
+    rec = json.loads((tmp_path / "b" / "drafter.json").read_text())["record"]
+    assert rec["init_drafter_digest"] == digest and rec["config"]["init_drafter"] == str(tmp_path / "a")
+    assert rec["config"]["loss_on"] == "replies"
+
+
+def test_init_drafter_refusals_before_any_work(tmp_path):
+    from snlp.train.adapt import adapt
+
+    adapt(chat_cfg(tmp_path, out="a", steps=2, lora_rank=4))
+    a = str(tmp_path / "a")
+    other, otok = from_hf(hf_tiny(seed=12, layers=4, initializer_range=0.25), tokenizer=word_tokenizer(V))
+    save_checkpoint(tmp_path / "other", other, otok)
+    cases = [
+        (dict(src=str(tmp_path / "other")), "other base weights"),
+        (dict(plan="1xF2-h0-K1"), "suffix"),
+        (dict(plan="1xF1-h0-K1"), "suffix"),
+        (dict(lora_rank=8), "LoRA rank 4"),
+        (dict(lora_rank=4, lora_alpha=8.0), "alpha 4"),
+        (dict(lora_rank=0), "LoRA rank 4"),
+        (dict(lora_rank=4, val_frac=0.1), "--val-frac 0.05"),
+        (dict(lora_rank=4, from_model=a), "--from-model trains nothing"),
+        (dict(lora_rank=4, init_drafter=str(tmp_path / "nothing")), "not a drafter directory"),
+    ]
+    for kw, msg in cases:
+        cfg = chat_cfg(tmp_path, out="b", steps=2, **{"init_drafter": a, **kw})
+        with pytest.raises(ValueError, match=msg) as e:
+            adapt(cfg)
+        assert "\n" not in str(e.value)
+        assert not (tmp_path / "b").exists()  # refused before any work
+    # another data spec (the text + chat one): its split differs
+    cfg = adapt_cfg(tmp_path, out="b", steps=2, lora_rank=4, init_drafter=a)
+    with pytest.raises(ValueError, match="--data"):
+        adapt(cfg)
+    # K and the init may differ: the same suffix
+    assert adapt(chat_cfg(tmp_path, out="c", steps=1, lora_rank=4, plan="2xF1-fwd-K2", init_drafter=a)).steps == 1
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(loss_on="prompts"), "--loss-on must be one of all, replies"),
+    (dict(loss_on="replies", data="a.txt,chat:b.jsonl"), "text parts without replies \\(a.txt\\)"),
+    (dict(loss_on="replies", from_model="x"), "--from-model trains nothing"),
+])
+def test_bad_loss_on_is_refused_before_any_work(tmp_path, kw, msg):
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    cfg = AdaptConfig(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"), **kw)
+    with pytest.raises(ValueError, match=msg) as e:
+        adapt(cfg)  # (the base does not even exist: refused before loading it)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+def test_cli_takes_the_options(tmp_path, capsys):
+    from snlp.apps.cli import main
+
+    base, _, chats = tiny_ckpt(tmp_path)
+    common = [str(base), "--plan", "2xF1-h0-K1", "--data", f"chat:{chats}", "--steps", "2", "--seq-len", "8",
+              "--eval-every", "100", "--save-every", "0", "--no-progress", "--lora-rank", "4"]
+    assert main(["adapt", *common, "--out", str(tmp_path / "a")]) == 0
+    assert main(["adapt", *common, "--out", str(tmp_path / "b"), "--loss-on", "replies",
+                 "--init-drafter", str(tmp_path / "a")]) == 0
+    rec = json.loads((tmp_path / "b" / "drafter.json").read_text())["record"]["config"]
+    assert rec["loss_on"] == "replies" and rec["init_drafter"] == str(tmp_path / "a")
