@@ -55,8 +55,8 @@ def main() -> None:
     if len(shapes) != 1 or not next(iter(shapes))[0]:
         ap.error(f"the arms were not scored on the same validation windows (windows, window length, tokens: "
                  f"{sorted(shapes, key=str)}): paired intervals need the same windows")
-    windows = {next(iter(shapes))[0]}
-    print(f"Windows per row: {sorted(windows)} (paired across rows and arms: the same validation windows)\n")
+    windows = next(iter(shapes))[0]
+    print(f"Windows per row: [{windows}] (paired across rows and arms: the same validation windows)\n")
     print("| arm | plan | PPL | ΔPPL vs its sequential | 95 % interval |\n|---|---|---:|---:|---|")
     for name, rs in arms.items():
         seq = rs["sequential"]

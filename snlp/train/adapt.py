@@ -226,12 +226,6 @@ def token_stream(spec: str, tok, max_chars: int, val_frac: float, cache_dir=None
     return train, val
 
 
-def reply_mask_stream(cfg: AdaptConfig, tok) -> np.ndarray:
-    """The assistant mask of the human training stream (`token_stream`'s train stream, token for token: 1 on
-    a reply token, snlp.io.chat's mask)."""
-    return chat.token_streams(cfg.data, tok, cfg.max_chars, cfg.val_frac, with_mask=True)[2]
-
-
 def teacher(base: GPT, x: torch.Tensor, plan: Plan, kv: str):
     """The base's sequential pass over x (no grad): prefix state h_S, final state h_L, logits, for kv="exact" the
     suffix layers' exact K/V, and the backout state a solve from h_S needs (GPT.prefix_backout; None without)."""
@@ -360,9 +354,12 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                     v.copy_(saved[k])
         for p in suffix_parameters(drafter):
             p.requires_grad_(True)
-        train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
+        mask = None
+        if cfg.loss_on == "replies" and not cfg.self_distill:  # chat parts only (check): one rendering, both
+            train, val, mask, _ = chat.token_streams(cfg.data, btok, cfg.max_chars, cfg.val_frac, with_mask=True)
+        else:
+            train, val = token_stream(cfg.data, btok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
         what = cfg.data
-        mask = reply_mask_stream(cfg, btok) if cfg.loss_on == "replies" and not cfg.self_distill else None
         if cfg.self_distill and len(val) > cfg.seq_len + 1:  # a data error is refused before the decoding
             train, what, mask = self_distilled_stream(cfg, base, btok, fingerprint, verbose=rank == 0)
         if len(train) <= cfg.seq_len + 1 or len(val) <= cfg.seq_len + 1:
