@@ -51,6 +51,8 @@ class TrainStep(nn.Module):
     def __init__(self, model: GPT, reg: RegConfig, plan: Plan | None = None):
         super().__init__()
         self.model, self.reg, self.plan = model, reg, plan
+        # the regulariser's K=1 plans, built here, never inside a (compiled) forward: RegConfig.plans
+        self.reg_plans = reg.plans(model.config.n_layer) if reg.active and model.config.n_layer > 1 else None
 
     def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
@@ -72,7 +74,7 @@ class TrainStep(nn.Module):
             if trace is None:  # SNLP-forward SFT: the sequential trace of only the rows the regulariser reads
                 r = self.reg.n_rows(x.size(0))
                 trace = m.hidden_states(x if r == x.size(0) else x[:r])
-            reg = snlp_loss(m, x, trace, self.reg, valid)
+            reg = snlp_loss(m, x, trace, self.reg, valid, self.reg_plans)
             return ce + lam * reg, ce.detach(), reg.detach()
         return ce, ce.detach(), torch.zeros((), device=x.device)
 

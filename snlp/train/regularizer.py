@@ -76,10 +76,17 @@ class RegConfig:
         """The K=1 plan whose solve is regularised for suffix length N (IDN when inactive: the logged gap)."""
         return k1_plan(n_suffix, self.surrogate or Identity())
 
+    def plans(self, n_layer: int) -> tuple[tuple[int, Plan], ...]:
+        """((N, its K=1 plan), ...) for the suffix lengths that fit an n_layer model (`resolve_suffixes`, no
+        warning). Built before a step is traced and handed to `snlp_loss`: a Plan constructed inside a compiled
+        graph makes dynamo wrap its dataclass defaults (a surrogate object), which torch 2.11's dynamo refuses
+        ("SourcelessBuilder.create does not know how to wrap Identity")."""
+        return tuple((n, self.plan(n)) for n in resolve_suffixes(n_layer, self.suffixes, warn=False))
+
     def check_model(self, config) -> None:
         """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
-        for n in resolve_suffixes(config.n_layer, self.suffixes, warn=False) if config.n_layer > 1 else []:
-            self.plan(n).check_model(config)
+        for _, plan in self.plans(config.n_layer) if config.n_layer > 1 else ():
+            plan.check_model(config)
 
     def n_rows(self, batch: int) -> int:
         """Rows of a `batch`-row micro-batch the solve runs on: ceil(F * batch); a ValueError if that is 0
@@ -182,12 +189,14 @@ def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None, co
     return (err * w).sum() / (w.sum().clamp(min=1.0) if count is None else count)
 
 
-def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None) -> Tensor:
+def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None,
+              plans: tuple[tuple[int, Plan], ...] | None = None) -> Tensor:
     """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
     the same forward that produced the CE loss (so the model is not run twice for the target). `valid`: the
     (B, T) mask of real positions of a padded batch (`relative_error`); None: every position. With cfg.rows < 1
     the sum is over the first r = `cfg.n_rows(B)` rows of idx, trace and valid (the module docstring: not
-    rescaled); the trace may then hold just those r rows (a trace computed for the regulariser alone)."""
+    rescaled); the trace may then hold just those r rows (a trace computed for the regulariser alone). `plans`:
+    `cfg.plans(n_layer)`, built once outside a compiled step (TrainStep does); None builds them here."""
     L = model.config.n_layer
     if len(trace) != L + 1:
         raise ValueError(f"trace must hold h_0..h_L ({L + 1} states), got {len(trace)}")
@@ -201,8 +210,8 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
             valid = valid[:r]  # (r, T)
         idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
-    for N in resolve_suffixes(L, cfg.suffixes, warn=False):
-        states, S = snlp_states(model, idx, cfg.plan(N), trace)
+    for N, plan in cfg.plans(L) if plans is None else plans:
+        states, S = snlp_states(model, idx, plan, trace)
         for l in supervised_layers(L, N, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target, valid, count)

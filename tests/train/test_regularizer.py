@@ -153,3 +153,29 @@ def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
         want = sum(_rel(hat[l], trace[l]) for l in (3, 4, 5))
         got = snlp_loss(model, idx, trace, RegConfig(surrogate="diag", suffixes=(N,), stride=1))
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("sft_plan", [None, "2xF1-h0-K1"])
+def test_train_step_builds_no_plan_while_it_runs(monkeypatch, sft_plan):
+    """TrainStep resolves the regulariser's K=1 plans when it is built, never in forward: a Plan made inside a
+    compiled step makes dynamo wrap the dataclass's default surrogate, which torch 2.11 refuses (`snlp train
+    --compile --reg idn` crashed there). The loss equals the regulariser built the plain way (a hand reference
+    in test_matches_reference_and_has_gradients)."""
+    from snlp.method.plan import Plan
+    from snlp.train.job import TrainStep
+    model = tiny_model()
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    y = torch.roll(idx, -1, 1)
+    cfg = RegConfig(surrogate="idn", lam=1.0, suffixes=(3, 2), stride=1)
+    plan = None if sft_plan is None else Plan.parse(sft_plan)
+    step = TrainStep(model, cfg, plan)
+    with torch.no_grad():
+        want = snlp_loss(model, idx, model.hidden_states(idx), cfg)
+
+    def built(self):
+        raise AssertionError(f"a Plan was constructed during the step: {self}")
+
+    monkeypatch.setattr(Plan, "__post_init__", built)
+    with torch.no_grad():
+        _, _, reg = step(idx, y, torch.tensor(0.5))
+    torch.testing.assert_close(reg, want)
