@@ -104,9 +104,13 @@ def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
 def jvp(f: Callable[[Tensor], Tensor], x: Tensor, t: Tensor) -> Tensor:
     """J_f(x) t by forward-mode AD (torch.func.jvp) with the math SDPA backend: forward AD has no rule
     for the fused SDPA kernels (CPU flash, CUDA flash/efficient); the composite math attention is
-    differentiated op by op. PyTorch's one-time load of its JVP decompositions warns that
-    torch.jit.script is deprecated (internal to torch); that warning is silenced here."""
-    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
+    differentiated op by op. Under torch.inference_mode the pass runs with inference mode off: torch 2.11's
+    jvp returns a zero tangent there, silently (2.13's does not), which turned Newton into Jacobi and DiagN's
+    jvp estimate into 0; inputs made under inference mode are read as they are (no copy). PyTorch's one-time
+    load of its JVP decompositions warns that torch.jit.script is deprecated (internal to torch); that warning
+    is silenced here."""
+    off = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), off:
         warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
         return torch.func.jvp(f, (x,), (t,))[1]
 

@@ -444,3 +444,26 @@ def test_cached_factors_serve_inference_mode_and_autograd_alike():
         with torch.inference_mode():
             solve(m, idx, plan)
         solve(m, idx, plan).hidden.sum().backward()  # gradients through the same cached factors
+
+
+def test_the_jvp_runs_with_inference_mode_off_and_is_exact_under_it():
+    """torch 2.11's torch.func.jvp returns a zero tangent under inference_mode, silently (2.13's does not): Newton
+    became Jacobi and DiagN's jvp estimate 0 there (test_inference_mode_and_no_grad_agree failed on 2.11). snlp's
+    `jvp` therefore turns inference mode off for the pass, on every torch; the product is checked against the
+    Jacobian of a known map, with inputs made under inference mode as an eval's Context is. (2.13's jvp turns
+    inference mode off itself, so on the pinned torch this passes either way; under torch 2.11,
+    `bash scripts/torch_compat.sh --tests`, it failed before the fix.)"""
+    from snlp.method.jacobian import jvp
+    W = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x, t = torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    want = (1 - torch.tanh(x @ W) ** 2) * (t @ W)  # d tanh(xW) = (1 - tanh^2) (t W)
+    seen = []
+    with torch.inference_mode():
+        Wi, xi, ti = W * 1, x * 1, t * 1  # inference tensors
+
+        def f(z):
+            seen.append(torch.is_inference_mode_enabled())
+            return torch.tanh(z @ Wi)
+        got = jvp(f, xi, ti)
+    assert seen and not any(seen)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
