@@ -119,8 +119,11 @@ def structural_ideal(t_seq: float, t_fixed: float, n_layer: int, steps: int) -> 
     sides pay once: embedding and head), a plan evaluating `steps` layers on its critical path
     (Plan.critical_path_layers) ideally takes t_fixed + steps * t_layer, so its structural ideal is
     t_seq / (t_fixed + steps * t_layer). It lies between 1 and the op-count ideal L / steps: the
-    fixed costs pull it towards 1. t_layer is clamped at 0 (noise could make t_fixed > t_seq)."""
-    t_layer = max(t_seq - t_fixed, 0.0) / n_layer
+    fixed costs pull it towards 1. Noise can make the separately timed t_fixed exceed t_seq (a tiny model on a
+    loaded host); the split then takes t_fixed = t_seq and t_layer = 0, so the sequential forward's own ideal stays
+    1 (it was t_seq / t_fixed < 1) and every plan's is 1."""
+    t_fixed = min(t_fixed, t_seq)
+    t_layer = (t_seq - t_fixed) / n_layer
     denom = t_fixed + max(steps, 1) * t_layer
     return t_layer, (t_seq / denom if denom > 0 else 1.0)
 
