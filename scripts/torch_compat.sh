@@ -6,30 +6,53 @@
 #
 #   bash scripts/torch_compat.sh [--torch 2.11.0] [--transformers 5.17.0] [--venv DIR] [--out DIR] [--tests]
 #
-# The venv (default /tmp/snlp-torch-<version>; a CUDA build of torch from PyPI, about 4 GB, made once, ~5 minutes)
+# The venv (default /tmp/snlp-torch-<version>; a CUDA build of torch from PyPI, about 6 GB, made once, ~5 minutes)
 # holds that torch and this repository's other dependencies; snlp runs from the source tree (PYTHONPATH), as on the
-# device. The parts' rc and the campaign's table land in --out (default runs/torch-compat-<version>); the exit status
-# is 1 if any part failed. --tests also runs the default test suite under that torch (about 15 minutes on 2 cores).
-# Measured speeds mean nothing here: the CPU is shared and the sizes are the smoke sizes.
+# device. A --venv that exists with another torch or transformers is refused, never reinstalled. The paper's code
+# must be checked out beside the repository (.paper/nanochat-snlp or ../shared/anchors/nanochat-snlp), since four
+# parts need it. The parts' rc and the campaign's table land in --out (default runs/torch-compat-<version>); the exit
+# status is 1 if any part failed or did not run. --tests also runs the default test suite under that torch (the tests
+# marked slow left out; 37 minutes on one worker of a loaded 2-core box). Measured speeds mean nothing here: the CPU
+# is shared and the sizes are the smoke sizes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+usage() { echo "usage: torch_compat.sh [--torch V] [--transformers V] [--venv DIR] [--out DIR] [--tests]" >&2; exit 2; }
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }  # a path given relative to where it was run
 
 TORCH=2.11.0; TRANSFORMERS=5.17.0; VENV=""; OUT=""; TESTS=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --torch|--transformers|--venv|--out) [ $# -ge 2 ] || usage ;;&
     --torch) TORCH="$2"; shift ;;
     --transformers) TRANSFORMERS="$2"; shift ;;
-    --venv) VENV="$2"; shift ;;
-    --out) OUT="$2"; shift ;;
+    --venv) VENV=$(abs "$2"); shift ;;
+    --out) OUT=$(abs "$2"); shift ;;
     --tests) TESTS=1 ;;
-    *) echo "torch_compat: unknown argument $1 (use --torch V, --transformers V, --venv DIR, --out DIR, --tests)" >&2
-       exit 2 ;;
+    *) echo "torch_compat: unknown argument $1" >&2; usage ;;
   esac
   shift
 done
-VENV=${VENV:-/tmp/snlp-torch-$TORCH}; OUT=${OUT:-runs/torch-compat-$TORCH}
+cd "$(dirname "$0")/.."
+VENV=${VENV:-/tmp/snlp-torch-$TORCH}; OUT=${OUT:-$PWD/runs/torch-compat-$TORCH}
+PAPER=""
+for p in .paper/nanochat-snlp ../shared/anchors/nanochat-snlp; do [ -f "$p/nanochat/gpt.py" ] && PAPER=$p && break; done
+if [ -z "$PAPER" ]; then
+  echo "torch_compat: no checkout of the paper's code (.paper/nanochat-snlp or ../shared/anchors/nanochat-snlp):" \
+       "four campaign parts need it" >&2
+  exit 2
+fi
 
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null; then
+versions() {  # "torch transformers" of the venv's python, empty if it has none
+  "$VENV/bin/python" -c "import torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__)" \
+      2>/dev/null
+}
+if [ -x "$VENV/bin/python" ]; then
+  have=$(versions)
+  if [ "$have" != "$TORCH $TRANSFORMERS" ]; then
+    echo "torch_compat: $VENV exists with torch and transformers '${have:-none}', not '$TORCH $TRANSFORMERS':" \
+         "give another --venv (an existing one is never reinstalled)" >&2
+    exit 2
+  fi
+else
   echo "torch_compat: making $VENV with torch $TORCH and transformers $TRANSFORMERS"
   python3 -m venv "$VENV" || exit 1
   echo "torch==$TORCH" > "$VENV/constraints.txt"
@@ -45,16 +68,19 @@ python3 -c "import torch, transformers; print('torch_compat: torch', torch.__ver
 # every part the campaign has, in its order (its default runs only the prefill ones)
 PARTS=$(grep -oE '^ *part [a-z_]+' scripts/gpu_campaign.sh | awk '{print $2}' | paste -sd, -)
 rm -rf "$OUT"
-bash scripts/gpu_campaign.sh --quick --out "$OUT" --parts "$PARTS" > "$OUT.log" 2>&1
-python3 - "$OUT" <<'EOF'
+bash scripts/gpu_campaign.sh --quick --out "$OUT" --paper "$PAPER" --parts "$PARTS" > "$OUT.log" 2>&1
+python3 - "$OUT" "$PARTS" <<'EOF'
 import json, sys
 from pathlib import Path
-parts = sorted(Path(sys.argv[1], "parts").glob("*.status.json"))
-bad = [json.loads(p.read_text()) for p in parts]
+out, parts = sys.argv[1], sys.argv[2].split(",")
+status = {p: Path(out, "parts", f"{p}.status.json") for p in parts}
+missing = [p for p, f in status.items() if not f.exists()]
+bad = [json.loads(f.read_text()) for f in status.values() if f.exists()]
 bad = [s for s in bad if s["rc"] != 0]
-print(f"torch_compat: {len(parts)} campaign parts ran at smoke size, {len(bad)} failed"
-      + "".join(f"\n  {s['part']}: rc {s['rc']} (the traceback is in {sys.argv[1]}/log.txt)" for s in bad))
-sys.exit(1 if bad or not parts else 0)
+print(f"torch_compat: {len(parts) - len(missing)} of the campaign's {len(parts)} parts ran at smoke size, "
+      f"{len(bad)} failed" + "".join(f"\n  {s['part']}: rc {s['rc']} (the traceback is in {out}/log.txt)" for s in bad)
+      + "".join(f"\n  {p}: did not run (see {out}/log.txt)" for p in missing))
+sys.exit(1 if bad or missing else 0)
 EOF
 rc=$?
 if [ "$TESTS" = 1 ]; then

@@ -69,7 +69,7 @@ class ForwardRow:
     critical_path_layers: int  # Plan.critical_path_layers at `iters`; L for sequential
     embed_ms: float  # the fixed costs both sides pay once, measured in the same round-robin
     head_ms: float
-    fixed_ms: float  # embed + head
+    fixed_ms: float  # embed + head, at most t_seq (noise can time the two above the whole forward: see structural_ideal)
     layer_ms: float  # (t_seq - fixed) / L
     structural_ideal: float  # t_seq / (fixed + critical_path_layers * layer_ms)
     of_structural: float  # speedup / structural_ideal
@@ -124,7 +124,9 @@ def structural_ideal(t_seq: float, t_fixed: float, n_layer: int, steps: int) -> 
     1 (it was t_seq / t_fixed < 1) and every plan's is 1."""
     t_fixed = min(t_fixed, t_seq)
     t_layer = (t_seq - t_fixed) / n_layer
-    denom = t_fixed + max(steps, 1) * t_layer
+    # t_fixed + steps t_layer, written as t_seq less the layers the plan skips: exactly t_seq when steps = L, so the
+    # sequential forward's own ideal is 1.0 with no rounding either way
+    denom = t_seq - (n_layer - max(steps, 1)) * t_layer
     return t_layer, (t_seq / denom if denom > 0 else 1.0)
 
 
@@ -201,11 +203,12 @@ def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s:
     med = statistics.median(ts)
     plan = None if name == "sequential" else Plan.parse(name)
     steps = L if plan is None else plan.critical_path_layers(L, iters)
-    layer_ms, struct = structural_ideal(base, embed_ms + head_ms, L, steps)
+    fixed = min(embed_ms + head_ms, base)  # what structural_ideal splits off: the record's fields obey its formula
+    layer_ms, struct = structural_ideal(base, fixed, L, steps)
     return ForwardRow(
         plan=name, median_ms=med, speedup=base / med,
         ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L, iters), iters=iters,
-        critical_path_layers=steps, embed_ms=embed_ms, head_ms=head_ms, fixed_ms=embed_ms + head_ms,
+        critical_path_layers=steps, embed_ms=embed_ms, head_ms=head_ms, fixed_ms=fixed,
         layer_ms=layer_ms, structural_ideal=struct, of_structural=(base / med) / struct,
         min_ms=min(ts), max_ms=max(ts), runs=len(ts), prefix=L if plan is None else plan.prefix_len(L),
         compile_s=compile_s, **common)
