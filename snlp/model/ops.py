@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.torch_version import TorchVersion
 
 def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     """RMSNorm over the last dim; parameter-free unless a weight is given."""
@@ -174,8 +175,8 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     """Whether a prefill of T tokens (queries and keys at 0..T-1) over branches with these windows (one entry for
     a single layer, the C*M branches' for a fused stack) takes `flex_window_attention` (see set_window_kernel):
     only while torch.compile traces (eager FlexAttention is an unfused reference that materialises every score),
-    only if some window bites (w < T - 1), and never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
-    not support backward on CPU"). "auto" takes it on CUDA for stacks that mix windows in graphs without a backward
+    only if some window bites (w < T - 1), never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
+    not support backward on CPU"), and never on the CPU before torch 2.13 (CPU_FLEX_THREADS_SAFE). "auto" takes it on CUDA for stacks that mix windows in graphs without a backward
     only (their forward measured faster there, one layer measured slower, no backward measured yet; see
     set_window_kernel for the CPU's measurements)."""
     if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
@@ -184,12 +185,18 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
         return False
     kind = torch.device(device).type
     backward = requires_grad and torch.is_grad_enabled()
-    if kind == "cpu" and backward:
+    if kind == "cpu" and (backward or not CPU_FLEX_THREADS_SAFE):
         return False
     if _window_kernel == "flex":
         return True
     return kind == "cuda" and len(set(windows)) > 1 and not backward
 
+
+# torch before 2.13: the compiled CPU FlexAttention kernel corrupts the heap when it runs on more than one thread
+# ("corrupted double-linked list" / SIGSEGV under torch 2.11, one thread correct; 2.13 correct on any number). The
+# thread count cannot be read inside a traced graph (a graph break), so there the CPU never takes it
+# (docs/records/2026-11-27-torch-2.11-on-cpu.md)
+CPU_FLEX_THREADS_SAFE = TorchVersion(torch.__version__) >= (2, 13)
 
 FLEX_BLOCK = 128  # FlexAttention's tile (its default BLOCK_SIZE): the block mask's granularity
 

@@ -18,6 +18,10 @@ from snlp import bind
 from snlp.model import ops
 
 
+# torch < 2.13 takes no CPU FlexAttention (its CPU kernel is not thread-safe there: ops.CPU_FLEX_THREADS_SAFE)
+needs_cpu_flex = pytest.mark.skipif(not ops.CPU_FLEX_THREADS_SAFE, reason="torch < 2.13: no CPU FlexAttention")
+
+
 def naive_loop(q, k, v, windows, rows):
     """Softmax over the keys j with 0 <= i - j <= w (w < 0: j <= i), one query row of one sequence at a time;
     sequence n has window windows[n // rows]; GQA by repeating k/v."""
@@ -164,6 +168,7 @@ def _has_flex(graphs) -> bool:
     return any("flex_attention" in g.code for g in graphs)
 
 
+@needs_cpu_flex
 @pytest.mark.parametrize("plan", [None, "3xF2-h0-K2", "6xF1-h0-K1"])
 def test_flex_is_taken_inside_compiled_graphs_only(kernel, plan):
     """With "flex" the compiled sequential forward and plans (mixed S/L stacks) run FlexAttention, and equal the
@@ -190,6 +195,7 @@ def test_auto_follows_the_measurements(kernel, monkeypatch):
     while not compiling; "flex" wherever a window bites, except a CPU backward."""
     assert not ops.uses_flex(2048, (512, -1), "cuda", False)  # not compiling
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(ops, "CPU_FLEX_THREADS_SAFE", True)  # torch < 2.13's thread guard: the next test
     kernel("auto")
     assert ops.uses_flex(2048, (512, 512, 512, -1), "cuda", False)
     assert not ops.uses_flex(2048, (512, 512, 512, -1), "cuda", True)  # a training graph: backward not measured
@@ -227,6 +233,7 @@ def test_cpu_training_never_takes_flex(kernel):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@needs_cpu_flex
 def test_backout_survives_flex_in_a_compiled_graph(kernel):
     """nanochat-snlp's backout keeps layer n_layer // 2's output in the Context across later FlexAttention calls (an
     attribute of an object made inside the graph was lost there under torch 2.13: the head read None)."""
@@ -265,6 +272,7 @@ def test_compiled_plan_and_forward_with_flex_compile_once_and_equal_the_referenc
                 torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@needs_cpu_flex
 @pytest.mark.parametrize("plan", [None, "2xF2-h0-K1"])
 def test_new_prompt_lengths_do_not_recompile_a_dynamic_flex_graph(kernel, plan):
     """A graph compiled with dynamic=True serves every prompt length under "flex" as it does under "masked": the
@@ -295,3 +303,17 @@ def test_a_misspelt_window_kernel_variable_is_refused_at_import():
     assert r.returncode != 0 and "SNLP_WINDOW_ATTENTION must be one of auto, banded, masked, flex, got 'flexx'" in r.stderr
     env["SNLP_WINDOW_ATTENTION"] = "banded"
     assert subprocess.run([sys.executable, "-c", "import snlp.model.ops"], env=env).returncode == 0
+
+
+def test_cpu_flex_is_not_taken_before_torch_2_13(kernel, monkeypatch):
+    """torch 2.11's compiled CPU FlexAttention kernel corrupts the heap on two threads (SIGABRT / SIGSEGV; one thread
+    computes it right; docs/records/2026-11-27-torch-2.11-on-cpu.md), and the thread count cannot be read inside a
+    traced graph: before 2.13 "flex" never takes it on the CPU (the other kernels compute the same function); CUDA and
+    torch >= 2.13 are unaffected."""
+    assert ops.CPU_FLEX_THREADS_SAFE is (torch.__version__ >= "2.13")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernel("flex")
+    for safe in (True, False):
+        monkeypatch.setattr(ops, "CPU_FLEX_THREADS_SAFE", safe)
+        assert ops.uses_flex(2048, (512,), "cpu", False) is safe
+        assert ops.uses_flex(2048, (512,), "cuda", False)
