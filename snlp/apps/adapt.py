@@ -70,7 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-chars", type=int, default=d.max_chars, help="cap on the text data's characters (0: all)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--save-every", type=int, default=d.save_every, help="resumable checkpoints in DIR/run (0: end only)")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="resumable checkpoints in DIR/run every N steps (default 50; 0: end only; refused with "
+                        "--lora-rank, whose runs save at the end only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
     p.add_argument("--resume", action="store_true", help="continue the run in DIR/run")

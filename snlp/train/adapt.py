@@ -103,7 +103,7 @@ class AdaptConfig:
     max_chars: int = 0
     eval_every: int = 50
     eval_batches: int = 2
-    save_every: int = 50
+    save_every: int | None = None  # resumable checkpoints every N steps (None: 50; LoRA runs: end only, refused)
     log_every: int = 10
     stop_after: int | None = None
     resume: bool = False
@@ -156,6 +156,10 @@ class AdaptConfig:
             # the shared loop's checkpoint is a plain GPT state; a LoRA drafter's parametrized state is not one
             raise ValueError("--lora-rank runs cannot be stopped and resumed (--stop-after/--resume): run them to "
                              "the end, or adapt full suffix weights (--lora-rank 0)")
+        if self.lora_rank and self.save_every:
+            # the same reason: a LoRA run saves its drafter at the end only, so DIR/run would hold nothing usable
+            raise ValueError(f"--save-every {self.save_every} keeps resumable checkpoints, and --lora-rank runs keep "
+                             "none (their drafter is saved at the end only): drop --save-every, or give 0")
         return plan
 
 
@@ -323,7 +327,8 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,
                        seed=cfg.seed, device=cfg.device, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
-                       save_every=0 if cfg.lora_rank else cfg.save_every, log_every=cfg.log_every, no_progress=cfg.no_progress)
+                       save_every=0 if cfg.lora_rank else 50 if cfg.save_every is None else cfg.save_every,
+                       log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
 def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerprint: str, owned: bool = True,

@@ -211,6 +211,23 @@ def test_bad_loss_on_is_refused_before_any_work(tmp_path, kw, msg):
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
 
 
+def test_save_every_of_a_lora_run_is_refused_not_ignored(tmp_path):
+    """A LoRA run keeps no resumable checkpoint (its drafter is saved at the end only): --save-every N > 0 would be
+    silently dropped, so it is refused before any work; the default and 0 save at the end only."""
+    from snlp.train.adapt import AdaptConfig, adapt, train_config
+
+    kw = dict(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="--save-every 60 keeps resumable checkpoints") as e:
+        adapt(AdaptConfig(**kw, lora_rank=4, save_every=60))  # (the base does not even exist)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    for save_every in (None, 0):
+        cfg = AdaptConfig(**kw, lora_rank=4, save_every=save_every)
+        cfg.check()
+        assert train_config(cfg, 64).save_every == 0
+    assert train_config(AdaptConfig(**kw), 64).save_every == 50  # full suffix weights: resumable, every 50 by default
+    assert train_config(AdaptConfig(**kw, save_every=7), 64).save_every == 7
+
+
 def test_cli_takes_the_options(tmp_path, capsys):
     from snlp.apps.cli import main
 
