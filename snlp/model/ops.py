@@ -176,9 +176,9 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     a single layer, the C*M branches' for a fused stack) takes `flex_window_attention` (see set_window_kernel):
     only while torch.compile traces (eager FlexAttention is an unfused reference that materialises every score),
     only if some window bites (w < T - 1), never for a CPU backward (torch 2.13 refuses it: "FlexAttention does
-    not support backward on CPU"), and never on the CPU before torch 2.13 (CPU_FLEX_THREADS_SAFE). "auto" takes it on CUDA for stacks that mix windows in graphs without a backward
-    only (their forward measured faster there, one layer measured slower, no backward measured yet; see
-    set_window_kernel for the CPU's measurements)."""
+    not support backward on CPU"), and never on the CPU before torch 2.13 (CPU_FLEX_THREADS_SAFE). "auto" takes it
+    on CUDA for stacks that mix windows in graphs without a backward only (their forward measured faster there, one
+    layer measured slower, no backward measured yet; see set_window_kernel for the CPU's measurements)."""
     if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
         return False
     if all(w < 0 or w >= T - 1 for w in windows):
