@@ -69,7 +69,7 @@ class ForwardRow:
     critical_path_layers: int  # Plan.critical_path_layers at `iters`; L for sequential
     embed_ms: float  # the fixed costs both sides pay once, measured in the same round-robin
     head_ms: float
-    fixed_ms: float  # embed + head, at most t_seq (noise can time the two above the whole forward: see structural_ideal)
+    fixed_ms: float  # embed + head, at most t_seq (noise can time them above the forward: structural_ideal)
     layer_ms: float  # (t_seq - fixed) / L
     structural_ideal: float  # t_seq / (fixed + critical_path_layers * layer_ms)
     of_structural: float  # speedup / structural_ideal
