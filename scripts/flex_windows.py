@@ -219,7 +219,8 @@ def prefill(a, save=lambda out: None) -> dict:
     targets = {"sequential": lambda: model(idx), **{p: (lambda r: lambda: r(idx))(r) for p, r in runners.items()}}
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "shape": shape.key, "T": T, "window": w, "pattern": "SSSL", "dtype": "bfloat16" if cuda else "float32",
-           "cuda_graphs": cuda, "compile_s": {}, "max_abs_diff_logits": {}, "rows": [], "failures": []}
+           "cuda_graphs": cuda, "compile_s": {}, "max_abs_diff_logits": {}, "rows": [], "failures": [],
+           "flex_taken": cuda or ops.CPU_FLEX_THREADS_SAFE}  # torch < 2.13 takes no CPU flex (snlp.model.ops)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     with torch.inference_mode():
         for name, fn in targets.items():  # per forward: compile both kernels, then time them round-robin, then save
@@ -315,6 +316,9 @@ def prefill_markdown(out: dict) -> str:
     if not out["cuda_graphs"]:
         lines[1:1] = ["", "Smoke run off a GPU: the shapes and the device are not the ones the kernels are chosen for; "
                       "the timings below check that each path runs, they compare nothing.", ""]
+    if not out.get("flex_taken", True):
+        lines[1:1] = ["", f"torch {out['torch']} on the CPU: snlp takes no FlexAttention there "
+                      "(ops.CPU_FLEX_THREADS_SAFE), so the \"flex\" rows time the kernel it falls back to.", ""]
     base = {r["forward"]: r for r in out["rows"] if r["kernel"] == "masked"}
     for r in out["rows"]:
         label = f"{r['forward']} / {r['kernel']}"

@@ -38,6 +38,9 @@ PY=python3
 mkdir -p "$OUT/parts"
 LOG="$OUT/log.txt"; : > "$LOG"
 if [ "$QUICK" = 1 ]; then
+  # one thread: torch before 2.13 (the lent machines' 2.11) corrupts the heap in its compiled CPU FlexAttention
+  # kernel on two (docs/records/2026-11-27-torch-2.11-on-cpu.md), and the attn / flex parts call it directly
+  export OMP_NUM_THREADS=1
   DEV=cpu; Q=--quick; T_SHORT=240; T_LONG=300
   ATTN="--device cpu --tokens 256 --window 64 --heads 2 --head-dim 32 --branches 4 --runs 3"
   PROF="--device cpu --quick --tokens 64"

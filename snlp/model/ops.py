@@ -133,7 +133,8 @@ def set_window_kernel(kind: str) -> str:
     their w + b keys (`banded_attention`); "flex": FlexAttention with a block-sparse sliding-window mask
     (`flex_window_attention`) wherever it runs compiled, i.e. inside a torch.compile'd forward, plan or train step
     (eager FlexAttention materialises every score: a slow reference), and not where torch has no kernel for it (its
-    backward on the CPU); elsewhere "flex" chooses as "auto" does. "auto": by measurement, per device:
+    backward on the CPU) or a broken one (the CPU before torch 2.13: CPU_FLEX_THREADS_SAFE); elsewhere "flex" chooses
+    as "auto" does. "auto": by measurement, per device:
       - CPU: banded once the band excludes at least half of the causal scores (14.5 against 108 ms of thread time at
         T = 4096, w = 256, one layer), compiled graphs included: FlexAttention compiled beats the banded kernel per
         call (thread time, one thread, fp32, 4 heads of 64: one layer at T = 4096, w = 256 18.8 ms against 22.7

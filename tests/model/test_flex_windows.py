@@ -93,6 +93,7 @@ _flex = torch.compile(ops.flex_window_attention, fullgraph=True, dynamic=False)
 @settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.sampled_from([40, 200]), n_win=st.sampled_from([1, 3]), rows=st.sampled_from([1, 2]),
        hkv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]), data=st.data(), seed=st.integers(0, 2 ** 16))
+@needs_cpu_flex
 def test_compiled_flex_is_the_naive_loop_and_the_masked_reference(T, n_win, rows, hkv, rep, data, seed):
     """fp32, inductor: per-branch windows (a tensor: its values vary without a recompile) over `rows` batch rows,
     GQA (Hq = rep * Hkv), windows from 0 (the diagonal only) past T (causal) and -1 (full)."""
@@ -109,6 +110,7 @@ def test_compiled_flex_is_the_naive_loop_and_the_masked_reference(T, n_win, rows
                                    rtol=1e-5, atol=1e-5)
 
 
+@needs_cpu_flex
 def test_compiled_flex_one_window_equals_the_naive_loop():
     """The single-layer form (an int window, a broadcast block mask) at T across a block edge, GQA, two rows."""
     gen = torch.Generator().manual_seed(0)
