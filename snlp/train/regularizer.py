@@ -76,16 +76,16 @@ class RegConfig:
         """The K=1 plan whose solve is regularised for suffix length N (IDN when inactive: the logged gap)."""
         return k1_plan(n_suffix, self.surrogate or Identity())
 
-    def plans(self, n_layer: int) -> tuple[tuple[int, Plan], ...]:
-        """((N, its K=1 plan), ...) for the suffix lengths that fit an n_layer model (`resolve_suffixes`, no
-        warning). Built before a step is traced and handed to `snlp_loss`: a Plan constructed inside a compiled
+    def plans(self, n_layer: int) -> tuple[Plan, ...]:
+        """The K=1 plans of the suffix lengths N that fit an n_layer model (`resolve_suffixes`, no warning; N is
+        each plan's n_suffix). Built before a step is traced and handed to `snlp_loss`: a Plan constructed inside a compiled
         graph makes dynamo wrap its dataclass defaults (a surrogate object), which torch 2.11's dynamo refuses
         ("SourcelessBuilder.create does not know how to wrap Identity")."""
-        return tuple((n, self.plan(n)) for n in resolve_suffixes(n_layer, self.suffixes, warn=False))
+        return tuple(self.plan(n) for n in resolve_suffixes(n_layer, self.suffixes, warn=False))
 
     def check_model(self, config) -> None:
         """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
-        for _, plan in self.plans(config.n_layer) if config.n_layer > 1 else ():
+        for plan in self.plans(config.n_layer) if config.n_layer > 1 else ():
             plan.check_model(config)
 
     def n_rows(self, batch: int) -> int:
@@ -190,7 +190,7 @@ def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None, co
 
 
 def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Tensor | None = None,
-              plans: tuple[tuple[int, Plan], ...] | None = None) -> Tensor:
+              plans: tuple[Plan, ...] | None = None) -> Tensor:
     """The regulariser sum (without lambda). `trace` is the sequential trace [h_0, ..., h_L] of
     the same forward that produced the CE loss (so the model is not run twice for the target). `valid`: the
     (B, T) mask of real positions of a padded batch (`relative_error`); None: every position. With cfg.rows < 1
@@ -210,9 +210,9 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
             valid = valid[:r]  # (r, T)
         idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
-    for N, plan in cfg.plans(L) if plans is None else plans:
+    for plan in cfg.plans(L) if plans is None else plans:
         states, S = snlp_states(model, idx, plan, trace)
-        for l in supervised_layers(L, N, cfg.stride):
+        for l in supervised_layers(L, plan.n_suffix, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target, valid, count)
     return total
