@@ -20,7 +20,7 @@ from pathlib import Path
 from snlp.io.drafter import load_drafter
 from snlp.runtime.device import write_atomic
 from snlp.runtime.outputs import locked_output
-from snlp.train.adapt import KV_MODES, LOSS_ON, AdaptConfig, adapt
+from snlp.train.adapt import KV_MODES, LOSS_ON, SAVE_EVERY, AdaptConfig, adapt
 
 
 def add_arguments(p) -> None:
@@ -71,8 +71,8 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="resumable checkpoints in DIR/run every N steps (default 50; 0: end only; refused with "
-                        "--lora-rank, whose runs save at the end only)")
+                   help=f"resumable checkpoints in DIR/run every N steps (default {SAVE_EVERY}; 0: end only; "
+                        "refused with --lora-rank, whose runs save at the end only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
     p.add_argument("--resume", action="store_true", help="continue the run in DIR/run")

@@ -75,6 +75,8 @@ TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snl
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
 
 
+SAVE_EVERY = 50  # full-weight runs' checkpoint interval when --save-every is not given (LoRA runs keep none)
+
 @dataclass
 class AdaptConfig:
     """An adaptation run: the base `src` (snlp checkpoint, or anything `snlp convert` takes), the `plan`, the
@@ -103,7 +105,7 @@ class AdaptConfig:
     max_chars: int = 0
     eval_every: int = 50
     eval_batches: int = 2
-    save_every: int | None = None  # resumable checkpoints every N steps (None: 50; LoRA runs: end only, refused)
+    save_every: int | None = None  # resumable checkpoints every N steps (None: SAVE_EVERY; LoRA runs: end only)
     log_every: int = 10
     stop_after: int | None = None
     resume: bool = False
@@ -327,7 +329,7 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,
                        seed=cfg.seed, device=cfg.device, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
-                       save_every=0 if cfg.lora_rank else 50 if cfg.save_every is None else cfg.save_every,
+                       save_every=0 if cfg.lora_rank else SAVE_EVERY if cfg.save_every is None else cfg.save_every,
                        log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
