@@ -469,6 +469,7 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
+    from snlp.runtime.device import write_atomic
 
     refused = [flag for flag, used in (
         ("--suite-tokens", args.suite_tokens is not None), ("--no-ablations", args.no_ablations),
@@ -527,19 +528,19 @@ def run_decode_suite_cli(args, command: str) -> int:
                             seed=args.seed, command=command)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 
-    def progress(result, what: str) -> None:  # a run cut short keeps every batch size it finished
+    def progress(result, what: str) -> None:  # a run cut short keeps every round it finished
         progress_line(result, what)
         for path in paths:
             write_json(path, result.to_dict(), announce=False)
-        if out:
-            (out / "decode.md").write_text(markdown(result) + "\n")
+        if out:  # atomically too: a kill between rounds never leaves half a table
+            write_atomic(out / "decode.md", markdown(result) + "\n")
 
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)
     for path in paths:
         write_json(path, result.to_dict())
     if out:
-        (out / "decode.md").write_text(text + "\n")
+        write_atomic(out / "decode.md", text + "\n")
     if args.csv:
         write_csv(args.csv, result.rows)
     print(text)

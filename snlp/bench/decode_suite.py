@@ -188,10 +188,11 @@ class DecodeSuiteResult:
     rows: list[DecodeSuiteRow]
     prompts: list[list[int]] = field(default_factory=list)
     reference: list[list[int]] = field(default_factory=list)  # snlp's eager sequential greedy tokens, per prompt
+    complete: bool = False  # every batch size's every round ran (False in the files a run rewrites on its way)
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "meta": asdict(self.meta), "rows": [r.to_dict() for r in self.rows],
-                "prompts": self.prompts, "reference": self.reference}
+                "prompts": self.prompts, "reference": self.reference, "complete": self.complete}
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -435,10 +436,13 @@ def fold_tokens(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]])
         row.first_mismatch = min(pos + ([row.first_mismatch] if row.first_mismatch is not None else []))
 
 
-def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, check) -> dict[int, list[float]]:
+def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, check,
+                      on_progress=None) -> dict[int, list[float]]:
     """Seconds per timed call of each fns[i], round-robin after `warmup` untimed rounds (at least one: the first
     call compiles and tells whether the method runs here at all), the device synchronised around every call.
-    A call that raises makes its row a skipped one with the reason and the round, and the others go on."""
+    A call that raises makes its row a skipped one with the reason and the round, and the others go on.
+    `on_progress(times, what)`, where given, is called after every call of the first round (where compilation
+    happens, minutes per compiled method) and after every later round, between calls, never inside a timed one."""
     times = {i: [] for i in fns}
     for r in range(max(warmup, 1) + rounds):
         timed = r >= max(warmup, 1)
@@ -450,6 +454,10 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
                 where = "its first call" if r == 0 else f"{'timed' if timed else 'warm-up'} round {r + 1}"
                 rows[i].skipped = f"failed in {where}: {failure(e)}"
                 rows[i].matches_sequential = rows[i].mismatched_rows = rows[i].first_mismatch = None
+                # figures an on_progress filled in from its earlier rounds go too: a skipped row reports no speed
+                rows[i].tokens_per_s = rows[i].tokens_per_s_min = rows[i].tokens_per_s_max = None
+                rows[i].speedup = rows[i].alpha = None
+                rows[i].seconds = []
                 del fns[i]
                 times.pop(i)
                 continue
@@ -459,12 +467,18 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
                 times[i].append(dt)
             elif r == 0:
                 rows[i].first_call_s = dt
+            if r == 0 and on_progress is not None:
+                on_progress(times, f"first call of row {i + 1} of {len(rows)}")
+        if r and on_progress is not None:
+            on_progress(times, f"{'timed' if timed else 'warm-up'} round {r + 1} of {max(warmup, 1) + rounds}")
     return times
 
 
 def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
-              early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None) -> list[DecodeSuiteRow]:
-    """Every method at one batch size (len(prompts)): warm-up, then round-robin timing; rows in method order."""
+              early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None,
+              on_progress=None) -> list[DecodeSuiteRow]:
+    """Every method at one batch size (len(prompts)): warm-up, then round-robin timing; rows in method order.
+    `on_progress(rows, what)` gets the rows as measured so far during the rounds (see round_robin_calls)."""
     B, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
     rows, fns, results, row_steps = [], {}, {}, {}
     for i, (kw, step, fn) in enumerate(_snlp_methods(model, prompts, cfg, plans, steps, drafter_plan)):
@@ -496,30 +510,39 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
         row, res = rows[i], results[i]
         fold_tokens(row, _tokens(res) if row.library == "snlp" else res, ref)
 
-    times = round_robin_calls(fns, rows, cfg.warmup, cfg.rounds, device, check)
-    for i, secs in times.items():
-        row, res = rows[i], results[i]
-        row.seconds = secs
-        tps = sorted(B * n / s for s in secs)
-        row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
-        if row.library == "snlp":
-            row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None
-            if row.method.startswith("snlp speculative"):
-                rs = res if isinstance(res, list) else [res]
-                exam = sum(r.examined for r in rs)
-                row.alpha = sum(r.accepted for r in rs) / exam if exam else None
-    base = {r.treatment: r.tokens_per_s for r in rows if r.method == "snlp sequential"}
-    for r in rows:
-        if r.tokens_per_s is not None and base.get(r.treatment):
-            r.speedup = r.tokens_per_s / base[r.treatment]
+    def fill(times: dict[int, list[float]]) -> None:  # the rows' figures from the calls so far
+        for i, secs in times.items():
+            row, res = rows[i], results.get(i)
+            row.seconds = list(secs)
+            if secs:
+                tps = sorted(B * n / s for s in secs)
+                row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
+            if row.library == "snlp" and res is not None:
+                row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None
+                if row.method.startswith("snlp speculative"):
+                    rs = res if isinstance(res, list) else [res]
+                    exam = sum(r.examined for r in rs)
+                    row.alpha = sum(r.accepted for r in rs) / exam if exam else None
+        base = {r.treatment: r.tokens_per_s for r in rows if r.method == "snlp sequential"}
+        for r in rows:  # recomputed each time: the sequential row may have failed since the last call
+            r.speedup = r.tokens_per_s / base[r.treatment] if r.tokens_per_s is not None and base.get(r.treatment) \
+                else None
+
+    def progress(times: dict[int, list[float]], what: str) -> None:
+        fill(times)
+        on_progress(rows, what)
+
+    fill(round_robin_calls(fns, rows, cfg.warmup, cfg.rounds, device, check,
+                           progress if on_progress is not None else None))
     return rows
 
 
 def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=None, label: str | None = None,
                      progress=None) -> DecodeSuiteResult:
     """Run the suite (module docstring) on `config.ckpt` (or a given CPU `model`, moved to the run's device and
-    dtype in place); one result with every row. `progress(result, what)` is called after each batch size with the
-    rows so far (the CLI rewrites its JSON there: a run cut short keeps what it measured)."""
+    dtype in place); one result with every row. `progress(result, what)` is called with the rows
+    so far after every first call, every later round and each batch size (the CLI rewrites its files there: a run
+    cut short keeps every round it finished; `result.complete` is True only once every batch size has run)."""
     cfg = config.resolved()
     threads = torch.get_num_threads()
     if cfg.threads:
@@ -558,8 +581,17 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
         steps = build_steps(model, plans, cfg.treatments, drafter)
         for B in cfg.batch_sizes:
-            result.rows += run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
-                                     None if drafter is None else drafter.plan)
+            done = list(result.rows)
+
+            def partial(rows: list[DecodeSuiteRow], what: str, B=B, done=done) -> None:
+                result.rows = done + rows
+                progress(result, f"batch {B}: {what}")
+
+            result.rows = done + run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
+                                           None if drafter is None else drafter.plan,
+                                           partial if progress is not None else None)
+            if B == cfg.batch_sizes[-1]:
+                result.complete = True
             if progress is not None:
                 progress(result, f"batch {B} done")
         return result
@@ -578,6 +610,9 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
              f"snlp's eager sequential greedy tokens"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
+    if not result.complete:
+        lines += [f"**PARTIAL**: written while the suite was running (or it was cut short there): a row's note says "
+                  f"how many of its {cfg.rounds} timed rounds had run", ""]
     if m.hf_note:
         lines += [f"transformers rows skipped: {m.hf_note}", ""]
     lines += ["| B | method | treatment | plan | block | tok/s (median [min-max]) | x seq | alpha | exact | = seq | "
@@ -588,6 +623,10 @@ def markdown(result: DecodeSuiteResult) -> str:
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
             f"no ({r.mismatched_rows}/{r.batch} prompts, from token {r.first_mismatch})"
         note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
+        if not r.skipped and len(r.seconds) < cfg.rounds:
+            note = (note + "; " if note else "") + (f"{len(r.seconds)} of {cfg.rounds} timed rounds" if r.seconds
+                                                    else "not timed yet" if r.matches_sequential is not None
+                                                    else "not run yet")
         if r.treatment == "compiled" and r.first_call_s is not None:
             note = (note + "; " if note else "") + f"first call {r.first_call_s:.1f} s (compiles; not timed)"
         lines.append(f"| {r.batch} | {r.method} | {r.treatment} | {r.plan or '-'} | {r.block or '-'} | {tps} | "

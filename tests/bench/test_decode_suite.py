@@ -208,6 +208,68 @@ def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
     assert seen.count(1) == 2 and seen.count(0) == 5  # tokens checked after every call that returned
 
 
+def test_a_row_that_fails_after_a_progress_report_keeps_no_speed_from_it():
+    from snlp.bench.decode_suite import DecodeSuiteRow, round_robin_calls
+
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("boom")
+
+    rows = [DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=1),
+            DecodeSuiteRow(method="b", library="snlp", treatment="eager", batch=1)]
+    reports = []
+
+    def on_progress(times, what):  # as run_batch's does: figures from the calls so far
+        reports.append(what)
+        for i, secs in times.items():
+            rows[i].seconds, rows[i].tokens_per_s, rows[i].speedup = list(secs), 1.0, 1.0
+
+    round_robin_calls({0: lambda: None, 1: flaky}, rows, warmup=1, rounds=4, device="cpu", check=lambda i: None,
+                      on_progress=on_progress)
+    assert rows[1].skipped.startswith("failed in timed round 4") and rows[1].tokens_per_s is None
+    assert rows[1].speedup is None and rows[1].seconds == [] and len(rows[0].seconds) == 4
+    # every first call (compilation happens there), then one report per later round
+    assert reports == ["first call of row 1 of 2", "first call of row 2 of 2"] + \
+        [f"{'timed'} round {r} of 5" for r in range(2, 6)]
+
+
+def test_a_run_cut_short_keeps_every_round_it_finished():
+    """The files the CLI rewrites on its way hold the rows measured so far, labelled partial; a kill (here: the
+    progress callback raising, as a timeout's signal would stop the process there) loses only the round running."""
+    from snlp.bench.decode_suite import markdown
+
+    snaps = []
+
+    class Killed(Exception):
+        pass
+
+    def progress(result, what):
+        snaps.append((what, json.loads(json.dumps(result.to_dict())), markdown(result)))
+        if what == "batch 4: timed round 3 of 4":  # batch 1 done, batch 4 two of three timed rounds in
+            raise Killed
+
+    cfg = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4), new_tokens=3, rounds=3, warmup=1,
+                            transformers=False)
+    with pytest.raises(Killed):
+        run_decode_suite(cfg, progress=progress)
+    what, last, md = snaps[-1]
+    assert not last["complete"] and "**PARTIAL**" in md
+    b1 = [r for r in last["rows"] if r["batch"] == 1]
+    b4 = [r for r in last["rows"] if r["batch"] == 4 and not r["skipped"]]
+    assert b1 and all(len(r["seconds"]) == 3 for r in b1 if not r["skipped"])  # the finished batch, whole
+    assert b4 and all(len(r["seconds"]) == 2 and r["tokens_per_s"] is not None for r in b4)
+    assert all(r["matches_sequential"] for r in b4 if r["exact"])  # tokens checked from the first call on
+    assert md.count("2 of 3 timed rounds") == len(b4)
+    first = next(s for w, s, _ in snaps if w.startswith("batch 1: first call of row 1"))
+    assert first["rows"][0]["first_call_s"] is not None and first["rows"][0]["tokens_per_s"] is None
+    assert "not run yet" in next(m for w, _, m in snaps if w.startswith("batch 1: first call of row 1"))
+    done = run_decode_suite(cfg)
+    assert done.complete and "PARTIAL" not in markdown(done) and "timed rounds" not in markdown(done)
+
+
 def test_a_row_is_as_good_as_its_worst_call():
     from snlp.bench.decode_suite import DecodeSuiteRow, fold_tokens
 
