@@ -88,6 +88,23 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
         (check_output_file if dest in files else check_output_dir)(value, flag)
 
 
+class _Unset(list):
+    """The default every flag gets in `given_flags`' second parse: a flag still holding it was not typed. A list,
+    so that an append action's copy-and-append works on it (and then is no longer this object)."""
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str], args) -> frozenset[str]:
+    """The dests of the flags (and positionals) the user typed in `argv`, as opposed to those left at their
+    defaults: `argv` parsed again by the sub-command's parser into a namespace pre-filled with a marker, which
+    argparse leaves in place for every action not given (it fills in a default only where a name is missing).
+    Abbreviations and `--flag=value` are argparse's own parsing, so they count as typed."""
+    sub = parser.commands[args.command]
+    unset = _Unset()
+    ns = argparse.Namespace(**{k: unset for k in vars(args)})
+    sub.parse_args(argv[argv.index(args.command) + 1:], namespace=ns)
+    return frozenset(k for k, v in vars(ns).items() if v is not unset)
+
+
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
     return f"snlp: warning: {message}\n"
 
@@ -96,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     try:  # the command's own lines
         check_outputs(parser, args)

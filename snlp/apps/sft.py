@@ -79,18 +79,23 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--forward", default=SEQUENTIAL, help="sequential, or an SNLP plan (e.g. 4xF1-h0-K1) whose logits "
                    "the loss is computed on, gradients through all K iterations")
-    p.add_argument("--resume", action="store_true", help="continue the SFT run saved in --out")
+    p.add_argument("--resume", action="store_true", help="continue the SFT run saved in --out with its saved "
+                   "settings (flags left out keep them; as snlp train --resume)")
     add_train_arguments(p)
 
 
 def run(args) -> int:
     from snlp.method.plan import cli_plan
-    from snlp.train.sft import SFTConfig, sft
+    from snlp.train.sft import SFTConfig, resumed_sft, sft
 
     if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
         args.forward = str(cli_plan(args.forward))
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
+    given = getattr(args, "given", None)
+    if given is not None and given & {"lr_scale", "optimizer"}:  # the LRs follow from these two flags
+        given = given | {"matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "hc_lr"}
+    scfg = resumed_sft(scfg, given)  # with --resume, the flags not typed keep the saved run's values
     res = sft(scfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)

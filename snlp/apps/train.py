@@ -28,7 +28,11 @@ if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out (weights, optimizer, data position, RNG)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run saved in --out (weights, optimizer, data position, RNG) with its saved "
+                   "settings: flags left out keep the saved values; only the budget (--steps, --minutes, "
+                   "--stop-after), logging, validation and saving intervals, --device, --compile, --time-reg and "
+                   "--cache-dir may change (another value of any other flag is refused)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
                    "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training, the model flags "
@@ -129,9 +133,14 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    from snlp.train.checkpointing import saved_settings
+    from snlp.train.config import resumed
     from snlp.train.trainer import fit
 
-    res = fit(config_from_args(args), hooks=file_hooks(args.stop_file))
+    cfg = config_from_args(args)
+    if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
+        cfg = resumed(cfg, saved_settings(cfg.out), getattr(args, "given", None))
+    res = fit(cfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
         return 130

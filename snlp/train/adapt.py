@@ -69,7 +69,10 @@ from snlp.train.validate import ValidationResult
 KV_MODES = ("exact", "own")
 LOSS_ON = ("all", "replies")
 RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha", "self_distill",
-                "self_distill_prompts", "loss_on", "init_drafter")  # --resume must keep these
+                "self_distill_prompts", "loss_on", "init_drafter",  # --resume must keep these: the data and split,
+                "seq_len", "batch_size", "lr", "hidden_weight", "kl_weight", "tau", "warmup_steps", "warmdown",
+                "grad_clip", "seed", "dtype")  # and what the steps optimise and how (the trainer refuses them too,
+#                                                but under its own names, after the replies are decoded)
 SPLIT = ("data", "val_frac", "max_chars")  # what decides a run's held-out documents
 TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished

@@ -16,6 +16,7 @@ import snlp.io.data as D
 from snlp.io.checkpoint import load, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
+from snlp.train.config import TrainConfig, check_resume_settings
 from snlp.train.optim import OptimizerBundle
 
 
@@ -40,8 +41,9 @@ class Start:
     resume: ResumePoint | None = None
 
 
-def open_run(out: Path, resume: bool) -> Start:
-    """The saved run in `out` when resuming (checked complete); else check `out` holds no checkpoint yet."""
+def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Start:
+    """The saved run in `out` when resuming (checked complete, and `cfg` checked against its saved settings:
+    `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
     if not resume:
         if has_ckpt:
@@ -49,11 +51,13 @@ def open_run(out: Path, resume: bool) -> Start:
         return Start()
     if not has_ckpt:
         raise FileNotFoundError(f"--resume: no checkpoint in {out}; drop --resume to start a new run")
-    model, tok = load(out, device="cpu")
     opt_state, st = load_training(out)
     if opt_state is None or st is None:
         raise ValueError(f"--resume: {out} lacks optimizer.pt/train_state.pt (a weights-only checkpoint); "
                          f"start a new run instead")
+    if cfg is not None:
+        check_resume_settings(cfg, st.get("args"), out)
+    model, tok = load(out, device="cpu")
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"])
     return Start(model, tok, point)
@@ -66,6 +70,15 @@ def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
     if isinstance(state.get("args"), dict):
         state = {**state, "args": recorded_args(state["args"])}
     save_checkpoint(out, model, tok, optimizer=OptimizerBundle(opts), train_state={**state, "rng": rng_state()})
+
+
+def saved_settings(out) -> dict | None:
+    """The settings (`TrainConfig` fields, as `recorded_args` wrote them) of the run saved in `out`; None where
+    `out` holds no resumable run (`open_run` then says why)."""
+    if not (Path(out) / "model.safetensors").is_file():
+        return None
+    st = load_training(out)[1]
+    return st.get("args") if isinstance(st, dict) and isinstance(st.get("args"), dict) else None
 
 
 def recorded_args(args: dict) -> dict:

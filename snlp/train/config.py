@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
@@ -112,6 +112,57 @@ class TrainConfig:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
             raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
+
+
+# What a resumed run may set afresh: its budget, when it stops, logs, validates and saves, where it runs and whether
+# the step is compiled. Every other field decides what the run trains on and how (data, model, optimiser, schedule
+# shape, regulariser, seed, batch layout: the saved data position counts micro-batches of this layout), so
+# `--resume` keeps the saved value and refuses another one (`resume_changes`).
+RESUME_MAY_CHANGE = ("out", "resume", "init_from", "steps", "minutes", "stop_after", "device", "compile", "time_reg",
+                     "eval_every", "eval_batches", "save_every", "log_every", "no_progress", "cache_dir")
+# Settings of one process only, never taken from the saved run: where it writes, that it resumes, a one-off stop.
+NOT_INHERITED = ("out", "resume", "init_from", "stop_after")
+
+
+def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
+    """(field, saved value, cfg's value) of every setting a resume may not change where `cfg` differs from the
+    run's saved settings (`saved`: the checkpoint's recorded `args`; a field it lacks, from an snlp older than the
+    field, held its default then)."""
+    default = TrainConfig(out="")
+    out = []
+    for f in fields(TrainConfig):
+        if f.name in RESUME_MAY_CHANGE:
+            continue
+        was = saved.get(f.name, getattr(default, f.name))
+        if was != getattr(cfg, f.name):
+            out.append((f.name, was, getattr(cfg, f.name)))
+    return out
+
+
+def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
+    """Raise a ValueError naming every setting `cfg` would change in the saved run at `where` (see
+    `resume_changes`) before the run loads anything: continuing it on other data, another batch layout or another
+    objective would silently make a different run under the same name."""
+    if saved is None:
+        return
+    diff = resume_changes(cfg, saved)
+    if diff:
+        raise ValueError(f"--resume: the run in {where} was saved with "
+                         + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
+                         + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
+                            if any(k.endswith("_lr") for k, _, _ in diff) else "")
+                         + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
+                           "snlp sft take the saved values) or start a new run in another --out")
+
+
+def resumed(cfg: TrainConfig, saved: dict | None, given) -> TrainConfig:
+    """`cfg` with the saved run's value of every field not in `given` (the flags typed; fields of one process,
+    NOT_INHERITED, excepted): `snlp train --out X --resume --steps 4000` continues X's run as it was, with a new
+    budget. `given` None: every field counts as given (a library caller's config is taken whole)."""
+    if saved is None or given is None:
+        return cfg
+    names = {f.name for f in fields(TrainConfig)}
+    return replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given and k not in NOT_INHERITED})
 
 
 @dataclass

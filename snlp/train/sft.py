@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
 from snlp.method.plan import Plan
-from snlp.train.config import TrainConfig, TrainResult
+from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
 from snlp.train.distributed import rank0_first
 from snlp.train.hooks import TrainHooks
@@ -95,10 +95,54 @@ def fixed_length(batch, T: int, pad: int):
     return padded
 
 
+RESUME_FIXED = ("data", "forward", "max_conversations", "val_frac")  # what a resumed SFT run keeps (chats and split,
+#                                                                       the forward the loss is on); ckpt may move
+
+
+def saved_sft(out) -> tuple[dict | None, dict | None]:
+    """(the TrainConfig settings, the SFTConfig settings but `train`) saved with the SFT run in `out`; None each
+    where `out` holds no run (or one that records none)."""
+    from pathlib import Path
+
+    if not (Path(out) / "model.safetensors").is_file():
+        return None, None
+    st = load_training(out)[1]
+    if not isinstance(st, dict):
+        return None, None
+    return (st["args"] if isinstance(st.get("args"), dict) else None,
+            st["sft"] if isinstance(st.get("sft"), dict) else None)
+
+
+def resumed_sft(scfg: SFTConfig, given) -> SFTConfig:
+    """`scfg` for `snlp sft --resume`: every setting whose flag was not typed (`given`: field names, the five LRs
+    counting as typed where --lr-scale or --optimizer was) takes the saved run's value (config.resumed)."""
+    if not scfg.train.resume or given is None:
+        return scfg
+    train, own = saved_sft(scfg.train.out)
+    keep = {k: v for k, v in (own or {}).items() if k in RESUME_FIXED and k not in given}
+    return replace(scfg, train=resumed(scfg.train, train, given), **keep)
+
+
+def check_resume_sft(scfg: SFTConfig) -> None:
+    """Refuse resuming the SFT run in scfg.train.out on other chats, another split or another forward, before any
+    loading (the TrainConfig settings are checked by fit, see config.check_resume_settings)."""
+    if not scfg.train.resume:
+        return
+    _, own = saved_sft(scfg.train.out)
+    now = asdict(scfg)
+    diff = [(k, own[k], now[k]) for k in RESUME_FIXED if own is not None and k in own and own[k] != now[k]]
+    if diff:
+        raise ValueError(f"--resume: the SFT run in {scfg.train.out} was saved with "
+                         + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {cur!r})" for k, was, cur in diff)
+                         + "; a resumed run keeps its chats, split and forward: give the saved values or start a "
+                           "new run in another --out")
+
+
 def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
     scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
+    check_resume_sft(scfg)
     if scfg.forward != SEQUENTIAL:
         plan = Plan.parse(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:

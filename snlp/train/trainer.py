@@ -124,7 +124,7 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
 def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tuple[Run, LoopState]:
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
-    start = open_run(Path(cfg.out), cfg.resume)
+    start = open_run(Path(cfg.out), cfg.resume, cfg)
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)

@@ -49,3 +49,24 @@ def test_the_library_still_loads_on_use():
                         "print(sorted(set(snlp.__all__) - set(dir(snlp))))"],
                        cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.stdout.splitlines() == ["snlp.model.gpt 4xF1-h0-K1 True", "[]"], r.stderr
+
+
+@pytest.mark.parametrize("argv, typed", [
+    (["train", "--out", "x", "--resume", "--steps", "5"], {"out", "resume", "steps"}),
+    (["train", "--out=x", "--res", "--reg-r", "0.5", "--seq-len", "256"], {"out", "resume", "reg_rows", "seq_len"}),
+    (["sft", "ck", "--data", "d", "--out", "o", "--no-reg-detach"], {"ckpt", "data", "out", "reg_detach"}),
+    (["sft-grid", "ck", "--data", "d", "--plan", "p", "--out", "o", "--task", "a", "--task", "b"],
+     {"ckpt", "data", "plan", "out", "task"}),
+])
+def test_given_flags_are_the_ones_typed_even_at_their_default_value(argv, typed):
+    """What `--resume` keeps from the saved run hangs on this: a flag typed at its default value (--seq-len 256)
+    counts as typed, abbreviations and --flag=value are argparse's own, and the parsed values are untouched."""
+    from snlp.apps.cli import build_parser, command_of, given_flags
+
+    parser = build_parser(command_of(argv))
+    args = parser.parse_args(argv)
+    before = dict(vars(args))
+    assert given_flags(parser, argv, args) == typed
+    assert vars(args) == before
+    if "task" in typed:
+        assert args.task == ["a", "b"]

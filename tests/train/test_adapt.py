@@ -317,6 +317,9 @@ def test_adapt_resume_refuses_another_base(tmp_path):
         adapt(adapt_cfg(tmp_path, src=str(tmp_path / "other"), steps=6, resume=True))
     with pytest.raises(ValueError, match="plan"):
         adapt(adapt_cfg(tmp_path, plan="1xF2-h0-K1", steps=6, resume=True))
+    # what the steps optimise, named by adapt's own flags
+    with pytest.raises(ValueError, match=r"--seq-len 24 \(not 8\), --lr 0.003 \(not 0.01\)"):
+        adapt(adapt_cfg(tmp_path, steps=6, resume=True, lr=1e-2, seq_len=8))
     assert (run / "log.jsonl").read_text() == log and (tmp_path / "d" / "drafter.json").read_text() == meta  # no work
     assert adapt(adapt_cfg(tmp_path, steps=6, resume=True)).steps == 6  # its own base resumes
 

@@ -193,6 +193,58 @@ def test_ctrl_c_stops_after_the_step_saves_and_resume_matches_an_uninterrupted_r
         assert torch.equal(a[k], b[k]), k
 
 
+def test_resume_with_only_out_continues_the_saved_run_bitwise(corpus, tmp_path):
+    """`snlp train --out X --resume` (no other flag) continues X's run with its saved data, batch, schedule and
+    regulariser: the same weights as the run never stopped (the reference: that uninterrupted run)."""
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4", "--reg", "idn",
+             "--reg-n", "2", "--reg-rows", "0.5", "--warmup-steps", "1", "--seed", "3", "--grad-accum", "2"]
+    assert main(["train", "--out", str(tmp_path / "full"), *flags]) == 0
+    assert main(["train", "--out", str(tmp_path / "part"), *flags, "--stop-after", "2"]) == 0
+    assert main(["train", "--out", str(tmp_path / "part"), "--resume"]) == 0
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    full, part = (torch.load(tmp_path / d / "train_state.pt", weights_only=False) for d in ("full", "part"))
+    assert part["step"] == 4 and part["tokens"] == full["tokens"]
+    skip = ("out", "stop_after", "resume")
+    assert {k: v for k, v in part["args"].items() if k not in skip} == \
+        {k: v for k, v in full["args"].items() if k not in skip}
+
+
+def test_resume_refuses_a_flag_that_would_change_the_run_and_touches_nothing(corpus, tmp_path, capsys):
+    out = tmp_path / "part"
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--steps", "4", "--stop-after", "2"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    rc = main(["train", "--out", str(out), "--resume", "--seq-len", "64", "--reg", "idn", "--depth", "3"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "--seq-len 32 (given: 64)" in err and "--reg 'none' (given: 'idn')" in err
+    assert "--depth" not in err  # typed, but the saved value: nothing changes
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
+    # the budget, logging and the device may change: a longer run, validating every step
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--eval-every", "1"]) == 0
+    st = torch.load(out / "train_state.pt", weights_only=False)
+    assert st["step"] == 3 and st["args"]["eval_every"] == 1 and st["args"]["seq_len"] == 32
+
+
+def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    fit(cfg(tmp_path / "run", corpus, cache, steps=4, stop_after=2))
+    with pytest.raises(ValueError, match=r"--batch-size 4 \(given: 8\)"):
+        fit(cfg(tmp_path / "run", corpus, cache, steps=4, batch_size=8, resume=True))
+    with pytest.raises(ValueError, match=r"--data .* \(given: 'stdlib'\)"):  # a config of defaults: refused
+        fit(TrainConfig(out=str(tmp_path / "run"), resume=True))
+    # a checkpoint from before a field existed held its default: resuming with the default passes
+    st_path = tmp_path / "run" / "train_state.pt"
+    st = torch.load(st_path, weights_only=False)
+    del st["args"]["reg_rows"]
+    torch.save(st, st_path)
+    assert fit(cfg(tmp_path / "run", corpus, cache, steps=4, resume=True)).steps == 4
+
+
 def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, monkeypatch):
     import snlp.apps.train as T
 

@@ -286,7 +286,7 @@ def test_sft_grid_learns_and_snlp_forward_wins_under_its_plan(task):
     assert ev[-1]["val_loss_plan"] < ev[0]["val_loss_plan"] - 0.5  # validation loss under the plan logged and falling
 
 
-def test_sft_resume_is_bitwise_identical(task, tmp_path):
+def test_sft_resume_is_bitwise_identical(task, tmp_path, capsys):
     """SNLP-forward SFT with the regulariser, stopped by --stop-after and by a --stop-file, resumes
     bitwise identically (the LR schedule is stateless); bad plans and data give clear errors."""
     from safetensors.torch import load_file
@@ -302,7 +302,16 @@ def test_sft_resume_is_bitwise_identical(task, tmp_path):
         (tmp_path / "stop").write_text("3")
         assert main([*base, "--out", str(tmp_path / "part"), *flags, "--resume", "--stop-file", str(tmp_path / "stop")]) == 0
         assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 3  # the stop file
-        assert main([*base, "--out", str(tmp_path / "part"), *flags, "--resume"]) == 0
+        # a flag that would change the run is refused before any work; every flag left out keeps the saved value
+        capsys.readouterr()
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
+                     "--forward", "2xF2-h0-K2"]) == 2
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
+                     "--lr-scale", "0.3"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert "--forward '2xF2-h0-K1' (given: '2xF2-h0-K2')" in err[0] and "--matrix-lr" in err[1], err
+        assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 3
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume"]) == 0
     finally:
         torch.set_num_threads(threads)
     full, part = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
