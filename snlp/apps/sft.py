@@ -73,6 +73,25 @@ def train_config(args, out: str, resume: bool = False) -> TrainConfig:
                    scalar_lr=base.scalar_lr * s, hc_lr=base.hc_lr * s)
 
 
+def check_lr_scale(args, given) -> None:
+    """`--lr-scale` typed on `--resume`: refused unless it is the saved run's (its embedding LR over the default
+    one: train_config scales every LR by it), so a typed scale equal to the saved one is not a change, whatever
+    --optimizer (checked on its own: a setting the run keeps) was typed beside it."""
+    import math
+
+    from snlp.train.config import TrainConfig
+    from snlp.train.sft import saved_sft
+
+    saved = saved_sft(args.out)[0]
+    if "lr_scale" not in given or not saved or "embedding_lr" not in saved:
+        return
+    was = saved["embedding_lr"] / TrainConfig(out="").embedding_lr
+    if not math.isclose(was, args.lr_scale, rel_tol=1e-9):
+        raise ValueError(f"--resume: the SFT run in {args.out} was saved with --lr-scale {was:g} (given: "
+                         f"{args.lr_scale:g}); a resumed run keeps its learning rates: leave --lr-scale out or start "
+                         f"a new run in another --out")
+
+
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint to fine-tune (snlp train --out)")
     p.add_argument("--data", required=True, help="chat JSONL file(s)/folder/glob, comma-separated, or hf:NAME[:CONFIG][:SPLIT]")
@@ -93,9 +112,9 @@ def run(args) -> int:
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
     given = getattr(args, "given", None)
-    if given is not None and given & {"lr_scale", "optimizer"}:  # the LRs follow from these two flags
-        given = given | {"matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "hc_lr"}
-    scfg = resumed_sft(scfg, given)  # with --resume, the flags not typed keep the saved run's values
+    if args.resume and given is not None:  # the flags not typed keep the saved run's values
+        check_lr_scale(args, given)
+        scfg = resumed_sft(scfg, given)  # the five LRs are never "typed": the saved ones are kept
     res = sft(scfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)

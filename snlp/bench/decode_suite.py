@@ -456,7 +456,7 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
                 rows[i].matches_sequential = rows[i].mismatched_rows = rows[i].first_mismatch = None
                 # figures an on_progress filled in from its earlier rounds go too: a skipped row reports no speed
                 rows[i].tokens_per_s = rows[i].tokens_per_s_min = rows[i].tokens_per_s_max = None
-                rows[i].speedup = rows[i].alpha = None
+                rows[i].speedup = rows[i].alpha = rows[i].compile_s = None
                 rows[i].seconds = []
                 del fns[i]
                 times.pop(i)
@@ -470,7 +470,8 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
             if r == 0 and on_progress is not None:
                 on_progress(times, f"first call of row {i + 1} of {len(rows)}")
         if r and on_progress is not None:
-            on_progress(times, f"{'timed' if timed else 'warm-up'} round {r + 1} of {max(warmup, 1) + rounds}")
+            on_progress(times, f"round {r + 1} of {max(warmup, 1) + rounds} (timed {r + 1 - max(warmup, 1)} of "
+                               f"{rounds})" if timed else f"round {r + 1} of {max(warmup, 1) + rounds} (warm-up)")
     return times
 
 
@@ -590,10 +591,9 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             result.rows = done + run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
                                            None if drafter is None else drafter.plan,
                                            partial if progress is not None else None)
-            if B == cfg.batch_sizes[-1]:
-                result.complete = True
             if progress is not None:
                 progress(result, f"batch {B} done")
+        result.complete = True  # after the loop: a batch size may be listed twice
         return result
     finally:
         torch.set_num_threads(threads)

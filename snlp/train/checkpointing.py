@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
+from snlp.io.chat import resolve_spec
 from snlp.io.checkpoint import load, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
@@ -41,9 +42,9 @@ class Start:
     resume: ResumePoint | None = None
 
 
-def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Start:
-    """The saved run in `out` when resuming (checked complete, and `cfg` checked against its saved settings:
-    `check_resume_settings`); else check `out` holds no checkpoint yet."""
+def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int | None = None) -> Start:
+    """The saved run in `out` when resuming (checked complete, and `cfg` and the number of processes `world` checked
+    against what it was saved with: `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
     if not resume:
         if has_ckpt:
@@ -57,6 +58,12 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None) -> Start:
                          f"start a new run instead")
     if cfg is not None:
         check_resume_settings(cfg, st.get("args"), out)
+    saved_world = st.get("world")  # absent from checkpoints of an snlp that did not record it: not checked
+    if world is not None and saved_world is not None and saved_world != world:
+        raise ValueError(f"--resume: the run in {out} was saved by {saved_world} process(es) and this one has {world}: "
+                         f"each process reads its own share of every step's batch, so another count would change the "
+                         f"batch and the data position; resume it with {saved_world} (torchrun --nproc_per_node="
+                         f"{saved_world}) or start a new run in another --out")
     model, tok = load(out, device="cpu")
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"])
@@ -84,10 +91,15 @@ def saved_settings(out) -> dict | None:
 def recorded_args(args: dict) -> dict:
     """A run's settings as its checkpoint records them: `cache_dir` (None: $SNLP_CACHE or the default at this
     moment) as an absolute path, so `snlp eval` of the checkpoint from another working directory, or under
-    another $SNLP_CACHE, reads the token cache the run wrote instead of re-tokenising into a new one."""
-    if "cache_dir" not in args:
-        return args
-    return {**args, "cache_dir": str(Path(args["cache_dir"] or D.cache_dir()).expanduser().absolute())}
+    another $SNLP_CACHE, reads the token cache the run wrote instead of re-tokenising into a new one; and the
+    local parts of `data` absolute (`chat.resolve_spec`), so that `--resume` from another folder reads the same
+    files (the same documents in the same order: the same tokens and batches)."""
+    out = dict(args)
+    if "cache_dir" in out:
+        out["cache_dir"] = str(Path(out["cache_dir"] or D.cache_dir()).expanduser().absolute())
+    if isinstance(out.get("data"), str):
+        out["data"] = resolve_spec(out["data"])
+    return out
 
 
 def trim_log(log: Path, step: int) -> None:

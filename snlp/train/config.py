@@ -120,22 +120,32 @@ class TrainConfig:
 # `--resume` keeps the saved value and refuses another one (`resume_changes`).
 RESUME_MAY_CHANGE = ("out", "resume", "init_from", "steps", "minutes", "stop_after", "device", "compile", "time_reg",
                      "eval_every", "eval_batches", "save_every", "log_every", "no_progress", "cache_dir")
-# Settings of one process only, never taken from the saved run: where it writes, that it resumes, a one-off stop.
-NOT_INHERITED = ("out", "resume", "init_from", "stop_after")
+# Settings of one process only, never taken from the saved run: where it writes, that it resumes, a one-off stop,
+# the machine it runs on (None: the best device here, as for a new run).
+NOT_INHERITED = ("out", "resume", "init_from", "stop_after", "device")
+BUDGET = ("steps", "minutes")  # one budget: a new --steps replaces a saved --minutes and the other way round
+# The model's shape flags: a resumed run's model is the saved one, and a run started --init-from CKPT took its shape
+# from CKPT, so its saved shape flags are the unused defaults (not compared then).
+SHAPE = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "window_pattern", "no_x0", "no_ve", "hc_streams",
+         "hc_static", "vocab_size")
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
     """(field, saved value, cfg's value) of every setting a resume may not change where `cfg` differs from the
     run's saved settings (`saved`: the checkpoint's recorded `args`; a field it lacks, from an snlp older than the
     field, held its default then)."""
+    from snlp.io.chat import resolve_spec
+
     default = TrainConfig(out="")
     out = []
     for f in fields(TrainConfig):
-        if f.name in RESUME_MAY_CHANGE:
+        if f.name in RESUME_MAY_CHANGE or (f.name in SHAPE and saved.get("init_from")):
             continue
-        was = saved.get(f.name, getattr(default, f.name))
-        if was != getattr(cfg, f.name):
-            out.append((f.name, was, getattr(cfg, f.name)))
+        was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
+        if f.name == "data" and was != now and resolve_spec(was) == resolve_spec(now):
+            continue  # the same files, named from another folder (the checkpoint records them absolute)
+        if was != now:
+            out.append((f.name, was, now))
     return out
 
 
@@ -157,12 +167,14 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
 
 def resumed(cfg: TrainConfig, saved: dict | None, given) -> TrainConfig:
     """`cfg` with the saved run's value of every field not in `given` (the flags typed; fields of one process,
-    NOT_INHERITED, excepted): `snlp train --out X --resume --steps 4000` continues X's run as it was, with a new
-    budget. `given` None: every field counts as given (a library caller's config is taken whole)."""
+    NOT_INHERITED, excepted, and the saved budget where a new one is typed): `snlp train --out X --resume --steps
+    4000` continues X's run as it was, with a new budget. `given` None: every field counts as given (a library
+    caller's config is taken whole)."""
     if saved is None or given is None:
         return cfg
     names = {f.name for f in fields(TrainConfig)}
-    return replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given and k not in NOT_INHERITED})
+    skip = set(NOT_INHERITED) | (set(BUDGET) if set(BUDGET) & set(given) else set())
+    return replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given and k not in skip})
 
 
 @dataclass

@@ -17,7 +17,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from snlp.io.chat import resolve_spec
 from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state, trim_log
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
@@ -105,6 +106,9 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     checkpoint's when resuming, else None. `hooks` let the caller wait before steps or stop the run.
     Multi-process under torchrun (DDP)."""
     cfg.check()
+    # local data paths absolute from the start: the run's token cache key, its checkpoint's record (which `snlp eval`
+    # and `--resume` read, from any folder) and a resumed run then name the same files the same way
+    cfg = replace(cfg, data=resolve_spec(cfg.data))
     ctx = setup_dist(cfg.device)
     interrupted = InterruptStop()  # Ctrl-C during the loop: stop after the step, save (snlp.train.hooks)
     try:
@@ -124,7 +128,7 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
 def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tuple[Run, LoopState]:
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
-    start = open_run(Path(cfg.out), cfg.resume, cfg)
+    start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
@@ -338,7 +342,7 @@ def save(run: Run, state: LoopState) -> None:
     """The checkpoint with everything `--resume` needs (rank 0; the others wait for it)."""
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "args": asdict(run.cfg), **run.job.state}
+              "world": run.ctx.world, "args": asdict(run.cfg), **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     barrier(run.ctx)
 

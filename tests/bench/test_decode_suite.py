@@ -233,7 +233,8 @@ def test_a_row_that_fails_after_a_progress_report_keeps_no_speed_from_it():
     assert rows[1].speedup is None and rows[1].seconds == [] and len(rows[0].seconds) == 4
     # every first call (compilation happens there), then one report per later round
     assert reports == ["first call of row 1 of 2", "first call of row 2 of 2"] + \
-        [f"{'timed'} round {r} of 5" for r in range(2, 6)]
+        [f"round {r} of 5 (timed {r - 1} of 4)" for r in range(2, 6)]
+    assert rows[1].compile_s is None
 
 
 def test_a_run_cut_short_keeps_every_round_it_finished():
@@ -248,7 +249,7 @@ def test_a_run_cut_short_keeps_every_round_it_finished():
 
     def progress(result, what):
         snaps.append((what, json.loads(json.dumps(result.to_dict())), markdown(result)))
-        if what == "batch 4: timed round 3 of 4":  # batch 1 done, batch 4 two of three timed rounds in
+        if what == "batch 4: round 3 of 4 (timed 2 of 3)":  # batch 1 done, batch 4 two of three timed rounds in
             raise Killed
 
     cfg = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4), new_tokens=3, rounds=3, warmup=1,
@@ -268,6 +269,12 @@ def test_a_run_cut_short_keeps_every_round_it_finished():
     assert "not run yet" in next(m for w, _, m in snaps if w.startswith("batch 1: first call of row 1"))
     done = run_decode_suite(cfg)
     assert done.complete and "PARTIAL" not in markdown(done) and "timed rounds" not in markdown(done)
+    # a batch size listed twice: nothing says complete before the last one has run
+    snaps.clear()
+    twice = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4, 1), new_tokens=3, rounds=2, warmup=1,
+                              transformers=False)
+    assert run_decode_suite(twice, progress=lambda r, w: snaps.append((w, r.complete, None, None))).complete
+    assert not any(c for _, c, _, _ in snaps)
 
 
 def test_a_row_is_as_good_as_its_worst_call():

@@ -207,7 +207,7 @@ def test_resume_with_only_out_continues_the_saved_run_bitwise(corpus, tmp_path):
         assert torch.equal(a[k], b[k]), k
     full, part = (torch.load(tmp_path / d / "train_state.pt", weights_only=False) for d in ("full", "part"))
     assert part["step"] == 4 and part["tokens"] == full["tokens"]
-    skip = ("out", "stop_after", "resume")
+    skip = ("out", "stop_after", "resume", "device")  # the device is the machine's, never the saved run's
     assert {k: v for k, v in part["args"].items() if k not in skip} == \
         {k: v for k, v in full["args"].items() if k not in skip}
 
@@ -243,6 +243,51 @@ def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus,
     del st["args"]["reg_rows"]
     torch.save(st, st_path)
     assert fit(cfg(tmp_path / "run", corpus, cache, steps=4, resume=True)).steps == 4
+
+
+def test_resume_from_another_folder_reads_the_same_relative_data_and_keeps_the_process_count(
+        corpus, tmp_path, monkeypatch, capsys):
+    """A run started with a relative --data resumes from any folder (the checkpoint records the files absolute) into
+    the uninterrupted run's weights; a resume with another number of processes is refused (each reads its own share
+    of the batch)."""
+    (tmp_path / "elsewhere").mkdir()
+    flags = ["--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(tmp_path / "full"), "--data", str(corpus), *flags]) == 0
+    monkeypatch.chdir(corpus.parent)
+    assert main(["train", "--out", str(tmp_path / "part"), "--data", corpus.name, *flags, "--stop-after", "2"]) == 0
+    st = torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)
+    assert st["args"]["data"] == str(corpus) and st["world"] == 1
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    # the same file named absolute is the saved setting, not a change
+    assert main(["train", "--out", str(tmp_path / "part"), "--resume", "--data", str(corpus), "--stop-after", "3"]) == 0
+    assert main(["train", "--out", str(tmp_path / "part"), "--resume"]) == 0
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    st = torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)
+    st["world"] = 2  # as torchrun --nproc_per_node=2 would have saved it
+    torch.save(st, tmp_path / "part" / "train_state.pt")
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "part"), "--resume", "--steps", "5"]) == 2
+    assert "saved by 2 process(es) and this one has 1" in capsys.readouterr().err
+
+
+def test_what_a_resume_takes_from_the_saved_run():
+    """The budget is one setting (a typed --steps drops a saved --minutes and the other way round), the device is
+    the machine's, and an --init-from run's saved shape flags (unused defaults) are not compared."""
+    from snlp.train.config import resume_changes, resumed
+
+    saved = {**vars(TrainConfig(out="x", minutes=3.0, device="cuda", seq_len=32)), "init_from": None}
+    got = resumed(TrainConfig(out="x", resume=True, steps=4000), saved, {"out", "resume", "steps"})
+    assert (got.steps, got.minutes, got.seq_len, got.device) == (4000, None, 32, None)
+    got = resumed(TrainConfig(out="x", resume=True), saved, {"out", "resume"})
+    assert (got.steps, got.minutes) == (None, 3.0)
+    saved = {**vars(TrainConfig(out="x", steps=100)), "init_from": "base"}
+    got = resumed(TrainConfig(out="x", resume=True, minutes=5.0), saved, {"out", "resume", "minutes"})
+    assert (got.steps, got.minutes) == (None, 5.0)
+    assert resume_changes(TrainConfig(out="x", depth=3, vocab_size=300, steps=100), saved) == []
+    assert resume_changes(TrainConfig(out="x", seq_len=64, steps=100), saved) == [("seq_len", 256, 64)]
 
 
 def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, monkeypatch):

@@ -308,8 +308,16 @@ def test_sft_resume_is_bitwise_identical(task, tmp_path, capsys):
                      "--forward", "2xF2-h0-K2"]) == 2
         assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
                      "--lr-scale", "0.3"]) == 2
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
+                     "--optimizer", "adamw"]) == 2
         err = capsys.readouterr().err.splitlines()
-        assert "--forward '2xF2-h0-K1' (given: '2xF2-h0-K2')" in err[0] and "--matrix-lr" in err[1], err
+        assert "--forward '2xF2-h0-K1' (given: '2xF2-h0-K2')" in err[0] and "--lr-scale 1 (given: 0.3)" in err[1], err
+        assert "--optimizer 'muon' (given: 'adamw')" in err[2] and "-lr" not in err[2], err
+        # typed at the saved values, alone or together: not a change
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
+                     "--lr-scale", "1", "--stop-after", "3"]) == 0
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
+                     "--optimizer", "muon", "--stop-after", "3"]) == 0
         assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 3
         assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume"]) == 0
     finally:
