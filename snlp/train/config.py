@@ -144,9 +144,17 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
         if f.name == "data" and was != now and resolve_spec(was) == resolve_spec(now):
             continue  # the same files, named from another folder (the checkpoint records them absolute)
+        if f.name == "reg_detach" and effective_detach(was, saved.get("reg")) == effective_detach(now, cfg.reg):
+            continue  # None is "the surrogate's default" (job.reg_config): an explicit equal value changes nothing
         if was != now:
             out.append((f.name, was, now))
     return out
+
+
+def effective_detach(reg_detach: bool | None, reg: str | None) -> bool:
+    """The regulariser's detach setting as a run uses it: the given one, else detached for HCN only (the paper's
+    choice; snlp.train.job.reg_config)."""
+    return reg_detach if reg_detach is not None else reg == "hcn"
 
 
 def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:

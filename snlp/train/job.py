@@ -14,9 +14,8 @@ from torch import Tensor
 from snlp.io.tokenizer import Tokenizer
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
-from snlp.method.surrogates import HCN
 from snlp.model.gpt import GPT, GPTConfig
-from snlp.train.config import TrainConfig
+from snlp.train.config import TrainConfig, effective_detach
 from snlp.train.regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_loss
 from snlp.train.validate import ValidationResult
 
@@ -86,7 +85,7 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> R
     reg = RegConfig(surrogate=None if cfg.reg == "none" else cfg.reg, lam=cfg.reg_lambda,
                     suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup,
                     rows=1.0 if cfg.reg_rows is None else cfg.reg_rows)
-    reg.detach = cfg.reg_detach if cfg.reg_detach is not None else isinstance(reg.surrogate, HCN)
+    reg.detach = effective_detach(cfg.reg_detach, cfg.reg)
     try:
         reg.check_model(model_cfg)
     except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms

@@ -288,6 +288,12 @@ def test_what_a_resume_takes_from_the_saved_run():
     assert (got.steps, got.minutes) == (None, 5.0)
     assert resume_changes(TrainConfig(out="x", depth=3, vocab_size=300, steps=100), saved) == []
     assert resume_changes(TrainConfig(out="x", seq_len=64, steps=100), saved) == [("seq_len", 256, 64)]
+    # --reg-detach typed at the value the saved None meant (IDN: not detached, HCN: detached) is no change
+    saved = vars(TrainConfig(out="x", reg="idn"))
+    assert resume_changes(TrainConfig(out="x", reg="idn", reg_detach=False), saved) == []
+    assert resume_changes(TrainConfig(out="x", reg="idn", reg_detach=True), saved) == [("reg_detach", None, True)]
+    saved = vars(TrainConfig(out="x", reg="hcn", hc_streams=2))
+    assert resume_changes(TrainConfig(out="x", reg="hcn", hc_streams=2, reg_detach=True), saved) == []
 
 
 def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, monkeypatch):
