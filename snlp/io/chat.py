@@ -17,9 +17,7 @@ conversations never attend across each other, with the model's attention exactly
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,10 +164,7 @@ def local_path(path: str | None) -> str | None:
     """`path` made absolute when it names something local (a file, folder, or a glob that matches): what a
     drafter records, so that reading it again from another directory reads the same data. Names that are not
     local (stdlib, hf:..., a hub name) stay as they are."""
-    if not path or path == "stdlib" or path.startswith("hf:"):
-        return path
-    p = os.path.expanduser(path)
-    return os.path.abspath(p) if os.path.exists(p) or glob.glob(p) else path
+    return D.absolute_part(path) if path else path
 
 
 def resolve_part(part: str) -> str:

@@ -192,6 +192,27 @@ def parts(spec: str | None) -> list[str]:
     return out or ["stdlib"]
 
 
+def is_local(part: str) -> bool:
+    """A spec part that names local files (not the standard library, not a Hugging Face source)."""
+    return part != "stdlib" and not part.startswith("hf:")
+
+
+def absolute_part(part: str) -> str:
+    """`part` made absolute when it names something local that exists (a file, folder, or a glob that matches), so
+    that `d/a.txt` read from its folder and `/abs/d/a.txt` are one source; other parts stay as they are."""
+    if not is_local(part):
+        return part
+    p = os.path.expanduser(part)
+    return os.path.abspath(p) if os.path.exists(p) or glob.glob(p, recursive=True) else part
+
+
+def missing_parts(spec: str | None) -> list[str]:
+    """The local parts of `spec` that name nothing here (a moved or deleted file, an empty glob)."""
+    return [p for p in parts(spec)
+            if is_local(p) and not (os.path.exists(os.path.expanduser(p)) or glob.glob(os.path.expanduser(p),
+                                                                                         recursive=True))]
+
+
 def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,
               encoding: str = "utf-8") -> Iterator[str]:
     """All documents of a data spec in a deterministic order, optionally capped at `max_chars`
@@ -213,7 +234,9 @@ def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,
 def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0, encoding: str = "utf-8") -> str:
     """Hash of a data spec: parts, text field, cap, encoding (when not UTF-8, so UTF-8 keys stay as they were)
     and every local file's path, size and mtime."""
-    h = hashlib.sha256(json.dumps([parts(spec), text_field, max_chars]
+    # local parts by their absolute form: a relative spec and its absolute spelling name one cache (an absolute spec's
+    # key, stdlib's and hf:'s, are what they always were)
+    h = hashlib.sha256(json.dumps([[absolute_part(p) for p in parts(spec)], text_field, max_chars]
                                   + ([encoding] if encoding.lower().replace("_", "-") != "utf-8" else [])).encode())
     for part in parts(spec):
         if not part.startswith("hf:"):

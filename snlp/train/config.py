@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from snlp.io.chat import resolve_spec
+from snlp.io.data import missing_parts
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
@@ -134,16 +136,15 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
     """(field, saved value, cfg's value) of every setting a resume may not change where `cfg` differs from the
     run's saved settings (`saved`: the checkpoint's recorded `args`; a field it lacks, from an snlp older than the
     field, held its default then)."""
-    from snlp.io.chat import resolve_spec
-
     default = TrainConfig(out="")
     out = []
     for f in fields(TrainConfig):
         if f.name in RESUME_MAY_CHANGE or (f.name in SHAPE and saved.get("init_from")):
             continue
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
-        if f.name == "data" and was != now and resolve_spec(was) == resolve_spec(now):
-            continue  # the same files, named from another folder (the checkpoint records them absolute)
+        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now) or missing_parts(was)):
+            continue  # the same files named from another folder (the checkpoint records them absolute), or the saved
+            #           ones are not there any more (a moved project): the typed --data says where they are now
         if f.name == "reg_detach" and effective_detach(was, saved.get("reg")) == effective_detach(now, cfg.reg):
             continue  # None is "the surrogate's default" (job.reg_config): an explicit equal value changes nothing
         if was != now:
@@ -163,6 +164,10 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
     objective would silently make a different run under the same name."""
     if saved is None:
         return
+    gone = missing_parts(cfg.data) if cfg.data == saved.get("data") else []
+    if gone:
+        raise ValueError(f"--resume: the run in {where} reads {', '.join(gone)}, which is not there any more (moved?): "
+                         f"give --data with where it is now")
     diff = resume_changes(cfg, saved)
     if diff:
         raise ValueError(f"--resume: the run in {where} was saved with "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
+from snlp.io.data import missing_parts
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
@@ -95,6 +96,7 @@ def fixed_length(batch, T: int, pad: int):
     return padded
 
 
+BASE_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size")  # the base's pretraining split
 RESUME_FIXED = ("data", "forward", "max_conversations", "val_frac")  # what a resumed SFT run keeps (chats and split,
 #                                                                       the forward the loss is on); ckpt may move
 
@@ -130,7 +132,10 @@ def check_resume_sft(scfg: SFTConfig) -> None:
         return
     _, own = saved_sft(scfg.train.out)
     now = asdict(scfg)
-    diff = [(k, own[k], now[k]) for k in RESUME_FIXED if own is not None and k in own and own[k] != now[k]]
+    same = lambda k: own[k] == now[k] or (  # noqa: E731  (chats: the same files named from another folder, or the
+        k == "data" and (chat.resolve_spec(own[k]) == chat.resolve_spec(now[k]) or missing_parts(own[k])))
+    #                                         saved ones moved away: the typed --data says where they are now)
+    diff = [(k, own[k], now[k]) for k in RESUME_FIXED if own is not None and k in own and not same(k)]
     if diff:
         raise ValueError(f"--resume: the SFT run in {scfg.train.out} was saved with "
                          + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {cur!r})" for k, was, cur in diff)
@@ -142,6 +147,7 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
     scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
+    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
     check_resume_sft(scfg)
     if scfg.forward != SEQUENTIAL:
         plan = Plan.parse(scfg.forward)  # a clear error before any loading
@@ -149,7 +155,11 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
             check_compile(RegConfig(), plan)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
-    return fit(with_base_data(scfg.train, scfg.ckpt), sft_job(scfg), hooks)
+    train = with_base_data(scfg.train, scfg.ckpt)
+    saved = saved_sft(train.out)[0] if train.resume else None
+    if saved:  # the pretraining split the run recorded for eval, not the base's as read again (moved, re-saved)
+        train = replace(train, **{k: saved[k] for k in BASE_DATA if k in saved})
+    return fit(train, sft_job(scfg), hooks)
 
 
 def with_base_data(cfg: TrainConfig, ckpt) -> TrainConfig:
@@ -157,5 +167,4 @@ def with_base_data(cfg: TrainConfig, ckpt) -> TrainConfig:
     are saved with the SFT checkpoint, so `snlp eval SFT_CKPT` measures PPL on the pretraining split."""
     base = (load_training(ckpt)[1] or {}).get("args", {})
     default = TrainConfig(out="")
-    keys = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size")
-    return replace(cfg, **{k: base.get(k, getattr(default, k)) for k in keys})
+    return replace(cfg, **{k: base.get(k, getattr(default, k)) for k in BASE_DATA})

@@ -17,7 +17,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.io.chat import resolve_spec
 from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state, trim_log
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
@@ -106,9 +105,6 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     checkpoint's when resuming, else None. `hooks` let the caller wait before steps or stop the run.
     Multi-process under torchrun (DDP)."""
     cfg.check()
-    # local data paths absolute from the start: the run's token cache key, its checkpoint's record (which `snlp eval`
-    # and `--resume` read, from any folder) and a resumed run then name the same files the same way
-    cfg = replace(cfg, data=resolve_spec(cfg.data))
     ctx = setup_dist(cfg.device)
     interrupted = InterruptStop()  # Ctrl-C during the loop: stop after the step, save (snlp.train.hooks)
     try:

@@ -106,3 +106,25 @@ def test_split_cache_and_batches(tmp_path):
     assert 1 <= len(vb) <= 3 and vb[0][0].shape == (2, 16)
     with pytest.raises(ValueError, match="--seq-len"):
         D.batch_at(td.val[:10], 0, 16, 1, seed=0)
+
+
+def test_a_relative_spec_and_its_absolute_spelling_share_one_cache_key(tmp_path, monkeypatch):
+    """`snlp train --data d/a.txt` run from its folder, `snlp eval` reading the checkpoint's absolute record, and the
+    speedrun's tokenizer stage name one token cache; stdlib's, hf:'s and absolute specs' keys stay what they were."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("hello\n" * 10)
+    absolute = f"{tmp_path / 'd' / 'a.txt'},stdlib"
+    key = D.source_key(absolute)
+    monkeypatch.chdir(tmp_path)
+    assert D.source_key("d/a.txt,stdlib") == key and D.source_key("./d/../d/a.txt, stdlib") == key
+    assert D.source_key("d/*.txt,stdlib") != key  # a glob is another spec (it may match other files later)
+    assert D.missing_parts("d/a.txt,nope.txt,hf:x,stdlib,e/*.txt") == ["nope.txt", "e/*.txt"]
+    # the key of an absolute spec is the one every earlier snlp wrote: the parts as given, then the files
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([D.parts(absolute), "text", 0]).encode())
+    for part in D.parts(absolute):
+        for f in D.resolve_files(part):
+            st = f.stat()
+            h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    assert key == h.hexdigest()[:16]

@@ -273,6 +273,29 @@ def test_resume_from_another_folder_reads_the_same_relative_data_and_keeps_the_p
     assert "saved by 2 process(es) and this one has 1" in capsys.readouterr().err
 
 
+def test_a_moved_project_resumes_with_data_saying_where_its_files_are_now(corpus, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    shutil.copy(corpus, proj / "data" / "c.txt")
+    flags = ["--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(tmp_path / "full"), "--data", str(corpus), *flags]) == 0
+    monkeypatch.chdir(proj)
+    assert main(["train", "--out", "runs/x", "--data", "data/c.txt", *flags, "--stop-after", "2"]) == 0
+    monkeypatch.chdir(tmp_path)
+    shutil.move(proj, tmp_path / "proj2")
+    monkeypatch.chdir(tmp_path / "proj2")
+    capsys.readouterr()
+    assert main(["train", "--out", "runs/x", "--resume"]) == 2
+    assert "not there any more" in capsys.readouterr().err
+    assert main(["train", "--out", "runs/x", "--resume", "--data", "data/c.txt"]) == 0
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "proj2" / "runs" / "x" / "model.safetensors"))
+    for k in a:  # the same text from its new place: the same run
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_what_a_resume_takes_from_the_saved_run():
     """The budget is one setting (a typed --steps drops a saved --minutes and the other way round), the device is
     the machine's, and an --init-from run's saved shape flags (unused defaults) are not compared."""

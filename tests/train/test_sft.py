@@ -342,3 +342,41 @@ def test_mc_questions_as_chats_and_hub_tasks_offline(tmp_path, tok):
     except ImportError:  # without the datasets library (or offline) the hub tasks fail clearly
         with pytest.raises(ValueError, match="datasets"):
             load_task("arc-easy")
+
+
+def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task, tmp_path, monkeypatch, capsys):
+    """An SFT run started with relative chats (and a base whose own record names its data relative) resumes from
+    another folder: typing the same chats by their absolute path is no change; another folder's chats.jsonl of the
+    same name is refused, not trained on; the base's split is the one the run recorded."""
+    import shutil
+
+    from snlp.io.checkpoint import load
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "corp").mkdir(parents=True)
+    b.mkdir()
+    shutil.copy(task / "chats.jsonl", a / "chats.jsonl")
+    (a / "corp" / "c.txt").write_text("some text\n" * 50)
+    lines = (task / "chats.jsonl").read_text().splitlines()
+    (b / "chats.jsonl").write_text("\n".join(lines[:100]) + "\n")  # another set under the same name
+    base = a / "base"  # the task's base, with a pretraining record naming its data relative (as older snlp wrote)
+    m, tk = load(task / "base")
+    save_checkpoint(base, m, tk, train_state={"step": 1, "args": {"data": "corp/c.txt", "vocab_size": tk.vocab_size}})
+    flags = [*sft_flags(4), "--batch-size", "4", "--max-conversations", "40"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.chdir(a)
+        assert main(["sft", "base", "--data", "chats.jsonl", "--out", str(tmp_path / "run"), *flags,
+                     "--stop-after", "2"]) == 0
+        st = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
+        assert st["sft"]["data"] == str(a / "chats.jsonl") and st["args"]["data"] == str(a / "corp" / "c.txt")
+        monkeypatch.chdir(b)
+        capsys.readouterr()
+        assert main(["sft", str(base), "--data", "chats.jsonl", "--out", str(tmp_path / "run"), "--resume"]) == 2
+        assert "--data" in capsys.readouterr().err
+        assert main(["sft", str(base), "--data", str(a / "chats.jsonl"), "--out", str(tmp_path / "run"),
+                     "--resume"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)["step"] == 4
