@@ -119,6 +119,8 @@ class DecodeSuiteConfig:
                       threads=self.threads if self.threads is not None else (1 if q and not cuda else None))
         if cfg.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"decode suite: dtype must be float32, bfloat16, float16 or float64, got {cfg.dtype!r}")
+        if len(set(cfg.batch_sizes)) != len(cfg.batch_sizes):  # rows are keyed and compared by batch size
+            raise ValueError(f"decode suite: batch sizes must be distinct, got {','.join(map(str, cfg.batch_sizes))}")
         if min(cfg.batch_sizes) < 1 or max(cfg.batch_sizes) > len(TEXTS):
             raise ValueError(f"decode suite: batch sizes must lie in 1..{len(TEXTS)} (the suite's prompts), got "
                              f"{','.join(map(str, cfg.batch_sizes))}")
@@ -631,7 +633,8 @@ def markdown(result: DecodeSuiteResult) -> str:
             note = (note + "; " if note else "") + f"first call {r.first_call_s:.1f} s (compiles; not timed)"
         lines.append(f"| {r.batch} | {r.method} | {r.treatment} | {r.plan or '-'} | {r.block or '-'} | {tps} | "
                      f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
-                     f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | {'yes' if r.exact else 'no'} | {eq} | "
+                     f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | "
+                     f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
     return "\n".join(lines + [""] + comparisons(result.rows))
 

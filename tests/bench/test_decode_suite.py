@@ -269,12 +269,11 @@ def test_a_run_cut_short_keeps_every_round_it_finished():
     assert "not run yet" in next(m for w, _, m in snaps if w.startswith("batch 1: first call of row 1"))
     done = run_decode_suite(cfg)
     assert done.complete and "PARTIAL" not in markdown(done) and "timed rounds" not in markdown(done)
-    # a batch size listed twice: nothing says complete before the last one has run
-    snaps.clear()
-    twice = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4, 1), new_tokens=3, rounds=2, warmup=1,
-                              transformers=False)
-    assert run_decode_suite(twice, progress=lambda r, w: snaps.append((w, r.complete, None, None))).complete
-    assert not any(c for _, c, _, _ in snaps)
+    # a batch size listed twice is refused (rows are compared by batch size), before any work
+    with pytest.raises(ValueError, match="distinct"):
+        run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4, 1)),
+                         progress=lambda *a: pytest.fail("ran"))
+    assert "| - | - | --no-transformers |" in markdown(done)  # a skipped row claims no exactness
 
 
 def test_a_row_is_as_good_as_its_worst_call():
