@@ -176,6 +176,18 @@ def resolve_part(part: str) -> str:
     return head + local_path(part[len(head):])
 
 
+def missing_parts(spec: str | None) -> list[str]:
+    """The parts of a data spec (chat: / mc: prefixes allowed) whose local files are not here (data.missing_parts)."""
+    return [p for p in D.parts(spec) if D.missing_parts(strip_heads(p))]
+
+
+def strip_heads(part: str) -> str:
+    """A spec part without its chat: / mc: prefixes (what `resolve_part` keeps in front of the path)."""
+    while part.startswith(("chat:", "mc:")):
+        part = part.split(":", 1)[1]
+    return part
+
+
 def resolve_spec(spec: str | None) -> str:
     """A data spec with every local part absolute (`resolve_part`): the form a drafter records and the form
     eval compares against (so `d/a.jsonl` and `/abs/d/a.jsonl` are one part, another cwd's `d/a.jsonl` not)."""

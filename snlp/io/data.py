@@ -206,6 +206,13 @@ def absolute_part(part: str) -> str:
     return os.path.abspath(p) if os.path.exists(p) or glob.glob(p, recursive=True) else part
 
 
+def files_signature(spec: str | None) -> list:
+    """What the local parts of `spec` hold, independent of where they live: per part, its files' names and sizes
+    in reading order (non-local parts as their spec). A checkpoint records it, so that a run whose data has moved
+    resumes only from a place that holds the same files."""
+    return [p if not is_local(p) else [[f.name, f.stat().st_size] for f in resolve_files(p)] for p in parts(spec)]
+
+
 def missing_parts(spec: str | None) -> list[str]:
     """The local parts of `spec` that name nothing here (a moved or deleted file, an empty glob)."""
     return [p for p in parts(spec)
@@ -234,9 +241,10 @@ def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,
 def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0, encoding: str = "utf-8") -> str:
     """Hash of a data spec: parts, text field, cap, encoding (when not UTF-8, so UTF-8 keys stay as they were)
     and every local file's path, size and mtime."""
-    # local parts by their absolute form: a relative spec and its absolute spelling name one cache (an absolute spec's
-    # key, stdlib's and hf:'s, are what they always were)
-    h = hashlib.sha256(json.dumps([[absolute_part(p) for p in parts(spec)], text_field, max_chars]
+    # relative local parts by their absolute form: a relative spec and its absolute spelling name one cache (the key
+    # of a part given absolute, as typed, and stdlib's and hf:'s, are what they always were)
+    h = hashlib.sha256(json.dumps([[p if os.path.isabs(os.path.expanduser(p)) else absolute_part(p)
+                                    for p in parts(spec)], text_field, max_chars]
                                   + ([encoding] if encoding.lower().replace("_", "-") != "utf-8" else [])).encode())
     for part in parts(spec):
         if not part.startswith("hf:"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
 
 from snlp.io.chat import resolve_spec
-from snlp.io.data import missing_parts
+from snlp.io.data import files_signature, missing_parts
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
@@ -142,14 +143,26 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
         if f.name in RESUME_MAY_CHANGE or (f.name in SHAPE and saved.get("init_from")):
             continue
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
-        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now) or missing_parts(was)):
+        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now)
+                                                or (missing_parts(was) and same_files(now, saved.get("data_files")))):
             continue  # the same files named from another folder (the checkpoint records them absolute), or the saved
-            #           ones are not there any more (a moved project): the typed --data says where they are now
+            #           ones are gone (a moved project) and the typed --data holds files of the same names and sizes
         if f.name == "reg_detach" and effective_detach(was, saved.get("reg")) == effective_detach(now, cfg.reg):
             continue  # None is "the surrogate's default" (job.reg_config): an explicit equal value changes nothing
         if was != now:
             out.append((f.name, was, now))
     return out
+
+
+def same_files(spec: str, signature: list | None) -> bool:
+    """Whether `spec` reads files of the names and sizes a checkpoint recorded (data.files_signature); True where it
+    recorded none (an snlp before the record: nothing to check against)."""
+    if signature is None:
+        return True
+    try:
+        return json.loads(json.dumps(files_signature(spec))) == signature
+    except ValueError:  # a part that names nothing: not the same files (the run would refuse it anyway)
+        return False
 
 
 def effective_detach(reg_detach: bool | None, reg: str | None) -> bool:
@@ -164,10 +177,6 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
     objective would silently make a different run under the same name."""
     if saved is None:
         return
-    gone = missing_parts(cfg.data) if cfg.data == saved.get("data") else []
-    if gone:
-        raise ValueError(f"--resume: the run in {where} reads {', '.join(gone)}, which is not there any more (moved?): "
-                         f"give --data with where it is now")
     diff = resume_changes(cfg, saved)
     if diff:
         raise ValueError(f"--resume: the run in {where} was saved with "

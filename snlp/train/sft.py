@@ -10,13 +10,14 @@ The command line, `snlp sft`, is snlp.apps.sft.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
-from snlp.io.data import missing_parts
+from snlp.io.data import files_signature, parts
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
@@ -79,7 +80,8 @@ def sft_job(scfg: SFTConfig):
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "
                    f"{len(val):,} val conversations of {scfg.data}"
                    + (f" | reg {cfg.reg} lambda={reg.lam}{reg.rows_text(cfg.batch_size)}" if reg.active else ""),
-                   name="snlp sft", state={"sft": {k: v for k, v in asdict(scfg).items() if k != "train"}})
+                   name="snlp sft", state={"sft": {**{k: v for k, v in asdict(scfg).items() if k != "train"},
+                                                   "data_files": chat_signature(scfg.data)}})
 
     return make_job
 
@@ -96,7 +98,8 @@ def fixed_length(batch, T: int, pad: int):
     return padded
 
 
-BASE_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size")  # the base's pretraining split
+BASE_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size",  # the base's pretraining
+             "data_encoding")  #                                                             split, as eval reads it
 RESUME_FIXED = ("data", "forward", "max_conversations", "val_frac")  # what a resumed SFT run keeps (chats and split,
 #                                                                       the forward the loss is on); ckpt may move
 
@@ -125,6 +128,26 @@ def resumed_sft(scfg: SFTConfig, given) -> SFTConfig:
     return replace(scfg, train=resumed(scfg.train, train, given), **keep)
 
 
+def chat_signature(spec: str) -> list | None:
+    """The names and sizes of the chat files `spec` reads (data.files_signature of each part without its chat: /
+    mc: prefix); None where a part names nothing."""
+    try:
+        return json.loads(json.dumps([files_signature(chat.strip_heads(p))[0] for p in parts(spec)]))
+    except ValueError:
+        return None
+
+
+def same_chats(saved: dict, spec: str) -> bool:
+    """Whether `spec` names the chats a saved SFT run trained on: the same files named from another folder, or,
+    where the saved ones are gone (a moved project), files of the same names and sizes (checked where the run
+    recorded them; an older record has nothing to check against)."""
+    if chat.resolve_spec(saved["data"]) == chat.resolve_spec(spec):
+        return True
+    if not chat.missing_parts(saved["data"]):
+        return False
+    return "data_files" not in saved or chat_signature(spec) == saved["data_files"]
+
+
 def check_resume_sft(scfg: SFTConfig) -> None:
     """Refuse resuming the SFT run in scfg.train.out on other chats, another split or another forward, before any
     loading (the TrainConfig settings are checked by fit, see config.check_resume_settings)."""
@@ -132,10 +155,8 @@ def check_resume_sft(scfg: SFTConfig) -> None:
         return
     _, own = saved_sft(scfg.train.out)
     now = asdict(scfg)
-    same = lambda k: own[k] == now[k] or (  # noqa: E731  (chats: the same files named from another folder, or the
-        k == "data" and (chat.resolve_spec(own[k]) == chat.resolve_spec(now[k]) or missing_parts(own[k])))
-    #                                         saved ones moved away: the typed --data says where they are now)
-    diff = [(k, own[k], now[k]) for k in RESUME_FIXED if own is not None and k in own and not same(k)]
+    diff = [(k, own[k], now[k]) for k in RESUME_FIXED
+            if own is not None and k in own and own[k] != now[k] and not (k == "data" and same_chats(own, now[k]))]
     if diff:
         raise ValueError(f"--resume: the SFT run in {scfg.train.out} was saved with "
                          + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {cur!r})" for k, was, cur in diff)

@@ -128,3 +128,10 @@ def test_a_relative_spec_and_its_absolute_spelling_share_one_cache_key(tmp_path,
             st = f.stat()
             h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     assert key == h.hexdigest()[:16]
+    # an absolute spec is hashed as typed, tidy or not (a folder with a trailing slash keeps its old cache)
+    folder = f"{tmp_path / 'd'}/"
+    h = hashlib.sha256(json.dumps([[folder], "text", 0]).encode())
+    for f in D.resolve_files(folder):
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    assert D.source_key(folder) == h.hexdigest()[:16]

@@ -289,6 +289,9 @@ def test_a_moved_project_resumes_with_data_saying_where_its_files_are_now(corpus
     capsys.readouterr()
     assert main(["train", "--out", "runs/x", "--resume"]) == 2
     assert "not there any more" in capsys.readouterr().err
+    (tmp_path / "proj2" / "other.txt").write_text(corpus.read_text()[:30_000])  # another text: refused
+    assert main(["train", "--out", "runs/x", "--resume", "--data", "other.txt"]) == 2
+    assert "--data" in capsys.readouterr().err
     assert main(["train", "--out", "runs/x", "--resume", "--data", "data/c.txt"]) == 0
     a = load_file(str(tmp_path / "full" / "model.safetensors"))
     b = load_file(str(tmp_path / "proj2" / "runs" / "x" / "model.safetensors"))

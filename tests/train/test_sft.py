@@ -361,7 +361,8 @@ def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task
     (b / "chats.jsonl").write_text("\n".join(lines[:100]) + "\n")  # another set under the same name
     base = a / "base"  # the task's base, with a pretraining record naming its data relative (as older snlp wrote)
     m, tk = load(task / "base")
-    save_checkpoint(base, m, tk, train_state={"step": 1, "args": {"data": "corp/c.txt", "vocab_size": tk.vocab_size}})
+    save_checkpoint(base, m, tk, train_state={"step": 1, "args": {"data": "corp/c.txt", "vocab_size": tk.vocab_size,
+                                                                  "data_encoding": "latin-1"}})
     flags = [*sft_flags(4), "--batch-size", "4", "--max-conversations", "40"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -371,6 +372,8 @@ def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task
                      "--stop-after", "2"]) == 0
         st = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
         assert st["sft"]["data"] == str(a / "chats.jsonl") and st["args"]["data"] == str(a / "corp" / "c.txt")
+        assert st["args"]["data_encoding"] == "latin-1"  # the base's split as `snlp eval SFT_CKPT` reads it
+        shutil.rmtree(a / "corp")  # the base's pretraining text gone: SFT never reads it, its resume must not care
         monkeypatch.chdir(b)
         capsys.readouterr()
         assert main(["sft", str(base), "--data", "chats.jsonl", "--out", str(tmp_path / "run"), "--resume"]) == 2
@@ -380,3 +383,22 @@ def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task
     finally:
         torch.set_num_threads(threads)
     assert torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)["step"] == 4
+
+
+def test_sft_chats_are_the_same_only_when_their_files_are(tmp_path):
+    """mc: / chat: prefixed chat specs count as present when their file is (a prefix is not a path), and moved chats
+    are accepted from a new place only where it holds files of the recorded names and sizes."""
+    from snlp.train.sft import chat_signature, same_chats
+
+    (tmp_path / "q.jsonl").write_text('{"x": 1}\n')
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "q.jsonl").write_text('{"x": 1}\n')
+    (tmp_path / "other.jsonl").write_text('{"x": 22}\n')
+    assert chat.missing_parts(f"mc:{tmp_path / 'q.jsonl'},chat:{tmp_path / 'gone.jsonl'},hf:x") == \
+        [f"chat:{tmp_path / 'gone.jsonl'}"]
+    present = {"data": f"mc:{tmp_path / 'q.jsonl'}", "data_files": chat_signature(f"mc:{tmp_path / 'q.jsonl'}")}
+    assert not same_chats(present, str(tmp_path / "other.jsonl"))  # saved chats still there: another file refused
+    gone = {"data": f"mc:{tmp_path / 'old' / 'q.jsonl'}", "data_files": present["data_files"]}
+    assert same_chats(gone, f"mc:{tmp_path / 'new' / 'q.jsonl'}")  # moved: same name and size
+    assert not same_chats(gone, f"mc:{tmp_path / 'other.jsonl'}")
+    assert same_chats({"data": gone["data"]}, str(tmp_path / "other.jsonl"))  # an older record: nothing to check
