@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch.nn.functional as F
 
@@ -98,8 +99,8 @@ def fixed_length(batch, T: int, pad: int):
     return padded
 
 
-BASE_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size",  # the base's pretraining
-             "data_encoding")  #                                                             split, as eval reads it
+# the base's pretraining split, which an SFT checkpoint records so that `snlp eval SFT_CKPT` reads it as the base's
+BASE_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "vocab_size", "data_encoding")
 RESUME_FIXED = ("data", "forward", "max_conversations", "val_frac")  # what a resumed SFT run keeps (chats and split,
 #                                                                       the forward the loss is on); ckpt may move
 
@@ -107,8 +108,6 @@ RESUME_FIXED = ("data", "forward", "max_conversations", "val_frac")  # what a re
 def saved_sft(out) -> tuple[dict | None, dict | None]:
     """(the TrainConfig settings, the SFTConfig settings but `train`) saved with the SFT run in `out`; None each
     where `out` holds no run (or one that records none)."""
-    from pathlib import Path
-
     if not (Path(out) / "model.safetensors").is_file():
         return None, None
     st = load_training(out)[1]
@@ -119,8 +118,9 @@ def saved_sft(out) -> tuple[dict | None, dict | None]:
 
 
 def resumed_sft(scfg: SFTConfig, given) -> SFTConfig:
-    """`scfg` for `snlp sft --resume`: every setting whose flag was not typed (`given`: field names, the five LRs
-    counting as typed where --lr-scale or --optimizer was) takes the saved run's value (config.resumed)."""
+    """`scfg` for `snlp sft --resume`: every setting whose flag was not typed (`given`: field names) takes the saved
+    run's value (config.resumed). The five LRs are never typed (the command line derives them from --lr-scale, which
+    snlp.apps.sft checks against the saved run's), so the saved ones are kept."""
     if not scfg.train.resume or given is None:
         return scfg
     train, own = saved_sft(scfg.train.out)
