@@ -35,8 +35,9 @@ def add_arguments(p) -> None:
                    "--cache-dir may change (another value of any other flag is refused)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
-                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training, the model flags "
-                   "(--depth, ...) are taken from the checkpoint")
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training; the model's shape and "
+                   "vocabulary are the checkpoint's, so the shape flags (--depth, --width, --vocab-size, ...) are "
+                   "refused beside it")
     p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
                    help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
                    "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")

@@ -31,6 +31,7 @@ class ResumePoint:
     tokens: int
     rng: dict
     optimizer: list  # one state dict per optimizer (OptimizerBundle)
+    init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
 
 
 @dataclass
@@ -66,7 +67,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
                          f"{saved_world}) or start a new run in another --out")
     model, tok = load(out, device="cpu")
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
-                        tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"])
+                        tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
+                        init_from=(st.get("args") or {}).get("init_from"))
     return Start(model, tok, point)
 
 

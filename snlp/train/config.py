@@ -113,6 +113,11 @@ class TrainConfig:
             raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg")
         if self.init_from and self.resume:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
+        if self.init_from and not self.resume:
+            shaped = [f"--{k.replace('_', '-')}" for k in SHAPE if getattr(self, k) != getattr(TrainConfig(out=""), k)]
+            if shaped:
+                raise ValueError(f"--init-from takes the model (its shape and tokenizer) from {self.init_from}: "
+                                 f"drop {', '.join(shaped)}")
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
             raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
 
@@ -127,8 +132,8 @@ RESUME_MAY_CHANGE = ("out", "resume", "init_from", "steps", "minutes", "stop_aft
 # the machine it runs on (None: the best device here, as for a new run).
 NOT_INHERITED = ("out", "resume", "init_from", "stop_after", "device")
 BUDGET = ("steps", "minutes")  # one budget: a new --steps replaces a saved --minutes and the other way round
-# The model's shape flags: a resumed run's model is the saved one, and a run started --init-from CKPT took its shape
-# from CKPT, so its saved shape flags are the unused defaults (not compared then).
+# The model's shape flags (and its tokenizer's size): a run started --init-from CKPT takes all of them from CKPT, so
+# they are refused beside it, and a resumed run's model is the saved one.
 SHAPE = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "window_pattern", "no_x0", "no_ve", "hc_streams",
          "hc_static", "vocab_size")
 
@@ -140,7 +145,7 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
     default = TrainConfig(out="")
     out = []
     for f in fields(TrainConfig):
-        if f.name in RESUME_MAY_CHANGE or (f.name in SHAPE and saved.get("init_from")):
+        if f.name in RESUME_MAY_CHANGE:
             continue
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
         if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now)
@@ -183,6 +188,8 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
                          + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
                          + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
                             if any(k.endswith("_lr") for k, _, _ in diff) else "")
+                         + (f" (the model is {saved['init_from']}'s, as --init-from took it: shape flags do not apply)"
+                            if saved.get("init_from") and any(k in SHAPE for k, _, _ in diff) else "")
                          + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
                            "snlp sft take the saved values) or start a new run in another --out")
 

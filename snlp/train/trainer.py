@@ -60,6 +60,7 @@ class Run:
     t_start: float  # perf_counter() at the run's training clock 0 (earlier when resumed)
     peak_flops: float | None = None  # the device's dense bf16 peak (None: CPU or an unknown card)
     flops_per_token: float | None = None  # model FLOPs per token of a forward + backward, counted at the first step
+    init_from: str | None = None  # --init-from of the run's first leg (a resumed run's cfg has none): recorded
 
     @property
     def out(self) -> Path:
@@ -158,7 +159,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     if ctx.master and not cfg.no_progress:
         bar = progress_bar(progress.steps, "train", initial=state.step, unit="step", leave=True)  # lines off a tty
     run = Run(cfg, ctx, job, opts, stepper, progress, autocast_context(ctx.device), hooks, bar,
-              t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device))
+              t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device),
+              init_from=cfg.init_from or (start.resume.init_from if start.resume else None))
     state.t_last = time.perf_counter()
     return run, state
 
@@ -338,7 +340,7 @@ def save(run: Run, state: LoopState) -> None:
     """The checkpoint with everything `--resume` needs (rank 0; the others wait for it)."""
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "world": run.ctx.world, "args": asdict(run.cfg), **run.job.state}
+              "world": run.ctx.world, "args": {**asdict(run.cfg), "init_from": run.init_from}, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     barrier(run.ctx)
 

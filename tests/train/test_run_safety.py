@@ -299,10 +299,29 @@ def test_a_moved_project_resumes_with_data_saying_where_its_files_are_now(corpus
         assert torch.equal(a[k], b[k]), k
 
 
+def test_an_init_from_run_keeps_its_origin_through_resumes_and_refuses_shape_flags(corpus, tmp_path, capsys):
+    cache = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
+    assert main(["train", "--out", str(tmp_path / "base"), *cache, *TINY, "--steps", "1"]) == 0
+    tune = [*cache, "--seq-len", "32", "--batch-size", "4", "--eval-every", "100", "--eval-batches", "1",
+            "--no-progress", "--device", "cpu", "--steps", "4"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "base"), *tune,
+                 "--depth", "3"]) == 2  # the shape is the checkpoint's: refused, not ignored
+    assert "drop --depth" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "base"), *tune,
+                 "--stop-after", "1"]) == 0
+    for stop in ("2", "4"):  # two resumes: the record keeps where the run started
+        assert main(["train", "--out", str(tmp_path / "ft"), "--resume", "--stop-after", stop]) == 0
+        st = torch.load(tmp_path / "ft" / "train_state.pt", weights_only=False)
+        assert st["args"]["init_from"] == str(tmp_path / "base") and st["step"] == int(stop)
+    assert main(["train", "--out", str(tmp_path / "ft"), "--resume", "--depth", "3", "--steps", "5"]) == 2
+    assert "shape flags do not apply" in capsys.readouterr().err
+
+
 def test_what_a_resume_takes_from_the_saved_run():
     """The budget is one setting (a typed --steps drops a saved --minutes and the other way round), the device is
-    the machine's, and an --init-from run's saved shape flags (unused defaults) are not compared."""
-    from snlp.train.config import resume_changes, resumed
+    the machine's, and an --init-from run's shape flags are refused, saying why."""
+    from snlp.train.config import check_resume_settings, resume_changes, resumed
 
     saved = {**vars(TrainConfig(out="x", minutes=3.0, device="cuda", seq_len=32)), "init_from": None}
     got = resumed(TrainConfig(out="x", resume=True, steps=4000), saved, {"out", "resume", "steps"})
@@ -312,7 +331,11 @@ def test_what_a_resume_takes_from_the_saved_run():
     saved = {**vars(TrainConfig(out="x", steps=100)), "init_from": "base"}
     got = resumed(TrainConfig(out="x", resume=True, minutes=5.0), saved, {"out", "resume", "minutes"})
     assert (got.steps, got.minutes) == (None, 5.0)
-    assert resume_changes(TrainConfig(out="x", depth=3, vocab_size=300, steps=100), saved) == []
+    # an --init-from run's shape is its checkpoint's: shape flags are refused beside --init-from, and on its resume
+    with pytest.raises(ValueError, match="takes the model .* drop --depth, --vocab-size"):
+        TrainConfig(out="x", init_from="base", depth=3, vocab_size=300).check()
+    with pytest.raises(ValueError, match="the model is base's, as --init-from took it: shape flags do not apply"):
+        check_resume_settings(TrainConfig(out="x", depth=3, steps=100), saved, "x")
     assert resume_changes(TrainConfig(out="x", seq_len=64, steps=100), saved) == [("seq_len", 256, 64)]
     # --reg-detach typed at the value the saved None meant (IDN: not detached, HCN: detached) is no change
     saved = vars(TrainConfig(out="x", reg="idn"))
