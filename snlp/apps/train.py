@@ -136,10 +136,14 @@ def config_from_args(args) -> TrainConfig:
 def run(args) -> int:
     from snlp.io.data import missing_parts
     from snlp.train.checkpointing import saved_settings
-    from snlp.train.config import resumed
+    from snlp.train.config import SHAPE, resumed
     from snlp.train.trainer import fit
 
     cfg = config_from_args(args)
+    typed_shape = [f"--{k.replace('_', '-')}" for k in SHAPE if k in (getattr(args, "given", None) or ())]
+    if cfg.init_from and typed_shape:  # typed at their defaults too: the checkpoint decides the shape, not a flag
+        raise ValueError(f"--init-from takes the model (its shape and tokenizer) from {cfg.init_from}: drop "
+                         f"{', '.join(typed_shape)}")
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
         saved = saved_settings(cfg.out)
         cfg = resumed(cfg, saved, getattr(args, "given", None))

@@ -206,11 +206,24 @@ def absolute_part(part: str) -> str:
     return os.path.abspath(p) if os.path.exists(p) or glob.glob(p, recursive=True) else part
 
 
+def keyed_part(part: str) -> str:
+    """A spec part as the token cache keys it (`source_key`) and a checkpoint records it: a relative local part made
+    absolute (`absolute_part`), an absolute one exactly as typed (so its cache key is the one it always had)."""
+    return part if os.path.isabs(os.path.expanduser(part)) else absolute_part(part)
+
+
+def keyed_spec(spec: str | None) -> str:
+    return ",".join(keyed_part(p) for p in parts(spec))
+
+
 def files_signature(spec: str | None) -> list:
-    """What the local parts of `spec` hold, independent of where they live: per part, its files' names and sizes
-    in reading order (non-local parts as their spec). A checkpoint records it, so that a run whose data has moved
-    resumes only from a place that holds the same files."""
-    return [p if not is_local(p) else [[f.name, f.stat().st_size] for f in resolve_files(p)] for p in parts(spec)]
+    """What the local parts of `spec` hold, independent of where they live: per part, its files' paths within the
+    part (a file: its name) and sizes, in reading order (non-local parts as their spec). A checkpoint records it,
+    so that a run whose data has moved resumes only from a place that holds the same files in the same order."""
+    def rel(part: str, f: Path) -> str:
+        base = Path(part).expanduser()
+        return str(f.relative_to(base)) if base.is_dir() else f.name
+    return [p if not is_local(p) else [[rel(p, f), f.stat().st_size] for f in resolve_files(p)] for p in parts(spec)]
 
 
 def missing_parts(spec: str | None) -> list[str]:
@@ -243,8 +256,7 @@ def source_key(spec: str | None, text_field: str = "text", max_chars: int = 0, e
     and every local file's path, size and mtime."""
     # relative local parts by their absolute form: a relative spec and its absolute spelling name one cache (the key
     # of a part given absolute, as typed, and stdlib's and hf:'s, are what they always were)
-    h = hashlib.sha256(json.dumps([[p if os.path.isabs(os.path.expanduser(p)) else absolute_part(p)
-                                    for p in parts(spec)], text_field, max_chars]
+    h = hashlib.sha256(json.dumps([[keyed_part(p) for p in parts(spec)], text_field, max_chars]
                                   + ([encoding] if encoding.lower().replace("_", "-") != "utf-8" else [])).encode())
     for part in parts(spec):
         if not part.startswith("hf:"):

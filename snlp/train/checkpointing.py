@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.chat import resolve_spec
 from snlp.io.checkpoint import load, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
@@ -94,14 +93,14 @@ def recorded_args(args: dict) -> dict:
     """A run's settings as its checkpoint records them: `cache_dir` (None: $SNLP_CACHE or the default at this
     moment) as an absolute path, so `snlp eval` of the checkpoint from another working directory, or under
     another $SNLP_CACHE, reads the token cache the run wrote instead of re-tokenising into a new one; and the
-    local parts of `data` absolute (`chat.resolve_spec`), so that `--resume` from another folder reads the same
+    relative parts of `data` absolute (`data.keyed_spec`: the form its token cache is keyed by), so that `--resume` from another folder reads the same
     files (the same documents in the same order: the same tokens and batches), with their names and sizes
     (`data_files`, data.files_signature), against which a moved project's new place is checked."""
     out = dict(args)
     if "cache_dir" in out:
         out["cache_dir"] = str(Path(out["cache_dir"] or D.cache_dir()).expanduser().absolute())
     if isinstance(out.get("data"), str):
-        out["data"] = resolve_spec(out["data"])
+        out["data"] = D.keyed_spec(out["data"])
         try:  # what the files are, wherever they move: a resume from a new place is checked against it
             out["data_files"] = D.files_signature(out["data"])
         except (ValueError, OSError):

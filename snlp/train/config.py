@@ -190,6 +190,9 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
                             if any(k.endswith("_lr") for k, _, _ in diff) else "")
                          + (f" (the model is {saved['init_from']}'s, as --init-from took it: shape flags do not apply)"
                             if saved.get("init_from") and any(k in SHAPE for k, _, _ in diff) else "")
+                         + (" (the saved data is gone, and the given one holds other files than the record's: "
+                            "names, sizes or order differ)" if any(k == "data" for k, _, _ in diff)
+                            and missing_parts(saved.get("data")) else "")
                          + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
                            "snlp sft take the saved values) or start a new run in another --out")
 

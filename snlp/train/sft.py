@@ -10,6 +10,7 @@ The command line, `snlp sft`, is snlp.apps.sft.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_training
-from snlp.io.data import files_signature, parts
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
@@ -82,7 +82,7 @@ def sft_job(scfg: SFTConfig):
                    f"{len(val):,} val conversations of {scfg.data}"
                    + (f" | reg {cfg.reg} lambda={reg.lam}{reg.rows_text(cfg.batch_size)}" if reg.active else ""),
                    name="snlp sft", state={"sft": {**{k: v for k, v in asdict(scfg).items() if k != "train"},
-                                                   "data_files": chat_signature(scfg.data)}})
+                                                   "data_digest": chat_digest(convs)}})
 
     return make_job
 
@@ -128,24 +128,25 @@ def resumed_sft(scfg: SFTConfig, given) -> SFTConfig:
     return replace(scfg, train=resumed(scfg.train, train, given), **keep)
 
 
-def chat_signature(spec: str) -> list | None:
-    """The names and sizes of the chat files `spec` reads (data.files_signature of each part without its chat: /
-    mc: prefix); None where a part names nothing."""
-    try:
-        return json.loads(json.dumps([files_signature(chat.strip_heads(p))[0] for p in parts(spec)]))
-    except ValueError:
-        return None
+def chat_digest(conversations: list) -> str:
+    """A digest of conversations as snlp.io.chat.load_conversations gives them (content and order, not paths)."""
+    return hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
 
 
 def same_chats(saved: dict, spec: str) -> bool:
     """Whether `spec` names the chats a saved SFT run trained on: the same files named from another folder, or,
-    where the saved ones are gone (a moved project), files of the same names and sizes (checked where the run
-    recorded them; an older record has nothing to check against)."""
+    where the saved ones are gone (a moved project), the same conversations in the same order (their digest, as the
+    loader reads them: checked where the run recorded it; an older record has nothing to check against)."""
     if chat.resolve_spec(saved["data"]) == chat.resolve_spec(spec):
         return True
     if not chat.missing_parts(saved["data"]):
         return False
-    return "data_files" not in saved or chat_signature(spec) == saved["data_files"]
+    if "data_digest" not in saved:
+        return True
+    try:
+        return chat_digest(chat.load_conversations(spec, saved.get("max_conversations", 0))) == saved["data_digest"]
+    except ValueError:  # names nothing readable: not the same chats
+        return False
 
 
 def check_resume_sft(scfg: SFTConfig) -> None:

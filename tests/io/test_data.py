@@ -135,3 +135,15 @@ def test_a_relative_spec_and_its_absolute_spelling_share_one_cache_key(tmp_path,
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     assert D.source_key(folder) == h.hexdigest()[:16]
+
+
+def test_a_files_signature_names_each_file_within_its_part_and_the_record_keeps_the_key_form(tmp_path, monkeypatch):
+    for sub, text in (("a", "alpha"), ("b", "omega")):
+        (tmp_path / "d" / sub).mkdir(parents=True)
+        (tmp_path / "d" / sub / "x.txt").write_text(text)
+    sig = D.files_signature(f"{tmp_path / 'd'},stdlib")
+    assert sig == [[["a/x.txt", 5], ["b/x.txt", 5]], "stdlib"]  # two files of one name: told apart, in order
+    monkeypatch.chdir(tmp_path)
+    assert D.keyed_spec("d,stdlib") == f"{tmp_path / 'd'},stdlib"  # relative: absolute
+    assert D.keyed_spec(f"{tmp_path / 'd'}/") == f"{tmp_path / 'd'}/"  # absolute: as typed, so its cache key holds
+    assert D.source_key(D.keyed_spec(f"{tmp_path / 'd'}/")) == D.source_key(f"{tmp_path / 'd'}/")

@@ -291,7 +291,7 @@ def test_a_moved_project_resumes_with_data_saying_where_its_files_are_now(corpus
     assert "not there any more" in capsys.readouterr().err
     (tmp_path / "proj2" / "other.txt").write_text(corpus.read_text()[:30_000])  # another text: refused
     assert main(["train", "--out", "runs/x", "--resume", "--data", "other.txt"]) == 2
-    assert "--data" in capsys.readouterr().err
+    assert "names, sizes or order differ" in capsys.readouterr().err
     assert main(["train", "--out", "runs/x", "--resume", "--data", "data/c.txt"]) == 0
     a = load_file(str(tmp_path / "full" / "model.safetensors"))
     b = load_file(str(tmp_path / "proj2" / "runs" / "x" / "model.safetensors"))
@@ -308,6 +308,9 @@ def test_an_init_from_run_keeps_its_origin_through_resumes_and_refuses_shape_fla
     assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "base"), *tune,
                  "--depth", "3"]) == 2  # the shape is the checkpoint's: refused, not ignored
     assert "drop --depth" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "base"), *tune,
+                 "--depth", "8", "--window-pattern", "L"]) == 2  # typed at their defaults: refused all the same
+    assert "drop --depth, --window-pattern" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(tmp_path / "base"), *tune,
                  "--stop-after", "1"]) == 0
     for stop in ("2", "4"):  # two resumes: the record keeps where the run started

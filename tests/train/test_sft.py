@@ -385,20 +385,26 @@ def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task
     assert torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)["step"] == 4
 
 
-def test_sft_chats_are_the_same_only_when_their_files_are(tmp_path):
+def test_sft_chats_are_the_same_only_when_their_conversations_are(tmp_path):
     """mc: / chat: prefixed chat specs count as present when their file is (a prefix is not a path), and moved chats
-    are accepted from a new place only where it holds files of the recorded names and sizes."""
-    from snlp.train.sft import chat_signature, same_chats
+    are accepted from a new place only where it gives the recorded conversations, in order (an mc: folder of .csv
+    tasks included: what the loader reads, not what a file listing would)."""
+    from snlp.train.sft import chat_digest, same_chats
 
-    (tmp_path / "q.jsonl").write_text('{"x": 1}\n')
-    (tmp_path / "new").mkdir()
-    (tmp_path / "new" / "q.jsonl").write_text('{"x": 1}\n')
-    (tmp_path / "other.jsonl").write_text('{"x": 22}\n')
-    assert chat.missing_parts(f"mc:{tmp_path / 'q.jsonl'},chat:{tmp_path / 'gone.jsonl'},hf:x") == \
+    def task(d, rows):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "t.csv").write_text("".join(f"q{i},a,b,c,d,{ans}\n" for i, ans in rows))
+
+    task(tmp_path / "mc", [(1, "A"), (2, "B")])
+    task(tmp_path / "new", [(1, "A"), (2, "B")])
+    task(tmp_path / "other", [(1, "A"), (2, "C")])
+    assert chat.missing_parts(f"mc:{tmp_path / 'mc'},chat:{tmp_path / 'gone.jsonl'},hf:x") == \
         [f"chat:{tmp_path / 'gone.jsonl'}"]
-    present = {"data": f"mc:{tmp_path / 'q.jsonl'}", "data_files": chat_signature(f"mc:{tmp_path / 'q.jsonl'}")}
-    assert not same_chats(present, str(tmp_path / "other.jsonl"))  # saved chats still there: another file refused
-    gone = {"data": f"mc:{tmp_path / 'old' / 'q.jsonl'}", "data_files": present["data_files"]}
-    assert same_chats(gone, f"mc:{tmp_path / 'new' / 'q.jsonl'}")  # moved: same name and size
-    assert not same_chats(gone, f"mc:{tmp_path / 'other.jsonl'}")
-    assert same_chats({"data": gone["data"]}, str(tmp_path / "other.jsonl"))  # an older record: nothing to check
+    saved = {"data": f"mc:{tmp_path / 'mc'}", "max_conversations": 0,
+             "data_digest": chat_digest(chat.load_conversations(f"mc:{tmp_path / 'mc'}"))}
+    assert not same_chats(saved, f"mc:{tmp_path / 'other'}")  # the saved chats still there: another set refused
+    gone = {**saved, "data": f"mc:{tmp_path / 'moved-away'}"}
+    assert same_chats(gone, f"mc:{tmp_path / 'new'}")  # moved: the same conversations
+    assert not same_chats(gone, f"mc:{tmp_path / 'other'}")  # one answer differs
+    assert not same_chats(gone, f"mc:{tmp_path / 'nothing-here'}")
+    assert same_chats({"data": gone["data"]}, f"mc:{tmp_path / 'other'}")  # an older record: nothing to check
