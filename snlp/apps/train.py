@@ -134,9 +134,8 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    from snlp.io.data import missing_parts
     from snlp.train.checkpointing import saved_settings
-    from snlp.train.config import SHAPE, resumed
+    from snlp.train.config import SHAPE, check_data_present, resumed
     from snlp.train.trainer import fit
 
     cfg = config_from_args(args)
@@ -147,11 +146,8 @@ def run(args) -> int:
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
         saved = saved_settings(cfg.out)
         cfg = resumed(cfg, saved, getattr(args, "given", None))
-        gone = missing_parts(cfg.data) if saved and cfg.data == saved.get("data") else []
-        if gone:
-            raise ValueError(f"--resume: the run in {cfg.out} reads {', '.join(gone)}, which is not there any more "
-                             f"(moved?): give --data with where it is now (it must hold the same files: names and "
-                             f"sizes are checked)")
+        if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
+            check_data_present(cfg)
     res = fit(cfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)

@@ -170,6 +170,16 @@ def same_files(spec: str, signature: list | None) -> bool:
         return False
 
 
+def check_data_present(cfg: TrainConfig) -> None:
+    """Raise a ValueError naming the local parts of a resumed run's --data that are not there any more (a moved
+    project), with what to do, instead of the loader's bare "unknown data source"."""
+    gone = missing_parts(cfg.data)
+    if gone:
+        raise ValueError(f"--resume: the run in {cfg.out} reads {', '.join(gone)}, which is not there any more "
+                         f"(moved?): give --data with where it is now (it must hold the same files: names and sizes "
+                         f"are checked)")
+
+
 def effective_detach(reg_detach: bool | None, reg: str | None) -> bool:
     """The regulariser's detach setting as a run uses it: the given one, else detached for HCN only (the paper's
     choice; snlp.train.job.reg_config)."""

@@ -289,6 +289,10 @@ def test_a_moved_project_resumes_with_data_saying_where_its_files_are_now(corpus
     capsys.readouterr()
     assert main(["train", "--out", "runs/x", "--resume"]) == 2
     assert "not there any more" in capsys.readouterr().err
+    saved = torch.load(Path("runs/x/train_state.pt"), weights_only=False)["args"]
+    with pytest.raises(ValueError, match="not there any more"):  # the library says it too, not a bare loader error
+        fit(TrainConfig(**{**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__},
+                           "out": "runs/x", "resume": True, "stop_after": None}))
     (tmp_path / "proj2" / "other.txt").write_text(corpus.read_text()[:30_000])  # another text: refused
     assert main(["train", "--out", "runs/x", "--resume", "--data", "other.txt"]) == 2
     assert "names, sizes or order differ" in capsys.readouterr().err
