@@ -49,9 +49,9 @@ def sample_prompts(val_tokens: Tensor, prompts: int, prompt_len: int, seed: int 
 def checkpoint_data(ckpt, **overrides) -> dict:
     """The data settings (DATA_DEFAULTS keys) a checkpoint was trained with, from its train_state.pt
     args (defaults where absent); `overrides` that are not None win (the CLI flags)."""
-    from snlp.io.checkpoint import load_training
+    from snlp.io.checkpoint import load_train_state
 
-    trained = (load_training(ckpt)[1] or {}).get("args", {})
+    trained = (load_train_state(ckpt) or {}).get("args", {})
     out = {k: overrides[k] if overrides.get(k) is not None else trained.get(k, v) for k, v in DATA_DEFAULTS.items()}
     cache = out["cache_dir"]
     if overrides.get("cache_dir") is None and cache and not Path(cache).is_absolute() and not Path(cache).is_dir():

@@ -195,9 +195,9 @@ def default_scoring(ckpt) -> str:
     models) when it was fine-tuned by `snlp sft` (its train_state.pt records the SFT run), else
     "harness", so pretrained and converted models (Hugging Face Instruct models too, whose published
     ARC numbers are harness numbers) are comparable with the field."""
-    from snlp.io.checkpoint import TRAIN_STATE, load_training
+    from snlp.io.checkpoint import TRAIN_STATE, load_train_state
 
     if not (Path(ckpt) / TRAIN_STATE).is_file():
         return "harness"
-    state = load_training(ckpt)[1] or {}
+    state = load_train_state(ckpt) or {}
     return "letter" if isinstance(state, dict) and "sft" in state else "harness"

@@ -198,15 +198,20 @@ def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
 def load_training(path) -> tuple[dict | None, dict | None]:
     """(optimizer.pt contents, train_state.pt contents) of a checkpoint, None where absent."""
     path = checkpoint_dir(path)
-    out = []
-    for name in (OPTIMIZER, TRAIN_STATE):
-        f = path / name
-        if not f.is_file():
-            out.append(None)
-            continue
-        try:
-            out.append(torch.load(f, map_location="cpu", weights_only=False))
-        except Exception as e:  # torch.load raises various types on truncation
-            raise ValueError(f"corrupt or truncated {f} ({type(e).__name__}: {e}); resume from another "
-                             f"checkpoint or start afresh without --resume") from e
-    return out[0], out[1]
+    return _load_pt(path / OPTIMIZER), _load_pt(path / TRAIN_STATE)
+
+
+def load_train_state(path) -> dict | None:
+    """train_state.pt of a checkpoint (step, data position, RNG, the run's settings), None where absent: what
+    readers of a run's settings need, without the optimizer states (twice the model's size with Adam)."""
+    return _load_pt(checkpoint_dir(path) / TRAIN_STATE)
+
+
+def _load_pt(f: Path) -> dict | None:
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch.load raises various types on truncation
+        raise ValueError(f"corrupt or truncated {f} ({type(e).__name__}: {e}); resume from another "
+                         f"checkpoint or start afresh without --resume") from e

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 import snlp.io.data as D
-from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_training
+from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_train_state
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
@@ -476,7 +476,7 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     run = Path(cfg.out) / RUN
     if not run.is_dir():
         return  # nothing to resume: fit refuses it with its own message
-    _, st = load_training(run)
+    st = load_train_state(run)
     if st is None:
         return
     rec = st.get("adapt_base")
@@ -608,7 +608,7 @@ def tuned_split(ckpt: str) -> dict:
     p = Path(ckpt)
     args = {}
     if is_snlp_checkpoint(p):
-        args = (load_training(checkpoint_dir(p))[1] or {}).get("args") or {}
+        args = (load_train_state(checkpoint_dir(p)) or {}).get("args") or {}
     split = None
     if "data" in args and "val_frac" in args:
         split = {k: args.get(k) for k in TRAIN_DATA}

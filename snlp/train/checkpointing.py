@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import load, load_training, save_checkpoint
+from snlp.io.checkpoint import load, load_train_state, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -85,7 +85,7 @@ def saved_settings(out) -> dict | None:
     `out` holds no resumable run (`open_run` then says why)."""
     if not (Path(out) / "model.safetensors").is_file():
         return None
-    st = load_training(out)[1]
+    st = load_train_state(out)
     return st.get("args") if isinstance(st, dict) and isinstance(st.get("args"), dict) else None
 
 

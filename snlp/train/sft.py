@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
-from snlp.io.checkpoint import load_training
+from snlp.io.checkpoint import load_train_state
 from snlp.method.plan import Plan
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
@@ -110,7 +110,7 @@ def saved_sft(out) -> tuple[dict | None, dict | None]:
     where `out` holds no run (or one that records none)."""
     if not (Path(out) / "model.safetensors").is_file():
         return None, None
-    st = load_training(out)[1]
+    st = load_train_state(out)
     if not isinstance(st, dict):
         return None, None
     return (st["args"] if isinstance(st.get("args"), dict) else None,
@@ -187,6 +187,6 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
 def with_base_data(cfg: TrainConfig, ckpt) -> TrainConfig:
     """`cfg` with the base checkpoint's pretraining data settings (defaults where it has none): they
     are saved with the SFT checkpoint, so `snlp eval SFT_CKPT` measures PPL on the pretraining split."""
-    base = (load_training(ckpt)[1] or {}).get("args", {})
+    base = (load_train_state(ckpt) or {}).get("args", {})
     default = TrainConfig(out="")
     return replace(cfg, **{k: base.get(k, getattr(default, k)) for k in BASE_DATA})

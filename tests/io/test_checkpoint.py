@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import snlp
-from snlp.io.checkpoint import load, load_training, save_checkpoint
+from snlp.io.checkpoint import load, load_train_state, load_training, save_checkpoint
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.io.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -102,3 +102,18 @@ def test_errors(tok, tmp_path):
     save_checkpoint(tmp_path / "big", GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=261)), tok)
     with pytest.raises(ValueError, match="tokenizer belongs to another model"):
         load(tmp_path / "big")
+
+
+def test_a_runs_settings_are_read_without_its_optimizer_states(tok, tmp_path):
+    """load_train_state reads train_state.pt alone (readers of a run's settings: eval, --resume's checks, SFT's
+    base split), so it never pays for, or trips over, optimizer.pt; load_training still reads and checks both."""
+    path = save_checkpoint(tmp_path / "ck", tiny(), tok, train_state={"step": 3, "args": {"data": "x"}})
+    assert load_train_state(path) == {"step": 3, "args": {"data": "x"}}
+    (path / "optimizer.pt").write_bytes(b"garbage")
+    assert load_train_state(path)["step"] == 3
+    with pytest.raises(ValueError, match="corrupt or truncated .*optimizer.pt"):
+        load_training(path)
+    (path / "train_state.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt or truncated .*train_state.pt"):
+        load_train_state(path)
+    assert load_train_state(save_checkpoint(tmp_path / "bare", tiny(), tok)) is None

@@ -305,7 +305,7 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
 
 def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     """Steps, tokens, time, throughput and the validation curve of a finished job."""
-    from snlp.io.checkpoint import load_training
+    from snlp.io.checkpoint import load_train_state
     from snlp.io.tokenizer import Tokenizer
 
     tok = Tokenizer.load(job.model_dir)
@@ -313,7 +313,7 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
         raise RuntimeError(f"{job.model_dir} was trained with another tokenizer than the tokenizer stage's")
     log = _read_log(job.model_dir / "log.jsonl")
     evals = [r for r in log if "val_loss" in r]
-    state = load_training(job.model_dir)[1] or {}
+    state = load_train_state(job.model_dir) or {}
     steps = int(state.get("step", max(r["step"] for r in log)))
     final = evals[-1]
     gap_key = next((k for k in final if k.startswith("gap_N")), None)
