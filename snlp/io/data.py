@@ -200,10 +200,13 @@ def is_local(part: str) -> bool:
 def absolute_part(part: str) -> str:
     """`part` made absolute when it names something local that exists (a file, folder, or a glob that matches), so
     that `d/a.txt` read from its folder and `/abs/d/a.txt` are one source; other parts stay as they are."""
-    if not is_local(part):
-        return part
+    return os.path.abspath(os.path.expanduser(part)) if names_local(part) else part
+
+
+def names_local(part: str) -> bool:
+    """Whether `part` names local files that are here: a file, a folder, or a glob that matches."""
     p = os.path.expanduser(part)
-    return os.path.abspath(p) if os.path.exists(p) or glob.glob(p, recursive=True) else part
+    return is_local(part) and (os.path.exists(p) or bool(glob.glob(p, recursive=True)))
 
 
 def keyed_part(part: str) -> str:
@@ -228,9 +231,7 @@ def files_signature(spec: str | None) -> list:
 
 def missing_parts(spec: str | None) -> list[str]:
     """The local parts of `spec` that name nothing here (a moved or deleted file, an empty glob)."""
-    return [p for p in parts(spec)
-            if is_local(p) and not (os.path.exists(os.path.expanduser(p)) or glob.glob(os.path.expanduser(p),
-                                                                                         recursive=True))]
+    return [p for p in parts(spec) if is_local(p) and not names_local(p)]
 
 
 def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,
