@@ -167,25 +167,24 @@ def local_path(path: str | None) -> str | None:
     return D.absolute_part(path) if path else path
 
 
-def resolve_part(part: str) -> str:
-    """One data spec part with its local path absolute (`local_path`), its chat: / mc: prefixes kept."""
+def split_heads(part: str) -> tuple[str, str]:
+    """(its chat: / mc: prefixes, the rest) of a data spec part."""
     head = ""
     for pre in ("chat:", "mc:"):
         if part[len(head):].startswith(pre):
             head += pre
-    return head + local_path(part[len(head):])
+    return head, part[len(head):]
+
+
+def resolve_part(part: str) -> str:
+    """One data spec part with its local path absolute (`local_path`), its chat: / mc: prefixes kept."""
+    head, rest = split_heads(part)
+    return head + local_path(rest)
 
 
 def missing_parts(spec: str | None) -> list[str]:
     """The parts of a data spec (chat: / mc: prefixes allowed) whose local files are not here (data.missing_parts)."""
-    return [p for p in D.parts(spec) if D.missing_parts(strip_heads(p))]
-
-
-def strip_heads(part: str) -> str:
-    """A spec part without its chat: / mc: prefixes (what `resolve_part` keeps in front of the path)."""
-    while part.startswith(("chat:", "mc:")):
-        part = part.split(":", 1)[1]
-    return part
+    return [p for p in D.parts(spec) if D.missing_parts(split_heads(p)[1])]
 
 
 def resolve_spec(spec: str | None) -> str:
