@@ -135,14 +135,12 @@ def config_from_args(args) -> TrainConfig:
 
 def run(args) -> int:
     from snlp.train.checkpointing import saved_settings
-    from snlp.train.config import SHAPE, check_data_present, resumed
+    from snlp.train.config import SHAPE, check_data_present, check_init_from_shape, resumed
     from snlp.train.trainer import fit
 
     cfg = config_from_args(args)
-    typed_shape = [f"--{k.replace('_', '-')}" for k in SHAPE if k in (getattr(args, "given", None) or ())]
-    if cfg.init_from and typed_shape:  # typed at their defaults too: the checkpoint decides the shape, not a flag
-        raise ValueError(f"--init-from takes the model (its shape and tokenizer) from {cfg.init_from}: drop "
-                         f"{', '.join(typed_shape)}")
+    if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
+        check_init_from_shape(cfg.init_from, [k for k in SHAPE if k in (getattr(args, "given", None) or ())])
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
         saved = saved_settings(cfg.out)
         cfg = resumed(cfg, saved, getattr(args, "given", None))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 
 from snlp.io.chat import resolve_spec
@@ -114,10 +113,8 @@ class TrainConfig:
         if self.init_from and self.resume:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
         if self.init_from and not self.resume:
-            shaped = [f"--{k.replace('_', '-')}" for k in SHAPE if getattr(self, k) != getattr(TrainConfig(out=""), k)]
-            if shaped:
-                raise ValueError(f"--init-from takes the model (its shape and tokenizer) from {self.init_from}: "
-                                 f"drop {', '.join(shaped)}")
+            default = TrainConfig(out="")
+            check_init_from_shape(self.init_from, [k for k in SHAPE if getattr(self, k) != getattr(default, k)])
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
             raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
 
@@ -136,6 +133,14 @@ BUDGET = ("steps", "minutes")  # one budget: a new --steps replaces a saved --mi
 # they are refused beside it, and a resumed run's model is the saved one.
 SHAPE = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "window_pattern", "no_x0", "no_ve", "hc_streams",
          "hc_static", "vocab_size")
+
+
+def check_init_from_shape(init_from: str, fields_set) -> None:
+    """Refuse shape flags beside --init-from CKPT (`fields_set`: the SHAPE fields given): the model and its
+    tokenizer are CKPT's, so they could only be ignored."""
+    if fields_set:
+        raise ValueError(f"--init-from takes the model (its shape and tokenizer) from {init_from}: drop "
+                         f"{', '.join('--' + k.replace('_', '-') for k in fields_set)}")
 
 
 def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, object]]:
@@ -165,7 +170,7 @@ def same_files(spec: str, signature: list | None) -> bool:
     if signature is None:
         return True
     try:
-        return json.loads(json.dumps(files_signature(spec))) == signature
+        return files_signature(spec) == signature
     except ValueError:  # a part that names nothing: not the same files (the run would refuse it anyway)
         return False
 
