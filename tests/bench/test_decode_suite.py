@@ -186,8 +186,10 @@ def test_a_drafter_of_another_model_is_refused(tmp_path):
                                            device="cpu", batch_sizes=(1,), new_tokens=2, rounds=1, warmup=0))
 
 
-def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
-    from snlp.bench.decode_suite import DecodeSuiteRow, round_robin_calls
+def two_rows_one_failing(call: int, error: Exception):
+    """Two rows of the suite, and the callables of their methods: the first always returns, the second raises
+    `error` on its `call`-th call; `calls` counts each one's calls."""
+    from snlp.bench.decode_suite import DecodeSuiteRow
 
     calls = {"ok": 0, "flaky": 0}
 
@@ -196,30 +198,28 @@ def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
 
     def flaky():
         calls["flaky"] += 1
-        if calls["flaky"] == 3:
-            raise RuntimeError("CUDA graph overwritten\nsecond line")
+        if calls["flaky"] == call:
+            raise error
 
-    rows = [DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=1),
-            DecodeSuiteRow(method="b", library="snlp", treatment="eager", batch=1)]
+    rows = [DecodeSuiteRow(method=m, library="snlp", treatment="eager", batch=1) for m in ("a", "b")]
+    return rows, {0: ok, 1: flaky}, calls
+
+
+def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
+    from snlp.bench.decode_suite import round_robin_calls
+
+    rows, fns, calls = two_rows_one_failing(3, RuntimeError("CUDA graph overwritten\nsecond line"))
     seen = []
-    times = round_robin_calls({0: ok, 1: flaky}, rows, warmup=1, rounds=4, device="cpu", check=seen.append)
+    times = round_robin_calls(fns, rows, warmup=1, rounds=4, device="cpu", check=seen.append)
     assert list(times) == [0] and len(times[0]) == 4 and calls["ok"] == 5
     assert rows[1].skipped.startswith("failed in timed round 3: RuntimeError: CUDA graph overwritten")
     assert seen.count(1) == 2 and seen.count(0) == 5  # tokens checked after every call that returned
 
 
 def test_a_row_that_fails_after_a_progress_report_keeps_no_speed_from_it():
-    from snlp.bench.decode_suite import DecodeSuiteRow, round_robin_calls
+    from snlp.bench.decode_suite import round_robin_calls
 
-    calls = {"n": 0}
-
-    def flaky():
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("boom")
-
-    rows = [DecodeSuiteRow(method="a", library="snlp", treatment="eager", batch=1),
-            DecodeSuiteRow(method="b", library="snlp", treatment="eager", batch=1)]
+    rows, fns, _ = two_rows_one_failing(4, RuntimeError("boom"))
     reports = []
 
     def on_progress(times, what):  # as run_batch's does: figures from the calls so far
@@ -227,8 +227,7 @@ def test_a_row_that_fails_after_a_progress_report_keeps_no_speed_from_it():
         for i, secs in times.items():
             rows[i].seconds, rows[i].tokens_per_s, rows[i].speedup = list(secs), 1.0, 1.0
 
-    round_robin_calls({0: lambda: None, 1: flaky}, rows, warmup=1, rounds=4, device="cpu", check=lambda i: None,
-                      on_progress=on_progress)
+    round_robin_calls(fns, rows, warmup=1, rounds=4, device="cpu", check=lambda i: None, on_progress=on_progress)
     assert rows[1].skipped.startswith("failed in timed round 4") and rows[1].tokens_per_s is None
     assert rows[1].speedup is None and rows[1].seconds == [] and len(rows[0].seconds) == 4
     # every first call (compilation happens there), then one report per later round
