@@ -10,7 +10,8 @@ imports rewritten), both models get the same random weights (one state dict), an
 each plan, old and new) is timed round-robin in the same rounds (snlp.runtime.timing.time_round_robin): medians in
 ms, and each plan's speedup over its own version's sequential forward. Before the timing, every new logit is
 compared with the old one (max abs difference printed: the changes are meant to keep the function). On a GPU this
-is the before/after measurement docs/gpu.md asks for; on a CPU its numbers are CPU numbers.
+is the before/after measurement docs/records/gpu-prefill-gap-2026-11-26.md asks for; on a CPU its numbers are CPU
+numbers.
 """
 
 from __future__ import annotations

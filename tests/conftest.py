@@ -84,7 +84,7 @@ def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None)
 def count_aten(fn) -> "collections.Counter":
     """aten ops (by name, views included) that one call of `fn` dispatches, counted by a TorchDispatchMode under
     no_grad (composite ops arrive decomposed). A count of what runs, not a time: the GPU cost of a kernel is at
-    least a launch (docs/gpu.md, "First GPU run")."""
+    least a launch (docs/records/2026-11-26-gpu-h100.md)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode

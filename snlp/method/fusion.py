@@ -419,7 +419,7 @@ def _branch_attention(w: ChunkWeights, q: Tensor, k: Tensor, v: Tensor, ctx: Con
     masks = ctx.extra.setdefault("masks", {})  # masks built once per forward, not per iteration
     # prefill: branches grouped by window (full ones causal, short ones banded) where the banded kernel is taken; on
     # CUDA one masked SDPA over every branch was measured faster than gathering the groups (H200, 24 branches of 5
-    # heads at T = 2048: 0.95 ms against 1.18 ms, docs/gpu.md)
+    # heads at T = 2048: 0.95 ms against 1.18 ms, docs/records/2026-11-26-gpu-h200.md)
     if cache is None and w.window_values is not None and \
             uses_band(T, min(x for x in w.window_values if x >= 0), q.device):
         y = attend_branches(q.reshape(C * M, B, Hq, T, hd), k.reshape(C * M, B, Hkv, T, hd),

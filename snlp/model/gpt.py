@@ -280,7 +280,7 @@ class GPT(nn.Module):
         # range check only where the ids already sit in host memory (CPU): on any accelerator it would be a
         # device-to-host sync on every forward (CUDA's embedding kernel asserts on the device instead; decode
         # entry points validate a request's prompt once, where it is made), and under torch.compile it would break
-        # the graph. docs/gpu.md lists the host syncs of every path.
+        # the graph. docs/gpu-internals.md lists the host syncs of every path.
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.config.vocab_size:
@@ -379,7 +379,7 @@ class GPT(nn.Module):
         sublayers of every layer that has them (N of them; row i of the returned {layer: i} map), from ONE batched
         Sinkhorn per forward, memoised in ctx.extra. Static H depend on parameters only, so computing them per
         sublayer repeats the same ~90 tiny ops (20 Sinkhorn rounds of 4) 2L times per forward: launch-bound work
-        on a GPU (docs/gpu.md, "First GPU run"). None for plain and dynamic-mHC models."""
+        on a GPU (docs/records/2026-11-26-gpu-h100.md). None for plain and dynamic-mHC models."""
         cfg = self.config
         if not cfg.hc_streams or cfg.hc_dynamic:
             return None

@@ -145,8 +145,8 @@ def set_window_kernel(kind: str) -> str:
         FlexAttention compiled 0.134);
       - CUDA, a compiled fused stack whose branches mix windows (an SSSL suffix: 18 short + 6 full branches of 5
         heads, same card and shapes): FlexAttention with a per-branch window 0.44 ms against 0.95 for one masked
-        SDPA over every branch and 1.18 for the branches grouped by window (docs/gpu.md); eager, or in a graph that
-        builds a backward (not measured), masked.
+        SDPA over every branch and 1.18 for the branches grouped by window (docs/records/2026-11-26-gpu-h200.md);
+        eager, or in a graph that builds a backward (not measured), masked.
     Fused stacks group their branches by window only where the banded kernel is taken (snlp.method.fusion). The
     environment variable SNLP_WINDOW_ATTENTION sets the default. All four compute the same function (round-off
     apart)."""

@@ -293,7 +293,7 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
         if ctl[1] > 0:  # only then: the reason string costs a second collective
             reason = agree_on_reason(ctx, reason)
     # ONE device-to-host read for everything the log needs: each float() of a device tensor is a sync that drains
-    # the launch queue, and a step had five (docs/gpu.md, host syncs)
+    # the launch queue, and a step had five (docs/gpu-internals.md, host syncs)
     gn = gnorm.detach().double().reshape(1) if gnorm is not None else ctl.new_zeros(1)
     clock, _, tok, loss, reg_v, gn_v = torch.cat([ctl, stats.detach().double().reshape(2), gn]).tolist()
     run.progress.step, run.progress.elapsed = state.step, clock

@@ -2,8 +2,8 @@
 device value back to the host (.item(), int() / float() / bool() of a tensor, .tolist()) and every
 torch.cuda.synchronize() is recorded with the snlp function that made it. The steps themselves (prefill, sequential,
 drafter, verify, ragged) read nothing (test_fake_cuda.py raises on any read there); the loops read only at the
-sites documented in docs/gpu.md ("Host syncs"), listed here with the reason. A new site fails this test: document
-it (and say why a loop needs it) or take it off the path."""
+sites documented in docs/gpu-internals.md ("Host syncs"), listed here with the reason. A new site fails this test:
+document it (and say why a loop needs it) or take it off the path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from snlp.model.gpt import GPT, GPTConfig
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TIMER = "snlp/runtime/timing.py:sync <- "
-# site -> why the loop reads the device there (docs/gpu.md keeps the same list with accept / should-go)
+# site -> why the loop reads the device there (docs/gpu-internals.md keeps the same list with accept / should-go)
 DOCUMENTED = {
     "snlp/decode/session.py:pick_tokens": "every row's next token (prompt list, EOS, per-row lengths; greedy or "
                                           "sampled), with an SNLP forward's NaN/inf flag: one .tolist() per step",

@@ -352,7 +352,7 @@ def test_train_mhc_with_hcn_regulariser_learns_and_generates(tmp_path, capsys):
     assert "2xF1-h0-K1-hcn" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- static H once per forward (docs/gpu.md, "First GPU run")
+# ------------------------------------------ static H once per forward (docs/records/2026-11-26-gpu-h100.md)
 def test_static_mhc_forward_runs_one_sinkhorn_and_equals_the_per_sublayer_loop():
     """Static H depend on parameters only: the forward computes every sublayer's (H_res, H_pre, H_post) in ONE
     batched Sinkhorn (its op count no longer grows with depth: it was ~90 tiny ops per sublayer, 2L per forward),

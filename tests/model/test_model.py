@@ -85,7 +85,7 @@ def test_x0_and_value_embeddings_change_the_function():
     assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
 
 
-# ---------------------------------------------------------------- attention masks (docs/gpu.md, "First GPU run")
+# ---------------------------------------------------------------- attention masks (docs/records/2026-11-26-gpu-h100.md)
 def test_additive_window_mask_is_the_naive_visibility_rule():
     """additive_mask(window_mask(...)): 0 exactly where query i (at position q_start + i) may see key j by the
     definition (j <= position, position - j <= w for a window w >= 0), -inf elsewhere, in the query's dtype."""
