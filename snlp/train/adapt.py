@@ -58,7 +58,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
-from snlp.train.config import TrainConfig
+from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
@@ -73,6 +73,9 @@ RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha"
                 "seq_len", "batch_size", "lr", "hidden_weight", "kl_weight", "tau", "warmup_steps", "warmdown",
                 "grad_clip", "seed", "dtype")  # and what the steps optimise and how (the trainer refuses them too,
 #                                                but under its own names, after the replies are decoded)
+# What `--resume` never takes from the saved run (config.NOT_INHERITED's counterparts): where it writes, that it
+# resumes, a one-off stop, the machine it runs on. Every other setting not typed is the saved run's.
+NOT_INHERITED = ("out", "resume", "stop_after", "device")
 SPLIT = ("data", "val_frac", "max_chars")  # what decides a run's held-out documents
 TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
@@ -470,6 +473,25 @@ def init_state(cfg: AdaptConfig, plan: Plan, base: GPT, fingerprint: str) -> tup
     return {k: v.detach().cpu().clone() for k, v in state.items()}, meta["meta_digest"]
 
 
+def saved_adapt(out) -> dict | None:
+    """The AdaptConfig settings saved with the run in OUT/run (as `adapt` resolved them: paths absolute); None where
+    it holds no resumable run (or one that records none)."""
+    run = Path(out) / RUN
+    if not (run / "model.safetensors").is_file():
+        return None
+    st = load_train_state(run)
+    return st["adapt"] if isinstance(st, dict) and isinstance(st.get("adapt"), dict) else None
+
+
+def resumed_adapt(cfg: AdaptConfig, given) -> AdaptConfig:
+    """`cfg` for `snlp adapt --resume`: every setting whose flag was not typed (`given`: field names), the base and
+    the plan included, takes the saved run's value (config.resumed, as `snlp train --resume`); typed ones are
+    checked against it by `check_resume` and the trainer. `given` None: `cfg` as it is (a library caller's)."""
+    if not cfg.resume or given is None:
+        return cfg
+    return resumed(cfg, saved_adapt(cfg.out), given, NOT_INHERITED)
+
+
 def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     """Refuse `--resume` of a run made for another base (weights fingerprint, snlp.model.fingerprint) or another
     plan, before any work: continuing would stamp this base's fingerprint on a drafter trained on the other."""
@@ -512,7 +534,8 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     plan = cfg.check()
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
-                  from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter))
+                  from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),
+                  cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None)
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")

@@ -212,15 +212,15 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
                            "snlp sft take the saved values) or start a new run in another --out")
 
 
-def resumed(cfg: TrainConfig, saved: dict | None, given) -> TrainConfig:
-    """`cfg` with the saved run's value of every field not in `given` (the flags typed; fields of one process,
-    NOT_INHERITED, excepted, and the saved budget where a new one is typed): `snlp train --out X --resume --steps
-    4000` continues X's run as it was, with a new budget. `given` None: every field counts as given (a library
-    caller's config is taken whole)."""
+def resumed(cfg, saved: dict | None, given, not_inherited=NOT_INHERITED):
+    """`cfg` (a TrainConfig, or another run's config dataclass: snlp adapt's) with the saved run's value of every
+    field not in `given` (the flags typed; fields of one process, `not_inherited`, excepted, and the saved budget
+    where a new one is typed): `snlp train --out X --resume --steps 4000` continues X's run as it was, with a new
+    budget. `given` None: every field counts as given (a library caller's config is taken whole)."""
     if saved is None or given is None:
         return cfg
-    names = {f.name for f in fields(TrainConfig)}
-    skip = set(NOT_INHERITED) | (set(BUDGET) if set(BUDGET) & set(given) else set())
+    names = {f.name for f in fields(cfg)}
+    skip = set(not_inherited) | (set(BUDGET) if set(BUDGET) & set(given) else set())
     return replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given and k not in skip})
 
 
