@@ -198,18 +198,31 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
     if saved is None:
         return
     diff = resume_changes(cfg, saved)
+    # an --init-from run's saved shape flags are the defaults it never used (the model is the checkpoint's): a
+    # shape flag is refused as such, without naming them
+    shape = [k for k, _, _ in diff if k in SHAPE] if saved.get("init_from") else []
+    diff = [d for d in diff if d[0] not in shape]
+    said = []
     if diff:
-        raise ValueError(f"--resume: the run in {where} was saved with "
-                         + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
-                         + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
-                            if any(k.endswith("_lr") for k, _, _ in diff) else "")
-                         + (f" (the model is {saved['init_from']}'s, as --init-from took it: shape flags do not apply)"
-                            if saved.get("init_from") and any(k in SHAPE for k, _, _ in diff) else "")
-                         + (" (the saved data is gone, and the given one holds other files than the record's: "
-                            "names, sizes or order differ)" if any(k == "data" for k, _, _ in diff)
-                            and missing_parts(saved.get("data")) else "")
-                         + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
-                           "snlp sft take the saved values) or start a new run in another --out")
+        said.append(f"was saved with "
+                    + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
+                    + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
+                       if any(k.endswith("_lr") for k, _, _ in diff) else "")
+                    + (" (the saved data is gone, and the given one holds other files than the record's: "
+                       "names, sizes or order differ)" if any(k == "data" for k, _, _ in diff)
+                       and missing_parts(saved.get("data")) else "")
+                    + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
+                      "snlp sft take the saved values) or start a new run in another --out")
+    if shape:
+        said.append(init_from_shape_refusal(saved["init_from"], shape))
+    if said:
+        raise ValueError(f"--resume: the run in {where}" + (" " if diff else ": ") + "; ".join(said))
+
+
+def init_from_shape_refusal(init_from: str, fields_set) -> str:
+    """Why shape flags (`fields_set`) are refused on the resume of a run started --init-from `init_from`."""
+    return (f"the model is {init_from}'s, as --init-from took it: shape flags do not apply: drop "
+            f"{', '.join('--' + k.replace('_', '-') for k in fields_set)}")
 
 
 def resumed(cfg, saved: dict | None, given, not_inherited=NOT_INHERITED):
