@@ -111,7 +111,7 @@ class AdaptConfig:
     max_chars: int = 0
     eval_every: int = 50
     eval_batches: int = 2
-    save_every: int | None = None  # resumable checkpoints every N steps (None: SAVE_EVERY; LoRA runs: end only)
+    save_every: int | None = None  # resumable checkpoints every N steps, 0: end only (None: `saves_every`)
     log_every: int = 10
     stop_after: int | None = None
     resume: bool = False
@@ -125,8 +125,17 @@ class AdaptConfig:
     dtype: str = "float32"
     no_progress: bool = False
 
+    @property
+    def saves_every(self) -> int:
+        """The checkpoint interval the run uses (and its record holds): `save_every`, else SAVE_EVERY for a
+        full-weight run and 0 (end only) for a LoRA one or a --from-model import (which trains nothing)."""
+        return 0 if self.lora_rank or self.from_model else SAVE_EVERY if self.save_every is None else self.save_every
+
     def check(self) -> Plan:
         plan = Plan.parse(self.plan)
+        if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
+            raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
+                             f"{self.save_every})")
         if self.kv not in KV_MODES:
             raise ValueError(f"--kv must be one of {', '.join(KV_MODES)} (got {self.kv!r})")
         if self.kv == "exact":
@@ -138,9 +147,9 @@ class AdaptConfig:
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
-        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes):
+        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
-                             "no --lora-rank, --resume, --steps or --minutes")
+                             "no --lora-rank, --resume, --steps, --minutes or --save-every")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
             raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
                              f"{self.self_distill_prompts})")
@@ -335,7 +344,7 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,
                        seed=cfg.seed, device=cfg.device, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
-                       save_every=0 if cfg.lora_rank else SAVE_EVERY if cfg.save_every is None else cfg.save_every,
+                       save_every=cfg.saves_every,
                        log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
@@ -535,7 +544,8 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
                   from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),
-                  cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None)
+                  cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None,
+                  save_every=cfg.saves_every)  # what ran, in the record (not None for "the default")
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")

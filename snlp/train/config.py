@@ -84,6 +84,9 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.save_every < 0:  # the loop's step % N would save after every step
+            raise ValueError(f"--save-every must be >= 0 (N > 0: also every N steps, 0: only at the end; got "
+                             f"{self.save_every})")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1 (got {self.steps})")
         if self.minutes is not None and self.minutes <= 0:
