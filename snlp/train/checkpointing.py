@@ -72,11 +72,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
 
 
 def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
-    """The checkpoint (weights, tokenizer, optimizers) with `state` (step, micro, elapsed, tokens, args, ...)
-    and this process's RNG states in train_state.pt. The token cache folder is recorded as the absolute path
-    the run used (`recorded_args`)."""
-    if isinstance(state.get("args"), dict):
-        state = {**state, "args": recorded_args(state["args"])}
+    """The checkpoint (weights, tokenizer, optimizers) with `state` (step, micro, elapsed, tokens, args as
+    `recorded_args` made them once for the run, ...) and this process's RNG states in train_state.pt."""
     save_checkpoint(out, model, tok, optimizer=OptimizerBundle(opts), train_state={**state, "rng": rng_state()})
 
 
