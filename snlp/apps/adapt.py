@@ -15,18 +15,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from snlp.io.drafter import load_drafter
 from snlp.runtime.device import write_atomic
 from snlp.runtime.outputs import locked_output
-from snlp.train.adapt import KV_MODES, LOSS_ON, SAVE_EVERY, AdaptConfig, adapt
+from snlp.train.adapt import KV_MODES, LOSS_ON, RUN, SAVE_EVERY, AdaptConfig, adapt, resumed_adapt
 
 
 def add_arguments(p) -> None:
     d = AdaptConfig(src="", plan="", out="")
-    p.add_argument("src", help="the base: snlp checkpoint directory, .gguf file or transformers directory")
-    p.add_argument("--plan", required=True, help="SNLP plan of the drafter, e.g. 8xF1-h0-K1")
+    p.add_argument("src", nargs="?", default=None, help="the base: snlp checkpoint directory, .gguf file or "
+                   "transformers directory (required, but with --resume: the saved run's)")
+    p.add_argument("--plan", default=None, help="SNLP plan of the drafter, e.g. 8xF1-h0-K1 (required, but with "
+                   "--resume: the saved run's)")
     p.add_argument("--out", required=True, help="drafter directory to write")
     p.add_argument("--data", default=d.data, help="text data as for `snlp train --data`, and/or chat sets as "
                    "chat:PATH.jsonl / chat:hf:NAME (rendered with the model's chat template); comma-separated")
@@ -75,7 +78,10 @@ def add_arguments(p) -> None:
                         "refused with --lora-rank, whose runs save at the end only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
-    p.add_argument("--resume", action="store_true", help="continue the run in DIR/run")
+    p.add_argument("--resume", action="store_true", help="continue the run in DIR/run with its saved settings: "
+                   "SRC, --plan and every flag left out keep the saved values (as snlp train --resume); only the "
+                   "budget (--steps, --minutes, --stop-after), logging, validation and saving intervals, --device, "
+                   "--cache-dir and --no-progress may change (another value of any other flag is refused)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"], help="the base's weight dtype")
@@ -86,15 +92,21 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from snlp.method.plan import cli_plan
 
-    args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
+    cfg = resumed_adapt(cfg, getattr(args, "given", None))  # --resume: the flags not typed keep the saved values
+    if cfg.src is None or cfg.plan is None:
+        raise ValueError("SRC and --plan are required" + (f" (--resume takes them from the run saved in "
+                                                           f"{Path(args.out) / RUN}: there is none)" if args.resume
+                                                           else ""))
+    # a K beyond the exact count capped (with a warning), as for every --plan
+    cfg = replace(cfg, plan=str(cli_plan(cfg.plan)))
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
         res = adapt(cfg)
     if res.rank != 0:  # torchrun: rank 0 reports and writes
         return 0
     b, a = res.before, res.after
-    how = f"from {args.from_model}" if args.from_model else "adapted"
+    how = f"from {cfg.from_model}" if cfg.from_model else "adapted"
     print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
           f"Top-1 {100 * b.get('top1', 0):.1f} -> {100 * a.get('top1', 0):.1f} % (SSD conditions "
           f"{100 * b.get('top1_ssd', 0):.1f} -> {100 * a.get('top1_ssd', 0):.1f} %) | extra memory "

@@ -97,11 +97,20 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str], args) -> froze
     """The dests of the flags (and positionals) the user typed in `argv`, as opposed to those left at their
     defaults: `argv` parsed again by the sub-command's parser into a namespace pre-filled with a marker, which
     argparse leaves in place for every action not given (it fills in a default only where a name is missing).
-    Abbreviations and `--flag=value` are argparse's own parsing, so they count as typed."""
+    Abbreviations and `--flag=value` are argparse's own parsing, so they count as typed. An optional positional
+    (nargs ? or *) left out is set to its default all the same, so it gets the marker as its default meanwhile."""
     sub = parser.commands[args.command]
     unset = _Unset()
     ns = argparse.Namespace(**{k: unset for k in vars(args)})
-    sub.parse_args(argv[argv.index(args.command) + 1:], namespace=ns)
+    optional = [a for a in sub._actions if not a.option_strings and a.nargs in ("?", "*")]
+    defaults = [a.default for a in optional]
+    try:
+        for a in optional:
+            a.default = unset
+        sub.parse_args(argv[argv.index(args.command) + 1:], namespace=ns)
+    finally:
+        for a, d in zip(optional, defaults):
+            a.default = d
     return frozenset(k for k, v in vars(ns).items() if v is not unset)
 
 

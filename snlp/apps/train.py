@@ -135,14 +135,17 @@ def config_from_args(args) -> TrainConfig:
 
 def run(args) -> int:
     from snlp.train.checkpointing import saved_settings
-    from snlp.train.config import SHAPE, check_data_present, check_init_from_shape, resumed
+    from snlp.train.config import SHAPE, check_data_present, check_init_from_shape, init_from_shape_refusal, resumed
     from snlp.train.trainer import fit
 
     cfg = config_from_args(args)
+    shape = [k for k in SHAPE if k in (getattr(args, "given", None) or ())]
     if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
-        check_init_from_shape(cfg.init_from, [k for k in SHAPE if k in (getattr(args, "given", None) or ())])
+        check_init_from_shape(cfg.init_from, shape)
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
         saved = saved_settings(cfg.out)
+        if saved and saved.get("init_from") and shape:  # at any value, as beside --init-from
+            raise ValueError(f"--resume: the run in {cfg.out}: {init_from_shape_refusal(saved['init_from'], shape)}")
         cfg = resumed(cfg, saved, getattr(args, "given", None))
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)

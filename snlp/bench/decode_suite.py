@@ -143,7 +143,8 @@ class DecodeSuiteRow:
     batch: int
     plan: str | None = None  # the SNLP plan (snlp rows), "E=<layers>" (early exit), "N=<tokens>" (prompt lookup)
     block: int | None = None  # speculative draft block size
-    exact: bool = True  # greedy output equals greedy sequential by construction (numerics aside)
+    exact: bool = True  # greedy output equals greedy sequential by construction (numerics aside); the JSON's is
+    #                     null on a skipped row (nothing ran, as the table's "-")
     tokens_per_s: float | None = None
     tokens_per_s_min: float | None = None
     tokens_per_s_max: float | None = None
@@ -159,7 +160,7 @@ class DecodeSuiteRow:
     skipped: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), **({"exact": None} if self.skipped else {})}
 
 
 @dataclass

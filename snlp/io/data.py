@@ -200,7 +200,26 @@ def is_local(part: str) -> bool:
 def absolute_part(part: str) -> str:
     """`part` made absolute when it names something local that exists (a file, folder, or a glob that matches), so
     that `d/a.txt` read from its folder and `/abs/d/a.txt` are one source; other parts stay as they are."""
-    return os.path.abspath(os.path.expanduser(part)) if names_local(part) else part
+    return os_absolute(part) if names_local(part) else part
+
+
+def os_absolute(path: str) -> str:
+    """`path` (`~` expanded) as an absolute path naming what the OS opens. os.path.abspath collapses `..` as text,
+    so `link/../c.txt` becomes the c.txt beside the link, while the OS steps up from the link's target: a `..`
+    right after a symlink here steps up from its resolved target instead. A path without `..` (or whose `..` follow
+    no symlink) is exactly abspath's, so ordinary specs keep the names, and the cache keys, they always had."""
+    p = os.path.expanduser(path)
+    if ".." not in p.split(os.sep):
+        return os.path.abspath(p)
+    out = os.sep
+    for c in os.path.join(os.getcwd(), p).split(os.sep):  # getcwd is already the physical path
+        if c in ("", "."):
+            continue
+        if c == "..":
+            out = os.path.dirname(os.path.realpath(out) if os.path.islink(out) else out)
+        else:
+            out = os.path.join(out, c)
+    return out
 
 
 def names_local(part: str) -> bool:

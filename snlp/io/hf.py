@@ -190,6 +190,11 @@ def _load_hf(src: str, dtype):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"directory {path} has no config.json; expected a transformers model directory "
                                     f"(config.json + *.safetensors)")
+        from snlp.io.checkpoint import is_snlp_checkpoint  # (it holds the same two files, with snlp's config)
+
+        if is_snlp_checkpoint(path):
+            raise ValueError(f"{path} is already an snlp checkpoint: nothing to convert; load it with snlp.load, or "
+                             f"give it as it is to snlp generate / eval / bench --ckpt / train --init-from / adapt")
     try:
         cfg = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:

@@ -58,7 +58,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
-from snlp.train.config import TrainConfig
+from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job
@@ -73,6 +73,9 @@ RESUME_FIXED = ("data", "val_frac", "max_chars", "kv", "lora_rank", "lora_alpha"
                 "seq_len", "batch_size", "lr", "hidden_weight", "kl_weight", "tau", "warmup_steps", "warmdown",
                 "grad_clip", "seed", "dtype")  # and what the steps optimise and how (the trainer refuses them too,
 #                                                but under its own names, after the replies are decoded)
+# What `--resume` never takes from the saved run (config.NOT_INHERITED's counterparts): where it writes, that it
+# resumes, a one-off stop, the machine it runs on. Every other setting not typed is the saved run's.
+NOT_INHERITED = ("out", "resume", "stop_after", "device")
 SPLIT = ("data", "val_frac", "max_chars")  # what decides a run's held-out documents
 TRAIN_DATA = ("data", "text_field", "max_chars", "val_frac", "cache_dir")  # snlp train's split (eval.data keys)
 RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run has finished
@@ -108,7 +111,7 @@ class AdaptConfig:
     max_chars: int = 0
     eval_every: int = 50
     eval_batches: int = 2
-    save_every: int | None = None  # resumable checkpoints every N steps (None: SAVE_EVERY; LoRA runs: end only)
+    save_every: int | None = None  # resumable checkpoints every N steps, 0: end only (None: `saves_every`)
     log_every: int = 10
     stop_after: int | None = None
     resume: bool = False
@@ -122,8 +125,17 @@ class AdaptConfig:
     dtype: str = "float32"
     no_progress: bool = False
 
+    @property
+    def saves_every(self) -> int:
+        """The checkpoint interval the run uses (and its record holds): `save_every`, else SAVE_EVERY for a
+        full-weight run and 0 (end only) for a LoRA one or a --from-model import (which trains nothing)."""
+        return 0 if self.lora_rank or self.from_model else SAVE_EVERY if self.save_every is None else self.save_every
+
     def check(self) -> Plan:
         plan = Plan.parse(self.plan)
+        if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
+            raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
+                             f"{self.save_every})")
         if self.kv not in KV_MODES:
             raise ValueError(f"--kv must be one of {', '.join(KV_MODES)} (got {self.kv!r})")
         if self.kv == "exact":
@@ -135,9 +147,9 @@ class AdaptConfig:
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
-        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes):
+        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
-                             "no --lora-rank, --resume, --steps or --minutes")
+                             "no --lora-rank, --resume, --steps, --minutes or --save-every")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
             raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
                              f"{self.self_distill_prompts})")
@@ -332,7 +344,7 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,
                        seed=cfg.seed, device=cfg.device, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
-                       save_every=0 if cfg.lora_rank else SAVE_EVERY if cfg.save_every is None else cfg.save_every,
+                       save_every=cfg.saves_every,
                        log_every=cfg.log_every, no_progress=cfg.no_progress)
 
 
@@ -470,6 +482,25 @@ def init_state(cfg: AdaptConfig, plan: Plan, base: GPT, fingerprint: str) -> tup
     return {k: v.detach().cpu().clone() for k, v in state.items()}, meta["meta_digest"]
 
 
+def saved_adapt(out) -> dict | None:
+    """The AdaptConfig settings saved with the run in OUT/run (as `adapt` resolved them: paths absolute); None where
+    it holds no resumable run (or one that records none)."""
+    run = Path(out) / RUN
+    if not (run / "model.safetensors").is_file():
+        return None
+    st = load_train_state(run)
+    return st["adapt"] if isinstance(st, dict) and isinstance(st.get("adapt"), dict) else None
+
+
+def resumed_adapt(cfg: AdaptConfig, given) -> AdaptConfig:
+    """`cfg` for `snlp adapt --resume`: every setting whose flag was not typed (`given`: field names), the base and
+    the plan included, takes the saved run's value (config.resumed, as `snlp train --resume`); typed ones are
+    checked against it by `check_resume` and the trainer. `given` None: `cfg` as it is (a library caller's)."""
+    if not cfg.resume or given is None:
+        return cfg
+    return resumed(cfg, saved_adapt(cfg.out), given, NOT_INHERITED)
+
+
 def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     """Refuse `--resume` of a run made for another base (weights fingerprint, snlp.model.fingerprint) or another
     plan, before any work: continuing would stamp this base's fingerprint on a drafter trained on the other."""
@@ -512,7 +543,9 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     plan = cfg.check()
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
-                  from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter))
+                  from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),
+                  cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None,
+                  save_every=cfg.saves_every)  # what ran, in the record (not None for "the default")
     out = Path(cfg.out)
     if not cfg.resume and (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")

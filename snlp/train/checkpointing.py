@@ -72,11 +72,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
 
 
 def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
-    """The checkpoint (weights, tokenizer, optimizers) with `state` (step, micro, elapsed, tokens, args, ...)
-    and this process's RNG states in train_state.pt. The token cache folder is recorded as the absolute path
-    the run used (`recorded_args`)."""
-    if isinstance(state.get("args"), dict):
-        state = {**state, "args": recorded_args(state["args"])}
+    """The checkpoint (weights, tokenizer, optimizers) with `state` (step, micro, elapsed, tokens, args as
+    `recorded_args` made them once for the run, ...) and this process's RNG states in train_state.pt."""
     save_checkpoint(out, model, tok, optimizer=OptimizerBundle(opts), train_state={**state, "rng": rng_state()})
 
 
@@ -95,8 +92,11 @@ def recorded_args(args: dict) -> dict:
     another $SNLP_CACHE, reads the token cache the run wrote instead of re-tokenising into a new one; and the
     relative parts of `data` absolute (`data.keyed_spec`: the form its token cache is keyed by), so that `--resume` from another folder reads the same
     files (the same documents in the same order: the same tokens and batches), with their names and sizes
-    (`data_files`, data.files_signature), against which a moved project's new place is checked."""
+    (`data_files`, data.files_signature), against which a moved project's new place is checked; `init_from`
+    absolute, naming the checkpoint the first leg read from wherever a later leg runs."""
     out = dict(args)
+    if out.get("init_from"):
+        out["init_from"] = D.absolute_part(out["init_from"])
     if "cache_dir" in out:
         out["cache_dir"] = str(Path(out["cache_dir"] or D.cache_dir()).expanduser().absolute())
     if isinstance(out.get("data"), str):

@@ -84,6 +84,9 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.save_every < 0:  # the loop's step % N would save after every step
+            raise ValueError(f"--save-every must be >= 0 (N > 0: also every N steps, 0: only at the end; got "
+                             f"{self.save_every})")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1 (got {self.steps})")
         if self.minutes is not None and self.minutes <= 0:
@@ -198,29 +201,42 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
     if saved is None:
         return
     diff = resume_changes(cfg, saved)
+    # an --init-from run's saved shape flags are the defaults it never used (the model is the checkpoint's): a
+    # shape flag is refused as such, without naming them
+    shape = [k for k, _, _ in diff if k in SHAPE] if saved.get("init_from") else []
+    diff = [d for d in diff if d[0] not in shape]
+    said = []
     if diff:
-        raise ValueError(f"--resume: the run in {where} was saved with "
-                         + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
-                         + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
-                            if any(k.endswith("_lr") for k, _, _ in diff) else "")
-                         + (f" (the model is {saved['init_from']}'s, as --init-from took it: shape flags do not apply)"
-                            if saved.get("init_from") and any(k in SHAPE for k, _, _ in diff) else "")
-                         + (" (the saved data is gone, and the given one holds other files than the record's: "
-                            "names, sizes or order differ)" if any(k == "data" for k, _, _ in diff)
-                            and missing_parts(saved.get("data")) else "")
-                         + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
-                           "snlp sft take the saved values) or start a new run in another --out")
+        said.append(f"was saved with "
+                    + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
+                    + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
+                       if any(k.endswith("_lr") for k, _, _ in diff) else "")
+                    + (" (the saved data is gone, and the given one holds other files than the record's: "
+                       "names, sizes or order differ)" if any(k == "data" for k, _, _ in diff)
+                       and missing_parts(saved.get("data")) else "")
+                    + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
+                      "snlp sft take the saved values) or start a new run in another --out")
+    if shape:
+        said.append(init_from_shape_refusal(saved["init_from"], shape))
+    if said:
+        raise ValueError(f"--resume: the run in {where}" + (" " if diff else ": ") + "; ".join(said))
 
 
-def resumed(cfg: TrainConfig, saved: dict | None, given) -> TrainConfig:
-    """`cfg` with the saved run's value of every field not in `given` (the flags typed; fields of one process,
-    NOT_INHERITED, excepted, and the saved budget where a new one is typed): `snlp train --out X --resume --steps
-    4000` continues X's run as it was, with a new budget. `given` None: every field counts as given (a library
-    caller's config is taken whole)."""
+def init_from_shape_refusal(init_from: str, fields_set) -> str:
+    """Why shape flags (`fields_set`) are refused on the resume of a run started --init-from `init_from`."""
+    return (f"the model is {init_from}'s, as --init-from took it: shape flags do not apply: drop "
+            f"{', '.join('--' + k.replace('_', '-') for k in fields_set)}")
+
+
+def resumed(cfg, saved: dict | None, given, not_inherited=NOT_INHERITED):
+    """`cfg` (a TrainConfig, or another run's config dataclass: snlp adapt's) with the saved run's value of every
+    field not in `given` (the flags typed; fields of one process, `not_inherited`, excepted, and the saved budget
+    where a new one is typed): `snlp train --out X --resume --steps 4000` continues X's run as it was, with a new
+    budget. `given` None: every field counts as given (a library caller's config is taken whole)."""
     if saved is None or given is None:
         return cfg
-    names = {f.name for f in fields(TrainConfig)}
-    skip = set(NOT_INHERITED) | (set(BUDGET) if set(BUDGET) & set(given) else set())
+    names = {f.name for f in fields(cfg)}
+    skip = set(not_inherited) | (set(BUDGET) if set(BUDGET) & set(given) else set())
     return replace(cfg, **{k: v for k, v in saved.items() if k in names and k not in given and k not in skip})
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import ResumePoint, open_run, save_run, set_rng_state, trim_log
+from snlp.train.checkpointing import ResumePoint, open_run, recorded_args, save_run, set_rng_state, trim_log
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
@@ -60,7 +60,7 @@ class Run:
     t_start: float  # perf_counter() at the run's training clock 0 (earlier when resumed)
     peak_flops: float | None = None  # the device's dense bf16 peak (None: CPU or an unknown card)
     flops_per_token: float | None = None  # model FLOPs per token of a forward + backward, counted at the first step
-    init_from: str | None = None  # --init-from of the run's first leg (a resumed run's cfg has none): recorded
+    args: dict | None = None  # the settings every checkpoint of this process records (recorded_args; rank 0's)
 
     @property
     def out(self) -> Path:
@@ -158,9 +158,12 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     bar = None
     if ctx.master and not cfg.no_progress:
         bar = progress_bar(progress.steps, "train", initial=state.step, unit="step", leave=True)  # lines off a tty
+    # what every save of rank 0 records, made once (its record of the data's files walks every file); the
+    # --init-from of the run's first leg is kept (a resumed run's cfg has none)
+    init_from = cfg.init_from or (start.resume.init_from if start.resume else None)
+    args = recorded_args({**asdict(cfg), "init_from": init_from}) if ctx.master else None
     run = Run(cfg, ctx, job, opts, stepper, progress, autocast_context(ctx.device), hooks, bar,
-              t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device),
-              init_from=cfg.init_from or (start.resume.init_from if start.resume else None))
+              t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device), args=args)
     state.t_last = time.perf_counter()
     return run, state
 
@@ -340,7 +343,7 @@ def save(run: Run, state: LoopState) -> None:
     """The checkpoint with everything `--resume` needs (rank 0; the others wait for it)."""
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "world": run.ctx.world, "args": {**asdict(run.cfg), "init_from": run.init_from}, **run.job.state}
+              "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     barrier(run.ctx)
 

@@ -57,6 +57,8 @@ def test_the_library_still_loads_on_use():
     (["sft", "ck", "--data", "d", "--out", "o", "--no-reg-detach"], {"ckpt", "data", "out", "reg_detach"}),
     (["sft-grid", "ck", "--data", "d", "--plan", "p", "--out", "o", "--task", "a", "--task", "b"],
      {"ckpt", "data", "plan", "out", "task"}),
+    (["adapt", "--out", "d", "--resume"], {"out", "resume"}),  # an optional positional left out: not typed
+    (["adapt", "base", "--out", "d", "--resume"], {"src", "out", "resume"}),
 ])
 def test_given_flags_are_the_ones_typed_even_at_their_default_value(argv, typed):
     """What `--resume` keeps from the saved run hangs on this: a flag typed at its default value (--seq-len 256)

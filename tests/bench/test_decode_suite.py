@@ -54,7 +54,7 @@ def test_quick_cli_runs_every_method_and_exact_ones_equal_sequential(tmp_path, c
     assert {"snlp sequential", "snlp snlp", "snlp speculative"} <= methods
     for r in rows:
         if r["skipped"]:
-            assert r["tokens_per_s"] is None
+            assert r["tokens_per_s"] is None and r["exact"] is None  # nothing ran: no claim (the table's "-")
             continue
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
         assert len(r["seconds"]) == res["config"]["rounds"]
@@ -213,6 +213,7 @@ def test_a_method_that_fails_mid_run_is_a_skipped_row_and_the_others_go_on():
     times = round_robin_calls(fns, rows, warmup=1, rounds=4, device="cpu", check=seen.append)
     assert list(times) == [0] and len(times[0]) == 4 and calls["ok"] == 5
     assert rows[1].skipped.startswith("failed in timed round 3: RuntimeError: CUDA graph overwritten")
+    assert rows[1].to_dict()["exact"] is None and rows[0].to_dict()["exact"] is True  # the JSON's: as the table's
     assert seen.count(1) == 2 and seen.count(0) == 5  # tokens checked after every call that returned
 
 
@@ -273,6 +274,8 @@ def test_a_run_cut_short_keeps_every_round_it_finished():
         run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 4, 1)),
                          progress=lambda *a: pytest.fail("ran"))
     assert "| - | - | --no-transformers |" in markdown(done)  # a skipped row claims no exactness
+    skipped = [r for r in done.to_dict()["rows"] if r["skipped"]]
+    assert skipped and all(r["exact"] is None for r in skipped)  # nor in the JSON
 
 
 def test_a_row_is_as_good_as_its_worst_call():

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 import sys
 
 import numpy as np
@@ -135,6 +136,29 @@ def test_a_relative_spec_and_its_absolute_spelling_share_one_cache_key(tmp_path,
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     assert D.source_key(folder) == h.hexdigest()[:16]
+
+
+def test_a_spec_through_a_symlink_and_up_names_the_file_the_os_opens(tmp_path, monkeypatch):
+    """`link/../c.txt` where `link` points into another folder: the OS steps up from the link's TARGET, so the
+    recorded (absolute) part, the cache key and the chat spec name that folder's c.txt, not the c.txt beside the
+    link (which os.path.abspath's lexical `..` names); `d/../d/a.txt` without a link stays the plain path."""
+    from snlp.io.chat import resolve_spec
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "c.txt").write_text("what the OS reads\n\n" * 4)
+    (tmp_path / "c.txt").write_text("a decoy beside the link\n\n" * 4)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    with open("link/../c.txt") as f:
+        assert f.read().startswith("what the OS reads")
+    part = D.absolute_part("link/../c.txt")
+    assert os.path.isabs(part) and os.path.samefile(part, tmp_path / "real" / "c.txt"), part
+    assert D.keyed_spec("link/../c.txt,stdlib") == f"{part},stdlib"
+    assert resolve_spec("chat:link/../c.txt,hf:x") == f"chat:{part},hf:x"
+    assert D.source_key("link/../c.txt") == D.source_key(part) != D.source_key(str(tmp_path / "c.txt"))
+    assert next(D.documents(part)).startswith("what the OS reads")
+    assert D.absolute_part("real/sub/../c.txt") == str(tmp_path / "real" / "c.txt")  # no link: lexical, as before
+    assert D.absolute_part(f"{tmp_path}/./real//c.txt") == str(tmp_path / "real" / "c.txt")
 
 
 def test_a_files_signature_names_each_file_within_its_part_and_the_record_keeps_the_key_form(tmp_path, monkeypatch):

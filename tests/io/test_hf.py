@@ -226,6 +226,22 @@ def test_from_dir_tokenizer_and_checkpoint(tmp_path):
         torch.testing.assert_close(m2(x), hf(x).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_convert_of_an_snlp_checkpoint_says_so_in_one_line(tmp_path, capsys):
+    """An snlp checkpoint has config.json and model.safetensors like a transformers directory: `snlp convert` of it
+    (and from_hf) answer that it is one already, not transformers' "Unrecognized model" about its config."""
+    from snlp.apps.cli import main
+
+    hf, d = _tiny_dir(tmp_path)
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0  # a transformers directory converts
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "ck"), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "is already an snlp checkpoint" in err and "snlp.load" in err and "Unrecognized" not in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "again").exists()
+    with pytest.raises(ValueError, match="is already an snlp checkpoint"):
+        from_hf(str(tmp_path / "ck"))
+
+
 def test_cli_convert_export_generate(tmp_path, capsys):
     from snlp.apps.cli import main
 

@@ -303,6 +303,47 @@ def test_adapt_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_cli_adapt_resume_alone_continues_the_run_with_its_saved_settings(tmp_path, monkeypatch, capsys):
+    """`snlp adapt --out DIR --resume` alone, from another folder, continues the run as `snlp train --resume` does: the
+    base, the plan and every setting not typed are the saved run's (relative paths recorded absolute), and the
+    drafter equals the uninterrupted run's bit for bit; a typed other value of a setting the run keeps is refused
+    before any work, naming the saved one."""
+    from safetensors.torch import load_file
+
+    from snlp.apps.cli import main
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt,chat:chat.jsonl", "--steps", "8",
+           "--seq-len", "24", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "4",
+           "--eval-batches", "2", "--val-frac", "0.25", "--seed", "3", "--no-progress"]
+    assert main([*run, "--out", "a"]) == 0
+    assert main([*run, "--out", "b", "--stop-after", "4", "--save-every", "4"]) == 0
+    assert (tmp_path / "b" / "run").is_dir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    b = str(tmp_path / "b")
+    log = (tmp_path / "b" / "run" / "log.jsonl").read_text()
+    capsys.readouterr()
+    for typed, said in ((["--lr", "0.01"], "--lr 0.003 (not 0.01)"), (["--seed", "0"], "--seed 3 (not 0)"),
+                        (["--plan", "1xF2-h0-K1"], "plan 2xF1-h0-K1")):
+        assert main(["adapt", "--out", b, "--resume", *typed]) == 2
+        assert said in capsys.readouterr().err
+    assert (tmp_path / "b" / "run" / "log.jsonl").read_text() == log  # refused before any work
+    assert main(["adapt", "--out", b, "--resume"]) == 0
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("a", "b"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    ca, cb = (json.loads((tmp_path / x / "drafter.json").read_text())["record"]["config"] for x in ("a", "b"))
+    assert cb["src"] == str(tmp_path / "base") and cb["data"] == f"{tmp_path / 'text.txt'},chat:{tmp_path / 'chat.jsonl'}"
+    assert {k for k in ca if ca[k] != cb[k]} == {"out", "resume", "save_every"}
+    # without a saved run there is nothing to take SRC and --plan from
+    assert main(["adapt", "--out", str(tmp_path / "c"), "--resume"]) == 2
+    assert "SRC and --plan" in capsys.readouterr().err
+    assert main(["adapt", "--out", str(tmp_path / "c"), "--steps", "2"]) == 2
+
+
 def test_adapt_resume_refuses_another_base(tmp_path):
     """--resume with another base is refused before any work (it would otherwise continue and
     stamp the new base's fingerprint on a drafter trained on the old one)."""

@@ -228,6 +228,32 @@ def test_save_every_of_a_lora_run_is_refused_not_ignored(tmp_path):
     assert train_config(AdaptConfig(**kw, save_every=7), 64).save_every == 7
 
 
+def test_save_every_means_an_interval_and_the_record_says_what_ran(tmp_path, capsys):
+    """--save-every N: a resumable checkpoint every N > 0 steps, 0 at the end only; a negative N means nothing (the
+    loop's `step % N` would save after every step) and is refused with one line before any work, by snlp adapt and
+    snlp train alike (--from-model, which trains nothing, takes none). The drafter's record holds the interval the
+    run used: 50 for a full-weight run without the flag, 0 for a LoRA run (not null)."""
+    from snlp.apps.cli import main
+    from snlp.train.adapt import AdaptConfig, adapt
+    from snlp.train.config import TrainConfig
+
+    kw = dict(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"))
+    for bad in (dict(save_every=-1), dict(save_every=-1, lora_rank=4), dict(save_every=5, from_model="x")):
+        with pytest.raises(ValueError, match="--save-every") as e:
+            adapt(AdaptConfig(**kw, **bad))  # (the base does not even exist)
+        assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    with pytest.raises(ValueError, match="--save-every must be >= 0"):
+        TrainConfig(out=str(tmp_path / "t"), save_every=-1).check()
+    capsys.readouterr()
+    assert main(["adapt", kw["src"], "--plan", kw["plan"], "--out", kw["out"], "--save-every", "-1"]) == 2
+    assert main(["train", "--out", str(tmp_path / "t"), "--save-every", "-1"]) == 2
+    assert capsys.readouterr().err.count("--save-every must be >= 0") == 2
+    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()
+    for out, lora, want in (("full", 0, 50), ("lora", 4, 0)):
+        adapt(adapt_cfg(tmp_path, out=out, steps=2, save_every=None, lora_rank=lora))
+        assert json.loads((tmp_path / out / "drafter.json").read_text())["record"]["config"]["save_every"] == want
+
+
 def test_cli_takes_the_options(tmp_path, capsys):
     from snlp.apps.cli import main
 
