@@ -259,10 +259,12 @@ def pick_version(names, mc: dict, gate_width: int | None, overrides: dict | None
     fit = [k for k in found if all(getattr(VERSIONS[k], f) == v for f, v in over.items())] or found
     left = {tuple(over.get(f, getattr(VERSIONS[k], f)) for f in VERSION_FIELDS) for k in fit}
     if len(left) > 1:
-        choices = "; ".join(f"{k} ({VERSIONS[k].commits}): overrides={_choice(k, found)}" for k in found)
+        choices = "; ".join(f"{k} ({VERSIONS[k].commits}): " + " ".join(f"{f}={json.dumps(v)}" for f, v in
+                                                                         _choice(k, found).items()) for k in found)
         raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose logits differ and whose "
-                         f"files are alike; pass the overrides of yours to snlp.load / load_nanochat (CLI: snlp "
-                         f"convert DIR --out OUT --nanochat-override FIELD=VALUE): {choices}")
+                         f"files are alike; name yours by its FIELD=VALUE pairs, as overrides={{FIELD: VALUE}} to "
+                         f"snlp.load / load_nanochat or `snlp convert DIR --out OUT --nanochat-override FIELD=VALUE` "
+                         f"each: {choices}")
     return fit[0]
 
 
@@ -311,7 +313,10 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     cfg = config_from_nanochat(mc, ve_gate_channels=12 if gate is None else int(gate.shape[1]),
                                smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=version)
     if overrides:
-        cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
+        try:
+            cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
     check_finite(state, mf)
     with torch.device("meta"):
