@@ -172,7 +172,9 @@ def nanochat_versions(names, mc: dict, gate_width: int | None) -> list[str]:
             raise ValueError("this nanochat checkpoint has a window_pattern but no resid_lambdas: no nanochat version "
                              "wrote that (windows came after the lambdas, 2026-01-11)")
         return ["windows"]
-    return ["lambdas" if lambdas else "base"]
+    # scripts/mid_train.py wrote its model_config without window_pattern up to its removal (2026-01-31), so a
+    # midtrained checkpoint of the windows version looks like the lambdas version's (nanochat loads it with "L")
+    return ["lambdas", "windows"] if lambdas else ["base"]
 
 
 def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = True, backout: bool = True,
@@ -249,29 +251,52 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def pick_version(names, mc: dict, gate_width: int | None, overrides: dict | None, where) -> str:
-    """The VERSIONS key of these files (nanochat_versions) once `overrides` are applied: where several versions fit
-    and the overrides leave their constants different, a one-line ValueError naming them and the overrides that
-    choose each."""
-    found = nanochat_versions(names, mc, gate_width)
-    over = {f: v for f, v in (overrides or {}).items() if f in VERSION_FIELDS}
-    # the versions whose own constants the overrides name (all of them where the overrides set other values)
-    fit = [k for k in found if all(getattr(VERSIONS[k], f) == v for f, v in over.items())] or found
-    left = {tuple(over.get(f, getattr(VERSIONS[k], f)) for f in VERSION_FIELDS) for k in fit}
-    if len(left) > 1:
-        choices = "; ".join(f"{k} ({VERSIONS[k].commits}): " + " ".join(f"{f}={json.dumps(v)}" for f, v in
-                                                                         _choice(k, found).items()) for k in found)
-        raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose logits differ and whose "
-                         f"files are alike; name yours by its FIELD=VALUE pairs, as overrides={{FIELD: VALUE}} to "
-                         f"snlp.load / load_nanochat or `snlp convert DIR --out OUT --nanochat-override FIELD=VALUE` "
-                         f"each: {choices}")
-    return fit[0]
+def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
+    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
+    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
+    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
+    differ, a one-line ValueError naming each with the overrides that choose it."""
+    over = dict(overrides or {})
+    want = over.pop("version", None)
+    bad = sorted(set(over) - set(GPTConfig.__dataclass_fields__))
+    if bad:
+        raise ValueError(f"overrides name no GPTConfig field: {bad} (or 'version', one of {list(VERSIONS)})")
+    gate = next((v for k, v in sd.items() if GATE_RE.match(k)), None)
+    width = None if gate is None else int(gate.shape[1])
+    found = nanochat_versions(sd, mc, width)
+    if want is not None and want not in found:
+        raise ValueError(f"overrides name version {want!r}, but {where}'s files fit {found} only")
+    # the versions the overrides name: outright, or by their own constants (all found where the values are others)
+    fit = [want] if want else [k for k in found if all(getattr(VERSIONS[k], f) == v for f, v in over.items()
+                                                       if f in VERSION_FIELDS)] or found
+
+    def config(key: str) -> GPTConfig:
+        cfg = config_from_nanochat(mc, ve_gate_channels=12 if width is None else width,
+                                   smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=key)
+        try:
+            return GPTConfig(**{**cfg.to_dict(), **over}) if over else cfg
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
+
+    configs = [config(k) for k in fit]
+    if any(c != configs[0] for c in configs[1:]):
+        choices = "; ".join(f"version={k} ({VERSIONS[k].commits}: {_differs(k, found)})" for k in found)
+        raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose files are alike and "
+                         f"whose logits differ; name yours, as overrides={{'version': KEY}} to snlp.load / "
+                         f"load_nanochat or `snlp convert DIR --out OUT --nanochat-override version=KEY`, or by the "
+                         f"constants that differ: {choices}")
+    return configs[0]
 
 
-def _choice(key: str, among: list[str]) -> dict:
-    """The VERSION_FIELDS in which `key` differs from the other versions in `among`, with its values."""
+def _differs(key: str, among: list[str]) -> str:
+    """How version `key` differs from the others in `among`: its values of the VERSIONS fields that differ."""
     v = VERSIONS[key]
-    return {f: getattr(v, f) for f in VERSION_FIELDS if len({getattr(VERSIONS[k], f) for k in among}) > 1}
+    parts = [f"{f}={json.dumps(getattr(v, f))}" for f in VERSION_FIELDS
+             if len({getattr(VERSIONS[k], f) for k in among}) > 1]
+    if len({VERSIONS[k].short for k in among}) > 1:
+        parts.append({"": "no windows (full causal attention)", "half": "windows of sequence_len (its loader "
+                      "patches a missing window_pattern to L)"}.get(v.short, f"{v.short} windows"))
+    return ", ".join(parts)
 
 
 def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
@@ -279,8 +304,8 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
     the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
     (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
-    does. `overrides` (GPTConfig fields, e.g. {"softcap": 20.0}) choose between versions the files cannot tell
-    apart, and otherwise replace the version's constants."""
+    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
+    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         path, step = path.parent, int(m.group(1)) if step is None else step
@@ -290,9 +315,6 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")
-    bad = sorted(set(overrides or {}) - set(GPTConfig.__dataclass_fields__))
-    if bad:
-        raise ValueError(f"overrides name no GPTConfig field: {bad}")
     mf, jf = path / f"model_{step:06d}.pt", path / f"meta_{step:06d}.json"
     try:
         meta = json.loads(jf.read_text())
@@ -308,15 +330,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
-    gate = next((v for k, v in sd.items() if GATE_RE.match(k)), None)
-    version = pick_version(sd, mc, None if gate is None else int(gate.shape[1]), overrides, mf)
-    cfg = config_from_nanochat(mc, ve_gate_channels=12 if gate is None else int(gate.shape[1]),
-                               smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=version)
-    if overrides:
-        try:
-            cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
+    cfg = nanochat_config(sd, mc, overrides, mf)
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
     check_finite(state, mf)
     with torch.device("meta"):

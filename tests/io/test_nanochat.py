@@ -29,38 +29,45 @@ ATOL = 2e-5  # fp32 logits of order 5: round-off of two implementations of the s
 
 
 # upstream nanochat's versions (snlp.io.nanochat.VERSIONS), each checkpoint written by the version's last commit
-# (the lambdas version: 201d705, its last commit that runs on a CPU); the three ve32* versions write alike files
+# (the lambdas version: 201d705, its last commit that runs on a CPU)
 UPSTREAM = {"upstream-2c4473d": "base", "upstream-201d705": "lambdas", "upstream-184d4c1": "windows",
             "upstream-83dccc2": "ve32", "upstream-1076f97": "ve32-cap20", "upstream-f068604": "ve12",
             "upstream-92d63d4": "smear"}
-ALIKE = ("ve32", "ve32-cap20-bf16", "ve32-cap20")
+VE32 = ("ve32", "ve32-cap20-bf16", "ve32-cap20")  # alike files, other softcap / RoPE tables
+ALIKE = {"lambdas": ["lambdas", "windows"], **{k: list(VE32) for k in VE32}}  # what nanochat_versions finds
 
 
 def ref(name: str) -> dict:
     return torch.load(DATA / name / "reference.pt")
 
 
-def version_overrides(key: str) -> dict:
-    """The overrides the refusal of an ALIKE checkpoint names for version `key`."""
-    return {"softcap": VERSIONS[key].softcap, "rope_bf16": VERSIONS[key].rope_bf16}
-
-
-def files_of(name: str) -> tuple[set, dict, int | None]:
-    sd = torch.load(DATA / name / "model_000000.pt")
-    mc = json.loads((DATA / name / "meta_000000.json").read_text())["model_config"]
+def files_of(d: Path) -> tuple[dict, dict, int | None]:
+    sd = torch.load(d / "model_000000.pt")
+    mc = json.loads((d / "meta_000000.json").read_text())["model_config"]
     gate = next((v.shape[1] for k, v in sd.items() if k.endswith("attn.ve_gate.weight")), None)
-    return set(sd), mc, gate
+    return sd, mc, gate
+
+
+def max_err(model, r: dict, key: str = "logits") -> float:
+    with torch.no_grad():
+        got = model(r["idx"])
+    return (got[:, -r[key].shape[1]:] - r[key]).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_each_upstream_version_is_placed_by_its_files(name):
+    """nanochat_versions places each upstream checkpoint in the version that wrote it, or among the versions whose
+    files are alike (a lambdas checkpoint looks like a midtrained windows one; the three ve32 versions alike)."""
+    assert nanochat_versions(*files_of(DATA / name)) == ALIKE.get(UPSTREAM[name], [UPSTREAM[name]])
 
 
 @pytest.mark.parametrize("name", [n for n, v in UPSTREAM.items() if v not in ALIKE])
 def test_each_upstream_version_loads_with_the_logits_it_computes(name):
-    """snlp.load of a checkpoint each upstream nanochat version wrote gives that version's own fp32 CPU logits:
-    base (no lambdas, RoPE 10000 with bf16 tables, full causal attention past sequence_len = 128 on 160 tokens),
-    lambdas (patched nowhere: stored), windows (S = T // 2, L = T), ve12 (RoPE 100000, q,k x 1.15, gate 3 sigmoid
-    over 12 channels, S = ceil(T / 3 / 128) * 128 = 256 crossed by 272 tokens), smear (upstream HEAD). main's loader
-    refused base, lambdas and windows ("lacks resid_lambdas" / "lacks value_embeds") and gave ve12 other logits."""
-    files = files_of(name)
-    assert nanochat_versions(*files) == [UPSTREAM[name]]
+    """snlp.load of a checkpoint an upstream nanochat version wrote gives that version's own fp32 CPU logits:
+    base (no lambdas: patched to 1 / 0; RoPE 10000 with bf16 tables; full causal attention past sequence_len = 128
+    on 160 tokens), windows (S = T // 2, L = T), ve12 (RoPE 100000, q,k x 1.15, gate 3 sigmoid over 12 channels,
+    S = ceil(T / 3 / 128) * 128 = 256, crossed by 272 tokens), smear (upstream HEAD). main's loader refused base and
+    windows ("lacks ...ve_gate.weight") and gave ve12 logits 2.3 off; HEAD it loaded right."""
     model, tok = snlp.load(DATA / name)
     r = ref(name)
     assert tok is None
@@ -68,44 +75,68 @@ def test_each_upstream_version_loads_with_the_logits_it_computes(name):
         torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", [n for n, v in UPSTREAM.items() if v in ALIKE])
-def test_alike_upstream_versions_are_refused_then_load_with_the_named_overrides(name, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["upstream-83dccc2", "upstream-1076f97"])
+def test_the_ve32_versions_are_refused_then_load_with_the_named_version(name, tmp_path, capsys):
     """The files of ve32 (softcap 15, bf16 RoPE tables), ve32-cap20-bf16 (softcap 20) and ve32-cap20 (softcap 20,
-    fp32 tables) are alike: snlp.load refuses them in one line naming the three and their overrides, before any
-    model is built; with the overrides of the version that wrote the checkpoint it gives that version's logits, and
-    with another's it does not (the overrides matter); `snlp convert --nanochat-override` does the same. main's
-    loader gave other logits without a word."""
+    fp32 tables) are alike: snlp.load refuses them in one line naming the three and what differs, before any model
+    is built; with the version that wrote the checkpoint (overrides={"version": KEY}, or the constants that name
+    it) it gives that version's logits, and with another's it does not; `snlp convert --nanochat-override` does the
+    same. main's loader gave logits 3.7 (ve32) and 4.4 (ve32-cap20) off without a word."""
     r = ref(name)
     with pytest.raises(ValueError, match="one of 3 nanochat versions") as err:
         snlp.load(DATA / name)
     msg = str(err.value)
-    assert "\n" not in msg and all(f"{k} (" in msg for k in ALIKE)
-    assert "rope_bf16=true softcap=15.0" in msg and "rope_bf16=false softcap=20.0" in msg
+    assert "\n" not in msg and all(f"version={k} (" in msg for k in VE32)
+    assert "rope_bf16=true, softcap=15.0" in msg and "rope_bf16=false, softcap=20.0" in msg
     with pytest.raises(ValueError, match="one of 3"):  # softcap 20 alone leaves two versions
         snlp.load(DATA / name, overrides={"softcap": 20.0})
-    for key in ALIKE:
-        model, _ = snlp.load(DATA / name, overrides=version_overrides(key))
-        with torch.no_grad():
-            err = (model(r["idx"]) - r["logits"]).abs().max().item()
-        assert (err <= ATOL) == (key == UPSTREAM[name]), (key, err)
-    if UPSTREAM[name] == "ve32":  # softcap 15 names one version: its rope_bf16 follows
-        model, _ = snlp.load(DATA / name, overrides={"softcap": 15.0})
-        assert model.config.rope_bf16
+    for key in VE32:
+        model, _ = snlp.load(DATA / name, overrides={"version": key})
+        assert (max_err(model, r) <= ATOL) == (key == UPSTREAM[name]), key
+        v = VERSIONS[key]
+        by_constants, _ = snlp.load(DATA / name, overrides={"softcap": v.softcap, "rope_bf16": v.rope_bf16})
+        assert by_constants.config == model.config
+    if UPSTREAM[name] == "ve32":  # softcap 15 alone names one version: its rope_bf16 follows
+        assert snlp.load(DATA / name, overrides={"softcap": 15.0})[0].config.rope_bf16
+    with pytest.raises(ValueError, match="fit"):
+        snlp.load(DATA / name, overrides={"version": "ve12"})
     out = tmp_path / "conv"
     assert cli_main(["convert", str(DATA / name), "--out", str(out)]) == 2
     assert "one of 3 nanochat versions" in capsys.readouterr().err and not out.exists()
-    pairs = [f"{k}={json.dumps(v)}" for k, v in version_overrides(UPSTREAM[name]).items()]
-    assert cli_main(["convert", str(DATA / name), "--out", str(out)]
-                    + [a for p in pairs for a in ("--nanochat-override", p)]) == 0
+    assert cli_main(["convert", str(DATA / name), "--out", str(out), "--nanochat-override",
+                     f"version={UPSTREAM[name]}"]) == 0
     model, _ = snlp.load(out)
     with torch.no_grad():
         torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
 
 
+def test_lambdas_and_a_midtrained_windows_checkpoint_are_refused_then_load_with_the_named_version(tmp_path):
+    """A lambdas-version checkpoint (2026-01-11: no windows, full causal attention) and a midtrained one of the
+    windows version (mid_train wrote no window_pattern; nanochat's loader then runs "L": windows of sequence_len)
+    have alike files and differ past sequence_len (128; 160 tokens): both refused in one line; version=lambdas gives
+    201d705's logits, version=windows 184d4c1's run with "L" (its reference logits_L, past sequence_len), and
+    neither the other's. main's loader refused both ("lacks ...ve_gate.weight")."""
+    mid = tmp_path / "mid"
+    shutil.copytree(DATA / "upstream-184d4c1", mid)
+    meta = json.loads((mid / "meta_000000.json").read_text())
+    meta["model_config"].pop("window_pattern")
+    (mid / "meta_000000.json").write_text(json.dumps(meta))
+    for d, r, right in ((DATA / "upstream-201d705", ref("upstream-201d705"), "lambdas"),
+                        (mid, ref("upstream-184d4c1"), "windows")):
+        with pytest.raises(ValueError, match="one of 2 nanochat versions") as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value) and "version=lambdas (" in str(err.value)
+        for key in ("lambdas", "windows"):
+            model, _ = snlp.load(d, overrides={"version": key})
+            off = max_err(model, r, "logits" if right == "lambdas" else "logits_L")
+            assert (off <= ATOL) == (key == right), (d.name, key, off)
+
+
 def test_a_2025_checkpoint_unpadded_and_compiled_loads_with_patched_lambdas(tmp_path):
     """A checkpoint from before the vocabulary padding (f1bf69d, 2025-12-09: wte / lm_head of vocab_size rows) with
     torch.compile's key prefix loads as the padded one: resid / x0 lambdas set to 1 / 0 (nanochat's patch), every
-    layer full causal past sequence_len (128 here, 160 tokens), RoPE 10000 with bf16 tables."""
+    layer full causal past sequence_len (128 here, 160 tokens), RoPE 10000 with bf16 tables. main's loader refused
+    it."""
     d = tmp_path / "old"
     shutil.copytree(DATA / "upstream-2c4473d", d)
     sd = torch.load(d / "model_000000.pt")

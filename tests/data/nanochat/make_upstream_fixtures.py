@@ -32,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 # directory name -> (commit, GPTConfig fields, token ids (batch, length)). sequence_len and the lengths are picked so
 # that each era's windows are crossed: 128 with 160 tokens (the full-context eras attend past sequence_len, the
 # windowed ones do not; "S" = 64 there), and for f068604 512 with 272 tokens ("S" = ceil(512 / 3 / 128) * 128 =
-# 256 there, 128 under the later quarter rule).
+# 256 there, 128 under the later quarter rule). upstream-184d4c1's reference also holds `logits_L`: the same weights
+# run by that code with window_pattern "L", which is how its loader runs a midtrained checkpoint (whose meta has no
+# window_pattern), at the positions past sequence_len.
 BASE = dict(vocab_size=100, n_layer=4, n_head=2, n_kv_head=1, n_embd=32)
 ERAS = {
     "upstream-2c4473d": ("2c4473d", dict(BASE, sequence_len=128), (2, 160)),
@@ -81,11 +83,19 @@ idx = torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual
 with torch.no_grad():
     logits = model(idx)
 assert logits.dtype == torch.float32 and logits.shape == (*shape, cfg.vocab_size), (logits.dtype, logits.shape)
+ref = {"idx": idx, "logits": logits}
+if name == "upstream-184d4c1":  # as nanochat's loader runs this model from a meta without window_pattern
+    # (scripts/mid_train.py wrote none until 2026-01-31): its "L" windows, the same weights
+    model_L = GPT(GPTConfig(**{**kw, "window_pattern": "L"}))
+    model_L.init_weights()
+    model_L.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref["logits_L"] = model_L.eval()(idx)[:, cfg.sequence_len:].clone()  # past sequence_len (file size)
 state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
 meta = {"step": 0, "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "user_config": {},
         "device_batch_size": 1, "max_seq_len": cfg.sequence_len}
 save_checkpoint(os.path.join(out, name), 0, state, None, meta)
-torch.save({"idx": idx, "logits": logits}, os.path.join(out, name, "reference.pt"))
+torch.save(ref, os.path.join(out, name, "reference.pt"))
 print(name, sorted(state), tuple(logits.shape), flush=True)
 '''
 
