@@ -27,14 +27,19 @@ window_size=(T, 0)), without them the whole input (the two differ past T tokens 
 cos / sin tables are rounded to bf16 in every dtype (GPTConfig.rope_bf16); "compute": kept in the compute dtype.
 The vocabulary is padded to a multiple of 64 from f1bf69d (2025-12-09) on, which changes no logit.
 
-What the files show, and so how a checkpoint is placed (`nanochat_versions`): smear_gate / smear_lambda /
-backout_lambda, or a nanochat-snlp meta (use_mhc, no_ve, num_mtp_steps, ...) -> smear; else a value-embedding gate
-of input width 12 -> ve12, of width 32 -> ve32, ve32-cap20-bf16 or ve32-cap20, which no file tells apart (refused
-unless `overrides` pick one: softcap, rope_bf16; the refusal lists the dict for each); else window_pattern in the
-meta -> windows; else resid_lambdas -> lambdas; else base. Refused in one line: the value-residual experiments of
-2026-01-16 (e3f58b8..9a88194: value_embed_A / value_embed / v0_lambdas) and the bigram "engram" of 2026-01-25..28
-(59e36cc..c8d93be: bigram_embed / bigram_lambdas), which snlp's model does not carry, and combinations no version
-wrote.
+What the files show, and so how a checkpoint is placed (`nanochat_versions`):
+  - smear_gate / smear_lambda / backout_lambda, or a nanochat-snlp meta (use_mhc, no_ve, num_mtp_steps, ...): smear;
+  - a value-embedding gate (n_kv_head, 12): ve12; (n_kv_head, 32) with window_pattern in the meta: ve32,
+    ve32-cap20-bf16 or ve32-cap20, whose files are alike (refused); (n_kv_head, 32) without it: ve32 (mid_train and
+    chat_sft wrote no window_pattern up to 2026-02-01, 8b4849d; nanochat's loader then runs "L");
+  - no value embeddings, window_pattern in the meta: windows; resid_lambdas without it: lambdas or a midtrained
+    windows checkpoint (mid_train wrote no window_pattern; nanochat's loader runs it with "L", windows of T; the two
+    differ past T tokens) (refused); no resid_lambdas: base.
+A refusal lists each candidate and what differs; `overrides={"version": KEY}` names the version outright, or the
+GPTConfig values that differ do (softcap / rope_bf16, layer_windows). Refused in one line too: the value-residual
+experiments of 2026-01-16 (e3f58b8..9a88194: value_embed_A / value_embed / v0_lambdas) and the bigram "engram" of
+2026-01-25..28 (59e36cc..c8d93be: bigram_embed / bigram_lambdas), whose parts snlp's model does not carry, and
+combinations no version wrote.
 
 What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part):
   - the padded vocabulary (wte, lm_head, value embeddings) is cut to vocab_size;
@@ -160,8 +165,9 @@ def nanochat_versions(names, mc: dict, gate_width: int | None) -> list[str]:
     if gate_width is not None:
         if gate_width == 12:
             return ["ve12"]
-        if gate_width == 32:
-            return ["ve32", "ve32-cap20-bf16", "ve32-cap20"]
+        if gate_width == 32:  # every script wrote window_pattern into the meta from 2026-02-01 (8b4849d) on, so a
+            # meta without it (mid_train, chat_sft of 2026-01-31..02-01) comes from before the softcap-20 versions
+            return ["ve32", "ve32-cap20-bf16", "ve32-cap20"] if "window_pattern" in mc else ["ve32"]
         raise ValueError(f"this nanochat checkpoint's value-embedding gate reads {gate_width} channels; nanochat's "
                          f"read 32 (2026-01-16..03-09) or 12 (from 2026-03-09)")
     if any(k.startswith("value_embeds.") for k in names):

@@ -98,6 +98,15 @@ def test_the_ve32_versions_are_refused_then_load_with_the_named_version(name, tm
         assert by_constants.config == model.config
     if UPSTREAM[name] == "ve32":  # softcap 15 alone names one version: its rope_bf16 follows
         assert snlp.load(DATA / name, overrides={"softcap": 15.0})[0].config.rope_bf16
+        # a meta without window_pattern (mid_train / chat_sft up to 2026-02-01) predates the softcap-20 versions:
+        # ve32, run with "L" windows as nanochat's loader patches the pattern
+        d = tmp_path / "mid"
+        shutil.copytree(DATA / name, d)
+        meta = json.loads((d / "meta_000000.json").read_text())
+        meta["model_config"].pop("window_pattern")
+        (d / "meta_000000.json").write_text(json.dumps(meta))
+        cfg = snlp.load(d)[0].config
+        assert cfg.softcap == 15.0 and cfg.rope_bf16 and cfg.layer_windows == [cfg.sequence_len] * cfg.n_layer
     with pytest.raises(ValueError, match="fit"):
         snlp.load(DATA / name, overrides={"version": "ve12"})
     out = tmp_path / "conv"
