@@ -59,7 +59,6 @@ nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +135,7 @@ def short_window(sequence_len: int, rule: str = "quarter") -> int:
     it rounded up to FA3's tile of 128."""
     if rule == "half":
         return sequence_len // 2
-    return math.ceil(sequence_len / {"third": 3, "quarter": 4}[rule] / 128) * 128
+    return -(-sequence_len // {"third": 3, "quarter": 4}[rule] // 128) * 128  # nanochat's integer ceil
 
 
 def nanochat_windows(pattern: str, n_layer: int, sequence_len: int, rule: str = "quarter") -> list[int]:
