@@ -66,8 +66,9 @@ def test_each_upstream_version_loads_with_the_logits_it_computes(name):
     """snlp.load of a checkpoint an upstream nanochat version wrote gives that version's own fp32 CPU logits:
     base (no lambdas: patched to 1 / 0; RoPE 10000 with bf16 tables; full causal attention past sequence_len = 128
     on 160 tokens), windows (S = T // 2, L = T), ve12 (RoPE 100000, q,k x 1.15, gate 3 sigmoid over 12 channels,
-    S = ceil(T / 3 / 128) * 128 = 256, crossed by 272 tokens), smear (upstream HEAD). main's loader refused base and
-    windows ("lacks ...ve_gate.weight") and gave ve12 logits 2.3 off; HEAD it loaded right."""
+    S = ceil(T / 3 / 128) * 128 = 256, crossed by 272 tokens), smear (upstream HEAD). A loader with the smear
+    version's constants for every checkpoint refuses base and windows and gives ve12 logits 2.3 off
+    (docs/records/2026-11-27-nanochat-versions.md)."""
     model, tok = snlp.load(DATA / name)
     r = ref(name)
     assert tok is None
@@ -81,7 +82,7 @@ def test_the_ve32_versions_are_refused_then_load_with_the_named_version(name, tm
     fp32 tables) are alike: snlp.load refuses them in one line naming the three and what differs, before any model
     is built; with the version that wrote the checkpoint (overrides={"version": KEY}, or the constants that name
     it) it gives that version's logits, and with another's it does not; `snlp convert --nanochat-override` does the
-    same. main's loader gave logits 3.7 (ve32) and 4.4 (ve32-cap20) off without a word."""
+    same. The smear version's constants give logits 3.7 (ve32) and 4.4 (ve32-cap20) off."""
     r = ref(name)
     with pytest.raises(ValueError, match="one of 3 nanochat versions") as err:
         snlp.load(DATA / name)
@@ -124,7 +125,7 @@ def test_lambdas_and_a_midtrained_windows_checkpoint_are_refused_then_load_with_
     windows version (mid_train wrote no window_pattern; nanochat's loader then runs "L": windows of sequence_len)
     have alike files and differ past sequence_len (128; 160 tokens): both refused in one line; version=lambdas gives
     201d705's logits, version=windows 184d4c1's run with "L" (its reference logits_L, past sequence_len), and
-    neither the other's. main's loader refused both ("lacks ...ve_gate.weight")."""
+    neither the other's."""
     mid = tmp_path / "mid"
     shutil.copytree(DATA / "upstream-184d4c1", mid)
     meta = json.loads((mid / "meta_000000.json").read_text())
@@ -144,8 +145,7 @@ def test_lambdas_and_a_midtrained_windows_checkpoint_are_refused_then_load_with_
 def test_a_2025_checkpoint_unpadded_and_compiled_loads_with_patched_lambdas(tmp_path):
     """A checkpoint from before the vocabulary padding (f1bf69d, 2025-12-09: wte / lm_head of vocab_size rows) with
     torch.compile's key prefix loads as the padded one: resid / x0 lambdas set to 1 / 0 (nanochat's patch), every
-    layer full causal past sequence_len (128 here, 160 tokens), RoPE 10000 with bf16 tables. main's loader refused
-    it."""
+    layer full causal past sequence_len (128 here, 160 tokens), RoPE 10000 with bf16 tables."""
     d = tmp_path / "old"
     shutil.copytree(DATA / "upstream-2c4473d", d)
     sd = torch.load(d / "model_000000.pt")
