@@ -46,7 +46,8 @@ kernel (masked reference / banded with stacks grouped by window: test_window_ker
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
 backout, which inside an SNLP suffix reads the iterate of the chunk holding the halfway layer; q/k scale 1.2; the
-12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn).
+12-channel, 3-sigmoid value-embedding gate; with HCN cells also the static softmax-map mHC with a tau-0.05 Sinkhorn),
+older nanochat's bf16 RoPE tables on / off (rope_bf16, drawn in the decoding cells: every path reads GPT.rotary).
 Window widths (WINDOWS): one width tiled ("SL"), width 1, a width wider than T, and widths 0 / 1 / 2 / 3 / 5 / wider
 than T / full mixed per layer. mHC of the HCN cells (MHC): dynamic or static (sigmoid maps; with NANOCHAT the softmax
 maps).
@@ -273,7 +274,7 @@ def reference_is_snlp(cell: Cell) -> bool:
        eos=st.one_of(st.none(), st.integers(0, 60), st.lists(st.integers(0, 60), min_size=1, max_size=3)),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "x0_residual": st.booleans(),
                                   "windows": st.sampled_from(list(WINDOWS)), "hc": st.sampled_from(list(MHC)),
-                                  "nanochat": st.booleans()}))
+                                  "nanochat": st.booleans(), "rope_bf16": st.booleans()}))
 def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cfg):
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)

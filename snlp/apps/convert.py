@@ -13,9 +13,29 @@ def add_arguments(p) -> None:
                                f"(architectures: {', '.join(SUPPORTED)}), or a nanochat / nanochat-snlp checkpoint "
                                f"directory (model_NNNNNN.pt + meta_NNNNNN.json; its last step, or --step)")
     p.add_argument("--step", type=int, default=None, help="nanochat checkpoints: the step to convert (default: the last)")
+    p.add_argument("--nanochat-override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="nanochat checkpoints: set a GPTConfig field (repeatable; VALUE as JSON, e.g. softcap=20 "
+                        "rope_bf16=false): picks the nanochat version where its files cannot say which wrote them "
+                        "(the refusal lists the fields of each), or replaces a version's constant")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype of the checkpoint")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """{FIELD: VALUE} of --nanochat-override FIELD=VALUE items, VALUE read as JSON (a bare word stays a string)."""
+    import json
+
+    out = {}
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq or not field:
+            raise ValueError(f"--nanochat-override takes FIELD=VALUE (e.g. softcap=20), got {item!r}")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
 
 
 def run(args) -> int:
@@ -25,16 +45,18 @@ def run(args) -> int:
     from snlp.io.hf import from_hf
     from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 
+    overrides = parse_overrides(args.nanochat_override)
     if is_nanochat_dir(args.src):  # its tokenizer (a tiktoken pickle in nanochat's base dir) is not converted
-        model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype))
+        model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype), overrides=overrides)
         path = save_checkpoint(args.out, model)
         cfg = model.config
         print(f"converted nanochat checkpoint {args.src}: {cfg.n_layer} layers, width {cfg.n_embd}, "
               f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M "
               f"parameters -> {path} (no tokenizer: nanochat's is not converted; pass token ids)")
         return 0
-    if args.step is not None:
-        raise ValueError("--step names a step of a nanochat checkpoint directory; this source is not one")
+    if args.step is not None or overrides:
+        raise ValueError("--step and --nanochat-override apply to a nanochat checkpoint directory; this source is "
+                         "not one")
     model, tok = from_hf(args.src, dtype=args.dtype)
     if tok is None:
         raise ValueError(f"{args.src} has no tokenizer; snlp checkpoints need one (save the tokenizer next to the "

@@ -155,12 +155,16 @@ def load_config(path) -> GPTConfig:
         raise ValueError(f"invalid model config in {f}: {e}") from e
 
 
-def load(path, device="cpu") -> tuple[GPT, Tokenizer | None]:
+def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokenizer | None]:
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
-    tokenizer). Raises FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
+    FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
     if is_nanochat_dir(path):
-        return load_nanochat(path, device=device), None
+        return load_nanochat(path, device=device, overrides=overrides), None
+    if overrides:
+        raise ValueError(f"overrides apply to nanochat checkpoints (model_NNNNNN.pt + meta_NNNNNN.json); {path} is "
+                         f"not one, and an snlp checkpoint's config.json already holds every constant")
     path = checkpoint_dir(path)
     cfg = load_config(path)
     wf = path / WEIGHTS

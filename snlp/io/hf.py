@@ -278,7 +278,7 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
     bad = [f"{k}={getattr(cfg, k)!r}" for k, ok in (
         ("mlp_act", "swiglu"), ("embed_norm", False), ("x0_residual", False), ("value_embeds", False),
         ("hc_streams", 0), ("rope_rotate_half", True), ("norm_weights", True), ("smear", False), ("backout", False),
-        ("qk_scale", 1.0)) if getattr(cfg, k) != ok]
+        ("qk_scale", 1.0), ("rope_bf16", False)) if getattr(cfg, k) != ok]
     if cfg.softcap:
         bad.append(f"softcap={cfg.softcap}")
     if cfg.qk_norm == "rope_norm":

@@ -1,29 +1,66 @@
 """nanochat and nanochat-snlp checkpoints in: a directory of `model_NNNNNN.pt` + `meta_NNNNNN.json` (as their
-`checkpoint_manager.save_checkpoint` writes them) becomes an snlp GPT with the same logits (fp32, CPU;
-tests/io/test_nanochat.py checks checkpoints written by the paper's own code). `snlp.load(DIR)` and
-`snlp convert DIR --out OUT` take such a directory.
+`checkpoint_manager.save_checkpoint` writes them) becomes an snlp GPT with the logits of the nanochat version that
+wrote it (fp32, CPU; tests/io/test_nanochat.py checks checkpoints written by the paper's code and by upstream
+nanochat at the last commit of each version below), or a one-line ValueError before any model is built where the
+files cannot say which version wrote them. `snlp.load(DIR, overrides=...)`, `load_nanochat(DIR, overrides=...)` and
+`snlp convert DIR --out OUT --nanochat-override FIELD=VALUE` take such a directory.
+
+nanochat's model code changed its function over time, and its constants live in the code, not in the files. The
+versions of karpathy/nanochat's nanochat/gpt.py (VERSIONS; commit dates; T = sequence_len; the commit-by-commit
+detail is docs/records/2026-11-27-nanochat-versions.md):
+
+  key              commits, dates                        RoPE base, tables  q,k x  softcap  VE gate    "S" window
+  base             3a5e0bc..2c4473d 2025-10-13..01-11    10000, bf16        1      15       -          - (full)
+  lambdas          aa530cd..2ff7d51 2026-01-11           10000, bf16        1      15       -          - (full)
+  windows          fbc1484..184d4c1 2026-01-11..01-16    10000, bf16        1      15       -          T // 2
+  ve32             e85db6b..83dccc2 2026-01-16..03-02    10000, bf16        1      15       2 sig, 32  T // 2
+  ve32-cap20-bf16  aba30cb..752abc8 2026-03-03..03-04    10000, bf16        1      20       2 sig, 32  T // 2
+  ve32-cap20       1076f97          2026-03-04..03-09    10000, compute     1      20       2 sig, 32  T // 2
+  ve12             6ed7d1d..f068604 2026-03-09..03-14    100000, compute    1.15   15       3 sig, 12  ceil(T/3/128)*128
+  smear            a825e63..92d63d4 2026-03-14..07-03    100000, compute    1.2    15       3 sig, 12  ceil(T/4/128)*128
+                   and nanochat-snlp 330ce33 (the paper's fork)
+
+resid / x0 lambdas from `lambdas` on, window_pattern from `windows` on, value embeddings (alternating layers, the
+last included) from `ve32` on, smear and backout in `smear`. Every version: QK-norm after RoPE, relu^2 MLP of width
+4D, parameter-free RMSNorm, untied head; with windows, "L" layers and the last layer see T earlier tokens (FA3's
+window_size=(T, 0)), without them the whole input (the two differ past T tokens only). Tables "bf16": the RoPE
+cos / sin tables are rounded to bf16 in every dtype (GPTConfig.rope_bf16); "compute": kept in the compute dtype.
+The vocabulary is padded to a multiple of 64 from f1bf69d (2025-12-09) on, which changes no logit.
+
+What the files show, and so how a checkpoint is placed (`nanochat_versions`):
+  - smear_gate / smear_lambda / backout_lambda, or a nanochat-snlp meta (use_mhc, no_ve, num_mtp_steps, ...): smear;
+  - a value-embedding gate (n_kv_head, 12): ve12; (n_kv_head, 32) with window_pattern in the meta: ve32,
+    ve32-cap20-bf16 or ve32-cap20, whose files are alike (refused); (n_kv_head, 32) without it: ve32 (mid_train and
+    chat_sft wrote no window_pattern up to 2026-02-01, 8b4849d; nanochat's loader then runs "L");
+  - no value embeddings, window_pattern in the meta: windows; resid_lambdas without it: lambdas or a midtrained
+    windows checkpoint (mid_train wrote no window_pattern; nanochat's loader runs it with "L", windows of T; the two
+    differ past T tokens) (refused); no resid_lambdas: base.
+A refusal lists each candidate and what differs; `overrides={"version": KEY}` names the version outright, or the
+GPTConfig values that differ do (softcap / rope_bf16, layer_windows). Refused in one line too: the value-residual
+experiments of 2026-01-16 (e3f58b8..9a88194: value_embed_A / value_embed / v0_lambdas) and the bigram "engram" of
+2026-01-25..28 (59e36cc..c8d93be: bigram_embed / bigram_lambdas), whose parts snlp's model does not carry, and
+combinations no version wrote.
 
 What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part):
-  - the padded vocabulary (wte, lm_head, value embeddings padded to a multiple of 64) is cut to vocab_size;
-  - RoPE base 100000, QK-norm after RoPE then q, k x 1.2 (qk_scale), softcap 15, relu^2 MLP of width 4D;
-  - value embeddings on alternating layers (the last included) with a gate of 3 sigmoid over the first 12
-    channels (ve_gate_scale, ve_gate_channels; the channel count is read from the stored gate);
-  - window_pattern tiled over the layers, the last always "L" (`layer_windows`, nanochat's FA3 window_size=(w, 0):
-    a query sees itself and the w tokens before it): "S" layers see ceil(sequence_len / 4 / 128) * 128 earlier
-    tokens, "L" layers sequence_len, so past sequence_len tokens the loaded model computes nanochat's function
-    (not full causal attention; up to sequence_len tokens the two are the same);
-  - resid / x0 lambdas unless no_x0_resid; the smear gate and the backout (smear, backout); mHC with
-    mhc_num_streams static streams, softmax H_pre / H_post and a log-space Sinkhorn (hc_maps="softmax" with its
-    iterations and temperature); multi-token-prediction heads (mtp_projs, training only) are dropped;
-  - parameters an older checkpoint lacks get the values nanochat's loader patches in (smear, backout off).
+  - the padded vocabulary (wte, lm_head, value embeddings) is cut to vocab_size;
+  - the version's constants above (rope_base, rope_bf16, qk_scale, softcap, ve_gate_scale; ve_gate_channels is
+    read from the stored gate) and its windows as layer_windows (window_pattern tiled over the layers, the last
+    always "L"; -1, full causal, for the versions without windows);
+  - resid / x0 lambdas unless no_x0_resid, set to 1 / 0 where a checkpoint lacks them (as nanochat's loader patches
+    them: the same function); the smear gate and the backout (smear, backout); mHC with mhc_num_streams static
+    streams, softmax H_pre / H_post and a log-space Sinkhorn (hc_maps="softmax" with its iterations and
+    temperature); multi-token-prediction heads (mtp_projs, training only) are dropped;
+  - a nanochat-snlp checkpoint without smear / backout tensors loads with those parts off, as nanochat-snlp's loader
+    patches them to zero (upstream's loader refuses such a checkpoint).
+`overrides` (GPTConfig fields) change any of these after the version is placed.
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,8 +69,45 @@ from snlp.io.weights import check_finite
 from snlp.model.gpt import GPT, GPTConfig
 
 MODEL_RE, META_RE = re.compile(r"^model_(\d+)\.pt$"), re.compile(r"^meta_(\d+)\.json$")
-ROPE_BASE, QK_SCALE, VE_GATE_SCALE, SOFTCAP = 100000.0, 1.2, 3.0, 15.0
 DROPPED = ("mtp_projs.",)  # training-only heads
+SMEAR_KEYS = ("smear_gate.weight", "smear_lambda", "backout_lambda")
+# model_config keys only nanochat-snlp's GPTConfig has (its meta is written from the whole dataclass)
+FORK_KEYS = {"no_x0_resid", "no_ve", "use_mhc", "mhc_num_streams", "mhc_sinkhorn_iters", "mhc_sinkhorn_tau",
+             "num_mtp_steps", "mtp_loss_weight"}
+KNOWN_KEYS = {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern"} | FORK_KEYS
+GATE_RE = re.compile(r"transformer\.h\.\d+\.attn\.ve_gate\.weight$")
+# tensors of short-lived upstream experiments whose parts snlp's model does not carry
+EXPERIMENTS = {("value_embed_A.", "value_embed_B.", "value_embed.", "v0_lambdas"):
+               "the value-residual experiments of 2026-01-16 (e3f58b8..9a88194)",
+               ("bigram_embed.", "bigram_lambdas"): "the bigram 'engram' of 2026-01-25..28 (59e36cc..c8d93be)"}
+
+
+@dataclass(frozen=True)
+class NanochatVersion:
+    """The constants of one version of nanochat's forward that its checkpoint files do not store."""
+
+    commits: str  # first..last commit of nanochat/gpt.py with this function, and their commit dates
+    rope_base: float
+    rope_bf16: bool  # RoPE tables rounded to bf16 in every dtype
+    qk_scale: float
+    softcap: float
+    ve_gate_scale: float  # value-embedding gate = scale * sigmoid(.) (unused without value embeddings)
+    short: str  # the "S" window of sequence_len T: "" (no windows: every layer full causal), "half", "third", "quarter"
+
+
+VERSIONS = {
+    "base": NanochatVersion("3a5e0bc..2c4473d, 2025-10-13..2026-01-11", 10000.0, True, 1.0, 15.0, 2.0, ""),
+    "lambdas": NanochatVersion("aa530cd..2ff7d51, 2026-01-11", 10000.0, True, 1.0, 15.0, 2.0, ""),
+    "windows": NanochatVersion("fbc1484..184d4c1, 2026-01-11..16", 10000.0, True, 1.0, 15.0, 2.0, "half"),
+    "ve32": NanochatVersion("e85db6b..83dccc2, 2026-01-16..03-02", 10000.0, True, 1.0, 15.0, 2.0, "half"),
+    "ve32-cap20-bf16": NanochatVersion("aba30cb..752abc8, 2026-03-03..04", 10000.0, True, 1.0, 20.0, 2.0, "half"),
+    "ve32-cap20": NanochatVersion("1076f97, 2026-03-04..09", 10000.0, False, 1.0, 20.0, 2.0, "half"),
+    "ve12": NanochatVersion("6ed7d1d..f068604, 2026-03-09..14", 100000.0, False, 1.15, 15.0, 3.0, "third"),
+    "smear": NanochatVersion("a825e63..92d63d4, 2026-03-14..07-03, and nanochat-snlp", 100000.0, False, 1.2, 15.0,
+                             3.0, "quarter"),
+}
+# the fields of GPTConfig a version sets (what an override must name to choose between versions)
+VERSION_FIELDS = ("rope_base", "rope_bf16", "qk_scale", "softcap", "ve_gate_scale")
 
 
 def steps(path) -> list[int]:
@@ -56,29 +130,69 @@ def is_nanochat_dir(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and bool(steps(path))
 
 
-def short_window(sequence_len: int) -> int:
-    """nanochat's "S" window: a quarter of the context, rounded up to FA3's tile of 128."""
-    return math.ceil(sequence_len / 4 / 128) * 128
+def short_window(sequence_len: int, rule: str = "quarter") -> int:
+    """nanochat's "S" window: half the context (2026-01-11..03-09), then a third and from 2026-03-14 a quarter of
+    it rounded up to FA3's tile of 128."""
+    if rule == "half":
+        return sequence_len // 2
+    return -(-sequence_len // {"third": 3, "quarter": 4}[rule] // 128) * 128  # nanochat's integer ceil
 
 
-def nanochat_windows(pattern: str, n_layer: int, sequence_len: int) -> list[int]:
+def nanochat_windows(pattern: str, n_layer: int, sequence_len: int, rule: str = "quarter") -> list[int]:
     """Each layer's left context as nanochat's _compute_window_sizes sets it: "L" -> sequence_len, "S" ->
-    short_window(sequence_len), the pattern tiled over the layers and the last layer "L"."""
-    w = [short_window(sequence_len) if pattern[i % len(pattern)] == "S" else sequence_len for i in range(n_layer)]
+    short_window(sequence_len, rule), the pattern tiled over the layers and the last layer "L"; rule "" (the
+    versions before windows): every layer full causal (-1)."""
+    if not rule:
+        return [-1] * n_layer
+    w = [short_window(sequence_len, rule) if pattern[i % len(pattern)] == "S" else sequence_len
+         for i in range(n_layer)]
     return w[:-1] + [sequence_len]
 
 
-def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = True, backout: bool = True) -> GPTConfig:
-    """The GPTConfig of nanochat's model_config dict (meta_NNNNNN.json), with its defaults for absent keys."""
+def nanochat_versions(names, mc: dict, gate_width: int | None) -> list[str]:
+    """The VERSIONS keys whose files look like these: state dict keys `names` (`_orig_mod.` stripped), meta
+    model_config `mc`, the input width of the stored value-embedding gates (None: none stored). ValueError for
+    tensors of an upstream experiment snlp does not load, and for combinations no version wrote."""
+    names = set(names)
+    for prefixes, what in EXPERIMENTS.items():
+        hit = sorted(k for k in names if k.startswith(prefixes))
+        if hit:
+            raise ValueError(f"this nanochat checkpoint holds {hit[:3]}: it was written by {what}, whose model parts "
+                             f"snlp does not carry")
+    if FORK_KEYS & set(mc) or names & set(SMEAR_KEYS):
+        return ["smear"]
+    if gate_width is not None:
+        if gate_width == 12:
+            return ["ve12"]
+        if gate_width == 32:  # every script wrote window_pattern into the meta from 2026-02-01 (8b4849d) on, so a
+            # meta without it (mid_train, chat_sft of 2026-01-31..02-01) comes from before the softcap-20 versions
+            return ["ve32", "ve32-cap20-bf16", "ve32-cap20"] if "window_pattern" in mc else ["ve32"]
+        raise ValueError(f"this nanochat checkpoint's value-embedding gate reads {gate_width} channels; nanochat's "
+                         f"read 32 (2026-01-16..03-09) or 12 (from 2026-03-09)")
+    if any(k.startswith("value_embeds.") for k in names):
+        raise ValueError("this nanochat checkpoint has value embeddings but no ve_gate: no nanochat version wrote that")
+    lambdas = "resid_lambdas" in names
+    if "window_pattern" in mc:
+        if not lambdas:
+            raise ValueError("this nanochat checkpoint has a window_pattern but no resid_lambdas: no nanochat version "
+                             "wrote that (windows came after the lambdas, 2026-01-11)")
+        return ["windows"]
+    # scripts/mid_train.py wrote its model_config without window_pattern up to its removal (2026-01-31), so a
+    # midtrained checkpoint of the windows version looks like the lambdas version's (nanochat loads it with "L")
+    return ["lambdas", "windows"] if lambdas else ["base"]
+
+
+def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = True, backout: bool = True,
+                         version: str = "smear") -> GPTConfig:
+    """The GPTConfig of nanochat's model_config dict (meta_NNNNNN.json) under VERSIONS[version]'s constants, with
+    nanochat's defaults for absent keys."""
     try:
         L, D = int(mc["n_layer"]), int(mc["n_embd"])
         kw = dict(vocab_size=int(mc["vocab_size"]), n_layer=L, n_head=int(mc["n_head"]),
                   n_kv_head=int(mc.get("n_kv_head", mc["n_head"])), n_embd=D, sequence_len=int(mc["sequence_len"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"nanochat model_config lacks or mangles a size field ({e}): {mc}") from e
-    unknown = sorted(set(mc) - {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                                "window_pattern", "no_x0_resid", "no_ve", "use_mhc", "mhc_num_streams",
-                                "mhc_sinkhorn_iters", "mhc_sinkhorn_tau", "num_mtp_steps", "mtp_loss_weight"})
+    unknown = sorted(set(mc) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"nanochat model_config has fields this loader does not know: {unknown}")
     mhc = bool(mc.get("use_mhc", False))
@@ -88,12 +202,14 @@ def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = Tru
     pattern = str(mc.get("window_pattern", "L")).upper()  # nanochat's loader patches a missing pattern to "L"
     if not pattern or set(pattern) - {"S", "L"}:
         raise ValueError(f"nanochat window_pattern {pattern!r} must be a non-empty string of 'S' and 'L'")
+    v = VERSIONS[version]
+    value_embeds = not mc.get("no_ve", False) and version not in ("base", "lambdas", "windows")
     return GPTConfig(
-        **kw, mlp_ratio=4, window_pattern=pattern, short_window=short_window(kw["sequence_len"]),
-        layer_windows=nanochat_windows(pattern, L, kw["sequence_len"]),
-        x0_residual=not mc.get("no_x0_resid", False), value_embeds=not mc.get("no_ve", False), softcap=SOFTCAP,
-        rope_base=ROPE_BASE, qk_norm="rope_norm", qk_scale=QK_SCALE, ve_gate_channels=ve_gate_channels,
-        ve_gate_scale=VE_GATE_SCALE, smear=smear, backout=backout,
+        **kw, mlp_ratio=4, window_pattern=pattern, short_window=short_window(kw["sequence_len"], v.short or "half"),
+        layer_windows=nanochat_windows(pattern, L, kw["sequence_len"], v.short),
+        x0_residual=not mc.get("no_x0_resid", False), value_embeds=value_embeds, softcap=v.softcap,
+        rope_base=v.rope_base, rope_bf16=v.rope_bf16, qk_norm="rope_norm", qk_scale=v.qk_scale,
+        ve_gate_channels=ve_gate_channels, ve_gate_scale=v.ve_gate_scale, smear=smear, backout=backout,
         hc_streams=int(mc.get("mhc_num_streams", 4)) if mhc else 0, hc_dynamic=False,
         hc_maps="softmax" if mhc else "sigmoid", hc_sinkhorn_iters=int(mc.get("mhc_sinkhorn_iters", 10)) if mhc else 20,
         hc_sinkhorn_tau=float(mc.get("mhc_sinkhorn_tau", 0.05)) if mhc else 1.0)
@@ -101,9 +217,12 @@ def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = Tru
 
 def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     """snlp state dict from nanochat's (keys `_orig_mod.`-stripped, padded vocab cut, value embeddings stacked,
-    mHC logits concatenated as [H_res | H_pre | H_post]); ValueError for missing or unexpected tensors."""
+    mHC logits concatenated as [H_res | H_pre | H_post], resid / x0 lambdas a checkpoint from before them lacks set
+    to 1 / 0 as nanochat's loader patches them); ValueError for missing or unexpected tensors."""
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items() if not k.removeprefix("_orig_mod.").startswith(DROPPED)}
     V, L = cfg.vocab_size, cfg.n_layer
+    if cfg.x0_residual and "resid_lambdas" not in sd and "x0_lambdas" not in sd:
+        sd = {**sd, "resid_lambdas": torch.ones(L), "x0_lambdas": torch.zeros(L)}
     used: set[str] = set()
 
     def take(k: str) -> torch.Tensor:
@@ -137,13 +256,61 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     return out
 
 
+def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
+    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
+    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
+    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
+    differ, a one-line ValueError naming each with the overrides that choose it."""
+    over = dict(overrides or {})
+    want = over.pop("version", None)
+    bad = sorted(set(over) - set(GPTConfig.__dataclass_fields__))
+    if bad:
+        raise ValueError(f"overrides name no GPTConfig field: {bad} (or 'version', one of {list(VERSIONS)})")
+    gate = next((v for k, v in sd.items() if GATE_RE.match(k)), None)
+    width = None if gate is None else int(gate.shape[1])
+    found = nanochat_versions(sd, mc, width)
+    if want is not None and want not in found:
+        raise ValueError(f"overrides name version {want!r}, but {where}'s files fit {found} only")
+    # the versions the overrides name: outright, or by their own constants (all found where the values are others)
+    fit = [want] if want else [k for k in found if all(getattr(VERSIONS[k], f) == v for f, v in over.items()
+                                                       if f in VERSION_FIELDS)] or found
+
+    def config(key: str) -> GPTConfig:
+        cfg = config_from_nanochat(mc, ve_gate_channels=12 if width is None else width,
+                                   smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=key)
+        try:
+            return GPTConfig(**{**cfg.to_dict(), **over}) if over else cfg
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
+
+    configs = [config(k) for k in fit]
+    if any(c != configs[0] for c in configs[1:]):
+        choices = "; ".join(f"version={k} ({VERSIONS[k].commits}: {_differs(k, found)})" for k in found)
+        raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose files are alike and "
+                         f"whose logits differ; name yours, as overrides={{'version': KEY}} to snlp.load / "
+                         f"load_nanochat or `snlp convert DIR --out OUT --nanochat-override version=KEY`, or by the "
+                         f"constants that differ: {choices}")
+    return configs[0]
+
+
+def _differs(key: str, among: list[str]) -> str:
+    """How version `key` differs from the others in `among`: its values of the VERSIONS fields that differ."""
+    v = VERSIONS[key]
+    parts = [f"{f}={json.dumps(getattr(v, f))}" for f in VERSION_FIELDS
+             if len({getattr(VERSIONS[k], f) for k in among}) > 1]
+    if len({VERSIONS[k].short for k in among}) > 1:
+        parts.append({"": "no windows (full causal attention)", "half": "windows of sequence_len (its loader "
+                      "patches a missing window_pattern to L)"}.get(v.short, f"{v.short} windows"))
+    return ", ".join(parts)
+
+
 def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
                   overrides: dict | None = None) -> GPT:
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
-    the last one; a model_NNNNNN.pt path names its step). bf16 checkpoints are upcast to fp32 by default, as
-    nanochat's own CPU loader does. The code constants above (RoPE base, q/k scale, gate scale) are those of
-    nanochat-snlp at 330ce33 and are not recorded in the files: a checkpoint of another nanochat version that
-    changed them loads with `overrides` (GPTConfig fields, e.g. {"rope_base": 10000.0, "qk_scale": 1.0})."""
+    the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
+    (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
+    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
+    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         path, step = path.parent, int(m.group(1)) if step is None else step
@@ -157,6 +324,8 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     try:
         meta = json.loads(jf.read_text())
         mc = meta["model_config"]
+        if not isinstance(mc, dict):
+            raise TypeError("model_config is not an object")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt {jf}: expected JSON with a model_config object ({e})") from e
     try:
@@ -166,14 +335,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
-    gate = next((v for k, v in sd.items() if re.match(r"transformer\.h\.\d+\.attn\.ve_gate\.weight$", k)), None)
-    cfg = config_from_nanochat(mc, ve_gate_channels=12 if gate is None else int(gate.shape[1]),
-                               smear="smear_gate.weight" in sd, backout="backout_lambda" in sd)
-    if overrides:
-        bad = sorted(set(overrides) - set(GPTConfig.__dataclass_fields__))
-        if bad:
-            raise ValueError(f"overrides name no GPTConfig field: {bad}")
-        cfg = GPTConfig(**{**cfg.to_dict(), **overrides})
+    cfg = nanochat_config(sd, mc, overrides, mf)
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
     check_finite(state, mf)
     with torch.device("meta"):

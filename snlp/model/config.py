@@ -59,6 +59,7 @@ class GPTConfig:
     #                           or "softmax" (nanochat-snlp: H_pre, H_post = softmax, log-space Sinkhorn of logits/tau)
     hc_sinkhorn_iters: int = HC_SINKHORN_ITERS  # Sinkhorn rounds for H_res (nanochat-snlp: 10)
     hc_sinkhorn_tau: float = 1.0  # Sinkhorn temperature (hc_maps="softmax" only; nanochat-snlp: 0.05)
+    rope_bf16: bool = False  # RoPE cos / sin tables rounded to bf16 in every dtype (nanochat before 2026-03-04)
 
     def __post_init__(self):
         if self.n_kv_head is None:

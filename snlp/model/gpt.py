@@ -42,6 +42,8 @@ nanochat(-snlp) parts (snlp.io.nanochat sets them; all off by default):
     has run the last layer; an SNLP solve subtracts the current iterate of the chunk holding layer b (its output
     state; for M = 1 layer b's iterate, exact at convergence), as the paper's code does (snlp.method.solver).
   - qk_scale (q, k times 1.2 after the QK-norm), ve_gate_channels / ve_gate_scale (12 channels, 3 sigmoid).
+  - rope_bf16: the RoPE cos / sin tables rounded to bf16 before use in any dtype, as nanochat kept them until
+    2026-03-04 (in fp32 its q, k rotate by the rounded tables; snlp.io.nanochat lists the versions).
 """
 
 
@@ -295,8 +297,11 @@ class GPT(nn.Module):
             t = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
         freqs = (t[..., None] * self.inv_freq.float())[..., None, :]  # fp32 in every dtype, as transformers does
         dtype = self.wte.weight.dtype
-        sin = freqs.sin().to(dtype)
-        return freqs.cos().to(dtype), -sin if self.config.rope_rotate_half else sin
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.config.rope_bf16:  # nanochat up to 2026-03-03 kept its tables in bf16 whatever the compute dtype
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, -sin if self.config.rope_rotate_half else sin
 
     def embed(self, idx: Tensor, cache=None, pos: Tensor | RowPositions | None = None) -> Context:
         """Token ids (B,T) -> the per-forward Context (x0, value embeddings, RoPE). With a KV

@@ -316,6 +316,10 @@ def test_export_rejects_nanochat_models(tmp_path):
     model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, sequence_len=16))
     with pytest.raises(ValueError, match="Llama-family models only"):
         export_hf(model, tmp_path / "x")
+    # bf16-rounded RoPE tables (older nanochat's) are no transformers rotary: refused even on a Llama-family config
+    cfg = config_from_hf(hf_tiny("llama-tied-llama3").config)
+    with pytest.raises(ValueError, match="rope_bf16=True"):
+        export_hf(GPT(GPTConfig(**{**cfg.to_dict(), "rope_bf16": True})), tmp_path / "y")
 
 
 def test_config_json_round_trip(tmp_path):

@@ -1,7 +1,9 @@
 """nanochat / nanochat-snlp checkpoints in (snlp.io.nanochat): the tiny checkpoints under tests/data/nanochat were
-written by the paper's own code (tests/data/nanochat/make_fixtures.py), and reference.pt beside each holds the
-logits that code computed on them (its GPT.forward, and for nanochat-L its per-layer IDN solve). snlp must load
-each with `snlp.load(DIR)` / `snlp convert DIR` and give those logits (fp32, CPU)."""
+written by the paper's own code (nanochat-*, tests/data/nanochat/make_fixtures.py) and by upstream nanochat at the
+last commit of each version of its model (upstream-<commit>, make_upstream_fixtures.py), and reference.pt beside
+each holds the logits that code computed on them (its GPT.forward, and for nanochat-L its per-layer IDN solve).
+snlp must load each with `snlp.load(DIR)` / `snlp convert DIR` and give those logits (fp32, CPU), or, where the
+files cannot say which version wrote them, refuse in one line and load with the overrides the refusal names."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from conftest import argmax_loop
 import snlp
 from snlp import parallel_forward, sequential_generate, snlp_generate, solve, speculative_generate
 from snlp.apps.cli import main as cli_main
-from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+from snlp.io.nanochat import VERSIONS, is_nanochat_dir, load_nanochat, nanochat_versions
 from snlp.model.cache import KVCache
 from snlp.train.config import TrainConfig
 from snlp.train.optim import build_optimizers
@@ -26,8 +28,173 @@ NAMES = ("nanochat-sw", "nanochat-L", "nanochat-mhc")
 ATOL = 2e-5  # fp32 logits of order 5: round-off of two implementations of the same function
 
 
+# upstream nanochat's versions (snlp.io.nanochat.VERSIONS), each checkpoint written by the version's last commit
+# (the lambdas version: 201d705, its last commit that runs on a CPU)
+UPSTREAM = {"upstream-2c4473d": "base", "upstream-201d705": "lambdas", "upstream-184d4c1": "windows",
+            "upstream-83dccc2": "ve32", "upstream-1076f97": "ve32-cap20", "upstream-f068604": "ve12",
+            "upstream-92d63d4": "smear"}
+VE32 = ("ve32", "ve32-cap20-bf16", "ve32-cap20")  # alike files, other softcap / RoPE tables
+ALIKE = {"lambdas": ["lambdas", "windows"], **{k: list(VE32) for k in VE32}}  # what nanochat_versions finds
+
+
 def ref(name: str) -> dict:
     return torch.load(DATA / name / "reference.pt")
+
+
+def files_of(d: Path) -> tuple[dict, dict, int | None]:
+    sd = torch.load(d / "model_000000.pt")
+    mc = json.loads((d / "meta_000000.json").read_text())["model_config"]
+    gate = next((v.shape[1] for k, v in sd.items() if k.endswith("attn.ve_gate.weight")), None)
+    return sd, mc, gate
+
+
+def max_err(model, r: dict, key: str = "logits") -> float:
+    with torch.no_grad():
+        got = model(r["idx"])
+    return (got[:, -r[key].shape[1]:] - r[key]).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_each_upstream_version_is_placed_by_its_files(name):
+    """nanochat_versions places each upstream checkpoint in the version that wrote it, or among the versions whose
+    files are alike (a lambdas checkpoint looks like a midtrained windows one; the three ve32 versions alike)."""
+    assert nanochat_versions(*files_of(DATA / name)) == ALIKE.get(UPSTREAM[name], [UPSTREAM[name]])
+
+
+@pytest.mark.parametrize("name", [n for n, v in UPSTREAM.items() if v not in ALIKE])
+def test_each_upstream_version_loads_with_the_logits_it_computes(name):
+    """snlp.load of a checkpoint an upstream nanochat version wrote gives that version's own fp32 CPU logits:
+    base (no lambdas: patched to 1 / 0; RoPE 10000 with bf16 tables; full causal attention past sequence_len = 128
+    on 160 tokens), windows (S = T // 2, L = T), ve12 (RoPE 100000, q,k x 1.15, gate 3 sigmoid over 12 channels,
+    S = ceil(T / 3 / 128) * 128 = 256, crossed by 272 tokens), smear (upstream HEAD). A loader with the smear
+    version's constants for every checkpoint refuses base and windows and gives ve12 logits 2.3 off
+    (docs/records/2026-11-27-nanochat-versions.md)."""
+    model, tok = snlp.load(DATA / name)
+    r = ref(name)
+    assert tok is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["upstream-83dccc2", "upstream-1076f97"])
+def test_the_ve32_versions_are_refused_then_load_with_the_named_version(name, tmp_path, capsys):
+    """The files of ve32 (softcap 15, bf16 RoPE tables), ve32-cap20-bf16 (softcap 20) and ve32-cap20 (softcap 20,
+    fp32 tables) are alike: snlp.load refuses them in one line naming the three and what differs, before any model
+    is built; with the version that wrote the checkpoint (overrides={"version": KEY}, or the constants that name
+    it) it gives that version's logits, and with another's it does not; `snlp convert --nanochat-override` does the
+    same. The smear version's constants give logits 3.7 (ve32) and 4.4 (ve32-cap20) off."""
+    r = ref(name)
+    with pytest.raises(ValueError, match="one of 3 nanochat versions") as err:
+        snlp.load(DATA / name)
+    msg = str(err.value)
+    assert "\n" not in msg and all(f"version={k} (" in msg for k in VE32)
+    assert "rope_bf16=true, softcap=15.0" in msg and "rope_bf16=false, softcap=20.0" in msg
+    with pytest.raises(ValueError, match="one of 3"):  # softcap 20 alone leaves two versions
+        snlp.load(DATA / name, overrides={"softcap": 20.0})
+    for key in VE32:
+        model, _ = snlp.load(DATA / name, overrides={"version": key})
+        assert (max_err(model, r) <= ATOL) == (key == UPSTREAM[name]), key
+        v = VERSIONS[key]
+        by_constants, _ = snlp.load(DATA / name, overrides={"softcap": v.softcap, "rope_bf16": v.rope_bf16})
+        assert by_constants.config == model.config
+    if UPSTREAM[name] == "ve32":  # softcap 15 alone names one version: its rope_bf16 follows
+        assert snlp.load(DATA / name, overrides={"softcap": 15.0})[0].config.rope_bf16
+        # a meta without window_pattern (mid_train / chat_sft up to 2026-02-01) predates the softcap-20 versions:
+        # ve32, run with "L" windows as nanochat's loader patches the pattern
+        d = tmp_path / "mid"
+        shutil.copytree(DATA / name, d)
+        meta = json.loads((d / "meta_000000.json").read_text())
+        meta["model_config"].pop("window_pattern")
+        (d / "meta_000000.json").write_text(json.dumps(meta))
+        cfg = snlp.load(d)[0].config
+        assert cfg.softcap == 15.0 and cfg.rope_bf16 and cfg.layer_windows == [cfg.sequence_len] * cfg.n_layer
+    with pytest.raises(ValueError, match="fit"):
+        snlp.load(DATA / name, overrides={"version": "ve12"})
+    out = tmp_path / "conv"
+    assert cli_main(["convert", str(DATA / name), "--out", str(out)]) == 2
+    assert "one of 3 nanochat versions" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["convert", str(DATA / name), "--out", str(out), "--nanochat-override",
+                     f"version={UPSTREAM[name]}"]) == 0
+    model, _ = snlp.load(out)
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+
+
+def test_lambdas_and_a_midtrained_windows_checkpoint_are_refused_then_load_with_the_named_version(tmp_path):
+    """A lambdas-version checkpoint (2026-01-11: no windows, full causal attention) and a midtrained one of the
+    windows version (mid_train wrote no window_pattern; nanochat's loader then runs "L": windows of sequence_len)
+    have alike files and differ past sequence_len (128; 160 tokens): both refused in one line; version=lambdas gives
+    201d705's logits, version=windows 184d4c1's run with "L" (its reference logits_L, past sequence_len), and
+    neither the other's."""
+    mid = tmp_path / "mid"
+    shutil.copytree(DATA / "upstream-184d4c1", mid)
+    meta = json.loads((mid / "meta_000000.json").read_text())
+    meta["model_config"].pop("window_pattern")
+    (mid / "meta_000000.json").write_text(json.dumps(meta))
+    for d, r, right in ((DATA / "upstream-201d705", ref("upstream-201d705"), "lambdas"),
+                        (mid, ref("upstream-184d4c1"), "windows")):
+        with pytest.raises(ValueError, match="one of 2 nanochat versions") as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value) and "version=lambdas (" in str(err.value)
+        for key in ("lambdas", "windows"):
+            model, _ = snlp.load(d, overrides={"version": key})
+            off = max_err(model, r, "logits" if right == "lambdas" else "logits_L")
+            assert (off <= ATOL) == (key == right), (d.name, key, off)
+
+
+def test_a_2025_checkpoint_unpadded_and_compiled_loads_with_patched_lambdas(tmp_path):
+    """A checkpoint from before the vocabulary padding (f1bf69d, 2025-12-09: wte / lm_head of vocab_size rows) with
+    torch.compile's key prefix loads as the padded one: resid / x0 lambdas set to 1 / 0 (nanochat's patch), every
+    layer full causal past sequence_len (128 here, 160 tokens), RoPE 10000 with bf16 tables."""
+    d = tmp_path / "old"
+    shutil.copytree(DATA / "upstream-2c4473d", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd = {f"_orig_mod.{k}": v[:100] if k in ("transformer.wte.weight", "lm_head.weight") else v for k, v in sd.items()}
+    torch.save(sd, d / "model_000000.pt")
+    model, _ = snlp.load(d)
+    cfg = model.config
+    assert cfg.layer_windows == [-1] * cfg.n_layer and cfg.rope_bf16 and cfg.rope_base == 10000.0
+    assert cfg.qk_scale == 1.0 and not cfg.value_embeds and not cfg.smear and not cfg.backout
+    assert model.resid_lambdas.eq(1).all() and model.x0_lambdas.eq(0).all()
+    r = ref("upstream-2c4473d")
+    with torch.no_grad():
+        torch.testing.assert_close(model(r["idx"]), r["logits"], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("tensor,what", [("value_embed_A.weight", "value-residual experiments"),
+                                         ("v0_lambdas", "value-residual experiments"),
+                                         ("bigram_embed.embed.weight", "engram")])
+def test_upstream_experiments_are_refused_in_one_line(tmp_path, tensor, what):
+    """Checkpoints of nanochat's short-lived experiments (value residuals of 2026-01-16, the bigram engram of
+    2026-01-25..28) hold parts snlp's model does not carry: a one-line refusal naming the experiment."""
+    d = tmp_path / "exp"
+    shutil.copytree(DATA / "upstream-184d4c1", d)
+    sd = torch.load(d / "model_000000.pt")
+    torch.save({**sd, tensor: torch.zeros(4, 2)}, d / "model_000000.pt")
+    with pytest.raises(ValueError, match=what) as err:
+        snlp.load(d)
+    assert "\n" not in str(err.value) and tensor in str(err.value)
+
+
+def test_files_no_version_wrote_and_overrides_outside_nanochat_are_refused(tmp_path):
+    """A 12-or-32-channel VE gate is all nanochat ever stored, windows came after the lambdas: other combinations
+    are one-line refusals; overrides on an snlp checkpoint are refused (its config.json holds every constant)."""
+    d = tmp_path / "w"
+    shutil.copytree(DATA / "upstream-184d4c1", d)
+    sd = torch.load(d / "model_000000.pt")
+    torch.save({k: v for k, v in sd.items() if "lambdas" not in k}, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="window_pattern but no resid_lambdas"):
+        snlp.load(d)
+    g = tmp_path / "g"
+    shutil.copytree(DATA / "upstream-f068604", g)
+    sd = torch.load(g / "model_000000.pt")
+    torch.save({k: v[:, :8] if k.endswith("ve_gate.weight") else v for k, v in sd.items()}, g / "model_000000.pt")
+    with pytest.raises(ValueError, match="reads 8 channels"):
+        snlp.load(g)
+    out = tmp_path / "conv"
+    assert cli_main(["convert", str(DATA / "upstream-92d63d4"), "--out", str(out)]) == 0
+    with pytest.raises(ValueError, match="overrides apply to nanochat checkpoints"):
+        snlp.load(out, overrides={"softcap": 20.0})
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -116,8 +283,10 @@ def test_steps_paths_and_bad_input(tmp_path):
 
 
 def test_an_older_checkpoint_without_smear_and_backout(tmp_path):
-    """nanochat's loader patches a missing smear gate / backout scalar with zeros (off): snlp loads the model
-    without those parts, and its logits are the full model's with smear_lambda = backout_lambda = 0."""
+    """nanochat-snlp's loader patches a missing smear gate / backout scalar with zeros (off): snlp loads such a
+    checkpoint (its meta is nanochat-snlp's, so its other constants are too) without those parts, and its logits
+    are the full model's with smear_lambda = backout_lambda = 0. (An upstream checkpoint without them was written
+    before smear existed: test_each_upstream_version_loads_with_the_logits_it_computes, ve12.)"""
     d = tmp_path / "old"
     shutil.copytree(DATA / "nanochat-L", d)
     sd = torch.load(d / "model_000000.pt")
