@@ -222,7 +222,8 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items() if not k.removeprefix("_orig_mod.").startswith(DROPPED)}
     V, L = cfg.vocab_size, cfg.n_layer
     if cfg.x0_residual and "resid_lambdas" not in sd and "x0_lambdas" not in sd:
-        sd = {**sd, "resid_lambdas": torch.ones(L), "x0_lambdas": torch.zeros(L)}
+        dev = sd["transformer.wte.weight"].device if "transformer.wte.weight" in sd else "cpu"
+        sd = {**sd, "resid_lambdas": torch.ones(L, device=dev), "x0_lambdas": torch.zeros(L, device=dev)}
     used: set[str] = set()
 
     def take(k: str) -> torch.Tensor:
