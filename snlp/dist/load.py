@@ -97,7 +97,7 @@ class RankCheckpoint:
         # the RoPE frequencies are a non-persistent buffer computed from the config: build them on CPU exactly
         # as GPT.__init__ does (on a tiny twin of the config) rather than re-deriving the formula here
         twin = GPT(_rope_twin(cfg))
-        model.inv_freq = twin.inv_freq.to(device=self.device, dtype=model.inv_freq.dtype)  # as a .to(dtype) left it
+        model.inv_freq = twin.inv_freq.to(device=self.device)  # fp32 in every dtype, as GPT._apply keeps it
         return model
 
     def digest(self) -> bytes:

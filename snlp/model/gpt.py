@@ -60,7 +60,7 @@ from torch import Tensor
 from snlp.model.cache import RowPositions
 from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, SMEAR_CHANNELS, GPTConfig
 from snlp.model.hc import HyperConn, hc_maps, hc_sublayer, maps_of
-from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq
+from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq, round_bf16
 
 
 class Attention(nn.Module):
@@ -217,6 +217,18 @@ class GPT(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.init_weights()
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() cast every floating buffer, and a bf16 inv_freq rotates position t by
+        # t * round_bf16(f): a phase error that grows with t (0.35 in cos at t = 2000). transformers' and nanochat's
+        # models keep the frequencies in fp32 in every dtype and round only the tables (GPT.rotary), so the cast
+        # moves inv_freq, never rounds it.
+        inv = self.inv_freq
+        out = super()._apply(fn, recurse)
+        if inv.dtype == torch.float32 and self.inv_freq.dtype != torch.float32:
+            new = self.inv_freq
+            self.inv_freq = new.float() if inv.device.type == "meta" else inv.to(new.device)
+        return out
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
         """All initialisation in one place (nanochat): N(0,1) embeddings, tiny lm_head, uniform
@@ -299,7 +311,7 @@ class GPT(nn.Module):
         dtype = self.wte.weight.dtype
         cos, sin = freqs.cos(), freqs.sin()
         if self.config.rope_bf16:  # nanochat up to 2026-03-03 kept its tables in bf16 whatever the compute dtype
-            cos, sin = cos.bfloat16(), sin.bfloat16()
+            cos, sin = round_bf16(cos), round_bf16(sin)
         cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, -sin if self.config.rope_rotate_half else sin
 

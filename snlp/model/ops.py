@@ -43,6 +43,15 @@ def rope_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> Te
     return torch.where(medium, smoothed, out)
 
 
+def round_bf16(x: Tensor) -> Tensor:
+    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32. Integer arithmetic on the bits, since
+    inductor folds a cast round trip x.bfloat16().float() away (emulate_precision_casts is off by default), and a
+    compiled forward would then use other values than the eager one."""
+    b = x.contiguous().view(torch.int32)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # -65536: the top 16 bits, bf16's sign, exponent and mantissa
+    return b.view(torch.float32)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding on the last dim; x (..., T, H, hd), cos/sin (T, 1, hd/2)."""
     d = x.shape[-1] // 2

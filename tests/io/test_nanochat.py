@@ -512,3 +512,27 @@ def test_inputs_past_sequence_len_get_nanochats_windows(name, monkeypatch):
     # cached decoding across sequence_len equals the argmax loop over the windowed forward
     prompt = idx[0, : W - 3].tolist()
     assert sequential_generate(model, prompt, max_new_tokens=8).tokens == argmax_loop(model, prompt, 8)
+
+
+def test_compiled_forward_keeps_the_bf16_rope_tables():
+    """A version whose RoPE tables were bf16 (base, up to 2026-03-04) computes the same logits compiled as eager.
+    A cast round trip cos.bfloat16().float() is folded away by inductor, so a compiled forward rotated by the
+    unrounded tables: 7.8e-3 off this reference, the size of the gap between versions the loader refuses to guess."""
+    model, _ = snlp.load(DATA / "upstream-2c4473d")
+    r = ref("upstream-2c4473d")
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True)(r["idx"])
+    torch.testing.assert_close(got, r["logits"], rtol=0, atol=ATOL)
+
+
+def test_a_bf16_model_rotates_by_fp32_frequencies():
+    """.to(bfloat16) keeps inv_freq fp32 (as nanochat and transformers do), so a bf16 model's RoPE tables are the
+    fp32 model's tables rounded once to bf16. A bf16 inv_freq put a phase error of t (f - round(f)) into them: 0.35
+    in cos at t = 2000, where the rounding alone moves a value by at most 2^-9."""
+    model, _ = snlp.load(DATA / "upstream-92d63d4")
+    cos32, sin32 = model.rotary(4, 2000)
+    bf = model.to(torch.bfloat16)
+    assert bf.inv_freq.dtype == torch.float32
+    cos16, sin16 = bf.rotary(4, 2000)
+    assert cos16.dtype == torch.bfloat16
+    assert torch.equal(cos16, cos32.bfloat16()) and torch.equal(sin16, sin32.bfloat16())
