@@ -57,7 +57,7 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
         raise ValueError(f"--resume: {out} lacks optimizer.pt/train_state.pt (a weights-only checkpoint); "
                          f"start a new run instead")
     if cfg is not None:
-        check_resume_settings(cfg, st.get("args"), out)
+        check_resume_settings(cfg, st.get("args"), out, reads_data="sft" not in st)
     saved_world = st.get("world")  # absent from checkpoints of an snlp that did not record it: not checked
     if world is not None and saved_world is not None and saved_world != world:
         raise ValueError(f"--resume: the run in {out} was saved by {saved_world} process(es) and this one has {world}: "

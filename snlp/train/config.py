@@ -194,10 +194,11 @@ def effective_detach(reg_detach: bool | None, reg: str | None) -> bool:
     return reg_detach if reg_detach is not None else reg == "hcn"
 
 
-def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
+def check_resume_settings(cfg: TrainConfig, saved: dict | None, where, reads_data: bool = True) -> None:
     """Raise a ValueError naming every setting `cfg` would change in the saved run at `where` (see
     `resume_changes`) before the run loads anything: continuing it on other data, another batch layout or another
-    objective would silently make a different run under the same name."""
+    objective would silently make a different run under the same name. `reads_data` False (an SFT run, whose
+    `data` is the base's pretraining text, recorded for evaluation and never read): its files are not compared."""
     if saved is None:
         return
     diff = resume_changes(cfg, saved)
@@ -216,6 +217,13 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where) -> None:
                        and missing_parts(saved.get("data")) else "")
                     + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
                       "snlp sft take the saved values) or start a new run in another --out")
+    if reads_data and not any(k == "data" for k, _, _ in diff) and not missing_parts(cfg.data) \
+            and not same_files(cfg.data, saved.get("data_files")):
+        # the same --data, rewritten in place: the token cache (keyed by size and mtime) would be rebuilt and the
+        # rest of the run, and its held-out split, would come from other text under the same name
+        said.append(f"trained on files of {cfg.data} other than those there now (names, sizes or order differ from "
+                    f"its record); a resumed run keeps what it trains on: put the run's files back, or start a new "
+                    f"run from this one's weights (--init-from {where}) in another --out")
     if shape:
         said.append(init_from_shape_refusal(saved["init_from"], shape))
     if said:

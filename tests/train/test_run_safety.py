@@ -430,3 +430,25 @@ def test_reg_none_warns_of_no_clipping(corpus, tmp_path):
         warnings.simplefilter("always")
         fit(cfg(tmp_path / "idn", corpus, tmp_path / "c", steps=1, depth=2, reg="idn", reg_n="4"))
     assert len([x for x in w if "clipped" in str(x.message)]) == 1  # said once, at the start
+
+
+def test_a_resume_whose_data_was_rewritten_in_place_is_refused(corpus, tmp_path, capsys):
+    """The same --data path holding other files (rewritten, shortened) than the run's record: continuing would
+    re-tokenise and train the rest of the run, and validate it, on other text under the same name. Refused in one
+    line before anything loads, every file of the run left as it was."""
+    import shutil
+
+    data = tmp_path / "c.txt"
+    shutil.copy(corpus, data)
+    run = tmp_path / "run"
+    flags = ["--data", str(data), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(run), *flags, "--stop-after", "2"]) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    data.write_text(corpus.read_text()[:40_000][::-1])
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other than those there now" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    shutil.copy(corpus, data)  # the run's own text back: it continues
+    assert main(["train", "--out", str(run), "--resume"]) == 0

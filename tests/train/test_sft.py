@@ -373,11 +373,14 @@ def test_sft_resume_from_another_folder_keeps_its_chats_and_its_bases_split(task
         st = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
         assert st["sft"]["data"] == str(a / "chats.jsonl") and st["args"]["data"] == str(a / "corp" / "c.txt")
         assert st["args"]["data_encoding"] == "latin-1"  # the base's split as `snlp eval SFT_CKPT` reads it
-        shutil.rmtree(a / "corp")  # the base's pretraining text gone: SFT never reads it, its resume must not care
+        (a / "corp" / "c.txt").write_text("other text\n" * 7)  # the base's text rewritten: SFT never reads it
         monkeypatch.chdir(b)
         capsys.readouterr()
         assert main(["sft", str(base), "--data", "chats.jsonl", "--out", str(tmp_path / "run"), "--resume"]) == 2
         assert "--data" in capsys.readouterr().err
+        assert main(["sft", str(base), "--data", str(a / "chats.jsonl"), "--out", str(tmp_path / "run"),
+                     "--resume", "--stop-after", "3"]) == 0
+        shutil.rmtree(a / "corp")  # and gone: the resume does not care either
         assert main(["sft", str(base), "--data", str(a / "chats.jsonl"), "--out", str(tmp_path / "run"),
                      "--resume"]) == 0
     finally:
