@@ -122,15 +122,18 @@ def checkpoint_dir(path) -> Path:
 
 def is_snlp_checkpoint(path) -> bool:
     """An snlp checkpoint directory: config.json holds GPTConfig fields next to model.safetensors (a transformers
-    directory has the same two files, but its config names an architecture / model_type)."""
+    directory has the same two files, but its config names an architecture / model_type). A config.json that is
+    not a JSON object tells neither: a ValueError saying so, rather than a guess that sends it to the wrong loader."""
     path = Path(path)
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file() and (path / WEIGHTS).is_file()):
         return False
     try:
         d = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return True  # let snlp's loader say what is wrong with it
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt {cfg}: not valid JSON ({e}); restore it or re-save the checkpoint") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"corrupt {cfg}: expected a JSON object, got {type(d).__name__}")
     return not ({"architectures", "model_type"} & set(d))
 
 

@@ -240,6 +240,11 @@ def test_convert_of_an_snlp_checkpoint_says_so_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and not (tmp_path / "again").exists()
     with pytest.raises(ValueError, match="is already an snlp checkpoint"):
         from_hf(str(tmp_path / "ck"))
+    for text, says in (('{"model_type": "llama",', "not valid JSON"), ("42", "expected a JSON object")):
+        (d / "config.json").write_text(text)  # a config.json that tells neither kind: corrupt, not "snlp"
+        assert main(["convert", str(d), "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert "corrupt" in err and says in err and "already an snlp" not in err and err.count("\n") == 1, err
 
 
 def test_cli_convert_export_generate(tmp_path, capsys):
