@@ -1,0 +1,48 @@
+"""A newcomer's mistakes on the command line get one clear line before any work, and lose nothing: a --device
+typo, a folder of the wrong kind where a checkpoint is expected, an --out that already holds another run."""
+
+import pytest
+
+from snlp.apps.cli import main
+
+
+def one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"snlp {command}: error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--out", "{o}", "--device", "cdu"],
+    ["generate", "{o}", "--device", "cdu"],
+    ["eval", "{o}", "--plans", "1xF1-h0-K1", "--device", "cdu"],
+    ["sft", "{o}", "--data", "chats.jsonl", "--out", "{o}/sft", "--device", "cdu"],
+    ["adapt", "{o}", "--plan", "1xF1-h0-K1", "--out", "{o}/d", "--device", "cdu"],
+    ["speedrun", "--out", "{o}", "--quick", "--device", "cdu"],
+    ["bench", "--device", "cdu"],
+    ["selfcheck", "--device", "cdu"],
+])
+def test_a_device_typo_is_one_line_before_any_work(argv, tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main([a.replace("{o}", str(out)) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and "--device 'cdu' is not a device" in line, line
+    assert not out.exists()  # nothing was created
+
+
+@pytest.mark.parametrize("name", ["cdu", "gpu", "cuda:x", ""])
+def test_cli_device_refuses_what_torch_does_not_parse(name):
+    from snlp.runtime.device import cli_device
+
+    if name:
+        with pytest.raises(ValueError, match="is not a device"):
+            cli_device(name)
+    assert str(cli_device("cpu")) == "cpu"
+
+
+def test_setup_dist_refuses_a_device_typo_in_one_line():
+    from snlp.train.distributed import setup_dist
+
+    with pytest.raises(ValueError, match="is not a device"):
+        setup_dist("cdu")
