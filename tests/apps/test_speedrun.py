@@ -158,12 +158,66 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys, monkeypatch):
     assert len(t := tables((out / "report.md").read_text())["Main results"]) - 1 == 4
     assert "--plans 2xF1-h0-K1,1xF2-h0-K1" in (out / "report.md").read_text()
 
-    # other CPU kernels (an ISA cap) are another measurement: every stage but the tokenizer runs anew, and the
+    # other CPU kernels (an ISA cap) are another measurement: the models would be trained anew in their place, so
+    # the run is refused before any stage (check_replaces) until --force; then every stage runs anew, and the
     # report's hardware line names the cap (review: reused stages were labelled with the new run's caps)
     monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
-    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid]) == 0
-    assert summary(out)["reused"] == ["tokenizer"]
+    weights = (out / "idn" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid]) == 2
+    assert "cpu_kernels" in capsys.readouterr().err and (out / "idn" / "model.safetensors").read_bytes() == weights
+    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid, "--force"]) == 0
+    assert summary(out)["reused"] == []
     assert "DNNL_MAX_CPU_ISA=AVX2)" in (out / "report.md").read_text()
+
+
+def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage(tmp_path, capsys):
+    """`snlp speedrun --out runs/speedrun --quick` (or another --budget, --seed, --data, another CPU) after the
+    main job trained its models from scratch in their place, deleting them without a word. It is refused, naming
+    what changed, before any stage runs; the same settings reuse, an interrupted training of the same settings
+    resumes, --force replaces."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun.records import canon, write_json
+    from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
+
+    out = tmp_path / "sr"
+
+    def invocation(*extra):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
+
+    sr = invocation()  # what a finished run leaves: the tokenizer's and both trainings' records, the models
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.cache.mkdir()
+    for key, reg in TRAINED:
+        (out / key).mkdir()
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        sr.stages.begin(f"train-{key}", "test")
+        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    check_replaces(invocation())  # the same settings: reused
+    check_replaces(invocation("--plans", "2xF1-h0-K1"))  # another plan grid redoes the evaluations only
+    with pytest.raises(ValueError, match=r"holds the model .*noreg trained with other settings \(seed 0 -> 1\).*--force"):
+        check_replaces(invocation("--seed", "1"))
+    with pytest.raises(ValueError, match=r"max_chars 300000 -> 200000"):  # the tokenizer too would be made anew
+        check_replaces(invocation("--max-chars", "200000"))
+    capsys.readouterr()
+    assert main(["speedrun", "--out", str(out), *TINY, "--steps", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "steps 12 -> 20" in err[0], err
+    assert all((out / k / "model.safetensors").read_bytes() == b"weights" for k, _ in TRAINED)
+    sr = invocation("--seed", "1")  # an interrupted training of these settings is resumed, not refused
+    tok = sr.stages.peek("tokenizer", dataclasses.asdict(sr.cfg.data_spec), [sr.cache])
+    for key, reg in TRAINED:  # what _launch leaves for a training it started
+        (out / key / "train_state.pt").write_bytes(b"state")
+        write_json(out / "stages" / f"train-{key}.partial.json", canon(_train_settings(sr, key, reg, tok.id)[1]))
+    check_replaces(sr)
+    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force clears the folder (setup)
+    assert not (out / "noreg").exists()
 
 
 def test_stages_redo_on_changed_settings_and_force(tmp_path):

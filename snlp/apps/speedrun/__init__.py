@@ -74,9 +74,10 @@ def run(args) -> int:
     from snlp.apps.speedrun.records import intra_op_threads
     from snlp.apps.speedrun.ssd import step_ssd
     from snlp.apps.speedrun.tokenizer import step_tokenizer
-    from snlp.apps.speedrun.train import step_train
+    from snlp.apps.speedrun.train import check_replaces, step_train
 
     sr = setup(args)
+    check_replaces(sr)  # a finished model this run would retrain in its place: refused before any stage runs
     step_tokenizer(sr)  # tokenizer
     step_train(sr)  # train-noreg, train-idn: side by side, in lockstep
     with intra_op_threads(sr.eval_threads):
