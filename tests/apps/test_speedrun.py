@@ -1212,6 +1212,40 @@ def test_the_ssd_text_says_how_each_s_was_timed_and_the_alpha_sample():
     assert "wall clock" in _render(tune_clock="wall").split("Drafter choice")[1].split("|")[0]
 
 
+def test_the_ssd_text_states_how_far_the_drafters_step_moved_across_b():
+    """"s moves with B only by that noise: the drafter's step does not depend on B" was printed whatever the rows
+    held; a run's records had the drafter's step fall 2.47 -> 2.25 -> 2.12 ms from B = 2 to 8 against one sequential
+    step (s 1.27x -> 1.48x). The text now states the spread from the rows and attributes it to nothing; Tok/Rnd
+    is defined beside the other columns."""
+    ctx = _report_ctx()
+    row = ctx["stages"]["ssd-noreg"]["result"]["rows"][0]
+    rows = [dict(row, block=b, drafter_ms_per_step=ms) for b, ms in ((2, 2.47), (4, 2.25), (8, 2.12))]
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{k}"]["result"] = dict(ctx["stages"][f"ssd-{k}"]["result"], rows=rows)
+    from snlp.apps.report import render_report
+
+    text = render_report(ctx).split("## Self-speculative decoding")[1].split("|")[0]
+    assert "only by that noise" not in text
+    assert "The drafter's own step took 2.12–2.47 ms (17% apart) across B = 2, 4, 8" in text
+    assert "Tok/Rnd = the tokens each verification round emitted" in text
+
+
+def test_a_plan_off_the_front_only_through_off_front_plans_is_explained():
+    """A run's No Reg. table: `1xF12-h0-K1` decoded faster than the starred `12xF1-h0-K1` in 14 of 18 rounds (`>` in
+    the speed line) yet was off the front, dominated only by `6xF2-h0-K1` (a speed tie, better PPL), itself off
+    (a speed tie with `12xF1-h0-K1`, worse PPL). Ties do not chain; the report says so where it happens."""
+    from snlp.apps.report import off_front_through_ties, tied_front, front_rows, pooled_speeds
+
+    recs = [_rec("sequential", 80.0, [1.0] * 9, 1.0, 1.0), _rec("12xF1-h0-K1", 83.6, [2.0] * 9, 0.5, 0.5),
+            _rec("6xF2-h0-K1", 85.0, [2.3, 1.9] * 4 + [2.3], 0.5, 0.5), _rec("1xF12-h0-K1", 95.0, [2.2] * 9, 0.5, 0.5)]
+    evals = {"noreg": recs, "idn": recs}
+    assert tied_front(front_rows(recs, pooled_speeds(evals))) == {"12xF1-h0-K1", "sequential"}
+    text = " ".join(off_front_through_ties(evals))
+    assert "No Reg.: `1xF12-h0-K1` is off the front only through `6xF2-h0-K1`" in text and "ties do not chain" in text
+    assert "`6xF2-h0-K1` is off the front only" not in text  # it is dominated by a starred plan
+    assert off_front_through_ties({k: recs[:2] for k in evals}) == []
+
+
 def test_the_frontier_draws_the_main_tables_front():
     """The plot's Pareto line is the main table's `*` (ties inside the timing range included), not a second front
     computed from medians alone: 1xF12-h0-K1 is faster by median but ties 12xF1-h0-K1 with worse PPL."""
