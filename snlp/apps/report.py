@@ -341,11 +341,13 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
     lines = [head]
     base = evals["noreg"][0].ppl
     speeds = pooled_speeds(evals)
+    ivs = ppl_intervals(evals)
     for key, label in MODELS:
         recs = evals[key]
         seq = recs[0]
         L = seq.n_layer  # None: a record without it (no layer count to state)
         front = tied_front(front_rows(recs, speeds))
+        tied = {p for p, (lo, hi) in (ivs.get(key) or {}).items() if lo <= 0.0 <= hi}  # ΔPPL inside the noise
         model = f"{label} [{fmt_ppl(seq.ppl)}" + (f" ({fmt_delta_ppl(seq.ppl / base - 1)})]" if key != "noreg" else "]")
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
@@ -353,7 +355,8 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
             sp = speeds.get(r.plan)
             ar, fused = _ar_cells(r)
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
-                         f"{fmt_delta_ppl(r.delta_ppl)} | {'-' if sp is None else f'{sp.median:.2f}x'} | "
+                         f"{fmt_delta_ppl(r.delta_ppl)}{' (tie)' if r.plan in tied else ''} | "
+                         f"{'-' if sp is None else f'{sp.median:.2f}x'} | "
                          f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {'-' if L is None else layer_evaluations(r.plan, L)} | "
                          f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} | {fused} |")
     return "\n".join(lines)
@@ -1111,7 +1114,10 @@ def render_report(ctx: dict) -> str:
            "regulariser).\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           f"iterations; rows from higher to lower PPL. {front_rule(pooled_speeds(evals), evals)}. `†` = the "
+           f"iterations; rows from higher to lower PPL"
+           + ("; ΔPPL is marked (tie) where its 95 % interval from a paired t-test over the validation windows, "
+              "against the model's own sequential PPL, includes 0" if any(ppl_intervals(evals).values()) else "")
+           + f". {front_rule(pooled_speeds(evals), evals)}. `†` = the "
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
            "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "
            "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."

@@ -1554,6 +1554,33 @@ def test_ppl_ties_rest_on_the_paired_windows_when_the_records_hold_them():
     assert "over the same 32 validation windows" in md and "paired t-test at 5 %" in md
 
 
+def test_a_dppl_inside_the_noise_is_marked_a_tie_in_the_main_table():
+    """A run's IDN table printed `6xF2-h0-K2` at ΔPPL +0.1 % (paired t-test against sequential over its 32 windows:
+    p = 0.12) like any measured increase; only the paragraph under the plot said it was not told from sequential.
+    The cell now says (tie) wherever the plan's 95 % interval includes 0, and nowhere else."""
+    import math
+
+    from snlp.apps.report import render_report
+
+    steady = [3.0 + 0.1 * i for i in range(32)]
+    noisy = [x + (0.05 if i % 2 else -0.05) + 0.001 for i, x in enumerate(steady)]  # +0.1 %, spread: a tie
+    worse = [x + 0.03 for x in steady]  # +3 % in every window: resolved
+    windows = {"sequential": steady, "12xF1-h0-K1": worse, "12xF1-h0-K4": noisy, "1xF12-h0-K1": worse}
+    ctx = _report_ctx()
+    for k in ("noreg", "idn"):
+        ctx["evals"][k] = [dataclasses.replace(r, window_ce=windows[r.plan],
+                                               ppl=math.exp(sum(windows[r.plan]) / 32) * 20 / math.exp(sum(steady) / 32),
+                                               delta_ppl=math.exp((sum(windows[r.plan]) - sum(steady)) / 32) - 1)
+                           for r in ctx["evals"][k]]
+    md = render_report(ctx)
+    t = tables(md)["Main results"]
+    tied = [(c.split("`")[1], k) for c, k, d in zip(column(t, "Config"), column(t, "K"), column(t, "ΔPPL"))
+            if d.endswith("(tie)")]
+    assert tied == [("12xF1-h0", "4")] * 2, tied  # the K4 row of each model, no other
+    assert "ΔPPL is marked (tie) where its 95 % interval" in md
+    assert "marked (tie) where its 95 %" not in _render()  # records without windows: nothing to test, nothing said
+
+
 def test_the_ideal_formula_defines_its_symbols():
     """Reading 3 finding 9: the Full records' Ideal (layers) = L / (S + K·evals + [fwd]) used S and evals undefined,
     and a reader who took evals = M expected 1.00x for `1xF12-h0-K1` where the record says 3.20x."""
