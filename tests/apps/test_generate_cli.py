@@ -52,7 +52,13 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     assert rep["ideal_ssd_speedup"] == pytest.approx(
         (1 - rep["alpha"] ** 4) / (1 - rep["alpha"]) / (3 / rep["drafter_speedup_s"] + 1))
     assert spec["sequential_tokens_per_s"] == pytest.approx(1e3 / rep["sequential_ms_per_token"])
-    assert "alpha=" in capsys.readouterr().out
+    assert spec["speculative_tokens_per_s"] == pytest.approx(1e3 / rep["speculative_ms_per_token"])
+    line = capsys.readouterr().out.splitlines()[-2]  # the last: "wrote g.json"
+    assert "alpha=" in line
+    # the one streamed run's rate is labelled as such, and both sides' warm medians stand beside the ratio (a line
+    # read "28.1 tok/s ... speedup measured 1.30x ... sequential 321.2 tok/s")
+    assert "tok/s in this one run" in line and f"speculative {spec['speculative_tokens_per_s']:.1f} tok/s" in line
+    assert f"sequential {spec['sequential_tokens_per_s']:.1f} tok/s" in line
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
     assert snlp["tokens"] == seq["tokens"]
