@@ -293,6 +293,9 @@ def run(args) -> int:
 
         return run_generate(args)
     check_args(args)
+    if args.prompts_file is None and not args.prompt.strip() and not args.chat:  # legal (unconditional), but say so
+        print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
+              "continue a text)", file=sys.stderr)
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")

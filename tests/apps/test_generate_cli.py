@@ -229,3 +229,14 @@ def test_bench_decode_batches_and_drafter_flags(tmp_path, capsys):
     assert main(["bench", "--depth", "4", "--width", "32", "--head-dim", "16", "--batch-sizes", "2"]) == 2
     assert "use them with --decode" in capsys.readouterr().err
     assert main([*base, "--plans", "2xF1-h0-K1", "--batch-sizes", "0"]) == 2
+
+
+def test_an_empty_prompt_is_said_before_generating_from_bos(ckpt, tmp_path, capsys):
+    """`snlp generate CKPT` without --prompt (or with a blank one) decodes from BOS alone, a legal unconditional
+    sample; it printed 128 tokens without a word about the prompt. It now says so on stderr, in one line."""
+    assert main(["generate", str(ckpt), "--max-new-tokens", "4", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
+                   "to continue a text)"]
+    assert main(["generate", str(ckpt), "--prompt", "First", "--max-new-tokens", "4", "--quiet"]) == 0
+    assert "prompt is empty" not in capsys.readouterr().err
