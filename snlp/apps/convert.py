@@ -18,6 +18,16 @@ def add_arguments(p) -> None:
                    help="weight dtype of the checkpoint")
 
 
+def check_new_out(out: str) -> None:
+    """Refuse an --out that already holds a checkpoint: the conversion would replace its weights and config and drop
+    a trained run's optimizer and train state (save_checkpoint keeps only files it does not own)."""
+    from pathlib import Path
+
+    if (Path(out) / "model.safetensors").exists() or (Path(out) / "config.json").exists():
+        raise ValueError(f"--out {out} already holds a checkpoint; the conversion would replace it: choose another "
+                         f"--out")
+
+
 def run(args) -> int:
     import torch
 
@@ -25,6 +35,7 @@ def run(args) -> int:
     from snlp.io.hf import from_hf
     from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 
+    check_new_out(args.out)
     if is_nanochat_dir(args.src):  # its tokenizer (a tiktoken pickle in nanochat's base dir) is not converted
         model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype))
         path = save_checkpoint(args.out, model)
