@@ -179,6 +179,9 @@ def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
     text (one prompt per non-empty line; a line is JSONL if it starts with "{")."""
     from snlp.io.data import read_text
 
+    if Path(path).is_dir():
+        raise ValueError(f"--prompts-file {path} is a folder; name a file (JSONL with a \"prompt\" field per line, or "
+                         f"one prompt per line)")
     if not Path(path).is_file():
         raise ValueError(f"--prompts-file {path} does not exist")
     prompts = []

@@ -46,3 +46,10 @@ def test_setup_dist_refuses_a_device_typo_in_one_line():
 
     with pytest.raises(ValueError, match="is not a device"):
         setup_dist("cdu")
+
+
+def test_a_folder_given_as_prompts_file_is_named_a_folder(tmp_path, capsys):
+    """--prompts-file FOLDER said "does not exist" of a folder that exists."""
+    assert main(["generate", str(tmp_path / "ck"), "--prompts-file", str(tmp_path)]) == 2
+    line = one_error_line(capsys, "generate")
+    assert "is a folder; name a file" in line and "does not exist" not in line
