@@ -218,6 +218,10 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
     check_replaces(sr)
     check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force clears the folder (setup)
     assert not (out / "noreg").exists()
+    (out / "model.safetensors").write_bytes(b"a checkpoint")  # --out naming a checkpoint: refused, --force or not
+    for extra in ((), ("--force",)):
+        with pytest.raises(ValueError, match=r"is a checkpoint \(snlp train / sft / convert\)"):
+            check_replaces(invocation(*extra))
 
 
 def test_stages_redo_on_changed_settings_and_force(tmp_path):

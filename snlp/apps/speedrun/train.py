@@ -389,7 +389,13 @@ def check_replaces(sr: Speedrun) -> None:
     """Refuse, before any stage runs, a re-run into an OUT whose trained model (finished, or interrupted and
     resumable) this invocation would not reuse: other settings (--quick, --budget, --depth, --data, another
     CPU, ...) retrain from scratch into the same folder, which deletes the model the earlier run trained
-    (minutes of work, and the report's evidence). --force is the way to replace them."""
+    (minutes of work, and the report's evidence). --force is the way to replace them. An OUT that is itself a
+    checkpoint or a drafter (snlp train / convert / adapt) is refused, --force or not: the run would fill it with
+    a folder of its own."""
+    for own, what in (("model.safetensors", "a checkpoint (snlp train / sft / convert)"),
+                      ("drafter.json", "a drafter (snlp adapt)")):
+        if (sr.out / own).is_file():
+            raise ValueError(f"--out {sr.out} is {what}; the speedrun writes a folder of its own: choose another --out")
     if sr.force:
         return
     spec = dataclasses.asdict(sr.cfg.data_spec)
