@@ -278,6 +278,18 @@ def test_decode_timing_is_not_a_lone_first_step():
     assert FULL.ssd_repeats >= 3 and QUICK.ssd_repeats >= 2
 
 
+def test_the_full_ssd_table_can_resolve_what_its_caption_tests():
+    """The SSD table bolds a Measured only where a two-sided sign test over its timed rounds resolves it (6 of 6 at
+    the fewest), but the full preset timed 3 rounds and the budget's floor 2: a run's IDN B = 8 rounds 1.65x and
+    1.70x read "1.675x (tie)", as every row of every default run would. The full preset and the floor time enough
+    rounds for the test (the smoke test --quick keeps its 2: not to be quoted)."""
+    from snlp.apps.speedrun.ssd import shrink_ssd
+    from snlp.bench.stats import fewest_sign_rounds
+
+    assert FULL.ssd_repeats >= fewest_sign_rounds() == 6
+    assert shrink_ssd(FULL, 0.01)[0].ssd_repeats >= fewest_sign_rounds()
+
+
 def _tiny_corpus(tmp_path):
     from snlp.apps.speedrun.preset import DataSpec
     from snlp.apps.speedrun.tokenizer import stage_tokenizer
@@ -395,7 +407,7 @@ def test_budget_args_and_shrinking():
     new, _ = shrink_ssd(FULL, 0.01)
     # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise; tune keeps its rounds
     # (its sign test needs 6) and decodes fewer tokens
-    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 2, 2, 6, 16)
+    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 6, 2, 6, 16)
 
 
 def test_stage_costs_cover_every_later_stage():

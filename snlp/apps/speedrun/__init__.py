@@ -42,7 +42,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  the best stage-1 prediction among the rest (snlp.bench.tune.pick); the proxy rule
                  (`select_drafter`: the paper's ideal SSD speedup at B = 4 from Top-1 and the eval's decode
                  speedup) is recorded next to it. Measured alpha, tokens/round, s (per-step times of both sides)
-                 and end-to-end speedup vs sequential greedy decoding (the median over 3 timed rounds of each
+                 and end-to-end speedup vs sequential greedy decoding (the median over 6 timed rounds of each
                  round's paired sequential / speculative ratio), after a warm-up of both sides
                  (decode.speculative.speculative_benchmark), and a check that the
                  output equals sequential.
