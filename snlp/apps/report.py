@@ -743,8 +743,9 @@ def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
     steps = {k: v for k, v in steps.items() if len(v) > 1}
     if steps:
         blocks = sorted({r["block"] for k in steps for r in used[k]["rows"]})
-        span = lambda v: f"{min(v):.2f}–{max(v):.2f} ms ({max(v) / min(v) - 1:.0%} apart)"  # noqa: E731
-        text += (f" The drafter's own step took {per_model(steps, span)} across B = {', '.join(map(str, blocks))}: "
+        spans = ", ".join(f"{min(v):.2f}–{max(v):.2f} ms ({label}: {max(v) / min(v) - 1:.0%} apart)"
+                          for k, label in MODELS if (v := steps.get(k)))
+        text += (f" The drafter's own step took {spans} across B = {', '.join(map(str, blocks))}: "
                  f"it computes the same at every B, so s differs between the B rows by how its timing moved between "
                  f"their decodes, which this run does not attribute (to the load, or to how many drafter steps run "
                  f"back to back).")

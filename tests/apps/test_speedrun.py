@@ -1242,7 +1242,8 @@ def test_the_ssd_text_states_how_far_the_drafters_step_moved_across_b():
 
     text = render_report(ctx).split("## Self-speculative decoding")[1].split("|")[0]
     assert "only by that noise" not in text
-    assert "The drafter's own step took 2.12–2.47 ms (17% apart) across B = 2, 4, 8" in text
+    assert ("The drafter's own step took 2.12–2.47 ms (No Reg.: 17% apart), 2.12–2.47 ms (IDN Reg.: 17% apart) "
+            "across B = 2, 4, 8") in text
     assert "Tok/Rnd = the tokens each verification round emitted" in text
 
 
