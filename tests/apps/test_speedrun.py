@@ -325,6 +325,8 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     res = train_summary(job, tok["fingerprint"], walls["m"])
     assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
     assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
+    headers = [ln for ln in job.log.read_text().splitlines() if ln.startswith("train m: ")]
+    assert "resume=True" in headers[-1]  # the resumed leg's header says so (it printed the first leg's resume=False)
     # a run made with other settings is thrown away, not resumed
     write_json(job.partial, {"other": "settings"})
     train_models([job], console, threads=1)

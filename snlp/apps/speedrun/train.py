@@ -205,11 +205,11 @@ def _launch(job: TrainJob, threads: int, force: bool, console):
         shutil.rmtree(job.model_dir, ignore_errors=True)
         write_json(job.partial, canon(job.settings))
     job.log.parent.mkdir(parents=True, exist_ok=True)
-    with open(job.log, "a" if resume else "w") as f:
-        f.write(f"train {job.key}: {job.cfg}\n")
+    cfg = dataclasses.replace(job.cfg, resume=resume)
+    with open(job.log, "a" if resume else "w") as f:  # the config this leg runs (a resumed leg says resume=True)
+        f.write(f"train {job.key}: {cfg}\n")
     proc = multiprocessing.get_context("spawn").Process(
-        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log), job.stop_file,
-                                   job.gate_file),
+        target=_train_child, args=(cfg, threads, str(job.log), job.stop_file, job.gate_file),
         name=f"snlp-train-{job.key}")
     proc.start()
     return proc
