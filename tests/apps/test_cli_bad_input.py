@@ -53,3 +53,19 @@ def test_a_folder_given_as_prompts_file_is_named_a_folder(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "ck"), "--prompts-file", str(tmp_path)]) == 2
     line = one_error_line(capsys, "generate")
     assert "is a folder; name a file" in line and "does not exist" not in line
+
+
+def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during `snlp speedrun` printed "snlp speedrun: interrupted" and nothing about the saved training or
+    the stage records that a re-run of the same command picks up (it does: finished stages reused, training resumed
+    from its last save)."""
+    import snlp.apps.speedrun as speedrun
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speedrun, "run", interrupted)
+    assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
+                   "and training resumes from its last save (every 100 steps)"]

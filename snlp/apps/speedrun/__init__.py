@@ -62,6 +62,10 @@ from snlp.apps.speedrun.flags import add_arguments
 
 __all__ = ["add_arguments", "run"]
 
+# what `snlp speedrun` says on Ctrl-C: the stages and the training saves make a re-run pick up where it stopped
+INTERRUPT_HINT = ("run the same command again to continue: finished stages are reused and training resumes from its "
+                  "last save (every 100 steps)")
+
 
 def run(args) -> int:
     """The pipeline, top to bottom: each step runs its stage(s) or reuses them (Stages), then the report."""
