@@ -207,6 +207,8 @@ class AdaptValidation(ValidationResult):
 def load_base(src: str, dtype: str = "float32"):
     """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
     p = Path(src)
+    if p.is_file() and is_snlp_checkpoint(p.parent):  # a file inside an snlp checkpoint names it (as `snlp eval`)
+        p = p.parent
     if is_snlp_checkpoint(p) or is_nanochat_dir(p):  # a transformers directory also holds model.safetensors
         model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok

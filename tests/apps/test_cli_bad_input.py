@@ -69,3 +69,16 @@ def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
                    "and training resumes from its last save (every 100 steps)"]
+
+
+def test_a_run_into_a_drafter_folder_is_refused(tmp_path, capsys):
+    """`snlp train --out DRAFTER_DIR` wrote its log.jsonl over the drafter's and its checkpoint beside it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "drafter.json").write_text("{}")
+    (d / "log.jsonl").write_text("the drafter's log\n")
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n" * 200)
+    assert main(["train", "--out", str(d), "--depth", "2", "--steps", "1", "--data", str(tmp_path / "t.txt")]) == 2
+    assert "holds a drafter (snlp adapt)" in one_error_line(capsys, "train")
+    assert (d / "log.jsonl").read_text() == "the drafter's log\n"
+    assert sorted(p.name for p in d.iterdir()) == ["drafter.json", "log.jsonl"]

@@ -302,6 +302,9 @@ def test_adapt_refuses_an_out_that_holds_another_run_and_a_base_without_tokenize
     with pytest.raises(ValueError, match=r"--out .*base is not empty \(it holds config.json, log.jsonl"):
         adapt(cfg)
     assert {f.name: f.read_bytes() for f in base.iterdir()} == before  # nothing written, nothing lost
+    # the weights file inside the checkpoint names the checkpoint, as for snlp eval / generate / train --init-from
+    res = adapt(dataclasses.replace(cfg, src=str(base / "model.safetensors"), out=str(tmp_path / "f")))
+    assert res.steps == 2 and (tmp_path / "f" / "drafter.json").is_file()
     (base / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="has no tokenizer"):
         adapt(dataclasses.replace(cfg, out=str(tmp_path / "d")))
