@@ -88,6 +88,17 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
         (check_output_file if dest in files else check_output_dir)(value, flag)
 
 
+def check_device(args) -> None:
+    """Raise a ValueError for a --device value given that names no device this machine has (a typo, CUDA on a
+    CPU box), before the command loads data or a model (snlp.runtime.device.cli_device; torch loads only when
+    --device is given)."""
+    value = getattr(args, "device", None)
+    if isinstance(value, str) and value:
+        from snlp.runtime.device import cli_device
+
+        cli_device(value)
+
+
 class _Unset(list):
     """The default every flag gets in `given_flags`' second parse: a flag still holding it was not typed. A list,
     so that an append action's copy-and-append works on it (and then is no longer this object)."""
@@ -126,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     try:  # the command's own lines
         check_outputs(parser, args)
+        check_device(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"snlp {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # a command that can pick up where it stopped says how (its module's INTERRUPT_HINT)
+        hint = getattr(args.module, "INTERRUPT_HINT", "")
+        print(f"snlp {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
     finally:
         warnings.formatwarning = formatwarning

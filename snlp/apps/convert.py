@@ -38,6 +38,16 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def check_new_out(out: str) -> None:
+    """Refuse an --out that already holds a checkpoint: the conversion would replace its weights and config and drop
+    a trained run's optimizer and train state (save_checkpoint keeps only files it does not own)."""
+    from pathlib import Path
+
+    if (Path(out) / "model.safetensors").exists() or (Path(out) / "config.json").exists():
+        raise ValueError(f"--out {out} already holds a checkpoint; the conversion would replace it: choose another "
+                         f"--out")
+
+
 def run(args) -> int:
     import torch
 
@@ -46,6 +56,7 @@ def run(args) -> int:
     from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 
     overrides = parse_overrides(args.nanochat_override)
+    check_new_out(args.out)
     if is_nanochat_dir(args.src):  # its tokenizer (a tiktoken pickle in nanochat's base dir) is not converted
         model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype), overrides=overrides)
         path = save_checkpoint(args.out, model)

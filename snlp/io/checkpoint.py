@@ -28,6 +28,7 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
+from snlp.io.drafter import META as DRAFTER_META
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
@@ -120,6 +121,23 @@ def checkpoint_dir(path) -> Path:
     return path
 
 
+def not_a_checkpoint(path: Path) -> str:
+    """Why folder `path` (no config.json) is not a checkpoint, saying what it is where that is plain: a drafter
+    (snlp adapt), a folder of checkpoints (snlp speedrun's noreg/ and idn/), a checkpoint missing its config; the
+    advice to re-train fits only the last."""
+    if (path / DRAFTER_META).is_file():
+        return (f"{path} is a drafter (snlp adapt), not a checkpoint: give its base checkpoint, with "
+                f"`--drafter {path}` where the command takes one")
+    inner = sorted(d for d in path.iterdir() if d.is_dir() and (d / CONFIG).is_file() and (d / WEIGHTS).is_file())
+    if inner:
+        names = ", ".join(str(d) for d in inner[:4]) + (", ..." if len(inner) > 4 else "")
+        return f"{path} is not a checkpoint but a folder holding {len(inner)}: {names}; give one of them"
+    if (path / WEIGHTS).is_file():
+        return f"checkpoint {path} has no {CONFIG}; it is incomplete, re-save or re-train it"
+    return (f"{path} is not a checkpoint (no {CONFIG} or {WEIGHTS}): give the folder that `snlp train --out` or "
+            f"`snlp convert --out` wrote")
+
+
 def is_snlp_checkpoint(path) -> bool:
     """An snlp checkpoint directory: config.json holds GPTConfig fields next to model.safetensors (a transformers
     directory has the same two files, but its config names an architecture / model_type). A config.json that is
@@ -141,7 +159,7 @@ def load_config(path) -> GPTConfig:
     """The GPTConfig stored in a checkpoint's config.json."""
     f = checkpoint_dir(path) / CONFIG
     if not f.is_file():
-        raise FileNotFoundError(f"checkpoint {f.parent} has no {CONFIG}; it is incomplete, re-save or re-train it")
+        raise FileNotFoundError(not_a_checkpoint(f.parent))
     try:
         d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

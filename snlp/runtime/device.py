@@ -35,12 +35,23 @@ def write_json(path, obj) -> None:
 
 
 def cli_device(name: str):
-    """torch.device of a --device value; a clear error when CUDA is asked for but not available."""
+    """torch.device of a --device value; a ValueError (one line, before any work) when it names no device torch
+    knows (torch's own RuntimeError lists twenty back-ends in a traceback), or a CUDA device / index or MPS this
+    machine does not have."""
     import torch
 
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps requested but MPS is not available; use --device cpu")
     return device
 
 

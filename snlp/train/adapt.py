@@ -219,6 +219,8 @@ class AdaptValidation(ValidationResult):
 def load_base(src: str, dtype: str = "float32"):
     """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
     p = Path(src)
+    if p.is_file() and is_snlp_checkpoint(p.parent):  # a file inside an snlp checkpoint names it (as `snlp eval`)
+        p = p.parent
     if is_snlp_checkpoint(p) or is_nanochat_dir(p):  # a transformers directory also holds model.safetensors
         model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok
@@ -533,6 +535,18 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
                          + ": resume it with the settings it started with, or start a new run in another --out")
 
 
+def check_new_out(out: Path) -> None:
+    """Refuse an --out that a new run would write over: a drafter, or a folder holding anything else (a checkpoint,
+    the base's own folder, another run: the drafter's log.jsonl and files would replace or mix with its files).
+    OUT/run alone is an interrupted adaptation, which `fit` refuses unless --resume."""
+    if (out / "drafter.json").is_file():
+        raise ValueError(f"{out} already holds a drafter; choose another --out")
+    held = sorted(p.name for p in out.iterdir() if p.name != RUN) if out.is_dir() else []
+    if held:
+        raise ValueError(f"--out {out} is not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+                         f"a drafter gets a folder of its own; choose a new or empty --out")
+
+
 def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None = None) -> AdaptResult:
     """Adapt the drafter of `cfg.plan` to `cfg.src` and write it to `cfg.out` (snlp.io.drafter). A run stopped
     early (stop_after, a hook) keeps its checkpoint in OUT/run for `resume=True`; a finished one removes it
@@ -547,11 +561,14 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
                   cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None,
                   save_every=cfg.saves_every)  # what ran, in the record (not None for "the default")
     out = Path(cfg.out)
-    if not cfg.resume and (out / "drafter.json").is_file():
-        raise ValueError(f"{out} already holds a drafter; choose another --out")
+    if not cfg.resume:
+        check_new_out(out)
     t0 = time.perf_counter()
     owned = base is None
     base = base if base is not None else load_base(cfg.src, cfg.dtype)
+    if base[1] is None:  # an snlp checkpoint saved without tokenizer.json, a nanochat folder
+        raise ValueError(f"{cfg.src} has no tokenizer: the adaptation data must be tokenized with the model's own; "
+                         f"save the checkpoint with its tokenizer.json")
     if cfg.from_model:
         return import_drafter(cfg, plan, base)
     fingerprint = weights_fingerprint(base[0])

@@ -46,6 +46,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     """The saved run in `out` when resuming (checked complete, and `cfg` and the number of processes `world` checked
     against what it was saved with: `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
+    if (out / "drafter.json").is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
+        raise ValueError(f"{out} holds a drafter (snlp adapt); choose another --out")
     if not resume:
         if has_ckpt:
             raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")

@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from snlp.runtime.device import cli_device
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -33,7 +35,7 @@ def setup_dist(device_arg: str | None) -> DistContext:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_arg:
-        device = torch.device(device_arg)
+        device = cli_device(device_arg)  # a typo or a device this machine lacks: one line, not torch's traceback
     else:
         device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":

@@ -52,7 +52,13 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     assert rep["ideal_ssd_speedup"] == pytest.approx(
         (1 - rep["alpha"] ** 4) / (1 - rep["alpha"]) / (3 / rep["drafter_speedup_s"] + 1))
     assert spec["sequential_tokens_per_s"] == pytest.approx(1e3 / rep["sequential_ms_per_token"])
-    assert "alpha=" in capsys.readouterr().out
+    assert spec["speculative_tokens_per_s"] == pytest.approx(1e3 / rep["speculative_ms_per_token"])
+    line = capsys.readouterr().out.splitlines()[-2]  # the last: "wrote g.json"
+    assert "alpha=" in line
+    # the one streamed run's rate is labelled as such, and both sides' warm medians stand beside the ratio (a line
+    # read "28.1 tok/s ... speedup measured 1.30x ... sequential 321.2 tok/s")
+    assert "tok/s in this one run" in line and f"speculative {spec['speculative_tokens_per_s']:.1f} tok/s" in line
+    assert f"sequential {spec['sequential_tokens_per_s']:.1f} tok/s" in line
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
     assert snlp["tokens"] == seq["tokens"]
@@ -223,3 +229,14 @@ def test_bench_decode_batches_and_drafter_flags(tmp_path, capsys):
     assert main(["bench", "--depth", "4", "--width", "32", "--head-dim", "16", "--batch-sizes", "2"]) == 2
     assert "use them with --decode" in capsys.readouterr().err
     assert main([*base, "--plans", "2xF1-h0-K1", "--batch-sizes", "0"]) == 2
+
+
+def test_an_empty_prompt_is_said_before_generating_from_bos(ckpt, tmp_path, capsys):
+    """`snlp generate CKPT` without --prompt (or with a blank one) decodes from BOS alone, a legal unconditional
+    sample; it printed 128 tokens without a word about the prompt. It now says so on stderr, in one line."""
+    assert main(["generate", str(ckpt), "--max-new-tokens", "4", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
+                   "to continue a text)"]
+    assert main(["generate", str(ckpt), "--prompt", "First", "--max-new-tokens", "4", "--quiet"]) == 0
+    assert "prompt is empty" not in capsys.readouterr().err

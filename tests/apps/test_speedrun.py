@@ -158,12 +158,70 @@ def test_quick_speedrun_end_to_end_and_reuse(tmp_path, capsys, monkeypatch):
     assert len(t := tables((out / "report.md").read_text())["Main results"]) - 1 == 4
     assert "--plans 2xF1-h0-K1,1xF2-h0-K1" in (out / "report.md").read_text()
 
-    # other CPU kernels (an ISA cap) are another measurement: every stage but the tokenizer runs anew, and the
+    # other CPU kernels (an ISA cap) are another measurement: the models would be trained anew in their place, so
+    # the run is refused before any stage (check_replaces) until --force; then every stage runs anew, and the
     # report's hardware line names the cap (review: reused stages were labelled with the new run's caps)
     monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
-    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid]) == 0
-    assert summary(out)["reused"] == ["tokenizer"]
+    weights = (out / "idn" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid]) == 2
+    assert "cpu_kernels" in capsys.readouterr().err and (out / "idn" / "model.safetensors").read_bytes() == weights
+    assert main(["speedrun", "--out", str(out), *RUN, "--plans", grid, "--force"]) == 0
+    assert summary(out)["reused"] == []
     assert "DNNL_MAX_CPU_ISA=AVX2)" in (out / "report.md").read_text()
+
+
+def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage(tmp_path, capsys):
+    """`snlp speedrun --out runs/speedrun --quick` (or another --budget, --seed, --data, another CPU) after the
+    main job trained its models from scratch in their place, deleting them without a word. It is refused, naming
+    what changed, before any stage runs; the same settings reuse, an interrupted training of the same settings
+    resumes, --force replaces."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun.records import canon, write_json
+    from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
+
+    out = tmp_path / "sr"
+
+    def invocation(*extra):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
+
+    sr = invocation()  # what a finished run leaves: the tokenizer's and both trainings' records, the models
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.cache.mkdir()
+    for key, reg in TRAINED:
+        (out / key).mkdir()
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        sr.stages.begin(f"train-{key}", "test")
+        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    check_replaces(invocation())  # the same settings: reused
+    check_replaces(invocation("--plans", "2xF1-h0-K1"))  # another plan grid redoes the evaluations only
+    with pytest.raises(ValueError, match=r"holds the model .*noreg trained with other settings \(seed 0 -> 1\).*--force"):
+        check_replaces(invocation("--seed", "1"))
+    with pytest.raises(ValueError, match=r"max_chars 300000 -> 200000"):  # the tokenizer too would be made anew
+        check_replaces(invocation("--max-chars", "200000"))
+    capsys.readouterr()
+    assert main(["speedrun", "--out", str(out), *TINY, "--steps", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "steps 12 -> 20" in err[0], err
+    assert all((out / k / "model.safetensors").read_bytes() == b"weights" for k, _ in TRAINED)
+    sr = invocation("--seed", "1")  # an interrupted training of these settings is resumed, not refused
+    tok = sr.stages.peek("tokenizer", dataclasses.asdict(sr.cfg.data_spec), [sr.cache])
+    for key, reg in TRAINED:  # what _launch leaves for a training it started
+        (out / key / "train_state.pt").write_bytes(b"state")
+        write_json(out / "stages" / f"train-{key}.partial.json", canon(_train_settings(sr, key, reg, tok.id)[1]))
+    check_replaces(sr)
+    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force clears the folder (setup)
+    assert not (out / "noreg").exists()
+    (out / "model.safetensors").write_bytes(b"a checkpoint")  # --out naming a checkpoint: refused, --force or not
+    for extra in ((), ("--force",)):
+        with pytest.raises(ValueError, match=r"is a checkpoint \(snlp train / sft / convert\)"):
+            check_replaces(invocation(*extra))
 
 
 def test_stages_redo_on_changed_settings_and_force(tmp_path):
@@ -220,6 +278,18 @@ def test_decode_timing_is_not_a_lone_first_step():
     assert FULL.ssd_repeats >= 3 and QUICK.ssd_repeats >= 2
 
 
+def test_the_full_ssd_table_can_resolve_what_its_caption_tests():
+    """The SSD table bolds a Measured only where a two-sided sign test over its timed rounds resolves it (6 of 6 at
+    the fewest), but the full preset timed 3 rounds and the budget's floor 2: a run's IDN B = 8 rounds 1.65x and
+    1.70x read "1.675x (tie)", as every row of every default run would. The full preset and the floor time enough
+    rounds for the test (the smoke test --quick keeps its 2: not to be quoted)."""
+    from snlp.apps.speedrun.ssd import shrink_ssd
+    from snlp.bench.stats import fewest_sign_rounds
+
+    assert FULL.ssd_repeats >= fewest_sign_rounds() == 6
+    assert shrink_ssd(FULL, 0.01)[0].ssd_repeats >= fewest_sign_rounds()
+
+
 def _tiny_corpus(tmp_path):
     from snlp.apps.speedrun.preset import DataSpec
     from snlp.apps.speedrun.tokenizer import stage_tokenizer
@@ -255,6 +325,8 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     res = train_summary(job, tok["fingerprint"], walls["m"])
     assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
     assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
+    headers = [ln for ln in job.log.read_text().splitlines() if ln.startswith("train m: ")]
+    assert "resume=True" in headers[-1]  # the resumed leg's header says so (it printed the first leg's resume=False)
     # a run made with other settings is thrown away, not resumed
     write_json(job.partial, {"other": "settings"})
     train_models([job], console, threads=1)
@@ -337,7 +409,7 @@ def test_budget_args_and_shrinking():
     new, _ = shrink_ssd(FULL, 0.01)
     # SSD floors: one prompt and one round made the drafter choice and the SSD rows noise; tune keeps its rounds
     # (its sign test needs 6) and decodes fewer tokens
-    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 2, 2, 6, 16)
+    assert (new.ssd_prompts, new.ssd_repeats, new.tune_prompts, new.tune_repeats, new.tune_tokens) == (3, 6, 2, 6, 16)
 
 
 def test_stage_costs_cover_every_later_stage():
@@ -1158,6 +1230,41 @@ def test_the_ssd_text_says_how_each_s_was_timed_and_the_alpha_sample():
     assert "wall clock" in _render(tune_clock="wall").split("Drafter choice")[1].split("|")[0]
 
 
+def test_the_ssd_text_states_how_far_the_drafters_step_moved_across_b():
+    """"s moves with B only by that noise: the drafter's step does not depend on B" was printed whatever the rows
+    held; a run's records had the drafter's step fall 2.47 -> 2.25 -> 2.12 ms from B = 2 to 8 against one sequential
+    step (s 1.27x -> 1.48x). The text now states the spread from the rows and attributes it to nothing; Tok/Rnd
+    is defined beside the other columns."""
+    ctx = _report_ctx()
+    row = ctx["stages"]["ssd-noreg"]["result"]["rows"][0]
+    rows = [dict(row, block=b, drafter_ms_per_step=ms) for b, ms in ((2, 2.47), (4, 2.25), (8, 2.12))]
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{k}"]["result"] = dict(ctx["stages"][f"ssd-{k}"]["result"], rows=rows)
+    from snlp.apps.report import render_report
+
+    text = render_report(ctx).split("## Self-speculative decoding")[1].split("|")[0]
+    assert "only by that noise" not in text
+    assert ("The drafter's own step took 2.12–2.47 ms (No Reg.: 17% apart), 2.12–2.47 ms (IDN Reg.: 17% apart) "
+            "across B = 2, 4, 8") in text
+    assert "Tok/Rnd = the tokens each verification round emitted" in text
+
+
+def test_a_plan_off_the_front_only_through_off_front_plans_is_explained():
+    """A run's No Reg. table: `1xF12-h0-K1` decoded faster than the starred `12xF1-h0-K1` in 14 of 18 rounds (`>` in
+    the speed line) yet was off the front, dominated only by `6xF2-h0-K1` (a speed tie, better PPL), itself off
+    (a speed tie with `12xF1-h0-K1`, worse PPL). Ties do not chain; the report says so where it happens."""
+    from snlp.apps.report import off_front_through_ties, tied_front, front_rows, pooled_speeds
+
+    recs = [_rec("sequential", 80.0, [1.0] * 9, 1.0, 1.0), _rec("12xF1-h0-K1", 83.6, [2.0] * 9, 0.5, 0.5),
+            _rec("6xF2-h0-K1", 85.0, [2.3, 1.9] * 4 + [2.3], 0.5, 0.5), _rec("1xF12-h0-K1", 95.0, [2.2] * 9, 0.5, 0.5)]
+    evals = {"noreg": recs, "idn": recs}
+    assert tied_front(front_rows(recs, pooled_speeds(evals))) == {"12xF1-h0-K1", "sequential"}
+    text = " ".join(off_front_through_ties(evals))
+    assert "No Reg.: `1xF12-h0-K1` is off the front only through `6xF2-h0-K1`" in text and "ties do not chain" in text
+    assert "`6xF2-h0-K1` is off the front only" not in text  # it is dominated by a starred plan
+    assert off_front_through_ties({k: recs[:2] for k in evals}) == []
+
+
 def test_the_frontier_draws_the_main_tables_front():
     """The plot's Pareto line is the main table's `*` (ties inside the timing range included), not a second front
     computed from medians alone: 1xF12-h0-K1 is faster by median but ties 12xF1-h0-K1 with worse PPL."""
@@ -1464,6 +1571,33 @@ def test_ppl_ties_rest_on_the_paired_windows_when_the_records_hold_them():
 
     md = render_report(ctx)
     assert "over the same 32 validation windows" in md and "paired t-test at 5 %" in md
+
+
+def test_a_dppl_inside_the_noise_is_marked_a_tie_in_the_main_table():
+    """A run's IDN table printed `6xF2-h0-K2` at ΔPPL +0.1 % (paired t-test against sequential over its 32 windows:
+    p = 0.12) like any measured increase; only the paragraph under the plot said it was not told from sequential.
+    The cell now says (tie) wherever the plan's 95 % interval includes 0, and nowhere else."""
+    import math
+
+    from snlp.apps.report import render_report
+
+    steady = [3.0 + 0.1 * i for i in range(32)]
+    noisy = [x + (0.05 if i % 2 else -0.05) + 0.001 for i, x in enumerate(steady)]  # +0.1 %, spread: a tie
+    worse = [x + 0.03 for x in steady]  # +3 % in every window: resolved
+    windows = {"sequential": steady, "12xF1-h0-K1": worse, "12xF1-h0-K4": noisy, "1xF12-h0-K1": worse}
+    ctx = _report_ctx()
+    for k in ("noreg", "idn"):
+        ctx["evals"][k] = [dataclasses.replace(r, window_ce=windows[r.plan],
+                                               ppl=math.exp(sum(windows[r.plan]) / 32) * 20 / math.exp(sum(steady) / 32),
+                                               delta_ppl=math.exp((sum(windows[r.plan]) - sum(steady)) / 32) - 1)
+                           for r in ctx["evals"][k]]
+    md = render_report(ctx)
+    t = tables(md)["Main results"]
+    tied = [(c.split("`")[1], k) for c, k, d in zip(column(t, "Config"), column(t, "K"), column(t, "ΔPPL"))
+            if d.endswith("(tie)")]
+    assert tied == [("12xF1-h0", "4")] * 2, tied  # the K4 row of each model, no other
+    assert "ΔPPL is marked (tie) where its 95 % interval" in md
+    assert "marked (tie) where its 95 %" not in _render()  # records without windows: nothing to test, nothing said
 
 
 def test_the_ideal_formula_defines_its_symbols():

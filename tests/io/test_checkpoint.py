@@ -117,3 +117,26 @@ def test_a_runs_settings_are_read_without_its_optimizer_states(tok, tmp_path):
     with pytest.raises(ValueError, match="corrupt or truncated .*train_state.pt"):
         load_train_state(path)
     assert load_train_state(save_checkpoint(tmp_path / "bare", tiny(), tok)) is None
+
+
+def test_a_folder_that_is_no_checkpoint_is_named_for_what_it_is(tok, tmp_path):
+    """`snlp eval runs/speedrun` (the speedrun's folder), a drafter folder, any other folder: the error says what
+    the folder is and what to give instead, and advises re-training only a checkpoint that lost its config."""
+    sr = tmp_path / "speedrun"
+    for name in ("noreg", "idn"):
+        save_checkpoint(sr / name, tiny(), tok)
+    (sr / "stages").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"not a checkpoint but a folder holding 2: .*idn, .*noreg; give one"):
+        load(sr)
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "drafter.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"is a drafter \(snlp adapt\), not a checkpoint.*--drafter"):
+        load(d)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"is not a checkpoint \(no config.json or model.safetensors\)") as e:
+        load(tmp_path / "other")
+    assert "re-train" not in str(e.value)
+    (sr / "noreg" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json; it is incomplete"):
+        load(sr / "noreg")

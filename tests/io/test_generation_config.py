@@ -135,3 +135,16 @@ def test_harness_stderr_uses_the_harness_bootstrap_count(monkeypatch):
     assert seen["bootstrap_iters"] == inspect.signature(real).parameters["bootstrap_iters"].default == 100000
     evaluate_methods([LM()], ["t"], bootstrap_iters=7)  # an explicit count is passed as given
     assert seen["bootstrap_iters"] == 7
+
+
+def test_convert_refuses_an_out_that_holds_a_checkpoint(hf_dir, tmp_path, capsys):
+    """`snlp convert SRC --out RUN` over a trained run replaced its weights and config and dropped its optimizer and
+    train state (save_checkpoint keeps only the files it does not own): refused before the source is read."""
+    d, _, _ = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    (tmp_path / "ck" / "optimizer.pt").write_bytes(b"a trained run's states")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()}
+    capsys.readouterr()
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before

@@ -6,6 +6,7 @@ drafter directories refuse other bases and corrupt files, export round-trips thr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -286,6 +287,28 @@ def test_adapt_raises_top1_agreement(tmp_path, kv):
     assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=12, drafter=d).tokens == ref.tokens
     with pytest.raises(ValueError, match="already holds a drafter"):
         adapt(adapt_cfg(tmp_path / "again", out=str(tmp_path / "d")))
+
+
+def test_adapt_refuses_an_out_that_holds_another_run_and_a_base_without_tokenizer(tmp_path):
+    """`snlp adapt CKPT --out CKPT` (or any folder holding files) wrote the drafter and its log.jsonl over the
+    checkpoint's training log; a base saved without tokenizer.json failed mid-run on an AttributeError. Both are
+    refused before anything is loaded or written."""
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, out="base", steps=2)
+    base = tmp_path / "base"
+    (base / "log.jsonl").write_text('{"step": 0, "val_loss": 1.0}\n')
+    before = {f.name: f.read_bytes() for f in base.iterdir()}
+    with pytest.raises(ValueError, match=r"--out .*base is not empty \(it holds config.json, log.jsonl"):
+        adapt(cfg)
+    assert {f.name: f.read_bytes() for f in base.iterdir()} == before  # nothing written, nothing lost
+    # the weights file inside the checkpoint names the checkpoint, as for snlp eval / generate / train --init-from
+    res = adapt(dataclasses.replace(cfg, src=str(base / "model.safetensors"), out=str(tmp_path / "f")))
+    assert res.steps == 2 and (tmp_path / "f" / "drafter.json").is_file()
+    (base / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        adapt(dataclasses.replace(cfg, out=str(tmp_path / "d")))
+    assert not (tmp_path / "d").exists()
 
 
 def test_adapt_resume_equals_uninterrupted(tmp_path):

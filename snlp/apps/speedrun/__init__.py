@@ -42,7 +42,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  the best stage-1 prediction among the rest (snlp.bench.tune.pick); the proxy rule
                  (`select_drafter`: the paper's ideal SSD speedup at B = 4 from Top-1 and the eval's decode
                  speedup) is recorded next to it. Measured alpha, tokens/round, s (per-step times of both sides)
-                 and end-to-end speedup vs sequential greedy decoding (the median over 3 timed rounds of each
+                 and end-to-end speedup vs sequential greedy decoding (the median over 6 timed rounds of each
                  round's paired sequential / speculative ratio), after a warm-up of both sides
                  (decode.speculative.speculative_benchmark), and a check that the
                  output equals sequential.
@@ -62,6 +62,10 @@ from snlp.apps.speedrun.flags import add_arguments
 
 __all__ = ["add_arguments", "run"]
 
+# what `snlp speedrun` says on Ctrl-C: the stages and the training saves make a re-run pick up where it stopped
+INTERRUPT_HINT = ("run the same command again to continue: finished stages are reused and training resumes from its "
+                  "last save (every 100 steps)")
+
 
 def run(args) -> int:
     """The pipeline, top to bottom: each step runs its stage(s) or reuses them (Stages), then the report."""
@@ -74,9 +78,10 @@ def run(args) -> int:
     from snlp.apps.speedrun.records import intra_op_threads
     from snlp.apps.speedrun.ssd import step_ssd
     from snlp.apps.speedrun.tokenizer import step_tokenizer
-    from snlp.apps.speedrun.train import step_train
+    from snlp.apps.speedrun.train import check_replaces, step_train
 
     sr = setup(args)
+    check_replaces(sr)  # a finished model this run would retrain in its place: refused before any stage runs
     step_tokenizer(sr)  # tokenizer
     step_train(sr)  # train-noreg, train-idn: side by side, in lockstep
     with intra_op_threads(sr.eval_threads):

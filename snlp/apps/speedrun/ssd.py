@@ -13,6 +13,7 @@ from snlp.apps.report import MODELS
 from snlp.apps.speedrun.common import fewer, floor_scale, shrink_text
 from snlp.apps.speedrun.evaluate import eval_records
 from snlp.apps.speedrun.preset import BLOCKS, Preset, SELECT_BLOCK
+from snlp.bench.stats import fewest_sign_rounds
 
 if TYPE_CHECKING:
     from snlp.bench.budget import StageCost
@@ -69,9 +70,11 @@ def tune_rows(result) -> list[dict]:
     return [{k: getattr(c, k) for k in keys} | {"pick": c is result.picks["ssd"]} for c in rows[:8]]
 
 
-SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=2, tune_prompts=2, tune_tokens=16)  # what shrink_ssd never goes below:
-# a median of one round of one prompt is noise (at 1-3 prompts and 1-2 rounds a one-prompt measurement
-# picked a slower drafter and the SSD rows swung by 0.3x); 16 tokens leave a decode at B = 4 three full rounds.
+SSD_FLOORS = dict(ssd_prompts=3, ssd_repeats=fewest_sign_rounds(), tune_prompts=2, tune_tokens=16)  # what shrink_ssd
+# never goes below: a median of one round of one prompt is noise (at 1-3 prompts and 1-2 rounds a one-prompt
+# measurement picked a slower drafter and the SSD rows swung by 0.3x); 16 tokens leave a decode at B = 4 three full
+# rounds. The SSD rounds keep the fewest at which the report's sign test can tell SSD from sequential decoding (6):
+# at 2 (the old floor) or 3 (the old default) every Measured of the table was a tie by construction.
 # tune's shootout rounds never shrink: fewer than snlp.bench.stats.fewest_sign_rounds() (6) and no lead can pass the
 # pick's sign test, so the best prediction would pick whatever was measured; its decodes get shorter instead.
 # Floors bound shrinking only: they never raise a preset's value (--quick's 2 SSD prompts stay 2: a smoke test,

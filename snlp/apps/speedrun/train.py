@@ -205,11 +205,11 @@ def _launch(job: TrainJob, threads: int, force: bool, console):
         shutil.rmtree(job.model_dir, ignore_errors=True)
         write_json(job.partial, canon(job.settings))
     job.log.parent.mkdir(parents=True, exist_ok=True)
-    with open(job.log, "a" if resume else "w") as f:
-        f.write(f"train {job.key}: {job.cfg}\n")
+    cfg = dataclasses.replace(job.cfg, resume=resume)
+    with open(job.log, "a" if resume else "w") as f:  # the config this leg runs (a resumed leg says resume=True)
+        f.write(f"train {job.key}: {cfg}\n")
     proc = multiprocessing.get_context("spawn").Process(
-        target=_train_child, args=(dataclasses.replace(job.cfg, resume=resume), threads, str(job.log), job.stop_file,
-                                   job.gate_file),
+        target=_train_child, args=(cfg, threads, str(job.log), job.stop_file, job.gate_file),
         name=f"snlp-train-{job.key}")
     proc.start()
     return proc
@@ -356,25 +356,83 @@ def training_minutes(sr: Speedrun) -> float:
     return minutes
 
 
+TRAINED = (("noreg", False), ("idn", True))  # (model key, IDN-regularised)
+
+
+def _train_settings(sr: Speedrun, key: str, reg: bool, tokenizer_id: str) -> tuple[TrainConfig, dict]:
+    """(TrainConfig, stage settings) of model `key` in this invocation, on the tokenizer stage `tokenizer_id`."""
+    pre = sr.preset
+    budgeted = pre.budget_minutes is not None
+    # train_config reads the settings as a dict (the training-launch side keeps that interface); under a
+    # budget the minutes are the plan's, known once training starts (_train), so the settings name the budget
+    tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
+                        minutes=pre.minutes if not budgeted else 1.0)
+    train = {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
+             for k, v in dataclasses.asdict(tcfg).items()}
+    if budgeted:
+        train["minutes"] = f"budget {pre.budget_minutes:g}"
+    # the CPU kernels torch picks (ATen's capability, ISA caps): other kernels are another measurement (and a
+    # budgeted training another number of steps), never a stage to reuse under the report's new hardware line
+    return tcfg, {"train": train, "tokenizer": tokenizer_id, "threads": sr.train_threads, "lockstep": sr.parallel,
+                  "cpu_kernels": cpu_isa()}
+
+
+def _changes(was, now, prefix: str = "") -> list[str]:
+    """'name old -> new' for each setting that differs between two stage settings (nested dicts by dotted name)."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [c for k in sorted(set(was) | set(now), key=str)
+                for c in _changes(was.get(k), now.get(k), f"{prefix}{k}." if prefix or k != "train" else "")]
+    return [] if was == now else [f"{prefix.rstrip('.') or 'settings'} {was!r} -> {now!r}"]
+
+
+def check_replaces(sr: Speedrun) -> None:
+    """Refuse, before any stage runs, a re-run into an OUT whose trained model (finished, or interrupted and
+    resumable) this invocation would not reuse: other settings (--quick, --budget, --depth, --data, another
+    CPU, ...) retrain from scratch into the same folder, which deletes the model the earlier run trained
+    (minutes of work, and the report's evidence). --force is the way to replace them. An OUT that is itself a
+    checkpoint or a drafter (snlp train / convert / adapt) is refused, --force or not: the run would fill it with
+    a folder of its own."""
+    for own, what in (("model.safetensors", "a checkpoint (snlp train / sft / convert)"),
+                      ("drafter.json", "a drafter (snlp adapt)")):
+        if (sr.out / own).is_file():
+            raise ValueError(f"--out {sr.out} is {what}; the speedrun writes a folder of its own: choose another --out")
+    if sr.force:
+        return
+    spec = dataclasses.asdict(sr.cfg.data_spec)
+    tok = sr.stages.peek("tokenizer", spec, outputs=[sr.cache])
+    for key, reg in TRAINED:
+        model = sr.out / key / "model.safetensors"
+        if not model.is_file():
+            continue
+        name = f"train-{key}"
+        if tok is not None:
+            settings = canon(_train_settings(sr, key, reg, tok.id)[1])
+            if sr.stages.peek(name, settings, outputs=[model]) is not None:
+                continue  # reused
+            partial = read_json(sr.out / "stages" / f"{name}.partial.json")
+            if partial == settings and (sr.out / key / "train_state.pt").is_file():
+                continue  # an interrupted training of these settings: resumed
+            rec = read_json(sr.stages.path(name))
+            was = partial if partial is not None else (rec or {}).get("settings")
+            changes = _changes(was, settings) if isinstance(was, dict) else ["its stage record is missing"]
+        else:
+            was = (read_json(sr.stages.path("tokenizer")) or {}).get("settings")
+            changes = (_changes(was, canon(spec)) if isinstance(was, dict) else ["its tokenizer record is missing"]) \
+                or [f"the token cache {sr.cache} it was trained from is gone"]
+        raise ValueError(f"--out {sr.out} holds the model {sr.out / key} trained with other settings ("
+                         + "; ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
+                         + "): this run would train it anew in its place; choose another --out, or pass --force to "
+                         "replace it (every stage is redone)")
+
+
 def _train_jobs(sr: Speedrun) -> list[TrainJob]:
     """The training runs still to do (a model whose stage record matches is reused into sr.trains)."""
     pre = sr.preset
     budgeted = pre.budget_minutes is not None
     lockstep = sr.out / "stages" if (pre.minutes or budgeted) and sr.parallel else None
     jobs = []
-    for key, reg in (("noreg", False), ("idn", True)):
-        # train_config reads the settings as a dict (the training-launch side keeps that interface); under a
-        # budget the minutes are the plan's, known once training starts (_train), so the settings name the budget
-        tcfg = train_config(dataclasses.asdict(sr.cfg), sr.out / key, sr.cache, reg, steps=pre.steps,
-                            minutes=pre.minutes if not budgeted else 1.0)
-        train = {k: v.replace(str(sr.out), "{out}") if isinstance(v, str) else v
-                 for k, v in dataclasses.asdict(tcfg).items()}
-        if budgeted:
-            train["minutes"] = f"budget {pre.budget_minutes:g}"
-        # the CPU kernels torch picks (ATen's capability, ISA caps): other kernels are another measurement (and a
-        # budgeted training another number of steps), never a stage to reuse under the report's new hardware line
-        settings = {"train": train, "tokenizer": sr.tokenizer.id, "threads": sr.train_threads, "lockstep": sr.parallel,
-                    "cpu_kernels": cpu_isa()}
+    for key, reg in TRAINED:
+        tcfg, settings = _train_settings(sr, key, reg, sr.tokenizer.id)
         rec = sr.stages.lookup(f"train-{key}", settings, outputs=[sr.out / key / "model.safetensors"])
         if rec is not None:
             sr.trains[key] = rec

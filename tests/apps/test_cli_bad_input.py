@@ -1,0 +1,84 @@
+"""A newcomer's mistakes on the command line get one clear line before any work, and lose nothing: a --device
+typo, a folder of the wrong kind where a checkpoint is expected, an --out that already holds another run."""
+
+import pytest
+
+from snlp.apps.cli import main
+
+
+def one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"snlp {command}: error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--out", "{o}", "--device", "cdu"],
+    ["generate", "{o}", "--device", "cdu"],
+    ["eval", "{o}", "--plans", "1xF1-h0-K1", "--device", "cdu"],
+    ["sft", "{o}", "--data", "chats.jsonl", "--out", "{o}/sft", "--device", "cdu"],
+    ["adapt", "{o}", "--plan", "1xF1-h0-K1", "--out", "{o}/d", "--device", "cdu"],
+    ["speedrun", "--out", "{o}", "--quick", "--device", "cdu"],
+    ["bench", "--device", "cdu"],
+    ["selfcheck", "--device", "cdu"],
+])
+def test_a_device_typo_is_one_line_before_any_work(argv, tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main([a.replace("{o}", str(out)) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and "--device 'cdu' is not a device" in line, line
+    assert not out.exists()  # nothing was created
+
+
+@pytest.mark.parametrize("name", ["cdu", "gpu", "cuda:x", ""])
+def test_cli_device_refuses_what_torch_does_not_parse(name):
+    from snlp.runtime.device import cli_device
+
+    if name:
+        with pytest.raises(ValueError, match="is not a device"):
+            cli_device(name)
+    assert str(cli_device("cpu")) == "cpu"
+
+
+def test_setup_dist_refuses_a_device_typo_in_one_line():
+    from snlp.train.distributed import setup_dist
+
+    with pytest.raises(ValueError, match="is not a device"):
+        setup_dist("cdu")
+
+
+def test_a_folder_given_as_prompts_file_is_named_a_folder(tmp_path, capsys):
+    """--prompts-file FOLDER said "does not exist" of a folder that exists."""
+    assert main(["generate", str(tmp_path / "ck"), "--prompts-file", str(tmp_path)]) == 2
+    line = one_error_line(capsys, "generate")
+    assert "is a folder; name a file" in line and "does not exist" not in line
+
+
+def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during `snlp speedrun` printed "snlp speedrun: interrupted" and nothing about the saved training or
+    the stage records that a re-run of the same command picks up (it does: finished stages reused, training resumed
+    from its last save)."""
+    import snlp.apps.speedrun as speedrun
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speedrun, "run", interrupted)
+    assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
+                   "and training resumes from its last save (every 100 steps)"]
+
+
+def test_a_run_into_a_drafter_folder_is_refused(tmp_path, capsys):
+    """`snlp train --out DRAFTER_DIR` wrote its log.jsonl over the drafter's and its checkpoint beside it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "drafter.json").write_text("{}")
+    (d / "log.jsonl").write_text("the drafter's log\n")
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n" * 200)
+    assert main(["train", "--out", str(d), "--depth", "2", "--steps", "1", "--data", str(tmp_path / "t.txt")]) == 2
+    assert "holds a drafter (snlp adapt)" in one_error_line(capsys, "train")
+    assert (d / "log.jsonl").read_text() == "the drafter's log\n"
+    assert sorted(p.name for p in d.iterdir()) == ["drafter.json", "log.jsonl"]
