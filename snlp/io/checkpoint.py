@@ -28,7 +28,6 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
-from snlp.io.drafter import META as DRAFTER_META
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
@@ -36,6 +35,7 @@ from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
 
 WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
+DRAFTER_META = "drafter.json"  # what marks a drafter folder (snlp.io.drafter writes it, named here with the rest)
 OWN_FILES = (WEIGHTS, CONFIG, TOKENIZER_FILE, TOKENIZER_META, OPTIMIZER, TRAIN_STATE)
 TIED = "lm_head.weight"  # not stored when GPTConfig.tie_embeddings (it is wte.weight)
 

@@ -30,13 +30,13 @@ from snlp.method.plan import Plan
 from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
+from snlp.io.checkpoint import DRAFTER_META as META
 from snlp.io.weights import check_finite
 
 FORMAT = "snlp-drafter"
 VERSION = 3  # 2: exact per-tensor digests, precision-tolerant base fingerprint; 3: meta_digest
 SIGNED = ("format", "version", "plan", "base_fingerprint", "config", "suffix_start", "dtype", "digests", "lora")
 WEIGHTS = "drafter.safetensors"
-META = "drafter.json"
 
 
 def meta_digest(meta: dict) -> str:
