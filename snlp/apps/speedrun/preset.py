@@ -60,8 +60,8 @@ class Preset:
 # timing round; SSD ~ prompts x tokens x repeats. Hence 8192 eval tokens (the plan-vs-sequential
 # statistics are paired over the same tokens), 2 + 10 timing rounds (medians of 10, round-robin), 4 SSD
 # prompts x 128 tokens x 3 rounds, 2048 off-the-shelf tokens with 1 + 3 rounds: ~14 min of stages -> ~8. SSD
-# rounds are now 6: the fewest at which the report's sign test can tell SSD from sequential decoding
-# (snlp.bench.stats.fewest_sign_rounds; at 3 every Measured was a tie by construction).
+# times 6 rounds: the fewest at which the report's sign test can tell SSD from sequential decoding
+# (snlp.bench.stats.fewest_sign_rounds; with fewer, every SSD speedup would read as a tie whatever it was).
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=None, steps=None,
               max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=6,
