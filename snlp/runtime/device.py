@@ -52,6 +52,12 @@ def cli_device(name: str):
                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("--device mps requested but MPS is not available; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, meta ...: only where torch says the back-end runs here
+        backend = getattr(torch, device.type, None)
+        available = getattr(backend, "is_available", None)
+        if device.type == "meta" or not callable(available) or not available():
+            raise ValueError(f"--device {name}: no {device.type} device on this machine (it has cpu"
+                             f"{', cuda' if torch.cuda.is_available() else ''}); use one of those")
     return device
 
 

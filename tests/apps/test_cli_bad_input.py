@@ -41,6 +41,20 @@ def test_cli_device_refuses_what_torch_does_not_parse(name):
     assert str(cli_device("cpu")) == "cpu"
 
 
+@pytest.mark.parametrize("name", ["meta", "hpu", "xpu"])
+def test_cli_device_refuses_a_back_end_this_machine_lacks(name):
+    """torch parses xpu, hpu and meta, but a model sent there fails after loading (an assertion, a missing module, a
+    meta copy): refused up front where the back-end does not run here (meta never does)."""
+    import torch
+
+    from snlp.runtime.device import cli_device
+
+    if getattr(getattr(torch, name, None), "is_available", lambda: False)():
+        pytest.skip(f"this machine has {name}")
+    with pytest.raises(ValueError, match=f"no {name} device on this machine"):
+        cli_device(name)
+
+
 def test_setup_dist_refuses_a_device_typo_in_one_line():
     from snlp.train.distributed import setup_dist
 
