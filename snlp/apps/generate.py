@@ -296,12 +296,13 @@ def run(args) -> int:
 
         return run_generate(args)
     check_args(args)
-    if args.prompts_file is None and not args.prompt.strip() and not args.chat:  # legal (unconditional), but say so
-        print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
-              "continue a text)", file=sys.stderr)
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
+        #                                      prompt is not empty: its whitespace tokens follow BOS and condition
+        print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
+              "continue a text)", file=sys.stderr)
     model, tok = load(args.ckpt, device="cpu")
     model = model.to(device).eval()
     if tok is None:

@@ -232,11 +232,16 @@ def test_bench_decode_batches_and_drafter_flags(tmp_path, capsys):
 
 
 def test_an_empty_prompt_is_said_before_generating_from_bos(ckpt, tmp_path, capsys):
-    """`snlp generate CKPT` without --prompt (or with a blank one) decodes from BOS alone, a legal unconditional
-    sample; it printed 128 tokens without a word about the prompt. It now says so on stderr, in one line."""
+    """`snlp generate CKPT` without --prompt decodes from BOS alone, a legal unconditional sample; it printed 128
+    tokens without a word about the prompt. It now says so on stderr, in one line, after the checkpoint is found. A
+    blank prompt is not empty (its whitespace tokens follow BOS), and a missing checkpoint is the one error."""
     assert main(["generate", str(ckpt), "--max-new-tokens", "4", "--quiet"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
                    "to continue a text)"]
-    assert main(["generate", str(ckpt), "--prompt", "First", "--max-new-tokens", "4", "--quiet"]) == 0
-    assert "prompt is empty" not in capsys.readouterr().err
+    for prompt in ("First", "   "):
+        assert main(["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "4", "--quiet"]) == 0
+        assert "prompt is empty" not in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "none"), "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"snlp generate: error: checkpoint {tmp_path / 'none'} "
+                                                            f"does not exist"]
