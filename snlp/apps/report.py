@@ -181,6 +181,8 @@ def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     if not wa or not wb or len(wa) != len(wb) or len(wa) < 2:
         return None
     d = [a - b for a, b in zip(wa, wb)]
+    if not all(map(math.isfinite, d)):  # a diverged plan (inf / NaN windows): no test; its PPL sorts it last
+        return None
     m, sd = statistics.fmean(d), statistics.stdev(d)
     t = T_975[min(len(d) - 1, len(T_975)) - 1]
     if abs(m) <= t * sd / math.sqrt(len(d)):
@@ -191,12 +193,15 @@ def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
 def delta_ppl_interval(wp: list[float] | None, ws: list[float] | None) -> tuple[float, float] | None:
     """The 95 % interval of a plan's ΔPPL against its sequential model from their per-window cross-entropies over
     the same windows (two-sided paired t, as window_order): exp(mean difference ± t·sd/√n) − 1; None when the
-    windows do not pair. Equal windows make the PPL exp(the mean of the window means), so this is ΔPPL's."""
+    windows do not pair or one is not finite (a diverged plan). Equal windows make the PPL exp(the mean of the
+    window means), so this is ΔPPL's."""
     if not wp or not ws or len(wp) != len(ws) or len(wp) < 2:
         return None
     d = [a - b for a, b in zip(wp, ws)]
+    if not all(map(math.isfinite, d)):
+        return None
     m, h = statistics.fmean(d), T_975[min(len(d) - 1, len(T_975)) - 1] * statistics.stdev(d) / math.sqrt(len(d))
-    return math.expm1(m - h), math.expm1(m + h)
+    return tuple(math.inf if x > 709 else math.expm1(x) for x in (m - h, m + h))  # exp overflows past ~709 nats
 
 
 def ppl_intervals(evals: dict[str, list]) -> dict[str, dict[str, tuple[float, float]]]:

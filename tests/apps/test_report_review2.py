@@ -213,3 +213,20 @@ def test_the_speed_order_shows_a_resolved_reversal_and_unpaired_pairs():
     assert "`x` 2.00x < `y`" in chain and "0 of 1 adjacent differences are ties" in chain
     lone = speed_chain({"x": Speed(2.01, 2.01, 2.01, 1), "y": Speed(2.00, 2.00, 2.00, 1)})
     assert "1 of 1 pairs have no paired rounds" in lone
+
+
+def test_a_diverged_plan_gets_no_interval_and_the_report_still_renders():
+    """A plan bound with check_finite=False can diverge: inf / NaN window cross-entropies reached statistics.stdev
+    (AttributeError) and a mean difference past ~709 nats overflowed expm1, a traceback after every stage had run.
+    Such a row gets no interval and no t-test; a huge finite one an interval that reaches inf."""
+    from snlp.apps.report import delta_ppl_interval, window_order
+
+    SEQ2 = SEQ[:4]
+    assert delta_ppl_interval([math.inf, *SEQ2[1:]], SEQ2) is None
+    assert window_order([math.nan, *SEQ2[1:]], SEQ2) is None
+    assert delta_ppl_interval([x + 800 for x in SEQ2[:3]] + [SEQ2[3] + 801], SEQ2)[1] == math.inf
+    ctx = _report_ctx()
+    recs = ctx["evals"]["noreg"]
+    recs[1] = dataclasses.replace(recs[1], window_ce=[math.inf] * len(SEQ), ppl=math.inf, delta_ppl=math.inf)
+    recs[0] = dataclasses.replace(recs[0], window_ce=SEQ)
+    assert "## " in render_report(ctx)
