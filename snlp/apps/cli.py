@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a command that can pick up where it stopped says how (its module's INTERRUPT_HINT)
-        hint = getattr(args.module, "INTERRUPT_HINT", "")
+    except KeyboardInterrupt:  # a command that can pick up where it stopped says how (its module's interrupt_hint)
+        hint = getattr(args.module, "interrupt_hint", lambda a: "")(args)
         print(f"snlp {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
     finally:

@@ -63,8 +63,10 @@ from snlp.apps.speedrun.flags import add_arguments
 __all__ = ["add_arguments", "run"]
 
 # what `snlp speedrun` says on Ctrl-C: the stages and the training saves make a re-run pick up where it stopped
-INTERRUPT_HINT = ("run the same command again to continue: finished stages are reused and training resumes from its "
-                  "last save (every 100 steps)")
+def interrupt_hint(args) -> str:
+    """What to do after Ctrl-C: the same command continues, except that --force would redo every stage."""
+    return (f"run the same command{' without --force' if getattr(args, 'force', False) else ''} again to continue: "
+            f"finished stages are reused and training resumes from its last save (every 100 steps)")
 
 
 def run(args) -> int:
