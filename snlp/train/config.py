@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from snlp.io.chat import resolve_spec
-from snlp.io.data import files_signature, missing_parts
+from snlp.io.data import files_signature, is_local, missing_parts, parts
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
@@ -120,6 +121,20 @@ class TrainConfig:
             check_init_from_shape(self.init_from, [k for k in SHAPE if getattr(self, k) != getattr(default, k)])
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
             raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
+        check_out_outside_data(self.out, self.data)
+
+
+def check_out_outside_data(out: str, data: str | None) -> None:
+    """Refuse an --out inside a folder --data reads: the data loader reads the folder's text files, so the run's own
+    log.jsonl (and every later leg's) would become training and validation text."""
+    if not out:
+        return
+    where = Path(out).expanduser().resolve()
+    for part in parts(data):
+        base = Path(part).expanduser()
+        if is_local(part) and base.is_dir() and where.is_relative_to(base.resolve()):
+            raise ValueError(f"--out {out} lies inside the --data folder {part}: the run's own files (its log.jsonl) "
+                             f"would be read as training text; put --out outside it")
 
 
 # What a resumed run may set afresh: its budget, when it stops, logs, validates and saves, where it runs and whether

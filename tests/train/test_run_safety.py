@@ -452,3 +452,20 @@ def test_a_resume_whose_data_was_rewritten_in_place_is_refused(corpus, tmp_path,
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     shutil.copy(corpus, data)  # the run's own text back: it continues
     assert main(["train", "--out", str(run), "--resume"]) == 0
+
+
+def test_an_out_inside_its_data_folder_is_refused(corpus, tmp_path, capsys):
+    """The data loader reads a --data folder's text files, so a run whose --out lay inside it trained and validated
+    on its own log.jsonl from its first resume on (and a resume was refused once the log grew). Refused at the
+    start, in one line, before anything is written."""
+    import shutil
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copy(corpus, proj / "c.txt")
+    flags = ["--data", str(proj), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "2"]
+    assert main(["train", "--out", str(proj / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "lies inside the --data folder" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in proj.iterdir()) == ["c.txt"]
+    assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 0  # outside it: trains
