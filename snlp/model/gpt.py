@@ -219,9 +219,9 @@ class GPT(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() cast every floating buffer, and a bf16 inv_freq rotates position t by
-        # t * round_bf16(f): a phase error that grows with t (0.35 in cos at t = 2000). transformers' and nanochat's
-        # models keep the frequencies in fp32 in every dtype and round only the tables (GPT.rotary), so the cast
-        # moves inv_freq, never rounds it.
+        # t * round_bf16(f): a phase error that grows with t (0.35 in cos at t = 2000). nanochat's models, and
+        # transformers' loaded with from_pretrained(dtype=...), keep the frequencies in fp32 and round only the
+        # tables (GPT.rotary), so the cast moves inv_freq, never rounds it.
         inv = self.inv_freq
         out = super()._apply(fn, recurse)
         if inv.dtype == torch.float32 and self.inv_freq.dtype != torch.float32:

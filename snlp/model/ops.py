@@ -46,7 +46,10 @@ def rope_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> Te
 def round_bf16(x: Tensor) -> Tensor:
     """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32. Integer arithmetic on the bits, since
     inductor folds a cast round trip x.bfloat16().float() away (emulate_precision_casts is off by default), and a
-    compiled forward would then use other values than the eager one."""
+    compiled forward would then use other values than the eager one. Finite fp32 only (RoPE tables): a NaN would come
+    out as inf or 0, and another dtype's bits would be read as fp32."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"round_bf16 takes fp32, got {x.dtype}")
     b = x.contiguous().view(torch.int32)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # -65536: the top 16 bits, bf16's sign, exponent and mantissa
     return b.view(torch.float32)
