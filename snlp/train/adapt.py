@@ -541,7 +541,7 @@ def check_new_out(out: Path) -> None:
     OUT/run alone is an interrupted adaptation, which `fit` refuses unless --resume."""
     if (out / "drafter.json").is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
-    held = sorted(p.name for p in out.iterdir() if p.name != RUN) if out.is_dir() else []
+    held = sorted(p.name for p in out.iterdir() if p.name != RUN and not p.name.startswith(".")) if out.is_dir() else []
     if held:
         raise ValueError(f"--out {out} is not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
                          f"a drafter gets a folder of its own; choose a new or empty --out")

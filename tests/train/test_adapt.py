@@ -303,6 +303,8 @@ def test_adapt_refuses_an_out_that_holds_another_run_and_a_base_without_tokenize
         adapt(cfg)
     assert {f.name: f.read_bytes() for f in base.iterdir()} == before  # nothing written, nothing lost
     # the weights file inside the checkpoint names the checkpoint, as for snlp eval / generate / train --init-from
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / ".gitkeep").write_text("")  # an empty folder but for a dot-file is empty, as the loader reads it
     res = adapt(dataclasses.replace(cfg, src=str(base / "model.safetensors"), out=str(tmp_path / "f")))
     assert res.steps == 2 and (tmp_path / "f" / "drafter.json").is_file()
     (base / "tokenizer.json").unlink()

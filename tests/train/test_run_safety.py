@@ -469,3 +469,16 @@ def test_an_out_inside_its_data_folder_is_refused(corpus, tmp_path, capsys):
     assert "lies inside the --data folder" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in proj.iterdir()) == ["c.txt"]
     assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 0  # outside it: trains
+
+
+def test_a_new_run_into_a_speedrun_folder_is_refused(corpus, tmp_path, capsys):
+    """`snlp train --out` a finished speedrun's folder wrote a checkpoint beside its report and stages; the speedrun
+    then took the folder for a checkpoint and could reuse none of its stages."""
+    sr = tmp_path / "sr"
+    for d in ("stages", "noreg", "idn"):
+        (sr / d).mkdir(parents=True)
+    (sr / "report.md").write_text("# report\n")
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    assert main(["train", "--out", str(sr), *flags]) == 2
+    assert "holds a speedrun" in capsys.readouterr().err
+    assert sorted(p.name for p in sr.iterdir()) == ["idn", "noreg", "report.md", "stages"]
