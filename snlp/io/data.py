@@ -342,6 +342,18 @@ class TokenData:
     val: np.ndarray
 
 
+def tokens_digest(tokens: TokenData) -> str:
+    """A digest of the token arrays a run trains and validates on (train, then val), read in 64 MB pieces: a
+    resumed run checks it, so text edited in place (same names and sizes) is not continued on silently."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in (tokens.train, tokens.val):
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        h.update(str((a.dtype.str, a.size)).encode())
+        for i in range(0, flat.size, 1 << 26):
+            h.update(flat[i:i + (1 << 26)])
+    return h.hexdigest()
+
+
 def token_paths(key: str, tok, directory: Path) -> tuple[Path, Path]:
     stem = f"{key}-{tok.fingerprint()}"
     return directory / f"{stem}.train.bin", directory / f"{stem}.val.bin"

@@ -31,6 +31,7 @@ class ResumePoint:
     rng: dict
     optimizer: list  # one state dict per optimizer (OptimizerBundle)
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
+    data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
 
 
 @dataclass
@@ -72,7 +73,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     model, tok = load(out, device="cpu")
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
-                        init_from=(st.get("args") or {}).get("init_from"))
+                        init_from=(st.get("args") or {}).get("init_from"),
+                        data_digest=(st.get("args") or {}).get("data_digest"))
     return Start(model, tok, point)
 
 

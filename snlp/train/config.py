@@ -232,10 +232,13 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where, reads_dat
                        and missing_parts(saved.get("data")) else "")
                     + "; a resumed run keeps what it trains on and how: leave these flags out (snlp train and "
                       "snlp sft take the saved values) or start a new run in another --out")
-    if reads_data and not any(k == "data" for k, _, _ in diff) and not missing_parts(cfg.data) \
-            and not same_files(cfg.data, saved.get("data_files")):
+    if reads_data and not cfg.max_chars and not any(k == "data" for k, _, _ in diff) \
+            and not missing_parts(cfg.data) and not same_files(cfg.data, saved.get("data_files")):
         # the same --data, rewritten in place: the token cache (keyed by size and mtime) would be rebuilt and the
-        # rest of the run, and its held-out split, would come from other text under the same name
+        # rest of the run, and its held-out split, would come from other text under the same name. Checked here,
+        # before any loading, where every file is read whole (no --max-chars: files that grew past the cap can give
+        # the same text); an edit of the same size, or under a cap, is caught by the tokens' digest once they are
+        # made (trainer.setup: Job.data_digest)
         said.append(f"trained on files of {cfg.data} other than those there now (names, sizes or order differ from "
                     f"its record); a resumed run keeps what it trains on: put the run's files back, or start a new "
                     f"run from this one's weights (--init-from {where}) in another --out")

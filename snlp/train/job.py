@@ -36,6 +36,7 @@ class Job:
     describe: str = ""  # one line for the start banner
     name: str = "snlp train"  # the banner's command name
     state: dict = field(default_factory=dict)  # extra entries saved into train_state.pt (e.g. the SFT config)
+    data_digest: str | None = None  # data.tokens_digest of the tokens it trains on (pretraining); a resume checks it
 
 
 class TrainStep(nn.Module):

@@ -126,4 +126,5 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
                validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg),
                describe=f"{len(tokens.train):,} train / {len(tokens.val):,} val tokens | reg {cfg.reg}"
                + (f" lambda={reg.lam} N={suffixes} stride={reg.stride}{reg.rows_text(cfg.batch_size)}"
-                  if reg.active else ""))
+                  if reg.active else ""),
+               data_digest=D.tokens_digest(tokens))

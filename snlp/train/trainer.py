@@ -129,6 +129,11 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
+    saved = start.resume.data_digest if start.resume else None
+    if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
+        raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "
+                         f"edited in place?); a resumed run keeps what it trains on: put the run's text back, or "
+                         f"start a new run from its weights (--init-from {cfg.out}) in another --out")
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)
     job.model.train()
@@ -161,7 +166,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     # what every save of rank 0 records, made once (its record of the data's files walks every file); the
     # --init-from of the run's first leg is kept (a resumed run's cfg has none)
     init_from = cfg.init_from or (start.resume.init_from if start.resume else None)
-    args = recorded_args({**asdict(cfg), "init_from": init_from}) if ctx.master else None
+    args = recorded_args({**asdict(cfg), "init_from": init_from, "data_digest": job.data_digest}) if ctx.master \
+        else None
     run = Run(cfg, ctx, job, opts, stepper, progress, autocast_context(ctx.device), hooks, bar,
               t_start=time.perf_counter() - progress.elapsed, peak_flops=peak_bf16_flops(ctx.device), args=args)
     state.t_last = time.perf_counter()

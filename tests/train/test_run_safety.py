@@ -482,3 +482,35 @@ def test_a_new_run_into_a_speedrun_folder_is_refused(corpus, tmp_path, capsys):
     assert main(["train", "--out", str(sr), *flags]) == 2
     assert "holds a speedrun" in capsys.readouterr().err
     assert sorted(p.name for p in sr.iterdir()) == ["idn", "noreg", "report.md", "stages"]
+
+
+def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(corpus, tmp_path, capsys):
+    """Names and sizes cannot see an edit that keeps the byte count (a typo fixed): the resumed leg re-tokenised and
+    trained, and validated, on the edited text. The tokens' digest, recorded by the run, refuses it once they are made
+    (before any step, every file of the run left as it was). A file that grew past --max-chars gives the run the
+    same text: it resumes (names and sizes refused it)."""
+    import shutil
+
+    data = tmp_path / "c.txt"
+    shutil.copy(corpus, data)
+    run = tmp_path / "run"
+    flags = ["--data", str(data), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(run), *flags, "--stop-after", "2"]) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    text = corpus.read_text()
+    i = text.index("the ") if "the " in text else len(text) // 2
+    data.write_text(text[:i] + text[i:i + 4].upper() + text[i + 4:])  # the same size, other text
+    assert data.stat().st_size == corpus.stat().st_size
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other tokens" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    shutil.copy(corpus, data)
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+
+    capped = tmp_path / "capped"
+    assert main(["train", "--out", str(capped), *flags, "--max-chars", "20000", "--stop-after", "2"]) == 0
+    with open(data, "a") as f:
+        f.write("more text at the end\n")
+    assert main(["train", "--out", str(capped), "--resume"]) == 0
