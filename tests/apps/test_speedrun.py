@@ -201,7 +201,7 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
         sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
     check_replaces(invocation())  # the same settings: reused
     check_replaces(invocation("--plans", "2xF1-h0-K1"))  # another plan grid redoes the evaluations only
-    with pytest.raises(ValueError, match=r"holds the model .*noreg trained with other settings \(seed 0 -> 1\).*--force"):
+    with pytest.raises(ValueError, match=r"holds the model .*noreg, which this run cannot reuse \(seed 0 -> 1\).*--force"):
         check_replaces(invocation("--seed", "1"))
     with pytest.raises(ValueError, match=r"max_chars 300000 -> 200000"):  # the tokenizer too would be made anew
         check_replaces(invocation("--max-chars", "200000"))

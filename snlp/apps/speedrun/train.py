@@ -414,12 +414,13 @@ def check_replaces(sr: Speedrun) -> None:
                 continue  # an interrupted training of these settings: resumed
             rec = read_json(sr.stages.path(name))
             was = partial if partial is not None else (rec or {}).get("settings")
-            changes = _changes(was, settings) if isinstance(was, dict) else ["its stage record is missing"]
+            changes = (_changes(was, settings) if isinstance(was, dict) else ["its stage record is missing"]) \
+                or ["its resume state (train_state.pt) is missing"]
         else:
             was = (read_json(sr.stages.path("tokenizer")) or {}).get("settings")
             changes = (_changes(was, canon(spec)) if isinstance(was, dict) else ["its tokenizer record is missing"]) \
                 or [f"the token cache {sr.cache} it was trained from is gone"]
-        raise ValueError(f"--out {sr.out} holds the model {sr.out / key} trained with other settings ("
+        raise ValueError(f"--out {sr.out} holds the model {sr.out / key}, which this run cannot reuse ("
                          + "; ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
                          + "): this run would train it anew in its place; choose another --out, or pass --force to "
                          "replace it (every stage is redone)")
