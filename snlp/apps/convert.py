@@ -46,6 +46,9 @@ def check_new_out(out: str) -> None:
     if (Path(out) / "model.safetensors").exists() or (Path(out) / "config.json").exists():
         raise ValueError(f"--out {out} already holds a checkpoint; the conversion would replace it: choose another "
                          f"--out")
+    if (Path(out) / "stages").is_dir() and (Path(out) / "noreg").is_dir():  # a checkpoint beside its report would
+        #                                               make the speedrun take the folder for one and reuse no stage
+        raise ValueError(f"--out {out} holds a speedrun (stages/, noreg/); choose another --out")
 
 
 def run(args) -> int:

@@ -148,3 +148,8 @@ def test_convert_refuses_an_out_that_holds_a_checkpoint(hf_dir, tmp_path, capsys
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before
+    for sub in ("stages", "noreg"):  # a speedrun's folder: its stages would no longer be reusable
+        (tmp_path / "sr" / sub).mkdir(parents=True)
+    assert main(["convert", str(d), "--out", str(tmp_path / "sr")]) == 2
+    assert "holds a speedrun" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "sr").iterdir()) == ["noreg", "stages"]
