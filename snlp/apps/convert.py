@@ -43,12 +43,13 @@ def check_new_out(out: str) -> None:
     a trained run's optimizer and train state (save_checkpoint keeps only files it does not own)."""
     from pathlib import Path
 
+    from snlp.io.checkpoint import holds_speedrun
+
     if (Path(out) / "model.safetensors").exists() or (Path(out) / "config.json").exists():
         raise ValueError(f"--out {out} already holds a checkpoint; the conversion would replace it: choose another "
                          f"--out")
-    if (Path(out) / "stages").is_dir() and (Path(out) / "noreg").is_dir():  # a checkpoint beside its report would
-        #                                               make the speedrun take the folder for one and reuse no stage
-        raise ValueError(f"--out {out} holds a speedrun (stages/, noreg/); choose another --out")
+    if holds_speedrun(out):
+        raise ValueError(f"--out {out} holds a speedrun (stages/); choose another --out")
 
 
 def run(args) -> int:

@@ -135,7 +135,8 @@ def config_from_args(args) -> TrainConfig:
 
 def run(args) -> int:
     from snlp.train.checkpointing import saved_settings
-    from snlp.train.config import SHAPE, check_data_present, check_init_from_shape, init_from_shape_refusal, resumed
+    from snlp.train.config import (SHAPE, check_data_present, check_init_from_shape, check_out_outside_data,
+                                   init_from_shape_refusal, resumed)
     from snlp.train.trainer import fit
 
     cfg = config_from_args(args)
@@ -149,6 +150,7 @@ def run(args) -> int:
         cfg = resumed(cfg, saved, getattr(args, "given", None))
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
+    check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     res = fit(cfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)

@@ -138,6 +138,12 @@ def not_a_checkpoint(path: Path) -> str:
             f"`snlp convert --out` wrote")
 
 
+def holds_speedrun(path) -> bool:
+    """A `snlp speedrun` output folder: it keeps its stage records in OUT/stages from its first stage on. A
+    checkpoint written there would make the speedrun take the folder for a checkpoint and reuse none of them."""
+    return (Path(path) / "stages").is_dir()
+
+
 def is_snlp_checkpoint(path) -> bool:
     """An snlp checkpoint directory: config.json holds GPTConfig fields next to model.safetensors (a transformers
     directory has the same two files, but its config names an architecture / model_type). A config.json that is

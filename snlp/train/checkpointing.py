@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import load, load_train_state, load_training, save_checkpoint
+from snlp.io.checkpoint import holds_speedrun, load, load_train_state, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -52,9 +52,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     if not resume:
         if has_ckpt:
             raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
-        if (out / "stages").is_dir() and (out / "noreg").is_dir():  # its checkpoint beside a speedrun's report would
-            #                                  make the speedrun take the folder for a checkpoint and reuse no stage
-            raise ValueError(f"{out} holds a speedrun (stages/, noreg/); choose another --out")
+        if holds_speedrun(out):
+            raise ValueError(f"{out} holds a speedrun (stages/); choose another --out")
         return Start()
     if not has_ckpt:
         raise FileNotFoundError(f"--resume: no checkpoint in {out}; drop --resume to start a new run")

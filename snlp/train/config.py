@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -121,18 +123,27 @@ class TrainConfig:
             check_init_from_shape(self.init_from, [k for k in SHAPE if getattr(self, k) != getattr(default, k)])
         if self.freeze_prefix is not None and self.freeze_prefix < -1:
             raise ValueError(f"--freeze-prefix must be >= 0 (got {self.freeze_prefix})")
-        check_out_outside_data(self.out, self.data)
 
 
 def check_out_outside_data(out: str, data: str | None) -> None:
-    """Refuse an --out inside a folder --data reads: the data loader reads the folder's text files, so the run's own
-    log.jsonl (and every later leg's) would become training and validation text."""
+    """Refuse an --out inside a folder --data reads (a folder part, or a recursive `**` glob's folder): the data
+    loader reads the folder's text files, so the run's own log.jsonl (and every later leg's) would become training
+    and validation text. An --out under a dot-folder there is fine: the loader skips those. Called where data is read
+    (pretraining, the speedrun), not for SFT, whose recorded data is the base's text."""
     if not out:
         return
-    where = Path(out).expanduser().resolve()
+    where = Path(os.path.expanduser(out)).resolve()
     for part in parts(data):
-        base = Path(part).expanduser()
-        if is_local(part) and base.is_dir() and where.is_relative_to(base.resolve()):
+        if not is_local(part):
+            continue
+        p = os.path.expanduser(part)
+        if glob.has_magic(p):  # only a recursive glob reaches into a subfolder such as --out
+            if "**" not in p:
+                continue
+            p = p[:p.index("**")] or "."
+        base = Path(p).resolve()
+        if base.is_dir() and where.is_relative_to(base) \
+                and not any(c.startswith(".") for c in where.relative_to(base).parts):
             raise ValueError(f"--out {out} lies inside the --data folder {part}: the run's own files (its log.jsonl) "
                              f"would be read as training text; put --out outside it")
 
@@ -171,10 +182,11 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
         if f.name in RESUME_MAY_CHANGE:
             continue
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
-        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now)
-                                                or (missing_parts(was) and same_files(now, saved.get("data_files")))):
+        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now) or (missing_parts(was) and (
+                (cfg.max_chars and saved.get("data_digest")) or same_files(now, saved.get("data_files"))))):
             continue  # the same files named from another folder (the checkpoint records them absolute), or the saved
             #           ones are gone (a moved project) and the typed --data holds files of the same names and sizes
+            #           (under --max-chars files may have grown past the cap: the tokens' digest decides, in setup)
         if f.name == "reg_detach" and effective_detach(was, saved.get("reg")) == effective_detach(now, cfg.reg):
             continue  # None is "the surrogate's default" (job.reg_config): an explicit equal value changes nothing
         if was != now:

@@ -10,7 +10,7 @@ import snlp.io.data as D
 from snlp.io.checkpoint import load
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT, GPTConfig
-from snlp.train.config import TrainConfig, check_data_present
+from snlp.train.config import TrainConfig, check_data_present, check_out_outside_data
 from snlp.train.distributed import rank0_first
 from snlp.train.job import Job, TrainStep, gap_suffixes, reg_config
 from snlp.train.precision import autocast_context
@@ -110,6 +110,7 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     `model`/`tok` are given when resuming; otherwise the tokenizer is trained and the model initialised."""
     if model is None and cfg.init_from:  # fine-tuning: the checkpoint's weights and tokenizer
         model, tok = init_from_checkpoint(cfg.init_from)
+    check_out_outside_data(cfg.out, cfg.data)
     if cfg.resume:  # a moved project: say so, for library callers and the speedrun too
         check_data_present(cfg)
     tok, tokens = prepare_data(cfg, tok, rank, world)

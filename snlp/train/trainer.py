@@ -126,14 +126,14 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
-    if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
-        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
     saved = start.resume.data_digest if start.resume else None
     if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
         raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "
                          f"edited in place?); a resumed run keeps what it trains on: put the run's text back, or "
                          f"start a new run from its weights (--init-from {cfg.out}) in another --out")
+    if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
+        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)
     job.model.train()

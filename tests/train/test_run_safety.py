@@ -475,13 +475,11 @@ def test_a_new_run_into_a_speedrun_folder_is_refused(corpus, tmp_path, capsys):
     """`snlp train --out` a finished speedrun's folder wrote a checkpoint beside its report and stages; the speedrun
     then took the folder for a checkpoint and could reuse none of its stages."""
     sr = tmp_path / "sr"
-    for d in ("stages", "noreg", "idn"):
-        (sr / d).mkdir(parents=True)
-    (sr / "report.md").write_text("# report\n")
+    (sr / "stages").mkdir(parents=True)  # a speedrun stopped in its first stage has stages/ alone
     flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
     assert main(["train", "--out", str(sr), *flags]) == 2
     assert "holds a speedrun" in capsys.readouterr().err
-    assert sorted(p.name for p in sr.iterdir()) == ["idn", "noreg", "report.md", "stages"]
+    assert sorted(p.name for p in sr.iterdir()) == ["stages"]
 
 
 def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(corpus, tmp_path, capsys):
@@ -496,6 +494,8 @@ def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(c
     run = tmp_path / "run"
     flags = ["--data", str(data), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
     assert main(["train", "--out", str(run), *flags, "--stop-after", "2"]) == 0
+    with open(run / "log.jsonl", "a") as f:  # a record past the checkpoint (a killed leg's): kept by a refusal
+        f.write('{"step": 3, "loss": 1.0}\n')
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     text = corpus.read_text()
     i = text.index("the ") if "the " in text else len(text) // 2
@@ -514,3 +514,23 @@ def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(c
     with open(data, "a") as f:
         f.write("more text at the end\n")
     assert main(["train", "--out", str(capped), "--resume"]) == 0
+
+
+def test_the_out_inside_data_rule_follows_what_the_loader_reads(tmp_path, capsys):
+    """A recursive glob reads --out's files as a folder part does (refused); a dot-folder there, a plain glob and a
+    file part do not reach it (accepted); an SFT config, whose data is the base's text it never reads, is not
+    checked; the speedrun refuses before any stage."""
+    from snlp.train.config import check_out_outside_data
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "c.txt").write_text("some text\n" * 100)
+    with pytest.raises(ValueError, match="inside the --data folder"):
+        check_out_outside_data(str(proj / "run"), f"{proj}/**")
+    for out, data in ((proj / ".run", str(proj)), (proj / "run", f"{proj}/*.txt"), (proj / "run", str(proj / "c.txt")),
+                      (tmp_path / "run", str(proj)), ("~nosuchuser__/run", str(proj))):
+        check_out_outside_data(str(out), data)
+    TrainConfig(out=str(proj / "sft"), data=str(proj)).check()  # SFT's recorded base text: not the run's data
+    assert main(["speedrun", "--out", str(proj / "sr"), "--data", str(proj), "--quick"]) == 2
+    assert "inside the --data folder" in capsys.readouterr().err
+    assert sorted(p.name for p in proj.iterdir()) == ["c.txt"]

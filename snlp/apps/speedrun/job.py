@@ -26,6 +26,7 @@ from snlp.apps.speedrun.tokenizer import val_tokens
 from snlp.apps.speedrun.train import (MIN_TRAIN_S, MIN_TRAIN_STEPS, TRAIN_OVERHEAD_S, train_config, train_pace,
                                       training_step)
 from snlp.runtime.device import cli_device
+from snlp.train.config import check_out_outside_data
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -104,6 +105,7 @@ def check_args(args, pre: Preset) -> None:
         raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
     if pre.width % pre.head_dim:
         raise ValueError(f"--width must be a multiple of the head dim {pre.head_dim} (got {pre.width})")
+    check_out_outside_data(str(args.out), args.data)  # its training legs write log.jsonl under --out
     if args.off_the_shelf:
         from snlp.io.hf import bundled_smollm2
 
