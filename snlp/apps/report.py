@@ -249,6 +249,10 @@ def frontier_note(evals: dict[str, list]) -> str:
         if better:
             said.append(f"{len(better)} below it beyond the noise ({', '.join(f'`{p}`' for p in better)})")
         said.append(f"{len(tied)} not told from it" + (f" ({', '.join(f'`{p}`' for p in tied)})" if tied else ""))
+        diverged = [r.plan for r in (evals.get(key) or [])[1:] if r.window_ce and not all(map(math.isfinite, r.window_ce))]
+        if diverged:  # no interval, no point on the plot: say so rather than leave them out of the counts
+            said.append(f"{len(diverged)} diverged (non-finite losses, not drawn: "
+                        f"{', '.join(f'`{p}`' for p in diverged)})")
         text += f"{label}: " + ", ".join(said) + ". "
     return text.rstrip()
 

@@ -229,4 +229,8 @@ def test_a_diverged_plan_gets_no_interval_and_the_report_still_renders():
     recs = ctx["evals"]["noreg"]
     recs[1] = dataclasses.replace(recs[1], window_ce=[math.inf] * len(SEQ), ppl=math.inf, delta_ppl=math.inf)
     recs[0] = dataclasses.replace(recs[0], window_ce=SEQ)
+    recs[2:] = [dataclasses.replace(r, window_ce=_windows(SEQ, 0.001, 0.002)) for r in recs[2:]]
     assert "## " in render_report(ctx)
+    from snlp.apps.report import frontier_note
+
+    assert f"1 diverged (non-finite losses, not drawn: `{recs[1].plan}`)" in frontier_note(ctx["evals"])
