@@ -56,8 +56,9 @@ def cli_device(name: str):
         backend = getattr(torch, device.type, None)
         available = getattr(backend, "is_available", None)
         if device.type == "meta" or not callable(available) or not available():
-            raise ValueError(f"--device {name}: no {device.type} device on this machine (it has cpu"
-                             f"{', cuda' if torch.cuda.is_available() else ''}); use one of those")
+            has = ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available()
+            raise ValueError(f"--device {name}: no {device.type} device on this machine (it has {', '.join(has)}); "
+                             f"use one of those")
     return device
 
 
