@@ -1124,7 +1124,7 @@ def render_report(ctx: dict) -> str:
            "regulariser).\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           f"iterations; rows from higher to lower PPL"
+           "iterations; rows from higher to lower PPL"
            + ("; ΔPPL is marked (tie) where its 95 % interval from a paired t-test over the validation windows, "
               "against the model's own sequential PPL, includes 0" if any(ppl_intervals(evals).values()) else "")
            + f". {front_rule(pooled_speeds(evals), evals)}. `†` = the "

@@ -235,7 +235,7 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where, reads_dat
     diff = [d for d in diff if d[0] not in shape]
     said = []
     if diff:
-        said.append(f"was saved with "
+        said.append("was saved with "
                     + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
                     + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
                        if any(k.endswith("_lr") for k, _, _ in diff) else "")
