@@ -182,16 +182,25 @@ def resume_changes(cfg: TrainConfig, saved: dict) -> list[tuple[str, object, obj
         if f.name in RESUME_MAY_CHANGE:
             continue
         was, now = saved.get(f.name, getattr(default, f.name)), getattr(cfg, f.name)
-        if f.name == "data" and was != now and (resolve_spec(was) == resolve_spec(now) or (missing_parts(was) and (
-                (cfg.max_chars and saved.get("data_digest")) or same_files(now, saved.get("data_files"))))):
-            continue  # the same files named from another folder (the checkpoint records them absolute), or the saved
-            #           ones are gone (a moved project) and the typed --data holds files of the same names and sizes
-            #           (under --max-chars files may have grown past the cap: the tokens' digest decides, in setup)
+        if f.name == "data" and was != now and same_data(was, now, cfg.max_chars, saved):
+            continue
         if f.name == "reg_detach" and effective_detach(was, saved.get("reg")) == effective_detach(now, cfg.reg):
             continue  # None is "the surrogate's default" (job.reg_config): an explicit equal value changes nothing
         if was != now:
             out.append((f.name, was, now))
     return out
+
+
+def same_data(was: str, now: str, max_chars: int, saved: dict) -> bool:
+    """Whether --data `now`, spelled otherwise than the recorded `was`, names the run's data: the same files named
+    from another folder (the checkpoint records them absolute), or, the saved ones being gone (a moved project),
+    files of the recorded names and sizes. Under --max-chars files may have grown past the cap, so there the
+    tokens' digest decides (in trainer.setup) where the run recorded one."""
+    if resolve_spec(was) == resolve_spec(now):
+        return True
+    if not missing_parts(was):
+        return False
+    return bool(max_chars and saved.get("data_digest")) or same_files(now, saved.get("data_files"))
 
 
 def same_files(spec: str, signature: list | None) -> bool:
