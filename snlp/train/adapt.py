@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 import snlp.io.data as D
-from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, load_train_state
+from snlp.io.checkpoint import DRAFTER_META, checkpoint_dir, is_snlp_checkpoint, load, load_train_state
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
@@ -539,7 +539,7 @@ def check_new_out(out: Path) -> None:
     """Refuse an --out that a new run would write over: a drafter, or a folder holding anything else (a checkpoint,
     the base's own folder, another run: the drafter's log.jsonl and files would replace or mix with its files).
     OUT/run alone is an interrupted adaptation, which `fit` refuses unless --resume."""
-    if (out / "drafter.json").is_file():
+    if (out / DRAFTER_META).is_file():
         raise ValueError(f"{out} already holds a drafter; choose another --out")
     held = sorted(p.name for p in out.iterdir() if p.name != RUN and not p.name.startswith(".")) if out.is_dir() else []
     if held:

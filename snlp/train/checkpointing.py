@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import holds_speedrun, load, load_train_state, load_training, save_checkpoint
+from snlp.io.checkpoint import DRAFTER_META, holds_speedrun, load, load_train_state, load_training, save_checkpoint
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -47,7 +47,7 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     """The saved run in `out` when resuming (checked complete, and `cfg` and the number of processes `world` checked
     against what it was saved with: `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
-    if (out / "drafter.json").is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
+    if (out / DRAFTER_META).is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
         raise ValueError(f"{out} holds a drafter (snlp adapt); choose another --out")
     if not resume:
         if has_ckpt:

@@ -392,8 +392,9 @@ def check_replaces(sr: Speedrun) -> None:
     (minutes of work, and the report's evidence). --force is the way to replace them. An OUT that is itself a
     checkpoint or a drafter (snlp train / convert / adapt) is refused, --force or not: the run would fill it with
     a folder of its own."""
-    for own, what in (("model.safetensors", "a checkpoint (snlp train / sft / convert)"),
-                      ("drafter.json", "a drafter (snlp adapt)")):
+    from snlp.io.checkpoint import DRAFTER_META, WEIGHTS
+
+    for own, what in ((WEIGHTS, "a checkpoint (snlp train / sft / convert)"), (DRAFTER_META, "a drafter (snlp adapt)")):
         if (sr.out / own).is_file():
             raise ValueError(f"--out {sr.out} is {what}; the speedrun writes a folder of its own: choose another --out")
     if sr.force:
