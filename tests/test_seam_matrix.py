@@ -41,7 +41,8 @@ names the combination. A cell that is neither is a defect. The references are wr
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence, an EOS id, value embeddings / x0 residual / sliding windows, the window
+bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read: one prompt; a
+batch form refuses it), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
@@ -141,6 +142,7 @@ class Cell:
     adaptive: bool = False
     min_confidence: float = 0.0
     block: int = 3
+    read_every: int | None = None  # sequential / snlp: decode steps queued per host read (one prompt only)
 
 
 # ----------------------------------------------------------------------------- the references (no snlp decoding)
@@ -181,6 +183,8 @@ def refusals(cell: Cell) -> list[str]:
         why.append("M = 1")
     if cell.share and cell.kind in MHC_KINDS:
         why.append("mHC")
+    if cell.read_every not in (None, 1) and cell.form in BATCH_FORMS:
+        why.append("is for one prompt")
     return why
 
 
@@ -217,9 +221,9 @@ def run(cell: Cell, m, arg, preheat, n: int, eos: int | None, drafter=None):
     plan = PLANS[cell.kind]
     kw = dict(max_new_tokens=n, eos_id=eos)
     if cell.entry == "sequential":
-        return sequential_generate(m, arg, **kw)
+        return sequential_generate(m, arg, read_every=cell.read_every, **kw)
     if cell.entry == "snlp":
-        return snlp_generate(m, arg, plan, preheat=preheat, **kw)
+        return snlp_generate(m, arg, plan, preheat=preheat, read_every=cell.read_every, **kw)
     if cell.entry == "jacobi":
         return jacobi_generate(m, arg, plan, block=cell.block, preheat=preheat, **kw)
     return speculative_generate(m, arg, plan, block=cell.block, preheat=preheat, share_weights=cell.share,
@@ -258,7 +262,8 @@ def cells(draw):
     spec = entry in ("speculative", "drafter")
     cell = Cell(entry=entry, form=form, kind=kind, dtype=draw(st.sampled_from(list(DTYPES))),
                 share=spec and draw(st.booleans()), adaptive=spec and draw(st.booleans()),
-                min_confidence=draw(st.sampled_from([0.0, 0.5])) if spec else 0.0, block=draw(st.integers(1, 4)))
+                min_confidence=draw(st.sampled_from([0.0, 0.5])) if spec else 0.0, block=draw(st.integers(1, 4)),
+                read_every=draw(st.sampled_from([None, 1, 3])) if entry in ("sequential", "snlp") else None)
     if reference_is_snlp(cell):  # claimed in fp64 only (see the module docstring)
         cell = Cell(**{**cell.__dict__, "dtype": "fp64"})
     return cell

@@ -117,10 +117,15 @@ class BatchSession:
         end to T, default the longest): a ragged call, or with one row (`plain`) the plain cached forward at that
         row's length (T' is then the row's own length; `pad_to` pads a compiled call, e.g. the verifier's B+1)."""
         if self.plain:
-            self.cache.seek(self.lens[0] + (extra[0] if extra is not None else 0))
-            return step(self.ids(rows), self.cache, pad_to=pad_to)  # advances the length: callers re-seek
+            return self.call_plain(step, self.ids(rows), extra[0] if extra is not None else 0, pad_to)
         T = T if T is not None else pad_to if pad_to is not None else max(len(r) for r in rows)
         return step.ragged(self.ids(rows, T), self.positions(T, extra), self.cache)
+
+    def call_plain(self, step: Step | EagerStep, idx: Tensor, extra: int = 0, pad_to: int | None = None) -> Tensor:
+        """The plain cached forward of the one row (`plain`) over ids (1, T) already on the device, at its length
+        (+ extra): a decode loop that keeps its tokens on the device calls this, so no host list is copied in."""
+        self.cache.seek(self.lens[0] + extra)
+        return step(idx, self.cache, pad_to=pad_to)  # advances the length: callers re-seek
 
     def warm(self, step: Step | EagerStep, T: int) -> None:
         """Compile `step` for calls of T tokens before anything is timed (a no-op eagerly or for a seen shape)."""

@@ -10,53 +10,69 @@ Modes (all share one static KV cache, snlp.model.cache.KVCache, through snlp.dec
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 from snlp.decode.batch import batch_autoregressive, is_batch
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, decode_plan,
-                                 make_generator, pick_token, sequential_forward, snlp_forward, step_slack)
+                                 make_generator, pick_tensor, read_every, sequential_forward, snlp_forward,
+                                 step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
-from snlp.runtime.timing import now
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
 
 def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed, max_len,
-                    on_tokens) -> GenerateResult:
+                    on_tokens, every) -> GenerateResult:
     check_decode_args(max_new_tokens, temperature)
     if is_batch(prompt_ids):
+        if every is not None and read_every("cpu", every) != 1:
+            raise ValueError(f"read_every={every!r} is for one prompt; a batch of prompts reads its tokens every step "
+                             f"(rows finish, and leave the batch, at their own EOS)")
         return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed,
                                     max_len, on_tokens)
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
+        every = read_every(ses.device, every)
         ses.result.plan = None if plan is None else str(plan)
-        gen = make_generator(seed, ses.device) if temperature > 0 else None
+        gen = [make_generator(seed, ses.device)] if temperature > 0 else None
         ses.warm(forward, [forward.prefill_len(len(ses.prompt) - 1), 1])
         ses.prefill(forward)
         res = ses.result
+        x = ses.ids([ses.last])  # (1, 1): the loop's only host-to-device copy; later steps feed the picked token
         while not ses.done:
-            t0 = now(ses.device)
-            x = ses.ids([ses.last])
-            # from logits (V,); NaN/inf logits raise, naming the plan or the model's own forward: the finiteness flag
-            # rides on the host read of the picked token (pick_tokens), no extra sync per step
-            nxt = pick_token(forward(x, ses.cache)[0, -1], temperature, gen, flag=True)
-            res.step_s += now(ses.device) - t0  # timed like the speculative drafter's steps
-            check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
-            res.steps += 1
-            res.forwards += 1
-            ses.emit([nxt])
+            t0 = time.perf_counter()  # the device is idle here: the prefill's clock, then each read, waited for it
+            n = min(every, ses.remaining)
+            picked = []
+            for _ in range(n):
+                tok = pick_tensor(forward(x, ses.cache)[:, -1], temperature, gen, flag=True)  # (1,), on the device
+                picked.append(tok)
+                # NONFINITE (-1) is no token id; the steps after it are computed but never emitted (check_picked)
+                x = tok.clamp_min(0)[:, None]  # (1, 1)
+            # n tokens in one read; NaN/inf logits come back as NONFINITE and raise below, naming the plan or the
+            # model's own forward, in order, so an error names the same token as a read per step would
+            toks = torch.cat(picked).tolist()
+            res.step_s += time.perf_counter() - t0  # the read waited for the device: timed without a sync
+            res.steps += n
+            res.forwards += n
+            for nxt in toks:
+                check_picked([nxt], plan, len(ses.out), model=model, context=lambda j: ses.prompt + ses.out)
+                ses.emit([nxt])
+                if ses.done:
+                    break
         return ses.finish()
 
 
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                         on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
-                        step: Step | EagerStep | None = None) -> GenerateResult | list[GenerateResult]:
+                        step: Step | EagerStep | None = None, read_every: int | None = None
+                        ) -> GenerateResult | list[GenerateResult]:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
     the decode step run as compiled static-shape steps (snlp.decode.steps; compiled before timing, compile_s);
     `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs.
@@ -64,16 +80,17 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
     prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated
     token and its position (flagged on the host read of each step's token, no extra sync) instead of emitting
-    tokens read off them."""
+    tokens read off them. `read_every`: decode steps queued between host reads of the tokens of one prompt
+    (snlp.decode.session.read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged."""
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
-                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                   on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
-                  step: Step | EagerStep | None = None, preheat: Preheat | None = None
-                  ) -> GenerateResult | list[GenerateResult]:
+                  step: Step | EagerStep | None = None, preheat: Preheat | None = None,
+                  read_every: int | None = None) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
     model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
@@ -81,7 +98,7 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
     its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises
     SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's
-    tokens, no extra sync) instead of emitting tokens read off them."""
+    tokens, no extra sync) instead of emitting tokens read off them. `read_every`: as in `sequential_generate`."""
     plan = decode_plan(model, plan)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
-                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens)
+                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)

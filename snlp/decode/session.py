@@ -237,12 +237,12 @@ def cut_at_stop(new: list[int], stops: frozenset[int]) -> list[int] | None:
 NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
 
 
-def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
-                flag: bool = False) -> list[int]:
-    """Next token of each row of logits (B, V): argmax at temperature 0, else a sample of softmax(logits / T) drawn
-    from the row's own generator gens[j]. `flag`: a row whose logits hold NaN/inf gets
-    NONFINITE instead of a token read off them; the flag rides on the one host read of the tokens that every decode
-    step does anyway (no extra sync), and `check_picked` raises on it."""
+def pick_tensor(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
+                flag: bool = False) -> Tensor:
+    """Next token of each row of logits (B, V), on the logits' device (nothing is read back): argmax at temperature 0,
+    else a sample of softmax(logits / T) drawn from the row's own generator gens[j]. `flag`: a row whose logits hold
+    NaN/inf gets NONFINITE instead of a token read off them, so the flag rides on the host read of the tokens that
+    the loop does anyway (no extra sync), and `check_picked` raises on it."""
     finite = torch.isfinite(logits).all(-1) if flag else None  # (B,)
     if temperature == 0:
         tok = logits.argmax(-1)
@@ -251,7 +251,31 @@ def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator |
         if flag:  # a non-finite row draws from a stand-in (its token is dropped below): multinomial refuses NaN
             probs = torch.where(finite[:, None], probs, 1.0)
         tok = torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)])
-    return (tok if finite is None else torch.where(finite, tok, NONFINITE)).tolist()
+    return tok if finite is None else torch.where(finite, tok, NONFINITE)  # (B,)
+
+
+def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
+                flag: bool = False) -> list[int]:
+    """`pick_tensor` read back to the host: one read of the (B,) tokens."""
+    return pick_tensor(logits, temperature, gens, flag).tolist()
+
+
+READ_EVERY = 8  # decode steps between host reads of the tokens on an accelerator (see read_every)
+
+
+def read_every(device, every: int | None = None) -> int:
+    """How many single-token steps a decode loop queues before it reads their tokens back (`every`; None: 1 on the
+    CPU, READ_EVERY elsewhere). A read waits for the device, and until the host has the token and launched the next
+    step the device idles: at batch 1 under CUDA graphs a step is a few hundred microseconds of kernels and the host's
+    side of a step (the read, the bookkeeping, the next launch) is of the same order. So the loop feeds each step
+    the previous step's token as a device tensor and reads n at a time (gpt-fast queues every step and reads at the
+    end). Tokens past an EOS in the same n are computed and dropped. On the CPU a read costs nothing: one step each,
+    tokens streamed as they come."""
+    if every is None:
+        return 1 if torch.device(device).type == "cpu" else READ_EVERY
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"read_every must be an integer >= 1, the decode steps between host reads (got {every!r})")
+    return every
 
 
 def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, flag: bool = False) -> int:

@@ -23,7 +23,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import preheat_for
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
-from snlp.runtime.timing import now
+from snlp.runtime.timing import between, mark
 
 
 def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
@@ -434,6 +434,30 @@ def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, 
     return ns, nxt
 
 
+def _device_round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor, want: int, pad_to: int | None):
+    """One greedy round of one prompt with a single host read: the drafter's `want` steps each feed the previous
+    step's argmax as a device tensor, the verifier scores [last, drafts...] (1, want + 1) from the device, and the
+    drafts and the verifier's targets come back in one read. The batched round (`_draft_rows`, `_verify_rows`) reads
+    every drafter step's tokens, which on a GPU leaves it idle while the host takes the token and launches the next
+    step: at batch 1 under CUDA graphs that wait is of the order of the step itself. Same tokens, same verdicts.
+    Returns (drafts, n accepted, the verifier's next token, its device (1, 1) view for the next round, marks)."""
+    t0 = mark(ses.device)
+    x, drafts = last, []
+    for k in range(want):
+        x = ses.call_plain(draft_fwd, x, extra=k)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        drafts.append(x)
+    t1 = mark(ses.device)
+    ids = torch.cat([last, *drafts], 1)  # (1, want + 1)
+    logits = ses.call_plain(verify_fwd, ids, pad_to=pad_to)  # (1, want + 1, V)
+    # NaN/inf positions read as NONFINITE, which no draft equals (see _verify_rows)
+    target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (1, want + 1)
+    t2 = mark(ses.device)
+    got = torch.cat([ids[0, 1:], target[0]]).tolist()  # the round's one read
+    dr, tg = got[:want], got[want:]
+    n = next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), want)
+    return dr, n, tg[n], target[:, n:n + 1], (t0, t1, t2)
+
+
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
                       temperature: float, eos_id, seed, max_len, on_tokens, min_confidence: float,
                       adaptive: bool) -> list[GenerateResult]:
@@ -456,6 +480,9 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
         ses.warm(draft_fwd, 1)
         ses.warm(verify_fwd, block + 1)
         ses.prefill(verify_fwd)
+        # one prompt, greedy, whole blocks: the round keeps its tokens on the device (_device_round)
+        on_device = len(ses.prompts) == 1 and temperature == 0 and not min_confidence
+        last = ses.ids([ses.last]) if on_device else None  # (1, 1)
         while ses.active:
             live = set(ses.live())
             # adaptive, greedy: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same
@@ -469,25 +496,30 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             else:
                 blocks = [ctl.block(j) if j in live else 0 for j in rows]
             want = [min(blocks[j], ses.remaining(j) - 1) if j in live else 0 for j in rows]
-            t0 = now(ses.device)
-            drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
-            t1 = now(ses.device)
-            ns, nxt = _verify_rows(ses, verify_fwd, drafts, qs, temperature, pad)
-            t2 = now(ses.device)
+            if on_device:
+                dr, n, tok, last, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, last, want[0], pad)
+                drafts, ns, nxt, steps = [dr], [n], [tok], want[0]
+            else:
+                t0 = mark(ses.device)
+                drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
+                t1 = mark(ses.device)
+                ns, nxt = _verify_rows(ses, verify_fwd, drafts, qs, temperature, pad)
+                t2 = mark(ses.device)
+            draft_s, verify_s = between(t0, t1), between(t1, t2)  # after the round's read: no extra wait
             for j in sorted(live):  # the verifier's NaN/inf logits: the model's own forward (plan None)
                 check_picked([nxt[j]], None, len(ses.results[ses.rows[j]].tokens) + ns[j],
                              [ses.rows[j]] if len(ses.results) > 1 else None, model=model,
                              context=lambda k, j=j: (ses.prompts[ses.rows[j]] + ses.results[ses.rows[j]].tokens
                                                      + drafts[j][: ns[j]]))
             if ctl is not None:
-                ctl.timed(t1 - t0, steps, t2 - t1)
+                ctl.timed(draft_s, steps, verify_s)
             for j in sorted(live):
                 if ctl is not None:
                     ctl.update(j, len(drafts[j]), ns[j])
                 # the row's own counts: its drafter steps (its share of the round's drafting time) and its verifier
                 ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j], steps=len(drafts[j]),
                                                    forwards=len(drafts[j]) + 1,
-                                                   draft_s=(t1 - t0) * len(drafts[j]) / max(steps, 1), verify_s=t2 - t1)
+                                                   draft_s=draft_s * len(drafts[j]) / max(steps, 1), verify_s=verify_s)
                 ses.emit(j, drafts[j][: ns[j]] + [nxt[j]], ns[j] + 1)
             keep = ses.live()
             if ctl is not None and ses.compact and len(keep) < len(ses.rows):

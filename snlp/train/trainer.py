@@ -292,8 +292,10 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
     rank (or they deadlock), so rank 0's clock and hook answer decide, broadcast with the reductions."""
     ctx = run.ctx
     reason = ask(run, run.hooks.should_stop, state)
+    # one process has nothing to broadcast: the host values stay on the host (a copy in from pageable memory waits
+    # for the device like a read does)
     ctl = torch.tensor([time.perf_counter() - run.t_start, float(reason is not None), n_tok],
-                       dtype=torch.float64, device=ctx.device)
+                       dtype=torch.float64, device=ctx.device if ctx.world > 1 else "cpu")
     if ctx.world > 1:
         dist.broadcast(ctl[:2], 0)
         dist.all_reduce(ctl[2:])
@@ -303,8 +305,12 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
             reason = agree_on_reason(ctx, reason)
     # ONE device-to-host read for everything the log needs: each float() of a device tensor is a sync that drains
     # the launch queue, and a step had five (docs/gpu-internals.md, host syncs)
-    gn = gnorm.detach().double().reshape(1) if gnorm is not None else ctl.new_zeros(1)
-    clock, _, tok, loss, reg_v, gn_v = torch.cat([ctl, stats.detach().double().reshape(2), gn]).tolist()
+    gn = gnorm.detach().double().reshape(1) if gnorm is not None else stats.new_zeros(1, dtype=torch.float64)
+    read = [stats.detach().double().reshape(2), gn]
+    if ctx.world > 1:
+        clock, _, tok, loss, reg_v, gn_v = torch.cat([ctl, *read]).tolist()
+    else:
+        (clock, _, tok), (loss, reg_v, gn_v) = ctl.tolist(), torch.cat(read).tolist()
     run.progress.step, run.progress.elapsed = state.step, clock
     step_tokens = int(tok) if ctx.world > 1 else n_tok
     state.tokens += step_tokens

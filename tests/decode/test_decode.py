@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import argmax_loop, configs, make_model, tokens
+from conftest import argmax_loop, configs, examples, make_model, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -428,3 +428,46 @@ def test_shootout_rows_carry_their_rounds_and_their_own_compile_time():
     assert rows[0].shared_compile_s + sum(r.compile_s for r in rows) == pytest.approx(total)  # each graph once
     for r in rows:
         assert len(r.round_speedups) == 3 and r.measured_speedup == pytest.approx(statistics.median(r.round_speedups))
+
+
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(min_layers=2, max_layers=4), data=st.data())
+def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
+    """One prompt, several steps queued per host read (`read_every`, a GPU's default is 8): the tokens, the stop
+    reason and the streamed tokens equal a read per step, greedy against the full-prefix argmax loop (the outside
+    reference), sampled against the same seed read every step; the steps past an EOS inside a read are computed and
+    dropped."""
+    model = make_model(seed=data.draw(st.integers(0, 99)), vocab_size=13, **cfg)
+    L = model.config.n_layer
+    plan = data.draw(st.sampled_from([None, f"{L}xF1-h0-K{L}", "1xF2-h0-K1"]))
+    prompt = data.draw(st.lists(st.integers(0, 12), min_size=1, max_size=5))
+    n = data.draw(st.integers(0, 12))
+    eos = data.draw(st.sampled_from([None, 3, 7]))
+    max_len = data.draw(st.sampled_from([None, len(prompt) + 2]))
+    every = data.draw(st.integers(2, 6))
+    temp = data.draw(st.sampled_from([0.0, 0.9]))
+
+    def run(k):
+        streamed = []
+        kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5, read_every=k,
+                  on_tokens=streamed.extend)
+        r = sequential_generate(model, prompt, **kw) if plan is None else snlp_generate(model, prompt, plan, **kw)
+        return r, streamed
+
+    one, s1 = run(1)
+    got, sk = run(every)
+    assert got.tokens == one.tokens == s1 == sk and got.stop == one.stop
+    assert got.steps >= len(got.tokens) and got.steps - len(got.tokens) < every
+    if temp == 0 and (plan is None or plan.endswith(f"K{L}")):  # exact plans: the model itself
+        budget = min(n, (max_len or 99) - len(prompt))
+        assert got.tokens == argmax_loop(model, prompt, budget, eos)
+
+
+def test_read_every_is_checked_before_any_work():
+    model = make_model()
+    for bad in (0, -1, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="read_every must be an integer >= 1"):
+            sequential_generate(model, [1, 2], max_new_tokens=3, read_every=bad)
+    with pytest.raises(ValueError, match="is for one prompt"):
+        sequential_generate(model, [[1, 2], [3]], max_new_tokens=3, read_every=4)
+    assert len(sequential_generate(model, [[1, 2], [3]], max_new_tokens=3, read_every=1)) == 2

@@ -78,6 +78,10 @@ MODEL_CALLS = {  # every decoding path whose tokens are (or are verified by) the
     "sequential": lambda m, p: sequential_generate(m, p, max_new_tokens=8),
     "sequential-sampled": lambda m, p: sequential_generate(m, p, max_new_tokens=8, temperature=0.8, seed=0),
     "sequential-batch": lambda m, p: sequential_generate(m, [p, p[1:]], max_new_tokens=8),
+    # several steps queued per read (a GPU's default): the error still names the first token read off NaN/inf
+    "sequential-read3": lambda m, p: sequential_generate(m, p, max_new_tokens=8, read_every=3),
+    "sequential-sampled-read3": lambda m, p: sequential_generate(m, p, max_new_tokens=8, temperature=0.8, seed=0,
+                                                                 read_every=3),
     "speculative": lambda m, p: speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=8),
     "speculative-sampled": lambda m, p: speculative_generate(m, p, "4xF1-h0-K1", block=3, max_new_tokens=8,
                                                              temperature=0.8, seed=0),

@@ -120,11 +120,21 @@ class IndexViaAten(TorchFunctionMode):
             return aten.copy_.default(args[0], args[1], kwargs.get("non_blocking", False))
         if func is torch.Tensor.__invert__:
             return aten.bitwise_not.default(args[0])
-        if func is torch.Tensor.cuda:
-            return _to(args[0], torch.device("cuda"), None)
-        if func is torch.Tensor.to:
-            device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if func in (torch.Tensor.cuda, torch.Tensor.to):
+            if func is torch.Tensor.cuda:
+                device, dtype = torch.device("cuda"), None
+            else:
+                device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if self.host_reads is not None and args[0].device.type == "cpu" and device is not None \
+                    and torch.device(device).type == "cuda":
+                self.host_reads.append((_caller(), "h2d:to"))  # a host tensor copied in: see torch.tensor below
             return _to(args[0], device, dtype)
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == "cuda" and self.host_reads is not None \
+                and not isinstance(args[0], torch.Tensor):
+            # host data copied to the device: from pageable memory the copy waits for the stream, i.e. a sync
+            # (recorded apart as "h2d:", not a read of a device value)
+            self.host_reads.append((_caller(), "h2d:" + func.__name__))
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
                 and torch.device(kwargs["device"]).type == "cuda" and torch.is_inference_mode_enabled():
             # a fake cuda constant cannot be made directly under inference_mode (the lift runs a CUDA empty_strided):
@@ -240,6 +250,23 @@ def fake_cuda(host_reads: list | None = None):
             raise RuntimeError("torch.cuda.synchronize() on a path that must not wait for the device")
         host_reads.append((_caller(), "torch.cuda.synchronize"))
 
+    class Event:  # a CPU-only build's torch.cuda.Event cannot be made; recording waits for nothing
+        def __init__(self, enable_timing: bool = False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):  # the host waits for the device up to the event: recorded as a host read
+            if host_reads is None:
+                raise RuntimeError("torch.cuda.Event.synchronize() on a path that must not wait for the device")
+            host_reads.append((_caller(), "torch.cuda.Event.synchronize"))
+
+        def elapsed_time(self, end) -> float:
+            return 0.0
+
+    saved_event = torch.cuda.Event
+    torch.cuda.Event = Event
     saved_cap = torch.cuda.get_device_capability
     saved_tolist = FakeTensor.tolist
     FakeTensor.tolist = torch.Tensor.tolist  # FakeTensor's own reads element by element (one .item() each); a GPU
@@ -251,6 +278,7 @@ def fake_cuda(host_reads: list | None = None):
             yield mode
     finally:
         torch.cuda.synchronize, torch.cuda.get_device_capability = saved, saved_cap
+        torch.cuda.Event = saved_event
         FakeTensor.tolist = saved_tolist
 
 
