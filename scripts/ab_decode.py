@@ -4,7 +4,10 @@ every callable round-robin in the same rounds, medians of ms per generated token
 compared first (they must be identical: the changes are meant to keep the function).
 
     PYTHONPATH=$PWD python3 scripts/ab_decode.py CKPT [--ref REF] [--plans 12xF1-h0-K1,6xF2-h0-K1] [--tokens 32]
-        [--warmup 3] [--runs 21] [--threads 1]
+        [--spec 12xF1-h0-K1:4] [--compile] [--warmup 3] [--runs 21] [--threads 1]
+
+`--spec PLAN:BLOCK,...` adds self-speculative decoding (the plan drafts BLOCK tokens, the model verifies);
+`--compile` runs every callable through compiled static-shape steps, built once per version before the rounds.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--ref", default="HEAD")
     p.add_argument("--plans", default="12xF1-h0-K1,6xF2-h0-K1")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--spec", default="", help="PLAN:BLOCK,... self-speculative rows")
+    p.add_argument("--compile", action="store_true")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--runs", type=int, default=21)
     p.add_argument("--threads", type=int, default=1)
@@ -39,19 +44,43 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory()
     old = old_package(a.ref, Path(tmp.name))
-    for m in ("snlp_old.io.checkpoint", "snlp_old.decode.generate"):
+    for m in ("snlp_old.io.checkpoint", "snlp_old.decode.generate", "snlp_old.decode.speculative",
+              "snlp_old.decode.steps", "snlp_old.method.solver"):
         importlib.import_module(m)
+    from snlp.decode.speculative import speculative_generate
+    from snlp.decode.steps import sequential_step, snlp_step
+    from snlp.method.solver import bind
     new_m, _ = load(a.ckpt)
     old_m, _ = old.io.checkpoint.load(a.ckpt)
     prompt = torch.randint(0, new_m.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-    gens = {"new": (sequential_generate, snlp_generate, new_m),
-            "old": (old.decode.generate.sequential_generate, old.decode.generate.snlp_generate, old_m)}
-    names = ["sequential", *a.plans.split(",")]
+    new_mods = dict(seq=sequential_generate, snlp=snlp_generate, spec=speculative_generate, seq_step=sequential_step,
+                    snlp_step=snlp_step, bind=bind)
+    o = old.decode
+    old_mods = dict(seq=o.generate.sequential_generate, snlp=o.generate.snlp_generate,
+                    spec=o.speculative.speculative_generate, seq_step=o.steps.sequential_step,
+                    snlp_step=o.steps.snlp_step, bind=old.method.solver.bind)
+    gens = {"new": (new_mods, new_m), "old": (old_mods, old_m)}
+    specs = [(s.split(":")[0], int(s.split(":")[1])) for s in a.spec.split(",") if s]
+    plans = [p for p in a.plans.split(",") if p]
+    names = ["sequential", *plans, *(f"spec {p} B={b}" for p, b in specs)]
+    # compiled: one step per callable and version, built (and compiled on first use) outside the timed rounds
+    steps = {}
+    for ver, (f, m) in gens.items():
+        steps[ver, "sequential"] = f["seq_step"](m, a.compile)
+        for p in {*plans, *(p for p, _ in specs)}:
+            steps[ver, p] = f["snlp_step"](f["bind"](m, p, check_finite=False), a.compile)
     ms: dict = {}
 
     def call(ver, name):
-        seq, snlp, m = gens[ver]
-        r = seq(m, prompt, a.tokens) if name == "sequential" else snlp(m, prompt, name, a.tokens)
+        f, m = gens[ver]
+        if name == "sequential":
+            r = f["seq"](m, prompt, a.tokens, step=steps[ver, name])
+        elif name.startswith("spec "):
+            p, b = name.split()[1], int(name.split("=")[1])
+            r = f["spec"](m, prompt, p, block=b, max_new_tokens=a.tokens, compile=a.compile,
+                          draft=steps[ver, p], verify=steps[ver, "sequential"])
+        else:
+            r = f["snlp"](m, prompt, name, a.tokens, step=steps[ver, name])
         ms.setdefault((ver, name), []).append(1e3 * r.decode_s / len(r.tokens))
         return r.tokens
 
@@ -60,7 +89,8 @@ def main(argv=None) -> int:
     time_round_robin({(v, n): (lambda v=v, n=n: call(v, n)) for v in gens for n in names}, a.warmup, a.runs,
                      torch.device("cpu"))
     print(f"# KV-cached greedy decode, batch 1, {a.tokens} tokens after a 16-token prompt, {a.ckpt}, "
-          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; old = {a.ref}, new = worktree; "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {'compiled' if a.compile else 'eager'}; "
+          f"old = {a.ref}, new = worktree; "
           f"{a.warmup} warm-up + {a.runs} round-robin rounds, medians of ms per token")
     print("| forward | old ms/token | new ms/token | new/old | old speedup | new speedup | same tokens |")
     print("|---|---|---|---|---|---|---|")

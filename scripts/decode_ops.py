@@ -56,14 +56,23 @@ def count_step(model: GPT, fn, T: int, prompt: int, cache_len: int) -> dict:
     return r
 
 
-def predict(n_seq: float, n_draft: float, n_verify: float, block: int, alpha: float, overhead: float = 0.0) -> dict:
+def predict(n_seq: float, n_draft: float, n_verify: float, block: int, alpha: float, overhead: float = 0.0,
+            reads: str = "round", read_every: int = 8) -> dict:
     """PREDICTED self-speculative speedup when a step's time is its kernel chain times a per-kernel latency c plus
-    a fixed per-step cost (overhead x the sequential chain: graph launch, the token read to the host). c cancels:
-    speedup = tokens per round x t_seq / (B t_draft + t_verify), tokens per round = (1 - a^(B+1)) / (1 - a)."""
+    a fixed cost f (overhead x the sequential chain) for each wait on the device: the host takes the tokens, then
+    launches the next graph, while the GPU idles. c cancels: speedup = tokens per round x t_token / t_round, tokens
+    per round = (1 - a^(B+1)) / (1 - a). `reads`: "round" (snlp's one-prompt loops since 2026-11-27: one wait per
+    speculative round, one per `read_every` sequential tokens; a launch that the host queues ahead costs nothing
+    more) or "step" (one wait per step on both sides: the loops before, and what the records before assumed)."""
     fixed = overhead * n_seq
-    t_seq, t_draft, t_verify = n_seq + fixed, n_draft + fixed, n_verify + fixed
     per_round = block + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (block + 1)) / (1.0 - alpha)
-    return dict(s=t_seq / t_draft, tokens_per_round=per_round, speedup=per_round * t_seq / (block * t_draft + t_verify))
+    if reads == "step":
+        t_seq, t_draft, t_verify = n_seq + fixed, n_draft + fixed, n_verify + fixed
+        t_round = block * t_draft + t_verify
+    else:
+        t_seq, t_draft = n_seq + fixed / read_every, n_draft
+        t_round = block * n_draft + n_verify + fixed
+    return dict(s=t_seq / t_draft, tokens_per_round=per_round, speedup=per_round * t_seq / t_round)
 
 
 def weight_mb(cfg, plan: Plan | None, dtype: str) -> float:
@@ -87,8 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--alpha", default="", help="PLAN:B:ALPHA,... measured acceptance rates: print the PREDICTED GPU "
                    "speedup of those rows (t_step proportional to the chain, see predict())")
-    p.add_argument("--overhead", default="0,0.1", help="fixed per-step cost f of each step as a fraction of the "
-                   "sequential step (graph launch, the token read): the prediction is printed for each")
+    p.add_argument("--overhead", default="0,0.1", help="fixed cost f of each wait on the device (the token read, "
+                   "then the next launch) as a fraction of the sequential step: the prediction is printed for each")
+    p.add_argument("--reads", default="round", choices=("round", "step"), help="where the loops wait (predict()): "
+                   "once per speculative round and per 8 sequential tokens (today's one-prompt loops), or once per "
+                   "step on both sides (before 2026-11-27)")
     p.add_argument("--kernel-us", default="", help="per-kernel latencies c (us, comma-separated): also print the "
                    "prediction with t = c x chain + the step's weight bytes / --hbm-gbps (each weight read once per "
                    "evaluation of its layer), i.e. neither term assumed away")
@@ -124,8 +136,9 @@ def main(argv=None) -> int:
     preds = []
     if a.alpha:
         by = {r["step"]: r for r in rows}
-        print("\n# PREDICTED GPU self-speculative speedup (batch 1, CUDA graphs; t_step = c x chain + f x c x "
-              "chain_seq; alpha measured; not a GPU measurement)")
+        print("\n# PREDICTED GPU self-speculative speedup (batch 1, CUDA graphs; t_step = c x chain, plus f x c x "
+              f"chain_seq per wait on the device ({'each step' if a.reads == 'step' else 'each round; each 8 sequential tokens'}); "
+              "alpha measured; not a GPU measurement)")
         print("| plan | B | alpha | chain | f | s | tokens/round | PREDICTED speedup |")
         print("|---|---|---|---|---|---|---|---|")
         for item in a.alpha.split(","):
@@ -133,7 +146,7 @@ def main(argv=None) -> int:
             plan, b, alpha = str(Plan.parse(plan, cfg.n_layer)), int(b), float(alpha)
             for col in ("kernels", "heavy"):
                 for f in (float(x) for x in a.overhead.split(",")):
-                    r = predict(by["sequential"][col], by[plan][col], by[f"verify B={b}"][col], b, alpha, f)
+                    r = predict(by["sequential"][col], by[plan][col], by[f"verify B={b}"][col], b, alpha, f, a.reads)
                     preds.append(dict(plan=plan, block=b, alpha=alpha, chain=col, overhead=f, **r))
                     print(f"| {plan} | {b} | {alpha:.3f} | {col} | {f:g} | {r['s']:.2f} | {r['tokens_per_round']:.2f} "
                           f"| {r['speedup']:.2f}x (predicted) |")

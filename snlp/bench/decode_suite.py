@@ -42,6 +42,7 @@ import torch
 from snlp.bench.selfcheck import failure
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import speculative_generate
+from snlp.decode.session import read_every
 from snlp.decode.steps import sequential_step, snlp_step
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
@@ -182,6 +183,9 @@ class DecodeSuiteMeta:
     prompt_len: int
     new_tokens: int
     hf_note: str | None = None  # why the transformers rows are skipped, if they are
+    # decode steps snlp's one-prompt sequential / SNLP loops queue per host read on this device
+    # (snlp.decode.session.read_every); self-speculative greedy rounds of one prompt read once per round
+    read_every: int = 1
 
 
 @dataclass
@@ -581,7 +585,7 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=cfg.command,
             platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
             n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
-            hf_note=hf_note)
+            hf_note=hf_note, read_every=read_every(device))
         result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
         steps = build_steps(model, plans, cfg.treatments, drafter)
         for B in cfg.batch_sizes:
@@ -611,7 +615,9 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
              f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
-             f"snlp's eager sequential greedy tokens"
+             f"snlp's eager sequential greedy tokens; snlp's one-prompt loops read their tokens back every "
+             f"{m.read_every} step{'s' if m.read_every > 1 else ''} (sequential, SNLP) and once per round "
+             f"(self-speculative, greedy); batches read every step"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
     if not result.complete:
         lines += [f"**PARTIAL**: written while the suite was running (or it was cut short there): a row's note says "

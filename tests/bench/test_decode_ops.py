@@ -50,10 +50,13 @@ def test_the_prediction_is_the_paper_formula_when_the_verifier_costs_a_step():
         for b in (1, 4):
             r = decode_ops.predict(300, 100, 300, b, a)
             assert r["speedup"] == pytest.approx(ideal_ssd_speedup(a, b, 3.0), rel=1e-12)
-    # hand count: a = 0.5, B = 2, chains 10 / 5 / 12, a fixed cost of 0.1 x 10 per step
-    r = decode_ops.predict(10, 5, 12, 2, 0.5, overhead=0.1)
+    # hand count: a = 0.5, B = 2, chains 10 / 5 / 12, a fixed cost of 0.1 x 10 per wait: per step on both sides
+    r = decode_ops.predict(10, 5, 12, 2, 0.5, overhead=0.1, reads="step")
     assert r["tokens_per_round"] == pytest.approx(1.75)
     assert r["speedup"] == pytest.approx(1.75 * 11 / (2 * 6 + 13))
+    # ... and per round, and per 8 sequential tokens (today's one-prompt loops)
+    r = decode_ops.predict(10, 5, 12, 2, 0.5, overhead=0.1)
+    assert r["speedup"] == pytest.approx(1.75 * (10 + 1 / 8) / (2 * 5 + 12 + 1))
 
 
 def test_weight_bytes_count_each_layer_once_per_evaluation():
