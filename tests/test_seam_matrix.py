@@ -41,8 +41,7 @@ names the combination. A cell that is neither is a defect. The references are wr
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read: one prompt; a
-batch form refuses it), an EOS id, value embeddings / x0 residual / sliding windows, the window
+bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
@@ -142,7 +141,7 @@ class Cell:
     adaptive: bool = False
     min_confidence: float = 0.0
     block: int = 3
-    read_every: int | None = None  # sequential / snlp: decode steps queued per host read (one prompt only)
+    read_every: int | None = None  # sequential / snlp: decode steps queued per host read
 
 
 # ----------------------------------------------------------------------------- the references (no snlp decoding)
@@ -183,8 +182,6 @@ def refusals(cell: Cell) -> list[str]:
         why.append("M = 1")
     if cell.share and cell.kind in MHC_KINDS:
         why.append("mHC")
-    if cell.read_every not in (None, 1) and cell.form in BATCH_FORMS:
-        why.append("is for one prompt")
     return why
 
 

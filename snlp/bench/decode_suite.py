@@ -183,8 +183,8 @@ class DecodeSuiteMeta:
     prompt_len: int
     new_tokens: int
     hf_note: str | None = None  # why the transformers rows are skipped, if they are
-    # decode steps snlp's one-prompt sequential / SNLP loops queue per host read on this device
-    # (snlp.decode.session.read_every); self-speculative greedy rounds of one prompt read once per round
+    # decode steps snlp's sequential / SNLP loops queue per host read on this device (snlp.decode.session.read_every);
+    # self-speculative greedy rounds of one prompt read once per round, a batch's every drafter step
     read_every: int = 1
 
 
@@ -615,9 +615,9 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
              f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
-             f"snlp's eager sequential greedy tokens; snlp's one-prompt loops read their tokens back "
-             f"{'every step' if m.read_every == 1 else f'every {m.read_every} steps'} (sequential, SNLP) and once "
-             f"per round (self-speculative, greedy); batches read every step"
+             f"snlp's eager sequential greedy tokens; snlp's sequential and SNLP loops read their tokens back "
+             f"{'every step' if m.read_every == 1 else f'every {m.read_every} steps'}, its self-speculative loop once "
+             f"per round for one prompt (greedy) and every drafter step for a batch"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
     if not result.complete:
         lines += [f"**PARTIAL**: written while the suite was running (or it was cut short there): a row's note says "

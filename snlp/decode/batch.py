@@ -28,13 +28,14 @@ differences of the batched matmuls).
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from snlp.decode.session import (GenerateResult, check_picked, cut_at_stop, make_generator, pick_tokens,
-                                 prompt_ids_list, stop_set)
+from snlp.decode.session import (GenerateResult, check_picked, cut_at_stop, make_generator, pick_tensor,
+                                 pick_tokens, prompt_ids_list, read_every, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import RowPositions
@@ -226,6 +227,10 @@ class BatchSession:
         `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tokens)."""
         return pick_tokens(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
 
+    def pick_tensor(self, logits: Tensor, temperature: float, flag: bool = False) -> Tensor:
+        """`pick` left on the device: (B,) tokens, nothing read back (snlp.decode.session.pick_tensor)."""
+        return pick_tensor(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
+
     def finish(self) -> list[GenerateResult]:
         wall = now(self.device) - self.t0
         total = sum(len(r.tokens) for r in self.results)
@@ -237,33 +242,53 @@ class BatchSession:
 
 def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: str, plan, max_new_tokens: int,
                          temperature: float, eos_id: int | list[int] | None, seed: int | None, max_len: int | None,
-                         on_tokens: RowsCallback | None) -> list[GenerateResult]:
-    """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step."""
+                         on_tokens: RowsCallback | None, every: int | None = None) -> list[GenerateResult]:
+    """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step, `every`
+    steps queued per host read (snlp.decode.session.read_every): each step is fed the previous step's tokens on the
+    device, and a row that reaches EOS inside a read computes the rest of it at its own positions (within its
+    budget, so inside the cache) and drops those tokens. Rows finish, and an eager batch compacts, at reads."""
     check_batch_plan(plan)
     c0 = forward.compile_s  # a prebuilt step's total so far: this call reports only what it compiled
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
                            forward.slack, temperature, seed)
+        every = read_every(ses.device, every)
         for r in ses.results:
             r.plan = None if plan is None else str(plan)
         forward.warm_ragged(ses.cache, ses.positions(1, [1] * len(ses.rows)))  # scratch: past every prompt
         ses.prefill(forward)
         while ses.active:
-            t0 = now(ses.device)
-            x = ses.ids([[t] for t in ses.last])  # (B, 1)
-            nxt = ses.pick(forward.ragged(x, ses.positions(1), ses.cache)[:, -1], temperature,
-                           flag=True)  # from (B, V); the finiteness flag rides on this host read
-            dt = now(ses.device) - t0
+            t0 = time.perf_counter()  # the device is idle here: the prefill's clock, then each read, waited for it
             live = ses.live()
-            # NaN/inf logits of a live row raise, naming the plan or (plan None) the model's own forward (a finished
-            # row riding along is ignored)
-            check_picked([nxt[j] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
-                         [ses.rows[j] for j in live], model=model,
-                         context=lambda k: ses.prompts[ses.rows[live[k]]] + ses.results[ses.rows[live[k]]].tokens)
-            for j in live:
-                res = ses.results[ses.rows[j]]
-                res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1
-                ses.emit(j, [nxt[j]], 1)
+            n = min(every, min(ses.remaining(j) for j in live))  # no live row steps past its budget
+            # every row's last token, its length and whether it moves, in one copy in per read: finished rows that
+            # ride along (compiled) stay at their frozen length, i.e. scratch (BatchSession.positions)
+            rows = torch.tensor([[t, n_, int(not ses.done[i])] for t, n_, i in zip(ses.last, ses.lens, ses.rows)],
+                                device=ses.device)  # (B, 3)
+            x, first, step = rows[:, :1], rows[:, 1:2], rows[:, 2:3]  # (B, 1) each
+            span = max(ses.lens) + 1 if ses.compact else None  # eager: attend positions 0..span-1 (positions())
+            picked = []
+            for k in range(n):
+                pos = RowPositions(first + k * step, span=None if span is None else span + k)
+                # the finiteness flag rides on the read below
+                tok = ses.pick_tensor(forward.ragged(x, pos, ses.cache)[:, -1], temperature, flag=True)  # (B,)
+                picked.append(tok)
+                x = tok.clamp_min(0)[:, None]  # NONFINITE (-1) is no token id; check_picked raises on it below
+            toks = torch.stack(picked, 1).tolist()  # (B, n): one read for n steps
+            dt = (time.perf_counter() - t0) / n
+            for k in range(n):
+                live = ses.live()
+                if not live:
+                    break
+                # NaN/inf logits of a live row raise, naming the plan or (plan None) the model's own forward (a
+                # finished row riding along is ignored)
+                check_picked([toks[j][k] for j in live], plan, len(ses.results[ses.rows[live[0]]].tokens),
+                             [ses.rows[j] for j in live], model=model,
+                             context=lambda m: ses.prompts[ses.rows[live[m]]] + ses.results[ses.rows[live[m]]].tokens)
+                for j in live:
+                    res = ses.results[ses.rows[j]]
+                    res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1
+                    ses.emit(j, [toks[j][k]], 1)
             ses.drop_finished()
         for r in ses.results:
             r.compile_s = forward.compile_s - c0

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from snlp.decode.batch import batch_autoregressive, is_batch
-from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, decode_plan,
-                                 make_generator, pick_tensor, read_every, sequential_forward, snlp_forward,
-                                 step_slack)
+from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, check_read_every,
+                                 decode_plan, make_generator, pick_tensor, read_every, sequential_forward,
+                                 snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -31,11 +31,8 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
                     on_tokens, every) -> GenerateResult:
     check_decode_args(max_new_tokens, temperature)
     if is_batch(prompt_ids):
-        if every is not None and read_every("cpu", every) != 1:
-            raise ValueError(f"read_every={every!r} is for one prompt; a batch of prompts reads its tokens every step "
-                             f"(rows finish, and leave the batch, at their own EOS)")
         return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed,
-                                    max_len, on_tokens)
+                                    max_len, on_tokens, every)
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
         every = read_every(ses.device, every)
@@ -80,8 +77,10 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
     prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated
     token and its position (flagged on the host read of each step's token, no extra sync) instead of emitting
-    tokens read off them. `read_every`: decode steps queued between host reads of the tokens of one prompt
-    (snlp.decode.session.read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged."""
+    tokens read off them. `read_every`: decode steps queued between host reads of the tokens (snlp.decode.session.
+    read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged."""
+    check_decode_args(max_new_tokens, temperature)  # before a step is built
+    check_read_every(read_every)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)
 
@@ -100,5 +99,7 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's
     tokens, no extra sync) instead of emitting tokens read off them. `read_every`: as in `sequential_generate`."""
     plan = decode_plan(model, plan)
+    check_decode_args(max_new_tokens, temperature)  # before the plan is bound
+    check_read_every(read_every)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
                            max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)

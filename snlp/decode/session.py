@@ -30,7 +30,8 @@ class GenerateResult:
     plan: str | None = None
     block: int = 0
     stop: str = ""  # eos | max_new_tokens | max_len
-    forwards: int = 0  # forwards on the critical path (each SNLP solve counts once)
+    forwards: int = 0  # forwards on the critical path (each SNLP solve counts once); with read_every > 1 they
+    # include the steps run past an EOS inside the last read (computed, their tokens dropped), as `steps` does
     rounds: int = 0  # speculative/Jacobi rounds
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
@@ -271,11 +272,15 @@ def read_every(device, every: int | None = None) -> int:
     the previous step's token as a device tensor and reads n at a time (gpt-fast queues every step and reads at the
     end). Tokens past an EOS in the same n are computed and dropped. On the CPU a read costs nothing: one step each,
     tokens streamed as they come."""
+    check_read_every(every)
     if every is None:
         return 1 if torch.device(device).type == "cpu" else READ_EVERY
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"read_every must be an integer >= 1, the decode steps between host reads (got {every!r})")
     return every
+
+
+def check_read_every(every: int | None) -> None:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"read_every must be an integer >= 1, the decode steps between host reads (got {every!r})")
 
 
 def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, flag: bool = False) -> int:

@@ -22,18 +22,22 @@ def now(device) -> float:
 
 
 def mark(device):
-    """A point in a loop's time that does not wait for the device: on CUDA an event recorded on the current stream
-    (the host runs on), elsewhere perf_counter (CPU work is done when the call returns). Read two with `between`."""
-    if torch.device(device).type == "cuda":
+    """A point in a decode loop's time that does not wait for a CUDA device: an event recorded on `device`'s current
+    stream (the host runs on). On the CPU perf_counter (its work is done when the call returns); on another
+    accelerator (MPS, XPU, ...) perf_counter after waiting for it, as `now` does. Read two with `between`."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(dev))
         return ev
+    if dev.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(dev)
     return time.perf_counter()
 
 
 def between(start, end) -> float:
     """Seconds from mark `start` to mark `end`. On CUDA both events must have passed: call it after a host read of
-    the device made after `end` (the loop's own read), which waited for them; before that CUDA raises "not ready"."""
+    the device made after `end` (which waited for it), else CUDA refuses an event not yet completed."""
     if isinstance(start, float):
         return end - start
     return start.elapsed_time(end) / 1e3

@@ -433,8 +433,8 @@ def test_shootout_rows_carry_their_rounds_and_their_own_compile_time():
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(min_layers=2, max_layers=4), data=st.data())
 def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
-    """One prompt, several steps queued per host read (`read_every`, a GPU's default is 8): the tokens, the stop
-    reason and the streamed tokens equal a read per step, greedy against the full-prefix argmax loop (the outside
+    """One prompt or a ragged batch, several steps queued per host read (`read_every`, a GPU's default is 8): the
+    tokens, the stop reasons and the streamed tokens equal a read per step, greedy against the full-prefix argmax loop (the outside
     reference), sampled against the same seed read every step; the steps past an EOS inside a read are computed and
     dropped."""
     model = make_model(seed=data.draw(st.integers(0, 99)), vocab_size=13, **cfg)
@@ -447,27 +447,47 @@ def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
     every = data.draw(st.integers(2, 6))
     temp = data.draw(st.sampled_from([0.0, 0.9]))
 
+    batch = data.draw(st.booleans())  # a ragged batch: the prompt and shorter / longer ones beside it
+    prompts = [prompt, prompt[:1], prompt + [2, 5]] if batch else prompt
+
     def run(k):
         streamed = []
         kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5, read_every=k,
-                  on_tokens=streamed.extend)
-        r = sequential_generate(model, prompt, **kw) if plan is None else snlp_generate(model, prompt, plan, **kw)
-        return r, streamed
+                  on_tokens=(lambda i, new: streamed.append((i, new))) if batch else streamed.extend)
+        r = sequential_generate(model, prompts, **kw) if plan is None else snlp_generate(model, prompts, plan, **kw)
+        return (r if batch else [r]), streamed
 
     one, s1 = run(1)
     got, sk = run(every)
-    assert got.tokens == one.tokens == s1 == sk and got.stop == one.stop
-    assert got.steps >= len(got.tokens) and got.steps - len(got.tokens) < every
+    assert [r.tokens for r in got] == [r.tokens for r in one] and [r.stop for r in got] == [r.stop for r in one]
+    if batch:  # each prompt streams its own tokens in order (reads group them differently)
+        for i in range(len(prompts)):
+            assert [t for j, new in s1 if j == i for t in new] == [t for j, new in sk if j == i for t in new] \
+                == one[i].tokens
+    else:
+        assert s1 == sk == one[0].tokens
+    for r in got:
+        assert r.steps >= len(r.tokens) and r.steps - len(r.tokens) < every
     if temp == 0 and (plan is None or plan.endswith(f"K{L}")):  # exact plans: the model itself
-        budget = min(n, (max_len or 99) - len(prompt))
-        assert got.tokens == argmax_loop(model, prompt, budget, eos)
+        for p, r in zip(prompts if batch else [prompt], got):
+            budget = min(n, (max_len or 99) - len(p)) if max_len is None or len(p) <= max_len else 0
+            assert r.tokens == argmax_loop(model, p, budget, eos)
 
 
-def test_read_every_is_checked_before_any_work():
+def test_read_every_is_checked_before_any_work(monkeypatch):
+    """Refused in one line before a plan is bound or a cache is allocated."""
+    import snlp.decode.session as session
+    from snlp.model.cache import KVCache
+
+    def work(*a, **k):
+        raise AssertionError("work began before the argument was checked")
+
+    monkeypatch.setattr(session, "bind", work)
+    monkeypatch.setattr(KVCache, "for_model", work)
     model = make_model()
     for bad in (0, -1, 2.0, True, "8"):
-        with pytest.raises(ValueError, match="read_every must be an integer >= 1"):
-            sequential_generate(model, [1, 2], max_new_tokens=3, read_every=bad)
-    with pytest.raises(ValueError, match="is for one prompt"):
-        sequential_generate(model, [[1, 2], [3]], max_new_tokens=3, read_every=4)
-    assert len(sequential_generate(model, [[1, 2], [3]], max_new_tokens=3, read_every=1)) == 2
+        for prompts in ([1, 2], [[1, 2], [3]]):
+            with pytest.raises(ValueError, match="read_every must be an integer >= 1"):
+                sequential_generate(model, prompts, max_new_tokens=3, read_every=bad)
+            with pytest.raises(ValueError, match="read_every must be an integer >= 1"):
+                snlp_generate(model, prompts, "2xF1-h0-K1", max_new_tokens=3, read_every=bad)

@@ -251,11 +251,17 @@ def fake_cuda(host_reads: list | None = None):
         host_reads.append((_caller(), "torch.cuda.synchronize"))
 
     class Event:  # a CPU-only build's torch.cuda.Event cannot be made; recording waits for nothing
+        """An event completes once the host has waited for the device after recording it (a recorded read or
+        synchronize); elapsed_time refuses an event not completed, as CUDA does ("Both events must be completed")."""
+
         def __init__(self, enable_timing: bool = False):
-            pass
+            self.at = None
 
         def record(self, stream=None):
-            pass
+            self.at = len(host_reads) if host_reads is not None else None
+
+        def done(self) -> bool:
+            return self.at is not None and len(host_reads) > self.at
 
         def synchronize(self):  # the host waits for the device up to the event: recorded as a host read
             if host_reads is None:
@@ -263,10 +269,14 @@ def fake_cuda(host_reads: list | None = None):
             host_reads.append((_caller(), "torch.cuda.Event.synchronize"))
 
         def elapsed_time(self, end) -> float:
+            if not (self.done() and end.done()):
+                raise RuntimeError("Both events must be completed before calculating elapsed time (no host wait "
+                                   "on the device came after one of them)")
             return 0.0
 
-    saved_event = torch.cuda.Event
+    saved_event, saved_stream = torch.cuda.Event, torch.cuda.current_stream
     torch.cuda.Event = Event
+    torch.cuda.current_stream = lambda device=None: None  # what Event.record is given (no streams without CUDA)
     saved_cap = torch.cuda.get_device_capability
     saved_tolist = FakeTensor.tolist
     FakeTensor.tolist = torch.Tensor.tolist  # FakeTensor's own reads element by element (one .item() each); a GPU
@@ -278,7 +288,7 @@ def fake_cuda(host_reads: list | None = None):
             yield mode
     finally:
         torch.cuda.synchronize, torch.cuda.get_device_capability = saved, saved_cap
-        torch.cuda.Event = saved_event
+        torch.cuda.Event, torch.cuda.current_stream = saved_event, saved_stream
         FakeTensor.tolist = saved_tolist
 
 

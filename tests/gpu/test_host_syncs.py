@@ -25,6 +25,7 @@ TIMER = "snlp/runtime/timing.py:sync <- "
 DOCUMENTED = {
     "snlp/decode/session.py:pick_tokens": "every row's next token (prompt list, EOS, per-row lengths; greedy or "
                                           "sampled), with an SNLP forward's NaN/inf flag: one .tolist() per step",
+    "snlp/decode/batch.py:batch_autoregressive": "a batch: every row's tokens of read_every steps in one read",
     "snlp/decode/generate.py:_autoregressive": "one prompt: the tokens of read_every steps (8 on a GPU) in one read",
     "snlp/decode/speculative.py:_device_round": "one prompt, greedy: the round's drafts and targets in one read",
     "snlp/decode/speculative.py:_draft_rows": "batched drafting: the drafted tokens of every row",
@@ -126,6 +127,19 @@ def test_one_prompt_decoding_waits_once_per_read_every_tokens(every):
             (short, long)
 
 
+@pytest.mark.parametrize("every", [None, 4])
+def test_batch_decoding_waits_once_per_read_every_tokens(every):
+    """A ragged batch the same way: per read, one read of every row's tokens and one copy in of the rows' last tokens
+    and lengths (rows finish, and an eager batch compacts, between reads); nothing per step."""
+    k = 8 if every is None else every
+    gen = lambda m, n: sequential_generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=n, read_every=every)
+    short, _ = _waits(lambda m: gen(m, 8))
+    long, _ = _waits(lambda m: gen(m, 24))
+    reads = 16 // k
+    assert long - short == collections.Counter({"snlp/decode/batch.py:batch_autoregressive": 2 * reads}), \
+        (short, long)
+
+
 @pytest.mark.parametrize("block", [1, 3])
 def test_one_prompt_speculative_round_waits_once(block):
     """Self-speculative decoding of one prompt, greedy: one wait per round (the drafts and the verifier's targets in
@@ -136,3 +150,17 @@ def test_one_prompt_speculative_round_waits_once(block):
     # fake cuda reads every token as 0: every draft agrees, so a round emits block + 1 tokens
     assert long - short == collections.Counter({"snlp/decode/speculative.py:_device_round": r24.rounds - r8.rounds})
     assert (r8.rounds, r24.rounds) == (-(-8 // (block + 1)), -(-24 // (block + 1)))
+
+
+def test_a_timing_event_is_read_only_after_a_wait_that_covers_it():
+    """CUDA refuses elapsed_time on an event that has not completed; the fake event completes once the host waited
+    for the device after it was recorded, so a loop that reads its round times too early fails here, not on a GPU."""
+    from snlp.runtime.timing import between, mark
+
+    reads: list = []
+    with fake_cuda(host_reads=reads):
+        a, b = mark("cuda"), mark("cuda")
+        with pytest.raises(RuntimeError, match="must be completed"):
+            between(a, b)
+        torch.zeros(2, device="cuda").tolist()
+        assert between(a, b) == 0.0
