@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from snlp.decode.session import (GenerateResult, check_picked, cut_at_stop, make_generator, pick_tensor,
-                                 pick_tokens, prompt_ids_list, read_every, stop_set)
+                                 prompt_ids_list, read_every, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import RowPositions
@@ -222,13 +222,9 @@ class BatchSession:
         """Batch rows still decoding."""
         return [j for j, i in enumerate(self.rows) if not self.done[i]]
 
-    def pick(self, logits: Tensor, temperature: float, flag: bool = False) -> list[int]:
-        """Next token of every batch row from logits (B, V): argmax, or a sample from the row's own generator;
-        `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tokens)."""
-        return pick_tokens(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
-
     def pick_tensor(self, logits: Tensor, temperature: float, flag: bool = False) -> Tensor:
-        """`pick` left on the device: (B,) tokens, nothing read back (snlp.decode.session.pick_tensor)."""
+        """Next token of every batch row from logits (B, V), left on the device: argmax, or a sample from the row's
+        own generator; `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tensor)."""
         return pick_tensor(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
 
     def finish(self) -> list[GenerateResult]:
@@ -258,7 +254,9 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
         forward.warm_ragged(ses.cache, ses.positions(1, [1] * len(ses.rows)))  # scratch: past every prompt
         ses.prefill(forward)
         while ses.active:
-            t0 = time.perf_counter()  # the device is idle here: the prefill's clock, then each read, waited for it
+            # the device is idle here (the prefill's clock, then each read, waited for it) but for an eager batch's
+            # compaction after the last read, which counts in this read's step time
+            t0 = time.perf_counter()
             live = ses.live()
             n = min(every, min(ses.remaining(j) for j in live))  # no live row steps past its budget
             # every row's last token, its length and whether it moves, in one copy in per read: finished rows that
@@ -275,7 +273,10 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                 picked.append(tok)
                 x = tok.clamp_min(0)[:, None]  # NONFINITE (-1) is no token id; check_picked raises on it below
             toks = torch.stack(picked, 1).tolist()  # (B, n): one read for n steps
-            dt = (time.perf_counter() - t0) / n
+            dt = time.perf_counter() - t0
+            for j in live:  # every row live at the read ran its n steps, those past its EOS included
+                res = ses.results[ses.rows[j]]
+                res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + n, res.forwards + n
             for k in range(n):
                 live = ses.live()
                 if not live:
@@ -286,8 +287,6 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
                              [ses.rows[j] for j in live], model=model,
                              context=lambda m: ses.prompts[ses.rows[live[m]]] + ses.results[ses.rows[live[m]]].tokens)
                 for j in live:
-                    res = ses.results[ses.rows[j]]
-                    res.step_s, res.steps, res.forwards = res.step_s + dt, res.steps + 1, res.forwards + 1
                     ses.emit(j, [toks[j][k]], 1)
             ses.drop_finished()
         for r in ses.results:

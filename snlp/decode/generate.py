@@ -78,7 +78,8 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated
     token and its position (flagged on the host read of each step's token, no extra sync) instead of emitting
     tokens read off them. `read_every`: decode steps queued between host reads of the tokens (snlp.decode.session.
-    read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged."""
+    read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
+    batch in bf16 / fp16, see read_every)."""
     check_decode_args(max_new_tokens, temperature)  # before a step is built
     check_read_every(read_every)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,

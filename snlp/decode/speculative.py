@@ -76,12 +76,13 @@ def speculative_report(spec: GenerateResult, seq: GenerateResult) -> Speculative
     """Measured vs ideal speedup of a speculative run over a sequential run of the same model.
 
     s compares the sequential run's mean time per single-token decode step with the drafter's mean time per step,
-    both cached single-token forwards with their next-token pick, per-token bookkeeping and streaming outside both.
-    Where each loop reads every step (the CPU; batches; sampling) both are timed around each step; a one-prompt
-    loop off the CPU times its steps between reads instead (sequential: the host clock over `read_every` queued
-    steps and their read; greedy drafting: CUDA events around the round's drafter steps), so neither includes a
-    wait per step. The measured speedup is end to end: sequential decode time per token over speculative decode
-    time per token (prefill excluded from both)."""
+    both cached single-token forwards with their next-token pick, per-token bookkeeping and streaming outside both,
+    each as its loop runs it. On the CPU both are timed around each step. Off the CPU the sequential loop queues
+    `read_every` steps per read (its step time: the host clock over the queued steps and their read); a one-prompt
+    greedy round's drafter steps are timed by CUDA events, with no wait between them, while a batch's, a sampled
+    round's or a `min_confidence` round's drafter steps each wait for their read, and s there prices those waits
+    against the drafter. The measured speedup is end to end: sequential decode time per token over speculative
+    decode time per token (prefill excluded from both)."""
     seq_ms = 1e3 * seq.decode_s / max(len(seq.tokens), 1)
     s = seq.ms_per_step / spec.draft_ms_per_step if spec.draft_steps and seq.steps else float("nan")
     a = spec.acceptance_rate

@@ -10,9 +10,12 @@ import torch
 
 
 def sync(device) -> None:
-    """Wait for queued device work (CUDA); a no-op on CPU."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for queued device work (CUDA, and other accelerators: MPS, XPU, ...); a no-op on CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(dev)
 
 
 def now(device) -> float:
@@ -23,16 +26,14 @@ def now(device) -> float:
 
 def mark(device):
     """A point in a decode loop's time that does not wait for a CUDA device: an event recorded on `device`'s current
-    stream (the host runs on). On the CPU perf_counter (its work is done when the call returns); on another
-    accelerator (MPS, XPU, ...) perf_counter after waiting for it, as `now` does. Read two with `between`."""
+    stream (the host runs on). Elsewhere `now`: perf_counter on the CPU (its work is done when the call returns), after
+    waiting for the device on another accelerator (MPS, XPU, ...). Read two with `between`."""
     dev = torch.device(device)
     if dev.type == "cuda":
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(torch.cuda.current_stream(dev))
         return ev
-    if dev.type not in ("cpu", "meta"):
-        torch.accelerator.synchronize(dev)
-    return time.perf_counter()
+    return now(dev)
 
 
 def between(start, end) -> float:

@@ -491,3 +491,7 @@ def test_read_every_is_checked_before_any_work(monkeypatch):
                 sequential_generate(model, prompts, max_new_tokens=3, read_every=bad)
             with pytest.raises(ValueError, match="read_every must be an integer >= 1"):
                 snlp_generate(model, prompts, "2xF1-h0-K1", max_new_tokens=3, read_every=bad)
+    import numpy as np
+
+    from snlp.decode.session import read_every
+    assert read_every("cuda", np.int64(4)) == 4 and read_every("cpu", None) == 1 and read_every("cuda", None) == 8

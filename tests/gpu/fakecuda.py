@@ -124,10 +124,12 @@ class IndexViaAten(TorchFunctionMode):
             if func is torch.Tensor.cuda:
                 device, dtype = torch.device("cuda"), None
             else:
-                device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+                device, dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
             if self.host_reads is not None and args[0].device.type == "cpu" and device is not None \
-                    and torch.device(device).type == "cuda":
-                self.host_reads.append((_caller(), "h2d:to"))  # a host tensor copied in: see torch.tensor below
+                    and torch.device(device).type == "cuda":  # a host tensor copied in: see torch.tensor below
+                # a non-blocking copy (from pinned memory) does not wait for the stream: recorded apart
+                self.host_reads.append((_caller(), "h2d:to-async" if func is torch.Tensor.to and non_blocking
+                                        else "h2d:to"))
             return _to(args[0], device, dtype)
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
                 and torch.device(kwargs["device"]).type == "cuda" and self.host_reads is not None \
@@ -260,8 +262,8 @@ def fake_cuda(host_reads: list | None = None):
         def record(self, stream=None):
             self.at = len(host_reads) if host_reads is not None else None
 
-        def done(self) -> bool:
-            return self.at is not None and len(host_reads) > self.at
+        def done(self) -> bool:  # a wait came after the record (a non-blocking copy in does not wait)
+            return self.at is not None and any(what != "h2d:to-async" for _, what in host_reads[self.at:])
 
         def synchronize(self):  # the host waits for the device up to the event: recorded as a host read
             if host_reads is None:

@@ -23,19 +23,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TIMER = "snlp/runtime/timing.py:sync <- "
 # site -> why the loop reads the device there (docs/gpu-internals.md keeps the same list with accept / should-go)
 DOCUMENTED = {
-    "snlp/decode/session.py:pick_tokens": "every row's next token (prompt list, EOS, per-row lengths; greedy or "
-                                          "sampled), with an SNLP forward's NaN/inf flag: one .tolist() per step",
+    "snlp/decode/session.py:pick_tokens": "Jacobi decoding's verified tokens of a sweep, with the NaN/inf flag",
     "snlp/decode/batch.py:batch_autoregressive": "a batch: every row's tokens of read_every steps in one read",
     "snlp/decode/generate.py:_autoregressive": "one prompt: the tokens of read_every steps (8 on a GPU) in one read",
     "snlp/decode/speculative.py:_device_round": "one prompt, greedy: the round's drafts and targets in one read",
     "snlp/decode/speculative.py:_draft_rows": "batched drafting: the drafted tokens of every row",
     "snlp/decode/speculative.py:_verify_rows": "batched verify: target tokens and the accepted counts",
-    "snlp/decode/jacobi.py:jacobi_generate": "the fixed-point test of each Jacobi sweep (accept by design)",
+    "snlp/decode/jacobi.py:jacobi_generate": "a verified plan's Jacobi sweep: its guesses (accept by design)",
     "snlp/decode/speculative.py:<listcomp>": "batched sampling: each row's drafted token / confidence",
     "snlp/method/solver.py:solve": "a tol plan's stop test, once per iteration (by design)",
     TIMER + "snlp/decode/session.py:prefill": "prefill timing",
     TIMER + "snlp/decode/session.py:finish": "the decode clock",
-    TIMER + "snlp/decode/batch.py:batch_autoregressive": "per-step timing",
     TIMER + "snlp/decode/batch.py:prefill": "prefill timing",
     TIMER + "snlp/decode/batch.py:emit": "a finished row's clock",
     TIMER + "snlp/decode/batch.py:finish": "the decode clock",
@@ -51,6 +49,7 @@ LOOPS = {
     "speculative-batch": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
                                                         max_new_tokens=4),
     "jacobi": lambda m: jacobi_generate(m, [1, 2, 3], max_new_tokens=4),
+    "jacobi-plan-verified": lambda m: jacobi_generate(m, [1, 2, 3], "2xF2-h0-K1", max_new_tokens=4),
     "sequential-batch-sampled": lambda m: sequential_generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=3,
                                                               temperature=0.8, seed=1),
     "speculative-batch-sampled": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
@@ -73,6 +72,20 @@ def test_decode_loops_read_the_device_only_where_documented(loop):
     undocumented = sorted(set(sites) - set(DOCUMENTED))
     assert not undocumented, f"{loop}: host syncs at undocumented sites {undocumented} (all: {dict(sites)})"
     assert any(not s.startswith(TIMER) for s in sites), "a decode loop reads its tokens: the recorder saw nothing"
+
+
+def test_every_documented_site_is_still_read_somewhere():
+    """The inventory cannot drift: a documented site that no decode loop reads any more is a stale entry."""
+    seen = set()
+    for loop in LOOPS:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=64, n_layer=6, n_head=2, n_kv_head=1, n_embd=32, sequence_len=64,
+                                  window_pattern="SL", short_window=3))
+        reads: list = []
+        with fake_cuda(host_reads=reads), torch.no_grad():
+            LOOPS[loop](to_cuda(model))
+        seen |= {where for where, what in reads if not what.startswith("h2d:")}
+    assert set(DOCUMENTED) <= seen, f"documented but never read: {sorted(set(DOCUMENTED) - seen)}"
 
 
 def _run(device):
