@@ -38,16 +38,24 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def check_new_out(out: str) -> None:
-    """Refuse an --out that already holds a checkpoint: the conversion would replace its weights and config and drop
-    a trained run's optimizer and train state (save_checkpoint keeps only files it does not own)."""
+def check_new_out(out: str, what: str = "conversion") -> None:
+    """Refuse an --out that already holds a model: the conversion (or export) would replace its weights and config
+    and drop a trained run's optimizer and train state (save_checkpoint keeps only files it does not own; an export's
+    save_pretrained writes a transformers config.json over an snlp one, after which the folder loads as neither).
+    A drafter, a nanochat checkpoint folder or a speedrun are refused too: the model would be written beside them."""
     from pathlib import Path
 
-    from snlp.io.checkpoint import holds_speedrun
+    from snlp.io.checkpoint import CONFIG, DRAFTER_META, WEIGHTS, holds_speedrun
+    from snlp.io.nanochat import is_nanochat_dir
 
-    if (Path(out) / "model.safetensors").exists() or (Path(out) / "config.json").exists():
-        raise ValueError(f"--out {out} already holds a checkpoint; the conversion would replace it: choose another "
-                         f"--out")
+    d = Path(out)
+    if (d / WEIGHTS).exists() or (d / CONFIG).exists():
+        raise ValueError(f"--out {out} already holds a checkpoint or model ({CONFIG} / {WEIGHTS}); the {what} would "
+                         f"replace it: choose another --out")
+    if (d / DRAFTER_META).exists():
+        raise ValueError(f"--out {out} holds a drafter (snlp adapt); choose another --out")
+    if d.is_dir() and is_nanochat_dir(d):
+        raise ValueError(f"--out {out} holds a nanochat checkpoint; choose another --out")
     if holds_speedrun(out):
         raise ValueError(f"--out {out} holds a speedrun (stages/); choose another --out")
 

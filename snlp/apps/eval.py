@@ -25,6 +25,24 @@ if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
 
+# The flags each mode of `snlp eval` reads, besides the checkpoint, --plans, --device, --dtype, --threads, --batch,
+# --json, --markdown and --no-progress (read by every mode) and the mode switches themselves (--drafter, --task,
+# --harness, whose conflicts are refused where they are read). A flag a mode does not read is refused (mode_flags),
+# never ignored: `--num-fewshot 5` without --harness, or `--runs 50` with it, changed nothing.
+DATA_FLAGS = ("data", "text_field", "max_chars", "val_frac", "cache_dir", "data_encoding")
+READS = {
+    "lm": (*DATA_FLAGS, "seq_len", "max_tokens", "prompts", "prompt_len", "gen_tokens", "warmup", "runs",
+           "time_tokens", "no_emb", "seed", "csv", "plot"),
+    "drafter": (*DATA_FLAGS, "seq_len", "max_tokens", "prompts", "gen_tokens", "warmup", "runs", "blocks",
+                "chat_prompts"),
+    "task": ("mc_scoring", "mc_shots", "mc_shots_from", "mc_limit"),
+    "harness": ("harness_include", "num_fewshot", "limit", "fewshot_seed", "apply_chat_template", "harness_decode",
+                "harness_block", "bootstrap_iters", "harness_out"),
+}
+MODES = {"lm": "the LM metrics", "drafter": "--drafter", "task": "--task", "harness": "--harness"}
+RUN_AS = {"lm": "without --drafter, --task or --harness", "drafter": "with --drafter", "task": "with --task",
+          "harness": "with --harness"}
+
 
 # ----- CLI -----
 def add_arguments(p) -> None:
@@ -98,10 +116,42 @@ def config_from_args(args, model: GPT) -> EvalConfig:
                       seed=args.seed, progress=not args.no_progress, batch=args.batch)
 
 
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def mode_flags(args) -> None:
+    """Refuse flags the chosen mode does not read (READS), given with a value other than their default, in one
+    line naming them and the mode(s) that do read them."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([args.ckpt]))
+    mode = "harness" if args.harness else "drafter" if args.drafter else "task" if args.task else "lm"
+    stray = [d for d in dict.fromkeys(d for ds in READS.values() for d in ds)
+             if d not in READS[mode] and getattr(args, d) != defaults[d]]
+    if stray:
+        one = len(stray) == 1
+        where = ", ".join(f"{'it' if one else flag(d)} is for {' or '.join(MODES[m] for m in READS if d in READS[m])}"
+                          for d in stray)
+        raise ValueError(f"{', '.join(flag(d) for d in stray)} {'is' if one else 'are'} not read {RUN_AS[mode]} "
+                         f"({where}): {'it' if one else 'they'} would change nothing; drop {'it' if one else 'them'}")
+    if mode == "harness":
+        if args.harness_block != defaults["harness_block"] and args.harness_decode != "speculative" \
+                and not args.drafter:
+            raise ValueError("--harness-block is the draft block of speculative decoding: use it with "
+                             "--harness-decode speculative or --drafter")
+        if args.harness_decode is not None and not args.plans:
+            raise ValueError("--harness-decode chooses how --plans decode generate_until tasks; without --plans "
+                             "there is no plan to decode (the sequential model decodes as itself)")
+
+
 def run(args) -> int:
     import torch
 
     from snlp.apps.common import plans_preheat
+    from snlp.bench.stats import paired_verdict
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
     from snlp.eval.protocol import evaluate
@@ -116,8 +166,7 @@ def run(args) -> int:
         kinds = FigureCanvasBase.get_supported_filetypes()
         if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
             raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
-    if args.bootstrap_iters is not None and not args.harness:
-        raise ValueError("--bootstrap-iters sets the harness's stderr bootstrap: use it with --harness")
+    mode_flags(args)
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
@@ -145,15 +194,18 @@ def run(args) -> int:
           file=sys.stderr)
     records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat)
     c = model.config
+    # a speedup the paired rounds do not resolve is printed as a tie (a 20-round run printed 1.07x and 1.18x from
+    # rounds spread 0.45x-3.73x, as results)
+    ties = {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"}
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
-                         f"{device_label(device)}, median of {cfg.runs} runs")
+                         f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)
     if args.json:
         write_json(args.json, [r.to_dict() for r in records])
     if args.csv:
         write_csv([r.to_dict() for r in records], args.csv)
     if args.markdown:
-        write_atomic(args.markdown, markdown_table(records))
+        write_atomic(args.markdown, markdown_table(records, ties=ties))
         print(f"wrote {args.markdown}")
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")

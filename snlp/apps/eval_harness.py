@@ -57,6 +57,18 @@ def check_method_files(methods: list[str]) -> None:
         seen[f] = m
 
 
+def check_harness_out(out: Path, methods: list[str]) -> None:
+    """Refuse a --harness-out that already holds a file this run would write (a method's JSON, table.md): the run
+    replaced them and left the other methods' files of the earlier run beside the new ones, one folder mixing two
+    runs' results."""
+    names = [method_file(m) for m in methods] + ["table.md"]
+    there = [n for n in names if (out / n).exists()]
+    if there:
+        raise ValueError(f"--harness-out {out} already holds {', '.join(there)} of an earlier run; this run would "
+                         f"replace {'it' if len(there) == 1 else 'them'}: choose another --harness-out (or move "
+                         f"{'it' if len(there) == 1 else 'them'} away)")
+
+
 def run(args) -> int:
     import torch
 
@@ -65,7 +77,8 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
     try:
-        from snlp.eval.harness import SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table
+        from snlp.eval.harness import (SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table,
+                                       task_manager)
     except ImportError as e:
         if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
             raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
@@ -93,6 +106,7 @@ def run(args) -> int:
     model_arg("pretrained", args.ckpt)  # each run records them in its model_args: a ',' is refused before loading
     if args.drafter:
         model_arg("drafter", args.drafter)
+    tm = task_manager(tasks, args.harness_include)  # an unknown task name: refused before the model loads
     model, tok, ckpt = load_any(args.ckpt)
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
     preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
@@ -105,16 +119,17 @@ def run(args) -> int:
     if args.drafter:
         lms.append(SNLPLM(pretrained=model, drafter=args.drafter, decode="speculative", **common))
     check_method_files([lm.method for lm in lms])  # with the drafter's: before any harness run
+    out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
+    check_harness_out(out, [lm.method for lm in lms])
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
-                               fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters)
+                               fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
     limit = "" if args.limit is None else f", limit {args.limit:g}"
     title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit} | "
              f"{dtype} on {device_label(device)}")
     print_table(records, title, caption="value ± the harness's stderr")
-    out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
     out.mkdir(parents=True, exist_ok=True)
     for rec in records:
         write_json(out / method_file(rec.method), rec.harness or rec.to_dict())

@@ -1,6 +1,6 @@
 """Export an snlp checkpoint of a Llama-family model (e.g. one made by `snlp convert`, possibly fine-tuned)
 as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (RMSNorm
-weights folded into the projections, unit norm weights, untied lm_head). Given a drafter directory (`snlp adapt`),
+weights folded into the projections, unit norm weights; a tied head stays tied). Given a drafter directory (`snlp adapt`),
 it writes the base's prefix with the drafter's adapted suffix as one transformers model (its plan recorded in
 config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp's: snlp.io.drafter)."""
 
@@ -16,11 +16,13 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     # the library (and torch) loads here, not at the top: --help answers without it
+    from snlp.apps.convert import check_new_out
     from snlp.io.checkpoint import load
     from snlp.io.drafter import export_drafter_hf, is_drafter_dir, load_drafter, load_record
     from snlp.io.hf import export_hf
     from snlp.train.adapt import load_base
 
+    check_new_out(args.out, "export")  # before the model loads: an --out over a checkpoint would lose it
     if is_drafter_dir(args.ckpt):
         src = args.base or load_record(args.ckpt).get("config", {}).get("src")
         if not src:

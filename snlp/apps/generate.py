@@ -13,6 +13,9 @@ from pathlib import Path
 
 # The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.
 MODES = ("sequential", "snlp", "speculative", "jacobi")  # snlp.decode.generate.MODES (tests check they agree)
+# Flags that only some runs read default to None, so one given to a run that does not read it is refused
+# (unread_flags) instead of ignored; resolve_defaults then fills these values in.
+DEFAULTS = {"block": 4, "seed": 0, "repeats": 3, "prompts_encoding": "utf-8", "dist_timeout": 120.0}
 
 
 def add_arguments(p) -> None:
@@ -27,18 +30,20 @@ def add_arguments(p) -> None:
                    "with it and the checkpoint verifies (output identical to sequential); snlp mode decodes with it "
                    "alone, which is the drafter's approximation of the model, not the model. --plan defaults to "
                    "the drafter's")
-    p.add_argument("--block", type=int, default=4, help="draft block size B (speculative, jacobi)")
+    p.add_argument("--block", type=int, default=None, help=f"draft block size B (speculative, jacobi; default "
+                   f"{DEFAULTS['block']})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help=f"sampling seed (--temperature > 0; default "
+                   f"{DEFAULTS['seed']}; prompt i of --prompts-file samples with seed + i)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-baseline", action="store_true",
                    help="speculative mode: skip the timed comparison with sequential decoding (no measured "
                         "speedup / s)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
-                        "round of each; the speedups reported are medians")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
+                        f"round of each; the speedups reported are medians (default {DEFAULTS['repeats']})")
     p.add_argument("--share-weights", action="store_true",
                    help="speculative, M = 1 plans: the drafter's stacked weights and the verifier's layers share one "
                         "storage (each weight byte streamed once; snlp.method.sharing)")
@@ -51,7 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts-file", default=None,
                    help="decode every prompt of this file instead of --prompt: JSONL with a \"prompt\" field per line, "
                         "or one prompt per line; results are printed (and written to --json) one per prompt, in order")
-    p.add_argument("--prompts-encoding", default="utf-8", help="text encoding of --prompts-file (e.g. latin-1)")
+    p.add_argument("--prompts-encoding", default=None, help=f"text encoding of --prompts-file (e.g. latin-1; default "
+                   f"{DEFAULTS['prompts_encoding']})")
     p.add_argument("--batch-size", type=int, default=1,
                    help="--prompts-file: decode this many prompts at once as one ragged batch (sequential, snlp, "
                         "speculative; every row's tokens equal its own single-prompt output)")
@@ -63,8 +69,42 @@ def add_arguments(p) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="layer-parallel over torchrun ranks (snlp.dist.layer_parallel): `torchrun --nproc_per_node=P -m snlp "
                         "generate CKPT --distributed --plan ... --mode snlp|speculative|sequential`")
-    p.add_argument("--dist-timeout", type=float, default=120.0,
-                   help="--distributed: seconds before a dead or silent peer rank makes the others fail")
+    p.add_argument("--dist-timeout", type=float, default=None,
+                   help=f"--distributed: seconds before a dead or silent peer rank makes the others fail (default "
+                        f"{DEFAULTS['dist_timeout']:g})")
+
+
+def unread_flags(args) -> None:
+    """Refuse a flag the chosen run does not read (it would change nothing), in one line, before anything loads."""
+    spec = args.mode == "speculative"
+    rules = [
+        (args.block is not None and args.mode not in ("speculative", "jacobi"),
+         f"--block is the draft block of --mode speculative and jacobi; --mode {args.mode} drafts nothing"),
+        (args.plan is not None and args.mode == "sequential" and not args.distributed,
+         "--mode sequential decodes with the model alone and reads no --plan (did you mean --mode snlp or "
+         "speculative?)"),
+        (args.no_baseline and not spec, f"--no-baseline skips speculative mode's timed comparison; --mode {args.mode} "
+                                        f"has none"),
+        (args.repeats is not None and (not spec or args.no_baseline),
+         "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding" +
+         (", which --no-baseline skips" if spec else f"; --mode {args.mode} has none")),
+        (args.seed is not None and args.temperature == 0,
+         "--seed seeds sampling; greedy decoding (--temperature 0) draws nothing: give --temperature > 0 or drop "
+         "--seed"),
+        (args.dist_timeout is not None and not args.distributed,
+         "--dist-timeout is the peer-rank timeout of --distributed; a single process has no peers"),
+        (args.prompts_encoding is not None and args.prompts_file is None,
+         "--prompts-encoding reads --prompts-file; give --prompts-file (or drop it: --prompt is text already)"),
+    ]
+    for bad, why in rules:
+        if bad:
+            raise ValueError(why)
+
+
+def resolve_defaults(args) -> None:
+    for k, v in DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
 
 def check_args(args) -> None:
@@ -154,6 +194,7 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
 def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
+    from snlp.bench.stats import paired_verdict, verdict_text
     from snlp.decode.speculative import speculative_benchmark
 
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
@@ -168,10 +209,13 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
     record["matches_sequential"] = rep.matches_sequential and res.tokens == seq_tokens[0]
     # both sides' warm rates beside the ratio: the line's first tok/s is the one streamed run's, which ran cold and
     # at another moment's load (a run printed 28 tok/s there beside sequential 321 tok/s and a 1.30x speedup)
+    # the ratio is a result only where the paired runs resolve it (the main table's sign test): 3 runs never do
+    record["speedup_verdict"] = paired_verdict(rep.round_speedups)[0]
     return (f", s={rep.drafter_speedup_s:.2f}; timed over {args.repeats} runs of each after a warm-up (medians): "
             f"speculative {record['speculative_tokens_per_s']:.1f} tok/s, sequential "
             f"{record['sequential_tokens_per_s']:.1f} tok/s, speedup measured {rep.measured_speedup:.2f}x (the "
-            f"median of the paired per-run ratios) vs ideal SSD {rep.ideal_ssd_speedup:.2f}x")
+            f"median of the paired per-run ratios: {verdict_text(rep.round_speedups)}) vs ideal SSD "
+            f"{rep.ideal_ssd_speedup:.2f}x")
 
 
 def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
@@ -286,6 +330,8 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, write_json
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unread_flags(args)
+    resolve_defaults(args)
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from snlp.bench.records import markdown_table
-from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, paired_verdict, sign_test_p, sign_test_wins, verdict_text
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
@@ -631,10 +631,17 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
                      f"rounds tied, and the best prediction among them picked")
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
-    for g, p in picks.items():
-        if p is not None and p.measured_speedup < 1.0:
-            notes.append(f"{g}: the pick is slower than sequential decoding ({p.measured_speedup:.2f}x): decode "
-                         f"sequentially on this machine")
+    for g, p in picks.items():  # "slower than sequential" only where the pick's paired rounds resolve it
+        if p is None or not p.measured or p.measured_speedup is None:
+            continue
+        verdict = paired_verdict(p.round_speedups or [])[0]
+        if verdict == "slower":
+            notes.append(f"{g}: the pick is slower than sequential decoding ({p.measured_speedup:.2f}x, "
+                         f"{verdict_text(p.round_speedups, rounds='rounds')}): decode sequentially on this machine")
+        elif verdict == "tie" and p.measured_speedup < 1.0:
+            notes.append(f"{g}: the pick measured {p.measured_speedup:.2f}x sequential decoding, "
+                         f"{verdict_text(p.round_speedups or [], rounds='rounds')}: this run shows no gain over "
+                         f"decoding sequentially")
     p = next(model.parameters())
     return TuneResult(config=cfg, n_layer=model.config.n_layer, device=str(p.device),
                       dtype=str(p.dtype).replace("torch.", ""), quality=quality, acceptance=acceptance, costs=costs, candidates=cands,

@@ -533,20 +533,40 @@ def json_safe(obj) -> dict:
 SEEDS = dict(random_seed=0, numpy_random_seed=1234, torch_random_seed=1234)  # simple_evaluate's defaults, recorded
 
 
+def task_manager(tasks: list[str], include: str | None = None):
+    """The harness's TaskManager for `tasks` (only the --harness-include folder is indexed when every task is found
+    there: indexing the harness's ~10k own task files takes ~25 s). A name that is no task, group or tag of either,
+    nor a YAML file, is a ValueError naming it (with the closest names), so a typo fails before any model loads
+    instead of as lm-eval's KeyError traceback after it."""
+    import difflib
+
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include, include_defaults=False) if include else None
+    if tm is None or not set(tasks) <= set(tm.all_tasks):
+        tm = TaskManager(include_path=include)
+    known = set(tm.all_tasks)
+    unknown = [t for t in tasks if t not in known and not Path(t).is_file()]
+    if unknown:
+        where = "the harness's tasks, groups and tags" + (f" or {include}" if include else "")
+        close = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
+        hint = "; ".join(f"{t}: did you mean {', '.join(c)}?" for t, c in close.items() if c)
+        raise ValueError(f"--harness: no task named {', '.join(unknown)} in {where}" + (f" ({hint})" if hint else ""))
+    return tm
+
+
 def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
                      include: str | None = None, apply_chat_template: bool = False, fewshot_seed: int = 1234,
-                     bootstrap_iters: int | None = None) -> list[HarnessRecord]:
+                     bootstrap_iters: int | None = None, tm=None) -> list[HarnessRecord]:
     """lm_eval.simple_evaluate once per method (each an SNLPLM), on the same tasks, few-shot seed and limit.
-    `bootstrap_iters` None: the harness's own default (its stderr of bootstrapped metrics, e.g. 100000 draws)."""
+    `bootstrap_iters` None: the harness's own default (its stderr of bootstrapped metrics, e.g. 100000 draws);
+    `tm`: a task_manager(tasks, include) already built (else built here)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     if bootstrap_iters is None:
         bootstrap_iters = harness_bootstrap_iters()
 
-    tm = TaskManager(include_path=include, include_defaults=False) if include else None
-    if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing the harness's own tasks takes ~25 s
-        tm = TaskManager(include_path=include)
+    tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
     out = []

@@ -99,3 +99,45 @@ def test_a_run_into_a_drafter_folder_is_refused(tmp_path, capsys):
     assert "holds a drafter (snlp adapt)" in one_error_line(capsys, "train")
     assert (d / "log.jsonl").read_text() == "the drafter's log\n"
     assert sorted(p.name for p in d.iterdir()) == ["drafter.json", "log.jsonl"]
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--num-fewshot", "5"], "--num-fewshot is not read without --drafter, --task or --harness (it is for --harness)"),
+    (["--harness-out", "h"], "--harness-out is not read without --drafter, --task or --harness"),
+    (["--harness", "arc_easy", "--runs", "50", "--time-tokens", "8"],
+     "--runs, --time-tokens are not read with --harness (--runs is for the LM metrics or --drafter"),
+    (["--harness", "arc_easy", "--data", "x.txt"], "--data is not read with --harness"),
+    (["--task", "mc:x.jsonl", "--csv", "r.csv"], "--csv is not read with --task (it is for the LM metrics)"),
+    (["--drafter", "d", "--seed", "3"], "--seed is not read with --drafter"),
+    (["--mc-limit", "3"], "--mc-limit is not read without --drafter, --task or --harness (it is for --task)"),
+    (["--harness", "arc_easy", "--harness-block", "8"], "--harness-block is the draft block of speculative decoding"),
+    (["--harness", "arc_easy", "--harness-decode", "snlp"], "without --plans there is no plan to decode"),
+])
+def test_eval_refuses_a_flag_its_mode_does_not_read(extra, says, tmp_path, capsys):
+    """`snlp eval` has four modes (the LM metrics, --drafter, --task, --harness), each reading its own flags: a flag
+    of another mode changed nothing (`--num-fewshot 5` without --harness ran the LM metrics; `--runs 50` with
+    --harness ran the harness as before). One line before the checkpoint is read (here it does not even exist)."""
+    rc = main(["eval", str(tmp_path / "no-such-ckpt"), *(["--plans", "1xF1-h0-K1"] if "--harness-decode" not in extra
+                                                          else []), *extra])
+    line = one_error_line(capsys, "eval")
+    assert rc == 2 and says in line, line
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--mode", "sequential", "--block", "8"], "--block is the draft block of --mode speculative and jacobi"),
+    (["--mode", "snlp", "--plan", "1xF1-h0-K1", "--block", "8"], "--mode snlp drafts nothing"),
+    (["--mode", "sequential", "--plan", "1xF1-h0-K1"], "--mode sequential decodes with the model alone"),
+    (["--mode", "snlp", "--plan", "1xF1-h0-K1", "--no-baseline"], "--mode snlp has none"),
+    (["--mode", "snlp", "--plan", "1xF1-h0-K1", "--repeats", "9"], "--repeats sets the timed rounds"),
+    (["--mode", "speculative", "--plan", "1xF1-h0-K1", "--no-baseline", "--repeats", "9"], "which --no-baseline skips"),
+    (["--seed", "3"], "greedy decoding (--temperature 0) draws nothing"),
+    (["--dist-timeout", "5"], "a single process has no peers"),
+    (["--prompts-encoding", "latin-1"], "--prompts-encoding reads --prompts-file"),
+])
+def test_generate_refuses_a_flag_its_run_does_not_read(extra, says, tmp_path, capsys):
+    """`--block 8` with sequential or snlp decoding, `--plan` with sequential, `--repeats` outside speculative's
+    comparison, `--seed` with greedy decoding...: each ran and changed nothing. One line before the checkpoint is
+    read (here it does not even exist)."""
+    rc = main(["generate", str(tmp_path / "no-such-ckpt"), *extra])
+    line = one_error_line(capsys, "generate")
+    assert rc == 2 and says in line, line

@@ -59,6 +59,10 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     # read "28.1 tok/s ... speedup measured 1.30x ... sequential 321.2 tok/s")
     assert "tok/s in this one run" in line and f"speculative {spec['speculative_tokens_per_s']:.1f} tok/s" in line
     assert f"sequential {spec['sequential_tokens_per_s']:.1f} tok/s" in line
+    # 3 paired runs can never pass the two-sided sign test (6 of 6 at the fewest): the ratio is called a tie, with
+    # how many runs were faster, never printed bare as a speedup
+    wins = sum(r > 1 for r in rep["round_speedups"])
+    assert spec["speedup_verdict"] == "tie" and f"a tie with sequential: faster in {wins} of 3 paired runs" in line
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
     assert snlp["tokens"] == seq["tokens"]

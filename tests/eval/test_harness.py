@@ -255,6 +255,31 @@ def test_cli_harness_refuses_a_plan_twice_before_any_work(tmp_path, capsys, plan
     assert says in err and len(err.splitlines()) == 1 and not out.exists(), err
 
 
+def test_cli_harness_refuses_an_unknown_task_before_the_model_loads(tmp_path, capsys, tasks):
+    """A typo'd task name was lm-eval's KeyError traceback after the checkpoint had loaded: now one line naming it
+    and the closest names, before the checkpoint is read (here it does not even exist), nothing written."""
+    out = tmp_path / "out"
+    assert main(["eval", str(tmp_path / "no-such-ckpt"), "--harness", "snlp_arc_tinyy", "--harness-include",
+                 str(tasks), "--harness-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no task named snlp_arc_tinyy" in err and "did you mean snlp_arc_tiny" in err, err
+    assert len(err.splitlines()) == 1 and not out.exists(), err
+
+
+def test_cli_harness_refuses_an_out_that_holds_an_earlier_runs_files(smol_cut_hf, tasks, tmp_path, capsys):
+    """A second run into the same --harness-out replaced the earlier run's files of its methods and left the others
+    beside them (one folder, two runs' results): refused before any harness run, the files kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sequential.json").write_text('{"an earlier run": 1}')
+    assert main(["eval", str(smol_cut_hf), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit",
+                 "1", "--harness-out", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
+    assert err.startswith("snlp eval: error: ") and "already holds sequential.json of an earlier run" in err, err
+    assert [p.name for p in out.iterdir()] == ["sequential.json"]
+    assert json.loads((out / "sequential.json").read_text()) == {"an earlier run": 1}
+
+
 def test_method_files_refuse_any_collision():
     """Names that map to one file (or differ only in case, as on a case-insensitive file system) are refused too:
     with the current names a drafter's file (drafter_PLAN.json) cannot meet a plan's (PLAN.json), this checks the

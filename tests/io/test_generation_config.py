@@ -153,3 +153,25 @@ def test_convert_refuses_an_out_that_holds_a_checkpoint(hf_dir, tmp_path, capsys
     assert main(["convert", str(d), "--out", str(tmp_path / "sr")]) == 2
     assert "holds a speedrun" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "sr").iterdir()) == ["noreg", "stages"]
+
+
+def test_export_refuses_an_out_that_holds_a_checkpoint_or_model(hf_dir, tmp_path, capsys):
+    """`snlp export CKPT --out CKPT` (or any run's folder) wrote transformers' config.json and weights over the
+    checkpoint's, after which the folder loaded as neither: refused before the model loads, every file kept."""
+    d, _, _ = hf_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+    (ck / "optimizer.pt").write_bytes(b"a trained run's states")
+    before = {f.name: f.read_bytes() for f in ck.iterdir()}
+    assert main(["export", str(ck), "--out", str(tmp_path / "hf")]) == 0  # a new folder: written
+    for out in (ck, tmp_path / "hf"):  # its own folder; an earlier export (or a downloaded transformers model)
+        capsys.readouterr()
+        assert main(["export", str(ck), "--out", str(out)]) == 2
+        assert "already holds a checkpoint or model" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in ck.iterdir()} == before
+    assert load(ck)[0].config.n_layer == 4
+    (tmp_path / "dr").mkdir()
+    (tmp_path / "dr" / "drafter.json").write_text("{}")
+    assert main(["export", str(ck), "--out", str(tmp_path / "dr")]) == 2
+    assert "holds a drafter" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "dr").iterdir()] == ["drafter.json"]

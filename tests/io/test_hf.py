@@ -173,12 +173,33 @@ def test_export_round_trip(family, tmp_path):
     model, _ = from_hf(hf)
     out = export_hf(model, tmp_path / "exp")
     re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert all(bool((p == 1).all()) for n, p in re.named_parameters() if "layernorm" in n or n == "model.norm.weight")
+    tied = hf.config.tie_word_embeddings  # a tied head keeps the final norm's weight in the norm (it stays tied)
+    assert all(bool((p == 1).all()) for n, p in re.named_parameters()
+               if "layernorm" in n or (n == "model.norm.weight" and not tied))
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
         back, _ = from_hf(str(out))
         torch.testing.assert_close(back(x), hf(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen2-tied", "llama"])
+def test_export_keeps_the_embedding_tied_as_the_source_had_it(family, tmp_path):
+    """A tied model (SmolLM2, Qwen2-0.5B) was exported with an untied copy of the head (vocab x width more
+    parameters: 134.5M -> 162.8M for SmolLM2-135M), and converting the export back gave an untied model. The
+    reference is the transformers source model: same tie flag, same parameter count, same logits."""
+    hf = hf_tiny(family)
+    model, _ = from_hf(hf)
+    out = export_hf(model, tmp_path / "exp")
+    re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert re.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert re.num_parameters() == hf.num_parameters()
+    assert (re.lm_head.weight is re.model.embed_tokens.weight) == hf.config.tie_word_embeddings
+    back, _ = from_hf(str(out))
+    assert back.config.tie_embeddings == model.config.tie_embeddings and back.num_params() == model.num_params()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_folded_state_keeps_tied_embedding(tmp_path):
