@@ -21,6 +21,7 @@ from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import preheat_for
+from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
 from snlp.runtime.timing import between, mark, now
@@ -461,6 +462,37 @@ def _device_round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor, want: 
     return dr, n, tg[n], target[:, n:n + 1], (t0, t1, t2)
 
 
+def _device_batch_round(ses: BatchSession, draft_fwd, verify_fwd, want: list[int], pad_to: int | None):
+    """`_device_round` for a ragged batch (greedy, whole blocks): every row's last token and length in one copy in,
+    max(want) batched drafter steps each fed the previous step's argmax on the device (a row that wants fewer drafts
+    computes the rest, as `_draft_rows` does, and they are dropped), one verifier forward over [last, drafts...]
+    (B, max(want) + 1, padded to `pad_to`; a short row's extra drafts stand where `_verify_rows` repeats its last
+    token: positions after a row's real ones never reach its real outputs), and one read of drafts and targets.
+    Returns (drafts per row, accepted per row, the verifier's next token per row, drafter steps, marks)."""
+    B, m = len(ses.rows), max(want)
+    rows = torch.tensor([[t, n] for t, n in zip(ses.last, ses.lens)], device=ses.device)  # (B, 2)
+    last, start = rows[:, :1], rows[:, 1:2]  # (B, 1) each
+    span = max(ses.lens) + 1 if ses.compact else None  # eager: attend positions 0..span-1 (BatchSession.positions)
+    t0 = mark(ses.device)
+    x, drafts = last, []
+    for k in range(m):
+        pos = RowPositions(start + k, span=None if span is None else span + k)
+        x = draft_fwd.ragged(x, pos, ses.cache)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        drafts.append(x)
+    t1 = mark(ses.device)
+    T = m + 1 if pad_to is None else max(m + 1, pad_to)
+    ids = torch.cat([last, *drafts] + [x.expand(B, T - m - 1)] * (T > m + 1), 1)  # (B, T)
+    pos = RowPositions(start + torch.arange(T, device=ses.device), span=None if span is None else span + T - 1)
+    logits = verify_fwd.ragged(ids, pos, ses.cache)  # (B, T, V)
+    target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (B, T)
+    t2 = mark(ses.device)
+    got = torch.cat([ids[:, 1:m + 1], target], 1).tolist()  # the round's one read
+    drafts_h = [g[:w] for g, w in zip(got, want)]
+    targets = [g[m:] for g in got]
+    ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts_h, targets)]
+    return drafts_h, ns, [tg[n] for tg, n in zip(targets, ns)], m, (t0, t1, t2)
+
+
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
                       temperature: float, eos_id, seed, max_len, on_tokens, min_confidence: float,
                       adaptive: bool) -> list[GenerateResult]:
@@ -483,9 +515,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
         ses.warm(draft_fwd, 1)
         ses.warm(verify_fwd, block + 1)
         ses.prefill(verify_fwd)
-        # one prompt, greedy, whole blocks: the round keeps its tokens on the device (_device_round)
-        on_device = len(ses.prompts) == 1 and temperature == 0 and not min_confidence
-        last = ses.ids([ses.last]) if on_device else None  # (1, 1)
+        # greedy, whole blocks: the round keeps its tokens on the device and reads once (_device_round for one
+        # prompt, which feeds the next round from the device too; _device_batch_round for a batch)
+        on_device = temperature == 0 and not min_confidence
+        last = ses.ids([ses.last]) if on_device and len(ses.prompts) == 1 else None  # (1, 1)
         while ses.active:
             live = set(ses.live())
             # adaptive, greedy: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same
@@ -500,8 +533,13 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
                 blocks = [ctl.block(j) if j in live else 0 for j in rows]
             want = [min(blocks[j], ses.remaining(j) - 1) if j in live else 0 for j in rows]
             if on_device:
-                dr, n, tok, last, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, last, want[0], pad)
-                drafts, ns, nxt, steps = [dr], [n], [tok], want[0]
+                if ses.plain:  # one prompt, or an eager batch compacted to one row: the plain cached forwards
+                    x = last if last is not None else ses.ids([ses.last])
+                    dr, n, tok, last1, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, x, want[0], pad)
+                    drafts, ns, nxt, steps = [dr], [n], [tok], want[0]
+                    last = last1 if last is not None else None
+                else:
+                    drafts, ns, nxt, steps, (t0, t1, t2) = _device_batch_round(ses, draft_fwd, verify_fwd, want, pad)
                 draft_s, verify_s = between(t0, t1), between(t1, t2)  # events before the round's read: passed
             else:  # these read every step anyway: the clock waits for the device like the reads do
                 t0 = now(ses.device)

@@ -27,7 +27,8 @@ DOCUMENTED = {
     "snlp/decode/batch.py:batch_autoregressive": "a batch: every row's tokens of read_every steps in one read",
     "snlp/decode/generate.py:_autoregressive": "one prompt: the tokens of read_every steps (8 on a GPU) in one read",
     "snlp/decode/speculative.py:_device_round": "one prompt, greedy: the round's drafts and targets in one read",
-    "snlp/decode/speculative.py:_draft_rows": "batched drafting: the drafted tokens of every row",
+    "snlp/decode/speculative.py:_device_batch_round": "a batch, greedy: the round's drafts and targets in one read",
+    "snlp/decode/speculative.py:_draft_rows": "min_confidence drafting: each step's tokens and confidences",
     "snlp/decode/speculative.py:_verify_rows": "batched verify: target tokens and the accepted counts",
     "snlp/decode/jacobi.py:jacobi_generate": "a verified plan's Jacobi sweep: its guesses (accept by design)",
     "snlp/decode/speculative.py:<listcomp>": "batched sampling: each row's drafted token / confidence",
@@ -54,6 +55,8 @@ LOOPS = {
                                                               temperature=0.8, seed=1),
     "speculative-batch-sampled": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
                                                                 max_new_tokens=3, temperature=0.8, seed=1),
+    "speculative-batch-confidence": lambda m: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=2,
+                                                                   max_new_tokens=4, min_confidence=0.5),
     "speculative-shared-weights": lambda m: speculative_generate(m, [1, 2, 3], "4xF1-h0-K1", block=2,
                                                                  max_new_tokens=3, share_weights=True),
     "snlp-tol": lambda m: snlp_generate(m, [1, 2, 3], "2xF2-h0-K3-tol:1e-3", max_new_tokens=3),
@@ -177,3 +180,15 @@ def test_a_timing_event_is_read_only_after_a_wait_that_covers_it():
             between(a, b)
         torch.zeros(2, device="cuda").tolist()
         assert between(a, b) == 0.0
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_batch_speculative_round_waits_once(block):
+    """A ragged batch, greedy: per round one copy in of the rows' last tokens and lengths and one read of every
+    row's drafts and targets; no drafter step waits."""
+    spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=block, max_new_tokens=n)
+    short, r8 = _waits(lambda m: spec(m, 8))
+    long, r24 = _waits(lambda m: spec(m, 24))
+    rounds = r24[0].rounds - r8[0].rounds
+    assert rounds == -(-24 // (block + 1)) - -(-8 // (block + 1))
+    assert long - short == collections.Counter({"snlp/decode/speculative.py:_device_batch_round": 2 * rounds})
