@@ -184,7 +184,7 @@ class DecodeSuiteMeta:
     new_tokens: int
     hf_note: str | None = None  # why the transformers rows are skipped, if they are
     # decode steps snlp's sequential / SNLP loops queue per host read on this device (snlp.decode.session.read_every);
-    # self-speculative greedy rounds of one prompt read once per round, a batch's every drafter step
+    # self-speculative greedy rounds read once per round (one prompt or a batch)
     read_every: int = 1
 
 
@@ -617,7 +617,7 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
              f"snlp's eager sequential greedy tokens; snlp's sequential and SNLP loops read their tokens back "
              f"{'every step' if m.read_every == 1 else f'every {m.read_every} steps'}, its self-speculative loop once "
-             f"per round for one prompt (greedy) and every drafter step for a batch"
+             f"per round (greedy)"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
     if not result.complete:
         lines += [f"**PARTIAL**: written while the suite was running (or it was cut short there): a row's note says "
