@@ -1,4 +1,4 @@
-"""How the off-the-shelf stage's pricing tracks the box (docs/speedrun.md, "The off-the-shelf stage"): the median
+"""How the off-the-shelf stage's pricing tracks the box (docs/records/speedrun-2026-11-26.md): the median
 time of `snlp.bench.budget.reference_work` (the probe's fixed workload) beside a SmolLM2 teacher-forced window
 (batch 1, 256 tokens, fp32, one thread), idle and then with 1, 2, 3 busy single-thread neighbours (fp32 matmul
 loops) started one by one.

@@ -49,7 +49,7 @@ OTS_LOAD_S = 30.0  # reading the cached snlp checkpoint and its tokenised data, 
 # the 2-core EPYC VM at load 0.1-1.0 (2026-11-26) 21.5 s of conversion, 2.3 s for the validation text and 5.8 s for
 # the adaptation's data (full stdlib corpus), while the probe's reference_work took OTS_PREP_REF_S. The plan scales
 # them by the probe's reference_work over that (a slower or busier box: longer), which does not depend on the run's
-# model shape as the probe's window does. Not conservative beyond that: docs/speedrun.md recorded ~75 s of conversion
+# model shape as the probe's window does. Not conservative beyond that: docs/records/speedrun-2026-11-26.md recorded ~75 s of conversion
 # on 2 loaded cores earlier, which today's code did not reproduce (~19 s inside a --quick run at load 3).
 OTS_CONVERT_S = 21.5
 

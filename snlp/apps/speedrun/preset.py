@@ -65,7 +65,7 @@ class Preset:
 FULL = Preset(depth=16, width=128, head_dim=32, vocab_size=4096, seq_len=256, batch_size=8, minutes=None, steps=None,
               max_chars=0, eval_max_tokens=8192, eval_prompts=8, eval_prompt_len=16, eval_gen_tokens=32,
               eval_warmup=2, eval_runs=10, eval_time_tokens=32, ssd_prompts=4, ssd_tokens=128, ssd_repeats=6,
-              est_eval_s=560, ots_tokens=1024, ots_adapt_minutes=1.0, budget_minutes=20.0)  # est: measured 2026-11-24 (docs/speedrun.md)
+              est_eval_s=560, ots_tokens=1024, ots_adapt_minutes=1.0, budget_minutes=20.0)  # est: measured 2026-11-24 (docs/records/speedrun-2026-11-26.md)
 
 
 QUICK = Preset(ots_plans=("8xF1-h0-K1",), ots_tokens=256, depth=8, width=64, head_dim=32, vocab_size=512, seq_len=64, batch_size=8, minutes=None, steps=120,
