@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 # from the preset; the factors are coarse (a K-iteration plan's teacher-forced pass ~ 0.25 + 0.75 K windows at
 # N = 3L/4; a speculative decode ~ half a sequential one per token; the off-the-shelf model ~ OTS_*_RATIO times
 # ours), set so that the probe on a loaded 2-core box (load 2-3: window 68 ms, decode 11 ms/token) predicts the
-# stage times an idle run recorded on 2026-11-24 (when these were set, commit 81ed552) within ~1.5x (eval 72 s, off-the-shelf ~185 s without its
-# now cached conversion and data, SSD 78 s); while the run goes, overruns correct them (BudgetPlan.drift). Each
+# stage times an idle run recorded on 2026-11-24 (when these were set, commit 81ed552) within ~1.5x (eval 72 s,
+# off-the-shelf ~185 s without its now cached conversion and data, SSD 78 s); while the run goes, overruns correct them (BudgetPlan.drift). Each
 # stage's shrinkable part is the cost of exactly the knobs its shrink_* sets at a scale (whole prompts and rounds,
 # rounded as shrink_* rounds them); what shrink_* never changes (warm-up rounds, the off-the-shelf timing rounds,
 # teacher-forced windows) is in the fixed part.
