@@ -466,12 +466,12 @@ def _device_batch_round(ses: BatchSession, draft_fwd, verify_fwd, want: list[int
     """`_device_round` for a ragged batch (greedy, whole blocks): every row's last token and length in one copy in,
     max(want) batched drafter steps each fed the previous step's argmax on the device (a row that wants fewer drafts
     computes the rest, as `_draft_rows` does, and they are dropped), one verifier forward over [last, drafts...]
-    (B, max(want) + 1, padded to `pad_to`; a short row's extra drafts stand where `_verify_rows` repeats its last
-    token: positions after a row's real ones never reach its real outputs), and one read of drafts and targets.
+    (B, max(want) + 1, padded to `pad_to`, each row padded with its last real token as `_verify_rows` pads), and one
+    read of drafts and targets.
     Returns (drafts per row, accepted per row, the verifier's next token per row, drafter steps, marks)."""
     B, m = len(ses.rows), max(want)
-    rows = torch.tensor([[t, n] for t, n in zip(ses.last, ses.lens)], device=ses.device)  # (B, 2)
-    last, start = rows[:, :1], rows[:, 1:2]  # (B, 1) each
+    rows = torch.tensor([[t, n, w] for t, n, w in zip(ses.last, ses.lens, want)], device=ses.device)  # (B, 3)
+    last, start, wants = rows[:, :1], rows[:, 1:2], rows[:, 2:3]  # (B, 1) each
     span = max(ses.lens) + 1 if ses.compact else None  # eager: attend positions 0..span-1 (BatchSession.positions)
     t0 = mark(ses.device)
     x, drafts = last, []
@@ -482,6 +482,10 @@ def _device_batch_round(ses: BatchSession, draft_fwd, verify_fwd, want: list[int
     t1 = mark(ses.device)
     T = m + 1 if pad_to is None else max(m + 1, pad_to)
     ids = torch.cat([last, *drafts] + [x.expand(B, T - m - 1)] * (T > m + 1), 1)  # (B, T)
+    # a row's positions past its own drafts repeat its last real token, as _verify_rows pads: its extra drafts
+    # must not be fed, since masked attention still multiplies their K/V by 0 and a NaN / inf one would leak in
+    cols = torch.arange(T, device=ses.device)[None]  # (1, T)
+    ids = torch.where(cols <= wants, ids, ids.gather(1, wants))  # (B, T)
     pos = RowPositions(start + torch.arange(T, device=ses.device), span=None if span is None else span + T - 1)
     logits = verify_fwd.ragged(ids, pos, ses.cache)  # (B, T, V)
     target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (B, T)

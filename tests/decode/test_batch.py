@@ -203,3 +203,44 @@ def test_mhc_hcn_and_preheat_plans_batch_exactly_and_diag_is_refused():
         snlp_generate(p, prompts, "4xF1-h0-K1-diag")
     with pytest.raises(ValueError, match="per row"):
         speculative_generate(p, prompts, "4xF1-h0-K1-diag")
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 50), block=st.integers(1, 5), cap=st.sampled_from([None, 14, 24]),
+       eos=st.sampled_from([None, [3, 7, 11]]), lens=st.lists(st.integers(1, 19), min_size=2, max_size=4))
+def test_greedy_batch_rows_draft_and_accept_as_each_prompt_alone(seed, block, cap, eos, lens):
+    """Speculative tokens are exact whatever is drafted, so only the statistics show a drafter fed the wrong token:
+    in fp64, with a fixed block, a greedy batch row drafts, accepts and examines what its prompt alone does (the one
+    prompt runs the plain single-row round, the batch the ragged one), round for round."""
+    m = make_model(seed=seed, n_layer=8, sequence_len=64, scale=0.05)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=g).tolist() for k in lens]
+    kw = dict(block=block, max_new_tokens=12, max_len=None if cap is None else max(cap, max(lens)), eos_id=eos)
+    rows = speculative_generate(m, prompts, "6xF1-h0-K1", **kw)
+    stats = ("tokens", "drafted", "accepted", "examined", "rounds", "draft_steps", "forwards", "stop")
+    for p, r in zip(prompts, rows):
+        alone = speculative_generate(m, p, "6xF1-h0-K1", **kw)
+        assert [getattr(r, k) for k in stats] == [getattr(alone, k) for k in stats]
+
+
+def test_a_short_rows_padding_is_its_last_token_not_the_drafters_extra_drafts():
+    """A batch row that wants fewer drafts than the others is padded, in the verifier's forward, with its own last
+    token (positions past its real ones are scratch). Its extra drafts must not be fed there: masked attention still
+    multiplies their K/V by 0, and a token whose embedding is NaN would make the row's real logits NaN. Outside
+    reference: a naive full-prefix argmax loop per prompt, finite on these prompts although token 23 is NaN."""
+    m = make_model(seed=1, n_layer=8, sequence_len=64, scale=0.05)
+    with torch.no_grad():
+        m.wte.weight[23] = float("nan")
+    prompts = [[30, 25, 31], [0, 57, 29, 4, 42, 40, 20, 29, 60, 7, 16, 46], [56, 36, 50, 5, 7]]
+
+    @torch.no_grad()
+    def naive(p, n):
+        ids = list(p)
+        for _ in range(n):
+            logits = m(torch.tensor([ids]))[0, -1]
+            assert torch.isfinite(logits).all()
+            ids.append(int(logits.argmax()))
+        return ids[len(p):]
+
+    rows = speculative_generate(m, prompts, "6xF1-h0-K1", block=4, max_new_tokens=10, max_len=17)
+    assert [r.tokens for r in rows] == [naive(p, min(10, 17 - len(p))) for p in prompts]

@@ -183,7 +183,7 @@ def test_a_timing_event_is_read_only_after_a_wait_that_covers_it():
 
 
 @pytest.mark.parametrize("block", [1, 3])
-def test_batch_speculative_round_waits_once(block):
+def test_batch_speculative_round_waits_once_per_round(block):
     """A ragged batch, greedy: per round one copy in of the rows' last tokens and lengths and one read of every
     row's drafts and targets; no drafter step waits."""
     spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=block, max_new_tokens=n)
