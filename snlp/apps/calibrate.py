@@ -56,5 +56,6 @@ def run(args) -> int:
         tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
     pre = fit(model, cfg, tokens)
     out = pre.save(args.out or Path(args.ckpt) / FILENAME)
-    print(f"wrote {out}: rank {pre.rank}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
+    capped = f" (asked for {args.rank}: capped at the model width, {pre.rank})" if pre.rank < args.rank else ""
+    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
     return 0

@@ -557,3 +557,19 @@ def test_calibrate_refuses_an_out_that_names_a_checkpoint_file(tmp_path, capsys)
                  "--seq-len", "8"]) == 0
     assert main(["calibrate", str(ck), "--out", str(tmp_path / "p.pt"), "--rank", "2", "--batch", "2",
                  "--seq-len", "8"]) == 0
+
+
+def test_calibrate_says_when_the_rank_is_capped(tmp_path, capsys):
+    """`--rank 1000` on a narrower model wrote "rank 128" without saying the asked rank was capped at the width."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    from conftest import make_model
+
+    model = make_model(n_layer=2)
+    ck = save_checkpoint(tmp_path / "ck", model)
+    W = model.config.n_embd
+    assert main(["calibrate", str(ck), "--rank", str(W + 100), "--batch", "2", "--seq-len", "8"]) == 0
+    assert f"rank {W} (asked for {W + 100}: capped at the model width, {W})" in capsys.readouterr().out
+    assert main(["calibrate", str(ck), "--rank", "2", "--batch", "2", "--seq-len", "8"]) == 0
+    assert "capped" not in capsys.readouterr().out
