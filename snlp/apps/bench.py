@@ -212,6 +212,51 @@ def _token_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+# What each kind of `snlp bench` run reads besides --device, --dtype, --threads and --seed (read by all): a flag of
+# another kind given with a non-default value is refused (unread_flags), never ignored: `--suite paper --ckpt X`
+# timed random weights, `--ops --plans P` one layer, `--ckpt X --depth 4` the checkpoint's own depth.
+SHAPE = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "vocab_size", "window_pattern", "no_x0", "no_ve",
+         "hc_streams", "hc_static")
+DECODE = ("decode", "prompt_len", "new_tokens", "blocks", "batch_sizes", "share_weights", "min_confidence",
+          "adaptive_block")
+BENCH_READS = {
+    "forward": (*SHAPE, "ckpt", "plans", "tokens", "batch", "warmup", "runs", "compile", "json", "csv"),
+    "decode": (*SHAPE, "ckpt", "plans", *DECODE, "warmup", "runs", "compile", "json", "csv"),
+    "ops": (*SHAPE, "ckpt", "ops", "tokens", "layer", "warmup", "runs", "json", "csv"),
+    "suite paper": ("suite", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs",
+                    "suite_new_tokens", "treatments", "no_decode"),
+    "suite train": ("suite", "quick", "out", "shapes", "treatments", "regs", "reg_n", "train_batch", "train_seq_len",
+                    "train_steps", "train_warmup", "optimizer"),
+}
+CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
+    "suite_plans", "early_exit", "prompt_lookup", "no_transformers", "drafter", "alpha", "no_ablations", "pin",
+    "dist_timeout", "link_gbps", "link_latency_us", "shape", "roofline_gbytes", "roofline_efficiency", "op_floor_us")
+
+
+def unread_flags(args, kind: str) -> None:
+    """Refuse, in one line before any work, flags the `kind` of run (BENCH_READS) does not read, and a random
+    model's shape flags beside --ckpt (the checkpoint has its own shape)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    given = [d for d in CHECKED if d in defaults and getattr(args, d, defaults[d]) != defaults[d]]
+    stray = [d for d in given if d not in BENCH_READS[kind]]
+    flag = lambda d: "--" + d.replace("_", "-")  # noqa: E731
+    if stray:
+        one = len(stray) == 1
+        run = {"forward": "`snlp bench` (the forward benchmark)"}.get(kind, f"`snlp bench --{kind}`")
+        raise ValueError(f"{', '.join(map(flag, stray))} {'is' if one else 'are'} not read by {run} and would change "
+                         f"nothing: drop {'it' if one else 'them'}"
+                         + (" (the suites time their own shapes and plans with random weights)"
+                            if kind.startswith("suite") else ""))
+    shape = [d for d in given if d in SHAPE]
+    if args.ckpt and shape:
+        raise ValueError(f"{', '.join(map(flag, shape))} shape{'s' if len(shape) == 1 else ''} a random-weights "
+                         f"model; --ckpt {args.ckpt} has its own shape: drop {'it' if len(shape) == 1 else 'them'}")
+
+
 def model_spec(args) -> ModelSpec:
     """The model flags as a ModelSpec (snlp.bench.forward.build_model's input)."""
     from snlp.bench.forward import ModelSpec
@@ -236,6 +281,7 @@ def run(args) -> int:
             raise ValueError("--vs-paper and --suite are two runs: give one")
         return run_vs_paper_cli(args)
     if getattr(args, "suite", None) == "train":
+        unread_flags(args, "suite train")
         return run_train_suite_cli(args)
     if getattr(args, "suite", None):
         return run_suite_cli(args)
@@ -250,6 +296,9 @@ def run(args) -> int:
     if not args.decode and (args.batch_sizes or args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--batch-sizes, --share-weights, --min-confidence and --adaptive-block shape the decode "
                          "benchmark: use them with --decode")
+    if args.ops and args.decode:
+        raise ValueError("--ops times single-layer ops and --decode cached decoding: two runs, give one")
+    unread_flags(args, "ops" if args.ops else "decode" if args.decode else "forward")
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if args.ops:
         return run_ops(args, counts)
@@ -438,6 +487,7 @@ def run_suite_cli(args) -> int:
             or args.alpha or args.drafter:
         raise ValueError("--suite-plans, --early-exit, --prompt-lookup, --no-transformers, --alpha and --drafter "
                          "belong to --suite decode")
+    unread_flags(args, "suite paper")
 
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     cfg = SuiteConfig(quick=args.quick, shapes=split(args.shapes), device=args.device, dtype=args.dtype,

@@ -26,7 +26,24 @@ def add_arguments(p) -> None:
                    "preheat init)")
 
 
+def check_out(out: str) -> None:
+    """Refuse an --out that names a file of a checkpoint, drafter or run (model.safetensors, config.json, optimizer.pt,
+    log.jsonl, ...) or any existing file that is not a .pt: the preheat would be written over it (`--out
+    CKPT/model.safetensors` replaced the model's weights with the preheat). An existing .pt is an earlier
+    calibration, replaced by design."""
+    from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
+    from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS
+
+    path = Path(out)
+    owned = (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json")
+    if path.name in owned or (path.exists() and path.suffix != ".pt"):
+        raise ValueError(f"--out {out} is {'a checkpoint or run file' if path.name in owned else 'an existing file'}: "
+                         f"the preheat would be written over it; name a new file (default CKPT/{FILENAME})")
+
+
 def run(args) -> int:
+    if args.out is not None:
+        check_out(args.out)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
     model, tok = load(args.ckpt)
@@ -39,5 +56,6 @@ def run(args) -> int:
         tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
     pre = fit(model, cfg, tokens)
     out = pre.save(args.out or Path(args.ckpt) / FILENAME)
-    print(f"wrote {out}: rank {pre.rank}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
+    capped = f" (asked for {args.rank}: capped at the model width, {pre.rank})" if pre.rank < args.rank else ""
+    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
     return 0

@@ -151,6 +151,7 @@ def run(args) -> int:
     import torch
 
     from snlp.apps.common import plans_preheat
+    from snlp.apps.report import delta_ppl_interval
     from snlp.bench.stats import paired_verdict
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
@@ -196,7 +197,10 @@ def run(args) -> int:
     c = model.config
     # a speedup the paired rounds do not resolve is printed as a tie (a 20-round run printed 1.07x and 1.18x from
     # rounds spread 0.45x-3.73x, as results)
-    ties = {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"}
+    # and a ΔPPL whose 95 % paired-window interval includes 0, by the speedrun report's rule
+    ties = {"speedup": {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            "delta_ppl": {r.plan for r in records[1:]
+                          if (iv := delta_ppl_interval(r.window_ce, records[0].window_ce)) and iv[0] <= 0.0 <= iv[1]}}
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)

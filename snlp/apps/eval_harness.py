@@ -108,6 +108,9 @@ def run(args) -> int:
         model_arg("drafter", args.drafter)
     tm = task_manager(tasks, args.harness_include)  # an unknown task name: refused before the model loads
     model, tok, ckpt = load_any(args.ckpt)
+    if tok is None:
+        raise ValueError(f"{args.ckpt} has no tokenizer: the harness sends text, so the model needs its own (a "
+                         f"transformers directory: its tokenizer.json beside config.json)")
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
     preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
     # loaded here, so converted here: SNLPLM never converts a model object it is given

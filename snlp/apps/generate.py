@@ -362,6 +362,10 @@ def run(args) -> int:
             print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
                   "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
     preheat = plans_preheat(args.ckpt, model, [plan])
+    if args.compile:  # the first token waits for every graph: say why the terminal goes quiet (4 minutes on a CPU)
+        print("snlp generate: --compile builds the compiled steps before the first token (torch.compile; on a CPU "
+              "inductor's C++ build takes minutes on a cold cache); the compile time is printed, not timed",
+              file=sys.stderr)
     if args.prompts_file is not None:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)

@@ -614,8 +614,9 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
              f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
-             f"x seq = over snlp sequential of the same batch and treatment; = seq: every prompt's tokens equal "
-             f"snlp's eager sequential greedy tokens; snlp's sequential and SNLP loops read their tokens back "
+             f"x seq = over snlp sequential of the same batch and treatment, (tie) where their min-max ranges "
+             f"overlap (the comparisons' rule); = seq: every prompt's tokens equal snlp's eager sequential greedy "
+             f"tokens; snlp's sequential and SNLP loops read their tokens back "
              f"{'every step' if m.read_every == 1 else f'every {m.read_every} steps'}, its self-speculative loop once "
              f"per round (greedy)"
              + (" (CPU numbers)" if m.device_type == "cpu" else ""), ""]
@@ -626,7 +627,11 @@ def markdown(result: DecodeSuiteResult) -> str:
         lines += [f"transformers rows skipped: {m.hf_note}", ""]
     lines += ["| B | method | treatment | plan | block | tok/s (median [min-max]) | x seq | alpha | exact | = seq | "
               "note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    seqs = {(r.batch, r.treatment): r for r in result.rows if r.method == "snlp sequential" and r.tokens_per_s}
     for r in result.rows:
+        base = seqs.get((r.batch, r.treatment))
+        tie = (r.speedup is not None and r.tokens_per_s is not None and base is not None and base is not r
+               and _overlap(r, base))
         tps = "-" if r.tokens_per_s is None else \
             f"{r.tokens_per_s:.1f} [{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}]"
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
@@ -639,16 +644,21 @@ def markdown(result: DecodeSuiteResult) -> str:
         if r.treatment == "compiled" and r.first_call_s is not None:
             note = (note + "; " if note else "") + f"first call {r.first_call_s:.1f} s (compiles; not timed)"
         lines.append(f"| {r.batch} | {r.method} | {r.treatment} | {r.plan or '-'} | {r.block or '-'} | {tps} | "
-                     f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
+                     f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'}{' (tie)' if tie else ''} | "
                      f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | "
                      f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
     return "\n".join(lines + [""] + comparisons(result.rows))
 
 
+def _overlap(a: DecodeSuiteRow, b: DecodeSuiteRow) -> bool:
+    """Whether two rows' min-max tok/s ranges overlap (inside the rounds' noise: a tie)."""
+    return a.tokens_per_s_min <= b.tokens_per_s_max and b.tokens_per_s_min <= a.tokens_per_s_max
+
+
 def _versus(a: DecodeSuiteRow, b: DecodeSuiteRow) -> str:
     """a's median tok/s over b's, and "a tie" where their min-max ranges overlap (inside the rounds' noise)."""
-    tie = a.tokens_per_s_min <= b.tokens_per_s_max and b.tokens_per_s_min <= a.tokens_per_s_max
+    tie = _overlap(a, b)
     return f"{a.tokens_per_s / b.tokens_per_s:.2f}x" + (" (a tie: the min-max ranges overlap)" if tie else "")
 
 

@@ -184,7 +184,7 @@ class SNLPLM(TemplateLM):
                                                                 else torch.float32)
             model = model.to(device=self._device, dtype=torch_dtype).eval()  # loaded here: ours to convert
         if tok is None:
-            raise ValueError(f"{pretrained}: no tokenizer; the harness sends text, so the model needs its tokenizer "
+            raise ValueError(f"{self._source or 'the model'}: no tokenizer; the harness sends text, so the model needs its tokenizer "
                              f"(save the checkpoint with it, or pass tokenizer=)")
         self.model = model
         self.tokenizer, self.name = tok, name

@@ -28,37 +28,37 @@ def columns(records: list[EvalRecord]) -> list[tuple]:
     return [c for c in COLUMNS if c[1] not in OPTIONAL or any(getattr(r, c[1]) is not None for r in records)]
 
 
-TIE_NOTE = ("Speedup: the median of the paired per-round ratios; (tie): a two-sided sign test at 5 % over those "
-            "rounds does not tell it from sequential (6 of 6 rounds at the fewest). Prefill: a ratio of medians, "
-            "not tested")
+TIE_NOTE = ("(tie): not told from sequential by this run: ΔPPL's 95 % paired-window interval includes 0; Speedup "
+            "(the median of the paired per-round ratios) is not resolved by a two-sided sign test at 5 % over its "
+            "rounds (6 of 6 at the fewest). Prefill: a ratio of medians, not tested")
 
 
-def _cells(rec: EvalRecord, cols=COLUMNS, ties: frozenset = frozenset()) -> list[str]:
+def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]:
     vals = [getattr(rec, key) for _, key, _ in cols]
     cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, cols)]
     for i, (_, key, _) in enumerate(cols):  # the fused agreement names its reference; K = C is the reference itself
         if key == "ar_match_fused" and rec.ar_match_fused is not None and rec.ar_fused_reference:
             cells[i] = ("= itself (K = C)" if rec.ar_fused_reference == rec.plan
                         else f"{cells[i]} vs {rec.ar_fused_reference}")
-        if key == "speedup" and rec.plan in ties:
+        if rec.plan in (ties or {}).get(key, ()):
             cells[i] += " (tie)"
     if rec.note:
         cells[0] += f" ({rec.note})"
     return cells
 
 
-def markdown_table(records: list[EvalRecord], ties: set[str] | None = None) -> str:
-    """The records as a GitHub markdown table (the paper's main-table columns, '-' where empty). `ties`: plans whose
-    Speedup the paired rounds do not resolve from sequential, marked "(tie)" with TIE_NOTE under the table (None: no
-    marks and no note)."""
+def markdown_table(records: list[EvalRecord], ties: dict[str, set[str]] | None = None) -> str:
+    """The records as a GitHub markdown table (the paper's main-table columns, '-' where empty). `ties`: field
+    ("delta_ppl", "speedup") -> the plans whose value this run does not tell from sequential, marked "(tie)" with
+    TIE_NOTE under the table (None: no marks and no note)."""
     cols = columns(records)
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |",
              "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(cols))) + "|"]
-    lines += ["| " + " | ".join(_cells(r, cols, frozenset(ties or ()))) + " |" for r in records]
+    lines += ["| " + " | ".join(_cells(r, cols, ties)) + " |" for r in records]
     return "\n".join(lines) + "\n" + ("" if ties is None else f"\n{TIE_NOTE}\n")
 
 
-def print_table(records: list[EvalRecord], title: str, ties: set[str] | None = None) -> None:
+def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]] | None = None) -> None:
     """The records as a rich table on the terminal (`ties` as for markdown_table)."""
     from rich.console import Console
     from rich.table import Table
@@ -68,7 +68,7 @@ def print_table(records: list[EvalRecord], title: str, ties: set[str] | None = N
     for header, _, _ in cols:
         table.add_column(header, justify="left" if header == "Plan" else "right")
     for r in records:
-        table.add_row(*_cells(r, cols, frozenset(ties or ())))
+        table.add_row(*_cells(r, cols, ties))
     Console(width=200).print(table)
 
 

@@ -172,6 +172,11 @@ def load_config(path) -> GPTConfig:
         raise ValueError(f"corrupt {f}: not valid JSON ({e}); restore it or re-save the checkpoint") from e
     if not isinstance(d, dict):
         raise ValueError(f"corrupt {f}: expected a JSON object of GPTConfig fields")
+    if {"architectures", "model_type"} & set(d):  # is_snlp_checkpoint's test: transformers writes these keys
+        arch = ", ".join(d.get("architectures") or []) or d.get("model_type")
+        raise ValueError(f"{f.parent} is a transformers model directory ({arch}), not an snlp checkpoint: convert it "
+                         f"first, `snlp convert {f.parent} --out DIR` (snlp eval --harness and snlp.from_hf take it "
+                         f"as it is)")
     known = set(GPTConfig.__dataclass_fields__)
     unknown = sorted(set(d) - known)
     if unknown:

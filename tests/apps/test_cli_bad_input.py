@@ -141,3 +141,24 @@ def test_generate_refuses_a_flag_its_run_does_not_read(extra, says, tmp_path, ca
     rc = main(["generate", str(tmp_path / "no-such-ckpt"), *extra])
     line = one_error_line(capsys, "generate")
     assert rc == 2 and says in line, line
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--suite", "paper", "--quick", "--ckpt", "{o}"], "--ckpt is not read by `snlp bench --suite paper`"),
+    (["--suite", "paper", "--quick", "--plans", "1xF1-h0-K1", "--decode"], "--plans, --decode are not read by"),
+    (["--suite", "train", "--quick", "--depth", "2"], "--depth is not read by `snlp bench --suite train`"),
+    (["--ops", "--plans", "1xF1-h0-K1"], "--plans is not read by `snlp bench --ops`"),
+    (["--decode", "--tokens", "8"], "--tokens is not read by `snlp bench --decode`"),
+    (["--blocks", "2"], "--blocks is not read by `snlp bench` (the forward benchmark)"),
+    (["--quick"], "--quick is not read by `snlp bench` (the forward benchmark)"),
+    (["--ckpt", "{o}", "--depth", "4"], "--depth shapes a random-weights model; --ckpt"),
+    (["--ops", "--decode"], "two runs, give one"),
+])
+def test_bench_refuses_a_flag_its_run_does_not_read(argv, says, tmp_path, capsys):
+    """`snlp bench --suite paper --ckpt X` timed random weights at the paper's shapes, `--ops --plans P` one layer,
+    `--ckpt X --depth 4` the checkpoint's own depth: each ran and ignored the flag. One line before any work."""
+    out = tmp_path / "o"
+    rc = main(["bench", *[a.replace("{o}", str(out)) for a in argv]])
+    line = one_error_line(capsys, "bench")
+    assert rc == 2 and says in line, line
+    assert not out.exists()

@@ -249,3 +249,28 @@ def test_an_empty_prompt_is_said_before_generating_from_bos(ckpt, tmp_path, caps
     assert main(["generate", str(tmp_path / "none"), "--max-new-tokens", "4"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"snlp generate: error: checkpoint {tmp_path / 'none'} "
                                                             f"does not exist"]
+
+
+def test_compile_says_before_the_first_token_that_it_compiles(ckpt, monkeypatch, capsys):
+    """`snlp generate --compile` on a CPU printed the prompt and then nothing for 4 minutes (inductor's C++ build of
+    a 4-layer model's steps) before the first token: a line on stderr says what the wait is, before decoding
+    starts (decoding is stubbed here: the line, not the compile, is under test)."""
+    import snlp.apps.generate as generate
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "decode", stop)
+    with pytest.raises(KeyboardInterrupt):
+        generate.run(generate_args(ckpt, "--compile", "--max-new-tokens", "2"))
+    assert "--compile builds the compiled steps before the first token" in capsys.readouterr().err
+
+
+def generate_args(ckpt, *argv):
+    import argparse
+
+    import snlp.apps.generate as generate
+
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    return p.parse_args([str(ckpt), *argv])

@@ -337,3 +337,27 @@ def test_an_ordered_plan_is_exact_only_after_its_own_exact_iterations():
     rows = {r.plan: r for r in res.rows if r.method == "snlp snlp"}
     assert late.exact_iters() > late.chunks
     assert not rows[str(late)].exact and rows[str(done)].exact and rows[str(done)].matches_sequential
+
+
+def test_the_table_marks_an_x_seq_cell_inside_the_sequential_rows_range_a_tie():
+    """The table printed "snlp snlp 1.22x" from ranges 736-1438 vs sequential's 591-973 (overlapping) as a result,
+    while the comparison lines under it call such a pair a tie: the cell now says (tie) by the same rule."""
+    from snlp.bench.decode_suite import DecodeSuiteMeta, DecodeSuiteResult, DecodeSuiteRow, markdown
+
+    def row(method, tps, lo, hi, batch=1, **kw):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment="eager", batch=batch, tokens_per_s=tps, tokens_per_s_min=lo,
+                              tokens_per_s_max=hi, speedup=tps / {1: 613.9, 4: 1868.5}[batch], **kw)
+    rows = [row("snlp sequential", 613.9, 591.0, 973.2), row("snlp snlp", 750.7, 736.0, 1437.8, plan="3xF1-h0-K1"),
+            row("hf greedy", 363.7, 362.6, 466.3), row("snlp sequential", 1868.5, 1468.3, 1906.9, batch=4),
+            row("hf greedy", 1395.8, 1364.8, 1838.6, batch=4)]
+    meta = DecodeSuiteMeta(device="cpu", device_type="cpu", torch="t", cuda=None, transformers="x", dtype="float32",
+                           date="d", command=None, platform="p", threads=1, model="m", n_layer=6, n_embd=64,
+                           prompts="random ids", prompt_len=16, new_tokens=8)
+    md = markdown(DecodeSuiteResult(config=DecodeSuiteConfig(quick=True, warmup=1, rounds=3), meta=meta, rows=rows,
+                                    complete=True))
+    cells = {(r.split(" | ")[0].strip("| "), r.split(" | ")[1]): r.split(" | ")[6]
+             for r in md.splitlines() if r.startswith("| 1 ") or r.startswith("| 4 ")}
+    assert cells[("1", "snlp sequential")] == "1.00x" and cells[("1", "snlp snlp")] == "1.22x (tie)"
+    assert cells[("1", "hf greedy")] == "0.59x"  # 362.6-466.3 vs 591.0-973.2: apart
+    assert cells[("4", "hf greedy")] == "0.75x (tie)"

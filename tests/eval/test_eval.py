@@ -330,7 +330,13 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     # 0.45x-3.73x as results
     speed = [row.split(" | ")[4] for row in md[2:5]]
     assert speed[0] == "1.00x" and all(c.endswith("x (tie)") for c in speed[1:]), speed
-    assert md[6].startswith("Speedup: the median of the paired per-round ratios; (tie): a two-sided sign test")
+    assert md[6].startswith("(tie): not told from sequential by this run: ΔPPL's 95 % paired-window interval")
+    # ΔPPL says (tie) exactly where its paired-window interval (the speedrun report's rule) includes 0
+    from snlp.apps.report import delta_ppl_interval
+
+    for rec, row in zip(recs[1:], md[3:5]):
+        lo, hi = delta_ppl_interval(rec["window_ce"], recs[0]["window_ce"])
+        assert row.split(" | ")[3].endswith("(tie)") == (lo <= 0.0 <= hi), (row, lo, hi)
     assert out["png"].read_bytes()[:4] == b"\x89PNG"
     assert list((root / "cache").glob("*.val.bin"))  # the recorded source/split/cache were used
     captured = capsys.readouterr()

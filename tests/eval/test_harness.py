@@ -280,6 +280,16 @@ def test_cli_harness_refuses_an_out_that_holds_an_earlier_runs_files(smol_cut_hf
     assert json.loads((out / "sequential.json").read_text()) == {"an earlier run": 1}
 
 
+def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):
+    """`snlp eval HF_DIR --harness ...` on a transformers directory without tokenizer.json printed the whole model's
+    repr (hundreds of lines, the GPT object) before ": no tokenizer". The message names the source, in one line."""
+    with pytest.raises(ValueError) as e:
+        SNLPLM(pretrained=make_model(n_layer=2), name="runs/x")
+    assert str(e.value).startswith("runs/x: no tokenizer") and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="^the model: no tokenizer"):
+        SNLPLM(pretrained=make_model(n_layer=2))
+
+
 def test_method_files_refuse_any_collision():
     """Names that map to one file (or differ only in case, as on a case-insensitive file system) are refused too:
     with the current names a drafter's file (drafter_PLAN.json) cannot meet a plan's (PLAN.json), this checks the

@@ -39,6 +39,22 @@ def test_a_failed_check_fails_the_run():
     assert any(line.startswith("FAIL  b") for line in lines) and lines[-1].startswith("SOME CHECKS FAILED")
 
 
+def test_the_speed_rows_say_how_many_runs_they_are_and_flag_a_speedup_above_its_ideal():
+    """The quick suite's decode rows are one timed run each: a CPU run printed a speculative 7.21x (its ideal SSD
+    3.29x) as a result. The table now says how many runs the rows are and that they check the timing paths, and a
+    row above its ideal SSD speedup is flagged as noise."""
+    base = dict(mode="speculative", plan="2xF1-h0-K1", block=3, ms_per_token=5.8, speedup=7.21, compiled=False,
+                runs=1, ideal_ssd_speedup=3.29)
+    res = SelfcheckResult(device="cpu", device_name="x", versions={"torch": "t", "cuda": None}, config={},
+                          checks=[Check("a", True, "", 0.0)],
+                          forward=[dict(plan="sequential", median_ms=1.0, speedup=1.0, compiled=False, runs=3)],
+                          decode=[dict(base, mode="sequential", plan="sequential", block=None, speedup=1.0,
+                                       ideal_ssd_speedup=None), base])
+    text = "\n".join(table(res))
+    assert "speed rows: medians of 1/3 timed run(s) per row" in text and "not a measurement" in text
+    assert "7.21x  False  (above its ideal SSD 3.29x: noise)" in text
+
+
 def test_a_wrapped_failure_names_its_cause():
     """The first GPU run's report said only "BackendCompilerFailed: backend='inductor' raised:": the reason sat on the
     lines after and in the exception's cause. The check's line now carries both, and the JSON the traceback."""

@@ -77,7 +77,7 @@ def test_generate_chat_stops_at_the_generation_config_ids(hf_dir, tmp_path):
         ref = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval().generate(
             torch.tensor([prompt]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     assert main(["generate", str(tmp_path / "ck"), "--prompt", "t3 t7", "--chat", "--max-new-tokens", str(N),
-                 "--quiet", "--no-baseline", "--json", str(tmp_path / "g.json")]) == 0
+                 "--quiet", "--json", str(tmp_path / "g.json")]) == 0
     assert json.loads((tmp_path / "g.json").read_text())["tokens"] == ref
 
 

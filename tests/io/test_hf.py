@@ -407,3 +407,18 @@ def test_adapt_reads_a_transformers_directory_and_an_snlp_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(again(x), model(x), atol=0, rtol=0)
+
+
+def test_a_transformers_directory_given_as_a_checkpoint_says_so(tmp_path, capsys):
+    """`snlp generate HF_DIR` (an export, a downloaded model) said "config.json has unknown GPTConfig fields
+    ['architectures', ... 24 names]; was it written by a newer snlp?": it names what the folder is and the command
+    that converts it."""
+    from snlp.apps.cli import main
+
+    _, d = _tiny_dir(tmp_path)
+    with pytest.raises(ValueError, match="is a transformers model directory .*LlamaForCausalLM.*snlp convert"):
+        load(d)
+    for argv in (["generate", str(d), "--prompt", "a"], ["tune", str(d)], ["bench", "--ckpt", str(d)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "is a transformers model directory (LlamaForCausalLM), not an snlp checkpoint" in err, err

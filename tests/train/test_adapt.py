@@ -535,7 +535,8 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
     assert "adapted 2xF1-h0-K1 drafter" in capsys.readouterr().out
     for mode in ("speculative", "snlp"):
         assert main(["generate", str(base_dir), "--mode", mode, "--drafter", str(d), "--prompt", "t3 t4",
-                     "--max-new-tokens", "6", "--quiet", "--no-baseline", "--json", str(tmp_path / f"{mode}.json")]) == 0
+                     "--max-new-tokens", "6", "--quiet", *(["--no-baseline"] if mode == "speculative" else []),
+                     "--json", str(tmp_path / f"{mode}.json")]) == 0
     spec, seq = json.loads((tmp_path / "speculative.json").read_text()), None
     assert main(["generate", str(base_dir), "--prompt", "t3 t4", "--max-new-tokens", "6", "--quiet",
                  "--json", str(tmp_path / "seq.json")]) == 0

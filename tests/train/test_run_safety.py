@@ -534,3 +534,42 @@ def test_the_out_inside_data_rule_follows_what_the_loader_reads(tmp_path, capsys
     assert main(["speedrun", "--out", str(proj / "sr"), "--data", str(proj), "--quick"]) == 2
     assert "inside the --data folder" in capsys.readouterr().err
     assert sorted(p.name for p in proj.iterdir()) == ["c.txt"]
+
+
+def test_calibrate_refuses_an_out_that_names_a_checkpoint_file(tmp_path, capsys):
+    """`snlp calibrate CKPT --out CKPT/model.safetensors` wrote the preheat over the model's weights (the checkpoint
+    then failed to load: "corrupt or truncated weights file"). Refused before the model loads, the file kept; an
+    existing .pt (an earlier calibration) may still be replaced."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    from conftest import make_model
+
+    ck = save_checkpoint(tmp_path / "ck", make_model(n_layer=2))
+    (tmp_path / "notes.md").write_text("mine")
+    before = (ck / "model.safetensors").read_bytes()
+    for out, says in ((ck / "model.safetensors", "is a checkpoint or run file"), (ck / "config.json", "checkpoint"),
+                      (tmp_path / "notes.md", "is an existing file")):
+        assert main(["calibrate", str(ck), "--out", str(out), "--rank", "2"]) == 2
+        assert says in capsys.readouterr().err
+    assert (ck / "model.safetensors").read_bytes() == before and (tmp_path / "notes.md").read_text() == "mine"
+    assert main(["calibrate", str(ck), "--out", str(tmp_path / "p.pt"), "--rank", "2", "--batch", "2",
+                 "--seq-len", "8"]) == 0
+    assert main(["calibrate", str(ck), "--out", str(tmp_path / "p.pt"), "--rank", "2", "--batch", "2",
+                 "--seq-len", "8"]) == 0
+
+
+def test_calibrate_says_when_the_rank_is_capped(tmp_path, capsys):
+    """`--rank 1000` on a narrower model wrote "rank 128" without saying the asked rank was capped at the width."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    from conftest import make_model
+
+    model = make_model(n_layer=2)
+    ck = save_checkpoint(tmp_path / "ck", model)
+    W = model.config.n_embd
+    assert main(["calibrate", str(ck), "--rank", str(W + 100), "--batch", "2", "--seq-len", "8"]) == 0
+    assert f"rank {W} (asked for {W + 100}: capped at the model width, {W})" in capsys.readouterr().out
+    assert main(["calibrate", str(ck), "--rank", "2", "--batch", "2", "--seq-len", "8"]) == 0
+    assert "capped" not in capsys.readouterr().out
