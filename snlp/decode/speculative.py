@@ -79,10 +79,10 @@ def speculative_report(spec: GenerateResult, seq: GenerateResult) -> Speculative
     s compares the sequential run's mean time per single-token decode step with the drafter's mean time per step,
     both cached single-token forwards with their next-token pick, per-token bookkeeping and streaming outside both,
     each as its loop runs it. On the CPU both are timed around each step. Off the CPU the sequential loop queues
-    `read_every` steps per read (its step time: the host clock over the queued steps and their read); a one-prompt
-    greedy round's drafter steps are timed by CUDA events, with no wait between them, while a batch's, a sampled
-    round's or a `min_confidence` round's drafter steps each wait for their read, and s there prices those waits
-    against the drafter. The measured speedup is end to end: sequential decode time per token over speculative
+    `read_every` steps per read (its step time: the host clock over the queued steps and their read); a greedy
+    round's drafter steps are timed by CUDA events, with no wait between them, while a sampled round's or a
+    `min_confidence` round's drafter steps each wait for their read, and s there prices those waits against the
+    drafter. The measured speedup is end to end: sequential decode time per token over speculative
     decode time per token (prefill excluded from both)."""
     seq_ms = 1e3 * seq.decode_s / max(len(seq.tokens), 1)
     s = seq.ms_per_step / spec.draft_ms_per_step if spec.draft_steps and seq.steps else float("nan")
@@ -441,9 +441,10 @@ def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, 
 def _device_round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor, want: int, pad_to: int | None):
     """One greedy round of one prompt with a single host read: the drafter's `want` steps each feed the previous
     step's argmax as a device tensor, the verifier scores [last, drafts...] (1, want + 1) from the device, and the
-    drafts and the verifier's targets come back in one read. The batched round (`_draft_rows`, `_verify_rows`) reads
-    every drafter step's tokens, which on a GPU leaves it idle while the host takes the token and launches the next
-    step: at batch 1 under CUDA graphs that wait is of the order of the step itself. Same tokens, same verdicts.
+    drafts and the verifier's targets come back in one read. The per-step round (`_draft_rows`, `_verify_rows`, for
+    sampling and min_confidence) reads every drafter step's tokens, which on a GPU leaves it idle while the host
+    takes the token and launches the next step: at batch 1 under CUDA graphs that wait is of the order of the step
+    itself. Same tokens, same verdicts.
     Returns (drafts, n accepted, the verifier's next token, its device (1, 1) view for the next round, marks)."""
     t0 = mark(ses.device)
     x, drafts = last, []
