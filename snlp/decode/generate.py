@@ -29,7 +29,7 @@ MODES = ("sequential", "snlp", "speculative", "jacobi")
 
 def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed, max_len,
                     on_tokens, every) -> GenerateResult:
-    check_decode_args(max_new_tokens, temperature)
+    # max_new_tokens, temperature and every are checked by the callers, before the step is built
     if is_batch(prompt_ids):
         return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed,
                                     max_len, on_tokens, every)

@@ -410,6 +410,11 @@ def _draft_rows(ses: BatchSession, draft_fwd, want: list[int], temperature: floa
     return drafts, qs, steps
 
 
+def accepted_count(drafts: list[int], targets: list[int]) -> int:
+    """Greedy verification: how many leading drafts equal the verifier's argmax at their position."""
+    return next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
+
+
 def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, pad_to: int | None):
     """One batched verifier forward over [last, drafts...] of every row (padded at the end); each row keeps its
     longest agreeing prefix (greedy) or its rejection-sampling prefix, plus one verifier token. Returns (n, next)."""
@@ -421,7 +426,7 @@ def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, 
     finite = torch.isfinite(logits).all(-1)  # (B, T)
     if temperature == 0:
         target = torch.where(finite, logits.argmax(-1), NONFINITE).tolist()
-        ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts, target)]
+        ns = [accepted_count(dr, tg) for dr, tg in zip(drafts, target)]
         return ns, [tg[n] for tg, n in zip(target, ns)]
     ns, nxt = [], []
     for j, (dr, q) in enumerate(zip(drafts, qs)):
@@ -459,7 +464,7 @@ def _device_round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor, want: 
     t2 = mark(ses.device)
     got = torch.cat([ids[0, 1:], target[0]]).tolist()  # the round's one read
     dr, tg = got[:want], got[want:]
-    n = next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), want)
+    n = accepted_count(dr, tg)
     return dr, n, tg[n], target[:, n:n + 1], (t0, t1, t2)
 
 
@@ -494,7 +499,7 @@ def _device_batch_round(ses: BatchSession, draft_fwd, verify_fwd, want: list[int
     got = torch.cat([ids[:, 1:m + 1], target], 1).tolist()  # the round's one read
     drafts_h = [g[:w] for g, w in zip(got, want)]
     targets = [g[m:] for g in got]
-    ns = [next((i for i, (d, t) in enumerate(zip(dr, tg)) if d != t), len(dr)) for dr, tg in zip(drafts_h, targets)]
+    ns = [accepted_count(dr, tg) for dr, tg in zip(drafts_h, targets)]
     return drafts_h, ns, [tg[n] for tg, n in zip(targets, ns)], m, (t0, t1, t2)
 
 
@@ -540,9 +545,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             if on_device:
                 if ses.plain:  # one prompt, or an eager batch compacted to one row: the plain cached forwards
                     x = last if last is not None else ses.ids([ses.last])
-                    dr, n, tok, last1, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, x, want[0], pad)
+                    dr, n, tok, fed, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, x, want[0], pad)
                     drafts, ns, nxt, steps = [dr], [n], [tok], want[0]
-                    last = last1 if last is not None else None
+                    if last is not None:  # one prompt: the next round starts from the verifier's token on the device
+                        last = fed
                 else:
                     drafts, ns, nxt, steps, (t0, t1, t2) = _device_batch_round(ses, draft_fwd, verify_fwd, want, pad)
                 draft_s, verify_s = between(t0, t1), between(t1, t2)  # events before the round's read: passed
