@@ -236,14 +236,11 @@ CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
 def unread_flags(args, kind: str) -> None:
     """Refuse, in one line before any work, flags the `kind` of run (BENCH_READS) does not read, and a random
     model's shape flags beside --ckpt (the checkpoint has its own shape)."""
-    import argparse
+    from snlp.apps.common import flag, parser_defaults
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
+    defaults = parser_defaults(add_arguments)
     given = [d for d in CHECKED if d in defaults and getattr(args, d, defaults[d]) != defaults[d]]
     stray = [d for d in given if d not in BENCH_READS[kind]]
-    flag = lambda d: "--" + d.replace("_", "-")  # noqa: E731
     if stray:
         one = len(stray) == 1
         run = {"forward": "`snlp bench` (the forward benchmark)"}.get(kind, f"`snlp bench --{kind}`")

@@ -1,6 +1,10 @@
-"""Pieces every command shares: loading a checkpoint's model with the calibration its plans need."""
+"""Pieces every command shares: loading a checkpoint's model with the calibration its plans need; the defaults of a
+command's flags, and their spelling, for refusing a flag the run does not read."""
 
 from __future__ import annotations
+
+import argparse
+from typing import Callable
 
 from snlp.io.checkpoint import load_preheat
 from snlp.method.plan import Plan
@@ -19,3 +23,16 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
         raise ValueError(f"a plan starts from the preheat init but checkpoint {ckpt} has no calibration: run "
                          f"`snlp calibrate {ckpt}` first")
     return pre
+
+
+def flag(dest: str) -> str:
+    """The command-line spelling of an argparse dest: --dest-with-dashes."""
+    return "--" + dest.replace("_", "-")
+
+
+def parser_defaults(add_arguments: Callable[[argparse.ArgumentParser], None], positionals=()) -> dict:
+    """Every dest's default in a fresh parser built by `add_arguments` (`positionals`: values for its required
+    positional arguments): what a flag the user did not give holds."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return vars(p.parse_args(list(positionals)))

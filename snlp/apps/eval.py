@@ -116,18 +116,12 @@ def config_from_args(args, model: GPT) -> EvalConfig:
                       seed=args.seed, progress=not args.no_progress, batch=args.batch)
 
 
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def mode_flags(args) -> None:
     """Refuse flags the chosen mode does not read (READS), given with a value other than their default, in one
     line naming them and the mode(s) that do read them."""
-    import argparse
+    from snlp.apps.common import flag, parser_defaults
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([args.ckpt]))
+    defaults = parser_defaults(add_arguments, [args.ckpt])
     mode = "harness" if args.harness else "drafter" if args.drafter else "task" if args.task else "lm"
     stray = [d for d in dict.fromkeys(d for ds in READS.values() for d in ds)
              if d not in READS[mode] and getattr(args, d) != defaults[d]]
