@@ -24,7 +24,7 @@ from snlp.method.solver import preheat_for
 from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
-from snlp.runtime.timing import between, mark, now
+from snlp.runtime.timing import between, mark
 
 
 def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
@@ -260,28 +260,45 @@ def drafter_model_for(model: GPT, plan: Plan, drafter: Drafter, share_weights: b
     return drafter.model
 
 
-def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor, gen: torch.Generator | None = None
-                       ) -> tuple[Tensor, Tensor]:
+def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor,
+                       gen: torch.Generator | list[torch.Generator] | None = None,
+                       lengths: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """Speculative rejection sampling (Leviathan et al. 2023), vectorised over a leading dim N.
 
     p (N, B+1, V) target probabilities at the B+1 verified positions, q (N, B, V) the drafter's,
     drafts (N, B) tokens sampled from q. Draft i is accepted with probability min(1, p_i(d)/q_i(d));
     at the first rejection n the next token is drawn from norm(max(0, p_n - q_n)), and if all B are
     accepted from p_B. Returns n (N,) accepted drafts and the next token (N,): the emitted tokens
-    d_1..d_n, token are distributed exactly as sampling from p one token at a time."""
+    d_1..d_n, token are distributed exactly as sampling from p one token at a time. Nothing is read back.
+
+    `gen`: one generator for every row, or a list of N, row r drawing its B_r uniforms and then its token from
+    its own (so a row's draws do not depend on the rows beside it). `lengths`: row r drafted only its first
+    B_r = lengths[r] tokens (default B); its later drafts and q are ignored and its bonus token comes from p_{B_r}."""
     N, B1, V = p.shape
     B = B1 - 1
+    lengths = [B] * N if lengths is None else lengths
+    if isinstance(gen, (list, tuple)):  # row r's own B_r uniforms, in the order a row-at-a-time call draws them
+        u = torch.cat([torch.cat([torch.rand(1, b, generator=g, device=p.device, dtype=p.dtype),
+                                  p.new_full((1, B - b), torch.inf)], 1) for g, b in zip(gen, lengths)])  # (N, B)
+    else:
+        u = torch.rand(N, B, generator=gen, device=p.device, dtype=p.dtype)
+        if min(lengths, default=B) < B:
+            u = torch.where(torch.arange(B, device=p.device) < torch.tensor(lengths, device=p.device)[:, None], u,
+                            torch.inf)
+    # u is inf past a row's drafts: never accepted there (inf * q is not < p), and q there is not the drafter's
+    drafted = torch.isfinite(u)  # (N, B)
     pd = p[:, :B].gather(-1, drafts[..., None])[..., 0]  # (N, B)
     qd = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(N, B, generator=gen, device=p.device, dtype=p.dtype)
-    ok = u * qd < pd  # u < p/q without dividing by a zero q
+    ok = drafted & (u * qd < pd)  # u < p/q without dividing by a zero q
     n = ok.long().cumprod(-1).sum(-1)  # (N,) leading accepts
-    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)  # q_B = 0: the bonus draws from p_B
-    rows = torch.arange(N, device=p.device)
+    q_pad = torch.cat([torch.where(drafted[..., None], q, 0.0), torch.zeros_like(p[:, :1])], 1)  # q_{B_r} = 0:
+    rows = torch.arange(N, device=p.device)  # the bonus draws from p_{B_r}
     resid = (p[rows, n] - q_pad[rows, n]).clamp_min(0)  # (N, V)
     empty = resid.sum(-1, keepdim=True) <= 0  # p_n == q_n (cannot reject there), guard anyway
     resid = torch.where(empty, p[rows, n], resid)
-    return n, torch.multinomial(resid, 1, generator=gen)[:, 0]
+    if not isinstance(gen, (list, tuple)):
+        return n, torch.multinomial(resid, 1, generator=gen)[:, 0]
+    return n, torch.cat([torch.multinomial(resid[r:r + 1], 1, generator=g)[:, 0] for r, g in enumerate(gen)])
 
 
 def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
@@ -379,128 +396,122 @@ class AdaptiveBlock:
         self.acc, self.exam = [self.acc[j] for j in rows], [self.exam[j] for j in rows]
 
 
-def _draft_rows(ses: BatchSession, draft_fwd, want: list[int], temperature: float, min_confidence: float):
-    """One round of batched drafting: row j drafts up to want[j] tokens (0: none); a row stops early after a draft
-    below min_confidence; the round stops when no row wants more. Returns drafts, drafter probs (sampling), steps."""
-    B = len(ses.rows)
-    drafts, qs = [[] for _ in range(B)], [[] for _ in range(B)]
-    going = [w > 0 for w in want]
-    x, steps = list(ses.last), 0
-    while any(going):
-        logits = ses.call(draft_fwd, [[t] for t in x], 1, [steps] * B)[:, -1]  # (B, V)
-        steps += 1
-        if temperature == 0:
-            x = logits.argmax(-1).tolist()
-            conf = torch.softmax(logits.float(), -1).gather(-1, logits.argmax(-1, keepdim=True))[:, 0].tolist() \
-                if min_confidence else [1.0] * B
-        else:
-            probs = torch.softmax(logits.float() / temperature, -1)  # (B, V)
-            # a NaN/inf drafter row drafts from the uniform stand-in q (multinomial refuses NaN): rejection sampling
-            # is exact for any q, and the verifier's own logits are checked in _verify_rows
-            probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / probs.shape[-1])
-            x = [int(torch.multinomial(probs[j], 1, generator=ses.gens[ses.rows[j]])) if going[j] else x[j]
-                 for j in range(B)]
-            conf = [float(probs[j, x[j]]) for j in range(B)] if min_confidence else [1.0] * B
-        for j in range(B):
-            if going[j]:
-                drafts[j].append(x[j])
-                if temperature > 0:
-                    qs[j].append(probs[j])
-                going[j] = len(drafts[j]) < want[j] and conf[j] >= min_confidence
-    return drafts, qs, steps
-
-
-def accepted_count(drafts: list[int], targets: list[int]) -> int:
-    """Greedy verification: how many leading drafts equal the verifier's argmax at their position."""
-    return next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
-
-
-def _verify_rows(ses: BatchSession, verify_fwd, drafts, qs, temperature: float, pad_to: int | None):
-    """One batched verifier forward over [last, drafts...] of every row (padded at the end); each row keeps its
-    longest agreeing prefix (greedy) or its rejection-sampling prefix, plus one verifier token. Returns (n, next)."""
-    rows = [[t] + d for t, d in zip(ses.last, drafts)]
-    logits = ses.call(verify_fwd, rows, pad_to=pad_to)  # (B, T, V), T >= every row's length
-    # the verifier is the model's own forward: a position whose logits hold NaN/inf reads as NONFINITE, which no
-    # draft equals, so acceptance stops there and the row's next token is NONFINITE (check_picked raises on it);
-    # folded into the tokens' host read, no extra sync. Positions past the first rejection are never read.
-    finite = torch.isfinite(logits).all(-1)  # (B, T)
+def _draft_pick(ses: BatchSession, logits: Tensor, temperature: float, draw: list[bool]) -> tuple[Tensor, Tensor]:
+    """The drafter's next token of every batch row from its logits (B, V), left on the device: the argmax, or a
+    sample of softmax(logits / T) from the row's own generator for the rows in `draw` (a row past its own block
+    draws nothing, so its generator's stream, and its tokens, do not depend on its neighbours' blocks; its token is
+    computed and dropped). Returns the tokens (B, 1) and, sampling, the drafter's probabilities q (B, V)."""
     if temperature == 0:
-        target = torch.where(finite, logits.argmax(-1), NONFINITE).tolist()
-        ns = [accepted_count(dr, tg) for dr, tg in zip(drafts, target)]
-        return ns, [tg[n] for tg, n in zip(target, ns)]
-    ns, nxt = [], []
-    for j, (dr, q) in enumerate(zip(drafts, qs)):
-        ok = finite[j, : len(dr) + 1]  # (n+1,)
-        p = torch.softmax(logits[j, : len(dr) + 1].float() / temperature, -1)
-        p = torch.where(ok[:, None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
-        q = torch.stack(q) if q else p.new_zeros(0, p.shape[-1])
-        n, t = speculative_accept(p[None], q[None], torch.tensor([dr], device=p.device).long(), ses.gens[ses.rows[j]])
-        first_bad = torch.where(ok, len(dr) + 1, torch.arange(len(dr) + 1, device=p.device)).min()  # len(dr)+1: none
-        t = torch.where(first_bad <= n, NONFINITE, t)  # a token drawn at or after a NaN/inf position is not emitted
-        n = torch.minimum(n, first_bad)
-        ns.append(int(n))
-        nxt.append(int(t))
-    return ns, nxt
+        return logits.argmax(-1, keepdim=True), None
+    probs = torch.softmax(logits.float() / temperature, -1)  # (B, V)
+    # a NaN/inf drafter row drafts from the uniform stand-in q (multinomial refuses NaN): rejection sampling is exact
+    # for any q, and the verifier's own logits are checked in the verdict
+    probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / probs.shape[-1])
+    toks = [torch.multinomial(probs[j], 1, generator=ses.gens[ses.rows[j]]) if d else
+            probs.new_zeros(1, dtype=torch.long) for j, d in enumerate(draw)]
+    return torch.stack(toks), probs  # (B, 1), (B, V)
 
 
-def _device_round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor, want: int, pad_to: int | None):
-    """One greedy round of one prompt with a single host read: the drafter's `want` steps each feed the previous
-    step's argmax as a device tensor, the verifier scores [last, drafts...] (1, want + 1) from the device, and the
-    drafts and the verifier's targets come back in one read. The per-step round (`_draft_rows`, `_verify_rows`, for
-    sampling and min_confidence) reads every drafter step's tokens, which on a GPU leaves it idle while the host
-    takes the token and launches the next step: at batch 1 under CUDA graphs that wait is of the order of the step
-    itself. Same tokens, same verdicts.
-    Returns (drafts, n accepted, the verifier's next token, its device (1, 1) view for the next round, marks)."""
+def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None,
+             qs: list, temperature: float) -> tuple[Tensor, Tensor]:
+    """How many of its drafts each row keeps and its next token, on the device: ids (B, m + 1) = [last, drafts...]
+    (row j drafted drafted[j] <= m, also as `wants` (B, 1) on the device; None: every row drafted m), logits
+    (B, m + 1, V) the verifier's there. Greedy: the leading drafts equal to the verifier's argmax and the argmax
+    after them; sampling: speculative rejection sampling (`speculative_accept`, each row from its own generator).
+    The verifier is the model's own forward: a position whose logits hold NaN/inf stops acceptance there and makes
+    the row's next token NONFINITE, on which check_picked raises."""
+    B, m = ids.shape[0], ids.shape[1] - 1
+    cols = torch.arange(m + 1, device=ids.device)  # (m + 1,)
+    mine = cols[None] <= (m if wants is None else wants)  # (B or 1, m + 1): the row's own positions
+    finite = torch.isfinite(logits).all(-1)  # (B, m + 1)
+    if temperature == 0:
+        target = torch.where(finite, logits.argmax(-1), NONFINITE)  # (B, m + 1)
+        ok = (ids[:, 1:] == target[:, :m]) & mine[:, 1:]  # (B, m): a NONFINITE target equals no draft
+        n = ok.long().cumprod(-1).sum(-1)  # (B,)
+        return n, target.gather(1, n[:, None])[:, 0]
+    p = torch.softmax(logits.float() / temperature, -1)  # (B, m + 1, V)
+    p = torch.where(finite[..., None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
+    q = torch.stack(qs, 1) if qs else p.new_zeros(B, 0, p.shape[-1])  # (B, m, V)
+    n, t = speculative_accept(p, q, ids[:, 1:], [ses.gens[i] for i in ses.rows], drafted)
+    first_bad = torch.where(~finite & mine, cols, m + 1).amin(-1)  # (B,) m + 1: none
+    t = torch.where(first_bad <= n, NONFINITE, t)  # a token drawn at or after a NaN/inf position is not emitted
+    return torch.minimum(n, first_bad), t
+
+
+def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: list[int], pad_to: int | None,
+           temperature: float, min_confidence: float = 0.0):
+    """One self-speculative round of every batch row, greedy or sampled, with a single host read: up to max(want)
+    drafter steps, each fed the previous step's tokens as a device tensor, one verifier forward over
+    [last, drafts...], the verdict on the device (`_verdict`), and one read of the drafts, the accepted counts and
+    the next tokens. A round that read every drafter step's tokens leaves a GPU idle while the host takes them and
+    launches the next step: at batch 1 under CUDA graphs that wait is of the order of the step itself.
+    `min_confidence` > 0 adds one read per drafter step, of the drafted tokens' probabilities: whether a row drafts
+    on is a host decision (it stops after a draft below min_confidence; the round stops when no row drafts on).
+
+    One row (`ses.plain`: one prompt, or an eager batch compacted to one) runs the plain cached forwards from `last`
+    (1, 1) on the device (None: the row's last token from the host); a batch runs ragged forwards, every row's last
+    token, length and block in one copy in (a row that drafts fewer tokens computes the rest, dropped, and the
+    verifier sees its last real token there: masked attention still multiplies the K/V of positions it hides by 0,
+    so a NaN / inf extra draft must not be fed).
+    Returns (drafts per row, accepted per row, next token per row, the next tokens (B, 1) on the device, drafter
+    steps, marks)."""
+    B = len(ses.rows)
+    if ses.plain:
+        last = ses.ids([ses.last]) if last is None else last  # (1, 1)
+
+        def draft(x: Tensor, k: int) -> Tensor:
+            return ses.call_plain(draft_fwd, x, extra=k)
+
+        def verify(ids: Tensor, wants: Tensor | None) -> Tensor:
+            return ses.call_plain(verify_fwd, ids, pad_to=pad_to)  # the step pads with the last token itself
+    else:
+        rows = torch.tensor([[t, n, w] for t, n, w in zip(ses.last, ses.lens, want)], device=ses.device)  # (B, 3)
+        last, start = rows[:, :1], rows[:, 1:2]  # (B, 1) each
+        span = max(ses.lens) + 1 if ses.compact else None  # eager: attend positions 0..span-1 (positions())
+
+        def draft(x: Tensor, k: int) -> Tensor:
+            return draft_fwd.ragged(x, RowPositions(start + k, span=None if span is None else span + k), ses.cache)
+
+        def verify(ids: Tensor, wants: Tensor) -> Tensor:
+            m = ids.shape[1] - 1
+            T = m + 1 if pad_to is None else max(m + 1, pad_to)
+            ids = torch.cat([ids, ids[:, -1:].expand(B, T - m - 1)], 1)  # (B, T)
+            cols = torch.arange(T, device=ses.device)[None]  # (1, T)
+            ids = torch.where(cols <= wants, ids, ids.gather(1, wants))  # past its drafts: its last real token
+            pos = RowPositions(start + cols, span=None if span is None else span + T - 1)
+            return verify_fwd.ragged(ids, pos, ses.cache)
     t0 = mark(ses.device)
-    x, drafts = last, []
-    for k in range(want):
-        x = ses.call_plain(draft_fwd, x, extra=k)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+    x, drafts, qs = last, [], []
+    drafted = list(want) if not min_confidence else [0] * B
+    going = [w > 0 for w in want]
+    for k in range(max(want)):
+        if not any(going):
+            break
+        draw = [k < w for w in want] if not min_confidence else list(going)
+        logits = draft(x, k)[:, -1]  # (B, V)
+        x, q = _draft_pick(ses, logits, temperature, draw)  # (B, 1), (B, V)
         drafts.append(x)
+        if q is not None:
+            qs.append(q)
+        if min_confidence:  # the drafted token's probability: the top-1 when greedy, the sampled one's when sampling
+            probs = torch.softmax(logits.float(), -1) if q is None else q
+            conf = probs.gather(-1, x)[:, 0].tolist()  # one read per drafter step
+            for j in range(B):
+                if going[j]:
+                    drafted[j] += 1
+                    going[j] = drafted[j] < want[j] and conf[j] >= min_confidence
     t1 = mark(ses.device)
-    ids = torch.cat([last, *drafts], 1)  # (1, want + 1)
-    logits = ses.call_plain(verify_fwd, ids, pad_to=pad_to)  # (1, want + 1, V)
-    # NaN/inf positions read as NONFINITE, which no draft equals (see _verify_rows)
-    target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (1, want + 1)
+    m = len(drafts)
+    ids = torch.cat([last, *drafts], 1)  # (B, m + 1)
+    if ses.plain:
+        wants = None  # the one row drafted all m
+    else:  # (B, 1): the blocks copied in with the round, or (min_confidence) what each row drafted
+        wants = rows[:, 2:3] if drafted == want else torch.tensor(drafted, device=ses.device)[:, None]
+    n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, temperature)  # (B,) each
     t2 = mark(ses.device)
-    got = torch.cat([ids[0, 1:], target[0]]).tolist()  # the round's one read
-    dr, tg = got[:want], got[want:]
-    n = accepted_count(dr, tg)
-    return dr, n, tg[n], target[:, n:n + 1], (t0, t1, t2)
-
-
-def _device_batch_round(ses: BatchSession, draft_fwd, verify_fwd, want: list[int], pad_to: int | None):
-    """`_device_round` for a ragged batch (greedy, whole blocks): every row's last token and length in one copy in,
-    max(want) batched drafter steps each fed the previous step's argmax on the device (a row that wants fewer drafts
-    computes the rest, as `_draft_rows` does, and they are dropped), one verifier forward over [last, drafts...]
-    (B, max(want) + 1, padded to `pad_to`, each row padded with its last real token as `_verify_rows` pads), and one
-    read of drafts and targets.
-    Returns (drafts per row, accepted per row, the verifier's next token per row, drafter steps, marks)."""
-    B, m = len(ses.rows), max(want)
-    rows = torch.tensor([[t, n, w] for t, n, w in zip(ses.last, ses.lens, want)], device=ses.device)  # (B, 3)
-    last, start, wants = rows[:, :1], rows[:, 1:2], rows[:, 2:3]  # (B, 1) each
-    span = max(ses.lens) + 1 if ses.compact else None  # eager: attend positions 0..span-1 (BatchSession.positions)
-    t0 = mark(ses.device)
-    x, drafts = last, []
-    for k in range(m):
-        pos = RowPositions(start + k, span=None if span is None else span + k)
-        x = draft_fwd.ragged(x, pos, ses.cache)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-        drafts.append(x)
-    t1 = mark(ses.device)
-    T = m + 1 if pad_to is None else max(m + 1, pad_to)
-    ids = torch.cat([last, *drafts] + [x.expand(B, T - m - 1)] * (T > m + 1), 1)  # (B, T)
-    # a row's positions past its own drafts repeat its last real token, as _verify_rows pads: its extra drafts
-    # must not be fed, since masked attention still multiplies their K/V by 0 and a NaN / inf one would leak in
-    cols = torch.arange(T, device=ses.device)[None]  # (1, T)
-    ids = torch.where(cols <= wants, ids, ids.gather(1, wants))  # (B, T)
-    pos = RowPositions(start + torch.arange(T, device=ses.device), span=None if span is None else span + T - 1)
-    logits = verify_fwd.ragged(ids, pos, ses.cache)  # (B, T, V)
-    target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (B, T)
-    t2 = mark(ses.device)
-    got = torch.cat([ids[:, 1:m + 1], target], 1).tolist()  # the round's one read
-    drafts_h = [g[:w] for g, w in zip(got, want)]
-    targets = [g[m:] for g in got]
-    ns = [accepted_count(dr, tg) for dr, tg in zip(drafts_h, targets)]
-    return drafts_h, ns, [tg[n] for tg, n in zip(targets, ns)], m, (t0, t1, t2)
+    got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read
+    return ([g[:w] for g, w in zip(got, drafted)], [g[m] for g in got], [g[m + 1] for g in got], nxt[:, None], m,
+            (t0, t1, t2))
 
 
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
@@ -525,10 +536,9 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
         ses.warm(draft_fwd, 1)
         ses.warm(verify_fwd, block + 1)
         ses.prefill(verify_fwd)
-        # greedy, whole blocks: the round keeps its tokens on the device and reads once (_device_round for one
-        # prompt, which feeds the next round from the device too; _device_batch_round for a batch)
-        on_device = temperature == 0 and not min_confidence
-        last = ses.ids([ses.last]) if on_device and len(ses.prompts) == 1 else None  # (1, 1)
+        # the round keeps its tokens on the device and reads once (_round; min_confidence also once per drafter
+        # step); one prompt also feeds the next round from the device
+        last = ses.ids([ses.last]) if len(ses.prompts) == 1 else None  # (1, 1)
         while ses.active:
             live = set(ses.live())
             # adaptive, greedy: the batch drafts the LARGEST of its rows' blocks; a batched drafter step costs the same
@@ -542,22 +552,11 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             else:
                 blocks = [ctl.block(j) if j in live else 0 for j in rows]
             want = [min(blocks[j], ses.remaining(j) - 1) if j in live else 0 for j in rows]
-            if on_device:
-                if ses.plain:  # one prompt, or an eager batch compacted to one row: the plain cached forwards
-                    x = last if last is not None else ses.ids([ses.last])
-                    dr, n, tok, fed, (t0, t1, t2) = _device_round(ses, draft_fwd, verify_fwd, x, want[0], pad)
-                    drafts, ns, nxt, steps = [dr], [n], [tok], want[0]
-                    if last is not None:  # one prompt: the next round starts from the verifier's token on the device
-                        last = fed
-                else:
-                    drafts, ns, nxt, steps, (t0, t1, t2) = _device_batch_round(ses, draft_fwd, verify_fwd, want, pad)
-                draft_s, verify_s = between(t0, t1), between(t1, t2)  # events before the round's read: passed
-            else:  # these read every step anyway: the clock waits for the device like the reads do
-                t0 = now(ses.device)
-                drafts, qs, steps = _draft_rows(ses, draft_fwd, want, temperature, min_confidence)
-                t1 = now(ses.device)
-                ns, nxt = _verify_rows(ses, verify_fwd, drafts, qs, temperature, pad)
-                draft_s, verify_s = t1 - t0, now(ses.device) - t1
+            drafts, ns, nxt, fed, steps, (t0, t1, t2) = _round(ses, draft_fwd, verify_fwd, last, want, pad,
+                                                               temperature, min_confidence)
+            if last is not None:  # one prompt: the next round starts from the verifier's token on the device
+                last = fed
+            draft_s, verify_s = between(t0, t1), between(t1, t2)  # events recorded before the round's read: passed
             for j in sorted(live):  # the verifier's NaN/inf logits: the model's own forward (plan None)
                 check_picked([nxt[j]], None, len(ses.results[ses.rows[j]].tokens) + ns[j],
                              [ses.rows[j]] if len(ses.results) > 1 else None, model=model,

@@ -26,19 +26,15 @@ DOCUMENTED = {
     "snlp/decode/session.py:pick_tokens": "Jacobi decoding's verified tokens of a sweep, with the NaN/inf flag",
     "snlp/decode/batch.py:batch_autoregressive": "a batch: every row's tokens of read_every steps in one read",
     "snlp/decode/generate.py:_autoregressive": "one prompt: the tokens of read_every steps (8 on a GPU) in one read",
-    "snlp/decode/speculative.py:_device_round": "one prompt, greedy: the round's drafts and targets in one read",
-    "snlp/decode/speculative.py:_device_batch_round": "a batch, greedy: the round's drafts and targets in one read",
-    "snlp/decode/speculative.py:_draft_rows": "min_confidence drafting: each step's tokens and confidences",
-    "snlp/decode/speculative.py:_verify_rows": "batched verify: target tokens and the accepted counts",
+    "snlp/decode/speculative.py:_round": "a self-speculative round's drafts, accepted counts and next tokens in one "
+                                         "read (min_confidence: and each drafter step's confidences)",
     "snlp/decode/jacobi.py:jacobi_generate": "a verified plan's Jacobi sweep: its guesses (accept by design)",
-    "snlp/decode/speculative.py:<listcomp>": "batched sampling: each row's drafted token / confidence",
     "snlp/method/solver.py:solve": "a tol plan's stop test, once per iteration (by design)",
     TIMER + "snlp/decode/session.py:prefill": "prefill timing",
     TIMER + "snlp/decode/session.py:finish": "the decode clock",
     TIMER + "snlp/decode/batch.py:prefill": "prefill timing",
     TIMER + "snlp/decode/batch.py:emit": "a finished row's clock",
     TIMER + "snlp/decode/batch.py:finish": "the decode clock",
-    TIMER + "snlp/decode/speculative.py:_speculative_rows": "batched draft / verify timing",
     TIMER + "snlp/decode/jacobi.py:jacobi_generate": "sweep timing",
 }
 
@@ -153,16 +149,20 @@ def test_batch_decoding_waits_once_per_read_every_tokens(every):
         (short, long)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("block", [1, 3])
-def test_one_prompt_speculative_round_waits_once(block):
-    """Self-speculative decoding of one prompt, greedy: one wait per round (the drafts and the verifier's targets in
-    one read), none per drafter step; a round's draft / verify times come from CUDA events read after it."""
-    spec = lambda m, n: speculative_generate(m, [1, 2, 3], "2xF2-h0-K1", block=block, max_new_tokens=n)
+def test_one_prompt_speculative_round_waits_once(block, temperature):
+    """Self-speculative decoding of one prompt, greedy or sampled: one wait per round (the drafts, the accepted count
+    and the next token in one read), none per drafter step; a round's draft / verify times come from CUDA events
+    read after it."""
+    spec = lambda m, n: speculative_generate(m, [1, 2, 3], "2xF2-h0-K1", block=block, max_new_tokens=n,
+                                             temperature=temperature, seed=0)
     short, r8 = _waits(lambda m: spec(m, 8))
     long, r24 = _waits(lambda m: spec(m, 24))
-    # fake cuda reads every token as 0: every draft agrees, so a round emits block + 1 tokens
-    assert long - short == collections.Counter({"snlp/decode/speculative.py:_device_round": r24.rounds - r8.rounds})
-    assert (r8.rounds, r24.rounds) == (-(-8 // (block + 1)), -(-24 // (block + 1)))
+    # fake cuda reads every value as 0, the accepted count too: a round emits one token after its `block` drafter
+    # steps, so a wait per drafter step would show as block + 1 per round
+    assert (r8.rounds, r24.rounds, r24.draft_steps - r8.draft_steps) == (8, 24, 16 * block)
+    assert long - short == collections.Counter({"snlp/decode/speculative.py:_round": 16})
 
 
 def test_a_timing_event_is_read_only_after_a_wait_that_covers_it():
@@ -179,13 +179,27 @@ def test_a_timing_event_is_read_only_after_a_wait_that_covers_it():
         assert between(a, b) == 0.0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("block", [1, 3])
-def test_batch_speculative_round_waits_once_per_round(block):
-    """A ragged batch, greedy: per round one copy in of the rows' last tokens and lengths and one read of every
-    row's drafts and targets; no drafter step waits."""
-    spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=block, max_new_tokens=n)
+def test_batch_speculative_round_waits_once_per_round(block, temperature):
+    """A ragged batch, greedy or sampled: per round one copy in of the rows' last tokens, lengths and blocks and one
+    read of every row's drafts, accepted counts and next tokens; no drafter step waits."""
+    spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=block, max_new_tokens=n,
+                                             temperature=temperature, seed=0)
     short, r8 = _waits(lambda m: spec(m, 8))
     long, r24 = _waits(lambda m: spec(m, 24))
-    rounds = r24[0].rounds - r8[0].rounds
-    assert rounds == -(-24 // (block + 1)) - -(-8 // (block + 1))
-    assert long - short == collections.Counter({"snlp/decode/speculative.py:_device_batch_round": 2 * rounds})
+    # fake cuda reads every accepted count as 0: a round emits one token per row after its `block` drafter steps
+    assert (r24[0].rounds - r8[0].rounds, r24[0].draft_steps - r8[0].draft_steps) == (16, 16 * block)
+    assert long - short == collections.Counter({"snlp/decode/speculative.py:_round": 2 * 16})
+
+
+def test_min_confidence_round_waits_once_per_drafter_step_and_once_per_round():
+    """min_confidence decides on the host whether a row drafts on: one read per drafter step (the drafted tokens'
+    probabilities; the tokens stay on the device) and the round's one read."""
+    spec = lambda m, n: speculative_generate(m, [1, 2, 3], "2xF2-h0-K1", block=3, max_new_tokens=n,
+                                             min_confidence=1e-9)
+    short, r8 = _waits(lambda m: spec(m, 8))
+    long, r24 = _waits(lambda m: spec(m, 24))
+    # fake cuda reads every confidence as 0.0 (< 1e-9): a round stops drafting after its first draft
+    assert (r24.rounds - r8.rounds, r24.draft_steps - r8.draft_steps) == (16, 16)
+    assert long - short == collections.Counter({"snlp/decode/speculative.py:_round": 16 + 16})
