@@ -1,13 +1,14 @@
-"""Time KV-cached batch-1 greedy decoding under TWO versions of snlp in ONE process (the package of a git ref, as in
+"""Time KV-cached batch-1 decoding (greedy, or sampled with --temperature) under TWO versions of snlp in ONE process (the package of a git ref, as in
 scripts/ab_prefill.py, beside this worktree's): sequential_generate and snlp_generate of each plan on one checkpoint,
 every callable round-robin in the same rounds, medians of ms per generated token. The tokens of both versions are
 compared first (they must be identical: the changes are meant to keep the function).
 
     PYTHONPATH=$PWD python3 scripts/ab_decode.py CKPT [--ref REF] [--plans 12xF1-h0-K1,6xF2-h0-K1] [--tokens 32]
-        [--spec 12xF1-h0-K1:4] [--compile] [--warmup 3] [--runs 21] [--threads 1]
+        [--spec 12xF1-h0-K1:4] [--compile] [--temperature 0.8] [--warmup 3] [--runs 21] [--threads 1]
 
 `--spec PLAN:BLOCK,...` adds self-speculative decoding (the plan drafts BLOCK tokens, the model verifies);
 `--compile` runs every callable through compiled static-shape steps, built once per version before the rounds.
+`--temperature T` samples (seed 0 in every call, so both versions draw the same tokens if they draw alike).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--spec", default="", help="PLAN:BLOCK,... self-speculative rows")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--runs", type=int, default=21)
     p.add_argument("--threads", type=int, default=1)
@@ -73,14 +75,15 @@ def main(argv=None) -> int:
 
     def call(ver, name):
         f, m = gens[ver]
+        kw = dict(temperature=a.temperature, seed=0)
         if name == "sequential":
-            r = f["seq"](m, prompt, a.tokens, step=steps[ver, name])
+            r = f["seq"](m, prompt, a.tokens, step=steps[ver, name], **kw)
         elif name.startswith("spec "):
             p, b = name.split()[1], int(name.split("=")[1])
             r = f["spec"](m, prompt, p, block=b, max_new_tokens=a.tokens, compile=a.compile,
-                          draft=steps[ver, p], verify=steps[ver, "sequential"])
+                          draft=steps[ver, p], verify=steps[ver, "sequential"], **kw)
         else:
-            r = f["snlp"](m, prompt, name, a.tokens, step=steps[ver, name])
+            r = f["snlp"](m, prompt, name, a.tokens, step=steps[ver, name], **kw)
         ms.setdefault((ver, name), []).append(1e3 * r.decode_s / len(r.tokens))
         return r.tokens
 
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
     ms.clear()
     time_round_robin({(v, n): (lambda v=v, n=n: call(v, n)) for v in gens for n in names}, a.warmup, a.runs,
                      torch.device("cpu"))
-    print(f"# KV-cached greedy decode, batch 1, {a.tokens} tokens after a 16-token prompt, {a.ckpt}, "
+    how = "greedy" if a.temperature == 0 else f"sampled at temperature {a.temperature}"
+    print(f"# KV-cached {how} decode, batch 1, {a.tokens} tokens after a 16-token prompt, {a.ckpt}, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {'compiled' if a.compile else 'eager'}; "
           f"old = {a.ref}, new = worktree; "
           f"{a.warmup} warm-up + {a.runs} round-robin rounds, medians of ms per token")

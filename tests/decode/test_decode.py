@@ -218,6 +218,39 @@ def test_rejection_sampling_reproduces_target_distribution():
     assert abs(acc - torch.minimum(p[0], q[0]).sum()) < 4 * math.sqrt(0.25 / N)
 
 
+def test_rejection_sampling_per_row_generators_and_lengths():
+    """A batch verdict (each row its own generator and its own number of drafts, the rest of its block ignored)
+    makes the draws a row-at-a-time call makes: the same accepted count and token, bit for bit, from a generator in
+    the same state; and a row with B_r < B drafts emits its bonus token from p_{B_r}, so its first token is still
+    distributed as p_0 (checked by frequency, B_r = 0 and 1 of B = 3)."""
+    g0 = torch.Generator().manual_seed(1)
+    N, B, V = 5, 3, 7
+    p = torch.softmax(torch.randn(N, B + 1, V, generator=g0) * 2, -1)
+    q = torch.softmax(torch.randn(N, B, V, generator=g0) * 2, -1)
+    drafts = torch.stack([torch.multinomial(q[r], 1, generator=g0)[:, 0] for r in range(N)])  # (N, B)
+    drafts[1, 0] = p[1, 0].argmax()  # some leading accepts
+    lengths = [3, 0, 1, 2, 3]
+    for trial in range(20):
+        gens = [torch.Generator().manual_seed(100 * trial + r) for r in range(N)]
+        twins = [torch.Generator().manual_seed(100 * trial + r) for r in range(N)]
+        n, tok = speculative_accept(p, q, drafts, gens, lengths)
+        for r, b in enumerate(lengths):  # the reference: one row, its own b drafts only
+            n1, t1 = speculative_accept(p[r:r + 1, :b + 1], q[r:r + 1, :b], drafts[r:r + 1, :b], twins[r])
+            assert (int(n[r]), int(tok[r])) == (int(n1), int(t1)), (trial, r)
+            assert gens[r].get_state().equal(twins[r].get_state())  # the same draws were consumed
+    # frequency: the first emitted token of a short row ~ p_0 whatever q and the ignored drafts are
+    M = 40_000
+    gen = torch.Generator().manual_seed(2)
+    pp, qq = p[:1].expand(M, -1, -1), q[:1].expand(M, -1, -1)
+    dd = torch.multinomial(q[0], M, replacement=True, generator=gen).t()  # (M, B) drafts from q
+    for b in (0, 1):
+        n, tok = speculative_accept(pp, qq, dd, gen, [b] * M)
+        assert int(n.max()) <= b
+        first = torch.where(n > 0, dd[:, 0], tok)
+        freq = torch.bincount(first, minlength=V).double() / M
+        assert (freq - p[0, 0].double()).abs().max() < 4 * math.sqrt(0.25 / M), (b, freq, p[0, 0])
+
+
 def test_speculative_sampling_matches_model_distribution():
     """End to end on a tiny vocabulary: the joint law of the first two sampled tokens of
     speculative decoding equals the model's p(t1) p(t2 | t1), with a poor drafter (K = 0)."""
@@ -239,6 +272,31 @@ def test_speculative_sampling_matches_model_distribution():
     # sequential sampling with the same seed is reproducible
     a = sequential_generate(model, prompt, max_new_tokens=5, temperature=T, seed=3).tokens
     assert a == sequential_generate(model, prompt, max_new_tokens=5, temperature=T, seed=3).tokens
+
+
+def test_batched_speculative_sampling_matches_model_distribution_per_row():
+    """The batch round's verdict on the device, rows of different blocks in one round: prompts of 3 and 4 tokens
+    with max_len 6 leave budgets of 3 and 2, so with block 2 the first round drafts 2 and 1. Each row's first two
+    sampled tokens follow the model's own p(t1) p(t2 | t1) (a naive full forward), with a poor drafter (K = 0)."""
+    model = make_model(vocab_size=4, scale=0.6)
+    prompts, T = [[1, 2, 0], [3, 1, 2, 0]], 1.0
+    exact = []
+    with torch.no_grad():
+        for pr in prompts:
+            p1 = torch.softmax(model(torch.tensor([pr]))[0, -1] / T, -1)
+            p2 = torch.softmax(model(torch.tensor([pr + [a] for a in range(4)]))[:, -1] / T, -1)
+            exact.append((p1[:, None] * p2).flatten())  # (16,)
+    N = 1200
+    counts = torch.zeros(2, 16)
+    for seed in range(N):
+        rows = speculative_generate(model, prompts, "3xF2-h0-K0", block=2, max_new_tokens=3, max_len=6,
+                                    temperature=T, seed=2 * seed)
+        assert [len(r.tokens) for r in rows] == [3, 2]
+        for i, r in enumerate(rows):
+            counts[i, r.tokens[0] * 4 + r.tokens[1]] += 1
+    for i in range(2):
+        tv = 0.5 * (counts[i] / N - exact[i]).abs().sum()
+        assert tv < 0.07, (i, tv)
 
 
 def test_bound_runner_is_the_fused_once_snlp_forward():
