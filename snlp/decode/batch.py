@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.session import (GenerateResult, check_picked, cut_at_stop, make_generator, pick_tensor,
+from snlp.decode.session import (GenerateResult, Sampling, check_picked, cut_at_stop, make_generator, pick_tensor,
                                  prompt_ids_list, read_every, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
@@ -71,7 +71,7 @@ class BatchSession:
 
     def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
-                 temperature: float = 0.0, seed: int | None = None):
+                 how: Sampling = Sampling(), seed: int | None = None):
         self.model, self.device = model, model.wte.weight.device
         if isinstance(prompts, Tensor):
             prompts = list(prompts)
@@ -100,7 +100,7 @@ class BatchSession:
         self.lens = [n - 1 for n in lens]
         self.last = [p[-1] for p in self.prompts]
         self.done = [b <= 0 for b in self.budget]
-        self.gens = None if temperature == 0 else [make_generator(None if seed is None else seed + i, self.device)
+        self.gens = None if how.greedy else [make_generator(None if seed is None else seed + i, self.device)
                                                   for i in range(len(self.prompts))]
         self.prefill_s = 0.0
 
@@ -222,10 +222,10 @@ class BatchSession:
         """Batch rows still decoding."""
         return [j for j, i in enumerate(self.rows) if not self.done[i]]
 
-    def pick_tensor(self, logits: Tensor, temperature: float, flag: bool = False) -> Tensor:
+    def pick_tensor(self, logits: Tensor, how: Sampling, flag: bool = False) -> Tensor:
         """Next token of every batch row from logits (B, V), left on the device: argmax, or a sample from the row's
         own generator; `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tensor)."""
-        return pick_tensor(logits, temperature, None if temperature == 0 else [self.gens[i] for i in self.rows], flag)
+        return pick_tensor(logits, how, None if how.greedy else [self.gens[i] for i in self.rows], flag)
 
     def finish(self) -> list[GenerateResult]:
         wall = now(self.device) - self.t0
@@ -237,7 +237,7 @@ class BatchSession:
 
 
 def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: str, plan, max_new_tokens: int,
-                         temperature: float, eos_id: int | list[int] | None, seed: int | None, max_len: int | None,
+                         how: Sampling, eos_id: int | list[int] | None, seed: int | None, max_len: int | None,
                          on_tokens: RowsCallback | None, every: int | None = None) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step, `every`
     steps queued per host read (snlp.decode.session.read_every): each step is fed the previous step's tokens on the
@@ -247,7 +247,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
     c0 = forward.compile_s  # a prebuilt step's total so far: this call reports only what it compiled
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
-                           forward.slack, temperature, seed)
+                           forward.slack, how, seed)
         every = read_every(ses.device, every)
         for r in ses.results:
             r.plan = None if plan is None else str(plan)
@@ -269,7 +269,7 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             for k in range(n):
                 pos = RowPositions(first + k * step, span=None if span is None else span + k)
                 # the finiteness flag rides on the read below
-                tok = ses.pick_tensor(forward.ragged(x, pos, ses.cache)[:, -1], temperature, flag=True)  # (B,)
+                tok = ses.pick_tensor(forward.ragged(x, pos, ses.cache)[:, -1], how, flag=True)  # (B,)
                 picked.append(tok)
                 x = tok.clamp_min(0)[:, None]  # NONFINITE (-1) is no token id; check_picked raises on it below
             toks = torch.stack(picked, 1).tolist()  # (B, n): one read for n steps

@@ -17,7 +17,7 @@ import torch
 
 from snlp.decode.batch import batch_autoregressive, is_batch
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, check_read_every,
-                                 decode_plan, make_generator, pick_tensor, read_every, sequential_forward,
+                                 decode_plan, make_generator, pick_tensor, read_every, sampling, sequential_forward,
                                  snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
@@ -27,17 +27,17 @@ from snlp.model.gpt import GPT
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
 
-def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed, max_len,
+def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how, eos_id, seed, max_len,
                     on_tokens, every) -> GenerateResult:
-    # max_new_tokens, temperature and every are checked by the callers, before the step is built
+    # max_new_tokens, the sampling (how) and every are checked by the callers, before the step is built
     if is_batch(prompt_ids):
-        return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temperature, eos_id, seed,
+        return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how, eos_id, seed,
                                     max_len, on_tokens, every)
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
         every = read_every(ses.device, every)
         ses.result.plan = None if plan is None else str(plan)
-        gen = [make_generator(seed, ses.device)] if temperature > 0 else None
+        gen = None if how.greedy else [make_generator(seed, ses.device)]
         ses.warm(forward, [forward.prefill_len(len(ses.prompt) - 1), 1])
         ses.prefill(forward)
         res = ses.result
@@ -47,7 +47,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
             n = min(every, ses.remaining)
             picked = []
             for _ in range(n):
-                tok = pick_tensor(forward(x, ses.cache)[:, -1], temperature, gen, flag=True)  # (1,), on the device
+                tok = pick_tensor(forward(x, ses.cache)[:, -1], how, gen, flag=True)  # (1,), on the device
                 picked.append(tok)
                 # NONFINITE (-1) is no token id; the steps after it are computed but never emitted (check_picked)
                 x = tok.clamp_min(0)[:, None]  # (1, 1)
@@ -68,9 +68,10 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, temp
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                         on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
-                        step: Step | EagerStep | None = None, read_every: int | None = None
-                        ) -> GenerateResult | list[GenerateResult]:
-    """KV-cached sequential decoding (the reference). Greedy at temperature 0. `compile`: the prefill and
+                        step: Step | EagerStep | None = None, read_every: int | None = None, top_k: int = 0,
+                        top_p: float = 1.0) -> GenerateResult | list[GenerateResult]:
+    """KV-cached sequential decoding (the reference). Greedy at temperature 0, else a draw from softmax(logits /
+    temperature), filtered by `top_k` / `top_p` as transformers filters it (snlp.decode.session.Sampling). `compile`: the prefill and
     the decode step run as compiled static-shape steps (snlp.decode.steps; compiled before timing, compile_s);
     `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs.
     A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns one
@@ -81,16 +82,18 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
     batch in bf16 / fp16, see read_every)."""
     check_decode_args(max_new_tokens, temperature)  # before a step is built
+    how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
-                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)
+                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                   on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
                   step: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                  read_every: int | None = None) -> GenerateResult | list[GenerateResult]:
+                  read_every: int | None = None, top_k: int = 0, top_p: float = 1.0
+                  ) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
     model of `plan` decoded sequentially (the original model for M = 1). `compile` / `step`: as in
@@ -98,9 +101,11 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
     its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises
     SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's
-    tokens, no extra sync) instead of emitting tokens read off them. `read_every`: as in `sequential_generate`."""
+    tokens, no extra sync) instead of emitting tokens read off them. `read_every`, `top_k`, `top_p`: as in
+    `sequential_generate`."""
     plan = decode_plan(model, plan)
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
+    how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
-                           max_new_tokens, temperature, eos_id, seed, max_len, on_tokens, read_every)
+                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from snlp.decode.batch import is_batch
-from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
+from snlp.decode.session import (GREEDY, NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
                                  decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
@@ -80,7 +80,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
                 # forward) are flagged: NaN/inf logits read as NONFINITE on this host read (no extra sync); verified
                 # SNLP iterations only guess (a diverged guess costs speed), the sequential check below is flagged
                 flag = plan is None or not verify
-                pred = pick_tokens(logits[0], 0.0, flag=True) if flag else logits[0].argmax(-1).tolist()
+                pred = pick_tokens(logits[0], GREEDY, flag=True) if flag else logits[0].argmax(-1).tolist()
                 if plan is not None and not verify:
                     check_picked(pred, plan, len(ses.out), model=model,
                                  context=lambda i: ses.prompt + ses.out + g[:i])  # position i's logits: after g[:i]
@@ -94,7 +94,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             if plan is not None and verify:  # sequential check of the SNLP-Jacobi fixed point
                 g = pred[:Bk]
                 cache.rollback(P)
-                pred = pick_tokens(seq_fwd(ses.ids([ses.last] + g), cache)[0], 0.0, flag=True)
+                pred = pick_tokens(seq_fwd(ses.ids([ses.last] + g), cache)[0], GREEDY, flag=True)
                 res.forwards += 1
             # pred[:n] == g[:n] holds no NONFINITE (g never does): only the model's token pred[n] can be one
             n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)

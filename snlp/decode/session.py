@@ -129,6 +129,55 @@ def check_decode_args(max_new_tokens: int, temperature: float, block: int | None
         raise ValueError(f"draft block size B must be an integer >= 1 (got {block!r})")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a decode picks its next token from logits: greedy (the argmax) at temperature 0, else a draw from
+    softmax(logits / temperature) restricted to the `top_k` most likely tokens (0: all; ties at the k-th logit are
+    kept) and then to the most likely tokens whose probability first reaches `top_p` (1.0: all; at least one),
+    renormalised. The filters run in transformers' order and with its tie rules (TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper), so a filtered distribution is the one `generate(do_sample=True, top_k=...,
+    top_p=...)` samples. Self-speculative decoding filters the drafter's distribution the same way and verifies
+    against the model's filtered one: rejection sampling keeps any target law exactly."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """The sampled distribution (..., V) in float32 from logits (..., V)."""
+        x = logits.float() / self.temperature
+        if 0 < self.top_k < x.shape[-1]:  # transformers: remove logits below the k-th largest (its ties stay)
+            x = x.masked_fill(x < torch.topk(x, self.top_k, dim=-1).values[..., -1:], -torch.inf)
+        if self.top_p < 1.0:  # transformers: ascending sort, drop the head whose cumulative mass is <= 1 - top_p
+            xs, order = torch.sort(x, dim=-1)
+            drop = xs.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            drop[..., -1] = False  # keep the most likely token
+            x = x.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
+        return torch.softmax(x, -1)
+
+
+GREEDY = Sampling()
+
+
+def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    """A checked `Sampling`: a bad value, or a filter given to greedy decoding (which draws nothing, so the filter
+    could not act), is refused with a one-line error before any work."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, 0 = greedy (got {temperature})")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0, 0 = no top-k filter (got {top_k!r})")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], 1 = no top-p filter (got {top_p!r})")
+    if temperature == 0 and (top_k or top_p < 1):
+        raise ValueError(f"top_k / top_p filter the sampled distribution, and greedy decoding (temperature 0) draws "
+                         f"nothing: give a temperature > 0 or drop them (got top_k={top_k}, top_p={top_p})")
+    return Sampling(float(temperature), top_k, float(top_p))
+
+
 def decode_plan(model: GPT, plan: Plan | str) -> Plan:
     if plan is None:
         raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
@@ -238,27 +287,27 @@ def cut_at_stop(new: list[int], stops: frozenset[int]) -> list[int] | None:
 NONFINITE = -1  # what a flagged pick returns for a row whose logits hold NaN/inf (never a token id)
 
 
-def pick_tensor(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
+def pick_tensor(logits: Tensor, how: Sampling, gens: list[torch.Generator | None] | None = None,
                 flag: bool = False) -> Tensor:
-    """Next token of each row of logits (B, V), on the logits' device (nothing is read back): argmax at temperature 0,
-    else a sample of softmax(logits / T) drawn from the row's own generator gens[j]. `flag`: a row whose logits hold
-    NaN/inf gets NONFINITE instead of a token read off them, so the flag rides on the host read of the tokens that
-    the loop does anyway (no extra sync), and `check_picked` raises on it."""
+    """Next token of each row of logits (B, V), on the logits' device (nothing is read back): the argmax when greedy,
+    else a draw from the row's own generator gens[j] of `how`'s distribution (Sampling.probs). `flag`: a row whose
+    logits hold NaN/inf gets NONFINITE instead of a token read off them, so the flag rides on the host read of the
+    tokens that the loop does anyway (no extra sync), and `check_picked` raises on it."""
     finite = torch.isfinite(logits).all(-1) if flag else None  # (B,)
-    if temperature == 0:
+    if how.greedy:
         tok = logits.argmax(-1)
     else:
-        probs = torch.softmax(logits.float() / temperature, -1)
+        probs = how.probs(logits)
         if flag:  # a non-finite row draws from a stand-in (its token is dropped below): multinomial refuses NaN
             probs = torch.where(finite[:, None], probs, 1.0)
         tok = torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)])
     return tok if finite is None else torch.where(finite, tok, NONFINITE)  # (B,)
 
 
-def pick_tokens(logits: Tensor, temperature: float, gens: list[torch.Generator | None] | None = None,
+def pick_tokens(logits: Tensor, how: Sampling, gens: list[torch.Generator | None] | None = None,
                 flag: bool = False) -> list[int]:
     """`pick_tensor` read back to the host: one read of the (B,) tokens."""
-    return pick_tensor(logits, temperature, gens, flag).tolist()
+    return pick_tensor(logits, how, gens, flag).tolist()
 
 
 READ_EVERY = 8  # decode steps between host reads of the tokens on an accelerator (see read_every)
@@ -292,10 +341,9 @@ def check_read_every(every: int | None) -> None:
         raise ValueError(f"read_every must be an integer >= 1, the decode steps between host reads (got {every!r})")
 
 
-def pick_token(logits: Tensor, temperature: float, gen: torch.Generator | None, flag: bool = False) -> int:
-    """Next token from logits (V,): argmax at temperature 0, else a sample of softmax(logits / T); with `flag`,
-    NONFINITE if the logits hold NaN/inf (pick_tokens)."""
-    return pick_tokens(logits[None], temperature, [gen], flag)[0]
+def pick_token(logits: Tensor, how: Sampling, gen: torch.Generator | None, flag: bool = False) -> int:
+    """Next token from logits (V,) (`pick_tensor`); with `flag`, NONFINITE if the logits hold NaN/inf."""
+    return pick_tokens(logits[None], how, [gen], flag)[0]
 
 
 def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None = None, model: GPT | None = None,

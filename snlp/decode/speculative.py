@@ -14,8 +14,8 @@ from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, is_batch
 from snlp.decode.generate import sequential_generate
-from snlp.decode.session import (NONFINITE, GenerateResult, check_decode_args, check_picked, decode_plan,
-                                 merge_results, sequential_forward, snlp_forward, step_slack)
+from snlp.decode.session import (NONFINITE, GenerateResult, Sampling, check_decode_args, check_picked, decode_plan,
+                                 merge_results, sampling, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
@@ -307,7 +307,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
                          share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False,
-                         drafter: Drafter | None = None) -> GenerateResult | list[GenerateResult]:
+                         drafter: Drafter | None = None, top_k: int = 0, top_p: float = 1.0
+                         ) -> GenerateResult | list[GenerateResult]:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -334,8 +335,12 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
     `drafter` (snlp.method.drafter, `snlp adapt`): an adapted drafter of `model` drafts instead of the model's own
     SNLP forward (its prefix is the model's, its suffix adapted; checked against the model's weights fingerprint
-    unless a prebuilt `draft` step is passed); `model` still verifies, so the output is the model's own."""
+    unless a prebuilt `draft` step is passed); `model` still verifies, so the output is the model's own.
+
+    `top_k` / `top_p` (sampling): the model's distribution filtered as in `sequential_generate`
+    (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law."""
     check_decode_args(max_new_tokens, temperature, block)
+    how = sampling(temperature, top_k, top_p)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
@@ -343,12 +348,12 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights)
     verify_fwd = sequential_forward(model, compile, verify)
     if is_batch(prompt_ids):
-        return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
+        return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, how,
                                  eos_id, seed, max_len, on_tokens, min_confidence, adaptive)
     # one prompt: the same round as a batch, run as a batch of one (BatchSession.plain: the plain cached forwards
     # of the single-prompt path, no masks), so every fix to the round lands once
     stream = None if on_tokens is None else (lambda i, new: on_tokens(new))
-    res = _speculative_rows(model, [prompt_ids], plan, draft_fwd, verify_fwd, block, max_new_tokens, temperature,
+    res = _speculative_rows(model, [prompt_ids], plan, draft_fwd, verify_fwd, block, max_new_tokens, how,
                             eos_id, seed, max_len, stream, min_confidence, adaptive)[0]
     res.extra.pop("batch", None)
     return res
@@ -396,14 +401,14 @@ class AdaptiveBlock:
         self.acc, self.exam = [self.acc[j] for j in rows], [self.exam[j] for j in rows]
 
 
-def _draft_pick(ses: BatchSession, logits: Tensor, temperature: float, draw: list[bool]) -> tuple[Tensor, Tensor]:
+def _draft_pick(ses: BatchSession, logits: Tensor, how: Sampling, draw: list[bool]) -> tuple[Tensor, Tensor]:
     """The drafter's next token of every batch row from its logits (B, V), left on the device: the argmax, or a
     sample of softmax(logits / T) from the row's own generator for the rows in `draw` (a row past its own block
     draws nothing, so its generator's stream, and its tokens, do not depend on its neighbours' blocks; its token is
     computed and dropped). Returns the tokens (B, 1) and, sampling, the drafter's probabilities q (B, V)."""
-    if temperature == 0:
+    if how.greedy:
         return logits.argmax(-1, keepdim=True), None
-    probs = torch.softmax(logits.float() / temperature, -1)  # (B, V)
+    probs = how.probs(logits)  # (B, V)
     # a NaN/inf drafter row drafts from the uniform stand-in q (multinomial refuses NaN): rejection sampling is exact
     # for any q, and the verifier's own logits are checked in the verdict
     probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / probs.shape[-1])
@@ -413,7 +418,7 @@ def _draft_pick(ses: BatchSession, logits: Tensor, temperature: float, draw: lis
 
 
 def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None,
-             qs: list, temperature: float) -> tuple[Tensor, Tensor]:
+             qs: list, how: Sampling) -> tuple[Tensor, Tensor]:
     """How many of its drafts each row keeps and its next token, on the device: ids (B, m + 1) = [last, drafts...]
     (row j drafted drafted[j] <= m, also as `wants` (B, 1) on the device; None: every row drafted m), logits
     (B, m + 1, V) the verifier's there. Greedy: the leading drafts equal to the verifier's argmax and the argmax
@@ -424,12 +429,12 @@ def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int],
     cols = torch.arange(m + 1, device=ids.device)  # (m + 1,)
     mine = cols[None] <= (m if wants is None else wants)  # (B or 1, m + 1): the row's own positions
     finite = torch.isfinite(logits).all(-1)  # (B, m + 1)
-    if temperature == 0:
+    if how.greedy:
         target = torch.where(finite, logits.argmax(-1), NONFINITE)  # (B, m + 1)
         ok = (ids[:, 1:] == target[:, :m]) & mine[:, 1:]  # (B, m): a NONFINITE target equals no draft
         n = ok.long().cumprod(-1).sum(-1)  # (B,)
         return n, target.gather(1, n[:, None])[:, 0]
-    p = torch.softmax(logits.float() / temperature, -1)  # (B, m + 1, V)
+    p = how.probs(logits)  # (B, m + 1, V)
     p = torch.where(finite[..., None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
     q = torch.stack(qs, 1) if qs else p.new_zeros(B, 0, p.shape[-1])  # (B, m, V)
     n, t = speculative_accept(p, q, ids[:, 1:], [ses.gens[i] for i in ses.rows], drafted)
@@ -439,7 +444,7 @@ def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int],
 
 
 def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: list[int], pad_to: int | None,
-           temperature: float, min_confidence: float = 0.0):
+           how: Sampling, min_confidence: float = 0.0):
     """One self-speculative round of every batch row, greedy or sampled, with a single host read: up to max(want)
     drafter steps, each fed the previous step's tokens as a device tensor, one verifier forward over
     [last, drafts...], the verdict on the device (`_verdict`), and one read of the drafts, the accepted counts and
@@ -489,7 +494,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             break
         draw = [k < w for w in want] if not min_confidence else list(going)
         logits = draft(x, k)[:, -1]  # (B, V)
-        x, q = _draft_pick(ses, logits, temperature, draw)  # (B, 1), (B, V)
+        x, q = _draft_pick(ses, logits, how, draw)  # (B, 1), (B, V)
         drafts.append(x)
         if q is not None:
             qs.append(q)
@@ -507,7 +512,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
         wants = None  # the one row drafted all m
     else:  # (B, 1): the blocks copied in with the round, or (min_confidence) what each row drafted
         wants = rows[:, 2:3] if drafted == want else torch.tensor(drafted, device=ses.device)[:, None]
-    n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, temperature)  # (B,) each
+    n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, how)  # (B,) each
     t2 = mark(ses.device)
     got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read
     return ([g[:w] for g, w in zip(got, drafted)], [g[m] for g in got], [g[m + 1] for g in got], nxt[:, None], m,
@@ -515,7 +520,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
 
 
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
-                      temperature: float, eos_id, seed, max_len, on_tokens, min_confidence: float,
+                      how: Sampling, eos_id, seed, max_len, on_tokens, min_confidence: float,
                       adaptive: bool) -> list[GenerateResult]:
     """Self-speculative decoding of a ragged batch (snlp.decode.batch): per round, every live row drafts its own
     number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
@@ -525,10 +530,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
     c0 = draft_fwd.compile_s + verify_fwd.compile_s  # prebuilt steps' totals so far: report this call's only
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
-                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, temperature, seed)
+                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, how, seed)
         # sampling: the block must not depend on the clock (a seeded run repeats its draws), so the cost ratio is
         # the plan's ideal one, L / (S + K * evals) layer steps, not the measured one
-        ratio = plan.ideal_speedup(model.config.n_layer) if temperature > 0 else None
+        ratio = None if how.greedy else plan.ideal_speedup(model.config.n_layer)
         ctl = AdaptiveBlock(block, len(ses.rows), cost_ratio=ratio) if adaptive else None
         for r in ses.results:
             r.plan, r.block = str(plan), block
@@ -547,13 +552,13 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             rows = range(len(ses.rows))
             if ctl is None:
                 blocks = [block for _ in rows]
-            elif temperature == 0:
+            elif how.greedy:
                 blocks = [max(ctl.block(j) for j in live) for _ in rows]
             else:
                 blocks = [ctl.block(j) if j in live else 0 for j in rows]
             want = [min(blocks[j], ses.remaining(j) - 1) if j in live else 0 for j in rows]
             drafts, ns, nxt, fed, steps, (t0, t1, t2) = _round(ses, draft_fwd, verify_fwd, last, want, pad,
-                                                               temperature, min_confidence)
+                                                               how, min_confidence)
             if last is not None:  # one prompt: the next round starts from the verifier's token on the device
                 last = fed
             draft_s, verify_s = between(t0, t1), between(t1, t2)  # events recorded before the round's read: passed

@@ -73,8 +73,8 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
-                                 make_generator, pick_token)
+from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
+                                 make_generator, pick_token, sampling)
 from snlp.decode.speculative import speculative_accept
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
@@ -540,24 +540,26 @@ class DistributedSNLP:
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
                  temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int = 0,
-                 max_len: int | None = None, on_tokens=None) -> GenerateResult:
+                 max_len: int | None = None, on_tokens=None, top_k: int = 0, top_p: float = 1.0) -> GenerateResult:
         """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
         `GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a distributed SNLP
         solve), `sequential` (the original model layer-pipelined: the pipeline baseline), `speculative`
         (distributed SNLP drafts `block` tokens, the pipelined original model verifies B+1 positions in one
         forward; greedy output equals sequential decoding). The bookkeeping (prompt, budget, EOS, streaming,
         timing) is snlp.decode's DecodeSession, the same as single-process decoding; what differs is that only
-        the last rank has logits: it picks, and every rank follows the broadcast tokens."""
+        the last rank has logits: it picks, and every rank follows the broadcast tokens. `top_k` / `top_p`: the
+        sampled distribution filtered as in snlp.decode's `sequential_generate` (snlp.decode.session.Sampling)."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
+        how = sampling(temperature, top_k, top_p)
         ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode,
                             make_cache=self.new_cache)
         ses.result.plan = None if mode == "sequential" else str(self.plan)
         ses.result.block = block if mode == "speculative" else 0
         # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
         # cannot drive CUDA sampling); only the last rank draws, and the tokens are broadcast
-        gen = make_generator(seed, self.device) if temperature > 0 else None  # seed None: fresh, global RNG untouched
+        gen = None if how.greedy else make_generator(seed, self.device)  # seed None: fresh, global RNG untouched
         snlp = lambda x: self.solve(ses.ids(x), ses.cache, check_finite=False).logits  # noqa: E731
         seq = lambda x: self.pipeline_forward(ses.ids(x), ses.cache)  # noqa: E731
         t0 = now(self.device)
@@ -567,11 +569,11 @@ class DistributedSNLP:
         ses.t0 = now(self.device)
         while not ses.done:
             if mode == "speculative":
-                self._speculative_round(ses, snlp, seq, block, temperature, gen)
+                self._speculative_round(ses, snlp, seq, block, how, gen)
             else:
                 logits = (snlp if mode == "snlp" else seq)([ses.last])
                 ses.result.forwards += 1
-                pick = [pick_token(logits[0, -1], temperature, gen, flag=True)] if self.rank == self.last else None
+                pick = [pick_token(logits[0, -1], how, gen, flag=True)] if self.rank == self.last else None
                 toks = self._tokens_from_last(pick, 1)
                 # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits; plan None: the
                 # model's own forward
@@ -579,7 +581,7 @@ class DistributedSNLP:
                 ses.emit(toks)
         return ses.finish()
 
-    def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, temperature: float, gen) -> None:
+    def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, how: Sampling, gen) -> None:
         """One self-speculative round: B distributed SNLP drafter steps, one pipelined verification of the B+1
         positions, the last rank's verdict (greedy prefix match or rejection sampling) broadcast to all."""
         cache, res = ses.cache, ses.result
@@ -591,8 +593,8 @@ class DistributedSNLP:
             tok = None
             if self.rank == self.last:
                 lg = logits[0, -1]
-                if temperature > 0:
-                    q = torch.softmax(lg.float() / temperature, -1)  # NaN/inf: a uniform stand-in (any q is exact)
+                if not how.greedy:
+                    q = how.probs(lg)  # NaN/inf: a uniform stand-in (any q is exact)
                     qs.append(torch.where(torch.isfinite(q).all(), q, 1.0 / q.shape[-1]))
                     tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
                 else:
@@ -606,12 +608,12 @@ class DistributedSNLP:
         if self.rank == self.last:
             lg = logits[0]  # (Bk+1, V)
             finite = torch.isfinite(lg).all(-1)  # (Bk+1,): the verifier's NaN/inf position reads as NONFINITE
-            if temperature == 0:
+            if how.greedy:
                 target = torch.where(finite, lg.argmax(-1), NONFINITE).tolist()
                 nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
                 verdict = [nacc, target[nacc]]
             else:
-                p = torch.softmax(lg.float() / temperature, -1)
+                p = how.probs(lg)
                 p = torch.where(finite[:, None], p, 1.0 / p.shape[-1])  # a stand-in: its draw is dropped below
                 q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
                 n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(), gen)
