@@ -25,7 +25,7 @@ import torch  # noqa: E402
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from harness_fixtures import DATA, base, hf, lls, offline, requests, run, samples, tasks  # noqa: E402,F401
+from harness_fixtures import DATA, base, hf, offline, run, tasks  # noqa: E402,F401
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
@@ -39,6 +39,8 @@ from snlp.method.drafter import make_drafter  # noqa: E402
 from snlp.io.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import blowup_model, make_model  # noqa: E402
+
+FIXTURES = (base, hf, offline, tasks)  # pytest finds these fixtures by their names in this module (offline is autouse)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
