@@ -37,7 +37,7 @@ READS = {
                 "chat_prompts"),
     "task": ("mc_scoring", "mc_shots", "mc_shots_from", "mc_limit"),
     "harness": ("harness_include", "num_fewshot", "limit", "fewshot_seed", "apply_chat_template", "harness_decode",
-                "harness_block", "bootstrap_iters", "harness_out"),
+                "harness_block", "bootstrap_iters", "harness_out", "force"),
 }
 MODES = {"lm": "the LM metrics", "drafter": "--drafter", "task": "--task", "harness": "--harness"}
 RUN_AS = {"lm": "without --drafter, --task or --harness", "drafter": "with --drafter", "task": "with --task",

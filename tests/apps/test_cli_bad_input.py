@@ -110,6 +110,7 @@ def test_a_run_into_a_drafter_folder_is_refused(tmp_path, capsys):
     (["--task", "mc:x.jsonl", "--csv", "r.csv"], "--csv is not read with --task (it is for the LM metrics)"),
     (["--drafter", "d", "--seed", "3"], "--seed is not read with --drafter"),
     (["--mc-limit", "3"], "--mc-limit is not read without --drafter, --task or --harness (it is for --task)"),
+    (["--force"], "--force is not read without --drafter, --task or --harness (it is for --harness)"),
     (["--harness", "arc_easy", "--harness-block", "8"], "--harness-block is the draft block of speculative decoding"),
     (["--harness", "arc_easy", "--harness-decode", "snlp"], "without --plans there is no plan to decode"),
 ])
