@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,17 @@ def test_cli_harness_force_replaces_only_the_files_the_run_writes(tasks, tmp_pat
         assert "snlp_arc_tiny" in json.loads((out / name).read_text())["results"], name
     assert "2xF1-h0-K1" in (out / "table.md").read_text()
     assert (out / "2xF1-h0-K2.json").read_text() == (out / "notes.txt").read_text() == "an earlier run's\n"
+
+
+@pytest.mark.parametrize("kw,says", [(dict(max_length=0), "max_length must be >= 1"),
+                                     (dict(block=0), "block (the speculative draft length) must be >= 1"),
+                                     (dict(decode="greedy"), "decode='greedy': use one of"),
+                                     (dict(plan="4xF1-h0-K1-tol:-1"), "tol must be a positive number, got '-1'")])
+def test_harness_model_args_are_checked_before_the_model_loads(tmp_path, kw, says):
+    """A bad max_length / block / decode / plan string was refused only after the checkpoint (and a drafter) had
+    loaded: here the checkpoint does not even exist, and the error is about the argument."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
 
 
 def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):
