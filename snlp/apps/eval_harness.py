@@ -78,11 +78,14 @@ def check_harness_out(out: Path, methods: list[str], force: bool = False) -> lis
 def clear_harness_out(out: Path, methods: list[str]) -> str:
     """--force: remove the files of `out` this run writes (its methods' JSON, table.md), before the first harness
     run, so that a run that stops half way leaves none of the earlier run's files looking like its own. Nothing
-    else in `out` is touched. Returns the line saying what was removed and what was left."""
+    else in `out` is touched. Returns the line saying what was removed and what was left ("" when `out` holds
+    nothing)."""
     gone = check_harness_out(out, methods, force=True)
     for n in gone:
         (out / n).unlink()
     left = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not gone and not left:
+        return ""
     return (f"--force: removed {', '.join(gone) or 'nothing'} from {out}"
             + (f"; left {', '.join(left)} (not written by this run)" if left else ""))
 
@@ -159,8 +162,9 @@ def run(args) -> int:
     methods = [lm.method for lm in lms]  # as planned_methods named them; checked again from the built models
     check_method_files(methods)
     check_harness_out(out, methods, args.force)
-    if args.force:
-        print(f"snlp eval: {clear_harness_out(out, methods)}", file=sys.stderr)
+    said = clear_harness_out(out, methods) if args.force else ""
+    if said:
+        print(f"snlp eval: {said}", file=sys.stderr)
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
