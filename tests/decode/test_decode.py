@@ -530,7 +530,7 @@ def test_bad_inputs_are_refused_before_any_work(monkeypatch, entry, name, prompt
 @pytest.mark.xfail(strict=True, reason="speculative_generate / jacobi_generate check their prompts, max_len and eos_id "
                    "(and speculative decoding a batch's plan) only when their session is built, after the plan is bound "
                    "and the steps built: the fix is one call of snlp.decode.batch.check_decode_inputs before "
-                   "snlp_forward / sequential_forward in snlp/decode/speculative.py and jacobi.py (left43.md item 1)")
+                   "snlp_forward / sequential_forward in speculative_generate and jacobi_generate")
 @pytest.mark.parametrize("entry,name,prompts,kw,says",
                          [("speculative", *b) for b in BAD_INPUTS] +
                          [("jacobi", *b) for b in BAD_INPUTS if not b[0].startswith("batch")],  # batches: refused

@@ -146,7 +146,8 @@ def test_without_the_model_the_error_claims_no_source():
     "a rejected draft whose own K/V are NaN (the model's forward over that token is NaN: here a NaN embedding row) "
     "poisons the EARLIER positions of the verifier's multi-token forward through masked attention (softmax weight "
     "exactly 0 times a NaN value is NaN), so self-speculative decoding raises NonFiniteModelError where the model's "
-    "greedy output is finite; snlp/decode/speculative.py is the lead's (left43.md item 6 has the fix)"))
+    "greedy output is finite; verifying such a row again without the drafts after its first non-finite target "
+    "(as wide as the first pass, so the NaN slot is rewritten) would give the model's tokens"))
 def test_a_rejected_nan_draft_does_not_poison_the_positions_before_it():
     """Token 32's embedding row is NaN: the model never emits it on this prompt (the naive argmax loop over the
     uncached forward of each prefix, the outside reference, stays finite and equals sequential decoding), but the
