@@ -183,7 +183,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
-    print(f"| case | heads | formulation | ms | max abs err vs fp32 masked | first call s |\n|---|---|---|---|---|---|")
+    print("| case | heads | formulation | ms | max abs err vs fp32 masked | first call s |\n|---|---|---|---|---|---|")
     for r in out["rows"]:
         if "error" in r:
             print(f"| {r['case']} | {r['heads']} | {r['formulation']} | ERROR {r['error'][:80]} | | |")

@@ -702,7 +702,7 @@ def main(argv=None) -> int:
             print(f"| {key} | {label(r)} | " + " | ".join(
                 f"{r[c]:.0f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
     if a.extra_iter:  # one more iteration = the plan at K + 1 minus the plan at K
-        print(f"\n# one more iteration (the plan at K + 1 minus the plan at K)")
+        print("\n# one more iteration (the plan at K + 1 minus the plan at K)")
         print(head.replace("forward", "plan"))
         print("|---" * 11 + "|")
         by = {(r["shape"], r["side"], r["forward"]): r for r in rows}

@@ -3,6 +3,7 @@ output projections, which would make every SNLP law hold trivially)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib.util
 import os
@@ -85,7 +86,6 @@ def count_aten(fn) -> "collections.Counter":
     """aten ops (by name, views included) that one call of `fn` dispatches, counted by a TorchDispatchMode under
     no_grad (composite ops arrive decomposed). A count of what runs, not a time: the GPU cost of a kernel is at
     least a launch (docs/records/2026-11-26-gpu-h100.md)."""
-    import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
 

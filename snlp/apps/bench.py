@@ -267,6 +267,7 @@ def model_spec(args) -> ModelSpec:
 def run(args) -> int:
     import torch
 
+    from snlp.apps.common import check_plans_grammar
     from snlp.bench.forward import benchmark, build_model
     from snlp.bench.records import write_records
     from snlp.method.plan import parse_plans
@@ -304,6 +305,13 @@ def run(args) -> int:
     args.tokens = counts[0]
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
+    check_plans_grammar(args.plans)  # before the model is built
+    if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
+        from snlp.bench.decode import check_batch_plans
+        from snlp.method.plan import Plan
+
+        check_batch_plans([Plan.parse(p) for p in args.plans.split(",") if p.strip()], batch_sizes(args),
+                          hint="--batch-sizes 1 runs it")
     device = cli_device(args.device)
     set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(model_spec(args))
@@ -358,6 +366,17 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     Console(width=160).print(table)
 
 
+def batch_sizes(args) -> tuple[int, ...]:
+    """--batch-sizes as integers >= 1 (ValueError otherwise)."""
+    try:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
+    return sizes
+
+
 def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...], device, dtype: str) -> int:
     """--decode --batch-sizes: batched sequential vs batched SSD at each batch size (snlp.bench.decode)."""
     from rich.console import Console
@@ -367,12 +386,7 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     from snlp.bench.records import write_records
     from snlp.runtime.device import device_label
 
-    try:
-        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
-    except ValueError:
-        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
+    sizes = batch_sizes(args)
     rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
                                   args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
                                   min_confidence=args.min_confidence, adaptive=args.adaptive_block)

@@ -25,6 +25,15 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
     return pre
 
 
+def check_plans_grammar(text: str | None) -> None:
+    """Refuse a malformed plan of a --plans list before the model loads (whether each fits the model, its depth, is
+    checked once it has: snlp.method.plan.parse_plans); no warning here for a K beyond the exact count, which
+    parse_plans gives once."""
+    for p in (text or "").split(","):
+        if p.strip():
+            Plan.parse(p.strip())
+
+
 def flag(dest: str) -> str:
     """The command-line spelling of an argparse dest: --dest-with-dashes."""
     return "--" + dest.replace("_", "-")

@@ -76,6 +76,15 @@ def run_generate(args) -> int:
     refuse_compile(args)
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
+    # bad values before the process group is set up and every rank reads its layers (snlp.apps.generate.check_args
+    # is the single-process run's)
+    from snlp.decode.session import check_decode_args
+    from snlp.method.plan import Plan
+
+    check_decode_args(args.max_new_tokens, args.temperature, args.block if args.mode == "speculative" else None)
+    if args.eos_id is not None and args.eos_id < 0:
+        raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
+    Plan.parse(args.plan)  # its grammar; whether it fits the model once the ranks have read it
     if not os.path.exists(args.ckpt):
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))

@@ -37,7 +37,7 @@ READS = {
                 "chat_prompts"),
     "task": ("mc_scoring", "mc_shots", "mc_shots_from", "mc_limit"),
     "harness": ("harness_include", "num_fewshot", "limit", "fewshot_seed", "apply_chat_template", "harness_decode",
-                "harness_block", "bootstrap_iters", "harness_out"),
+                "harness_block", "bootstrap_iters", "harness_out", "force"),
 }
 MODES = {"lm": "the LM metrics", "drafter": "--drafter", "task": "--task", "harness": "--harness"}
 RUN_AS = {"lm": "without --drafter, --task or --harness", "drafter": "with --drafter", "task": "with --task",
@@ -144,7 +144,7 @@ def mode_flags(args) -> None:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import plans_preheat
+    from snlp.apps.common import check_plans_grammar, plans_preheat
     from snlp.apps.report import delta_ppl_interval
     from snlp.bench.stats import paired_verdict
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
@@ -162,6 +162,7 @@ def run(args) -> int:
         if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
             raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
     mode_flags(args)
+    check_plans_grammar(args.plans)  # before the checkpoint loads
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)

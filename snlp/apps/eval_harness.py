@@ -37,6 +37,9 @@ def add_arguments(p) -> None:
                    "bootstrapped metrics (default: the harness's own, 100000 in lm-eval 0.4; 0 = no stderr)")
     h.add_argument("--harness-out", default=None, metavar="DIR", help="the harness's JSON per method "
                    "(DIR/<method>.json) and the table (DIR/table.md); default harness-<CKPT name>")
+    h.add_argument("--force", action="store_true", help="--harness: replace an earlier run's files in --harness-out "
+                   "(this run's methods' JSON and table.md are removed before the first harness run; other files "
+                   "there are left as they are and named)")
 
 
 def method_file(method: str) -> str:
@@ -57,16 +60,46 @@ def check_method_files(methods: list[str]) -> None:
         seen[f] = m
 
 
-def check_harness_out(out: Path, methods: list[str]) -> None:
+def check_harness_out(out: Path, methods: list[str], force: bool = False) -> list[str]:
     """Refuse a --harness-out that already holds a file this run would write (a method's JSON, table.md): the run
     replaced them and left the other methods' files of the earlier run beside the new ones, one folder mixing two
-    runs' results."""
+    runs' results. With `force` (--force) nothing is refused: returns the names of those files (`clear_harness_out`
+    removes them)."""
     names = [method_file(m) for m in methods] + ["table.md"]
     there = [n for n in names if (out / n).exists()]
-    if there:
+    if there and not force:
+        it = "it" if len(there) == 1 else "them"
         raise ValueError(f"--harness-out {out} already holds {', '.join(there)} of an earlier run; this run would "
-                         f"replace {'it' if len(there) == 1 else 'them'}: choose another --harness-out (or move "
-                         f"{'it' if len(there) == 1 else 'them'} away)")
+                         f"replace {it}: choose another --harness-out, pass --force to replace {it}, or move {it} "
+                         f"away")
+    return there
+
+
+def clear_harness_out(out: Path, methods: list[str]) -> str:
+    """--force: remove the files of `out` this run writes (its methods' JSON, table.md), before the first harness
+    run, so that a run that stops half way leaves none of the earlier run's files looking like its own. Nothing
+    else in `out` is touched. Returns the line saying what was removed and what was left ("" when `out` holds
+    nothing)."""
+    gone = check_harness_out(out, methods, force=True)
+    for n in gone:
+        (out / n).unlink()
+    left = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not gone and not left:
+        return ""
+    return (f"--force: removed {', '.join(gone) or 'nothing'} from {out}"
+            + (f"; left {', '.join(left)} (not written by this run)" if left else ""))
+
+
+def planned_methods(plans: list, drafter: str | None) -> list[str]:
+    """The methods a run will evaluate, named as SNLPLM.method names them (sequential, each plan, drafter:PLAN with
+    the drafter's own plan, read from its drafter.json), known before the checkpoint loads."""
+    methods = ["sequential"] + [str(p) for p in plans]
+    if drafter:
+        from snlp.io.drafter import read_meta
+        from snlp.method.plan import Plan
+
+        methods.append(f"drafter:{Plan.parse(read_meta(drafter)['plan'])}")
+    return methods
 
 
 def run(args) -> int:
@@ -101,11 +134,16 @@ def run(args) -> int:
     device = cli_device(args.device)
     set_threads(args.threads)
     dtype = cli_dtype(args.dtype, device)
-    if args.plans:  # a plan given twice (or two spellings of one) would overwrite its own JSON: parse_plans refuses
-        parse_plans(args.plans)  # it before the checkpoint loads
+    # a plan given twice (or two spellings of one) would overwrite its own JSON: parse_plans refuses it before the
+    # checkpoint loads
+    early = parse_plans(args.plans) if args.plans else []
     model_arg("pretrained", args.ckpt)  # each run records them in its model_args: a ',' is refused before loading
     if args.drafter:
         model_arg("drafter", args.drafter)
+    out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
+    methods = planned_methods(early, args.drafter)
+    check_method_files(methods)
+    check_harness_out(out, methods, args.force)  # an earlier run's files: refused before the model loads
     tm = task_manager(tasks, args.harness_include)  # an unknown task name: refused before the model loads
     model, tok, ckpt = load_any(args.ckpt)
     if tok is None:
@@ -121,9 +159,12 @@ def run(args) -> int:
     lms += [SNLPLM(pretrained=model, plan=p, preheat=preheat, decode=args.harness_decode, **common) for p in plans]
     if args.drafter:
         lms.append(SNLPLM(pretrained=model, drafter=args.drafter, decode="speculative", **common))
-    check_method_files([lm.method for lm in lms])  # with the drafter's: before any harness run
-    out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
-    check_harness_out(out, [lm.method for lm in lms])
+    methods = [lm.method for lm in lms]  # as planned_methods named them; checked again from the built models
+    check_method_files(methods)
+    check_harness_out(out, methods, args.force)
+    said = clear_harness_out(out, methods) if args.force else ""
+    if said:
+        print(f"snlp eval: {said}", file=sys.stderr)
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,

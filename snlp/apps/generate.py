@@ -108,8 +108,10 @@ def resolve_defaults(args) -> None:
 
 
 def check_args(args) -> None:
-    """Refuse flag combinations a mode cannot honour, before anything is loaded."""
+    """Refuse flag combinations a mode cannot honour, and bad values, before anything is loaded."""
+    from snlp.decode.batch import check_batch_plan
     from snlp.decode.session import check_decode_args
+    from snlp.method.plan import Plan
 
     if args.mode not in MODES:
         raise ValueError(f"unknown mode {args.mode!r}: valid modes are {', '.join(MODES)}")
@@ -126,6 +128,15 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
+    if args.eos_id is not None and args.eos_id < 0:
+        raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
+    # the plan's grammar, and the drafter's directory, before the model loads (its depth is checked once it has)
+    plan = None if args.plan is None else Plan.parse(args.plan)
+    if args.drafter:
+        from snlp.io.drafter import read_meta
+
+        drafted = Plan.parse(read_meta(args.drafter)["plan"])
+        plan = plan or drafted
     if args.mode != "speculative" and (args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--share-weights, --min-confidence and --adaptive-block shape the speculative drafter: use "
                          "them with --mode speculative")
@@ -139,7 +150,10 @@ def check_args(args) -> None:
         if args.mode == "jacobi":
             raise ValueError("--prompts-file decodes batches with --mode sequential, snlp or speculative; Jacobi "
                              "decoding serves one prompt at a time (use --prompt)")
-        read_prompts(args.prompts_file, args.prompts_encoding)  # a missing or undecodable file: before the model loads
+        # a missing or undecodable file: before the model loads
+        n = len(read_prompts(args.prompts_file, args.prompts_encoding))
+        if min(n, args.batch_size) > 1 and args.mode in ("snlp", "speculative"):  # a batch of several prompts
+            check_batch_plan(plan, hint="--batch-size 1 decodes the prompts one at a time")
     if args.mode == "speculative" and not args.no_baseline and args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
@@ -256,7 +270,14 @@ def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str 
     steps = shared_steps(args, model, plan, preheat, drafter)
     for k in range(0, len(prompts), args.batch_size):
         a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
-        rows = decode(a, model, prompts[k:k + args.batch_size], plan, preheat, eos_id, None, steps, drafter)
+        batch = prompts[k:k + args.batch_size]
+        if len(batch) == 1:  # one prompt (--batch-size 1, or the last of a file): the single-prompt path, which
+            #                  every plan runs (DiagN / Newton cannot batch) and which gives the same tokens
+            res = decode(a, model, batch[0], plan, preheat, eos_id, None, steps, drafter)
+            results.append(res)
+            wall += res.decode_s
+            continue
+        rows = decode(a, model, batch, plan, preheat, eos_id, None, steps, drafter)
         results.extend(rows)
         wall += rows[0].extra["batch"]["wall_s"]
     return results, wall

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
 from snlp.decode.steps import host_syncs, sequential_step, snlp_step
@@ -215,6 +216,14 @@ def _variants(plans, blocks, share_weights: bool, min_confidence: float, adaptiv
     return out
 
 
+def check_batch_plans(plans: list[Plan], batch_sizes, hint: str = "batch size 1 runs it") -> None:
+    """Refuse, before any work, a plan batched decoding cannot run (DiagN / Newton: check_batch_plan) when a batch size
+    is above 1; a batch of one runs as a single prompt, which every plan supports."""
+    if max(batch_sizes, default=1) > 1:
+        for plan in plans:
+            check_batch_plan(plan, hint)
+
+
 def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8), prompt_len: int = 16,
                            new_tokens: int = 64, blocks=(4,), warmup: int = 1, runs: int = 3, seed: int = 0,
                            compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
@@ -228,6 +237,7 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1 or min(batch_sizes) < 1:
         raise ValueError("--prompt-len, --new-tokens, every block size and every batch size must be >= 1")
+    check_batch_plans(plans, batch_sizes)  # before the references are decoded and the drafters bound
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (max(batch_sizes),), generator=gen).tolist()
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from snlp.bench.selfcheck import failure
+from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.decode.session import read_every
@@ -129,6 +130,14 @@ class DecodeSuiteConfig:
                 or not cfg.blocks or min(cfg.blocks) < 1 or (cfg.early_exit is not None and cfg.early_exit < 1):
             raise ValueError("decode suite: prompt length, new tokens, rounds, prompt lookup, threads, early exit and "
                              "every block must be >= 1, warm-up >= 0")
+        if max(cfg.batch_sizes) > 1:  # the plans (and the drafter's) at a batch size above 1: before the model loads
+            plans = [Plan.parse(p) for p in cfg.plans or ()]
+            if cfg.drafter:
+                from snlp.io.drafter import read_meta
+
+                plans.append(Plan.parse(read_meta(cfg.drafter)["plan"]))
+            for plan in plans:
+                check_batch_plan(plan, hint="decode suite: batch size 1 runs it")
         return cfg
 
 

@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.session import (GenerateResult, Sampling, check_picked, cut_at_stop, make_generator, pick_tensor,
-                                 prompt_ids_list, read_every, stop_set)
+from snlp.decode.session import (GenerateResult, Sampling, check_fits, check_max_len, check_picked, cut_at_stop,
+                                 make_generator, pick_tensor, prompt_ids_list, read_every, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.cache import RowPositions
@@ -45,13 +45,36 @@ from snlp.runtime.timing import now
 RowsCallback = Callable[[int, list[int]], None]  # on_tokens of a batch: (prompt index, new tokens)
 
 
-def check_batch_plan(plan) -> None:
+def check_batch_plan(plan, hint: str = "decode the prompts one at a time for this plan") -> None:
     """Raise a ValueError for plans batched decoding cannot run: the DiagN / Newton surrogates evaluate probes or JVPs
-    through a read-only view of the cache that takes one Python start position, not per-row positions."""
+    through a read-only view of the cache that takes one Python start position, not per-row positions. `hint`: what
+    to do instead, in the caller's words (a command names its flag)."""
     if plan is not None and isinstance(plan.surrogate, (DiagN, Newton)):
         raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate's probes read the KV cache at one start "
-                         f"position, not per row; batched decoding supports the idn, none and hcn surrogates (decode "
-                         f"the prompts one at a time for this plan)")
+                         f"position, not per row; batched decoding supports the idn, none and hcn surrogates ({hint})")
+
+
+def check_decode_inputs(model: GPT, prompt_ids, max_new_tokens: int, max_len: int | None, eos_id, plan=None,
+                        one_row_single: bool = False) -> None:
+    """Refuse bad decode inputs before any work (a plan bound, a step built or compiled, a cache allocated), with the
+    errors the sessions give when they are built (DecodeSession, BatchSession): max_len, eos_id, every prompt (ids in
+    the vocabulary, at least one token, no longer than max_len) and, for a batch, a plan batched decoding cannot run
+    (`check_batch_plan`). `one_row_single`: the caller runs a list of ONE prompt as a single prompt (self-speculative
+    decoding does), so such a list takes any plan."""
+    check_max_len(max_len)
+    stop_set(eos_id)
+    if not is_batch(prompt_ids):
+        n = len(prompt_ids_list(model, prompt_ids))
+        if max_len is not None:
+            check_fits(n, max_len)
+        return
+    prompts = list(prompt_ids)
+    for i, p in enumerate(prompts):
+        n = len(prompt_ids_list(model, p))
+        if max_len is not None:
+            check_fits(n, max_len, i)
+    if not (one_row_single and len(prompts) == 1):
+        check_batch_plan(plan)
 
 
 def is_batch(prompt_ids) -> bool:
@@ -78,11 +101,9 @@ class BatchSession:
         self.prompts = [prompt_ids_list(model, p) for p in prompts]
         lens = [len(p) for p in self.prompts]
         caps = [n + max_new_tokens if max_len is None else max_len for n in lens]
-        if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
-            raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
+        check_max_len(max_len)
         for i, (n, cap) in enumerate(zip(lens, caps)):
-            if n > cap:
-                raise ValueError(f"prompt {i} of {n} tokens is longer than the KV cache (max_len {cap})")
+            check_fits(n, cap, i)
         self.budget = [min(max_new_tokens, cap - n) for n, cap in zip(lens, caps)]
         # `step`: the step(s) this batch runs (a drafter and a verifier); if ANY is compiled, the cache size is the
         # compiled one's bucket and the batch keeps its shape (a new batch size or cache size would compile a new

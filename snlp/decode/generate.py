@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from snlp.decode.batch import batch_autoregressive, is_batch
+from snlp.decode.batch import batch_autoregressive, check_decode_inputs, is_batch
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, check_read_every,
                                  decode_plan, make_generator, pick_tensor, read_every, sampling, sequential_forward,
                                  snlp_forward, step_slack)
@@ -84,6 +84,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     check_decode_args(max_new_tokens, temperature)  # before a step is built
     how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)
 
@@ -107,5 +108,6 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
     how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
                            max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from snlp.decode.batch import is_batch
+from snlp.decode.batch import check_decode_inputs, is_batch
 from snlp.decode.session import (GREEDY, NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
                                  decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
@@ -47,6 +47,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
         raise ValueError("jacobi_generate decodes one prompt (a list of ids or a (T,) / (1, T) tensor); a list of "
                          "prompts or a (B, T) batch is not supported: decode the prompts one at a time")
     plan = None if plan is None else decode_plan(model, plan)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id)
     if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 1):
         raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
     if warm_start and plan is None:

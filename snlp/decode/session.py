@@ -120,6 +120,19 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
     return ids
 
 
+def check_max_len(max_len) -> None:
+    """max_len (the KV cache's length, prompt included) None or an integer >= 1."""
+    if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
+
+
+def check_fits(n: int, max_len: int, index: int | None = None) -> None:
+    """A prompt of n tokens (prompt `index` of a batch) fits a KV cache of max_len positions."""
+    if n > max_len:
+        which = "prompt" if index is None else f"prompt {index}"
+        raise ValueError(f"{which} of {n} tokens is longer than the KV cache (max_len {max_len})")
+
+
 def check_decode_args(max_new_tokens: int, temperature: float, block: int | None = None) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
@@ -195,10 +208,8 @@ class DecodeSession:
         self.model, self.device = model, model.wte.weight.device
         self.prompt = prompt_ids_list(model, prompt_ids)
         max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
-        if not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be an integer >= 1 (got {max_len!r})")
-        if len(self.prompt) > max_len:
-            raise ValueError(f"prompt of {len(self.prompt)} tokens is longer than the KV cache (max_len {max_len})")
+        check_max_len(max_len)
+        check_fits(len(self.prompt), max_len)
         # `slack` extra positions: scratch for the padding of static-shape steps, and a compiled step's cache is
         # allocated at its bucketed length (snlp.decode.steps: the size is a graph shape); positions past max_len are
         # never valid, the budget below is what counts

@@ -156,6 +156,15 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
         if dtype not in (None, "auto") and dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (default float32 on cpu, bfloat16 on cuda)")
+        # values checked before the model (or a drafter) loads
+        if decode is not None and decode not in DECODES:
+            raise ValueError(f"decode={decode!r}: use one of {', '.join(DECODES)}")
+        if int(block) < 1:
+            raise ValueError(f"block (the speculative draft length) must be >= 1, got {block!r}")
+        if max_length is not None and int(max_length) < 1:
+            raise ValueError(f"max_length must be >= 1 (or left out for the model's sequence_len), got {max_length!r}")
+        if isinstance(plan, str):
+            Plan.parse(plan)  # its grammar; whether it fits the model once that has loaded
         self._rank, self._world_size = 0, 1
 
         ckpt = None
@@ -216,16 +225,10 @@ class SNLPLM(TemplateLM):
         self.plan = plan
         if decode is None:
             decode = "sequential" if plan is None else "speculative" if self.drafter is not None else "snlp"
-        if decode not in DECODES:
-            raise ValueError(f"decode={decode!r}: use one of {', '.join(DECODES)}")
         if (decode == "sequential") != (plan is None):
             raise ValueError(f"decode={decode} needs " + ("no plan (the model's own decoding)" if plan is not None
                              else "a plan= or a drafter= (it decodes with the plan's SNLP forward)"))
         self.decode, self.block, self.seed = decode, int(block), int(seed)
-        if self.block < 1:
-            raise ValueError(f"block (the speculative draft length) must be >= 1, got {block!r}")
-        if max_length is not None and int(max_length) < 1:
-            raise ValueError(f"max_length must be >= 1 (or left out for the model's sequence_len), got {max_length!r}")
         self.logits_cache = _bool(logits_cache)
         self._max_length = int(max_length) if max_length else self.model.config.sequence_len
         self.add_bos_token = (not tok.foreign) if add_bos_token is None else _bool(add_bos_token)

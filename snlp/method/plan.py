@@ -31,6 +31,10 @@ GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd
            "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
            ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
 _HEAD = re.compile(r"^([0-9]+)xF([0-9]+)$")
+# the numeric parts read as floats, and what each must be (a bad value is named with its part)
+NUMBERS = {"tol": "a positive number (the stopping tolerance; omit tol for a fixed K)",
+           "eps": "a positive number (the FD step of the diag surrogate)",
+           "elk": "a number in [0, 1) (the ELK damping)"}
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,13 @@ class Plan:
         head, *tokens = _split(text.strip())
         m = _HEAD.match(head)
         if not m:
+            # a negative or fractional C or M ('-1xF1', '4xF-1', '1.5xF2') is named as such, not as a missing head
+            num = re.match(r"\s*(-?[0-9.]+)xF(-?[0-9.]*)(?=-|$)", text)
+            if num:
+                part, got = ("C", num.group(1)) if not num.group(1).isdigit() else ("M", num.group(2))
+                what = "the chunk count C" if part == "C" else "the fused layers per chunk M"
+                raise ValueError(f"malformed plan {text!r}: {what} must be an integer >= 1, got {got!r}. "
+                                 f"Grammar: {GRAMMAR}")
             raise ValueError(f"malformed plan {text!r}: it must start with CxFM (e.g. 12xF2), got {head!r}. "
                              f"Grammar: {GRAMMAR}")
         kw: dict = {"chunks": int(m.group(1)), "fuse": int(m.group(2))}
@@ -228,9 +239,6 @@ class Plan:
                 kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)
             except ValueError as e:
                 raise ValueError(f"invalid SNLP plan {text!r}: {e}. Grammar: {GRAMMAR}") from None
-        if "tol" in kw and not kw["tol"] > 0:
-            raise ValueError(f"malformed plan {text!r}: tol must be a finite number > 0 (omit it for a fixed K). "
-                             f"Grammar: {GRAMMAR}")
         plan = cls(**kw)
         return plan.check(n_layer) if n_layer is not None else plan
 
@@ -264,10 +272,14 @@ def _check_ascii(text: str) -> None:
 
 
 def _split(text: str) -> list[str]:
-    """Split on '-' but keep negative exponents of numbers (tol:1e-05) inside their token."""
+    """Split on '-' but keep negative exponents of numbers (tol:1e-05) and negative values (tol:-1, h-1) inside
+    their token, so that a bad value is named with its part instead of leaving a part without its value."""
     parts: list[str] = []
     for part in text.split("-"):
-        if parts and re.search(r"\d[eE]$", parts[-1]) and part[:1].isdigit():
+        glue = parts and (re.search(r"\d[eE]$", parts[-1]) and part[:1].isdigit()
+                          or parts[-1].endswith(":") and part != ""
+                          or parts[-1] == "h" and part[:1].isdigit())
+        if glue:
             parts[-1] += "-" + part
         else:
             parts.append(part)
@@ -280,34 +292,44 @@ def _token(tok: str, text: str):
     sur = parse_surrogate(tok)
     if sur is not None:
         return "surrogate", sur
-    if re.fullmatch(r"probes:[0-9]+", tok):
-        return "probes", int(tok[7:])
-    if re.fullmatch(r"subset:[0-9]+(\.[0-9]+)*", tok):
-        return "subset", tuple(int(i) for i in tok[7:].split("."))
-    for key in ("eps", "tol"):
+
+    def bad(part: str, needs: str):  # needs: "what it must be (why)": the value is named before the why
+        must, _, why = needs.partition(" (")
+        return ValueError(f"malformed plan {text!r}: {part} must be {must}, got {tok[len(part) + 1:]!r}"
+                          + (f" ({why}" if why else "") + f". Grammar: {GRAMMAR}")
+    if tok.startswith("probes:"):
+        if re.fullmatch(r"probes:[0-9]+", tok):
+            return "probes", int(tok[7:])
+        raise bad("probes", "an integer >= 1 (Hutchinson probes per chunk)")
+    if tok.startswith("subset:"):
+        if re.fullmatch(r"subset:[0-9]+(\.[0-9]+)*", tok):
+            return "subset", tuple(int(i) for i in tok[7:].split("."))
+        raise bad("subset", "chunk indices >= 0 joined by '.' (e.g. subset:0.2)")
+    for key, needs in NUMBERS.items():
         if tok.startswith(key + ":"):
             value = _number(tok[len(key) + 1:])
-            if value is not None and not math.isfinite(value):  # inf/nan would only surface as NaN logits later
+            if value is None:
+                raise bad(key, needs)
+            if not math.isfinite(value):  # inf/nan would only surface as NaN logits later
                 raise ValueError(f"malformed plan {text!r}: {key} needs a finite number, got {tok[len(key) + 1:]!r}. "
                                  f"Grammar: {GRAMMAR}")
-            if value is not None:
-                return key, value
+            if key == "tol" and not value > 0:  # elk's and eps's ranges are checked by Plan / DiagN, naming them
+                raise bad(key, needs)
+            return key, value
     if re.fullmatch(r"K[0-9]+", tok):
         return "iters", int(tok[1:])
-    if tok.startswith("elk:"):
-        value = _number(tok[4:])
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"malformed plan {text!r}: elk needs a finite number in [0, 1), got {tok[4:]!r}. "
-                             f"Grammar: {GRAMMAR}")
-        if value is not None:
-            return "elk", value
+    if tok.startswith("K"):  # K1.5, Kx (K-1 is caught before the split)
+        raise ValueError(f"malformed plan {text!r}: the iteration count K must be an integer >= 0 written right after "
+                         f"K (e.g. K1), got {tok!r}. Grammar: {GRAMMAR}")
     if tok.startswith("order:"):
         val = tok[6:]
         if val in ("forward", "reversed"):
             return "order", val
         if re.fullmatch(r"[0-9]+(\.[0-9]+)*", val):
             return "order", tuple(int(i) for i in val.split("."))
-    raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}. Grammar: {GRAMMAR}")
+        raise bad("order", "forward, reversed or a permutation of the chunk indices joined by '.'")
+    hint = f" (the inits are {', '.join(INITS)})" if tok.startswith("h") else ""
+    raise ValueError(f"malformed plan {text!r}: unknown part {tok!r}{hint}. Grammar: {GRAMMAR}")
 
 
 def _number(text: str) -> float | None:

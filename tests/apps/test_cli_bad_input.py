@@ -110,6 +110,7 @@ def test_a_run_into_a_drafter_folder_is_refused(tmp_path, capsys):
     (["--task", "mc:x.jsonl", "--csv", "r.csv"], "--csv is not read with --task (it is for the LM metrics)"),
     (["--drafter", "d", "--seed", "3"], "--seed is not read with --drafter"),
     (["--mc-limit", "3"], "--mc-limit is not read without --drafter, --task or --harness (it is for --task)"),
+    (["--force"], "--force is not read without --drafter, --task or --harness (it is for --harness)"),
     (["--harness", "arc_easy", "--harness-block", "8"], "--harness-block is the draft block of speculative decoding"),
     (["--harness", "arc_easy", "--harness-decode", "snlp"], "without --plans there is no plan to decode"),
 ])
@@ -162,3 +163,18 @@ def test_bench_refuses_a_flag_its_run_does_not_read(argv, says, tmp_path, capsys
     line = one_error_line(capsys, "bench")
     assert rc == 2 and says in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "{ck}", "--plans", "4xF1-h0-K1,4xF1-h0-K1-tol:-1"],
+    ["eval", "{ck}", "--task", "mc:x.jsonl", "--plans", "4xF1-h0-K1-tol:-1"],
+    ["eval", "{ck}", "--drafter", "{ck}", "--plans", "4xF1-h0-K1-tol:-1"],
+    ["bench", "--ckpt", "{ck}", "--plans", "4xF1-h0-K1-tol:-1"],
+    ["bench", "--ckpt", "{ck}", "--decode", "--plans", "4xF1-h0-K1-tol:-1"],
+])
+def test_a_malformed_plan_is_refused_before_the_checkpoint_loads(argv, tmp_path, capsys):
+    """`snlp eval` and `snlp bench` read --plans only after loading the checkpoint (or building the model): a
+    malformed plan there was refused after that work (here the checkpoint does not even exist, so the old code said
+    so instead). Now one line naming the plan's bad part first."""
+    assert main([a.replace("{ck}", str(tmp_path / "no-such-ckpt")) for a in argv]) == 2
+    assert "tol must be a positive number, got '-1'" in one_error_line(capsys, argv[0])

@@ -274,3 +274,48 @@ def generate_args(ckpt, *argv):
     p = argparse.ArgumentParser()
     generate.add_arguments(p)
     return p.parse_args([str(ckpt), *argv])
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--mode", "snlp", "--plan", "2xF1-h0-K1-diag", "--batch-size", "2"],
+     "batched decoding supports the idn, none and hcn surrogates (--batch-size 1 decodes the prompts one at a time)"),
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1-newton", "--batch-size", "3", "--no-baseline"],
+     "the newton surrogate's probes read the KV cache at one start position"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1-tol:-1"], "tol must be a positive number, got '-1'"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1", "--eos-id", "-1"], "--eos-id must be a token id >= 0 (got -1)"),
+])
+def test_generate_refuses_bad_input_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, extra, says):
+    """A plan batched decoding cannot run with --batch-size > 1, a malformed plan and a negative --eos-id were refused
+    after the checkpoint loaded (and the batch plan after its plan was bound): now one line before it loads."""
+    import snlp.io.checkpoint as C
+
+    def load(*a, **k):
+        raise AssertionError("the checkpoint loaded before the input was checked")
+    monkeypatch.setattr(C, "load", load)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("First Citizen:\nAll: Speak\nResolved.\n")
+    source = ["--prompts-file", str(prompts)] if "--batch-size" in extra else ["--prompt", "First"]
+    assert main(["generate", str(ckpt), *source, "--max-new-tokens", "4", "--quiet", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("snlp generate: error: ") and says in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("mode", ["snlp", "speculative"])
+def test_prompts_file_one_at_a_time_takes_any_plan(ckpt, tmp_path, capsys, mode):
+    """--batch-size 1 decodes the prompts one at a time, so a DiagN plan (which cannot batch) runs: `snlp generate
+    --prompts-file F --batch-size 1 --mode snlp --plan ...-diag` was refused, its message saying to decode the prompts
+    one at a time. Each prompt's tokens equal its own --prompt run."""
+    texts = ["First Citizen:", "All: Speak", "Resolved."]
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    plan = "2xF1-h0-K1-diag"
+    out = tmp_path / "b.json"
+    extra = ["--no-baseline"] if mode == "speculative" else []
+    assert main(["generate", str(ckpt), "--prompts-file", str(tmp_path / "p.txt"), "--mode", mode, "--plan", plan,
+                 "--max-new-tokens", "6", "--json", str(out), "--quiet", *extra]) == 0
+    rec = json.loads(out.read_text())
+    one = tmp_path / "one.json"
+    for t, r in zip(texts, rec["results"]):
+        assert main(["generate", str(ckpt), "--prompt", t, "--mode", mode, "--plan", plan, "--max-new-tokens", "6",
+                     "--json", str(one), "--quiet", *extra]) == 0
+        assert r["tokens"] == json.loads(one.read_text())["tokens"], t
+    assert rec["tokens"] == 18 and rec["decode_s"] > 0

@@ -79,3 +79,25 @@ def test_distributed_rows_keep_the_library_records_keys():
         assert isinstance(row, cls) and row.to_dict() == {**rec, **ctx}
     with pytest.raises(TypeError):  # a key the row does not know is an error, not silently dropped
         dist_bench_row({**prefill, "new_key": 1}, **ctx)
+
+
+def test_bench_decode_refuses_a_plan_that_cannot_batch_before_any_work(monkeypatch, capsys):
+    """`snlp bench --decode --batch-sizes 1,2 --plans ...-diag` decoded every reference, bound the drafters and timed
+    the batch-1 rows before the batch-2 speculative rows refused the plan: now one line before the model is built,
+    and batch_decode_benchmark itself checks before any work."""
+    import snlp.bench.decode as D
+    import snlp.bench.forward as F
+    from snlp.bench.decode import batch_decode_benchmark
+    from snlp.method.plan import Plan
+    from conftest import make_model
+
+    def work(*a, **k):
+        raise AssertionError("work began before the plans were checked")
+    monkeypatch.setattr(F, "build_model", work)
+    assert main(["bench", *TINY, "--decode", "--batch-sizes", "1,2", "--plans", "2xF1-h0-K1-diag"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "batched decoding supports the idn, none and hcn surrogates (--batch-sizes 1 runs it)" in err, err
+    assert "\n" not in err
+    monkeypatch.setattr(D, "sequential_step", work)
+    with pytest.raises(ValueError, match="the newton surrogate's probes"):
+        batch_decode_benchmark(make_model(n_layer=4), [Plan.parse("2xF1-h0-K1-newton")], batch_sizes=(1, 2))

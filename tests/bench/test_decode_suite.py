@@ -5,6 +5,7 @@ hand count, and options the suite cannot honour are refused. No wall-clock thres
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -20,7 +21,7 @@ from snlp.io.checkpoint import save_checkpoint
 from snlp.model.gpt import GPT, GPTConfig
 
 try:
-    import transformers  # noqa: F401
+    importlib.import_module("transformers")
     HAVE_HF = True
 except ImportError:
     HAVE_HF = False
@@ -361,3 +362,20 @@ def test_the_table_marks_an_x_seq_cell_inside_the_sequential_rows_range_a_tie():
     assert cells[("1", "snlp sequential")] == "1.00x" and cells[("1", "snlp snlp")] == "1.22x (tie)"
     assert cells[("1", "hf greedy")] == "0.59x"  # 362.6-466.3 vs 591.0-973.2: apart
     assert cells[("4", "hf greedy")] == "0.75x (tie)"
+
+
+def test_a_plan_that_cannot_batch_is_refused_before_the_model_loads(monkeypatch, capsys):
+    """A DiagN / Newton plan at a batch size above 1 was refused only when that batch size's snlp / speculative rows
+    ran, after the model loaded, the references were decoded and the batch-1 rows were timed: now in one line before
+    the model loads. Batch size 1 alone (single prompts) takes it."""
+    import snlp.bench.decode_suite as S
+
+    def load_model(*a, **k):
+        raise AssertionError("the model loaded before the plans were checked")
+    monkeypatch.setattr(S, "load_model", load_model)
+    for plan in ("3xF1-h0-K1-diag", "3xF1-h0-K1-newton"):
+        assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--suite-plans", plan]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "batched decoding supports the idn, none and hcn surrogates (decode suite: batch size 1 runs it)" in err
+        assert "\n" not in err, err
+    assert DecodeSuiteConfig(quick=True, device="cpu", plans=("3xF1-h0-K1-diag",), batch_sizes=(1,)).resolved()

@@ -532,6 +532,75 @@ def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
             assert r.tokens == argmax_loop(model, p, budget, eos)
 
 
+# bad decode inputs: (name, prompts, kwargs, words of the one-line error); the plan is a DiagN plan only where named
+BAD_INPUTS = [
+    ("max_len 0", [1, 2], dict(max_len=0), "max_len must be an integer >= 1"),
+    ("max_len 1.5", [1, 2], dict(max_len=1.5), "max_len must be an integer >= 1"),
+    ("prompt past max_len", [1, 2, 3], dict(max_len=2), "prompt of 3 tokens is longer than the KV cache"),
+    ("empty prompt", [], {}, "at least one token"),
+    ("id past the vocabulary", [10 ** 6], {}, "token ids must lie in"),
+    ("negative eos_id", [1, 2], dict(eos_id=-1), "eos_id must be a token id"),
+    ("batch, max_len 0", [[1, 2], [3]], dict(max_len=0), "max_len must be an integer >= 1"),
+    ("batch, prompt past max_len", [[1], [1, 2, 3]], dict(max_len=2), "prompt 1 of 3 tokens is longer"),
+    ("batch, empty prompt", [[1, 2], []], {}, "at least one token"),
+    ("batch, DiagN plan", [[1, 2], [3]], dict(plan="2xF1-h0-K1-diag"), "batched decoding supports"),
+    ("batch, Newton plan", [[1, 2], [3]], dict(plan="2xF1-h0-K1-newton"), "batched decoding supports"),
+]
+
+
+def _refused_before_any_work(monkeypatch, call, says):
+    """`call()` raises a one-line ValueError saying `says` before a plan is bound, a step built or a cache
+    allocated."""
+    import snlp.decode.session as session
+    import snlp.decode.speculative as speculative
+
+    def work(*a, **k):
+        raise AssertionError("work began before the input was checked")
+
+    for mod, name in ((session, "bind"), (session, "sequential_step"), (session, "snlp_step"),
+                      (speculative, "drafter_model_for")):
+        monkeypatch.setattr(mod, name, work)
+    monkeypatch.setattr(KVCache, "for_model", work)
+    with pytest.raises(ValueError, match=says) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,prompts,kw,says", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize("entry", ["sequential", "snlp"])
+def test_bad_inputs_are_refused_before_any_work(monkeypatch, entry, name, prompts, kw, says):
+    """sequential_generate / snlp_generate refuse bad prompts, max_len, eos_id and a batch with a plan batched decoding
+    cannot run in one line before a plan is bound, a step built or a cache allocated (they were refused only after
+    the plan was bound and the step built); a DiagN plan's list of one prompt is a batch for snlp_generate."""
+    kw = dict(kw)
+    plan = kw.pop("plan", "2xF1-h0-K1")
+    if entry == "sequential" and "plan" in name.lower():
+        pytest.skip("sequential decoding takes no plan")
+    model = make_model(n_layer=2)
+    call = (lambda: sequential_generate(model, prompts, max_new_tokens=3, **kw)) if entry == "sequential" else \
+        (lambda: snlp_generate(model, prompts, plan, max_new_tokens=3, **kw))
+    _refused_before_any_work(monkeypatch, call, says)
+    if entry == "snlp":
+        _refused_before_any_work(monkeypatch, lambda: snlp_generate(model, [[1, 2]], "2xF1-h0-K1-diag"),
+                                 "batched decoding supports")
+
+
+@pytest.mark.parametrize("entry,name,prompts,kw,says",
+                         [("speculative", *b) for b in BAD_INPUTS] +
+                         [("jacobi", *b) for b in BAD_INPUTS if not b[0].startswith("batch")],  # batches: refused
+                         ids=[f"speculative-{b[0]}" for b in BAD_INPUTS] +  # before any work already
+                         [f"jacobi-{b[0]}" for b in BAD_INPUTS if not b[0].startswith("batch")])
+def test_bad_inputs_are_refused_before_any_work_speculative_and_jacobi(monkeypatch, entry, name, prompts, kw, says):
+    """The same law for self-speculative and Jacobi decoding (a list of one prompt runs as a single prompt in
+    speculative decoding, so it takes a DiagN plan)."""
+    kw = dict(kw)
+    plan = kw.pop("plan", "2xF1-h0-K1")
+    model = make_model(n_layer=2)
+    call = (lambda: speculative_generate(model, prompts, plan, max_new_tokens=3, **kw)) if entry == "speculative" \
+        else (lambda: jacobi_generate(model, prompts, plan, max_new_tokens=3, **kw))
+    _refused_before_any_work(monkeypatch, call, says)
+
+
 def test_read_every_is_checked_before_any_work(monkeypatch):
     """Refused in one line before a plan is bound or a cache is allocated."""
     import snlp.decode.session as session

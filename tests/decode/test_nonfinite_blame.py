@@ -140,3 +140,53 @@ def test_without_the_model_the_error_claims_no_source():
         check_picked([NONFINITE], None, 4)
     assert str(e.value) == ("the model's own forward (not an SNLP plan) gives NaN/inf logits for generated token 5; no "
                             "token is read off them (check its weights are finite)")
+
+
+@pytest.mark.xfail(strict=True, raises=NonFiniteModelError, reason=(
+    "a rejected draft whose own K/V are NaN (the model's forward over that token is NaN: here a NaN embedding row) "
+    "poisons the EARLIER positions of the verifier's multi-token forward through masked attention (softmax weight "
+    "exactly 0 times a NaN value is NaN), so self-speculative decoding raises NonFiniteModelError where the model's "
+    "greedy output is finite; verifying such a row again without the drafts after its first non-finite target "
+    "(as wide as the first pass, so the NaN slot is rewritten) would give the model's tokens"))
+def test_a_rejected_nan_draft_does_not_poison_the_positions_before_it():
+    """Token 32's embedding row is NaN: the model never emits it on this prompt (the naive argmax loop over the
+    uncached forward of each prefix, the outside reference, stays finite and equals sequential decoding), but the
+    drafter of 4xF1-h0-K1 proposes it at block 4. Greedy self-speculative decoding must still give the model's
+    tokens, for the prompt alone and in a batch. A drafter whose own state is NaN is harmless (the verifier rewrites
+    every slot it wrote: test_a_nan_drafter_only_costs_acceptance)."""
+    from conftest import make_model
+
+    m = make_model(seed=0, n_layer=4, sequence_len=64, scale=0.05)
+    with torch.no_grad():
+        m.wte.weight[32] = float("nan")
+    prompt, other = [1, 5, 9], [3, 4, 7, 8]
+    with torch.inference_mode():
+        ref = argmax_loop(m, prompt, 8)
+        assert torch.isfinite(m(torch.tensor([prompt + ref]))).all() and 32 not in ref
+        assert torch.isnan(m(torch.tensor([prompt + ref[:1] + [32]]))[0, :-1]).all()  # the mechanism, uncached
+    assert sequential_generate(m, prompt, max_new_tokens=8).tokens == ref
+    assert speculative_generate(m, prompt, "4xF1-h0-K1", block=4, max_new_tokens=8).tokens == ref
+    rows = speculative_generate(m, [prompt, other], "4xF1-h0-K1", block=4, max_new_tokens=8)
+    assert [r.tokens for r in rows] == [ref, sequential_generate(m, other, max_new_tokens=8).tokens]
+
+
+def test_a_nan_drafter_only_costs_acceptance():
+    """An adapted drafter whose suffix gives NaN at every step (NaN drafts, NaN K/V written into the shared cache)
+    leaves the output the model's own: the verifier rewrites every cache slot the drafter wrote before it attends,
+    and no NaN draft is accepted."""
+    from conftest import make_model
+
+    from snlp.method.drafter import make_drafter
+    from snlp.method.plan import Plan
+
+    m = make_model(seed=0, n_layer=4, sequence_len=64, scale=0.05)
+    d = make_drafter(m, Plan.parse("2xF1-h0-K1"))
+    with torch.no_grad():
+        d.model.blocks[3].mlp.c_proj.weight[0, 0] = float("nan")  # the drafter's own suffix copy only
+    prompts = [[1, 5, 9], [3, 4, 7, 8]]
+    seq = [sequential_generate(m, p, max_new_tokens=12).tokens for p in prompts]
+    for block in (1, 4):
+        r = speculative_generate(m, prompts[0], "2xF1-h0-K1", block=block, max_new_tokens=12, drafter=d)
+        assert r.tokens == seq[0] and r.accepted == 0 and r.drafted > 0
+        assert [x.tokens for x in speculative_generate(m, prompts, "2xF1-h0-K1", block=block, max_new_tokens=12,
+                                                       drafter=d)] == seq

@@ -163,6 +163,14 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
      "--compile is not supported with --distributed"),
     (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "0"],
      "--repeats must be >= 1"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-tol:-1"],
+     "tol must be a positive number, got '-1'"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--max-new-tokens", "-1"],
+     "max_new_tokens must be an integer >= 0"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "sequential", "--plan", "2xF1-h0-K1", "--temperature", "-1"],
+     "temperature must be >= 0"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--eos-id", "-1"],
+     "--eos-id must be a token id >= 0 (got -1)"),
     (["bench", "--distributed", "--depth", "4", "--compile"], "--compile is not supported with --distributed"),
     (["bench", "--distributed", "--depth", "4", "--tokens", "1,4"], "--distributed takes one --tokens value"),
 ])
@@ -331,7 +339,7 @@ def test_rank_loads_only_its_layers_and_errors_say_what_failed(tmp_path):
     _spawn(_load_worker, 2, str(ckpt), str(tmp_path), str(other))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ref_model, _ = load(ckpt)  # the whole model in one process
-    L, full = ref_model.config.n_layer, sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    full = sum(p.numel() * p.element_size() for p in ref_model.parameters())
     for r, rk in enumerate(ranks):
         first, stop = rk["range"]
         assert (first, stop) == ((0, 4) if r == 0 else (4, 6))

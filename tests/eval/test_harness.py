@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from harness_fixtures import DATA, base, hf, lls, offline, requests, run, samples, tasks  # noqa: E402,F401
+from harness_fixtures import DATA, base, hf, offline, run, tasks  # noqa: E402,F401
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
@@ -36,9 +37,12 @@ from snlp.apps.cli import main  # noqa: E402
 from snlp.eval.harness import SNLPLM  # noqa: E402
 from snlp.io.drafter import save_drafter  # noqa: E402
 from snlp.method.drafter import make_drafter  # noqa: E402
+from snlp.method.plan import Plan  # noqa: E402
 from snlp.io.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import blowup_model, make_model  # noqa: E402
+
+FIXTURES = (base, hf, offline, tasks)  # pytest finds these fixtures by their names in this module (offline is autouse)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -278,6 +282,63 @@ def test_cli_harness_refuses_an_out_that_holds_an_earlier_runs_files(smol_cut_hf
     assert err.startswith("snlp eval: error: ") and "already holds sequential.json of an earlier run" in err, err
     assert [p.name for p in out.iterdir()] == ["sequential.json"]
     assert json.loads((out / "sequential.json").read_text()) == {"an earlier run": 1}
+
+
+def test_cli_harness_refuses_an_earlier_runs_out_before_loading_and_names_force(tasks, tmp_path, capsys):
+    """The refusal of a --harness-out holding an earlier run's files comes before the checkpoint is read (here it
+    does not even exist; it came after the model loaded and every plan was bound) and names --force; a drafter's
+    file (drafter_PLAN.json, its plan read from drafter.json) counts too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "4xF1-h0-K1.json").write_text('{"an earlier run": 1}')
+    assert main(["eval", str(tmp_path / "no-such-ckpt"), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks),
+                 "--plans", "4xF1-K1", "--harness-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"snlp eval: error: --harness-out {out} already holds 4xF1-h0-K1.json of an earlier run; this run "
+                   f"would replace it: choose another --harness-out, pass --force to replace it, or move it away"), err
+    d = save_drafter(tmp_path / "dr", make_drafter(make_model(n_layer=4), Plan.parse("2xF2-h0-K1")))
+    (out / "drafter_2xF2-h0-K1.json").write_text("{}")
+    assert main(["eval", str(tmp_path / "no-such-ckpt"), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks),
+                 "--drafter", str(d), "--harness-out", str(out)]) == 2
+    assert "already holds drafter_2xF2-h0-K1.json of an earlier run" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["4xF1-h0-K1.json", "drafter_2xF2-h0-K1.json"]
+
+
+def test_cli_harness_force_replaces_only_the_files_the_run_writes(tasks, tmp_path, capsys):
+    """--force: the earlier run's files this run writes (its methods' JSON, table.md) are replaced by the new run's,
+    a file the run does not write is left as it is and named, and the run's own results are written."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("sequential.json", "table.md", "2xF1-h0-K2.json", "notes.txt"):
+        (out / name).write_text("an earlier run's\n")
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "1",
+                 "--num-fewshot", "0", "--plans", "2xF1-h0-K1", "--harness-out", str(out), "--device", "cpu",
+                 "--force"]) == 0
+    err = capsys.readouterr().err
+    assert f"snlp eval: --force: removed sequential.json, table.md from {out}; left 2xF1-h0-K2.json, notes.txt (not " \
+           f"written by this run)" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["2xF1-h0-K1.json", "2xF1-h0-K2.json", "notes.txt",
+                                                     "sequential.json", "table.md"]
+    for name in ("sequential.json", "2xF1-h0-K1.json"):
+        assert "snlp_arc_tiny" in json.loads((out / name).read_text())["results"], name
+    assert "2xF1-h0-K1" in (out / "table.md").read_text()
+    assert (out / "2xF1-h0-K2.json").read_text() == (out / "notes.txt").read_text() == "an earlier run's\n"
+
+
+@pytest.mark.parametrize("kw,says", [(dict(max_length=0), "max_length must be >= 1"),
+                                     (dict(block=0), "block (the speculative draft length) must be >= 1"),
+                                     (dict(decode="greedy"), "decode='greedy': use one of"),
+                                     (dict(plan="4xF1-h0-K1-tol:-1"), "tol must be a positive number, got '-1'")])
+def test_harness_model_args_are_checked_before_the_model_loads(tmp_path, kw, says):
+    """A bad max_length / block / decode / plan string was refused only after the checkpoint (and a drafter) had
+    loaded: here the checkpoint does not even exist, and the error is about the argument."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
 
 
 def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):

@@ -44,6 +44,8 @@ from snlp.eval.mc_harness import draw_shots, loglikelihoods, predictions  # noqa
 from snlp.io.mctasks import parse_file  # noqa: E402
 from snlp.method.plan import Plan  # noqa: E402
 
+FIXTURES = (base, hf, offline)  # pytest finds these fixtures by their names in this module (offline is autouse)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARC = Path(__file__).resolve().parents[1] / "data/arc"

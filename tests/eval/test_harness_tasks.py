@@ -35,6 +35,8 @@ from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 
 from snlp.eval.harness import SNLPLM  # noqa: E402
 
+FIXTURES = (base, hf, offline, tasks)  # pytest finds these fixtures by their names in this module (offline is autouse)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HARNESS_TASKS = Path(lm_eval.__file__).parent / "tasks"

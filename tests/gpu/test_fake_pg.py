@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fakecuda import fake_cuda, to_cuda
+from fakecuda import fake_cuda
 from snlp.dist.layer_parallel import DistributedSNLP
 from snlp.model.gpt import GPT, GPTConfig
 

@@ -2,7 +2,6 @@
 file, the byte offset and the option that names the encoding, never replaced by U+FFFD (a Latin-1 corpus used
 to train on replacement characters, random bytes trained and evaluated without a word)."""
 
-import os
 import random
 
 import pytest

@@ -76,3 +76,35 @@ def test_the_command_line_says_so_in_one_line(tmp_path):
 def test_capped_duplicates_are_one_plan():
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="are one plan"):
         parse_plans("4xF1-h0-K4,4xF1-h0-K8")
+
+
+@pytest.mark.parametrize("text,says", [
+    # a negative value: the '-' split it off its part, which was reported as "unknown part 'tol:'"
+    ("4xF1-h0-K1-tol:-1", "tol must be a positive number, got '-1'"),
+    ("4xF1-h0-K1-tol:-1e-3", "tol must be a positive number, got '-1e-3'"),
+    ("4xF1-h0-K1-tol:0", "tol must be a positive number, got '0'"),
+    ("4xF1-h0-K1-tol:", "tol must be a positive number, got ''"),
+    ("4xF1-h0-K1-tol:-inf", "tol needs a finite number, got '-inf'"),
+    ("4xF1-h0-K1-elk:-0.5", r"ELK damping must lie in \[0, 1\) \(got -0.5\)"),
+    ("4xF1-h0-K1-diag-eps:-1", r"FD step eps must be > 0 and finite \(got -1.0\)"),
+    ("4xF1-h0-K1-diag-probes:-1", "probes must be an integer >= 1, got '-1'"),
+    ("4xF1-h0-K1-diag-probes:1.5", "probes must be an integer >= 1, got '1.5'"),
+    ("4xF1-h0-K1-diag-subset:-1", "subset must be chunk indices >= 0 joined by '.', got '-1'"),
+    ("4xF1-h0-K1-order:-1", "order must be forward, reversed or a permutation of the chunk indices joined by '.', "
+                            "got '-1'"),
+    ("4xF1-h0-K1.5", "the iteration count K must be an integer >= 0 written right after K .*got 'K1.5'"),
+    ("4xF1-h0-K-1", "the iteration count K-1 must be an integer >= 0"),
+    ("0xF1-h0-K1", r"chunks C must be an integer >= 1 \(got 0\)"),
+    ("-1xF1-h0-K1", "the chunk count C must be an integer >= 1, got '-1'"),
+    ("4xF-1-h0-K1", "the fused layers per chunk M must be an integer >= 1, got '-1'"),
+    ("4xF0-h0-K1", r"M must be an integer >= 1 \(got 0\)"),
+    ("4xF1-h-1-K1", r"unknown part 'h-1' \(the inits are h0, fwd, preheat\)"),
+])
+def test_each_numeric_part_is_named_with_its_value(text, says):
+    """Every numeric part of a plan (C, M, K, tol, eps, elk, probes, subset, order) with a bad value, a negative one
+    included, gets one line naming the part and the value as written, from Plan.parse and from --plans alike."""
+    for parse in (Plan.parse, parse_plans):
+        with pytest.raises(ValueError, match=says) as e:
+            parse(text)
+        msg = str(e.value)
+        assert "\n" not in msg and "unknown part 'tol:'" not in msg and "Grammar:" in msg, msg

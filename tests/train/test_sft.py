@@ -2,6 +2,7 @@
 SNLP-forward SFT = sequential SFT of the fused model when K >= C, MC parsing/scoring/errors, and a
 tiny model that learns a synthetic MC chat task (SNLP-forward SFT wins under that plan's inference)."""
 
+import importlib
 import json
 import random
 
@@ -338,7 +339,7 @@ def test_mc_questions_as_chats_and_hub_tasks_offline(tmp_path, tok):
     ids, mask = tok.render_chat(convs[1])
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "B<|assistant_end|>"
     try:
-        import datasets  # noqa: F401
+        importlib.import_module("datasets")
     except ImportError:  # without the datasets library (or offline) the hub tasks fail clearly
         with pytest.raises(ValueError, match="datasets"):
             load_task("arc-easy")

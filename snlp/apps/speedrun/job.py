@@ -16,7 +16,6 @@ import torch
 from snlp.apps.report import MODELS, cpu_isa, fmt_s
 from snlp.apps.speedrun.costs import REPORT_S, stage_costs
 from snlp.apps.speedrun.early_exit import early_exit_suffixes
-from snlp.apps.speedrun.flags import add_arguments  # noqa: F401  (re-exported: the command's flags)
 from snlp.apps.speedrun.evaluate import EVAL_ROWS
 from snlp.apps.speedrun.off_the_shelf import converter_digest, file_sha256, ots_cache_dir, ots_cached
 from snlp.apps.speedrun.preset import (BLOCKS, FULL, Preset, QUICK, SpeedrunConfig, default_plans, eval_config,
