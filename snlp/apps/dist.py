@@ -78,10 +78,11 @@ def run_generate(args) -> int:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     # bad values before the process group is set up and every rank reads its layers (snlp.apps.generate.check_args
     # is the single-process run's)
-    from snlp.decode.session import check_decode_args
+    from snlp.decode.session import check_decode_args, sampling
     from snlp.method.plan import Plan
 
     check_decode_args(args.max_new_tokens, args.temperature, args.block if args.mode == "speculative" else None)
+    sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     Plan.parse(args.plan)  # its grammar; whether it fits the model once the ranks have read it
@@ -106,7 +107,7 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
-              seed=args.seed)
+              seed=args.seed, top_k=args.top_k, top_p=args.top_p)
     out: list[int] = []
     printed = [""]
 

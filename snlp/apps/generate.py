@@ -15,7 +15,8 @@ from pathlib import Path
 MODES = ("sequential", "snlp", "speculative", "jacobi")  # snlp.decode.generate.MODES (tests check they agree)
 # Flags that only some runs read default to None, so one given to a run that does not read it is refused
 # (unread_flags) instead of ignored; resolve_defaults then fills these values in.
-DEFAULTS = {"block": 4, "seed": 0, "repeats": 3, "prompts_encoding": "utf-8", "dist_timeout": 120.0}
+DEFAULTS = {"block": 4, "seed": 0, "repeats": 3, "prompts_encoding": "utf-8", "dist_timeout": 120.0, "top_k": 0,
+            "top_p": 1.0}
 
 
 def add_arguments(p) -> None:
@@ -33,6 +34,10 @@ def add_arguments(p) -> None:
     p.add_argument("--block", type=int, default=None, help=f"draft block size B (speculative, jacobi; default "
                    f"{DEFAULTS['block']})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sampling: draw from the K most likely tokens only (ties at "
+                   "the K-th kept, as transformers does; default 0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="sampling: draw from the most likely tokens whose "
+                   "probability first reaches P (nucleus sampling, after --top-k, as transformers does; default 1 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
     p.add_argument("--seed", type=int, default=None, help=f"sampling seed (--temperature > 0; default "
@@ -91,6 +96,9 @@ def unread_flags(args) -> None:
         (args.seed is not None and args.temperature == 0,
          "--seed seeds sampling; greedy decoding (--temperature 0) draws nothing: give --temperature > 0 or drop "
          "--seed"),
+        ((args.top_k is not None or args.top_p is not None) and args.temperature == 0,
+         "--top-k / --top-p filter what sampling draws from; greedy decoding (--temperature 0) draws nothing: give "
+         "--temperature > 0 or drop them"),
         (args.dist_timeout is not None and not args.distributed,
          "--dist-timeout is the peer-rank timeout of --distributed; a single process has no peers"),
         (args.prompts_encoding is not None and args.prompts_file is None,
@@ -110,7 +118,7 @@ def resolve_defaults(args) -> None:
 def check_args(args) -> None:
     """Refuse flag combinations a mode cannot honour, and bad values, before anything is loaded."""
     from snlp.decode.batch import check_batch_plan
-    from snlp.decode.session import check_decode_args
+    from snlp.decode.session import check_decode_args, sampling
     from snlp.method.plan import Plan
 
     if args.mode not in MODES:
@@ -128,6 +136,7 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
+    sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     # the plan's grammar, and the drafter's directory, before the model loads (its depth is checked once it has)
@@ -189,6 +198,8 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
     from snlp.decode.speculative import speculative_generate
 
     kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
+    if args.mode != "jacobi":  # greedy only (check_args)
+        kw.update(top_k=args.top_k, top_p=args.top_p)
     steps = steps or {}
     if args.mode == "sequential":
         return sequential_generate(model, prompt, temperature=args.temperature, seed=args.seed, compile=args.compile,
@@ -213,7 +224,7 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
 
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                             seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
+                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
                                              share_weights=args.share_weights, min_confidence=args.min_confidence,
                                              adaptive=args.adaptive_block, drafter=drafter)
     rep = rows[0]

@@ -127,8 +127,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
                           repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
                           eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
-                          adaptive: bool = False, drafter: Drafter | None = None
-                          ) -> tuple[list[SSDRow], list[list[int]]]:
+                          adaptive: bool = False, drafter: Drafter | None = None, top_k: int = 0,
+                          top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
@@ -138,8 +138,10 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
     `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
     run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
-    in the same way, against one sequential baseline."""
+    in the same way, against one sequential baseline. `top_k` / `top_p`: both sides sample from the filtered
+    distribution (snlp.decode.session.Sampling)."""
     plan = decode_plan(model, plan)
+    sampling(temperature, top_k, top_p)  # refused before any step is built
     blocks = tuple(blocks)
     if not blocks:
         raise ValueError("speculative_benchmark needs at least one block size")
@@ -148,7 +150,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
     spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     return _side_by_side(model, prompts, [(plan, b, draft_step) for b in blocks], seq_step, max_new_tokens, repeats,
-                         warmup, temperature, seed, eos_id, progress, compile, spec_kw)
+                         warmup, temperature, seed, eos_id, progress, compile, spec_kw, top_k, top_p)
 
 
 def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
@@ -186,7 +188,7 @@ def rotation(slot: int, n: int) -> list[int]:
 
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
                   temperature: float, seed: int | None, eos_id: int | list[int] | None, progress: bool, compile: bool,
-                  spec_kw: dict) -> tuple[list[SSDRow], list[list[int]]]:
+                  spec_kw: dict, top_k: int = 0, top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
     """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
     the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings). Compile time is
     attributed call by call: what the steps compiled during a sequential call is shared, during a case's call
@@ -197,7 +199,8 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         check_decode_args(max_new_tokens, temperature, b)
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id, top_k=top_k,
+              top_p=top_p)
     seq_kw = dict(kw, step=seq_step)
     n = len(cases)
     steps = [seq_step] + list({id(st): st for _, _, st in cases}.values())

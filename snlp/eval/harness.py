@@ -29,7 +29,7 @@ encoding, the Collator's longest-first order and its one-token-continuation logi
 the rolling windows of lm_eval.utils, normalize_gen_kwargs / handle_stop_sequences / postprocess_generated_text for
 generation, cache_hook.add_partial for the request cache; the chat template is the model's own, applied as the
 harness's `hf` model applies it (add_generation_prompt, continue_final_message). Generation options a mode cannot
-honour (top_p < 1 when sampling, num_beams > 1, ...) are refused with a ValueError, never ignored; their no-op
+honour (min_p or typical_p when sampling, num_beams > 1, ...) are refused with a ValueError, never ignored; their no-op
 values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
 """
 
@@ -49,6 +49,7 @@ from lm_eval.utils import get_rolling_token_windows, handle_arg_string, make_dis
 
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.session import sampling
 from snlp.decode.speculative import speculative_generate
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
@@ -63,7 +64,7 @@ from snlp.model.gpt import GPT
 DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused unless it is a no-op:
-GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature"}
+GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 # the values at which transformers' generate (the harness's hf model passes these to it) changes nothing
 GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
              "top_p": (1.0, None), "top_k": (0, None), "min_p": (0.0, None), "typical_p": (1.0, None),
@@ -77,7 +78,7 @@ SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_
 
 def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
     """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
-    implement (beam search, top-p / top-k sampling, repetition penalties, ...): those the caller must not lose."""
+    implement (beam search, min-p / typical sampling, repetition penalties, ...): those the caller must not lose."""
     return sorted(k for k in set(kw) - GEN_KEYS if not (
         k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
@@ -442,12 +443,16 @@ class SNLPLM(TemplateLM):
         return out
 
     # ----- generation -----
-    def _generate(self, prompts: list[list[int]], max_new: int, temperature: float, first: int = 0) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], max_new: int, temperature: float, first: int = 0, top_k: int = 0,
+                  top_p: float = 1.0) -> list[list[int]]:
         """New tokens per prompt, one ragged batch (a single prompt is decoded alone). Sampling: prompt j draws from
         its own generator seeded `seed + first + j` (snlp.decode.batch's per-row rule, offset by the rows decoded
-        before it in this generate_until call), so every request gets its own draws whatever the batch size."""
+        before it in this generate_until call), so every request gets its own draws whatever the batch size, from
+        the distribution `top_k` / `top_p` filter (snlp.decode.session.Sampling, transformers' filters)."""
         # stop where the hf model's generate stops: the generation config's eos ids (snlp.io.tokenizer.stop_ids)
         kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids, seed=self.seed + first)
+        if temperature > 0:
+            kw.update(top_k=top_k, top_p=top_p)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
@@ -489,17 +494,22 @@ class SNLPLM(TemplateLM):
             kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
             # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
             temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
+            # a task's sampling filters (None: none); greedy draws nothing, so there they change nothing
+            top_k = int(kw.get("top_k") or 0)
+            top_p = 1.0 if kw.get("top_p") is None else float(kw["top_p"])
             refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
             if refused:
                 raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
-                                 f"supported by the snlp harness model (greedy, or sampling at a temperature from the "
-                                 f"whole distribution, until stop strings / max_gen_toks)")
+                                 f"supported by the snlp harness model (greedy, or sampling at a temperature with "
+                                 f"top_k / top_p, until stop strings / max_gen_toks)")
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
             max_new = int(kw["max_gen_toks"])
             if max_new >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            answers = self._generate(prompts, max_new, temperature, first)
+            if temperature > 0:  # a bad filter value: one line before any decoding
+                sampling(temperature, top_k, top_p)
+            answers = self._generate(prompts, max_new, temperature, first, top_k, top_p)
             first += len(prompts)
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):
                 toks = self._cut_at_stop(toks, until)

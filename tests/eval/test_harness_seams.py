@@ -234,8 +234,10 @@ def test_a_drafter_with_a_preheat_plan_is_refused_for_its_reason():
 def test_no_op_generation_options_are_accepted_and_the_others_refused():
     """num_beams: 1 (two stock harness tasks), top_p: 1.0, top_k: 0 / None, ... change nothing in transformers'
     generate (the hf model's): accepted, the same answers as without them; sampling filters under greedy decoding
-    (top_p: 0.95 with do_sample false, as the harness's cruxeval) filter nothing greedy picks: accepted. Options that
-    change the answer (beam search, top-p sampling, a repetition penalty) stay refused, naming the option."""
+    (top_p: 0.95 with do_sample false, as the harness's cruxeval) filter nothing greedy picks: accepted. top_k / top_p
+    under sampling are honoured (top_k 1, or a top_p that keeps one token, sample the argmax: the greedy answers at
+    any temperature). Options that change the answer and that snlp does not implement (beam search, min_p / typical
+    sampling, a repetition penalty) stay refused, naming the option."""
     model, tok = _own_tiny()
     lm = SNLPLM(pretrained=model, tokenizer=tok)
     base = {"until": ["."], "max_gen_toks": 5, "do_sample": False}
@@ -247,7 +249,9 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
         assert lm.generate_until(_reqs("generate_until", [("the cat", {**base, **extra})])) == want, extra
     sampled = {**base, "do_sample": True, "temperature": 0.7}
     lm.generate_until(_reqs("generate_until", [("the cat", {**sampled, "top_p": 1.0, "num_beams": 1})]))
-    for gen, bad in (({**sampled, "top_p": 0.95}, "top_p=0.95"), ({**sampled, "top_k": 50}, "top_k=50"),
+    for one in (dict(top_k=1), dict(top_p=1e-9), dict(top_k=1, top_p=0.5, temperature=5.0)):
+        assert lm.generate_until(_reqs("generate_until", [("the cat", {**sampled, **one})])) == want, one
+    for gen, bad in (({**sampled, "min_p": 0.1}, "min_p=0.1"), ({**sampled, "typical_p": 0.5}, "typical_p=0.5"),
                      ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "repetition_penalty": 1.2},
                                                                 "repetition_penalty=1.2")):
         with pytest.raises(ValueError, match=f"generation options {bad} are not supported"):
