@@ -22,7 +22,7 @@ from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_arg
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
@@ -80,6 +80,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     tokens read off them. `read_every`: decode steps queued between host reads of the tokens (snlp.decode.session.
     read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
     batch in bf16 / fp16, see read_every)."""
+    check_gpt(model)
     check_decode_args(max_new_tokens, temperature)  # before a step is built
     check_read_every(read_every)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,

@@ -478,3 +478,20 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def check_gpt(model, what: str = "model") -> None:
+    """Raise a TypeError, naming what `model` is, unless it is an snlp GPT: the functions that take one read its own
+    attributes (config, blocks, head), which another module lacks, so without this check a transformers model fails
+    with an AttributeError from deep inside transformers or torch. A transformers model converts with snlp.from_hf."""
+    if isinstance(model, GPT):
+        return
+    cls = type(model)
+    name = f"{cls.__name__} ({cls.__module__.split('.')[0]})"
+    if cls.__module__.startswith("transformers"):
+        how = "convert it first: `model, tok = snlp.from_hf(hf_model)` (Llama, Qwen2, Mistral, Qwen3)"
+    elif isinstance(getattr(model, "module", None), GPT) or isinstance(getattr(model, "_orig_mod", None), GPT):
+        how = "it wraps one (DDP / torch.compile): pass the GPT inside it"
+    else:
+        how = "build one with snlp.GPT(config), snlp.load(dir) or snlp.from_hf(src)"
+    raise TypeError(f"{what} is a {name}, not an snlp GPT: {how}")
