@@ -33,6 +33,7 @@ from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
+from snlp.runtime.device import cli_device
 
 WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
 DRAFTER_META = "drafter.json"  # what marks a drafter folder (snlp.io.drafter writes it, named here with the rest)
@@ -191,7 +192,9 @@ def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokeni
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
-    FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this
+    machine does not have (before any file is read)."""
+    cli_device(device, "device=")
     if is_nanochat_dir(path):
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:
