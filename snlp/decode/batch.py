@@ -96,7 +96,7 @@ class BatchSession:
         size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
         self.cache = lead.new_cache(model, len(self.prompts), lead.cache_len(size))
         self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
-        check_stream(on_tokens)
+        check_stream(on_tokens, batch=True)
         check_seed(seed)
         self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id, model.config.vocab_size), on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n

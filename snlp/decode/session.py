@@ -4,6 +4,7 @@ streaming), timing, and the result record `GenerateResult`."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import asdict, dataclass, field
@@ -171,9 +172,22 @@ def check_decode_args(max_new_tokens: int, temperature: float, block: int | None
         check_count(block, "draft block size B", 1)
 
 
-def check_stream(on_tokens) -> None:
-    if on_tokens is not None and not callable(on_tokens):
-        raise TypeError(f"on_tokens must be callable, called with each step's new tokens (got {on_tokens!r})")
+def check_stream(on_tokens, batch: bool = False) -> None:
+    """`on_tokens` is None or a callable that takes what the decode will pass it: `(new_tokens)` for one prompt,
+    `(prompt_index, new_tokens)` for a batch (a TypeError here, not at the first streamed token after the prefill)."""
+    if on_tokens is None:
+        return
+    shape = "on_tokens(prompt_index, new_tokens) for a batch" if batch else "on_tokens(new_tokens) for one prompt"
+    if not callable(on_tokens):
+        raise TypeError(f"on_tokens must be callable, {shape} (got {on_tokens!r})")
+    try:
+        sig = inspect.signature(on_tokens)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        sig.bind(*([None] * (2 if batch else 1)))
+    except TypeError:
+        raise TypeError(f"on_tokens{sig} cannot be called as {shape}") from None
 
 
 def decode_plan(model: GPT, plan: Plan | str) -> Plan:

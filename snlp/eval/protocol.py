@@ -262,6 +262,9 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     decode continuations) and the emb extra, else it is None. `preheat`: the calibration that plans with the
     preheat init read (others ignore it)."""
     check_gpt(model)
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # EmbSim decodes with it, last
+        raise TypeError(f"tokenizer must be the model's tokenizer (snlp.Tokenizer, e.g. from snlp.load), got "
+                        f"{type(tokenizer).__name__} {tokenizer!r:.40}")
     cfg.check()
     L = model.config.n_layer
     if isinstance(plans, str):  # iterating it would parse its characters as plans ("malformed plan '4'")

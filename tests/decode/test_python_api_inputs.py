@@ -98,6 +98,20 @@ def test_bad_decode_arguments_are_refused_before_any_forward(model, monkeypatch,
         DECODERS[name](model, [1, 2, 3], **kw)
 
 
+def test_a_streaming_callback_of_the_wrong_shape_is_refused_before_any_forward(model, monkeypatch):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(TypeError, match=r"cannot be called as on_tokens\(prompt_index, new_tokens\) for a batch"):
+        snlp.sequential_generate(model, [[1, 2], [3, 4, 5]], max_new_tokens=3, on_tokens=lambda new: None)
+    with pytest.raises(TypeError, match=r"cannot be called as on_tokens\(new_tokens\) for one prompt"):
+        snlp.snlp_generate(model, [1, 2], PLAN, max_new_tokens=3, on_tokens=lambda i, new: None)
+
+
+def test_evaluate_refuses_a_tokenizer_that_cannot_decode_before_any_forward(model, monkeypatch):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer"):
+        snlp.evaluate(model, torch.arange(200) % 61, [PLAN], tokenizer="gpt2")
+
+
 def test_a_transformers_model_is_refused_with_the_way_to_convert_it():
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
