@@ -58,7 +58,7 @@ from snlp.io.tokenizer import Tokenizer
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 
 DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -158,6 +158,8 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (default float32 on cpu, bfloat16 on cuda)")
         self._rank, self._world_size = 0, 1
 
+        if not isinstance(pretrained, (str, Path)):  # an object: an snlp GPT, never a transformers model (its repr
+            check_gpt(pretrained, "pretrained")  # would be taken for a path: "File name too long")
         ckpt = None
         # what model_args records as pretrained=: the path or hub id given, or for a GPT object `name` (the CLI
         # passes the checkpoint it loaded)
