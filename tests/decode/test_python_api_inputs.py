@@ -126,3 +126,13 @@ def test_a_transformers_model_is_refused_with_the_way_to_convert_it():
     for call in calls:
         with pytest.raises(TypeError, match=r"LlamaForCausalLM .*not an snlp GPT.*snlp\.from_hf"):
             call()
+
+
+def test_token_ids_on_another_device_than_the_model_are_refused_by_name(model):
+    """torch's own error ("Expected all tensors to be on the same device ... index_select") names neither tensor; the
+    meta device stands in for a GPU on a CPU-only machine."""
+    idx = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    for call in (lambda: model(idx), lambda: snlp.parallel_forward(model, idx, PLAN),
+                 lambda: snlp.bind(model, PLAN)(idx), lambda: snlp.fused_forward(model, idx, "2xF2-h0-K1")):
+        with pytest.raises(ValueError, match=r"token ids are on meta but the model is on cpu: move them first"):
+            call()
