@@ -163,3 +163,36 @@ def test_every_options_table_lists_exactly_its_commands_flags():
                            f"unknown {sorted(set(listed) - want)}, twice {dup}")
     assert seen, "no options table is marked"
     assert not bad, "\n".join(bad)
+
+
+def _resolves(name: str) -> bool:
+    """`snlp.a.b.c` names something: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[i:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_python_name_a_guide_gives_exists():
+    """Every dotted `snlp.x.y` name and every `from snlp.x import a, b` of the README, CONTRIBUTING.md and the guides
+    names something importable, so a call copied from a guide does not end in an AttributeError or ImportError (a
+    guide once sent readers to `snlp.early_exit`, `snlp.fit`, `snlp.TrainConfig` and `snlp.distload`)."""
+    bad = []
+    for f in DOCS:
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            names = re.findall(r"(?<![\w./-])snlp(?:\.[A-Za-z_]\w*)+", line)
+            for mod, items in re.findall(r"from (snlp[\w.]*) import ([\w, ]+)", line):
+                names += [f"{mod}.{n.strip()}" for n in items.split(",") if n.strip()]
+            bad += [f"{f.relative_to(ROOT)}:{i}: {n}" for n in names if not _resolves(n)]
+    assert not bad, "\n".join(bad)

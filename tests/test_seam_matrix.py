@@ -42,7 +42,8 @@ names the combination. A cell that is neither is a defect. The references are wr
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
 
-Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor.
+Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor,
+a (T,) numpy array, a (B, T) numpy array.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), an EOS id, value embeddings / x0 residual / sliding windows, the window
@@ -70,6 +71,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from conftest import argmax_loop, blowup_model, examples, make_model, mhc_model
@@ -100,8 +102,9 @@ PLANS = {
     "exactF2": "3xF2-h0-K3",
 }
 ENTRIES = ("sequential", "snlp", "speculative", "drafter", "jacobi")
-FORMS = ("one", "tensor1d", "tensor1T", "list1", "ragged", "tensorBT")
-BATCH_FORMS = ("list1", "ragged", "tensorBT")
+FORMS = ("one", "tensor1d", "tensor1T", "list1", "ragged", "tensorBT", "numpy1d", "numpyBT")
+BATCH_FORMS = ("list1", "ragged", "tensorBT", "numpyBT")
+SEVERAL = ("ragged", "tensorBT", "numpyBT")  # the forms that hold more than one prompt
 
 
 def as_form(prompts: list[list[int]], form: str):
@@ -109,7 +112,8 @@ def as_form(prompts: list[list[int]], form: str):
     single-prompt forms, all of them for the batch forms)."""
     return {"one": lambda: prompts[0], "tensor1d": lambda: torch.tensor(prompts[0]),
             "tensor1T": lambda: torch.tensor([prompts[0]]), "list1": lambda: [prompts[0]], "ragged": lambda: prompts,
-            "tensorBT": lambda: torch.tensor(prompts)}[form]()
+            "tensorBT": lambda: torch.tensor(prompts), "numpy1d": lambda: np.array(prompts[0]),
+            "numpyBT": lambda: np.array(prompts)}[form]()
 
 
 # bf16 / fp16 cells on the CPU: the claim under test is the dtype treatment itself, on models of width 16, where
@@ -177,7 +181,7 @@ def refusals(cell: Cell) -> list[str]:
         why.append("jacobi")
     # DiagN probes read the cache at one start: a batch of several prompts is refused; speculative decoding runs a
     # list of one as a single prompt, snlp_generate does not
-    several = cell.form in ("ragged", "tensorBT") or (cell.form == "list1" and cell.entry == "snlp")
+    several = cell.form in SEVERAL or (cell.form == "list1" and cell.entry == "snlp")
     if cell.kind == "diag" and several and cell.entry != "sequential":
         why.append("batched decoding supports")
     if cell.share and cell.entry == "drafter":
@@ -208,7 +212,7 @@ def build(cell: Cell, seed: int, cfg: dict):
     dtype = DTYPES[cell.dtype]
     m = model_for(cell.kind, seed, cfg)
     gen = torch.Generator().manual_seed(seed)
-    lens = {"ragged": [3, 15, 5], "tensorBT": [7, 7]}.get(cell.form, [6])
+    lens = {"ragged": [3, 15, 5], "tensorBT": [7, 7], "numpyBT": [7, 7]}.get(cell.form, [6])
     prompts = [torch.randint(0, m.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
     preheat = fit(m, CalibrateConfig(rank=4, batch=2, seq_len=16)) if cell.kind == "preheat" else None
     m = m.to(dtype)
@@ -298,7 +302,7 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
         assert any(re.search(re.escape(w), msg, re.I) for w in why), f"{cell}: refused for another reason: {msg}"
         return
     rows = rows_of(cell, run(cell, m, arg, preheat, n, eos, drafter))
-    used = prompts if cell.form in ("ragged", "tensorBT") else prompts[:1]
+    used = prompts if cell.form in SEVERAL else prompts[:1]
     assert len(rows) == len(used)
     m64 = None if cell.dtype == "fp64" else copy.deepcopy(m).double()  # the same weights in fp64
     for p, got in zip(used, rows):
@@ -372,11 +376,11 @@ def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
     argmax of NaN logits (token 0) before (rev-harness finding 2). Where the model verifies (speculative decoding with
     the plan's forward or a drafter, verified Jacobi) the output equals the full-prefix argmax loop: diverged drafts
     cost speed only. Any other outcome is a defect; the flag rides on the decode loop's own host read."""
-    several = form in ("ragged", "tensorBT") or (form == "list1" and entry.startswith("snlp"))
+    several = form in SEVERAL or (form == "list1" and entry.startswith("snlp"))
     m, plan = blowup_model(61, sequence_len=64), "8xF1-h0-K1-newton"
     if several and entry.startswith("snlp"):
         m, plan = m.half(), "8xF1-h0-K1"
-    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
+    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6], "numpyBT": [6, 6]}.get(form, [6])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
     arg = as_form(prompts, form)
@@ -388,7 +392,7 @@ def test_a_diverging_plan_raises_or_equals_its_reference(entry, form):
             "jacobi": lambda: jacobi_generate(m, arg, plan, block=3, **kw),
             "jacobi-unverified": lambda: jacobi_generate(m, arg, plan, block=3, verify=False, **kw)}[entry]
     refused = "jacobi" if entry.startswith("jacobi") and form in BATCH_FORMS else \
-        "batched decoding supports" if form in ("ragged", "tensorBT") and not entry.startswith("snlp") else None
+        "batched decoding supports" if form in SEVERAL and not entry.startswith("snlp") else None
     if refused:
         with pytest.raises(ValueError, match=refused):
             call()
@@ -427,7 +431,7 @@ def test_a_model_whose_own_forward_is_nonfinite_raises_naming_the_model(entry, f
     m, plan = blowup_model(61, sequence_len=64), "8xF1-h0-K1"
     with torch.no_grad():
         m.blocks[3].mlp.c_proj.weight[0, 0] = float("nan")
-    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6]}.get(form, [6])
+    lens = {"ragged": [3, 9, 5], "tensorBT": [6, 6], "numpyBT": [6, 6]}.get(form, [6])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 61, (k,), generator=gen).tolist() for k in lens]
     arg = as_form(prompts, form)

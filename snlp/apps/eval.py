@@ -141,12 +141,25 @@ def mode_flags(args) -> None:
                              "there is no plan to decode (the sequential model decodes as itself)")
 
 
+def record_ties(records) -> dict[str, set[str]]:
+    """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
+    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
+    interval includes 0, by the speedrun report's rule. What `snlp eval` marks "(tie)"; a Python caller passes it
+    to the tables too (docs/usage.md)."""
+    from snlp.apps.report import delta_ppl_interval
+    from snlp.bench.stats import paired_verdict
+
+    seq = records[0]
+    return {"speedup": {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            "delta_ppl": {r.plan for r in records[1:]
+                          if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
+
+
 def run(args) -> int:
     import torch
 
     from snlp.apps.common import check_plans_grammar, plans_preheat
-    from snlp.apps.report import delta_ppl_interval
-    from snlp.bench.stats import paired_verdict
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
     from snlp.eval.protocol import evaluate
@@ -190,12 +203,7 @@ def run(args) -> int:
           file=sys.stderr)
     records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat)
     c = model.config
-    # a speedup the paired rounds do not resolve is printed as a tie (a 20-round run printed 1.07x and 1.18x from
-    # rounds spread 0.45x-3.73x, as results)
-    # and a ΔPPL whose 95 % paired-window interval includes 0, by the speedrun report's rule
-    ties = {"speedup": {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
-            "delta_ppl": {r.plan for r in records[1:]
-                          if (iv := delta_ppl_interval(r.window_ce, records[0].window_ce)) and iv[0] <= 0.0 <= iv[1]}}
+    ties = record_ties(records)
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)

@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.session import (GenerateResult, Sampling, check_fits, check_max_len, check_picked, cut_at_stop,
+from snlp.decode.session import (GenerateResult, Sampling, as_ids_tensor, check_fits, check_max_len, check_picked,
+                                 check_seed, check_stream, cut_at_stop,
                                  make_generator, pick_tensor, prompt_ids_list, read_every, stop_set)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.surrogates import DiagN, Newton
@@ -55,14 +56,17 @@ def check_batch_plan(plan, hint: str = "decode the prompts one at a time for thi
 
 
 def check_decode_inputs(model: GPT, prompt_ids, max_new_tokens: int, max_len: int | None, eos_id, plan=None,
-                        one_row_single: bool = False) -> None:
+                        one_row_single: bool = False, on_tokens=None, seed: int | None = None) -> None:
     """Refuse bad decode inputs before any work (a plan bound, a step built or compiled, a cache allocated), with the
-    errors the sessions give when they are built (DecodeSession, BatchSession): max_len, eos_id, every prompt (ids in
-    the vocabulary, at least one token, no longer than max_len) and, for a batch, a plan batched decoding cannot run
-    (`check_batch_plan`). `one_row_single`: the caller runs a list of ONE prompt as a single prompt (self-speculative
-    decoding does), so such a list takes any plan."""
+    errors the sessions give when they are built (DecodeSession, BatchSession): max_len, eos_id (ids in the model's
+    vocabulary), the seed, the streaming callback's shape, every prompt (ids in the vocabulary, at least one token, no
+    longer than max_len) and, for a batch, a plan batched decoding cannot run (`check_batch_plan`).
+    `one_row_single`: the caller runs a list of ONE prompt as a single prompt (self-speculative decoding does), so
+    such a list takes any plan."""
     check_max_len(max_len)
-    stop_set(eos_id)
+    stop_set(eos_id, model.config.vocab_size)
+    check_seed(seed)
+    check_stream(on_tokens, batch=is_batch(prompt_ids))
     if not is_batch(prompt_ids):
         n = len(prompt_ids_list(model, prompt_ids))
         if max_len is not None:
@@ -80,11 +84,13 @@ def check_decode_inputs(model: GPT, prompt_ids, max_new_tokens: int, max_len: in
 def is_batch(prompt_ids) -> bool:
     """True for a list of prompts (a list whose items are id lists / tensors) or a (B, T) tensor with B > 1; a single
     prompt (a list of ids, a (T,) or (1, T) tensor) is not a batch."""
+    prompt_ids = as_ids_tensor(prompt_ids)  # a numpy array: as the tensor it converts to
     if isinstance(prompt_ids, Tensor):
         return prompt_ids.dim() == 2 and prompt_ids.shape[0] > 1
-    return isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0 and \
-        isinstance(prompt_ids[0], (list, tuple, Tensor)) and not (isinstance(prompt_ids[0], Tensor)
-                                                                  and prompt_ids[0].dim() == 0)
+    if not (isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0):
+        return False
+    first = as_ids_tensor(prompt_ids[0])
+    return isinstance(first, (list, tuple, Tensor)) and not (isinstance(first, Tensor) and first.dim() == 0)
 
 
 class BatchSession:
@@ -96,6 +102,7 @@ class BatchSession:
                  on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
                  how: Sampling = Sampling(), seed: int | None = None):
         self.model, self.device = model, model.wte.weight.device
+        prompts = as_ids_tensor(prompts)
         if isinstance(prompts, Tensor):
             prompts = list(prompts)
         self.prompts = [prompt_ids_list(model, p) for p in prompts]
@@ -114,7 +121,9 @@ class BatchSession:
         size = max(n + b for n, b in zip(lens, self.budget)) + slack + max(s.prefill_pad for s in steps)
         self.cache = lead.new_cache(model, len(self.prompts), lead.cache_len(size))
         self.compact = not lead.compiled  # compiled graphs keep their batch shape (module docstring)
-        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id), on_tokens
+        check_stream(on_tokens, batch=True)
+        check_seed(seed)
+        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id, model.config.vocab_size), on_tokens
         self.results = [GenerateResult(tokens=[], mode=mode, stop="max_new_tokens" if max_new_tokens <= cap - n
                                        else "max_len") for n, cap in zip(lens, caps)]
         self.rows = [i for i in range(len(self.prompts))]

@@ -22,7 +22,7 @@ from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_arg
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
@@ -81,10 +81,11 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     tokens read off them. `read_every`: decode steps queued between host reads of the tokens (snlp.decode.session.
     read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
     batch in bf16 / fp16, see read_every)."""
+    check_gpt(model)
     check_decode_args(max_new_tokens, temperature)  # before a step is built
     how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
-    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
                            max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)
 
@@ -108,6 +109,6 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
     how = sampling(temperature, top_k, top_p)
     check_read_every(read_every)
-    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
                            max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)

@@ -12,7 +12,7 @@ from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 from snlp.runtime.timing import now
 
 import torch
@@ -42,12 +42,13 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     Counters: jacobi_iters = JD iterations (forwards of the Jacobi model), forwards = jacobi_iters
     plus one sequential check per round when verifying; accepted + rounds = tokens kept before the
     budget/EOS cut."""
+    check_gpt(model)
     check_decode_args(max_new_tokens, 0.0, block)
     if is_batch(prompt_ids):  # a list of prompts / a (B, T) tensor: refused here, not a TypeError deep inside
         raise ValueError("jacobi_generate decodes one prompt (a list of ids or a (T,) / (1, T) tensor); a list of "
                          "prompts or a (B, T) batch is not supported: decode the prompts one at a time")
     plan = None if plan is None else decode_plan(model, plan)
-    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, on_tokens=on_tokens)
     if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 1):
         raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
     if warm_start and plan is None:

@@ -4,6 +4,8 @@ streaming), timing, and the result record `GenerateResult`."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import operator
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -16,7 +18,7 @@ from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.model.cache import KVCache
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 from snlp.runtime.timing import now
 
 @dataclass
@@ -103,15 +105,43 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
     return agg
 
 
+def as_ids_tensor(prompt_ids):
+    """A numpy array of prompt ids as a tensor (the decoders take tensors; numpy's own conversion of a 2-D array to
+    ints fails with "only 0-dimensional arrays can be converted"), anything else unchanged."""
+    if type(prompt_ids).__module__ == "numpy" and hasattr(prompt_ids, "ndim"):
+        if prompt_ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt token ids must have an integer dtype, got a numpy array of {prompt_ids.dtype}")
+        return torch.as_tensor(prompt_ids)
+    return prompt_ids
+
+
+TEXT_PROMPT = ("prompt is text ({!r}): the decoders take token ids; encode it with the model's tokenizer first "
+               "(model, tok = snlp.load(dir); tok.encode(text))")
+
+
 def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError(TEXT_PROMPT.format(prompt_ids[:40]))
+    prompt_ids = as_ids_tensor(prompt_ids)
     if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt token ids must have an integer dtype, got a tensor of {prompt_ids.dtype}")
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
         if prompt_ids.dim() != 1:
             raise ValueError(f"prompt must be a list of ids or a (T,) / (1, T) tensor, got shape "
                              f"{tuple(prompt_ids.shape)} (batched decoding is not supported)")
         prompt_ids = prompt_ids.tolist()
-    ids = [int(i) for i in prompt_ids]
+    ids = []
+    for i in prompt_ids:
+        if isinstance(i, (str, bytes)):
+            raise ValueError(TEXT_PROMPT.format(i[:40]))
+        try:  # operator.index: any integer (numpy's too), never a float's silent truncation; a bool is no id
+            ids.append(operator.index(as_ids_tensor(i)) if not isinstance(i, bool) else None)
+        except TypeError:
+            ids.append(None)
+        if ids[-1] is None:
+            raise ValueError(f"prompt token ids must be integers, got {i!r} ({type(i).__name__})")
     if not ids:
         raise ValueError("prompt must contain at least one token (e.g. the tokenizer's BOS id)")
     V = model.config.vocab_size
@@ -133,13 +163,44 @@ def check_fits(n: int, max_len: int, index: int | None = None) -> None:
         raise ValueError(f"{which} of {n} tokens is longer than the KV cache (max_len {max_len})")
 
 
+def check_count(value, name: str, least: int) -> None:
+    """A ValueError naming `name` unless `value` is a Python int >= least (not a bool; a numpy integer is refused
+    by name: the cache and the budget arithmetic take Python ints)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return
+    kind = (f", a {type(value).__module__}.{type(value).__name__}: pass int(...)"
+            if hasattr(value, "__index__") and not isinstance(value, (int, bool)) else "")
+    raise ValueError(f"{name} must be an integer >= {least} (got {value!r}{kind})")
+
+
 def check_decode_args(max_new_tokens: int, temperature: float, block: int | None = None) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, 0 = greedy (got {temperature})")
-    if block is not None and (not isinstance(block, int) or block < 1):
-        raise ValueError(f"draft block size B must be an integer >= 1 (got {block!r})")
+    check_count(max_new_tokens, "max_new_tokens", 0)
+    try:
+        ok = not isinstance(temperature, bool) and math.isfinite(temperature) and temperature >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"temperature must be a finite number >= 0, 0 = greedy (got {temperature!r})")
+    if block is not None:
+        check_count(block, "draft block size B", 1)
+
+
+def check_stream(on_tokens, batch: bool = False) -> None:
+    """`on_tokens` is None or a callable that takes what the decode will pass it: `(new_tokens)` for one prompt,
+    `(prompt_index, new_tokens)` for a batch (a TypeError here, not at the first streamed token after the prefill)."""
+    if on_tokens is None:
+        return
+    shape = "on_tokens(prompt_index, new_tokens) for a batch" if batch else "on_tokens(new_tokens) for one prompt"
+    if not callable(on_tokens):
+        raise TypeError(f"on_tokens must be callable, {shape} (got {on_tokens!r})")
+    try:
+        sig = inspect.signature(on_tokens)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        sig.bind(*([None] * (2 if batch else 1)))
+    except TypeError:
+        raise TypeError(f"on_tokens{sig} cannot be called as {shape}") from None
 
 
 @dataclass(frozen=True)
@@ -179,11 +240,14 @@ GREEDY = Sampling()
 def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
     """A checked `Sampling`: a bad value, or a filter given to greedy decoding (which draws nothing, so the filter
     could not act), is refused with a one-line error before any work."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, 0 = greedy (got {temperature})")
+    check_decode_args(0, temperature)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0, 0 = no top-k filter (got {top_k!r})")
-    if not 0 < top_p <= 1:
+    try:
+        ok = not isinstance(top_p, bool) and 0 < top_p <= 1
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"top_p must lie in (0, 1], 1 = no top-p filter (got {top_p!r})")
     if temperature == 0 and (top_k or top_p < 1):
         raise ValueError(f"top_k / top_p filter the sampled distribution, and greedy decoding (temperature 0) draws "
@@ -192,6 +256,7 @@ def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sa
 
 
 def decode_plan(model: GPT, plan: Plan | str) -> Plan:
+    check_gpt(model)
     if plan is None:
         raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
@@ -222,7 +287,8 @@ class DecodeSession:
         self.cache = make_cache(size) if make_cache is not None else \
             KVCache.for_model(model, batch=1, max_len=size) if lead is None else lead.new_cache(model, 1, size)
         self.budget = min(max_new_tokens, max_len - len(self.prompt))
-        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id), on_tokens
+        check_stream(on_tokens)
+        self.eos_id, self.stops, self.on_tokens = eos_id, stop_set(eos_id, model.config.vocab_size), on_tokens
         self.out: list[int] = []
         self.last = self.prompt[-1]
         self.result = GenerateResult(tokens=self.out, mode=mode)
@@ -273,9 +339,11 @@ class NonFiniteModelError(FloatingPointError):
     its head, e.g. an fp16 lm_head without softcap overflowing) is the cause, not the SNLP plan."""
 
 
-def stop_set(eos_id) -> frozenset[int]:
+def stop_set(eos_id, vocab_size: int | None = None) -> frozenset[int]:
     """The token ids decoding stops after: `eos_id` None (none), one id, or several (a Hugging Face model's
-    generation_config.json lists every end-of-sequence id: Llama-3-Instruct's <|eot_id|> and <|end_of_text|>, ...)."""
+    generation_config.json lists every end-of-sequence id: Llama-3-Instruct's <|eot_id|> and <|end_of_text|>, ...).
+    With the model's `vocab_size`, an id it can never generate (>= vocab_size) is refused: decoding would run past
+    where the caller meant it to stop, silently."""
     if eos_id is None:
         return frozenset()
     try:
@@ -284,6 +352,9 @@ def stop_set(eos_id) -> frozenset[int]:
         ids = [-1]
     if any(i < 0 for i in ids) or isinstance(eos_id, bool):
         raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r})")
+    if vocab_size is not None and any(i >= vocab_size for i in ids):
+        raise ValueError(f"eos_id {eos_id!r} holds ids outside the model's vocabulary [0, {vocab_size}): decoding "
+                         f"could never stop there (another model's or tokenizer's id?)")
     return frozenset(ids)
 
 
@@ -414,15 +485,27 @@ def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
             f"{model.lm_head.weight.dtype}) overflows on it; decode in float32 or bfloat16")
 
 
+def check_seed(seed) -> None:
+    """A sampling seed is an integer (numpy's too) or None; torch's manual_seed error names neither the argument nor
+    the call."""
+    try:
+        ok = seed is None or not isinstance(seed, bool) and operator.index(seed) is not None
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"seed must be an integer or None (got {seed!r})")
+
+
 def make_generator(seed: int | None, device) -> torch.Generator:
     """A generator for one run's draws: seeded with `seed`, or, without one, from fresh OS entropy
     (Generator.seed()) WITHOUT touching torch's global RNG (torch.seed() would reseed it: a caller's seeded
     global stream would change under a sampling call)."""
+    check_seed(seed)
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(operator.index(seed))
     return gen
 
 

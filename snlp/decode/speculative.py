@@ -347,7 +347,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
-    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, one_row_single=True)
+    check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, one_row_single=True,
+                        on_tokens=on_tokens, seed=seed)
     draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, draft is None)
     draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights)
     verify_fwd = sequential_forward(model, compile, verify)

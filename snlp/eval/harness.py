@@ -59,7 +59,7 @@ from snlp.io.tokenizer import Tokenizer
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
 from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 
 DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -168,6 +168,8 @@ class SNLPLM(TemplateLM):
             Plan.parse(plan)  # its grammar; whether it fits the model once that has loaded
         self._rank, self._world_size = 0, 1
 
+        if not isinstance(pretrained, (str, Path)):  # an object: an snlp GPT, never a transformers model (its repr
+            check_gpt(pretrained, "pretrained")  # would be taken for a path: "File name too long")
         ckpt = None
         # what model_args records as pretrained=: the path or hub id given, or for a GPT object `name` (the CLI
         # passes the checkpoint it loaded)

@@ -43,8 +43,8 @@ from snlp.eval.embsim import embedding_sims
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
-from snlp.model.gpt import GPT
-from snlp.method.plan import Plan
+from snlp.model.gpt import GPT, check_gpt
+from snlp.method.plan import Plan, parse_plans
 from snlp.runtime.device import progress_bar
 from snlp.method.preheat import Preheat
 from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
@@ -258,10 +258,17 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
              preheat: Preheat | None = None) -> list[EvalRecord]:
     """Evaluate the sequential model and each plan (str or Plan) on validation token ids
     `val_tokens` (1-D): one EvalRecord per row, plan "sequential" first, then the plans in order
-    (duplicates dropped). EmbSim needs `tokenizer` (to decode continuations) and the emb extra,
-    else it is None. `preheat`: the calibration that plans with the preheat init read (others ignore it)."""
+    (duplicates dropped; a string is a comma-separated list, as `--plans` reads it). EmbSim needs `tokenizer` (to
+    decode continuations) and the emb extra, else it is None. `preheat`: the calibration that plans with the
+    preheat init read (others ignore it)."""
+    check_gpt(model)
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # EmbSim decodes with it, last
+        raise TypeError(f"tokenizer must be the model's tokenizer (snlp.Tokenizer, e.g. from snlp.load), got "
+                        f"{type(tokenizer).__name__} {tokenizer!r:.40}")
     cfg.check()
     L = model.config.n_layer
+    if isinstance(plans, str):  # iterating it would parse its characters as plans ("malformed plan '4'")
+        plans = parse_plans(plans, L)
     plans = list(dict.fromkeys(Plan.parse(p, L) if isinstance(p, str) else p.check(L) for p in plans))
     device = next(model.parameters()).device
     val = as_tokens(val_tokens)  # (n,)

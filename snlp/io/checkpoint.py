@@ -27,12 +27,13 @@ from safetensors.torch import load_file, save_file
 from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.model.gpt import GPT, GPTConfig, check_gpt
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
+from snlp.runtime.device import cli_device
 
 WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
 DRAFTER_META = "drafter.json"  # what marks a drafter folder (snlp.io.drafter writes it, named here with the rest)
@@ -56,25 +57,35 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = None, optimizer=None,
                     scheduler=None, train_state: dict | None = None) -> Path:
-    """Write a checkpoint directory atomically; returns its path. Only `model` is required."""
+    """Write a checkpoint directory atomically; returns its path. Only `model` (an snlp GPT, or DDP / torch.compile
+    around one) is required; `tokenizer` is an snlp Tokenizer (a transformers one converts: Tokenizer.from_hf). A
+    failure while writing leaves nothing behind (the temporary folder is removed) and `path` as it was."""
     path = Path(path)
     model = unwrap(model)
+    check_gpt(model)
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be an snlp Tokenizer (a transformers tokenizer converts with "
+                        f"snlp.Tokenizer.from_hf), got {type(tokenizer).__name__}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = {k: _own_storage(v.detach().cpu()) for k, v in model.state_dict().items()
-             if not (model.config.tie_embeddings and k == TIED)}
-    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "snlp": "1"})
-    (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
-    if tokenizer is not None:
-        tokenizer.save(tmp)
-    if optimizer is not None:
-        torch.save({"optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / OPTIMIZER)
-    if train_state is not None:
-        torch.save(train_state, tmp / TRAIN_STATE)
+    try:
+        state = {k: _own_storage(v.detach().cpu()) for k, v in model.state_dict().items()
+                 if not (model.config.tie_embeddings and k == TIED)}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "snlp": "1"})
+        (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if optimizer is not None:
+            torch.save({"optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / OPTIMIZER)
+        if train_state is not None:
+            torch.save(train_state, tmp / TRAIN_STATE)
+    except BaseException:  # a failed write (disk full, an unpicklable state, Ctrl-C) leaves no half folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if path.exists():
         if not path.is_dir():
             shutil.rmtree(tmp)
@@ -191,7 +202,9 @@ def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokeni
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
-    FileNotFoundError for missing files and ValueError for corrupt or mismatched ones."""
+    FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this
+    machine does not have (before any file is read)."""
+    cli_device(device, "device=")
     if is_nanochat_dir(path):
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:

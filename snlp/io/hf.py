@@ -221,6 +221,9 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     source's. `tokenizer` (a transformers tokenizer or an snlp Tokenizer) overrides/provides the tokenizer;
     a model object comes without one unless given."""
     dtype = _dtype(dtype)
+    if isinstance(src, GPT):  # it has a `config` too, but no transformers architecture ("unsupported '?'")
+        raise ValueError("from_hf was given an snlp GPT: it is already converted; use it as it is (from_hf reads "
+                         "transformers models, directories, .gguf files and hub ids)")
     if isinstance(src, torch.nn.Module):
         if not hasattr(src, "config"):
             raise ValueError(f"{type(src).__name__} is not a transformers model; pass one of {', '.join(SUPPORTED)}, "

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.sharing import check_shareable, share_chunk_weights
@@ -69,7 +69,8 @@ class SolveResult:
 
 
 def as_plan(model: GPT, plan: Plan | str) -> Plan:
-    """`plan` parsed if given as a string, and checked against the model's config."""
+    """`plan` parsed if given as a string, and checked against the model's config (which must be an snlp GPT's)."""
+    check_gpt(model)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     return plan.check_model(model.config)
 
@@ -244,6 +245,7 @@ def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bo
     """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
     (see `solve`). Fuses the suffix weights on every call (always current); to run a plan many times,
     `bind` it once."""
+    check_gpt(model)  # before `model.head` is looked up
     return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
 
 
@@ -356,4 +358,5 @@ def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[
 
 def fused_forward(model: GPT, idx: Tensor, plan: Plan | str) -> Tensor:
     """Logits (B, T, V) of the fused model of `plan` run sequentially."""
+    check_gpt(model)
     return model.head(fused_sequential(model, idx, plan).hidden)

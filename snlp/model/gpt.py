@@ -284,13 +284,18 @@ class GPT(nn.Module):
 
     # ----- pieces shared by the sequential and the parallel forward -----
     def check_tokens(self, idx: Tensor) -> None:
-        """Raise a ValueError for token ids of the wrong type, shape or range."""
+        """Raise a ValueError for token ids of the wrong type, shape, device or range."""
         if not isinstance(idx, Tensor):
             raise ValueError(f"token ids must be a torch.Tensor of shape (B, T), got {type(idx).__name__}")
         if idx.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
             raise ValueError(f"token ids must be an integer tensor, got dtype {idx.dtype}")
         if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
             raise ValueError(f"token ids must have shape (B, T) with B, T >= 1, got {tuple(idx.shape)}")
+        w = self.wte.weight
+        if idx.device != w.device and w.device.type != "meta":  # a Python compare, no sync: torch's own error names
+            # neither tensor ("Expected all tensors to be on the same device ... index_select")
+            raise ValueError(f"token ids are on {idx.device} but the model is on {w.device}: move them first "
+                             f"(idx.to({str(w.device)!r}))")
         # range check only where the ids already sit in host memory (CPU): on any accelerator it would be a
         # device-to-host sync on every forward (CUDA's embedding kernel asserts on the device instead; decode
         # entry points validate a request's prompt once, where it is made), and under torch.compile it would break
@@ -478,3 +483,20 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def check_gpt(model, what: str = "model") -> None:
+    """Raise a TypeError, naming what `model` is, unless it is an snlp GPT: the functions that take one read its own
+    attributes (config, blocks, head), which another module lacks, so without this check a transformers model fails
+    with an AttributeError from deep inside transformers or torch. A transformers model converts with snlp.from_hf."""
+    if isinstance(model, GPT):
+        return
+    cls = type(model)
+    name = f"{cls.__name__} ({cls.__module__.split('.')[0]})"
+    if cls.__module__.startswith("transformers"):
+        how = "convert it first: `model, tok = snlp.from_hf(hf_model)` (Llama, Qwen2, Mistral, Qwen3)"
+    elif isinstance(getattr(model, "module", None), GPT) or isinstance(getattr(model, "_orig_mod", None), GPT):
+        how = "it wraps one (DDP / torch.compile): pass the GPT inside it"
+    else:
+        how = "build one with snlp.GPT(config), snlp.load(dir) or snlp.from_hf(src)"
+    raise TypeError(f"{what} is a {name}, not an snlp GPT: {how}")

@@ -34,30 +34,31 @@ def write_json(path, obj) -> None:
     print(f"wrote {path}")
 
 
-def cli_device(name: str):
+def cli_device(name: str, flag: str = "--device"):
     """torch.device of a --device value; a ValueError (one line, before any work) when it names no device torch
     knows (torch's own RuntimeError lists twenty back-ends in a traceback), or a CUDA device / index or MPS this
-    machine does not have."""
+    machine does not have. `flag`: how the messages name the value (a library call passes e.g. "device=")."""
     import torch
 
+    sep = "" if flag.endswith("=") else " "
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"--device {name!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+        raise ValueError(f"{flag}{sep}{name!r} is not a device: use cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+            raise ValueError(f"{flag}{sep}cuda requested but CUDA is not available; use {flag}{sep}cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            raise ValueError(f"{flag}{sep}{name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps requested but MPS is not available; use --device cpu")
+        raise ValueError(f"{flag}{sep}mps requested but MPS is not available; use {flag}{sep}cpu")
     if device.type not in ("cpu", "cuda", "mps"):  # xpu, hpu, meta ...: only where torch says the back-end runs here
         backend = getattr(torch, device.type, None)
         available = getattr(backend, "is_available", None)
         if device.type == "meta" or not callable(available) or not available():
             has = ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available()
-            raise ValueError(f"--device {name}: no {device.type} device on this machine (it has {', '.join(has)}); "
+            raise ValueError(f"{flag}{sep}{name}: no {device.type} device on this machine (it has {', '.join(has)}); "
                              f"use one of those")
     return device
 

@@ -274,6 +274,14 @@ def test_too_little_validation_data_and_bad_settings(model, val):
         evaluate(model, val, ["7xF1-h0-K1"], CFG)
 
 
+def test_plans_given_as_one_string_are_the_comma_separated_list(model, val):
+    # a string is not iterated character by character ("malformed plan '6'"): it is read as `--plans` reads it
+    cfg = dataclasses.replace(CFG, max_tokens=16, emb=False)
+    rows = evaluate(model, val, "6xF1-h0-K6,3xF2-h0-K1", cfg)
+    assert [r.plan for r in rows] == ["sequential", "6xF1-h0-K6", "3xF2-h0-K1"]
+    assert rows[1].ppl == pytest.approx(rows[0].ppl, rel=1e-9)  # K = C, M = 1: the sequential model
+
+
 def test_outputs_csv_and_a_two_group_plot(records, tmp_path):
     write_csv([r.to_dict() for r in records], tmp_path / "r.csv")
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))

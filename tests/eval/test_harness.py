@@ -351,6 +351,15 @@ def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):
         SNLPLM(pretrained=make_model(n_layer=2))
 
 
+def test_a_transformers_model_object_is_refused_with_the_way_to_convert_it():
+    """pretrained=<a transformers model> was taken for a path (its repr: "File name too long", 2 s in)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    with pytest.raises(TypeError, match=r"^pretrained is a LlamaForCausalLM \(transformers\), not an snlp GPT: .*from_hf"):
+        SNLPLM(pretrained=hf)
+
+
 def test_method_files_refuse_any_collision():
     """Names that map to one file (or differ only in case, as on a case-insensitive file system) are refused too:
     with the current names a drafter's file (drafter_PLAN.json) cannot meet a plan's (PLAN.json), this checks the

@@ -260,3 +260,19 @@ def test_the_full_records_fused_column_names_its_reference_and_k_eq_c_is_itself(
                        ar_fused_reference="6xF2-h0-K6")]
     md = markdown_table(recs)
     assert "= itself (K = C)" in md and "100.0%" not in md and "18.8% vs 6xF2-h0-K6" in md
+
+
+def test_record_ties_marks_what_snlp_eval_marks():
+    """The tie rule a Python caller of `evaluate` gets (docs/usage.md): a Speedup whose paired rounds a two-sided sign
+    test at 5 % does not resolve, and a ΔPPL whose 95 % paired-window interval includes 0, are "(tie)"."""
+    from snlp.apps.eval import record_ties
+
+    seq = EvalRecord(plan="sequential", ppl=10.0, delta_ppl=0.0, window_ce=[2.0, 2.1, 2.2, 2.3])
+    noisy = EvalRecord(plan="4xF1-h0-K1", ppl=10.0, delta_ppl=0.0, speedup=1.75,  # 14 of 20 faster: p = 0.115
+                       speedup_rounds=[0.2] * 6 + [1.9] * 14, window_ce=[2.01, 2.09, 2.21, 2.29])
+    clear = EvalRecord(plan="4xF1-h0-K2", ppl=12.0, delta_ppl=0.2, speedup=1.3,  # 6 of 6 faster: p = 0.031
+                       speedup_rounds=[1.3] * 6, window_ce=[2.2, 2.31, 2.39, 2.5])
+    ties = record_ties([seq, noisy, clear])
+    assert ties == {"speedup": {"4xF1-h0-K1"}, "delta_ppl": {"4xF1-h0-K1"}}
+    table = markdown_table([seq, noisy, clear], ties=ties)
+    assert "1.75x (tie)" in table and "1.30x |" in table and "(tie): not told from sequential" in table

@@ -140,3 +140,28 @@ def test_a_folder_that_is_no_checkpoint_is_named_for_what_it_is(tok, tmp_path):
     (sr / "noreg" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="has no config.json; it is incomplete"):
         load(sr / "noreg")
+
+
+def test_load_refuses_a_device_this_machine_lacks_before_reading_the_files(tok, tmp_path, monkeypatch):
+    """snlp.load(dir, device=...) names the bad device in one line (torch's own error lists twenty back-ends, or
+    asserts 'Torch not compiled with CUDA enabled' after the weights were read)."""
+    path = save_checkpoint(tmp_path / "ck", tiny(), tok)
+    import snlp.io.checkpoint as C
+
+    monkeypatch.setattr(C, "load_file", lambda *a, **k: pytest.fail("the weights were read before the refusal"))
+    with pytest.raises(ValueError, match=r"^device='cdu' is not a device: use cpu, cuda, cuda:N or mps$"):
+        load(path, device="cdu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=cuda requested but CUDA is not available; use device=cpu"):
+            load(path, device="cuda")
+
+
+def test_save_checkpoint_refuses_what_is_no_snlp_model_or_tokenizer_and_leaves_nothing_behind(tok, tmp_path):
+    with pytest.raises(TypeError, match="tokenizer must be an snlp Tokenizer"):
+        save_checkpoint(tmp_path / "ck", tiny(), "gpt2")
+    with pytest.raises(TypeError, match="not an snlp GPT"):
+        save_checkpoint(tmp_path / "ck", torch.nn.Linear(2, 2))
+    # a write that fails midway (an unpicklable train_state) removes its temporary folder
+    with pytest.raises(Exception):
+        save_checkpoint(tmp_path / "ck", tiny(), tok, train_state={"f": lambda: 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

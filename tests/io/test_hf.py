@@ -422,3 +422,9 @@ def test_a_transformers_directory_given_as_a_checkpoint_says_so(tmp_path, capsys
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "is a transformers model directory (LlamaForCausalLM), not an snlp checkpoint" in err, err
+
+
+def test_an_snlp_model_given_to_from_hf_says_it_is_converted_already():
+    model = GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=64, sequence_len=16))
+    with pytest.raises(ValueError, match="from_hf was given an snlp GPT: it is already converted"):
+        from_hf(model)

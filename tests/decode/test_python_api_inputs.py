@@ -1,0 +1,136 @@
+"""What the decoding functions do with the prompt, budget, sampling and stop arguments a Python caller may pass:
+each form either decodes exactly as the plain list of ids does (checked against a full-forward greedy loop), or is
+refused with one ValueError / TypeError that names the argument, raised in snlp's own argument checks before any
+forward (never an error from inside int(), numpy, torch.Generator or a transformers model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import argmax_loop, make_model
+
+import snlp
+from snlp.decode.jacobi import jacobi_generate
+from snlp.decode.speculative import speculative_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAN = "3xF1-h0-K1"
+DECODERS = {
+    "sequential": lambda m, p, **kw: snlp.sequential_generate(m, p, **kw),
+    "snlp": lambda m, p, **kw: snlp.snlp_generate(m, p, PLAN, **kw),
+    "speculative": lambda m, p, **kw: speculative_generate(m, p, PLAN, block=3, **kw),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(n_layer=4)
+
+
+def _no_forward(model, monkeypatch):
+    """Make any forward of `model` fail loudly: a refusal must come before the first one."""
+    def boom(*a, **k):
+        raise AssertionError("a forward ran before the refusal")
+    monkeypatch.setattr(model, "forward", boom)
+    monkeypatch.setattr(model, "embed", boom)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_numpy_prompts_decode_as_their_lists(model, name):
+    dec = DECODERS[name]
+    one, two = (3, 1, 4, 1, 5), (9, 2, 6)
+    # the reference: the list form; sequential and speculative (exact) also equal a full-forward greedy loop
+    ref = {p: dec(model, p, max_new_tokens=6).tokens for p in (one, two, (2, 7, 1, 8, 2))}
+    if name != "snlp":
+        assert ref == {p: argmax_loop(model, list(p), 6) for p in ref}
+    assert dec(model, np.array(one), max_new_tokens=6).tokens == ref[one]
+    assert dec(model, np.array([one]), max_new_tokens=6).tokens == ref[one]  # (1, T): one prompt
+    rows = dec(model, np.array([one, [2, 7, 1, 8, 2]]), max_new_tokens=6)  # (B, T): a batch
+    assert [r.tokens for r in rows] == [ref[one], ref[2, 7, 1, 8, 2]]
+    rows = dec(model, [np.array(one), np.array(two)], max_new_tokens=6)  # a list of arrays: a ragged batch
+    assert [r.tokens for r in rows] == [ref[one], ref[two]]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("prompt, match", [
+    ("ROMEO:", "prompt is text"),
+    (b"ROMEO:", "prompt is text"),
+    (["ROMEO:", "JULIET:"], "prompt is text"),
+    ([1.5, 2.0], "token ids must be integers"),
+    (torch.tensor([1.0, 2.0]), "integer dtype"),
+    (torch.tensor([True, False]), "integer dtype"),
+    (np.array([1.5, 2.0]), "integer dtype"),
+    ([[1, 2], [3.5]], "token ids must be integers"),
+])
+def test_a_prompt_that_is_not_token_ids_is_refused_before_any_forward(model, monkeypatch, name, prompt, match):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        DECODERS[name](model, prompt, max_new_tokens=3)
+
+
+def test_jacobi_refuses_text_and_float_prompts(model):
+    with pytest.raises(ValueError, match="prompt is text"):
+        jacobi_generate(model, "hi", PLAN, max_new_tokens=3)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        jacobi_generate(model, [1.5], PLAN, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (dict(max_new_tokens=np.int64(3)), r"max_new_tokens must be an integer >= 0 \(got .*numpy.int64: pass int"),
+    (dict(temperature="0.7"), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature=1.0, seed="7"), "seed must be an integer"),
+    (dict(temperature=1.0, seed=1.5), "seed must be an integer"),
+    (dict(eos_id=61), r"eos_id .* outside the model's vocabulary \[0, 61\)"),
+    (dict(eos_id=[3, 10 ** 6]), r"outside the model's vocabulary"),
+    (dict(on_tokens=5), "on_tokens must be callable"),
+])
+def test_bad_decode_arguments_are_refused_before_any_forward(model, monkeypatch, name, kw, match):
+    _no_forward(model, monkeypatch)
+    kw = {"max_new_tokens": 3, **kw}
+    with pytest.raises((ValueError, TypeError), match=match):
+        DECODERS[name](model, [1, 2, 3], **kw)
+
+
+def test_a_streaming_callback_of_the_wrong_shape_is_refused_before_any_forward(model, monkeypatch):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(TypeError, match=r"cannot be called as on_tokens\(prompt_index, new_tokens\) for a batch"):
+        snlp.sequential_generate(model, [[1, 2], [3, 4, 5]], max_new_tokens=3, on_tokens=lambda new: None)
+    with pytest.raises(TypeError, match=r"cannot be called as on_tokens\(new_tokens\) for one prompt"):
+        snlp.snlp_generate(model, [1, 2], PLAN, max_new_tokens=3, on_tokens=lambda i, new: None)
+
+
+def test_evaluate_refuses_a_tokenizer_that_cannot_decode_before_any_forward(model, monkeypatch):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer"):
+        snlp.evaluate(model, torch.arange(200) % 61, [PLAN], tokenizer="gpt2")
+
+
+def test_a_transformers_model_is_refused_with_the_way_to_convert_it():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+    idx = torch.tensor([[1, 2, 3]])
+    calls = [lambda: snlp.sequential_generate(hf, [1, 2]), lambda: snlp.snlp_generate(hf, [1, 2], "2xF1-h0-K1"),
+             lambda: speculative_generate(hf, [1, 2], "2xF1-h0-K1"), lambda: jacobi_generate(hf, [1, 2]),
+             lambda: snlp.parallel_forward(hf, idx, "2xF1-h0-K1"), lambda: snlp.bind(hf, "2xF1-h0-K1"),
+             lambda: snlp.fused_forward(hf, idx, "1xF2-h0-K1"), lambda: snlp.solve(hf, idx, "2xF1-h0-K1"),
+             lambda: snlp.evaluate(hf, torch.arange(300) % 32, ["2xF1-h0-K1"])]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"LlamaForCausalLM .*not an snlp GPT.*snlp\.from_hf"):
+            call()
+
+
+def test_token_ids_on_another_device_than_the_model_are_refused_by_name(model):
+    """torch's own error ("Expected all tensors to be on the same device ... index_select") names neither tensor; the
+    meta device stands in for a GPU on a CPU-only machine."""
+    idx = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    for call in (lambda: model(idx), lambda: snlp.parallel_forward(model, idx, PLAN),
+                 lambda: snlp.bind(model, PLAN)(idx), lambda: snlp.fused_forward(model, idx, "2xF2-h0-K1")):
+        with pytest.raises(ValueError, match=r"token ids are on meta but the model is on cpu: move them first"):
+            call()
