@@ -34,10 +34,11 @@ names the combination. A cell that is neither is a defect. The references are wr
   with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
   torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
-  speculative_generate sampled     each row of a batch equals the same prompt decoded alone with its own seed (seed
-  (temperature > 0, top_k, top_p,  + its index), fp64: the round's verdict is drawn per row on the device, from the
-  drafter=)                        row's own generator (the law of the draws, filtered or not, against transformers'
-                                   warpers and a naive forward: tests/decode/test_decode.py, test_sampling.py)
+  sampled decoding (sequential,    each row of a batch equals the same prompt decoded alone with its own seed (seed
+  snlp, speculative, drafter=;     + its index), fp64; a self-speculative round's verdict is drawn per row on the
+  temperature > 0, top_k, top_p)   device, from the row's own generator (the law of the draws, filtered or not,
+                                   against transformers' warpers and a naive forward: tests/decode/test_decode.py,
+                                   tests/decode/test_sampling.py)
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
@@ -321,27 +322,37 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 50), kind=st.sampled_from([k for k in PLANS if k != "diag"]),
-       form=st.sampled_from(("ragged", "tensorBT")), drafter=st.booleans(), adaptive=st.booleans(),
+       entry=st.sampled_from(("sequential", "snlp", "speculative", "drafter")),
+       form=st.sampled_from(("ragged", "tensorBT")), adaptive=st.booleans(),
        min_confidence=st.sampled_from([0.0, 0.3]), block=st.integers(1, 4), n=st.integers(1, 8),
        temperature=st.sampled_from([0.7, 1.0, 2.0]), top_k=st.sampled_from([0, 1, 3, 20]),
        top_p=st.sampled_from([1.0, 0.9, 0.5]), eos=st.one_of(st.none(), st.integers(0, 60)),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS)),
                                   "nanochat": st.booleans()}))
-def test_sampled_speculative_rows_do_not_depend_on_the_batch(seed, kind, form, drafter, adaptive, min_confidence,
-                                                             block, n, temperature, top_k, top_p, eos, cfg):
-    """Sampled self-speculative decoding of a batch: row i is the same prompt decoded alone with seed + i, token for
-    token (fp64), whatever its neighbours draft, accept or draw (each row's drafts, uniforms and tokens come from its
-    own generator, the verdict computed for the whole batch on the device), with and without top_k / top_p."""
-    cell = Cell(entry="drafter" if drafter else "speculative", form=form, kind=kind, adaptive=adaptive,
-                min_confidence=min_confidence, block=block)
+def test_sampled_rows_do_not_depend_on_the_batch(seed, kind, entry, form, adaptive, min_confidence, block, n,
+                                                 temperature, top_k, top_p, eos, cfg):
+    """Sampled decoding of a batch (sequential, SNLP, self-speculative with the plan's forward or a drafter): row i is
+    the same prompt decoded alone with seed + i, token for token (fp64), whatever its neighbours draw (each row's
+    draws come from its own generator; a self-speculative round's drafts, uniforms and tokens too, its verdict
+    computed for the whole batch on the device), with and without top_k / top_p."""
+    spec = entry in ("speculative", "drafter")
+    cell = Cell(entry=entry, form=form, kind=kind, adaptive=spec and adaptive,
+                min_confidence=min_confidence if spec else 0.0, block=block)
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)
-    d = make_drafter(m, PLANS[kind]) if drafter and kind not in MHC_KINDS else None
-    kw = dict(block=block, preheat=preheat, adaptive=adaptive, min_confidence=min_confidence, drafter=d,
-              max_new_tokens=n, eos_id=eos, temperature=temperature, top_k=top_k, top_p=top_p)
-    rows = speculative_generate(m, arg, PLANS[kind], seed=seed, **kw)
+    d = make_drafter(m, PLANS[kind]) if entry == "drafter" and kind not in MHC_KINDS else None
+    kw = dict(max_new_tokens=n, eos_id=eos, temperature=temperature, top_k=top_k, top_p=top_p)
+    if entry == "sequential":
+        call = lambda x, s: sequential_generate(m, x, seed=s, **kw)  # noqa: E731
+    elif entry == "snlp":
+        call = lambda x, s: snlp_generate(m, x, PLANS[kind], preheat=preheat, seed=s, **kw)  # noqa: E731
+    else:
+        call = lambda x, s: speculative_generate(m, x, PLANS[kind], block=block, preheat=preheat,  # noqa: E731
+                                                 adaptive=cell.adaptive, min_confidence=cell.min_confidence,
+                                                 drafter=d, seed=s, **kw)
+    rows = call(arg, seed)
     for i, p in enumerate(prompts):
-        alone = speculative_generate(m, p, PLANS[kind], seed=seed + i, **kw)
+        alone = call(p, seed + i)
         assert rows[i].tokens == alone.tokens, f"{cell}: row {i} {rows[i].tokens} != alone {alone.tokens}"
         assert (rows[i].drafted, rows[i].accepted) == (alone.drafted, alone.accepted), cell
 
