@@ -179,7 +179,8 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
     import argparse
     import dataclasses
 
-    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
     from snlp.apps.speedrun.records import canon, write_json
     from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
 
@@ -374,7 +375,8 @@ def test_budget_args_and_shrinking():
     budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""
     import argparse
 
-    from snlp.apps.speedrun.job import preset_of, add_arguments, check_args
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import preset_of, check_args
     from snlp.apps.speedrun.diagnostics import shrink_diagnostics
     from snlp.apps.speedrun.evaluate import shrink_eval
     from snlp.apps.speedrun.off_the_shelf import shrink_ots
@@ -565,7 +567,8 @@ def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
     (the stored settings are the unshrunk ones) without calling it again."""
     import argparse
 
-    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
     from snlp.bench.budget import StageCost, plan_budget
 
     p = argparse.ArgumentParser()
@@ -600,7 +603,8 @@ ORDER = ["eval-noreg", "eval-idn", "early-exit", "off-the-shelf", "diagnostics",
 def _budgeted(tmp_path, budget="10"):
     import argparse
 
-    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -1186,7 +1190,8 @@ def test_off_the_shelf_is_opt_in(tmp_path, monkeypatch, capsys):
 
     import snlp.io.hf as H
     from snlp.apps.report import adaptation_lines
-    from snlp.apps.speedrun.job import add_arguments, setup
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -22,6 +22,8 @@ _CPU_DRAW = "inputs drawn from a seeded CPU generator (the same tokens on every 
 _HOST = "host-side data (Python lists -> a CPU batch), moved with .to(device) once per batch"
 
 ALLOWED: dict[tuple[str, str], str] = {
+    ("decode/session.py", "as_ids_tensor"): "a numpy prompt as the host tensor it is: a prompt list is host data "
+                                            "too, moved to the model's device with the rest of the ids",
     ("model/gpt.py", "__init__"): _MODULE_INIT,
     ("model/hc.py", "__init__"): _MODULE_INIT,
     ("model/ops.py", "rope_inv_freq"): "called by GPT.__init__ for the inv_freq buffer: default device, like the "
