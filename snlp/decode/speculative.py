@@ -520,8 +520,25 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
     n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, how)  # (B,) each
     t2 = mark(ses.device)
     got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read
-    return ([g[:w] for g, w in zip(got, drafted)], [g[m] for g in got], [g[m + 1] for g in got], nxt[:, None], m,
-            (t0, t1, t2))
+    ns, nxts = [g[m] for g in got], [g[m + 1] for g in got]
+    # Greedy: a NaN / inf next token of a row whose drafts were not all accepted may come from a rejected draft (a
+    # token whose K/V are NaN / inf, e.g. a NaN embedding row or an fp16 overflow): masked attention multiplies its
+    # values by 0, and 0 * NaN = NaN poisons every earlier position of the verifier's forward. Finite targets are
+    # clean, so the accepted drafts stand; verify such rows again with the rejected drafts replaced by the last
+    # accepted token (at the same width, so every slot the poison wrote is rewritten). A NaN that remains is the
+    # model's own (check_picked raises). Sampling keeps the verdict it drew: re-drawing only where a draft poisoned
+    # would bend the law of the emitted tokens.
+    redo = [j for j in range(B) if how.greedy and nxts[j] == NONFINITE and ns[j] < drafted[j]]
+    if redo:
+        keep = torch.tensor([ns[j] if j in redo else drafted[j] for j in range(B)], device=ses.device)[:, None]
+        cols = torch.arange(m + 1, device=ses.device)[None]  # (1, m + 1)
+        clean = torch.where(cols <= keep, ids, ids.gather(1, keep))  # (B, m + 1)
+        logits = verify(clean, None if ses.plain else keep)[:, :m + 1]
+        target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (B, m + 1)
+        nxt = torch.where(torch.tensor([j in redo for j in range(B)], device=ses.device), target.gather(1, keep)[:, 0],
+                          nxt)  # (B,)
+        nxts = nxt.tolist()
+    return [g[:w] for g, w in zip(got, drafted)], ns, nxts, nxt[:, None], m, (t0, t1, t2)
 
 
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
