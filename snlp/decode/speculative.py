@@ -255,6 +255,10 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
 
 def drafter_model_for(model: GPT, plan: Plan, drafter: Drafter, share_weights: bool, verify_weights: bool) -> GPT:
     """The module an adapted `drafter` drafts with, after checking it belongs to `model` and fits `plan`."""
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"drafter must be a snlp.method.drafter.Drafter (got {type(drafter).__name__} "
+                         f"{str(drafter)[:80]!r}); a drafter folder written by `snlp adapt` loads with "
+                         f"snlp.io.drafter.load_drafter(path, model)")
     if share_weights:
         raise ValueError("share_weights makes the drafter's stacks the verifier's own layers; an adapted drafter has "
                          "its own suffix weights: drop share_weights or the drafter")

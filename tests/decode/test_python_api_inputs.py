@@ -134,3 +134,12 @@ def test_token_ids_on_another_device_than_the_model_are_refused_by_name(model):
                  lambda: snlp.bind(model, PLAN)(idx), lambda: snlp.fused_forward(model, idx, "2xF2-h0-K1")):
         with pytest.raises(ValueError, match=r"token ids are on meta but the model is on cpu: move them first"):
             call()
+
+
+def test_a_drafter_given_as_a_path_is_refused_in_one_line_before_any_forward(model, monkeypatch):
+    """speculative_generate(drafter="runs/drafter") failed with "'str' object has no attribute 'check'" from inside
+    the drafter checks; it now names the type and the loader."""
+    _no_forward(model, monkeypatch)
+    for d in ("runs/drafter", object()):
+        with pytest.raises(ValueError, match=r"drafter must be a snlp.method.drafter.Drafter .*load_drafter"):
+            snlp.speculative_generate(model, [1, 2, 3], PLAN, max_new_tokens=3, drafter=d)
