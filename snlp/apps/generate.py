@@ -401,8 +401,8 @@ def run(args) -> int:
     if args.prompts_file is not None:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)
-    if not args.quiet:
-        sys.stdout.write(args.prompt)
+    if not args.quiet:  # a chat prompt is the user's turn: the answer starts on its own line (the template's
+        sys.stdout.write(args.prompt + ("\n" if args.chat else ""))  # markers are not printed)
     res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter=drafter)
     if not args.quiet:
         sys.stdout.write("\n")
