@@ -65,7 +65,7 @@ def check_decode_inputs(model: GPT, prompt_ids, max_new_tokens: int, max_len: in
     such a list takes any plan."""
     check_max_len(max_len)
     stop_set(eos_id, model.config.vocab_size)
-    check_seed(seed)
+    check_seed(seed, len(prompt_ids) if is_batch(prompt_ids) else 1)
     check_stream(on_tokens, batch=is_batch(prompt_ids))
     if not is_batch(prompt_ids):
         n = len(prompt_ids_list(model, prompt_ids))

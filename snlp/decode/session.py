@@ -235,12 +235,17 @@ class Sampling:
 
 
 GREEDY = Sampling()
+# the smallest sampling temperature: logits / T stays finite in float32 (3.4e38) for logits up to 3.4e8 in size
+MIN_TEMPERATURE = 1e-30
 
 
 def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
     """A checked `Sampling`: a bad value, or a filter given to greedy decoding (which draws nothing, so the filter
     could not act), is refused with a one-line error before any work."""
     check_decode_args(0, temperature)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: logits / temperature would "
+                         f"overflow float32 (inf - inf = NaN in the softmax); use 0 for greedy decoding")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0, 0 = no top-k filter (got {top_k!r})")
     try:
@@ -485,15 +490,18 @@ def nonfinite_source(model: GPT, seq: list[int]) -> str | None:
             f"{model.lm_head.weight.dtype}) overflows on it; decode in float32 or bfloat16")
 
 
-def check_seed(seed) -> None:
-    """A sampling seed is an integer (numpy's too) or None; torch's manual_seed error names neither the argument nor
-    the call."""
+def check_seed(seed, rows: int = 1) -> None:
+    """A sampling seed is an integer (numpy's too) or None, and every seed the call draws with (a batch's row i uses
+    seed + i) fits torch's manual_seed, [-2**63, 2**64); torch's own errors name neither the argument nor the call."""
     try:
         ok = seed is None or not isinstance(seed, bool) and operator.index(seed) is not None
     except TypeError:
         ok = False
     if not ok:
         raise ValueError(f"seed must be an integer or None (got {seed!r})")
+    if seed is not None and not -2 ** 63 <= operator.index(seed) <= 2 ** 64 - max(rows, 1):
+        raise ValueError(f"seed must lie in [-2**63, 2**64 - {max(rows, 1)}] (a batch's row i samples with seed + i; "
+                         f"torch's generators take 64 bits; got {seed!r})")
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

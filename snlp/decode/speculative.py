@@ -109,7 +109,9 @@ class SSDRow(SpeculativeReport):
     it was the first row to run that drafter); `shared_compile_s` is the sequential baseline's, the same in every
     row of one measurement (count it once)."""
 
-    matches_sequential: bool = True  # every speculative output equalled the sequential one, every round
+    # every speculative output equalled the sequential one, every round: the exactness check of greedy runs (sampled
+    # runs draw their own tokens on each side, the same law but not the same draws, so there it is False by chance)
+    matches_sequential: bool = True
     repeats: int = 0
     prompts: int = 0
     gen_tokens: int = 0
@@ -495,7 +497,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             pos = RowPositions(start + cols, span=None if span is None else span + T - 1)
             return verify_fwd.ragged(ids, pos, ses.cache)
     t0 = mark(ses.device)
-    x, drafts, qs = last, [], []
+    x, drafts, qs, confs = last, [], [], []
     drafted = list(want) if not min_confidence else [0] * B
     going = [w > 0 for w in want]
     for k in range(max(want)):
@@ -509,7 +511,8 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             qs.append(q)
         if min_confidence:  # the drafted token's probability: the top-1 when greedy, the sampled one's when sampling
             probs = torch.softmax(logits.float(), -1) if q is None else q
-            conf = probs.gather(-1, x)[:, 0].tolist()  # one read per drafter step
+            confs.append(probs.gather(-1, x)[:, 0].double())  # (B,); float64: compared as the host compares below
+            conf = confs[-1].tolist()  # one read per drafter step
             for j in range(B):
                 if going[j]:
                     drafted[j] += 1
@@ -519,8 +522,12 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
     ids = torch.cat([last, *drafts], 1)  # (B, m + 1)
     if ses.plain:
         wants = None  # the one row drafted all m
-    else:  # (B, 1): the blocks copied in with the round, or (min_confidence) what each row drafted
-        wants = rows[:, 2:3] if drafted == want else torch.tensor(drafted, device=ses.device)[:, None]
+    elif drafted == want:  # (B, 1): the blocks copied in with the round
+        wants = rows[:, 2:3]
+    else:  # min_confidence: a row drafts until its block or its first draft below min_confidence, as counted above,
+        # counted again on the device from the same confidences (no copy in)
+        lead = (torch.stack(confs, 1) >= min_confidence).long().cumprod(1).sum(1, keepdim=True)  # (B, 1)
+        wants = torch.minimum(rows[:, 2:3], lead + 1)
     n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, how)  # (B,) each
     t2 = mark(ses.device)
     got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read

@@ -496,9 +496,11 @@ class SNLPLM(TemplateLM):
             kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
             # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
             temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
-            # a task's sampling filters (None: none); greedy draws nothing, so there they change nothing
-            top_k = int(kw.get("top_k") or 0)
-            top_p = 1.0 if kw.get("top_p") is None else float(kw["top_p"])
+            # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
+            # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
+            # a greedy task (do_sample false) draws nothing, so there they change nothing
+            top_k = 0 if kw.get("top_k") is None else kw["top_k"]
+            top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
             refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
             if refused:
                 raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
@@ -509,7 +511,7 @@ class SNLPLM(TemplateLM):
             if max_new >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            if temperature > 0:  # a bad filter value: one line before any decoding
+            if kw["do_sample"]:  # a bad filter value: one line before any decoding
                 sampling(temperature, top_k, top_p)
             answers = self._generate(prompts, max_new, temperature, first, top_k, top_p)
             first += len(prompts)

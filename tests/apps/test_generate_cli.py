@@ -191,6 +191,13 @@ def test_generate_prompts_file_in_batches(ckpt, tmp_path, capsys):
                  "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out), "--quiet"]) == 0
     spec = json.loads(out.read_text())
     assert spec["matches_sequential"] and spec["measured_speedup"] > 0
+    # sampled, filtered: each side draws its own tokens, so "identical" is not a claim the run can make
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--prompts-file", str(txt), "--mode", "speculative", "--plan", "2xF1-h0-K1",
+                 "--batch-size", "4", "--max-new-tokens", "8", "--json", str(out), "--quiet", "--temperature", "0.9",
+                 "--top-k", "5", "--top-p", "0.9", "--seed", "3"]) == 0
+    spec = json.loads(out.read_text())
+    assert spec["matches_sequential"] is None and "identical: n/a (sampled" in capsys.readouterr().out
     for bad, msg in ((["--mode", "jacobi", "--plan", "2xF1-h0-K1"], "one prompt at a time"),
                      (["--prompt", "x"], "not both"), (["--batch-size", "0"], "--batch-size"),
                      (["--distributed", "--mode", "sequential"], "single-process options")):

@@ -112,6 +112,9 @@ def test_pick_tensor_draws_only_kept_tokens():
     (dict(temperature=1.0, top_p=0.0), "top_p must lie in (0, 1]"),
     (dict(temperature=1.0, top_p=1.5), "top_p must lie in (0, 1]"),
     (dict(temperature=1.0, top_p=float("nan")), "top_p must lie in (0, 1]"),
+    (dict(temperature=1e-38), "below 1e-30"),  # logits / T overflows float32: NaN probabilities after the prefill
+    (dict(temperature=1.0, seed=2 ** 64), "seed must lie in"),
+    (dict(temperature=1.0, seed=-2 ** 63 - 1), "seed must lie in"),
 ])
 def test_bad_filters_are_refused_before_any_work(kw, words, monkeypatch):
     model = make_model(n_layer=4)
@@ -129,3 +132,12 @@ def test_bad_filters_are_refused_before_any_work(kw, words, monkeypatch):
         with pytest.raises(ValueError) as err:
             call()
         assert words in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_a_batch_whose_last_row_would_seed_past_64_bits_is_refused(monkeypatch):
+    """Row i samples with seed + i: 2**64 - 1 seeds one prompt, but a batch of two would seed 2**64 (torch: "Overflow
+    when unpacking long long", after the cache was allocated)."""
+    model = make_model(n_layer=4)
+    sequential_generate(model, [1, 2], max_new_tokens=1, temperature=1.0, seed=2 ** 64 - 1)
+    with pytest.raises(ValueError, match=r"seed must lie in \[-2\*\*63, 2\*\*64 - 2\]"):
+        speculative_generate(model, [[1, 2], [3]], "2xF2-h0-K1", max_new_tokens=2, temperature=1.0, seed=2 ** 64 - 1)

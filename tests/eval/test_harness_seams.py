@@ -251,6 +251,12 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
     lm.generate_until(_reqs("generate_until", [("the cat", {**sampled, "top_p": 1.0, "num_beams": 1})]))
     for one in (dict(top_k=1), dict(top_p=1e-9), dict(top_k=1, top_p=0.5, temperature=5.0)):
         assert lm.generate_until(_reqs("generate_until", [("the cat", {**sampled, **one})])) == want, one
+    # a filter value transformers refuses (a float top_k, a string), or one that do_sample at temperature 0 (greedy)
+    # could not apply, is refused as written, never rounded or dropped
+    for gen, bad in (({**sampled, "top_k": 2.7}, "top_k must be an integer"), ({**sampled, "top_p": "0.5"}, "top_p"),
+                     ({**sampled, "temperature": 0.0, "top_p": 0.5}, "greedy decoding")):
+        with pytest.raises(ValueError, match=bad):
+            lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
     for gen, bad in (({**sampled, "min_p": 0.1}, "min_p=0.1"), ({**sampled, "typical_p": 0.5}, "typical_p=0.5"),
                      ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "repetition_penalty": 1.2},
                                                                 "repetition_penalty=1.2")):

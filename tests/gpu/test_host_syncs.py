@@ -203,3 +203,16 @@ def test_min_confidence_round_waits_once_per_drafter_step_and_once_per_round():
     # fake cuda reads every confidence as 0.0 (< 1e-9): a round stops drafting after its first draft
     assert (r24.rounds - r8.rounds, r24.draft_steps - r8.draft_steps) == (16, 16)
     assert long - short == collections.Counter({"snlp/decode/speculative.py:_round": 16 + 16})
+
+
+def test_batch_min_confidence_round_copies_in_once():
+    """A batch with min_confidence: the round's one copy in (last tokens, lengths, blocks), one read per drafter
+    step, the round's read; the rows' draft counts for the verifier are counted again on the device from the same
+    confidences, not copied in a second time."""
+    spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=3, max_new_tokens=n,
+                                             min_confidence=1e-9)
+    short, r8 = _waits(lambda m: spec(m, 8))
+    long, r24 = _waits(lambda m: spec(m, 24))
+    # fake cuda reads every confidence as 0.0 (< 1e-9): a round stops drafting after its first draft
+    assert (r24[0].rounds - r8[0].rounds, r24[0].draft_steps - r8[0].draft_steps) == (16, 16)
+    assert long - short == collections.Counter({"snlp/decode/speculative.py:_round": 3 * 16})
