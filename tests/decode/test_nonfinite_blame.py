@@ -142,18 +142,24 @@ def test_without_the_model_the_error_claims_no_source():
                             "token is read off them (check its weights are finite)")
 
 
+def _nan_token_model():
+    """A depth-4 model whose token 32 has a NaN embedding row, a prompt whose greedy continuation never emits 32 and a
+    second prompt; the drafter of 4xF1-h0-K1 at block 4 proposes 32 on the first."""
+    from conftest import make_model
+
+    m = make_model(seed=0, n_layer=4, sequence_len=64, scale=0.05)
+    with torch.no_grad():
+        m.wte.weight[32] = float("nan")
+    return m, [1, 5, 9], [3, 4, 7, 8]
+
+
 def test_a_rejected_nan_draft_does_not_poison_the_positions_before_it():
     """Token 32's embedding row is NaN: the model never emits it on this prompt (the naive argmax loop over the
     uncached forward of each prefix, the outside reference, stays finite and equals sequential decoding), but the
     drafter of 4xF1-h0-K1 proposes it at block 4. Greedy self-speculative decoding must still give the model's
     tokens, for the prompt alone and in a batch. A drafter whose own state is NaN is harmless (the verifier rewrites
     every slot it wrote: test_a_nan_drafter_only_costs_acceptance)."""
-    from conftest import make_model
-
-    m = make_model(seed=0, n_layer=4, sequence_len=64, scale=0.05)
-    with torch.no_grad():
-        m.wte.weight[32] = float("nan")
-    prompt, other = [1, 5, 9], [3, 4, 7, 8]
+    m, prompt, other = _nan_token_model()
     with torch.inference_mode():
         ref = argmax_loop(m, prompt, 8)
         assert torch.isfinite(m(torch.tensor([prompt + ref]))).all() and 32 not in ref
@@ -169,12 +175,7 @@ def test_a_rejected_nan_draft_does_not_poison_compiled_rounds():
     """The same with compiled steps: the verifier attends the whole bucketed cache under a mask, so the NaN K/V a
     rejected draft left in a slot must be rewritten by the second verify (it is: the same width, the slot holds the
     last accepted token's K/V after it)."""
-    from conftest import make_model
-
-    m = make_model(seed=0, n_layer=4, sequence_len=64, scale=0.05)
-    with torch.no_grad():
-        m.wte.weight[32] = float("nan")
-    prompt, other = [1, 5, 9], [3, 4, 7, 8]
+    m, prompt, other = _nan_token_model()
     with torch.inference_mode():
         ref = argmax_loop(m, prompt, 8)
     assert speculative_generate(m, prompt, "4xF1-h0-K1", block=4, max_new_tokens=8, compile=True).tokens == ref
