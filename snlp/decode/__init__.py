@@ -2,7 +2,8 @@
 
 from snlp.runtime.lazy import lazy_exports
 
-__all__ = ["MODES", "GenerateResult", "Sampling", "merge_results", "sequential_generate", "snlp_generate", "jacobi_generate",
+__all__ = ["MODES", "GenerateResult", "Sampling", "merge_results", "sequential_generate", "snlp_generate",
+           "jacobi_generate",
            "speculative_generate", "speculative_accept", "speculative_benchmark", "speculative_shootout",
            "speculative_report",
            "SpeculativeReport", "SSDRow", "ideal_ssd_speedup"]
