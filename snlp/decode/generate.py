@@ -73,7 +73,8 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     """KV-cached sequential decoding (the reference). Greedy at temperature 0, else a draw from softmax(logits /
     temperature), filtered by `top_k` / `top_p` as transformers filters it (snlp.decode.session.Sampling).
     `compile`: the prefill and the decode step run as compiled static-shape steps (snlp.decode.steps; compiled
-    before timing, compile_s); `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls share its graphs.
+    before timing, compile_s); `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls
+    share its graphs.
     A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns one
     GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
     prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated

@@ -416,7 +416,8 @@ def _draft_pick(ses: BatchSession, logits: Tensor, how: Sampling, draw: list[boo
     """The drafter's next token of every batch row from its logits (B, V), left on the device: the argmax, or a
     draw of `how`'s distribution (Sampling.probs) from the row's own generator for the rows in `draw` (a row past
     its own block draws nothing, so its generator's stream, and its tokens, do not depend on its neighbours'
-    blocks; its token is computed and dropped). Returns the tokens (B, 1) and, sampling, the drafter's probabilities q (B, V)."""
+    blocks; its token is computed and dropped). Returns the tokens (B, 1) and, sampling, the drafter's
+    probabilities q (B, V)."""
     if how.greedy:
         return logits.argmax(-1, keepdim=True), None
     probs = how.probs(logits)  # (B, V)
