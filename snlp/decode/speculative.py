@@ -430,13 +430,14 @@ def _draft_pick(ses: BatchSession, logits: Tensor, how: Sampling, draw: list[boo
 
 
 def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None,
-             qs: list, how: Sampling) -> tuple[Tensor, Tensor]:
+             qs: list, how: Sampling, rows: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """How many of its drafts each row keeps and its next token, on the device: ids (B, m + 1) = [last, drafts...]
     (row j drafted drafted[j] <= m, also as `wants` (B, 1) on the device; None: every row drafted m), logits
     (B, m + 1, V) the verifier's there. Greedy: the leading drafts equal to the verifier's argmax and the argmax
     after them; sampling: speculative rejection sampling (`speculative_accept`, each row from its own generator).
     The verifier is the model's own forward: a position whose logits hold NaN/inf stops acceptance there and makes
-    the row's next token NONFINITE, on which check_picked raises."""
+    the row's next token NONFINITE, on which check_picked raises. `rows`: the batch rows the inputs hold (default
+    all), whose generators the sampled verdict draws from."""
     B, m = ids.shape[0], ids.shape[1] - 1
     cols = torch.arange(m + 1, device=ids.device)  # (m + 1,)
     mine = cols[None] <= (m if wants is None else wants)  # (B or 1, m + 1): the row's own positions
@@ -449,7 +450,8 @@ def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int],
     p = how.probs(logits)  # (B, m + 1, V)
     p = torch.where(finite[..., None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
     q = torch.stack(qs, 1) if qs else p.new_zeros(B, 0, p.shape[-1])  # (B, m, V)
-    n, t = speculative_accept(p, q, ids[:, 1:], [ses.gens[i] for i in ses.rows], drafted)
+    gens = [ses.gens[ses.rows[j]] for j in (range(B) if rows is None else rows)]
+    n, t = speculative_accept(p, q, ids[:, 1:], gens, drafted)
     first_bad = torch.where(~finite & mine, cols, m + 1).amin(-1)  # (B,) m + 1: none
     t = torch.where(first_bad <= n, NONFINITE, t)  # a token drawn at or after a NaN/inf position is not emitted
     return torch.minimum(n, first_bad), t
@@ -533,24 +535,57 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
     t2 = mark(ses.device)
     got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read
     ns, nxts = [g[m] for g in got], [g[m + 1] for g in got]
-    # Greedy: a NaN / inf next token of a row whose drafts were not all accepted may come from a rejected draft (a
-    # token whose K/V are NaN / inf, e.g. a NaN embedding row or an fp16 overflow): masked attention multiplies its
-    # values by 0, and 0 * NaN = NaN poisons every earlier position of the verifier's forward. Finite targets are
-    # clean, so the accepted drafts stand; verify such rows again with the rejected drafts replaced by the last
-    # accepted token (at the same width, so every slot the poison wrote is rewritten). A NaN that remains is the
-    # model's own (check_picked raises). Sampling keeps the verdict it drew: re-drawing only where a draft poisoned
-    # would bend the law of the emitted tokens.
-    redo = [j for j in range(B) if how.greedy and nxts[j] == NONFINITE and ns[j] < drafted[j]]
-    if redo:
-        keep = torch.tensor([ns[j] if j in redo else drafted[j] for j in range(B)], device=ses.device)[:, None]
-        cols = torch.arange(m + 1, device=ses.device)[None]  # (1, m + 1)
-        clean = torch.where(cols <= keep, ids, ids.gather(1, keep))  # (B, m + 1)
-        logits = verify(clean, None if ses.plain else keep)[:, :m + 1]
-        target = torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)  # (B, m + 1)
-        nxt = torch.where(torch.tensor([j in redo for j in range(B)], device=ses.device), target.gather(1, keep)[:, 0],
-                          nxt)  # (B,)
-        nxts = nxt.tolist()
+    # A NaN / inf next token of a row whose drafts were not all accepted may come from a draft whose own K/V are NaN /
+    # inf (a NaN embedding row, an fp16 overflow): masked attention multiplies them by 0, and 0 x NaN = NaN poisons
+    # every position of the verifier's forward, the earlier ones included. `_unpoison` judges such rows again on
+    # clean logits (only on that error path); a NaN that remains is the model's own, and check_picked raises on it.
+    bad = [j for j in range(B) if nxts[j] == NONFINITE and ns[j] < drafted[j]]
+    if bad:
+        nxt = _unpoison(ses, verify, ids, qs, drafted, how, bad, ns, nxts, nxt)
     return [g[:w] for g, w in zip(got, drafted)], ns, nxts, nxt[:, None], m, (t0, t1, t2)
+
+
+def _unpoison(ses: BatchSession, verify, ids: Tensor, qs: list, drafted: list[int], how: Sampling, bad: list[int],
+              ns: list[int], nxts: list, nxt: Tensor) -> Tensor:
+    """Judge the rows `bad` of a round again without the draft that poisoned their verifier forward. Its origin is
+    the first of the row's positions whose K/V are non-finite at the LOWEST layer that has any: below that layer
+    every position's residual is finite (no attention read a non-finite value yet), so there a non-finite K/V is
+    the position's own, not the spread of 0 x NaN. With the origin at position k >= 1 (draft d_k), the row is
+    verified again with the inputs from position k on replaced by d_{k-1} (the same width, so every slot the poison
+    wrote is rewritten), which makes the logits at positions 0..k-1 clean, and drafts d_1..d_k are judged on them
+    (greedy or by rejection sampling, from the row's own generator; the other rows keep their verdicts and draws).
+    A verdict that accepts all k has no next token: p_k needs d_k as input, whose forward is non-finite, so the row
+    emits d_1..d_k and its next forward raises, as sequential decoding would after emitting d_k. Judging exactly
+    the drafts up to the first poisoned one is a stopping rule on the drafts (as min_confidence's), so sampling
+    keeps the model's law. Origin 0 (the round's last token) or no non-finite K/V: the NaN is the model's own.
+    Updates ns / nxts in place (nxts[j] None: accepted all, no next token); returns the next tokens on the device."""
+    B, m = ids.shape[0], ids.shape[1] - 1
+    cols = torch.arange(m + 1, device=ses.device)
+    pos = torch.tensor([ses.lens[j] for j in range(B)], device=ses.device)[:, None] + cols  # (B, m + 1) cache slots
+    b = torch.arange(B, device=ses.device)[:, None]
+    nonfinite = (~torch.isfinite(ses.cache.k[:, b, :, pos]) | ~torch.isfinite(ses.cache.v[:, b, :, pos]))
+    nonfinite = nonfinite.flatten(3).any(-1).tolist()  # (B, m + 1, L): the row's slots, by layer
+    origin = {}
+    for j in bad:
+        rows = [nonfinite[j][i] for i in range(drafted[j] + 1)]  # (positions, L)
+        layers = [l for l in range(len(rows[0])) if any(r[l] for r in rows)]
+        k = next(i for i, r in enumerate(rows) if r[layers[0]]) if layers else 0
+        if k >= 1:
+            origin[j] = k
+    if not origin:
+        return nxt
+    redo = sorted(origin)
+    keep = torch.tensor([origin[j] - 1 if j in origin else drafted[j] for j in range(B)], device=ses.device)[:, None]
+    clean = torch.where(cols[None] <= keep, ids, ids.gather(1, keep))  # (B, m + 1)
+    logits = verify(clean, keep)[:, :m + 1]  # the other rows: their first pass's inputs again, the same K/V
+    sel = torch.tensor(redo, device=ses.device)
+    n, t = _verdict(ses, ids[sel], logits[sel], [origin[j] for j in redo], keep[sel] + 1,
+                    [q[sel] for q in qs], how, rows=redo)
+    for j, n_j, t_j in zip(redo, n.tolist(), t.tolist()):
+        ns[j], nxts[j] = n_j, None if n_j == origin[j] else t_j
+    # one prompt feeds the next round from the device: the next token, or the last accepted draft
+    fed = torch.where(n == sel.new_tensor([origin[j] for j in redo]), ids[sel].gather(1, n[:, None])[:, 0], t)
+    return nxt.index_copy(0, sel, fed)
 
 
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
@@ -596,7 +631,8 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             if last is not None:  # one prompt: the next round starts from the verifier's token on the device
                 last = fed
             draft_s, verify_s = between(t0, t1), between(t1, t2)  # events recorded before the round's read: passed
-            for j in sorted(live):  # the verifier's NaN/inf logits: the model's own forward (plan None)
+            # the verifier's NaN/inf logits: the model's own forward (plan None); None: no next token (_unpoison)
+            for j in sorted(j for j in live if nxt[j] is not None):
                 check_picked([nxt[j]], None, len(ses.results[ses.rows[j]].tokens) + ns[j],
                              [ses.rows[j]] if len(ses.results) > 1 else None, model=model,
                              context=lambda k, j=j: (ses.prompts[ses.rows[j]] + ses.results[ses.rows[j]].tokens
@@ -610,7 +646,8 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
                 ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j], steps=len(drafts[j]),
                                                    forwards=len(drafts[j]) + 1,
                                                    draft_s=draft_s * len(drafts[j]) / max(steps, 1), verify_s=verify_s)
-                ses.emit(j, drafts[j][: ns[j]] + [nxt[j]], ns[j] + 1)
+                tail = [] if nxt[j] is None else [nxt[j]]  # None: _unpoison accepted all, no next token
+                ses.emit(j, drafts[j][: ns[j]] + tail, ns[j] + len(tail))
             keep = ses.live()
             if ctl is not None and ses.compact and len(keep) < len(ses.rows):
                 ctl.keep_rows(keep)

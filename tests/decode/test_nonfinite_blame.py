@@ -1,6 +1,7 @@
 """NaN/inf logits met while SNLP-decoding are blamed on where they came from: the model's own head or layers
 (its sequential forward, the outside reference, gives them too) or the plan's solver state."""
 
+import math
 import re
 
 import pytest
@@ -181,6 +182,48 @@ def test_a_rejected_nan_draft_does_not_poison_compiled_rounds():
     assert speculative_generate(m, prompt, "4xF1-h0-K1", block=4, max_new_tokens=8, compile=True).tokens == ref
     rows = speculative_generate(m, [prompt, other], "4xF1-h0-K1", block=4, max_new_tokens=8, compile=True)
     assert [r.tokens for r in rows] == [ref, sequential_generate(m, other, max_new_tokens=8).tokens]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_poisoning_draft_keeps_the_models_law(temperature):
+    """Token 4's embedding row is NaN on a vocabulary of 5 (p(4 | prompt) ~ 0.22): a run that emits 4 must raise at
+    its next forward, as sequential decoding does, and a run that does not must follow the model's law. Budget 3,
+    block 2: the first round drafts 2, so a poisoning draft sits at position 1 or 2. Over N seeds: the fraction of
+    runs that raise is P(t1 = 4) + P(t1 != 4, t2 = 4), and the finished runs' (t1, t2) follow p(t1) p(t2 | t1) over
+    t1, t2 != 4, from a naive full forward (fp32; greedy: the argmax path, which here avoids 4)."""
+    from conftest import make_model
+
+    from snlp.decode.session import NonFiniteModelError
+
+    m = make_model(seed=5, vocab_size=5, scale=0.7)
+    X, prompt = 4, [1, 2, 0]
+    with torch.no_grad():
+        m.wte.weight[X] = float("nan")
+        p1 = torch.softmax(m(torch.tensor([prompt]))[0, -1].double(), -1)  # (5,)
+        p2 = torch.stack([torch.softmax(m(torch.tensor([prompt + [a]]))[0, -1].double(), -1) if a != X
+                          else torch.zeros(5, dtype=torch.float64) for a in range(5)])  # (5, 5)
+    joint = p1[:, None] * p2  # (t1, t2)
+    raise_p = float(p1[X] + joint[:, X].sum())
+    finished = joint.clone()
+    finished[X], finished[:, X] = 0, 0
+    if temperature == 0:
+        ref = argmax_loop(m, prompt, 3)
+        assert X not in ref and speculative_generate(m, prompt, "3xF2-h0-K0", block=2, max_new_tokens=3).tokens == ref
+        return
+    N, raised, counts = 1000, 0, torch.zeros(5, 5, dtype=torch.float64)
+    for s in range(N):
+        try:
+            t = speculative_generate(m, prompt, "3xF2-h0-K0", block=2, max_new_tokens=3, temperature=1.0,
+                                     seed=s).tokens
+        except NonFiniteModelError:
+            raised += 1
+            continue
+        assert X not in t[:2]
+        counts[t[0], t[1]] += 1
+    assert abs(raised / N - raise_p) < 4 * math.sqrt(raise_p * (1 - raise_p) / N), (raised / N, raise_p)
+    tv = 0.5 * (counts / counts.sum() - finished / finished.sum()).abs().sum()
+    assert tv < 0.08, tv
 
 
 def test_a_nan_drafter_only_costs_acceptance():
