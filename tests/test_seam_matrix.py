@@ -34,6 +34,9 @@ names the combination. A cell that is neither is a defect. The references are wr
   with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
   torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
+  tokens with NaN embeddings       greedy speculative decoding (either drafter): the argmax loop of the model, raising
+  (poison drafts, speculative)     NonFiniteModelError exactly where the loop's logits turn non-finite; sampled: the
+                                   model's law (tests/decode/test_nonfinite_blame.py)
   sampled decoding (sequential,    each row of a batch equals the same prompt decoded alone with its own seed (seed
   snlp, speculative, drafter=;     + its index), fp64; a self-speculative round's verdict is drawn per row on the
   temperature > 0, top_k, top_p)   device, from the row's own generator (the law of the draws, filtered or not,
@@ -355,6 +358,51 @@ def test_sampled_rows_do_not_depend_on_the_batch(seed, kind, entry, form, adapti
         alone = call(p, seed + i)
         assert rows[i].tokens == alone.tokens, f"{cell}: row {i} {rows[i].tokens} != alone {alone.tokens}"
         assert (rows[i].drafted, rows[i].accepted) == (alone.drafted, alone.accepted), cell
+
+
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 50), kind=st.sampled_from(["F1", "F2", "fwd", "tol", "exact"]),
+       form=st.sampled_from(("one", "ragged")), drafter=st.booleans(), adaptive=st.booleans(),
+       min_confidence=st.sampled_from([0.0, 0.3]), block=st.integers(1, 4), n=st.integers(1, 8),
+       poison=st.lists(st.integers(0, 60), min_size=1, max_size=6, unique=True),
+       cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS))}))
+def test_a_poison_token_decodes_as_the_model_does(seed, kind, form, drafter, adaptive, min_confidence, block, n,
+                                                  poison, cfg):
+    """Tokens whose embedding rows are NaN (their K/V NaN at every layer; the drafter may propose them): greedy
+    self-speculative decoding (the plan's forward or a drafter) gives the full-prefix argmax loop of the model, and
+    raises NonFiniteModelError exactly where that loop's logits turn non-finite (after it emits a poison token),
+    never earlier. Each prompt's own tokens are clean (fp64)."""
+    cell = Cell(entry="drafter" if drafter else "speculative", form=form, kind=kind, adaptive=adaptive,
+                min_confidence=min_confidence, block=block)
+    note(f"cell: {cell}")
+    m, prompts, arg, preheat = build(cell, seed, cfg)
+    used = prompts if form == "ragged" else prompts[:1]
+    poison = [t for t in poison if all(t not in p for p in used)]
+    with torch.no_grad():
+        m.wte.weight[poison] = float("nan")
+    d = make_drafter(m, PLANS[kind]) if drafter else None  # the poisoned model's drafter (its own fingerprint)
+
+    def loop(p):  # None: the model's own logits turn non-finite before n tokens
+        ids = list(p)
+        for _ in range(n):
+            logits = m(torch.tensor([ids]))[0, -1]
+            if not torch.isfinite(logits).all():
+                return None
+            ids.append(int(logits.argmax()))
+        return ids[len(p):]
+
+    with torch.no_grad():
+        refs = [loop(p) for p in used]
+    call = lambda x: speculative_generate(m, x, PLANS[kind], block=block, preheat=preheat,  # noqa: E731
+                                          adaptive=adaptive, min_confidence=min_confidence, drafter=d,
+                                          max_new_tokens=n)
+    if any(r is None for r in refs):
+        with pytest.raises(NonFiniteModelError):
+            call(arg)
+        return
+    rows = call(arg)
+    got = [r.tokens for r in rows] if form == "ragged" else [rows.tokens]
+    assert got == refs, f"{cell}: {got} != {refs} (poison {poison})"
 
 
 @pytest.mark.parametrize("seed", [3, 5, 6])
