@@ -365,21 +365,27 @@ def test_sampled_rows_do_not_depend_on_the_batch(seed, kind, entry, form, adapti
        form=st.sampled_from(("one", "ragged")), drafter=st.booleans(), adaptive=st.booleans(),
        min_confidence=st.sampled_from([0.0, 0.3]), block=st.integers(1, 4), n=st.integers(1, 8),
        poison=st.lists(st.integers(0, 60), min_size=1, max_size=6, unique=True),
+       deep=st.lists(st.integers(0, 60), max_size=4, unique=True), layer=st.integers(0, L - 1),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS))}))
 def test_a_poison_token_decodes_as_the_model_does(seed, kind, form, drafter, adaptive, min_confidence, block, n,
-                                                  poison, cfg):
-    """Tokens whose embedding rows are NaN (their K/V NaN at every layer; the drafter may propose them): greedy
-    self-speculative decoding (the plan's forward or a drafter) gives the full-prefix argmax loop of the model, and
-    raises NonFiniteModelError exactly where that loop's logits turn non-finite (after it emits a poison token),
-    never earlier. Each prompt's own tokens are clean (fp64)."""
+                                                  poison, deep, layer, cfg):
+    """Tokens whose embedding rows are NaN (their K/V NaN from layer 0; the drafter may propose them) and, with value
+    embeddings, tokens whose value-embedding row of one deeper layer is NaN (their K/V NaN from that layer only, so an
+    earlier deep poison hides behind a later shallow one): greedy self-speculative decoding (the plan's forward or a
+    drafter) gives the full-prefix argmax loop of the model, and raises NonFiniteModelError exactly where that loop's
+    logits turn non-finite (after it emits a poison token), never earlier. Each prompt's own tokens are clean (fp64)."""
     cell = Cell(entry="drafter" if drafter else "speculative", form=form, kind=kind, adaptive=adaptive,
                 min_confidence=min_confidence, block=block)
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)
     used = prompts if form == "ragged" else prompts[:1]
     poison = [t for t in poison if all(t not in p for p in used)]
+    deep = [t for t in deep if all(t not in p for p in used)]
+    slots = [sl for sl in m.ve_slot[layer:] if sl >= 0] if cfg["value_embeds"] else []
     with torch.no_grad():
         m.wte.weight[poison] = float("nan")
+        if slots:  # the first value-embedding layer at or after `layer`
+            m.value_embeds[slots[0], deep] = float("nan")
     d = make_drafter(m, PLANS[kind]) if drafter else None  # the poisoned model's drafter (its own fingerprint)
 
     def loop(p):  # None: the model's own logits turn non-finite before n tokens

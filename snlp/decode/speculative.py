@@ -552,32 +552,43 @@ def _unpoison(ses: BatchSession, verify, ids: Tensor, qs: list, drafted: list[in
     every position's residual is finite (no attention read a non-finite value yet), so there a non-finite K/V is
     the position's own, not the spread of 0 x NaN. With the origin at position k >= 1 (draft d_k), the row is
     verified again with the inputs from position k on replaced by d_{k-1} (the same width, so every slot the poison
-    wrote is rewritten), which makes the logits at positions 0..k-1 clean, and drafts d_1..d_k are judged on them
-    (greedy or by rejection sampling, from the row's own generator; the other rows keep their verdicts and draws).
-    A verdict that accepts all k has no next token: p_k needs d_k as input, whose forward is non-finite, so the row
-    emits d_1..d_k and its next forward raises, as sequential decoding would after emitting d_k. Judging exactly
-    the drafts up to the first poisoned one is a stopping rule on the drafts (as min_confidence's), so sampling
-    keeps the model's law. Origin 0 (the round's last token) or no non-finite K/V: the NaN is the model's own.
+    wrote is rewritten). An earlier draft that poisons only at a deeper layer is hidden at that lowest layer by the
+    later one's spread: then the logits before k are still non-finite, and the search runs again below k on the new
+    K/V (each pass moves the origin left; at most m passes). The logits at positions 0..k-1 are then clean, and
+    drafts d_1..d_k are judged on them (greedy or by rejection sampling, from the row's own generator; the other
+    rows keep their verdicts and draws). A verdict that accepts all k has no next token: p_k needs d_k as input,
+    whose forward is non-finite, so the row emits d_1..d_k and its next forward raises, as sequential decoding
+    would after emitting d_k. Judging exactly the drafts up to the first poisoned one is a stopping rule on the
+    drafts (as min_confidence's), so sampling keeps the model's law. Origin 0 (the round's last token) or no
+    non-finite K/V: the NaN is the model's own.
     Updates ns / nxts in place (nxts[j] None: accepted all, no next token); returns the next tokens on the device."""
     B, m = ids.shape[0], ids.shape[1] - 1
     cols = torch.arange(m + 1, device=ses.device)
     pos = torch.tensor([ses.lens[j] for j in range(B)], device=ses.device)[:, None] + cols  # (B, m + 1) cache slots
     b = torch.arange(B, device=ses.device)[:, None]
-    nonfinite = (~torch.isfinite(ses.cache.k[:, b, :, pos]) | ~torch.isfinite(ses.cache.v[:, b, :, pos]))
-    nonfinite = nonfinite.flatten(3).any(-1).tolist()  # (B, m + 1, L): the row's slots, by layer
-    origin = {}
-    for j in bad:
-        rows = [nonfinite[j][i] for i in range(drafted[j] + 1)]  # (positions, L)
-        layers = [l for l in range(len(rows[0])) if any(r[l] for r in rows)]
-        k = next(i for i, r in enumerate(rows) if r[layers[0]]) if layers else 0
-        if k >= 1:
-            origin[j] = k
-    if not origin:
-        return nxt
+    origin: dict[int, int] = {}
+    search = {j: drafted[j] + 1 for j in bad}  # row -> the positions below which its origin is searched
+    while search:
+        nonfinite = (~torch.isfinite(ses.cache.k[:, b, :, pos]) | ~torch.isfinite(ses.cache.v[:, b, :, pos]))
+        nonfinite = nonfinite.flatten(3).any(-1).tolist()  # (B, m + 1, L): the row's slots, by layer
+        for j, bound in search.items():
+            rows = [nonfinite[j][i] for i in range(bound)]  # (positions, L)
+            layers = [l for l in range(len(rows[0])) if any(r[l] for r in rows)]
+            k = next(i for i, r in enumerate(rows) if r[layers[0]]) if layers else 0
+            if k >= 1:
+                origin[j] = k
+            # k = 0 on the first pass: the NaN is the model's own (no origin); on a later pass: no earlier poison
+            # K/V, so the non-finite logits before the origin are the model's own and the verdict judges them
+        if not origin:
+            return nxt
+        keep = torch.tensor([origin[j] - 1 if j in origin else drafted[j] for j in range(B)],
+                            device=ses.device)[:, None]  # (B, 1)
+        clean = torch.where(cols[None] <= keep, ids, ids.gather(1, keep))  # (B, m + 1)
+        logits = verify(clean, keep)[:, :m + 1]  # the other rows: their first pass's inputs again, the same K/V
+        finite = torch.isfinite(logits).all(-1).tolist()  # (B, m + 1)
+        search = {j: origin[j] for j in search if j in origin and origin[j] < search[j]
+                  and not all(finite[j][:origin[j]])}
     redo = sorted(origin)
-    keep = torch.tensor([origin[j] - 1 if j in origin else drafted[j] for j in range(B)], device=ses.device)[:, None]
-    clean = torch.where(cols[None] <= keep, ids, ids.gather(1, keep))  # (B, m + 1)
-    logits = verify(clean, keep)[:, :m + 1]  # the other rows: their first pass's inputs again, the same K/V
     sel = torch.tensor(redo, device=ses.device)
     n, t = _verdict(ses, ids[sel], logits[sel], [origin[j] for j in redo], keep[sel] + 1,
                     [q[sel] for q in qs], how, rows=redo)

@@ -171,6 +171,27 @@ def test_a_rejected_nan_draft_does_not_poison_the_positions_before_it():
     assert [r.tokens for r in rows] == [ref, sequential_generate(m, other, max_new_tokens=8).tokens]
 
 
+def test_poison_tokens_at_different_layers_are_found_in_turn():
+    """Token 3 is non-finite only from layer 3 (a NaN value-embedding row there), token 0 from layer 0 (a NaN
+    embedding row). A round drafting [3, 4, 0] shows its lowest non-finite K/V at layer 0, at the later draft, which
+    hides the earlier draft's layer-3 poison; the row must be searched again below it. Greedy speculative decoding
+    equals the naive argmax loop (which never feeds 3 or 0 on these prompts), one prompt and a batch."""
+    from conftest import make_model
+
+    m = make_model(seed=0, vocab_size=5, scale=0.7)
+    with torch.no_grad():
+        m.value_embeds[m.ve_slot[3], 3] = float("nan")
+        m.wte.weight[0] = float("nan")
+    for prompt in ([1, 2, 4], [4, 1, 2], [2, 2, 1]):
+        with torch.inference_mode():
+            ref = argmax_loop(m, prompt, 6)
+            assert torch.isfinite(m(torch.tensor([prompt + ref]))).all()
+        for block in (2, 3):
+            assert speculative_generate(m, prompt, "3xF2-h0-K0", block=block, max_new_tokens=6).tokens == ref
+    rows = speculative_generate(m, [[1, 2, 4], [4, 1, 2]], "3xF2-h0-K0", block=3, max_new_tokens=6)
+    assert [r.tokens for r in rows] == [argmax_loop(m, p, 6) for p in ([1, 2, 4], [4, 1, 2])]
+
+
 @pytest.mark.slow
 def test_a_rejected_nan_draft_does_not_poison_compiled_rounds():
     """The same with compiled steps: the verifier attends the whole bucketed cache under a mask, so the NaN K/V a
