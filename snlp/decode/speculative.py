@@ -412,9 +412,10 @@ class AdaptiveBlock:
         self.acc, self.exam = [self.acc[j] for j in rows], [self.exam[j] for j in rows]
 
 
-def _draft_pick(ses: BatchSession, logits: Tensor, how: Sampling, draw: list[bool]) -> tuple[Tensor, Tensor]:
-    """The drafter's next token of every batch row from its logits (B, V), left on the device: the argmax, or a
-    draw of `how`'s distribution (Sampling.probs) from the row's own generator for the rows in `draw` (a row past
+def draft_pick(logits: Tensor, how: Sampling, gens: list[torch.Generator] | None, draw: list[bool]
+               ) -> tuple[Tensor, Tensor | None]:
+    """The drafter's next token of every row from its logits (B, V), left on the device: the argmax, or a draw of
+    `how`'s distribution (Sampling.probs) from the row's own generator gens[j] for the rows in `draw` (a row past
     its own block draws nothing, so its generator's stream, and its tokens, do not depend on its neighbours'
     blocks; its token is computed and dropped). Returns the tokens (B, 1) and, sampling, the drafter's
     probabilities q (B, V)."""
@@ -424,20 +425,20 @@ def _draft_pick(ses: BatchSession, logits: Tensor, how: Sampling, draw: list[boo
     # a NaN/inf drafter row drafts from the uniform stand-in q (multinomial refuses NaN): rejection sampling is exact
     # for any q, and the verifier's own logits are checked in the verdict
     probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / probs.shape[-1])
-    toks = [torch.multinomial(probs[j], 1, generator=ses.gens[ses.rows[j]]) if d else
+    toks = [torch.multinomial(probs[j], 1, generator=gens[j]) if d else
             probs.new_zeros(1, dtype=torch.long) for j, d in enumerate(draw)]
     return torch.stack(toks), probs  # (B, 1), (B, V)
 
 
-def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None,
-             qs: list, how: Sampling, rows: list[int] | None = None) -> tuple[Tensor, Tensor]:
+def speculative_verdict(ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None, qs: list,
+                        how: Sampling, gens: list[torch.Generator] | None) -> tuple[Tensor, Tensor]:
     """How many of its drafts each row keeps and its next token, on the device: ids (B, m + 1) = [last, drafts...]
     (row j drafted drafted[j] <= m, also as `wants` (B, 1) on the device; None: every row drafted m), logits
     (B, m + 1, V) the verifier's there. Greedy: the leading drafts equal to the verifier's argmax and the argmax
     after them; sampling: speculative rejection sampling (`speculative_accept`, each row from its own generator).
     The verifier is the model's own forward: a position whose logits hold NaN/inf stops acceptance there and makes
-    the row's next token NONFINITE, on which check_picked raises. `rows`: the batch rows the inputs hold (default
-    all), whose generators the sampled verdict draws from."""
+    the row's next token NONFINITE, on which check_picked raises. `gens`: each row's generator (sampling), qs its
+    drafter probabilities (B, V) per drafter step. The single-process and the distributed rounds both judge here."""
     B, m = ids.shape[0], ids.shape[1] - 1
     cols = torch.arange(m + 1, device=ids.device)  # (m + 1,)
     mine = cols[None] <= (m if wants is None else wants)  # (B or 1, m + 1): the row's own positions
@@ -450,7 +451,6 @@ def _verdict(ses: BatchSession, ids: Tensor, logits: Tensor, drafted: list[int],
     p = how.probs(logits)  # (B, m + 1, V)
     p = torch.where(finite[..., None], p, 1.0 / p.shape[-1])  # a stand-in for multinomial; its draw is dropped below
     q = torch.stack(qs, 1) if qs else p.new_zeros(B, 0, p.shape[-1])  # (B, m, V)
-    gens = [ses.gens[ses.rows[j]] for j in (range(B) if rows is None else rows)]
     n, t = speculative_accept(p, q, ids[:, 1:], gens, drafted)
     first_bad = torch.where(~finite & mine, cols, m + 1).amin(-1)  # (B,) m + 1: none
     t = torch.where(first_bad <= n, NONFINITE, t)  # a token drawn at or after a NaN/inf position is not emitted
@@ -461,7 +461,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
            how: Sampling, min_confidence: float = 0.0):
     """One self-speculative round of every batch row, greedy or sampled, with a single host read: up to max(want)
     drafter steps, each fed the previous step's tokens as a device tensor, one verifier forward over
-    [last, drafts...], the verdict on the device (`_verdict`), and one read of the drafts, the accepted counts and
+    [last, drafts...], the verdict on the device (`speculative_verdict`), and one read of the drafts, the accepted counts and
     the next tokens. A round that read every drafter step's tokens leaves a GPU idle while the host takes them and
     launches the next step: at batch 1 under CUDA graphs that wait is of the order of the step itself.
     `min_confidence` > 0 adds one read per drafter step, of the drafted tokens' probabilities: whether a row drafts
@@ -499,6 +499,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             ids = torch.where(cols <= wants, ids, ids.gather(1, wants))  # past its drafts: its last real token
             pos = RowPositions(start + cols, span=None if span is None else span + T - 1)
             return verify_fwd.ragged(ids, pos, ses.cache)
+    gens = None if how.greedy else [ses.gens[i] for i in ses.rows]  # each row's own, in batch order
     t0 = mark(ses.device)
     x, drafts, qs, confs = last, [], [], []
     drafted = list(want) if not min_confidence else [0] * B
@@ -508,7 +509,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             break
         draw = [k < w for w in want] if not min_confidence else list(going)
         logits = draft(x, k)[:, -1]  # (B, V)
-        x, q = _draft_pick(ses, logits, how, draw)  # (B, 1), (B, V)
+        x, q = draft_pick(logits, how, gens, draw)  # (B, 1), (B, V)
         drafts.append(x)
         if q is not None:
             qs.append(q)
@@ -531,7 +532,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
         # counted again on the device from the same confidences (no copy in)
         lead = (torch.stack(confs, 1) >= min_confidence).long().cumprod(1).sum(1, keepdim=True)  # (B, 1)
         wants = torch.minimum(rows[:, 2:3], lead + 1)
-    n, nxt = _verdict(ses, ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, how)  # (B,) each
+    n, nxt = speculative_verdict(ids, verify(ids, wants)[:, :m + 1], drafted, wants, qs, how, gens)  # (B,) each
     t2 = mark(ses.device)
     got = torch.cat([ids[:, 1:], n[:, None], nxt[:, None]], 1).tolist()  # the round's one read
     ns, nxts = [g[m] for g in got], [g[m + 1] for g in got]
@@ -590,8 +591,8 @@ def _unpoison(ses: BatchSession, verify, ids: Tensor, qs: list, drafted: list[in
                   and not all(finite[j][:origin[j]])}
     redo = sorted(origin)
     sel = torch.tensor(redo, device=ses.device)
-    n, t = _verdict(ses, ids[sel], logits[sel], [origin[j] for j in redo], keep[sel] + 1,
-                    [q[sel] for q in qs], how, rows=redo)
+    n, t = speculative_verdict(ids[sel], logits[sel], [origin[j] for j in redo], keep[sel] + 1,
+                               [q[sel] for q in qs], how, None if how.greedy else [ses.gens[ses.rows[j]] for j in redo])
     for j, n_j, t_j in zip(redo, n.tolist(), t.tolist()):
         ns[j], nxts[j] = n_j, None if n_j == origin[j] else t_j
     # one prompt feeds the next round from the device: the next token, or the last accepted draft

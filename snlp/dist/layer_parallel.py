@@ -73,9 +73,9 @@ from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
-from snlp.decode.session import (NONFINITE, DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
+from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
                                  make_generator, pick_token, sampling)
-from snlp.decode.speculative import speculative_accept
+from snlp.decode.speculative import draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
@@ -591,34 +591,22 @@ class DistributedSNLP:
         for _ in range(Bk):
             logits = snlp([x])
             tok = None
-            if self.rank == self.last:
-                lg = logits[0, -1]
-                if not how.greedy:
-                    q = how.probs(lg)  # NaN/inf: a uniform stand-in (any q is exact)
-                    qs.append(torch.where(torch.isfinite(q).all(), q, 1.0 / q.shape[-1]))
-                    tok = [int(torch.multinomial(qs[-1], 1, generator=gen))]
-                else:
-                    tok = [int(lg.argmax())]
+            if self.rank == self.last:  # the single-process round's pick (NaN/inf: a uniform stand-in q)
+                x_t, q = draft_pick(logits[:, -1], how, [gen], [True])  # (1, 1), (1, V) or None
+                if q is not None:
+                    qs.append(q)
+                tok = x_t[0].tolist()
             x = self._tokens_from_last(tok, 1)[0]
             drafts.append(x)
         t2 = now(self.device)
         cache.rollback(P)  # the verifier rewrites positions P..P+Bk with exact K/V
         logits = seq([ses.last] + drafts)
         verdict = None
-        if self.rank == self.last:
-            lg = logits[0]  # (Bk+1, V)
-            finite = torch.isfinite(lg).all(-1)  # (Bk+1,): the verifier's NaN/inf position reads as NONFINITE
-            if how.greedy:
-                target = torch.where(finite, lg.argmax(-1), NONFINITE).tolist()
-                nacc = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), Bk)
-                verdict = [nacc, target[nacc]]
-            else:
-                p = how.probs(lg)
-                p = torch.where(finite[:, None], p, 1.0 / p.shape[-1])  # a stand-in: its draw is dropped below
-                q = torch.stack(qs) if qs else p.new_zeros(0, p.shape[-1])
-                n_t, nxt_t = speculative_accept(p[None], q[None], torch.tensor([drafts], device=p.device).long(), gen)
-                bad = torch.where(finite, Bk + 1, torch.arange(Bk + 1, device=p.device)).min()
-                verdict = [int(torch.minimum(n_t, bad)), int(torch.where(bad <= n_t, NONFINITE, nxt_t))]
+        if self.rank == self.last:  # the single-process round's verdict: NaN/inf positions read as NONFINITE
+            ids = torch.tensor([[ses.last] + drafts], device=logits.device)  # (1, Bk + 1)
+            n_t, nxt_t = speculative_verdict(ids, logits[:, :Bk + 1], [Bk], None, qs, how,
+                                             None if how.greedy else [gen])
+            verdict = torch.cat([n_t, nxt_t]).tolist()
         nacc, nxt = self._tokens_from_last(verdict, 2)
         check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)
