@@ -1,6 +1,7 @@
-"""Time KV-cached batch-1 decoding (greedy, or sampled with --temperature) under TWO versions of snlp in ONE process (the package of a git ref, as in
-scripts/ab_prefill.py, beside this worktree's): sequential_generate and snlp_generate of each plan on one checkpoint,
-every callable round-robin in the same rounds, medians of ms per generated token. The tokens of both versions are
+"""Time KV-cached batch-1 decoding (greedy, or sampled with --temperature) under TWO versions of snlp in ONE
+process (the package of a git ref, as in scripts/ab_prefill.py, beside this worktree's): sequential_generate and
+snlp_generate of each plan on one checkpoint, every callable round-robin in the same rounds, medians of ms per
+generated token. The tokens of both versions are
 compared first (they must be identical: the changes are meant to keep the function).
 
     PYTHONPATH=$PWD python3 scripts/ab_decode.py CKPT [--ref REF] [--plans 12xF1-h0-K1,6xF2-h0-K1] [--tokens 32]

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sampling: draw from the K most likely tokens only (ties at "
                    "the K-th kept, as transformers does; default 0 = all)")
     p.add_argument("--top-p", type=float, default=None, help="sampling: draw from the most likely tokens whose "
-                   "probability first reaches P (nucleus sampling, after --top-k, as transformers does; default 1 = all)")
+                   "probability first reaches P (nucleus sampling, after --top-k, as transformers does; default 1 = "
+                   "all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
     p.add_argument("--seed", type=int, default=None, help=f"sampling seed (--temperature > 0; default "
@@ -224,7 +225,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
 
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
-                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id, compile=args.compile, preheat=preheat,
+                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
+                                             compile=args.compile, preheat=preheat,
                                              share_weights=args.share_weights, min_confidence=args.min_confidence,
                                              adaptive=args.adaptive_block, drafter=drafter)
     rep = rows[0]

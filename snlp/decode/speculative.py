@@ -461,8 +461,8 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
            how: Sampling, min_confidence: float = 0.0):
     """One self-speculative round of every batch row, greedy or sampled, with a single host read: up to max(want)
     drafter steps, each fed the previous step's tokens as a device tensor, one verifier forward over
-    [last, drafts...], the verdict on the device (`speculative_verdict`), and one read of the drafts, the accepted counts and
-    the next tokens. A round that read every drafter step's tokens leaves a GPU idle while the host takes them and
+    [last, drafts...], the verdict on the device (`speculative_verdict`), and one read of the drafts, the accepted
+    counts and the next tokens. A round that read every drafter step's tokens leaves a GPU idle while the host takes them and
     launches the next step: at batch 1 under CUDA graphs that wait is of the order of the step itself.
     `min_confidence` > 0 adds one read per drafter step, of the drafted tokens' probabilities: whether a row drafts
     on is a host decision (it stops after a draft below min_confidence; the round stops when no row drafts on).
