@@ -305,13 +305,11 @@ def run(args) -> int:
     args.tokens = counts[0]
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
-    check_plans_grammar(args.plans)  # before the model is built
+    written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
     if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
         from snlp.bench.decode import check_batch_plans
-        from snlp.method.plan import Plan
 
-        check_batch_plans([Plan.parse(p) for p in args.plans.split(",") if p.strip()], batch_sizes(args),
-                          hint="--batch-sizes 1 runs it")
+        check_batch_plans(written, batch_sizes(args), hint="--batch-sizes 1 runs it")
     device = cli_device(args.device)
     set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(model_spec(args))

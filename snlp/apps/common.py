@@ -25,13 +25,11 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
     return pre
 
 
-def check_plans_grammar(text: str | None) -> None:
+def check_plans_grammar(text: str | None) -> list[Plan]:
     """Refuse a malformed plan of a --plans list before the model loads (whether each fits the model, its depth, is
     checked once it has: snlp.method.plan.parse_plans); no warning here for a K beyond the exact count, which
-    parse_plans gives once."""
-    for p in (text or "").split(","):
-        if p.strip():
-            Plan.parse(p.strip())
+    parse_plans gives once. Returns the plans as written (unchecked against any depth)."""
+    return [Plan.parse(p.strip()) for p in (text or "").split(",") if p.strip()]
 
 
 def flag(dest: str) -> str:

@@ -151,7 +151,8 @@ def record_ties(records) -> dict[str, set[str]]:
     from snlp.bench.stats import paired_verdict
 
     seq = records[0]
-    return {"speedup": {r.plan for r in records[1:] if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+    return {"speedup": {r.plan for r in records[1:]
+                        if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
             "delta_ppl": {r.plan for r in records[1:]
                           if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
 
