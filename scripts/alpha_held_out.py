@@ -1,0 +1,115 @@
+"""Acceptance (alpha) of a self-speculative drafter on held-out prompts, with its exact 95 % interval.
+
+    PYTHONPATH=$PWD python3 scripts/alpha_held_out.py CKPT --plan 12xF1-h0-K1 [--blocks 4,8] [--prompts 48]
+        [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32,bfloat16] [--threads 1] [--json FILE]
+
+Prompts are `--prompts` windows of `--prompt-len` consecutive tokens of the checkpoint's own validation split (the
+split `snlp train` held out, snlp.eval.data.validation_tokens / sample_prompts). Each is decoded greedily with
+`speculative_generate(model, prompt, plan, block=B)`; alpha = accepted / examined drafts summed over the prompts
+(examined: the accepted drafts plus each round's first rejection), with the Clopper-Pearson interval. Every fp32 run's
+output (and fp64's) is compared with `sequential_generate` (they must be equal: greedy self-speculation is exact); in bf16 the
+(B + 1)-position verifier may round a near-tie differently from one-token steps, so bf16 outputs are reported, not
+required equal. This is the alpha docs/gpu.md's decode prediction rests on
+(docs/records/2026-11-27-decode-speedrun-model.md): measure it for the model a lease carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from snlp.decode.generate import sequential_generate
+from snlp.decode.speculative import speculative_generate
+from snlp.eval.data import checkpoint_data, sample_prompts, validation_tokens
+from snlp.io.checkpoint import load
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval for k successes in n trials: the p at which P(X >= k) resp. P(X <= k) under
+    Binomial(n, p) equals (1 - level) / 2, by bisection on the binomial tail summed in log space (no scipy)."""
+    def tail_ge(j: int, p: float) -> float:  # P(X >= j), increasing in p
+        if p <= 0.0 or p >= 1.0:
+            return float(p >= 1.0 or j <= 0)
+        lp, lq, lc = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+        return sum(math.exp(lc - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
+                   for i in range(max(j, 0), n + 1))
+
+    def solve(j: int, target: float) -> float:  # the p with tail_ge(j, p) = target
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if tail_ge(j, mid) < target else (lo, mid)
+        return (lo + hi) / 2
+
+    a = (1 - level) / 2
+    low = 0.0 if k == 0 else solve(k, a)  # P(X >= k) = a
+    high = 1.0 if k == n else solve(k + 1, 1 - a)  # P(X <= k) = a, i.e. P(X >= k + 1) = 1 - a
+    return low, high
+
+
+def measure(model, prompts: list[list[int]], plan: str, blocks: list[int], new_tokens: int, dtypes: list,
+            report=None) -> list[dict]:
+    """One row per (dtype, block): alpha = accepted / examined drafts summed over the prompts, its 95 % interval,
+    and how many outputs equal sequential greedy decoding's. `model` is cast to each dtype in turn (in place)."""
+    rows = []
+    for dtype in dtypes:
+        m = model.to(dtype)
+        with torch.inference_mode():
+            ref = [sequential_generate(m, pr, max_new_tokens=new_tokens).tokens for pr in prompts]
+            for B in blocks:
+                acc = exam = same = 0
+                for pr, r in zip(prompts, ref):
+                    out = speculative_generate(m, pr, plan, block=B, max_new_tokens=new_tokens)
+                    acc, exam, same = acc + out.accepted, exam + out.examined, same + (out.tokens == r)
+                lo, hi = clopper_pearson(acc, exam) if exam else (0.0, 1.0)
+                row = dict(dtype=str(dtype).replace("torch.", ""), block=B, alpha=acc / exam if exam else None,
+                           accepted=acc, examined=exam, low=lo, high=hi, equal_outputs=same, prompts=len(prompts))
+                rows.append(row)
+                if report is not None:
+                    report(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--blocks", default="4,8")
+    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    blocks = [int(b) for b in a.blocks.split(",")]
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model, tok = load(a.ckpt, device="cpu")
+    model.eval()
+    d = checkpoint_data(a.ckpt)
+    val = validation_tokens(tok, d["data"], d["text_field"], d["max_chars"], d["val_frac"], d["cache_dir"],
+                            d["data_encoding"])
+    prompts = sample_prompts(val, a.prompts, a.prompt_len, a.seed)
+    print(f"# {a.ckpt}: {a.prompts} held-out prompts of {a.prompt_len} tokens (seed {a.seed}), {a.new_tokens} greedy "
+          f"tokens each, plan {a.plan}")
+    print("| dtype | block | alpha | accepted / examined | 95 % interval | output = sequential greedy |")
+    print("|---|---|---|---|---|---|")
+    rows = measure(model, prompts, a.plan, blocks, a.new_tokens, dtypes, report=lambda row: print(
+        f"| {row['dtype']} | {row['block']} | {row['alpha']:.3f} | {row['accepted']} / {row['examined']} | "
+        f"{row['low']:.3f}-{row['high']:.3f} | {row['equal_outputs']} of {row['prompts']} |", flush=True))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(ckpt=a.ckpt, plan=a.plan, prompt_len=a.prompt_len, new_tokens=a.new_tokens, seed=a.seed,
+                           rows=rows), f, indent=1)
+    bad = [r for r in rows if r["dtype"] in ("float32", "float64") and r["equal_outputs"] != r["prompts"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
