@@ -27,8 +27,8 @@ distilled so that the plan's SNLP forward matches the model run sequentially; de
 model's own greedy output. SRC: an snlp checkpoint, a .gguf file or a transformers directory. DIR gets the drafter
 (drafter.safetensors, drafter.json) and its training log.
 
-  snlp adapt runs/smol --plan 8xF1-h0-K1 --out runs/smol-d8 --minutes 30 --data chat:chats.jsonl,corpus.txt
-  snlp generate runs/smol --mode speculative --drafter runs/smol-d8 --chat --prompt "Name three colours."
+  snlp adapt runs/smol --plan 8xF1-h0-K1 --out runs/smol-d8 --minutes 30 --data chat:chats.jsonl
+  snlp generate runs/smol --mode speculative --drafter runs/smol-d8 --chat --prompt "Hello!"
   snlp export runs/smol-d8 --out runs/smol-d8-hf        # as a transformers model
 """
 GUIDE = "docs/adapt.md"

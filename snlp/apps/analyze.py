@@ -47,7 +47,7 @@ orders), propagation (the staircase), early-exit, elk (ELK x init), preheat and 
 decoding). PPLs are over non-overlapping --seq-len windows of the checkpoint's validation text. OUT gets analysis.md
 (the tables), analysis.json and PNG plots.
 
-  snlp analyze runs/speedrun/idn --out runs/analysis-idn         # every section (minutes on a CPU)
+  snlp analyze runs/speedrun/idn --out runs/analysis-idn     # every section (minutes on a CPU)
   snlp analyze runs/speedrun/idn --out /tmp/ana --only jacobian,early-exit --max-tokens 512
 """
 GUIDE = "docs/analysis.md"

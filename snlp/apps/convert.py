@@ -11,7 +11,7 @@ nanochat-snlp checkpoint directory. OUT is a checkpoint that `snlp eval`, `gener
 `train --init-from` take.
 
   snlp convert SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smol
-  snlp convert ~/.cache/nanochat/base_checkpoints/d32 --out runs/d32     # the last step; --step N for another
+  snlp convert ~/.cache/nanochat/base_checkpoints/d32 --out runs/d32    # its last step (--step N)
 """
 GUIDE = "docs/hf.md"
 

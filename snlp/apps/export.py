@@ -13,7 +13,7 @@ transformers directory whose AutoModelForCausalLM gives the same logits. CKPT ma
 adapt`): OUT is then the base's prefix with the drafter's adapted suffix, which transformers runs sequentially.
 
   snlp export runs/smol --out runs/smol-hf
-  snlp export runs/smol-d8 --out runs/smol-d8-hf     # a drafter (--base names its base if that has moved)
+  snlp export runs/smol-d8 --out runs/smol-d8-hf     # a drafter (--base: its base, if moved)
 """
 GUIDE = "docs/hf.md"
 

@@ -86,6 +86,7 @@ def test_description_is_short_and_its_example_lines_survive_verbatim(name):
     lines = text.splitlines()
     for line in examples:
         assert line in lines, line
+        assert len(line) < WIDTH, f"wider than the terminal: {line}"
     assert f"Guide: {mod.GUIDE}." in desc
 
 
@@ -124,6 +125,7 @@ def test_every_option_help_is_short_and_says_its_default_once(name):
     fmt = sub._get_formatter()
     for action in sub._actions:
         shown = fmt._expand_help(action) if action.help else ""
+        assert not unbalanced(shown), f"{action.option_strings}: unbalanced {unbalanced(shown)}: {shown}"
         assert len(re.findall(r"\bdefault\b", shown, re.I)) <= 1 or "default" in (action.help or "").lower(), shown
         assert len(re.findall(r"\(default: ", shown)) <= 1, f"{action.option_strings}: {shown}"
         # argparse's help column starts at 24 at the most
