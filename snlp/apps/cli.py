@@ -126,7 +126,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                "with `snlp selfcheck`. `snlp COMMAND --help` shows a command's usage and options. Guides: README.md "
                "and docs/usage.md; every option of every command: docs/cli.md.")
     parser.commands = {}
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     for name, modname in COMMANDS.items():
         if command is not None and name != command:
             parser.commands[name] = sub.add_parser(name, help=module_help(modname).get("SUMMARY", name))
