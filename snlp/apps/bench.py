@@ -118,10 +118,10 @@ def _add_decode_flags(p) -> None:
 def _add_suite_flags(p) -> None:
     suite = p.add_argument_group("the suites (--suite paper, decode; snlp.bench.suite, snlp.bench.decode_suite)")
     suite.add_argument("--suite", choices=["paper", "decode", "train"], default=None,
-                       help="paper: the paper's speed column (its 4 shapes and plans, prefill T=2048 and KV-cached "
-                            "decode, eager and compiled); decode: snlp's decoders against transformers' generate on "
-                            "one model (--ckpt; default random weights) at --batch-sizes (default 1,4,8); train: "
-                            "training step speed, eager vs compiled, plain vs --regs. Written to --out")
+                       help="paper: the paper's speed column (4 shapes, prefill T=2048 and KV-cached decode, eager "
+                            "and compiled); decode: snlp's decoders against transformers' generate on one model "
+                            "(--ckpt) at --batch-sizes (default 1,4,8); train: training step speed, eager vs "
+                            "compiled, plain vs --regs. Written to --out")
     suite.add_argument("--quick", action="store_true",
                        help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
     suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
@@ -156,10 +156,9 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
     suite.add_argument("--vs-paper", default=None, metavar="PATH",
-                       help="time snlp side by side with the paper's own code (a checkout of nanochat-snlp at PATH) on "
-                            "the paper's prefill shapes and plans, same device, same process, round-robin; writes "
-                            "vs_paper.json + vs_paper.md to --out (uses --shapes, --quick, --treatments, --suite-tokens, "
-                            "--suite-warmup, --suite-runs)")
+                       help="time snlp and the paper's own code (nanochat-snlp checked out at PATH) round-robin in "
+                            "one process on the paper's prefill shapes and plans; vs_paper.json + vs_paper.md in --out "
+                            "(with --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, --suite-runs)")
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
     tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")

@@ -63,10 +63,10 @@ def add_arguments(p) -> None:
     p.add_argument("--plans", default=None, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,2xF2-fwd-K2 (required "
                    "unless --drafter: then default the drafter's plan)")
     a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
-    a.add_argument("--drafter", default=None, help="drafter directory: a row for the post-hoc and one for the adapted "
-                   "drafter (PPL of SNLP decoding with it; Top-1, LogitSim and Top-1 under SSD conditions vs the "
-                   "model; SSD alpha, tokens per round, tok/s) on the held-out part of the drafter's adaptation data "
-                   "(--data may name some of its parts; another --val-frac or --max-chars is refused)")
+    a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "
+                   "(SNLP-decoding PPL; Top-1, LogitSim, SSD Top-1 vs the model; SSD alpha, tokens per round, tok/s) "
+                   "on its held-out adaptation data (--data may name some of its parts; another --val-frac or "
+                   "--max-chars is refused)")
     a.add_argument("--chat-prompts", default=None, help="--drafter: the drafter's adaptation data or one of its "
                    "chat parts (chat:PATH.jsonl or PATH.jsonl); the openings (through the first user turn, in the chat "
                    "template) of its held-out conversations are the SSD prompts")

@@ -43,15 +43,14 @@ GUIDE = "docs/training.md"
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run saved in --out (weights, optimizer, data position, RNG) with its saved "
-                   "settings: flags left out keep the saved values; only the budget (--steps, --minutes, "
-                   "--stop-after), logging, validation and saving intervals, --device, --compile, --time-reg and "
-                   "--cache-dir may change (another value of any other flag is refused)")
+                   help="continue the run saved in --out (weights, optimizer, data position, RNG): flags left out "
+                   "keep the saved values; only the budget (--steps, --minutes, --stop-after), the intervals, "
+                   "--device, --compile, --time-reg and --cache-dir may change (another value of any other flag is "
+                   "refused)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
-                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training; the model's shape and "
-                   "vocabulary are the checkpoint's, so the shape flags (--depth, --width, --vocab-size, ...) are "
-                   "refused beside it")
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): its shape and vocabulary are kept, so the "
+                   "shape flags (--depth, --width, --vocab-size, ...) are refused beside it")
     p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
                    help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
                    "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")

@@ -16,7 +16,7 @@ WIDTH = 100  # the terminal width the help is checked at
 SUMMARY_CHARS = 80  # a summary fits the listing on one line at WIDTH (the names take 15 columns)
 PARAGRAPH_LINES = 6  # no prose paragraph of a description is longer, at WIDTH
 DESCRIPTION_LINES = 24  # nor the whole description (summary, paragraphs, examples, the guide's line)
-OPTION_LINES = 5  # nor any option's help
+OPTION_LINES = 4  # nor any option's help, at the narrowest help column
 
 
 @pytest.fixture(autouse=True)
