@@ -24,7 +24,7 @@ SUMMARY = "Distil an SNLP drafter for a pretrained model, for exact speculative 
 DESCRIPTION = """\
 The model is not changed: it stays the verifier. Only the plan's suffix layers are copied (or given LoRA deltas) and
 distilled so that the plan's SNLP forward matches the model run sequentially; decoding with the drafter gives the
-model's own greedy output. SRC: an snlp checkpoint, a .gguf file or a transformers directory. DIR gets the drafter
+model's own greedy output. SRC: an snlp checkpoint, a .gguf file or a transformers directory. OUT gets the drafter
 (drafter.safetensors, drafter.json) and its training log.
 
   snlp adapt runs/smol --plan 8xF1-h0-K1 --out runs/smol-d8 --minutes 30 --data chat:chats.jsonl
@@ -95,11 +95,11 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save-every", type=int, default=d.save_every,
-                   help=f"resumable checkpoints in DIR/run every N steps (default {SAVE_EVERY}; 0: end only; "
+                   help=f"resumable checkpoints in OUT/run every N steps (default {SAVE_EVERY}; 0: end only; "
                         "refused with --lora-rank, whose runs save at the end only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
-    p.add_argument("--resume", action="store_true", help="continue the run in DIR/run: SRC, --plan and every "
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT/run: SRC, --plan and every "
                    "flag left out keep the saved values; only the budget (--steps, --minutes, --stop-after), the "
                    "intervals, --device, --cache-dir and --no-progress may change (another value of any other flag is "
                    "refused)")

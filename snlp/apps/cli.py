@@ -136,6 +136,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, formatter_class=HelpFormatter,
                            description=description(summary, getattr(mod, "DESCRIPTION", ""), getattr(mod, "GUIDE", "")))
         mod.add_arguments(p)
+        for a in p._actions:  # positionals in capitals, as the descriptions and docs/cli.md name them (CKPT, SRC)
+            if not a.option_strings and a.metavar is None:
+                a.metavar = a.dest.upper()
         p.set_defaults(func=mod.run, module=mod)
         parser.commands[name] = p
     return parser

@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are
 SUMMARY = "Fine-tune a checkpoint on chats with the sequential forward or an SNLP forward."
 DESCRIPTION = """\
 The loss is on assistant tokens only; --forward PLAN computes it on the SNLP logits of PLAN, with gradients through
-all K iterations (the paper's SNLP-forward SFT), and --reg adds the SNLP-aware regulariser. CHATS: JSONL of
-{"messages": [...]} or hf:NAME[:CONFIG][:SPLIT]. OUT is a checkpoint as `snlp train` writes one; the optimiser,
---resume and torchrun work as there, with `snlp train`'s learning rates times --lr-scale.
+all K iterations (the paper's SNLP-forward SFT), and --reg adds the SNLP-aware regulariser. --data: JSONL of
+{"messages": [...]} conversations or hf:NAME[:CONFIG][:SPLIT]. OUT is a checkpoint as `snlp train` writes one; the
+optimiser, --resume and torchrun work as there, with `snlp train`'s learning rates times --lr-scale.
 
   snlp sft CKPT --data chats.jsonl --out runs/sft --forward sequential
   snlp sft CKPT --data chats.jsonl --out runs/sft-snlp --forward 8xF1-h0-K1 --reg idn
