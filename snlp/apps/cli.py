@@ -71,8 +71,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     Defaults: "(default: X)" is added as ArgumentDefaultsHelpFormatter adds it, also to an option without a help
     text (argparse prints nothing for those), but not where it says nothing or is said already: no default (None,
-    an empty list), a flag's True / False, a help text that states its default itself ("(default 200 without
-    --minutes)", "default: cuda if available")."""
+    an empty list or string), a flag's True / False, a help text that states its default itself ("(default 200
+    without --minutes)", "default: cuda if available")."""
 
     STATES_DEFAULT = re.compile(r"(?:^|[(;,.]\s*)default\b", re.IGNORECASE)
 
@@ -88,7 +88,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def shows_default(self, action) -> bool:
         d = action.default
-        if d is None or d is argparse.SUPPRESS or (isinstance(d, (list, tuple)) and not d) or action.nargs == 0:
+        if d is None or d is argparse.SUPPRESS or (isinstance(d, (list, tuple, str)) and not d) or action.nargs == 0:
             return False
         if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return False  # a required positional
