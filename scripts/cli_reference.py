@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from snlp.apps.cli import build_parser  # noqa: E402
+from snlp.apps.cli import COMMANDS, build_parser, module_help  # noqa: E402
 
 
 def option_table(name: str, sub: argparse.ArgumentParser) -> list[str]:
@@ -39,7 +39,10 @@ def main() -> None:
            "([README](../README.md#guides)) and [usage.md](usage.md).", ""]
     for name, sub in parser.commands.items():
         pos = [a for a in sub._actions if not a.option_strings]
-        out += [f"## snlp {name}", "", sub.description.strip().splitlines()[0] if sub.description else "", ""]
+        info = module_help(COMMANDS[name])
+        guide = info.get("GUIDE", "")
+        link = f" Guide: [{guide.split('#')[0].removeprefix('docs/')}]({guide.removeprefix('docs/')})." if guide else ""
+        out += [f"## snlp {name}", "", info.get("SUMMARY", "") + link, ""]
         if pos:
             out += ["Arguments: " + "; ".join(f"`{a.metavar or a.dest.upper()}`" + (f" ({a.help})" if a.help else "")
                                              for a in pos), ""]

@@ -18,14 +18,35 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from snlp.io.drafter import load_drafter
-from snlp.runtime.device import write_atomic
-from snlp.runtime.outputs import locked_output
-from snlp.train.adapt import KV_MODES, LOSS_ON, RUN, SAVE_EVERY, AdaptConfig, adapt, resumed_adapt
+from types import SimpleNamespace
+
+SUMMARY = "Distil an SNLP drafter for a pretrained model, for exact speculative decoding."
+DESCRIPTION = """\
+The model is not changed: it stays the verifier. Only the plan's suffix layers are copied (or given LoRA deltas) and
+distilled so that the plan's SNLP forward matches the model run sequentially; decoding with the drafter gives the
+model's own greedy output. SRC: an snlp checkpoint, a .gguf file or a transformers directory. OUT gets the drafter
+(drafter.safetensors, drafter.json) and its training log.
+
+  snlp adapt runs/smol --plan 8xF1-h0-K1 --out runs/smol-d8 --minutes 30 --data chat:chats.jsonl
+  snlp generate runs/smol --mode speculative --drafter runs/smol-d8 --chat --prompt "Hello!"
+  snlp export runs/smol-d8 --out runs/smol-d8-hf        # as a transformers model
+"""
+GUIDE = "docs/adapt.md"
+
+# stand-ins for snlp.train.adapt's constants and AdaptConfig's defaults: the library (and torch) loads in run(), after
+# the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)
+KV_MODES = ("exact", "own")
+LOSS_ON = ("all", "replies")
+SAVE_EVERY = 50
+ADAPT_DEFAULTS = SimpleNamespace(
+    data="stdlib", self_distill=0, self_distill_prompts=0, loss_on="all", seq_len=128, batch_size=4, lr=3e-4,
+    kv="exact", lora_rank=0, lora_alpha=None, hidden_weight=1.0, kl_weight=1.0, tau=1.0, warmup_steps=10,
+    warmdown=0.3, grad_clip=1.0, val_frac=0.05, max_chars=0, eval_every=50, eval_batches=2, save_every=None,
+    log_every=10, seed=0, dtype="float32")
 
 
 def add_arguments(p) -> None:
-    d = AdaptConfig(src="", plan="", out="")
+    d = ADAPT_DEFAULTS
     p.add_argument("src", nargs="?", default=None, help="the base: snlp checkpoint directory, .gguf file or "
                    "transformers directory (required, but with --resume: the saved run's)")
     p.add_argument("--plan", default=None, help="SNLP plan of the drafter, e.g. 8xF1-h0-K1 (required, but with "
@@ -44,8 +65,8 @@ def add_arguments(p) -> None:
                    help="with --self-distill: at most P training prompts per chat part, the first in file order "
                    "(0: all)")
     p.add_argument("--loss-on", choices=LOSS_ON, default=d.loss_on, help="all: the loss over every window position "
-                   "(prompt and reply tokens alike); replies: averaged over the positions that predict an assistant "
-                   "reply token only (what self-speculative decoding drafts), prompts kept as context; chat: data only")
+                   "(prompt and reply tokens alike); replies (chat data only): over the positions that predict an "
+                   "assistant reply token, what self-speculative decoding drafts (prompts stay as context)")
     p.add_argument("--init-drafter", default=None, metavar="DIR", help="start the suffix weights (LoRA deltas or full) "
                    "from this saved drafter of the same base, suffix, LoRA setting and data split, with a fresh "
                    "optimizer and LR schedule (--resume continues one run instead)")
@@ -74,14 +95,14 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save-every", type=int, default=d.save_every,
-                   help=f"resumable checkpoints in DIR/run every N steps (default {SAVE_EVERY}; 0: end only; "
+                   help=f"resumable checkpoints in OUT/run every N steps (default {SAVE_EVERY}; 0: end only; "
                         "refused with --lora-rank, whose runs save at the end only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, resumable with --resume")
-    p.add_argument("--resume", action="store_true", help="continue the run in DIR/run with its saved settings: "
-                   "SRC, --plan and every flag left out keep the saved values (as snlp train --resume); only the "
-                   "budget (--steps, --minutes, --stop-after), logging, validation and saving intervals, --device, "
-                   "--cache-dir and --no-progress may change (another value of any other flag is refused)")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT/run: SRC, --plan and every "
+                   "flag left out keep the saved values; only the budget (--steps, --minutes, --stop-after), the "
+                   "intervals, --device, --cache-dir and --no-progress may change (another value of any other flag is "
+                   "refused)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"], help="the base's weight dtype")
@@ -91,6 +112,9 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from snlp.method.plan import cli_plan
+    from snlp.runtime.device import write_atomic
+    from snlp.runtime.outputs import locked_output
+    from snlp.train.adapt import RUN, AdaptConfig, adapt, resumed_adapt
 
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     cfg = resumed_adapt(cfg, getattr(args, "given", None))  # --resume: the flags not typed keep the saved values
@@ -131,7 +155,9 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
 
     from snlp.decode.speculative import speculative_benchmark
     from snlp.eval.data import as_tokens, sample_prompts
+    from snlp.io.drafter import load_drafter
     from snlp.method.drafter import make_drafter
+    from snlp.train.adapt import AdaptConfig, adapt
 
     out = tempfile.mkdtemp(prefix="snlp-adapt-")
     try:

@@ -38,13 +38,24 @@ All PPLs are token-weighted over non-overlapping windows of `seq_len` validation
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-import torch
+SUMMARY = "Run the paper's layer-parallelism diagnostics and ablations on a checkpoint."
+DESCRIPTION = """\
+Sections (--only): jacobian (per-layer Jacobian norms, amplification, substitution errors), ordering (correction
+orders), propagation (the staircase), early-exit, elk (ELK x init), preheat and jacobi (coupling with Jacobi
+decoding). PPLs are over non-overlapping --seq-len windows of the checkpoint's validation text. OUT gets analysis.md
+(the tables), analysis.json and PNG plots.
 
-from snlp.eval.analysis.common import SECTIONS, AnalysisConfig
-from snlp.eval.analysis.report import analyze, write
-from snlp.eval.data import checkpoint_data, validation_tokens
-from snlp.io.checkpoint import load, load_preheat
+  snlp analyze runs/speedrun/idn --out runs/analysis-idn     # every section (minutes on a CPU)
+  snlp analyze runs/speedrun/idn --out /tmp/ana --only jacobian,early-exit --max-tokens 512
+"""
+GUIDE = "docs/analysis.md"
+
+# stand-ins for snlp.eval.analysis.common's SECTIONS and AnalysisConfig's defaults: the library (and torch) loads in
+# run(), after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)
+SECTIONS = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat", "jacobi")
+ANALYSIS_DEFAULTS = SimpleNamespace(seq_len=128, max_tokens=1024, shuffles=6, preheat_rank=32)
 
 
 def _ints(text: str | None) -> tuple[int, ...] | None:
@@ -59,13 +70,13 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory")
     p.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
-    p.add_argument("--seq-len", type=int, default=AnalysisConfig.seq_len, help="tokens per PPL window")
-    p.add_argument("--max-tokens", type=int, default=AnalysisConfig.max_tokens, help="predicted tokens per PPL")
+    p.add_argument("--seq-len", type=int, default=ANALYSIS_DEFAULTS.seq_len, help="tokens per PPL window")
+    p.add_argument("--max-tokens", type=int, default=ANALYSIS_DEFAULTS.max_tokens, help="predicted tokens per PPL")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}")
     p.add_argument("--layers", default=None, help="jacobian layers, 0-based, comma-separated (default: the last 8)")
     p.add_argument("--suffixes", default=None, help="ordering / early-exit suffix sizes N (default 8,12,L)")
-    p.add_argument("--shuffles", type=int, default=AnalysisConfig.shuffles, help="random correction orders per N")
-    p.add_argument("--preheat-rank", type=int, default=AnalysisConfig.preheat_rank)
+    p.add_argument("--shuffles", type=int, default=ANALYSIS_DEFAULTS.shuffles, help="random correction orders per N")
+    p.add_argument("--preheat-rank", type=int, default=ANALYSIS_DEFAULTS.preheat_rank)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: on a shared or busy CPU "
                    "more threads only add contention; raise it on a free machine)")
@@ -74,6 +85,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.eval.analysis.common import AnalysisConfig
+    from snlp.eval.analysis.report import analyze, write
+    from snlp.eval.data import checkpoint_data, validation_tokens
+    from snlp.io.checkpoint import load, load_preheat
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")

@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from snlp.method.plan import Plan
     from snlp.model.gpt import GPT
 
+SUMMARY = "Time SNLP plans against the sequential model, side by side in one process."
+DESCRIPTION = """\
+Every callable is warmed up, then timed round-robin; the table gives medians, the measured speedup over sequential
+and the ideal one, L / (S + K*evals + [fwd]). The model has random weights (--depth) or a checkpoint's (--ckpt).
+--decode times KV-cached decoding, --ops one layer's forward, FD, JVP and VJP, --suite the paper's speed column
+(paper), snlp's decoders against transformers' (decode) or training steps (train); --json and --csv keep every record.
+
+  snlp bench --depth 16 --tokens 1 --plans 1xF12-h0-K1,12xF1-h0-K1 --json out.json
+  snlp bench --decode --ckpt runs/q --plans 6xF1-h0-K1 --blocks 2,4 --new-tokens 64
+  snlp bench --ops --tokens 1,16,128
+  snlp bench --suite paper --quick --out /tmp/suite     # the paper's speed suite at smoke size
+"""
+GUIDE = "docs/benchmarks.md"
+
 
 def add_arguments(p) -> None:
     _add_model_flags(p)
@@ -48,7 +62,9 @@ def _add_model_flags(p) -> None:
     src.add_argument("--hc-streams", type=int, default=0, help="mHC with this many residual streams (0 = plain; "
                      "turns the x0 residual off); plans may then use the hcn surrogate")
     src.add_argument("--hc-static", action="store_true", help="static mHC (constant H) instead of dynamic")
-    src.add_argument("--ckpt", default=None, help="benchmark a checkpoint directory instead of random weights")
+    src.add_argument("--ckpt", default=None, help="benchmark a checkpoint directory instead of random weights "
+                     "(--suite decode: also a transformers directory, a .gguf, 'smollm2', or 'random-smollm2' for "
+                     "random weights at its shape)")
 
 
 DEFAULT_PLANS = "1xF12-h0-K1,12xF1-h0-K1"
@@ -59,9 +75,9 @@ def _add_run_flags(p) -> None:
     p.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated plans")
     p.add_argument("--tokens", "-T", type=_token_counts, default="1",
                    help="tokens per forward (teacher-forced); with --ops a comma list, e.g. 1,16,32,64,128")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--batch", type=int, default=1, help="sequences per forward")
+    p.add_argument("--warmup", type=int, default=5, help="untimed rounds before the timed ones")
+    p.add_argument("--runs", type=int, default=30, help="timed rounds (the table gives their medians)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -100,25 +116,19 @@ def _add_decode_flags(p) -> None:
 
 
 def _add_suite_flags(p) -> None:
-    suite = p.add_argument_group("the paper's speed suite (--suite paper; snlp.bench.suite) and the decode suite "
-                                 "(--suite decode; snlp.bench.decode_suite)")
+    suite = p.add_argument_group("the suites (--suite paper, decode; snlp.bench.suite, snlp.bench.decode_suite)")
     suite.add_argument("--suite", choices=["paper", "decode", "train"], default=None,
-                       help="paper: the paper's speed column: its 4 shapes and plans, prefill T=2048 and KV-cached "
-                            "decode, eager and compiled, random weights; writes suite.json + suite.md to --out. "
-                            "decode: tokens/s of snlp's sequential, SNLP and self-speculative decoding against "
-                            "transformers' generate (static cache, assistant_early_exit, prompt lookup) on one model "
-                            "(--ckpt: an snlp checkpoint, a transformers directory, a .gguf, 'smollm2', or "
-                            "'random-smollm2' for random weights at its shape; default random weights) at "
-                            "--batch-sizes (default 1,4,8); with --shapes instead: random weights at a paper shape, "
-                            "drafter vs sequential step times and a PREDICTED speedup at --alpha. "
-                            "train: training step speed (tokens/s, MFU, compile time) at one shape (default 0.5B), "
-                            "eager vs compiled, plain vs --regs; writes train.json + train.md to --out")
+                       help="paper: the paper's speed column (4 shapes, prefill T=2048 and KV-cached decode, eager "
+                            "and compiled); decode: snlp's decoders against transformers' generate on one model "
+                            "(--ckpt) at --batch-sizes (default 1,4,8); train: training step speed, eager vs "
+                            "compiled, plain vs --regs. Written to --out")
     suite.add_argument("--quick", action="store_true",
                        help="--suite: CPU smoke-size run (shrunk shapes, T=16, few runs)")
     suite.add_argument("--out", default="bench-suite", help="--suite: output directory")
     suite.add_argument("--shapes", default=None,
                        help="--suite: comma-separated subset of the shapes 0.5B-nox0ve,0.5B,0.5B-mhc,3B "
-                            "(default all)")
+                            "(default all); --suite decode: random weights at a paper shape, drafter vs sequential "
+                            "step times and a PREDICTED speedup at --alpha")
     suite.add_argument("--suite-tokens", type=int, default=None,
                        help="--suite: prefill length T (default 2048; 16 quick)")
     suite.add_argument("--suite-warmup", type=int, default=None,
@@ -146,10 +156,9 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
     suite.add_argument("--vs-paper", default=None, metavar="PATH",
-                       help="time snlp side by side with the paper's own code (a checkout of nanochat-snlp at PATH) on "
-                            "the paper's prefill shapes and plans, same device, same process, round-robin; writes "
-                            "vs_paper.json + vs_paper.md to --out (uses --shapes, --quick, --treatments, --suite-tokens, "
-                            "--suite-warmup, --suite-runs)")
+                       help="time snlp and the paper's own code (nanochat-snlp checked out at PATH) round-robin in "
+                            "one process on the paper's prefill shapes and plans; vs_paper.json + vs_paper.md in --out "
+                            "(with --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, --suite-runs)")
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
     tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")

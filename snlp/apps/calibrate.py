@@ -5,22 +5,34 @@ with a fingerprint of the weights they were fitted on (plans with the `preheat` 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-from snlp.eval.data import checkpoint_data, validation_tokens
-from snlp.io.checkpoint import load
-from snlp.method.preheat import FILENAME, CalibrateConfig, fit
+SUMMARY = "Fit the preheat initialisation of a checkpoint's plans (CKPT/preheat.pt)."
+DESCRIPTION = """\
+Per-layer low-rank affine predictors of the states from the token embedding (paper App. "ELK Tempering and Preheat
+Initialization"), fitted on uniformly random tokens (or --data) and saved with a fingerprint of the weights they were
+fitted on; plans with the preheat init (e.g. 8xF1-preheat-K1) read them.
 
+  snlp calibrate runs/y --rank 32          # runs/y/preheat.pt
+  snlp calibrate runs/y --data train       # fitted on the checkpoint's own training data
+"""
+GUIDE = "docs/plans.md"
+
+# stand-ins for snlp.method.preheat's FILENAME and CalibrateConfig's defaults: the library (and torch) loads in run(),
+# after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)
+FILENAME = "preheat.pt"
+CALIBRATE_DEFAULTS = SimpleNamespace(rank=32, batch=8, seq_len=128)
 
 OUTPUT_FILES = ("out",)  # --out names a file (snlp.apps.cli checks it before the run)
 
 
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory")
-    p.add_argument("--rank", type=int, default=CalibrateConfig.rank, help="rank r of the embedding basis V")
+    p.add_argument("--rank", type=int, default=CALIBRATE_DEFAULTS.rank, help="rank r of the embedding basis V")
     p.add_argument("--data", default=None, help="calibrate on this data spec's validation split (default: "
                    "uniformly random tokens, as the paper); 'train' = the checkpoint's training data")
-    p.add_argument("--batch", type=int, default=CalibrateConfig.batch, help="calibration windows")
-    p.add_argument("--seq-len", type=int, default=CalibrateConfig.seq_len, help="tokens per calibration window")
+    p.add_argument("--batch", type=int, default=CALIBRATE_DEFAULTS.batch, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=CALIBRATE_DEFAULTS.seq_len, help="tokens per calibration window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"output file (default: CKPT/{FILENAME}, read by plans with the "
                    "preheat init)")
@@ -42,6 +54,10 @@ def check_out(out: str) -> None:
 
 
 def run(args) -> int:
+    from snlp.eval.data import checkpoint_data, validation_tokens
+    from snlp.io.checkpoint import load
+    from snlp.method.preheat import CalibrateConfig, fit
+
     if args.out is not None:
         check_out(args.out)
     if not Path(args.ckpt).exists():

@@ -1,8 +1,11 @@
 """The `snlp` command line. Each sub-command lives in its own module, which provides
-`add_arguments(parser)` and `run(args) -> int`; the module's docstring is its help text.
+`add_arguments(parser)` and `run(args) -> int`, and its help as module constants: SUMMARY (one sentence, its line
+in `snlp --help`), DESCRIPTION (what `snlp CMD --help` prints above the options: what you run and what you get, a
+few example lines) and GUIDE (the docs/*.md page that explains it). The module's docstring keeps the design notes
+for readers of the code; --help does not print it.
 
-Only the module of the command given is imported (the list of commands reads the others' docstrings from
-their source), and the modules import torch and the library inside `run`, so `snlp --help`, `snlp CMD --help`
+Only the module of the command given is imported (the list of commands reads the others' SUMMARY from their
+source), and the modules import torch and the library inside `run`, so `snlp --help`, `snlp CMD --help`
 and argument errors answer without loading torch. Output paths (--out, --json, --csv, --markdown, --plot) are
 checked before the command runs, so a result that cannot be written costs no work."""
 
@@ -10,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import importlib
 import importlib.util
+import re
 import sys
 import warnings
 
@@ -37,31 +42,103 @@ COMMANDS = {
 OUTPUT_FILES = ("json", "csv", "markdown", "plot")
 
 
-def module_doc(modname: str) -> str:
-    """A command module's docstring, read from its source without importing it."""
+HELP_CONSTANTS = ("SUMMARY", "DESCRIPTION", "GUIDE")
+
+
+def module_help(modname: str) -> dict[str, str]:
+    """A command module's help constants (HELP_CONSTANTS: module-level string literals), read from its source
+    without importing it."""
     spec = importlib.util.find_spec(modname)
     with open(spec.origin, encoding="utf-8") as f:
-        return ast.get_docstring(ast.parse(f.read())) or ""
+        tree = ast.parse(f.read())
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in HELP_CONSTANTS}
+
+
+def description(summary: str, text: str, guide: str) -> str:
+    """What `snlp CMD --help` prints above the options: the summary, the module's DESCRIPTION, its guide."""
+    more = f"Guide: {guide}. Every option with its default: docs/cli.md." if guide else ""
+    return "\n\n".join(part.strip("\n") for part in (summary, text, more) if part.strip())
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """argparse's two formatters combined, as its documentation shows, with two changes.
+
+    Description and epilog: a block of lines between blank lines is re-flowed to the terminal's width as a
+    paragraph, unless one of its lines is indented, as example commands and lists are: such a block is printed
+    verbatim (RawDescriptionHelpFormatter keeps every line as typed, argparse's default formatter none).
+
+    Defaults: "(default: X)" is added as ArgumentDefaultsHelpFormatter adds it, also to an option without a help
+    text (argparse prints nothing for those), but not where it says nothing or is said already: no default (None,
+    an empty list or string), a flag's True / False, a help text that states its default itself ("(default 200
+    without --minutes)", "default: cuda if available")."""
+
+    STATES_DEFAULT = re.compile(r"(?:^|[(;,.]\s*)default\b", re.IGNORECASE)
+
+    def _fill_text(self, text, width, indent):
+        out = []
+        for block in re.split(r"\n[ \t]*\n", text.strip("\n")):
+            lines = block.splitlines()
+            if any(line[:1].isspace() for line in lines):
+                out.append("\n".join(indent + line.rstrip() for line in lines))
+            else:
+                out.append(argparse.HelpFormatter._fill_text(self, block, width, indent))
+        return "\n\n".join(out)
+
+    def shows_default(self, action) -> bool:
+        d = action.default
+        if d is None or d is argparse.SUPPRESS or (isinstance(d, (list, tuple, str)) and not d) or action.nargs == 0:
+            return False
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return False  # a required positional
+        return not (action.help and self.STATES_DEFAULT.search(action.help))
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not self.shows_default(action):
+            return text
+        return (text + " " if text else "") + "(default: %(default)s)"
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        # argparse measures a sub-command's name without the indent it is listed with, so "calibrate" and
+        # "selfcheck" would start their summary on a line of their own
+        for sub in getattr(action, "_get_subactions", list)():
+            width = len(self._format_action_invocation(sub)) + self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, width)
+
+    def _format_action(self, action):
+        if not action.help and self.shows_default(action):  # argparse prints no help column for an empty help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser. `command` None: every sub-command's module is imported and its flags added; a name: only that
-    one's (the others are listed from their docstrings; "" imports none). `parser.commands` maps each
-    sub-command to its sub-parser."""
-    parser = argparse.ArgumentParser(prog="snlp", description="Layer-parallel inference of Transformer LMs "
-                                     "(Structured Newton Layer Parallelism).")
+    one's (the others are listed from their SUMMARY; "" imports none). `parser.commands` maps each sub-command to
+    its sub-parser."""
+    parser = argparse.ArgumentParser(
+        prog="snlp", formatter_class=HelpFormatter,
+        description="Layer-parallel inference of Transformer LMs (Structured Newton Layer Parallelism).",
+        epilog="New here: `snlp speedrun --out runs/speedrun` runs the main job (20 minutes on a CPU); on a GPU, start "
+               "with `snlp selfcheck`. `snlp COMMAND --help` shows a command's usage and options. Guides: README.md "
+               "and docs/usage.md; every option of every command: docs/cli.md.")
     parser.commands = {}
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     for name, modname in COMMANDS.items():
         if command is not None and name != command:
-            doc = module_doc(modname).strip() or name
-            parser.commands[name] = sub.add_parser(name, help=doc.splitlines()[0])
+            parser.commands[name] = sub.add_parser(name, help=module_help(modname).get("SUMMARY", name))
             continue
         mod = importlib.import_module(modname)
-        doc = (mod.__doc__ or name).strip()
-        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        summary = getattr(mod, "SUMMARY", name)
+        p = sub.add_parser(name, help=summary, formatter_class=HelpFormatter,
+                           description=description(summary, getattr(mod, "DESCRIPTION", ""), getattr(mod, "GUIDE", "")))
         mod.add_arguments(p)
+        for a in p._actions:  # positionals in capitals, as the descriptions and docs/cli.md name them (CKPT, SRC)
+            if not a.option_strings and a.metavar is None:
+                a.metavar = a.dest.upper()
         p.set_defaults(func=mod.run, module=mod)
         parser.commands[name] = p
     return parser

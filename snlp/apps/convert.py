@@ -4,6 +4,18 @@ that `snlp eval`, `generate`, `bench --ckpt` and `train --init-from` take."""
 
 from __future__ import annotations
 
+SUMMARY = "Convert a Hugging Face, GGUF or nanochat model into an snlp checkpoint."
+DESCRIPTION = """\
+SRC: a transformers directory or hub id (Llama, Qwen2, Mistral and Qwen3 families), a .gguf file, or a nanochat /
+nanochat-snlp checkpoint directory. OUT is a checkpoint that `snlp eval`, `generate`, `bench --ckpt`, `adapt` and
+`train --init-from` take.
+
+  snlp convert SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smol
+  snlp convert ~/.cache/nanochat/base_checkpoints/d32 --out runs/d32    # its last step (--step N)
+"""
+GUIDE = "docs/hf.md"
+
+
 # the library (and torch) loads in run(), not here: --help answers without it
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")  # snlp.io.hf's
 

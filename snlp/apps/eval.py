@@ -22,6 +22,19 @@ from snlp.eval.config import EvalConfig
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.model.gpt import GPT
 
+SUMMARY = "Evaluate the sequential model and SNLP plans of a checkpoint (paper metrics)."
+DESCRIPTION = """\
+One row per plan, the sequential model first, on the checkpoint's validation split: PPL and dPPL, Top-1 and LogitSim
+vs the sequential logits, AR Match over greedy tokens vs the sequential model, EmbSim, the measured decode and prefill
+speedups and the ideal one. --task scores multiple-choice questions instead, --harness runs lm-evaluation-harness
+tasks, --drafter measures an adapted drafter.
+
+  snlp eval runs/y --plans 4xF1-h0-K1,4xF1-h0-K2 --json e.json --markdown e.md --plot e.png
+  snlp eval runs/sft --task mc:ARC-Easy-Test.jsonl --plans 8xF1-h0-K1
+  snlp eval runs/smol --drafter runs/smol-d8 --chat-prompts chat:dolly_open_qa.jsonl
+"""
+GUIDE = "docs/usage.md#evaluate"
+
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
 
@@ -51,15 +64,12 @@ def add_arguments(p) -> None:
                    "unless --drafter: then default the drafter's plan)")
     a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
     a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "
-                   "(PPL of pure SNLP decoding with the drafter, which is its approximation of the model; Top-1, "
-                   "LogitSim and Top-1 under SSD conditions vs the model; SSD alpha / tokens per round / tok/s) on the "
-                   "held-out part of the drafter's own adaptation split (--data may name parts of its data; a "
-                   "--val-frac or --max-chars other than its adaptation's is refused)")
-    a.add_argument("--chat-prompts", default=None, help="--drafter: the drafter's adaptation data or exactly one of "
-                   "its chat parts (chat:PATH.jsonl or PATH.jsonl), whose "
-                   "held-out conversations' openings (through the first user turn), in the model's chat template, are the SSD "
-                   "prompts; held out by the split adaptation used (snlp.io.chat.split_conversations, the drafter's "
-                   "val_frac)")
+                   "(SNLP-decoding PPL; Top-1, LogitSim, SSD Top-1 vs the model; SSD alpha, tokens per round, tok/s) "
+                   "on its held-out adaptation data (--data may name some of its parts; another --val-frac or "
+                   "--max-chars is refused)")
+    a.add_argument("--chat-prompts", default=None, help="--drafter: the drafter's adaptation data or one of its "
+                   "chat parts (chat:PATH.jsonl or PATH.jsonl); the openings (through the first user turn, in the chat "
+                   "template) of its held-out conversations are the SSD prompts")
     a.add_argument("--blocks", default="2,4,8", help="--drafter: SSD draft block sizes B")
     d = p.add_argument_group("validation data (default: the checkpoint's training source and split)")
     d.add_argument("--data", default=None, help="data spec as for `snlp train --data`; default the one the "
@@ -94,8 +104,8 @@ def add_arguments(p) -> None:
                    "via the datasets library, online)")
     t.add_argument("--mc-scoring", choices=["letter", "loglik", "harness"], default=None, help="letter: answer-letter "
                    "logits after the lettered question (nanochat); loglik: mean log-prob of each choice's text as a "
-                   "chat reply; harness: lm-evaluation-harness's protocol ('Question: ...\\nAnswer:' + ' choice', acc "
-                   "and acc_norm). Default: letter for checkpoints fine-tuned by snlp sft, else harness")
+                   "chat reply; harness: lm-evaluation-harness's protocol (acc and acc_norm). Default: letter for "
+                   "checkpoints fine-tuned by snlp sft, else harness")
     t.add_argument("--mc-shots", type=int, default=0, help="harness scoring: solved examples before each question")
     t.add_argument("--mc-shots-from", default=None, help="harness k-shot: task spec the shots are drawn from "
                    "(the train/dev split, e.g. mc:ARC-Easy-Train.jsonl)")

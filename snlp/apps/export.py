@@ -6,6 +6,17 @@ config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp
 
 from __future__ import annotations
 
+SUMMARY = "Export an snlp checkpoint or an adapted drafter as a transformers model."
+DESCRIPTION = """\
+CKPT: an snlp checkpoint of a Llama-family model (one made by `snlp convert`, possibly fine-tuned); OUT gets a
+transformers directory whose AutoModelForCausalLM gives the same logits. CKPT may be a drafter directory (`snlp
+adapt`): OUT is then the base's prefix with the drafter's adapted suffix, which transformers runs sequentially.
+
+  snlp export runs/smol --out runs/smol-hf
+  snlp export runs/smol-d8 --out runs/smol-d8-hf     # a drafter (--base: its base, if moved)
+"""
+GUIDE = "docs/hf.md"
+
 
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="snlp checkpoint directory, or a drafter directory (snlp adapt --out)")

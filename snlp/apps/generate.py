@@ -11,6 +11,21 @@ import json
 import sys
 from pathlib import Path
 
+SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
+DESCRIPTION = """\
+--mode sequential is the model's own KV-cached decoding; snlp runs every forward as an SNLP solve (the model's
+approximation unless K >= chunks); speculative drafts with the SNLP forward (or an adapted --drafter) and lets the
+model verify, so greedy output equals sequential; jacobi decodes a block of future tokens, verified. Prints the text
+and the decoding statistics; speculative mode also times sequential decoding beside it (--no-baseline skips that).
+
+  snlp generate runs/y --prompt "ROMEO:" --max-new-tokens 64
+  snlp generate runs/y --prompt "ROMEO:" --mode speculative --plan 4xF2-h0-K1 --block 4
+  snlp generate runs/smol --chat --prompt "Hello!" --mode speculative --drafter runs/smol-d8
+  snlp generate runs/y --prompts-file prompts.jsonl --batch-size 4 --json out.json
+"""
+GUIDE = "docs/usage.md#train-generate"
+
+
 # The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.
 MODES = ("sequential", "snlp", "speculative", "jacobi")  # snlp.decode.generate.MODES (tests check they agree)
 # Flags that only some runs read default to None, so one given to a run that does not read it is refused

@@ -11,6 +11,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+SUMMARY = "Check this install on your device: the exactness laws, then a timed suite."
+DESCRIPTION = """\
+The first command to run on a GPU. It checks that K >= C reproduces the fused model, speculative greedy decoding
+equals sequential, batched rows equal single rows, compiled equals eager and a converted transformers model gives
+transformers' logits, then times prefill and decoding. Prints a pass/fail table, writes OUT/selfcheck.json (attach it
+to a bug report) and exits with status 1 when a check fails.
+
+  snlp selfcheck --device cuda
+  snlp selfcheck --quick                # a smaller speed suite
+"""
+GUIDE = "docs/gpu.md"
+
 
 def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -20,6 +20,20 @@ from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, config_f
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
+
+SUMMARY = "Fine-tune a checkpoint on chats with the sequential forward or an SNLP forward."
+DESCRIPTION = """\
+The loss is on assistant tokens only; --forward PLAN computes it on the SNLP logits of PLAN, with gradients through
+all K iterations (the paper's SNLP-forward SFT), and --reg adds the SNLP-aware regulariser. --data: JSONL of
+{"messages": [...]} conversations or hf:NAME[:CONFIG][:SPLIT]. OUT is a checkpoint as `snlp train` writes one; the
+optimiser, --resume and torchrun work as there, with `snlp train`'s learning rates times --lr-scale.
+
+  snlp sft CKPT --data chats.jsonl --out runs/sft --forward sequential
+  snlp sft CKPT --data chats.jsonl --out runs/sft-snlp --forward 8xF1-h0-K1 --reg idn
+"""
+GUIDE = "docs/sft.md"
+
+
 SEQUENTIAL = "sequential"  # snlp.train.sft.SEQUENTIAL (tests check they agree)
 
 

@@ -16,6 +16,17 @@ from pathlib import Path
 from snlp.apps.sft import add_train_arguments, train_config
 from snlp.apps.train import file_hooks
 
+SUMMARY = "Build the paper's SFT x inference table: two SFT runs, each evaluated two ways."
+DESCRIPTION = """\
+Fine-tunes CKPT twice (the sequential forward, then the SNLP forward of PLAN) into OUT/sft-sequential and
+OUT/sft-PLAN, evaluates each under sequential and PLAN inference on every --task (repeatable), and writes the paper's
+2 x 2 table (SFT | Inference | one column per task | Avg.) to OUT/grid.md and OUT/grid.json. A finished run in OUT is
+reused, an unfinished one resumed.
+
+  snlp sft-grid CKPT --data chats.jsonl --plan 8xF1-h0-K1 --task mc:arc.jsonl --out runs/grid
+"""
+GUIDE = "docs/sft.md"
+
 
 @dataclass
 class GridConfig:

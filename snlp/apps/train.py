@@ -25,19 +25,32 @@ if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are
     from snlp.train.config import TrainConfig
     from snlp.train.hooks import StopCheck, TrainHooks
 
+SUMMARY = "Train a GPT from scratch, optionally with the SNLP-aware regulariser."
+DESCRIPTION = """\
+Trains a byte-level BPE tokenizer and a nanochat-style GPT on your text (--data; default: this Python's standard
+library, offline) and writes a checkpoint every other command reads (weights, tokenizer, optimizer state, log.jsonl).
+--reg idn, hcn or diag adds the paper's SNLP-aware regulariser; --resume continues a run exactly. The defaults are
+small, so that a CPU run makes progress in minutes.
+
+  snlp train --out runs/x --depth 8 --minutes 3             # CPU, no network
+  snlp train --out runs/y --data my.txt --steps 2000 --reg idn --reg-lambda 0.5 --reg-n 8
+  snlp train --out runs/x --resume --steps 4000             # continue with a new budget
+  torchrun --nproc_per_node=4 -m snlp train --out runs/z    # DDP (NCCL on GPU, gloo on CPU)
+"""
+GUIDE = "docs/training.md"
+
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (created; with --resume, continued)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run saved in --out (weights, optimizer, data position, RNG) with its saved "
-                   "settings: flags left out keep the saved values; only the budget (--steps, --minutes, "
-                   "--stop-after), logging, validation and saving intervals, --device, --compile, --time-reg and "
-                   "--cache-dir may change (another value of any other flag is refused)")
+                   help="continue the run saved in --out (weights, optimizer, data position, RNG): flags left out "
+                   "keep the saved values; only the budget (--steps, --minutes, --stop-after), the intervals, "
+                   "--device, --compile, --time-reg and --cache-dir may change (another value of any other flag is "
+                   "refused)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from this checkpoint's weights and tokenizer (e.g. `snlp convert` of a Hugging Face "
-                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): no tokenizer training; the model's shape and "
-                   "vocabulary are the checkpoint's, so the shape flags (--depth, --width, --vocab-size, ...) are "
-                   "refused beside it")
+                   "model; paper App. 'Pretrained TinyLlama Fine-Tuning'): its shape and vocabulary are kept, so the "
+                   "shape flags (--depth, --width, --vocab-size, ...) are refused beside it")
     p.add_argument("--freeze-prefix", type=int, nargs="?", const=-1, default=None, metavar="S",
                    help="train only layers S.. (and the final norm / untied lm_head); the embedding and the first S "
                    "layers stay frozen. Without a value S = depth - max(--reg-n), the SNLP suffix")
@@ -110,9 +123,8 @@ def add_reg_rows_argument(r) -> None:
     """--reg-rows (snlp train and snlp sft)."""
     r.add_argument("--reg-rows", type=float, default=None, metavar="F",
                    help="run the regulariser's K=1 solve on the first ceil(F x batch size) rows of each micro-batch "
-                   "only (0 < F <= 1; the loader draws rows at random, so a random subset; the term is their mean, "
-                   "not rescaled: same expectation, more variance); the CE still covers every row. Default: all rows "
-                   "(the paper's objective). The log's term is then `reg_subset`")
+                   "only (0 < F <= 1; rows are drawn at random, so the term keeps its expectation, with more variance; "
+                   "logged as `reg_subset`); the CE still covers every row. Default: all rows, the paper's objective")
 
 
 def add_speed_arguments(o) -> None:

@@ -20,21 +20,33 @@ from __future__ import annotations
 
 import math
 import sys
+from types import SimpleNamespace
 
-import torch
-
-from snlp.apps.common import plans_preheat
-from snlp.bench.records import write_json
 from snlp.bench.stats import fewest_sign_rounds
-from snlp.bench.tune import TuneConfig, default_plans, summary, table, tune
-from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
-from snlp.io.checkpoint import load
-from snlp.method.plan import parse_plans
-from snlp.runtime.device import cli_device, cli_dtype, device_label
+
+SUMMARY = "Choose the decoding plan for a checkpoint on this machine by measurement."
+DESCRIPTION = """\
+Goal (a), exact self-speculative decoding: the plan, draft block B, threads and compile with the highest measured
+tokens/s (every candidate's greedy output is checked against sequential decoding). Goal (b), with --max-dppl: the
+fastest SNLP decoding within that PPL budget. Stage 1 predicts every candidate from cheap measurements; stage 2
+decodes the --top best end to end, round-robin with sequential decoding, and picks the best measured one. Prints the
+table (predicted vs measured) and the pick; minutes on a CPU.
+
+  snlp tune runs/idn                                 # SSD: 12 plans (at L = 16) x B = 2,3,4,6,8
+  snlp tune runs/idn --max-dppl 1% --threads 1,2     # also SNLP within +1 % PPL; 1 and 2 threads
+  snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
+"""
+GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
+
+# a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
+# answers at once (tests/apps/test_cli_fast.py checks that they agree)
+TUNE_DEFAULTS = SimpleNamespace(blocks=(2, 3, 4, 6, 8), top=3, calib_tokens=8192, seq_len=256, prompts=4,
+                                prompt_len=16, gen_tokens=64, repeats=6, warmup=1, step_runs=30, accept_tokens=64,
+                                seed=0)
 
 
 def add_arguments(p) -> None:
-    d = TuneConfig()
+    d = TUNE_DEFAULTS
     p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
     p.add_argument("--plans", default=None, help="comma-separated candidate plans (default: 12 plans on suffixes "
                    "of L/4, L/2, 3L/4 layers: F1-h0-K1, F1-h0-K2, F1-fwd-K1, F2-h0-K1)")
@@ -65,7 +77,7 @@ def add_arguments(p) -> None:
     m.add_argument("--seed", type=int, default=d.seed, help="prompt sampling seed")
     m.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
     m.add_argument("--cache-dir", default=None, help="token cache folder (default: training's / $SNLP_CACHE)")
-    m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    m.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     m.add_argument("--all-rows", action="store_true", help="print the predicted-only rows too")
@@ -98,7 +110,11 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
-def config_from_args(args) -> TuneConfig:
+def config_from_args(args):
+    """The TuneConfig of the flags (checked)."""
+    from snlp.bench.tune import TuneConfig
+    from snlp.method.plan import parse_plans
+
     # each plan as the command line reads one (a K beyond the exact count capped, with a warning)
     cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans else None,
                      blocks=_ints(args.blocks, "--blocks"), threads=_ints(args.threads, "--threads"),
@@ -113,8 +129,17 @@ def config_from_args(args) -> TuneConfig:
 
 
 def run(args) -> int:
+    import torch
+
+    from snlp.apps.common import plans_preheat
+    from snlp.bench.records import write_json
+    from snlp.bench.tune import default_plans, summary, table, tune
+    from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
+    from snlp.io.checkpoint import load
+    from snlp.runtime.device import cli_device, cli_dtype, device_label
+
     cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
-    device = cli_device(args.device)
+    device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load(args.ckpt, device="cpu")
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp tune` needs it for the calibration text")

@@ -385,10 +385,12 @@ def test_records_written_before_ar_match_fused_read_into_one_meaning_per_field()
 
 
 def test_eval_help_says_ar_match_is_against_the_sequential_model():
-    """`snlp eval --help` (the module docstring) names AR Match's one reference, the sequential model, and the fused
-    plans' own column; it used to say fused plans were compared with their fused model."""
+    """`snlp eval --help` (the module's DESCRIPTION) and the module docstring name AR Match's one reference, the
+    sequential model, and the docstring the fused plans' own column; it used to say fused plans were compared with
+    their fused model."""
     import snlp.apps.eval as app
 
     doc = " ".join(app.__doc__.split())
     assert "AR Match over --gen-tokens greedy tokens vs the sequential model" in doc
     assert "(fused plans vs the fused model run sequentially)" not in doc and "AR Match vs fused" in doc
+    assert "AR Match over greedy tokens vs the sequential model" in " ".join(app.DESCRIPTION.split())

@@ -59,6 +59,22 @@ from __future__ import annotations
 # the flags only: `snlp speedrun --help` and argument errors import no torch (the stages load it, inside `run`)
 from snlp.apps.speedrun.flags import add_arguments
 
+SUMMARY = "Run the main job: train two models, measure the paper's plans, write a report."
+DESCRIPTION = """\
+Trains a plain (No-Reg) and an IDN-regularised (IDN-Reg) GPT side by side on the same data and steps, evaluates the
+plan grid on both, then early exit, Jacobian diagnostics and self-speculative decoding with a drafter chosen by
+measurement; writes OUT/report.md, OUT/frontier.png, OUT/records.csv and OUT/summary.json. The run keeps to a
+wall-clock budget (--budget): the box is measured first and each stage gets its share.
+
+Each stage is saved in OUT and reused by a re-run with the same settings (--force redoes them); interrupted training
+resumes from its last save.
+
+  snlp speedrun --out runs/speedrun          # depth 16, a 20-minute budget end to end
+  snlp speedrun --out runs/sr --budget 30    # another budget, in minutes
+  snlp speedrun --out /tmp/sr --quick        # tiny settings: a smoke test in about a minute
+"""
+GUIDE = "docs/speedrun.md"
+
 
 __all__ = ["add_arguments", "run"]
 

@@ -12,9 +12,9 @@ def add_arguments(p) -> None:
                    "120 training steps): a smoke test in under a minute on 2 idle cores")
     p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
     p.add_argument("--budget", type=float, default=None, help="wall-clock budget of the whole run in minutes "
-                   "(default 20; not with --quick, --minutes or --steps unless given): the box is measured first "
-                   "(seconds), every stage gets its share, training what is left, and a stage that overruns makes "
-                   "the later ones shrink (fewer prompts, rounds, timing repeats; never fewer plans or models)")
+                   "(default 20; not with --quick, --minutes or --steps unless given): every stage gets its share, "
+                   "training what is left; a stage that overruns makes the later ones shrink (never fewer plans or "
+                   "models)")
     p.add_argument("--minutes", type=float, default=None, help="a fixed training time in minutes instead of the "
                    "budget's share (both models train side by side in lockstep and stop at the same step when it is "
                    "spent, however loaded the machine is); the later stages are then not budgeted")
