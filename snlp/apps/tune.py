@@ -49,7 +49,7 @@ def add_arguments(p) -> None:
     d = TUNE_DEFAULTS
     p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
     p.add_argument("--plans", default=None, help="comma-separated candidate plans (default: 12 plans on suffixes "
-                   "of L/4, L/2, 3L/4 layers: F1-h0-K1, F1-h0-K2, F1-fwd-K1, F2-h0-K1)")
+                   "of L/4, L/2, 3L/4 layers: F1-h0-K1, F1-h0-K2, F1-fwd-K1, F2-h0-K1; on CUDA also LxF1-h0-K2, -K3, -K4)")
     p.add_argument("--blocks", default=",".join(map(str, d.blocks)), help="SSD draft block sizes B")
     p.add_argument("--threads", default=None, help="comma-separated torch thread counts to measure (default: the "
                    "current count)")
@@ -143,9 +143,9 @@ def run(args) -> int:
     model, tok = load(args.ckpt, device="cpu")
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp tune` needs it for the calibration text")
-    plans = cfg.plans or default_plans(model.config.n_layer)
+    plans = cfg.plans or default_plans(model.config.n_layer, device)
     preheat = plans_preheat(args.ckpt, model, plans)
-    cfg.plan_list(model.config.n_layer, preheat)  # unknown / unfit plans refused before anything runs
+    cfg.plan_list(model.config.n_layer, preheat, device)  # unknown / unfit plans refused before anything runs
     model = model.to(device=device, dtype=getattr(torch, cli_dtype(args.dtype, device))).eval()
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k, None) for k in DATA_DEFAULTS})
     val = validation_tokens(tok, **data)

@@ -62,22 +62,30 @@ from snlp.runtime.timing import time_round_robin
 GOALS = ("ssd", "snlp")
 
 
-def default_plans(n_layer: int) -> list[str]:
+def default_plans(n_layer: int, device=None) -> list[str]:
     """The default grid: suffixes of N = L/4, L/2 and 3L/4 layers, each as one layer per chunk at K = 1 and 2,
-    with the one-shot `fwd` init, and as 2-layer fused chunks at K = 1 (12 plans at L = 16)."""
+    with the one-shot `fwd` init, and as 2-layer fused chunks at K = 1 (12 plans at L = 16). On CUDA also the
+    whole stack as the suffix (S = 0) at K = 2, 3 and 4: a batch-1 decode step there costs its chain of dependent
+    kernels, S + K layer evaluations for a drafter, so these have the shortest chains that still accept well on
+    a regularised model (the speedrun's IDN-Reg model: `16xF1-h0-K3` alpha 0.960 and `16xF1-h0-K4` 0.992 at
+    chains 0.24 and 0.31 of the sequential step's, `12xF1-h0-K1` 0.971 at 0.36,
+    docs/records/2026-11-27-lease-prep.md). On a CPU a step costs its FLOPs and weight bytes, K passes over every
+    layer, so they are left out there."""
     out = []
     for N in sorted({max(1, n_layer // 4), max(1, n_layer // 2), max(1, 3 * n_layer // 4)}):
         out += [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-fwd-K1"]
         if N % 2 == 0:
             out.append(f"{N // 2}xF2-h0-K1")
-    return out
+    if device is not None and torch.device(device).type == "cuda":
+        out += [f"{n_layer}xF1-h0-K{k}" for k in (2, 3, 4)]
+    return list(dict.fromkeys(out))
 
 
 @dataclass
 class TuneConfig:
     """What `tune` searches and how it measures (module docstring)."""
 
-    plans: list[str] | None = None  # None: default_plans(n_layer)
+    plans: list[str] | None = None  # None: default_plans(n_layer, the model's device)
     blocks: tuple[int, ...] = (2, 3, 4, 6, 8)  # SSD draft block sizes B
     threads: tuple[int, ...] = ()  # torch CPU thread counts to measure; () = the current count
     compile: bool = False  # also measure compiled static-shape steps (snlp.decode.steps)
@@ -125,10 +133,11 @@ class TuneConfig:
         return [(t, c) for t in (self.threads or (torch.get_num_threads(),)) for c in ((False, True) if self.compile
                                                                                        else (False,))]
 
-    def plan_list(self, n_layer: int, preheat: Preheat | None = None) -> list[Plan]:
+    def plan_list(self, n_layer: int, preheat: Preheat | None = None, device=None) -> list[Plan]:
         """The plans, parsed and checked against the model (duplicates dropped); a ValueError for an unknown
-        plan, a preheat plan without calibration, or a tol plan under `compile`."""
-        plans = list(dict.fromkeys(Plan.parse(p, n_layer) for p in (self.plans or default_plans(n_layer))))
+        plan, a preheat plan without calibration, or a tol plan under `compile`. `device`: the model's, for the
+        default grid (default_plans)."""
+        plans = list(dict.fromkeys(Plan.parse(p, n_layer) for p in (self.plans or default_plans(n_layer, device))))
         for p in plans:
             if p.init == "preheat" and preheat is None:
                 raise ValueError(f"plan {p} starts from the preheat init but no calibration was given")
@@ -582,7 +591,7 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     measured here; `preheat`: the calibration preheat plans read."""
     cfg.check()
     L = model.config.n_layer
-    plans = cfg.plan_list(L, preheat)
+    plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
     model.eval()
     val = as_tokens(val_tokens)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)

@@ -316,3 +316,16 @@ def test_the_slower_than_sequential_note_only_where_the_rounds_resolve_it(model)
     assert any("the pick is slower than sequential decoding" in n and "6 of 6 paired rounds" in n for n in notes)
     fast = _cand("C", [1.3] * 6)
     assert not any("sequential decoding" in n for n in _picked(model, [fast])[2])
+
+
+def test_the_default_grid_adds_full_depth_drafters_on_cuda_only():
+    """On CUDA a batch-1 decode step costs its kernel chain (S + K evaluations), so the whole stack at K = 2-4 is a
+    candidate there; on a CPU it costs K passes over every layer and stays out. `tune` passes the model's device."""
+    cpu = default_plans(16, "cpu")
+    assert cpu == default_plans(16) and not any(p.startswith("16x") for p in cpu)
+    cuda = default_plans(16, "cuda:0")
+    assert cuda == cpu + ["16xF1-h0-K2", "16xF1-h0-K3", "16xF1-h0-K4"]
+    assert all(Plan.parse(p, 16).prefix_len(16) == 0 for p in cuda[len(cpu):])
+    cfg = TuneConfig(**FAST)
+    assert [str(p) for p in cfg.plan_list(16, device="cuda")] == cuda
+    assert [str(p) for p in cfg.plan_list(16, device="cpu")] == cpu
