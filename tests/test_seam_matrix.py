@@ -104,6 +104,7 @@ PLANS = {
     "preheat": "6xF1-preheat-K1",
     "exact": "6xF1-h0-K6",
     "exactF2": "3xF2-h0-K3",
+    "whole": "8xF1-h0-K3",  # S = 0: every layer in the suffix, iterated from h0 (the short-chain GPU drafter)
 }
 ENTRIES = ("sequential", "snlp", "speculative", "drafter", "jacobi")
 FORMS = ("one", "tensor1d", "tensor1T", "list1", "ragged", "tensorBT", "numpy1d", "numpyBT")
@@ -361,7 +362,7 @@ def test_sampled_rows_do_not_depend_on_the_batch(seed, kind, entry, form, adapti
 
 
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 50), kind=st.sampled_from(["F1", "F2", "fwd", "tol", "exact"]),
+@given(seed=st.integers(0, 50), kind=st.sampled_from(["F1", "F2", "fwd", "tol", "exact", "whole"]),
        form=st.sampled_from(("one", "ragged")), drafter=st.booleans(), adaptive=st.booleans(),
        min_confidence=st.sampled_from([0.0, 0.3]), block=st.integers(1, 4), n=st.integers(1, 8),
        poison=st.lists(st.integers(0, 60), min_size=1, max_size=6, unique=True),
@@ -549,7 +550,7 @@ def test_finite_snlp_decoding_is_unchanged_by_the_check():
 
 
 # ----------------------------------------------------------------------------- bind / Runner
-RUNNER_KINDS = ("F1", "fwd", "tol", "diag", "exact", "F2", "hcn", "hcntol")
+RUNNER_KINDS = ("F1", "fwd", "tol", "diag", "exact", "F2", "hcn", "hcntol", "whole")
 
 
 @torch.no_grad()
@@ -963,7 +964,7 @@ def test_compiled_entry_points_equal_their_references(name):
 
 # ----------------------------------------------------------------------------- the decode suite (snlp bench --suite decode)
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2"]), seed=st.integers(0, 50),
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2", "whole"]), seed=st.integers(0, 50),
        sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans(), nano=st.booleans(),
        windows=st.sampled_from(list(WINDOWS)))
 def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, tmp_path_factory):
@@ -1034,7 +1035,8 @@ def test_self_distill_replies_equal_the_argmax_loop(seed, lens, nano, windows, e
 
 # ----------------------------------------------------------------------------- the window kernel (a treatment)
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "diag", "exact", "exactF2", "tol"]), seed=st.integers(0, 50),
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "diag", "exact", "exactF2", "tol", "whole"]),
+       seed=st.integers(0, 50),
        nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
 def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
     """snlp.model.ops.set_window_kernel("banded") (sliding windows through query blocks that attend their w + b keys;
@@ -1049,7 +1051,7 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
         m = mhc_model(seed=seed, n_layer=L, window_pattern=pattern, short_window=4, sequence_len=96,
                       **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
     plan = PLANS[kind]
-    share = share and kind in ("F1", "fwd", "exact")
+    share = share and kind in ("F1", "fwd", "exact", "whole")
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
     prompts = [idx[0, :40].tolist(), idx[1, :37].tolist()]
@@ -1071,7 +1073,7 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
 
 
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "exact", "exactF2"]), seed=st.integers(0, 50),
+@given(kind=st.sampled_from(["F1", "F2", "fwd", "hcn", "exact", "exactF2", "whole"]), seed=st.integers(0, 50),
        nano=st.booleans(), pattern=st.sampled_from(["S", "SSSL", "SL"]), share=st.booleans())
 @pytest.mark.slow
 def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, pattern, share):
@@ -1088,7 +1090,7 @@ def test_flex_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, 
         m = mhc_model(seed=seed, n_layer=L, window_pattern=pattern, short_window=4, sequence_len=96,
                       **({**NANOCHAT, **NANOCHAT_MHC} if nano else {}))
     plan = PLANS[kind]
-    share = share and kind in ("F1", "fwd", "exact")
+    share = share and kind in ("F1", "fwd", "exact", "whole")
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, m.config.vocab_size, (2, 48), generator=gen)
     prompts = [idx[0, :40].tolist(), idx[1, :37].tolist()]
