@@ -13,8 +13,9 @@ names the combination. A cell that is neither is a defect. The references are wr
   snlp_generate, K < C / tol       the same prompt run alone as a single prompt (a row never depends on its batch)
   bind / Runner                    IDN, M = 1, h0 / fwd (any K): the paper's iteration written out layer by layer
                                    below (naive_idn_logits); tol / DiagN / F2 / HCN: each row alone through a fresh
-                                   unshared bind. Also after an in-place update of every parameter with no refresh,
-                                   and for a second shared runner over another suffix bound in between
+                                   unshared bind. Also after an update of every parameter (in place, or new storage:
+                                   `p.data = t`) with no refresh, shared or not, and for a second shared runner over
+                                   another suffix bound in between
   evaluate                         a K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals the
                                    exp(mean NLL) of the plan's logits on the protocol's windows
   run_decode_suite (bench)         its reference tokens are the argmax loop; every row it calls exact equals them
@@ -581,12 +582,13 @@ def naive_idn_logits(m, idx, plan: Plan):
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(RUNNER_KINDS), share=st.booleans(), other=st.sampled_from(["2xF1-h0-K1", "7xF1-h0-K2", None]),
        seed=st.integers(0, 50), ve=st.booleans(), nano=st.booleans(), windows=st.sampled_from(list(WINDOWS)),
-       hc=st.sampled_from(list(MHC)))
-def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, windows, hc):
+       hc=st.sampled_from(list(MHC)), update=st.sampled_from(["in place", "new storage"]))
+def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, windows, hc, update):
     """A (B, T) batch through a runner equals its reference (F1 / fwd / K >= C: the IDN iteration written out above;
-    tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an in-place update of
-    EVERY parameter with no refresh (shared) or with refresh (unshared), with a second shared runner over another
-    suffix bound in between (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
+    tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an update of EVERY
+    parameter (`update`: in place, as an optimizer step, or new storage, `p.data = t`) with no refresh, shared or
+    not (Runner.current rebuilds stale weights), with a second shared runner over another suffix bound in between
+    (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
     nanochat-snlp's parts (smear, backout read from the iterate, q/k scale, its VE gate; its mHC for HCN); `windows`:
     the window widths (WINDOWS); `hc`: dynamic or static mHC for the HCN kinds (MHC)."""
     m = model_for(kind, seed, {"value_embeds": ve, "nanochat": nano, "windows": windows, "hc": hc})
@@ -613,9 +615,11 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, win
                 torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-6, atol=1e-6)
             gen = torch.Generator().manual_seed(seed + 1)
             for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
-            if not share:
-                runner.refresh()
+                noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
+                if update == "in place":
+                    p.add_(noise)
+                else:
+                    p.data = p.data + noise
 
 
 # ----------------------------------------------------------------------------- evaluate
