@@ -324,6 +324,29 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
+@pytest.mark.parametrize("entry", ("sequential", "snlp", "speculative", "drafter"))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kw, match", [(dict(seed=3), "seed seeds sampling"), (dict(top_k=2), "top_k / top_p"),
+                                       (dict(top_p=0.5), "top_k / top_p")])
+def test_greedy_cells_refuse_what_only_sampling_reads(entry, form, kw, match, monkeypatch):
+    """Greedy decoding (temperature 0) at every sampling entry point and input form: a `seed`, `top_k` or `top_p`
+    could not act (nothing is drawn), so each is refused in one line naming it, before any forward (a seed used to
+    be ignored silently)."""
+    m = model_for("F1", 0, {})
+    plan = PLANS["F1"]
+    drafter = make_drafter(m, plan) if entry == "drafter" else None
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] if form in ("tensorBT", "numpyBT") else [[1, 2, 3], [4, 5], [6, 7]]
+    monkeypatch.setattr(m, "embed", lambda *a, **k: pytest.fail("a forward ran before the refusal"))
+    call = {"sequential": lambda: sequential_generate(m, as_form(prompts, form), max_new_tokens=2, **kw),
+            "snlp": lambda: snlp_generate(m, as_form(prompts, form), plan, max_new_tokens=2, **kw),
+            "speculative": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2, **kw),
+            "drafter": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2,
+                                                    drafter=drafter, **kw)}[entry]
+    with pytest.raises(ValueError, match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 50), kind=st.sampled_from([k for k in PLANS if k != "diag"]),
        entry=st.sampled_from(("sequential", "snlp", "speculative", "drafter")),

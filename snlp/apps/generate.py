@@ -112,8 +112,8 @@ def unread_flags(args) -> None:
 
 def resolve_defaults(args) -> None:
     for k, v in DEFAULTS.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+        if getattr(args, k, None) is None and not (k == "seed" and args.temperature == 0):
+            setattr(args, k, v)  # greedy decoding keeps seed None: the decode functions refuse a seed it cannot use
 
 
 def check_args(args) -> None:
@@ -283,7 +283,7 @@ def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str 
     results, wall = [], 0.0
     steps = shared_steps(args, model, plan, preheat, drafter)
     for k in range(0, len(prompts), args.batch_size):
-        a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
+        a = argparse_copy(args, mode=mode or args.mode, seed=None if args.seed is None else args.seed + k)
         batch = prompts[k:k + args.batch_size]
         if len(batch) == 1:  # one prompt (--batch-size 1, or the last of a file): the single-prompt path, which
             #                  every plan runs (DiagN / Newton cannot batch) and which gives the same tokens

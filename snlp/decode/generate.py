@@ -84,7 +84,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     batch in bf16 / fp16, see read_every)."""
     check_gpt(model)
     check_decode_args(max_new_tokens, temperature)  # before a step is built
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
@@ -108,7 +108,7 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     `sequential_generate`."""
     plan = decode_plan(model, plan)
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,

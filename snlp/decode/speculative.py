@@ -126,7 +126,7 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 
 
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
-                          repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
+                          repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = None,
                           eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
                           adaptive: bool = False, drafter: Drafter | None = None, top_k: int = 0,
@@ -141,9 +141,11 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
     run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
     in the same way, against one sequential baseline. `top_k` / `top_p`: both sides sample from the filtered
-    distribution (snlp.decode.session.Sampling)."""
+    distribution (snlp.decode.session.Sampling). `seed` (sampling only; None: 0, so a benchmark repeats its draws):
+    both sides draw from it, a batch's row i from seed + i."""
     plan = decode_plan(model, plan)
-    sampling(temperature, top_k, top_p)  # refused before any step is built
+    sampling(temperature, top_k, top_p, seed)  # refused before any step is built
+    seed = 0 if seed is None and temperature > 0 else seed
     blocks = tuple(blocks)
     if not blocks:
         raise ValueError("speculative_benchmark needs at least one block size")
@@ -178,7 +180,7 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
         if str(plan) not in steps:
             steps[str(plan)] = snlp_forward(model, plan, compile, preheat=preheat_for(plan, preheat))
     return _side_by_side(model, prompts, [(p, b, steps[str(p)]) for p, b in cases], seq_step, max_new_tokens,
-                         repeats, warmup, 0.0, 0, eos_id, progress, compile, {})
+                         repeats, warmup, 0.0, None, eos_id, progress, compile, {})
 
 
 def rotation(slot: int, n: int) -> list[int]:
@@ -349,7 +351,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     `top_k` / `top_p` (sampling): the model's distribution filtered as in `sequential_generate`
     (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law."""
     check_decode_args(max_new_tokens, temperature, block)
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)

@@ -479,7 +479,7 @@ def test_shootout_rows_carry_their_rounds_and_their_own_compile_time():
     drafts = {p: Step(snlp_fn(bind(model, p, check_finite=False)), "cpu", backend=CompileCounter())
               for p in ("4xF1-h0-K1", "2xF2-h0-K1")}
     cases = [(Plan.parse(p, 4), b, drafts[p]) for p, b in (("4xF1-h0-K1", 2), ("2xF2-h0-K1", 3), ("4xF1-h0-K1", 3))]
-    rows, seq_tokens = _side_by_side(model, prompts, cases, seq, 6, 3, 1, 0.0, 0, None, False, True, {})
+    rows, seq_tokens = _side_by_side(model, prompts, cases, seq, 6, 3, 1, 0.0, None, None, False, True, {})
     assert seq_tokens == [argmax_loop(model, p, 6) for p in prompts] and all(r.matches_sequential for r in rows)
     total = seq.compile_s + sum(d.compile_s for d in drafts.values())
     assert total > 0 and len({r.shared_compile_s for r in rows}) == 1 and rows[0].shared_compile_s > 0
@@ -510,7 +510,8 @@ def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
 
     def run(k):
         streamed = []
-        kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5, read_every=k,
+        kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5 if temp else None,
+                  read_every=k,
                   on_tokens=(lambda i, new: streamed.append((i, new))) if batch else streamed.extend)
         r = sequential_generate(model, prompts, **kw) if plan is None else snlp_generate(model, prompts, plan, **kw)
         return (r if batch else [r]), streamed
