@@ -23,6 +23,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import preheat_for
 from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
+from snlp.runtime.checks import check_bools
 from snlp.runtime.device import progress_bar
 from snlp.runtime.timing import between, mark
 
@@ -144,6 +145,7 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     distribution (snlp.decode.session.Sampling). `seed` (sampling only; None: 0, so a benchmark repeats its draws):
     both sides draw from it, a batch's row i from seed + i."""
     plan = decode_plan(model, plan)
+    check_bools(progress=progress, compile=compile, share_weights=share_weights, adaptive=adaptive)
     sampling(temperature, top_k, top_p, seed)  # refused before any step is built
     seed = 0 if seed is None and temperature > 0 else seed
     blocks = tuple(blocks)
@@ -171,6 +173,7 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
     it): one benchmark per drafter, one after another, compared each against its own baseline taken at another
     moment. Each plan's drafter step is built once (shared by its blocks); `preheat` goes to the plans that read
     it. Returns (rows in the order of `cases`, sequential tokens per prompt)."""
+    check_bools(progress=progress, compile=compile)
     cases = [(decode_plan(model, p), b) for p, b in cases]
     if not cases:
         raise ValueError("speculative_shootout needs at least one (plan, block) case")
@@ -350,6 +353,7 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
     `top_k` / `top_p` (sampling): the model's distribution filtered as in `sequential_generate`
     (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law."""
+    check_bools(compile=compile, share_weights=share_weights, adaptive=adaptive)
     check_decode_args(max_new_tokens, temperature, block)
     how = sampling(temperature, top_k, top_p, seed)
     if not 0.0 <= min_confidence <= 1.0:

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
+from snlp.runtime.checks import check_bools
 from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -176,6 +177,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
     by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
     (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`)."""
+    check_bools(keep_states=keep_states, check_finite=check_finite)
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
     if prefix is not None and cache is not None:
@@ -271,6 +273,7 @@ class Runner:
 
     def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None,
                  share_weights: bool = False):
+        check_bools(check_finite=check_finite, share_weights=share_weights)
         self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
         self.preheat, self.share_weights = preheat, share_weights
         if share_weights:

@@ -111,6 +111,26 @@ def test_a_seed_with_greedy_decoding_is_refused_before_any_forward(model, monkey
     DECODERS[name](model, prompt, max_new_tokens=2, temperature=0.5, seed=0)
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda m, v: snlp.sequential_generate(m, [1, 2], max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: snlp.snlp_generate(m, [1, 2], PLAN, max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: speculative_generate(m, [1, 2], PLAN, max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: speculative_generate(m, [1, 2], PLAN, max_new_tokens=2, share_weights=v), "share_weights"),
+    (lambda m, v: speculative_generate(m, [[1, 2], [3]], PLAN, max_new_tokens=2, adaptive=v), "adaptive"),
+    (lambda m, v: jacobi_generate(m, [1, 2], PLAN, max_new_tokens=2, verify=v), "verify"),
+    (lambda m, v: jacobi_generate(m, [1, 2], PLAN, max_new_tokens=2, warm_start=v), "warm_start"),
+])
+def test_boolean_options_are_true_or_false_before_any_forward(model, monkeypatch, call, name):
+    """`compile="no"` used to compile (a truthy string) and `verify=0` to skip the exact check; every boolean
+    option of the decode functions is refused in one line naming it unless it is True or False (numpy's too)."""
+    _no_forward(model, monkeypatch)
+    for bad in ("no", "False", 1, None, 0.0):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False \(got {bad!r} of type \w+\)$"):
+            call(model, bad)
+    monkeypatch.undo()
+    call(model, np.bool_(False))
+
+
 def test_the_speculative_benchmark_refuses_a_seed_with_greedy_decoding(model, monkeypatch):
     from snlp.decode.speculative import speculative_benchmark
 

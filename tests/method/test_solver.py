@@ -329,6 +329,27 @@ def test_runner_follows_weight_updates_without_refresh(plan, share, how):
         assert not runner.current()  # rebuilt once; the next call reads the same weights
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda m, x, v: bind(m, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: bind(m, "2xF1-h0-K1", share_weights=v), "share_weights"),
+    (lambda m, x, v: solve(m, x, "2xF1-h0-K1", keep_states=v), "keep_states"),
+    (lambda m, x, v: solve(m, x, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: parallel_forward(m, x, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: bind(m, "2xF1-h0-K1").solve(x, keep_states=v), "keep_states"),
+])
+def test_boolean_options_are_true_or_false(call, name):
+    """`share_weights="False"` used to share (truthy), `check_finite=0` to skip the check; numpy's bool_ is taken."""
+    import numpy as np
+
+    model = make_model(seed=1)
+    idx = tokens(model)
+    for bad in ("False", "no", 1, None):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False \(got {bad!r} of type "):
+            call(model, idx, bad)
+    call(model, idx, np.bool_(True))
+    call(model, idx, False)
+
+
 def test_bound_runner_holds_its_weights_until_refreshed():
     model = make_model(seed=1)
     idx = tokens(model)
