@@ -78,6 +78,7 @@ def run_generate(args) -> int:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     # bad values before the process group is set up and every rank reads its layers (snlp.apps.generate.check_args
     # is the single-process run's)
+    from snlp.apps.common import check_plans_fit
     from snlp.decode.session import check_decode_args, sampling
     from snlp.method.plan import Plan
 
@@ -85,9 +86,10 @@ def run_generate(args) -> int:
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
-    Plan.parse(args.plan)  # its grammar; whether it fits the model once the ranks have read it
+    Plan.parse(args.plan)  # its grammar
     if not os.path.exists(args.ckpt):
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
 
 
@@ -251,6 +253,9 @@ def run_bench(args, spec: ModelSpec) -> int:
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
+    from snlp.apps.common import check_plans_fit, check_plans_grammar
+
+    check_plans_fit(spec.ckpt, check_plans_grammar(args.plans))  # before any rank starts
     return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, spec, rank, world, device))
 
 

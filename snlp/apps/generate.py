@@ -363,7 +363,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import plans_preheat
+    from snlp.apps.common import check_plans_fit, plans_preheat
     from snlp.io.checkpoint import load
     from snlp.io.drafter import load_drafter
     from snlp.method.plan import cli_plan
@@ -385,6 +385,7 @@ def run(args) -> int:
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
         #                                      prompt is not empty: its whitespace tokens follow BOS and condition
         print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from snlp.apps.common import plans_preheat
+from snlp.apps.common import check_plans_fit, plans_preheat
 from snlp.bench.records import write_json
 from snlp.bench.stats import fewest_sign_rounds
 from snlp.bench.tune import TuneConfig, default_plans, summary, table, tune
@@ -114,6 +114,7 @@ def config_from_args(args) -> TuneConfig:
 
 def run(args) -> int:
     cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
+    check_plans_fit(args.ckpt, cfg.plans or [])  # its depth from its config, before its weights load
     device = cli_device(args.device)
     model, tok = load(args.ckpt, device="cpu")
     if tok is None:
