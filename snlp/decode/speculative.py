@@ -110,9 +110,9 @@ class SSDRow(SpeculativeReport):
     it was the first row to run that drafter); `shared_compile_s` is the sequential baseline's, the same in every
     row of one measurement (count it once)."""
 
-    # every speculative output equalled the sequential one, every round: the exactness check of greedy runs (sampled
-    # runs draw their own tokens on each side, the same law but not the same draws, so there it is False by chance)
-    matches_sequential: bool = True
+    # every speculative output equalled the sequential one, every round: the exactness check of greedy runs; None for
+    # sampled runs (each side draws its own tokens, the same law but not the same draws: nothing to compare)
+    matches_sequential: bool | None = True
     repeats: int = 0
     prompts: int = 0
     gen_tokens: int = 0
@@ -254,7 +254,8 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         a, s = med["alpha"], med["drafter_speedup_s"]
         rows.append(SSDRow(plan=str(plan), block=b, **med,
                            ideal_ssd_speedup=ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan"),
-                           matches_sequential=matches[i], repeats=repeats, prompts=len(prompts),
+                           matches_sequential=matches[i] if temperature == 0 else None, repeats=repeats,
+                           prompts=len(prompts),
                            gen_tokens=max_new_tokens, compiled=compile, compile_s=own[i], shared_compile_s=shared[0],
                            round_speedups=[x.measured_speedup for x in reports[i]]))
     return rows, [x.tokens for x in seq_runs]

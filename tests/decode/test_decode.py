@@ -373,6 +373,28 @@ def test_speculative_benchmark_rows():
         speculative_benchmark(model, [], "2xF2-h0-K1")
 
 
+def test_a_sampled_benchmark_compares_no_tokens_and_its_tables_say_n_a():
+    """Sampled, each side draws its own tokens (the same law, not the same draws): `matches_sequential` is None, not
+    a False (or True) by chance, and every table that shows it prints n/a (as `snlp generate` does); greedy keeps
+    the check."""
+    from snlp.eval.drafter import DrafterRecord, markdown
+
+    model = make_model(n_layer=4)
+    sampled, _ = speculative_benchmark(model, [[1, 2, 3]], "2xF2-h0-K1", blocks=(2,), max_new_tokens=6, repeats=2,
+                                       warmup=0, temperature=1.0, seed=4)
+    greedy, _ = speculative_benchmark(model, [[1, 2, 3]], "4xF1-h0-K4", blocks=(2,), max_new_tokens=6, repeats=1,
+                                      warmup=0)
+    assert sampled[0].matches_sequential is None and sampled[0].to_dict()["matches_sequential"] is None
+    assert greedy[0].matches_sequential is True
+    from snlp.runtime.fmt import matches
+
+    assert [matches(x) for x in (None, True, False)] == ["n/a", "yes", "NO"]
+    rec = DrafterRecord(plan="2xF2-h0-K1", drafter="post-hoc", ppl=1.0, ppl_base=1.0, top1=1.0, logit_sim=1.0,
+                        top1_ssd=None, tokens=6, ssd=[sampled[0].to_dict(), greedy[0].to_dict()])
+    lines = markdown([rec]).splitlines()[2:]
+    assert lines[0].endswith("| n/a |") and lines[1].endswith("| yes |")
+
+
 def test_speculative_shootout_measures_every_drafter_against_one_baseline():
     """Several drafters in ONE round-robin (snlp tune's stage 2): one row per (plan, B) in the given order,
     every output equal to a full-prefix argmax loop (outside reference), and one sequential baseline shared by every
