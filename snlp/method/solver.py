@@ -289,7 +289,9 @@ class Runner:
             w = self.model.wte.weight
             self.preheat = self.preheat.to(w.device, w.dtype)
         S = self.plan.prefix_len(self.model.config.n_layer)
-        with torch.no_grad():
+        # normal tensors even when (re)built under inference_mode (`current` runs inside decode loops): a later call
+        # under grad mode (the prefix's parameters require grad) could not save inference tensors for backward
+        with torch.inference_mode(False), torch.no_grad():
             if self.share_weights:  # views of the model's own (re-homed) parameters: snlp.method.sharing
                 self.weights = share_chunk_weights(self.model, S, self.plan.chunks)
             else:

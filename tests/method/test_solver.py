@@ -329,6 +329,22 @@ def test_runner_follows_weight_updates_without_refresh(plan, share, how):
         assert not runner.current()  # rebuilt once; the next call reads the same weights
 
 
+def test_weights_rebuilt_under_inference_mode_still_serve_a_grad_mode_call():
+    """The rebuild runs inside whatever mode the call is in (decode loops: inference_mode); its tensors are normal
+    ones, so a later call under grad mode (the prefix parameters require grad) can still backpropagate."""
+    model = make_model(seed=2)
+    idx = tokens(model)
+    runner = bind(model, "4xF1-h0-K1")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    with torch.inference_mode():
+        runner(idx)  # rebuilt here
+    assert not runner.weights.qkv.is_inference()
+    runner(idx).square().mean().backward()
+    assert model.wte.weight.grad is not None
+
+
 @pytest.mark.parametrize("call, name", [
     (lambda m, x, v: bind(m, "2xF1-h0-K1", check_finite=v), "check_finite"),
     (lambda m, x, v: bind(m, "2xF1-h0-K1", share_weights=v), "share_weights"),
