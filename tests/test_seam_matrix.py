@@ -42,7 +42,8 @@ names the combination. A cell that is neither is a defect. The references are wr
   snlp, speculative, drafter=;     + its index), fp64; a self-speculative round's verdict is drawn per row on the
   temperature > 0, top_k, top_p)   device, from the row's own generator (the law of the draws, filtered or not,
                                    against transformers' warpers and a naive forward: tests/decode/test_decode.py,
-                                   tests/decode/test_sampling.py)
+                                   tests/decode/test_sampling.py); greedy (temperature 0), every entry and input form:
+                                   a seed, top_k or top_p refused in one line naming it (nothing is drawn)
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row

@@ -226,6 +226,8 @@ class Step:
         length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
         overwrite before reading (snlp.model.cache)."""
         t = 0.0
+        if self.before is not None and self.compiled:  # compile against the weights the real calls will read
+            self.before()
         for n in lengths:
             key = self.key("step", cache, n)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
