@@ -645,3 +645,18 @@ def test_read_every_is_checked_before_any_work(monkeypatch):
 
     from snlp.decode.session import read_every
     assert read_every("cuda", np.int64(4)) == 4 and read_every("cpu", None) == 1 and read_every("cuda", None) == 8
+
+
+def test_decoding_past_the_configured_context_is_the_models_own_forward():
+    """A prompt longer than config.sequence_len (32 here): RoPE is computed per position (no table to run out of),
+    so every decode entry continues as the model's own full forward over the longer sequence does (the argmax loop,
+    fp64); it extrapolates past the trained context like transformers' Llama, it does not go wrong differently."""
+    model = make_model(n_layer=4)
+    assert model.config.sequence_len == 32
+    prompt = torch.randint(0, 61, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = argmax_loop(model, prompt, 6)
+    assert sequential_generate(model, prompt, 6).tokens == ref
+    assert snlp_generate(model, prompt, "3xF1-h0-K3", 6).tokens == ref  # K >= C, M = 1: the model
+    assert speculative_generate(model, prompt, "3xF1-h0-K1", block=3, max_new_tokens=6).tokens == ref
+    assert jacobi_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=6).tokens == ref
+    assert sequential_generate(model, [prompt, prompt[:3]], 6)[0].tokens == ref
