@@ -27,6 +27,7 @@ from snlp.eval.data import as_tokens, windows
 from snlp.io.checkpoint import load
 from snlp.io.drafter import load_drafter, load_record
 from snlp.method.drafter import make_drafter
+from snlp.runtime.fmt import matches
 
 
 def main(argv=None) -> int:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             d = r.to_dict()
             print(f"B={d['block']}: alpha {d['alpha']:.3f} tokens/round {d['tokens_per_round']:.2f} "
                   f"s {d['drafter_speedup_s']:.2f} tok/s vs seq {d['measured_speedup']:.2f}x identical "
-                  f"{d['matches_sequential']} ({d['prompts']} prompts x {d['gen_tokens']} tokens)", flush=True)
+                  f"{matches(d['matches_sequential'])} ({d['prompts']} prompts x {d['gen_tokens']} tokens)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

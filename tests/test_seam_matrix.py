@@ -13,8 +13,9 @@ names the combination. A cell that is neither is a defect. The references are wr
   snlp_generate, K < C / tol       the same prompt run alone as a single prompt (a row never depends on its batch)
   bind / Runner                    IDN, M = 1, h0 / fwd (any K): the paper's iteration written out layer by layer
                                    below (naive_idn_logits); tol / DiagN / F2 / HCN: each row alone through a fresh
-                                   unshared bind. Also after an in-place update of every parameter with no refresh,
-                                   and for a second shared runner over another suffix bound in between
+                                   unshared bind. Also after an update of every parameter (in place, or new storage:
+                                   `p.data = t`) with no refresh, shared or not, and for a second shared runner over
+                                   another suffix bound in between
   evaluate                         a K >= C, M = 1 row equals the sequential row; a K < C row's PPL equals the
                                    exp(mean NLL) of the plan's logits on the protocol's windows
   run_decode_suite (bench)         its reference tokens are the argmax loop; every row it calls exact equals them
@@ -41,7 +42,8 @@ names the combination. A cell that is neither is a defect. The references are wr
   snlp, speculative, drafter=;     + its index), fp64; a self-speculative round's verdict is drawn per row on the
   temperature > 0, top_k, top_p)   device, from the row's own generator (the law of the draws, filtered or not,
                                    against transformers' warpers and a naive forward: tests/decode/test_decode.py,
-                                   tests/decode/test_sampling.py)
+                                   tests/decode/test_sampling.py); greedy (temperature 0), every entry and input form:
+                                   a seed, top_k or top_p refused in one line naming it (nothing is drawn)
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
@@ -324,6 +326,29 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
+@pytest.mark.parametrize("entry", ("sequential", "snlp", "speculative", "drafter"))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kw, match", [(dict(seed=3), "seed seeds sampling"), (dict(top_k=2), "top_k / top_p"),
+                                       (dict(top_p=0.5), "top_k / top_p")])
+def test_greedy_cells_refuse_what_only_sampling_reads(entry, form, kw, match, monkeypatch):
+    """Greedy decoding (temperature 0) at every sampling entry point and input form: a `seed`, `top_k` or `top_p`
+    could not act (nothing is drawn), so each is refused in one line naming it, before any forward (a seed used to
+    be ignored silently)."""
+    m = model_for("F1", 0, {})
+    plan = PLANS["F1"]
+    drafter = make_drafter(m, plan) if entry == "drafter" else None
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] if form in ("tensorBT", "numpyBT") else [[1, 2, 3], [4, 5], [6, 7]]
+    monkeypatch.setattr(m, "embed", lambda *a, **k: pytest.fail("a forward ran before the refusal"))
+    call = {"sequential": lambda: sequential_generate(m, as_form(prompts, form), max_new_tokens=2, **kw),
+            "snlp": lambda: snlp_generate(m, as_form(prompts, form), plan, max_new_tokens=2, **kw),
+            "speculative": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2, **kw),
+            "drafter": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2,
+                                                    drafter=drafter, **kw)}[entry]
+    with pytest.raises(ValueError, match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 50), kind=st.sampled_from([k for k in PLANS if k != "diag"]),
        entry=st.sampled_from(("sequential", "snlp", "speculative", "drafter")),
@@ -582,12 +607,13 @@ def naive_idn_logits(m, idx, plan: Plan):
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(RUNNER_KINDS), share=st.booleans(), other=st.sampled_from(["2xF1-h0-K1", "7xF1-h0-K2", None]),
        seed=st.integers(0, 50), ve=st.booleans(), nano=st.booleans(), windows=st.sampled_from(list(WINDOWS)),
-       hc=st.sampled_from(list(MHC)))
-def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, windows, hc):
+       hc=st.sampled_from(list(MHC)), update=st.sampled_from(["in place", "new storage"]))
+def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, windows, hc, update):
     """A (B, T) batch through a runner equals its reference (F1 / fwd / K >= C: the IDN iteration written out above;
-    tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an in-place update of
-    EVERY parameter with no refresh (shared) or with refresh (unshared), with a second shared runner over another
-    suffix bound in between (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
+    tol / DiagN / F2 / HCN: each row alone through a fresh unshared bind), before and after an update of EVERY
+    parameter (`update`: in place, as an optimizer step, or new storage, `p.data = t`) with no refresh, shared or
+    not (Runner.current rebuilds stale weights), with a second shared runner over another suffix bound in between
+    (and checked too); or sharing is refused with a one-line error (M > 1, mHC). `nano`:
     nanochat-snlp's parts (smear, backout read from the iterate, q/k scale, its VE gate; its mHC for HCN); `windows`:
     the window widths (WINDOWS); `hc`: dynamic or static mHC for the HCN kinds (MHC)."""
     m = model_for(kind, seed, {"value_embeds": ve, "nanochat": nano, "windows": windows, "hc": hc})
@@ -614,9 +640,11 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, win
                 torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-6, atol=1e-6)
             gen = torch.Generator().manual_seed(seed + 1)
             for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
-            if not share:
-                runner.refresh()
+                noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
+                if update == "in place":
+                    p.add_(noise)
+                else:
+                    p.data = p.data + noise
 
 
 # ----------------------------------------------------------------------------- evaluate

@@ -111,6 +111,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
     from snlp.runtime.device import write_atomic
     from snlp.runtime.outputs import locked_output
@@ -124,6 +125,7 @@ def run(args) -> int:
                                                            else ""))
     # a K beyond the exact count capped (with a warning), as for every --plan
     cfg = replace(cfg, plan=str(cli_plan(cfg.plan)))
+    check_plans_fit(cfg.src, [cfg.plan])  # the base's depth from its config, before its weights load
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
         res = adapt(cfg)

@@ -276,7 +276,7 @@ def model_spec(args) -> ModelSpec:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_grammar
+    from snlp.apps.common import check_plans_fit, check_plans_grammar
     from snlp.bench.forward import benchmark, build_model
     from snlp.bench.records import write_records
     from snlp.method.plan import parse_plans
@@ -315,6 +315,7 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
+    check_plans_fit(args.ckpt, written)  # a checkpoint's depth is in its config: before its weights load
     if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
         from snlp.bench.decode import check_batch_plans
 

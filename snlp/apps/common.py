@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from snlp.io.checkpoint import load_preheat
+from snlp.io.checkpoint import checkpoint_depth, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 
@@ -23,6 +23,18 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
         raise ValueError(f"a plan starts from the preheat init but checkpoint {ckpt} has no calibration: run "
                          f"`snlp calibrate {ckpt}` first")
     return pre
+
+
+def check_plans_fit(ckpt, plans) -> None:
+    """Refuse a plan too deep for the checkpoint's model (Plan.check's error, naming the plan and the depth) before
+    its weights load: the depth is read from its config alone (snlp.io.checkpoint.checkpoint_depth); where no
+    config tells it (a GGUF file), the check after the load stands. `plans`: strings or Plans (None skipped)."""
+    depth = checkpoint_depth(ckpt) if ckpt else None
+    if depth is None:
+        return
+    for p in plans:
+        if p is not None:
+            (Plan.parse(p) if isinstance(p, str) else p).check(depth)
 
 
 def check_plans_grammar(text: str | None) -> list[Plan]:

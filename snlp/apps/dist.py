@@ -78,6 +78,7 @@ def run_generate(args) -> int:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
     # bad values before the process group is set up and every rank reads its layers (snlp.apps.generate.check_args
     # is the single-process run's)
+    from snlp.apps.common import check_plans_fit
     from snlp.decode.session import check_decode_args, sampling
     from snlp.method.plan import Plan
 
@@ -85,9 +86,10 @@ def run_generate(args) -> int:
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
-    Plan.parse(args.plan)  # its grammar; whether it fits the model once the ranks have read it
+    Plan.parse(args.plan)  # its grammar
     if not os.path.exists(args.ckpt):
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
 
 
@@ -144,7 +146,9 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
             from snlp.bench.stats import paired_verdict, verdict_text
 
             record["sequential_tokens"] = base.tokens
-            record["matches_sequential"] = all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
+            # sampled: each side draws its own tokens (the same law, not the same draws): nothing to compare
+            record["matches_sequential"] = None if args.temperature > 0 else \
+                all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
             record["repeats"] = len(rounds)
             record["pipeline_sequential_tokens_per_s"] = med([s.tokens_per_s for s, _ in rounds])
             record["speculative_tokens_per_s"] = med([p.tokens_per_s for _, p in rounds])
@@ -251,6 +255,9 @@ def run_bench(args, spec: ModelSpec) -> int:
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
+    from snlp.apps.common import check_plans_fit, check_plans_grammar
+
+    check_plans_fit(spec.ckpt, check_plans_grammar(args.plans))  # before any rank starts
     return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, spec, rank, world, device))
 
 

@@ -170,7 +170,7 @@ def record_ties(records) -> dict[str, set[str]]:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_grammar, plans_preheat
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
     from snlp.eval.protocol import evaluate
@@ -186,7 +186,7 @@ def run(args) -> int:
         if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
             raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
     mode_flags(args)
-    check_plans_grammar(args.plans)  # before the checkpoint loads
+    check_plans_fit(args.ckpt, check_plans_grammar(args.plans))  # before the checkpoint loads
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)

@@ -127,8 +127,8 @@ def unread_flags(args) -> None:
 
 def resolve_defaults(args) -> None:
     for k, v in DEFAULTS.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+        if getattr(args, k, None) is None and not (k == "seed" and args.temperature == 0):
+            setattr(args, k, v)  # greedy decoding keeps seed None: the decode functions refuse a seed it cannot use
 
 
 def check_args(args) -> None:
@@ -298,7 +298,7 @@ def decode_batches(args, model, prompts: list, plan, preheat, eos_id, mode: str 
     results, wall = [], 0.0
     steps = shared_steps(args, model, plan, preheat, drafter)
     for k in range(0, len(prompts), args.batch_size):
-        a = argparse_copy(args, mode=mode or args.mode, seed=args.seed + k)
+        a = argparse_copy(args, mode=mode or args.mode, seed=None if args.seed is None else args.seed + k)
         batch = prompts[k:k + args.batch_size]
         if len(batch) == 1:  # one prompt (--batch-size 1, or the last of a file): the single-prompt path, which
             #                  every plan runs (DiagN / Newton cannot batch) and which gives the same tokens
@@ -378,7 +378,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import plans_preheat
+    from snlp.apps.common import check_plans_fit, plans_preheat
     from snlp.io.checkpoint import load
     from snlp.io.drafter import load_drafter
     from snlp.method.plan import cli_plan
@@ -400,6 +400,7 @@ def run(args) -> int:
     device = cli_device(args.device)
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
         #                                      prompt is not empty: its whitespace tokens follow BOS and condition
         print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "

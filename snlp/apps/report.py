@@ -18,7 +18,7 @@ import torch
 from snlp import __version__
 from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
 from snlp.eval.metrics import implied_beta
-from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, ppl_from_ce
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
 def fmt_s(s: float) -> str:
     s = int(round(s))
@@ -491,7 +491,7 @@ def ssd_table(ssd: dict[str, dict]) -> str:
                          f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
                          f"{_measured_cell(r)} | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
-                         f"{'yes' if r['matches_sequential'] else 'NO'} |")
+                         f"{matches(r['matches_sequential'])} |")
     return "\n".join(lines)
 
 
@@ -585,7 +585,7 @@ def adaptation_lines(a: dict | None) -> list[str]:
             f"B = {a['block']} over {n}: acceptance alpha {post['alpha']:.3f} -> {ad['alpha']:.3f}, decode speed "
             f"{_num(post.get('measured_speedup'), '{:.2f}x')} -> {_num(ad.get('measured_speedup'), '{:.2f}x')} "
             f"sequential (the verifier makes the output the model's whatever the drafter: "
-            f"{'identical' if ad['matches_sequential'] else 'NOT identical'}). Longer runs: docs/adapt.md.\n"]
+            f"{matches(ad['matches_sequential'], 'identical', 'NOT identical')}). Longer runs: docs/adapt.md.\n"]
 
 
 def _context(ctx: dict):
@@ -807,7 +807,7 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
-                         f"{'–' if r['matches_sequential'] is None else 'yes' if r['matches_sequential'] else 'NO'} |")
+                         f"{matches(r['matches_sequential'])} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
     capped = per_model({k: ssd[k]["tune_tokens"] for k, _ in MODELS if ssd[k].get("tune_tokens")})

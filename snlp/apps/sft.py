@@ -118,11 +118,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
     from snlp.train.sft import SFTConfig, resumed_sft, sft
 
     if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
         args.forward = str(cli_plan(args.forward))
+        check_plans_fit(args.ckpt, [args.forward])  # its depth from its config, before its weights load
     scfg = SFTConfig(ckpt=args.ckpt, data=args.data, train=train_config(args, args.out, args.resume),
                      forward=args.forward, max_conversations=args.max_conversations, val_frac=args.val_frac)
     given = getattr(args, "given", None)

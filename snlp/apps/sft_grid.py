@@ -128,9 +128,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
 
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
+    check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
     md = markdown(res)

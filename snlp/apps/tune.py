@@ -131,7 +131,7 @@ def config_from_args(args):
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import plans_preheat
+    from snlp.apps.common import check_plans_fit, plans_preheat
     from snlp.bench.records import write_json
     from snlp.bench.tune import default_plans, summary, table, tune
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
@@ -139,6 +139,7 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label
 
     cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
+    check_plans_fit(args.ckpt, cfg.plans or [])  # its depth from its config, before its weights load
     device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load(args.ckpt, device="cpu")
     if tok is None:

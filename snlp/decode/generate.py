@@ -23,6 +23,7 @@ from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT, check_gpt
+from snlp.runtime.checks import check_bools
 
 MODES = ("sequential", "snlp", "speculative", "jacobi")
 
@@ -83,8 +84,9 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
     batch in bf16 / fp16, see read_every)."""
     check_gpt(model)
+    check_bools(compile=compile)
     check_decode_args(max_new_tokens, temperature)  # before a step is built
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
@@ -107,8 +109,9 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     tokens, no extra sync) instead of emitting tokens read off them. `read_every`, `top_k`, `top_p`: as in
     `sequential_generate`."""
     plan = decode_plan(model, plan)
+    check_bools(compile=compile)
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,

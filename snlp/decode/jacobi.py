@@ -13,6 +13,7 @@ from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, check_gpt
+from snlp.runtime.checks import check_bools
 from snlp.runtime.timing import now
 
 import torch
@@ -43,6 +44,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     plus one sequential check per round when verifying; accepted + rounds = tokens kept before the
     budget/EOS cut."""
     check_gpt(model)
+    check_bools(verify=verify, warm_start=warm_start)
     check_decode_args(max_new_tokens, 0.0, block)
     if is_batch(prompt_ids):  # a list of prompts / a (B, T) tensor: refused here, not a TypeError deep inside
         raise ValueError("jacobi_generate decodes one prompt (a list of ids or a (T,) / (1, T) tensor); a list of "

@@ -239,10 +239,13 @@ GREEDY = Sampling()
 MIN_TEMPERATURE = 1e-30
 
 
-def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    """A checked `Sampling`: a bad value, or a filter given to greedy decoding (which draws nothing, so the filter
-    could not act), is refused with a one-line error before any work."""
+def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Sampling:
+    """A checked `Sampling`: a bad value, or a filter or a `seed` given to greedy decoding (which draws nothing, so
+    neither could act), is refused with a one-line error before any work (the seed's own range: check_seed)."""
     check_decode_args(0, temperature)
+    if seed is not None and temperature == 0:
+        raise ValueError(f"seed seeds sampling; greedy decoding (temperature 0) draws nothing: give a temperature > 0 "
+                         f"or drop seed (got seed={seed!r})")
     if 0 < temperature < MIN_TEMPERATURE:
         raise ValueError(f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: logits / temperature would "
                          f"overflow float32 (inf - inf = NaN in the softmax); use 0 for greedy decoding")

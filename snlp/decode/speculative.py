@@ -23,6 +23,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import preheat_for
 from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
+from snlp.runtime.checks import check_bools
 from snlp.runtime.device import progress_bar
 from snlp.runtime.timing import between, mark
 
@@ -109,9 +110,9 @@ class SSDRow(SpeculativeReport):
     it was the first row to run that drafter); `shared_compile_s` is the sequential baseline's, the same in every
     row of one measurement (count it once)."""
 
-    # every speculative output equalled the sequential one, every round: the exactness check of greedy runs (sampled
-    # runs draw their own tokens on each side, the same law but not the same draws, so there it is False by chance)
-    matches_sequential: bool = True
+    # every speculative output equalled the sequential one, every round: the exactness check of greedy runs; None for
+    # sampled runs (each side draws its own tokens, the same law but not the same draws: nothing to compare)
+    matches_sequential: bool | None = True
     repeats: int = 0
     prompts: int = 0
     gen_tokens: int = 0
@@ -126,7 +127,7 @@ _MEDIAN_FIELDS = ("alpha", "tokens_per_round", "drafter_speedup_s", "sequential_
 
 
 def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4,), max_new_tokens: int = 64,
-                          repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = 0,
+                          repeats: int = 3, warmup: int = 1, temperature: float = 0.0, seed: int | None = None,
                           eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
                           adaptive: bool = False, drafter: Drafter | None = None, top_k: int = 0,
@@ -141,9 +142,12 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     `compile`: both sides run compiled static-shape steps (snlp.decode.steps), built once here and shared by every
     run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
     in the same way, against one sequential baseline. `top_k` / `top_p`: both sides sample from the filtered
-    distribution (snlp.decode.session.Sampling)."""
+    distribution (snlp.decode.session.Sampling). `seed` (sampling only; None: 0, so a benchmark repeats its draws):
+    both sides draw from it, a batch's row i from seed + i."""
     plan = decode_plan(model, plan)
-    sampling(temperature, top_k, top_p)  # refused before any step is built
+    check_bools(progress=progress, compile=compile, share_weights=share_weights, adaptive=adaptive)
+    sampling(temperature, top_k, top_p, seed)  # refused before any step is built
+    seed = 0 if seed is None and temperature > 0 else seed
     blocks = tuple(blocks)
     if not blocks:
         raise ValueError("speculative_benchmark needs at least one block size")
@@ -169,6 +173,7 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
     it): one benchmark per drafter, one after another, compared each against its own baseline taken at another
     moment. Each plan's drafter step is built once (shared by its blocks); `preheat` goes to the plans that read
     it. Returns (rows in the order of `cases`, sequential tokens per prompt)."""
+    check_bools(progress=progress, compile=compile)
     cases = [(decode_plan(model, p), b) for p, b in cases]
     if not cases:
         raise ValueError("speculative_shootout needs at least one (plan, block) case")
@@ -178,7 +183,7 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
         if str(plan) not in steps:
             steps[str(plan)] = snlp_forward(model, plan, compile, preheat=preheat_for(plan, preheat))
     return _side_by_side(model, prompts, [(p, b, steps[str(p)]) for p, b in cases], seq_step, max_new_tokens,
-                         repeats, warmup, 0.0, 0, eos_id, progress, compile, {})
+                         repeats, warmup, 0.0, None, eos_id, progress, compile, {})
 
 
 def rotation(slot: int, n: int) -> list[int]:
@@ -249,7 +254,8 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         a, s = med["alpha"], med["drafter_speedup_s"]
         rows.append(SSDRow(plan=str(plan), block=b, **med,
                            ideal_ssd_speedup=ideal_ssd_speedup(a, b, s) if a == a and s == s else float("nan"),
-                           matches_sequential=matches[i], repeats=repeats, prompts=len(prompts),
+                           matches_sequential=matches[i] if temperature == 0 else None, repeats=repeats,
+                           prompts=len(prompts),
                            gen_tokens=max_new_tokens, compiled=compile, compile_s=own[i], shared_compile_s=shared[0],
                            round_speedups=[x.measured_speedup for x in reports[i]]))
     return rows, [x.tokens for x in seq_runs]
@@ -348,8 +354,9 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
 
     `top_k` / `top_p` (sampling): the model's distribution filtered as in `sequential_generate`
     (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law."""
+    check_bools(compile=compile, share_weights=share_weights, adaptive=adaptive)
     check_decode_args(max_new_tokens, temperature, block)
-    how = sampling(temperature, top_k, top_p)
+    how = sampling(temperature, top_k, top_p, seed)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)

@@ -101,8 +101,10 @@ class Step:
     of CUDA-graph memory, which the next replay overwrites. `backend`: another torch.compile backend (e.g.
     torch._dynamo.testing.CompileCounter, which counts the graphs dynamo compiles without inductor's cost)."""
 
-    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None):
+    def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
+                 before: Callable[[], None] | None = None):
         self.device = torch.device(device)
+        self.before = before  # run on the host before every call, outside the graph (an SNLP runner's `current`)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
             raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
         self.prefill_pad, self.compiled = prefill_pad, compile
@@ -118,6 +120,8 @@ class Step:
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         B, T = idx.shape
         cache.check(B, T)
+        if self.before is not None:
+            self.before()
         n = self.padded(T, cache, pad_to)
         with torch.inference_mode():
             return self._run(idx, cache, T, n)
@@ -190,6 +194,8 @@ class Step:
         RowPositions only the positions enter the graph (its span would change the shapes; `real` only serves
         `tol` plans, which do not compile)."""
         pos = self.graph_input(pos.pos if isinstance(pos, RowPositions) else pos)
+        if self.before is not None:
+            self.before()
         with torch.inference_mode():
             idx = self.graph_input(idx)
             self.warm_ragged(cache, pos)
@@ -220,6 +226,8 @@ class Step:
         length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
         overwrite before reading (snlp.model.cache)."""
         t = 0.0
+        if self.before is not None and self.compiled:  # compile against the weights the real calls will read
+            self.before()
         for n in lengths:
             key = self.key("step", cache, n)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
@@ -285,9 +293,14 @@ def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep
 
 def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
     """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
-    if not compile:
+    if not compile:  # the eager runner checks its weights are current on every call (Runner.current)
         return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos))
-    step = Step(snlp_fn(runner), runner.model.wte.weight.device, **kw)
+
+    def before() -> None:  # the compiled graph cannot read version counters: rebuild stale fused weights here
+        if runner.current() and step.mode == "reduce-overhead":
+            mark_static_runner(runner)  # the rebuilt tensors have new addresses: CUDA graphs re-record once
+
+    step = Step(snlp_fn(runner), runner.model.wte.weight.device, before=before, **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
     return step

@@ -539,7 +539,7 @@ class DistributedSNLP:
         return _broadcast(t, self.last, "broadcast of the chosen tokens").tolist()
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
-                 temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int = 0,
+                 temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int | None = None,
                  max_len: int | None = None, on_tokens=None, top_k: int = 0, top_p: float = 1.0) -> GenerateResult:
         """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
         `GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a distributed SNLP
@@ -552,7 +552,7 @@ class DistributedSNLP:
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
-        how = sampling(temperature, top_k, top_p)
+        how = sampling(temperature, top_k, top_p, seed)
         ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode,
                             make_cache=self.new_cache)
         ses.result.plan = None if mode == "sequential" else str(self.plan)

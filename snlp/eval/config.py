@@ -26,7 +26,10 @@ class EvalConfig:
     batch: int = 8  # windows per teacher-forced forward
 
     def check(self) -> None:
-        """Raise a ValueError naming every out-of-range setting."""
+        """Raise a ValueError naming every out-of-range setting (and a switch that is not True or False)."""
+        from snlp.runtime.checks import check_bools  # here, not at the top: the module stays free of numpy too
+
+        check_bools(emb=self.emb, progress=self.progress)
         low = [f"{k}={getattr(self, k)}" for k in ("seq_len", "max_tokens", "prompts", "prompt_len", "gen_tokens",
                                                    "runs", "time_tokens", "batch") if getattr(self, k) < 1]
         if self.warmup < 0:

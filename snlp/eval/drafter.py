@@ -40,6 +40,7 @@ from snlp.method.solver import solve
 from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
+from snlp.runtime.fmt import matches
 
 
 @dataclass
@@ -266,5 +267,5 @@ def markdown(rows: list[DrafterRecord]) -> str:
             out.append(head + "| - | - | - | - | - |")
         for s in r.ssd:
             out.append(head + f"| {s['block']} | {s['alpha']:.3f} | {s['tokens_per_round']:.2f} | "
-                       f"{s['measured_speedup']:.2f}x | {'yes' if s['matches_sequential'] else 'NO'} |")
+                       f"{s['measured_speedup']:.2f}x | {matches(s['matches_sequential'])} |")
     return "\n".join(out)

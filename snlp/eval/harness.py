@@ -452,14 +452,15 @@ class SNLPLM(TemplateLM):
         before it in this generate_until call), so every request gets its own draws whatever the batch size, from
         the distribution `top_k` / `top_p` filter (snlp.decode.session.Sampling, transformers' filters)."""
         # stop where the hf model's generate stops: the generation config's eos ids (snlp.io.tokenizer.stop_ids)
-        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids, seed=self.seed + first)
-        if temperature > 0:
-            kw.update(top_k=top_k, top_p=top_p)
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids)
+        if temperature > 0:  # greedy decoding draws nothing: the decode functions refuse a seed or a filter there
+            kw.update(top_k=top_k, top_p=top_p, seed=self.seed + first)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
             except ValueError:  # DiagN / Newton probes read the cache at one position: one prompt at a time
-                return [t for j, p in enumerate(prompts) for t in self._generate_one(p, dict(kw, seed=kw["seed"] + j))]
+                return [t for j, p in enumerate(prompts)
+                        for t in self._generate_one(p, dict(kw, **({"seed": kw["seed"] + j} if "seed" in kw else {})))]
         return self._generate_one(prompts if len(prompts) > 1 else prompts[0], kw)
 
     def _generate_one(self, batch, kw) -> list[list[int]]:

@@ -28,7 +28,7 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
-from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat, nanochat_depth
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
@@ -196,6 +196,23 @@ def load_config(path) -> GPTConfig:
         return GPTConfig(**d)
     except (TypeError, ValueError) as e:
         raise ValueError(f"invalid model config in {f}: {e}") from e
+
+
+def checkpoint_depth(path) -> int | None:
+    """The layer count of the model at `path`, read from its config alone, before any weight is: an snlp
+    checkpoint's config.json, a nanochat checkpoint's meta_NNNNNN.json, a transformers directory's config.json
+    (num_hidden_layers). None where no config tells it without the weights (a GGUF file, a hub id) or the path is
+    no model (its load then says why), so commands can refuse a plan too deep for the model before loading it."""
+    p = Path(path)
+    try:
+        if is_nanochat_dir(p):
+            return nanochat_depth(p)
+        f = (p.parent if p.is_file() else p) / CONFIG
+        d = json.loads(f.read_text())
+        n = d.get("num_hidden_layers") if {"architectures", "model_type"} & set(d) else d.get("n_layer")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokenizer | None]:

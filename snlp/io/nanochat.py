@@ -130,6 +130,20 @@ def is_nanochat_dir(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and bool(steps(path))
 
 
+def nanochat_depth(path) -> int | None:
+    """n_layer of the step `load_nanochat` loads by default (the last one, or the step a model_NNNNNN.pt names),
+    read from its meta_NNNNNN.json alone; None if that file does not say (the load then says why)."""
+    path = Path(path)
+    if path.is_file() and (m := MODEL_RE.match(path.name)):
+        path, step = path.parent, int(m.group(1))
+    else:
+        step = (steps(path) or [None])[-1]
+    try:
+        return int(json.loads((path / f"meta_{step:06d}.json").read_text())["model_config"]["n_layer"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def short_window(sequence_len: int, rule: str = "quarter") -> int:
     """nanochat's "S" window: half the context (2026-01-11..03-09), then a third and from 2026-03-14 a quarter of
     it rounded up to FA3's tile of 128."""

@@ -6,6 +6,7 @@ tokenizer_meta.json beside it."""
 from __future__ import annotations
 
 import functools
+import operator
 
 import json
 from pathlib import Path
@@ -67,7 +68,22 @@ class Tokenizer:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        """The text of token ids (ints, numpy or 0-d tensor integers). An id the tokenizer has no token for is
+        refused in one line naming it (`tokenizers` would drop it from the text silently): e.g. a model whose
+        vocabulary is padded past its tokenizer's generated one of the padding rows."""
+        out = []
+        for i in ids:
+            try:
+                k = None if isinstance(i, (bool, float)) else operator.index(i)
+            except TypeError:
+                k = None
+            if k is None:
+                raise ValueError(f"token ids must be integers (got {i!r} of type {type(i).__name__})")
+            if k < 0 or self.tok.id_to_token(k) is None:
+                raise ValueError(f"token id {k} is not in the tokenizer's vocabulary ({self.vocab_size} tokens): "
+                                 f"it has no text (a model vocabulary padded past the tokenizer's?)")
+            out.append(k)
+        return self.tok.decode(out, skip_special_tokens=False)
 
     @classmethod
     def from_hf(cls, hf_tokenizer) -> "Tokenizer":

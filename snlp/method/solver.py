@@ -36,6 +36,7 @@ never depends on what else is in the batch (tests/method/test_seams_solver.py).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
+from snlp.runtime.checks import check_bools
 from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -175,6 +177,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
     by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
     (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`)."""
+    check_bools(keep_states=keep_states, check_finite=check_finite)
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
     if prefix is not None and cache is not None:
@@ -249,18 +252,28 @@ def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bo
     return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 class Runner:
     """A model bound to an SNLP plan (`snlp.bind`). The fused chunk weights are built once, here, and
-    held explicitly in `.weights`; nothing is cached behind the model's back. After the model's
-    weights change (an optimizer step, load_state_dict, an in-place edit through `.data`, which no
-    version counter sees) call `refresh()`. Calling the runner is the SNLP forward
+    held explicitly in `.weights`; nothing is cached behind the model's back. Each call first checks them
+    against the model's parameters (`current`: the sum of their version counters and their addresses, a few
+    attribute reads per parameter and no host sync) and rebuilds them if either moved, so an optimizer step,
+    `load_state_dict`, an in-place edit under no_grad, `p.data = t` and `model.to(...)` are followed without
+    a `refresh()`. Two edits that neither moves still need one: an in-place edit through `.data`
+    (`p.data.copy_(t)`: `.data` is an alias with a version counter of its own) and a parameter replaced by a
+    new Parameter object (`load_state_dict(assign=True)`). Calling the runner is the SNLP forward
     idx (B, T) -> logits (B, T, V), optionally one KV-cached decode step; it is what bench, eval,
-    generate and the speculative drafter take, and `torch.compile(runner)` compiles it. The weights
+    generate and the speculative drafter take, and `torch.compile(runner)` compiles it (traced code cannot
+    read version counters, so a compiled runner is not checked: call `current()` before it, as the decode steps
+    of snlp.decode.steps do). The weights
     are built without autograd: to train through the solve, call `solve(model, ...)` (fresh weights
     with gradients) instead."""
 
     def __init__(self, model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Preheat | None = None,
                  share_weights: bool = False):
+        check_bools(check_finite=check_finite, share_weights=share_weights)
         self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
         self.preheat, self.share_weights = preheat, share_weights
         if share_weights:
@@ -276,17 +289,39 @@ class Runner:
             w = self.model.wte.weight
             self.preheat = self.preheat.to(w.device, w.dtype)
         S = self.plan.prefix_len(self.model.config.n_layer)
-        with torch.no_grad():
+        # normal tensors even when (re)built under inference_mode (`current` runs inside decode loops): a later call
+        # under grad mode (the prefix's parameters require grad) could not save inference tensors for backward
+        with torch.inference_mode(False), torch.no_grad():
             if self.share_weights:  # views of the model's own (re-homed) parameters: snlp.method.sharing
                 self.weights = share_chunk_weights(self.model, S, self.plan.chunks)
             else:
                 self.weights = chunk_weights(self.model, S, self.plan.chunks, self.plan.fuse)
+        self._params = list(self.model.parameters())
+        self._tracked = [p for p in self._params if not p.is_inference()]  # inference tensors have no counter
+        self._stamp = self.weights_stamp()
         return self
+
+    def weights_stamp(self) -> tuple:
+        """What `current` compares: the sum of the parameters' version counters (they only grow, so any in-place
+        update moves the sum) and every parameter's address (`p.data = t` and `model.to(...)` give new storage
+        without moving a counter)."""
+        return sum(map(_VERSION, self._tracked)), tuple(map(Tensor.data_ptr, self._params))
+
+    def current(self) -> bool:
+        """Rebuild the fused weights (`refresh`) if the model's parameters changed since they were built (see the
+        class docstring for what is seen); True if they were rebuilt. Every call of the runner runs it first,
+        outside compiled code (a compiled decode step runs it before its graph: snlp.decode.steps.snlp_step)."""
+        if self.weights_stamp() == self._stamp:
+            return False
+        self.refresh()
+        return True
 
     def solve(self, idx: Tensor, cache=None, keep_states: bool = False, check_finite: bool | None = None,
               prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
               hb: Tensor | None = None) -> SolveResult:
-        """`snlp.solve` with the bound weights."""
+        """`snlp.solve` with the bound weights (rebuilt first if the model's parameters changed: `current`)."""
+        if not torch.compiler.is_compiling():  # traced code cannot read version counters: its step checks
+            self.current()
         return solve(self.model, idx, self.plan, keep_states=keep_states, cache=cache, weights=self.weights,
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
                      init_states=init_states, pos=pos, preheat=self.preheat, hb=hb)
@@ -308,8 +343,8 @@ def bind(model: GPT, plan: Plan | str, check_finite: bool = True, preheat: Prehe
     (the parameters of all layers are moved once into per-kind stacks, values unchanged; snlp.method.sharing),
     so a drafter and its verifier stream each weight byte once, any number of shared runners over any suffixes
     read one copy, and in-place weight updates (optimizer steps, load_state_dict, `.data[...]` edits) reach
-    every shared runner without a refresh. Giving parameters new storage (`model.to`, `p.data = t`) needs a
-    `refresh()` of every shared runner (`snlp.method.sharing.shares_storage` tells)."""
+    every shared runner through its views. Giving parameters new storage (`model.to`, `p.data = t`) moves their
+    addresses, and each runner's next call rebuilds its weights (Runner.current), shared or not."""
     return Runner(model, plan, check_finite, preheat, share_weights)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from snlp.model.ops import rope_inv_freq
+
+# the boolean fields of GPTConfig (x0_residual may also be None: on unless mHC)
+SWITCHES = ("x0_residual", "value_embeds", "hc_dynamic", "qkv_bias", "embed_norm", "norm_weights", "rope_rotate_half",
+            "tie_embeddings", "smear", "backout", "rope_bf16")
 
 VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the normed input (nanochat)
 HC_SINKHORN_ITERS = 20  # Sinkhorn-Knopp rounds for H_res (mHC paper: 20)
@@ -65,6 +71,12 @@ class GPTConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         errors = []
+        for name in SWITCHES:  # truthiness would read "no" as on; numpy's bool_ is kept as a plain bool (JSON)
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)):
+                setattr(self, name, bool(v))
+            elif not (v is None and name == "x0_residual"):
+                errors.append(f"{name} must be True or False (got {v!r} of type {type(v).__name__})")
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
             if int(getattr(self, name)) < 1:
                 errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")

@@ -71,3 +71,12 @@ def format_number(x: float) -> str:
     `Plan.parse(str(p)) == p` and result rows keyed by `str(plan)` never merge two different plans."""
     short = f"{x:g}"
     return short if float(short) == x else repr(float(x))
+
+
+NOT_COMPARED = "n/a"  # a sampled run's "equals sequential" cell: two sides' own draws, nothing to compare
+
+
+def matches(x: bool | None, yes: str = "yes", no: str = "NO") -> str:
+    """An "output equals sequential" cell (SSDRow.matches_sequential and its copies): `yes` / `no` for a greedy run,
+    ``n/a`` for None, a sampled run's (each side draws its own tokens: the same law, not the same draws)."""
+    return NOT_COMPARED if x is None else yes if x else no

@@ -178,3 +178,44 @@ def test_a_malformed_plan_is_refused_before_the_checkpoint_loads(argv, tmp_path,
     so instead). Now one line naming the plan's bad part first."""
     assert main([a.replace("{ck}", str(tmp_path / "no-such-ckpt")) for a in argv]) == 2
     assert "tol must be a positive number, got '-1'" in one_error_line(capsys, argv[0])
+
+
+@pytest.fixture(scope="module")
+def depth4_unloadable(tmp_path_factory):
+    """A depth-4 snlp checkpoint whose weights file is garbage: a command that loads the weights says so, so a
+    refusal naming the depth proves it came from the config alone, before the load."""
+    import torch
+
+    from snlp import GPT, GPTConfig, save_checkpoint
+    from snlp.io.tokenizer import Tokenizer
+
+    m = GPT(GPTConfig.from_depth(4, head_dim=8, width=16, vocab_size=300, sequence_len=16))
+    m.init_weights(seed=0)
+    ck = save_checkpoint(tmp_path_factory.mktemp("depth4") / "ck", m.to(torch.float32),
+                         Tokenizer.train(["to be or not to be, that is the question"] * 30, vocab_size=300))
+    (ck / "model.safetensors").write_bytes(b"not safetensors")
+    return ck
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{ck}", "--mode", "snlp", "--plan", "40xF1-h0-K1", "--prompt", "to be"],
+    ["generate", "{ck}", "--mode", "speculative", "--plan", "2xF4-h0-K1", "--prompt", "to be"],
+    ["eval", "{ck}", "--plans", "2xF1-h0-K1,40xF1-h0-K1"],
+    ["eval", "{ck}", "--task", "mc:x.jsonl", "--plans", "40xF1-h0-K1"],
+    ["bench", "--ckpt", "{ck}", "--plans", "40xF1-h0-K1"],
+    ["bench", "--ckpt", "{ck}", "--decode", "--plans", "40xF1-h0-K1"],
+    ["tune", "{ck}", "--plans", "40xF1-h0-K1"],
+    ["adapt", "{ck}", "--plan", "40xF1-h0-K1", "--out", "{o}/d"],
+    ["sft", "{ck}", "--data", "chats.jsonl", "--out", "{o}/sft", "--forward", "40xF1-h0-K1"],
+    ["generate", "{ck}", "--distributed", "--mode", "snlp", "--plan", "40xF1-h0-K1", "--prompt", "to be"],
+])
+def test_a_plan_too_deep_for_the_checkpoint_is_refused_before_its_weights_load(argv, depth4_unloadable, tmp_path,
+                                                                               capsys):
+    """`--plan 40xF1-h0-K1` on a depth-4 checkpoint: refused in one line naming the depth, read from the checkpoint's
+    config alone (snlp.io.checkpoint.checkpoint_depth), before its weights load (they used to load first: here
+    they are garbage, so the old code reported a corrupt weights file instead), and nothing is written."""
+    out = tmp_path / "o"
+    rc = main([a.replace("{ck}", str(depth4_unloadable)).replace("{o}", str(out)) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and "but the model has only L = 4" in line, line
+    assert not out.exists()

@@ -373,6 +373,28 @@ def test_speculative_benchmark_rows():
         speculative_benchmark(model, [], "2xF2-h0-K1")
 
 
+def test_a_sampled_benchmark_compares_no_tokens_and_its_tables_say_n_a():
+    """Sampled, each side draws its own tokens (the same law, not the same draws): `matches_sequential` is None, not
+    a False (or True) by chance, and every table that shows it prints n/a (as `snlp generate` does); greedy keeps
+    the check."""
+    from snlp.eval.drafter import DrafterRecord, markdown
+
+    model = make_model(n_layer=4)
+    sampled, _ = speculative_benchmark(model, [[1, 2, 3]], "2xF2-h0-K1", blocks=(2,), max_new_tokens=6, repeats=2,
+                                       warmup=0, temperature=1.0, seed=4)
+    greedy, _ = speculative_benchmark(model, [[1, 2, 3]], "4xF1-h0-K4", blocks=(2,), max_new_tokens=6, repeats=1,
+                                      warmup=0)
+    assert sampled[0].matches_sequential is None and sampled[0].to_dict()["matches_sequential"] is None
+    assert greedy[0].matches_sequential is True
+    from snlp.runtime.fmt import matches
+
+    assert [matches(x) for x in (None, True, False)] == ["n/a", "yes", "NO"]
+    rec = DrafterRecord(plan="2xF2-h0-K1", drafter="post-hoc", ppl=1.0, ppl_base=1.0, top1=1.0, logit_sim=1.0,
+                        top1_ssd=None, tokens=6, ssd=[sampled[0].to_dict(), greedy[0].to_dict()])
+    lines = markdown([rec]).splitlines()[2:]
+    assert lines[0].endswith("| n/a |") and lines[1].endswith("| yes |")
+
+
 def test_speculative_shootout_measures_every_drafter_against_one_baseline():
     """Several drafters in ONE round-robin (snlp tune's stage 2): one row per (plan, B) in the given order,
     every output equal to a full-prefix argmax loop (outside reference), and one sequential baseline shared by every
@@ -479,7 +501,7 @@ def test_shootout_rows_carry_their_rounds_and_their_own_compile_time():
     drafts = {p: Step(snlp_fn(bind(model, p, check_finite=False)), "cpu", backend=CompileCounter())
               for p in ("4xF1-h0-K1", "2xF2-h0-K1")}
     cases = [(Plan.parse(p, 4), b, drafts[p]) for p, b in (("4xF1-h0-K1", 2), ("2xF2-h0-K1", 3), ("4xF1-h0-K1", 3))]
-    rows, seq_tokens = _side_by_side(model, prompts, cases, seq, 6, 3, 1, 0.0, 0, None, False, True, {})
+    rows, seq_tokens = _side_by_side(model, prompts, cases, seq, 6, 3, 1, 0.0, None, None, False, True, {})
     assert seq_tokens == [argmax_loop(model, p, 6) for p in prompts] and all(r.matches_sequential for r in rows)
     total = seq.compile_s + sum(d.compile_s for d in drafts.values())
     assert total > 0 and len({r.shared_compile_s for r in rows}) == 1 and rows[0].shared_compile_s > 0
@@ -510,7 +532,8 @@ def test_reading_tokens_every_few_steps_changes_no_token(cfg, data):
 
     def run(k):
         streamed = []
-        kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5, read_every=k,
+        kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len, temperature=temp, seed=5 if temp else None,
+                  read_every=k,
                   on_tokens=(lambda i, new: streamed.append((i, new))) if batch else streamed.extend)
         r = sequential_generate(model, prompts, **kw) if plan is None else snlp_generate(model, prompts, plan, **kw)
         return (r if batch else [r]), streamed
@@ -622,3 +645,18 @@ def test_read_every_is_checked_before_any_work(monkeypatch):
 
     from snlp.decode.session import read_every
     assert read_every("cuda", np.int64(4)) == 4 and read_every("cpu", None) == 1 and read_every("cuda", None) == 8
+
+
+def test_decoding_past_the_configured_context_is_the_models_own_forward():
+    """A prompt longer than config.sequence_len (32 here): RoPE is computed per position (no table to run out of),
+    so every decode entry continues as the model's own full forward over the longer sequence does (the argmax loop,
+    fp64); it extrapolates past the trained context like transformers' Llama, it does not go wrong differently."""
+    model = make_model(n_layer=4)
+    assert model.config.sequence_len == 32
+    prompt = torch.randint(0, 61, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = argmax_loop(model, prompt, 6)
+    assert sequential_generate(model, prompt, 6).tokens == ref
+    assert snlp_generate(model, prompt, "3xF1-h0-K3", 6).tokens == ref  # K >= C, M = 1: the model
+    assert speculative_generate(model, prompt, "3xF1-h0-K1", block=3, max_new_tokens=6).tokens == ref
+    assert jacobi_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=6).tokens == ref
+    assert sequential_generate(model, [prompt, prompt[:3]], 6)[0].tokens == ref

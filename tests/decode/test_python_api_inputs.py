@@ -96,6 +96,52 @@ def test_bad_decode_arguments_are_refused_before_any_forward(model, monkeypatch,
         DECODERS[name](model, [1, 2, 3], **kw)
 
 
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3], [4, 5]]], ids=["one prompt", "a ragged batch"])
+def test_a_seed_with_greedy_decoding_is_refused_before_any_forward(model, monkeypatch, name, prompt):
+    """Greedy decoding (temperature 0) draws nothing, so a seed could not act: refused in one line as
+    `snlp generate --seed` is (it used to be ignored silently); with a temperature > 0 the same seed is taken."""
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match=r"^seed seeds sampling; greedy decoding \(temperature 0\) draws nothing: "
+                                         r"give a temperature > 0 or drop seed \(got seed=0\)$"):
+        DECODERS[name](model, prompt, max_new_tokens=3, seed=0)
+    with pytest.raises(ValueError, match="^seed seeds sampling"):
+        DECODERS[name](model, prompt, max_new_tokens=3, temperature=0.0, seed=np.int64(7))
+    monkeypatch.undo()
+    DECODERS[name](model, prompt, max_new_tokens=2, temperature=0.5, seed=0)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda m, v: snlp.sequential_generate(m, [1, 2], max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: snlp.snlp_generate(m, [1, 2], PLAN, max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: speculative_generate(m, [1, 2], PLAN, max_new_tokens=2, compile=v), "compile"),
+    (lambda m, v: speculative_generate(m, [1, 2], PLAN, max_new_tokens=2, share_weights=v), "share_weights"),
+    (lambda m, v: speculative_generate(m, [[1, 2], [3]], PLAN, max_new_tokens=2, adaptive=v), "adaptive"),
+    (lambda m, v: jacobi_generate(m, [1, 2], PLAN, max_new_tokens=2, verify=v), "verify"),
+    (lambda m, v: jacobi_generate(m, [1, 2], PLAN, max_new_tokens=2, warm_start=v), "warm_start"),
+])
+def test_boolean_options_are_true_or_false_before_any_forward(model, monkeypatch, call, name):
+    """`compile="no"` used to compile (a truthy string) and `verify=0` to skip the exact check; every boolean
+    option of the decode functions is refused in one line naming it unless it is True or False (numpy's too)."""
+    _no_forward(model, monkeypatch)
+    for bad in ("no", "False", 1, None, 0.0):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False \(got {bad!r} of type \w+\)$"):
+            call(model, bad)
+    monkeypatch.undo()
+    call(model, np.bool_(False))
+
+
+def test_the_speculative_benchmark_refuses_a_seed_with_greedy_decoding(model, monkeypatch):
+    from snlp.decode.speculative import speculative_benchmark
+
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match="^seed seeds sampling; greedy decoding"):
+        speculative_benchmark(model, [[1, 2, 3]], PLAN, max_new_tokens=3, seed=0)
+    monkeypatch.undo()
+    greedy, _ = speculative_benchmark(model, [[1, 2, 3]], PLAN, max_new_tokens=3, repeats=1, warmup=0)
+    assert greedy[0].matches_sequential
+
+
 def test_a_streaming_callback_of_the_wrong_shape_is_refused_before_any_forward(model, monkeypatch):
     _no_forward(model, monkeypatch)
     with pytest.raises(TypeError, match=r"cannot be called as on_tokens\(prompt_index, new_tokens\) for a batch"):

@@ -216,3 +216,30 @@ def test_compiled_ragged_batches_equal_eager_and_do_not_sync(compiled):
                 steps["seq"].ragged(torch.ones(3, BLOCK + 1, dtype=torch.long), pos + t + torch.arange(BLOCK + 1), cache)
     assert sum(e.count for e in prof.key_averages() if e.key == SYNC_OP) == 0
     assert ("ragged", 3, BLOCK + 1, 64) in steps["seq"]._seen
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_prebuilt_snlp_step_follows_weight_updates(compile):
+    """A prebuilt SNLP step (a decode loop's drafter, kept across calls) decodes with the model's current weights
+    after an in-place update (as an optimizer step makes) and after model.to: its runner's fused weights are rebuilt before the next call (the
+    compiled step checks outside its graph, Step.before), so its tokens equal a fresh snlp_generate's (fp64); they
+    used to stay the old weights' tokens, silently. Compiled with dynamo's eager backend (the graph, not inductor)."""
+    model = make_model(seed=4, n_layer=4)
+    runner = snlp.bind(model, "3xF1-h0-K1", check_finite=False)
+    step = snlp_step(runner, compile=compile, backend="eager") if compile else snlp_step(runner)
+    prompt = [3, 14, 15, 9, 2]
+    before = snlp_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=8, step=step).tokens
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # in place, as an optimizer step writes
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    want = snlp_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=8).tokens
+    assert want != before  # the update changes the output: the law below can fail
+    assert snlp_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=8, step=step).tokens == want
+    model.to(torch.float32)  # new storage; the step's next call rebuilds in float32
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, max_len=step.cache_len(8 + step.slack))
+        got = step.prefill(torch.tensor([prompt]), cache)
+        want = snlp.bind(model, "3xF1-h0-K1")(torch.tensor([prompt]))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -272,6 +272,9 @@ def test_too_little_validation_data_and_bad_settings(model, val):
         evaluate(model, val, PLANS, EvalConfig(runs=0))
     with pytest.raises(ValueError, match="needs a suffix"):
         evaluate(model, val, ["7xF1-h0-K1"], CFG)
+    for name in ("emb", "progress"):  # "no" is truthy: it used to compute EmbSim / draw bars
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False \(got 'no' of type str\)$"):
+            evaluate(model, val, PLANS, dataclasses.replace(CFG, **{name: "no"}))
 
 
 def test_plans_given_as_one_string_are_the_comma_separated_list(model, val):

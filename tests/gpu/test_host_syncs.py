@@ -156,7 +156,7 @@ def test_one_prompt_speculative_round_waits_once(block, temperature):
     and the next token in one read), none per drafter step; a round's draft / verify times come from CUDA events
     read after it."""
     spec = lambda m, n: speculative_generate(m, [1, 2, 3], "2xF2-h0-K1", block=block, max_new_tokens=n,
-                                             temperature=temperature, seed=0)
+                                             temperature=temperature, seed=0 if temperature else None)
     short, r8 = _waits(lambda m: spec(m, 8))
     long, r24 = _waits(lambda m: spec(m, 24))
     # fake cuda reads every value as 0, the accepted count too: a round emits one token after its `block` drafter
@@ -185,7 +185,7 @@ def test_batch_speculative_round_waits_once_per_round(block, temperature):
     """A ragged batch, greedy or sampled: per round one copy in of the rows' last tokens, lengths and blocks and one
     read of every row's drafts, accepted counts and next tokens; no drafter step waits."""
     spec = lambda m, n: speculative_generate(m, [[1, 2, 3], [4, 5]], "2xF2-h0-K1", block=block, max_new_tokens=n,
-                                             temperature=temperature, seed=0)
+                                             temperature=temperature, seed=0 if temperature else None)
     short, r8 = _waits(lambda m: spec(m, 8))
     long, r24 = _waits(lambda m: spec(m, 24))
     # fake cuda reads every accepted count as 0: a round emits one token per row after its `block` drafter steps

@@ -40,6 +40,28 @@ def test_tokenizer_roundtrip(tok, tmp_path):
         Tokenizer.load(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("ids, match", [
+    ([5, 300], r"^token id 300 is not in the tokenizer's vocabulary \(300 tokens\)"),  # was dropped silently
+    ([5, 10 ** 6], r"^token id 1000000 is not in the tokenizer's vocabulary"),
+    ([5, -1], r"^token id -1 is not in the tokenizer's vocabulary"),  # an OverflowError from inside tokenizers
+    ([5, 6.0], r"^token ids must be integers \(got 6.0"),  # was truncated by int()
+    ([True], r"^token ids must be integers \(got True"),  # was the id 1
+])
+def test_decode_refuses_ids_the_tokenizer_has_no_token_for(tok, ids, match):
+    with pytest.raises(ValueError, match=match) as err:
+        tok.decode(ids)
+    assert "\n" not in str(err.value)
+
+
+def test_decode_takes_every_integer_form_alike(tok):
+    import numpy as np
+
+    ids = tok.encode("Whether 'tis nobler")
+    text = tok.decode(ids)
+    assert tok.decode(np.array(ids)) == tok.decode(torch.tensor(ids)) == tok.decode([np.int32(i) for i in ids]) == text
+    assert tok.decode([299]) == tok.tok.decode([299])  # the last id of the vocabulary is still one
+
+
 def test_roundtrip_and_atomic_overwrite(tok, tmp_path):
     m = tiny()
     path = tmp_path / "ck"

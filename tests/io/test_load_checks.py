@@ -92,3 +92,29 @@ def test_every_loader_names_non_finite_weights(tmp_path):
     save_file(w, str(tmp_path / "dr" / "drafter.safetensors"))
     with pytest.raises(ValueError, match="not finite"):
         load_drafter(tmp_path / "dr", base)
+
+
+def test_checkpoint_depth_reads_the_config_alone(tmp_path):
+    """The depth each kind of checkpoint declares, read without its weights (commands refuse a too-deep plan with
+    it before loading): an snlp config.json, a nanochat meta_NNNNNN.json (the step `load` takes), a transformers
+    config.json; None where no config tells it (a GGUF file, a missing path)."""
+    import json
+
+    from snlp.io.checkpoint import checkpoint_depth
+
+    m = GPT(GPTConfig.from_depth(3, head_dim=8, width=16, vocab_size=64, sequence_len=16))
+    ck = save_checkpoint(tmp_path / "ck", m)
+    (ck / "model.safetensors").write_bytes(b"garbage")  # never read
+    assert checkpoint_depth(ck) == 3 and checkpoint_depth(ck / "config.json") == 3
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    for step, depth in ((100, 5), (200, 7)):
+        (nano / f"model_{step:06d}.pt").write_bytes(b"garbage")
+        (nano / f"meta_{step:06d}.json").write_text(json.dumps({"model_config": {"n_layer": depth}}))
+    assert checkpoint_depth(nano) == 7 and checkpoint_depth(nano / "model_000100.pt") == 5
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
+    assert checkpoint_depth(hf) == 30
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert checkpoint_depth(tmp_path / "m.gguf") is None and checkpoint_depth(tmp_path / "nope") is None

@@ -103,6 +103,8 @@ def test_runner_refresh_rechecks_the_calibration(model):
             p.mul_(1.01)
     with pytest.raises(ValueError, match="other weights"):
         runner.refresh()
+    with pytest.raises(ValueError, match="other weights"):  # a call sees the update itself (Runner.current)
+        runner(tokens(m))
 
 
 def test_checkpoint_save_drops_a_stale_calibration_and_keeps_a_current_one(tmp_path):

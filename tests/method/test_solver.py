@@ -286,6 +286,86 @@ def test_parallel_forward_always_reads_the_current_weights():
         assert chunk_weights(model, 2, 2, 2) is not chunk_weights(model, 2, 2, 2)  # built fresh every call
 
 
+def _update(model, how: str, idx) -> None:
+    """Change every parameter of `model` the way `how` names (what a user does between runner calls)."""
+    other = make_model(seed=9, dtype=model.wte.weight.dtype)
+    if how == "optimizer step":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        model(idx).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    elif how == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+    elif how == "copy_ under no_grad":
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.copy_(q)
+    elif how == "p.data = t":
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.data = q.data.clone()
+    elif how == "model.to(float32)":
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize("how", ["optimizer step", "load_state_dict", "copy_ under no_grad", "p.data = t",
+                                 "model.to(float32)"])
+@pytest.mark.parametrize("plan,share", [("4xF1-h0-K1", False), ("2xF2-h0-K1", False), ("4xF1-h0-K1", True)])
+def test_runner_follows_weight_updates_without_refresh(plan, share, how):
+    """After an update of the model's weights the runner's next call rebuilds its fused weights (Runner.current:
+    version counters and addresses) and equals a fresh bind and the solver run on the current weights
+    (parallel_forward, which fuses on every call), in fp64; it used to return the old weights' logits silently
+    (a gap of 5 in the logits) or, after model.to, fail inside the fusion on mixed dtypes."""
+    model = make_model(seed=1)
+    idx = tokens(model)
+    runner = bind(model, plan, share_weights=share)
+    with torch.no_grad():
+        runner(idx)
+    _update(model, how, idx)
+    with torch.no_grad():
+        got = runner(idx)
+        tol = 1e-5 if how == "model.to(float32)" else 1e-10
+        torch.testing.assert_close(got, parallel_forward(model, idx, plan), rtol=tol, atol=tol)
+        torch.testing.assert_close(got, bind(model, plan)(idx), rtol=tol, atol=tol)
+        assert not runner.current()  # rebuilt once; the next call reads the same weights
+
+
+def test_weights_rebuilt_under_inference_mode_still_serve_a_grad_mode_call():
+    """The rebuild runs inside whatever mode the call is in (decode loops: inference_mode); its tensors are normal
+    ones, so a later call under grad mode (the prefix parameters require grad) can still backpropagate."""
+    model = make_model(seed=2)
+    idx = tokens(model)
+    runner = bind(model, "4xF1-h0-K1")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    with torch.inference_mode():
+        runner(idx)  # rebuilt here
+    assert not runner.weights.qkv.is_inference()
+    runner(idx).square().mean().backward()
+    assert model.wte.weight.grad is not None
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda m, x, v: bind(m, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: bind(m, "2xF1-h0-K1", share_weights=v), "share_weights"),
+    (lambda m, x, v: solve(m, x, "2xF1-h0-K1", keep_states=v), "keep_states"),
+    (lambda m, x, v: solve(m, x, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: parallel_forward(m, x, "2xF1-h0-K1", check_finite=v), "check_finite"),
+    (lambda m, x, v: bind(m, "2xF1-h0-K1").solve(x, keep_states=v), "keep_states"),
+])
+def test_boolean_options_are_true_or_false(call, name):
+    """`share_weights="False"` used to share (truthy), `check_finite=0` to skip the check; numpy's bool_ is taken."""
+    import numpy as np
+
+    model = make_model(seed=1)
+    idx = tokens(model)
+    for bad in ("False", "no", 1, None):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False \(got {bad!r} of type "):
+            call(model, idx, bad)
+    call(model, idx, np.bool_(True))
+    call(model, idx, False)
+
+
 def test_bound_runner_holds_its_weights_until_refreshed():
     model = make_model(seed=1)
     idx = tokens(model)
@@ -294,7 +374,7 @@ def test_bound_runner_holds_its_weights_until_refreshed():
         torch.testing.assert_close(runner(idx), fused_forward(model, idx, "2xF2"), rtol=1e-9, atol=1e-9)
         w = runner.weights
         model.blocks[3].mlp.c_fc.weight.data.mul_(0.5)
-        assert runner.weights is w  # explicit: the runner does not watch the model
+        assert runner.weights is w  # an edit through .data moves no version counter (Runner docstring)
         stale = runner(idx)
         assert runner.refresh() is runner and runner.weights is not w
         fresh = runner(idx)

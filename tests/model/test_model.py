@@ -27,6 +27,20 @@ def test_invalid_configs_raise(kw, msg):
         GPTConfig(**kw)
 
 
+@pytest.mark.parametrize("name", ["value_embeds", "smear", "backout", "qkv_bias", "tie_embeddings", "rope_bf16",
+                                  "x0_residual", "hc_dynamic"])
+def test_config_switches_are_true_or_false(name):
+    """A switch given "no" (truthy) or 0 used to switch the feature on or off by truthiness; numpy's bool_ is a
+    bool and is kept as Python's (configs are written as JSON)."""
+    import numpy as np
+
+    for bad in ("no", 1, 0.0):
+        with pytest.raises(ValueError, match=rf"^invalid GPTConfig: {name} must be True or False \(got "):
+            GPTConfig(n_embd=32, **{name: bad})
+    cfg = GPTConfig(n_embd=32, **{name: np.bool_(False)})
+    assert getattr(cfg, name) is False and type(cfg.to_dict()[name]) is bool
+
+
 def test_forward_shapes_loss_and_softcap():
     model = make_model(dtype=torch.float32, scale=3.0)
     idx = tokens(model, B=3, T=10)

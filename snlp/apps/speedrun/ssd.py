@@ -14,6 +14,7 @@ from snlp.apps.speedrun.common import fewer, floor_scale, shrink_text
 from snlp.apps.speedrun.evaluate import eval_records
 from snlp.apps.speedrun.preset import BLOCKS, Preset, SELECT_BLOCK
 from snlp.bench.stats import fewest_sign_rounds
+from snlp.runtime.fmt import matches
 
 if TYPE_CHECKING:
     from snlp.bench.budget import StageCost
@@ -119,7 +120,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
         print(f"B={rep.block}: alpha {rep.alpha:.3f}, {rep.tokens_per_round:.2f} tok/round, "
               f"s {rep.drafter_speedup_s:.2f}, ideal SSD {rep.ideal_ssd_speedup:.2f}x, measured "
               f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}), output "
-              f"{'==' if rep.matches_sequential else '!='} sequential")
+              f"{matches(rep.matches_sequential, '==', '!=')} sequential")
     return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
             proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
             "pick_rule": tuned.pick_rule.get("ssd", ""),
