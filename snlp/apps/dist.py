@@ -115,7 +115,7 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
 
     def stream(new: list[int]) -> None:
         out.extend(new)
-        text = tok.decode(out)
+        text = tok.decode(out, mark_missing=True)
         print(text[len(printed[0]):], end="", flush=True)
         printed[0] = text
 
@@ -135,7 +135,7 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
     if rank == 0:
         if not args.quiet:
             print()
-        record = {"tokens": res.tokens, "text": tok.decode(res.tokens), "world_size": world,
+        record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True), "world_size": world,
                   "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
                   **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "

@@ -199,7 +199,7 @@ def streamer(tok):
 
     def on_tokens(new: list[int]) -> None:
         tokens.extend(new)
-        text = tok.decode(tokens)
+        text = tok.decode(tokens, mark_missing=True)
         sys.stdout.write(text[len(printed[0]):])
         sys.stdout.flush()
         printed[0] = text
@@ -345,12 +345,12 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     total = sum(len(r.tokens) for r in res)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
-              "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens),
+              "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens, mark_missing=True),
                            **{k: v for k, v in r.to_dict().items() if k not in ("tokens", "extra")}}
                           for t, r in zip(texts, res)]}
     for i, (t, r) in enumerate(zip(texts, res)):
         if not args.quiet:
-            print(f"[{i}] {t}{tok.decode(r.tokens)}")
+            print(f"[{i}] {t}{tok.decode(r.tokens, mark_missing=True)}")
     stats = f"[{args.mode}{' ' + str(plan) if plan else ''}] {len(prompts)} prompts in batches of {args.batch_size}: " \
             f"{total} tokens, {record['tokens_per_s']:.1f} tok/s"
     if args.mode == "speculative":
@@ -435,7 +435,7 @@ def run(args) -> int:
             f"{res.tokens_per_s:.1f} tok/s{' in this one run' if timed else ''}, stop: {res.stop}"
     if args.compile:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
-    record = {"tokens": res.tokens, "text": tok.decode(res.tokens),
+    record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"

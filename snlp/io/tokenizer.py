@@ -67,11 +67,12 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
-        """The text of token ids (ints, numpy or 0-d tensor integers). An id the tokenizer has no token for is
-        refused in one line naming it (`tokenizers` would drop it from the text silently): e.g. a model whose
-        vocabulary is padded past its tokenizer's generated one of the padding rows."""
-        out = []
+    def decode(self, ids, mark_missing: bool = False) -> str:
+        """The text of token ids (ints, numpy or 0-d tensor integers). An id the tokenizer has no token for (a model
+        whose vocabulary is padded past its tokenizer's sampled one of the padding rows) is refused in one line naming
+        it, as `tokenizers` would drop it from the text silently; with `mark_missing` it is shown as
+        `<|no token N|>` instead, so generated text is printed and saved whole, every id accounted for."""
+        out, text = [], []
         for i in ids:
             try:
                 k = None if isinstance(i, (bool, float)) else operator.index(i)
@@ -80,10 +81,14 @@ class Tokenizer:
             if k is None:
                 raise ValueError(f"token ids must be integers (got {i!r} of type {type(i).__name__})")
             if k < 0 or self.tok.id_to_token(k) is None:
-                raise ValueError(f"token id {k} is not in the tokenizer's vocabulary ({self.vocab_size} tokens): "
-                                 f"it has no text (a model vocabulary padded past the tokenizer's?)")
+                if not mark_missing:
+                    raise ValueError(f"token id {k} is not in the tokenizer's vocabulary ({self.vocab_size} tokens): "
+                                     f"it has no text (a model vocabulary padded past the tokenizer's?)")
+                text += [self.tok.decode(out, skip_special_tokens=False), f"<|no token {k}|>"]
+                out = []
+                continue
             out.append(k)
-        return self.tok.decode(out, skip_special_tokens=False)
+        return "".join(text) + self.tok.decode(out, skip_special_tokens=False)
 
     @classmethod
     def from_hf(cls, hf_tokenizer) -> "Tokenizer":

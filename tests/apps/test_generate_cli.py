@@ -326,3 +326,21 @@ def test_prompts_file_one_at_a_time_takes_any_plan(ckpt, tmp_path, capsys, mode)
                      "--json", str(one), "--quiet", *extra]) == 0
         assert r["tokens"] == json.loads(one.read_text())["tokens"], t
     assert rec["tokens"] == 18 and rec["decode_s"] > 0
+
+
+def test_a_padding_id_the_model_emits_is_marked_not_lost(tmp_path, capsys):
+    """A model vocabulary padded past its tokenizer's (Qwen-style configs, padded nanochat tables) can emit a padding
+    id: `snlp generate` prints and saves the text with the id marked (the tokens kept whole) instead of failing after
+    the generation, and instead of dropping the id as `tokenizers` would."""
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size + 8, n_layer=2, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=64, scale=0.15)
+    with torch.no_grad():  # the head's padding row dominates: greedy decoding emits it
+        model.lm_head.weight[tok.vocab_size + 3] = 50 * model.lm_head.weight[:tok.vocab_size].abs().max()
+    ck = save_checkpoint(tmp_path / "padded", model, tokenizer=tok)
+    out = tmp_path / "g.json"
+    assert main(["generate", str(ck), "--prompt", "First", "--max-new-tokens", "3", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    pad = tok.vocab_size + 3
+    assert pad in rec["tokens"] and f"<|no token {pad}|>" in rec["text"]
+    assert f"<|no token {pad}|>" in capsys.readouterr().out

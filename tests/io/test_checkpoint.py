@@ -187,3 +187,13 @@ def test_save_checkpoint_refuses_what_is_no_snlp_model_or_tokenizer_and_leaves_n
     with pytest.raises(Exception):
         save_checkpoint(tmp_path / "ck", tiny(), tok, train_state={"f": lambda: 0})
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_decode_can_mark_ids_without_a_token_and_keep_the_rest(tok):
+    ids = tok.encode("Whether 'tis nobler")
+    text = tok.decode(ids)
+    marked = tok.decode(ids[:2] + [300] + ids[2:] + [-1], mark_missing=True)
+    assert marked == tok.decode(ids[:2]) + "<|no token 300|>" + tok.decode(ids[2:]) + "<|no token -1|>"
+    assert tok.decode(ids, mark_missing=True) == text
+    with pytest.raises(ValueError, match="must be integers"):
+        tok.decode([1.0], mark_missing=True)  # only missing ids are marked, never a non-integer
