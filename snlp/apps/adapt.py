@@ -125,7 +125,7 @@ def run(args) -> int:
                                                            else ""))
     # a K beyond the exact count capped (with a warning), as for every --plan
     cfg = replace(cfg, plan=str(cli_plan(cfg.plan)))
-    check_plans_fit(cfg.src, [cfg.plan])  # the base's depth from its config, before its weights load
+    check_plans_fit(cfg.src, [cfg.plan], transformers_ok=True)  # the base's depth from its config, before its weights load
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
         res = adapt(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from snlp.io.checkpoint import checkpoint_depth, load_preheat
+from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 
@@ -25,11 +25,15 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
     return pre
 
 
-def check_plans_fit(ckpt, plans) -> None:
+def check_plans_fit(ckpt, plans, transformers_ok: bool = False) -> None:
     """Refuse a plan too deep for the checkpoint's model (Plan.check's error, naming the plan and the depth) before
     its weights load: the depth is read from its config alone (snlp.io.checkpoint.checkpoint_depth); where no
-    config tells it (a GGUF file), the check after the load stands. `plans`: strings or Plans (None skipped)."""
-    depth = checkpoint_depth(ckpt) if ckpt else None
+    config tells it (a GGUF file), the check after the load stands. `plans`: strings or Plans (None skipped).
+    A transformers directory is checked only for commands that load one (`transformers_ok`, e.g. adapt); for the
+    others `load` refuses it with what the folder is and the command that converts it, the more useful error."""
+    if not ckpt or (not transformers_ok and is_transformers_dir(ckpt)):
+        return
+    depth = checkpoint_depth(ckpt)
     if depth is None:
         return
     for p in plans:

@@ -186,7 +186,8 @@ def run(args) -> int:
         if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
             raise ValueError(f"--plot {args.plot}: name a file ending in one of .{', .'.join(sorted(kinds))}")
     mode_flags(args)
-    check_plans_fit(args.ckpt, check_plans_grammar(args.plans))  # before the checkpoint loads
+    # before the checkpoint loads (--harness also takes a transformers directory as it is)
+    check_plans_fit(args.ckpt, check_plans_grammar(args.plans), transformers_ok=bool(args.harness))
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)

@@ -198,6 +198,17 @@ def load_config(path) -> GPTConfig:
         raise ValueError(f"invalid model config in {f}: {e}") from e
 
 
+def is_transformers_dir(path) -> bool:
+    """A folder whose config.json names a transformers architecture / model_type (an export, a downloaded model):
+    what `load` refuses with the command that converts it. False for anything else, unreadable configs included."""
+    try:
+        p = Path(path)
+        d = json.loads(((p.parent if p.is_file() else p) / CONFIG).read_text())
+        return isinstance(d, dict) and bool({"architectures", "model_type"} & set(d))
+    except (OSError, ValueError):
+        return False
+
+
 def checkpoint_depth(path) -> int | None:
     """The layer count of the model at `path`, read from its config alone, before any weight is: an snlp
     checkpoint's config.json, a nanochat checkpoint's meta_NNNNNN.json, a transformers directory's config.json

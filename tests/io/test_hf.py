@@ -428,3 +428,14 @@ def test_an_snlp_model_given_to_from_hf_says_it_is_converted_already():
     model = GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=64, sequence_len=16))
     with pytest.raises(ValueError, match="from_hf was given an snlp GPT: it is already converted"):
         from_hf(model)
+
+
+def test_a_plan_too_deep_for_a_transformers_directory_is_refused_only_where_one_loads(tmp_path):
+    """check_plans_fit reads a transformers config's depth for the commands that take the folder as it is (adapt, eval
+    --harness) and leaves the others to `load`, whose error says what the folder is and how to convert it."""
+    from snlp.apps.common import check_plans_fit
+
+    _, d = _tiny_dir(tmp_path)
+    check_plans_fit(d, ["40xF1-h0-K1"])  # generate, bench, tune...: load's error comes first
+    with pytest.raises(ValueError, match="needs a suffix of N = 40"):
+        check_plans_fit(d, ["40xF1-h0-K1"], transformers_ok=True)
