@@ -985,7 +985,12 @@ def _budget_line(ctx: dict) -> str:
     """The budget sentence under the stage table: the budget, the probe and training's share (speedrun --budget)."""
     b, minutes = ctx.get("budget"), ctx.get("budget_minutes")
     if minutes is None:
-        return "; no budget (Planned = the cost model's prediction from the probe, nothing shrinks)" if b else ""
+        if b:
+            return "; no budget (Planned = the cost model's prediction from the probe, nothing shrinks)"
+        # an invocation that reused every stage makes no plan: the Planned cells are the records' own
+        planned = any((ctx.get("stages") or {}).get(n, {}).get("planned") is not None for n in ctx.get("order", ()))
+        return ("; no budget (Planned = the cost model's prediction each stage was recorded with, made by the "
+                "invocation that ran it; nothing shrinks)" if planned else "; no budget (nothing shrinks)")
     text = f"; budget {fmt_s(minutes * 60)}: "
     if not b:
         return text + "every stage was reused, nothing planned"

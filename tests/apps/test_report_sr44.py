@@ -140,3 +140,19 @@ def test_abbreviations_and_plan_names_are_defined_where_first_printed():
     assert "the last N = C·M (the suffix) as C chunks of M layers" in main and "init `h0`" in main
     assert "`fwd` from one batched forward" in main
 
+
+
+def test_an_invocation_that_reused_every_stage_defines_planned():
+    """Re-running the report over the finished stages (`snlp speedrun --out DIR --steps 444` again: 9 reused)
+    printed the Planned column (38s, 54s, ...) with no budget sentence at all: an invocation that trains nothing
+    makes no plan, and the Planned cells are the records' own."""
+    ctx = _fixed_steps_ctx()
+    ctx.update(budget=None, ran=[], reused=list(ctx["order"]))
+    t = tables(render_report(ctx))["Wall time per stage"]
+    assert set(column(t, "Planned")[:-1]) == {"1:00"}  # the fixture's records were planned at 60 s
+    tail = _section(render_report(ctx), "**end to end**", "\n## ")
+    assert ("no budget (Planned = the cost model's prediction each stage was recorded with, made by the invocation "
+            "that ran it; nothing shrinks)") in tail
+    for n in ctx["order"]:
+        ctx["stages"][n] = dict(ctx["stages"][n], planned=None)
+    assert "; no budget (nothing shrinks)." in render_report(ctx)
