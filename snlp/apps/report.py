@@ -405,8 +405,12 @@ def model_gap(evals: dict[str, list]) -> str:
             and own["idn"][p] > 0]
     if not gaps:
         return ""
+    seq = {k: evals[k][0].latency_ms for k, _ in MODELS if evals.get(k) and evals[k][0].latency_ms}
+    # the cause is not measured: say what differed between the two stages (their sequential step), not why
     return (f", yet the two models' own medians of one plan differ by up to {max(gaps):.0%} (Full records): "
-            f"their evaluations ran in different stages, and the box's load between them moves every plan's ratio")
+            f"their evaluations ran in different stages, at different moments of the box"
+            + (f" (the sequential decode step: {seq['noreg']:.2f} ms per token in No Reg.'s stage, "
+               f"{seq['idn']:.2f} ms in IDN Reg.'s), which this run does not attribute" if len(seq) == 2 else ""))
 
 
 def speed_columns(ctx: dict) -> str:
@@ -699,7 +703,10 @@ def _setup(ctx: dict) -> list[str]:
             got = {k: getattr(ctx["evals"][k][0], name) for k, _ in MODELS}
         return got
     return ["## Setup\n",
-           f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
+           f"- Corpus `{cfg['data']}`"
+           + (f" (the `.py` sources of Python {env['python']}'s standard library, tests excluded: no download)"
+              if cfg["data"] == "stdlib" and env.get("python") else "")
+           + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
            + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
            f"validation tokens" + (f" (every {_ordinal(tok['val_every'])} document is validation)" if tok.get("val_every")
                                     else "") + ". One tokenizer and token cache for both models.",
@@ -744,7 +751,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"the best prediction among those they do not separate from it (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
            f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
-           f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential "
+           f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))} (B: the tokens the drafter "
+           f"proposes per round), interleaved with sequential "
            f"greedy decoding of the same prompts, after a warm-up of both sides; "
            f"{per_model({k: r.get('repeats') for k, r in used.items()})} timed rounds, medians shown. "
            f"α = measured per-draft acceptance (the median over the rounds; α over = the tokens each round drafted "
@@ -1242,8 +1250,8 @@ def render_report(ctx: dict) -> str:
            "## Full evaluation records\n"]
     for key, label in MODELS:
         out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
-                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan "
-                f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
+                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan were "
+                f"timed in different stages, at different moments (the main table's note); Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]): S the sequential prefix "
                 f"layers, evals the batched suffix evaluations per iteration (1 for IDN; a fused chunk of M layers "
                 f"evaluates them side by side, so it is one step), [fwd] 1 for a forward-pass init, the layer-step count a "
