@@ -173,3 +173,54 @@ def test_the_two_models_timing_gap_is_not_attributed_to_load_the_records_do_not_
     assert "the box's load between them" not in md and "by the load of the moment each stage ran" not in md
     assert ("their evaluations ran in different stages, at different moments of the box (the sequential decode step: "
             "15.66 ms per token in No Reg.'s stage, 6.63 ms in IDN Reg.'s), which this run does not attribute") in md
+
+
+def test_each_side_by_side_run_records_its_own_end(tmp_path, monkeypatch):
+    """The source of the stage table's borrowed end load: both training records were written, with the finish time
+    and load of that moment, once the second run ended. train_models now notes each run's end as it happens and
+    the stage record keeps it."""
+    from rich.console import Console
+
+    from snlp.apps.speedrun import train
+    from snlp.apps.speedrun.records import Stages
+    from snlp.train.config import TrainConfig
+
+    class Proc:  # a training process that ends after `polls` looks
+        def __init__(self, polls):
+            self.polls, self.exitcode = polls, 0
+
+        def is_alive(self):
+            self.polls -= 1
+            return self.polls > 0
+
+        def join(self):
+            pass
+
+        def terminate(self):
+            pass
+
+    polls = {"noreg": 1, "idn": 4}
+    loads = iter([1.25, 3.5])  # the 1-minute load at No Reg.'s end, then at IDN Reg.'s
+    monkeypatch.setattr(train, "_launch", lambda j, *a: Proc(polls[j.key]))
+    monkeypatch.setattr(train, "load_average", lambda: next(loads))
+    jobs = [train.TrainJob(k, TrainConfig(out=str(tmp_path / k), steps=5), {}, tmp_path / f"{k}.partial.json")
+            for k in ("noreg", "idn")]
+    ends: dict = {}
+    walls = train.train_models(jobs, Console(force_terminal=False, quiet=True), parallel=True, ends=ends)
+    assert walls["noreg"] < walls["idn"]
+    assert [ends[k][1] for k in ("noreg", "idn")] == [1.25, 3.5]
+    assert ends["noreg"][0] <= ends["idn"][0]  # ISO times of one zone sort as strings
+
+    class Quiet:
+        def print(self, *a, **k):
+            pass
+
+        def rule(self, *a, **k):
+            pass
+
+    st = Stages(tmp_path, False, 2, Quiet())
+    st.begin("train-noreg", "x")
+    rec = st.finish("train-noreg", {}, {}, seconds=1.0, ended=("2026-11-27T18:36:45+00:00", 1.25))
+    assert (rec.finished, rec.load_end) == ("2026-11-27T18:36:45+00:00", 1.25)
+    st.begin("tokenizer", "x")
+    assert st.finish("tokenizer", {}, {}).finished != "2026-11-27T18:36:45+00:00"  # no `ended`: taken now
