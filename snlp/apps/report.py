@@ -1258,6 +1258,8 @@ def render_report(ctx: dict) -> str:
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
                 f"as in the main table's AR Match vs seq., in every table and file of this run (records.csv: "
                 f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]
-    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
-               "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
+    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `noreg.train.log`, `idn.train.log` (each model's "
+               "training output: its settings, validation lines and speed line), `stages/*.json` (stage records with "
+               "their settings), `cache/` (the tokenizer and token cache), `records.csv`, `summary.json`, "
+               "`frontier.png`.\n")
     return "\n".join(out)

@@ -224,3 +224,10 @@ def test_each_side_by_side_run_records_its_own_end(tmp_path, monkeypatch):
     assert (rec.finished, rec.load_end) == ("2026-11-27T18:36:45+00:00", 1.25)
     st.begin("tokenizer", "x")
     assert st.finish("tokenizer", {}, {}).finished != "2026-11-27T18:36:45+00:00"  # no `ended`: taken now
+
+
+def test_the_files_line_names_the_training_logs():
+    """The run folder holds `noreg.train.log` and `idn.train.log` (docs/speedrun.md's file table), the only place
+    the training's own speed line and validation curve are printed; the report's Files line left them out."""
+    files = render_report(_report_ctx()).rsplit("Files:", 1)[1]
+    assert "`noreg.train.log`, `idn.train.log`" in files and "`cache/`" in files
