@@ -315,7 +315,8 @@ def front_rule(speeds: dict[str, Speed], evals: dict[str, list] | None = None) -
             f"(the same model's same round: plans are timed round-robin, so a round's load hits them alike) for a "
             f"two-sided sign test at {SIGN_LEVEL:.0%} ({need or 'no paired rounds'} rounds); "
             + ppl_rule(evals or {}) + "; a plan is off the front when another is at least as good on both and "
-            "better on one")
+            "better on one, the sequential model included (1.00x in every round, its PPL in the Model column: it is "
+            "not a row, but a plan it dominates is off the front)")
 
 
 def ppl_rule(evals: dict[str, list]) -> str:
@@ -404,8 +405,12 @@ def model_gap(evals: dict[str, list]) -> str:
             and own["idn"][p] > 0]
     if not gaps:
         return ""
+    seq = {k: evals[k][0].latency_ms for k, _ in MODELS if evals.get(k) and evals[k][0].latency_ms}
+    # the cause is not measured: say what differed between the two stages (their sequential step), not why
     return (f", yet the two models' own medians of one plan differ by up to {max(gaps):.0%} (Full records): "
-            f"their evaluations ran in different stages, and the box's load between them moves every plan's ratio")
+            f"their evaluations ran in different stages, at different moments of the box"
+            + (f" (the sequential decode step: {seq['noreg']:.2f} ms per token in No Reg.'s stage, "
+               f"{seq['idn']:.2f} ms in IDN Reg.'s), which this run does not attribute" if len(seq) == 2 else ""))
 
 
 def speed_columns(ctx: dict) -> str:
@@ -588,6 +593,26 @@ def adaptation_lines(a: dict | None) -> list[str]:
             f"{matches(ad['matches_sequential'], 'identical', 'NOT identical')}). Longer runs: docs/adapt.md.\n"]
 
 
+def trained_in_lockstep(ctx: dict) -> bool:
+    """Whether the two models trained in lockstep (same step at every moment): side by side with a wall-clock limit
+    (--minutes or a budget's share: snlp.apps.speedrun.train), as the training records' minutes say. With a fixed
+    step count each side-by-side run steps at its own pace and the faster one finishes first."""
+    st = ctx.get("stages") or {}
+    trains = [(st.get(f"train-{k}") or {}).get("result") or {} for k, _ in MODELS]
+    return bool(ctx.get("parallel")) and all(t.get("minutes") for t in trains)
+
+
+def side_by_side_gap(ctx: dict) -> tuple[str, str, float] | None:
+    """(the label of the model that finished first, the other's, seconds between them) for side-by-side training
+    not in lockstep; None otherwise or when they took the same time."""
+    st = ctx.get("stages") or {}
+    if not ctx.get("parallel") or trained_in_lockstep(ctx) or not all(f"train-{k}" in st for k, _ in MODELS):
+        return None
+    secs = {label: st[f"train-{k}"]["seconds"] for k, label in MODELS}
+    (first, a), (last, b) = sorted(secs.items(), key=lambda kv: kv[1])
+    return (first, last, b - a) if b - a >= 1 else None
+
+
 def _context(ctx: dict):
     """The pieces every section reads: settings, environment, stage records, preset, per-model results."""
     st = ctx["stages"]
@@ -645,7 +670,10 @@ def _head(ctx: dict) -> list[str]:
            f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
            f"1-minute load average, sampled at each stage's start and end, {min(loads):g} to {max(loads):g} (per "
            f"stage below). The run's own work keeps {'2 processes' if ctx.get('parallel') else '1 process'} busy "
-           f"while the models train and 1 in the other stages, so a load above that means other jobs competed for "
+           f"while the models train" + (f" ({gap[0]} finished {fmt_s(gap[2])} before {gap[1]}, which then trained alone: "
+                                        "1 process after that)" if (gap := side_by_side_gap(ctx)) else "")
+           + " "
+           f"and 1 in the other stages, so a load above that means other jobs competed for "
            f"the {env['cores']} cores and wall-clock timings suffer; a 1-minute average lags, and samples at the "
            f"ends of a stage can miss what happened inside it.\n"]
 
@@ -675,7 +703,10 @@ def _setup(ctx: dict) -> list[str]:
             got = {k: getattr(ctx["evals"][k][0], name) for k, _ in MODELS}
         return got
     return ["## Setup\n",
-           f"- Corpus `{cfg['data']}`" + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
+           f"- Corpus `{cfg['data']}`"
+           + (f" (the `.py` sources of Python {env['python']}'s standard library, tests excluded: no download)"
+              if cfg["data"] == "stdlib" and env.get("python") else "")
+           + (f" (first {cfg['max_chars']:,} characters)" if cfg['max_chars'] else "")
            + f", byte-level BPE vocab {tok['vocab_size']}: {tok['train_tokens']:,} train / {tok['val_tokens']:,} "
            f"validation tokens" + (f" (every {_ordinal(tok['val_every'])} document is validation)" if tok.get("val_every")
                                     else "") + ". One tokenizer and token cache for both models.",
@@ -689,16 +720,19 @@ def _setup(ctx: dict) -> list[str]:
                                 f"spent, both stopping at the same step)" if cfg.get("minutes") else "")
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
-           f"regulariser's K=1 IDN solve on the last N = {N} layers); same data order, batches and tokens.",
+           f"regulariser's K=1 IDN solve on the last N = {N} layers; IDN = Identity Newton, the paper's correction "
+           f"that propagates each layer's error along the residual path); same data order, batches and tokens.",
            f"- Evaluation (`snlp.eval.protocol.evaluate`): PPL over {e0.tokens:,} validation tokens in windows of "
-           f"{e0.seq_len}; Top-1 and LogitSim teacher-forced vs the sequential model; AR Match over "
+           f"{e0.seq_len}; Top-1 (the share of positions whose argmax token is the sequential model's) and LogitSim "
+           f"(the mean cosine of the logit vectors) teacher-forced vs the sequential model; AR Match over "
            f"{per_model(ev('prompts'))} prompts x {per_model(ev('gen_tokens'))} greedy tokens, every row against the "
            f"sequential model, with the implied per-token agreement β̂ (fused plans also against the same fused model "
            f"run sequentially, the paper's reference, in a column apart); EmbSim: cosine of MiniLM sentence "
            f"embeddings of the continuations; Speedup: KV-cached decode latency per token at batch 1, sequential / "
            f"plan, the median of the paired per-round ratios of {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
            f"round-robin after {per_model(ev('warmup'))} warm-up round(s) on each model"
-           + (f"; evaluation, early exit and SSD ran with {ctx['threads']} intra-op thread(s) (batch-1 decoding is "
+           + (f"; evaluation, early exit and self-speculative decoding (SSD) ran with {ctx['threads']} intra-op "
+              f"thread(s) (batch-1 decoding is "
               f"latency bound: on a small box more threads only add contention, and under load they stall)."
               if ctx["threads"] else "."),
            ""]
@@ -717,7 +751,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"the best prediction among those they do not separate from it (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
            f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
-           f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))}, interleaved with sequential "
+           f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))} (B: the tokens the drafter "
+           f"proposes per round), interleaved with sequential "
            f"greedy decoding of the same prompts, after a warm-up of both sides; "
            f"{per_model({k: r.get('repeats') for k, r in used.items()})} timed rounds, medians shown. "
            f"α = measured per-draft acceptance (the median over the rounds; α over = the tokens each round drafted "
@@ -758,6 +793,17 @@ def s_figures(evals: dict[str, list], used: dict[str, dict]) -> str:
                  f"it computes the same at every B, so s differs between the B rows by how its timing moved between "
                  f"their decodes, which this run does not attribute (to the load, or to how many drafter steps run "
                  f"back to back).")
+    # s is the median of the rounds' own ratios (snlp.decode.speculative.speculative_benchmark), the step times the
+    # medians of each side apart: a reader dividing the two gets another figure wherever a round's sides moved apart
+    off = [(abs(q / r["drafter_speedup_s"] - 1), label, r, q) for k, label in MODELS if k in used
+           for r in used[k]["rows"] if r.get("drafter_speedup_s") and r.get("sequential_ms_per_step")
+           and r.get("drafter_ms_per_step") and (q := r["sequential_ms_per_step"] / r["drafter_ms_per_step"])]
+    if off and (worst := max(off, key=lambda t: t[0]))[0] >= 0.005:
+        _, label, r, q = worst
+        text += (f" s is the median over the rounds of each round's own ratio, not the ratio of the two step "
+                 f"medians, so the two differ by up to {worst[0]:.0%} here ({label} B = {r['block']}: sequential "
+                 f"step {r['sequential_ms_per_step']:.2f} ms / drafter step {r['drafter_ms_per_step']:.2f} ms = "
+                 f"{q:.2f}, s {r['drafter_speedup_s']:.2f}x).")
     return text
 
 
@@ -896,11 +942,18 @@ def _stage_times(ctx: dict) -> list[str]:
     st = ctx["stages"]
     out = ["\n## Wall time per stage\n", "| Stage | This invocation | Planned | Wall time | Shrunk to keep the budget "
            "| Load at start → end |", "|:---|:---|---:|---:|:---|---:|"]
+    gap, labels = side_by_side_gap(ctx), dict(MODELS)
+    trains = [st.get(f"train-{k}") or {} for k, _ in MODELS]
     for name in ctx["order"]:
         r = st[name]
         planned = fmt_s(r["planned"]) if r.get("planned") is not None else "–"
+        # side-by-side training writes both stage records once both runs have ended: the first to finish has
+        # its end sample (and its finished time) from the other's end, not its own
+        late = (gap is not None and name.startswith("train-") and labels.get(name[6:]) == gap[0]
+                and len({t.get("finished") for t in trains}) == 1)
         out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {planned} | {fmt_s(r['seconds'])} | "
-                   f"{r.get('shrunk') or '–'} | {r.get('load_start')} → {r.get('load_end')} |")
+                   f"{r.get('shrunk') or '–'} | {r.get('load_start')} → {r.get('load_end')}"
+                   + (f" (sampled at {gap[1]}'s end, {fmt_s(gap[2])} after its own)" if late else "") + " |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
     return out + [f"| **end to end** | | | **{fmt_s(total)}** | | |",
@@ -940,7 +993,12 @@ def _budget_line(ctx: dict) -> str:
     """The budget sentence under the stage table: the budget, the probe and training's share (speedrun --budget)."""
     b, minutes = ctx.get("budget"), ctx.get("budget_minutes")
     if minutes is None:
-        return "; no budget (Planned = the cost model's prediction from the probe, nothing shrinks)" if b else ""
+        if b:
+            return "; no budget (Planned = the cost model's prediction from the probe, nothing shrinks)"
+        # an invocation that reused every stage makes no plan: the Planned cells are the records' own
+        planned = any((ctx.get("stages") or {}).get(n, {}).get("planned") is not None for n in ctx.get("order", ()))
+        return ("; no budget (Planned = the cost model's prediction each stage was recorded with, made by the "
+                "invocation that ran it; nothing shrinks)" if planned else "; no budget (nothing shrinks)")
     text = f"; budget {fmt_s(minutes * 60)}: "
     if not b:
         return text + "every stage was reused, nothing planned"
@@ -1086,6 +1144,36 @@ def off_front_through_ties(evals: dict[str, list]) -> list[str]:
     return ["\n" + " ".join(out) + "\n"] if out else []
 
 
+def off_front_by_sequential(evals: dict[str, list]) -> list[str]:
+    """A sentence for each plan that only the sequential model dominates: the sequential model is a point of the
+    front but not a row of the main table, so without it such a plan (often the table's lowest PPL) reads as
+    unstarred for no reason the table shows. Says what the paired rounds and windows found against it."""
+    speeds, out = pooled_speeds(evals), []
+    for key, label in MODELS:
+        rows = [r for r in front_rows(evals.get(key, []), speeds)
+                if r[1] is not None and r[2] is not None and math.isfinite(r[2])]
+        seq = next((r for r in rows if r[0] == "sequential"), None)
+        if seq is None:
+            continue
+        for b in rows:
+            if b is seq or tied_front([seq, b]) != {"sequential"}:
+                continue
+            if any(a is not b and a is not seq and tied_front([a, b]) == {a[0]} for a in rows):
+                continue  # a plan dominates it too: the table shows why
+            ratios = paired_ratios(b[1], seq[1])
+            speed = (f"it decoded faster than sequential in {sum(x > 1 for x in ratios)} of {len(ratios)} paired "
+                     "rounds, " + ("which the sign test does not tell from 1.00x" if speed_order(b[1], seq[1]) == 0
+                                   else "slower by the sign test") if ratios else
+                     "its Speedup does not resolve from 1.00x" if speed_order(b[1], seq[1]) == 0 else
+                     "it decodes slower than sequential")
+            q = window_order(b[3], seq[3])
+            q = ppl_order(b[2], seq[2]) if q is None else q
+            ppl = ("its PPL is higher beyond the paired t-test over the validation windows" if q < 0 and b[3]
+                   else "its PPL is higher beyond the tie rule" if q < 0 else "its PPL ties with sequential")
+            out.append(f"{label}: `{b[0]}` is off the front only through the sequential model: {speed}, and {ppl}.")
+    return ["\n" + " ".join(out) + "\n"] if out else []
+
+
 def drafter_off_front(evals: dict[str, list], ssd: dict[str, dict]) -> list[str]:
     """A sentence for each model whose drafter (`†`) is not on its `*` front: the two answer different questions."""
     speeds, out = pooled_speeds(evals), []
@@ -1107,6 +1195,7 @@ def render_report(ctx: dict) -> str:
     evals = ctx["evals"]  # model key -> list[EvalRecord]
     N, e0 = cfg["reg_n"], evals["noreg"][0]
     stepping = stepping_recorded(trains.values())
+    lockstep = trained_in_lockstep(ctx)
     out = [*_head(ctx), *_setup(ctx),
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
@@ -1116,16 +1205,23 @@ def render_report(ctx: dict) -> str:
               "validation passes left out (Train time holds them)" if stepping else
               "tok/s (median): tokens per wall-clock second of each training step, the median over steps")
            + ("; the two trained side by side in lockstep, so each waits for the slower one and this is the pair's "
-              "pace (the two differ only by when each step's clock stops)" if ctx["parallel"] else "")
+              "pace (the two differ only by when each step's clock stops)" if lockstep else
+              "; the two trained side by side, one process each, not in lockstep (a fixed step count: each stepped "
+              "at its own pace" + (f", and {gap[0]} finished {fmt_s(gap[2])} before {gap[1]}, which trained alone "
+                                   "after that" if (gap := side_by_side_gap(ctx)) else "")
+              + "), so each is that model's own pace" if ctx["parallel"] else "")
            + f". Own step: the {'mean' if stepping else 'median'} of the model's own "
            "step time (its start to its statistics"
-           + (", without the lockstep wait" if ctx["parallel"] else "")
+           + (", without the lockstep wait" if lockstep else "")
            + ") and the tokens per second it implies: what one step of each model costs (IDN Reg.'s includes the "
            "regulariser).\n",
            "## Main results\n",
            "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
-           "iterations; rows from higher to lower PPL"
-           + ("; ΔPPL is marked (tie) where its 95 % interval from a paired t-test over the validation windows, "
+           "iterations; rows from higher to lower PPL. A plan runs the first S = L − N layers sequentially and the "
+           "last N = C·M (the suffix) as C chunks of M layers, each chunk fused into one wide layer when M > 1, all "
+           "chunks evaluated in one batched step; init `h0` starts every suffix state from the prefix's output h_S, "
+           "`fwd` from one batched forward of it; K = the IDN correction iterations (docs/plans.md)"
+           + (". ΔPPL is marked (tie) where its 95 % interval from a paired t-test over the validation windows, "
               "against the model's own sequential PPL, includes 0" if any(ppl_intervals(evals).values()) else "")
            + f". {front_rule(pooled_speeds(evals), evals)}. `†` = the "
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
@@ -1139,6 +1235,7 @@ def render_report(ctx: dict) -> str:
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
            *([f"\n{c}"] if (c := speed_chain(pooled_speeds(evals))) else []),
            *off_front_through_ties(evals),
+           *off_front_by_sequential(evals),
            *drafter_off_front(evals, ssd),
            "\n" + speed_columns(ctx),
            "\n![speed-quality frontier](frontier.png)\n",
@@ -1153,14 +1250,16 @@ def render_report(ctx: dict) -> str:
            "## Full evaluation records\n"]
     for key, label in MODELS:
         out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
-                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan "
-                f"differ by the load of the moment each stage ran as much as by anything else; Prefill = teacher-forced forward "
+                f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan were "
+                f"timed in different stages, at different moments (the main table's note); Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]): S the sequential prefix "
                 f"layers, evals the batched suffix evaluations per iteration (1 for IDN; a fused chunk of M layers "
                 f"evaluates them side by side, so it is one step), [fwd] 1 for a forward-pass init, the layer-step count a "
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
                 f"as in the main table's AR Match vs seq., in every table and file of this run (records.csv: "
                 f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]
-    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `stages/*.json` (stage records with their "
-               "settings), `records.csv`, `summary.json`, `frontier.png`.\n")
+    out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `noreg.train.log`, `idn.train.log` (each model's "
+               "training output: its settings, validation lines and speed line), `stages/*.json` (stage records with "
+               "their settings), `cache/` (the tokenizer and token cache), `records.csv`, `summary.json`, "
+               "`frontier.png`.\n")
     return "\n".join(out)

@@ -142,12 +142,15 @@ class Stages:
         self.console.rule(f"[bold][{self.number()}/{self.total}] {name}[/bold]: {desc} (elapsed {self.elapsed()})")
         self.running[name] = (time.perf_counter(), load_average())
 
-    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None) -> StageRecord:
+    def finish(self, name: str, settings: dict, result: dict, seconds: float | None = None,
+               ended: tuple[str, float | None] | None = None) -> StageRecord:
+        """Store stage `name`'s record; `ended`: (finish time, load average) taken when its work ended, for a stage
+        recorded later than that (side-by-side training waits for both runs), else both are taken now."""
         t, load0 = self.running.pop(name)
         seconds = time.perf_counter() - t if seconds is None else seconds
+        finished, load1 = ended or (datetime.now().astimezone().isoformat(timespec="seconds"), load_average())
         rec = StageRecord(stage=name, settings=canon(settings), result=canon(result), seconds=seconds,
-                          finished=datetime.now().astimezone().isoformat(timespec="seconds"),
-                          load_start=load0, load_end=load_average(), **self.notes.pop(name, {}))
+                          finished=finished, load_start=load0, load_end=load1, **self.notes.pop(name, {}))
         rec.id = digest([rec.settings, rec.finished, seconds])
         write_json(self.path(name), rec.to_json())
         self.console.print(f"[green]{name} done[/green] in {fmt_s(seconds)} (elapsed {self.elapsed()})")

@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import torch
 
 from snlp.apps.report import cpu_isa, fmt_s
 from snlp.apps.speedrun.preset import REG_LAMBDA
-from snlp.apps.speedrun.records import canon, read_json, write_json
+from snlp.apps.speedrun.records import canon, load_average, read_json, write_json
 from snlp.runtime.device import write_atomic
 from snlp.train.config import TrainConfig
 
@@ -251,11 +252,13 @@ class Lockstep:
 
 
 def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
-                 every: float = 30.0) -> dict[str, float]:
+                 every: float = 30.0, ends: dict | None = None) -> dict[str, float]:
     """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
     each (0 = torch's default); in lockstep when every job names a lockstep folder (see
     Lockstep: a wall-clock budget that ends every run at the same step); a status line every `every` seconds
-    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others."""
+    (a live bar on a terminal). Returns each job's wall time. A failed run stops the others. `ends`, when given,
+    gets each job's (finish time, 1-minute load average) as it ended: side by side without lockstep one run ends
+    well before the other, and its stage record is written only once both have."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     groups = [jobs] if parallel else [[j] for j in jobs]
@@ -285,6 +288,8 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                         p.join()
                         del procs[key]
                         seconds[key] = time.perf_counter() - t0
+                        if ends is not None:
+                            ends[key] = (datetime.now().astimezone().isoformat(timespec="seconds"), load_average())
                         job = next(j for j in group if j.key == key)
                         if p.exitcode != 0:
                             raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
@@ -459,10 +464,12 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     sr.console.print(("side by side, " if sr.parallel and len(jobs) > 1 else "")
                      + (f"{sr.train_threads} intra-op thread(s) each; " if sr.train_threads else "")
                      + "logs: " + ", ".join(str(j.log) for j in jobs))
-    walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force)
+    ends: dict[str, tuple] = {}
+    walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force, ends=ends)
     fingerprint = sr.tokenizer.result["fingerprint"]
     for j in jobs:
         if pre.minutes:
             sr.stages.notes[f"train-{j.key}"] = {"planned": pre.minutes * 60 + TRAIN_OVERHEAD_S}
         result = {**train_summary(j, fingerprint, walls[j.key]), "minutes": pre.minutes}
-        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, result, seconds=walls[j.key])
+        sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, result, seconds=walls[j.key],
+                                            ended=ends.get(j.key))
