@@ -1,7 +1,8 @@
 """Acceptance (alpha) of a self-speculative drafter on held-out prompts, with its exact 95 % interval.
 
     PYTHONPATH=$PWD python3 scripts/alpha_held_out.py CKPT --plan 12xF1-h0-K1 [--blocks 4,8] [--prompts 48]
-        [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32,bfloat16] [--threads 1] [--json FILE]
+        [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32,bfloat16] [--threads 1] [--data D]
+        [--json FILE]
 
 Prompts are `--prompts` windows of `--prompt-len` consecutive tokens of the checkpoint's own validation split (the
 split `snlp train` held out, snlp.eval.data.validation_tokens / sample_prompts). Each is decoded greedily with
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data", default=None, help="the text whose validation split gives the prompts (default: the "
+                   "checkpoint's training data, else stdlib)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     blocks = [int(b) for b in a.blocks.split(",")]
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     model, tok = load(a.ckpt, device="cpu")
     model.eval()
-    d = checkpoint_data(a.ckpt)
+    d = checkpoint_data(a.ckpt, data=a.data)
     val = validation_tokens(tok, d["data"], d["text_field"], d["max_chars"], d["val_frac"], d["cache_dir"],
                             d["data_encoding"])
     prompts = sample_prompts(val, a.prompts, a.prompt_len, a.seed)
