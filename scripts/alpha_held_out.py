@@ -7,7 +7,9 @@
 Prompts are `--prompts` windows of `--prompt-len` consecutive tokens of the checkpoint's own validation split (the
 split `snlp train` held out, snlp.eval.data.validation_tokens / sample_prompts). Each is decoded greedily with
 `speculative_generate(model, prompt, plan, block=B)`; alpha = accepted / examined drafts summed over the prompts
-(examined: the accepted drafts plus each round's first rejection), with the Clopper-Pearson interval. Every fp32 run's
+(examined: the accepted drafts plus each round's first rejection), with two 95 % intervals: Clopper-Pearson over the
+drafts, and a bootstrap over the prompts (drafts of one prompt are correlated, so the first is too narrow; compare
+plans by the second). Every fp32 run's
 output (and fp64's) is compared with `sequential_generate` (they must be equal: greedy self-speculation is exact); in bf16 the
 (B + 1)-position verifier may round a near-tie differently from one-token steps, so bf16 outputs are reported, not
 required equal. This is the alpha docs/gpu.md's decode prediction rests on
@@ -51,23 +53,43 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return low, high
 
 
+def prompt_bootstrap(acc: list[int], exam: list[int], level: float = 0.95, draws: int = 4000,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of alpha = sum(acc) / sum(exam) over prompts resampled with replacement: drafts of one
+    prompt are not independent (a prompt's text is easy or hard to draft all along), so the binomial interval over
+    drafts is too narrow; this one treats the prompt as the unit."""
+    a, e = torch.tensor(acc, dtype=torch.float64), torch.tensor(exam, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    i = torch.randint(0, len(acc), (draws, len(acc)), generator=g)
+    r = (a[i].sum(1) / e[i].sum(1).clamp_min(1)).sort().values
+    lo, hi = int((1 - level) / 2 * draws), int((1 + level) / 2 * draws) - 1
+    return float(r[lo]), float(r[hi])
+
+
 def measure(model, prompts: list[list[int]], plan: str, blocks: list[int], new_tokens: int, dtypes: list,
             report=None) -> list[dict]:
-    """One row per (dtype, block): alpha = accepted / examined drafts summed over the prompts, its 95 % interval,
-    and how many outputs equal sequential greedy decoding's. `model` is cast to each dtype in turn (in place)."""
+    """One row per (dtype, block): alpha = accepted / examined drafts summed over the prompts, its 95 % intervals
+    (Clopper-Pearson over drafts, and a bootstrap over prompts, the wider and the one to compare plans by), each
+    prompt's counts, and how many outputs equal sequential greedy decoding's. `model` is cast to each dtype in turn
+    (in place)."""
     rows = []
     for dtype in dtypes:
         m = model.to(dtype)
         with torch.inference_mode():
             ref = [sequential_generate(m, pr, max_new_tokens=new_tokens).tokens for pr in prompts]
             for B in blocks:
-                acc = exam = same = 0
+                accs, exams, same = [], [], 0
                 for pr, r in zip(prompts, ref):
                     out = speculative_generate(m, pr, plan, block=B, max_new_tokens=new_tokens)
-                    acc, exam, same = acc + out.accepted, exam + out.examined, same + (out.tokens == r)
+                    accs.append(out.accepted)
+                    exams.append(out.examined)
+                    same += out.tokens == r
+                acc, exam = sum(accs), sum(exams)
                 lo, hi = clopper_pearson(acc, exam) if exam else (0.0, 1.0)
+                blo, bhi = prompt_bootstrap(accs, exams) if exam else (0.0, 1.0)
                 row = dict(dtype=str(dtype).replace("torch.", ""), block=B, alpha=acc / exam if exam else None,
-                           accepted=acc, examined=exam, low=lo, high=hi, equal_outputs=same, prompts=len(prompts))
+                           accepted=acc, examined=exam, low=lo, high=hi, boot_low=blo, boot_high=bhi,
+                           equal_outputs=same, prompts=len(prompts), per_prompt=list(zip(accs, exams)))
                 rows.append(row)
                 if report is not None:
                     report(row)
@@ -101,11 +123,12 @@ def main(argv=None) -> int:
     prompts = sample_prompts(val, a.prompts, a.prompt_len, a.seed)
     print(f"# {a.ckpt}: {a.prompts} held-out prompts of {a.prompt_len} tokens (seed {a.seed}), {a.new_tokens} greedy "
           f"tokens each, plan {a.plan}")
-    print("| dtype | block | alpha | accepted / examined | 95 % interval | output = sequential greedy |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | block | alpha | accepted / examined | 95 % over drafts | 95 % over prompts | output = sequential greedy |")
+    print("|---|---|---|---|---|---|---|")
     rows = measure(model, prompts, a.plan, blocks, a.new_tokens, dtypes, report=lambda row: print(
         f"| {row['dtype']} | {row['block']} | {row['alpha']:.3f} | {row['accepted']} / {row['examined']} | "
-        f"{row['low']:.3f}-{row['high']:.3f} | {row['equal_outputs']} of {row['prompts']} |", flush=True))
+        f"{row['low']:.3f}-{row['high']:.3f} | {row['boot_low']:.3f}-{row['boot_high']:.3f} | "
+        f"{row['equal_outputs']} of {row['prompts']} |", flush=True))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(ckpt=a.ckpt, plan=a.plan, prompt_len=a.prompt_len, new_tokens=a.new_tokens, seed=a.seed,

@@ -4,14 +4,14 @@
 # development box, so a fresh clone runs this first:
 #
 #   bash scripts/lease_prep.sh             # .paper/ (the paper's code) and runs/sr-idn/ (the decode part's model)
-#   bash scripts/lease_prep.sh --alpha     # ... and the drafter's acceptance on 48 held-out prompts (about 4 min)
+#   bash scripts/lease_prep.sh --alpha     # ... and its two drafters' acceptance on 48 held-out prompts (~8 min)
 #
 # runs/sr-idn is the speedrun's IDN-Reg model (depth 16, width 128, head dim 32, vocab 4096, T = 256, batch 8, IDN
 # regulariser N = 12, lambda 0.5, seed 0, stdlib text) at 444 optimizer steps: taken from runs/speedrun/idn when a
-# speedrun trained it with that many steps, else trained here with `snlp train` and the speedrun's settings
-# (snlp.apps.speedrun.train.train_config), 444 steps on one intra-op thread, as the speedrun trains it (about 13 min
-# on an idle core). config.json, model.safetensors and tokenizer.json (34 MB) are what
-# the decode part loads; train_summary.json and train_state.pt (the run's settings, 16 KB) come along.
+# speedrun trained exactly that many steps with no time budget (`--steps 444`), else trained here with `snlp train`
+# and the speedrun's settings (snlp.apps.speedrun.train.train_config), 444 steps on one intra-op thread, as the
+# speedrun trains it (about 13 min on an idle core). config.json, model.safetensors and tokenizer.json (34 MB) are
+# what the decode part loads; train_summary.json and train_state.pt (the run's settings, 16 KB) come along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,12 +32,18 @@ if [ ! -f .paper/nanochat-snlp/nanochat/gpt.py ]; then
 fi
 echo "lease_prep: .paper/nanochat-snlp ready"
 
-steps_of() {  # the optimizer steps a checkpoint folder was trained for (0 if it has none)
-  python3 - "$1" <<'EOF'
+steps_of() {  # the optimizer steps a checkpoint folder was trained for with no time budget (0 otherwise: a budgeted
+  python3 - "$1" <<'EOF'  # run that stopped at the same step had another learning-rate schedule)
 import json, sys
 from pathlib import Path
-p = Path(sys.argv[1]) / "train_summary.json"
-print(json.loads(p.read_text()).get("steps", 0) if p.is_file() else 0)
+import torch
+d = Path(sys.argv[1])
+try:
+    args = torch.load(d / "train_state.pt", map_location="cpu", weights_only=False).get("args", {})
+    steps = json.loads((d / "train_summary.json").read_text()).get("steps", 0)
+except (OSError, ValueError, AttributeError):
+    args, steps = {}, 0
+print(steps if args.get("minutes") is None and args.get("steps") == steps else 0)
 EOF
 }
 
@@ -61,5 +67,8 @@ if [ ! -f "$DST/model.safetensors" ]; then
 fi
 echo "lease_prep: $DST ready ($(du -sh "$DST" | cut -f1)), model.safetensors sha256 $(sha256sum "$DST/model.safetensors" | cut -c1-16)..."
 if [ "$ALPHA" = 1 ]; then
-  nice -n 5 python3 scripts/alpha_held_out.py "$DST" --plan 12xF1-h0-K1 --blocks 4,8 --json "$DST/alpha.json"
+  for plan in 16xF1-h0-K3 12xF1-h0-K1; do  # the lease's two drafters, in the order call 1 decodes them
+    nice -n 5 python3 scripts/alpha_held_out.py "$DST" --plan $plan --blocks 4,8 --dtypes float32 \
+        --json "$DST/alpha-$plan.json"
+  done
 fi

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
@@ -253,17 +254,34 @@ def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bo
 
 
 _VERSION = operator.attrgetter("_version")
+_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, by any optimizer (Runner.weights_stamp)
+_STEP_HOOK = []
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Count every optimizer step (torch's global post-step hook; once per process): fused optimizers (AdamW /
+    Adam / SGD with fused=True, nanochat's and `snlp train --compile`'s on CUDA) write the parameters in place
+    without moving their version counters, so a runner would not see their updates otherwise."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
 
 
 class Runner:
     """A model bound to an SNLP plan (`snlp.bind`). The fused chunk weights are built once, here, and
     held explicitly in `.weights`; nothing is cached behind the model's back. Each call first checks them
-    against the model's parameters (`current`: the sum of their version counters and their addresses, a few
-    attribute reads per parameter and no host sync) and rebuilds them if either moved, so an optimizer step,
-    `load_state_dict`, an in-place edit under no_grad, `p.data = t` and `model.to(...)` are followed without
-    a `refresh()`. Two edits that neither moves still need one: an in-place edit through `.data`
-    (`p.data.copy_(t)`: `.data` is an alias with a version counter of its own) and a parameter replaced by a
-    new Parameter object (`load_state_dict(assign=True)`). Calling the runner is the SNLP forward
+    against the model's parameters (`current`: the optimizer steps taken since, the sum of the parameters' version
+    counters and their addresses, a few attribute reads per parameter and no host sync) and rebuilds them if any
+    moved, so an optimizer step (fused ones included), `load_state_dict`, an in-place edit under no_grad,
+    `p.data = t` and `model.to(...)` are followed without a `refresh()`. The storages the weights were built from
+    are held until the next rebuild, so a new tensor cannot reuse a stamped address. Edits none of these see still
+    need a `refresh()`: edits through `.data` (`p.data.copy_(t)`, or an alias rewritten and swapped back in:
+    `.data` aliases carry version counters of their own), a parameter replaced by a new Parameter object
+    (`load_state_dict(assign=True)`), and in-place updates of parameters made under `torch.inference_mode` (inference
+    tensors have no version counter). Calling the runner is the SNLP forward
     idx (B, T) -> logits (B, T, V), optionally one KV-cached decode step; it is what bench, eval,
     generate and the speculative drafter take, and `torch.compile(runner)` compiles it (traced code cannot
     read version counters, so a compiled runner is not checked: call `current()` before it, as the decode steps
@@ -298,14 +316,17 @@ class Runner:
                 self.weights = chunk_weights(self.model, S, self.plan.chunks, self.plan.fuse)
         self._params = list(self.model.parameters())
         self._tracked = [p for p in self._params if not p.is_inference()]  # inference tensors have no counter
+        # the storages the weights came from, held: freed, their addresses could come back under new tensors
+        self._held = [p.untyped_storage() for p in self._params]
+        _watch_optimizer_steps()
         self._stamp = self.weights_stamp()
         return self
 
     def weights_stamp(self) -> tuple:
-        """What `current` compares: the sum of the parameters' version counters (they only grow, so any in-place
-        update moves the sum) and every parameter's address (`p.data = t` and `model.to(...)` give new storage
-        without moving a counter)."""
-        return sum(map(_VERSION, self._tracked)), tuple(map(Tensor.data_ptr, self._params))
+        """What `current` compares: the optimizer steps taken in this process (fused optimizers move no counter),
+        the sum of the parameters' version counters (they only grow, so any in-place update moves the sum) and every
+        parameter's address (`p.data = t` and `model.to(...)` give new storage without moving a counter)."""
+        return (_OPTIMIZER_STEPS[0], sum(map(_VERSION, self._tracked)), tuple(map(Tensor.data_ptr, self._params)))
 
     def current(self) -> bool:
         """Rebuild the fused weights (`refresh`) if the model's parameters changed since they were built (see the

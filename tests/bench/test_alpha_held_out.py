@@ -38,3 +38,13 @@ def test_an_exact_drafter_is_always_accepted_and_an_approximate_one_is_not():
     row = approx[0]
     assert row["equal_outputs"] == 3  # greedy self-speculation is exact whatever the drafter
     assert row["accepted"] < row["examined"] and row["low"] <= row["alpha"] <= row["high"] < 1.0
+
+
+def test_the_prompt_bootstrap_is_wider_than_the_draft_interval_when_prompts_differ():
+    """Prompts that are all easy or all hard: alpha's spread comes from which prompts were drawn, which the binomial
+    interval over drafts ignores. Equal prompts: the bootstrap has no spread at all."""
+    acc, exam = [10, 10, 10, 2, 2, 2] * 4, [10] * 24
+    lo, hi = alpha_held_out.clopper_pearson(sum(acc), sum(exam))
+    blo, bhi = alpha_held_out.prompt_bootstrap(acc, exam)
+    assert blo < lo and bhi > hi and blo < 0.6 < bhi
+    assert alpha_held_out.prompt_bootstrap([7] * 10, [10] * 10) == (0.7, 0.7)
