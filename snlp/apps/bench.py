@@ -535,6 +535,7 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 def run_decode_suite_cli(args, command: str) -> int:
     """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
+    from snlp.apps.common import check_plans_fit
     from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
@@ -588,6 +589,7 @@ def run_decode_suite_cli(args, command: str) -> int:
         return 0
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
+    check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
     cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
                             batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompt_len=args.prompt_len,
                             new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,

@@ -72,7 +72,7 @@ class Tokenizer:
         whose vocabulary is padded past its tokenizer's sampled one of the padding rows) is refused in one line naming
         it, as `tokenizers` would drop it from the text silently; with `mark_missing` it is shown as
         `<|no token N|>` instead, so generated text is printed and saved whole, every id accounted for."""
-        out, text = [], []
+        out, marks = [], []  # the ids with a token; (how many of them come first, id) for each id without one
         for i in ids:
             try:
                 k = None if isinstance(i, (bool, float)) else operator.index(i)
@@ -84,11 +84,21 @@ class Tokenizer:
                 if not mark_missing:
                     raise ValueError(f"token id {k} is not in the tokenizer's vocabulary ({self.vocab_size} tokens): "
                                      f"it has no text (a model vocabulary padded past the tokenizer's?)")
-                text += [self.tok.decode(out, skip_special_tokens=False), f"<|no token {k}|>"]
-                out = []
+                marks.append((len(out), k))
                 continue
             out.append(k)
-        return "".join(text) + self.tok.decode(out, skip_special_tokens=False)
+        text = self.tok.decode(out, skip_special_tokens=False)
+        if not marks:
+            return text
+        # each mark goes where the text of the ids before it ends: decoding the pieces apart would lose what a
+        # decoder does at a piece's start (SentencePiece strips the first token's leading space)
+        pieces, start = [], 0
+        for n, k in marks:
+            end = len(self.tok.decode(out[:n], skip_special_tokens=False)) if n else 0
+            end = max(end, start)
+            pieces += [text[start:end], f"<|no token {k}|>"]
+            start = end
+        return "".join(pieces) + text[start:]
 
     @classmethod
     def from_hf(cls, hf_tokenizer) -> "Tokenizer":

@@ -204,6 +204,7 @@ def depth4_unloadable(tmp_path_factory):
     ["eval", "{ck}", "--task", "mc:x.jsonl", "--plans", "40xF1-h0-K1"],
     ["bench", "--ckpt", "{ck}", "--plans", "40xF1-h0-K1"],
     ["bench", "--ckpt", "{ck}", "--decode", "--plans", "40xF1-h0-K1"],
+    ["bench", "--suite", "decode", "--ckpt", "{ck}", "--suite-plans", "40xF1-h0-K1"],
     ["tune", "{ck}", "--plans", "40xF1-h0-K1"],
     ["adapt", "{ck}", "--plan", "40xF1-h0-K1", "--out", "{o}/d"],
     ["sft", "{ck}", "--data", "chats.jsonl", "--out", "{o}/sft", "--forward", "40xF1-h0-K1"],

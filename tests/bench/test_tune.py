@@ -329,3 +329,4 @@ def test_the_default_grid_adds_full_depth_drafters_on_cuda_only():
     cfg = TuneConfig(**FAST)
     assert [str(p) for p in cfg.plan_list(16, device="cuda")] == cuda
     assert [str(p) for p in cfg.plan_list(16, device="cpu")] == cpu
+    assert default_plans(3, "cuda")[-1:] == ["3xF1-h0-K2"]  # never K >= C: that plan is the model, no drafter

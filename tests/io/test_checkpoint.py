@@ -197,3 +197,16 @@ def test_decode_can_mark_ids_without_a_token_and_keep_the_rest(tok):
     assert tok.decode(ids, mark_missing=True) == text
     with pytest.raises(ValueError, match="must be integers"):
         tok.decode([1.0], mark_missing=True)  # only missing ids are marked, never a non-integer
+
+
+def test_a_marked_id_keeps_the_decoders_spacing_around_it():
+    """A SentencePiece-style (Metaspace) decoder strips the leading space of a text's first word: a marker spliced
+    between pieces decoded apart lost the space of the word after it ('hello<|no token 99|>world')."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
+
+    t = HF(models.WordLevel({"<unk>": 0, "▁hello": 1, "▁world": 2, "▁again": 3}, unk_token="<unk>"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok = Tokenizer(t, meta={})
+    assert tok.decode([1, 2, 3]) == "hello world again"
+    assert tok.decode([1, 99, 2, 3], mark_missing=True) == "hello<|no token 99|> world again"
+    assert tok.decode([99, 1, 2, 99], mark_missing=True) == "<|no token 99|>hello world<|no token 99|>"
