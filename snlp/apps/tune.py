@@ -32,7 +32,7 @@ fastest SNLP decoding within that PPL budget. Stage 1 predicts every candidate f
 decodes the --top best end to end, round-robin with sequential decoding, and picks the best measured one. Prints the
 table (predicted vs measured) and the pick; minutes on a CPU.
 
-  snlp tune runs/idn                                 # SSD: 12 plans (L = 16; 15 on CUDA) x B = 2,3,4,6,8
+  snlp tune runs/idn                                 # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
   snlp tune runs/idn --max-dppl 1% --threads 1,2     # also SNLP within +1 % PPL; 1 and 2 threads
   snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
 """

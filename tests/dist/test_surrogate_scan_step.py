@@ -32,6 +32,9 @@ def test_scan_step_over_runs_equals_the_single_process_step(kind, plan):
     plan = Plan.parse(plan).check_model(model.config)
     S, C, sur = plan.prefix_len(model.config.n_layer), plan.chunks, plan.surrogate
     idx = tokens(model, T=6)
+    # DiagN fd divides the probe's difference by its step (1e-3 here): the round-off of chunk forwards batched over
+    # another number of chunks (one run vs two) is amplified a thousandfold; the other surrogates add no division
+    tol = 1e-9 if "diag:fd" in str(plan) else 1e-12
     with torch.no_grad():
         ctx = model.embed(idx)
         hS = model.run_layers(ctx.x0, ctx, 0, S)
@@ -48,8 +51,8 @@ def test_scan_step_over_runs_equals_the_single_process_step(kind, plan):
         d, h1 = sur.scan_step(Iterate(plan, w, ctx, inputs, tilde, h, mix, seed()),
                               lambda a, b, m: affine_scan(a, b, m), *_factors(plan, h, 0, C),
                               shift(prev) if lagged else None)
-        torch.testing.assert_close(d, want_d, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(h1, want_h, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d, want_d, rtol=tol, atol=tol)
+        torch.testing.assert_close(h1, want_h, rtol=tol, atol=tol)
         # two runs (two ranks): chunks 0..1 and 2..3, the second's scan starting from the first's total
         runs, outs, total = [(0, 2), (2, 4)], [], None
         for lo, hi in runs:
@@ -66,8 +69,8 @@ def test_scan_step_over_runs_equals_the_single_process_step(kind, plan):
                                    scan, *_factors(plan, h, lo, hi), shift(prev)[lo:hi] if lagged else None)
             outs.append((dr, hr))
             total = dr[-1]
-        torch.testing.assert_close(torch.cat([o[0] for o in outs]), want_d, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(torch.cat([o[1] for o in outs]), want_h, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([o[0] for o in outs]), want_d, rtol=tol, atol=tol)
+        torch.testing.assert_close(torch.cat([o[1] for o in outs]), want_h, rtol=tol, atol=tol)
 
 
 def test_exact_newton_has_no_scan_step():
