@@ -78,7 +78,7 @@ def default_plans(n_layer: int, device=None) -> list[str]:
             out.append(f"{N // 2}xF2-h0-K1")
     if device is not None and torch.device(device).type == "cuda":
         out += [f"{n_layer}xF1-h0-K{k}" for k in (2, 3, 4) if k < n_layer]  # K >= L: the model itself
-    return list(dict.fromkeys(out))
+    return out
 
 
 @dataclass

@@ -155,6 +155,12 @@ def holds_speedrun(path) -> bool:
     return (Path(path) / "stages").is_dir()
 
 
+def names_transformers_model(config: dict) -> bool:
+    """A config.json that transformers wrote: it names an architecture / model_type (an snlp config holds GPTConfig
+    fields only)."""
+    return bool({"architectures", "model_type"} & set(config))
+
+
 def is_snlp_checkpoint(path) -> bool:
     """An snlp checkpoint directory: config.json holds GPTConfig fields next to model.safetensors (a transformers
     directory has the same two files, but its config names an architecture / model_type). A config.json that is
@@ -169,7 +175,7 @@ def is_snlp_checkpoint(path) -> bool:
         raise ValueError(f"corrupt {cfg}: not valid JSON ({e}); restore it or re-save the checkpoint") from e
     if not isinstance(d, dict):
         raise ValueError(f"corrupt {cfg}: expected a JSON object, got {type(d).__name__}")
-    return not ({"architectures", "model_type"} & set(d))
+    return not names_transformers_model(d)
 
 
 def load_config(path) -> GPTConfig:
@@ -183,7 +189,7 @@ def load_config(path) -> GPTConfig:
         raise ValueError(f"corrupt {f}: not valid JSON ({e}); restore it or re-save the checkpoint") from e
     if not isinstance(d, dict):
         raise ValueError(f"corrupt {f}: expected a JSON object of GPTConfig fields")
-    if {"architectures", "model_type"} & set(d):  # is_snlp_checkpoint's test: transformers writes these keys
+    if names_transformers_model(d):
         arch = ", ".join(d.get("architectures") or []) or d.get("model_type")
         raise ValueError(f"{f.parent} is a transformers model directory ({arch}), not an snlp checkpoint: convert it "
                          f"first, `snlp convert {f.parent} --out DIR` (snlp eval --harness and snlp.from_hf take it "
@@ -198,15 +204,22 @@ def load_config(path) -> GPTConfig:
         raise ValueError(f"invalid model config in {f}: {e}") from e
 
 
+def _config_json(path) -> dict | None:
+    """The JSON object in the config.json of `path` (a folder, or a file inside one); None if there is none or it is
+    unreadable (the load then says why)."""
+    p = Path(path)
+    try:
+        d = json.loads(((p.parent if p.is_file() else p) / CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def is_transformers_dir(path) -> bool:
     """A folder whose config.json names a transformers architecture / model_type (an export, a downloaded model):
     what `load` refuses with the command that converts it. False for anything else, unreadable configs included."""
-    try:
-        p = Path(path)
-        d = json.loads(((p.parent if p.is_file() else p) / CONFIG).read_text())
-        return isinstance(d, dict) and bool({"architectures", "model_type"} & set(d))
-    except (OSError, ValueError):
-        return False
+    d = _config_json(path)
+    return d is not None and names_transformers_model(d)
 
 
 def checkpoint_depth(path) -> int | None:
@@ -214,16 +227,13 @@ def checkpoint_depth(path) -> int | None:
     checkpoint's config.json, a nanochat checkpoint's meta_NNNNNN.json, a transformers directory's config.json
     (num_hidden_layers). None where no config tells it without the weights (a GGUF file, a hub id) or the path is
     no model (its load then says why), so commands can refuse a plan too deep for the model before loading it."""
-    p = Path(path)
-    try:
-        if is_nanochat_dir(p):
-            return nanochat_depth(p)
-        f = (p.parent if p.is_file() else p) / CONFIG
-        d = json.loads(f.read_text())
-        n = d.get("num_hidden_layers") if {"architectures", "model_type"} & set(d) else d.get("n_layer")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
-    except (OSError, ValueError, AttributeError):
+    if is_nanochat_dir(Path(path)):
+        return nanochat_depth(path)
+    d = _config_json(path)
+    if d is None:
         return None
+    n = d.get("num_hidden_layers") if names_transformers_model(d) else d.get("n_layer")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
 def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokenizer | None]:

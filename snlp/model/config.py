@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from snlp.model.ops import rope_inv_freq
+from snlp.runtime.checks import bool_error
 
 # the boolean fields of GPTConfig (x0_residual may also be None: on unless mHC)
 SWITCHES = ("x0_residual", "value_embeds", "hc_dynamic", "qkv_bias", "embed_norm", "norm_weights", "rope_rotate_half",
@@ -73,10 +72,12 @@ class GPTConfig:
         errors = []
         for name in SWITCHES:  # truthiness would read "no" as on; numpy's bool_ is kept as a plain bool (JSON)
             v = getattr(self, name)
-            if isinstance(v, (bool, np.bool_)):
+            if v is None and name == "x0_residual":
+                continue
+            if (err := bool_error(name, v)) is not None:
+                errors.append(err)
+            else:
                 setattr(self, name, bool(v))
-            elif not (v is None and name == "x0_residual"):
-                errors.append(f"{name} must be True or False (got {v!r} of type {type(v).__name__})")
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len", "mlp_ratio"):
             if int(getattr(self, name)) < 1:
                 errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
