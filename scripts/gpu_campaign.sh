@@ -102,12 +102,16 @@ if [ -n "$PAPER" ]; then
 fi
 
 # 5. (--parts decode,decode_shape) the decode suite: snlp's decoders against transformers' on one model (--decode-ckpt,
-#    DECODE_BATCHES=1 for batch 1 only, DECODE_BLOCKS=4,8 for the draft blocks;
+#    DECODE_BATCHES=1 for batch 1 only, DECODE_BLOCKS=4,8 for the draft blocks, DECODE_METHODS=speculative and
+#    DECODE_TREATMENTS=compiled to run only the rows the speedup compares (snlp sequential always runs),
+#    DECODE_PROMPTS=8 for calls that decode 8 prompts each, a batch at a time (alpha over more than one prompt);
 #    default random weights at SmolLM2-135M's shape: its GGUF is over a device call's 64 MiB), and the random-weights
 #    0.5B drafter step times with a PREDICTED speedup
 part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV --ckpt "$DCKPT" \
     ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} --batch-sizes "${DECODE_BATCHES:-1,4}" \
-    ${DECODE_BLOCKS:+--blocks "$DECODE_BLOCKS"} --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
+    ${DECODE_BLOCKS:+--blocks "$DECODE_BLOCKS"} ${DECODE_METHODS:+--suite-methods "$DECODE_METHODS"} \
+    ${DECODE_TREATMENTS:+--treatments "$DECODE_TREATMENTS"} ${DECODE_PROMPTS:+--suite-prompts "$DECODE_PROMPTS"} \
+    --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \
     --out "$OUT/parts/decode"
 part decode_shape $T_LONG $PY -m snlp bench --suite decode $Q --device $DEV --shapes 0.5B --suite-plans 24xF1-h0-K2 \
     --alpha 0.5,0.7,0.9 --out "$OUT/parts/decode_shape"

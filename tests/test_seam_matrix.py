@@ -994,12 +994,14 @@ def test_compiled_entry_points_equal_their_references(name):
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2", "whole"]), seed=st.integers(0, 50),
        sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans(), nano=st.booleans(),
-       windows=st.sampled_from(list(WINDOWS)))
-def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, tmp_path_factory):
+       windows=st.sampled_from(list(WINDOWS)), prompts=st.sampled_from([None, 6]))
+def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, prompts,
+                                                        tmp_path_factory):
     """The decode suite's rows (bench entry point): its reference is the argmax loop, every row it calls exact (snlp
     sequential, speculative with the model's own or an adapted drafter, an SNLP plan with K >= C and M = 1) gives
     the reference's tokens in fp64, and a K >= C plan with M > 1 (the fused model) is not called exact; `nano`:
-    nanochat-snlp's parts (NANOCHAT), `windows`: the window widths (WINDOWS)."""
+    nanochat-snlp's parts (NANOCHAT), `windows`: the window widths (WINDOWS); `prompts`: one call decodes six
+    prompts a batch at a time (None: one batch)."""
     from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
     from snlp.io.drafter import save_drafter
 
@@ -1014,8 +1016,9 @@ def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafte
         save_drafter(path, d)
     cfg = DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=sizes, prompt_len=5, new_tokens=6,
                             plans=(PLANS[kind],), blocks=(3,), rounds=1, warmup=0, transformers=False, seed=seed,
-                            drafter=None if path is None else str(path))
+                            drafter=None if path is None else str(path), prompts=prompts)
     res = run_decode_suite(cfg, model=m)
+    assert len(res.prompts) == (prompts or max(sizes))
     assert res.reference == [argmax_loop(m, p, 6) for p in res.prompts]
     snlp_row = next(r for r in res.rows if r.method == "snlp snlp")
     assert snlp_row.exact == (kind == "exact")

@@ -144,6 +144,12 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--suite-plans", default=None,
                        help="--suite decode: comma-separated SNLP plans (snlp rows and drafters); default one plan, "
                             "L/2 layers of F1, K=1; with --shapes the shape's own plans")
+    suite.add_argument("--suite-prompts", type=int, default=None,
+                       help="--suite decode: prompts one timed call decodes, a batch at a time (a multiple of every "
+                            "batch size, at most 8): batch-1 rows over several prompts (default: one batch)")
+    suite.add_argument("--suite-methods", default=None,
+                       help="--suite decode: which snlp rows run beside snlp sequential (always: the reference and "
+                            "the verifier), comma-separated: snlp (SNLP decoding), speculative (default both)")
     suite.add_argument("--early-exit", type=int, default=None,
                        help="--suite decode: transformers' assistant_early_exit E (default L // 4)")
     suite.add_argument("--prompt-lookup", type=int, default=None,
@@ -238,8 +244,9 @@ BENCH_READS = {
                     "train_steps", "train_warmup", "optimizer"),
 }
 CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
-    "suite_plans", "early_exit", "prompt_lookup", "no_transformers", "drafter", "alpha", "no_ablations", "pin",
-    "dist_timeout", "link_gbps", "link_latency_us", "shape", "roofline_gbytes", "roofline_efficiency", "op_floor_us")
+    "suite_plans", "suite_methods", "suite_prompts", "early_exit", "prompt_lookup", "no_transformers", "drafter",
+    "alpha", "no_ablations", "pin", "dist_timeout", "link_gbps", "link_latency_us", "shape", "roofline_gbytes",
+    "roofline_efficiency", "op_floor_us")
 
 
 def unread_flags(args, kind: str) -> None:
@@ -563,6 +570,7 @@ def run_decode_suite_cli(args, command: str) -> int:
                              "--drafter (or drop --shapes to decode the checkpoint)")
         unused = [flag for flag, used in (
             ("--batch-sizes", args.batch_sizes is not None), ("--suite-new-tokens", args.suite_new_tokens is not None),
+            ("--suite-methods", args.suite_methods is not None), ("--suite-prompts", args.suite_prompts is not None),
             ("--early-exit", args.early_exit is not None), ("--prompt-lookup", args.prompt_lookup is not None),
             ("--no-transformers", args.no_transformers)) if used]
         if unused:
@@ -591,12 +599,15 @@ def run_decode_suite_cli(args, command: str) -> int:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
     cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
-                            batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompt_len=args.prompt_len,
+                            batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompts=args.suite_prompts,
+                            prompt_len=args.prompt_len,
                             new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,
                             early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
-                            rounds=args.suite_runs, transformers=not args.no_transformers, threads=args.threads,
-                            seed=args.seed, command=command)
+                            rounds=args.suite_runs, transformers=not args.no_transformers,
+                            methods=None if args.suite_methods is None else tuple(
+                                m.strip() for m in args.suite_methods.split(",") if m.strip()),
+                            threads=args.threads, seed=args.seed, command=command)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 
     def progress(result, what: str) -> None:  # a run cut short keeps every round it finished

@@ -14,6 +14,8 @@ Methods (each a row per batch size):
   hf early-exit E         `generate(assistant_early_exit=E)`: transformers' LayerSkip self-speculation (the first E
                           layers and the head draft); batch 1 only (transformers' assisted generation);
   hf prompt-lookup N      `generate(prompt_lookup_num_tokens=N)`; batch 1 only.
+`methods` (`--suite-methods`) drops the snlp or speculative rows (sequential always runs), `transformers`
+(`--no-transformers`) the hf rows: a short device lease compiles only the rows it compares.
 transformers loads the model snlp decodes through snlp's own export (snlp.io.hf.export_hf: Llama-family models,
 e.g. SmolLM2 converted from its GGUF); it is imported lazily and its rows are skipped with the reason where it is
 missing, too old, or cannot hold the model (nanochat-style models have no transformers architecture).
@@ -75,6 +77,9 @@ TEXTS = (
 )
 
 
+SNLP_METHODS = ("snlp", "speculative")  # the optional snlp rows (DecodeSuiteConfig.methods)
+
+
 @dataclass
 class DecodeSuiteConfig:
     """What to run. None means the default for the device and `quick` (see `resolved`)."""
@@ -86,6 +91,8 @@ class DecodeSuiteConfig:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
+    prompts: int | None = None  # prompts one timed call decodes, in batches of each batch size (every batch size
+    #                             must divide it): batch-1 rows over several prompts; None: one batch per call
     prompt_len: int | None = None  # None: 16 (the paper's SSD protocol, as `snlp bench --prompt-len`); 8 quick
     new_tokens: int | None = None  # None: 128; 8 quick
     plans: tuple[str, ...] | None = None  # SNLP plans (snlp rows and drafters); None: one, L/2 layers of F1, K = 1
@@ -98,6 +105,9 @@ class DecodeSuiteConfig:
     #                            cuda, 1 on cpu
     rounds: int | None = None  # timed rounds; None: 10 on cuda, 5 on cpu, 3 quick
     transformers: bool = True  # the transformers rows (skipped with a reason when they cannot run)
+    methods: tuple[str, ...] | None = None  # which snlp rows run beside "sequential" (always: the reference and the
+    #                                         verifier): "snlp", "speculative" (the drafter's rows too); None: both.
+    #                                         A short device lease drops "snlp" to compile only what it compares
     threads: int | None = None  # torch CPU threads (restored after); None: leave, 1 with quick on cpu
     seed: int = 0
     command: str | None = None
@@ -126,10 +136,24 @@ class DecodeSuiteConfig:
         if min(cfg.batch_sizes) < 1 or max(cfg.batch_sizes) > len(TEXTS):
             raise ValueError(f"decode suite: batch sizes must lie in 1..{len(TEXTS)} (the suite's prompts), got "
                              f"{','.join(map(str, cfg.batch_sizes))}")
+        if cfg.prompts is not None and not (1 <= cfg.prompts <= len(TEXTS)
+                                            and all(cfg.prompts % b == 0 for b in cfg.batch_sizes)):
+            raise ValueError(f"decode suite: prompts per call must lie in 1..{len(TEXTS)} (the suite's prompts) and be "
+                             f"a multiple of every batch size ({','.join(map(str, cfg.batch_sizes))}), got "
+                             f"{cfg.prompts}")
         if min(cfg.prompt_len, cfg.new_tokens, cfg.rounds, cfg.prompt_lookup, cfg.threads or 1) < 1 or cfg.warmup < 0 \
                 or not cfg.blocks or min(cfg.blocks) < 1 or (cfg.early_exit is not None and cfg.early_exit < 1):
             raise ValueError("decode suite: prompt length, new tokens, rounds, prompt lookup, threads, early exit and "
                              "every block must be >= 1, warm-up >= 0")
+        methods = tuple(cfg.methods) if cfg.methods is not None else SNLP_METHODS
+        bad = [m for m in methods if m not in SNLP_METHODS]
+        if bad or not methods:
+            raise ValueError(f"decode suite: methods are {' and/or '.join(SNLP_METHODS)} (snlp sequential always "
+                             f"runs: it is the reference and the verifier), got {', '.join(bad) or 'none'}")
+        if cfg.drafter and "speculative" not in methods:
+            raise ValueError("decode suite: an adapted drafter drafts the speculative rows; add speculative to the "
+                             "methods or drop the drafter")
+        cfg = replace(cfg, methods=methods)
         if max(cfg.batch_sizes) > 1:  # the plans (and the drafter's) at a batch size above 1: before the model loads
             plans = [Plan.parse(p) for p in cfg.plans or ()]
             if cfg.drafter:
@@ -151,6 +175,7 @@ class DecodeSuiteRow:
     library: str  # snlp | transformers
     treatment: str  # eager | compiled
     batch: int
+    prompts: int | None = None  # prompts one call decodes, `batch` at a time (the table's "/N prompts")
     plan: str | None = None  # the SNLP plan (snlp rows), "E=<layers>" (early exit), "N=<tokens>" (prompt lookup)
     block: int | None = None  # speculative draft block size
     exact: bool = True  # greedy output equals greedy sequential by construction (numerics aside); the JSON's is
@@ -165,8 +190,9 @@ class DecodeSuiteRow:
     first_mismatch: int | None = None  # earliest differing token position over the prompts
     alpha: float | None = None  # snlp speculative rows: the acceptance rate (last round)
     first_call_s: float | None = None  # the untimed first call (compilation included: transformers' too)
-    compile_s: float | None = None  # snlp compiled rows: compile time of the row's steps so far (they are shared by
-    #                                 every batch size: cumulative over the batches run up to this one), never timed
+    compile_s: float | None = None  # snlp compiled rows: what this row's own calls compiled, never timed; a step
+    #                                 another row compiled first (the verifier is sequential's step; every batch
+    #                                 size shares the steps) is counted in that row only
     skipped: str | None = None
 
     def to_dict(self) -> dict:
@@ -351,50 +377,64 @@ def build_steps(model: GPT, plans: list[Plan], treatments, drafter=None) -> dict
     return steps
 
 
-def _snlp_methods(model: GPT, prompts: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
+def _snlp_methods(model: GPT, groups: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
                   drafter_plan: Plan | None = None) -> list[tuple]:
-    """(row fields, its steps, callable -> GenerateResult(s)) of every snlp method and treatment."""
+    """(row fields, its steps, callable -> [GenerateResult] over every prompt) of every snlp method and treatment;
+    a call decodes the batches in `groups` one after another."""
     n, out = cfg.new_tokens, []
-    arg = prompts[0] if len(prompts) == 1 else prompts
+    args = [g[0] if len(g) == 1 else g for g in groups]
+
+    def each(decode):  # one call: every batch in turn, results in prompt order
+        def call():
+            got = [decode(a) for a in args]
+            return [r for g in got for r in (g if isinstance(g, list) else [g])]
+        return call
+
     for treatment in cfg.treatments:
         seq = steps[(treatment, None)]
         out.append((dict(method="snlp sequential", treatment=treatment, exact=True), seq,
-                    lambda seq=seq: sequential_generate(model, arg, n, step=seq)))
+                    each(lambda arg, seq=seq: sequential_generate(model, arg, n, step=seq))))
         for plan in plans:
             draft = steps[(treatment, plan)]
             exact = plan.iters >= plan.exact_iters() and plan.fuse == 1 and not plan.tol  # ordered plans need more
-            out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
-                        lambda p=plan, d=draft: snlp_generate(model, arg, p, n, step=d)))
-            for b in cfg.blocks:
+            if "snlp" in cfg.methods:
+                out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
+                            each(lambda arg, p=plan, d=draft: snlp_generate(model, arg, p, n, step=d))))
+            for b in (cfg.blocks if "speculative" in cfg.methods else ()):
                 out.append((dict(method="snlp speculative", treatment=treatment, plan=str(plan), block=b, exact=True),
-                            (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
-                                model, arg, p, b, n, draft=d, verify=seq)))
+                            (draft, seq), each(lambda arg, p=plan, d=draft, b=b, seq=seq: speculative_generate(
+                                model, arg, p, b, n, draft=d, verify=seq))))
         if (treatment, "drafter") in steps:  # the adapted drafter drafts (its step is bound on its own module)
             draft, plan = steps[(treatment, "drafter")], drafter_plan
-            for b in cfg.blocks:
+            for b in (cfg.blocks if "speculative" in cfg.methods else ()):
                 out.append((dict(method="snlp speculative (drafter)", treatment=treatment, plan=str(plan), block=b,
-                                 exact=True), (draft, seq), lambda p=plan, d=draft, b=b, seq=seq: speculative_generate(
-                                     model, arg, p, b, n, draft=d, verify=seq)))
+                                 exact=True), (draft, seq), each(lambda arg, p=plan, d=draft, b=b, seq=seq:
+                                                                 speculative_generate(model, arg, p, b, n, draft=d,
+                                                                                      verify=seq))))
     return out
 
 
-def _hf_methods(hf, prompts: list, cfg: DecodeSuiteConfig, early_exit: int) -> list[tuple]:
-    """(row, callable -> tokens per prompt) of every transformers method that applies to this batch."""
+def _hf_methods(hf, groups: list, cfg: DecodeSuiteConfig, early_exit: int) -> list[tuple]:
+    """(row, callable -> tokens per prompt) of every transformers method that applies to this batch size; a call
+    decodes the batches in `groups` one after another (one cache, reset before each)."""
     from transformers import GenerationConfig
 
-    ids = torch.tensor(prompts, device=hf.device)
-    mask = torch.ones_like(ids)
-    T, B, n = ids.shape[1], ids.shape[0], cfg.new_tokens
+    ids = [torch.tensor(g, device=hf.device) for g in groups]
+    T, B, n = ids[0].shape[1], ids[0].shape[0], cfg.new_tokens
 
     def gen(cache=None, **kw):
         gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
         extra = {} if cache is None else {cache_kw: cache}
 
         def call():
-            if cache is not None:
-                cache.reset()
-            with torch.no_grad():  # as generate itself runs (inference tensors would meet its compiled cache)
-                return hf.generate(ids, attention_mask=mask, generation_config=gc, **extra)[:, T:].tolist()
+            out = []
+            for x in ids:
+                if cache is not None:
+                    cache.reset()
+                with torch.no_grad():  # as generate itself runs (inference tensors would meet its compiled cache)
+                    out += hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc,
+                                       **extra)[:, T:].tolist()
+            return out
         return call
 
     # the model's forward names its cache argument: `cache` in transformers 5.x, `past_key_values` before
@@ -493,26 +533,30 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
 
 def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
               early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None,
-              on_progress=None) -> list[DecodeSuiteRow]:
-    """Every method at one batch size (len(prompts)): warm-up, then round-robin timing; rows in method order.
+              on_progress=None, batch: int | None = None) -> list[DecodeSuiteRow]:
+    """Every method at one batch size B: a call decodes `prompts` B at a time (one batch unless
+    `cfg.prompts`); warm-up, then round-robin timing; rows in method order.
     `on_progress(rows, what)` gets the rows as measured so far during the rounds (see round_robin_calls)."""
-    B, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
-    rows, fns, results, row_steps = [], {}, {}, {}
-    for i, (kw, step, fn) in enumerate(_snlp_methods(model, prompts, cfg, plans, steps, drafter_plan)):
-        row = DecodeSuiteRow(library="snlp", batch=B, **kw)
+    N, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
+    B = batch or N
+    groups = [prompts[k:k + B] for k in range(0, N, B)]
+    rows, fns, results, compiled = [], {}, {}, {}
+    for i, (kw, step, fn) in enumerate(_snlp_methods(model, groups, cfg, plans, steps, drafter_plan)):
+        row = DecodeSuiteRow(library="snlp", batch=B, prompts=N, **kw)
         rows.append(row)
-        row_steps[i] = step
 
-        def call(fn=fn, i=i):
+        def call(fn=fn, i=i, step=step):  # what this call compiled: its steps' totals after minus before
+            c0 = _compile_s(step)
             results[i] = fn()
+            compiled[i] = compiled.get(i, 0.0) + _compile_s(step) - c0
         fns[i] = call
     if hf is None:
         why = hf_note
-        rows += [DecodeSuiteRow(method=m, library="transformers", treatment="eager", batch=B, skipped=why)
+        rows += [DecodeSuiteRow(method=m, library="transformers", treatment="eager", batch=B, prompts=N, skipped=why)
                  for m in ("hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup")]
     else:
-        for kw, fn in _hf_methods(hf, prompts, cfg, early_exit):
-            row = DecodeSuiteRow(library="transformers", batch=B, **kw)
+        for kw, fn in _hf_methods(hf, groups, cfg, early_exit):
+            row = DecodeSuiteRow(library="transformers", batch=B, prompts=N, **kw)
             rows.append(row)
             if isinstance(fn, str):
                 row.skipped = fn
@@ -532,10 +576,10 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
             row, res = rows[i], results.get(i)
             row.seconds = list(secs)
             if secs:
-                tps = sorted(B * n / s for s in secs)
+                tps = sorted(N * n / s for s in secs)
                 row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
             if row.library == "snlp" and res is not None:
-                row.compile_s = _compile_s(row_steps[i]) if row.treatment == "compiled" else None
+                row.compile_s = compiled.get(i) if row.treatment == "compiled" else None
                 if row.method.startswith("snlp speculative"):
                     rs = res if isinstance(res, list) else [res]
                     exam = sum(r.examined for r in rs)
@@ -584,7 +628,7 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         model = model.to(device=device, dtype=dtype).eval()
         if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
             drafter.model.to(device=device, dtype=dtype).eval()
-        prompts, kind = make_prompts(model, tok, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed)
+        prompts, kind = make_prompts(model, tok, max(*cfg.batch_sizes, cfg.prompts or 1), cfg.prompt_len, cfg.seed)
         eager = sequential_step(model, False)
         ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
         c = model.config
@@ -604,9 +648,10 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
                 result.rows = done + rows
                 progress(result, f"batch {B}: {what}")
 
-            result.rows = done + run_batch(model, hf, prompts[:B], ref[:B], cfg, plans, steps, early_exit, hf_note,
+            N = cfg.prompts or B  # prompts per call, B at a time
+            result.rows = done + run_batch(model, hf, prompts[:N], ref[:N], cfg, plans, steps, early_exit, hf_note,
                                            None if drafter is None else drafter.plan,
-                                           partial if progress is not None else None)
+                                           partial if progress is not None else None, batch=B)
             if progress is not None:
                 progress(result, f"batch {B} done")
         result.complete = True  # after the loop: a batch size may be listed twice
@@ -622,8 +667,11 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.device} ({m.device_type}), torch {m.torch}, CUDA {m.cuda}, transformers {m.transformers}, "
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
-             f"{max(cfg.warmup, 1)} warm-up; tok/s = batch x new tokens / wall time of the call (prefill included); "
-             f"x seq = over snlp sequential of the same batch and treatment, (tie) where their min-max ranges "
+             f"{max(cfg.warmup, 1)} warm-up; "
+             + (f"a call decodes {cfg.prompts} prompts, a batch at a time; tok/s = {cfg.prompts} x new tokens / wall "
+                f"time of the call (prefill included); " if cfg.prompts else
+                "tok/s = batch x new tokens / wall time of the call (prefill included); ")
+             + f"x seq = over snlp sequential of the same batch and treatment, (tie) where their min-max ranges "
              f"overlap (the comparisons' rule); = seq: every prompt's tokens equal snlp's eager sequential greedy "
              f"tokens; snlp's sequential and SNLP loops read their tokens back "
              f"{'every step' if m.read_every == 1 else f'every {m.read_every} steps'}, its self-speculative loop once "
@@ -644,7 +692,7 @@ def markdown(result: DecodeSuiteResult) -> str:
         tps = "-" if r.tokens_per_s is None else \
             f"{r.tokens_per_s:.1f} [{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}]"
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
-            f"no ({r.mismatched_rows}/{r.batch} prompts, from token {r.first_mismatch})"
+            f"no ({r.mismatched_rows}/{r.prompts or r.batch} prompts, from token {r.first_mismatch})"
         note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
         if not r.skipped and len(r.seconds) < cfg.rounds:
             note = (note + "; " if note else "") + (f"{len(r.seconds)} of {cfg.rounds} timed rounds" if r.seconds

@@ -141,6 +141,13 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--batch-sizes", "1,9"], "batch sizes must lie in 1..8"),
     (["--early-exit", "6"], "must be below the model's 6 layers"),
     (["--suite-plans", "9xF1-h0-K1"], "L = 6"),
+    (["--suite-methods", "speculative,jacobi"], "methods are snlp and/or speculative"),
+    (["--suite-methods", ","], "got none"),
+    (["--suite-methods", "snlp", "--drafter", "no-such-dir"], "add speculative to the methods"),
+    (["--shapes", "0.5B", "--suite-methods", "snlp"], "does not take --suite-methods"),
+    (["--batch-sizes", "1,4", "--suite-prompts", "6"], "a multiple of every batch size (1,4), got 6"),
+    (["--suite-prompts", "9"], "prompts per call must lie in 1..8"),
+    (["--shapes", "0.5B", "--suite-prompts", "4"], "does not take --suite-prompts"),
 ])
 def test_refusals_come_before_any_work(argv, says, capsys):
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", *argv]) == 2
@@ -150,6 +157,65 @@ def test_refusals_come_before_any_work(argv, says, capsys):
 def test_paper_suite_refuses_the_decode_suites_flags(capsys):
     assert main(["bench", "--suite", "paper", "--quick", "--alpha", "0.5"]) == 2
     assert "belong to --suite decode" in capsys.readouterr().err
+    assert main(["bench", "--suite", "paper", "--quick", "--suite-methods", "snlp"]) == 2
+    assert "--suite-methods is not read by `snlp bench --suite paper`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("methods, kinds", [
+    (("snlp",), {"snlp sequential", "snlp snlp"}),
+    (("speculative",), {"snlp sequential", "snlp speculative"}),
+    (("speculative", "snlp"), {"snlp sequential", "snlp snlp", "snlp speculative"}),
+])
+def test_methods_pick_the_snlp_rows_and_sequential_always_runs(methods, kinds):
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1, 2), new_tokens=4, rounds=1,
+                                             warmup=0, transformers=False, methods=methods, blocks=(2, 3)))
+    ours = [r for r in res.rows if r.library == "snlp"]
+    assert {r.method for r in ours} == kinds and res.config.methods == methods
+    assert len(ours) == 2 * (1 + ("snlp" in methods) + 2 * ("speculative" in methods))
+    assert all(r.matches_sequential for r in ours if r.exact)
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
+def test_a_call_decodes_several_prompts_a_batch_at_a_time_and_each_equals_the_argmax_loop():
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1, 2),
+                                             prompts=4, new_tokens=5, rounds=1, warmup=0, blocks=(2,)))
+    model = random_llama(quick=True, seed=0).double().eval()
+    assert len(res.prompts) == 4 and res.reference == [argmax_loop(model, p, 5) for p in res.prompts]
+    ran = [r for r in res.rows if r.tokens_per_s is not None]
+    assert {r.method for r in ran} >= {"snlp sequential", "snlp speculative", "hf greedy", "hf greedy (static)",
+                                       "hf early-exit", "hf prompt-lookup"}
+    assert all(r.prompts == 4 for r in res.rows) and all(r.matches_sequential for r in ran if r.exact)
+    for r in ran:  # tok/s counts every prompt of the call: 4 x 5 tokens per timed call
+        assert r.tokens_per_s == pytest.approx(4 * 5 / r.seconds[0])
+
+
+def test_a_compiled_rows_compile_time_is_what_its_own_calls_compiled(monkeypatch):
+    """Steps are shared (the speculative rows' verifier is sequential's step, every batch size the same steps):
+    each row reports what its own calls compiled, not its steps' running totals. A stand-in step "compiles"
+    one second per length it was not warmed at before."""
+    import snlp.bench.decode_suite as suite
+    from snlp.decode.steps import EagerStep, sequential_step, snlp_step
+
+    class Counting(EagerStep):
+        def __init__(self, eager):
+            super().__init__(eager.forward, eager.fn)
+            self.compile_s, self.seen = 0.0, set()
+
+        def warm(self, cache, lengths):
+            new = set(lengths) - self.seen
+            self.seen |= new
+            self.compile_s += len(new)
+            return float(len(new))
+
+    monkeypatch.setattr(suite, "sequential_step", lambda model, comp: Counting(sequential_step(model, False)))
+    monkeypatch.setattr(suite, "snlp_step", lambda runner, comp: Counting(snlp_step(runner, False)))
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1,), new_tokens=4, rounds=1,
+                                             warmup=1, transformers=False, treatments=("compiled",), blocks=(2, 3)))
+    got = {(r.method, r.block): r.compile_s for r in res.rows if r.library == "snlp"}
+    # sequential: its prefill and its one-token step; the plan's SNLP decoding: the same two lengths of its own
+    # step; each speculative row: only its verifier's B + 1 (the drafter's one-token step was compiled above)
+    assert got == {("snlp sequential", None): 2.0, ("snlp snlp", None): 2.0, ("snlp speculative", 2): 1.0,
+                   ("snlp speculative", 3): 1.0}
 
 
 def test_an_adapted_drafter_gets_its_own_exact_speculative_rows(tmp_path):
