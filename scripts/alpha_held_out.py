@@ -2,7 +2,10 @@
 
     PYTHONPATH=$PWD python3 scripts/alpha_held_out.py CKPT --plan 12xF1-h0-K1 [--blocks 4,8] [--prompts 48]
         [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32,bfloat16] [--threads 1] [--data D]
-        [--json FILE]
+        [--json FILE] [--write-prompts FILE]
+
+`--write-prompts FILE` writes the prompts (token ids, JSON) for `snlp bench --suite decode --prompts-file FILE`, so
+a GPU run decodes the prompts whose alpha was measured here; without `--plan` it only writes them.
 
 Prompts are `--prompts` windows of `--prompt-len` consecutive tokens of the checkpoint's own validation split (the
 split `snlp train` held out, snlp.eval.data.validation_tokens / sample_prompts). Each is decoded greedily with
@@ -99,7 +102,7 @@ def measure(model, prompts: list[list[int]], plan: str, blocks: list[int], new_t
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt")
-    p.add_argument("--plan", required=True)
+    p.add_argument("--plan", default=None, help="the drafter's plan (without it: --write-prompts only)")
     p.add_argument("--blocks", default="4,8")
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=16)
@@ -110,7 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--data", default=None, help="the text whose validation split gives the prompts (default: the "
                    "checkpoint's training data, else stdlib)")
     p.add_argument("--json", default=None)
+    p.add_argument("--write-prompts", default=None, metavar="FILE",
+                   help="write the prompts (token ids, JSON) for snlp bench --suite decode --prompts-file")
     a = p.parse_args(argv)
+    if a.plan is None and a.write_prompts is None:
+        p.error("give --plan (measure alpha), --write-prompts FILE, or both")
     blocks = [int(b) for b in a.blocks.split(",")]
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
     if a.threads:
@@ -121,6 +128,12 @@ def main(argv=None) -> int:
     val = validation_tokens(tok, d["data"], d["text_field"], d["max_chars"], d["val_frac"], d["cache_dir"],
                             d["data_encoding"])
     prompts = sample_prompts(val, a.prompts, a.prompt_len, a.seed)
+    if a.write_prompts:
+        with open(a.write_prompts, "w") as f:
+            json.dump([list(map(int, pr)) for pr in prompts], f)
+        print(f"# wrote {len(prompts)} prompts of {a.prompt_len} tokens to {a.write_prompts}")
+    if a.plan is None:
+        return 0
     print(f"# {a.ckpt}: {a.prompts} held-out prompts of {a.prompt_len} tokens (seed {a.seed}), {a.new_tokens} greedy "
           f"tokens each, plan {a.plan}")
     print("| dtype | block | alpha | accepted / examined | 95 % over drafts | 95 % over prompts | output = sequential greedy |")

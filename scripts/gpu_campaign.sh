@@ -2,7 +2,7 @@
 # The GPU campaign: everything a lent GPU should measure, in one call of at most 8 minutes, read top to bottom.
 #
 #   bash scripts/gpu_campaign.sh [--quick] [--out DIR] [--paper PATH] [--parts a,b,...] [--decode-ckpt CKPT]
-#                                [--decode-plans P,...] [--decode-drafter DIR]
+#                                [--decode-plans P,...] [--decode-drafter DIR] [--decode-prompts FILE]
 #
 # Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
 # parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
-QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""; DDRAFTER=""
+QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""; DDRAFTER=""; DPROMPTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -26,8 +26,9 @@ while [ $# -gt 0 ]; do
     --decode-ckpt) DCKPT="$2"; shift ;;
     --decode-plans) DPLANS="$2"; shift ;;
     --decode-drafter) DDRAFTER="$2"; shift ;;  # an adapted drafter of --decode-ckpt (snlp adapt): its own rows
+    --decode-prompts) DPROMPTS="$2"; shift ;;  # a JSON list of prompts (snlp bench --prompts-file)
     *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST, --decode-ckpt CKPT," \
-            "--decode-plans P,..., --decode-drafter DIR)" >&2; exit 2 ;;
+            "--decode-plans P,..., --decode-drafter DIR, --decode-prompts FILE)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -108,7 +109,8 @@ fi
 #    default random weights at SmolLM2-135M's shape: its GGUF is over a device call's 64 MiB), and the random-weights
 #    0.5B drafter step times with a PREDICTED speedup
 part decode $((T_LONG + 70)) $PY -m snlp bench --suite decode $Q --device $DEV --ckpt "$DCKPT" \
-    ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} --batch-sizes "${DECODE_BATCHES:-1,4}" \
+    ${DPLANS:+--suite-plans "$DPLANS"} ${DDRAFTER:+--drafter "$DDRAFTER"} ${DPROMPTS:+--prompts-file "$DPROMPTS"} \
+    --batch-sizes "${DECODE_BATCHES:-1,4}" \
     ${DECODE_BLOCKS:+--blocks "$DECODE_BLOCKS"} ${DECODE_METHODS:+--suite-methods "$DECODE_METHODS"} \
     ${DECODE_TREATMENTS:+--treatments "$DECODE_TREATMENTS"} ${DECODE_PROMPTS:+--suite-prompts "$DECODE_PROMPTS"} \
     --suite-new-tokens 64 --suite-warmup 2 --suite-runs 5 \

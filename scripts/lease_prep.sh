@@ -11,7 +11,8 @@
 # speedrun trained exactly that many steps with no time budget (`--steps 444`), else trained here with `snlp train`
 # and the speedrun's settings (snlp.apps.speedrun.train.train_config), 444 steps on one intra-op thread, as the
 # speedrun trains it (about 13 min on an idle core). config.json, model.safetensors and tokenizer.json (34 MB) are
-# what the decode part loads; train_summary.json and train_state.pt (the run's settings, 16 KB) come along.
+# what the decode part loads, prompts.json the 48 held-out prompts it decodes; train_summary.json and train_state.pt
+# (the run's settings, 16 KB) come along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -65,6 +66,9 @@ if [ ! -f "$DST/model.safetensors" ]; then
     if [ -f "$src/$f" ]; then cp "$src/$f" "$DST/"; fi
   done
 fi
+# the 48 held-out prompts --alpha measures (seed 1234): call 1 decodes these (--prompts-file), so the GPU's alpha is
+# taken on the prompts the prediction's alpha came from
+nice -n 5 python3 scripts/alpha_held_out.py "$DST" --write-prompts "$DST/prompts.json" --threads 1
 echo "lease_prep: $DST ready ($(du -sh "$DST" | cut -f1)), model.safetensors sha256 $(sha256sum "$DST/model.safetensors" | cut -c1-16)..."
 if [ "$ALPHA" = 1 ]; then
   for plan in 16xF1-h0-K3 12xF1-h0-K1; do  # the lease's two drafters, in the order call 1 decodes them

@@ -147,6 +147,9 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--suite-prompts", type=int, default=None,
                        help="--suite decode: prompts one timed call decodes, a batch at a time (a multiple of every "
                             "batch size, at most 8): batch-1 rows over several prompts (default: one batch)")
+    suite.add_argument("--prompts-file", default=None, metavar="FILE",
+                       help="--suite decode: a JSON list of prompts (texts, or lists of token ids) to decode instead "
+                            "of the suite's eight English texts; each at least --prompt-len tokens")
     suite.add_argument("--suite-methods", default=None,
                        help="--suite decode: which snlp rows run beside snlp sequential (always: the reference and "
                             "the verifier), comma-separated: snlp (SNLP decoding), speculative (default both)")
@@ -244,9 +247,9 @@ BENCH_READS = {
                     "train_steps", "train_warmup", "optimizer"),
 }
 CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
-    "suite_plans", "suite_methods", "suite_prompts", "early_exit", "prompt_lookup", "no_transformers", "drafter",
-    "alpha", "no_ablations", "pin", "dist_timeout", "link_gbps", "link_latency_us", "shape", "roofline_gbytes",
-    "roofline_efficiency", "op_floor_us")
+    "suite_plans", "suite_methods", "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers",
+    "drafter", "alpha", "no_ablations", "pin", "dist_timeout", "link_gbps", "link_latency_us", "shape",
+    "roofline_gbytes", "roofline_efficiency", "op_floor_us")
 
 
 def unread_flags(args, kind: str) -> None:
@@ -571,6 +574,7 @@ def run_decode_suite_cli(args, command: str) -> int:
         unused = [flag for flag, used in (
             ("--batch-sizes", args.batch_sizes is not None), ("--suite-new-tokens", args.suite_new_tokens is not None),
             ("--suite-methods", args.suite_methods is not None), ("--suite-prompts", args.suite_prompts is not None),
+            ("--prompts-file", args.prompts_file is not None),
             ("--early-exit", args.early_exit is not None), ("--prompt-lookup", args.prompt_lookup is not None),
             ("--no-transformers", args.no_transformers)) if used]
         if unused:
@@ -600,7 +604,7 @@ def run_decode_suite_cli(args, command: str) -> int:
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
     cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
                             batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompts=args.suite_prompts,
-                            prompt_len=args.prompt_len,
+                            prompts_file=args.prompts_file, prompt_len=args.prompt_len,
                             new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,
                             early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,

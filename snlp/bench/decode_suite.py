@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import json
 import platform
 import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -93,6 +95,9 @@ class DecodeSuiteConfig:
     batch_sizes: tuple[int, ...] | None = None  # None: (1, 4, 8); (1, 4) quick
     prompts: int | None = None  # prompts one timed call decodes, in batches of each batch size (every batch size
     #                             must divide it): batch-1 rows over several prompts; None: one batch per call
+    prompts_file: str | None = None  # a JSON list of prompts (texts, or lists of token ids) to decode instead of
+    #                                  the suite's English texts, e.g. held-out text of the model's own data;
+    #                                  each must have at least prompt_len tokens (cut to that length)
     prompt_len: int | None = None  # None: 16 (the paper's SSD protocol, as `snlp bench --prompt-len`); 8 quick
     new_tokens: int | None = None  # None: 128; 8 quick
     plans: tuple[str, ...] | None = None  # SNLP plans (snlp rows and drafters); None: one, L/2 layers of F1, K = 1
@@ -133,14 +138,18 @@ class DecodeSuiteConfig:
             raise ValueError(f"decode suite: dtype must be float32, bfloat16, float16 or float64, got {cfg.dtype!r}")
         if len(set(cfg.batch_sizes)) != len(cfg.batch_sizes):  # rows are keyed and compared by batch size
             raise ValueError(f"decode suite: batch sizes must be distinct, got {','.join(map(str, cfg.batch_sizes))}")
-        if min(cfg.batch_sizes) < 1 or max(cfg.batch_sizes) > len(TEXTS):
-            raise ValueError(f"decode suite: batch sizes must lie in 1..{len(TEXTS)} (the suite's prompts), got "
+        given = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else None
+        have, whose = (len(given), "the prompts file's") if given else (len(TEXTS), "the suite's prompts")
+        if min(cfg.batch_sizes) < 1 or max(cfg.batch_sizes) > have:
+            raise ValueError(f"decode suite: batch sizes must lie in 1..{have} ({whose}), got "
                              f"{','.join(map(str, cfg.batch_sizes))}")
-        if cfg.prompts is not None and not (1 <= cfg.prompts <= len(TEXTS)
+        if cfg.prompts is not None and not (1 <= cfg.prompts <= have
                                             and all(cfg.prompts % b == 0 for b in cfg.batch_sizes)):
-            raise ValueError(f"decode suite: prompts per call must lie in 1..{len(TEXTS)} (the suite's prompts) and be "
-                             f"a multiple of every batch size ({','.join(map(str, cfg.batch_sizes))}), got "
-                             f"{cfg.prompts}")
+            raise ValueError(f"decode suite: prompts per call must lie in 1..{have} ({whose}) and be a multiple of "
+                             f"every batch size ({','.join(map(str, cfg.batch_sizes))}), got {cfg.prompts}")
+        for i, p in enumerate((given or [])[:max(*cfg.batch_sizes, cfg.prompts or 1)], 1):  # texts: once tokenized
+            if isinstance(p, list) and len(p) < cfg.prompt_len:
+                raise ValueError(short_prompt(i, cfg.prompts_file, len(p), cfg.prompt_len))
         if min(cfg.prompt_len, cfg.new_tokens, cfg.rounds, cfg.prompt_lookup, cfg.threads or 1) < 1 or cfg.warmup < 0 \
                 or not cfg.blocks or min(cfg.blocks) < 1 or (cfg.early_exit is not None and cfg.early_exit < 1):
             raise ValueError("decode suite: prompt length, new tokens, rounds, prompt lookup, threads, early exit and "
@@ -214,7 +223,7 @@ class DecodeSuiteMeta:
     model: str  # what was decoded (checkpoint path / "random weights ...")
     n_layer: int
     n_embd: int
-    prompts: str  # "text" (tokenized TEXTS) or "random ids"
+    prompts: str  # "text" (tokenized TEXTS), "random ids" or the prompts file's path
     prompt_len: int
     new_tokens: int
     hf_note: str | None = None  # why the transformers rows are skipped, if they are
@@ -288,10 +297,46 @@ def load_model(src: str | None, quick: bool, seed: int = 0):
     return model.eval(), tok, f"transformers model {src}"
 
 
-def make_prompts(model: GPT, tok, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
-    """n prompts of exactly `length` ids: the suite's texts tokenized (repeated where a text is short) when there
-    is a tokenizer whose ids fit the model, else seeded random ids."""
+def read_prompts_file(path: str) -> list:
+    """The prompts of a `prompts_file`: a non-empty JSON list whose items are texts or lists of token ids
+    (ValueError, one line, otherwise)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"decode suite: cannot read the prompts file {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"decode suite: the prompts file {path} is not JSON ({e})") from None
+    ids = lambda p: isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p)  # noqa: E731
+    if not (isinstance(data, list) and data and all((isinstance(p, str) and p) or ids(p) for p in data)):
+        raise ValueError(f"decode suite: the prompts file {path} must hold a non-empty JSON list of prompts, each a "
+                         f"non-empty text or a list of token ids (ints >= 0)")
+    return data
+
+
+def short_prompt(i: int, path: str, n: int, length: int) -> str:
+    return f"decode suite: prompt {i} of {path} has {n} tokens, fewer than the prompt length {length} (--prompt-len)"
+
+
+def make_prompts(model: GPT, tok, n: int, length: int, seed: int,
+                 path: str | None = None) -> tuple[list[list[int]], str]:
+    """n prompts of exactly `length` ids: the first n of the prompts file at `path` (texts tokenized; each must
+    have `length` tokens at least, ValueError otherwise), else the suite's texts tokenized (repeated where a text is
+    short) when there is a tokenizer whose ids fit the model, else seeded random ids."""
     V = model.config.vocab_size
+    if path is not None:
+        out = []
+        for i, p in enumerate(read_prompts_file(path)[:n], 1):
+            if isinstance(p, str) and tok is None:
+                raise ValueError(f"decode suite: prompt {i} of {path} is text and this model has no tokenizer: give "
+                                 f"token ids")
+            ids = tok.encode(p) if isinstance(p, str) else p
+            if max(ids, default=0) >= V:
+                raise ValueError(f"decode suite: prompt {i} of {path} has token id {max(ids)}, outside the model's "
+                                 f"vocabulary of {V}")
+            if len(ids) < length:
+                raise ValueError(short_prompt(i, path, len(ids), length))
+            out.append(list(ids[:length]))
+        return out, f"file {path}"
     if tok is not None:
         ids = [tok.encode(t) for t in TEXTS[:n]]
         if all(ids) and max(max(x) for x in ids) < V:
@@ -628,7 +673,8 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         model = model.to(device=device, dtype=dtype).eval()
         if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
             drafter.model.to(device=device, dtype=dtype).eval()
-        prompts, kind = make_prompts(model, tok, max(*cfg.batch_sizes, cfg.prompts or 1), cfg.prompt_len, cfg.seed)
+        prompts, kind = make_prompts(model, tok, max(*cfg.batch_sizes, cfg.prompts or 1), cfg.prompt_len, cfg.seed,
+                                     cfg.prompts_file)
         eager = sequential_step(model, False)
         ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
         c = model.config

@@ -97,3 +97,24 @@ def test_flex_table_calls_overlapping_timings_a_tie():
     lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
     assert "1.11x (tie" in next(ln for ln in lines if ln.startswith("| sequential | flex"))
     assert "2.00x |" in next(ln for ln in lines if ln.startswith("| p | flex"))
+
+
+def test_the_lease_plans_decode_call_passes_its_settings_through(tmp_path):
+    """docs/gpu.md's call 1 at CPU smoke size (eager, the quick random model): the environment and flags it sets
+    reach the decode suite (batch 1, the two blocks, speculative rows only, a prompts file, several prompts per
+    call) and every row gives sequential decoding's tokens."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[(7 * i + j) % 256 for j in range(20)] for i in range(3)]))
+    env = {**os.environ, "DECODE_BATCHES": "1", "DECODE_BLOCKS": "2,3", "DECODE_METHODS": "speculative",
+           "DECODE_TREATMENTS": "eager", "DECODE_PROMPTS": "3"}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c1"),
+                          "--parts", "decode", "--decode-plans", "3xF1-h0-K1", "--decode-prompts", str(prompts)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "c1" / "parts" / "decode" / "decode.json").read_text())
+    ours = [r for r in res["rows"] if r["library"] == "snlp"]
+    assert [(r["method"], r["treatment"], r["batch"], r["block"]) for r in ours] == [
+        ("snlp sequential", "eager", 1, None), ("snlp speculative", "eager", 1, 2),
+        ("snlp speculative", "eager", 1, 3)]
+    assert all(r["prompts"] == 3 and r["matches_sequential"] for r in ours)
+    assert res["prompts"] == [p[:16] for p in json.loads(prompts.read_text())]  # --prompt-len's default

@@ -189,6 +189,60 @@ def test_a_call_decodes_several_prompts_a_batch_at_a_time_and_each_equals_the_ar
         assert r.tokens_per_s == pytest.approx(4 * 5 / r.seconds[0])
 
 
+def test_a_prompts_file_is_decoded_instead_of_the_suites_texts(tmp_path):
+    """Token-id prompts from a file, cut to the prompt length: the reference is the argmax loop on exactly those."""
+    gen = torch.Generator().manual_seed(7)
+    given = [torch.randint(0, 256, (k,), generator=gen).tolist() for k in (6, 9, 5, 7)]
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(given))
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1, 2),
+                                             prompts=4, prompts_file=str(path), prompt_len=5, new_tokens=4, rounds=1,
+                                             warmup=0, transformers=False, blocks=(2,)))
+    assert res.prompts == [g[:5] for g in given] and res.meta.prompts == f"file {path}"
+    model = random_llama(quick=True, seed=0).double().eval()
+    assert res.reference == [argmax_loop(model, p, 4) for p in res.prompts]
+    assert all(r.matches_sequential for r in res.rows if r.library == "snlp" and r.exact)
+
+
+def test_text_prompts_from_a_file_are_tokenized_by_the_checkpoints_tokenizer(tmp_path):
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+    text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. " * 20
+    tok = Tokenizer.train([text], vocab_size=MIN_VOCAB + 40)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_embd=32, sequence_len=128))
+    model.init_weights(seed=0)
+    save_checkpoint(tmp_path / "ck", model, tokenizer=tok)
+    texts = ["Before we proceed any further, hear me speak.", "All: Speak, speak. First Citizen: hear me"]
+    (tmp_path / "p.json").write_text(json.dumps(texts))
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(tmp_path / "ck"), prompts_file=str(tmp_path / "p.json"),
+                                             quick=True, device="cpu", batch_sizes=(2,), prompt_len=6, new_tokens=3,
+                                             rounds=1, warmup=0, transformers=False))
+    assert res.prompts == [tok.encode(t)[:6] for t in texts]
+
+
+@pytest.mark.parametrize("content, argv, says", [
+    (None, [], "cannot read the prompts file"),
+    ("[1, 2", [], "is not JSON"),
+    ('{"prompts": [[1, 2]]}', [], "must hold a non-empty JSON list of prompts"),
+    ("[[1, 2, -3]]", [], "must hold a non-empty JSON list of prompts"),
+    ("[[1, 2, 3]]", ["--batch-sizes", "1,2"], "batch sizes must lie in 1..1 (the prompts file's)"),
+    ("[[1, 2, 3], [4, 5, 6]]", ["--batch-sizes", "1", "--suite-prompts", "4"], "must lie in 1..2 (the prompts file's)"),
+    ("[[1, 2, 3, 4, 5, 6, 7, 8, 9]]", ["--batch-sizes", "1"], "has 9 tokens, fewer than the prompt length 16"),
+    ("[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 999]]", ["--batch-sizes", "1", "--prompt-len", "16"],
+     "has token id 999, outside the model's vocabulary of 256"),
+    ('["a text prompt"]', ["--batch-sizes", "1"], "is text and this model has no tokenizer"),
+])
+def test_a_bad_prompts_file_is_refused_in_one_line(content, argv, says, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--prompts-file", str(path),
+                 "--no-transformers", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_compiled_rows_compile_time_is_what_its_own_calls_compiled(monkeypatch):
     """Steps are shared (the speculative rows' verifier is sequential's step, every batch size the same steps):
     each row reports what its own calls compiled, not its steps' running totals. A stand-in step "compiles"
