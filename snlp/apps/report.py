@@ -940,8 +940,12 @@ def _diagnostics(ctx: dict) -> list[str]:
 
 def _stage_times(ctx: dict) -> list[str]:
     st = ctx["stages"]
-    out = ["\n## Wall time per stage\n", "| Stage | This invocation | Planned | Wall time | Shrunk to keep the budget "
-           "| Load at start → end |", "|:---|:---|---:|---:|:---|---:|"]
+    # a run without a budget shrinks nothing: the column shows only where a budget was kept, this run's or the one
+    # that recorded a reused stage
+    shrink = ctx.get("budget_minutes") is not None or any(st[n].get("shrunk") for n in ctx["order"])
+    out = ["\n## Wall time per stage\n", "| Stage | This invocation | Planned | Wall time | "
+           + ("Shrunk to keep the budget | " if shrink else "") + "Load at start → end |",
+           "|:---|:---|---:|---:|" + (":---|" if shrink else "") + "---:|"]
     gap, labels = side_by_side_gap(ctx), dict(MODELS)
     trains = [st.get(f"train-{k}") or {} for k, _ in MODELS]
     for name in ctx["order"]:
@@ -952,11 +956,11 @@ def _stage_times(ctx: dict) -> list[str]:
         late = (gap is not None and name.startswith("train-") and labels.get(name[6:]) == gap[0]
                 and len({t.get("finished") for t in trains}) == 1)
         out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {planned} | {fmt_s(r['seconds'])} | "
-                   f"{r.get('shrunk') or '–'} | {r.get('load_start')} → {r.get('load_end')}"
+                   + (f"{r.get('shrunk') or '–'} | " if shrink else "") + f"{r.get('load_start')} → {r.get('load_end')}"
                    + (f" (sampled at {gap[1]}'s end, {fmt_s(gap[2])} after its own)" if late else "") + " |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
-    return out + [f"| **end to end** | | | **{fmt_s(total)}** | | |",
+    return out + [f"| **end to end** | | | **{fmt_s(total)}** | " + ("| " if shrink else "") + "|",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "

@@ -231,3 +231,12 @@ def test_the_files_line_names_the_training_logs():
     the training's own speed line and validation curve are printed; the report's Files line left them out."""
     files = render_report(_report_ctx()).rsplit("Files:", 1)[1]
     assert "`noreg.train.log`, `idn.train.log`" in files and "`cache/`" in files
+
+
+def test_a_run_without_a_budget_has_no_shrunk_column():
+    """A fixed-steps run kept no budget, so a "Shrunk to keep the budget" column of dashes said something about a
+    budget that did not exist; a budgeted run keeps the column."""
+    free = tables(render_report(_fixed_steps_ctx()))["Wall time per stage"]
+    assert "Shrunk to keep the budget" not in free[0] and "Load at start → end" in free[0]
+    kept = tables(render_report(_report_ctx()))["Wall time per stage"]
+    assert "Shrunk to keep the budget" in kept[0]
