@@ -146,7 +146,7 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    from snlp.train.checkpointing import saved_settings
+    from snlp.train.checkpointing import check_resume_command, check_resume_left, saved_settings
     from snlp.train.config import (SHAPE, check_data_present, check_init_from_shape, check_out_outside_data,
                                    init_from_shape_refusal, resumed)
     from snlp.train.trainer import fit
@@ -156,10 +156,12 @@ def run(args) -> int:
     if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
         check_init_from_shape(cfg.init_from, shape)
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
+        check_resume_command(cfg.out, "snlp train")
         saved = saved_settings(cfg.out)
         if saved and saved.get("init_from") and shape:  # at any value, as beside --init-from
             raise ValueError(f"--resume: the run in {cfg.out}: {init_from_shape_refusal(saved['init_from'], shape)}")
         cfg = resumed(cfg, saved, getattr(args, "given", None))
+        check_resume_left(cfg)
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)

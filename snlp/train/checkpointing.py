@@ -17,7 +17,7 @@ from snlp.io.checkpoint import DRAFTER_META, holds_speedrun, load, load_train_st
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
-from snlp.train.optim import OptimizerBundle
+from snlp.train.optim import OptimizerBundle, Progress
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ResumePoint:
     optimizer: list  # one state dict per optimizer (OptimizerBundle)
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
     data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
+    command: str = "snlp train"  # the command whose run it is (run_command): a resume continues it as that only
 
 
 @dataclass
@@ -73,8 +74,57 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
                         init_from=(st.get("args") or {}).get("init_from"),
-                        data_digest=(st.get("args") or {}).get("data_digest"))
+                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
     return Start(model, tok, point)
+
+
+# The Job states (snlp.train.job.Job.state) that mark a run of another command than pretraining: snlp sft and snlp
+# adapt save their own settings under these keys in train_state.pt; a pretraining run saves neither.
+RUN_COMMANDS = {"sft": "snlp sft", "adapt": "snlp adapt"}
+
+
+def run_command(state: dict) -> str:
+    """The command whose run a saved train state (or a Job's `state`) belongs to: snlp sft, snlp adapt or snlp
+    train (pretraining)."""
+    return next((cmd for key, cmd in RUN_COMMANDS.items() if key in state), "snlp train")
+
+
+def check_resume_command(out, command: str, saved: str | None = None) -> None:
+    """Refuse `command --resume` of the run in `out` when another command saved it (`saved`: its run_command; None:
+    read from out's train_state.pt, nothing to check where there is none): the loop would continue it as another
+    kind of run (a pretraining run fine-tuned on chats, an SFT run pretrained on the base's text) and write the
+    result over its checkpoint, the run itself lost."""
+    if saved is None:
+        st = load_train_state(out) if (Path(out) / "model.safetensors").is_file() else None
+        if not isinstance(st, dict):
+            return
+        saved = run_command(st)
+    if saved != command:
+        raise ValueError(f"--resume: {out} holds a run of `{saved}`, not of `{command}`: continuing it here would "
+                         f"make it another kind of run and overwrite its checkpoint; resume it with `{saved} --resume`, "
+                         f"or start the new run in another --out")
+
+
+def check_resume_left(cfg: TrainConfig) -> None:
+    """Refuse `--resume` of the run in cfg.out (its settings already resolved: `resumed`) when the budget or
+    --stop-after leaves it no step to run: the loop would only save the same weights again and write a
+    train_summary.json without the run's validation and speed over the finished run's. Asked by the commands
+    (snlp train, snlp sft), not by fit: snlp speedrun resumes a finished run to finish it."""
+    st = load_train_state(cfg.out) if (Path(cfg.out) / "model.safetensors").is_file() else None
+    if not isinstance(st, dict) or not isinstance(st.get("step"), int):
+        return
+    step, elapsed = st["step"], float(st.get("elapsed", 0.0))
+    if cfg.stop_after is not None and cfg.stop_after <= step:
+        raise ValueError(f"--resume: the run in {cfg.out} is at step {step} already: --stop-after {cfg.stop_after} "
+                         f"leaves it no step to run; give a later --stop-after")
+    progress = Progress(cfg.total_steps, cfg.minutes)
+    progress.step, progress.elapsed = step, elapsed
+    if progress.done():
+        budget = (f"--steps {cfg.total_steps}" if cfg.total_steps is not None and step >= cfg.total_steps
+                  else f"--minutes {cfg.minutes:g}, {elapsed / 60:.3g} trained")
+        raise ValueError(f"--resume: the run in {cfg.out} is done (step {step}, {budget}): nothing to continue, its "
+                         f"checkpoint and summary are kept as they are; give a larger --steps or --minutes to train "
+                         f"it further")
 
 
 def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:

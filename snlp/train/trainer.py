@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import ResumePoint, open_run, recorded_args, save_run, set_rng_state, trim_log
+from snlp.train.checkpointing import (ResumePoint, check_resume_command, open_run, recorded_args, save_run,
+                                      set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
@@ -127,6 +128,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
+    if start.resume is not None:  # before anything is written (the commands check it before loading, too)
+        check_resume_command(cfg.out, job.name, start.resume.command)
     saved = start.resume.data_digest if start.resume else None
     if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
         raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "

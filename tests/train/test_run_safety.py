@@ -230,6 +230,65 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_touches_nothing(cor
     assert st["step"] == 3 and st["args"]["eval_every"] == 1 and st["args"]["seq_len"] == 32
 
 
+SFT_FLAGS = ("--warmup-steps", "--grad-clip", "--reg-lambda")  # snlp sft's own of them (its LRs: --lr-scale)
+BAD_SETTINGS = [
+    ("--warmup-steps", "-1"),  # lr_multiplier -(step + 1): an ascent that grows every step
+    ("--embedding-lr", "-0.1"), ("--unembedding-lr", "nan"), ("--scalar-lr", "-1"), ("--hc-lr", "inf"),
+    ("--matrix-lr", "-0.02"), ("--weight-decay", "-1"), ("--grad-clip", "-1"), ("--max-chars", "-5"),
+    ("--reg-lambda", "nan"), ("--reg-lambda", "inf"),
+]
+
+
+@pytest.mark.parametrize("command, flag, value", [("train", f, v) for f, v in BAD_SETTINGS]
+                         + [("sft", f, v) for f, v in BAD_SETTINGS if f in SFT_FLAGS])
+def test_a_setting_no_run_can_use_is_refused_before_any_work(command, flag, value, corpus, tmp_path, capsys):
+    """A negative warm-up, learning rate, weight decay, clip norm or --max-chars, or a NaN / infinite --reg-lambda, is
+    one line naming the flag before the data or the model is read (they trained before: ascent, a regulariser that
+    a NaN turned off, a misleading "one document")."""
+    out = tmp_path / "run"
+    argv = (["train", "--out", str(out), "--data", str(corpus), *TINY] if command == "train" else
+            ["sft", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)])
+    capsys.readouterr()
+    assert main([*argv, "--reg", "idn", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"snlp {command}: error: {flag}") and "must be" in err, err
+    assert not out.exists()
+
+
+def test_a_zero_matrix_lr_is_honoured():
+    """--matrix-lr 0 freezes the block matrices (it gave the default LR: 0 read as "not given")."""
+    from snlp.model.gpt import GPT, GPTConfig
+    from snlp.train.optim import build_optimizers
+
+    model = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=64, sequence_len=16))
+    for optimizer in ("muon", "adamw"):
+        opts = build_optimizers(model, TrainConfig(out="", optimizer=optimizer, matrix_lr=0.0))
+        blocks = {id(p) for p in model.blocks.parameters() if p.ndim == 2}
+        lrs = {g["lr"] for o in opts for g in o.param_groups if any(id(p) in blocks for p in g["params"])}
+        assert lrs == {0.0}, (optimizer, lrs)
+
+
+def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus, tmp_path, capsys):
+    """`--resume` of a finished run without a larger budget, or with a --stop-after at or before its step, has no
+    step to run: refused in one line, the checkpoint and train_summary.json (the run's validation and speed) as they
+    were; a larger budget continues it."""
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--steps", "3"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert json.loads(before["train_summary.json"])["validation"] is not None
+    capsys.readouterr()
+    for extra, says in (([], "is done (step 3, --steps 3)"), (["--steps", "2"], "is done (step 3, --steps 2)"),
+                        (["--minutes", "0.0001"], "is done (step 3, --minutes 0.0001"),
+                        (["--steps", "5", "--stop-after", "3"], "at step 3 already: --stop-after 3")):
+        assert main(["train", "--out", str(out), "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
+
+
 def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus, tmp_path):
     cache = tmp_path / "cache"
     fit(cfg(tmp_path / "run", corpus, cache, steps=4, stop_after=2))
