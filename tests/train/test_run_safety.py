@@ -116,6 +116,44 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
     assert rc == 2 and msg.format(**subs) in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{tmp}/r.out", "--csv", "{tmp}/./r.out"],
+     "--csv {tmp}/./r.out is the file --json writes too"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{ckpt}/config.json"], "--json {ckpt}/config.json is a file "
+     "of the model in {ckpt}"),
+    (["calibrate", "{ckpt}", "--out", "{ckpt}/model.safetensors"], "is a file of the model in {ckpt}"),
+    (["bench", "--json", "{drafter}/drafter.json"], "is a file of the model in {drafter}"),
+    (["generate", "{ckpt}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/p.txt"],
+     "--json {tmp}/p.txt is the file --prompts-file reads"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/a.txt,{tmp}/p.txt", "--markdown", "{tmp}/p.txt"],
+     "--markdown {tmp}/p.txt is the file --data reads"),
+])
+def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_path, capsys, argv, msg):
+    """An output file that another output flag, an input flag or a checkpoint / drafter folder also names: the
+    result replaced the other result, the prompts or data the run read, or the model's own file (the folder then loads
+    as nothing). Refused in one line before any work, every file as it was."""
+    ckpt, drafter = tmp_path / "ckpt", tmp_path / "drafter"
+    for d, names in ((ckpt, ("model.safetensors", "config.json")), (drafter, ("drafter.json",))):
+        d.mkdir()
+        for n in names:
+            (d / n).write_text("the model's own")
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    subs = {"tmp": str(tmp_path), "ckpt": str(ckpt), "drafter": str(drafter)}
+    rc = main([a.format(**subs) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg.format(**subs) in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # calibrate's own output file in a checkpoint, and a result written beside the model, stay allowed
+    from snlp.apps.cli import build_parser, check_outputs
+
+    for argv in (["calibrate", str(ckpt), "--out", str(ckpt / "preheat.pt")],
+                 ["eval", str(ckpt), "--plans", "2xF1-h0-K1", "--json", str(ckpt / "eval.json")]):
+        parser = build_parser(argv[0])
+        args = parser.parse_args(argv)
+        check_outputs(parser, args)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
 def test_read_only_out_is_refused(tmp_path, capsys):
     ro = tmp_path / "ro"
