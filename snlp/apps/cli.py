@@ -190,18 +190,19 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
 
 
 def check_not_a_model_file(path, flag: str, value: str) -> None:
-    """Refuse an output file that is one of the files of the checkpoint or drafter folder it sits in (its weights,
-    config, tokenizer, optimizer or train state: the folder would no longer load). The file names are the library's
-    (imported only where the folder holds a model, so that argument errors answer without torch)."""
+    """Refuse an output file that is one of the files of the checkpoint, drafter or training run in the folder it sits
+    in (its weights, config, tokenizer, optimizer or train state, its log.jsonl or train_summary.json): the folder would
+    no longer load, or its run's record would be lost. The file names are the library's (imported only where the folder
+    holds a model, so that argument errors answer without torch)."""
     folder = path.parent
     if not ((folder / "model.safetensors").is_file() or (folder / "drafter.json").is_file()):
         return
     from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
     from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS
 
-    if path.name in (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS):
-        raise ValueError(f"{flag} {value} is a file of the model in {folder}: writing there would break it; choose "
-                         f"another path")
+    if path.name in (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json"):
+        raise ValueError(f"{flag} {value} is a file of the checkpoint, drafter or run in {folder}: writing there would "
+                         f"break it; choose another path")
 
 
 def check_device(args) -> None:

@@ -221,7 +221,14 @@ def train_loop(run: Run, state: LoopState) -> None:
             save(run, state)
     if state.step > state.first_step and state.validated_at != state.step:  # stopped by before_step:
         validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
-    save(run, state)
+    if not idle_resume(state):  # a resumed run that ran no step has nothing new to save
+        save(run, state)
+
+
+def idle_resume(state: LoopState) -> bool:
+    """Whether this process resumed a run and ran no step (its budget or --stop-after was already reached, e.g. snlp
+    speedrun or sft-grid reusing a finished run): its checkpoint and train_summary.json stay as the run left them."""
+    return state.first_step > 0 and state.step == state.first_step
 
 
 def ask(run: Run, hook, state: LoopState) -> str | None:
@@ -416,7 +423,10 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         run.bar.close()
     total = time.perf_counter() - run.t_start
     v = state.validation
-    if run.ctx.master:
+    if run.ctx.master and idle_resume(state):
+        print(f"{run.out}: no step to run (its budget or --stop-after is reached at step {state.step}); the checkpoint "
+              f"is kept as it was", flush=True)
+    elif run.ctx.master:
         print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
         if speed is not None:
@@ -425,7 +435,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
                          speed=speed)
-    if run.ctx.master:
+    if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
         summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None

@@ -120,9 +120,9 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{tmp}/r.out", "--csv", "{tmp}/./r.out"],
      "--csv {tmp}/./r.out is the file --json writes too"),
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{ckpt}/config.json"], "--json {ckpt}/config.json is a file "
-     "of the model in {ckpt}"),
-    (["calibrate", "{ckpt}", "--out", "{ckpt}/model.safetensors"], "is a file of the model in {ckpt}"),
-    (["bench", "--json", "{drafter}/drafter.json"], "is a file of the model in {drafter}"),
+     "of the checkpoint, drafter or run in {ckpt}"),
+    (["bench", "--json", "{ckpt}/log.jsonl"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    (["bench", "--json", "{drafter}/drafter.json"], "is a file of the checkpoint, drafter or run in {drafter}"),
     (["generate", "{ckpt}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/p.txt"],
      "--json {tmp}/p.txt is the file --prompts-file reads"),
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/a.txt,{tmp}/p.txt", "--markdown", "{tmp}/p.txt"],
@@ -322,6 +322,12 @@ def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus,
         assert main(["train", "--out", str(out), "--resume", *extra]) == 2, extra
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the library (snlp speedrun and sft-grid reuse a finished run this way): no step, nothing rewritten
+    saved = torch.load(out / "train_state.pt", weights_only=False)["args"]
+    again = TrainConfig(**{**{k: saved[k] for k in saved if k in TrainConfig.__dataclass_fields__}, "resume": True,
+                           "device": "cpu"})
+    assert fit(again).steps == 3
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 0
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
@@ -645,7 +651,7 @@ def test_calibrate_refuses_an_out_that_names_a_checkpoint_file(tmp_path, capsys)
     ck = save_checkpoint(tmp_path / "ck", make_model(n_layer=2))
     (tmp_path / "notes.md").write_text("mine")
     before = (ck / "model.safetensors").read_bytes()
-    for out, says in ((ck / "model.safetensors", "is a checkpoint or run file"), (ck / "config.json", "checkpoint"),
+    for out, says in ((ck / "model.safetensors", "is a file of the checkpoint"), (ck / "config.json", "checkpoint"),
                       (tmp_path / "notes.md", "is an existing file")):
         assert main(["calibrate", str(ck), "--out", str(out), "--rank", "2"]) == 2
         assert says in capsys.readouterr().err
