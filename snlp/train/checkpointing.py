@@ -177,6 +177,20 @@ def trim_log(log: Path, step: int) -> None:
         os.replace(tmp, log)
 
 
+UNSAVED_LOG = "log.unsaved.jsonl"
+
+
+def set_aside_unsaved_log(log: Path) -> Path | None:
+    """Move the log.jsonl a new run finds in its --out (no checkpoint there: a run killed before its first save) to
+    UNSAVED_LOG beside it and return where; the new run's records would otherwise follow the dead run's in one log
+    (two step 0s, two curves read as one). None where there is no such log."""
+    if not log.is_file():
+        return None
+    aside = log.with_name(UNSAVED_LOG)
+    os.replace(log, aside)
+    return aside
+
+
 def _step(line: str) -> int | None:
     try:
         rec = json.loads(line)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from snlp.train.checkpointing import (ResumePoint, check_resume_command, open_run, recorded_args, save_run,
-                                      set_rng_state, trim_log)
+                                      set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
@@ -137,6 +138,9 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
                          f"start a new run from its weights (--init-from {cfg.out}) in another --out")
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
+    elif ctx.master and (aside := set_aside_unsaved_log(Path(cfg.out) / "log.jsonl")) is not None:
+        print(f"{cfg.out} held the log of a run that saved no checkpoint (killed before its first save): moved to "
+              f"{aside}; this run logs afresh", file=sys.stderr, flush=True)
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)
     job.model.train()

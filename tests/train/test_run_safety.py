@@ -306,6 +306,20 @@ def test_a_zero_matrix_lr_is_honoured():
         assert lrs == {0.0}, (optimizer, lrs)
 
 
+def test_a_new_run_sets_aside_the_log_of_a_run_killed_before_its_first_save(corpus, tmp_path, capsys):
+    """A run killed (SIGKILL, a second Ctrl-C) before its first save leaves --out with a log.jsonl and no checkpoint;
+    the next run there appended its records to that log (two step 0s, the dead run's curve read as this one's). The
+    old log is moved to log.unsaved.jsonl, whole, and said; the new log holds this run's records only."""
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 8))
+    (out / "log.jsonl").write_text(dead)
+    fit(cfg(out, corpus, tmp_path / "cache", steps=2))
+    assert log_steps(out) == [1, 2]
+    assert (out / "log.unsaved.jsonl").read_text() == dead
+    assert "log.unsaved.jsonl" in capsys.readouterr().err
+
+
 def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus, tmp_path, capsys):
     """`--resume` of a finished run without a larger budget, or with a --stop-after at or before its step, has no
     step to run: refused in one line, the checkpoint and train_summary.json (the run's validation and speed) as they
