@@ -268,7 +268,7 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_touches_nothing(cor
     assert st["step"] == 3 and st["args"]["eval_every"] == 1 and st["args"]["seq_len"] == 32
 
 
-SFT_FLAGS = ("--warmup-steps", "--grad-clip", "--reg-lambda")  # snlp sft's own of them (its LRs: --lr-scale)
+SFT_FLAGS = ("--warmup-steps", "--grad-clip", "--reg-lambda")  # snlp sft's (its LRs: --lr-scale); adapt: the first two
 BAD_SETTINGS = [
     ("--warmup-steps", "-1"),  # lr_multiplier -(step + 1): an ascent that grows every step
     ("--embedding-lr", "-0.1"), ("--unembedding-lr", "nan"), ("--scalar-lr", "-1"), ("--hc-lr", "inf"),
@@ -278,16 +278,19 @@ BAD_SETTINGS = [
 
 
 @pytest.mark.parametrize("command, flag, value", [("train", f, v) for f, v in BAD_SETTINGS]
-                         + [("sft", f, v) for f, v in BAD_SETTINGS if f in SFT_FLAGS])
+                         + [(c, f, v) for c in ("sft", "adapt") for f, v in BAD_SETTINGS if f in SFT_FLAGS[:2]]
+                         + [("sft", f, v) for f, v in BAD_SETTINGS if f == "--reg-lambda"])
 def test_a_setting_no_run_can_use_is_refused_before_any_work(command, flag, value, corpus, tmp_path, capsys):
     """A negative warm-up, learning rate, weight decay, clip norm or --max-chars, or a NaN / infinite --reg-lambda, is
     one line naming the flag before the data or the model is read (they trained before: ascent, a regulariser that
     a NaN turned off, a misleading "one document")."""
     out = tmp_path / "run"
-    argv = (["train", "--out", str(out), "--data", str(corpus), *TINY] if command == "train" else
-            ["sft", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)])
+    argv = {"train": ["train", "--out", str(out), "--data", str(corpus), *TINY, "--reg", "idn"],
+            "sft": ["sft", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out), "--reg",
+                    "idn"],
+            "adapt": ["adapt", str(tmp_path / "none"), "--plan", "1xF1-h0-K1", "--out", str(out)]}[command]
     capsys.readouterr()
-    assert main([*argv, "--reg", "idn", flag, value]) == 2
+    assert main([*argv, flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"snlp {command}: error: {flag}") and "must be" in err, err
     assert not out.exists()
