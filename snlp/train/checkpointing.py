@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import DRAFTER_META, holds_speedrun, load, load_train_state, load_training, save_checkpoint
+from snlp.io.checkpoint import (DRAFTER_META, cut_off_save, holds_speedrun, load, load_train_state, load_training,
+                                save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -48,6 +49,11 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     """The saved run in `out` when resuming (checked complete, and `cfg` and the number of processes `world` checked
     against what it was saved with: `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
+    hidden = cut_off_save(out)
+    if hidden is not None:  # a new run would start from nothing, and a resume would find no checkpoint
+        raise ValueError(f"--out {out} is gone but its last checkpoint is in {hidden} (a save was cut off between "
+                         f"its two renames): move it back (mv {hidden} {out}) and --resume, or remove it to start "
+                         f"afresh")
     if (out / DRAFTER_META).is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
         raise ValueError(f"{out} holds a drafter (snlp adapt); choose another --out")
     if not resume:

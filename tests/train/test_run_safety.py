@@ -309,6 +309,26 @@ def test_a_zero_matrix_lr_is_honoured():
         assert lrs == {0.0}, (optimizer, lrs)
 
 
+def test_a_save_cut_off_between_its_renames_is_named_not_started_over(corpus, tmp_path, capsys):
+    """save_checkpoint moves the previous checkpoint to .NAME.old-PID, then the new one in: a kill in between left no
+    --out, so --resume said "no checkpoint" and a new run started from nothing while the last checkpoint sat hidden.
+    Both are refused in one line naming where it is; moved back, the run resumes."""
+    out = tmp_path / "run"
+    fit(cfg(out, corpus, tmp_path / "cache", steps=4, stop_after=2))
+    hidden = tmp_path / ".run.old-12345"
+    os.replace(out, hidden)  # the state a kill between the two renames leaves
+    capsys.readouterr()
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(out), "--resume"]) == 2
+    assert main(["train", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(f"its last checkpoint is in {hidden}" in e for e in err), err
+    assert not out.exists()
+    os.replace(hidden, out)
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
+
+
 def test_a_new_run_sets_aside_the_log_of_a_run_killed_before_its_first_save(corpus, tmp_path, capsys):
     """A run killed (SIGKILL, a second Ctrl-C) before its first save leaves --out with a log.jsonl and no checkpoint;
     the next run there appended its records to that log (two step 0s, the dead run's curve read as this one's). The
