@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, config_from_args, file_hooks
+from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, check_stop_file, config_from_args, file_hooks
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -125,6 +125,7 @@ def run(args) -> int:
 
     if args.resume:  # before the saved settings are read as an SFT run's (snlp.train.sft checks it too)
         check_resume_command(args.out, "snlp sft")
+    check_stop_file(args.stop_file, args.out, args.resume)
     if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
         args.forward = str(cli_plan(args.forward))
         check_plans_fit(args.ckpt, [args.forward])  # its depth from its config, before its weights load

@@ -309,6 +309,27 @@ def test_a_zero_matrix_lr_is_honoured():
         assert lrs == {0.0}, (optimizer, lrs)
 
 
+def test_a_stop_file_left_at_a_reached_step_is_refused_before_any_work(corpus, tmp_path, capsys):
+    """An earlier run's --stop-file left in place (step 0 here, or a resumed run's saved step) stopped the run before
+    its first step: a checkpoint of no training, status 0. Refused in one line; a later step stops there."""
+    out, stop = tmp_path / "run", tmp_path / "stop"
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    stop.write_text("0")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stop)]) == 2
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "sft"),
+                 "--stop-file", str(stop)]) == 2
+    assert not out.exists() and not (tmp_path / "sft").exists()
+    stop.write_text("2")
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stop)]) == 0
+    assert main(["train", "--out", str(out), "--resume", "--stop-file", str(stop)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    says = [e for e in err if "error:" in e]
+    assert len(says) == 3 and all("stop at step 0 and the run starts at step 0" in e for e in says[:2]), err
+    assert says[1].startswith("snlp sft: error: --stop-file") and "stop at step 2 and the run starts at step 2" in says[2]
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 2
+
+
 def test_a_save_cut_off_between_its_renames_is_named_not_started_over(corpus, tmp_path, capsys):
     """save_checkpoint moves the previous checkpoint to .NAME.old-PID, then the new one in: a kill in between left no
     --out, so --resume said "no checkpoint" and a new run started from nothing while the last checkpoint sat hidden.
