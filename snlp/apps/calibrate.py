@@ -39,18 +39,13 @@ def add_arguments(p) -> None:
 
 
 def check_out(out: str) -> None:
-    """Refuse an --out that names a file of a checkpoint, drafter or run (model.safetensors, config.json, optimizer.pt,
-    log.jsonl, ...) or any existing file that is not a .pt: the preheat would be written over it (`--out
-    CKPT/model.safetensors` replaced the model's weights with the preheat). An existing .pt is an earlier
-    calibration, replaced by design."""
-    from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
-    from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS
-
+    """Refuse an --out that names an existing file that is not a .pt: the preheat would be written over it. An
+    existing .pt is an earlier calibration, replaced by design. (A file of a checkpoint, drafter or run folder,
+    `--out CKPT/model.safetensors`, is refused with every command's outputs: snlp.apps.cli.check_not_a_model_file.)"""
     path = Path(out)
-    owned = (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json")
-    if path.name in owned or (path.exists() and path.suffix != ".pt"):
-        raise ValueError(f"--out {out} is {'a checkpoint or run file' if path.name in owned else 'an existing file'}: "
-                         f"the preheat would be written over it; name a new file (default CKPT/{FILENAME})")
+    if path.exists() and path.suffix != ".pt":
+        raise ValueError(f"--out {out} is an existing file: the preheat would be written over it; name a new file "
+                         f"(default CKPT/{FILENAME})")
 
 
 def run(args) -> int:

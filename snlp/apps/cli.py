@@ -152,17 +152,57 @@ def command_of(argv: list[str]) -> str:
 
 
 def check_outputs(parser: argparse.ArgumentParser, args) -> None:
-    """Raise a ValueError for the first output path given that cannot be written (snlp.runtime.outputs)."""
+    """Raise a ValueError for the first output path given that cannot be written (snlp.runtime.outputs), and for an
+    output file that would overwrite what the run reads or writes besides: another output flag's file (the second
+    write replaced the first's result), a file another flag names (a --prompts-file, a --data part), or a file of a
+    checkpoint or drafter folder (`--json CKPT/config.json` left a checkpoint that loads as nothing)."""
+    from pathlib import Path
+
     from snlp.runtime.outputs import check_output_dir, check_output_file
 
     sub = parser.commands[args.command]
     files = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ()))
-    for dest in dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ()))):
+    outputs = dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ())))
+    written: dict = {}  # resolved output file -> its flag
+    for dest in outputs:
         value = getattr(args, dest, None)
         if not isinstance(value, str) or not value or value == sub.get_default(dest):
             continue  # not given (a default folder is created when the command writes there)
         flag = "--" + dest.replace("_", "-")
         (check_output_file if dest in files else check_output_dir)(value, flag)
+        if dest in files:
+            where = Path(value).expanduser().resolve()
+            if where in written:
+                raise ValueError(f"{flag} {value} is the file {written[where]} writes too: one would replace the "
+                                 f"other; give each its own path")
+            written[where] = flag
+            check_not_a_model_file(where, flag, value)
+    for dest, value in vars(args).items():  # the inputs: every other string a flag holds, comma-separated parts too
+        if dest in outputs or dest in ("command", "func", "module", "given") or not isinstance(value, str):
+            continue
+        for part in value.split(","):
+            where = Path(part.strip()).expanduser().resolve() if part.strip() else None
+            if where in written and where.is_file():
+                action = next((a for a in sub._actions if a.dest == dest), None)
+                flag = (action.option_strings[-1] if action.option_strings else action.metavar) if action else dest
+                raise ValueError(f"{written[where]} {part.strip()} is the file {flag} reads: writing the result there "
+                                 f"would overwrite it; choose another path")
+
+
+def check_not_a_model_file(path, flag: str, value: str) -> None:
+    """Refuse an output file that is one of the files of the checkpoint, drafter or training run in the folder it sits
+    in (its weights, config, tokenizer, optimizer or train state, its log.jsonl or train_summary.json): the folder would
+    no longer load, or its run's record would be lost. The file names are the library's (imported only where the folder
+    holds a model, so that argument errors answer without torch)."""
+    folder = path.parent
+    if not ((folder / "model.safetensors").is_file() or (folder / "drafter.json").is_file()):
+        return
+    from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
+    from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS
+
+    if path.name in (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json"):
+        raise ValueError(f"{flag} {value} is a file of the checkpoint, drafter or run in {folder}: writing there would "
+                         f"break it; choose another path")
 
 
 def check_device(args) -> None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, config_from_args, file_hooks
+from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, check_stop_file, config_from_args, file_hooks
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -120,8 +120,12 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
+    from snlp.train.checkpointing import check_resume_command, check_resume_left
     from snlp.train.sft import SFTConfig, resumed_sft, sft
 
+    if args.resume:  # before the saved settings are read as an SFT run's (snlp.train.sft checks it too)
+        check_resume_command(args.out, "snlp sft")
+    check_stop_file(args.stop_file, args.out, args.resume)
     if args.forward != SEQUENTIAL:  # a K beyond the exact count capped (with a warning), as for every --plan
         args.forward = str(cli_plan(args.forward))
         check_plans_fit(args.ckpt, [args.forward])  # its depth from its config, before its weights load
@@ -131,6 +135,8 @@ def run(args) -> int:
     if args.resume and given is not None:  # the flags not typed keep the saved run's values
         check_lr_scale(args, given)
         scfg = resumed_sft(scfg, given)  # the five LRs are never "typed": the saved ones are kept
+    if args.resume:
+        check_resume_left(scfg.train)
     res = sft(scfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)

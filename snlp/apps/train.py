@@ -146,7 +146,7 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    from snlp.train.checkpointing import saved_settings
+    from snlp.train.checkpointing import check_resume_command, check_resume_left, saved_settings
     from snlp.train.config import (SHAPE, check_data_present, check_init_from_shape, check_out_outside_data,
                                    init_from_shape_refusal, resumed)
     from snlp.train.trainer import fit
@@ -156,13 +156,16 @@ def run(args) -> int:
     if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
         check_init_from_shape(cfg.init_from, shape)
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
+        check_resume_command(cfg.out, "snlp train")
         saved = saved_settings(cfg.out)
         if saved and saved.get("init_from") and shape:  # at any value, as beside --init-from
             raise ValueError(f"--resume: the run in {cfg.out}: {init_from_shape_refusal(saved['init_from'], shape)}")
         cfg = resumed(cfg, saved, getattr(args, "given", None))
+        check_resume_left(cfg)
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
+    check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
         print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
@@ -179,6 +182,23 @@ def read_step_file(path: str | Path | None) -> int | None:
         return int(Path(path).read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
+    """Refuse a --stop-file that already holds a step the run has reached (an earlier run's file left in place): the
+    run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft)."""
+    stop_at = read_step_file(path)
+    if stop_at is None:
+        return
+    start = 0
+    if resume:
+        from snlp.io.checkpoint import load_train_state
+
+        st = load_train_state(out) if (Path(out) / "model.safetensors").is_file() else None
+        start = st["step"] if isinstance(st, dict) and isinstance(st.get("step"), int) else 0
+    if stop_at <= start:
+        raise ValueError(f"--stop-file {path} already says stop at step {stop_at} and the run starts at step {start}: "
+                         f"it would stop before its first step; remove the file or write a later step in it")
 
 
 def stop_file_check(path: str | Path) -> StopCheck:

@@ -8,7 +8,8 @@
     preheat.pt          a preheat calibration (`snlp calibrate`; optional, read by `load_preheat`)
 
 The directory is written to a temporary sibling and swapped in with os.replace, so a crash
-mid-save never leaves a half-written checkpoint under the real name. Files in an existing
+mid-save never leaves a half-written checkpoint under the real name (a kill between the swap's two
+renames leaves the previous checkpoint whole in a hidden sibling: `cut_off_save` finds it). Files in an existing
 checkpoint directory that the save does not write (e.g. the training log) are carried over, except a
 preheat calibration of other weights: it describes the old weights only, so it is dropped.
 """
@@ -100,6 +101,17 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     else:
         os.replace(tmp, path)
     return path
+
+
+def cut_off_save(path) -> Path | None:
+    """The checkpoint that a save cut off between its two renames left hidden beside `path`, where `path` itself is
+    gone: save_checkpoint moves the previous checkpoint to .NAME.old-PID, then the new one in; a kill in between
+    leaves only the former (complete, the last one saved). None where there is none."""
+    path = Path(path)
+    if path.exists():
+        return None
+    old = sorted(p for p in path.parent.glob(f".{path.name}.old-*") if (p / WEIGHTS).is_file())
+    return old[-1] if old else None
 
 
 def _stale_preheat(f: Path, model: GPT) -> bool:

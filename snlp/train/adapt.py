@@ -177,6 +177,10 @@ class AdaptConfig:
             # the same reason: a LoRA run saves its drafter at the end only, so DIR/run would hold nothing usable
             raise ValueError(f"--save-every {self.save_every} keeps resumable checkpoints, and --lora-rank runs keep "
                              "none (their drafter is saved at the end only): drop --save-every, or give 0")
+        if not self.from_model:
+            # the shared loop's refusals (a negative --warmup-steps or --grad-clip, ...) before the base loads; fit
+            # asks them again (the width, unknown here, only scales the head's LR)
+            train_config(self, 768).check()
         return plan
 
 

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import DRAFTER_META, holds_speedrun, load, load_train_state, load_training, save_checkpoint
+from snlp.io.checkpoint import (DRAFTER_META, cut_off_save, holds_speedrun, load, load_train_state, load_training,
+                                save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
-from snlp.train.optim import OptimizerBundle
+from snlp.train.optim import OptimizerBundle, Progress
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ResumePoint:
     optimizer: list  # one state dict per optimizer (OptimizerBundle)
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
     data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
+    command: str = "snlp train"  # the command whose run it is (run_command): a resume continues it as that only
 
 
 @dataclass
@@ -47,6 +49,11 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     """The saved run in `out` when resuming (checked complete, and `cfg` and the number of processes `world` checked
     against what it was saved with: `check_resume_settings`); else check `out` holds no checkpoint yet."""
     has_ckpt = (out / "model.safetensors").is_file()
+    hidden = cut_off_save(out)
+    if hidden is not None:  # a new run would start from nothing, and a resume would find no checkpoint
+        raise ValueError(f"--out {out} is gone but its last checkpoint is in {hidden} (a save was cut off between "
+                         f"its two renames): move it back (mv {hidden} {out}) and --resume, or remove it to start "
+                         f"afresh")
     if (out / DRAFTER_META).is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
         raise ValueError(f"{out} holds a drafter (snlp adapt); choose another --out")
     if not resume:
@@ -73,8 +80,57 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
                         init_from=(st.get("args") or {}).get("init_from"),
-                        data_digest=(st.get("args") or {}).get("data_digest"))
+                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
     return Start(model, tok, point)
+
+
+# The Job states (snlp.train.job.Job.state) that mark a run of another command than pretraining: snlp sft and snlp
+# adapt save their own settings under these keys in train_state.pt; a pretraining run saves neither.
+RUN_COMMANDS = {"sft": "snlp sft", "adapt": "snlp adapt"}
+
+
+def run_command(state: dict) -> str:
+    """The command whose run a saved train state (or a Job's `state`) belongs to: snlp sft, snlp adapt or snlp
+    train (pretraining)."""
+    return next((cmd for key, cmd in RUN_COMMANDS.items() if key in state), "snlp train")
+
+
+def check_resume_command(out, command: str, saved: str | None = None) -> None:
+    """Refuse `command --resume` of the run in `out` when another command saved it (`saved`: its run_command; None:
+    read from out's train_state.pt, nothing to check where there is none): the loop would continue it as another
+    kind of run (a pretraining run fine-tuned on chats, an SFT run pretrained on the base's text) and write the
+    result over its checkpoint, the run itself lost."""
+    if saved is None:
+        st = load_train_state(out) if (Path(out) / "model.safetensors").is_file() else None
+        if not isinstance(st, dict):
+            return
+        saved = run_command(st)
+    if saved != command:
+        raise ValueError(f"--resume: {out} holds a run of `{saved}`, not of `{command}`: continuing it here would "
+                         f"make it another kind of run and overwrite its checkpoint; resume it with `{saved} --resume`, "
+                         f"or start the new run in another --out")
+
+
+def check_resume_left(cfg: TrainConfig) -> None:
+    """Refuse `--resume` of the run in cfg.out (its settings already resolved: `resumed`) when the budget or
+    --stop-after leaves it no step to run: the loop would only save the same weights again and write a
+    train_summary.json without the run's validation and speed over the finished run's. Asked by the commands
+    (snlp train, snlp sft), not by fit: snlp speedrun resumes a finished run to finish it."""
+    st = load_train_state(cfg.out) if (Path(cfg.out) / "model.safetensors").is_file() else None
+    if not isinstance(st, dict) or not isinstance(st.get("step"), int):
+        return
+    step, elapsed = st["step"], float(st.get("elapsed", 0.0))
+    if cfg.stop_after is not None and cfg.stop_after <= step:
+        raise ValueError(f"--resume: the run in {cfg.out} is at step {step} already: --stop-after {cfg.stop_after} "
+                         f"leaves it no step to run; give a later --stop-after")
+    progress = Progress(cfg.total_steps, cfg.minutes)
+    progress.step, progress.elapsed = step, elapsed
+    if progress.done():
+        budget = (f"--steps {cfg.total_steps}" if cfg.total_steps is not None and step >= cfg.total_steps
+                  else f"--minutes {cfg.minutes:g}, {elapsed / 60:.3g} trained")
+        raise ValueError(f"--resume: the run in {cfg.out} is done (step {step}, {budget}): nothing to continue, its "
+                         f"checkpoint and summary are kept as they are; give a larger --steps or --minutes to train "
+                         f"it further")
 
 
 def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
@@ -125,6 +181,20 @@ def trim_log(log: Path, step: int) -> None:
         tmp = log.with_name(log.name + f".tmp-{os.getpid()}")
         tmp.write_text("".join(keep))
         os.replace(tmp, log)
+
+
+UNSAVED_LOG = "log.unsaved.jsonl"
+
+
+def set_aside_unsaved_log(log: Path) -> Path | None:
+    """Move the log.jsonl a new run finds in its --out (no checkpoint there: a run killed before its first save) to
+    UNSAVED_LOG beside it and return where; the new run's records would otherwise follow the dead run's in one log
+    (two step 0s, two curves read as one). None where there is no such log."""
+    if not log.is_file():
+        return None
+    aside = log.with_name(UNSAVED_LOG)
+    os.replace(log, aside)
+    return aside
 
 
 def _step(line: str) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -98,8 +99,19 @@ class TrainConfig:
             raise ValueError(f"--warmdown must lie in [0, 1] (got {self.warmdown})")
         if self.hc_streams < 0:
             raise ValueError(f"--hc-streams must be >= 0 (got {self.hc_streams})")
-        if self.reg_lambda < 0 or self.reg_warmup < 0 or self.reg_stride < 0:
+        if not self.reg_lambda >= 0 or self.reg_warmup < 0 or self.reg_stride < 0:  # NaN fails >= 0
             raise ValueError("--reg-lambda, --reg-warmup and --reg-stride must be >= 0")
+        if not math.isfinite(self.reg_lambda):
+            raise ValueError(f"--reg-lambda must be finite (got {self.reg_lambda})")
+        # a negative warm-up makes lr_multiplier -(step + 1): every step an ascent, growing; a negative LR, weight
+        # decay or clip norm is no setting either (torch refuses the first two only once the data is loaded)
+        for name in ("warmup_steps", "max_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "hc_lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {v})")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load_train_state
 from snlp.method.plan import Plan
+from snlp.train.checkpointing import check_resume_command
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
 from snlp.train.distributed import rank0_first
@@ -169,6 +170,8 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
     scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
+    if scfg.train.resume:  # a pretraining (or adapt) run in --out is not continued as an SFT run
+        check_resume_command(scfg.train.out, "snlp sft")
     scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
     check_resume_sft(scfg)
     if scfg.forward != SEQUENTIAL:

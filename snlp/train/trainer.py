@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import ResumePoint, open_run, recorded_args, save_run, set_rng_state, trim_log
+from snlp.train.checkpointing import (ResumePoint, check_resume_command, open_run, recorded_args, save_run,
+                                      set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
@@ -127,6 +129,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
+    if start.resume is not None:  # before anything is written (the commands check it before loading, too)
+        check_resume_command(cfg.out, job.name, start.resume.command)
     saved = start.resume.data_digest if start.resume else None
     if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
         raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "
@@ -134,6 +138,9 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
                          f"start a new run from its weights (--init-from {cfg.out}) in another --out")
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
+    elif ctx.master and (aside := set_aside_unsaved_log(Path(cfg.out) / "log.jsonl")) is not None:
+        print(f"{cfg.out} held the log of a run that saved no checkpoint (killed before its first save): moved to "
+              f"{aside}; this run logs afresh", file=sys.stderr, flush=True)
     apply_freeze(job.model, cfg)
     job.model.to(ctx.device)
     job.model.train()
@@ -218,7 +225,14 @@ def train_loop(run: Run, state: LoopState) -> None:
             save(run, state)
     if state.step > state.first_step and state.validated_at != state.step:  # stopped by before_step:
         validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
-    save(run, state)
+    if not idle_resume(state):  # a resumed run that ran no step has nothing new to save
+        save(run, state)
+
+
+def idle_resume(state: LoopState) -> bool:
+    """Whether this process resumed a run and ran no step (its budget or --stop-after was already reached, e.g. snlp
+    speedrun or sft-grid reusing a finished run): its checkpoint and train_summary.json stay as the run left them."""
+    return state.first_step > 0 and state.step == state.first_step
 
 
 def ask(run: Run, hook, state: LoopState) -> str | None:
@@ -413,7 +427,10 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         run.bar.close()
     total = time.perf_counter() - run.t_start
     v = state.validation
-    if run.ctx.master:
+    if run.ctx.master and idle_resume(state):
+        print(f"{run.out}: no step to run (its budget or --stop-after is reached at step {state.step}); the checkpoint "
+              f"is kept as it was", flush=True)
+    elif run.ctx.master:
         print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
         if speed is not None:
@@ -422,7 +439,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
                          speed=speed)
-    if run.ctx.master:
+    if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
         summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None

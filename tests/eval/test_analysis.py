@@ -202,6 +202,30 @@ def test_analyze_writes_markdown_json_and_plots(model, val, tmp_path):
         A.analyze(model, val, A.AnalysisConfig(only=("jacobians",)))
 
 
+def test_write_keeps_the_results_when_a_plot_fails_and_drops_a_reused_folders_stale_plots(model, val, tmp_path,
+                                                                                          monkeypatch):
+    """The plots were written before analysis.json, so a plot that failed lost every computed section; a folder
+    reused with a smaller --only kept the earlier run's plots beside the new analysis.md."""
+    import snlp.eval.analysis.report as R
+
+    res = A.analyze(model, val, A.AnalysisConfig(only=("jacobian",), jac_suffix=2, jac_windows=1, power_iters=3,
+                                                 probes=2, **SMALL), checkpoint="tiny")
+    out = tmp_path / "an"
+    out.mkdir()
+    (out / "ordering.png").write_bytes(b"an earlier run's")
+    A.write(res, out)
+    assert (out / "jacobian.png").is_file() and not (out / "ordering.png").exists()
+
+    def broken(*a, **k):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(R, "write_plots", broken)
+    with pytest.raises(RuntimeError):
+        A.write(res, tmp_path / "again")
+    data = json.loads((tmp_path / "again" / "analysis.json").read_text())
+    assert data["jacobian"]["layers"] and data["checkpoint"] == "tiny"
+
+
 def test_cli_analyze_and_calibrate(tmp_path, capsys):
     from snlp.io.checkpoint import load, save_checkpoint
     from snlp.apps.cli import main

@@ -116,6 +116,44 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
     assert rc == 2 and msg.format(**subs) in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{tmp}/r.out", "--csv", "{tmp}/./r.out"],
+     "--csv {tmp}/./r.out is the file --json writes too"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{ckpt}/config.json"], "--json {ckpt}/config.json is a file "
+     "of the checkpoint, drafter or run in {ckpt}"),
+    (["bench", "--json", "{ckpt}/log.jsonl"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    (["bench", "--json", "{drafter}/drafter.json"], "is a file of the checkpoint, drafter or run in {drafter}"),
+    (["generate", "{ckpt}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/p.txt"],
+     "--json {tmp}/p.txt is the file --prompts-file reads"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/a.txt,{tmp}/p.txt", "--markdown", "{tmp}/p.txt"],
+     "--markdown {tmp}/p.txt is the file --data reads"),
+])
+def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_path, capsys, argv, msg):
+    """An output file that another output flag, an input flag or a checkpoint / drafter folder also names: the
+    result replaced the other result, the prompts or data the run read, or the model's own file (the folder then loads
+    as nothing). Refused in one line before any work, every file as it was."""
+    ckpt, drafter = tmp_path / "ckpt", tmp_path / "drafter"
+    for d, names in ((ckpt, ("model.safetensors", "config.json")), (drafter, ("drafter.json",))):
+        d.mkdir()
+        for n in names:
+            (d / n).write_text("the model's own")
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    subs = {"tmp": str(tmp_path), "ckpt": str(ckpt), "drafter": str(drafter)}
+    rc = main([a.format(**subs) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg.format(**subs) in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # calibrate's own output file in a checkpoint, and a result written beside the model, stay allowed
+    from snlp.apps.cli import build_parser, check_outputs
+
+    for argv in (["calibrate", str(ckpt), "--out", str(ckpt / "preheat.pt")],
+                 ["eval", str(ckpt), "--plans", "2xF1-h0-K1", "--json", str(ckpt / "eval.json")]):
+        parser = build_parser(argv[0])
+        args = parser.parse_args(argv)
+        check_outputs(parser, args)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
 def test_read_only_out_is_refused(tmp_path, capsys):
     ro = tmp_path / "ro"
@@ -228,6 +266,129 @@ def test_resume_refuses_a_flag_that_would_change_the_run_and_touches_nothing(cor
     assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--eval-every", "1"]) == 0
     st = torch.load(out / "train_state.pt", weights_only=False)
     assert st["step"] == 3 and st["args"]["eval_every"] == 1 and st["args"]["seq_len"] == 32
+
+
+SFT_FLAGS = ("--warmup-steps", "--grad-clip", "--reg-lambda")  # snlp sft's (its LRs: --lr-scale); adapt: the first two
+BAD_SETTINGS = [
+    ("--warmup-steps", "-1"),  # lr_multiplier -(step + 1): an ascent that grows every step
+    ("--embedding-lr", "-0.1"), ("--unembedding-lr", "nan"), ("--scalar-lr", "-1"), ("--hc-lr", "inf"),
+    ("--matrix-lr", "-0.02"), ("--weight-decay", "-1"), ("--grad-clip", "-1"), ("--max-chars", "-5"),
+    ("--reg-lambda", "nan"), ("--reg-lambda", "inf"),
+]
+
+
+@pytest.mark.parametrize("command, flag, value", [("train", f, v) for f, v in BAD_SETTINGS]
+                         + [(c, f, v) for c in ("sft", "adapt") for f, v in BAD_SETTINGS if f in SFT_FLAGS[:2]]
+                         + [("sft", f, v) for f, v in BAD_SETTINGS if f == "--reg-lambda"])
+def test_a_setting_no_run_can_use_is_refused_before_any_work(command, flag, value, corpus, tmp_path, capsys):
+    """A negative warm-up, learning rate, weight decay, clip norm or --max-chars, or a NaN / infinite --reg-lambda, is
+    one line naming the flag before the data or the model is read (they trained before: ascent, a regulariser that
+    a NaN turned off, a misleading "one document")."""
+    out = tmp_path / "run"
+    argv = {"train": ["train", "--out", str(out), "--data", str(corpus), *TINY, "--reg", "idn"],
+            "sft": ["sft", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out), "--reg",
+                    "idn"],
+            "adapt": ["adapt", str(tmp_path / "none"), "--plan", "1xF1-h0-K1", "--out", str(out)]}[command]
+    capsys.readouterr()
+    assert main([*argv, flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"snlp {command}: error: {flag}") and "must be" in err, err
+    assert not out.exists()
+
+
+def test_a_zero_matrix_lr_is_honoured():
+    """--matrix-lr 0 freezes the block matrices (it gave the default LR: 0 read as "not given")."""
+    from snlp.model.gpt import GPT, GPTConfig
+    from snlp.train.optim import build_optimizers
+
+    model = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=64, sequence_len=16))
+    for optimizer in ("muon", "adamw"):
+        opts = build_optimizers(model, TrainConfig(out="", optimizer=optimizer, matrix_lr=0.0))
+        blocks = {id(p) for p in model.blocks.parameters() if p.ndim == 2}
+        lrs = {g["lr"] for o in opts for g in o.param_groups if any(id(p) in blocks for p in g["params"])}
+        assert lrs == {0.0}, (optimizer, lrs)
+
+
+def test_a_stop_file_left_at_a_reached_step_is_refused_before_any_work(corpus, tmp_path, capsys):
+    """An earlier run's --stop-file left in place (step 0 here, or a resumed run's saved step) stopped the run before
+    its first step: a checkpoint of no training, status 0. Refused in one line; a later step stops there."""
+    out, stop = tmp_path / "run", tmp_path / "stop"
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    stop.write_text("0")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stop)]) == 2
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "sft"),
+                 "--stop-file", str(stop)]) == 2
+    assert not out.exists() and not (tmp_path / "sft").exists()
+    stop.write_text("2")
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stop)]) == 0
+    assert main(["train", "--out", str(out), "--resume", "--stop-file", str(stop)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    says = [e for e in err if "error:" in e]
+    assert len(says) == 3 and all("stop at step 0 and the run starts at step 0" in e for e in says[:2]), err
+    assert says[1].startswith("snlp sft: error: --stop-file") and "stop at step 2 and the run starts at step 2" in says[2]
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 2
+
+
+def test_a_save_cut_off_between_its_renames_is_named_not_started_over(corpus, tmp_path, capsys):
+    """save_checkpoint moves the previous checkpoint to .NAME.old-PID, then the new one in: a kill in between left no
+    --out, so --resume said "no checkpoint" and a new run started from nothing while the last checkpoint sat hidden.
+    Both are refused in one line naming where it is; moved back, the run resumes."""
+    out = tmp_path / "run"
+    fit(cfg(out, corpus, tmp_path / "cache", steps=4, stop_after=2))
+    hidden = tmp_path / ".run.old-12345"
+    os.replace(out, hidden)  # the state a kill between the two renames leaves
+    capsys.readouterr()
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(out), "--resume"]) == 2
+    assert main(["train", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(f"its last checkpoint is in {hidden}" in e for e in err), err
+    assert not out.exists()
+    os.replace(hidden, out)
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
+
+
+def test_a_new_run_sets_aside_the_log_of_a_run_killed_before_its_first_save(corpus, tmp_path, capsys):
+    """A run killed (SIGKILL, a second Ctrl-C) before its first save leaves --out with a log.jsonl and no checkpoint;
+    the next run there appended its records to that log (two step 0s, the dead run's curve read as this one's). The
+    old log is moved to log.unsaved.jsonl, whole, and said; the new log holds this run's records only."""
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 8))
+    (out / "log.jsonl").write_text(dead)
+    fit(cfg(out, corpus, tmp_path / "cache", steps=2))
+    assert log_steps(out) == [1, 2]
+    assert (out / "log.unsaved.jsonl").read_text() == dead
+    assert "log.unsaved.jsonl" in capsys.readouterr().err
+
+
+def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus, tmp_path, capsys):
+    """`--resume` of a finished run without a larger budget, or with a --stop-after at or before its step, has no
+    step to run: refused in one line, the checkpoint and train_summary.json (the run's validation and speed) as they
+    were; a larger budget continues it."""
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--steps", "3"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert json.loads(before["train_summary.json"])["validation"] is not None
+    capsys.readouterr()
+    for extra, says in (([], "is done (step 3, --steps 3)"), (["--steps", "2"], "is done (step 3, --steps 2)"),
+                        (["--minutes", "0.0001"], "is done (step 3, --minutes 0.0001"),
+                        (["--steps", "5", "--stop-after", "3"], "at step 3 already: --stop-after 3")):
+        assert main(["train", "--out", str(out), "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the library (snlp speedrun and sft-grid reuse a finished run this way): no step, nothing rewritten
+    saved = torch.load(out / "train_state.pt", weights_only=False)["args"]
+    again = TrainConfig(**{**{k: saved[k] for k in saved if k in TrainConfig.__dataclass_fields__}, "resume": True,
+                           "device": "cpu"})
+    assert fit(again).steps == 3
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
 
 
 def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus, tmp_path):
@@ -548,7 +709,7 @@ def test_calibrate_refuses_an_out_that_names_a_checkpoint_file(tmp_path, capsys)
     ck = save_checkpoint(tmp_path / "ck", make_model(n_layer=2))
     (tmp_path / "notes.md").write_text("mine")
     before = (ck / "model.safetensors").read_bytes()
-    for out, says in ((ck / "model.safetensors", "is a checkpoint or run file"), (ck / "config.json", "checkpoint"),
+    for out, says in ((ck / "model.safetensors", "is a file of the checkpoint"), (ck / "config.json", "checkpoint"),
                       (tmp_path / "notes.md", "is an existing file")):
         assert main(["calibrate", str(ck), "--out", str(out), "--rank", "2"]) == 2
         assert says in capsys.readouterr().err

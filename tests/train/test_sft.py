@@ -316,11 +316,12 @@ def test_sft_resume_is_bitwise_identical(task, tmp_path, capsys):
         assert "--optimizer 'muon' (given: 'adamw')" in err[2] and "-lr" not in err[2], err
         # typed at the saved values, alone or together: not a change
         assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
-                     "--lr-scale", "1", "--stop-after", "3"]) == 0
+                     "--lr-scale", "1", "--stop-after", "4"]) == 0
+        assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 4
         assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume",
-                     "--optimizer", "muon", "--stop-after", "3"]) == 0
-        assert torch.load(tmp_path / "part" / "train_state.pt", weights_only=False)["step"] == 3
-        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume"]) == 0
+                     "--optimizer", "muon"]) == 0
+        # the run is done: a resume with no step left is refused, nothing rewritten
+        assert main([*base[:2], "--data", str(task / "chats.jsonl"), "--out", str(tmp_path / "part"), "--resume"]) == 2
     finally:
         torch.set_num_threads(threads)
     full, part = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
@@ -330,6 +331,43 @@ def test_sft_resume_is_bitwise_identical(task, tmp_path, capsys):
     assert st["sft"]["forward"] == "2xF2-h0-K1" and st["step"] == 5
     assert main([*base, "--out", str(tmp_path / "x"), *sft_flags(2), "--forward", "9xF1-h0-K1"]) == 2
     assert main(["sft", str(task / "base"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "y")]) == 2
+
+
+def test_resume_continues_a_run_only_as_the_command_that_saved_it(task, tmp_path, capsys):
+    """`snlp sft --resume` of a pretraining run and `snlp train --resume` of an SFT run are refused in one line
+    before any work, their checkpoints untouched: the loop would continue one as the other (a pretraining run
+    fine-tuned on chats, an SFT run pretrained on the base's text) and save over it. The library refuses too."""
+    from dataclasses import fields
+
+    from snlp.train.config import TrainConfig
+    from snlp.train.sft import SFTConfig, sft_job
+    from snlp.train.trainer import fit
+
+    text = task / "text.txt"
+    text.write_text("\n\n".join(" ".join(random.Random(i).choices(TEXT[0].split(), k=40)) for i in range(200)))
+    pre, tuned = tmp_path / "pre", tmp_path / "sft"
+    assert main(["train", "--out", str(pre), "--data", str(text), "--cache-dir", str(tmp_path / "cache"), "--depth",
+                 "2", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "128", "--batch-size",
+                 "2", "--steps", "2", "--eval-batches", "1", "--no-progress", "--device", "cpu"]) == 0
+    chats = ["--data", str(task / "chats.jsonl"), "--max-conversations", "40"]
+    assert main(["sft", str(task / "base"), *chats, "--out", str(tuned), *sft_flags(2), "--batch-size", "4"]) == 0
+    files = lambda d: {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}  # noqa: E731
+    before = {pre: files(pre), tuned: files(tuned)}
+    capsys.readouterr()
+    assert main(["sft", str(pre), *chats, "--out", str(pre), "--resume", "--steps", "4", "--no-progress"]) == 2
+    assert main(["train", "--out", str(tuned), "--resume", "--steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert f"{pre} holds a run of `snlp train`, not of `snlp sft`" in err[0]
+    assert f"{tuned} holds a run of `snlp sft`, not of `snlp train`" in err[1]
+    assert {pre: files(pre), tuned: files(tuned)} == before
+    # the library: the pretraining run's own settings, with an SFT job
+    saved = torch.load(pre / "train_state.pt", weights_only=False)["args"]
+    cfg = TrainConfig(**{**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved}, "resume": True,
+                         "device": "cpu"})
+    with pytest.raises(ValueError, match="holds a run of `snlp train`, not of `snlp sft`"):
+        fit(cfg, sft_job(SFTConfig(ckpt=str(pre), data=str(task / "chats.jsonl"), train=cfg, max_conversations=40)))
+    assert files(pre) == before[pre]
 
 
 def test_mc_questions_as_chats_and_hub_tasks_offline(tmp_path, tok):

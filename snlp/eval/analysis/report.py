@@ -26,6 +26,7 @@ from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table
                                        ordering_tables, preheat_table, propagation_table)
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
+from snlp.runtime.device import write_atomic
 
 
 @dataclass
@@ -193,11 +194,19 @@ def _jsonable(obj):
     return obj
 
 
+PLOTS = ("jacobian.png", "ordering.png", "propagation.png")  # every file write_plots may make
+
+
 def write(res: AnalysisResult, out) -> Path:
-    """Write analysis.md, analysis.json and the PNG plots into the folder `out`."""
+    """Write analysis.json, the PNG plots and analysis.md into the folder `out`, each atomically. The results go
+    first, so a plot that fails loses none of the computed sections (minutes on a CPU); the plots of sections this run
+    did not make are removed, so that a folder reused with a smaller --only describes this run alone."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "analysis.json", json.dumps(_jsonable(asdict(res)), indent=1))
     plots = write_plots(res, out)
-    (out / "analysis.json").write_text(json.dumps(_jsonable(asdict(res)), indent=1))
-    (out / "analysis.md").write_text(to_markdown(res, plots))
+    for name in PLOTS:
+        if name not in plots.values():
+            (out / name).unlink(missing_ok=True)
+    write_atomic(out / "analysis.md", to_markdown(res, plots))
     return out
