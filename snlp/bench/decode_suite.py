@@ -23,7 +23,8 @@ missing, too old, or cannot hold the model (nanochat-style models have no transf
 Timing: every method is one callable that decodes the batch (prefill included: transformers' `generate` has no
 other boundary) and returns its tokens; all are warmed up (compilation happens there), then timed round-robin in
 one process (one call of each per round, so drift hits all alike; the device is synchronised before each clock
-read). tokens/s = batch x new tokens / wall time; the median and the min-max over rounds are reported.
+read). tokens/s = prompts per call (the batch, or `prompts`) x new tokens / wall time; the median and the min-max
+over rounds are reported.
 
 `--shapes` runs snlp.bench.ssd_prediction instead: step times at a paper shape with random weights, and a PREDICTED
 speedup from a given acceptance rate.
@@ -176,7 +177,7 @@ class DecodeSuiteConfig:
 
 @dataclass
 class DecodeSuiteRow:
-    """One method at one batch size. tokens_per_s: batch x new tokens over the call's wall time (prefill included),
+    """One method at one batch size. tokens_per_s: prompts x new tokens over the call's wall time (prefill included),
     median over rounds, with the min and max; None (and `skipped` says why) where the method could not run."""
 
     method: str  # snlp sequential | snlp snlp | snlp speculative [(drafter)] | hf greedy (static) | hf early-exit |
