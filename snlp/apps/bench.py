@@ -606,6 +606,11 @@ def run_decode_suite_cli(args, command: str) -> int:
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
     methods = None if args.suite_methods is None else tuple(
         m.strip() for m in args.suite_methods.split(",") if m.strip())
+    hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
+                                 ("--prompt-lookup", args.prompt_lookup is not None)) if used]
+    if args.no_transformers and hf_only:  # they set transformers' assisted rows, which --no-transformers drops
+        raise ValueError(f"{' and '.join(hf_only)} set{'s' if len(hf_only) == 1 else ''} transformers' assisted rows "
+                         f"and --no-transformers drops them: drop one or the other")
     if methods is not None and "speculative" not in methods and args.blocks != DEFAULT_BLOCKS:
         # the draft block sizes only shape speculative rows: without them the table would not show them anywhere
         raise ValueError(f"--blocks sizes the speculative rows' drafts and --suite-methods {args.suite_methods} runs "

@@ -145,6 +145,8 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--suite-methods", ","], "got none"),
     (["--suite-methods", "snlp", "--drafter", "no-such-dir"], "add speculative to the methods"),
     (["--suite-methods", "snlp", "--blocks", "2,3"], "--blocks sizes the speculative rows' drafts"),
+    (["--no-transformers", "--early-exit", "2"], "--early-exit sets transformers' assisted rows"),
+    (["--no-transformers", "--prompt-lookup", "2", "--early-exit", "1"], "--early-exit and --prompt-lookup set "),
     (["--shapes", "0.5B", "--suite-methods", "snlp"], "does not take --suite-methods"),
     (["--batch-sizes", "1,4", "--suite-prompts", "6"], "a multiple of every batch size (1,4), got 6"),
     (["--suite-prompts", "9"], "prompts per call must lie in 1..8"),
