@@ -73,6 +73,7 @@ kind or treatment adds its row here (CONTRIBUTING.md).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -994,14 +995,16 @@ def test_compiled_entry_points_equal_their_references(name):
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["F1", "F2", "fwd", "exact", "exactF2", "whole"]), seed=st.integers(0, 50),
        sizes=st.sampled_from([(1,), (1, 3), (2,)]), drafter=st.booleans(), nano=st.booleans(),
-       windows=st.sampled_from(list(WINDOWS)), prompts=st.sampled_from([None, 6]))
-def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, prompts,
-                                                        tmp_path_factory):
+       windows=st.sampled_from(list(WINDOWS)), prompts=st.sampled_from([None, 6]), from_file=st.booleans(),
+       methods=st.sampled_from([None, ("speculative",), ("snlp",)]))
+def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafter, nano, windows, prompts, from_file,
+                                                        methods, tmp_path_factory):
     """The decode suite's rows (bench entry point): its reference is the argmax loop, every row it calls exact (snlp
     sequential, speculative with the model's own or an adapted drafter, an SNLP plan with K >= C and M = 1) gives
     the reference's tokens in fp64, and a K >= C plan with M > 1 (the fused model) is not called exact; `nano`:
     nanochat-snlp's parts (NANOCHAT), `windows`: the window widths (WINDOWS); `prompts`: one call decodes six
-    prompts a batch at a time (None: one batch)."""
+    prompts a batch at a time (None: one batch); `from_file`: token-id prompts of several lengths from a prompts
+    file, each cut to the prompt length; `methods`: the snlp rows beside sequential (a drafter needs speculative)."""
     from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
     from snlp.io.drafter import save_drafter
 
@@ -1014,15 +1017,29 @@ def test_decode_suite_exact_rows_equal_the_argmax_loop(kind, seed, sizes, drafte
                 p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(seed)))
         path = tmp_path_factory.mktemp("drafter")
         save_drafter(path, d)
+    if drafter and methods == ("snlp",):
+        methods = ("snlp", "speculative")
+    given, file = None, None
+    if from_file:
+        gen = torch.Generator().manual_seed(seed)
+        given = [torch.randint(0, m.config.vocab_size, (5 + k % 3,), generator=gen).tolist() for k in range(6)]
+        file = tmp_path_factory.mktemp("prompts") / "prompts.json"
+        file.write_text(json.dumps(given))
     cfg = DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=sizes, prompt_len=5, new_tokens=6,
                             plans=(PLANS[kind],), blocks=(3,), rounds=1, warmup=0, transformers=False, seed=seed,
-                            drafter=None if path is None else str(path), prompts=prompts)
+                            drafter=None if path is None else str(path), prompts=prompts,
+                            prompts_file=None if file is None else str(file), methods=methods)
     res = run_decode_suite(cfg, model=m)
     assert len(res.prompts) == (prompts or max(sizes))
+    if given is not None:
+        assert res.prompts == [g[:5] for g in given[:len(res.prompts)]]
     assert res.reference == [argmax_loop(m, p, 6) for p in res.prompts]
-    snlp_row = next(r for r in res.rows if r.method == "snlp snlp")
-    assert snlp_row.exact == (kind == "exact")
-    assert ("snlp speculative (drafter)" in {r.method for r in res.rows}) == drafter
+    ran = {r.method for r in res.rows}
+    assert "snlp sequential" in ran and ("snlp snlp" in ran) == ("snlp" in (methods or ("snlp",)))
+    assert ("snlp speculative" in ran) == ("speculative" in (methods or ("speculative",)))
+    for snlp_row in (r for r in res.rows if r.method == "snlp snlp"):
+        assert snlp_row.exact == (kind == "exact")
+    assert ("snlp speculative (drafter)" in ran) == drafter
     for r in res.rows:
         if r.library == "snlp" and r.exact:
             assert r.matches_sequential, r

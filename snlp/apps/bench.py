@@ -68,6 +68,7 @@ def _add_model_flags(p) -> None:
 
 
 DEFAULT_PLANS = "1xF12-h0-K1,12xF1-h0-K1"
+DEFAULT_BLOCKS = "4"  # --blocks
 DEFAULT_TREATMENTS = "eager,compiled"
 
 
@@ -96,7 +97,7 @@ def _add_decode_flags(p) -> None:
                           "plan, and self-speculative decoding (each plan drafts, sequential verifies)")
     dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
-    dec.add_argument("--blocks", default="4", help="comma-separated speculative draft block sizes B")
+    dec.add_argument("--blocks", default=DEFAULT_BLOCKS, help="comma-separated speculative draft block sizes B")
     dec.add_argument("--batch-sizes", default=None,
                      help="comma-separated batch sizes, e.g. 1,4,8: batched decoding of ragged prompts (one batch of "
                           "each size), aggregate tok/s of batched sequential vs batched SSD per size, every row checked "
@@ -146,7 +147,8 @@ def _add_suite_flags(p) -> None:
                             "L/2 layers of F1, K=1; with --shapes the shape's own plans")
     suite.add_argument("--suite-prompts", type=int, default=None,
                        help="--suite decode: prompts one timed call decodes, a batch at a time (a multiple of every "
-                            "batch size, at most 8): batch-1 rows over several prompts (default: one batch)")
+                            "batch size, at most 8, or the --prompts-file's count): batch-1 rows over several prompts "
+                            "(default: one batch)")
     suite.add_argument("--prompts-file", default=None, metavar="FILE",
                        help="--suite decode: a JSON list of prompts (texts, or lists of token ids) to decode instead "
                             "of the suite's eight English texts; each at least --prompt-len tokens")
@@ -602,6 +604,17 @@ def run_decode_suite_cli(args, command: str) -> int:
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
+    methods = None if args.suite_methods is None else tuple(
+        m.strip() for m in args.suite_methods.split(",") if m.strip())
+    hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
+                                 ("--prompt-lookup", args.prompt_lookup is not None)) if used]
+    if args.no_transformers and hf_only:  # they set transformers' assisted rows, which --no-transformers drops
+        raise ValueError(f"{' and '.join(hf_only)} set{'s' if len(hf_only) == 1 else ''} transformers' assisted rows "
+                         f"and --no-transformers drops them: drop one or the other")
+    if methods is not None and "speculative" not in methods and args.blocks != DEFAULT_BLOCKS:
+        # the draft block sizes only shape speculative rows: without them the table would not show them anywhere
+        raise ValueError(f"--blocks sizes the speculative rows' drafts and --suite-methods {args.suite_methods} runs "
+                         f"none: add speculative to the methods or drop --blocks")
     cfg = DecodeSuiteConfig(ckpt=args.ckpt, quick=args.quick, device=args.device, dtype=args.dtype,
                             batch_sizes=_ints(args.batch_sizes, "--batch-sizes"), prompts=args.suite_prompts,
                             prompts_file=args.prompts_file, prompt_len=args.prompt_len,
@@ -609,8 +622,7 @@ def run_decode_suite_cli(args, command: str) -> int:
                             early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
                             rounds=args.suite_runs, transformers=not args.no_transformers,
-                            methods=None if args.suite_methods is None else tuple(
-                                m.strip() for m in args.suite_methods.split(",") if m.strip()),
+                            methods=methods,
                             threads=args.threads, seed=args.seed, command=command)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 

@@ -23,7 +23,8 @@ missing, too old, or cannot hold the model (nanochat-style models have no transf
 Timing: every method is one callable that decodes the batch (prefill included: transformers' `generate` has no
 other boundary) and returns its tokens; all are warmed up (compilation happens there), then timed round-robin in
 one process (one call of each per round, so drift hits all alike; the device is synchronised before each clock
-read). tokens/s = batch x new tokens / wall time; the median and the min-max over rounds are reported.
+read). tokens/s = prompts per call (the batch, or `prompts`) x new tokens / wall time; the median and the min-max
+over rounds are reported.
 
 `--shapes` runs snlp.bench.ssd_prediction instead: step times at a paper shape with random weights, and a PREDICTED
 speedup from a given acceptance rate.
@@ -176,7 +177,7 @@ class DecodeSuiteConfig:
 
 @dataclass
 class DecodeSuiteRow:
-    """One method at one batch size. tokens_per_s: batch x new tokens over the call's wall time (prefill included),
+    """One method at one batch size. tokens_per_s: prompts x new tokens over the call's wall time (prefill included),
     median over rounds, with the min and max; None (and `skipped` says why) where the method could not run."""
 
     method: str  # snlp sequential | snlp snlp | snlp speculative [(drafter)] | hf greedy (static) | hf early-exit |
@@ -255,7 +256,8 @@ def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None, smol
     noise on every weight, so no block is an identity (the init zeroes the output projections) and greedy tokens
     depend on every layer. quick: 6 layers of width 64; smollm2: SmolLM2-135M's shape (30 layers of width 576, 9
     heads, 3 KV heads, MLP 1536, vocab 49152, tied embeddings, RoPE base 1e5); else 16 layers of width 1024."""
-    L, D, H, kv, V = (6, 64, 2, 1, 256) if quick else (30, 576, 9, 3, 49152) if smollm2 else (16, 1024, 8, 4, 32768)
+    L, D, H, kv = (6, 64, 2, 1) if quick else (30, 576, 9, 3) if smollm2 else (16, 1024, 8, 4)
+    V = random_vocab(quick, smollm2)
     extra = dict(ffn_dim=1536, tie_embeddings=True, rope_base=100000.0, norm_eps=1e-5, sequence_len=8192) \
         if smollm2 and not quick else dict(ffn_dim=int(8 * D / 3) // 64 * 64 or 2 * D, norm_eps=1e-6,
                                            sequence_len=2048)
@@ -271,6 +273,27 @@ def random_llama(quick: bool, seed: int = 0, vocab_size: int | None = None, smol
             if p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[1] ** 0.5))
     return model.eval()
+
+
+def random_vocab(quick: bool, smollm2: bool = False) -> int:
+    """The vocabulary of random_llama(quick, smollm2=smollm2) (without a vocab_size of its own)."""
+    return 256 if quick else 49152 if smollm2 else 32768
+
+
+def vocab_before_load(src: str | None, quick: bool) -> int | None:
+    """The vocabulary size of the model load_model(src, quick) gives, known before it loads: a random model's, an
+    snlp checkpoint's config.json; None where only the loaded model tells (a transformers folder, a GGUF file)."""
+    if src is None or src == RANDOM_SMOLLM2:
+        return random_vocab(quick, src == RANDOM_SMOLLM2)
+    if src == "smollm2":
+        return None
+    from snlp.io.checkpoint import checkpoint_vocab
+
+    return checkpoint_vocab(src)
+
+
+def outside_vocab(i: int, path: str, token: int, vocab: int) -> str:
+    return f"decode suite: prompt {i} of {path} has token id {token}, outside the model's vocabulary of {vocab}"
 
 
 def load_model(src: str | None, quick: bool, seed: int = 0):
@@ -331,8 +354,7 @@ def make_prompts(model: GPT, tok, n: int, length: int, seed: int,
                                  f"token ids")
             ids = tok.encode(p) if isinstance(p, str) else p
             if max(ids, default=0) >= V:
-                raise ValueError(f"decode suite: prompt {i} of {path} has token id {max(ids)}, outside the model's "
-                                 f"vocabulary of {V}")
+                raise ValueError(outside_vocab(i, path, max(ids), V))
             if len(ids) < length:
                 raise ValueError(short_prompt(i, path, len(ids), length))
             out.append(list(ids[:length]))
@@ -655,6 +677,12 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         torch.set_num_threads(cfg.threads)
     try:
         if model is None:
+            V = vocab_before_load(cfg.ckpt, cfg.quick) if cfg.prompts_file else None
+            if V is not None:  # token-id prompts outside the vocabulary: refused before the weights load
+                for i, p in enumerate(read_prompts_file(cfg.prompts_file)[:max(*cfg.batch_sizes, cfg.prompts or 1)],
+                                      1):
+                    if isinstance(p, list) and max(p) >= V:
+                        raise ValueError(outside_vocab(i, cfg.prompts_file, max(p), V))
             model, tok, label = load_model(cfg.ckpt, cfg.quick, cfg.seed)
         L = model.config.n_layer
         plans = [Plan.parse(p, L) for p in (cfg.plans or (f"{max(1, L // 2)}xF1-h0-K1",))]

@@ -248,6 +248,16 @@ def checkpoint_depth(path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
+def checkpoint_vocab(path) -> int | None:
+    """The vocabulary size of the snlp checkpoint at `path`, read from its config.json alone, before any weight is
+    (as checkpoint_depth); None for any other folder or file (the load then tells it), so commands can refuse a
+    token id outside the model before loading it."""
+    if not is_snlp_checkpoint(path):
+        return None
+    n = (_config_json(path) or {}).get("vocab_size")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokenizer | None]:
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no

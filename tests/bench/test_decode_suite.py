@@ -144,6 +144,9 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--suite-methods", "speculative,jacobi"], "methods are snlp and/or speculative"),
     (["--suite-methods", ","], "got none"),
     (["--suite-methods", "snlp", "--drafter", "no-such-dir"], "add speculative to the methods"),
+    (["--suite-methods", "snlp", "--blocks", "2,3"], "--blocks sizes the speculative rows' drafts"),
+    (["--no-transformers", "--early-exit", "2"], "--early-exit sets transformers' assisted rows"),
+    (["--no-transformers", "--prompt-lookup", "2", "--early-exit", "1"], "--early-exit and --prompt-lookup set "),
     (["--shapes", "0.5B", "--suite-methods", "snlp"], "does not take --suite-methods"),
     (["--batch-sizes", "1,4", "--suite-prompts", "6"], "a multiple of every batch size (1,4), got 6"),
     (["--suite-prompts", "9"], "prompts per call must lie in 1..8"),
@@ -499,3 +502,28 @@ def test_a_plan_that_cannot_batch_is_refused_before_the_model_loads(monkeypatch,
         assert "batched decoding supports the idn, none and hcn surrogates (decode suite: batch size 1 runs it)" in err
         assert "\n" not in err, err
     assert DecodeSuiteConfig(quick=True, device="cpu", plans=("3xF1-h0-K1-diag",), batch_sizes=(1,)).resolved()
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_model_loads(saved, tmp_path, monkeypatch):
+    """A token-id prompt outside the model's vocabulary is refused from the random model's or the snlp
+    checkpoint's config alone: no weight is read (load_model is never called)."""
+    import snlp.bench.decode_suite as suite
+
+    ckpt, V = None, 256  # --quick's random model
+    if saved:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, sequence_len=64))
+        model.init_weights(seed=0)
+        save_checkpoint(tmp_path / "ck", model)
+        ckpt, V = str(tmp_path / "ck"), 300
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([list(range(8)), list(range(7)) + [V]]))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the prompts were checked")
+
+    monkeypatch.setattr(suite, "load_model", no_load)
+    with pytest.raises(ValueError, match=f"prompt 2 of .* has token id {V}, outside the model's vocabulary of {V}"):
+        run_decode_suite(DecodeSuiteConfig(ckpt=ckpt, quick=True, device="cpu", batch_sizes=(2,), prompt_len=8,
+                                           prompts_file=str(path), transformers=False))
