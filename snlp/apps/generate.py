@@ -193,12 +193,13 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
         args.eos_id
 
 
-def streamer(tok):
-    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right)."""
-    tokens, printed = [], [""]
+def streamer(tok, hide=()):
+    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right); token ids
+    in `hide` (a chat's end-of-turn ids: the stop, which the summary line names) are not printed."""
+    tokens, printed, hide = [], [""], set(hide)
 
     def on_tokens(new: list[int]) -> None:
-        tokens.extend(new)
+        tokens.extend(t for t in new if t not in hide)
         text = tok.decode(tokens, mark_missing=True)
         sys.stdout.write(text[len(printed[0]):])
         sys.stdout.flush()
@@ -433,7 +434,10 @@ def run(args) -> int:
     prompt, eos_id = prompt_ids(args, tok)
     if not args.quiet:  # a chat prompt is the user's turn: the answer starts on its own line (the template's
         sys.stdout.write(args.prompt + ("\n" if args.chat else ""))  # markers are not printed)
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter=drafter)
+    # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos)
+    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok, hide),
+                 drafter=drafter)
     if not args.quiet:
         sys.stdout.write("\n")
     timed = res.mode == "speculative" and not args.no_baseline  # warm, repeated timings follow on the line

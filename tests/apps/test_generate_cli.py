@@ -348,3 +348,22 @@ def test_a_padding_id_the_model_emits_is_marked_not_lost(tmp_path, capsys):
     pad = tok.vocab_size + 3
     assert pad in rec["tokens"] and f"<|no token {pad}|>" in rec["text"]
     assert f"<|no token {pad}|>" in capsys.readouterr().out
+
+
+def test_a_chat_answer_is_streamed_without_its_end_of_turn_token(capsys):
+    """`snlp generate --chat` on SmolLM2 ended its streamed answer with a literal "<|im_end|>": the stop token, which
+    the summary line already names (stop: eos); the prompt's template markers were never printed either."""
+    from snlp.apps.generate import streamer
+
+    class Tok:  # decodes each id to a marker of its own, so what the stream prints shows which ids it printed
+        def decode(self, ids, mark_missing=False):
+            return "".join(f"<{i}>" for i in ids)
+
+    on = streamer(Tok(), hide=[9, 8])
+    on([1, 2])
+    on([3, 9])
+    assert capsys.readouterr().out == "<1><2><3>"
+    on = streamer(Tok())  # nothing hidden: every id is printed
+    on([1, 9])
+    assert capsys.readouterr().out == "<1><9>"
+
