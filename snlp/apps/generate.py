@@ -64,7 +64,8 @@ def add_arguments(p) -> None:
                         "speedup / s)")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
-                        f"round of each; the speedups reported are medians (default {DEFAULTS['repeats']})")
+                        f"round of each; the speedups reported are medians (default {DEFAULTS['repeats']}; 6 or "
+                        f"more let the sign test tell a speedup from a tie)")
     p.add_argument("--share-weights", action="store_true",
                    help="speculative, M = 1 plans: the drafter's stacked weights and the verifier's layers share one "
                         "storage (each weight byte streamed once; snlp.method.sharing)")
