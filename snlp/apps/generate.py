@@ -64,7 +64,8 @@ def add_arguments(p) -> None:
                         "speedup / s)")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"speculative mode: timed rounds of sequential and speculative decoding after one warm-up "
-                        f"round of each; the speedups reported are medians (default {DEFAULTS['repeats']})")
+                        f"round of each; the speedups reported are medians (default {DEFAULTS['repeats']}; 6 or "
+                        f"more let the sign test tell a speedup from a tie)")
     p.add_argument("--share-weights", action="store_true",
                    help="speculative, M = 1 plans: the drafter's stacked weights and the verifier's layers share one "
                         "storage (each weight byte streamed once; snlp.method.sharing)")
@@ -193,12 +194,13 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
         args.eos_id
 
 
-def streamer(tok):
-    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right)."""
-    tokens, printed = [], [""]
+def streamer(tok, hide=()):
+    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right); token ids
+    in `hide` (a chat's end-of-turn ids: the stop, which the summary line names) are not printed."""
+    tokens, printed, hide = [], [""], set(hide)
 
     def on_tokens(new: list[int]) -> None:
-        tokens.extend(new)
+        tokens.extend(t for t in new if t not in hide)
         text = tok.decode(tokens, mark_missing=True)
         sys.stdout.write(text[len(printed[0]):])
         sys.stdout.flush()
@@ -235,10 +237,14 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
 def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
-    from snlp.bench.stats import paired_verdict, verdict_text
+    from snlp.bench.stats import fewest_sign_rounds, paired_verdict, verdict_text
     from snlp.decode.speculative import speculative_benchmark
 
+    if not args.quiet:  # the output is done but the command is not: say what the minutes after it are
+        print(f"snlp generate: timing speculative against sequential decoding, 1 warm-up and {args.repeats} timed "
+              f"runs of each (up to {args.max_new_tokens} tokens a run; --no-baseline skips this)", file=sys.stderr)
     rows, seq_tokens = speculative_benchmark(model, [prompt], plan, (args.block,), args.max_new_tokens,
+                                             progress=not args.quiet,
                                              repeats=args.repeats, warmup=1, temperature=args.temperature,
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
                                              compile=args.compile, preheat=preheat,
@@ -254,10 +260,12 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
     # at another moment's load (a run printed 28 tok/s there beside sequential 321 tok/s and a 1.30x speedup)
     # the ratio is a result only where the paired runs resolve it (the main table's sign test): 3 runs never do
     record["speedup_verdict"] = paired_verdict(rep.round_speedups)[0]
+    need = fewest_sign_rounds()  # the default --repeats is below it: say which value can give a verdict
+    more = f"; --repeats {need} or more can resolve it" if args.repeats < need else ""
     return (f", s={rep.drafter_speedup_s:.2f}; timed over {args.repeats} runs of each after a warm-up (medians): "
             f"speculative {record['speculative_tokens_per_s']:.1f} tok/s, sequential "
             f"{record['sequential_tokens_per_s']:.1f} tok/s, speedup measured {rep.measured_speedup:.2f}x (the "
-            f"median of the paired per-run ratios: {verdict_text(rep.round_speedups)}) vs ideal SSD "
+            f"median of the paired per-run ratios: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD "
             f"{rep.ideal_ssd_speedup:.2f}x")
 
 
@@ -427,7 +435,10 @@ def run(args) -> int:
     prompt, eos_id = prompt_ids(args, tok)
     if not args.quiet:  # a chat prompt is the user's turn: the answer starts on its own line (the template's
         sys.stdout.write(args.prompt + ("\n" if args.chat else ""))  # markers are not printed)
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok), drafter=drafter)
+    # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos)
+    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []
+    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok, hide),
+                 drafter=drafter)
     if not args.quiet:
         sys.stdout.write("\n")
     timed = res.mode == "speculative" and not args.no_baseline  # warm, repeated timings follow on the line

@@ -44,7 +44,8 @@ def fmt_ppl(x, digits: int = 2) -> str:
 
 
 def fmt_delta_ppl(d) -> str:
-    """A ΔPPL cell from the relative change d = PPL / PPL_sequential - 1: '+5.5%', '×13.2', '×1.3e7',
+    """A ΔPPL cell from the relative change d = PPL / PPL_sequential - 1: '+5.5%', '-0.02%' (a change under
+    0.05 % that one decimal would print as 0.0 %: two decimals), '×13.2', '×1.3e7',
     'diverged' (non-finite) or '-' (None / NaN)."""
     if _missing(d):
         return MISSING
@@ -53,6 +54,8 @@ def fmt_delta_ppl(d) -> str:
     if d > DELTA_RATIO:
         ratio = 1.0 + d
         return "×" + (sci(ratio) if ratio >= PPL_SCI else f"{ratio:.1f}")
+    if 0.00005 <= abs(d) < 0.0005:  # would read "+0.0%" / "-0.0%" beside an exact zero though a test may resolve it
+        return f"{d:+.2%}"
     return f"{d:+.1%}"
 
 

@@ -53,7 +53,10 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
         (1 - rep["alpha"] ** 4) / (1 - rep["alpha"]) / (3 / rep["drafter_speedup_s"] + 1))
     assert spec["sequential_tokens_per_s"] == pytest.approx(1e3 / rep["sequential_ms_per_token"])
     assert spec["speculative_tokens_per_s"] == pytest.approx(1e3 / rep["speculative_ms_per_token"])
-    line = capsys.readouterr().out.splitlines()[-2]  # the last: "wrote g.json"
+    captured = capsys.readouterr()
+    line = captured.out.splitlines()[-2]  # the last: "wrote g.json"
+    # the timing after the streamed text is announced, not minutes of silence after the answer
+    assert "timing speculative against sequential decoding, 1 warm-up and 3 timed runs of each" in captured.err
     assert "alpha=" in line
     # the one streamed run's rate is labelled as such, and both sides' warm medians stand beside the ratio (a line
     # read "28.1 tok/s ... speedup measured 1.30x ... sequential 321.2 tok/s")
@@ -63,6 +66,7 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     # how many runs were faster, never printed bare as a speedup
     wins = sum(r > 1 for r in rep["round_speedups"])
     assert spec["speedup_verdict"] == "tie" and f"a tie with sequential: faster in {wins} of 3 paired runs" in line
+    assert "; --repeats 6 or more can resolve it)" in line  # the default cannot: the line names the flag that can
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
     assert snlp["tokens"] == seq["tokens"]
@@ -344,3 +348,22 @@ def test_a_padding_id_the_model_emits_is_marked_not_lost(tmp_path, capsys):
     pad = tok.vocab_size + 3
     assert pad in rec["tokens"] and f"<|no token {pad}|>" in rec["text"]
     assert f"<|no token {pad}|>" in capsys.readouterr().out
+
+
+def test_a_chat_answer_is_streamed_without_its_end_of_turn_token(capsys):
+    """`snlp generate --chat` on SmolLM2 ended its streamed answer with a literal "<|im_end|>": the stop token, which
+    the summary line already names (stop: eos); the prompt's template markers were never printed either."""
+    from snlp.apps.generate import streamer
+
+    class Tok:  # decodes each id to a marker of its own, so what the stream prints shows which ids it printed
+        def decode(self, ids, mark_missing=False):
+            return "".join(f"<{i}>" for i in ids)
+
+    on = streamer(Tok(), hide=[9, 8])
+    on([1, 2])
+    on([3, 9])
+    assert capsys.readouterr().out == "<1><2><3>"
+    on = streamer(Tok())  # nothing hidden: every id is printed
+    on([1, 9])
+    assert capsys.readouterr().out == "<1><9>"
+

@@ -39,6 +39,10 @@ def test_the_ppl_and_delta_rule():
     d = HUGE_PPL / SEQ_PPL - 1  # +1318860828.9 %
     assert [fmt_delta_ppl(x) for x in (0.055, -0.011, 0.0, 10.0, 10.5, 173.2, d, math.inf, math.nan, None)] == \
         ["+5.5%", "-1.1%", "+0.0%", "+1000.0%", "×11.5", "×174.2", "×1.3e7", "diverged", "-", "-"]
+    # a resolved change under 0.05 % does not print as "-0.0%" beside the sequential row's "+0.0%" (an eval of a
+    # trained depth-8 model printed PPL 699.11 vs 699.28 as "-0.0%", not marked a tie); round-off stays 0.0
+    assert [fmt_delta_ppl(x) for x in (-0.00024, 0.0004, 0.00005, -0.00004, 1e-9)] == \
+        ["-0.02%", "+0.04%", "+0.01%", "-0.0%", "+0.0%"]
     assert sci(2.5e-5) == "2.5e-5" and sci(123456.0, 2) == "1.23e5"
 
 
