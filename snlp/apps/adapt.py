@@ -32,6 +32,9 @@ model's own greedy output. SRC: an snlp checkpoint, a .gguf file or a transforme
   snlp export runs/smol-d8 --out runs/smol-d8-hf        # as a transformers model
 """
 GUIDE = "docs/adapt.md"
+# --out is the drafter folder this command writes: an output file there may not take one of its files' names
+# (snlp.apps.cli.check_outputs)
+OUT_IS_MODEL = True
 
 # stand-ins for snlp.train.adapt's constants and AdaptConfig's defaults: the library (and torch) loads in run(), after
 # the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)

@@ -164,6 +164,11 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     files = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ()))
     outputs = dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ())))
     written: dict = {}  # resolved output file -> its flag
+    # the folder this command writes a model or drafter into (a module's OUT_IS_MODEL): its files are refused as outputs
+    # before the folder holds them (`snlp adapt --out D --json D/drafter.json` wrote the result over the new drafter's
+    # record, which then no longer loaded)
+    own = (Path(args.out).expanduser().resolve() if getattr(args.module, "OUT_IS_MODEL", False)
+           and isinstance(getattr(args, "out", None), str) and args.out else None)
     for dest in outputs:
         value = getattr(args, dest, None)
         if not isinstance(value, str) or not value or value == sub.get_default(dest):
@@ -176,7 +181,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                 raise ValueError(f"{flag} {value} is the file {written[where]} writes too: one would replace the "
                                  f"other; give each its own path")
             written[where] = flag
-            check_not_a_model_file(where, flag, value)
+            check_not_a_model_file(where, flag, value, own)
     for dest, value in vars(args).items():  # the inputs: every other string a flag holds, comma-separated parts too
         if dest in outputs or dest in ("command", "func", "module", "given") or not isinstance(value, str):
             continue
@@ -189,13 +194,14 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                                  f"would overwrite it; choose another path")
 
 
-def check_not_a_model_file(path, flag: str, value: str) -> None:
+def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
     """Refuse an output file that is one of the files of the checkpoint, drafter or training run in the folder it sits
     in (its weights, config, tokenizer, optimizer or train state, its log.jsonl or train_summary.json): the folder would
-    no longer load, or its run's record would be lost. The file names are the library's (imported only where the folder
-    holds a model, so that argument errors answer without torch)."""
+    no longer load, or its run's record would be lost. `own`: the folder the command itself writes a model or drafter
+    into, whose files are refused before it holds them. The file names are the library's (imported only where the
+    folder holds a model, so that argument errors answer without torch)."""
     folder = path.parent
-    if not ((folder / "model.safetensors").is_file() or (folder / "drafter.json").is_file()):
+    if folder != own and not ((folder / "model.safetensors").is_file() or (folder / "drafter.json").is_file()):
         return
     from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
     from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS

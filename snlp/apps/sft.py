@@ -11,6 +11,7 @@ snlp train's times --lr-scale (0.1), as fine-tuning wants smaller steps than pre
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import replace
 
@@ -80,8 +81,8 @@ def train_config(args, out: str, resume: bool = False) -> TrainConfig:
     base = TrainConfig(out=out)
     cfg = config_from_args(args)
     s = args.lr_scale
-    if s <= 0:
-        raise ValueError(f"--lr-scale must be > 0 (got {s})")
+    if not (math.isfinite(s) and s > 0):  # NaN passed `s <= 0` and was refused as --matrix-lr, a flag sft has not
+        raise ValueError(f"--lr-scale must be a finite number > 0 (got {s})")
     return replace(cfg, out=out, resume=resume, matrix_lr=(0.02 if args.optimizer == "muon" else 0.003) * s,
                    embedding_lr=base.embedding_lr * s, unembedding_lr=base.unembedding_lr * s,
                    scalar_lr=base.scalar_lr * s, hc_lr=base.hc_lr * s)
@@ -91,8 +92,6 @@ def check_lr_scale(args, given) -> None:
     """`--lr-scale` typed on `--resume`: refused unless it is the saved run's (its embedding LR over the default
     one: train_config scales every LR by it), so a typed scale equal to the saved one is not a change, whatever
     --optimizer (checked on its own: a setting the run keeps) was typed beside it."""
-    import math
-
     from snlp.train.config import TrainConfig
     from snlp.train.sft import saved_sft
 

@@ -58,6 +58,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
+from snlp.train.checkpointing import UNSAVED_LOG
 from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
@@ -150,6 +151,8 @@ class AdaptConfig:
         if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
                              "no --lora-rank, --resume, --steps, --minutes or --save-every")
+        if self.max_chars < 0:  # the shared loop's check below does not see it (its TrainConfig takes no data cap)
+            raise ValueError(f"--max-chars must be >= 0 (0: all; got {self.max_chars})")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
             raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
                              f"{self.self_distill_prompts})")
@@ -627,6 +630,8 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
     if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
+        if (out / RUN / UNSAVED_LOG).is_file():  # a killed earlier run's log, set aside by fit: kept beside the drafter
+            os.replace(out / RUN / UNSAVED_LOG, out / UNSAVED_LOG)
         shutil.rmtree(out / RUN, ignore_errors=True)
 
 

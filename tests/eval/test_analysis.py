@@ -226,6 +226,29 @@ def test_write_keeps_the_results_when_a_plot_fails_and_drops_a_reused_folders_st
     assert data["jacobian"]["layers"] and data["checkpoint"] == "tiny"
 
 
+def test_a_failed_plot_leaves_no_earlier_runs_report_or_plots_beside_the_new_results(model, val, tmp_path,
+                                                                                      monkeypatch):
+    """A reused folder whose new run's plot fails: its analysis.json is this run's, so the earlier run's analysis.md
+    and plots (other sections, other numbers) must not stay beside it as if they described it."""
+    import snlp.eval.analysis.report as R
+
+    res = A.analyze(model, val, A.AnalysisConfig(only=("jacobian",), jac_suffix=2, jac_windows=1, power_iters=3,
+                                                 probes=2, **SMALL), checkpoint="tiny")
+    out = tmp_path / "an"
+    out.mkdir()
+    for name in ("analysis.md", "ordering.png", "jacobian.png"):  # an earlier run's, all sections
+        (out / name).write_bytes(b"an earlier run's")
+
+    def broken(*a, **k):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(R, "write_plots", broken)
+    with pytest.raises(RuntimeError):
+        A.write(res, out)
+    assert json.loads((out / "analysis.json").read_text())["checkpoint"] == "tiny"
+    assert sorted(p.name for p in out.iterdir()) == ["analysis.json"]
+
+
 def test_cli_analyze_and_calibrate(tmp_path, capsys):
     from snlp.io.checkpoint import load, save_checkpoint
     from snlp.apps.cli import main

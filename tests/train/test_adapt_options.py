@@ -265,3 +265,20 @@ def test_cli_takes_the_options(tmp_path, capsys):
                  "--init-drafter", str(tmp_path / "a")]) == 0
     rec = json.loads((tmp_path / "b" / "drafter.json").read_text())["record"]["config"]
     assert rec["loss_on"] == "replies" and rec["init_drafter"] == str(tmp_path / "a")
+
+
+def test_an_adaptation_keeps_the_log_a_killed_earlier_run_left(tmp_path, capsys):
+    """A run killed before its first save leaves OUT/run/log.jsonl; the next run's loop sets it aside as
+    OUT/run/log.unsaved.jsonl and says so, but a finished adaptation removes OUT/run: the log is kept beside the
+    drafter (it was deleted with the folder, the message naming a file that no longer existed)."""
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, out="d", steps=2)
+    dead = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 4))
+    (tmp_path / "d" / "run").mkdir(parents=True)
+    (tmp_path / "d" / "run" / "log.jsonl").write_text(dead)
+    adapt(cfg)
+    assert "log.unsaved.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "run").exists()
+    assert (tmp_path / "d" / "log.unsaved.jsonl").read_text() == dead
+    assert dead not in (tmp_path / "d" / "log.jsonl").read_text()  # the drafter's log is this run's alone

@@ -127,6 +127,11 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
      "--json {tmp}/p.txt is the file --prompts-file reads"),
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/a.txt,{tmp}/p.txt", "--markdown", "{tmp}/p.txt"],
      "--markdown {tmp}/p.txt is the file --data reads"),
+    # the drafter folder adapt is about to write (empty now): its result went over the new drafter's drafter.json
+    (["adapt", "{ckpt}", "--plan", "2xF1-h0-K1", "--out", "{tmp}/new-d", "--json", "{tmp}/new-d/drafter.json"],
+     "--json {tmp}/new-d/drafter.json is a file of the checkpoint, drafter or run in {tmp}/new-d"),
+    (["adapt", "{ckpt}", "--plan", "2xF1-h0-K1", "--out", "{tmp}/new-d", "--json", "{tmp}/new-d/log.jsonl"],
+     "--json {tmp}/new-d/log.jsonl is a file of the checkpoint, drafter or run in {tmp}/new-d"),
 ])
 def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_path, capsys, argv, msg):
     """An output file that another output flag, an input flag or a checkpoint / drafter folder also names: the
@@ -148,7 +153,9 @@ def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_
     from snlp.apps.cli import build_parser, check_outputs
 
     for argv in (["calibrate", str(ckpt), "--out", str(ckpt / "preheat.pt")],
-                 ["eval", str(ckpt), "--plans", "2xF1-h0-K1", "--json", str(ckpt / "eval.json")]):
+                 ["eval", str(ckpt), "--plans", "2xF1-h0-K1", "--json", str(ckpt / "eval.json")],
+                 ["adapt", str(ckpt), "--plan", "2xF1-h0-K1", "--out", str(tmp_path / "d"), "--json",
+                  str(tmp_path / "d" / "result.json")]):
         parser = build_parser(argv[0])
         args = parser.parse_args(argv)
         check_outputs(parser, args)
@@ -279,7 +286,9 @@ BAD_SETTINGS = [
 
 @pytest.mark.parametrize("command, flag, value", [("train", f, v) for f, v in BAD_SETTINGS]
                          + [(c, f, v) for c in ("sft", "adapt") for f, v in BAD_SETTINGS if f in SFT_FLAGS[:2]]
-                         + [("sft", f, v) for f, v in BAD_SETTINGS if f == "--reg-lambda"])
+                         + [("sft", f, v) for f, v in BAD_SETTINGS if f == "--reg-lambda"]
+                         + [("adapt", "--max-chars", "-5")]  # adapt's own cap (its loop's settings take none)
+                         + [("sft", "--lr-scale", v) for v in ("nan", "inf")])  # sft's LRs (was named --matrix-lr)
 def test_a_setting_no_run_can_use_is_refused_before_any_work(command, flag, value, corpus, tmp_path, capsys):
     """A negative warm-up, learning rate, weight decay, clip norm or --max-chars, or a NaN / infinite --reg-lambda, is
     one line naming the flag before the data or the model is read (they trained before: ascent, a regulariser that

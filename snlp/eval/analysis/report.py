@@ -204,9 +204,8 @@ def write(res: AnalysisResult, out) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "analysis.json", json.dumps(_jsonable(asdict(res)), indent=1))
+    for name in (*PLOTS, "analysis.md"):  # an earlier run's, before any plot: a plot that fails must not leave them
+        (out / name).unlink(missing_ok=True)  # beside this run's analysis.json as if they described it
     plots = write_plots(res, out)
-    for name in PLOTS:
-        if name not in plots.values():
-            (out / name).unlink(missing_ok=True)
     write_atomic(out / "analysis.md", to_markdown(res, plots))
     return out
