@@ -428,8 +428,9 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     total = time.perf_counter() - run.t_start
     v = state.validation
     if run.ctx.master and idle_resume(state):
-        print(f"{run.out}: no step to run (its budget or --stop-after is reached at step {state.step}); the checkpoint "
-              f"is kept as it was", flush=True)
+        why = ("its budget or --stop-after is reached" if state.stopped_by in (None, "budget", "stop_after") else
+               f"stopped ({state.stopped_by}) before its first step")  # a Ctrl-C or a hook: steps are left
+        print(f"{run.out}: no step run ({why} at step {state.step}); the checkpoint is kept as it was", flush=True)
     elif run.ctx.master:
         print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)

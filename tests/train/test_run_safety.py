@@ -400,6 +400,21 @@ def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus,
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 4
 
 
+def test_a_resume_stopped_before_its_first_step_says_why_not_that_its_budget_is_spent(corpus, tmp_path, capsys):
+    """A resumed run with steps left that a Ctrl-C (or another hook) stops before its first step keeps its
+    checkpoint as it was, and says it was stopped: it said its budget or --stop-after was reached, 45 steps short."""
+    out = tmp_path / "run"
+    fit(cfg(out, corpus, tmp_path / "cache", steps=3))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    res = fit(cfg(out, corpus, tmp_path / "cache", steps=48, resume=True),
+              hooks=TrainHooks(should_stop=lambda steps_done: "interrupt"))
+    said = capsys.readouterr().out
+    assert res.steps == 3 and res.stopped_by == "interrupt"
+    assert "stopped (interrupt) before its first step at step 3" in said and "budget" not in said, said
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus, tmp_path):
     cache = tmp_path / "cache"
     fit(cfg(tmp_path / "run", corpus, cache, steps=4, stop_after=2))
