@@ -182,16 +182,37 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                                  f"other; give each its own path")
             written[where] = flag
             check_not_a_model_file(where, flag, value, own)
+    if not written:  # no output file: nothing to compare the inputs with (a --data glob is not expanded for nothing)
+        return
     for dest, value in vars(args).items():  # the inputs: every other string a flag holds, comma-separated parts too
         if dest in outputs or dest in ("command", "func", "module", "given") or not isinstance(value, str):
             continue
         for part in value.split(","):
-            where = Path(part.strip()).expanduser().resolve() if part.strip() else None
-            if where in written and where.is_file():
+            for where in input_paths(part):
+                if where not in written or not where.is_file():
+                    continue
                 action = next((a for a in sub._actions if a.dest == dest), None)
                 flag = (action.option_strings[-1] if action.option_strings else action.metavar) if action else dest
-                raise ValueError(f"{written[where]} {part.strip()} is the file {flag} reads: writing the result there "
+                raise ValueError(f"{written[where]} {where} is the file {flag} reads: writing the result there "
                                  f"would overwrite it; choose another path")
+
+
+def input_paths(part: str) -> list:
+    """The files a flag's value (one comma-separated part) may name, resolved: the path itself, without a data spec's
+    chat: / mc: prefixes (snlp.io.chat), and what a glob matches (`--data chat:chats.jsonl --json chats.jsonl` and
+    `--data 'c*.txt' --json c.txt` wrote the result over the data the run read)."""
+    import glob
+    import os
+    from pathlib import Path
+
+    part = part.strip()
+    while part.startswith(("chat:", "mc:")):
+        part = part.split(":", 1)[1]
+    if not part:
+        return []
+    if glob.has_magic(part):
+        return [Path(f).resolve() for f in glob.glob(os.path.expanduser(part), recursive=True)]
+    return [Path(part).expanduser().resolve()]
 
 
 def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:

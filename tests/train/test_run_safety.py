@@ -127,6 +127,13 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
      "--json {tmp}/p.txt is the file --prompts-file reads"),
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/a.txt,{tmp}/p.txt", "--markdown", "{tmp}/p.txt"],
      "--markdown {tmp}/p.txt is the file --data reads"),
+    # a chat: / mc: data part, a glob, a --chat-prompts set: the file under the prefix or the pattern is read too
+    (["adapt", "{ckpt}", "--plan", "2xF1-h0-K1", "--out", "{tmp}/new-d", "--data", "chat:{tmp}/p.txt", "--json",
+      "{tmp}/p.txt"], "--json {tmp}/p.txt is the file --data reads"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--data", "{tmp}/p*.txt", "--csv", "{tmp}/p.txt"],
+     "--csv {tmp}/p.txt is the file --data reads"),
+    (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--drafter", "{drafter}", "--chat-prompts", "chat:{tmp}/p.txt",
+      "--json", "{tmp}/p.txt"], "--json {tmp}/p.txt is the file --chat-prompts reads"),
     # the drafter folder adapt is about to write (empty now): its result went over the new drafter's drafter.json
     (["adapt", "{ckpt}", "--plan", "2xF1-h0-K1", "--out", "{tmp}/new-d", "--json", "{tmp}/new-d/drafter.json"],
      "--json {tmp}/new-d/drafter.json is a file of the checkpoint, drafter or run in {tmp}/new-d"),
