@@ -127,12 +127,34 @@ def add_arguments(p) -> None:
     add_train_arguments(p)
 
 
+def check_grid_stop_file(args) -> None:
+    """snlp sft's --stop-file refusal for each of the grid's two runs that has steps left: a file an earlier grid
+    left at a step a run starts at or past stopped it before its first step, and the grid scored an SFT run of no
+    training with status 0. A finished run (reused) has no step for the file to stop."""
+    from snlp.apps.train import check_stop_file
+    from snlp.train.checkpointing import check_resume_left
+    from snlp.train.sft import SEQUENTIAL
+
+    if args.stop_file is None:
+        return
+    for forward in (SEQUENTIAL, args.plan):
+        out = Path(args.out) / f"sft-{forward}"
+        resume = (out / "train_state.pt").is_file()
+        try:
+            if resume:
+                check_resume_left(train_config(args, str(out), resume=True))
+        except ValueError:
+            continue  # finished: reused as it is
+        check_stop_file(args.stop_file, str(out), resume)
+
+
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
 
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
+    check_grid_stop_file(args)
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
     md = markdown(res)

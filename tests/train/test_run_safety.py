@@ -765,3 +765,19 @@ def test_calibrate_says_when_the_rank_is_capped(tmp_path, capsys):
     assert f"rank {W} (asked for {W + 100}: capped at the model width, {W})" in capsys.readouterr().out
     assert main(["calibrate", str(ck), "--rank", "2", "--batch", "2", "--seq-len", "8"]) == 0
     assert "capped" not in capsys.readouterr().out
+
+
+def test_sft_grid_refuses_a_stop_file_left_at_a_reached_step_before_any_work(corpus, tmp_path, capsys):
+    """snlp sft-grid trains through snlp sft's loop with its --stop-file: one an earlier grid left at step 0 stopped
+    its first SFT run before its first step and the grid scored that untrained run, status 0. Refused in one line
+    before the base's weights, the chats or the tasks are read."""
+    base = tmp_path / "base"
+    fit(cfg(base, corpus, tmp_path / "cache", steps=1))
+    stop = tmp_path / "stop"
+    stop.write_text("0")
+    capsys.readouterr()
+    rc = main(["sft-grid", str(base), "--data", str(tmp_path / "none.jsonl"), "--plan", "2xF1-h0-K1", "--task",
+               f"mc:{tmp_path / 'none.jsonl'}", "--out", str(tmp_path / "grid"), "--stop-file", str(stop)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--stop-file" in err and "already says stop at step 0" in err, err
+    assert not (tmp_path / "grid").exists()
