@@ -185,10 +185,10 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     if not written:  # no output file: nothing to compare the inputs with (a --data glob is not expanded for nothing)
         return
     for dest, value in vars(args).items():  # the inputs: every other string a flag holds, comma-separated parts too
-        if dest in outputs or dest in ("command", "func", "module", "given") or not isinstance(value, str):
+        if dest in outputs or dest in ("command", "func", "module", "given", *TEXT_FLAGS) or not isinstance(value, str):
             continue
         for part in value.split(","):
-            for where in input_paths(part):
+            for where in input_paths(part, spec=dest in DATA_SPECS):
                 if where not in written or not where.is_file():
                     continue
                 action = next((a for a in sub._actions if a.dest == dest), None)
@@ -197,20 +197,26 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                                  f"would overwrite it; choose another path")
 
 
-def input_paths(part: str) -> list:
-    """The files a flag's value (one comma-separated part) may name, resolved: the path itself, without a data spec's
-    chat: / mc: prefixes (snlp.io.chat), and what a glob matches (`--data chat:chats.jsonl --json chats.jsonl` and
-    `--data 'c*.txt' --json c.txt` wrote the result over the data the run read)."""
+# flags holding text, not paths: `--prompt x.json --json x.json` is no overwrite of an input
+TEXT_FLAGS = ("prompt",)
+# flags holding a data spec (snlp.io.data, snlp.io.chat): chat: / mc: prefixes and globs name their files
+DATA_SPECS = ("data", "chat_prompts", "task", "mc_shots_from")
+
+
+def input_paths(part: str, spec: bool = False) -> list:
+    """The files a flag's value (one comma-separated part) may name, resolved: the path itself, and in a data `spec`
+    the path without its chat: / mc: prefixes and what a glob matches (`--data chat:chats.jsonl --json chats.jsonl`
+    and `--data 'c*.txt' --json c.txt` wrote the result over the data the run read)."""
     import glob
     import os
     from pathlib import Path
 
     part = part.strip()
-    while part.startswith(("chat:", "mc:")):
+    while spec and part.startswith(("chat:", "mc:")):
         part = part.split(":", 1)[1]
     if not part:
         return []
-    if glob.has_magic(part):
+    if spec and glob.has_magic(part):
         return [Path(f).resolve() for f in glob.glob(os.path.expanduser(part), recursive=True)]
     return [Path(part).expanduser().resolve()]
 

@@ -162,7 +162,10 @@ def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_
     for argv in (["calibrate", str(ckpt), "--out", str(ckpt / "preheat.pt")],
                  ["eval", str(ckpt), "--plans", "2xF1-h0-K1", "--json", str(ckpt / "eval.json")],
                  ["adapt", str(ckpt), "--plan", "2xF1-h0-K1", "--out", str(tmp_path / "d"), "--json",
-                  str(tmp_path / "d" / "result.json")]):
+                  str(tmp_path / "d" / "result.json")],
+                 # a prompt is text, even one that reads like the output's path or a glob matching it
+                 ["generate", str(ckpt), "--prompt", str(tmp_path / "p.txt"), "--json", str(tmp_path / "p.txt")],
+                 ["generate", str(ckpt), "--prompt", str(tmp_path / "p*"), "--json", str(tmp_path / "p.txt")]):
         parser = build_parser(argv[0])
         args = parser.parse_args(argv)
         check_outputs(parser, args)
