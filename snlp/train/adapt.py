@@ -34,6 +34,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -58,7 +59,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
-from snlp.train.checkpointing import UNSAVED_LOG
+from snlp.train.checkpointing import UNSAVED_LOG, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
@@ -630,8 +631,10 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
     if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
-        if (out / RUN / UNSAVED_LOG).is_file():  # a killed earlier run's log, set aside by fit: kept beside the drafter
-            os.replace(out / RUN / UNSAVED_LOG, out / UNSAVED_LOG)
+        for log in sorted((out / RUN).glob(UNSAVED_LOG.replace(".jsonl", "*.jsonl"))):  # killed earlier runs' logs,
+            aside = unsaved_log_path(out)  # set aside by fit: kept beside the drafter, under a free name
+            os.replace(log, aside)
+            print(f"{log} (a killed earlier run's log) kept as {aside}", file=sys.stderr, flush=True)
         shutil.rmtree(out / RUN, ignore_errors=True)
 
 

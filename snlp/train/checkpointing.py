@@ -186,13 +186,23 @@ def trim_log(log: Path, step: int) -> None:
 UNSAVED_LOG = "log.unsaved.jsonl"
 
 
+def unsaved_log_path(folder: Path) -> Path:
+    """Where to set a dead run's log aside in `folder`: UNSAVED_LOG, else log.unsaved.2.jsonl, ... (the first name
+    not taken), so a second run killed before its first save does not replace the first one's log."""
+    stem, k = UNSAVED_LOG.removesuffix(".jsonl"), 2
+    path = folder / UNSAVED_LOG
+    while path.exists():
+        path, k = folder / f"{stem}.{k}.jsonl", k + 1
+    return path
+
+
 def set_aside_unsaved_log(log: Path) -> Path | None:
     """Move the log.jsonl a new run finds in its --out (no checkpoint there: a run killed before its first save) to
-    UNSAVED_LOG beside it and return where; the new run's records would otherwise follow the dead run's in one log
-    (two step 0s, two curves read as one). None where there is no such log."""
+    a free log.unsaved[.N].jsonl beside it and return where; the new run's records would otherwise follow the dead
+    run's in one log (two step 0s, two curves read as one). None where there is no such log."""
     if not log.is_file():
         return None
-    aside = log.with_name(UNSAVED_LOG)
+    aside = unsaved_log_path(log.parent)
     os.replace(log, aside)
     return aside
 

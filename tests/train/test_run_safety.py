@@ -383,6 +383,20 @@ def test_a_new_run_sets_aside_the_log_of_a_run_killed_before_its_first_save(corp
     assert "log.unsaved.jsonl" in capsys.readouterr().err
 
 
+def test_a_second_dead_runs_log_does_not_replace_the_first(tmp_path):
+    """Two runs killed before their first save, one after the other, in one --out: each log is set aside under its
+    own name (the second replaced the first's log.unsaved.jsonl)."""
+    from snlp.train.checkpointing import set_aside_unsaved_log
+
+    logs = [f'{{"step": 1, "loss": {x}}}\n' for x in (9.0, 8.0, 7.0)]
+    for text in logs:
+        (tmp_path / "log.jsonl").write_text(text)
+        set_aside_unsaved_log(tmp_path / "log.jsonl")
+    assert not (tmp_path / "log.jsonl").exists()
+    assert [(tmp_path / n).read_text() for n in ("log.unsaved.jsonl", "log.unsaved.2.jsonl", "log.unsaved.3.jsonl")] \
+        == logs
+
+
 def test_a_resume_with_no_step_left_is_refused_and_the_finished_run_kept(corpus, tmp_path, capsys):
     """`--resume` of a finished run without a larger budget, or with a --stop-after at or before its step, has no
     step to run: refused in one line, the checkpoint and train_summary.json (the run's validation and speed) as they
