@@ -57,6 +57,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
+from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl
 from snlp.runtime.timing import time_round_robin
 
 GOALS = ("ssd", "snlp")
@@ -674,12 +675,18 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
             "pred x", "pred tok/s", "meas s", "meas x", "noise", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
-             f"{100 * c.delta_ppl:+.2f}%", f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
+             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
              _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), "–" if c.noise is None else f"±{c.noise:.1%}",
              _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     return markdown_table(cols, body)
+
+
+def dppl_cell(d: float) -> str:
+    """A dPPL cell: two decimals of a percent, where a budget such as 1 % is read, and above +1000 % or diverged
+    the other tables' form (snlp.runtime.fmt.fmt_delta_ppl: '×1.3e7', 'diverged'), not '+1318860828.90%'."""
+    return f"{100 * d:+.2f}%" if math.isfinite(d) and d <= DELTA_RATIO else fmt_delta_ppl(d)
 
 
 def _pareto(rows: list[Candidate]) -> set[int]:

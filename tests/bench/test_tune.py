@@ -330,3 +330,17 @@ def test_the_default_grid_adds_full_depth_drafters_on_cuda_only():
     assert [str(p) for p in cfg.plan_list(16, device="cuda")] == cuda
     assert [str(p) for p in cfg.plan_list(16, device="cpu")] == cpu
     assert default_plans(3, "cuda")[-1:] == ["3xF1-h0-K2"]  # never K >= C: that plan is the model, no drafter
+
+
+def test_the_tables_dppl_cell_keeps_two_decimals_and_prints_huge_or_diverged_ones_as_the_other_tables():
+    """A budget like 1 % is read at two decimals; a diverged K = 1 plan printed '+1318860828.90%' (and a missing
+    one '+inf%') where every other table prints '×1.3e7' / 'diverged' (snlp.runtime.fmt.fmt_delta_ppl)."""
+    import math
+
+    from snlp.bench.tune import dppl_cell
+    from snlp.runtime.fmt import fmt_delta_ppl
+
+    assert [dppl_cell(d) for d in (0.0123, -0.0004, 0.0, 10.0)] == ["+1.23%", "-0.04%", "+0.00%", "+1000.00%"]
+    for d in (13188608.289, 10.5, math.inf, math.nan):
+        assert dppl_cell(d) == fmt_delta_ppl(d)
+    assert dppl_cell(13188608.289) == "×1.3e7" and dppl_cell(math.inf) == "diverged"
