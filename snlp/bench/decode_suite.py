@@ -118,6 +118,10 @@ class DecodeSuiteConfig:
     seed: int = 0
     command: str | None = None
 
+    def prompt_count(self) -> int:
+        """How many prompts the run decodes: the largest batch, or the prompts per call where more."""
+        return max(*self.batch_sizes, self.prompts or 1)
+
     def resolved(self) -> "DecodeSuiteConfig":
         """A copy with every None default filled in for the device, validated (ValueError otherwise)."""
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -148,9 +152,9 @@ class DecodeSuiteConfig:
                                             and all(cfg.prompts % b == 0 for b in cfg.batch_sizes)):
             raise ValueError(f"decode suite: prompts per call must lie in 1..{have} ({whose}) and be a multiple of "
                              f"every batch size ({','.join(map(str, cfg.batch_sizes))}), got {cfg.prompts}")
-        for i, p in enumerate((given or [])[:max(*cfg.batch_sizes, cfg.prompts or 1)], 1):  # texts: once tokenized
-            if isinstance(p, list) and len(p) < cfg.prompt_len:
-                raise ValueError(short_prompt(i, cfg.prompts_file, len(p), cfg.prompt_len))
+        for i, p in enumerate((given or [])[:cfg.prompt_count()], 1):  # texts: once tokenized
+            if isinstance(p, list):
+                checked_ids(i, cfg.prompts_file, p, cfg.prompt_len)
         if min(cfg.prompt_len, cfg.new_tokens, cfg.rounds, cfg.prompt_lookup, cfg.threads or 1) < 1 or cfg.warmup < 0 \
                 or not cfg.blocks or min(cfg.blocks) < 1 or (cfg.early_exit is not None and cfg.early_exit < 1):
             raise ValueError("decode suite: prompt length, new tokens, rounds, prompt lookup, threads, early exit and "
@@ -292,10 +296,6 @@ def vocab_before_load(src: str | None, quick: bool) -> int | None:
     return checkpoint_vocab(src)
 
 
-def outside_vocab(i: int, path: str, token: int, vocab: int) -> str:
-    return f"decode suite: prompt {i} of {path} has token id {token}, outside the model's vocabulary of {vocab}"
-
-
 def load_model(src: str | None, quick: bool, seed: int = 0):
     """(model on the CPU in fp32, tokenizer or None, label) for `src` (DecodeSuiteConfig.ckpt)."""
     if src is None or src == RANDOM_SMOLLM2:
@@ -336,28 +336,31 @@ def read_prompts_file(path: str) -> list:
     return data
 
 
-def short_prompt(i: int, path: str, n: int, length: int) -> str:
-    return f"decode suite: prompt {i} of {path} has {n} tokens, fewer than the prompt length {length} (--prompt-len)"
+def checked_ids(i: int, path: str, ids: list[int], length: int, vocab: int | None = None) -> list[int]:
+    """Prompt i of the prompts file at `path` as token ids cut to `length`; ValueError (one line) where an id lies
+    outside `vocab` (when known) or the prompt is shorter than `length`."""
+    if vocab is not None and max(ids, default=0) >= vocab:
+        raise ValueError(f"decode suite: prompt {i} of {path} has token id {max(ids)}, outside the model's "
+                         f"vocabulary of {vocab}")
+    if len(ids) < length:
+        raise ValueError(f"decode suite: prompt {i} of {path} has {len(ids)} tokens, fewer than the prompt length "
+                         f"{length} (--prompt-len)")
+    return list(ids[:length])
 
 
-def make_prompts(model: GPT, tok, n: int, length: int, seed: int,
+def make_prompts(model: GPT, tok, n: int, length: int, seed: int, given: list | None = None,
                  path: str | None = None) -> tuple[list[list[int]], str]:
-    """n prompts of exactly `length` ids: the first n of the prompts file at `path` (texts tokenized; each must
-    have `length` tokens at least, ValueError otherwise), else the suite's texts tokenized (repeated where a text is
-    short) when there is a tokenizer whose ids fit the model, else seeded random ids."""
+    """n prompts of exactly `length` ids: the first n of `given` (the prompts file at `path`, read_prompts_file:
+    texts tokenized, checked_ids), else the suite's texts tokenized (repeated where a text is short) when there is
+    a tokenizer whose ids fit the model, else seeded random ids."""
     V = model.config.vocab_size
-    if path is not None:
+    if given is not None:
         out = []
-        for i, p in enumerate(read_prompts_file(path)[:n], 1):
+        for i, p in enumerate(given[:n], 1):
             if isinstance(p, str) and tok is None:
                 raise ValueError(f"decode suite: prompt {i} of {path} is text and this model has no tokenizer: give "
                                  f"token ids")
-            ids = tok.encode(p) if isinstance(p, str) else p
-            if max(ids, default=0) >= V:
-                raise ValueError(outside_vocab(i, path, max(ids), V))
-            if len(ids) < length:
-                raise ValueError(short_prompt(i, path, len(ids), length))
-            out.append(list(ids[:length]))
+            out.append(checked_ids(i, path, tok.encode(p) if isinstance(p, str) else p, length, V))
         return out, f"file {path}"
     if tok is not None:
         ids = [tok.encode(t) for t in TEXTS[:n]]
@@ -425,8 +428,8 @@ def hf_twin(model: GPT, device, dtype):
 
 # ------------------------------------------------------------------------------------------------ the methods
 def _tokens(out) -> list[list[int]]:
-    """Tokens per prompt of an snlp decode call (one GenerateResult for one prompt, a list for a batch)."""
-    return [r.tokens for r in out] if isinstance(out, list) else [out.tokens]
+    """Tokens per prompt of an snlp decode call (its GenerateResults, `_snlp_methods`)."""
+    return [r.tokens for r in out]
 
 
 def build_steps(model: GPT, plans: list[Plan], treatments, drafter=None) -> dict:
@@ -648,9 +651,8 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
             if row.library == "snlp" and res is not None:
                 row.compile_s = compiled.get(i) if row.treatment == "compiled" else None
                 if row.method.startswith("snlp speculative"):
-                    rs = res if isinstance(res, list) else [res]
-                    exam = sum(r.examined for r in rs)
-                    row.alpha = sum(r.accepted for r in rs) / exam if exam else None
+                    exam = sum(r.examined for r in res)
+                    row.alpha = sum(r.accepted for r in res) / exam if exam else None
         base = {r.treatment: r.tokens_per_s for r in rows if r.method == "snlp sequential"}
         for r in rows:  # recomputed each time: the sequential row may have failed since the last call
             r.speedup = r.tokens_per_s / base[r.treatment] if r.tokens_per_s is not None and base.get(r.treatment) \
@@ -676,13 +678,13 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
+        given = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else None
         if model is None:
-            V = vocab_before_load(cfg.ckpt, cfg.quick) if cfg.prompts_file else None
+            V = vocab_before_load(cfg.ckpt, cfg.quick) if given else None
             if V is not None:  # token-id prompts outside the vocabulary: refused before the weights load
-                for i, p in enumerate(read_prompts_file(cfg.prompts_file)[:max(*cfg.batch_sizes, cfg.prompts or 1)],
-                                      1):
-                    if isinstance(p, list) and max(p) >= V:
-                        raise ValueError(outside_vocab(i, cfg.prompts_file, max(p), V))
+                for i, p in enumerate(given[:cfg.prompt_count()], 1):
+                    if isinstance(p, list):
+                        checked_ids(i, cfg.prompts_file, p, cfg.prompt_len, V)
             model, tok, label = load_model(cfg.ckpt, cfg.quick, cfg.seed)
         L = model.config.n_layer
         plans = [Plan.parse(p, L) for p in (cfg.plans or (f"{max(1, L // 2)}xF1-h0-K1",))]
@@ -701,7 +703,7 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
         model = model.to(device=device, dtype=dtype).eval()
         if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
             drafter.model.to(device=device, dtype=dtype).eval()
-        prompts, kind = make_prompts(model, tok, max(*cfg.batch_sizes, cfg.prompts or 1), cfg.prompt_len, cfg.seed,
+        prompts, kind = make_prompts(model, tok, cfg.prompt_count(), cfg.prompt_len, cfg.seed, given,
                                      cfg.prompts_file)
         eager = sequential_step(model, False)
         ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
