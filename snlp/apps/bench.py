@@ -604,8 +604,7 @@ def run_decode_suite_cli(args, command: str) -> int:
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
-    methods = None if args.suite_methods is None else tuple(
-        m.strip() for m in args.suite_methods.split(",") if m.strip())
+    methods = None if args.suite_methods is None else split(args.suite_methods) or ()
     hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
                                  ("--prompt-lookup", args.prompt_lookup is not None)) if used]
     if args.no_transformers and hf_only:  # they set transformers' assisted rows, which --no-transformers drops
@@ -621,8 +620,7 @@ def run_decode_suite_cli(args, command: str) -> int:
                             new_tokens=args.suite_new_tokens, plans=plans, blocks=blocks, drafter=args.drafter,
                             early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
-                            rounds=args.suite_runs, transformers=not args.no_transformers,
-                            methods=methods,
+                            rounds=args.suite_runs, transformers=not args.no_transformers, methods=methods,
                             threads=args.threads, seed=args.seed, command=command)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 

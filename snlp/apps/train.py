@@ -192,10 +192,10 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
         return
     start = 0
     if resume:
-        from snlp.io.checkpoint import load_train_state
+        from snlp.train.checkpointing import saved_state
 
-        st = load_train_state(out) if (Path(out) / "model.safetensors").is_file() else None
-        start = st["step"] if isinstance(st, dict) and isinstance(st.get("step"), int) else 0
+        st = saved_state(out)
+        start = st["step"] if st is not None and isinstance(st.get("step"), int) else 0
     if stop_at <= start:
         raise ValueError(f"--stop-file {path} already says stop at step {stop_at} and the run starts at step {start}: "
                          f"it would stop before its first step; remove the file or write a later step in it")

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import (DRAFTER_META, cut_off_save, holds_speedrun, load, load_train_state, load_training,
-                                save_checkpoint)
+from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, cut_off_save, holds_speedrun, load, load_train_state,
+                                load_training, save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -101,8 +101,8 @@ def check_resume_command(out, command: str, saved: str | None = None) -> None:
     kind of run (a pretraining run fine-tuned on chats, an SFT run pretrained on the base's text) and write the
     result over its checkpoint, the run itself lost."""
     if saved is None:
-        st = load_train_state(out) if (Path(out) / "model.safetensors").is_file() else None
-        if not isinstance(st, dict):
+        st = saved_state(out)
+        if st is None:
             return
         saved = run_command(st)
     if saved != command:
@@ -116,8 +116,8 @@ def check_resume_left(cfg: TrainConfig) -> None:
     --stop-after leaves it no step to run: the loop would only save the same weights again and write a
     train_summary.json without the run's validation and speed over the finished run's. Asked by the commands
     (snlp train, snlp sft), not by fit: snlp speedrun resumes a finished run to finish it."""
-    st = load_train_state(cfg.out) if (Path(cfg.out) / "model.safetensors").is_file() else None
-    if not isinstance(st, dict) or not isinstance(st.get("step"), int):
+    st = saved_state(cfg.out)
+    if st is None or not isinstance(st.get("step"), int):
         return
     step, elapsed = st["step"], float(st.get("elapsed", 0.0))
     if cfg.stop_after is not None and cfg.stop_after <= step:
@@ -139,13 +139,20 @@ def save_run(out: Path, model: GPT, tok: Tokenizer, opts, state: dict) -> None:
     save_checkpoint(out, model, tok, optimizer=OptimizerBundle(opts), train_state={**state, "rng": rng_state()})
 
 
+def saved_state(out) -> dict | None:
+    """The train state (train_state.pt: step, elapsed time, settings) of the run saved in `out`; None where `out`
+    holds no saved run (no weights) or no train state."""
+    if not (Path(out) / WEIGHTS).is_file():
+        return None
+    st = load_train_state(out)
+    return st if isinstance(st, dict) else None
+
+
 def saved_settings(out) -> dict | None:
     """The settings (`TrainConfig` fields, as `recorded_args` wrote them) of the run saved in `out`; None where
     `out` holds no resumable run (`open_run` then says why)."""
-    if not (Path(out) / "model.safetensors").is_file():
-        return None
-    st = load_train_state(out)
-    return st.get("args") if isinstance(st, dict) and isinstance(st.get("args"), dict) else None
+    st = saved_state(out)
+    return st.get("args") if st is not None and isinstance(st.get("args"), dict) else None
 
 
 def recorded_args(args: dict) -> dict:
