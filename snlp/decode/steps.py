@@ -226,12 +226,12 @@ class Step:
         length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
         overwrite before reading (snlp.model.cache)."""
         t = 0.0
-        if self.before is not None and self.compiled:  # compile against the weights the real calls will read
-            self.before()
         for n in lengths:
             key = self.key("step", cache, n)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
                 continue
+            if self.before is not None:  # compile against the weights the real calls will read (only where a
+                self.before()  # graph is built: every call runs `before` itself, and warms each step on the way)
             sync(self.device)
             t0 = time.perf_counter()
             with torch.inference_mode():  # as __call__ runs it: same guards, same graph
