@@ -37,8 +37,8 @@ new storage (`model.to(...)`, `param.data = other`) breaks its home: `shares_sto
 tensor of every chunk) then says False, and `Runner.refresh()` re-homes that kind of tensor (all layers) and
 takes fresh views; each runner sees the moved parameter addresses on its next call and refreshes itself
 (`Runner.current`), so every shared runner of the model follows (the re-homing moves the addresses again, and
-the other runners' refreshes find the new home and only take views). Plans with M > 1 and mHC models (whose fused weights are sums, products and
-per-branch layouts, not the layers' tensors) are refused with a one-line ValueError.
+the other runners' refreshes find the new home and only take views). Plans with M > 1 and mHC models (whose fused
+weights are sums, products and per-branch layouts, not the layers' tensors) are refused with a one-line ValueError.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
         # (CPUs without AVX512_BF16/AMX: torch's always-bf16 ones made a step ~20x slower than AdamW's)
         # stack=True: the matrices of each shape updated together (nanochat stacks them too): ~60 small launches per
         # matrix in the per-matrix loop, the bulk of a step's kernels at depth 32 (scripts/train_step_audit.py)
-        opts.append(Muon(matrices, lr=0.02 if cfg.matrix_lr is None else cfg.matrix_lr, weight_decay=cfg.weight_decay, momentum=0.95,
-                         stack=True))
+        opts.append(Muon(matrices, lr=0.02 if cfg.matrix_lr is None else cfg.matrix_lr,  # 0: frozen
+                         weight_decay=cfg.weight_decay, momentum=0.95, stack=True))
     elif matrices:
         groups.append({"params": matrices, "lr": 0.003 if cfg.matrix_lr is None else cfg.matrix_lr})  # 0: frozen
     # --compile on CUDA: AdamW's fused multi-tensor kernel (nanochat's choice), same update and state dict format
