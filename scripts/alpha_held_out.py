@@ -1,7 +1,7 @@
 """Acceptance (alpha) of a self-speculative drafter on held-out prompts, with its exact 95 % interval.
 
     PYTHONPATH=$PWD python3 scripts/alpha_held_out.py CKPT --plan 12xF1-h0-K1 [--blocks 4,8] [--prompts 48]
-        [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32,bfloat16] [--threads 1] [--data D]
+        [--prompt-len 16] [--new-tokens 64] [--seed 1234] [--dtypes float32[,bfloat16]] [--threads 1] [--data D]
         [--json FILE] [--write-prompts FILE]
 
 `--write-prompts FILE` writes the prompts (token ids, JSON) for `snlp bench --suite decode --prompts-file FILE`, so
@@ -31,6 +31,7 @@ from snlp.decode.generate import sequential_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.eval.data import checkpoint_data, sample_prompts, validation_tokens
 from snlp.io.checkpoint import load
+from snlp.train.muon import emulated_dtype, warn_if_emulated
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -99,6 +100,11 @@ def measure(model, prompts: list[list[int]], plan: str, blocks: list[int], new_t
     return rows
 
 
+def default_dtypes() -> list:
+    """float32, and bfloat16 where this CPU has native bf16 kernels (elsewhere torch emulates it, 10-100x slower)."""
+    return [torch.float32] + ([] if emulated_dtype("cpu", torch.bfloat16) else [torch.bfloat16])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt")
@@ -108,7 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default=None, help="comma-separated (default float32, and bfloat16 where this CPU "
+                   "has native bf16 kernels: elsewhere torch emulates it 10-100x slower)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data", default=None, help="the text whose validation split gives the prompts (default: the "
                    "checkpoint's training data, else stdlib)")
@@ -119,7 +126,8 @@ def main(argv=None) -> int:
     if a.plan is None and a.write_prompts is None:
         p.error("give --plan (measure alpha), --write-prompts FILE, or both")
     blocks = [int(b) for b in a.blocks.split(",")]
-    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")] if a.dtypes else default_dtypes()
+    warn_if_emulated("cpu", dtypes, "alpha_held_out")
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tok = load(a.ckpt, device="cpu")

@@ -48,3 +48,10 @@ def test_the_prompt_bootstrap_is_wider_than_the_draft_interval_when_prompts_diff
     blo, bhi = alpha_held_out.prompt_bootstrap(acc, exam)
     assert blo < lo and bhi > hi and blo < 0.6 < bhi
     assert alpha_held_out.prompt_bootstrap([7] * 10, [10] * 10) == (0.7, 0.7)
+
+
+def test_bf16_is_measured_by_default_only_where_the_cpu_has_native_kernels(monkeypatch):
+    monkeypatch.setattr(alpha_held_out, "emulated_dtype", lambda device, dtype: True)
+    assert alpha_held_out.default_dtypes() == [torch.float32]
+    monkeypatch.setattr(alpha_held_out, "emulated_dtype", lambda device, dtype: False)
+    assert alpha_held_out.default_dtypes() == [torch.float32, torch.bfloat16]
