@@ -366,7 +366,7 @@ def markdown(result: SuiteResult) -> str:
     """The suite as markdown: a header (device, versions, protocol, RANDOM weights), one speedup table
     (ours beside the paper's) and one baseline table (sequential ms, compile time, decode bandwidth)."""
     shapes = [s for s in PAPER_SHAPES if s.key in result.config.shapes]
-    lines = [*_header(result), "", *_speedup_table(shapes, result.records), "",
+    lines = [*_header(result), "", *_speedup_table(shapes, result.records, result.config.quick), "",
              "Sequential baselines (the denominators): prefill median ms; compile s = the untimed calls that "
              "compile every callable of that treatment (never inside a timing); decode ms/token; GB/s = model bytes "
              "x tokens/s of sequential decoding (gpt-fast's 'bandwidth achieved'); syncs = host syncs per compiled "
@@ -401,8 +401,10 @@ def _header(result: SuiteResult) -> list[str]:
     return lines
 
 
-def _speedup_table(shapes: list[Shape], recs: list[SuiteRow]) -> list[str]:
-    """Per (shape, plan): the ideals, our prefill / decode speedups (eager, compiled), the paper's beside them."""
+def _speedup_table(shapes: list[Shape], recs: list[SuiteRow], quick: bool = False) -> list[str]:
+    """Per (shape, plan): the ideals, our prefill / decode speedups (eager, compiled), the paper's beside them.
+    `quick` shrinks every shape, so its rows are named "(smoke)" and the paper's columns say they are of the full
+    shape: a smoke row's speedup is no comparison with the paper's."""
     rows = []
     for shape in shapes:
         for plan in shape.plans:
@@ -410,14 +412,16 @@ def _speedup_table(shapes: list[Shape], recs: list[SuiteRow]) -> list[str]:
             de, dc = (_find(recs, shape.key, plan, "decode", t, mode="snlp") for t in TREATMENTS)
             any_p = pe or pc
             rows.append([
-                shape.key, f"`{plan}`", _x(any_p and any_p.row.ideal_layer_speedup),
+                f"{shape.key} (smoke)" if quick else shape.key, f"`{plan}`",
+                _x(any_p and any_p.row.ideal_layer_speedup),
                 _x(pe and pe.row.structural_ideal), _x(pe and pe.row.speedup),
                 _x(pe and 100 * pe.row.of_structural, "{:.0f}%"), _x(pc and pc.row.speedup),
                 _x(pc and 100 * pc.row.of_structural, "{:.0f}%"), _x(PAPER_PREFILL.get((shape.key, plan))),
                 _x(de and de.row.speedup), _x(dc and dc.row.speedup), _x(PAPER_DRAFTER_S.get((shape.key, plan)))])
+    full = " (full shape)" if quick else ""
     return markdown_table(["shape", "plan", "ideal (layers)", "ideal (struct.)", "prefill eager", "of struct.",
-                           "prefill compiled", "of struct.", "paper prefill", "decode eager", "decode compiled",
-                           "paper s (SSD drafter)"], rows)
+                           "prefill compiled", "of struct.", f"paper prefill{full}", "decode eager", "decode compiled",
+                           f"paper s (SSD drafter){full}"], rows)
 
 
 def _baseline_table(shapes: list[Shape], recs: list[SuiteRow]) -> list[str]:

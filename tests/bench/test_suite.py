@@ -61,9 +61,10 @@ def test_quick_suite_library_writes_json_and_markdown(tmp_path):
     _check_records(data["records"], compiled_shapes=set())
     md = Path(result.markdown_path).read_text()
     assert md == result.markdown and RANDOM_WEIGHTS in md and "NOT the paper's shapes" in md
+    assert "| paper prefill (full shape) |" in md  # the paper's number is of its full shape, not the smoke row's
     for shape in PAPER_SHAPES:
         for plan in shape.plans:
-            line = next(x for x in md.splitlines() if x.startswith(f"| {shape.key} | `{plan}` |"))
+            line = next(x for x in md.splitlines() if x.startswith(f"| {shape.key} (smoke) | `{plan}` |"))
             cells = [c.strip() for c in line.strip("|").split("|")]
             assert cells[8] == (f"{PAPER_PREFILL[(shape.key, plan)]:.2f}x")  # the paper's number beside ours
             assert cells[6] == "-"  # compiled not run
@@ -91,5 +92,5 @@ def test_quick_suite_cli_end_to_end(tmp_path):
     _check_records(data["records"], compiled_shapes={"3B"})
     md = (out / "suite.md").read_text()
     assert md in res.stdout and RANDOM_WEIGHTS in md
-    line = next(x for x in md.splitlines() if x.startswith("| 3B | `8xF1-h0-K1` |"))
+    line = next(x for x in md.splitlines() if x.startswith("| 3B (smoke) | `8xF1-h0-K1` |"))
     assert line.split("|")[7].strip().endswith("x")  # compiled prefill speedup present for the compiled shape
