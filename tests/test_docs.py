@@ -196,3 +196,23 @@ def test_every_python_name_a_guide_gives_exists():
                 names += [f"{mod}.{n.strip()}" for n in items.split(",") if n.strip()]
             bad += [f"{f.relative_to(ROOT)}:{i}: {n}" for n in names if not _resolves(n)]
     assert not bad, "\n".join(bad)
+
+
+def test_a_guides_train_command_regularises_fewer_layers_than_its_model_has():
+    """`snlp train --reg-n N` on a model of depth L <= N regularises a suffix of L - 1 layers, not N (the trainer clips
+    it with a warning): a guide's command that does so says one model and trains another. The depth is the line's
+    `--depth` or the parser's default; a line with `--init-from` takes its depth from the checkpoint and is skipped."""
+    from snlp.apps.cli import build_parser
+
+    default = build_parser().commands["train"].get_default("depth")
+    bad = []
+    for f in GUIDES:
+        for i, cmd, rest in _invocations(f.read_text(), ["train"]):
+            reg = re.search(r"--reg-n[ =]([\d,]+)", rest)
+            if not reg or "--init-from" in rest:
+                continue
+            depth = re.search(r"--depth[ =](\d+)", rest)
+            depth = int(depth.group(1)) if depth else default
+            if max(int(n) for n in reg.group(1).split(",") if n) >= depth:
+                bad.append(f"{f.relative_to(ROOT)}:{i}: --reg-n {reg.group(1)} on depth {depth}")
+    assert not bad, "\n".join(bad)
