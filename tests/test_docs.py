@@ -216,3 +216,13 @@ def test_a_guides_train_command_regularises_fewer_layers_than_its_model_has():
             if max(int(n) for n in reg.group(1).split(",") if n) >= depth:
                 bad.append(f"{f.relative_to(ROOT)}:{i}: --reg-n {reg.group(1)} on depth {depth}")
     assert not bad, "\n".join(bad)
+
+
+def test_a_plan_strings_first_number_is_named_the_chunk_count():
+    """In `12xF2-h0-K1` the 12 is the number of chunks C (the suffix is N = C·M = 24 layers): the docs write the pattern
+    `CxFM`, never `NxFM` (a guide once said the first number was the suffix length), and the parser agrees."""
+    bad = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in DOCS
+           for i, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"\bNxF", line)]
+    plan = snlp.Plan.parse("12xF2-h0-K1")
+    assert (plan.chunks, plan.fuse, plan.n_suffix) == (12, 2, 24)
+    assert not bad, "\n".join(bad)
