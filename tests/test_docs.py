@@ -196,3 +196,33 @@ def test_every_python_name_a_guide_gives_exists():
                 names += [f"{mod}.{n.strip()}" for n in items.split(",") if n.strip()]
             bad += [f"{f.relative_to(ROOT)}:{i}: {n}" for n in names if not _resolves(n)]
     assert not bad, "\n".join(bad)
+
+
+def test_a_guides_train_command_regularises_fewer_layers_than_its_model_has():
+    """`snlp train --reg-n N` on a model of depth L <= N regularises a suffix of L - 1 layers, not N (the trainer clips
+    it with a warning): a guide's command that does so says one model and trains another. The depth is the line's
+    `--depth` or the parser's default; a line with `--init-from` takes its depth from the checkpoint and is skipped."""
+    from snlp.apps.cli import build_parser
+
+    default = build_parser().commands["train"].get_default("depth")
+    bad = []
+    for f in GUIDES:
+        for i, cmd, rest in _invocations(f.read_text(), ["train"]):
+            reg = re.search(r"--reg-n[ =]([\d,]+)", rest)
+            if not reg or "--init-from" in rest:
+                continue
+            depth = re.search(r"--depth[ =](\d+)", rest)
+            depth = int(depth.group(1)) if depth else default
+            if max(int(n) for n in reg.group(1).split(",") if n) >= depth:
+                bad.append(f"{f.relative_to(ROOT)}:{i}: --reg-n {reg.group(1)} on depth {depth}")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_plan_strings_first_number_is_named_the_chunk_count():
+    """In `12xF2-h0-K1` the 12 is the number of chunks C (the suffix is N = C·M = 24 layers): the docs write the pattern
+    `CxFM`, never `NxFM` (a guide once said the first number was the suffix length), and the parser agrees."""
+    bad = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in DOCS
+           for i, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"\bNxF", line)]
+    plan = snlp.Plan.parse("12xF2-h0-K1")
+    assert (plan.chunks, plan.fuse, plan.n_suffix) == (12, 2, 24)
+    assert not bad, "\n".join(bad)
