@@ -507,6 +507,14 @@ def _measured_cell(r: dict) -> str:
     return f"{cell} (tie)"
 
 
+def _decode_cap(tokens: int | None, block: int) -> str:
+    """" (≤ 4.92)": the most tokens per round a decode of `tokens` new tokens can average at B = `block`, its last
+    round cut short (snlp.decode.speculative.max_tokens_per_round); "" where the record lacks its length."""
+    from snlp.decode.speculative import max_tokens_per_round
+
+    return f" (≤ {max_tokens_per_round(tokens, block):.2f})" if tokens and block else ""
+
+
 def ssd_table(ssd: dict[str, dict]) -> str:
     lines = ["| Model | Drafter | s | B | α | α over | Tok/Rnd | Ideal SSD | Measured | Rounds | Seq ms/tok | "
              "SSD ms/tok | = sequential |", "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -521,7 +529,8 @@ def ssd_table(ssd: dict[str, dict]) -> str:
                       f"{len(r.get('round_speedups') or []) or r.get('repeats') or res.get('repeats')} rnd" if n else "–")
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | {sample} | "
-                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}')}{_decode_cap(r.get('gen_tokens') or res.get('gen_tokens'), r['block'])} | "
+                         f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
                          f"{_measured_cell(r)} | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
                          f"{matches(r['matches_sequential'])} |")
@@ -843,7 +852,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"{per_model({k: r.get('repeats') for k, r in used.items()})} timed rounds, medians shown. "
            f"α = measured per-draft acceptance (the median over the rounds; α over = the tokens each round drafted "
            f"for: prompts × tokens), Tok/Rnd = the tokens each verification round emitted (its accepted drafts and "
-           f"the verifier's own token: at most B + 1; the median over the rounds), s = measured drafter speedup (sequential ms over drafter ms per cached "
+           f"the verifier's own token: at most B + 1, and in brackets the most a decode of this length can average, "
+           f"its last round cut short; the median over the rounds), s = measured drafter speedup (sequential ms over drafter ms per cached "
            f"single-token decode step, both by wall clock around each step inside these decodes; the drafter "
            f"choice below times its steps apart, on its own clock), Ideal SSD = "
            f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
