@@ -977,8 +977,9 @@ def tune_sample(ssd: dict[str, dict]) -> str:
 def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
     """The drafter's Measured in tune's shootout beside the SSD table's at the same B: two measurements of one
     speed on other prompts, decode lengths and moments. Their difference against the shootout's own ± is this run's
-    measure of how far one measurement of a drafter's speed carries to the next."""
-    parts, gaps, noise = [], [], []
+    measure of how far one measurement of a drafter's speed carries to the next; each model's difference is set
+    against its own shootout's ± (another model's wider ± does not cover it)."""
+    parts, gaps, beyond, within = [], [], [], []
     for key, label in MODELS:
         res = ssd.get(key) or {}
         pick = next((r for r in res.get("tune", []) if r.get("pick") and r.get("measured_speedup")), None)
@@ -988,7 +989,8 @@ def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
             continue
         a, b = pick["measured_speedup"], row["measured_speedup"]
         gaps.append(abs(b / a - 1))
-        noise += [pick["noise"]] if pick.get("noise") is not None else []
+        if pick.get("noise") is not None:
+            (beyond if gaps[-1] > pick["noise"] else within).append(label)
         parts.append(f"{label} `{res.get('drafter')}` at B = {pick['block']}: {a:.3f}x here"
                      + (f" (±{pick['noise']:.1%})" if pick.get("noise") is not None else "")
                      + f", {b:.3f}x in the SSD table ({b / a - 1:+.1%})")
@@ -996,15 +998,15 @@ def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
         return []
     ssd_sample = per_model({k: f"{r.get('repeats')} rounds of {r.get('prompts')} prompts × {r.get('gen_tokens')} tokens"
                             for k, r in ssd.items() if r.get("drafter")})
-    beyond = noise and max(gaps) > max(noise)
     here = tune_sample(ssd) or "the shootout's decodes"
+    verdict = (f", {' and '.join(beyond)} by more than the ± of {'its' if len(beyond) == 1 else 'their'} shootout's "
+               "own rounds: that ± is the spread within one shootout, not the spread from one stage to the next, "
+               "which is this difference" if beyond else
+               ", each within the ± of its shootout's own rounds" if len(within) == len(parts) else "")
     return ["\nThe drafter's Measured here and in the SSD table above are two measurements of one speed: "
             + "; ".join(parts) + f". They decode other prompts for other lengths (here {here}; "
             f"there {ssd_sample}, a longer KV cache) at another moment's load, so they differ by up to "
-            f"{max(gaps):.0%} in this run"
-            + (", more than the ± of the shootout's own rounds: that ± is the spread within one shootout, not the "
-               "spread from one stage to the next, which is this difference" if beyond else
-               ", within the ± of the shootout's own rounds")
+            f"{max(gaps):.0%} in this run" + verdict
             + ". The SSD table's figure is the drafter's speed as this run measured it; this table's ranks the "
             "candidates it timed together."]
 

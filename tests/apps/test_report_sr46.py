@@ -260,3 +260,21 @@ def test_ssd_tokens_per_round_carry_the_bound_of_their_decode_length():
                        for b, g, t in ((4, 32, 32 * 2 / 14), (8, 128, 7.31))]
     t = tables(render_report(ctx))["Self-speculative decoding"]
     assert column(t, "Tok/Rnd")[:2] == [f"4.57 (≤ {32 / 7:.2f})", f"7.31 (≤ {128 / 15:.2f})"]
+
+
+def test_each_drafters_two_measurements_are_set_against_its_own_shootouts_spread():
+    """The sentence under the drafter choice compared the largest of the two models' gaps (tune's Measured against
+    the SSD table's) with the largest of their two ±: a No Reg. gap of 10 % beyond its own ±5 % read "within the ±
+    of the shootout's own rounds" because IDN Reg.'s shootout had ±15 %."""
+    ctx = _report_ctx()
+    for key, (tuned, noise, ssd) in {"noreg": (1.30, 0.05, 1.43), "idn": (1.30, 0.15, 1.326)}.items():
+        res = ctx["stages"][f"ssd-{key}"]["result"] = dict(ctx["stages"][f"ssd-{key}"]["result"])
+        res["tune"] = [dict(res["tune"][0], measured_speedup=tuned, noise=noise)]
+        res["rows"] = [dict(res["rows"][0], measured_speedup=ssd)]
+    text = _section(render_report(ctx), "two measurements of one speed", "\n")
+    assert abs(1.43 / 1.30 - 1) > 0.05 and abs(1.326 / 1.30 - 1) < 0.15
+    assert "within the ±" not in text
+    assert "No Reg. by more than the ± of its shootout's own rounds" in text and "IDN Reg. by more" not in text
+    for key in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{key}"]["result"]["tune"][0]["noise"] = 0.15
+    assert "each within the ± of its shootout's own rounds" in render_report(ctx)
