@@ -1372,6 +1372,7 @@ def render_report(ctx: dict) -> str:
                 f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `noreg.train.log`, `idn.train.log` (each model's "
                "training output: its settings, validation lines and speed line), `stages/*.json` (stage records with "
-               "their settings), `cache/` (the tokenizer and token cache), `records.csv`, `summary.json`, "
-               "`frontier.png`.\n")
+               "their settings), `cache/` (the tokenizer and token cache), `records.csv` (the evaluation records "
+               "of the full records above, each model's own `speedup`; the main table's Speedup pools their "
+               "`speedup_rounds`), `summary.json`, `frontier.png`.\n")
     return "\n".join(out)

@@ -278,3 +278,13 @@ def test_each_drafters_two_measurements_are_set_against_its_own_shootouts_spread
     for key in ("noreg", "idn"):
         ctx["stages"][f"ssd-{key}"]["result"]["tune"][0]["noise"] = 0.15
     assert "each within the ± of its shootout's own rounds" in render_report(ctx)
+
+
+def test_the_files_line_says_records_csv_holds_each_models_own_speedup():
+    """records.csv was listed as the report's data (docs: "every row of the report as data"), but its `speedup` is
+    each model's own median (the full records' 1.98x for No Reg.'s `12xF1-h0-K1`) where the main table prints the
+    two models' rounds pooled (1.89x): a reader checking the main table against it finds another number."""
+    md = render_report(_report_ctx())
+    files = _section(md, "Files: ", "\n")
+    assert ("`records.csv` (the evaluation records of the full records above, each model's own `speedup`; the main "
+            "table's Speedup pools their `speedup_rounds`)") in files
