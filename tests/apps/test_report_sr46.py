@@ -288,3 +288,22 @@ def test_the_files_line_says_records_csv_holds_each_models_own_speedup():
     files = _section(md, "Files: ", "\n")
     assert ("`records.csv` (the evaluation records of the full records above, each model's own `speedup`; the main "
             "table's Speedup pools their `speedup_rounds`)") in files
+
+
+def test_the_ssd_console_line_says_whether_its_rounds_resolve_the_speedup():
+    """The console printed "B=2: ... measured 1.08x (medians of 6), output == sequential" for No Reg.'s row whose
+    six paired rounds ran 0.92-1.30x (faster in 4 of 6), which the report marks "(tie)"; IDN Reg.'s 1.18x (6 of 6)
+    read the same way. The line now says what the sign test says."""
+    from snlp.apps.speedrun.ssd import ssd_line
+    from snlp.decode.speculative import SSDRow
+
+    def row(rounds, measured):
+        return SSDRow(plan="6xF2-h0-K2", block=2, alpha=0.965, tokens_per_round=2.88, drafter_speedup_s=1.34,
+                      sequential_ms_per_step=12.0, drafter_ms_per_step=8.86, sequential_ms_per_token=12.02,
+                      speculative_ms_per_token=11.15, measured_speedup=measured, ideal_ssd_speedup=1.164, repeats=6,
+                      prompts=4, gen_tokens=128, round_speedups=rounds)
+
+    tie = ssd_line(row([1.304, 1.075, 1.077, 0.935, 1.253, 0.920], 1.076))
+    assert "measured 1.08x (medians of 6; not told from sequential: faster in 4 of 6 paired rounds" in tie
+    won = ssd_line(row([1.08, 1.17, 1.19, 1.25, 1.18, 1.20], 1.179))
+    assert "measured 1.18x (medians of 6; faster than sequential: faster in 6 of 6 paired rounds" in won
