@@ -307,3 +307,31 @@ def test_the_ssd_console_line_says_whether_its_rounds_resolve_the_speedup():
     assert "measured 1.08x (medians of 6; not told from sequential: faster in 4 of 6 paired rounds" in tie
     won = ssd_line(row([1.08, 1.17, 1.19, 1.25, 1.18, 1.20], 1.179))
     assert "measured 1.18x (medians of 6; faster than sequential: faster in 6 of 6 paired rounds" in won
+
+
+def test_the_eval_stage_console_tables_mark_what_the_rounds_do_not_resolve(tmp_path, monkeypatch, capsys):
+    """The eval stages printed each model's table with bare Speedups (a --quick run: `1xF6-h0-K1` 1.96x from 5
+    timed rounds, which no sign test resolves: 6 of 6 at the fewest) where `snlp eval` marks such cells "(tie)" and
+    says the rule under the table."""
+    import snlp.eval.protocol as P
+    import snlp.io.checkpoint as C
+    from snlp.apps.speedrun.evaluate import stage_eval
+    from snlp.model.config import GPTConfig
+
+    cfg = GPTConfig.from_depth(16)
+
+    class Stub:  # what stage_eval reads of the model: its config, for the table's title
+        config = cfg
+
+    recs = [_rec("sequential", 20.0, [1.0] * 5, 1.0, 1.0),
+            _rec("12xF1-h0-K1", 21.0, [1.5, 2.3, 1.8, 2.6, 1.9], 0.5, 0.5),
+            _rec("12xF1-h0-K4", 20.1, [0.9, 0.95, 0.97, 1.1, 0.92], 0.5, 0.5)]
+    monkeypatch.setattr(C, "load", lambda *a, **k: (Stub(), None))
+    monkeypatch.setattr(P, "evaluate", lambda *a, **k: recs)
+    from snlp.apps.speedrun.preset import QUICK, eval_config
+
+    stage_eval(tmp_path / "noreg", None, ["12xF1-h0-K1", "12xF1-h0-K4"], eval_config(QUICK, 0), "cpu")
+    out = capsys.readouterr().out
+    assert "(tie)" in out and "not resolved by a two-sided sign test" in out
+    line = next(x for x in out.splitlines() if "12xF1-h0-K1" in x)
+    assert "1.90x (tie)" in line  # 5 of 5 rounds faster: p = 0.0625
