@@ -787,6 +787,22 @@ def _arch_parts(model: dict | None) -> str:
     return f"{x0} + {ve}" if model.get("x0_residual") and model.get("value_embeds") else f"{x0}, {ve}"
 
 
+def trained_steps(ctx: dict) -> str:
+    """Setup's steps clause from the training records: one count when both models trained it, else each model's;
+    in lockstep (trained_in_lockstep) until the wall-clock share ran out, else, with a wall-clock share and one
+    model after the other, each for its own share."""
+    st, minutes = ctx["stages"], ctx["cfg"].get("minutes")
+    steps = {k: st[f"train-{k}"]["result"]["steps"] for k, _ in MODELS}
+    same = len(set(steps.values())) == 1
+    text = f"{steps['noreg']} steps for each model" if same else f"{per_model(steps)} steps"
+    if minutes and trained_in_lockstep(ctx):
+        text += (f" (trained in lockstep until the {minutes:g}-minute wall-clock budget was spent"
+                 + (", both stopping at the same step)" if same else ")"))
+    elif minutes:
+        text += f" (each trained for {minutes:g} minutes of wall clock, one after the other)"
+    return text
+
+
 def _setup(ctx: dict) -> list[str]:
     cfg, env, st, pre, trains, _ = _context(ctx)
     tok, e0 = st["tokenizer"]["result"], ctx["evals"]["noreg"][0]
@@ -811,9 +827,7 @@ def _setup(ctx: dict) -> list[str]:
            + f"sequence length {cfg['seq_len']}, "
            f"{ctx['params'] / 1e6:.2f}M parameters.",
            f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
-           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
-           f"for each model" + (f" (trained in lockstep until the {cfg['minutes']:g}-minute wall-clock budget was "
-                                f"spent, both stopping at the same step)" if cfg.get("minutes") else "")
+           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, " + trained_steps(ctx)
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
            f"regulariser's K=1 IDN solve on the last N = {N} layers; IDN = Identity Newton, the paper's correction "

@@ -335,3 +335,19 @@ def test_the_eval_stage_console_tables_mark_what_the_rounds_do_not_resolve(tmp_p
     assert "(tie)" in out and "not resolved by a two-sided sign test" in out
     line = next(x for x in out.splitlines() if "12xF1-h0-K1" in x)
     assert "1.90x (tie)" in line  # 5 of 5 rounds faster: p = 0.0625
+
+
+def test_setup_states_the_steps_each_model_trained():
+    """Setup printed No Reg.'s step count "for each model" and, under a wall-clock limit, "trained in lockstep ...
+    both stopping at the same step" whatever the training records held: one model after the other (one core) the
+    two each train their own minutes and stop at different steps, as the training table beside it shows."""
+    ctx = _report_ctx(steps=130)
+    setup = _section(render_report(ctx), "## Setup", "\n## ")
+    assert "130 steps for each model (trained in lockstep until the 8.5-minute wall-clock budget was spent, both " \
+           "stopping at the same step)" in setup
+    ctx["stages"]["train-idn"] = dict(ctx["stages"]["train-idn"],
+                                      result=dict(ctx["stages"]["train-idn"]["result"], steps=71))
+    ctx["parallel"] = False
+    setup = _section(render_report(ctx), "## Setup", "\n## ")
+    assert "130 (No Reg.), 71 (IDN Reg.) steps (each trained for 8.5 minutes of wall clock, one after the other)" in setup
+    assert "for each model" not in setup and "lockstep" not in setup
