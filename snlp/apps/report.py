@@ -627,11 +627,13 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
     costs = "; ".join(f"`{x.plan}` ΔPPL {fmt_delta_ppl(x.delta_ppl)}" + (" (tie)" if x.plan in ties["delta_ppl"] else "")
                       + f", Speedup {_num(x.speedup, '{:.2f}x')}" + (" (tie)" if x.plan in ties["speedup"] else "")
                       for x in recs[1:])
-    timing = ""
+    wins = len(recs[0].window_ce or [])  # a --quick stage scores one 256-token window: no interval, no (tie)
+    why = "one validation window" if wins == 1 else "no per-window losses"
+    timing = "" if wins >= 2 else f" ΔPPL is untested here ({why}: no interval, so no (tie) mark either way)."
     if rounds:
         n = max(rounds)
         need = sign_test_wins(n)
-        timing = (f" Each Speedup is the median of {'/'.join(map(str, sorted(rounds)))} timed round(s) of one "
+        timing += (f" Each Speedup is the median of {'/'.join(map(str, sorted(rounds)))} timed round(s) of one "
                   "prompt's decode, "
                   + (f"too few for the sign test to tell any from 1.00x (it needs {fewest_sign_rounds()} of "
                      f"{fewest_sign_rounds()} at the fewest): each is marked (tie)" if need is None else
