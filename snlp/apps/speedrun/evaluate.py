@@ -33,13 +33,16 @@ def shrink_eval(ecfg, scale: float):
 
 
 def stage_eval(model_dir: Path, val: torch.Tensor, plans: list[str], ecfg, device: str) -> dict:
+    from snlp.apps.report import record_ties
     from snlp.io.checkpoint import load
     from snlp.eval.protocol import evaluate
     from snlp.eval.present import print_table
 
     model, tok = load(model_dir, device=device)
     records = evaluate(model, val, plans, ecfg, tokenizer=tok)
-    print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}")
+    # marked as `snlp eval` marks them: a --quick stage's 5 rounds can never resolve a Speedup (6 of 6 at the fewest)
+    print_table(records, f"{model_dir.name}: L={model.config.n_layer} D={model.config.n_embd}",
+                ties=record_ties(records))
     # stored as JSON (EvalRecord.from_dict reads the rows back), with the settings it ran with (a budget may have
     # shrunk them: the report states these, not the preset's)
     return {"records": [r.to_dict() for r in records], "eval": dataclasses.asdict(ecfg)}

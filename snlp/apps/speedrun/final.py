@@ -78,5 +78,5 @@ def step_report(sr: Speedrun) -> None:
     if sr.preset.budget_minutes is not None and wall > 60 * sr.preset.budget_minutes:
         sr.console.print(f"[yellow]budget exceeded by {fmt_s(wall - 60 * sr.preset.budget_minutes)}[/yellow] "
                          f"({fmt_s(wall)} of {fmt_s(60 * sr.preset.budget_minutes)}; report.md says so)")
-    sr.console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(sr.stages.ran)} stages ran, "
+    sr.console.print(f"[bold]speedrun finished[/bold] in {fmt_s(wall)} ({len(sr.stages.ran)} stage{'s' if len(sr.stages.ran) != 1 else ''} ran, "
                      f"{len(sr.stages.reused)} reused)")

@@ -293,9 +293,12 @@ class Speedrun:
             if trained:  # what the reused training was given (its record's), not a share of this plan
                 self.budget.train_s = 60 * (self.trains["idn"].result.get("minutes") or 0)
             steps = ", ".join(f"{k} {v:.2f} s" for k, v in pr.train_steps_s.items())
+            # the pair's step only where they will train in lockstep (a wall-clock limit: train._train_jobs); with
+            # --steps each steps at its own pace
+            locked = self.parallel and bool(self.preset.minutes or budget is not None)
             self.console.print(f"probe ({pr.seconds:.1f} s): training step "
-                               + (f"{steps} (a lockstep step {pr.lockstep_s:.2f} s)" if steps else
-                                  f"{pr.train_step_s * 1e3:.0f} ms") + ", eval window "
+                               + (f"{steps}" + (f" (a lockstep step {pr.lockstep_s:.2f} s)" if locked else "")
+                                  if steps else f"{pr.train_step_s * 1e3:.0f} ms") + ", eval window "
                                f"{pr.window_s * 1e3:.0f} ms, decode {pr.decode_token_s * 1e3:.1f} ms/token; predicted "
                                "stages: " + ", ".join(f"{c.name} {fmt_s(c.at(1))}" + (" (reused)" if c.name in reused
                                                                                       else "") for c in costs)

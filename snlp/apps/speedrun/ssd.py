@@ -117,10 +117,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
                                     progress=True)
     for rep in rows:
-        print(f"B={rep.block}: alpha {rep.alpha:.3f}, {rep.tokens_per_round:.2f} tok/round, "
-              f"s {rep.drafter_speedup_s:.2f}, ideal SSD {rep.ideal_ssd_speedup:.2f}x, measured "
-              f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}), output "
-              f"{matches(rep.matches_sequential, '==', '!=')} sequential")
+        print(ssd_line(rep))
     return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
             proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
             "pick_rule": tuned.pick_rule.get("ssd", ""),
@@ -130,6 +127,22 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
             "tune_clock": tuned.costs[0].clock if tuned.costs else None, "prompts": len(prompts), "gen_tokens": G,
             "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
             "rows": [r.to_dict() for r in rows]}
+
+
+def ssd_line(rep) -> str:
+    """The console line of one SSD row (snlp.decode.speculative.SSDRow): its medians, and whether the paired rounds
+    resolve its measured speedup from sequential decoding by the report's sign test (the report marks the rest
+    "(tie)"; the line printed "measured 1.08x" for a row whose rounds ran 0.92-1.30x)."""
+    from snlp.bench.stats import paired_verdict
+
+    verdict, wins, _, _ = paired_verdict(rep.round_speedups)
+    said = {"faster": "faster than sequential", "slower": "slower than sequential",
+            "tie": "not told from sequential"}[verdict]
+    return (f"B={rep.block}: alpha {rep.alpha:.3f}, {rep.tokens_per_round:.2f} tok/round, "
+            f"s {rep.drafter_speedup_s:.2f}, ideal SSD {rep.ideal_ssd_speedup:.2f}x, measured "
+            f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}; {said}: faster in {wins} of "
+            f"{len(rep.round_speedups)} paired rounds, a two-sided sign test at 5 %), output "
+            f"{matches(rep.matches_sequential, '==', '!=')} sequential")
 
 
 def step_ssd(sr: Speedrun) -> None:
