@@ -82,7 +82,7 @@ def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypat
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
-                   "and training resumes from its last save (every 100 steps)"]
+                   "and training resumes from the step it stopped at"]
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick", "--force"]) == 130
     err = capsys.readouterr().err  # the same command would redo every stage: the hint says to drop --force
     assert "run the same command without --force again to continue" in err
