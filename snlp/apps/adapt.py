@@ -134,6 +134,16 @@ def run(args) -> int:
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
         res = adapt(cfg)
+    if res.stopped_by == "interrupt" and cfg.lora_rank:  # written, but a LoRA run cannot resume (AdaptConfig.check)
+        import sys
+
+        from snlp.apps.train import interrupt_status
+
+        if res.rank == 0:
+            print(f"snlp adapt: interrupted by {res.signal}: the drafter at step {res.steps} is written to {res.out}; "
+                  f"a LoRA run cannot be resumed: run the command again in another --out for the whole budget",
+                  file=sys.stderr)
+        return interrupt_status(res.signal)
     if res.stopped_by == "interrupt":  # its checkpoint is saved in OUT/run
         from snlp.apps.train import interrupted
 

@@ -179,9 +179,8 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
     an error (1, 2) by it."""
     import os
     import shlex
-    import signal
 
-    status = 128 + int(signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else signal.SIGINT)
+    status = interrupt_status(signal_name)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 says it
         return status
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -190,6 +189,13 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
     print(f"snlp {command}: interrupted by {signal_name or 'a signal'}: saved {out} at step {steps}; continue with: "
           f"{again}", file=sys.stderr, flush=True)
     return status
+
+
+def interrupt_status(signal_name: str | None) -> int:
+    """128 + the number of the signal named (SIGINT's where none is: another DDP rank's signal stopped the run)."""
+    import signal
+
+    return 128 + int(signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else signal.SIGINT)
 
 
 # ----- steering a run through files (--stop-file; snlp speedrun's lockstep) -----

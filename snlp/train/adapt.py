@@ -644,7 +644,7 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
               **({"init_drafter_digest": init_digest} if init_digest else {})}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
-    if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
+    if stopped_by == "budget" or cfg.lora_rank:  # finished, or LoRA (never resumed): the checkpoint is not kept
         for log in sorted((out / RUN).glob(UNSAVED_LOG.replace(".jsonl", "*.jsonl"))):  # killed earlier runs' logs,
             aside = unsaved_log_path(out)  # set aside by fit: kept beside the drafter, under a free name
             os.replace(log, aside)

@@ -125,8 +125,8 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
                 if speed is not None and cfg.time_reg:
                     speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
                 result = finish(run, state, t_wall, speed)
-            if interrupted.hit and state.stopped_by != INTERRUPT:  # it came after the loop's last stop check: the
-                signal.raise_signal(interrupted.signum)  # handler restored gets it now (default: the process ends), saved
+            if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
+                signal.raise_signal(interrupted.signum)  # run is saved; the handler restored gets it (default: the end)
             return result
     finally:
         teardown_dist(ctx)

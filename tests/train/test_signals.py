@@ -127,7 +127,8 @@ def test_every_stop_signal_saves_and_exits_128_plus_its_number(corpus, tmp_path,
     rc = main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 128 + signum and saved_step(out) == 2
-    assert err[-1] == f"snlp train: interrupted by {sig}: saved {out} at step 2; continue with: snlp train --out {out} --resume"
+    assert err[-1] == (f"snlp train: interrupted by {sig}: saved {out} at step 2; continue with: snlp train --out {out} "
+                       f"--resume")
     assert signal.getsignal(signum) is (signal.default_int_handler if sig == "SIGINT" else signal.SIG_DFL)
 
 
@@ -336,7 +337,9 @@ def test_sft_and_sft_grid_stop_on_a_signal_and_say_how_to_continue(tmp_path, cap
     save_checkpoint(tmp_path / "base", m, tk)
     task = tmp_path / "task.jsonl"
     task.write_text(json.dumps({"question": "say 1", "choices": ["1", "2"], "answer": 0}) + "\n")
-    hooks = lambda *a, **k: TrainHooks(should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None)  # noqa: E731
+    def hooks(*a, **k):  # SIGTERM to this process after step 2
+        return TrainHooks(should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None)
+
     monkeypatch.setattr(S, "file_hooks", hooks)
     monkeypatch.setattr(G, "file_hooks", hooks)
     flags = ["--steps", "400", "--batch-size", "2", "--seq-len", "32", "--eval-every", "1000", "--eval-batches", "1",
@@ -389,3 +392,25 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_saved_and_resumable(co
                            capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=WAIT_S)
         assert r.returncode == 0, r.stderr[-3000:]
     assert_same_weights(weights(out), weights(tmp_path / "ref"))
+
+
+def test_a_lora_adapt_run_stopped_by_a_signal_says_it_cannot_resume(tmp_path, monkeypatch, capsys):
+    """A LoRA adaptation keeps no resumable checkpoint (--resume is refused for it): stopped by a signal it writes the
+    drafter it has, removes the run's model copy and says to run again, not to resume."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import snlp.train.adapt as A
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    fit_ = A.fit
+    monkeypatch.setattr(A, "fit", lambda cfg, job, hooks=None: fit_(cfg, job, TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None)))
+    rc = main(["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "400", "--seq-len", "24",
+               "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--lora-rank", "2", "--no-progress",
+               "--out", "d"])
+    assert rc == 143 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "snlp adapt: interrupted by SIGTERM: the drafter at step 2 is written to d; a LoRA run cannot be resumed: run "
+        "the command again in another --out for the whole budget")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors", "log.jsonl"]

@@ -314,8 +314,10 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                         if ends is not None:
                             ends[key] = (datetime.now().astimezone().isoformat(timespec="seconds"), load_average())
                         job = next(j for j in group if j.key == key)
-                        if (signum := stopped_by_signal(p.exitcode)) is not None:  # a signal to the training
-                            raise Interrupted(signum)  # process itself (Slurm signals every process of a step): stop all
+                        # a signal to the training process itself (Slurm signals every process of a job step): it
+                        # saved; the speedrun stops too
+                        if (signum := stopped_by_signal(p.exitcode)) is not None:
+                            raise Interrupted(signum)
                         if p.exitcode != 0:
                             raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
                                                f"{_tail(job.log)}")
