@@ -187,10 +187,8 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
                           no_progress=True, device=device or str(model.wte.weight.device), cache_dir=cache_dir)
         res = adapt(cfg, base=(model, tok))
         if res.stopped_by == "interrupt":  # a signal stopped it after a step: the speedrun stops, not measures it
-            import signal
-
-            from snlp.train.hooks import Interrupted
-            raise Interrupted(int(getattr(signal, res.signal or "", signal.SIGINT)))
+            from snlp.train.hooks import Interrupted, signal_number
+            raise Interrupted(signal_number(res.signal))
         d = load_drafter(cfg.out, model)
         ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)
         ssd = {}

@@ -84,10 +84,8 @@ def run_grid(cfg: GridConfig) -> GridResult:
                           max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac),
                 hooks=file_hooks(cfg.sft_args.stop_file))
         if r.stopped_by == "interrupt":  # saved: the next sft-grid of the same command resumes it; the grid stops here
-            import signal
-
-            from snlp.train.hooks import Interrupted
-            raise Interrupted(int(getattr(signal, r.signal or "", signal.SIGINT)))
+            from snlp.train.hooks import Interrupted, signal_number
+            raise Interrupted(signal_number(r.signal))
         res.sft_runs[forward] = asdict(r)
         model, tok = load(out)
         per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),

@@ -193,9 +193,9 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
 
 def interrupt_status(signal_name: str | None) -> int:
     """128 + the number of the signal named (SIGINT's where none is: another DDP rank's signal stopped the run)."""
-    import signal
+    from snlp.train.hooks import signal_number
 
-    return 128 + int(signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else signal.SIGINT)
+    return 128 + signal_number(signal_name)
 
 
 # ----- steering a run through files (--stop-file; snlp speedrun's lockstep) -----

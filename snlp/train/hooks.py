@@ -65,6 +65,12 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def signal_number(name: str | None, default: int = signal.SIGINT) -> int:
+    """The number of the signal `name` (TrainResult.signal: SIGTERM, ...); `default` where it names none (another DDP
+    rank's signal stopped the run, or a hook's own "interrupt")."""
+    return int(signal.Signals[name]) if name in signal.Signals.__members__ else int(default)
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name

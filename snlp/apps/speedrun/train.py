@@ -209,10 +209,10 @@ def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | Non
             f.flush()
             os._exit(1)
         if res.stopped_by == "interrupt":  # saved, not finished: the status says which signal (snlp.apps.train)
-            import signal
+            from snlp.train.hooks import signal_number
 
             f.flush()
-            os._exit(128 + int(getattr(signal, res.signal or "", signal.SIGTERM)))
+            os._exit(128 + signal_number(res.signal))
 
 
 def _launch(job: TrainJob, threads: int, force: bool, console):
