@@ -118,10 +118,12 @@ def run(args) -> int:
     from snlp.method.plan import cli_plan
     from snlp.runtime.device import write_atomic
     from snlp.runtime.outputs import locked_output
-    from snlp.train.adapt import RUN, AdaptConfig, adapt, resumed_adapt
+    from snlp.train.adapt import RUN, AdaptConfig, adapt, check_resume_left_adapt, resumed_adapt
 
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     cfg = resumed_adapt(cfg, getattr(args, "given", None))  # --resume: the flags not typed keep the saved values
+    if cfg.resume:  # a finished run, or no step left: nothing to continue (the drafter's record is kept)
+        check_resume_left_adapt(cfg)
     if cfg.src is None or cfg.plan is None:
         raise ValueError("SRC and --plan are required" + (f" (--resume takes them from the run saved in "
                                                            f"{Path(args.out) / RUN}: there is none)" if args.resume
@@ -132,6 +134,20 @@ def run(args) -> int:
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
         res = adapt(cfg)
+    if res.stopped_by == "interrupt" and cfg.lora_rank:  # written, but a LoRA run cannot resume (AdaptConfig.check)
+        import sys
+
+        from snlp.apps.train import interrupt_status
+
+        if res.rank == 0:
+            print(f"snlp adapt: interrupted by {res.signal}: the drafter at step {res.steps} is written to {res.out}; "
+                  f"a LoRA run cannot be resumed: run the command again in another --out for the whole budget",
+                  file=sys.stderr)
+        return interrupt_status(res.signal)
+    if res.stopped_by == "interrupt":  # its checkpoint is saved in OUT/run
+        from snlp.apps.train import interrupted
+
+        return interrupted("adapt", res.out, res.steps, res.signal, ["--out", res.out])
     if res.rank != 0:  # torchrun: rank 0 reports and writes
         return 0
     b, a = res.before, res.after
@@ -170,6 +186,9 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
                           minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
                           no_progress=True, device=device or str(model.wte.weight.device), cache_dir=cache_dir)
         res = adapt(cfg, base=(model, tok))
+        if res.stopped_by == "interrupt":  # a signal stopped it after a step: the speedrun stops, not measures it
+            from snlp.train.hooks import Interrupted, signal_number
+            raise Interrupted(signal_number(res.signal))
         d = load_drafter(cfg.out, model)
         ps = sample_prompts(as_tokens(val), prompts, 16, seed + 2)
         ssd = {}

@@ -292,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a command that can pick up where it stopped says how (its module's interrupt_hint)
+    except KeyboardInterrupt as e:  # a command that can pick up where it stopped says how (its module's interrupt_hint)
         hint = getattr(args.module, "interrupt_hint", lambda a: "")(args)
-        print(f"snlp {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
-        return 130
+        signum = getattr(e, "signum", 2)  # snlp.train.hooks.Interrupted: another signal than Ctrl-C's SIGINT (2)
+        by = f" by {e}" if signum != 2 else ""
+        print(f"snlp {args.command}: interrupted{by}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 128 + signum  # what a shell reports for a process the signal ended
     finally:
         warnings.formatwarning = formatwarning
 

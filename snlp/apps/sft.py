@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from snlp.apps.train import add_reg_rows_argument, add_speed_arguments, check_stop_file, config_from_args, file_hooks
+from snlp.apps.train import (add_reg_rows_argument, add_speed_arguments, check_stop_file, config_from_args, file_hooks,
+                             interrupted)
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -138,6 +138,5 @@ def run(args) -> int:
         check_resume_left(scfg.train)
     res = sft(scfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
-        print(f"snlp sft: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
-        return 130
+        return interrupted("sft", res.out, res.steps, res.signal, [args.ckpt, "--data", args.data, "--out", res.out])
     return 0

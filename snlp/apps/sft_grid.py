@@ -28,6 +28,11 @@ reused, an unfinished one resumed.
 GUIDE = "docs/sft.md"
 
 
+def interrupt_hint(args) -> str:
+    """What to do after Ctrl-C or a signal (snlp.apps.cli): the SFT run it stopped saved where it stopped."""
+    return "run the same command again to continue: a finished SFT run is reused, a stopped one resumes from its save"
+
+
 @dataclass
 class GridConfig:
     ckpt: str
@@ -78,6 +83,9 @@ def run_grid(cfg: GridConfig) -> GridResult:
         r = sft(SFTConfig(ckpt=cfg.ckpt, data=cfg.data, train=tcfg, forward=forward,
                           max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac),
                 hooks=file_hooks(cfg.sft_args.stop_file))
+        if r.stopped_by == "interrupt":  # saved: the next sft-grid of the same command resumes it; the grid stops here
+            from snlp.train.hooks import Interrupted, signal_number
+            raise Interrupted(signal_number(r.signal))
         res.sft_runs[forward] = asdict(r)
         model, tok = load(out)
         per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -168,9 +167,35 @@ def run(args) -> int:
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=file_hooks(args.stop_file))
     if res.stopped_by == "interrupt":
-        print(f"snlp train: interrupted: saved {res.out} at step {res.steps}; continue with --resume", file=sys.stderr)
-        return 130
+        return interrupted("train", res.out, res.steps, res.signal, ["--out", res.out])
     return 0
+
+
+def interrupted(command: str, out: str, steps: int, signal_name: str | None, resume_args: list[str]) -> int:
+    """A run a signal stopped (it saved its checkpoint): one line naming the signal and the command that continues it
+    (`snlp COMMAND *resume_args --resume`, under torchrun with as many processes), and the exit status 128 + the
+    signal's number, what a shell reports for a process that signal ended (130 where another DDP rank's signal
+    stopped this one): a Slurm requeue script or a wrapper tells an interrupted run from a finished one (0) and from
+    an error (1, 2) by it."""
+    import os
+    import shlex
+
+    status = interrupt_status(signal_name)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 says it
+        return status
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = f"torchrun --nproc_per_node={world} -m snlp" if world > 1 else "snlp"
+    again = " ".join([launch, command, *map(shlex.quote, map(str, resume_args)), "--resume"])
+    print(f"snlp {command}: interrupted by {signal_name or 'a signal'}: saved {out} at step {steps}; continue with: "
+          f"{again}", file=sys.stderr, flush=True)
+    return status
+
+
+def interrupt_status(signal_name: str | None) -> int:
+    """128 + the number of the signal named (SIGINT's where none is: another DDP rank's signal stopped the run)."""
+    from snlp.train.hooks import signal_number
+
+    return 128 + signal_number(signal_name)
 
 
 # ----- steering a run through files (--stop-file; snlp speedrun's lockstep) -----
@@ -215,23 +240,20 @@ def file_hooks(stop_file: str | Path | None = None, step_gate: str | Path | None
                poll_s: float = 0.002) -> TrainHooks:
     """TrainHooks from files another process writes. `stop_file` (an integer N): stop, and save, once step N
     is done; asked after every step and again just before the next starts, so a stop written in between
-    is not overrun. `step_gate` (an integer G; single-process runs): step s starts only once G >= s,
-    polled every `poll_s` seconds, the stop file ending the wait (lockstep side-by-side runs, snlp
-    speedrun)."""
-    from snlp.train.hooks import TrainHooks
+    is not overrun. `step_gate` (an integer G; single-process runs): step s starts only once G >= s; until then
+    the hook says WAIT and the loop asks again every `poll_s` seconds, asking the stop file and its own stop
+    checks (a signal) each time (lockstep side-by-side runs, snlp speedrun)."""
+    from snlp.train.hooks import WAIT, TrainHooks
 
     stop = stop_file_check(stop_file) if stop_file else (lambda steps_done: None)
     if not stop_file and not step_gate:
         return TrainHooks()
 
     def before_step(steps_done: int) -> str | None:
-        while True:
-            reason = stop(steps_done)
-            if reason is not None or not step_gate:
-                return reason
-            gate = read_step_file(step_gate)
-            if gate is not None and gate > steps_done:
-                return None
-            time.sleep(poll_s)
+        reason = stop(steps_done)
+        if reason is not None or not step_gate:
+            return reason
+        gate = read_step_file(step_gate)
+        return None if gate is not None and gate > steps_done else WAIT
 
-    return TrainHooks(should_stop=stop, before_step=before_step)
+    return TrainHooks(should_stop=stop, before_step=before_step, poll_s=poll_s)

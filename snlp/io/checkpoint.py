@@ -87,20 +87,73 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     except BaseException:  # a failed write (disk full, an unpicklable state, Ctrl-C) leaves no half folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        if not path.is_dir():
-            shutil.rmtree(tmp)
-            raise ValueError(f"checkpoint path {path} exists and is not a directory; choose another --out")
+    if path.exists() and not path.is_dir():
+        shutil.rmtree(tmp)
+        raise ValueError(f"checkpoint path {path} exists and is not a directory; choose another --out")
+    try:
+        _swap_in(tmp, path, model)
+    except BaseException:  # e.g. a second Ctrl-C in the middle: the new checkpoint is whole, so finish putting it in
+        _swap_in(tmp, path, model)  # place (carried files and all) rather than leave it hidden beside a broken path
+        raise
+    return path
+
+
+def _swap_in(tmp: Path, path: Path, model) -> None:
+    """Put the complete checkpoint `tmp` in place of `path`: carry over the files of `path` this save does not own
+    (training log, notes), move `path` aside, move `tmp` in, remove the old one. Each part checks what is left to
+    do, so a second call finishes a first one that was interrupted."""
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    if tmp.is_dir() and path.is_dir():
         for f in path.iterdir():  # carry over files this save does not own (training log, notes)
             if f.name not in OWN_FILES and not (tmp / f.name).exists() and not _stale_preheat(f, model):
                 os.replace(f, tmp / f.name)
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
         os.replace(path, old)
+    if tmp.is_dir() and not path.exists():
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    return path
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def stale_saves(path) -> list[Path]:
+    """The hidden copies that saves of `path` cut off by SIGKILL or a crash left beside it: the new checkpoint being
+    written (.NAME.tmp-PID, a full model copy) or, once `path` is back in place, the previous one (.NAME.old-PID);
+    only those of processes no longer running. The caller holds the folder's lock, so no live run is saving them."""
+    path = Path(path)
+    found = []
+    for p in sorted(path.parent.glob(f".{path.name}.tmp-*")) + sorted(path.parent.glob(f".{path.name}.old-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if not p.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if p.name.startswith(f".{path.name}.old-") and not path.is_dir():
+            continue  # the last checkpoint itself (cut_off_save): never removed
+        found.append(p)
+    return found
+
+
+def clear_stale_saves(path) -> list[tuple[Path, int]]:
+    """Remove `stale_saves(path)`, after moving back into `path` any file of its own a copy holds that `path` lacks (a
+    kill in the middle of a save's carry-over of the training log); returns each removed copy with its size in
+    bytes."""
+    path = Path(path)
+    removed = []
+    for p in stale_saves(path):
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        if path.is_dir() and p.name.startswith(f".{path.name}.tmp-"):  # (an old copy's files went to the new one)
+            for f in p.iterdir():
+                if f.name not in OWN_FILES + (PREHEAT_FILE,) and not (path / f.name).exists():
+                    os.replace(f, path / f.name)
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append((p, size))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def cut_off_save(path) -> Path | None:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import snlp.io.chat as chat
 import snlp.io.data as D
-from snlp.io.checkpoint import DRAFTER_META, checkpoint_dir, is_snlp_checkpoint, load, load_train_state
+from snlp.io.checkpoint import DRAFTER_META, WEIGHTS, checkpoint_dir, is_snlp_checkpoint, load, load_train_state
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
@@ -59,7 +59,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
-from snlp.train.checkpointing import UNSAVED_LOG, unsaved_log_path
+from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks
@@ -205,6 +205,7 @@ class AdaptResult:
     device: str = ""  # where the run trained (the resolved --device)
     world: int = 1  # processes (torchrun): gradients all-reduced, rank 0 the one writer
     rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
+    signal: str | None = None  # stopped_by "interrupt": the signal's name (TrainResult.signal)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -511,6 +512,19 @@ def resumed_adapt(cfg: AdaptConfig, given) -> AdaptConfig:
     return resumed(cfg, saved_adapt(cfg.out), given, NOT_INHERITED)
 
 
+def check_resume_left_adapt(cfg: AdaptConfig) -> None:
+    """Refuse `snlp adapt --resume` (its settings resolved: `resumed_adapt`) where there is nothing to continue, before
+    any work: a finished run (its drafter written, OUT/run removed at the end), or a run whose budget or --stop-after
+    leaves no step (checkpointing.check_resume_left): it would write the drafter's record again, the run's own
+    validation, time and stop reason replaced by those of a leg that ran no step."""
+    out = Path(cfg.out)
+    if (out / DRAFTER_META).is_file() and not (out / RUN / WEIGHTS).is_file():
+        raise ValueError(f"--resume: {out} holds a finished drafter (its run's checkpoint is removed at the end): "
+                         f"nothing to continue; to train it further, start a new run from it in another --out "
+                         f"(--init-drafter {out})")
+    check_resume_left(train_config(cfg, width=0))  # (the width sets a learning rate only: not read here)
+
+
 def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     """Refuse `--resume` of a run made for another base (weights fingerprint, snlp.model.fingerprint) or another
     plan, before any work: continuing would stamp this base's fingerprint on a drafter trained on the other."""
@@ -611,7 +625,7 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
     drafter: Drafter = held["drafter"]
     result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                          minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
-                         device=held["device"], world=held["world"], rank=held["rank"])
+                         device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal)
     if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
         save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
     if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
@@ -630,7 +644,7 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
               **({"init_drafter_digest": init_digest} if init_digest else {})}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
-    if stopped_by == "budget":  # finished: the resumable checkpoint (a full model copy) is not kept
+    if stopped_by == "budget" or cfg.lora_rank:  # finished, or LoRA (never resumed): the checkpoint is not kept
         for log in sorted((out / RUN).glob(UNSAVED_LOG.replace(".jsonl", "*.jsonl"))):  # killed earlier runs' logs,
             aside = unsaved_log_path(out)  # set aside by fit: kept beside the drafter, under a free name
             os.replace(log, aside)

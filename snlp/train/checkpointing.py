@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, cut_off_save, holds_speedrun, load, load_train_state,
-                                load_training, save_checkpoint)
+from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, clear_stale_saves, cut_off_save, holds_speedrun, load,
+                                load_train_state, load_training, save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
@@ -82,6 +83,17 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
                         init_from=(st.get("args") or {}).get("init_from"),
                         data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
     return Start(model, tok, point)
+
+
+def clear_killed_saves(out: Path) -> None:
+    """Remove the hidden model copies that saves into `out` killed mid-way (SIGKILL, a crash) left beside it
+    (snlp.io.checkpoint.stale_saves: their processes are gone), saying so in one line. Called by the run that holds
+    `out`'s lock (rank 0), once `open_run` accepted it."""
+    removed = clear_stale_saves(out)
+    if removed:
+        print(f"{out}: removed {len(removed)} hidden cop{'y' if len(removed) == 1 else 'ies'} left by a save that was "
+              f"killed ({', '.join(p.name for p, _ in removed)}: {sum(n for _, n in removed) / 2**20:.1f} MiB)",
+              file=sys.stderr, flush=True)
 
 
 # The Job states (snlp.train.job.Job.state) that mark a run of another command than pretraining: snlp sft and snlp

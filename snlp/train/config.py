@@ -313,6 +313,7 @@ class TrainResult:
     validation: ValidationResult | None = None  # the last validation of this process (None if it ran none)
     stopped_by: str = "budget"  # budget | stop_after | a TrainHooks reason (e.g. stop_file)
     speed: StepSpeed | None = None  # tokens/s and MFU of this process's steps (None if it ran none)
+    signal: str | None = None  # stopped_by "interrupt": the signal's name (SIGINT, SIGTERM, SIGHUP, SIGUSR1, ...)
 
 
 @dataclass

@@ -14,6 +14,11 @@ from typing import Callable, Iterator
 StopCheck = Callable[[int], "str | None"]
 
 
+# What a before_step hook returns while the step may not start yet (a lockstep gate still closed): the loop asks its
+# stop checks (a signal's, the hooks') and then the hook again after TrainHooks.poll_s seconds.
+WAIT = "wait"
+
+
 @dataclass
 class TrainHooks:
     """Callbacks `fit` asks on rank 0 only; under DDP rank 0's answer is broadcast, so all ranks agree.
@@ -22,50 +27,116 @@ class TrainHooks:
     statistics are reduced and before the step is logged, so a log reader sees the step and the
     decision together. The run's own limits (budget, stop_after) are asked first.
     before_step(steps_done): asked before each step in a single-process run (DDP: skipped, a rank
-    waiting alone would stall the others' collectives); it may block (e.g. until a lockstep peer catches
-    up) and, like should_stop, returns a reason to end the run instead of starting the step."""
+    waiting alone would stall the others' collectives); like should_stop it returns a reason to end the run
+    instead of starting the step, None to start it, or WAIT to hold it (e.g. until a lockstep peer catches
+    up): the loop then asks again every `poll_s` seconds, asking its own stop checks in between, so a signal
+    ends the wait. A hook never blocks itself."""
 
     should_stop: StopCheck | None = None
     before_step: StopCheck | None = None
+    poll_s: float = 0.002
 
 
 def with_stop(hooks: TrainHooks, check: Callable[[], str | None]) -> TrainHooks:
-    """`hooks` with one more stop reason, `check()`, asked before the hooks' own (after every step and before the
-    next; rank 0's answer is broadcast like theirs, so under DDP every rank stops at the same step)."""
+    """`hooks` with one more stop reason, `check()`, asked before the hooks' own (after every step, and before the
+    next at every poll of a held step; rank 0's answer is broadcast like theirs, so under DDP every rank stops at
+    the same step)."""
     def stop(inner: StopCheck | None) -> StopCheck:
         return lambda steps_done: check() or (inner(steps_done) if inner is not None else None)
 
-    return TrainHooks(should_stop=stop(hooks.should_stop), before_step=stop(hooks.before_step))
+    return TrainHooks(should_stop=stop(hooks.should_stop), before_step=stop(hooks.before_step), poll_s=hooks.poll_s)
+
+
+# The signals a training run turns into "stop after this step and save" (InterruptStop): Ctrl-C (SIGINT); SIGTERM, what
+# `kill`, `docker stop`, torchrun's shutdown and Slurm at a time limit or preemption send before SIGKILL; SIGHUP, the
+# terminal closing; SIGUSR1 / SIGUSR2, what Slurm's `--signal` (Lightning: USR1, submitit: USR2) sends ahead of the
+# limit. Each would otherwise end the process at once with nothing saved (their default action).
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, n))
+INTERRUPT = "interrupt"  # the stop reason of a run ended by one of them (TrainResult.stopped_by)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt raised for `signum` (SIGINT or another STOP_SIGNALS member): `except KeyboardInterrupt`
+    cleanups run as for Ctrl-C, and the command line exits with 128 + signum (snlp.apps.cli)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+def signal_number(name: str | None, default: int = signal.SIGINT) -> int:
+    """The number of the signal `name` (TrainResult.signal: SIGTERM, ...); `default` where it names none (another DDP
+    rank's signal stopped the run, or a hook's own "interrupt")."""
+    return int(signal.Signals[name]) if name in signal.Signals.__members__ else int(default)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class InterruptStop:
-    """A stop check that answers "interrupt" once Ctrl-C (SIGINT) was pressed while `armed`. Armed, the first
-    Ctrl-C does not raise: the loop ends after the step in progress, logs it, validates and saves (a
-    KeyboardInterrupt in the middle of an optimizer step would leave half-updated weights and nothing saved); a
-    second Ctrl-C raises KeyboardInterrupt at once. Outside the main thread (no signal handlers there) it never
-    fires."""
+    """A stop check that answers INTERRUPT once a STOP_SIGNALS signal arrived while `armed`. The first one does not
+    raise: the loop ends after the step in progress and saves (a KeyboardInterrupt in the middle of an optimizer
+    step would leave half-updated weights and nothing saved); `signum` records which one. Afterwards a Ctrl-C
+    raises Interrupted at once (the person at the terminal asks to abort without saving), while a repeat of any
+    other signal is ignored: Slurm signals every process of a job step, and torchrun forwards its own SIGTERM to
+    its workers, so a process may get two without anyone asking twice. Outside the main thread (no signal
+    handlers there) it never fires."""
 
     def __init__(self):
-        self.hit = False
+        self.signum: int | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.signum is not None
 
     def __call__(self) -> str | None:
-        return "interrupt" if self.hit else None
+        return INTERRUPT if self.hit else None
 
     def _handler(self, signum, frame):
         if self.hit:
-            raise KeyboardInterrupt
-        self.hit = True
-        print("\ninterrupt: finishing the current step and saving the checkpoint (Ctrl-C again to abort without "
-              "saving)", file=sys.stderr, flush=True)
+            if signum == signal.SIGINT:
+                raise Interrupted(signum)
+            return
+        self.signum = signum
+        again = "Ctrl-C again" if signum == signal.SIGINT else "Ctrl-C"
+        try:  # after SIGHUP the terminal may be gone: a failed write must not raise inside the step
+            print(f"\n{signal_name(signum)}: finishing the current step and saving the checkpoint ({again} to abort "
+                  f"without saving)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
 
     @contextmanager
     def armed(self) -> Iterator[None]:
-        try:
-            previous = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread
+        with handled(STOP_SIGNALS, self._handler):
             yield
-            return
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def handled(signums, handler) -> Iterator[None]:
+    """`handler` for each of `signums` during the block, the previous handlers restored after it; nothing in a
+    thread other than the main one (signal handlers can only be set there)."""
+    previous = {}
+    try:
+        for s in signums:
+            previous[s] = signal.signal(s, handler)
+    except ValueError:  # not the main thread
+        for s, h in previous.items():
+            signal.signal(s, h)
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def raise_interrupted(signum, frame):
+    """A signal handler: raise Interrupted(signum), as Python's own SIGINT handler raises KeyboardInterrupt (a process
+    that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop)."""
+    raise Interrupted(signum)

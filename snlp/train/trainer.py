@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -26,13 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import (ResumePoint, check_resume_command, open_run, recorded_args, save_run,
-                                      set_aside_unsaved_log, set_rng_state, trim_log)
+from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, open_run, recorded_args,
+                                      save_run, set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
 from snlp.train.flops import mfu, step_flops
-from snlp.train.hooks import InterruptStop, TrainHooks, with_stop
+from snlp.train.hooks import INTERRUPT, WAIT, InterruptStop, TrainHooks, signal_name, with_stop
 from snlp.train.job import Job, TrainStep
 from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
@@ -40,7 +41,7 @@ from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
 from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
-from snlp.runtime.device import device_label, progress_bar
+from snlp.runtime.device import device_label, progress_bar, write_atomic
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.timing import time_round_robin
 from snlp.runtime.outputs import locked_output
@@ -63,6 +64,7 @@ class Run:
     peak_flops: float | None = None  # the device's dense bf16 peak (None: CPU or an unknown card)
     flops_per_token: float | None = None  # model FLOPs per token of a forward + backward, counted at the first step
     args: dict | None = None  # the settings every checkpoint of this process records (recorded_args; rank 0's)
+    interrupt: InterruptStop | None = None  # this process's signal catcher (under DDP any rank's signal stops all)
 
     @property
     def out(self) -> Path:
@@ -109,17 +111,23 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     Multi-process under torchrun (DDP)."""
     cfg.check()
     ctx = setup_dist(cfg.device)
-    interrupted = InterruptStop()  # Ctrl-C during the loop: stop after the step, save (snlp.train.hooks)
+    # Ctrl-C, SIGTERM (kill, Slurm, docker stop), SIGHUP, SIGUSR1/2 during the loop: stop after the step and save
+    # (snlp.train.hooks.STOP_SIGNALS)
+    interrupted = InterruptStop()
     try:
         with locked_output(cfg.out) if ctx.master else nullcontext():  # a second run on cfg.out is refused
             t_wall = time.perf_counter()
             run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
+            run.interrupt = interrupted
             with interrupted.armed():
                 train_loop(run, state)
-            speed = step_speed(run, state)
-            if speed is not None and cfg.time_reg:
-                speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
-            return finish(run, state, t_wall, speed)
+                speed = step_speed(run, state)
+                if speed is not None and cfg.time_reg:
+                    speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
+                result = finish(run, state, t_wall, speed)
+            if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
+                signal.raise_signal(interrupted.signum)  # run is saved; the handler restored gets it (default: the end)
+            return result
     finally:
         teardown_dist(ctx)
 
@@ -128,6 +136,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
     torch.manual_seed(cfg.seed)
     start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
+    if ctx.master:
+        clear_killed_saves(Path(cfg.out))
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
     if start.resume is not None:  # before anything is written (the commands check it before loading, too)
         check_resume_command(cfg.out, job.name, start.resume.command)
@@ -209,8 +219,8 @@ def train_loop(run: Run, state: LoopState) -> None:
         validate_and_log(run, state)
     state.stopped_by = limit_reason(run, state) or agree_on_reason(run.ctx, ask(run, run.hooks.should_stop, state))
     while state.stopped_by is None:
-        if run.ctx.world == 1:  # before_step may block; under DDP a rank waiting alone would stall the others
-            state.stopped_by = ask(run, run.hooks.before_step, state)
+        if run.ctx.world == 1:  # before_step may hold the step; under DDP a rank waiting alone would stall the others
+            state.stopped_by = wait_for_step(run, state)
             if state.stopped_by is not None:
                 break
         stats = train_step(run, state)
@@ -219,14 +229,29 @@ def train_loop(run: Run, state: LoopState) -> None:
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"training loss became {stats.loss} at step {state.step}; lower the learning "
                                      f"rates or --reg-lambda")
-        if state.step % cfg.eval_every == 0 or state.stopped_by is not None:
+        if (state.step % cfg.eval_every == 0 or state.stopped_by is not None) and state.stopped_by != INTERRUPT:
             validate_and_log(run, state)
         if cfg.save_every and state.step % cfg.save_every == 0 and state.stopped_by is None:
             save(run, state)
-    if state.step > state.first_step and state.validated_at != state.step:  # stopped by before_step:
-        validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
-    if not idle_resume(state):  # a resumed run that ran no step has nothing new to save
+    # a signal's stop saves before the last validation: SIGKILL follows SIGTERM after a grace period (Slurm's
+    # KillWait, 30 s by default; docker stop, 10 s), and the checkpoint is what must be on disk by then
+    saved = state.stopped_by == INTERRUPT and not idle_resume(state)
+    if saved:
         save(run, state)
+    if state.step > state.first_step and state.validated_at != state.step:  # stopped by before_step or a signal:
+        validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
+    if not saved and not idle_resume(state):  # a resumed run that ran no step has nothing new to save
+        save(run, state)
+
+
+def wait_for_step(run: Run, state: LoopState) -> str | None:
+    """before_step's answer (rank 0, one process): None to start the step or the reason to end the run, asked again
+    every poll_s seconds while the hook holds the step (WAIT); each ask runs the run's own stop checks first."""
+    while True:
+        reason = ask(run, run.hooks.before_step, state)
+        if reason != WAIT:
+            return reason
+        time.sleep(run.hooks.poll_s)
 
 
 def idle_resume(state: LoopState) -> bool:
@@ -307,8 +332,10 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
     ctx = run.ctx
     reason = ask(run, run.hooks.should_stop, state)
     # one process has nothing to broadcast: the host values stay on the host (a copy in from pageable memory waits
-    # for the device like a read does)
-    ctl = torch.tensor([time.perf_counter() - run.t_start, float(reason is not None), n_tok],
+    # for the device like a read does). The last entry counts the ranks a signal reached: rank 0's own is in its
+    # `reason`, but `kill` of one worker, or a signal torchrun forwards to some ranks first, stops them all too
+    signalled = float(run.interrupt is not None and run.interrupt.hit)
+    ctl = torch.tensor([time.perf_counter() - run.t_start, float(reason is not None), n_tok, signalled],
                        dtype=torch.float64, device=ctx.device if ctx.world > 1 else "cpu")
     if ctx.world > 1:
         dist.broadcast(ctl[:2], 0)
@@ -317,14 +344,16 @@ def reduce_step(run: Run, state: LoopState, stats, n_tok: int, lam: float, mult:
         stats /= ctx.world
         if ctl[1] > 0:  # only then: the reason string costs a second collective
             reason = agree_on_reason(ctx, reason)
+        elif ctl[3] > 0:
+            reason = INTERRUPT
     # ONE device-to-host read for everything the log needs: each float() of a device tensor is a sync that drains
     # the launch queue, and a step had five (docs/gpu-internals.md, host syncs)
     gn = gnorm.detach().double().reshape(1) if gnorm is not None else stats.new_zeros(1, dtype=torch.float64)
     read = [stats.detach().double().reshape(2), gn]
     if ctx.world > 1:
-        clock, _, tok, loss, reg_v, gn_v = torch.cat([ctl, *read]).tolist()
+        clock, _, tok, _, loss, reg_v, gn_v = torch.cat([ctl, *read]).tolist()
     else:
-        (clock, _, tok), (loss, reg_v, gn_v) = ctl.tolist(), torch.cat(read).tolist()
+        (clock, _, tok, _), (loss, reg_v, gn_v) = ctl.tolist(), torch.cat(read).tolist()
     run.progress.step, run.progress.elapsed = state.step, clock
     step_tokens = int(tok) if ctx.world > 1 else n_tok
     state.tokens += step_tokens
@@ -439,14 +468,24 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     result = TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
-                         speed=speed)
+                         speed=speed, signal=interrupt_signal(run, state))
     if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
         summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None
         summary["mfu"] = speed.mfu if speed else None
-        (run.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
     return result
+
+
+def interrupt_signal(run: Run, state: LoopState) -> str | None:
+    """The name of the signal that stopped the run (SIGINT, SIGTERM, ...): this process's, or "a signal" where another
+    DDP rank's stopped it; None where none did."""
+    if state.stopped_by != INTERRUPT:
+        return None
+    if run.interrupt is not None and run.interrupt.signum is not None:
+        return signal_name(run.interrupt.signum)
+    return "a signal to another rank" if run.ctx.world > 1 else None  # else a hook's own "interrupt"
 
 
 def speed_line(sp: StepSpeed) -> str:

@@ -82,7 +82,7 @@ def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypat
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
-                   "and training resumes from its last save (every 100 steps)"]
+                   "and training resumes from the step it stopped at"]
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick", "--force"]) == 130
     err = capsys.readouterr().err  # the same command would redo every stage: the hint says to drop --force
     assert "run the same command without --force again to continue" in err
@@ -220,3 +220,25 @@ def test_a_plan_too_deep_for_the_checkpoint_is_refused_before_its_weights_load(a
     line = one_error_line(capsys, argv[0])
     assert rc == 2 and "but the model has only L = 4" in line, line
     assert not out.exists()
+
+
+def test_sigterm_to_the_speedrun_unwinds_it_like_ctrl_c_and_exits_143(tmp_path, capsys, monkeypatch):
+    """SIGTERM (kill, Slurm, docker stop) ended `snlp speedrun` at once: no stage unwound (its training processes
+    trained on, orphaned) and no hint. It now raises in the speedrun as Ctrl-C does (the training stage then stops its
+    processes, saved: tests/apps/test_speedrun.py), names the signal and exits 143; the handler is restored after."""
+    import os
+    import signal
+
+    import snlp.apps.speedrun as speedrun
+
+    def run(args):
+        with speedrun.stops_on_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(speedrun, "run", run)
+    assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp speedrun: interrupted by SIGTERM; run the same command again to continue: finished stages "
+                   "are reused and training resumes from the step it stopped at"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

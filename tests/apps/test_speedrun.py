@@ -335,6 +335,92 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
+# the speedrun's parent side of training (snlp speedrun.run arms the same signals), run as its own process
+PARENT = """
+import dataclasses, json, sys
+from pathlib import Path
+from rich.console import Console
+from snlp.apps.speedrun import stops_on_signals
+from snlp.apps.speedrun.train import TrainJob, train_config, train_models
+cfg, root = json.loads(sys.argv[1]), Path(sys.argv[2])
+jobs = [TrainJob(k, train_config(cfg, root / k, root / "cache", reg, steps=400), {"k": k}, root / f"{k}.partial.json",
+                 root / "stages") for k, reg in (("noreg", False), ("idn", True))]
+try:
+    with stops_on_signals():
+        train_models(jobs, Console(force_terminal=False), threads=1)
+except KeyboardInterrupt as e:
+    sys.exit(128 + e.signum)
+"""
+
+
+@pytest.mark.slow  # three training processes, two of them twice (CI runs -m slow)
+def test_sigterm_to_the_speedrun_stops_both_trainings_saved_and_a_rerun_resumes_them(tmp_path, one_thread):
+    """`kill` of the speedrun's process ended it alone: its two training processes (in lockstep, one of them held at
+    the step gate) trained on, orphaned, and nothing was saved before their next periodic save. Now the speedrun asks
+    both to stop, each saves the step it finished, the speedrun returns (the harness's timeout fails a hang) with
+    status 143 and no process left, and a re-run resumes both to the weights of runs never stopped."""
+    import dataclasses
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from snlp.apps.speedrun.train import TrainJob, _log_state, train_config, train_models
+    from snlp.train.trainer import fit
+
+    cfg, cache, _ = _tiny_corpus(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", PARENT, json.dumps(cfg), str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+                         start_new_session=True)  # its own process group: the test's cleanup reaches its children
+    try:
+        deadline = time.monotonic() + 240
+        while not all(_log_state(tmp_path / k / "log.jsonl").get("step", 0) >= 2 for k in ("noreg", "idn")):
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the trainings never reached step 2"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 143, err[-3000:]
+        left = subprocess.run(["ps", "-o", "pid,stat,args", "--sid", str(p.pid)], capture_output=True, text=True).stdout
+        assert "snlp" not in left and "spawn_main" not in left, left  # no training process outlives the speedrun
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    steps = {}
+    for k in ("noreg", "idn"):
+        steps[k] = torch.load(tmp_path / k / "train_state.pt", weights_only=False)["step"]
+        summary = json.loads((tmp_path / k / "train_summary.json").read_text())  # stopped and saved, not killed
+        assert steps[k] >= 2 and (summary["steps"], summary["stopped_by"], summary["signal"]) == (
+            steps[k], "interrupt", "SIGTERM")
+    assert abs(steps["noreg"] - steps["idn"]) <= 1  # in lockstep: one may have been held at the gate
+    end = max(steps.values()) + 2
+    jobs = [TrainJob(k, dataclasses.replace(train_config(cfg, tmp_path / k, cache, reg, steps=400), stop_after=end),
+                     {"k": k}, tmp_path / f"{k}.partial.json", tmp_path / "stages") for k, reg in (("noreg", False),
+                                                                                                  ("idn", True))]
+    console = Console(file=None, force_terminal=False)
+    with console.capture() as said:
+        train_models(jobs, console, threads=1)
+    assert said.get().count("resuming the interrupted training") == 2
+    for j in jobs:
+        ref = fit(dataclasses.replace(j.cfg, out=str(tmp_path / f"ref-{j.key}")))
+        assert ref.steps == end
+        a = load_weights(tmp_path / j.key)
+        b = load_weights(tmp_path / f"ref-{j.key}")
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), j.key
+
+
+def load_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
 @pytest.mark.slow  # a whole speedrun / training run (CI runs -m slow)
 def test_wall_clock_budget_stops_both_models_at_the_same_step(tmp_path):
     """Side by side in lockstep with a wall-clock budget: the No-Reg run is faster per step, yet both stop at

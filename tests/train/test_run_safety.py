@@ -582,7 +582,8 @@ def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, 
     rc = main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"),
                *TINY, "--steps", "5"])
     err = capsys.readouterr().err
-    assert rc == 130 and f"saved {tmp_path / 'run'} at step 2; continue with --resume" in err
+    assert rc == 130 and (f"interrupted by SIGINT: saved {tmp_path / 'run'} at step 2; continue with: snlp train --out "
+                          f"{tmp_path / 'run'} --resume") in err
 
 
 # ----- the recorded cache path, the regulariser warning

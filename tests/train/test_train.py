@@ -145,14 +145,12 @@ def test_hooks_steer_the_loop_and_the_last_step_is_validated(corpus, tmp_path):
     assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1", "mfu"}  # mfu: null on a CPU (no known peak)
 
 
-def test_file_hooks(tmp_path, monkeypatch):
+def test_file_hooks(tmp_path):
     """--stop-file and the lockstep gate as TrainHooks: the stop file is asked after a step and before the
-    next; the gate holds a step until it opens, the stop file ending the wait. The other process is played by the
-    hook's own poll (its sleep, replaced): it writes the file at a chosen poll, so no wall clock is involved."""
-    import types
-
-    import snlp.apps.train as T
+    next; the gate holds a step (WAIT: the loop asks again, its own stop checks in between) until it opens, the stop
+    file ending the wait. The other process is played by writing the files between asks."""
     from snlp.apps.train import file_hooks, read_step_file
+    from snlp.train.hooks import WAIT
 
     stop, gate = tmp_path / "stop", tmp_path / "gate"
     assert file_hooks().should_stop is None and file_hooks().before_step is None
@@ -161,23 +159,16 @@ def test_file_hooks(tmp_path, monkeypatch):
     stop.write_text("3")
     assert (h.should_stop(2), h.should_stop(3), h.before_step(4)) == (None, "stop_file", "stop_file")
     stop.unlink()
-    polls, writes = [], {}  # writes: poll number -> (file, text) the "other process" writes at that poll
-
-    def sleep(s):
-        polls.append(s)
-        assert len(polls) < 50, "the hook kept polling after the file it waits for was written"
-        if len(polls) in writes:
-            f, text = writes.pop(len(polls))
-            f.write_text(text)
-    monkeypatch.setattr(T, "time", types.SimpleNamespace(sleep=sleep))
     gate.write_text("1")
     g = file_hooks(stop, gate, poll_s=0.001)
-    assert g.before_step(0) is None and polls == []  # step 1 may start at once
+    assert g.poll_s == 0.001 and g.before_step(0) is None  # step 1 may start at once
     gate.write_text("")  # a gate file caught half-written reads as absent: keep waiting
-    writes.update({2: (gate, "1"), 4: (gate, "2")})
-    assert g.before_step(1) is None  # held until the gate opened step 2 (at the 4th poll), not at "" or "1"
-    assert polls == [0.001] * 4 and not writes
-    polls.clear()
-    writes[3] = (stop, "2")
-    assert g.before_step(2) == "stop_file" and len(polls) == 3  # held at the gate, released by the stop file
+    assert g.before_step(1) == WAIT
+    gate.write_text("1")
+    assert g.before_step(1) == WAIT  # step 2 is not open yet
+    gate.write_text("2")
+    assert g.before_step(1) is None
+    assert g.before_step(2) == WAIT
+    stop.write_text("2")
+    assert g.before_step(2) == "stop_file"  # held at the gate, released by the stop file
     assert read_step_file(tmp_path / "missing") is None and read_step_file(None) is None

@@ -47,7 +47,7 @@ with (and those of the stages it depends on) are unchanged; --force redoes every
                  (decode.speculative.speculative_benchmark), and a check that the
                  output equals sequential.
   report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
-Training resumes from its last save (every 100 steps) if interrupted.
+Interrupted training (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1/2) saves at the step it stopped at and resumes from there.
 
 One module per stage (tokenizer, train, evaluate, early_exit, off_the_shelf, diagnostics, ssd, final), each with
 its cost model and shrink rule beside it; the invocation (flags, settings, budget plan) in job, stage records in
@@ -66,8 +66,8 @@ plan grid on both, then early exit, Jacobian diagnostics and self-speculative de
 measurement; writes OUT/report.md, OUT/frontier.png, OUT/records.csv and OUT/summary.json. The run keeps to a
 wall-clock budget (--budget): the box is measured first and each stage gets its share.
 
-Each stage is saved in OUT and reused by a re-run with the same settings (--force redoes them); interrupted training
-resumes from its last save.
+Each stage is saved in OUT and reused by a re-run with the same settings (--force redoes them); training stopped by
+Ctrl-C or SIGTERM saves where it stopped, and a re-run resumes it there.
 
   snlp speedrun --out runs/speedrun          # depth 16, a 20-minute budget end to end
   snlp speedrun --out runs/sr --budget 30    # another budget, in minutes
@@ -82,7 +82,7 @@ __all__ = ["add_arguments", "run"]
 def interrupt_hint(args) -> str:
     """What to do after Ctrl-C: the same command continues, except that --force would redo every stage."""
     return (f"run the same command{' without --force' if getattr(args, 'force', False) else ''} again to continue: "
-            f"finished stages are reused and training resumes from its last save (every 100 steps)")
+            f"finished stages are reused and training resumes from the step it stopped at")
 
 
 def run(args) -> int:
@@ -100,13 +100,26 @@ def run(args) -> int:
 
     sr = setup(args)
     check_replaces(sr)  # a finished model this run would retrain in its place: refused before any stage runs
-    step_tokenizer(sr)  # tokenizer
-    step_train(sr)  # train-noreg, train-idn: side by side, in lockstep
-    with intra_op_threads(sr.eval_threads):
-        step_eval(sr)  # eval-noreg, eval-idn
-        step_early_exit(sr)  # early-exit
-        step_off_the_shelf(sr)  # off-the-shelf (--off-the-shelf)
-        step_diagnostics(sr)  # diagnostics
-        step_ssd(sr)  # ssd-noreg, ssd-idn
-    step_report(sr)  # report
+    with stops_on_signals():
+        step_tokenizer(sr)  # tokenizer
+        step_train(sr)  # train-noreg, train-idn: side by side, in lockstep
+        with intra_op_threads(sr.eval_threads):
+            step_eval(sr)  # eval-noreg, eval-idn
+            step_early_exit(sr)  # early-exit
+            step_off_the_shelf(sr)  # off-the-shelf (--off-the-shelf)
+            step_diagnostics(sr)  # diagnostics
+            step_ssd(sr)  # ssd-noreg, ssd-idn
+        step_report(sr)  # report
     return 0
+
+
+def stops_on_signals():
+    """SIGTERM, SIGHUP, SIGUSR1 / SIGUSR2 (snlp.train.hooks.STOP_SIGNALS) raise Interrupted in the speedrun as Ctrl-C
+    raises KeyboardInterrupt: the stage in progress unwinds, a training stage asks its processes to stop and save
+    (speedrun.train.stop_children) and the command exits with 128 + the signal's number. Their default action would
+    end this process alone, and its training processes would train on, orphaned."""
+    import signal
+
+    from snlp.train.hooks import STOP_SIGNALS, handled, raise_interrupted
+
+    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], raise_interrupted)

@@ -20,12 +20,18 @@ from snlp.apps.speedrun.preset import REG_LAMBDA
 from snlp.apps.speedrun.records import canon, load_average, read_json, write_json
 from snlp.runtime.device import write_atomic
 from snlp.train.config import TrainConfig
+from snlp.train.hooks import STOP_SIGNALS, Interrupted
 
 if TYPE_CHECKING:
     from snlp.apps.speedrun.job import Speedrun
 
 
 TRAIN_OVERHEAD_S = 20.0  # spawning both trainings, their final evaluation and save
+# How long a stopped speedrun waits for its training processes to finish their step and save after it asked them to
+# stop (SIGTERM, which fit turns into a stop and a save) before it kills them: a step, a save and the last validation
+# take seconds at the speedrun's sizes; a process still running after this is stuck, and its last periodic save
+# (every 100 steps) is what a re-run resumes from.
+STOP_GRACE_S = 60.0
 MIN_TRAIN_S = 60.0  # below this the budget is refused
 
 
@@ -159,17 +165,27 @@ def _median_step_s(log: list[dict], first_step: int) -> float | None:
     return secs[len(secs) // 2] if secs else None
 
 
-def _log_state(path: Path) -> dict:
-    """The latest step, train loss, tokens/s, val loss and stop decision in a training log.jsonl (being written)."""
+def _log_state(path: Path, since: int = 0) -> dict:
+    """The latest step, train loss, tokens/s, val loss and stop decision in a training log.jsonl (being written).
+    `since`: the step this leg of the run resumed from; a stop logged at or before it is an earlier leg's (e.g. the
+    signal that interrupted it), not this leg's decision."""
     st: dict = {}
     for r in _read_log(path):
         st["step"] = max(st.get("step", 0), r.get("step", 0))
         for k in ("loss", "tok_s", "val_loss"):
             if k in r:
                 st[k] = r[k]
-        if "loss" in r:  # a step record: "stop" names why the run ends after it (a resumed run's earlier
-            st["stop"] = r.get("stop")  # stop, e.g. stop_after, is superseded by its later steps)
+        if "loss" in r and r.get("step", 0) > since:  # a step record: "stop" names why the run ends after it (a
+            st["stop"] = r.get("stop")  # resumed run's earlier stop, e.g. stop_after, is superseded by its later steps)
     return st
+
+
+def _saved_step(model_dir: Path) -> int:
+    """The step of the checkpoint in `model_dir` (0 where there is none)."""
+    from snlp.io.checkpoint import load_train_state
+
+    st = load_train_state(model_dir) if (model_dir / "train_state.pt").is_file() else None
+    return int(st.get("step", 0)) if isinstance(st, dict) else 0
 
 
 def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | None, gate_file: Path | None) -> None:
@@ -187,11 +203,16 @@ def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | Non
         if threads:
             torch.set_num_threads(threads)
         try:
-            fit(cfg, hooks=file_hooks(stop_file, gate_file))
+            res = fit(cfg, hooks=file_hooks(stop_file, gate_file))
         except BaseException:
             traceback.print_exc()
             f.flush()
             os._exit(1)
+        if res.stopped_by == "interrupt":  # saved, not finished: the status says which signal (snlp.apps.train)
+            from snlp.train.hooks import signal_number
+
+            f.flush()
+            os._exit(128 + signal_number(res.signal))
 
 
 def _launch(job: TrainJob, threads: int, force: bool, console):
@@ -267,6 +288,8 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
         t0 = time.perf_counter()
         lock = Lockstep(group[0].gate_file, group[0].stop_file) if all(j.lockstep for j in group) else None
         procs = {j.key: _launch(j, threads, force, console) for j in group}
+        # the step each resumed from (read before its first save): Lockstep ignores the stops of earlier legs
+        since = {j.key: _saved_step(j.model_dir) for j in group}
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=console, disable=not console.is_terminal)
         tasks = {j.key: bar.add_task(f"train {j.key}", total=j.cfg.steps, info="") for j in group}
@@ -277,7 +300,7 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                     time.sleep(0.05)
                     status, states = [], {}
                     for j in group:
-                        st = states[j.key] = _log_state(j.model_dir / "log.jsonl")
+                        st = states[j.key] = _log_state(j.model_dir / "log.jsonl", since[j.key])
                         info = " ".join(f"{k} {st[k]:,.{p}f}" for k, p in (("loss", 3), ("val_loss", 3), ("tok_s", 0))
                                         if k in st)
                         bar.update(tasks[j.key], completed=st.get("step", 0), info=info)
@@ -291,6 +314,10 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                         if ends is not None:
                             ends[key] = (datetime.now().astimezone().isoformat(timespec="seconds"), load_average())
                         job = next(j for j in group if j.key == key)
+                        # a signal to the training process itself (Slurm signals every process of a job step): it
+                        # saved; the speedrun stops too
+                        if (signum := stopped_by_signal(p.exitcode)) is not None:
+                            raise Interrupted(signum)
                         if p.exitcode != 0:
                             raise RuntimeError(f"training {key} failed (exit {p.exitcode}); the end of {job.log}:\n"
                                                f"{_tail(job.log)}")
@@ -300,12 +327,36 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
                     if not console.is_terminal and time.perf_counter() - last >= every and procs:
                         last = time.perf_counter()
                         console.print(f"[train {fmt_s(last - t0)}] " + " | ".join(status))
-        finally:
-            for p in procs.values():  # only our own children: a failure or Ctrl-C stops the others
-                p.terminate()
-            for p in procs.values():
-                p.join()
+        finally:  # only our own children: a failure, Ctrl-C or a signal stops the others, each saving its run
+            stop_children(list(procs.values()), STOP_GRACE_S)
     return seconds
+
+
+def stopped_by_signal(exitcode: int | None) -> int | None:
+    """The STOP_SIGNALS signal that ended a training process: its status 128 + N after `fit` stopped on it and saved
+    (_train_child), or -N where it ended the process before the loop armed its handler (nothing saved yet)."""
+    for s in STOP_SIGNALS:
+        if exitcode in (128 + int(s), -int(s)):
+            return int(s)
+    return None
+
+
+def stop_children(procs: list, grace_s: float) -> None:
+    """Ask training processes to stop (SIGTERM: each finishes its step, or leaves the lockstep gate, and saves its
+    checkpoint), wait up to `grace_s` seconds for all of them, then kill those still running. The kill also runs
+    when the wait itself is cut short (a second Ctrl-C), so no child outlives the speedrun."""
+    try:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
 
 
 def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:

@@ -1,0 +1,416 @@
+"""What a scheduler or a person sends a training run: SIGTERM (kill, docker stop, Slurm at a time limit or preemption,
+then SIGKILL), SIGHUP, Slurm's --signal USR1 / USR2, Ctrl-C. Each stops the run after the step in progress and saves
+a checkpoint that resumes to the weights of a run never stopped; the command says which signal and how to continue,
+and exits 128 + the signal's number. Real processes get real signals; a test waits on the file a run writes after a
+step (its log), never on a clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from snlp.apps.cli import main
+from snlp.train.config import TrainConfig
+from snlp.train.hooks import WAIT, TrainHooks
+from snlp.train.trainer import fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
+SHAKESPEARE = ROOT / "tests/data/tinyshakespeare-head.txt"
+# many steps: a run is signalled long before its budget ends (the schedule is the 400-step one in every leg)
+TINY = ["--depth", "2", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16", "--batch-size",
+        "2", "--steps", "400", "--eval-every", "1000", "--eval-batches", "1", "--log-every", "1", "--no-progress",
+        "--device", "cpu"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the tests' own single thread: same sums
+WAIT_S = 240  # the harness's bound on a child that never gets there (a hang fails, it does not block the suite)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "c.txt").write_text(SHAKESPEARE.read_text()[:30_000])
+    return d / "c.txt"
+
+
+def weights(out) -> dict:
+    return load_file(str(Path(out) / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def step_records(log: Path) -> list[dict]:
+    try:
+        lines = log.read_text().splitlines()
+    except OSError:
+        return []
+    recs = []
+    for line in lines:
+        try:
+            recs.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return [r for r in recs if "loss" in r and "val_loss" not in r]
+
+
+def wait_for_step(logs: list[Path], step: int, procs: list) -> None:
+    """Poll until every log records `step` (or a later one); fail at once if a process ended first."""
+    deadline = time.monotonic() + WAIT_S
+    while not all(any(r["step"] >= step for r in step_records(log)) for log in logs):
+        for p in procs:
+            assert p.poll() is None, f"the run ended before step {step}: {p.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} in {logs} after {WAIT_S} s"
+        time.sleep(0.05)
+
+
+def start(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(["nice", "-n", "10", sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
+
+
+def saved_step(out) -> int:
+    return torch.load(Path(out) / "train_state.pt", weights_only=False)["step"]
+
+
+# ----- snlp train, a real process and a real SIGTERM
+def test_sigterm_saves_after_the_step_and_the_run_resumes_to_the_uninterrupted_weights(corpus, tmp_path):
+    """`kill PID` (SIGTERM) of `snlp train` with the default --save-every 0 ended it with nothing saved. Now the run
+    finishes its step, saves, writes its summary, says which signal and the command that continues it, and exits
+    143; resumed, it reaches the weights of a run never stopped."""
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    flags = ["--data", str(corpus), "--cache-dir", str(cache), *TINY]
+    assert main(["train", "--out", str(tmp_path / "warm"), *flags, "--stop-after", "1"]) == 0  # the token cache
+    p = start(["-m", "snlp", "train", "--out", str(out), *flags])
+    try:
+        wait_for_step([out / "log.jsonl"], 2, [p])
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=WAIT_S)
+    finally:
+        p.kill()
+    step = saved_step(out)
+    assert p.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step {step}; "
+                                            f"continue with: snlp train --out {out} --resume")
+    assert step >= 2 and step_records(out / "log.jsonl")[-1] == {**step_records(out / "log.jsonl")[-1],
+                                                                  "step": step, "stop": "interrupt"}
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert (summary["steps"], summary["stopped_by"], summary["signal"]) == (step, "interrupt", "SIGTERM")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no hidden copy left
+    assert main(["train", "--out", str(out), "--resume", "--stop-after", str(step + 2)]) == 0
+    assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", str(step + 2)]) == 0
+    assert_same_weights(weights(out), weights(tmp_path / "ref"))
+
+
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"])
+def test_every_stop_signal_saves_and_exits_128_plus_its_number(corpus, tmp_path, capsys, monkeypatch, sig):
+    """SIGHUP (the terminal closed), SIGUSR1 / SIGUSR2 (Slurm's --signal, ahead of the time limit) and Ctrl-C: each is
+    a stop and a save like SIGTERM, named in the line, with its own status (a real signal to this process, sent by
+    the run's own stop-file hook after step 2)."""
+    import snlp.apps.train as T
+
+    signum = getattr(signal, sig)
+    monkeypatch.setattr(T, "file_hooks", lambda *a, **k: TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signum) if s == 2 else None))
+    out = tmp_path / "run"
+    rc = main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 128 + signum and saved_step(out) == 2
+    assert err[-1] == (f"snlp train: interrupted by {sig}: saved {out} at step 2; continue with: snlp train --out {out} "
+                       f"--resume")
+    assert signal.getsignal(signum) is (signal.default_int_handler if sig == "SIGINT" else signal.SIG_DFL)
+
+
+def test_a_repeated_sigterm_is_ignored_and_a_second_ctrl_c_aborts(corpus, tmp_path, capsys):
+    """Slurm signals every process of a job step and torchrun forwards its own SIGTERM: a second SIGTERM (or
+    SIGUSR1) while the run stops must not cost the save. A Ctrl-C after a signal is a person asking to abort: it
+    raises at once, as a second Ctrl-C always did."""
+    sent = []
+
+    def twice(steps_done):
+        if steps_done == 2 and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return None
+
+    cfg = TrainConfig(out=str(tmp_path / "a"), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=400, eval_every=1000,
+                      eval_batches=1, no_progress=True, device="cpu")
+    r = fit(cfg, hooks=TrainHooks(should_stop=twice))
+    assert (r.steps, r.stopped_by, r.signal, saved_step(cfg.out)) == (2, "interrupt", "SIGTERM", 2)
+
+    def then_ctrl_c(steps_done):
+        if steps_done == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+    cfg = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "b")})
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, hooks=TrainHooks(should_stop=then_ctrl_c))
+    assert not (tmp_path / "b" / "model.safetensors").exists()  # aborted before any save, as asked
+
+
+def test_a_signal_ends_a_wait_at_the_lockstep_gate(corpus, tmp_path):
+    """A run held at snlp speedrun's lockstep gate asked its stop checks once, before the wait: a signal then left it
+    waiting for a gate that its stopped peer would never open. The held loop now asks them on every poll: the run
+    stops at the gate, saves the step it finished, and the process returns (the harness's timeout fails a hang)."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    gate.write_text("2")  # steps 1 and 2 may run; step 3 never opens
+    code = (f"import sys\nfrom snlp.apps.train import file_hooks\nfrom snlp.train.config import TrainConfig\n"
+            f"from snlp.train.trainer import fit\n"
+            f"r = fit(TrainConfig(out={str(out)!r}, data={str(corpus)!r}, cache_dir={str(tmp_path / 'c')!r}, depth=2, "
+            f"width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=400, eval_every=1000, "
+            f"eval_batches=1, log_every=1, no_progress=True, device='cpu'), hooks=file_hooks(None, {str(gate)!r}))\n"
+            f"print(r.stopped_by, r.signal, r.steps)")
+    p = start(["-c", code])
+    try:
+        wait_for_step([out / "log.jsonl"], 2, [p])
+        p.send_signal(signal.SIGTERM)
+        said, err = p.communicate(timeout=WAIT_S)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and said.strip().splitlines()[-1].split() == ["interrupt", "SIGTERM", "2"], err[-3000:]
+    assert saved_step(out) == 2
+
+
+def test_a_wait_hook_is_polled_with_the_signal_check_in_process(corpus, tmp_path):
+    """The loop asks a held step's hook again every poll_s, and its own stop check first each time."""
+    asks = []
+
+    def before_step(steps_done):
+        asks.append(steps_done)
+        if steps_done < 1:
+            return None
+        if len(asks) == 4:  # the third ask of the held step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return WAIT
+
+    cfg = TrainConfig(out=str(tmp_path / "a"), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=400, eval_every=1000,
+                      eval_batches=1, no_progress=True, device="cpu")
+    r = fit(cfg, hooks=TrainHooks(before_step=before_step, poll_s=0.0))
+    assert (r.steps, r.stopped_by, r.signal, asks) == (1, "interrupt", "SIGTERM", [0, 1, 1, 1])
+    assert saved_step(cfg.out) == 1
+
+
+# ----- a save cut off: a second signal in the middle, SIGKILL
+def test_a_second_ctrl_c_between_a_saves_renames_leaves_the_new_checkpoint_in_place(corpus, tmp_path, monkeypatch):
+    """save_checkpoint writes the new checkpoint beside OUT, then swaps it in with two renames. A KeyboardInterrupt
+    (a second Ctrl-C) raised after the first rename left OUT missing and the last checkpoint hidden; the swap now
+    finishes: OUT is the new checkpoint, whole, with the training log carried over, and nothing hidden is left."""
+    import snlp.io.checkpoint as C
+    from snlp.io.checkpoint import load, save_checkpoint
+
+    out = tmp_path / "run"
+    fit(TrainConfig(out=str(out), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2, width=32, head_dim=16,
+                    vocab_size=300, seq_len=16, batch_size=2, steps=2, eval_every=1000, eval_batches=1,
+                    no_progress=True, device="cpu"))
+    model, tok = load(out)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    log = (out / "log.jsonl").read_text()
+    replace = os.replace
+
+    def interrupted_after_moving_out_aside(src, dst):
+        replace(src, dst)
+        if Path(src) == out:  # the signal's KeyboardInterrupt, raised as the rename returns
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(C.os, "replace", interrupted_after_moving_out_aside)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(out, model, tok)
+    monkeypatch.undo()
+    assert torch.equal(weights(out)["lm_head.weight"], model.lm_head.weight.detach())
+    assert (out / "log.jsonl").read_text() == log
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (a short child, waited for)."""
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def test_copies_left_by_a_killed_save_are_removed_by_the_next_run_on_that_out(corpus, tmp_path, capsys):
+    """SIGKILL during a save left a hidden full model copy (.OUT.tmp-PID; .OUT.old-PID after the swap) that nothing
+    removed. The next run on OUT (resumed or new) removes those of processes no longer running and says so in one
+    line; a live process's copy stays, and so does the only checkpoint (OUT gone: refused, cut_off_save)."""
+    import shutil
+
+    out = tmp_path / "run"
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY]
+    assert main(["train", "--out", str(out), *flags, "--stop-after", "2"]) == 0
+    live = tmp_path / f".run.tmp-{os.getppid()}"  # (a process that is running: this one's parent)
+    tmp, old = tmp_path / f".run.tmp-{dead_pid()}", tmp_path / f".run.old-{dead_pid()}"
+    for d in (tmp, old, live):
+        shutil.copytree(out, d)
+    (out / "log.jsonl").rename(tmp / "log.jsonl")  # the kill came as the save carried the training log over
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--stop-after", "3"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "hidden" in ln]
+    assert len(err) == 1 and err[0].startswith(f"{out}: removed 2 hidden copies left by a save that was killed (")
+    assert tmp.name in err[0] and old.name in err[0] and "MiB)" in err[0]
+    assert not tmp.exists() and not old.exists() and live.is_dir()
+    assert [r["step"] for r in step_records(out / "log.jsonl")] == [1, 2, 3]  # the log came back, then went on
+    shutil.rmtree(live)
+    # a new run beside a dead run's copy: removed as well
+    (tmp_path / "new").mkdir()
+    copy = tmp_path / f".new.tmp-{dead_pid()}"
+    shutil.copytree(out, copy)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "new"), *flags, "--stop-after", "1"]) == 0
+    assert not copy.exists() and "removed 1 hidden copy" in capsys.readouterr().err
+
+
+# ----- snlp adapt, snlp sft, snlp sft-grid
+def test_adapt_sigterm_saves_resumes_exactly_and_a_finished_run_is_not_resumed(tmp_path, monkeypatch, capsys):
+    """SIGTERM to `snlp adapt` ended it unsaved (and a Ctrl-C exited 0 as if it had finished). Now it saves OUT/run,
+    names the signal and `snlp adapt --out OUT --resume`, exits 143, and the resumed drafter equals the uninterrupted
+    one. `--resume` of a run with no step left, or of a finished drafter, is refused before any work: it rewrote the
+    drafter's record with a leg that ran no step."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "400", "--seq-len", "24",
+           "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--log-every", "1", "--no-progress"]
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "snlp", *run, "--out", "d"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    try:
+        wait_for_step([tmp_path / "d" / "run" / "log.jsonl"], 2, [p])
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=WAIT_S)
+    finally:
+        p.kill()
+    step = saved_step(tmp_path / "d" / "run")
+    assert p.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"snlp adapt: interrupted by SIGTERM: saved d at step {step}; continue "
+                                            f"with: snlp adapt --out d --resume")
+    assert main(["adapt", "--out", "d", "--resume", "--stop-after", str(step + 1)]) == 0
+    assert main([*run, "--out", "ref", "--stop-after", str(step + 1)]) == 0
+    assert_same_weights(*(load_file(f"{x}/drafter.safetensors") for x in ("d", "ref")))
+    record = (tmp_path / "d" / "drafter.json").read_text()
+    capsys.readouterr()
+    assert main(["adapt", "--out", "d", "--resume", "--stop-after", str(step + 1)]) == 2
+    assert f"is at step {step + 1} already: --stop-after {step + 1} leaves it no step" in capsys.readouterr().err
+    assert main([*run, "--out", "done", "--steps", "1"]) == 0
+    capsys.readouterr()
+    for resume in (["adapt", "--out", "done", "--resume"], [*run, "--out", "done", "--resume"]):
+        assert main(resume) == 2
+        assert "--resume: done holds a finished drafter" in capsys.readouterr().err
+    assert (tmp_path / "d" / "drafter.json").read_text() == record
+
+
+def test_sft_and_sft_grid_stop_on_a_signal_and_say_how_to_continue(tmp_path, capsys, monkeypatch):
+    """`snlp sft` names the signal and its whole resume command; `snlp sft-grid` stopped after the first run's step
+    and went on to score it and train the second run (status 0). Now it stops there, with the signal's status."""
+    import snlp.apps.sft as S
+    import snlp.apps.sft_grid as G
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import Tokenizer
+    from snlp.model.config import GPTConfig
+    from snlp.model.gpt import GPT
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
+                                                        {"role": "assistant", "content": f"{i} {i + 1}"}]})
+                               for i in range(60)))
+    tk = Tokenizer.train([f"say {i} {i} {i + 1}" for i in range(60)], 300)
+    m = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=tk.vocab_size, sequence_len=32))
+    m.init_weights(seed=0)
+    save_checkpoint(tmp_path / "base", m, tk)
+    task = tmp_path / "task.jsonl"
+    task.write_text(json.dumps({"question": "say 1", "choices": ["1", "2"], "answer": 0}) + "\n")
+    def hooks(*a, **k):  # SIGTERM to this process after step 2
+        return TrainHooks(should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None)
+
+    monkeypatch.setattr(S, "file_hooks", hooks)
+    monkeypatch.setattr(G, "file_hooks", hooks)
+    flags = ["--steps", "400", "--batch-size", "2", "--seq-len", "32", "--eval-every", "1000", "--eval-batches", "1",
+             "--no-progress", "--device", "cpu"]
+    out = tmp_path / "sft"
+    assert main(["sft", str(tmp_path / "base"), "--data", str(chats), "--out", str(out), *flags]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"snlp sft: interrupted by SIGTERM: saved {out} at step 2; continue with: snlp sft {tmp_path / 'base'} "
+        f"--data {chats} --out {out} --resume")
+    grid = tmp_path / "grid"
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(chats), "--plan", "1xF1-h0-K1", "--task",
+                 f"mc:{task}", "--out", str(grid), *flags]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "snlp sft-grid: interrupted by SIGTERM; run the same command again to continue: a finished SFT run is reused, "
+        "a stopped one resumes from its save")
+    assert saved_step(grid / "sft-sequential") == 2
+    assert sorted(p.name for p in grid.iterdir()) == ["sft-sequential"]  # not scored, no second run, no table
+
+
+# ----- torchrun
+@pytest.mark.slow  # three torchrun launches of two processes each (CI runs -m slow)
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step_saved_and_resumable(corpus, tmp_path):
+    """torchrun forwards a SIGTERM (Slurm's, docker stop's) to its workers and kills them 30 s later. Every rank stops
+    after the same step (any rank's signal is agreed on with the step's reductions), rank 0 saves, torchrun returns,
+    and `torchrun ... --resume` continues to the weights of a run never stopped."""
+    from conftest import free_port
+
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY]
+    assert main(["train", "--out", str(tmp_path / "warm"), *flags, "--stop-after", "1"]) == 0  # the token cache
+
+    def torchrun(*args) -> list[str]:
+        return ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "snlp",
+                "train", *args]
+
+    out = tmp_path / "run"
+    p = start(torchrun("--out", str(out), *flags))
+    try:
+        wait_for_step([out / "log.jsonl"], 2, [p])
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=WAIT_S)
+    finally:
+        p.kill()
+    step = saved_step(out)
+    assert step_records(out / "log.jsonl")[-1]["step"] == step and step_records(out / "log.jsonl")[-1]["stop"] == \
+        "interrupt", err[-3000:]
+    assert (f"snlp train: interrupted by SIGTERM: saved {out} at step {step}; continue with: torchrun "
+            f"--nproc_per_node=2 -m snlp train --out {out} --resume") in err
+    for args in (["--out", str(out), "--resume"], ["--out", str(tmp_path / "ref"), *flags]):
+        r = subprocess.run(["nice", "-n", "10", sys.executable, *torchrun(*args, "--stop-after", str(step + 1))],
+                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=WAIT_S)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_weights(weights(out), weights(tmp_path / "ref"))
+
+
+def test_a_lora_adapt_run_stopped_by_a_signal_says_it_cannot_resume(tmp_path, monkeypatch, capsys):
+    """A LoRA adaptation keeps no resumable checkpoint (--resume is refused for it): stopped by a signal it writes the
+    drafter it has, removes the run's model copy and says to run again, not to resume."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import snlp.train.adapt as A
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    fit_ = A.fit
+    monkeypatch.setattr(A, "fit", lambda cfg, job, hooks=None: fit_(cfg, job, TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None)))
+    rc = main(["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "400", "--seq-len", "24",
+               "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--lora-rank", "2", "--no-progress",
+               "--out", "d"])
+    assert rc == 143 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "snlp adapt: interrupted by SIGTERM: the drafter at step 2 is written to d; a LoRA run cannot be resumed: run "
+        "the command again in another --out for the whole budget")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors", "log.jsonl"]
