@@ -51,6 +51,7 @@ decoding). PPLs are over non-overlapping --seq-len windows of the checkpoint's v
   snlp analyze runs/speedrun/idn --out /tmp/ana --only jacobian,early-exit --max-tokens 512
 """
 GUIDE = "docs/analysis.md"
+MODEL_INPUTS = {"ckpt": False}  # snlp.apps.cli.check_model_inputs
 
 # stand-ins for snlp.eval.analysis.common's SECTIONS and AnalysisConfig's defaults: the library (and torch) loads in
 # run(), after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)

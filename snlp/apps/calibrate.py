@@ -17,6 +17,7 @@ fitted on; plans with the preheat init (e.g. 8xF1-preheat-K1) read them.
   snlp calibrate runs/y --data train       # fitted on the checkpoint's own training data
 """
 GUIDE = "docs/plans.md"
+MODEL_INPUTS = {"ckpt": False}  # snlp.apps.cli.check_model_inputs
 
 # stand-ins for snlp.method.preheat's FILENAME and CalibrateConfig's defaults: the library (and torch) loads in run(),
 # after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)

@@ -34,6 +34,7 @@ tasks, --drafter measures an adapted drafter.
   snlp eval runs/smol --drafter runs/smol-d8 --chat-prompts chat:dolly_open_qa.jsonl
 """
 GUIDE = "docs/usage.md#evaluate"
+MODEL_INPUTS = {"ckpt": True, "drafter": False}  # snlp.apps.cli.check_model_inputs (hub ids: --harness)
 
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)

@@ -24,6 +24,7 @@ and the decoding statistics; speculative mode also times sequential decoding bes
   snlp generate runs/y --prompts-file prompts.jsonl --batch-size 4 --json out.json
 """
 GUIDE = "docs/usage.md#train-generate"
+MODEL_INPUTS = {"ckpt": False, "drafter": False}  # snlp.apps.cli.check_model_inputs
 
 
 # The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.

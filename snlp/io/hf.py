@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import Tokenizer
+from snlp.io.source import check_source
 from snlp.io.weights import check_finite
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
@@ -168,6 +169,7 @@ def _load_hf(src: str, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(src)
+    check_source(src, "model")  # a typo of a local path is refused here, not sent to the hub (snlp.io.source)
     kw = {"dtype": dtype} if dtype is not None else {}
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -198,7 +200,7 @@ def _load_hf(src: str, dtype):
     try:
         cfg = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model config of {src!r}: {e}") from e
+        raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}") from e
     _architecture(cfg)
     config_from_hf(cfg)  # unsupported options fail before the weights load
     try:
