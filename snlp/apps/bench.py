@@ -287,7 +287,36 @@ def model_spec(args) -> ModelSpec:
                      hc_streams=args.hc_streams, hc_dynamic=not args.hc_static, ckpt=args.ckpt, seed=args.seed)
 
 
+def partial_files(args) -> list[Path]:
+    """The files a long `snlp bench` run rewrites after every finished part (the suites, --vs-paper): what a run cut
+    short keeps, marked partial ("complete": false). The other runs time every row in one round-robin and write
+    their records once, at the end."""
+    out = None if args.out == "bench-suite" else Path(args.out)
+    if getattr(args, "vs_paper", None):
+        return [(out or Path("bench-vs-paper")) / f for f in ("vs_paper.json", "vs_paper.md")]
+    if args.suite == "decode" and not args.shapes:
+        return [Path(p) for p in (args.json,) if p] + ([out / "decode.json", out / "decode.md"] if out else [])
+    if args.suite in ("paper", "train"):
+        return [(out or Path(args.out)) / f"{'suite' if args.suite == 'paper' else 'train'}.{ext}" for ext in
+                ("json", "md")]
+    return []
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished."""
+    started = getattr(args, "started", None)
+    kept = [str(p) for p in partial_files(args) if started is not None and p.is_file()
+            and p.stat().st_mtime >= started]
+    if kept:
+        return f"kept the parts that had finished in {' and '.join(kept)}, marked partial (\"complete\": false)"
+    if partial_files(args):
+        return "no part had finished: nothing written"
+    return "this benchmark writes its records once every round has run: nothing written"
+
+
 def run(args) -> int:
+    import time
+
     import torch
 
     from snlp.apps.common import check_plans_fit, check_plans_grammar
@@ -297,6 +326,7 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the flag's default
+    args.started = time.time()  # interrupt_hint names only the files this run wrote
     if getattr(args, "vs_paper", None):
         if getattr(args, "suite", None):
             raise ValueError("--vs-paper and --suite are two runs: give one")
