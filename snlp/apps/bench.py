@@ -37,8 +37,6 @@ and the ideal one, L / (S + K*evals + [fwd]). The model has random weights (--de
   snlp bench --suite paper --quick --out /tmp/suite     # the paper's speed suite at smoke size
 """
 GUIDE = "docs/benchmarks.md"
-MODEL_INPUTS = {"ckpt": True, "drafter": False}  # snlp.apps.cli.check_model_inputs (hub ids: --suite decode)
-MODEL_NAMES = ("smollm2", "random-smollm2")  # --suite decode's named models (snlp.bench.decode_suite)
 
 
 def add_arguments(p) -> None:

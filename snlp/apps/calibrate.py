@@ -17,7 +17,6 @@ fitted on; plans with the preheat init (e.g. 8xF1-preheat-K1) read them.
   snlp calibrate runs/y --data train       # fitted on the checkpoint's own training data
 """
 GUIDE = "docs/plans.md"
-MODEL_INPUTS = {"ckpt": False}  # snlp.apps.cli.check_model_inputs
 
 # stand-ins for snlp.method.preheat's FILENAME and CalibrateConfig's defaults: the library (and torch) loads in run(),
 # after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)
@@ -56,8 +55,9 @@ def run(args) -> int:
 
     if args.out is not None:
         check_out(args.out)
-    if not Path(args.ckpt).exists():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from snlp.io.source import check_source
+
+    check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     model, tok = load(args.ckpt)
     cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     cfg.check(model)

@@ -40,9 +40,6 @@ COMMANDS = {
 # argparse dests naming a file a command writes; `out` names a folder unless the module's OUTPUT_FILES lists it
 # (a module's OUTPUT_DIRS names more folders)
 OUTPUT_FILES = ("json", "csv", "markdown", "plot")
-# A module's MODEL_INPUTS maps the dests naming a model, checkpoint or drafter it reads to whether a Hugging Face hub
-# id is taken there (snlp.io.source's rule); its MODEL_NAMES lists the names it reads that are no path (bench's
-# --ckpt smollm2)
 
 
 HELP_CONSTANTS = ("SUMMARY", "DESCRIPTION", "GUIDE")
@@ -241,19 +238,6 @@ def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
                          f"break it; choose another path")
 
 
-def check_model_inputs(args) -> None:
-    """Raise a FileNotFoundError (one line, with the closest names) for a model name given that is a local path that
-    does not exist (snlp.io.source: a name is a hub id only when written org/name with no folder org here), before
-    the library loads: a typo otherwise waited on the hub (offline: ~23 s of retries) and failed about connectivity."""
-    from snlp.io.source import check_source
-
-    for dest, hub in getattr(args.module, "MODEL_INPUTS", {}).items():
-        value = getattr(args, dest, None)
-        if isinstance(value, str) and value and value not in getattr(args.module, "MODEL_NAMES", ()):
-            what = ("model" if hub else "checkpoint") if dest in ("ckpt", "src") else "--" + dest.replace("_", "-")
-            check_source(value, what, hub)
-
-
 def check_device(args) -> None:
     """Raise a ValueError for a --device value given that names no device this machine has (a typo, CUDA on a
     CPU box), before the command loads data or a model (snlp.runtime.device.cli_device; torch loads only when
@@ -303,7 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     try:  # the command's own lines
         check_outputs(parser, args)
-        check_model_inputs(args)
         check_device(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback

@@ -14,7 +14,6 @@ nanochat-snlp checkpoint directory. OUT is a checkpoint that `snlp eval`, `gener
   snlp convert ~/.cache/nanochat/base_checkpoints/d32 --out runs/d32    # its last step (--step N)
 """
 GUIDE = "docs/hf.md"
-MODEL_INPUTS = {"src": True}  # snlp.apps.cli.check_model_inputs
 
 
 # the library (and torch) loads in run(), not here: --help answers without it

@@ -34,7 +34,6 @@ tasks, --drafter measures an adapted drafter.
   snlp eval runs/smol --drafter runs/smol-d8 --chat-prompts chat:dolly_open_qa.jsonl
 """
 GUIDE = "docs/usage.md#evaluate"
-MODEL_INPUTS = {"ckpt": True, "drafter": False}  # snlp.apps.cli.check_model_inputs (hub ids: --harness)
 
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
@@ -214,7 +213,8 @@ def run(args) -> int:
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
           file=sys.stderr)
-    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat)
+    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat,
+                       on_phase=partial_writer(args) if args.json or args.markdown else None)
     c = model.config
     ties = record_ties(records)
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
@@ -230,6 +230,36 @@ def run(args) -> int:
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0
+
+
+def partial_writer(args):
+    """evaluate's on_phase for the CLI: --json and --markdown rewritten (atomically) after each phase with every row
+    so far, marked partial: the JSON as {"complete": false, "done": ..., "records": [...]} (the finished file is the
+    list of records, so a reader of it never takes a partial file for one), the markdown under a PARTIAL line. --csv
+    and --plot are written once, at the end (a CSV cannot say it is partial). The speed columns come last: the
+    timing is one round-robin over every row, so no row is finished before all are."""
+    from snlp.bench.records import partial_line
+    from snlp.eval.present import markdown_table
+    from snlp.runtime.device import write_atomic
+
+    def write(records, done: str) -> None:
+        if args.json:
+            write_atomic(args.json, json.dumps({"complete": False, "done": done,
+                                                "records": [r.to_dict() for r in records]}, indent=2))
+        if args.markdown:
+            write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
+                         + "\n\n" + markdown_table(records))
+        args.kept = (done, [p for p in (args.json, args.markdown) if p])
+
+    return write
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp eval` says after Ctrl-C (snlp.apps.cli): the phases its partial files keep, and where."""
+    kept = getattr(args, "kept", None)
+    if kept:
+        return f"kept every row's {kept[0]} in {' and '.join(kept[1])}, marked partial (\"complete\": false)"
+    return "no phase had finished: nothing written" if args.json or args.markdown else ""
 
 
 def run_drafter_eval(args, model, tok, device) -> int:

@@ -16,7 +16,6 @@ adapt`): OUT is then the base's prefix with the drafter's adapted suffix, which 
   snlp export runs/smol-d8 --out runs/smol-d8-hf     # a drafter (--base: its base, if moved)
 """
 GUIDE = "docs/hf.md"
-MODEL_INPUTS = {"ckpt": False, "base": True}  # snlp.apps.cli.check_model_inputs
 
 
 def add_arguments(p) -> None:

@@ -37,7 +37,6 @@ table (predicted vs measured) and the pick; minutes on a CPU.
   snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
 """
 GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
-MODEL_INPUTS = {"ckpt": False}  # snlp.apps.cli.check_model_inputs
 
 # a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
 # answers at once (tests/apps/test_cli_fast.py checks that they agree)

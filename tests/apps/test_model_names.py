@@ -55,7 +55,6 @@ COMMANDS = [
     ["calibrate", TYPO],
     ["convert", TYPO, "--out", "{o}"],
     ["export", TYPO, "--out", "{o}"],
-    ["export", "{r}/idn-small", "--base", TYPO, "--out", "{o}"],
     ["adapt", TYPO, "--plan", "1xF1-h0-K1", "--out", "{o}"],
 ]
 
