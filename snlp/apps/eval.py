@@ -249,17 +249,24 @@ def partial_writer(args):
         if args.markdown:
             write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
                          + "\n\n" + markdown_table(records))
-        args.kept = (done, [p for p in (args.json, args.markdown) if p])
+        args.kept = (f"every row's {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, marked "
+                     f"partial (\"complete\": false)")
 
     return write
 
 
 def interrupt_hint(args) -> str:
-    """What `snlp eval` says after Ctrl-C (snlp.apps.cli): the phases its partial files keep, and where."""
-    kept = getattr(args, "kept", None)
+    """What `snlp eval` says after Ctrl-C (snlp.apps.cli): what its partial files keep, and where (the LM metrics'
+    finished phases, --harness's finished methods; --task and --drafter write once, at the end)."""
+    kept = getattr(args, "kept", None)  # set by the writers of the LM metrics (partial_writer) and of --harness
     if kept:
-        return f"kept every row's {kept[0]} in {' and '.join(kept[1])}, marked partial (\"complete\": false)"
-    return "no phase had finished: nothing written" if args.json or args.markdown else ""
+        return f"kept {kept}"
+    if args.harness:
+        return "no method had finished: nothing written"
+    if not (args.json or args.markdown):
+        return ""
+    return ("nothing written (--task and --drafter write their files once, at the end)" if args.task or args.drafter
+            else "no phase had finished: nothing written")
 
 
 def run_drafter_eval(args, model, tok, device) -> int:
