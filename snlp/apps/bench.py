@@ -300,6 +300,16 @@ def partial_files(args) -> list[Path]:
     return []
 
 
+def default_out_writable(args, out) -> None:
+    """Refuse, before any work, a default --out folder that cannot be written (snlp.apps.cli checks only the paths
+    typed: a forward benchmark writes no folder): the suite wrote its first file there after its first part ran, and
+    stopped with a traceback."""
+    from snlp.runtime.outputs import check_output_dir
+
+    if out and args.out == "bench-suite":
+        check_output_dir(out, "the default --out")
+
+
 def interrupt_hint(args) -> str:
     """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished."""
     started = getattr(args, "started", None)
@@ -507,6 +517,7 @@ def run_vs_paper_cli(args) -> int:
                         treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
     cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
+    default_out_writable(args, cfg.out)
     result = run_vs_paper(cfg)
     print(result.markdown)
     print(f"wrote {cfg.out}/vs_paper.json and {cfg.out}/vs_paper.md")
@@ -529,6 +540,7 @@ def run_train_suite_cli(args) -> int:
                            treatments=_treatments(args, split), regs=split(args.regs), reg_n=args.reg_n,
                            optimizer=args.optimizer, threads=args.threads, seed=args.seed, out=args.out,
                            command=shlex.join(["snlp", *sys.argv[1:]]))
+    default_out_writable(args, cfg.out)
     result = run_train_bench(cfg)
     print(result.markdown)
     if result.json_path:
@@ -557,6 +569,7 @@ def run_suite_cli(args) -> int:
                       treatments=_treatments(args, split), decode=not args.no_decode, seed=args.seed,
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
+    default_out_writable(args, cfg.out)
     result = run_suite(cfg)
     print(result.markdown)
     print(f"wrote {result.json_path} and {result.markdown_path}")

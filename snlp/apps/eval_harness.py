@@ -109,6 +109,7 @@ def run(args) -> int:
     from snlp.apps.common import plans_preheat
     from snlp.method.plan import parse_plans
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic
+    from snlp.runtime.outputs import check_output_dir
 
     try:
         from snlp.eval.harness import (SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table,
@@ -142,6 +143,7 @@ def run(args) -> int:
     if args.drafter:
         model_arg("drafter", args.drafter)
     out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
+    check_output_dir(out, "--harness-out")  # its default too (the CLI checks typed paths): before any harness run
     methods = planned_methods(early, args.drafter)
     check_method_files(methods)
     check_harness_out(out, methods, args.force)  # an earlier run's files: refused before the model loads

@@ -41,6 +41,9 @@ def run(args) -> int:
     from snlp.bench.selfcheck import SelfcheckConfig, selfcheck, table
     from snlp.runtime.device import cli_device
 
+    from snlp.runtime.outputs import check_output_dir
+
+    check_output_dir(args.out, "--out")  # its default too (the CLI checks typed paths): before minutes of checks
     device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     res = selfcheck(SelfcheckConfig(device=str(device), quick=args.quick, compile=compile, seed=args.seed))

@@ -105,3 +105,28 @@ def test_ctrl_c_before_any_part_finished_says_nothing_was_written(tmp_path, monk
     assert main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager", "--device",
                  "cpu", "--out", str(tmp_path / "s")]) == 130
     assert last_line(capsys) == "snlp bench: interrupted; no part had finished: nothing written"
+
+
+@pytest.mark.parametrize("argv, default", [
+    (["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager"], "bench-suite"),
+    (["bench", "--suite", "train", "--quick"], "bench-suite"),
+    (["selfcheck", "--quick", "--device", "cpu"], "selfcheck"),
+])
+def test_a_default_out_that_cannot_be_written_is_refused_before_any_work(argv, default, tmp_path, monkeypatch,
+                                                                         capsys):
+    """The CLI checks the output paths typed; these commands write a default folder too, which failed (a traceback)
+    after the first part had run. A file where the folder would go stands for any folder that cannot be written."""
+    import snlp.bench.selfcheck as selfcheck
+    import snlp.bench.suite as suite
+    import snlp.bench.train as train
+
+    def work(*a, **k):
+        raise AssertionError("the work started")
+
+    for mod, name in ((suite, "_run"), (train, "run_variant"), (selfcheck, "selfcheck")):
+        monkeypatch.setattr(mod, name, work)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / default).write_text("not a folder")
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"snlp {argv[0]}: error: ") and f"{default} exists and is a file" in line, line
