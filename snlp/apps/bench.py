@@ -37,6 +37,7 @@ and the ideal one, L / (S + K*evals + [fwd]). The model has random weights (--de
   snlp bench --suite paper --quick --out /tmp/suite     # the paper's speed suite at smoke size
 """
 GUIDE = "docs/benchmarks.md"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 def add_arguments(p) -> None:

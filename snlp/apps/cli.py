@@ -238,6 +238,35 @@ def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
                          f"break it; choose another path")
 
 
+def output_locks(parser: argparse.ArgumentParser, args):
+    """For a command whose module sets LOCK_OUTPUTS (the long measurements that rewrite their files as they go: bench,
+    eval, tune, selfcheck), a lock on every output path typed (snlp.runtime.outputs.locked_output), held while it
+    runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two `snlp eval
+    --json e.json` at once each rewrote e.json with its own rows, two suites into one --out left suite.json of one
+    run beside suite.md of the other. Folders a command writes by default are not locked (a forward benchmark
+    writes none)."""
+    import os
+    from contextlib import ExitStack
+
+    from snlp.runtime.outputs import locked_output
+
+    stack = ExitStack()
+    if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
+        return stack  # under torchrun every rank parses the same flags: rank 0 holds the locks
+    sub = parser.commands[args.command]
+    dests = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
+        getattr(args.module, "OUTPUT_DIRS", ()))
+    try:
+        for dest in dict.fromkeys(dests):
+            value = getattr(args, dest, None)
+            if isinstance(value, str) and value and value != sub.get_default(dest):
+                stack.enter_context(locked_output(value, "--" + dest.replace("_", "-")))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 def check_device(args) -> None:
     """Raise a ValueError for a --device value given that names no device this machine has (a typo, CUDA on a
     CPU box), before the command loads data or a model (snlp.runtime.device.cli_device; torch loads only when
@@ -288,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the command's own lines
         check_outputs(parser, args)
         check_device(args)
-        return int(args.func(args) or 0)
+        with output_locks(parser, args):
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ tasks, --drafter measures an adapted drafter.
   snlp eval runs/smol --drafter runs/smol-d8 --chat-prompts chat:dolly_open_qa.jsonl
 """
 GUIDE = "docs/usage.md#evaluate"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)

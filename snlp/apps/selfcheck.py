@@ -22,6 +22,7 @@ to a bug report) and exits with status 1 when a check fails.
   snlp selfcheck --quick                # a smaller speed suite
 """
 GUIDE = "docs/gpu.md"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 def add_arguments(p) -> None:

@@ -37,6 +37,7 @@ table (predicted vs measured) and the pick; minutes on a CPU.
   snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
 """
 GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 # a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
 # answers at once (tests/apps/test_cli_fast.py checks that they agree)

@@ -130,3 +130,22 @@ def test_a_default_out_that_cannot_be_written_is_refused_before_any_work(argv, d
     assert main(argv) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith(f"snlp {argv[0]}: error: ") and f"{default} exists and is a file" in line, line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--depth", "2", "--json", "{p}"], "--json"),
+    (["eval", "{ck}", "--plans", "1xF1-h0-K1", "--markdown", "{p}"], "--markdown"),
+    (["tune", "{ck}", "--json", "{p}"], "--json"),
+    (["bench", "--suite", "paper", "--quick", "--out", "{p}"], "--out"),
+])
+def test_a_second_run_writing_the_same_output_is_refused_at_once(argv, flag, tmp_path, capsys):
+    """Two runs rewriting one file as they go interleaved their rows (eval, tune) or left one run's suite.json beside
+    the other's suite.md: while a run holds an output path, a second is refused in one line, before any work."""
+    from snlp.runtime.outputs import locked_output
+
+    path = tmp_path / "result"
+    with locked_output(path):  # the first run, in progress
+        rc = main([a.replace("{p}", str(path)).replace("{ck}", str(tmp_path / "ck")) for a in argv])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith(f"snlp {argv[0]}: error: {flag} {path} is in use by a run in progress"), line
+    assert not path.exists()
