@@ -640,7 +640,7 @@ def run_decode_suite_cli(args, command: str) -> int:
             if path:
                 write_json(path, {"command": command, "rows": rows})
         if out:
-            (out / "prediction.md").write_text(text + "\n")
+            write_atomic(out / "prediction.md", text + "\n")
         if args.csv:
             write_csv(args.csv, rows)
         print(text)
