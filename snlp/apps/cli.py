@@ -241,14 +241,14 @@ def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
 def output_locks(parser: argparse.ArgumentParser, args):
     """For a command whose module sets LOCK_OUTPUTS (the long measurements that rewrite their files as they go: bench,
     eval, tune, selfcheck), a lock on every output path typed (snlp.runtime.outputs.locked_output), held while it
-    runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two `snlp eval
-    --json e.json` at once each rewrote e.json with its own rows, two suites into one --out left suite.json of one
-    run beside suite.md of the other. Folders a command writes by default are not locked (a forward benchmark
-    writes none)."""
+    runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two runs writing
+    one --json or --out replaced each other's results (the last to finish won), and, as they rewrite their files
+    after every part, took turns in them while both ran. Not locked: the folders a command writes by default (a
+    forward benchmark writes none) and a path whose folder does not exist yet."""
     import os
     from contextlib import ExitStack
 
-    from snlp.runtime.outputs import locked_output
+    from snlp.runtime.outputs import lock_path, locked_output
 
     stack = ExitStack()
     if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
@@ -259,7 +259,9 @@ def output_locks(parser: argparse.ArgumentParser, args):
     try:
         for dest in dict.fromkeys(dests):
             value = getattr(args, dest, None)
-            if isinstance(value, str) and value and value != sub.get_default(dest):
+            # only beside a folder that exists: a run refused for bad input creates no folder (one that does not
+            # exist yet holds no other run's output either, until that run writes there)
+            if isinstance(value, str) and value and value != sub.get_default(dest) and lock_path(value).parent.is_dir():
                 stack.enter_context(locked_output(value, "--" + dest.replace("_", "-")))
     except BaseException:
         stack.close()
