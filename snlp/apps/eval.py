@@ -258,7 +258,7 @@ def partial_writer(args):
 
 def interrupt_hint(args) -> str:
     """What `snlp eval` says after Ctrl-C (snlp.apps.cli): what its partial files keep, and where (the LM metrics'
-    finished phases, --harness's finished methods; --task and --drafter write once, at the end)."""
+    finished phases, the finished methods of --harness and --task; --drafter writes once, at the end)."""
     kept = getattr(args, "kept", None)  # set by the writers of the LM metrics (partial_writer) and of --harness
     if kept:
         return f"kept {kept}"
@@ -266,8 +266,8 @@ def interrupt_hint(args) -> str:
         return "no method had finished: nothing written"
     if not (args.json or args.markdown):
         return ""
-    return ("nothing written (--task and --drafter write their files once, at the end)" if args.task or args.drafter
-            else "no phase had finished: nothing written")
+    return ("nothing written (--drafter writes its files once, at the end)" if args.drafter else
+            "no method had been scored: nothing written" if args.task else "no phase had finished: nothing written")
 
 
 def run_drafter_eval(args, model, tok, device) -> int:
@@ -323,15 +323,23 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     scoring = args.mc_scoring or default_scoring(args.ckpt)
     cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
                    shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
-    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat)
+    def write(result) -> None:  # every method scored so far, marked partial until the last (and at the end)
+        if args.json:
+            write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
+        if args.markdown:
+            write_atomic(args.markdown, markdown(result))
+        if not result.complete:
+            done = ", ".join(r.method for r in result.records)
+            args.kept = (f"the accuracy of {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, "
+                         f"marked partial (\"complete\": false)")
+
+    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]
     shots = f", {cfg.shots}-shot" if cfg.scoring == "harness" else ""
     print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "
                         f"{pct(r0.chance)} %), 95 % Wilson CI")
-    if args.json:
-        write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.markdown:
-        write_atomic(args.markdown, markdown(result))
-        print(f"wrote {args.markdown}", file=sys.stderr)
+    write(result)
+    for path in (args.json, args.markdown):
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
     return 0

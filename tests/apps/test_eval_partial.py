@@ -79,3 +79,35 @@ def test_a_finished_eval_writes_the_list_of_records_as_before(ckpt, tmp_path, mo
     assert [d for d, _ in phases] == ["PPL, dPPL, Top-1 and LogitSim", "PPL, dPPL, Top-1, LogitSim, AR Match and "
                                                                       "EmbSim"]
     assert phases[1][1]["complete"] is False and all(r["ar_match"] is None for r in phases[1][1]["records"])
+
+
+@pytest.mark.parametrize("scoring, predict", [("letter", "predict_letter"), ("harness", None)])
+def test_eval_task_cut_short_keeps_the_methods_scored(scoring, predict, ckpt, tmp_path, monkeypatch, capsys):
+    """--task scores each method alone: a run cut short (Ctrl-C as the second method starts) keeps the first's
+    accuracy in --json and --markdown, marked partial; the finished JSON says "complete": true."""
+    from pathlib import Path
+
+    import snlp.eval.mc_eval as mc_eval
+    import snlp.eval.mc_harness as mc_harness
+
+    arc = Path(__file__).resolve().parents[1] / "data" / "arc" / "ARC-Easy-Test-head.jsonl"
+    argv = ["eval", str(ckpt[0]), "--task", f"mc:{arc}", "--mc-limit", "3", "--mc-scoring", scoring, "--plans",
+            "2xF1-h0-K1", "--threads", "1", "--json", str(tmp_path / "mc.json"), "--markdown", str(tmp_path / "mc.md")]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "mc.json").read_text())["complete"] is True
+    mod, name = (mc_eval, predict) if predict else (mc_harness, "harness_record")
+    real, calls = getattr(mod, name), []
+
+    def cut_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, name, cut_second)
+    assert main(argv) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("snlp eval: interrupted; kept the accuracy of sequential in "), line
+    data = json.loads((tmp_path / "mc.json").read_text())
+    assert data["complete"] is False and [r["method"] for r in data["records"]] == ["sequential"]
+    assert "**PARTIAL**" in (tmp_path / "mc.md").read_text()
