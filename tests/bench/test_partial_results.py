@@ -149,3 +149,19 @@ def test_a_second_run_writing_the_same_output_is_refused_at_once(argv, flag, tmp
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and line.startswith(f"snlp {argv[0]}: error: {flag} {path} is in use by a run in progress"), line
     assert not path.exists()
+
+
+def test_ctrl_c_in_a_one_round_robin_benchmark_says_nothing_was_written(tmp_path, monkeypatch, capsys):
+    """The forward benchmark times every row in one round-robin: no row is finished before all are, so it writes
+    once, at the end, and Ctrl-C says so instead of leaving the user to look for a file."""
+    import snlp.bench.forward as forward
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward, "benchmark", cut)
+    assert main(["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+                 "1xF1-h0-K1", "--json", str(tmp_path / "b.json")]) == 130
+    assert last_line(capsys) == ("snlp bench: interrupted; this run writes its records once every round has run: "
+                                 "nothing written")
+    assert not (tmp_path / "b.json").exists()
