@@ -7,7 +7,8 @@ the windows' cross-entropies, as the speedrun report tests its PPL ties).
 
 Prints markdown: per arm and plan the PPL and ΔPPL against the arm's own sequential model with its interval; then
 per plan each arm's ΔPPL against the `--against` arm's (the ratio (1 + ΔPPL_arm) / (1 + ΔPPL_ref) - 1, paired per
-window) and each arm's sequential PPL against the reference arm's. An interval that holds 0 is a tie.
+window) and each arm's sequential PPL against the reference arm's. An interval that holds 0 is a tie. A partial file
+(`snlp eval` cut short after its teacher-forced phase: {"complete": false, ...}) is read too, and said to be partial.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def main() -> None:
     for spec in a.arms:
         name, _, path = spec.partition("=")
         rows = json.loads(open(path).read())
+        if isinstance(rows, dict):  # a run still going or cut short: its PPL columns are all this script reads
+            if rows.get("complete") is not False or not isinstance(rows.get("records"), list):
+                ap.error(f"{path} is not an `snlp eval --json` file (a list of records, or a partial run's object)")
+            print(f"(arm {name}: {path} is PARTIAL, written before its run ended; it holds {rows.get('done')})\n")
+            rows = rows["records"]
         arms[name] = {r["plan"]: r for r in rows}
     ref = a.against or next(iter(arms))
     if ref not in arms:

@@ -37,7 +37,6 @@ All PPLs are token-weighted over non-overlapping windows of `seq_len` validation
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 SUMMARY = "Run the paper's layer-parallelism diagnostics and ablations on a checkpoint."
@@ -96,8 +95,9 @@ def run(args) -> int:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    if not Path(args.ckpt).exists():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from snlp.io.source import check_source
+
+    check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     model, tok = load(args.ckpt)
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")

@@ -37,6 +37,7 @@ and the ideal one, L / (S + K*evals + [fwd]). The model has random weights (--de
   snlp bench --suite paper --quick --out /tmp/suite     # the paper's speed suite at smoke size
 """
 GUIDE = "docs/benchmarks.md"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 def add_arguments(p) -> None:
@@ -285,7 +286,48 @@ def model_spec(args) -> ModelSpec:
                      hc_streams=args.hc_streams, hc_dynamic=not args.hc_static, ckpt=args.ckpt, seed=args.seed)
 
 
+def partial_files(args) -> list[Path]:
+    """The files a long `snlp bench` run rewrites after every finished part (the suites, --vs-paper): what a run cut
+    short keeps, marked partial ("complete": false). The other runs time every row in one round-robin and write
+    their records once, at the end."""
+    out = None if args.out == "bench-suite" else Path(args.out)
+    if getattr(args, "vs_paper", None):
+        return [(out or Path("bench-vs-paper")) / f for f in ("vs_paper.json", "vs_paper.md")]
+    if args.suite == "decode" and not args.shapes:
+        return [Path(p) for p in (args.json,) if p] + ([out / "decode.json", out / "decode.md"] if out else [])
+    if args.suite in ("paper", "train"):
+        return [(out or Path(args.out)) / f"{'suite' if args.suite == 'paper' else 'train'}.{ext}" for ext in
+                ("json", "md")]
+    return []
+
+
+def default_out_writable(args, out) -> None:
+    """Refuse, before any work, a default --out folder that cannot be written (snlp.apps.cli checks only the paths
+    typed: a forward benchmark writes no folder): the suite wrote its first file there after its first part ran, and
+    stopped with a traceback."""
+    from snlp.runtime.outputs import check_output_dir
+
+    if out and args.out == "bench-suite":
+        check_output_dir(out, "the default --out")
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished."""
+    started = getattr(args, "started", None)
+    kept = [str(p) for p in partial_files(args) if started is not None and p.is_file()
+            and p.stat().st_mtime >= started]
+    if kept:
+        return f"kept the parts that had finished in {' and '.join(kept)}, marked partial (\"complete\": false)"
+    if partial_files(args):
+        return "no part had finished: nothing written"
+    if args.json or args.csv or (args.suite == "decode" and args.out != "bench-suite"):
+        return "this run writes its records once every round has run: nothing written"
+    return ""
+
+
 def run(args) -> int:
+    import time
+
     import torch
 
     from snlp.apps.common import check_plans_fit, check_plans_grammar
@@ -295,6 +337,7 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the flag's default
+    args.started = time.time()  # interrupt_hint names only the files this run wrote
     if getattr(args, "vs_paper", None):
         if getattr(args, "suite", None):
             raise ValueError("--vs-paper and --suite are two runs: give one")
@@ -477,6 +520,7 @@ def run_vs_paper_cli(args) -> int:
                         treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
     cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
+    default_out_writable(args, cfg.out)
     result = run_vs_paper(cfg)
     print(result.markdown)
     print(f"wrote {cfg.out}/vs_paper.json and {cfg.out}/vs_paper.md")
@@ -499,6 +543,7 @@ def run_train_suite_cli(args) -> int:
                            treatments=_treatments(args, split), regs=split(args.regs), reg_n=args.reg_n,
                            optimizer=args.optimizer, threads=args.threads, seed=args.seed, out=args.out,
                            command=shlex.join(["snlp", *sys.argv[1:]]))
+    default_out_writable(args, cfg.out)
     result = run_train_bench(cfg)
     print(result.markdown)
     if result.json_path:
@@ -527,6 +572,7 @@ def run_suite_cli(args) -> int:
                       treatments=_treatments(args, split), decode=not args.no_decode, seed=args.seed,
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
+    default_out_writable(args, cfg.out)
     result = run_suite(cfg)
     print(result.markdown)
     print(f"wrote {result.json_path} and {result.markdown_path}")
@@ -596,7 +642,7 @@ def run_decode_suite_cli(args, command: str) -> int:
             if path:
                 write_json(path, {"command": command, "rows": rows})
         if out:
-            (out / "prediction.md").write_text(text + "\n")
+            write_atomic(out / "prediction.md", text + "\n")
         if args.csv:
             write_csv(args.csv, rows)
         print(text)

@@ -55,8 +55,9 @@ def run(args) -> int:
 
     if args.out is not None:
         check_out(args.out)
-    if not Path(args.ckpt).exists():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from snlp.io.source import check_source
+
+    check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     model, tok = load(args.ckpt)
     cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     cfg.check(model)

@@ -238,6 +238,37 @@ def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
                          f"break it; choose another path")
 
 
+def output_locks(parser: argparse.ArgumentParser, args):
+    """For a command whose module sets LOCK_OUTPUTS (the long measurements that rewrite their files as they go: bench,
+    eval, tune, selfcheck), a lock on every output path typed (snlp.runtime.outputs.locked_output), held while it
+    runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two runs writing
+    one --json or --out replaced each other's results (the last to finish won), and, as they rewrite their files
+    after every part, took turns in them while both ran. Not locked: the folders a command writes by default (a
+    forward benchmark writes none) and a path whose folder does not exist yet."""
+    import os
+    from contextlib import ExitStack
+
+    from snlp.runtime.outputs import lock_path, locked_output
+
+    stack = ExitStack()
+    if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
+        return stack  # under torchrun every rank parses the same flags: rank 0 holds the locks
+    sub = parser.commands[args.command]
+    dests = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
+        getattr(args.module, "OUTPUT_DIRS", ()))
+    try:
+        for dest in dict.fromkeys(dests):
+            value = getattr(args, dest, None)
+            # only beside a folder that exists: a run refused for bad input creates no folder (one that does not
+            # exist yet holds no other run's output either, until that run writes there)
+            if isinstance(value, str) and value and value != sub.get_default(dest) and lock_path(value).parent.is_dir():
+                stack.enter_context(locked_output(value, "--" + dest.replace("_", "-")))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 def check_device(args) -> None:
     """Raise a ValueError for a --device value given that names no device this machine has (a typo, CUDA on a
     CPU box), before the command loads data or a model (snlp.runtime.device.cli_device; torch loads only when
@@ -288,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the command's own lines
         check_outputs(parser, args)
         check_device(args)
-        return int(args.func(args) or 0)
+        with output_locks(parser, args):
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -87,8 +87,9 @@ def run_generate(args) -> int:
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     Plan.parse(args.plan)  # its grammar
-    if not os.path.exists(args.ckpt):
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from snlp.io.source import check_source
+
+    check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
 

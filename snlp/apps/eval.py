@@ -34,6 +34,7 @@ tasks, --drafter measures an adapted drafter.
   snlp eval runs/smol --drafter runs/smol-d8 --chat-prompts chat:dolly_open_qa.jsonl
 """
 GUIDE = "docs/usage.md#evaluate"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 OUTPUT_DIRS = ("harness_out",)  # checked with --json/--csv/... before any work (snlp.apps.cli)
@@ -207,7 +208,8 @@ def run(args) -> int:
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
           file=sys.stderr)
-    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat)
+    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat,
+                       on_phase=partial_writer(args) if args.json or args.markdown else None)
     c = model.config
     ties = record_ties(records)
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
@@ -223,6 +225,43 @@ def run(args) -> int:
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0
+
+
+def partial_writer(args):
+    """evaluate's on_phase for the CLI: --json and --markdown rewritten (atomically) after each phase with every row
+    so far, marked partial: the JSON as {"complete": false, "done": ..., "records": [...]} (the finished file is the
+    list of records, so a reader of it never takes a partial file for one), the markdown under a PARTIAL line. --csv
+    and --plot are written once, at the end (a CSV cannot say it is partial). The speed columns come last: the
+    timing is one round-robin over every row, so no row is finished before all are."""
+    from snlp.bench.records import partial_line
+    from snlp.eval.present import markdown_table
+    from snlp.runtime.device import write_atomic
+
+    def write(records, done: str) -> None:
+        if args.json:
+            write_atomic(args.json, json.dumps({"complete": False, "done": done,
+                                                "records": [r.to_dict() for r in records]}, indent=2))
+        if args.markdown:
+            write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
+                         + "\n\n" + markdown_table(records))
+        args.kept = (f"every row's {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, marked "
+                     f"partial (\"complete\": false)")
+
+    return write
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp eval` says after Ctrl-C (snlp.apps.cli): what its partial files keep, and where (the LM metrics'
+    finished phases, the finished methods of --harness and --task; --drafter writes once, at the end)."""
+    kept = getattr(args, "kept", None)  # set by the writers of the LM metrics (partial_writer) and of --harness
+    if kept:
+        return f"kept {kept}"
+    if args.harness:
+        return "no method had finished: nothing written"
+    if not (args.json or args.markdown):
+        return ""
+    return ("nothing written (--drafter writes its files once, at the end)" if args.drafter else
+            "no method had been scored: nothing written" if args.task else "no phase had finished: nothing written")
 
 
 def run_drafter_eval(args, model, tok, device) -> int:
@@ -278,15 +317,23 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     scoring = args.mc_scoring or default_scoring(args.ckpt)
     cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
                    shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
-    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat)
+    def write(result) -> None:  # every method scored so far, marked partial until the last (and at the end)
+        if args.json:
+            write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
+        if args.markdown:
+            write_atomic(args.markdown, markdown(result))
+        if not result.complete:
+            done = ", ".join(r.method for r in result.records)
+            args.kept = (f"the accuracy of {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, "
+                         f"marked partial (\"complete\": false)")
+
+    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]
     shots = f", {cfg.shots}-shot" if cfg.scoring == "harness" else ""
     print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "
                         f"{pct(r0.chance)} %), 95 % Wilson CI")
-    if args.json:
-        write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.markdown:
-        write_atomic(args.markdown, markdown(result))
-        print(f"wrote {args.markdown}", file=sys.stderr)
+    write(result)
+    for path in (args.json, args.markdown):
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ Needs the optional extra: pip install -e ".[harness]" (lm-eval); it is imported 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -107,7 +108,8 @@ def run(args) -> int:
 
     from snlp.apps.common import plans_preheat
     from snlp.method.plan import parse_plans
-    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic
+    from snlp.runtime.outputs import check_output_dir
 
     try:
         from snlp.eval.harness import (SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table,
@@ -141,6 +143,7 @@ def run(args) -> int:
     if args.drafter:
         model_arg("drafter", args.drafter)
     out = Path(args.harness_out or f"harness-{Path(args.ckpt).name}")
+    check_output_dir(out, "--harness-out")  # its default too (the CLI checks typed paths): before any harness run
     methods = planned_methods(early, args.drafter)
     check_method_files(methods)
     check_harness_out(out, methods, args.force)  # an earlier run's files: refused before the model loads
@@ -165,23 +168,39 @@ def run(args) -> int:
     said = clear_harness_out(out, methods) if args.force else ""
     if said:
         print(f"snlp eval: {said}", file=sys.stderr)
-    records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
-                               limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-                               include=args.harness_include, apply_chat_template=args.apply_chat_template,
-                               fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
     limit = "" if args.limit is None else f", limit {args.limit:g}"
     title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit} | "
              f"{dtype} on {device_label(device)}")
+
+    def write(records, complete: bool) -> None:
+        """Each finished method's JSON, table.md and --markdown / --json; until the last method, marked partial."""
+        from snlp.bench.records import partial_line
+
+        out.mkdir(parents=True, exist_ok=True)
+        for rec in records:
+            write_atomic(out / method_file(rec.method), json.dumps(rec.harness or rec.to_dict(), indent=2))
+        done = f"{len(records)} of {len(methods)} methods ({', '.join(r.method for r in records)})"
+        table = f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + markdown(records)
+        write_atomic(out / "table.md", table)
+        if args.markdown:
+            write_atomic(args.markdown, table)
+        if args.json:
+            rows = [r.to_dict() for r in records]
+            write_atomic(args.json, json.dumps(rows if complete else {"complete": False, "done": done, "records": rows},
+                                               indent=2))
+        if not complete:
+            args.kept = (f"the results of {done} in {out}" + (f" and {args.json}" if args.json else "")
+                         + " (table.md marked partial; a re-run into it needs --force)")
+
+    records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
+                               limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                               include=args.harness_include, apply_chat_template=args.apply_chat_template,
+                               fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm,
+                               on_record=lambda records: write(records, complete=False))
     print_table(records, title, caption="value ± the harness's stderr")
-    out.mkdir(parents=True, exist_ok=True)
-    for rec in records:
-        write_json(out / method_file(rec.method), rec.harness or rec.to_dict())
-    table = markdown(records)
-    write_atomic(out / "table.md", f"{title}\n\n{table}")
-    if args.markdown:
-        write_atomic(args.markdown, f"{title}\n\n{table}")
-    if args.json:
-        write_json(args.json, [r.to_dict() for r in records])
+    write(records, complete=True)
+    for path in [out / method_file(r.method) for r in records] + ([args.json] if args.json else []):
+        print(f"wrote {path}")
     print(f"wrote the harness's JSON per method and table.md to {out}", file=sys.stderr)
     return 0

@@ -406,8 +406,9 @@ def run(args) -> int:
         return run_generate(args)
     check_args(args)
     device = cli_device(args.device)
-    if not Path(args.ckpt).exists():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} does not exist")
+    from snlp.io.source import check_source
+
+    check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
         #                                      prompt is not empty: its whitespace tokens follow BOS and condition

@@ -22,6 +22,7 @@ to a bug report) and exits with status 1 when a check fails.
   snlp selfcheck --quick                # a smaller speed suite
 """
 GUIDE = "docs/gpu.md"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 
 def add_arguments(p) -> None:
@@ -41,6 +42,9 @@ def run(args) -> int:
     from snlp.bench.selfcheck import SelfcheckConfig, selfcheck, table
     from snlp.runtime.device import cli_device
 
+    from snlp.runtime.outputs import check_output_dir
+
+    check_output_dir(args.out, "--out")  # its default too (the CLI checks typed paths): before minutes of checks
     device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     res = selfcheck(SelfcheckConfig(device=str(device), quick=args.quick, compile=compile, seed=args.seed))

@@ -37,6 +37,7 @@ table (predicted vs measured) and the pick; minutes on a CPU.
   snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
 """
 GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
+LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
 
 # a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
 # answers at once (tests/apps/test_cli_fast.py checks that they agree)
@@ -128,6 +129,12 @@ def config_from_args(args):
     return cfg
 
 
+def interrupt_hint(args) -> str:
+    """What `snlp tune` says after Ctrl-C (snlp.apps.cli): what its --json keeps."""
+    kept = getattr(args, "kept", None)
+    return f"kept {kept}" if kept else "stage 1 had not finished: nothing written" if args.json else ""
+
+
 def run(args) -> int:
     import torch
 
@@ -152,7 +159,13 @@ def run(args) -> int:
     val = validation_tokens(tok, **data)
     print(f"snlp tune: {args.ckpt}: {len(val):,} validation tokens of {data['data']}; {device_label(device)}",
           file=sys.stderr)
-    result = tune(model, val, cfg, preheat=preheat)
+    head = {"checkpoint": str(args.ckpt), "device_label": device_label(device)}
+
+    def stage(stage1: dict, done: str) -> None:  # a run cut short in stage 2 keeps stage 1, marked partial
+        write_json(args.json, {**head, "complete": False, "done": done, **stage1}, announce=False)
+        args.kept = f"{done} in {args.json}, marked partial (\"complete\": false)"
+
+    result = tune(model, val, cfg, preheat=preheat, on_stage=stage if args.json else None)
     for goal in result.picks:
         title = "exact SSD" if goal == "ssd" else f"SNLP decoding, dPPL <= {100 * cfg.max_dppl:.2f} %"
         print(f"\n{goal}: {title} ({'all rows' if args.all_rows else 'measured rows'}; > pick, * shortlist"
@@ -161,5 +174,5 @@ def run(args) -> int:
     print(f"\nstage 1 {result.stage1_s:.1f} s, stage 2 {result.stage2_s:.1f} s")
     print("\n".join(summary(result)))
     if args.json:
-        write_json(args.json, {"checkpoint": str(args.ckpt), "device_label": device_label(device), **result.to_dict()})
+        write_json(args.json, {**head, "complete": True, **result.to_dict()})
     return 0

@@ -64,6 +64,14 @@ def write_records(records: list, json_path: str | None = None, csv_path: str | N
         write_csv(csv_path, records)
 
 
+def partial_line(done: str) -> str:
+    """The markdown line of a result file written while its run was going: every long run rewrites its files after
+    each finished part (atomically), so a run cut short (Ctrl-C, a kill, a crash, a lease that ends) keeps what it
+    finished, and its JSON says "complete": false until the last part is written. `done`: what the rows are."""
+    return (f"**PARTIAL**: written while the run was going (or it was cut short there): {done}; the JSON says "
+            f'"complete": false')
+
+
 def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
     """A markdown table's lines: header, separator, one line per row of already-formatted cells."""
     line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731

@@ -33,10 +33,10 @@ import torch
 
 from snlp.bench.decode import DecodeRow, decode_benchmark, model_bytes
 from snlp.bench.forward import ForwardRow, benchmark
-from snlp.bench.records import markdown_table, write_json
+from snlp.bench.records import markdown_table, partial_line, write_json
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT, GPTConfig
-from snlp.runtime.device import device_label
+from snlp.runtime.device import device_label, write_atomic
 
 RANDOM_WEIGHTS = "random weights (timing only)"
 TREATMENTS = ("eager", "compiled")
@@ -264,6 +264,7 @@ class SuiteResult:
     markdown: str = ""
     json_path: str | None = None
     markdown_path: str | None = None
+    complete: bool = False  # every shape's every part ran (False in the files a run rewrites on its way)
 
 
 def _build(shape: Shape, cfg: SuiteConfig) -> GPT:
@@ -324,6 +325,7 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
     result.meta.loadavg_1min_end = _loadavg()
+    result.complete = True
     _write(result, cfg)
     return result
 
@@ -334,8 +336,9 @@ def _write(result: SuiteResult, cfg: SuiteConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         result.json_path, result.markdown_path = str(out / "suite.json"), str(out / "suite.md")
-        write_json(result.json_path, {"meta": result.meta, "config": cfg, "records": result.records}, announce=False)
-        Path(result.markdown_path).write_text(result.markdown)
+        write_json(result.json_path, {"meta": result.meta, "config": cfg, "records": result.records,
+                                      "complete": result.complete}, announce=False)
+        write_atomic(result.markdown_path, result.markdown)  # a kill between parts never leaves half a table
 
 
 def _decode(model: GPT, plans: list[Plan], cfg: SuiteConfig, treatment: str, info: ShapeInfo) -> list[SuiteRow]:
@@ -366,7 +369,8 @@ def markdown(result: SuiteResult) -> str:
     """The suite as markdown: a header (device, versions, protocol, RANDOM weights), one speedup table
     (ours beside the paper's) and one baseline table (sequential ms, compile time, decode bandwidth)."""
     shapes = [s for s in PAPER_SHAPES if s.key in result.config.shapes]
-    lines = [*_header(result), "", *_speedup_table(shapes, result.records, result.config.quick), "",
+    partial = [] if result.complete else [partial_line("the rows of the parts that had finished"), ""]
+    lines = [*_header(result), "", *partial, *_speedup_table(shapes, result.records, result.config.quick), "",
              "Sequential baselines (the denominators): prefill median ms; compile s = the untimed calls that "
              "compile every callable of that treatment (never inside a timing); decode ms/token; GB/s = model bytes "
              "x tokens/s of sequential decoding (gpt-fast's 'bandwidth achieved'); syncs = host syncs per compiled "

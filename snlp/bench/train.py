@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from snlp.bench.records import markdown_table, write_json
+from snlp.bench.records import markdown_table, partial_line, write_json
 from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
 from snlp.model.gpt import GPT
-from snlp.runtime.device import device_label
+from snlp.runtime.device import device_label, write_atomic
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.timing import sync
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
@@ -164,6 +164,7 @@ class TrainBenchResult:
     rows: list[TrainBenchRow] = field(default_factory=list)
     json_path: str | None = None
     markdown_path: str | None = None
+    complete: bool = False  # every variant ran (False in the files a run rewrites on its way)
 
     def row(self, treatment: str, reg: str) -> TrainBenchRow | None:
         return next((r for r in self.rows if r.treatment == treatment and r.reg == reg and r.error is None), None)
@@ -212,6 +213,7 @@ class TrainBenchResult:
                  f"1 + {cfg.warmup} untimed; random tokens; MFU over {f(m['peak_tflops'], '{:.0f}')} TFLOP/s dense "
                  f"bf16" + ("" if m["peak_tflops"] else " (no known peak for this device: MFU n/a, model TFLOP/s "
                                                         "given instead)"), "",
+                 *([] if self.complete else [partial_line("the rows of the variants that had finished"), ""]),
                  *markdown_table(["treatment", "reg", "ms/step (p10-p90)", "tok/s", "MFU", "model TFLOP/s",
                                   "GFLOP/token",
                                   "step 1 (s)", "compile (s)", "peak GB", "error"], rows)]
@@ -263,6 +265,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> TrainBenchResult:
                 print(f"train bench: {treatment} reg={reg} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,
                       flush=True)
                 _write(result, cfg)  # every row so far: a run cut short keeps what it measured
+        result.complete = True
+        _write(result, cfg)
         return result
     finally:
         torch.set_num_threads(threads)
@@ -361,7 +365,7 @@ def _write(result: TrainBenchResult, cfg: TrainBenchConfig) -> None:
         return
     out = Path(cfg.out)
     write_json(out / "train.json", {"meta": result.meta, "config": cfg, "records": result.rows,
-                                    "ratios": result.ratios(), "ratio_spreads": result.ratio_spreads()},
-               announce=False)
-    (out / "train.md").write_text(result.markdown)
+                                    "ratios": result.ratios(), "ratio_spreads": result.ratio_spreads(),
+                                    "complete": result.complete}, announce=False)
+    write_atomic(out / "train.md", result.markdown)  # a kill between variants never leaves half a table
     result.json_path, result.markdown_path = str(out / "train.json"), str(out / "train.md")

@@ -586,10 +586,13 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
 
 
 def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,
-         preheat: Preheat | None = None) -> TuneResult:
+         preheat: Preheat | None = None, on_stage=None) -> TuneResult:
     """Choose the decoding plan for `model` on this machine by measurement (module docstring). `val_tokens`: the
     calibration token ids (1-D); `quality`: stage-1 agreement already measured (quality_from_records), else it is
-    measured here; `preheat`: the calibration preheat plans read."""
+    measured here; `preheat`: the calibration preheat plans read. `on_stage(stage1, done)`, if given, is called once
+    stage 1 has run, with its results (config, n_layer, quality, acceptance, costs, every candidate predicted and
+    shortlisted, stage1_s): what `snlp tune --json` keeps if stage 2 is cut short. No pick is made before stage 2:
+    the pick is the best measured candidate."""
     cfg.check()
     L = model.config.n_layer
     plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
@@ -609,6 +612,11 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     cands = predict(quality, acceptance, costs, cfg)
     shortlist(cands, cfg)
     t1 = time.perf_counter()
+    if on_stage is not None:
+        on_stage({"config": cfg, "n_layer": L, "quality": list(quality.values()), "acceptance": list(acceptance.values()),
+                  "costs": costs, "candidates": cands, "stage1_s": t1 - t0},
+                 "stage 1 (every candidate's prediction and the shortlist; stage 2, the measured table and the pick, "
+                 "had not run)")
     todo = [c for c in cands if c.within_budget and (c.shortlisted or cfg.full_grid)]
     measure_ssd(model, prompts, [c for c in todo if c.goal == "ssd"], cfg, preheat)
     measure_snlp(model, prompts, [c for c in todo if c.goal == "snlp"], cfg, preheat)

@@ -30,12 +30,12 @@ from snlp.bench.forward import COMPILE_CALLS, compile_step
 from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_linear_weights, load_paper_code,
                                    paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_from_paper,
                                    summarise, time_side_by_side)
-from snlp.bench.records import markdown_table, write_json
+from snlp.bench.records import markdown_table, partial_line, write_json
 from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
 from snlp.decode.steps import check_compilable, mark_static_runner
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
-from snlp.runtime.device import device_label
+from snlp.runtime.device import device_label, write_atomic
 from snlp.runtime.timing import now
 
 TREATMENTS = ("eager", "compiled")
@@ -114,6 +114,7 @@ class VsPaperResult:
     failures: list[dict] = field(default_factory=list)  # {shape, callable, error, traceback}
     agreement: list[Agreement] = field(default_factory=list)
     markdown: str = ""
+    complete: bool = False  # every shape ran (False in the files a run rewrites on its way)
 
 
 def _meta(cfg: VsPaperConfig, code: PaperCode) -> dict:
@@ -142,6 +143,7 @@ def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
         _write(result, cfg)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    result.complete = True
     _write(result, cfg)
     return result
 
@@ -296,9 +298,9 @@ def _write(result: VsPaperResult, cfg: VsPaperConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         write_json(out / "vs_paper.json", {"meta": result.meta, "config": asdict(cfg), "rows": result.rows,
-                                           "agreement": result.agreement, "failures": result.failures},
-                   announce=False)
-        (out / "vs_paper.md").write_text(result.markdown)
+                                           "agreement": result.agreement, "failures": result.failures,
+                                           "complete": result.complete}, announce=False)
+        write_atomic(out / "vs_paper.md", result.markdown)  # a kill between shapes never leaves half a table
 
 
 def _get(rows, shape, side, plan, variant) -> PeerRow | None:
@@ -324,6 +326,8 @@ def markdown(result: VsPaperResult) -> str:
                                                          if m["paper_stubs"] else "")]
     if cfg.quick:
         lines.append("- QUICK: smoke-size shapes (width 64), NOT the paper's shapes")
+    if not result.complete:
+        lines += ["", partial_line("the rows of the shapes that had finished")]
     rows = []
     for key in cfg.shapes:
         shape = next(s for s in PAPER_SHAPES if s.key == key)

@@ -575,10 +575,12 @@ def task_manager(tasks: list[str], include: str | None = None):
 
 def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
                      include: str | None = None, apply_chat_template: bool = False, fewshot_seed: int = 1234,
-                     bootstrap_iters: int | None = None, tm=None) -> list[HarnessRecord]:
+                     bootstrap_iters: int | None = None, tm=None, on_record=None) -> list[HarnessRecord]:
     """lm_eval.simple_evaluate once per method (each an SNLPLM), on the same tasks, few-shot seed and limit.
     `bootstrap_iters` None: the harness's own default (its stderr of bootstrapped metrics, e.g. 100000 draws);
-    `tm`: a task_manager(tasks, include) already built (else built here)."""
+    `tm`: a task_manager(tasks, include) already built (else built here). `on_record(records)`, if given, is called
+    with the records so far after every method but the last (the runs are independent: `snlp eval --harness` writes
+    each finished method's files there, so a run cut short keeps them)."""
     import lm_eval
 
     if bootstrap_iters is None:
@@ -605,10 +607,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
             out.append(HarnessRecord(lm.method, diverged=True, harness=json_safe(dict(
                 config=cfg, results={}, diverged=True, error=str(e), tasks=list(tasks), num_fewshot=num_fewshot,
                 apply_chat_template=apply_chat_template))))
-            continue
-        r = json_safe(r)
-        r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
-        out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
+        else:
+            r = json_safe(r)
+            r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
+            out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
+        if on_record is not None and len(out) < len(lms):
+            on_record(list(out))
     return out
 
 

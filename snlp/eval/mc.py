@@ -261,6 +261,7 @@ class MCResult:
     records: list[MCRecord]
     protocol: str = ""  # one caption line naming the scoring protocol (shown above every table)
     shots: int = 0
+    complete: bool = True  # False: the records of the methods scored so far (evaluate_mc's on_record)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -340,6 +341,10 @@ def markdown(result: MCResult) -> str:
              f"accuracy in % with 95 % Wilson interval", ""]
     if result.protocol:
         lines[-1:-1] = [result.protocol]  # the caption line: which protocol produced these numbers
+    if not result.complete:
+        lines[-1:-1] = [f"**PARTIAL**: written while the run was going (or it was cut short there): the methods "
+                        f"scored so far ({', '.join(r.method for r in result.records)}); the JSON says "
+                        f'"complete": false']
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in result.records:
         lines.append(f"| {r.method} | " + " | ".join(_cells(r, result.scoring == "harness")) + " |")

@@ -14,9 +14,11 @@ from snlp.model.gpt import GPT
 
 
 def evaluate_mc(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question] | None = None,
-                preheat: Preheat | None = None) -> MCResult:
+                preheat: Preheat | None = None, on_record=None) -> MCResult:
     """Accuracy of the sequential forward and of each plan on the task's questions (`preheat`: the calibration
-    plans with the preheat init read)."""
+    plans with the preheat init read). `on_record(result)`, if given, is called after every method but the last with
+    the records so far (`complete` False): each method is scored alone, so `snlp eval --task` writes them as it
+    goes and a run cut short keeps them."""
     cfg.check()
     qs = questions if questions is not None else load_task(cfg.task)
     if cfg.limit:
@@ -26,7 +28,7 @@ def evaluate_mc(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question] 
         p.check(model.config.n_layer)
     max_len = cfg.max_len or model.config.sequence_len
     if cfg.scoring == "harness":
-        return evaluate_harness(model, tokenizer, cfg, qs, plans, max_len, preheat)
+        return evaluate_harness(model, tokenizer, cfg, qs, plans, max_len, preheat, on_record)
     predict = predict_letter if cfg.scoring == "letter" else predict_loglik
     records = []
     for method in [None, *plans]:
@@ -35,6 +37,8 @@ def evaluate_mc(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question] 
             preds = predict(model, tokenizer, qs, method, cfg.batch, max_len, preheat)
         except SNLPDivergenceError:  # NaN logits would argmax to choice 0: an "always A" accuracy
             records.append(diverged_record(name, qs))
-            continue
-        records.append(score(preds, qs, name))
+        else:
+            records.append(score(preds, qs, name))
+        if on_record is not None and len(records) <= len(plans):
+            on_record(MCResult(cfg.task, cfg.scoring, list(records), protocol_caption(cfg), complete=False))
     return MCResult(cfg.task, cfg.scoring, records, protocol_caption(cfg))

@@ -153,10 +153,10 @@ def lm_eval_scorer():
 
 
 def evaluate_harness(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question], plans: list[Plan],
-                     max_len: int, preheat: Preheat | None = None) -> MCResult:
+                     max_len: int, preheat: Preheat | None = None, on_record=None) -> MCResult:
     """snlp.eval.mc.evaluate_mc for scoring "harness": acc and acc_norm of the sequential forward and each plan,
     scored by the harness itself when lm-eval is installed (cfg.implementation "auto" or "lm_eval"), else by the
-    copy of the protocol in this module ("auto" without lm-eval, or "snlp")."""
+    copy of the protocol in this module ("auto" without lm-eval, or "snlp"). `on_record`: as evaluate_mc's."""
     pool = load_task(cfg.shot_task) if cfg.shots else []
     shot_layout(questions, pool, cfg.shots)  # refuses, up front, shots the harness cannot express
     harness_mc = None if cfg.implementation == "snlp" else lm_eval_scorer()
@@ -185,8 +185,11 @@ def evaluate_harness(model: GPT, tokenizer, cfg: MCConfig, questions: list[Quest
                 norm = [p == q.answer for p, q in zip(norm_picks, questions)]
         except SNLPDivergenceError:
             records.append(diverged_record(name, questions))
-            continue
-        records.append(harness_record(name, questions, acc, norm))
+        else:
+            records.append(harness_record(name, questions, acc, norm))
+        if on_record is not None and len(records) <= len(plans):
+            on_record(MCResult(cfg.task, cfg.scoring, list(records), f"{protocol_caption(cfg)}; {how}", cfg.shots,
+                               complete=False))
     return MCResult(cfg.task, cfg.scoring, records, f"{protocol_caption(cfg)}; {how}", cfg.shots)
 
 

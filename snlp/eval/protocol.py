@@ -255,12 +255,15 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
 
 # ----- the evaluation -----
 def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), tokenizer=None,
-             preheat: Preheat | None = None) -> list[EvalRecord]:
+             preheat: Preheat | None = None, on_phase=None) -> list[EvalRecord]:
     """Evaluate the sequential model and each plan (str or Plan) on validation token ids
     `val_tokens` (1-D): one EvalRecord per row, plan "sequential" first, then the plans in order
     (duplicates dropped; a string is a comma-separated list, as `--plans` reads it). EmbSim needs `tokenizer` (to
     decode continuations) and the emb extra, else it is None. `preheat`: the calibration that plans with the
-    preheat init read (others ignore it)."""
+    preheat init read (others ignore it). `on_phase(records, done)`, if given, is called with every row's record
+    after each phase but the last: first with the teacher-forced columns (PPL, dPPL, Top-1, LogitSim), then with
+    AR Match and EmbSim too, the speed columns None until the timing (one round-robin over every row) has run: what
+    `snlp eval` writes as it goes, so a run cut short keeps the phases it finished."""
     check_gpt(model)
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # EmbSim decodes with it, last
         raise TypeError(f"tokenizer must be the model's tokenizer (snlp.Tokenizer, e.g. from snlp.load), got "
@@ -275,14 +278,22 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     model.eval()
     wins = windows(val, cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
-    tf = teacher_forced(model, wins, plans, cfg, preheat)
-    gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg, preheat)
-    embs = embedding_sims(gens, tokenizer, device, SEQ) if cfg.emb else {}
-    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
     protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, prompts=cfg.prompts,
                     gen_tokens=cfg.gen_tokens, device=str(device),
                     dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
-    return [_record(plan, L, tf, gens, refs, embs, times, cfg, protocol) for plan in [None, *plans]]
+    tf = teacher_forced(model, wins, plans, cfg, preheat)
+
+    def rows(gens, refs, embs, times) -> list[EvalRecord]:
+        return [_record(plan, L, tf, gens, refs, embs, times, cfg, protocol) for plan in [None, *plans]]
+
+    if on_phase is not None:
+        on_phase(rows({}, {}, {}, None), "PPL, dPPL, Top-1 and LogitSim")
+    gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg, preheat)
+    embs = embedding_sims(gens, tokenizer, device, SEQ) if cfg.emb else {}
+    if on_phase is not None:
+        on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim")
+    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
+    return rows(gens, refs, embs, times)
 
 
 def paired_median(seq_ms: list[float], plan_ms: list[float]) -> float:
@@ -294,20 +305,26 @@ def paired_median(seq_ms: list[float], plan_ms: list[float]) -> float:
 
 
 def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalConfig, protocol: dict) -> EvalRecord:
-    """One row of `evaluate` from the per-phase results, each keyed by row name (plan None = sequential)."""
+    """One row of `evaluate` from the per-phase results, each keyed by row name (plan None = sequential); `times`
+    None: the timing has not run (evaluate's on_phase), the speed columns are None."""
     name = SEQ if plan is None else str(plan)
     ref = None if plan is None else reference_plan(plan)
     ar = ar_match(gens[name], gens[SEQ]) if name in gens else None  # None: diverged
     fused = ar_match(gens[name], refs[name]) if name in gens and ref is not None else None
-    q, t, seq_t = tf[name], times[name], times[SEQ]
+    q = tf[name]
+    speed = {} if times is None else _speed(times[name], times[SEQ])
     return EvalRecord(
         plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
         C=None if plan is None else plan.chunks, M=None if plan is None else plan.fuse,
         init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=q.note,
         delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
         ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens), ar_match_fused=fused,
-        ar_fused_reference=None if ref is None else str(ref), emb_sim=embs.get(name),
-        latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
-        speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
-        prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
+        ar_fused_reference=None if ref is None else str(ref), emb_sim=embs.get(name), **speed,
         ideal_layer_speedup=1.0 if plan is None else plan.ideal_speedup(L), window_ce=q.window_ce, **protocol)
+
+
+def _speed(t: _Timing, seq_t: _Timing) -> dict:
+    """A row's speed columns from its timing and the sequential row's (paired by round)."""
+    return dict(latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
+                speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
+                prefill_speedup=seq_t.prefill_ms / t.prefill_ms)

@@ -30,6 +30,7 @@ from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat, nanochat_depth
+from snlp.io.source import did_you_mean
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
@@ -191,7 +192,8 @@ def checkpoint_dir(path) -> Path:
     if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
         path = path.parent
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; train one with `snlp train --out {path}`")
+        raise FileNotFoundError(f"checkpoint {path} does not exist{did_you_mean(str(path))}; train one with "
+                                f"`snlp train --out {path}`")
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} is not a directory (expected {WEIGHTS} + {CONFIG} inside)")
     return path

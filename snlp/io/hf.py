@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import Tokenizer
+from snlp.io.source import check_source, did_you_mean
 from snlp.io.weights import check_finite
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
@@ -171,7 +172,7 @@ def _load_hf(src: str, dtype):
     kw = {"dtype": dtype} if dtype is not None else {}
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
+            raise FileNotFoundError(f"GGUF file {path} does not exist{did_you_mean(src)}")
         try:
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             _architecture(cfg)
@@ -184,6 +185,7 @@ def _load_hf(src: str, dtype):
         except Exception as e:  # the gguf reader raises assorted errors on a truncated/corrupt file
             raise ValueError(f"corrupt or unreadable GGUF file {path} ({type(e).__name__}: {e})") from e
         return m, t
+    check_source(src, "model")  # a typo of a local path is refused here, not sent to the hub (snlp.io.source)
     if path.exists() or src.startswith((".", "/", "~")) or src.count("/") > 1:
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
@@ -198,7 +200,7 @@ def _load_hf(src: str, dtype):
     try:
         cfg = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model config of {src!r}: {e}") from e
+        raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}") from e
     _architecture(cfg)
     config_from_hf(cfg)  # unsupported options fail before the weights load
     try:

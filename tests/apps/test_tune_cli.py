@@ -44,7 +44,7 @@ def test_tune_prints_the_table_and_pick_and_writes_json(ckpt, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "ssd pick:" in text and "| > " in text and "pred x" in text and "meas x" in text
     d = json.loads(out.read_text())
-    assert d["config"]["max_dppl"] == 0.5 and d["config"]["threads"] == [1]
+    assert d["complete"] is True and d["config"]["max_dppl"] == 0.5 and d["config"]["threads"] == [1]
     assert {c["goal"] for c in d["candidates"]} == {"ssd", "snlp"}
     ssd = [c for c in d["candidates"] if c["goal"] == "ssd" and c["measured"]]
     assert ssd and all(c["matches_sequential"] for c in ssd)
@@ -54,6 +54,24 @@ def test_tune_prints_the_table_and_pick_and_writes_json(ckpt, tmp_path, capsys):
     # no --full-grid: the shortlist's validation did not run, and neither the JSON nor the text claims it did
     assert d["grid_best"] is None and d["pick_vs_best"] is None
     assert "full-grid validation: not run" in text and "pick / best" not in text
+
+
+def test_tune_cut_in_stage_2_keeps_stage_1_marked_partial(ckpt, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or a kill) in stage 2 lost the minutes of stage 1: --json now holds its predictions and shortlist,
+    marked partial, with no pick (the pick is the best measured candidate), and the last line says so."""
+    import snlp.bench.tune as tune
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune, "measure_ssd", cut)
+    out = tmp_path / "tune.json"
+    assert main(_args(ckpt, "--json", str(out))) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("snlp tune: interrupted; kept stage 1 (") and str(out) in line, line
+    d = json.loads(out.read_text())
+    assert d["complete"] is False and "picks" not in d and d["quality"] and d["costs"]
+    assert any(c["shortlisted"] for c in d["candidates"]) and not any(c["measured"] for c in d["candidates"])
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -43,3 +43,19 @@ def test_same_windows_compare_and_other_windows_are_refused(tmp_path):
     assert out.returncode == 2 and "has no row for 4xF1-h0-K1" in out.stderr
     out = run(f"a={a}", f"b={b}", "--against", "c")
     assert out.returncode == 2 and "--against 'c' is not one of the arms" in out.stderr
+
+
+def test_a_partial_eval_file_is_compared_and_said_to_be_partial(tmp_path):
+    """`snlp eval` cut short after its teacher-forced phase leaves {"complete": false, "done", "records"} with every
+    PPL column: compared like a finished file (it failed on the object), with a line saying it is partial."""
+    seq = [3.0, 3.1, 2.9, 3.2, 3.05, 2.95, 3.15, 3.0]
+    a = arm(tmp_path / "a.json", seq, [x + 0.10 for x in seq])
+    rows = json.loads(Path(a).read_text())
+    (tmp_path / "p.json").write_text(json.dumps({"complete": False, "done": "PPL, dPPL, Top-1 and LogitSim",
+                                                 "records": rows}))
+    out = run(f"a={a}", f"p={tmp_path / 'p.json'}")
+    assert out.returncode == 0, out.stderr
+    assert "arm p: " in out.stdout and "is PARTIAL" in out.stdout and "| p | " in out.stdout
+    (tmp_path / "x.json").write_text(json.dumps({"rows": rows}))
+    out = run(f"a={a}", f"x={tmp_path / 'x.json'}")
+    assert out.returncode == 2 and "is not an `snlp eval --json` file" in out.stderr

@@ -330,6 +330,38 @@ def test_cli_harness_force_replaces_only_the_files_the_run_writes(tasks, tmp_pat
     assert (out / "2xF1-h0-K2.json").read_text() == (out / "notes.txt").read_text() == "an earlier run's\n"
 
 
+def test_cli_harness_cut_short_keeps_the_finished_methods(tasks, tmp_path, capsys, monkeypatch):
+    """Each method is its own harness run: a run cut short (here Ctrl-C as the second method starts) keeps the
+    finished methods' JSON, table.md and --json marked partial, and says where; the results were written only after
+    the last method."""
+    import lm_eval
+
+    from snlp.io.checkpoint import save_checkpoint
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    real, calls = lm_eval.simple_evaluate, []
+
+    def cut_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", cut_second)
+    out = tmp_path / "out"
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "1",
+                 "--num-fewshot", "0", "--plans", "2xF1-h0-K1", "--harness-out", str(out), "--device", "cpu",
+                 "--json", str(tmp_path / "h.json")]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"snlp eval: interrupted; kept the results of 1 of 2 methods (sequential) in {out}"), line
+    assert sorted(p.name for p in out.iterdir()) == ["sequential.json", "table.md"]
+    assert "snlp_arc_tiny" in json.loads((out / "sequential.json").read_text())["results"]
+    assert "**PARTIAL**" in (out / "table.md").read_text()
+    assert json.loads((tmp_path / "h.json").read_text())["complete"] is False
+
+
 @pytest.mark.parametrize("kw,says", [(dict(max_length=0), "max_length must be >= 1"),
                                      (dict(block=0), "block (the speculative draft length) must be >= 1"),
                                      (dict(decode="greedy"), "decode='greedy': use one of"),

@@ -317,8 +317,11 @@ def test_missing_and_corrupt_sources(tmp_path):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     with pytest.raises(ValueError, match="GGUF"):
         from_hf(str(bad))
-    with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a directory"):
+    with pytest.raises(FileNotFoundError, match="missing_dir does not exist"):  # never sent to the hub
         from_hf(str(tmp_path / "missing_dir"))
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a directory"):
+        from_hf(str(tmp_path / "weights.txt"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_hf(str(tmp_path / "empty"))

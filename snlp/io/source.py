@@ -1,0 +1,95 @@
+"""Which model names are local paths and which are Hugging Face hub ids, decided before anything loads.
+
+transformers reads any name that is not a folder as a hub id: a typo of a local folder (`runs/idnn`) then waits
+on the network (offline: about 23 s of retries) and fails with a message about connectivity, where a missing
+checkpoint should be named at once. The rule, the same for every command and for `snlp.from_hf`:
+
+    a name that exists here is a local path; otherwise it is a hub id only when written `org/name` (exactly one
+    '/', not starting with '.', '/' or '~', no folder `org` here, no file extension such as .gguf or .json);
+    with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set, a hub id must also be in the local hub cache.
+
+Any other name is a local path that does not exist: refused in one line, with the closest names beside it.
+Nothing here imports torch or transformers (the CLI asks before the library loads) or touches the network.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+
+# org/name as the hub spells repository ids (huggingface_hub's validate_repo_id, with the org required: every
+# model family snlp converts is published under one)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# suffixes of files, never of a hub repository: a name with one is a path ("Qwen2.5-0.5B" has the suffix ".5B")
+FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt", ".npz", ".jsonl")
+TRUE = ("1", "on", "yes", "true")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value (the hub's own reading of them)."""
+    return any(os.environ.get(v, "").strip().lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def is_hub_id(name: str) -> bool:
+    """`name` (which does not exist here) is written as a hub id by the module's rule, cache aside."""
+    if not HUB_ID.fullmatch(name) or ".." in name or name.endswith("."):
+        return False
+    org = name.split("/", 1)[0]
+    return not Path(org).expanduser().exists() and Path(name).suffix.lower() not in FILE_SUFFIXES
+
+
+def in_hub_cache(name: str) -> bool:
+    """The hub cache holds `name`'s config.json (read from disk; huggingface_hub comes with transformers)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - no hub client, so no cache either
+        return False
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def did_you_mean(name: str) -> str:
+    """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
+    path = Path(name).expanduser()
+    parent, missing = path.parent, path.name
+    while not parent.is_dir() and parent != parent.parent:  # the first missing part is the one to match
+        parent, missing = parent.parent, parent.name
+    try:
+        siblings = [p.name for p in parent.iterdir() if not p.name.startswith(".")]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(missing, siblings, n=3, cutoff=0.6)
+    if not close:
+        return ""
+    typed = name.rstrip("/")
+    if missing == path.name and typed.endswith(missing):  # the last part: keep the name as the user wrote it
+        shown = [typed[:len(typed) - len(missing)] + c for c in close]
+    else:
+        shown = [str(parent / c) for c in close]
+    return f"; did you mean {' or '.join(shown)}?"
+
+
+def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | None:
+    """Why `name` names nothing to load (a one-line message), or None: it exists here, or (`hub`) it is a hub id by
+    the rule above. `hub` False: only local paths are read (a checkpoint folder)."""
+    name = str(name)
+    if Path(name).expanduser().exists():
+        return None
+    if hub and is_hub_id(name):
+        if hub_offline() and not in_hub_cache(name):
+            return (f"{what} {name} is not a path here, and as a hub id it is not in the hub cache while "
+                    f"HF_HUB_OFFLINE is set{did_you_mean(name)}")
+        return None
+    org = name.split("/", 1)[0]
+    why = ("" if not hub or name.startswith((".", "/", "~")) else
+           " (nor is it a hub id: those are written org/name)" if "/" not in name else
+           f" (nor is it a hub id: {org} is a folder here)" if Path(org).expanduser().is_dir() else "")
+    return f"{what} {name} does not exist{why}{did_you_mean(name)}"
+
+
+def check_source(name, what: str = "checkpoint", hub: bool = True) -> None:
+    """Raise FileNotFoundError (one line) where missing_source says `name` names nothing to load."""
+    message = missing_source(name, what, hub)
+    if message:
+        raise FileNotFoundError(message)

@@ -1,0 +1,113 @@
+"""`snlp eval` cut short keeps the phases it finished: --json and --markdown are rewritten after the teacher-forced
+phase and after AR Match / EmbSim, marked partial ({"complete": false, ...} and a PARTIAL line), and Ctrl-C ends it
+with status 130 and one line naming what was kept and where. The finished file is the list of records, as before.
+The cut is a KeyboardInterrupt raised where the timing phase starts (what Ctrl-C raises there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_model
+
+from snlp.apps.cli import main
+from snlp.io.checkpoint import save_checkpoint
+from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+        "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 6
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalpartial")
+    data = root / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{i}: {TEXT}"}) + "\n" for i in range(40)))
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    return save_checkpoint(root / "tiny", model, tokenizer=tok), data, root / "cache"
+
+
+def _args(ckpt, tmp_path):
+    path, data, cache = ckpt
+    return ["eval", str(path), "--data", str(data), "--cache-dir", str(cache), "--plans", "2xF1-h0-K1,2xF1-h0-K2",
+            "--seq-len", "32", "--max-tokens", "64", "--prompts", "2", "--prompt-len", "6", "--gen-tokens", "4",
+            "--runs", "1", "--warmup", "0", "--time-tokens", "2", "--no-emb", "--no-progress", "--threads", "1",
+            "--json", str(tmp_path / "e.json"), "--markdown", str(tmp_path / "e.md")]
+
+
+def test_eval_cut_in_the_timing_keeps_the_quality_columns_marked_partial(ckpt, tmp_path, monkeypatch, capsys):
+    import snlp.eval.protocol as protocol
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(protocol, "time_plans", cut)
+    assert main(_args(ckpt, tmp_path)) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("snlp eval: interrupted; kept every row's PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim "
+                           f"in {tmp_path / 'e.json'} and {tmp_path / 'e.md'}"), line
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert data["complete"] is False and [r["plan"] for r in data["records"]] == ["sequential", "2xF1-h0-K1",
+                                                                                    "2xF1-h0-K2"]
+    for r in data["records"]:
+        assert r["ppl"] > 1 and r["ar_match"] is not None and r["speedup"] is None and r["latency_ms"] is None
+    assert (tmp_path / "e.md").read_text().startswith("**PARTIAL**")
+
+
+def test_a_finished_eval_writes_the_list_of_records_as_before(ckpt, tmp_path, monkeypatch):
+    import snlp.eval.protocol as protocol
+
+    phases = []
+    real = protocol.evaluate
+
+    def spy(*a, on_phase=None, **k):  # the partial files were written on the way
+        def seen(records, done):
+            phases.append((done, json.loads((tmp_path / "e.json").read_text()) if phases else None))
+            on_phase(records, done)
+        return real(*a, on_phase=seen, **k)
+
+    monkeypatch.setattr(protocol, "evaluate", spy)
+    assert main(_args(ckpt, tmp_path)) == 0
+    records = json.loads((tmp_path / "e.json").read_text())
+    assert isinstance(records, list) and all(r["speedup"] is not None for r in records)
+    assert "PARTIAL" not in (tmp_path / "e.md").read_text()
+    assert [d for d, _ in phases] == ["PPL, dPPL, Top-1 and LogitSim", "PPL, dPPL, Top-1, LogitSim, AR Match and "
+                                                                      "EmbSim"]
+    assert phases[1][1]["complete"] is False and all(r["ar_match"] is None for r in phases[1][1]["records"])
+
+
+@pytest.mark.parametrize("scoring, predict", [("letter", "predict_letter"), ("harness", None)])
+def test_eval_task_cut_short_keeps_the_methods_scored(scoring, predict, ckpt, tmp_path, monkeypatch, capsys):
+    """--task scores each method alone: a run cut short (Ctrl-C as the second method starts) keeps the first's
+    accuracy in --json and --markdown, marked partial; the finished JSON says "complete": true."""
+    from pathlib import Path
+
+    import snlp.eval.mc_eval as mc_eval
+    import snlp.eval.mc_harness as mc_harness
+
+    arc = Path(__file__).resolve().parents[1] / "data" / "arc" / "ARC-Easy-Test-head.jsonl"
+    argv = ["eval", str(ckpt[0]), "--task", f"mc:{arc}", "--mc-limit", "3", "--mc-scoring", scoring, "--plans",
+            "2xF1-h0-K1", "--threads", "1", "--json", str(tmp_path / "mc.json"), "--markdown", str(tmp_path / "mc.md")]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "mc.json").read_text())["complete"] is True
+    mod, name = (mc_eval, predict) if predict else (mc_harness, "harness_record")
+    real, calls = getattr(mod, name), []
+
+    def cut_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, name, cut_second)
+    assert main(argv) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("snlp eval: interrupted; kept the accuracy of sequential in "), line
+    data = json.loads((tmp_path / "mc.json").read_text())
+    assert data["complete"] is False and [r["method"] for r in data["records"]] == ["sequential"]
+    assert "**PARTIAL**" in (tmp_path / "mc.md").read_text()

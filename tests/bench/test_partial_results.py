@@ -1,0 +1,167 @@
+"""A long `snlp bench` run cut short keeps every part it finished: the suites (paper, train) and --vs-paper rewrite
+their JSON and markdown atomically after each part, marked partial ("complete": false, a **PARTIAL** line) until the
+last part is written, and Ctrl-C ends the command with status 130 and one line naming the files kept. The cut is a
+KeyboardInterrupt raised where the next part would start (what Ctrl-C raises there)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from snlp.apps.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def interrupted_on_call(n: int, real):
+    """`real`, except that its n-th call raises KeyboardInterrupt."""
+    calls = []
+
+    def fn(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    return fn
+
+
+def last_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_paper_suite_cut_short_keeps_its_finished_parts_marked_partial(tmp_path, monkeypatch, capsys):
+    import snlp.bench.suite as suite
+
+    monkeypatch.setattr(suite, "_decode", interrupted_on_call(1, suite._decode))  # after the first prefill part
+    out = tmp_path / "s"
+    rc = main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager", "--device", "cpu",
+               "--out", str(out)])
+    line = last_line(capsys)
+    assert rc == 130
+    assert line.startswith("snlp bench: interrupted; kept the parts that had finished in ") and str(out / "suite.json") \
+        in line and str(out / "suite.md") in line, line
+    data = json.loads((out / "suite.json").read_text())
+    assert data["complete"] is False and [r["kind"] for r in data["records"]] == ["prefill"] * 4
+    assert "**PARTIAL**" in (out / "suite.md").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_a_finished_paper_suite_says_complete(tmp_path):
+    from snlp.bench.suite import SuiteConfig, run_suite
+
+    result = run_suite(SuiteConfig(quick=True, shapes=("0.5B",), device="cpu", treatments=("eager",), decode=False,
+                                   out=str(tmp_path)))
+    assert json.loads((tmp_path / "suite.json").read_text())["complete"] is True
+    assert "PARTIAL" not in (tmp_path / "suite.md").read_text() and result.complete
+
+
+def test_train_suite_cut_short_keeps_its_finished_variants(tmp_path, monkeypatch, capsys):
+    import snlp.bench.train as train
+
+    monkeypatch.setattr(train, "run_variant", interrupted_on_call(2, train.run_variant))
+    out = tmp_path / "t"
+    rc = main(["bench", "--suite", "train", "--quick", "--treatments", "eager", "--regs", "none,idn", "--device",
+               "cpu", "--out", str(out)])
+    assert rc == 130 and str(out / "train.json") in last_line(capsys)
+    data = json.loads((out / "train.json").read_text())
+    assert data["complete"] is False and [r["reg"] for r in data["records"]] == ["none"]
+    assert "**PARTIAL**" in (out / "train.md").read_text()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT.parent / "shared" / "anchors" / "nanochat-snlp"
+
+
+@pytest.mark.skipif(not (PAPER / "nanochat" / "gpt.py").is_file(), reason="no checkout of the paper's code beside "
+                                                                          "the repository")
+def test_vs_paper_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch, capsys):
+    import snlp.bench.vs_paper as vs_paper
+
+    def first_shape_then_cut(shape, cfg, code, dev, result):  # the first shape ends with no rows, the next is cut
+        if shape.key != cfg.shapes[0]:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(vs_paper, "_run_shape", first_shape_then_cut)
+    out = tmp_path / "v"
+    rc = main(["bench", "--vs-paper", str(PAPER), "--quick", "--shapes", "0.5B,3B", "--device", "cpu", "--out",
+               str(out)])
+    assert rc == 130 and str(out / "vs_paper.json") in last_line(capsys)
+    assert json.loads((out / "vs_paper.json").read_text())["complete"] is False
+    assert "**PARTIAL**" in (out / "vs_paper.md").read_text()
+
+
+def test_ctrl_c_before_any_part_finished_says_nothing_was_written(tmp_path, monkeypatch, capsys):
+    import snlp.bench.suite as suite
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "benchmark", cut)
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "suite.json").write_text("{}")  # an earlier run's file: not this run's to claim
+    assert main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager", "--device",
+                 "cpu", "--out", str(tmp_path / "s")]) == 130
+    assert last_line(capsys) == "snlp bench: interrupted; no part had finished: nothing written"
+
+
+@pytest.mark.parametrize("argv, default", [
+    (["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager"], "bench-suite"),
+    (["bench", "--suite", "train", "--quick"], "bench-suite"),
+    (["selfcheck", "--quick", "--device", "cpu"], "selfcheck"),
+])
+def test_a_default_out_that_cannot_be_written_is_refused_before_any_work(argv, default, tmp_path, monkeypatch,
+                                                                         capsys):
+    """The CLI checks the output paths typed; these commands write a default folder too, which failed (a traceback)
+    after the first part had run. A file where the folder would go stands for any folder that cannot be written."""
+    import snlp.bench.selfcheck as selfcheck
+    import snlp.bench.suite as suite
+    import snlp.bench.train as train
+
+    def work(*a, **k):
+        raise AssertionError("the work started")
+
+    for mod, name in ((suite, "_run"), (train, "run_variant"), (selfcheck, "selfcheck")):
+        monkeypatch.setattr(mod, name, work)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / default).write_text("not a folder")
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"snlp {argv[0]}: error: ") and f"{default} exists and is a file" in line, line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--depth", "2", "--json", "{p}"], "--json"),
+    (["eval", "{ck}", "--plans", "1xF1-h0-K1", "--markdown", "{p}"], "--markdown"),
+    (["tune", "{ck}", "--json", "{p}"], "--json"),
+    (["bench", "--suite", "paper", "--quick", "--out", "{p}"], "--out"),
+])
+def test_a_second_run_writing_the_same_output_is_refused_at_once(argv, flag, tmp_path, capsys):
+    """Two runs rewriting one file as they go interleaved their rows (eval, tune) or left one run's suite.json beside
+    the other's suite.md: while a run holds an output path, a second is refused in one line, before any work."""
+    from snlp.runtime.outputs import locked_output
+
+    path = tmp_path / "result"
+    with locked_output(path):  # the first run, in progress
+        rc = main([a.replace("{p}", str(path)).replace("{ck}", str(tmp_path / "ck")) for a in argv])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith(f"snlp {argv[0]}: error: {flag} {path} is in use by a run in progress"), line
+    assert not path.exists()
+
+
+def test_ctrl_c_in_a_one_round_robin_benchmark_says_nothing_was_written(tmp_path, monkeypatch, capsys):
+    """The forward benchmark times every row in one round-robin: no row is finished before all are, so it writes
+    once, at the end, and Ctrl-C says so instead of leaving the user to look for a file."""
+    import snlp.bench.forward as forward
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward, "benchmark", cut)
+    assert main(["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+                 "1xF1-h0-K1", "--json", str(tmp_path / "b.json")]) == 130
+    assert last_line(capsys) == ("snlp bench: interrupted; this run writes its records once every round has run: "
+                                 "nothing written")
+    assert not (tmp_path / "b.json").exists()
