@@ -6,6 +6,7 @@ KeyboardInterrupt raised where the next part would start (what Ctrl-C raises the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -71,12 +72,15 @@ def test_train_suite_cut_short_keeps_its_finished_variants(tmp_path, monkeypatch
     assert "**PARTIAL**" in (out / "train.md").read_text()
 
 
+# the checkout tests/bench/test_vs_paper.py loads, in its order: a process imports the paper's `nanochat` from one
+# root only (a second root is refused), and these tests share xdist workers
 ROOT = Path(__file__).resolve().parents[2]
-PAPER = ROOT.parent / "shared" / "anchors" / "nanochat-snlp"
+PAPER = next((Path(p) for p in (os.environ.get("SNLP_PAPER_CODE", ""), ROOT / ".paper" / "nanochat-snlp",
+                                ROOT.parent / "shared" / "anchors" / "nanochat-snlp")
+              if p and (Path(p) / "nanochat" / "gpt.py").is_file()), None)
 
 
-@pytest.mark.skipif(not (PAPER / "nanochat" / "gpt.py").is_file(), reason="no checkout of the paper's code beside "
-                                                                          "the repository")
+@pytest.mark.skipif(PAPER is None, reason="no checkout of the paper's code beside the repository")
 def test_vs_paper_cut_short_keeps_its_finished_shapes(tmp_path, monkeypatch, capsys):
     import snlp.bench.vs_paper as vs_paper
 
