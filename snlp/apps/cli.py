@@ -244,11 +244,30 @@ def output_locks(parser: argparse.ArgumentParser, args):
     runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two runs writing
     one --json or --out replaced each other's results (the last to finish won), and, as they rewrite their files
     after every part, took turns in them while both ran. Not locked: the folders a command writes by default (a
-    forward benchmark writes none) and a path whose folder does not exist yet."""
+    forward benchmark writes none). A path whose folder does not exist yet is locked too (its lock file lives in
+    that folder, which the first run creates when it writes there: a lock skipped until then let a second run take
+    it meanwhile); the folders made for the lock are removed at the end where they are still empty, so a run refused
+    for bad input leaves none behind."""
     import os
     from contextlib import ExitStack
 
     from snlp.runtime.outputs import lock_path, locked_output
+
+    def made(folder):
+        """The folders of `folder`'s path that do not exist yet, deepest first."""
+        folder = folder.absolute()
+        missing = []
+        while not folder.exists() and folder != folder.parent:
+            missing.append(folder)
+            folder = folder.parent
+        return missing
+
+    def remove_empty(folders) -> None:
+        for f in folders:
+            try:
+                f.rmdir()  # only while empty: the run's results keep their folder
+            except OSError:
+                return
 
     stack = ExitStack()
     if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
@@ -259,9 +278,8 @@ def output_locks(parser: argparse.ArgumentParser, args):
     try:
         for dest in dict.fromkeys(dests):
             value = getattr(args, dest, None)
-            # only beside a folder that exists: a run refused for bad input creates no folder (one that does not
-            # exist yet holds no other run's output either, until that run writes there)
-            if isinstance(value, str) and value and value != sub.get_default(dest) and lock_path(value).parent.is_dir():
+            if isinstance(value, str) and value and value != sub.get_default(dest):
+                stack.callback(remove_empty, made(lock_path(value).parent))  # runs after the lock is released
                 stack.enter_context(locked_output(value, "--" + dest.replace("_", "-")))
     except BaseException:
         stack.close()

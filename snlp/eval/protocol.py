@@ -291,7 +291,9 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     gens, refs = generations(model, prompts, [p for p in plans if tf[str(p)].note != "diverged"], cfg, preheat)
     embs = embedding_sims(gens, tokenizer, device, SEQ) if cfg.emb else {}
     if on_phase is not None:
-        on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim")
+        # EmbSim only where it was computed (--no-emb, no tokenizer or no emb extra: its column stays empty)
+        on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim" if embs else
+                 "PPL, dPPL, Top-1, LogitSim and AR Match")
     times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
     return rows(gens, refs, embs, times)
 

@@ -6,7 +6,9 @@ checkpoint should be named at once. The rule, the same for every command and for
 
     a name that exists here is a local path; otherwise it is a hub id only when written `org/name` (exactly one
     '/', not starting with '.', '/' or '~', no folder `org` here, no file extension such as .gguf or .json);
-    with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set, a hub id must also be in the local hub cache.
+    with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set, a hub id must also be in the local hub cache. A name the
+    hub cache holds is a hub id however it is written (`gpt2`, or `org/name` beside a folder `org`): transformers
+    loads it from there, offline too.
 
 Any other name is a local path that does not exist: refused in one line, with the closest names beside it.
 Nothing here imports torch or transformers (the CLI asks before the library loads) or touches the network.
@@ -46,7 +48,10 @@ def in_hub_cache(name: str) -> bool:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - no hub client, so no cache either
         return False
-    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repository id (a path with '\\', 'a/b/c'): the hub holds nothing by that name
+        return False
 
 
 def did_you_mean(name: str) -> str:
@@ -81,9 +86,12 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
             return (f"{what} {name} is not a path here, and as a hub id it is not in the hub cache while "
                     f"HF_HUB_OFFLINE is set{did_you_mean(name)}")
         return None
+    if hub and in_hub_cache(name):  # what transformers loads from the cache (a bare `gpt2`, org/name beside `org/`)
+        return None
     org = name.split("/", 1)[0]
     why = ("" if not hub or name.startswith((".", "/", "~")) else
-           " (nor is it a hub id: those are written org/name)" if "/" not in name else
+           " (nor is it a hub id: snlp reads a missing name as one only when written org/name or in the hub cache)"
+           if "/" not in name else
            f" (nor is it a hub id: {org} is a folder here)" if Path(org).expanduser().is_dir() else "")
     return f"{what} {name} does not exist{why}{did_you_mean(name)}"
 

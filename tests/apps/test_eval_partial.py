@@ -49,7 +49,8 @@ def test_eval_cut_in_the_timing_keeps_the_quality_columns_marked_partial(ckpt, t
     monkeypatch.setattr(protocol, "time_plans", cut)
     assert main(_args(ckpt, tmp_path)) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("snlp eval: interrupted; kept every row's PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim "
+    # --no-emb: the EmbSim column is empty, so the line does not claim it was kept
+    assert line.startswith("snlp eval: interrupted; kept every row's PPL, dPPL, Top-1, LogitSim and AR Match "
                            f"in {tmp_path / 'e.json'} and {tmp_path / 'e.md'}"), line
     data = json.loads((tmp_path / "e.json").read_text())
     assert data["complete"] is False and [r["plan"] for r in data["records"]] == ["sequential", "2xF1-h0-K1",
@@ -76,8 +77,7 @@ def test_a_finished_eval_writes_the_list_of_records_as_before(ckpt, tmp_path, mo
     records = json.loads((tmp_path / "e.json").read_text())
     assert isinstance(records, list) and all(r["speedup"] is not None for r in records)
     assert "PARTIAL" not in (tmp_path / "e.md").read_text()
-    assert [d for d, _ in phases] == ["PPL, dPPL, Top-1 and LogitSim", "PPL, dPPL, Top-1, LogitSim, AR Match and "
-                                                                      "EmbSim"]
+    assert [d for d, _ in phases] == ["PPL, dPPL, Top-1 and LogitSim", "PPL, dPPL, Top-1, LogitSim and AR Match"]
     assert phases[1][1]["complete"] is False and all(r["ar_match"] is None for r in phases[1][1]["records"])
 
 

@@ -116,3 +116,33 @@ def test_an_existing_path_is_always_local_and_a_checkpoint_flag_takes_no_hub_id(
     assert missing_source("org/name") is None
     assert "does not exist" in missing_source("other/name", hub=False)
     assert did_you_mean("org/nmae") == "; did you mean org/name?"
+
+
+def fake_hub_cache(root, repo: str) -> None:
+    """The hub cache's layout for `repo` (huggingface_hub's models--org--name/refs/main + snapshots/SHA/), holding
+    a config.json: what try_to_load_from_cache finds, offline."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    d = root / f"models--{repo.replace('/', '--')}"
+    (d / "refs").mkdir(parents=True)
+    (d / "refs" / "main").write_text(sha)
+    (d / "snapshots" / sha).mkdir(parents=True)
+    (d / "snapshots" / sha / "config.json").write_text("{}")
+
+
+@pytest.mark.parametrize("name", ["someorg/cached-model", "gpt2"])
+def test_a_name_the_hub_cache_holds_goes_to_the_hub_however_it_is_written(name, hub, tmp_path, monkeypatch, capsys):
+    """transformers loads a cached hub id from the cache, offline too: a bare `gpt2` (a hub id with no org) and an
+    org/name beside a local folder `org` (e.g. one that `huggingface-cli download --local-dir org/other` made) were
+    refused as typos of local paths, with the false claim that they are no hub id."""
+    import huggingface_hub.constants as hc
+
+    cache = tmp_path / "cache"
+    fake_hub_cache(cache, name)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "someorg" / "other-model").mkdir(parents=True)
+    assert missing_source(name, "model") is None
+    assert main(["convert", name, "--out", str(tmp_path / "o")]) == 2  # the hub's entry point, replaced, raises
+    assert hub == [name]
+    assert "nor is it a hub id" in missing_source("someorg/not-cached", "model")  # a typo of the folder stays refused

@@ -169,3 +169,35 @@ def test_ctrl_c_in_a_one_round_robin_benchmark_says_nothing_was_written(tmp_path
     assert last_line(capsys) == ("snlp bench: interrupted; this run writes its records once every round has run: "
                                  "nothing written")
     assert not (tmp_path / "b.json").exists()
+
+
+def test_an_output_whose_folder_does_not_exist_yet_is_locked_too(tmp_path, monkeypatch, capsys):
+    """`--json runs/new/b.json` with runs/new not there yet: the first run created the folder only when it wrote, so a
+    second run started meanwhile took the lock and both wrote the file (the last to finish won). The second run is
+    started here while the first is in its benchmark; the first, cut short, leaves no folder it made for the lock."""
+    import snlp.bench.forward as forward
+
+    path = tmp_path / "runs" / "new" / "b.json"
+    argv = ["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+            "1xF1-h0-K1", "--json", str(path)]
+    second = []
+
+    def first_run(*a, **k):  # the second run starts while the first is here
+        if second:
+            raise AssertionError("the second run was not refused: it started its benchmark")
+        second.append(None)
+        second.append(main(argv))
+        second.append(capsys.readouterr().err.strip().splitlines()[-1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward, "benchmark", first_run)
+    assert main(argv) == 130
+    assert second[1] == 2 and second[2].startswith(f"snlp bench: error: --json {path} is in use by a run in progress "
+                                                   f"(pid {os.getpid()})"), second
+    assert not (tmp_path / "runs").exists()  # nothing was written: the folders made for the lock are gone
+
+
+def test_a_run_refused_for_bad_input_leaves_no_folder_for_its_lock(tmp_path, capsys):
+    path = tmp_path / "new" / "deeper" / "b.json"
+    assert main(["bench", "--depth", "2", "--plans", "not-a-plan", "--json", str(path)]) == 2
+    assert "error" in last_line(capsys) and not (tmp_path / "new").exists()
