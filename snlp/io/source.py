@@ -57,6 +57,8 @@ def in_hub_cache(name: str) -> bool:
 def did_you_mean(name: str) -> str:
     """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
     path = Path(name).expanduser()
+    if path.exists():  # not a typo ('~/ckpt' quoted, which a loader that does not expand '~' misses): no suggestion
+        return ""
     parent, missing = path.parent, path.name
     while not parent.is_dir() and parent != parent.parent:  # the first missing part is the one to match
         parent, missing = parent.parent, parent.name

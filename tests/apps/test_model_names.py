@@ -146,3 +146,12 @@ def test_a_name_the_hub_cache_holds_goes_to_the_hub_however_it_is_written(name, 
     assert main(["convert", name, "--out", str(tmp_path / "o")]) == 2  # the hub's entry point, replaced, raises
     assert hub == [name]
     assert "nor is it a hub id" in missing_source("someorg/not-cached", "model")  # a typo of the folder stays refused
+
+
+def test_no_suggestion_of_the_name_itself(tmp_path, monkeypatch):
+    """'~/ckpt' (quoted, so the shell left '~'): the loaders read it literally and find nothing, while '~/ckpt'
+    expanded exists; the error said 'checkpoint ~/ckpt does not exist; did you mean ~/ckpt?'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    assert did_you_mean("~/ckpt") == ""
+    assert did_you_mean("~/ckpf") == "; did you mean ~/ckpt?"
