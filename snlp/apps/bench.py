@@ -309,6 +309,8 @@ def default_out_writable(args, out) -> None:
 
     if out and args.out == "bench-suite":
         check_output_dir(out, "the default --out")
+        if "out" not in getattr(args, "given", ()):  # held while the run goes, as a typed one (snlp.apps.cli)
+            getattr(args, "hold_output", lambda *a: None)(str(out), "--out")
 
 
 def interrupt_hint(args) -> str:

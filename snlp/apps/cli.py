@@ -243,8 +243,8 @@ def output_locks(parser: argparse.ArgumentParser, args):
     eval, tune, selfcheck), a lock on every output path typed (snlp.runtime.outputs.locked_output), held while it
     runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two runs writing
     one --json or --out replaced each other's results (the last to finish won), and, as they rewrite their files
-    after every part, took turns in them while both ran. Not locked: the folders a command writes by default (a
-    forward benchmark writes none). A path whose folder does not exist yet is locked too (its lock file lives in
+    after every part, took turns in them while both ran. A default folder is locked by the command that writes it,
+    through args.hold_output(path, flag), once its input is checked (a forward benchmark writes none). A path whose folder does not exist yet is locked too (its lock file lives in
     that folder, which the first run creates when it writes there: a lock skipped until then let a second run take
     it meanwhile); the folders made for the lock are removed at the end where they are still empty, so a run refused
     for bad input leaves none behind."""
@@ -270,17 +270,27 @@ def output_locks(parser: argparse.ArgumentParser, args):
                 return
 
     stack = ExitStack()
+    args.hold_output = lambda value, flag: None
     if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
         return stack  # under torchrun every rank parses the same flags: rank 0 holds the locks
     sub = parser.commands[args.command]
     dests = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
         getattr(args.module, "OUTPUT_DIRS", ()))
+    given = getattr(args, "given", frozenset())
+
+    def hold(value: str, flag: str) -> None:
+        stack.callback(remove_empty, made(lock_path(value).parent))  # runs after the lock is released
+        stack.enter_context(locked_output(value, flag))
+
+    # the default folder a run writes (a suite's bench-suite, selfcheck's selfcheck, --harness's harness-NAME): two
+    # runs in one folder shared it as well. The command holds it once its input is checked (args.hold_output), so a
+    # run refused for bad input never stands in another's way
+    args.hold_output = hold
     try:
-        for dest in dict.fromkeys(dests):
+        for dest in dict.fromkeys(dests):  # typed (a default typed out too: `--out selfcheck`)
             value = getattr(args, dest, None)
-            if isinstance(value, str) and value and value != sub.get_default(dest):
-                stack.callback(remove_empty, made(lock_path(value).parent))  # runs after the lock is released
-                stack.enter_context(locked_output(value, "--" + dest.replace("_", "-")))
+            if isinstance(value, str) and value and (dest in given or value != sub.get_default(dest)):
+                hold(value, "--" + dest.replace("_", "-"))
     except BaseException:
         stack.close()
         raise

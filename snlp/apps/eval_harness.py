@@ -164,6 +164,8 @@ def run(args) -> int:
         lms.append(SNLPLM(pretrained=model, drafter=args.drafter, decode="speculative", **common))
     methods = [lm.method for lm in lms]  # as planned_methods named them; checked again from the built models
     check_method_files(methods)
+    if not args.harness_out:  # the default, held from here (before --force clears it), as a typed one (snlp.apps.cli)
+        getattr(args, "hold_output", lambda *a: None)(str(out), "--harness-out")
     check_harness_out(out, methods, args.force)
     said = clear_harness_out(out, methods) if args.force else ""
     if said:

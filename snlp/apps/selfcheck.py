@@ -45,6 +45,8 @@ def run(args) -> int:
     from snlp.runtime.outputs import check_output_dir
 
     check_output_dir(args.out, "--out")  # its default too (the CLI checks typed paths): before minutes of checks
+    if "out" not in getattr(args, "given", ()):  # the default, held while the run goes, as a typed one (snlp.apps.cli)
+        getattr(args, "hold_output", lambda *a: None)(args.out, "--out")
     device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     res = selfcheck(SelfcheckConfig(device=str(device), quick=args.quick, compile=compile, seed=args.seed))

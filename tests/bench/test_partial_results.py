@@ -201,3 +201,38 @@ def test_a_run_refused_for_bad_input_leaves_no_folder_for_its_lock(tmp_path, cap
     path = tmp_path / "new" / "deeper" / "b.json"
     assert main(["bench", "--depth", "2", "--plans", "not-a-plan", "--json", str(path)]) == 2
     assert "error" in last_line(capsys) and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv, default, flag", [
+    (["bench", "--suite", "paper", "--quick"], "bench-suite", "--out"),
+    (["bench", "--suite", "train", "--quick", "--out", "bench-suite"], "bench-suite", "--out"),  # the default, typed
+    (["bench", "--vs-paper", "paper-code", "--quick"], "bench-vs-paper", "--out"),
+    (["selfcheck", "--quick"], "selfcheck", "--out"),
+])
+def test_a_second_run_writing_the_same_default_folder_is_refused_at_once(argv, default, flag, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Two suites started in one folder (each writing bench-suite/, the default --out) rewrote one suite.json in
+    turns; so did two selfchecks (tests/eval/test_harness.py: two harness runs of one checkpoint). The default folder
+    a run writes is locked as a typed one is, once the run's input is checked."""
+    from snlp.runtime.outputs import locked_output
+
+    monkeypatch.chdir(tmp_path)
+    with locked_output(default):  # the first run, in progress
+        rc = main(argv)
+    line = last_line(capsys)
+    assert rc == 2 and line.startswith(f"snlp {argv[0]}: error: {flag} {default} is in use by a run in progress"), line
+    assert not (tmp_path / default).exists()
+
+
+def test_a_forward_benchmark_writes_no_default_folder_and_takes_no_lock_on_it(tmp_path, monkeypatch, capsys):
+    import snlp.bench.forward as forward
+    from snlp.runtime.outputs import locked_output
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward, "benchmark", cut)
+    monkeypatch.chdir(tmp_path)
+    with locked_output("bench-suite"):  # a suite in progress in the same folder
+        assert main(["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+                     "1xF1-h0-K1"]) == 130

@@ -555,3 +555,25 @@ def test_chat_template_run_matches_hf_model(hf, base, tasks):
     assert a[0]["arguments"][0][0].startswith("<|im_start|>")  # really chat-rendered
     torch.testing.assert_close(torch.tensor(lls(runs[1], "snlp_arc_tiny")), torch.tensor(lls(runs[0], "snlp_arc_tiny")),
                                atol=1e-4, rtol=0)
+
+
+def test_a_second_harness_run_into_the_same_default_folder_is_refused_before_it_clears_it(tasks, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Two harness runs of one checkpoint started in one folder both wrote harness-<CKPT name>/ (with --force the
+    second cleared the first's files): the default --harness-out is held as a typed one is, from before --force
+    clears it."""
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.runtime.outputs import locked_output
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "harness-tiny").mkdir()
+    (tmp_path / "harness-tiny" / "sequential.json").write_text("the first run's\n")
+    with locked_output("harness-tiny"):  # the first run, in progress
+        rc = main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "1",
+                   "--num-fewshot", "0", "--device", "cpu", "--force"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith("snlp eval: error: --harness-out harness-tiny is in use by a run in progress"), line
+    assert (tmp_path / "harness-tiny" / "sequential.json").read_text() == "the first run's\n"
