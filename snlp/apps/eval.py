@@ -217,11 +217,15 @@ def run(args) -> int:
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)
     if args.json:
         write_json(args.json, [r.to_dict() for r in records])
+        # a Ctrl-C from here on (the CSV, the plot: matplotlib takes seconds) names the finished files as such
+        args.kept = f"the finished results in {args.json}" + (f" ({args.markdown} still marked partial)"
+                                                               if args.markdown else "")
     if args.csv:
         write_csv([r.to_dict() for r in records], args.csv)
     if args.markdown:
         write_atomic(args.markdown, markdown_table(records, ties=ties))
         print(f"wrote {args.markdown}")
+        args.kept = f"the finished results in {' and '.join(p for p in (args.json, args.markdown) if p)}"
     if args.plot:
         frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
     return 0
@@ -322,10 +326,12 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
             write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
         if args.markdown:
             write_atomic(args.markdown, markdown(result))
+        where = ' and '.join(p for p in (args.json, args.markdown) if p)
         if not result.complete:
             done = ", ".join(r.method for r in result.records)
-            args.kept = (f"the accuracy of {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, "
-                         f"marked partial (\"complete\": false)")
+            args.kept = f"the accuracy of {done} in {where}, marked partial (\"complete\": false)"
+        else:  # a Ctrl-C after the last write names the files as finished
+            args.kept = f"the finished results in {where}"
 
     result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]

@@ -194,6 +194,8 @@ def run(args) -> int:
         if not complete:
             args.kept = (f"the results of {done} in {out}" + (f" and {args.json}" if args.json else "")
                          + " (table.md marked partial; a re-run into it needs --force)")
+        else:  # a Ctrl-C after the last write names the files as finished
+            args.kept = f"the finished results in {out}" + (f" and {args.json}" if args.json else "")
 
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,

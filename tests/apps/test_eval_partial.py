@@ -111,3 +111,19 @@ def test_eval_task_cut_short_keeps_the_methods_scored(scoring, predict, ckpt, tm
     data = json.loads((tmp_path / "mc.json").read_text())
     assert data["complete"] is False and [r["method"] for r in data["records"]] == ["sequential"]
     assert "**PARTIAL**" in (tmp_path / "mc.md").read_text()
+
+
+def test_ctrl_c_while_the_plot_is_drawn_names_the_finished_files_as_finished(ckpt, tmp_path, monkeypatch, capsys):
+    """--plot is drawn last, after the finished --json and --markdown (matplotlib takes seconds): a Ctrl-C there said
+    the files were kept 'marked partial ("complete": false)' while they were the finished results."""
+    import snlp.eval.present as present
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(present, "frontier_plot", cut)
+    assert main(_args(ckpt, tmp_path) + ["--plot", str(tmp_path / "e.png")]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == f"snlp eval: interrupted; kept the finished results in {tmp_path / 'e.json'} and {tmp_path / 'e.md'}"
+    assert isinstance(json.loads((tmp_path / "e.json").read_text()), list)
+    assert "PARTIAL" not in (tmp_path / "e.md").read_text()
