@@ -269,6 +269,23 @@ def output_locks(parser: argparse.ArgumentParser, args):
     return stack
 
 
+def measurement_signals(args):
+    """For the commands that keep partial files (LOCK_OUTPUTS: bench, eval, tune, selfcheck), SIGTERM, SIGHUP and
+    SIGUSR1/2 (a Slurm time limit or `--signal`, docker stop, a closed terminal) raise Interrupted as Ctrl-C raises
+    KeyboardInterrupt, so they end the same way: the output locks released, one line naming the signal and what the
+    files kept, exit 128 + signum. Their default action killed the process silently (the files already written
+    stayed, the locks' files too). The training commands arm their own handlers (snlp.train.hooks.InterruptStop)."""
+    from contextlib import nullcontext
+
+    if not getattr(args.module, "LOCK_OUTPUTS", False):
+        return nullcontext()
+    import signal
+
+    from snlp.train.hooks import STOP_SIGNALS, handled, raise_interrupted
+
+    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], raise_interrupted)
+
+
 def check_device(args) -> None:
     """Raise a ValueError for a --device value given that names no device this machine has (a typo, CUDA on a
     CPU box), before the command loads data or a model (snlp.runtime.device.cli_device; torch loads only when
@@ -319,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the command's own lines
         check_outputs(parser, args)
         check_device(args)
-        with output_locks(parser, args):
+        with measurement_signals(args), output_locks(parser, args):
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
