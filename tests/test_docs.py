@@ -226,3 +226,34 @@ def test_a_plan_strings_first_number_is_named_the_chunk_count():
     plan = snlp.Plan.parse("12xF2-h0-K1")
     assert (plan.chunks, plan.fuse, plan.n_suffix) == (12, 2, 24)
     assert not bad, "\n".join(bad)
+
+
+def _linked_text(src: Path, target: str) -> str:
+    """The text a link lands on: the whole file, or with `#anchor` its section (to the next heading of its level
+    or above)."""
+    path, _, anchor = target.partition("#")
+    text = (src.parent / path).read_text()
+    if not anchor:
+        return text
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if (m := re.match(r"(#+) (.*)$", x)) and _slug(m.group(2)) == anchor)
+    level = len(re.match(r"#+", lines[start]).group(0))
+    end = next((i for i in range(start + 1, len(lines))
+                if (m := re.match(r"(#+) ", lines[i])) and len(m.group(1)) <= level), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_each_readme_guide_row_links_a_page_that_covers_the_commands_it_names():
+    """A row of the README's guide table that names `snlp CMD` links a page (or section) where CMD appears: the
+    row for self-speculative decoding named `snlp tune` and linked only usage.md's Train, generate section, which
+    never mentions it (its section is Tune: choose the plan by measurement)."""
+    readme = ROOT / "README.md"
+    rows = [x for x in readme.read_text().split("## Guides", 1)[1].split("\n## ", 1)[0].splitlines()
+            if x.startswith("| [")]
+    bad = []
+    for row in rows:
+        pages = "\n".join(_linked_text(readme, t) for t in re.findall(r"\]\(([^)\s]+)\)", row))
+        for cmd in re.findall(r"`snlp (\w[\w-]*)", row):
+            if f"snlp {cmd}" not in pages:
+                bad.append(f"README guide row {row.split('|')[1].strip()}: names `snlp {cmd}`, its links do not")
+    assert rows and not bad, "\n".join(bad)
