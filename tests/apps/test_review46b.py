@@ -196,3 +196,25 @@ def test_the_prefill_sentence_names_the_band_it_tests():
     outside = sum(not 0.8 <= v * evals[p] / 16 <= 1.25 for d in pre.values() for p, v in d.items())
     assert outside == 1  # the 0.79: 21 % below
     assert f"{outside} of 6 plan rows lie outside 0.80-1.25 times their L / Layer evals" in text
+
+
+def test_a_cut_evals_kept_markdown_marks_its_dppl_as_the_finished_one(tmp_path):
+    """`snlp eval` cut in its timing keeps the quality columns in --markdown, where every ΔPPL was printed bare and
+    without the rule: the finished table marks (tie) where the paired-window interval includes 0 (scipy's paired t
+    confidence interval here), and the kept one now does too."""
+    from argparse import Namespace
+
+    from snlp.apps.eval import partial_writer
+
+    base = [3.0 + 0.05 * (i % 7) for i in range(32)]
+    near = [b + 0.003 * (1 if i % 2 else -1) for i, b in enumerate(base)]  # mean difference 0
+    far = [b + 0.2 + 0.003 * (i % 3) for i, b in enumerate(base)]
+    recs = [dataclasses.replace(_rec(p, 20.0, [1.0], 1.0, 1.0), window_ce=w, speedup=None, speedup_rounds=None)
+            for p, w in (("sequential", base), ("12xF1-h0-K2", near), ("12xF1-h0-K1", far))]
+    out = tmp_path / "e.md"
+    partial_writer(Namespace(json=None, markdown=str(out)))(recs, "PPL, dPPL, Top-1 and LogitSim")
+    rows = _rows(out.read_text().split("\n\n", 1)[1])
+    for r in recs[1:]:
+        ci = stats.ttest_rel(r.window_ce, base).confidence_interval(0.95)
+        assert rows[r.plan]["ΔPPL"].endswith("(tie)") == (ci.low <= 0 <= ci.high), r.plan
+    assert rows["12xF1-h0-K2"]["ΔPPL"].endswith("(tie)") and "paired-window interval includes 0" in out.read_text()
