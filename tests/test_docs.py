@@ -226,3 +226,68 @@ def test_a_plan_strings_first_number_is_named_the_chunk_count():
     plan = snlp.Plan.parse("12xF2-h0-K1")
     assert (plan.chunks, plan.fuse, plan.n_suffix) == (12, 2, 24)
     assert not bad, "\n".join(bad)
+
+
+def _linked_text(src: Path, target: str) -> str:
+    """The text a link lands on: the whole file, or with `#anchor` its section (to the next heading of its level
+    or above)."""
+    path, _, anchor = target.partition("#")
+    text = (src.parent / path).read_text()
+    if not anchor:
+        return text
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if (m := re.match(r"(#+) (.*)$", x)) and _slug(m.group(2)) == anchor)
+    level = len(re.match(r"#+", lines[start]).group(0))
+    end = next((i for i in range(start + 1, len(lines))
+                if (m := re.match(r"(#+) ", lines[i])) and len(m.group(1)) <= level), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_each_readme_guide_row_links_a_page_that_covers_the_commands_it_names():
+    """A row of the README's guide table that names `snlp CMD` links a page (or section) where CMD appears: the
+    row for self-speculative decoding named `snlp tune` and linked only usage.md's Train, generate section, which
+    never mentions it (its section is Tune: choose the plan by measurement)."""
+    readme = ROOT / "README.md"
+    rows = [x for x in readme.read_text().split("## Guides", 1)[1].split("\n## ", 1)[0].splitlines()
+            if x.startswith("| [")]
+    bad = []
+    for row in rows:
+        pages = "\n".join(_linked_text(readme, t) for t in re.findall(r"\]\(([^)\s]+)\)", row))
+        for cmd in re.findall(r"`snlp (\w[\w-]*)", row):
+            if f"snlp {cmd}" not in pages:
+                bad.append(f"README guide row {row.split('|')[1].strip()}: names `snlp {cmd}`, its links do not")
+    assert rows and not bad, "\n".join(bad)
+
+
+def test_distributed_cost_model_summary_is_what_the_model_predicts():
+    """docs/distributed.md keeps one row per shape and link of the cost model's tables (the full tables moved to a
+    dated record): each row's figures are snlp.dist.costmodel.predict's at the page's inputs (8 devices, bf16, the
+    3350 GB/s roofline at 0.7, a 20 us op floor; NVLink-class 3600 Gbit/s 2 us, PCIe-class 256 Gbit/s 10 us), SNLP
+    on 1 device its prediction at P = 1; and the row's plan is the fastest of the plans its command models."""
+    import dataclasses
+
+    from snlp.dist.costmodel import SHAPES, Link, predict, roofline_layer_ms
+    from snlp.method.plan import Plan
+
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    table = text.split("The fastest SNLP plan modelled per shape and link", 1)[1].split("\n\n", 2)[1]
+    rows = [[c.strip() for c in x.strip("|").split("|")] for x in table.splitlines()[2:]]
+    links = {"NVLink": Link(3600, 2), "PCIe": Link(256, 10)}
+    modelled = {"0.5B": "8xF1-h0-K1,12xF1-h0-K2,24xF1-h0-K2", "3B": "8xF1-h0-K1,12xF1-h0-K2,24xF1-h0-K2",
+                "70B": "8xF4-h0-K1,16xF4-h0-K2,40xF2-h0-K2"}
+    assert len(rows) == 6
+    for shape_name, link_name, plan, seq, tp, snlp_ms, one, vs_seq, vs_tp in rows:
+        shape = dataclasses.replace(SHAPES[shape_name], dtype_bytes=2)
+        link = links[link_name.split("-")[0]]
+        layer, head = roofline_layer_ms(shape, 3350, 0.7)
+
+        def at(p, devices):
+            return predict(shape, Plan.parse(p, shape.n_layer), devices, link, layer, head, floor_ms=0.02)
+
+        got = at(plan, 8)
+        want = [f"{got.sequential_ms:.3f}", f"{got.tensor_parallel_ms:.3f}", f"{got.snlp_ms:.3f}",
+                f"{at(plan, 1).snlp_ms:.3f}", f"{got.sequential_ms / got.snlp_ms:.2f}x",
+                f"{got.tensor_parallel_ms / got.snlp_ms:.2f}x"]
+        assert [seq, tp, snlp_ms, one, vs_seq, vs_tp] == want, (shape_name, link_name)
+        fastest = min(modelled[shape_name].split(","), key=lambda p: at(p, 8).snlp_ms)
+        assert plan == fastest, (shape_name, link_name)

@@ -244,10 +244,10 @@ def output_locks(parser: argparse.ArgumentParser, args):
     runs: a second run writing one of them is refused at once, in one line naming the first's pid. Two runs writing
     one --json or --out replaced each other's results (the last to finish won), and, as they rewrite their files
     after every part, took turns in them while both ran. A default folder is locked by the command that writes it,
-    through args.hold_output(path, flag), once its input is checked (a forward benchmark writes none). A path whose folder does not exist yet is locked too (its lock file lives in
-    that folder, which the first run creates when it writes there: a lock skipped until then let a second run take
-    it meanwhile); the folders made for the lock are removed at the end where they are still empty, so a run refused
-    for bad input leaves none behind."""
+    through args.hold_output(path, flag), once its input is checked (a forward benchmark writes none). A path whose
+    folder does not exist yet is locked too (its lock file lives in that folder, which the first run creates when it
+    writes there: a lock skipped until then let a second run take it meanwhile); the folders made for the lock are
+    removed at the end where they are still empty, so a run refused for bad input leaves none behind."""
     import os
     from contextlib import ExitStack
 
@@ -295,6 +295,23 @@ def output_locks(parser: argparse.ArgumentParser, args):
         stack.close()
         raise
     return stack
+
+
+def measurement_signals(args):
+    """For the commands that keep partial files (LOCK_OUTPUTS: bench, eval, tune, selfcheck), SIGTERM, SIGHUP and
+    SIGUSR1/2 (a Slurm time limit or `--signal`, docker stop, a closed terminal) raise Interrupted as Ctrl-C raises
+    KeyboardInterrupt, so they end the same way: the output locks released, one line naming the signal and what the
+    files kept, exit 128 + signum. Their default action killed the process silently (the files already written
+    stayed, the locks' files too). The training commands arm their own handlers (snlp.train.hooks.InterruptStop)."""
+    from contextlib import nullcontext
+
+    if not getattr(args.module, "LOCK_OUTPUTS", False):
+        return nullcontext()
+    import signal
+
+    from snlp.train.hooks import STOP_SIGNALS, handled, raise_interrupted
+
+    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], raise_interrupted)
 
 
 def check_device(args) -> None:
@@ -347,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the command's own lines
         check_outputs(parser, args)
         check_device(args)
-        with output_locks(parser, args):
+        with measurement_signals(args), output_locks(parser, args):
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)

@@ -227,7 +227,10 @@ def run(args) -> int:
         print(f"wrote {args.markdown}")
         args.kept = f"the finished results in {' and '.join(p for p in (args.json, args.markdown) if p)}"
     if args.plot:
-        frontier_plot({Path(args.ckpt).name: records}, args.plot, title=f"{Path(args.ckpt).name}: ΔPPL vs speedup")
+        from snlp.apps.report import eval_frontier
+
+        name = Path(args.ckpt).name  # the front ringed and the bars drawn by the table's (tie) rule
+        frontier_plot({name: records}, args.plot, title=f"{name}: ΔPPL vs speedup", **eval_frontier(records, name))
     return 0
 
 
@@ -245,9 +248,9 @@ def partial_writer(args):
         if args.json:
             write_atomic(args.json, json.dumps({"complete": False, "done": done,
                                                 "records": [r.to_dict() for r in records]}, indent=2))
-        if args.markdown:
+        if args.markdown:  # the kept ΔPPLs marked as the finished table marks them (the speed columns are empty)
             write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
-                         + "\n\n" + markdown_table(records))
+                         + "\n\n" + markdown_table(records, ties=record_ties(records)))
         args.kept = (f"every row's {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, marked "
                      f"partial (\"complete\": false)")
 

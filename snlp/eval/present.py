@@ -28,9 +28,22 @@ def columns(records: list[EvalRecord]) -> list[tuple]:
     return [c for c in COLUMNS if c[1] not in OPTIONAL or any(getattr(r, c[1]) is not None for r in records)]
 
 
-TIE_NOTE = ("(tie): not told from sequential by this run: ΔPPL's 95 % paired-window interval includes 0; Speedup "
-            "(the median of the paired per-round ratios) is not resolved by a two-sided sign test at 5 % over its "
-            "rounds (6 of 6 at the fewest). Prefill: a ratio of medians, not tested")
+_SPEEDUP_TIE = ("Speedup (the median of the paired per-round ratios) is not resolved by a two-sided sign test at 5 % "
+                "over its rounds (6 of 6 at the fewest)")
+TIE_NOTE = ("(tie): not told from sequential by this run: ΔPPL's 95 % paired-window interval includes 0; "
+            + _SPEEDUP_TIE + ". Prefill: a ratio of medians, not tested")
+
+
+def tie_note(records: list[EvalRecord]) -> str:
+    """TIE_NOTE for these records: where the sequential row holds fewer than two validation windows (one window of
+    --max-tokens, or records without per-window losses) no ΔPPL has an interval, so an unmarked ΔPPL was not told
+    from sequential either, and the note says ΔPPL is untested rather than what a (tie) on it would mean."""
+    n = len((records[0].window_ce or []) if records else [])
+    if n >= 2:
+        return TIE_NOTE
+    why = "one validation window" if n == 1 else "no per-window losses"
+    return (f"(tie): not told from sequential by this run: {_SPEEDUP_TIE}. ΔPPL: untested ({why}: no interval, so no "
+            "(tie) mark either way). Prefill: a ratio of medians, not tested")
 
 
 def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]:
@@ -55,7 +68,7 @@ def markdown_table(records: list[EvalRecord], ties: dict[str, set[str]] | None =
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |",
              "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(cols))) + "|"]
     lines += ["| " + " | ".join(_cells(r, cols, ties)) + " |" for r in records]
-    return "\n".join(lines) + "\n" + ("" if ties is None else f"\n{TIE_NOTE}\n")
+    return "\n".join(lines) + "\n" + ("" if ties is None else f"\n{tie_note(records)}\n")
 
 
 def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]] | None = None) -> None:
@@ -63,7 +76,7 @@ def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]]
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, caption=None if ties is None else TIE_NOTE)
+    table = Table(title=title, caption=None if ties is None else tie_note(records))
     cols = columns(records)
     for header, _, _ in cols:
         table.add_column(header, justify="left" if header == "Plan" else "right")

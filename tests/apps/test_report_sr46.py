@@ -35,9 +35,9 @@ def test_prefill_is_said_to_track_the_layer_work_only_where_the_records_show_it(
     text = _section(md, "**What the speed columns measure**", "\n")
     assert "Prefill, compute bound, tracks L / Layer evals" not in text
     ratios = {(k, p): v * EVALS16[p] / 16 for k, d in quick.items() for p, v in d.items()}
-    beyond = sum(abs(math.log(r)) > math.log(1.25) for r in ratios.values())
+    beyond = sum(not 0.8 <= r <= 1.25 for r in ratios.values())
     assert beyond == 5  # all but No Reg.'s 12xF1-h0-K1 (1.13 against 1.00)
-    assert (f"in this run it does not: {beyond} of 6 plan rows lie more than 25% from their L / Layer evals (the "
+    assert (f"in this run it does not: {beyond} of 6 plan rows lie outside 0.80-1.25 times their L / Layer evals (the "
             "furthest: `1xF12-h0-K1` 2.46x (No Reg.) against L / Layer evals 1.00)") in text
     assert f"Prefill 0.70x (No Reg.), 0.63x (IDN Reg.), each model's own, against L / Layer evals = {16 / 52:.2f}" in text
     # the --steps 444 run's Prefill: every plan within 10 % of L / Layer evals (its furthest: 0.90x against 1.00)
@@ -333,7 +333,7 @@ def test_the_eval_stage_console_tables_mark_what_the_rounds_do_not_resolve(tmp_p
 
     stage_eval(tmp_path / "noreg", None, ["12xF1-h0-K1", "12xF1-h0-K4"], eval_config(QUICK, 0), "cpu")
     out = capsys.readouterr().out
-    assert "(tie)" in out and "not resolved by a two-sided sign test" in out
+    assert "(tie)" in out and "not resolved by a two-sided sign test" in " ".join(out.split())  # the caption wraps
     line = next(x for x in out.splitlines() if "12xF1-h0-K1" in x)
     assert "1.90x (tie)" in line  # 5 of 5 rounds faster: p = 0.0625
 

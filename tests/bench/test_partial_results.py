@@ -236,3 +236,35 @@ def test_a_forward_benchmark_writes_no_default_folder_and_takes_no_lock_on_it(tm
     with locked_output("bench-suite"):  # a suite in progress in the same folder
         assert main(["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
                      "1xF1-h0-K1"]) == 130
+
+
+def test_sigterm_ends_a_suite_as_ctrl_c_does_and_restores_the_handler(tmp_path, monkeypatch, capsys):
+    """A SIGTERM (Slurm's time limit, docker stop) in the middle of `snlp bench --suite paper`: the same end as
+    Ctrl-C's (the finished parts kept, one line naming the signal and the files), exit 128 + 15, and the caller's
+    own SIGTERM handler back afterwards. Before, the signal's default action killed the process without a word."""
+    import signal
+
+    import snlp.bench.suite as suite
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # the caller's handler (and a guard)
+    try:
+        real = suite._decode
+
+        def decode_after_sigterm(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+
+        monkeypatch.setattr(suite, "_decode", decode_after_sigterm)  # after the first prefill part
+        out = tmp_path / "s"
+        rc = main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager", "--device",
+                   "cpu", "--out", str(out)])
+        line = last_line(capsys)
+        assert seen == [] and rc == 128 + signal.SIGTERM, (seen, rc)
+        assert line.startswith("snlp bench: interrupted by SIGTERM; kept the parts that had finished in "), line
+        assert json.loads((out / "suite.json").read_text())["complete"] is False
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL and seen == []
+        os.kill(os.getpid(), signal.SIGTERM)  # the caller's handler is back
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -92,7 +92,8 @@ def _run(device):
     from snlp.train.optim import Progress
 
     return SimpleNamespace(ctx=DistContext(rank=0, world=1, device=torch.device(device)),
-                           hooks=SimpleNamespace(should_stop=None), t_start=0.0, progress=Progress(10, None))
+                           hooks=SimpleNamespace(should_stop=None), t_start=0.0, progress=Progress(10, None),
+                           interrupt=None)
 
 
 def test_training_step_statistics_read_the_device_once():

@@ -177,6 +177,7 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
     """Post-hoc SNLP on SmolLM2-135M-Instruct (paper App. "Off-the-Shelf Model Results"): the sequential
     model and `preset.ots_plans` on the speedrun's validation documents tokenized with the model's own
     tokenizer, PPL / Top-1 / LogitSim / AR Match / decode and prefill speedup (snlp.eval.protocol)."""
+    from snlp.apps.report import record_ties
     from snlp.eval.data import validation_tokens
     from snlp.eval.protocol import EvalConfig, evaluate
     from snlp.eval.present import print_table
@@ -188,7 +189,9 @@ def stage_off_the_shelf(gguf: Path, spec: DataSpec, cache: Path, preset: Preset,
                       gen_tokens=16, warmup=1, runs=ots_rounds(preset), time_tokens=16, emb=False,
                       seed=seed, progress=True)
     records = evaluate(model, val, list(preset.ots_plans), ecfg, tokenizer=tok)
-    print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}")
+    # marked as the report's off-the-shelf table marks these records (record_ties, `snlp eval`'s rule)
+    print_table(records, f"SmolLM2-135M-Instruct (post hoc): L={model.config.n_layer} D={model.config.n_embd}",
+                ties=record_ties(records))
     out = {"model": gguf.name, "n_layer": model.config.n_layer, "params": model.num_params(),
            "records": [r.to_dict() for r in records]}
     if preset.ots_adapt_minutes > 0:  # a short `snlp adapt` of the drafter, the model unchanged
