@@ -192,8 +192,9 @@ def checkpoint_dir(path) -> Path:
     if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
         path = path.parent
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist{did_you_mean(str(path))}; train one with "
-                                f"`snlp train --out {path}`")
+        hint = did_you_mean(str(path))  # '; did you mean X?' ends a sentence: the next one starts after it
+        raise FileNotFoundError(f"checkpoint {path} does not exist{hint}" + (" Or train one" if hint else "; train one")
+                                + f" with `snlp train --out {path}`")
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} is not a directory (expected {WEIGHTS} + {CONFIG} inside)")
     return path

@@ -67,6 +67,7 @@ def test_a_typo_of_a_local_checkpoint_is_one_line_with_the_closest_name(argv, ru
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"snlp {argv[0]}: error: "), err
     assert "does not exist" in err[0] and f"did you mean {runs}/idn-small?" in err[0], err[0]
+    assert "?;" not in err[0], err[0]  # the question ends its sentence ('did you mean X?; train one with' before)
     assert hub == [] and not out.exists()
 
 
