@@ -119,10 +119,14 @@ class InterruptStop:
 @contextmanager
 def handled(signums, handler) -> Iterator[None]:
     """`handler` for each of `signums` during the block, the previous handlers restored after it; nothing in a
-    thread other than the main one (signal handlers can only be set there)."""
+    thread other than the main one (signal handlers can only be set there). A signal the process was started
+    ignoring stays ignored: `nohup` starts it with SIGHUP ignored so that closing the terminal does not end the
+    run, and a shell starts a background job of a script with SIGINT ignored."""
     previous = {}
     try:
         for s in signums:
+            if signal.getsignal(s) is signal.SIG_IGN:
+                continue
             previous[s] = signal.signal(s, handler)
     except ValueError:  # not the main thread
         for s, h in previous.items():
@@ -140,3 +144,24 @@ def raise_interrupted(signum, frame):
     """A signal handler: raise Interrupted(signum), as Python's own SIGINT handler raises KeyboardInterrupt (a process
     that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop)."""
     raise Interrupted(signum)
+
+
+@contextmanager
+def deferred(signums=STOP_SIGNALS) -> Iterator[None]:
+    """Hold back the `signums` signals that arrive during the block and deliver the first to the handler in place
+    before it once the block is done: work that must follow `fit` (snlp adapt writes its drafter from the run fit
+    saved) is not cut off by a signal that fit took after its last stop check and passed on (fit re-raises it once
+    the run is saved). A Ctrl-C after a held signal raises at once, as a second Ctrl-C does in fit. Nothing is held
+    outside the main thread."""
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if held and signum == signal.SIGINT:
+            raise Interrupted(signum)
+        if not held:
+            held.append(signum)
+
+    with handled(signums, hold):
+        yield
+    if held:
+        signal.raise_signal(held[0])
