@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -103,6 +105,8 @@ class InterruptStop:
                 raise Interrupted(signum)
             return
         self.signum = signum
+        if signum == getattr(signal, "SIGHUP", None):
+            mute_hung_up_terminal()
         again = "Ctrl-C again" if signum == signal.SIGINT else "Ctrl-C"
         try:  # after SIGHUP the terminal may be gone: a failed write must not raise inside the step
             print(f"\n{signal_name(signum)}: finishing the current step and saving the checkpoint ({again} to abort "
@@ -114,6 +118,27 @@ class InterruptStop:
     def armed(self) -> Iterator[None]:
         with handled(STOP_SIGNALS, self._handler):
             yield
+
+
+def mute_hung_up_terminal() -> None:
+    """Point stdout and stderr at os.devnull where they are a terminal that hung up (SIGHUP: its window closed, an ssh
+    session dropped): every write to it fails with EIO, so the prints that follow the stop (the last validation,
+    the summary lines, the resume line) would raise after the save and before train_summary.json is written, and
+    the command would exit 1 instead of 129."""
+    try:
+        import termios
+    except ImportError:  # no terminals (Windows, where there is no SIGHUP either)
+        return
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as e:  # EIO: a terminal that hung up (ENOTTY: a file or a pipe, left as it is)
+            if e.args and e.args[0] == errno.EIO:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:  # a closed descriptor
+            pass
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -507,3 +508,35 @@ def test_an_adapt_signal_in_its_last_step_still_writes_the_drafter(tmp_path, mon
     assert main(["adapt", "--out", "e", "--resume"]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "e" / "drafter.json").read_text())["record"]["steps"] == 3
     assert_same_weights(*(load_file(f"{x}/drafter.safetensors") for x in ("d", "e")))
+
+
+def test_a_run_whose_terminal_hangs_up_saves_writes_its_summary_and_exits_129(corpus, tmp_path):
+    """SIGHUP comes when the terminal closes (an ssh session drops), and from then on every write to that terminal
+    fails with EIO: the run saved, then its next print (the last validation's line) raised, so train_summary.json
+    was never written and the command exited 1. The run now writes on to os.devnull and ends as documented."""
+    termios = pytest.importorskip("termios")
+    import fcntl
+
+    out = tmp_path / "run"
+    master, slave = os.openpty()
+
+    def terminal():  # the run's own session, with the pty as its controlling terminal (the kernel's SIGHUP)
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "snlp", "train", "--out", str(out), "--data",
+                          str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY], stdin=slave, stdout=slave,
+                         stderr=slave, preexec_fn=terminal, env=ENV, cwd=ROOT)
+    os.close(slave)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not any(r["step"] >= 2 for r in step_records(out / "log.jsonl")):
+            assert p.poll() is None and time.monotonic() < deadline
+            if select.select([master], [], [], 0.05)[0]:
+                os.read(master, 1 << 16)  # the terminal reads what the run writes
+        os.close(master)  # the terminal goes away
+        assert p.wait(timeout=WAIT_S) == 129
+    finally:
+        p.kill()
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert (summary["stopped_by"], summary["signal"], summary["steps"]) == ("interrupt", "SIGHUP", saved_step(out))
