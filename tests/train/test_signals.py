@@ -540,3 +540,22 @@ def test_a_run_whose_terminal_hangs_up_saves_writes_its_summary_and_exits_129(co
         p.kill()
     summary = json.loads((out / "train_summary.json").read_text())
     assert (summary["stopped_by"], summary["signal"], summary["steps"]) == ("interrupt", "SIGHUP", saved_step(out))
+
+
+def test_the_resume_line_of_a_multi_node_run_counts_the_processes_per_node(monkeypatch, capsys):
+    """torchrun's WORLD_SIZE counts the processes of every node: a 2-node x 8-process run was told to continue with
+    `torchrun --nproc_per_node=16`, which starts 16 processes on each node (32 in all, refused as another world
+    size, or more processes than the node has GPUs)."""
+    from snlp.apps.train import interrupted
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert interrupted("train", "runs/x", 7, "SIGTERM", ["--out", "runs/x"]) == 143
+    assert capsys.readouterr().err.strip() == ("snlp train: interrupted by SIGTERM: saved runs/x at step 7; continue "
+                                               "with: torchrun --nnodes=2 --nproc_per_node=8 -m snlp train --out runs/x "
+                                               "--resume")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    interrupted("train", "runs/x", 7, "SIGTERM", ["--out", "runs/x"])
+    assert "continue with: torchrun --nproc_per_node=2 -m snlp train" in capsys.readouterr().err
