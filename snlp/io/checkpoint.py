@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -150,6 +151,8 @@ def clear_stale_saves(path) -> list[tuple[Path, int]]:
 
 
 def _alive(pid: int) -> bool:
+    if sys.platform == "win32":  # there os.kill(pid, 0) sends CTRL_C_EVENT to pid's group: no test, copies are kept
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -111,8 +111,8 @@ class InterruptStop:
         try:  # after SIGHUP the terminal may be gone: a failed write must not raise inside the step
             print(f"\n{signal_name(signum)}: finishing the current step and saving the checkpoint ({again} to abort "
                   f"without saving)", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError, RuntimeError):  # RuntimeError: the handler ran inside a write to stderr the
+            pass  # main thread was blocked in (a full pipe): a reentrant write is refused
 
     @contextmanager
     def armed(self) -> Iterator[None]:

@@ -559,3 +559,37 @@ def test_the_resume_line_of_a_multi_node_run_counts_the_processes_per_node(monke
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     interrupted("train", "runs/x", 7, "SIGTERM", ["--out", "runs/x"])
     assert "continue with: torchrun --nproc_per_node=2 -m snlp train" in capsys.readouterr().err
+
+
+def test_the_signal_handlers_line_never_raises_into_the_step(monkeypatch):
+    """The handler prints its line from inside whatever the main thread was doing; blocked in a write to stderr (a
+    full pipe) when the signal lands, that print is a reentrant write Python refuses with RuntimeError, which the
+    handler raised into the step: the run ended unsaved. The stop is recorded all the same."""
+    from snlp.train.hooks import InterruptStop
+
+    class Busy:
+        def write(self, s):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        def flush(self):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    monkeypatch.setattr(sys, "stderr", Busy())
+    stop = InterruptStop()
+    stop._handler(signal.SIGTERM, None)
+    assert stop() == "interrupt" and stop.signum == signal.SIGTERM
+
+
+def test_no_process_test_where_os_kill_0_is_not_one(tmp_path, monkeypatch):
+    """On Windows os.kill(pid, 0) is no liveness test: signal 0 is CTRL_C_EVENT, sent to pid's process group (and a
+    dead pid raises OSError, not ProcessLookupError). There a killed save's copies are kept, never removed on a guess
+    (and no Ctrl-C is sent)."""
+    import snlp.io.checkpoint as C
+
+    (tmp_path / "run").mkdir()
+    copy = tmp_path / f".run.tmp-{dead_pid()}"
+    copy.mkdir()
+    sent = []
+    monkeypatch.setattr(C.sys, "platform", "win32")
+    monkeypatch.setattr(C.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    assert C.stale_saves(tmp_path / "run") == [] and sent == []
