@@ -167,7 +167,10 @@ def handled(signums, handler) -> Iterator[None]:
 
 def raise_interrupted(signum, frame):
     """A signal handler: raise Interrupted(signum), as Python's own SIGINT handler raises KeyboardInterrupt (a process
-    that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop)."""
+    that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop). After a
+    hang-up the lines that cleanup and the command print go to os.devnull (mute_hung_up_terminal)."""
+    if signum == getattr(signal, "SIGHUP", None):
+        mute_hung_up_terminal()
     raise Interrupted(signum)
 
 

@@ -593,3 +593,22 @@ def test_no_process_test_where_os_kill_0_is_not_one(tmp_path, monkeypatch):
     monkeypatch.setattr(C.sys, "platform", "win32")
     monkeypatch.setattr(C.os, "kill", lambda pid, sig: sent.append((pid, sig)))
     assert C.stale_saves(tmp_path / "run") == [] and sent == []
+
+
+def test_a_process_that_steers_others_prints_on_after_its_terminal_hung_up(tmp_path):
+    """snlp speedrun's parent (and bench / eval / tune) turn SIGHUP into Interrupted and print as they unwind; on a
+    terminal that hung up each print raised EIO in place of the Interrupted, so the command ended with a traceback
+    and status 1, not 129. raise_interrupted points the dead terminal at os.devnull first, as fit's handler does."""
+    pytest.importorskip("termios")
+    code = ("import os, signal, sys\n"
+            "from snlp.train.hooks import Interrupted, raise_interrupted\n"
+            "master, slave = os.openpty()\n"
+            "os.dup2(slave, 1); os.dup2(slave, 2)\n"
+            "os.close(master)  # the terminal hangs up: every write to it fails with EIO\n"
+            "try:\n"
+            "    raise_interrupted(signal.SIGHUP, None)\n"
+            "except Interrupted as e:\n"
+            "    print('snlp speedrun: interrupted by', e, flush=True)\n"
+            "    sys.exit(128 + e.signum)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=WAIT_S)
+    assert r.returncode == 129
