@@ -184,7 +184,9 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 says it
         return status
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    launch = f"torchrun --nproc_per_node={world} -m snlp" if world > 1 else "snlp"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes per node: WORLD_SIZE counts every node's
+    nodes = f"--nnodes={world // local} " if 0 < local < world else ""  # (+ that job's own rendezvous flags)
+    launch = f"torchrun {nodes}--nproc_per_node={local} -m snlp" if world > 1 else "snlp"
     again = " ".join([launch, command, *map(shlex.quote, map(str, resume_args)), "--resume"])
     print(f"snlp {command}: interrupted by {signal_name or 'a signal'}: saved {out} at step {steps}; continue with: "
           f"{again}", file=sys.stderr, flush=True)

@@ -16,9 +16,11 @@ preheat calibration of other weights: it describes the old weights only, so it i
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -120,7 +122,8 @@ def stale_saves(path) -> list[Path]:
     only those of processes no longer running. The caller holds the folder's lock, so no live run is saving them."""
     path = Path(path)
     found = []
-    for p in sorted(path.parent.glob(f".{path.name}.tmp-*")) + sorted(path.parent.glob(f".{path.name}.old-*")):
+    name = glob.escape(path.name)  # a name such as run[12] would match other runs' copies (.run1.old-PID)
+    for p in sorted(path.parent.glob(f".{name}.tmp-*")) + sorted(path.parent.glob(f".{name}.old-*")):
         pid = p.name.rsplit("-", 1)[1]
         if not p.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
             continue
@@ -148,6 +151,8 @@ def clear_stale_saves(path) -> list[tuple[Path, int]]:
 
 
 def _alive(pid: int) -> bool:
+    if sys.platform == "win32":  # there os.kill(pid, 0) sends CTRL_C_EVENT to pid's group: no test, copies are kept
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -164,7 +169,7 @@ def cut_off_save(path) -> Path | None:
     path = Path(path)
     if path.exists():
         return None
-    old = sorted(p for p in path.parent.glob(f".{path.name}.old-*") if (p / WEIGHTS).is_file())
+    old = sorted(p for p in path.parent.glob(f".{glob.escape(path.name)}.old-*") if (p / WEIGHTS).is_file())
     return old[-1] if old else None
 
 

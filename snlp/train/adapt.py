@@ -62,7 +62,7 @@ from snlp.model.ops import norm
 from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
-from snlp.train.hooks import TrainHooks
+from snlp.train.hooks import TrainHooks, deferred
 from snlp.train.job import Job
 from snlp.train.selfgen import self_distill_rows
 from snlp.train.trainer import fit
@@ -516,12 +516,18 @@ def check_resume_left_adapt(cfg: AdaptConfig) -> None:
     """Refuse `snlp adapt --resume` (its settings resolved: `resumed_adapt`) where there is nothing to continue, before
     any work: a finished run (its drafter written, OUT/run removed at the end), or a run whose budget or --stop-after
     leaves no step (checkpointing.check_resume_left): it would write the drafter's record again, the run's own
-    validation, time and stop reason replaced by those of a leg that ran no step."""
+    validation, time and stop reason replaced by those of a leg that ran no step. A run whose drafter is missing or
+    older than its checkpoint (killed after its last save, before the drafter was written) is resumed: that leg
+    writes it."""
     out = Path(cfg.out)
     if (out / DRAFTER_META).is_file() and not (out / RUN / WEIGHTS).is_file():
         raise ValueError(f"--resume: {out} holds a finished drafter (its run's checkpoint is removed at the end): "
                          f"nothing to continue; to train it further, start a new run from it in another --out "
                          f"(--init-drafter {out})")
+    st = load_train_state(out / RUN) if (out / RUN / "train_state.pt").is_file() else None
+    drafter_step = read_meta(out).get("record", {}).get("steps") if (out / DRAFTER_META).is_file() else None
+    if isinstance(st, dict) and drafter_step != st.get("step"):  # a run saved at its last step but killed before
+        return  # it wrote its drafter (or wrote it at an earlier stop): the run, resumed, writes it without a step
     check_resume_left(train_config(cfg, width=0))  # (the width sets a learning rate only: not read here)
 
 
@@ -614,23 +620,26 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
     held: dict = {}
     model = base[0]
     flags, mode = [p.requires_grad for p in model.parameters()], model.training
-    try:
-        res = fit(train_config(cfg, model.config.n_embd),
-                  adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None), hooks)
-    finally:  # a caller's model leaves as it came (the run froze it while it ran)
-        if not owned:
-            for p, f in zip(model.parameters(), flags):
-                p.requires_grad_(f)
-            model.train(mode)
-    drafter: Drafter = held["drafter"]
-    result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
-                         minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
-                         device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal)
-    if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
-        save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
-    if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
-        dist.barrier()
-    return result
+    # a signal fit takes after its last step (the run is saved and done) reaches the caller only once the drafter is
+    # written: fit passes it on as it returns, and `--resume` of the finished run, refused, could not write it
+    with deferred():
+        try:
+            res = fit(train_config(cfg, model.config.n_embd),
+                      adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None), hooks)
+        finally:  # a caller's model leaves as it came (the run froze it while it ran)
+            if not owned:
+                for p, f in zip(model.parameters(), flags):
+                    p.requires_grad_(f)
+                model.train(mode)
+        drafter: Drafter = held["drafter"]
+        result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
+                             minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
+                             device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal)
+        if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
+            save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
+        if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
+            dist.barrier()
+        return result
 
 
 def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -103,12 +105,14 @@ class InterruptStop:
                 raise Interrupted(signum)
             return
         self.signum = signum
+        if signum == getattr(signal, "SIGHUP", None):
+            mute_hung_up_terminal()
         again = "Ctrl-C again" if signum == signal.SIGINT else "Ctrl-C"
         try:  # after SIGHUP the terminal may be gone: a failed write must not raise inside the step
             print(f"\n{signal_name(signum)}: finishing the current step and saving the checkpoint ({again} to abort "
                   f"without saving)", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError, RuntimeError):  # RuntimeError: the handler ran inside a write to stderr the
+            pass  # main thread was blocked in (a full pipe): a reentrant write is refused
 
     @contextmanager
     def armed(self) -> Iterator[None]:
@@ -116,13 +120,38 @@ class InterruptStop:
             yield
 
 
+def mute_hung_up_terminal() -> None:
+    """Point stdout and stderr at os.devnull where they are a terminal that hung up (SIGHUP: its window closed, an ssh
+    session dropped): every write to it fails with EIO, so the prints that follow the stop (the last validation,
+    the summary lines, the resume line) would raise after the save and before train_summary.json is written, and
+    the command would exit 1 instead of 129."""
+    try:
+        import termios
+    except ImportError:  # no terminals (Windows, where there is no SIGHUP either)
+        return
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as e:  # EIO: a terminal that hung up (ENOTTY: a file or a pipe, left as it is)
+            if e.args and e.args[0] == errno.EIO:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:  # a closed descriptor
+            pass
+
+
 @contextmanager
 def handled(signums, handler) -> Iterator[None]:
     """`handler` for each of `signums` during the block, the previous handlers restored after it; nothing in a
-    thread other than the main one (signal handlers can only be set there)."""
+    thread other than the main one (signal handlers can only be set there). A signal the process was started
+    ignoring stays ignored: `nohup` starts it with SIGHUP ignored so that closing the terminal does not end the
+    run, and a shell starts a background job of a script with SIGINT ignored."""
     previous = {}
     try:
         for s in signums:
+            if signal.getsignal(s) is signal.SIG_IGN:
+                continue
             previous[s] = signal.signal(s, handler)
     except ValueError:  # not the main thread
         for s, h in previous.items():
@@ -138,5 +167,29 @@ def handled(signums, handler) -> Iterator[None]:
 
 def raise_interrupted(signum, frame):
     """A signal handler: raise Interrupted(signum), as Python's own SIGINT handler raises KeyboardInterrupt (a process
-    that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop)."""
+    that steers others, e.g. snlp speedrun's parent, then runs its cleanup: it asks its children to stop). After a
+    hang-up the lines that cleanup and the command print go to os.devnull (mute_hung_up_terminal)."""
+    if signum == getattr(signal, "SIGHUP", None):
+        mute_hung_up_terminal()
     raise Interrupted(signum)
+
+
+@contextmanager
+def deferred(signums=STOP_SIGNALS) -> Iterator[None]:
+    """Hold back the `signums` signals that arrive during the block and deliver the first to the handler in place
+    before it once the block is done: work that must follow `fit` (snlp adapt writes its drafter from the run fit
+    saved) is not cut off by a signal that fit took after its last stop check and passed on (fit re-raises it once
+    the run is saved). A Ctrl-C after a held signal raises at once, as a second Ctrl-C does in fit. Nothing is held
+    outside the main thread."""
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if held and signum == signal.SIGINT:
+            raise Interrupted(signum)
+        if not held:
+            held.append(signum)
+
+    with handled(signums, hold):
+        yield
+    if held:
+        signal.raise_signal(held[0])

@@ -82,6 +82,7 @@ class LoopState:
     train_loss: float | None = None
     validation: ValidationResult | None = None
     validated_at: int | None = None  # the step of `validation`
+    saved_at: int | None = None  # the step of this process's last save
     stopped_by: str | None = None
     t_last: float = 0.0  # perf_counter() at the end of the previous step (tokens/s)
     step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
@@ -235,8 +236,9 @@ def train_loop(run: Run, state: LoopState) -> None:
             save(run, state)
     # a signal's stop saves before the last validation: SIGKILL follows SIGTERM after a grace period (Slurm's
     # KillWait, 30 s by default; docker stop, 10 s), and the checkpoint is what must be on disk by then
+    # (one that came during a --save-every save stops the run at the step just saved: not written twice)
     saved = state.stopped_by == INTERRUPT and not idle_resume(state)
-    if saved:
+    if saved and state.saved_at != state.step:
         save(run, state)
     if state.step > state.first_step and state.validated_at != state.step:  # stopped by before_step or a signal:
         validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
@@ -401,6 +403,7 @@ def save(run: Run, state: LoopState) -> None:
               "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     barrier(run.ctx)
+    state.saved_at = state.step
 
 
 WARM_STEPS = 2  # steps left out of the steady speed: compiling (step 1), allocator and cache warm-up

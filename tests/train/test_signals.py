@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -414,3 +415,200 @@ def test_a_lora_adapt_run_stopped_by_a_signal_says_it_cannot_resume(tmp_path, mo
         "snlp adapt: interrupted by SIGTERM: the drafter at step 2 is written to d; a LoRA run cannot be resumed: run "
         "the command again in another --out for the whole budget")
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.json", "drafter.safetensors", "log.jsonl"]
+
+
+# ----- signals at awkward moments
+def tiny_cfg(corpus, tmp_path, out: str, **kw) -> TrainConfig:
+    return TrainConfig(out=str(tmp_path / out), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2, width=32,
+                       head_dim=16, vocab_size=300, seq_len=16, batch_size=2, eval_every=1000, eval_batches=1,
+                       no_progress=True, device="cpu", **{"steps": 400, **kw})
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored(corpus, tmp_path):
+    """`nohup snlp train ... &` starts the run with SIGHUP ignored so that closing the terminal leaves it training;
+    fit put its own handler in its place and the hang-up stopped the run. An ignored signal stays ignored (the run
+    reaches its budget) and is still ignored after fit returns."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        r = fit(tiny_cfg(corpus, tmp_path, "a", steps=4),
+                hooks=TrainHooks(should_stop=lambda s: os.kill(os.getpid(), signal.SIGHUP) if s == 2 else None))
+        assert (r.steps, r.stopped_by, r.signal) == (4, "budget", None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_signal_during_a_periodic_save_stops_the_run_without_writing_that_step_twice(corpus, tmp_path,
+                                                                                        monkeypatch):
+    """A SIGTERM that lands while --save-every writes step 3 stops the run at step 3, which is saved already: the
+    stop wrote the same checkpoint a second time (a whole model copy, inside the grace before SIGKILL)."""
+    import snlp.train.trainer as TR
+
+    saves, save_run = [], TR.save_run
+
+    def counted(out, *a, **k):
+        saves.append(a[-1]["step"])
+        if len(saves) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return save_run(out, *a, **k)
+
+    monkeypatch.setattr(TR, "save_run", counted)
+    r = fit(tiny_cfg(corpus, tmp_path, "a", save_every=3))
+    assert (r.steps, r.stopped_by, r.signal, saves, saved_step(tmp_path / "a")) == (3, "interrupt", "SIGTERM", [3], 3)
+
+
+def test_hidden_copies_of_another_out_are_not_taken_for_this_outs(tmp_path):
+    """The next run on OUT removes the hidden copies of OUT's killed saves, found by a pattern made of OUT's name: a
+    name such as run[12] is a pattern that matches .run1.old-PID, run1's only checkpoint after a save cut off between
+    its renames, and removed it."""
+    from snlp.io.checkpoint import clear_stale_saves, cut_off_save
+
+    (tmp_path / "run[12]").mkdir()
+    other = tmp_path / f".run1.old-{dead_pid()}"
+    other.mkdir()
+    (other / "model.safetensors").write_text("x")
+    assert clear_stale_saves(tmp_path / "run[12]") == []
+    assert cut_off_save(tmp_path / "run1") == other
+    mine = tmp_path / f".run[12].tmp-{dead_pid()}"
+    mine.mkdir()
+    assert [p for p, _ in clear_stale_saves(tmp_path / "run[12]")] == [mine]
+
+
+def test_an_adapt_signal_in_its_last_step_still_writes_the_drafter(tmp_path, monkeypatch, capsys):
+    """A signal in the last step of `snlp adapt` (or during its final validation) reached fit after its last stop
+    check: fit saved the finished run and passed the signal on, which ended the command before it wrote the
+    drafter; `--resume` of the finished run was refused, so the drafter could never be written. The drafter is now
+    written before the signal takes effect, and a run killed between its last save and its drafter is resumed to
+    write it."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import snlp.train.adapt as A
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "3", "--seq-len", "24",
+           "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]
+    fit_ = A.fit
+    monkeypatch.setattr(A, "fit", lambda cfg, job, hooks=None: fit_(cfg, job, TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 3 else None)))
+    assert main([*run, "--out", "d"]) == 130
+    assert json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]["steps"] == 3
+    monkeypatch.setattr(A, "fit", fit_)
+
+    def killed(*a, **k):  # the process ends between fit's last save and the drafter
+        raise KeyboardInterrupt
+
+    save_drafter = A.save_drafter
+    monkeypatch.setattr(A, "save_drafter", killed)
+    assert main([*run, "--out", "e"]) == 130
+    assert not (tmp_path / "e" / "drafter.json").exists() and saved_step(tmp_path / "e" / "run") == 3
+    monkeypatch.setattr(A, "save_drafter", save_drafter)
+    capsys.readouterr()
+    assert main(["adapt", "--out", "e", "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "e" / "drafter.json").read_text())["record"]["steps"] == 3
+    assert_same_weights(*(load_file(f"{x}/drafter.safetensors") for x in ("d", "e")))
+
+
+def test_a_run_whose_terminal_hangs_up_saves_writes_its_summary_and_exits_129(corpus, tmp_path):
+    """SIGHUP comes when the terminal closes (an ssh session drops), and from then on every write to that terminal
+    fails with EIO: the run saved, then its next print (the last validation's line) raised, so train_summary.json
+    was never written and the command exited 1. The run now writes on to os.devnull and ends as documented."""
+    termios = pytest.importorskip("termios")
+    import fcntl
+
+    out = tmp_path / "run"
+    master, slave = os.openpty()
+
+    def terminal():  # the run's own session, with the pty as its controlling terminal (the kernel's SIGHUP)
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "snlp", "train", "--out", str(out), "--data",
+                          str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY], stdin=slave, stdout=slave,
+                         stderr=slave, preexec_fn=terminal, env=ENV, cwd=ROOT)
+    os.close(slave)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not any(r["step"] >= 2 for r in step_records(out / "log.jsonl")):
+            assert p.poll() is None and time.monotonic() < deadline
+            if select.select([master], [], [], 0.05)[0]:
+                os.read(master, 1 << 16)  # the terminal reads what the run writes
+        os.close(master)  # the terminal goes away
+        assert p.wait(timeout=WAIT_S) == 129
+    finally:
+        p.kill()
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert (summary["stopped_by"], summary["signal"], summary["steps"]) == ("interrupt", "SIGHUP", saved_step(out))
+
+
+def test_the_resume_line_of_a_multi_node_run_counts_the_processes_per_node(monkeypatch, capsys):
+    """torchrun's WORLD_SIZE counts the processes of every node: a 2-node x 8-process run was told to continue with
+    `torchrun --nproc_per_node=16`, which starts 16 processes on each node (32 in all, refused as another world
+    size, or more processes than the node has GPUs)."""
+    from snlp.apps.train import interrupted
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert interrupted("train", "runs/x", 7, "SIGTERM", ["--out", "runs/x"]) == 143
+    assert capsys.readouterr().err.strip() == ("snlp train: interrupted by SIGTERM: saved runs/x at step 7; continue "
+                                               "with: torchrun --nnodes=2 --nproc_per_node=8 -m snlp train --out runs/x "
+                                               "--resume")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    interrupted("train", "runs/x", 7, "SIGTERM", ["--out", "runs/x"])
+    assert "continue with: torchrun --nproc_per_node=2 -m snlp train" in capsys.readouterr().err
+
+
+def test_the_signal_handlers_line_never_raises_into_the_step(monkeypatch):
+    """The handler prints its line from inside whatever the main thread was doing; blocked in a write to stderr (a
+    full pipe) when the signal lands, that print is a reentrant write Python refuses with RuntimeError, which the
+    handler raised into the step: the run ended unsaved. The stop is recorded all the same."""
+    from snlp.train.hooks import InterruptStop
+
+    class Busy:
+        def write(self, s):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        def flush(self):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    monkeypatch.setattr(sys, "stderr", Busy())
+    stop = InterruptStop()
+    stop._handler(signal.SIGTERM, None)
+    assert stop() == "interrupt" and stop.signum == signal.SIGTERM
+
+
+def test_no_process_test_where_os_kill_0_is_not_one(tmp_path, monkeypatch):
+    """On Windows os.kill(pid, 0) is no liveness test: signal 0 is CTRL_C_EVENT, sent to pid's process group (and a
+    dead pid raises OSError, not ProcessLookupError). There a killed save's copies are kept, never removed on a guess
+    (and no Ctrl-C is sent)."""
+    import snlp.io.checkpoint as C
+
+    (tmp_path / "run").mkdir()
+    copy = tmp_path / f".run.tmp-{dead_pid()}"
+    copy.mkdir()
+    sent = []
+    monkeypatch.setattr(C.sys, "platform", "win32")
+    monkeypatch.setattr(C.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    assert C.stale_saves(tmp_path / "run") == [] and sent == []
+
+
+def test_a_process_that_steers_others_prints_on_after_its_terminal_hung_up(tmp_path):
+    """snlp speedrun's parent (and bench / eval / tune) turn SIGHUP into Interrupted and print as they unwind; on a
+    terminal that hung up each print raised EIO in place of the Interrupted, so the command ended with a traceback
+    and status 1, not 129. raise_interrupted points the dead terminal at os.devnull first, as fit's handler does."""
+    pytest.importorskip("termios")
+    code = ("import os, signal, sys\n"
+            "from snlp.train.hooks import Interrupted, raise_interrupted\n"
+            "master, slave = os.openpty()\n"
+            "os.dup2(slave, 1); os.dup2(slave, 2)\n"
+            "os.close(master)  # the terminal hangs up: every write to it fails with EIO\n"
+            "try:\n"
+            "    raise_interrupted(signal.SIGHUP, None)\n"
+            "except Interrupted as e:\n"
+            "    print('snlp speedrun: interrupted by', e, flush=True)\n"
+            "    sys.exit(128 + e.signum)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=WAIT_S)
+    assert r.returncode == 129
