@@ -15,8 +15,9 @@ pretraining (`pretrain_job`) and chat SFT (snlp.train.sft) run the same machiner
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,9 +166,19 @@ def run(args) -> int:
             check_data_present(cfg)
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
-    res = fit(cfg, hooks=file_hooks(args.stop_file))
+    res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
     if res.stopped_by == "interrupt":
         return interrupted("train", res.out, res.steps, res.signal, ["--out", res.out])
+    return finished_despite("train", res)
+
+
+def finished_despite(command: str, res) -> int:
+    """0 for a run that finished: where a signal came after its last stop check (TrainHooks.pass_late_signal False:
+    the last step, the final validation, the save), one line says the run finished regardless, so the exit status (0,
+    not 128 + signum) tells a requeue script there is nothing to resume (its --resume is refused as finished)."""
+    if res.late_signal and int(os.environ.get("RANK", "0")) == 0:
+        print(f"snlp {command}: {res.late_signal} arrived after the last step: the run finished and is saved in "
+              f"{res.out} (step {res.steps}); nothing to resume", file=sys.stderr, flush=True)
     return 0
 
 
@@ -177,7 +188,6 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
     signal's number, what a shell reports for a process that signal ended (130 where another DDP rank's signal
     stopped this one): a Slurm requeue script or a wrapper tells an interrupted run from a finished one (0) and from
     an error (1, 2) by it."""
-    import os
     import shlex
 
     status = interrupt_status(signal_name)

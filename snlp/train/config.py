@@ -314,6 +314,7 @@ class TrainResult:
     stopped_by: str = "budget"  # budget | stop_after | a TrainHooks reason (e.g. stop_file)
     speed: StepSpeed | None = None  # tokens/s and MFU of this process's steps (None if it ran none)
     signal: str | None = None  # stopped_by "interrupt": the signal's name (SIGINT, SIGTERM, SIGHUP, SIGUSR1, ...)
+    late_signal: str | None = None  # a signal that came after the last stop check, held (TrainHooks.pass_late_signal)
 
 
 @dataclass

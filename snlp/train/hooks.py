@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 # A stop check: given the number of optimizer steps done, None to go on or the reason to end the run
@@ -32,11 +32,19 @@ class TrainHooks:
     waiting alone would stall the others' collectives); like should_stop it returns a reason to end the run
     instead of starting the step, None to start it, or WAIT to hold it (e.g. until a lockstep peer catches
     up): the loop then asks again every `poll_s` seconds, asking its own stop checks in between, so a signal
-    ends the wait. A hook never blocks itself."""
+    ends the wait. A hook never blocks itself.
+
+    pass_late_signal: a signal that arrives after the loop's last stop check (during the last step, the final
+    validation or the save) finds the run finished and saved. True: fit raises it again once its handlers are
+    restored, so a program that goes on after fit (adapt writes its drafter, sft-grid trains its next run, a
+    speedrun child reports) stops there. False: fit returns, TrainResult.late_signal naming it; a command whose work
+    ends with the run (snlp train, snlp sft) then says it finished and exits 0, so a requeue script that resumes on a
+    status above 128 does not resume a finished run (its --resume is refused)."""
 
     should_stop: StopCheck | None = None
     before_step: StopCheck | None = None
     poll_s: float = 0.002
+    pass_late_signal: bool = True
 
 
 def with_stop(hooks: TrainHooks, check: Callable[[], str | None]) -> TrainHooks:
@@ -46,7 +54,7 @@ def with_stop(hooks: TrainHooks, check: Callable[[], str | None]) -> TrainHooks:
     def stop(inner: StopCheck | None) -> StopCheck:
         return lambda steps_done: check() or (inner(steps_done) if inner is not None else None)
 
-    return TrainHooks(should_stop=stop(hooks.should_stop), before_step=stop(hooks.before_step), poll_s=hooks.poll_s)
+    return replace(hooks, should_stop=stop(hooks.should_stop), before_step=stop(hooks.before_step))
 
 
 # The signals a training run turns into "stop after this step and save" (InterruptStop): Ctrl-C (SIGINT); SIGTERM, what

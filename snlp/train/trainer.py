@@ -127,7 +127,9 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
                     speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
                 result = finish(run, state, t_wall, speed)
             if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
-                signal.raise_signal(interrupted.signum)  # run is saved; the handler restored gets it (default: the end)
+                if run.hooks.pass_late_signal:  # run is saved; the handler restored gets it (default: the end)
+                    signal.raise_signal(interrupted.signum)
+                result.late_signal = signal_name(interrupted.signum)
             return result
     finally:
         teardown_dist(ctx)

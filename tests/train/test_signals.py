@@ -612,3 +612,38 @@ def test_a_process_that_steers_others_prints_on_after_its_terminal_hung_up(tmp_p
             "    sys.exit(128 + e.signum)\n")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=WAIT_S)
     assert r.returncode == 129
+
+
+def test_a_sigterm_in_the_last_step_finishes_train_with_status_0_and_a_library_caller_still_gets_it(corpus, tmp_path,
+                                                                                                    capsys):
+    """Slurm's time limit can land in the last step: fit finishes and saves the run, then passes the signal on. The
+    command ended 143 with no line, so a requeue script resumed it, and `--resume` was refused (the run is finished).
+    `snlp train` now says the run finished and exits 0; a library caller (TrainHooks' default) still gets the signal
+    once fit's handlers are restored, so a program that goes on after fit stops there."""
+    import snlp.apps.train as T
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # the caller's handler (and a guard)
+    try:
+        last = lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 3 else None  # noqa: E731
+        real = T.file_hooks
+        T.file_hooks = lambda *a, **k: TrainHooks(should_stop=last)
+        try:
+            out = tmp_path / "run"
+            rc = main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY,
+                       "--steps", "3"])
+        finally:
+            T.file_hooks = real
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen, saved_step(out)) == (0, [], 3), err[-3:]
+        assert err[-1] == (f"snlp train: SIGTERM arrived after the last step: the run finished and is saved in {out} "
+                           f"(step 3); nothing to resume")
+        assert json.loads((out / "train_summary.json").read_text())["stopped_by"] == "budget"
+
+        cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2,
+                          width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=3, eval_every=1000,
+                          eval_batches=1, no_progress=True, device="cpu")
+        r = fit(cfg, hooks=TrainHooks(should_stop=last))
+        assert seen == [signal.SIGTERM] and r.late_signal == "SIGTERM" and saved_step(cfg.out) == 3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
