@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -101,6 +102,24 @@ def count_aten(fn) -> "collections.Counter":
     with torch.no_grad(), Count() as c:
         fn()
     return c.ops
+
+
+CITIZENS = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+            "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 6
+
+
+def text_checkpoint(root: Path) -> tuple[Path, Path, Path]:
+    """A real checkpoint for the commands that read one: a 4-layer width-32 model saved with a tokenizer trained on
+    CITIZENS, the 40-document JSONL corpus the commands read beside it, and a token cache folder (none yet)."""
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+    data = root / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{i}: {CITIZENS}"}) + "\n" for i in range(40)))
+    tok = Tokenizer.train([CITIZENS], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    return save_checkpoint(root / "tiny", model, tokenizer=tok), data, root / "cache"
 
 
 def blowup_model(vocab_size: int, sequence_len: int = 64) -> GPT:

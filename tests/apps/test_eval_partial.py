@@ -8,28 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from conftest import make_model
+from conftest import text_checkpoint
 
 from snlp.apps.cli import main
-from snlp.io.checkpoint import save_checkpoint
-from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
-
-TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
-        "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. ") * 6
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("evalpartial")
-    data = root / "corpus.jsonl"
-    data.write_text("".join(json.dumps({"text": f"{i}: {TEXT}"}) + "\n" for i in range(40)))
-    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
-    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
-                       n_embd=32, sequence_len=128, scale=0.15)
-    return save_checkpoint(root / "tiny", model, tokenizer=tok), data, root / "cache"
+    return text_checkpoint(tmp_path_factory.mktemp("evalpartial"))
 
 
 def _args(ckpt, tmp_path):
