@@ -90,6 +90,10 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
         return None
     if hub and in_hub_cache(name):  # what transformers loads from the cache (a bare `gpt2`, org/name beside `org/`)
         return None
+    repo, at, rev = name.partition("@")
+    if hub and at and is_hub_id(repo):  # pip's / the hub CLI's NAME@REVISION: no loader here reads a revision
+        return (f"{what} {name}: a hub revision (@{rev}) is not read here; give {repo} (its default branch) or "
+                f"download that revision to a folder and give the folder")
     org = name.split("/", 1)[0]
     why = ("" if not hub or name.startswith((".", "/", "~")) else
            " (nor is it a hub id: snlp reads a missing name as one only when written org/name or in the hub cache)"

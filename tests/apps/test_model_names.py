@@ -156,3 +156,12 @@ def test_no_suggestion_of_the_name_itself(tmp_path, monkeypatch):
     (tmp_path / "ckpt").mkdir()
     assert did_you_mean("~/ckpt") == ""
     assert did_you_mean("~/ckpf") == "; did you mean ~/ckpt?"
+
+
+def test_a_hub_revision_is_refused_saying_revisions_are_not_read(tmp_path, monkeypatch, hub, capsys):
+    """`org/name@rev` (pip's and the hub CLI's spelling) read as a missing local path: 'does not exist', no word that
+    no loader here takes a revision. It is refused before the hub is asked, naming what to give instead."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "HuggingFaceTB/SmolLM2-135M@main", "--out", str(tmp_path / "o")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "a hub revision (@main) is not read here; give HuggingFaceTB/SmolLM2-135M" in line and hub == [], line
