@@ -118,9 +118,12 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     try:
         with locked_output(cfg.out) if ctx.master else nullcontext():  # a second run on cfg.out is refused
             t_wall = time.perf_counter()
-            run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
-            run.interrupt = interrupted
+            # armed from setup on: a signal while the data loads (a tokenizer trains, a corpus is tokenized) ends the
+            # loop before step 1 with step 0 saved, so the --resume that 128 + signum asks for finds a checkpoint (the
+            # signal's default action ended the process with nothing saved)
             with interrupted.armed():
+                run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
+                run.interrupt = interrupted
                 train_loop(run, state)
                 speed = step_speed(run, state)
                 if speed is not None and cfg.time_reg:

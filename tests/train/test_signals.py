@@ -647,3 +647,37 @@ def test_a_sigterm_in_the_last_step_finishes_train_with_status_0_and_a_library_c
         assert seen == [signal.SIGTERM] and r.late_signal == "SIGTERM" and saved_step(cfg.out) == 3
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_asks_for_works(corpus, tmp_path,
+                                                                                            capsys, monkeypatch):
+    """A signal before the loop (the tokenizer training, the corpus tokenized, the model built: setup) took its
+    default action: exit 143 with no line and nothing saved, and the `--resume` a requeue script runs on a status
+    above 128 was refused (no checkpoint in OUT). fit now holds it from setup on: the loop stops before step 1,
+    saves step 0 and says how to continue, and the resumed run trains to the weights of a run never stopped."""
+    import snlp.train.trainer as trainer
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # a guard: the default would end pytest
+    try:
+        real = trainer.apply_freeze
+
+        def freeze_then_signal(*a, **k):  # inside setup, after the data and the model are made
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+
+        monkeypatch.setattr(trainer, "apply_freeze", freeze_then_signal)
+        out = tmp_path / "run"
+        flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY]
+        rc = main(["train", "--out", str(out), *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen) == (128 + signal.SIGTERM, []), err[-3:]
+        assert saved_step(out) == 0
+        assert err[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step 0; continue with: snlp train "
+                           f"--out {out} --resume")
+        monkeypatch.setattr(trainer, "apply_freeze", real)
+        assert main(["train", "--out", str(out), "--resume", "--stop-after", "2"]) == 0
+        assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", "2"]) == 0
+        assert_same_weights(weights(out), weights(tmp_path / "ref"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
