@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -679,5 +680,36 @@ def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_as
         assert main(["train", "--out", str(out), "--resume", "--stop-after", "2"]) == 0
         assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", "2"]) == 0
         assert_same_weights(weights(out), weights(tmp_path / "ref"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_in_adapts_last_step_writes_the_drafter_says_so_and_exits_0(tmp_path, monkeypatch, capsys):
+    """As for `snlp train` and `sft`: a signal in the last step of `snlp adapt` found the run finished, wrote the
+    drafter, then ended the process with the signal (143, no line), so a requeue script ran `--resume`, refused (the
+    drafter is finished). It now says the run finished and exits 0; adapt() for a library caller (TrainHooks'
+    default) still passes the signal on once the drafter is written."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import snlp.train.adapt as A
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # a guard: the default would end pytest
+    try:
+        fit_ = A.fit
+        last = lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 3 else None  # noqa: E731
+        monkeypatch.setattr(A, "fit", lambda cfg, job, hooks=None: fit_(cfg, job, replace(
+            hooks or TrainHooks(), should_stop=last)))
+        run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "3", "--seq-len", "24",
+               "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]
+        rc = main([*run, "--out", "d"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen) == (0, []), err[-3:]
+        assert json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]["steps"] == 3
+        assert err[-1] == ("snlp adapt: SIGTERM arrived after the last step: the run finished and is saved in d "
+                           "(step 3); nothing to resume")
     finally:
         signal.signal(signal.SIGTERM, previous)
