@@ -119,6 +119,8 @@ def run(args) -> int:
     from snlp.runtime.device import write_atomic
     from snlp.runtime.outputs import locked_output
     from snlp.train.adapt import RUN, AdaptConfig, adapt, check_resume_left_adapt, resumed_adapt
+    from snlp.apps.train import finished_despite
+    from snlp.train.hooks import TrainHooks
 
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     cfg = resumed_adapt(cfg, getattr(args, "given", None))  # --resume: the flags not typed keep the saved values
@@ -133,7 +135,7 @@ def run(args) -> int:
     check_plans_fit(cfg.src, [cfg.plan], transformers_ok=True)  # the base's depth from its config, before its weights load
     master = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 writes --out, so it holds the lock
     with locked_output(args.out) if master else contextlib.nullcontext():  # a second run on --out is refused
-        res = adapt(cfg)
+        res = adapt(cfg, hooks=TrainHooks(pass_late_signal=False))  # a late signal: the drafter written, exit 0
     if res.stopped_by == "interrupt" and cfg.lora_rank:  # written, but a LoRA run cannot resume (AdaptConfig.check)
         import sys
 
@@ -158,7 +160,7 @@ def run(args) -> int:
           f"{res.extra_bytes / 2**20:.1f} MiB")
     if args.json:
         write_atomic(args.json, json.dumps(res.to_dict(), indent=2))
-    return 0
+    return finished_despite("adapt", res)  # a signal after the last step: the drafter is written, nothing to resume
 
 
 def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,

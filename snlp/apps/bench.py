@@ -314,17 +314,32 @@ def default_out_writable(args, out) -> None:
 
 
 def interrupt_hint(args) -> str:
-    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished."""
+    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished, or that the
+    run had finished where the signal came after its last write."""
+    from snlp.bench.records import marked_partial
+
     started = getattr(args, "started", None)
-    kept = [str(p) for p in partial_files(args) if started is not None and p.is_file()
-            and p.stat().st_mtime >= started]
+
+    def written(paths) -> list[Path]:  # by this run
+        return [p for p in map(Path, paths) if started is not None and p.is_file() and p.stat().st_mtime >= started]
+
+    kept = written(partial_files(args))
+    if kept and not any(marked_partial(p) for p in kept):  # the signal came after the last write (the tables'
+        return f"the run had finished: {holds(kept)} its complete results"  # print, the locks)
     if kept:
-        return f"kept the parts that had finished in {' and '.join(kept)}, marked partial (\"complete\": false)"
+        return (f"kept the parts that had finished in {' and '.join(map(str, kept))}, marked partial "
+                f"(\"complete\": false)")
     if partial_files(args):
         return "no part had finished: nothing written"
+    if done := written(p for p in (args.json, args.csv) if p):  # written once, at the end: the run had finished
+        return f"the run had finished: {holds(done)} its complete results"
     if args.json or args.csv or (args.suite == "decode" and args.out != "bench-suite"):
         return "this run writes its records once every round has run: nothing written"
     return ""
+
+
+def holds(paths: list[Path]) -> str:
+    return " and ".join(map(str, paths)) + (" hold" if len(paths) > 1 else " holds")
 
 
 def run(args) -> int:

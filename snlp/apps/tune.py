@@ -131,7 +131,11 @@ def config_from_args(args):
 
 def interrupt_hint(args) -> str:
     """What `snlp tune` says after Ctrl-C (snlp.apps.cli): what its --json keeps."""
-    kept = getattr(args, "kept", None)
+    from snlp.bench.records import marked_partial
+
+    kept = getattr(args, "kept", None)  # set once this run wrote stage 1: the file is its own
+    if kept and not marked_partial(args.json):  # the signal came after the last write (the pick's)
+        return f"kept the finished results in {args.json}"
     return f"kept {kept}" if kept else "stage 1 had not finished: nothing written" if args.json else ""
 
 

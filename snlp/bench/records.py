@@ -76,3 +76,17 @@ def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
     """A markdown table's lines: header, separator, one line per row of already-formatted cells."""
     line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     return [line(columns), "|" + "---|" * len(columns), *(line(r) for r in rows)]
+
+
+def marked_partial(path) -> bool:
+    """Whether a suite's file says it was written before the run ended: its JSON's "complete": false, its markdown's
+    PARTIAL line (partial_note)."""
+    path = Path(path)
+    text = path.read_text(errors="replace")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return True
+        return isinstance(data, dict) and data.get("complete") is False
+    return "**PARTIAL**" in text

@@ -206,6 +206,7 @@ class AdaptResult:
     world: int = 1  # processes (torchrun): gradients all-reduced, rank 0 the one writer
     rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
     signal: str | None = None  # stopped_by "interrupt": the signal's name (TrainResult.signal)
+    late_signal: str | None = None  # one after the run's last stop check, held (TrainResult.late_signal)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -634,7 +635,8 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
         drafter: Drafter = held["drafter"]
         result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                              minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
-                             device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal)
+                             device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal,
+                             late_signal=res.late_signal)
         if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
             save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
         if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk

@@ -38,8 +38,8 @@ class TrainHooks:
     validation or the save) finds the run finished and saved. True: fit raises it again once its handlers are
     restored, so a program that goes on after fit (adapt writes its drafter, sft-grid trains its next run, a
     speedrun child reports) stops there. False: fit returns, TrainResult.late_signal naming it; a command whose work
-    ends with the run (snlp train, snlp sft) then says it finished and exits 0, so a requeue script that resumes on a
-    status above 128 does not resume a finished run (its --resume is refused)."""
+    ends with the run (snlp train, snlp sft; snlp adapt, after its drafter) then says it finished and exits 0, so a
+    requeue script that resumes on a status above 128 does not resume a finished run (its --resume is refused)."""
 
     should_stop: StopCheck | None = None
     before_step: StopCheck | None = None

@@ -118,9 +118,12 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
     try:
         with locked_output(cfg.out) if ctx.master else nullcontext():  # a second run on cfg.out is refused
             t_wall = time.perf_counter()
-            run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
-            run.interrupt = interrupted
+            # armed from setup on: a signal while the data loads (a tokenizer trains, a corpus is tokenized) ends the
+            # loop before step 1 with step 0 saved, so the --resume that 128 + signum asks for finds a checkpoint (the
+            # signal's default action ended the process with nothing saved)
             with interrupted.armed():
+                run, state = setup(cfg, make_job, with_stop(hooks or TrainHooks(), interrupted), ctx)
+                run.interrupt = interrupted
                 train_loop(run, state)
                 speed = step_speed(run, state)
                 if speed is not None and cfg.time_reg:
@@ -129,7 +132,7 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
             if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
                 if run.hooks.pass_late_signal:  # run is saved; the handler restored gets it (default: the end)
                     signal.raise_signal(interrupted.signum)
-                result.late_signal = signal_name(interrupted.signum)
+                result.late_signal = signal_name(interrupted.signum)  # (finish recorded one that came before it)
             return result
     finally:
         teardown_dist(ctx)
@@ -473,7 +476,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     result = TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
-                         speed=speed, signal=interrupt_signal(run, state))
+                         speed=speed, signal=interrupt_signal(run, state), late_signal=late_signal(run, state))
     if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
@@ -481,6 +484,14 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         summary["mfu"] = speed.mfu if speed else None
         write_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
     return result
+
+
+def late_signal(run: Run, state: LoopState) -> str | None:
+    """The name of a signal this process took after the loop's last stop check (TrainResult.late_signal), so that
+    train_summary.json says why a finished run got one; None where none came or one stopped the run."""
+    if state.stopped_by == INTERRUPT or run.interrupt is None or run.interrupt.signum is None:
+        return None
+    return signal_name(run.interrupt.signum)
 
 
 def interrupt_signal(run: Run, state: LoopState) -> str | None:

@@ -79,3 +79,26 @@ def test_bad_flags_exit_2_with_a_message(ckpt, capsys, extra, msg):
 def test_budget_parsing():
     assert parse_budget("1%") == pytest.approx(0.01) and parse_budget("0.01") == 0.01 and parse_budget(None) is None
     assert parse_budget("0%") == 0.0
+
+
+def test_a_sigterm_after_tune_wrote_its_finished_json_does_not_say_partial(ckpt, tmp_path, capsys, monkeypatch):
+    """A SIGTERM after the last --json write (the pick written, "complete": true) said the file kept stage 1 "marked
+    partial", the line of a run cut in stage 2."""
+    import os
+    import signal
+
+    import snlp.bench.records as records
+
+    real = records.write_json
+
+    def write_then_signal(path, payload, *a, **k):
+        real(path, payload, *a, **k)
+        if payload.get("complete") is True:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(records, "write_json", write_then_signal)
+    out = tmp_path / "tune.json"
+    assert main(_args(ckpt, "--json", str(out))) == 128 + signal.SIGTERM
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert json.loads(out.read_text())["complete"] is True
+    assert line == f"snlp tune: interrupted by SIGTERM; kept the finished results in {out}", line

@@ -268,3 +268,56 @@ def test_sigterm_ends_a_suite_as_ctrl_c_does_and_restores_the_handler(tmp_path, 
         assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def signal_after(module, name: str, monkeypatch, when=lambda *a, **k: True):
+    """`module.name` sends this process a real SIGTERM right after a call of it that `when` picks returns."""
+    import signal
+
+    real = getattr(module, name)
+
+    def fn(*a, **k):
+        out = real(*a, **k)
+        if when(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(module, name, fn)
+
+
+def test_a_sigterm_after_a_suite_wrote_its_last_part_says_the_files_are_complete(tmp_path, monkeypatch, capsys):
+    """A SIGTERM that lands after the suite's last write (while it prints its tables, or releases its locks) ends
+    the command as any other (128 + 15), but its line said the files were "marked partial ("complete": false)"
+    while they said "complete": true and had no PARTIAL line: a reader took finished results for partial ones."""
+    import signal
+
+    import snlp.bench.suite as suite
+
+    signal_after(suite, "run_suite", monkeypatch)
+    out = tmp_path / "s"
+    rc = main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B", "--treatments", "eager", "--no-decode",
+               "--device", "cpu", "--out", str(out)])
+    line = last_line(capsys)
+    assert rc == 128 + signal.SIGTERM
+    assert json.loads((out / "suite.json").read_text())["complete"] is True
+    assert "PARTIAL" not in (out / "suite.md").read_text()
+    assert line == (f"snlp bench: interrupted by SIGTERM; the run had finished: {out / 'suite.json'} and "
+                    f"{out / 'suite.md'} hold its complete results"), line
+
+
+def test_a_sigterm_after_a_forward_benchmark_wrote_its_json_does_not_say_nothing_was_written(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The forward benchmark writes its --json once, at the end: a signal after that write said "nothing written"
+    beside the file it had just written."""
+    import signal
+
+    import snlp.bench.records as records
+
+    signal_after(records, "write_records", monkeypatch)
+    path = tmp_path / "b.json"
+    rc = main(["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+               "1xF1-h0-K1", "--runs", "2", "--warmup", "1", "--json", str(path)])
+    assert rc == 128 + signal.SIGTERM
+    assert last_line(capsys) == f"snlp bench: interrupted by SIGTERM; the run had finished: {path} holds its complete " \
+                                "results"
+    assert len(json.loads(path.read_text())) == 2

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -638,12 +639,78 @@ def test_a_sigterm_in_the_last_step_finishes_train_with_status_0_and_a_library_c
         assert (rc, seen, saved_step(out)) == (0, [], 3), err[-3:]
         assert err[-1] == (f"snlp train: SIGTERM arrived after the last step: the run finished and is saved in {out} "
                            f"(step 3); nothing to resume")
-        assert json.loads((out / "train_summary.json").read_text())["stopped_by"] == "budget"
+        summary = json.loads((out / "train_summary.json").read_text())
+        assert (summary["stopped_by"], summary["late_signal"]) == ("budget", "SIGTERM")  # why rc 0 came with a line
 
         cfg = TrainConfig(out=str(tmp_path / "lib"), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2,
                           width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=3, eval_every=1000,
                           eval_batches=1, no_progress=True, device="cpu")
         r = fit(cfg, hooks=TrainHooks(should_stop=last))
         assert seen == [signal.SIGTERM] and r.late_signal == "SIGTERM" and saved_step(cfg.out) == 3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_asks_for_works(corpus, tmp_path,
+                                                                                            capsys, monkeypatch):
+    """A signal before the loop (the tokenizer training, the corpus tokenized, the model built: setup) took its
+    default action: exit 143 with no line and nothing saved, and the `--resume` a requeue script runs on a status
+    above 128 was refused (no checkpoint in OUT). fit now holds it from setup on: the loop stops before step 1,
+    saves step 0 and says how to continue, and the resumed run trains to the weights of a run never stopped."""
+    import snlp.train.trainer as trainer
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # a guard: the default would end pytest
+    try:
+        real = trainer.apply_freeze
+
+        def freeze_then_signal(*a, **k):  # inside setup, after the data and the model are made
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+
+        monkeypatch.setattr(trainer, "apply_freeze", freeze_then_signal)
+        out = tmp_path / "run"
+        flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY]
+        rc = main(["train", "--out", str(out), *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen) == (128 + signal.SIGTERM, []), err[-3:]
+        assert saved_step(out) == 0
+        assert err[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step 0; continue with: snlp train "
+                           f"--out {out} --resume")
+        monkeypatch.setattr(trainer, "apply_freeze", real)
+        assert main(["train", "--out", str(out), "--resume", "--stop-after", "2"]) == 0
+        assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", "2"]) == 0
+        assert_same_weights(weights(out), weights(tmp_path / "ref"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_in_adapts_last_step_writes_the_drafter_says_so_and_exits_0(tmp_path, monkeypatch, capsys):
+    """As for `snlp train` and `sft`: a signal in the last step of `snlp adapt` found the run finished, wrote the
+    drafter, then ended the process with the signal (143, no line), so a requeue script ran `--resume`, refused (the
+    drafter is finished). It now says the run finished and exits 0; adapt() for a library caller (TrainHooks'
+    default) still passes the signal on once the drafter is written."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import snlp.train.adapt as A
+    from test_adapt import tiny_ckpt
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # a guard: the default would end pytest
+    try:
+        fit_ = A.fit
+        last = lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 3 else None  # noqa: E731
+        monkeypatch.setattr(A, "fit", lambda cfg, job, hooks=None: fit_(cfg, job, replace(
+            hooks or TrainHooks(), should_stop=last)))
+        run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "3", "--seq-len", "24",
+               "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]
+        rc = main([*run, "--out", "d"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen) == (0, []), err[-3:]
+        assert json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]["steps"] == 3
+        assert err[-1] == ("snlp adapt: SIGTERM arrived after the last step: the run finished and is saved in d "
+                           "(step 3); nothing to resume")
     finally:
         signal.signal(signal.SIGTERM, previous)
