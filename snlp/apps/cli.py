@@ -302,16 +302,15 @@ def measurement_signals(args):
     SIGUSR1/2 (a Slurm time limit or `--signal`, docker stop, a closed terminal) raise Interrupted as Ctrl-C raises
     KeyboardInterrupt, so they end the same way: the output locks released, one line naming the signal and what the
     files kept, exit 128 + signum. Their default action killed the process silently (the files already written
-    stayed, the locks' files too). The training commands arm their own handlers (snlp.train.hooks.InterruptStop)."""
+    stayed, the locks' files too); a repeat of the signal is ignored (snlp.train.hooks.raising_stops). The training
+    commands arm their own handlers (snlp.train.hooks.InterruptStop)."""
     from contextlib import nullcontext
 
     if not getattr(args.module, "LOCK_OUTPUTS", False):
         return nullcontext()
-    import signal
+    from snlp.train.hooks import raising_stops
 
-    from snlp.train.hooks import STOP_SIGNALS, handled, raise_interrupted
-
-    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], raise_interrupted)
+    return raising_stops()
 
 
 def check_device(args) -> None:

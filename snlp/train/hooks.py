@@ -182,6 +182,22 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+def raising_stops():
+    """A context in which SIGTERM, SIGHUP and SIGUSR1/2 raise Interrupted as Ctrl-C raises KeyboardInterrupt (for a
+    process with nothing to save at a step boundary: a measurement, snlp speedrun's parent), the first one only:
+    Slurm signals every process of a job step and torchrun forwards its own SIGTERM, so a second may come while the
+    first one's cleanup runs (stopping children, writing files, printing the line), and raising there would cut it
+    short. Ctrl-C keeps Python's own handler (a second one aborts)."""
+    fired: list[int] = []
+
+    def once(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise_interrupted(signum, frame)
+
+    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], once)
+
+
 @contextmanager
 def deferred(signums=STOP_SIGNALS) -> Iterator[None]:
     """Hold back the `signums` signals that arrive during the block and deliver the first to the handler in place

@@ -321,3 +321,22 @@ def test_a_sigterm_after_a_forward_benchmark_wrote_its_json_does_not_say_nothing
     assert last_line(capsys) == f"snlp bench: interrupted by SIGTERM; the run had finished: {path} holds its complete " \
                                 "results"
     assert len(json.loads(path.read_text())) == 2
+
+
+def test_a_repeated_sigterm_does_not_cut_a_measurements_cleanup_short():
+    """Slurm signals every process of a job step and torchrun forwards its own SIGTERM: a second SIGTERM while the
+    first one's Interrupted unwinds (files written, the line printed) raised again there, and could end the command
+    before its line. The first raises; a repeat is ignored."""
+    import signal
+    import types
+
+    from snlp.apps.cli import measurement_signals
+
+    args = types.SimpleNamespace(module=types.SimpleNamespace(LOCK_OUTPUTS=True))
+    before = signal.getsignal(signal.SIGTERM)
+    with measurement_signals(args):
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the repeat: ignored, not raised
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert signal.getsignal(signal.SIGTERM) is before

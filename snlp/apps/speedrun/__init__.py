@@ -118,8 +118,6 @@ def stops_on_signals():
     raises KeyboardInterrupt: the stage in progress unwinds, a training stage asks its processes to stop and save
     (speedrun.train.stop_children) and the command exits with 128 + the signal's number. Their default action would
     end this process alone, and its training processes would train on, orphaned."""
-    import signal
+    from snlp.train.hooks import raising_stops
 
-    from snlp.train.hooks import STOP_SIGNALS, handled, raise_interrupted
-
-    return handled([s for s in STOP_SIGNALS if s != signal.SIGINT], raise_interrupted)
+    return raising_stops()
