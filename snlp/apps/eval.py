@@ -240,7 +240,7 @@ def partial_writer(args):
     list of records, so a reader of it never takes a partial file for one), the markdown under a PARTIAL line. --csv
     and --plot are written once, at the end (a CSV cannot say it is partial). The speed columns come last: the
     timing is one round-robin over every row, so no row is finished before all are."""
-    from snlp.bench.records import partial_line
+    from snlp.runtime.outputs import partial_line
     from snlp.eval.present import markdown_table
     from snlp.runtime.device import write_atomic
 

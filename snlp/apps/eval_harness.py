@@ -177,7 +177,7 @@ def run(args) -> int:
 
     def write(records, complete: bool) -> None:
         """Each finished method's JSON, table.md and --markdown / --json; until the last method, marked partial."""
-        from snlp.bench.records import partial_line
+        from snlp.runtime.outputs import partial_line
 
         out.mkdir(parents=True, exist_ok=True)
         for rec in records:

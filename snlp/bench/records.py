@@ -64,14 +64,6 @@ def write_records(records: list, json_path: str | None = None, csv_path: str | N
         write_csv(csv_path, records)
 
 
-def partial_line(done: str) -> str:
-    """The markdown line of a result file written while its run was going: every long run rewrites its files after
-    each finished part (atomically), so a run cut short (Ctrl-C, a kill, a crash, a lease that ends) keeps what it
-    finished, and its JSON says "complete": false until the last part is written. `done`: what the rows are."""
-    return (f"**PARTIAL**: written while the run was going (or it was cut short there): {done}; the JSON says "
-            f'"complete": false')
-
-
 def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
     """A markdown table's lines: header, separator, one line per row of already-formatted cells."""
     line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
@@ -80,7 +72,7 @@ def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
 
 def marked_partial(path) -> bool:
     """Whether a suite's file says it was written before the run ended: its JSON's "complete": false, its markdown's
-    PARTIAL line (partial_note)."""
+    PARTIAL line (snlp.runtime.outputs.partial_line)."""
     path = Path(path)
     text = path.read_text(errors="replace")
     if path.suffix == ".json":

@@ -33,10 +33,11 @@ import torch
 
 from snlp.bench.decode import DecodeRow, decode_benchmark, model_bytes
 from snlp.bench.forward import ForwardRow, benchmark
-from snlp.bench.records import markdown_table, partial_line, write_json
+from snlp.bench.records import markdown_table, write_json
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label, write_atomic
+from snlp.runtime.outputs import partial_line
 
 RANDOM_WEIGHTS = "random weights (timing only)"
 TREATMENTS = ("eager", "compiled")

@@ -38,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-from snlp.bench.records import markdown_table, partial_line, write_json
+from snlp.bench.records import markdown_table, write_json
 from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
 from snlp.model.gpt import GPT
 from snlp.runtime.device import device_label, write_atomic
+from snlp.runtime.outputs import partial_line
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.timing import sync
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers

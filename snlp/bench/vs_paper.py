@@ -30,12 +30,13 @@ from snlp.bench.forward import COMPILE_CALLS, compile_step
 from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_linear_weights, load_paper_code,
                                    paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_from_paper,
                                    summarise, time_side_by_side)
-from snlp.bench.records import markdown_table, partial_line, write_json
+from snlp.bench.records import markdown_table, write_json
 from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
 from snlp.decode.steps import check_compilable, mark_static_runner
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.runtime.device import device_label, write_atomic
+from snlp.runtime.outputs import partial_line
 from snlp.runtime.timing import now
 
 TREATMENTS = ("eager", "compiled")

@@ -42,6 +42,7 @@ from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
+from snlp.runtime.outputs import partial_line
 
 SEQ = "sequential"
 
@@ -342,9 +343,7 @@ def markdown(result: MCResult) -> str:
     if result.protocol:
         lines[-1:-1] = [result.protocol]  # the caption line: which protocol produced these numbers
     if not result.complete:
-        lines[-1:-1] = [f"**PARTIAL**: written while the run was going (or it was cut short there): the methods "
-                        f"scored so far ({', '.join(r.method for r in result.records)}); the JSON says "
-                        f'"complete": false']
+        lines[-1:-1] = [partial_line(f"the methods scored so far ({', '.join(r.method for r in result.records)})")]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in result.records:
         lines.append(f"| {r.method} | " + " | ".join(_cells(r, result.scoring == "harness")) + " |")

@@ -104,3 +104,11 @@ def locked_output(folder, what: str = "--out") -> Iterator[None]:
             os.unlink(lock)
         finally:
             os.close(fd)
+
+
+def partial_line(done: str) -> str:
+    """The markdown line of a result file written while its run was going: every long run rewrites its files after
+    each finished part (atomically), so a run cut short (Ctrl-C, a kill, a crash, a lease that ends) keeps what it
+    finished, and its JSON says "complete": false until the last part is written. `done`: what the rows are."""
+    return (f"**PARTIAL**: written while the run was going (or it was cut short there): {done}; the JSON says "
+            f'"complete": false')
