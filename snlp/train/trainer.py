@@ -31,7 +31,7 @@ from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_k
                                       save_run, set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
-from snlp.train.distributed import DistContext, agree_on_reason, barrier, setup_dist, teardown_dist
+from snlp.train.distributed import DistContext, agree_on_reason, setup_dist, teardown_dist
 from snlp.train.flops import mfu, step_flops
 from snlp.train.hooks import INTERRUPT, WAIT, InterruptStop, TrainHooks, signal_name, with_stop
 from snlp.train.job import Job, TrainStep
@@ -87,6 +87,7 @@ class LoopState:
     t_last: float = 0.0  # perf_counter() at the end of the previous step (tokens/s)
     step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
     mfu: float | None = None  # the last step's MFU (logged on every row)
+    peer_signal: int = 0  # the highest signal number any rank had taken by this process's last save (0: none)
 
 
 @dataclass
@@ -221,7 +222,7 @@ def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
 def train_loop(run: Run, state: LoopState) -> None:
     """Steps until a limit (budget, stop_after) or a hook ends the run; validates and saves on the way."""
     cfg = run.cfg
-    if state.step == 0:
+    if state.step == 0 and stopped_in_setup(run) is None:  # a signal during setup: straight to step 0's save
         validate_and_log(run, state)
     state.stopped_by = limit_reason(run, state) or agree_on_reason(run.ctx, ask(run, run.hooks.should_stop, state))
     while state.stopped_by is None:
@@ -249,6 +250,15 @@ def train_loop(run: Run, state: LoopState) -> None:
         validate_and_log(run, state)  # the run's last step is validated all the same ("and at the end")
     if not saved and not idle_resume(state):  # a resumed run that ran no step has nothing new to save
         save(run, state)
+
+
+def stopped_in_setup(run: Run) -> str | None:
+    """INTERRUPT where a signal reached rank 0 during setup (broadcast: every rank skips or runs step 0's validation
+    together, as they agree on the stop right after it), else None. The validation would run before the stop is asked
+    (a full pass over the validation batches: on a big model more than Slurm's 30 s KillWait before SIGKILL), and
+    skipping it changes nothing the resume reads: the resumed run starts at step 0 and validates it then."""
+    hit = run.ctx.master and run.interrupt is not None and run.interrupt.hit
+    return agree_on_reason(run.ctx, INTERRUPT if hit else None)
 
 
 def wait_for_step(run: Run, state: LoopState) -> str | None:
@@ -407,8 +417,21 @@ def save(run: Run, state: LoopState) -> None:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
               "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
-    barrier(run.ctx)
+    state.peer_signal = signals_so_far(run)  # the others wait for rank 0's save in this all-reduce (a barrier)
     state.saved_at = state.step
+
+
+def signals_so_far(run: Run) -> int:
+    """The highest signal number any rank has taken (0: none), all-reduced where the ranks wait for rank 0's save: a
+    signal after the last step that reached only another rank (a `kill` of one worker) comes after the ranks' last
+    step reduction, and the final save is the one exchange left in which rank 0 can learn of it and say that the
+    run had finished (late_signal)."""
+    own = run.interrupt.signum if run.interrupt is not None and run.interrupt.signum is not None else 0
+    if run.ctx.world == 1:
+        return int(own)
+    box = torch.tensor([int(own)], dtype=torch.int64, device=run.ctx.device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
 
 
 WARM_STEPS = 2  # steps left out of the steady speed: compiling (step 1), allocator and cache warm-up
@@ -489,9 +512,11 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
 def late_signal(run: Run, state: LoopState) -> str | None:
     """The name of a signal this process took after the loop's last stop check (TrainResult.late_signal), so that
     train_summary.json says why a finished run got one; None where none came or one stopped the run."""
-    if state.stopped_by == INTERRUPT or run.interrupt is None or run.interrupt.signum is None:
+    if state.stopped_by == INTERRUPT:
         return None
-    return signal_name(run.interrupt.signum)
+    if run.interrupt is not None and run.interrupt.signum is not None:
+        return signal_name(run.interrupt.signum)
+    return signal_name(state.peer_signal) if state.peer_signal else None  # another rank's, learnt at the last save
 
 
 def interrupt_signal(run: Run, state: LoopState) -> str | None:

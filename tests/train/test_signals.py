@@ -77,9 +77,22 @@ def wait_for_step(logs: list[Path], step: int, procs: list) -> None:
         time.sleep(0.05)
 
 
-def start(args: list[str], **kw) -> subprocess.Popen:
+def start(args: list[str], cwd=ROOT, **kw) -> subprocess.Popen:
     return subprocess.Popen(["nice", "-n", "10", sys.executable, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=cwd, **kw)
+
+
+def signalled(args: list[str], log: Path, step: int = 2, sig=signal.SIGTERM, cwd=ROOT) -> tuple[int, str, str]:
+    """Start `python ARGS`, send it `sig` once `log` records `step`, and return its status, stdout and stderr (a child
+    that never gets there or never ends fails the test after WAIT_S, and is killed)."""
+    p = start(args, cwd=cwd)
+    try:
+        wait_for_step([log], step, [p])
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=WAIT_S)
+    finally:
+        p.kill()
+    return p.returncode, out, err
 
 
 def saved_step(out) -> int:
@@ -94,15 +107,9 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_to_the_uninterrupted_w
     cache, out = tmp_path / "cache", tmp_path / "run"
     flags = ["--data", str(corpus), "--cache-dir", str(cache), *TINY]
     assert main(["train", "--out", str(tmp_path / "warm"), *flags, "--stop-after", "1"]) == 0  # the token cache
-    p = start(["-m", "snlp", "train", "--out", str(out), *flags])
-    try:
-        wait_for_step([out / "log.jsonl"], 2, [p])
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=WAIT_S)
-    finally:
-        p.kill()
+    rc, _, err = signalled(["-m", "snlp", "train", "--out", str(out), *flags], out / "log.jsonl")
     step = saved_step(out)
-    assert p.returncode == 143, err[-3000:]
+    assert rc == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step {step}; "
                                             f"continue with: snlp train --out {out} --resume")
     assert step >= 2 and step_records(out / "log.jsonl")[-1] == {**step_records(out / "log.jsonl")[-1],
@@ -178,14 +185,8 @@ def test_a_signal_ends_a_wait_at_the_lockstep_gate(corpus, tmp_path):
             f"width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=400, eval_every=1000, "
             f"eval_batches=1, log_every=1, no_progress=True, device='cpu'), hooks=file_hooks(None, {str(gate)!r}))\n"
             f"print(r.stopped_by, r.signal, r.steps)")
-    p = start(["-c", code])
-    try:
-        wait_for_step([out / "log.jsonl"], 2, [p])
-        p.send_signal(signal.SIGTERM)
-        said, err = p.communicate(timeout=WAIT_S)
-    finally:
-        p.kill()
-    assert p.returncode == 0 and said.strip().splitlines()[-1].split() == ["interrupt", "SIGTERM", "2"], err[-3000:]
+    rc, said, err = signalled(["-c", code], out / "log.jsonl")
+    assert rc == 0 and said.strip().splitlines()[-1].split() == ["interrupt", "SIGTERM", "2"], err[-3000:]
     assert saved_step(out) == 2
 
 
@@ -292,16 +293,9 @@ def test_adapt_sigterm_saves_resumes_exactly_and_a_finished_run_is_not_resumed(t
     monkeypatch.chdir(tmp_path)
     run = ["adapt", "base", "--plan", "2xF1-h0-K1", "--data", "text.txt", "--steps", "400", "--seq-len", "24",
            "--batch-size", "4", "--eval-every", "1000", "--eval-batches", "1", "--log-every", "1", "--no-progress"]
-    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "snlp", *run, "--out", "d"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    try:
-        wait_for_step([tmp_path / "d" / "run" / "log.jsonl"], 2, [p])
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=WAIT_S)
-    finally:
-        p.kill()
+    rc, _, err = signalled(["-m", "snlp", *run, "--out", "d"], tmp_path / "d" / "run" / "log.jsonl", cwd=tmp_path)
     step = saved_step(tmp_path / "d" / "run")
-    assert p.returncode == 143, err[-3000:]
+    assert rc == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"snlp adapt: interrupted by SIGTERM: saved d at step {step}; continue "
                                             f"with: snlp adapt --out d --resume")
     assert main(["adapt", "--out", "d", "--resume", "--stop-after", str(step + 1)]) == 0
@@ -377,13 +371,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_saved_and_resumable(co
                 "train", *args]
 
     out = tmp_path / "run"
-    p = start(torchrun("--out", str(out), *flags))
-    try:
-        wait_for_step([out / "log.jsonl"], 2, [p])
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=WAIT_S)
-    finally:
-        p.kill()
+    _, _, err = signalled(torchrun("--out", str(out), *flags), out / "log.jsonl")
     step = saved_step(out)
     assert step_records(out / "log.jsonl")[-1]["step"] == step and step_records(out / "log.jsonl")[-1]["stop"] == \
         "interrupt", err[-3000:]
@@ -394,6 +382,37 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_saved_and_resumable(co
                            capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=WAIT_S)
         assert r.returncode == 0, r.stderr[-3000:]
     assert_same_weights(weights(out), weights(tmp_path / "ref"))
+
+
+@pytest.mark.slow  # one torchrun launch of two processes
+def test_a_late_signal_to_another_rank_only_is_said_by_rank_0_and_exits_0(corpus, tmp_path):
+    """`kill` of one worker (rank 1) in the run's last validation, after the ranks' last step reduction: the run
+    finished and saved, every rank exited 0, but only rank 0 prints the "nothing to resume" line and it had not heard
+    of the signal, so no line said why. Rank 0 learns of it in the final save's all-reduce, says it and records it."""
+    from conftest import free_port
+
+    out = tmp_path / "run"
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import snlp.train.trainer as T\n"
+        "real = T.validate_and_log\n"
+        "def late(run, state):  # rank 1 alone, in the validation after the last step\n"
+        "    if run.ctx.rank == 1 and state.step == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    return real(run, state)\n"
+        "T.validate_and_log = late\n"
+        "from snlp.apps.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run(["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(script), "train", "--out", str(out), "--data", str(corpus),
+                        "--cache-dir", str(tmp_path / "c"), *TINY, "--steps", "3"],
+                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"snlp train: SIGUSR1 arrived after the last step: the run finished and is saved in {out} (step 3); "
+            f"nothing to resume") in r.stderr, r.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert (summary["steps"], summary["stopped_by"], summary["late_signal"]) == (3, "budget", "SIGUSR1")
 
 
 def test_a_lora_adapt_run_stopped_by_a_signal_says_it_cannot_resume(tmp_path, monkeypatch, capsys):
@@ -677,8 +696,13 @@ def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_as
         assert saved_step(out) == 0
         assert err[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step 0; continue with: snlp train "
                            f"--out {out} --resume")
+        # no step-0 validation after the stop: on a big model that pass could outlast the grace before SIGKILL
+        log = out / "log.jsonl"
+        assert [json.loads(line) for line in (log.read_text().splitlines() if log.exists() else [])] == []
+        assert json.loads((out / "train_summary.json").read_text())["validation"] is None
         monkeypatch.setattr(trainer, "apply_freeze", real)
         assert main(["train", "--out", str(out), "--resume", "--stop-after", "2"]) == 0
+        assert "val_loss" in json.loads((out / "log.jsonl").read_text().splitlines()[0])  # the resume validates it
         assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", "2"]) == 0
         assert_same_weights(weights(out), weights(tmp_path / "ref"))
     finally:
