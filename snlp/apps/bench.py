@@ -88,7 +88,8 @@ def _add_run_flags(p) -> None:
                         "decode steps of both sides (CUDA graphs on CUDA); compile time is reported apart from timings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the records to this JSON file")
-    p.add_argument("--csv", default=None, help="write the records to this CSV file (the JSON's keys as columns)")
+    p.add_argument("--csv", default=None, help="write the records to this CSV file (the JSON's keys as columns; "
+                   "while a suite goes: under a '# PARTIAL' line)")
 
 
 def _add_decode_flags(p) -> None:
@@ -287,14 +288,15 @@ def model_spec(args) -> ModelSpec:
 
 
 def partial_files(args) -> list[Path]:
-    """The files a long `snlp bench` run rewrites after every finished part (the suites, --vs-paper): what a run cut
-    short keeps, marked partial ("complete": false). The other runs time every row in one round-robin and write
-    their records once, at the end."""
+    """The files a long `snlp bench` run rewrites after every finished part (the suites, --vs-paper; the decode
+    suite's --csv too, under snlp.runtime.outputs.partial_comment's line): what a run cut short keeps, marked
+    partial ("complete": false). The other runs time every row in one round-robin and write their records once, at
+    the end."""
     out = None if args.out == "bench-suite" else Path(args.out)
     if getattr(args, "vs_paper", None):
         return [(out or Path("bench-vs-paper")) / f for f in ("vs_paper.json", "vs_paper.md")]
     if args.suite == "decode" and not args.shapes:
-        return [Path(p) for p in (args.json,) if p] + ([out / "decode.json", out / "decode.md"] if out else [])
+        return [Path(p) for p in (args.json, args.csv) if p] + ([out / "decode.json", out / "decode.md"] if out else [])
     if args.suite in ("paper", "train"):
         return [(out or Path(args.out)) / f"{'suite' if args.suite == 'paper' else 'train'}.{ext}" for ext in
                 ("json", "md")]
@@ -313,26 +315,36 @@ def default_out_writable(args, out) -> None:
             getattr(args, "hold_output", lambda *a: None)(str(out), "--out")
 
 
-def interrupt_hint(args) -> str:
-    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished, or that the
-    run had finished where the signal came after its last write."""
+def written(args, paths) -> list[Path]:
+    """The `paths` this run wrote (a file of an earlier run there is not its own)."""
+    started = getattr(args, "started", None)
+    return [p for p in map(Path, paths) if started is not None and p.is_file() and p.stat().st_mtime >= started]
+
+
+def finished(args) -> str | None:
+    """Where a signal came after every file of the run was written complete (its tables' print, the locks'
+    release): what holds the results, so that snlp.apps.cli ends with status 0 (not 128 + signum: a requeue script
+    would run the whole benchmark again); else None."""
     from snlp.bench.records import marked_partial
 
-    started = getattr(args, "started", None)
+    files = partial_files(args) or [Path(p) for p in (args.json, args.csv) if p]  # the others: once, at the end
+    kept = written(args, files)
+    if files and len(kept) == len(files) and not any(marked_partial(p) for p in kept):
+        return f"{holds(kept)} its complete results"
+    return None
 
-    def written(paths) -> list[Path]:  # by this run
-        return [p for p in map(Path, paths) if started is not None and p.is_file() and p.stat().st_mtime >= started]
 
-    kept = written(partial_files(args))
-    if kept and not any(marked_partial(p) for p in kept):  # the signal came after the last write (the tables'
-        return f"the run had finished: {holds(kept)} its complete results"  # print, the locks)
+def interrupt_hint(args) -> str:
+    """What `snlp bench` says after Ctrl-C (snlp.apps.cli): which files keep the parts that had finished (a run
+    whose files were all complete ends through `finished`)."""
+    kept = written(args, partial_files(args))
     if kept:
         return (f"kept the parts that had finished in {' and '.join(map(str, kept))}, marked partial "
                 f"(\"complete\": false)")
     if partial_files(args):
         return "no part had finished: nothing written"
-    if done := written(p for p in (args.json, args.csv) if p):  # written once, at the end: the run had finished
-        return f"the run had finished: {holds(done)} its complete results"
+    if done := written(args, (p for p in (args.json, args.csv) if p)):  # written once, at the end
+        return f"the run had finished writing {' and '.join(map(str, done))} only"
     if args.json or args.csv or (args.suite == "decode" and args.out != "bench-suite"):
         return "this run writes its records once every round has run: nothing written"
     return ""
@@ -693,6 +705,8 @@ def run_decode_suite_cli(args, command: str) -> int:
             write_json(path, result.to_dict(), announce=False)
         if out:  # atomically too: a kill between rounds never leaves half a table
             write_atomic(out / "decode.md", markdown(result) + "\n")
+        if args.csv:  # its first line says it is partial (snlp.runtime.outputs.partial_comment)
+            write_csv(args.csv, result.rows, announce=False, partial=what)
 
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)

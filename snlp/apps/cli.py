@@ -301,9 +301,11 @@ def measurement_signals(args):
     """For the commands that keep partial files (LOCK_OUTPUTS: bench, eval, tune, selfcheck), SIGTERM, SIGHUP and
     SIGUSR1/2 (a Slurm time limit or `--signal`, docker stop, a closed terminal) raise Interrupted as Ctrl-C raises
     KeyboardInterrupt, so they end the same way: the output locks released, one line naming the signal and what the
-    files kept, exit 128 + signum. Their default action killed the process silently (the files already written
-    stayed, the locks' files too); a repeat of the signal is ignored (snlp.train.hooks.raising_stops). The training
-    commands arm their own handlers (snlp.train.hooks.InterruptStop)."""
+    files kept, exit 128 + signum; where the module's `finished(args)` says every file was written complete before
+    the signal came, one line saying so and exit 0 (a requeue script reruns a status above 128). Their default action
+    killed the process silently (the files already written stayed, the locks' files too); a repeat of the signal is
+    ignored (snlp.train.hooks.raising_stops). The training commands arm their own handlers
+    (snlp.train.hooks.InterruptStop)."""
     from contextlib import nullcontext
 
     if not getattr(args.module, "LOCK_OUTPUTS", False):
@@ -369,8 +371,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a command that can pick up where it stopped says how (its module's interrupt_hint)
-        hint = getattr(args.module, "interrupt_hint", lambda a: "")(args)
         signum = getattr(e, "signum", 2)  # snlp.train.hooks.Interrupted: another signal than Ctrl-C's SIGINT (2)
+        done = getattr(args.module, "finished", lambda a: None)(args)
+        if done:  # every file written complete before the signal: 0, so a requeue script does not rerun it
+            from snlp.train.hooks import signal_name
+
+            print(f"snlp {args.command}: {signal_name(signum)} arrived after the run had finished: {done}; nothing "
+                  f"to rerun", file=sys.stderr)
+            return 0
+        hint = getattr(args.module, "interrupt_hint", lambda a: "")(args)
         by = f" by {e}" if signum != 2 else ""
         print(f"snlp {args.command}: interrupted{by}" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 128 + signum  # what a shell reports for a process the signal ended

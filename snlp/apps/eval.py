@@ -113,7 +113,8 @@ def add_arguments(p) -> None:
     t.add_argument("--mc-limit", type=int, default=0, help="first N questions only (0 = all)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the records to this JSON file")
-    o.add_argument("--csv", default=None, help="write the records to this CSV file")
+    o.add_argument("--csv", default=None, help="write the records to this CSV file (while the run goes: under a "
+                   "'# PARTIAL' line, pandas.read_csv(comment='#'))")
     o.add_argument("--markdown", default=None, help="write the table to this markdown file")
     o.add_argument("--plot", default=None, help="write the speed-quality frontier to this PNG")
     eval_harness.add_arguments(p)  # --harness TASKS ... (snlp.apps.eval_harness)
@@ -167,14 +168,14 @@ def run(args) -> int:
 
     from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
-    from snlp.eval.present import frontier_plot, markdown_table, print_table, write_csv
+    from snlp.eval.present import markdown_table, print_table, write_csv
     from snlp.eval.protocol import evaluate
     from snlp.io.checkpoint import load
     from snlp.method.plan import parse_plans
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic, write_json
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.plot:  # the figure is written after the whole evaluation: a format matplotlib lacks fails here
+    if args.plot:  # the figure is first drawn after the first phase: a format matplotlib lacks fails here
         from matplotlib.backend_bases import FigureCanvasBase
 
         kinds = FigureCanvasBase.get_supported_filetypes()
@@ -208,53 +209,97 @@ def run(args) -> int:
     val = validation_tokens(tok, **data)
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
           file=sys.stderr)
+    outputs = result_files(args)
     records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat,
-                       on_phase=partial_writer(args) if args.json or args.markdown else None)
+                       on_phase=partial_writer(args) if outputs else None)
     c = model.config
     ties = record_ties(records)
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)
+    finished: list[str] = []
+
+    def done(path: str) -> None:  # a Ctrl-C from here on names the finished files as such, the others as partial
+        finished.append(path)
+        rest = [p for p in outputs if p not in finished]
+        args.kept = f"the finished results in {' and '.join(finished)}" + (
+            f" ({' and '.join(rest)} still marked partial)" if rest else "")
+        if not rest:
+            args.finished = holds(finished)
+
     if args.json:
         write_json(args.json, [r.to_dict() for r in records])
-        # a Ctrl-C from here on (the CSV, the plot: matplotlib takes seconds) names the finished files as such
-        args.kept = f"the finished results in {args.json}" + (f" ({args.markdown} still marked partial)"
-                                                               if args.markdown else "")
+        done(args.json)
     if args.csv:
         write_csv([r.to_dict() for r in records], args.csv)
+        done(args.csv)
     if args.markdown:
         write_atomic(args.markdown, markdown_table(records, ties=ties))
         print(f"wrote {args.markdown}")
-        args.kept = f"the finished results in {' and '.join(p for p in (args.json, args.markdown) if p)}"
+        done(args.markdown)
     if args.plot:
-        from snlp.apps.report import eval_frontier
-
-        name = Path(args.ckpt).name  # the front ringed and the bars drawn by the table's (tie) rule
-        frontier_plot({name: records}, args.plot, title=f"{name}: ΔPPL vs speedup", **eval_frontier(records, name))
+        draw_plot(args, records, title="ΔPPL vs speedup")
+        done(args.plot)
     return 0
 
 
+def result_files(args) -> list[str]:
+    """The files `snlp eval`'s LM metrics write, in the order they are written."""
+    return [p for p in (args.json, args.csv, args.markdown, args.plot) if p]
+
+
+def draw_plot(args, records, title: str, announce: bool = True) -> None:
+    """--plot: the speed-quality frontier of the records, the front ringed and the bars drawn by the table's (tie)
+    rule (plans not timed yet are listed in the legend instead of plotted)."""
+    from snlp.apps.report import eval_frontier
+    from snlp.eval.present import frontier_plot
+
+    name = Path(args.ckpt).name
+    frontier_plot({name: records}, args.plot, title=f"{name}: {title}", announce=announce,
+                  **eval_frontier(records, name))
+
+
 def partial_writer(args):
-    """evaluate's on_phase for the CLI: --json and --markdown rewritten (atomically) after each phase with every row
-    so far, marked partial: the JSON as {"complete": false, "done": ..., "records": [...]} (the finished file is the
-    list of records, so a reader of it never takes a partial file for one), the markdown under a PARTIAL line. --csv
-    and --plot are written once, at the end (a CSV cannot say it is partial). The speed columns come last: the
-    timing is one round-robin over every row, so no row is finished before all are."""
+    """evaluate's on_phase for the CLI: every output file rewritten (atomically) after each phase with every row so
+    far, marked partial: the JSON as {"complete": false, "done": ..., "records": [...]} (the finished file is the
+    list of records, so a reader of it never takes a partial file for one), the markdown under a PARTIAL line, the
+    CSV under a comment line (snlp.runtime.outputs.partial_comment), the plot with PARTIAL in its title (its plans
+    listed as not timed). The speed columns come last: the timing is one round-robin over every row, so no row is
+    finished before all are."""
     from snlp.runtime.outputs import partial_line
-    from snlp.eval.present import markdown_table
+    from snlp.eval.present import markdown_table, write_csv
     from snlp.runtime.device import write_atomic
 
     def write(records, done: str) -> None:
         if args.json:
             write_atomic(args.json, json.dumps({"complete": False, "done": done,
                                                 "records": [r.to_dict() for r in records]}, indent=2))
+        if args.csv:
+            write_csv([r.to_dict() for r in records], args.csv, partial=done, announce=False)
         if args.markdown:  # the kept ΔPPLs marked as the finished table marks them (the speed columns are empty)
             write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
                          + "\n\n" + markdown_table(records, ties=record_ties(records)))
-        args.kept = (f"every row's {done} in {' and '.join(p for p in (args.json, args.markdown) if p)}, marked "
-                     f"partial (\"complete\": false)")
+        def keep(paths) -> None:  # what interrupt_hint names (None: nothing of this run's written yet)
+            args.kept = (f"every row's {done} in {' and '.join(paths)}, marked partial"
+                         + (' ("complete": false)' if args.json else "")) if paths else None
+
+        keep([p for p in result_files(args) if p != args.plot or getattr(args, "plotted", False)])
+        if args.plot:  # last: matplotlib takes seconds, and a Ctrl-C there names the files written before it
+            draw_plot(args, records, title=f"PARTIAL ({done}; not timed yet)", announce=False)
+            args.plotted = True
+            keep(result_files(args))
 
     return write
+
+
+def holds(paths) -> str:
+    return " and ".join(map(str, paths)) + (" hold" if len(paths) > 1 else " holds") + " its complete results"
+
+
+def finished(args) -> str | None:
+    """Where a signal came after every file of the run was written complete (snlp.apps.cli: status 0, not 128 +
+    signum, so a requeue script does not run it again): what holds the results; else None."""
+    return getattr(args, "finished", None)
 
 
 def interrupt_hint(args) -> str:
@@ -312,6 +357,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
         write_json(args.json, [r.to_dict() for r in rows])
     if args.markdown:
         write_atomic(args.markdown, table + "\n")
+    if args.json or args.markdown:
+        args.finished = holds([p for p in (args.json, args.markdown) if p])
     return 0
 
 
@@ -333,8 +380,9 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
         if not result.complete:
             done = ", ".join(r.method for r in result.records)
             args.kept = f"the accuracy of {done} in {where}, marked partial (\"complete\": false)"
-        else:  # a Ctrl-C after the last write names the files as finished
+        else:  # a Ctrl-C after the last write names the files as finished (and the run ends with status 0)
             args.kept = f"the finished results in {where}"
+            args.finished = holds([p for p in (args.json, args.markdown) if p])
 
     result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]

@@ -194,8 +194,9 @@ def run(args) -> int:
         if not complete:
             args.kept = (f"the results of {done} in {out}" + (f" and {args.json}" if args.json else "")
                          + " (table.md marked partial; a re-run into it needs --force)")
-        else:  # a Ctrl-C after the last write names the files as finished
+        else:  # a Ctrl-C after the last write names the files as finished (and the run ends with status 0)
             args.kept = f"the finished results in {out}" + (f" and {args.json}" if args.json else "")
+            args.finished = f"{out}" + (f" and {args.json} hold" if args.json else " holds") + " its complete results"
 
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,

@@ -129,13 +129,20 @@ def config_from_args(args):
     return cfg
 
 
-def interrupt_hint(args) -> str:
-    """What `snlp tune` says after Ctrl-C (snlp.apps.cli): what its --json keeps."""
+def finished(args) -> str | None:
+    """Where a signal came after the finished --json was written (snlp.apps.cli: status 0, not 128 + signum, so a
+    requeue script does not tune again): what holds the results; else None."""
     from snlp.bench.records import marked_partial
 
     kept = getattr(args, "kept", None)  # set once this run wrote stage 1: the file is its own
     if kept and not marked_partial(args.json):  # the signal came after the last write (the pick's)
-        return f"kept the finished results in {args.json}"
+        return f"{args.json} holds its complete results"
+    return None
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp tune` says after Ctrl-C (snlp.apps.cli): what its --json keeps."""
+    kept = getattr(args, "kept", None)
     return f"kept {kept}" if kept else "stage 1 had not finished: nothing written" if args.json else ""
 
 

@@ -37,15 +37,20 @@ def write_json(path, payload: Any, announce: bool = True) -> None:
         print(f"wrote {path}")
 
 
-def write_csv(path, records: Iterable[Record], announce: bool = True) -> None:
+def write_csv(path, records: Iterable[Record], announce: bool = True, partial: str | None = None) -> None:
     """Write records as CSV, one row each; the columns are every key of any record, in order of first
     appearance (rows of different kinds leave the others' columns empty). Nested values (lists, dicts)
-    are written as JSON."""
+    are written as JSON. `partial`: what the rows of a run still going are; the file then starts with
+    snlp.runtime.outputs.partial_comment's line."""
+    from snlp.runtime.outputs import partial_comment
+
     rows = [r.to_dict() for r in records]
     columns = list(dict.fromkeys(k for row in rows for k in row))
 
     def write(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
+            if partial is not None:
+                f.write(partial_comment(partial) + "\n")
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             for row in rows:
@@ -72,9 +77,11 @@ def markdown_table(columns: list[str], rows: Iterable[list[str]]) -> list[str]:
 
 def marked_partial(path) -> bool:
     """Whether a suite's file says it was written before the run ended: its JSON's "complete": false, its markdown's
-    PARTIAL line (snlp.runtime.outputs.partial_line)."""
+    PARTIAL line (snlp.runtime.outputs.partial_line), its CSV's first line (partial_comment)."""
     path = Path(path)
     text = path.read_text(errors="replace")
+    if path.suffix == ".csv":
+        return text.startswith("# PARTIAL")
     if path.suffix == ".json":
         try:
             data = json.loads(text)

@@ -85,23 +85,29 @@ def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]]
     Console(width=200).print(table)
 
 
-def write_csv(rows: list[dict], path) -> None:
-    """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, empty cells for None."""
+def write_csv(rows: list[dict], path, partial: str | None = None, announce: bool = True) -> None:
+    """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, empty cells for None. `partial`: what
+    the rows of a run still going are; the file then starts with snlp.runtime.outputs.partial_comment's line."""
+    from snlp.runtime.outputs import partial_comment
+
     fields = list(dict.fromkeys(k for r in rows for k in r))
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", newline="") as f:
+            if partial is not None:
+                f.write(partial_comment(partial) + "\n")
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows({k: ("" if r.get(k) is None else r[k]) for k in fields} for r in rows)
 
     write_atomic(path, write)
-    print(f"wrote {path}")
+    if announce:
+        print(f"wrote {path}")
 
 
 def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xlabel: str = "",
                   fronts: dict[str, set[str]] | None = None, spreads: dict | None = None,
-                  intervals: dict | None = None) -> None:
+                  intervals: dict | None = None, announce: bool = True) -> None:
     """PNG of the speed-quality frontier (snlp.eval.frontier.frontier_figure): ΔPPL (%) vs measured speedup, one
     series per group with its Pareto front, e.g. {"No Reg.": records, "IDN Reg.": records}; the sequential
     run at (1.0x, 0 %), labels placed without overlaps, a symlog axis when ΔPPL spans decades (its linear part covering the
@@ -112,4 +118,5 @@ def frontier_plot(groups: dict[str, list[EvalRecord]], path, title: str = "", xl
     fig = frontier_figure(groups, title, xlabel, fronts, spreads, intervals)
     path = Path(path)
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=150, format=path.suffix.lstrip(".").lower() or "png"))
-    print(f"wrote {path}")
+    if announce:
+        print(f"wrote {path}")

@@ -112,3 +112,10 @@ def partial_line(done: str) -> str:
     finished, and its JSON says "complete": false until the last part is written. `done`: what the rows are."""
     return (f"**PARTIAL**: written while the run was going (or it was cut short there): {done}; the JSON says "
             f'"complete": false')
+
+
+def partial_comment(done: str) -> str:
+    """The first line of a CSV written while its run was going (partial_line as a comment): pandas.read_csv(path,
+    comment="#") skips it, and a reader that does not skip it gets it as the header row, so its column names are
+    wrong and a partial file is never read as finished data. The finished CSV has no such line."""
+    return "# " + partial_line(done).replace("**PARTIAL**", "PARTIAL")

@@ -106,12 +106,103 @@ def test_ctrl_c_while_the_plot_is_drawn_names_the_finished_files_as_finished(ckp
     the files were kept 'marked partial ("complete": false)' while they were the finished results."""
     import snlp.eval.present as present
 
-    def cut(*a, **k):
-        raise KeyboardInterrupt
+    real = present.frontier_plot
+
+    def cut(*a, announce=True, **k):  # the finished plot only (the partial ones are drawn as the phases end)
+        if announce:
+            raise KeyboardInterrupt
+        return real(*a, announce=announce, **k)
 
     monkeypatch.setattr(present, "frontier_plot", cut)
     assert main(_args(ckpt, tmp_path) + ["--plot", str(tmp_path / "e.png")]) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line == f"snlp eval: interrupted; kept the finished results in {tmp_path / 'e.json'} and {tmp_path / 'e.md'}"
+    assert line == (f"snlp eval: interrupted; kept the finished results in {tmp_path / 'e.json'} and "
+                    f"{tmp_path / 'e.md'} ({tmp_path / 'e.png'} still marked partial)")
     assert isinstance(json.loads((tmp_path / "e.json").read_text()), list)
     assert "PARTIAL" not in (tmp_path / "e.md").read_text()
+
+
+def test_eval_cut_in_the_timing_keeps_the_csv_and_the_plot_marked_partial(ckpt, tmp_path, monkeypatch, capsys):
+    """--csv and --plot were written only at the end: a run cut in the timing kept the JSON and the markdown but lost
+    them. They are rewritten with the others after each phase: the CSV under a '# PARTIAL' comment line that
+    pandas.read_csv(comment="#") skips (a reader that does not skip it gets it as the header, so no column of the
+    finished file's is there to be mistaken for data), the plot with PARTIAL in its title; the finished CSV has no
+    such line."""
+    import csv
+
+    import pandas as pd
+
+    import snlp.eval.present as present
+    import snlp.eval.protocol as protocol
+
+    titles = []
+    real_plot, real_time = present.frontier_plot, protocol.time_plans
+
+    def spy(groups, path, title="", **k):
+        titles.append(title)
+        return real_plot(groups, path, title=title, **k)
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(present, "frontier_plot", spy)
+    monkeypatch.setattr(protocol, "time_plans", cut)
+    extra = ["--csv", str(tmp_path / "e.csv"), "--plot", str(tmp_path / "e.png")]
+    assert main(_args(ckpt, tmp_path) + extra) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(tmp_path / "e.csv") in line and str(tmp_path / "e.png") in line and "marked partial" in line, line
+    text = (tmp_path / "e.csv").read_text()
+    assert text.startswith("# PARTIAL: ") and text.count("# PARTIAL") == 1
+    rows = pd.read_csv(tmp_path / "e.csv", comment="#")
+    assert list(rows["plan"]) == ["sequential", "2xF1-h0-K1", "2xF1-h0-K2"] and rows["speedup"].isna().all()
+    assert "plan" not in next(csv.reader(text.splitlines()))  # unskipped, the comment is the header
+    kept = json.loads((tmp_path / "e.json").read_text())["records"]
+    assert list(rows["ppl"]) == pytest.approx([r["ppl"] for r in kept])
+    assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")
+    assert titles and all("PARTIAL" in t for t in titles), titles
+
+    monkeypatch.setattr(protocol, "time_plans", real_time)
+    titles.clear()
+    assert main(_args(ckpt, tmp_path) + extra) == 0
+    finished = pd.read_csv(tmp_path / "e.csv")  # no comment line: read as any CSV
+    assert not (tmp_path / "e.csv").read_text().startswith("#") and finished["speedup"].notna().all()
+    assert "PARTIAL" not in titles[-1] and all("PARTIAL" in t for t in titles[:-1])
+
+
+def test_a_signal_after_every_file_was_written_ends_eval_with_status_0(ckpt, tmp_path, monkeypatch, capsys):
+    """A SIGTERM after the last file was written (while the output locks are released) ended the command with 143,
+    so a requeue script ran the finished evaluation again. It says the run had finished and exits 0; one before the
+    last file was written keeps 143."""
+    import os
+    import signal
+
+    import snlp.apps.eval as eval_app
+    import snlp.eval.present as present
+
+    real_run = eval_app.run
+
+    def run_then_signal(args):
+        rc = real_run(args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return rc
+
+    monkeypatch.setattr(eval_app, "run", run_then_signal)
+    files = [tmp_path / f for f in ("e.json", "e.csv", "e.md", "e.png")]
+    assert main(_args(ckpt, tmp_path) + ["--csv", str(files[1]), "--plot", str(files[3])]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"snlp eval: SIGTERM arrived after the run had finished: {' and '.join(map(str, files))} hold its "
+                    f"complete results; nothing to rerun")
+
+    monkeypatch.setattr(eval_app, "run", real_run)
+    real_md = present.markdown_table
+
+    def timed_then_signal(records, **k):  # the finished table (its rows timed): after the JSON, before the markdown
+        if records[-1].speedup is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_md(records, **k)
+
+    monkeypatch.setattr(present, "markdown_table", timed_then_signal)
+    assert main(_args(ckpt, tmp_path)) == 128 + signal.SIGTERM
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"snlp eval: interrupted by SIGTERM; kept the finished results in {files[0]} ({files[2]} still "
+                    f"marked partial)")

@@ -212,7 +212,7 @@ def test_a_cut_evals_kept_markdown_marks_its_dppl_as_the_finished_one(tmp_path):
     recs = [dataclasses.replace(_rec(p, 20.0, [1.0], 1.0, 1.0), window_ce=w, speedup=None, speedup_rounds=None)
             for p, w in (("sequential", base), ("12xF1-h0-K2", near), ("12xF1-h0-K1", far))]
     out = tmp_path / "e.md"
-    partial_writer(Namespace(json=None, markdown=str(out)))(recs, "PPL, dPPL, Top-1 and LogitSim")
+    partial_writer(Namespace(json=None, markdown=str(out), csv=None, plot=None))(recs, "PPL, dPPL, Top-1 and LogitSim")
     rows = _rows(out.read_text().split("\n\n", 1)[1])
     for r in recs[1:]:
         ci = stats.ttest_rel(r.window_ce, base).confidence_interval(0.95)
