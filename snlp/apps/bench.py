@@ -10,6 +10,8 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -329,9 +331,11 @@ def finished(args) -> str | None:
 
     files = partial_files(args) or [Path(p) for p in (args.json, args.csv) if p]  # the others: once, at the end
     kept = written(args, files)
-    if files and len(kept) == len(files) and not any(marked_partial(p) for p in kept):
-        return f"{holds(kept)} its complete results"
-    return None
+    if not files or len(kept) < len(files) or any(marked_partial(p) for p in kept):
+        return None
+    if getattr(args, "vs_paper", None) and json.loads(kept[0].read_text()).get("failures"):
+        return None  # the run's own status is 1 (a callable failed), which 0 would hide
+    return f"{holds(kept)} its complete results"
 
 
 def interrupt_hint(args) -> str:

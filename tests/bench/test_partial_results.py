@@ -371,3 +371,23 @@ def test_decode_suite_cut_short_keeps_its_csv_marked_partial(tmp_path, monkeypat
     monkeypatch.undo()
     assert main(argv) == 0
     assert not c.read_text().startswith("#") and json.loads(j.read_text())["complete"] is True
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_signal_after_vs_paper_finished_exits_0_unless_a_callable_failed(failed, tmp_path, monkeypatch, capsys):
+    """--vs-paper ends with status 1 where a callable failed: a signal after its files were written complete exits 0
+    (it had finished) only where the run's own status would have been 0; with failures it keeps 128 + signum."""
+    import signal
+
+    import snlp.bench.vs_paper as vs_paper
+
+    def no_rows(shape, cfg, code, dev, result):  # a shape that ran nothing (or failed): its files are still complete
+        if failed:
+            result.failures.append({"shape": shape.key, "callable": "x", "error": "boom", "traceback": ""})
+
+    monkeypatch.setattr(vs_paper, "_run_shape", no_rows)
+    signal_after(vs_paper, "run_vs_paper", monkeypatch)
+    out = tmp_path / "v"
+    rc = main(["bench", "--vs-paper", str(PAPER), "--quick", "--shapes", "0.5B", "--device", "cpu", "--out", str(out)])
+    assert json.loads((out / "vs_paper.json").read_text())["complete"] is True
+    assert rc == (128 + signal.SIGTERM if failed else 0), last_line(capsys)

@@ -84,3 +84,29 @@ def test_a_failing_speed_part_keeps_the_other_rows(monkeypatch):
     assert {r["plan"] for r in forward} >= {"sequential"} and decode == []
     assert [c.name for c in failed] == ["speed: eager decode runs"] and not failed[0].passed
     assert "decode broke" in failed[0].detail and "Traceback" in failed[0].traceback
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_signal_after_a_passing_selfcheck_wrote_its_json_exits_0(ok, tmp_path, monkeypatch, capsys):
+    """A SIGTERM after selfcheck.json was written (while the locks are released) ended the command with 143, so a
+    requeue script ran the finished checks again. A passing run says it had finished and exits 0; a failing one keeps
+    143 (0 would hide its own status 1). The checks are a stand-in result: what is tested is the ending."""
+    import os
+    import signal
+
+    import snlp.apps.selfcheck as app
+    import snlp.bench.selfcheck as sc
+
+    res = SelfcheckResult(device="cpu", device_name="x", versions={"torch": "t", "cuda": None}, config={},
+                          checks=[Check("a", ok, "", 0.0)])
+    monkeypatch.setattr(sc, "selfcheck", lambda cfg: res)
+    real = app.run
+    monkeypatch.setattr(app, "run", lambda args: (real(args), os.kill(os.getpid(), signal.SIGTERM))[0])
+    rc = main(["selfcheck", "--device", "cpu", "--out", str(tmp_path)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert json.loads((tmp_path / "selfcheck.json").read_text())["passed"] is ok
+    if ok:
+        assert rc == 0 and line == (f"snlp selfcheck: SIGTERM arrived after the run had finished: "
+                                    f"{tmp_path / 'selfcheck.json'} holds its complete results; nothing to rerun")
+    else:
+        assert rc == 128 + signal.SIGTERM and line.startswith("snlp selfcheck: interrupted by SIGTERM"), line
