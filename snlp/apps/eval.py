@@ -310,7 +310,7 @@ def interrupt_hint(args) -> str:
         return f"kept {kept}"
     if args.harness:
         return "no method had finished: nothing written"
-    if not (args.json or args.markdown):
+    if not (args.json or args.markdown or getattr(args, "csv", None) or getattr(args, "plot", None)):
         return ""
     return ("nothing written (--drafter writes its files once, at the end)" if args.drafter else
             "no method had been scored: nothing written" if args.task else "no phase had finished: nothing written")
