@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 
+def _opt(v, fmt: str = "{:.2f}") -> str:
+    """A value that older campaign JSON (or a CPU run) lacks: '-' for None."""
+    return "-" if v is None else fmt.format(v)
+
+
 def main(out: str) -> int:
     root = Path(out)
     parts = root / "parts"
@@ -39,8 +44,14 @@ def main(out: str) -> int:
         d = parts / f"profile_compiled_{mode}"
         if (d / "profile.json").is_file():
             pc = merged["parts"][f"profile_compiled_{mode}"] = json.loads((d / "profile.json").read_text())
-            lines += ["", f"## Compiled, profiled ({mode})", "", "| callable | kernels | device ms |", "|---|---|---|"]
-            lines += [f"| {k} | {v['kernels']:g} | {v['device_ms']:.2f} |" for k, v in pc.items()]
+            # wall = host clock around a synchronise per call; gap = wall - device (host time with the device idle);
+            # replays / launches: CUDA graph replays and single kernel launches per call (1 / 0: captured whole)
+            lines += ["", f"## Compiled, profiled ({mode})", "",
+                      "| callable | kernels | device ms | wall ms | host gap ms | graph replays | single launches |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {k} | {v['kernels']:g} | {v['device_ms']:.2f} | {_opt(v.get('wall_ms'))} | "
+                      f"{_opt(v.get('host_gap_ms'))} | {_opt(v.get('graph_launches'), '{:g}')} | "
+                      f"{_opt(v.get('kernel_launches'), '{:g}')} |" for k, v in pc.items()]
             txt = (d / "profile.txt").read_text()
             i = txt.find("== snlp")
             i = txt.find("paid once", i) if i >= 0 else -1

@@ -95,7 +95,8 @@ if [ -n "$PAPER" ]; then
   part profile $T_SHORT $PY scripts/profile_prefill.py --paper "$PAPER" $PROF --out "$OUT/parts/profile"
   # 3b. (--parts profile_compiled) snlp's compiled 12xF2-h0-K0 / -K1 / -K2, with CUDA graphs (as timed) and without
   #     (every kernel by name): what the K = 1 plan pays once beyond one evaluation of its stack and beyond K = 0
-  part profile_compiled $T_LONG bash -c "for m in $PROFC_MODES; do $PY scripts/profile_prefill.py --paper '$PAPER' \
+  #     (the compiled sequential forward too, for its host gap and t(K = 0)'s share: docs/records/2026-11-28-prefill-once.md)
+  part profile_compiled $((T_LONG + 130)) bash -c "for m in $PROFC_MODES; do $PY scripts/profile_prefill.py --paper '$PAPER' \
       $PROFC --compiled \$m --out '$OUT/parts/profile_compiled_'\$m || exit 1; done"
   # 4. compiled (CUDA graphs) snlp beside eager snlp and the paper, one shape
   part vs_paper_compiled $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --shapes 0.5B-nox0ve \

@@ -13,11 +13,16 @@ table "paid once / per iteration"). Generated kernels (triton_* / cpp_*) are poo
 i.e. per list of fused ops, so a pooled row may hold several kernels of one graph (its name says how many). On a CPU
 there are no device kernels: the split runs over aten ops' self CPU time (a smoke test, not a measurement).
 
-`--compiled` profiles snlp's plans compiled as `snlp bench` times them (torch.compile fullgraph; snlp's sequential
-forward is left out, its eager profile is the `profile` part's): `graphs` with CUDA graphs (mode reduce-overhead, the
+`--compiled` profiles snlp's plans (and, with `graphs` or on a CPU, the sequential forward) compiled as `snlp bench`
+times them (torch.compile fullgraph): `graphs` with CUDA graphs (mode reduce-overhead, the
 benchmarked treatment: input copies a replay makes show up as memcpy kernels; on a CPU, where there are no CUDA
 graphs, it is refused), `kernels` without (mode default: every generated kernel launched on its own, so each is
-attributed by name). The paper's code stays eager, as it runs.
+attributed by name). The paper's code stays eager, as it runs. Each callable also reports its wall time per call
+(median, host clock around a synchronise, as the benchmark times it), and on CUDA the host gap (wall minus device
+time: what a call costs before and between its kernels) and its CUDA graph replays and single kernel launches per
+call (one replay and no single launch: the forward was captured whole). A fixed per-call cost that the sequential
+forward pays too shows up in t(K = 0) and in the gap, not in the split's kernels
+(docs/records/2026-11-28-prefill-once.md).
 """
 
 from __future__ import annotations
@@ -69,8 +74,29 @@ def prof(fn, device, rows=14, reps=REPS):
         us = getattr(e, key, 0)
         c, t = by_name.get(e.key, (0, 0.0))
         by_name[e.key] = (c + e.count / reps, t + us / 1e3 / reps)
+    api = runtime_launches([(e.key, e.count) for e in ev], reps)
     return dict(kernels=n_kernels / reps, device_ms=dev_us / 1e3 / reps, table=table, by_name=by_name,
-                cpu_ms=sum(t for _, t in by_name.values()))
+                cpu_ms=sum(t for _, t in by_name.values()), wall_ms=wall_ms(fn, device), **api)
+
+
+def runtime_launches(events, reps: int) -> dict:
+    """Per call: CUDA graph replays (cudaGraphLaunch) and single kernel launches (cudaLaunchKernel / cuLaunchKernel /
+    cudaLaunchKernelExC) the host made, from the profile's runtime events (name, count). A forward that CUDA graphs
+    captured whole makes one replay and no single launch; one that inductor left uncaptured (it logs "skipping
+    cudagraphs") makes a launch per kernel, each with its host gap. Both 0 on a CPU."""
+    graph = sum(c for name, c in events if name == "cudaGraphLaunch")
+    single = sum(c for name, c in events if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                       "cuLaunchKernelEx"))
+    return dict(graph_launches=graph / reps, kernel_launches=single / reps)
+
+
+def wall_ms(fn, device, runs: int = 20) -> float:
+    """Median host milliseconds per call around a device synchronise, as the benchmark times a call
+    (snlp.runtime.timing.time_round_robin): the device time plus what the host spends before and between its
+    kernels (guards, CUDA graph bookkeeping, input copies, launches) with the device idle."""
+    from snlp.runtime.timing import time_round_robin
+
+    return float(torch.tensor(time_round_robin({"f": fn}, 2, runs, device)["f"]).median())
 
 
 def pooled(d: dict) -> dict:
@@ -156,8 +182,8 @@ def main():
     model = snlp_model_from_paper(paper, dev, dtype)  # the same weights and window widths
     idx = torch.randint(0, pcfg.vocab_size, (1, a.tokens), device=dev)
     fns = {"paper sequential": lambda: paper_sequential_fn(code, paper)(idx)}
-    if not a.compiled:
-        fns["snlp sequential"] = lambda: model(idx)
+    if a.compiled != "kernels" or dev.type != "cuda":  # eager, graphs (its host gap and replays: the baseline's
+        fns["snlp sequential"] = lambda: model(idx)     # fixed per-call cost, which t(K = 0) shares) and the CPU smoke
     plans = [Plan.parse(t, shape.depth) for t in filter(None, (a.plan, a.plan2))]
     k0 = replace(plans[0], iters=0) if a.plan2 else None
     for plan in plans:
@@ -178,8 +204,10 @@ def main():
         for name, fn in fns.items():
             res[name] = prof(fn, dev, reps=REPS)
     tag = f" ({a.compiled})" if a.compiled else ""
-    summary = {k + (tag if k.startswith("snlp ") else ""): {"kernels": v["kernels"], "device_ms": v["device_ms"]}
-               for k, v in res.items()}
+    summary = {k + (tag if k.startswith("snlp ") else ""): {
+        "kernels": v["kernels"], "device_ms": v["device_ms"], "wall_ms": v["wall_ms"],
+        "host_gap_ms": v["wall_ms"] - v["device_ms"] if dev.type == "cuda" else None,
+        "graph_launches": v["graph_launches"], "kernel_launches": v["kernel_launches"]} for k, v in res.items()}
     splits = {}
     if a.plan2:
         pa, pb = plans  # parsed at the profiled (maybe --quick) depth
@@ -187,8 +215,9 @@ def main():
             zero = res[f"snlp {k0}"]["by_name"] if side == "snlp" else None
             splits[side + (tag if side == "snlp" else "")] = split_once(
                 res[f"{side} {pa}"]["by_name"], res[f"{side} {pb}"]["by_name"], pa.iters, pb.iters, zero=zero)
-    text = "\n\n".join(f"== {k}: {v['kernels']:g} kernels, {v['device_ms']:.2f} ms device per call (the table: "
-                        f"totals over {REPS} calls)\n{v['table']}"
+    text = "\n\n".join(f"== {k}: {v['kernels']:g} kernels, {v['device_ms']:.2f} ms device, {v['wall_ms']:.2f} ms wall "
+                        f"(median, synchronised), {v['graph_launches']:g} graph replays and {v['kernel_launches']:g} "
+                        f"single launches per call (the table: totals over {REPS} calls)\n{v['table']}"
                         for k, v in res.items())
     for side, rows in splits.items():
         t0, t1, t2 = (res[f"snlp {p}"]["device_ms" if dev.type == "cuda" else "cpu_ms"] for p in (k0, pa, pb))

@@ -54,6 +54,24 @@ def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
     assert "Correctness" in out and "| every |" not in out
 
 
+def test_the_compiled_profile_table_shows_the_host_gap_and_graph_replays(tmp_path):
+    """What settles where the compiled K = 1 plan's fixed cost goes (docs/records/2026-11-28-prefill-once.md) reaches
+    the printed table: wall time, host gap and CUDA graph replays per call; profiles written before these fields
+    existed still print, with '-'."""
+    for mode, row in (("graphs", {"kernels": 300, "device_ms": 2.5, "wall_ms": 3.5, "host_gap_ms": 1.0,
+                                  "graph_launches": 1, "kernel_launches": 0}),
+                      ("kernels", {"kernels": 310, "device_ms": 2.6})):
+        d = tmp_path / "parts" / f"profile_compiled_{mode}"
+        d.mkdir(parents=True)
+        (d / "profile.json").write_text(json.dumps({f"snlp 12xF2-h0-K1 ({mode})": row}))
+        (d / "profile.txt").write_text("")
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "| host gap ms | graph replays | single launches |" in out
+    assert "| snlp 12xF2-h0-K1 (graphs) | 300 | 2.50 | 3.50 | 1.00 | 1 | 0 |" in out
+    assert "| snlp 12xF2-h0-K1 (kernels) | 310 | 2.60 | - | - | - | - |" in out
+
+
 @pytest.mark.slow
 def test_quick_flex_parts_run_and_reach_the_table(tmp_path):
     """The FlexAttention parts (compiled prefill, masked vs flex, round-robin; one compiled training step per kernel)

@@ -66,3 +66,10 @@ def test_options_it_cannot_honour_are_refused_before_any_work(argv, why):
                           "--shape", "0.5B-nox0ve", *argv],
                          capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 2 and why in out.stderr, out.stderr[-500:]
+
+
+def test_runtime_launches_tell_a_captured_forward_from_one_launched_kernel_by_kernel():
+    captured = [("cudaGraphLaunch", 3), ("cudaMemcpyAsync", 3), ("aten::copy_", 3)]
+    uncaptured = [("cudaLaunchKernel", 300), ("cuLaunchKernel", 30), ("cudaLaunchKernelExC", 3), ("aten::mm", 90)]
+    assert profile_prefill.runtime_launches(captured, 3) == {"graph_launches": 1, "kernel_launches": 0}
+    assert profile_prefill.runtime_launches(uncaptured, 3) == {"graph_launches": 0, "kernel_launches": 111}
