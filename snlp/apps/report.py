@@ -612,7 +612,7 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
 
 def record_ties(records) -> dict[str, set[str]]:
     """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
-    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    first): the plans whose Speedup (and Prefill, where the records keep its rounds) the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
     printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
     interval includes 0 (delta_ppl_interval). What `snlp eval` marks "(tie)" (snlp.apps.eval.record_ties) and the
     off-the-shelf table of the speedrun report."""
@@ -621,6 +621,10 @@ def record_ties(records) -> dict[str, set[str]]:
     seq = records[0]
     return {"speedup": {r.plan for r in records[1:]
                         if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            # the teacher-forced forwards ran round-robin too: the same rule over their paired rounds (records
+            # written before they kept them have none, and their Prefill stays untested)
+            "prefill_speedup": {r.plan for r in records[1:] if getattr(r, "prefill_speedup_rounds", None)
+                                and paired_verdict(r.prefill_speedup_rounds)[0] == "tie"},
             "delta_ppl": {r.plan for r in records[1:]
                           if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
 
