@@ -723,14 +723,18 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from snlp.bench.stats import tie_footnote, tie_mark
+
     table = Table(title=title)
     for col in ("T", "Forward (ms)", "FD (ms)", "JVP (ms)", "VJP (ms)", "FD extra (ms)"):
         table.add_column(col, justify="right")
-    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x)"  # noqa: E731
+    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x{tie_mark(r.ratio_rounds(op))})"  # noqa: E731
     for r in rows:
         table.add_row(str(r.tokens), f"{r.forward_ms:.3f}", cell(r, "fd"), cell(r, "jvp"), cell(r, "vjp"),
                       cell(r, "fd_extra"))
     Console(width=140).print(table)
+    print(tie_footnote(rows[0].runs, "ratio to forward", "op ms / forward ms of the same round, one call of each per "
+                       "round"))
 
 
 def run_ops(args, counts: tuple[int, ...]) -> int:

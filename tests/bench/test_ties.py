@@ -203,3 +203,21 @@ def test_vs_paper_ratios_carry_the_verdict():
     assert "| 1.25x (tie) |" in row and "| 4.00x |" in row  # the paper's own speedup 20 / 5 resolved
     assert "(tie)" not in next(ln for ln in markdown(res).splitlines() if ln.startswith(f"| 0.5B-mhc | `{plan}`"))
     assert "8 rounds resolve one at 8 of 8" in markdown(tie)
+
+
+def test_op_ratios_to_the_forward_carry_the_verdict(monkeypatch, tmp_path, capsys):
+    """--ops: each op's cost over the forward's, from the same rounds: JVP's median ratio 0.50x from 5 of 8 rounds
+    cheaper is a tie (p = 0.727); FD at 2x in all 8 rounds costs more (p = 2 / 256)."""
+    import snlp.bench.ops as ops
+
+    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
+                  "fd_extra": [1.2] * 8}
+    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert rec["times_ms"] == fabricated and rec["jvp_ratio"] == pytest.approx(0.5)
+    assert (rec["jvp_ratio_verdict"], rec["fd_ratio_verdict"]) == ("tie", "more")
+    assert rec["jvp_ratio_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256) and rec["fd_ratio_p"] == pytest.approx(2 / 256)
+    text = capsys.readouterr().out
+    assert "0.500 (0.50x (tie))" in text and "2.000 (2.00x)" in text and "8 rounds resolve one at 8 of 8" in text
