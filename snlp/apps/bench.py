@@ -451,7 +451,7 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
                       f(r.ideal_ssd_speedup, "{:.2f}x"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
     if len(rows) > 1:  # SSD ideal is a formula of alpha, B and s: no rounds of its own
-        print(tie_footnote(rows[0].runs, "speedup (and s)", "sequential over this row's ms/token of the same run, "
+        print(tie_footnote(rows[0].runs, "speedup or s", "sequential over this row's ms/token of the same run, "
                            "one run of each per round; s: their cached single-token steps"))
 
 
@@ -492,7 +492,7 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
                       f(r.tokens_per_round, "{:.2f}"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
     if len(rows) > 1:
-        print(tie_footnote(args.runs, "vs batched seq", "this row's tok/s over batched sequential's in the same run, "
+        print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))
     write_records(rows, args.json, args.csv)
     return 0

@@ -76,8 +76,8 @@ def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call o
     can = (f"{rounds} round{' never resolves' if rounds == 1 else 's never resolve'} one ({need} of {need} at the fewest), so every "
            f"{ratio} here is marked (tie)" if k is None else
            f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds)")
-    return (f"(tie): not told from 1.00x by this run: the {ratio}'s paired per-round ratios ({pairing}) do not "
-            f"resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
+    return (f"(tie): not told from 1.00x by this run: the paired per-round ratios behind the {ratio} ({pairing}) do "
+            f"not resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
 
 
 def ratio_range(ratios: list[float]) -> str:

@@ -97,7 +97,7 @@ def test_decode_speedups_carry_the_verdict_and_three_runs_are_a_tie(tmp_path, ca
     assert spec["mode"] == "speculative" and len(spec["drafter_speedup_rounds"]) == 3
     assert spec["drafter_speedup_verdict"] == "tie"
     assert f"{recs[1]['speedup']:.2f}x (tie)" in text
-    assert "3 rounds never resolve one (6 of 6 at the fewest), so every speedup (and s) here is marked (tie)" in text
+    assert "3 rounds never resolve one (6 of 6 at the fewest), so every speedup or s here is marked (tie)" in text
 
 
 def test_a_decode_speedup_the_runs_resolve_has_no_tie(monkeypatch, tmp_path, capsys):
