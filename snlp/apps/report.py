@@ -464,14 +464,18 @@ def speed_columns(ctx: dict) -> str:
     recs = [r for r in evals["noreg"][1:] if r.plan in speeds]
     ex = max(recs, key=lambda r: layer_evaluations(r.plan, L)) if recs else None
     where = (f"{threads} CPU thread{'s' if threads != 1 else ''}" if device == "cpu" and threads else f"`{device}`")
+    # records that keep the forwards' paired rounds have their Prefill marked by record_ties in the Full records
+    tested = any(getattr(r, "prefill_speedup_rounds", None) for k, _ in MODELS for r in evals.get(k, [])[1:])
     text = (f"**What the speed columns measure** (this run: {where}). Speedup = wall-clock decode time per token at "
             f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
             f"(they share one architecture, so a plan has one cost{model_gap(evals)}); Rounds = the lowest and highest "
             f"of those ratios, the spread (`*` compares plans round by round instead, as said above). The timing "
             f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
             f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
-            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians (untested); Ideal (layers) "
-            f"= L over the plan's critical-path layer steps. ")
+            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians ("
+            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it" if tested
+               else "untested") + "); Ideal (layers) "
+            "= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
         text += ("On one CPU thread a plan's batched suffix evaluation computes its N layers one after another, so "
                  "Speedup is not layer parallelism: a plan that evaluates more layers than the model can only be "
