@@ -429,6 +429,8 @@ def print_table(rows: list[ForwardRow], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from snlp.bench.stats import tie_footnote, tie_mark
+
     r0 = rows[0]
     title += (f"\nfixed (embed + head) {r0.fixed_ms:.3f} ms, per layer {r0.layer_ms:.3f} ms; "
               f"ideal (layers) = L / steps, ideal (struct.) = t_seq / (fixed + steps * t_layer)")
@@ -440,15 +442,19 @@ def print_table(rows: list[ForwardRow], title: str) -> None:
         table.add_column(col, justify="left" if col == "plan" else "right")
     for r in rows:
         its = "-" if r.iters is None else str(r.iters)  # iterations run (tol may stop before K)
-        table.add_row(r.plan, str(r.prefix), its, f"{r.median_ms:.3f}", f"{r.speedup:.2f}x",
+        table.add_row(r.plan, str(r.prefix), its, f"{r.median_ms:.3f}", f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds)}",
                       f"{r.ideal_layer_speedup:.2f}x", f"{r.structural_ideal:.2f}x",
                       f"{100 * r.of_structural:.0f}%", f"{r.min_ms:.3f}", f"{r.max_ms:.3f}")
     Console(width=160).print(table)
+    if len(rows) > 1:
+        print(tie_footnote(r0.runs, pairing="sequential ms / plan ms of the same round, one call of each per round"))
 
 
 def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from snlp.bench.stats import tie_footnote, tie_mark
 
     table = Table(title=title)
     for col in ("mode", "plan", "B", "ms/token", "tok/s", "speedup", "alpha", "tok/round", "s", "SSD ideal", "=seq"):
@@ -456,10 +462,13 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731  (None: not this row's mode)
     for r in rows:
         table.add_row(r.mode, r.plan, f(r.block, "{}"), f(r.ms_per_token, "{:.3f}"), f(r.tokens_per_s, "{:.1f}"),
-                      f(r.speedup, "{:.2f}x"), f(r.alpha, "{:.3f}"), f(r.tokens_per_round, "{:.2f}"),
-                      f(r.drafter_speedup_s, "{:.2f}"), f(r.ideal_ssd_speedup, "{:.2f}x"),
-                      "yes" if r.matches_sequential else "no")
+                      f(r.speedup, "{:.2f}x") + tie_mark(r.speedup_rounds), f(r.alpha, "{:.3f}"),
+                      f(r.tokens_per_round, "{:.2f}"), f(r.drafter_speedup_s, "{:.2f}") + tie_mark(r.drafter_speedup_rounds),
+                      f(r.ideal_ssd_speedup, "{:.2f}x"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
+    if len(rows) > 1:  # SSD ideal is a formula of alpha, B and s: no rounds of its own
+        print(tie_footnote(rows[0].runs, "speedup or s", "sequential over this row's ms/token of the same run, "
+                           "one run of each per round; s: their cached single-token steps"))
 
 
 def batch_sizes(args) -> tuple[int, ...]:
@@ -480,6 +489,7 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
 
     from snlp.bench.decode import batch_decode_benchmark
     from snlp.bench.records import write_records
+    from snlp.bench.stats import tie_footnote, tie_mark
     from snlp.runtime.device import device_label
 
     sizes = batch_sizes(args)
@@ -494,9 +504,12 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         table.add_row(str(r.batch), r.mode, r.plan, f(r.block, "{}"), r.variant or "-", f"{r.tokens_per_s:.1f}",
-                      f"{r.speedup:.2f}x", f(r.alpha, "{:.3f}"), f(r.tokens_per_round, "{:.2f}"),
-                      "yes" if r.matches_sequential else "no")
+                      f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds)}", f(r.alpha, "{:.3f}"),
+                      f(r.tokens_per_round, "{:.2f}"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
+    if len(rows) > 1:
+        print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
+                           "one run of each per round at that batch size"))
     write_records(rows, args.json, args.csv)
     return 0
 
@@ -728,14 +741,18 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from snlp.bench.stats import tie_footnote, tie_mark
+
     table = Table(title=title)
     for col in ("T", "Forward (ms)", "FD (ms)", "JVP (ms)", "VJP (ms)", "FD extra (ms)"):
         table.add_column(col, justify="right")
-    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x)"  # noqa: E731
+    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x{tie_mark(r.ratio_rounds(op))})"  # noqa: E731
     for r in rows:
         table.add_row(str(r.tokens), f"{r.forward_ms:.3f}", cell(r, "fd"), cell(r, "jvp"), cell(r, "vjp"),
                       cell(r, "fd_extra"))
     Console(width=140).print(table)
+    print(tie_footnote(rows[0].runs, "ratio to forward", "op ms / forward ms of the same round, one call of each per "
+                       "round"))
 
 
 def run_ops(args, counts: tuple[int, ...]) -> int:

@@ -144,7 +144,7 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
         if base is not None:
             from statistics import median as med
 
-            from snlp.bench.stats import paired_verdict, verdict_text
+            from snlp.bench.stats import paired_verdict, ratio_range, verdict_text
 
             record["sequential_tokens"] = base.tokens
             # sampled: each side draws its own tokens (the same law, not the same draws): nothing to compare
@@ -156,14 +156,16 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
             record["measured_speedup"] = med([p.tokens_per_s / s.tokens_per_s for s, p in rounds])
             ratios = [p.tokens_per_s / s.tokens_per_s for s, p in rounds]
             record["speedup_verdict"] = paired_verdict(ratios)[0]
+            record["speedup_range"] = [min(ratios), max(ratios)]
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
-            # of both sides stand beside the ratio, and the ratio says whether the paired runs resolve it
+            # of both sides stand beside the ratio, and the ratio says whether the paired runs resolve it; the
+            # ratios' range holds both the median ratio and the ratio of the two medians, which can differ in sign
             stats += (f", alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}; timed over "
-                      f"{len(rounds)} runs of each after a warm-up (medians): speculative "
+                      f"{len(rounds)} runs of each after a warm-up: speculative "
                       f"{record['speculative_tokens_per_s']:.1f} tok/s, pipelined sequential "
-                      f"{record['pipeline_sequential_tokens_per_s']:.1f} tok/s, speedup "
-                      f"{record['measured_speedup']:.2f}x (the median of the paired per-run ratios: "
-                      f"{verdict_text(ratios, 'pipelined sequential')})")
+                      f"{record['pipeline_sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup "
+                      f"{record['measured_speedup']:.2f}x (the median of the paired per-run ratios, which ran "
+                      f"{ratio_range(ratios)}: {verdict_text(ratios, 'pipelined sequential')})")
         print(stats)
         if args.json:
             write_json(args.json, record)
@@ -202,6 +204,13 @@ class DistPrefillRow(DistBenchRow):
     speedup: float
     h_S_broadcast_ms: float  # what replicating the prefix would save
     prefix_ms_rank0: float  # ... and what it costs
+    # the two sides are timed one loop after the other, not paired: the speedup's noise is the range their p10-p90
+    # spreads allow (snlp.bench.stats.spread_verdict), a tie where it holds 1
+    pipeline_sequential_times_ms: list[float] | None = None
+    snlp_times_ms: list[float] | None = None
+    speedup_lo: float | None = None
+    speedup_hi: float | None = None
+    speedup_tie: bool | None = None
 
 
 @dataclass
@@ -220,12 +229,32 @@ class DistDecodeRow(DistBenchRow):
     tokens_per_round: float | None = None
     draft_ms_per_step: float | None = None
     verify_ms_per_round: float | None = None
+    # every mode runs once per round: run i pairs with the pipelined sequential run i (snlp.bench.stats.paired_verdict)
+    ms_per_token_runs: list[float] | None = None
+    sequential_ms_per_token_runs: list[float] | None = None
+    speedup_rounds: list[float] | None = None  # sequential / this ms per token, run by run (None for sequential)
+    speedup_verdict: str | None = None  # faster | slower | tie
+    speedup_wins: int | None = None
+    speedup_losses: int | None = None
+    speedup_p: float | None = None
 
 
 def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
-    """A distributed_benchmark record (a dict, keyed by `what`) as its typed row, with rank 0's context."""
+    """A distributed_benchmark record (a dict, keyed by `what`) as its typed row, with rank 0's context and its
+    speedup's noise verdict: the spreads rule for prefill (its sides are not paired), the sign test for decode."""
+    from snlp.bench.stats import p10_p90, paired_marks, spread_verdict
+
     cls = DistPrefillRow if rec["what"] == "prefill" else DistDecodeRow
-    return cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
+    row = cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
+    if isinstance(row, DistPrefillRow) and row.pipeline_sequential_times_ms and row.snlp_times_ms:
+        row.speedup_lo, row.speedup_hi, row.speedup_tie = spread_verdict(*p10_p90(row.pipeline_sequential_times_ms),
+                                                                         *p10_p90(row.snlp_times_ms))
+    if isinstance(row, DistDecodeRow) and row.ms_per_token_runs and row.mode != "sequential":
+        row.speedup_rounds = [a / b for a, b in zip(row.sequential_ms_per_token_runs, row.ms_per_token_runs)]
+        marks = paired_marks(row.speedup_rounds)
+        row.speedup_verdict, row.speedup_wins, row.speedup_losses, row.speedup_p = (
+            marks["verdict"], marks["wins"], marks["losses"], marks["p"])
+    return row
 
 
 @dataclass
@@ -263,6 +292,8 @@ def run_bench(args, spec: ModelSpec) -> int:
 
 
 def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> int:
+    from snlp.bench.stats import tie_footnote, tie_mark
+
     dtype = getattr(torch, cli_dtype(args.dtype, device))
     ckpt = None
     if spec.ckpt:  # a rank reads only its own layers (snlp.dist.load)
@@ -283,14 +314,19 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> i
                 for r in recs]
         for r in rows:
             if isinstance(r, DistPrefillRow):
+                spread = "" if r.speedup_lo is None else (f", p10-p90 spreads allow {r.speedup_lo:.2f}-"
+                                                           f"{r.speedup_hi:.2f}x" + (": tie" if r.speedup_tie else ""))
                 print(f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
                       f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
-                      f"({r.speedup:.2f}x); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+                      f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
             else:
                 print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
-                      f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x vs pipelined sequential)"
-                      f"{', =seq' if r.matches_sequential else ''}")
+                      f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x{tie_mark(r.speedup_rounds)} "
+                      f"vs pipelined sequential){', =seq' if r.matches_sequential else ''}")
         print(f"load average {' '.join(load)}")
+        if any(isinstance(r, DistDecodeRow) for r in rows):
+            print(tie_footnote(args.runs, "decode speedup", "pipelined sequential over this mode's ms/token of "
+                               "the same round"))
         write_records(rows, args.json, args.csv)
     return 0
 

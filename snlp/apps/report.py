@@ -464,14 +464,18 @@ def speed_columns(ctx: dict) -> str:
     recs = [r for r in evals["noreg"][1:] if r.plan in speeds]
     ex = max(recs, key=lambda r: layer_evaluations(r.plan, L)) if recs else None
     where = (f"{threads} CPU thread{'s' if threads != 1 else ''}" if device == "cpu" and threads else f"`{device}`")
+    # records that keep the forwards' paired rounds have their Prefill marked by record_ties in the Full records
+    tested = any(getattr(r, "prefill_speedup_rounds", None) for k, _ in MODELS for r in evals.get(k, [])[1:])
     text = (f"**What the speed columns measure** (this run: {where}). Speedup = wall-clock decode time per token at "
             f"batch 1 (KV cache), sequential over plan, the median of every timed round's paired ratio of both models "
             f"(they share one architecture, so a plan has one cost{model_gap(evals)}); Rounds = the lowest and highest "
             f"of those ratios, the spread (`*` compares plans round by round instead, as said above). The timing "
             f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
             f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
-            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians (untested); Ideal (layers) "
-            f"= L over the plan's critical-path layer steps. ")
+            f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians ("
+            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it" if tested
+               else "untested") + "); Ideal (layers) "
+            "= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
         text += ("On one CPU thread a plan's batched suffix evaluation computes its N layers one after another, so "
                  "Speedup is not layer parallelism: a plan that evaluates more layers than the model can only be "
@@ -612,7 +616,7 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
 
 def record_ties(records) -> dict[str, set[str]]:
     """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
-    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    first): the plans whose Speedup (and Prefill, where the records keep its rounds) the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
     printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
     interval includes 0 (delta_ppl_interval). What `snlp eval` marks "(tie)" (snlp.apps.eval.record_ties) and the
     off-the-shelf table of the speedrun report."""
@@ -621,6 +625,10 @@ def record_ties(records) -> dict[str, set[str]]:
     seq = records[0]
     return {"speedup": {r.plan for r in records[1:]
                         if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
+            # the teacher-forced forwards ran round-robin too: the same rule over their paired rounds (records
+            # written before they kept them have none, and their Prefill stays untested)
+            "prefill_speedup": {r.plan for r in records[1:] if getattr(r, "prefill_speedup_rounds", None)
+                                and paired_verdict(r.prefill_speedup_rounds)[0] == "tie"},
             "delta_ppl": {r.plan for r in records[1:]
                           if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from snlp.bench.stats import paired_marks
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
@@ -50,6 +51,15 @@ class DecodeRow:
     drafter_ms_per_step: float | None = None
     sequential_ms_per_step: float | None = None
     ideal_ssd_speedup: float | None = None  # from alpha, B and s (snlp.decode.generate.ideal_ssd_speedup)
+    # noise: every run calls each row once, round-robin, so run i of this row and of sequential pair up
+    ms_per_token_runs: list[float] | None = None  # every timed run's ms/token, in run order
+    speedup_rounds: list[float] | None = None  # per run: sequential ms/token / this row's (None for sequential)
+    speedup_verdict: str | None = None  # snlp.bench.stats.paired_verdict of speedup_rounds: faster | slower | tie
+    speedup_wins: int | None = None
+    speedup_losses: int | None = None
+    speedup_p: float | None = None
+    drafter_speedup_rounds: list[float] | None = None  # speculative rows: s of each run (its paired steps)
+    drafter_speedup_verdict: str | None = None  # paired_verdict of drafter_speedup_rounds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,15 +161,20 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
     seq_step_ms = statistics.median(r.ms_per_step for r in results[key0])
     ref_tokens = results[key0][0].tokens
     param = next(model.parameters())
+    per_run = {key: [1e3 * r.decode_s / len(r.tokens) for r in rs] for key, rs in results.items()}
     rows = []
     for (mode, plan, b), rs in results.items():
         r, t = rs[0], ms[(mode, plan, b)]
+        rounds = None if mode == "sequential" else [a / x for a, x in zip(per_run[key0], per_run[(mode, plan, b)])]
+        marks = paired_marks(rounds)
         row = DecodeRow(
             mode=mode, plan="sequential" if plan is None else str(plan), block=b or None, ms_per_token=t,
             tokens_per_s=1e3 / t, speedup=ms[key0] / t, matches_sequential=r.tokens == ref_tokens,
             n_layer=model.config.n_layer, device=str(param.device), dtype=str(param.dtype).replace("torch.", ""),
             compile_s=seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
-            host_syncs=None if syncs is None else syncs[plan] + (syncs["verify"] if b else 0.0), **common)
+            host_syncs=None if syncs is None else syncs[plan] + (syncs["verify"] if b else 0.0),
+            ms_per_token_runs=per_run[(mode, plan, b)], speedup_rounds=rounds, speedup_verdict=marks["verdict"],
+            speedup_wins=marks["wins"], speedup_losses=marks["losses"], speedup_p=marks["p"], **common)
         if mode == "sequential":
             row.model_bytes = model_bytes(model)
             row.bandwidth_gb_s = row.model_bytes * row.tokens_per_s / 1e9
@@ -167,6 +182,9 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
             # drafter speedup, like with like: sequential over drafter ms per cached single-token step
             row.drafter_speedup_s = seq_step_ms / draft_ms
+            row.drafter_speedup_rounds = [q.ms_per_step / x.draft_ms_per_step for q, x in zip(results[key0], rs)
+                                          if x.draft_ms_per_step]  # a run that drafted nothing has no s
+            row.drafter_speedup_verdict = paired_marks(row.drafter_speedup_rounds)["verdict"]
             row.alpha, row.tokens_per_round = r.acceptance_rate, r.tokens_per_round
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
             row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)
@@ -195,6 +213,14 @@ class BatchDecodeRow:
     prompt_lens: list
     runs: int
     compiled: bool
+    # noise: each run calls every row of the batch size once, round-robin, so run i of this row and of batched
+    # sequential pair up
+    tokens_per_s_runs: list[float] | None = None  # every timed run's aggregate tok/s, in run order
+    speedup_rounds: list[float] | None = None  # per run: this row's tok/s / batched sequential's (None for sequential)
+    speedup_verdict: str | None = None  # snlp.bench.stats.paired_verdict of speedup_rounds: faster | slower | tie
+    speedup_wins: int | None = None
+    speedup_losses: int | None = None
+    speedup_p: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -269,19 +295,26 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
     for _ in range(runs):  # round-robin: load drift hits every row alike
         for k, fn in fns.items():
             res[k].append(fn())
-    tps = {k: statistics.median(r[0].extra["batch"]["tokens_per_s"] for r in rs) for k, rs in res.items()}
-    base = tps[("sequential", "sequential", None, "")]
+    runs_tps = {k: [r[0].extra["batch"]["tokens_per_s"] for r in rs] for k, rs in res.items()}
+    tps = {k: statistics.median(v) for k, v in runs_tps.items()}
+    key0 = ("sequential", "sequential", None, "")
+    base = tps[key0]
     rows = []
     for (mode, plan, b, tag), rs in res.items():
         last = rs[-1]
         rounds, drafted = sum(r.rounds for r in last), sum(r.drafted for r in last)
         acc, exam = sum(r.accepted for r in last), sum(r.examined for r in last)
         spec = mode == "speculative"
+        mine = runs_tps[(mode, plan, b, tag)]
+        ratios = [x / y for x, y in zip(mine, runs_tps[key0])] if spec else None
+        marks = paired_marks(ratios)
         rows.append(BatchDecodeRow(
             mode=mode, plan=plan, block=b, variant=tag, tokens_per_s=tps[(mode, plan, b, tag)],
             speedup=tps[(mode, plan, b, tag)] / base,
             matches_sequential=all([r.tokens for r in run] == ref for run in rs),
             alpha=acc / exam if spec and exam else None,
             tokens_per_round=sum(len(r.tokens) for r in last) / rounds if spec and rounds else None,
-            drafted_per_round=drafted / rounds if spec and rounds else None, **common))
+            drafted_per_round=drafted / rounds if spec and rounds else None, tokens_per_s_runs=mine,
+            speedup_rounds=ratios, speedup_verdict=marks["verdict"], speedup_wins=marks["wins"],
+            speedup_losses=marks["losses"], speedup_p=marks["p"], **common))
     return rows

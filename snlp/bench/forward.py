@@ -4,7 +4,9 @@ Teacher-forced forward over T tokens at batch B. Every callable is warmed up, th
 (one call of each per round, so drift hits all alike); each `ForwardRow` holds the median, the speedup
 over sequential, the op-count ideal L / (S + K*evals + [fwd init]) and the structural ideal (fixed costs
 measured), so the gap is visible; `iters` is the iterations each plan ran (fewer than K when its `tol`
-stopped it). The `snlp bench` command (snlp.apps.bench) drives it.
+stopped it). Each row keeps its per-round times; the speedup carries the sign test's verdict over the paired
+rounds (snlp.bench.stats.paired_verdict: a speedup they do not resolve is a tie, printed "(tie)"). The `snlp bench`
+command (snlp.apps.bench) drives it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from snlp.bench.stats import paired_marks
 from snlp.decode.steps import check_compilable, compile_fullgraph, mark_static_runner
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
@@ -85,6 +88,13 @@ class ForwardRow:
     compiled: bool
     compile_s: float | None  # untimed compile calls of this row's callable (None: eager)
     fixed_compile_s: float | None  # ... of embed + head
+    # noise: the round-robin calls every callable once per round, so round i of this row and of sequential pair up
+    times_ms: list[float] | None = None  # every timed round's ms, in round order
+    speedup_rounds: list[float] | None = None  # per round: sequential ms / this row's ms (None for sequential)
+    speedup_verdict: str | None = None  # snlp.bench.stats.paired_verdict of speedup_rounds: faster | slower | tie
+    speedup_wins: int | None = None  # rounds this row was faster / slower than sequential in that round
+    speedup_losses: int | None = None
+    speedup_p: float | None = None  # the two-sided sign test's p
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -201,6 +211,8 @@ def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s:
     embed_ms, head_ms = statistics.median(times["_embed"]), statistics.median(times["_head"])
     ts = times[name]
     med = statistics.median(ts)
+    rounds = None if name == "sequential" else [b / t for b, t in zip(times["sequential"], ts)]
+    marks = paired_marks(rounds)
     plan = None if name == "sequential" else Plan.parse(name)
     steps = L if plan is None else plan.critical_path_layers(L, iters)
     fixed = min(embed_ms + head_ms, base)  # what structural_ideal splits off: the record's fields obey its formula
@@ -211,4 +223,5 @@ def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s:
         critical_path_layers=steps, embed_ms=embed_ms, head_ms=head_ms, fixed_ms=fixed,
         layer_ms=layer_ms, structural_ideal=struct, of_structural=(base / med) / struct,
         min_ms=min(ts), max_ms=max(ts), runs=len(ts), prefix=L if plan is None else plan.prefix_len(L),
-        compile_s=compile_s, **common)
+        compile_s=compile_s, times_ms=list(ts), speedup_rounds=rounds, speedup_verdict=marks["verdict"],
+        speedup_wins=marks["wins"], speedup_losses=marks["losses"], speedup_p=marks["p"], **common)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from snlp.bench.stats import paired_marks
 from snlp.method.fusion import chunk_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import time_round_robin
@@ -35,6 +36,8 @@ class OpRow:
     jvp_ms: float
     vjp_ms: float
     fd_extra_ms: float
+    times_ms: dict[str, list[float]] | None = None  # every timed round's ms per op, in round order (round-robin:
+    #                                                 round i of each op pairs with the forward's round i)
 
     def ms(self, op: str) -> float:
         return getattr(self, f"{op}_ms")
@@ -42,9 +45,30 @@ class OpRow:
     def ratio(self, op: str) -> float:
         return self.ms(op) / self.forward_ms
 
+    def ratio_rounds(self, op: str) -> list[float] | None:
+        """op ms / forward ms of each round (None without per-round times, and for the forward itself)."""
+        if op == "forward" or not self.times_ms:
+            return None
+        return [a / b for a, b in zip(self.times_ms[op], self.times_ms["forward"])]
+
+    def ratio_verdict(self, op: str) -> dict:
+        """The sign test over ratio_rounds (paired_verdict on forward / op, its time-ratio convention): "more" or
+        "less" (the op costs more / less than the forward), or "tie", with wins (rounds it cost more), losses, p."""
+        rounds = self.ratio_rounds(op)
+        marks = paired_marks(None if rounds is None else [1.0 / r for r in rounds])
+        if marks["verdict"] is None:
+            return marks
+        return {"verdict": {"faster": "less", "slower": "more", "tie": "tie"}[marks["verdict"]],
+                "wins": marks["losses"], "losses": marks["wins"], "p": marks["p"]}
+
     def to_dict(self) -> dict:
-        """The fields plus `{op}_ratio` for every timed op (forward's is 1)."""
-        return {**asdict(self), **{f"{op}_ratio": self.ratio(op) for op in TIMED}}
+        """The fields plus `{op}_ratio` for every timed op (forward's is 1) and, where the rounds are kept, each ratio's
+        sign-test verdict `{op}_ratio_verdict` (more / less / tie) and its `{op}_ratio_p`."""
+        out = {**asdict(self), **{f"{op}_ratio": self.ratio(op) for op in TIMED}}
+        for op in TIMED[1:]:
+            v = self.ratio_verdict(op)
+            out[f"{op}_ratio_verdict"], out[f"{op}_ratio_p"] = v["verdict"], v["p"]
+        return out
 
 
 def op_benchmark(model: GPT, tokens: tuple[int, ...] = (1, 16, 32, 64, 128), layer: int | None = None,
@@ -88,5 +112,6 @@ def op_benchmark(model: GPT, tokens: tuple[int, ...] = (1, 16, 32, 64, 128), lay
             times = time_round_robin(fns, warmup, runs, device)
         rows.append(OpRow(tokens=T, layer=layer, batch=1, runs=runs, n_layer=L, n_embd=model.config.n_embd,
                           device=str(device), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-                          **{f"{name}_ms": statistics.median(ts) for name, ts in times.items()}))
+                          **{f"{name}_ms": statistics.median(ts) for name, ts in times.items()},
+                          times_ms={name: list(ts) for name, ts in times.items()}))
     return rows

@@ -240,6 +240,8 @@ class PeerRow:
     runs: int
     compile_s: float | None = None
     note: str = ""
+    times_ms: list[float] | None = None  # every timed round's ms, in round order: round i of every callable of one
+    #                                      shape ran in the same round-robin round, so two rows' ratios pair up
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -254,7 +256,7 @@ def summarise(shape: str, times: dict[str, list[float]], meta: dict[str, tuple[s
         q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9  # within min..max
         rows.append(PeerRow(shape=shape, side=side, plan=plan, variant=variant, median_ms=statistics.median(ts),
                             min_ms=min(ts), max_ms=max(ts), p10_ms=q[0], p90_ms=q[-1], runs=len(ts),
-                            compile_s=(compile_s or {}).get(name), note=note))
+                            compile_s=(compile_s or {}).get(name), note=note, times_ms=list(ts)))
     return rows
 
 

@@ -21,6 +21,7 @@ import torch
 
 from snlp.bench.decode import decode_benchmark
 from snlp.bench.forward import ModelSpec, benchmark, build_model
+from snlp.bench.stats import tie_mark
 from snlp.decode.generate import sequential_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.decode.steps import sequential_step, snlp_fn
@@ -315,13 +316,15 @@ def table(res: SelfcheckResult) -> list[str]:
                       f"(snlp bench for that)"]
     lines += ["", "prefill (forward over T tokens)    ms     speedup  compiled"]
     for r in res.forward:
-        lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}")
+        lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}"
+                     f"{tie_mark(r.get('speedup_rounds'))}")
     lines += ["", "decode (greedy, KV cache)          ms/tok speedup  compiled"]
     for r in res.decode:
         name = r["mode"] if r["mode"] == "sequential" else f"{r['mode']} {r['plan']}" + \
             (f" B={r['block']}" if r["block"] else "")
         ideal = r.get("ideal_ssd_speedup")
         above = f"  (above its ideal SSD {ideal:.2f}x: noise)" if ideal and r["speedup"] > ideal else ""
-        lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}{above}")
+        lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}{above}"
+                     f"{tie_mark(r.get('speedup_rounds'))}")  # (tie): the sign test over the paired runs
     lines += ["", f"{'ALL CHECKS PASSED' if res.passed else 'SOME CHECKS FAILED'} in {res.seconds:.0f} s"]
     return lines

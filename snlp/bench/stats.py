@@ -1,9 +1,11 @@
 """Paired-round statistics for timings: the exact two-sided sign test that decides whether one plan's speed beats
-another's from rounds that timed both (round-robin, so a round's load hits both alike)."""
+another's from rounds that timed both (round-robin, so a round's load hits both alike); for timings that are not
+paired, the p10-p90 spreads rule (spread_verdict)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from functools import lru_cache
 
 SIGN_LEVEL = 0.05  # the two-sided sign test's level at which one plan's speed beats another's
@@ -49,6 +51,54 @@ def verdict_text(ratios: list[float], baseline: str = "sequential", rounds: str 
     why = (f"{n} paired {rounds} cannot resolve a lead (the sign test needs {need} of {need} at the fewest)" if n < need else
            f"the two-sided sign test at {SIGN_LEVEL:.0%} does not resolve it, p = {p:.2f}")
     return f"a tie with {baseline}: faster in {wins} of {n} paired {rounds}; {why}"
+
+
+def paired_marks(ratios: list[float] | None) -> dict:
+    """The JSON fields a paired ratio carries beside its median: paired_verdict's verdict ("faster" | "slower" |
+    "tie"), wins, losses and p over the per-round ratios; every field None where there are no rounds (the baseline's
+    own row)."""
+    if not ratios:
+        return {"verdict": None, "wins": None, "losses": None, "p": None}
+    verdict, wins, losses, p = paired_verdict(ratios)
+    return {"verdict": verdict, "wins": wins, "losses": losses, "p": p}
+
+
+def tie_mark(ratios: list[float] | None) -> str:
+    """" (tie)" after a printed ratio whose paired rounds the sign test does not resolve from 1.00x; "" otherwise
+    (resolved, or no rounds: the baseline itself)."""
+    return " (tie)" if ratios and paired_verdict(ratios)[0] == "tie" else ""
+
+
+def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call of each per round") -> str:
+    """The line under a table whose paired ratios carry "(tie)": the rule, and how many rounds can resolve one (with
+    `rounds` of them: the fewest wins; below fewest_sign_rounds never)."""
+    need, k = fewest_sign_rounds(), sign_test_wins(rounds)
+    can = (f"{rounds} round{' never resolves' if rounds == 1 else 's never resolve'} one ({need} of {need} at the fewest), so every "
+           f"{ratio} here is marked (tie)" if k is None else
+           f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds)")
+    return (f"(tie): not told from 1.00x by this run: the paired per-round ratios behind the {ratio} ({pairing}) do "
+            f"not resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
+
+
+def ratio_range(ratios: list[float]) -> str:
+    """"lo-hi x" of paired per-round ratios: the range that holds both their median and the ratio of the two sides'
+    own medians (a median is monotone and scales, so med(a) / med(b) lies within min..max of a_i / b_i), printed
+    beside both so the two never read as a contradiction."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def p10_p90(times: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of unpaired timings (inclusive method: within min..max; one timing: itself)."""
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+    return q[0], q[-1]
+
+
+def spread_verdict(num_p10: float, num_p90: float, den_p10: float, den_p90: float) -> tuple[float, float, bool]:
+    """The rule for a ratio num / den of times whose rounds are NOT paired (each side timed in its own loop, so a
+    round of one has no partner in the other): (lo, hi, tie), the range the two sides' p10-p90 spreads allow,
+    num_p10 / den_p90 .. num_p90 / den_p10, and whether it holds 1 (the difference is inside the noise)."""
+    lo, hi = num_p10 / den_p90, num_p90 / den_p10
+    return lo, hi, lo <= 1.0 <= hi
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:

@@ -9,7 +9,8 @@ does and is not measured here):
   - KV-cached greedy decode, per-token latency (`snlp.bench.decode.decode_benchmark`; also self-speculative
     rows, whose acceptance rate means nothing with random weights),
 each eager and compiled (torch.compile fullgraph, reduce-overhead on CUDA; compile time reported
-apart), bf16 on CUDA (fp32 on CPU). The paper's protocol is 50 warm-up + 200 timed runs: the
+apart), bf16 on CUDA (fp32 on CPU). A speedup the paired rounds do not resolve from 1.00x by the sign test
+(snlp.bench.stats.paired_verdict) is marked "(tie)" in the table; the records keep each round's times. The paper's protocol is 50 warm-up + 200 timed runs: the
 defaults on CUDA. Output: a JSON file (every record + device, torch / CUDA versions, dtype, date,
 command) and a markdown table with the paper's speedup beside ours.
 
@@ -34,6 +35,7 @@ import torch
 from snlp.bench.decode import DecodeRow, decode_benchmark, model_bytes
 from snlp.bench.forward import ForwardRow, benchmark
 from snlp.bench.records import markdown_table, write_json
+from snlp.bench.stats import tie_footnote, tie_mark
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label, write_atomic
@@ -357,6 +359,11 @@ def _x(v, fmt="{:.2f}x") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _speedup(r: SuiteRow | None) -> str:
+    """A row's speedup over its sequential row, "(tie)" where its paired rounds do not resolve it (tie_mark)."""
+    return "-" if r is None else f"{r.row.speedup:.2f}x{tie_mark(r.row.speedup_rounds)}"
+
+
 def _find(rows: list[SuiteRow], shape: str, plan: str, kind: str, treatment: str,
           mode: str | None = None) -> SuiteRow | None:
     """The first row of this shape, plan, kind and treatment (and decode mode, when given)."""
@@ -381,7 +388,10 @@ def markdown(result: SuiteResult) -> str:
              "t_seq / (t_fixed + steps x t_layer) with the embedding + head time t_fixed measured (eager); *prefill* "
              "and *decode* = sequential time / plan time, same treatment both sides; *of struct.* = speedup / "
              "structural ideal of that treatment; *paper prefill* = tab:main_results Speedup (H100, eager, bf16); "
-             "*paper s* = tab:ssd_results drafter speedup. '-' = not run or not in the paper.", ""]
+             "*paper s* = tab:ssd_results drafter speedup. '-' = not run or not in the paper.", "",
+             tie_footnote(result.config.runs, "prefill speedup", "sequential ms / plan ms of the same round"), "",
+             *([tie_footnote(result.config.decode_runs, "decode speedup", "sequential / plan ms per token of the "
+                             "same run"), ""] if result.config.decode else [])]
     return "\n".join(lines)
 
 
@@ -419,10 +429,10 @@ def _speedup_table(shapes: list[Shape], recs: list[SuiteRow], quick: bool = Fals
             rows.append([
                 f"{shape.key} (smoke)" if quick else shape.key, f"`{plan}`",
                 _x(any_p and any_p.row.ideal_layer_speedup),
-                _x(pe and pe.row.structural_ideal), _x(pe and pe.row.speedup),
-                _x(pe and 100 * pe.row.of_structural, "{:.0f}%"), _x(pc and pc.row.speedup),
+                _x(pe and pe.row.structural_ideal), _speedup(pe),
+                _x(pe and 100 * pe.row.of_structural, "{:.0f}%"), _speedup(pc),
                 _x(pc and 100 * pc.row.of_structural, "{:.0f}%"), _x(PAPER_PREFILL.get((shape.key, plan))),
-                _x(de and de.row.speedup), _x(dc and dc.row.speedup), _x(PAPER_DRAFTER_S.get((shape.key, plan)))])
+                _speedup(de), _speedup(dc), _x(PAPER_DRAFTER_S.get((shape.key, plan)))])
     full = " (full shape)" if quick else ""
     return markdown_table(["shape", "plan", "ideal (layers)", "ideal (struct.)", "prefill eager", "of struct.",
                            "prefill compiled", "of struct.", f"paper prefill{full}", "decode eager", "decode compiled",

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from snlp.bench.records import markdown_table, write_json
+from snlp.bench.stats import spread_verdict
 from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
 from snlp.model.gpt import GPT
 from snlp.runtime.device import device_label, write_atomic
@@ -181,8 +182,8 @@ class TrainBenchResult:
         out = {}
 
         def add(name: str, num: TrainBenchRow, den: TrainBenchRow) -> None:  # num / den of step times
-            lo, hi = num.step_ms_p10 / den.step_ms_p90, num.step_ms_p90 / den.step_ms_p10
-            out[name] = {"ratio": num.step_ms / den.step_ms, "lo": lo, "hi": hi, "tie": lo <= 1.0 <= hi}
+            lo, hi, tie = spread_verdict(num.step_ms_p10, num.step_ms_p90, den.step_ms_p10, den.step_ms_p90)
+            out[name] = {"ratio": num.step_ms / den.step_ms, "lo": lo, "hi": hi, "tie": tie}
 
         for reg in self.config.regs:
             e, c = self.row("eager", reg), self.row("compiled", reg)

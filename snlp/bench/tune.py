@@ -713,7 +713,10 @@ def summary(result: TuneResult) -> list[str]:
             continue
         what = f"`{p.plan}`" + (f" B={p.block}" if p.block else "") + f", {p.threads} threads" + \
             (", compiled" if p.compiled else "")
-        line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential), "
+        # a ratio its paired rounds do not resolve says so where it is printed, not only in a note further down
+        tie = bool(p.round_speedups) and paired_verdict(p.round_speedups)[0] == "tie"
+        line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential"
+                + (f", {verdict_text(p.round_speedups, rounds='rounds')}" if tie else "") + "), "
                 f"predicted {p.predicted_speedup:.2f}x; {result.pick_rule.get(g, '')}")
         if result.grid_best is None:
             line += "; full-grid validation: not run (--full-grid)"

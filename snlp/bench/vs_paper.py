@@ -9,7 +9,9 @@ process (so load drift hits all alike), after a common warm-up; medians and spre
   - snlp: its sequential forward and each plan (bound runner), eager and, with the compiled treatment,
     torch.compile fullgraph (CUDA graphs on CUDA; compile time reported apart).
 Both speedup definitions are in the table: the paper's (its sequential as published / its plan) and the
-strongest-baseline one (the fastest sequential either side offers / the plan). Random weights: speed only.
+strongest-baseline one (the fastest sequential either side offers / the plan). Every ratio is marked "(tie)" where
+the sign test over its paired rounds does not resolve it (the JSON's "ratios", with each round's ratio). Random
+weights: speed only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from snlp.bench.paper_peer import (PaperCode, PeerRow, build_paper_model, cast_l
                                    paper_config, paper_plan_fn, paper_sequential_fn, snlp_model_from_paper,
                                    summarise, time_side_by_side)
 from snlp.bench.records import markdown_table, write_json
+from snlp.bench.stats import paired_marks, tie_footnote, tie_mark
 from snlp.bench.suite import PAPER_PREFILL, PAPER_SHAPES, SHAPE_KEYS, Shape
 from snlp.decode.steps import check_compilable, mark_static_runner
 from snlp.method.plan import Plan
@@ -299,6 +302,7 @@ def _write(result: VsPaperResult, cfg: VsPaperConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         write_json(out / "vs_paper.json", {"meta": result.meta, "config": asdict(cfg), "rows": result.rows,
+                                           "ratios": paired_ratios(result),
                                            "agreement": result.agreement, "failures": result.failures,
                                            "complete": result.complete}, announce=False)
         write_atomic(out / "vs_paper.md", result.markdown)  # a kill between shapes never leaves half a table
@@ -312,8 +316,54 @@ def _ms(r: PeerRow | None) -> str:
     return "-" if r is None else f"{r.median_ms:.2f} ({r.p10_ms:.2f}-{r.p90_ms:.2f})"
 
 
+def _rounds(a: PeerRow, b: PeerRow) -> list[float] | None:
+    """a's ms / b's ms round by round (both timed in one shape's round-robin), or None without per-round times."""
+    if not a.times_ms or not b.times_ms or len(a.times_ms) != len(b.times_ms):
+        return None
+    return [x / y for x, y in zip(a.times_ms, b.times_ms)]
+
+
 def _ratio(a: PeerRow | None, b: PeerRow | None) -> str:
-    return "-" if a is None or b is None else f"{a.median_ms / b.median_ms:.2f}x"
+    """a's median ms over b's, "(tie)" where the paired rounds do not resolve it from 1.00x (tie_mark)."""
+    return "-" if a is None or b is None else f"{a.median_ms / b.median_ms:.2f}x{tie_mark(_rounds(a, b))}"
+
+
+RATIOS = ("paper_over_snlp", "paper_speedup", "snlp_vs_strongest_seq")  # the table's three ratio columns
+
+
+def _ratio_rows(rows: list[PeerRow], key: str, plan: str) -> dict[str, tuple[PeerRow, PeerRow] | None]:
+    """The (numerator, denominator) rows of each RATIOS column for one (shape, plan), None where the column is '-':
+    the paper's time over snlp's fastest treatment, the paper's own speedup, the strongest sequential over snlp."""
+    p_seq = _get(rows, key, "paper", "sequential", "as published")
+    seqs = [r for r in rows if r.plan == "sequential" and "windows off" not in r.variant]
+    best = min(seqs, key=lambda r: r.median_ms) if seqs else None
+    pp = _get(rows, key, "paper", plan, "as published")
+    fastest = min((r for r in (_get(rows, key, "snlp", plan, "eager"), _get(rows, key, "snlp", plan, "compiled"))
+                   if r), key=lambda r: r.median_ms, default=None)
+    pair = lambda a, b: (a, b) if a is not None and b is not None else None  # noqa: E731
+    seq = plan == "sequential"
+    return {"paper_over_snlp": pair(p_seq if seq else pp, fastest),
+            "paper_speedup": None if seq else pair(p_seq, pp),
+            "snlp_vs_strongest_seq": None if seq else pair(best, fastest)}
+
+
+def paired_ratios(result: VsPaperResult) -> list[dict]:
+    """Every ratio of the markdown table with its per-round ratios and the sign test's verdict on them (the JSON's
+    "ratios"; snlp.bench.stats.paired_marks): what the table's "(tie)" marks rest on."""
+    out = []
+    for key in result.config.shapes:
+        shape = next(s for s in PAPER_SHAPES if s.key == key)
+        rs = [r for r in result.rows if r.shape == key]
+        for plan in ("sequential",) + tuple(shape.plans):
+            for name, pair in _ratio_rows(rs, key, plan).items():
+                if pair is not None:
+                    a, b = pair
+                    rounds = _rounds(a, b)
+                    out.append({"shape": key, "plan": plan, "ratio": name, "value": a.median_ms / b.median_ms,
+                                "numerator": f"{a.side} {a.plan} {a.variant}",
+                                "denominator": f"{b.side} {b.plan} {b.variant}", "rounds": rounds,
+                                **paired_marks(rounds)})
+    return out
 
 
 def markdown(result: VsPaperResult) -> str:
@@ -333,18 +383,11 @@ def markdown(result: VsPaperResult) -> str:
     for key in cfg.shapes:
         shape = next(s for s in PAPER_SHAPES if s.key == key)
         rs = [r for r in result.rows if r.shape == key]
-        p_seq = _get(rs, key, "paper", "sequential", "as published")
-        seqs = [r for r in rs if r.plan == "sequential" and "windows off" not in r.variant]
-        best = min(seqs, key=lambda r: r.median_ms) if seqs else None
         for plan in ("sequential",) + tuple(shape.plans):
-            pp = _get(rs, key, "paper", plan, "as published")
-            se = _get(rs, key, "snlp", plan, "eager")
-            sc = _get(rs, key, "snlp", plan, "compiled")
-            fastest = min((r for r in (se, sc) if r), key=lambda r: r.median_ms, default=None)
-            rows.append([key, f"`{plan}`", _ms(pp), _ms(se), _ms(sc),
-                         _ratio(pp, fastest) if plan != "sequential" else _ratio(p_seq, fastest),
-                         _ratio(p_seq, pp) if plan != "sequential" else "-",
-                         _ratio(best, fastest) if plan != "sequential" else "-",
+            pairs = _ratio_rows(rs, key, plan)
+            rows.append([key, f"`{plan}`", _ms(_get(rs, key, "paper", plan, "as published")),
+                         _ms(_get(rs, key, "snlp", plan, "eager")), _ms(_get(rs, key, "snlp", plan, "compiled")),
+                         *(_ratio(*pairs[name]) if pairs[name] else "-" for name in RATIOS),
                          f"{PAPER_PREFILL[(key, plan)]:.2f}x" if (key, plan) in PAPER_PREFILL else "-"])
     lines += ["", *markdown_table(
         ["shape", "plan", "paper ms", "snlp eager ms", "snlp compiled ms", "paper ms / snlp ms",
@@ -352,7 +395,9 @@ def markdown(result: VsPaperResult) -> str:
     lines += ["", "*paper ms / snlp ms*: the paper's time over snlp's fastest treatment (> 1: snlp is faster). "
               "*strongest seq*: the fastest sequential forward timed for that shape on either side (its variant "
               "below). The paper's parallel paths compute a different function from its own sequential model "
-              "(windows dropped in the suffix; value embeddings too in fused chunks); snlp's plans keep both."]
+              "(windows dropped in the suffix; value embeddings too in fused chunks); snlp's plans keep both.",
+              "", tie_footnote(cfg.runs, "ratio", "the two callables' ms of the same round, every callable once per "
+                               "round")]
     abl = [[r.shape, r.side, f"`{r.plan}`", r.variant, _ms(r), "-" if r.compile_s is None else f"{r.compile_s:.1f}",
             r.note] for r in result.rows]
     lines += ["", "Every timed callable:", "", *markdown_table(

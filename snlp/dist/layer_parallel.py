@@ -673,7 +673,9 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
         recs.append({**base, "what": "prefill", "pipeline_sequential_ms": statistics.median(pipe),
                      "snlp_ms": statistics.median(par), "speedup": statistics.median(pipe) / statistics.median(par),
                      "h_S_broadcast_ms": statistics.median(bcast),
-                     "prefix_ms_rank0": statistics.median(prefix) if prefix else 0.0})
+                     "prefix_ms_rank0": statistics.median(prefix) if prefix else 0.0,
+                     # each side timed in its own loop (not paired): the per-call times for a spreads rule
+                     "pipeline_sequential_times_ms": pipe, "snlp_times_ms": par})
         if decode:
             prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
             modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
@@ -689,7 +691,11 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
                 rec = {**base, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
-                       "prompt_len": prompt_len, "new_tokens": new_tokens}
+                       "prompt_len": prompt_len, "new_tokens": new_tokens,
+                       # run i of every mode ran in round i (paired with the sequential row's run i)
+                       "ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens) for r in rs],
+                       "sequential_ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens)
+                                                        for r in res[("sequential", 0)]]}
                 if mode == "speculative":
                     rec.update(alpha=rs[0].acceptance_rate, tokens_per_round=rs[0].tokens_per_round,
                                draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs),

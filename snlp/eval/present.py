@@ -34,16 +34,22 @@ TIE_NOTE = ("(tie): not told from sequential by this run: ΔPPL's 95 % paired-wi
             + _SPEEDUP_TIE + ". Prefill: a ratio of medians, not tested")
 
 
+_PREFILL_TIE = ("Prefill (the ratio of the two medians): likewise, by the sign test over the paired rounds of its "
+                "teacher-forced forward")
+
+
 def tie_note(records: list[EvalRecord]) -> str:
     """TIE_NOTE for these records: where the sequential row holds fewer than two validation windows (one window of
     --max-tokens, or records without per-window losses) no ΔPPL has an interval, so an unmarked ΔPPL was not told
-    from sequential either, and the note says ΔPPL is untested rather than what a (tie) on it would mean."""
+    from sequential either, and the note says ΔPPL is untested rather than what a (tie) on it would mean. Records
+    that keep Prefill's paired rounds (prefill_speedup_rounds) have it tested too; older ones say it is not."""
     n = len((records[0].window_ce or []) if records else [])
-    if n >= 2:
-        return TIE_NOTE
-    why = "one validation window" if n == 1 else "no per-window losses"
-    return (f"(tie): not told from sequential by this run: {_SPEEDUP_TIE}. ΔPPL: untested ({why}: no interval, so no "
-            "(tie) mark either way). Prefill: a ratio of medians, not tested")
+    prefill = any(r.prefill_speedup_rounds for r in records[1:])
+    note = TIE_NOTE if n >= 2 else (
+        f"(tie): not told from sequential by this run: {_SPEEDUP_TIE}. ΔPPL: untested "
+        f"({'one validation window' if n == 1 else 'no per-window losses'}: no interval, so no (tie) mark either way)"
+        ". Prefill: a ratio of medians, not tested")
+    return note.replace("Prefill: a ratio of medians, not tested", _PREFILL_TIE) if prefill else note
 
 
 def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]:

@@ -79,7 +79,9 @@ class EvalRecord:
     prefill_ms: float | None = None  # median ms of a batch-1 forward over seq_len tokens
     speedup: float | None = None  # median of speedup_rounds (not sequential latency_ms / this latency_ms)
     speedup_rounds: list[float] | None = None  # per timed round: sequential / this ms per token of that round
-    prefill_speedup: float | None = None
+    prefill_speedup: float | None = None  # sequential prefill_ms / this prefill_ms (a ratio of the two medians)
+    # per timed round: sequential / this forward's ms of that round (round-robin: one forward of each per round)
+    prefill_speedup_rounds: list[float] | None = None
     ideal_layer_speedup: float | None = None  # L / (S + K * evals + [fwd])
     n_layer: int | None = None
     tokens: int | None = None  # predicted tokens of the PPL windows
@@ -138,6 +140,7 @@ class _Timing:  # medians of one row, and its decode ms/token of every timed rou
     latency_ms: float
     prefill_ms: float
     rounds_ms: list[float] = dataclasses.field(default_factory=list)
+    prefill_rounds_ms: list[float] = dataclasses.field(default_factory=list)  # each timed round's forward ms
 
 
 def _bar(total: int, desc: str, cfg: EvalConfig):
@@ -249,7 +252,8 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
     with torch.inference_mode():
         prefill = time_round_robin({name: forward(p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
     return {name: _Timing(latency_ms=statistics.median(decode_ms[name][-cfg.runs:]),  # the timed rounds
-                          prefill_ms=statistics.median(prefill[name]), rounds_ms=decode_ms[name][-cfg.runs:])
+                          prefill_ms=statistics.median(prefill[name]), rounds_ms=decode_ms[name][-cfg.runs:],
+                          prefill_rounds_ms=list(prefill[name]))
             for name in rows}
 
 
@@ -329,4 +333,5 @@ def _speed(t: _Timing, seq_t: _Timing) -> dict:
     """A row's speed columns from its timing and the sequential row's (paired by round)."""
     return dict(latency_ms=t.latency_ms, prefill_ms=t.prefill_ms, speedup=paired_median(seq_t.rounds_ms, t.rounds_ms),
                 speedup_rounds=[a / b for a, b in zip(seq_t.rounds_ms, t.rounds_ms)],
-                prefill_speedup=seq_t.prefill_ms / t.prefill_ms)
+                prefill_speedup=seq_t.prefill_ms / t.prefill_ms,
+                prefill_speedup_rounds=[a / b for a, b in zip(seq_t.prefill_rounds_ms, t.prefill_rounds_ms)] or None)

@@ -67,6 +67,9 @@ def test_generate_all_modes_on_a_checkpoint(ckpt, tmp_path, capsys):
     wins = sum(r > 1 for r in rep["round_speedups"])
     assert spec["speedup_verdict"] == "tie" and f"a tie with sequential: faster in {wins} of 3 paired runs" in line
     assert "; --repeats 6 or more can resolve it)" in line  # the default cannot: the line names the flag that can
+    lo, hi = min(rep["round_speedups"]), max(rep["round_speedups"])  # the paired ratios' range holds both rates' ratio
+    assert spec["speedup_range"] == [lo, hi] and f"which ran {lo:.2f}-{hi:.2f}x: " in line
+    assert lo <= spec["speculative_tokens_per_s"] / spec["sequential_tokens_per_s"] <= hi
 
     snlp = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "4xF1-h0-K4")  # K >= C: exact for M = 1
     assert snlp["tokens"] == seq["tokens"]
@@ -154,6 +157,31 @@ def test_bench_decode(tmp_path, capsys):
             assert r["ideal_ssd_speedup"] == pytest.approx(ideal)
     assert "speculative" in capsys.readouterr().out
     assert main(["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--blocks", "0"]) == 2
+
+
+def test_the_summary_cannot_read_as_a_contradiction(ckpt, tmp_path, monkeypatch, capsys):
+    """Under load each side's median rate and the median of the paired per-run ratios can disagree in sign: a run
+    printed "speculative 3.5 tok/s, sequential 3.3 tok/s, speedup measured 0.74x". The rounds here are that run's
+    (fabricated: the timing replaced): the line names each rate its own side's median and prints the paired ratios'
+    range, which holds both the median ratio and the ratio of the two rates (a median is monotone and scales)."""
+    import snlp.decode.speculative as speculative
+    from snlp.decode.speculative import SSDRow
+
+    def fabricated(model, prompts, plan, blocks, *a, **kw):
+        row = SSDRow(plan=str(plan), block=blocks[0], alpha=0.5, tokens_per_round=1.5, drafter_speedup_s=1.2,
+                     sequential_ms_per_step=1.0, drafter_ms_per_step=0.8, sequential_ms_per_token=1e3 / 3.3,
+                     speculative_ms_per_token=1e3 / 3.5, measured_speedup=0.74, ideal_ssd_speedup=1.1, repeats=3,
+                     prompts=1, gen_tokens=24, round_speedups=[0.6, 0.74, 1.3])
+        return [row], [[]]
+
+    monkeypatch.setattr(speculative, "speculative_benchmark", fabricated)
+    spec = _gen(ckpt, tmp_path, "--mode", "speculative", "--plan", "2xF2-h0-K1", "--block", "3")
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert ("speculative 3.5 tok/s, sequential 3.3 tok/s (each side's own median), speedup measured 0.74x (the median "
+            "of the paired per-run ratios, which ran 0.60-1.30x: a tie with sequential: faster in 1 of 3 paired runs"
+            in line)
+    assert spec["speedup_range"] == [0.6, 1.3] and spec["speedup_verdict"] == "tie"
+    assert 0.6 <= spec["speculative_tokens_per_s"] / spec["sequential_tokens_per_s"] <= 1.3
 
 
 @pytest.mark.slow

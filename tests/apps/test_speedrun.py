@@ -1206,6 +1206,18 @@ def test_the_report_says_what_each_speed_column_measures():
     assert "against the main table's decode Speedup" in md
     threaded = _render(threads=4)
     assert "dispatches" not in threaded and "mixes layer parallelism with dispatch counts" in threaded
+    # Prefill: untested where the records keep no rounds of the forward; where they do, the Full records mark it
+    assert "the ratio of the two medians (untested)" in md
+    from snlp.apps.report import render_report
+
+    ctx = _report_ctx()
+    for recs in ctx["evals"].values():
+        for r in recs[1:]:
+            r.prefill_speedup, r.prefill_speedup_rounds = 1.05, [1.2, 0.9, 1.05]  # 3 rounds: never resolved
+    md = render_report(ctx)
+    assert "(untested)" not in md and "(tie) in the Full records where the sign test over its paired rounds" in md
+    full = md[md.index("## Full evaluation records"):]
+    assert "1.05x (tie)" in full and "Prefill (the ratio of the two medians): likewise" in full
 
 
 def test_the_training_floor_verdict_rests_on_what_ran():

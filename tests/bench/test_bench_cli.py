@@ -76,9 +76,35 @@ def test_distributed_rows_keep_the_library_records_keys():
               "alpha": 0.5, "tokens_per_round": 2.0, "draft_ms_per_step": 0.3, "verify_ms_per_round": 0.9}
     for rec, cls in ((prefill, DistPrefillRow), (decode, DistDecodeRow)):
         row = dist_bench_row(rec, **ctx)
-        assert isinstance(row, cls) and row.to_dict() == {**rec, **ctx}
+        assert isinstance(row, cls) and row.to_dict().items() >= {**rec, **ctx}.items()
     with pytest.raises(TypeError):  # a key the row does not know is an error, not silently dropped
         dist_bench_row({**prefill, "new_key": 1}, **ctx)
+
+
+def test_distributed_speedups_carry_their_noise_rule():
+    """bench --distributed times prefill's two sides one loop after the other (not paired): its speedup carries the
+    range the p10-p90 spreads allow, a tie where it holds 1; decode runs every mode once per round (paired): the sign
+    test's verdict over the runs."""
+    from snlp.apps.dist import dist_bench_row
+
+    base = dict(plan="2xF1-h0-K1", world_size=2, tokens=1, batch=1, runs=3, chunks_per_rank=[[0], [1]],
+                max_rank_bytes=10, memory_per_rank=[{"total_bytes": 10}, {"total_bytes": 9}])
+    ctx = dict(loadavg=[], pinned=False, threads=1)
+    prefill = {**base, "what": "prefill", "pipeline_sequential_ms": 2.0, "snlp_ms": 1.5, "speedup": 2.0 / 1.5,
+               "h_S_broadcast_ms": 0.1, "prefix_ms_rank0": 0.0}
+    # [1, 2, 3]: p10 = 1 + 0.1 x 2 = 1.2, p90 = 2.8 (inclusive); over a flat 1.5: 0.8 .. 1.87, which holds 1
+    tie = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [1.0, 2.0, 3.0], "snlp_times_ms": [1.5] * 3},
+                         **ctx)
+    assert (tie.speedup_lo, tie.speedup_hi, tie.speedup_tie) == (pytest.approx(0.8), pytest.approx(2.8 / 1.5), True)
+    apart = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [2.0] * 3, "snlp_times_ms": [1.0] * 3}, **ctx)
+    assert (apart.speedup_lo, apart.speedup_hi, apart.speedup_tie) == (2.0, 2.0, False)
+    decode = {**base, "what": "decode", "mode": "snlp", "block": None, "ms_per_token": 1.0,
+              "speedup_vs_pipeline": 2.0, "matches_sequential": False, "prompt_len": 16, "new_tokens": 8,
+              "ms_per_token_runs": [1.0] * 6, "sequential_ms_per_token_runs": [2.0] * 6}
+    row = dist_bench_row(decode, **ctx)  # 6 of 6 paired runs faster: p = 2 / 64
+    assert (row.speedup_verdict, row.speedup_wins, row.speedup_p) == ("faster", 6, pytest.approx(2 / 64))
+    row = dist_bench_row({**decode, "ms_per_token_runs": [1.0] * 5 + [3.0]}, **ctx)  # 5 of 6: p = 0.22
+    assert (row.speedup_verdict, row.speedup_wins, row.speedup_losses) == ("tie", 5, 1)
 
 
 def test_bench_decode_refuses_a_plan_that_cannot_batch_before_any_work(monkeypatch, capsys):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import argmax_loop, make_model
 
+from snlp.bench.stats import paired_verdict
 from snlp.bench.tune import (PlanQuality, TuneConfig, calibration_quality, default_plans, quality_from_records,
                              summary, table, tune)
 from snlp.decode.speculative import speculative_generate
@@ -111,6 +112,11 @@ def test_tables_and_json_carry_every_record(grid):
     assert sum(line.startswith("| > ") for line in lines) == 1  # the pick, marked once
     text = "\n".join(summary(r))
     assert "ssd pick" in text and "snlp pick" in text and "pick / best" in text
+    for line in summary(r)[:2]:  # each pick's measured ratio carries its verdict where its rounds do not resolve it
+        p = r.picks[line.split()[0]]
+        wins = sum(x > 1 for x in p.round_speedups)
+        assert (f"x sequential, a tie with sequential: faster in {wins} of {len(p.round_speedups)} paired rounds"
+                in line) == (paired_verdict(p.round_speedups)[0] == "tie")
 
 
 def test_a_budget_no_plan_meets_is_reported_not_bent(model, val):

@@ -59,6 +59,9 @@ def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approxima
     assert windowed and all(not a.same_function and "drops the sliding windows" in a.why for a in windowed)
     data = json.loads((tmp_path / "vs_paper.json").read_text())
     assert len(data["agreement"]) == len(res.agreement) and "Correctness" in (tmp_path / "vs_paper.md").read_text()
+    # one timed round resolves no ratio: every one the table prints is a tie, with its round in the JSON
+    assert data["ratios"] and all(r["verdict"] == "tie" and len(r["rounds"]) == 1 for r in data["ratios"])
+    assert all(len(r["times_ms"]) == 1 for r in data["rows"])
 
 
 @needs_paper

@@ -156,6 +156,9 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert rec["repeats"] == 2 and rec["measured_speedup"] > 0 and "timed over 2 runs of each" in out.stdout
     # 2 paired runs cannot resolve the ratio, and the line says so instead of printing it as a result
     assert rec["speedup_verdict"] == "tie" and "2 paired runs cannot resolve a lead" in out.stdout
+    # each rate is its own side's median: the paired ratios' range, which holds their ratio too, stands beside them
+    lo, hi = rec["speedup_range"]
+    assert f"which ran {lo:.2f}-{hi:.2f}x" in out.stdout and "(each side's own median)" in out.stdout
 
 
 @pytest.mark.parametrize("argv, msg", [

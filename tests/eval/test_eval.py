@@ -36,7 +36,7 @@ CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=
                  progress=False)
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
         "ar_match_fused", "ar_fused_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
-        "prefill_speedup", "ideal_layer_speedup",
+        "prefill_speedup", "prefill_speedup_rounds", "ideal_layer_speedup",
         "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype", "window_ce"}
 
 
@@ -161,8 +161,10 @@ def test_every_row_is_also_compared_with_the_sequential_model(records, model, va
         assert r.ar_beta == pytest.approx(implied_beta(r.ar_match, CFG.gen_tokens))
         assert (r.ar_match_fused is None) == (r.M == 1)
     assert records[0].ar_match == 1.0
-    for r in records:  # the per-round paired ratios behind Speedup: one per timed round
+    for r in records:  # the per-round paired ratios behind Speedup: one per timed round; Prefill's too
         assert len(r.speedup_rounds) == CFG.runs and all(x > 0 for x in r.speedup_rounds)
+        assert len(r.prefill_speedup_rounds) == CFG.runs and all(x > 0 for x in r.prefill_speedup_rounds)
+    assert records[0].prefill_speedup_rounds == [1.0] * CFG.runs  # sequential over itself, round by round
 
 
 def test_aggressive_plan_disagrees_and_reports_its_plan_fields(records):

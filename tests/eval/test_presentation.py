@@ -277,6 +277,25 @@ def test_record_ties_marks_what_snlp_eval_marks():
     clear = EvalRecord(plan="4xF1-h0-K2", ppl=12.0, delta_ppl=0.2, speedup=1.3,  # 6 of 6 faster: p = 0.031
                        speedup_rounds=[1.3] * 6, window_ce=[2.2, 2.31, 2.39, 2.5])
     ties = record_ties([seq, noisy, clear])
-    assert ties == {"speedup": {"4xF1-h0-K1"}, "delta_ppl": {"4xF1-h0-K1"}}
+    assert ties == {"speedup": {"4xF1-h0-K1"}, "delta_ppl": {"4xF1-h0-K1"}, "prefill_speedup": set()}
     table = markdown_table([seq, noisy, clear], ties=ties)
     assert "1.75x (tie)" in table and "1.30x |" in table and "(tie): not told from sequential" in table
+    assert "Prefill: a ratio of medians, not tested" in table  # these records keep no prefill rounds
+
+
+def test_prefill_speedup_is_marked_by_its_paired_rounds():
+    """`snlp eval` times the teacher-forced forwards round-robin too: a Prefill whose paired rounds the sign test does
+    not resolve is "(tie)" like a Speedup (its median ratio 2.00x from 5 of 8 rounds won, p = 0.727), a resolved one
+    (8 of 8, p = 2 / 256) is not, and the note says Prefill was tested."""
+    from snlp.apps.eval import record_ties
+
+    seq = EvalRecord(plan="sequential", ppl=10.0, delta_ppl=0.0, prefill_speedup=1.0)
+    noisy = EvalRecord(plan="4xF1-h0-K1", ppl=10.0, delta_ppl=0.0, prefill_speedup=2.0,
+                       prefill_speedup_rounds=[2.0] * 5 + [0.8] * 3)
+    clear = EvalRecord(plan="4xF1-h0-K2", ppl=10.0, delta_ppl=0.0, prefill_speedup=1.5,
+                       prefill_speedup_rounds=[1.5] * 8)
+    ties = record_ties([seq, noisy, clear])
+    assert ties["prefill_speedup"] == {"4xF1-h0-K1"}
+    table = markdown_table([seq, noisy, clear], ties=ties)
+    assert "2.00x (tie)" in table and "1.50x |" in table and "1.50x (tie)" not in table
+    assert "Prefill (the ratio of the two medians): likewise" in table and "not tested" not in table

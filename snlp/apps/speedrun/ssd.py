@@ -13,7 +13,7 @@ from snlp.apps.report import MODELS
 from snlp.apps.speedrun.common import fewer, floor_scale, shrink_text
 from snlp.apps.speedrun.evaluate import eval_records
 from snlp.apps.speedrun.preset import BLOCKS, Preset, SELECT_BLOCK
-from snlp.bench.stats import fewest_sign_rounds
+from snlp.bench.stats import fewest_sign_rounds, tie_mark
 from snlp.runtime.fmt import matches
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
         return {"drafter": None, "candidates": scored, "rows": []}
     plan = pick.plan
     print(f"drafter (snlp tune): {plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
-          f"{pick.measured_speedup:.2f}x (proxy rule: {proxy.plan if proxy else None}); tune took "
+          f"{pick.measured_speedup:.2f}x{tie_mark(pick.round_speedups)} (proxy rule: {proxy.plan if proxy else None}); tune took "
           f"{tuned.stage1_s + tuned.stage2_s:.0f} s; {tuned.pick_rule.get('ssd', '')}")
     prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens

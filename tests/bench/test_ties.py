@@ -1,0 +1,223 @@
+"""A ratio a `snlp bench` table prints is a result only where its paired rounds resolve it: the forward benchmark
+(random weights and --ckpt), --decode (and its batched rows), --suite paper and --vs-paper mark each speedup with the
+sign test's verdict over the per-round ratios (snlp.bench.stats.paired_verdict) in the records and "(tie)" in the
+tables, with a footnote saying the rule. The timings here are fabricated (the round-robin timer replaced), so the
+verdicts are known by hand: the sign test's p of w wins and l losses is 2 * sum_{i >= max(w, l)} C(n, i) / 2^n."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+from conftest import make_model
+
+from snlp.apps.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
+
+TINY = ["--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97", "--warmup", "0", "--runs", "8"]
+# 8 paired rounds. TIE: the plan's median (5 ms) is half sequential's (10 ms), a 2.00x speedup of medians, but it won
+# only 5 of 8 rounds: p = 2 (C(8,5) + C(8,6) + C(8,7) + C(8,8)) / 256 = 0.727, no lead. FAST: 8 of 8, p = 2 / 256.
+SEQ = [10.0] * 8
+TIE = [5.0, 5.0, 5.0, 5.0, 5.0, 12.0, 12.0, 12.0]
+FAST = [5.0] * 8
+
+
+def fake_round_robin(plans: dict[str, list[float]]):
+    """A time_round_robin that returns these per-round times (ms) instead of timing: sequential SEQ, each plan its
+    own list, embed and head 1 ms."""
+    def timed(fns, warmup, runs, device):
+        assert runs == 8
+        return {name: list({"sequential": SEQ, "_embed": [1.0] * 8, "_head": [1.0] * 8, **plans}[name])
+                for name in fns}
+    return timed
+
+
+@pytest.fixture
+def fabricated(monkeypatch):
+    import snlp.bench.forward as forward
+
+    monkeypatch.setattr(forward, "time_round_robin", fake_round_robin({"1xF2-h0-K1": TIE, "2xF1-h0-K1": FAST}))
+
+
+def _check_forward(path, out: str) -> None:
+    recs = {r["plan"]: r for r in json.loads(path.read_text())}
+    tie, fast, seq = recs["1xF2-h0-K1"], recs["2xF1-h0-K1"], recs["sequential"]
+    assert tie["speedup"] == pytest.approx(2.0) and fast["speedup"] == pytest.approx(2.0)  # the same median ratio
+    assert (tie["speedup_verdict"], tie["speedup_wins"], tie["speedup_losses"]) == ("tie", 5, 3)
+    assert tie["speedup_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256)
+    assert (fast["speedup_verdict"], fast["speedup_wins"], fast["speedup_losses"]) == ("faster", 8, 0)
+    assert fast["speedup_p"] == pytest.approx(2 / 256)
+    assert tie["times_ms"] == TIE and tie["speedup_rounds"] == [s / t for s, t in zip(SEQ, TIE)]
+    assert seq["times_ms"] == SEQ and seq["speedup_verdict"] is None and seq["speedup_rounds"] is None
+    lines = out.splitlines()
+    row = lambda plan: next(ln for ln in lines if f" {plan} " in ln)  # noqa: E731
+    assert "2.00x (tie)" in row("1xF2-h0-K1") and "2.00x" in row("2xF1-h0-K1") and "(tie)" not in row("2xF1-h0-K1")
+    assert "(tie)" not in row("sequential")
+    # the footnote: the rule, and what 8 rounds can resolve (7 of 8: p = 2 x 9 / 256 = 0.07; 8 of 8: 0.008)
+    note = next(ln for ln in lines if ln.startswith("(tie):"))
+    assert "two-sided sign test at 5 %" in note and "8 rounds resolve one at 8 of 8" in note and "6 of 6" in note
+
+
+def test_forward_speedups_carry_the_sign_tests_verdict(fabricated, tmp_path, capsys):
+    out = tmp_path / "f.json"
+    assert main(["bench", *TINY, "--tokens", "2", "--plans", "1xF2-h0-K1,2xF1-h0-K1", "--json", str(out)]) == 0
+    _check_forward(out, capsys.readouterr().out)
+
+
+def test_a_checkpoints_forward_speedups_carry_it_too(fabricated, tmp_path, capsys):
+    from snlp.io.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "ck", make_model(n_layer=4, dtype=torch.float32))
+    out = tmp_path / "f.json"
+    assert main(["bench", "--ckpt", str(ckpt), "--warmup", "0", "--runs", "8", "--tokens", "2",
+                 "--plans", "1xF2-h0-K1,2xF1-h0-K1", "--json", str(out)]) == 0
+    _check_forward(out, capsys.readouterr().out)
+
+
+DECODE = ["bench", "--decode", "--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97",
+          "--plans", "2xF1-h0-K1", "--blocks", "2", "--new-tokens", "4", "--prompt-len", "4", "--warmup", "0"]
+
+
+def test_decode_speedups_carry_the_verdict_and_three_runs_are_a_tie(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main([*DECODE, "--runs", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    recs = json.loads(out.read_text())
+    seq = recs[0]
+    assert seq["speedup_verdict"] is None and len(seq["ms_per_token_runs"]) == 3
+    assert seq["ms_per_token"] == pytest.approx(statistics.median(seq["ms_per_token_runs"]))
+    for r in recs[1:]:  # 3 paired runs never resolve a lead (6 of 6 at the fewest): every ratio is a tie
+        assert r["speedup_rounds"] == pytest.approx([a / b for a, b in zip(seq["ms_per_token_runs"],
+                                                                           r["ms_per_token_runs"])])
+        assert r["speedup_verdict"] == "tie" and r["speedup_wins"] + r["speedup_losses"] <= 3
+    spec = recs[-1]
+    assert spec["mode"] == "speculative" and len(spec["drafter_speedup_rounds"]) == 3
+    assert spec["drafter_speedup_verdict"] == "tie"
+    assert f"{recs[1]['speedup']:.2f}x (tie)" in text
+    assert "3 rounds never resolve one (6 of 6 at the fewest), so every speedup or s here is marked (tie)" in text
+
+
+def test_a_decode_speedup_the_runs_resolve_has_no_tie(monkeypatch, tmp_path, capsys):
+    """Sequential decoding made 10x slower in every run (its decode time scaled): all 6 paired runs won, p = 2 / 64."""
+    import snlp.bench.decode as decode
+
+    real = decode.sequential_generate
+
+    def slow(*a, **kw):
+        res = real(*a, **kw)
+        res.decode_s *= 10
+        return res
+
+    monkeypatch.setattr(decode, "sequential_generate", slow)
+    out = tmp_path / "d.json"
+    assert main([*DECODE, "--runs", "6", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    snlp = json.loads(out.read_text())[1]
+    assert snlp["mode"] == "snlp" and (snlp["speedup_verdict"], snlp["speedup_wins"]) == ("faster", 6)
+    assert snlp["speedup_p"] == pytest.approx(2 / 64)
+    row = next(ln for ln in text.splitlines() if " snlp " in ln)
+    assert f"{snlp['speedup']:.2f}x" in row and "(tie)" not in row
+
+
+def test_batched_decode_rows_carry_the_verdict(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main([*DECODE, "--runs", "2", "--batch-sizes", "1,2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    recs = json.loads(out.read_text())
+    for r in recs:
+        base = next(b for b in recs if b["batch"] == r["batch"] and b["mode"] == "sequential")
+        assert len(r["tokens_per_s_runs"]) == 2
+        if r["mode"] == "sequential":
+            assert r["speedup_verdict"] is None
+        else:
+            assert r["speedup_rounds"] == pytest.approx([a / b for a, b in zip(r["tokens_per_s_runs"],
+                                                                               base["tokens_per_s_runs"])])
+            assert r["speedup_verdict"] == "tie"
+    assert "(tie)" in text and "2 rounds never resolve one" in text
+
+
+def test_the_paper_suites_table_marks_its_ties(monkeypatch):
+    """The suite's speedup table, from prefill rows whose rounds are fabricated: a tie is marked, a resolved speedup
+    is not, and the records keep each round's times."""
+    import snlp.bench.forward as forward
+    from snlp.bench.forward import benchmark
+    from snlp.bench.suite import PAPER_SHAPES, SuiteConfig, SuiteMeta, SuiteResult, SuiteRow, ShapeInfo, markdown
+    from snlp.method.plan import Plan
+    from snlp.model.gpt import GPT
+
+    shape = next(s for s in PAPER_SHAPES if s.key == "3B")  # plans 8xF1-h0-K1 and 8xF1-h0-K4
+    small = shape.quick()
+    monkeypatch.setattr(forward, "time_round_robin", fake_round_robin({shape.plans[0]: TIE, shape.plans[1]: FAST}))
+    model = GPT(small.config(97, "L", 4, 32))
+    model.init_weights(seed=0)
+    rows = benchmark(model, [Plan.parse(p, small.depth) for p in shape.plans], tokens=2, warmup=0, runs=8)
+    cfg = SuiteConfig(quick=True, shapes=("3B",), treatments=("eager",), decode=False, runs=8).resolved()
+    info = ShapeInfo(shape="3B", shape_title=shape.title, n_layer=small.depth, n_embd=small.width, n_head=2,
+                     hc_streams=0, x0=True, ve=True, vocab_size=97, model_bytes=0)
+    result = SuiteResult(config=cfg, meta=SuiteMeta.now(cfg), records=[SuiteRow("prefill", "eager", info, r)
+                                                                       for r in rows], complete=True)
+    text = markdown(result)
+    row = lambda plan: next(ln for ln in text.splitlines() if f"`{plan}`" in ln)  # noqa: E731
+    assert "| 2.00x (tie) |" in row(shape.plans[0]) and "(tie)" not in row(shape.plans[1])
+    assert "| 2.00x |" in row(shape.plans[1])
+    assert "8 rounds resolve one at 8 of 8" in text and "decode speedup" not in text  # no decode rows ran
+    rec = result.records[1].to_dict()
+    assert rec["times_ms"] == TIE and rec["speedup_verdict"] == "tie" and rec["kind"] == "prefill"
+
+
+def test_vs_paper_ratios_carry_the_verdict():
+    """The --vs-paper table's three ratios from fabricated rows of one shape's round-robin (no paper code needed):
+    each marked "(tie)" where its rounds do not resolve it, and the JSON's "ratios" hold the rounds and verdicts."""
+    from snlp.bench.paper_peer import summarise
+    from snlp.bench.vs_paper import VsPaperConfig, VsPaperResult, markdown, paired_ratios
+
+    cfg = VsPaperConfig(paper="unused", shapes=("0.5B-mhc",), runs=8, warmup=0).resolved()  # one plan, 16xF1-h0-K1-hcn
+    plan = "16xF1-h0-K1-hcn"
+    times = {"paper/sequential": [20.0] * 8, f"paper/{plan}": TIE, "snlp/sequential": SEQ,
+             f"snlp/{plan}": [4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]}
+    meta = {"paper/sequential": ("paper", "sequential", "as published", ""),
+            f"paper/{plan}": ("paper", plan, "as published", ""),
+            "snlp/sequential": ("snlp", "sequential", "eager", ""), f"snlp/{plan}": ("snlp", plan, "eager", "")}
+    res = VsPaperResult(config=cfg, meta=dict(weights="random", dtype="float32", device="cpu", torch="t", cuda=None,
+                                              date="d", paper_root="p", paper_stubs=[]),
+                        rows=summarise("0.5B-mhc", times, meta), complete=True)
+    ratios = {(r["plan"], r["ratio"]): r for r in paired_ratios(res)}
+    # paper's speedup: 20 / TIE (4 of 8 rounds at 20 / 5, 3 at 20 / 12; all > 1): faster, 8 of 8
+    assert ratios[(plan, "paper_speedup")]["verdict"] == "faster"
+    # paper ms / snlp ms: TIE / 4 -> 5 rounds at 1.25x, 3 at 3x: faster 8 of 8; snlp vs the strongest sequential
+    # (snlp's own, 10 ms): 10 / 4, faster; sequential paper / snlp: 20 / 10, faster
+    assert ratios[(plan, "paper_over_snlp")]["verdict"] == "faster"
+    tie = VsPaperResult(config=cfg, meta=res.meta, complete=True, rows=summarise("0.5B-mhc", dict(
+        times, **{f"snlp/{plan}": [4.0, 4.0, 4.0, 4.0, 4.0, 13.0, 13.0, 13.0]}), meta))
+    t = {(r["plan"], r["ratio"]): r for r in paired_ratios(tie)}
+    # paper / snlp now 5 rounds 1.25x, 3 rounds 12 / 13 < 1: 5 of 8, p = 0.727: a tie though the medians say 1.25x
+    assert (t[(plan, "paper_over_snlp")]["verdict"], t[(plan, "paper_over_snlp")]["wins"]) == ("tie", 5)
+    assert t[(plan, "paper_over_snlp")]["value"] == pytest.approx(1.25)
+    assert t[(plan, "paper_over_snlp")]["rounds"] == pytest.approx([a / b for a, b in zip(
+        TIE, [4.0] * 5 + [13.0] * 3)])
+    assert t[(plan, "snlp_vs_strongest_seq")]["verdict"] == "tie"  # 10 / (4 x 5, 13 x 3)
+    row = next(ln for ln in markdown(tie).splitlines() if ln.startswith(f"| 0.5B-mhc | `{plan}`"))
+    assert "| 1.25x (tie) |" in row and "| 4.00x |" in row  # the paper's own speedup 20 / 5 resolved
+    assert "(tie)" not in next(ln for ln in markdown(res).splitlines() if ln.startswith(f"| 0.5B-mhc | `{plan}`"))
+    assert "8 rounds resolve one at 8 of 8" in markdown(tie)
+
+
+def test_op_ratios_to_the_forward_carry_the_verdict(monkeypatch, tmp_path, capsys):
+    """--ops: each op's cost over the forward's, from the same rounds: JVP's median ratio 0.50x from 5 of 8 rounds
+    cheaper is a tie (p = 0.727); FD at 2x in all 8 rounds costs more (p = 2 / 256)."""
+    import snlp.bench.ops as ops
+
+    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
+                  "fd_extra": [1.2] * 8}
+    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert rec["times_ms"] == fabricated and rec["jvp_ratio"] == pytest.approx(0.5)
+    assert (rec["jvp_ratio_verdict"], rec["fd_ratio_verdict"]) == ("tie", "more")
+    assert rec["jvp_ratio_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256) and rec["fd_ratio_p"] == pytest.approx(2 / 256)
+    text = capsys.readouterr().out
+    assert "0.500 (0.50x (tie))" in text and "2.000 (2.00x)" in text and "8 rounds resolve one at 8 of 8" in text
