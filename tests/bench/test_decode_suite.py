@@ -422,7 +422,7 @@ def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_ti
     def row(method, tps, lo, hi, treatment="eager", **kw):
         return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
                               treatment=treatment, batch=1, tokens_per_s=tps, tokens_per_s_min=lo, tokens_per_s_max=hi,
-                              **kw)
+                              seconds=[1.0] * 5, **kw)  # 5 rounds: separated ranges can resolve a lead
     rows = [row("snlp sequential", 100, 95, 105), row("hf greedy", 50, 45, 55), row("hf greedy (static)", 80, 70, 96),
             row("snlp speculative", 300, 290, 310, plan="6xF1-h0-K1", block=4, matches_sequential=True),
             row("snlp speculative", 900, 890, 910, plan="2xF1-h0-K1", block=4, matches_sequential=False),
@@ -471,20 +471,41 @@ def test_the_table_marks_an_x_seq_cell_inside_the_sequential_rows_range_a_tie():
     def row(method, tps, lo, hi, batch=1, **kw):
         return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
                               treatment="eager", batch=batch, tokens_per_s=tps, tokens_per_s_min=lo,
-                              tokens_per_s_max=hi, speedup=tps / {1: 613.9, 4: 1868.5}[batch], **kw)
+                              tokens_per_s_max=hi, speedup=tps / {1: 613.9, 4: 1868.5}[batch], seconds=[1.0] * 5, **kw)
     rows = [row("snlp sequential", 613.9, 591.0, 973.2), row("snlp snlp", 750.7, 736.0, 1437.8, plan="3xF1-h0-K1"),
             row("hf greedy", 363.7, 362.6, 466.3), row("snlp sequential", 1868.5, 1468.3, 1906.9, batch=4),
             row("hf greedy", 1395.8, 1364.8, 1838.6, batch=4)]
     meta = DecodeSuiteMeta(device="cpu", device_type="cpu", torch="t", cuda=None, transformers="x", dtype="float32",
                            date="d", command=None, platform="p", threads=1, model="m", n_layer=6, n_embd=64,
                            prompts="random ids", prompt_len=16, new_tokens=8)
-    md = markdown(DecodeSuiteResult(config=DecodeSuiteConfig(quick=True, warmup=1, rounds=3), meta=meta, rows=rows,
+    md = markdown(DecodeSuiteResult(config=DecodeSuiteConfig(quick=True, warmup=1, rounds=5), meta=meta, rows=rows,
                                     complete=True))
     cells = {(r.split(" | ")[0].strip("| "), r.split(" | ")[1]): r.split(" | ")[6]
              for r in md.splitlines() if r.startswith("| 1 ") or r.startswith("| 4 ")}
     assert cells[("1", "snlp sequential")] == "1.00x" and cells[("1", "snlp snlp")] == "1.22x (tie)"
     assert cells[("1", "hf greedy")] == "0.59x"  # 362.6-466.3 vs 591.0-973.2: apart
     assert cells[("4", "hf greedy")] == "0.75x (tie)"
+
+
+def test_separated_ranges_over_too_few_rounds_are_a_tie():
+    """Every one of 3 rounds of a row faster than every one of 3 of another happens by chance with p = 2 / C(6, 3) =
+    0.1 (the rank-sum test's exact two-sided p), yet the table and the comparison lines called separated ranges a
+    lead however few the rounds (the quick suite times 3): at 3 and 3 a tie, at 4 and 4 (p = 0.029) a lead."""
+    from scipy.stats import mannwhitneyu
+
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
+    from snlp.bench.stats import separation_p
+
+    def row(method, tps, lo, hi, n):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment="eager", batch=1, tokens_per_s=tps, tokens_per_s_min=lo, tokens_per_s_max=hi,
+                              seconds=[1.0] * n)
+    for n, tie in ((2, True), (3, True), (4, False), (6, False)):
+        a, b = [10.0 + i for i in range(n)], [20.0 + i for i in range(n)]  # separated
+        assert separation_p(n, n) == pytest.approx(mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue)
+        line = comparisons([row("snlp sequential", 25, 20, 20 + n - 1, n), row("hf greedy", 12, 10, 10 + n - 1, n)])[0]
+        assert ("(a tie: the ranges are separated" in line) is tie, (n, line)
+    assert separation_p(4, 3) > 0.05 > separation_p(5, 3)
 
 
 def test_a_plan_that_cannot_batch_is_refused_before_the_model_loads(monkeypatch, capsys):
