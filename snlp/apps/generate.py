@@ -153,6 +153,8 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
+    if args.max_new_tokens == 0:  # the library's empty generation; here a run that printed "0 tokens, nan tok/s"
+        raise ValueError("--max-new-tokens 0 generates nothing: give N >= 1")
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
