@@ -280,7 +280,9 @@ def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
         raise ValueError(f"--prompts-file {path} is a folder; name a file (JSONL with a \"prompt\" field per line, or "
                          f"one prompt per line)")
     if not Path(path).is_file():
-        raise ValueError(f"--prompts-file {path} does not exist")
+        from snlp.io.source import did_you_mean
+
+        raise ValueError(f"--prompts-file {path} does not exist{did_you_mean(path)}")
     prompts = []
     for n, line in enumerate(read_text(path, encoding, "--prompts-encoding").splitlines(), 1):
         if not line.strip():

@@ -338,6 +338,12 @@ def test_a_drafter_typo_names_the_closest_drafter(argv, home, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_prompts_file_typo_names_the_closest_file(home, capsys):
+    """`--prompts-file p.tx` said "does not exist" with no suggestion, where a checkpoint typo names the closest."""
+    assert main(["generate", str(home / "ck"), "--prompts-file", str(home / "p.tx")]) == 2
+    assert f"--prompts-file {home}/p.tx does not exist; did you mean {home}/p.txt?" in one_error_line(capsys, "generate")
+
+
 @pytest.mark.parametrize("argv,says", [
     (["generate", "{ck}", "--prompt", "a", "--json", ""], "--json is empty"),
     (["generate", "", "--prompt", "a"], "CKPT is empty"),
