@@ -44,6 +44,8 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    against transformers' warpers and a naive forward: tests/decode/test_decode.py,
                                    tests/decode/test_sampling.py); greedy (temperature 0), every entry and input form:
                                    a seed, top_k or top_p refused in one line naming it (nothing is drawn)
+  a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
+  decoding entry and input form)   whose cache needs more than the device's memory: KVCache.for_model)
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
@@ -345,6 +347,31 @@ def test_greedy_cells_refuse_what_only_sampling_reads(entry, form, kw, match, mo
             "speculative": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2, **kw),
             "drafter": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=2,
                                                     drafter=drafter, **kw)}[entry]
+    with pytest.raises(ValueError, match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("form", FORMS)
+def test_a_budget_beyond_the_devices_memory_is_refused_before_any_forward(entry, form, monkeypatch):
+    """max_new_tokens whose KV cache cannot fit the device's memory, at every decoding entry point and input form:
+    refused in one line naming the cache's size, before any forward (KVCache.for_model; it was the allocator's
+    RuntimeError, a traceback, after the model loaded). Jacobi refuses batch forms first, as in the matrix."""
+    m = model_for("F1", 0, {})
+    plan = PLANS["F1"]
+    drafter = make_drafter(m, plan) if entry == "drafter" else None
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] if form in ("tensorBT", "numpyBT") else [[1, 2, 3], [4, 5], [6, 7]]
+    monkeypatch.setattr(m, "embed", lambda *a, **k: pytest.fail("a forward ran before the refusal"))
+    n = 10 ** 12
+    call = {"sequential": lambda: sequential_generate(m, as_form(prompts, form), max_new_tokens=n),
+            "snlp": lambda: snlp_generate(m, as_form(prompts, form), plan, max_new_tokens=n),
+            "speculative": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=n),
+            "drafter": lambda: speculative_generate(m, as_form(prompts, form), plan, max_new_tokens=n,
+                                                    drafter=drafter),
+            "jacobi": lambda: jacobi_generate(m, as_form(prompts, form), plan, max_new_tokens=n)}[entry]
+    match = "jacobi_generate decodes one prompt" if entry == "jacobi" and form in BATCH_FORMS else \
+        r"a KV cache of [\d,]+ positions x batch \d+ needs [\d,.]+ GiB, more than the"
     with pytest.raises(ValueError, match=match) as err:
         call()
     assert "\n" not in str(err.value)

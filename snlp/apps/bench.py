@@ -227,12 +227,16 @@ def _add_dist_flags(p) -> None:
 
 
 def _token_counts(text: str) -> tuple[int, ...]:
+    """--tokens as argparse's type: argparse shows an ArgumentTypeError's message (a ValueError's it replaces by
+    "invalid _token_counts value")."""
+    import argparse
+
     try:
         counts = tuple(int(t) for t in str(text).split(",") if t.strip())
     except ValueError:
-        raise ValueError(f"--tokens must be an integer or a comma list like 1,16,32, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer or a comma list like 1,16,32, got {text!r}") from None
     if not counts or min(counts) < 1:
-        raise ValueError(f"--tokens must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
     return counts
 
 

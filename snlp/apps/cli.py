@@ -40,6 +40,13 @@ COMMANDS = {
 # argparse dests naming a file a command writes; `out` names a folder unless the module's OUTPUT_FILES lists it
 # (a module's OUTPUT_DIRS names more folders)
 OUTPUT_FILES = ("json", "csv", "markdown", "plot")
+# argparse dests naming one local path, read or written (the output flags above, `out` and a module's OUTPUT_DIRS
+# too): a leading `~` is expanded (expand_paths) and an empty value refused. The data specs (DATA_SPECS: comma lists,
+# globs, chat: / mc: prefixes, hub names) are expanded part by part where snlp.io reads them.
+PATH_FLAGS = ("ckpt", "src", "drafter", "prompts_file", "init_from", "init_drafter", "from_model", "base",
+              "cache_dir", "stop_file", "vs_paper", "harness_out")
+# folders a command reads and writes, shared between runs (a cache): refused where a file stands, never locked
+SHARED_DIRS = ("cache_dir",)
 
 
 HELP_CONSTANTS = ("SUMMARY", "DESCRIPTION", "GUIDE")
@@ -151,6 +158,46 @@ def command_of(argv: list[str]) -> str:
     return word if word in COMMANDS else ""
 
 
+def path_dests(args) -> tuple[str, ...]:
+    """The dests of `args`' command that name one local path (PATH_FLAGS, the output files and folders)."""
+    return tuple(dict.fromkeys(OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
+        getattr(args.module, "OUTPUT_DIRS", ())) + PATH_FLAGS))
+
+
+def expand_paths(parser: argparse.ArgumentParser, args) -> None:
+    """Expand a leading `~` (`~/runs/x`, `~user/x`) in every path flag's value, and refuse a path flag given as an
+    empty string, in one line before any work. The shell leaves `~` as typed inside quotes and after `--flag=`; the
+    output checks expanded it (check_outputs) while the writes did not, so `--json '~/r.json'` wrote a folder
+    named `~` in the working directory, and the loaders said "does not exist" of a checkpoint that does. An empty
+    path read as the working directory (`--json ""` wrote nothing and said nothing; `generate ""` named `.`)."""
+    import os
+
+    sub = parser.commands[args.command]
+    given = getattr(args, "given", frozenset())
+    for dest in path_dests(args):
+        value = getattr(args, dest, None)
+        if not isinstance(value, str):
+            continue
+        if not value.strip() and (dest in given or value != sub.get_default(dest)):
+            action = next((a for a in sub._actions if a.dest == dest), None)
+            name = action.option_strings[-1] if action is not None and action.option_strings else dest.upper()
+            raise ValueError(f"{name} is empty: name a path (or leave {name} out)")
+        if value.startswith("~"):
+            setattr(args, dest, os.path.expanduser(value))
+
+
+def check_numbers(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse a number flag given as nan (argparse's float() reads "nan"), in one line before any work: a range
+    check `x <= 0` is False for nan, so `--minutes nan` trained until killed and `--lr nan` trained NaN weights.
+    Infinity is left to each flag's own check (`--dist-timeout inf` waits forever, as asked)."""
+    import math
+
+    for action in parser.commands[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"{action.option_strings[-1]} must be a number (got nan)")
+
+
 def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     """Raise a ValueError for the first output path given that cannot be written (snlp.runtime.outputs), and for an
     output file that would overwrite what the run reads or writes besides: another output flag's file (the second
@@ -182,6 +229,10 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                                  f"other; give each its own path")
             written[where] = flag
             check_not_a_model_file(where, flag, value, own)
+    for dest in SHARED_DIRS:  # a cache folder that is a file failed after the data was read, with a traceback (a
+        value = getattr(args, dest, None)  # read-only cache stays fine: a run that finds its files writes none)
+        if isinstance(value, str) and value and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"--{dest.replace('_', '-')} {value} is a file; name a folder (it is created if missing)")
     if not written:  # no output file: nothing to compare the inputs with (a --data glob is not expanded for nothing)
         return
     for dest, value in vars(args).items():  # the inputs: every other string a flag holds, comma-separated parts too
@@ -363,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     try:  # the command's own lines
+        expand_paths(parser, args)
+        check_numbers(parser, args)
         check_outputs(parser, args)
         check_device(args)
         with measurement_signals(args), output_locks(parser, args):

@@ -53,6 +53,8 @@ READS = {
     "harness": ("harness_include", "num_fewshot", "limit", "fewshot_seed", "apply_chat_template", "harness_decode",
                 "harness_block", "bootstrap_iters", "harness_out", "force"),
 }
+# the flags of --drafter that set its SSD rows, which decode the --chat-prompts only (snlp.eval.drafter)
+SSD_FLAGS = ("prompts", "gen_tokens", "warmup", "runs", "blocks")
 MODES = {"lm": "the LM metrics", "drafter": "--drafter", "task": "--task", "harness": "--harness"}
 RUN_AS = {"lm": "without --drafter, --task or --harness", "drafter": "with --drafter", "task": "with --task",
           "harness": "with --harness"}
@@ -122,7 +124,8 @@ def add_arguments(p) -> None:
 
 def config_from_args(args, model: GPT) -> EvalConfig:
     """EvalConfig from the CLI flags (--seq-len defaults to min(256, the model's sequence_len))."""
-    return EvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
+    seq_len = min(256, model.config.sequence_len) if args.seq_len is None else args.seq_len
+    return EvalConfig(seq_len=seq_len, max_tokens=args.max_tokens,
                       prompts=args.prompts, prompt_len=args.prompt_len, gen_tokens=args.gen_tokens,
                       warmup=args.warmup, runs=args.runs, time_tokens=args.time_tokens, emb=not args.no_emb,
                       seed=args.seed, progress=not args.no_progress, batch=args.batch)
@@ -143,6 +146,16 @@ def mode_flags(args) -> None:
                           for d in stray)
         raise ValueError(f"{', '.join(flag(d) for d in stray)} {'is' if one else 'are'} not read {RUN_AS[mode]} "
                          f"({where}): {'it' if one else 'they'} would change nothing; drop {'it' if one else 'them'}")
+    if mode == "drafter":
+        ssd = [d for d in SSD_FLAGS if getattr(args, d) != defaults[d]]
+        if ssd and not args.chat_prompts:  # without prompts the drafter rows have no SSD columns
+            raise ValueError(f"{', '.join(flag(d) for d in ssd)} {'sets' if len(ssd) == 1 else 'set'} the SSD "
+                             f"decoding of --drafter's chat prompts; without --chat-prompts no prompt is decoded: "
+                             f"give --chat-prompts or drop {'it' if len(ssd) == 1 else 'them'}")
+        drafter_blocks(args.blocks)
+    if args.seq_len is not None and args.seq_len < 1:  # 0 read as "the default" (an `or`), a negative one late
+        raise ValueError(f"--seq-len must be >= 1 (got {args.seq_len}; leave it out for min(256, the model's "
+                         f"sequence_len))")
     if mode == "harness":
         if args.harness_block != defaults["harness_block"] and args.harness_decode != "speculative" \
                 and not args.drafter:
@@ -151,6 +164,18 @@ def mode_flags(args) -> None:
         if args.harness_decode is not None and not args.plans:
             raise ValueError("--harness-decode chooses how --plans decode generate_until tasks; without --plans "
                              "there is no plan to decode (the sequential model decodes as itself)")
+
+
+def drafter_blocks(text: str) -> tuple[int, ...]:
+    """The --blocks of `snlp eval --drafter`: draft block sizes B >= 1, refused in one line before the model loads
+    (`--blocks x` said "invalid literal for int()", and `--blocks 0` ran)."""
+    try:
+        blocks = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        blocks = ()
+    if not blocks or min(blocks) < 1:
+        raise ValueError(f"--blocks must be draft block sizes B >= 1, comma-separated like 2,4,8 (got {text!r})")
+    return blocks
 
 
 def record_ties(records) -> dict[str, set[str]]:
@@ -184,6 +209,10 @@ def run(args) -> int:
     mode_flags(args)
     # before the checkpoint loads (--harness also takes a transformers directory as it is)
     check_plans_fit(args.ckpt, check_plans_grammar(args.plans), transformers_ok=bool(args.harness))
+    if args.drafter:  # a missing or wrong drafter folder: one line before the checkpoint loads
+        from snlp.io.drafter import read_meta
+
+        read_meta(args.drafter)
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
@@ -345,8 +374,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
         whose = "the tuned model's split" if split.tuned is not None else "the drafter's split"
         val, val_frac, source = held_out_tokens(split, tok), split.val_frac, f"{split.data} ({whose})"
     prompts = drafter_prompts(split, args.chat_prompts, tok, val_frac, args.prompts) if args.chat_prompts else []
-    cfg = DrafterEvalConfig(seq_len=args.seq_len or min(256, model.config.sequence_len), max_tokens=args.max_tokens,
-                            batch=args.batch, blocks=tuple(int(b) for b in args.blocks.split(",")),
+    cfg = DrafterEvalConfig(seq_len=min(256, model.config.sequence_len) if args.seq_len is None else args.seq_len,
+                            max_tokens=args.max_tokens, batch=args.batch, blocks=drafter_blocks(args.blocks),
                             gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)

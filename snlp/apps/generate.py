@@ -153,6 +153,8 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
+    if args.max_new_tokens == 0:  # the library's empty generation; here a run that printed "0 tokens, nan tok/s"
+        raise ValueError("--max-new-tokens 0 generates nothing: give N >= 1")
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
@@ -283,7 +285,9 @@ def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
         raise ValueError(f"--prompts-file {path} is a folder; name a file (JSONL with a \"prompt\" field per line, or "
                          f"one prompt per line)")
     if not Path(path).is_file():
-        raise ValueError(f"--prompts-file {path} does not exist")
+        from snlp.io.source import did_you_mean
+
+        raise ValueError(f"--prompts-file {path} does not exist{did_you_mean(path)}")
     prompts = []
     for n, line in enumerate(read_text(path, encoding, "--prompts-encoding").splitlines(), 1):
         if not line.strip():

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from snlp.apps.train import (add_reg_rows_argument, add_speed_arguments, check_stop_file, config_from_args, file_hooks,
-                             finished_despite, interrupted)
+from snlp.apps.train import (add_reg_rows_argument, add_speed_arguments, check_reg_flags, check_stop_file,
+                             config_from_args, file_hooks, finished_despite, interrupted)
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -134,6 +134,7 @@ def run(args) -> int:
     if args.resume and given is not None:  # the flags not typed keep the saved run's values
         check_lr_scale(args, given)
         scfg = resumed_sft(scfg, given)  # the five LRs are never "typed": the saved ones are kept
+    check_reg_flags(scfg.train.reg, given)
     if args.resume:
         check_resume_left(scfg.train)
     res = sft(scfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))

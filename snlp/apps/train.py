@@ -164,12 +164,30 @@ def run(args) -> int:
         check_resume_left(cfg)
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
+    check_reg_flags(cfg.reg, getattr(args, "given", None))
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
     if res.stopped_by == "interrupt":
         return interrupted("train", res.out, res.steps, res.signal, ["--out", res.out])
     return finished_despite("train", res)
+
+
+# the flags read by the SNLP-aware regulariser's loss only (train and sft; --reg-rows and --time-reg have their own
+# refusals in TrainConfig.check). Not --reg-n: without --reg it still sets the suffixes whose gap_N the validation
+# logs and --freeze-prefix's default S.
+REG_FLAGS = ("reg_lambda", "reg_stride", "reg_detach", "reg_warmup")
+
+
+def check_reg_flags(reg: str, given) -> None:
+    """Refuse a regulariser flag typed for a run without the regulariser (`reg`, resolved: --resume keeps the saved
+    run's), in one line before any work: `--reg-lambda 0.1` without --reg trained without it and said nothing. A
+    library caller's TrainConfig keeps its defaults there (the speedrun's unregularised model sets reg_lambda)."""
+    typed = [d for d in REG_FLAGS if d in (given or ())]
+    if reg == "none" and typed:
+        names = ", ".join("--" + d.replace("_", "-") for d in typed)
+        raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the SNLP-aware regulariser, and this run has "
+                         f"none (--reg none): give --reg idn, hcn or diag, or drop {'it' if len(typed) == 1 else 'them'}")
 
 
 def finished_despite(command: str, res) -> int:

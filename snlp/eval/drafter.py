@@ -24,6 +24,7 @@ refused: they would measure on training data.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from snlp.method.solver import solve
 from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
+from snlp.runtime.checks import check_bools
 from snlp.runtime.fmt import matches
 
 
@@ -53,6 +55,23 @@ class DrafterEvalConfig:
     repeats: int = 1
     warmup: int = 1
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse out-of-range settings before any work (`blocks=(0,)` ran the quality rows and failed, or not, in
+        the SSD rows; a bare int for `blocks` failed there too)."""
+        check_bools(progress=self.progress)
+        low = [f"{k}={getattr(self, k)!r}" for k in ("seq_len", "max_tokens", "batch", "gen_tokens", "repeats")
+               if not isinstance(getattr(self, k), Integral) or getattr(self, k) < 1]
+        if not isinstance(self.warmup, Integral) or self.warmup < 0:
+            low.append(f"warmup={self.warmup!r}")
+        blocks = self.blocks
+        if not isinstance(blocks, (tuple, list)) or not blocks or any(
+                not isinstance(b, Integral) or isinstance(b, bool) or b < 1 for b in blocks):
+            low.append(f"blocks={blocks!r}")
+        if low:
+            raise ValueError(f"drafter evaluation settings out of range: {', '.join(low)} (blocks: a non-empty tuple "
+                             f"of draft block sizes >= 1; warmup >= 0; the others integers >= 1)")
+        self.blocks = tuple(int(b) for b in blocks)
 
 
 @dataclass

@@ -192,8 +192,8 @@ def load_preheat(path, model: GPT) -> Preheat | None:
 
 
 def checkpoint_dir(path) -> Path:
-    """The checkpoint directory `path` names (a file inside it is accepted), or a clear error."""
-    path = Path(path)
+    """The checkpoint directory `path` names (a file inside it is accepted; `~` is the home), or a clear error."""
+    path = Path(path).expanduser()
     if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
         path = path.parent
     if not path.exists():
@@ -324,8 +324,10 @@ def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokeni
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
     FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this
-    machine does not have (before any file is read)."""
+    machine does not have (before any file is read). A leading `~` in `path` is the user's home (as snlp.io.source
+    reads a model name), so `load("~/runs/x")` loads what the name check found."""
     cli_device(device, "device=")
+    path = Path(path).expanduser()
     if is_nanochat_dir(path):
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from snlp.runtime.device import device_memory_bytes
+
 
 def mark_static_cuda(*tensors: Tensor) -> None:
     """Mark CUDA cache buffers as static inputs of compiled (CUDA-graph) steps, at creation, for EVERY cache: a graph
@@ -80,6 +82,12 @@ class KVCache:
         p = model.wte.weight
         shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
         kw = dict(device=device or p.device, dtype=dtype or p.dtype)
+        need = 2 * cfg.n_layer * batch * cfg.n_kv_head * max_len * cfg.head_dim * kw["dtype"].itemsize
+        have = device_memory_bytes(kw["device"])
+        if have is not None and need > have:  # refused in one line, not an allocator's traceback after the load
+            raise ValueError(f"a KV cache of {max_len:,} positions x batch {batch} needs {need / 2**30:,.1f} GiB, more "
+                             f"than the {have / 2**30:,.1f} GiB of memory of {torch.device(kw['device'])}: ask for "
+                             f"fewer tokens (prompt + new tokens) or a smaller batch")
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=kw["device"]) if cfg.smear else None
         return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw), ids=ids)
 

@@ -4,6 +4,7 @@ here parses arguments; `snlp.apps.cli` only parses and dispatches."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -76,6 +77,35 @@ def set_threads(n: int | None) -> None:
         if n < 1:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(n)
+
+
+def device_memory_bytes(device) -> int | None:
+    """The memory of `device` in bytes: a GPU's total memory, the machine's physical memory for the CPU; None where
+    it cannot be told (another back-end, a platform without sysconf). Asked once per device (it does not change)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+        except (AssertionError, RuntimeError):  # no CUDA here
+            return None
+    return _memory_bytes(str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_bytes(name: str) -> int | None:
+    import torch
+
+    device = torch.device(name)
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AssertionError, AttributeError, ValueError, OSError, RuntimeError):
+        return None
+    return None
 
 
 def device_label(device) -> str:

@@ -149,7 +149,8 @@ class AdaptConfig:
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
-        if self.from_model and (self.lora_rank or self.resume or self.steps or self.minutes or self.save_every):
+        if self.from_model and (self.lora_rank or self.resume or self.steps is not None or self.minutes is not None
+                                or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
                              "no --lora-rank, --resume, --steps, --minutes or --save-every")
         if self.max_chars < 0:  # the shared loop's check below does not see it (its TrainConfig takes no data cap)
@@ -351,7 +352,7 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
 def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
     """The shared loop's settings: AdamW at cfg.lr on every suffix weight (matrices and norm weights alike)."""
     return TrainConfig(out=str(Path(cfg.out) / RUN), resume=cfg.resume, seq_len=cfg.seq_len,
-                       batch_size=cfg.batch_size, steps=cfg.steps if cfg.steps or cfg.minutes else 200,
+                       batch_size=cfg.batch_size, steps=cfg.steps if cfg.steps is not None or cfg.minutes else 200,
                        minutes=cfg.minutes, stop_after=cfg.stop_after, optimizer="adamw", matrix_lr=cfg.lr,
                        unembedding_lr=cfg.lr * (width / 768) ** 0.5, weight_decay=0.0,
                        warmup_steps=cfg.warmup_steps, warmdown=cfg.warmdown, grad_clip=cfg.grad_clip,

@@ -93,8 +93,8 @@ class TrainConfig:
                              f"{self.save_every})")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1 (got {self.steps})")
-        if self.minutes is not None and self.minutes <= 0:
-            raise ValueError(f"--minutes must be > 0 (got {self.minutes})")
+        if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):  # nan: `<= 0` False
+            raise ValueError(f"--minutes must be a finite number > 0 (got {self.minutes})")  # inf: no LR schedule
         if not 0 <= self.warmdown <= 1:
             raise ValueError(f"--warmdown must lie in [0, 1] (got {self.warmdown})")
         if self.hc_streams < 0:

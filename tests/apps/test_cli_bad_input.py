@@ -242,3 +242,233 @@ def test_sigterm_to_the_speedrun_unwinds_it_like_ctrl_c_and_exits_143(tmp_path, 
     assert err == ["snlp speedrun: interrupted by SIGTERM; run the same command again to continue: finished stages "
                    "are reused and training resumes from the step it stopped at"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# ----------------------------------------------------------------------------- paths: a quoted `~`, empty values,
+# typos of a drafter, a cache that is a file; numbers: nan; flags a run cannot honour
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A home folder holding a real tiny checkpoint `ck`, a drafter of it `drafter-8` (its own suffix: M = 1) and a
+    prompts file, for the `~/...` paths the shell leaves unexpanded inside quotes and after `--flag=`."""
+    from conftest import text_checkpoint
+
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    root = tmp_path_factory.mktemp("home")
+    ck, _, _ = text_checkpoint(root)
+    ck = ck.rename(root / "ck")
+    model, _ = load(ck)
+    save_drafter(root / "drafter-8", make_drafter(model, "2xF1-h0-K1"))
+    (root / "p.txt").write_text("First Citizen:\nAll:\n")
+    return root
+
+
+@pytest.fixture
+def in_home(home, tmp_path, monkeypatch):
+    """HOME = `home`, the working directory an empty folder (where a `~` taken literally would land)."""
+    monkeypatch.setenv("HOME", str(home))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "~/ck", "--prompt", "All:", "--max-new-tokens", "2", "--json", "~/g.json"],
+    ["generate", "--prompts-file=~/p.txt", "~/ck", "--max-new-tokens", "2", "--json=~/g.json"],
+    ["generate", "~/ck", "--mode", "speculative", "--drafter", "~/drafter-8", "--no-baseline", "--max-new-tokens", "2",
+     "--json", "~/g.json"],
+])
+def test_a_quoted_home_is_the_home_for_inputs_and_outputs(argv, home, in_home, capsys):
+    """`snlp generate '~/ck'` said "checkpoint ~/ck does not exist" (the name check found it, the loader did not),
+    `--drafter '~/d'` "is not a drafter directory", `--prompts-file '~/p.txt'` "does not exist", and `--json
+    '~/g.json'` passed the output check (which expanded it) and then wrote a folder named `~` in the working
+    directory. Each now reads and writes under the home."""
+    (home / "g.json").unlink(missing_ok=True)
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (home / "g.json").is_file()
+    assert list(in_home.iterdir()) == []  # no folder named `~`
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "~/ck", "--plans", "9xF1-h0-K1"],
+    ["bench", "--ckpt", "~/ck", "--plans", "9xF1-h0-K1"],
+    ["tune", "~/ck", "--plans", "9xF1-h0-K1"],
+    ["sft", "~/ck", "--data", "chats.jsonl", "--out", "~/sft", "--forward", "9xF1-h0-K1"],
+    ["calibrate", "~/ck", "--rank", "0"],
+])
+def test_a_quoted_home_checkpoint_is_found_by_every_command(argv, home, in_home, capsys):
+    """The commands that read a checkpoint found `~/ck` by the name check and then said it does not exist (or, where
+    the plan's depth is read from its config, skipped that check). Here each gets as far as a refusal that reads the
+    checkpoint's config: the depth 4 beside a 9-layer plan, or calibrate's --rank."""
+    assert main(argv) == 2
+    line = one_error_line(capsys, argv[0])
+    assert "does not exist" not in line and ("model has only L = 4" in line or "rank" in line), line
+    assert not (home / "sft").exists() and list(in_home.iterdir()) == []
+
+
+def test_the_library_loads_a_checkpoint_and_drafter_under_a_quoted_home(home, in_home):
+    """snlp.load('~/ck') said "does not exist" while snlp.io.source (the name check before it) expanded `~`."""
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter
+
+    model, tok = load("~/ck")
+    assert tok is not None and load_drafter("~/drafter-8", model).plan.chunks == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{ck}", "--mode", "speculative", "--drafter", "{home}/drafter-9", "--no-baseline"],
+    ["generate", "{ck}", "--mode", "snlp", "--drafter", "{home}/drafter-9"],
+    ["eval", "{ck}", "--drafter", "{home}/drafter-9"],
+    ["bench", "--suite", "decode", "--ckpt", "{ck}", "--drafter", "{home}/drafter-9", "--quick", "--out", "{o}"],
+    ["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--init-drafter", "{home}/drafter-9"],
+])
+def test_a_drafter_typo_names_the_closest_drafter(argv, home, tmp_path, capsys):
+    """A checkpoint typo got "does not exist; did you mean X?" (snlp.io.source), a drafter typo "is not a drafter
+    directory (no drafter.json); make one with `snlp adapt`", as if the folder were there and of the wrong kind.
+    Now the drafter's typo is answered as the checkpoint's, before the checkpoint loads."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", home=home, o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and f"drafter {home}/drafter-9 does not exist; did you mean {home}/drafter-8?" in line, line
+    assert not out.exists()
+
+
+def test_a_prompts_file_typo_names_the_closest_file(home, capsys):
+    """`--prompts-file p.tx` said "does not exist" with no suggestion, where a checkpoint typo names the closest."""
+    assert main(["generate", str(home / "ck"), "--prompts-file", str(home / "p.tx")]) == 2
+    assert f"--prompts-file {home}/p.tx does not exist; did you mean {home}/p.txt?" in one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "{ck}", "--prompt", "a", "--json", ""], "--json is empty"),
+    (["generate", "", "--prompt", "a"], "CKPT is empty"),
+    (["generate", "{ck}", "--mode", "speculative", "--drafter", "", "--plan", "2xF1-h0-K1"], "--drafter is empty"),
+    (["generate", "{ck}", "--prompts-file", ""], "--prompts-file is empty"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--json", ""], "--json is empty"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--csv", " "], "--csv is empty"),
+    (["bench", "--depth", "2", "--json", ""], "--json is empty"),
+    (["train", "--out", "{o}", "--init-from", ""], "--init-from is empty"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", ""], "--out is empty"),
+])
+def test_an_empty_path_is_refused(argv, says, home, tmp_path, capsys):
+    """An empty path read as the working directory, or as no path: `--json ""` ran the whole evaluation and wrote
+    nothing, `generate ""` said ". is not a checkpoint". One line naming the flag, before any work."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and says in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "{ck}", "--plans", "2xF1-h0-K1", "--cache-dir", "{f}"],
+    ["train", "--out", "{o}", "--depth", "2", "--steps", "1", "--data", "{f}", "--cache-dir", "{f}"],
+    ["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--steps", "1", "--cache-dir", "{f}"],
+    ["tune", "{ck}", "--cache-dir", "{f}"],
+])
+def test_a_cache_folder_that_is_a_file_is_refused_before_any_work(argv, home, tmp_path, capsys):
+    """`--cache-dir FILE` failed with a FileExistsError traceback after the model loaded and the data was read."""
+    f = tmp_path / "data.txt"
+    f.write_text("to be or not to be\n" * 50)
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", f=f, o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and f"--cache-dir {f} is a file; name a folder" in line, line
+    assert not out.exists() and f.read_text() == "to be or not to be\n" * 50
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["train", "--out", "{o}", "--depth", "2", "--minutes", "nan"], "--minutes"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--minutes", "nan"], "--minutes"),
+    (["speedrun", "--out", "{o}", "--quick", "--budget", "nan"], "--budget"),
+    (["generate", "{ck}", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--min-confidence", "nan"],
+     "--min-confidence"),
+    (["bench", "--simulate-devices", "2", "--link-gbps", "nan"], "--link-gbps"),
+])
+def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys):
+    """argparse's float() reads "nan", and a range check `x <= 0` is False for it: `--minutes nan` trained until
+    killed (adapt) and `--budget nan` ran the speedrun. One rule for every float flag, before any work."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and f"{flag} must be a number (got nan)" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["train", "--out", "{o}", "--depth", "2", "--minutes", "inf"], "--minutes must be a finite number > 0"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--minutes", "inf"],
+     "--minutes must be a finite number > 0"),
+    (["speedrun", "--out", "{o}", "--quick", "--budget", "inf"], "--budget must be a finite number of minutes"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--steps", "0"], "--steps must be >= 1 (got 0)"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--seq-len", "0"], "--seq-len must be >= 1 (got 0"),
+    (["generate", "{ck}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "0"],
+     "--blocks must be draft block sizes B >= 1"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "4,x"],
+     "--blocks must be draft block sizes B >= 1"),
+])
+def test_a_number_out_of_range_is_refused_not_read_as_the_default(argv, says, home, tmp_path, capsys):
+    """`adapt --steps 0` trained the default 200 steps and `eval --seq-len 0` used the default window (an `x or
+    default`), `--minutes inf` had no LR schedule to follow, `generate --max-new-tokens 0` printed "0 tokens, nan
+    tok/s", `eval --drafter --blocks 0` ran and `--blocks x` said "invalid literal for int()"."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", home=home, o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and says in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--blocks", "4"], "--blocks sets the SSD decoding"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--gen-tokens", "8", "--runs", "3"],
+     "--gen-tokens, --runs set the SSD decoding"),
+    (["train", "--out", "{o}", "--depth", "2", "--reg-lambda", "0.1"], "--reg-lambda sets the SNLP-aware regulariser"),
+    (["train", "--out", "{o}", "--depth", "2", "--reg", "none", "--reg-stride", "2", "--reg-warmup", "5"],
+     "--reg-stride, --reg-warmup set the SNLP-aware regulariser"),
+    (["sft", "{ck}", "--data", "chats.jsonl", "--out", "{o}", "--reg-lambda", "0.1"],
+     "--reg-lambda sets the SNLP-aware regulariser"),
+])
+def test_a_flag_the_run_does_not_read_is_refused(argv, says, home, tmp_path, capsys):
+    """`eval --drafter D --blocks 4` without --chat-prompts decodes nothing (no SSD rows: the flag changed nothing),
+    `train --reg-lambda 0.1` without --reg trained without the regulariser (--reg-n is read without it: the
+    validation's gap_N suffixes). One line before any work."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", home=home, o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and says in line, line
+    assert not out.exists()
+
+
+def test_bench_tokens_says_why_it_is_refused(capsys):
+    """argparse replaces a type function's ValueError by "invalid _token_counts value: '0'"; its ArgumentTypeError
+    keeps the reason."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--tokens", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --tokens/-T: must be >= 1, got '0'" in err and "_token_counts" not in err
+
+
+def test_a_generation_budget_beyond_memory_is_one_line(home, capsys):
+    """`--max-new-tokens 100000000000` ended in the allocator's RuntimeError traceback ("can't allocate memory")
+    after the model loaded; the KV cache now refuses a size beyond the device's memory in one line."""
+    rc = main(["generate", str(home / "ck"), "--prompt", "a", "--max-new-tokens", "100000000000"])
+    line = one_error_line(capsys, "generate")
+    assert rc == 2 and "a KV cache of 100,000,000,00" in line and "more than the" in line, line
+
+
+def test_drafter_eval_config_refuses_out_of_range_settings():
+    from snlp.eval.drafter import DrafterEvalConfig
+
+    for bad in (dict(blocks=(0,)), dict(blocks=()), dict(blocks=4), dict(seq_len=0), dict(warmup=-1),
+                dict(repeats=0), dict(progress="yes")):
+        with pytest.raises(ValueError, match="out of range|True or False"):
+            DrafterEvalConfig(**bad)
+    import numpy as np
+
+    assert DrafterEvalConfig(blocks=[np.int64(2), 4]).blocks == (2, 4)

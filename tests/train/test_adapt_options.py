@@ -181,7 +181,7 @@ def test_init_drafter_refusals_before_any_work(tmp_path):
         (dict(lora_rank=0), "LoRA rank 4"),
         (dict(lora_rank=4, val_frac=0.1), "--val-frac 0.05"),
         (dict(lora_rank=4, from_model=a), "--from-model trains nothing"),
-        (dict(lora_rank=4, init_drafter=str(tmp_path / "nothing")), "not a drafter directory"),
+        (dict(lora_rank=4, init_drafter=str(tmp_path / "nothing")), "drafter .*nothing does not exist"),
     ]
     for kw, msg in cases:
         cfg = chat_cfg(tmp_path, out="b", steps=2, **{"init_drafter": a, **kw})

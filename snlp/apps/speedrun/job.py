@@ -4,6 +4,7 @@ stage reads and adds to)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import shutil
@@ -96,10 +97,11 @@ def check_args(args, pre: Preset) -> None:
     if args.budget is not None and (args.minutes is not None or args.steps is not None):
         raise ValueError("--budget gives training what the other stages leave: give --budget or --minutes / --steps, "
                          "not both")
-    if pre.budget_minutes is not None and pre.budget_minutes <= 0:
-        raise ValueError(f"--budget must be > 0 minutes (got {pre.budget_minutes:g})")
-    if pre.minutes is not None and pre.minutes <= 0:
-        raise ValueError(f"--minutes must be > 0 (got {pre.minutes})")
+    # finite: a budget of inf minutes shares nothing out (nan is refused by snlp.apps.cli)
+    if pre.budget_minutes is not None and not (math.isfinite(pre.budget_minutes) and pre.budget_minutes > 0):
+        raise ValueError(f"--budget must be a finite number of minutes > 0 (got {pre.budget_minutes:g})")
+    if pre.minutes is not None and not (math.isfinite(pre.minutes) and pre.minutes > 0):
+        raise ValueError(f"--minutes must be a finite number > 0 (got {pre.minutes})")
     if pre.steps is not None and pre.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {pre.steps})")
     if pre.width % pre.head_dim:
