@@ -321,10 +321,42 @@ def default_out_writable(args, out) -> None:
             getattr(args, "hold_output", lambda *a: None)(str(out), "--out")
 
 
+def result_files(args) -> list[Path]:
+    """Every file this `snlp bench` run writes: the ones it rewrites after every part (partial_files), else its --json
+    and --csv (once, at the end) and, for the random-weights prediction (--suite decode --shapes), --out's
+    prediction.json and prediction.md."""
+    if files := partial_files(args):
+        return files
+    files = [Path(p) for p in (args.json, args.csv) if p]
+    if getattr(args, "suite", None) == "decode" and args.shapes and args.out != "bench-suite":
+        files += [Path(args.out) / "prediction.json", Path(args.out) / "prediction.md"]
+    return files
+
+
+def stamp(path: Path) -> tuple | None:
+    """What tells a file this run wrote from one an earlier run left at its path: its inode, mtime and size
+    (write_atomic renames a new file over the old one, so a new inode) where it exists, else None. Not its mtime
+    against the run's start: a file server whose clock is ahead of this host's dates an earlier run's file after
+    this run started, and the run would end with status 0 having written nothing."""
+    try:
+        s = Path(path).stat()
+    except OSError:
+        return None
+    return s.st_dev, s.st_ino, s.st_mtime_ns, s.st_size
+
+
+def stamp_outputs(args) -> None:
+    """Record the files at every path this run may write before it writes any (`written` compares against them)."""
+    paths = [*result_files(args), *partial_files(args), *(Path(p) for p in (args.json, args.csv) if p)]
+    args.before = {p: stamp(p) for p in paths}
+
+
 def written(args, paths) -> list[Path]:
-    """The `paths` this run wrote (a file of an earlier run there is not its own)."""
-    started = getattr(args, "started", None)
-    return [p for p in map(Path, paths) if started is not None and p.is_file() and p.stat().st_mtime >= started]
+    """The `paths` this run wrote: changed since stamp_outputs (a file of an earlier run there is not its own)."""
+    before = getattr(args, "before", None)
+    if before is None:  # stopped before stamp_outputs: nothing of this run's written
+        return []
+    return [p for p in map(Path, paths) if p.is_file() and stamp(p) != before.get(p)]
 
 
 def finished(args) -> str | None:
@@ -333,7 +365,7 @@ def finished(args) -> str | None:
     would run the whole benchmark again); else None."""
     from snlp.bench.records import marked_partial
 
-    files = partial_files(args) or [Path(p) for p in (args.json, args.csv) if p]  # the others: once, at the end
+    files = result_files(args)
     kept = written(args, files)
     if not files or len(kept) < len(files) or any(marked_partial(p) for p in kept):
         return None
@@ -363,8 +395,6 @@ def holds(paths: list[Path]) -> str:
 
 
 def run(args) -> int:
-    import time
-
     import torch
 
     from snlp.apps.common import check_plans_fit, check_plans_grammar
@@ -374,7 +404,7 @@ def run(args) -> int:
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the flag's default
-    args.started = time.time()  # interrupt_hint names only the files this run wrote
+    stamp_outputs(args)  # interrupt_hint and finished name only the files this run wrote
     if getattr(args, "vs_paper", None):
         if getattr(args, "suite", None):
             raise ValueError("--vs-paper and --suite are two runs: give one")

@@ -115,7 +115,9 @@ def partial_line(done: str) -> str:
 
 
 def partial_comment(done: str) -> str:
-    """The first line of a CSV written while its run was going (partial_line as a comment): pandas.read_csv(path,
-    comment="#") skips it, and a reader that does not skip it gets it as the header row, so its column names are
-    wrong and a partial file is never read as finished data. The finished CSV has no such line."""
-    return "# " + partial_line(done).replace("**PARTIAL**", "PARTIAL")
+    """The first line of a CSV written while its run was going: pandas.read_csv(path, comment="#") skips it (and so
+    reads the rows as it reads a finished file's: the first line is what tells them apart, snlp.bench.records.
+    marked_partial), and a reader that does not skip it gets it as the header row, so its column names are wrong.
+    The finished CSV has no such line. It names no JSON: a run may write its CSV alone."""
+    return f"# PARTIAL: written while the run was going (or it was cut short there): {done}; the finished CSV has no " \
+           "such line"

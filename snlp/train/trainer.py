@@ -222,7 +222,9 @@ def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
 def train_loop(run: Run, state: LoopState) -> None:
     """Steps until a limit (budget, stop_after) or a hook ends the run; validates and saves on the way."""
     cfg = run.cfg
-    if state.step == 0 and stopped_in_setup(run) is None:  # a signal during setup: straight to step 0's save
+    # a signal during setup: straight to step 0's save, unless the run ends at step 0 by its own limit (--stop-after
+    # 0): that run is its step-0 validation, which it would skip and end as finished (status 0, nothing to resume)
+    if state.step == 0 and (stopped_in_setup(run) is None or limit_reason(run, state) is not None):
         validate_and_log(run, state)
     state.stopped_by = limit_reason(run, state) or agree_on_reason(run.ctx, ask(run, run.hooks.should_stop, state))
     while state.stopped_by is None:

@@ -206,3 +206,24 @@ def test_a_signal_after_every_file_was_written_ends_eval_with_status_0(ckpt, tmp
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == (f"snlp eval: interrupted by SIGTERM; kept the finished results in {files[0]} ({files[2]} still "
                     f"marked partial)")
+
+
+def test_a_partial_csv_written_alone_names_no_json(ckpt, tmp_path, monkeypatch):
+    """The CSV's PARTIAL line said 'the JSON says "complete": false' on a run that wrote no JSON (--csv alone): it
+    names the finished CSV instead, and snlp.bench.records.marked_partial tells the partial file from the finished."""
+    import snlp.eval.protocol as protocol
+    from snlp.bench.records import marked_partial
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(protocol, "time_plans", cut)
+    argv = [a for a in _args(ckpt, tmp_path)]
+    argv = argv[:argv.index("--json")] + ["--csv", str(tmp_path / "e.csv")]
+    assert main(argv) == 130
+    first = (tmp_path / "e.csv").read_text().splitlines()[0]
+    assert first == ("# PARTIAL: written while the run was going (or it was cut short there): PPL, dPPL, Top-1, LogitSim "
+                     "and AR Match; the finished CSV has no such line")
+    assert marked_partial(tmp_path / "e.csv")
+    monkeypatch.undo()
+    assert main(argv) == 0 and not marked_partial(tmp_path / "e.csv")

@@ -391,3 +391,60 @@ def test_a_signal_after_vs_paper_finished_exits_0_unless_a_callable_failed(faile
     rc = main(["bench", "--vs-paper", str(PAPER), "--quick", "--shapes", "0.5B", "--device", "cpu", "--out", str(out)])
     assert json.loads((out / "vs_paper.json").read_text())["complete"] is True
     assert rc == (128 + signal.SIGTERM if failed else 0), last_line(capsys)
+
+
+def test_an_earlier_runs_file_dated_after_the_start_does_not_make_a_signalled_run_finished(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Whether a file is this run's own was its mtime against the run's start; since a signal after every file was
+    written ends with status 0, a complete --json of an earlier run whose mtime is not before the start (a file
+    server's clock ahead of this host's; an mtime equal to the start) made a run signalled in its measurement exit
+    0, "nothing to rerun", having written nothing. A file counts as written only where it changed since the start."""
+    import signal
+    import time
+
+    import snlp.bench.forward as forward
+
+    path = tmp_path / "b.json"
+    argv = ["bench", "--depth", "2", "--width", "64", "--head-dim", "32", "--vocab-size", "256", "--plans",
+            "1xF1-h0-K1", "--runs", "1", "--warmup", "0", "--json", str(path)]
+    path.write_text(json.dumps([{"plan": "sequential"}]))  # the earlier run's finished records
+    ahead = time.time() + 60
+    os.utime(path, (ahead, ahead))
+
+    def measure(*a, **k):  # the signal lands in the measurement, before anything is written
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(forward, "benchmark", measure)
+    assert main(argv) == 128 + signal.SIGTERM
+    assert last_line(capsys) == ("snlp bench: interrupted by SIGTERM; this run writes its records once every round has "
+                                 "run: nothing written")
+
+
+def test_a_signal_before_the_prediction_wrote_its_out_folder_is_not_a_finished_run(tmp_path, monkeypatch, capsys):
+    """--suite decode --shapes writes --json, then --out's prediction.json and prediction.md, then --csv; finished
+    looked at --json and --csv only, so a signal right after --json exited 0 ("nothing to rerun") with --out's files
+    never written."""
+    import signal
+
+    import snlp.bench.records as records
+    import snlp.bench.ssd_prediction as ssd
+
+    monkeypatch.setattr(ssd, "paper_shape_prediction", lambda *a, **k: [{"shape": "0.5B", "alpha": 0.6}])
+    monkeypatch.setattr(ssd, "prediction_markdown", lambda rows, quick: "| shape |")
+    j, out = tmp_path / "p.json", tmp_path / "d"
+    signal_after(records, "write_json", monkeypatch, when=lambda path, *a, **k: Path(path) == j)
+    rc = main(["bench", "--suite", "decode", "--shapes", "0.5B", "--quick", "--device", "cpu", "--json", str(j),
+               "--out", str(out)])
+    assert (rc, j.is_file(), out.exists()) == (128 + signal.SIGTERM, True, False), last_line(capsys)
+    assert last_line(capsys) == f"snlp bench: interrupted by SIGTERM; the run had finished writing {j} only"
+    monkeypatch.undo()
+    monkeypatch.setattr(ssd, "paper_shape_prediction", lambda *a, **k: [{"shape": "0.5B", "alpha": 0.6}])
+    monkeypatch.setattr(ssd, "prediction_markdown", lambda rows, quick: "| shape |")
+    import snlp.runtime.device as device  # after the run's last write (no --csv): prediction.md
+
+    signal_after(device, "write_atomic", monkeypatch, when=lambda path, *a, **k: Path(path) == out / "prediction.md")
+    rc = main(["bench", "--suite", "decode", "--shapes", "0.5B", "--quick", "--device", "cpu", "--json", str(j),
+               "--out", str(out)])
+    assert rc == 0, last_line(capsys)
+    assert (out / "prediction.json").is_file() and (out / "prediction.md").read_text() == "| shape |\n"

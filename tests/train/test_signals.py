@@ -709,6 +709,42 @@ def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_as
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_sigterm_in_the_setup_of_a_run_that_ends_at_step_0_still_validates_it(corpus, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A signal during setup skips step 0's validation and saves step 0; --stop-after 0 then ended the run by its own
+    limit, so it exited 0 saying "the run finished ... nothing to resume" with step 0 never validated (no log row,
+    "validation": null) where the same run unsignalled logs its val_loss: a requeue script took the missing
+    validation for done (and its resume, --stop-after 0 at step 0, is refused). A run that ends at step 0 by its own
+    limit validates it, as the unsignalled run does."""
+    import snlp.train.trainer as trainer
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # a guard: the default would end pytest
+    try:
+        real = trainer.apply_freeze
+
+        def freeze_then_signal(*a, **k):  # inside setup
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+
+        flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY, "--stop-after", "0"]
+        assert main(["train", "--out", str(tmp_path / "ref"), *flags]) == 0
+        monkeypatch.setattr(trainer, "apply_freeze", freeze_then_signal)
+        out = tmp_path / "run"
+        rc = main(["train", "--out", str(out), *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (rc, seen, saved_step(out)) == (0, [], 0), err[-3:]
+        logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        assert logged == [json.loads(line) for line in (tmp_path / "ref" / "log.jsonl").read_text().splitlines()]
+        assert "val_loss" in logged[0]
+        summary = json.loads((out / "train_summary.json").read_text())
+        assert summary["validation"] == json.loads((tmp_path / "ref" / "train_summary.json").read_text())["validation"]
+        assert (summary["stopped_by"], summary["late_signal"]) == ("stop_after", "SIGTERM")
+        assert_same_weights(weights(out), weights(tmp_path / "ref"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_sigterm_in_adapts_last_step_writes_the_drafter_says_so_and_exits_0(tmp_path, monkeypatch, capsys):
     """As for `snlp train` and `sft`: a signal in the last step of `snlp adapt` found the run finished, wrote the
     drafter, then ended the process with the signal (143, no line), so a requeue script ran `--resume`, refused (the
