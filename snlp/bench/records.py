@@ -7,7 +7,6 @@ format carries the same keys as the JSON.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -42,7 +41,7 @@ def write_csv(path, records: Iterable[Record], announce: bool = True, partial: s
     appearance (rows of different kinds leave the others' columns empty). Nested values (lists, dicts)
     are written as JSON. `partial`: what the rows of a run still going are; the file then starts with
     snlp.runtime.outputs.partial_comment's line."""
-    from snlp.runtime.outputs import partial_comment
+    from snlp.runtime.outputs import partial_comment, write_csv_rows
 
     rows = [r.to_dict() for r in records]
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -51,10 +50,8 @@ def write_csv(path, records: Iterable[Record], announce: bool = True, partial: s
         with tmp.open("w", newline="") as f:
             if partial is not None:
                 f.write(partial_comment(partial) + "\n")
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+            write_csv_rows(f, columns, ({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()}
+                                        for row in rows))
 
     write_atomic(path, write)
     if announce:

@@ -4,7 +4,6 @@ beyond formatting and the Pareto front."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 from snlp.eval.protocol import EvalRecord
@@ -94,7 +93,7 @@ def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]]
 def write_csv(rows: list[dict], path, partial: str | None = None, announce: bool = True) -> None:
     """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, empty cells for None. `partial`: what
     the rows of a run still going are; the file then starts with snlp.runtime.outputs.partial_comment's line."""
-    from snlp.runtime.outputs import partial_comment
+    from snlp.runtime.outputs import partial_comment, write_csv_rows
 
     fields = list(dict.fromkeys(k for r in rows for k in r))
 
@@ -102,9 +101,7 @@ def write_csv(rows: list[dict], path, partial: str | None = None, announce: bool
         with open(tmp, "w", newline="") as f:
             if partial is not None:
                 f.write(partial_comment(partial) + "\n")
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows({k: ("" if r.get(k) is None else r[k]) for k in fields} for r in rows)
+            write_csv_rows(f, fields, ({k: ("" if r.get(k) is None else r[k]) for k in fields} for r in rows))
 
     write_atomic(path, write)
     if announce:

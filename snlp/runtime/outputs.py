@@ -121,3 +121,17 @@ def partial_comment(done: str) -> str:
     The finished CSV has no such line. It names no JSON: a run may write its CSV alone."""
     return f"# PARTIAL: written while the run was going (or it was cut short there): {done}; the finished CSV has no " \
            "such line"
+
+
+def write_csv_rows(f, fields: list[str], rows) -> None:
+    """The header and `rows` (dicts over `fields`) as CSV on the open file `f`. A row with a cell holding "#" (free
+    text: an error a skipped row keeps) is written with its text cells quoted: a reader that skips partial_comment's
+    line by pandas.read_csv(path, comment="#") would otherwise cut the cell, and the row, at the "#"; quoted, it
+    keeps it. Other rows are written as csv.DictWriter's default writes them."""
+    import csv
+
+    plain = csv.DictWriter(f, fieldnames=fields)
+    quoted = csv.DictWriter(f, fieldnames=fields, quoting=csv.QUOTE_NONNUMERIC)
+    plain.writeheader()
+    for row in rows:
+        (quoted if any(isinstance(v, str) and "#" in v for v in row.values()) else plain).writerow(row)

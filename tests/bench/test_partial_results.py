@@ -448,3 +448,30 @@ def test_a_signal_before_the_prediction_wrote_its_out_folder_is_not_a_finished_r
                "--out", str(out)])
     assert rc == 0, last_line(capsys)
     assert (out / "prediction.json").is_file() and (out / "prediction.md").read_text() == "| shape |\n"
+
+
+def test_a_csv_cell_holding_a_hash_survives_the_reader_that_skips_the_partial_line(tmp_path):
+    """pandas.read_csv(path, comment="#"), the documented reader of a partial CSV, cut a cell at its "#" (a skipped
+    row's error text, a plan or a path): the cells of such a row are quoted now, which the reader keeps whole. Both
+    writers (bench's records, eval's rows), partial and finished."""
+    pd = pytest.importorskip("pandas")
+    from snlp.bench.records import write_csv
+    from snlp.eval.present import write_csv as eval_csv
+
+    class Rec:
+        def __init__(self, d):
+            self.d = d
+
+        def to_dict(self):
+            return self.d
+    text = "error: #include <cuda.h>, 2 failed"
+    for partial in ("rows so far", None):
+        write_csv(tmp_path / "b.csv", [Rec({"method": "a", "tps": 1.5, "skipped": None}),
+                                       Rec({"method": "b", "tps": None, "skipped": text})],
+                  announce=False, partial=partial)
+        eval_csv([{"plan": "x#1", "ppl": 2.0}, {"plan": "y", "ppl": 3.0}], tmp_path / "e.csv", partial=partial,
+                 announce=False)
+        b, e = pd.read_csv(tmp_path / "b.csv", comment="#"), pd.read_csv(tmp_path / "e.csv", comment="#")
+        assert list(b["skipped"].fillna("")) == ["", text] and list(b["tps"].isna()) == [False, True]
+        assert list(e["plan"]) == ["x#1", "y"] and list(e["ppl"]) == [2.0, 3.0]
+    assert (tmp_path / "b.csv").read_text().splitlines()[1] == "a,1.5,"  # a row with no "#": written as before
