@@ -147,9 +147,9 @@ def run(args) -> int:
                   file=sys.stderr)
         return interrupt_status(res.signal)
     if res.stopped_by == "interrupt":  # its checkpoint is saved in OUT/run
-        from snlp.apps.train import interrupted
+        from snlp.apps.train import interrupted, not_inherited
 
-        return interrupted("adapt", res.out, res.steps, res.signal, ["--out", res.out])
+        return interrupted("adapt", res.out, res.steps, res.signal, ["--out", res.out, *not_inherited(args)])
     if res.rank != 0:  # torchrun: rank 0 reports and writes
         return 0
     b, a = res.before, res.after

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from snlp.apps.train import (add_reg_rows_argument, add_speed_arguments, check_reg_flags, check_stop_file,
-                             config_from_args, file_hooks, finished_despite, interrupted)
+                             config_from_args, file_hooks, finished_despite, interrupted, not_inherited)
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.train.config import TrainConfig
@@ -139,5 +139,6 @@ def run(args) -> int:
         check_resume_left(scfg.train)
     res = sft(scfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
     if res.stopped_by == "interrupt":
-        return interrupted("sft", res.out, res.steps, res.signal, [args.ckpt, "--data", args.data, "--out", res.out])
+        return interrupted("sft", res.out, res.steps, res.signal, [args.ckpt, "--data", args.data, "--out", res.out,
+                                                                    *not_inherited(args)])
     return finished_despite("sft", res)

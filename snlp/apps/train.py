@@ -169,7 +169,7 @@ def run(args) -> int:
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
     if res.stopped_by == "interrupt":
-        return interrupted("train", res.out, res.steps, res.signal, ["--out", res.out])
+        return interrupted("train", res.out, res.steps, res.signal, ["--out", res.out, *not_inherited(args)])
     return finished_despite("train", res)
 
 
@@ -219,6 +219,18 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
     print(f"snlp {command}: interrupted by {signal_name or 'a signal'}: saved {out} at step {steps}; continue with: "
           f"{again}", file=sys.stderr, flush=True)
     return status
+
+
+def not_inherited(args) -> list[str]:
+    """The flags of this run that a `--resume` does not take from the saved run (snlp.train.config.NOT_INHERITED):
+    --stop-after (a run stopped at step 3 of --stop-after 10 resumed without it trained to the full --steps) and an
+    explicit --device; the resume command a signal prints repeats them."""
+    out = []
+    if getattr(args, "stop_after", None) is not None:
+        out += ["--stop-after", str(args.stop_after)]
+    if getattr(args, "device", None):
+        out += ["--device", str(args.device)]
+    return out
 
 
 def interrupt_status(signal_name: str | None) -> int:

@@ -583,7 +583,7 @@ def test_snlp_train_says_how_to_continue_after_ctrl_c(corpus, tmp_path, capsys, 
                *TINY, "--steps", "5"])
     err = capsys.readouterr().err
     assert rc == 130 and (f"interrupted by SIGINT: saved {tmp_path / 'run'} at step 2; continue with: snlp train --out "
-                          f"{tmp_path / 'run'} --resume") in err
+                          f"{tmp_path / 'run'} --device cpu --resume") in err
 
 
 # ----- the recorded cache path, the regulariser warning

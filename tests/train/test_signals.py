@@ -111,7 +111,7 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_to_the_uninterrupted_w
     step = saved_step(out)
     assert rc == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step {step}; "
-                                            f"continue with: snlp train --out {out} --resume")
+                                            f"continue with: snlp train --out {out} --device cpu --resume")
     assert step >= 2 and step_records(out / "log.jsonl")[-1] == {**step_records(out / "log.jsonl")[-1],
                                                                   "step": step, "stop": "interrupt"}
     summary = json.loads((out / "train_summary.json").read_text())
@@ -137,8 +137,32 @@ def test_every_stop_signal_saves_and_exits_128_plus_its_number(corpus, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 128 + signum and saved_step(out) == 2
     assert err[-1] == (f"snlp train: interrupted by {sig}: saved {out} at step 2; continue with: snlp train --out {out} "
-                       f"--resume")
+                       f"--device cpu --resume")
     assert signal.getsignal(signum) is (signal.default_int_handler if sig == "SIGINT" else signal.SIG_DFL)
+
+
+def test_the_resume_line_repeats_stop_after_and_device_which_a_resume_does_not_inherit(corpus, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A run of --stop-after 4 stopped by a signal at step 2 printed `snlp train --out OUT --resume`, and --resume does
+    not take --stop-after (nor --device) from the saved run: the printed command trained to the full --steps. The
+    line repeats both now, and running it as printed ends where the run was asked to, with the weights of a run
+    never stopped."""
+    import shlex
+
+    import snlp.apps.train as T
+
+    real = T.file_hooks
+    monkeypatch.setattr(T, "file_hooks", lambda *a, **k: TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None))
+    out, flags = tmp_path / "run", ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY]
+    assert main(["train", "--out", str(out), *flags, "--stop-after", "4", "--device", "cpu"]) == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"continue with: snlp train --out {out} --stop-after 4 --device cpu --resume"), line
+    monkeypatch.setattr(T, "file_hooks", real)
+    assert main(shlex.split(line.split("continue with: ")[1])[1:]) == 0
+    assert saved_step(out) == 4
+    assert main(["train", "--out", str(tmp_path / "ref"), *flags, "--stop-after", "4"]) == 0
+    assert_same_weights(weights(out), weights(tmp_path / "ref"))
 
 
 def test_a_repeated_sigterm_is_ignored_and_a_second_ctrl_c_aborts(corpus, tmp_path, capsys):
@@ -344,7 +368,7 @@ def test_sft_and_sft_grid_stop_on_a_signal_and_say_how_to_continue(tmp_path, cap
     assert main(["sft", str(tmp_path / "base"), "--data", str(chats), "--out", str(out), *flags]) == 143
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"snlp sft: interrupted by SIGTERM: saved {out} at step 2; continue with: snlp sft {tmp_path / 'base'} "
-        f"--data {chats} --out {out} --resume")
+        f"--data {chats} --out {out} --device cpu --resume")
     grid = tmp_path / "grid"
     assert main(["sft-grid", str(tmp_path / "base"), "--data", str(chats), "--plan", "1xF1-h0-K1", "--task",
                  f"mc:{task}", "--out", str(grid), *flags]) == 143
@@ -376,7 +400,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_saved_and_resumable(co
     assert step_records(out / "log.jsonl")[-1]["step"] == step and step_records(out / "log.jsonl")[-1]["stop"] == \
         "interrupt", err[-3000:]
     assert (f"snlp train: interrupted by SIGTERM: saved {out} at step {step}; continue with: torchrun "
-            f"--nproc_per_node=2 -m snlp train --out {out} --resume") in err
+            f"--nproc_per_node=2 -m snlp train --out {out} --device cpu --resume") in err
     for args in (["--out", str(out), "--resume"], ["--out", str(tmp_path / "ref"), *flags]):
         r = subprocess.run(["nice", "-n", "10", sys.executable, *torchrun(*args, "--stop-after", str(step + 1))],
                            capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=WAIT_S)
@@ -695,7 +719,7 @@ def test_a_sigterm_while_the_data_loads_saves_step_0_so_the_resume_its_status_as
         assert (rc, seen) == (128 + signal.SIGTERM, []), err[-3:]
         assert saved_step(out) == 0
         assert err[-1] == (f"snlp train: interrupted by SIGTERM: saved {out} at step 0; continue with: snlp train "
-                           f"--out {out} --resume")
+                           f"--out {out} --device cpu --resume")
         # no step-0 validation after the stop: on a big model that pass could outlast the grace before SIGKILL
         log = out / "log.jsonl"
         assert [json.loads(line) for line in (log.read_text().splitlines() if log.exists() else [])] == []
