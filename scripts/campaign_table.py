@@ -82,6 +82,13 @@ def main(out: str) -> int:
             if kind == "flex" and rec.get("device_type") != "cuda":  # torch has no CPU backward for FlexAttention:
                 note = " (not taken: on the CPU a training graph falls back to the auto kernel)"  # a label, not a claim
             lines += ["", f"## Compiled training step, window kernel {kind}{note}", "", md.read_text()]
+    host = parts / "host" / "host_per_call.json"
+    if host.is_file():  # host time per compiled call (scripts/host_per_call.py)
+        merged["parts"]["host"] = rec = json.loads(host.read_text())
+        c = rec["config"]
+        lines += ["", f"## Host time per compiled call ({c['device_name']}, depth {c['depth']}, width {c['width']}, "
+                  f"plan {c['plan']}, block {c['block']}; thread time, medians)", "",
+                  (parts / "host" / "host_per_call.md").read_text()]
     for md in (parts / "decode_shape" / "prediction.md", parts / "decode" / "decode.md",
                parts / "decode_trained" / "decode.md", parts / "train" / "train.md"):
         if md.is_file():

@@ -128,6 +128,13 @@ part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained
     --device $DEV --ckpt '$OUT/parts/trained' --suite-plans $DPLAN --batch-sizes 1,4 --suite-new-tokens 64 \
     --suite-warmup 2 --suite-runs 5 --out '$OUT/parts/decode_trained'"
 
+# 5d. (--parts host) the host time of one compiled call, split (dynamo's guard check, the Step's own Python, the graph
+#     call), beside the time until the device finished it: whether compiled prefill and decode steps are host-bound
+#     (scripts/host_per_call.py; docs/records/2026-11-28-host-per-call.md), at the speedrun model's shape
+if [ "$QUICK" = 1 ]; then HOST="--depth 2 --width 32 --plan 1xF1-h0-K1 --block 2 --rounds 5"
+else HOST="--depth 16 --width 128 --head-dim 32 --plan 12xF1-h0-K1 --block 4 --rounds 200"; fi
+part host $T_LONG $PY scripts/host_per_call.py $HOST --device $DEV --out "$OUT/parts/host"
+
 # 5c. (--parts flex) the FlexAttention window kernel inside compiled prefill: 0.5B-nox0ve (SSSL, window 512), its
 #     sequential forward, 12xF2-h0-K1 and 12xF2-h0-K2, each compiled (CUDA graphs) with the masked and the flex kernel,
 #     round-robin in one process (scripts/flex_windows.py prefill); (--parts flex_train) one compiled training step of

@@ -1,7 +1,12 @@
 """Host time of one compiled call, split: dynamo's guard check, our Python around the graph, the graph's own call.
 
     PYTHONPATH=$PWD python3 scripts/host_per_call.py [--depth 32] [--width 64] [--head-dim 16] [--tokens 16]
-        [--plan 12xF2-h0-K1] [--block 4] [--rounds 400] [--out DIR]
+        [--plan 12xF2-h0-K1] [--block 4] [--rounds 400] [--device cpu|cuda] [--out DIR]
+
+With `--device cuda` (the campaign's `host` part) the callables are compiled as the campaign and the decode loops
+compile them there (CUDA graphs); the device is synchronised before every timed call, so a call's thread time is its
+host time alone (the device idle when it starts), and `synced_us` is the time until the device has finished it: where
+host time is most of that, the call is host-bound.
 
 At a width where the compute is about zero (depth 32, width 64: each graph call is a few tens of microseconds of C++
 on one thread), every callable the campaign and the decode loops call per forward or per token is compiled with
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 
 from snlp.bench.forward import compile_step
-from snlp.decode.steps import sequential_step, snlp_step
+from snlp.decode.steps import mark_static_runner, sequential_step, snlp_step
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
 
@@ -73,20 +78,29 @@ def skipping(fn):
     return call
 
 
-def time_calls(fns: dict, rounds: int, warmup: int = 20) -> dict:
-    """Per-call thread and wall microseconds, round-robin, medians (and the thread-time spread)."""
+def time_calls(fns: dict, rounds: int, warmup: int = 20, device: str = "cpu") -> dict:
+    """Per-call thread and wall microseconds, round-robin, medians (and the thread-time spread). On CUDA the device is
+    synchronised before each call (its thread time is then host work only) and after it (`synced_us`: until the
+    device finished the call)."""
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         for f in fns.values():
             f()
     th = {k: [] for k in fns}
     wa = {k: [] for k in fns}
+    sy = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
+            sync()
             t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             f()
             th[k].append((time.thread_time_ns() - t0) / 1e3)
             wa[k].append((time.perf_counter_ns() - w0) / 1e3)
+            sync()
+            sy[k].append((time.perf_counter_ns() - w0) / 1e3)
     return {k: dict(thread_us=statistics.median(th[k]), wall_us=statistics.median(wa[k]),
+                    synced_us=statistics.median(sy[k]) if cuda else None,
                     thread_q1_us=statistics.quantiles(th[k], n=4)[0], thread_q3_us=statistics.quantiles(th[k], n=4)[2])
             for k in fns}
 
@@ -99,17 +113,22 @@ def build(depth: int, width: int, head_dim: int, T: int) -> GPT:
     return model.eval()
 
 
-def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, rounds=400) -> dict:
-    torch.set_num_threads(1)
-    model = build(depth, width, head_dim, T)
-    idx = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, rounds=400, device="cpu") -> dict:
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
+    model = build(depth, width, head_dim, T).to(device)
+    idx = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
     runner = bind(model, plan, check_finite=False)
+    if torch.device(device).type == "cuda":  # as snlp.bench.vs_paper: the fused weights keep their address (no copy per replay)
+        mark_static_runner(runner)
     out = {"config": dict(depth=depth, width=width, head_dim=head_dim, tokens=T, plan=plan, block=block,
-                          torch=torch.__version__), "rows": {}}
+                          torch=torch.__version__, device=device,
+                          device_name=torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"),
+           "rows": {}}
     fns, guards, extra = {}, {}, {}
     with torch.inference_mode():
-        seq_f = compile_step(lambda: model(idx), "cpu")
-        plan_f = compile_step(lambda: runner(idx), "cpu")
+        seq_f = compile_step(lambda: model(idx), device)
+        plan_f = compile_step(lambda: runner(idx), device)
         for name, f in (("seq forward", seq_f), ("plan forward", plan_f)):
             f()
             g, n, _ = guard_check(f._torchdynamo_orig_callable if hasattr(f, "_torchdynamo_orig_callable") else f)
@@ -159,7 +178,7 @@ def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, 
         fns[k + " [guard check]"] = g
         guards[k] = ng
     with torch.inference_mode():
-        res = time_calls(fns, rounds)
+        res = time_calls(fns, rounds, device=device)
     out["rows"] = res
     out["guards"] = guards
     out["extra"] = extra
@@ -168,14 +187,17 @@ def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, 
 
 def markdown(out: dict) -> str:
     r, g = out["rows"], out["guards"]
+    synced = any(v.get("synced_us") is not None for v in r.values())
     lines = ["| callable | guards | as called (us) | guard check (us) | skip guards (us) | compiled fn alone (us) | "
-             "compiled fn alone, skip guards (us) |", "|---|---|---|---|---|---|---|"]
+             "compiled fn alone, skip guards (us) |" + (" as called, until the device finished (us) |" if synced else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if synced else "")]
     for k in ("seq forward", "plan forward", "seq step", "draft step", "verify step"):
         def v(suffix):
             row = r.get(k + suffix)
             return f"{row['thread_us']:.0f}" if row else "-"
         lines.append(f"| {k} | {g[k]} | {v('')} | {v(' [guard check]')} | {v(' [skip guards]')} | "
-                     f"{v(' [compiled fn alone]')} | {v(' [compiled fn alone, skip guards]')} |")
+                     f"{v(' [compiled fn alone]')} | {v(' [compiled fn alone, skip guards]')} |"
+                     + (f" {r[k]['synced_us']:.0f} |" if synced else ""))
     return "\n".join(lines)
 
 
@@ -188,9 +210,10 @@ def main():
     ap.add_argument("--plan", default="12xF2-h0-K1")
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    out = measure(a.depth, a.width, a.head_dim, a.tokens, a.plan, a.block, a.rounds)
+    out = measure(a.depth, a.width, a.head_dim, a.tokens, a.plan, a.block, a.rounds, a.device)
     text = markdown(out)
     if a.out:
         d = Path(a.out)

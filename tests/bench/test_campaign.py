@@ -1,7 +1,7 @@
 """The GPU campaign's CPU smoke run (scripts/gpu_campaign.sh --quick): a lent GPU must never be spent on a crash.
 The parts that need the paper's code run when a checkout of it is beside the repository (as in CI); the heavier
 parts (compiled prefill, decode and train suites) have their own quick tests (test_decode_suite, test_train_bench,
-test_vs_paper) and are run by the campaign's --quick by hand."""
+test_vs_paper, the host part below) and are run by the campaign's --quick by hand."""
 
 from __future__ import annotations
 
@@ -136,3 +136,21 @@ def test_the_lease_plans_decode_call_passes_its_settings_through(tmp_path):
         ("snlp speculative", "eager", 1, 3)]
     assert all(r["prompts"] == 3 and r["matches_sequential"] for r in ours)
     assert res["prompts"] == [p[:16] for p in json.loads(prompts.read_text())]  # --prompt-len's default
+
+
+@pytest.mark.slow  # compiles five callables on the CPU: ~1-3 min on a 2-core box
+def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
+    """The `host` part (scripts/host_per_call.py through the campaign, as a lent GPU runs it with --device cuda): it
+    succeeds at smoke size, every callable has its guard count and times, and the table says what it measured."""
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path), "--parts", "host"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, "LIMIT_host": "800"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert merged["status"]["host"]["rc"] == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    rec = merged["parts"]["host"]
+    assert rec["config"]["device"] == "cpu"
+    assert set(rec["guards"]) == {"seq forward", "plan forward", "seq step", "draft step", "verify step"}
+    assert all(n > 0 for n in rec["guards"].values())
+    assert all(r["synced_us"] is None for r in rec["rows"].values())  # no device to wait for on a CPU
+    assert "Host time per compiled call (cpu" in (tmp_path / "campaign.md").read_text()
