@@ -50,6 +50,7 @@ decoding). PPLs are over non-overlapping --seq-len windows of the checkpoint's v
   snlp analyze runs/speedrun/idn --out /tmp/ana --only jacobian,early-exit --max-tokens 512
 """
 GUIDE = "docs/analysis.md"
+LOCK_OUTPUTS = True  # it rewrites --out after each section: a second run there is refused (snlp.apps.cli.output_locks)
 
 # stand-ins for snlp.eval.analysis.common's SECTIONS and AnalysisConfig's defaults: the library (and torch) loads in
 # run(), after the flags are parsed, so --help answers at once (tests/apps/test_cli_fast.py checks that they agree)
@@ -83,6 +84,20 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output folder for analysis.md, analysis.json and plots")
 
 
+def finished(args) -> str | None:
+    """Where a signal came after the complete files were written (snlp.apps.cli: status 0): what holds them."""
+    return f"{args.out}/analysis.md and analysis.json hold every section" if getattr(args, "complete", False) else None
+
+
+def interrupt_hint(args) -> str:
+    """What `snlp analyze` says after Ctrl-C or SIGTERM (snlp.apps.cli): the sections its --out keeps."""
+    kept = getattr(args, "kept", None)
+    if not kept:
+        return "no section had finished: nothing written"
+    return (f"kept the finished sections ({', '.join(kept)}) in {args.out}/analysis.md and analysis.json, marked "
+            f"partial (\"complete\": false); a rerun computes every section again (--only picks the rest)")
+
+
 def run(args) -> int:
     import torch
 
@@ -107,7 +122,12 @@ def run(args) -> int:
                          seed=args.seed, progress=not args.no_progress)
     cfg.check(model.config.n_layer)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
-    res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=load_preheat(args.ckpt, model))
+    def keep(partial) -> None:  # each section as it finishes: a run cut short keeps them (a section is minutes)
+        write(partial, args.out, complete=False)
+        args.kept = list(partial.seconds)
+
+    res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=load_preheat(args.ckpt, model), on_section=keep)
     out = write(res, args.out)
+    args.complete = True
     print(f"wrote {out / 'analysis.md'}, {out / 'analysis.json'} and plots ({sum(res.seconds.values()):.0f}s)")
     return 0

@@ -407,20 +407,49 @@ def one_line_warning(message, category, filename, lineno, file=None, line=None) 
     return f"snlp: warning: {message}\n"
 
 
+def new_folders(out) -> list:
+    """The folders of an --out path that do not exist yet, deepest first: what this run would make there."""
+    from pathlib import Path
+
+    if not isinstance(out, str) or not out:
+        return []
+    folder, missing = Path(out).expanduser().absolute(), []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def remove_empty(folders) -> None:
+    """Remove `folders` (deepest first) while they are empty: a run refused for bad input after its --out was made
+    (its lock, adapt's and the trainers' checks of the base and data under it) leaves no empty folder behind; a
+    folder that existed before the run is never among them, and one holding anything is kept."""
+    for f in folders:
+        if not f.exists():  # not made (an --out that names a file, calibrate's: the file itself is listed first)
+            continue
+        try:
+            f.rmdir()
+        except OSError:
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
+    made = []
     try:  # the command's own lines
         expand_paths(parser, args)
         check_numbers(parser, args)
         check_outputs(parser, args)
         check_device(args)
+        made = new_folders(getattr(args, "out", None))
         with measurement_signals(args), output_locks(parser, args):
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
+        remove_empty(made)
         print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a command that can pick up where it stopped says how (its module's interrupt_hint)

@@ -129,7 +129,11 @@ def run(args) -> int:
     if args.limit is not None and args.limit <= 0:
         raise ValueError(f"--limit must be > 0 (got {args.limit})")
     if args.harness_include and not Path(args.harness_include).is_dir():
-        raise ValueError(f"--harness-include {args.harness_include} is not a folder of task YAML files")
+        from snlp.io.source import did_you_mean
+
+        missing = not Path(args.harness_include).exists()
+        raise ValueError(f"--harness-include {args.harness_include} " + (
+            f"does not exist{did_you_mean(args.harness_include)}" if missing else "is not a folder of task YAML files"))
     tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--harness needs at least one task name")

@@ -253,7 +253,23 @@ def read_step_file(path: str | Path | None) -> int | None:
 
 def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
     """Refuse a --stop-file that already holds a step the run has reached (an earlier run's file left in place): the
-    run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft)."""
+    run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft).
+    Refuse too a --stop-file no one can write: a folder (read_step_file never reads a step from it, so the run went
+    on to its end), or a file in a folder that does not exist (a typo: the file written where it was meant is never
+    read) unless the run makes that folder (--out, a folder on its path or inside it)."""
+    if path:
+        from snlp.io.source import did_you_mean
+
+        given = Path(path).expanduser()
+        if given.is_dir():
+            raise ValueError(f"--stop-file {path} is a folder: name a file in it (e.g. {Path(path) / 'STOP'}) and write "
+                             f"the step to stop at there")
+        parent = given.absolute().parent
+        run_out = Path(out).expanduser().absolute()
+        made_by_run = parent == run_out or run_out in parent.parents or parent in run_out.parents
+        if not parent.is_dir() and not made_by_run:
+            raise ValueError(f"--stop-file {path}: its folder {given.parent} does not exist{did_you_mean(str(given.parent))}"
+                             f" (make it, or name a file in a folder that exists or in --out)")
     stop_at = read_step_file(path)
     if stop_at is None:
         return

@@ -24,6 +24,8 @@ from typing import Iterator
 
 import numpy as np
 
+from snlp.io.source import did_you_mean
+
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ""}
 TABLE_SUFFIXES = {".jsonl", ".parquet"}
 DOC_CHARS = 4096  # plain text files are cut at blank lines into documents of at least this size
@@ -68,7 +70,7 @@ def resolve_files(spec: str) -> list[Path]:
             raise ValueError(f"data glob {spec!r} matched no files")
         return files
     raise ValueError(f"unknown data source {spec!r}: not a file, folder or glob that exists, nor 'stdlib' or "
-                     f"'hf:NAME[:CONFIG][:SPLIT]'")
+                     f"'hf:NAME[:CONFIG][:SPLIT]'{did_you_mean(spec)}")
 
 
 def split_text(text: str, size: int = DOC_CHARS) -> Iterator[str]:
@@ -251,6 +253,13 @@ def files_signature(spec: str | None) -> list:
 def missing_parts(spec: str | None) -> list[str]:
     """The local parts of `spec` that name nothing here (a moved or deleted file, an empty glob)."""
     return [p for p in parts(spec) if is_local(p) and not names_local(p)]
+
+
+def check_local_parts(spec: str | None) -> None:
+    """Raise resolve_files' one-line ValueError (with the closest names) for the first local part of `spec` that names
+    nothing here: what a pipeline asks before it makes its folders or starts a stage."""
+    for p in missing_parts(spec):
+        resolve_files(p)
 
 
 def documents(spec: str | None, text_field: str = "text", max_chars: int = 0,

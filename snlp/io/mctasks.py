@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from snlp.io.source import did_you_mean
+
 LETTERS = "ABCDEFGHIJ"
 HF_TASKS = {"arc-easy": ("allenai/ai2_arc", "ARC-Easy", "test"), "arc-challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
             "mmlu": ("cais/mmlu", None, "test")}
@@ -162,7 +164,7 @@ def load_task(task: str) -> list[Question]:
             elif p.is_file():
                 files = [p]
             else:
-                raise ValueError(f"task file {p} does not exist")
+                raise ValueError(f"task file {p} does not exist{did_you_mean(part)}")
             for f in files:
                 out += parse_file(f)
         if not out:

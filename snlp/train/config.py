@@ -336,6 +336,9 @@ class StepSpeed:
     device: str = ""
     reg_step_s: float | None = None  # --time-reg: median seconds per micro-batch step with the regulariser
     plain_step_s: float | None = None  # ... and without it (same batch, same compiled/eager treatment)
+    # ... and per round, the step without it / with it (both timed in one round-robin round, so paired: > 1 where the
+    # regulariser's step was faster), what the sign test reads (snlp.runtime.stats.paired_verdict)
+    reg_round_ratios: list[float] | None = None
 
     @property
     def reg_overhead(self) -> float | None:

@@ -43,6 +43,7 @@ from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
 from snlp.runtime.device import device_label, progress_bar, write_atomic
 from snlp.runtime.peak import peak_bf16_flops
+from snlp.runtime.stats import paired_marks, tie_mark, verdict_text
 from snlp.runtime.timing import time_round_robin
 from snlp.runtime.outputs import locked_output
 
@@ -128,7 +129,8 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
                 train_loop(run, state)
                 speed = step_speed(run, state)
                 if speed is not None and cfg.time_reg:
-                    speed.reg_step_s, speed.plain_step_s = time_regulariser(run, state, cfg.time_reg)
+                    speed.reg_step_s, speed.plain_step_s, speed.reg_round_ratios = time_regulariser(
+                        run, state, cfg.time_reg)
                 result = finish(run, state, t_wall, speed)
             if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
                 if run.hooks.pass_late_signal:  # run is saved; the handler restored gets it (default: the end)
@@ -457,10 +459,11 @@ def step_speed(run: Run, state: LoopState) -> StepSpeed | None:
                      device=device_label(run.ctx.device))
 
 
-def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, float]:
+def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, float, list[float]]:
     """Median seconds of one micro-batch step (forward + backward) with the regulariser and without it, timed
     round-robin after a warm-up round on the next training batch, in the run's treatment (compiled or eager;
-    this process alone, no gradient sync). Nothing the run saved changes: no optimizer step, gradients cleared."""
+    this process alone, no gradient sync), and each round's time without it / with it (the paired ratios the sign
+    test reads). Nothing the run saved changes: no optimizer step, gradients cleared."""
     loss, ctx = run.job.loss, run.ctx
     plain = TrainStep(loss.model, RegConfig(), loss.plan)
     with_reg = loss
@@ -480,7 +483,7 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, fl
     times = time_round_robin({"reg": call(with_reg, lam), "plain": call(plain, 0.0)}, 1, rounds, ctx.device)
     run.job.model.zero_grad(set_to_none=True)
     med = lambda v: sorted(v)[len(v) // 2] / 1e3  # noqa: E731
-    return med(times["reg"]), med(times["plain"])
+    return med(times["reg"]), med(times["plain"]), [p / r for p, r in zip(times["plain"], times["reg"])]
 
 
 def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = None) -> TrainResult:
@@ -505,7 +508,8 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
-        summary["speed"] = {**asdict(speed), "reg_overhead": speed.reg_overhead} if speed else None
+        summary["speed"] = ({**asdict(speed), "reg_overhead": speed.reg_overhead,
+                             "reg_overhead_sign": paired_marks(speed.reg_round_ratios)} if speed else None)
         summary["mfu"] = speed.mfu if speed else None
         write_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
     return result
@@ -539,9 +543,11 @@ def speed_line(sp: StepSpeed) -> str:
             f"over {sp.steps} steady steps (first {sp.warm} left out; step 1 took {sp.first_step_s:.1f}s) | "
             + (f"{sp.flops_per_token / 1e6:.2f} MFLOP/token, {sp.tflops:.3f} model TFLOP/s | " if sp.tflops else "")
             + mfu_text)
-    if sp.reg_overhead is not None:
+    if sp.reg_overhead is not None:  # its rounds are paired: marked by the sign test as every paired ratio printed
+        ratios = sp.reg_round_ratios or []
         line += (f" | regulariser: {sp.reg_step_s * 1e3:.1f} vs {sp.plain_step_s * 1e3:.1f} ms per micro-batch step "
-                 f"({sp.reg_overhead:.2f}x)")
+                 f"({sp.reg_overhead:.2f}x{tie_mark(ratios)}"
+                 + (f"; {verdict_text(ratios, 'the step without it', 'rounds')})" if ratios else ")"))
     return line
 
 

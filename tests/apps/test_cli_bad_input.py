@@ -472,3 +472,63 @@ def test_drafter_eval_config_refuses_out_of_range_settings():
     import numpy as np
 
     assert DrafterEvalConfig(blocks=[np.int64(2), 4]).blocks == (2, 4)
+
+
+@pytest.fixture(scope="module")
+def inputs(home):
+    """A folder of input files beside `home`'s checkpoint: text, chat, a multiple-choice task, decode prompts."""
+    root = home / "inputs"
+    (root / "yaml").mkdir(parents=True, exist_ok=True)  # a folder of harness task files
+    (root / "corpus.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20)
+    (root / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                      '{"role": "assistant", "content": "hello"}]}\n' * 8)
+    (root / "task.jsonl").write_text('{"question": "2+2?", "choices": ["3", "4"], "answer": 1}\n')
+    (root / "prompts.json").write_text('["First Citizen:"]')
+    return root
+
+
+@pytest.mark.parametrize("argv,typed,meant", [
+    (["train", "--data", "{i}/corpus.tx", "--out", "{o}"], "corpus.tx", "corpus.txt"),
+    (["train", "--data", "{i}/corpus.txt,{i}/corpus.tx", "--out", "{o}"], "corpus.tx", "corpus.txt"),
+    (["sft", "{ck}", "--data", "{i}/chats.jsonn", "--out", "{o}"], "chats.jsonn", "chats.jsonl"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--data", "{i}/corpus.tx", "--out", "{o}"], "corpus.tx",
+     "corpus.txt"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--data", "chat:{i}/chats.jsonn", "--out", "{o}"], "chats.jsonn",
+     "chats.jsonl"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--data", "{i}/corpus.tx"], "corpus.tx", "corpus.txt"),
+    (["tune", "{ck}", "--plans", "2xF1-h0-K1", "--data", "{i}/corpus.tx"], "corpus.tx", "corpus.txt"),
+    (["analyze", "{ck}", "--data", "{i}/corpus.tx", "--out", "{o}"], "corpus.tx", "corpus.txt"),
+    (["calibrate", "{ck}", "--data", "{i}/corpus.tx"], "corpus.tx", "corpus.txt"),
+    (["speedrun", "--quick", "--data", "{i}/corpus.tx", "--out", "{o}"], "corpus.tx", "corpus.txt"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--task", "mc:{i}/task.jsonn"], "task.jsonn", "task.jsonl"),
+    (["sft-grid", "{ck}", "--plan", "2xF1-h0-K1", "--data", "{i}/chats.jsonl", "--task", "mc:{i}/task.jsonn", "--out", "{o}"], "task.jsonn",
+     "task.jsonl"),
+    (["bench", "--suite", "decode", "--ckpt", "{ck}", "--prompts-file", "{i}/prompts.jsn", "--quick", "--out", "{o}"],
+     "prompts.jsn", "prompts.json"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "{i}/chats.jsonn"], "chats.jsonn",
+     "chats.jsonl"),
+    (["eval", "{ck}", "--harness", "arc_easy", "--harness-include", "{i}/yam", "--harness-out", "{o}"], "yam",
+     "yaml"),
+])
+def test_an_input_file_typo_names_the_closest_file(argv, typed, meant, home, inputs, tmp_path, capsys):
+    """A checkpoint, drafter or generate --prompts-file typo got "; did you mean X?" (snlp.io.source.did_you_mean); a
+    --data, --task mc:, bench --prompts-file or --chat-prompts typo said only that the file is not there. Each now
+    names the closest file, in one line before any work, and makes no --out."""
+    out = tmp_path / "o"
+    rc = main([a.format(ck=home / "ck", home=home, i=inputs, o=out) for a in argv])
+    line = one_error_line(capsys, argv[0])
+    assert rc == 2 and typed in line and f"did you mean {inputs}/{meant}" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_refused_adapt_leaves_no_out_folder_it_made(existed, home, inputs, tmp_path, capsys):
+    """`snlp adapt` locks --out (making the folder) before it reads the base and its data, so a data typo left an
+    empty --out (and its parents) behind. The folders this run made are removed when it refuses; one that was there
+    before stays."""
+    out = tmp_path / "runs" / "d"
+    if existed:
+        out.mkdir(parents=True)
+    argv = ["adapt", str(home / "ck"), "--plan", "2xF1-h0-K1", "--data", f"{inputs}/corpus.tx", "--out", str(out)]
+    assert main(argv) == 2 and "did you mean" in one_error_line(capsys, "adapt")
+    assert out.is_dir() == existed and (tmp_path / "runs").exists() == existed

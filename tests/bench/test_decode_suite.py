@@ -225,7 +225,7 @@ def test_text_prompts_from_a_file_are_tokenized_by_the_checkpoints_tokenizer(tmp
 
 
 @pytest.mark.parametrize("content, argv, says", [
-    (None, [], "cannot read the prompts file"),
+    (None, [], "the prompts file {path} does not exist"),
     ("[1, 2", [], "is not JSON"),
     ('{"prompts": [[1, 2]]}', [], "must hold a non-empty JSON list of prompts"),
     ("[[1, 2, -3]]", [], "must hold a non-empty JSON list of prompts"),
@@ -243,7 +243,7 @@ def test_a_bad_prompts_file_is_refused_in_one_line(content, argv, says, tmp_path
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--prompts-file", str(path),
                  "--no-transformers", *argv]) == 2
     err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert says.format(path=path) in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_compiled_rows_compile_time_is_what_its_own_calls_compiled(monkeypatch):

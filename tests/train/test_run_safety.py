@@ -799,3 +799,54 @@ def test_sft_grid_refuses_a_stop_file_left_at_a_reached_step_before_any_work(cor
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "--stop-file" in err and "already says stop at step 0" in err, err
     assert not (tmp_path / "grid").exists()
+
+
+def test_a_stop_file_no_one_can_write_is_refused_before_any_work(corpus, tmp_path, capsys):
+    """`--stop-file FOLDER` was accepted and never read a step (the run went on to its end); a file in a folder that
+    does not exist (a typo) was never read either. Both are refused in one line, the typo with the closest folder;
+    a file in --out, which the run makes, is accepted and stops the run where it says."""
+    out, stops = tmp_path / "run", tmp_path / "stops"
+    stops.mkdir()
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stops)]) == 2
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "sft"),
+                 "--stop-file", str(stops)]) == 2
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(tmp_path / "stop" / "STOP")]) == 2
+    says = [e for e in capsys.readouterr().err.splitlines() if "error:" in e]
+    assert len(says) == 3 and all(f"--stop-file {stops} is a folder" in e for e in says[:2]), says
+    assert f"its folder {tmp_path}/stop does not exist; did you mean {tmp_path}/stops?" in says[2], says
+    assert not out.exists() and not (tmp_path / "sft").exists() and not (tmp_path / "stop").exists()
+    stop = out / "STOP"  # in the --out the run makes: written there once the run is going
+    assert main(["train", "--out", str(out), *flags, "--stop-after", "2", "--stop-file", str(stop)]) == 0
+    stop.write_text("3")
+    assert main(["train", "--out", str(out), *flags, "--resume", "--stop-file", str(stop)]) == 0
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 3
+
+
+def test_time_reg_marks_its_paired_overhead_by_the_sign_test(corpus, tmp_path, capsys):
+    """`snlp train --time-reg N` printed the regulariser's overhead as a bare ratio ("(1.31x)") though its N rounds
+    are paired (round-robin), where every other paired ratio of the CLI says "(tie)" and the sign test's sentence.
+    Now the line is marked the same way; the sign test is written out here (2 rounds can never resolve a lead: even
+    2 of 2 has p = 2 / 4)."""
+    from snlp.train.config import StepSpeed
+    from snlp.train.trainer import speed_line
+
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "2", "--reg", "idn",
+             "--reg-n", "1", "--time-reg", "2"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if "| regulariser:" in l)
+    assert "x (tie); a tie with the step without it: faster in " in line and "of 2 paired rounds; 2 paired rounds " \
+        "cannot resolve a lead (the sign test needs 6 of 6 at the fewest))" in line, line
+    sign = json.loads((tmp_path / "run" / "train_summary.json").read_text())["speed"]["reg_overhead_sign"]
+    assert sign["verdict"] == "tie" and sign["wins"] + sign["losses"] <= 2 and sign["p"] >= 0.5
+
+    base = dict(compiled=False, steps=2, warm=1, tok_s=1.0, step_s=1.0, first_step_s=1.0, flops_per_token=None,
+                peak_flops=None, mfu=None, tflops=None, reg_step_s=0.013, plain_step_s=0.010)
+    slower = speed_line(StepSpeed(**base, reg_round_ratios=[0.77] * 6))  # every round slower: p = 2 / 2**6
+    assert slower.endswith("(1.30x; slower than the step without it in 6 of 6 paired rounds (two-sided sign test "
+                           "p = 0.031))"), slower
+    mixed = speed_line(StepSpeed(**base, reg_round_ratios=[0.77] * 5 + [1.1]))  # 5 of 6: p = 14 / 64 = 0.22
+    assert mixed.endswith("(1.30x (tie); a tie with the step without it: faster in 1 of 6 paired rounds; the two-sided "
+                          "sign test at 5% does not resolve it, p = 0.22)"), mixed

@@ -27,6 +27,7 @@ from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
+from snlp.runtime.outputs import partial_line
 
 
 @dataclass
@@ -71,9 +72,11 @@ def environment() -> Environment:
 
 
 def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), checkpoint: str = "",
-            preheat: Preheat | None = None) -> AnalysisResult:
+            preheat: Preheat | None = None, on_section=None) -> AnalysisResult:
     """Run the selected sections (cfg.only) on `model` with validation token ids `val_tokens`. `preheat`: the
-    checkpoint's calibration for the ELK x init sweep (one is fitted on random tokens when None)."""
+    checkpoint's calibration for the ELK x init sweep (one is fitted on random tokens when None). `on_section(res)`:
+    called with the result so far after each section but the last (a section is tens of seconds to minutes on a CPU;
+    `snlp analyze` writes them as they finish, so a run cut short keeps them)."""
     L = model.config.n_layer
     cfg.check(L)
     if model.config.backout and "ordering" in cfg.only:  # before any section runs
@@ -96,6 +99,8 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
         res.seconds[name] = round(time.perf_counter() - t0, 1)
         if cfg.progress:
             print(f"analyze: {name} done in {res.seconds[name]:.1f}s", file=sys.stderr)
+        if on_section is not None and len(res.seconds) < len([n for n, _ in steps if n in cfg.only]):
+            on_section(res)
     end = _loadavg()
     res.environment.loadavg_1min_end = None if end == "n/a" else end
     return res
@@ -142,10 +147,13 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
     return out
 
 
-def to_markdown(res: AnalysisResult, plots: dict[str, str] | None = None) -> str:
-    """analysis.md: every section that ran, each followed by its plot (plots: section -> PNG file name)."""
+def to_markdown(res: AnalysisResult, plots: dict[str, str] | None = None, complete: bool = True) -> str:
+    """analysis.md: every section that ran, each followed by its plot (plots: section -> PNG file name); not
+    `complete`: marked partial below the title (the sections finished so far)."""
     plots = plots or {}
     out = _header(res)
+    if not complete:
+        out[1:1] = ["", partial_line(f"the sections finished so far ({', '.join(res.seconds)})")]
     for name, lines in _sections_md(res).items():
         out += lines
         if name in plots:
@@ -197,15 +205,16 @@ def _jsonable(obj):
 PLOTS = ("jacobian.png", "ordering.png", "propagation.png")  # every file write_plots may make
 
 
-def write(res: AnalysisResult, out) -> Path:
+def write(res: AnalysisResult, out, complete: bool = True) -> Path:
     """Write analysis.json, the PNG plots and analysis.md into the folder `out`, each atomically. The results go
     first, so a plot that fails loses none of the computed sections (minutes on a CPU); the plots of sections this run
-    did not make are removed, so that a folder reused with a smaller --only describes this run alone."""
+    did not make are removed, so that a folder reused with a smaller --only describes this run alone. `complete`
+    False: written after a section while the run goes on (its JSON says "complete": false, its markdown PARTIAL)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "analysis.json", json.dumps(_jsonable(asdict(res)), indent=1))
+    write_atomic(out / "analysis.json", json.dumps({"complete": complete, **_jsonable(asdict(res))}, indent=1))
     for name in (*PLOTS, "analysis.md"):  # an earlier run's, before any plot: a plot that fails must not leave them
         (out / name).unlink(missing_ok=True)  # beside this run's analysis.json as if they described it
     plots = write_plots(res, out)
-    write_atomic(out / "analysis.md", to_markdown(res, plots))
+    write_atomic(out / "analysis.md", to_markdown(res, plots, complete))
     return out

@@ -1,0 +1,168 @@
+"""Paired-round statistics for timings (pure Python, on the runtime floor so that every floor marks a paired ratio by
+one rule; snlp.bench.stats re-exports them): the exact two-sided sign test that decides whether one plan's speed beats
+another's from rounds that timed both (round-robin, so a round's load hits both alike); for timings that are not
+paired, the p10-p90 spreads rule (spread_verdict)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from functools import lru_cache
+
+SIGN_LEVEL = 0.05  # the two-sided sign test's level at which one plan's speed beats another's
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance, under equal speed (each round a fair coin), of a split at least as
+    lopsided as wins : losses (rounds where the two are equal are left out)."""
+    n, k = wins + losses, max(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n)
+
+
+def sign_test_wins(n: int, level: float = SIGN_LEVEL) -> int | None:
+    """The fewest wins of n paired rounds at which the sign test calls one plan faster (None: n rounds never can)."""
+    return next((k for k in range((n + 1) // 2, n + 1) if k * 2 > n and sign_test_p(k, n - k) < level), None)
+
+
+def fewest_sign_rounds(level: float = SIGN_LEVEL) -> int:
+    """The fewest paired rounds at which the sign test can call one plan faster at all (every round won): 6 at the
+    two-sided 5 % level (6 of 6: p = 2/64; 5 of 5: p = 2/32 = 0.0625)."""
+    return next(n for n in range(1, 64) if sign_test_wins(n, level) is not None)
+
+
+def separation_p(n: int, m: int) -> float:
+    """Two-sided exact p of the rank-sum (Mann-Whitney) test when the min-max ranges of n and m unpaired timings do
+    not overlap, i.e. every timing of one side beats every timing of the other: 2 / C(n + m, n) (1.0 without
+    timings). Separated ranges mean a lead only where this is under the level: 4 rounds each (p = 0.029) or more; 3
+    and 3 give 0.1, so a few rounds can look separated by chance."""
+    return 1.0 if n < 1 or m < 1 else min(1.0, 2 / math.comb(n + m, n))
+
+
+def paired_verdict(ratios: list[float], level: float = SIGN_LEVEL) -> tuple[str, int, int, float]:
+    """("faster" | "slower" | "tie", rounds faster, rounds slower, p) of a method against its baseline from the
+    paired per-round ratios baseline time / method time (> 1: the method was faster that round), by the two-sided
+    sign test at `level`; rounds that tie exactly are left out."""
+    wins, losses = sum(r > 1.0 for r in ratios), sum(r < 1.0 for r in ratios)
+    p = sign_test_p(wins, losses)
+    return ("tie" if p >= level else "faster" if wins > losses else "slower"), wins, losses, p
+
+
+def verdict_text(ratios: list[float], baseline: str = "sequential", rounds: str = "runs") -> str:
+    """The sentence a report prints for paired_verdict: resolved, or a tie with how far the rounds are from
+    resolving it (fewer rounds than fewest_sign_rounds can never resolve anything)."""
+    verdict, wins, losses, p = paired_verdict(ratios)
+    n, need = len(ratios), fewest_sign_rounds()
+    if verdict != "tie":
+        return (f"{verdict} than {baseline} in {max(wins, losses)} of {n} paired {rounds} (two-sided sign test "
+                f"p = {p:.3f})")
+    why = (f"{n} paired {rounds} cannot resolve a lead (the sign test needs {need} of {need} at the fewest)" if n < need else
+           f"the two-sided sign test at {SIGN_LEVEL:.0%} does not resolve it, p = {p:.2f}")
+    return f"a tie with {baseline}: faster in {wins} of {n} paired {rounds}; {why}"
+
+
+def paired_marks(ratios: list[float] | None) -> dict:
+    """The JSON fields a paired ratio carries beside its median: paired_verdict's verdict ("faster" | "slower" |
+    "tie"), wins, losses and p over the per-round ratios; every field None where there are no rounds (the baseline's
+    own row)."""
+    if not ratios:
+        return {"verdict": None, "wins": None, "losses": None, "p": None}
+    verdict, wins, losses, p = paired_verdict(ratios)
+    return {"verdict": verdict, "wins": wins, "losses": losses, "p": p}
+
+
+def tie_mark(ratios: list[float] | None) -> str:
+    """" (tie)" after a printed ratio whose paired rounds the sign test does not resolve from 1.00x; "" otherwise
+    (resolved, or no rounds: the baseline itself)."""
+    return " (tie)" if ratios and paired_verdict(ratios)[0] == "tie" else ""
+
+
+def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call of each per round") -> str:
+    """The line under a table whose paired ratios carry "(tie)": the rule, and how many rounds can resolve one (with
+    `rounds` of them: the fewest wins; below fewest_sign_rounds never)."""
+    need, k = fewest_sign_rounds(), sign_test_wins(rounds)
+    can = (f"{rounds} round{' never resolves' if rounds == 1 else 's never resolve'} one ({need} of {need} at the fewest), so every "
+           f"{ratio} here is marked (tie)" if k is None else
+           f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds)")
+    return (f"(tie): not told from 1.00x by this run: the paired per-round ratios behind the {ratio} ({pairing}) do "
+            f"not resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
+
+
+def ratio_range(ratios: list[float]) -> str:
+    """"lo-hi x" of paired per-round ratios: the range that holds both their median and the ratio of the two sides'
+    own medians (a median is monotone and scales, so med(a) / med(b) lies within min..max of a_i / b_i), printed
+    beside both so the two never read as a contradiction."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def p10_p90(times: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of unpaired timings (inclusive method: within min..max; one timing: itself)."""
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+    return q[0], q[-1]
+
+
+def spread_verdict(num_p10: float, num_p90: float, den_p10: float, den_p90: float) -> tuple[float, float, bool]:
+    """The rule for a ratio num / den of times whose rounds are NOT paired (each side timed in its own loop, so a
+    round of one has no partner in the other): (lo, hi, tie), the range the two sides' p10-p90 spreads allow,
+    num_p10 / den_p90 .. num_p90 / den_p10, and whether it holds 1 (the difference is inside the noise)."""
+    lo, hi = num_p10 / den_p90, num_p90 / den_p10
+    return lo, hi, lo <= 1.0 <= hi
+
+
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularised incomplete beta function (modified Lentz), converging for
+    x < (a + 1) / (a + b + 2)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), a, b > 0, 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_fraction(a, b, x) / a
+    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_test_p(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t statistic `t` with `df` degrees of freedom: P(|T| >= |t|)."""
+    if not math.isfinite(t):
+        return 0.0
+    return incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+
+
+@lru_cache(maxsize=None)
+def t_quantile(df: int, level: float = 0.05) -> float:
+    """The t with t_test_p(t, df) = level: the half-width, in standard errors, of a two-sided (1 - level) interval
+    and the bound of a two-sided test at `level` (12.706 at df = 1, 2.0395 at df = 31, the speedrun's 32 validation
+    windows), by bisection; exact at every df, where a table stopping at df = 30 used 2.042 there."""
+    lo, hi = 0.0, 1.0
+    while t_test_p(hi, df) > level:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_test_p(mid, df) > level:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12:
+            break
+    return hi
