@@ -221,3 +221,48 @@ def test_op_ratios_to_the_forward_carry_the_verdict(monkeypatch, tmp_path, capsy
     assert rec["jvp_ratio_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256) and rec["fd_ratio_p"] == pytest.approx(2 / 256)
     text = capsys.readouterr().out
     assert "0.500 (0.50x (tie))" in text and "2.000 (2.00x)" in text and "8 rounds resolve one at 8 of 8" in text
+
+
+# A printed speedup is the ratio of the two medians; the sign test reads the paired rounds one by one. The two can fall
+# on opposite sides of 1.00x: sequential slow (30 ms) in the 5 rounds the plan ran in 1 ms, the plan 0.5 ms slower in
+# the other 15. Medians 19.5 ms / 15 ms = 1.30x, yet the plan lost 15 of 20 rounds (p = 0.041: resolved "slower").
+SEQ20 = [10.0 + i for i in range(15)] + [30.0] * 5
+SLOWER20 = [10.5 + i for i in range(15)] + [1.0] * 5
+
+
+def test_a_speedup_whose_rounds_resolve_the_other_side_says_so(monkeypatch, tmp_path, capsys):
+    """The forward table printed "1.30x" bare beside a record whose verdict is "slower" (15 of 20 rounds lost): a
+    cell that read as a resolved 30 % gain. The cell now names the rounds' side of 1.00x, and the footnote says why."""
+    from scipy.stats import binomtest
+
+    import snlp.bench.forward as forward
+
+    def timed(fns, warmup, runs, device):
+        return {n: list({"sequential": SEQ20, "1xF2-h0-K1": SLOWER20}.get(n, [1.0] * 20)) for n in fns}
+
+    monkeypatch.setattr(forward, "time_round_robin", timed)
+    out = tmp_path / "f.json"
+    argv = [a if a != "8" else "20" for a in TINY]
+    assert main(["bench", *argv, "--tokens", "2", "--plans", "1xF2-h0-K1", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[1]
+    assert rec["speedup"] == pytest.approx(19.5 / 15.0)  # the ratio of medians: above 1
+    assert (rec["speedup_verdict"], rec["speedup_wins"], rec["speedup_losses"]) == ("slower", 5, 15)
+    assert rec["speedup_p"] == pytest.approx(binomtest(5, 20, 0.5).pvalue)
+    text = capsys.readouterr().out
+    row = next(ln for ln in text.splitlines() if " 1xF2-h0-K1 " in ln)
+    assert "1.30x (15 of 20 rounds below 1.00x)" in row
+    assert "on the other side of 1.00x" in text  # the footnote explains the mark
+
+
+def test_the_mark_follows_the_rounds_against_a_ratio_of_medians():
+    """tie_mark with the printed value: (tie) where the sign test does not resolve the rounds; the rounds' side where it
+    resolves them against the value's side of 1.00x; nothing where both agree (either orientation of the ratio)."""
+    from snlp.bench.stats import tie_mark
+
+    rounds = [s / t for s, t in zip(SEQ20, SLOWER20)]
+    assert tie_mark(rounds, 1.3) == " (15 of 20 rounds below 1.00x)"
+    assert tie_mark(rounds, 0.9) == ""  # agrees: slower, printed below 1
+    assert tie_mark([1.0 / r for r in rounds], 1 / 1.3) == " (15 of 20 rounds above 1.00x)"  # an op / forward ratio
+    assert tie_mark(rounds[10:16], 1.3) == " (tie)"  # 5 below of 6 rounds: p = 0.22
+    assert tie_mark(rounds) == ""  # no value: only ties are marked, as before
+    assert tie_mark([1.0] * 20, 1.0) == " (tie)"  # every round an exact tie: nothing resolved
