@@ -473,7 +473,8 @@ def speed_columns(ctx: dict) -> str:
             f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
             f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
             f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians ("
-            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it" if tested
+            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it, and the "
+               "rounds' side of 1.00x where they resolve the other side from the two medians" if tested
                else "untested") + "); Ideal (layers) "
             "= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:

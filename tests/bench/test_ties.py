@@ -266,3 +266,29 @@ def test_the_mark_follows_the_rounds_against_a_ratio_of_medians():
     assert tie_mark(rounds[10:16], 1.3) == " (tie)"  # 5 below of 6 rounds: p = 0.22
     assert tie_mark(rounds) == ""  # no value: only ties are marked, as before
     assert tie_mark([1.0] * 20, 1.0) == " (tie)"  # every round an exact tie: nothing resolved
+
+
+def test_s_and_the_op_ratios_keep_wins_losses_and_p_like_every_speedup(monkeypatch, tmp_path):
+    """Every bench ratio's record carries its sign test (verdict, wins, losses, p); s kept only a verdict and the op
+    ratios a verdict and p. Checked against a hand count of the recorded rounds and scipy's binomial test."""
+    from scipy.stats import binomtest
+
+    import snlp.bench.ops as ops
+
+    out = tmp_path / "d.json"
+    assert main(["bench", "--decode", *TINY[:8], "--warmup", "0", "--runs", "3", "--plans", "2xF1-h0-K1",
+                 "--blocks", "2", "--new-tokens", "4", "--json", str(out)]) == 0
+    spec = next(r for r in json.loads(out.read_text()) if r["mode"] == "speculative")
+    rounds = spec["drafter_speedup_rounds"]
+    above, below = sum(x > 1 for x in rounds), sum(x < 1 for x in rounds)
+    assert (spec["drafter_speedup_wins"], spec["drafter_speedup_losses"]) == (above, below)
+    assert spec["drafter_speedup_p"] == pytest.approx(binomtest(max(above, below), above + below, 0.5).pvalue)
+
+    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
+                  "fd_extra": [1.2] * 8}
+    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert (rec["jvp_ratio_wins"], rec["jvp_ratio_losses"]) == (3, 5)  # costs more than the forward in 3 rounds
+    assert (rec["fd_ratio_wins"], rec["fd_ratio_losses"]) == (8, 0)
