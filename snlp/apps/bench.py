@@ -476,7 +476,8 @@ def print_table(rows: list[ForwardRow], title: str) -> None:
         table.add_column(col, justify="left" if col == "plan" else "right")
     for r in rows:
         its = "-" if r.iters is None else str(r.iters)  # iterations run (tol may stop before K)
-        table.add_row(r.plan, str(r.prefix), its, f"{r.median_ms:.3f}", f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds)}",
+        table.add_row(r.plan, str(r.prefix), its, f"{r.median_ms:.3f}",
+                      f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds, r.speedup)}",
                       f"{r.ideal_layer_speedup:.2f}x", f"{r.structural_ideal:.2f}x",
                       f"{100 * r.of_structural:.0f}%", f"{r.min_ms:.3f}", f"{r.max_ms:.3f}")
     Console(width=160).print(table)
@@ -496,8 +497,9 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731  (None: not this row's mode)
     for r in rows:
         table.add_row(r.mode, r.plan, f(r.block, "{}"), f(r.ms_per_token, "{:.3f}"), f(r.tokens_per_s, "{:.1f}"),
-                      f(r.speedup, "{:.2f}x") + tie_mark(r.speedup_rounds), f(r.alpha, "{:.3f}"),
-                      f(r.tokens_per_round, "{:.2f}"), f(r.drafter_speedup_s, "{:.2f}") + tie_mark(r.drafter_speedup_rounds),
+                      f(r.speedup, "{:.2f}x") + tie_mark(r.speedup_rounds, r.speedup), f(r.alpha, "{:.3f}"),
+                      f(r.tokens_per_round, "{:.2f}"),
+                      f(r.drafter_speedup_s, "{:.2f}") + tie_mark(r.drafter_speedup_rounds, r.drafter_speedup_s),
                       f(r.ideal_ssd_speedup, "{:.2f}x"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
     if len(rows) > 1:  # SSD ideal is a formula of alpha, B and s: no rounds of its own
@@ -538,7 +540,7 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
     for r in rows:
         table.add_row(str(r.batch), r.mode, r.plan, f(r.block, "{}"), r.variant or "-", f"{r.tokens_per_s:.1f}",
-                      f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds)}", f(r.alpha, "{:.3f}"),
+                      f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds, r.speedup)}", f(r.alpha, "{:.3f}"),
                       f(r.tokens_per_round, "{:.2f}"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
     if len(rows) > 1:
@@ -780,7 +782,7 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
     table = Table(title=title)
     for col in ("T", "Forward (ms)", "FD (ms)", "JVP (ms)", "VJP (ms)", "FD extra (ms)"):
         table.add_column(col, justify="right")
-    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x{tie_mark(r.ratio_rounds(op))})"  # noqa: E731
+    cell = lambda r, op: f"{r.ms(op):.3f} ({r.ratio(op):.2f}x{tie_mark(r.ratio_rounds(op), r.ratio(op))})"  # noqa: E731
     for r in rows:
         table.add_row(str(r.tokens), f"{r.forward_ms:.3f}", cell(r, "fd"), cell(r, "jvp"), cell(r, "vjp"),
                       cell(r, "fd_extra"))

@@ -321,7 +321,8 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> i
                       f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
             else:
                 print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
-                      f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x{tie_mark(r.speedup_rounds)} "
+                      f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x"
+                      f"{tie_mark(r.speedup_rounds, r.speedup_vs_pipeline)} "
                       f"vs pipelined sequential){', =seq' if r.matches_sequential else ''}")
         print(f"load average {' '.join(load)}")
         if any(isinstance(r, DistDecodeRow) for r in rows):

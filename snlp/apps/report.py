@@ -473,7 +473,8 @@ def speed_columns(ctx: dict) -> str:
             f"decodes {timing_tokens(ctx)} tokens from one prompt per round. Layer evals = layer evaluations "
             f"per token (sequential: L = {L}); Prefill (full records) = sequential over plan time of a teacher-forced "
             f"forward over {evals['noreg'][0].seq_len} tokens, the ratio of the two medians ("
-            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it" if tested
+            + ("(tie) in the Full records where the sign test over its paired rounds does not resolve it, and the "
+               "rounds' side of 1.00x where they resolve the other side from the two medians" if tested
                else "untested") + "); Ideal (layers) "
             "= L over the plan's critical-path layer steps. ")
     if device == "cpu" and threads == 1:
@@ -614,21 +615,24 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def record_ties(records) -> dict[str, set[str]]:
+def record_ties(records) -> dict[str, set[str] | dict[str, str]]:
     """The `ties` of snlp.eval.present.markdown_table / print_table for `evaluate`'s records (the sequential row
-    first): the plans whose Speedup (and Prefill, where the records keep its rounds) the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
+    first): the plans whose Speedup the paired rounds do not resolve (a two-sided sign test at 5 %; a 20-round run
     printed 1.07x and 1.18x from rounds spread 0.45x-3.73x, as results) and those whose ΔPPL 95 % paired-window
-    interval includes 0 (delta_ppl_interval). What `snlp eval` marks "(tie)" (snlp.apps.eval.record_ties) and the
+    interval includes 0 (delta_ppl_interval). Prefill, where the records keep its rounds: {plan: its mark}, " (tie)"
+    by the same rule, or the rounds' side of 1.00x where they resolve the other side from the ratio of the two
+    medians Prefill prints (stats.tie_mark). What `snlp eval` marks (snlp.apps.eval.record_ties) and the
     off-the-shelf table of the speedrun report."""
-    from snlp.bench.stats import paired_verdict
+    from snlp.bench.stats import paired_verdict, tie_mark
 
     seq = records[0]
     return {"speedup": {r.plan for r in records[1:]
                         if r.speedup_rounds and paired_verdict(r.speedup_rounds)[0] == "tie"},
             # the teacher-forced forwards ran round-robin too: the same rule over their paired rounds (records
-            # written before they kept them have none, and their Prefill stays untested)
-            "prefill_speedup": {r.plan for r in records[1:] if getattr(r, "prefill_speedup_rounds", None)
-                                and paired_verdict(r.prefill_speedup_rounds)[0] == "tie"},
+            # written before they kept them have none, and their Prefill stays untested); Prefill is a ratio of
+            # medians, which can lie on the other side of 1.00x from rounds the test resolves, and then says so
+            "prefill_speedup": {r.plan: mark for r in records[1:] if getattr(r, "prefill_speedup_rounds", None)
+                                and (mark := tie_mark(r.prefill_speedup_rounds, r.prefill_speedup))},
             "delta_ppl": {r.plan for r in records[1:]
                           if (iv := delta_ppl_interval(r.window_ce, seq.window_ce)) and iv[0] <= 0.0 <= iv[1]}}
 

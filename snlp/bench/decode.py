@@ -60,6 +60,9 @@ class DecodeRow:
     speedup_p: float | None = None
     drafter_speedup_rounds: list[float] | None = None  # speculative rows: s of each run (its paired steps)
     drafter_speedup_verdict: str | None = None  # paired_verdict of drafter_speedup_rounds
+    drafter_speedup_wins: int | None = None  # runs whose drafter step beat sequential's / lost to it
+    drafter_speedup_losses: int | None = None
+    drafter_speedup_p: float | None = None  # the two-sided sign test's p over drafter_speedup_rounds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +187,9 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
             row.drafter_speedup_s = seq_step_ms / draft_ms
             row.drafter_speedup_rounds = [q.ms_per_step / x.draft_ms_per_step for q, x in zip(results[key0], rs)
                                           if x.draft_ms_per_step]  # a run that drafted nothing has no s
-            row.drafter_speedup_verdict = paired_marks(row.drafter_speedup_rounds)["verdict"]
+            s_marks = paired_marks(row.drafter_speedup_rounds)
+            row.drafter_speedup_verdict, row.drafter_speedup_wins, row.drafter_speedup_losses, row.drafter_speedup_p = (
+                s_marks["verdict"], s_marks["wins"], s_marks["losses"], s_marks["p"])
             row.alpha, row.tokens_per_round = r.acceptance_rate, r.tokens_per_round
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
             row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)

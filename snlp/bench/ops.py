@@ -63,11 +63,13 @@ class OpRow:
 
     def to_dict(self) -> dict:
         """The fields plus `{op}_ratio` for every timed op (forward's is 1) and, where the rounds are kept, each ratio's
-        sign-test verdict `{op}_ratio_verdict` (more / less / tie) and its `{op}_ratio_p`."""
+        sign-test verdict `{op}_ratio_verdict` (more / less / tie), the rounds the op cost more / less than the
+        forward (`{op}_ratio_wins` / `{op}_ratio_losses`) and its `{op}_ratio_p`."""
         out = {**asdict(self), **{f"{op}_ratio": self.ratio(op) for op in TIMED}}
         for op in TIMED[1:]:
             v = self.ratio_verdict(op)
             out[f"{op}_ratio_verdict"], out[f"{op}_ratio_p"] = v["verdict"], v["p"]
+            out[f"{op}_ratio_wins"], out[f"{op}_ratio_losses"] = v["wins"], v["losses"]
         return out
 
 

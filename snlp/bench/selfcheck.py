@@ -317,7 +317,7 @@ def table(res: SelfcheckResult) -> list[str]:
     lines += ["", "prefill (forward over T tokens)    ms     speedup  compiled"]
     for r in res.forward:
         lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}"
-                     f"{tie_mark(r.get('speedup_rounds'))}")
+                     f"{tie_mark(r.get('speedup_rounds'), r['speedup'])}")
     lines += ["", "decode (greedy, KV cache)          ms/tok speedup  compiled"]
     for r in res.decode:
         name = r["mode"] if r["mode"] == "sequential" else f"{r['mode']} {r['plan']}" + \
@@ -325,6 +325,6 @@ def table(res: SelfcheckResult) -> list[str]:
         ideal = r.get("ideal_ssd_speedup")
         above = f"  (above its ideal SSD {ideal:.2f}x: noise)" if ideal and r["speedup"] > ideal else ""
         lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}{above}"
-                     f"{tie_mark(r.get('speedup_rounds'))}")  # (tie): the sign test over the paired runs
+                     f"{tie_mark(r.get('speedup_rounds'), r['speedup'])}")  # (tie): the sign test over the paired runs
     lines += ["", f"{'ALL CHECKS PASSED' if res.passed else 'SOME CHECKS FAILED'} in {res.seconds:.0f} s"]
     return lines

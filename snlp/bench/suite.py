@@ -361,7 +361,7 @@ def _x(v, fmt="{:.2f}x") -> str:
 
 def _speedup(r: SuiteRow | None) -> str:
     """A row's speedup over its sequential row, "(tie)" where its paired rounds do not resolve it (tie_mark)."""
-    return "-" if r is None else f"{r.row.speedup:.2f}x{tie_mark(r.row.speedup_rounds)}"
+    return "-" if r is None else f"{r.row.speedup:.2f}x{tie_mark(r.row.speedup_rounds, r.row.speedup)}"
 
 
 def _find(rows: list[SuiteRow], shape: str, plan: str, kind: str, treatment: str,

@@ -325,7 +325,10 @@ def _rounds(a: PeerRow, b: PeerRow) -> list[float] | None:
 
 def _ratio(a: PeerRow | None, b: PeerRow | None) -> str:
     """a's median ms over b's, "(tie)" where the paired rounds do not resolve it from 1.00x (tie_mark)."""
-    return "-" if a is None or b is None else f"{a.median_ms / b.median_ms:.2f}x{tie_mark(_rounds(a, b))}"
+    if a is None or b is None:
+        return "-"
+    value = a.median_ms / b.median_ms
+    return f"{value:.2f}x{tie_mark(_rounds(a, b), value)}"
 
 
 RATIOS = ("paper_over_snlp", "paper_speedup", "snlp_vs_strongest_seq")  # the table's three ratio columns

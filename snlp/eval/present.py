@@ -34,7 +34,8 @@ TIE_NOTE = ("(tie): not told from sequential by this run: ΔPPL's 95 % paired-wi
 
 
 _PREFILL_TIE = ("Prefill (the ratio of the two medians): likewise, by the sign test over the paired rounds of its "
-                "teacher-forced forward")
+                "teacher-forced forward; where those rounds resolve the other side of 1.00x from the two medians, the "
+                "cell says so, e.g. (15 of 20 rounds below 1.00x)")
 
 
 def tie_note(records: list[EvalRecord]) -> str:
@@ -58,8 +59,9 @@ def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]
         if key == "ar_match_fused" and rec.ar_match_fused is not None and rec.ar_fused_reference:
             cells[i] = ("= itself (K = C)" if rec.ar_fused_reference == rec.plan
                         else f"{cells[i]} vs {rec.ar_fused_reference}")
-        if rec.plan in (ties or {}).get(key, ()):
-            cells[i] += " (tie)"
+        marks = (ties or {}).get(key, ())  # a set of plans marked (tie), or {plan: its own mark}
+        if rec.plan in marks:
+            cells[i] += marks[rec.plan] if isinstance(marks, dict) else " (tie)"
     if rec.note:
         cells[0] += f" ({rec.note})"
     return cells
@@ -68,7 +70,8 @@ def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]
 def markdown_table(records: list[EvalRecord], ties: dict[str, set[str]] | None = None) -> str:
     """The records as a GitHub markdown table (the paper's main-table columns, '-' where empty). `ties`: field
     ("delta_ppl", "speedup") -> the plans whose value this run does not tell from sequential, marked "(tie)" with
-    TIE_NOTE under the table (None: no marks and no note)."""
+    TIE_NOTE under the table, or -> {plan: its own mark} ("prefill_speedup": snlp.apps.report.record_ties) (None: no
+    marks and no note)."""
     cols = columns(records)
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |",
              "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(cols))) + "|"]

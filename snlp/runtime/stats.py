@@ -72,19 +72,31 @@ def paired_marks(ratios: list[float] | None) -> dict:
     return {"verdict": verdict, "wins": wins, "losses": losses, "p": p}
 
 
-def tie_mark(ratios: list[float] | None) -> str:
-    """" (tie)" after a printed ratio whose paired rounds the sign test does not resolve from 1.00x; "" otherwise
-    (resolved, or no rounds: the baseline itself)."""
-    return " (tie)" if ratios and paired_verdict(ratios)[0] == "tie" else ""
+def tie_mark(ratios: list[float] | None, value: float | None = None) -> str:
+    """The mark after a printed ratio `value` with its paired per-round ratios (the same orientation): " (tie)" where
+    the sign test does not resolve the rounds from 1.00x; where `value` is a ratio of the two sides' medians and the
+    rounds resolve the other side of 1.00x (the medians can: 19.5 ms / 15 ms = 1.30x from rounds the plan lost 15 of
+    20), " (15 of 20 rounds below 1.00x)"; "" otherwise (resolved on the value's side, or no rounds: the baseline)."""
+    if not ratios:
+        return ""
+    verdict, above, below, _ = paired_verdict(ratios)
+    if verdict == "tie":
+        return " (tie)"
+    if value is not None and (verdict == "slower" and value > 1.0 or verdict == "faster" and value < 1.0):
+        return f" ({max(above, below)} of {len(ratios)} rounds {'below' if verdict == 'slower' else 'above'} 1.00x)"
+    return ""
 
 
 def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call of each per round") -> str:
     """The line under a table whose paired ratios carry "(tie)": the rule, and how many rounds can resolve one (with
-    `rounds` of them: the fewest wins; below fewest_sign_rounds never)."""
+    `rounds` of them: the fewest wins; below fewest_sign_rounds never), and what a resolved ratio on the other side of
+    1.00x from its rounds is marked (tie_mark)."""
     need, k = fewest_sign_rounds(), sign_test_wins(rounds)
     can = (f"{rounds} round{' never resolves' if rounds == 1 else 's never resolve'} one ({need} of {need} at the fewest), so every "
            f"{ratio} here is marked (tie)" if k is None else
-           f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds)")
+           f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds); "
+           f"a {ratio} (a ratio of the two medians) whose rounds resolve it on the other side of 1.00x says so "
+           f"beside it, e.g. ({k} of {rounds} rounds below 1.00x)")
     return (f"(tie): not told from 1.00x by this run: the paired per-round ratios behind the {ratio} ({pairing}) do "
             f"not resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
 

@@ -221,3 +221,74 @@ def test_op_ratios_to_the_forward_carry_the_verdict(monkeypatch, tmp_path, capsy
     assert rec["jvp_ratio_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256) and rec["fd_ratio_p"] == pytest.approx(2 / 256)
     text = capsys.readouterr().out
     assert "0.500 (0.50x (tie))" in text and "2.000 (2.00x)" in text and "8 rounds resolve one at 8 of 8" in text
+
+
+# A printed speedup is the ratio of the two medians; the sign test reads the paired rounds one by one. The two can fall
+# on opposite sides of 1.00x: sequential slow (30 ms) in the 5 rounds the plan ran in 1 ms, the plan 0.5 ms slower in
+# the other 15. Medians 19.5 ms / 15 ms = 1.30x, yet the plan lost 15 of 20 rounds (p = 0.041: resolved "slower").
+SEQ20 = [10.0 + i for i in range(15)] + [30.0] * 5
+SLOWER20 = [10.5 + i for i in range(15)] + [1.0] * 5
+
+
+def test_a_speedup_whose_rounds_resolve_the_other_side_says_so(monkeypatch, tmp_path, capsys):
+    """The forward table printed "1.30x" bare beside a record whose verdict is "slower" (15 of 20 rounds lost): a
+    cell that read as a resolved 30 % gain. The cell now names the rounds' side of 1.00x, and the footnote says why."""
+    from scipy.stats import binomtest
+
+    import snlp.bench.forward as forward
+
+    def timed(fns, warmup, runs, device):
+        return {n: list({"sequential": SEQ20, "1xF2-h0-K1": SLOWER20}.get(n, [1.0] * 20)) for n in fns}
+
+    monkeypatch.setattr(forward, "time_round_robin", timed)
+    out = tmp_path / "f.json"
+    argv = [a if a != "8" else "20" for a in TINY]
+    assert main(["bench", *argv, "--tokens", "2", "--plans", "1xF2-h0-K1", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[1]
+    assert rec["speedup"] == pytest.approx(19.5 / 15.0)  # the ratio of medians: above 1
+    assert (rec["speedup_verdict"], rec["speedup_wins"], rec["speedup_losses"]) == ("slower", 5, 15)
+    assert rec["speedup_p"] == pytest.approx(binomtest(5, 20, 0.5).pvalue)
+    text = capsys.readouterr().out
+    row = next(ln for ln in text.splitlines() if " 1xF2-h0-K1 " in ln)
+    assert "1.30x (15 of 20 rounds below 1.00x)" in row
+    assert "on the other side of 1.00x" in text  # the footnote explains the mark
+
+
+def test_the_mark_follows_the_rounds_against_a_ratio_of_medians():
+    """tie_mark with the printed value: (tie) where the sign test does not resolve the rounds; the rounds' side where it
+    resolves them against the value's side of 1.00x; nothing where both agree (either orientation of the ratio)."""
+    from snlp.bench.stats import tie_mark
+
+    rounds = [s / t for s, t in zip(SEQ20, SLOWER20)]
+    assert tie_mark(rounds, 1.3) == " (15 of 20 rounds below 1.00x)"
+    assert tie_mark(rounds, 0.9) == ""  # agrees: slower, printed below 1
+    assert tie_mark([1.0 / r for r in rounds], 1 / 1.3) == " (15 of 20 rounds above 1.00x)"  # an op / forward ratio
+    assert tie_mark(rounds[10:16], 1.3) == " (tie)"  # 5 below of 6 rounds: p = 0.22
+    assert tie_mark(rounds) == ""  # no value: only ties are marked, as before
+    assert tie_mark([1.0] * 20, 1.0) == " (tie)"  # every round an exact tie: nothing resolved
+
+
+def test_s_and_the_op_ratios_keep_wins_losses_and_p_like_every_speedup(monkeypatch, tmp_path):
+    """Every bench ratio's record carries its sign test (verdict, wins, losses, p); s kept only a verdict and the op
+    ratios a verdict and p. Checked against a hand count of the recorded rounds and scipy's binomial test."""
+    from scipy.stats import binomtest
+
+    import snlp.bench.ops as ops
+
+    out = tmp_path / "d.json"
+    assert main(["bench", "--decode", *TINY[:8], "--warmup", "0", "--runs", "3", "--plans", "2xF1-h0-K1",
+                 "--blocks", "2", "--new-tokens", "4", "--json", str(out)]) == 0
+    spec = next(r for r in json.loads(out.read_text()) if r["mode"] == "speculative")
+    rounds = spec["drafter_speedup_rounds"]
+    above, below = sum(x > 1 for x in rounds), sum(x < 1 for x in rounds)
+    assert (spec["drafter_speedup_wins"], spec["drafter_speedup_losses"]) == (above, below)
+    assert spec["drafter_speedup_p"] == pytest.approx(binomtest(max(above, below), above + below, 0.5).pvalue)
+
+    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
+                  "fd_extra": [1.2] * 8}
+    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())[0]
+    assert (rec["jvp_ratio_wins"], rec["jvp_ratio_losses"]) == (3, 5)  # costs more than the forward in 3 rounds
+    assert (rec["fd_ratio_wins"], rec["fd_ratio_losses"]) == (8, 0)
