@@ -29,6 +29,13 @@ FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt
 TRUE = ("1", "on", "yes", "true")
 
 
+def home_path(name) -> Path:
+    """`name` as a local path, a leading `~` or `~user` read as that home (as the shell reads it unquoted). A name
+    whose `~word` names no user (a folder `~old` here) stays as typed: pathlib's expanduser raises RuntimeError
+    ("Could not determine home directory") there, which made `snlp.load("~old")` fail on a folder that exists."""
+    return Path(os.path.expanduser(str(name)))
+
+
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value (the hub's own reading of them)."""
     return any(os.environ.get(v, "").strip().lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
@@ -39,7 +46,7 @@ def is_hub_id(name: str) -> bool:
     if not HUB_ID.fullmatch(name) or ".." in name or name.endswith("."):
         return False
     org = name.split("/", 1)[0]
-    return not Path(org).expanduser().exists() and Path(name).suffix.lower() not in FILE_SUFFIXES
+    return not home_path(org).exists() and Path(name).suffix.lower() not in FILE_SUFFIXES
 
 
 def in_hub_cache(name: str) -> bool:
@@ -56,7 +63,7 @@ def in_hub_cache(name: str) -> bool:
 
 def did_you_mean(name: str) -> str:
     """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
-    path = Path(name).expanduser()
+    path = home_path(name)
     if path.exists():  # not a typo ('~/ckpt' quoted, which a loader that does not expand '~' misses): no suggestion
         return ""
     parent, missing = path.parent, path.name
@@ -81,7 +88,7 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
     """Why `name` names nothing to load (a one-line message), or None: it exists here, or (`hub`) it is a hub id by
     the rule above. `hub` False: only local paths are read (a checkpoint folder)."""
     name = str(name)
-    if Path(name).expanduser().exists():
+    if home_path(name).exists():
         return None
     if hub and is_hub_id(name):
         if hub_offline() and not in_hub_cache(name):
@@ -98,7 +105,7 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
     why = ("" if not hub or name.startswith((".", "/", "~")) else
            " (nor is it a hub id: snlp reads a missing name as one only when written org/name or in the hub cache)"
            if "/" not in name else
-           f" (nor is it a hub id: {org} is a folder here)" if Path(org).expanduser().is_dir() else "")
+           f" (nor is it a hub id: {org} is a folder here)" if home_path(org).is_dir() else "")
     return f"{what} {name} does not exist{why}{did_you_mean(name)}"
 
 

@@ -408,6 +408,8 @@ def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys
     (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--steps", "0"], "--steps must be >= 1 (got 0)"),
     (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--seq-len", "0"], "--seq-len must be >= 1 (got 0"),
     (["generate", "{ck}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
+    (["generate", "{ck}", "--distributed", "--plan", "2xF1-h0-K1", "--mode", "snlp", "--prompt", "a",
+      "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "0"],
      "--blocks must be draft block sizes B >= 1"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "4,x"],
@@ -472,3 +474,48 @@ def test_drafter_eval_config_refuses_out_of_range_settings():
     import numpy as np
 
     assert DrafterEvalConfig(blocks=[np.int64(2), 4]).blocks == (2, 4)
+
+
+def test_a_name_whose_tilde_names_no_user_is_the_folder_as_typed(home, tmp_path, monkeypatch, capsys):
+    """`~old` names the user `old`'s home only where that user exists; the shell and os.path.expanduser leave it as
+    typed otherwise, and pathlib's expanduser raises RuntimeError("Could not determine home directory"). snlp.load,
+    load_drafter and read_meta used pathlib's: a checkpoint or drafter folder named `~ck` (it exists, here) failed
+    with that RuntimeError, and `snlp generate ~ck ... --drafter ~d` with its traceback."""
+    import pwd
+    import shutil
+
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter, read_meta
+
+    names = ("~snlp-no-user-ck", "~snlp-no-user-d")
+    for name in names:
+        try:
+            pwd.getpwnam(name[1:])
+            pytest.skip(f"this machine has a user {name[1:]}")
+        except KeyError:
+            pass
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(home / "ck", tmp_path / names[0])
+    shutil.copytree(home / "drafter-8", tmp_path / names[1])
+    model, tok = load(names[0])
+    assert tok is not None and load_drafter(names[1], model).plan.chunks == 2 and read_meta(names[1])["plan"]
+    argv = ["generate", names[0], "--mode", "speculative", "--drafter", names[1], "--no-baseline", "--prompt", "All:",
+            "--max-new-tokens", "2", "--json", "~snlp-no-user-g.json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "~snlp-no-user-g.json").is_file()
+
+
+def test_an_init_drafter_typo_is_refused_before_the_base_loads(home, tmp_path, monkeypatch, capsys):
+    """`adapt --init-drafter` was read after the base's weights loaded (snlp.train.adapt.init_state): a typo cost a
+    whole model load before its one line. AdaptConfig.check reads it first, as eval and bench read --drafter."""
+    import snlp.train.adapt as A
+
+    monkeypatch.setattr(A, "load_base", lambda *a, **k: pytest.fail("the base loaded before the refusal"))
+    out = tmp_path / "o"
+    rc = main(["adapt", str(home / "ck"), "--plan", "2xF1-h0-K1", "--out", str(out), "--init-drafter",
+               str(home / "drafter-9")])
+    line = one_error_line(capsys, "adapt")
+    assert rc == 2 and f"drafter {home}/drafter-9 does not exist; did you mean {home}/drafter-8?" in line, line
+    assert not out.exists()
+    with pytest.raises(ValueError, match="does not exist"):
+        A.AdaptConfig(src=str(home / "ck"), plan="2xF1-h0-K1", out=str(out), init_drafter=str(home / "drafter-9")).check()
