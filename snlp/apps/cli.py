@@ -44,7 +44,7 @@ OUTPUT_FILES = ("json", "csv", "markdown", "plot")
 # too): a leading `~` is expanded (expand_paths) and an empty value refused. The data specs (DATA_SPECS: comma lists,
 # globs, chat: / mc: prefixes, hub names) are expanded part by part where snlp.io reads them.
 PATH_FLAGS = ("ckpt", "src", "drafter", "prompts_file", "init_from", "init_drafter", "from_model", "base",
-              "cache_dir", "stop_file", "vs_paper", "harness_out")
+              "cache_dir", "stop_file", "vs_paper", "harness_out", "harness_include")
 # folders a command reads and writes, shared between runs (a cache): refused where a file stands, never locked
 SHARED_DIRS = ("cache_dir",)
 

@@ -519,3 +519,22 @@ def test_an_init_drafter_typo_is_refused_before_the_base_loads(home, tmp_path, m
     assert not out.exists()
     with pytest.raises(ValueError, match="does not exist"):
         A.AdaptConfig(src=str(home / "ck"), plan="2xF1-h0-K1", out=str(out), init_drafter=str(home / "drafter-9")).check()
+
+
+def test_a_quoted_home_harness_include_is_the_home(home, in_home, capsys, monkeypatch):
+    """--harness-include names a folder of task YAML files and was no path flag: `--harness-include '~/tasks'` said
+    "is not a folder of task YAML files" of a folder that exists (and `--harness-include ""` was dropped unsaid).
+    Here the run gets as far as the task lookup (stubbed: it says which folder it was given)."""
+    pytest.importorskip("lm_eval")
+    import snlp.eval.harness as H
+
+    def lookup(tasks, include):
+        raise ValueError(f"task lookup in {include}")
+
+    monkeypatch.setattr(H, "task_manager", lookup)
+    (home / "tasks").mkdir(exist_ok=True)
+    assert main(["eval", str(home / "ck"), "--harness", "nosuchtask_xyz", "--harness-include", "~/tasks"]) == 2
+    line = one_error_line(capsys, "eval")
+    assert line.endswith(f"task lookup in {home}/tasks"), line
+    assert main(["eval", str(home / "ck"), "--harness", "nosuchtask_xyz", "--harness-include", ""]) == 2
+    assert "--harness-include is empty" in one_error_line(capsys, "eval")
