@@ -30,10 +30,16 @@ TRUE = ("1", "on", "yes", "true")
 
 
 def home_path(name) -> Path:
-    """`name` as a local path, a leading `~` or `~user` read as that home (as the shell reads it unquoted). A name
-    whose `~word` names no user (a folder `~old` here) stays as typed: pathlib's expanduser raises RuntimeError
-    ("Could not determine home directory") there, which made `snlp.load("~old")` fail on a folder that exists."""
-    return Path(os.path.expanduser(str(name)))
+    """`name` as a local path: a leading `~` or `~user` is that home (as the shell reads it unquoted), except where
+    `name` as typed exists here, a folder named `~...` in the working directory: the library's savers
+    (save_checkpoint, save_drafter, a TrainConfig's `out`) write a `~/x` they are given there, and loading what
+    was saved must find it (not another checkpoint at $HOME/x). A `~word` naming no user stays as typed too
+    (pathlib's expanduser raises RuntimeError there: `snlp.load("~old")` failed on a folder that exists). The CLI
+    expands its path flags before any of this (snlp.apps.cli.expand_paths)."""
+    text = str(name)
+    if text.startswith("~") and os.path.lexists(text):
+        return Path(text)
+    return Path(os.path.expanduser(text))
 
 
 def hub_offline() -> bool:

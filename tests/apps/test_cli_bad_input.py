@@ -538,3 +538,26 @@ def test_a_quoted_home_harness_include_is_the_home(home, in_home, capsys, monkey
     assert line.endswith(f"task lookup in {home}/tasks"), line
     assert main(["eval", str(home / "ck"), "--harness", "nosuchtask_xyz", "--harness-include", ""]) == 2
     assert "--harness-include is empty" in one_error_line(capsys, "eval")
+
+
+def test_the_library_loads_what_it_saved_under_a_literal_tilde(home, in_home):
+    """save_checkpoint / save_drafter write a `~/x` they are given as typed (a folder `~` in the working directory,
+    as they always did); snlp.load and load_drafter read `~/x` as $HOME/x since the CLI's `~` change, so the round
+    trip said "does not exist", or, where $HOME/x held another checkpoint, loaded THAT one. A name that exists as
+    typed is read as typed; one that does not is the home's (test_the_library_loads_..._under_a_quoted_home)."""
+    import torch
+    from conftest import make_model
+
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.io.drafter import load_drafter, save_drafter
+    from snlp.method.drafter import make_drafter
+
+    theirs, _ = load(home / "ck")
+    mine = make_model(seed=11, dtype=torch.float32, vocab_size=theirs.config.vocab_size, n_layer=4, n_head=2,
+                      n_kv_head=1, n_embd=32, sequence_len=128, scale=0.15)
+    save_checkpoint("~/ck", mine)
+    save_drafter("~/drafter-8", make_drafter(mine, "2xF1-h0-K1"))
+    assert (in_home / "~" / "ck").is_dir()  # written as typed
+    loaded, _ = load("~/ck")
+    assert torch.equal(loaded.wte.weight, mine.wte.weight) and not torch.equal(loaded.wte.weight, theirs.wte.weight)
+    assert load_drafter("~/drafter-8", loaded).plan.chunks == 2  # home's drafter-8 is of another base: refused
