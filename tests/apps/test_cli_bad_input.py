@@ -414,6 +414,8 @@ def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys
      "--blocks must be draft block sizes B >= 1"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "4,x"],
      "--blocks must be draft block sizes B >= 1"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--prompts", "0"],
+     "--prompts must be >= 1 with --chat-prompts (got 0)"),
 ])
 def test_a_number_out_of_range_is_refused_not_read_as_the_default(argv, says, home, tmp_path, capsys):
     """`adapt --steps 0` trained the default 200 steps and `eval --seq-len 0` used the default window (an `x or
