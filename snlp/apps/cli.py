@@ -44,7 +44,7 @@ OUTPUT_FILES = ("json", "csv", "markdown", "plot")
 # too): a leading `~` is expanded (expand_paths) and an empty value refused. The data specs (DATA_SPECS: comma lists,
 # globs, chat: / mc: prefixes, hub names) are expanded part by part where snlp.io reads them.
 PATH_FLAGS = ("ckpt", "src", "drafter", "prompts_file", "init_from", "init_drafter", "from_model", "base",
-              "cache_dir", "stop_file", "vs_paper", "harness_out")
+              "cache_dir", "stop_file", "vs_paper", "harness_out", "harness_include")
 # folders a command reads and writes, shared between runs (a cache): refused where a file stands, never locked
 SHARED_DIRS = ("cache_dir",)
 
@@ -203,6 +203,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     output file that would overwrite what the run reads or writes besides: another output flag's file (the second
     write replaced the first's result), a file another flag names (a --prompts-file, a --data part), or a file of a
     checkpoint or drafter folder (`--json CKPT/config.json` left a checkpoint that loads as nothing)."""
+    import os
     from pathlib import Path
 
     from snlp.runtime.outputs import check_output_dir, check_output_file
@@ -214,7 +215,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     # the folder this command writes a model or drafter into (a module's OUT_IS_MODEL): its files are refused as outputs
     # before the folder holds them (`snlp adapt --out D --json D/drafter.json` wrote the result over the new drafter's
     # record, which then no longer loaded)
-    own = (Path(args.out).expanduser().resolve() if getattr(args.module, "OUT_IS_MODEL", False)
+    own = (Path(os.path.expanduser(args.out)).resolve() if getattr(args.module, "OUT_IS_MODEL", False)
            and isinstance(getattr(args, "out", None), str) and args.out else None)
     for dest in outputs:
         value = getattr(args, dest, None)
@@ -223,7 +224,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
         flag = "--" + dest.replace("_", "-")
         (check_output_file if dest in files else check_output_dir)(value, flag)
         if dest in files:
-            where = Path(value).expanduser().resolve()
+            where = Path(os.path.expanduser(value)).resolve()
             if where in written:
                 raise ValueError(f"{flag} {value} is the file {written[where]} writes too: one would replace the "
                                  f"other; give each its own path")
@@ -269,7 +270,7 @@ def input_paths(part: str, spec: bool = False) -> list:
         return []
     if spec and glob.has_magic(part):
         return [Path(f).resolve() for f in glob.glob(os.path.expanduser(part), recursive=True)]
-    return [Path(part).expanduser().resolve()]
+    return [Path(os.path.expanduser(part)).resolve()]
 
 
 def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:

@@ -153,6 +153,9 @@ def mode_flags(args) -> None:
                              f"decoding of --drafter's chat prompts; without --chat-prompts no prompt is decoded: "
                              f"give --chat-prompts or drop {'it' if len(ssd) == 1 else 'them'}")
         drafter_blocks(args.blocks)
+        if args.chat_prompts and args.prompts < 1:  # no prompt drawn: the SSD rows were dropped, nothing said
+            raise ValueError(f"--prompts must be >= 1 with --chat-prompts (got {args.prompts}): it is how many chat "
+                             f"prompts the SSD rows decode; drop --chat-prompts for the quality rows alone")
     if args.seq_len is not None and args.seq_len < 1:  # 0 read as "the default" (an `or`), a negative one late
         raise ValueError(f"--seq-len must be >= 1 (got {args.seq_len}; leave it out for min(256, the model's "
                          f"sequence_len))")

@@ -153,8 +153,7 @@ def check_args(args) -> None:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
-    if args.max_new_tokens == 0:  # the library's empty generation; here a run that printed "0 tokens, nan tok/s"
-        raise ValueError("--max-new-tokens 0 generates nothing: give N >= 1")
+    check_max_new_tokens(args.max_new_tokens)
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
@@ -274,6 +273,13 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"{rep.measured_speedup:.2f}x (the median of the paired per-run ratios, which ran "
             f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD "
             f"{rep.ideal_ssd_speedup:.2f}x")
+
+
+def check_max_new_tokens(n: int) -> None:
+    """Refuse --max-new-tokens 0, the library's empty generation: here a run that printed "0 tokens, nan tok/s"
+    (single-process and --distributed alike: run_generate returns before check_args)."""
+    if n == 0:
+        raise ValueError("--max-new-tokens 0 generates nothing: give N >= 1")
 
 
 def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:
@@ -411,6 +417,8 @@ def run(args) -> int:
         raise ValueError("--drafter has its own suffix weights: --distributed cannot use it")
     if args.distributed:
         from snlp.apps.dist import run_generate
+
+        check_max_new_tokens(args.max_new_tokens)
 
         return run_generate(args)
     check_args(args)

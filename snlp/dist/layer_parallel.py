@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from snlp.model.cache import KVCache
+from snlp.model.cache import KVCache, check_cache_fits
 from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
 from snlp.model.gpt import GPT
 from snlp.method.surrogates import SURROGATES, Iterate
@@ -369,6 +369,7 @@ class DistributedSNLP:
             raise ValueError(f"KV cache max_len must be an integer >= 1 (got {max_len!r})")
         p = self.model.wte.weight
         shape = (self.stop - self.first, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        check_cache_fits(shape, p.dtype, p.device)  # as KVCache.for_model: one line, not an allocator's traceback
         return WindowKVCache(torch.zeros(shape, dtype=p.dtype, device=p.device),
                              torch.zeros(shape, dtype=p.dtype, device=p.device), self.first)
 

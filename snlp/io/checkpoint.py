@@ -32,7 +32,7 @@ from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat, nanochat_depth
-from snlp.io.source import did_you_mean
+from snlp.io.source import did_you_mean, home_path
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
@@ -193,7 +193,7 @@ def load_preheat(path, model: GPT) -> Preheat | None:
 
 def checkpoint_dir(path) -> Path:
     """The checkpoint directory `path` names (a file inside it is accepted; `~` is the home), or a clear error."""
-    path = Path(path).expanduser()
+    path = home_path(path)
     if path.is_file() and path.name in OWN_FILES:  # accept a file inside the checkpoint too
         path = path.parent
     if not path.exists():
@@ -327,7 +327,7 @@ def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokeni
     machine does not have (before any file is read). A leading `~` in `path` is the user's home (as snlp.io.source
     reads a model name), so `load("~/runs/x")` loads what the name check found."""
     cli_device(device, "device=")
-    path = Path(path).expanduser()
+    path = home_path(path)
     if is_nanochat_dir(path):
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:

@@ -31,7 +31,7 @@ from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
 from snlp.io.checkpoint import DRAFTER_META as META
-from snlp.io.source import did_you_mean
+from snlp.io.source import did_you_mean, home_path
 from snlp.io.weights import check_finite
 
 FORMAT = "snlp-drafter"
@@ -77,7 +77,7 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
 def read_meta(path) -> dict:
     """The drafter.json of a drafter directory, checked to be one (ValueError otherwise; where `path` does not exist
     the error names the closest names, as a checkpoint's typo gets: snlp.io.source)."""
-    path = Path(path).expanduser()
+    path = home_path(path)
     f = path / META
     if not path.exists():
         raise ValueError(f"drafter {path} does not exist{did_you_mean(str(path))}")
@@ -105,7 +105,7 @@ def load_drafter(path, base: GPT) -> Drafter:
     """The drafter in directory `path`, built on `base` (which must be the model it was adapted from: same
     config and weights fingerprint, else a ValueError saying so). Its suffix weights take the base's dtype
     and device."""
-    path = Path(path).expanduser()
+    path = home_path(path)
     meta = read_meta(path)
     if meta["config"] != base.config.to_dict():
         raise ValueError(f"drafter {path} was adapted for another model architecture "

@@ -29,6 +29,19 @@ FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt
 TRUE = ("1", "on", "yes", "true")
 
 
+def home_path(name) -> Path:
+    """`name` as a local path: a leading `~` or `~user` is that home (as the shell reads it unquoted), except where
+    `name` as typed exists here, a folder named `~...` in the working directory: the library's savers
+    (save_checkpoint, save_drafter, a TrainConfig's `out`) write a `~/x` they are given there, and loading what
+    was saved must find it (not another checkpoint at $HOME/x). A `~word` naming no user stays as typed too
+    (pathlib's expanduser raises RuntimeError there: `snlp.load("~old")` failed on a folder that exists). The CLI
+    expands its path flags before any of this (snlp.apps.cli.expand_paths)."""
+    text = str(name)
+    if text.startswith("~") and os.path.lexists(text):
+        return Path(text)
+    return Path(os.path.expanduser(text))
+
+
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value (the hub's own reading of them)."""
     return any(os.environ.get(v, "").strip().lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
@@ -39,7 +52,7 @@ def is_hub_id(name: str) -> bool:
     if not HUB_ID.fullmatch(name) or ".." in name or name.endswith("."):
         return False
     org = name.split("/", 1)[0]
-    return not Path(org).expanduser().exists() and Path(name).suffix.lower() not in FILE_SUFFIXES
+    return not home_path(org).exists() and Path(name).suffix.lower() not in FILE_SUFFIXES
 
 
 def in_hub_cache(name: str) -> bool:
@@ -56,7 +69,7 @@ def in_hub_cache(name: str) -> bool:
 
 def did_you_mean(name: str) -> str:
     """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
-    path = Path(name).expanduser()
+    path = home_path(name)
     if path.exists():  # not a typo ('~/ckpt' quoted, which a loader that does not expand '~' misses): no suggestion
         return ""
     parent, missing = path.parent, path.name
@@ -81,7 +94,7 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
     """Why `name` names nothing to load (a one-line message), or None: it exists here, or (`hub`) it is a hub id by
     the rule above. `hub` False: only local paths are read (a checkpoint folder)."""
     name = str(name)
-    if Path(name).expanduser().exists():
+    if home_path(name).exists():
         return None
     if hub and is_hub_id(name):
         if hub_offline() and not in_hub_cache(name):
@@ -98,7 +111,7 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
     why = ("" if not hub or name.startswith((".", "/", "~")) else
            " (nor is it a hub id: snlp reads a missing name as one only when written org/name or in the hub cache)"
            if "/" not in name else
-           f" (nor is it a hub id: {org} is a folder here)" if Path(org).expanduser().is_dir() else "")
+           f" (nor is it a hub id: {org} is a folder here)" if home_path(org).is_dir() else "")
     return f"{what} {name} does not exist{why}{did_you_mean(name)}"
 
 

@@ -21,12 +21,27 @@ with K >= C equals the fused model run sequentially (tests/decode/test_decode.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from snlp.runtime.device import device_memory_bytes
+
+
+def check_cache_fits(shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    """Refuse K and V buffers of `shape` (layers, batch, kv heads, positions, head dim) that exceed the memory of
+    `device` (snlp.runtime.device.device_memory_bytes), in one line before they are allocated: an allocator's
+    traceback after the model loaded. Every cache of a decode goes through here (KVCache.for_model, a layer-parallel
+    rank's window cache in snlp.dist.layer_parallel)."""
+    batch, max_len = shape[1], shape[3]
+    need = 2 * math.prod(shape) * dtype.itemsize
+    have = device_memory_bytes(device)
+    if have is not None and need > have:
+        raise ValueError(f"a KV cache of {max_len:,} positions x batch {batch} needs {need / 2**30:,.1f} GiB, more "
+                         f"than the {have / 2**30:,.1f} GiB of memory of {torch.device(device)}: ask for "
+                         f"fewer tokens (prompt + new tokens) or a smaller batch")
 
 
 def mark_static_cuda(*tensors: Tensor) -> None:
@@ -82,12 +97,7 @@ class KVCache:
         p = model.wte.weight
         shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
         kw = dict(device=device or p.device, dtype=dtype or p.dtype)
-        need = 2 * cfg.n_layer * batch * cfg.n_kv_head * max_len * cfg.head_dim * kw["dtype"].itemsize
-        have = device_memory_bytes(kw["device"])
-        if have is not None and need > have:  # refused in one line, not an allocator's traceback after the load
-            raise ValueError(f"a KV cache of {max_len:,} positions x batch {batch} needs {need / 2**30:,.1f} GiB, more "
-                             f"than the {have / 2**30:,.1f} GiB of memory of {torch.device(kw['device'])}: ask for "
-                             f"fewer tokens (prompt + new tokens) or a smaller batch")
+        check_cache_fits(shape, kw["dtype"], kw["device"])
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=kw["device"]) if cfg.smear else None
         return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw), ids=ids)
 

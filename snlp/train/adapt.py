@@ -149,6 +149,8 @@ class AdaptConfig:
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
+        if self.init_drafter:  # a typo or a folder of another kind: one line before the base loads (init_state reads
+            read_meta(self.init_drafter)  # it again and checks it against the base)
         if self.from_model and (self.lora_rank or self.resume or self.steps is not None or self.minutes is not None
                                 or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "

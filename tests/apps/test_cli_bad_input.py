@@ -408,10 +408,14 @@ def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys
     (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--steps", "0"], "--steps must be >= 1 (got 0)"),
     (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--seq-len", "0"], "--seq-len must be >= 1 (got 0"),
     (["generate", "{ck}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
+    (["generate", "{ck}", "--distributed", "--plan", "2xF1-h0-K1", "--mode", "snlp", "--prompt", "a",
+      "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "0"],
      "--blocks must be draft block sizes B >= 1"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "4,x"],
      "--blocks must be draft block sizes B >= 1"),
+    (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--prompts", "0"],
+     "--prompts must be >= 1 with --chat-prompts (got 0)"),
 ])
 def test_a_number_out_of_range_is_refused_not_read_as_the_default(argv, says, home, tmp_path, capsys):
     """`adapt --steps 0` trained the default 200 steps and `eval --seq-len 0` used the default window (an `x or
@@ -532,3 +536,90 @@ def test_a_refused_adapt_leaves_no_out_folder_it_made(existed, home, inputs, tmp
     argv = ["adapt", str(home / "ck"), "--plan", "2xF1-h0-K1", "--data", f"{inputs}/corpus.tx", "--out", str(out)]
     assert main(argv) == 2 and "did you mean" in one_error_line(capsys, "adapt")
     assert out.is_dir() == existed and (tmp_path / "runs").exists() == existed
+
+
+def test_a_name_whose_tilde_names_no_user_is_the_folder_as_typed(home, tmp_path, monkeypatch, capsys):
+    """`~old` names the user `old`'s home only where that user exists; the shell and os.path.expanduser leave it as
+    typed otherwise, and pathlib's expanduser raises RuntimeError("Could not determine home directory"). snlp.load,
+    load_drafter and read_meta used pathlib's: a checkpoint or drafter folder named `~ck` (it exists, here) failed
+    with that RuntimeError, and `snlp generate ~ck ... --drafter ~d` with its traceback."""
+    import pwd
+    import shutil
+
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter, read_meta
+
+    names = ("~snlp-no-user-ck", "~snlp-no-user-d")
+    for name in names:
+        try:
+            pwd.getpwnam(name[1:])
+            pytest.skip(f"this machine has a user {name[1:]}")
+        except KeyError:
+            pass
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(home / "ck", tmp_path / names[0])
+    shutil.copytree(home / "drafter-8", tmp_path / names[1])
+    model, tok = load(names[0])
+    assert tok is not None and load_drafter(names[1], model).plan.chunks == 2 and read_meta(names[1])["plan"]
+    argv = ["generate", names[0], "--mode", "speculative", "--drafter", names[1], "--no-baseline", "--prompt", "All:",
+            "--max-new-tokens", "2", "--json", "~snlp-no-user-g.json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "~snlp-no-user-g.json").is_file()
+
+
+def test_an_init_drafter_typo_is_refused_before_the_base_loads(home, tmp_path, monkeypatch, capsys):
+    """`adapt --init-drafter` was read after the base's weights loaded (snlp.train.adapt.init_state): a typo cost a
+    whole model load before its one line. AdaptConfig.check reads it first, as eval and bench read --drafter."""
+    import snlp.train.adapt as A
+
+    monkeypatch.setattr(A, "load_base", lambda *a, **k: pytest.fail("the base loaded before the refusal"))
+    out = tmp_path / "o"
+    rc = main(["adapt", str(home / "ck"), "--plan", "2xF1-h0-K1", "--out", str(out), "--init-drafter",
+               str(home / "drafter-9")])
+    line = one_error_line(capsys, "adapt")
+    assert rc == 2 and f"drafter {home}/drafter-9 does not exist; did you mean {home}/drafter-8?" in line, line
+    assert not out.exists()
+    with pytest.raises(ValueError, match="does not exist"):
+        A.AdaptConfig(src=str(home / "ck"), plan="2xF1-h0-K1", out=str(out), init_drafter=str(home / "drafter-9")).check()
+
+
+def test_a_quoted_home_harness_include_is_the_home(home, in_home, capsys, monkeypatch):
+    """--harness-include names a folder of task YAML files and was no path flag: `--harness-include '~/tasks'` said
+    "is not a folder of task YAML files" of a folder that exists (and `--harness-include ""` was dropped unsaid).
+    Here the run gets as far as the task lookup (stubbed: it says which folder it was given)."""
+    pytest.importorskip("lm_eval")
+    import snlp.eval.harness as H
+
+    def lookup(tasks, include):
+        raise ValueError(f"task lookup in {include}")
+
+    monkeypatch.setattr(H, "task_manager", lookup)
+    (home / "tasks").mkdir(exist_ok=True)
+    assert main(["eval", str(home / "ck"), "--harness", "nosuchtask_xyz", "--harness-include", "~/tasks"]) == 2
+    line = one_error_line(capsys, "eval")
+    assert line.endswith(f"task lookup in {home}/tasks"), line
+    assert main(["eval", str(home / "ck"), "--harness", "nosuchtask_xyz", "--harness-include", ""]) == 2
+    assert "--harness-include is empty" in one_error_line(capsys, "eval")
+
+
+def test_the_library_loads_what_it_saved_under_a_literal_tilde(home, in_home):
+    """save_checkpoint / save_drafter write a `~/x` they are given as typed (a folder `~` in the working directory,
+    as they always did); snlp.load and load_drafter read `~/x` as $HOME/x since the CLI's `~` change, so the round
+    trip said "does not exist", or, where $HOME/x held another checkpoint, loaded THAT one. A name that exists as
+    typed is read as typed; one that does not is the home's (test_the_library_loads_..._under_a_quoted_home)."""
+    import torch
+    from conftest import make_model
+
+    from snlp.io.checkpoint import load, save_checkpoint
+    from snlp.io.drafter import load_drafter, save_drafter
+    from snlp.method.drafter import make_drafter
+
+    theirs, _ = load(home / "ck")
+    mine = make_model(seed=11, dtype=torch.float32, vocab_size=theirs.config.vocab_size, n_layer=4, n_head=2,
+                      n_kv_head=1, n_embd=32, sequence_len=128, scale=0.15)
+    save_checkpoint("~/ck", mine)
+    save_drafter("~/drafter-8", make_drafter(mine, "2xF1-h0-K1"))
+    assert (in_home / "~" / "ck").is_dir()  # written as typed
+    loaded, _ = load("~/ck")
+    assert torch.equal(loaded.wte.weight, mine.wte.weight) and not torch.equal(loaded.wte.weight, theirs.wte.weight)
+    assert load_drafter("~/drafter-8", loaded).plan.chunks == 2  # home's drafter-8 is of another base: refused

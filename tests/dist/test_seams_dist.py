@@ -440,3 +440,37 @@ def test_distributed_snlp_decoding_of_a_diverging_plan_raises_on_every_rank(tmp_
         for temperature in (0.0, 1.0):
             assert "diverged while decoding: the logits of generated token 1" in str(res[temperature]), (rank, res)
         assert res["sequential"] == ref
+
+
+# ----------------------------------------------------------------------------- a KV cache beyond the device's memory
+def _huge_cache_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    runner = DistributedSNLP(make_model(seed=0, scale=0.05, n_layer=4), "2xF1-h0-K1")
+    runner.model.embed = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a forward ran before the refusal"))
+    res = {}
+    for name, call in (("new_cache", lambda: runner.new_cache(10 ** 12)),
+                       ("generate", lambda: runner.generate(PROMPT, "snlp", max_new_tokens=10 ** 12))):
+        try:
+            call()
+            res[name] = "allocated"
+        except (ValueError, RuntimeError, AssertionError) as e:
+            res[name] = f"{type(e).__name__}: {e}"
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_distributed_kv_cache_beyond_memory_is_refused_as_the_single_process_one(tmp_path):
+    """A layer-parallel rank's window cache (DistributedSNLP.new_cache, which `snlp generate --distributed` decodes
+    with) skipped KVCache.for_model's memory check: `--max-new-tokens 100000000000` ended in every rank's allocator
+    traceback ("can't allocate memory: you tried to allocate 19200000000576 bytes"). Each rank now refuses in one
+    line, before any forward."""
+    _spawn(_huge_cache_worker, 2, str(tmp_path))
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name in ("new_cache", "generate"):
+            assert res[name].startswith("ValueError: a KV cache of 1,000,000,000,0"), (rank, name, res[name])
+            assert "more than the" in res[name] and "\n" not in res[name], res[name]
