@@ -132,7 +132,7 @@ part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained
 #     call), beside the time until the device finished it: whether compiled prefill and decode steps are host-bound
 #     (scripts/host_per_call.py; docs/records/2026-11-28-host-per-call.md), at the speedrun model's shape
 if [ "$QUICK" = 1 ]; then HOST="--depth 2 --width 32 --plan 1xF1-h0-K1 --block 2 --rounds 5"
-else HOST="--depth 16 --width 128 --head-dim 32 --plan 12xF1-h0-K1 --block 4 --rounds 200"; fi
+else HOST="--depth 16 --width 128 --head-dim 32 --plan 16xF1-h0-K3 --block 4 --rounds 200"; fi
 part host $T_LONG $PY scripts/host_per_call.py $HOST --device $DEV --out "$OUT/parts/host"
 
 # 5c. (--parts flex) the FlexAttention window kernel inside compiled prefill: 0.5B-nox0ve (SSSL, window 512), its
