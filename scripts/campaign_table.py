@@ -39,17 +39,18 @@ def main(out: str) -> int:
     p = merged["parts"].get("profile")
     if p:
         lines += ["", "## One call profiled", "", "| callable | kernels | device ms |", "|---|---|---|"]
-        lines += [f"| {k} | {v['kernels']:g} | {v['device_ms']:.2f} |" for k, v in p.items()]
+        lines += [f"| {k} | {_opt(v['kernels'], '{:g}')} | {_opt(v['device_ms'])} |" for k, v in p.items()]
     for mode in ("graphs", "kernels"):  # the compiled profiles: totals, then what the K = 1 plan pays once
         d = parts / f"profile_compiled_{mode}"
         if (d / "profile.json").is_file():
             pc = merged["parts"][f"profile_compiled_{mode}"] = json.loads((d / "profile.json").read_text())
-            # wall = host clock around a synchronise per call; gap = wall - device (host time with the device idle);
+            # wall = host clock around a synchronise per call; gap = wall - the kernels' device time (host time, and
+            # on a replay the device's gaps between the graph's kernels);
             # replays / launches: CUDA graph replays and single kernel launches per call (1 / 0: captured whole)
             lines += ["", f"## Compiled, profiled ({mode})", "",
                       "| callable | kernels | device ms | wall ms | host gap ms | graph replays | single launches |",
                       "|---|---|---|---|---|---|---|"]
-            lines += [f"| {k} | {v['kernels']:g} | {v['device_ms']:.2f} | {_opt(v.get('wall_ms'))} | "
+            lines += [f"| {k} | {_opt(v['kernels'], '{:g}')} | {_opt(v['device_ms'])} | {_opt(v.get('wall_ms'))} | "
                       f"{_opt(v.get('host_gap_ms'))} | {_opt(v.get('graph_launches'), '{:g}')} | "
                       f"{_opt(v.get('kernel_launches'), '{:g}')} |" for k, v in pc.items()]
             txt = (d / "profile.txt").read_text()

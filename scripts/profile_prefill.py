@@ -18,8 +18,9 @@ times them (torch.compile fullgraph): `graphs` with CUDA graphs (mode reduce-ove
 benchmarked treatment: input copies a replay makes show up as memcpy kernels; on a CPU, where there are no CUDA
 graphs, it is refused), `kernels` without (mode default: every generated kernel launched on its own, so each is
 attributed by name). The paper's code stays eager, as it runs. Each callable also reports its wall time per call
-(median, host clock around a synchronise, as the benchmark times it), and on CUDA the host gap (wall minus device
-time: what a call costs before and between its kernels) and its CUDA graph replays and single kernel launches per
+(median, host clock around a synchronise, as the benchmark times it), and on CUDA the host gap (wall minus the kernels'
+device time: what a call costs before and between its kernels, the device's own gaps between a graph's kernels
+included; off CUDA these figures are None) and its CUDA graph replays and single kernel launches per
 call (one replay and no single launch: the forward was captured whole). A fixed per-call cost that the sequential
 forward pays too shows up in t(K = 0) and in the gap, not in the split's kernels
 (docs/records/2026-11-28-prefill-once.md).
@@ -83,7 +84,7 @@ def runtime_launches(events, reps: int) -> dict:
     """Per call: CUDA graph replays (cudaGraphLaunch) and single kernel launches (cudaLaunchKernel / cuLaunchKernel /
     cudaLaunchKernelExC) the host made, from the profile's runtime events (name, count). A forward that CUDA graphs
     captured whole makes one replay and no single launch; one that inductor left uncaptured (it logs "skipping
-    cudagraphs") makes a launch per kernel, each with its host gap. Both 0 on a CPU."""
+    cudagraphs") makes a launch per kernel, each with its host gap. Both 0 on a CPU (summary_row: None)."""
     graph = sum(c for name, c in events if name == "cudaGraphLaunch")
     single = sum(c for name, c in events if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                        "cuLaunchKernelEx"))
@@ -97,6 +98,28 @@ def wall_ms(fn, device, runs: int = 20) -> float:
     from snlp.runtime.timing import time_round_robin
 
     return float(torch.tensor(time_round_robin({"f": fn}, 2, runs, device)["f"]).median())
+
+
+def summary_row(v: dict, cuda: bool) -> dict:
+    """A callable's per-call figures for profile.json. Off CUDA there are no device kernels and no CUDA graphs: the
+    device figures are None there (not 0, which would read as a measured forward that launched nothing)."""
+    keys = ("kernels", "device_ms", "graph_launches", "kernel_launches")
+    row = {k: v[k] if cuda else None for k in keys}
+    # wall minus the kernels' device time: the host's time before and between launches, and on a graph replay also
+    # the device's own gaps between the graph's kernels (more kernels, more gaps: not host time alone)
+    return {"kernels": row["kernels"], "device_ms": row["device_ms"], "wall_ms": v["wall_ms"],
+            "host_gap_ms": v["wall_ms"] - v["device_ms"] if cuda else None,
+            "graph_launches": row["graph_launches"], "kernel_launches": row["kernel_launches"]}
+
+
+def headline(name: str, v: dict, cuda: bool) -> str:
+    """The line above a callable's profile table in profile.txt."""
+    if not cuda:
+        return (f"== {name}: {v['wall_ms']:.2f} ms wall (median, synchronised); a CPU: no device kernels or CUDA graph "
+                f"replays to count (the table: ops' CPU times, totals over {REPS} calls)")
+    return (f"== {name}: {v['kernels']:g} kernels, {v['device_ms']:.2f} ms device, {v['wall_ms']:.2f} ms wall (median, "
+            f"synchronised), {v['graph_launches']:g} graph replays and {v['kernel_launches']:g} single launches per "
+            f"call (the table: totals over {REPS} calls)")
 
 
 def pooled(d: dict) -> dict:
@@ -204,10 +227,8 @@ def main():
         for name, fn in fns.items():
             res[name] = prof(fn, dev, reps=REPS)
     tag = f" ({a.compiled})" if a.compiled else ""
-    summary = {k + (tag if k.startswith("snlp ") else ""): {
-        "kernels": v["kernels"], "device_ms": v["device_ms"], "wall_ms": v["wall_ms"],
-        "host_gap_ms": v["wall_ms"] - v["device_ms"] if dev.type == "cuda" else None,
-        "graph_launches": v["graph_launches"], "kernel_launches": v["kernel_launches"]} for k, v in res.items()}
+    cuda = dev.type == "cuda"
+    summary = {k + (tag if k.startswith("snlp ") else ""): summary_row(v, cuda) for k, v in res.items()}
     splits = {}
     if a.plan2:
         pa, pb = plans  # parsed at the profiled (maybe --quick) depth
@@ -215,10 +236,7 @@ def main():
             zero = res[f"snlp {k0}"]["by_name"] if side == "snlp" else None
             splits[side + (tag if side == "snlp" else "")] = split_once(
                 res[f"{side} {pa}"]["by_name"], res[f"{side} {pb}"]["by_name"], pa.iters, pb.iters, zero=zero)
-    text = "\n\n".join(f"== {k}: {v['kernels']:g} kernels, {v['device_ms']:.2f} ms device, {v['wall_ms']:.2f} ms wall "
-                        f"(median, synchronised), {v['graph_launches']:g} graph replays and {v['kernel_launches']:g} "
-                        f"single launches per call (the table: totals over {REPS} calls)\n{v['table']}"
-                        for k, v in res.items())
+    text = "\n\n".join(f"{headline(k, v, cuda)}\n{v['table']}" for k, v in res.items())
     for side, rows in splits.items():
         t0, t1, t2 = (res[f"snlp {p}"]["device_ms" if dev.type == "cuda" else "cpu_ms"] for p in (k0, pa, pb))
         lin = (f"; whole forward t(0) / t({pa.iters}) / t({pb.iters}) = {t0:.3f} / {t1:.3f} / {t2:.3f} ms"

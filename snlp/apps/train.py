@@ -222,14 +222,17 @@ def interrupted(command: str, out: str, steps: int, signal_name: str | None, res
 
 
 def not_inherited(args) -> list[str]:
-    """The flags of this run that a `--resume` does not take from the saved run (snlp.train.config.NOT_INHERITED):
-    --stop-after (a run stopped at step 3 of --stop-after 10 resumed without it trained to the full --steps) and an
-    explicit --device; the resume command a signal prints repeats them."""
+    """The flags of this run that a `--resume` does not take from the saved run, which the resume command a signal
+    prints repeats: snlp.train.config.NOT_INHERITED's --stop-after (a run stopped at step 3 of --stop-after 10
+    resumed without it trained to the full --steps) and an explicit --device, and the flags of the process that no
+    saved run holds: --stop-file (snlp train / sft: resumed without it, the run no longer watched the file and
+    trained past its step) and --json (snlp adapt: the result it writes at the end)."""
     out = []
     if getattr(args, "stop_after", None) is not None:
         out += ["--stop-after", str(args.stop_after)]
-    if getattr(args, "device", None):
-        out += ["--device", str(args.device)]
+    for flag in ("device", "stop_file", "json"):
+        if getattr(args, flag, None):
+            out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return out
 
 

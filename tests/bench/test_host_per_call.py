@@ -54,3 +54,5 @@ def test_skipped_guards_keep_the_graph_compiled_for_other_weights():
             f(idx)
         assert cnt.frame_count == 1  # nothing recompiled: no guard ran
         assert torch.equal(f(idx), fwd(idx))
+        if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+            assert cnt.frame_count == 2  # with guards on, the dtype change recompiles (2.11 does not: the record)

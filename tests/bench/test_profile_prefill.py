@@ -73,3 +73,18 @@ def test_runtime_launches_tell_a_captured_forward_from_one_launched_kernel_by_ke
     uncaptured = [("cudaLaunchKernel", 300), ("cuLaunchKernel", 30), ("cudaLaunchKernelExC", 3), ("aten::mm", 90)]
     assert profile_prefill.runtime_launches(captured, 3) == {"graph_launches": 1, "kernel_launches": 0}
     assert profile_prefill.runtime_launches(uncaptured, 3) == {"graph_launches": 0, "kernel_launches": 111}
+
+
+def test_a_cpu_profile_reports_no_device_figures_rather_than_zeros():
+    """On a CPU there are no device kernels and no CUDA graphs: the summary said 0 kernels, 0.00 ms device, 0 graph
+    replays and 0 single launches per call, figures that read as measured (a forward with no replay: not captured);
+    they are None there ('-' in the campaign table), as the host gap already was. On CUDA the gap is wall minus
+    the kernels' device time."""
+    v = {"kernels": 0.0, "device_ms": 0.0, "wall_ms": 4.0, "graph_launches": 0.0, "kernel_launches": 0.0}
+    assert profile_prefill.summary_row(v, cuda=False) == {
+        "kernels": None, "device_ms": None, "wall_ms": 4.0, "host_gap_ms": None, "graph_launches": None,
+        "kernel_launches": None}
+    assert "0 graph replays" not in profile_prefill.headline("snlp x", v, cuda=False)
+    g = {"kernels": 300.0, "device_ms": 2.5, "wall_ms": 3.5, "graph_launches": 1.0, "kernel_launches": 0.0}
+    assert profile_prefill.summary_row(g, cuda=True) == {**g, "host_gap_ms": pytest.approx(1.0)}
+    assert "1 graph replays and 0 single launches" in profile_prefill.headline("snlp x", g, cuda=True)

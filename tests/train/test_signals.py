@@ -165,6 +165,64 @@ def test_the_resume_line_repeats_stop_after_and_device_which_a_resume_does_not_i
     assert_same_weights(weights(out), weights(tmp_path / "ref"))
 
 
+def test_the_resume_line_repeats_the_stop_file_which_no_saved_run_holds(corpus, tmp_path, capsys, monkeypatch):
+    """--stop-file is a flag of the process (snlp.apps.train.file_hooks), never saved with the run: a run watching a
+    stop file that a signal stopped printed a resume command without it, and that command trained past the step the
+    file asked for, to the full --steps. The line repeats it, and run as printed it stops where the file says."""
+    import shlex
+
+    import snlp.apps.train as T
+
+    real = T.file_hooks
+    monkeypatch.setattr(T, "file_hooks", lambda *a, **k: TrainHooks(
+        should_stop=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None))
+    stop = tmp_path / "stop"
+    stop.write_text("4")
+    out, flags = tmp_path / "run", ["--data", str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY]
+    assert main(["train", "--out", str(out), *flags, "--stop-file", str(stop)]) == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"continue with: snlp train --out {out} --device cpu --stop-file {stop} --resume"), line
+    monkeypatch.setattr(T, "file_hooks", real)
+    assert main(shlex.split(line.split("continue with: ")[1])[1:]) == 0
+    assert saved_step(out) == 4
+
+
+def test_every_flag_a_resume_cannot_take_from_the_saved_run_is_repeated_by_the_resume_line():
+    """The flags of snlp train / sft / adapt that are not a field of the config the run saves (and so never reach a
+    `--resume` from it), or are one of its NOT_INHERITED fields, typed on the run, are repeated by the line a signal
+    prints (snlp.apps.train.not_inherited): --stop-after and --device were, --stop-file (train, sft) and --json
+    (adapt, the AdaptResult it writes at the end) were not."""
+    import argparse
+    import dataclasses
+
+    import snlp.apps.adapt as A
+    import snlp.apps.sft as S
+    import snlp.apps.train as T
+    from snlp.train import adapt as adapt_lib
+    from snlp.train import config as train_lib
+    from snlp.train.adapt import AdaptConfig
+    from snlp.train.sft import SFTConfig
+
+    # typed on the command line anyway: the run's place, the resume switch, the base / data the sft line names
+    named = {"out", "resume", "ckpt", "data", "help"}
+    # held by the saved run although not config fields: sft's LRs, which --lr-scale sets and a resume keeps
+    kept = {"lr_scale"}
+    for mod, cfgs, not_inh in ((T, [TrainConfig], train_lib.NOT_INHERITED),
+                               (S, [TrainConfig, SFTConfig], train_lib.NOT_INHERITED),
+                               (A, [AdaptConfig], adapt_lib.NOT_INHERITED)):
+        p = argparse.ArgumentParser()
+        mod.add_arguments(p)
+        fields = {f.name for c in cfgs for f in dataclasses.fields(c)}
+        for a in p._actions:
+            d = a.dest
+            if d in named or d in kept or (d in fields and d not in not_inh) or d == "init_from":
+                continue  # init_from: a resumed run starts from its own checkpoint, not from the one it began at
+            value = "7" if a.type is int else "x"
+            args = argparse.Namespace(**{b.dest: b.default for b in p._actions if b.dest != "help"})
+            setattr(args, d, int(value) if a.type is int else value)
+            assert f"--{d.replace('_', '-')}" in T.not_inherited(args), (mod.__name__, d)
+
+
 def test_a_repeated_sigterm_is_ignored_and_a_second_ctrl_c_aborts(corpus, tmp_path, capsys):
     """Slurm signals every process of a job step and torchrun forwards its own SIGTERM: a second SIGTERM (or
     SIGUSR1) while the run stops must not cost the save. A Ctrl-C after a signal is a person asking to abort: it
