@@ -248,7 +248,9 @@ def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
     row = cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
     if isinstance(row, DistPrefillRow) and row.pipeline_sequential_times_ms and row.snlp_times_ms:
         row.speedup_lo, row.speedup_hi, row.speedup_tie = spread_verdict(*p10_p90(row.pipeline_sequential_times_ms),
-                                                                         *p10_p90(row.snlp_times_ms))
+                                                                         *p10_p90(row.snlp_times_ms),
+                                                                         len(row.pipeline_sequential_times_ms),
+                                                                         len(row.snlp_times_ms))
     if isinstance(row, DistDecodeRow) and row.ms_per_token_runs and row.mode != "sequential":
         row.speedup_rounds = [a / b for a, b in zip(row.sequential_ms_per_token_runs, row.ms_per_token_runs)]
         marks = paired_marks(row.speedup_rounds)

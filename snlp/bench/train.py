@@ -182,7 +182,8 @@ class TrainBenchResult:
         out = {}
 
         def add(name: str, num: TrainBenchRow, den: TrainBenchRow) -> None:  # num / den of step times
-            lo, hi, tie = spread_verdict(num.step_ms_p10, num.step_ms_p90, den.step_ms_p10, den.step_ms_p90)
+            lo, hi, tie = spread_verdict(num.step_ms_p10, num.step_ms_p90, den.step_ms_p10, den.step_ms_p90,
+                                         len(num.step_ms_timed or ()) or num.steps, len(den.step_ms_timed or ()) or den.steps)
             out[name] = {"ratio": num.step_ms / den.step_ms, "lo": lo, "hi": hi, "tie": tie}
 
         for reg in self.config.regs:

@@ -114,12 +114,17 @@ def p10_p90(times: list[float]) -> tuple[float, float]:
     return q[0], q[-1]
 
 
-def spread_verdict(num_p10: float, num_p90: float, den_p10: float, den_p90: float) -> tuple[float, float, bool]:
+def spread_verdict(num_p10: float, num_p90: float, den_p10: float, den_p90: float, n: int | None = None,
+                   m: int | None = None) -> tuple[float, float, bool]:
     """The rule for a ratio num / den of times whose rounds are NOT paired (each side timed in its own loop, so a
     round of one has no partner in the other): (lo, hi, tie), the range the two sides' p10-p90 spreads allow,
-    num_p10 / den_p90 .. num_p90 / den_p10, and whether it holds 1 (the difference is inside the noise)."""
+    num_p10 / den_p90 .. num_p90 / den_p10, and whether it is a tie: the range holds 1 (the difference is inside the
+    noise), or, given the two sides' numbers of timings n and m, there are too few of them for separated spreads to
+    mean a difference (with 3 a side the p10-p90 is nearly the min-max, which separates by chance one time in ten:
+    separation_p)."""
     lo, hi = num_p10 / den_p90, num_p90 / den_p10
-    return lo, hi, lo <= 1.0 <= hi
+    few = n is not None and m is not None and separation_p(n, m) >= SIGN_LEVEL
+    return lo, hi, lo <= 1.0 <= hi or few
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:

@@ -292,3 +292,20 @@ def test_s_and_the_op_ratios_keep_wins_losses_and_p_like_every_speedup(monkeypat
     rec = json.loads(out.read_text())[0]
     assert (rec["jvp_ratio_wins"], rec["jvp_ratio_losses"]) == (3, 5)  # costs more than the forward in 3 rounds
     assert (rec["fd_ratio_wins"], rec["fd_ratio_losses"]) == (8, 0)
+
+
+def test_the_spreads_rule_calls_separated_spreads_over_too_few_timings_a_tie():
+    """With 3 timings a side the p10-p90 is nearly the min-max, and two sides' min-max ranges separate by chance one
+    time in ten (the rank-sum test's exact p = 2 / C(6, 3) = 0.1): the spreads rule called such a pair a difference
+    (`bench --suite train --quick` times 3 steps a row). Given the counts it is a tie; from 4 a side (p = 0.029) it
+    is not, and without counts the rule is as before."""
+    from scipy.stats import mannwhitneyu
+
+    from snlp.bench.stats import p10_p90, spread_verdict
+
+    for n, tie in ((2, True), (3, True), (4, False), (20, False)):
+        a, b = [10.0 + i for i in range(n)], [100.0 + i for i in range(n)]  # every a below every b
+        assert mannwhitneyu(a, b, method="exact").pvalue >= 0.05 if tie else \
+            mannwhitneyu(a, b, method="exact").pvalue < 0.05
+        assert spread_verdict(*p10_p90(b), *p10_p90(a), n, n)[2] is tie
+        assert spread_verdict(*p10_p90(b), *p10_p90(a))[2] is False  # no counts: the spreads alone
