@@ -205,18 +205,25 @@ def test_vs_paper_ratios_carry_the_verdict():
     assert "8 rounds resolve one at 8 of 8" in markdown(tie)
 
 
+FABRICATED_OPS = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
+                  "fd_extra": [1.2] * 8}
+
+
+def fabricated_ops(monkeypatch, tmp_path) -> dict:
+    """`snlp bench --ops` on FABRICATED_OPS's round times (ms per round of each op): its JSON record."""
+    import snlp.bench.ops as ops
+
+    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: FABRICATED_OPS[k] for k in fns})
+    out = tmp_path / "ops.json"
+    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
+    return json.loads(out.read_text())[0]
+
+
 def test_op_ratios_to_the_forward_carry_the_verdict(monkeypatch, tmp_path, capsys):
     """--ops: each op's cost over the forward's, from the same rounds: JVP's median ratio 0.50x from 5 of 8 rounds
     cheaper is a tie (p = 0.727); FD at 2x in all 8 rounds costs more (p = 2 / 256)."""
-    import snlp.bench.ops as ops
-
-    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
-                  "fd_extra": [1.2] * 8}
-    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
-    out = tmp_path / "ops.json"
-    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
-    rec = json.loads(out.read_text())[0]
-    assert rec["times_ms"] == fabricated and rec["jvp_ratio"] == pytest.approx(0.5)
+    rec = fabricated_ops(monkeypatch, tmp_path)
+    assert rec["times_ms"] == FABRICATED_OPS and rec["jvp_ratio"] == pytest.approx(0.5)
     assert (rec["jvp_ratio_verdict"], rec["fd_ratio_verdict"]) == ("tie", "more")
     assert rec["jvp_ratio_p"] == pytest.approx(2 * (56 + 28 + 8 + 1) / 256) and rec["fd_ratio_p"] == pytest.approx(2 / 256)
     text = capsys.readouterr().out
@@ -273,8 +280,6 @@ def test_s_and_the_op_ratios_keep_wins_losses_and_p_like_every_speedup(monkeypat
     ratios a verdict and p. Checked against a hand count of the recorded rounds and scipy's binomial test."""
     from scipy.stats import binomtest
 
-    import snlp.bench.ops as ops
-
     out = tmp_path / "d.json"
     assert main(["bench", "--decode", *TINY[:8], "--warmup", "0", "--runs", "3", "--plans", "2xF1-h0-K1",
                  "--blocks", "2", "--new-tokens", "4", "--json", str(out)]) == 0
@@ -284,12 +289,7 @@ def test_s_and_the_op_ratios_keep_wins_losses_and_p_like_every_speedup(monkeypat
     assert (spec["drafter_speedup_wins"], spec["drafter_speedup_losses"]) == (above, below)
     assert spec["drafter_speedup_p"] == pytest.approx(binomtest(max(above, below), above + below, 0.5).pvalue)
 
-    fabricated = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
-                  "fd_extra": [1.2] * 8}
-    monkeypatch.setattr(ops, "time_round_robin", lambda fns, warmup, runs, device: {k: fabricated[k] for k in fns})
-    out = tmp_path / "ops.json"
-    assert main(["bench", "--ops", *TINY, "--tokens", "2", "--json", str(out)]) == 0
-    rec = json.loads(out.read_text())[0]
+    rec = fabricated_ops(monkeypatch, tmp_path)
     assert (rec["jvp_ratio_wins"], rec["jvp_ratio_losses"]) == (3, 5)  # costs more than the forward in 3 rounds
     assert (rec["fd_ratio_wins"], rec["fd_ratio_losses"]) == (8, 0)
 
