@@ -54,8 +54,10 @@ def in_hub_cache(name: str) -> bool:
         return False
 
 
-def did_you_mean(name: str) -> str:
-    """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
+def did_you_mean(name: str, prefix: str = "") -> str:
+    """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''.
+    A missing folder on the path whose close name holds the rest is shown with it (`dta/a.txt`: data/a.txt). `prefix`
+    (a data spec's chat: / mc:) is written before each name shown, as the user must type it."""
     path = Path(name).expanduser()
     if path.exists():  # not a typo ('~/ckpt' quoted, which a loader that does not expand '~' misses): no suggestion
         return ""
@@ -73,8 +75,10 @@ def did_you_mean(name: str) -> str:
     if missing == path.name and typed.endswith(missing):  # the last part: keep the name as the user wrote it
         shown = [typed[:len(typed) - len(missing)] + c for c in close]
     else:
-        shown = [str(parent / c) for c in close]
-    return f"; did you mean {' or '.join(shown)}?"
+        rest = path.relative_to(parent / missing)
+        whole = [str(parent / c / rest) for c in close if (parent / c / rest).exists()]
+        shown = whole or [str(parent / c) for c in close]
+    return f"; did you mean {' or '.join(prefix + s for s in shown)}?"
 
 
 def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | None:

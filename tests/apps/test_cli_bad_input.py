@@ -532,3 +532,30 @@ def test_a_refused_adapt_leaves_no_out_folder_it_made(existed, home, inputs, tmp
     argv = ["adapt", str(home / "ck"), "--plan", "2xF1-h0-K1", "--data", f"{inputs}/corpus.tx", "--out", str(out)]
     assert main(argv) == 2 and "did you mean" in one_error_line(capsys, "adapt")
     assert out.is_dir() == existed and (tmp_path / "runs").exists() == existed
+
+
+@pytest.mark.parametrize("argv,meant", [
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--data", "chat:{i}/chats.jsonn"], "chat:{i}/chats.jsonl"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--data", "{i}/corpus.txt,chat:{i}/chats.jsonn"], "chat:{i}/chats.jsonl"),
+    (["sft", "{ck}", "--data", "chat:{i}/chats.jsonn", "--out", "{o}"], "{i}/chats.jsonl"),
+    (["train", "--data", "{home}/inputz/corpus.txt", "--out", "{o}"], "{i}/corpus.txt"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--task", "mc:{home}/inputz/task.jsonl"], "{i}/task.jsonl"),
+])
+def test_a_typo_in_a_prefixed_part_or_a_folder_names_the_whole_path(argv, meant, home, inputs, tmp_path, capsys):
+    """did_you_mean read `chat:/abs/chats.jsonn` as a path whose first part `chat:` is missing, and suggested a name
+    close to "chat:" in the working folder (or nothing); a typo in a folder on the path was answered with the folder
+    alone (`inputz/corpus.txt`: "did you mean inputs?"). The suggestion is now the path to type: the part's prefix
+    kept, the folder's files' name kept where the close folder holds it."""
+    fill = dict(ck=home / "ck", home=home, i=inputs, o=tmp_path / "o")
+    assert main([a.format(**fill) for a in argv]) == 2
+    line = one_error_line(capsys, argv[0])
+    assert f"; did you mean {meant.format(**fill)}" in line, line
+
+
+def test_sft_reads_a_chat_prefixed_part_as_the_same_chat_set(inputs):
+    """snlp.io.chat's missing_parts and resolve_part read `chat:FILE` as FILE (the adapt form), the loader named it an
+    unknown data source: `snlp sft --data chat:chats.jsonl` refused a file that is there."""
+    from snlp.io.chat import load_conversations
+
+    path = str(inputs / "chats.jsonl")
+    assert load_conversations("chat:" + path) == load_conversations(path) != []
