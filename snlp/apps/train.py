@@ -262,12 +262,13 @@ def os_place(path: Path) -> Path:
     return path.resolve().joinpath(*reversed(rest))
 
 
-def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
+def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str | None = None) -> None:
     """Refuse a --stop-file that already holds a step the run has reached (an earlier run's file left in place): the
     run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft).
     Refuse too a --stop-file no one can write: a folder (read_step_file never reads a step from it, so the run went
     on to its end), or a file in a folder that does not exist (a typo: the file written where it was meant is never
-    read) unless the run makes that folder (--out, a folder on its path or inside it)."""
+    read) unless the run makes that folder (--out, a folder on its path or inside it; `made`: the folder the command
+    makes where it is not `out`, snlp sft-grid's --out holding each run's)."""
     if path:
         from snlp.io.source import did_you_mean
 
@@ -275,7 +276,7 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
         if given.is_dir():
             raise ValueError(f"--stop-file {path} is a folder: name a file in it (e.g. {Path(path) / 'STOP'}) and write "
                              f"the step to stop at there")
-        parent, run_out = os_place(given).parent, os_place(Path(out))
+        parent, run_out = os_place(given).parent, os_place(Path(made or out))
         made_by_run = parent == run_out or run_out in parent.parents or parent in run_out.parents
         if not parent.is_dir() and not made_by_run:
             raise ValueError(f"--stop-file {path}: its folder {given.parent} does not exist{did_you_mean(str(given.parent))}"

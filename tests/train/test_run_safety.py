@@ -869,3 +869,21 @@ def test_a_stop_file_in_out_spelled_through_a_symlink_is_accepted(corpus, tmp_pa
     assert main(["train", "--out", str(tmp_path / "runs" / "a"), *flags,
                  "--stop-file", str(tmp_path / "runs" / "b" / ".." / "a" / "STOP")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_sft_grid_accepts_a_stop_file_in_the_folder_of_its_second_run(tmp_path):
+    """snlp sft-grid checked its --stop-file against each run's own folder (--out/sft-FORWARD), so a file in the
+    other run's folder, which the grid makes too, was refused as "does not exist ... name a file in --out" though it
+    is in --out. A folder no one makes is still refused."""
+    from argparse import Namespace
+
+    from snlp.apps.sft_grid import check_grid_stop_file
+
+    grid = tmp_path / "grid"
+    args = Namespace(out=str(grid), plan="2xF1-h0-K1", stop_file=str(grid / "sft-2xF1-h0-K1" / "STOP"))
+    check_grid_stop_file(args)
+    args.stop_file = str(grid / "sft-sequential" / "STOP")
+    check_grid_stop_file(args)
+    args.stop_file = str(tmp_path / "gird" / "STOP")
+    with pytest.raises(ValueError, match="does not exist"):
+        check_grid_stop_file(args)
