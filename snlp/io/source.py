@@ -64,6 +64,9 @@ def did_you_mean(name: str, prefix: str = "") -> str:
     parent, missing = path.parent, path.name
     while not parent.is_dir() and parent != parent.parent:  # the first missing part is the one to match
         parent, missing = parent.parent, parent.name
+    link = parent / missing
+    if link.is_symlink():  # a dangling link: the name is right (the closest name was itself), its target is gone
+        return f"; {link if link != path else name} is a symlink to {os.readlink(link)}, which does not exist"
     try:
         siblings = [p.name for p in parent.iterdir() if not p.name.startswith(".")]
     except OSError:

@@ -559,3 +559,17 @@ def test_sft_reads_a_chat_prefixed_part_as_the_same_chat_set(inputs):
 
     path = str(inputs / "chats.jsonl")
     assert load_conversations("chat:" + path) == load_conversations(path) != []
+
+
+def test_a_dangling_symlink_is_named_as_one_not_suggested_as_itself(tmp_path, capsys):
+    """did_you_mean listed the folder's names, a dangling symlink's own name among them (it does not "exist"), so a
+    --data, --stop-file or checkpoint that is a broken link was answered "did you mean <the same name>?". The line
+    now says it is a symlink and to what."""
+    link = tmp_path / "corpus.txt"
+    link.symlink_to(tmp_path / "moved" / "corpus.txt")
+    assert main(["train", "--data", str(link), "--out", str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys, "train")
+    assert line.endswith(f"; {link} is a symlink to {tmp_path}/moved/corpus.txt, which does not exist"), line
+    assert main(["generate", str(link), "--prompt", "hi"]) == 2
+    line = one_error_line(capsys, "generate")
+    assert "did you mean" not in line and "is a symlink to" in line, line
