@@ -273,6 +273,10 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
         from snlp.io.source import did_you_mean
 
         given = Path(path).expanduser()
+        try:  # a name the OS cannot look up (a part over its length limit) is no file anyone can write either
+            given.is_dir(), os_place(given), os_place(Path(out))
+        except OSError as e:
+            raise ValueError(f"--stop-file {path}: {e.strerror or e}") from None
         if given.is_dir():
             raise ValueError(f"--stop-file {path} is a folder: name a file in it (e.g. {Path(path) / 'STOP'}) and write "
                              f"the step to stop at there")

@@ -887,3 +887,14 @@ def test_sft_grid_accepts_a_stop_file_in_the_folder_of_its_second_run(tmp_path):
     args.stop_file = str(tmp_path / "gird" / "STOP")
     with pytest.raises(ValueError, match="does not exist"):
         check_grid_stop_file(args)
+
+
+def test_a_stop_file_name_over_the_os_limit_is_one_line(corpus, tmp_path, capsys):
+    """The --stop-file folder check's is_dir raised OSError (ENAMETOOLONG) for a part over 255 bytes: a traceback
+    where the run used to go on (and never stop: no one can write that file). One line now, before any work."""
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), *flags, "--stop-file", str(tmp_path / ("a" * 300) / "STOP")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("snlp train: error: --stop-file ") and "too long" in err, err
+    assert not (tmp_path / "run").exists()
