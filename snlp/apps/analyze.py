@@ -122,12 +122,19 @@ def run(args) -> int:
                          seed=args.seed, progress=not args.no_progress)
     cfg.check(model.config.n_layer)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
+    from snlp.train.hooks import deferred
+
+    # a signal during a write is held until the files and what interrupt_hint / finished say of them agree: raised
+    # mid-write it left a partial analysis.json beside no analysis.md (write removes the old one before the plots)
+    # while the line said "nothing written"
     def keep(partial) -> None:  # each section as it finishes: a run cut short keeps them (a section is minutes)
-        write(partial, args.out, complete=False)
-        args.kept = list(partial.seconds)
+        with deferred():
+            write(partial, args.out, complete=False)
+            args.kept = list(partial.seconds)
 
     res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=load_preheat(args.ckpt, model), on_section=keep)
-    out = write(res, args.out)
-    args.complete = True
+    with deferred():
+        out = write(res, args.out)
+        args.complete = True
     print(f"wrote {out / 'analysis.md'}, {out / 'analysis.json'} and plots ({sum(res.seconds.values()):.0f}s)")
     return 0

@@ -153,7 +153,7 @@ def check_grid_stop_file(args) -> None:
                 check_resume_left(train_config(args, str(out), resume=True))
         except ValueError:
             continue  # finished: reused as it is
-        check_stop_file(args.stop_file, str(out), resume)
+        check_stop_file(args.stop_file, str(out), resume, made=args.out)  # the grid makes both runs' folders
 
 
 def run(args) -> int:

@@ -254,21 +254,36 @@ def read_step_file(path: str | Path | None) -> int | None:
         return None
 
 
-def check_stop_file(path: str | Path | None, out: str, resume: bool) -> None:
+def os_place(path: Path) -> Path:
+    """`path` as the OS reaches it: the part that exists with its symlinks resolved (`--out link/run` and a stop file
+    in target/run are one folder), the rest as written. Not Path.resolve, which drops `b/..` as text where b does not
+    exist: the OS cannot open `runs/b/../a/STOP` until runs/b exists, so that file is not in --out runs/a."""
+    path, rest = path.expanduser().absolute(), []
+    while not path.exists() and path != path.parent:
+        rest.append(path.name)
+        path = path.parent
+    return path.resolve().joinpath(*reversed(rest))
+
+
+def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str | None = None) -> None:
     """Refuse a --stop-file that already holds a step the run has reached (an earlier run's file left in place): the
     run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft).
     Refuse too a --stop-file no one can write: a folder (read_step_file never reads a step from it, so the run went
     on to its end), or a file in a folder that does not exist (a typo: the file written where it was meant is never
-    read) unless the run makes that folder (--out, a folder on its path or inside it)."""
+    read) unless the run makes that folder (--out, a folder on its path or inside it; `made`: the folder the command
+    makes where it is not `out`, snlp sft-grid's --out holding each run's)."""
     if path:
         from snlp.io.source import did_you_mean
 
         given = Path(path).expanduser()
+        try:  # a name the OS cannot look up (a part over its length limit) is no file anyone can write either
+            given.is_dir(), os_place(given), os_place(Path(out))
+        except OSError as e:
+            raise ValueError(f"--stop-file {path}: {e.strerror or e}") from None
         if given.is_dir():
             raise ValueError(f"--stop-file {path} is a folder: name a file in it (e.g. {Path(path) / 'STOP'}) and write "
                              f"the step to stop at there")
-        parent = given.absolute().parent
-        run_out = Path(out).expanduser().absolute()
+        parent, run_out = os_place(given).parent, os_place(Path(made or out))
         made_by_run = parent == run_out or run_out in parent.parents or parent in run_out.parents
         if not parent.is_dir() and not made_by_run:
             raise ValueError(f"--stop-file {path}: its folder {given.parent} does not exist{did_you_mean(str(given.parent))}"

@@ -101,6 +101,9 @@ def load_conversations(spec: str, limit: int = 0) -> list[list[dict]]:
     most `limit` (0 = all), in file order."""
     out = []
     for part in D.parts(spec):
+        # chat:X is X here (every part is read as chat); missing_parts and resolve_part already read it so, and the
+        # loader alone named it an unknown data source (`snlp sft --data chat:c.jsonl` refused an existing file)
+        part = chat_part(part)
         if part.startswith("mc:"):
             rows = mc_conversations(part)
         elif part.startswith("hf:"):

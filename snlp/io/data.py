@@ -69,8 +69,11 @@ def resolve_files(spec: str) -> list[Path]:
         if not files:
             raise ValueError(f"data glob {spec!r} matched no files")
         return files
+    head = ""  # a chat: / mc: part (snlp.io.chat) is matched by its path, and suggested with its prefix
+    while spec[len(head):].startswith(("chat:", "mc:")):
+        head += spec[len(head):].split(":", 1)[0] + ":"
     raise ValueError(f"unknown data source {spec!r}: not a file, folder or glob that exists, nor 'stdlib' or "
-                     f"'hf:NAME[:CONFIG][:SPLIT]'{did_you_mean(spec)}")
+                     f"'hf:NAME[:CONFIG][:SPLIT]'{did_you_mean(spec[len(head):], head)}")
 
 
 def split_text(text: str, size: int = DOC_CHARS) -> Iterator[str]:

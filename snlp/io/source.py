@@ -67,14 +67,19 @@ def in_hub_cache(name: str) -> bool:
         return False
 
 
-def did_you_mean(name: str) -> str:
-    """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''."""
+def did_you_mean(name: str, prefix: str = "") -> str:
+    """'; did you mean X?' with the names closest to `name`'s missing part in the nearest folder that exists, or ''.
+    A missing folder on the path whose close name holds the rest is shown with it (`dta/a.txt`: data/a.txt). `prefix`
+    (a data spec's chat: / mc:) is written before each name shown, as the user must type it."""
     path = home_path(name)
     if path.exists():  # not a typo ('~/ckpt' quoted, which a loader that does not expand '~' misses): no suggestion
         return ""
     parent, missing = path.parent, path.name
     while not parent.is_dir() and parent != parent.parent:  # the first missing part is the one to match
         parent, missing = parent.parent, parent.name
+    link = parent / missing
+    if link.is_symlink():  # a dangling link: the name is right (the closest name was itself), its target is gone
+        return f"; {link if link != path else name} is a symlink to {os.readlink(link)}, which does not exist"
     try:
         siblings = [p.name for p in parent.iterdir() if not p.name.startswith(".")]
     except OSError:
@@ -86,8 +91,10 @@ def did_you_mean(name: str) -> str:
     if missing == path.name and typed.endswith(missing):  # the last part: keep the name as the user wrote it
         shown = [typed[:len(typed) - len(missing)] + c for c in close]
     else:
-        shown = [str(parent / c) for c in close]
-    return f"; did you mean {' or '.join(shown)}?"
+        rest = path.relative_to(parent / missing)
+        whole = [str(parent / c / rest) for c in close if (parent / c / rest).exists()]
+        shown = whole or [str(parent / c) for c in close]
+    return f"; did you mean {' or '.join(prefix + s for s in shown)}?"
 
 
 def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | None:

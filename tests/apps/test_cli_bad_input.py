@@ -623,3 +623,44 @@ def test_the_library_loads_what_it_saved_under_a_literal_tilde(home, in_home):
     loaded, _ = load("~/ck")
     assert torch.equal(loaded.wte.weight, mine.wte.weight) and not torch.equal(loaded.wte.weight, theirs.wte.weight)
     assert load_drafter("~/drafter-8", loaded).plan.chunks == 2  # home's drafter-8 is of another base: refused
+
+
+@pytest.mark.parametrize("argv,meant", [
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--data", "chat:{i}/chats.jsonn"], "chat:{i}/chats.jsonl"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--data", "{i}/corpus.txt,chat:{i}/chats.jsonn"], "chat:{i}/chats.jsonl"),
+    (["sft", "{ck}", "--data", "chat:{i}/chats.jsonn", "--out", "{o}"], "{i}/chats.jsonl"),
+    (["train", "--data", "{home}/inputz/corpus.txt", "--out", "{o}"], "{i}/corpus.txt"),
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--task", "mc:{home}/inputz/task.jsonl"], "{i}/task.jsonl"),
+])
+def test_a_typo_in_a_prefixed_part_or_a_folder_names_the_whole_path(argv, meant, home, inputs, tmp_path, capsys):
+    """did_you_mean read `chat:/abs/chats.jsonn` as a path whose first part `chat:` is missing, and suggested a name
+    close to "chat:" in the working folder (or nothing); a typo in a folder on the path was answered with the folder
+    alone (`inputz/corpus.txt`: "did you mean inputs?"). The suggestion is now the path to type: the part's prefix
+    kept, the folder's files' name kept where the close folder holds it."""
+    fill = dict(ck=home / "ck", home=home, i=inputs, o=tmp_path / "o")
+    assert main([a.format(**fill) for a in argv]) == 2
+    line = one_error_line(capsys, argv[0])
+    assert f"; did you mean {meant.format(**fill)}" in line, line
+
+
+def test_sft_reads_a_chat_prefixed_part_as_the_same_chat_set(inputs):
+    """snlp.io.chat's missing_parts and resolve_part read `chat:FILE` as FILE (the adapt form), the loader named it an
+    unknown data source: `snlp sft --data chat:chats.jsonl` refused a file that is there."""
+    from snlp.io.chat import load_conversations
+
+    path = str(inputs / "chats.jsonl")
+    assert load_conversations("chat:" + path) == load_conversations(path) != []
+
+
+def test_a_dangling_symlink_is_named_as_one_not_suggested_as_itself(tmp_path, capsys):
+    """did_you_mean listed the folder's names, a dangling symlink's own name among them (it does not "exist"), so a
+    --data, --stop-file or checkpoint that is a broken link was answered "did you mean <the same name>?". The line
+    now says it is a symlink and to what."""
+    link = tmp_path / "corpus.txt"
+    link.symlink_to(tmp_path / "moved" / "corpus.txt")
+    assert main(["train", "--data", str(link), "--out", str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys, "train")
+    assert line.endswith(f"; {link} is a symlink to {tmp_path}/moved/corpus.txt, which does not exist"), line
+    assert main(["generate", str(link), "--prompt", "hi"]) == 2
+    line = one_error_line(capsys, "generate")
+    assert "did you mean" not in line and "is a symlink to" in line, line

@@ -344,3 +344,31 @@ def test_mhc_models_are_analysed_on_the_stream_state():
     assert len(res.jacobian.layers) == 2 and all(math.isfinite(d.sigma_max) for d in res.jacobian.layers)
     assert {(r.alpha, r.init, r.chunking) for r in res.elk.rows} == {(0, "h0", "2xF1"), (0, "fwd", "2xF1"),
                                                                       (0, "preheat", "2xF1")}
+
+
+def test_a_signal_during_a_sections_write_is_held_until_the_files_agree_with_the_line(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that came while `snlp analyze` wrote a finished section (after analysis.json, before analysis.md: write
+    removes the old markdown and plots first) cut the write short: the folder held a partial analysis.json and no
+    analysis.md, and the line said "no section had finished: nothing written". The signal is now held until the write
+    is done, so the line names the section the files hold, both files present and marked partial."""
+    import signal
+
+    import snlp.eval.analysis.report as R
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    argv = ["analyze", str(ck), "--only", "ordering,early-exit", "--suffixes", "2", "--shuffles", "1",
+            "--seq-len", "8", "--max-tokens", "32", "--no-progress", "--out", str(out)]
+    real = R.write_plots
+
+    def ctrl_c_mid_write(res, folder):  # analysis.json is written, the markdown not yet
+        signal.raise_signal(signal.SIGINT)
+        return real(res, folder)
+
+    monkeypatch.setattr(R, "write_plots", ctrl_c_mid_write)
+    assert main(argv) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("snlp analyze: interrupted; kept the finished sections (ordering) in "), last
+    assert json.loads((out / "analysis.json").read_text())["complete"] is False
+    assert "**PARTIAL**" in (out / "analysis.md").read_text()

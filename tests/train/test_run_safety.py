@@ -850,3 +850,51 @@ def test_time_reg_marks_its_paired_overhead_by_the_sign_test(corpus, tmp_path, c
     mixed = speed_line(StepSpeed(**base, reg_round_ratios=[0.77] * 5 + [1.1]))  # 5 of 6: p = 14 / 64 = 0.22
     assert mixed.endswith("(1.30x (tie); a tie with the step without it: faster in 1 of 6 paired rounds; the two-sided "
                           "sign test at 5% does not resolve it, p = 0.22)"), mixed
+
+
+def test_a_stop_file_in_out_spelled_through_a_symlink_is_accepted(corpus, tmp_path, capsys):
+    """The --stop-file folder check compared the spellings of --out and the file's folder: `--out link/run` with a
+    stop file in target/run (one folder, which the run makes) was refused as "does not exist". The places are
+    compared now; a folder the OS cannot reach until something else makes it (`runs/b/../run` with no runs/b: the
+    OS walks b before ..) is still refused, while --out names the same place by its own spelling."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "link" / "run"), *flags,
+                 "--stop-file", str(tmp_path / "target" / "run" / "STOP")]) == 0
+    assert main(["train", "--out", str(tmp_path / "target" / "run2"), *flags,
+                 "--stop-file", str(tmp_path / "link" / "run2" / "STOP")]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "runs" / "a"), *flags,
+                 "--stop-file", str(tmp_path / "runs" / "b" / ".." / "a" / "STOP")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sft_grid_accepts_a_stop_file_in_the_folder_of_its_second_run(tmp_path):
+    """snlp sft-grid checked its --stop-file against each run's own folder (--out/sft-FORWARD), so a file in the
+    other run's folder, which the grid makes too, was refused as "does not exist ... name a file in --out" though it
+    is in --out. A folder no one makes is still refused."""
+    from argparse import Namespace
+
+    from snlp.apps.sft_grid import check_grid_stop_file
+
+    grid = tmp_path / "grid"
+    args = Namespace(out=str(grid), plan="2xF1-h0-K1", stop_file=str(grid / "sft-2xF1-h0-K1" / "STOP"))
+    check_grid_stop_file(args)
+    args.stop_file = str(grid / "sft-sequential" / "STOP")
+    check_grid_stop_file(args)
+    args.stop_file = str(tmp_path / "gird" / "STOP")
+    with pytest.raises(ValueError, match="does not exist"):
+        check_grid_stop_file(args)
+
+
+def test_a_stop_file_name_over_the_os_limit_is_one_line(corpus, tmp_path, capsys):
+    """The --stop-file folder check's is_dir raised OSError (ENAMETOOLONG) for a part over 255 bytes: a traceback
+    where the run used to go on (and never stop: no one can write that file). One line now, before any work."""
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), *flags, "--stop-file", str(tmp_path / ("a" * 300) / "STOP")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("snlp train: error: --stop-file ") and "too long" in err, err
+    assert not (tmp_path / "run").exists()
