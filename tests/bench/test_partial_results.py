@@ -373,6 +373,7 @@ def test_decode_suite_cut_short_keeps_its_csv_marked_partial(tmp_path, monkeypat
     assert not c.read_text().startswith("#") and json.loads(j.read_text())["complete"] is True
 
 
+@pytest.mark.skipif(PAPER is None, reason="no checkout of the paper's code beside the repository")
 @pytest.mark.parametrize("failed", [False, True])
 def test_a_signal_after_vs_paper_finished_exits_0_unless_a_callable_failed(failed, tmp_path, monkeypatch, capsys):
     """--vs-paper ends with status 1 where a callable failed: a signal after its files were written complete exits 0
