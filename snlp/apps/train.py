@@ -270,8 +270,9 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
     run would stop before its first step and save a checkpoint of no training, with status 0 (snlp train and sft).
     Refuse too a --stop-file no one can write: a folder (read_step_file never reads a step from it, so the run went
     on to its end), or a file in a folder that does not exist (a typo: the file written where it was meant is never
-    read) unless the run makes that folder (--out, a folder on its path or inside it; `made`: the folder the command
-    makes where it is not `out`, snlp sft-grid's --out holding each run's)."""
+    read) unless the run makes that folder (--out or a folder on its path) or it lies inside --out (the user can make
+    it once the run has made --out); `made`: the folder the command makes where it is not `out`, snlp sft-grid's --out
+    holding each run's."""
     if path:
         from snlp.io.source import did_you_mean
 
