@@ -95,7 +95,9 @@ def interrupt_hint(args) -> str:
     if not kept:
         return "no section had finished: nothing written"
     return (f"kept the finished sections ({', '.join(kept)}) in {args.out}/analysis.md and analysis.json, marked "
-            f"partial (\"complete\": false); a rerun computes every section again (--only picks the rest)")
+            f"partial (\"complete\": false)" + ("; they replaced the analysis an earlier run had written there"
+                                                 if getattr(args, "replaced", False) else "")
+            + "; a rerun computes every section again (--only picks the rest)")
 
 
 def run(args) -> int:
@@ -122,7 +124,11 @@ def run(args) -> int:
                          seed=args.seed, progress=not args.no_progress)
     cfg.check(model.config.n_layer)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
+    from pathlib import Path
+
     from snlp.train.hooks import deferred
+
+    args.replaced = (Path(args.out) / "analysis.json").is_file()  # an earlier run's: the first section replaces it
 
     # a signal during a write is held until the files and what interrupt_hint / finished say of them agree: raised
     # mid-write it left a partial analysis.json beside no analysis.md (write removes the old one before the plots)

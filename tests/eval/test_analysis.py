@@ -323,7 +323,11 @@ def test_a_cut_analysis_keeps_its_finished_sections_marked_partial(tmp_path, cap
         assert getattr(snlp.apps.analyze, "LOCK_OUTPUTS", False)  # SIGTERM raised as Ctrl-C (cli.measurement_signals)
         m.setattr(R, "elk_sweep", sigterm)
         assert main(argv) == 128 + signal.SIGTERM
-        assert capsys.readouterr().err.strip().splitlines()[-1] == f"snlp analyze: interrupted by SIGTERM; {kept}"
+        # the first cut run's files were there: the line says the new sections replaced them (a complete earlier
+        # analysis in --out is replaced by a cut rerun's first section, which the line did not say)
+        replaced = kept.replace('"complete": false);', '"complete": false); they replaced the analysis an earlier run '
+                                                         'had written there;')
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"snlp analyze: interrupted by SIGTERM; {replaced}"
     data = json.loads((tmp_path / "out" / "analysis.json").read_text())
     assert data["complete"] is False and data["early_exit"] and data["ordering"] and data["elk"] is None
     md = (tmp_path / "out" / "analysis.md").read_text()
