@@ -223,7 +223,9 @@ class TrainBenchResult:
         spreads = self.ratio_spreads()
         if spreads:
             lines += ["", " | ".join(f"{k} {v['ratio']:.2f}x ({v['lo']:.2f}-{v['hi']:.2f}"
-                                     + (": tie, inside the spreads)" if v["tie"] else ")") for k, v in spreads.items())]
+                                     + ((": tie, inside the spreads)" if v["lo"] <= 1.0 <= v["hi"] else
+                                         ": tie, too few steps to tell the spreads apart)") if v["tie"] else ")")
+                                     for k, v in spreads.items())]
         return "\n".join(lines) + "\n"
 
 

@@ -96,8 +96,11 @@ def test_distributed_speedups_carry_their_noise_rule():
     tie = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [1.0, 2.0, 3.0], "snlp_times_ms": [1.5] * 3},
                          **ctx)
     assert (tie.speedup_lo, tie.speedup_hi, tie.speedup_tie) == (pytest.approx(0.8), pytest.approx(2.8 / 1.5), True)
-    apart = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [2.0] * 3, "snlp_times_ms": [1.0] * 3}, **ctx)
+    # separated spreads: a difference from 4 timings a side; 3 and 3 separate by chance one time in ten (a tie)
+    apart = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [2.0] * 4, "snlp_times_ms": [1.0] * 4}, **ctx)
     assert (apart.speedup_lo, apart.speedup_hi, apart.speedup_tie) == (2.0, 2.0, False)
+    few = dist_bench_row({**prefill, "pipeline_sequential_times_ms": [2.0] * 3, "snlp_times_ms": [1.0] * 3}, **ctx)
+    assert (few.speedup_lo, few.speedup_hi, few.speedup_tie) == (2.0, 2.0, True)
     decode = {**base, "what": "decode", "mode": "snlp", "block": None, "ms_per_token": 1.0,
               "speedup_vs_pipeline": 2.0, "matches_sequential": False, "prompt_len": 16, "new_tokens": 8,
               "ms_per_token_runs": [1.0] * 6, "sequential_ms_per_token_runs": [2.0] * 6}

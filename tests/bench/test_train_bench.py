@@ -41,7 +41,7 @@ def test_quick_train_bench_runs_every_variant(tmp_path, capsys):
                                                                 / by["compiled", "none"]["step_ms"])
     for name, sp in data["ratio_spreads"].items():  # each ratio with the range its rows' spreads allow
         assert sp["lo"] <= sp["ratio"] <= sp["hi"] and sp["ratio"] == pytest.approx(ratios[name])
-        assert sp["tie"] is (sp["lo"] <= 1.0 <= sp["hi"])
+        assert sp["tie"] is True  # 3 timed steps a row: too few for separated spreads to mean a difference
     for r in rows:
         assert len(r["step_ms_timed"]) == r["steps"] == 3
         t = r["step_ms_timed"]
