@@ -11,7 +11,6 @@ DiagN probe primitives) at each of `--tokens 1,16,...`.
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -364,6 +363,7 @@ def finished(args) -> str | None:
     release): what holds the results, so that snlp.apps.cli ends with status 0 (not 128 + signum: a requeue script
     would run the whole benchmark again); else None."""
     from snlp.bench.records import marked_partial
+    from snlp.runtime.outputs import complete_in
 
     files = result_files(args)
     kept = written(args, files)
@@ -371,7 +371,7 @@ def finished(args) -> str | None:
         return None
     if getattr(args, "vs_paper", None) and json.loads(kept[0].read_text()).get("failures"):
         return None  # the run's own status is 1 (a callable failed), which 0 would hide
-    return f"{holds(kept)} its complete results"
+    return complete_in(kept)
 
 
 def interrupt_hint(args) -> str:
@@ -388,10 +388,6 @@ def interrupt_hint(args) -> str:
     if args.json or args.csv or (args.suite == "decode" and args.out != "bench-suite"):
         return "this run writes its records once every round has run: nothing written"
     return ""
-
-
-def holds(paths: list[Path]) -> str:
-    return " and ".join(map(str, paths)) + (" hold" if len(paths) > 1 else " holds")
 
 
 def run(args) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from snlp.apps import eval_harness
 from snlp.eval.config import EvalConfig
+from snlp.runtime.outputs import complete_in
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
     from snlp.model.gpt import GPT
@@ -257,7 +258,7 @@ def run(args) -> int:
         args.kept = f"the finished results in {' and '.join(finished)}" + (
             f" ({' and '.join(rest)} still marked partial)" if rest else "")
         if not rest:
-            args.finished = holds(finished)
+            args.finished = complete_in(finished)
 
     if args.json:
         write_json(args.json, [r.to_dict() for r in records])
@@ -324,10 +325,6 @@ def partial_writer(args):
     return write
 
 
-def holds(paths) -> str:
-    return " and ".join(map(str, paths)) + (" hold" if len(paths) > 1 else " holds") + " its complete results"
-
-
 def finished(args) -> str | None:
     """Where a signal came after every file of the run was written complete (snlp.apps.cli: status 0, not 128 +
     signum, so a requeue script does not run it again): what holds the results; else None."""
@@ -390,7 +387,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     if args.markdown:
         write_atomic(args.markdown, table + "\n")
     if args.json or args.markdown:
-        args.finished = holds([p for p in (args.json, args.markdown) if p])
+        args.finished = complete_in([p for p in (args.json, args.markdown) if p])
     return 0
 
 
@@ -414,7 +411,7 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
             args.kept = f"the accuracy of {done} in {where}, marked partial (\"complete\": false)"
         else:  # a Ctrl-C after the last write names the files as finished (and the run ends with status 0)
             args.kept = f"the finished results in {where}"
-            args.finished = holds([p for p in (args.json, args.markdown) if p])
+            args.finished = complete_in([p for p in (args.json, args.markdown) if p])
 
     result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]

@@ -181,7 +181,7 @@ def run(args) -> int:
 
     def write(records, complete: bool) -> None:
         """Each finished method's JSON, table.md and --markdown / --json; until the last method, marked partial."""
-        from snlp.runtime.outputs import partial_line
+        from snlp.runtime.outputs import complete_in, partial_line
 
         out.mkdir(parents=True, exist_ok=True)
         for rec in records:
@@ -200,7 +200,7 @@ def run(args) -> int:
                          + " (table.md marked partial; a re-run into it needs --force)")
         else:  # a Ctrl-C after the last write names the files as finished (and the run ends with status 0)
             args.kept = f"the finished results in {out}" + (f" and {args.json}" if args.json else "")
-            args.finished = f"{out}" + (f" and {args.json} hold" if args.json else " holds") + " its complete results"
+            args.finished = complete_in([out, *([args.json] if args.json else [])])
 
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,

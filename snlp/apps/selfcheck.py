@@ -53,7 +53,9 @@ def run(args) -> int:
     print("\n".join(table(res)))
     write_json(Path(args.out) / "selfcheck.json", res.to_dict())
     if res.passed:  # a signal from here on finds the run finished: status 0, as the run's own (snlp.apps.cli)
-        args.finished = f"{Path(args.out) / 'selfcheck.json'} holds its complete results"
+        from snlp.runtime.outputs import complete_in
+
+        args.finished = complete_in([Path(args.out) / "selfcheck.json"])
     return 0 if res.passed else 1
 
 

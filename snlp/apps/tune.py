@@ -23,6 +23,7 @@ import sys
 from types import SimpleNamespace
 
 from snlp.bench.stats import fewest_sign_rounds
+from snlp.runtime.outputs import complete_in
 
 SUMMARY = "Choose the decoding plan for a checkpoint on this machine by measurement."
 DESCRIPTION = """\
@@ -136,7 +137,7 @@ def finished(args) -> str | None:
 
     kept = getattr(args, "kept", None)  # set once this run wrote stage 1: the file is its own
     if kept and not marked_partial(args.json):  # the signal came after the last write (the pick's)
-        return f"{args.json} holds its complete results"
+        return complete_in([args.json])
     return None
 
 

@@ -114,6 +114,13 @@ def partial_line(done: str) -> str:
             f'"complete": false')
 
 
+def complete_in(paths) -> str:
+    """"A and B hold its complete results": what a run's line says where a signal came after every file it writes was
+    written complete (snlp.apps.cli then ends with status 0, each command's `finished`)."""
+    paths = [str(p) for p in paths]
+    return " and ".join(paths) + (" hold" if len(paths) > 1 else " holds") + " its complete results"
+
+
 def partial_comment(done: str) -> str:
     """The first line of a CSV written while its run was going: pandas.read_csv(path, comment="#") skips it (and so
     reads the rows as it reads a finished file's: the first line is what tells them apart, snlp.bench.records.
