@@ -123,10 +123,14 @@ def add_arguments(p) -> None:
     eval_harness.add_arguments(p)  # --harness TASKS ... (snlp.apps.eval_harness)
 
 
+def seq_len(args, model: GPT) -> int:
+    """--seq-len, by default min(256, the model's sequence_len) (an explicit 0 is refused, not read as the default)."""
+    return min(256, model.config.sequence_len) if args.seq_len is None else args.seq_len
+
+
 def config_from_args(args, model: GPT) -> EvalConfig:
-    """EvalConfig from the CLI flags (--seq-len defaults to min(256, the model's sequence_len))."""
-    seq_len = min(256, model.config.sequence_len) if args.seq_len is None else args.seq_len
-    return EvalConfig(seq_len=seq_len, max_tokens=args.max_tokens,
+    """EvalConfig from the CLI flags (--seq-len: `seq_len`)."""
+    return EvalConfig(seq_len=seq_len(args, model), max_tokens=args.max_tokens,
                       prompts=args.prompts, prompt_len=args.prompt_len, gen_tokens=args.gen_tokens,
                       warmup=args.warmup, runs=args.runs, time_tokens=args.time_tokens, emb=not args.no_emb,
                       seed=args.seed, progress=not args.no_progress, batch=args.batch)
@@ -374,9 +378,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
         whose = "the tuned model's split" if split.tuned is not None else "the drafter's split"
         val, val_frac, source = held_out_tokens(split, tok), split.val_frac, f"{split.data} ({whose})"
     prompts = drafter_prompts(split, args.chat_prompts, tok, val_frac, args.prompts) if args.chat_prompts else []
-    cfg = DrafterEvalConfig(seq_len=min(256, model.config.sequence_len) if args.seq_len is None else args.seq_len,
-                            max_tokens=args.max_tokens, batch=args.batch, blocks=drafter_blocks(args.blocks),
-                            gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
+    cfg = DrafterEvalConfig(seq_len=seq_len(args, model), max_tokens=args.max_tokens, batch=args.batch,
+                            blocks=drafter_blocks(args.blocks), gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
     table = drafter_markdown(rows)
