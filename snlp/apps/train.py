@@ -278,13 +278,12 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
 
         given = Path(path).expanduser()
         try:  # a name the OS cannot look up (a part over its length limit) is no file anyone can write either
-            given.is_dir(), os_place(given), os_place(Path(out))
+            is_dir, parent, run_out = given.is_dir(), os_place(given).parent, os_place(Path(made or out))
         except OSError as e:
             raise ValueError(f"--stop-file {path}: {e.strerror or e}") from None
-        if given.is_dir():
+        if is_dir:
             raise ValueError(f"--stop-file {path} is a folder: name a file in it (e.g. {Path(path) / 'STOP'}) and write "
                              f"the step to stop at there")
-        parent, run_out = os_place(given).parent, os_place(Path(made or out))
         made_by_run = parent == run_out or run_out in parent.parents or parent in run_out.parents
         if not parent.is_dir() and not made_by_run:
             raise ValueError(f"--stop-file {path}: its folder {given.parent} does not exist{did_you_mean(str(given.parent))}"
