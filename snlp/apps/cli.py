@@ -158,10 +158,16 @@ def command_of(argv: list[str]) -> str:
     return word if word in COMMANDS else ""
 
 
-def path_dests(args) -> tuple[str, ...]:
-    """The dests of `args`' command that name one local path (PATH_FLAGS, the output files and folders)."""
+def output_dests(args) -> tuple[str, ...]:
+    """The dests of `args`' command that name an output: OUTPUT_FILES and the module's, `out`, the module's
+    OUTPUT_DIRS."""
     return tuple(dict.fromkeys(OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
-        getattr(args.module, "OUTPUT_DIRS", ())) + PATH_FLAGS))
+        getattr(args.module, "OUTPUT_DIRS", ()))))
+
+
+def path_dests(args) -> tuple[str, ...]:
+    """The dests of `args`' command that name one local path (the outputs, PATH_FLAGS)."""
+    return tuple(dict.fromkeys(output_dests(args) + PATH_FLAGS))
 
 
 def expand_paths(parser: argparse.ArgumentParser, args) -> None:
@@ -210,7 +216,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
 
     sub = parser.commands[args.command]
     files = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ()))
-    outputs = dict.fromkeys(files + ("out",) + tuple(getattr(args.module, "OUTPUT_DIRS", ())))
+    outputs = output_dests(args)
     written: dict = {}  # resolved output file -> its flag
     # the folder this command writes a model or drafter into (a module's OUT_IS_MODEL): its files are refused as outputs
     # before the folder holds them (`snlp adapt --out D --json D/drafter.json` wrote the result over the new drafter's
@@ -305,33 +311,15 @@ def output_locks(parser: argparse.ArgumentParser, args):
 
     from snlp.runtime.outputs import lock_path, locked_output
 
-    def made(folder):
-        """The folders of `folder`'s path that do not exist yet, deepest first."""
-        folder = folder.absolute()
-        missing = []
-        while not folder.exists() and folder != folder.parent:
-            missing.append(folder)
-            folder = folder.parent
-        return missing
-
-    def remove_empty(folders) -> None:
-        for f in folders:
-            try:
-                f.rmdir()  # only while empty: the run's results keep their folder
-            except OSError:
-                return
-
     stack = ExitStack()
     args.hold_output = lambda value, flag: None
     if not getattr(args.module, "LOCK_OUTPUTS", False) or os.environ.get("RANK", "0") != "0":
         return stack  # under torchrun every rank parses the same flags: rank 0 holds the locks
     sub = parser.commands[args.command]
-    dests = OUTPUT_FILES + tuple(getattr(args.module, "OUTPUT_FILES", ())) + ("out",) + tuple(
-        getattr(args.module, "OUTPUT_DIRS", ()))
     given = getattr(args, "given", frozenset())
 
     def hold(value: str, flag: str) -> None:
-        stack.callback(remove_empty, made(lock_path(value).parent))  # runs after the lock is released
+        stack.callback(remove_empty, new_folders(str(lock_path(value).parent)))  # after the lock is released
         stack.enter_context(locked_output(value, flag))
 
     # the default folder a run writes (a suite's bench-suite, selfcheck's selfcheck, --harness's harness-NAME): two
@@ -339,7 +327,7 @@ def output_locks(parser: argparse.ArgumentParser, args):
     # run refused for bad input never stands in another's way
     args.hold_output = hold
     try:
-        for dest in dict.fromkeys(dests):  # typed (a default typed out too: `--out selfcheck`)
+        for dest in output_dests(args):  # typed (a default typed out too: `--out selfcheck`)
             value = getattr(args, dest, None)
             if isinstance(value, str) and value and (dest in given or value != sub.get_default(dest)):
                 hold(value, "--" + dest.replace("_", "-"))
