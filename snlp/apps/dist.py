@@ -242,7 +242,7 @@ class DistDecodeRow(DistBenchRow):
 def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
     """A distributed_benchmark record (a dict, keyed by `what`) as its typed row, with rank 0's context and its
     speedup's noise verdict: the spreads rule for prefill (its sides are not paired), the sign test for decode."""
-    from snlp.bench.stats import p10_p90, paired_marks, spread_verdict
+    from snlp.bench.stats import p10_p90, paired_fields, spread_verdict
 
     cls = DistPrefillRow if rec["what"] == "prefill" else DistDecodeRow
     row = cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
@@ -252,10 +252,9 @@ def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
                                                                          len(row.pipeline_sequential_times_ms),
                                                                          len(row.snlp_times_ms))
     if isinstance(row, DistDecodeRow) and row.ms_per_token_runs and row.mode != "sequential":
-        row.speedup_rounds = [a / b for a, b in zip(row.sequential_ms_per_token_runs, row.ms_per_token_runs)]
-        marks = paired_marks(row.speedup_rounds)
-        row.speedup_verdict, row.speedup_wins, row.speedup_losses, row.speedup_p = (
-            marks["verdict"], marks["wins"], marks["losses"], marks["p"])
+        for k, v in paired_fields("speedup", [a / b for a, b in zip(row.sequential_ms_per_token_runs,
+                                                                    row.ms_per_token_runs)]).items():
+            setattr(row, k, v)
     return row
 
 

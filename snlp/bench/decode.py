@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from snlp.bench.stats import paired_marks
+from snlp.bench.stats import paired_fields
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
@@ -169,15 +169,13 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
     for (mode, plan, b), rs in results.items():
         r, t = rs[0], ms[(mode, plan, b)]
         rounds = None if mode == "sequential" else [a / x for a, x in zip(per_run[key0], per_run[(mode, plan, b)])]
-        marks = paired_marks(rounds)
         row = DecodeRow(
             mode=mode, plan="sequential" if plan is None else str(plan), block=b or None, ms_per_token=t,
             tokens_per_s=1e3 / t, speedup=ms[key0] / t, matches_sequential=r.tokens == ref_tokens,
             n_layer=model.config.n_layer, device=str(param.device), dtype=str(param.dtype).replace("torch.", ""),
             compile_s=seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
             host_syncs=None if syncs is None else syncs[plan] + (syncs["verify"] if b else 0.0),
-            ms_per_token_runs=per_run[(mode, plan, b)], speedup_rounds=rounds, speedup_verdict=marks["verdict"],
-            speedup_wins=marks["wins"], speedup_losses=marks["losses"], speedup_p=marks["p"], **common)
+            ms_per_token_runs=per_run[(mode, plan, b)], **paired_fields("speedup", rounds), **common)
         if mode == "sequential":
             row.model_bytes = model_bytes(model)
             row.bandwidth_gb_s = row.model_bytes * row.tokens_per_s / 1e9
@@ -185,11 +183,10 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
             # drafter speedup, like with like: sequential over drafter ms per cached single-token step
             row.drafter_speedup_s = seq_step_ms / draft_ms
-            row.drafter_speedup_rounds = [q.ms_per_step / x.draft_ms_per_step for q, x in zip(results[key0], rs)
-                                          if x.draft_ms_per_step]  # a run that drafted nothing has no s
-            s_marks = paired_marks(row.drafter_speedup_rounds)
-            row.drafter_speedup_verdict, row.drafter_speedup_wins, row.drafter_speedup_losses, row.drafter_speedup_p = (
-                s_marks["verdict"], s_marks["wins"], s_marks["losses"], s_marks["p"])
+            s_rounds = [q.ms_per_step / x.draft_ms_per_step for q, x in zip(results[key0], rs)
+                        if x.draft_ms_per_step]  # a run that drafted nothing has no s
+            for k, v in paired_fields("drafter_speedup", s_rounds).items():
+                setattr(row, k, v)
             row.alpha, row.tokens_per_round = r.acceptance_rate, r.tokens_per_round
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
             row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)
@@ -312,7 +309,6 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
         spec = mode == "speculative"
         mine = runs_tps[(mode, plan, b, tag)]
         ratios = [x / y for x, y in zip(mine, runs_tps[key0])] if spec else None
-        marks = paired_marks(ratios)
         rows.append(BatchDecodeRow(
             mode=mode, plan=plan, block=b, variant=tag, tokens_per_s=tps[(mode, plan, b, tag)],
             speedup=tps[(mode, plan, b, tag)] / base,
@@ -320,6 +316,5 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
             alpha=acc / exam if spec and exam else None,
             tokens_per_round=sum(len(r.tokens) for r in last) / rounds if spec and rounds else None,
             drafted_per_round=drafted / rounds if spec and rounds else None, tokens_per_s_runs=mine,
-            speedup_rounds=ratios, speedup_verdict=marks["verdict"], speedup_wins=marks["wins"],
-            speedup_losses=marks["losses"], speedup_p=marks["p"], **common))
+            **paired_fields("speedup", ratios), **common))
     return rows

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from snlp.bench.stats import paired_marks
+from snlp.bench.stats import paired_fields
 from snlp.decode.steps import check_compilable, compile_fullgraph, mark_static_runner
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
@@ -212,7 +212,6 @@ def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s:
     ts = times[name]
     med = statistics.median(ts)
     rounds = None if name == "sequential" else [b / t for b, t in zip(times["sequential"], ts)]
-    marks = paired_marks(rounds)
     plan = None if name == "sequential" else Plan.parse(name)
     steps = L if plan is None else plan.critical_path_layers(L, iters)
     fixed = min(embed_ms + head_ms, base)  # what structural_ideal splits off: the record's fields obey its formula
@@ -223,5 +222,4 @@ def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s:
         critical_path_layers=steps, embed_ms=embed_ms, head_ms=head_ms, fixed_ms=fixed,
         layer_ms=layer_ms, structural_ideal=struct, of_structural=(base / med) / struct,
         min_ms=min(ts), max_ms=max(ts), runs=len(ts), prefix=L if plan is None else plan.prefix_len(L),
-        compile_s=compile_s, times_ms=list(ts), speedup_rounds=rounds, speedup_verdict=marks["verdict"],
-        speedup_wins=marks["wins"], speedup_losses=marks["losses"], speedup_p=marks["p"], **common)
+        compile_s=compile_s, times_ms=list(ts), **paired_fields("speedup", rounds), **common)

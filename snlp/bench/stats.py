@@ -11,6 +11,7 @@ from snlp.runtime.stats import (  # noqa: F401
     paired_verdict,
     verdict_text,
     paired_marks,
+    paired_fields,
     tie_mark,
     tie_footnote,
     ratio_range,
@@ -21,4 +22,4 @@ from snlp.runtime.stats import (  # noqa: F401
     t_quantile,
 )
 
-__all__ = ['SIGN_LEVEL', 'sign_test_p', 'sign_test_wins', 'fewest_sign_rounds', 'separation_p', 'paired_verdict', 'verdict_text', 'paired_marks', 'tie_mark', 'tie_footnote', 'ratio_range', 'p10_p90', 'spread_verdict', 'incomplete_beta', 't_test_p', 't_quantile']
+__all__ = ['SIGN_LEVEL', 'sign_test_p', 'sign_test_wins', 'fewest_sign_rounds', 'separation_p', 'paired_verdict', 'verdict_text', 'paired_marks', 'paired_fields', 'tie_mark', 'tie_footnote', 'ratio_range', 'p10_p90', 'spread_verdict', 'incomplete_beta', 't_test_p', 't_quantile']

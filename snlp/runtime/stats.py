@@ -72,6 +72,12 @@ def paired_marks(ratios: list[float] | None) -> dict:
     return {"verdict": verdict, "wins": wins, "losses": losses, "p": p}
 
 
+def paired_fields(name: str, ratios: list[float] | None) -> dict:
+    """A record's fields for a paired ratio `name` (e.g. "speedup"): `{name}_rounds` (the per-round ratios) and
+    paired_marks' verdict, wins, losses and p as `{name}_verdict`, `{name}_wins`, `{name}_losses`, `{name}_p`."""
+    return {f"{name}_rounds": ratios, **{f"{name}_{k}": v for k, v in paired_marks(ratios).items()}}
+
+
 def tie_mark(ratios: list[float] | None, value: float | None = None) -> str:
     """The mark after a printed ratio `value` with its paired per-round ratios (the same orientation): " (tie)" where
     the sign test does not resolve the rounds from 1.00x; where `value` is a ratio of the two sides' medians and the
