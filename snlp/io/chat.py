@@ -170,24 +170,15 @@ def local_path(path: str | None) -> str | None:
     return D.absolute_part(path) if path else path
 
 
-def split_heads(part: str) -> tuple[str, str]:
-    """(its chat: / mc: prefixes, the rest) of a data spec part."""
-    head = ""
-    for pre in ("chat:", "mc:"):
-        if part[len(head):].startswith(pre):
-            head += pre
-    return head, part[len(head):]
-
-
 def resolve_part(part: str) -> str:
     """One data spec part with its local path absolute (`local_path`), its chat: / mc: prefixes kept."""
-    head, rest = split_heads(part)
+    head, rest = D.split_heads(part)
     return head + local_path(rest)
 
 
 def missing_parts(spec: str | None) -> list[str]:
     """The parts of a data spec (chat: / mc: prefixes allowed) whose local files are not here (data.missing_parts)."""
-    return [p for p in D.parts(spec) if D.missing_parts(split_heads(p)[1])]
+    return [p for p in D.parts(spec) if D.missing_parts(D.split_heads(p)[1])]
 
 
 def resolve_spec(spec: str | None) -> str:

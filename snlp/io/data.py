@@ -69,11 +69,18 @@ def resolve_files(spec: str) -> list[Path]:
         if not files:
             raise ValueError(f"data glob {spec!r} matched no files")
         return files
-    head = ""  # a chat: / mc: part (snlp.io.chat) is matched by its path, and suggested with its prefix
-    while spec[len(head):].startswith(("chat:", "mc:")):
-        head += spec[len(head):].split(":", 1)[0] + ":"
+    head, rest = split_heads(spec)  # a chat: / mc: part is matched by its path and suggested with its prefix
     raise ValueError(f"unknown data source {spec!r}: not a file, folder or glob that exists, nor 'stdlib' or "
-                     f"'hf:NAME[:CONFIG][:SPLIT]'{did_you_mean(spec[len(head):], head)}")
+                     f"'hf:NAME[:CONFIG][:SPLIT]'{did_you_mean(rest, head)}")
+
+
+def split_heads(part: str) -> tuple[str, str]:
+    """(its chat: / mc: prefixes, the rest) of a data spec part (snlp.io.chat reads chat: and mc: parts)."""
+    head = ""
+    for pre in ("chat:", "mc:"):
+        if part[len(head):].startswith(pre):
+            head += pre
+    return head, part[len(head):]
 
 
 def split_text(text: str, size: int = DOC_CHARS) -> Iterator[str]:
