@@ -19,6 +19,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import Runner, bind
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
+from snlp.runtime.timing import round_order
 
 
 @dataclass
@@ -132,13 +133,13 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
         for b in blocks:
             fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
                 model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq, **spec_kw))(plan, b)
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    for r in range(warmup):
+        for key in round_order(fns, r):
+            fns[key]()
     results = {key: [] for key in fns}
-    for _ in range(runs):  # round-robin: drift hits every row alike
-        for key, fn in fns.items():
-            results[key].append(fn())
+    for r in range(runs):  # round-robin, the order rotated: drift and the row before hit every row alike
+        for key in round_order(fns, r):
+            results[key].append(fns[key]())
     syncs = _compiled_syncs(model, seq, drafts, prompt_len + new_tokens + seq.slack + max(blocks),
                             max(blocks)) if compile else None
     return _rows(model, results, seq, drafts, syncs, dict(new_tokens=new_tokens, prompt_len=prompt_len, runs=runs,
@@ -290,13 +291,13 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
 
 
 def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> list[BatchDecodeRow]:
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    for r in range(warmup):
+        for k in round_order(fns, r):
+            fns[k]()
     res = {k: [] for k in fns}
-    for _ in range(runs):  # round-robin: load drift hits every row alike
-        for k, fn in fns.items():
-            res[k].append(fn())
+    for r in range(runs):  # round-robin, the order rotated: load drift and the row before hit every row alike
+        for k in round_order(fns, r):
+            res[k].append(fns[k]())
     runs_tps = {k: [r[0].extra["batch"]["tokens_per_s"] for r in rs] for k, rs in res.items()}
     tps = {k: statistics.median(v) for k, v in runs_tps.items()}
     key0 = ("sequential", "sequential", None, "")

@@ -56,7 +56,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label
-from snlp.runtime.timing import now
+from snlp.runtime.timing import now, round_order
 
 # the rows' tie rule, a rank test on two rows' rounds (the paired sign test resolves nothing under 6 rounds; the
 # suite's CPU default is 5): separated min-max ranges are a lead only where chance makes them rarely
@@ -581,7 +581,9 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
     times = {i: [] for i in fns}
     for r in range(max(warmup, 1) + rounds):
         timed = r >= max(warmup, 1)
-        for i in list(fns):
+        for i in round_order(fns, r):  # rotated: no row always runs right after the same one
+            if i not in fns:
+                continue
             t0 = now(device)
             try:
                 fns[i]()

@@ -58,7 +58,7 @@ from snlp.method.solver import bind, preheat_for
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
 from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl
-from snlp.runtime.timing import time_round_robin
+from snlp.runtime.timing import round_order, time_round_robin
 
 GOALS = ("ssd", "snlp")
 
@@ -340,14 +340,14 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
 
 def _cpu_round_robin(fns: dict, warmup: int, runs: int) -> dict:
     """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    for r in range(warmup):
+        for k in round_order(fns, r):
+            fns[k]()
     out = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, fn in fns.items():
+    for r in range(runs):
+        for k in round_order(fns, r):
             t0 = time.thread_time()
-            fn()
+            fns[k]()
             out[k].append(1e3 * (time.thread_time() - t0))
     return out
 
@@ -454,9 +454,9 @@ def measure_snlp(model: GPT, prompts: list[list[int]], cands: list[Candidate], c
             ms = {k: [] for k in run}  # per timed round: ms per token over all prompts
             for r in range(cfg.warmup + cfg.repeats):
                 tot = {k: [0.0, 0] for k in run}
-                for p in prompts:
-                    for k, fn in run.items():
-                        res = fn(p)
+                for j, p in enumerate(prompts):
+                    for k in round_order(run, r * len(prompts) + j):
+                        res = run[k](p)
                         tot[k][0] += res.decode_s
                         tot[k][1] += len(res.tokens)
                 if r >= cfg.warmup:

@@ -25,7 +25,7 @@ from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.checks import check_bools
 from snlp.runtime.device import progress_bar
-from snlp.runtime.timing import between, mark
+from snlp.runtime.timing import between, mark, round_order
 
 
 def ideal_ssd_speedup(alpha: float, block: int, s: float) -> float:
@@ -134,8 +134,9 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
                           top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
-    prompt), then `repeats` timed rounds, each decoding every prompt sequentially and then at each B
-    (interleaved, so load drift hits every row alike). Per round the counters are summed over the
+    prompt), then `repeats` timed rounds, each decoding every prompt sequentially and at each B
+    (interleaved, so load drift hits every row alike, in an order rotated prompt by prompt:
+    snlp.runtime.timing.round_order). Per round the counters are summed over the
     prompts and `speculative_report` taken; each row (one per B) holds the medians over the rounds,
     the ideal SSD speedup of the median alpha and s, and `matches_sequential` (every speculative
     output equals the sequential one, every round). Returns (rows, sequential tokens per prompt).
@@ -164,10 +165,11 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
                          compile: bool = False,
                          preheat: Preheat | None = None) -> tuple[list[SSDRow], list[list[int]]]:
     """Several greedy drafters, `cases` = [(plan, B), ...], measured against ONE sequential baseline in ONE
-    round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially,
-    then by every case, their order rotated prompt by prompt across the rounds (`rotation`: over all the timed
-    prompts every case runs at every position, right after the baseline included, as often as any other, give or
-    take one, whatever the number of cases, prompts and rounds);
+    round-robin (the protocol of `speculative_benchmark`): per timed round every prompt is decoded sequentially
+    and by every case, the baseline and the cases in an order rotated prompt by prompt across the rounds
+    (snlp.runtime.timing.round_order: over all the timed prompts the baseline and every case run at every
+    position, first included, as often as any other, give or take one, whatever the number of cases, prompts and
+    rounds);
     per round and case the counters are summed over the prompts; each row holds the medians over the rounds. So
     load drift hits every drafter alike and their measured speedups compare (`snlp tune` picks among them by
     it): one benchmark per drafter, one after another, compared each against its own baseline taken at another
@@ -184,13 +186,6 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
             steps[str(plan)] = snlp_forward(model, plan, compile, preheat=preheat_for(plan, preheat))
     return _side_by_side(model, prompts, [(p, b, steps[str(p)]) for p, b in cases], seq_step, max_new_tokens,
                          repeats, warmup, 0.0, None, eos_id, progress, compile, {})
-
-
-def rotation(slot: int, n: int) -> list[int]:
-    """The order of n cases at the `slot`-th timed prompt of a round-robin (slot = round x prompts + prompt): a
-    rotation that moves by one every prompt, so over S slots each case runs at each position floor(S / n) or
-    ceil(S / n) times (a rotation per round only would never put a third case first in two rounds)."""
-    return [(slot + i) % n for i in range(n)]
 
 
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
@@ -240,9 +235,11 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
         for r in range(repeats):
             seq_runs, spec_runs = [], [[] for _ in cases]
             for j, p in enumerate(prompts):
-                seq_runs.append(seq(p))
-                for i in rotation(r * len(prompts) + j, n):
-                    spec_runs[i].append(spec(i, p))
+                for i in round_order(range(-1, n), r * len(prompts) + j):  # -1: the sequential baseline
+                    if i < 0:
+                        seq_runs.append(seq(p))
+                    else:
+                        spec_runs[i].append(spec(i, p))
                 bar.update()
             seq_res = merge_results(seq_runs)
             for i in range(n):

@@ -77,7 +77,7 @@ from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_
                                  make_generator, pick_token, sampling)
 from snlp.decode.speculative import draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
-from snlp.runtime.timing import now
+from snlp.runtime.timing import now, round_order
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -682,7 +682,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
             res: dict = {m: [] for m in modes}
             for i in range(warmup + runs):
-                for mode, b in modes:
+                for mode, b in round_order(modes, i):  # rotated, so no mode always runs first
                     r = runner.generate(prompt, mode, new_tokens, block=max(b, 1))
                     if i >= warmup:
                         res[(mode, b)].append(r)

@@ -1,6 +1,8 @@
 """Wall-clock timing done one way for every app: synchronise the device, then perf_counter; several
 callables are timed round-robin (one call of each per round, after a warm-up) so that drift in the
-machine's load hits them all alike, and callers report medians."""
+machine's load hits them all alike, and callers report medians. The order within a round rotates from round
+to round (`round_order`): a call right after another one finds the caches, allocator and clocks as that one
+left them, so a fixed order would read the position's effect as the callable's."""
 
 from __future__ import annotations
 
@@ -44,16 +46,33 @@ def between(start, end) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def rotation(slot: int, n: int) -> list[int]:
+    """The order of n callables in the `slot`-th round of a round-robin: a rotation that moves by one every slot,
+    so over S slots each callable runs at each position (first, and right after each other one's position)
+    floor(S / n) or ceil(S / n) times. A round that times several prompts counts a slot per prompt
+    (slot = round x prompts + prompt): a rotation per round only would never put a third case first in two
+    rounds."""
+    return [(slot + i) % n for i in range(n)]
+
+
+def round_order(items, slot: int) -> list:
+    """`items` (a sequence, or a dict's keys) in the order of round `slot` of a round-robin (`rotation`); slot 0
+    keeps their own order. Every paired or round-robin timing loop of snlp orders its calls with it."""
+    items = list(items)
+    return [items[i] for i in rotation(slot, len(items))]
+
+
 def time_round_robin(fns: dict, warmup: int, runs: int, device) -> dict[str, list[float]]:
-    """Milliseconds per call for each callable, interleaved round-robin after `warmup` untimed rounds."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    """Milliseconds per call for each callable, interleaved round-robin after `warmup` untimed rounds, the
+    order rotated round by round (`round_order`)."""
+    for r in range(warmup):
+        for name in round_order(fns, r):
+            fns[name]()
     sync(device)
     times = {name: [] for name in fns}
-    for _ in range(runs):
-        for name, fn in fns.items():
+    for r in range(runs):
+        for name in round_order(fns, r):
             t0 = now(device)
-            fn()
+            fns[name]()
             times[name].append((now(device) - t0) * 1e3)
     return times
