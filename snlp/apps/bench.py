@@ -481,6 +481,11 @@ def print_table(rows: list[ForwardRow], title: str) -> None:
         print(tie_footnote(r0.runs, pairing="sequential ms / plan ms of the same round, one call of each per round"))
 
 
+# a speculative row of one new token: the prefill gives it, so no round drafts anything
+NO_DRAFTS = ("alpha, s and SSD ideal: not measured (--new-tokens {n}: the prefill gives the first token and nothing "
+             "was drafted; a draft needs --new-tokens 2 or more)")
+
+
 def print_decode_table(rows: list[DecodeRow], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -498,6 +503,8 @@ def print_decode_table(rows: list[DecodeRow], title: str) -> None:
                       f(r.drafter_speedup_s, "{:.2f}") + tie_mark(r.drafter_speedup_rounds, r.drafter_speedup_s),
                       f(r.ideal_ssd_speedup, "{:.2f}x"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
+    if any(r.mode == "speculative" and r.alpha is None for r in rows):
+        print(NO_DRAFTS.format(n=rows[0].new_tokens))
     if len(rows) > 1:  # SSD ideal is a formula of alpha, B and s: no rounds of its own
         print(tie_footnote(rows[0].runs, "speedup or s", "sequential over this row's ms/token of the same run, "
                            "one run of each per round; s: their cached single-token steps"))
@@ -539,6 +546,8 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
                       f"{r.speedup:.2f}x{tie_mark(r.speedup_rounds, r.speedup)}", f(r.alpha, "{:.3f}"),
                       f(r.tokens_per_round, "{:.2f}"), "yes" if r.matches_sequential else "no")
     Console(width=160).print(table)
+    if any(r.mode == "speculative" and r.alpha is None for r in rows):
+        print(NO_DRAFTS.format(n=args.new_tokens).replace(", s and SSD ideal", ""))
     if len(rows) > 1:
         print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))

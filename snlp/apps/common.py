@@ -10,6 +10,10 @@ from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_prehe
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 
+# generate's line (one process or --distributed) for a speculative run whose rounds drafted nothing (one new token:
+# the prefill's), which has no acceptance rate
+NO_DRAFTS = "alpha not measured (nothing was drafted: the prefill gives the first token, drafts start at the second)"
+
 
 def plans_preheat(ckpt, model, plans) -> Preheat | None:
     """CKPT/preheat.pt, checked against `model`, if any of `plans` starts from the preheat init; else None

@@ -160,7 +160,10 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
             # of both sides stand beside the ratio, and the ratio says whether the paired runs resolve it; the
             # ratios' range holds both the median ratio and the ratio of the two medians, which can differ in sign
-            stats += (f", alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}; timed over "
+            from snlp.apps.common import NO_DRAFTS
+
+            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
+            stats += (f", {alpha}, tokens/round={res.tokens_per_round:.2f}; timed over "
                       f"{len(rounds)} runs of each after a warm-up: speculative "
                       f"{record['speculative_tokens_per_s']:.1f} tok/s, pipelined sequential "
                       f"{record['pipeline_sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup "

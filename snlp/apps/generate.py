@@ -8,6 +8,7 @@ identical to sequential), jacobi (Jacobi decoding over a block of future tokens,
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -267,12 +268,13 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
     # disagree in sign (3.5 vs 3.3 tok/s beside 0.74x); the ratios' range holds both (stats.ratio_range), so it is
     # printed beside them
     record["speedup_range"] = [min(rep.round_speedups), max(rep.round_speedups)]
-    return (f", s={rep.drafter_speedup_s:.2f}; timed over {args.repeats} runs of each after a warm-up: "
+    s = f"s={rep.drafter_speedup_s:.2f}" if math.isfinite(rep.drafter_speedup_s) else "s not measured (no drafter steps)"
+    ideal = f"{rep.ideal_ssd_speedup:.2f}x" if math.isfinite(rep.ideal_ssd_speedup) else "not measured (no drafts)"
+    return (f", {s}; timed over {args.repeats} runs of each after a warm-up: "
             f"speculative {record['speculative_tokens_per_s']:.1f} tok/s, sequential "
             f"{record['sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup measured "
             f"{rep.measured_speedup:.2f}x (the median of the paired per-run ratios, which ran "
-            f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD "
-            f"{rep.ideal_ssd_speedup:.2f}x")
+            f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD {ideal}")
 
 
 def check_max_new_tokens(n: int) -> None:
@@ -378,7 +380,9 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
             f"{total} tokens, {record['tokens_per_s']:.1f} tok/s"
     if args.mode == "speculative":
         acc, exam = sum(r.accepted for r in res), sum(r.examined for r in res)
-        stats += f", alpha={acc / exam if exam else float('nan'):.3f}"
+        from snlp.apps.common import NO_DRAFTS
+
+        stats += f", alpha={acc / exam:.3f}" if exam else f", {NO_DRAFTS}"
         if not args.no_baseline:  # batched sequential decoding of the same batches: tokens and speed side by side
             seq, seq_wall = decode_batches(args, model, prompts, plan, preheat, eos_id, mode="sequential")
             record["sequential_tokens_per_s"] = sum(len(r.tokens) for r in seq) / seq_wall
@@ -467,7 +471,10 @@ def run(args) -> int:
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
-        stats += f", B={res.block}, alpha={res.acceptance_rate:.3f}, tokens/round={res.tokens_per_round:.2f}"
+        from snlp.apps.common import NO_DRAFTS
+
+        alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
+        stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:
         stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
     print(stats)

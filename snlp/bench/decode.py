@@ -180,7 +180,10 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
         if mode == "sequential":
             row.model_bytes = model_bytes(model)
             row.bandwidth_gb_s = row.model_bytes * row.tokens_per_s / 1e9
-        if mode == "speculative":
+        if mode == "speculative" and not r.examined:  # one new token (the prefill's): nothing drafted, so alpha,
+            # s and the ideal are not measured (None, said under the table) and the row keeps its timing only
+            row.tokens_per_round = r.tokens_per_round
+        elif mode == "speculative":
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
             # drafter speedup, like with like: sequential over drafter ms per cached single-token step
             row.drafter_speedup_s = seq_step_ms / draft_ms

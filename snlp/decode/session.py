@@ -88,7 +88,9 @@ class GenerateResult:
         d = asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, ms_per_token=1e3 / self.tokens_per_s if self.tokens else None)
         if self.mode in ("speculative", "jacobi"):
-            d.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
+            # no drafts examined (one new token, the prefill's): no rate, null in JSON rather than NaN
+            d.update(acceptance_rate=self.acceptance_rate if self.examined else None,
+                     tokens_per_round=self.tokens_per_round,
                      accepted_fraction=self.accepted / self.drafted if self.drafted else None)
         return d
 

@@ -396,3 +396,18 @@ def test_a_chat_answer_is_streamed_without_its_end_of_turn_token(capsys):
     on([1, 9])
     assert capsys.readouterr().out == "<1><9>"
 
+
+
+def test_speculative_generation_of_one_token_says_alpha_was_not_measured(ckpt, tmp_path, capsys):
+    """--max-new-tokens 1: the prefill gives the token and no round drafts; the line printed "alpha=nan", "s=nan",
+    "ideal SSD nanx" and the JSON a NaN (not JSON). Now each says it was not measured, and the JSON holds null."""
+    for extra in ((), ("--no-baseline",)):
+        out = tmp_path / "g.json"
+        assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "1", "--json", str(out),
+                     "--mode", "speculative", "--plan", "2xF2-h0-K1", "--block", "3", *extra]) == 0
+        line = capsys.readouterr().out.splitlines()[-2]
+        rec = json.loads(out.read_text())
+        assert len(rec["tokens"]) == 1 and rec["acceptance_rate"] is None and "nan" not in line, line
+        assert "alpha not measured (nothing was drafted: the prefill gives the first token" in line
+        if not extra:
+            assert "s not measured (no drafter steps)" in line and "vs ideal SSD not measured (no drafts)" in line

@@ -130,3 +130,21 @@ def test_bench_decode_refuses_a_plan_that_cannot_batch_before_any_work(monkeypat
     monkeypatch.setattr(D, "sequential_step", work)
     with pytest.raises(ValueError, match="the newton surrogate's probes"):
         batch_decode_benchmark(make_model(n_layer=4), [Plan.parse("2xF1-h0-K1-newton")], batch_sizes=(1, 2))
+
+
+def test_bench_decode_of_one_new_token_says_alpha_was_not_measured(tmp_path, capsys):
+    """`snlp bench --decode --new-tokens 1` crashed ("acceptance rate alpha must lie in [0, 1] (got nan)"): the
+    prefill gives the only token, so no round drafts. Now its speculative rows keep their timing, alpha, s and the
+    ideal are None (null in the JSON) and a line under the table says why; the batched rows likewise."""
+    out = tmp_path / "d.json"
+    assert main(["bench", *TINY, "--decode", "--new-tokens", "1", "--prompt-len", "4", "--plans", "2xF2-h0-K1",
+                 "--json", str(out)]) == 0
+    spec = [r for r in json.loads(out.read_text()) if r["mode"] == "speculative"]
+    assert spec and all(r["alpha"] is None and r["drafter_speedup_s"] is None and r["ideal_ssd_speedup"] is None
+                        and r["tokens_per_round"] == 1.0 and r["ms_per_token"] > 0 for r in spec)
+    assert "alpha, s and SSD ideal: not measured (--new-tokens 1: the prefill gives the first token" in \
+        capsys.readouterr().out
+    assert main(["bench", *TINY, "--decode", "--new-tokens", "1", "--prompt-len", "4", "--plans", "2xF2-h0-K1",
+                 "--batch-sizes", "1,2", "--json", str(out)]) == 0
+    assert all(r["alpha"] is None for r in json.loads(out.read_text()))
+    assert "alpha: not measured (--new-tokens 1" in capsys.readouterr().out
