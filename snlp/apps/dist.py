@@ -129,9 +129,12 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
                           on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
     rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
     if base is not None:
-        for _ in range(args.repeats):
-            rounds.append((runner.generate(prompt, "sequential", **kw),
-                           runner.generate(prompt, args.mode, block=args.block, **kw)))
+        from snlp.runtime.timing import round_order
+
+        for r in range(args.repeats):  # the pair's order rotated round by round (the same on every rank)
+            got = {mode: runner.generate(prompt, mode, **(dict(kw, block=args.block) if mode != "sequential" else kw))
+                   for mode in round_order(["sequential", args.mode], r)}
+            rounds.append((got["sequential"], got[args.mode]))
     mem = gather_objects(runner.memory())
     if rank == 0:
         if not args.quiet:
