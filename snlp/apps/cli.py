@@ -176,8 +176,6 @@ def expand_paths(parser: argparse.ArgumentParser, args) -> None:
     output checks expanded it (check_outputs) while the writes did not, so `--json '~/r.json'` wrote a folder
     named `~` in the working directory, and the loaders said "does not exist" of a checkpoint that does. An empty
     path read as the working directory (`--json ""` wrote nothing and said nothing; `generate ""` named `.`)."""
-    import os
-
     sub = parser.commands[args.command]
     given = getattr(args, "given", frozenset())
     for dest in path_dests(args):
@@ -189,7 +187,9 @@ def expand_paths(parser: argparse.ArgumentParser, args) -> None:
             name = action.option_strings[-1] if action is not None and action.option_strings else dest.upper()
             raise ValueError(f"{name} is empty: name a path (or leave {name} out)")
         if value.startswith("~"):
-            setattr(args, dest, os.path.expanduser(value))
+            from snlp.io.source import home_path
+
+            setattr(args, dest, str(home_path(value)))
 
 
 def check_numbers(parser: argparse.ArgumentParser, args) -> None:
@@ -209,9 +209,8 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     output file that would overwrite what the run reads or writes besides: another output flag's file (the second
     write replaced the first's result), a file another flag names (a --prompts-file, a --data part), or a file of a
     checkpoint or drafter folder (`--json CKPT/config.json` left a checkpoint that loads as nothing)."""
-    import os
-    from pathlib import Path
 
+    from snlp.io.source import home_path
     from snlp.runtime.outputs import check_output_dir, check_output_file
 
     sub = parser.commands[args.command]
@@ -221,7 +220,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
     # the folder this command writes a model or drafter into (a module's OUT_IS_MODEL): its files are refused as outputs
     # before the folder holds them (`snlp adapt --out D --json D/drafter.json` wrote the result over the new drafter's
     # record, which then no longer loaded)
-    own = (Path(os.path.expanduser(args.out)).resolve() if getattr(args.module, "OUT_IS_MODEL", False)
+    own = (home_path(args.out).resolve() if getattr(args.module, "OUT_IS_MODEL", False)
            and isinstance(getattr(args, "out", None), str) and args.out else None)
     for dest in outputs:
         value = getattr(args, dest, None)
@@ -230,7 +229,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
         flag = "--" + dest.replace("_", "-")
         (check_output_file if dest in files else check_output_dir)(value, flag)
         if dest in files:
-            where = Path(os.path.expanduser(value)).resolve()
+            where = home_path(value).resolve()
             if where in written:
                 raise ValueError(f"{flag} {value} is the file {written[where]} writes too: one would replace the "
                                  f"other; give each its own path")
@@ -238,7 +237,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
             check_not_a_model_file(where, flag, value, own)
     for dest in SHARED_DIRS:  # a cache folder that is a file failed after the data was read, with a traceback (a
         value = getattr(args, dest, None)  # read-only cache stays fine: a run that finds its files writes none)
-        if isinstance(value, str) and value and Path(value).exists() and not Path(value).is_dir():
+        if isinstance(value, str) and value and home_path(value).exists() and not home_path(value).is_dir():
             raise ValueError(f"--{dest.replace('_', '-')} {value} is a file; name a folder (it is created if missing)")
     if not written:  # no output file: nothing to compare the inputs with (a --data glob is not expanded for nothing)
         return
@@ -266,8 +265,9 @@ def input_paths(part: str, spec: bool = False) -> list:
     the path without its chat: / mc: prefixes and what a glob matches (`--data chat:chats.jsonl --json chats.jsonl`
     and `--data 'c*.txt' --json c.txt` wrote the result over the data the run read)."""
     import glob
-    import os
     from pathlib import Path
+
+    from snlp.io.source import home_path
 
     part = part.strip()
     while spec and part.startswith(("chat:", "mc:")):
@@ -275,8 +275,8 @@ def input_paths(part: str, spec: bool = False) -> list:
     if not part:
         return []
     if spec and glob.has_magic(part):
-        return [Path(f).resolve() for f in glob.glob(os.path.expanduser(part), recursive=True)]
-    return [Path(os.path.expanduser(part)).resolve()]
+        return [Path(f).resolve() for f in glob.glob(str(home_path(part)), recursive=True)]
+    return [home_path(part).resolve()]
 
 
 def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
@@ -398,11 +398,11 @@ def one_line_warning(message, category, filename, lineno, file=None, line=None) 
 
 def new_folders(out) -> list:
     """The folders of an --out path that do not exist yet, deepest first: what this run would make there."""
-    from pathlib import Path
-
     if not isinstance(out, str) or not out:
         return []
-    folder, missing = Path(out).expanduser().absolute(), []
+    from snlp.io.source import home_path
+
+    folder, missing = home_path(out).absolute(), []
     while not folder.exists() and folder != folder.parent:
         missing.append(folder)
         folder = folder.parent

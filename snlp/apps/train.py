@@ -258,7 +258,9 @@ def os_place(path: Path) -> Path:
     """`path` as the OS reaches it: the part that exists with its symlinks resolved (`--out link/run` and a stop file
     in target/run are one folder), the rest as written. Not Path.resolve, which drops `b/..` as text where b does not
     exist: the OS cannot open `runs/b/../a/STOP` until runs/b exists, so that file is not in --out runs/a."""
-    path, rest = path.expanduser().absolute(), []
+    from snlp.io.source import home_path
+
+    path, rest = home_path(path).absolute(), []
     while not path.exists() and path != path.parent:
         rest.append(path.name)
         path = path.parent
@@ -274,9 +276,9 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
     it once the run has made --out); `made`: the folder the command makes where it is not `out`, snlp sft-grid's --out
     holding each run's."""
     if path:
-        from snlp.io.source import did_you_mean
+        from snlp.io.source import did_you_mean, home_path
 
-        given = Path(path).expanduser()
+        given = home_path(path)
         try:  # a name the OS cannot look up (a part over its length limit) is no file anyone can write either
             is_dir, parent, run_out = given.is_dir(), os_place(given).parent, os_place(Path(made or out))
         except OSError as e:

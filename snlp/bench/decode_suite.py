@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -51,7 +50,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.decode.session import read_every
 from snlp.decode.steps import sequential_step, snlp_step
-from snlp.io.source import did_you_mean
+from snlp.io.source import did_you_mean, home_path
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
@@ -330,10 +329,10 @@ def load_model(src: str | None, quick: bool, seed: int = 0):
 def read_prompts_file(path: str) -> list:
     """The prompts of a `prompts_file`: a non-empty JSON list whose items are texts or lists of token ids
     (ValueError, one line, otherwise)."""
-    if not Path(path).expanduser().exists():
+    if not home_path(path).exists():
         raise ValueError(f"decode suite: the prompts file {path} does not exist{did_you_mean(path)}")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(home_path(path).read_text())
     except OSError as e:
         raise ValueError(f"decode suite: cannot read the prompts file {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

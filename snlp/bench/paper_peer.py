@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from snlp.io.source import home_path
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import time_round_robin
@@ -56,7 +57,7 @@ def load_paper_code(path: str, dtype: torch.dtype) -> PaperCode:
 
     ValueError (before any import) when `path` is not a checkout of it; ValueError when nanochat was
     already imported in this process with another compute dtype (it is fixed at import)."""
-    root = Path(path).expanduser().resolve()
+    root = home_path(path).resolve()
     missing = [f for f in PAPER_FILES if not (root / f).is_file()]
     if missing:
         raise ValueError(f"--vs-paper {path}: not a checkout of the paper's code (nanochat-snlp): missing "

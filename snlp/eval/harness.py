@@ -55,6 +55,7 @@ from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
 from snlp.io.hf import from_hf
+from snlp.io.source import home_path
 from snlp.io.tokenizer import Tokenizer
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
@@ -86,7 +87,7 @@ def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
 def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
     """(model, tokenizer, snlp checkpoint dir or None) of an snlp checkpoint, a transformers directory, a .gguf file
     or a hub id (snlp.from_hf)."""
-    p = Path(pretrained).expanduser()
+    p = home_path(pretrained)
     if is_snlp_checkpoint(p):
         model, tok = load(p)
         return model, tok, p

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from snlp.io.source import did_you_mean
+from snlp.io.source import did_you_mean, home_path
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ""}
 TABLE_SUFFIXES = {".jsonl", ".parquet"}
@@ -55,7 +55,7 @@ def resolve_files(spec: str) -> list[Path]:
             raise ValueError(f"no standard-library .py files found under {sysconfig.get_paths()['stdlib']}; "
                              f"pass --data PATH")
         return files
-    p = Path(spec).expanduser()
+    p = home_path(spec)
     if p.is_file():
         return [p]
     if p.is_dir():
@@ -65,7 +65,7 @@ def resolve_files(spec: str) -> list[Path]:
             raise ValueError(f"data folder {p} holds no text files (looked for *{', *'.join(sorted(TEXT_SUFFIXES | TABLE_SUFFIXES - {''}))})")
         return files
     if glob.has_magic(spec):
-        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True) if Path(f).is_file())
+        files = sorted(Path(f) for f in glob.glob(str(home_path(spec)), recursive=True) if Path(f).is_file())
         if not files:
             raise ValueError(f"data glob {spec!r} matched no files")
         return files
@@ -220,7 +220,7 @@ def os_absolute(path: str) -> str:
     so `link/../c.txt` becomes the c.txt beside the link, while the OS steps up from the link's target: a `..`
     right after a symlink here steps up from its resolved target instead. A path without `..` (or whose `..` follow
     no symlink) is exactly abspath's, so ordinary specs keep the names, and the cache keys, they always had."""
-    p = os.path.expanduser(path)
+    p = str(home_path(path))
     if ".." not in p.split(os.sep):
         return os.path.abspath(p)
     out = os.sep
@@ -236,14 +236,14 @@ def os_absolute(path: str) -> str:
 
 def names_local(part: str) -> bool:
     """Whether `part` names local files that are here: a file, a folder, or a glob that matches."""
-    p = os.path.expanduser(part)
+    p = str(home_path(part))
     return is_local(part) and (os.path.exists(p) or bool(glob.glob(p, recursive=True)))
 
 
 def keyed_part(part: str) -> str:
     """A spec part as the token cache keys it (`source_key`) and a checkpoint records it: a relative local part made
     absolute (`absolute_part`), an absolute one exactly as typed (so its cache key is the one it always had)."""
-    return part if os.path.isabs(os.path.expanduser(part)) else absolute_part(part)
+    return part if home_path(part).is_absolute() else absolute_part(part)
 
 
 def keyed_spec(spec: str | None) -> str:
@@ -255,7 +255,7 @@ def files_signature(spec: str | None) -> list:
     part (a file: its name) and sizes, in reading order (non-local parts as their spec). A checkpoint records it,
     so that a run whose data has moved resumes only from a place that holds the same files in the same order."""
     def rel(part: str, f: Path) -> str:
-        base = Path(part).expanduser()
+        base = home_path(part)
         return str(f.relative_to(base)) if base.is_dir() else f.name
     return [p if not is_local(p) else [[rel(p, f), f.stat().st_size] for f in resolve_files(p)] for p in parts(spec)]
 

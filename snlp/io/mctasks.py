@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from snlp.io.source import did_you_mean
+from snlp.io.source import did_you_mean, home_path
 
 LETTERS = "ABCDEFGHIJ"
 HF_TASKS = {"arc-easy": ("allenai/ai2_arc", "ARC-Easy", "test"), "arc-challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
@@ -156,7 +156,7 @@ def load_task(task: str) -> list[Question]:
     if task.startswith("mc:"):
         out = []
         for part in (p for p in task[3:].split(",") if p.strip()):
-            p = Path(part).expanduser()
+            p = home_path(part)
             if p.is_dir():
                 files = sorted(f for f in p.iterdir() if f.suffix.lower() in (".jsonl", ".csv"))
                 if not files:

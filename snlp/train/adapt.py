@@ -51,6 +51,7 @@ from snlp.io.checkpoint import DRAFTER_META, WEIGHTS, checkpoint_dir, is_snlp_ch
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
+from snlp.io.source import home_path
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
 from snlp.method.lowrank import check_rank
 from snlp.method.plan import Plan
@@ -590,7 +591,7 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
                   from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),
-                  cache_dir=str(Path(cfg.cache_dir).expanduser().absolute()) if cfg.cache_dir else None,
+                  cache_dir=str(home_path(cfg.cache_dir).absolute()) if cfg.cache_dir else None,
                   save_every=cfg.saves_every)  # what ran, in the record (not None for "the default")
     out = Path(cfg.out)
     if not cfg.resume:

@@ -17,6 +17,7 @@ import snlp.io.data as D
 from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, clear_stale_saves, cut_off_save, holds_speedrun, load,
                                 load_train_state, load_training, save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
+from snlp.io.source import home_path
 from snlp.model.gpt import GPT
 from snlp.train.config import TrainConfig, check_resume_settings
 from snlp.train.optim import OptimizerBundle, Progress
@@ -179,7 +180,7 @@ def recorded_args(args: dict) -> dict:
     if out.get("init_from"):
         out["init_from"] = D.absolute_part(out["init_from"])
     if "cache_dir" in out:
-        out["cache_dir"] = str(Path(out["cache_dir"] or D.cache_dir()).expanduser().absolute())
+        out["cache_dir"] = str(home_path(out["cache_dir"] or D.cache_dir()).absolute())
     if isinstance(out.get("data"), str):
         out["data"] = D.keyed_spec(out["data"])
         try:  # what the files are, wherever they move: a resume from a new place is checked against it

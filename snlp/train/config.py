@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import glob
 import math
-import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from snlp.io.chat import resolve_spec
 from snlp.io.data import files_signature, is_local, missing_parts, parts
+from snlp.io.source import home_path
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
@@ -144,11 +144,11 @@ def check_out_outside_data(out: str, data: str | None) -> None:
     (pretraining, the speedrun), not for SFT, whose recorded data is the base's text."""
     if not out:
         return
-    where = Path(os.path.expanduser(out)).resolve()
+    where = home_path(out).resolve()
     for part in parts(data):
         if not is_local(part):
             continue
-        p = os.path.expanduser(part)
+        p = str(home_path(part))
         if glob.has_magic(p):  # only a recursive glob reaches into a subfolder such as --out
             if "**" not in p:
                 continue
