@@ -44,7 +44,8 @@ def add_train_arguments(p, steps: int = 200) -> None:
     o.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
     o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step")
-    o.add_argument("--stop-file", default=None, help="stop once the step number written in this file is done")
+    o.add_argument("--stop-file", default=None, help="stop once the step number written in this file is done; "
+                   "other text, such as 'stop', stops it after the step in progress")
     o.add_argument("--seq-len", type=int, default=512, help="conversations are truncated to this many tokens")
     o.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch per process")
     o.add_argument("--grad-accum", type=int, default=1)

@@ -84,7 +84,8 @@ def add_arguments(p) -> None:
     o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
     o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step; schedule still follows --steps")
     o.add_argument("--stop-file", default=None, help="stop (and save) once the step number written in this file is done "
-                   "(checked every step; e.g. to stop two side-by-side runs at the same step)")
+                   "(checked every step; e.g. to stop two side-by-side runs at the same step); other text, such as "
+                   "'stop', stops it after the step in progress")
     o.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="for the 2-D block matrices")
     o.add_argument("--matrix-lr", type=float, default=None, help="block-matrix LR (default 0.02 muon, 0.003 adamw)")
     o.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW LR of wte and value embeddings")
@@ -254,6 +255,32 @@ def read_step_file(path: str | Path | None) -> int | None:
         return None
 
 
+def read_stop_file(path: str | Path | None) -> tuple[int | None, str | None]:
+    """(the step a --stop-file says to stop after, the text it holds when that is not a step number). An integer N:
+    after step N. Any other text ("stop", "now"): at once, after the step in progress (0: every step done is past
+    it), since whoever wrote it meant the run to stop and a run stopped early is saved and resumable, while one
+    that went on silently trained past what was asked. Absent, unreadable or only whitespace: (None, None), not
+    yet (`echo 500 > STOP` empties the file before the number lands)."""
+    if not path:
+        return None, None
+    try:
+        text = Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return None, None
+    if not text:
+        return None, None
+    try:
+        return int(text), None
+    except ValueError:
+        return 0, text
+
+
+def shown_text(text: str) -> str:
+    """A stop file's text as a message quotes it: its first line, at most 40 characters."""
+    first = text.splitlines()[0]
+    return repr(first[:40] + ("..." if len(first) > 40 or "\n" in text else ""))
+
+
 def os_place(path: Path) -> Path:
     """`path` as the OS reaches it: the part that exists with its symlinks resolved (`--out link/run` and a stop file
     in target/run are one folder), the rest as written. Not Path.resolve, which drops `b/..` as text where b does not
@@ -290,7 +317,11 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
         if not parent.is_dir() and not made_by_run:
             raise ValueError(f"--stop-file {path}: its folder {given.parent} does not exist{did_you_mean(str(given.parent))}"
                              f" (make it, or name a file in a folder that exists or in --out)")
-    stop_at = read_step_file(path)
+    stop_at, text = read_stop_file(path)
+    if text is not None:
+        raise ValueError(f"--stop-file {path} already holds {shown_text(text)}, not a step number, which stops the run at "
+                         f"once: it would stop before its first step; remove the file, or write the step to stop "
+                         f"after in it")
     if stop_at is None:
         return
     start = 0
@@ -306,10 +337,19 @@ def check_stop_file(path: str | Path | None, out: str, resume: bool, made: str |
 
 def stop_file_check(path: str | Path) -> StopCheck:
     """A stop check saying "stop_file" once the step number written in `path` is done (the file is re-read at every ask, so
-    another process may write or lower it while the run goes on)."""
+    another process may write or lower it while the run goes on); text that is no step number stops the run at once
+    (read_stop_file), said once on stderr: which file, what it holds, what it expects."""
+    said = []
+
     def check(steps_done: int) -> str | None:
-        stop_at = read_step_file(path)
-        return "stop_file" if stop_at is not None and steps_done >= stop_at else None
+        stop_at, text = read_stop_file(path)
+        if stop_at is None or steps_done < stop_at:
+            return None
+        if text is not None and not said:  # asked again after the stop (before_step and should_stop): once
+            said.append(text)
+            print(f"--stop-file {path} holds {shown_text(text)}, not a step number: stopping now, after step "
+                  f"{steps_done}, saved (an integer N there stops the run after step N)", file=sys.stderr, flush=True)
+        return "stop_file"
 
     return check
 

@@ -349,6 +349,21 @@ def test_a_stop_file_left_at_a_reached_step_is_refused_before_any_work(corpus, t
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 2
 
 
+def test_a_stop_file_left_holding_text_is_refused_before_any_work(corpus, tmp_path, capsys):
+    """A stop file holding "stop" stops the run at once (snlp.apps.train.read_stop_file): left in place from an earlier
+    run it would stop before the first step, so it is refused as a reached step is, in one line, nothing made."""
+    out, stop = tmp_path / "run", tmp_path / "stop"
+    stop.write_text("stop\n")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--steps", "4", "--stop-file", str(stop)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"snlp train: error: --stop-file {stop} already holds 'stop', not a step number, which stops the "
+                   f"run at once: it would stop before its first step; remove the file, or write the step to stop "
+                   f"after in it"), err
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
 def test_a_save_cut_off_between_its_renames_is_named_not_started_over(corpus, tmp_path, capsys):
     """save_checkpoint moves the previous checkpoint to .NAME.old-PID, then the new one in: a kill in between left no
     --out, so --resume said "no checkpoint" and a new run started from nothing while the last checkpoint sat hidden.

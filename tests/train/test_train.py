@@ -172,3 +172,24 @@ def test_file_hooks(tmp_path):
     stop.write_text("2")
     assert g.before_step(2) == "stop_file"  # held at the gate, released by the stop file
     assert read_step_file(tmp_path / "missing") is None and read_step_file(None) is None
+
+
+def test_a_stop_file_holding_text_stops_the_run_and_says_so_once(tmp_path, capsys):
+    """A --stop-file holding no integer ("stop") was waited on silently: the run trained to its budget. Text that is
+    no step number now stops the run after the step in progress, said once on stderr (the file, what it holds,
+    what it expects); an empty or whitespace-only file is a number not yet written (`echo 5 > STOP` empties the
+    file first) and the run goes on."""
+    from snlp.apps.train import file_hooks, read_stop_file
+
+    stop = tmp_path / "stop"
+    h = file_hooks(stop)
+    for pending in ("", "  \n"):
+        stop.write_text(pending)
+        assert h.should_stop(4) is None and h.before_step(4) is None and read_stop_file(stop) == (None, None)
+    stop.write_text("stop\n")
+    assert (h.should_stop(4), h.before_step(4)) == ("stop_file", "stop_file")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"--stop-file {stop} holds 'stop', not a step number: stopping now, after step 4, saved (an "
+                   f"integer N there stops the run after step N)"], err
+    stop.write_text(" 7 ")
+    assert read_stop_file(stop) == (7, None) and file_hooks(stop).should_stop(6) is None
