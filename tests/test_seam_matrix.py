@@ -45,7 +45,7 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    tests/decode/test_sampling.py); greedy (temperature 0), every entry and input form:
                                    a seed, top_k or top_p refused in one line naming it (nothing is drawn)
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
-  decoding entry and input form)   whose cache needs more than the device's memory: KVCache.for_model; a layer-
+  decoding entry and input form)   whose cache needs more than the device has free: KVCache.for_model; a layer-
                                    parallel rank's window cache too: tests/dist/test_seams_dist.py)
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,

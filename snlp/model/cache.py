@@ -27,21 +27,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from snlp.runtime.device import device_memory_bytes
+from snlp.runtime import device as runtime_device
 
 
-def check_cache_fits(shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
-    """Refuse K and V buffers of `shape` (layers, batch, kv heads, positions, head dim) that exceed the memory of
-    `device` (snlp.runtime.device.device_memory_bytes), in one line before they are allocated: an allocator's
-    traceback after the model loaded. Every cache of a decode goes through here (KVCache.for_model, a layer-parallel
-    rank's window cache in snlp.dist.layer_parallel)."""
+def check_cache_fits(shape: tuple[int, ...], dtype: torch.dtype, device, ids: bool = False) -> None:
+    """Refuse K and V buffers of `shape` (layers, batch, kv heads, positions, head dim), and with `ids` the (batch,
+    positions) token ids beside them, that exceed the memory `device` has free (snlp.runtime.device.
+    free_memory_bytes: a GPU's free memory now, which the model's weights have already left; the CPU's physical
+    memory or its cgroup's limit), in one line before they are allocated: an allocator's traceback after the model
+    loaded. Every cache of a decode goes through here (KVCache.for_model, a layer-parallel rank's window cache in
+    snlp.dist.layer_parallel). The batch is in `shape` (a ragged batch's rows share one cache); a self-speculative
+    decode allocates no second cache, since its drafter and verifier share this one (the module docstring), and the
+    caches a CUDA-graph step keeps between calls are out of the GPU's free memory already."""
     batch, max_len = shape[1], shape[3]
-    need = 2 * math.prod(shape) * dtype.itemsize
-    have = device_memory_bytes(device)
+    need = 2 * math.prod(shape) * dtype.itemsize + (batch * max_len * 8 if ids else 0)
+    have = runtime_device.free_memory_bytes(device)
     if have is not None and need > have:
+        where = "free on" if torch.device(device).type == "cuda" else "of memory of"
         raise ValueError(f"a KV cache of {max_len:,} positions x batch {batch} needs {need / 2**30:,.1f} GiB, more "
-                         f"than the {have / 2**30:,.1f} GiB of memory of {torch.device(device)}: ask for "
-                         f"fewer tokens (prompt + new tokens) or a smaller batch")
+                         f"than the {have / 2**30:,.1f} GiB {where} {torch.device(device)}: ask for fewer tokens "
+                         f"(prompt + new tokens) or a smaller batch")
 
 
 def mark_static_cuda(*tensors: Tensor) -> None:
@@ -97,7 +102,7 @@ class KVCache:
         p = model.wte.weight
         shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
         kw = dict(device=device or p.device, dtype=dtype or p.dtype)
-        check_cache_fits(shape, kw["dtype"], kw["device"])
+        check_cache_fits(shape, kw["dtype"], kw["device"], ids=cfg.smear)
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=kw["device"]) if cfg.smear else None
         return cls(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw), ids=ids)
 

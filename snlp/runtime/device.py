@@ -79,33 +79,60 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def device_memory_bytes(device) -> int | None:
-    """The memory of `device` in bytes: a GPU's total memory, the machine's physical memory for the CPU; None where
-    it cannot be told (another back-end, a platform without sysconf). Asked once per device (it does not change)."""
+# a process's memory limit: cgroup v2, then v1 (where a container mounts it, and where the host does)
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                 "/sys/fs/cgroup/memory.limit_in_bytes")
+
+
+def cgroup_memory_limit(paths=CGROUP_LIMITS) -> int | None:
+    """This process's cgroup memory limit in bytes, from the first of `paths` that reads; None where there is none:
+    no file, v2's "max", or v1's "no limit" (the largest page-aligned 63-bit number)."""
+    for path in paths:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        return limit if 0 < limit < 2 ** 62 else None
+    return None
+
+
+def free_memory_bytes(device) -> int | None:
+    """What a new allocation on `device` may take, in bytes: a GPU's free memory now (torch.cuda.mem_get_info: the
+    model, a CUDA-graph step's kept caches and whatever else runs there are already out of it), with the blocks torch's
+    caching allocator reserved and does not use; on the CPU the
+    machine's physical memory, or the cgroup's limit where that is smaller (a container's share of the box). None
+    where it cannot be told (another back-end, a platform without sysconf)."""
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        try:
-            device = torch.device("cuda", torch.cuda.current_device())
-        except (AssertionError, RuntimeError):  # no CUDA here
-            return None
-    return _memory_bytes(str(device))
+    try:
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            # plus what torch's caching allocator holds unused: free to torch, not to the driver
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(torch.cuda.mem_get_info(device)[0]) + max(int(cached), 0)
+        if device.type == "cpu":
+            ram = _physical_bytes()
+            limit = cgroup_memory_limit()
+            return ram if limit is None else limit if ram is None else min(ram, limit)
+    except (AssertionError, AttributeError, ValueError, OSError, RuntimeError):  # no CUDA here
+        return None
+    return None
 
 
 @functools.lru_cache(maxsize=None)
-def _memory_bytes(name: str) -> int | None:
-    import torch
-
-    device = torch.device(name)
+def _physical_bytes() -> int | None:
     try:
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[1])
-        if device.type == "cpu":
-            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (AssertionError, AttributeError, ValueError, OSError, RuntimeError):
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
         return None
-    return None
 
 
 def device_label(device) -> str:
