@@ -58,19 +58,21 @@ class DrafterEvalConfig:
 
     def __post_init__(self) -> None:
         """Refuse out-of-range settings before any work (`blocks=(0,)` ran the quality rows and failed, or not, in
-        the SSD rows; a bare int for `blocks` failed there too)."""
+        the SSD rows; a bare int for `blocks` failed there too). `blocks` may be empty: the block sizes serve only
+        the SSD rows, which run only with prompts, so a quality-only evaluation needs none; evaluate_drafter refuses
+        prompts without a block size, before any work."""
         check_bools(progress=self.progress)
         low = [f"{k}={getattr(self, k)!r}" for k in ("seq_len", "max_tokens", "batch", "gen_tokens", "repeats")
                if not isinstance(getattr(self, k), Integral) or getattr(self, k) < 1]
         if not isinstance(self.warmup, Integral) or self.warmup < 0:
             low.append(f"warmup={self.warmup!r}")
         blocks = self.blocks
-        if not isinstance(blocks, (tuple, list)) or not blocks or any(
+        if not isinstance(blocks, (tuple, list)) or any(
                 not isinstance(b, Integral) or isinstance(b, bool) or b < 1 for b in blocks):
             low.append(f"blocks={blocks!r}")
         if low:
-            raise ValueError(f"drafter evaluation settings out of range: {', '.join(low)} (blocks: a non-empty tuple "
-                             f"of draft block sizes >= 1; warmup >= 0; the others integers >= 1)")
+            raise ValueError(f"drafter evaluation settings out of range: {', '.join(low)} (blocks: a tuple of draft "
+                             f"block sizes >= 1, empty for no SSD rows; warmup >= 0; the others integers >= 1)")
         self.blocks = tuple(int(b) for b in blocks)
 
 
@@ -253,6 +255,10 @@ def evaluate_drafter(base: GPT, drafter: Drafter, val_tokens, prompts: list[list
                      cfg: DrafterEvalConfig = DrafterEvalConfig(), eos_id: int | None = None) -> list[DrafterRecord]:
     """Post-hoc and adapted rows for each plan (default: the drafter's own) that fits the drafter (same
     suffix layout; K, init and surrogate may differ). `prompts`: token ids for the SSD rows (none: no SSD rows)."""
+    if prompts and not cfg.blocks:  # the SSD rows would fail after every quality row had run
+        raise ValueError(f"drafter evaluation: {len(prompts)} prompt{'s' * (len(prompts) != 1)} for the SSD rows but no draft "
+                         f"block size (DrafterEvalConfig.blocks is empty): give block sizes, or no prompts for quality "
+                         f"rows only")
     drafter.check(base)
     plans = [drafter.check_plan(p) for p in plans or [drafter.plan]]
     pre = [str(p) for p in plans if p.init == "preheat"]

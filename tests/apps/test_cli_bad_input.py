@@ -469,7 +469,7 @@ def test_a_generation_budget_beyond_memory_is_one_line(home, capsys):
 def test_drafter_eval_config_refuses_out_of_range_settings():
     from snlp.eval.drafter import DrafterEvalConfig
 
-    for bad in (dict(blocks=(0,)), dict(blocks=()), dict(blocks=4), dict(seq_len=0), dict(warmup=-1),
+    for bad in (dict(blocks=(0,)), dict(blocks=4), dict(seq_len=0), dict(warmup=-1),
                 dict(repeats=0), dict(progress="yes")):
         with pytest.raises(ValueError, match="out of range|True or False"):
             DrafterEvalConfig(**bad)

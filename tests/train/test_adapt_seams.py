@@ -271,3 +271,21 @@ def test_cli_eval_refuses_regrouped_chat_prompts_and_unrecorded_tuned_data(tmp_p
     # no --chat-prompts: the SSD flags of `ev` would be refused as unread (snlp.apps.eval.SSD_FLAGS)
     assert main(["eval", str(base_dir), "--drafter", str(tmp_path / "fm"), *ev[:4], *ev[-3:]]) == 2
     assert "explicitly" in capsys.readouterr().err
+
+
+def test_drafter_eval_without_block_sizes_runs_quality_rows_and_refuses_prompts_before_work(monkeypatch):
+    """DrafterEvalConfig(blocks=()) was refused even for an evaluation without prompts, whose rows never read a
+    block size (they serve the SSD rows only, which run only with prompts). Empty blocks now give the quality rows;
+    with prompts the call is refused before any work (the SSD rows would fail after every quality row had run)."""
+    import snlp.eval.drafter as ED
+    from snlp.eval.drafter import DrafterEvalConfig, evaluate_drafter
+
+    base = tiny_base()
+    d = perturb(make_drafter(base, "2xF1-h0-K1"))
+    val = torch.randint(0, 96, (400,), generator=torch.Generator().manual_seed(0))
+    cfg = DrafterEvalConfig(seq_len=16, max_tokens=64, batch=2, blocks=())
+    rows = evaluate_drafter(base, d, val, [], None, cfg)
+    assert [r.drafter for r in rows] == ["post-hoc", "adapted"] and all(r.ssd == [] for r in rows)
+    monkeypatch.setattr(ED, "quality", lambda *a, **k: pytest.fail("work began before the refusal"))
+    with pytest.raises(ValueError, match=r"^drafter evaluation: 1 prompt for the SSD rows but no draft block size"):
+        evaluate_drafter(base, d, val, [[1, 2, 3]], None, cfg)
