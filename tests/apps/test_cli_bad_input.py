@@ -664,3 +664,19 @@ def test_a_dangling_symlink_is_named_as_one_not_suggested_as_itself(tmp_path, ca
     assert main(["generate", str(link), "--prompt", "hi"]) == 2
     line = one_error_line(capsys, "generate")
     assert "did you mean" not in line and "is a symlink to" in line, line
+
+
+def test_a_speedrun_rerun_refuses_a_missing_data_before_any_work(inputs, tmp_path, capsys):
+    """A rerun (its --out holds finished stages) skipped the up-front --data check a first run makes, so a typo
+    there reached the first stage to redo after the kept ones. Refused in one line, as on a first run, the folder
+    left as it was."""
+    out = tmp_path / "o"
+    (out / "stages").mkdir(parents=True)
+    (out / "stages" / "tokenizer.json").write_text("{}")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    rc = main(["speedrun", "--quick", "--data", f"{inputs}/corpus.tx", "--out", str(out)])
+    got = capsys.readouterr()
+    err = got.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("snlp speedrun: error: "), err
+    assert f"did you mean {inputs}/corpus.txt" in err[0] and got.out == "", got.out  # no banner, no stage begun
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before

@@ -357,10 +357,11 @@ def setup(args) -> Speedrun:
     out = Path(args.out)
     parsed = parse_plans(args.plans or ",".join(default_plans(pre.depth)), pre.depth)
     check_plans(parsed)
-    if args.force or not (out / "stages").is_dir():  # a fresh run reads --data first: a typo refused before any stage
-        from snlp.io.data import check_local_parts  # (a rerun whose stages are kept may not read it again)
+    # --data first, a rerun as a fresh run: a typo refused before any stage (a rerun that keeps its stages reads it
+    # again where a stage is redone, after the stages before it, and the stages' settings name it)
+    from snlp.io.data import check_local_parts
 
-        check_local_parts(args.data)
+    check_local_parts(args.data)
     plans = [str(p) for p in parsed]
     cfg = SpeedrunConfig(data=args.data, max_chars=pre.max_chars, vocab_size=pre.vocab_size, depth=pre.depth,
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
