@@ -314,17 +314,19 @@ def table(res: SelfcheckResult) -> list[str]:
                       f"({'prefill / decode' if len(runs - {None}) > 1 else 'every row'}); below 6 paired runs no "
                       f"speedup here is resolved from noise: a check that the timing paths run, not a measurement "
                       f"(snlp bench for that)"]
-    lines += ["", "prefill (forward over T tokens)    ms     speedup  compiled"]
+    # "(tie)" (the sign test over the paired runs) stands beside the speedup it qualifies, the column widened for it
+    cells = {id(r): f"{r['speedup']:6.2f}x{tie_mark(r.get('speedup_rounds'), r['speedup'])}"
+             for r in res.forward + res.decode}
+    w = max(map(len, cells.values()), default=7)
+    lines += ["", "prefill (forward over T tokens)    ms     speedup" + " " * (w - 5) + "compiled"]
     for r in res.forward:
-        lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}"
-                     f"{tie_mark(r.get('speedup_rounds'), r['speedup'])}")
-    lines += ["", "decode (greedy, KV cache)          ms/tok speedup  compiled"]
+        lines.append(f"  {r['plan']:<30} {r['median_ms']:8.2f} {cells[id(r)]:<{w}}  {r['compiled']}")
+    lines += ["", "decode (greedy, KV cache)          ms/tok speedup" + " " * (w - 5) + "compiled"]
     for r in res.decode:
         name = r["mode"] if r["mode"] == "sequential" else f"{r['mode']} {r['plan']}" + \
             (f" B={r['block']}" if r["block"] else "")
         ideal = r.get("ideal_ssd_speedup")
         above = f"  (above its ideal SSD {ideal:.2f}x: noise)" if ideal and r["speedup"] > ideal else ""
-        lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {r['speedup']:6.2f}x  {r['compiled']}{above}"
-                     f"{tie_mark(r.get('speedup_rounds'), r['speedup'])}")  # (tie): the sign test over the paired runs
+        lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {cells[id(r)]:<{w}}  {r['compiled']}{above}")
     lines += ["", f"{'ALL CHECKS PASSED' if res.passed else 'SOME CHECKS FAILED'} in {res.seconds:.0f} s"]
     return lines

@@ -302,7 +302,7 @@ def _write(result: VsPaperResult, cfg: VsPaperConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         write_json(out / "vs_paper.json", {"meta": result.meta, "config": asdict(cfg), "rows": result.rows,
-                                           "ratios": paired_ratios(result),
+                                           "ratios_note": RATIOS_NOTE, "ratios": paired_ratios(result),
                                            "agreement": result.agreement, "failures": result.failures,
                                            "complete": result.complete}, announce=False)
         write_atomic(out / "vs_paper.md", result.markdown)  # a kill between shapes never leaves half a table
@@ -350,9 +350,18 @@ def _ratio_rows(rows: list[PeerRow], key: str, plan: str) -> dict[str, tuple[Pee
             "snlp_vs_strongest_seq": None if seq else pair(best, fastest)}
 
 
+# what a "ratios" entry's verdict says, in the JSON beside the entries: each ratio is numerator ms / denominator ms,
+# so the verdict reads as the denominator's against the numerator (stats.paired_verdict: baseline over method)
+RATIOS_NOTE = ("value and rounds: the numerator's ms / the denominator's ms (> 1: the denominator took less time); "
+               "verdict 'faster': the DENOMINATOR is faster (the sign test over the rounds resolves ratios > 1), "
+               "'slower': the numerator is faster, 'tie': the rounds resolve neither; wins / losses: the rounds "
+               "the denominator was faster / slower; faster_side names the faster one (None for a tie)")
+
+
 def paired_ratios(result: VsPaperResult) -> list[dict]:
     """Every ratio of the markdown table with its per-round ratios and the sign test's verdict on them (the JSON's
-    "ratios"; snlp.bench.stats.paired_marks): what the table's "(tie)" marks rest on."""
+    "ratios"; snlp.bench.stats.paired_marks): what the table's "(tie)" marks rest on. The verdict is the
+    denominator's (RATIOS_NOTE), and `faster_side` names the side it found faster."""
     out = []
     for key in result.config.shapes:
         shape = next(s for s in PAPER_SHAPES if s.key == key)
@@ -362,10 +371,11 @@ def paired_ratios(result: VsPaperResult) -> list[dict]:
                 if pair is not None:
                     a, b = pair
                     rounds = _rounds(a, b)
+                    marks = paired_marks(rounds)
+                    num, den = f"{a.side} {a.plan} {a.variant}", f"{b.side} {b.plan} {b.variant}"
                     out.append({"shape": key, "plan": plan, "ratio": name, "value": a.median_ms / b.median_ms,
-                                "numerator": f"{a.side} {a.plan} {a.variant}",
-                                "denominator": f"{b.side} {b.plan} {b.variant}", "rounds": rounds,
-                                **paired_marks(rounds)})
+                                "numerator": num, "denominator": den, "rounds": rounds, **marks,
+                                "faster_side": {"faster": den, "slower": num}.get(marks["verdict"])})
     return out
 
 

@@ -205,6 +205,35 @@ def test_vs_paper_ratios_carry_the_verdict():
     assert "8 rounds resolve one at 8 of 8" in markdown(tie)
 
 
+def test_vs_paper_ratios_say_which_side_their_verdict_calls_faster(tmp_path):
+    """A ratio is numerator ms / denominator ms and its verdict is paired_verdict's (baseline over method): "faster"
+    means the DENOMINATOR is faster, which the JSON did not say. Each entry names the faster side, and the file
+    says how to read the verdict beside the entries."""
+    from snlp.bench.paper_peer import summarise
+    from snlp.bench.vs_paper import VsPaperConfig, VsPaperResult, _write, paired_ratios
+
+    cfg = VsPaperConfig(paper="unused", shapes=("0.5B-mhc",), runs=8, warmup=0, out=str(tmp_path)).resolved()
+    plan = "16xF1-h0-K1-hcn"
+    times = {"paper/sequential": [20.0] * 8, f"paper/{plan}": [30.0] * 8, "snlp/sequential": SEQ,
+             f"snlp/{plan}": [4.0] * 5 + [13.0] * 3}
+    meta = {"paper/sequential": ("paper", "sequential", "as published", ""),
+            f"paper/{plan}": ("paper", plan, "as published", ""),
+            "snlp/sequential": ("snlp", "sequential", "eager", ""), f"snlp/{plan}": ("snlp", plan, "eager", "")}
+    res = VsPaperResult(config=cfg, meta=dict(weights="random", dtype="float32", device="cpu", torch="t", cuda=None,
+                                              date="d", paper_root="p", paper_stubs=[]),
+                        rows=summarise("0.5B-mhc", times, meta), complete=True)
+    r = {(x["plan"], x["ratio"]): x for x in paired_ratios(res)}
+    over = r[(plan, "paper_over_snlp")]  # 30 ms / snlp's 4 or 13: snlp, the denominator, faster every round
+    assert over["verdict"] == "faster" and over["faster_side"] == over["denominator"] == f"snlp {plan} eager"
+    own = r[(plan, "paper_speedup")]  # the paper's sequential 20 ms / its plan's 30 ms: the numerator faster
+    assert own["verdict"] == "slower" and own["faster_side"] == own["numerator"] == "paper sequential as published"
+    assert r[(plan, "snlp_vs_strongest_seq")]["verdict"] == "tie" and r[(plan, "snlp_vs_strongest_seq")][
+        "faster_side"] is None
+    _write(res, cfg)
+    data = json.loads((tmp_path / "vs_paper.json").read_text())
+    assert "verdict 'faster': the DENOMINATOR is faster" in data["ratios_note"] and data["ratios"][0]["faster_side"]
+
+
 FABRICATED_OPS = {"forward": [1.0] * 8, "fd": [2.0] * 8, "jvp": [0.5] * 5 + [1.5] * 3, "vjp": [3.0] * 8,
                   "fd_extra": [1.2] * 8}
 

@@ -110,3 +110,24 @@ def test_a_signal_after_a_passing_selfcheck_wrote_its_json_exits_0(ok, tmp_path,
                                     f"{tmp_path / 'selfcheck.json'} holds its complete results; nothing to rerun")
     else:
         assert rc == 128 + signal.SIGTERM and line.startswith("snlp selfcheck: interrupted by SIGTERM"), line
+
+
+def test_tie_stands_beside_the_speedup_it_qualifies():
+    """"(tie)" was printed at the end of the line, after the compiled column and the above-its-ideal note, as if
+    it qualified them. It now follows the speedup, the column widened so the rows still line up."""
+    rounds = [1.1, 0.9, 1.2]  # 3 paired runs never resolve a lead: a tie
+    res = SelfcheckResult(device="cpu", device_name="x", versions={"torch": "t", "cuda": None}, config={},
+                          checks=[Check("a", True, "", 0.0)],
+                          forward=[dict(plan="sequential", median_ms=1.0, speedup=1.0, compiled=False, runs=3),
+                                   dict(plan="2xF1-h0-K1", median_ms=0.9, speedup=1.11, compiled=False, runs=3,
+                                        speedup_rounds=rounds)],
+                          decode=[dict(mode="speculative", plan="2xF1-h0-K1", block=3, ms_per_token=5.8, speedup=7.21,
+                                       compiled=True, runs=3, ideal_ssd_speedup=3.29, speedup_rounds=[7.0, 7.2, 7.5])])
+    lines = table(res)
+    row = next(ln for ln in lines if "2xF1-h0-K1" in ln and "B=" not in ln)
+    assert row.endswith("1.11x (tie)  False"), row
+    spec = next(ln for ln in lines if "B=3" in ln)
+    assert "7.21x (tie)  True  (above its ideal SSD 3.29x: noise)" in spec and not spec.endswith("(tie)"), spec
+    seq = next(ln for ln in lines if ln.startswith("  sequential"))
+    head = next(ln for ln in lines if ln.startswith("prefill"))
+    assert seq.index("False") == row.index("False") == head.index("compiled")  # still one column
