@@ -328,7 +328,7 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
     clock = "thread_cpu" if device.type == "cpu" and threads == 1 else "wall"
     setting = f"{threads} thread{'s' if threads > 1 else ''}" + (", compiled" if compiled else "")
     with torch_threads(threads), torch.inference_mode(), \
-            progress_bar(1, f"step timing (stage 1, {setting})", cfg.progress, unit="setting") as bar:
+            progress_bar(2 + cfg.step_runs, f"step timing (stage 1, {setting})", cfg.progress, unit="round") as bar:
         seq = sequential_step(model, compiled)
         drafts = {str(p): snlp_step(bind(model, p, check_finite=False, preheat=preheat_for(p, preheat)), compiled)
                   for p in plans}
@@ -336,27 +336,29 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
         fns.update({b: _timed_step(model, seq, prompt, b + 1, max(cfg.blocks) + 1) for b in cfg.blocks})
         fns.update({name: _timed_step(model, d, prompt, 1, max(cfg.blocks) + 1) for name, d in drafts.items()})
         if clock == "wall":
-            times = time_round_robin(fns, 2, cfg.step_runs, device)
+            times = time_round_robin(fns, 2, cfg.step_runs, device, on_round=bar.update)
         else:
-            times = _cpu_round_robin(fns, 2, cfg.step_runs)
+            times = _cpu_round_robin(fns, 2, cfg.step_runs, on_round=bar.update)
         ms = {k: statistics.median(v) for k, v in times.items()}
-        bar.update()
     return StepCosts(threads=threads, compiled=compiled, clock=clock, sequential_ms=ms["seq"],
                      layer_ms=ms["seq"] / model.config.n_layer, verify_ms={b: ms[b] for b in cfg.blocks},
                      draft_ms={name: ms[name] for name in drafts})
 
 
-def _cpu_round_robin(fns: dict, warmup: int, runs: int) -> dict:
-    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call)."""
+def _cpu_round_robin(fns: dict, warmup: int, runs: int, on_round=lambda: None) -> dict:
+    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call); `on_round()` after every
+    round, outside the timed calls."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+        on_round()
     out = {k: [] for k in fns}
     for _ in range(runs):
         for k, fn in fns.items():
             t0 = time.thread_time()
             fn()
             out[k].append(1e3 * (time.thread_time() - t0))
+        on_round()
     return out
 
 

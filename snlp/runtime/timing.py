@@ -44,11 +44,14 @@ def between(start, end) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def time_round_robin(fns: dict, warmup: int, runs: int, device) -> dict[str, list[float]]:
-    """Milliseconds per call for each callable, interleaved round-robin after `warmup` untimed rounds."""
+def time_round_robin(fns: dict, warmup: int, runs: int, device, on_round=None) -> dict[str, list[float]]:
+    """Milliseconds per call for each callable, interleaved round-robin after `warmup` untimed rounds.
+    `on_round()`, if given, is called after every round, warm-up included, outside the timed calls (a progress bar)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+        if on_round is not None:
+            on_round()
     sync(device)
     times = {name: [] for name in fns}
     for _ in range(runs):
@@ -56,4 +59,6 @@ def time_round_robin(fns: dict, warmup: int, runs: int, device) -> dict[str, lis
             t0 = now(device)
             fn()
             times[name].append((now(device) - t0) * 1e3)
+        if on_round is not None:
+            on_round()
     return times

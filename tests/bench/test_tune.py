@@ -363,11 +363,14 @@ def test_stage_one_says_what_runs_on_stderr_with_progress_and_nothing_without(mo
     for progress in (True, False):
         cfg = TuneConfig(plans=PLANS[:2], blocks=(2,), threads=(1,), progress=progress, **FAST)
         acc = measure_acceptance(model, prompts, plans, cfg)
-        costs = measure_costs(model, plans, prompts[0], cfg, 1, False)
+        costs = measure_costs(model, plans, prompts[0], cfg, 1, False)  # the thread's CPU clock
+        measure_costs(model, plans, prompts[0], cfg, 2, False)  # wall clock: snlp.runtime.timing.time_round_robin
         err = capsys.readouterr().err
         assert set(acc) == {str(p) for p in plans} and set(costs.draft_ms) == {str(p) for p in plans}
         if progress:
             assert "SSD acceptance (stage 1): 4/4 (100%) done in" in err
-            assert "step timing (stage 1, 1 thread): 1/1 (100%) done in" in err
+            n = 2 + cfg.step_runs  # rounds, the 2 untimed ones included
+            assert f"step timing (stage 1, 1 thread): {n}/{n} (100%) done in" in err
+            assert f"step timing (stage 1, 2 threads): {n}/{n} (100%) done in" in err
         else:
             assert err == ""
