@@ -57,6 +57,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
+from snlp.runtime.device import progress_bar
 from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl
 from snlp.runtime.timing import round_order, time_round_robin
 
@@ -291,23 +292,27 @@ def measure_acceptance(model: GPT, prompts: list[list[int]], plans: list[Plan], 
     round's accepted count is what it emitted minus 1; only rounds that drafted the whole block count."""
     B = max(cfg.blocks)
     seq, out = sequential_step(model), {}
-    for plan in plans:
-        draft = snlp_step(bind(model, plan, check_finite=False, preheat=preheat_for(plan, preheat)))
-        counts, emitted = [], [0]
+    # the longest part of stage 1 on a CPU (every plan decodes every prompt): minutes of silence without a bar
+    with progress_bar(len(plans) * len(prompts), "SSD acceptance (stage 1)", cfg.progress, unit="decode") as bar:
+        for plan in plans:
+            draft = snlp_step(bind(model, plan, check_finite=False, preheat=preheat_for(plan, preheat)))
+            counts, emitted = [], [0]
 
-        def record(new, counts=counts, emitted=emitted):
-            if cfg.accept_tokens - emitted[0] - 1 >= B:  # this round drafted B (it had room for B drafts + 1)
-                counts.append(len(new) - 1)
-            emitted[0] += len(new)
-        acc = exam = 0
-        for p in prompts:
-            emitted[0] = 0
-            r = speculative_generate(model, p, plan, block=B, max_new_tokens=cfg.accept_tokens, draft=draft,
-                                     verify=seq, on_tokens=record)
-            acc, exam = acc + r.accepted, exam + r.examined
-        R = max(len(counts), 1)
-        out[str(plan)] = Acceptance(str(plan), B, len(counts), [sum(n >= i for n in counts) / R for i in range(1, B + 1)],
-                                    acc / exam if exam else math.nan)
+            def record(new, counts=counts, emitted=emitted):
+                if cfg.accept_tokens - emitted[0] - 1 >= B:  # this round drafted B (it had room for B drafts + 1)
+                    counts.append(len(new) - 1)
+                emitted[0] += len(new)
+            acc = exam = 0
+            for p in prompts:
+                emitted[0] = 0
+                r = speculative_generate(model, p, plan, block=B, max_new_tokens=cfg.accept_tokens, draft=draft,
+                                         verify=seq, on_tokens=record)
+                acc, exam = acc + r.accepted, exam + r.examined
+                bar.update()
+            R = max(len(counts), 1)
+            out[str(plan)] = Acceptance(str(plan), B, len(counts),
+                                        [sum(n >= i for n in counts) / R for i in range(1, B + 1)],
+                                        acc / exam if exam else math.nan)
     return out
 
 
@@ -321,7 +326,9 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
     run to run), else wall time (a GPU's queue, or intra-op worker threads a thread clock does not see)."""
     device = model.wte.weight.device
     clock = "thread_cpu" if device.type == "cpu" and threads == 1 else "wall"
-    with torch_threads(threads), torch.inference_mode():
+    setting = f"{threads} thread{'s' if threads > 1 else ''}" + (", compiled" if compiled else "")
+    with torch_threads(threads), torch.inference_mode(), \
+            progress_bar(2 + cfg.step_runs, f"step timing (stage 1, {setting})", cfg.progress, unit="round") as bar:
         seq = sequential_step(model, compiled)
         drafts = {str(p): snlp_step(bind(model, p, check_finite=False, preheat=preheat_for(p, preheat)), compiled)
                   for p in plans}
@@ -329,26 +336,29 @@ def measure_costs(model: GPT, plans: list[Plan], prompt: list[int], cfg: TuneCon
         fns.update({b: _timed_step(model, seq, prompt, b + 1, max(cfg.blocks) + 1) for b in cfg.blocks})
         fns.update({name: _timed_step(model, d, prompt, 1, max(cfg.blocks) + 1) for name, d in drafts.items()})
         if clock == "wall":
-            times = time_round_robin(fns, 2, cfg.step_runs, device)
+            times = time_round_robin(fns, 2, cfg.step_runs, device, on_round=bar.update)
         else:
-            times = _cpu_round_robin(fns, 2, cfg.step_runs)
+            times = _cpu_round_robin(fns, 2, cfg.step_runs, on_round=bar.update)
         ms = {k: statistics.median(v) for k, v in times.items()}
     return StepCosts(threads=threads, compiled=compiled, clock=clock, sequential_ms=ms["seq"],
                      layer_ms=ms["seq"] / model.config.n_layer, verify_ms={b: ms[b] for b in cfg.blocks},
                      draft_ms={name: ms[name] for name in drafts})
 
 
-def _cpu_round_robin(fns: dict, warmup: int, runs: int) -> dict:
-    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call)."""
+def _cpu_round_robin(fns: dict, warmup: int, runs: int, on_round=lambda: None) -> dict:
+    """snlp.runtime.timing.time_round_robin on this thread's CPU clock (ms per call), the order rotated round by
+    round (`round_order`); `on_round()` after every round, outside the timed calls."""
     for r in range(warmup):
         for k in round_order(fns, r):
             fns[k]()
+        on_round()
     out = {k: [] for k in fns}
     for r in range(runs):
         for k in round_order(fns, r):
             t0 = time.thread_time()
             fns[k]()
             out[k].append(1e3 * (time.thread_time() - t0))
+        on_round()
     return out
 
 

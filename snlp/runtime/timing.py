@@ -62,12 +62,15 @@ def round_order(items, slot: int) -> list:
     return [items[i] for i in rotation(slot, len(items))]
 
 
-def time_round_robin(fns: dict, warmup: int, runs: int, device) -> dict[str, list[float]]:
+def time_round_robin(fns: dict, warmup: int, runs: int, device, on_round=None) -> dict[str, list[float]]:
     """Milliseconds per call for each callable, interleaved round-robin after `warmup` untimed rounds, the
-    order rotated round by round (`round_order`)."""
+    order rotated round by round (`round_order`). `on_round()`, if given, is called after every round, warm-up
+    included, outside the timed calls (a progress bar)."""
     for r in range(warmup):
         for name in round_order(fns, r):
             fns[name]()
+        if on_round is not None:
+            on_round()
     sync(device)
     times = {name: [] for name in fns}
     for r in range(runs):
@@ -75,4 +78,6 @@ def time_round_robin(fns: dict, warmup: int, runs: int, device) -> dict[str, lis
             t0 = now(device)
             fns[name]()
             times[name].append((now(device) - t0) * 1e3)
+        if on_round is not None:
+            on_round()
     return times

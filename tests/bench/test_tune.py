@@ -350,3 +350,27 @@ def test_the_tables_dppl_cell_keeps_two_decimals_and_prints_huge_or_diverged_one
     for d in (13188608.289, 10.5, math.inf, math.nan):
         assert dppl_cell(d) == fmt_delta_ppl(d)
     assert dppl_cell(13188608.289) == "×1.3e7" and dppl_cell(math.inf) == "diverged"
+
+
+def test_stage_one_says_what_runs_on_stderr_with_progress_and_nothing_without(model, val, capsys):
+    """`snlp tune` printed its teacher-forced pass, then nothing for minutes on a CPU while every plan decoded every
+    prompt for its acceptance profile and the steps were timed: a newcomer saw a command that looked hung. With
+    progress on, each part of stage 1 ends with a line on stderr; off (the speedrun, --no-progress), none."""
+    from snlp.bench.tune import measure_acceptance, measure_costs
+
+    plans = [Plan.parse(p) for p in PLANS[:2]]
+    prompts = [val[:6].tolist(), val[6:12].tolist()]
+    for progress in (True, False):
+        cfg = TuneConfig(plans=PLANS[:2], blocks=(2,), threads=(1,), progress=progress, **FAST)
+        acc = measure_acceptance(model, prompts, plans, cfg)
+        costs = measure_costs(model, plans, prompts[0], cfg, 1, False)  # the thread's CPU clock
+        measure_costs(model, plans, prompts[0], cfg, 2, False)  # wall clock: snlp.runtime.timing.time_round_robin
+        err = capsys.readouterr().err
+        assert set(acc) == {str(p) for p in plans} and set(costs.draft_ms) == {str(p) for p in plans}
+        if progress:
+            assert "SSD acceptance (stage 1): 4/4 (100%) done in" in err
+            n = 2 + cfg.step_runs  # rounds, the 2 untimed ones included
+            assert f"step timing (stage 1, 1 thread): {n}/{n} (100%) done in" in err
+            assert f"step timing (stage 1, 2 threads): {n}/{n} (100%) done in" in err
+        else:
+            assert err == ""
