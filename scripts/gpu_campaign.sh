@@ -129,7 +129,8 @@ part decode_trained $T_LONG bash -c "$PY -m snlp train --out '$OUT/parts/trained
     --suite-warmup 2 --suite-runs 5 --out '$OUT/parts/decode_trained'"
 
 # 5d. (--parts host) the host time of one compiled call, split (dynamo's guard check, the Step's own Python, the graph
-#     call), beside the time until the device finished it: whether compiled prefill and decode steps are host-bound
+#     call; each decode Step also with the guard cut, snlp.decode.steps.StepState, and its snapshot alone), beside the
+#     time until the device finished it: whether compiled prefill and decode steps are host-bound
 #     (scripts/host_per_call.py; docs/records/2026-11-28-host-per-call.md), at the speedrun model's shape
 if [ "$QUICK" = 1 ]; then HOST="--depth 2 --width 32 --plan 1xF1-h0-K1 --block 2 --rounds 5"
 else HOST="--depth 16 --width 128 --head-dim 32 --plan 16xF1-h0-K3 --block 4 --rounds 200"; fi

@@ -17,10 +17,13 @@ inductor on the CPU and timed round-robin (one call of each per round, per-call 
 - `seq step` (T = 1), `draft step` (the SNLP runner's step, T = 1) and `verify step` (the sequential step padded to
   block + 1): snlp.decode.steps.Step as the decode loops call it.
 
-Each is timed three ways: as called (guards evaluated), under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`
-(no guard runs while a code object has one compiled graph), and, for the Steps, the compiled function alone on
-prebuilt inputs (the graph call with its guards), so Step's own Python is the difference. The guard check alone is
-timed on the guard manager dynamo built (`guard_manager.check` on the frame's locals), and its guards counted.
+Each is timed three ways: as called (guards evaluated: the Steps built with guards="full"), under
+`torch.compiler.set_stance(skip_guard_eval_unsafe=True)` (no guard runs while a code object has one compiled graph),
+and, for the Steps, the compiled function alone on prebuilt inputs (the graph call with its guards), so Step's own
+Python is the difference. The guard check alone is timed on the guard manager dynamo built (`guard_manager.check` on
+the frame's locals), and its guards counted. The Steps are also built as the decode loops build them by default,
+with the guard cut (guards="cut": dynamo's guards skipped while the step's own snapshot is unchanged,
+snlp.decode.steps.StepState), timed as called (`guard cut`), and the snapshot it takes per call timed alone.
 """
 
 from __future__ import annotations
@@ -135,14 +138,18 @@ def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, 
             fns[name], fns[name + " [skip guards]"], fns[name + " [guard check]"] = f, skipping(f), g
             guards[name] = n
     # decode Steps, as the loops call them: a prefill, then T = 1 calls (sequential / draft) and B + 1 (verify)
-    seq, draft = sequential_step(model, compile=True), snlp_step(runner, compile=True)
+    seq, draft = sequential_step(model, compile=True, guards="full"), snlp_step(runner, compile=True, guards="full")
+    seq_cut, draft_cut = sequential_step(model, compile=True, guards="cut"), snlp_step(runner, compile=True, guards="cut")
     max_len = seq.cache_len(T + 4 * rounds + 64)
-    caches = {k: seq.new_cache(model, 1, max_len) for k in ("seq step", "draft step", "verify step")}
-    for k, s in (("seq step", seq), ("draft step", draft), ("verify step", seq)):
-        s.prefill(idx, caches[k])
     tok = idx[:, -1:]
     vblock = idx[:, :block + 1]
     calls = {"seq step": (seq, tok, None), "draft step": (draft, tok, None), "verify step": (seq, vblock, block + 1)}
+    calls.update({k + " [guard cut]": (s, x, pad) for k, (s, x, pad) in
+                  (("seq step", (seq_cut, tok, None)), ("draft step", (draft_cut, tok, None)),
+                   ("verify step", (seq_cut, vblock, block + 1)))})
+    caches = {k: seq.new_cache(model, 1, max_len) for k in calls}
+    for k, (s, _, _) in calls.items():
+        s.prefill(idx, caches[k])
     start = {k: c.length for k, c in caches.items()}
 
     def stepper(k):
@@ -157,6 +164,9 @@ def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, 
     for k, (s, x, pad) in calls.items():
         s.warm(caches[k], [x.shape[1] if pad is None else pad])
         fns[k] = stepper(k)
+        if k.endswith(" [guard cut]"):  # as the decode loops call it; and the snapshot the cut takes per call
+            fns[k.replace("[guard cut]", "[snapshot]")] = (lambda s=s, c=caches[k]: s.state.take(c))
+            continue
         fns[k + " [skip guards]"] = skipping(fns[k])
         # the compiled function alone on prebuilt inputs: Step's Python is the difference
         c = caches[k]
@@ -188,16 +198,21 @@ def measure(depth=32, width=64, head_dim=16, T=16, plan="12xF2-h0-K1", block=4, 
 def markdown(out: dict) -> str:
     r, g = out["rows"], out["guards"]
     synced = any(v.get("synced_us") is not None for v in r.values())
-    lines = ["| callable | guards | as called (us) | guard check (us) | skip guards (us) | compiled fn alone (us) | "
-             "compiled fn alone, skip guards (us) |" + (" as called, until the device finished (us) |" if synced else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if synced else "")]
+    lines = ["| callable | guards | as called (us) | guard check (us) | skip guards (us) | guard cut (us) | snapshot (us) | "
+             "compiled fn alone (us) | compiled fn alone, skip guards (us) |"
+             + (" as called, until the device finished (us) | guard cut, until the device finished (us) |" if synced else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if synced else "")]
     for k in ("seq forward", "plan forward", "seq step", "draft step", "verify step"):
         def v(suffix):
             row = r.get(k + suffix)
             return f"{row['thread_us']:.0f}" if row else "-"
+        def dev(suffix):
+            row = r.get(k + suffix)
+            return f"{row['synced_us']:.0f}" if row else "-"
         lines.append(f"| {k} | {g[k]} | {v('')} | {v(' [guard check]')} | {v(' [skip guards]')} | "
+                     f"{v(' [guard cut]')} | {v(' [snapshot]')} | "
                      f"{v(' [compiled fn alone]')} | {v(' [compiled fn alone, skip guards]')} |"
-                     + (f" {r[k]['synced_us']:.0f} |" if synced else ""))
+                     + (f" {dev('')} | {dev(' [guard cut]')} |" if synced else ""))
     return "\n".join(lines)
 
 

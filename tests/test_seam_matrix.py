@@ -54,7 +54,8 @@ names the combination. A cell that is neither is a defect. The references are wr
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor,
 a (T,) numpy array, a (B, T) numpy array.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
-Treatments: eager / compiled (tests below; inductor is slow on 2 cores), shared / unshared weights, fp64 / fp32 /
+Treatments: eager / compiled (tests below; inductor is slow on 2 cores), compiled steps with dynamo's guards cut
+(the default) or evaluated on every call (guards="full": test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
@@ -1017,6 +1018,47 @@ def test_compiled_entry_points_equal_their_references(name):
         want = loop if p.iters >= p.chunks and p.fuse == 1 else \
             [snlp_generate(m, q, plan, max_new_tokens=n).tokens for q in prompts]
     assert [r.tokens for r in rows] == want
+
+
+@pytest.mark.parametrize("guards", ["cut", "full"])
+@pytest.mark.parametrize("entry", ["sequential", "snlp", "speculative"])
+def test_guard_cut_cells_equal_the_argmax_loop(entry, guards):
+    """Compiled steps with dynamo's guards cut (Step guards="cut", the default: snlp.decode.steps.StepState) or
+    evaluated on every call: one prompt and a ragged batch, then the same after an in-place update of every parameter
+    and after `p.data = t` on every parameter, each decode equal to the full-prefix argmax loop of the model as it is
+    then (fp64, mixed window widths; dynamo's CompileCounter backend: its tracing, guards and graph cache without
+    inductor's compile time; inductor: tests/decode/test_guard_cut.py)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from snlp.decode.steps import sequential_step, snlp_step
+
+    torch._dynamo.reset()
+    m = make_model(seed=3, n_layer=len(COMPILED_WINDOWS), layer_windows=COMPILED_WINDOWS, sequence_len=64)
+    plan = "5xF1-h0-K5" if entry == "snlp" else "5xF1-h0-K2"  # K >= C: the SNLP decode is the argmax loop
+    seq = sequential_step(m, compile=True, backend=CompileCounter(), guards=guards)
+    draft = snlp_step(bind(m, plan, check_finite=False), compile=True, backend=CompileCounter(), guards=guards)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (3, 9)]
+
+    def decode(p):
+        if entry == "sequential":
+            return sequential_generate(m, p, max_new_tokens=5, step=seq)
+        if entry == "snlp":
+            return snlp_generate(m, p, plan, max_new_tokens=5, step=draft)
+        return speculative_generate(m, p, plan, block=3, max_new_tokens=5, draft=draft, verify=seq)
+
+    def check():
+        assert decode(prompts[1]).tokens == argmax_loop(m, prompts[1], 5)
+        assert [r.tokens for r in decode(prompts)] == [argmax_loop(m, p, 5) for p in prompts]
+    check()
+    with torch.no_grad():
+        for q in m.parameters():
+            q.mul_(1.1)
+    check()
+    for q in m.parameters():
+        q.data = q.data.flip(-1).clone()
+    check()
+    assert (seq.cut_calls + draft.cut_calls > 0) == (guards == "cut")
 
 
 # ----------------------------------------------------------------------------- the decode suite (snlp bench --suite decode)

@@ -24,7 +24,11 @@ shape not compiled yet); `compile_s` accumulates its time so benchmarks report i
 
 from __future__ import annotations
 
+import copy
+import inspect
+import os
 import time
+import types
 from typing import Callable
 
 import torch
@@ -35,6 +39,7 @@ from snlp.model.cache import KVCache, RowPositions
 from snlp.method.surrogates import DiagN, Newton
 from snlp.model.gpt import GPT
 from snlp.method.solver import Runner
+from snlp.model.ops import window_kernel
 from snlp.runtime.timing import sync
 
 StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), cache) -> logits (B, T, V)
@@ -42,6 +47,14 @@ StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), c
 PREFILL_PAD = 16  # prefill lengths are rounded up to a multiple of this: one compiled graph per bucket
 MIN_CACHE = 64  # compiled steps get caches of a power-of-two length >= this: the cache size is a graph shape
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): one graph per (step kind, shape) is expected
+
+GUARD_MODES = ("cut", "full")
+# torch.compiler.set_stance(skip_guard_eval_unsafe=True) exists in torch 2.11 and 2.13 (checked); an older torch
+# without it gets full guards on every call
+CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
+DEFAULT_GUARDS = os.environ.get("SNLP_COMPILE_GUARDS", "cut")
+if DEFAULT_GUARDS not in GUARD_MODES:  # refused at import: a misspelt mode would otherwise run as the default
+    raise ValueError(f"SNLP_COMPILE_GUARDS must be one of {', '.join(GUARD_MODES)}, got {DEFAULT_GUARDS!r}")
 
 
 def sequential_fn(model: GPT) -> StepFn:
@@ -85,6 +98,113 @@ def snlp_fn(runner: Runner) -> StepFn:
     return step
 
 
+def own_code(fn: StepFn) -> StepFn:
+    """`fn` as a function with a code object of its own. Dynamo keeps its compiled graphs per code object, and every
+    closure sequential_fn / snlp_fn returns shares one: two models of one shape then share one cache of graphs, told
+    apart only by guards, which the guard cut skips (StepState) but for those that failed at a recompile (torch 2.13
+    keeps checking these under skip_guard_eval_unsafe), and every Step's graphs count against one recompile limit.
+    With its own code object a Step's graphs are its own, and differ by the shapes of its calls only."""
+    if not isinstance(fn, types.FunctionType):
+        def call(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+            return fn(idx, pos, cache)
+        fn = call
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class StepState:
+    """What the guards of a compiled step's graphs protect and a caller can change between calls, as one tuple that
+    is cheap to take and to compare (`take`): the guard cut (Step, guards="cut") runs a graph without evaluating
+    dynamo's guards (about 1250 per sequential step: ~0.5 ms of host time on this CPU, 0.1-0.4 ms predicted on the
+    lent GPUs' hosts, docs/records/2026-11-28-host-per-call.md) only while this tuple equals the one taken at the
+    last call of the same shape that evaluated them. It holds
+      - every parameter and buffer of the model, and the tensors of a runner's fused weights (and of the KV cache):
+        object identity, address, dtype, device, shape, stride. A replaced Parameter, `p.data = t`, `.to()`,
+        `.double()` and a runner's rebuild of its weights (Runner.current, run before every call) each change it;
+        an in-place update changes nothing, and needs nothing: the graphs read the weights' storage. For an SNLP
+        runner's step the model's parameters are left to Runner.current (it rebuilds the fused weights, a new
+        object, when any parameter's address or version moved): the snapshot holds the rebuilt weights instead, so
+        it costs a fifth of the sequential step's (a view of a parameter's storage with another shape, same address,
+        is seen by neither);
+      - the model's module tree (a parameter, buffer or submodule set on any module: watch_registrations) and every
+        module's `training` flag;
+      - the attributes of the model and runner objects (by identity: a new config, plan, preheat or weights) and the
+        config's field values (GPTConfig is a mutable dataclass read as constants while tracing; Plan is frozen);
+      - global state dynamo guards on: grad / inference mode, autocast (enabled and dtype, on the CPU and the
+        step's device), the default dtype, deterministic algorithms, and the window attention kernel
+        (snlp.model.ops.set_window_kernel).
+    The module and tensor lists are walked once (`scan`) and again after any mismatch."""
+
+    def __init__(self, model: GPT, runner: Runner | None = None, device=None):
+        self.model, self.runner = model, runner
+        self.devices = tuple(sorted({"cpu", torch.device(device if device is not None else "cpu").type}))
+        watch_registrations()
+        self.scan()
+
+    def scan(self) -> None:
+        mods = list(self.model.modules())
+        self.mods, self.registrations = mods, _REGISTRATIONS[0]
+        # where a module keeps its parameters and buffers (torch.nn internals): the dicts that hold any are read on
+        # every call, so a tensor put into one in place of another (`Module._apply` with overwritten parameters,
+        # `load_state_dict(assign=True)`) is seen; a new name in any module is a registration (watch_registrations)
+        self.tensor_dicts = [d for m in mods for d in (m._parameters, m._buffers) if d]
+        if self.runner is not None:  # Runner.current, run before every call of its step (Step.before), rebuilds the
+            # fused weights when any parameter's address or in-place version moved (a new weights object: its
+            # identity and leaves are held below), and a replaced Parameter is a registration; the buffers stay
+            self.tensor_dicts = [d for m in mods for d in (m._buffers,) if d]
+        self.owners = [self.model] + ([self.runner] if self.runner is not None else [])
+        self.weights, self.leaves = None, []
+
+    def tensors(self, cache: KVCache) -> list:
+        ts = [t for d in self.tensor_dicts for t in d.values() if t is not None]
+        if self.runner is not None:
+            if self.runner.weights is not self.weights:  # a rebuild makes a new weights object
+                self.weights, self.leaves = self.runner.weights, runner_tensors(self.runner)
+            ts += self.leaves
+        ts += [cache.k, cache.v] + ([cache.ids] if cache.ids is not None else [])
+        return ts
+
+    def take(self, cache: KVCache) -> tuple:
+        ts = self.tensors(cache)
+        dev = self.devices
+        return (_REGISTRATIONS[0], [m.training for m in self.mods], [id(v) for o in self.owners for v in vars(o).values()],
+                tuple(vars(self.model.config).values()),
+                list(map(id, ts)), list(map(Tensor.data_ptr, ts)), [t.dtype for t in ts], [t.device for t in ts],
+                [t.shape for t in ts], [t.stride() for t in ts],
+                torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
+                torch.are_deterministic_algorithms_enabled(), window_kernel(),
+                [torch.is_autocast_enabled(d) for d in dev], [torch.get_autocast_dtype(d) for d in dev])
+
+    def keep(self, cache: KVCache) -> tuple:
+        """A snapshot to compare later calls with: `take`, its config values copied (a list or dict field edited in
+        place must differ from the copy)."""
+        snap = self.take(cache)
+        return snap[:3] + (copy.deepcopy(snap[3]),) + snap[4:]
+
+
+_REGISTRATIONS = [0]  # parameters, buffers and submodules set on any module since watch_registrations (StepState)
+
+
+def watch_registrations() -> None:
+    """Count, once per process, every parameter, buffer and submodule set on any torch module (torch.nn's global
+    registration hooks: attribute assignment, register_*, ModuleList / Sequential item assignment): a StepState
+    walks its module tree again after one, instead of on every call."""
+    if _REGISTRATIONS[1:]:
+        return
+
+    def count(*_):
+        _REGISTRATIONS[0] += 1
+    _REGISTRATIONS.append([hook(count) for hook in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                                                    torch.nn.modules.module.register_module_buffer_registration_hook,
+                                                    torch.nn.modules.module.register_module_module_registration_hook)])
+
+
+def runner_tensors(runner: Runner) -> list:
+    """Every tensor of a runner's fused weights (plain tensors, not parameters)."""
+    w = runner.weights
+    hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
+    return [t for t in tree_leaves(list(vars(w).values()) + hc) if isinstance(t, Tensor)]
+
+
 def mark_static(*tensors) -> None:
     """Tell CUDA graphs these tensors keep their address (the KV cache, fused weights): without it every
     replay would copy them into the graph's input buffers, i.e. stream the whole cache and weights per token."""
@@ -99,22 +219,37 @@ class Step:
     (mode="reduce-overhead", i.e. CUDA graphs, on CUDA; inductor's C++ on CPU). `pad_to` pads a call to a
     fixed length (the verifier's B+1); `prefill` pads to a multiple of `prefill_pad`. Logits are cloned out
     of CUDA-graph memory, which the next replay overwrites. `backend`: another torch.compile backend (e.g.
-    torch._dynamo.testing.CompileCounter, which counts the graphs dynamo compiles without inductor's cost)."""
+    torch._dynamo.testing.CompileCounter, which counts the graphs dynamo compiles without inductor's cost).
+
+    `guards`: "cut" (the default of a compiled step given a `state`; the environment variable SNLP_COMPILE_GUARDS=full
+    turns it off) evaluates dynamo's guards only when the step's `state` (StepState: the weights, cache, configs and
+    global modes the guards protect) differs from its snapshot at the last guarded call of the same shape, and
+    otherwise runs the graph under torch.compiler.set_stance(skip_guard_eval_unsafe=True); "full" evaluates them on
+    every call. A torch without that stance gets "full". `cut_calls` / `guarded_calls` count the two paths."""
 
     def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
-                 before: Callable[[], None] | None = None):
+                 before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None):
         self.device = torch.device(device)
         self.before = before  # run on the host before every call, outside the graph (an SNLP runner's `current`)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
             raise ValueError(f"prefill_pad must be an integer >= 1 (got {prefill_pad!r})")
-        self.prefill_pad, self.compiled = prefill_pad, compile
+        if guards is not None and guards not in GUARD_MODES:
+            raise ValueError(f"guards must be one of {', '.join(GUARD_MODES)} (got {guards!r})")
+        if guards == "cut" and not (compile and state is not None):
+            raise ValueError("guards='cut' needs a compiled step (compile=True) and the StepState its guards protect "
+                             "(state=...; sequential_step / snlp_step pass it): an eager step evaluates no guards")
+        self.prefill_pad, self.compiled, self.state = prefill_pad, compile, state
         self.slack = prefill_pad  # extra cache positions padding may write past the logical length
         self.compile_s, self._seen, self._pool = 0.0, set(), {}
+        self._snaps, self.cut_calls, self.guarded_calls = {}, 0, 0
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            fn = own_code(fn)  # this step's graphs in a cache of their own (own_code)
             fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.fn = fn
+        wanted = guards if guards is not None else (DEFAULT_GUARDS if compile and state is not None else "full")
+        self.guards = wanted if CAN_SKIP_GUARDS else "full"
         self.mode = "reduce-overhead" if compile and backend is None and self.device.type == "cuda" else None
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
@@ -133,11 +268,33 @@ class Step:
         idx = self.graph_input(idx)  # laid out as the warm-up's (graph_input): the guards pass
         self.warm(cache, [n])  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
         pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
-        logits = self.fn(idx, pos, cache)
+        logits = self.call_fn(self.key("step", cache, n), idx, pos, cache)
         if self.mode == "reduce-overhead":
             logits = logits.clone()
         cache.advance(T)
         return logits[:, :T] if n > T else logits
+
+    def call_fn(self, key: tuple, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        """The compiled function on graph inputs, for a call of shape `key` (Step.key): with guards="cut", without
+        evaluating dynamo's guards while the step's state equals its snapshot at the last guarded call of this
+        shape; else with them (compiling a new graph where they fail) and a new snapshot taken."""
+        if self.guards != "cut":
+            return self.fn(idx, pos, cache)
+        kept = self._snaps.get(key)
+        if kept is not None and kept == self.state.take(cache):
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    out = self.fn(idx, pos, cache)
+                self.cut_calls += 1
+                return out
+            except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart, and
+                if "skip_guard_eval_unsafe" not in str(e):  # refuses to recompile under this stance: something the
+                    raise  # snapshot does not hold changed; the call then runs with every guard (below)
+        self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
+        out = self.fn(idx, pos, cache)
+        self._snaps[key] = self.state.keep(cache)
+        self.guarded_calls += 1
+        return out
 
     def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
         """An empty cache for a decode call through this step. With CUDA graphs the buffers of a shape are reused
@@ -199,7 +356,7 @@ class Step:
         with torch.inference_mode():
             idx = self.graph_input(idx)
             self.warm_ragged(cache, pos)
-            logits = self.fn(idx, pos, cache)
+            logits = self.call_fn(self.key("ragged", cache, pos.shape[1]), idx, pos, cache)
             return logits.clone() if self.mode == "reduce-overhead" else logits
 
     def warm_ragged(self, cache: KVCache, pos: Tensor | RowPositions) -> float:
@@ -213,7 +370,7 @@ class Step:
         sync(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.fn(self.graph_input(torch.zeros(pos.shape, dtype=torch.long, device=self.device)), pos, cache)
+            self.call_fn(key, self.graph_input(torch.zeros(pos.shape, dtype=torch.long, device=self.device)), pos, cache)
         sync(self.device)
         self._seen.add(key)
         dt = time.perf_counter() - t0
@@ -237,7 +394,7 @@ class Step:
             with torch.inference_mode():  # as __call__ runs it: same guards, same graph
                 idx = self.graph_input(torch.zeros(cache.batch, n, dtype=torch.long, device=self.device))
                 pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
-                self.fn(idx, pos, cache)
+                self.call_fn(key, idx, pos, cache)
             sync(self.device)
             t += time.perf_counter() - t0
             self._seen.add(key)
@@ -284,15 +441,24 @@ class EagerStep:
         return 0.0
 
 
+def check_eager_guards(compile: bool, kw: dict) -> None:
+    if not compile and kw.get("guards") is not None:
+        raise ValueError(f"guards={kw['guards']!r} applies to a compiled step (compile=True): an eager step evaluates "
+                         f"no guards")
+
+
 def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep:
     """The sequential model's cached forward: a compiled static-shape Step, or the eager forward."""
+    check_eager_guards(compile, kw)
     if not compile:
         return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model))
-    return Step(sequential_fn(model), model.wte.weight.device, **kw)
+    device = model.wte.weight.device
+    return Step(sequential_fn(model), device, state=StepState(model, device=device), **kw)
 
 
 def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
     """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
+    check_eager_guards(compile, kw)
     if not compile:  # the eager runner checks its weights are current on every call (Runner.current)
         return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos))
 
@@ -300,7 +466,8 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
         if runner.current() and step.mode == "reduce-overhead":
             mark_static_runner(runner)  # the rebuilt tensors have new addresses: CUDA graphs re-record once
 
-    step = Step(snlp_fn(runner), runner.model.wte.weight.device, before=before, **kw)
+    device = runner.model.wte.weight.device
+    step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device), **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
     return step
@@ -309,9 +476,7 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
 def mark_static_runner(runner: Runner) -> None:
     """mark_static on every tensor of a runner's fused weights (they are plain tensors, not parameters, so
     CUDA graphs would otherwise copy them in on every replay)."""
-    w = runner.weights
-    hc = list(vars(w.hc).values()) if getattr(w, "hc", None) is not None else []
-    mark_static(*tree_leaves(list(vars(w).values()) + hc))
+    mark_static(*runner_tensors(runner))
 
 
 SYNC_OP = "aten::_local_scalar_dense"  # the host read of a device value behind .item() / int() / bool()

@@ -169,6 +169,12 @@ def set_window_kernel(kind: str) -> str:
     return prev
 
 
+def window_kernel() -> str:
+    """The window attention kernel set now (set_window_kernel): traced code reads it as a constant, so a compiled
+    decode step's own check of what its guards protect reads it too (snlp.decode.steps.StepState)."""
+    return _window_kernel
+
+
 def band_block(window: int) -> int:
     """Query block size b of the banded formulation for a window w: about w / 2 (a multiple of 16, at least 16).
     Each block attends w + b keys; smaller blocks waste fewer scores but make smaller matmuls (on the CPU, w = 256

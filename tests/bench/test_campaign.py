@@ -152,5 +152,6 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     assert rec["config"]["device"] == "cpu"
     assert set(rec["guards"]) == {"seq forward", "plan forward", "seq step", "draft step", "verify step"}
     assert all(n > 0 for n in rec["guards"].values())
+    assert {"seq step [guard cut]", "draft step [snapshot]", "verify step [guard cut]"} <= set(rec["rows"])
     assert all(r["synced_us"] is None for r in rec["rows"].values())  # no device to wait for on a CPU
     assert "Host time per compiled call (cpu" in (tmp_path / "campaign.md").read_text()

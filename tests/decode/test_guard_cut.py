@@ -1,0 +1,274 @@
+"""The guard cut of compiled decode steps (snlp.decode.steps: Step(guards="cut"), StepState, own_code): a step runs
+its graph without evaluating dynamo's guards only while nothing those guards protect changed since its last guarded
+call of that shape. Checked against outside references: greedy tokens of the naive argmax loop over full forwards
+and of the eager decode loops, and every logit of a cut call against the same positions-tensor forward run eagerly
+on a copy of the cache; every mutation a caller can make between calls either is seen (a guarded call: it
+recompiles where dynamo's guards fail) or needs nothing (an in-place weight update: the graph reads the storage);
+with the step's snapshot made blind the stale graph runs (what the check protects); two models of one shape each
+get their own graphs. Most use torch._dynamo.testing.CompileCounter (dynamo's tracing, guards and cache, without
+inductor's compile time); one runs inductor, whose kernels are generated for one dtype."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch._dynamo.testing
+from conftest import make_model
+
+import snlp
+from snlp.decode import sequential_generate, snlp_generate, speculative_generate
+from snlp.decode import steps as steps_mod
+from snlp.decode.steps import StepState, Step, sequential_fn, sequential_step, snlp_fn, snlp_step
+from snlp.model.cache import KVCache
+from snlp.model.ops import set_window_kernel
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not steps_mod.CAN_SKIP_GUARDS, reason="this torch has no skip_guard_eval_unsafe")]
+
+PLAN = "3xF1-h0-K1"
+
+
+def naive_greedy(model, prompt, n):
+    """Greedy tokens by argmax over a full forward per token (no cache, no step)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def model32(seed=0, **cfg):
+    torch._dynamo.reset()
+    return make_model(seed=seed, dtype=torch.float32, n_layer=4, **cfg)
+
+
+def test_cut_tokens_equal_the_naive_loop_sequential_snlp_and_speculative():
+    model = model32()
+    prompt = [3, 1, 4, 1, 5, 9]
+    cnt = torch._dynamo.testing.CompileCounter()
+    seq = sequential_step(model, compile=True, backend=cnt)
+    draft = snlp_step(snlp.bind(model, PLAN, check_finite=False), compile=True, backend=cnt)
+    assert seq.guards == draft.guards == "cut"
+    want = naive_greedy(model, prompt, 12)
+    for _ in range(2):  # the second run: a new cache (guarded once per shape), then the cut
+        assert sequential_generate(model, prompt, max_new_tokens=12, step=seq).tokens == want
+    assert seq.cut_calls >= 20 and seq.guarded_calls == 4  # prefill + step shape, once per cache
+    spec = speculative_generate(model, prompt, PLAN, block=3, max_new_tokens=12, draft=draft, verify=seq)
+    assert spec.tokens == want
+    eager_snlp = snlp_generate(model, prompt, PLAN, max_new_tokens=10).tokens
+    assert snlp_generate(model, prompt, PLAN, max_new_tokens=10, step=draft).tokens == eager_snlp
+    assert draft.cut_calls > draft.guarded_calls
+
+
+@pytest.mark.slow  # inductor compiles three graphs: ~45 s on a loaded 2-core box
+def test_cut_with_inductor_equals_eager_and_a_dtype_change_recompiles():
+    """Inductor's kernels are generated for the dtype they were compiled for: after model.double() a graph run with
+    its guards skipped would compute in float32 (or fail); the step sees the new storage and recompiles."""
+    model = model32()
+    prompt = [2, 7, 1, 8]
+    seq = sequential_step(model, compile=True)
+    want = naive_greedy(model, prompt, 6)
+    assert sequential_generate(model, prompt, max_new_tokens=6, step=seq).tokens == want
+    assert seq.cut_calls >= 4
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    cache = seq.new_cache(model, 1, seq.cache_len(9 + seq.slack))
+    seq.prefill(ids[:, :4], cache)
+    seq(ids[:, 4:5], cache)
+    guarded = seq.guarded_calls
+    model.double()
+    _retype_cache(cache, torch.float64)
+    for _ in range(3):  # a guarded call (a new fp64 graph), then the cut on it
+        got, want = _call_vs_eager(seq, sequential_fn(model), ids, cache)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the head's logits are fp32; computed in fp64
+    assert seq.guarded_calls == guarded + 1
+
+
+def _warm(step, model, T0=4, calls=3):
+    """A step prefilled on a fixed prompt and advanced `calls` tokens: its T = 1 shape is on the cut path."""
+    ids = torch.randint(0, model.config.vocab_size, (1, T0 + calls + 2), generator=torch.Generator().manual_seed(1))
+    cache = step.new_cache(model, 1, step.cache_len(ids.shape[1] + step.slack))
+    step.prefill(ids[:, :T0], cache)
+    for t in range(T0, T0 + calls):
+        step(ids[:, t:t + 1], cache)
+    assert step.cut_calls >= calls - 1
+    return ids, cache
+
+
+def _call_vs_eager(step, eager_fn, ids, cache):
+    """One T = 1 call of the step and the same positions-tensor forward run eagerly on a copy of the cache."""
+    ref = KVCache(k=cache.k.clone(), v=cache.v.clone(), length=cache.length,
+                  ids=None if cache.ids is None else cache.ids.clone())
+    tok = ids[:, cache.length:cache.length + 1]
+    got = step(tok, cache)
+    with torch.inference_mode():
+        want = eager_fn(tok, torch.arange(ref.length, ref.length + 1), ref)
+    return got, want
+
+
+def _retype_cache(cache, dtype):
+    cache.k, cache.v = cache.k.to(dtype), cache.v.to(dtype)
+
+
+# (name, mutation(model, cache) -> undo or None, seen: the step must take a guarded call)
+MUTATIONS = [
+    ("model.double()", lambda m, c: (m.double(), _retype_cache(c, torch.float64)) and None, True),
+    ("replaced Parameter", lambda m, c: setattr(m.lm_head, "weight", torch.nn.Parameter(m.lm_head.weight * 2)), True),
+    ("p.data = other tensor", lambda m, c: setattr(m.lm_head.weight, "data", m.lm_head.weight.data * 3), True),
+    ("in-place weight update", lambda m, c: (m.lm_head.weight.data.mul_(-1), None)[1], False),
+    ("cache reallocated", lambda m, c: (setattr(c, "k", c.k.clone()), setattr(c, "v", c.v.clone())) and None, True),
+    ("config edited (softcap)", lambda m, c: setattr(m.config, "softcap", 2.0), True),
+    ("window kernel switched", lambda m, c: (lambda prev: lambda: set_window_kernel(prev))(set_window_kernel(
+        "flex" if steps_mod.window_kernel() != "flex" else "masked")), True),
+    ("default dtype", lambda m, c: (lambda prev: lambda: torch.set_default_dtype(prev))(
+        (torch.get_default_dtype(), torch.set_default_dtype(torch.float64))[0]), True),
+    ("deterministic algorithms", lambda m, c: (lambda prev: lambda: torch.use_deterministic_algorithms(prev))(
+        (torch.are_deterministic_algorithms_enabled(), torch.use_deterministic_algorithms(True))[0]), True),
+    ("train mode", lambda m, c: (m.train(), None)[1], True),
+    ("replaced submodule", lambda m, c: m.blocks.__setitem__(0, copy.deepcopy(m.blocks[1])), True),
+]
+
+
+@pytest.mark.parametrize("name,mutate,seen", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_every_mutation_is_seen_or_needs_nothing(name, mutate, seen):
+    model = model32()
+    cnt = torch._dynamo.testing.CompileCounter()
+    step = sequential_step(model, compile=True, backend=cnt)
+    ids, cache = _warm(step, model)
+    guarded, cut = step.guarded_calls, step.cut_calls
+    undo = mutate(model, cache)
+    try:
+        got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if seen:
+            assert step.guarded_calls == guarded + 1 and step.cut_calls == cut
+        else:  # the graph reads the weights' storage: the cut path runs and sees the update
+            assert step.cut_calls == cut + 1 and step.guarded_calls == guarded
+        got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)  # and then the cut again
+        assert step.cut_calls == cut + 1 + (not seen)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        if undo is not None:
+            undo()
+
+
+@pytest.mark.parametrize("ctx", ["enable_grad", "no_grad"])
+def test_grad_mode_is_not_the_steps(ctx):
+    """Every call runs under inference mode (Step.__call__): the caller's grad mode leaves it on the cut path."""
+    model = model32()
+    step = sequential_step(model, compile=True, backend=torch._dynamo.testing.CompileCounter())
+    ids, cache = _warm(step, model)
+    guarded = step.guarded_calls
+    with getattr(torch, ctx)():
+        got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)
+    assert step.guarded_calls == guarded
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_entered_is_seen():
+    """Under CPU autocast the eager forward fails (bf16 K/V into the fp32 cache); so must the step, rather than run
+    the fp32 graph traced before autocast was entered, with its guards skipped, and return its logits."""
+    model = model32()
+    step = sequential_step(model, compile=True, backend=torch._dynamo.testing.CompileCounter())
+    ids, cache = _warm(step, model)
+    cut = step.cut_calls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(Exception, match="Index put requires the source and destination dtypes match"):
+            _call_vs_eager(step, sequential_fn(model), ids, cache)
+        ref = KVCache(k=cache.k.clone(), v=cache.v.clone(), length=cache.length)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="Index put requires"):
+            sequential_fn(model)(ids[:, :1], torch.arange(ref.length, ref.length + 1), ref)
+    assert step.cut_calls == cut
+
+
+def test_snlp_step_sees_a_weight_update_through_the_runners_rebuild():
+    model = model32()
+    runner = snlp.bind(model, PLAN, check_finite=False)
+    step = snlp_step(runner, compile=True, backend=torch._dynamo.testing.CompileCounter())
+    ids, cache = _warm(step, model)
+    guarded, old = step.guarded_calls, runner.weights
+    with torch.no_grad():
+        model.blocks[2].mlp.c_fc.weight.mul_(1.5)
+    got, want = _call_vs_eager(step, snlp_fn(runner), ids, cache)
+    assert runner.weights is not old and step.guarded_calls == guarded + 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    model.double()
+    _retype_cache(cache, torch.float64)
+    got, want = _call_vs_eager(step, snlp_fn(runner), ids, cache)
+    assert step.guarded_calls == guarded + 2
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
+
+
+def test_a_blind_snapshot_runs_the_stale_graph(monkeypatch):
+    """What the check protects, shown by removing it: with the step's state constant, a config edit (softcap, a
+    constant of the traced graph) runs the graph traced before it, without recompiling: guards are skipped."""
+    model = model32()
+    cnt = torch._dynamo.testing.CompileCounter()
+    step = sequential_step(model, compile=True, backend=cnt)
+    ids, cache = _warm(step, model)
+    monkeypatch.setattr(step.state, "take", lambda cache: ())
+    monkeypatch.setattr(step.state, "keep", lambda cache: ())
+    _call_vs_eager(step, sequential_fn(model), ids, cache)  # guarded once (() is not the kept snapshot), then blind
+    frames, cut = cnt.frame_count, step.cut_calls
+    model.config.softcap = 2.0
+    got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)
+    assert cnt.frame_count == frames and step.cut_calls == cut + 1  # no guard ran, nothing recompiled
+    assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)  # the graph traced with softcap 15
+
+
+def test_two_models_of_one_shape_each_run_their_own_graphs():
+    """sequential_fn's closures share one code object; each Step compiles a copy of its own (own_code): its code
+    object holds its own two graphs (prefill, T = 1) only, and under the cut alternating calls each equal their own
+    model. (With one shared code object torch 2.13 still picks the right graph here: under skip_guard_eval_unsafe it
+    keeps checking the guards that failed when it recompiled, which tell the two models apart; the shared cache would
+    then hold every Step's graphs, checked in turn and counted against one recompile limit.)"""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    a = make_model(seed=0, dtype=torch.float32, n_layer=4)
+    b = make_model(seed=5, dtype=torch.float32, n_layer=4, softcap=3.0)  # same shapes; another constant too
+    cnt = torch._dynamo.testing.CompileCounter()
+    sa, sb = (sequential_step(m, compile=True, backend=cnt) for m in (a, b))
+    assert sa.fn._torchdynamo_orig_callable.__code__ is not sb.fn._torchdynamo_orig_callable.__code__
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(2))
+    ca, cb = (s.new_cache(m, 1, s.cache_len(12 + s.slack)) for s, m in ((sa, a), (sb, b)))
+    sa.prefill(ids[:, :4], ca)
+    sb.prefill(ids[:, :4], cb)
+    for t in range(4, 11):
+        for s, m, c in ((sa, a, ca), (sb, b, cb)):
+            got, want = _call_vs_eager(s, sequential_fn(m), ids, c)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sa.cut_calls >= 5 and sb.cut_calls >= 5
+    for s in (sa, sb):
+        assert len(_debug_get_cache_entry_list(s.fn._torchdynamo_orig_callable.__code__)) == 2
+
+
+def test_guards_option_surface():
+    model = model32()
+    full = sequential_step(model, compile=True, backend=torch._dynamo.testing.CompileCounter(), guards="full")
+    assert sequential_generate(model, [1, 2, 3], max_new_tokens=4, step=full).tokens == naive_greedy(model, [1, 2, 3], 4)
+    assert full.guards == "full" and full.cut_calls == full.guarded_calls == 0
+    with pytest.raises(ValueError, match="guards must be one of"):
+        sequential_step(model, compile=True, guards="off")
+    with pytest.raises(ValueError, match="compiled step"):
+        sequential_step(model, compile=False, guards="cut")
+    with pytest.raises(ValueError, match="StepState"):
+        Step(sequential_fn(model), "cpu", guards="cut")  # nothing to snapshot: refused, not run with guards skipped
+    assert Step(sequential_fn(model), "cpu", backend=torch._dynamo.testing.CompileCounter()).guards == "full"
+    state, cache = StepState(model), KVCache.for_model(model, max_len=8)
+    assert state.take(cache) == state.keep(cache) != state.take(KVCache.for_model(model, max_len=8))
+
+
+def test_environment_variable_turns_the_cut_off_and_a_bad_value_is_refused():
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    code = "import torch; from snlp.decode import steps; print(steps.DEFAULT_GUARDS)"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="full"), capture_output=True,
+                         text=True)
+    assert out.stdout.strip() == "full", out.stderr
+    bad = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="none"), capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
