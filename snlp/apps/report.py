@@ -1159,7 +1159,8 @@ def _budget_line(ctx: dict) -> str:
         pace = stepping_pace_s(ctx)
         train = (f"gave training {fmt_s(b['train_s'])} (its floor: {floor} steps, priced at "
                  f"{fmt_s(b.get('train_floor_s') or 0)} from the probe's training steps, before any other stage "
-                 f"shrinks" + (f"; the training that ran stepped at {pace:.2f} s per step, its start-up and "
+                 f"shrinks" + ("; the other stages at their floors left it less, so it got less than its floor"
+                               if b.get("train_cut") else "") + (f"; the training that ran stepped at {pace:.2f} s per step, its start-up and "
                                f"validation aside, at which {floor} steps take {fmt_s(floor * pace)}"
                                if pace and floor else "") + ")")
     steps = pr.get("train_steps_s") or {}
@@ -1198,7 +1199,17 @@ def budget_verdict(ctx: dict) -> list[str]:
             why = (f"; at the {pace:.2f} s per step this training stepped at (start-up aside), the {floor - steps} "
                    f"missing steps take {fmt_s((floor - steps) * pace)}")
             priced = (b.get("train_floor_s") or 0) / floor
-            if wall < budget:  # the budget was not what ran out: say what did
+            if wall < budget and priced and b.get("train_cut"):
+                # the plan gave training less than the floor at the probe's price (train_cut): a cut, though the
+                # budget did not run out, since training stepped faster than the probe priced it
+                fb = b.get("floor_budget_s")
+                why += (f". The budget's plan cut them: the probe priced a step at {priced:.2f} s, at which the "
+                        f"{floor} steps take {fmt_s(b.get('train_floor_s') or 0)}, more than the other stages at "
+                        f"their floors left, so training got {fmt_s(b.get('train_s') or 0)}"
+                        + (f" (a budget of {fmt_s(fb)} would have left it the floor at that price)" if fb else "")
+                        + ("; training then stepped faster than that price" if pace < priced else "")
+                        + f", and the run ended with {fmt_s(budget - wall)} of its budget unused")
+            elif wall < budget:  # the budget was not what ran out: say what did
                 why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s"
                         + (" and training stepped slower than that" if pace > priced else "")
                         + f"; training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "

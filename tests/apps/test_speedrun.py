@@ -1708,3 +1708,24 @@ def test_the_ideal_formula_defines_its_symbols():
     and a reader who took evals = M expected 1.00x for `1xF12-h0-K1` where the record says 3.20x."""
     full = _render().split("## Full evaluation records")[1]
     assert "S the sequential prefix layers" in full and "a fused chunk of M layers" in full and "[fwd] 1 for" in full
+
+
+def test_a_floor_the_plan_cut_is_not_called_uncut():
+    """A default run whose probe met a load spike (first48, 2026-11-28: a step priced at 12.01 s, training stepped at
+    4.06 s) planned 4:22 of training where 100 steps priced 20:01 (budget.train_cut true, and the console said
+    "training may get less than its floor"), trained 59 steps and ended at 9:51 of 20:00; the report said "The budget
+    did not cut them". It now says the plan cut them, at what price, and what budget would have left the floor."""
+    from snlp.apps.report import _budget_line, budget_verdict
+
+    cut = {"train_s": 262.4, "train_floor_s": 1200.8, "train_cut": True, "floor_budget_s": 2177.0, "probe": {},
+           "stages": {}}
+    ctx = _report_ctx(budget=cut, steps=59, train_seconds=264.0, wall=591.0)
+    text = " ".join(budget_verdict(ctx))
+    assert "trained 59 steps, fewer than the floor's 100" in text and "did not cut" not in text
+    assert "The budget's plan cut them: the probe priced a step at 12.01 s" in text and "training got 4:22" in text
+    assert "a budget of 36:17 would have left it the floor" in text and "10:09 of its budget unused" in text
+    assert "stepped faster than that price" in text  # 2048 tokens / 500 tok/s = 4.10 s per step
+    assert "so it got less than its floor" in _budget_line(ctx)
+    uncut = {**cut, "train_cut": False}  # the plan left the floor, training stepped slower: the budget did not cut
+    assert "did not cut them" in " ".join(budget_verdict(_report_ctx(budget=uncut, steps=59, wall=591.0)))
+    assert "less than its floor" not in _budget_line(_report_ctx(budget=uncut, steps=59, wall=591.0))
