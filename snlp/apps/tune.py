@@ -12,8 +12,8 @@ stage-1 prediction among the candidates they do not separate from it: snlp.bench
 Prints the measured table (predicted vs measured) and the pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
 (without it that validation is not run: the JSON records grid_best and pick_vs_best as null).
 
-    snlp tune runs/idn                                  # SSD, default grid (12 plans at L = 16) x B = 2,3,4,6,8
-    snlp tune runs/idn --max-dppl 1% --threads 1,2      # also SNLP within +1 % PPL; 1 and 2 torch threads
+    snlp tune runs/speedrun/idn                         # SSD, default grid (12 plans at L = 16) x B = 2,3,4,6,8
+    snlp tune runs/speedrun/idn --max-dppl 1% --threads 1,2  # also SNLP within +1 % PPL; 1 and 2 torch threads
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ fastest SNLP decoding within that PPL budget. Stage 1 predicts every candidate f
 decodes the --top best end to end, round-robin with sequential decoding, and picks the best measured one. Prints the
 table (predicted vs measured) and the pick; minutes on a CPU.
 
-  snlp tune runs/idn                                 # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
-  snlp tune runs/idn --max-dppl 1% --threads 1,2     # also SNLP within +1 % PPL; 1 and 2 threads
-  snlp tune runs/idn --full-grid --json tune.json    # every candidate measured, to check the pick
+  snlp tune runs/speedrun/idn                        # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
+  snlp tune runs/speedrun/idn --max-dppl 1% --threads 1,2  # also SNLP within +1 % PPL; 1 and 2 threads
+  snlp tune runs/speedrun/idn --full-grid --json tune.json  # every candidate measured, to check the pick
 """
 GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
 LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
