@@ -34,8 +34,8 @@ decodes the --top best end to end, round-robin with sequential decoding, and pic
 table (predicted vs measured) and the pick; minutes on a CPU.
 
   snlp tune runs/speedrun/idn                        # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
-  snlp tune runs/speedrun/idn --max-dppl 1% --threads 1,2  # also SNLP within +1 % PPL; 1 and 2 threads
-  snlp tune runs/speedrun/idn --full-grid --json tune.json  # every candidate measured, to check the pick
+  snlp tune runs/speedrun/idn --max-dppl 1% --threads 1,2 # also SNLP within +1 % PPL; 1, 2 threads
+  snlp tune runs/speedrun/idn --full-grid --json tune.json  # every candidate measured
 """
 GUIDE = "docs/usage.md#tune-choose-the-plan-by-measurement"
 LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (snlp.apps.cli.output_locks)
