@@ -130,6 +130,10 @@ MUTATIONS = [
         (torch.are_deterministic_algorithms_enabled(), torch.use_deterministic_algorithms(True))[0]), True),
     ("train mode", lambda m, c: (m.train(), None)[1], True),
     ("replaced submodule", lambda m, c: m.blocks.__setitem__(0, copy.deepcopy(m.blocks[1])), True),
+    # a submodule's own attributes, traced as constants: no registration, nothing on the model or its config moves
+    ("a layer's attention window", lambda m, c: setattr(m.blocks[1].attn, "window", 1), True),
+    ("a layer's norm eps", lambda m, c: setattr(m.blocks[1], "eps", 10.0), True),
+    ("a layer's MLP forward patched", lambda m, c: setattr(m.blocks[2].mlp, "forward", torch.zeros_like), True),
 ]
 
 
@@ -272,3 +276,112 @@ def test_environment_variable_turns_the_cut_off_and_a_bad_value_is_refused():
     bad = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="none"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
+
+
+def test_a_second_python_thread_turns_the_cut_off():
+    """dynamo's stance is process-wide: while another Python thread is alive a cut call would skip the guards of
+    that thread's compiled calls too (and two interleaved cut calls leave the stance skipping for good), so the step
+    evaluates its guards instead; afterwards the cut resumes."""
+    import threading
+
+    model = model32()
+    step = sequential_step(model, compile=True, backend=torch._dynamo.testing.CompileCounter())
+    ids, cache = _warm(step, model)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        cut, guarded = step.cut_calls, step.guarded_calls
+        got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)
+        assert step.cut_calls == cut and step.guarded_calls == guarded + 1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        done.set()
+        other.join()
+    _call_vs_eager(step, sequential_fn(model), ids, cache)
+    assert step.cut_calls == cut + 1
+
+
+def test_a_cut_call_in_one_thread_skips_no_other_threads_guards():
+    """Thread A's decode step is held inside its graph (a backend that waits) while the main thread runs an unrelated
+    compiled function whose traced constant changed, then a decode step of its own that lets A finish inside its
+    graph. dynamo's stance is one process-wide setting and set_stance restores what it found when built: were A's
+    call cut, the function would return its stale graph's value, and the main thread's cut call, built while A's
+    stance was on, would leave guards skipped for good. The result must equal eager, and guards stay on."""
+    import threading
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    waits = {}  # thread id -> what that thread's graph does first
+
+    def waiting(gm, example_inputs):
+        def run(*args):
+            waits.get(threading.get_ident(), lambda: None)()
+            return gm.forward(*args)
+        return run
+
+    scale = [2.0]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def times(x):
+        return x * scale[0]
+
+    x = torch.ones(3)
+    assert times(x).tolist() == [2.0] * 3
+    models = [make_model(seed=seed, dtype=torch.float32, n_layer=2) for seed in (0, 1)]
+    steps = [(step, step.new_cache(m, 1, 64)) for m in models
+             for step in [sequential_step(m, compile=True, backend=waiting)]]
+    for step, cache in steps:  # both built first (a registration anywhere moves every snapshot), then warmed:
+        for _ in range(3):  # the next call of this shape and cache would be cut
+            step(torch.tensor([[1, 2, 3, 4]]), cache)
+    a_in, a_go, a_done, errors = threading.Event(), threading.Event(), threading.Event(), []
+
+    def thread_a():
+        try:
+            waits[threading.get_ident()] = lambda: (a_in.set(), a_go.wait(30))
+            steps[0][0](torch.tensor([[1, 2, 3, 4]]), steps[0][1])
+        except Exception as e:  # a thread's exception would not fail the test
+            errors.append(e)
+        finally:
+            a_done.set()
+
+    a = threading.Thread(target=thread_a)
+    a.start()
+    try:
+        assert a_in.wait(30)
+        scale[0] = 3.0
+        assert times(x).tolist() == [3.0] * 3  # not the graph traced with 2.0
+        waits[threading.get_ident()] = lambda: (a_go.set(), a_done.wait(30))
+        steps[1][0](torch.tensor([[1, 2, 3, 4]]), steps[1][1])
+    finally:
+        a_go.set()
+        a.join()
+        waits.clear()
+    assert not errors
+    assert not eval_frame._stance.skip_guard_eval_unsafe
+    scale[0] = 4.0
+    assert times(x).tolist() == [4.0] * 3
+
+
+def test_a_step_built_again_for_the_same_model_compiles_nothing(monkeypatch):
+    """sequential_generate / snlp_generate with compile=True and no step= build a new step per call: its graphs are
+    the first call's (one code object per model or runner, own_code), as before the guard cut; another model of
+    the same shape still compiles its own."""
+    cnt = torch._dynamo.testing.CompileCounter()
+    monkeypatch.setattr(steps_mod, "compile_fullgraph",
+                        lambda fn, device, **kw: torch.compile(fn, fullgraph=True, backend=cnt, **kw))
+    model = model32()
+    want = naive_greedy(model, [1, 2, 3], 5)
+    assert sequential_generate(model, [1, 2, 3], max_new_tokens=5, compile=True).tokens == want
+    first = cnt.frame_count
+    assert first == 2
+    assert sequential_generate(model, [1, 2, 3], max_new_tokens=5, compile=True).tokens == want
+    assert cnt.frame_count == first
+    runner = snlp.bind(model, PLAN, check_finite=False)
+    a = snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, step=snlp_step(runner, compile=True)).tokens
+    drafts = cnt.frame_count
+    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, step=snlp_step(runner, compile=True)).tokens == a
+    assert cnt.frame_count == drafts
+    other = make_model(seed=3, dtype=torch.float32, n_layer=4)
+    assert sequential_generate(other, [1, 2, 3], max_new_tokens=5, compile=True).tokens == naive_greedy(other, [1, 2, 3], 5)
+    assert cnt.frame_count == drafts + 2
