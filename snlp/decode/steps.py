@@ -100,7 +100,7 @@ def snlp_fn(runner: Runner) -> StepFn:
     return step
 
 
-_OWN_CODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model / runner -> its steps' code object
+_OWN_CODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {a step function's code: its copy}
 
 
 def own_code(fn: StepFn, owner=None) -> StepFn:
@@ -108,19 +108,18 @@ def own_code(fn: StepFn, owner=None) -> StepFn:
     closure sequential_fn / snlp_fn returns shares one: two models of one shape then share one cache of graphs, told
     apart only by guards, which the guard cut skips (StepState) but for those that failed at a recompile (torch 2.13
     keeps checking these under skip_guard_eval_unsafe), and every Step's graphs count against one recompile limit.
-    With its own code object a Step's graphs are its own, and differ by the shapes of its calls only. Steps of one
-    `owner` (the model of sequential_step, the runner of snlp_step) share one code object, so a step built anew for
-    the same model (`sequential_generate(..., compile=True)` without `step=` builds one per call) finds the graphs
-    an earlier one compiled, after one guarded call, instead of compiling them all again."""
+    With its own code object a Step's graphs are its own, and differ by the shapes of its calls only. The steps of
+    one `owner` (the model of sequential_step and snlp_step) built from one function share one copy, so a step built
+    anew for the same model and plan (`sequential_generate` / `snlp_generate(..., compile=True)` without `step=`
+    build one per call) finds the graphs an earlier one compiled, after one guarded call, instead of compiling them
+    all again (a new runner's weights pass the same guards); runners of other plans are told apart by the guards a
+    recompile failed, which dynamo keeps checking under the cut."""
     if not isinstance(fn, types.FunctionType):
         def call(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
             return fn(idx, pos, cache)
         fn = call
-    code = _OWN_CODES.get(owner) if owner is not None else None
-    if code is None or code.co_code != fn.__code__.co_code or code.co_freevars != fn.__code__.co_freevars:
-        code = fn.__code__.replace()
-        if owner is not None:
-            _OWN_CODES[owner] = code
+    codes = _OWN_CODES.setdefault(owner, {}) if owner is not None else {}
+    code = codes.setdefault(fn.__code__, fn.__code__.replace())
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -210,6 +209,13 @@ class Kept(tuple):
     equal."""
 
 
+# dynamo's stance is one process-wide setting, and set_stance restores the stance it found when it was built: a step
+# call in another thread during a cut call would run with its guards skipped, and two interleaved cut calls would leave
+# the stance skipping guards for good. Every compiled step call holds this lock (uncontended: well under a µs), so
+# steps in several threads take turns; other compiled code running in another thread meanwhile is not covered
+# (SNLP_COMPILE_GUARDS=full there)
+STANCE_LOCK = threading.RLock()
+
 _REGISTRATIONS = [0]  # parameters, buffers and submodules set on any module since watch_registrations (StepState)
 
 
@@ -274,7 +280,7 @@ class Step:
         self._snaps, self.cut_calls, self.guarded_calls = {}, 0, 0
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            fn = own_code(fn, owner)  # this step's (and its owner's other steps') graphs in a cache of their own
+            fn = own_code(fn, owner)  # this step's (and its model's other steps') graphs in a cache of their own
             fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.fn = fn
@@ -307,28 +313,27 @@ class Step:
     def call_fn(self, key: tuple, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
         """The compiled function on graph inputs, for a call of shape `key` (Step.key): with guards="cut", without
         evaluating dynamo's guards while the step's state equals its snapshot at the last guarded call of this
-        shape; else with them (compiling a new graph where they fail) and a new snapshot taken."""
+        shape; else with them (compiling a new graph where they fail) and a new snapshot taken. Every call holds
+        STANCE_LOCK (see there)."""
         if self.guards != "cut":
-            return self.fn(idx, pos, cache)
+            with STANCE_LOCK:
+                return self.fn(idx, pos, cache)
         kept = self._snaps.get(key)
-        # dynamo's stance is one process-wide setting, and set_stance restores the stance it found when it was
-        # built: with a second Python thread, that thread's compiled calls (any torch.compile, a guards="full" step)
-        # would run with their guards skipped while this call runs, and two interleaved cut calls would leave the
-        # stance skipping guards for good. The cut runs only while this is the process's one Python thread.
-        if kept is not None and threading.active_count() == 1 and kept == self.state.take(cache):
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    out = self.fn(idx, pos, cache)
-                self.cut_calls += 1
-                return out
-            except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart, and
-                if "skip_guard_eval_unsafe" not in str(e):  # refuses to recompile under this stance: something the
-                    raise  # snapshot does not hold changed; the call then runs with every guard (below)
-        self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
-        out = self.fn(idx, pos, cache)
-        self._snaps[key] = self.state.keep(cache)
-        self.guarded_calls += 1
-        return out
+        with STANCE_LOCK:
+            if kept is not None and kept == self.state.take(cache):
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        out = self.fn(idx, pos, cache)
+                    self.cut_calls += 1
+                    return out
+                except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart,
+                    if "skip_guard_eval_unsafe" not in str(e):  # and refuses to recompile under this stance: something
+                        raise  # the snapshot does not hold changed; the call then runs with every guard (below)
+            self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
+            out = self.fn(idx, pos, cache)
+            self._snaps[key] = self.state.keep(cache)
+            self.guarded_calls += 1
+            return out
 
     def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
         """An empty cache for a decode call through this step. With CUDA graphs the buffers of a shape are reused
@@ -501,8 +506,8 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
             mark_static_runner(runner)  # the rebuilt tensors have new addresses: CUDA graphs re-record once
 
     device = runner.model.wte.weight.device
-    step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device), owner=runner,
-                **kw)
+    step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device),
+                owner=runner.model, **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
     return step

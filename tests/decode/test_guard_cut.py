@@ -278,36 +278,12 @@ def test_environment_variable_turns_the_cut_off_and_a_bad_value_is_refused():
     assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
 
 
-def test_a_second_python_thread_turns_the_cut_off():
-    """dynamo's stance is process-wide: while another Python thread is alive a cut call would skip the guards of
-    that thread's compiled calls too (and two interleaved cut calls leave the stance skipping for good), so the step
-    evaluates its guards instead; afterwards the cut resumes."""
-    import threading
-
-    model = model32()
-    step = sequential_step(model, compile=True, backend=torch._dynamo.testing.CompileCounter())
-    ids, cache = _warm(step, model)
-    done = threading.Event()
-    other = threading.Thread(target=done.wait)
-    other.start()
-    try:
-        cut, guarded = step.cut_calls, step.guarded_calls
-        got, want = _call_vs_eager(step, sequential_fn(model), ids, cache)
-        assert step.cut_calls == cut and step.guarded_calls == guarded + 1
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    finally:
-        done.set()
-        other.join()
-    _call_vs_eager(step, sequential_fn(model), ids, cache)
-    assert step.cut_calls == cut + 1
-
-
-def test_a_cut_call_in_one_thread_skips_no_other_threads_guards():
-    """Thread A's decode step is held inside its graph (a backend that waits) while the main thread runs an unrelated
-    compiled function whose traced constant changed, then a decode step of its own that lets A finish inside its
-    graph. dynamo's stance is one process-wide setting and set_stance restores what it found when built: were A's
-    call cut, the function would return its stale graph's value, and the main thread's cut call, built while A's
-    stance was on, would leave guards skipped for good. The result must equal eager, and guards stay on."""
+def test_cut_calls_in_two_threads_take_turns_and_leave_every_guard_on():
+    """Thread A's decode step is held inside its graph (a backend that waits) while thread B calls a decode step of
+    its own that would be cut, whose graph waits for A's call to end. dynamo's stance is one process-wide setting
+    and set_stance restores what it found when built: B's cut call built while A's stance was on would restore
+    "skip guards" after A's had restored the default, for good, and every later compiled call of the process would
+    run its stale graph. The steps take turns (STANCE_LOCK): B runs after A, and guards stay on."""
     import threading
 
     import torch._dynamo.eval_frame as eval_frame
@@ -320,6 +296,40 @@ def test_a_cut_call_in_one_thread_skips_no_other_threads_guards():
             return gm.forward(*args)
         return run
 
+    models = [make_model(seed=seed, dtype=torch.float32, n_layer=2) for seed in (0, 1)]
+    steps = [(step, step.new_cache(m, 1, 64)) for m in models
+             for step in [sequential_step(m, compile=True, backend=waiting)]]
+    for step, cache in steps:  # both built first (a registration anywhere moves every snapshot), then warmed:
+        for _ in range(3):  # the next call of this shape and cache would be cut
+            step(torch.tensor([[1, 2, 3, 4]]), cache)
+    cut = [step.cut_calls for step, _ in steps]
+    (a_in, a_go, a_done, b_in), errors = (threading.Event() for _ in range(4)), []
+
+    def call(step, cache, first):
+        try:
+            waits[threading.get_ident()] = first
+            step(torch.tensor([[1, 2, 3, 4]]), cache)
+        except Exception as e:  # a thread's exception would not fail the test
+            errors.append(e)
+
+    def thread_a():
+        call(*steps[0], lambda: (a_in.set(), a_go.wait(30)))
+        a_done.set()
+
+    a = threading.Thread(target=thread_a)
+    b = threading.Thread(target=call, args=(*steps[1], lambda: (b_in.set(), a_done.wait(30))))
+    a.start()
+    try:
+        assert a_in.wait(30)
+        b.start()
+        b_in.wait(2)  # B inside its graph while A is in its own: only without the lock
+    finally:
+        a_go.set()
+        a.join()
+        b.join()
+    assert not errors
+    assert [step.cut_calls for step, _ in steps] == [c + 1 for c in cut]
+    assert not eval_frame._stance.skip_guard_eval_unsafe
     scale = [2.0]
 
     @torch.compile(backend="eager", fullgraph=True)
@@ -328,39 +338,8 @@ def test_a_cut_call_in_one_thread_skips_no_other_threads_guards():
 
     x = torch.ones(3)
     assert times(x).tolist() == [2.0] * 3
-    models = [make_model(seed=seed, dtype=torch.float32, n_layer=2) for seed in (0, 1)]
-    steps = [(step, step.new_cache(m, 1, 64)) for m in models
-             for step in [sequential_step(m, compile=True, backend=waiting)]]
-    for step, cache in steps:  # both built first (a registration anywhere moves every snapshot), then warmed:
-        for _ in range(3):  # the next call of this shape and cache would be cut
-            step(torch.tensor([[1, 2, 3, 4]]), cache)
-    a_in, a_go, a_done, errors = threading.Event(), threading.Event(), threading.Event(), []
-
-    def thread_a():
-        try:
-            waits[threading.get_ident()] = lambda: (a_in.set(), a_go.wait(30))
-            steps[0][0](torch.tensor([[1, 2, 3, 4]]), steps[0][1])
-        except Exception as e:  # a thread's exception would not fail the test
-            errors.append(e)
-        finally:
-            a_done.set()
-
-    a = threading.Thread(target=thread_a)
-    a.start()
-    try:
-        assert a_in.wait(30)
-        scale[0] = 3.0
-        assert times(x).tolist() == [3.0] * 3  # not the graph traced with 2.0
-        waits[threading.get_ident()] = lambda: (a_go.set(), a_done.wait(30))
-        steps[1][0](torch.tensor([[1, 2, 3, 4]]), steps[1][1])
-    finally:
-        a_go.set()
-        a.join()
-        waits.clear()
-    assert not errors
-    assert not eval_frame._stance.skip_guard_eval_unsafe
-    scale[0] = 4.0
-    assert times(x).tolist() == [4.0] * 3
+    scale[0] = 3.0
+    assert times(x).tolist() == [3.0] * 3
 
 
 def test_a_step_built_again_for_the_same_model_compiles_nothing(monkeypatch):
@@ -377,11 +356,33 @@ def test_a_step_built_again_for_the_same_model_compiles_nothing(monkeypatch):
     assert first == 2
     assert sequential_generate(model, [1, 2, 3], max_new_tokens=5, compile=True).tokens == want
     assert cnt.frame_count == first
-    runner = snlp.bind(model, PLAN, check_finite=False)
-    a = snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, step=snlp_step(runner, compile=True)).tokens
+    eager = snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5).tokens
+    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, compile=True).tokens == eager
     drafts = cnt.frame_count
-    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, step=snlp_step(runner, compile=True)).tokens == a
+    assert drafts == first + 2
+    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, compile=True).tokens == eager  # a new runner too
     assert cnt.frame_count == drafts
     other = make_model(seed=3, dtype=torch.float32, n_layer=4)
     assert sequential_generate(other, [1, 2, 3], max_new_tokens=5, compile=True).tokens == naive_greedy(other, [1, 2, 3], 5)
     assert cnt.frame_count == drafts + 2
+
+
+def test_runners_of_two_plans_on_one_model_alternate_under_the_cut():
+    """The snlp steps of one model share one code object (own_code), so the graphs of two plans sit in one cache,
+    told apart by the guards that failed when the second compiled: alternating calls each equal their own eager
+    runner, logit for logit."""
+    model = model32()
+    cnt = torch._dynamo.testing.CompileCounter()
+    plans = ("3xF1-h0-K1", "2xF2-h0-K1")
+    runners = [snlp.bind(model, p, check_finite=False) for p in plans]
+    steps = [snlp_step(r, compile=True, backend=cnt) for r in runners]
+    assert steps[0].fn._torchdynamo_orig_callable.__code__ is steps[1].fn._torchdynamo_orig_callable.__code__
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(4))
+    caches = [s.new_cache(model, 1, s.cache_len(12 + s.slack)) for s in steps]
+    for s, c in zip(steps, caches):
+        s.prefill(ids[:, :4], c)
+    for t in range(4, 11):
+        for s, r, c in zip(steps, runners, caches):
+            got, want = _call_vs_eager(s, snlp_fn(r), ids, c)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(s.cut_calls >= 5 for s in steps)
