@@ -27,8 +27,10 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import threading
 import time
 import types
+import weakref
 from typing import Callable
 
 import torch
@@ -98,17 +100,27 @@ def snlp_fn(runner: Runner) -> StepFn:
     return step
 
 
-def own_code(fn: StepFn) -> StepFn:
+_OWN_CODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {a step function's code: its copy}
+
+
+def own_code(fn: StepFn, owner=None) -> StepFn:
     """`fn` as a function with a code object of its own. Dynamo keeps its compiled graphs per code object, and every
     closure sequential_fn / snlp_fn returns shares one: two models of one shape then share one cache of graphs, told
     apart only by guards, which the guard cut skips (StepState) but for those that failed at a recompile (torch 2.13
     keeps checking these under skip_guard_eval_unsafe), and every Step's graphs count against one recompile limit.
-    With its own code object a Step's graphs are its own, and differ by the shapes of its calls only."""
+    With its own code object a Step's graphs are its own, and differ by the shapes of its calls only. The steps of
+    one `owner` (the model of sequential_step and snlp_step) built from one function share one copy, so a step built
+    anew for the same model and plan (`sequential_generate` / `snlp_generate(..., compile=True)` without `step=`
+    build one per call) finds the graphs an earlier one compiled, after one guarded call, instead of compiling them
+    all again (a new runner's weights pass the same guards); runners of other plans are told apart by the guards a
+    recompile failed, which dynamo keeps checking under the cut."""
     if not isinstance(fn, types.FunctionType):
         def call(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
             return fn(idx, pos, cache)
         fn = call
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    codes = _OWN_CODES.setdefault(owner, {}) if owner is not None else {}
+    code = codes.setdefault(fn.__code__, fn.__code__.replace())
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class StepState:
@@ -125,8 +137,9 @@ class StepState:
         object, when any parameter's address or version moved): the snapshot holds the rebuilt weights instead, so
         it costs a fifth of the sequential step's (a view of a parameter's storage with another shape, same address,
         is seen by neither);
-      - the model's module tree (a parameter, buffer or submodule set on any module: watch_registrations) and every
-        module's `training` flag;
+      - the model's module tree (a parameter, buffer or submodule set on any module: watch_registrations), every
+        module's class, number of attributes (a method patched on one instance adds one) and public attributes by
+        identity (`training`, a layer's attention `window`, a norm's `eps`: traced as constants);
       - the attributes of the model and runner objects (by identity: a new config, plan, preheat or weights) and the
         config's field values (GPTConfig is a mutable dataclass read as constants while tracing; Plan is frozen);
       - global state dynamo guards on: grad / inference mode, autocast (enabled and dtype, on the CPU and the
@@ -152,6 +165,12 @@ class StepState:
             # identity and leaves are held below), and a replaced Parameter is a registration; the buffers stay
             self.tensor_dicts = [d for m in mods for d in (m._buffers,) if d]
         self.owners = [self.model] + ([self.runner] if self.runner is not None else [])
+        # every module's own attributes, read as constants while tracing (a layer's attention window, a norm's eps,
+        # a method patched on one instance): the number of each module's attributes (a new one: `m.forward = f`)
+        # and the identity of each public one (a reassigned value, the `training` flag); torch.nn's own state lives
+        # under `_` names
+        self.attr_dicts = [vars(m) for m in mods]
+        self.plain = [(d, k) for d in self.attr_dicts for k in d if not k.startswith("_")]
         self.weights, self.leaves = None, []
 
     def tensors(self, cache: KVCache) -> list:
@@ -166,7 +185,8 @@ class StepState:
     def take(self, cache: KVCache) -> tuple:
         ts = self.tensors(cache)
         dev = self.devices
-        return (_REGISTRATIONS[0], [m.training for m in self.mods], [id(v) for o in self.owners for v in vars(o).values()],
+        return (_REGISTRATIONS[0], [id(v) for o in self.owners for v in vars(o).values()], list(map(type, self.mods)),
+                list(map(len, self.attr_dicts)), [id(d.get(k)) for d, k in self.plain],
                 tuple(vars(self.model.config).values()),
                 list(map(id, ts)), list(map(Tensor.data_ptr, ts)), [t.dtype for t in ts], [t.device for t in ts],
                 [t.shape for t in ts], [t.stride() for t in ts],
@@ -178,8 +198,23 @@ class StepState:
         """A snapshot to compare later calls with: `take`, its config values copied (a list or dict field edited in
         place must differ from the copy)."""
         snap = self.take(cache)
-        return snap[:3] + (copy.deepcopy(snap[3]),) + snap[4:]
+        kept = Kept(snap[:5] + (copy.deepcopy(snap[5]),) + snap[5 + 1:])
+        kept.held = [d.get(k) for d, k in self.plain]
+        return kept
 
+
+class Kept(tuple):
+    """A kept snapshot (StepState.keep). It holds the module attribute values whose identities it compares: a value
+    replaced later (`m.eps = 1e-3`) cannot be freed and its id then reused by the new value, which would compare
+    equal."""
+
+
+# dynamo's stance is one process-wide setting, and set_stance restores the stance it found when it was built: a step
+# call in another thread during a cut call would run with its guards skipped, and two interleaved cut calls would leave
+# the stance skipping guards for good. Every compiled step call holds this lock (uncontended: well under a µs), so
+# steps in several threads take turns; other compiled code running in another thread meanwhile is not covered
+# (SNLP_COMPILE_GUARDS=full there)
+STANCE_LOCK = threading.RLock()
 
 _REGISTRATIONS = [0]  # parameters, buffers and submodules set on any module since watch_registrations (StepState)
 
@@ -228,7 +263,8 @@ class Step:
     every call. A torch without that stance gets "full". `cut_calls` / `guarded_calls` count the two paths."""
 
     def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
-                 before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None):
+                 before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None,
+                 owner=None):
         self.device = torch.device(device)
         self.before = before  # run on the host before every call, outside the graph (an SNLP runner's `current`)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
@@ -244,7 +280,7 @@ class Step:
         self._snaps, self.cut_calls, self.guarded_calls = {}, 0, 0
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            fn = own_code(fn)  # this step's graphs in a cache of their own (own_code)
+            fn = own_code(fn, owner)  # this step's (and its model's other steps') graphs in a cache of their own
             fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.fn = fn
@@ -277,24 +313,27 @@ class Step:
     def call_fn(self, key: tuple, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
         """The compiled function on graph inputs, for a call of shape `key` (Step.key): with guards="cut", without
         evaluating dynamo's guards while the step's state equals its snapshot at the last guarded call of this
-        shape; else with them (compiling a new graph where they fail) and a new snapshot taken."""
+        shape; else with them (compiling a new graph where they fail) and a new snapshot taken. Every call holds
+        STANCE_LOCK (see there)."""
         if self.guards != "cut":
-            return self.fn(idx, pos, cache)
+            with STANCE_LOCK:
+                return self.fn(idx, pos, cache)
         kept = self._snaps.get(key)
-        if kept is not None and kept == self.state.take(cache):
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    out = self.fn(idx, pos, cache)
-                self.cut_calls += 1
-                return out
-            except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart, and
-                if "skip_guard_eval_unsafe" not in str(e):  # refuses to recompile under this stance: something the
-                    raise  # snapshot does not hold changed; the call then runs with every guard (below)
-        self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
-        out = self.fn(idx, pos, cache)
-        self._snaps[key] = self.state.keep(cache)
-        self.guarded_calls += 1
-        return out
+        with STANCE_LOCK:
+            if kept is not None and kept == self.state.take(cache):
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        out = self.fn(idx, pos, cache)
+                    self.cut_calls += 1
+                    return out
+                except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart,
+                    if "skip_guard_eval_unsafe" not in str(e):  # and refuses to recompile under this stance: something
+                        raise  # the snapshot does not hold changed; the call then runs with every guard (below)
+            self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
+            out = self.fn(idx, pos, cache)
+            self._snaps[key] = self.state.keep(cache)
+            self.guarded_calls += 1
+            return out
 
     def new_cache(self, model: GPT, batch: int, max_len: int) -> KVCache:
         """An empty cache for a decode call through this step. With CUDA graphs the buffers of a shape are reused
@@ -453,7 +492,7 @@ def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep
     if not compile:
         return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model))
     device = model.wte.weight.device
-    return Step(sequential_fn(model), device, state=StepState(model, device=device), **kw)
+    return Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model, **kw)
 
 
 def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
@@ -467,7 +506,8 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
             mark_static_runner(runner)  # the rebuilt tensors have new addresses: CUDA graphs re-record once
 
     device = runner.model.wte.weight.device
-    step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device), **kw)
+    step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device),
+                owner=runner.model, **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
     return step

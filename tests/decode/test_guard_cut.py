@@ -130,6 +130,10 @@ MUTATIONS = [
         (torch.are_deterministic_algorithms_enabled(), torch.use_deterministic_algorithms(True))[0]), True),
     ("train mode", lambda m, c: (m.train(), None)[1], True),
     ("replaced submodule", lambda m, c: m.blocks.__setitem__(0, copy.deepcopy(m.blocks[1])), True),
+    # a submodule's own attributes, traced as constants: no registration, nothing on the model or its config moves
+    ("a layer's attention window", lambda m, c: setattr(m.blocks[1].attn, "window", 1), True),
+    ("a layer's norm eps", lambda m, c: setattr(m.blocks[1], "eps", 10.0), True),
+    ("a layer's MLP forward patched", lambda m, c: setattr(m.blocks[2].mlp, "forward", torch.zeros_like), True),
 ]
 
 
@@ -272,3 +276,113 @@ def test_environment_variable_turns_the_cut_off_and_a_bad_value_is_refused():
     bad = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="none"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
+
+
+def test_cut_calls_in_two_threads_take_turns_and_leave_every_guard_on():
+    """Thread A's decode step is held inside its graph (a backend that waits) while thread B calls a decode step of
+    its own that would be cut, whose graph waits for A's call to end. dynamo's stance is one process-wide setting
+    and set_stance restores what it found when built: B's cut call built while A's stance was on would restore
+    "skip guards" after A's had restored the default, for good, and every later compiled call of the process would
+    run its stale graph. The steps take turns (STANCE_LOCK): B runs after A, and guards stay on."""
+    import threading
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    waits = {}  # thread id -> what that thread's graph does first
+
+    def waiting(gm, example_inputs):
+        def run(*args):
+            waits.get(threading.get_ident(), lambda: None)()
+            return gm.forward(*args)
+        return run
+
+    models = [make_model(seed=seed, dtype=torch.float32, n_layer=2) for seed in (0, 1)]
+    steps = [(step, step.new_cache(m, 1, 64)) for m in models
+             for step in [sequential_step(m, compile=True, backend=waiting)]]
+    for step, cache in steps:  # both built first (a registration anywhere moves every snapshot), then warmed:
+        for _ in range(3):  # the next call of this shape and cache would be cut
+            step(torch.tensor([[1, 2, 3, 4]]), cache)
+    cut = [step.cut_calls for step, _ in steps]
+    (a_in, a_go, a_done, b_in), errors = (threading.Event() for _ in range(4)), []
+
+    def call(step, cache, first):
+        try:
+            waits[threading.get_ident()] = first
+            step(torch.tensor([[1, 2, 3, 4]]), cache)
+        except Exception as e:  # a thread's exception would not fail the test
+            errors.append(e)
+
+    def thread_a():
+        call(*steps[0], lambda: (a_in.set(), a_go.wait(30)))
+        a_done.set()
+
+    a = threading.Thread(target=thread_a)
+    b = threading.Thread(target=call, args=(*steps[1], lambda: (b_in.set(), a_done.wait(30))))
+    a.start()
+    try:
+        assert a_in.wait(30)
+        b.start()
+        b_in.wait(2)  # B inside its graph while A is in its own: only without the lock
+    finally:
+        a_go.set()
+        a.join()
+        b.join()
+    assert not errors
+    assert [step.cut_calls for step, _ in steps] == [c + 1 for c in cut]
+    assert not eval_frame._stance.skip_guard_eval_unsafe
+    scale = [2.0]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def times(x):
+        return x * scale[0]
+
+    x = torch.ones(3)
+    assert times(x).tolist() == [2.0] * 3
+    scale[0] = 3.0
+    assert times(x).tolist() == [3.0] * 3
+
+
+def test_a_step_built_again_for_the_same_model_compiles_nothing(monkeypatch):
+    """sequential_generate / snlp_generate with compile=True and no step= build a new step per call: its graphs are
+    the first call's (one code object per model or runner, own_code), as before the guard cut; another model of
+    the same shape still compiles its own."""
+    cnt = torch._dynamo.testing.CompileCounter()
+    monkeypatch.setattr(steps_mod, "compile_fullgraph",
+                        lambda fn, device, **kw: torch.compile(fn, fullgraph=True, backend=cnt, **kw))
+    model = model32()
+    want = naive_greedy(model, [1, 2, 3], 5)
+    assert sequential_generate(model, [1, 2, 3], max_new_tokens=5, compile=True).tokens == want
+    first = cnt.frame_count
+    assert first == 2
+    assert sequential_generate(model, [1, 2, 3], max_new_tokens=5, compile=True).tokens == want
+    assert cnt.frame_count == first
+    eager = snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5).tokens
+    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, compile=True).tokens == eager
+    drafts = cnt.frame_count
+    assert drafts == first + 2
+    assert snlp_generate(model, [1, 2, 3], PLAN, max_new_tokens=5, compile=True).tokens == eager  # a new runner too
+    assert cnt.frame_count == drafts
+    other = make_model(seed=3, dtype=torch.float32, n_layer=4)
+    assert sequential_generate(other, [1, 2, 3], max_new_tokens=5, compile=True).tokens == naive_greedy(other, [1, 2, 3], 5)
+    assert cnt.frame_count == drafts + 2
+
+
+def test_runners_of_two_plans_on_one_model_alternate_under_the_cut():
+    """The snlp steps of one model share one code object (own_code), so the graphs of two plans sit in one cache,
+    told apart by the guards that failed when the second compiled: alternating calls each equal their own eager
+    runner, logit for logit."""
+    model = model32()
+    cnt = torch._dynamo.testing.CompileCounter()
+    plans = ("3xF1-h0-K1", "2xF2-h0-K1")
+    runners = [snlp.bind(model, p, check_finite=False) for p in plans]
+    steps = [snlp_step(r, compile=True, backend=cnt) for r in runners]
+    assert steps[0].fn._torchdynamo_orig_callable.__code__ is steps[1].fn._torchdynamo_orig_callable.__code__
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(4))
+    caches = [s.new_cache(model, 1, s.cache_len(12 + s.slack)) for s in steps]
+    for s, c in zip(steps, caches):
+        s.prefill(ids[:, :4], c)
+    for t in range(4, 11):
+        for s, r, c in zip(steps, runners, caches):
+            got, want = _call_vs_eager(s, snlp_fn(r), ids, c)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(s.cut_calls >= 5 for s in steps)
