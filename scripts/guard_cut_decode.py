@@ -4,7 +4,7 @@
         [--prompt 16] [--rounds 12] [--speculative PLAN] [--block 4] [--device cpu|cuda] [--out DIR]
 
 Two compiled sequential steps of one model (inductor on the CPU, CUDA graphs on CUDA), one with guards="full" (dynamo
-evaluates its guards on every call) and one with guards="cut" (the default), each warmed by a first decode. Each
+evaluates its guards on every call) and one with guards="cut" (SNLP_COMPILE_GUARDS=cut), each warmed by a first decode. Each
 round decodes the same prompt greedily with both, in alternating order, and records the thread time (CPU: host work
 of the one thread; on CUDA the wall time, device synchronised) of each decode: a paired ratio full / cut per round
 (> 1: the cut was faster), its median and range, and the verdict of snlp.runtime.stats' two-sided sign test (a tie

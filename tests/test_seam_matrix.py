@@ -55,7 +55,7 @@ Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of
 a (T,) numpy array, a (B, T) numpy array.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), compiled steps with dynamo's guards cut
-(the default) or evaluated on every call (guards="full": test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
+(guards="cut", SNLP_COMPILE_GUARDS=cut) or evaluated on every call (guards="full", the default: test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
@@ -1023,8 +1023,8 @@ def test_compiled_entry_points_equal_their_references(name):
 @pytest.mark.parametrize("guards", ["cut", "full"])
 @pytest.mark.parametrize("entry", ["sequential", "snlp", "speculative"])
 def test_guard_cut_cells_equal_the_argmax_loop(entry, guards):
-    """Compiled steps with dynamo's guards cut (Step guards="cut", the default: snlp.decode.steps.StepState) or
-    evaluated on every call: one prompt and a ragged batch, then the same after an in-place update of every parameter
+    """Compiled steps with dynamo's guards cut (Step guards="cut": snlp.decode.steps.StepState) or evaluated on
+    every call (the default): one prompt and a ragged batch, then the same after an in-place update of every parameter
     and after `p.data = t` on every parameter, each decode equal to the full-prefix argmax loop of the model as it is
     then (fp64, mixed window widths; dynamo's CompileCounter backend: its tracing, guards and graph cache without
     inductor's compile time; inductor: tests/decode/test_guard_cut.py)."""

@@ -54,7 +54,7 @@ GUARD_MODES = ("cut", "full")
 # torch.compiler.set_stance(skip_guard_eval_unsafe=True) exists in torch 2.11 and 2.13 (checked); an older torch
 # without it gets full guards on every call
 CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
-DEFAULT_GUARDS = os.environ.get("SNLP_COMPILE_GUARDS", "cut")
+DEFAULT_GUARDS = os.environ.get("SNLP_COMPILE_GUARDS", "full")
 if DEFAULT_GUARDS not in GUARD_MODES:  # refused at import: a misspelt mode would otherwise run as the default
     raise ValueError(f"SNLP_COMPILE_GUARDS must be one of {', '.join(GUARD_MODES)}, got {DEFAULT_GUARDS!r}")
 
@@ -256,11 +256,14 @@ class Step:
     of CUDA-graph memory, which the next replay overwrites. `backend`: another torch.compile backend (e.g.
     torch._dynamo.testing.CompileCounter, which counts the graphs dynamo compiles without inductor's cost).
 
-    `guards`: "cut" (the default of a compiled step given a `state`; the environment variable SNLP_COMPILE_GUARDS=full
-    turns it off) evaluates dynamo's guards only when the step's `state` (StepState: the weights, cache, configs and
-    global modes the guards protect) differs from its snapshot at the last guarded call of the same shape, and
-    otherwise runs the graph under torch.compiler.set_stance(skip_guard_eval_unsafe=True); "full" evaluates them on
-    every call. A torch without that stance gets "full". `cut_calls` / `guarded_calls` count the two paths."""
+    `guards`: "full" (the default) evaluates dynamo's guards on every call. "cut" (a compiled step given a `state`;
+    SNLP_COMPILE_GUARDS=cut makes it the default) evaluates them only when the step's `state` (StepState: the weights,
+    cache, configs and global modes the guards protect) differs from its snapshot at the last guarded call of the
+    same shape, and otherwise runs the graph under torch.compiler.set_stance(skip_guard_eval_unsafe=True). It is not
+    the default because it saved no measurable time on the CPU once the snapshot covered every module's attributes
+    (docs/records/2026-11-28-guard-cut.md) and its stance is process-wide; a GPU host may differ (the campaign's
+    `host` part measures it). A torch without that stance gets "full". `cut_calls` / `guarded_calls` count the two
+    paths."""
 
     def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
                  before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None,

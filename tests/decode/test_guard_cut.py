@@ -33,6 +33,12 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 PLAN = "3xF1-h0-K1"
 
 
+@pytest.fixture(autouse=True)
+def cut_by_default(monkeypatch):
+    """These tests are about the cut: steps built without guards= get it, as SNLP_COMPILE_GUARDS=cut gives them."""
+    monkeypatch.setattr(steps_mod, "DEFAULT_GUARDS", "cut")
+
+
 def naive_greedy(model, prompt, n):
     """Greedy tokens by argmax over a full forward per token (no cache, no step)."""
     ids = list(prompt)
@@ -267,12 +273,14 @@ def test_guards_option_surface():
     assert state.take(cache) == state.keep(cache) != state.take(KVCache.for_model(model, max_len=8))
 
 
-def test_environment_variable_turns_the_cut_off_and_a_bad_value_is_refused():
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+def test_environment_variable_turns_the_cut_on_and_a_bad_value_is_refused():
+    env = {k: v for k, v in os.environ.items() if k != "SNLP_COMPILE_GUARDS"}
+    env["PYTHONPATH"] = os.getcwd()
     code = "import torch; from snlp.decode import steps; print(steps.DEFAULT_GUARDS)"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="full"), capture_output=True,
-                         text=True)
-    assert out.stdout.strip() == "full", out.stderr
+    for value, want in ((None, "full"), ("full", "full"), ("cut", "cut")):  # full guards unless asked for the cut
+        out = subprocess.run([sys.executable, "-c", code], env=env if value is None else dict(env, SNLP_COMPILE_GUARDS=value),
+                             capture_output=True, text=True)
+        assert out.stdout.strip() == want, out.stderr
     bad = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="none"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
