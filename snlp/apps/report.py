@@ -1164,7 +1164,7 @@ def _budget_line(ctx: dict) -> str:
                                f"validation aside, at which {floor} steps take {fmt_s(floor * pace)}"
                                if pace and floor else "") + ")")
     steps = pr.get("train_steps_s") or {}
-    step = (", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + " per training step" if steps else
+    step = (probe_steps(pr) + " per training step" if steps else
             f"training step {pr.get('train_step_s', 0) * 1e3:.0f} ms")
     reused = [n for n, p in b.get("stages", {}).items() if p.get("reused")]
     return (text + f"the probe ({fmt_s(pr.get('seconds', 0))}: {step}, "
@@ -1175,6 +1175,34 @@ def _budget_line(ctx: dict) -> str:
             f"save to its time) and {train}; a stage that would not fit ran smaller (Shrunk)"
             + (f"; reused stages ({', '.join(reused)}) show the plan and wall time they were recorded with" if reused
                else ""))
+
+
+def priced_step(pr: dict, priced: float) -> str:
+    """What the probe's price of a training step was: one model's step, or a lockstep of the job's models (the
+    slower one's when they train side by side, their sum one after another), named so a reader can find it
+    among the probe's steps."""
+    steps = pr.get("train_steps_s") or {}
+    if len(steps) < 2:
+        return f"a step at {priced:.2f} s"
+    slow = max(steps, key=steps.get)
+    if abs(priced - steps[slow]) <= 1e-9 * max(1.0, priced):
+        return (f"a lockstep step at {priced:.2f} s ({slow}'s, the slower of the models training side by side: "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + ")")
+    if abs(priced - sum(steps.values())) <= 1e-9 * max(1.0, priced):
+        return f"a step of its models one after another at {priced:.2f} s (" + ", ".join(
+            f"{k} {v:.2f} s" for k, v in steps.items()) + ")"
+    return f"a step at {priced:.2f} s"
+
+
+def probe_steps(pr: dict) -> str:
+    """The probe's training steps: each model's price, and the samples behind a price they spread around."""
+    samples = pr.get("train_samples_s") or {}
+    out = []
+    for k, v in (pr.get("train_steps_s") or {}).items():
+        ts = samples.get(k) or []
+        out.append(f"{k} {v:.2f} s" + (f" (the low median of {len(ts)} steps, " + ", ".join(f"{t:.2f}" for t in ts)
+                                      + " s: they spread, so it timed more)" if len(ts) > 3 else ""))
+    return ", ".join(out)
 
 
 def budget_verdict(ctx: dict) -> list[str]:
@@ -1203,14 +1231,15 @@ def budget_verdict(ctx: dict) -> list[str]:
                 # the plan gave training less than the floor at the probe's price (train_cut): a cut, though the
                 # budget did not run out, since training stepped faster than the probe priced it
                 fb = b.get("floor_budget_s")
-                why += (f". The budget's plan cut them: the probe priced a step at {priced:.2f} s, at which the "
+                why += (f". The budget's plan cut them: the probe priced {priced_step(b.get('probe') or {}, priced)}, "
+                        f"at which the "
                         f"{floor} steps take {fmt_s(b.get('train_floor_s') or 0)}, more than the other stages at "
                         f"their floors left, so training got {fmt_s(b.get('train_s') or 0)}"
                         + (f" (a budget of {fmt_s(fb)} would have left it the floor at that price)" if fb else "")
                         + ("; training then stepped faster than that price" if pace < priced else "")
                         + f", and the run ended with {fmt_s(budget - wall)} of its budget unused")
             elif wall < budget:  # the budget was not what ran out: say what did
-                why += (f". The budget did not cut them: the probe priced a step at {priced:.2f} s"
+                why += (f". The budget did not cut them: the probe priced {priced_step(b.get('probe') or {}, priced)}"
                         + (" and training stepped slower than that" if pace > priced else "")
                         + f"; training got {fmt_s(b.get('train_s') or 0)}, and the run ended with "
                         f"{fmt_s(budget - wall)} of its budget unused" if priced else

@@ -1,9 +1,10 @@
 """A wall-clock budget that a multi-stage job plans and keeps (`snlp speedrun --budget MINUTES`).
 
-The job first measures the box (`probe`: a few training steps, one evaluation window, one decode round of a
-fresh model of the job's shape; seconds), predicts each later stage from those measurements (`StageCost`: a
-fixed part and a shrinkable part, i.e. prompts, rounds, timing repeats), and `plan_budget` gives training what
-is left of the budget once the other stages' shares, the fixed costs and a safety margin are set aside. While
+The job first measures the box (`probe`: a few training steps, evaluation windows and decode rounds of a
+fresh model of the job's shape; seconds, medians, so one call under a load spike does not price the budget),
+predicts each later stage from those measurements (`StageCost`: a fixed part and a shrinkable part, i.e.
+prompts, rounds, timing repeats), and `plan_budget` gives training what is left of the budget once the other
+stages' shares, the fixed costs and a safety margin are set aside. While
 it runs, `BudgetPlan.start(stage, elapsed)` returns the scale of the shrinkable part of the stage about to
 start: 1 while the job is on time; below 1 when earlier stages overran (their actual / planned ratio also
 corrects the estimates of the stages still to run), so that the remaining stages fit into what is left of the
@@ -43,6 +44,7 @@ class Probe:
     # one step of all of them as the job runs them (side by side: the slowest; else their sum)
     train_steps_s: dict = field(default_factory=dict)
     lockstep_s: float = 0.0  # 0: not measured (no train_fns)
+    train_samples_s: dict = field(default_factory=dict)  # name -> every timed step's seconds (retries included)
 
 
 @dataclass(frozen=True)
@@ -217,14 +219,35 @@ def _common_scale(costs: list[StageCost], room: float) -> float:
     return lo
 
 
-def _median_time(fn, reps: int, sync=lambda: None) -> float:
+SPREAD_RETRY = 1.5  # samples whose slowest is this many times their fastest: a load spike hit one of them
+RETRY_REPS = 2  # more samples then, so the median stands on a majority of unspiked ones
+
+
+def timed_samples(fn, reps: int, sync=lambda: None, retry: bool = False) -> list[float]:
+    """Seconds of `reps` calls of fn; with `retry` and at least three samples whose slowest is SPREAD_RETRY times
+    their fastest, RETRY_REPS more (what the budget is priced from must not be one call under a load spike)."""
     ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
+
+    def run(n):
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t)
+    run(reps)
+    if retry and len(ts) >= 3 and max(ts) > SPREAD_RETRY * min(ts):
+        run(RETRY_REPS)
+    return ts
+
+
+def median_low(ts: list[float]) -> float:
+    """The median, the lower of the middle two for an even count: a spike only ever slows a call, so of two
+    samples the faster one is the box's price."""
+    return sorted(ts)[(len(ts) - 1) // 2]
+
+
+def _median_time(fn, reps: int, sync=lambda: None) -> float:
+    return median_low(timed_samples(fn, reps, sync))
 
 
 def reference_work(seed: int = 0):
@@ -247,27 +270,30 @@ def reference_work(seed: int = 0):
 
 
 def time_steps(fns: dict[str, Callable[[], None]], rounds: int, side_by_side: bool, sync=lambda: None
-               ) -> tuple[dict[str, float], float]:
-    """(median seconds of each step alone, seconds of one step of all of them as a job runs them): side by side in
-    processes of their own, one core each, the slowest (what a lockstep waits for); else one after another, the
-    sum. Each step runs once untimed first (first-call allocations). Not threads of this process: the steps'
-    Python-side work holds the GIL, and measured that way two steps used 0.6-0.9 of the two cores, i.e. they ran
-    one after another. What two processes cost each other (memory bandwidth, the box's load) is not in it: the
-    caller corrects from what ran."""
+               ) -> tuple[dict[str, float], float, dict[str, list[float]]]:
+    """(median seconds of each step alone, seconds of one step of all of them as a job runs them, every timed
+    sample per step): side by side in processes of their own, one core each, the slowest (what a lockstep waits
+    for); else one after another, the sum. Each step runs once untimed first (first-call allocations), then
+    `rounds` times, and RETRY_REPS more when its samples spread past SPREAD_RETRY (timed_samples). Not threads of
+    this process: the steps' Python-side work holds the GIL, and measured that way two steps used 0.6-0.9 of the
+    two cores, i.e. they ran one after another. What two processes cost each other (memory bandwidth, the box's
+    load) is not in it: the caller corrects from what ran."""
     for fn in fns.values():
         fn()
     sync()
-    alone = {k: _median_time(fn, rounds, sync) for k, fn in fns.items()}
-    return alone, (max if side_by_side else sum)(alone.values())
+    samples = {k: timed_samples(fn, rounds, sync, retry=True) for k, fn in fns.items()}
+    alone = {k: median_low(ts) for k, ts in samples.items()}
+    return alone, (max if side_by_side else sum)(alone.values()), samples
 
 
 def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16, seed: int = 0,
           train_threads: int = 0, eval_threads: int = 0, device: str = "cpu",
           train_fns: dict[str, Callable[[], Callable[[], None]]] | None = None, side_by_side: bool = False) -> Probe:
     """Measure the box on a fresh model of `config` (snlp.model.GPTConfig; weights do not change the cost):
-    `train_steps` optimizer steps at (batch_size, sequence_len) after one warm-up, the median of three
-    teacher-forced windows and one greedy decode round of `decode_tokens` (per token), and the median of five
-    runs of `reference_work` on one CPU thread. Threads as the job uses them (0: unchanged), on `device`.
+    `train_steps` optimizer steps at (batch_size, sequence_len) after one warm-up (two more when they spread:
+    timed_samples; priced at their low median, median_low), the median of three teacher-forced windows and of
+    three greedy decode rounds of `decode_tokens` (per token), and the median of five runs of `reference_work` on
+    one CPU thread. Threads as the job uses them (0: unchanged), on `device`.
     `train_fns`: name -> a factory of the job's own training step (its loss, regulariser and optimizers); then
     those are timed instead of a plain AdamW step (time_steps: each alone, and a step of all of them as the job
     runs them, `side_by_side` or one after another; train_step_s is the first one), so a training budget is
@@ -297,12 +323,13 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
             torch.set_num_threads(train_threads)
         steps_s, lockstep_s = {}, 0.0
         if train_fns:
-            steps_s, lockstep_s = time_steps({k: make() for k, make in train_fns.items()}, max(1, train_steps),
-                                             side_by_side, sync)
+            steps_s, lockstep_s, samples = time_steps({k: make() for k, make in train_fns.items()},
+                                                      max(1, train_steps), side_by_side, sync)
             train_step_s = next(iter(steps_s.values()))
         else:
             step()  # warm-up: first-call allocations
-            train_step_s = _median_time(step, max(1, train_steps), sync)
+            samples = {"step": timed_samples(step, max(1, train_steps), sync, retry=True)}
+            train_step_s = median_low(samples["step"])
         torch.set_num_threads(eval_threads or old)
         model.eval()
         w = x[:1, :T]  # (1, T): one evaluation window
@@ -311,14 +338,14 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
             window_s = _median_time(lambda: model(w), 3, sync)
             prompt = x[0, :8].tolist()
             sequential_generate(model, prompt, 2)  # warm-up
-            t = time.perf_counter()
-            sequential_generate(model, prompt, decode_tokens)
-            decode_token_s = (time.perf_counter() - t) / decode_tokens
+            decode_token_s = _median_time(lambda: sequential_generate(model, prompt, decode_tokens), 3,
+                                          sync) / decode_tokens
             torch.set_num_threads(1)
             ref = reference_work(seed)
             ref()  # warm-up
-            ref_s = sorted(_median_time(ref, 1) for _ in range(5))[2]
+            ref_s = _median_time(ref, 5)
     finally:
         torch.set_num_threads(old)
     return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s,
-                 device=torch.device(device).type, train_steps_s=steps_s, lockstep_s=lockstep_s)
+                 device=torch.device(device).type, train_steps_s=steps_s, lockstep_s=lockstep_s,
+                 train_samples_s=samples)

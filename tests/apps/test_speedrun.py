@@ -1729,3 +1729,12 @@ def test_a_floor_the_plan_cut_is_not_called_uncut():
     uncut = {**cut, "train_cut": False}  # the plan left the floor, training stepped slower: the budget did not cut
     assert "did not cut them" in " ".join(budget_verdict(_report_ctx(budget=uncut, steps=59, wall=591.0)))
     assert "less than its floor" not in _budget_line(_report_ctx(budget=uncut, steps=59, wall=591.0))
+    # the price is named: the lockstep of both models, the slower one's, with the samples a spread made it take
+    probe = {"train_steps_s": {"noreg": 3.52, "idn": 12.008}, "lockstep_s": 12.008,
+             "train_samples_s": {"noreg": [3.5, 3.52, 3.6], "idn": [12.01, 4.06, 12.4, 12.0, 12.008]}}
+    ctx = _report_ctx(budget={**cut, "probe": probe}, steps=59, train_seconds=264.0, wall=591.0)
+    text = " ".join(budget_verdict(ctx))
+    assert "the probe priced a lockstep step at 12.01 s (idn's, the slower of the models training side by side: " \
+           "noreg 3.52 s, idn 12.01 s)" in text
+    assert "idn 12.01 s (the low median of 5 steps, 12.01, 4.06, 12.40, 12.00, 12.01 s" in _budget_line(ctx)
+    assert "noreg 3.52 s," in _budget_line(ctx)  # three steps that did not spread: no samples listed

@@ -114,3 +114,36 @@ def test_training_floor_shrinks_the_stages_first_and_says_when_it_is_cut():
     assert plan.train_cut and plan.train_s == pytest.approx(room - 200)  # the stages at their floors: 100 + 100
     assert plan.floor_budget_s == pytest.approx((200 + 60 + 800) / 0.96)
     assert plan.to_dict()["train_cut"] is True
+
+
+class FakeClock:
+    """perf_counter for snlp.bench.budget: each timed call advances it by the next of `durations`."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 0.0, list(durations)
+
+    def perf_counter(self):
+        return self.now
+
+    def step(self):
+        self.now += self.durations.pop(0)
+
+
+@pytest.mark.parametrize("durations, reps, retries, price", [
+    ([12.0, 4.0], 2, [], 4.0),  # two steps, one under a spike: the faster is the price (it took the slower)
+    ([12.0, 4.0, 4.1], 3, [3.9, 3.8], 4.0),  # three that spread past SPREAD_RETRY: two more, the middle of five
+    ([4.0, 12.0, 4.1], 3, [4.2, 11.0], 4.2),  # two spikes in five: still an unspiked step
+    ([4.0, 4.4, 4.2], 3, [], 4.2),  # no spread: no retry
+])
+def test_a_load_spike_does_not_price_the_training_budget(monkeypatch, durations, reps, retries, price):
+    """A probe under a load spike priced a speedrun's training step at 12.01 s (the slower of its two steps) where
+    training stepped at 4.06 s: the floor looked out of reach, every later stage was priced 3x too and 10 of 20
+    minutes went unused. A spike only slows a call: the price is the steps' low median, with two more steps when
+    they spread."""
+    import snlp.bench.budget as B
+
+    clock = FakeClock([0.5] + durations + retries + [99.0])  # the untimed warm-up first
+    monkeypatch.setattr(B, "time", clock)
+    alone, lockstep, got = B.time_steps({"idn": clock.step, "noreg": lambda: None}, reps, side_by_side=True)
+    assert got["idn"] == pytest.approx(durations + retries)
+    assert alone["idn"] == lockstep == pytest.approx(price)  # the lockstep waits for the slower (noreg took no time)

@@ -276,7 +276,7 @@ class Speedrun:
                 key: training_step(train_config(dataclasses.asdict(self.cfg), self.out / "probe", self.cache, reg,
                                                 steps=1), mcfg, self.cfg.device)
                 for key, reg in (("noreg", False), ("idn", True)) if key not in self.trains}
-            pr = probe(mcfg, self.cfg.batch_size, train_steps=2, train_threads=self.train_threads,
+            pr = probe(mcfg, self.cfg.batch_size, train_steps=3, train_threads=self.train_threads,
                        eval_threads=self.eval_threads, seed=self.cfg.seed, device=self.cfg.device, train_fns=fns,
                        side_by_side=self.parallel)
             reused = self.reused_records()
