@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,43 @@ def window_kernel() -> str:
     """The window attention kernel set now (set_window_kernel): traced code reads it as a constant, so a compiled
     decode step's own check of what its guards protect reads it too (snlp.decode.steps.StepState)."""
     return _window_kernel
+
+
+_window_tally: list[int] | None = None  # window_flops_tally's count while it is open
+
+
+@contextmanager
+def window_flops_tally():
+    """Count the attention FLOPs sliding windows leave out, for model-FLOP counts (snlp.train.flops): while open,
+    every sliding-window layer takes the masked kernel, which a FLOP counter charges the whole T x S score square
+    (QK^T and PV: 4 x head_dim FLOPs per query and key, per head), and `attend` adds to the yielded one-element list
+    what that charges beyond the window, query by query: S - min(window, S) keys, the convention of nanochat's
+    estimate_flops (12 x heads x head_dim x min(window, T) per token and layer, forward and backward). Its backward
+    (twice the forward) is added when the gradient really flows through the layer. Eager only; not thread-safe
+    (the window kernel it sets is process-wide)."""
+    global _window_tally
+    prev_kernel, prev, _window_tally = set_window_kernel("masked"), _window_tally, [0]
+    try:
+        yield _window_tally
+    finally:
+        _window_tally = prev
+        set_window_kernel(prev_kernel)
+
+
+def _tally_window(q: Tensor, S: int, windows: Tensor | int, y: Tensor) -> None:
+    lead, (Hq, T, hd) = q.shape[:-3], q.shape[-3:]
+    if isinstance(windows, int):
+        skipped = (S - min(windows, S)) * math.prod(lead) if windows >= 0 else 0
+    else:  # one window per leading index (fused branches): -1 is full
+        w = torch.broadcast_to(windows.detach().to("cpu", torch.long), lead)
+        skipped = int(torch.where(w < 0, 0, S - w.clamp(max=S)).sum())
+    fwd = 4 * hd * Hq * T * skipped
+    if not fwd:
+        return
+    tally = _window_tally
+    tally[0] += fwd
+    if y.requires_grad:
+        y.register_hook(lambda g: tally.__setitem__(0, tally[0] + 2 * fwd))
 
 
 def band_block(window: int) -> int:
@@ -387,6 +425,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
     else:
         mask = attention_mask(windows if not full else -1, T, S, q_start, lead, q.device, q.dtype, masks)
         y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
+        if _window_tally is not None and not full and not torch.compiler.is_compiling():
+            _tally_window(q, S, windows, y)
     return y.view(*lead, Hq, T, hd)
 
 

@@ -2,12 +2,16 @@
 
 `step_flops` runs the eager loss module forward and backward once under torch.utils.flop_counter.FlopCounterMode:
 every matmul the step does is counted (the regulariser's K=1 solve and an SNLP-forward SFT plan included), so the
-number follows whatever the step computes instead of a formula of the architecture. For a plain nanochat model it
-comes to nanochat's estimate, 6 x (matmul parameters) + 12 x L x (heads x head_dim) x T per token (tested).
+number follows whatever the step computes instead of a formula of the architecture. For a nanochat model it comes
+to nanochat's estimate_flops, 6 x (matmul parameters) + 12 x (heads x head_dim) x min(window, T) per token and
+layer (tested), on every device.
 
 Attention is counted as MODEL FLOPs (the PaLM convention MFU uses): causal attention counted over the full T x T
-square as nanochat does, and the backward without the score recompute of flash kernels (torch's own formula counts
-that recompute: hardware FLOPs, not model FLOPs). torch has no formula for the CPU flash-attention ops, which would
+square as nanochat does, a sliding-window layer over T x min(window, T) as nanochat does (whatever kernel the device
+would pick: while counting every window takes the masked kernel and snlp.model.ops.window_flops_tally takes off
+what it charges past the window; the banded CPU kernel alone would count its tiles, the masked CUDA one the whole
+square), and the backward without the score recompute of flash kernels (torch's own formula counts that
+recompute: hardware FLOPs, not model FLOPs). torch has no formula for the CPU flash-attention ops, which would
 otherwise count as zero. Element-wise ops (norms, activations, softcap, the optimizer) are not counted, as in
 every MFU figure we compare with."""
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop
+
+from snlp.model.ops import window_flops_tally
 
 aten = torch.ops.aten
 
@@ -54,11 +60,11 @@ def step_flops(step: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lam: flo
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
-        with FlopCounterMode(display=False, custom_mapping=_mapping()) as counter:
+        with window_flops_tally() as past_window, FlopCounterMode(display=False, custom_mapping=_mapping()) as counter:
             with autocast():
                 loss = step(x, y, lam, *extra)[0]
             loss.backward()
-        return int(counter.get_total_flops())
+        return int(counter.get_total_flops()) - past_window[0]
     finally:
         for p, g in zip(params, before):
             p.grad = g

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(**cfg):
     """fp32, non-identity blocks, GQA (2 query heads, 1 KV head), sliding-window layers (the mask path)."""
-    return make_model(dtype=torch.float32, n_layer=3, n_embd=64, n_head=2, n_kv_head=1, vocab_size=64,
-                      sequence_len=16, **cfg).train()
+    return make_model(**{"dtype": torch.float32, "n_layer": 3, "n_embd": 64, "n_head": 2, "n_kv_head": 1,
+                         "vocab_size": 64, "sequence_len": 16, **cfg}).train()
 
 
 def batch(seed: int, B: int = 2, T: int = 16, V: int = 64):
@@ -124,16 +124,32 @@ def matmul_params(model) -> int:
         + model.lm_head.weight.numel()
 
 
-@pytest.mark.parametrize("window_pattern", ["L", "SL"])
-def test_step_flops_equal_a_hand_count(window_pattern):
-    """6 FLOPs per matmul weight per token (forward 2, backward 4) and 12 x L x (heads x head_dim) x T for causal
-    attention over the full T x T square (forward QK^T and PV: 4; backward: 8), nanochat's estimate_flops. The
+def attn_flops(cfg, layers, T: int) -> int:
+    """nanochat's estimate_flops attention term per token: 12 x heads x head_dim x min(window, T) per layer (forward
+    QK^T and PV: 4; backward: 8), the full T for a causal layer."""
+    return sum(12 * cfg.n_head * cfg.head_dim * (T if cfg.window(l) < 0 else min(cfg.window(l), T)) for l in layers)
+
+
+@pytest.mark.parametrize("window_pattern, short_window, T", [("L", 3, 16), ("SL", 3, 16), ("SSL", 5, 16),
+                                                             ("SL", 200, 256), ("S", 40, 256)])
+def test_step_flops_equal_a_hand_count(window_pattern, short_window, T, monkeypatch):
+    """6 FLOPs per matmul weight per token (forward 2, backward 4) and nanochat's estimate_flops attention term
+    (attn_flops): a window layer charged its window, whatever kernel the device takes (T = 256 with a 40-token window:
+    the banded kernel on this CPU, which counted only its tiles; the masked one on CUDA counted the square). The
     regulariser adds its K=1 solve: N suffix layers once more (the prefix state is the trace's)."""
-    model = tiny(window_pattern=window_pattern)
+    from snlp.model import ops
+
+    model = tiny(window_pattern=window_pattern, short_window=short_window, sequence_len=T)
     cfg = model.config
-    x, y = batch(0)
-    B, T = x.shape
-    attn = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    x, y = batch(0, T=T)
+    B = x.shape[0]
+    if short_window == 40:  # the case whose count depended on the kernel: the banded one is this CPU's choice
+        assert ops.uses_band(T, short_window, "cpu")
+    attn = attn_flops(cfg, range(cfg.n_layer), T)
+    for kernel in ("auto", "banded", "masked"):  # the device's choice does not change the count
+        monkeypatch.setattr(ops, "_window_kernel", kernel)
+        assert step_flops(TrainStep(model, RegConfig()), x, y, 0.0, nullcontext) / (B * T) == \
+            6 * matmul_params(model) + attn
     plain = step_flops(TrainStep(model, RegConfig()), x, y, 0.0, nullcontext) / (B * T)
     assert plain == 6 * matmul_params(model) + attn
     N = 2
@@ -143,8 +159,9 @@ def test_step_flops_equal_a_hand_count(window_pattern):
     # the solve's batched chunks all run a value-embedding gate (zero weights and a zero embedding slot for a layer
     # without one): executed matmuls, counted
     gate = cfg.n_kv_head * min(VE_GATE_CHANNELS, cfg.n_embd) if hasattr(model, "value_embeds") else 0
-    assert reg == plain + 6 * (suffix + N * gate) + 12 * N * cfg.n_head * cfg.head_dim * T
+    assert reg == plain + 6 * (suffix + N * gate) + attn_flops(cfg, range(cfg.n_layer - N, cfg.n_layer), T)
     assert all(p.grad is None for p in model.parameters())  # counting leaves no gradients behind
+    assert ops.window_kernel() == "masked"  # as monkeypatch left it: counting restores the kernel
 
 
 @pytest.mark.parametrize("rows", [0.25, 0.5, 0.6, 1.0])
@@ -157,12 +174,12 @@ def test_step_flops_of_a_row_fraction_scale_the_regulariser_by_its_rows(rows):
     x, y = batch(0, B=5)
     B, T = x.shape
     plain = step_flops(TrainStep(model, RegConfig()), x, y, 0.0, nullcontext)
-    assert plain == (6 * matmul_params(model) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T) * B * T
+    assert plain == (6 * matmul_params(model) + attn_flops(cfg, range(cfg.n_layer), T)) * B * T
     N = 2
     suffix = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "ve_gate" not in n
                  and any(n.startswith(f"blocks.{l}.") for l in range(cfg.n_layer - N, cfg.n_layer)))
     gate = cfg.n_kv_head * min(VE_GATE_CHANNELS, cfg.n_embd) if hasattr(model, "value_embeds") else 0
-    extra = 6 * (suffix + N * gate) + 12 * N * cfg.n_head * cfg.head_dim * T  # per token of a regularised row
+    extra = 6 * (suffix + N * gate) + attn_flops(cfg, range(cfg.n_layer - N, cfg.n_layer), T)  # per regularised row
     r = {0.25: 2, 0.5: 3, 0.6: 3, 1.0: 5}[rows]  # ceil(F x 5)
     reg = step_flops(TrainStep(model, RegConfig(surrogate="idn", suffixes=(N,), rows=rows)), x, y, 0.5, nullcontext)
     assert reg == plain + extra * r * T
