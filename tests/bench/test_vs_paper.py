@@ -82,3 +82,29 @@ def test_every_disagreement_names_its_cause():
     rows = V.agreement(code, shape, shape, [Plan.parse(p, 6) for p in shape.plans], cfg, 256, torch.device("cpu"))
     assert all(a.same_function == (a.why == "-") for a in rows), [(a.plan, a.windows, a.why) for a in rows]
     assert any("backout" in a.why for a in rows) and any("own output" in a.why for a in rows)
+
+
+@needs_paper
+@pytest.mark.parametrize("pattern, T", [("SSSL", 256), ("SL", 256), ("L", 128)])
+def test_training_flops_equal_the_papers_estimate_flops(pattern, T):
+    """snlp's model FLOPs per token (snlp.train.flops, what MFU divides) on a copy of the paper's model equal the
+    paper code's own estimate_flops, sliding windows charged their window, up to the smear gate's matmul, which
+    it leaves out of its count (6 FLOPs per weight per token) and snlp counts as the matmul it runs."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from snlp.bench.paper_peer import build_paper_model, snlp_model_from_paper
+    from snlp.train.flops import step_flops
+    from snlp.train.job import TrainStep
+    from snlp.train.regularizer import RegConfig
+
+    code = load_paper_code(PAPER, torch.float32)
+    cfg = code.gpt.GPTConfig(sequence_len=T, vocab_size=512, n_layer=4, n_head=2, n_kv_head=2, n_embd=64,
+                             window_pattern=pattern)
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 512, (2, T), generator=g), torch.randint(0, 512, (2, T), generator=g)
+    got = step_flops(TrainStep(ours, RegConfig()), x, y, 0.0, nullcontext) / x.numel()
+    assert got == paper.estimate_flops() + 6 * paper.smear_gate.weight.numel()
