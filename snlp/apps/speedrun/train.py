@@ -177,6 +177,8 @@ def _log_state(path: Path, since: int = 0) -> dict:
                 st[k] = r[k]
         if "loss" in r and r.get("step", 0) > since:  # a step record: "stop" names why the run ends after it (a
             st["stop"] = r.get("stop")  # resumed run's earlier stop, e.g. stop_after, is superseded by its later steps)
+        elif "stop" in r and r.get("step", 0) > since:  # a stop decided between steps, on a row of its own
+            st["stop"] = r["stop"]
     return st
 
 
