@@ -489,7 +489,7 @@ def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, mo
     assert main(cmd) == 0
     err = capsys.readouterr().err
     assert err.count("not a step number: stopping now") == 1, err
-    assert f"stopped SFT run sft-sequential (saved); the grid stops there, unscored" in err, err
+    assert "stopped SFT run sft-sequential (saved); the grid stops there, unscored" in err, err
     assert torch.load(out / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
     assert not (out / f"sft-{plan}").exists() and not (out / "grid.json").exists()
     stop.write_text("")  # emptied: the rerun resumes the stopped run, then trains and scores the other
