@@ -291,6 +291,7 @@ def markdown(rows: list[DrafterRecord]) -> str:
         if not r.ssd:
             out.append(head + "| - | - | - | - | - |")
         for s in r.ssd:
-            out.append(head + f"| {s['block']} | {s['alpha']:.3f} | {s['tokens_per_round']:.2f} | "
+            alpha = "–" if s["alpha"] is None else f"{s['alpha']:.3f}"  # None: nothing drafted (one new token)
+            out.append(head + f"| {s['block']} | {alpha} | {s['tokens_per_round']:.2f} | "
                        f"{s['measured_speedup']:.2f}x | {matches(s['matches_sequential'])} |")
     return "\n".join(out)
