@@ -120,3 +120,10 @@ def test_tune_of_one_generated_token_prints_and_writes_no_nan(ckpt, tmp_path, ca
     d = json.loads(out.read_text(), parse_constant=refuse)
     ssd = [c for c in d["candidates"] if c["goal"] == "ssd" and c["measured"]]
     assert ssd and all(c["alpha"] is None and c["measured_s"] is None and c["tokens_per_round"] == 1.0 for c in ssd)
+    # stage 1's acceptance decodes likewise: --accept-tokens 1 printed "calib alpha nan" and wrote accept_alpha NaN
+    args = _args(ckpt, "--json", str(out))
+    args[args.index("--accept-tokens") + 1] = "1"
+    assert main(args) == 0
+    assert "nan" not in capsys.readouterr().out
+    d = json.loads(out.read_text(), parse_constant=refuse)
+    assert all(a["alpha"] is None for a in d["acceptance"]) and all(c["accept_alpha"] is None for c in d["candidates"])
