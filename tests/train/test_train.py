@@ -200,3 +200,21 @@ def test_a_stop_file_holding_text_stops_the_run_and_says_so_once(tmp_path, capsy
                    f"integer N there stops the run after step N)"], err
     stop.write_text(" 7 ")
     assert read_stop_file(stop) == (7, None) and file_hooks(stop).should_stop(6) is None
+
+
+def test_a_stop_file_with_a_byte_order_mark_is_read_as_its_number(tmp_path):
+    """Windows editors save `500` as UTF-8 with a byte-order mark, PowerShell 5's `echo 500 > STOP` as UTF-16: read
+    as UTF-8 text either held no step number, so the run stopped at once (and a file left at the start was refused)
+    instead of after step 500. A UTF-16 file caught mid-write (an odd byte) is not read yet."""
+    from snlp.apps.train import check_stop_file, file_hooks, read_stop_file
+
+    stop = tmp_path / "STOP"
+    for raw in (b"\xef\xbb\xbf500\r\n", "500\r\n".encode("utf-16"), "500".encode("utf-16-be").join([b"\xfe\xff", b""])):
+        stop.write_bytes(raw)
+        assert read_stop_file(stop) == (500, None), raw
+        assert file_hooks(stop).should_stop(499) is None and file_hooks(stop).should_stop(500) == "stop_file"
+        check_stop_file(stop, str(tmp_path / "run"), resume=False)  # not refused: step 500 is ahead
+    for pending, read in ((b"\xef\xbb\xbf", None), (b"\xff\xfe", None), (b"\xff\xfe5", None),
+                          ("50".encode("utf-16") + b"0", 50)):  # the mark alone, or half of the next digit
+        stop.write_bytes(pending)
+        assert read_stop_file(stop) == (read, None) and file_hooks(stop).should_stop(3) is None, pending
