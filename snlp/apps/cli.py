@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     made = []
     try:  # the command's own lines
+        from snlp.runtime.checks import check_environment
+
+        check_environment()  # a misspelt SNLP_* variable: one line before any work (the library reads it later)
         expand_paths(parser, args)
         check_numbers(parser, args)
         check_outputs(parser, args)
