@@ -107,6 +107,9 @@ class EvalRecord:
         reference in `ar_reference`), the agreement with the sequential model in `ar_match_seq` where they
         have it: read into the fields of one meaning each."""
         d = dict(d)
+        for k in ("ppl", "delta_ppl"):  # a diverged plan's inf, which strict JSON holds as "inf" (json_safe)
+            if isinstance(d.get(k), str):
+                d[k] = float(d[k])
         if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
             d["ideal_layer_speedup"] = d.pop("ideal_speedup")
         if "ar_match_fused" not in d and ("ar_reference" in d or "ar_match_seq" in d):
