@@ -12,13 +12,15 @@ import platform
 import sys
 from pathlib import Path
 
+from snlp.runtime.outputs import make_folders
+
 
 def write_atomic(path, write) -> None:
     """Write a file atomically: `write(tmp)` fills a temporary file beside `path` (creating parent folders), which
     then replaces `path` in one os.replace, so a reader never sees a half-written file. `write` may also be a str:
     the text to write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         if isinstance(write, str):
