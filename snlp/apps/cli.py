@@ -410,16 +410,24 @@ def new_folders(out) -> list:
 
 
 def remove_empty(folders) -> None:
-    """Remove `folders` (deepest first) while they are empty: a run refused for bad input after its --out was made
-    (its lock, adapt's and the trainers' checks of the base and data under it) leaves no empty folder behind; a
-    folder that existed before the run is never among them, and one holding anything is kept."""
+    """Remove `folders` (deepest first) while they are empty and this process made them: a run refused for bad input
+    after its --out was made (its lock, adapt's and the trainers' checks of the base and data under it) leaves no
+    empty folder behind; a folder that existed before the run is never among them, one holding anything is kept, and
+    one another process made between this run's start and its refusal (a second run on the same parent, which is
+    about to write there) is not this run's to remove: only those snlp.runtime.outputs.make_folders made here
+    (CREATED) are."""
+    from snlp.runtime.outputs import CREATED
+
     for f in folders:
         if not f.exists():  # not made (an --out that names a file, calibrate's: the file itself is listed first)
             continue
+        if f not in CREATED:
+            return  # another's, so are its parents (a folder's parents exist before it)
         try:
             f.rmdir()
         except OSError:
             return
+        CREATED.discard(f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     made = []
     try:  # the command's own lines
+        from snlp.runtime.checks import check_environment
+
+        check_environment()  # a misspelt SNLP_* variable: one line before any work (the library reads it later)
         expand_paths(parser, args)
         check_numbers(parser, args)
         check_outputs(parser, args)

@@ -305,12 +305,12 @@ def partial_writer(args):
     finished before all are."""
     from snlp.runtime.outputs import partial_line
     from snlp.eval.present import markdown_table, write_csv
-    from snlp.runtime.device import write_atomic
+    from snlp.runtime.device import json_text, write_atomic
 
     def write(records, done: str) -> None:
         if args.json:
-            write_atomic(args.json, json.dumps({"complete": False, "done": done,
-                                                "records": [r.to_dict() for r in records]}, indent=2))
+            write_atomic(args.json, json_text({"complete": False, "done": done,
+                                               "records": [r.to_dict() for r in records]}, indent=2))
         if args.csv:
             write_csv([r.to_dict() for r in records], args.csv, partial=done, announce=False)
         if args.markdown:  # the kept ΔPPLs marked as the finished table marks them (the speed columns are empty)

@@ -181,9 +181,9 @@ def run(args) -> int:
 
     def write(records, complete: bool) -> None:
         """Each finished method's JSON, table.md and --markdown / --json; until the last method, marked partial."""
-        from snlp.runtime.outputs import complete_in, partial_line
+        from snlp.runtime.outputs import complete_in, make_folders, partial_line
 
-        out.mkdir(parents=True, exist_ok=True)
+        make_folders(out)
         for rec in records:
             write_atomic(out / method_file(rec.method), json.dumps(rec.harness or rec.to_dict(), indent=2))
         done = f"{len(records)} of {len(methods)} methods ({', '.join(r.method for r in records)})"

@@ -371,7 +371,8 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
             sp = speeds.get(r.plan)
             ar, fused = _ar_cells(r)
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
-                         f"{fmt_delta_ppl(r.delta_ppl)}{' (tie)' if r.plan in tied else ''} | "
+                         f"{fmt_delta_ppl(r.delta_ppl, resolved=r.plan in (ivs.get(key) or {}) and r.plan not in tied)}"
+                         f"{' (tie)' if r.plan in tied else ''} | "
                          f"{'-' if sp is None else f'{sp.median:.2f}x'} | "
                          f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {'-' if L is None else layer_evaluations(r.plan, L)} | "
                          f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} | {fused} |")
@@ -652,7 +653,10 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
     quant = re.search(r"\.(I?Q\d\w*)\.gguf$", r["model"], re.IGNORECASE)  # llama.cpp's quantisation types
     ties = record_ties(recs)
     rounds = {len(x.speedup_rounds) for x in recs[1:] if x.speedup_rounds}
-    costs = "; ".join(f"`{x.plan}` ΔPPL {fmt_delta_ppl(x.delta_ppl)}" + (" (tie)" if x.plan in ties["delta_ppl"] else "")
+    resolved = {x.plan for x in recs[1:] if delta_ppl_interval(x.window_ce, recs[0].window_ce) is not None
+                and x.plan not in ties["delta_ppl"]}  # told from zero: printed with the digits that show it
+    costs = "; ".join(f"`{x.plan}` ΔPPL {fmt_delta_ppl(x.delta_ppl, resolved=x.plan in resolved)}"
+                      + (" (tie)" if x.plan in ties["delta_ppl"] else "")
                       + f", Speedup {_num(x.speedup, '{:.2f}x')}" + (" (tie)" if x.plan in ties["speedup"] else "")
                       for x in recs[1:])
     wins = len(recs[0].window_ce or [])  # a --quick stage scores one 256-token window: no interval, no (tie)

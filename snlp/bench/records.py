@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
-from snlp.runtime.device import write_atomic
+from snlp.runtime.device import json_text, write_atomic
 
 
 class Record(Protocol):
@@ -31,7 +31,7 @@ def _plain(obj: Any) -> Any:
 def write_json(path, payload: Any, announce: bool = True) -> None:
     """Write records (a list of them, or a dict holding them, e.g. {"meta", "config", "records"}) as JSON,
     creating parent folders; `announce` prints where (the CLI's commands do, the suite's library call not)."""
-    write_atomic(path, json.dumps(payload, indent=2, default=_plain))
+    write_atomic(path, json_text(payload, default=_plain, indent=2))  # strict JSON: a NaN field is null
     if announce:
         print(f"wrote {path}")
 

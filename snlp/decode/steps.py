@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import threading
 import time
 import types
@@ -42,6 +41,7 @@ from snlp.method.surrogates import DiagN, Newton
 from snlp.model.gpt import GPT
 from snlp.method.solver import Runner
 from snlp.model.ops import window_kernel
+from snlp.runtime.checks import ENV_CHOICES, env_choice
 from snlp.runtime.timing import sync
 
 StepFn = Callable[[Tensor, Tensor, KVCache], Tensor]  # (idx (B, T), pos (T,), cache) -> logits (B, T, V)
@@ -50,13 +50,17 @@ PREFILL_PAD = 16  # prefill lengths are rounded up to a multiple of this: one co
 MIN_CACHE = 64  # compiled steps get caches of a power-of-two length >= this: the cache size is a graph shape
 RECOMPILE_LIMIT = 64  # dynamo's per-code-object limit (default 8): one graph per (step kind, shape) is expected
 
-GUARD_MODES = ("cut", "full")
+GUARD_MODES = ENV_CHOICES["SNLP_COMPILE_GUARDS"][0]
 # torch.compiler.set_stance(skip_guard_eval_unsafe=True) exists in torch 2.11 and 2.13 (checked); an older torch
 # without it gets full guards on every call
 CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
-DEFAULT_GUARDS = os.environ.get("SNLP_COMPILE_GUARDS", "full")
-if DEFAULT_GUARDS not in GUARD_MODES:  # refused at import: a misspelt mode would otherwise run as the default
-    raise ValueError(f"SNLP_COMPILE_GUARDS must be one of {', '.join(GUARD_MODES)}, got {DEFAULT_GUARDS!r}")
+
+
+def default_guards() -> str:
+    """The guard mode a compiled step gets without guards=: SNLP_COMPILE_GUARDS, "full" when unset. Read when a
+    step is built, not at import: a misspelt value is a ValueError there (it would otherwise run as the default),
+    while an import of snlp (and every library function that never builds a step) keeps working."""
+    return env_choice("SNLP_COMPILE_GUARDS")
 
 
 def sequential_fn(model: GPT) -> StepFn:
@@ -287,7 +291,8 @@ class Step:
             fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.fn = fn
-        wanted = guards if guards is not None else (DEFAULT_GUARDS if compile and state is not None else "full")
+        env = default_guards() if guards is None else None  # checked on every step built from it, eager too
+        wanted = guards if guards is not None else (env if compile and state is not None else "full")
         self.guards = wanted if CAN_SKIP_GUARDS else "full"
         self.mode = "reduce-overhead" if compile and backend is None and self.device.type == "cuda" else None
 

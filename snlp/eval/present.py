@@ -38,6 +38,11 @@ _PREFILL_TIE = ("Prefill (the ratio of the two medians): likewise, by the sign t
                 "cell says so, e.g. (15 of 20 rounds below 1.00x)")
 
 
+def tested(records: list[EvalRecord]) -> bool:
+    """Whether ΔPPL has intervals in these records (the sequential row, first, holds two or more windows)."""
+    return len((records[0].window_ce or []) if records else []) >= 2
+
+
 def tie_note(records: list[EvalRecord]) -> str:
     """TIE_NOTE for these records: where the sequential row holds fewer than two validation windows (one window of
     --max-tokens, or records without per-window losses) no ΔPPL has an interval, so an unmarked ΔPPL was not told
@@ -52,9 +57,14 @@ def tie_note(records: list[EvalRecord]) -> str:
     return note.replace("Prefill: a ratio of medians, not tested", _PREFILL_TIE) if prefill else note
 
 
-def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None) -> list[str]:
+def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None, tested: bool = False) -> list[str]:
+    """A row's cells. `tested`: the sequential row holds two or more windows, so every ΔPPL not marked (tie) was
+    told from zero by its interval (fmt_delta_ppl's `resolved`)."""
     vals = [getattr(rec, key) for _, key, _ in cols]
     cells = [fmt(v) if callable(fmt) else "-" if v is None else fmt.format(v) for v, (_, _, fmt) in zip(vals, cols)]
+    if ties is not None and tested and len(rec.window_ce or []) >= 2 and rec.plan not in ties.get("delta_ppl", ()):
+        cells = [fmt_delta_ppl(rec.delta_ppl, resolved=True) if key == "delta_ppl" else c
+                 for c, (_, key, _) in zip(cells, cols)]
     for i, (_, key, _) in enumerate(cols):  # the fused agreement names its reference; K = C is the reference itself
         if key == "ar_match_fused" and rec.ar_match_fused is not None and rec.ar_fused_reference:
             cells[i] = ("= itself (K = C)" if rec.ar_fused_reference == rec.plan
@@ -75,7 +85,7 @@ def markdown_table(records: list[EvalRecord], ties: dict[str, set[str]] | None =
     cols = columns(records)
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |",
              "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(cols))) + "|"]
-    lines += ["| " + " | ".join(_cells(r, cols, ties)) + " |" for r in records]
+    lines += ["| " + " | ".join(_cells(r, cols, ties, tested(records))) + " |" for r in records]
     return "\n".join(lines) + "\n" + ("" if ties is None else f"\n{tie_note(records)}\n")
 
 
@@ -89,7 +99,7 @@ def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]]
     for header, _, _ in cols:
         table.add_column(header, justify="left" if header == "Plan" else "right")
     for r in records:
-        table.add_row(*_cells(r, cols, ties))
+        table.add_row(*_cells(r, cols, ties, tested(records)))
     Console(width=200).print(table)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,9 @@ class EvalRecord:
     n_layer: int | None = None
     tokens: int | None = None  # predicted tokens of the PPL windows
     seq_len: int | None = None
+    # the model's config sequence_len, the context it was trained for: a seq_len past it measures RoPE extrapolation
+    # (evaluate warns); None in records written before it was kept
+    model_seq_len: int | None = None
     prompts: int | None = None
     gen_tokens: int | None = None
     device: str | None = None
@@ -107,6 +111,9 @@ class EvalRecord:
         reference in `ar_reference`), the agreement with the sequential model in `ar_match_seq` where they
         have it: read into the fields of one meaning each."""
         d = dict(d)
+        for k in ("ppl", "delta_ppl"):  # a diverged plan's inf, which strict JSON holds as "inf" (json_safe)
+            if isinstance(d.get(k), str):
+                d[k] = float(d[k])
         if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
             d["ideal_layer_speedup"] = d.pop("ideal_speedup")
         if "ar_match_fused" not in d and ("ar_reference" in d or "ar_match_seq" in d):
@@ -282,7 +289,13 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     model.eval()
     wins = windows(val, cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
-    protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, prompts=cfg.prompts,
+    trained = model.config.sequence_len
+    if cfg.seq_len > trained:  # RoPE's tables are computed for any position (GPT.rotary): it runs, as extrapolation
+        warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
+                      f"for): the PPL windows measure extrapolation past it, not the model as trained (the records "
+                      f"keep both: seq_len, model_seq_len)", stacklevel=2)
+    protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, model_seq_len=trained,
+                    prompts=cfg.prompts,
                     gen_tokens=cfg.gen_tokens, device=str(device),
                     dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     tf = teacher_forced(model, wins, plans, cfg, preheat)

@@ -38,6 +38,7 @@ from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
 from snlp.runtime.device import cli_device
+from snlp.runtime.outputs import make_folders
 
 WEIGHTS, CONFIG, OPTIMIZER, TRAIN_STATE = "model.safetensors", "config.json", "optimizer.pt", "train_state.pt"
 DRAFTER_META = "drafter.json"  # what marks a drafter folder (snlp.io.drafter writes it, named here with the rest)
@@ -70,7 +71,7 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an snlp Tokenizer (a transformers tokenizer converts with "
                         f"snlp.Tokenizer.from_hf), got {type(tokenizer).__name__}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -30,6 +30,7 @@ from snlp.method.plan import Plan
 from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
+from snlp.runtime.outputs import make_folders
 from snlp.io.checkpoint import DRAFTER_META as META
 from snlp.io.source import did_you_mean, home_path
 from snlp.io.weights import check_finite
@@ -60,7 +61,7 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"drafter path {path} exists and is not a directory; choose another --out")
-    path.mkdir(parents=True, exist_ok=True)
+    make_folders(path)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in drafter.suffix_state().items()}
     meta = {"format": FORMAT, "version": VERSION, "plan": str(drafter.plan),
             "base_fingerprint": drafter.base_fingerprint, "config": drafter.model.config.to_dict(),

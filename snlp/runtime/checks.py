@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+# the environment variables snlp reads: name -> (the values it takes, the value when unset). A misspelt value is
+# refused, never run as the default (snlp.decode.steps.default_guards, snlp.model.ops; the CLI checks them all
+# before any work: check_environment)
+ENV_CHOICES = {
+    "SNLP_COMPILE_GUARDS": (("cut", "full"), "full"),
+    "SNLP_WINDOW_ATTENTION": (("auto", "banded", "masked", "flex"), "auto"),
+}
+
+
+def env_choice(name: str) -> str:
+    """The value of the environment variable `name` (one of ENV_CHOICES), its default when unset; a ValueError in
+    one line naming the variable and the values it takes otherwise."""
+    choices, default = ENV_CHOICES[name]
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r} (unset it for {default})")
+    return value
+
+
+def check_environment() -> None:
+    """Refuse a misspelt value of any environment variable snlp reads (ENV_CHOICES), before any work."""
+    for name in ENV_CHOICES:
+        env_choice(name)
 
 
 def bool_error(name: str, value) -> str | None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 import sys
 from pathlib import Path
+
+from snlp.runtime.outputs import make_folders
 
 
 def write_atomic(path, write) -> None:
@@ -17,7 +20,7 @@ def write_atomic(path, write) -> None:
     then replaces `path` in one os.replace, so a reader never sees a half-written file. `write` may also be a str:
     the text to write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         if isinstance(write, str):
@@ -29,9 +32,32 @@ def write_atomic(path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def json_safe(obj):
+    """`obj` with every float JSON cannot hold replaced: NaN (a quantity not measured: alpha of a run that drafted
+    nothing) by null, +-inf (a diverged PPL) by "inf" / "-inf" (as the analysis writes them; float() reads them
+    back); tuples become lists. Python's json writes NaN and Infinity, which strict parsers (jq, JavaScript, Go)
+    refuse, and a reader seeing null at the top level saw NaN in a nested record."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def json_text(obj, default=None, **kw) -> str:
+    """JSON text of `obj` that every parser reads: non-finite floats replaced (json_safe; `default` converts the
+    objects json cannot, records by their to_dict, first), then written with allow_nan=False, which raises should
+    one still get through."""
+    if default is not None:
+        obj = json.loads(json.dumps(obj, default=default))
+    return json.dumps(json_safe(obj), allow_nan=False, **kw)
+
+
 def write_json(path, obj) -> None:
-    """Write a command's machine-readable results (creating parent folders) and say where."""
-    write_atomic(path, json.dumps(obj, indent=2))
+    """Write a command's machine-readable results (creating parent folders; strict JSON: json_text) and say where."""
+    write_atomic(path, json_text(obj, indent=2))
     print(f"wrote {path}")
 
 

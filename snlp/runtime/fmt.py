@@ -43,10 +43,13 @@ def fmt_ppl(x, digits: int = 2) -> str:
     return sci(x) if abs(x) >= PPL_SCI else f"{x:.{digits}f}"
 
 
-def fmt_delta_ppl(d) -> str:
+def fmt_delta_ppl(d, resolved: bool = False) -> str:
     """A ΔPPL cell from the relative change d = PPL / PPL_sequential - 1: '+5.5%', '-0.02%' (a change under
     0.05 % that one decimal would print as 0.0 %: two decimals), '×13.2', '×1.3e7',
-    'diverged' (non-finite) or '-' (None / NaN)."""
+    'diverged' (non-finite) or '-' (None / NaN). `resolved`: the table's test tells this change from zero (its
+    paired-window interval excludes 0, so no "(tie)" follows the cell): a change under 0.005 % then prints with two
+    significant digits ('+0.0036%', '+1.2e-7%'), not as '+0.0%', which beside no "(tie)" read as a resolved zero;
+    an unresolved one keeps '+0.0%' (round-off of a K >= C plan) and its "(tie)"."""
     if _missing(d):
         return MISSING
     if not math.isfinite(d):
@@ -54,6 +57,10 @@ def fmt_delta_ppl(d) -> str:
     if d > DELTA_RATIO:
         ratio = 1.0 + d
         return "×" + (sci(ratio) if ratio >= PPL_SCI else f"{ratio:.1f}")
+    if resolved and 0 < abs(d) < 0.00005:
+        pct = 100 * abs(d)
+        decimals = 1 - math.floor(math.log10(pct))  # two significant digits
+        return ("+" if d > 0 else "-") + (f"{pct:.{decimals}f}" if decimals <= 6 else sci(pct)) + "%"
     if 0.00005 <= abs(d) < 0.0005:  # would read "+0.0%" / "-0.0%" beside an exact zero though a test may resolve it
         return f"{d:+.2%}"
     return f"{d:+.1%}"

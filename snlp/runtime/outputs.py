@@ -17,6 +17,31 @@ from pathlib import Path
 from typing import Iterator
 
 
+# the folders this process made (make_folders), absolute: a run refused after making its output folders removes
+# these where still empty, and no other (snlp.apps.cli.remove_empty)
+CREATED: set[Path] = set()
+
+
+def make_folders(path) -> Path:
+    """mkdir -p `path`, recording each level this call made in CREATED: os.mkdir succeeds for the one process that
+    makes a folder, so a folder another process made meanwhile (FileExistsError here) is never counted as ours."""
+    path = Path(path).absolute()
+    missing = []
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue
+        CREATED.add(folder)
+    return path
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path.absolute()
     while not p.exists() and p != p.parent:
@@ -76,7 +101,7 @@ def locked_output(folder, what: str = "--out") -> Iterator[None]:
         yield
         return
     lock = lock_path(folder)
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(lock.parent)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:

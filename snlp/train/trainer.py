@@ -45,7 +45,7 @@ from snlp.runtime.device import device_label, progress_bar, write_atomic
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.stats import paired_marks, tie_mark, verdict_text
 from snlp.runtime.timing import time_round_robin
-from snlp.runtime.outputs import locked_output
+from snlp.runtime.outputs import locked_output, make_folders
 
 
 @dataclass
@@ -213,7 +213,7 @@ def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
     """Create the output folder and print the start banner (rank 0)."""
     if not ctx.master:
         return
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    make_folders(cfg.out)
     m = job.model
     mc = m.config
     print(f"{job.name}: {mc.n_layer} layers, width {mc.n_embd}, {mc.n_head} heads, vocab {mc.vocab_size}, "

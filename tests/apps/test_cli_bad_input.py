@@ -680,3 +680,35 @@ def test_a_speedrun_rerun_refuses_a_missing_data_before_any_work(inputs, tmp_pat
     assert rc == 2 and len(err) == 1 and err[0].startswith("snlp speedrun: error: "), err
     assert f"did you mean {inputs}/corpus.txt" in err[0] and got.out == "", got.out  # no banner, no stage begun
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_a_refused_run_removes_only_the_folders_it_made(tmp_path, monkeypatch, capsys):
+    """A run refused after its output folders were listed removed every one of them still empty, so an empty folder
+    another process made between this run's start and its refusal (a second run about to write there) was deleted
+    under it. Only the folders this process made (snlp.runtime.outputs.make_folders) are removed now."""
+    import os
+
+    import snlp.apps.selfcheck as selfcheck
+    from snlp.apps.cli import new_folders, remove_empty
+
+    out = tmp_path / "runs" / "sc"
+
+    def refused(args):  # our lock made runs/; another process makes runs/sc, then this run is refused
+        assert (tmp_path / "runs").is_dir() and not out.exists()
+        os.mkdir(out)
+        raise ValueError("refused for bad input")
+
+    monkeypatch.setattr(selfcheck, "run", refused)
+    assert main(["selfcheck", "--out", str(out)]) == 2 and "refused for bad input" in one_error_line(capsys, "selfcheck")
+    assert out.is_dir()  # the other process's folder stays (and so its parent)
+    os.rmdir(out)
+    os.rmdir(tmp_path / "runs")
+    monkeypatch.setattr(selfcheck, "run", lambda args: (_ for _ in ()).throw(ValueError("bad")))
+    assert main(["selfcheck", "--out", str(out)]) == 2
+    assert not (tmp_path / "runs").exists()  # what this run made alone is still removed
+
+    other = tmp_path / "a" / "b"
+    made = new_folders(str(other))  # both missing at this run's start
+    os.makedirs(other)  # another process makes them both
+    remove_empty(made)
+    assert other.is_dir()

@@ -476,3 +476,45 @@ def test_a_csv_cell_holding_a_hash_survives_the_reader_that_skips_the_partial_li
         assert list(b["skipped"].fillna("")) == ["", text] and list(b["tps"].isna()) == [False, True]
         assert list(e["plan"]) == ["x#1", "y"] and list(e["ppl"]) == [2.0, 3.0]
     assert (tmp_path / "b.csv").read_text().splitlines()[1] == "a,1.5,"  # a row with no "#": written as before
+
+
+def test_json_results_are_strict_json_with_null_for_what_was_not_measured(tmp_path):
+    """Python's json wrote NaN (an SSD row's alpha when nothing was drafted) and Infinity (a diverged PPL), which
+    strict parsers refuse; bench's and the commands' writers (snlp.bench.records.write_json,
+    snlp.runtime.device.write_json) now write null and "inf", and an evaluation record reads "inf" back as inf."""
+    import json
+    import math
+
+    from snlp.bench.records import write_json as write_records
+    from snlp.decode.speculative import SpeculativeReport
+    from snlp.eval.protocol import EvalRecord
+    from snlp.runtime.device import write_json
+
+    def strict(path):
+        def refuse(constant):
+            raise AssertionError(f"{constant} in {path}")
+        return json.loads(path.read_text(), parse_constant=refuse)
+
+    nan = float("nan")
+    rep = SpeculativeReport(plan="2xF1-h0-K1", block=3, alpha=nan, tokens_per_round=1.0, drafter_speedup_s=nan,
+                            sequential_ms_per_step=1.0, drafter_ms_per_step=nan, sequential_ms_per_token=1.0,
+                            speculative_ms_per_token=1.0, measured_speedup=1.0, ideal_ssd_speedup=nan)
+    write_records(tmp_path / "b.json", {"records": [rep], "range": (1.0, math.inf)}, announce=False)
+    got = strict(tmp_path / "b.json")
+    assert got["records"][0]["alpha"] is None and got["records"][0]["ideal_ssd_speedup"] is None
+    assert got["range"] == [1.0, "inf"] and got["records"][0]["block"] == 3
+    write_json(tmp_path / "g.json", {"report": rep.to_dict(), "x": [-math.inf, 2]})
+    got = strict(tmp_path / "g.json")
+    assert got["report"]["drafter_speedup_s"] is None and got["x"] == ["-inf", 2]
+    assert EvalRecord.from_dict({"ppl": "inf", "delta_ppl": "inf", "plan": "p"} | {
+        k: v for k, v in _eval_fields().items() if k not in ("ppl", "delta_ppl", "plan")}).ppl == math.inf
+
+
+def _eval_fields() -> dict:
+    """The required fields of an EvalRecord, filled."""
+    import dataclasses
+
+    from snlp.eval.protocol import EvalRecord
+
+    return {f.name: 0 for f in dataclasses.fields(EvalRecord)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}

@@ -23,7 +23,7 @@ from conftest import make_model
 import snlp
 from snlp.decode import sequential_generate, snlp_generate, speculative_generate
 from snlp.decode import steps as steps_mod
-from snlp.decode.steps import StepState, Step, sequential_fn, sequential_step, snlp_fn, snlp_step
+from snlp.decode.steps import GUARD_MODES, StepState, Step, sequential_fn, sequential_step, snlp_fn, snlp_step
 from snlp.model.cache import KVCache
 from snlp.model.ops import set_window_kernel
 
@@ -36,7 +36,7 @@ PLAN = "3xF1-h0-K1"
 @pytest.fixture(autouse=True)
 def cut_by_default(monkeypatch):
     """These tests are about the cut: steps built without guards= get it, as SNLP_COMPILE_GUARDS=cut gives them."""
-    monkeypatch.setattr(steps_mod, "DEFAULT_GUARDS", "cut")
+    monkeypatch.setenv("SNLP_COMPILE_GUARDS", "cut")
 
 
 def naive_greedy(model, prompt, n):
@@ -273,17 +273,44 @@ def test_guards_option_surface():
     assert state.take(cache) == state.keep(cache) != state.take(KVCache.for_model(model, max_len=8))
 
 
-def test_environment_variable_turns_the_cut_on_and_a_bad_value_is_refused():
+def test_environment_variable_turns_the_cut_on_and_a_bad_value_is_refused_at_first_use():
+    """A misspelt SNLP_COMPILE_GUARDS raised at `import snlp.decode.steps` (so at any use of decoding, with a
+    traceback): the import now works and the first step built refuses it in one ValueError naming the variable."""
     env = {k: v for k, v in os.environ.items() if k != "SNLP_COMPILE_GUARDS"}
-    env["PYTHONPATH"] = os.getcwd()
-    code = "import torch; from snlp.decode import steps; print(steps.DEFAULT_GUARDS)"
+    code = ("import torch; from snlp.decode import steps; from conftest import make_model; "
+            "s = steps.sequential_step(make_model(n_layer=2), compile=True, backend='eager'); print(s.guards)")
+    env["PYTHONPATH"] = os.pathsep.join((os.getcwd(), os.path.join(os.getcwd(), "tests")))
     for value, want in ((None, "full"), ("full", "full"), ("cut", "cut")):  # full guards unless asked for the cut
         out = subprocess.run([sys.executable, "-c", code], env=env if value is None else dict(env, SNLP_COMPILE_GUARDS=value),
                              capture_output=True, text=True)
         assert out.stdout.strip() == want, out.stderr
-    bad = subprocess.run([sys.executable, "-c", code], env=dict(env, SNLP_COMPILE_GUARDS="none"), capture_output=True,
-                         text=True)
-    assert bad.returncode != 0 and "SNLP_COMPILE_GUARDS must be one of cut, full" in bad.stderr
+    bad = dict(env, SNLP_COMPILE_GUARDS="none")
+    imported = subprocess.run([sys.executable, "-c", "import snlp.decode.steps, snlp.decode.generate"], env=bad,
+                              capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
+    built = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+    assert built.returncode != 0 and "ValueError: SNLP_COMPILE_GUARDS must be one of cut, full, got 'none'" in built.stderr
+
+
+def test_a_bad_environment_variable_is_one_cli_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """The CLI refuses a misspelt SNLP_* variable (exit 2, one line naming it and its values) before it reads a
+    checkpoint: here a checkpoint that does not exist, whose error would otherwise come first."""
+    from snlp.apps.cli import main
+    from snlp.model.ops import WINDOW_KERNELS
+    from snlp.runtime.checks import ENV_CHOICES
+
+    assert ENV_CHOICES["SNLP_WINDOW_ATTENTION"][0] == WINDOW_KERNELS and ENV_CHOICES["SNLP_COMPILE_GUARDS"][0] == GUARD_MODES
+    monkeypatch.setenv("SNLP_COMPILE_GUARDS", "bogus")
+    out = tmp_path / "o"
+    assert main(["generate", str(tmp_path / "missing"), "--json", str(out / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["snlp generate: error: SNLP_COMPILE_GUARDS must be one of cut, full, got 'bogus' (unset it for full)"]
+    assert not out.exists()
+    monkeypatch.setenv("SNLP_COMPILE_GUARDS", "cut")
+    monkeypatch.setenv("SNLP_WINDOW_ATTENTION", "flexx")
+    assert main(["bench", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "snlp bench: error: SNLP_WINDOW_ATTENTION must be one of auto, banded, masked, flex, got 'flexx' (unset it for auto)"]
 
 
 def test_cut_calls_in_two_threads_take_turns_and_leave_every_guard_on():

@@ -292,6 +292,29 @@ def tiny_checkpoint(tmp_path):
                            tokenizer=tok, train_state={"args": args})
 
 
+def test_analyze_into_the_checkpoint_folder_keeps_the_checkpoint_whole(tmp_path, capsys):
+    """`snlp analyze CKPT --out CKPT` is accepted, as the other commands' conventions have it: calibrate writes its
+    preheat into CKPT by default, and eval's / tune's --json / --csv / --markdown may name a file in CKPT, refused only
+    where it is one of the checkpoint's own files (snlp.apps.cli.check_not_a_model_file). analyze writes none of
+    those names: the checkpoint's files stay byte for byte, it loads, a later save of it carries the analysis over,
+    and the lock it holds is the checkpoint's own (a training run on CKPT meanwhile is refused)."""
+    from snlp.apps.cli import main
+    from snlp.eval.analysis.report import PLOTS
+    from snlp.io.checkpoint import OWN_FILES, load, save_checkpoint
+    from snlp.method.preheat import FILENAME
+
+    assert not {"analysis.json", "analysis.md", *PLOTS} & {*OWN_FILES, FILENAME}
+    ck = tiny_checkpoint(tmp_path)
+    before = {f.name: f.read_bytes() for f in ck.iterdir()}
+    assert main(["analyze", str(ck), "--only", "early-exit", "--suffixes", "2", "--seq-len", "8", "--max-tokens", "32",
+                 "--no-progress", "--out", str(ck)]) == 0
+    assert {f.name: f.read_bytes() for f in ck.iterdir() if f.name in before} == before
+    assert (ck / "analysis.json").is_file() and (ck / "analysis.md").is_file()
+    model, tok = load(ck)
+    save_checkpoint(ck, model, tokenizer=tok)
+    assert (ck / "analysis.md").is_file()
+
+
 def test_a_cut_analysis_keeps_its_finished_sections_marked_partial(tmp_path, capsys, monkeypatch):
     """`snlp analyze` wrote its files only after the last section (minutes each on a CPU at the default sizes: 13 to
     54 s per section on the speedrun's 16-layer model), so a SIGTERM or Ctrl-C in the last one lost every finished

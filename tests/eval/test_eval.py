@@ -37,7 +37,7 @@ CFG = EvalConfig(seq_len=16, max_tokens=96, prompts=2, prompt_len=4, gen_tokens=
 KEYS = {"plan", "K", "S", "C", "M", "init", "ppl", "delta_ppl", "top1", "logit_sim", "ar_match", "ar_beta",
         "ar_match_fused", "ar_fused_reference", "emb_sim", "latency_ms", "prefill_ms", "speedup", "speedup_rounds",
         "prefill_speedup", "prefill_speedup_rounds", "ideal_layer_speedup",
-        "note", "n_layer", "tokens", "seq_len", "prompts", "gen_tokens", "device", "dtype", "window_ce"}
+        "note", "n_layer", "tokens", "seq_len", "model_seq_len", "prompts", "gen_tokens", "device", "dtype", "window_ce"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add contention
@@ -399,3 +399,32 @@ def test_eval_help_says_ar_match_is_against_the_sequential_model():
     assert "AR Match over --gen-tokens greedy tokens vs the sequential model" in doc
     assert "(fused plans vs the fused model run sequentially)" not in doc and "AR Match vs fused" in doc
     assert "AR Match over greedy tokens vs the sequential model" in " ".join(app.DESCRIPTION.split())
+
+
+def test_a_seq_len_past_the_models_context_warns_in_one_line_and_the_records_keep_both(tmp_path, capsys, monkeypatch):
+    """`snlp eval --seq-len N` past the model's sequence_len ran silently. RoPE's tables are computed for any position
+    (GPT.rotary), so the windows can be scored: evaluate warns that they measure extrapolation, the CLI prints that
+    as one line, and every record keeps seq_len beside model_seq_len. Within the context: no warning."""
+    import warnings
+
+    from conftest import text_checkpoint
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=16)
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    cfg = dataclasses.replace(CFG, seq_len=24, max_tokens=48, runs=1, emb=False)
+    with pytest.warns(UserWarning, match=r"seq_len 24 is past the model's sequence_len 16 .*extrapolation"):
+        recs = evaluate(model, val, ["1xF2-h0-K1"], cfg)
+    assert all(r.seq_len == 24 and r.model_seq_len == 16 for r in recs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert evaluate(model, val, ["1xF2-h0-K1"], dataclasses.replace(cfg, seq_len=16))[0].model_seq_len == 16
+    ck, data, _ = text_checkpoint(tmp_path)  # sequence_len 128
+    monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, n, file=None, line=None:  # as outside pytest
+                        sys.stderr.write(warnings.formatwarning(m, c, f, n)))
+    out = tmp_path / "e.json"
+    assert main(["eval", str(ck), "--plans", "2xF2-h0-K1", "--data", str(data), "--seq-len", "130", "--max-tokens",
+                 "260", "--prompts", "1", "--gen-tokens", "2", "--runs", "1", "--warmup", "0", "--no-emb",
+                 "--no-progress", "--json", str(out)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(err) == 1 and err[0].startswith("snlp: warning: seq_len 130 is past the model's sequence_len 128"), err
+    assert {(r["seq_len"], r["model_seq_len"]) for r in json.loads(out.read_text())} == {(130, 128)}

@@ -283,6 +283,31 @@ def test_record_ties_marks_what_snlp_eval_marks():
     assert "Prefill: a ratio of medians, not tested" in table  # these records keep no prefill rounds
 
 
+def test_a_resolved_tiny_dppl_prints_the_digits_that_show_it_is_not_zero():
+    """`snlp eval` printed a resolved ΔPPL of +0.0036 % as "+0.0%" with no "(tie)": a zero the test had told from
+    zero. A resolved change prints with two significant digits; an unresolved one of the same size keeps "+0.0%"
+    and its (tie); the sequential row stays "+0.0%"."""
+    import math
+
+    from snlp.apps.eval import record_ties
+
+    ws = [2.0, 2.1, 2.2, 2.3]
+    seq = EvalRecord(plan="sequential", ppl=10.0, delta_ppl=0.0, window_ce=ws)
+    tiny = [w + 3.6e-5 for w in ws]  # every window 3.6e-5 nats worse: ΔPPL = e^3.6e-5 - 1, interval excludes 0
+    tiny[0] += 1e-7
+    resolved = EvalRecord(plan="4xF1-h0-K1", ppl=10.0 * math.exp(3.6e-5), delta_ppl=math.expm1(3.6e-5), window_ce=tiny)
+    noisy = [w + x for w, x in zip(ws, (1e-3, -1e-3, 1.2e-3, -1.056e-3))]  # mean 3.6e-5 nats, interval spans 0
+    tied = EvalRecord(plan="4xF1-h0-K2", ppl=10.0 * math.exp(3.6e-5), delta_ppl=math.expm1(3.6e-5), window_ce=noisy)
+    ties = record_ties([seq, resolved, tied])
+    assert ties["delta_ppl"] == {"4xF1-h0-K2"}
+    table = markdown_table([seq, resolved, tied], ties=ties)
+    row = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "| +0.0036% |" in row["4xF1-h0-K1"], row["4xF1-h0-K1"]
+    assert "| +0.0% (tie) |" in row["4xF1-h0-K2"] and "| +0.0% |" in row["sequential"]
+    assert fmt_delta_ppl(-3.6e-5, resolved=True) == "-0.0036%" and fmt_delta_ppl(1.2e-9, resolved=True) == "+1.2e-7%"
+    assert fmt_delta_ppl(0.0, resolved=True) == "+0.0%" and fmt_delta_ppl(0.0004, resolved=True) == "+0.04%"
+
+
 def test_prefill_speedup_is_marked_by_its_paired_rounds():
     """`snlp eval` times the teacher-forced forwards round-robin too: a Prefill whose paired rounds the sign test does
     not resolve is "(tie)" like a Speedup (its median ratio 2.00x from 5 of 8 rounds won, p = 0.727), a resolved one

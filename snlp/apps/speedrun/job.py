@@ -26,6 +26,7 @@ from snlp.apps.speedrun.tokenizer import val_tokens
 from snlp.apps.speedrun.train import (MIN_TRAIN_S, MIN_TRAIN_STEPS, TRAIN_OVERHEAD_S, train_config, train_pace,
                                       training_step)
 from snlp.runtime.device import cli_device
+from snlp.runtime.outputs import make_folders
 from snlp.train.config import check_out_outside_data
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ def setup(args) -> Speedrun:
     if args.force:
         for d in ("stages", "cache", "noreg", "idn"):
             shutil.rmtree(out / d, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folders(out)
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     ots = bundled_smollm2() if args.off_the_shelf else None  # the real pretrained model, asked for and installed
     order = ["tokenizer", "train-noreg", "train-idn", "eval-noreg", "eval-idn", "early-exit",

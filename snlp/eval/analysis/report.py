@@ -27,7 +27,7 @@ from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
-from snlp.runtime.outputs import partial_line
+from snlp.runtime.outputs import make_folders, partial_line
 
 
 @dataclass
@@ -211,7 +211,7 @@ def write(res: AnalysisResult, out, complete: bool = True) -> Path:
     did not make are removed, so that a folder reused with a smaller --only describes this run alone. `complete`
     False: written after a section while the run goes on (its JSON says "complete": false, its markdown PARTIAL)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folders(out)
     write_atomic(out / "analysis.json", json.dumps({"complete": complete, **_jsonable(asdict(res))}, indent=1))
     for name in (*PLOTS, "analysis.md"):  # an earlier run's, before any plot: a plot that fails must not leave them
         (out / name).unlink(missing_ok=True)  # beside this run's analysis.json as if they described it
