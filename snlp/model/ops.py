@@ -9,6 +9,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -186,7 +187,8 @@ def window_flops_tally():
     (QK^T and PV: 4 x head_dim FLOPs per query and key, per head), and `attend` adds to the yielded one-element list
     what that charges beyond the window, query by query: S - min(window, S) keys, the convention of nanochat's
     estimate_flops (12 x heads x head_dim x min(window, T) per token and layer, forward and backward). Its backward
-    (twice the forward) is added when the gradient really flows through the layer. Eager only; not thread-safe
+    (twice the forward) is added when the gradient really flows through the layer, a forward-mode tangent's
+    matmuls (DiagN's jvp estimator) as the layer computes them. Eager only; not thread-safe
     (the window kernel it sets is process-wide)."""
     global _window_tally
     prev_kernel, prev, _window_tally = set_window_kernel("masked"), _window_tally, [0]
@@ -197,8 +199,8 @@ def window_flops_tally():
         set_window_kernel(prev_kernel)
 
 
-def _tally_window(q: Tensor, S: int, windows: Tensor | int, y: Tensor) -> None:
-    lead, (Hq, T, hd) = q.shape[:-3], q.shape[-3:]
+def _tally_window(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, y: Tensor) -> None:
+    lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
     if isinstance(windows, int):
         skipped = (S - min(windows, S)) * math.prod(lead) if windows >= 0 else 0
     else:  # one window per leading index (fused branches): -1 is full
@@ -209,6 +211,11 @@ def _tally_window(q: Tensor, S: int, windows: Tensor | int, y: Tensor) -> None:
         return
     tally = _window_tally
     tally[0] += fwd
+    # forward-mode AD (DiagN's jvp estimator, snlp.method.jacobian.jvp: the math SDPA differentiated op by op)
+    # computes the tangent of each matmul with a dual input over the same square, both of its terms (dQ K^T +
+    # Q dK^T; dP V + P dV, dP dual iff Q or K is), each term as much work as that matmul's forward (half of fwd)
+    tq, tk, tv = (fwAD.unpack_dual(t).tangent is not None for t in (q, k, v))
+    tally[0] += fwd * ((tq or tk) + (tq or tk or tv))
     if y.requires_grad:
         y.register_hook(lambda g: tally.__setitem__(0, tally[0] + 2 * fwd))
 
@@ -426,7 +433,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         mask = attention_mask(windows if not full else -1, T, S, q_start, lead, q.device, q.dtype, masks)
         y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
         if _window_tally is not None and not full and not torch.compiler.is_compiling():
-            _tally_window(q, S, windows, y)
+            _tally_window(q, k, v, windows, y)
     return y.view(*lead, Hq, T, hd)
 
 
