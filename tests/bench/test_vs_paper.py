@@ -127,14 +127,14 @@ def test_training_flops_of_an_mhc_model_are_the_papers_estimate_over_its_streams
     from snlp.train.job import TrainStep
     from snlp.train.regularizer import RegConfig
 
-    S, L, D, T = 4, 4, 64, 256
+    S, L, D, T, V = 4, 4, 64, 64, 128
     code = load_paper_code(PAPER, torch.float32)
-    cfg = code.gpt.GPTConfig(sequence_len=T, vocab_size=512, n_layer=L, n_head=2, n_kv_head=2, n_embd=D,
+    cfg = code.gpt.GPTConfig(sequence_len=T, vocab_size=V, n_layer=L, n_head=2, n_kv_head=2, n_embd=D,
                              window_pattern="SSSL", use_mhc=True, mhc_num_streams=S, no_x0_resid=True)
     paper = build_paper_model(code, cfg, torch.device("cpu"))
     ours = snlp_model_from_paper(paper, "cpu", torch.float32).train()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 512, (2, T), generator=g), torch.randint(0, 512, (2, T), generator=g)
+    x, y = torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
     got = step_flops(TrainStep(ours, RegConfig()), x, y, 0.0, nullcontext) / x.numel()
     mixing = 2 * L * 6 * (S * S * D + S * D)
     assert got == paper.estimate_flops() // S + 6 * paper.smear_gate.weight.numel() + mixing
