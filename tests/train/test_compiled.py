@@ -208,12 +208,14 @@ def windowed_attend(q, k, v, windows=-1, q_start=0, masks=None):
 
 
 @pytest.mark.parametrize("reg, plan", [("diag:jvp", None), (None, "4xF1-h0-K2-diag:jvp"), (None, "1xF3-h0-K2-diag:jvp"),
-                                       ("idn", None), ("diag:vjp", None), (None, "1xF3-h0-K2")])
+                                       (None, "4xF1-h0-K2-newton"), ("idn", "4xF1-h0-K2-newton"), ("idn", None),
+                                       ("diag:vjp", None), (None, "1xF3-h0-K2")])
 def test_step_flops_of_a_jacobian_pass_equal_a_windowed_attention_count(reg, plan, monkeypatch):
     """Every attention a step runs (the regulariser's solve, an SNLP-forward plan's iterations, DiagN's probe through
-    forward-mode AD or a vjp) charged its window, as a step whose attention computes only its window's scores
-    (windowed_attend, counted by a bare FlopCounterMode) is charged. DiagN's jvp estimator differentiates the masked
-    SDPA op by op: its tangent's matmuls were charged the whole square."""
+    forward-mode AD or a vjp, exact Newton's JVPs) charged its window, as a step whose attention computes only its
+    window's scores (windowed_attend, counted by a bare FlopCounterMode) is charged. DiagN's jvp estimator
+    differentiates the masked SDPA op by op: its tangent's matmuls were charged the whole square; Newton's JVPs are
+    differentiated by the step's backward too, which no hook inside the transform saw."""
     import snlp.method.fusion as fusion
     import snlp.model.gpt as gpt
     from torch.utils.flop_counter import FlopCounterMode
