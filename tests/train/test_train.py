@@ -145,8 +145,13 @@ def test_hooks_steer_the_loop_and_the_last_step_is_validated(corpus, tmp_path):
     assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1", "mfu"}  # mfu: null on a CPU (no known peak)
     # the log says why the run ended: a stop decided between steps gets a row of its own (the last step's record
     # went out before it; a lockstep peer and the speedrun read stops from the log)
+    from snlp.io.checkpoint import load_train_state
+
     stops = [e for e in log(tmp_path / "h") if "stop" in e]
     assert [(e["step"], e["stop"]) for e in stops] == [(2, "peer")] and "loss" not in stops[0]
+    # at the run's clock of its step, as the validation after it and the checkpoint say it (not the decision's wall
+    # time, which the hold before the step adds to)
+    assert stops[0]["elapsed"] == evals[-1]["elapsed"] == load_train_state(Path(r.out))["elapsed"]
     from snlp.apps.speedrun.train import _log_state
 
     assert _log_state(Path(r.out) / "log.jsonl")["stop"] == "peer"
