@@ -787,6 +787,12 @@ def run_decode_suite_cli(args, command: str) -> int:
         if args.csv:  # its first line says it is partial (snlp.runtime.outputs.partial_comment)
             write_csv(args.csv, result.rows, announce=False, partial=what)
 
+    import torch
+
+    from snlp.apps.common import begin_timing
+
+    resolved = cfg.resolved()  # the suite records its own window (its meta's load) and its markdown says a contended one
+    begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)
     for path in paths:

@@ -365,6 +365,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     of the drafter's own adaptation split (flags that contradict it are refused)."""
     import torch
 
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
@@ -392,12 +393,16 @@ def run_drafter_eval(args, model, tok, device) -> int:
     cfg = DrafterEvalConfig(seq_len=seq_len(args, model), max_tokens=args.max_tokens, batch=args.batch,
                             blocks=drafter_blocks(args.blocks), gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
+    threads = [torch.get_num_threads()]
+    window = begin_timing(threads, device)  # its tok/s vs sequential is timed
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
+    window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
+    say_contention(window, threads, device)
     if args.json:
-        write_json(args.json, [r.to_dict() for r in rows])
+        write_json(args.json, [{**r.to_dict(), "load": window.to_json()} for r in rows])
     if args.markdown:
         write_atomic(args.markdown, table + "\n")
     if args.json or args.markdown:

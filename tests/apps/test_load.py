@@ -220,3 +220,19 @@ def test_generate_baseline_says_a_contended_timing_once(machine, ckpt, capsys):
     assert main(["generate", str(path), "--prompt", "First", "--mode", "speculative", "--plan", "2xF1-h0-K1",
                  "--max-new-tokens", "4", "--repeats", "1", "--quiet"]) == 0
     assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 3.50 on 2 cores") == 1
+
+
+def test_the_decode_suite_markdown_says_a_contended_run():
+    from snlp.bench.decode_suite import DecodeSuiteConfig, DecodeSuiteMeta, DecodeSuiteResult, markdown
+
+    def md(load):
+        meta = DecodeSuiteMeta(device="cpu", device_type="cpu", torch="t", cuda=None, transformers="x",
+                               dtype="float32", date="d", command=None, platform="p", threads=1, model="m", n_layer=6,
+                               n_embd=64, prompts="random ids", prompt_len=16, new_tokens=8, load=load)
+        return markdown(DecodeSuiteResult(config=DecodeSuiteConfig(quick=True, warmup=1, rounds=5), meta=meta, rows=[],
+                                           complete=True))
+
+    assert "timings contended: the 1-min load average reached 4.00 on 2 cores" in md(
+        {"start": 1.0, "end": 2.0, "peak": 4.0, "cores": 2})
+    assert "timings contended" not in md({"start": 0.5, "end": 1.2, "peak": 1.2, "cores": 2})
+    assert "timings contended" not in md(None)  # a file written before the suite recorded its load
