@@ -30,16 +30,10 @@ def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> L
     return window
 
 
-def end_timing(window: LoadWindow, threads, device="cpu", what: str = "") -> str | None:
-    """Close `window` and print its contention sentence (snlp.runtime.load.contention_note), prefixed by `what`
-    (e.g. "stage 1: "), where the load was more than the command's own busy threads explain (the most of
-    `threads` on a CPU, the one host thread on a GPU); returns it (None: not contended)."""
-    window.close()
-    return say_contention(window, threads, device, what)
-
-
 def say_contention(window: LoadWindow, threads, device="cpu", what: str = "") -> str | None:
-    """end_timing's sentence for a window already closed."""
+    """Print the contention sentence of a closed `window` (snlp.runtime.load.contention_note), prefixed by `what`
+    (e.g. "stage 1: "), where the load was more than the command's own busy threads explain (own_threads); returns
+    it (None: not contended)."""
     note = window.note(own_threads(threads, device))
     if note:
         print(f"{what}{note}")
