@@ -35,6 +35,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.fixture(autouse=True)
+def idle_load(monkeypatch):
+    """An idle machine's load average in every test: the commands' load lines (snlp.runtime.load: a contended
+    timing's sentence, the oversubscription line) follow the box's real load, which a test's output must not; the
+    tests of those lines set the load they need (tests/apps/test_load.py)."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
+
+
 @pytest.fixture
 def one_thread():
     """Run single-threaded: the tiny models' thousands of small ops only gain contention from intra-op

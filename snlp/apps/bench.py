@@ -393,7 +393,7 @@ def interrupt_hint(args) -> str:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, check_plans_grammar
+    from snlp.apps.common import begin_timing, check_plans_fit, check_plans_grammar, say_contention
     from snlp.bench.forward import benchmark, build_model
     from snlp.bench.records import write_records
     from snlp.method.plan import parse_plans
@@ -446,12 +446,15 @@ def run(args) -> int:
     model = model.to(device=device, dtype=getattr(torch, dtype))
     if args.decode:
         return run_decode(args, model, plans, device, dtype)
+    window = begin_timing([torch.get_num_threads()], device)
     rows = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
                      compile=args.compile, seed=args.seed)
+    window.close()
     cfg = model.config
     print_table(rows, f"L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} T={args.tokens} B={args.batch} "
                       f"{dtype} on {device_label(device)}, median of {args.runs} runs")
-    write_records(rows, args.json, args.csv)
+    say_contention(window, [torch.get_num_threads()], device)
+    write_records(rows, args.json, args.csv, load=window.to_json())
     return 0
 
 
@@ -523,18 +526,22 @@ def batch_sizes(args) -> tuple[int, ...]:
 
 def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...], device, dtype: str) -> int:
     """--decode --batch-sizes: batched sequential vs batched SSD at each batch size (snlp.bench.decode)."""
+    import torch
     from rich.console import Console
     from rich.table import Table
 
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.decode import batch_decode_benchmark
     from snlp.bench.records import write_records
     from snlp.bench.stats import tie_footnote, tie_mark
     from snlp.runtime.device import device_label
 
     sizes = batch_sizes(args)
+    window = begin_timing([torch.get_num_threads()], device)
     rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
                                   args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
                                   min_confidence=args.min_confidence, adaptive=args.adaptive_block)
+    window.close()
     table = Table(title=f"batched greedy decode{' (compiled)' if args.compile else ''}: ragged prompts "
                         f"{args.prompt_len // 2 or 1}-{args.prompt_len} tokens, new={args.new_tokens}, {dtype} on "
                         f"{device_label(device)}, median of {args.runs} runs, tok/s = the batch's aggregate")
@@ -551,11 +558,15 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     if len(rows) > 1:
         print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))
-    write_records(rows, args.json, args.csv)
+    say_contention(window, [torch.get_num_threads()], device)
+    write_records(rows, args.json, args.csv, load=window.to_json())
     return 0
 
 
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
+    import torch
+
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.decode import decode_benchmark
     from snlp.bench.records import write_records
     from snlp.method.sharing import check_shareable
@@ -573,9 +584,11 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     if args.share_weights:
         for plan in plans:
             check_shareable(model, plan.fuse)
+    window = begin_timing([torch.get_num_threads()], device)
     rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
                             args.seed, compile=args.compile, share_weights=args.share_weights,
                             min_confidence=args.min_confidence, adaptive=args.adaptive_block)
+    window.close()
     cfg = model.config
     print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
                              f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "
@@ -585,7 +598,8 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
           f"{seq.bandwidth_gb_s:.2f} GB/s achieved"
           + (f"; compile time (not in any timing): {sum(r.compile_s for r in rows if r.mode != 'speculative'):.1f} s"
              f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
-    write_records(rows, args.json, args.csv)
+    say_contention(window, [torch.get_num_threads()], device)
+    write_records(rows, args.json, args.csv, load=window.to_json())
     return 0
 
 
@@ -660,6 +674,13 @@ def run_suite_cli(args) -> int:
                       threads=args.threads,
                       out=args.out, command=shlex.join(["snlp", *sys.argv[1:]]))
     default_out_writable(args, cfg.out)
+    import torch
+
+    from snlp.apps.common import begin_timing
+
+    # the suite records its own window (its meta's loadavg and cores) and prints its contention note
+    resolved = cfg.resolved()
+    begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
     result = run_suite(cfg)
     print(result.markdown)
     print(f"wrote {result.json_path} and {result.markdown_path}")
@@ -766,6 +787,12 @@ def run_decode_suite_cli(args, command: str) -> int:
         if args.csv:  # its first line says it is partial (snlp.runtime.outputs.partial_comment)
             write_csv(args.csv, result.rows, announce=False, partial=what)
 
+    import torch
+
+    from snlp.apps.common import begin_timing
+
+    resolved = cfg.resolved()  # the suite records its own window (its meta's load) and its markdown says a contended one
+    begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)
     for path in paths:
@@ -799,6 +826,7 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
 def run_ops(args, counts: tuple[int, ...]) -> int:
     import torch
 
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.forward import build_model
     from snlp.bench.ops import op_benchmark
     from snlp.bench.records import write_records
@@ -810,9 +838,12 @@ def run_ops(args, counts: tuple[int, ...]) -> int:
     device = cli_device(args.device)
     dtype = cli_dtype(args.dtype, device)
     model = build_model(model_spec(args)).to(device=device, dtype=getattr(torch, dtype))
+    window = begin_timing([torch.get_num_threads()], device)
     rows = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
+    window.close()
     cfg = model.config
     print_ops_table(rows, f"single-layer ops: layer {rows[0].layer} of L={cfg.n_layer} D={cfg.n_embd} "
                           f"heads={cfg.n_head} B=1 {dtype} on {device_label(device)}, median of {args.runs} runs")
-    write_records(rows, args.json, args.csv)
+    say_contention(window, [torch.get_num_threads()], device)
+    write_records(rows, args.json, args.csv, load=window.to_json())
     return 0

@@ -1,18 +1,53 @@
 """Pieces every command shares: loading a checkpoint's model with the calibration its plans need; the defaults of a
-command's flags, and their spelling, for refusing a flag the run does not read."""
+command's flags, and their spelling, for refusing a flag the run does not read; the load window around a command's
+timings and the lines it prints from it."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
+from snlp.runtime.load import LoadWindow, oversubscription_note
 
 # generate's line (one process or --distributed) for a speculative run whose rounds drafted nothing (one new token:
 # the prefill's), which has no acceptance rate
 NO_DRAFTS = "alpha not measured (nothing was drafted: the prefill gives the first token, drafts start at the second)"
+
+
+def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> LoadWindow:
+    """The load window of a command about to time (snlp.runtime.load.LoadWindow.begin), having said once on stderr,
+    before any timing, where its torch threads (`threads`: the counts it will time with) exceed the cores left free:
+    OpenMP's workers then wait on each other. `remedy`: the command's option that times with one thread (None: it
+    has none). Nothing is refused or changed. On a GPU the threads are not warned of (its host thread launches
+    kernels; the intra-op workers stay idle)."""
+    window = LoadWindow.begin()
+    if _is_cpu(device) and (note := oversubscription_note(max(threads, default=1), window, remedy)):
+        print(f"note: {note}", file=sys.stderr)
+    return window
+
+
+def say_contention(window: LoadWindow, threads, device="cpu", what: str = "") -> str | None:
+    """Print the contention sentence of a closed `window` (snlp.runtime.load.contention_note), prefixed by `what`
+    (e.g. "stage 1: "), where the load was more than the command's own busy threads explain (own_threads); returns
+    it (None: not contended)."""
+    note = window.note(own_threads(threads, device))
+    if note:
+        print(f"{what}{note}")
+    return note
+
+
+def own_threads(threads, device="cpu") -> int:
+    """The threads a timed command keeps busy: the most of the torch thread counts it times with on a CPU; on a GPU
+    one, the host thread that launches kernels."""
+    return max(threads, default=1) if _is_cpu(device) else 1
+
+
+def _is_cpu(device) -> bool:
+    return getattr(device, "type", str(device).split(":")[0]) == "cpu"
 
 
 def plans_preheat(ckpt, model, plans) -> Preheat | None:

@@ -17,6 +17,7 @@ from snlp.bench.records import write_records
 from snlp.dist.costmodel import Prediction
 from snlp.dist.costmodel import Shape as CostShape
 from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
+from snlp.runtime.load import load_averages
 from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, distributed_benchmark,
                                       gather_objects, init_distributed, partition)
 from snlp.dist.load import RankCheckpoint
@@ -316,7 +317,8 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> i
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
                                  args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt)
     if rank == 0:
-        load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+        loads = load_averages()  # /proc/loadavg's strings, as the rows always carried them
+        load = [] if loads is None else [f"{x:.2f}" for x in loads]
         rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())
                 for r in recs]
         for r in rows:

@@ -199,7 +199,7 @@ def record_ties(records) -> dict[str, set[str]]:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat
+    from snlp.apps.common import begin_timing, check_plans_fit, check_plans_grammar, plans_preheat, say_contention
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import markdown_table, print_table, write_csv
     from snlp.eval.protocol import evaluate
@@ -247,13 +247,23 @@ def run(args) -> int:
     print(f"snlp eval: {args.ckpt}: {len(val):,} validation tokens of {data['data']} (val split {data['val_frac']})",
           file=sys.stderr)
     outputs = result_files(args)
-    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat,
-                       on_phase=partial_writer(args) if outputs else None)
+    writer = partial_writer(args) if outputs else None
+    threads = [torch.get_num_threads()]
+    window = begin_timing(threads, device)  # the run's load: the timing comes last, after the metrics' phases
+
+    def on_phase(records, done: str) -> None:
+        window.sample()
+        if writer is not None:
+            writer(records, done)
+
+    records = evaluate(model, val, plans, cfg, tokenizer=tok, preheat=preheat, on_phase=on_phase)
+    window.close()
     c = model.config
     ties = record_ties(records)
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)
+    say_contention(window, threads, device)
     finished: list[str] = []
 
     def done(path: str) -> None:  # a Ctrl-C from here on names the finished files as such, the others as partial
@@ -264,11 +274,12 @@ def run(args) -> int:
         if not rest:
             args.finished = complete_in(finished)
 
+    load = {"load": window.to_json()}  # in every row: the file is a list of records
     if args.json:
-        write_json(args.json, [r.to_dict() for r in records])
+        write_json(args.json, [{**r.to_dict(), **load} for r in records])
         done(args.json)
     if args.csv:
-        write_csv([r.to_dict() for r in records], args.csv)
+        write_csv([{**r.to_dict(), **load} for r in records], args.csv)
         done(args.csv)
     if args.markdown:
         write_atomic(args.markdown, markdown_table(records, ties=ties))
@@ -354,6 +365,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     of the drafter's own adaptation split (flags that contradict it are refused)."""
     import torch
 
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
@@ -381,12 +393,16 @@ def run_drafter_eval(args, model, tok, device) -> int:
     cfg = DrafterEvalConfig(seq_len=seq_len(args, model), max_tokens=args.max_tokens, batch=args.batch,
                             blocks=drafter_blocks(args.blocks), gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
+    threads = [torch.get_num_threads()]
+    window = begin_timing(threads, device)  # its tok/s vs sequential is timed
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
+    window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
+    say_contention(window, threads, device)
     if args.json:
-        write_json(args.json, [r.to_dict() for r in rows])
+        write_json(args.json, [{**r.to_dict(), "load": window.to_json()} for r in rows])
     if args.markdown:
         write_atomic(args.markdown, table + "\n")
     if args.json or args.markdown:

@@ -360,11 +360,17 @@ def argparse_copy(args, **kw):
 
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
+    import torch
+
+    from snlp.apps.common import begin_timing, say_contention
     from snlp.runtime.device import write_json
 
     texts = read_prompts(args.prompts_file, args.prompts_encoding)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
+    timed = args.mode == "speculative" and not args.no_baseline  # the two sides' speeds are compared
+    threads, device = [torch.get_num_threads()], next(model.parameters()).device
+    window = begin_timing(threads, device, remedy=None) if timed else None  # generate has no --threads
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
     total = sum(len(r.tokens) for r in res)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
@@ -395,6 +401,9 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
                      f"--decode for medians), identical: " + \
                      ("n/a (sampled: each side draws its own tokens)" if args.temperature > 0
                       else str(record["matches_sequential"]))
+    if window is not None:  # above the summary, which stays the last line (before --json's)
+        record["load"] = window.close().to_json()
+        say_contention(window, threads, device)
     print(stats)
     if args.json:
         write_json(args.json, record)
@@ -404,7 +413,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, plans_preheat
+    from snlp.apps.common import begin_timing, check_plans_fit, plans_preheat, say_contention
     from snlp.io.checkpoint import load
     from snlp.io.drafter import load_drafter
     from snlp.method.plan import cli_plan
@@ -474,8 +483,13 @@ def run(args) -> int:
 
         alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
         stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
+    window = None
     if res.mode == "speculative" and not args.no_baseline:
+        window = begin_timing([torch.get_num_threads()], device, remedy=None)  # generate has no --threads
         stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
+        record["load"] = window.close().to_json()
+        # above the summary, which stays the last line (before --json's) for whoever reads it
+        say_contention(window, [torch.get_num_threads()], device)
     print(stats)
     if args.json:
         write_json(args.json, record)

@@ -150,12 +150,13 @@ def interrupt_hint(args) -> str:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, plans_preheat
+    from snlp.apps.common import begin_timing, check_plans_fit, own_threads, plans_preheat, say_contention
     from snlp.bench.records import write_json
     from snlp.bench.tune import default_plans, summary, table, tune
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.io.checkpoint import load
     from snlp.runtime.device import cli_device, cli_dtype, device_label
+    from snlp.runtime.load import LoadWindow
 
     cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
     check_plans_fit(args.ckpt, cfg.plans or [])  # its depth from its config, before its weights load
@@ -172,19 +173,37 @@ def run(args) -> int:
     print(f"snlp tune: {args.ckpt}: {len(val):,} validation tokens of {data['data']}; {device_label(device)}",
           file=sys.stderr)
     head = {"checkpoint": str(args.ckpt), "device_label": device_label(device)}
+    threads = [t for t, _ in cfg.settings()]
+    # the load around each stage's timings (snlp.runtime.load): stage 1's step costs predict what stage 2 measures,
+    # so a stage timed under other work is named apart
+    whole = begin_timing(threads, device)
+    stages = {"stage1": LoadWindow(start=whole.start, peak=whole.start, cores=whole.cores)}
+
+    def load() -> dict:
+        return {"load": whole.to_json(), "load_stages": {k: w.to_json() for k, w in stages.items()}}
 
     def stage(stage1: dict, done: str) -> None:  # a run cut short in stage 2 keeps stage 1, marked partial
-        write_json(args.json, {**head, "complete": False, "done": done, **stage1}, announce=False)
-        args.kept = f"{done} in {args.json}, marked partial (\"complete\": false)"
+        stages["stage1"].close()
+        whole.sample()
+        stages["stage2"] = LoadWindow.begin()
+        if args.json:
+            write_json(args.json, {**head, "complete": False, "done": done, **stage1, **load()}, announce=False)
+            args.kept = f"{done} in {args.json}, marked partial (\"complete\": false)"
 
-    result = tune(model, val, cfg, preheat=preheat, on_stage=stage if args.json else None)
+    result = tune(model, val, cfg, preheat=preheat, on_stage=stage)
+    stages["stage2"].close()
+    whole.close()
     for goal in result.picks:
         title = "exact SSD" if goal == "ssd" else f"SNLP decoding, dPPL <= {100 * cfg.max_dppl:.2f} %"
         print(f"\n{goal}: {title} ({'all rows' if args.all_rows else 'measured rows'}; > pick, * shortlist"
               f"{', P Pareto front' if goal == 'snlp' else ''}; pred = stage-1 model, meas = end to end)")
         print("\n".join(table(result, goal, measured_only=not args.all_rows)))
     print(f"\nstage 1 {result.stage1_s:.1f} s, stage 2 {result.stage2_s:.1f} s")
+    contended = [k for k, w in stages.items() if w.note(own_threads(threads, device))]  # one line for both
+    if contended:
+        say_contention(whole if len(contended) == 2 else stages[contended[0]], threads, device,
+                       "stages 1 and 2: " if len(contended) == 2 else f"stage {contended[0][-1]}: ")
     print("\n".join(summary(result)))
     if args.json:
-        write_json(args.json, {**head, "complete": True, **result.to_dict()})
+        write_json(args.json, {**head, "complete": True, **result.to_dict(), **load()})
     return 0

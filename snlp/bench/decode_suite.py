@@ -55,6 +55,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label
+from snlp.runtime.load import LoadWindow
 from snlp.runtime.timing import now, round_order
 
 # the rows' tie rule, a rank test on two rows' rounds (the paired sign test resolves nothing under 6 rounds; the
@@ -241,6 +242,7 @@ class DecodeSuiteMeta:
     # decode steps snlp's sequential / SNLP loops queue per host read on this device (snlp.decode.session.read_every);
     # self-speculative greedy rounds read once per round (one prompt or a batch)
     read_every: int = 1
+    load: dict | None = None  # the run's load window (snlp.runtime.load.LoadWindow.to_json), its end once it is done
 
 
 @dataclass
@@ -725,6 +727,8 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
             n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
             hf_note=hf_note, read_every=read_every(device))
+        window = LoadWindow.begin()  # sampled between batch sizes, outside every timed round
+        meta.load = window.to_json()
         result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
         steps = build_steps(model, plans, cfg.treatments, drafter)
         for B in cfg.batch_sizes:
@@ -738,8 +742,10 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             result.rows = done + run_batch(model, hf, prompts[:N], ref[:N], cfg, plans, steps, early_exit, hf_note,
                                            None if drafter is None else drafter.plan,
                                            partial if progress is not None else None, batch=B)
+            meta.load = window.sample().to_json()
             if progress is not None:
                 progress(result, f"batch {B} done")
+        meta.load = window.close().to_json()
         result.complete = True  # after the loop: a batch size may be listed twice
         return result
     finally:
@@ -768,6 +774,8 @@ def markdown(result: DecodeSuiteResult) -> str:
                   f"how many of its {cfg.rounds} timed rounds had run", ""]
     if m.hf_note:
         lines += [f"transformers rows skipped: {m.hf_note}", ""]
+    if m.load is not None and (note := LoadWindow(**m.load).note(own=m.threads if m.device_type == "cpu" else 1)):
+        lines += [f"**{note}**", ""]
     lines += ["| B | method | treatment | plan | block | tok/s (median [min-max]) | x seq | alpha | exact | = seq | "
               "note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     seqs = {(r.batch, r.treatment): r for r in result.rows if r.method == "snlp sequential" and r.tokens_per_s}

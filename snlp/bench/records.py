@@ -58,8 +58,22 @@ def write_csv(path, records: Iterable[Record], announce: bool = True, partial: s
         print(f"wrote {path}")
 
 
-def write_records(records: list, json_path: str | None = None, csv_path: str | None = None) -> None:
-    """A command's --json / --csv outputs (either may be None: not asked for)."""
+@dataclasses.dataclass
+class _Row:
+    """A record's dict with keys added (write_records' `load`)."""
+
+    row: dict
+
+    def to_dict(self) -> dict:
+        return self.row
+
+
+def write_records(records: list, json_path: str | None = None, csv_path: str | None = None,
+                  load: dict | None = None) -> None:
+    """A command's --json / --csv outputs (either may be None: not asked for). `load`: the load window its timings
+    ran in (snlp.runtime.load.LoadWindow.to_json), added to every row as its `load` (the files are lists of rows)."""
+    if load is not None:
+        records = [_Row({**r.to_dict(), "load": load}) for r in records]
     if json_path:
         write_json(json_path, records)
     if csv_path:

@@ -23,7 +23,6 @@ decode steps takes minutes on a 2-core CPU; tests/decode/test_steps.py checks th
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import sys
 import time
@@ -39,6 +38,7 @@ from snlp.bench.stats import tie_footnote, tie_mark
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label, write_atomic
+from snlp.runtime.load import LoadWindow, load_average, usable_cores
 from snlp.runtime.outputs import partial_line
 
 RANDOM_WEIGHTS = "random weights (timing only)"
@@ -241,6 +241,7 @@ class SuiteMeta:
     batch: int = 1
     loadavg_1min_start: float | None = None  # None where os.getloadavg does not exist
     loadavg_1min_end: float | None = None
+    cores: int | None = None  # the cores the run could use (snlp.runtime.load.usable_cores)
 
     @classmethod
     def now(cls, cfg: SuiteConfig) -> "SuiteMeta":
@@ -249,14 +250,10 @@ class SuiteMeta:
                    cuda=torch.version.cuda, dtype=cfg.dtype,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command=cfg.command, platform=platform.platform(), threads=torch.get_num_threads(),
-                   loadavg_1min_start=_loadavg())
+                   loadavg_1min_start=load_average(), cores=usable_cores())
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _loadavg() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 @dataclass
@@ -327,7 +324,7 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
         del model
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
-    result.meta.loadavg_1min_end = _loadavg()
+    result.meta.loadavg_1min_end = load_average()
     result.complete = True
     _write(result, cfg)
     return result
@@ -411,9 +408,22 @@ def _header(result: SuiteResult) -> list[str]:
     if m.loadavg_1min_start is not None:
         end = float("nan") if m.loadavg_1min_end is None else m.loadavg_1min_end
         lines.append(f"- 1-min load average: {m.loadavg_1min_start:.2f} at start, {end:.2f} at end")
+        if note := suite_load_note(m):
+            lines.append(f"- **{note}**")
     if m.command:
         lines.append(f"- command: `{m.command}`")
     return lines
+
+
+def suite_load_note(m: SuiteMeta) -> str | None:
+    """The contention sentence of a suite's run (snlp.runtime.load.contention_note) from its meta: the higher of
+    its start and end load against its cores and its own torch threads (one on a GPU, whose host thread is the
+    only one busy); None for a file written before the meta recorded its cores."""
+    if m.cores is None or m.loadavg_1min_start is None:
+        return None
+    loads = [x for x in (m.loadavg_1min_start, m.loadavg_1min_end) if x is not None]
+    window = LoadWindow(start=m.loadavg_1min_start, end=m.loadavg_1min_end, peak=max(loads), cores=m.cores)
+    return window.note(own=m.threads if m.device_type == "cpu" else 1)
 
 
 def _speedup_table(shapes: list[Shape], recs: list[SuiteRow], quick: bool = False) -> list[str]:

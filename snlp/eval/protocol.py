@@ -109,11 +109,13 @@ class EvalRecord:
         speedups got separate names carry the layer-step ideal as `ideal_speedup`; records written before
         `ar_match_fused` held a fused plan's agreement with its fused reference in `ar_match` (and its
         reference in `ar_reference`), the agreement with the sequential model in `ar_match_seq` where they
-        have it: read into the fields of one meaning each."""
+        have it: read into the fields of one meaning each; the CLI's `load` key (the run's, not the record's) is
+        dropped."""
         d = dict(d)
         for k in ("ppl", "delta_ppl"):  # a diverged plan's inf, which strict JSON holds as "inf" (json_safe)
             if isinstance(d.get(k), str):
                 d[k] = float(d[k])
+        d.pop("load", None)  # `snlp eval --json`'s rows carry the run's load window (snlp.runtime.load) beside the record
         if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
             d["ideal_layer_speedup"] = d.pop("ideal_speedup")
         if "ar_match_fused" not in d and ("ar_reference" in d or "ar_match_seq" in d):

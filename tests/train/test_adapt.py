@@ -550,6 +550,7 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
                  "--json", str(tmp_path / "batch.json")]) == 0
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert batch["matches_sequential"] and len(batch["results"]) == 3
+    assert set(batch["load"]) == {"start", "end", "peak", "cores"}  # its baseline's window (snlp.runtime.load)
     assert batch["results"][0]["tokens"] == seq["tokens"]
     for bad in (["--val-frac", "0.5"], ["--data", str(tmp_path / "elsewhere.txt")], ["--max-chars", "100"]):
         assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16", *bad]) == 2
@@ -559,6 +560,7 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
                  "--blocks", "2,3", "--json", str(tmp_path / "ev.json"), "--no-progress"]) == 0
     rows = json.loads((tmp_path / "ev.json").read_text())
     assert [r["drafter"] for r in rows] == ["post-hoc", "adapted"]
+    assert all(r["load"]["cores"] >= 1 for r in rows)  # the window its SSD tok/s were timed in
     assert all(s["matches_sequential"] for r in rows for s in r["ssd"]) and len(rows[0]["ssd"]) == 2
     # export: base prefix + adapted suffix as a transformers model; back through transformers it is the drafter
     assert main(["export", str(d), "--out", str(tmp_path / "hf")]) == 0

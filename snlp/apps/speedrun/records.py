@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from snlp.apps.report import fmt_s
 from snlp.runtime.device import write_atomic
+from snlp.runtime.load import load_average
 
 
 def canon(obj):
@@ -49,13 +49,6 @@ def intra_op_threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
-
-
-def load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 @dataclasses.dataclass

@@ -17,8 +17,9 @@ import torch
 
 from snlp.apps.report import cpu_isa, fmt_s
 from snlp.apps.speedrun.preset import REG_LAMBDA
-from snlp.apps.speedrun.records import canon, load_average, read_json, write_json
+from snlp.apps.speedrun.records import canon, read_json, write_json
 from snlp.runtime.device import write_atomic
+from snlp.runtime.load import load_average
 from snlp.train.config import TrainConfig
 from snlp.train.hooks import STOP_SIGNALS, Interrupted
 

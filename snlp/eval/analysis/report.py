@@ -27,6 +27,7 @@ from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
 from snlp.runtime.device import write_atomic
+from snlp.runtime.load import load_average
 from snlp.runtime.outputs import make_folders, partial_line
 
 
@@ -58,10 +59,9 @@ class AnalysisResult:
 
 
 def _loadavg() -> str:
-    try:
-        return open("/proc/loadavg").read().split()[0]
-    except OSError:
-        return "n/a"
+    """The 1-min load average as /proc/loadavg writes it ("0.52"); "n/a" where there is none."""
+    load = load_average()
+    return "n/a" if load is None else f"{load:.2f}"
 
 
 def environment() -> Environment:
