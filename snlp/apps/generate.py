@@ -8,7 +8,6 @@ identical to sequential), jacobi (Jacobi decoding over a block of future tokens,
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -268,8 +267,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
     # disagree in sign (3.5 vs 3.3 tok/s beside 0.74x); the ratios' range holds both (stats.ratio_range), so it is
     # printed beside them
     record["speedup_range"] = [min(rep.round_speedups), max(rep.round_speedups)]
-    s = f"s={rep.drafter_speedup_s:.2f}" if math.isfinite(rep.drafter_speedup_s) else "s not measured (no drafter steps)"
-    ideal = f"{rep.ideal_ssd_speedup:.2f}x" if math.isfinite(rep.ideal_ssd_speedup) else "not measured (no drafts)"
+    s = f"s={rep.drafter_speedup_s:.2f}" if rep.drafter_speedup_s is not None else "s not measured (no drafter steps)"
+    ideal = f"{rep.ideal_ssd_speedup:.2f}x" if rep.ideal_ssd_speedup is not None else "not measured (no drafts)"
     return (f", {s}; timed over {args.repeats} runs of each after a warm-up: "
             f"speculative {record['speculative_tokens_per_s']:.1f} tok/s, sequential "
             f"{record['sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup measured "

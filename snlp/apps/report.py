@@ -1209,7 +1209,7 @@ def probe_steps(pr: dict) -> str:
     return ", ".join(out)
 
 
-def budget_verdict(ctx: dict) -> list[str]:
+def budget_verdict(ctx: dict, table: str = "the stages above show") -> list[str]:
     """Whether this invocation kept its budget, by how much it did not, and, when fewer steps ran than training's
     floor, by how much: from the steps and the pace of the training that ran, not the plan's prediction."""
     minutes = ctx.get("budget_minutes")
@@ -1219,7 +1219,7 @@ def budget_verdict(ctx: dict) -> list[str]:
     out = []
     if wall > budget:
         out.append(f"**Budget exceeded by {fmt_s(wall - budget)}**: this invocation took {fmt_s(wall)} against a budget "
-                   f"of {fmt_s(budget)} (the stages above show which ran over their plan, and which could shrink no "
+                   f"of {fmt_s(budget)} ({table} which ran over their plan, and which could shrink no "
                    f"further).")
     else:
         out.append(f"Budget kept: this invocation took {fmt_s(wall)} of {fmt_s(budget)}.")
@@ -1387,6 +1387,46 @@ def ar_tokens(evals: dict[str, list]) -> str:
     return per_model(got, lambda n: f"{n:,}") if got else "the"
 
 
+def ssd_brief(ssd: dict[str, dict]) -> list[str]:
+    """One line per model with a drafter: its measured SSD speedup at each B (bold where the rounds resolve it from
+    sequential decoding, (tie) where they do not, as in the SSD table) and whether every row's output was the
+    sequential greedy output."""
+    out = []
+    for key, label in MODELS:
+        res = ssd.get(key) or {}
+        rows = [r for r in res.get("rows") or [] if r.get("measured_speedup") is not None]
+        if not res.get("drafter") or not rows:
+            continue
+        same = [r.get("matches_sequential") for r in rows]
+        exact = ("its output token for token the sequential greedy output in every row" if all(same) else
+                 "**its output differs from sequential greedy decoding** at B = "
+                 + ", ".join(str(r["block"]) for r, m in zip(rows, same) if not m))
+        out.append(f"- {label} self-speculative decoding with `{res['drafter']}`: "
+                   + " / ".join(_measured_cell(r) for r in rows) + " the speed of sequential greedy decoding at B = "
+                   + " / ".join(str(r["block"]) for r in rows) + f", {exact}.")
+    return out
+
+
+def _in_brief(ctx: dict) -> list[str]:
+    """What a reader looks for first, each line taken from a section below (which says how it was measured): the
+    paper's effect at this run's steps, the self-speculative speedups, the budget's verdict."""
+    lines = []
+    if effect := paper_effect(ctx):
+        lines.append(f"- Quality: {effect}")
+    lines += ssd_brief(_context(ctx)[5])
+    if verdict := budget_verdict(ctx, "the stage table below shows"):
+        lines.append(f"- {verdict[0].strip()}")
+    if not lines:
+        return []
+    threads = ctx.get("threads") or 0
+    if str(ctx["cfg"].get("device", "cpu")) == "cpu":
+        lines.append("- Every timing is this CPU's" + (f" (timed on {threads} thread{'s' if threads != 1 else ''})" if threads
+                                                       else "") + ", under the load the opening lines report: a "
+                     "batched suffix evaluation computes its layers one after another there (what the speed columns "
+                     "measure, below); GPU measurements: docs/gpu.md.")
+    return ["## In brief\n", "\n".join(lines) + "\n"]
+
+
 def render_report(ctx: dict) -> str:
     """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
     from snlp.eval.present import markdown_table
@@ -1396,7 +1436,7 @@ def render_report(ctx: dict) -> str:
     N, e0 = cfg["reg_n"], evals["noreg"][0]
     stepping = stepping_recorded(trains.values())
     lockstep = trained_in_lockstep(ctx)
-    out = [*_head(ctx), *_setup(ctx),
+    out = [*_head(ctx), *_in_brief(ctx), *_setup(ctx),
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
            f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "

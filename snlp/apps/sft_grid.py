@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from snlp.apps.sft import add_train_arguments, train_config
-from snlp.apps.train import file_hooks
+from snlp.apps.train import file_hooks, read_stop_file
 
 SUMMARY = "Build the paper's SFT x inference table: two SFT runs, each evaluated two ways."
 DESCRIPTION = """\
@@ -63,6 +63,9 @@ class GridResult:
     scoring: str
     rows: list[GridRow] = field(default_factory=list)
     sft_runs: dict = field(default_factory=dict)  # forward -> TrainResult as a dict
+    # the SFT run a --stop-file holding text ("stop") stopped: the grid stops there, unscored (a step number in the
+    # file stops each run at that step instead, and the grid scores both)
+    stopped: str | None = None
 
 
 def run_grid(cfg: GridConfig) -> GridResult:
@@ -87,6 +90,11 @@ def run_grid(cfg: GridConfig) -> GridResult:
             from snlp.train.hooks import Interrupted, signal_number
             raise Interrupted(signal_number(r.signal))
         res.sft_runs[forward] = asdict(r)
+        if r.stopped_by == "stop_file" and read_stop_file(cfg.sft_args.stop_file)[1] is not None:
+            # text ("stop") asks the grid to stop now: the next run would read it before its first step and train
+            # nothing, and the table would score that base model as an SFT run
+            res.stopped = forward
+            return res
         model, tok = load(out)
         per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),
                                    questions[t]) for t in cfg.tasks}
@@ -165,6 +173,13 @@ def run(args) -> int:
     check_grid_stop_file(args)
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
+    if res.stopped is not None:
+        import sys
+
+        print(f"snlp sft-grid: --stop-file {args.stop_file} stopped SFT run sft-{res.stopped} (saved); the grid stops "
+              f"there, unscored: empty the file (or write a step number in it) and {interrupt_hint(args)}",
+              file=sys.stderr)
+        return 0
     md = markdown(res)
     out = Path(args.out)
     (out / "grid.md").write_text(md)

@@ -264,9 +264,15 @@ def read_stop_file(path: str | Path | None) -> tuple[int | None, str | None]:
     if not path:
         return None, None
     try:
-        text = Path(path).read_text(errors="replace").strip()
+        raw = Path(path).read_bytes()
     except OSError:
         return None, None
+    # a byte-order mark is no text of the file's: Windows editors write `500` as UTF-8 with one, PowerShell 5's
+    # `echo 500 > STOP` as UTF-16; read as UTF-8 text either stopped the run at once instead of after step 500
+    utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+    if utf16:  # an odd byte is half a character still being written (caught mid-write): not read yet
+        raw = raw[:len(raw) // 2 * 2]
+    text = raw.decode("utf-16" if utf16 else "utf-8-sig", errors="replace").strip()
     if not text:
         return None, None
     try:

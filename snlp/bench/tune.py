@@ -175,7 +175,8 @@ class Acceptance:
     block: int
     rounds: int
     reach: list[float]
-    alpha: float  # accepted / examined: the i.i.d. per-draft alpha of the paper's formula
+    alpha: float | None  # accepted / examined: the i.i.d. per-draft alpha of the paper's formula (None: nothing
+    # drafted, --accept-tokens 1: the prefill gives the only token)
 
     def tokens_per_round(self, B: int) -> float:
         """1 + E[min(n, B)] = 1 + sum_{i <= B} P(n >= i)."""
@@ -312,7 +313,7 @@ def measure_acceptance(model: GPT, prompts: list[list[int]], plans: list[Plan], 
             R = max(len(counts), 1)
             out[str(plan)] = Acceptance(str(plan), B, len(counts),
                                         [sum(n >= i for n in counts) / R for i in range(1, B + 1)],
-                                        acc / exam if exam else math.nan)
+                                        acc / exam if exam else None)
     return out
 
 

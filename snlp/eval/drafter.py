@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import snlp.io.chat as chat
 import snlp.io.data as D
 
+from snlp.decode.session import check_decode_args, prompt_ids_list
 from snlp.decode.speculative import speculative_benchmark
 from snlp.eval.data import as_tokens, validation_tokens, windows
 from snlp.eval.metrics import logit_sim, perplexity
@@ -259,6 +260,10 @@ def evaluate_drafter(base: GPT, drafter: Drafter, val_tokens, prompts: list[list
         raise ValueError(f"drafter evaluation: {len(prompts)} prompt{'s' * (len(prompts) != 1)} for the SSD rows but no draft "
                          f"block size (DrafterEvalConfig.blocks is empty): give block sizes, or no prompts for quality "
                          f"rows only")
+    # the SSD rows' prompts and decode settings too: they run after every plan's quality rows
+    prompts = [prompt_ids_list(base, p) for p in prompts or []]
+    for b in cfg.blocks if prompts else ():
+        check_decode_args(cfg.gen_tokens, 0.0, b)
     drafter.check(base)
     plans = [drafter.check_plan(p) for p in plans or [drafter.plan]]
     pre = [str(p) for p in plans if p.init == "preheat"]
@@ -291,6 +296,7 @@ def markdown(rows: list[DrafterRecord]) -> str:
         if not r.ssd:
             out.append(head + "| - | - | - | - | - |")
         for s in r.ssd:
-            out.append(head + f"| {s['block']} | {s['alpha']:.3f} | {s['tokens_per_round']:.2f} | "
+            alpha = "–" if s["alpha"] is None else f"{s['alpha']:.3f}"  # None: nothing drafted (one new token)
+            out.append(head + f"| {s['block']} | {alpha} | {s['tokens_per_round']:.2f} | "
                        f"{s['measured_speedup']:.2f}x | {matches(s['matches_sequential'])} |")
     return "\n".join(out)

@@ -65,6 +65,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from snlp.method.fusion import ChunkWeights, chunk_forward, window_fields
+from snlp.model.ops import jvp_flops_tally
 if TYPE_CHECKING:  # annotations only: plan.py imports the surrogates, which import this module
     from snlp.method.plan import Plan
 
@@ -112,7 +113,7 @@ def jvp(f: Callable[[Tensor], Tensor], x: Tensor, t: Tensor) -> Tensor:
     off = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
     with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), off:
         warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
-        return torch.func.jvp(f, (x,), (t,))[1]
+        return jvp_flops_tally(lambda: torch.func.jvp(f, (x,), (t,))[1])
 
 
 def probe_products(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float = 1e-3, fx: Tensor | None = None,

@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -186,7 +188,9 @@ def window_flops_tally():
     (QK^T and PV: 4 x head_dim FLOPs per query and key, per head), and `attend` adds to the yielded one-element list
     what that charges beyond the window, query by query: S - min(window, S) keys, the convention of nanochat's
     estimate_flops (12 x heads x head_dim x min(window, T) per token and layer, forward and backward). Its backward
-    (twice the forward) is added when the gradient really flows through the layer. Eager only; not thread-safe
+    (twice the forward) is added when the gradient really flows through the layer, a forward-mode tangent's
+    matmuls (DiagN's jvp estimator) as the layer computes them, and the backward of a jvp that the step
+    differentiates (exact Newton) by jvp_flops_tally. Eager only; not thread-safe
     (the window kernel it sets is process-wide)."""
     global _window_tally
     prev_kernel, prev, _window_tally = set_window_kernel("masked"), _window_tally, [0]
@@ -197,8 +201,8 @@ def window_flops_tally():
         set_window_kernel(prev_kernel)
 
 
-def _tally_window(q: Tensor, S: int, windows: Tensor | int, y: Tensor) -> None:
-    lead, (Hq, T, hd) = q.shape[:-3], q.shape[-3:]
+def _tally_window(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int, y: Tensor) -> None:
+    lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
     if isinstance(windows, int):
         skipped = (S - min(windows, S)) * math.prod(lead) if windows >= 0 else 0
     else:  # one window per leading index (fused branches): -1 is full
@@ -209,8 +213,41 @@ def _tally_window(q: Tensor, S: int, windows: Tensor | int, y: Tensor) -> None:
         return
     tally = _window_tally
     tally[0] += fwd
+    # forward-mode AD (DiagN's jvp estimator, snlp.method.jacobian.jvp: the math SDPA differentiated op by op)
+    # computes the tangent of each matmul with a dual input over the same square, both of its terms (dQ K^T +
+    # Q dK^T; dP V + P dV, dP dual iff Q or K is), each term as much work as that matmul's forward (half of fwd)
+    tq, tk, tv = (fwAD.unpack_dual(t).tangent is not None for t in (q, k, v))
+    tangent = fwd * ((tq or tk) + (tq or tk or tv))
+    tally[0] += tangent
+    if _jvp_excess is not None:  # inside a jvp the caller's autograd may differentiate: see jvp_flops_tally
+        _jvp_excess[0] += fwd + tangent
     if y.requires_grad:
         y.register_hook(lambda g: tally.__setitem__(0, tally[0] + 2 * fwd))
+
+
+_jvp_excess: list[int] | None = None  # jvp_flops_tally's forward excess of the jvp in progress
+
+
+def jvp_flops_tally(run: Callable[[], Tensor]) -> Tensor:
+    """run() (a torch.func.jvp call, snlp.method.jacobian.jvp) with window_flops_tally's count of the backward that
+    the caller's autograd runs through it: exact Newton (snlp.method.jacobian.newton_delta) differentiates its JVPs,
+    i.e. every matmul of the primal and the tangent over again (twice each), each over the whole masked square,
+    while inside the transform no tensor says it records a gradient (functorch hides the outer autograd), so the
+    tensor hook `attend` puts on a layer's output never fires. Their window excess is charged twice when the
+    gradient reaches the jvp's result instead. Nothing but run() outside an open tally or while compiling."""
+    global _jvp_excess
+    if _window_tally is None or torch.compiler.is_compiling():
+        return run()
+    prev, _jvp_excess = _jvp_excess, [0]
+    try:
+        out = run()
+        excess = _jvp_excess[0]
+    finally:
+        _jvp_excess = prev
+    if excess and out.requires_grad:
+        tally = _window_tally
+        out.register_hook(lambda g: tally.__setitem__(0, tally[0] + 2 * excess))
+    return out
 
 
 def band_block(window: int) -> int:
@@ -426,7 +463,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, windows: Tensor | int = -1, q_start:
         mask = attention_mask(windows if not full else -1, T, S, q_start, lead, q.device, q.dtype, masks)
         y = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=gqa)
         if _window_tally is not None and not full and not torch.compiler.is_compiling():
-            _tally_window(q, S, windows, y)
+            _tally_window(q, k, v, windows, y)
     return y.view(*lead, Hq, T, hd)
 
 

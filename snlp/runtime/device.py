@@ -108,24 +108,55 @@ def set_threads(n: int | None) -> None:
 # a process's memory limit: cgroup v2, then v1 (where a container mounts it, and where the host does)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
                  "/sys/fs/cgroup/memory.limit_in_bytes")
+# where this process's own cgroup is named (one line per hierarchy: "0::/path" v2, "N:memory:/path" v1), and where
+# the hierarchies are mounted
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-def cgroup_memory_limit(paths=CGROUP_LIMITS) -> int | None:
-    """This process's cgroup memory limit in bytes, from the first of `paths` that reads; None where there is none:
-    no file, v2's "max", or v1's "no limit" (the largest page-aligned 63-bit number)."""
-    for path in paths:
+def own_cgroup_files(proc: str | None = None, root: str | None = None) -> list[str]:
+    """The memory limit files of this process's own cgroup and of each cgroup above it (a parent's limit binds its
+    children too), v2 (ROOT/PATH/memory.max) and v1 (ROOT/memory/PATH/memory.limit_in_bytes), from `proc`
+    (/proc/self/cgroup). Outside a cgroup namespace (a host, a service, a job runner's per-process cgroup) the
+    process's cgroup is not the hierarchy's root, which CGROUP_LIMITS read: a limit there was not seen."""
+    proc, root = proc or PROC_CGROUP, Path(root or CGROUP_ROOT)
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            base, name = root, "memory.max"
+        elif "memory" in parts[1].split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        rel = Path(parts[2].strip() or "/")
+        out += [str(base / d.relative_to(d.anchor) / name) for d in (rel, *rel.parents) if d.anchor]
+    return list(dict.fromkeys(out))
+
+
+def cgroup_memory_limit(paths=None) -> int | None:
+    """This process's cgroup memory limit in bytes: the smallest limit any of `paths` holds (default: its own
+    cgroup's files and its ancestors', own_cgroup_files, then CGROUP_LIMITS, a container's mount); None where there
+    is none: no file, v2's "max", or v1's "no limit" (the largest page-aligned 63-bit number)."""
+    limits = []
+    for path in (own_cgroup_files() + list(CGROUP_LIMITS)) if paths is None else paths:
         try:
             text = Path(path).read_text().strip()
         except OSError:
             continue
-        if text == "max":
-            return None
         try:
             limit = int(text)
-        except ValueError:
+        except ValueError:  # v2's "max", or a file that is no limit
             continue
-        return limit if 0 < limit < 2 ** 62 else None
-    return None
+        if 0 < limit < 2 ** 62:
+            limits.append(limit)
+    return min(limits, default=None)
 
 
 def free_memory_bytes(device) -> int | None:

@@ -1,8 +1,9 @@
 """Wall-clock timing done one way for every app: synchronise the device, then perf_counter; several
 callables are timed round-robin (one call of each per round, after a warm-up) so that drift in the
-machine's load hits them all alike, and callers report medians. The order within a round rotates from round
-to round (`round_order`): a call right after another one finds the caches, allocator and clocks as that one
-left them, so a fixed order would read the position's effect as the callable's."""
+machine's load hits them all alike, and callers report medians. The order within a round changes from round
+to round (`round_order`, a Williams design): a call right after another one finds the caches, allocator and clocks
+as that one left them, so a fixed order, or a rotation of one (the same call always before), would read the
+position's effect as the callable's."""
 
 from __future__ import annotations
 
@@ -47,12 +48,22 @@ def between(start, end) -> float:
 
 
 def rotation(slot: int, n: int) -> list[int]:
-    """The order of n callables in the `slot`-th round of a round-robin: a rotation that moves by one every slot,
-    so over S slots each callable runs at each position (first, and right after each other one's position)
-    floor(S / n) or ceil(S / n) times. A round that times several prompts counts a slot per prompt
-    (slot = round x prompts + prompt): a rotation per round only would never put a third case first in two
-    rounds."""
-    return [(slot + i) % n for i in range(n)]
+    """The order of n callables in the `slot`-th round of a round-robin: the rows of a Williams design (a Latin square
+    balanced for the call before; odd n takes its mirror rows too, 2n rows in all), relabelled so that slot 0 is
+    0..n-1. Over S slots each callable runs at each position floor(S / n) or ceil(S / n) times, and over every
+    n (even n) or 2n (odd n) slots right after each other one equally often. A plain rotation (slot + i) % n kept
+    the cyclic order, so a callable always ran right after the same one (or first): with three, the cost the
+    one before left (a cache it evicted) read as a 1.5x gap between two equal callables. A round that times
+    several prompts counts a slot per prompt (slot = round x prompts + prompt)."""
+    if n < 2:
+        return list(range(n))
+    first = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    label = {item: pos for pos, item in enumerate(first)}  # so that row 0 reads 0..n-1
+    k = slot % (n if n % 2 == 0 else 2 * n)
+    row = [(x + k) % n for x in first]
+    if k >= n:  # odd n: the mirror rows
+        row = [(x + k - n) % n for x in first][::-1]
+    return [label[x] for x in row]
 
 
 def round_order(items, slot: int) -> list:

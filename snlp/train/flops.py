@@ -4,7 +4,9 @@
 every matmul the step does is counted (the regulariser's K=1 solve and an SNLP-forward SFT plan included), so the
 number follows whatever the step computes instead of a formula of the architecture. For a nanochat model it comes
 to nanochat's estimate_flops, 6 x (matmul parameters) + 12 x (heads x head_dim) x min(window, T) per token and
-layer (tested), on every device.
+layer (tested), on every device; for an mHC model to that estimate over the stream count S plus the streams'
+mixing matmuls (the paper code's estimate multiplies by S, though its blocks run once per token on the pooled
+streams; tests/bench/test_vs_paper.py).
 
 Attention is counted as MODEL FLOPs (the PaLM convention MFU uses): causal attention counted over the full T x T
 square as nanochat does, a sliding-window layer over T x min(window, T) as nanochat does (whatever kernel the device

@@ -233,9 +233,11 @@ def train_loop(run: Run, state: LoopState) -> None:
         if run.ctx.world == 1:  # before_step may hold the step; under DDP a rank waiting alone would stall the others
             state.stopped_by = wait_for_step(run, state)
             if state.stopped_by is not None:  # a stop between steps (a signal after the last step's check, a stop
-                # file): the last step's record went out without it, so the log says it on its own row
-                write_log(run, {"step": state.step, "elapsed": time.perf_counter() - run.t_start,
-                                "stop": state.stopped_by}, state.mfu)
+                # file): the last step's record went out without it, so the log says it on its own row, at the run's
+                # clock of that step as every row, the checkpoint and the summary say it (not the wall time of the
+                # decision: the hold before_step waited, a lockstep gate's, is no training time)
+                write_log(run, {"step": state.step, "elapsed": run.progress.elapsed, "stop": state.stopped_by},
+                          state.mfu)
                 break
         stats = train_step(run, state)
         state.stopped_by = limit_reason(run, state) or stats.hook_reason  # decided before the step is logged:

@@ -416,5 +416,30 @@ def test_speculative_generation_of_one_token_says_alpha_was_not_measured(ckpt, t
             assert rep["alpha"] is None and rep["drafter_speedup_s"] is None and rep["ideal_ssd_speedup"] is None, rep
 
 
+def test_speculative_generation_of_one_token_writes_no_nan_in_the_baselines_report(ckpt, tmp_path):
+    """The baseline's report (speculative_benchmark's SSDRow) of a one-token run held NaN alpha, s, drafter ms and
+    ideal: --json wrote bare NaN, which is not JSON (a strict parser refuses it). They are None, null in the JSON."""
+    out = tmp_path / "g.json"
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "1", "--json", str(out),
+                 "--mode", "speculative", "--plan", "2xF2-h0-K1", "--block", "3", "--quiet", "--repeats", "1"]) == 0
+
+    def refuse(c):
+        raise ValueError(f"{c} in the JSON")
+    rep = json.loads(out.read_text(), parse_constant=refuse)["report"]
+    assert [rep[k] for k in ("alpha", "drafter_speedup_s", "drafter_ms_per_step", "ideal_ssd_speedup")] == [None] * 4
+    assert rep["tokens_per_round"] == 1.0 and rep["measured_speedup"] > 0
+
+
+def test_drafter_table_of_a_row_that_drafted_nothing_says_a_dash():
+    """snlp.eval.drafter.markdown formatted alpha with :.3f: an SSD row of one new token (alpha None, nothing
+    drafted) crashed the table with a TypeError."""
+    from snlp.eval.drafter import DrafterRecord, markdown
+
+    row = DrafterRecord(plan="2xF2-h0-K1", drafter="post-hoc", ppl=2.0, ppl_base=1.9, top1=0.9, logit_sim=0.99,
+                        top1_ssd=None, tokens=10, ssd=[dict(block=3, alpha=None, tokens_per_round=1.0,
+                                                            measured_speedup=0.8, matches_sequential=True)])
+    assert "| 3 | – | 1.00 | 0.80x |" in markdown([row])
+
+
 def not_json(constant):
     raise AssertionError(f"{constant} in a JSON file: strict parsers (jq, JavaScript, Go) refuse it")

@@ -1738,3 +1738,32 @@ def test_a_floor_the_plan_cut_is_not_called_uncut():
            "noreg 3.52 s, idn 12.01 s)" in text
     assert "idn 12.01 s (the low median of 5 steps, 12.01, 4.06, 12.40, 12.00, 12.01 s" in _budget_line(ctx)
     assert "noreg 3.52 s," in _budget_line(ctx)  # three steps that did not spread: no samples listed
+
+
+def test_the_report_opens_with_what_a_reader_looks_for():
+    """A newcomer opened report.md to lines of setup and a 1,000-word paragraph before any result: the report now
+    opens with the paper's effect at this run's steps, each model's SSD speedups (bold only where the rounds resolve
+    them, (tie) otherwise, as in the SSD table) with whether the output was sequential decoding's, and the budget's
+    verdict, each taken from the section that measured it."""
+    ctx = _report_ctx(budget={"train_s": 510.0, "train_floor_s": 480.0, "probe": {}, "stages": {}})
+    ctx["stages"]["ssd-idn"] = {**ctx["stages"]["ssd-idn"], "result": {
+        **ctx["stages"]["ssd-idn"]["result"], "rows": [
+            {**ctx["stages"]["ssd-idn"]["result"]["rows"][0], "block": 2, "measured_speedup": 1.31,
+             "round_speedups": [1.3, 1.28, 1.32, 1.31, 1.33, 1.29]},
+            {**ctx["stages"]["ssd-idn"]["result"]["rows"][0], "block": 8, "matches_sequential": False}]}}
+    from snlp.apps.report import render_report
+
+    md = render_report(ctx)
+    brief = md.split("## In brief\n")[1].split("## Setup")[0]
+    assert md.index("## In brief") < md.index("## Setup")
+    lines = brief.strip().splitlines()
+    assert lines[0].startswith("- Quality: ") and "12xF1-h0-K1" in lines[0]
+    assert lines[1] == ("- No Reg. self-speculative decoding with `12xF1-h0-K1`: 1.200x (tie) the speed of sequential "
+                        "greedy decoding at B = 4, its output token for token the sequential greedy output in every "
+                        "row.")
+    assert lines[2].startswith("- IDN Reg. self-speculative decoding with `12xF1-h0-K1`: **1.310x** / 1.200x (tie) the "
+                               "speed of sequential greedy decoding at B = 2 / 8, **its output differs from sequential "
+                               "greedy decoding** at B = 8")
+    assert lines[3] == ("- **Budget exceeded by 38s**: this invocation took 20:38 against a budget of 20:00 (the stage "
+                        "table below shows which ran over their plan, and which could shrink no further).")
+    assert "timed on 1 thread" in lines[4]

@@ -104,3 +104,26 @@ def test_a_sigterm_after_tune_wrote_its_finished_json_does_not_say_partial(ckpt,
     assert json.loads(out.read_text())["complete"] is True
     assert line == f"snlp tune: SIGTERM arrived after the run had finished: {out} holds its complete results; " \
                    "nothing to rerun", line
+
+
+def test_tune_of_one_generated_token_prints_and_writes_no_nan(ckpt, tmp_path, capsys):
+    """--gen-tokens 1: the prefill gives the only token, so stage 2's SSD runs draft nothing; their alpha and s were
+    NaN, printed "nan" in the table and written as bare NaN in --json (not JSON). Now "–" and null."""
+    out = tmp_path / "tune.json"
+    args = _args(ckpt, "--json", str(out))
+    args[args.index("--gen-tokens") + 1] = "1"
+    assert main(args) == 0
+    assert "nan" not in capsys.readouterr().out
+
+    def refuse(c):
+        raise ValueError(f"{c} in the JSON")
+    d = json.loads(out.read_text(), parse_constant=refuse)
+    ssd = [c for c in d["candidates"] if c["goal"] == "ssd" and c["measured"]]
+    assert ssd and all(c["alpha"] is None and c["measured_s"] is None and c["tokens_per_round"] == 1.0 for c in ssd)
+    # stage 1's acceptance decodes likewise: --accept-tokens 1 printed "calib alpha nan" and wrote accept_alpha NaN
+    args = _args(ckpt, "--json", str(out))
+    args[args.index("--accept-tokens") + 1] = "1"
+    assert main(args) == 0
+    assert "nan" not in capsys.readouterr().out
+    d = json.loads(out.read_text(), parse_constant=refuse)
+    assert all(a["alpha"] is None for a in d["acceptance"]) and all(c["accept_alpha"] is None for c in d["candidates"])

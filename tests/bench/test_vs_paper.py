@@ -108,3 +108,36 @@ def test_training_flops_equal_the_papers_estimate_flops(pattern, T):
     x, y = torch.randint(0, 512, (2, T), generator=g), torch.randint(0, 512, (2, T), generator=g)
     got = step_flops(TrainStep(ours, RegConfig()), x, y, 0.0, nullcontext) / x.numel()
     assert got == paper.estimate_flops() + 6 * paper.smear_gate.weight.numel()
+
+
+@needs_paper
+def test_training_flops_of_an_mhc_model_are_the_papers_estimate_over_its_streams():
+    """An mHC model: the paper code's estimate_flops multiplies its whole count by the stream count S ("each layer
+    processes S x more samples"), but its width connection pools the S streams into ONE branch input per sublayer,
+    so each block's matmuls run once per token (its own forward + backward under FlopCounterMode is under half its
+    estimate); snlp counts what runs: the estimate over S, the smear gate, and the streams' mixing (H_res, S x S,
+    and H_pre's pooling, S, over the D channels: matmuls, 6 FLOPs per coefficient and channel, per sublayer)."""
+    from contextlib import nullcontext
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from snlp.bench.paper_peer import build_paper_model, snlp_model_from_paper
+    from snlp.train.flops import step_flops
+    from snlp.train.job import TrainStep
+    from snlp.train.regularizer import RegConfig
+
+    S, L, D, T, V = 4, 4, 64, 64, 128
+    code = load_paper_code(PAPER, torch.float32)
+    cfg = code.gpt.GPTConfig(sequence_len=T, vocab_size=V, n_layer=L, n_head=2, n_kv_head=2, n_embd=D,
+                             window_pattern="SSSL", use_mhc=True, mhc_num_streams=S, no_x0_resid=True)
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
+    got = step_flops(TrainStep(ours, RegConfig()), x, y, 0.0, nullcontext) / x.numel()
+    mixing = 2 * L * 6 * (S * S * D + S * D)
+    assert got == paper.estimate_flops() // S + 6 * paper.smear_gate.weight.numel() + mixing
+    with FlopCounterMode(display=False) as counter:
+        paper(x, y).backward()
+    assert counter.get_total_flops() / x.numel() < paper.estimate_flops() / 2

@@ -54,3 +54,26 @@ def test_every_cache_of_a_decode_is_checked_against_the_probe_with_its_batch(mon
     assert KVCache.for_model(model, batch=3, max_len=100).batch == 3
     with pytest.raises(ValueError, match=r"a KV cache of 100 positions x batch 4 needs .* GiB of memory of cpu"):
         KVCache.for_model(model, batch=4, max_len=100)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_the_cgroup_limit_is_read_where_the_process_is_not_only_at_the_hierarchys_root(tmp_path, monkeypatch, v2):
+    """Outside a cgroup namespace /proc/self/cgroup names the process's own cgroup ("4:memory:/jobs/a1"; on this
+    review's box process_api/<id>), and its limit, or a parent's, binds it: only the hierarchy's root files
+    (CGROUP_LIMITS, unlimited there) were read, so a 1 GiB job on a 24 GiB box was checked against the 24 GiB."""
+    root, own = tmp_path / "cg", "/jobs/a1"
+    base = root if v2 else root / "memory"
+    name = "memory.max" if v2 else "memory.limit_in_bytes"
+    for d, text in (("", "max" if v2 else "9223372036854771712"), ("jobs", str(3 * GiB)), ("jobs/a1", f"{GiB}")):
+        (base / d).mkdir(parents=True, exist_ok=True)
+        (base / d / name).write_text(text + "\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text(f"0::{own}\n" if v2 else f"9:name=systemd:/\n4:memory:{own}\n0::/\n")
+    monkeypatch.setattr(D, "PROC_CGROUP", str(proc), raising=False)
+    monkeypatch.setattr(D, "CGROUP_ROOT", str(root), raising=False)
+    monkeypatch.setattr(D, "CGROUP_LIMITS", (str(base / name),))
+    assert D.cgroup_memory_limit() == GiB and D.free_memory_bytes("cpu") == GiB
+    (base / "jobs/a1" / name).write_text("max\n" if v2 else "9223372036854771712\n")  # the parent's limit binds it
+    assert D.cgroup_memory_limit() == 3 * GiB
+    proc.write_text("0::/\n" if v2 else "4:memory:/\n")  # a namespace's root: its files, as before
+    assert D.cgroup_memory_limit() is None

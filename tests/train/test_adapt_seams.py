@@ -289,3 +289,21 @@ def test_drafter_eval_without_block_sizes_runs_quality_rows_and_refuses_prompts_
     monkeypatch.setattr(ED, "quality", lambda *a, **k: pytest.fail("work began before the refusal"))
     with pytest.raises(ValueError, match=r"^drafter evaluation: 1 prompt for the SSD rows but no draft block size"):
         evaluate_drafter(base, d, val, [[1, 2, 3]], None, cfg)
+
+
+@pytest.mark.parametrize("prompts, says", [([[1, 2, 10 ** 6]], r"prompt token ids must lie in \[0, 96\)"),
+                                           ([[]], "prompt must contain at least one token"),
+                                           (["some text"], "prompt is text")])
+def test_drafter_eval_refuses_a_bad_ssd_prompt_before_the_quality_rows(monkeypatch, prompts, says):
+    """The SSD rows' prompts were first read by speculative_benchmark, after every plan's quality rows had run
+    (minutes on a real model): an id outside the vocabulary, an empty or a text prompt failed only then."""
+    import snlp.eval.drafter as ED
+    from snlp.eval.drafter import DrafterEvalConfig, evaluate_drafter
+
+    base = tiny_base()
+    d = make_drafter(base, "2xF1-h0-K1")
+    val = torch.randint(0, 96, (400,), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(ED, "quality", lambda *a, **k: pytest.fail("work began before the refusal"))
+    with pytest.raises(ValueError, match=says):
+        evaluate_drafter(base, d, val, prompts, None, DrafterEvalConfig(seq_len=16, max_tokens=64, batch=2,
+                                                                        blocks=(2,), gen_tokens=4))

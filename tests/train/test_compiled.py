@@ -186,6 +186,82 @@ def test_step_flops_of_a_row_fraction_scale_the_regulariser_by_its_rows(rows):
     assert reg / (B * T) == pytest.approx(plain / (B * T) + extra * r / B, rel=1e-12)
 
 
+def windowed_attend(q, k, v, windows=-1, q_start=0, masks=None):
+    """The outside reference of nanochat's count: attention computed by a loop over the leading indices, each query
+    against exactly min(window, S) gathered keys (S for a full layer), so a FLOP counter charges every matmul of the
+    forward, backward and forward-mode tangent (QK^T, PV) over the window alone (the values are not attention's:
+    the keys before position 0 repeat key 0; only the counts are compared)."""
+    import math
+
+    lead, (Hq, T, hd), S = q.shape[:-3], q.shape[-3:], k.shape[-2]
+    k, v = (t.repeat_interleave(Hq // k.shape[-3], dim=-3) for t in (k, v))
+    n = math.prod(lead)
+    q4, k4, v4 = (t.reshape(n, Hq, t.shape[-2], hd) for t in (q, k, v))
+    ws = [windows] * n if isinstance(windows, int) else torch.broadcast_to(windows.cpu(), lead).reshape(-1).tolist()
+    outs = []
+    for i, w in enumerate(ws):
+        W = S if w < 0 or w >= S else w
+        idx = (torch.arange(T)[:, None] + q_start - torch.arange(W)[None, :]).clamp(0, S - 1)  # (T, W)
+        s = q4[i].unsqueeze(-2) @ k4[i][:, idx].transpose(-1, -2)  # (Hq, T, 1, W)
+        outs.append((s.softmax(-1) @ v4[i][:, idx]).squeeze(-2))
+    return torch.stack(outs).view(*lead, Hq, T, hd)
+
+
+@pytest.mark.parametrize("reg, plan", [("diag:jvp", None), (None, "4xF1-h0-K2-diag:jvp"), (None, "1xF3-h0-K2-diag:jvp"),
+                                       (None, "4xF1-h0-K2-newton"), ("idn", "4xF1-h0-K2-newton"), ("idn", None),
+                                       ("diag:vjp", None), (None, "1xF3-h0-K2")])
+def test_step_flops_of_a_jacobian_pass_equal_a_windowed_attention_count(reg, plan, monkeypatch):
+    """Every attention a step runs (the regulariser's solve, an SNLP-forward plan's iterations, DiagN's probe through
+    forward-mode AD or a vjp, exact Newton's JVPs) charged its window, as a step whose attention computes only its
+    window's scores (windowed_attend, counted by a bare FlopCounterMode) is charged. DiagN's jvp estimator
+    differentiates the masked SDPA op by op: its tangent's matmuls were charged the whole square; Newton's JVPs are
+    differentiated by the step's backward too, which no hook inside the transform saw."""
+    import snlp.method.fusion as fusion
+    import snlp.model.gpt as gpt
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_model(n_layer=4, window_pattern="SSL", short_window=3, sequence_len=16).train()  # fp64, GQA
+    step = TrainStep(model, RegConfig(surrogate=reg, suffixes=(3,)) if reg else RegConfig(),
+                     Plan.parse(plan) if plan else None)
+    x, y = batch(0, V=61)
+    lam = 0.5 if reg else 0.0
+    got = step_flops(step, x, y, lam, nullcontext)
+    for mod in (gpt, fusion):
+        monkeypatch.setattr(mod, "attend", windowed_attend)
+    monkeypatch.setattr(fusion, "uses_band", lambda *a: False)
+    monkeypatch.setattr(fusion, "uses_flex", lambda *a: False)
+    with FlopCounterMode(display=False) as counter:  # no SDPA left to count
+        step(x, y, lam)[0].backward()
+    assert got == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("dual", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1)])
+def test_attention_under_forward_mode_ad_is_charged_its_window(dual):
+    """attend under torch.func.jvp with tangents on some of q, k, v (the math SDPA, as snlp.method.jacobian.jvp runs
+    it), windows per leading index (a fused stack's: short, full, longer than the keys): its count equals the
+    windowed reference's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from snlp.model.ops import attend, window_flops_tally
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(3, 2, h, 12, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1)]  # GQA
+    wins = torch.tensor([5, -1, 20]).view(3, 1)
+
+    def count(fn, tally: bool) -> int:
+        def f(*duals):
+            it = iter(duals)
+            return fn(*[next(it) if d else t for d, t in zip(dual, qkv)], wins)
+
+        primals = tuple(t for d, t in zip(dual, qkv) if d)
+        with sdpa_kernel(SDPBackend.MATH), window_flops_tally() as past, FlopCounterMode(display=False) as counter:
+            torch.func.jvp(f, primals, tuple(torch.ones_like(t) for t in primals))
+        return counter.get_total_flops() - (past[0] if tally else 0)
+
+    assert count(attend, True) == count(windowed_attend, False)
+
+
 def test_mfu_arithmetic_and_peak_table():
     assert mfu(1e9, 4e5, 989e12) == pytest.approx(1e9 * 4e5 / 989e12)
     assert mfu(1e9, 4e5, None) is None and mfu(None, 4e5, 989e12) is None

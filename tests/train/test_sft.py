@@ -5,6 +5,7 @@ tiny model that learns a synthetic MC chat task (SNLP-forward SFT wins under tha
 import importlib
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -450,3 +451,48 @@ def test_sft_chats_are_the_same_only_when_their_conversations_are(tmp_path):
     assert not same_chats(gone, f"mc:{tmp_path / 'other'}")  # one answer differs
     assert not same_chats(gone, f"mc:{tmp_path / 'nothing-here'}")
     assert same_chats({"data": gone["data"]}, f"mc:{tmp_path / 'other'}")  # an older record: nothing to check
+
+
+def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, monkeypatch, capsys):
+    """A --stop-file holding "stop" written during the first SFT run stopped it, then the grid started the second,
+    which read the text before its first step: 0 steps, saved, and the grid scored that base model as the SNLP-forward
+    SFT run, status 0. Text stops the grid there now, unscored, and a rerun resumes the stopped run."""
+    import snlp.apps.sft_grid as G
+
+    qs = synthetic(120, 0)
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for q in qs[:100]:
+            f.write(json.dumps({"messages": [{"role": "user", "content": letter_prompt(q)},
+                                             {"role": "assistant", "content": LETTERS[q.answer]}]}) + "\n")
+    with open(tmp_path / "test.jsonl", "w") as f:
+        for q in qs[100:]:
+            f.write(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.answer}) + "\n")
+    tk = Tokenizer.train([letter_prompt(q) for q in qs[:50]] * 5, 400)
+    m = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
+    m.init_weights(seed=0)
+    save_checkpoint(tmp_path / "base", m, tk)
+    stop, out, plan = tmp_path / "STOP", tmp_path / "grid", "1xF1-h0-K1"
+    hooks = G.file_hooks
+
+    def writing(path):  # the file's text lands after the first run's step 2, as another process would write it
+        h = hooks(path)
+
+        def should_stop(done):
+            if done == 2 and not stop.exists():
+                stop.write_text("stop\n")
+            return h.should_stop(done)
+        return replace(h, should_stop=should_stop)
+    monkeypatch.setattr(G, "file_hooks", writing)
+    cmd = ["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan", plan,
+           "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--stop-file", str(stop), *sft_flags(6),
+           "--batch-size", "4"]
+    assert main(cmd) == 0
+    err = capsys.readouterr().err
+    assert err.count("not a step number: stopping now") == 1, err
+    assert "stopped SFT run sft-sequential (saved); the grid stops there, unscored" in err, err
+    assert torch.load(out / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
+    assert not (out / f"sft-{plan}").exists() and not (out / "grid.json").exists()
+    stop.write_text("")  # emptied: the rerun resumes the stopped run, then trains and scores the other
+    assert main(cmd) == 0
+    g = json.loads((out / "grid.json").read_text())
+    assert {k: v["steps"] for k, v in g["sft_runs"].items()} == {"sequential": 6, plan: 6}

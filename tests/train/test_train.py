@@ -145,8 +145,13 @@ def test_hooks_steer_the_loop_and_the_last_step_is_validated(corpus, tmp_path):
     assert set(evals[-1]) == {"step", "elapsed", "val_loss", "gap_N1", "mfu"}  # mfu: null on a CPU (no known peak)
     # the log says why the run ended: a stop decided between steps gets a row of its own (the last step's record
     # went out before it; a lockstep peer and the speedrun read stops from the log)
+    from snlp.io.checkpoint import load_train_state
+
     stops = [e for e in log(tmp_path / "h") if "stop" in e]
     assert [(e["step"], e["stop"]) for e in stops] == [(2, "peer")] and "loss" not in stops[0]
+    # at the run's clock of its step, as the validation after it and the checkpoint say it (not the decision's wall
+    # time, which the hold before the step adds to)
+    assert stops[0]["elapsed"] == evals[-1]["elapsed"] == load_train_state(Path(r.out))["elapsed"]
     from snlp.apps.speedrun.train import _log_state
 
     assert _log_state(Path(r.out) / "log.jsonl")["stop"] == "peer"
@@ -200,3 +205,21 @@ def test_a_stop_file_holding_text_stops_the_run_and_says_so_once(tmp_path, capsy
                    f"integer N there stops the run after step N)"], err
     stop.write_text(" 7 ")
     assert read_stop_file(stop) == (7, None) and file_hooks(stop).should_stop(6) is None
+
+
+def test_a_stop_file_with_a_byte_order_mark_is_read_as_its_number(tmp_path):
+    """Windows editors save `500` as UTF-8 with a byte-order mark, PowerShell 5's `echo 500 > STOP` as UTF-16: read
+    as UTF-8 text either held no step number, so the run stopped at once (and a file left at the start was refused)
+    instead of after step 500. A UTF-16 file caught mid-write (an odd byte) is not read yet."""
+    from snlp.apps.train import check_stop_file, file_hooks, read_stop_file
+
+    stop = tmp_path / "STOP"
+    for raw in (b"\xef\xbb\xbf500\r\n", "500\r\n".encode("utf-16"), "500".encode("utf-16-be").join([b"\xfe\xff", b""])):
+        stop.write_bytes(raw)
+        assert read_stop_file(stop) == (500, None), raw
+        assert file_hooks(stop).should_stop(499) is None and file_hooks(stop).should_stop(500) == "stop_file"
+        check_stop_file(stop, str(tmp_path / "run"), resume=False)  # not refused: step 500 is ahead
+    for pending, read in ((b"\xef\xbb\xbf", None), (b"\xff\xfe", None), (b"\xff\xfe5", None),
+                          ("50".encode("utf-16") + b"0", 50)):  # the mark alone, or half of the next digit
+        stop.write_bytes(pending)
+        assert read_stop_file(stop) == (read, None) and file_hooks(stop).should_stop(3) is None, pending
