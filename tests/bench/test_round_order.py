@@ -12,7 +12,7 @@ import torch
 from conftest import make_model
 
 from snlp.method.plan import Plan
-from snlp.runtime.timing import time_round_robin
+from snlp.runtime.timing import round_order, time_round_robin
 
 
 def recorders(names, calls: list) -> dict:
@@ -167,7 +167,8 @@ def test_tunes_snlp_stage_rotates_and_pairs_each_round(monkeypatch):
     T.measure_snlp(model, prompts, cands, T.TuneConfig(warmup=warmup, repeats=repeats, gen_tokens=1))
     slots = rounds_of(calls, len(speed))
     assert len(slots) == (warmup + repeats) * len(prompts)
-    assert [s[0] for s in slots] == [[None, *plans][k % 3] for k in range(len(slots))] and balanced(slots, list(speed))
+    assert slots == [round_order([None, *plans], k) for k in range(len(slots))]  # slot = round x prompts + prompt
+    assert balanced(slots, list(speed))
     for c in cands:
         assert c.round_speedups == pytest.approx([speed[c.plan]] * repeats, rel=1e-12), c.round_speedups
 
@@ -261,7 +262,7 @@ def test_distributed_benchmarks_decode_rounds_rotate_and_pair(one_rank, monkeypa
     recs = LP.distributed_benchmark(lambda: model, [Plan.parse("2xF1-h0-K1")], tokens=4, batch=1, warmup=warmup,
                                     runs=runs, seed=0, decode=True, new_tokens=1, blocks=(3,))
     slots = rounds_of([m for m, _ in calls], 3)
-    assert [s[0] for s in slots] == ["sequential", "snlp", "speculative", "sequential", "snlp"]
+    assert slots == [round_order(["sequential", "snlp", "speculative"], i) for i in range(warmup + runs)]
     for rec in (r for r in recs if r["what"] == "decode"):
         paired = [s / m for s, m in zip(rec["sequential_ms_per_token_runs"], rec["ms_per_token_runs"])]
         assert paired == pytest.approx([speed[rec["mode"]]] * runs, rel=1e-12), (rec["mode"], paired)
