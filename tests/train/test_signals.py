@@ -124,8 +124,20 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_to_the_uninterrupted_w
     assert_same_weights(weights(out), weights(tmp_path / "ref"))
 
 
+@pytest.fixture
+def hangup_not_ignored():
+    """SIGHUP at its default for the test: a suite started under nohup passes it ignored, and a run respects an
+    ignored SIGHUP (snlp.train.hooks), so the hangup tests would test nohup instead."""
+    old = signal.getsignal(signal.SIGHUP)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, old)
+
+
 @pytest.mark.parametrize("sig", ["SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"])
-def test_every_stop_signal_saves_and_exits_128_plus_its_number(corpus, tmp_path, capsys, monkeypatch, sig):
+def test_every_stop_signal_saves_and_exits_128_plus_its_number(corpus, tmp_path, capsys, monkeypatch, sig,
+                                                             hangup_not_ignored):
     """SIGHUP (the terminal closed), SIGUSR1 / SIGUSR2 (Slurm's --signal, ahead of the time limit) and Ctrl-C: each is
     a stop and a save like SIGTERM, named in the line, with its own status (a real signal to this process, sent by
     the run's own stop-file hook after step 2)."""
@@ -627,6 +639,7 @@ def test_a_run_whose_terminal_hangs_up_saves_writes_its_summary_and_exits_129(co
     def terminal():  # the run's own session, with the pty as its controlling terminal (the kernel's SIGHUP)
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite run under nohup passes SIGHUP ignored (respected)
 
     p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "snlp", "train", "--out", str(out), "--data",
                           str(corpus), "--cache-dir", str(tmp_path / "c"), *TINY], stdin=slave, stdout=slave,
