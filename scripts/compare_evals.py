@@ -27,7 +27,8 @@ def pct(v: float) -> str:
 
 def diverged(r: dict) -> bool:
     """A plan whose solve turned non-finite: PPL inf and no per-window losses (snlp.eval.protocol.teacher_forced)."""
-    return r.get("note") == "diverged" or not math.isfinite(r["ppl"])
+    ppl = r.get("ppl")
+    return r.get("note") == "diverged" or not isinstance(ppl, (int, float)) or not math.isfinite(ppl)
 
 
 def interval(iv) -> str:
