@@ -9,6 +9,7 @@ Prints markdown: per arm and plan the PPL and ΔPPL against the arm's own sequen
 per plan each arm's ΔPPL against the `--against` arm's (the ratio (1 + ΔPPL_arm) / (1 + ΔPPL_ref) - 1, paired per
 window) and each arm's sequential PPL against the reference arm's. An interval that holds 0 is a tie. A partial file
 (`snlp eval` cut short after its teacher-forced phase: {"complete": false, ...}) is read too, and said to be partial.
+A diverged plan (PPL inf, no per-window losses) is said to be diverged, in its row and in each ratio it enters.
 """
 
 from __future__ import annotations
