@@ -9,6 +9,7 @@ Prints markdown: per arm and plan the PPL and ΔPPL against the arm's own sequen
 per plan each arm's ΔPPL against the `--against` arm's (the ratio (1 + ΔPPL_arm) / (1 + ΔPPL_ref) - 1, paired per
 window) and each arm's sequential PPL against the reference arm's. An interval that holds 0 is a tie. A partial file
 (`snlp eval` cut short after its teacher-forced phase: {"complete": false, ...}) is read too, and said to be partial.
+A diverged plan (PPL inf, no per-window losses) is said to be diverged, in its row and in each ratio it enters.
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 
+import math
+
 from snlp.apps.report import delta_ppl_interval
 
 
 def pct(v: float) -> str:
-    return f"{100 * v:+.2f} %"
+    return f"{100 * v:+.2f} %" if math.isfinite(v) else "diverged"
+
+
+def diverged(r: dict) -> bool:
+    """A plan whose solve turned non-finite: PPL inf and no per-window losses (snlp.eval.protocol.teacher_forced)."""
+    ppl = r.get("ppl")
+    return r.get("note") == "diverged" or not isinstance(ppl, (int, float)) or not math.isfinite(ppl)
 
 
 def interval(iv) -> str:
@@ -58,8 +67,9 @@ def main() -> None:
         missing = [p for p in ["sequential", *plans] if p not in rs]
         if missing:
             ap.error(f"arm {name!r} has no row for {', '.join(missing)}: every arm must score the same plans")
+    # a diverged row has no windows to pair (it was scored on the same ones until its solve turned non-finite)
     shapes = {(len(r.get("window_ce") or []), r.get("seq_len"), r.get("tokens"))
-              for rs in arms.values() for p, r in rs.items() if p in ("sequential", *plans)}
+              for rs in arms.values() for p, r in rs.items() if p in ("sequential", *plans) and not diverged(r)}
     if len(shapes) != 1 or not next(iter(shapes))[0]:
         ap.error(f"the arms were not scored on the same validation windows (windows, window length, tokens: "
                  f"{sorted(shapes, key=str)}): paired intervals need the same windows")
@@ -72,18 +82,22 @@ def main() -> None:
         for p in plans:
             r = rs[p]
             print(f"| {name} | {p} | {r['ppl']:.2f} | {pct(r['delta_ppl'])} | "
-                  f"{interval(delta_ppl_interval(r['window_ce'], seq['window_ce']))} |")
+                  f"{'-' if diverged(r) else interval(delta_ppl_interval(r['window_ce'], seq['window_ce']))} |")
     print(f"\nAgainst `{ref}` (paired per window; ΔPPL ratio = (1 + ΔPPL_arm) / (1 + ΔPPL_{ref}) - 1; "
           f"sequential = PPL_arm / PPL_{ref} - 1):\n")
     print("| arm | " + " | ".join(f"{p}: ΔPPL ratio [95 %]" for p in plans) + " | sequential PPL [95 %] |")
     print("|---|" + "---|" * (len(plans) + 1))
     rs0 = arms[ref]
-    d0 = {p: [x - y for x, y in zip(rs0[p]["window_ce"], rs0["sequential"]["window_ce"])] for p in plans}
+    d0 = {p: [x - y for x, y in zip(rs0[p]["window_ce"], rs0["sequential"]["window_ce"])] for p in plans
+          if not diverged(rs0[p])}
     for name, rs in arms.items():
         if name == ref:
             continue
         cells = []
         for p in plans:
+            if diverged(rs[p]) or p not in d0:  # no ratio to a diverged side: say which side diverged
+                cells.append("diverged" + ("" if diverged(rs[p]) else f" in {ref}"))
+                continue
             d = [x - y for x, y in zip(rs[p]["window_ce"], rs["sequential"]["window_ce"])]
             iv = delta_ppl_interval(d, d0[p])
             ratio = (1 + rs[p]["delta_ppl"]) / (1 + rs0[p]["delta_ppl"]) - 1

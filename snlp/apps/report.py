@@ -1287,7 +1287,11 @@ def paper_effect(ctx: dict) -> str:
     d = {k: ([a - b for a, b in zip(r.window_ce, s.window_ce)] if r.window_ce and s.window_ce else None)
          for k, (r, s) in got.items()}
     order = window_order(d["idn"], d["noreg"])
-    dp = {k: fmt_delta_ppl(r.delta_ppl) for k, (r, _) in got.items()}
+    # each model's own cost with the digits that show it is not zero where its paired-window interval excludes 0
+    # (fmt_delta_ppl's `resolved`, as the main table prints it): "+0.0%" read as no cost at all
+    ivs = {k: delta_ppl_interval(r.window_ce, s.window_ce) for k, (r, s) in got.items()}
+    dp = {k: fmt_delta_ppl(r.delta_ppl, resolved=ivs[k] is not None and not ivs[k][0] <= 0.0 <= ivs[k][1])
+          for k, (r, _) in got.items()}
     gaps = {k: ((ctx.get("stages") or {}).get(f"train-{k}", {}).get("result") or {}).get("gap") for k, _ in MODELS}
     gap = (f"; the regulariser's K = 1 gap at the end of training {gaps['idn']:.4f} (IDN-Reg) against "
            f"{gaps['noreg']:.4f} (No-Reg)" if all(g is not None for g in gaps.values()) else "")

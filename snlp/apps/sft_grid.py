@@ -9,12 +9,12 @@ layout (SFT | Inference | one column per task | Avg.) to DIR/grid.md and DIR/gri
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from snlp.apps.sft import add_train_arguments, train_config
 from snlp.apps.train import file_hooks, read_stop_file
+from snlp.runtime.device import json_text
 
 SUMMARY = "Build the paper's SFT x inference table: two SFT runs, each evaluated two ways."
 DESCRIPTION = """\
@@ -183,7 +183,7 @@ def run(args) -> int:
     md = markdown(res)
     out = Path(args.out)
     (out / "grid.md").write_text(md)
-    (out / "grid.json").write_text(json.dumps(asdict(res), indent=2))
+    (out / "grid.json").write_text(json_text(asdict(res), indent=2))  # strict: a diverged row's Avg. NaN is null
     print(md)
     print(f"wrote {out / 'grid.md'} and {out / 'grid.json'}")
     return 0

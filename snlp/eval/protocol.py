@@ -313,8 +313,22 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
         # EmbSim only where it was computed (--no-emb, no tokenizer or no emb extra: its column stays empty)
         on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim" if embs else
                  "PPL, dPPL, Top-1, LogitSim and AR Match")
-    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
+    # a plan that diverged on the windows is timed where it still decodes the timing prompt (its solve may stay
+    # finite there); where that decode raises too, the round-robin would raise with it and lose every row, so the
+    # plan is left untimed (its speed columns None)
+    timed = [p for p in plans if tf[str(p)].note != "diverged" or _decodes(model, prompts[0], p, cfg, preheat)]
+    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), timed, cfg, preheat)
     return rows(gens, refs, embs, times)
+
+
+def _decodes(model: GPT, prompt: list[int], plan: Plan, cfg: EvalConfig, preheat: Preheat | None) -> bool:
+    """Whether `plan` decodes `prompt` for the timing's cfg.time_tokens tokens without its solve turning NaN/inf
+    (one untimed decode, as time_plans' rounds run it)."""
+    try:
+        snlp_generate(model, prompt, plan, cfg.time_tokens, preheat=preheat_for(plan, preheat))
+    except SNLPDivergenceError:
+        return False
+    return True
 
 
 def paired_median(seq_ms: list[float], plan_ms: list[float]) -> float:
@@ -333,7 +347,7 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
     ar = ar_match(gens[name], gens[SEQ]) if name in gens else None  # None: diverged
     fused = ar_match(gens[name], refs[name]) if name in gens and ref is not None else None
     q = tf[name]
-    speed = {} if times is None else _speed(times[name], times[SEQ])
+    speed = {} if times is None or name not in times else _speed(times[name], times[SEQ])
     return EvalRecord(
         plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
         C=None if plan is None else plan.chunks, M=None if plan is None else plan.fuse,

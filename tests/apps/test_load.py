@@ -6,6 +6,7 @@ fields' types. The load source is monkeypatched (os.getloadavg, the affinity, th
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 
@@ -188,10 +189,14 @@ def test_eval_says_a_contended_timing_and_records_it(machine, ckpt, tmp_path, ca
     assert main(["eval", str(path), "--data", str(data), "--cache-dir", str(cache), "--plans", "2xF1-h0-K1",
                  "--seq-len", "16", "--max-tokens", "32", "--prompts", "1", "--prompt-len", "4", "--gen-tokens", "2",
                  "--warmup", "0", "--runs", "1", "--time-tokens", "2", "--no-emb", "--threads", "1", "--no-progress",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--csv", str(tmp_path / "eval.csv")]) == 0
     assert "timings contended: the 1-min load average reached 4.00" in capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert all(r["load"]["peak"] == 4.0 for r in rows)
+    # the CSV's nested cells are JSON, as bench's CSV writes them (the load cell was a dict's Python repr)
+    cells = list(csv.DictReader((tmp_path / "eval.csv").open()))
+    assert [json.loads(c["load"]) for c in cells] == [r["load"] for r in rows]
+    assert [json.loads(c["window_ce"]) for c in cells] == [r["window_ce"] for r in rows]
     assert EvalRecord.from_dict(rows[1]).plan == "2xF1-h0-K1"  # the run's window is not a record field
 
 

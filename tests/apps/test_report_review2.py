@@ -234,3 +234,21 @@ def test_a_diverged_plan_gets_no_interval_and_the_report_still_renders():
     from snlp.apps.report import frontier_note
 
     assert f"1 diverged (non-finite losses, not drawn: `{recs[1].plan}`)" in frontier_note(ctx["evals"])
+
+
+def test_the_effect_sentence_prints_a_resolved_tiny_cost_with_its_digits():
+    """The In-brief / verdict sentence printed each model's K = 1 cost unresolved: IDN-Reg's +0.0030 %, which its 32
+    paired windows tell from zero (computed here: every window 3e-5 nats worse, +-1e-6), read "+0.0%", no cost at all,
+    while the main table printed the digits (fmt_delta_ppl's `resolved`)."""
+    from snlp.apps.report import paper_effect
+
+    ctx = _short_training_ctx(True)
+    recs = ctx["evals"]["idn"]
+    plan = next(i for i, r in enumerate(recs) if r.plan == "12xF1-h0-K1")
+    w = _windows(SEQ, 0.00003, 0.000001)
+    d = [a - b for a, b in zip(w, SEQ)]
+    assert min(d) > 0  # every window worse: a paired test resolves it whatever its t quantile
+    recs[plan] = dataclasses.replace(recs[plan], window_ce=w, delta_ppl=math.exp(sum(d) / 32) - 1)
+    text = paper_effect(ctx)
+    assert f"costs +{100 * math.expm1(sum(d) / 32):.4f}% PPL for IDN-Reg against +1.2% for No-Reg" in text, text
+    assert "+0.0% PPL for IDN-Reg" not in text

@@ -59,3 +59,26 @@ def test_a_partial_eval_file_is_compared_and_said_to_be_partial(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"rows": rows}))
     out = run(f"a={a}", f"x={tmp_path / 'x.json'}")
     assert out.returncode == 2 and "is not an `snlp eval --json` file" in out.stderr
+
+
+def test_a_diverged_plan_is_compared_as_diverged_not_refused_as_other_windows(tmp_path):
+    """A plan that diverged has PPL inf and no per-window losses (teacher_forced's Quality(inf, None, None,
+    "diverged")); `snlp eval --json` writes it strict ("inf", null) with the run's `load` in every row. The arms were
+    scored on the same windows: the file is compared, the diverged row said diverged (it was refused as 'not scored on
+    the same validation windows', counting the diverged row's 0 windows)."""
+    from snlp.eval.protocol import EvalRecord
+    from snlp.runtime.device import json_text
+
+    seq = [3.0, 3.1, 2.9, 3.2, 3.05, 2.95, 3.15, 3.0]
+    a = arm(tmp_path / "a.json", seq, [x + 0.10 for x in seq])
+    rows = json.loads(Path(a).read_text())
+    rows[1] = EvalRecord(plan="4xF1-h0-K1", ppl=math.inf, note="diverged", delta_ppl=math.inf, seq_len=64,
+                         tokens=512).to_dict()
+    load = {"start": 0.1, "end": 0.2, "peak": 0.2, "cores": 2}
+    (tmp_path / "d.json").write_text(json_text([{**r, "load": load} for r in rows]))
+    for args in ([f"a={a}", f"d={tmp_path / 'd.json'}"], [f"d={tmp_path / 'd.json'}", f"a={a}"]):
+        out = run(*args)
+        assert out.returncode == 0, out.stderr
+        assert "| d | 4xF1-h0-K1 | inf | diverged | - |" in out.stdout
+        assert "| a | 4xF1-h0-K1 | " in out.stdout and "+10.52 %" in out.stdout
+        assert "| diverged" in out.stdout.splitlines()[-1]  # the ratio against a diverged side is not a number

@@ -227,6 +227,27 @@ def test_a_diverging_plan_is_recorded_and_the_rest_evaluated(model, val, monkeyp
     assert "6xF1-h0-K1 (diverged) | 1 | diverged | diverged |" in markdown_table(list(recs.values()))
 
 
+def test_a_plan_that_diverges_in_its_decode_too_is_recorded_untimed_not_a_crash():
+    """A real divergence (conftest.blowup_model: the exact-Jacobian Newton step of a K = 1 plan overflows): the plan
+    diverged on the windows and its decode raises SNLPDivergenceError at the first generated token, so the timing's
+    round-robin raised and evaluate lost every row (`snlp eval` kept only its partial file). It is now recorded
+    (PPL inf, note "diverged") with its speed columns None, and the other plan is timed as before."""
+    from conftest import blowup_model
+
+    from snlp.decode.generate import snlp_generate
+
+    m, plan = blowup_model(61, sequence_len=64), "8xF1-h0-K1-newton"
+    val = torch.randint(0, 61, (600,), generator=torch.Generator().manual_seed(0))
+    cfg = EvalConfig(seq_len=32, max_tokens=128, prompts=1, prompt_len=8, gen_tokens=3, warmup=0, runs=2,
+                     time_tokens=3, emb=False, progress=False)
+    with pytest.raises(SNLPDivergenceError):  # the premise: this plan's decode diverges, not just its windows
+        snlp_generate(m, val[:8].tolist(), plan, 3)
+    recs = _by_plan(evaluate(m, val, ["2xF4-h0-K4", plan], cfg))
+    bad, good = recs[plan], recs["2xF4-h0-K4"]
+    assert bad.note == "diverged" and bad.ppl == math.inf and bad.speedup is None and bad.latency_ms is None
+    assert good.note == "" and len(good.speedup_rounds) == 2 and good.speedup > 0
+
+
 def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
     assert EMB.load_embedder.__wrapped__("cpu") is None

@@ -493,6 +493,9 @@ def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, mo
     assert torch.load(out / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
     assert not (out / f"sft-{plan}").exists() and not (out / "grid.json").exists()
     stop.write_text("")  # emptied: the rerun resumes the stopped run, then trains and scores the other
+    row = G.grid_row  # every row as a diverged record makes it (grid_row: Avg. NaN), which strict JSON holds as null
+    monkeypatch.setattr(G, "grid_row", lambda *a: replace(row(*a), avg=float("nan")))
     assert main(cmd) == 0
-    g = json.loads((out / "grid.json").read_text())
+    g = json.loads((out / "grid.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in grid.json"))
+    assert all(r["avg"] is None for r in g["rows"])
     assert {k: v["steps"] for k, v in g["sft_runs"].items()} == {"sequential": 6, plan: 6}
