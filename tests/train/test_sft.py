@@ -239,22 +239,27 @@ def synthetic(n, seed):
     return out
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sft")
-    qs = synthetic(1000, 0)
+def write_task(d, n: int, n_train: int, n_tok: int, depth: int, width: int):
+    """A synthetic multiple-choice task in `d`: chats.jsonl (n_train SFT chats), test.jsonl (the rest) and a base
+    checkpoint (a tokenizer trained on n_tok prompts, a fresh model of `depth` x `width`)."""
+    qs = synthetic(n, 0)
     with open(d / "chats.jsonl", "w") as f:
-        for q in qs[:800]:
+        for q in qs[:n_train]:
             f.write(json.dumps({"messages": [{"role": "user", "content": letter_prompt(q)},
                                              {"role": "assistant", "content": LETTERS[q.answer]}]}) + "\n")
     with open(d / "test.jsonl", "w") as f:
-        for q in qs[800:]:
+        for q in qs[n_train:]:
             f.write(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.answer}) + "\n")
-    tk = Tokenizer.train([letter_prompt(q) for q in qs[:100]] * 5, 400)
-    m = GPT(GPTConfig.from_depth(4, width=64, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
+    tk = Tokenizer.train([letter_prompt(q) for q in qs[:n_tok]] * 5, 400)
+    m = GPT(GPTConfig.from_depth(depth, width=width, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
     m.init_weights(seed=0)
     save_checkpoint(d / "base", m, tk)
     return d
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return write_task(tmp_path_factory.mktemp("sft"), 1000, 800, 100, 4, 64)
 
 
 SFT_FLAGS = ["--steps", "{steps}", "--batch-size", "16", "--seq-len", "128", "--lr-scale", "1", "--warmdown", "0.3",
@@ -459,18 +464,7 @@ def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, mo
     SFT run, status 0. Text stops the grid there now, unscored, and a rerun resumes the stopped run."""
     import snlp.apps.sft_grid as G
 
-    qs = synthetic(120, 0)
-    with open(tmp_path / "chats.jsonl", "w") as f:
-        for q in qs[:100]:
-            f.write(json.dumps({"messages": [{"role": "user", "content": letter_prompt(q)},
-                                             {"role": "assistant", "content": LETTERS[q.answer]}]}) + "\n")
-    with open(tmp_path / "test.jsonl", "w") as f:
-        for q in qs[100:]:
-            f.write(json.dumps({"question": q.question, "choices": list(q.choices), "answer": q.answer}) + "\n")
-    tk = Tokenizer.train([letter_prompt(q) for q in qs[:50]] * 5, 400)
-    m = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
-    m.init_weights(seed=0)
-    save_checkpoint(tmp_path / "base", m, tk)
+    write_task(tmp_path, 120, 100, 50, 2, 32)
     stop, out, plan = tmp_path / "STOP", tmp_path / "grid", "1xF1-h0-K1"
     hooks = G.file_hooks
 
