@@ -121,11 +121,16 @@ def contention_note(window: LoadWindow, own: float) -> str | None:
             f"noisier than on an idle machine")
 
 
+CALLER = 1.0  # the command's own thread, busy loading the model and data until the timing began: in the average
+
+
 def free_cores(window: LoadWindow) -> int | None:
-    """The cores left free when the window began: cores - load, rounded (None without a load average)."""
+    """The cores left free by other work when the window began: cores - (load - CALLER), rounded (None without a
+    load average). The 1-min average still holds the command's own preparation (a minute of loading data on an
+    idle 2-core box reads 0.95), which would otherwise warn the command about itself."""
     if window.start is None:
         return None
-    return max(0, round(window.cores - window.start))
+    return max(0, round(window.cores - max(0.0, window.start - CALLER)))
 
 
 def oversubscription_note(threads: int, window: LoadWindow, remedy: str | None = "--threads 1") -> str | None:
