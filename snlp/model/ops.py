@@ -5,7 +5,6 @@ attention over a (possibly static, masked) KV window, sliding-window attention t
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from typing import Callable
 
@@ -15,6 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.torch_version import TorchVersion
+
+from snlp.runtime.checks import ENV_CHOICES, env_choice
+
 
 def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     """RMSNorm over the last dim; parameter-free unless a weight is given."""
@@ -136,10 +138,8 @@ def _build_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, le
     return additive_mask(mask, dtype)
 
 
-WINDOW_KERNELS = ("auto", "banded", "masked", "flex")
-_window_kernel = os.environ.get("SNLP_WINDOW_ATTENTION", "auto")
-if _window_kernel not in WINDOW_KERNELS:  # refused at import: a misspelt kernel would otherwise run as "auto"
-    raise ValueError(f"SNLP_WINDOW_ATTENTION must be one of {', '.join(WINDOW_KERNELS)}, got {_window_kernel!r}")
+WINDOW_KERNELS = ENV_CHOICES["SNLP_WINDOW_ATTENTION"][0]
+_window_kernel = env_choice("SNLP_WINDOW_ATTENTION")  # refused at import: a misspelt kernel would run as "auto"
 
 
 def set_window_kernel(kind: str) -> str:
