@@ -11,7 +11,7 @@ from typing import Callable
 from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.runtime.load import LoadWindow, oversubscription_note
+from snlp.runtime.load import LoadWindow, is_cpu, oversubscription_note, own_threads
 
 # generate's line (one process or --distributed) for a speculative run whose rounds drafted nothing (one new token:
 # the prefill's), which has no acceptance rate
@@ -25,7 +25,7 @@ def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> L
     has none). Nothing is refused or changed. On a GPU the threads are not warned of (its host thread launches
     kernels; the intra-op workers stay idle)."""
     window = LoadWindow.begin()
-    if _is_cpu(device) and (note := oversubscription_note(max(threads, default=1), window, remedy)):
+    if is_cpu(device) and (note := oversubscription_note(max(threads, default=1), window, remedy)):
         print(f"note: {note}", file=sys.stderr)
     return window
 
@@ -38,16 +38,6 @@ def say_contention(window: LoadWindow, threads, device="cpu", what: str = "") ->
     if note:
         print(f"{what}{note}")
     return note
-
-
-def own_threads(threads, device="cpu") -> int:
-    """The threads a timed command keeps busy: the most of the torch thread counts it times with on a CPU; on a GPU
-    one, the host thread that launches kernels."""
-    return max(threads, default=1) if _is_cpu(device) else 1
-
-
-def _is_cpu(device) -> bool:
-    return getattr(device, "type", str(device).split(":")[0]) == "cpu"
 
 
 def plans_preheat(ckpt, model, plans) -> Preheat | None:

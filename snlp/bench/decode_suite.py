@@ -55,7 +55,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label
-from snlp.runtime.load import LoadWindow
+from snlp.runtime.load import LoadWindow, own_threads
 from snlp.runtime.timing import now, round_order
 
 # the rows' tie rule, a rank test on two rows' rounds (the paired sign test resolves nothing under 6 rounds; the
@@ -774,7 +774,7 @@ def markdown(result: DecodeSuiteResult) -> str:
                   f"how many of its {cfg.rounds} timed rounds had run", ""]
     if m.hf_note:
         lines += [f"transformers rows skipped: {m.hf_note}", ""]
-    if m.load is not None and (note := LoadWindow(**m.load).note(own=m.threads if m.device_type == "cpu" else 1)):
+    if m.load is not None and (note := LoadWindow(**m.load).note(own_threads([m.threads], m.device_type))):
         lines += [f"**{note}**", ""]
     lines += ["| B | method | treatment | plan | block | tok/s (median [min-max]) | x seq | alpha | exact | = seq | "
               "note |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -38,7 +38,7 @@ from snlp.bench.stats import tie_footnote, tie_mark
 from snlp.method.plan import Plan
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.runtime.device import device_label, write_atomic
-from snlp.runtime.load import LoadWindow, load_average, usable_cores
+from snlp.runtime.load import LoadWindow, load_average, own_threads, usable_cores
 from snlp.runtime.outputs import partial_line
 
 RANDOM_WEIGHTS = "random weights (timing only)"
@@ -423,7 +423,7 @@ def suite_load_note(m: SuiteMeta) -> str | None:
         return None
     loads = [x for x in (m.loadavg_1min_start, m.loadavg_1min_end) if x is not None]
     window = LoadWindow(start=m.loadavg_1min_start, end=m.loadavg_1min_end, peak=max(loads), cores=m.cores)
-    return window.note(own=m.threads if m.device_type == "cpu" else 1)
+    return window.note(own_threads([m.threads], m.device_type))
 
 
 def _speedup_table(shapes: list[Shape], recs: list[SuiteRow], quick: bool = False) -> list[str]:

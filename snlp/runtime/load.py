@@ -106,6 +106,17 @@ class LoadWindow:
         return contention_note(self, own)
 
 
+def own_threads(threads, device="cpu") -> int:
+    """The threads a timed command keeps busy: the most of the torch thread counts it times with on a CPU; on a GPU
+    one, the host thread that launches kernels."""
+    return max(threads, default=1) if is_cpu(device) else 1
+
+
+def is_cpu(device) -> bool:
+    """Whether `device` (a torch.device, or its name / type: "cpu", "cuda:0") is the CPU."""
+    return getattr(device, "type", str(device).split(":")[0]) == "cpu"
+
+
 def contention_note(window: LoadWindow, own: float) -> str | None:
     """One sentence when the timings of `window` were contended: its peak load is more than the cores, and more
     (by SLACK) than what the command's own busy threads or processes (`own`) explain; else None (also where the
