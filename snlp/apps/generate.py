@@ -483,7 +483,6 @@ def run(args) -> int:
 
         alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
         stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
-    window = None
     if res.mode == "speculative" and not args.no_baseline:
         window = begin_timing([torch.get_num_threads()], device, remedy=None)  # generate has no --threads
         stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)

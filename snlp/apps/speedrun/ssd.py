@@ -138,11 +138,12 @@ def ssd_line(rep) -> str:
     verdict, wins, _, _ = paired_verdict(rep.round_speedups)
     said = {"faster": "faster than sequential", "slower": "slower than sequential",
             "tie": "not told from sequential"}[verdict]
-    def f(x, fmt: str) -> str:  # None: nothing drafted (SSDRow), not measured
-        return "not measured" if x is None else format(x, fmt)
+
+    def f(x, fmt: str, unit: str = "") -> str:  # None: nothing drafted (SSDRow), not measured
+        return "not measured" if x is None else format(x, fmt) + unit
 
     return (f"B={rep.block}: alpha {f(rep.alpha, '.3f')}, {rep.tokens_per_round:.2f} tok/round, "
-            f"s {f(rep.drafter_speedup_s, '.2f')}, ideal SSD {f(rep.ideal_ssd_speedup, '.2f')}{'' if rep.ideal_ssd_speedup is None else 'x'}, measured "
+            f"s {f(rep.drafter_speedup_s, '.2f')}, ideal SSD {f(rep.ideal_ssd_speedup, '.2f', 'x')}, measured "
             f"{rep.measured_speedup:.2f}x (medians of {rep.repeats}; {said}: faster in {wins} of "
             f"{len(rep.round_speedups)} paired rounds, a two-sided sign test at 5 %), output "
             f"{matches(rep.matches_sequential, '==', '!=')} sequential")
