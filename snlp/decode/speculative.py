@@ -248,12 +248,12 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
     rows = []
     for i, (plan, b, step) in enumerate(cases):
         med = {k: statistics.median(getattr(x, k) for x in reports[i]) for k in _MEDIAN_FIELDS}
-        a, s = med["alpha"], med["drafter_speedup_s"]
         for k in ("alpha", "drafter_speedup_s", "drafter_ms_per_step"):  # no draft in any round (one new token, the
             if med[k] != med[k]:  # prefill's; or EOS first): not measured, None (null in JSON), never NaN
                 med[k] = None
+        a, s = med["alpha"], med["drafter_speedup_s"]
         rows.append(SSDRow(plan=str(plan), block=b, **med,
-                           ideal_ssd_speedup=ideal_ssd_speedup(a, b, s) if a == a and s == s else None,
+                           ideal_ssd_speedup=None if a is None or s is None else ideal_ssd_speedup(a, b, s),
                            matches_sequential=matches[i] if temperature == 0 else None, repeats=repeats,
                            prompts=len(prompts),
                            gen_tokens=max_new_tokens, compiled=compile, compile_s=own[i], shared_compile_s=shared[0],
