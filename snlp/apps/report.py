@@ -1188,13 +1188,11 @@ def priced_step(pr: dict, priced: float) -> str:
     steps = pr.get("train_steps_s") or {}
     if len(steps) < 2:
         return f"a step at {priced:.2f} s"
-    slow = max(steps, key=steps.get)
+    slow, listed = max(steps, key=steps.get), ", ".join(f"{k} {v:.2f} s" for k, v in steps.items())
     if abs(priced - steps[slow]) <= 1e-9 * max(1.0, priced):
-        return (f"a lockstep step at {priced:.2f} s ({slow}'s, the slower of the models training side by side: "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in steps.items()) + ")")
+        return f"a lockstep step at {priced:.2f} s ({slow}'s, the slower of the models training side by side: {listed})"
     if abs(priced - sum(steps.values())) <= 1e-9 * max(1.0, priced):
-        return f"a step of its models one after another at {priced:.2f} s (" + ", ".join(
-            f"{k} {v:.2f} s" for k, v in steps.items()) + ")"
+        return f"a step of its models one after another at {priced:.2f} s ({listed})"
     return f"a step at {priced:.2f} s"
 
 
