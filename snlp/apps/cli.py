@@ -401,12 +401,9 @@ def new_folders(out) -> list:
     if not isinstance(out, str) or not out:
         return []
     from snlp.io.source import home_path
+    from snlp.runtime.outputs import missing_folders
 
-    folder, missing = home_path(out).absolute(), []
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
+    return missing_folders(home_path(out))
 
 
 def remove_empty(folders) -> None:

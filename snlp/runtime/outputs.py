@@ -22,16 +22,20 @@ from typing import Iterator
 CREATED: set[Path] = set()
 
 
+def missing_folders(path) -> list[Path]:
+    """The folders of `path` (absolute) that do not exist yet, deepest first: what making it would make."""
+    folder, missing = Path(path).absolute(), []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 def make_folders(path) -> Path:
     """mkdir -p `path`, recording each level this call made in CREATED: os.mkdir succeeds for the one process that
     makes a folder, so a folder another process made meanwhile (FileExistsError here) is never counted as ours."""
     path = Path(path).absolute()
-    missing = []
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for folder in reversed(missing):
+    for folder in reversed(missing_folders(path)):
         try:
             os.mkdir(folder)
         except FileExistsError:
