@@ -1767,3 +1767,16 @@ def test_the_report_opens_with_what_a_reader_looks_for():
     assert lines[3] == ("- **Budget exceeded by 38s**: this invocation took 20:38 against a budget of 20:00 (the stage "
                         "table below shows which ran over their plan, and which could shrink no further).")
     assert "timed on 1 thread" in lines[4]
+
+
+def test_ssd_brief_matches_the_ssd_table_match_column():
+    """In brief's output claim restates the SSD table's "= seq" column: a row not compared (None, shown n/a) is no
+    mismatch, and a mismatching row counts though its timing is missing."""
+    from snlp.apps.report import ssd_brief
+    row = dict(block=4, measured_speedup=1.2, round_speedups=[1.1, 1.3, 1.2], matches_sequential=True)
+    brief = ssd_brief({"noreg": {"drafter": "12xF1-h0-K1", "rows": [dict(row, matches_sequential=None)]}})[0]
+    assert "differs" not in brief and "not compared" in brief
+    brief = ssd_brief({"noreg": {"drafter": "12xF1-h0-K1", "rows": [
+        row, dict(row, block=8, measured_speedup=None, matches_sequential=False)]}})[0]
+    assert "differs from sequential greedy decoding** at B = 8" in brief
+    assert "every row" not in brief
