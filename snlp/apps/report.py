@@ -1417,11 +1417,12 @@ def _in_brief(ctx: dict) -> list[str]:
     """What a reader looks for first, each line taken from a section below (which says how it was measured): the
     paper's effect at this run's steps, the self-speculative speedups, the budget's verdict."""
     lines = []
-    if effect := paper_effect(ctx):
+    verdict = " ".join(v.strip() for v in budget_verdict(ctx, "the stage table below shows"))
+    if (effect := paper_effect(ctx)) and effect not in verdict:  # a floor missed: the verdict says it after its steps
         lines.append(f"- Quality: {effect}")
     lines += ssd_brief(_context(ctx)[5])
-    if verdict := budget_verdict(ctx, "the stage table below shows"):
-        lines.append(f"- {verdict[0].strip()}")
+    if verdict:
+        lines.append(f"- {verdict}")
     if not lines:
         return []
     threads = ctx.get("threads") or 0

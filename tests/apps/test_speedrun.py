@@ -1780,3 +1780,14 @@ def test_ssd_brief_matches_the_ssd_table_match_column():
         row, dict(row, block=8, measured_speedup=None, matches_sequential=False)]}})[0]
     assert "differs from sequential greedy decoding** at B = 8" in brief
     assert "every row" not in brief
+
+
+def test_in_brief_says_the_paper_effect_once():
+    """A run short of its training floor: the budget's verdict ends with the paper's effect at its steps, and In brief
+    printed that sentence twice, as its Quality line and again in the verdict."""
+    from snlp.apps.report import paper_effect, render_report
+
+    ctx = _report_ctx(wall=1500.0, steps=60)
+    brief = render_report(ctx).split("## In brief\n")[1].split("## Setup")[0]
+    effect = paper_effect(ctx)
+    assert effect and brief.count(effect) == 1 and "- Quality:" not in brief
