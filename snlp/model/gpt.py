@@ -60,7 +60,7 @@ from torch import Tensor
 from snlp.model.cache import RowPositions
 from snlp.model.config import HC_PRE_INIT, HC_RES_INIT, SMEAR_CHANNELS, GPTConfig
 from snlp.model.hc import HyperConn, hc_maps, hc_sublayer, maps_of
-from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq, round_bf16
+from snlp.model.ops import attend, mlp_act, norm, qk_rope, rope_inv_freq, round_bf16, window_kernel
 
 
 class Attention(nn.Module):
@@ -187,6 +187,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        window_kernel()  # reads SNLP_WINDOW_ATTENTION now (a misspelt value refused), not inside a traced forward
         self.config = cfg = config
         L, D, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
         self.wte = nn.Embedding(V, D)

@@ -139,7 +139,9 @@ def _build_mask(windows: Tensor | int, T: int, S: int, q_start: int | Tensor, le
 
 
 WINDOW_KERNELS = ENV_CHOICES["SNLP_WINDOW_ATTENTION"][0]
-_window_kernel = env_choice("SNLP_WINDOW_ATTENTION")  # refused at import: a misspelt kernel would run as "auto"
+# None until first read: SNLP_WINDOW_ATTENTION is read when a model is built (window_kernel, called by GPT()), not at
+# import, so a misspelt value is a ValueError there (it would otherwise run as "auto") while `import snlp` works
+_window_kernel: str | None = None
 
 
 def set_window_kernel(kind: str) -> str:
@@ -168,13 +170,18 @@ def set_window_kernel(kind: str) -> str:
     global _window_kernel
     if kind not in WINDOW_KERNELS:
         raise ValueError(f"window attention kernel must be one of {', '.join(WINDOW_KERNELS)}, got {kind!r}")
-    prev, _window_kernel = _window_kernel, kind
+    prev, _window_kernel = window_kernel(), kind
     return prev
 
 
 def window_kernel() -> str:
     """The window attention kernel set now (set_window_kernel): traced code reads it as a constant, so a compiled
-    decode step's own check of what its guards protect reads it too (snlp.decode.steps.StepState)."""
+    decode step's own check of what its guards protect reads it too (snlp.decode.steps.StepState). The first call reads
+    SNLP_WINDOW_ATTENTION (a ValueError in one line for a value not in WINDOW_KERNELS); GPT() makes that call, so
+    traced code only reads the global."""
+    global _window_kernel
+    if _window_kernel is None:
+        _window_kernel = env_choice("SNLP_WINDOW_ATTENTION")
     return _window_kernel
 
 
@@ -259,10 +266,11 @@ def band_block(window: int) -> int:
 
 def uses_band(T: int, window: int, device) -> bool:
     """Whether `attend` takes the banded path for a prefill of T tokens with this window (see set_window_kernel)."""
-    if _window_kernel == "masked" or window < 0 or window >= T - 1:
+    kernel = window_kernel()
+    if kernel == "masked" or window < 0 or window >= T - 1:
         return False
     pays = 2 * (window + band_block(window)) <= T  # keys per block vs the causal average T / 2
-    return pays if _window_kernel == "banded" else pays and torch.device(device).type == "cpu"  # auto, flex
+    return pays if kernel == "banded" else pays and torch.device(device).type == "cpu"  # auto, flex
 
 
 def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> bool:
@@ -273,7 +281,8 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     not support backward on CPU"), and never on the CPU before torch 2.13 (CPU_FLEX_THREADS_SAFE). "auto" takes it
     on CUDA for stacks that mix windows in graphs without a backward only (their forward measured faster there, one
     layer measured slower, no backward measured yet; see set_window_kernel for the CPU's measurements)."""
-    if _window_kernel in ("masked", "banded") or not torch.compiler.is_compiling():
+    kernel = window_kernel()
+    if kernel in ("masked", "banded") or not torch.compiler.is_compiling():
         return False
     if all(w < 0 or w >= T - 1 for w in windows):
         return False
@@ -281,7 +290,7 @@ def uses_flex(T: int, windows: tuple[int, ...], device, requires_grad: bool) -> 
     backward = requires_grad and torch.is_grad_enabled()
     if kind == "cpu" and (backward or not CPU_FLEX_THREADS_SAFE):
         return False
-    if _window_kernel == "flex":
+    if kernel == "flex":
         return True
     return kind == "cuda" and len(set(windows)) > 1 and not backward
 

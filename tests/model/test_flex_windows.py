@@ -294,17 +294,23 @@ def test_new_prompt_lengths_do_not_recompile_a_dynamic_flex_graph(kernel, plan):
     assert _has_flex(graphs) and len(graphs) == 1
 
 
-def test_a_misspelt_window_kernel_variable_is_refused_at_import():
-    """SNLP_WINDOW_ATTENTION=flexx used to run as "auto" silently."""
+def test_a_misspelt_window_kernel_variable_is_refused_when_a_model_is_built():
+    """SNLP_WINDOW_ATTENTION=flexx used to run as "auto" silently, then raised at `import snlp.model.ops` (every
+    library import failed, even code that builds no model): it is a one-line ValueError when a model is built."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "SNLP_WINDOW_ATTENTION": "flexx"}
-    r = subprocess.run([sys.executable, "-c", "import snlp.model.ops"], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "SNLP_WINDOW_ATTENTION must be one of auto, banded, masked, flex, got 'flexx'" in r.stderr
+    build = "import snlp; from snlp.model.config import GPTConfig; snlp.GPT(GPTConfig(n_layer=1, n_embd=8, n_head=1, n_kv_head=1, vocab_size=16))"
+    assert subprocess.run([sys.executable, "-c", "import snlp, snlp.model.ops"], env=env).returncode == 0
+    r = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "ValueError: SNLP_WINDOW_ATTENTION must be one of auto, banded, masked, flex, got 'flexx'" in r.stderr
     env["SNLP_WINDOW_ATTENTION"] = "banded"
-    assert subprocess.run([sys.executable, "-c", "import snlp.model.ops"], env=env).returncode == 0
+    r = subprocess.run([sys.executable, "-c", build + "; from snlp.model.ops import window_kernel; print(window_kernel())"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "banded"
 
 
 def test_cpu_flex_is_not_taken_before_torch_2_13(kernel, monkeypatch):
