@@ -385,6 +385,13 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     have = steps(path)
     if not have:
         raise FileNotFoundError(f"{path} holds no nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json)")
+    if step is None:
+        # nanochat's find_last_step takes the newest model_NNNNNN.pt; one without its meta (a save cut short) is not
+        # replaced by an older step unasked
+        last = max(int(m.group(1)) for p in path.iterdir() if (m := MODEL_RE.match(p.name)))
+        if last not in have:
+            raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
+                             f"of its complete steps {have} (step=, --step, or the path of its model_NNNNNN.pt)")
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")

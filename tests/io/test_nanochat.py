@@ -609,3 +609,17 @@ def test_a_model_file_and_another_step_are_refused(tmp_path):
     with pytest.raises(ValueError, match="names step 0, and step 100"):
         load_nanochat(d / "model_000000.pt", step=100)
     assert load_nanochat(d / "model_000000.pt", step=0).config.n_layer == 6
+
+
+def test_a_last_model_file_without_its_meta_is_not_replaced_by_an_older_step(tmp_path):
+    """nanochat's find_last_step takes the newest model_NNNNNN.pt: when its meta is missing (a save cut short) the
+    default load is refused in one line naming the complete steps, not served from an older step; a named step
+    still loads."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    with pytest.raises(ValueError, match=r"model_000100.pt, has no meta_000100.json.*\[0\]") as err:
+        snlp.load(d)
+    assert "\n" not in str(err.value)
+    assert max_err(snlp.load(d / "model_000000.pt")[0], ref("nanochat-L")) <= ATOL
+    assert load_nanochat(d, step=0).config.n_layer == 6
