@@ -127,6 +127,13 @@ def steps(path) -> list[int]:
     return sorted(models & metas)
 
 
+def last_model_step(path) -> int | None:
+    """The step of the newest model_NNNNNN.pt in directory `path` (nanochat's find_last_step), None without one."""
+    path = Path(path)
+    found = [int(m.group(1)) for p in path.iterdir() if (m := MODEL_RE.match(p.name))] if path.is_dir() else []
+    return max(found, default=None)
+
+
 def is_nanochat_dir(path) -> bool:
     """A nanochat checkpoint: a directory (or a model_NNNNNN.pt inside one) with a model/meta pair and no snlp or
     transformers config.json."""
@@ -143,7 +150,7 @@ def nanochat_depth(path) -> int | None:
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         path, step = path.parent, int(m.group(1))
     else:
-        step = (steps(path) or [None])[-1]
+        step = last_model_step(path)  # without its meta: None, as load_nanochat refuses it
     try:
         return int(json.loads((path / f"meta_{step:06d}.json").read_text())["model_config"]["n_layer"])
     except (OSError, ValueError, TypeError, KeyError):
@@ -388,7 +395,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     if step is None:
         # nanochat's find_last_step takes the newest model_NNNNNN.pt; one without its meta (a save cut short) is not
         # replaced by an older step unasked
-        last = max(int(m.group(1)) for p in path.iterdir() if (m := MODEL_RE.match(p.name)))
+        last = last_model_step(path)
         if last not in have:
             raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
                              f"of its complete steps {have} (step=, --step, or the path of its model_NNNNNN.pt)")

@@ -18,6 +18,7 @@ from conftest import argmax_loop
 import snlp
 from snlp import parallel_forward, sequential_generate, snlp_generate, solve, speculative_generate
 from snlp.apps.cli import main as cli_main
+from snlp.io.checkpoint import checkpoint_depth
 from snlp.io.nanochat import VERSIONS, is_nanochat_dir, load_nanochat, nanochat_versions
 from snlp.model.cache import KVCache
 from snlp.train.config import TrainConfig
@@ -621,5 +622,6 @@ def test_a_last_model_file_without_its_meta_is_not_replaced_by_an_older_step(tmp
     with pytest.raises(ValueError, match=r"model_000100.pt, has no meta_000100.json.*\[0\]") as err:
         snlp.load(d)
     assert "\n" not in str(err.value)
+    assert checkpoint_depth(d) is None and checkpoint_depth(d / "model_000000.pt") == 6  # no depth of another step
     assert max_err(snlp.load(d / "model_000000.pt")[0], ref("nanochat-L")) <= ATOL
     assert load_nanochat(d, step=0).config.n_layer == 6
