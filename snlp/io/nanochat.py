@@ -51,8 +51,13 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
     streams, softmax H_pre / H_post and a log-space Sinkhorn (hc_maps="softmax" with its iterations and
     temperature); multi-token-prediction heads (mtp_projs, training only) are dropped;
   - a nanochat-snlp checkpoint without smear / backout tensors loads with those parts off, as nanochat-snlp's loader
-    patches them to zero (upstream's loader refuses such a checkpoint).
-`overrides` (GPTConfig fields) change any of these after the version is placed.
+    patches them to zero (upstream's loader refuses such a checkpoint);
+  - nanochat-snlp's scripts/chat_sft.py writes a model_config of the size fields and window_pattern only: value
+    embeddings stored without gates are its no_ve model; resid / x0 lambdas at its init_weights values (never
+    optimised: no_x0_resid keeps them out of the optimizer) are refused until overrides name x0_residual; mHC
+    tensors are refused (the Sinkhorn settings are not in the files).
+`overrides` (GPTConfig fields) change any of these after the version is placed; window_pattern and sequence_len
+are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused).
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
@@ -76,6 +81,7 @@ FORK_KEYS = {"no_x0_resid", "no_ve", "use_mhc", "mhc_num_streams", "mhc_sinkhorn
              "num_mtp_steps", "mtp_loss_weight"}
 KNOWN_KEYS = {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern"} | FORK_KEYS
 GATE_RE = re.compile(r"transformer\.h\.\d+\.attn\.ve_gate\.weight$")
+HC_RE = re.compile(r"transformer\.h\.\d+\.hc_(attn|mlp)\.")
 # tensors of short-lived upstream experiments whose parts snlp's model does not carry
 EXPERIMENTS = {("value_embed_A.", "value_embed_B.", "value_embed.", "v0_lambdas"):
                "the value-residual experiments of 2026-01-16 (e3f58b8..9a88194)",
@@ -121,6 +127,13 @@ def steps(path) -> list[int]:
     return sorted(models & metas)
 
 
+def last_model_step(path) -> int | None:
+    """The step of the newest model_NNNNNN.pt in directory `path` (nanochat's find_last_step), None without one."""
+    path = Path(path)
+    found = [int(m.group(1)) for p in path.iterdir() if (m := MODEL_RE.match(p.name))] if path.is_dir() else []
+    return max(found, default=None)
+
+
 def is_nanochat_dir(path) -> bool:
     """A nanochat checkpoint: a directory (or a model_NNNNNN.pt inside one) with a model/meta pair and no snlp or
     transformers config.json."""
@@ -137,7 +150,7 @@ def nanochat_depth(path) -> int | None:
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         path, step = path.parent, int(m.group(1))
     else:
-        step = (steps(path) or [None])[-1]
+        step = last_model_step(path)  # without its meta: None, as load_nanochat refuses it
     try:
         return int(json.loads((path / f"meta_{step:06d}.json").read_text())["model_config"]["n_layer"])
     except (OSError, ValueError, TypeError, KeyError):
@@ -281,11 +294,42 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
     bad = sorted(set(over) - set(GPTConfig.__dataclass_fields__))
     if bad:
         raise ValueError(f"overrides name no GPTConfig field: {bad} (or 'version', one of {list(VERSIONS)})")
+    # nanochat derives every layer's window from window_pattern and sequence_len (_compute_window_sizes): overrides
+    # of those two are nanochat's fields, so the windows follow them; GPTConfig's short_window is not read where
+    # layer_windows is set, so overriding it alone could not be honoured
+    nano = {k: over.pop(k) for k in ("window_pattern", "sequence_len") if k in over}
+    if "short_window" in over:
+        raise ValueError("overrides name short_window, which a nanochat checkpoint's windows do not read (nanochat's "
+                         "'S' window follows from sequence_len): override window_pattern / sequence_len, or give "
+                         "every layer's window as layer_windows")
+    if nano and "layer_windows" in over:
+        raise ValueError(f"overrides name layer_windows and {sorted(nano)}, which nanochat turns into other windows: "
+                         f"give one or the other")
+    if "use_mhc" not in mc and any(HC_RE.match(k) for k in sd):
+        raise ValueError(f"{where} holds mHC tensors but its meta's model_config lacks use_mhc and the Sinkhorn "
+                         f"settings (nanochat-snlp's chat_sft writes only the size fields and window_pattern): copy "
+                         f"use_mhc, mhc_num_streams, mhc_sinkhorn_iters, mhc_sinkhorn_tau, no_x0_resid and no_ve "
+                         f"from the model_config of the base checkpoint it was fine-tuned from")
     gate = next((v for k, v in sd.items() if GATE_RE.match(k)), None)
     width = None if gate is None else int(gate.shape[1])
     found = nanochat_versions(sd, mc, width)
     if want is not None and want not in found:
         raise ValueError(f"overrides name version {want!r}, but {where}'s files fit {found} only")
+    if "window_pattern" in nano and not any(VERSIONS[k].short for k in ([want] if want else found)):
+        raise ValueError(f"overrides name window_pattern, but {where} was written by nanochat code without windows "
+                         f"(version {want or found[0]}: every layer full causal)")
+    mc = {**mc, **nano}
+    if found == ["smear"] and "no_ve" not in mc and width is None and any(k.startswith("value_embeds.") for k in sd):
+        # nanochat-snlp stores value_embeds whatever no_ve says but gates only with value embeddings on: stored
+        # embeddings without a gate are its no_ve model (a meta without no_ve: its chat_sft's)
+        mc["no_ve"] = True
+    if (found == ["smear"] and "no_x0_resid" not in mc and "x0_residual" not in over
+            and untrained_lambdas(sd)):
+        raise ValueError(f"{where}'s resid / x0 lambdas hold nanochat-snlp's initial values and its meta lacks "
+                         f"no_x0_resid (nanochat-snlp's chat_sft writes only the size fields and window_pattern): a "
+                         f"model trained with no_x0_resid never updates them, so say which it is, as "
+                         f"overrides={{'x0_residual': False}} (trained with no_x0_resid) or True, or `snlp convert DIR "
+                         f"--out OUT --nanochat-override x0_residual=false`")
     # the versions the overrides name: outright, or by their own constants (all found where the values are others)
     fit = [want] if want else [k for k in found if all(getattr(VERSIONS[k], f) == v for f, v in over.items()
                                                        if f in VERSION_FIELDS)] or found
@@ -308,6 +352,19 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
     return configs[0]
 
 
+def untrained_lambdas(sd: dict) -> bool:
+    """Whether the stored resid / x0 lambdas equal nanochat-snlp's GPT.init_weights values (resid 1.15 - 0.10 i /
+    (L - 1), x0 0.20 - 0.15 i / (L - 1), in their stored dtype): never updated, as with no_x0_resid, which keeps them
+    out of the optimizer (GPT.setup_optimizer) and out of the forward."""
+    r, x = sd.get("resid_lambdas"), sd.get("x0_lambdas")
+    if r is None or x is None or r.ndim != 1 or r.shape != x.shape or not len(r):
+        return False
+    n_layer = len(r)
+    d = max(n_layer - 1, 1)
+    init = torch.tensor([[1.15 - 0.10 * i / d for i in range(n_layer)], [0.20 - 0.15 * i / d for i in range(n_layer)]])
+    return bool(torch.equal(r.cpu(), init[0].to(r.dtype)) and torch.equal(x.cpu(), init[1].to(x.dtype)))
+
+
 def _differs(key: str, among: list[str]) -> str:
     """How version `key` differs from the others in `among`: its values of the VERSIONS fields that differ."""
     v = VERSIONS[key]
@@ -328,10 +385,20 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
-        path, step = path.parent, int(m.group(1)) if step is None else step
+        if step is not None and step != int(m.group(1)):
+            raise ValueError(f"{path} names step {int(m.group(1))}, and step {step} was asked for: give the directory "
+                             f"with the step, or the file alone")
+        path, step = path.parent, int(m.group(1))
     have = steps(path)
     if not have:
         raise FileNotFoundError(f"{path} holds no nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json)")
+    if step is None:
+        # nanochat's find_last_step takes the newest model_NNNNNN.pt; one without its meta (a save cut short) is not
+        # replaced by an older step unasked
+        last = last_model_step(path)
+        if last not in have:
+            raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
+                             f"of its complete steps {have} (step=, --step, or the path of its model_NNNNNN.pt)")
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")

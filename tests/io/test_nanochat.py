@@ -18,6 +18,7 @@ from conftest import argmax_loop
 import snlp
 from snlp import parallel_forward, sequential_generate, snlp_generate, solve, speculative_generate
 from snlp.apps.cli import main as cli_main
+from snlp.io.checkpoint import checkpoint_depth
 from snlp.io.nanochat import VERSIONS, is_nanochat_dir, load_nanochat, nanochat_versions
 from snlp.model.cache import KVCache
 from snlp.train.config import TrainConfig
@@ -536,3 +537,91 @@ def test_a_bf16_model_rotates_by_fp32_frequencies():
     cos16, sin16 = bf.rotary(4, 2000)
     assert cos16.dtype == torch.bfloat16
     assert torch.equal(cos16, cos32.bfloat16()) and torch.equal(sin16, sin32.bfloat16())
+
+
+SFT_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern")
+
+
+@pytest.mark.parametrize("name", ["nanochat-sft", "nanochat-sft-ve"])
+def test_a_chat_sft_checkpoint_of_a_no_x0_model_is_refused_then_loads_as_named(name, tmp_path, capsys):
+    """The paper's scripts/chat_sft.py writes a model_config of the size fields and window_pattern only, dropping
+    no_x0_resid / no_ve / use_mhc: its checkpoint of a no_x0_resid model (the paper's headline models are
+    no_x0_resid + no_ve) still stores resid / x0 lambdas, at their initial values (never optimised). Read with the x0
+    residual it gives logits 1.8 (value embeddings on) and 3.0 (off) away from the code that wrote it, so it is
+    refused in one line naming the override; with x0_residual=False it gives that code's logits, value embeddings
+    read from the files (stored embeddings without gates: no_ve), through snlp.load and `snlp convert`."""
+    r = ref(name)
+    with pytest.raises(ValueError, match="x0_residual") as err:
+        snlp.load(DATA / name)
+    assert "\n" not in str(err.value) and "no_x0_resid" in str(err.value)
+    model, _ = snlp.load(DATA / name, overrides={"x0_residual": False})
+    assert model.config.value_embeds == (name == "nanochat-sft-ve") and not model.config.x0_residual
+    assert max_err(model, r) <= ATOL
+    assert max_err(snlp.load(DATA / name, overrides={"x0_residual": True})[0], r) > 1.0
+    out = tmp_path / "conv"
+    assert cli_main(["convert", str(DATA / name), "--out", str(out)]) == 2
+    assert "x0_residual" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["convert", str(DATA / name), "--out", str(out), "--nanochat-override", "x0_residual=false"]) == 0
+    assert max_err(snlp.load(out)[0], r) <= ATOL
+
+
+def test_a_chat_sft_meta_with_trained_lambdas_loads_and_mhc_without_its_keys_is_refused(tmp_path):
+    """A size-fields-only meta over trained lambdas (the x0 residual on: upstream's chat_sft, or the paper's without
+    no_x0_resid) loads with the logits of the code that wrote the weights; mHC tensors under such a meta are refused
+    in one line (the Sinkhorn settings are not in the files), naming the keys to copy from the base checkpoint."""
+    for name, ok in (("nanochat-sw", True), ("nanochat-mhc", False)):
+        d = tmp_path / name
+        shutil.copytree(DATA / name, d)
+        meta = json.loads((d / "meta_000000.json").read_text())
+        meta["model_config"] = {k: meta["model_config"][k] for k in SFT_KEYS}
+        (d / "meta_000000.json").write_text(json.dumps(meta))
+        if ok:
+            assert max_err(snlp.load(d)[0], ref(name)) <= ATOL
+        else:
+            with pytest.raises(ValueError, match="lacks use_mhc") as err:
+                snlp.load(d)
+            assert "\n" not in str(err.value) and "mhc_sinkhorn_tau" in str(err.value)
+
+
+def test_window_overrides_move_the_windows_as_nanochat_would():
+    """overrides of window_pattern / sequence_len are nanochat's fields: the windows follow them as its
+    _compute_window_sizes sets them (184d4c1's checkpoint with window_pattern "L" gives that code's logits run with
+    "L", reference logits_L); short_window, which nanochat's windows never read, is refused, as is window_pattern on
+    a version without windows, and layer_windows beside them."""
+    model, _ = snlp.load(DATA / "upstream-184d4c1", overrides={"window_pattern": "L"})
+    assert model.config.layer_windows == [128] * model.config.n_layer
+    assert max_err(model, ref("upstream-184d4c1"), "logits_L") <= ATOL
+    longer, _ = snlp.load(DATA / "upstream-184d4c1", overrides={"sequence_len": 256})
+    assert longer.config.layer_windows == [128, 128, 256, 256]  # "SSL" tiled, the last layer L; S = T // 2
+    for over, msg in (({"short_window": 32}, "short_window"), ({"window_pattern": "L", "layer_windows": [8] * 4},
+                                                               "one or the other")):
+        with pytest.raises(ValueError, match=msg):
+            snlp.load(DATA / "upstream-184d4c1", overrides=over)
+    with pytest.raises(ValueError, match="without windows"):
+        snlp.load(DATA / "upstream-2c4473d", overrides={"window_pattern": "SL"})
+
+
+def test_a_model_file_and_another_step_are_refused(tmp_path):
+    """load_nanochat(model_000000.pt, step=N) names two steps: refused in one line, not one of them dropped."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    shutil.copy(d / "meta_000000.json", d / "meta_000100.json")
+    with pytest.raises(ValueError, match="names step 0, and step 100"):
+        load_nanochat(d / "model_000000.pt", step=100)
+    assert load_nanochat(d / "model_000000.pt", step=0).config.n_layer == 6
+
+
+def test_a_last_model_file_without_its_meta_is_not_replaced_by_an_older_step(tmp_path):
+    """nanochat's find_last_step takes the newest model_NNNNNN.pt: when its meta is missing (a save cut short) the
+    default load is refused in one line naming the complete steps, not served from an older step; a named step
+    still loads."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    with pytest.raises(ValueError, match=r"model_000100.pt, has no meta_000100.json.*\[0\]") as err:
+        snlp.load(d)
+    assert "\n" not in str(err.value)
+    assert checkpoint_depth(d) is None and checkpoint_depth(d / "model_000000.pt") == 6  # no depth of another step
+    assert max_err(snlp.load(d / "model_000000.pt")[0], ref("nanochat-L")) <= ATOL
+    assert load_nanochat(d, step=0).config.n_layer == 6

@@ -4,7 +4,9 @@ HCN (nanochat-mhc) solves.
 
 Run once, by hand, with a checkout of the paper's repository (github phymhan/nanochat-snlp, commit 330ce33):
 
-    NANOCHAT_DTYPE=float32 python tests/data/nanochat/make_fixtures.py PATH/TO/nanochat-snlp
+    NANOCHAT_DTYPE=float32 python tests/data/nanochat/make_fixtures.py PATH/TO/nanochat-snlp [NAME ...]
+
+(NAMEs: only those checkpoints.)
 
 It runs in a child process whose sys.path starts with that checkout (its top-level package `snlp` shadows ours
 there, never here); its tokenizer packages are stubbed (no generation is needed). Each checkpoint is written by the
@@ -47,8 +49,20 @@ SPECS = {
     # mHC (static, softmax H_pre / H_post, log-space Sinkhorn with temperature); the paper trains it without x0
     "nanochat-mhc": dict(sequence_len=512, vocab_size=100, n_layer=4, n_head=2, n_kv_head=1, n_embd=32,
                          window_pattern="L", use_mhc=True, mhc_num_streams=4, no_x0_resid=True),
+    # the paper's no_x0_resid + no_ve model as its scripts/chat_sft.py saves it: a model_config of the size fields
+    # and window_pattern only; the lambdas keep init_weights' values (no_x0_resid keeps them out of the optimizer)
+    "nanochat-sft": dict(sequence_len=256, vocab_size=100, n_layer=4, n_head=2, n_kv_head=1, n_embd=32,
+                         window_pattern="L", no_x0_resid=True, no_ve=True),
+    # the same with value embeddings on (no_x0_resid only), 2 layers
+    "nanochat-sft-ve": dict(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                            window_pattern="L", no_x0_resid=True),
 }
+CHAT_SFT = {"nanochat-sft", "nanochat-sft-ve"}
+SFT_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern")
+only = set(sys.argv[3:])
 for name, kw in SPECS.items():
+    if only and name not in only:
+        continue
     torch.manual_seed(sum(map(ord, name)))
     cfg = GPTConfig(**kw)
     model = GPT(cfg)
@@ -58,6 +72,8 @@ for name, kw in SPECS.items():
         for pname, p in model.named_parameters():
             if pname.endswith(("wte.weight",)) or pname.startswith("value_embeds"):
                 p.copy_(torch.randn_like(p))
+            elif pname in ("resid_lambdas", "x0_lambdas") and name in CHAT_SFT:
+                pass
             elif pname == "resid_lambdas":
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif pname == "x0_lambdas":
@@ -77,7 +93,7 @@ for name, kw in SPECS.items():
             p.copy_(p.to(torch.bfloat16).float())
     model.eval()
     g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab_size, (2, 160), generator=g)
+    idx = torch.randint(0, cfg.vocab_size, (2, 40 if name in CHAT_SFT else 160), generator=g)
     ref = {"idx": idx}
     with torch.no_grad():
         ref["logits"] = model(idx)
@@ -91,7 +107,8 @@ for name, kw in SPECS.items():
                 pw = hcn.MHCPrecomputedWeights(model, list(range(S, cfg.n_layer)))
                 ref[f"hcn_S{S}_K{K}"] = hcn.forward_hcn_batched(model, idx, S, pw, K=K)
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    meta = {"step": 0, "model_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+    keys = SFT_KEYS if name in CHAT_SFT else cfg.__dataclass_fields__
+    meta = {"step": 0, "model_config": {k: getattr(cfg, k) for k in keys},
             "user_config": {}, "device_batch_size": 1, "max_seq_len": cfg.sequence_len}
     save_checkpoint(os.path.join(out, name), 0, state, None, meta)
     torch.save(ref, os.path.join(out, name, "reference.pt"))
@@ -100,12 +117,13 @@ for name, kw in SPECS.items():
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         print(__doc__)
         return 2
     paper = Path(sys.argv[1]).resolve()
     env = {**os.environ, "NANOCHAT_DTYPE": "float32", "PYTHONPATH": str(paper)}
-    return subprocess.call([sys.executable, "-c", CHILD, str(paper), str(HERE)], env=env, cwd=str(paper))
+    return subprocess.call([sys.executable, "-c", CHILD, str(paper), str(HERE), *sys.argv[2:]], env=env,
+                           cwd=str(paper))
 
 
 if __name__ == "__main__":
