@@ -190,6 +190,10 @@ def _load_hf(src: str, dtype):
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
         if not (path / "config.json").is_file():
+            from snlp.io.nanochat import missing_metas
+
+            if why := missing_metas(path):
+                raise FileNotFoundError(why)
             raise FileNotFoundError(f"directory {path} has no config.json; expected a transformers model directory "
                                     f"(config.json + *.safetensors)")
         from snlp.io.checkpoint import is_snlp_checkpoint  # (it holds the same two files, with snlp's config)

@@ -143,6 +143,21 @@ def is_nanochat_dir(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and bool(steps(path))
 
 
+def missing_metas(path) -> str | None:
+    """Why directory `path` is no loadable nanochat checkpoint when it holds model_NNNNNN.pt files but none with its
+    meta_NNNNNN.json (a folder copied without them), else None: the loaders that look for other formats would
+    otherwise say it lacks a config.json."""
+    path = Path(path)
+    if not path.is_dir() or steps(path) or (path / "config.json").exists():
+        return None
+    models = sorted(p.name for p in path.iterdir() if MODEL_RE.match(p.name))
+    if not models:
+        return None
+    return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but no "
+            f"meta_NNNNNN.json beside them: copy each step's meta file (nanochat's checkpoint_manager writes it with "
+            f"the model) into {path}")
+
+
 def nanochat_depth(path) -> int | None:
     """n_layer of the step `load_nanochat` loads by default (the last one, or the step a model_NNNNNN.pt names),
     read from its meta_NNNNNN.json alone; None if that file does not say (the load then says why)."""

@@ -625,3 +625,20 @@ def test_a_last_model_file_without_its_meta_is_not_replaced_by_an_older_step(tmp
     assert checkpoint_depth(d) is None and checkpoint_depth(d / "model_000000.pt") == 6  # no depth of another step
     assert max_err(snlp.load(d / "model_000000.pt")[0], ref("nanochat-L")) <= ATOL
     assert load_nanochat(d, step=0).config.n_layer == 6
+
+
+def test_model_files_without_any_meta_are_named_as_such(tmp_path, capsys):
+    """A folder of model_NNNNNN.pt files copied without their meta_NNNNNN.json was refused as a folder lacking a
+    config.json (snlp.load: "not a checkpoint"; snlp convert: "expected a transformers model directory"): every
+    entry says what is missing, in one line."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", d / "model_000000.pt")
+    with pytest.raises(FileNotFoundError, match=r"holds nanochat model files \(model_000000.pt\) but no meta_NNNNNN.json"):
+        snlp.load(d)
+    with pytest.raises(FileNotFoundError, match=r"holds nanochat model files"):
+        snlp.from_hf(str(d))
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds nanochat model files (model_000000.pt) but no meta_NNNNNN.json" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
