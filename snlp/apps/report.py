@@ -734,7 +734,7 @@ def stage_results(stages: dict) -> dict:
     """The stage records as the stages made them, from their strict JSON (snlp.runtime.device.json_safe; on disk, or
     canon'd in memory): every "inf" / "-inf" back to +-inf (a diverged PPL), and null back to NaN in the float fields
     a diverged run leaves NaN (a training's val_loss and K=1 gaps, an early exit's PPL, the validation figures of
-    the off-the-shelf adaptation's records before / after: training log rows, its Top-1s), where null means nothing
+    the off-the-shelf adaptation's records before / after and its SSD alphas), where null means nothing
     else; elsewhere null stays None, which the formatters print as they print NaN ("–"). So a report made from
     records read back says what the one made from the floats said: a diverged row stays diverged."""
     from snlp.runtime.device import json_unsafe
@@ -752,11 +752,13 @@ def stage_results(stages: dict) -> dict:
             res["val_curve"] = [[p[0], _nan(p[1]), _nan(p[2]) if gaps else p[2], *p[3:]] if len(p) >= 3 else p
                                 for p in res.get("val_curve") or []]
         elif name == "off-the-shelf" and isinstance(res.get("adaptation"), dict):
+            a = res["adaptation"]
             for part in ("before", "after"):
-                rec_ = res["adaptation"].get(part)
-                if isinstance(rec_, dict):  # a log.jsonl row (snlp.train.checkpointing.log_record's rule)
-                    res["adaptation"][part] = {k: _nan(v) if k not in ("step", "stop", "mfu") else v
-                                               for k, v in rec_.items()}
+                if isinstance(a.get(part), dict):  # a log.jsonl row (snlp.train.checkpointing.log_record's rule)
+                    a[part] = {k: _nan(v) if k not in ("step", "stop", "mfu") else v for k, v in a[part].items()}
+            for row in (a.get("ssd") or {}).values():  # acceptance alpha: NaN where a drafter drafted nothing
+                if isinstance(row, dict) and "alpha" in row:
+                    row["alpha"] = _nan(row["alpha"])
         elif name == "early-exit" and isinstance(res.get("rows"), dict):
             for rows in res["rows"].values():
                 for r in rows if isinstance(rows, list) else ():

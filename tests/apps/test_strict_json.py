@@ -228,7 +228,9 @@ class _Stage:
 def _diverged_ctx() -> dict:
     """_report_ctx with what a diverged run leaves: the IDN model's `12xF1-h0-K4` diverged (PPL inf, no metric) and
     `1xF12-h0-K1`'s PPL NaN, the IDN training's validation loss and final gap NaN (val curve too), the early exit's
-    PPL inf (No Reg.) and NaN (IDN Reg.), and an SSD row that drafted nothing (alpha NaN)."""
+    PPL inf (No Reg.) and NaN (IDN Reg.), an SSD row that drafted nothing (alpha NaN), and an off-the-shelf stage whose
+    plan diverged and whose drafter adaptation logged NaN / inf validation figures (its post-hoc drafter's alpha
+    NaN)."""
     from snlp.apps.speedrun.evaluate import eval_records
 
     ctx = _report_ctx()
@@ -245,6 +247,20 @@ def _diverged_ctx() -> dict:
     st["early-exit"]["result"]["rows"] = {"noreg": [{"N": 4, "seq_layers": 12, "ppl": math.inf}],
                                           "idn": [{"N": 4, "seq_layers": 12, "ppl": math.nan}]}
     st["ssd-noreg"]["result"]["rows"][0] = {**st["ssd-noreg"]["result"]["rows"][0], "alpha": math.nan}
+    ssd = {"alpha": math.nan, "measured_speedup": math.nan, "matches_sequential": True, "repeats": 3, "prompts": 2,
+           "gen_tokens": 16}
+    adaptation = {"minutes": 0.5, "plan": "8xF1-h0-K1", "steps": 10, "tokens": 5120, "block": 4,
+                  "before": {"step": 0, "val_loss": math.nan, "top1": math.nan, "top1_ssd": 0.25, "mfu": None},
+                  "after": {"step": 10, "val_loss": math.inf, "top1": 0.5, "top1_ssd": math.nan, "mfu": None},
+                  "ssd": {"post-hoc": dict(ssd), "adapted": {**ssd, "alpha": 0.5, "measured_speedup": 1.1}}}
+    st["off-the-shelf"] = dict(st["diagnostics"], result={
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "n_layer": 30, "params": 134_515_008,
+        "records": [_rec("sequential", 9.06, [1.0] * 3, 1.0, 1.0).to_dict(),
+                    {**_rec("8xF1-h0-K1", math.inf, [1.1, 1.2, 1.0], 0.0, 0.0).to_dict(), "note": "diverged",
+                     "delta_ppl": math.inf, "top1": None}],
+        "adaptation": adaptation})
+    ctx["order"] = [*ctx["order"][:-3], "off-the-shelf", *ctx["order"][-3:]]
+    ctx["ran"] = ctx["order"]
     ctx["evals"] = {k: eval_records(_Stage(st[f"eval-{k}"])) for k in ("noreg", "idn")}
     return ctx
 
@@ -276,6 +292,8 @@ def test_the_report_from_records_read_back_says_what_the_floats_said(tmp_path):
     assert "| `12xF1-h0` | 4 | diverged | diverged |" in got  # the main table's row (PPL, ΔPPL)
     assert "| 12xF1-h0-K4 (diverged) | 4 | diverged | diverged |" in got  # the IDN model's own table
     assert "| 4 | 12 | diverged | - |" in got  # the early exit at PPL inf
+    assert "Top-1 agreement with the model nan % -> 50.0 %" in got  # the adaptation's NaN, printed as the float was
+    assert "acceptance alpha nan -> 0.500" in got
 
 
 # ----- one CSV cell rule -----
