@@ -13,7 +13,6 @@ as a transformers model. Library: snlp.train.adapt.adapt(AdaptConfig).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -116,7 +115,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
     from snlp.method.plan import cli_plan
-    from snlp.runtime.device import write_atomic
+    from snlp.runtime.device import json_number
     from snlp.runtime.outputs import locked_output
     from snlp.train.adapt import RUN, AdaptConfig, adapt, check_resume_left_adapt, resumed_adapt
     from snlp.apps.train import finished_despite
@@ -152,15 +151,24 @@ def run(args) -> int:
         return interrupted("adapt", res.out, res.steps, res.signal, ["--out", res.out, *not_inherited(args)])
     if res.rank != 0:  # torchrun: rank 0 reports and writes
         return 0
-    b, a = res.before, res.after
+    b, a = res.before, res.after  # log.jsonl rows (read_log: a NaN Top-1 is NaN again), printed nan
+    pct = lambda rec, k: json_number(rec.get(k, 0))  # noqa: E731
     how = f"from {cfg.from_model}" if cfg.from_model else "adapted"
     print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
-          f"Top-1 {100 * b.get('top1', 0):.1f} -> {100 * a.get('top1', 0):.1f} % (SSD conditions "
-          f"{100 * b.get('top1_ssd', 0):.1f} -> {100 * a.get('top1_ssd', 0):.1f} %) | extra memory "
+          f"Top-1 {100 * pct(b, 'top1'):.1f} -> {100 * pct(a, 'top1'):.1f} % (SSD conditions "
+          f"{100 * pct(b, 'top1_ssd'):.1f} -> {100 * pct(a, 'top1_ssd'):.1f} %) | extra memory "
           f"{res.extra_bytes / 2**20:.1f} MiB")
     if args.json:
-        write_atomic(args.json, json.dumps(res.to_dict(), indent=2))
+        write_result(args.json, res)
     return finished_despite("adapt", res)  # a signal after the last step: the drafter is written, nothing to resume
+
+
+def write_result(path, res) -> None:
+    """--json: the AdaptResult as strict JSON (snlp.runtime.device.json_text: a NaN of its validation records is null,
+    an inf "inf"), written atomically."""
+    from snlp.runtime.device import json_text, write_atomic
+
+    write_atomic(path, json_text(res.to_dict(), indent=2))
 
 
 def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, minutes: float, seed: int = 0,

@@ -11,7 +11,6 @@ snlp.eval.protocol.evaluate (see its docstring); this module only parses flags a
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -415,13 +414,13 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
     from snlp.eval.mc_eval import evaluate_mc
     from snlp.eval.mc_harness import default_scoring
-    from snlp.runtime.device import write_atomic
+    from snlp.runtime.device import json_text, write_atomic
     scoring = args.mc_scoring or default_scoring(args.ckpt)
     cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
                    shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
     def write(result) -> None:  # every method scored so far, marked partial until the last (and at the end)
         if args.json:
-            write_atomic(args.json, json.dumps(result.to_dict(), indent=2))
+            write_atomic(args.json, json_text(result.to_dict(), indent=2))
         if args.markdown:
             write_atomic(args.markdown, markdown(result))
         where = ' and '.join(p for p in (args.json, args.markdown) if p)

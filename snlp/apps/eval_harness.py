@@ -9,7 +9,6 @@ Needs the optional extra: pip install -e ".[harness]" (lm-eval); it is imported 
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -108,7 +107,7 @@ def run(args) -> int:
 
     from snlp.apps.common import plans_preheat
     from snlp.method.plan import parse_plans
-    from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads, write_atomic
+    from snlp.runtime.device import cli_device, cli_dtype, device_label, json_text, set_threads, write_atomic
     from snlp.runtime.outputs import check_output_dir
 
     try:
@@ -185,7 +184,7 @@ def run(args) -> int:
 
         make_folders(out)
         for rec in records:
-            write_atomic(out / method_file(rec.method), json.dumps(rec.harness or rec.to_dict(), indent=2))
+            write_atomic(out / method_file(rec.method), json_text(rec.harness or rec.to_dict(), indent=2))
         done = f"{len(records)} of {len(methods)} methods ({', '.join(r.method for r in records)})"
         table = f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + markdown(records)
         write_atomic(out / "table.md", table)
@@ -193,7 +192,7 @@ def run(args) -> int:
             write_atomic(args.markdown, table)
         if args.json:
             rows = [r.to_dict() for r in records]
-            write_atomic(args.json, json.dumps(rows if complete else {"complete": False, "done": done, "records": rows},
+            write_atomic(args.json, json_text(rows if complete else {"complete": False, "done": done, "records": rows},
                                                indent=2))
         if not complete:
             args.kept = (f"the results of {done} in {out}" + (f" and {args.json}" if args.json else "")

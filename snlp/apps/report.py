@@ -725,6 +725,48 @@ def side_by_side_gap(ctx: dict) -> tuple[str, str, float] | None:
     return (first, last, b - a) if b - a >= 1 else None
 
 
+def _nan(v):
+    """A float field's value read back from strict JSON: null (what a NaN was written as) -> NaN."""
+    return math.nan if v is None else v
+
+
+def stage_results(stages: dict) -> dict:
+    """The stage records as the stages made them, from their strict JSON (snlp.runtime.device.json_safe; on disk, or
+    canon'd in memory): every "inf" / "-inf" back to +-inf (a diverged PPL), and null back to NaN in the float fields
+    a diverged run leaves NaN (a training's val_loss and K=1 gaps, an early exit's PPL, the validation figures of
+    the off-the-shelf adaptation's records before / after and its SSD alphas), where null means nothing
+    else; elsewhere null stays None, which the formatters print as they print NaN ("–"). So a report made from
+    records read back says what the one made from the floats said: a diverged row stays diverged."""
+    from snlp.runtime.device import json_unsafe
+
+    out = json_unsafe(stages)
+    for name, rec in out.items():
+        res = rec.get("result") if isinstance(rec, dict) else None
+        if not isinstance(res, dict):
+            continue
+        if name.startswith("train-"):
+            gaps = res.get("gap_key") is not None  # no gap key: the gaps are None, not measured
+            for k in ("val_loss", *(("gap", "gap_at_0") if gaps else ())):
+                if k in res:
+                    res[k] = _nan(res[k])
+            res["val_curve"] = [[p[0], _nan(p[1]), _nan(p[2]) if gaps else p[2], *p[3:]] if len(p) >= 3 else p
+                                for p in res.get("val_curve") or []]
+        elif name == "off-the-shelf" and isinstance(res.get("adaptation"), dict):
+            a = res["adaptation"]
+            for part in ("before", "after"):
+                if isinstance(a.get(part), dict):  # a log.jsonl row (snlp.train.checkpointing.log_record's rule)
+                    a[part] = {k: _nan(v) if k not in ("step", "stop", "mfu") else v for k, v in a[part].items()}
+            for row in (a.get("ssd") or {}).values():  # acceptance alpha: NaN where a drafter drafted nothing
+                if isinstance(row, dict) and "alpha" in row:
+                    row["alpha"] = _nan(row["alpha"])
+        elif name == "early-exit" and isinstance(res.get("rows"), dict):
+            for rows in res["rows"].values():
+                for r in rows if isinstance(rows, list) else ():
+                    if isinstance(r, dict) and "ppl" in r:
+                        r["ppl"] = _nan(r["ppl"])
+    return out
+
+
 def _context(ctx: dict):
     """The pieces every section reads: settings, environment, stage records, preset, per-model results."""
     st = ctx["stages"]
@@ -1438,6 +1480,7 @@ def render_report(ctx: dict) -> str:
     """report.md of a speedrun: the sections in order, each built from the stage records in `ctx`."""
     from snlp.eval.present import markdown_table
 
+    ctx = {**ctx, "stages": stage_results(ctx["stages"])}  # read back from strict JSON: "inf" and NaN's null
     cfg, _, st, _, trains, ssd = _context(ctx)
     evals = ctx["evals"]  # model key -> list[EvalRecord]
     N, e0 = cfg["reg_n"], evals["noreg"][0]

@@ -38,9 +38,9 @@ def write_json(path, payload: Any, announce: bool = True) -> None:
 
 def write_csv(path, records: Iterable[Record], announce: bool = True, partial: str | None = None) -> None:
     """Write records as CSV, one row each; the columns are every key of any record, in order of first
-    appearance (rows of different kinds leave the others' columns empty). Nested values (lists, dicts)
-    are written as JSON. `partial`: what the rows of a run still going are; the file then starts with
-    snlp.runtime.outputs.partial_comment's line."""
+    appearance (rows of different kinds leave the others' columns empty). Cells by snlp.runtime.outputs.csv_cell:
+    nested values (lists, dicts) as strict JSON, None and NaN empty. `partial`: what the rows of a run still going
+    are; the file then starts with snlp.runtime.outputs.partial_comment's line."""
     from snlp.runtime.outputs import partial_comment, write_csv_rows
 
     rows = [r.to_dict() for r in records]
@@ -50,8 +50,7 @@ def write_csv(path, records: Iterable[Record], announce: bool = True, partial: s
         with tmp.open("w", newline="") as f:
             if partial is not None:
                 f.write(partial_comment(partial) + "\n")
-            write_csv_rows(f, columns, ({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()}
-                                        for row in rows))
+            write_csv_rows(f, columns, rows)  # nested cells as strict JSON, NaN empty (csv_cell)
 
     write_atomic(path, write)
     if announce:

@@ -104,15 +104,12 @@ def print_table(records: list[EvalRecord], title: str, ties: dict[str, set[str]]
 
 
 def write_csv(rows: list[dict], path, partial: str | None = None, announce: bool = True) -> None:
-    """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, empty cells for None, lists and dicts
-    (window_ce, speedup_rounds, the CLI's `load`) as strict JSON, as snlp.bench.records.write_csv writes them (csv
-    wrote a dict's Python repr, {'start': 0.5, ...}, which json.loads refuses). `partial`: what the rows of a run
-    still going are; the file then starts with snlp.runtime.outputs.partial_comment's line."""
-    from snlp.runtime.device import json_text
+    """Rows (e.g. EvalRecord.to_dict()) as CSV: columns in first-seen order, cells by snlp.runtime.outputs.csv_cell
+    as snlp.bench.records.write_csv writes them (empty for None and NaN; lists and dicts, e.g. window_ce,
+    speedup_rounds, the CLI's `load`, as strict JSON: csv wrote a dict's Python repr, {'start': 0.5, ...}, which
+    json.loads refuses). `partial`: what the rows of a run still going are; the file then starts with
+    snlp.runtime.outputs.partial_comment's line."""
     from snlp.runtime.outputs import partial_comment, write_csv_rows
-
-    def cell(v):
-        return "" if v is None else json_text(v) if isinstance(v, (list, dict)) else v
 
     fields = list(dict.fromkeys(k for r in rows for k in r))
 
@@ -120,7 +117,7 @@ def write_csv(rows: list[dict], path, partial: str | None = None, announce: bool
         with open(tmp, "w", newline="") as f:
             if partial is not None:
                 f.write(partial_comment(partial) + "\n")
-            write_csv_rows(f, fields, ({k: cell(r.get(k)) for k in fields} for r in rows))
+            write_csv_rows(f, fields, ({k: r.get(k) for k in fields} for r in rows))
 
     write_atomic(path, write)
     if announce:

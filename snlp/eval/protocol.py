@@ -46,7 +46,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
 from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan, parse_plans
-from snlp.runtime.device import progress_bar
+from snlp.runtime.device import json_number, progress_bar
 from snlp.method.preheat import Preheat
 from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
 from snlp.runtime.timing import time_round_robin
@@ -112,9 +112,16 @@ class EvalRecord:
         have it: read into the fields of one meaning each; the CLI's `load` key (the run's, not the record's) is
         dropped."""
         d = dict(d)
-        for k in ("ppl", "delta_ppl"):  # a diverged plan's inf, which strict JSON holds as "inf" (json_safe)
-            if isinstance(d.get(k), str):
-                d[k] = float(d[k])
+        # strict JSON (snlp.runtime.device.json_safe) holds a diverged plan's inf as "inf" and a NaN as null: ppl is
+        # a float always (its NaN: not measured), delta_ppl None where not computed; the rounds and windows are
+        # lists of floats whose NaN came back as null
+        if "ppl" in d:
+            d["ppl"] = json_number(d["ppl"])
+        if isinstance(d.get("delta_ppl"), str):
+            d["delta_ppl"] = json_number(d["delta_ppl"])
+        for k in ("speedup_rounds", "prefill_speedup_rounds", "window_ce"):
+            if isinstance(d.get(k), list):
+                d[k] = [json_number(v) for v in d[k]]
         d.pop("load", None)  # `snlp eval --json`'s rows carry the run's load window (snlp.runtime.load) beside the record
         if "ideal_speedup" in d and "ideal_layer_speedup" not in d:
             d["ideal_layer_speedup"] = d.pop("ideal_speedup")

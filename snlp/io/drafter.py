@@ -29,7 +29,7 @@ from snlp.method.drafter import Drafter, make_drafter
 from snlp.method.plan import Plan
 from snlp.model.fingerprint import exact_digest, precision_note, same_weights
 from snlp.model.gpt import GPT
-from snlp.runtime.device import write_atomic
+from snlp.runtime.device import json_text, write_atomic
 from snlp.runtime.outputs import make_folders
 from snlp.io.checkpoint import DRAFTER_META as META
 from snlp.io.source import did_you_mean, home_path
@@ -71,7 +71,7 @@ def save_drafter(path, drafter: Drafter, record: dict | None = None) -> Path:
         meta["lora"] = {"rank": drafter.rank, "alpha": drafter.alpha}
     meta["meta_digest"] = meta_digest(meta)
     write_atomic(path / WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt", "snlp": FORMAT}))
-    write_atomic(path / META, lambda p: p.write_text(json.dumps(meta, indent=2)))
+    write_atomic(path / META, lambda p: p.write_text(json_text(meta, indent=2)))  # strict: the record's NaN is null
     return path
 
 

@@ -5,14 +5,18 @@ here parses arguments; `snlp.apps.cli` only parses and dispatches."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import platform
 import sys
 from pathlib import Path
 
+import snlp.runtime.outputs as outputs
 from snlp.runtime.outputs import make_folders
+
+# strict JSON's writing rules live in snlp.runtime.outputs (its CSV cells use them, and outputs imports nothing of
+# snlp); every writer imports them from here as well
+json_safe, json_text = outputs.json_safe, outputs.json_text
 
 
 def write_atomic(path, write) -> None:
@@ -32,27 +36,30 @@ def write_atomic(path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def json_safe(obj):
-    """`obj` with every float JSON cannot hold replaced: NaN (a quantity not measured: alpha of a run that drafted
-    nothing) by null, +-inf (a diverged PPL) by "inf" / "-inf" (as the analysis writes them; float() reads them
-    back); tuples become lists. Python's json writes NaN and Infinity, which strict parsers (jq, JavaScript, Go)
-    refuse, and a reader seeing null at the top level saw NaN in a nested record."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if obj != obj else ("inf" if obj > 0 else "-inf")
+def json_number(v) -> float:
+    """The float a strict JSON file (json_safe) holds where the value was a float: null -> NaN (written for NaN),
+    "inf" / "-inf" -> +-inf, a number -> itself. What a reader of a results file formats or compares: a diverged row
+    read back stays diverged (NaN / inf), never 0 nor a TypeError."""
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        if v.strip().lower() not in ("inf", "-inf", "+inf", "nan"):
+            raise ValueError(f"{v!r} is not a number")
+        return float(v)
+    return float(v)
+
+
+def json_unsafe(obj):
+    """`obj` (read from strict JSON) with the "inf" / "-inf" strings json_safe wrote for infinities turned back into
+    floats, at any depth; null stays None (it stood for NaN or for a value not measured alike: its reader decides,
+    json_number)."""
+    if isinstance(obj, str) and obj in ("inf", "-inf"):
+        return float(obj)
     if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
+        return {k: json_unsafe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_unsafe(v) for v in obj]
     return obj
-
-
-def json_text(obj, default=None, **kw) -> str:
-    """JSON text of `obj` that every parser reads: non-finite floats replaced (json_safe; `default` converts the
-    objects json cannot, records by their to_dict, first), then written with allow_nan=False, which raises should
-    one still get through."""
-    if default is not None:
-        obj = json.loads(json.dumps(obj, default=default))
-    return json.dumps(json_safe(obj), allow_nan=False, **kw)
 
 
 def write_json(path, obj) -> None:

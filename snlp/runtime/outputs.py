@@ -10,6 +10,8 @@ their logs and overwrite each other's checkpoints, so the second is refused whil
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import tempfile
 from contextlib import contextmanager
@@ -159,15 +161,49 @@ def partial_comment(done: str) -> str:
            "such line"
 
 
+def json_safe(obj):
+    """`obj` with every float JSON cannot hold replaced: NaN (a quantity not measured: alpha of a run that drafted
+    nothing) by null, +-inf (a diverged PPL) by "inf" / "-inf" (as the analysis writes them; float() reads them
+    back); tuples become lists. Python's json writes NaN and Infinity, which strict parsers (jq, JavaScript, Go)
+    refuse, and a reader seeing null at the top level saw NaN in a nested record."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def json_text(obj, default=None, **kw) -> str:
+    """JSON text of `obj` that every parser reads: non-finite floats replaced (json_safe; `default` converts the
+    objects json cannot, records by their to_dict, first), then written with allow_nan=False, which raises should
+    one still get through."""
+    if default is not None:
+        obj = json.loads(json.dumps(obj, default=default))
+    return json.dumps(json_safe(obj), allow_nan=False, **kw)
+
+
+def csv_cell(v):
+    """The one CSV cell rule of every snlp CSV: a list or dict (window_ce, speedup_rounds, a row's `load`) as strict
+    JSON (json_text: a NaN inside is null, an inf "inf"), None and NaN as an empty cell (a value
+    not there: pandas reads both as NaN), anything else as csv writes it (+-inf as inf / -inf, which float() and
+    pandas read back)."""
+    if v is None or (isinstance(v, float) and v != v):
+        return ""
+    return json_text(v) if isinstance(v, (list, dict, tuple)) else v
+
+
 def write_csv_rows(f, fields: list[str], rows) -> None:
-    """The header and `rows` (dicts over `fields`) as CSV on the open file `f`. A row with a cell holding "#" (free
-    text: an error a skipped row keeps) is written with its text cells quoted: a reader that skips partial_comment's
-    line by pandas.read_csv(path, comment="#") would otherwise cut the cell, and the row, at the "#"; quoted, it
-    keeps it. Other rows are written as csv.DictWriter's default writes them."""
+    """The header and `rows` (dicts over `fields`) as CSV on the open file `f`, each cell by csv_cell. A row with a
+    cell holding "#" (free text: an error a skipped row keeps) is written with its text cells quoted: a reader that
+    skips partial_comment's line by pandas.read_csv(path, comment="#") would otherwise cut the cell, and the row, at
+    the "#"; quoted, it keeps it. Other rows are written as csv.DictWriter's default writes them."""
     import csv
 
     plain = csv.DictWriter(f, fieldnames=fields)
     quoted = csv.DictWriter(f, fieldnames=fields, quoting=csv.QUOTE_NONNUMERIC)
     plain.writeheader()
     for row in rows:
+        row = {k: csv_cell(v) for k, v in row.items()}
         (quoted if any(isinstance(v, str) and "#" in v for v in row.values()) else plain).writerow(row)

@@ -31,7 +31,6 @@ held-out stream stays the human one.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import sys
@@ -60,7 +59,7 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
-from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, unsaved_log_path
+from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, read_log, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks, deferred
@@ -652,7 +651,7 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
                 init_digest: str | None = None):
     """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log.
     `init_digest`: the meta digest of the --init-drafter the run started from (recorded)."""
-    log = [json.loads(line) for line in (out / RUN / "log.jsonl").read_text().splitlines()]
+    log = read_log(out / RUN / "log.jsonl")  # strict JSON: a NaN Top-1 read back as NaN
     vals = [r for r in log if "top1" in r]
     result.before, result.after = (vals[0], vals[-1]) if vals else ({}, {})
     record = {**result.to_dict(), "config": asdict(cfg), "wall_s": time.perf_counter() - t0,

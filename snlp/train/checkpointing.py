@@ -19,6 +19,7 @@ from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, clear_stale_saves, cut_of
 from snlp.io.tokenizer import Tokenizer
 from snlp.io.source import home_path
 from snlp.model.gpt import GPT
+from snlp.runtime.device import json_number
 from snlp.train.config import TrainConfig, check_resume_settings
 from snlp.train.optim import OptimizerBundle, Progress
 
@@ -225,6 +226,32 @@ def set_aside_unsaved_log(log: Path) -> Path | None:
     aside = unsaved_log_path(log.parent)
     os.replace(log, aside)
     return aside
+
+
+LOG_NOT_FLOATS = ("step", "stop", "mfu")  # the log.jsonl keys that are not a float the step measured (mfu: null = none)
+
+
+def log_record(line: str) -> dict | None:
+    """One log.jsonl line as the trainer logged it (snlp.train.trainer.write_log writes strict JSON): the measured
+    floats' null and "inf" / "-inf" back to NaN and +-inf, so a diverged step read back is still diverged (a NaN loss,
+    never 0 nor a None a formatter refuses). None for a line that is not a JSON object (one still being written)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    return {k: json_number(v) if k not in LOG_NOT_FLOATS and (v is None or v in ("inf", "-inf")) else v
+            for k, v in rec.items()}
+
+
+def read_log(path) -> list[dict]:
+    """The records of a training log.jsonl (log_record), skipping a line still being written; [] if absent."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    return [rec for line in lines if (rec := log_record(line)) is not None]
 
 
 def _step(line: str) -> int | None:

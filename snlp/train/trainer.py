@@ -13,7 +13,6 @@ function of the `Run` (what is trained, built once) and the `LoopState` (what ch
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -41,7 +40,7 @@ from snlp.train.precision import autocast_context
 from snlp.train.pretrain import apply_freeze, pretrain_job
 from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
-from snlp.runtime.device import device_label, progress_bar, write_atomic
+from snlp.runtime.device import device_label, json_text, progress_bar, write_atomic
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.stats import paired_marks, tie_mark, verdict_text
 from snlp.runtime.timing import time_round_robin
@@ -516,7 +515,7 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         summary["speed"] = ({**asdict(speed), "reg_overhead": speed.reg_overhead,
                              "reg_overhead_sign": paired_marks(speed.reg_round_ratios)} if speed else None)
         summary["mfu"] = speed.mfu if speed else None
-        write_atomic(run.out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
+        write_atomic(run.out / "train_summary.json", json_text(summary, indent=2) + "\n")  # strict: a NaN loss is null
     return result
 
 
@@ -561,7 +560,7 @@ def write_log(run: Run, rec: dict, step_mfu: float | None) -> None:
     without a known device peak, e.g. on CPU)."""
     if run.ctx.master:
         with open(run.out / "log.jsonl", "a") as f:
-            f.write(json.dumps({**rec, "mfu": step_mfu}) + "\n")
+            f.write(json_text({**rec, "mfu": step_mfu}) + "\n")  # strict: a diverged step's NaN loss is null
 
 
 def say(run: Run, msg: str) -> None:

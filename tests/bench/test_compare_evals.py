@@ -82,3 +82,19 @@ def test_a_diverged_plan_is_compared_as_diverged_not_refused_as_other_windows(tm
         assert "| d | 4xF1-h0-K1 | inf | diverged | - |" in out.stdout
         assert "| a | 4xF1-h0-K1 | " in out.stdout and "+10.52 %" in out.stdout
         assert "| diverged" in out.stdout.splitlines()[-1]  # the ratio against a diverged side is not a number
+
+
+def test_a_nan_ppl_written_as_null_is_read_as_the_nan_it_was(tmp_path):
+    """Strict JSON (snlp.runtime.device.json_text) writes a NaN PPL as null: the script reads it back as NaN, as it
+    read the bare NaN files held before, and says the row diverged (it raised a TypeError formatting None)."""
+    from snlp.runtime.device import json_text
+
+    seq = [3.0, 3.1, 2.9, 3.2, 3.05, 2.95, 3.15, 3.0]
+    a = arm(tmp_path / "a.json", seq, [x + 0.10 for x in seq])
+    rows = json.loads(Path(a).read_text())
+    rows[1] = {**rows[1], "ppl": math.nan, "delta_ppl": math.nan, "window_ce": None}
+    (tmp_path / "n.json").write_text(json_text(rows))
+    assert '"ppl": null' in (tmp_path / "n.json").read_text()
+    out = run(f"a={a}", f"n={tmp_path / 'n.json'}")
+    assert out.returncode == 0, out.stderr
+    assert "| n | 4xF1-h0-K1 | nan | diverged | - |" in out.stdout

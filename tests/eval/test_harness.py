@@ -577,3 +577,24 @@ def test_a_second_harness_run_into_the_same_default_folder_is_refused_before_it_
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and line.startswith("snlp eval: error: --harness-out harness-tiny is in use by a run in progress"), line
     assert (tmp_path / "harness-tiny" / "sequential.json").read_text() == "the first run's\n"
+
+
+def test_cli_harness_files_are_strict_json(tasks, tmp_path, capsys):
+    """Each method's JSON, and --json, parse with a strict JSON parser (JavaScript's JSON.parse, jq): they are written
+    by snlp.runtime.device.json_text (a NaN null, an inf "inf"), as every snlp command's files. Over one question the
+    standard errors are undefined: lm-eval 0.4 says "N/A" there, and a NaN any metric gave would be null, never the
+    bare NaN Python's json writes."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    out = tmp_path / "out"
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "1",
+                 "--num-fewshot", "0", "--plans", "2xF1-h0-K1", "--harness-out", str(out), "--device", "cpu",
+                 "--json", str(tmp_path / "h.json")]) == 0
+    for path in (out / "sequential.json", out / "2xF1-h0-K1.json", tmp_path / "h.json"):
+        json.loads(path.read_text(), parse_constant=refuse)

@@ -14,21 +14,23 @@ from pathlib import Path
 import torch
 
 from snlp.apps.report import fmt_s
-from snlp.runtime.device import write_atomic
+from snlp.runtime.device import json_text, write_atomic
 from snlp.runtime.load import load_average
 
 
 def canon(obj):
-    """JSON round trip: tuples -> lists, so stored and fresh settings compare equal."""
-    return json.loads(json.dumps(obj, sort_keys=True))
+    """The strict JSON round trip (json_text: NaN -> null, inf -> "inf"; tuples -> lists), so that stored and fresh
+    settings compare equal and a stage's result in memory is the one its record holds on disk (a stage ran now and one
+    reused read alike, by the report too)."""
+    return json.loads(json_text(obj, sort_keys=True))
 
 
 def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json_text(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_json(path: Path, obj) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, default=str))
+    write_atomic(path, json_text(obj, default=str, indent=2))  # strict JSON: a diverged PPL is "inf", NaN null
 
 
 def read_json(path: Path):

@@ -4,7 +4,6 @@ its floor."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -126,18 +125,11 @@ class TrainJob:
 
 
 def _read_log(path: Path) -> list[dict]:
-    """The records of a training log.jsonl, skipping a line still being written; [] if absent."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """The records of a training log.jsonl, skipping a line still being written; [] if absent; a diverged step's
+    null / "inf" loss read back as NaN / inf (snlp.train.checkpointing.read_log)."""
+    from snlp.train.checkpointing import read_log
+
+    return read_log(path)
 
 
 def _median_tok_s(log: list[dict], first_step: int) -> float | None:

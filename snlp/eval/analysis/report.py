@@ -26,7 +26,7 @@ from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table
                                        ordering_tables, preheat_table, propagation_table)
 from snlp.method.preheat import Preheat
 from snlp.model.gpt import GPT
-from snlp.runtime.device import write_atomic
+from snlp.runtime.device import json_text, write_atomic
 from snlp.runtime.load import load_average
 from snlp.runtime.outputs import make_folders, partial_line
 
@@ -212,7 +212,7 @@ def write(res: AnalysisResult, out, complete: bool = True) -> Path:
     False: written after a section while the run goes on (its JSON says "complete": false, its markdown PARTIAL)."""
     out = Path(out)
     make_folders(out)
-    write_atomic(out / "analysis.json", json.dumps({"complete": complete, **_jsonable(asdict(res))}, indent=1))
+    write_atomic(out / "analysis.json", json_text({"complete": complete, **_jsonable(asdict(res))}, indent=1))
     for name in (*PLOTS, "analysis.md"):  # an earlier run's, before any plot: a plot that fails must not leave them
         (out / name).unlink(missing_ok=True)  # beside this run's analysis.json as if they described it
     plots = write_plots(res, out)
