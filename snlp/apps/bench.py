@@ -393,11 +393,12 @@ def interrupt_hint(args) -> str:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, check_plans_fit, check_plans_grammar, say_contention
+    from snlp.apps.common import check_plans_fit, check_plans_grammar
     from snlp.bench.forward import benchmark, build_model
     from snlp.bench.records import write_records
     from snlp.method.plan import parse_plans
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+    from snlp.runtime.load import Timed
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the flag's default
     stamp_outputs(args)  # interrupt_hint and finished name only the files this run wrote
@@ -446,15 +447,14 @@ def run(args) -> int:
     model = model.to(device=device, dtype=getattr(torch, dtype))
     if args.decode:
         return run_decode(args, model, plans, device, dtype)
-    window = begin_timing([torch.get_num_threads()], device)
-    rows = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
-                     compile=args.compile, seed=args.seed)
-    window.close()
+    with Timed([torch.get_num_threads()], device) as load:
+        rows = benchmark(model, plans, tokens=args.tokens, batch=args.batch, warmup=args.warmup, runs=args.runs,
+                         compile=args.compile, seed=args.seed)
     cfg = model.config
     print_table(rows, f"L={cfg.n_layer} D={cfg.n_embd} heads={cfg.n_head} T={args.tokens} B={args.batch} "
                       f"{dtype} on {device_label(device)}, median of {args.runs} runs")
-    say_contention(window, [torch.get_num_threads()], device)
-    write_records(rows, args.json, args.csv, load=window.to_json())
+    load.say()
+    write_records(rows, args.json, args.csv, load=load.to_json())
     return 0
 
 
@@ -530,18 +530,17 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     from rich.console import Console
     from rich.table import Table
 
-    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.decode import batch_decode_benchmark
     from snlp.bench.records import write_records
     from snlp.bench.stats import tie_footnote, tie_mark
     from snlp.runtime.device import device_label
+    from snlp.runtime.load import Timed
 
     sizes = batch_sizes(args)
-    window = begin_timing([torch.get_num_threads()], device)
-    rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
-                                  args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
-                                  min_confidence=args.min_confidence, adaptive=args.adaptive_block)
-    window.close()
+    with Timed([torch.get_num_threads()], device) as load:
+        rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
+                                      args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
+                                      min_confidence=args.min_confidence, adaptive=args.adaptive_block)
     table = Table(title=f"batched greedy decode{' (compiled)' if args.compile else ''}: ragged prompts "
                         f"{args.prompt_len // 2 or 1}-{args.prompt_len} tokens, new={args.new_tokens}, {dtype} on "
                         f"{device_label(device)}, median of {args.runs} runs, tok/s = the batch's aggregate")
@@ -558,19 +557,19 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     if len(rows) > 1:
         print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))
-    say_contention(window, [torch.get_num_threads()], device)
-    write_records(rows, args.json, args.csv, load=window.to_json())
+    load.say()
+    write_records(rows, args.json, args.csv, load=load.to_json())
     return 0
 
 
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.decode import decode_benchmark
     from snlp.bench.records import write_records
     from snlp.method.sharing import check_shareable
     from snlp.runtime.device import device_label, set_threads
+    from snlp.runtime.load import Timed
 
     set_threads(args.threads)
     try:
@@ -584,11 +583,10 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     if args.share_weights:
         for plan in plans:
             check_shareable(model, plan.fuse)
-    window = begin_timing([torch.get_num_threads()], device)
-    rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
-                            args.seed, compile=args.compile, share_weights=args.share_weights,
-                            min_confidence=args.min_confidence, adaptive=args.adaptive_block)
-    window.close()
+    with Timed([torch.get_num_threads()], device) as load:
+        rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
+                                args.seed, compile=args.compile, share_weights=args.share_weights,
+                                min_confidence=args.min_confidence, adaptive=args.adaptive_block)
     cfg = model.config
     print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
                              f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "
@@ -598,8 +596,8 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
           f"{seq.bandwidth_gb_s:.2f} GB/s achieved"
           + (f"; compile time (not in any timing): {sum(r.compile_s for r in rows if r.mode != 'speculative'):.1f} s"
              f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
-    say_contention(window, [torch.get_num_threads()], device)
-    write_records(rows, args.json, args.csv, load=window.to_json())
+    load.say()
+    write_records(rows, args.json, args.csv, load=load.to_json())
     return 0
 
 
@@ -620,8 +618,14 @@ def run_vs_paper_cli(args) -> int:
                         tokens=args.suite_tokens, warmup=args.suite_warmup, runs=args.suite_runs,
                         treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
-    cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
+    resolved = cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
     default_out_writable(args, cfg.out)
+    import torch
+
+    from snlp.apps.common import begin_timing
+
+    # the run records its own window (its meta's load) and its markdown says a contended one
+    begin_timing([torch.get_num_threads()], resolved.device)
     result = run_vs_paper(cfg)
     print(result.markdown)
     print(f"wrote {cfg.out}/vs_paper.json and {cfg.out}/vs_paper.md")
@@ -645,6 +649,12 @@ def run_train_suite_cli(args) -> int:
                            optimizer=args.optimizer, threads=args.threads, seed=args.seed, out=args.out,
                            command=shlex.join(["snlp", *sys.argv[1:]]))
     default_out_writable(args, cfg.out)
+    import torch
+
+    from snlp.apps.common import begin_timing
+
+    resolved = cfg.resolved()  # the run records its own window (its meta's load) and its markdown says a contended one
+    begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
     result = run_train_bench(cfg)
     print(result.markdown)
     if result.json_path:
@@ -826,11 +836,11 @@ def print_ops_table(rows: list[OpRow], title: str) -> None:
 def run_ops(args, counts: tuple[int, ...]) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, say_contention
     from snlp.bench.forward import build_model
     from snlp.bench.ops import op_benchmark
     from snlp.bench.records import write_records
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
+    from snlp.runtime.load import Timed
 
     if args.runs < 1 or args.warmup < 0:
         raise ValueError("--runs must be >= 1 and --warmup >= 0")
@@ -838,12 +848,11 @@ def run_ops(args, counts: tuple[int, ...]) -> int:
     device = cli_device(args.device)
     dtype = cli_dtype(args.dtype, device)
     model = build_model(model_spec(args)).to(device=device, dtype=getattr(torch, dtype))
-    window = begin_timing([torch.get_num_threads()], device)
-    rows = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
-    window.close()
+    with Timed([torch.get_num_threads()], device) as load:
+        rows = op_benchmark(model, counts, args.layer, args.warmup, args.runs, args.seed)
     cfg = model.config
     print_ops_table(rows, f"single-layer ops: layer {rows[0].layer} of L={cfg.n_layer} D={cfg.n_embd} "
                           f"heads={cfg.n_head} B=1 {dtype} on {device_label(device)}, median of {args.runs} runs")
-    say_contention(window, [torch.get_num_threads()], device)
-    write_records(rows, args.json, args.csv, load=window.to_json())
+    load.say()
+    write_records(rows, args.json, args.csv, load=load.to_json())
     return 0

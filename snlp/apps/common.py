@@ -5,13 +5,13 @@ timings and the lines it prints from it."""
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Callable
 
 from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.runtime.load import LoadWindow, is_cpu, oversubscription_note, own_threads
+from snlp.runtime.load import LoadWindow, own_threads, warn_oversubscribed
+from snlp.runtime.load import say_contention as load_say
 
 # generate's line (one process or --distributed) for a speculative run whose rounds drafted nothing (one new token:
 # the prefill's), which has no acceptance rate
@@ -20,24 +20,19 @@ NO_DRAFTS = "alpha not measured (nothing was drafted: the prefill gives the firs
 
 def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> LoadWindow:
     """The load window of a command about to time (snlp.runtime.load.LoadWindow.begin), having said once on stderr,
-    before any timing, where its torch threads (`threads`: the counts it will time with) exceed the cores left free:
-    OpenMP's workers then wait on each other. `remedy`: the command's option that times with one thread (None: it
-    has none). Nothing is refused or changed. On a GPU the threads are not warned of (its host thread launches
-    kernels; the intra-op workers stay idle)."""
+    before any timing, where its torch threads (`threads`: the counts it will time with) exceed the cores left free
+    (snlp.runtime.load.warn_oversubscribed). `remedy`: the command's option that times with one thread (None: it
+    has none). A timing that begins and ends in one place uses snlp.runtime.load.Timed instead."""
     window = LoadWindow.begin()
-    if is_cpu(device) and (note := oversubscription_note(max(threads, default=1), window, remedy)):
-        print(f"note: {note}", file=sys.stderr)
+    warn_oversubscribed(threads, window, device, remedy)
     return window
 
 
 def say_contention(window: LoadWindow, threads, device="cpu", what: str = "") -> str | None:
-    """Print the contention sentence of a closed `window` (snlp.runtime.load.contention_note), prefixed by `what`
+    """Print the contention sentence of a closed `window` (snlp.runtime.load.say_contention), prefixed by `what`
     (e.g. "stage 1: "), where the load was more than the command's own busy threads explain (own_threads); returns
     it (None: not contended)."""
-    note = window.note(own_threads(threads, device))
-    if note:
-        print(f"{what}{note}")
-    return note
+    return load_say(window, own_threads(threads, device), what)
 
 
 def plans_preheat(ckpt, model, plans) -> Preheat | None:

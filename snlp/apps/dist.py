@@ -5,6 +5,7 @@ here; the work is done by snlp.dist.layer_parallel and snlp.dist.costmodel."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -17,15 +18,18 @@ from snlp.bench.records import write_records
 from snlp.dist.costmodel import Prediction
 from snlp.dist.costmodel import Shape as CostShape
 from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
-from snlp.runtime.load import load_averages
+from snlp.runtime.load import (LoadWindow, load_averages, own_threads, ranks_threads, say_contention, usable_cores,
+                               warn_oversubscribed)
 from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, distributed_benchmark,
                                       gather_objects, init_distributed, partition)
 from snlp.dist.load import RankCheckpoint
 from snlp.method.plan import cli_plan, parse_plans
 
 
-def _setup(args) -> tuple[int, int, torch.device]:
-    """Process group, device and CPU pinning for a `--distributed` command."""
+def _setup(args) -> tuple[int, int, torch.device, int]:
+    """Process group, device and CPU pinning for a `--distributed` command; (rank, world, device, the cores the job
+    may use, read before --pin narrows this rank to one of them)."""
+    cores = usable_cores()
     device = cli_device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -37,16 +41,16 @@ def _setup(args) -> tuple[int, int, torch.device]:
         os.sched_setaffinity(0, {cores[local % len(cores)]})
         torch.set_num_threads(1)
     set_threads(getattr(args, "threads", None))
-    return rank, world, device
+    return rank, world, device, cores
 
 
 def _run_ranked(command: str, args, body) -> int:
-    """Set up the process group, run body(rank, world, device) -> exit code and tear the group down; a dead or
-    hung peer (RankFailureError), or a collective that failed for another reason (CollectiveError, which quotes
+    """Set up the process group, run body(rank, world, device, cores) -> exit code and tear the group down; a dead
+    or hung peer (RankFailureError), or a collective that failed for another reason (CollectiveError, which quotes
     it), ends this rank with a clear message and exit code 3 instead of a hang."""
-    rank, world, device = _setup(args)
+    rank, world, device, cores = _setup(args)
     try:
-        return body(rank, world, device)
+        return body(rank, world, device, cores)
     except (RankFailureError, CollectiveError) as e:
         print(f"snlp {command} (rank {rank}): error: {e}", file=sys.stderr)
         return 3
@@ -92,10 +96,11 @@ def run_generate(args) -> int:
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
-    return _run_ranked("generate", args, lambda rank, world, device: _run_generate_ranked(args, rank, world, device))
+    return _run_ranked("generate", args, lambda rank, world, device, cores: _run_generate_ranked(args, rank, world,
+                                                                                                 device, cores))
 
 
-def _run_generate_ranked(args, rank: int, world: int, device) -> int:
+def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int:
 
     ckpt = RankCheckpoint(args.ckpt, device)  # this rank reads only its own layers' tensors (snlp.dist.load)
     tok = ckpt.tokenizer()
@@ -129,13 +134,18 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
     res = runner.generate(prompt, args.mode, block=args.block,
                           on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
     rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
+    window = None
     if base is not None:
         from snlp.runtime.timing import round_order
+
+        window, own = rank_load(device, cores, rank, remedy=False)  # generate has no --threads
 
         for r in range(args.repeats):  # the pair's order rotated round by round (the same on every rank)
             got = {mode: runner.generate(prompt, mode, **(dict(kw, block=args.block) if mode != "sequential" else kw))
                    for mode in round_order(["sequential", args.mode], r)}
             rounds.append((got["sequential"], got[args.mode]))
+        if window is not None:
+            window.close()
     mem = gather_objects(runner.memory())
     if rank == 0:
         if not args.quiet:
@@ -174,6 +184,9 @@ def _run_generate_ranked(args, rank: int, world: int, device) -> int:
                       f"{record['measured_speedup']:.2f}x (the median of the paired per-run ratios, which ran "
                       f"{ratio_range(ratios)}: {verdict_text(ratios, 'pipelined sequential')})")
         print(stats)
+        if window is not None:  # rank 0's window around the timed rounds, against every local rank's threads
+            say_contention(window, own)
+            record["load"] = window.to_json()
         if args.json:
             write_json(args.json, record)
     return 0
@@ -296,10 +309,25 @@ def run_bench(args, spec: ModelSpec) -> int:
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
     check_plans_fit(spec.ckpt, check_plans_grammar(args.plans))  # before any rank starts
-    return _run_ranked("bench", args, lambda rank, world, device: _run_bench_ranked(args, spec, rank, world, device))
+    return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
+                                                                                            device, cores))
 
 
-def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> int:
+def rank_load(device, cores: int, rank: int, remedy: bool) -> tuple[LoadWindow | None, int]:
+    """Before a distributed timing, on every rank (a collective): the threads the job keeps busy on rank 0's
+    machine (every local rank's own_threads, snlp.runtime.load.ranks_threads: the ranks time together), and on
+    rank 0 the load window begun over the job's `cores`, with the oversubscription line said once (`remedy`: the
+    rank's threads above one, which --threads 1 lowers)."""
+    every = gather_objects((socket.gethostname(), own_threads([torch.get_num_threads()], device)))
+    own, ranks = ranks_threads(every, every[0][0])
+    if rank != 0:
+        return None, own
+    window = LoadWindow.begin(cores=cores)
+    warn_oversubscribed([own], window, device, "--threads 1" if remedy else None, ranks=ranks)
+    return window, own
+
+
+def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, cores: int) -> int:
     from snlp.bench.stats import tie_footnote, tie_mark
 
     dtype = getattr(torch, cli_dtype(args.dtype, device))
@@ -314,9 +342,11 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> i
     plans = parse_plans(args.plans, L)
     blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
                                  args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt)
     if rank == 0:
+        window.close()
         loads = load_averages()  # /proc/loadavg's strings, as the rows always carried them
         load = [] if loads is None else [f"{x:.2f}" for x in loads]
         rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())
@@ -334,10 +364,11 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device) -> i
                       f"{tie_mark(r.speedup_rounds, r.speedup_vs_pipeline)} "
                       f"vs pipelined sequential){', =seq' if r.matches_sequential else ''}")
         print(f"load average {' '.join(load)}")
+        say_contention(window, own)  # every local rank's threads are this command's own
         if any(isinstance(r, DistDecodeRow) for r in rows):
             print(tie_footnote(args.runs, "decode speedup", "pipelined sequential over this mode's ms/token of "
                                "the same round"))
-        write_records(rows, args.json, args.csv)
+        write_records(rows, args.json, args.csv, load=window.to_json())
     return 0
 
 

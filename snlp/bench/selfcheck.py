@@ -29,6 +29,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind, fused_sequential, parallel_forward, solve
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
+from snlp.runtime.load import LoadWindow, own_threads, warn_oversubscribed
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SelfcheckResult:
     forward: list[dict] = field(default_factory=list)  # snlp.bench.forward.ForwardRow dicts (prefill)
     decode: list[dict] = field(default_factory=list)  # snlp.bench.decode.DecodeRow dicts
     seconds: float = 0.0
+    load: dict | None = None  # the speed suite's load window (snlp.runtime.load.LoadWindow.to_json)
+    threads: int = 1  # torch CPU threads the speed suite timed with
 
     @property
     def passed(self) -> bool:
@@ -288,12 +291,16 @@ def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
     res = SelfcheckResult(device=str(device), device_name=device_name(device), versions=versions(), config=asdict(cfg))
     res.checks = law_checks(device, cfg.compile, cfg.seed)
     t1 = time.perf_counter()
+    res.threads = torch.get_num_threads()
+    window = LoadWindow.begin()  # the laws above are not timed: the window holds the speed suite alone
+    warn_oversubscribed([res.threads], window, device, remedy=None)  # selfcheck has no --threads
     try:
         res.forward, res.decode, failed = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
         res.checks += failed
     except Exception as e:  # the report (with the laws' results) must still be written: the failure is a check
         res.checks.append(Check("speed suite runs", False, failure(e), time.perf_counter() - t1,
                                 traceback.format_exc()))
+    res.load = window.close().to_json()
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -328,5 +335,7 @@ def table(res: SelfcheckResult) -> list[str]:
         ideal = r.get("ideal_ssd_speedup")
         above = f"  (above its ideal SSD {ideal:.2f}x: noise)" if ideal and r["speedup"] > ideal else ""
         lines.append(f"  {name:<30} {r['ms_per_token']:8.2f} {cells[id(r)]:<{w}}  {r['compiled']}{above}")
+    if res.load is not None and (note := LoadWindow(**res.load).note(own_threads([res.threads], res.device))):
+        lines += ["", note]
     lines += ["", f"{'ALL CHECKS PASSED' if res.passed else 'SOME CHECKS FAILED'} in {res.seconds:.0f} s"]
     return lines

@@ -242,6 +242,7 @@ class SuiteMeta:
     loadavg_1min_start: float | None = None  # None where os.getloadavg does not exist
     loadavg_1min_end: float | None = None
     cores: int | None = None  # the cores the run could use (snlp.runtime.load.usable_cores)
+    load: dict | None = None  # the run's load window (snlp.runtime.load.LoadWindow.to_json), sampled between parts
 
     @classmethod
     def now(cls, cfg: SuiteConfig) -> "SuiteMeta":
@@ -290,6 +291,8 @@ def run_suite(config: SuiteConfig) -> SuiteResult:
 
 def _run(cfg: SuiteConfig) -> SuiteResult:
     result = SuiteResult(config=cfg, meta=SuiteMeta.now(cfg))
+    window = LoadWindow.begin()
+    result.meta.loadavg_1min_start, result.meta.cores, result.meta.load = window.start, window.cores, window.to_json()
     shapes = [s for s in PAPER_SHAPES if s.key in cfg.shapes]
     t0 = time.perf_counter()
 
@@ -297,6 +300,7 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
         """A line per finished part, and the files rewritten with every record so far: the full CUDA protocol
         runs for minutes, and a run cut short (a timeout, a lease that ends) keeps what it measured."""
         print(f"suite: {what} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        result.meta.load = window.sample().to_json()  # between parts, outside every timed round
         _write(result, cfg)
 
     for shape in shapes:
@@ -324,7 +328,8 @@ def _run(cfg: SuiteConfig) -> SuiteResult:
         del model
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.empty_cache()
-    result.meta.loadavg_1min_end = load_average()
+    result.meta.load = window.close().to_json()
+    result.meta.loadavg_1min_end = window.end
     result.complete = True
     _write(result, cfg)
     return result
@@ -416,9 +421,12 @@ def _header(result: SuiteResult) -> list[str]:
 
 
 def suite_load_note(m: SuiteMeta) -> str | None:
-    """The contention sentence of a suite's run (snlp.runtime.load.contention_note) from its meta: the higher of
-    its start and end load against its cores and its own torch threads (one on a GPU, whose host thread is the
-    only one busy); None for a file written before the meta recorded its cores."""
+    """The contention sentence of a suite's run (snlp.runtime.load.contention_note) from its meta: its window's
+    peak (or, in a file written before the window was recorded, the higher of its start and end load) against its
+    cores and its own torch threads (one on a GPU, whose host thread is the only one busy); None for a file
+    written before the meta recorded its cores."""
+    if m.load is not None:  # the window sampled between parts
+        return LoadWindow(**m.load).note(own_threads([m.threads], m.device_type))
     if m.cores is None or m.loadavg_1min_start is None:
         return None
     loads = [x for x in (m.loadavg_1min_start, m.loadavg_1min_end) if x is not None]

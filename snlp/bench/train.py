@@ -43,6 +43,7 @@ from snlp.bench.stats import spread_verdict
 from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
 from snlp.model.gpt import GPT
 from snlp.runtime.device import device_label, write_atomic
+from snlp.runtime.load import LoadWindow, own_threads
 from snlp.runtime.outputs import partial_line
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.timing import sync
@@ -198,6 +199,14 @@ class TrainBenchResult:
                     add(f"reg_overhead_{reg}_{t}", r, plain)
         return out
 
+    def load_note(self) -> str | None:
+        """The contention sentence of the run's window (meta's `load`, snlp.runtime.load) against its torch threads
+        (one on a GPU); None where it was not contended, or for a file written before the window was recorded."""
+        m = self.meta
+        if m.get("load") is None:
+            return None
+        return LoadWindow(**m["load"]).note(own_threads([m["threads"]], m["device_type"]))
+
     @property
     def markdown(self) -> str:
         cfg, m = self.config, self.meta
@@ -217,6 +226,7 @@ class TrainBenchResult:
                  f"bf16" + ("" if m["peak_tflops"] else " (no known peak for this device: MFU n/a, model TFLOP/s "
                                                         "given instead)"), "",
                  *([] if self.complete else [partial_line("the rows of the variants that had finished"), ""]),
+                 *([f"**{note}**", ""] if (note := self.load_note()) else []),
                  *markdown_table(["treatment", "reg", "ms/step (p10-p90)", "tok/s", "MFU", "model TFLOP/s",
                                   "GFLOP/token",
                                   "step 1 (s)", "compile (s)", "peak GB", "error"], rows)]
@@ -263,13 +273,17 @@ def run_train_bench(cfg: TrainBenchConfig) -> TrainBenchResult:
             "dtype": "bfloat16 autocast" if device.type == "cuda" else "float32", "peak_tflops": peak and peak / 1e12,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": cfg.command, "platform": platform.platform(), "threads": torch.get_num_threads()})
+        window = LoadWindow.begin()  # sampled between variants, outside every timed step
+        result.meta["load"] = window.to_json()
         t0 = time.perf_counter()
         for reg in cfg.regs:
             for treatment in cfg.treatments:
                 result.rows.append(run_variant(cfg, treatment, reg, peak))
+                result.meta["load"] = window.sample().to_json()
                 print(f"train bench: {treatment} reg={reg} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,
                       flush=True)
                 _write(result, cfg)  # every row so far: a run cut short keeps what it measured
+        result.meta["load"] = window.close().to_json()
         result.complete = True
         _write(result, cfg)
         return result

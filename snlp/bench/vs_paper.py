@@ -40,6 +40,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind
 from snlp.runtime.device import device_label, write_atomic
 from snlp.runtime.outputs import partial_line
+from snlp.runtime.load import LoadWindow, own_threads
 from snlp.runtime.timing import now
 
 TREATMENTS = ("eager", "compiled")
@@ -127,7 +128,7 @@ def _meta(cfg: VsPaperConfig, code: PaperCode) -> dict:
                 dtype=str(code.dtype).replace("torch.", ""), python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=cfg.command, paper_root=code.root, paper_stubs=code.stubs,
-                weights="random weights (timing only)", batch=1)
+                weights="random weights (timing only)", batch=1, threads=torch.get_num_threads())
 
 
 def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
@@ -136,6 +137,8 @@ def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the paper: bf16 on CUDA, fp32 on CPU
     code = load_paper_code(cfg.paper, dtype)
     result = VsPaperResult(config=cfg, meta=_meta(cfg, code))
+    window = LoadWindow.begin()  # sampled between shapes, outside every timed round
+    result.meta["load"] = window.to_json()
     t0 = time.perf_counter()
     for key in cfg.shapes:
         shape = next(s for s in PAPER_SHAPES if s.key == key)
@@ -143,10 +146,12 @@ def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
             _run_shape(shape, cfg, code, dev, result)
         except Exception as e:  # one shape's failure must not discard the others' rows
             result.failures.append(_failure(key, "shape", e))
+        result.meta["load"] = window.sample().to_json()
         print(f"vs-paper: {key} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
         _write(result, cfg)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    result.meta["load"] = window.close().to_json()
     result.complete = True
     _write(result, cfg)
     return result
@@ -390,6 +395,9 @@ def markdown(result: VsPaperResult) -> str:
                                                          if m["paper_stubs"] else "")]
     if cfg.quick:
         lines.append("- QUICK: smoke-size shapes (width 64), NOT the paper's shapes")
+    if m.get("load") is not None and "threads" in m and \
+            (note := LoadWindow(**m["load"]).note(own_threads([m["threads"]], m["device_type"]))):
+        lines.append(f"- **{note}**")
     if not result.complete:
         lines += ["", partial_line("the rows of the shapes that had finished")]
     rows = []

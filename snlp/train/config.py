@@ -339,6 +339,10 @@ class StepSpeed:
     # ... and per round, the step without it / with it (both timed in one round-robin round, so paired: > 1 where the
     # regulariser's step was faster), what the sign test reads (snlp.runtime.stats.paired_verdict)
     reg_round_ratios: list[float] | None = None
+    # --time-reg: the load window its rounds ran in (snlp.runtime.load.LoadWindow.to_json) and the threads the run
+    # kept busy on the machine meanwhile (every local rank's: all ranks time at once)
+    load: dict | None = None
+    load_threads: int | None = None
 
     @property
     def reg_overhead(self) -> float | None:

@@ -4,6 +4,7 @@ builds, and the per-step agreement of all ranks on the clock and on stopping."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from snlp.runtime.device import cli_device
+from snlp.runtime.load import own_threads, ranks_threads
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,15 @@ def agree_on_reason(ctx: DistContext, reason: str | None) -> str | None:
     box = [reason]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def busy_threads(ctx: DistContext) -> tuple[int, int]:
+    """(the threads, the ranks) this run keeps busy on rank 0's machine while every rank times at once: each
+    rank's own_threads (its torch threads on a CPU, one on a GPU) summed over the ranks on that host
+    (snlp.runtime.load.ranks_threads). A collective under DDP: every rank calls it."""
+    mine = (socket.gethostname(), own_threads([torch.get_num_threads()], ctx.device))
+    if ctx.world == 1:
+        return mine[1], 1
+    every: list = [None] * ctx.world
+    dist.all_gather_object(every, mine)
+    return ranks_threads(every, every[0][0])

@@ -30,7 +30,7 @@ from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_k
                                       save_run, set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
-from snlp.train.distributed import DistContext, agree_on_reason, setup_dist, teardown_dist
+from snlp.train.distributed import DistContext, agree_on_reason, busy_threads, setup_dist, teardown_dist
 from snlp.train.flops import mfu, step_flops
 from snlp.train.hooks import INTERRUPT, WAIT, InterruptStop, TrainHooks, signal_name, with_stop
 from snlp.train.job import Job, TrainStep
@@ -41,6 +41,7 @@ from snlp.train.pretrain import apply_freeze, pretrain_job
 from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
 from snlp.runtime.device import device_label, json_text, progress_bar, write_atomic
+from snlp.runtime.load import LoadWindow, say_contention, warn_oversubscribed
 from snlp.runtime.peak import peak_bf16_flops
 from snlp.runtime.stats import paired_marks, tie_mark, verdict_text
 from snlp.runtime.timing import time_round_robin
@@ -128,8 +129,10 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
                 train_loop(run, state)
                 speed = step_speed(run, state)
                 if speed is not None and cfg.time_reg:
-                    speed.reg_step_s, speed.plain_step_s, speed.reg_round_ratios = time_regulariser(
-                        run, state, cfg.time_reg)
+                    t = time_regulariser(run, state, cfg.time_reg)
+                    speed.reg_step_s, speed.plain_step_s, speed.reg_round_ratios = (t.reg_step_s, t.plain_step_s,
+                                                                                    t.round_ratios)
+                    speed.load, speed.load_threads = t.load, t.own_threads
                 result = finish(run, state, t_wall, speed)
             if interrupted.hit and state.stopped_by != INTERRUPT:  # a signal after the loop's last stop check: the
                 if run.hooks.pass_late_signal:  # run is saved; the handler restored gets it (default: the end)
@@ -463,7 +466,19 @@ def step_speed(run: Run, state: LoopState) -> StepSpeed | None:
                      device=device_label(run.ctx.device))
 
 
-def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, float, list[float]]:
+@dataclass
+class RegTiming:
+    """--time-reg's rounds (time_regulariser): the medians, the paired ratios, the load window they ran in
+    (snlp.runtime.load.LoadWindow.to_json) and the threads the run kept busy on the machine (every local rank's)."""
+
+    reg_step_s: float
+    plain_step_s: float
+    round_ratios: list[float]
+    load: dict
+    own_threads: int
+
+
+def time_regulariser(run: Run, state: LoopState, rounds: int) -> RegTiming:
     """Median seconds of one micro-batch step (forward + backward) with the regulariser and without it, timed
     round-robin after a warm-up round on the next training batch, in the run's treatment (compiled or eager;
     this process alone, no gradient sync), and each round's time without it / with it (the paired ratios the sign
@@ -484,10 +499,16 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> tuple[float, fl
             out.backward()
         return go
 
+    own, ranks = busy_threads(ctx)  # every rank times at once: all of this machine's ranks are the run's own load
+    window = LoadWindow.begin()
+    if ctx.master:  # snlp train has no --threads: no remedy to name
+        warn_oversubscribed([own], window, ctx.device, remedy=None, ranks=ranks)
     times = time_round_robin({"reg": call(with_reg, lam), "plain": call(plain, 0.0)}, 1, rounds, ctx.device)
+    window.close()
     run.job.model.zero_grad(set_to_none=True)
     med = lambda v: sorted(v)[len(v) // 2] / 1e3  # noqa: E731
-    return med(times["reg"]), med(times["plain"]), [p / r for p, r in zip(times["plain"], times["reg"])]
+    return RegTiming(med(times["reg"]), med(times["plain"]), [p / r for p, r in zip(times["plain"], times["reg"])],
+                     window.to_json(), own)
 
 
 def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = None) -> TrainResult:
@@ -505,6 +526,8 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
         if speed is not None:
             print(speed_line(speed), flush=True)
+            if speed.load is not None:  # --time-reg's rounds: one line where other work shared the cores
+                say_contention(LoadWindow(**speed.load), speed.load_threads, "--time-reg: ")
     result = TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from pathlib import Path
 
 import pytest
 from conftest import text_checkpoint
@@ -27,12 +28,14 @@ KINDS = {"forward": TINY, "decode": [*SHAPE, "--plans", "2xF1-h0-K1", "--decode"
 
 @pytest.fixture
 def machine(monkeypatch, tmp_path):
-    """set(loads, cores): os.getloadavg returns each of `loads` in turn (the last one from then on; None: the
-    platform has none), and the process may use `cores` cores (no cgroup quota)."""
+    """set(loads, cores, cpus): os.getloadavg returns each of `loads` in turn (the last one from then on; None: the
+    platform has none), the process may use `cores` cores (no cgroup quota) of the machine's `cpus` (default: as
+    many as the cores)."""
     monkeypatch.setattr(load, "CPU_MAX", str(tmp_path / "no-cpu.max"))
     monkeypatch.setattr(load, "CFS", (str(tmp_path / "no-quota"), str(tmp_path / "no-period")))
 
-    def apply(loads, cores: int = 2):
+    def apply(loads, cores: int = 2, cpus: int | None = None):
+        monkeypatch.setattr(load, "machine_cpus", lambda: cores if cpus is None else cpus)
         seq = list(loads) if isinstance(loads, (list, tuple)) else [loads]
 
         def getloadavg():
@@ -50,7 +53,7 @@ def machine(monkeypatch, tmp_path):
 def test_the_note_appears_above_the_cores_and_not_below(machine):
     machine(5.0, cores=2)
     w = LoadWindow.begin().close()
-    assert w == LoadWindow(start=5.0, end=5.0, peak=5.0, cores=2)
+    assert w == LoadWindow(start=5.0, end=5.0, peak=5.0, cores=2, machine_cpus=2)
     note = contention_note(w, own=2)
     assert note and note.startswith("timings contended:") and "5.00 on 2 cores" in note and "\n" not in note
     machine(1.6, cores=2)
@@ -82,10 +85,11 @@ def test_cores_are_the_affinity_capped_by_the_cgroup_quota(machine, tmp_path, mo
 def test_oversubscription_is_said_where_threads_exceed_the_free_cores(machine):
     machine(0.95, cores=2)  # the command's own minute of loading data on an idle box: no warning about itself
     assert oversubscription_note(2, LoadWindow.begin()) is None
-    machine(2.2, cores=2)  # 2 - (2.2 - 1, the command's own thread) = 0.8: one core left free
+    machine(2.2, cores=2)  # 2.2 - 1 (the command's own thread) = 1.2 of other work takes one core: one left free
     w = LoadWindow.begin()
     line = oversubscription_note(2, w)
-    assert line and "2 torch threads on 1 free core " in line and "OpenMP threads will wait on each other" in line
+    assert line and line.startswith("about to time with 2 torch threads: 1-min load average 2.20 on 2 cores, 1 free ")
+    assert "OpenMP threads will wait on each other" in line
     assert line.endswith("--threads 1 times with one")
     assert oversubscription_note(1, w) is None  # one thread waits on no other
     assert "--threads" not in oversubscription_note(2, w, remedy=None)
@@ -134,12 +138,13 @@ def test_bench_says_a_contended_window_and_records_it(machine, tmp_path, capsys,
     text = capsys.readouterr().out
     assert text.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
     rows = json.loads(out.read_text())
-    assert rows and all(r["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2} for r in rows)
+    assert rows and all(r["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}
+                        for r in rows)
     assert "load" in csv.read_text().splitlines()[0].split(",")
 
 
 def test_bench_says_once_before_timing_that_its_threads_oversubscribe(machine, tmp_path, capsys):
-    machine(2.5, cores=2)  # round(2 - (2.5 - 1)) = 0 cores free (1: the command's own thread)
+    machine(2.5, cores=2)  # 2.5 - 1 (the command's own thread) = 1.5 of other work takes both cores
     assert main(["bench", *TINY, "--threads", "2"]) == 0
     err = capsys.readouterr().err
     assert err.count("OpenMP threads will wait on each other") == 1 and "--threads 1 times with one" in err
@@ -178,7 +183,8 @@ def test_tune_names_the_contended_stage_and_records_both(machine, ckpt, tmp_path
     text = capsys.readouterr().out
     assert text.count("timings contended") == 1 and "stage 1: timings contended" in text
     d = json.loads(out.read_text())
-    assert d["load"]["peak"] == 6.0 and d["load"]["cores"] == 2 and set(d["load"]) == {"start", "end", "peak", "cores"}
+    assert d["load"]["peak"] == 6.0 and d["load"]["cores"] == 2
+    assert set(d["load"]) == {"start", "end", "peak", "cores", "machine_cpus"}
     assert d["load_stages"]["stage1"]["start"] == 6.0 and d["load_stages"]["stage2"]["end"] == 0.3
 
 
@@ -218,7 +224,8 @@ def test_generate_baseline_says_its_threads_oversubscribe_and_records_its_window
     cap = capsys.readouterr()
     assert "OpenMP threads will wait on each other" in cap.err and "--threads" not in cap.err  # generate has none
     assert cap.out.count("timings contended") == 1  # 2.5 on 2 cores, 0.5 past its own 2 threads
-    assert json.loads(out.read_text())["load"] == {"start": 2.5, "end": 2.5, "peak": 2.5, "cores": 2}
+    assert json.loads(out.read_text())["load"] == {"start": 2.5, "end": 2.5, "peak": 2.5, "cores": 2,
+                                                   "machine_cpus": 2}
 
 
 def test_generate_baseline_says_a_contended_timing_once(machine, ckpt, capsys):
@@ -243,3 +250,150 @@ def test_the_decode_suite_markdown_says_a_contended_run():
         {"start": 1.0, "end": 2.0, "peak": 4.0, "cores": 2})
     assert "timings contended" not in md({"start": 0.5, "end": 1.2, "peak": 1.2, "cores": 2})
     assert "timings contended" not in md(None)  # a file written before the suite recorded its load
+
+
+@pytest.mark.parametrize("start, free", [(1.49, 4), (1.5, 3), (2.49, 3), (2.5, 2), (3.5, 1), (5.6, 0)])
+def test_other_work_takes_whole_cores_from_half_a_core_on(machine, start, free):
+    """On 4 cores, the load less the command's own thread (CALLER) is the other work; from SLACK = 0.5 of a core on
+    it takes the core (rounded half up, never half to even: round(4 - 0.5) == 4 and round(4 - 1.5) == 2 had 0.5 of
+    other work take no core and 1.5 take two)."""
+    machine(start, cores=4)
+    w = LoadWindow.begin()
+    assert load.free_cores(w) == free
+    line = oversubscription_note(4, w)
+    assert (line is None) == (free >= 4)
+    if line:  # what it read, so a reader can judge the rule
+        assert f"4 torch threads: 1-min load average {start:.2f} on 4 cores, {free} free (other work: the load less 1 " \
+               f"for this command's own thread, rounded half up to whole cores)" in line
+
+
+def test_a_machine_larger_than_the_process_is_said_and_recorded(machine):
+    """The load average counts every CPU of the machine; a process given 2 of its 64 says so in one clause and the
+    window keeps the machine's count."""
+    machine(5.0, cores=2, cpus=64)
+    w = LoadWindow.begin().close()
+    assert w.to_json() == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 64}
+    clause = "(the load average counts the whole machine's 64 CPUs)"
+    assert f"reached 5.00 on 2 cores {clause}, 3.0 more than" in w.note(own=2)
+    assert f"on 2 cores {clause}, 0 free" in oversubscription_note(2, w)
+    machine(5.0, cores=2)  # the whole machine is the process's: nothing to add
+    w = LoadWindow.begin().close()
+    assert "whole machine" not in w.note(own=2) and "whole machine" not in oversubscription_note(2, w)
+    assert LoadWindow(start=1.0, cores=2) == LoadWindow(**{"start": 1.0, "cores": 2})  # a window read from an older
+    # file (no machine_cpus) says no clause
+    assert load.machine_clause(LoadWindow(start=1.0, cores=2)) == ""
+
+
+def test_the_ranks_of_a_torchrun_job_on_this_machine_are_its_own_threads(machine):
+    """Under torchrun the ranks time together: their threads on this host add up (ranks on another host load
+    another machine), and the ranks' own loading is subtracted once per rank before timing."""
+    assert load.ranks_threads([("a", 2), ("a", 2), ("b", 8)], "a") == (4, 2)
+    assert load.ranks_threads([("a", 1)], "a") == (1, 1)
+    machine(3.0, cores=4)  # 3.0 - 2 ranks' own threads = 1.0 of other work: one core taken, 3 free for 4 threads
+    line = oversubscription_note(4, LoadWindow.begin(), ranks=2)
+    assert line and line.startswith("about to time with 4 torch threads over 2 ranks: 1-min load average 3.00 on 4 "
+                                    "cores, 3 free (other work: the load less 2 for this command's own ranks")
+    machine(2.4, cores=4)  # 0.4 of other work: the 4 cores free
+    assert oversubscription_note(4, LoadWindow.begin(), ranks=2) is None
+
+
+def test_the_train_suite_says_a_contended_window_and_records_it(machine, tmp_path, capsys):
+    machine(5.0, cores=2)
+    out = tmp_path / "train"
+    assert main(["bench", "--suite", "train", "--quick", "--treatments", "eager", "--regs", "none", "--threads", "1",
+                 "--train-steps", "1", "--train-warmup", "0", "--train-batch", "1", "--train-seq-len", "8",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    data = json.loads((out / "train.json").read_text())
+    assert data["meta"]["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}
+    assert "timings contended" in (out / "train.md").read_text()
+    machine(0.3, cores=2)
+    assert main(["bench", "--suite", "train", "--quick", "--treatments", "eager", "--regs", "none", "--threads", "1",
+                 "--train-steps", "1", "--train-warmup", "0", "--train-batch", "1", "--train-seq-len", "8",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    assert "timings contended" not in capsys.readouterr().out
+
+
+def test_the_train_suite_says_before_timing_that_its_threads_oversubscribe(machine, tmp_path, capsys):
+    machine(2.5, cores=2)
+    assert main(["bench", "--suite", "train", "--quick", "--treatments", "eager", "--regs", "none", "--threads", "2",
+                 "--train-steps", "1", "--train-warmup", "0", "--train-batch", "1", "--train-seq-len", "8",
+                 "--device", "cpu", "--out", str(tmp_path / "t")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("OpenMP threads will wait on each other") == 1 and "--threads 1 times with one" in err
+
+
+def test_selfcheck_says_a_contended_speed_suite_and_records_its_window(machine, tmp_path, capsys, monkeypatch):
+    """The window holds the speed suite alone (the laws before it are not timed): other work that starts during the
+    timings is said once under the speed rows and kept in selfcheck.json."""
+    import snlp.bench.selfcheck as sc
+
+    machine([0.2, 6.0], cores=2)  # idle when the timings begin, other work by their end
+    monkeypatch.setattr(sc, "law_checks", lambda *a, **k: [sc.Check("laws", True, "stubbed: not what is tested", 0.0)])
+    monkeypatch.setattr(sc, "speed_suite", lambda *a, **k: ([], [], []))  # its timings: snlp bench's own tests
+    torch_threads = __import__("torch").get_num_threads()
+    assert main(["selfcheck", "--device", "cpu", "--quick", "--compile", "off", "--out", str(tmp_path / "sc")]) == 0
+    text = capsys.readouterr().out
+    assert text.count("timings contended: the 1-min load average reached 6.00 on 2 cores") == 1
+    data = json.loads((tmp_path / "sc" / "selfcheck.json").read_text())
+    assert data["load"] == {"start": 0.2, "end": 6.0, "peak": 6.0, "cores": 2, "machine_cpus": 2}
+    assert data["threads"] == torch_threads
+
+
+def test_train_time_reg_says_a_contended_window_and_records_it(machine, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt").read_text()[:20_000])
+    machine(5.0, cores=2)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
+                 "--depth", "2", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16",
+                 "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+                 "--steps", "2", "--reg", "idn", "--reg-n", "1", "--time-reg", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("--time-reg: timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    speed = json.loads((out / "train_summary.json").read_text())["speed"]
+    assert speed["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}
+    assert speed["load_threads"] == __import__("torch").get_num_threads()  # one process: its own threads
+
+
+def test_distributed_bench_says_a_contended_window_and_records_it(machine, tmp_path, capsys, monkeypatch):
+    """`snlp bench --distributed` as one rank (torchrun's environment set by hand): its own line and `load`, beside
+    the rows' loadavg strings it always carried."""
+    from conftest import free_port
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    machine(5.0, cores=2)
+    out = tmp_path / "d.json"
+    assert main(["bench", "--distributed", *TINY, "--device", "cpu", "--threads", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    rows = json.loads(out.read_text())
+    assert rows and all(r["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}
+                        and r["loadavg"] == ["5.00", "5.00", "5.00"] for r in rows)
+
+
+def test_the_paper_suite_records_its_window_sampled_between_parts(machine, tmp_path, capsys, monkeypatch):
+    """Other work during the prefill part only: the sample after it holds the peak that the start and the end both
+    miss."""
+    import snlp.bench.suite as suite
+
+    machine(0.4, cores=2)
+    real = suite.benchmark
+
+    def prefill_under_other_work(*a, **k):
+        rows = real(*a, **k)
+        machine([6.0, 0.5], cores=2)  # read after the part, then at the end
+        return rows
+
+    monkeypatch.setattr(suite, "benchmark", prefill_under_other_work)
+    out = tmp_path / "suite"
+    assert main(["bench", "--suite", "paper", "--quick", "--shapes", "0.5B-nox0ve", "--treatments", "eager",
+                 "--no-decode", "--suite-runs", "1", "--suite-warmup", "0", "--threads", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 6.00 on 2 cores") == 1
+    meta = json.loads((out / "suite.json").read_text())["meta"]
+    assert meta["load"] == {"start": 0.4, "end": 0.5, "peak": 6.0, "cores": 2, "machine_cpus": 2}
+    assert (meta["loadavg_1min_start"], meta["loadavg_1min_end"], meta["cores"]) == (0.4, 0.5, 2)

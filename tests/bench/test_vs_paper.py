@@ -141,3 +141,25 @@ def test_training_flops_of_an_mhc_model_are_the_papers_estimate_over_its_streams
     with FlopCounterMode(display=False) as counter:
         paper(x, y).backward()
     assert counter.get_total_flops() / x.numel() < paper.estimate_flops() / 2
+
+
+@needs_paper
+def test_vs_paper_says_a_contended_window_and_records_it(tmp_path, capsys, monkeypatch):
+    """The run's load window (snlp.runtime.load) in its JSON's meta and, where other work shared the cores, its one
+    line in the markdown it prints. The shapes' timings are left out (the quick suite, `slow`, times them): the
+    window and its line do not depend on them."""
+    import snlp.bench.vs_paper as V
+    import snlp.runtime.load as load
+    from snlp.apps.cli import main
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(load, "CPU_MAX", str(tmp_path / "no-cpu.max"))
+    monkeypatch.setattr(load, "CFS", (str(tmp_path / "no-quota"), str(tmp_path / "no-period")))
+    monkeypatch.setattr(load, "machine_cpus", lambda: 2)
+    monkeypatch.setattr(V, "_run_shape", lambda *a, **k: None)
+    assert main(["bench", "--vs-paper", PAPER, "--quick", "--shapes", "0.5B-nox0ve", "--device", "cpu",
+                 "--out", str(tmp_path / "o")]) == 0
+    assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    meta = json.loads((tmp_path / "o" / "vs_paper.json").read_text())["meta"]
+    assert meta["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}

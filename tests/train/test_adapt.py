@@ -550,7 +550,7 @@ def test_cli_adapt_generate_eval_export(tmp_path, capsys):
                  "--json", str(tmp_path / "batch.json")]) == 0
     batch = json.loads((tmp_path / "batch.json").read_text())
     assert batch["matches_sequential"] and len(batch["results"]) == 3
-    assert set(batch["load"]) == {"start", "end", "peak", "cores"}  # its baseline's window (snlp.runtime.load)
+    assert set(batch["load"]) == {"start", "end", "peak", "cores", "machine_cpus"}  # its baseline's window (snlp.runtime.load)
     assert batch["results"][0]["tokens"] == seq["tokens"]
     for bad in (["--val-frac", "0.5"], ["--data", str(tmp_path / "elsewhere.txt")], ["--max-chars", "100"]):
         assert main(["eval", str(base_dir), "--drafter", str(d), "--seq-len", "16", *bad]) == 2
