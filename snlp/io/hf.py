@@ -51,14 +51,28 @@ def _dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _architecture(hf_config) -> str:
+_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}  # the class AutoModelForCausalLM builds for a config's model_type
+
+
+def _architecture(hf_config, model_class: type | None = None) -> str:
+    """The architecture whose forward the conversion reproduces. For a model object that is its class, not the
+    config's `architectures` list: `LlamaForCausalLM.from_pretrained(a Mistral folder)` keeps
+    architectures=['MistralForCausalLM'] but computes full attention, and a LlamaForSequenceClassification has a
+    Llama config but no language-model head. For a config alone it is the class AutoModelForCausalLM builds from
+    its model_type, and the `architectures` it names must be supported too (a classifier's folder is refused)."""
+    if model_class is not None:
+        arch = next((c.__name__ for c in model_class.__mro__ if c.__name__ in SUPPORTED), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {model_class.__name__!r} (a {type(hf_config).__name__}); "
+                             f"snlp.from_hf supports {', '.join(SUPPORTED)}")
+        return arch
     archs = list(getattr(hf_config, "architectures", None) or [])
-    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
-    arch = archs[0] if archs else by_type.get(getattr(hf_config, "model_type", ""), getattr(hf_config, "model_type", "?"))
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {arch!r}; snlp.from_hf supports {', '.join(SUPPORTED)}")
-    return arch
+    model_type = getattr(hf_config, "model_type", "?")
+    named = archs[0] if archs else _BY_TYPE.get(model_type, model_type)
+    if named not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {named!r}; snlp.from_hf supports {', '.join(SUPPORTED)}")
+    return _BY_TYPE.get(model_type, named)
 
 
 def _rope(hf_config) -> tuple[float, dict | None]:
@@ -80,10 +94,10 @@ def _rope(hf_config) -> tuple[float, dict | None]:
     return float(theta), scal
 
 
-def config_from_hf(hf_config) -> GPTConfig:
-    """The GPTConfig computing exactly what a supported transformers config computes; a ValueError names
-    any architecture or option snlp does not support."""
-    arch = _architecture(hf_config)
+def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
+    """The GPTConfig computing exactly what a supported transformers config computes (in `model_class`, the class of
+    the model object it came with, if any); a ValueError names any architecture or option snlp does not support."""
+    arch = _architecture(hf_config, model_class)
     c = hf_config
     act = getattr(c, "hidden_act", "silu")
     if act != "silu":
@@ -100,6 +114,8 @@ def config_from_hf(hf_config) -> GPTConfig:
     types = getattr(c, "layer_types", None)
     if arch == "MistralForCausalLM" and sw is not None:
         windows = [sw - 1] * L  # transformers: key j visible from query i when i - j < sliding_window
+    elif arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        pass  # Llama attends fully whatever sliding_window / layer_types its config carries
     elif types is not None and "sliding_attention" in types and sw is not None:
         windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
     elif types is not None and set(types) - {"full_attention", "sliding_attention"}:
@@ -144,7 +160,7 @@ def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
 
 def model_from_hf(hf_model, dtype=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
-    cfg = config_from_hf(hf_model.config)
+    cfg = config_from_hf(hf_model.config, type(hf_model))
     state = state_from_hf(hf_model.state_dict(), cfg)
     check_finite(state, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
     dtype = _dtype(dtype) or state["wte.weight"].dtype

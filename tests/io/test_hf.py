@@ -442,3 +442,34 @@ def test_a_plan_too_deep_for_a_transformers_directory_is_refused_only_where_one_
     check_plans_fit(d, ["40xF1-h0-K1"])  # generate, bench, tune...: load's error comes first
     with pytest.raises(ValueError, match="needs a suffix of N = 40"):
         check_plans_fit(d, ["40xF1-h0-K1"], transformers_ok=True)
+
+
+# ------------------------------------------------------------------------------ the audit of unusual configs
+def test_a_model_objects_class_decides_not_its_configs_architectures(tmp_path):
+    """`LlamaForCausalLM.from_pretrained(a Mistral folder)` keeps architectures=['MistralForCausalLM'] in its config
+    but computes full attention (Llama has no sliding window); from_hf of that object applied Mistral's window and
+    its logits were 0.44 off the object's, silently. Likewise a Qwen2 folder with sliding layers loaded as Llama (no
+    biases, no windows). The reference is the object the user passed: its own logits."""
+    x = ids(T=20)
+    for family, kw in (("mistral-window", dict(sliding_window=4)),
+                       ("qwen2-window", dict(sliding_window=4, max_window_layers=0))):
+        hf_tiny(family, layers=2, **kw).save_pretrained(str(tmp_path / family))
+        as_llama = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / family)).eval()
+        model, _ = from_hf(as_llama)
+        assert model.config.layer_windows is None and not model.config.qkv_bias
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), as_llama(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_object_outside_the_four_causal_lm_classes_is_refused_by_its_class_name():
+    """A LlamaForSequenceClassification (a Llama config, a score head instead of lm_head) with tied embeddings was
+    converted into a language model without a word; a LlamaModel said its weights lack 'model.embed_tokens.weight';
+    a Gemma object was named by its model_type ('gemma'). Each is refused in one line naming its class."""
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, pad_token_id=0)
+    for m in (transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**cfg, tie_word_embeddings=True)),
+              transformers.LlamaModel(transformers.LlamaConfig(**cfg)),
+              transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(**cfg, head_dim=16))):
+        with pytest.raises(ValueError, match=f"unsupported architecture '{type(m).__name__}'") as e:
+            from_hf(m)
+        assert "\n" not in str(e.value)
