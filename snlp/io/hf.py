@@ -259,7 +259,21 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     check_vocab(model, tok)
     if tok is not None and tok.foreign and "eos_token_ids" not in tok.meta:
         tok = tok.with_stop_ids(generation_eos_ids(hf_model))
+    if tok is not None and tok.foreign and "generation_config" not in tok.meta and generation_defaults(hf_model):
+        tok = Tokenizer(tok.tok, {**tok.meta, "generation_config": generation_defaults(hf_model)})
     return model, tok
+
+
+def generation_defaults(hf_model) -> dict:
+    """The generation defaults of `hf_model` other than its stop ids (do_sample, temperature, top_p, pad_token_id,
+    ...: what transformers' generate does when called without arguments), as JSON; `export_hf` writes them back so
+    the exported folder generates as the source did. Empty if it has none."""
+    gc = getattr(hf_model, "generation_config", None)
+    if gc is None:
+        return {}
+    d = gc.to_diff_dict()
+    return {k: v for k, v in d.items() if k not in ("transformers_version", "eos_token_id", "bos_token_id")
+            and isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
 def generation_eos_ids(hf_model) -> list[int] | None:
@@ -333,8 +347,10 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         sw = {w for w in windows if w >= 0}
         if len(sw) > 1:
             raise ValueError(f"export: several sliding-window sizes {sorted(sw)} have no transformers architecture")
-        kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1,
-                  layer_types=["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows])
+        types = ["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows]
+        first = types.index("sliding_attention")  # Qwen's own rule: layer i slides when i >= max_window_layers
+        kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1, layer_types=types,
+                  max_window_layers=first if all(t == "sliding_attention" for t in types[first:]) else cfg.n_layer)
     if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
         raise ValueError("export: sliding-window layers without q/k/v biases have no transformers architecture")
     hc = C(**kw)
@@ -386,7 +402,20 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         if hasattr(rot, "original_inv_freq"):
             rot.original_inv_freq = inv
     if tokenizer is not None:  # generation stops where snlp's does (the default config would say eos 2)
+        from transformers import GenerationConfig
+
         stops = list(tokenizer.stop_ids)
+        meta = tokenizer.meta or {}
+        if meta.get("generation_config"):  # the source's sampling defaults and pad id, as `snlp convert` kept them
+            gc = GenerationConfig(**meta["generation_config"])
+            try:  # older hub files set temperature / top_p without do_sample, which save_pretrained now refuses
+                gc.validate(strict=True)
+            except ValueError:
+                gc = GenerationConfig(pad_token_id=gc.pad_token_id)
+            hf_model.generation_config = gc
+        pad = meta.get("pad_token")
+        pad_id = tokenizer.token_id(pad) if pad else hf_model.generation_config.pad_token_id
+        hf_model.config.pad_token_id = hf_model.generation_config.pad_token_id = pad_id
         hf_model.config.bos_token_id = tokenizer.bos_id
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.bos_token_id = tokenizer.bos_id
@@ -397,6 +426,7 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     if tokenizer is not None:
         meta = tokenizer.meta or {}
         PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
-                                eos_token=meta.get("eos_token"),
+                                eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
+                                unk_token=meta.get("unk_token"),
                                 chat_template=meta.get("chat_template")).save_pretrained(str(out))
     return out

@@ -473,3 +473,35 @@ def test_a_model_object_outside_the_four_causal_lm_classes_is_refused_by_its_cla
         with pytest.raises(ValueError, match=f"unsupported architecture '{type(m).__name__}'") as e:
             from_hf(m)
         assert "\n" not in str(e.value)
+
+
+def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window_layers(tmp_path):
+    """convert -> export dropped the source's generation defaults (do_sample, temperature, top_p: the exported folder's
+    generate() decoded greedily where the source sampled), its pad_token_id and the tokenizer's pad token (a batched
+    `tok(texts, padding=True)` of the export raised), and wrote max_window_layers=28 beside layer_types that slide from
+    layer 1. The reference is the source folder's own files."""
+    from snlp.apps.cli import main
+
+    hf = hf_tiny("llama", layers=2, pad_token_id=V - 1)
+    hf.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9, pad_token_id=V - 1, eos_token_id=V - 2)
+    src = tmp_path / "src"
+    hf.save_pretrained(str(src))
+    tok = word_tokenizer(V)
+    tok.pad_token = "<unk>"
+    tok.save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    want, got = (json.loads((d / "generation_config.json").read_text()) for d in (src, tmp_path / "exp"))
+    for key in ("do_sample", "temperature", "top_p", "pad_token_id", "eos_token_id"):
+        assert got.get(key) == want[key], (key, got.get(key), want[key])
+    assert json.loads((tmp_path / "exp" / "config.json").read_text())["pad_token_id"] == V - 1
+    re_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert re_tok.pad_token == "<unk>"
+    batch = re_tok(["t1 t2", "t1 t2 t3 t4"], padding=True)["input_ids"]  # raised: no padding token
+    assert len(batch[0]) == len(batch[1]) and V - 1 in batch[0]
+
+    qwen = hf_tiny("qwen2-window", layers=3, sliding_window=4, max_window_layers=1)
+    model, _ = from_hf(qwen)
+    got = json.loads((export_hf(model, tmp_path / "qwen") / "config.json").read_text())
+    for key in ("max_window_layers", "layer_types", "sliding_window", "use_sliding_window"):
+        assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
