@@ -4,7 +4,7 @@ model back as a transformers directory. Paper App. "Off-the-Shelf Model Results"
 
 The conversion is exact: GPTConfig's Llama switches (SwiGLU, q/k/v biases, Qwen3 q/k norm weights,
 un-normalised embedding, RMSNorm eps and weights, rotate-half RoPE with transformers' frequencies incl.
-llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
+linear and llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
 sequential forward compute what transformers computes (tests/io/test_hf.py checks it against transformers).
 transformers is imported lazily: only conversion and export need it.
 """
@@ -76,8 +76,8 @@ def _architecture(hf_config, model_class: type | None = None) -> str:
 
 
 def _rope(hf_config) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling dict or None) from transformers 5's rope_parameters or the older rope_theta /
-    rope_scaling; any other rope type is a ValueError."""
+    """(theta, linear or llama3 scaling dict or None) from transformers 5's rope_parameters or the older rope_theta /
+    rope_scaling; any other rope type (dynamic, yarn, longrope) is a ValueError."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     scaling = getattr(hf_config, "rope_scaling", None)
     if scaling:
@@ -86,10 +86,11 @@ def _rope(hf_config) -> tuple[float, dict | None]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default' and 'llama3'")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scal = {"rope_type": "llama3", **{k: params.get(k) for k in keys}}
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default', 'linear' and 'llama3'")
+    keys = ("factor",) if kind == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scal = {"rope_type": kind, **{k: params.get(k) for k in keys}}
     rope_inv_freq(float(theta), 2, scal)  # validates the fields
     return float(theta), scal
 
@@ -100,7 +101,7 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
     arch = _architecture(hf_config, model_class)
     c = hf_config
     act = getattr(c, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN maps both names to torch's SiLU
         raise ValueError(f"unsupported hidden_act {act!r} in a {arch} config; snlp supports 'silu' (SwiGLU)")
     if getattr(c, "mlp_bias", False):
         raise ValueError(f"unsupported option mlp_bias=True in a {arch} config (biased MLPs)")

@@ -306,8 +306,10 @@ def test_unsupported_architecture_and_options():
         config_from_hf(transformers.LlamaConfig(attention_bias=True))
     with pytest.raises(ValueError, match="hidden_act"):
         config_from_hf(transformers.LlamaConfig(hidden_act="gelu"))
-    with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
-        GPTConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        GPTConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="linear rope_scaling needs a factor > 0"):
+        GPTConfig(rope_scaling={"rope_type": "linear", "factor": 0})
 
 
 def test_missing_and_corrupt_sources(tmp_path):
@@ -505,3 +507,50 @@ def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window
     got = json.loads((export_hf(model, tmp_path / "qwen") / "config.json").read_text())
     for key in ("max_window_layers", "layer_types", "sliding_window", "use_sliding_window"):
         assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
+
+
+def test_linear_rope_scaling_and_swish_convert_exactly_and_export_back(tmp_path):
+    """rope_type 'linear' (positions interpolated: every frequency / factor; Llama-2 long-context fine-tunes) and
+    hidden_act 'swish' (transformers' name for SiLU) were refused though snlp computes both exactly; a legacy
+    config.json's `rope_scaling: {"type": "linear"}` is read too. Reference: transformers' logits, fp64."""
+    x = ids(T=20)
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    hf = hf_tiny("llama", layers=2, dtype=torch.float64, rope_parameters=linear, hidden_act="swish")
+    with torch.no_grad():
+        assert (hf(x).logits - hf_tiny("llama", layers=2, dtype=torch.float64)(x).logits).abs().max() > 1e-3  # real
+        model, _ = from_hf(hf)
+        torch.testing.assert_close(model(x), hf(x).logits.float(), atol=1e-6, rtol=0)
+        re = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, tmp_path / "exp"))).eval()
+        torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-10, rtol=0)
+    hf_tiny("qwen2", layers=2).save_pretrained(str(tmp_path / "legacy"))
+    cfg = json.loads((tmp_path / "legacy" / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1e6,
+                                                                 "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "legacy")).eval()
+    model, _ = from_hf(str(tmp_path / "legacy"))
+    assert model.config.rope_base == 1e6 and model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 64}])
+def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, tmp_path, capsys):
+    """dynamic (frequencies that change with the sequence length), yarn and longrope (cos/sin scaled too) have no
+    fixed RoPE table in snlp: refused by name, from an object and from a folder whose weights are never read (here
+    they are corrupt, and the error is the rope type's)."""
+    from snlp.apps.cli import main
+
+    hf = hf_tiny("llama", layers=2, rope_parameters={"rope_theta": 10000.0, **rope})
+    with pytest.raises(ValueError, match=f"unsupported rope type '{rope['rope_type']}'"):
+        from_hf(hf)
+    hf.save_pretrained(str(tmp_path / "m"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
