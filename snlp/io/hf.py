@@ -4,7 +4,7 @@ model back as a transformers directory. Paper App. "Off-the-Shelf Model Results"
 
 The conversion is exact: GPTConfig's Llama switches (SwiGLU, q/k/v biases, Qwen3 q/k norm weights,
 un-normalised embedding, RMSNorm eps and weights, rotate-half RoPE with transformers' frequencies incl.
-llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
+linear and llama3 scaling, explicit head_dim, no softcap, HF sliding windows, tied embeddings) make snlp's
 sequential forward compute what transformers computes (tests/io/test_hf.py checks it against transformers).
 transformers is imported lazily: only conversion and export need it.
 """
@@ -51,19 +51,33 @@ def _dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _architecture(hf_config) -> str:
+_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}  # the class AutoModelForCausalLM builds for a config's model_type
+
+
+def _architecture(hf_config, model_class: type | None = None) -> str:
+    """The architecture whose forward the conversion reproduces. For a model object that is its class, not the
+    config's `architectures` list: `LlamaForCausalLM.from_pretrained(a Mistral folder)` keeps
+    architectures=['MistralForCausalLM'] but computes full attention, and a LlamaForSequenceClassification has a
+    Llama config but no language-model head. For a config alone it is the class AutoModelForCausalLM builds from
+    its model_type, and the `architectures` it names must be supported too (a classifier's folder is refused)."""
+    if model_class is not None:
+        arch = next((c.__name__ for c in model_class.__mro__ if c.__name__ in SUPPORTED), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {model_class.__name__!r} (a {type(hf_config).__name__}); "
+                             f"snlp.from_hf supports {', '.join(SUPPORTED)}")
+        return arch
     archs = list(getattr(hf_config, "architectures", None) or [])
-    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
-    arch = archs[0] if archs else by_type.get(getattr(hf_config, "model_type", ""), getattr(hf_config, "model_type", "?"))
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {arch!r}; snlp.from_hf supports {', '.join(SUPPORTED)}")
-    return arch
+    model_type = getattr(hf_config, "model_type", "?")
+    named = archs[0] if archs else _BY_TYPE.get(model_type, model_type)
+    if named not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {named!r}; snlp.from_hf supports {', '.join(SUPPORTED)}")
+    return _BY_TYPE.get(model_type, named)
 
 
 def _rope(hf_config) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling dict or None) from transformers 5's rope_parameters or the older rope_theta /
-    rope_scaling; any other rope type is a ValueError."""
+    """(theta, linear or llama3 scaling dict or None) from transformers 5's rope_parameters or the older rope_theta /
+    rope_scaling; any other rope type (dynamic, yarn, longrope) is a ValueError."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     scaling = getattr(hf_config, "rope_scaling", None)
     if scaling:
@@ -72,21 +86,22 @@ def _rope(hf_config) -> tuple[float, dict | None]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default' and 'llama3'")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scal = {"rope_type": "llama3", **{k: params.get(k) for k in keys}}
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default', 'linear' and 'llama3'")
+    keys = ("factor",) if kind == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scal = {"rope_type": kind, **{k: params.get(k) for k in keys}}
     rope_inv_freq(float(theta), 2, scal)  # validates the fields
     return float(theta), scal
 
 
-def config_from_hf(hf_config) -> GPTConfig:
-    """The GPTConfig computing exactly what a supported transformers config computes; a ValueError names
-    any architecture or option snlp does not support."""
-    arch = _architecture(hf_config)
+def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
+    """The GPTConfig computing exactly what a supported transformers config computes (in `model_class`, the class of
+    the model object it came with, if any); a ValueError names any architecture or option snlp does not support."""
+    arch = _architecture(hf_config, model_class)
     c = hf_config
     act = getattr(c, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN maps both names to torch's SiLU
         raise ValueError(f"unsupported hidden_act {act!r} in a {arch} config; snlp supports 'silu' (SwiGLU)")
     if getattr(c, "mlp_bias", False):
         raise ValueError(f"unsupported option mlp_bias=True in a {arch} config (biased MLPs)")
@@ -100,6 +115,8 @@ def config_from_hf(hf_config) -> GPTConfig:
     types = getattr(c, "layer_types", None)
     if arch == "MistralForCausalLM" and sw is not None:
         windows = [sw - 1] * L  # transformers: key j visible from query i when i - j < sliding_window
+    elif arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        pass  # Llama attends fully whatever sliding_window / layer_types its config carries
     elif types is not None and "sliding_attention" in types and sw is not None:
         windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
     elif types is not None and set(types) - {"full_attention", "sliding_attention"}:
@@ -144,7 +161,7 @@ def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
 
 def model_from_hf(hf_model, dtype=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
-    cfg = config_from_hf(hf_model.config)
+    cfg = config_from_hf(hf_model.config, type(hf_model))
     state = state_from_hf(hf_model.state_dict(), cfg)
     check_finite(state, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
     dtype = _dtype(dtype) or state["wte.weight"].dtype
@@ -247,7 +264,21 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     check_vocab(model, tok)
     if tok is not None and tok.foreign and "eos_token_ids" not in tok.meta:
         tok = tok.with_stop_ids(generation_eos_ids(hf_model))
+    if tok is not None and tok.foreign and "generation_config" not in tok.meta and generation_defaults(hf_model):
+        tok = Tokenizer(tok.tok, {**tok.meta, "generation_config": generation_defaults(hf_model)})
     return model, tok
+
+
+def generation_defaults(hf_model) -> dict:
+    """The generation defaults of `hf_model` other than its stop ids (do_sample, temperature, top_p, pad_token_id,
+    ...: what transformers' generate does when called without arguments), as JSON; `export_hf` writes them back so
+    the exported folder generates as the source did. Empty if it has none."""
+    gc = getattr(hf_model, "generation_config", None)
+    if gc is None:
+        return {}
+    d = gc.to_diff_dict()
+    return {k: v for k, v in d.items() if k not in ("transformers_version", "eos_token_id", "bos_token_id")
+            and isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
 def generation_eos_ids(hf_model) -> list[int] | None:
@@ -321,8 +352,10 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         sw = {w for w in windows if w >= 0}
         if len(sw) > 1:
             raise ValueError(f"export: several sliding-window sizes {sorted(sw)} have no transformers architecture")
-        kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1,
-                  layer_types=["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows])
+        types = ["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows]
+        first = types.index("sliding_attention")  # Qwen's own rule: layer i slides when i >= max_window_layers
+        kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1, layer_types=types,
+                  max_window_layers=first if all(t == "sliding_attention" for t in types[first:]) else cfg.n_layer)
     if arch == "Qwen2ForCausalLM" and not cfg.qkv_bias:
         raise ValueError("export: sliding-window layers without q/k/v biases have no transformers architecture")
     hc = C(**kw)
@@ -374,7 +407,20 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         if hasattr(rot, "original_inv_freq"):
             rot.original_inv_freq = inv
     if tokenizer is not None:  # generation stops where snlp's does (the default config would say eos 2)
+        from transformers import GenerationConfig
+
         stops = list(tokenizer.stop_ids)
+        meta = tokenizer.meta or {}
+        if meta.get("generation_config"):  # the source's sampling defaults and pad id, as `snlp convert` kept them
+            gc = GenerationConfig(**meta["generation_config"])
+            try:  # older hub files set temperature / top_p without do_sample, which save_pretrained now refuses
+                gc.validate(strict=True)
+            except ValueError:
+                gc = GenerationConfig(pad_token_id=gc.pad_token_id)
+            hf_model.generation_config = gc
+        pad = meta.get("pad_token")
+        pad_id = tokenizer.token_id(pad) if pad else hf_model.generation_config.pad_token_id
+        hf_model.config.pad_token_id = hf_model.generation_config.pad_token_id = pad_id
         hf_model.config.bos_token_id = tokenizer.bos_id
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.bos_token_id = tokenizer.bos_id
@@ -385,6 +431,7 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     if tokenizer is not None:
         meta = tokenizer.meta or {}
         PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
-                                eos_token=meta.get("eos_token"),
+                                eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
+                                unk_token=meta.get("unk_token"),
                                 chat_template=meta.get("chat_template")).save_pretrained(str(out))
     return out

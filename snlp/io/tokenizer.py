@@ -26,13 +26,14 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
 class Tokenizer:
     """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
     chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
-    {"bos_token", "eos_token", "chat_template"} (each may be None) and, when the model's generation config lists
-    them, "eos_token_ids": every id generation stops after (`stop_ids`)."""
+    {"bos_token", "eos_token", "chat_template"} (each may be None), "pad_token" / "unk_token" where the source has
+    them, when the model's generation config lists them "eos_token_ids": every id generation stops after
+    (`stop_ids`), and "generation_config": the source's other generation defaults, which `snlp export` writes back."""
 
     def __init__(self, tok: HFTokenizer, meta: dict | None = None):
         self.tok, self.meta = tok, meta
         if meta is not None:
-            for key in ("bos_token", "eos_token"):
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
                 t = meta.get(key)
                 if t is not None and tok.token_to_id(t) is None:
                     raise ValueError(f"tokenizer meta names {key}={t!r}, which is not in the tokenizer's vocabulary")
@@ -110,6 +111,9 @@ class Tokenizer:
         template = getattr(hf_tokenizer, "chat_template", None)
         meta = {"bos_token": hf_tokenizer.bos_token, "eos_token": hf_tokenizer.eos_token,
                 "chat_template": template if isinstance(template, str) else None}
+        for key in ("pad_token", "unk_token"):  # an export writes them back: batched tokenizer calls pad with pad_token
+            if isinstance(getattr(hf_tokenizer, key, None), str):
+                meta[key] = getattr(hf_tokenizer, key)
         return cls(HFTokenizer.from_str(backend.to_str()), meta)
 
     @property

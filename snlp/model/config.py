@@ -50,7 +50,7 @@ class GPTConfig:
     norm_eps: float | None = None  # RMSNorm eps; None -> torch's default (finfo(dtype).eps)
     norm_weights: bool = False  # learned RMSNorm weights: per block ln_attn / ln_mlp, and ln_f before the head
     rope_rotate_half: bool = False  # RoPE sign convention of HF's rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)
-    rope_scaling: dict | None = None  # None or HF's {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rope_scaling: dict | None = None  # None or HF's {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor", ...}
     attn_head_dim: int = 0  # explicit head dim (Qwen3: n_head * head_dim != n_embd); 0 -> n_embd // n_head
     layer_windows: list | None = None  # explicit left context per layer (-1 full); overrides window_pattern
     tie_embeddings: bool = False  # lm_head.weight is wte.weight

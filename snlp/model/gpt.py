@@ -12,7 +12,7 @@ which is the layer map G_l(h) = h_l - f_l(h_{l-1}) of the paper's Eq. (residual)
 Llama family (snlp.io.hf.from_hf sets the switches; defaults are the nanochat model above): SwiGLU MLP,
 q/k/v biases (Qwen2), weighted per-head q/k RMSNorm before RoPE (Qwen3) or no QK-norm, h_0 = wte(idx)
 un-normalised, learned RMSNorm weights (ln_attn / ln_mlp per block, ln_f) with the model's eps,
-rotate-half RoPE with transformers' frequencies (llama3 scaling), explicit head_dim, no softcap,
+rotate-half RoPE with transformers' frequencies (linear or llama3 scaling), explicit head_dim, no softcap,
 per-layer sliding windows and tied embeddings: the forward then equals transformers' (tests/io/test_hf.py).
 
 mHC (GPTConfig.hc_streams = n >= 1; manifold-constrained hyper-connections, Xie et al. 2025, after

@@ -25,14 +25,21 @@ def norm(x: Tensor, weight: Tensor | None = None, eps: float | None = None) -> T
 
 def rope_inv_freq(base: float, head_dim: int, scaling: dict | None = None) -> Tensor:
     """RoPE inverse frequencies (head_dim/2,) in fp32, as transformers computes them; `scaling` is an HF
-    rope_scaling dict: None/"default", or "llama3" (Llama 3.1: long wavelengths divided by `factor`,
-    a smooth ramp between low_freq_factor and high_freq_factor). Any other rope_type is a ValueError."""
+    rope_scaling dict: None/"default", "linear" (every frequency divided by `factor`: positions interpolated), or
+    "llama3" (Llama 3.1: long wavelengths divided by `factor`, a smooth ramp between low_freq_factor and
+    high_freq_factor). Any other rope_type is a ValueError (yarn and longrope also scale cos/sin, dynamic changes the
+    frequencies with the sequence length: no fixed table reproduces them)."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv
+    if kind == "linear":
+        factor = (scaling or {}).get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"linear rope_scaling needs a factor > 0 (got {scaling})")
+        return inv / float(factor)
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: none/'default' and 'llama3'")
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: none/'default', 'linear' and 'llama3'")
     try:
         factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old = float(scaling["original_max_position_embeddings"])

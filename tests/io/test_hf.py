@@ -306,8 +306,10 @@ def test_unsupported_architecture_and_options():
         config_from_hf(transformers.LlamaConfig(attention_bias=True))
     with pytest.raises(ValueError, match="hidden_act"):
         config_from_hf(transformers.LlamaConfig(hidden_act="gelu"))
-    with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
-        GPTConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        GPTConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="linear rope_scaling needs a factor > 0"):
+        GPTConfig(rope_scaling={"rope_type": "linear", "factor": 0})
 
 
 def test_missing_and_corrupt_sources(tmp_path):
@@ -442,3 +444,113 @@ def test_a_plan_too_deep_for_a_transformers_directory_is_refused_only_where_one_
     check_plans_fit(d, ["40xF1-h0-K1"])  # generate, bench, tune...: load's error comes first
     with pytest.raises(ValueError, match="needs a suffix of N = 40"):
         check_plans_fit(d, ["40xF1-h0-K1"], transformers_ok=True)
+
+
+# ------------------------------------------------------------------------------ the audit of unusual configs
+def test_a_model_objects_class_decides_not_its_configs_architectures(tmp_path):
+    """`LlamaForCausalLM.from_pretrained(a Mistral folder)` keeps architectures=['MistralForCausalLM'] in its config
+    but computes full attention (Llama has no sliding window); from_hf of that object applied Mistral's window and
+    its logits were 0.44 off the object's, silently. Likewise a Qwen2 folder with sliding layers loaded as Llama (no
+    biases, no windows). The reference is the object the user passed: its own logits."""
+    x = ids(T=20)
+    for family, kw in (("mistral-window", dict(sliding_window=4)),
+                       ("qwen2-window", dict(sliding_window=4, max_window_layers=0))):
+        hf_tiny(family, layers=2, **kw).save_pretrained(str(tmp_path / family))
+        as_llama = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / family)).eval()
+        model, _ = from_hf(as_llama)
+        assert model.config.layer_windows is None and not model.config.qkv_bias
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), as_llama(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_object_outside_the_four_causal_lm_classes_is_refused_by_its_class_name():
+    """A LlamaForSequenceClassification (a Llama config, a score head instead of lm_head) with tied embeddings was
+    converted into a language model without a word; a LlamaModel said its weights lack 'model.embed_tokens.weight';
+    a Gemma object was named by its model_type ('gemma'). Each is refused in one line naming its class."""
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, pad_token_id=0)
+    for m in (transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**cfg, tie_word_embeddings=True)),
+              transformers.LlamaModel(transformers.LlamaConfig(**cfg)),
+              transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(**cfg, head_dim=16))):
+        with pytest.raises(ValueError, match=f"unsupported architecture '{type(m).__name__}'") as e:
+            from_hf(m)
+        assert "\n" not in str(e.value)
+
+
+def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window_layers(tmp_path):
+    """convert -> export dropped the source's generation defaults (do_sample, temperature, top_p: the exported folder's
+    generate() decoded greedily where the source sampled), its pad_token_id and the tokenizer's pad token (a batched
+    `tok(texts, padding=True)` of the export raised), and wrote max_window_layers=28 beside layer_types that slide from
+    layer 1. The reference is the source folder's own files."""
+    from snlp.apps.cli import main
+
+    hf = hf_tiny("llama", layers=2, pad_token_id=V - 1)
+    hf.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9, pad_token_id=V - 1, eos_token_id=V - 2)
+    src = tmp_path / "src"
+    hf.save_pretrained(str(src))
+    tok = word_tokenizer(V)
+    tok.pad_token = "<unk>"
+    tok.save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    want, got = (json.loads((d / "generation_config.json").read_text()) for d in (src, tmp_path / "exp"))
+    for key in ("do_sample", "temperature", "top_p", "pad_token_id", "eos_token_id"):
+        assert got.get(key) == want[key], (key, got.get(key), want[key])
+    assert json.loads((tmp_path / "exp" / "config.json").read_text())["pad_token_id"] == V - 1
+    re_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert re_tok.pad_token == "<unk>"
+    batch = re_tok(["t1 t2", "t1 t2 t3 t4"], padding=True)["input_ids"]  # raised: no padding token
+    assert len(batch[0]) == len(batch[1]) and V - 1 in batch[0]
+
+    qwen = hf_tiny("qwen2-window", layers=3, sliding_window=4, max_window_layers=1)
+    model, _ = from_hf(qwen)
+    got = json.loads((export_hf(model, tmp_path / "qwen") / "config.json").read_text())
+    for key in ("max_window_layers", "layer_types", "sliding_window", "use_sliding_window"):
+        assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
+
+
+def test_linear_rope_scaling_and_swish_convert_exactly_and_export_back(tmp_path):
+    """rope_type 'linear' (positions interpolated: every frequency / factor; Llama-2 long-context fine-tunes) and
+    hidden_act 'swish' (transformers' name for SiLU) were refused though snlp computes both exactly; a legacy
+    config.json's `rope_scaling: {"type": "linear"}` is read too. Reference: transformers' logits, fp64."""
+    x = ids(T=20)
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    hf = hf_tiny("llama", layers=2, dtype=torch.float64, rope_parameters=linear, hidden_act="swish")
+    with torch.no_grad():
+        assert (hf(x).logits - hf_tiny("llama", layers=2, dtype=torch.float64)(x).logits).abs().max() > 1e-3  # real
+        model, _ = from_hf(hf)
+        torch.testing.assert_close(model(x), hf(x).logits.float(), atol=1e-6, rtol=0)
+        re = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, tmp_path / "exp"))).eval()
+        torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-10, rtol=0)
+    hf_tiny("qwen2", layers=2).save_pretrained(str(tmp_path / "legacy"))
+    cfg = json.loads((tmp_path / "legacy" / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1e6,
+                                                                 "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "legacy")).eval()
+    model, _ = from_hf(str(tmp_path / "legacy"))
+    assert model.config.rope_base == 1e6 and model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 64}])
+def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, tmp_path, capsys):
+    """dynamic (frequencies that change with the sequence length), yarn and longrope (cos/sin scaled too) have no
+    fixed RoPE table in snlp: refused by name, from an object and from a folder whose weights are never read (here
+    they are corrupt, and the error is the rope type's)."""
+    from snlp.apps.cli import main
+
+    hf = hf_tiny("llama", layers=2, rope_parameters={"rope_theta": 10000.0, **rope})
+    with pytest.raises(ValueError, match=f"unsupported rope type '{rope['rope_type']}'"):
+        from_hf(hf)
+    hf.save_pretrained(str(tmp_path / "m"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
