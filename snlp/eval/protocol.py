@@ -21,6 +21,9 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
                     `latency_ms` is the median of the plan's own rounds; Prefill: the ratio of the
                     median batch-1 forward times over `seq_len` tokens; both measured round-robin in
                     this process after a warm-up (snlp.runtime.timing)
+                    The paper's Speedup column is neither ratio's protocol but times what Prefill times:
+                    its evaluator (nanochat-snlp snlp/eval_snlp.py, `bench`) takes the mean of 150 batch-1
+                    forwards over its 2048-token window (docs/usage.md, "Against the paper's tables")
   Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
                     not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
 A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".

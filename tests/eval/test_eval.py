@@ -358,7 +358,13 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     assert all(r["emb_sim"] is not None and r["ppl"] > 1 for r in recs) and recs[1]["top1"] > 0.98  # fp32: ~exact
     assert list(csv.DictReader(open(out["csv"])))[2]["plan"] == "3xF2-h0-K1"
     md = out["md"].read_text().splitlines()
-    assert md[0].startswith("| Plan | K | PPL | ΔPPL | Speedup") and len(md) == 7 and "| 3xF2-h0-K1 | 1 |" in md[4]
+    assert md[0].startswith("| Plan | K | PPL | ΔPPL | Speedup") and len(md) == 9 and "| 3xF2-h0-K1 | 1 |" in md[4]
+    # the protocol under the table: what each column measured, and that the paper's Speedup column (nanochat-snlp's
+    # eval_snlp.py times a batch-1 forward over its window) is this table's Prefill, not its decode Speedup
+    assert md[8].startswith("Protocol: PPL (token-weighted)") and "4 windows of 16 tokens (64 predicted tokens)" in md[8]
+    assert "2 prompts x 5 greedy tokens" in md[8] and "over 1 rounds" in md[8]
+    assert "paper's Speedup column times this forward" in md[8] and "compare it with Prefill, not Speedup" in md[8]
+    assert "all-MiniLM-L6-v2" in md[8]  # EmbSim was computed: its encoder is not the paper's BGE
     # one timed round resolves no speedup (the sign test needs 6 of 6): every plan's Speedup cell says tie, and the
     # note under the table says what (tie) means; a 20-round run printed 1.07x and 1.18x from rounds spread
     # 0.45x-3.73x as results
@@ -375,6 +381,7 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     assert list((root / "cache").glob("*.val.bin"))  # the recorded source/split/cache were used
     captured = capsys.readouterr()
     assert "3xF2-h0-K1" in captured.out and "AR Match" in captured.out and "validation tokens of" in captured.err
+    assert md[8] in captured.out  # the terminal table carries the same protocol note
 
 
 def test_cli_errors_exit_2_with_a_message(ckpt, capsys):
