@@ -248,6 +248,30 @@ def test_a_plan_that_diverges_in_its_decode_too_is_recorded_untimed_not_a_crash(
     assert good.note == "" and len(good.speedup_rounds) == 2 and good.speedup > 0
 
 
+def test_a_plan_finite_on_the_windows_that_diverges_in_its_decode_loses_its_ar_row_not_the_run(model, val, monkeypatch):
+    """A plan whose solve stays finite on the PPL windows but turns NaN/inf in an AR prompt's greedy decode: its
+    SNLPDivergenceError escaped generations and evaluate lost every row (`snlp eval` kept only its partial file). Now
+    it keeps its teacher-forced columns, its AR Match / β̂ / EmbSim are None with the note "diverged in decoding",
+    and it is untimed where the timing prompt's decode diverges too; a fused plan whose fused REFERENCE diverges in
+    its decode keeps its AR Match vs sequential and has no AR Match vs fused; the other plans are as before."""
+    real = E.snlp_generate
+    broken = {"6xF1-h0-K1", "3xF2-h0-K3"}  # a plan, and the fused reference of 3xF2-h0-K1
+
+    def generate(model, prompt, plan, *a, **kw):
+        if str(plan) in broken:
+            raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
+        return real(model, prompt, plan, *a, **kw)
+
+    monkeypatch.setattr(E, "snlp_generate", generate)
+    recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6", "3xF2-h0-K1"], dataclasses.replace(CFG, emb=False)))
+    bad, good, fused = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"], recs["3xF2-h0-K1"]
+    assert bad.note == E.DECODE_DIVERGED == "diverged in decoding" and math.isfinite(bad.ppl) and bad.top1 is not None
+    assert bad.ar_match is None and bad.ar_beta is None and bad.emb_sim is None and bad.speedup is None
+    assert good.note == "" and good.ar_match == 1.0 and len(good.speedup_rounds) == 2
+    assert fused.note == "" and fused.ar_match is not None and fused.ar_match_fused is None
+    assert "6xF1-h0-K1 (diverged in decoding) |" in markdown_table(list(recs.values()))
+
+
 def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
     assert EMB.load_embedder.__wrapped__("cpu") is None
