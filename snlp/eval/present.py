@@ -57,6 +57,34 @@ def tie_note(records: list[EvalRecord]) -> str:
     return note.replace("Prefill: a ratio of medians, not tested", _PREFILL_TIE) if prefill else note
 
 
+def protocol_note(records: list[EvalRecord]) -> str:
+    """What the table's columns measured, from the records' own protocol fields, for the note `snlp eval` writes under
+    its table. Its Speedup is not the paper's: the paper's evaluator (nanochat-snlp snlp/eval_snlp.py, `bench`) times a
+    batch-1 teacher-forced forward over its 2048-token window, the mean of 150 calls, which is this table's Prefill
+    (over --seq-len tokens, a ratio of medians); a reader comparing with the paper's Speedup column must read Prefill.
+    EmbSim's encoder differs from the paper's too (snlp.eval.embsim)."""
+    if not records:
+        return ""
+    r = records[0]
+    parts = []
+    if r.seq_len and r.tokens:
+        parts.append(f"PPL (token-weighted), ΔPPL (relative to sequential), Top-1 and LogitSim (vs the sequential "
+                     f"logits, cosine over the vocabulary) over {r.tokens // r.seq_len} windows of {r.seq_len} tokens "
+                     f"({r.tokens:,} predicted tokens)")
+    if r.prompts and r.gen_tokens:
+        parts.append(f"AR Match and β̂ over {r.prompts} prompts x {r.gen_tokens} greedy tokens vs the sequential model")
+    rounds = next((len(x.speedup_rounds) for x in records[1:] if x.speedup_rounds), None)
+    parts.append("Speedup: KV-cached greedy decode ms/token at batch 1 (prefill not timed), the median of the paired "
+                 "per-round ratios" + (f" over {rounds} rounds" if rounds else ""))
+    parts.append(f"Prefill: a batch-1 forward over {r.seq_len or '--seq-len'} tokens, the ratio of the two medians; "
+                 f"the paper's Speedup column times this forward (over 2048 tokens, the mean of 150 calls): compare "
+                 f"it with Prefill, not Speedup")
+    if any(x.emb_sim is not None for x in records):
+        parts.append("EmbSim: all-MiniLM-L6-v2 on the decoded continuations (the paper: BGE-small-en-v1.5 on "
+                     "'Continuation of \"prompt\": continuation'), not comparable in value")
+    return "Protocol: " + "; ".join(parts) + "."
+
+
 def _cells(rec: EvalRecord, cols=COLUMNS, ties: dict | None = None, tested: bool = False) -> list[str]:
     """A row's cells. `tested`: the sequential row holds two or more windows, so every ΔPPL not marked (tie) was
     told from zero by its interval (fmt_delta_ppl's `resolved`)."""

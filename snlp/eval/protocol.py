@@ -21,9 +21,14 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
                     `latency_ms` is the median of the plan's own rounds; Prefill: the ratio of the
                     median batch-1 forward times over `seq_len` tokens; both measured round-robin in
                     this process after a warm-up (snlp.runtime.timing)
+                    The paper's Speedup column is neither ratio's protocol but times what Prefill times:
+                    its evaluator (nanochat-snlp snlp/eval_snlp.py, `bench`) takes the mean of 150 batch-1
+                    forwards over its 2048-token window (docs/usage.md, "Against the paper's tables")
   Ideal (layers)    ideal_layer_speedup = L / (S + K * evals + [fwd]) layer steps (Plan.ideal_speedup),
                     not to be confused with the self-speculative ideal (generate.ideal_ssd_speedup)
-A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged".
+A plan whose solve diverges (NaN/inf) is reported with PPL inf and the note "diverged"; one that stays finite on the
+windows but diverges in an AR prompt's decode keeps its teacher-forced columns, with AR Match, beta and EmbSim None
+and the note "diverged in decoding".
 Data loading is snlp.eval.data, tables / CSV / plots snlp.eval.present, the `snlp eval` command snlp.eval.
 """
 
@@ -52,6 +57,9 @@ from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
 from snlp.runtime.timing import time_round_robin
 
 SEQ = "sequential"
+# the note of a plan finite on the PPL windows whose greedy decode of an AR prompt turned NaN/inf: its teacher-forced
+# columns stand, its AR Match, β̂ and EmbSim are None, its speed columns measured where the timing prompt decodes
+DECODE_DIVERGED = "diverged in decoding"
 
 
 @dataclass(kw_only=True)
@@ -69,7 +77,7 @@ class EvalRecord:
     ppl: float = math.nan
     top1: float | None = None
     logit_sim: float | None = None
-    note: str = ""  # "" or "diverged"
+    note: str = ""  # "", "diverged" or DECODE_DIVERGED (finite on the windows, not in an AR decode)
     delta_ppl: float | None = None  # relative to sequential: 0.055 = +5.5%
     ar_match: float | None = None  # AR match against the sequential model (every row)
     ar_beta: float | None = None  # per-token agreement implied by ar_match over gen_tokens
@@ -223,19 +231,25 @@ def generation_rows(plans: list[Plan]) -> dict[str, Plan | None]:
 def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig,
                 preheat: Preheat | None = None) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
     """Greedy continuations (prompts x gen_tokens ids) of the sequential model and each plan, and
-    each plan's AR-match reference continuations (generation_rows)."""
+    each plan's AR-match reference continuations (generation_rows). A plan (or reference) whose decode raises
+    SNLPDivergenceError on a prompt has no entry (its AR Match, β̂ and EmbSim are None: DECODE_DIVERGED)."""
     rows = generation_rows(plans)
     out = {}
     with _bar(len(rows) * len(prompts), "AR match generation", cfg) as bar:
         for name, plan in rows.items():
             out[name] = []
             for prompt in prompts:
-                res = sequential_generate(model, prompt, cfg.gen_tokens) if plan is None else \
-                    snlp_generate(model, prompt, plan, cfg.gen_tokens, preheat=preheat_for(plan, preheat))
+                try:
+                    res = sequential_generate(model, prompt, cfg.gen_tokens) if plan is None else \
+                        snlp_generate(model, prompt, plan, cfg.gen_tokens, preheat=preheat_for(plan, preheat))
+                except SNLPDivergenceError:  # finite on the windows, not on this prompt's decode: no AR row, not a
+                    bar.update(len(prompts) - len(out.pop(name)))  # crash that loses every row
+                    break
                 out[name].append(res.tokens)
                 bar.update()
-    refs = {str(p): out[SEQ if reference_plan(p) is None else str(reference_plan(p))] for p in plans}
-    return {name: out[name] for name in [SEQ, *map(str, plans)]}, {SEQ: out[SEQ], **refs}
+    keyed = {str(p): SEQ if reference_plan(p) is None else str(reference_plan(p)) for p in plans}
+    refs = {name: out[ref] for name, ref in keyed.items() if ref in out}
+    return {name: out[name] for name in [SEQ, *map(str, plans)] if name in out}, {SEQ: out[SEQ], **refs}
 
 
 # ----- timing: speedup -----
@@ -323,7 +337,8 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     # a plan that diverged on the windows is timed where it still decodes the timing prompt (its solve may stay
     # finite there); where that decode raises too, the round-robin would raise with it and lose every row, so the
     # plan is left untimed (its speed columns None)
-    timed = [p for p in plans if tf[str(p)].note != "diverged" or _decodes(model, prompts[0], p, cfg, preheat)]
+    timed = [p for p in plans if (tf[str(p)].note != "diverged" and str(p) in gens)
+             or _decodes(model, prompts[0], p, cfg, preheat)]
     times = time_plans(model, prompts[0], wins[:1, :-1].to(device), timed, cfg, preheat)
     return rows(gens, refs, embs, times)
 
@@ -352,13 +367,14 @@ def _record(plan: Plan | None, L: int, tf, gens, refs, embs, times, cfg: EvalCon
     name = SEQ if plan is None else str(plan)
     ref = None if plan is None else reference_plan(plan)
     ar = ar_match(gens[name], gens[SEQ]) if name in gens else None  # None: diverged
-    fused = ar_match(gens[name], refs[name]) if name in gens and ref is not None else None
+    fused = ar_match(gens[name], refs[name]) if name in gens and name in refs and ref is not None else None
     q = tf[name]
+    note = DECODE_DIVERGED if gens and not q.note and name not in gens else q.note
     speed = {} if times is None or name not in times else _speed(times[name], times[SEQ])
     return EvalRecord(
         plan=name, K=None if plan is None else plan.iters, S=L if plan is None else plan.prefix_len(L),
         C=None if plan is None else plan.chunks, M=None if plan is None else plan.fuse,
-        init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=q.note,
+        init=None if plan is None else plan.init, ppl=q.ppl, top1=q.top1, logit_sim=q.logit_sim, note=note,
         delta_ppl=q.ppl / tf[SEQ].ppl - 1.0, ar_match=ar,
         ar_beta=None if ar is None else implied_beta(ar, cfg.gen_tokens), ar_match_fused=fused,
         ar_fused_reference=None if ref is None else str(ref), emb_sim=embs.get(name), **speed,

@@ -248,6 +248,30 @@ def test_a_plan_that_diverges_in_its_decode_too_is_recorded_untimed_not_a_crash(
     assert good.note == "" and len(good.speedup_rounds) == 2 and good.speedup > 0
 
 
+def test_a_plan_finite_on_the_windows_that_diverges_in_its_decode_loses_its_ar_row_not_the_run(model, val, monkeypatch):
+    """A plan whose solve stays finite on the PPL windows but turns NaN/inf in an AR prompt's greedy decode: its
+    SNLPDivergenceError escaped generations and evaluate lost every row (`snlp eval` kept only its partial file). Now
+    it keeps its teacher-forced columns, its AR Match / β̂ / EmbSim are None with the note "diverged in decoding",
+    and it is untimed where the timing prompt's decode diverges too; a fused plan whose fused REFERENCE diverges in
+    its decode keeps its AR Match vs sequential and has no AR Match vs fused; the other plans are as before."""
+    real = E.snlp_generate
+    broken = {"6xF1-h0-K1", "3xF2-h0-K3"}  # a plan, and the fused reference of 3xF2-h0-K1
+
+    def generate(model, prompt, plan, *a, **kw):
+        if str(plan) in broken:
+            raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
+        return real(model, prompt, plan, *a, **kw)
+
+    monkeypatch.setattr(E, "snlp_generate", generate)
+    recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6", "3xF2-h0-K1"], dataclasses.replace(CFG, emb=False)))
+    bad, good, fused = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"], recs["3xF2-h0-K1"]
+    assert bad.note == E.DECODE_DIVERGED == "diverged in decoding" and math.isfinite(bad.ppl) and bad.top1 is not None
+    assert bad.ar_match is None and bad.ar_beta is None and bad.emb_sim is None and bad.speedup is None
+    assert good.note == "" and good.ar_match == 1.0 and len(good.speedup_rounds) == 2
+    assert fused.note == "" and fused.ar_match is not None and fused.ar_match_fused is None
+    assert "6xF1-h0-K1 (diverged in decoding) |" in markdown_table(list(recs.values()))
+
+
 def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
     assert EMB.load_embedder.__wrapped__("cpu") is None
@@ -358,7 +382,13 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     assert all(r["emb_sim"] is not None and r["ppl"] > 1 for r in recs) and recs[1]["top1"] > 0.98  # fp32: ~exact
     assert list(csv.DictReader(open(out["csv"])))[2]["plan"] == "3xF2-h0-K1"
     md = out["md"].read_text().splitlines()
-    assert md[0].startswith("| Plan | K | PPL | ΔPPL | Speedup") and len(md) == 7 and "| 3xF2-h0-K1 | 1 |" in md[4]
+    assert md[0].startswith("| Plan | K | PPL | ΔPPL | Speedup") and len(md) == 9 and "| 3xF2-h0-K1 | 1 |" in md[4]
+    # the protocol under the table: what each column measured, and that the paper's Speedup column (nanochat-snlp's
+    # eval_snlp.py times a batch-1 forward over its window) is this table's Prefill, not its decode Speedup
+    assert md[8].startswith("Protocol: PPL (token-weighted)") and "4 windows of 16 tokens (64 predicted tokens)" in md[8]
+    assert "2 prompts x 5 greedy tokens" in md[8] and "over 1 rounds" in md[8]
+    assert "paper's Speedup column times this forward" in md[8] and "compare it with Prefill, not Speedup" in md[8]
+    assert "all-MiniLM-L6-v2" in md[8]  # EmbSim was computed: its encoder is not the paper's BGE
     # one timed round resolves no speedup (the sign test needs 6 of 6): every plan's Speedup cell says tie, and the
     # note under the table says what (tie) means; a 20-round run printed 1.07x and 1.18x from rounds spread
     # 0.45x-3.73x as results
@@ -375,6 +405,7 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
     assert list((root / "cache").glob("*.val.bin"))  # the recorded source/split/cache were used
     captured = capsys.readouterr()
     assert "3xF2-h0-K1" in captured.out and "AR Match" in captured.out and "validation tokens of" in captured.err
+    assert md[8] in captured.out  # the terminal table carries the same protocol note
 
 
 def test_cli_errors_exit_2_with_a_message(ckpt, capsys):

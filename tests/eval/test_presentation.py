@@ -14,7 +14,7 @@ from snlp.eval.data import windows
 from snlp.eval.protocol import EvalConfig, EvalRecord, teacher_forced
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, sci
 from snlp.method.plan import Plan
-from snlp.eval.present import markdown_table, print_table
+from snlp.eval.present import markdown_table, print_table, protocol_note
 from snlp.apps.report import early_exit_table, main_table, off_the_shelf_section, training_table
 from snlp.runtime.device import progress_bar
 
@@ -345,3 +345,22 @@ def test_a_prefill_whose_rounds_resolve_the_other_side_says_so():
     assert ties["prefill_speedup"] == {"4xF1-h0-K1": " (15 of 20 rounds below 1.00x)"}
     table = markdown_table([seq, rec], ties=ties)
     assert "| 1.30x (15 of 20 rounds below 1.00x) |" in table and "(15 of 20 rounds below 1.00x)" in table.split("\n\n")[1]
+
+
+def test_protocol_note_says_what_each_column_measured_and_which_is_the_papers_speedup():
+    """The note under `snlp eval`'s table, from the records' own fields: the PPL windows, the AR sample, what Speedup
+    and Prefill time, and that the paper's Speedup column (a batch-1 forward over its window, the mean of 150 calls)
+    is Prefill's quantity; rounds and EmbSim's encoder only where the records have them (a partial file has no
+    rounds yet; --no-emb no EmbSim)."""
+    recs = _recs()
+    for r in recs:
+        r.prompts, r.gen_tokens = 8, 32
+    note = protocol_note(recs)
+    assert note.startswith("Protocol: ") and "7 windows of 128 tokens (1,000 predicted tokens)" in note
+    assert "8 prompts x 32 greedy tokens" in note and "KV-cached greedy decode ms/token" in note
+    assert "compare it with Prefill, not Speedup" in note
+    assert "rounds" not in note.split("Prefill")[0].split("Speedup: ")[1] and "MiniLM" not in note
+    recs[1].speedup_rounds, recs[2].emb_sim = [1.2] * 20, 0.9
+    note = protocol_note(recs)
+    assert "paired per-round ratios over 20 rounds" in note and "BGE-small-en-v1.5" in note
+    assert protocol_note([]) == ""
