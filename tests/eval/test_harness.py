@@ -577,3 +577,32 @@ def test_a_second_harness_run_into_the_same_default_folder_is_refused_before_it_
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and line.startswith("snlp eval: error: --harness-out harness-tiny is in use by a run in progress"), line
     assert (tmp_path / "harness-tiny" / "sequential.json").read_text() == "the first run's\n"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_records_carry_what_lm_evals_own_results_file_carries(tasks, tmp_path, chat):
+    """Each method's record against the results file lm-eval's own EvaluationTracker writes for the same run: the
+    record lacked chat_template / its sha, fewshot_as_multiturn, system_instruction and task_hashes, so a run with
+    --apply-chat-template and one without wrote the same config; and fewshot_as_multiturn is the one `lm_eval
+    --apply_chat_template` sets (False without a template), not simple_evaluate's default True."""
+    from lm_eval.loggers import EvaluationTracker
+
+    from snlp.eval.harness import evaluate_methods
+
+    tok = Tokenizer.train([(DATA / "arc_tiny_test.jsonl").read_text()] * 3, 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=2, sequence_len=256, window_pattern="L")
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64", batch_size=8)
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny"], num_fewshot=1, limit=2, apply_chat_template=chat,
+                             bootstrap_iters=0, tm=tm)
+    tracker = EvaluationTracker(output_path=str(tmp_path))
+    r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=["snlp_arc_tiny"], num_fewshot=1, limit=2,
+                                task_manager=tm, apply_chat_template=chat, fewshot_as_multiturn=chat,
+                                bootstrap_iters=0, log_samples=False, evaluation_tracker=tracker)
+    tracker.save_results_aggregated(results=r)
+    [own] = [json.loads(p.read_text()) for p in tmp_path.rglob("results_*.json")]
+    assert set(own) <= set(rec.harness), sorted(set(own) - set(rec.harness))
+    for k in ("chat_template", "chat_template_sha", "fewshot_as_multiturn", "system_instruction", "task_hashes"):
+        assert rec.harness[k] == own[k], k
+    assert (rec.harness["chat_template"] is not None) == chat and rec.harness["fewshot_as_multiturn"] == chat
+    assert rec.results == json.loads(json.dumps(own["results"]))
