@@ -295,7 +295,11 @@ class SNLPLM(TemplateLM):
     @property
     def stop_ids(self) -> list[int]:
         """The ids generation stops after: the converted model's generation-config list (as transformers' generate
-        under the harness's hf model), else the end-of-text token."""
+        under the harness's hf model); for snlp's own BPE (nanochat's format, no EOS) <|bos|> and <|assistant_end|>,
+        where nanochat's engine ends a reply (else a chat model's answer runs on into a made-up next turn, whose
+        special tokens the answer's text drops)."""
+        if not self.tokenizer.foreign:
+            return [self.eot_token_id, self.tokenizer.token_id("<|assistant_end|>")]
         return list(self.tokenizer.stop_ids) or [self.eot_token_id]
 
     @property
