@@ -175,7 +175,8 @@ def run(args) -> int:
         print(f"snlp eval: {said}", file=sys.stderr)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
     limit = "" if args.limit is None else f", limit {args.limit:g}"
-    title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit} | "
+    chat = ", chat template (few-shot as turns)" if args.apply_chat_template else ""
+    title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit}{chat} | "
              f"{dtype} on {device_label(device)}")
 
     def write(records, complete: bool) -> None:

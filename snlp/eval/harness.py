@@ -295,7 +295,11 @@ class SNLPLM(TemplateLM):
     @property
     def stop_ids(self) -> list[int]:
         """The ids generation stops after: the converted model's generation-config list (as transformers' generate
-        under the harness's hf model), else the end-of-text token."""
+        under the harness's hf model); for snlp's own BPE (nanochat's format, no EOS) <|bos|> and <|assistant_end|>,
+        where nanochat's engine ends a reply (else a chat model's answer runs on into a made-up next turn, whose
+        special tokens the answer's text drops)."""
+        if not self.tokenizer.foreign:
+            return [self.eot_token_id, self.tokenizer.token_id("<|assistant_end|>")]
         return list(self.tokenizer.stop_ids) or [self.eot_token_id]
 
     @property
@@ -590,14 +594,24 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
+    from lm_eval.loggers import EvaluationTracker
+
     out = []
     for lm in lms:
+        # the harness's tracker records what its own results file carries beside the results (the chat template
+        # and its hash, fewshot_as_multiturn, the system instruction, task_hashes): without it a run with the chat
+        # template and one without wrote the same config. fewshot_as_multiturn follows the chat template, as
+        # `lm_eval --apply_chat_template` sets it (simple_evaluate's own default, True, would be recorded for a run
+        # without a template too)
+        tracker = EvaluationTracker()
         try:
             # model_args / batch_size / device are only recorded in the run's config (the model is built already)
             r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=tasks, num_fewshot=num_fewshot,
                                         limit=limit, task_manager=tm, apply_chat_template=apply_chat_template,
+                                        fewshot_as_multiturn=bool(apply_chat_template),
                                         fewshot_random_seed=fewshot_seed, bootstrap_iters=bootstrap_iters,
-                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device), **SEEDS)
+                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device),
+                                        evaluation_tracker=tracker, **SEEDS)
         except SNLPDivergenceError as e:
             # no results, but the same config as every other method's run (what would have produced them)
             cfg = dict(model="snlp", model_args=lm.model_args, **lm.get_model_info(), batch_size=lm.batch_size,
@@ -607,14 +621,25 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
                        fewshot_seed=fewshot_seed)
             out.append(HarnessRecord(lm.method, diverged=True, harness=json_safe(dict(
                 config=cfg, results={}, diverged=True, error=str(e), tasks=list(tasks), num_fewshot=num_fewshot,
-                apply_chat_template=apply_chat_template))))
+                apply_chat_template=apply_chat_template, **tracked(tracker)))))
         else:
-            r = json_safe(r)
+            r = json_safe(dict(r, **tracked(tracker)))
             r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
             out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
         if on_record is not None and len(out) < len(lms):
             on_record(list(out))
     return out
+
+
+def tracked(tracker) -> dict:
+    """What lm-eval's EvaluationTracker adds to the results dict when it writes its own results file
+    (save_results_aggregated: task_hashes, empty without logged samples, and the general config: model_source,
+    model_name, chat_template and its sha, fewshot_as_multiturn, system_instruction, start / end time), with
+    model_source "snlp" (the tracker records a built model as "CUSTOM")."""
+    tracker.general_config_tracker.log_end_time()
+    d = dict(task_hashes={}, **asdict(tracker.general_config_tracker))
+    d["model_source"] = "snlp"
+    return d
 
 
 def harness_bootstrap_iters() -> int:

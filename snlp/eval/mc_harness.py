@@ -16,8 +16,9 @@ k-shot prepends k solved examples, "Question: {q}\\nAnswer: {correct choice}", e
 fewshot delimiter "\\n\\n", drawn with `random.Random(seed).sample(pool, k)` per question in order
 (seed 1234, its default); when the pool holds the question itself, k + 1 are drawn and it is dropped.
 Tokenisation is the harness's causal-LM `_encode_pair`: trailing spaces of the context move to the
-continuation, the continuation's tokens are encode(context + continuation)[len(encode(context)):], no
-special tokens (for a foreign, e.g. converted Hugging Face, tokenizer); checkpoints with snlp's own BPE
+continuation, the continuation's tokens are encode(context + continuation)[len(encode(context)):], with a
+foreign (converted Hugging Face) tokenizer's own special tokens (a BOS its post-processor adds, as the harness's hf
+model encodes); checkpoints with snlp's own BPE
 start every document with <|bos|> in training, so their context starts with it. Inputs longer than
 max_len keep the last max_len tokens (the harness's left truncation). The same format is used for every
 task (MMLU's harness task has its own lettered template, which this module does not reproduce).
@@ -68,13 +69,16 @@ def draw_shots(questions: list[Question], pool: list[Question], k: int, seed: in
 
 
 def encode_pair(tokenizer, ctx: str, cont: str) -> tuple[list[int], list[int]]:
-    """The harness's causal-LM `_encode_pair`: (context ids, continuation ids)."""
+    """The harness's causal-LM `_encode_pair`: (context ids, continuation ids). A foreign tokenizer encodes with its
+    own special tokens, as the harness's hf model encodes (tokenizer.encode's default): a Llama-2 / Mistral-style
+    tokenizer's post-processor puts its BOS first, SmolLM2's adds nothing."""
     n = len(ctx) - len(ctx.rstrip())
     if n:
         cont, ctx = ctx[-n:] + cont, ctx[:-n]
-    whole, ctx_ids = tokenizer.encode(ctx + cont), tokenizer.encode(ctx)
     if tokenizer.meta is None:  # snlp's own BPE: every training document starts with <|bos|>
-        whole, ctx_ids = [tokenizer.bos_id, *whole], [tokenizer.bos_id, *ctx_ids]
+        whole, ctx_ids = ([tokenizer.bos_id, *tokenizer.encode(t)] for t in (ctx + cont, ctx))
+    else:
+        whole, ctx_ids = (tokenizer.tok.encode(t, add_special_tokens=True).ids for t in (ctx + cont, ctx))
     return ctx_ids, whole[len(ctx_ids):]
 
 

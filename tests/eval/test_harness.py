@@ -598,3 +598,69 @@ def test_cli_harness_files_are_strict_json(tasks, tmp_path, capsys):
                  "--json", str(tmp_path / "h.json")]) == 0
     for path in (out / "sequential.json", out / "2xF1-h0-K1.json", tmp_path / "h.json"):
         json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_records_carry_what_lm_evals_own_results_file_carries(tasks, tmp_path, chat):
+    """Each method's record against the results file lm-eval's own EvaluationTracker writes for the same run: the
+    record lacked chat_template / its sha, fewshot_as_multiturn, system_instruction and task_hashes, so a run with
+    --apply-chat-template and one without wrote the same config; and fewshot_as_multiturn is the one `lm_eval
+    --apply_chat_template` sets (False without a template), not simple_evaluate's default True."""
+    from lm_eval.loggers import EvaluationTracker
+
+    from snlp.eval.harness import evaluate_methods
+
+    tok = Tokenizer.train([(DATA / "arc_tiny_test.jsonl").read_text()] * 3, 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=2, sequence_len=256, window_pattern="L")
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64", batch_size=8)
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny"], num_fewshot=1, limit=2, apply_chat_template=chat,
+                             bootstrap_iters=0, tm=tm)
+    tracker = EvaluationTracker(output_path=str(tmp_path))
+    r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=["snlp_arc_tiny"], num_fewshot=1, limit=2,
+                                task_manager=tm, apply_chat_template=chat, fewshot_as_multiturn=chat,
+                                bootstrap_iters=0, log_samples=False, evaluation_tracker=tracker)
+    tracker.save_results_aggregated(results=r)
+    [own] = [json.loads(p.read_text()) for p in tmp_path.rglob("results_*.json")]
+    assert set(own) <= set(rec.harness), sorted(set(own) - set(rec.harness))
+    for k in ("chat_template", "chat_template_sha", "fewshot_as_multiturn", "system_instruction", "task_hashes"):
+        assert rec.harness[k] == own[k], k
+    assert (rec.harness["chat_template"] is not None) == chat and rec.harness["fewshot_as_multiturn"] == chat
+    assert rec.results == json.loads(json.dumps(own["results"]))
+
+
+def test_own_tokenizer_generation_stops_at_the_end_of_turn_as_nanochat():
+    """snlp's own BPE (nanochat's format) has no EOS; nanochat's engine ends a reply at <|assistant_end|> or <|bos|>.
+    generate_until stopped only at <|bos|>, so a chat model's answer ran on past its end of turn into a made-up next
+    turn (special tokens dropped from the text: the answer and the next turn glued together, an exact_match lost).
+    Reference: a naive greedy loop over the full forward that stops at either token. The head row of
+    <|assistant_end|> is made twice the row of the model's first greedy token, so it wins the first step."""
+    tok = Tokenizer.train(["the cat sat on the mat. a dog ran in the park. " * 4], 300)
+    # seed 3: after <|assistant_end|> this model goes on with ordinary tokens (text the answer would have kept)
+    model = make_model(seed=3, vocab_size=tok.vocab_size, n_layer=2, sequence_len=64, window_pattern="L")
+    end, bos = tok.token_id("<|assistant_end|>"), tok.bos_id
+    prompt = tok.render_chat([{"role": "user", "content": "the cat"}], add_generation_prompt=True)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1]
+        first = int(logits.argmax())
+        assert logits[first] > 0  # doubling the row doubles a positive logit: <|assistant_end|> becomes the argmax
+        model.lm_head.weight[end] = 2 * model.lm_head.weight[first]
+
+    def naive(ids, n):
+        out = []
+        for _ in range(n):
+            with torch.no_grad():
+                t = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            out.append(t)
+            if t in (end, bos):
+                break
+        return tok.tok.decode(out, skip_special_tokens=True)
+
+    lm = SNLPLM(pretrained=model, tokenizer=tok, dtype="float64", batch_size=2)
+    chats = [tok.render_chat([{"role": "user", "content": c}], add_generation_prompt=True)[0]
+             for c in ("the cat", "a dog ran in the park")]
+    reqs = [Instance(request_type="generate_until", doc={}, idx=0,
+                     arguments=(tok.decode(ids), {"until": ["\n\n"], "max_gen_toks": 6})) for ids in chats]
+    got = lm.generate_until(reqs)
+    assert got == [naive(ids, 6) for ids in chats]
+    assert got[0] == ""  # the reply ended at once

@@ -200,3 +200,42 @@ print(json.dumps(r.to_dict()))
     assert "lm-eval not installed" in blocked["protocol"] and "scored by lm-evaluation-harness" in harness["protocol"]
     assert blocked["records"] == harness["records"] and blocked["records"][0]["n"] == 6
     assert blocked["shots"] == harness["shots"] == 1
+
+
+def test_the_copy_scores_a_bos_adding_tokenizer_as_the_harness(tmp_path):
+    """A converted model whose tokenizer's post-processor adds BOS (Llama-2 / Mistral style): the harness's hf model
+    (and SNLPLM) encodes with it, the copy of the protocol (implementation=snlp, or no lm-eval) encoded without
+    special tokens, so every context lacked its BOS: other log-likelihoods (0.7 apart here) and other picks.
+    Reference: the harness itself (mc_samples) on the same converted tiny random transformers Llama."""
+    import transformers
+    from tokenizers import processors
+
+    from conftest import word_tokenizer
+    from snlp.eval.harness import load_any
+    from snlp.eval.mc_harness import loglikelihoods
+    from snlp.io.mctasks import Question
+
+    V = 64
+    tok = word_tokenizer(V)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", V - 3)])
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=V - 3, eos_token_id=V - 2, tie_word_embeddings=False)
+    hf_model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)  # logits far from uniform: a missing BOS moves every score
+    hf_model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, stok, _ = load_any(str(tmp_path))
+    model = model.double()
+    assert stok.tok.encode("t1 t2").ids[0] == V - 3  # the tokenizer really adds BOS
+    qs = [Question(question="t1 t2 t3", choices=("t4", "t5 t6", "t7"), answer=1),
+          Question(question="t9", choices=("t10 t11", "t12"), answer=0)]
+    ref = [s.lls for s in mc_samples(model, stok, qs, None)]
+    got = loglikelihoods(model, stok, qs, None)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(g, dtype=torch.float64), torch.tensor(r, dtype=torch.float64),
+                                   atol=1e-4, rtol=0)

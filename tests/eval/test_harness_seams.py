@@ -162,7 +162,7 @@ def test_sampled_requests_draw_their_own_samples():
             with torch.no_grad():
                 probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float() / 5.0, -1)
             ids.append(int(torch.multinomial(probs, 1, generator=gen)))
-            if ids[-1] == lm.eot_token_id:
+            if ids[-1] in (lm.eot_token_id, tok.token_id("<|assistant_end|>")):  # nanochat's end of a reply
                 break
         return lm.tok_decode(ids[len(prompt):])
 
