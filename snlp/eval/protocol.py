@@ -119,7 +119,7 @@ class EvalRecord:
         if "ppl" in d:
             d["ppl"] = json_number(d["ppl"])
         for f in dataclasses.fields(cls):  # every float field's "inf" / "-inf" (a string field keeps its text)
-            if f.type.startswith("float") and isinstance(d.get(f.name), str):
+            if "float" in str(f.type) and "list" not in str(f.type) and isinstance(d.get(f.name), str):
                 d[f.name] = json_number(d[f.name])
         for k in ("speedup_rounds", "prefill_speedup_rounds", "window_ce"):
             if isinstance(d.get(k), list):
