@@ -120,13 +120,15 @@ class EvalRecord:
         have it: read into the fields of one meaning each; the CLI's `load` key (the run's, not the record's) is
         dropped."""
         d = dict(d)
-        # strict JSON (snlp.runtime.device.json_safe) holds a diverged plan's inf as "inf" and a NaN as null: ppl is
-        # a float always (its NaN: not measured), delta_ppl None where not computed; the rounds and windows are
-        # lists of floats whose NaN came back as null
+        # strict JSON (snlp.runtime.device.json_safe) holds an inf as "inf" (a diverged plan's PPL and dPPL; any
+        # float field's, so that every record to_dict wrote reads back) and a NaN as null: ppl is a float always (its
+        # NaN: not measured), the other floats None where not computed; the rounds and windows are lists of floats
+        # whose NaN came back as null
         if "ppl" in d:
             d["ppl"] = json_number(d["ppl"])
-        if isinstance(d.get("delta_ppl"), str):
-            d["delta_ppl"] = json_number(d["delta_ppl"])
+        for f in dataclasses.fields(cls):  # every float field's "inf" / "-inf" (a string field keeps its text)
+            if "float" in str(f.type) and "list" not in str(f.type) and isinstance(d.get(f.name), str):
+                d[f.name] = json_number(d[f.name])
         for k in ("speedup_rounds", "prefill_speedup_rounds", "window_ce"):
             if isinstance(d.get(k), list):
                 d[k] = [json_number(v) for v in d[k]]

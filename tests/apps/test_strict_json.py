@@ -296,6 +296,27 @@ def test_the_report_from_records_read_back_says_what_the_floats_said(tmp_path):
     assert "acceptance alpha nan -> 0.500" in got
 
 
+def test_every_float_field_of_an_eval_record_reads_back_from_strict_json():
+    """EvalRecord.from_dict reads what to_dict wrote through json_text for every field: an inf of any float field
+    ("inf" on disk) is the float inf again, not the string, which the tables' formats refused ("Unknown format code
+    'f' for object of type 'str'"); -inf likewise; a string field keeps its text."""
+    import dataclasses
+
+    from snlp.eval.present import markdown_table
+    from snlp.eval.protocol import EvalRecord
+    from snlp.runtime.outputs import json_text
+
+    floats = [f.name for f in dataclasses.fields(EvalRecord) if "float" in str(f.type) and "list" not in str(f.type)]
+    assert {"ppl", "top1", "speedup", "prefill_speedup", "latency_ms", "ideal_layer_speedup"} <= set(floats)
+    for value in (math.inf, -math.inf):
+        rec = EvalRecord(plan="4xF1-h0-K1", K=1, S=0, C=4, M=1, init="h0", note="inf", device="inf",
+                         **{k: value for k in floats})
+        back = EvalRecord.from_dict(strict(json_text(rec.to_dict())))
+        assert back == rec, [k for k in floats if getattr(back, k) != value]
+        assert back.note == "inf" and back.device == "inf"  # text stays text
+        markdown_table([back])  # the table formats them as it formats the floats
+
+
 # ----- one CSV cell rule -----
 def test_both_csv_writers_write_one_cell_rule(tmp_path):
     """snlp.bench.records.write_csv and snlp.eval.present.write_csv write the same cells for the same rows: a list or
