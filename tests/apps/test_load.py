@@ -397,3 +397,22 @@ def test_the_paper_suite_records_its_window_sampled_between_parts(machine, tmp_p
     meta = json.loads((out / "suite.json").read_text())["meta"]
     assert meta["load"] == {"start": 0.4, "end": 0.5, "peak": 6.0, "cores": 2, "machine_cpus": 2}
     assert (meta["loadavg_1min_start"], meta["loadavg_1min_end"], meta["cores"]) == (0.4, 0.5, 2)
+
+
+def test_distributed_bench_with_pin_counts_the_cores_before_pinning(machine, tmp_path, capsys, monkeypatch):
+    """--pin narrows each rank to one core after the job's cores were read: the window keeps the job's count (an
+    int), not the affinity list the pinning picked its core from (which made free_cores subtract from a list)."""
+    from conftest import free_port
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    pinned = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)), raising=False)
+    machine(5.0, cores=2)
+    out = tmp_path / "d.json"
+    assert main(["bench", "--distributed", "--pin", *TINY, "--device", "cpu", "--json", str(out)]) == 0
+    assert pinned == [{0}]  # local rank 0 -> core 0
+    assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    rows = json.loads(out.read_text())
+    assert rows and all(r["load"]["cores"] == 2 and r["pinned"] for r in rows)
