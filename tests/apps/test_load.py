@@ -416,3 +416,26 @@ def test_distributed_bench_with_pin_counts_the_cores_before_pinning(machine, tmp
     assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
     rows = json.loads(out.read_text())
     assert rows and all(r["load"]["cores"] == 2 and r["pinned"] for r in rows)
+
+
+def test_train_time_reg_does_not_warn_about_its_own_training(machine, tmp_path, capsys):
+    """--time-reg times right after the training loop, whose threads fill the 1-min average (n threads for t s read
+    n(1 - exp(-t/60)): 2 threads for 2 min on an idle 2-core box read 1.73): the load less those threads is the
+    other work, not the load less one thread per rank, which left 'one free core' for 2 threads on an idle box."""
+    import torch
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt").read_text()[:20_000])
+    machine(2.0, cores=2)  # an idle 2-core box after minutes of 2-thread training
+    torch.set_num_threads(2)  # the one_thread fixture restores the count
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
+                 "--depth", "2", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16",
+                 "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+                 "--steps", "2", "--reg", "idn", "--reg-n", "1", "--time-reg", "2"]) == 0
+    cap = capsys.readouterr()
+    assert "OpenMP threads will wait" not in cap.err and "timings contended" not in cap.out
+    # one more core's worth of other work than the training's own threads: said, with what was subtracted
+    machine(3.0, cores=2)
+    line = oversubscription_note(2, LoadWindow.begin(), remedy=None, busy=2)
+    assert line and "3.00 on 2 cores, 1 free (other work: the load less 2 for this command's own busy threads" in line
+    assert load.free_cores(LoadWindow.begin(), busy=2) == 1 and load.free_cores(LoadWindow.begin()) == 0
