@@ -162,15 +162,16 @@ def ckpt(tmp_path_factory):
 
 def test_tune_names_the_contended_stage_and_records_both(machine, ckpt, tmp_path, capsys, monkeypatch):
     """Stage 1 (the step costs) timed under other work, stage 2 (end to end) on an idle box: the line names stage 1
-    alone, and the JSON keeps the run's window and each stage's."""
+    alone, and the JSON keeps the run's window and each stage's, each with the machine's CPUs (stage 1's window is
+    built from the run's: it once dropped them, and its line the clause saying the average counts all 8)."""
     import snlp.bench.tune as tune
 
-    machine(6.0, cores=2)
+    machine(6.0, cores=2, cpus=8)
     real = tune.measure_costs
 
     def measure_then_idle(*a, **k):  # stage 1's last timing: the other work ends with it
         costs = real(*a, **k)
-        machine(0.3, cores=2)
+        machine(0.3, cores=2, cpus=8)
         return costs
 
     monkeypatch.setattr(tune, "measure_costs", measure_then_idle)
@@ -182,7 +183,9 @@ def test_tune_names_the_contended_stage_and_records_both(machine, ckpt, tmp_path
                  "--accept-tokens", "0", "--no-progress", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.count("timings contended") == 1 and "stage 1: timings contended" in text
+    assert "6.00 on 2 cores (the load average counts the whole machine's 8 CPUs)" in text
     d = json.loads(out.read_text())
+    assert {w["machine_cpus"] for w in (d["load"], *d["load_stages"].values())} == {8}
     assert d["load"]["peak"] == 6.0 and d["load"]["cores"] == 2
     assert set(d["load"]) == {"start", "end", "peak", "cores", "machine_cpus"}
     assert d["load_stages"]["stage1"]["start"] == 6.0 and d["load_stages"]["stage2"]["end"] == 0.3
