@@ -623,7 +623,9 @@ def run_vs_paper_cli(args) -> int:
     import torch
 
     from snlp.apps.common import begin_timing
+    from snlp.runtime.device import set_threads
 
+    set_threads(args.threads)  # the remedy the oversubscription line names: --threads 1 must time with one
     # the run records its own window (its meta's load) and its markdown says a contended one
     begin_timing([torch.get_num_threads()], resolved.device)
     result = run_vs_paper(cfg)

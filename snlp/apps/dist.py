@@ -36,9 +36,9 @@ def _setup(args) -> tuple[int, int, torch.device, int]:
         torch.cuda.set_device(device)
     rank, world = init_distributed(args.dist_timeout, device)
     if getattr(args, "pin", False):  # one core per rank (local rank r -> core r), one intra-op thread
-        cores = sorted(os.sched_getaffinity(0))
+        allowed = sorted(os.sched_getaffinity(0))  # not `cores`: the job's count stays what it was before pinning
         local = int(os.environ.get("LOCAL_RANK", rank))
-        os.sched_setaffinity(0, {cores[local % len(cores)]})
+        os.sched_setaffinity(0, {allowed[local % len(allowed)]})
         torch.set_num_threads(1)
     set_threads(getattr(args, "threads", None))
     return rank, world, device, cores

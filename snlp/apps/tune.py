@@ -177,7 +177,8 @@ def run(args) -> int:
     # the load around each stage's timings (snlp.runtime.load): stage 1's step costs predict what stage 2 measures,
     # so a stage timed under other work is named apart
     whole = begin_timing(threads, device)
-    stages = {"stage1": LoadWindow(start=whole.start, peak=whole.start, cores=whole.cores)}
+    stages = {"stage1": LoadWindow(start=whole.start, peak=whole.start, cores=whole.cores,
+                                   machine_cpus=whole.machine_cpus)}
 
     def load() -> dict:
         return {"load": whole.to_json(), "load_stages": {k: w.to_json() for k, w in stages.items()}}

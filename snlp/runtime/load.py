@@ -176,43 +176,48 @@ def contention_note(window: LoadWindow, own: float) -> str | None:
 CALLER = 1.0
 
 
-def free_cores(window: LoadWindow, callers: int = 1) -> int | None:
+def free_cores(window: LoadWindow, callers: int = 1, busy: float | None = None) -> int | None:
     """The cores left free by other work when the window began (None without a load average): the other work is
-    the load less CALLER per caller (`callers`: the command's processes, its torchrun ranks on this machine), and
-    it takes whole cores, rounded half up at SLACK (0.5 of other work takes a core, 0.49 does not; never Python's
-    half-to-even round, under which on 4 cores 0.5 of other work took no core and 1.5 took two):
-    cores - floor(others + SLACK)."""
+    the load less CALLER per caller (`callers`: the command's processes, its torchrun ranks on this machine), or
+    less `busy` where the command kept more threads busy until the window began (train --time-reg times after its
+    training loop, whose threads fill the 1-min average: subtracting one per rank warned an idle box about the
+    run's own training), and it takes whole cores, rounded half up at SLACK (0.5 of other work takes a core, 0.49
+    does not; never Python's half-to-even round, under which on 4 cores 0.5 of other work took no core and 1.5
+    took two): cores - floor(others + SLACK)."""
     if window.start is None:
         return None
-    others = round(max(0.0, window.start - CALLER * callers), 2)  # two decimals, as the average is read
+    own = CALLER * callers if busy is None else busy
+    others = round(max(0.0, window.start - own), 2)  # two decimals, as the average is read
     return max(0, window.cores - math.floor(others + SLACK))
 
 
 def oversubscription_note(threads: int, window: LoadWindow, remedy: str | None = "--threads 1",
-                          ranks: int = 1) -> str | None:
+                          ranks: int = 1, busy: float | None = None) -> str | None:
     """One sentence, said before timing, when `threads` torch threads exceed the cores left free (free_cores),
     with what it read (the load, the cores, the free ones) so a reader can judge it: OpenMP's workers meet at a
     barrier after every parallel op, so a worker without a core stalls the others. `ranks`: torchrun ranks on this
     machine whose threads `threads` sums (each waits on the others at every collective). `remedy`: the setting
-    that times with one thread (None: the command has none). One thread is never warned of: it waits on no other."""
-    free = free_cores(window, ranks)
+    that times with one thread (None: the command has none). `busy`: the command's own busy threads before the
+    window (free_cores; None: CALLER per rank). One thread is never warned of: it waits on no other."""
+    free = free_cores(window, ranks, busy)
     if free is None or threads <= 1 or threads <= free:
         return None
     over = f" over {ranks} ranks" if ranks > 1 else ""
     return (f"about to time with {_plural(threads, 'torch thread')}{over}: 1-min load average {window.start:.2f} on "
             f"{_plural(window.cores, 'core')}{machine_clause(window)}, {free} free (other work: the load less "
-            f"{CALLER * ranks:g} for this command's own {'ranks' if ranks > 1 else 'thread'}, rounded half up to "
-            f"whole cores): OpenMP threads will wait on each other and the timings collapse"
+            f"{CALLER * ranks if busy is None else busy:g} for this command's own "
+            f"{'ranks' if ranks > 1 and busy is None else 'thread' if busy is None else 'busy threads'}, rounded half "
+            f"up to whole cores): OpenMP threads will wait on each other and the timings collapse"
             + (f"; {remedy} times with one" if remedy else ""))
 
 
 def warn_oversubscribed(threads, window: LoadWindow, device="cpu", remedy: str | None = "--threads 1",
-                        ranks: int = 1) -> str | None:
+                        ranks: int = 1, busy: float | None = None) -> str | None:
     """Say once on stderr, before any timing, the oversubscription sentence of a command about to time with
     `threads` (the torch thread counts it will time with; their most is what runs at once) on `device`; returns it
     (None: nothing to say). On a GPU the threads are not warned of (its host thread launches kernels; the intra-op
-    workers stay idle). Nothing is refused or changed."""
-    note = oversubscription_note(max(threads, default=1), window, remedy, ranks) if is_cpu(device) else None
+    workers stay idle). `busy`: oversubscription_note's. Nothing is refused or changed."""
+    note = oversubscription_note(max(threads, default=1), window, remedy, ranks, busy) if is_cpu(device) else None
     if note:
         print(f"note: {note}", file=sys.stderr)
     return note

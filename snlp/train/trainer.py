@@ -501,8 +501,8 @@ def time_regulariser(run: Run, state: LoopState, rounds: int) -> RegTiming:
 
     own, ranks = busy_threads(ctx)  # every rank times at once: all of this machine's ranks are the run's own load
     window = LoadWindow.begin()
-    if ctx.master:  # snlp train has no --threads: no remedy to name
-        warn_oversubscribed([own], window, ctx.device, remedy=None, ranks=ranks)
+    if ctx.master:  # snlp train has no --threads: no remedy to name; the training loop just kept `own` busy
+        warn_oversubscribed([own], window, ctx.device, remedy=None, ranks=ranks, busy=own)
     times = time_round_robin({"reg": call(with_reg, lam), "plain": call(plain, 0.0)}, 1, rounds, ctx.device)
     window.close()
     run.job.model.zero_grad(set_to_none=True)

@@ -162,15 +162,16 @@ def ckpt(tmp_path_factory):
 
 def test_tune_names_the_contended_stage_and_records_both(machine, ckpt, tmp_path, capsys, monkeypatch):
     """Stage 1 (the step costs) timed under other work, stage 2 (end to end) on an idle box: the line names stage 1
-    alone, and the JSON keeps the run's window and each stage's."""
+    alone, and the JSON keeps the run's window and each stage's, each with the machine's CPUs (stage 1's window is
+    built from the run's: it once dropped them, and its line the clause saying the average counts all 8)."""
     import snlp.bench.tune as tune
 
-    machine(6.0, cores=2)
+    machine(6.0, cores=2, cpus=8)
     real = tune.measure_costs
 
     def measure_then_idle(*a, **k):  # stage 1's last timing: the other work ends with it
         costs = real(*a, **k)
-        machine(0.3, cores=2)
+        machine(0.3, cores=2, cpus=8)
         return costs
 
     monkeypatch.setattr(tune, "measure_costs", measure_then_idle)
@@ -182,7 +183,9 @@ def test_tune_names_the_contended_stage_and_records_both(machine, ckpt, tmp_path
                  "--accept-tokens", "0", "--no-progress", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.count("timings contended") == 1 and "stage 1: timings contended" in text
+    assert "6.00 on 2 cores (the load average counts the whole machine's 8 CPUs)" in text
     d = json.loads(out.read_text())
+    assert {w["machine_cpus"] for w in (d["load"], *d["load_stages"].values())} == {8}
     assert d["load"]["peak"] == 6.0 and d["load"]["cores"] == 2
     assert set(d["load"]) == {"start", "end", "peak", "cores", "machine_cpus"}
     assert d["load_stages"]["stage1"]["start"] == 6.0 and d["load_stages"]["stage2"]["end"] == 0.3
@@ -397,3 +400,45 @@ def test_the_paper_suite_records_its_window_sampled_between_parts(machine, tmp_p
     meta = json.loads((out / "suite.json").read_text())["meta"]
     assert meta["load"] == {"start": 0.4, "end": 0.5, "peak": 6.0, "cores": 2, "machine_cpus": 2}
     assert (meta["loadavg_1min_start"], meta["loadavg_1min_end"], meta["cores"]) == (0.4, 0.5, 2)
+
+
+def test_distributed_bench_with_pin_counts_the_cores_before_pinning(machine, tmp_path, capsys, monkeypatch):
+    """--pin narrows each rank to one core after the job's cores were read: the window keeps the job's count (an
+    int), not the affinity list the pinning picked its core from (which made free_cores subtract from a list)."""
+    from conftest import free_port
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    pinned = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)), raising=False)
+    machine(5.0, cores=2)
+    out = tmp_path / "d.json"
+    assert main(["bench", "--distributed", "--pin", *TINY, "--device", "cpu", "--json", str(out)]) == 0
+    assert pinned == [{0}]  # local rank 0 -> core 0
+    assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
+    rows = json.loads(out.read_text())
+    assert rows and all(r["load"]["cores"] == 2 and r["pinned"] for r in rows)
+
+
+def test_train_time_reg_does_not_warn_about_its_own_training(machine, tmp_path, capsys):
+    """--time-reg times right after the training loop, whose threads fill the 1-min average (n threads for t s read
+    n(1 - exp(-t/60)): 2 threads for 2 min on an idle 2-core box read 1.73): the load less those threads is the
+    other work, not the load less one thread per rank, which left 'one free core' for 2 threads on an idle box."""
+    import torch
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt").read_text()[:20_000])
+    machine(2.0, cores=2)  # an idle 2-core box after minutes of 2-thread training
+    torch.set_num_threads(2)  # the one_thread fixture restores the count
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"),
+                 "--depth", "2", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16",
+                 "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+                 "--steps", "2", "--reg", "idn", "--reg-n", "1", "--time-reg", "2"]) == 0
+    cap = capsys.readouterr()
+    assert "OpenMP threads will wait" not in cap.err and "timings contended" not in cap.out
+    # one more core's worth of other work than the training's own threads: said, with what was subtracted
+    machine(3.0, cores=2)
+    line = oversubscription_note(2, LoadWindow.begin(), remedy=None, busy=2)
+    assert line and "3.00 on 2 cores, 1 free (other work: the load less 2 for this command's own busy threads" in line
+    assert load.free_cores(LoadWindow.begin(), busy=2) == 1 and load.free_cores(LoadWindow.begin()) == 0

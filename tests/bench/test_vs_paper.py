@@ -163,3 +163,33 @@ def test_vs_paper_says_a_contended_window_and_records_it(tmp_path, capsys, monke
     assert capsys.readouterr().out.count("timings contended: the 1-min load average reached 5.00 on 2 cores") == 1
     meta = json.loads((tmp_path / "o" / "vs_paper.json").read_text())["meta"]
     assert meta["load"] == {"start": 5.0, "end": 5.0, "peak": 5.0, "cores": 2, "machine_cpus": 2}
+
+
+@needs_paper
+def test_vs_paper_times_with_the_threads_its_oversubscription_line_names(tmp_path, capsys, monkeypatch):
+    """The line said before timing names --threads 1 as the remedy: given, the shapes are timed with one thread
+    (and the meta says so), rather than the flag being read by nothing."""
+    import torch
+
+    import snlp.bench.vs_paper as V
+    import snlp.runtime.load as load
+    from snlp.apps.cli import main
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 2.5, 2.5))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(load, "CPU_MAX", str(tmp_path / "no-cpu.max"))
+    monkeypatch.setattr(load, "CFS", (str(tmp_path / "no-quota"), str(tmp_path / "no-period")))
+    seen = []
+    monkeypatch.setattr(V, "_run_shape", lambda *a, **k: seen.append(torch.get_num_threads()))
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["bench", "--vs-paper", PAPER, "--quick", "--shapes", "0.5B-nox0ve", "--device", "cpu",
+                     "--out", str(tmp_path / "o")]) == 0
+        assert "--threads 1 times with one" in capsys.readouterr().err  # 2.5 - 1 of other work on 2 cores: 0 free
+        assert main(["bench", "--vs-paper", PAPER, "--quick", "--shapes", "0.5B-nox0ve", "--device", "cpu",
+                     "--threads", "1", "--out", str(tmp_path / "o")]) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert seen == [2, 1] and "OpenMP" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "o" / "vs_paper.json").read_text())["meta"]["threads"] == 1
