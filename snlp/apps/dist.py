@@ -109,8 +109,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     plan = cli_plan(args.plan, ckpt.config.n_layer)
     eos_id = args.eos_id
     if getattr(args, "chat", False):  # as snlp.apps.generate.run: the chat template, and stop at its EOS
-        prompt = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
-        eos_id = (list(tok.stop_ids) or None) if eos_id is None else eos_id
+        prompt = tok.chat_prompt([{"role": "user", "content": args.prompt}])
+        eos_id = (list(tok.chat_stop_ids) or None) if eos_id is None else eos_id
     else:
         prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,

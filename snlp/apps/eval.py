@@ -396,7 +396,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
                             progress=not args.no_progress)
     threads = [torch.get_num_threads()]
     window = begin_timing(threads, device)  # its tok/s vs sequential is timed
-    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.stop_ids) or None)
+    rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.chat_stop_ids) or None)
     window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "

@@ -38,8 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp.io.checkpoint.save_checkpoint)")
     p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
-                   "tokenizer's chat template (no extra BOS) and stop at its end-of-sequence ids (the converted "
-                   "model's generation config's list, else the tokenizer's EOS) unless --eos-id is given")
+                   "chat template (snlp's own tokenizer: the format `snlp sft` trains) and stop at its end of turn "
+                   "(the generation config's ids, else EOS; own: <|assistant_end|>) unless --eos-id is given")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
     p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "
@@ -189,8 +189,8 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     """The prompt's ids and the EOS id to stop at: with --chat the tokenizer's chat template and its EOS
     (unless --eos-id says otherwise), else BOS + the text and --eos-id."""
     if args.chat:
-        ids = list(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}])))
-        return ids, (list(tok.stop_ids) or None) if args.eos_id is None else args.eos_id
+        ids = tok.chat_prompt([{"role": "user", "content": args.prompt}])
+        return ids, (list(tok.chat_stop_ids) or None) if args.eos_id is None else args.eos_id
     return ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt)), \
         args.eos_id
 

@@ -295,12 +295,10 @@ class SNLPLM(TemplateLM):
     @property
     def stop_ids(self) -> list[int]:
         """The ids generation stops after: the converted model's generation-config list (as transformers' generate
-        under the harness's hf model); for snlp's own BPE (nanochat's format, no EOS) <|bos|> and <|assistant_end|>,
-        where nanochat's engine ends a reply (else a chat model's answer runs on into a made-up next turn, whose
-        special tokens the answer's text drops)."""
-        if not self.tokenizer.foreign:
-            return [self.eot_token_id, self.tokenizer.token_id("<|assistant_end|>")]
-        return list(self.tokenizer.stop_ids) or [self.eot_token_id]
+        under the harness's hf model); for snlp's own BPE (nanochat's format, no EOS) <|assistant_end|> and <|bos|>,
+        where nanochat's engine ends a reply (Tokenizer.chat_stop_ids: else a chat model's answer runs on into a
+        made-up next turn, whose special tokens the answer's text drops)."""
+        return list(self.tokenizer.chat_stop_ids) or [self.eot_token_id]
 
     @property
     def prefix_token_id(self) -> int:

@@ -210,6 +210,23 @@ class Tokenizer:
             return tuple(ids)
         return () if self.eos_id is None else (self.eos_id,)
 
+    @property
+    def chat_stop_ids(self) -> tuple[int, ...]:
+        """The ids a chat reply stops after: `stop_ids` for a converted model; for our BPE (nanochat's chat format,
+        no EOS) <|assistant_end|> and <|bos|>, where nanochat's engine ends a reply: without them a chat model's
+        reply runs on into a made-up next turn."""
+        if self.meta is not None:
+            return self.stop_ids
+        return self.token_id("<|assistant_end|>"), self.token_id(BOS)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids that ask the model for the next assistant reply to `messages`: the converted model's own
+        chat template (no extra BOS: the template has it), or our BPE's format (`render_chat`, what `snlp sft`
+        trains on) ending in <|assistant_start|>."""
+        if self.meta is None:
+            return self.render_chat(messages, add_generation_prompt=True)[0]
+        return list(self.encode(self.apply_chat_template(messages)))
+
     def with_stop_ids(self, ids) -> "Tokenizer":
         """This (foreign) tokenizer with `ids` (an int, a list of ints, or None: none recorded) as its stop ids."""
         if self.meta is None:

@@ -147,7 +147,7 @@ def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int
     (`training_prompts`), read from / added to the store in `cache_dir` (keyed by `base_identity`, n_tokens and
     the tokenizer's stop ids; one entry per prompt digest). `need_tokens`: a ValueError, before any decoding, when
     even replies of the full n_tokens could not give the stream (with `other_tokens` of text beside it) more."""
-    stops = tuple(int(t) for t in (tok.stop_ids or ()))
+    stops = tuple(int(t) for t in (tok.chat_stop_ids or ()))  # a reply ends where a chat turn ends
     limit = model.config.sequence_len
     parts, twins = training_prompts(spec, tok, val_frac, max_prompts)
     prompts, skipped, per_part = [], 0, {}

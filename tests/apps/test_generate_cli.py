@@ -443,3 +443,38 @@ def test_drafter_table_of_a_row_that_drafted_nothing_says_a_dash():
 
 def not_json(constant):
     raise AssertionError(f"{constant} in a JSON file: strict parsers (jq, JavaScript, Go) refuse it")
+
+
+def test_chat_on_snlps_own_tokenizer_asks_in_the_sft_format_and_stops_at_the_end_of_turn(tmp_path, capsys):
+    """`snlp generate --chat` on a checkpoint with snlp's own BPE (what `snlp sft` trains) was refused ("this tokenizer
+    has no chat template ... drop --chat"), and without --chat the reply never stopped at <|assistant_end|>. Now the
+    prompt is the SFT format (render_chat + <|assistant_start|>) and the reply stops where nanochat's engine ends it.
+    Reference: a naive greedy loop over the full forward stopping at <|assistant_end|> or <|bos|>; the head row of
+    <|assistant_end|> is twice the row of the third greedy token's, so the reply ends there."""
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    end, bos = tok.token_id("<|assistant_end|>"), tok.bos_id
+    prompt = tok.render_chat([{"role": "user", "content": "Speak"}], add_generation_prompt=True)[0]
+
+    def naive(n):
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                out.append(int(model(torch.tensor([prompt + out]))[0, -1].argmax()))
+                if out[-1] in (end, bos):
+                    break
+        return out
+
+    third = naive(3)[2]
+    with torch.no_grad():
+        model.lm_head.weight[end] = 2 * model.lm_head.weight[third]
+    want = naive(20)
+    assert want[-1] == end and len(want) < 20
+    ckpt = save_checkpoint(tmp_path / "sft", model, tokenizer=tok)
+    out = tmp_path / "g.json"
+    assert main(["generate", str(ckpt), "--chat", "--prompt", "Speak", "--max-new-tokens", "20",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["tokens"] == want and got["stop"] == "eos"
+    assert "<|assistant_end|>" not in capsys.readouterr().out  # the stop is not printed
