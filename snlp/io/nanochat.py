@@ -413,7 +413,8 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
         last = last_model_step(path)
         if last not in have:
             raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
-                             f"of its complete steps {have} (step=, --step, or the path of its model_NNNNNN.pt)")
+                             f"of its complete steps {have} (the path of its model_NNNNNN.pt; step= in snlp.load, "
+                             f"--step in snlp convert)")
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")
