@@ -376,7 +376,8 @@ def untrained_lambdas(sd: dict) -> bool:
         return False
     n_layer = len(r)
     d = max(n_layer - 1, 1)
-    init = torch.tensor([[1.15 - 0.10 * i / d for i in range(n_layer)], [0.20 - 0.15 * i / d for i in range(n_layer)]])
+    init = torch.tensor([[1.15 - 0.10 * i / d for i in range(n_layer)], [0.20 - 0.15 * i / d for i in range(n_layer)]],
+                        device="cpu")  # compared with the stored tensors moved to the CPU
     return bool(torch.equal(r.cpu(), init[0].to(r.dtype)) and torch.equal(x.cpu(), init[1].to(x.dtype)))
 
 
