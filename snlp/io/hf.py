@@ -281,6 +281,29 @@ def generation_defaults(hf_model) -> dict:
             and isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
+_SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+_BEAM_ONLY = ("early_stopping", "length_penalty")
+_EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+
+
+def _effective_generation_defaults(d: dict) -> dict:
+    """`d` (generation defaults as `generation_defaults` kept them) less the flags transformers' generate ignores in
+    the decoding mode `d` selects: sampling flags without do_sample (older hub files set temperature / top_p so),
+    beam flags without num_beams > 1, extra outputs without return_dict_in_generate, cache settings without
+    use_cache. GenerationConfig.save_pretrained refuses a config holding any of them; dropping them leaves what
+    generate() computes unchanged, and keeps the flags it does use (repetition_penalty, max_new_tokens, ...)."""
+    drop = set()
+    if d.get("do_sample") is not True:
+        drop.update(_SAMPLING_ONLY)
+    if d.get("num_beams") in (None, 1):
+        drop.update(_BEAM_ONLY)
+    if d.get("return_dict_in_generate") is not True:
+        drop.update(_EXTRA_OUTPUTS)
+    if d.get("use_cache") is False:
+        drop.update(("cache_implementation", "cache_config"))
+    return {k: v for k, v in d.items() if k not in drop}
+
+
 def generation_eos_ids(hf_model) -> list[int] | None:
     """The end-of-sequence ids transformers' generate stops after for `hf_model`: its generation config's
     eos_token_id (generation_config.json; without one, derived from config.json), as a list; None if it has none."""
@@ -412,8 +435,8 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         stops = list(tokenizer.stop_ids)
         meta = tokenizer.meta or {}
         if meta.get("generation_config"):  # the source's sampling defaults and pad id, as `snlp convert` kept them
-            gc = GenerationConfig(**meta["generation_config"])
-            try:  # older hub files set temperature / top_p without do_sample, which save_pretrained now refuses
+            gc = GenerationConfig(**_effective_generation_defaults(meta["generation_config"]))
+            try:
                 gc.validate(strict=True)
             except ValueError:
                 gc = GenerationConfig(pad_token_id=gc.pad_token_id)
