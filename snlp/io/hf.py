@@ -238,7 +238,7 @@ def _load_hf(src: str, dtype):
 def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     """A Hugging Face causal LM -> (snlp GPT in eval mode, snlp Tokenizer).
 
-    `src`: a transformers model object, a local directory (config.json + safetensors), a `.gguf` file, or a
+    `src`: a transformers model object (torch.compile of one too), a local directory (config.json + safetensors), a `.gguf` file, or a
     hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
     Qwen3ForCausalLM; anything else is a ValueError. `dtype` (torch dtype or name) defaults to the
     source's. `tokenizer` (a transformers tokenizer or an snlp Tokenizer) overrides/provides the tokenizer;
@@ -247,6 +247,8 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     if isinstance(src, GPT):  # it has a `config` too, but no transformers architecture ("unsupported '?'")
         raise ValueError("from_hf was given an snlp GPT: it is already converted; use it as it is (from_hf reads "
                          "transformers models, directories, .gguf files and hub ids)")
+    while isinstance(getattr(src, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper: the model inside
+        src = src._orig_mod  # (its class decides the architecture; the wrapper's state dict prefixes `_orig_mod.`)
     if isinstance(src, torch.nn.Module):
         if not hasattr(src, "config"):
             raise ValueError(f"{type(src).__name__} is not a transformers model; pass one of {', '.join(SUPPORTED)}, "

@@ -509,6 +509,16 @@ def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window
         assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
 
 
+def test_a_torch_compiled_model_object_converts_as_the_model_inside():
+    """torch.compile(hf) is an OptimizedModule: its class is none of the four and its state dict prefixes every key
+    `_orig_mod.`, so from_hf refused it (after audit51b by the wrapper's class name). Reference: transformers."""
+    hf = hf_tiny("qwen2-window")
+    model, _ = from_hf(torch.compile(hf, backend="eager"))
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_export_keeps_the_generation_defaults_a_greedy_source_uses_beside_its_ignored_sampling_flags(tmp_path):
     """An older hub generation_config.json sets temperature / top_p without do_sample (generate ignores them: greedy).
     save_pretrained refuses such a config, and the export dropped every default but the pad id with it:
