@@ -238,8 +238,8 @@ def _load_hf(src: str, dtype):
 def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     """A Hugging Face causal LM -> (snlp GPT in eval mode, snlp Tokenizer).
 
-    `src`: a transformers model object (torch.compile of one too), a local directory (config.json + safetensors), a `.gguf` file, or a
-    hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+    `src`: a transformers model object (or torch.compile of one), a local directory (config.json + safetensors), a
+    `.gguf` file, or a hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
     Qwen3ForCausalLM; anything else is a ValueError. `dtype` (torch dtype or name) defaults to the
     source's. `tokenizer` (a transformers tokenizer or an snlp Tokenizer) overrides/provides the tokenizer;
     a model object comes without one unless given."""

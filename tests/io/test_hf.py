@@ -539,7 +539,8 @@ def test_export_keeps_the_generation_defaults_a_greedy_source_uses_beside_its_ig
         assert got.get(key) == gc[key], (key, got.get(key), gc[key])
     assert "temperature" not in got and "top_p" not in got
     x = torch.tensor([[3, 4, 5, 3, 4]])
-    a, b = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval().generate(x) for d in (src, tmp_path / "exp"))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    a, b = (load(str(d)).eval().generate(x) for d in (src, tmp_path / "exp"))
     assert torch.equal(a, b), (a.tolist(), b.tolist())
 
 
