@@ -53,6 +53,9 @@ def main() -> None:
                 ap.error(f"{path} is not an `snlp eval --json` file (a list of records, or a partial run's object)")
             print(f"(arm {name}: {path} is PARTIAL, written before its run ended; it holds {rows.get('done')})\n")
             rows = rows["records"]
+        if not all(isinstance(r, dict) and "plan" in r for r in rows):  # e.g. `snlp eval --harness --json`: methods
+            ap.error(f"{path} is not an `snlp eval --json` file: its records have no `plan` (the harness's records "
+                     f"hold no per-window losses to pair)")
         for r in rows:  # a diverged plan's PPL: "inf" in strict JSON (Infinity in files written before), a NaN null
             r.update({k: float(r[k]) for k in ("ppl", "delta_ppl") if isinstance(r.get(k), str)})
             r.update({k: math.nan for k in ("ppl", "delta_ppl") if k in r and r[k] is None})  # as NaN was read

@@ -368,6 +368,9 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
         rows = sorted(recs[1:], key=lambda r: -(r.ppl if math.isfinite(r.ppl) else 1e300))
         for j, r in enumerate(rows):
             mark = ("*" if r.plan in front else "") + ("†" if r.plan == drafters.get(key) else "")
+            # a plan finite on the windows whose AR decode diverged: its AR cells are empty, as not measured; say why
+            # (a PPL-diverged row's PPL cell says it already)
+            mark += f" ({r.note})" if r.note and math.isfinite(r.ppl) else ""
             sp = speeds.get(r.plan)
             ar, fused = _ar_cells(r)
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "

@@ -338,8 +338,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
                  "PPL, dPPL, Top-1, LogitSim and AR Match")
     # a plan that diverged on the windows is timed where it still decodes the timing prompt (its solve may stay
     # finite there); where that decode raises too, the round-robin would raise with it and lose every row, so the
-    # plan is left untimed (its speed columns None)
-    timed = [p for p in plans if (tf[str(p)].note != "diverged" and str(p) in gens)
+    # plan is left untimed (its speed columns None). A plan that decoded every AR prompt has decoded the timing
+    # prompt (prompts[0]) only as far as gen_tokens: past it (time_tokens > gen_tokens) it is checked too
+    decoded = cfg.time_tokens <= cfg.gen_tokens
+    timed = [p for p in plans if (tf[str(p)].note != "diverged" and str(p) in gens and decoded)
              or _decodes(model, prompts[0], p, cfg, preheat)]
     times = time_plans(model, prompts[0], wins[:1, :-1].to(device), timed, cfg, preheat)
     return rows(gens, refs, embs, times)

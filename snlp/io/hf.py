@@ -238,8 +238,8 @@ def _load_hf(src: str, dtype):
 def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     """A Hugging Face causal LM -> (snlp GPT in eval mode, snlp Tokenizer).
 
-    `src`: a transformers model object, a local directory (config.json + safetensors), a `.gguf` file, or a
-    hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+    `src`: a transformers model object (or torch.compile of one), a local directory (config.json + safetensors), a
+    `.gguf` file, or a hub id (needs network). Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
     Qwen3ForCausalLM; anything else is a ValueError. `dtype` (torch dtype or name) defaults to the
     source's. `tokenizer` (a transformers tokenizer or an snlp Tokenizer) overrides/provides the tokenizer;
     a model object comes without one unless given."""
@@ -247,6 +247,8 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     if isinstance(src, GPT):  # it has a `config` too, but no transformers architecture ("unsupported '?'")
         raise ValueError("from_hf was given an snlp GPT: it is already converted; use it as it is (from_hf reads "
                          "transformers models, directories, .gguf files and hub ids)")
+    while isinstance(getattr(src, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper: the model inside
+        src = src._orig_mod  # (its class decides the architecture; the wrapper's state dict prefixes `_orig_mod.`)
     if isinstance(src, torch.nn.Module):
         if not hasattr(src, "config"):
             raise ValueError(f"{type(src).__name__} is not a transformers model; pass one of {', '.join(SUPPORTED)}, "
@@ -279,6 +281,29 @@ def generation_defaults(hf_model) -> dict:
     d = gc.to_diff_dict()
     return {k: v for k, v in d.items() if k not in ("transformers_version", "eos_token_id", "bos_token_id")
             and isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+_SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+_BEAM_ONLY = ("early_stopping", "length_penalty")
+_EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+
+
+def _effective_generation_defaults(d: dict) -> dict:
+    """`d` (generation defaults as `generation_defaults` kept them) less the flags transformers' generate ignores in
+    the decoding mode `d` selects: sampling flags without do_sample (older hub files set temperature / top_p so),
+    beam flags without num_beams > 1, extra outputs without return_dict_in_generate, cache settings without
+    use_cache. GenerationConfig.save_pretrained refuses a config holding any of them; dropping them leaves what
+    generate() computes unchanged, and keeps the flags it does use (repetition_penalty, max_new_tokens, ...)."""
+    drop = set()
+    if d.get("do_sample") is not True:
+        drop.update(_SAMPLING_ONLY)
+    if d.get("num_beams") in (None, 1):
+        drop.update(_BEAM_ONLY)
+    if d.get("return_dict_in_generate") is not True:
+        drop.update(_EXTRA_OUTPUTS)
+    if d.get("use_cache") is False:
+        drop.update(("cache_implementation", "cache_config"))
+    return {k: v for k, v in d.items() if k not in drop}
 
 
 def generation_eos_ids(hf_model) -> list[int] | None:
@@ -412,8 +437,8 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         stops = list(tokenizer.stop_ids)
         meta = tokenizer.meta or {}
         if meta.get("generation_config"):  # the source's sampling defaults and pad id, as `snlp convert` kept them
-            gc = GenerationConfig(**meta["generation_config"])
-            try:  # older hub files set temperature / top_p without do_sample, which save_pretrained now refuses
+            gc = GenerationConfig(**_effective_generation_defaults(meta["generation_config"]))
+            try:
                 gc.validate(strict=True)
             except ValueError:
                 gc = GenerationConfig(pad_token_id=gc.pad_token_id)

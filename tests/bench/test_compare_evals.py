@@ -98,3 +98,15 @@ def test_a_nan_ppl_written_as_null_is_read_as_the_nan_it_was(tmp_path):
     out = run(f"a={a}", f"n={tmp_path / 'n.json'}")
     assert out.returncode == 0, out.stderr
     assert "| n | 4xF1-h0-K1 | nan | diverged | - |" in out.stdout
+
+
+def test_a_harness_records_file_is_refused_in_one_line(tmp_path):
+    """`snlp eval --harness --json` writes a list of records keyed by `method` (or its partial object of them): the
+    script raised KeyError 'plan' with a traceback instead of saying the file is not an `snlp eval --json` file."""
+    rec = {"method": "sequential", "results": {"t": {"acc,none": 0.5}}, "diverged": False, "harness": {}}
+    (tmp_path / "h.json").write_text(json.dumps([rec]))
+    (tmp_path / "p.json").write_text(json.dumps({"complete": False, "done": "1 of 2 methods", "records": [rec]}))
+    for f in ("h.json", "p.json"):
+        out = run(f"a={tmp_path / f}", f"b={tmp_path / f}")
+        assert out.returncode == 2 and "is not an `snlp eval --json` file" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr

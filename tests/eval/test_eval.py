@@ -272,6 +272,26 @@ def test_a_plan_finite_on_the_windows_that_diverges_in_its_decode_loses_its_ar_r
     assert "6xF1-h0-K1 (diverged in decoding) |" in markdown_table(list(recs.values()))
 
 
+def test_a_plan_whose_decode_diverges_only_past_the_ar_tokens_is_left_untimed_not_a_crash(model, val, monkeypatch):
+    """The timing decodes --time-tokens tokens of the first prompt; a plan finite on the windows and over the AR
+    prompts' --gen-tokens was timed without the check that its timing decode stays finite, so with --time-tokens
+    above --gen-tokens a divergence past the AR tokens raised SNLPDivergenceError out of the round-robin and evaluate
+    lost every row. Now it is checked as a plan that diverged elsewhere is: left untimed, its other columns kept."""
+    real = E.snlp_generate
+    cfg = dataclasses.replace(CFG, emb=False, gen_tokens=4, time_tokens=8)
+
+    def generate(model, prompt, plan, max_new_tokens, *a, **kw):
+        if str(plan) == "6xF1-h0-K1" and max_new_tokens > cfg.gen_tokens:
+            raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
+        return real(model, prompt, plan, max_new_tokens, *a, **kw)
+
+    monkeypatch.setattr(E, "snlp_generate", generate)
+    recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6"], cfg))
+    bad, good = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"]
+    assert bad.ar_match is not None and math.isfinite(bad.ppl) and bad.speedup is None and bad.latency_ms is None
+    assert good.ar_match == 1.0 and len(good.speedup_rounds) == cfg.runs
+
+
 def test_embsim_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails as if not installed
     assert EMB.load_embedder.__wrapped__("cpu") is None

@@ -364,3 +364,17 @@ def test_protocol_note_says_what_each_column_measured_and_which_is_the_papers_sp
     note = protocol_note(recs)
     assert "paired per-round ratios over 20 rounds" in note and "BGE-small-en-v1.5" in note
     assert protocol_note([]) == ""
+
+
+def test_the_report_says_which_plan_diverged_in_decoding():
+    """A plan finite on the PPL windows whose AR decode diverged (note "diverged in decoding", AR Match None) read in
+    the speedrun report's main table like a plan whose AR Match was not measured: its Config cell did not carry the
+    note that `snlp eval`'s own table shows."""
+    from snlp.eval.protocol import DECODE_DIVERGED
+
+    recs = _recs()
+    recs[3].note = DECODE_DIVERGED  # 12xF1-h0-K2, PPL 14.1
+    report = main_table({"noreg": recs, "idn": _recs(base=SEQ_PPL * 0.99)}, {})
+    assert f"| `12xF1-h0` ({DECODE_DIVERGED}) | 2 | 14.10 |" in report
+    assert "| `4xF3-h0` | 1 | diverged | diverged |" in report  # a PPL-diverged row: its PPL cell says it
+    assert f"{DECODE_DIVERGED}" in markdown_table(recs)

@@ -509,6 +509,41 @@ def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window
         assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
 
 
+def test_a_torch_compiled_model_object_converts_as_the_model_inside():
+    """torch.compile(hf) is an OptimizedModule: its class is none of the four and its state dict prefixes every key
+    `_orig_mod.`, so from_hf refused it (after audit51b by the wrapper's class name). Reference: transformers."""
+    hf = hf_tiny("qwen2-window")
+    model, _ = from_hf(torch.compile(hf, backend="eager"))
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_keeps_the_generation_defaults_a_greedy_source_uses_beside_its_ignored_sampling_flags(tmp_path):
+    """An older hub generation_config.json sets temperature / top_p without do_sample (generate ignores them: greedy).
+    save_pretrained refuses such a config, and the export dropped every default but the pad id with it:
+    repetition_penalty, no_repeat_ngram_size and max_new_tokens too, so the export's generate() differed from the
+    source's. Reference: transformers' generate() of the source folder."""
+    from snlp.apps.cli import main
+
+    src = tmp_path / "src"
+    hf_tiny("llama", layers=2).save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    gc = json.loads((src / "generation_config.json").read_text())
+    gc.update(temperature=0.7, top_p=0.9, repetition_penalty=3.0, no_repeat_ngram_size=2, max_new_tokens=16)
+    (src / "generation_config.json").write_text(json.dumps(gc))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    got = json.loads((tmp_path / "exp" / "generation_config.json").read_text())
+    for key in ("repetition_penalty", "no_repeat_ngram_size", "max_new_tokens"):
+        assert got.get(key) == gc[key], (key, got.get(key), gc[key])
+    assert "temperature" not in got and "top_p" not in got
+    x = torch.tensor([[3, 4, 5, 3, 4]])
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    a, b = (load(str(d)).eval().generate(x) for d in (src, tmp_path / "exp"))
+    assert torch.equal(a, b), (a.tolist(), b.tolist())
+
+
 def test_linear_rope_scaling_and_swish_convert_exactly_and_export_back(tmp_path):
     """rope_type 'linear' (positions interpolated: every frequency / factor; Llama-2 long-context fine-tunes) and
     hidden_act 'swish' (transformers' name for SiLU) were refused though snlp computes both exactly; a legacy
