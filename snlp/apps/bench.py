@@ -622,7 +622,7 @@ def run_vs_paper_cli(args) -> int:
     default_out_writable(args, cfg.out)
     import torch
 
-    from snlp.apps.common import begin_timing
+    from snlp.runtime.load import begin_timing
     from snlp.runtime.device import set_threads
 
     set_threads(args.threads)  # the remedy the oversubscription line names: --threads 1 must time with one
@@ -653,7 +653,7 @@ def run_train_suite_cli(args) -> int:
     default_out_writable(args, cfg.out)
     import torch
 
-    from snlp.apps.common import begin_timing
+    from snlp.runtime.load import begin_timing
 
     resolved = cfg.resolved()  # the run records its own window (its meta's load) and its markdown says a contended one
     begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
@@ -688,7 +688,7 @@ def run_suite_cli(args) -> int:
     default_out_writable(args, cfg.out)
     import torch
 
-    from snlp.apps.common import begin_timing
+    from snlp.runtime.load import begin_timing
 
     # the suite records its own window (its meta's loadavg and cores) and prints its contention note
     resolved = cfg.resolved()
@@ -801,7 +801,7 @@ def run_decode_suite_cli(args, command: str) -> int:
 
     import torch
 
-    from snlp.apps.common import begin_timing
+    from snlp.runtime.load import begin_timing
 
     resolved = cfg.resolved()  # the suite records its own window (its meta's load) and its markdown says a contended one
     begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)

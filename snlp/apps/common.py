@@ -10,22 +10,12 @@ from typing import Callable
 from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.runtime.load import LoadWindow, own_threads, warn_oversubscribed
+from snlp.runtime.load import LoadWindow, own_threads
 from snlp.runtime.load import say_contention as load_say
 
 # generate's line (one process or --distributed) for a speculative run whose rounds drafted nothing (one new token:
 # the prefill's), which has no acceptance rate
 NO_DRAFTS = "alpha not measured (nothing was drafted: the prefill gives the first token, drafts start at the second)"
-
-
-def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> LoadWindow:
-    """The load window of a command about to time (snlp.runtime.load.LoadWindow.begin), having said once on stderr,
-    before any timing, where its torch threads (`threads`: the counts it will time with) exceed the cores left free
-    (snlp.runtime.load.warn_oversubscribed). `remedy`: the command's option that times with one thread (None: it
-    has none). A timing that begins and ends in one place uses snlp.runtime.load.Timed instead."""
-    window = LoadWindow.begin()
-    warn_oversubscribed(threads, window, device, remedy)
-    return window
 
 
 def say_contention(window: LoadWindow, threads, device="cpu", what: str = "") -> str | None:

@@ -198,7 +198,8 @@ def record_ties(records) -> dict[str, set[str]]:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, check_plans_fit, check_plans_grammar, plans_preheat, say_contention
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat, say_contention
+    from snlp.runtime.load import begin_timing
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import markdown_table, print_table, protocol_note, write_csv
     from snlp.eval.protocol import evaluate
@@ -366,7 +367,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
     of the drafter's own adaptation split (flags that contradict it are refused)."""
     import torch
 
-    from snlp.apps.common import begin_timing, say_contention
+    from snlp.apps.common import say_contention
+    from snlp.runtime.load import begin_timing
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)

@@ -362,7 +362,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
     import torch
 
-    from snlp.apps.common import begin_timing, say_contention
+    from snlp.apps.common import say_contention
+    from snlp.runtime.load import begin_timing
     from snlp.runtime.device import write_json
 
     texts = read_prompts(args.prompts_file, args.prompts_encoding)
@@ -413,7 +414,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, check_plans_fit, plans_preheat, say_contention
+    from snlp.apps.common import check_plans_fit, plans_preheat, say_contention
+    from snlp.runtime.load import begin_timing
     from snlp.io.checkpoint import load
     from snlp.io.drafter import load_drafter
     from snlp.method.plan import cli_plan

@@ -734,7 +734,7 @@ def _nan(v):
 
 
 def stage_results(stages: dict) -> dict:
-    """The stage records as the stages made them, from their strict JSON (snlp.runtime.device.json_safe; on disk, or
+    """The stage records as the stages made them, from their strict JSON (snlp.runtime.outputs.json_safe; on disk, or
     canon'd in memory): every "inf" / "-inf" back to +-inf (a diverged PPL), and null back to NaN in the float fields
     a diverged run leaves NaN (a training's val_loss and K=1 gaps, an early exit's PPL, the validation figures of
     the off-the-shelf adaptation's records before / after and its SSD alphas), where null means nothing

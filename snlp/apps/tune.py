@@ -150,7 +150,8 @@ def interrupt_hint(args) -> str:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import begin_timing, check_plans_fit, own_threads, plans_preheat, say_contention
+    from snlp.apps.common import check_plans_fit, own_threads, plans_preheat, say_contention
+    from snlp.runtime.load import begin_timing
     from snlp.bench.records import write_json
     from snlp.bench.tune import default_plans, summary, table, tune
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens

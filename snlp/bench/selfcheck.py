@@ -29,7 +29,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import bind, fused_sequential, parallel_forward, solve
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig
-from snlp.runtime.load import LoadWindow, own_threads, warn_oversubscribed
+from snlp.runtime.load import LoadWindow, begin_timing, own_threads
 
 
 @dataclass
@@ -292,8 +292,8 @@ def selfcheck(cfg: SelfcheckConfig) -> SelfcheckResult:
     res.checks = law_checks(device, cfg.compile, cfg.seed)
     t1 = time.perf_counter()
     res.threads = torch.get_num_threads()
-    window = LoadWindow.begin()  # the laws above are not timed: the window holds the speed suite alone
-    warn_oversubscribed([res.threads], window, device, remedy=None)  # selfcheck has no --threads
+    # the laws above are not timed: the window holds the speed suite alone; selfcheck has no --threads
+    window = begin_timing([res.threads], device, remedy=None)
     try:
         res.forward, res.decode, failed = speed_suite(device, cfg.quick, cfg.compile, cfg.seed)
         res.checks += failed

@@ -120,7 +120,7 @@ class EvalRecord:
         have it: read into the fields of one meaning each; the CLI's `load` key (the run's, not the record's) is
         dropped."""
         d = dict(d)
-        # strict JSON (snlp.runtime.device.json_safe) holds an inf as "inf" (a diverged plan's PPL and dPPL; any
+        # strict JSON (snlp.runtime.outputs.json_safe) holds an inf as "inf" (a diverged plan's PPL and dPPL; any
         # float field's, so that every record to_dict wrote reads back) and a NaN as null: ppl is a float always (its
         # NaN: not measured), the other floats None where not computed; the rounds and windows are lists of floats
         # whose NaN came back as null

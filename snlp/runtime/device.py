@@ -11,12 +11,9 @@ import platform
 import sys
 from pathlib import Path
 
-import snlp.runtime.outputs as outputs
-from snlp.runtime.outputs import make_folders
-
 # strict JSON's writing rules live in snlp.runtime.outputs (its CSV cells use them, and outputs imports nothing of
-# snlp); every writer imports them from here as well
-json_safe, json_text = outputs.json_safe, outputs.json_text
+# snlp); writers import json_text from here as well
+from snlp.runtime.outputs import json_text, make_folders
 
 
 def write_atomic(path, write) -> None:

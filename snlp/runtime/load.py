@@ -223,6 +223,16 @@ def warn_oversubscribed(threads, window: LoadWindow, device="cpu", remedy: str |
     return note
 
 
+def begin_timing(threads, device="cpu", remedy: str | None = "--threads 1") -> LoadWindow:
+    """The load window of a command about to time (LoadWindow.begin), having said once on stderr, before any timing,
+    where its torch threads (`threads`: the counts it will time with) exceed the cores left free
+    (warn_oversubscribed). `remedy`: the command's option that times with one thread (None: it has none). A timing
+    that begins and ends in one place uses Timed, which calls this."""
+    window = LoadWindow.begin()
+    warn_oversubscribed(threads, window, device, remedy)
+    return window
+
+
 def say_contention(window: LoadWindow, own: float, what: str = "") -> str | None:
     """Print the contention sentence of a closed `window` (contention_note), prefixed by `what` (e.g. "stage 1: "),
     where the load was more than the command's `own` busy threads explain; returns it (None: not contended)."""
@@ -235,7 +245,7 @@ def say_contention(window: LoadWindow, own: float, what: str = "") -> str | None
 @dataclass
 class Timed:
     """The load around one timed part of a command: `with Timed(threads, device) as t:` samples the start and says
-    the oversubscription sentence (warn_oversubscribed) on entry, closes the window on exit (right after the timed
+    the oversubscription sentence (begin_timing) on entry, closes the window on exit (right after the timed
     code, before any table is printed); `t.say()` then prints the contention line and `t.window.to_json()` is the
     record's `load`. `threads`: the torch thread counts it times with (own_threads)."""
 
@@ -248,8 +258,7 @@ class Timed:
         self.threads = tuple(self.threads)
 
     def __enter__(self) -> "Timed":
-        self.window = LoadWindow.begin()
-        warn_oversubscribed(self.threads, self.window, self.device, self.remedy)
+        self.window = begin_timing(self.threads, self.device, self.remedy)
         return self
 
     def __exit__(self, *exc) -> None:
