@@ -19,6 +19,7 @@ from snlp.apps.speedrun.preset import REG_LAMBDA
 from snlp.apps.speedrun.records import canon, read_json, write_json
 from snlp.runtime.device import write_atomic
 from snlp.runtime.load import load_average
+from snlp.train.checkpointing import read_log  # a diverged step's null / "inf" loss read back as NaN / inf
 from snlp.train.config import TrainConfig
 from snlp.train.hooks import STOP_SIGNALS, Interrupted
 
@@ -124,14 +125,6 @@ class TrainJob:
         return self.model_dir.parent / f"{self.model_dir.name}.train.log"
 
 
-def _read_log(path: Path) -> list[dict]:
-    """The records of a training log.jsonl, skipping a line still being written; [] if absent; a diverged step's
-    null / "inf" loss read back as NaN / inf (snlp.train.checkpointing.read_log)."""
-    from snlp.train.checkpointing import read_log
-
-    return read_log(path)
-
-
 def _median_tok_s(log: list[dict], first_step: int) -> float | None:
     rates = sorted(r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step)
     return rates[len(rates) // 2] if rates else None
@@ -163,7 +156,7 @@ def _log_state(path: Path, since: int = 0) -> dict:
     `since`: the step this leg of the run resumed from; a stop logged at or before it is an earlier leg's (e.g. the
     signal that interrupted it), not this leg's decision."""
     st: dict = {}
-    for r in _read_log(path):
+    for r in read_log(path):
         st["step"] = max(st.get("step", 0), r.get("step", 0))
         for k in ("loss", "tok_s", "val_loss"):
             if k in r:
@@ -362,7 +355,7 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     tok = Tokenizer.load(job.model_dir)
     if tok.fingerprint() != fingerprint:
         raise RuntimeError(f"{job.model_dir} was trained with another tokenizer than the tokenizer stage's")
-    log = _read_log(job.model_dir / "log.jsonl")
+    log = read_log(job.model_dir / "log.jsonl")
     evals = [r for r in log if "val_loss" in r]
     state = load_train_state(job.model_dir) or {}
     steps = int(state.get("step", max(r["step"] for r in log)))
