@@ -741,6 +741,7 @@ def stage_results(stages: dict) -> dict:
     else; elsewhere null stays None, which the formatters print as they print NaN ("–"). So a report made from
     records read back says what the one made from the floats said: a diverged row stays diverged."""
     from snlp.runtime.device import json_unsafe
+    from snlp.train.checkpointing import LOG_NOT_FLOATS
 
     out = json_unsafe(stages)
     for name, rec in out.items():
@@ -758,7 +759,7 @@ def stage_results(stages: dict) -> dict:
             a = res["adaptation"]
             for part in ("before", "after"):
                 if isinstance(a.get(part), dict):  # a log.jsonl row (snlp.train.checkpointing.log_record's rule)
-                    a[part] = {k: _nan(v) if k not in ("step", "stop", "mfu") else v for k, v in a[part].items()}
+                    a[part] = {k: _nan(v) if k not in LOG_NOT_FLOATS else v for k, v in a[part].items()}
             for row in (a.get("ssd") or {}).values():  # acceptance alpha: NaN where a drafter drafted nothing
                 if isinstance(row, dict) and "alpha" in row:
                     row["alpha"] = _nan(row["alpha"])
