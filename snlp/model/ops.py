@@ -151,8 +151,9 @@ WINDOW_KERNELS = ENV_CHOICES["SNLP_WINDOW_ATTENTION"][0]
 _window_kernel: str | None = None
 
 
-def set_window_kernel(kind: str) -> str:
-    """How a sliding-window layer's prefill attention is computed; returns the previous setting. "masked": one
+def set_window_kernel(kind: str | None) -> str | None:
+    """How a sliding-window layer's prefill attention is computed; returns the previous setting (None where none was
+    set or read yet: passing None back restores that state, SNLP_WINDOW_ATTENTION read at the next model). "masked": one
     SDPA over all T x T scores under an additive mask (the reference); "banded": query blocks of b attend only
     their w + b keys (`banded_attention`); "flex": FlexAttention with a block-sparse sliding-window mask
     (`flex_window_attention`) wherever it runs compiled, i.e. inside a torch.compile'd forward, plan or train step
@@ -175,9 +176,11 @@ def set_window_kernel(kind: str) -> str:
     environment variable SNLP_WINDOW_ATTENTION sets the default. All four compute the same function (round-off
     apart)."""
     global _window_kernel
-    if kind not in WINDOW_KERNELS:
+    if kind is not None and kind not in WINDOW_KERNELS:
         raise ValueError(f"window attention kernel must be one of {', '.join(WINDOW_KERNELS)}, got {kind!r}")
-    prev, _window_kernel = window_kernel(), kind
+    # the previous value as held, not window_kernel(): a kernel set in code overrides the environment, so a misspelt
+    # SNLP_WINDOW_ATTENTION must not stop a caller from setting one
+    prev, _window_kernel = _window_kernel, kind
     return prev
 
 

@@ -313,6 +313,24 @@ def test_a_misspelt_window_kernel_variable_is_refused_when_a_model_is_built():
     assert r.returncode == 0 and r.stdout.strip() == "banded"
 
 
+def test_a_kernel_set_in_code_wins_over_a_misspelt_variable(monkeypatch):
+    """set_window_kernel used to read SNLP_WINDOW_ATTENTION for the value it returns, so with the variable misspelt no
+    code could set a kernel (the ValueError came from the setter). It returns what was held (None: nothing yet) and
+    None given back restores the unread state, where the variable is read (and refused) at the next model."""
+    import snlp
+    from snlp.model.config import GPTConfig
+
+    monkeypatch.setattr(ops, "_window_kernel", None)
+    monkeypatch.setenv("SNLP_WINDOW_ATTENTION", "flexx")
+    assert ops.set_window_kernel("banded") is None and ops.window_kernel() == "banded"
+    snlp.GPT(GPTConfig(n_layer=1, n_embd=8, n_head=1, n_kv_head=1, vocab_size=16))
+    assert ops.set_window_kernel(None) == "banded"
+    with pytest.raises(ValueError, match="SNLP_WINDOW_ATTENTION must be one of"):
+        ops.window_kernel()
+    monkeypatch.setenv("SNLP_WINDOW_ATTENTION", "masked")
+    assert ops.window_kernel() == "masked"
+
+
 def test_cpu_flex_is_not_taken_before_torch_2_13(kernel, monkeypatch):
     """torch 2.11's compiled CPU FlexAttention kernel corrupts the heap on two threads (SIGABRT / SIGSEGV; one thread
     computes it right; docs/records/2026-11-27-torch-2.11-on-cpu.md), and the thread count cannot be read inside a
