@@ -256,6 +256,10 @@ def tiny_ckpt(tmp_path, layers: int = 4):
     return tmp_path / "base", text, chats
 
 
+# an import (--from-model) takes no training settings: adapt_cfg's lr, eval_every and warmup_steps at their defaults
+IMPORT = dict(steps=None, lr=3e-4, eval_every=50, warmup_steps=10)
+
+
 def adapt_cfg(tmp_path, out="d", **kw):
     from snlp.train.adapt import AdaptConfig
 
@@ -690,7 +694,7 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
                   unembedding_lr=3e-3, data=str(text), seq_len=24, batch_size=4, steps=6, eval_every=6,
                   eval_batches=1, no_progress=True, cache_dir=str(tmp_path / "cache"))
     fit(TrainConfig(out=str(tmp_path / "idn"), freeze_prefix=-1, **{**common, "unembedding_lr": 0.0}))
-    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), steps=None))
+    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), **IMPORT))
     assert res.steps == 0 and res.stopped_by == "from_model" and "top1_ssd" in res.after
     base, _ = load(base_dir)
     tuned, _ = load(tmp_path / "idn")
@@ -702,6 +706,6 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
     assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=10, drafter=d).tokens == ref.tokens
     fit(TrainConfig(out=str(tmp_path / "all"), **common))  # the whole model fine-tuned: its prefix moved too
     with pytest.raises(ValueError, match="freeze-prefix"):
-        adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), steps=None))
+        adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), **IMPORT))
     with pytest.raises(ValueError, match="without training"):
-        adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), steps=5))
+        adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), **{**IMPORT, "steps": 5}))
