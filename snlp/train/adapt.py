@@ -240,8 +240,10 @@ class AdaptValidation(ValidationResult):
         return {"val_loss": self.loss, "top1": self.top1, "top1_ssd": self.top1_ssd, "val_mse": self.mse}
 
 
-def load_base(src: str, dtype: str = "float32"):
-    """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
+def load_base(src: str, dtype: str = "float32", need_tokenizer: bool = True):
+    """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf).
+    `need_tokenizer` False: a transformers directory without one gives (model, None) (a --from-model TUNED, whose
+    suffix alone is read, and a drafter's base for `snlp export`, which writes a tokenizer only when there is one)."""
     p = Path(src)
     if p.is_file() and is_snlp_checkpoint(p.parent):  # a file inside an snlp checkpoint names it (as `snlp eval`)
         p = p.parent
@@ -249,7 +251,7 @@ def load_base(src: str, dtype: str = "float32"):
         model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok
     model, tok = from_hf(src, dtype=dtype)
-    if tok is None:
+    if tok is None and need_tokenizer:
         raise ValueError(f"{src} has no tokenizer; adaptation data must be tokenized with the model's own")
     return model, tok
 
@@ -688,7 +690,7 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple, owned: bool = Tr
     mode = base.training
     base.eval()
     try:  # a caller's model leaves in the mode it came in
-        tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
+        tuned, _ = load_base(cfg.from_model, cfg.dtype, need_tokenizer=False)  # stays on the CPU: its suffix is copied onto the base's device
         d = drafter_from_model(base, tuned, plan)
         del tuned
         device = base.wte.weight.device

@@ -5,6 +5,8 @@ adapt options a mode cannot honour are refused before any work."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,3 +106,34 @@ def test_from_model_refuses_training_options_it_cannot_honour(flag, value):
         cfg.check()
     AdaptConfig(src="x", plan="2xF1-h0-K1", out="o", from_model="t", tau=2.0, kv="own", cache_dir="c",
                 device="cpu").check()
+
+
+def test_a_transformers_directory_without_tokenizer_is_a_from_model_tuned_and_an_export_base(tmp_path):
+    """Neither a --from-model TUNED (its suffix alone is read) nor `snlp export DRAFTER --base HF_DIR` (the tokenizer
+    is copied only when there is one) needs a tokenizer; both refused a `save_pretrained` directory without one,
+    saying "adaptation data must be tokenized with the model's own"."""
+    transformers = pytest.importorskip("transformers")
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import load_drafter
+    from snlp.train.adapt import adapt
+    from test_adapt import IMPORT, adapt_cfg, hf_tiny
+
+    cfg = adapt_cfg(tmp_path, **IMPORT)  # writes the tiny base checkpoint (with its tokenizer) and the data
+    base, _ = load(cfg.src)
+    hf_tiny(seed=11, layers=4, initializer_range=0.25).save_pretrained(tmp_path / "base-hf")  # tiny_ckpt's base
+    tuned = hf_tiny(seed=11, layers=4, initializer_range=0.25)
+    with torch.no_grad():
+        tuned.model.layers[3].mlp.gate_proj.weight.mul_(1.01)  # a "fine-tuned" suffix
+    tuned.save_pretrained(tmp_path / "tuned-hf")  # model files only, no tokenizer
+    res = adapt(dataclasses.replace(cfg, from_model=str(tmp_path / "tuned-hf")))
+    assert res.stopped_by == "from_model"
+    d = load_drafter(tmp_path / "d", base)
+    gate = d.suffix_state()["blocks.3.mlp.c_fc.weight"][: tuned.config.intermediate_size]
+    torch.testing.assert_close(gate, tuned.model.layers[3].mlp.gate_proj.weight, atol=0, rtol=0)
+    assert main(["export", str(tmp_path / "d"), "--base", str(tmp_path / "base-hf"), "--out",
+                 str(tmp_path / "out")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    x = torch.randint(0, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, d.model(x), atol=1e-4, rtol=1e-4)
