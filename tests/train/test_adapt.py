@@ -225,6 +225,46 @@ def test_batched_speculative_with_adapted_drafter_is_each_prompts_greedy():
     assert sum(r.drafted for r in got) > 0
 
 
+@pytest.mark.parametrize("rank,block", [(0, 1), (2, 3)])
+def test_acceptance_counts_equal_a_naive_replay_of_the_drafts(rank, block):
+    """alpha's counts (accepted / examined / drafted, what `snlp eval --drafter` and adapt report) against a naive
+    replay of the greedy output: each round's drafts recomputed one token at a time on a fresh cache that holds the
+    base's exact K/V of the verified positions, compared with the emitted tokens up to the first mismatch."""
+    from snlp.decode.speculative import speculative_generate
+    from snlp.method.solver import solve
+
+    base, _ = from_hf(hf_tiny(seed=6).double())
+    base = base.double()
+    d = perturb(make_drafter(base, "2xF1-h0-K1", rank=rank), scale=0.02)
+    prompt, N = ids(1, 3, seed=13)[0].tolist(), 16
+    res = speculative_generate(base, prompt, d.plan, block=block, max_new_tokens=N, drafter=d)
+    full = prompt + res.tokens
+
+    def drafts(t: int, k: int) -> list[int]:  # a round after t emitted tokens: its input is position len(prompt)+t-1
+        pos, out = len(prompt) + t - 1, []
+        cache = KVCache.for_model(base, max_len=64)
+        with torch.no_grad():
+            base(torch.tensor([full[:pos]]), cache=cache)
+            tok = full[pos]
+            for _ in range(k):
+                tok = int(base.head(solve(d.model, torch.tensor([[tok]]), d.plan, cache=cache).hidden)[0, -1].argmax())
+                out.append(tok)
+        return out
+
+    t = acc = exam = drafted = 0
+    while t < N:
+        k = min(block, N - t - 1)  # the last token of the budget is the verifier's: no draft for it
+        if k <= 0:
+            t += 1
+            continue
+        dr, n = drafts(t, k), 0
+        while n < k and dr[n] == res.tokens[t + n]:
+            n += 1
+        acc, exam, drafted, t = acc + n, exam + n + (n < k), drafted + k, t + n + 1
+    assert (res.accepted, res.examined, res.drafted) == (acc, exam, drafted)
+    assert 0 < acc < exam
+
+
 @pytest.mark.slow  # adapts and decodes the real SmolLM2 (CI runs -m slow)
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
