@@ -131,6 +131,10 @@ def test_a_transformers_directory_without_tokenizer_is_a_from_model_tuned_and_an
     d = load_drafter(tmp_path / "d", base)
     gate = d.suffix_state()["blocks.3.mlp.c_fc.weight"][: tuned.config.intermediate_size]
     torch.testing.assert_close(gate, tuned.model.layers[3].mlp.gate_proj.weight, atol=0, rtol=0)
+    text = cfg.data.split(",")[0]  # a text-only --data: the import keeps its tokenised text in --cache-dir
+    adapt(dataclasses.replace(cfg, out=str(tmp_path / "d2"), data=text, cache_dir=str(tmp_path / "cache"),
+                              device="cpu", from_model=str(tmp_path / "tuned-hf")))
+    assert list((tmp_path / "cache").glob("*.adapt.npz"))  # before: the import never passed --cache-dir on
     assert main(["export", str(tmp_path / "d"), "--base", str(tmp_path / "base-hf"), "--out",
                  str(tmp_path / "out")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
