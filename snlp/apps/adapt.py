@@ -81,7 +81,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train rank-R deltas of the base's own "
                    "suffix matrices (LoRA, merged into the weights before fusion) instead of full copies: the drafter "
                    "adds only the deltas to memory and disk (0: full suffix weights)")
-    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="LoRA scale alpha / R (default alpha = R)")
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="LoRA scale alpha / R (default alpha = R; only "
+                   "with --lora-rank R > 0)")
     p.add_argument("--from-model", default=None, metavar="CKPT", help="no training: package CKPT's suffix layers as "
                    "the drafter (CKPT = SRC fine-tuned with its prefix frozen, e.g. the paper's route `snlp train "
                    "--init-from SRC --reg idn --freeze-prefix --unembedding-lr 0`), validated against SRC like an "

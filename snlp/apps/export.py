@@ -38,7 +38,7 @@ def run(args) -> int:
         src = args.base or load_record(args.ckpt).get("config", {}).get("src")
         if not src:
             raise ValueError(f"drafter {args.ckpt} does not record its base: pass --base")
-        base, tok = load_base(src)
+        base, tok = load_base(src, need_tokenizer=False)  # the export carries the base's tokenizer if it has one
         drafter = load_drafter(args.ckpt, base)  # refuses another base
         out = export_drafter_hf(drafter, args.out, tok)
         print(f"exported drafter {args.ckpt} ({drafter.plan} on {src}) -> {out} (transformers "

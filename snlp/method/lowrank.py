@@ -38,6 +38,9 @@ def check_rank(rank: int, alpha: float | None) -> float:
     """The LoRA alpha to use (default: alpha = rank, scale 1), or a ValueError for a bad rank/alpha."""
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"--lora-rank must be an integer >= 0 (0: full suffix weights; got {rank!r})")
+    if not rank and alpha is not None:  # full suffix weights have no delta to scale: the alpha would be dropped
+        raise ValueError(f"--lora-alpha scales LoRA deltas (alpha / R), and --lora-rank 0 trains full suffix weights: "
+                         f"give --lora-rank R > 0 or drop --lora-alpha (got {alpha!r})")
     alpha = float(rank if alpha is None else alpha)
     if rank and not (alpha > 0 and math.isfinite(alpha)):
         raise ValueError(f"--lora-alpha must be a finite number > 0 (got {alpha!r})")
@@ -46,17 +49,21 @@ def check_rank(rank: int, alpha: float | None) -> float:
 
 def add_low_rank(block: nn.Module, base_block: nn.Module, rank: int, alpha: float) -> None:
     """Re-parametrise every nn.Linear weight of `block` (the drafter's copy of `base_block`) as the base's own
-    weight plus a rank-`rank` delta. The copy's matrices are dropped: W0 is the base block's Parameter object."""
+    weight plus a rank-`rank` delta. The copy's matrices are dropped: W0 is the base block's Parameter object.
+    Every matrix takes rank `rank`, as peft's LoRA does: where it exceeds a matrix's smaller dimension (nanochat's
+    value-embedding gate, n_kv_head x 12) that delta is rank-deficient, not an error; a rank above every
+    matrix's smaller dimension is refused (no delta of the block could use it)."""
     base_linears = dict(base_block.named_modules())
-    for name, lin in list(block.named_modules()):
-        if not isinstance(lin, nn.Linear):
-            continue
+    linears = [(name, lin) for name, lin in block.named_modules() if isinstance(lin, nn.Linear)]
+    widest = max((min(lin.weight.shape) for _, lin in linears), default=0)
+    if rank > widest:
+        raise ValueError(f"--lora-rank {rank} exceeds the smaller dimension of every matrix of the block (at most "
+                         f"{widest}): give a smaller rank, or --lora-rank 0 for full suffix weights")
+    for name, lin in linears:
         if lin.bias is not None:
             raise ValueError(f"LoRA drafters cover bias-free linear layers (the Llama family); {name} has a bias: "
                              "adapt full suffix weights (--lora-rank 0)")
         W0 = base_linears[name].weight
-        if min(W0.shape) < rank:
-            raise ValueError(f"--lora-rank {rank} exceeds {name}'s smaller dimension {min(W0.shape)}")
         lin.weight = W0  # the base's own (frozen) Parameter: no copy
         parametrize.register_parametrization(lin, "weight", LowRankDelta(W0.shape[0], W0.shape[1], rank, alpha, W0))
 

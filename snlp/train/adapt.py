@@ -84,6 +84,9 @@ RUN = "run"  # OUT/run: the training checkpoint (resume); removed once the run h
 
 
 SAVE_EVERY = 50  # full-weight runs' checkpoint interval when --save-every is not given (LoRA runs keep none)
+# the training settings a --from-model import (no training; validation on the base's device, the CPU) has no use for
+FROM_MODEL_UNUSED = ("lr", "warmup_steps", "warmdown", "grad_clip", "hidden_weight", "kl_weight", "eval_every",
+                     "log_every", "stop_after", "seed")
 
 @dataclass
 class AdaptConfig:
@@ -155,6 +158,14 @@ class AdaptConfig:
                                 or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
                              "no --lora-rank, --resume, --steps, --minutes or --save-every")
+        if self.from_model:
+            unused = [f"--{k.replace('_', '-')}" for k in FROM_MODEL_UNUSED
+                      if getattr(self, k) != AdaptConfig.__dataclass_fields__[k].default]
+            if unused:  # the import trains nothing and validates on the base's own device: these would be dropped
+                raise ValueError(f"--from-model packages another model's suffix as the drafter without training: "
+                                 f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} nothing to set (it "
+                                 f"validates with --data, --seq-len, --batch-size, --eval-batches, --kv and --tau on "
+                                 f"--device): drop {'it' if len(unused) == 1 else 'them'}")
         if self.max_chars < 0:  # the shared loop's check below does not see it (its TrainConfig takes no data cap)
             raise ValueError(f"--max-chars must be >= 0 (0: all; got {self.max_chars})")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
@@ -229,8 +240,10 @@ class AdaptValidation(ValidationResult):
         return {"val_loss": self.loss, "top1": self.top1, "top1_ssd": self.top1_ssd, "val_mse": self.mse}
 
 
-def load_base(src: str, dtype: str = "float32"):
-    """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf)."""
+def load_base(src: str, dtype: str = "float32", need_tokenizer: bool = True):
+    """(model, tokenizer) of an snlp checkpoint directory, or of anything `snlp convert` takes (from_hf).
+    `need_tokenizer` False: a transformers directory without one gives (model, None) (a --from-model TUNED, whose
+    suffix alone is read, and a drafter's base for `snlp export`, which writes a tokenizer only when there is one)."""
     p = Path(src)
     if p.is_file() and is_snlp_checkpoint(p.parent):  # a file inside an snlp checkpoint names it (as `snlp eval`)
         p = p.parent
@@ -238,7 +251,7 @@ def load_base(src: str, dtype: str = "float32"):
         model, tok = load(p)
         return model.to(getattr(torch, dtype)), tok
     model, tok = from_hf(src, dtype=dtype)
-    if tok is None:
+    if tok is None and need_tokenizer:
         raise ValueError(f"{src} has no tokenizer; adaptation data must be tokenized with the model's own")
     return model, tok
 
@@ -602,7 +615,7 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
         raise ValueError(f"{cfg.src} has no tokenizer: the adaptation data must be tokenized with the model's own; "
                          f"save the checkpoint with its tokenizer.json")
     if cfg.from_model:
-        return import_drafter(cfg, plan, base)
+        return import_drafter(cfg, plan, base, owned)
     fingerprint = weights_fingerprint(base[0])
     init = init_state(cfg, plan, base[0], fingerprint) if cfg.init_drafter else None
     if cfg.resume:
@@ -666,19 +679,22 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
         shutil.rmtree(out / RUN, ignore_errors=True)
 
 
-def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple) -> AdaptResult:
+def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple, owned: bool = True) -> AdaptResult:
     """`adapt` with `from_model`: the drafter whose suffix is a fine-tuned copy's (snlp.method.drafter.
     drafter_from_model; e.g. the paper's IDN fine-tuning with a frozen prefix), validated against the base on the
-    run's held-out batches (before = the post-hoc drafter, after = the imported one) and written to cfg.out."""
+    run's held-out batches (before = the post-hoc drafter, after = the imported one) on cfg.device (default: where
+    the base is; a caller's model, `owned` False, is copied there, never moved) and written to cfg.out."""
     base, tok = loaded
+    if cfg.device is not None and torch.device(cfg.device) != base.wte.weight.device:
+        base = base.to(cfg.device) if owned else copy.deepcopy(base).to(cfg.device)
     mode = base.training
     base.eval()
     try:  # a caller's model leaves in the mode it came in
-        tuned, _ = load_base(cfg.from_model, cfg.dtype)  # stays on the CPU: its suffix is copied onto the base's device
+        tuned, _ = load_base(cfg.from_model, cfg.dtype, need_tokenizer=False)  # stays on the CPU: its suffix is copied onto the base's device
         d = drafter_from_model(base, tuned, plan)
         del tuned
         device = base.wte.weight.device
-        _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac)
+        _, val = token_stream(cfg.data, tok, cfg.max_chars, cfg.val_frac, cfg.cache_dir)
         vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
         before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
         after = validate_drafter(base, d, vb, cfg, device).record()

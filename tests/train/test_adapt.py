@@ -225,6 +225,46 @@ def test_batched_speculative_with_adapted_drafter_is_each_prompts_greedy():
     assert sum(r.drafted for r in got) > 0
 
 
+@pytest.mark.parametrize("rank,block", [(0, 1), (2, 3)])
+def test_acceptance_counts_equal_a_naive_replay_of_the_drafts(rank, block):
+    """alpha's counts (accepted / examined / drafted, what `snlp eval --drafter` and adapt report) against a naive
+    replay of the greedy output: each round's drafts recomputed one token at a time on a fresh cache that holds the
+    base's exact K/V of the verified positions, compared with the emitted tokens up to the first mismatch."""
+    from snlp.decode.speculative import speculative_generate
+    from snlp.method.solver import solve
+
+    base, _ = from_hf(hf_tiny(seed=6).double())
+    base = base.double()
+    d = perturb(make_drafter(base, "2xF1-h0-K1", rank=rank), scale=0.02)
+    prompt, N = ids(1, 3, seed=13)[0].tolist(), 16
+    res = speculative_generate(base, prompt, d.plan, block=block, max_new_tokens=N, drafter=d)
+    full = prompt + res.tokens
+
+    def drafts(t: int, k: int) -> list[int]:  # a round after t emitted tokens: its input is position len(prompt)+t-1
+        pos, out = len(prompt) + t - 1, []
+        cache = KVCache.for_model(base, max_len=64)
+        with torch.no_grad():
+            base(torch.tensor([full[:pos]]), cache=cache)
+            tok = full[pos]
+            for _ in range(k):
+                tok = int(base.head(solve(d.model, torch.tensor([[tok]]), d.plan, cache=cache).hidden)[0, -1].argmax())
+                out.append(tok)
+        return out
+
+    t = acc = exam = drafted = 0
+    while t < N:
+        k = min(block, N - t - 1)  # the last token of the budget is the verifier's: no draft for it
+        if k <= 0:
+            t += 1
+            continue
+        dr, n = drafts(t, k), 0
+        while n < k and dr[n] == res.tokens[t + n]:
+            n += 1
+        acc, exam, drafted, t = acc + n, exam + n + (n < k), drafted + k, t + n + 1
+    assert (res.accepted, res.examined, res.drafted) == (acc, exam, drafted)
+    assert 0 < acc < exam
+
+
 @pytest.mark.slow  # adapts and decodes the real SmolLM2 (CI runs -m slow)
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""
@@ -254,6 +294,10 @@ def tiny_ckpt(tmp_path, layers: int = 4):
                                                         {"role": "assistant", "content": f"t{i + 2} t{i + 3} t{i}"}]})
                                for i in range(40)))
     return tmp_path / "base", text, chats
+
+
+# an import (--from-model) takes no training settings: adapt_cfg's lr, eval_every and warmup_steps at their defaults
+IMPORT = dict(steps=None, lr=3e-4, eval_every=50, warmup_steps=10)
 
 
 def adapt_cfg(tmp_path, out="d", **kw):
@@ -690,7 +734,7 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
                   unembedding_lr=3e-3, data=str(text), seq_len=24, batch_size=4, steps=6, eval_every=6,
                   eval_batches=1, no_progress=True, cache_dir=str(tmp_path / "cache"))
     fit(TrainConfig(out=str(tmp_path / "idn"), freeze_prefix=-1, **{**common, "unembedding_lr": 0.0}))
-    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), steps=None))
+    res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), **IMPORT))
     assert res.steps == 0 and res.stopped_by == "from_model" and "top1_ssd" in res.after
     base, _ = load(base_dir)
     tuned, _ = load(tmp_path / "idn")
@@ -702,6 +746,6 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
     assert speculative_generate(base, [1, 2, 3], d.plan, block=3, max_new_tokens=10, drafter=d).tokens == ref.tokens
     fit(TrainConfig(out=str(tmp_path / "all"), **common))  # the whole model fine-tuned: its prefix moved too
     with pytest.raises(ValueError, match="freeze-prefix"):
-        adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), steps=None))
+        adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), **IMPORT))
     with pytest.raises(ValueError, match="without training"):
-        adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), steps=5))
+        adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), **{**IMPORT, "steps": 5}))

@@ -15,7 +15,7 @@ from snlp.io.checkpoint import load, save_checkpoint
 from snlp.io.drafter import load_drafter, save_drafter
 from snlp.method.drafter import make_drafter
 
-from test_adapt import adapt_cfg, ids, perturb, tiny_base, tiny_ckpt
+from test_adapt import IMPORT, adapt_cfg, ids, perturb, tiny_base, tiny_ckpt
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,7 +84,7 @@ def test_from_model_drafter_is_measured_on_the_tuned_models_split(tmp_path):
                     cache_dir=str(tmp_path / "cache"), val_frac=0.3))
     model, _ = load(base_dir)
     model.train()
-    cfg = adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), steps=None)
+    cfg = adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), **IMPORT)
     adapt(cfg, base=(model, tok))
     assert model.training  # F5
     from snlp.eval.drafter import drafter_prompts, drafter_split, held_out_tokens
@@ -104,7 +104,7 @@ def test_from_model_drafter_is_measured_on_the_tuned_models_split(tmp_path):
 
     tuned, ttok = load(tmp_path / "idn")
     save_checkpoint(tmp_path / "bare", tuned, ttok)  # no train_state.pt: its training data is unknown
-    cfg2 = adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "bare"), steps=None)
+    cfg2 = adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "bare"), **IMPORT)
     adapt(cfg2)
     with pytest.raises(ValueError, match="explicitly"):
         drafter_split(load_record(cfg2.out))
