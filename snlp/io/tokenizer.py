@@ -65,6 +65,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as ordinary text: a special token's string in it (e.g. "<|assistant_end|>" quoted in a chat) is
+        encoded as the bytes it is, never as the marker, as nanochat's tokenizer encodes chat content (tiktoken
+        `encode_ordinary` in `render_conversation`). Equal to `encode` on text without such strings."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy of the tokenizer that reads special-token strings as text (`encode_plain`); a copy, so the flag
+        never changes how `encode` reads the same tokenizer."""
+        plain = HFTokenizer.from_str(self.tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
@@ -136,7 +150,10 @@ class Tokenizer:
             <|bos|> <|user_start|> user <|user_end|> <|assistant_start|> reply <|assistant_end|> ...
 
         The mask covers each reply and its <|assistant_end|> (so the model learns to stop), never the
-        markers before it. A system message is prepended to the first user turn (nanochat). With
+        markers before it. A system message is prepended to the first user turn (nanochat). Message text is
+        encoded as plain text (`encode_plain`): only the template puts markers in, as nanochat's
+        render_conversation does, so a reply that quotes "<|assistant_end|>" neither ends its turn nor is
+        trained as the stop. With
         `add_generation_prompt` an <|assistant_start|> is appended (the prompt for the reply)."""
         from snlp.io.chat import check_messages
 
@@ -149,7 +166,7 @@ class Tokenizer:
         sp = {name: self.token_id(f"<|{name}|>") for name in ("user_start", "user_end", "assistant_start", "assistant_end")}
         ids, mask = [self.bos_id], [0]
         for m in messages:
-            body = self.encode(m["content"])
+            body = self.encode_plain(m["content"])
             if m["role"] == "user":
                 part, pm = [sp["user_start"], *body, sp["user_end"]], [0] * (len(body) + 2)
             else:
