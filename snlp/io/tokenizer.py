@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 
 import json
 from pathlib import Path
@@ -21,6 +22,8 @@ BOS = "<|bos|>"
 # reserved for chat / SFT: user and assistant turn markers
 SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
+# a chat template that marks assistant text for transformers' return_assistant_tokens_mask
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class Tokenizer:
@@ -179,15 +182,28 @@ class Tokenizer:
         return ids, mask
 
     def _render_foreign_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
-        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and
-        as the assistant mask the tokens each assistant turn adds after the template's generation prompt for it
-        (its reply and end-of-turn markers), found by rendering the conversation up to every assistant turn."""
+        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and the
+        assistant mask. A template that marks the replies with `{% generation %}` blocks gives transformers' own
+        mask (`apply_chat_template(..., return_assistant_tokens_mask=True)`, what TRL's assistant-only loss trains
+        on). Otherwise each assistant turn's tokens after the template's generation prompt for it, found by
+        rendering the conversation up to every assistant turn, through its end-of-turn stop token (`stop_ids`):
+        what the template writes after that token (ChatML's newline) is the template's, never generated (a reply
+        ends at the stop), so it is not trained on."""
         def ids(upto: int, gen: bool) -> list[int]:
             text = self.apply_chat_template(messages[:upto], add_generation_prompt=gen)
             return self.tok.encode(text, add_special_tokens=False).ids
 
         full = ids(len(messages), add_generation_prompt)
+        if GENERATION_BLOCK.search(self.meta.get("chat_template") or ""):
+            out = self._chat_renderer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                          return_assistant_tokens_mask=True,
+                                                          add_generation_prompt=add_generation_prompt)
+            if list(out["input_ids"]) != full:  # one tokenization of one text: a mismatch is a transformers change
+                raise ValueError("transformers' apply_chat_template tokenizes this conversation unlike the "
+                                 "tokenizer itself; the assistant mask cannot be placed")
+            return full, [int(m) for m in out["assistant_masks"]]
         mask = [0] * len(full)
+        stops = set(self.stop_ids)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
@@ -197,6 +213,8 @@ class Tokenizer:
                 raise ValueError("this chat template does not render a conversation as the concatenation of its "
                                  "turns (a later turn changes earlier tokens), so the assistant tokens cannot be "
                                  "masked; fine-tune with a template that appends turns")
+            ends = [j for j in range(start, stop) if turn[j] in stops]
+            stop = ends[-1] + 1 if ends else stop
             mask[start:stop] = [1] * (stop - start)
         return full, mask
 

@@ -124,6 +124,38 @@ def test_render_is_the_paper_codes_render_conversation(tok):
         assert tok.render_chat(conv) == (ids, mask)
 
 
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_converted_template_mask_is_transformers_assistant_mask(tagged):
+    """A converted model's chat template (ChatML, which writes a newline after each <|im_end|>): the assistant mask
+    is transformers' apply_chat_template(return_assistant_tokens_mask=True) on the template with `{% generation %}`
+    blocks around each reply and its <|im_end|>: the reply and the stop token, not the template's newline after it
+    (never generated: a reply ends at the stop). The same template without the blocks gives the same mask."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                      special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = CHATML if tagged else CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok = Tokenizer(raw, {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": template})
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "how are you"},
+            {"role": "assistant", "content": "today"}]
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", chat_template=CHATML)
+    want = ref.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = tok.render_chat(msgs)
+    assert ids == list(want["input_ids"]) and mask == list(want["assistant_masks"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "hi there<|im_end|>today<|im_end|>"
+
+
 @pytest.mark.parametrize("bad, msg", [([], "non-empty"), ([{"role": "bot", "content": "x"}], "valid roles"),
                                       ([{"role": "assistant", "content": "x"}], "'user' was expected"),
                                       ([{"role": "user", "content": 3}], "string")])
