@@ -168,6 +168,21 @@ def test_bad_conversations_are_named(tok, bad, msg, tmp_path):
         chat.load_conversations(str(f))
 
 
+def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
+    """A chat file that is not UTF-8 is refused naming its file and line (it was the codec's bare message, no file);
+    an assistant turn in nanochat's tool-use form (content a list of parts) is refused saying that form is not
+    supported (it was "content must be a string" alone)."""
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(good.encode() + b"\n" + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2 is not UTF-8"):
+        chat.load_conversations(str(f))
+    parts = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": [{"type": "python", "text": "2+2"}]}]
+    f.write_text(good + "\n" + json.dumps({"messages": parts}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2: message 1 content must be a string \(a list of parts.*tool"):
+        chat.load_conversations(str(f))
+
+
 @pytest.mark.parametrize("plan", [None, "3xF1-h0-K1", "2xF2-fwd-K1"])
 def test_padded_rows_never_see_each_other(tok, plan):
     """Perturbing one conversation (and its length) changes no logit of the other: with one row per
