@@ -592,3 +592,54 @@ def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, mo
     g = json.loads((out / "grid.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in grid.json"))
     assert all(r["avg"] is None for r in g["rows"])
     assert {k: v["steps"] for k, v in g["sft_runs"].items()} == {"sequential": 6, plan: 6}
+
+
+def test_sft_loss_and_gradients_are_the_paper_models_on_the_same_conversations():
+    """The training signal of one micro-batch against the paper's chat_sft: its GPT (nanochat-snlp, weights copied
+    into ours) on the rows its loader builds (a conversation, then <|bos|> padding; targets the next ids, -1 where
+    the mask is 0 and on the padding) gives the CE (the mean over the supervised targets, ignore_index -1) and every
+    parameter's gradient that TrainStep gives on chat.collate's batch of the same conversations. Skipped without the
+    paper code."""
+    from tests.bench.test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("the paper code (nanochat-snlp) is not here")
+    from snlp.bench.paper_peer import build_paper_model, load_paper_code, snlp_model_from_paper
+    from snlp.io.nanochat import state_from_nanochat
+
+    code = load_paper_code(PAPER, torch.float32)
+    cfg = code.gpt.GPTConfig(sequence_len=32, vocab_size=256, n_layer=3, n_head=2, n_kv_head=2, n_embd=64,
+                             window_pattern="L")
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    with torch.no_grad():  # blocks that are not the identity, so every gradient is non-trivial
+        for b in paper.transformer.h:
+            b.attn.c_proj.weight.normal_(0, 0.05)
+            b.mlp.c_proj.weight.normal_(0, 0.05)
+        paper.lm_head.weight.normal_(0, 0.1)
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32).train()
+    paper.train()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for n in (12, 20, 7):  # BOS, a user turn (mask 0), a reply (mask 1), another user turn
+        ids = [0] + torch.randint(1, 256, (n - 1,), generator=g).tolist()
+        mask = [0] * (n // 3) + [1] * (n // 3) + [0] * (n - 2 * (n // 3))
+        examples.append(chat.ChatExample(ids, mask))
+    capacity = max(len(e.ids) for e in examples)  # chat_sft's row_capacity: its rows are max_seq_len + 1 long
+    rows = torch.tensor([e.ids + [0] * (capacity - len(e.ids)) for e in examples])
+    x_p, y_p = rows[:, :-1].clone(), rows[:, 1:].clone()
+    y_p[torch.tensor([e.mask + [0] * (capacity - len(e.mask)) for e in examples])[:, 1:] == 0] = -1
+    for i, e in enumerate(examples):
+        y_p[i, len(e.ids) - 1:] = -1
+    loss_p = paper(x_p, y_p)
+    loss_p.backward()
+    x, y = chat.collate(examples, pad_id=0)
+    loss, _, _ = TrainStep(ours, RegConfig(), None)(x, y, 0.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_p.item(), rel=1e-5)
+    ours_cfg = ours.config
+    want = state_from_nanochat({k: p.grad for k, p in paper.named_parameters() if p.grad is not None}, ours_cfg)
+    got = {k: p.grad for k, p in ours.named_parameters()}
+    assert set(want) <= set(got)
+    assert len(want) >= 3 * 4 + 2  # every block's matrices, the embedding and the head
+    for k, gw in want.items():
+        assert torch.allclose(got[k], gw, rtol=1e-4, atol=1e-6), k
