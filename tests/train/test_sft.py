@@ -643,3 +643,46 @@ def test_sft_loss_and_gradients_are_the_paper_models_on_the_same_conversations()
     assert len(want) >= 3 * 4 + 2  # every block's matrices, the embedding and the head
     for k, gw in want.items():
         assert torch.allclose(got[k], gw, rtol=1e-4, atol=1e-6), k
+
+
+def test_chat_replies_are_the_paper_engines_greedy_tokens(tok):
+    """`snlp generate --chat`'s decoding (Tokenizer.chat_prompt, sequential_generate stopping at chat_stop_ids) on
+    the paper's GPT (weights copied into ours) gives its Engine's greedy reply (nanochat/engine.py, temperature 0,
+    a row ends at <|assistant_end|> or <|bos|>), ours with the stop token at its end (the Engine drops it).
+    Skipped without the paper code."""
+    import sys
+    import types
+
+    from tests.bench.test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("the paper code (nanochat-snlp) is not here")
+    from snlp.bench.paper_peer import build_paper_model, load_paper_code, snlp_model_from_paper
+    from snlp.decode.generate import sequential_generate
+
+    code = load_paper_code(PAPER, torch.float32)
+    engine = sys.modules["nanochat.engine"]
+    if not hasattr(engine, "Engine"):
+        pytest.skip("the paper's engine could not be imported here (stubbed)")
+    cfg = code.gpt.GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=3, n_head=2, n_kv_head=2,
+                             n_embd=64, window_pattern="L")
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    end = tok.token_id("<|assistant_end|>")
+    with torch.no_grad():  # random blocks and head, <|assistant_end|> raised so that replies stop within 24 tokens
+        for b in paper.transformer.h:
+            b.attn.c_proj.weight.normal_(0, 0.05, generator=g)
+            b.mlp.c_proj.weight.normal_(0, 0.05, generator=g)
+        paper.lm_head.weight.normal_(0, 0.1, generator=g)
+        paper.lm_head.weight[end] += 0.2
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32)
+    paper_tok = types.SimpleNamespace(encode_special=tok.tok.token_to_id, get_bos_token_id=lambda: tok.bos_id)
+    stopped = 0
+    for text in ("hello there", "how are you today", "fine"):
+        prompt = tok.chat_prompt([{"role": "user", "content": text}])
+        ref, _ = engine.Engine(paper.eval(), paper_tok).generate_batch(prompt, max_tokens=24, temperature=0.0)
+        got = sequential_generate(ours, prompt, max_new_tokens=24, eos_id=list(tok.chat_stop_ids))
+        want = ref[0][len(prompt):]
+        assert got.tokens == (want + [end] if got.stop == "eos" else want)
+        stopped += got.stop == "eos"
+    assert stopped >= 2
