@@ -686,3 +686,17 @@ def test_chat_replies_are_the_paper_engines_greedy_tokens(tok):
         assert got.tokens == (want + [end] if got.stop == "eos" else want)
         stopped += got.stop == "eos"
     assert stopped >= 2
+
+
+def test_sft_start_line_counts_the_conversations_dropped_by_truncation(tok, tmp_path, capsys):
+    """A conversation whose first user turn fills --seq-len + 1 tokens has no reply token left and is dropped
+    (chat.render); the start line says how many, where it said only the kept counts."""
+    save_checkpoint(tmp_path / "ck", tiny(tok, depth=2), tok)
+    short = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "there"}]}
+    long = {"messages": [{"role": "user", "content": "hello there " * 40}, {"role": "assistant", "content": "x"}]}
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps(c) + "\n" for c in [short] * 4 + [long] * 3))
+    assert main(["sft", str(tmp_path / "ck"), "--data", str(f), "--out", str(tmp_path / "out"), "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 train / 1 val conversations" in out and "(3 dropped: no assistant token within 33 tokens)" in out
