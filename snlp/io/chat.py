@@ -76,7 +76,9 @@ def _rows_from_file(path: Path):
                 raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
             if not isinstance(row, dict) or "messages" not in row:
                 raise ValueError(f"{path}:{i} has no 'messages' field (chat rows look like "
-                                 f"{{\"messages\": [{{\"role\": \"user\", \"content\": ...}}, ...]}})")
+                                 f"{{\"messages\": [{{\"role\": \"user\", \"content\": ...}}, ...]}}"
+                                 + ("; a bare list of messages per line, nanochat's CustomJSON form, goes inside "
+                                    "{\"messages\": ...}" if isinstance(row, list) else "") + ")")
             yield check_messages(row["messages"], f"{path}:{i}")
 
 

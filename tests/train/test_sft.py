@@ -181,6 +181,9 @@ def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
     f.write_text(good + "\n" + json.dumps({"messages": parts}) + "\n")
     with pytest.raises(ValueError, match=r"c.jsonl:2: message 1 content must be a string \(a list of parts.*tool"):
         chat.load_conversations(str(f))
+    f.write_text(good + "\n" + json.dumps(parts[:1] + [{"role": "assistant", "content": "4"}]) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2 has no 'messages' field .*nanochat's CustomJSON form"):
+        chat.load_conversations(str(f))  # nanochat's identity_conversations.jsonl rows: named, not a bare "no field"
 
 
 @pytest.mark.parametrize("plan", [None, "3xF1-h0-K1", "2xF2-fwd-K1"])
