@@ -42,8 +42,10 @@ def check_messages(messages, where: str = "conversation") -> list[dict]:
             raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: message {i} has role {m['role']!r}; valid roles: {', '.join(ROLES)}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"{where}: message {i} content must be a string")
+        if not isinstance(m["content"], str):  # nanochat's list of parts (python tool calls) included: no tool tokens
+            raise ValueError(f"{where}: message {i} content must be a string"
+                             + (" (a list of parts, e.g. nanochat's python tool calls, is not supported: the "
+                                "template has no tool tokens)" if isinstance(m["content"], list) else ""))
         out.append({"role": m["role"], "content": m["content"]})
     turns = out[1:] if out[0]["role"] == "system" else out
     if not turns:
@@ -59,8 +61,13 @@ def check_messages(messages, where: str = "conversation") -> list[dict]:
 def _rows_from_file(path: Path):
     if path.suffix.lower() != ".jsonl":
         raise ValueError(f"chat data {path}: expected a .jsonl file of {{\"messages\": [...]}} rows")
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:  # line by line: a bad byte is named by its line, as a bad JSON row is
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i} is not UTF-8 text ({e.reason} at byte {e.start}); chat JSONL files "
+                                 f"are read as UTF-8") from e
             if not line.strip():
                 continue
             try:
@@ -69,7 +76,9 @@ def _rows_from_file(path: Path):
                 raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
             if not isinstance(row, dict) or "messages" not in row:
                 raise ValueError(f"{path}:{i} has no 'messages' field (chat rows look like "
-                                 f"{{\"messages\": [{{\"role\": \"user\", \"content\": ...}}, ...]}})")
+                                 f"{{\"messages\": [{{\"role\": \"user\", \"content\": ...}}, ...]}}"
+                                 + ("; a bare list of messages per line, nanochat's CustomJSON form, goes inside "
+                                    "{\"messages\": ...}" if isinstance(row, list) else "") + ")")
             yield check_messages(row["messages"], f"{path}:{i}")
 
 

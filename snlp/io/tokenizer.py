@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 
 import json
 from pathlib import Path
@@ -21,6 +22,8 @@ BOS = "<|bos|>"
 # reserved for chat / SFT: user and assistant turn markers
 SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
+# a chat template that marks assistant text for transformers' return_assistant_tokens_mask
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class Tokenizer:
@@ -64,6 +67,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as ordinary text: a special token's string in it (e.g. "<|assistant_end|>" quoted in a chat) is
+        encoded as the bytes it is, never as the marker, as nanochat's tokenizer encodes chat content (tiktoken
+        `encode_ordinary` in `render_conversation`). Equal to `encode` on text without such strings."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy of the tokenizer that reads special-token strings as text (`encode_plain`); a copy, so the flag
+        never changes how `encode` reads the same tokenizer."""
+        plain = HFTokenizer.from_str(self.tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
@@ -136,7 +153,10 @@ class Tokenizer:
             <|bos|> <|user_start|> user <|user_end|> <|assistant_start|> reply <|assistant_end|> ...
 
         The mask covers each reply and its <|assistant_end|> (so the model learns to stop), never the
-        markers before it. A system message is prepended to the first user turn (nanochat). With
+        markers before it. A system message is prepended to the first user turn (nanochat). Message text is
+        encoded as plain text (`encode_plain`): only the template puts markers in, as nanochat's
+        render_conversation does, so a reply that quotes "<|assistant_end|>" neither ends its turn nor is
+        trained as the stop. With
         `add_generation_prompt` an <|assistant_start|> is appended (the prompt for the reply)."""
         from snlp.io.chat import check_messages
 
@@ -149,7 +169,7 @@ class Tokenizer:
         sp = {name: self.token_id(f"<|{name}|>") for name in ("user_start", "user_end", "assistant_start", "assistant_end")}
         ids, mask = [self.bos_id], [0]
         for m in messages:
-            body = self.encode(m["content"])
+            body = self.encode_plain(m["content"])
             if m["role"] == "user":
                 part, pm = [sp["user_start"], *body, sp["user_end"]], [0] * (len(body) + 2)
             else:
@@ -162,15 +182,28 @@ class Tokenizer:
         return ids, mask
 
     def _render_foreign_chat(self, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
-        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and
-        as the assistant mask the tokens each assistant turn adds after the template's generation prompt for it
-        (its reply and end-of-turn markers), found by rendering the conversation up to every assistant turn."""
+        """`render_chat` with a converted model's own chat template: the ids of the rendered conversation, and the
+        assistant mask. A template that marks the replies with `{% generation %}` blocks gives transformers' own
+        mask (`apply_chat_template(..., return_assistant_tokens_mask=True)`, what TRL's assistant-only loss trains
+        on). Otherwise each assistant turn's tokens after the template's generation prompt for it, found by
+        rendering the conversation up to every assistant turn, through its end-of-turn stop token (`stop_ids`):
+        what the template writes after that token (ChatML's newline) is the template's, never generated (a reply
+        ends at the stop), so it is not trained on."""
         def ids(upto: int, gen: bool) -> list[int]:
             text = self.apply_chat_template(messages[:upto], add_generation_prompt=gen)
             return self.tok.encode(text, add_special_tokens=False).ids
 
         full = ids(len(messages), add_generation_prompt)
+        if GENERATION_BLOCK.search(self.meta.get("chat_template") or ""):
+            out = self._chat_renderer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                          return_assistant_tokens_mask=True,
+                                                          add_generation_prompt=add_generation_prompt)
+            if list(out["input_ids"]) != full:  # one tokenization of one text: a mismatch is a transformers change
+                raise ValueError("transformers' apply_chat_template tokenizes this conversation unlike the "
+                                 "tokenizer itself; the assistant mask cannot be placed")
+            return full, [int(m) for m in out["assistant_masks"]]
         mask = [0] * len(full)
+        stops = set(self.stop_ids)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
@@ -180,6 +213,8 @@ class Tokenizer:
                 raise ValueError("this chat template does not render a conversation as the concatenation of its "
                                  "turns (a later turn changes earlier tokens), so the assistant tokens cannot be "
                                  "masked; fine-tune with a template that appends turns")
+            ends = [j for j in range(start, stop) if turn[j] in stops]
+            stop = ends[-1] + 1 if ends else stop
             mask[start:stop] = [1] * (stop - start)
         return full, mask
 

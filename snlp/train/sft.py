@@ -64,6 +64,9 @@ def sft_job(scfg: SFTConfig):
         if len(examples) < 2:
             raise ValueError(f"chat data {scfg.data!r} gives {len(examples)} usable conversations (with an "
                              f"assistant reply within {max_len} tokens); need at least 2")
+        # conversations without a reply token within max_len are dropped (chat.render): said on the banner, as the
+        # paper's loader keeps them (they add no loss there) and a user reading only the counts would not know
+        dropped = len(convs) - len(examples)
         train, val = chat.split(examples, scfg.val_frac)
         pad = 0  # any id: padding sits after each row's tokens (causal: unseen) and its targets are -1
         reg = reg_config(cfg, model.config, rank == 0)
@@ -81,6 +84,7 @@ def sft_job(scfg: SFTConfig):
                    validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan),
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "
                    f"{len(val):,} val conversations of {scfg.data}"
+                   + (f" ({dropped:,} dropped: no assistant token within {max_len} tokens)" if dropped else "")
                    + (f" | reg {cfg.reg} lambda={reg.lam}{reg.rows_text(cfg.batch_size)}" if reg.active else ""),
                    name="snlp sft", state={"sft": {**{k: v for k, v in asdict(scfg).items() if k != "train"},
                                                    "data_digest": chat_digest(convs)}})

@@ -72,6 +72,92 @@ def test_two_turn_mask_is_exactly_the_replies(tok):
     assert prompt[-1] == sp["assistant_start"] and sum(pm) == 0
 
 
+QUOTING = [{"role": "user", "content": "what does <|assistant_end|> do? <|user_end|><|assistant_start|>"},
+           {"role": "assistant", "content": "It ends a reply: <|assistant_end|> then <|bos|> starts a text"}]
+
+
+def test_message_text_that_quotes_a_marker_is_text_not_the_marker(tok):
+    """nanochat's render_conversation encodes message text with tiktoken's encode_ordinary: a special token's string
+    in a message is its bytes; the markers come from the template alone. The naive reference: every message's own
+    tokens decode back to its text, the specials sit only where the template puts them, and the mask is as for any
+    other text (a quoted "<|assistant_end|>" is neither the end of the reply nor trained as the stop)."""
+    ids, mask = tok.render_chat(QUOTING)
+    sp = [tok.token_id(f"<|{n}|>") for n in ("user_start", "user_end", "assistant_start", "assistant_end")]
+    u, a = [tok.encode_plain(m["content"]) for m in QUOTING]
+    assert ids == [tok.bos_id, sp[0], *u, sp[1], sp[2], *a, sp[3]]
+    assert mask == [0] * (3 + len(u) + 1) + [1] * (len(a) + 1)
+    assert tok.decode(u) == QUOTING[0]["content"] and tok.decode(a) == QUOTING[1]["content"]
+    assert not set(u + a) & {tok.bos_id, *sp}
+    assert tok.encode_plain("hello there") == tok.encode("hello there")  # plain text: as `encode`
+    prompt = tok.chat_prompt(QUOTING[:1])  # what `snlp generate --chat` and the evaluations send: the same text
+    assert prompt == [tok.bos_id, sp[0], *u, sp[1], sp[2]]
+
+
+def test_render_is_the_paper_codes_render_conversation(tok):
+    """The paper's own render_conversation (nanochat/tokenizer.py, RustBPETokenizer's: its `self` needs encode,
+    encode_special and get_bos_token_id) gives our ids and mask on a system message, several turns, an empty reply
+    and quoted markers. Skipped without the paper code."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    from tests.bench.test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("the paper code (nanochat-snlp) is not here")
+    path = Path(PAPER) / "nanochat" / "tokenizer.py"
+    stubs = [n for n in ("rustbpe", "tiktoken") if n not in sys.modules]  # imported at its top, unused here
+    sys.modules.update({n: types.ModuleType(n) for n in stubs})
+    try:
+        spec = importlib.util.spec_from_file_location("paper_nanochat_tokenizer", path)
+        paper = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(paper)
+    finally:
+        for n in stubs:
+            sys.modules.pop(n, None)
+    ordinary = types.SimpleNamespace(encode=tok.encode_plain, encode_special=tok.tok.token_to_id,
+                                     get_bos_token_id=lambda: tok.bos_id)
+    convs = [QUOTING, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+                       {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "and?"},
+                       {"role": "assistant", "content": ""}]]
+    for conv in convs:
+        ids, mask = paper.RustBPETokenizer.render_conversation(ordinary, {"messages": conv})
+        assert tok.render_chat(conv) == (ids, mask)
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_converted_template_mask_is_transformers_assistant_mask(tagged):
+    """A converted model's chat template (ChatML, which writes a newline after each <|im_end|>): the assistant mask
+    is transformers' apply_chat_template(return_assistant_tokens_mask=True) on the template with `{% generation %}`
+    blocks around each reply and its <|im_end|>: the reply and the stop token, not the template's newline after it
+    (never generated: a reply ends at the stop). The same template without the blocks gives the same mask."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                      special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = CHATML if tagged else CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok = Tokenizer(raw, {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": template})
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "how are you"},
+            {"role": "assistant", "content": "today"}]
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", chat_template=CHATML)
+    want = ref.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = tok.render_chat(msgs)
+    assert ids == list(want["input_ids"]) and mask == list(want["assistant_masks"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "hi there<|im_end|>today<|im_end|>"
+
+
 @pytest.mark.parametrize("bad, msg", [([], "non-empty"), ([{"role": "bot", "content": "x"}], "valid roles"),
                                       ([{"role": "assistant", "content": "x"}], "'user' was expected"),
                                       ([{"role": "user", "content": 3}], "string")])
@@ -82,6 +168,24 @@ def test_bad_conversations_are_named(tok, bad, msg, tmp_path):
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n" + json.dumps({"messages": bad}) + "\n")
     with pytest.raises(ValueError, match=r"c.jsonl:2"):
         chat.load_conversations(str(f))
+
+
+def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
+    """A chat file that is not UTF-8 is refused naming its file and line (it was the codec's bare message, no file);
+    an assistant turn in nanochat's tool-use form (content a list of parts) is refused saying that form is not
+    supported (it was "content must be a string" alone)."""
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(good.encode() + b"\n" + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2 is not UTF-8"):
+        chat.load_conversations(str(f))
+    parts = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": [{"type": "python", "text": "2+2"}]}]
+    f.write_text(good + "\n" + json.dumps({"messages": parts}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2: message 1 content must be a string \(a list of parts.*tool"):
+        chat.load_conversations(str(f))
+    f.write_text(good + "\n" + json.dumps(parts[:1] + [{"role": "assistant", "content": "4"}]) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2 has no 'messages' field .*nanochat's CustomJSON form"):
+        chat.load_conversations(str(f))  # nanochat's identity_conversations.jsonl rows: named, not a bare "no field"
 
 
 @pytest.mark.parametrize("plan", [None, "3xF1-h0-K1", "2xF2-fwd-K1"])
@@ -493,3 +597,111 @@ def test_sft_grid_stopped_by_stop_file_text_stops_the_grid_unscored(tmp_path, mo
     g = json.loads((out / "grid.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in grid.json"))
     assert all(r["avg"] is None for r in g["rows"])
     assert {k: v["steps"] for k, v in g["sft_runs"].items()} == {"sequential": 6, plan: 6}
+
+
+def test_sft_loss_and_gradients_are_the_paper_models_on_the_same_conversations():
+    """The training signal of one micro-batch against the paper's chat_sft: its GPT (nanochat-snlp, weights copied
+    into ours) on the rows its loader builds (a conversation, then <|bos|> padding; targets the next ids, -1 where
+    the mask is 0 and on the padding) gives the CE (the mean over the supervised targets, ignore_index -1) and every
+    parameter's gradient that TrainStep gives on chat.collate's batch of the same conversations. Skipped without the
+    paper code."""
+    from tests.bench.test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("the paper code (nanochat-snlp) is not here")
+    from snlp.bench.paper_peer import build_paper_model, load_paper_code, snlp_model_from_paper
+    from snlp.io.nanochat import state_from_nanochat
+
+    code = load_paper_code(PAPER, torch.float32)
+    cfg = code.gpt.GPTConfig(sequence_len=32, vocab_size=256, n_layer=3, n_head=2, n_kv_head=2, n_embd=64,
+                             window_pattern="L")
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    with torch.no_grad():  # blocks that are not the identity, so every gradient is non-trivial
+        for b in paper.transformer.h:
+            b.attn.c_proj.weight.normal_(0, 0.05)
+            b.mlp.c_proj.weight.normal_(0, 0.05)
+        paper.lm_head.weight.normal_(0, 0.1)
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32).train()
+    paper.train()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for n in (12, 20, 7):  # BOS, a user turn (mask 0), a reply (mask 1), another user turn
+        ids = [0] + torch.randint(1, 256, (n - 1,), generator=g).tolist()
+        mask = [0] * (n // 3) + [1] * (n // 3) + [0] * (n - 2 * (n // 3))
+        examples.append(chat.ChatExample(ids, mask))
+    capacity = max(len(e.ids) for e in examples)  # chat_sft's row_capacity: its rows are max_seq_len + 1 long
+    rows = torch.tensor([e.ids + [0] * (capacity - len(e.ids)) for e in examples])
+    x_p, y_p = rows[:, :-1].clone(), rows[:, 1:].clone()
+    y_p[torch.tensor([e.mask + [0] * (capacity - len(e.mask)) for e in examples])[:, 1:] == 0] = -1
+    for i, e in enumerate(examples):
+        y_p[i, len(e.ids) - 1:] = -1
+    loss_p = paper(x_p, y_p)
+    loss_p.backward()
+    x, y = chat.collate(examples, pad_id=0)
+    loss, _, _ = TrainStep(ours, RegConfig(), None)(x, y, 0.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_p.item(), rel=1e-5)
+    ours_cfg = ours.config
+    want = state_from_nanochat({k: p.grad for k, p in paper.named_parameters() if p.grad is not None}, ours_cfg)
+    got = {k: p.grad for k, p in ours.named_parameters()}
+    assert set(want) <= set(got)
+    assert len(want) >= 3 * 4 + 2  # every block's matrices, the embedding and the head
+    for k, gw in want.items():
+        assert torch.allclose(got[k], gw, rtol=1e-4, atol=1e-6), k
+
+
+def test_chat_replies_are_the_paper_engines_greedy_tokens(tok):
+    """`snlp generate --chat`'s decoding (Tokenizer.chat_prompt, sequential_generate stopping at chat_stop_ids) on
+    the paper's GPT (weights copied into ours) gives its Engine's greedy reply (nanochat/engine.py, temperature 0,
+    a row ends at <|assistant_end|> or <|bos|>), ours with the stop token at its end (the Engine drops it).
+    Skipped without the paper code."""
+    import sys
+    import types
+
+    from tests.bench.test_vs_paper import PAPER
+
+    if PAPER is None:
+        pytest.skip("the paper code (nanochat-snlp) is not here")
+    from snlp.bench.paper_peer import build_paper_model, load_paper_code, snlp_model_from_paper
+    from snlp.decode.generate import sequential_generate
+
+    code = load_paper_code(PAPER, torch.float32)
+    engine = sys.modules["nanochat.engine"]
+    if not hasattr(engine, "Engine"):
+        pytest.skip("the paper's engine could not be imported here (stubbed)")
+    cfg = code.gpt.GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=3, n_head=2, n_kv_head=2,
+                             n_embd=64, window_pattern="L")
+    paper = build_paper_model(code, cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    end = tok.token_id("<|assistant_end|>")
+    with torch.no_grad():  # random blocks and head, <|assistant_end|> raised so that replies stop within 24 tokens
+        for b in paper.transformer.h:
+            b.attn.c_proj.weight.normal_(0, 0.05, generator=g)
+            b.mlp.c_proj.weight.normal_(0, 0.05, generator=g)
+        paper.lm_head.weight.normal_(0, 0.1, generator=g)
+        paper.lm_head.weight[end] += 0.2
+    ours = snlp_model_from_paper(paper, "cpu", torch.float32)
+    paper_tok = types.SimpleNamespace(encode_special=tok.tok.token_to_id, get_bos_token_id=lambda: tok.bos_id)
+    stopped = 0
+    for text in ("hello there", "how are you today", "fine"):
+        prompt = tok.chat_prompt([{"role": "user", "content": text}])
+        ref, _ = engine.Engine(paper.eval(), paper_tok).generate_batch(prompt, max_tokens=24, temperature=0.0)
+        got = sequential_generate(ours, prompt, max_new_tokens=24, eos_id=list(tok.chat_stop_ids))
+        want = ref[0][len(prompt):]
+        assert got.tokens == (want + [end] if got.stop == "eos" else want)
+        stopped += got.stop == "eos"
+    assert stopped >= 2
+
+
+def test_sft_start_line_counts_the_conversations_dropped_by_truncation(tok, tmp_path, capsys):
+    """A conversation whose first user turn fills --seq-len + 1 tokens has no reply token left and is dropped
+    (chat.render); the start line says how many, where it said only the kept counts."""
+    save_checkpoint(tmp_path / "ck", tiny(tok, depth=2), tok)
+    short = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "there"}]}
+    long = {"messages": [{"role": "user", "content": "hello there " * 40}, {"role": "assistant", "content": "x"}]}
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps(c) + "\n" for c in [short] * 4 + [long] * 3))
+    assert main(["sft", str(tmp_path / "ck"), "--data", str(f), "--out", str(tmp_path / "out"), "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 train / 1 val conversations" in out and "(3 dropped: no assistant token within 33 tokens)" in out
