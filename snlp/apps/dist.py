@@ -59,6 +59,17 @@ def _run_ranked(command: str, args, body) -> int:
             dist.destroy_process_group()
 
 
+def check_world_fits(plans) -> None:
+    """Refuse a plan with fewer chunks than torchrun's WORLD_SIZE before any process group starts (every rank
+    would start one, open the checkpoint and then fail in `partition` at the same line). Without WORLD_SIZE,
+    init_distributed refuses the missing torchrun environment."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or not world.strip().isdigit():
+        return
+    for p in plans:
+        partition(p.chunks, int(world))
+
+
 def refuse_compile(args) -> None:
     """--compile has no distributed counterpart: the distributed solve and the layer-pipelined forward
     interleave collectives with the layer math and run eagerly; refused rather than silently ignored."""
@@ -91,7 +102,7 @@ def run_generate(args) -> int:
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
-    Plan.parse(args.plan)  # its grammar
+    check_world_fits([Plan.parse(args.plan)])  # its grammar, and a chunk for every rank
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
@@ -308,7 +319,9 @@ def run_bench(args, spec: ModelSpec) -> int:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
-    check_plans_fit(spec.ckpt, check_plans_grammar(args.plans))  # before any rank starts
+    plans = check_plans_grammar(args.plans)
+    check_plans_fit(spec.ckpt, plans)  # before any rank starts
+    check_world_fits(plans)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
 

@@ -22,9 +22,10 @@ bandwidth beta). Assumptions (written next to every table in docs/distributed.md
           broadcast of h_S (if S > 0), a fwd init costs one local batched chunk forward + one p2p, then
           K iterations of [evals_per_iter local batched forwards of ceil(C/P) chunks + one all_gather
           of the per-rank affine totals (B*T*D; twice that for DiagN) + one boundary p2p (not after the
-          last iteration)], then the head on the last rank and a broadcast of the token. A batched forward
-          of n fused chunks of M layers costs n*M*t_layer (bandwidth-bound: it reads n*M layers' weights)
-          unless `chunk_ms` gives the measured time.
+          last iteration) + with `-tol:` one broadcast of the B per-row updates (the last rank's stop test; all
+          K iterations are charged: an earlier stop is not predicted)], then the head on the last rank and a
+          broadcast of the token. A batched forward of n fused chunks of M layers costs n*M*t_layer
+          (bandwidth-bound: it reads n*M layers' weights) unless `chunk_ms` gives the measured time.
 SNLP's output after K < C iterations is an approximation of the fused model (paper); latency is all
 this model predicts.
 """
@@ -140,6 +141,8 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
         comm += link.p2p_ms(msg) if P > 1 else 0.0
     compute += plan.iters * plan.evals_per_iter * t_chunk
     comm += plan.iters * (gather if P > 1 else 0.0) + max(plan.iters - 1, 0) * (link.p2p_ms(msg) if P > 1 else 0.0)
+    if plan.tol:  # the last rank's per-row stop test (B float64 updates) broadcast every iteration it may stop at
+        comm += plan.iters * link.broadcast_ms(8 * batch, P)
     return Prediction(sequential_ms=seq, pipeline_ms=pipe, tensor_parallel_ms=tp, snlp_ms=compute + comm,
                       layer_ms=layer_ms, head_ms=head_ms, chunk_ms=t_chunk, comm_snlp_ms=comm, comm_tp_ms=comm_tp,
                       fits_one_device_gb=shape.weight_bytes / 1e9)

@@ -21,7 +21,7 @@ d_c = a_c o d_{c-1} + b_c with b = tilde - h^{(k)}):
      owns its map and correction, `Surrogate.scan_step`, which the rank calls with its cross-rank scan)
      and the local scan d^loc = affine_scan(a, b) (as if d_{c0-1} = 0); the block's total map is
      (A_r, B_r) = (a_{c1-1} o ... o a_{c0}, d^loc_{c1-1}).
-  3. all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
+  3. one all_gather of (A_q, B_q) over ranks, then rank r composes ranks 0..r-1 with the same
      `snlp.method.scan.affine_scan` (an exclusive scan over ranks) to get d_{c0-1}, and solves its chunks
      with d_{c0-1} prepended: exactly the single-process recurrence, regrouped.
   4. h^{(k+1)} = h^{(k)} + d; the boundary state h_{c1-1}^{(k+1)} goes to rank r+1 (point-to-point).
@@ -146,6 +146,18 @@ def _all_gather(t: Tensor, op: str) -> Tensor:
     with _comm(op):
         dist.all_gather(out, t)
     return torch.stack(out)
+
+
+def _gather_totals(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """Every rank's affine total (A_q, B_q) in ONE all_gather (A and B flattened into one buffer of their promoted
+    dtype, a lossless cast): one collective per iteration, the count the module docstring and
+    snlp.dist.costmodel charge; two calls would pay the link latency twice, which dominates small decode messages."""
+    dt = torch.promote_types(A.dtype, B.dtype)
+    na = A.numel()
+    both = _all_gather(torch.cat([A.reshape(-1).to(dt), B.reshape(-1).to(dt)]),
+                       "all_gather of the per-rank affine totals")
+    P = both.shape[0]
+    return both[:, :na].reshape(P, *A.shape).to(A.dtype), both[:, na:].reshape(P, *B.shape).to(B.dtype)
 
 
 def _broadcast(t: Tensor, src: int, op: str) -> Tensor:
@@ -390,8 +402,7 @@ class DistributedSNLP:
     def _scan(self, a: Tensor, b: Tensor, matrix: bool) -> Tensor:
         """d for this rank's chunks: d_c = a_c o d_{c-1} + b_c across ALL ranks' chunks (module docstring, 2-3)."""
         d_loc = affine_scan(a, b, matrix)  # (n, ...) as if d_{c0-1} = 0
-        A = _all_gather(_compose(a, matrix), "all_gather of the per-rank affine totals")  # (P, ...)
-        Bt = _all_gather(d_loc[-1], "all_gather of the per-rank affine totals")  # (P, B, T, ..., D)
+        A, Bt = _gather_totals(_compose(a, matrix), d_loc[-1])  # (P, ...), (P, B, T, ..., D)
         if self.rank == 0:
             return d_loc
         d_in = affine_scan(A[: self.rank], Bt[: self.rank], matrix)[-1]  # exclusive scan over ranks: d_{c0-1}

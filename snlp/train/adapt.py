@@ -430,7 +430,7 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
         held.update(base=base, drafter=drafter, rank=rank, world=world, device=str(device))
         return Job(model=drafter.model, tokenizer=btok,
                    batch=batch,
-                   val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
+                   val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size * world, cfg.eval_batches),
                    loss=AdaptStep(base, drafter, cfg),
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device),
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "

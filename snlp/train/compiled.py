@@ -61,11 +61,11 @@ class CompiledStep:
         self.fn = wrap(compiled) if wrap is not None else compiled
         self.lam = torch.zeros((), dtype=torch.float32, device=device)
 
-    def __call__(self, x: Tensor, y: Tensor, lam: float, valid: Tensor | None = None):
+    def __call__(self, x: Tensor, y: Tensor, lam: float, valid: Tensor | None = None, share: Tensor | None = None):
         self.lam.fill_(lam)
         if valid is None:
             return self.fn(x, y, self.lam)
-        return self.fn(x, y, self.lam, valid)
+        return self.fn(x, y, self.lam, valid) if share is None else self.fn(x, y, self.lam, valid, share)
 
     def no_sync(self):
         """DDP's no_sync (gradient accumulation; only with a DDP `wrap`)."""

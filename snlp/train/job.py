@@ -54,12 +54,16 @@ class TrainStep(nn.Module):
         # the regulariser's K=1 plans, built here, never inside a (compiled) forward: RegConfig.plans
         self.reg_plans = reg.plans(model.config.n_layer) if reg.active and model.config.n_layer > 1 else None
 
-    def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None):
+    def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None, share: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
         step: an input of the graph, so the ramp of --reg-warmup is no recompile; the regulariser then runs
         whenever it is active, and the branch is fixed when the graph is traced). `valid` (B, T) bool: a padded
         batch's real positions (SFT), over which the regulariser averages; the CE needs none (padding's targets
-        are -1)."""
+        are -1). `share` (2,): under DDP, this rank's share of the global batch's targets and real positions
+        (its counts x world / the global counts; snlp.train.trainer.token_shares), weighting its CE and regulariser
+        means so that DDP's average of the ranks' gradients is the token mean over the global batch, as one process
+        of that batch computes it (an unweighted average of the ranks' means weighs a rank of short replies as
+        much as one of long ones). The returned CE and term stay this rank's own means."""
         m = self.model
         trace = None
         if self.plan is None:
@@ -75,8 +79,10 @@ class TrainStep(nn.Module):
                 r = self.reg.n_rows(x.size(0))
                 trace = m.hidden_states(x if r == x.size(0) else x[:r])
             reg = snlp_loss(m, x, trace, self.reg, valid, self.reg_plans)
+            if share is not None:
+                return ce * share[0] + lam * reg * share[1], ce.detach(), reg.detach()
             return ce + lam * reg, ce.detach(), reg.detach()
-        return ce, ce.detach(), torch.zeros((), device=x.device)
+        return ce if share is None else ce * share[0], ce.detach(), torch.zeros((), device=x.device)
 
 
 def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> RegConfig:

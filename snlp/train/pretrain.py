@@ -122,7 +122,9 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     autocast = autocast_context(device)
     return Job(model=model, tokenizer=tok,
                batch=lambda micro, r, w: D.batch_at(tokens.train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, w),
-               val_batches=D.val_batches(tokens.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches),
+               # the global batch's rows (every rank validates them all, as one process of that batch does): per-process
+               # rows would log another number than that process for the same weights
+               val_batches=D.val_batches(tokens.val, cfg.seq_len, cfg.batch_size * world, cfg.eval_batches),
                loss=TrainStep(model, reg),
                validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg),
                describe=f"{len(tokens.train):,} train / {len(tokens.val):,} val tokens | reg {cfg.reg}"

@@ -79,7 +79,7 @@ def sft_job(scfg: SFTConfig):
             batch = fixed_length(batch, max_len - 1, pad)
         return Job(model=model, tokenizer=tok,
                    batch=batch,
-                   val_batches=chat.val_batches(val, cfg.batch_size, cfg.eval_batches, pad),
+                   val_batches=chat.val_batches(val, cfg.batch_size * world, cfg.eval_batches, pad),  # global rows
                    loss=TrainStep(model, reg, plan),
                    validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan),
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "

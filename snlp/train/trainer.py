@@ -322,6 +322,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         n_tok += x.numel() if valid is None else int(valid.sum())
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
+        share = token_shares(y, valid, ctx) if ctx.world > 1 and valid is not None else None
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
             # per position computed, padding included: MFU = these FLOPs x real tokens/s counts useful work only
             run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast, *extra) / x.numel()
@@ -329,10 +330,11 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         sync = nullcontext() if (ctx.world == 1 or a == cfg.grad_accum - 1) else run.stepper.no_sync()
         with sync:
             with run.autocast():
-                loss, ce, rg = run.stepper(x, y, lam, *extra)
+                loss, ce, rg = run.stepper(x, y, lam, *extra, *(() if share is None else (share,)))
             (loss / cfg.grad_accum).backward()
-        ce_sum += ce
-        reg_sum += rg
+        # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean
+        ce_sum += ce if share is None else ce * share[0]
+        reg_sum += rg if share is None else rg * share[1]
     params = run.job.model.parameters()
     gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
     for o in run.opts:
@@ -347,6 +349,17 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     # MFU per process: its own tokens over its own device's peak (DDP ranks run in lockstep)
     st.mfu = state.mfu = mfu(run.flops_per_token, n_tok / max(st.step_s, 1e-9), run.peak_flops)
     return st
+
+
+def token_shares(y: torch.Tensor, valid: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """(2,) this rank's share of a padded micro-batch's targets (y != -1: the CE's tokens) and real positions
+    (`valid`: the regulariser's), each as count x world / the count over all ranks (one all_reduce of two numbers;
+    the counts are read on the host, where the batch still is). Every rank's CE mean weighted by its share and
+    averaged over the ranks (DDP's gradient average) is the mean over every target of the global batch."""
+    counts = torch.tensor([float((y != -1).sum()), float(valid.sum())], dtype=torch.float64, device=ctx.device)
+    total = counts.clone()
+    dist.all_reduce(total)
+    return (counts * ctx.world / total.clamp(min=1.0)).float()
 
 
 def unpack(b: tuple) -> tuple:

@@ -185,6 +185,22 @@ def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys)
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"],
+    ["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,2xF1-h0-K1"],
+])
+def test_distributed_refuses_fewer_chunks_than_ranks_before_the_process_group(chat_ckpt, argv, capsys, monkeypatch):
+    """torchrun's WORLD_SIZE is known before the group starts: a plan with C < P chunks is refused there (the rest
+    of torchrun's environment is unset, so a later refusal would be the missing-environment one instead)."""
+    from snlp.apps.cli import main
+
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
+    assert "a plan with C = 2 chunks cannot be spread over 3 ranks" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- devices, rank-local load, errors
 COLLECTIVES = ("all_gather", "broadcast", "send", "recv", "isend", "irecv", "all_reduce")
 

@@ -705,3 +705,43 @@ def test_sft_start_line_counts_the_conversations_dropped_by_truncation(tok, tmp_
                  "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "3 train / 1 val conversations" in out and "(3 dropped: no assistant token within 33 tokens)" in out
+
+
+@pytest.mark.slow
+def test_sft_under_ddp_equals_one_process_on_ragged_replies(tmp_path):
+    """Two gloo ranks of batch 2 against one process of batch 4 (the same global batches, snlp.io.chat.batch_at) on
+    conversations whose replies differ in length: the logged losses (token means over the global batch) and the
+    weights agree. Each rank's CE is the mean over its own replies' tokens; averaged unweighted over the ranks
+    (DDP's gradient average) a rank of short replies weighs as much as one of long ones, unlike one process."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    from safetensors.torch import load_file
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta eps zeta eta theta iota kappa".split()
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for i in range(40):
+            reply = " ".join(rng.choices(words, k=rng.choice([1, 2, 12, 20])))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    tk = Tokenizer.train([" ".join(words)] * 20 + [f"say {i}" for i in range(40)], 300)
+    save_checkpoint(tmp_path / "base", tiny(tk, depth=3, train=True), tk)
+    common = ["sft", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--steps", "2", "--seq-len", "64",
+              "--eval-every", "1000", "--eval-batches", "1", "--log-every", "1", "--no-progress", "--device", "cpu",
+              "--reg", "idn", "--reg-n", "2", "--reg-lambda", "5"]  # the regulariser's mean over real positions too
+    assert main([*common, "--out", str(tmp_path / "one"), "--batch-size", "4"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
+           "snlp", *common, "--out", str(tmp_path / "two"), "--batch-size", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    logs = [[json.loads(l) for l in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    for a, b in zip(*logs):
+        for k in ("loss", "reg", "val_loss"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a, b)
+    one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two"))
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-4, msg=k)  # fp32 reduction order, via Muon

@@ -75,6 +75,9 @@ def test_ddp_matches_single_process(corpus, tmp_path):
     # (e.g. the x0 scalars at init: RMSNorm makes the loss scale-invariant along x0), so later
     # values get a looser tolerance.
     one, two = log(tmp_path / "one"), log(tmp_path / "two")
+    # step 0 validates the same initial weights: on the global batch's rows under DDP too, it is the same number
+    # (validation on the per-process batch's rows logged another, e.g. 5.70301 against 5.70326)
+    assert two[0]["step"] == one[0]["step"] == 0 and two[0]["val_loss"] == pytest.approx(one[0]["val_loss"], rel=1e-6)
     for a, b in zip(one, two):
         for k in ("loss", "val_loss", "gap_N2"):
             if k in a:
