@@ -4,7 +4,8 @@ same model, the same prompts and the same number of new tokens, at batch 1 and a
 Methods (each a row per batch size):
   snlp sequential         snlp's KV-cached greedy decoding, eager and compiled (static-shape steps, CUDA graphs on
                           CUDA: snlp.decode.steps) -- the reference every row's tokens are compared with;
-  snlp snlp               every forward an SNLP solve of a plan (approximate unless K >= C with M = 1);
+  snlp snlp               every forward an SNLP solve of a plan (approximate unless K reaches the plan's exact
+                          iterations, C in the natural chunk order, with M = 1 and no tol stop);
   snlp speculative        self-speculative decoding: the plan drafts, the model verifies (exact), both sides
                           compiled in the compiled treatment; with an adapted drafter (`snlp adapt`) also
                           "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
@@ -787,7 +788,7 @@ def markdown(result: DecodeSuiteResult) -> str:
             f"{r.tokens_per_s:.1f} [{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}]"
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
             f"no ({r.mismatched_rows}/{r.prompts or r.batch} prompts, from token {r.first_mismatch})"
-        note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
+        note = r.skipped or ("" if r.exact else approximate_note(r.plan))
         if not r.skipped and len(r.seconds) < cfg.rounds:
             note = (note + "; " if note else "") + (f"{len(r.seconds)} of {cfg.rounds} timed rounds" if r.seconds
                                                     else "not timed yet" if r.matches_sequential is not None
@@ -800,6 +801,19 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
     return "\n".join(lines + [""] + comparisons(result.rows))
+
+
+def approximate_note(plan: str | None) -> str:
+    """Why an snlp row's plan is approximate, in its own terms (`_snlp_methods`' exact rule): K below the iterations
+    the plan is exact from (C for the natural order, more for another chunk order), M > 1 fused layers (exactly the
+    fused model, not the original), or a tol stop that may end the solve before then."""
+    if plan is None:
+        return "approximate by design"
+    p = Plan.parse(plan)
+    why = ([f"K = {p.iters} < {p.exact_iters()}, the iterations it is exact from"] if p.iters < p.exact_iters() else [])
+    why += [f"M = {p.fuse} > 1: the fused model"] if p.fuse > 1 else []
+    why += [f"tol {p.tol:g} may stop the solve early"] if p.tol else []
+    return f"approximate by design ({'; '.join(why)})" if why else "approximate by design"
 
 
 def _overlap(a: DecodeSuiteRow, b: DecodeSuiteRow) -> bool:

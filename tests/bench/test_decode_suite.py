@@ -416,6 +416,26 @@ def test_a_row_is_as_good_as_its_worst_call():
     assert row.first_mismatch == 0 and row.mismatched_rows == 1
 
 
+def test_an_approximate_rows_note_names_its_own_reason():
+    """The table's note on an approximate snlp row says why that plan is approximate: a reversed chunk order at K = C
+    (exact only from 2C - 1 iterations) or a tol stop at K = C is neither "K < C" nor "M > 1"."""
+    from snlp.bench.decode_suite import (DecodeSuiteConfig, DecodeSuiteMeta, DecodeSuiteResult, DecodeSuiteRow,
+                                         markdown)
+
+    plans = ("3xF1-h0-K3-order:reversed", "3xF1-h0-K3-tol:0.001", "3xF2-h0-K1", "3xF1-h0-K3")
+    rows = [DecodeSuiteRow(method="snlp snlp", library="snlp", treatment="eager", batch=1, plan=p,
+                           exact=p == "3xF1-h0-K3") for p in plans]
+    meta = DecodeSuiteMeta(device="cpu", device_type="cpu", torch="x", cuda=None, transformers=None,
+                           dtype="float32", date="d", command=None, platform="p", threads=1, model="m", n_layer=6,
+                           n_embd=64, prompts="random ids", prompt_len=8, new_tokens=8)
+    md = markdown(DecodeSuiteResult(DecodeSuiteConfig(quick=True).resolved(), meta, rows, complete=True))
+    lines = {p: next(ln for ln in md.splitlines() if f"| {p} |" in ln) for p in plans}
+    assert "approximate by design (K = 3 < 5, the iterations it is exact from)" in lines[plans[0]]
+    assert "approximate by design (tol 0.001 may stop the solve early)" in lines[plans[1]]
+    assert "K = 1 < 3" in lines[plans[2]] and "M = 2 > 1: the fused model" in lines[plans[2]]
+    assert "approximate" not in lines[plans[3]] and "K < C or M > 1" not in md
+
+
 def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_tie():
     from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
 
