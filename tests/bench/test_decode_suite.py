@@ -568,3 +568,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_model_loads(sav
     with pytest.raises(ValueError, match=f"prompt 2 of .* has token id {V}, outside the model's vocabulary of {V}"):
         run_decode_suite(DecodeSuiteConfig(ckpt=ckpt, quick=True, device="cpu", batch_sizes=(2,), prompt_len=8,
                                            prompts_file=str(path), transformers=False))
+
+
+def test_tokens_per_s_counts_the_tokens_a_call_generated_not_the_budget(monkeypatch):
+    """A method that stops short of the budget (here 3 tokens of every prompt dropped) is credited with the tokens it
+    generated: tok/s = its tokens / its wall time, not prompts x new tokens / wall time (and its "= seq" says no)."""
+    import statistics
+
+    from snlp.bench import decode_suite as ds
+
+    made = ds._snlp_methods
+
+    def with_a_short_row(*a, **k):
+        out = made(*a, **k)
+        kw, step, fn = out[0]  # snlp sequential, eager
+
+        def short():
+            res = fn()
+            for r in res:
+                r.tokens = r.tokens[:-3]
+            return res
+        return out + [(dict(kw, method="snlp short"), step, short)]
+    monkeypatch.setattr(ds, "_snlp_methods", with_a_short_row)
+    cfg = ds.DecodeSuiteConfig(quick=True, batch_sizes=(2,), transformers=False, methods=("snlp",), rounds=3,
+                               plans=("6xF1-h0-K6",))
+    rows = {r.method: r for r in ds.run_decode_suite(cfg).rows}
+    short, full = rows["snlp short"], rows["snlp sequential"]
+    assert short.matches_sequential is False and full.matches_sequential
+    assert short.tokens_per_s == pytest.approx(statistics.median(2 * (8 - 3) / s for s in short.seconds))
+    assert full.tokens_per_s == pytest.approx(statistics.median(2 * 8 / s for s in full.seconds))
