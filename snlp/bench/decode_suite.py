@@ -4,7 +4,8 @@ same model, the same prompts and the same number of new tokens, at batch 1 and a
 Methods (each a row per batch size):
   snlp sequential         snlp's KV-cached greedy decoding, eager and compiled (static-shape steps, CUDA graphs on
                           CUDA: snlp.decode.steps) -- the reference every row's tokens are compared with;
-  snlp snlp               every forward an SNLP solve of a plan (approximate unless K >= C with M = 1);
+  snlp snlp               every forward an SNLP solve of a plan (approximate unless K reaches the plan's exact
+                          iterations, C in the natural chunk order, with M = 1 and no tol stop);
   snlp speculative        self-speculative decoding: the plan drafts, the model verifies (exact), both sides
                           compiled in the compiled treatment; with an adapted drafter (`snlp adapt`) also
                           "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
@@ -23,8 +24,9 @@ missing, too old, or cannot hold the model (nanochat-style models have no transf
 Timing: every method is one callable that decodes the batch (prefill included: transformers' `generate` has no
 other boundary) and returns its tokens; all are warmed up (compilation happens there), then timed round-robin in
 one process (one call of each per round, so drift hits all alike; the device is synchronised before each clock
-read). tokens/s = prompts per call (the batch, or `prompts`) x new tokens / wall time; the median and the min-max
-over rounds are reported.
+read). tokens/s = the tokens the call generated (every method decodes every prompt's whole budget, EOS off on both
+sides: prompts per call x new tokens, unless a method stops short, which its "= seq" column then shows) / wall time;
+the median and the min-max over rounds are reported.
 
 `--shapes` runs snlp.bench.ssd_prediction instead: step times at a paper shape with random weights, and a PREDICTED
 speedup from a given acceptance rate.
@@ -188,7 +190,7 @@ class DecodeSuiteConfig:
 
 @dataclass
 class DecodeSuiteRow:
-    """One method at one batch size. tokens_per_s: prompts x new tokens over the call's wall time (prefill included),
+    """One method at one batch size. tokens_per_s: the tokens a call generated over its wall time (prefill included),
     median over rounds, with the min and max; None (and `skipped` says why) where the method could not run."""
 
     method: str  # snlp sequential | snlp snlp | snlp speculative [(drafter)] | hf greedy (static) | hf early-exit |
@@ -619,10 +621,10 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
     """Every method at one batch size B: a call decodes `prompts` B at a time (one batch unless
     `cfg.prompts`); warm-up, then round-robin timing; rows in method order.
     `on_progress(rows, what)` gets the rows as measured so far during the rounds (see round_robin_calls)."""
-    N, n, device = len(prompts), cfg.new_tokens, torch.device(cfg.device)
+    N, device = len(prompts), torch.device(cfg.device)
     B = batch or N
     groups = [prompts[k:k + B] for k in range(0, N, B)]
-    rows, fns, results, compiled = [], {}, {}, {}
+    rows, fns, results, compiled, made = [], {}, {}, {}, {}
     for i, (kw, step, fn) in enumerate(_snlp_methods(model, groups, cfg, plans, steps, drafter_plan)):
         row = DecodeSuiteRow(library="snlp", batch=B, prompts=N, **kw)
         rows.append(row)
@@ -651,14 +653,16 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
 
     def check(i: int) -> None:  # every call's tokens, warm-up included (a replayed graph must not drift)
         row, res = rows[i], results[i]
-        fold_tokens(row, _tokens(res) if row.library == "snlp" else res, ref)
+        got = _tokens(res) if row.library == "snlp" else res
+        fold_tokens(row, got, ref)
+        made.setdefault(i, []).append(sum(len(t) for t in got))  # what this call generated, not the budget
 
     def fill(times: dict[int, list[float]]) -> None:  # the rows' figures from the calls so far
         for i, secs in times.items():
             row, res = rows[i], results.get(i)
             row.seconds = list(secs)
-            if secs:
-                tps = sorted(N * n / s for s in secs)
+            if secs:  # the timed calls are row i's last len(secs) calls (warm-up first; a failed call ends its row)
+                tps = sorted(c / s for c, s in zip(made[i][-len(secs):], secs))
                 row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
             if row.library == "snlp" and res is not None:
                 row.compile_s = compiled.get(i) if row.treatment == "compiled" else None
@@ -760,9 +764,10 @@ def markdown(result: DecodeSuiteResult) -> str:
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
              f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
              f"{max(cfg.warmup, 1)} warm-up; "
-             + (f"a call decodes {cfg.prompts} prompts, a batch at a time; tok/s = {cfg.prompts} x new tokens / wall "
-                f"time of the call (prefill included); " if cfg.prompts else
-                "tok/s = batch x new tokens / wall time of the call (prefill included); ")
+             + (f"a call decodes {cfg.prompts} prompts, a batch at a time; tok/s = tokens generated by the call "
+                f"({cfg.prompts} x new tokens where none stops short) / wall time of the call (prefill included); "
+                if cfg.prompts else "tok/s = tokens generated by the call (batch x new tokens where none stops short) "
+                                    "/ wall time of the call (prefill included); ")
              + f"x seq = over snlp sequential of the same batch and treatment, (tie) where {TIE_RULE} (the "
              f"comparisons' rule too); = seq: every prompt's tokens equal snlp's eager sequential greedy "
              f"tokens; snlp's sequential and SNLP loops read their tokens back "
@@ -787,7 +792,7 @@ def markdown(result: DecodeSuiteResult) -> str:
             f"{r.tokens_per_s:.1f} [{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}]"
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
             f"no ({r.mismatched_rows}/{r.prompts or r.batch} prompts, from token {r.first_mismatch})"
-        note = r.skipped or ("" if r.exact else "approximate by design (K < C or M > 1)")
+        note = r.skipped or ("" if r.exact else approximate_note(r.plan))
         if not r.skipped and len(r.seconds) < cfg.rounds:
             note = (note + "; " if note else "") + (f"{len(r.seconds)} of {cfg.rounds} timed rounds" if r.seconds
                                                     else "not timed yet" if r.matches_sequential is not None
@@ -800,6 +805,19 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
     return "\n".join(lines + [""] + comparisons(result.rows))
+
+
+def approximate_note(plan: str | None) -> str:
+    """Why an snlp row's plan is approximate, in its own terms (`_snlp_methods`' exact rule): K below the iterations
+    the plan is exact from (C for the natural order, more for another chunk order), M > 1 fused layers (exactly the
+    fused model, not the original), or a tol stop that may end the solve before then."""
+    if plan is None:
+        return "approximate by design"
+    p = Plan.parse(plan)
+    why = ([f"K = {p.iters} < {p.exact_iters()}, the iterations it is exact from"] if p.iters < p.exact_iters() else [])
+    why += [f"M = {p.fuse} > 1: the fused model"] if p.fuse > 1 else []
+    why += [f"tol {p.tol:g} may stop the solve early"] if p.tol else []
+    return f"approximate by design ({'; '.join(why)})" if why else "approximate by design"
 
 
 def _overlap(a: DecodeSuiteRow, b: DecodeSuiteRow) -> bool:

@@ -138,6 +138,17 @@ class Tokenizer:
         """True for a converted model's tokenizer, False for our own BPE."""
         return self.meta is not None
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids a plain-text prompt is decoded from. Our BPE: <|bos|> then the text (every document of its training
+        data starts so). A converted tokenizer: the text as transformers' `tokenizer(text)` encodes it for the
+        original model, i.e. with the tokenizer's own special-token post-processing: Llama-3's adds
+        <|begin_of_text|>, SmolLM2's and Qwen2's add nothing (prepending their bos_token, SmolLM2's chat marker
+        <|im_start|> or Qwen2's <|endoftext|>, would decode another prompt than transformers' generate). An empty
+        text is the BOS alone: transformers' generate() without input ids starts from bos_token_id too."""
+        if not self.foreign:
+            return [self.bos_id] + self.encode(text)
+        return list(self.tok.encode(text, add_special_tokens=True).ids) or [self.bos_id]
+
     def token_id(self, token: str) -> int:
         i = self.tok.token_to_id(token)
         if i is None:

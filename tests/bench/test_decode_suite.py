@@ -416,6 +416,26 @@ def test_a_row_is_as_good_as_its_worst_call():
     assert row.first_mismatch == 0 and row.mismatched_rows == 1
 
 
+def test_an_approximate_rows_note_names_its_own_reason():
+    """The table's note on an approximate snlp row says why that plan is approximate: a reversed chunk order at K = C
+    (exact only from 2C - 1 iterations) or a tol stop at K = C is neither "K < C" nor "M > 1"."""
+    from snlp.bench.decode_suite import (DecodeSuiteConfig, DecodeSuiteMeta, DecodeSuiteResult, DecodeSuiteRow,
+                                         markdown)
+
+    plans = ("3xF1-h0-K3-order:reversed", "3xF1-h0-K3-tol:0.001", "3xF2-h0-K1", "3xF1-h0-K3")
+    rows = [DecodeSuiteRow(method="snlp snlp", library="snlp", treatment="eager", batch=1, plan=p,
+                           exact=p == "3xF1-h0-K3") for p in plans]
+    meta = DecodeSuiteMeta(device="cpu", device_type="cpu", torch="x", cuda=None, transformers=None,
+                           dtype="float32", date="d", command=None, platform="p", threads=1, model="m", n_layer=6,
+                           n_embd=64, prompts="random ids", prompt_len=8, new_tokens=8)
+    md = markdown(DecodeSuiteResult(DecodeSuiteConfig(quick=True).resolved(), meta, rows, complete=True))
+    lines = {p: next(ln for ln in md.splitlines() if f"| {p} |" in ln) for p in plans}
+    assert "approximate by design (K = 3 < 5, the iterations it is exact from)" in lines[plans[0]]
+    assert "approximate by design (tol 0.001 may stop the solve early)" in lines[plans[1]]
+    assert "K = 1 < 3" in lines[plans[2]] and "M = 2 > 1: the fused model" in lines[plans[2]]
+    assert "approximate" not in lines[plans[3]] and "K < C or M > 1" not in md
+
+
 def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_tie():
     from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
 
@@ -548,3 +568,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_model_loads(sav
     with pytest.raises(ValueError, match=f"prompt 2 of .* has token id {V}, outside the model's vocabulary of {V}"):
         run_decode_suite(DecodeSuiteConfig(ckpt=ckpt, quick=True, device="cpu", batch_sizes=(2,), prompt_len=8,
                                            prompts_file=str(path), transformers=False))
+
+
+def test_tokens_per_s_counts_the_tokens_a_call_generated_not_the_budget(monkeypatch):
+    """A method that stops short of the budget (here 3 tokens of every prompt dropped) is credited with the tokens it
+    generated: tok/s = its tokens / its wall time, not prompts x new tokens / wall time (and its "= seq" says no)."""
+    import statistics
+
+    from snlp.bench import decode_suite as ds
+
+    made = ds._snlp_methods
+
+    def with_a_short_row(*a, **k):
+        out = made(*a, **k)
+        kw, step, fn = out[0]  # snlp sequential, eager
+
+        def short():
+            res = fn()
+            for r in res:
+                r.tokens = r.tokens[:-3]
+            return res
+        return out + [(dict(kw, method="snlp short"), step, short)]
+    monkeypatch.setattr(ds, "_snlp_methods", with_a_short_row)
+    cfg = ds.DecodeSuiteConfig(quick=True, batch_sizes=(2,), transformers=False, methods=("snlp",), rounds=3,
+                               plans=("6xF1-h0-K6",))
+    rows = {r.method: r for r in ds.run_decode_suite(cfg).rows}
+    short, full = rows["snlp short"], rows["snlp sequential"]
+    assert short.matches_sequential is False and full.matches_sequential
+    assert short.tokens_per_s == pytest.approx(statistics.median(2 * (8 - 3) / s for s in short.seconds))
+    assert full.tokens_per_s == pytest.approx(statistics.median(2 * 8 / s for s in full.seconds))

@@ -589,3 +589,29 @@ def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, 
     assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
+
+
+def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
+    """`snlp generate --prompt` (and --distributed's) feed a converted model the ids transformers' tokenizer(text)
+    gives, which `generate` then continues: no BOS where the tokenizer adds none (SmolLM2's bos_token is its chat
+    marker <|im_start|>, Qwen2's fallback its <|endoftext|>), one where its post-processor adds it (Llama-3); our own
+    BPE keeps its <|bos|> (its documents start so); an empty text is the BOS alone (generate() without inputs)."""
+    from tokenizers import processors
+
+    from snlp.apps.generate import prompt_ids
+    from snlp.io.tokenizer import Tokenizer
+    import argparse
+
+    args = lambda text: argparse.Namespace(chat=False, prompt=text, eos_id=None)  # noqa: E731
+    plain = word_tokenizer(V)  # no post-processor: transformers adds no BOS
+    adds = word_tokenizer(V)
+    adds.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", V - 3)])
+    for hf_tok in (plain, adds):
+        tok = Tokenizer.from_hf(hf_tok)
+        for text in ("t1 t5 t2", "t7"):
+            assert prompt_ids(args(text), tok) == (hf_tok(text)["input_ids"], None)
+        assert tok.prompt_ids("") == [V - 3]
+    assert prompt_ids(args("t1"), Tokenizer.from_hf(plain))[0] == [1]  # was [<s>, t1]
+    own = Tokenizer.train(["hello world"] * 4, vocab_size=300)
+    assert own.prompt_ids("hello") == [own.bos_id] + own.encode("hello")
