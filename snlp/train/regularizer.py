@@ -20,7 +20,8 @@ the rows: its extra FLOPs per token are r / B ~ F times F = 1's (`snlp.train.flo
 int of the static batch shape, so a compiled step keeps one graph. F = 1 is the paper's objective exactly: nothing
 is sliced.
 
-`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
+`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe drawn afresh each
+call (`snlp_states(fresh_probes=True)`: a fixed probe would bias every step the same way) (one
 extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
 Results"), and the estimate is detached (snlp.method.jacobian): gradients flow through the chunk
 forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions the correction.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from snlp.method.surrogates import Identity, Surrogate, parse_surrogate
+from snlp.method.surrogates import DiagN, Identity, Surrogate, parse_surrogate
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 
@@ -169,13 +170,21 @@ def k1_plan(n_suffix: int, surrogate: Surrogate | str = Identity()) -> Plan:
     return Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
 
 
-def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
+def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None,
+                fresh_probes: bool = False) -> tuple[Tensor, int]:
     """K=1 SNLP states (N, B, T, D) of `plan` (`k1_plan`) for its N suffix layers: [j] is h_hat_{S+j+1}.
-    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
+    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix.
+    `fresh_probes` (DiagN): draw the probes from a generator seeded by the global torch RNG (one CPU draw), new each
+    call, as the paper's code draws its probe `z` each forward; the RNG is in the checkpoint, so a resumed run draws
+    the same ones. False: the solver's fixed seed-0 probes (the logged gap, reproducible)."""
     n_suffix = plan.n_suffix
     S = model.config.n_layer - n_suffix
     prefix, hb = (None, None) if trace is None else (trace[S], model.prefix_backout(trace, S))
-    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb)
+    gen = None
+    if fresh_probes and isinstance(plan.surrogate, DiagN):
+        seed = int(torch.randint(0, 2 ** 62, (1,)))  # the CPU generator: no device read
+        gen = torch.Generator(idx.device).manual_seed(seed)
+    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb, probe_gen=gen)
     return res.states[1], model.config.n_layer - n_suffix
 
 
@@ -218,7 +227,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
         idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for plan in cfg.plans(L) if plans is None else plans:
-        states, S = snlp_states(model, idx, plan, trace)
+        states, S = snlp_states(model, idx, plan, trace, fresh_probes=True)
         for l in supervised_layers(L, plan.n_suffix, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target, valid, count)

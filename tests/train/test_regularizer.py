@@ -153,16 +153,18 @@ def test_hcn_regulariser_matches_a_hand_computed_reference():
 
 
 def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
-    """DiagN (fd, one probe, the solver's seed-0 probes): a_c = v_c o (f_c(h_S + s v_c) - f_c(h_S)) / s with
-    the relative per-token step s = eps * max(RMS(h_S), 1)."""
+    """DiagN (fd, one probe drawn from a generator seeded by the global RNG's next draw): a_c = v_c o (f_c(h_S +
+    s v_c) - f_c(h_S)) / s with the relative per-token step s = eps * max(RMS(h_S), 1)."""
     from snlp.method.jacobian import fd_step, rademacher
 
     model = tiny_model(depth=5, seed=4).double()
     idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     N = 3
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2 ** 62, (1,)))
     with torch.no_grad():
         hS = model.hidden_states(idx)[5 - N]
-        v = rademacher((1, N, 1, *hS.shape[1:]), hS, torch.Generator().manual_seed(0))[0]  # (C, 1, T, D) as the
+        v = rademacher((1, N, 1, *hS.shape[1:]), hS, torch.Generator().manual_seed(seed))[0]  # (C, 1, T, D) as the
         # solver draws: one probe shared by the rows (surrogates.row_probes)
         s = fd_step(hS.expand(N, *hS.shape), 1e-3, token_dims=3)
 
@@ -172,8 +174,30 @@ def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
 
         hat, trace = _chain(model, idx, N, diag)
         want = sum(_rel(hat[l], trace[l]) for l in (4, 5))
+        torch.manual_seed(11)
         got = snlp_loss(model, idx, trace, RegConfig(surrogate="diag", suffixes=(N,), stride=1))
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-8)
+
+
+def test_diag_regulariser_draws_a_new_probe_each_step_and_a_reseeded_rng_the_same():
+    """A Hutchinson estimate of diag(J) is unbiased over its probes only if they change: the paper's code draws its
+    probe z afresh each forward. A fixed probe (the solver's seed 0, every step) would bias every step's diag(J) the
+    same way. The probes come from the global RNG (saved in a checkpoint), so a re-seeded RNG draws them again; the
+    logged gap keeps the fixed probes (comparable across evaluations)."""
+    from snlp.train.regularizer import snlp_gap
+    model = tiny_model(depth=5, seed=4)
+    idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    cfg = RegConfig(surrogate="diag", suffixes=(3,))
+    with torch.no_grad():
+        trace = model.hidden_states(idx)
+        torch.manual_seed(3)
+        a, b = snlp_loss(model, idx, trace, cfg), snlp_loss(model, idx, trace, cfg)
+        torch.manual_seed(3)
+        again = snlp_loss(model, idx, trace, cfg)
+        gaps = {snlp_gap(model, idx, k1_plan(3, "diag")) for _ in range(2)}
+    assert float(a) != float(b)  # a new probe on the second step
+    assert float(again) == float(a)
+    assert len(gaps) == 1
 
 
 @pytest.mark.parametrize("sft_plan", [None, "2xF1-h0-K1"])
