@@ -160,7 +160,8 @@ def initial_states(plan: Plan, S: int, hS: Tensor, ctx, w: ChunkWeights, cache=N
 def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
           check_finite: bool = True, cache=None, weights: ChunkWeights | None = None,
           prefix: Tensor | None = None, init_states: Tensor | None = None, pos: Tensor | None = None,
-          preheat: Preheat | None = None, hb: Tensor | None = None) -> SolveResult:
+          preheat: Preheat | None = None, hb: Tensor | None = None,
+          probe_gen: torch.Generator | None = None) -> SolveResult:
     """Run the SNLP solve for token ids idx (B, T). `keep_states` records the chunk-output states
     (C, B, T, D) of the init and of every iteration. Raises SNLPDivergenceError on NaN/inf.
 
@@ -177,7 +178,12 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
     by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
-    (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`)."""
+    (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`).
+    `probe_gen`: the generator DiagN's Rademacher probes are drawn from (on hS's device); None: one seeded 0 per call,
+    so a solve is reproducible (evaluation). The DiagN regulariser passes a fresh one each step
+    (snlp.train.regularizer), as a Hutchinson estimate averages over probes only when they change."""
+    if probe_gen is not None and not isinstance(probe_gen, torch.Generator):
+        raise ValueError(f"solve(probe_gen=...) must be a torch.Generator, got {type(probe_gen).__name__}")
     check_bools(keep_states=keep_states, check_finite=check_finite)
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
@@ -202,7 +208,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     h = initial_states(plan, S, hS, ctx, w, cache, init_states, preheat)  # (C, B, T, D)
     states = [h] if keep_states else []
     sur = plan.surrogate
-    gen = torch.Generator(hS.device).manual_seed(0) if isinstance(sur, DiagN) else None  # reproducible probes
+    gen = None if not isinstance(sur, DiagN) else probe_gen if probe_gen is not None else \
+        torch.Generator(hS.device).manual_seed(0)  # reproducible probes unless the caller draws them
     iters, updates, d = 0, [], None
     done = None  # tol: (B,) rows frozen by the per-row stop test (None until the first test)
     last_inputs = None  # tol: the chunk inputs of the last iteration (what frozen rows keep reading)

@@ -5,9 +5,11 @@
 h_hat comes from the REAL K=1 SNLP solve (`solver.solve`, h0 init, one layer per chunk) of the plan
 `RegConfig.plan(N)`, whose surrogate A is the config's typed surrogate (snlp.method.surrogates). Norms are
 over the hidden dim; the ratio is averaged over batch and positions, computed in fp32. With mHC
-(states (B, T, n, D)) the norm runs over all n streams together: the state the surrogate corrects
-is the whole stream matrix, and HCN's A mixes streams, so per-token ||vec(h)|| is the paper's ||h||.
-T_N: stride 0 = {L}; stride s > 0 = {L, L-s, L-2s, ...} inside the suffix (always including L).
+(states (B, T, n, D)) the ratio is taken per stream (norms over D) and averaged over the streams too, as the
+paper's code (nanochat-snlp gpt.py, mhc_newton_reg: states (B*n, T, D), `.norm(dim=-1)`, `.mean()`) computes it.
+T_N: stride 0 = {L}; stride s > 0 = the layers S + s, S + 2s, ... counted from the suffix's start, and L always
+(S + 1 never: the K=1 state there is exactly the sequential one), as the paper's code picks them
+(`(j + 1) % idn_stride == 0 or j == n_par - 1`, j >= 1 the suffix layer's index).
 
 `rows` (F, `--reg-rows`): the K=1 solve runs on the first r = ceil(F * B) rows of each (B, T) micro-batch only, the
 CE on all B. The term is a mean over rows and positions, so it is NOT rescaled: the data loader draws each row at
@@ -18,7 +20,8 @@ the rows: its extra FLOPs per token are r / B ~ F times F = 1's (`snlp.train.flo
 int of the static batch shape, so a compiled step keeps one graph. F = 1 is the paper's objective exactly: nothing
 is sliced.
 
-`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe (one
+`diag` (DiagN): the solve estimates diag(J) with the Plan defaults, one FD Hutchinson probe drawn afresh each
+call (`snlp_states(fresh_probes=True)`: a fixed probe would bias every step the same way) (one
 extra batched chunk forward, the cheapest estimator; paper App. "Diagonal-Jacobian Correction
 Results"), and the estimate is detached (snlp.method.jacobian): gradients flow through the chunk
 forwards tilde and b = tilde - h, while a, like IDN's A = I, only preconditions the correction.
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from snlp.method.surrogates import Identity, Surrogate, parse_surrogate
+from snlp.method.surrogates import DiagN, Identity, Surrogate, parse_surrogate
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 
@@ -150,13 +153,16 @@ def resolve_suffixes(n_layer: int, suffixes, warn: bool = True) -> list[int]:
 
 
 def supervised_layers(n_layer: int, n_suffix: int, stride: int) -> list[int]:
-    """T_N: layers l (h_l, 1-based, h_L = final) supervised for suffix length N, ascending."""
+    """T_N: layers l (h_l, 1-based, h_L = final) supervised for suffix length N, ascending: {L} for stride 0, else
+    every s-th layer counted from the suffix's start S (l - S = s, 2s, ...; l = S + 1 left out, its K=1 state is
+    exact) and L. The paper's code counts the same way, so N not a multiple of s (its 0.5B runs: N = 8, 16 with
+    stride 3) supervises the layers it does."""
     if stride < 0:
         raise ValueError(f"--reg-stride must be >= 0, got {stride}")
     S = n_layer - n_suffix
     if stride == 0:
         return [n_layer]
-    return sorted(range(n_layer, S, -stride))
+    return sorted({l for l in range(S + 2, n_layer + 1) if (l - S) % stride == 0} | {n_layer})
 
 
 def k1_plan(n_suffix: int, surrogate: Surrogate | str = Identity()) -> Plan:
@@ -164,25 +170,35 @@ def k1_plan(n_suffix: int, surrogate: Surrogate | str = Identity()) -> Plan:
     return Plan(chunks=n_suffix, fuse=1, init="h0", iters=1, surrogate=surrogate)
 
 
-def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None) -> tuple[Tensor, int]:
+def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = None,
+                fresh_probes: bool = False) -> tuple[Tensor, int]:
     """K=1 SNLP states (N, B, T, D) of `plan` (`k1_plan`) for its N suffix layers: [j] is h_hat_{S+j+1}.
-    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix."""
+    With the sequential `trace` [h_0..h_L] of idx, its h_S is reused instead of re-running the prefix.
+    `fresh_probes` (DiagN): draw the probes from a generator seeded by the global torch RNG (one CPU draw), new each
+    call, as the paper's code draws its probe `z` each forward; the RNG is in the checkpoint, so a resumed run draws
+    the same ones. False: the solver's fixed seed-0 probes (the logged gap, reproducible)."""
     n_suffix = plan.n_suffix
     S = model.config.n_layer - n_suffix
     prefix, hb = (None, None) if trace is None else (trace[S], model.prefix_backout(trace, S))
-    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb)
+    gen = None
+    if fresh_probes and isinstance(plan.surrogate, DiagN):
+        seed = int(torch.randint(0, 2 ** 62, (1,)))  # the CPU generator: no device read
+        gen = torch.Generator(idx.device).manual_seed(seed)
+    res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb, probe_gen=gen)
     return res.states[1], model.config.n_layer - n_suffix
 
 
 def relative_error(h_hat: Tensor, h_seq: Tensor, valid: Tensor | None = None, count: Tensor | None = None) -> Tensor:
-    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim
-    (and the mHC stream dim: everything after (B, T)), fp32. `valid` (B, T) bool: the mean runs over its True
+    """mean over batch & positions of ||h_hat - h_seq||_2 / (||h_seq||_2 + eps), norms over the hidden dim, fp32;
+    mHC states (B, T, n, D): the ratio per stream, averaged over the n streams (the paper's code's mean over its
+    (B*n, T) rows), so a token's term is the mean of its streams' ratios. `valid` (B, T) bool: the mean runs over its True
     positions only (a padded batch's real tokens), so padding a batch changes nothing; a device-side division
     (no host read of the count). `count` (with `valid`): divide the masked sum by it instead of by valid's own
     count (`snlp_loss`'s row subset: the whole batch's real tokens scaled to the subset)."""
     h_hat, h_seq = h_hat.float(), h_seq.float()
-    dims = -1 if h_seq.dim() <= 3 else tuple(range(2, h_seq.dim()))  # (B, T, D) or mHC (B, T, n, D)
-    err = (h_hat - h_seq).norm(dim=dims) / (h_seq.norm(dim=dims) + EPS)  # (B, T)
+    err = (h_hat - h_seq).norm(dim=-1) / (h_seq.norm(dim=-1) + EPS)  # (B, T) or mHC (B, T, n)
+    if err.dim() > 2:  # mHC: per stream, then the mean over the streams (the paper's code's rows are (b, stream))
+        err = err.flatten(2).mean(dim=-1)
     if valid is None:
         return err.mean()
     w = valid.to(err.dtype)
@@ -211,7 +227,7 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
         idx, trace = idx[:r], [h[:r] for h in trace]  # (r, T), [(r, T, D)] (mHC: (r, T, n, D))
     total = torch.zeros((), device=idx.device, dtype=torch.float32)
     for plan in cfg.plans(L) if plans is None else plans:
-        states, S = snlp_states(model, idx, plan, trace)
+        states, S = snlp_states(model, idx, plan, trace, fresh_probes=True)
         for l in supervised_layers(L, plan.n_suffix, cfg.stride):
             target = trace[l].detach() if cfg.detach else trace[l]
             total = total + relative_error(states[l - S - 1], target, valid, count)

@@ -24,15 +24,35 @@ def reference(model, idx, N, layers):
     return sum(_rel(hat[l], trace[l]) for l in layers), trace
 
 
+def paper_code_layers(L, N, stride):
+    """T_N as the paper's code (nanochat-snlp gpt.py, identity / mHC Newton reg) picks it, written from its loop:
+    stride 0 the last layer; else j = 1 .. N-1 over the suffix, supervised when (j + 1) % stride == 0 or j == N - 1,
+    layer index S + j (0-based) = h_{S + j + 1}."""
+    if stride == 0:
+        return [L]
+    return [L - N + j + 1 for j in range(1, N) if (j + 1) % stride == 0 or j == N - 1]
+
+
 def test_supervised_layers_and_suffixes():
     assert supervised_layers(8, 6, 0) == [8]
     assert supervised_layers(8, 6, 2) == [4, 6, 8]
-    assert supervised_layers(8, 4, 3) == [5, 8]
+    assert supervised_layers(8, 4, 3) == [7, 8]  # counted from the suffix's start S = 4, as the paper's code does
     assert supervised_layers(24, 24, 3) == [3, 6, 9, 12, 15, 18, 21, 24]
+    assert supervised_layers(32, 8, 3) == [27, 30, 32] and supervised_layers(32, 16, 6) == [22, 28, 32]
     with pytest.warns(UserWarning, match="clipped"):
         assert resolve_suffixes(8, (8, 16, 4)) == [7, 4]
     with pytest.raises(ValueError):
         supervised_layers(8, 4, -1)
+
+
+def test_supervised_layers_are_the_paper_codes_for_every_suffix_and_stride():
+    """The paper's runs use N = 8, 16, 24 with strides 3 and 6 (runs_snlp/train_d32s_*.sh): N not a multiple of the
+    stride must supervise the layers its code does (counted from the suffix's start, not from L), and never
+    h_{S+1}, whose K=1 state is exact."""
+    for L in (5, 12, 32):
+        for N in range(2, L):
+            for stride in range(0, 8):
+                assert supervised_layers(L, N, stride) == paper_code_layers(L, N, stride), (L, N, stride)
 
 
 @pytest.mark.parametrize("suffixes,stride", [((3,), 0), ((4,), 2), ((2, 4), 1), ((4,), 3)])
@@ -103,8 +123,9 @@ def _chain(model, idx, N, a_fn):
 
 
 def _rel(hat, target):
-    dims = tuple(range(2, target.dim()))
-    return ((hat - target).norm(dim=dims) / (target.norm(dim=dims) + 1e-6)).mean()
+    """The paper code's term: ||.|| over the hidden dim per (row, position) and, for mHC states (B, T, n, D), per
+    stream (its states are (B*n, T, D)); the mean over all of them."""
+    return ((hat - target).norm(dim=-1) / (target.norm(dim=-1) + 1e-6)).mean()
 
 
 def test_hcn_regulariser_matches_a_hand_computed_reference():
@@ -124,7 +145,7 @@ def test_hcn_regulariser_matches_a_hand_computed_reference():
 
     with torch.no_grad():
         hat, trace = _chain(model, idx, 3, hres)
-        want = sum(_rel(hat[l], trace[l]) for l in (3, 4, 5))
+        want = sum(_rel(hat[l], trace[l]) for l in (4, 5))  # stride 1 from S + 2 (h_hat_3 = f_3(h_2) is exact)
         got = snlp_loss(model, idx, trace, RegConfig(surrogate="hcn", suffixes=(3,), stride=1))
         idn = snlp_loss(model, idx, trace, RegConfig(surrogate="idn", suffixes=(3,), stride=1))
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
@@ -132,16 +153,18 @@ def test_hcn_regulariser_matches_a_hand_computed_reference():
 
 
 def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
-    """DiagN (fd, one probe, the solver's seed-0 probes): a_c = v_c o (f_c(h_S + s v_c) - f_c(h_S)) / s with
-    the relative per-token step s = eps * max(RMS(h_S), 1)."""
+    """DiagN (fd, one probe drawn from a generator seeded by the global RNG's next draw): a_c = v_c o (f_c(h_S +
+    s v_c) - f_c(h_S)) / s with the relative per-token step s = eps * max(RMS(h_S), 1)."""
     from snlp.method.jacobian import fd_step, rademacher
 
     model = tiny_model(depth=5, seed=4).double()
     idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
     N = 3
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2 ** 62, (1,)))
     with torch.no_grad():
         hS = model.hidden_states(idx)[5 - N]
-        v = rademacher((1, N, 1, *hS.shape[1:]), hS, torch.Generator().manual_seed(0))[0]  # (C, 1, T, D) as the
+        v = rademacher((1, N, 1, *hS.shape[1:]), hS, torch.Generator().manual_seed(seed))[0]  # (C, 1, T, D) as the
         # solver draws: one probe shared by the rows (surrogates.row_probes)
         s = fd_step(hS.expand(N, *hS.shape), 1e-3, token_dims=3)
 
@@ -150,9 +173,31 @@ def test_diag_regulariser_matches_a_hand_computed_fd_hutchinson_reference():
             return lambda d: a * d
 
         hat, trace = _chain(model, idx, N, diag)
-        want = sum(_rel(hat[l], trace[l]) for l in (3, 4, 5))
+        want = sum(_rel(hat[l], trace[l]) for l in (4, 5))
+        torch.manual_seed(11)
         got = snlp_loss(model, idx, trace, RegConfig(surrogate="diag", suffixes=(N,), stride=1))
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-8)
+
+
+def test_diag_regulariser_draws_a_new_probe_each_step_and_a_reseeded_rng_the_same():
+    """A Hutchinson estimate of diag(J) is unbiased over its probes only if they change: the paper's code draws its
+    probe z afresh each forward. A fixed probe (the solver's seed 0, every step) would bias every step's diag(J) the
+    same way. The probes come from the global RNG (saved in a checkpoint), so a re-seeded RNG draws them again; the
+    logged gap keeps the fixed probes (comparable across evaluations)."""
+    from snlp.train.regularizer import snlp_gap
+    model = tiny_model(depth=5, seed=4)
+    idx = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    cfg = RegConfig(surrogate="diag", suffixes=(3,))
+    with torch.no_grad():
+        trace = model.hidden_states(idx)
+        torch.manual_seed(3)
+        a, b = snlp_loss(model, idx, trace, cfg), snlp_loss(model, idx, trace, cfg)
+        torch.manual_seed(3)
+        again = snlp_loss(model, idx, trace, cfg)
+        gaps = {snlp_gap(model, idx, k1_plan(3, "diag")) for _ in range(2)}
+    assert float(a) != float(b)  # a new probe on the second step
+    assert float(again) == float(a)
+    assert len(gaps) == 1
 
 
 @pytest.mark.parametrize("sft_plan", [None, "2xF1-h0-K1"])
