@@ -112,7 +112,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         prompt = tok.chat_prompt([{"role": "user", "content": args.prompt}])
         eos_id = (list(tok.chat_stop_ids) or None) if eos_id is None else eos_id
     else:
-        prompt = ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt))
+        prompt = tok.text_prompt(args.prompt)  # as snlp.apps.generate.prompt_ids
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,

@@ -36,7 +36,8 @@ DEFAULTS = {"block": 4, "seed": 0, "repeats": 3, "prompts_encoding": "utf-8", "d
 
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp.io.checkpoint.save_checkpoint)")
-    p.add_argument("--prompt", default="", help="prompt text (the tokenizer's BOS is prepended)")
+    p.add_argument("--prompt", default="", help="prompt text (snlp's own tokenizer prepends its BOS; a converted model's "
+                   "adds what its own tokenizer adds, as transformers' tokenizer(text))")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
                    "chat template (snlp's own tokenizer: the format `snlp sft` trains) and stop at its end of turn "
                    "(the generation config's ids, else EOS; own: <|assistant_end|>) unless --eos-id is given")
@@ -187,12 +188,11 @@ def check_args(args) -> None:
 
 def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     """The prompt's ids and the EOS id to stop at: with --chat the tokenizer's chat template and its EOS
-    (unless --eos-id says otherwise), else BOS + the text and --eos-id."""
+    (unless --eos-id says otherwise), else the text as Tokenizer.text_prompt encodes it and --eos-id."""
     if args.chat:
         ids = tok.chat_prompt([{"role": "user", "content": args.prompt}])
         return ids, (list(tok.chat_stop_ids) or None) if args.eos_id is None else args.eos_id
-    return ([tok.bos_id] if getattr(tok, "bos_id", None) is not None else []) + list(tok.encode(args.prompt)), \
-        args.eos_id
+    return tok.text_prompt(args.prompt), args.eos_id
 
 
 def streamer(tok, hide=()):

@@ -227,6 +227,16 @@ class Tokenizer:
             return self.render_chat(messages, add_generation_prompt=True)[0]
         return list(self.encode(self.apply_chat_template(messages)))
 
+    def text_prompt(self, text: str) -> list[int]:
+        """The ids a plain-text prompt is decoded from: our BPE's <|bos|> then the text (every training document starts
+        so); a converted model's tokenizer encodes it with its own special tokens, as transformers' `tokenizer(text)`
+        feeds its generate and llama.cpp honours the GGUF's add_bos_token: a Llama-2-style post-processor puts its BOS
+        first, SmolLM2's and Qwen's add nothing (their `bos_id` is <|im_start|> / the EOS, no start of a text). An empty
+        prompt is the BOS alone: decoding needs one token."""
+        if self.meta is None:
+            return [self.bos_id, *self.encode(text)]
+        return self.tok.encode(text, add_special_tokens=True).ids or [self.bos_id]  # (an empty prompt: its BOS)
+
     def with_stop_ids(self, ids) -> "Tokenizer":
         """This (foreign) tokenizer with `ids` (an int, a list of ints, or None: none recorded) as its stop ids."""
         if self.meta is None:

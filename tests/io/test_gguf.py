@@ -93,7 +93,7 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{l}.{dict(_NAMES)[module]}.{leaf}"
 
 
-def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=()) -> dict:
+def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=(), add_bos=False) -> dict:
     """Write transformers model `hf` as a GGUF file of tensor type `qtype` (norms and biases F32, as llama.cpp keeps
     them); `meta` (callables on the writer) add fields, `tensors` extra tensors, `drop` names tensors left out.
     Returns {transformers name: the fp32 weight the file holds}, dequantized by gguf and un-permuted here."""
@@ -120,7 +120,7 @@ def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
     for f in meta:
         f(w)
@@ -280,3 +280,19 @@ def test_gguf_unsupported_architecture_and_type(tmp_path, monkeypatch):
     q8_1 = np.zeros((512, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # a type gguf cannot dequantize
     write_gguf(tmp_path / "q81.gguf", hf, tensors={"blk.0.ffn_up.weight": (q8_1, Q.Q8_1)}, drop=("blk.0.ffn_up.weight",))
     _refused(monkeypatch, tmp_path / "q81.gguf", "unsupported tensor type Q8_1")
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_plain_prompt_as_the_models_own_tokenizer(tmp_path, add_bos):
+    """`snlp generate --prompt` feeds what transformers' tokenizer(text) gives (llama.cpp honours add_bos_token the
+    same way): SmolLM2-style files (add_bos_token false) got their `bos_id`, <|im_start|>, put before the text."""
+    import argparse
+
+    from snlp.apps.generate import prompt_ids
+
+    write_gguf(tmp_path / "m.gguf", tiny_hf("llama", tie=True), add_bos=add_bos)
+    _, tok = from_hf(str(tmp_path / "m.gguf"))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    args = argparse.Namespace(chat=False, prompt="Hi there", eos_id=None)
+    assert prompt_ids(args, tok)[0] == ref("Hi there")["input_ids"]
+    assert (ref("Hi there")["input_ids"][0] == tok.bos_id) == add_bos
