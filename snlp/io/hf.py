@@ -175,15 +175,16 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     return model.eval()
 
 
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp writes Mistral (and SmolLM, TinyLlama) as `llama`; it has no `mistral` architecture, and transformers
+# un-permutes the q/k rows of `llama` files only, so a file named `mistral` is refused as another architecture
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def check_gguf(path: Path) -> dict:
     """Read a .gguf file's header and tensor table (no weights) and refuse, in one line, what transformers' GGUF
     loader (which `from_hf` uses) would load silently wrong: it maps the tensors it knows by name and initialises any
     weight it does not find at random, and reads no rope scaling for these architectures. So a file must hold exactly
-    the tensors of a dense Llama / Mistral / Qwen2 / Qwen3 (no experts, no missing layer, not one shard of a split
+    the tensors of a dense Llama (Mistral) / Qwen2 / Qwen3 (no experts, no missing layer, not one shard of a split
     file, no `rope_freqs` table, no rope.scaling type) in tensor types gguf can dequantize. Returns the config fields
     transformers' mapping does not read: {"head_dim": key_length} for Qwen3 (its config would say 128)."""
     import numpy as np
@@ -203,7 +204,7 @@ def check_gguf(path: Path) -> dict:
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"unsupported architecture {arch!r} in GGUF file {path}; snlp.from_hf reads GGUF "
-                         f"architectures {', '.join(_GGUF_ARCHS)} ({', '.join(SUPPORTED)})")
+                         f"architectures {', '.join(_GGUF_ARCHS)} (Mistral is written as llama)")
     if (field("split.count") or 1) > 1:
         raise ValueError(f"{path} is shard {field('split.no', 0) + 1} of a split GGUF ({field('split.count')} files); "
                          f"merge the shards into one file first (llama.cpp: llama-gguf-split --merge)")

@@ -270,13 +270,14 @@ def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
 
 def test_gguf_unsupported_architecture_and_type(tmp_path, monkeypatch):
     hf = tiny_hf("llama")
-    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    _refused(monkeypatch, tmp_path / "phi.gguf", "unsupported architecture 'phi3'")
+    for arch in ("phi3", "mistral"):  # llama.cpp writes no `mistral` (Mistral is `llama`, its q/k rows permuted)
+        w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+        w.add_block_count(1)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        _refused(monkeypatch, tmp_path / f"{arch}.gguf", f"unsupported architecture '{arch}'")
     q8_1 = np.zeros((512, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # a type gguf cannot dequantize
     write_gguf(tmp_path / "q81.gguf", hf, tensors={"blk.0.ffn_up.weight": (q8_1, Q.Q8_1)}, drop=("blk.0.ffn_up.weight",))
     _refused(monkeypatch, tmp_path / "q81.gguf", "unsupported tensor type Q8_1")
