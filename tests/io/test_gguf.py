@@ -297,3 +297,12 @@ def test_plain_prompt_as_the_models_own_tokenizer(tmp_path, add_bos):
     args = argparse.Namespace(chat=False, prompt="Hi there", eos_id=None)
     assert prompt_ids(args, tok)[0] == ref("Hi there")["input_ids"]
     assert (ref("Hi there")["input_ids"][0] == tok.bos_id) == add_bos
+
+
+def test_load_of_a_gguf_names_the_conversion(tmp_path):
+    """snlp.load reads converted checkpoints; given the .gguf itself it said only 'not a directory'."""
+    from snlp import load
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="snlp convert FILE --out DIR"):
+        load(tmp_path / "m.gguf")
