@@ -194,7 +194,8 @@ def check_exact(path, hf, held):
     return model, tok
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q6_K],
+                         ids=lambda t: t.name)
 def test_llama_gguf_dequantizes_bit_for_bit(tmp_path, qtype):
     hf = tiny_hf("llama", tie=qtype in (Q.Q4_1, Q.Q6_K))  # tied (no output.weight) and untied files
     held = write_gguf(tmp_path / "m.gguf", hf, qtype=qtype)
