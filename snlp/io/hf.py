@@ -175,6 +175,82 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     return model.eval()
 
 
+# llama.cpp writes Mistral (and SmolLM, TinyLlama) as `llama`; it has no `mistral` architecture, and transformers
+# un-permutes the q/k rows of `llama` files only, so a file named `mistral` is refused as another architecture
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def check_gguf(path: Path) -> dict:
+    """Read a .gguf file's header and tensor table (no weights) and refuse, in one line, what transformers' GGUF
+    loader (which `from_hf` uses) would load silently wrong: it maps the tensors it knows by name and initialises any
+    weight it does not find at random, and reads no rope scaling for these architectures. So a file must hold exactly
+    the tensors of a dense Llama (Mistral) / Qwen2 / Qwen3 (no experts, no missing layer, not one shard of a split
+    file, no `rope_freqs` table, no rope.scaling type) in tensor types gguf can dequantize. Returns the config fields
+    transformers' mapping does not read: {"head_dim": key_length} for Qwen3 (its config would say 128)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on a file cut short or no GGUF at all
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or not GGUF: "
+                         f"{' '.join(f'{type(e).__name__}: {e}'.split())})") from e
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r} in GGUF file {path}; snlp.from_hf reads GGUF "
+                         f"architectures {', '.join(_GGUF_ARCHS)} (Mistral is written as llama)")
+    if (field("split.count") or 1) > 1:
+        raise ValueError(f"{path} is shard {field('split.no', 0) + 1} of a split GGUF ({field('split.count')} files); "
+                         f"merge the shards into one file first (llama.cpp: llama-gguf-split --merge)")
+    if (field(f"{arch}.expert_count") or 0) > 0:
+        raise ValueError(f"unsupported architecture: GGUF file {path} is a mixture of experts ({arch}.expert_count="
+                         f"{field(f'{arch}.expert_count')}, a Mixtral-style model); snlp converts dense models only")
+    kind = field(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise ValueError(f"unsupported rope scaling {kind!r} in GGUF file {path} ({arch}.rope.scaling.type): "
+                         f"transformers' GGUF loader drops it; convert the model's transformers folder instead")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"unsupported rope scaling in GGUF file {path}: it carries a rope_freqs table (Llama 3.1+ "
+                         f"'llama3' scaling), which transformers' GGUF loader drops; convert the model's transformers "
+                         f"folder instead")
+    n_layer = field(f"{arch}.block_count")
+    if not isinstance(n_layer, int) or n_layer < 1:
+        raise ValueError(f"GGUF file {path} has no {arch}.block_count; it is not a complete {arch} model")
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"] + (["attn_q_norm", "attn_k_norm"] if arch == "qwen3" else [])
+    need = {"token_embd.weight", "output_norm.weight"} | {f"blk.{l}.{n}.weight" for l in range(n_layer)
+                                                          for n in per_layer}
+    if arch == "qwen2":
+        need |= {f"blk.{l}.attn_{n}.bias" for l in range(n_layer) for n in "qkv"}
+    missing, extra = sorted(need - names), sorted(names - need - {"output.weight"})
+    if missing:
+        raise ValueError(f"GGUF file {path} lacks {len(missing)} tensor(s) of its {n_layer}-layer {arch} model "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
+                         f"initialise them at random: the file is incomplete")
+    if extra:
+        raise ValueError(f"GGUF file {path} holds tensors a dense {arch} model has not "
+                         f"({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}); snlp cannot convert it")
+    for t in sorted({t.tensor_type for t in reader.tensors}):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+        try:
+            dequantize(np.zeros((1, size), np.uint8 if t not in (0, 1) else [np.float32, np.float16][t]), t)
+        except NotImplementedError:
+            raise ValueError(f"unsupported tensor type {GGMLQuantizationType(t).name} in GGUF file {path}: the gguf "
+                             f"package cannot dequantize it") from None
+    extra_cfg = {}
+    if arch == "qwen3":
+        extra_cfg["head_dim"] = field("qwen3.attention.key_length") or (
+            field("qwen3.embedding_length") // field("qwen3.attention.head_count"))
+    return extra_cfg
+
+
 def check_vocab(model: GPT, tok: Tokenizer | None) -> None:
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer/model vocab mismatch: the tokenizer has {tok.vocab_size} tokens but the model's "
@@ -190,17 +266,21 @@ def _load_hf(src: str, dtype):
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist{did_you_mean(src)}")
+        fixes = check_gguf(path)  # what transformers would load silently wrong is refused before any weights load
         try:
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             _architecture(cfg)
-            m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+            for key, value in fixes.items():
+                setattr(cfg, key, value)
+            m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=cfg, **kw)
             t = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except ValueError as e:
             if "unsupported architecture" in str(e):
                 raise
-            raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+            raise ValueError(f"cannot read GGUF file {path}: {' '.join(str(e).split())}") from e
         except Exception as e:  # the gguf reader raises assorted errors on a truncated/corrupt file
-            raise ValueError(f"corrupt or unreadable GGUF file {path} ({type(e).__name__}: {e})") from e
+            raise ValueError(f"corrupt or unreadable GGUF file {path} ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from e
         return m, t
     check_source(src, "model")  # a typo of a local path is refused here, not sent to the hub (snlp.io.source)
     if path.exists() or src.startswith((".", "/", "~")) or src.count("/") > 1:
