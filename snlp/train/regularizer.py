@@ -182,7 +182,7 @@ def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = Non
     prefix, hb = (None, None) if trace is None else (trace[S], model.prefix_backout(trace, S))
     gen = None
     if fresh_probes and isinstance(plan.surrogate, DiagN):
-        seed = int(torch.randint(0, 2 ** 62, (1,)))  # the CPU generator: no device read
+        seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))  # the CPU generator: no device read
         gen = torch.Generator(idx.device).manual_seed(seed)
     res = solve(model, idx, plan, keep_states=True, check_finite=False, prefix=prefix, hb=hb, probe_gen=gen)
     return res.states[1], model.config.n_layer - n_suffix
