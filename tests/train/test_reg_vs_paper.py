@@ -2,18 +2,12 @@
 identity_newton_reg / mhc_newton_reg): same weights (snlp.io.nanochat's mapping), same batch, fp32. Skips without a
 checkout beside the repository; tests/train/test_regularizer.py holds the references written from its loops."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CANDIDATES = [os.environ.get("SNLP_PAPER_CODE", ""), str(ROOT / ".paper" / "nanochat-snlp"),
-              str(ROOT.parent / "shared" / "anchors" / "nanochat-snlp")]
-PAPER = next((p for p in CANDIDATES if p and (Path(p) / "nanochat" / "gpt.py").is_file()), None)
-pytestmark = pytest.mark.skipif(PAPER is None, reason="no checkout of the paper's code beside the repository "
-                                                      "(../shared/anchors/nanochat-snlp or $SNLP_PAPER_CODE)")
+from tests.bench.test_vs_paper import PAPER, needs_paper
+
+pytestmark = needs_paper
 
 
 def pair(mhc=False, wp="SSL"):
