@@ -205,6 +205,21 @@ def test_bad_conversations_are_named(tok, bad, msg, tmp_path):
         chat.load_conversations(str(f))
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_chat_rows_are_lines_as_text_mode_cuts_them(tmp_path, end):
+    """Chat JSONL rows are the lines Python's text mode (universal newlines) reads, as the paper's CustomJSON loader
+    reads them: \\n, \\r\\n and a lone \\r each end a row (the binary read that names a bad byte's line cut at \\n
+    only, so a \\r-ended file was one row, refused as "Extra data"); a bad byte is named by that line."""
+    rows = [json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}).encode()
+            for q, a in (("a", "b"), ("c", "d"), ("e", "f"))]
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(end.join(rows) + end)
+    assert [c[1]["content"] for c in chat.load_conversations(str(f))] == ["b", "d", "f"]
+    f.write_bytes(end.join(rows[:2] + [b'{"messages": "caf\xe9"}']) + end)
+    with pytest.raises(ValueError, match=r"c.jsonl:3 is not UTF-8"):
+        chat.load_conversations(str(f))
+
+
 def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
     """A chat file that is not UTF-8 is refused naming its file and line (it was the codec's bare message, no file);
     an assistant turn in nanochat's tool-use form (content a list of parts) is refused saying that form is not
