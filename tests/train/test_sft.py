@@ -5,6 +5,7 @@ tiny model that learns a synthetic MC chat task (SNLP-forward SFT wins under tha
 import importlib
 import json
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -218,6 +219,18 @@ def test_chat_rows_are_lines_as_text_mode_cuts_them(tmp_path, end):
     f.write_bytes(end.join(rows[:2] + [b'{"messages": "caf\xe9"}']) + end)
     with pytest.raises(ValueError, match=r"c.jsonl:3 is not UTF-8"):
         chat.load_conversations(str(f))
+
+
+def test_the_tokenizers_floor_has_encode_special_tokens():
+    """Tokenizer.encode_plain, which renders every chat message, sets the `tokenizers` attribute
+    encode_special_tokens, which tokenizers 0.15.1 introduced (an older one has no such attribute: every chat render
+    raised AttributeError): pyproject.toml's dependency names that floor."""
+    from pathlib import Path
+
+    py = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'"tokenizers>=0\.15\.1"', py)
+    from tokenizers import Tokenizer as HFTokenizer, models
+    assert hasattr(HFTokenizer(models.BPE()), "encode_special_tokens")
 
 
 def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
