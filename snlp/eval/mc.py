@@ -105,7 +105,8 @@ def choice_positions(tokenizer, question: str, choice: str) -> tuple[list[int], 
     """The conversation (`question` as the user turn, `choice` as the assistant reply) rendered with the
     tokenizer's chat template, and the positions of the tokens of the choice's text in it: the protocol scores
     the choice only, never the template's own tokens around it (nanochat's <|assistant_end|>; ChatML's
-    `<|im_end|>` + `\n`, which the assistant mask also covers; a reply prefix such as Qwen3's empty think block).
+    `<|im_end|>`, which the assistant mask also covers, and the `\n` after it; a reply prefix such as Qwen3's
+    empty think block).
     Derived from the rendering, not from a count of template tokens: the same conversation is rendered with two
     other replies (sentinels), and the tokens where the renderings differ are the reply's own (a token merged
     across the text's edge differs too, so it is kept: it carries part of the text); within them, the reply's

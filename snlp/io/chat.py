@@ -62,8 +62,10 @@ def _rows_from_file(path: Path):
     if path.suffix.lower() != ".jsonl":
         raise ValueError(f"chat data {path}: expected a .jsonl file of {{\"messages\": [...]}} rows")
     with open(path, "rb") as f:
-        for i, raw in enumerate(f, 1):
-            try:  # line by line: a bad byte is named by its line, as a bad JSON row is
+        # lines as text mode's universal newlines cut them (\n, \r\n and a lone \r: bytes.splitlines), read in
+        # binary so that a bad byte is named by its line, as a bad JSON row is
+        for i, raw in enumerate((piece for chunk in f for piece in chunk.splitlines()), 1):
+            try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{i} is not UTF-8 text ({e.reason} at byte {e.start}); chat JSONL files "

@@ -199,10 +199,16 @@ class Tokenizer:
         on). Otherwise each assistant turn's tokens after the template's generation prompt for it, found by
         rendering the conversation up to every assistant turn, through its end-of-turn stop token (`stop_ids`):
         what the template writes after that token (ChatML's newline) is the template's, never generated (a reply
-        ends at the stop), so it is not trained on."""
-        def ids(upto: int, gen: bool) -> list[int]:
-            text = self.apply_chat_template(messages[:upto], add_generation_prompt=gen)
+        ends at the stop), so it is not trained on. That stop is the first one the template writes after the reply
+        (found by rendering the turn with two other replies): a stop id the reply's text quotes is the reply's."""
+        def ids(upto: int, gen: bool, role: str | None = None, reply: str | None = None) -> list[int]:
+            convo = messages[:upto] + ([{"role": role, "content": reply}] if reply is not None else [])
+            text = self.apply_chat_template(convo, add_generation_prompt=gen)
             return self.tok.encode(text, add_special_tokens=False).ids
+
+        def common_suffix(a: list[int], b: list[int], most: int) -> int:
+            return next((k for k in range(min(len(a), len(b), most)) if a[-1 - k] != b[-1 - k]),
+                        min(len(a), len(b), most))
 
         full = ids(len(messages), add_generation_prompt)
         if GENERATION_BLOCK.search(self.meta.get("chat_template") or ""):
@@ -224,8 +230,13 @@ class Tokenizer:
                 raise ValueError("this chat template does not render a conversation as the concatenation of its "
                                  "turns (a later turn changes earlier tokens), so the assistant tokens cannot be "
                                  "masked; fine-tune with a template that appends turns")
-            ends = [j for j in range(start, stop) if turn[j] in stops]
-            stop = ends[-1] + 1 if ends else stop
+            # the stop that ends the turn is the template's, in what it writes after the reply: a stop id the
+            # reply's own text spells (a quoted "<|endoftext|>", parsed as the token like all rendered text) is
+            # part of the reply, and ending there would leave the rest of the reply untrained
+            tail = min(common_suffix(turn, ids(i, False, m["role"], sentinel), stop - start)
+                       for sentinel in ("zqxjv", "QWKPF"))  # two: a reply ending like one sentinel is still cut right
+            ends = [j for j in range(stop - tail, stop) if turn[j] in stops]
+            stop = ends[0] + 1 if ends else stop
             mask[start:stop] = [1] * (stop - start)
         return full, mask
 

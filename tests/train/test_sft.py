@@ -5,6 +5,7 @@ tiny model that learns a synthetic MC chat task (SNLP-forward SFT wins under tha
 import importlib
 import json
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -158,6 +159,41 @@ def test_converted_template_mask_is_transformers_assistant_mask(tagged):
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "hi there<|im_end|>today<|im_end|>"
 
 
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}"
+          "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+
+def test_converted_template_mask_keeps_a_reply_that_quotes_a_stop_id():
+    """A reply whose text spells a stop id's string (rendered text is tokenized with its specials parsed, as
+    transformers does) keeps its whole mask: the turn ends at the stop the template writes after the reply, not at
+    the quoted one. A Llama-3-style template on a model whose only stop id is the tokenizer's EOS <|end_of_text|>
+    (not the template's <|eot_id|>): the mask is transformers' generation-block mask, reply and <|eot_id|>; the
+    last stop id in the turn, the quoted one, cut the reply's rest out of training."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    plain = LLAMA3.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok = Tokenizer(raw, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": plain})
+    assert tok.stop_ids == (raw.token_to_id("<|end_of_text|>"),)
+    msgs = [{"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "a document ends with <|end_of_text|> and the next begins"},
+            {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "today"}]
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin_of_text|>",
+                                               eos_token="<|end_of_text|>", chat_template=LLAMA3)
+    want = ref.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = tok.render_chat(msgs)
+    assert ids == list(want["input_ids"]) and mask == list(want["assistant_masks"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == (
+        "a document ends with <|end_of_text|> and the next begins<|eot_id|>today<|eot_id|>")
+
+
 @pytest.mark.parametrize("bad, msg", [([], "non-empty"), ([{"role": "bot", "content": "x"}], "valid roles"),
                                       ([{"role": "assistant", "content": "x"}], "'user' was expected"),
                                       ([{"role": "user", "content": 3}], "string")])
@@ -168,6 +204,33 @@ def test_bad_conversations_are_named(tok, bad, msg, tmp_path):
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n" + json.dumps({"messages": bad}) + "\n")
     with pytest.raises(ValueError, match=r"c.jsonl:2"):
         chat.load_conversations(str(f))
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_chat_rows_are_lines_as_text_mode_cuts_them(tmp_path, end):
+    """Chat JSONL rows are the lines Python's text mode (universal newlines) reads, as the paper's CustomJSON loader
+    reads them: \\n, \\r\\n and a lone \\r each end a row (the binary read that names a bad byte's line cut at \\n
+    only, so a \\r-ended file was one row, refused as "Extra data"); a bad byte is named by that line."""
+    rows = [json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}).encode()
+            for q, a in (("a", "b"), ("c", "d"), ("e", "f"))]
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(end.join(rows) + end)
+    assert [c[1]["content"] for c in chat.load_conversations(str(f))] == ["b", "d", "f"]
+    f.write_bytes(end.join(rows[:2] + [b'{"messages": "caf\xe9"}']) + end)
+    with pytest.raises(ValueError, match=r"c.jsonl:3 is not UTF-8"):
+        chat.load_conversations(str(f))
+
+
+def test_the_tokenizers_floor_has_encode_special_tokens():
+    """Tokenizer.encode_plain, which renders every chat message, sets the `tokenizers` attribute
+    encode_special_tokens, which tokenizers 0.15.1 introduced (an older one has no such attribute: every chat render
+    raised AttributeError): pyproject.toml's dependency names that floor."""
+    from pathlib import Path
+
+    py = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'"tokenizers>=0\.15\.1"', py)
+    from tokenizers import Tokenizer as HFTokenizer, models
+    assert hasattr(HFTokenizer(models.BPE()), "encode_special_tokens")
 
 
 def test_bad_bytes_and_tool_parts_are_named_by_file_line(tmp_path):
