@@ -47,8 +47,9 @@ def test_every_relative_doc_link_resolves():
             if not dest.exists():
                 bad.append(f"{f.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md":
-                heads = {_slug(h) for h in re.findall(r"(?m)^#+ (.*)$", dest.read_text())}
-                heads |= set(re.findall(r'<a (?:id|name)="([^"]+)"', dest.read_text()))
+                body = re.sub(r"(?ms)^```.*?^```", "", dest.read_text())  # a `# comment` line of a code block
+                heads = {_slug(h) for h in re.findall(r"(?m)^#+ (.*)$", body)}  # is no heading: GitHub has no anchor
+                heads |= set(re.findall(r'<a (?:id|name)="([^"]+)"', body))
                 if anchor not in heads:
                     bad.append(f"{f.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
@@ -291,3 +292,43 @@ def test_distributed_cost_model_summary_is_what_the_model_predicts():
         assert [seq, tp, snlp_ms, one, vs_seq, vs_tp] == want, (shape_name, link_name)
         fastest = min(modelled[shape_name].split(","), key=lambda p: at(p, 8).snlp_ms)
         assert plan == fastest, (shape_name, link_name)
+
+
+def test_a_guides_command_on_a_checkpoint_it_trains_fits_that_model():
+    """A guide's command on a checkpoint that guide trains (`snlp train --out DIR`, at its `--depth` or the parser's
+    default) names only layers and plans that model has: `--layers` below its depth, every plan's suffix C·M at most
+    its depth. usage.md ran `snlp analyze runs/y --layers 12,13,14,15` on its depth-8 runs/y, which answers
+    "--layers must lie in 0..7". A directory a guide trains at two depths, or with `--init-from`, is left out (each
+    guide is read on its own: training.md's runs/y has depth 12)."""
+    from snlp.apps.cli import build_parser
+
+    commands = build_parser().commands
+    default = commands["train"].get_default("depth")
+    bad, checked = [], 0
+    for f in GUIDES:
+        if f.name == "cli.md":
+            continue
+        text, depths = f.read_text(), {}
+        for _, _, rest in _invocations(text, ["train"]):
+            out = re.search(r"--out[ =](\S+)", rest)
+            if out and "--init-from" not in rest:
+                depth = re.search(r"--depth[ =](\d+)", rest)
+                depths.setdefault(out.group(1).rstrip("/"), set()).add(int(depth.group(1)) if depth else default)
+        known = {d: next(iter(s)) for d, s in depths.items() if len(s) == 1}
+        for i, cmd, rest in _invocations(text, [c for c in commands if c != "train"]):
+            words = rest.split()
+            ckpt = re.search(r"--ckpt[ =](\S+)", rest)
+            ckpt = ckpt.group(1) if ckpt else (words[0] if words and not words[0].startswith("-") else "")
+            depth = known.get(ckpt.rstrip("/"))
+            if depth is None:
+                continue
+            checked += 1
+            layers = re.search(r"--layers[ =]([\d,]+)", rest)
+            if layers and max(int(x) for x in layers.group(1).split(",") if x) >= depth:
+                bad.append(f"{f.relative_to(ROOT)}:{i}: snlp {cmd} {ckpt} --layers {layers.group(1)} (depth {depth})")
+            for spec in re.findall(r"--plans?[ =](\S+)", rest):
+                for p in spec.split(","):
+                    if re.fullmatch(r"\d+xF\d+-\S+", p) and snlp.Plan.parse(p).n_suffix > depth:
+                        bad.append(f"{f.relative_to(ROOT)}:{i}: snlp {cmd} {ckpt} plan {p} (depth {depth})")
+    assert checked, "no guide command on a checkpoint a guide trains was found"
+    assert not bad, "\n".join(bad)
