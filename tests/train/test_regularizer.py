@@ -99,8 +99,9 @@ def test_regulariser_states_refuse_a_plan_that_is_not_k1_one_layer_per_chunk():
     k2 = Plan(chunks=3, fuse=1, init="h0", iters=2, surrogate="idn")
     assert float(relative_error(solve(model, idx, k2).hidden, trace[-1])) < 0.9 * snlp_gap(model, idx, k1_plan(3))
     fused = Plan(chunks=2, fuse=2, init="h0", iters=1, surrogate="idn")
+    cfg = RegConfig(surrogate="idn", suffixes=(4,), stride=2)
     for call in (lambda: snlp_gap(model, idx, k2), lambda: snlp_states(model, idx, fused, trace),
-                 lambda: snlp_loss(model, idx, trace, RegConfig(surrogate="idn", suffixes=(4,), stride=2), plans=(fused,))):
+                 lambda: snlp_loss(model, idx, trace, cfg, plans=(fused,))):
         with pytest.raises(ValueError, match="K=1 plan of one layer per chunk"):
             call()
     assert snlp_gap(model, idx, k1_plan(3)) > 0  # the regulariser's own plans still run
