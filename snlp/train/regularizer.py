@@ -131,6 +131,10 @@ def parse_suffixes(text: str) -> tuple[int, ...]:
         raise ValueError(f"--reg-n must be comma-separated integers like 8,16,24, got {text!r}") from e
     if not out or min(out) < 1:
         raise ValueError(f"--reg-n needs suffix lengths >= 1, got {text!r}")
+    if len(set(out)) < len(out):  # the term sums each N once (resolve_suffixes); the paper's code sums a repeat again
+        twice = next(n for n in out if out.count(n) > 1)
+        raise ValueError(f"--reg-n lists N = {twice} more than once ({text!r}): each N is one term of the sum; list it "
+                         f"once (its weight is --reg-lambda)")
     return out
 
 

@@ -107,6 +107,15 @@ def test_regulariser_states_refuse_a_plan_that_is_not_k1_one_layer_per_chunk():
     assert snlp_gap(model, idx, k1_plan(3)) > 0  # the regulariser's own plans still run
 
 
+def test_a_repeated_suffix_length_is_refused_not_summed_once():
+    """The sum over --reg-n keeps each N once (resolve_suffixes), while the paper's code sums a repeated n_par again:
+    `--reg-n 8,8` was silently half the paper code's term. Refused, in --reg-n's terms."""
+    from snlp.train.regularizer import parse_suffixes
+    assert parse_suffixes("8,16,24") == (8, 16, 24)
+    with pytest.raises(ValueError, match="--reg-n lists N = 8 more than once"):
+        parse_suffixes("8,16,8")
+
+
 def test_detach_stops_target_gradient():
     model = tiny_model()
     idx = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
