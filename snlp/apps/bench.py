@@ -179,8 +179,9 @@ def _add_suite_flags(p) -> None:
     tr.add_argument("--regs", default="none,idn", help="--suite train: regulariser variants, none and/or idn / hcn; "
                     "KIND:F (e.g. idn:0.25) runs it on the first ceil(F x batch) rows of each step (snlp train "
                     "--reg-rows F)")
-    tr.add_argument("--reg-n", default="24", help="--suite train: the regulariser's suffix lengths N (the paper's "
-                    "0.5B IDN-Reg run: 24; clipped to depth - 1)")
+    tr.add_argument("--reg-n", default="24", help="--suite train: the regulariser's suffix lengths N (24: the "
+                    "paper table's N of its 0.5B IDN-Reg run, whose script sums N = 8,16,24: pass that for its cost; "
+                    "clipped to depth - 1)")
     tr.add_argument("--train-batch", type=int, default=None, help="--suite train: sequences per step (default 8 on "
                     "cuda, 4 on cpu, 2 quick)")
     tr.add_argument("--train-seq-len", type=int, default=None, help="--suite train: tokens per sequence (default "

@@ -102,13 +102,14 @@ def add_arguments(p) -> None:
     add_speed_arguments(o)
     r = p.add_argument_group("SNLP-aware regulariser (paper Eq. snlp-training-loss)")
     r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none", help="surrogate of the regulariser's "
-                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per step, "
+                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per "
+                   "micro-batch and N, drawn afresh from the seeded RNG (the logged gap keeps a fixed one), "
                    "the diagonal estimate detached: gradients flow through the chunk forwards)")
     r.add_argument("--reg-lambda", type=float, default=0.5)
     r.add_argument("--reg-n", default="4", help="suffix lengths N, e.g. 8,16,24 (N >= depth is clipped to depth-1); also the N of the logged gap")
     r.add_argument("--reg-stride", type=int, default=0,
                    help="0 = final layer only; s > 0 adds S+s, S+2s, ... (counted from the suffix start S = depth - N, "
-                   "as the paper's code)")
+                   "as the paper's code; never S+1, whose K=1 state is exact: s = 1 adds S+2 .. L-1)")
     r.add_argument("--reg-detach", action=argparse.BooleanOptionalAction, default=None,
                    help="detach the sequential target (default: on for --reg hcn as in the paper's mHC run, "
                    "off otherwise)")

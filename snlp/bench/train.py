@@ -1,6 +1,8 @@
 """Training speed: `snlp bench --suite train [--quick]` (`run_train_bench`): tokens/s, MFU and compile time of the
 training step at one of the paper's shapes (default its 0.5B model, depth 32, width 640), eager vs compiled
-(snlp.train.compiled) and plain vs the SNLP regulariser (`--reg idn --reg-n 24`, the paper's 0.5B IDN-Reg run). A
+(snlp.train.compiled) and plain vs the SNLP regulariser (`--reg idn --reg-n 24`, the N of the paper table's 0.5B IDN-Reg
+row; the run's script, nanochat-snlp runs_snlp/train_d32s_idn.sh, sums N = 8, 16, 24, a K=1 solve of 48 suffix layers
+per step, not 24: `--reg-n 8,16,24` prices it). A
 variant `KIND:F` (e.g. `idn:0.25`) runs the regulariser on the first ceil(F x batch) rows of each step
 (`snlp train --reg-rows F`): the same row and ratios, named by the variant.
 

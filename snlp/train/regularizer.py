@@ -131,6 +131,10 @@ def parse_suffixes(text: str) -> tuple[int, ...]:
         raise ValueError(f"--reg-n must be comma-separated integers like 8,16,24, got {text!r}") from e
     if not out or min(out) < 1:
         raise ValueError(f"--reg-n needs suffix lengths >= 1, got {text!r}")
+    if len(set(out)) < len(out):  # the term sums each N once (resolve_suffixes); the paper's code sums a repeat again
+        twice = next(n for n in out if out.count(n) > 1)
+        raise ValueError(f"--reg-n lists N = {twice} more than once ({text!r}): each N is one term of the sum; list it "
+                         f"once (its weight is --reg-lambda)")
     return out
 
 
@@ -177,6 +181,9 @@ def snlp_states(model, idx: Tensor, plan: Plan, trace: list[Tensor] | None = Non
     `fresh_probes` (DiagN): draw the probes from a generator seeded by the global torch RNG (one CPU draw), new each
     call, as the paper's code draws its probe `z` each forward; the RNG is in the checkpoint, so a resumed run draws
     the same ones. False: the solver's fixed seed-0 probes (the logged gap, reproducible)."""
+    if plan.fuse != 1 or plan.iters != 1:  # states[1] is h_hat of every suffix layer only for K=1, M=1
+        raise ValueError(f"the regulariser's states need a K=1 plan of one layer per chunk (k1_plan(N)), got {plan}: "
+                         f"its iteration-1 states are not the layers' K=1 states h_hat_l")
     n_suffix = plan.n_suffix
     S = model.config.n_layer - n_suffix
     prefix, hb = (None, None) if trace is None else (trace[S], model.prefix_backout(trace, S))
@@ -236,7 +243,8 @@ def snlp_loss(model, idx: Tensor, trace: list[Tensor], cfg: RegConfig, valid: Te
 
 @torch.no_grad()
 def snlp_gap(model, idx: Tensor, plan: Plan) -> float:
-    """Measured K=1 SNLP-vs-sequential gap of `plan` (`k1_plan`): relative error of the final state h_L."""
+    """Measured K=1 SNLP-vs-sequential gap of `plan` (`k1_plan`; another plan is refused, `snlp_states`): relative
+    error of the final state h_L."""
     trace = model.hidden_states(idx)
     states, _ = snlp_states(model, idx, plan, trace)
     return float(relative_error(states[-1], trace[-1]))

@@ -87,6 +87,35 @@ def test_stride0_is_true_k1_final_state():
     torch.testing.assert_close(states[-1], by_hand, rtol=1e-5, atol=1e-5)
 
 
+def test_regulariser_states_refuse_a_plan_that_is_not_k1_one_layer_per_chunk():
+    """snlp_states reads the solve's iteration-1 states as h_hat of each suffix layer: true only for K=1 with one layer
+    per chunk. A K=2 plan's snlp_gap was its K=1 gap (0.345 against the K=2 solve's 0.106 on a 6-layer model), a fused
+    plan's states were chunk outputs labelled as layers, and snlp_loss with one raised an IndexError."""
+    from snlp.method.plan import Plan
+    from snlp.train.regularizer import relative_error, snlp_gap
+    model = tiny_model(depth=6)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+    trace = model.hidden_states(idx)
+    k2 = Plan(chunks=3, fuse=1, init="h0", iters=2, surrogate="idn")
+    assert float(relative_error(solve(model, idx, k2).hidden, trace[-1])) < 0.9 * snlp_gap(model, idx, k1_plan(3))
+    fused = Plan(chunks=2, fuse=2, init="h0", iters=1, surrogate="idn")
+    cfg = RegConfig(surrogate="idn", suffixes=(4,), stride=2)
+    for call in (lambda: snlp_gap(model, idx, k2), lambda: snlp_states(model, idx, fused, trace),
+                 lambda: snlp_loss(model, idx, trace, cfg, plans=(fused,))):
+        with pytest.raises(ValueError, match="K=1 plan of one layer per chunk"):
+            call()
+    assert snlp_gap(model, idx, k1_plan(3)) > 0  # the regulariser's own plans still run
+
+
+def test_a_repeated_suffix_length_is_refused_not_summed_once():
+    """The sum over --reg-n keeps each N once (resolve_suffixes), while the paper's code sums a repeated n_par again:
+    `--reg-n 8,8` was silently half the paper code's term. Refused, in --reg-n's terms."""
+    from snlp.train.regularizer import parse_suffixes
+    assert parse_suffixes("8,16,24") == (8, 16, 24)
+    with pytest.raises(ValueError, match="--reg-n lists N = 8 more than once"):
+        parse_suffixes("8,16,8")
+
+
 def test_detach_stops_target_gradient():
     model = tiny_model()
     idx = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
