@@ -108,9 +108,11 @@ def unread_flags(args) -> None:
          "speculative?)"),
         (args.no_baseline and not spec, f"--no-baseline skips speculative mode's timed comparison; --mode {args.mode} "
                                         f"has none"),
-        (args.repeats is not None and (not spec or args.no_baseline),
+        (args.repeats is not None and (not spec or args.no_baseline or args.prompts_file is not None),
          "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding" +
-         (", which --no-baseline skips" if spec else f"; --mode {args.mode} has none")),
+         (", which --no-baseline skips" if spec and args.no_baseline else
+          "; --prompts-file times one batched run of each side, no rounds" if spec else
+          f"; --mode {args.mode} has none")),
         (args.seed is not None and args.temperature == 0,
          "--seed seeds sampling; greedy decoding (--temperature 0) draws nothing: give --temperature > 0 or drop "
          "--seed"),

@@ -323,6 +323,10 @@ def generate_args(ckpt, *argv):
      "the newton surrogate's probes read the KV cache at one start position"),
     (["--mode", "snlp", "--plan", "4xF1-h0-K1-tol:-1"], "tol must be a positive number, got '-1'"),
     (["--mode", "snlp", "--plan", "4xF1-h0-K1", "--eos-id", "-1"], "--eos-id must be a token id >= 0 (got -1)"),
+    # --prompts-file times one batched run of each side: --repeats was accepted and ignored
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--batch-size", "2", "--repeats", "5"],
+     "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding; --prompts-file times "
+     "one batched run of each side, no rounds"),
 ])
 def test_generate_refuses_bad_input_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, extra, says):
     """A plan batched decoding cannot run with --batch-size > 1, a malformed plan and a negative --eos-id were refused
