@@ -194,11 +194,24 @@ def check_exact(path, hf, held):
     return model, tok
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q6_K],
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K],
                          ids=lambda t: t.name)
 def test_llama_gguf_dequantizes_bit_for_bit(tmp_path, qtype):
     hf = tiny_hf("llama", tie=qtype in (Q.Q4_1, Q.Q6_K))  # tied (no output.weight) and untied files
     held = write_gguf(tmp_path / "m.gguf", hf, qtype=qtype)
+    check_exact(tmp_path / "m.gguf", hf, held)
+
+
+@pytest.mark.parametrize("case", ["linear x1", "rope_freqs of ones"])
+def test_gguf_noop_rope_scaling_loads(tmp_path, case):
+    """What llama.cpp's converter writes for a config with `rope_scaling: {type: linear, factor: 1.0}` (and a
+    `rope_freqs` table of ones, 'llama3' scaling that scales nothing) leaves every rotary frequency as it is, so
+    transformers' loader, which drops both, loads it right: it was refused as rope scaling."""
+    hf = tiny_hf("llama")
+    kw = {"linear x1": dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                  lambda w: w.add_rope_scaling_factor(1.0)]),
+          "rope_freqs of ones": dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)})}[case]
+    held = write_gguf(tmp_path / "m.gguf", hf, **kw)
     check_exact(tmp_path / "m.gguf", hf, held)
 
 
@@ -279,6 +292,15 @@ def test_gguf_unsupported_architecture_and_type(tmp_path, monkeypatch):
         w.write_tensors_to_file()
         w.close()
         _refused(monkeypatch, tmp_path / f"{arch}.gguf", f"unsupported architecture '{arch}'")
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)  # gguf_convert_endian's
+    w.add_block_count(1)  # output: transformers' reader said 'GGUF v50331648; this reader handles v2 and v3'
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(monkeypatch, tmp_path / "be.gguf", "big-endian GGUF file.*gguf_convert_endian")
+    (tmp_path / "M.GGUF").write_bytes((tmp_path / "phi3.gguf").read_bytes())  # snlp.load of it names snlp convert,
+    _refused(monkeypatch, tmp_path / "M.GGUF", "named [*].gguf only; rename it to M.gguf")  # which said 'no .gguf'
     q8_1 = np.zeros((512, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # a type gguf cannot dequantize
     write_gguf(tmp_path / "q81.gguf", hf, tensors={"blk.0.ffn_up.weight": (q8_1, Q.Q8_1)}, drop=("blk.0.ffn_up.weight",))
     _refused(monkeypatch, tmp_path / "q81.gguf", "unsupported tensor type Q8_1")
