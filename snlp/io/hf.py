@@ -219,8 +219,10 @@ def check_gguf(path: Path) -> dict:
     kind = field(f"{arch}.rope.scaling.type")
     # linear scaling by 1 divides the positions by 1: llama.cpp's converter writes it for a config that says so
     if kind not in (None, "none") and not (kind == "linear" and field(f"{arch}.rope.scaling.factor") == 1.0):
+        how = ("convert the model's transformers folder instead" if kind == "linear" else  # what _rope reads
+               "snlp's rope reads no such scaling in a transformers folder either (only 'linear' and 'llama3')")
         raise ValueError(f"unsupported rope scaling {kind!r} in GGUF file {path} ({arch}.rope.scaling.type): "
-                         f"transformers' GGUF loader drops it; convert the model's transformers folder instead")
+                         f"transformers' GGUF loader drops it; {how}")
     names = {t.name for t in reader.tensors}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     # the table divides each rotary frequency by its entry (llama.cpp's rope_freqs); all ones changes nothing

@@ -265,6 +265,8 @@ def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
         "rope_freqs": dict(tensors={"rope_freqs.weight": f32}),
         "rope scaling 'linear'": dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
                                             lambda w: w.add_rope_scaling_factor(4.0)]),
+        "rope scaling 'yarn'.*only 'linear' and 'llama3'": dict(meta=[  # Qwen2.5's 128k: not 'convert the folder'
+            lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), lambda w: w.add_rope_scaling_factor(4.0)]),
         r"lacks 1 tensor\(s\).*blk.1.ffn_up.weight": dict(drop=("blk.1.ffn_up.weight",)),
         "shard 1 of a split GGUF": dict(meta=[lambda w: w.add_uint16("split.no", 0),
                                               lambda w: w.add_uint16("split.count", 3)]),
@@ -276,7 +278,7 @@ def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
     for i, (match, kw) in enumerate(cases.items()):
         write_gguf(tmp_path / f"m{i}.gguf", hf, **kw)
         _refused(monkeypatch, tmp_path / f"m{i}.gguf", match)
-    whole = (tmp_path / "m5.gguf").read_bytes()
+    whole = (tmp_path / "m6.gguf").read_bytes()
     for i, data in enumerate([whole[: len(whole) // 2], whole[:300], b"", b"not a gguf\n" * 50]):
         (tmp_path / f"bad{i}.gguf").write_bytes(data)
         _refused(monkeypatch, tmp_path / f"bad{i}.gguf", "not a readable GGUF file")
