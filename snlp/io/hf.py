@@ -185,9 +185,9 @@ def check_gguf(path: Path) -> dict:
     loader (which `from_hf` uses) would load silently wrong: it maps the tensors it knows by name and initialises any
     weight it does not find at random, and reads no rope scaling for these architectures. So a file must hold exactly
     the tensors of a dense Llama (Mistral) / Qwen2 / Qwen3 (no experts, no missing layer, not one shard of a split
-    file, no `rope_freqs` table or rope.scaling type that scales) in tensor types gguf can dequantize, little-endian
-    (transformers reads no other byte order). Returns the config fields
-    transformers' mapping does not read: {"head_dim": key_length} for Qwen3 (its config would say 128)."""
+    file, no `rope_freqs` table that scales, no rope.scaling but linear) in tensor types gguf can dequantize,
+    little-endian (transformers reads no other byte order). Returns the config fields transformers' mapping does not
+    read: {"head_dim": key_length} for Qwen3 (its config would say 128), linear rope scaling's rope_parameters."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
     from gguf.constants import GGML_QUANT_SIZES
@@ -217,8 +217,9 @@ def check_gguf(path: Path) -> dict:
         raise ValueError(f"unsupported architecture: GGUF file {path} is a mixture of experts ({arch}.expert_count="
                          f"{field(f'{arch}.expert_count')}, a Mixtral-style model); snlp converts dense models only")
     kind = field(f"{arch}.rope.scaling.type")
-    # linear scaling by 1 divides the positions by 1: llama.cpp's converter writes it for a config that says so
-    if kind not in (None, "none") and not (kind == "linear" and field(f"{arch}.rope.scaling.factor") == 1.0):
+    factor = field(f"{arch}.rope.scaling.factor")
+    # linear scaling divides the positions by `factor`, which _rope reads from the transformers config set below
+    if kind not in (None, "none") and not (kind == "linear" and isinstance(factor, float) and factor > 0):
         how = ("convert the model's transformers folder instead" if kind == "linear" else  # what _rope reads
                "snlp's rope reads no such scaling in a transformers folder either (only 'linear' and 'llama3')")
         raise ValueError(f"unsupported rope scaling {kind!r} in GGUF file {path} ({arch}.rope.scaling.type): "
@@ -255,6 +256,8 @@ def check_gguf(path: Path) -> dict:
             raise ValueError(f"unsupported tensor type {GGMLQuantizationType(t).name} in GGUF file {path}: the gguf "
                              f"package cannot dequantize it") from None
     extra_cfg = {}
+    if kind == "linear" and factor != 1.0:  # transformers' GGUF mapping reads no rope.scaling: set it on the config
+        extra_cfg["rope_parameters"] = {"rope_type": "linear", "factor": factor}
     if arch == "qwen3":
         extra_cfg["head_dim"] = field("qwen3.attention.key_length") or (
             field("qwen3.embedding_length") // field("qwen3.attention.head_count"))
@@ -284,7 +287,7 @@ def _load_hf(src: str, dtype):
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             _architecture(cfg)
             for key, value in fixes.items():
-                setattr(cfg, key, value)
+                setattr(cfg, key, {**(getattr(cfg, key, None) or {}), **value} if isinstance(value, dict) else value)
             m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=cfg, **kw)
             t = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except ValueError as e:

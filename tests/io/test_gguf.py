@@ -202,17 +202,27 @@ def test_llama_gguf_dequantizes_bit_for_bit(tmp_path, qtype):
     check_exact(tmp_path / "m.gguf", hf, held)
 
 
-@pytest.mark.parametrize("case", ["linear x1", "rope_freqs of ones"])
-def test_gguf_noop_rope_scaling_loads(tmp_path, case):
-    """What llama.cpp's converter writes for a config with `rope_scaling: {type: linear, factor: 1.0}` (and a
-    `rope_freqs` table of ones, 'llama3' scaling that scales nothing) leaves every rotary frequency as it is, so
-    transformers' loader, which drops both, loads it right: it was refused as rope scaling."""
-    hf = tiny_hf("llama")
-    kw = {"linear x1": dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
-                                  lambda w: w.add_rope_scaling_factor(1.0)]),
-          "rope_freqs of ones": dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)})}[case]
+@pytest.mark.parametrize("case", ["linear x1", "linear x4", "rope_freqs of ones"])
+def test_gguf_linear_rope_scaling_loads(tmp_path, case):
+    """Linear rope scaling (what llama.cpp's converter writes for `rope_scaling: {type: linear, factor}`) was refused,
+    though snlp runs it: transformers' GGUF mapping reads no rope.scaling, so from_hf sets it on the config and the
+    logits equal a transformers model built with that scaling. Factor 1 and a `rope_freqs` table of ones ('llama3'
+    scaling that scales nothing) leave every rotary frequency as it is."""
+    import copy
+
+    hf, factor = tiny_hf("llama"), {"linear x1": 1.0, "linear x4": 4.0}.get(case)
+    if factor is not None:
+        cfg = copy.deepcopy(hf.config)
+        cfg.rope_parameters = {"rope_type": "linear", "factor": factor, "rope_theta": 5e5}
+        ref = transformers.LlamaForCausalLM(cfg).eval()
+        ref.load_state_dict(hf.state_dict())
+        hf, kw = ref, dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                 lambda w: w.add_rope_scaling_factor(factor)])
+    else:
+        kw = dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)})
     held = write_gguf(tmp_path / "m.gguf", hf, **kw)
-    check_exact(tmp_path / "m.gguf", hf, held)
+    model, _ = check_exact(tmp_path / "m.gguf", hf, held)
+    assert model.config.rope_scaling == (None if factor in (None, 1.0) else {"rope_type": "linear", "factor": 4.0})
 
 
 def test_qwen2_gguf_biases(tmp_path):
@@ -258,13 +268,11 @@ def _refused(monkeypatch, path, match):
 
 def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
     """Each of these loaded silently before: transformers drops the rope scaling of a Llama GGUF (a rope_freqs table,
-    rope.scaling.type), initialises at random the weights a file lacks (a missing tensor, the other shards of a split
-    file, a mixture of experts' expert FFNs, which no dense Llama parameter maps)."""
+    a yarn rope.scaling.type), initialises at random the weights a file lacks (a missing tensor, the other shards of a
+    split file, a mixture of experts' expert FFNs, which no dense Llama parameter maps)."""
     hf, f32 = tiny_hf("llama"), np.zeros(32, np.float32)
     cases = {
         "rope_freqs": dict(tensors={"rope_freqs.weight": f32}),
-        "rope scaling 'linear'": dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
-                                            lambda w: w.add_rope_scaling_factor(4.0)]),
         "rope scaling 'yarn'.*only 'linear' and 'llama3'": dict(meta=[  # Qwen2.5's 128k: not 'convert the folder'
             lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), lambda w: w.add_rope_scaling_factor(4.0)]),
         r"lacks 1 tensor\(s\).*blk.1.ffn_up.weight": dict(drop=("blk.1.ffn_up.weight",)),
@@ -278,7 +286,7 @@ def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
     for i, (match, kw) in enumerate(cases.items()):
         write_gguf(tmp_path / f"m{i}.gguf", hf, **kw)
         _refused(monkeypatch, tmp_path / f"m{i}.gguf", match)
-    whole = (tmp_path / "m6.gguf").read_bytes()
+    whole = (tmp_path / "m5.gguf").read_bytes()
     for i, data in enumerate([whole[: len(whole) // 2], whole[:300], b"", b"not a gguf\n" * 50]):
         (tmp_path / f"bad{i}.gguf").write_bytes(data)
         _refused(monkeypatch, tmp_path / f"bad{i}.gguf", "not a readable GGUF file")
