@@ -185,8 +185,9 @@ def check_gguf(path: Path) -> dict:
     loader (which `from_hf` uses) would load silently wrong: it maps the tensors it knows by name and initialises any
     weight it does not find at random, and reads no rope scaling for these architectures. So a file must hold exactly
     the tensors of a dense Llama (Mistral) / Qwen2 / Qwen3 (no experts, no missing layer, not one shard of a split
-    file, no `rope_freqs` table, no rope.scaling type) in tensor types gguf can dequantize. Returns the config fields
-    transformers' mapping does not read: {"head_dim": key_length} for Qwen3 (its config would say 128)."""
+    file, no `rope_freqs` table that scales, no rope.scaling but linear) in tensor types gguf can dequantize,
+    little-endian (transformers reads no other byte order). Returns the config fields transformers' mapping does not
+    read: {"head_dim": key_length} for Qwen3 (its config would say 128), linear rope scaling's rope_parameters."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
     from gguf.constants import GGML_QUANT_SIZES
@@ -201,6 +202,10 @@ def check_gguf(path: Path) -> dict:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
+    if reader.byte_order == "S":  # transformers' own GGUF header reader takes little-endian files only
+        raise ValueError(f"{path} is a big-endian GGUF file, which transformers' GGUF loader cannot read; convert it "
+                         f"first: python -m gguf.scripts.gguf_convert_endian {path} little")
+
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"unsupported architecture {arch!r} in GGUF file {path}; snlp.from_hf reads GGUF "
@@ -212,11 +217,17 @@ def check_gguf(path: Path) -> dict:
         raise ValueError(f"unsupported architecture: GGUF file {path} is a mixture of experts ({arch}.expert_count="
                          f"{field(f'{arch}.expert_count')}, a Mixtral-style model); snlp converts dense models only")
     kind = field(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
+    factor = field(f"{arch}.rope.scaling.factor")
+    # linear scaling divides the positions by `factor`, which _rope reads from the transformers config set below
+    if kind not in (None, "none") and not (kind == "linear" and isinstance(factor, float) and factor > 0):
+        how = ("convert the model's transformers folder instead" if kind == "linear" else  # what _rope reads
+               "snlp's rope reads no such scaling in a transformers folder either (only 'linear' and 'llama3')")
         raise ValueError(f"unsupported rope scaling {kind!r} in GGUF file {path} ({arch}.rope.scaling.type): "
-                         f"transformers' GGUF loader drops it; convert the model's transformers folder instead")
+                         f"transformers' GGUF loader drops it; {how}")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    # the table divides each rotary frequency by its entry (llama.cpp's rope_freqs); all ones changes nothing
+    if freqs is not None and (freqs.tensor_type != GGMLQuantizationType.F32 or not np.all(freqs.data == 1)):
         raise ValueError(f"unsupported rope scaling in GGUF file {path}: it carries a rope_freqs table (Llama 3.1+ "
                          f"'llama3' scaling), which transformers' GGUF loader drops; convert the model's transformers "
                          f"folder instead")
@@ -229,7 +240,7 @@ def check_gguf(path: Path) -> dict:
                                                           for n in per_layer}
     if arch == "qwen2":
         need |= {f"blk.{l}.attn_{n}.bias" for l in range(n_layer) for n in "qkv"}
-    missing, extra = sorted(need - names), sorted(names - need - {"output.weight"})
+    missing, extra = sorted(need - names), sorted(names - need - {"output.weight", "rope_freqs.weight"})
     if missing:
         raise ValueError(f"GGUF file {path} lacks {len(missing)} tensor(s) of its {n_layer}-layer {arch} model "
                          f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
@@ -245,6 +256,8 @@ def check_gguf(path: Path) -> dict:
             raise ValueError(f"unsupported tensor type {GGMLQuantizationType(t).name} in GGUF file {path}: the gguf "
                              f"package cannot dequantize it") from None
     extra_cfg = {}
+    if kind == "linear" and factor != 1.0:  # transformers' GGUF mapping reads no rope.scaling: set it on the config
+        extra_cfg["rope_parameters"] = {"rope_type": "linear", "factor": factor}
     if arch == "qwen3":
         extra_cfg["head_dim"] = field("qwen3.attention.key_length") or (
             field("qwen3.embedding_length") // field("qwen3.attention.head_count"))
@@ -263,15 +276,18 @@ def _load_hf(src: str, dtype):
 
     path = Path(src)
     kw = {"dtype": dtype} if dtype is not None else {}
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist{did_you_mean(src)}")
+        if path.suffix != ".gguf":  # transformers reads any other name as a torch pickle
+            raise ValueError(f"GGUF file {path}: transformers' GGUF loader reads a file named *.gguf only; rename it "
+                             f"to {path.with_suffix('.gguf').name}")
         fixes = check_gguf(path)  # what transformers would load silently wrong is refused before any weights load
         try:
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             _architecture(cfg)
             for key, value in fixes.items():
-                setattr(cfg, key, value)
+                setattr(cfg, key, {**(getattr(cfg, key, None) or {}), **value} if isinstance(value, dict) else value)
             m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=cfg, **kw)
             t = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except ValueError as e:

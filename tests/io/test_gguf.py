@@ -194,12 +194,35 @@ def check_exact(path, hf, held):
     return model, tok
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q6_K],
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K],
                          ids=lambda t: t.name)
 def test_llama_gguf_dequantizes_bit_for_bit(tmp_path, qtype):
     hf = tiny_hf("llama", tie=qtype in (Q.Q4_1, Q.Q6_K))  # tied (no output.weight) and untied files
     held = write_gguf(tmp_path / "m.gguf", hf, qtype=qtype)
     check_exact(tmp_path / "m.gguf", hf, held)
+
+
+@pytest.mark.parametrize("case", ["linear x1", "linear x4", "rope_freqs of ones"])
+def test_gguf_linear_rope_scaling_loads(tmp_path, case):
+    """Linear rope scaling (what llama.cpp's converter writes for `rope_scaling: {type: linear, factor}`) was refused,
+    though snlp runs it: transformers' GGUF mapping reads no rope.scaling, so from_hf sets it on the config and the
+    logits equal a transformers model built with that scaling. Factor 1 and a `rope_freqs` table of ones ('llama3'
+    scaling that scales nothing) leave every rotary frequency as it is."""
+    import copy
+
+    hf, factor = tiny_hf("llama"), {"linear x1": 1.0, "linear x4": 4.0}.get(case)
+    if factor is not None:
+        cfg = copy.deepcopy(hf.config)
+        cfg.rope_parameters = {"rope_type": "linear", "factor": factor, "rope_theta": 5e5}
+        ref = transformers.LlamaForCausalLM(cfg).eval()
+        ref.load_state_dict(hf.state_dict())
+        hf, kw = ref, dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                 lambda w: w.add_rope_scaling_factor(factor)])
+    else:
+        kw = dict(tensors={"rope_freqs.weight": np.ones(32, np.float32)})
+    held = write_gguf(tmp_path / "m.gguf", hf, **kw)
+    model, _ = check_exact(tmp_path / "m.gguf", hf, held)
+    assert model.config.rope_scaling == (None if factor in (None, 1.0) else {"rope_type": "linear", "factor": 4.0})
 
 
 def test_qwen2_gguf_biases(tmp_path):
@@ -245,13 +268,13 @@ def _refused(monkeypatch, path, match):
 
 def test_gguf_refusals_before_weights(tmp_path, monkeypatch):
     """Each of these loaded silently before: transformers drops the rope scaling of a Llama GGUF (a rope_freqs table,
-    rope.scaling.type), initialises at random the weights a file lacks (a missing tensor, the other shards of a split
-    file, a mixture of experts' expert FFNs, which no dense Llama parameter maps)."""
+    a yarn rope.scaling.type), initialises at random the weights a file lacks (a missing tensor, the other shards of a
+    split file, a mixture of experts' expert FFNs, which no dense Llama parameter maps)."""
     hf, f32 = tiny_hf("llama"), np.zeros(32, np.float32)
     cases = {
         "rope_freqs": dict(tensors={"rope_freqs.weight": f32}),
-        "rope scaling 'linear'": dict(meta=[lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
-                                            lambda w: w.add_rope_scaling_factor(4.0)]),
+        "rope scaling 'yarn'.*only 'linear' and 'llama3'": dict(meta=[  # Qwen2.5's 128k: not 'convert the folder'
+            lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), lambda w: w.add_rope_scaling_factor(4.0)]),
         r"lacks 1 tensor\(s\).*blk.1.ffn_up.weight": dict(drop=("blk.1.ffn_up.weight",)),
         "shard 1 of a split GGUF": dict(meta=[lambda w: w.add_uint16("split.no", 0),
                                               lambda w: w.add_uint16("split.count", 3)]),
@@ -279,6 +302,15 @@ def test_gguf_unsupported_architecture_and_type(tmp_path, monkeypatch):
         w.write_tensors_to_file()
         w.close()
         _refused(monkeypatch, tmp_path / f"{arch}.gguf", f"unsupported architecture '{arch}'")
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)  # gguf_convert_endian's
+    w.add_block_count(1)  # output: transformers' reader said 'GGUF v50331648; this reader handles v2 and v3'
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(monkeypatch, tmp_path / "be.gguf", "big-endian GGUF file.*gguf_convert_endian")
+    (tmp_path / "M.GGUF").write_bytes((tmp_path / "phi3.gguf").read_bytes())  # snlp.load of it names snlp convert,
+    _refused(monkeypatch, tmp_path / "M.GGUF", "named [*].gguf only; rename it to M.gguf")  # which said 'no .gguf'
     q8_1 = np.zeros((512, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # a type gguf cannot dequantize
     write_gguf(tmp_path / "q81.gguf", hf, tensors={"blk.0.ffn_up.weight": (q8_1, Q.Q8_1)}, drop=("blk.0.ffn_up.weight",))
     _refused(monkeypatch, tmp_path / "q81.gguf", "unsupported tensor type Q8_1")
