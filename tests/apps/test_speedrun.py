@@ -1513,6 +1513,20 @@ def test_the_training_result_keeps_each_models_own_step():
     assert _median_step_s(log, first_step=2) == 2.0
 
 
+def test_the_training_medians_of_an_even_number_of_steps_are_the_median():
+    """The stage result's median_step_s / median_tok_s over an even number of steps: numpy's median (the mean of the
+    middle two), where the upper middle value was taken (4 steps of 1, 2, 3, 10 s: 3.0 s, not 2.5 s)."""
+    import numpy as np
+
+    from snlp.apps.speedrun.train import _median_step_s, _median_tok_s
+
+    secs, rates = [1.0, 2.0, 3.0, 10.0], [400.0, 100.0, 300.0, 200.0]
+    log = [{"step": 1, "step_s": 50.0, "tok_s": 5.0}] + [{"step": i + 2, "step_s": s, "tok_s": t}
+                                                         for i, (s, t) in enumerate(zip(secs, rates))]
+    assert _median_step_s(log, first_step=2) == np.median(secs) == 2.5
+    assert _median_tok_s(log, first_step=2) == np.median(rates) == 250.0
+
+
 def test_full_records_compare_with_the_sequential_model():
     """The full records' AR Match showed 100.0 % for `1xF12-h0-K1` (against itself) and their β̂ another quantity
     than the main table's under one symbol: both are against the sequential model in every table now. Review 2

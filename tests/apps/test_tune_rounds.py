@@ -3,6 +3,8 @@ it (3 of 3: p = 0.25), so the best prediction always picked. tune now times the 
 resolve, in the speedrun too, whose budget pays for them with shorter decodes, not with training."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import binomtest
 
 from snlp.apps.speedrun.preset import FULL, QUICK
@@ -48,3 +50,53 @@ def test_a_lead_won_in_every_round_resolves_only_from_six_rounds(n):
         assert chosen is slow and rule.startswith("tie") and f"no split of {n} rounds resolves a lead" in rule
     else:
         assert chosen is fast and "which the rounds resolve" in rule and "from 6 of 6 rounds won" in rule
+
+
+def _beats(a: list[float], b: list[float]) -> bool:
+    """Hand reference: a's speedups beat b's in enough of their paired rounds for an exact two-sided binomial test
+    at 5 % (ties dropped), by summing the binomial tail directly."""
+    from math import comb
+    w, lo = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+    n = w + lo
+    return n > 0 and w > lo and min(1.0, 2 * sum(comb(n, i) for i in range(w, n + 1)) / 2 ** n) < 0.05
+
+
+def test_the_pick_is_never_one_the_paired_rounds_resolve_slower_than_another():
+    """Bimodal rounds: A's median (5.0x: 11 rounds at 5.0x, 9 at 1.0x) is above B's (4.0x), yet B was faster in 15 of
+    the 20 rounds that timed both (p = 0.041): the rounds resolve B's lead, so A is no tie with B to hand to A's
+    better prediction, and no line may say that A leads B unresolved."""
+    a = _cand("12xF1-h0-K2", [5.0] * 11 + [1.0] * 9, pred=1.5)
+    b = _cand("6xF2-h0-K2", [6.0] * 6 + [4.0] * 5 + [2.0] * 9, pred=1.0)
+    assert _beats(b.round_speedups, a.round_speedups) and a.tokens_per_s > b.tokens_per_s
+    chosen, rule = pick([a, b])
+    assert chosen is b, rule
+    assert "faster in 15 of 20 paired rounds, which the rounds resolve" in rule and "the higher median is 12xF1-h0-K2 B=4's" in rule
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from([0.8, 1.0, 1.2, 1.5, 2.0, 3.0]), min_size=8, max_size=8),
+                          st.floats(0.5, 2.0)), min_size=2, max_size=4))
+def test_the_pick_is_resolved_slower_than_no_candidate_where_one_such_exists(rounds):
+    """Random paired rounds and predictions for 2-4 candidates: where some candidate is beaten by none (hand binomial
+    reference), the pick is beaten by none either, whatever the medians and predictions say; a resolved lead the
+    rule states is one the reference resolves."""
+    cands = [_cand(f"{i + 1}xF1-h0-K1", r, pred=p) for i, (r, p) in enumerate(rounds)]
+    beaten = [any(_beats(d.round_speedups, c.round_speedups) for d in cands if d is not c) for c in cands]
+    chosen, rule = pick(cands)
+    if not all(beaten):
+        assert not beaten[cands.index(chosen)], rule
+    if "which the rounds resolve" in rule:
+        nxt = next(c for c in cands if f"over the next ({c.plan} B=4)" in rule)
+        assert _beats(chosen.round_speedups, nxt.round_speedups), rule
+
+
+def test_a_candidate_beaten_by_another_is_no_tie_to_hand_to_its_prediction():
+    """A has the highest median and the best prediction, but C beats it in 15 of 20 paired rounds; B (unbeaten, the
+    higher median of the rest) does not resolve a lead over A or C. The tie is B's and C's: A never picks."""
+    a = _cand("12xF1-h0-K1", [5.0] * 11 + [1.0] * 9, pred=3.0)
+    c = _cand("6xF2-h0-K1", [6.0] * 6 + [4.0] * 5 + [2.0] * 9, pred=1.0)
+    b = _cand("4xF3-h0-K1", [4.5] * 11 + [3.0] * 9, pred=1.2)
+    assert _beats(c.round_speedups, a.round_speedups)
+    assert not any(_beats(x.round_speedups, b.round_speedups) for x in (a, c))
+    chosen, rule = pick([a, b, c])
+    assert chosen is not a, rule

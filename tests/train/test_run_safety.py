@@ -867,6 +867,25 @@ def test_time_reg_marks_its_paired_overhead_by_the_sign_test(corpus, tmp_path, c
                           "sign test at 5% does not resolve it, p = 0.22)"), mixed
 
 
+def test_time_reg_prints_the_median_of_an_even_number_of_rounds(corpus, tmp_path, capsys, monkeypatch):
+    """--time-reg 2 with rounds of 10 and 20 ms (reg) and 10 and 10 ms (plain): the medians are 15 and 10 ms (numpy's
+    and statistics', the mean of the middle two), overhead 1.50x; the upper middle value printed 20.0 vs 10.0 ms,
+    2.00x. The rounds' timings are set (the clock is not what is tested)."""
+    import numpy as np
+
+    import snlp.train.trainer as trainer
+
+    reg, plain = [10.0, 20.0], [10.0, 10.0]  # ms per round, as time_round_robin returns them
+    monkeypatch.setattr(trainer, "time_round_robin", lambda fns, warmup, rounds, device: {"reg": reg, "plain": plain})
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "2", "--reg", "idn",
+             "--reg-n", "1", "--time-reg", "2"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if "| regulariser:" in l)
+    want = f"regulariser: {np.median(reg):.1f} vs {np.median(plain):.1f} ms per micro-batch step (1.50x"
+    assert want in line, line
+
+
 def test_a_stop_file_in_out_spelled_through_a_symlink_is_accepted(corpus, tmp_path, capsys):
     """The --stop-file folder check compared the spellings of --out and the file's folder: `--out link/run` with a
     stop file in target/run (one folder, which the run makes) was refused as "does not exist". The places are

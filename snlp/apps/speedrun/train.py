@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import statistics
 import sys
 import time
 from datetime import datetime
@@ -126,8 +127,8 @@ class TrainJob:
 
 
 def _median_tok_s(log: list[dict], first_step: int) -> float | None:
-    rates = sorted(r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step)
-    return rates[len(rates) // 2] if rates else None
+    rates = [r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step]
+    return statistics.median(rates) if rates else None  # an even count: the mean of the middle two
 
 
 def _stepping_tok_s(log: list[dict], first_step: int) -> float | None:
@@ -147,8 +148,8 @@ def _mean_step_s(log: list[dict], first_step: int) -> float | None:
 def _median_step_s(log: list[dict], first_step: int) -> float | None:
     """The median of the model's own step times (`step_s`: a step's start to its statistics, without the lockstep
     wait for the other model that `tok_s` includes)."""
-    secs = sorted(r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step)
-    return secs[len(secs) // 2] if secs else None
+    secs = [r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step]
+    return statistics.median(secs) if secs else None  # an even count: the mean of the middle two
 
 
 def _log_state(path: Path, since: int = 0) -> dict:
