@@ -316,9 +316,18 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def fingerprint(self) -> str:
-        """Stable hash of the tokenizer (keys the token cache)."""
+        """Stable hash of the tokenizer (keys the token cache, the adaptation stream and the harness cache). A
+        converted tokenizer's also hashes its document separator (`bos_id`, put before every document of a token
+        cache), which lives in tokenizer_meta.json, not in tokenizer.json: a base model and its Instruct model can
+        share one tokenizer.json whose tokenizer_config.json alone names another BOS / EOS (SmolLM2's base names
+        <|endoftext|>, its Instruct <|im_start|>), and one cache file served to both scores the other's stream. Our
+        BPE's is the hash of tokenizer.json alone, as it always was (its separator, <|bos|>, is in the file)."""
         import hashlib
-        return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+        h = hashlib.sha256(self.tok.to_str().encode())
+        if self.meta is not None:
+            sep = self.meta.get("bos_token") or self.meta.get("eos_token")
+            h.update(b"\0separator\0" + json.dumps(sep).encode())
+        return h.hexdigest()[:16]
 
     def save(self, directory) -> Path:
         path = Path(directory) / FILENAME

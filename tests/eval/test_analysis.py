@@ -128,6 +128,18 @@ def test_seq_perm_identity_is_sequential_and_reversed_differs_from_no_correction
     assert [r.name for r in res.tables[0].rows] == ["forward", "reversed", "shuffle_0", "shuffle_1", "no correction"]
 
 
+def test_one_shuffle_has_no_spread_and_the_summary_says_so_not_diverged(model, val):
+    """`--shuffles 1`: a population std of one finite PPL is undefined (nan), not a diverged solve: the summary cell is
+    '-' (like every missing value), 'diverged' being kept for a non-finite PPL."""
+    from snlp.eval.analysis.tables import ordering_summary
+
+    res = A.correction_ordering(model, val, A.AnalysisConfig(suffixes=(4,), shuffles=1, ordering_iters=(1,), **SMALL))
+    rows = {r.name: r for r in res.tables[0].rows}
+    assert math.isfinite(rows["shuffle_0"].seq_perm) and math.isfinite(rows["shuffle_0"].ppl[1])
+    line = ordering_summary(res).splitlines()[-1].split("|")
+    assert "diverged" not in line and line[5].strip() == "-" and line[10].strip() == "-"  # the two std cells
+
+
 # ---------------------------------------------------------------- propagation staircase
 def test_propagation_staircase(model, val):
     res = A.correction_propagation(model, val, A.AnalysisConfig(prop_suffix=4, **SMALL))

@@ -109,6 +109,30 @@ def test_split_cache_and_batches(tmp_path):
         D.batch_at(td.val[:10], 0, 16, 1, seed=0)
 
 
+def test_converted_tokenizers_differing_only_in_their_separator_get_their_own_token_caches(tmp_path):
+    """A converted tokenizer's document separator (its BOS, else its EOS) is in tokenizer_meta.json, not in
+    tokenizer.json: a base model and its Instruct model share the file (SmolLM2-135M: <|endoftext|> / <|im_start|>),
+    so the cache key must tell them apart, or the second model is scored on the first one's stream."""
+    from snlp.eval.data import validation_tokens
+
+    docs = [f"document number {i} " * 20 for i in range(40)]
+    src = tmp_path / "docs.txt"
+    src.write_text("\n\n".join(docs))
+    own = Tokenizer.train(docs, 300)
+    meta = {"eos_token": None, "chat_template": None}
+    a = Tokenizer(own.tok, {**meta, "bos_token": "<|bos|>"})
+    b = Tokenizer(own.tok, {**meta, "bos_token": "<|user_start|>"})
+    assert a.bos_id != b.bos_id
+    cache = tmp_path / "cache"
+    va = validation_tokens(a, data=str(src), cache_dir=cache)
+    vb = validation_tokens(b, data=str(src), cache_dir=cache)
+    _, val = D.split_documents(list(D.documents(str(src))), 0.05)
+    ref = [i for d in val for i in [b.bos_id] + b.encode(d)]  # the stream written out: separator, then the text
+    assert vb.tolist() == ref and va.tolist() != ref
+    assert D.token_paths("k", a, cache) != D.token_paths("k", b, cache)
+    assert own.fingerprint() == Tokenizer(own.tok).fingerprint()  # our BPE's key, hence its old caches, unchanged
+
+
 def test_a_relative_spec_and_its_absolute_spelling_share_one_cache_key(tmp_path, monkeypatch):
     """`snlp train --data d/a.txt` run from its folder, `snlp eval` reading the checkpoint's absolute record, and the
     speedrun's tokenizer stage name one token cache; stdlib's, hf:'s and absolute specs' keys stay what they were."""

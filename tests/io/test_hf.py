@@ -615,3 +615,31 @@ def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
     assert prompt_ids(args("t1"), Tokenizer.from_hf(plain))[0] == [1]  # was [<s>, t1]
     own = Tokenizer.train(["hello world"] * 4, vocab_size=300)
     assert own.prompt_ids("hello") == [own.bos_id] + own.encode("hello")
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["bos", "eos-only"])
+def test_eval_stream_of_a_converted_model_is_lm_evals_prefix_token_then_the_text(tmp_path, bos):
+    """`snlp eval`'s validation stream on a converted model: each document after the token lm-evaluation-harness puts
+    before a document of the same transformers model (HFLM.prefix_token_id: BOS, else EOS, as Qwen2's tokenizers have
+    no BOS), then the text as `tokenizer(text, add_special_tokens=False)` encodes it."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from snlp.eval.data import validation_tokens
+    from snlp.io import data as D
+
+    hf = hf_tiny("llama")
+    ht = word_tokenizer(V)
+    if not bos:
+        ht.bos_token = None
+    d = tmp_path / "hf"
+    hf.save_pretrained(str(d))
+    ht.save_pretrained(str(d))
+    _, tok = from_hf(str(d))
+    src = tmp_path / "docs.txt"
+    src.write_text("\n\n".join(" ".join(f"t{(7 * i + j) % 90}" for j in range(600)) for i in range(4)))
+    val = validation_tokens(tok, data=str(src), val_frac=0.5, cache_dir=tmp_path / "cache")
+    prefix = HFLM(pretrained=hf, tokenizer=ht, batch_size=1).prefix_token_id
+    _, docs = D.split_documents(list(D.documents(str(src))), 0.5)
+    assert prefix == (V - 3 if bos else V - 2)
+    assert val.tolist() == [i for doc in docs for i in [prefix] + ht(doc, add_special_tokens=False).input_ids]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from snlp.eval.analysis.common import fmt, md_table
 from snlp.eval.analysis.earlyexit import ExitRow
 from snlp.eval.analysis.elk import INITS, ElkResult, PreheatResult
@@ -27,14 +29,20 @@ def ordering_tables(o: OrderingResult) -> str:
     return "\n\n".join(parts)
 
 
+def _std(x: float) -> str:
+    """A shuffle-spread cell: nan is fewer than two finite shuffles (`--shuffles 1`), a spread not defined, not a
+    diverged solve, so '-' (a missing value) rather than fmt's 'diverged'."""
+    return fmt(None if math.isnan(x) else x)
+
+
 def ordering_summary(o: OrderingResult) -> str:
     rows = []
     for t in o.tables:
         s = t.summary()
         K1 = next(iter(s.idn.values()))  # the first K of the table (K = 1 by default)
         rows.append([t.N, fmt(s.seq_forward, 1), fmt(s.seq_reversed, 1), fmt(s.seq_best_shuffle, 1),
-                     fmt(s.seq_shuffle_std), fmt(K1.forward, 1), fmt(K1.reversed, 1),
-                     fmt(K1.best_shuffle, 1), fmt(K1.no_correction, 1), fmt(K1.shuffle_std)])
+                     _std(s.seq_shuffle_std), fmt(K1.forward, 1), fmt(K1.reversed, 1),
+                     fmt(K1.best_shuffle, 1), fmt(K1.no_correction, 1), _std(K1.shuffle_std)])
     return md_table(["N", "Seq fwd", "Seq rev", "Seq best shuffle", "Seq shuffle std", "IDN K=1 fwd",
                      "K=1 rev", "K=1 best shuffle", "K=1 no corr.", "K=1 shuffle std"], rows)
 
