@@ -445,7 +445,7 @@ def run(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
-        #                                      prompt is not empty: its whitespace tokens follow BOS and condition
+        #               prompt is not empty: its whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one)
         print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
               "continue a text)", file=sys.stderr)
     model, tok = load(args.ckpt, device="cpu")
