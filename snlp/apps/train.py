@@ -102,9 +102,8 @@ def add_arguments(p) -> None:
     add_speed_arguments(o)
     r = p.add_argument_group("SNLP-aware regulariser (paper Eq. snlp-training-loss)")
     r.add_argument("--reg", choices=["idn", "hcn", "diag", "none"], default="none", help="surrogate of the regulariser's "
-                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, one FD Hutchinson probe per "
-                   "micro-batch and N, drawn afresh from the seeded RNG (the logged gap keeps a fixed one), "
-                   "the diagonal estimate detached: gradients flow through the chunk forwards)")
+                   "K=1 solve (hcn: mHC models, --hc-streams; diag: DiagN, a fresh FD Hutchinson probe per "
+                   "micro-batch and N from the seeded RNG, its diagonal estimate detached)")
     r.add_argument("--reg-lambda", type=float, default=0.5)
     r.add_argument("--reg-n", default="4", help="suffix lengths N, e.g. 8,16,24 (N >= depth is clipped to depth-1); also the N of the logged gap")
     r.add_argument("--reg-stride", type=int, default=0,
