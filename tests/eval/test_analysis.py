@@ -140,6 +140,18 @@ def test_one_shuffle_has_no_spread_and_the_summary_says_so_not_diverged(model, v
     assert "diverged" not in line and line[5].strip() == "-" and line[10].strip() == "-"  # the two std cells
 
 
+
+def test_no_shuffle_run_is_a_missing_best_shuffle_not_diverged(model, val):
+    """`--shuffles 0` (accepted): no shuffle was run, so both best-shuffle cells are '-' like the std cells; the min
+    over no shuffles used to be inf, which the table prints as 'diverged', a solve that failed."""
+    from snlp.eval.analysis.tables import ordering_summary
+
+    res = A.correction_ordering(model, val, A.AnalysisConfig(suffixes=(4,), shuffles=0, ordering_iters=(1,), **SMALL))
+    assert [r.name for r in res.tables[0].rows] == ["forward", "reversed", "no correction"]
+    line = ordering_summary(res).splitlines()[-1].split("|")
+    assert "diverged" not in line and [line[i].strip() for i in (4, 5, 8, 10)] == ["-"] * 4
+    assert res.tables[0].summary().seq_best_shuffle is None
+
 # ---------------------------------------------------------------- propagation staircase
 def test_propagation_staircase(model, val):
     res = A.correction_propagation(model, val, A.AnalysisConfig(prop_suffix=4, **SMALL))

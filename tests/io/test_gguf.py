@@ -93,7 +93,7 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{l}.{dict(_NAMES)[module]}.{leaf}"
 
 
-def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=(), add_bos=False) -> dict:
+def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=(), add_bos=False, bos=1) -> dict:
     """Write transformers model `hf` as a GGUF file of tensor type `qtype` (norms and biases F32, as llama.cpp keeps
     them); `meta` (callables on the writer) add fields, `tensors` extra tensors, `drop` names tensors left out.
     Returns {transformers name: the fp32 weight the file holds}, dequantized by gguf and un-permuted here."""
@@ -118,7 +118,7 @@ def write_gguf(path, hf, arch="llama", qtype=Q.F32, meta=(), tensors=None, drop=
     w.add_token_list(byte_tokens())
     w.add_token_types([3] * len(SPECIALS) + [1] * 257)
     w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(1)
+    w.add_bos_token_id(bos)
     w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
@@ -253,6 +253,21 @@ def test_gguf_tokenizer_and_chat(tmp_path):
     msgs = [{"role": "user", "content": "Hi 🙂"}, {"role": "assistant", "content": "Yo"}]
     assert tok.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert (tok.bos_id, tok.eos_id) == (1, 2)
+
+
+def test_a_gguf_separates_documents_by_its_own_bos_token_id(tmp_path):
+    """llama.cpp's converter writes config.json's bos_token_id where tokenizer_config.json names no BOS (Qwen2.5: id
+    151643, <|endoftext|>, though its transformers tokenizer has none and separates by <|im_end|>): the GGUF's BOS is
+    the converted tokenizer's separator and fingerprint, as transformers' tokenizer of the same file says."""
+    hf = tiny_hf("qwen2")
+    seps = {}
+    for bos in (0, 1):
+        write_gguf(tmp_path / f"q{bos}.gguf", hf, arch="qwen2", bos=bos)
+        _, tok = from_hf(str(tmp_path / f"q{bos}.gguf"))
+        ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"q{bos}.gguf")
+        assert tok.bos_id == ref.bos_token_id == bos and tok.eos_id == ref.eos_token_id == 2
+        seps[bos] = tok.tok.to_str(), tok.fingerprint()
+    assert seps[0][0] == seps[1][0] and seps[0][1] != seps[1][1]  # one tokenizer.json, two separators: two caches
 
 
 def _refused(monkeypatch, path, match):

@@ -54,7 +54,7 @@ class IdnSummary:
 
     forward: float
     reversed: float
-    best_shuffle: float  # inf when no shuffle stayed finite
+    best_shuffle: float | None  # inf when no shuffle stayed finite; None when none was run (--shuffles 0)
     no_correction: float
     shuffle_std: float  # population std over the finite shuffles; nan for fewer than two
 
@@ -66,7 +66,7 @@ class OrderingSummary:
     N: int
     seq_forward: float | None  # Seq-Perm PPL (the permuted suffix run sequentially)
     seq_reversed: float | None
-    seq_best_shuffle: float
+    seq_best_shuffle: float | None  # None when no shuffle was run (--shuffles 0)
     seq_shuffle_std: float
     idn: dict[int, IdnSummary]  # K -> IDN PPL by order, in the table's K order
 
@@ -88,10 +88,14 @@ class OrderingTable:
     def summary(self) -> OrderingSummary:
         shuf = [r for r in self.rows if r.name.startswith("shuffle")]
         get = {r.name: r for r in self.rows}
+        # no shuffle run (--shuffles 0) is a missing value ('-'), not inf: inf prints 'diverged', a solve that failed
+        none = lambda best: best if shuf else None  # noqa: E731
         seq_best, seq_std = _spread(_finite(r.seq_perm for r in shuf))
+        seq_best = none(seq_best)
         idn = {}
         for K in get["forward"].ppl:
             best, std = _spread(_finite(r.ppl[K] for r in shuf))
+            best = none(best)
             idn[K] = IdnSummary(forward=get["forward"].ppl[K], reversed=get["reversed"].ppl[K], best_shuffle=best,
                                 no_correction=get["no correction"].ppl[K], shuffle_std=std)
         return OrderingSummary(N=self.N, seq_forward=get["forward"].seq_perm, seq_reversed=get["reversed"].seq_perm,
