@@ -602,11 +602,22 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     chosen = sorted(tied, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
                      for c in sorted(tied, key=lambda c: -c.tokens_per_s))
+    # leads that cycle (every candidate beaten by another): best has the highest median only, and a tied candidate
+    # may beat it in the paired rounds; that is said as resolved, never as best's unresolved lead
+    rest = sorted((c for c in tied if c is not best), key=lambda c: -c.tokens_per_s)
+    over = [c for c in rest if _leads(c, best)[0]]
     leads = ", ".join(f"{_name(c)} by {best.tokens_per_s / c.tokens_per_s - 1:+.1%} ({verdict[id(c)][1]})"
-                      for c in sorted(tied, key=lambda c: -c.tokens_per_s) if c is not best)
-    return chosen, (f"tie: {what}; the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve "
-                    f"({rule}); the tie goes to the highest stage-1 prediction: {_name(chosen)} "
-                    f"(predicted {chosen.predicted_speedup:.3f}x)")
+                      for c in rest if c not in over)
+    cycle = ""
+    if id(best) in beaten:
+        cycle = ("the paired rounds cycle, every candidate beaten by another: " + ", ".join(
+            next(f"{_name(d)} beats {_name(c)} ({_leads(d, c)[1]})" for d in ok if d is not c and _leads(d, c)[0])
+            for c in top) + "; ")
+    said = (f"the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve" if leads else
+            f"the highest median is {_name(best)}'s")
+    said += "".join(f"; {_name(c)} beats it ({_leads(c, best)[1]}), which the rounds resolve" for c in over)
+    return chosen, (f"tie: {what}; {cycle}{said} ({rule}); the tie goes to the highest stage-1 prediction: "
+                    f"{_name(chosen)} (predicted {chosen.predicted_speedup:.3f}x)")
 
 
 def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,

@@ -100,3 +100,17 @@ def test_a_candidate_beaten_by_another_is_no_tie_to_hand_to_its_prediction():
     assert not any(_beats(x.round_speedups, b.round_speedups) for x in (a, c))
     chosen, rule = pick([a, b, c])
     assert chosen is not a, rule
+
+
+def test_leads_that_cycle_are_said_and_no_lead_the_rounds_resolve_is_called_unresolved():
+    """Intransitive rounds (60 paired rounds, three kinds of 20: A > B > C, B > C > A, C > A > B): by the hand binomial
+    reference A beats B, B beats C and C beats A, each in 40 of 60. No candidate is unbeaten; A has the highest
+    median. The rule must say that the leads cycle and must never call A's lead over C unresolved: C beats A."""
+    a = _cand("12xF1-h0-K1", [3.03] * 20 + [1.01] * 20 + [2.02] * 20, pred=1.0)
+    b = _cand("6xF2-h0-K1", [2.0] * 20 + [3.0] * 20 + [1.0] * 20, pred=1.2)
+    c = _cand("4xF3-h0-K1", [1.0] * 20 + [2.0] * 20 + [3.0] * 20, pred=3.0)
+    r = lambda x: x.round_speedups  # noqa: E731
+    assert _beats(r(a), r(b)) and _beats(r(b), r(c)) and _beats(r(c), r(a)) and a.tokens_per_s > c.tokens_per_s
+    chosen, rule = pick([a, b, c])
+    assert "cycle" in rule and "4xF3-h0-K1 B=4 beats 12xF1-h0-K1 B=4 (faster in 40 of 60 paired rounds)" in rule, rule
+    assert "leads 4xF3-h0-K1" not in rule and "faster in 20 of 60" not in rule, rule
