@@ -503,7 +503,9 @@ def round_noise(ratios) -> float | None:
 
 
 def _finite(c: Candidate) -> bool:
-    return c.tokens_per_s is not None and math.isfinite(c.tokens_per_s) and math.isfinite(c.measured_speedup)
+    # every round too: statistics.median sorts a NaN round anywhere, so a finite median can hide it (and be wrong)
+    return c.tokens_per_s is not None and math.isfinite(c.tokens_per_s) and math.isfinite(c.measured_speedup) \
+        and all(math.isfinite(x) for x in c.round_speedups or [])
 
 
 def _eligible(cands: list[Candidate]) -> list[Candidate]:
@@ -673,7 +675,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     notes += [f"{c.goal} candidate {_name_of(c, True)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
-              f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
+              f"{c.tokens_per_s}, rounds {c.round_speedups}; excluded)" for c in cands if c.measured and not _finite(c)]
     # the sign test judges only candidates timed in the same rounds (one setting); across settings the noise rule
     # can resolve a lead from 2 rounds, so the note names the case the sign test alone decided
     paired = [g for g in goals if any(paired_rounds(a, b) for a, b in itertools.combinations(

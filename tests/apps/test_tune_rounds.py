@@ -114,3 +114,20 @@ def test_leads_that_cycle_are_said_and_no_lead_the_rounds_resolve_is_called_unre
     chosen, rule = pick([a, b, c])
     assert "cycle" in rule and "4xF3-h0-K1 B=4 beats 12xF1-h0-K1 B=4 (faster in 40 of 60 paired rounds)" in rule, rule
     assert "leads 4xF3-h0-K1" not in rule and "faster in 20 of 60" not in rule, rule
+
+
+def test_a_non_finite_round_excludes_the_candidate_even_where_its_median_is_finite():
+    """statistics.median sorts a NaN round anywhere: [1.5, nan, 1.4, 1.6, 1.5, 1.45] gives 1.425, not numpy's nan nor
+    1.5, the median of the finite rounds. Such a candidate is a non-finite measurement: never eligible, never a tie
+    handed to its prediction."""
+    import math
+    import statistics
+    import numpy as np
+    r = [1.5, float("nan"), 1.4, 1.6, 1.5, 1.45]
+    assert math.isnan(np.median(r)) and math.isfinite(statistics.median(r))
+    a = _cand("12xF1-h0-K1", [2.0] * 6, pred=1.0)
+    b = _cand("6xF2-h0-K1", r, pred=1.2)
+    b.measured_speedup = statistics.median(r)
+    b.tokens_per_s = 100 * b.measured_speedup
+    chosen, rule = pick([a, b])
+    assert chosen is a and rule.startswith("the only measured candidate"), rule
