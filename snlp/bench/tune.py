@@ -597,6 +597,10 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
         others = [next(f"{_name(c)} (slower than {_name(d)}, {_leads(d, c)[1]})" for d in ok if d is not c
                        and _leads(d, c)[0]) for c in rest if not verdict[id(c)][0]]
         head = "best measured" if best is top[0] else f"best by the paired rounds (the higher median is {_name(top[0])}'s)"
+        if not verdict[id(nxt)][0]:  # best resolves no lead itself: every other one is out because another beats it
+            return best, (f"{head}: {_name(best)} {best.measured_speedup:.3f}x, the only candidate no other one beats "
+                          f"in the paired rounds; it resolves no lead itself ({rule}), but every other is beaten by "
+                          f"another: {', '.join(others)}")
         return best, (f"{head}: {_name(best)} {best.measured_speedup:.3f}x, "
                       f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), "
                       f"{verdict[id(nxt)][1]}, which the rounds resolve ({rule})"

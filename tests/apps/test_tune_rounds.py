@@ -131,3 +131,20 @@ def test_a_non_finite_round_excludes_the_candidate_even_where_its_median_is_fini
     b.tokens_per_s = 100 * b.measured_speedup
     chosen, rule = pick([a, b])
     assert chosen is a and rule.startswith("the only measured candidate"), rule
+
+
+def test_an_unbeaten_best_that_resolves_no_lead_itself_never_claims_one():
+    """A (2.0x every round) is beaten by none and beats none (20 rounds won, 20 lost, 20 equal against each); B, C
+    and D beat one another in a cycle (40 of 60 each, hand binomial reference). A is the pick, and the rule must not
+    say that the rounds resolve its lead over the next (they do not: 20 of 60)."""
+    a = _cand("2xF1-h0-K1", [2.0] * 60, pred=1.0)
+    b = _cand("12xF1-h0-K1", [3.0] * 20 + [1.0] * 20 + [2.0] * 20, pred=1.0)
+    c = _cand("6xF2-h0-K1", [2.0] * 20 + [3.0] * 20 + [1.0] * 20, pred=1.2)
+    d = _cand("4xF3-h0-K1", [1.0] * 20 + [2.0] * 20 + [3.0] * 20, pred=3.0)
+    r = lambda x: x.round_speedups  # noqa: E731
+    assert _beats(r(d), r(b)) and _beats(r(b), r(c)) and _beats(r(c), r(d))
+    assert not any(_beats(r(x), r(a)) or _beats(r(a), r(x)) for x in (b, c, d))
+    chosen, rule = pick([a, b, c, d])
+    assert chosen is a, rule
+    assert "which the rounds resolve" not in rule and "faster in 20 of 60" not in rule, rule
+    assert "the only candidate no other one beats" in rule and "beaten by another" in rule, rule
