@@ -95,9 +95,12 @@ def wall_ms(fn, device, runs: int = 20) -> float:
     """Median host milliseconds per call around a device synchronise, as the benchmark times a call
     (snlp.runtime.timing.time_round_robin): the device time plus what the host spends before and between its
     kernels (guards, CUDA graph bookkeeping, input copies, launches) with the device idle."""
+    import statistics
+
     from snlp.runtime.timing import time_round_robin
 
-    return float(torch.tensor(time_round_robin({"f": fn}, 2, runs, device)["f"]).median())
+    # statistics.median: torch's Tensor.median takes the lower middle value of an even count (20 runs by default)
+    return statistics.median(time_round_robin({"f": fn}, 2, runs, device)["f"])
 
 
 def summary_row(v: dict, cuda: bool) -> dict:

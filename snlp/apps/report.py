@@ -1048,6 +1048,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{matches(r['matches_sequential']) if meas else '–'} |")
     proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
+    # tune's notes (a pick slower than sequential, candidates excluded): the pick rule compares candidates only
+    rules += [f"\n{label}, snlp tune: {n}." for k, label in MODELS for n in ssd[k].get("tune_notes", [])]
     capped = per_model({k: ssd[k]["tune_tokens"] for k, _ in MODELS if ssd[k].get("tune_tokens")})
     if capped:
         rules.append(f"\nMeas. tok/rnd is over stage 2's decodes of {capped} tokens per prompt, whose last round the "

@@ -503,7 +503,9 @@ def round_noise(ratios) -> float | None:
 
 
 def _finite(c: Candidate) -> bool:
-    return c.tokens_per_s is not None and math.isfinite(c.tokens_per_s) and math.isfinite(c.measured_speedup)
+    # every round too: statistics.median sorts a NaN round anywhere, so a finite median can hide it (and be wrong)
+    return c.tokens_per_s is not None and math.isfinite(c.tokens_per_s) and math.isfinite(c.measured_speedup) \
+        and all(math.isfinite(x) for x in c.round_speedups or [])
 
 
 def _eligible(cands: list[Candidate]) -> list[Candidate]:
@@ -595,6 +597,10 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
         others = [next(f"{_name(c)} (slower than {_name(d)}, {_leads(d, c)[1]})" for d in ok if d is not c
                        and _leads(d, c)[0]) for c in rest if not verdict[id(c)][0]]
         head = "best measured" if best is top[0] else f"best by the paired rounds (the higher median is {_name(top[0])}'s)"
+        if not verdict[id(nxt)][0]:  # best resolves no lead itself: every other one is out because another beats it
+            return best, (f"{head}: {_name(best)} {best.measured_speedup:.3f}x, the only candidate no other one beats "
+                          f"in the paired rounds; it resolves no lead itself ({rule}), but every other is beaten by "
+                          f"another: {', '.join(others)}")
         return best, (f"{head}: {_name(best)} {best.measured_speedup:.3f}x, "
                       f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), "
                       f"{verdict[id(nxt)][1]}, which the rounds resolve ({rule})"
@@ -602,11 +608,22 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     chosen = sorted(tied, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
                      for c in sorted(tied, key=lambda c: -c.tokens_per_s))
+    # leads that cycle (every candidate beaten by another): best has the highest median only, and a tied candidate
+    # may beat it in the paired rounds; that is said as resolved, never as best's unresolved lead
+    rest = sorted((c for c in tied if c is not best), key=lambda c: -c.tokens_per_s)
+    over = [c for c in rest if _leads(c, best)[0]]
     leads = ", ".join(f"{_name(c)} by {best.tokens_per_s / c.tokens_per_s - 1:+.1%} ({verdict[id(c)][1]})"
-                      for c in sorted(tied, key=lambda c: -c.tokens_per_s) if c is not best)
-    return chosen, (f"tie: {what}; the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve "
-                    f"({rule}); the tie goes to the highest stage-1 prediction: {_name(chosen)} "
-                    f"(predicted {chosen.predicted_speedup:.3f}x)")
+                      for c in rest if c not in over)
+    cycle = ""
+    if id(best) in beaten:
+        cycle = ("the paired rounds cycle, every candidate beaten by another: " + ", ".join(
+            next(f"{_name(d)} beats {_name(c)} ({_leads(d, c)[1]})" for d in ok if d is not c and _leads(d, c)[0])
+            for c in top) + "; ")
+    said = (f"the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve" if leads else
+            f"the highest median is {_name(best)}'s")
+    said += "".join(f"; {_name(c)} beats it ({_leads(c, best)[1]}), which the rounds resolve" for c in over)
+    return chosen, (f"tie: {what}; {cycle}{said} ({rule}); the tie goes to the highest stage-1 prediction: "
+                    f"{_name(chosen)} (predicted {chosen.predicted_speedup:.3f}x)")
 
 
 def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,
@@ -662,7 +679,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     notes += [f"{c.goal} candidate {_name_of(c, True)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
-              f"{c.tokens_per_s}; excluded)" for c in cands if c.measured and not _finite(c)]
+              f"{c.tokens_per_s}, rounds {c.round_speedups}; excluded)" for c in cands if c.measured and not _finite(c)]
     # the sign test judges only candidates timed in the same rounds (one setting); across settings the noise rule
     # can resolve a lead from 2 rounds, so the note names the case the sign test alone decided
     paired = [g for g in goals if any(paired_rounds(a, b) for a, b in itertools.combinations(

@@ -1805,3 +1805,18 @@ def test_in_brief_says_the_paper_effect_once():
     brief = render_report(ctx).split("## In brief\n")[1].split("## Setup")[0]
     effect = paper_effect(ctx)
     assert effect and brief.count(effect) == 1 and "- Quality:" not in brief
+
+
+def test_the_report_keeps_tunes_notes_on_its_drafter_pick():
+    """tune's pick rule compares the candidates only; that the pick measured slower than sequential decoding (or that
+    a candidate was excluded) is in tune's notes (snlp.bench.tune._result), which the SSD stage dropped: the report
+    said 'best measured: X 0.800x' and nothing of sequential decoding being faster."""
+    from snlp.apps.report import render_report
+
+    ctx = _report_ctx()
+    note = ("ssd: the pick is slower than sequential decoding (0.80x, slower than sequential in 6 of 6 paired rounds "
+            "(two-sided sign test p = 0.031)): decode sequentially on this machine")
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{k}"]["result"] = {**ctx["stages"][f"ssd-{k}"]["result"], "tune_notes": [note]}
+    text = render_report(ctx)
+    assert f"No Reg., snlp tune: {note}." in text and f"IDN Reg., snlp tune: {note}." in text

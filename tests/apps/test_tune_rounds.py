@@ -100,3 +100,51 @@ def test_a_candidate_beaten_by_another_is_no_tie_to_hand_to_its_prediction():
     assert not any(_beats(x.round_speedups, b.round_speedups) for x in (a, c))
     chosen, rule = pick([a, b, c])
     assert chosen is not a, rule
+
+
+def test_leads_that_cycle_are_said_and_no_lead_the_rounds_resolve_is_called_unresolved():
+    """Intransitive rounds (60 paired rounds, three kinds of 20: A > B > C, B > C > A, C > A > B): by the hand binomial
+    reference A beats B, B beats C and C beats A, each in 40 of 60. No candidate is unbeaten; A has the highest
+    median. The rule must say that the leads cycle and must never call A's lead over C unresolved: C beats A."""
+    a = _cand("12xF1-h0-K1", [3.03] * 20 + [1.01] * 20 + [2.02] * 20, pred=1.0)
+    b = _cand("6xF2-h0-K1", [2.0] * 20 + [3.0] * 20 + [1.0] * 20, pred=1.2)
+    c = _cand("4xF3-h0-K1", [1.0] * 20 + [2.0] * 20 + [3.0] * 20, pred=3.0)
+    r = lambda x: x.round_speedups  # noqa: E731
+    assert _beats(r(a), r(b)) and _beats(r(b), r(c)) and _beats(r(c), r(a)) and a.tokens_per_s > c.tokens_per_s
+    chosen, rule = pick([a, b, c])
+    assert "cycle" in rule and "4xF3-h0-K1 B=4 beats 12xF1-h0-K1 B=4 (faster in 40 of 60 paired rounds)" in rule, rule
+    assert "leads 4xF3-h0-K1" not in rule and "faster in 20 of 60" not in rule, rule
+
+
+def test_a_non_finite_round_excludes_the_candidate_even_where_its_median_is_finite():
+    """statistics.median sorts a NaN round anywhere: [1.5, nan, 1.4, 1.6, 1.5, 1.45] gives 1.425, not numpy's nan nor
+    1.5, the median of the finite rounds. Such a candidate is a non-finite measurement: never eligible, never a tie
+    handed to its prediction."""
+    import math
+    import statistics
+    import numpy as np
+    r = [1.5, float("nan"), 1.4, 1.6, 1.5, 1.45]
+    assert math.isnan(np.median(r)) and math.isfinite(statistics.median(r))
+    a = _cand("12xF1-h0-K1", [2.0] * 6, pred=1.0)
+    b = _cand("6xF2-h0-K1", r, pred=1.2)
+    b.measured_speedup = statistics.median(r)
+    b.tokens_per_s = 100 * b.measured_speedup
+    chosen, rule = pick([a, b])
+    assert chosen is a and rule.startswith("the only measured candidate"), rule
+
+
+def test_an_unbeaten_best_that_resolves_no_lead_itself_never_claims_one():
+    """A (2.0x every round) is beaten by none and beats none (20 rounds won, 20 lost, 20 equal against each); B, C
+    and D beat one another in a cycle (40 of 60 each, hand binomial reference). A is the pick, and the rule must not
+    say that the rounds resolve its lead over the next (they do not: 20 of 60)."""
+    a = _cand("2xF1-h0-K1", [2.0] * 60, pred=1.0)
+    b = _cand("12xF1-h0-K1", [3.0] * 20 + [1.0] * 20 + [2.0] * 20, pred=1.0)
+    c = _cand("6xF2-h0-K1", [2.0] * 20 + [3.0] * 20 + [1.0] * 20, pred=1.2)
+    d = _cand("4xF3-h0-K1", [1.0] * 20 + [2.0] * 20 + [3.0] * 20, pred=3.0)
+    r = lambda x: x.round_speedups  # noqa: E731
+    assert _beats(r(d), r(b)) and _beats(r(b), r(c)) and _beats(r(c), r(d))
+    assert not any(_beats(r(x), r(a)) or _beats(r(a), r(x)) for x in (b, c, d))
+    chosen, rule = pick([a, b, c, d])
+    assert chosen is a, rule
+    assert "which the rounds resolve" not in rule and "faster in 20 of 60" not in rule, rule
+    assert "the only candidate no other one beats" in rule and "beaten by another" in rule, rule

@@ -88,3 +88,13 @@ def test_a_cpu_profile_reports_no_device_figures_rather_than_zeros():
     g = {"kernels": 300.0, "device_ms": 2.5, "wall_ms": 3.5, "graph_launches": 1.0, "kernel_launches": 0.0}
     assert profile_prefill.summary_row(g, cuda=True) == {**g, "host_gap_ms": pytest.approx(1.0)}
     assert "1 graph replays and 0 single launches" in profile_prefill.headline("snlp x", g, cuda=True)
+
+
+def test_wall_ms_is_the_median_of_an_even_number_of_runs(monkeypatch):
+    """wall_ms says median: of 20 runs, numpy's (the mean of the middle two), not torch's lower middle value."""
+    import numpy as np
+
+    import snlp.runtime.timing as timing
+    ts = [float(x) for x in range(1, 21)]
+    monkeypatch.setattr(timing, "time_round_robin", lambda fns, warmup, runs, device: {"f": ts[:runs]})
+    assert profile_prefill.wall_ms(lambda: None, "cpu", runs=20) == pytest.approx(np.median(ts)) == 10.5

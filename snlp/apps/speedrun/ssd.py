@@ -112,6 +112,8 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     print(f"drafter (snlp tune): {plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
           f"{pick.measured_speedup:.2f}x{tie_mark(pick.round_speedups)} (proxy rule: {proxy.plan if proxy else None}); tune took "
           f"{tuned.stage1_s + tuned.stage2_s:.0f} s; {tuned.pick_rule.get('ssd', '')}")
+    for note in tuned.notes:  # e.g. the pick is slower than sequential: pick_rule alone never says so
+        print(f"snlp tune: {note}")
     prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
@@ -120,7 +122,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
         print(ssd_line(rep))
     return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
             proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
-            "pick_rule": tuned.pick_rule.get("ssd", ""),
+            "pick_rule": tuned.pick_rule.get("ssd", ""), "tune_notes": list(tuned.notes),
             "tune_s": tuned.stage1_s + tuned.stage2_s, "tune_prompts": preset.tune_prompts,
             "tune_accept_tokens": preset.tune_accept_tokens, "tune_repeats": preset.tune_repeats,
             "tune_tokens": preset.tune_tokens,  # stage 2's greedy tokens per prompt: they cap Meas. tok/rnd
