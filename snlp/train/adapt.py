@@ -328,13 +328,18 @@ class AdaptStep(nn.Module):
         self.student = drafter.model  # registered: the parameters DDP syncs (the drafter's trainable suffix)
         self.base = [base]  # not a submodule: the base is the frozen teacher, never DDP-wrapped or saved here
 
-    def forward(self, x, y, lam: float):
+    def forward(self, x, y, lam: float, share: torch.Tensor | None = None):
+        """`share` (2,): under DDP with loss_on="replies", this rank's share of the global micro-batch's reply
+        positions (snlp.train.trainer.token_shares; both entries equal, KL and MSE average over the same positions):
+        each rank's means are over its own replies, so DDP's average of the ranks' gradients is the global batch's
+        mean only when each is weighted by it. The returned KL and MSE stay this rank's own means."""
         c = self.cfg
         hS, hL_t, logits_t, kvx, hb = teacher(self.base[0], x, self.drafter.plan, c.kv)
         w = y if c.loss_on == "replies" else None  # the batch's y: 1 where the next token is a reply token
         kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau,
                                    w)
-        return c.kl_weight * kl + c.hidden_weight * mse, kl.detach(), mse.detach()
+        loss = c.kl_weight * kl + c.hidden_weight * mse
+        return loss if share is None else loss * share[0], kl.detach(), mse.detach()
 
 
 @torch.no_grad()
@@ -432,6 +437,8 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    batch=batch,
                    val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size * world, cfg.eval_batches),
                    loss=AdaptStep(base, drafter, cfg),
+                   # replies: KL and MSE average over the reply positions y marks (distill_terms); "all": every position
+                   counts=(lambda y, v: (float(y.sum()),) * 2) if mask is not None else None,
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device),
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
