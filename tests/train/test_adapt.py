@@ -782,3 +782,26 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
         adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), **IMPORT))
     with pytest.raises(ValueError, match="without training"):
         adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), **{**IMPORT, "steps": 5}))
+
+
+@pytest.mark.parametrize("kv", ["exact", "own"])
+def test_validate_drafter_in_row_slices_equals_one_forward(tmp_path, kv):
+    """Under DDP a validation batch holds the global batch's B*P rows; validate_drafter(rows=B) runs at most B rows a
+    forward (one forward of them all would hold P times training's logits) and its KL, MSE and Top-1 agreements stay
+    the whole batch's position means. Reference: the same batches in one forward each."""
+    from snlp.train.adapt import validate_drafter
+
+    base = tiny_base()
+    d = perturb(make_drafter(base, "2xF1-h0-K1"))
+    cfg = adapt_cfg(tmp_path, kv=kv)
+    batches = [(ids(B=5, T=12, seed=s), None) for s in (1, 2)]
+    ref = validate_drafter(base, d, batches, cfg, "cpu")
+    seen = []
+    hook = base.wte.register_forward_pre_hook(lambda m, a: seen.append(a[0].size(0)))  # every forward embeds
+    try:
+        got = validate_drafter(base, d, batches, cfg, "cpu", rows=2)
+    finally:
+        hook.remove()
+    assert seen and max(seen) <= 2
+    for k in ("loss", "mse", "top1", "top1_ssd"):
+        assert getattr(got, k) == pytest.approx(getattr(ref, k), rel=1e-6, abs=1e-9), k
