@@ -328,18 +328,26 @@ class AdaptStep(nn.Module):
         self.student = drafter.model  # registered: the parameters DDP syncs (the drafter's trainable suffix)
         self.base = [base]  # not a submodule: the base is the frozen teacher, never DDP-wrapped or saved here
 
-    def forward(self, x, y, lam: float):
+    def forward(self, x, y, lam: float, share: torch.Tensor | None = None):
+        """`share` (2,): under DDP with loss_on="replies", this rank's share of the global micro-batch's reply
+        positions (snlp.train.trainer.token_shares; both entries equal, KL and MSE average over the same positions):
+        each rank's means are over its own replies, so DDP's average of the ranks' gradients is the global batch's
+        mean only when each is weighted by it. The returned KL and MSE stay this rank's own means."""
         c = self.cfg
         hS, hL_t, logits_t, kvx, hb = teacher(self.base[0], x, self.drafter.plan, c.kv)
         w = y if c.loss_on == "replies" else None  # the batch's y: 1 where the next token is a reply token
         kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau,
                                    w)
-        return c.kl_weight * kl + c.hidden_weight * mse, kl.detach(), mse.detach()
+        loss = c.kl_weight * kl + c.hidden_weight * mse
+        return loss if share is None else loss * share[0], kl.detach(), mse.detach()
 
 
 @torch.no_grad()
-def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, device) -> AdaptValidation:
-    """KL, MSE and Top-1 agreement with the base (teacher-forced window and SSD conditions) on `batches`."""
+def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, device,
+                     rows: int | None = None) -> AdaptValidation:
+    """KL, MSE and Top-1 agreement with the base (teacher-forced window and SSD conditions) on `batches`. `rows`:
+    the most rows one forward runs (under DDP a batch holds the global batch's rows: snlp.train.validate.validate);
+    every position counts in each term, so a batch's means are its slices' means weighted by their rows."""
     was = drafter.model.training
     drafter.model.eval()
     kl = mse = top1 = top1_ssd = 0.0
@@ -347,7 +355,9 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
         modes = KV_MODES if check_ssd_plan(drafter.plan) else ()
     except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (reported 0)
         modes = ("own",)
-    for x, _ in batches:
+    parts = [(xb[i:i + (rows or xb.size(0))], 1.0 if not rows or rows >= xb.size(0) else
+              xb[i:i + rows].size(0) / xb.size(0)) for xb, _ in batches for i in range(0, xb.size(0), rows or xb.size(0))]
+    for x, w in parts:
         x = x.to(device)
         hS, hL_t, logits_t, kvx, hb = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
         ref = logits_t.argmax(-1)
@@ -355,10 +365,10 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
         for mode in modes:
             k, m, lg = distill_terms(drafter, hL_t, logits_t, student(drafter, x, hS, kvx, mode, hb), cfg.tau)
             outs[mode] = (float(k), float(m), float((lg.argmax(-1) == ref).double().mean()))
-        kl += outs[cfg.kv][0]
-        mse += outs[cfg.kv][1]
-        top1 += outs["own"][2]
-        top1_ssd += outs["exact"][2]
+        kl += outs[cfg.kv][0] * w
+        mse += outs[cfg.kv][1] * w
+        top1 += outs["own"][2] * w
+        top1_ssd += outs["exact"][2] * w
     drafter.model.train(was)
     n = len(batches)
     return AdaptValidation(loss=kl / n, top1=top1 / n, top1_ssd=top1_ssd / n, mse=mse / n)
@@ -432,7 +442,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    batch=batch,
                    val_batches=D.val_batches(val, cfg.seq_len, cfg.batch_size * world, cfg.eval_batches),
                    loss=AdaptStep(base, drafter, cfg),
-                   validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device),
+                   # replies: KL and MSE average over the reply positions y marks (distill_terms); "all": every position
+                   counts=(lambda y, v: (float(y.sum()),) * 2) if mask is not None else None,
+                   validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device, rows=cfg.batch_size),
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "

@@ -63,8 +63,8 @@ class CompiledStep:
 
     def __call__(self, x: Tensor, y: Tensor, lam: float, valid: Tensor | None = None, share: Tensor | None = None):
         self.lam.fill_(lam)
-        if valid is None:
-            return self.fn(x, y, self.lam)
+        if valid is None:  # share by keyword: the 4th positional input of a padded step is `valid`
+            return self.fn(x, y, self.lam) if share is None else self.fn(x, y, self.lam, share=share)
         return self.fn(x, y, self.lam, valid) if share is None else self.fn(x, y, self.lam, valid, share)
 
     def no_sync(self):

@@ -36,6 +36,10 @@ class Job:
     describe: str = ""  # one line for the start banner
     name: str = "snlp train"  # the banner's command name
     state: dict = field(default_factory=dict)  # extra entries saved into train_state.pt (e.g. the SFT config)
+    # (y, valid) -> a micro-batch's (CE, regulariser) token counts, the denominators of its two means, on the host;
+    # under DDP each rank's means are weighted by its share of the global counts (trainer.token_shares). None: SFT's
+    # (y != -1, valid) when the batch has `valid`, else unweighted (every rank's mean over the same number of tokens)
+    counts: Callable[[Tensor, Tensor | None], tuple[float, float]] | None = None
     data_digest: str | None = None  # data.tokens_digest of the tokens it trains on (pretraining); a resume checks it
 
 

@@ -126,7 +126,7 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
                # rows would log another number than that process for the same weights
                val_batches=D.val_batches(tokens.val, cfg.seq_len, cfg.batch_size * world, cfg.eval_batches),
                loss=TrainStep(model, reg),
-               validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg),
+               validate=lambda m, vb: validate(m, vb, device, autocast, suffixes, reg, rows=cfg.batch_size),
                describe=f"{len(tokens.train):,} train / {len(tokens.val):,} val tokens | reg {cfg.reg}"
                + (f" lambda={reg.lam} N={suffixes} stride={reg.stride}{reg.rows_text(cfg.batch_size)}"
                   if reg.active else ""),

@@ -81,7 +81,7 @@ def sft_job(scfg: SFTConfig):
                    batch=batch,
                    val_batches=chat.val_batches(val, cfg.batch_size * world, cfg.eval_batches, pad),  # global rows
                    loss=TrainStep(model, reg, plan),
-                   validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan),
+                   validate=lambda m, vb: validate(m, vb, device, autocast, [], plan=plan, rows=cfg.batch_size),
                    describe=f"SFT of {scfg.ckpt} with the {plan or 'sequential'} forward on {len(train):,} train / "
                    f"{len(val):,} val conversations of {scfg.data}"
                    + (f" ({dropped:,} dropped: no assistant token within {max_len} tokens)" if dropped else "")

@@ -321,9 +321,9 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
         # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
         n_tok += x.numel() if valid is None else int(valid.sum())
+        share = token_shares(micro_counts(run.job, y, valid), ctx) if ctx.world > 1 else None
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
-        share = token_shares(y, valid, ctx) if ctx.world > 1 and valid is not None else None
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
             # per position computed, padding included: MFU = these FLOPs x real tokens/s counts useful work only
             run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast, *extra) / x.numel()
@@ -331,7 +331,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         sync = nullcontext() if (ctx.world == 1 or a == cfg.grad_accum - 1) else run.stepper.no_sync()
         with sync:
             with run.autocast():
-                loss, ce, rg = run.stepper(x, y, lam, *extra, *(() if share is None else (share,)))
+                loss, ce, rg = run.stepper(x, y, lam, *extra, **({} if share is None else {"share": share}))
             (loss / cfg.grad_accum).backward()
         # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean
         ce_sum += ce if share is None else ce * share[0]
@@ -352,15 +352,25 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     return st
 
 
-def token_shares(y: torch.Tensor, valid: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """(2,) this rank's share of a padded micro-batch's targets (y != -1: the CE's tokens) and real positions
-    (`valid`: the regulariser's), each as count x world / the count over all ranks (one all_reduce of two numbers;
-    the counts are read on the host, where the batch still is). Every rank's CE mean weighted by its share and
-    averaged over the ranks (DDP's gradient average) is the mean over every target of the global batch."""
-    counts = torch.tensor([float((y != -1).sum()), float(valid.sum())], dtype=torch.float64, device=ctx.device)
-    total = counts.clone()
+def micro_counts(job, y: torch.Tensor, valid: torch.Tensor | None) -> tuple[float, float] | None:
+    """A micro-batch's (CE, regulariser) token counts (Job.counts; SFT's default: targets y != -1 and real positions
+    `valid`), or None when its means need no weighting (no `valid` and no Job.counts: every position counts)."""
+    if job.counts is not None:
+        return job.counts(y, valid)
+    return None if valid is None else (float((y != -1).sum()), float(valid.sum()))
+
+
+def token_shares(counts: tuple[float, float] | None, ctx: DistContext) -> torch.Tensor | None:
+    """(2,) this rank's share of a micro-batch's CE tokens and regulariser positions (`micro_counts`, read on the
+    host, where the batch still is), each as count x world / the count over all ranks (one all_reduce of two
+    numbers); None when `counts` is. Every rank's mean weighted by its share and averaged over the ranks (DDP's
+    gradient average) is the mean over the global batch's tokens; a global count of 0 gives every rank share 0."""
+    if counts is None:
+        return None
+    mine = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=ctx.device)
+    total = mine.clone()
     dist.all_reduce(total)
-    return (counts * ctx.world / total.clamp(min=1.0)).float()
+    return (mine * ctx.world / total.clamp(min=1.0)).float()
 
 
 def unpack(b: tuple) -> tuple:

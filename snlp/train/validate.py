@@ -40,23 +40,35 @@ class ValidationResult:
 
 @torch.no_grad()
 def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager], suffixes,
-             reg: RegConfig | None = None, plan: Plan | None = None) -> ValidationResult:
+             reg: RegConfig | None = None, plan: Plan | None = None, rows: int | None = None) -> ValidationResult:
     """Validation CE (targets == -1 ignored), the measured K=1 SNLP gap (final-state relative error)
     per suffix N with the regulariser's surrogate (IDN without one) and, with `plan`, the CE of the SNLP
-    logits of that plan. `autocast`: a context factory (snlp.train.precision.autocast_context)."""
+    logits of that plan. `autocast`: a context factory (snlp.train.precision.autocast_context). `rows`: the most
+    rows one forward runs (a DDP run's per-process batch: its validation batches hold the global batch's rows, and
+    one forward of them all would hold P times the (rows, T, V) logits training needs); each batch's CE and gaps
+    are then its slices' means weighted by their targets / positions, the batch's own token means. None: whole."""
     reg = reg or RegConfig()
     was = model.training
     model.eval()
     ce, ce_plan, gaps = 0.0, 0.0, {n: 0.0 for n in suffixes}
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast():
-            ce += float(model(x, y))
-            if plan is not None:
-                lg = model.head(solve(model, x, plan, check_finite=False).hidden)
-                ce_plan += float(F.cross_entropy(lg.view(-1, lg.size(-1)), y.reshape(-1), ignore_index=-1))
-            for n in suffixes:
-                gaps[n] += snlp_gap(model, x, reg.plan(n))
+    for xb, yb in batches:
+        step = xb.size(0) if rows is None else max(1, rows)
+        if step >= xb.size(0):  # one forward: the batch's means as they are
+            parts = [(xb, yb, 1.0, 1.0)]
+        else:  # weights: each slice's share of the batch's targets (CE) and positions (gaps)
+            n_ce = max(int((yb != -1).sum()), 1)
+            parts = [(xb[i:i + step], yb[i:i + step], int((yb[i:i + step] != -1).sum()) / n_ce,
+                      xb[i:i + step].size(0) / xb.size(0)) for i in range(0, xb.size(0), step)]
+        for x, y, w_ce, w_pos in parts:
+            x, y = x.to(device), y.to(device)
+            with autocast():
+                if w_ce > 0:  # a slice without targets: its CE mean is 0/0 and weighs nothing
+                    ce += float(model(x, y)) * w_ce
+                if plan is not None and w_ce > 0:
+                    lg = model.head(solve(model, x, plan, check_finite=False).hidden)
+                    ce_plan += float(F.cross_entropy(lg.view(-1, lg.size(-1)), y.reshape(-1), ignore_index=-1)) * w_ce
+                for n in suffixes:
+                    gaps[n] += snlp_gap(model, x, reg.plan(n)) * w_pos
     model.train(was)
     k = len(batches)
     return ValidationResult(loss=ce / k, gaps={n: g / k for n, g in gaps.items()},

@@ -500,6 +500,39 @@ def test_adapt_under_ddp_equals_one_process(tmp_path):
     assert rec["world"] == 2 and rec["steps"] == 3
 
 
+@pytest.mark.slow  # two spawned gloo ranks
+def test_adapt_loss_on_replies_under_ddp_equals_one_process(tmp_path):
+    """--loss-on replies averages KL and MSE over each window's reply positions, whose number differs between ranks
+    (replies of 1, 2 and 15 tokens): two gloo ranks of batch 2 train the drafter of one process of batch 4 only when
+    each rank's means are weighted by its share of the global batch's reply positions (unweighted, DDP's average
+    weighs a rank of few reply tokens as much as one of many: the drafters differed by more than training moved them)."""
+    import random
+
+    from safetensors.torch import load_file
+
+    from conftest import spawn_ranks
+    from snlp.train.adapt import adapt
+
+    def cfg(out, batch_size):
+        c = adapt_cfg(tmp_path, out=out, steps=3, batch_size=batch_size, eval_every=100, device="cpu",
+                      loss_on="replies", data=f"chat:{tmp_path / 'ragged.jsonl'}")
+        r = random.Random(0)
+        (tmp_path / "ragged.jsonl").write_text("\n".join(json.dumps({"messages": [
+            {"role": "user", "content": f"t{i} t{i + 1}"},
+            {"role": "assistant", "content": " ".join(f"t{(7 * i + k) % 90}" for k in range(r.choice([1, 2, 15])))}]})
+            for i in range(60)))
+        return c
+
+    adapt(cfg("one", 4))
+    spawn_ranks(_ddp_adapt_rank, 2, cfg("two", 2))
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("one", "two"))
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    moved = max((wa[k] - base[k]).abs().max().item() for k in wa)
+    assert moved > 1e-3
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=moved * 1e-3, rtol=0), k
+
+
 def test_eval_chat_prompts_are_held_out_of_adaptation(tmp_path):
     """With user-only conversations in the chat set (dropped by adaptation before its split),
     `snlp eval --drafter --chat-prompts` takes its prompts from the conversations adaptation held out at the
@@ -749,3 +782,26 @@ def test_idn_finetune_with_frozen_prefix_becomes_a_drafter(tmp_path):
         adapt(adapt_cfg(tmp_path, out="d2", plan="2xF1-h0-K1", from_model=str(tmp_path / "all"), **IMPORT))
     with pytest.raises(ValueError, match="without training"):
         adapt(adapt_cfg(tmp_path, out="d3", from_model=str(tmp_path / "idn"), **{**IMPORT, "steps": 5}))
+
+
+@pytest.mark.parametrize("kv", ["exact", "own"])
+def test_validate_drafter_in_row_slices_equals_one_forward(tmp_path, kv):
+    """Under DDP a validation batch holds the global batch's B*P rows; validate_drafter(rows=B) runs at most B rows a
+    forward (one forward of them all would hold P times training's logits) and its KL, MSE and Top-1 agreements stay
+    the whole batch's position means. Reference: the same batches in one forward each."""
+    from snlp.train.adapt import validate_drafter
+
+    base = tiny_base()
+    d = perturb(make_drafter(base, "2xF1-h0-K1"))
+    cfg = adapt_cfg(tmp_path, kv=kv)
+    batches = [(ids(B=5, T=12, seed=s), None) for s in (1, 2)]
+    ref = validate_drafter(base, d, batches, cfg, "cpu")
+    seen = []
+    hook = base.wte.register_forward_pre_hook(lambda m, a: seen.append(a[0].size(0)))  # every forward embeds
+    try:
+        got = validate_drafter(base, d, batches, cfg, "cpu", rows=2)
+    finally:
+        hook.remove()
+    assert seen and max(seen) <= 2
+    for k in ("loss", "mse", "top1", "top1_ssd"):
+        assert getattr(got, k) == pytest.approx(getattr(ref, k), rel=1e-6, abs=1e-9), k
