@@ -66,7 +66,7 @@ from snlp.train.hooks import TrainHooks, deferred
 from snlp.train.job import Job
 from snlp.train.selfgen import self_distill_rows
 from snlp.train.trainer import fit
-from snlp.train.validate import ValidationResult
+from snlp.train.validate import ValidationResult, row_slices
 
 KV_MODES = ("exact", "own")
 LOSS_ON = ("all", "replies")
@@ -355,9 +355,7 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
         modes = KV_MODES if check_ssd_plan(drafter.plan) else ()
     except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (reported 0)
         modes = ("own",)
-    parts = [(xb[i:i + (rows or xb.size(0))], 1.0 if not rows or rows >= xb.size(0) else
-              xb[i:i + rows].size(0) / xb.size(0)) for xb, _ in batches for i in range(0, xb.size(0), rows or xb.size(0))]
-    for x, w in parts:
+    for x, w in ((xb[cut], xb[cut].size(0) / xb.size(0)) for xb, _ in batches for cut in row_slices(xb.size(0), rows)):
         x = x.to(device)
         hS, hL_t, logits_t, kvx, hb = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
         ref = logits_t.argmax(-1)

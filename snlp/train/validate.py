@@ -38,6 +38,13 @@ class ValidationResult:
         return " ".join(f"{k} {v:.4f}" for k, v in self.record().items())
 
 
+def row_slices(n: int, rows: int | None) -> list[slice]:
+    """The slices of a batch of `n` rows that validation runs one forward each on: at most `rows` rows (a DDP run's
+    per-process batch, while its validation batches hold the global batch's rows); None: all n in one."""
+    step = n if rows is None else max(1, min(rows, n))
+    return [slice(i, i + step) for i in range(0, n, step)]
+
+
 @torch.no_grad()
 def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager], suffixes,
              reg: RegConfig | None = None, plan: Plan | None = None, rows: int | None = None) -> ValidationResult:
@@ -52,14 +59,13 @@ def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager]
     model.eval()
     ce, ce_plan, gaps = 0.0, 0.0, {n: 0.0 for n in suffixes}
     for xb, yb in batches:
-        step = xb.size(0) if rows is None else max(1, rows)
-        if step >= xb.size(0):  # one forward: the batch's means as they are
-            parts = [(xb, yb, 1.0, 1.0)]
-        else:  # weights: each slice's share of the batch's targets (CE) and positions (gaps)
-            n_ce = max(int((yb != -1).sum()), 1)
-            parts = [(xb[i:i + step], yb[i:i + step], int((yb[i:i + step] != -1).sum()) / n_ce,
-                      xb[i:i + step].size(0) / xb.size(0)) for i in range(0, xb.size(0), step)]
-        for x, y, w_ce, w_pos in parts:
+        cuts = row_slices(xb.size(0), rows)
+        n_ce = max(int((yb != -1).sum()), 1)
+        for cut in cuts:
+            x, y = xb[cut], yb[cut]
+            # one forward: the batch's means as they are; slices: each one's share of the batch's targets (CE) and
+            # positions (gaps)
+            w_ce, w_pos = (1.0, 1.0) if len(cuts) == 1 else (int((y != -1).sum()) / n_ce, x.size(0) / xb.size(0))
             x, y = x.to(device), y.to(device)
             with autocast():
                 if w_ce > 0:  # a slice without targets: its CE mean is 0/0 and weighs nothing
