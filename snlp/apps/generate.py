@@ -279,6 +279,56 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD {ideal}")
 
 
+# generation_config keys transformers' generate turns into logits processors that snlp has no flag for (it applies
+# them in greedy decoding too, so the two greedy outputs part where one of them is set)
+UNMATCHED = ("repetition_penalty", "no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
+             "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+             "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "typical_p",
+             "epsilon_cutoff", "eta_cutoff", "top_h")
+NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
+           "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) -> str | None:
+    """A converted model's generation defaults (generation_config.json, kept by `snlp convert`) against this run's
+    flags: where transformers' generate() would decode otherwise (called without arguments when this run is greedy,
+    with do_sample=True and this temperature when it samples), or None if nowhere. snlp applies only its flags, so a
+    user comparing the two outputs is told which flags make them alike."""
+    samples = defaults.get("do_sample") is True
+    sampling_only = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+    extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], NEUTRAL.get(k))
+             and (samples or temperature > 0 or k not in sampling_only)}
+    # transformers' sampling filters: top_k 50 and top_p 1 unless the model's config says otherwise
+    def given(k, v):
+        return v if defaults.get(k) is None else defaults[k]
+
+    want = {"top_k": given("top_k", 50), "top_p": given("top_p", 1.0)}
+    if samples:
+        want["temperature"] = given("temperature", 1.0)
+    differ = temperature > 0 and any(want[k] != v and not (k == "top_k" and not want[k] and not v)
+                                     for k, v in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature))
+                                     if k in want)
+    parts = []
+    if temperature == 0 and samples:
+        parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
+                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this run "
+                     f"decodes greedily (give --temperature {want['temperature']:g} --top-k {want['top_k']} --top-p "
+                     f"{want['top_p']:g} to sample alike)")
+    elif differ:
+        ours = f"top_k {top_k or 'off'}, top_p {top_p:g}"
+        theirs = ", ".join(f"{k} {want[k]:g}" for k in ("temperature", "top_k", "top_p") if k in want)
+        flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in ("temperature", "top_k", "top_p")
+                         if k in want)
+        parts.append(f"transformers' generate(do_sample=True) samples this model with {theirs} ("
+                     f"{'its generation_config' if samples else 'transformers defaults'}), this run with temperature {temperature:g}, "
+                     f"{ours} (give {flags} to sample alike)")
+    if extra:
+        parts.append(("it also sets " if parts else "this model's generation_config sets ")
+                     + ", ".join(f"{k}={v}" for k, v in extra.items())
+                     + ", which snlp does not apply (no flag): outputs differ from transformers' generate()")
+    return "snlp generate: " + "; ".join(parts) if parts else None
+
+
 def check_max_new_tokens(n: int) -> None:
     """Refuse --max-new-tokens 0, the library's empty generation: here a run that printed "0 tokens, nan tok/s"
     (single-process and --distributed alike: run_generate returns before check_args)."""
@@ -461,6 +511,10 @@ def run(args) -> int:
             print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
                   "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
     preheat = plans_preheat(args.ckpt, model, [plan])
+    note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p) \
+        if tok.foreign else None
+    if note:  # transformers applies these by default; snlp only its flags (docs/usage.md, Sampling)
+        print(note, file=sys.stderr)
     if args.compile:  # the first token waits for every graph: say why the terminal goes quiet (4 minutes on a CPU)
         print("snlp generate: --compile builds the compiled steps before the first token (torch.compile; on a CPU "
               "inductor's C++ build takes minutes on a cold cache); the compile time is printed, not timed",

@@ -175,3 +175,42 @@ def test_export_refuses_an_out_that_holds_a_checkpoint_or_model(hf_dir, tmp_path
     assert main(["export", str(ck), "--out", str(tmp_path / "dr")]) == 2
     assert "holds a drafter" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "dr").iterdir()] == ["drafter.json"]
+
+
+def test_generate_says_which_of_the_models_generation_defaults_it_does_not_apply(hf_dir, tmp_path, capsys):
+    """transformers' generate() samples a model whose generation_config says do_sample (Qwen2.5-, Llama-3-Instruct),
+    filters with top_k 50 unless told otherwise, and applies repetition_penalty even when greedy; snlp applies only
+    its flags. The run names what it leaves out and the flags that match, and says nothing where both agree."""
+    d, _, _ = hf_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+    hf.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    src = tmp_path / "sampling"
+    hf.save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+
+    def note(*flags):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "ck"), "--prompt", "t3 t7", "--max-new-tokens", "2", "--quiet",
+                     *flags]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if "generation_config" in line]
+
+    greedy = note()
+    assert len(greedy) == 1 and "--temperature 0.7 --top-k 20 --top-p 0.8" in greedy[0] \
+        and "repetition_penalty=1.05" in greedy[0]
+    alike = note("--temperature", "0.7", "--top-k", "20", "--top-p", "0.8")
+    assert len(alike) == 1 and "samples" not in alike[0] and "repetition_penalty=1.05" in alike[0]
+    other = note("--temperature", "0.7")
+    assert len(other) == 1 and "--top-k 20 --top-p 0.8" in other[0]
+
+
+def test_generate_names_transformers_top_k_default_when_sampling_a_converted_model(hf_dir, tmp_path, capsys):
+    d, _, _ = hf_dir  # greedy by default: nothing to say when greedy, top_k 50 when sampling
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    for flags, said in (((), False), (("--temperature", "0.9"), True), (("--temperature", "0.9", "--top-k", "50"),
+                                                                        False)):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "ck"), "--prompt", "t3", "--max-new-tokens", "2", "--quiet",
+                     *flags]) == 0
+        err = capsys.readouterr().err
+        assert ("--top-k 50" in err) is said, (flags, err)
