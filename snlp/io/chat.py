@@ -229,8 +229,8 @@ def token_streams(spec: str, tok, max_chars: int, val_frac: float, train: bool =
         tr, va = D.split_documents(docs, val_frac)
         pick = lambda rows: [d for s, d in rows if s is None or s in keep]  # noqa: E731
         bos = tok.bos_id
-        tr_rows += [[bos] + ids for ids in tok.encode_batch(pick(tr))] if train else []
-        va_rows += [[bos] + ids for ids in tok.encode_batch(pick(va))]
+        tr_rows += [[bos] + ids for ids in tok.encode_documents(pick(tr))] if train else []
+        va_rows += [[bos] + ids for ids in tok.encode_documents(pick(va))]
         tr_mask += [[0] * len(r) for r in tr_rows]
         va_mask += [[0] * len(r) for r in va_rows]
     for s in all_parts:

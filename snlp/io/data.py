@@ -342,7 +342,7 @@ def tokenize_to_memmap(docs: list[str], tok, path: Path) -> np.memmap:
     n = 0
     with open(tmp, "wb") as f:
         for i in range(0, len(docs), 256):
-            for ids in tok.encode_batch(docs[i:i + 256]):
+            for ids in tok.encode_documents(docs[i:i + 256]):
                 arr = np.asarray([tok.bos_id] + ids, dtype=dtype)
                 f.write(arr.tobytes())
                 n += arr.size
@@ -374,7 +374,7 @@ def tokens_digest(tokens: TokenData) -> str:
 
 
 def token_paths(key: str, tok, directory: Path) -> tuple[Path, Path]:
-    stem = f"{key}-{tok.fingerprint()}"
+    stem = f"{key}-{tok.documents_key}"
     return directory / f"{stem}.train.bin", directory / f"{stem}.val.bin"
 
 

@@ -85,6 +85,20 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Training / evaluation documents' ids (no separator). Our BPE reads a special token's string in a document
+        ("<|bos|>" quoted in a file) as text, as nanochat's pretraining loader does (tiktoken `encode_ordinary`): a
+        document never forges the separator or a chat marker. A converted tokenizer reads them as transformers'
+        tokenizer(text) does (its special tokens parsed), so its streams are the ones that model was scored on."""
+        tok = self.tok if self.foreign else self._plain
+        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def documents_key(self) -> str:
+        """The token cache's key of this tokenizer and of how `encode_documents` reads documents: our BPE's caches
+        written before documents were read as plain text (special-token strings parsed) are never served again."""
+        return self.fingerprint() if self.foreign else f"{self.fingerprint()}-plain"
+
     def decode(self, ids, mark_missing: bool = False) -> str:
         """The text of token ids (ints, numpy or 0-d tensor integers). An id the tokenizer has no token for (a model
         whose vocabulary is padded past its tokenizer's sampled one of the padding rows) is refused in one line naming

@@ -263,7 +263,7 @@ def token_stream(spec: str, tok, max_chars: int, val_frac: float, cache_dir=None
     and split, the tokenizer's fingerprint); text-only specs (chat: parts are re-rendered every time)."""
     if cache_dir is None or any(s.startswith("chat:") for s in D.parts(spec)):
         return chat.token_streams(spec, tok, max_chars, val_frac)
-    path = Path(cache_dir) / f"{D.split_key(spec, 'text', max_chars, val_frac)}-{tok.fingerprint()}.adapt.npz"
+    path = Path(cache_dir) / f"{D.split_key(spec, 'text', max_chars, val_frac)}-{tok.documents_key}.adapt.npz"
     if path.is_file():
         with np.load(path) as z:
             return z["train"], z["val"]

@@ -168,7 +168,7 @@ def ots_cached(ck: Path, spec: DataSpec, cache: Path, adapt: bool) -> tuple[bool
         return False, False
     key = D.split_key(spec.data, "text", spec.max_chars, 0.05)
     val = D.token_paths(key, tok, cache)[1]
-    adapt_file = cache / f"{key}-{tok.fingerprint()}.adapt.npz"  # snlp.train.adapt.token_stream's name
+    adapt_file = cache / f"{key}-{tok.documents_key}.adapt.npz"  # snlp.train.adapt.token_stream's name
     return True, val.is_file() and (not adapt or adapt_file.is_file())
 
 
