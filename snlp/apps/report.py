@@ -20,6 +20,13 @@ from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_t
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
+def details(summary: str, text: str) -> str:
+    """`text` folded under a one-line `summary` (an HTML <details> block, which GitHub and most markdown viewers
+    render collapsed): the tables and their results read first, how each number was made one click away, the words
+    unchanged for a plain-text reader."""
+    return f"<details><summary>{summary}</summary>\n\n{text.strip()}\n\n</details>\n"
+
+
 def fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 60}:{s % 60:02d}" if s >= 60 else f"{s}s"
@@ -931,7 +938,10 @@ def _ssd_section(ctx: dict) -> list[str]:
     _, _, _, pre, _, ssd = _context(ctx)
     used = {k: ssd[k] for k, _ in MODELS if ssd[k].get("drafter")}
     return ["## Self-speculative decoding\n",
-           f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's SSD "
+           "Each model's drafter (chosen by `snlp tune`, below) drafts B tokens a round and the sequential model "
+           "verifies them: the output is the sequential greedy output ('= sequential' checks it token for token) and "
+           "Measured is the speedup over sequential greedy decoding of the same prompts.\n",
+           details("How it was measured, and each column", f"Drafter: chosen per model by measurement (`snlp tune`, snlp.bench.tune): each evaluated plan's SSD "
            f"acceptance profile (a short greedy speculative decode) and its decode steps timed on this machine (a "
            f"cached single-token drafter step, the verifier over B + 1 positions) predict each plan at "
            f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
@@ -952,7 +962,7 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"choice below times its steps apart, on its own clock), Ideal SSD = "
            f"((1 − α^(B+1))/(1 − α))/(B/s + 1) (not the layer-step ideal of the evaluation tables); {SSD_MEASURED}; "
            f"'= sequential': the SSD output is token-for-token the sequential greedy output."
-           + s_figures(ctx["evals"], used) + "\n",
+           + s_figures(ctx["evals"], used)),
            ssd_table(ssd), *_tune_section(ssd, ctx)]
 
 
@@ -1016,7 +1026,9 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
     sample = per_model({k: f"{ssd[k]['tune_prompts']} prompts × {ssd[k]['tune_accept_tokens']} tokens"
                         for k, _ in MODELS if ssd[k].get("tune_prompts")})
     lines = ["\n### Drafter choice: snlp tune, predicted vs measured\n",
-             "Stage 1 predicts every plan at the headline B from its SSD acceptance profile (a short greedy "
+             "`>` marks the drafter each model decodes with: predicted from short measurements, then the best "
+             "predictions decoded end to end.\n",
+             details("How the candidates were predicted, measured and picked", "Stage 1 predicts every plan at the headline B from its SSD acceptance profile (a short greedy "
              f"speculative decode; Calib α its per-draft acceptance, over {sample or 'the tune prompts'} per plan) and "
              f"its decode steps timed on this machine (s: median step times on {clock or 'its clock'}, so not the "
              "wall-clock s of the table above; Predicted; Paper ideal = ((1 − a^(B+1))/(1 − a))/(B/s + 1) with a = the teacher-forced Top-1, which "
@@ -1029,7 +1041,7 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              f"other candidate ({tune_rule_note(ssd)}), else, "
              "among the candidates they do not separate from it, the best prediction (the rule under the table says "
              "which, with each lead's split of rounds); unmeasured "
-             "rows are the next best predictions.\n",
+             "rows are the next best predictions."),
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
              "Measured | = sequential |",
              "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -1119,7 +1131,9 @@ def _diagnostics(ctx: dict) -> list[str]:
     cfg, _, st, _, _, _ = _context(ctx)
     N = cfg["reg_n"]
     return ["\n## SNLP diagnostics\n",
-           f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.eval.analysis`; {st['diagnostics']['result']['power_iters']} "
+           f"Per-layer Jacobian and substitution-error diagnostics of the last {N} layers: smaller is closer to the "
+           f"identity Newton step's assumptions (the paper's Tables jacobian_norms / variance_reduction).\n",
+           details("Each column", f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.eval.analysis`; {st['diagnostics']['result']['power_iters']} "
            f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
            f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md). "
            f"Layer l (0-based) with g_l its non-residual branch (f_l(h) = x_in,l(h) + g_l(h)), at the sequential "
@@ -1129,7 +1143,7 @@ def _diagnostics(ctx: dict) -> list[str]:
            f"residual included); the substitution errors of the paper's variance-reduction paragraph, with h_S "
            f"the state entering the suffix and ε_l = g_l(h_l−1 sequential) − g_l(h_S): |ε_l| = ‖ε_l‖/‖h_S‖, C_ε = "
            f"‖Σ_(r ≤ l) ε_r‖/‖h_S‖ (cumulative), Δ_g = ‖ε_l‖/‖g_l(h_S)‖; norms over each sample's (T, D), means over "
-           f"samples.\n",
+           f"samples."),
            *[f"**{label}**\n\n" + st["diagnostics"]["result"]["markdown"][k].replace("### SNLP diagnostics (snlp analyze)\n", "")
              for k, label in MODELS]]
 
@@ -1495,7 +1509,7 @@ def render_report(ctx: dict) -> str:
     out = [*_head(ctx), *_in_brief(ctx), *_setup(ctx),
            "## Training\n",
            training_table(st["tokenizer"]["result"], trains),
-           f"\nK=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
+           "\n" + details("The columns", f"K=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
            f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. "
            + ("tok/s (stepping): the tokens of the steps over the sum of their wall-clock times, start-up and "
               "validation passes left out (Train time holds them)" if stepping else
@@ -1510,9 +1524,12 @@ def render_report(ctx: dict) -> str:
            "step time (its start to its statistics"
            + (", without the lockstep wait" if lockstep else "")
            + ") and the tokens per second it implies: what one step of each model costs (IDN Reg.'s includes the "
-           "regulariser).\n",
+           "regulariser)."),
            "## Main results\n",
-           "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
+           "Each model's plans from higher to lower PPL: `*` = on the model's speed–quality Pareto front, `†` = the "
+           "self-speculative drafter chosen below, (tie) = not told from the model's sequential run by this run's "
+           "paired tests.\n",
+           details("How the table was made: plans, ties, the front, AR Match", "Paper's main-table layout: model [sequential PPL (IDN vs No-Reg)], plan config `CxFM-init`, K "
            "iterations; rows from higher to lower PPL. A plan runs the first S = L − N layers sequentially and the "
            "last N = C·M (the suffix) as C chunks of M layers, each chunk fused into one wide layer when M > 1, all "
            "chunks evaluated in one batched step; init `h0` starts every suffix state from the prefix's output h_S, "
@@ -1527,13 +1544,13 @@ def render_report(ctx: dict) -> str:
            "paper's reference for fused plans (M > 1), named per row: the same fused model run sequentially; a plan "
            "with K = C is that model itself ('= itself'). The IDN header's PPL difference from No Reg. compares two "
            "trainings of one seed each: this run measured no seed-to-seed spread, so it is not resolved either."
-           + (f" {r}." if (r := ppl_format_rule(evals)) else "") + "\n",
+           + (f" {r}." if (r := ppl_format_rule(evals)) else "")),
            main_table(evals, {k: ssd[k].get("drafter") for k, _ in MODELS}),
            *([f"\n{c}"] if (c := speed_chain(pooled_speeds(evals))) else []),
            *off_front_through_ties(evals),
            *off_front_by_sequential(evals),
            *drafter_off_front(evals, ssd),
-           "\n" + speed_columns(ctx),
+           "\n" + details("What the speed columns measure", speed_columns(ctx)),
            "\n![speed-quality frontier](frontier.png)\n",
            frontier_note(evals) + "\n",
            *_ssd_section(ctx),
@@ -1545,7 +1562,9 @@ def render_report(ctx: dict) -> str:
            *_diagnostics(ctx), *_stage_times(ctx),
            "## Full evaluation records\n"]
     for key, label in MODELS:
-        out += [f"**{label}** (this model's own timing: Speedup from its {per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})} "
+        runs = per_model({key: eval_ran(ctx).get(key, {}).get('runs', '-')})
+        out += [f"**{label}**: every plan it was evaluated with, Speedup from its own {runs} timed rounds.\n",
+                details("The columns", f"This model's own timing: Speedup from its {runs} "
                 f"timed rounds alone, where the main table pools both models'; the two models' figures of one plan were "
                 f"timed in different stages, at different moments (the main table's note); Prefill = teacher-forced forward "
                 f"speedup over {e0.seq_len} tokens; Ideal (layers) = L / (S + K·evals + [fwd]): S the sequential prefix "
@@ -1553,7 +1572,7 @@ def render_report(ctx: dict) -> str:
                 f"evaluates them side by side, so it is one step), [fwd] 1 for a forward-pass init, the layer-step count a "
                 f"device with spare parallel capacity could approach; AR Match and β̂ against the sequential model, "
                 f"as in the main table's AR Match vs seq., in every table and file of this run (records.csv: "
-                f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`))\n",
+                f"`ar_match`, `ar_beta`); AR Match vs fused = the main table's last column (`ar_match_fused`)."),
                 # marked as the eval stage's console table and `snlp eval` mark these records (record_ties)
                 markdown_table(evals[key], record_ties(evals[key]))]
     out.append("Files: `noreg/`, `idn/` (checkpoints, `snlp.load`), `noreg.train.log`, `idn.train.log` (each model's "

@@ -240,3 +240,18 @@ def test_a_run_without_a_budget_has_no_shrunk_column():
     assert "Shrunk to keep the budget" not in free[0] and "Load at start → end" in free[0]
     kept = tables(render_report(_report_ctx()))["Wall time per stage"]
     assert "Shrunk to keep the budget" in kept[0]
+
+
+def test_every_table_reads_first_with_its_method_folded_under_a_one_line_legend():
+    """The report's tables came after paragraphs of up to 2,500 characters on how each number was made; a newcomer
+    met the method before the result. Each section now opens with a legend of at most two sentences, and the method
+    is folded (<details>) with its words unchanged."""
+    md = render_report(_report_ctx())
+    assert md.count("<details>") == md.count("</details>") >= 8
+    for head in ("## Main results\n", "## Self-speculative decoding\n", "### Drafter choice", "## SNLP diagnostics\n"):
+        opening = md.split(head, 1)[1].lstrip("\n").split("\n", 1)[0]
+        assert len(opening) < 400 and not opening.startswith("<details>"), (head, opening)
+    for block in md.split("<details>")[1:]:  # a folded block holds prose only: every table stays visible
+        assert "\n|" not in block.split("</details>", 1)[0]
+    # the folded words are the method's, unchanged: the main table's layout and the SSD formula are still there
+    assert "Paper's main-table layout" in md and "Ideal SSD = ((1 − α^(B+1))/(1 − α))/(B/s + 1)" in md
