@@ -156,7 +156,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     saved = start.resume.data_digest if start.resume else None
     if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
         raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "
-                         f"edited in place?); a resumed run keeps what it trains on: put the run's text back, or "
+                         f"edited in place? or a run from before snlp read special-token strings quoted in the text, "
+                         f"such as <|bos|>, as text); a resumed run keeps what it trains on: put the run's text back, or "
                          f"start a new run from its weights (--init-from {cfg.out}) in another --out")
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
