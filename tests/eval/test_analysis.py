@@ -174,6 +174,37 @@ def test_early_exit_is_importable_from_everywhere(model, val):
     assert [r.N for r in rows] == [0, 2, 5]
 
 
+def test_early_exit_with_backout_is_the_k0_solve_and_a_naive_loop():
+    """nanochat's backout: the K = 0 head input after S layers is h_S - lambda * (layer b's output if b < S, else
+    h_S, the skipped layer's K = 0 iterate). The exit after layer b + 1 < S read h_S alone."""
+    import torch.nn.functional as F
+
+    from snlp.eval.data import windows
+    from snlp.eval.metrics import perplexity
+    from snlp.method.plan import Plan
+
+    m = make_model(seed=3, n_layer=6, backout=True, n_embd=32)
+    b = m.config.backout_layer
+    val = torch.randint(0, m.config.vocab_size, (400,), generator=torch.Generator().manual_seed(1))
+    cfg = A.AnalysisConfig(**SMALL)
+    rows = A.early_exit(m, val, [1, 2, 3, 6], cfg.eval_config())
+    wins = windows(val, cfg.seq_len, cfg.max_tokens)
+    x, y = wins[:, :-1], wins[:, 1:]
+    for r in rows:
+        S = 6 - r.N
+        with torch.no_grad():
+            ctx = m.embed(x)
+            h, hb = ctx.x0, None
+            for l in range(S):  # naive loop
+                h = m.layer(l, h, ctx)
+                hb = h if l == b else hb
+            h = h - m.backout_lambda * (hb if hb is not None else h)
+            nll = F.cross_entropy(m.head(h).flatten(0, 1), y.flatten(), reduction="sum").item()
+        assert r.ppl == pytest.approx(perplexity(nll, y.numel()), rel=1e-9), r
+        if r.N:
+            assert r.ppl == pytest.approx(A.plan_ppl(m, wins, Plan(chunks=r.N, iters=0)), rel=1e-9), r
+
+
 # (the preheat calibration itself is tested in tests/method/test_preheat.py)
 
 

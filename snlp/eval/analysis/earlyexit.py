@@ -21,6 +21,18 @@ class ExitRow:
     ppl: float
 
 
+def _exit_state(model: GPT, trace: list, S: int):
+    """What the head reads at K = 0 after the first S layers: h_S, with nanochat's backout the solver's K = 0 state
+    (snlp.method.solver): h_S - backout_lambda * hb, hb = layer b's output when b < S (the prefix computed it), else
+    the skipped layer's K = 0 iterate h_S (the paper's code fills it the same way). Without the subtraction an exit
+    after layer b + 1 read h_S where the model's K = 0 solve reads h_S - lambda h_{b+1}: a different PPL under the
+    same "K = 0" label."""
+    if not model.config.backout:
+        return trace[S]
+    hb = model.prefix_backout(trace, S)
+    return model.finish(trace[S], trace[S] if hb is None else hb)
+
+
 @torch.inference_mode()
 def early_exit(model: GPT, val_tokens, suffixes: list[int], cfg: EvalConfig = EvalConfig()) -> list[ExitRow]:
     """Early-exit PPL (K = 0: skip the last N layers, logits = head(h_S), S = L - N; paper Table
@@ -41,9 +53,8 @@ def early_exit(model: GPT, val_tokens, suffixes: list[int], cfg: EvalConfig = Ev
         for b in batches:
             x, y = b[:, :-1].to(device), b[:, 1:].to(device)  # (B, T)
             trace = model.hidden_states(x)  # [h_0 .. h_L], each (B, T, D)
-            hb = model.prefix_backout(trace, L)  # nanochat's backout: the N = 0 row is the model's own head input
             for n in Ns:
-                logits = model.head(model.finish(trace[L], hb) if n == 0 else trace[L - n])  # (B, T, V)
+                logits = model.head(_exit_state(model, trace, L - n))  # (B, T, V)
                 nll[n] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
             n_tok += y.numel()
             bar.update()
