@@ -106,6 +106,18 @@ def test_jacobian_diagnostics_rows(model, val):
     assert all(d.eps > 0 and d.c_eps > 0 for d in res.layers[1:])
 
 
+def test_layers_before_the_suffix_print_no_substitution_error_and_a_repeated_layer_is_one_row(model, val):
+    """eps_l = g_l(h_l^seq) - g_l(h_S) is defined for suffix layers only: a --layers entry before L - N has none
+    ('-', not 'diverged', the word for a failed solve); --layers 4,4 is one row, not two draws of the same layer."""
+    res = A.jacobian_diagnostics(model, val, A.AnalysisConfig(jac_suffix=2, layers=(0, 4, 4), jac_windows=1,
+                                                              power_iters=2, probes=1, **SMALL))
+    assert [d.layer for d in res.layers] == [0, 4]
+    table = A.jacobian_table(res)
+    assert A.DIV not in table
+    first = table.splitlines()[2].split("|")
+    assert [c.strip() for c in first[5:8]] == ["-", "-", "-"] and math.isfinite(res.layers[0].sigma_max)
+
+
 # ---------------------------------------------------------------- ordering, Seq-Perm, AR-ness
 def test_ar_ness_matches_diffucoder_and_the_paper():
     assert A.ar_ness(range(8)) == 1.0

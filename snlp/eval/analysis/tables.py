@@ -13,9 +13,15 @@ from snlp.eval.analysis.ordering import OrderingResult
 from snlp.eval.analysis.propagation import PropagationResult
 
 
+def _sub(x: float, scale: float = 1.0) -> str:
+    """A substitution-error cell: nan is a layer outside the suffix (--layers below L - N), where eps_l = g_l(h^seq) -
+    g_l(h_S) is not defined (h_S comes after it), so '-' rather than fmt's 'diverged'."""
+    return fmt(None if math.isnan(x) else scale * x, 3)
+
+
 def jacobian_table(j: JacobianResult) -> str:
-    rows = [[d.layer, fmt(d.sigma_max), fmt(d.frob), fmt(d.amp), fmt(1e3 * d.eps, 3), fmt(1e3 * d.c_eps, 3),
-             fmt(d.delta_g, 3)] for d in j.layers]
+    rows = [[d.layer, fmt(d.sigma_max), fmt(d.frob), fmt(d.amp), _sub(d.eps, 1e3), _sub(d.c_eps, 1e3), _sub(d.delta_g)]
+            for d in j.layers]
     return md_table(["Layer", "σmax", "‖J‖_F", "amp.", "10³ \\|ε_l\\|", "10³ C_ε", "Δ_g"], rows)
 
 
