@@ -67,6 +67,32 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# the sections that read each option (snlp.eval.analysis): with none of them in --only a changed value would be
+# silently unused, so it is refused (jacobian reads jac_windows * --seq-len tokens, jacobi its own prompts)
+USED_BY = {"seq_len": ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat"),
+           "max_tokens": ("ordering", "propagation", "early-exit", "elk", "preheat"),
+           "layers": ("jacobian",), "suffixes": ("ordering", "early-exit"), "shuffles": ("ordering",),
+           "preheat_rank": ("elk", "preheat"), "seed": ("jacobian", "ordering", "elk", "preheat", "jacobi")}
+FLAG_DEFAULTS = {"layers": None, "suffixes": None, "seed": 0, **vars(ANALYSIS_DEFAULTS)}
+
+
+def check_sections(args) -> tuple[str, ...]:
+    """The --only sections, refusing an empty or unknown one and a changed option none of them reads (one line, before
+    the checkpoint loads)."""
+    only = tuple(dict.fromkeys(s.strip() for s in args.only.split(",") if s.strip()))
+    if not only:
+        raise ValueError(f"--only names no section: choose from {', '.join(SECTIONS)}")
+    bad = [s for s in only if s not in SECTIONS]
+    if bad:
+        raise ValueError(f"unknown analysis section(s) {bad}: valid sections are {', '.join(SECTIONS)}")
+    unused = [k for k, users in USED_BY.items() if getattr(args, k) != FLAG_DEFAULTS[k] and not set(users) & set(only)]
+    if unused:
+        flags = "; ".join(f"--{k.replace('_', '-')} only by {', '.join(USED_BY[k])}" for k in unused)
+        raise ValueError(f"an option no section in --only {','.join(only)} reads would be unused: {flags} (drop it "
+                         f"or add such a section)")
+    return only
+
+
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory")
     p.add_argument("--data", default=None, help="validation data spec (default: the checkpoint's training data)")
@@ -108,6 +134,7 @@ def run(args) -> int:
     from snlp.eval.data import checkpoint_data, validation_tokens
     from snlp.io.checkpoint import load, load_preheat
 
+    only = check_sections(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
@@ -118,7 +145,6 @@ def run(args) -> int:
     model, tok = load(args.ckpt)
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
-    only = tuple(s.strip() for s in args.only.split(",") if s.strip())
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)

@@ -345,6 +345,25 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
     assert "unknown analysis section" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [(["--only", "jacobian", "--shuffles", "3"], "--shuffles"),
+                                          (["--only", "jacobian,jacobi", "--max-tokens", "64"], "--max-tokens"),
+                                          (["--only", "early-exit", "--layers", "1"], "--layers"),
+                                          (["--only", "jacobian", "--suffixes", "2"], "--suffixes"),
+                                          (["--only", "jacobi", "--seq-len", "16"], "--seq-len"),
+                                          (["--only", "propagation", "--preheat-rank", "4"], "--preheat-rank"),
+                                          (["--only", "early-exit", "--seed", "3"], "--seed"),
+                                          (["--only", " , "], "names no section")])
+def test_an_option_no_selected_section_reads_is_refused_before_the_checkpoint_loads(tmp_path, capsys, flags, named):
+    """`--only jacobian --shuffles 3` ran and wrote a report as if the 3 shuffles had been honoured; `--only ,` wrote
+    an empty report. Both are one line now, before the checkpoint (here: none) is read and before --out is made."""
+    from snlp.apps.cli import main
+
+    assert main(["analyze", str(tmp_path / "no-checkpoint"), *flags, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "does not exist" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
 def tiny_checkpoint(tmp_path):
     """A 4-layer checkpoint with a tokenizer and the training data it records (~14 KB of text)."""
     from snlp.io.checkpoint import save_checkpoint
