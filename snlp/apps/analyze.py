@@ -102,8 +102,9 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", default=None, help="jacobian layers, 0-based, comma-separated (default: the last 8)")
     p.add_argument("--suffixes", default=None, help="ordering / early-exit suffix sizes N (default 8,12,L)")
     p.add_argument("--shuffles", type=int, default=ANALYSIS_DEFAULTS.shuffles, help="random correction orders per N")
-    p.add_argument("--preheat-rank", type=int, default=ANALYSIS_DEFAULTS.preheat_rank)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preheat-rank", type=int, default=ANALYSIS_DEFAULTS.preheat_rank,
+                   help="rank of the preheat fits made here (preheat; elk when the checkpoint has no preheat.pt)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probes, shuffles, preheat fits and Jacobi prompts")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: on a shared or busy CPU "
                    "more threads only add contention; raise it on a free machine)")
     p.add_argument("--no-progress", action="store_true")
@@ -145,6 +146,11 @@ def run(args) -> int:
     model, tok = load(args.ckpt)
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
+    pre = load_preheat(args.ckpt, model)
+    if pre is not None and "elk" in only and "preheat" not in only and args.preheat_rank != pre.rank \
+            and args.preheat_rank != ANALYSIS_DEFAULTS.preheat_rank:
+        raise ValueError(f"--preheat-rank {args.preheat_rank} would be unused: the elk section uses the checkpoint's "
+                         f"preheat.pt (rank {pre.rank}) and only the preheat section fits one (add it to --only)")
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)
@@ -164,7 +170,7 @@ def run(args) -> int:
             write(partial, args.out, complete=False)
             args.kept = list(partial.seconds)
 
-    res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=load_preheat(args.ckpt, model), on_section=keep)
+    res = analyze(model, val, cfg, checkpoint=args.ckpt, preheat=pre, on_section=keep)
     with deferred():
         out = write(res, args.out)
         args.complete = True

@@ -338,8 +338,12 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
                "--seq-len", "8", "--max-tokens", "32", "--no-progress", "--out", str(tmp_path / "out")])
     assert rc == 0
     md = (tmp_path / "out" / "analysis.md").read_text()
-    assert "## Early exit" in md and "## Correction ordering" in md and "preheat calibration: random" in md
+    assert "## Early exit" in md and "## Correction ordering" in md
+    assert "preheat calibration: the checkpoint's (random tokens, rank 4)" in md  # not one fitted at --preheat-rank
     assert "## Jacobian" not in md
+    # elk reads the checkpoint's preheat.pt: a --preheat-rank only the preheat section could use is refused
+    assert main(["analyze", str(ck), "--only", "elk", "--preheat-rank", "8", "--out", str(tmp_path / "x")]) == 2
+    assert "--preheat-rank 8 would be unused" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["analyze", str(ck), "--only", "nope", "--out", str(tmp_path / "x")]) == 2
     assert main(["analyze", str(ck), "--layers", "9", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis section" in capsys.readouterr().err

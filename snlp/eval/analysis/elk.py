@@ -69,11 +69,12 @@ def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfi
     here on random tokens / on `tokens`. Returns (where the calibration came from, the PPLs).
     The one place the analysis touches preheat."""
     if calibration == "given" and preheat is not None:
-        pre, source = preheat, preheat.source
+        pre, source = preheat, f"the checkpoint's ({preheat.source} tokens, rank {preheat.rank})"
     else:
         ccfg = CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
         pre = fit_preheat(model, ccfg, tokens if calibration == "data" else None)
-        source = "random (fitted by analyze)" if calibration == "given" else calibration
+        source = (f"fitted here on random tokens, rank {cfg.preheat_rank} (the checkpoint has none)"
+                  if calibration == "given" else calibration)
     ppls = []
     for plan in plans:
         p = preheat_for(plan, pre)
