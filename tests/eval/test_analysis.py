@@ -269,6 +269,25 @@ def test_analyze_writes_markdown_json_and_plots(model, val, tmp_path):
         A.analyze(model, val, A.AnalysisConfig(only=("jacobians",)))
 
 
+def test_propagation_heat_map_tells_a_large_finite_ppl_from_a_diverged_cell(tmp_path, monkeypatch):
+    """The heat map clipped PPL at 1e9 and drew non-finite cells at that top: a 1e10 cell (a converted model's
+    skipped suffix gives such PPLs) looked diverged. Diverged cells are masked now; finite ones keep their value."""
+    import numpy as np
+    from matplotlib.axes import Axes
+
+    from snlp.eval.analysis.plots import propagation_plot
+
+    shown, real = [], Axes.imshow
+    monkeypatch.setattr(Axes, "imshow", lambda self, X, *a, **k: shown.append(X) or real(self, X, *a, **k))
+    p = A.PropagationResult(N=2, iters=[1, 2], with_correction=[[1e10, float("inf")], [5.0, 1e12]],
+                            without_correction=[[1e10, float("nan")], [5.0, 7.0]])
+    propagation_plot(p, tmp_path / "p.png")
+    cells = np.ma.masked_invalid(np.ma.asarray(shown[0], dtype=float))
+    assert not np.ma.is_masked(cells[0, 0]) and cells[0, 0] == pytest.approx(math.log(1e10))
+    assert np.ma.is_masked(cells[0, 1]) and cells[1, 1] == pytest.approx(math.log(1e12))
+    assert np.ma.is_masked(np.ma.masked_invalid(np.ma.asarray(shown[1], dtype=float))[0, 1])
+
+
 def test_write_keeps_the_results_when_a_plot_fails_and_drops_a_reused_folders_stale_plots(model, val, tmp_path,
                                                                                           monkeypatch):
     """The plots were written before analysis.json, so a plot that failed lost every computed section; a folder

@@ -46,16 +46,23 @@ def ordering_plot(o: OrderingResult, path: Path) -> None:
     _save(fig, path)
 
 
-def propagation_plot(p: PropagationResult, path: Path) -> None:
+def log_ppl_cells(data):
+    """The heat map's cells: log PPL, diverged (non-finite) cells masked. Clipping them to a fixed top (1e9) drew
+    every finite PPL above it (a 1e10 cell) in the same colour as a diverged one."""
     import numpy as np
 
+    arr = np.array(data, dtype=float)
+    return np.ma.masked_invalid(np.log(np.where(np.isfinite(arr), arr, np.nan)))
+
+
+def propagation_plot(p: PropagationResult, path: Path) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, data, title in ((axes[0], p.with_correction, "w/ correction"),
                             (axes[1], p.without_correction, "w/o correction")):
-        # diverged cells (inf / nan) show as the colour scale's top instead of breaking it
-        arr = np.log(np.clip(np.nan_to_num(np.array(data, dtype=float), nan=1e9, posinf=1e9), 1, 1e9))
-        im = ax.imshow(arr, aspect="auto", cmap="viridis", origin="upper", extent=(0.5, p.N + 0.5, p.N + 0.5, 0.5))
+        cmap = plt.get_cmap("viridis").with_extremes(bad="red")  # diverged cells: red, outside the scale
+        im = ax.imshow(log_ppl_cells(data), aspect="auto", cmap=cmap, origin="upper",
+                       extent=(0.5, p.N + 0.5, p.N + 0.5, 0.5))
         ax.set_xlabel("last j layers active"), ax.set_ylabel("K"), ax.set_title(title)
-        fig.colorbar(im, ax=ax, label="log PPL")
+        fig.colorbar(im, ax=ax, label="log PPL (red: diverged)")
     _save(fig, path)
