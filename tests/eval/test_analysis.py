@@ -269,6 +269,17 @@ def test_analyze_writes_markdown_json_and_plots(model, val, tmp_path):
         A.analyze(model, val, A.AnalysisConfig(only=("jacobians",)))
 
 
+def test_windows_past_the_trained_context_are_said_not_silent(model, val, tmp_path):
+    """The default --seq-len 128 on a model trained at 32 ran every section on RoPE extrapolation without a word (snlp
+    eval warns of the same); now a warning and a line in analysis.md."""
+    cfg = A.AnalysisConfig(only=("early-exit",), seq_len=40, max_tokens=40, progress=False)
+    with pytest.warns(UserWarning, match="past the model's sequence_len 32"):
+        res = A.analyze(model, val, cfg)
+    assert "past the model's sequence_len 32" in A.to_markdown(res)
+    ok = A.analyze(model, val, A.AnalysisConfig(only=("early-exit",), **SMALL))
+    assert "past the model" not in A.to_markdown(ok)
+
+
 def test_propagation_heat_map_tells_a_large_finite_ppl_from_a_diverged_cell(tmp_path, monkeypatch):
     """The heat map clipped PPL at 1e9 and drew non-finite cells at that top: a 1e10 cell (a converted model's
     skipped suffix gives such PPLs) looked diverged. Diverged cells are masked now; finite ones keep their value."""

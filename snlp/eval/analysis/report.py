@@ -9,6 +9,7 @@ import math
 import platform
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class AnalysisResult:
     checkpoint: str
     config: AnalysisConfig
     environment: Environment
+    model_seq_len: int | None = None  # the context the model was trained for (a longer seq_len extrapolates RoPE)
     seconds: dict[str, float] = field(default_factory=dict)  # section name -> wall time
     jacobian: JacobianResult | None = None
     ordering: OrderingResult | None = None
@@ -82,8 +84,14 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
     if model.config.backout and "ordering" in cfg.only:  # before any section runs
         raise ValueError("the ordering section runs Seq-Perm, which nanochat's backout does not define (it reads a "
                          "layer's output at a fixed depth): leave ordering out of --only for this model")
+    trained = model.config.sequence_len
+    if cfg.seq_len > trained:  # RoPE's tables cover any position (GPT.rotary): it runs, as extrapolation
+        warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
+                      f"for): every section measures extrapolation past it, not the model as trained; pass --seq-len "
+                      f"{trained} or less", stacklevel=2)
     model.eval()
-    res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment())  # a snapshot
+    res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment(),
+                         model_seq_len=trained)  # config: a snapshot
     steps = [("jacobian", lambda: jacobian_diagnostics(model, val_tokens, cfg)),
              ("ordering", lambda: correction_ordering(model, val_tokens, cfg)),
              ("propagation", lambda: correction_propagation(model, val_tokens, cfg)),
@@ -110,7 +118,10 @@ def _header(res: AnalysisResult) -> list[str]:
     env = res.environment
     return [f"# SNLP analysis of `{res.checkpoint}`", "",
             f"{env.date}; {env.machine}; torch {env.torch}; 1-min load average {env.loadavg_1min_start} (start) / "
-            f"{env.loadavg_1min_end or 'n/a'} (end); section times (s): {res.seconds}.", ""]
+            f"{env.loadavg_1min_end or 'n/a'} (end); section times (s): {res.seconds}.", "",
+            *([f"Windows of {res.config.seq_len} tokens are past the model's sequence_len {res.model_seq_len}: the "
+               f"numbers measure RoPE extrapolation, not the model as trained.", ""]
+              if res.model_seq_len is not None and res.config.seq_len > res.model_seq_len else [])]
 
 
 def _jacobian_md(j: JacobianResult) -> list[str]:
