@@ -131,7 +131,7 @@ def run(args) -> int:
     import torch
 
     from snlp.eval.analysis.common import AnalysisConfig
-    from snlp.eval.analysis.report import analyze, write
+    from snlp.eval.analysis.report import analyze, check_model, write
     from snlp.eval.data import checkpoint_data, validation_tokens
     from snlp.io.checkpoint import load, load_preheat
 
@@ -154,7 +154,7 @@ def run(args) -> int:
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)
-    cfg.check(model.config.n_layer)
+    check_model(model, cfg)  # before the validation data is read (tokenising it can take minutes)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
     from pathlib import Path
 

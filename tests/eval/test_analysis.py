@@ -412,6 +412,27 @@ def tiny_checkpoint(tmp_path):
                            tokenizer=tok, train_state={"args": args})
 
 
+def test_ordering_on_a_backout_checkpoint_is_refused_before_the_validation_data_is_read(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The refusal came from analyze(), after the CLI had tokenised the validation split (minutes on a real corpus)."""
+    import snlp.eval.data as data
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+    tok = Tokenizer.train(["to be or not to be " * 20], vocab_size=MIN_VOCAB + 5)
+    ck = save_checkpoint(tmp_path / "ck", make_model(seed=2, n_layer=4, backout=True, n_embd=32,
+                                                     vocab_size=tok.vocab_size).float(), tokenizer=tok)
+
+    def read(*a, **k):
+        raise AssertionError("the validation data was read before the refusal")
+
+    monkeypatch.setattr(data, "validation_tokens", read)
+    assert main(["analyze", str(ck), "--only", "ordering,early-exit", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "backout" in err and "ordering" in err and len(err.strip().splitlines()) == 1
+
+
 def test_analyze_into_the_checkpoint_folder_keeps_the_checkpoint_whole(tmp_path, capsys):
     """`snlp analyze CKPT --out CKPT` is accepted, as the other commands' conventions have it: calibrate writes its
     preheat into CKPT by default, and eval's / tune's --json / --csv / --markdown may name a file in CKPT, refused only

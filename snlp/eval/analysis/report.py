@@ -73,17 +73,23 @@ def environment() -> Environment:
                        loadavg_1min_start=_loadavg())
 
 
+def check_model(model: GPT, cfg: AnalysisConfig) -> None:
+    """The settings' one-line errors for this model, before any work (`snlp analyze` calls it before the validation
+    data is read)."""
+    cfg.check(model.config.n_layer)
+    if model.config.backout and "ordering" in cfg.only:
+        raise ValueError("the ordering section runs Seq-Perm, which nanochat's backout does not define (it reads a "
+                         "layer's output at a fixed depth): leave ordering out of --only for this model")
+
+
 def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), checkpoint: str = "",
             preheat: Preheat | None = None, on_section=None) -> AnalysisResult:
     """Run the selected sections (cfg.only) on `model` with validation token ids `val_tokens`. `preheat`: the
     checkpoint's calibration for the ELK x init sweep (one is fitted on random tokens when None). `on_section(res)`:
     called with the result so far after each section but the last (a section is tens of seconds to minutes on a CPU;
     `snlp analyze` writes them as they finish, so a run cut short keeps them)."""
+    check_model(model, cfg)
     L = model.config.n_layer
-    cfg.check(L)
-    if model.config.backout and "ordering" in cfg.only:  # before any section runs
-        raise ValueError("the ordering section runs Seq-Perm, which nanochat's backout does not define (it reads a "
-                         "layer's output at a fixed depth): leave ordering out of --only for this model")
     trained = model.config.sequence_len
     if cfg.seq_len > trained:  # RoPE's tables cover any position (GPT.rotary): it runs, as extrapolation
         warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
