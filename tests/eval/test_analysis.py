@@ -108,8 +108,9 @@ def test_jacobian_diagnostics_rows(model, val):
 
 def test_layers_before_the_suffix_print_no_substitution_error_and_a_repeated_layer_is_one_row(model, val):
     """eps_l = g_l(h_l^seq) - g_l(h_S) is defined for suffix layers only: a --layers entry before L - N has none
-    ('-', not 'diverged', the word for a failed solve); --layers 4,4 is one row, not two draws of the same layer."""
-    res = A.jacobian_diagnostics(model, val, A.AnalysisConfig(jac_suffix=2, layers=(0, 4, 4), jac_windows=1,
+    ('-', not 'diverged', the word for a failed solve); --layers 4,0,4 is one row per layer, in depth order (the plot
+    joins them with a line), not two draws of layer 4."""
+    res = A.jacobian_diagnostics(model, val, A.AnalysisConfig(jac_suffix=2, layers=(4, 0, 4), jac_windows=1,
                                                               power_iters=2, probes=1, **SMALL))
     assert [d.layer for d in res.layers] == [0, 4]
     table = A.jacobian_table(res)

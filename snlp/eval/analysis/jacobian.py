@@ -140,7 +140,8 @@ def jacobian_diagnostics(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisC
     L = model.config.n_layer
     N = min(cfg.jac_suffix, L)
     S = L - N
-    layers = list(dict.fromkeys(cfg.layers)) if cfg.layers is not None else list(range(S, L))  # a repeat: one row
+    # a repeat is one row; in depth order, as the plot joins the rows with a line over the layer axis
+    layers = sorted(set(cfg.layers)) if cfg.layers is not None else list(range(S, L))
     wins = windows(as_tokens(val_tokens), cfg.seq_len, cfg.jac_windows * cfg.seq_len)
     device = next(model.parameters()).device
     x = wins[:, :-1].to(device)  # (B, T)
