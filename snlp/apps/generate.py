@@ -320,7 +320,8 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) 
         flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in ("temperature", "top_k", "top_p")
                          if k in want)
         parts.append(f"transformers' generate(do_sample=True) samples this model with {theirs} ("
-                     f"{'its generation_config' if samples else 'transformers defaults'}), this run with temperature {temperature:g}, "
+                     f"{'its generation_config' if any(defaults.get(k) is not None for k in want) else 'transformers defaults'}"
+                     f"), this run with temperature {temperature:g}, "
                      f"{ours} (give {flags} to sample alike)")
     if extra:
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
