@@ -284,26 +284,33 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
 UNMATCHED = ("repetition_penalty", "no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
              "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
              "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "typical_p",
-             "epsilon_cutoff", "eta_cutoff", "top_h")
+             "epsilon_cutoff", "eta_cutoff", "top_h", "guidance_scale", "watermarking_config")
+# the values at which those processors change nothing (min_p 0 keeps every token, min_new_tokens 0 forces nothing,
+# guidance_scale 1 is the conditional logits alone): set so, they are not named
 NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
-           "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+           "min_new_tokens": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+           "guidance_scale": 1.0}
 
 
 def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) -> str | None:
     """A converted model's generation defaults (generation_config.json, kept by `snlp convert`) against this run's
     flags: where transformers' generate() would decode otherwise (called without arguments when this run is greedy,
-    with do_sample=True and this temperature when it samples), or None if nowhere. snlp applies only its flags, so a
-    user comparing the two outputs is told which flags make them alike."""
+    with do_sample=True when it samples, and this temperature unless the config sets one, which generate() then
+    samples with), or None if nowhere. snlp applies only its flags, so a user comparing the two outputs is told which
+    flags make them alike."""
     samples = defaults.get("do_sample") is True
     sampling_only = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-    extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], NEUTRAL.get(k))
+    extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
              and (samples or temperature > 0 or k not in sampling_only)}
     # transformers' sampling filters: top_k 50 and top_p 1 unless the model's config says otherwise
     def given(k, v):
         return v if defaults.get(k) is None else defaults[k]
 
     want = {"top_k": given("top_k", 50), "top_p": given("top_p", 1.0)}
-    if samples:
+    # a config's temperature is generate(do_sample=True)'s even where the config does not sample by default (a
+    # temperature beside do_sample false or unset): it is named with the filters, not assumed to be this run's
+    own_t = isinstance(defaults.get("temperature"), (int, float)) and defaults["temperature"] > 0
+    if samples or own_t:
         want["temperature"] = given("temperature", 1.0)
     differ = temperature > 0 and any(want[k] != v and not (k == "top_k" and not want[k] and not v)
                                      for k, v in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature))
@@ -319,7 +326,8 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) 
         theirs = ", ".join(f"{k} {want[k]:g}" for k in ("temperature", "top_k", "top_p") if k in want)
         flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in ("temperature", "top_k", "top_p")
                          if k in want)
-        parts.append(f"transformers' generate(do_sample=True) samples this model with {theirs} ("
+        call = "do_sample=True" if "temperature" in want else f"do_sample=True, temperature={temperature:g}"
+        parts.append(f"transformers' generate({call}) samples this model with {theirs} ("
                      f"{'its generation_config' if any(defaults.get(k) is not None for k in want) else 'transformers defaults'}"
                      f"), this run with temperature {temperature:g}, "
                      f"{ours} (give {flags} to sample alike)")

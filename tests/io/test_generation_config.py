@@ -214,3 +214,70 @@ def test_generate_names_transformers_top_k_default_when_sampling_a_converted_mod
                      *flags]) == 0
         err = capsys.readouterr().err
         assert ("--top-k 50" in err) is said, (flags, err)
+
+
+@pytest.fixture(scope="module")
+def peaky_llama():
+    """tiny_llama with its weights scaled up: logits spread enough that temperature, top_k and top_p each change the
+    sampled distribution."""
+    hf = tiny_llama()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(4)
+    return hf
+
+
+NOTE_CASES = [  # (generation_config, this run's temperature, top_k, top_p)
+    ({"do_sample": False, "temperature": 0.6, "top_p": 0.9}, 0.8, 0, 1.0),  # a temperature beside do_sample false
+    ({"temperature": 0.6}, 0.8, 50, 1.0),  # the filters agree, the config's temperature does not
+    ({"do_sample": True, "min_p": 0.0, "min_new_tokens": 0}, 1.0, 50, 1.0),  # neutral processors: nothing to say
+    ({}, 0.9, 0, 1.0),
+    ({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}, 0.5, 0, 1.0),
+]
+
+
+@pytest.mark.parametrize("config,temperature,top_k,top_p", NOTE_CASES)
+def test_defaults_note_flags_sample_as_the_generate_call_it_names(peaky_llama, config, temperature, top_k, top_p):
+    """The reference is transformers' own generate() on this generation_config: the call the note names (or, where
+    it says nothing, generate(do_sample=True), given this run's temperature where the config has none) samples from
+    the distribution snlp's Sampling draws from under the flags the note gives. A config's temperature beside
+    do_sample false or unset is generate(do_sample=True)'s, and was left out; min_p 0 / min_new_tokens 0 change
+    nothing and were named as outputs that differ."""
+    import re
+
+    from snlp.apps.generate import defaults_note
+    from snlp.decode.session import sampling
+
+    note = defaults_note(config, temperature, top_k, top_p)
+    if note is None:
+        call = {"do_sample": True, **({} if "temperature" in config else {"temperature": temperature})}
+        flags = (temperature, top_k, top_p)
+    else:
+        assert "does not apply" not in note, note  # no processor here changes the distribution
+        args = re.search(r"generate\(([^)]*)\) samples", note).group(1)
+        call = {k: (True if v == "True" else float(v)) for k, v in (a.split("=") for a in args.split(", "))}
+        given = dict(re.findall(r"--([a-z-]+) (\S+)", re.search(r"\(give (.*) to sample alike\)", note).group(1)))
+        flags = (float(given.get("temperature", temperature)), int(float(given.get("top-k", top_k))),
+                 float(given.get("top-p", top_p)))
+    peaky_llama.generation_config = transformers.GenerationConfig(**config)
+    with torch.no_grad():
+        out = peaky_llama.generate(torch.tensor([PROMPT]), max_new_tokens=1, return_dict_in_generate=True,
+                                   output_scores=True, output_logits=True, pad_token_id=0, **call)
+    ref = out.scores[0][0].softmax(-1)
+    assert (ref > 0).sum() > 1, "the case must leave more than one token to draw from"
+    ours = sampling(*flags).probs(out.logits[0][0])
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-6), (note, call, flags, (ours - ref).abs().max())
+
+
+def test_defaults_note_names_classifier_free_guidance(peaky_llama):
+    """guidance_scale != 1 is a logits processor transformers applies in greedy decoding too (the output part)."""
+    from snlp.apps.generate import defaults_note
+
+    peaky_llama.generation_config = transformers.GenerationConfig(guidance_scale=1.5)
+    with torch.no_grad():
+        out = peaky_llama.generate(torch.tensor([PROMPT]), max_new_tokens=1, return_dict_in_generate=True,
+                                   output_scores=True, output_logits=True, pad_token_id=0)
+    assert not torch.allclose(out.scores[0].log_softmax(-1), out.logits[0].log_softmax(-1))
+    note = defaults_note({"guidance_scale": 1.5}, 0.0, 0, 1.0)
+    assert note and "guidance_scale=1.5" in note and "does not apply" in note
+    assert defaults_note({"guidance_scale": 1.0}, 0.0, 0, 1.0) is None
