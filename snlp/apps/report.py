@@ -1132,7 +1132,8 @@ def _diagnostics(ctx: dict) -> list[str]:
     N = cfg["reg_n"]
     return ["\n## SNLP diagnostics\n",
            f"Per-layer Jacobian and substitution-error diagnostics of the last {N} layers: smaller is closer to the "
-           f"identity Newton step's assumptions (the paper's Tables jacobian_norms / variance_reduction).\n",
+           f"identity Newton step's assumption (J_f = I), except amp., the whole layer's gain ‖J_f v‖/‖v‖, which is 1 "
+           f"under it (the paper's Tables jacobian_norms / amplification / variance_reduction).\n",
            details("Each column", f"Per-layer Jacobian diagnostics of the last {N} layers (`snlp.eval.analysis`; {st['diagnostics']['result']['power_iters']} "
            f"power iterations, {st['diagnostics']['result']['probes']} probes, one validation window; the full suite with "
            f"ordering, propagation, ELK/preheat and Jacobi coupling: `snlp analyze CKPT`, see docs/analysis.md). "

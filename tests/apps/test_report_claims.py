@@ -255,3 +255,12 @@ def test_every_table_reads_first_with_its_method_folded_under_a_one_line_legend(
         assert "\n|" not in block.split("</details>", 1)[0]
     # the folded words are the method's, unchanged: the main table's layout and the SSD formula are still there
     assert "Paper's main-table layout" in md and "Ideal SSD = ((1 − α^(B+1))/(1 − α))/(B/s + 1)" in md
+
+
+def test_the_diagnostics_legend_does_not_read_amplification_as_smaller_is_better():
+    """The legend said every column is 'smaller is closer to the identity Newton step's assumptions'; amp. is the
+    whole layer's gain ||J_f v|| / ||v||, which that assumption (J_f = I) puts at 1, so an amp. of 0.95 is not
+    closer to it than 1.03."""
+    md = render_report(_report_ctx())
+    legend = md.split("## SNLP diagnostics\n", 1)[1].lstrip("\n").split("\n", 1)[0]
+    assert "smaller is closer" in legend and "amp." in legend and "is 1" in legend, legend
