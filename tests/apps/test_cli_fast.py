@@ -53,6 +53,7 @@ def test_stand_in_constants_equal_the_librarys():
     assert (adapt.KV_MODES, adapt.LOSS_ON, adapt.SAVE_EVERY) == (adapting.KV_MODES, adapting.LOSS_ON,
                                                                  adapting.SAVE_EVERY)
     assert analyze.SECTIONS == analysis.SECTIONS and calibrate.FILENAME == preheat.FILENAME
+    assert analyze.USED_BY["seq_len"] == analysis.WINDOWED  # the refusal and the past-the-context warning agree
 
 
 @pytest.mark.parametrize("name, config", [("adapt", "snlp.train.adapt:AdaptConfig"),

@@ -281,6 +281,26 @@ def test_windows_past_the_trained_context_are_said_not_silent(model, val, tmp_pa
     assert "past the model" not in A.to_markdown(ok)
 
 
+def test_jacobi_alone_reads_no_window_so_a_default_seq_len_past_the_context_is_not_said(model, val, recwarn):
+    """Jacobi decoding reads its own prompts, not --seq-len windows: with --only jacobi the default seq_len 128 past a
+    32-token context warned 'every section measures extrapolation ... pass --seq-len 32 or less' and put that line in
+    analysis.md, and `snlp analyze --only jacobi --seq-len 32` is refused (an option no section reads): a dead end."""
+    import warnings
+
+    cfg = A.AnalysisConfig(only=("jacobi",), jacobi_prompts=1, jacobi_tokens=4, jacobi_plans=("2xF1",),
+                           progress=False)
+    assert cfg.seq_len > model.config.sequence_len
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        res = A.analyze(model, val, cfg)
+    assert res.jacobi is not None and "past the model" not in A.to_markdown(res)
+    both = A.AnalysisConfig(only=("jacobi", "early-exit"), jacobi_prompts=1, jacobi_tokens=4, jacobi_plans=("2xF1",),
+                            max_tokens=256, progress=False)
+    with pytest.warns(UserWarning, match="past the model's sequence_len 32"):
+        res = A.analyze(model, val, both)
+    assert "past the model's sequence_len 32" in A.to_markdown(res)
+
+
 def test_propagation_heat_map_tells_a_large_finite_ppl_from_a_diverged_cell(tmp_path, monkeypatch):
     """The heat map clipped PPL at 1e9 and drew non-finite cells at that top: a 1e10 cell (a converted model's
     skipped suffix gives such PPLs) looked diverged. Diverged cells are masked now; finite ones keep their value."""

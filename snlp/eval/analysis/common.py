@@ -21,6 +21,8 @@ from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
 
 SECTIONS = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat", "jacobi")
+# the sections that read validation windows of seq_len tokens (jacobi decodes its own prompts of jacobi_prompt_len)
+WINDOWED = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat")
 DIV = DIVERGED  # snlp.runtime.fmt's word for a non-finite PPL, the same in every table the project writes
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from snlp.eval.analysis.common import AnalysisConfig, fmt
+from snlp.eval.analysis.common import WINDOWED, AnalysisConfig, fmt
 from snlp.eval.analysis.earlyexit import ExitRow, early_exit
 from snlp.eval.analysis.elk import ElkResult, PreheatResult, elk_sweep, preheat_calibrations
 from snlp.eval.analysis.jacobi import JacobiResult, jacobi_coupling
@@ -73,6 +73,13 @@ def environment() -> Environment:
                        loadavg_1min_start=_loadavg())
 
 
+def past_context(cfg: AnalysisConfig, trained: int | None) -> bool:
+    """Whether a section in cfg.only reads windows of cfg.seq_len tokens longer than the model's trained context.
+    Jacobi decoding alone reads no window: its default seq_len past a short context extrapolates nothing, and the
+    --seq-len the warning would ask for is refused there (snlp analyze: an option no section reads)."""
+    return trained is not None and cfg.seq_len > trained and bool(set(cfg.only) & set(WINDOWED))
+
+
 def check_model(model: GPT, cfg: AnalysisConfig) -> None:
     """The settings' one-line errors for this model, before any work (`snlp analyze` calls it before the validation
     data is read)."""
@@ -91,7 +98,7 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
     check_model(model, cfg)
     L = model.config.n_layer
     trained = model.config.sequence_len
-    if cfg.seq_len > trained:  # RoPE's tables cover any position (GPT.rotary): it runs, as extrapolation
+    if past_context(cfg, trained):  # RoPE's tables cover any position (GPT.rotary): it runs, as extrapolation
         warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
                       f"for): every section measures extrapolation past it, not the model as trained; pass --seq-len "
                       f"{trained} or less", stacklevel=2)
@@ -127,7 +134,7 @@ def _header(res: AnalysisResult) -> list[str]:
             f"{env.loadavg_1min_end or 'n/a'} (end); section times (s): {res.seconds}.", "",
             *([f"Windows of {res.config.seq_len} tokens are past the model's sequence_len {res.model_seq_len}: the "
                f"numbers measure RoPE extrapolation, not the model as trained.", ""]
-              if res.model_seq_len is not None and res.config.seq_len > res.model_seq_len else [])]
+              if past_context(res.config, res.model_seq_len) else [])]
 
 
 def _jacobian_md(j: JacobianResult) -> list[str]:
