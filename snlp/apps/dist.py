@@ -118,6 +118,12 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
+    if rank == 0 and tok.foreign:  # as snlp.apps.generate.run: the converted model's generation defaults not applied
+        from snlp.apps.generate import defaults_note
+
+        note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p)
+        if note:
+            print(note, file=sys.stderr)
     eos_id = args.eos_id
     if getattr(args, "chat", False):  # as snlp.apps.generate.run: the chat template, and stop at its EOS
         prompt = tok.chat_prompt([{"role": "user", "content": args.prompt}])
