@@ -292,12 +292,14 @@ NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_rep
            "guidance_scale": 1.0}
 
 
-def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) -> str | None:
+def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, greedy_only: bool = False
+                  ) -> str | None:
     """A converted model's generation defaults (generation_config.json, kept by `snlp convert`) against this run's
     flags: where transformers' generate() would decode otherwise (called without arguments when this run is greedy,
     with do_sample=True when it samples, and this temperature unless the config sets one, which generate() then
     samples with), or None if nowhere. snlp applies only its flags, so a user comparing the two outputs is told which
-    flags make them alike."""
+    flags make them alike. `greedy_only`: a mode that refuses sampling (--mode jacobi), so no sampling flags are
+    offered: the like-for-like call there is generate(do_sample=False)."""
     samples = defaults.get("do_sample") is True
     sampling_only = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
     extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
@@ -316,7 +318,11 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float) 
                                      for k, v in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature))
                                      if k in want)
     parts = []
-    if temperature == 0 and samples:
+    if temperature == 0 and samples and greedy_only:
+        parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
+                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this mode "
+                     f"decodes greedily only (compare with generate(do_sample=False))")
+    elif temperature == 0 and samples:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
                      f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this run "
                      f"decodes greedily (give --temperature {want['temperature']:g} --top-k {want['top_k']} --top-p "
@@ -520,8 +526,8 @@ def run(args) -> int:
             print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
                   "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
     preheat = plans_preheat(args.ckpt, model, [plan])
-    note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p) \
-        if tok.foreign else None
+    note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
+                         greedy_only=args.mode == "jacobi") if tok.foreign else None
     if note:  # transformers applies these by default; snlp only its flags (docs/usage.md, Sampling)
         print(note, file=sys.stderr)
     if args.compile:  # the first token waits for every graph: say why the terminal goes quiet (4 minutes on a CPU)

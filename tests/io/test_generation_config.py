@@ -303,3 +303,20 @@ def test_distributed_generate_names_the_generation_defaults_too(hf_dir, tmp_path
                  "--prompt", "t3 t7", "--max-new-tokens", "2", "--quiet", "--device", "cpu"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "generation_config" in line]
     assert len(err) == 1 and "--temperature 0.7 --top-k 20 --top-p 0.8" in err[0], err
+
+
+def test_generate_jacobi_is_not_told_to_sample(hf_dir, tmp_path, capsys):
+    """--mode jacobi is greedy only: the note offered '--temperature 0.7 --top-k 20 --top-p 0.8 to sample alike',
+    flags that mode refuses; it now names the greedy call to compare with."""
+    d, _, _ = hf_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+    hf.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    src = tmp_path / "sampling"
+    hf.save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ck"), "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--prompt", "t3 t7",
+                 "--max-new-tokens", "2", "--quiet"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "generation_config" in line]
+    assert len(err) == 1 and "--temperature" not in err[0] and "do_sample=False" in err[0], err
