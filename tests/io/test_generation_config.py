@@ -320,3 +320,20 @@ def test_generate_jacobi_is_not_told_to_sample(hf_dir, tmp_path, capsys):
                  "--max-new-tokens", "2", "--quiet"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "generation_config" in line]
     assert len(err) == 1 and "--temperature" not in err[0] and "do_sample=False" in err[0], err
+
+
+def test_defaults_note_names_beam_search(peaky_llama):
+    """num_beams > 1 in a generation_config makes transformers' generate() search beams, greedy or not, and the
+    outputs part from snlp's single sequence; the note said nothing."""
+    from snlp.apps.generate import defaults_note
+
+    outs = {}
+    for beams in (1, 4):
+        peaky_llama.generation_config = transformers.GenerationConfig(num_beams=beams)
+        with torch.no_grad():
+            outs[beams] = peaky_llama.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N,
+                                               pad_token_id=0)[0].tolist()
+    assert outs[1] != outs[4]
+    note = defaults_note({"num_beams": 4}, 0.0, 0, 1.0)
+    assert note and "num_beams=4" in note and "does not apply" in note
+    assert defaults_note({"num_beams": 1}, 0.0, 0, 1.0) is None
