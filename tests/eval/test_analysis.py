@@ -301,6 +301,14 @@ def test_jacobi_alone_reads_no_window_so_a_default_seq_len_past_the_context_is_n
     assert "past the model's sequence_len 32" in A.to_markdown(res)
 
 
+def test_elk_names_the_rank_its_preheat_was_fitted_at(val):
+    """ELK's calibration line named --preheat-rank (32) where the fit kept the embedding width's 16 directions."""
+    m = make_model(seed=3, n_layer=4)  # n_embd 16 < the default preheat rank 32
+    cfg = A.AnalysisConfig(elk_suffix=2, elk_chunks=(0,), elk_values=(0.0,), **SMALL)
+    res = A.elk_sweep(m, val, cfg)
+    assert cfg.preheat_rank == 32 and "rank 16 (no preheat.pt given)" in res.preheat_source, res.preheat_source
+
+
 def test_propagation_heat_map_tells_a_large_finite_ppl_from_a_diverged_cell(tmp_path, monkeypatch):
     """The heat map clipped PPL at 1e9 and drew non-finite cells at that top: a 1e10 cell (a converted model's
     skipped suffix gives such PPLs) looked diverged. Diverged cells are masked now; finite ones keep their value."""

@@ -73,7 +73,8 @@ def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfi
     else:
         ccfg = CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
         pre = fit_preheat(model, ccfg, tokens if calibration == "data" else None)
-        source = (f"fitted here on random tokens, rank {cfg.preheat_rank} (no preheat.pt given)"
+        # pre.rank, not cfg.preheat_rank: the fit keeps at most the embedding width's directions (fit_states)
+        source = (f"fitted here on random tokens, rank {pre.rank} (no preheat.pt given)"
                   if calibration == "given" else calibration)
     ppls = []
     for plan in plans:
