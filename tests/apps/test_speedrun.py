@@ -251,6 +251,60 @@ def test_stages_redo_on_changed_settings_and_force(tmp_path):
     assert st.ran == ["x"]
 
 
+def test_a_stage_made_by_other_snlp_source_is_redone_and_a_trained_model_refused(tmp_path, monkeypatch):
+    """A re-run after snlp's source changed (an upgrade, an edit) redoes the stages the earlier code made: their
+    results (a tokenizer's counts, an evaluation's PPLs) would otherwise sit beside the new code's in one report.
+    A trained model of that code is not deleted silently: the re-run is refused, naming the cause."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun import add_arguments, records
+    from snlp.apps.speedrun.job import setup
+    from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
+
+    class Quiet:
+        def print(self, *a, **k):
+            pass
+
+        rule = print
+
+    assert records.code_digest() == records.code_digest() and len(records.code_digest()) == 16
+    calls = []
+    monkeypatch.setattr(records, "code_digest", lambda: "old-source")
+    st = Stages(tmp_path / "a", False, 1, Quiet())
+    st.run("x", "test", {"a": 1}, lambda: calls.append(1) or {})
+    st = Stages(tmp_path / "a", False, 1, Quiet())
+    st.run("x", "test", {"a": 1}, lambda: calls.append(1) or {})
+    assert st.reused == ["x"] and len(calls) == 1  # the same source: reused
+    monkeypatch.setattr(records, "code_digest", lambda: "new-source")
+    st = Stages(tmp_path / "a", False, 1, Quiet())
+    st.run("x", "test", {"a": 1}, lambda: calls.append(1) or {})
+    assert st.ran == ["x"] and len(calls) == 2
+
+    out = tmp_path / "sr"
+
+    def invocation(*extra):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
+
+    monkeypatch.setattr(records, "code_digest", lambda: "old-source")
+    sr = invocation()
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.cache.mkdir()
+    for key, reg in TRAINED:
+        (out / key).mkdir()
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        sr.stages.begin(f"train-{key}", "test")
+        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    check_replaces(invocation())
+    monkeypatch.setattr(records, "code_digest", lambda: "new-source")
+    with pytest.raises(ValueError, match=r"cannot reuse \(it was made by another snlp source \(code digest "
+                                         r"'old-source' -> 'new-source'\)\).*--force"):
+        check_replaces(invocation())
+
+
 def test_drafter_rule_and_default_grid():
     recs = [EvalRecord(plan="sequential", top1=1.0, speedup=1.0),
             EvalRecord(plan="8xF1-h0-K1", top1=0.80, speedup=1.6),

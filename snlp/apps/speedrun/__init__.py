@@ -17,7 +17,7 @@ was kept and by how much it was not. --minutes / --steps fix training instead
 (no budget); --quick trains 120 steps (no budget unless --budget is given).
 
 Stages, each written atomically into OUT and reused by a re-run when the settings it was made
-with (and those of the stages it depends on) are unchanged; --force redoes everything:
+with (and those of the stages it depends on) and snlp's source are unchanged; --force redoes everything:
   tokenizer      byte-level BPE + token cache of the corpus (default `stdlib`), in OUT/cache
   train-noreg    the No-Reg model (`snlp.train.fit`)                                 OUT/noreg
   train-idn      the IDN-Reg model (`--reg idn`, lambda 0.5, N = 3L/4: suffix_depth)  OUT/idn
@@ -66,8 +66,8 @@ plan grid on both, then early exit, Jacobian diagnostics and self-speculative de
 measurement; writes OUT/report.md, OUT/frontier.png, OUT/records.csv and OUT/summary.json. The run keeps to a
 wall-clock budget (--budget): the box is measured first and each stage gets its share.
 
-Each stage is saved in OUT and reused by a re-run with the same settings (--force redoes them); training stopped by
-Ctrl-C or SIGTERM saves where it stopped, and a re-run resumes it there.
+Each stage is saved in OUT and reused by a re-run with the same settings and snlp source (--force redoes
+them); training stopped by Ctrl-C or SIGTERM saves where it stopped, and a re-run resumes it there.
 
   snlp speedrun --out runs/speedrun          # depth 16, a 20-minute budget end to end
   snlp speedrun --out runs/sr --budget 30    # another budget, in minutes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -27,6 +28,28 @@ def canon(obj):
 
 def digest(obj) -> str:
     return hashlib.sha256(json_text(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 of snlp's own source (every module of the package but the report's renderer, snlp.apps.report): a stage
+    record is reused only by the code that made it, so a re-run after an upgrade or an edit does not print results
+    of the earlier code beside those of the new (a tokenizer stage's counts, an evaluation's PPLs). The report is
+    rendered anew by every invocation from the records, so its renderer is left out: editing it re-renders."""
+    import snlp
+
+    root = Path(snlp.__file__).parent
+    skip = {root / "apps" / "report.py"}
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        if f not in skip:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def keyed(settings: dict) -> dict:
+    """The settings a stage record stores and a re-run must match: the stage's own, and the code that ran it."""
+    return canon({**settings, "snlp_code": code_digest()})
 
 
 def write_json(path: Path, obj) -> None:
@@ -115,7 +138,7 @@ class Stages:
         """The stored record of `name` if it was made with `settings` and its `outputs` still exist (and not
         --force), else None; nothing is registered or printed (lookup does that)."""
         rec = None if self.force else StageRecord.from_json(read_json(self.path(name)))
-        if not (rec is not None and rec.settings == canon(settings) and all(Path(o).exists() for o in outputs)):
+        if not (rec is not None and rec.settings == keyed(settings) and all(Path(o).exists() for o in outputs)):
             return None
         return rec
 
@@ -144,7 +167,7 @@ class Stages:
         t, load0 = self.running.pop(name)
         seconds = time.perf_counter() - t if seconds is None else seconds
         finished, load1 = ended or (datetime.now().astimezone().isoformat(timespec="seconds"), load_average())
-        rec = StageRecord(stage=name, settings=canon(settings), result=canon(result), seconds=seconds,
+        rec = StageRecord(stage=name, settings=keyed(settings), result=canon(result), seconds=seconds,
                           finished=finished, load_start=load0, load_end=load1, **self.notes.pop(name, {}))
         rec.id = digest([rec.settings, rec.finished, seconds])
         write_json(self.path(name), rec.to_json())

@@ -17,7 +17,7 @@ import torch
 
 from snlp.apps.report import cpu_isa, fmt_s
 from snlp.apps.speedrun.preset import REG_LAMBDA
-from snlp.apps.speedrun.records import canon, read_json, write_json
+from snlp.apps.speedrun.records import canon, keyed, read_json, write_json
 from snlp.runtime.device import write_atomic
 from snlp.runtime.load import load_average
 from snlp.train.checkpointing import read_log  # a diverged step's null / "inf" loss read back as NaN / inf
@@ -427,7 +427,11 @@ def _changes(was, now, prefix: str = "") -> list[str]:
     if isinstance(was, dict) and isinstance(now, dict):
         return [c for k in sorted(set(was) | set(now), key=str)
                 for c in _changes(was.get(k), now.get(k), f"{prefix}{k}." if prefix or k != "train" else "")]
-    return [] if was == now else [f"{prefix.rstrip('.') or 'settings'} {was!r} -> {now!r}"]
+    if was == now:
+        return []
+    if prefix == "snlp_code.":  # records.keyed: the stage was made by another version of snlp's source
+        return [f"it was made by another snlp source (code digest {was!r} -> {now!r})"]
+    return [f"{prefix.rstrip('.') or 'settings'} {was!r} -> {now!r}"]
 
 
 def check_replaces(sr: Speedrun) -> None:
@@ -459,12 +463,12 @@ def check_replaces(sr: Speedrun) -> None:
             if partial == settings and (sr.out / key / "train_state.pt").is_file():
                 continue  # an interrupted training of these settings: resumed
             rec = read_json(sr.stages.path(name))
-            was = partial if partial is not None else (rec or {}).get("settings")
-            changes = (_changes(was, settings) if isinstance(was, dict) else ["its stage record is missing"]) \
+            was, now = (partial, settings) if partial is not None else ((rec or {}).get("settings"), keyed(settings))
+            changes = (_changes(was, now) if isinstance(was, dict) else ["its stage record is missing"]) \
                 or ["its resume state (train_state.pt) is missing"]
         else:
             was = (read_json(sr.stages.path("tokenizer")) or {}).get("settings")
-            changes = (_changes(was, canon(spec)) if isinstance(was, dict) else ["its tokenizer record is missing"]) \
+            changes = (_changes(was, keyed(spec)) if isinstance(was, dict) else ["its tokenizer record is missing"]) \
                 or [f"the token cache {sr.cache} it was trained from is gone"]
         raise ValueError(f"--out {sr.out} holds the model {sr.out / key}, which this run cannot reuse ("
                          + "; ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
