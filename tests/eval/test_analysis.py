@@ -179,6 +179,16 @@ def test_propagation_staircase(model, val):
         assert res.with_correction[3][j - 1] == pytest.approx(res.without_correction[3][j - 1], rel=1e-10)
 
 
+def test_propagation_says_how_many_tokens_it_read_below_max_tokens(model, val):
+    """The section reads min(prop_tokens, --max-tokens) predicted tokens: a --max-tokens above the cap is not what
+    it ran on, and its markdown says the count (whole windows of seq_len)."""
+    cfg = A.AnalysisConfig(prop_suffix=2, prop_tokens=16, **SMALL)  # max_tokens 48 > 16
+    res = A.correction_propagation(model, val, cfg)
+    assert res.tokens == 16
+    md = A.to_markdown(A.AnalysisResult(checkpoint="m", config=cfg, environment=A.environment(), propagation=res))
+    assert "over 16 predicted tokens per cell" in md
+
+
 # ---------------------------------------------------------------- early exit moved here
 def test_early_exit_is_importable_from_everywhere(model, val):
     from snlp.eval.analysis.earlyexit import early_exit

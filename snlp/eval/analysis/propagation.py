@@ -21,6 +21,7 @@ class PropagationResult:
     iters: list[int]
     with_correction: list[list[float]]  # [K index][j - 1]: PPL with the last j suffix layers active
     without_correction: list[list[float]]
+    tokens: int | None = None  # predicted tokens per cell: min(prop_tokens, --max-tokens), windows whole
 
 
 @torch.inference_mode()
@@ -52,5 +53,5 @@ def correction_propagation(model: GPT, val_tokens, cfg: AnalysisConfig = Analysi
             n_tok += y.numel()
     ppl = {k: float("inf") if k in bad else perplexity(v, n_tok) for k, v in nll.items()}
     return PropagationResult(N=N, iters=iters, with_correction=[[ppl["idn", K, j] for j in js] for K in iters],
-                             without_correction=[[ppl["none", K, j] for j in js] for K in iters])
+                             without_correction=[[ppl["none", K, j] for j in js] for K in iters], tokens=n_tok)
 

@@ -156,7 +156,10 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
                            ordering_summary(res.ordering), "", ordering_tables(res.ordering), ""]
     if p := res.propagation:
         out["propagation"] = ["## Correction propagation", "", f"N = {p.N}: PPL with only the last j suffix layers "
-                              "active (the others skipped).", "", propagation_table(p), ""]
+                              "active (the others skipped)" + (f", over {p.tokens} predicted tokens per cell (the section "
+                              "reads at most `prop_tokens`, 512 by default, of --max-tokens: it solves 2 N^2 cells)"
+                              if p.tokens else "")
+                              + ".", "", propagation_table(p), ""]
     if res.early_exit:
         out["early-exit"] = ["## Early exit (K = 0)", "", early_exit_table(res.early_exit), ""]
     if e := res.elk:
