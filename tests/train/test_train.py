@@ -241,3 +241,52 @@ def test_a_stop_file_with_a_byte_order_mark_is_read_as_its_number(tmp_path):
                           ("50".encode("utf-16") + b"0", 50)):  # the mark alone, or half of the next digit
         stop.write_bytes(pending)
         assert read_stop_file(stop) == (read, None) and file_hooks(stop).should_stop(3) is None, pending
+
+
+def test_tok_s_is_the_steps_own_pace_without_the_validation_save_and_flop_count_before_it(corpus, tmp_path, monkeypatch):
+    """A log row's `tok_s` is the step's tokens over the time since the previous step ended, the hold of a before_step
+    hook (a lockstep peer's gate) included; the validation, the save and the one-off FLOP count between two steps are
+    no part of it (`step_s` leaves them out too). On a fake clock: every micro-batch takes 1 s, every hold 5 s, a
+    validation 100 s, a save 50 s, the FLOP count 10 s, so every row reads 2 x 16 tokens / 6 s and step_s 1 s (the
+    rows after a validation or a save read 32 / 106 or 32 / 56 when those were counted)."""
+    import types
+
+    import snlp.train.trainer as T
+    from snlp.train.config import TrainConfig
+    from snlp.train.hooks import TrainHooks
+    from snlp.train.pretrain import pretrain_job
+
+    clock = [0.0]
+
+    def advance(s):
+        clock[0] += s
+
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], sleep=time_sleep_refused))
+
+    def counted(fn, s):
+        def wrapped(*a, **k):
+            advance(s)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(T, "save_run", counted(T.save_run, 50.0))
+    monkeypatch.setattr(T, "step_flops", counted(T.step_flops, 10.0))
+
+    def make_job(*a):
+        job = pretrain_job(*a)
+        job.batch, job.validate = counted(job.batch, 1.0), counted(job.validate, 100.0)
+        return job
+
+    cfg = TrainConfig(out=str(tmp_path / "pace"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2,
+                      width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=6, eval_every=3,
+                      save_every=2, log_every=1, eval_batches=1, no_progress=True, device="cpu", reg_n="1")
+    fit_result = T.fit(cfg, make_job, hooks=TrainHooks(before_step=lambda steps_done: advance(5.0)))
+    assert fit_result.steps == 6
+    rows = [r for r in log(tmp_path / "pace") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["tok_s"] for r in rows] == [2 * 16 / 6.0] * 6
+    assert [r["step_s"] for r in rows] == [1.0] * 6
+
+
+def time_sleep_refused(s):
+    raise AssertionError("the loop slept on the fake clock")
