@@ -132,10 +132,10 @@ def add_reg_rows_argument(r) -> None:
 
 def add_speed_arguments(o) -> None:
     """--compile and --time-reg (snlp train and snlp sft)."""
-    o.add_argument("--compile", action="store_true",
+    o.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compile the step: model, loss and regulariser (or the SNLP-forward SFT solve) under "
                    "torch.compile (one graph, static shapes; bf16 autocast on CUDA, fp32 on CPU), Muon's Newton-Schulz "
-                   "iterations and fused AdamW on CUDA; the first step compiles")
+                   "iterations and fused AdamW on CUDA; the first step compiles. --no-compile: a resume runs eager")
     o.add_argument("--time-reg", type=int, default=0, metavar="ROUNDS",
                    help="after training, time ROUNDS micro-batch steps with and without the regulariser (needs --reg) "
                    "and report the overhead in the summary")

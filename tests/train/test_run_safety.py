@@ -932,3 +932,21 @@ def test_a_stop_file_name_over_the_os_limit_is_one_line(corpus, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("snlp train: error: --stop-file ") and "too long" in err, err
     assert not (tmp_path / "run").exists()
+
+
+
+def test_a_resume_can_turn_compile_off_as_well_as_on():
+    """--compile is one of the settings a resume may change, and a resume keeps every flag not typed: a run saved with
+    --compile could not be resumed eagerly (a store_true flag cannot be typed False), so a compiled CUDA run resumed on
+    a CPU recompiled there. --no-compile now says it (snlp sft shares the flag); left out, the saved value stays."""
+    from snlp.apps.cli import build_parser, given_flags
+    from snlp.apps.train import config_from_args
+    from snlp.train.config import resumed
+
+    saved = vars(TrainConfig(out="x", compile=True))
+    parser = build_parser("train")
+    for typed, want in ((["--no-compile"], False), ([], True), (["--compile"], True)):
+        argv = ["train", "--out", "x", "--resume", *typed]
+        args = parser.parse_args(argv)
+        assert resumed(config_from_args(args), saved, given_flags(parser, argv, args)).compile is want, typed
+    assert build_parser("sft").parse_args(["sft", "b", "--data", "c.jsonl", "--out", "o", "--no-compile"]).compile is False
