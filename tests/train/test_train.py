@@ -290,3 +290,27 @@ def test_tok_s_is_the_steps_own_pace_without_the_validation_save_and_flop_count_
 
 def time_sleep_refused(s):
     raise AssertionError("the loop slept on the fake clock")
+
+
+def test_a_resume_keeps_this_runs_adamw_kernel_not_the_checkpoints():
+    """How AdamW computes (fused, foreach, capturable) is this process's choice (--compile on CUDA: fused), not the
+    run's: loading the saved state put the saved run's flags back into the param groups, so a compiled CUDA run resumed
+    without --compile, or on a CPU, kept the fused kernel and a run resumed with --compile never got it. The saved
+    moments, step counts and hyperparameters load as before."""
+    from snlp.train.optim import load_optimizer_states
+
+    p = [torch.nn.Parameter(torch.randn(3, 3, generator=torch.Generator().manual_seed(0)))]
+    saved = torch.optim.AdamW(p, fused=True, betas=(0.8, 0.95))
+    p[0].grad = torch.ones(3, 3)
+    saved.step()
+    for fused in (None, True):
+        now = torch.optim.AdamW(p, betas=(0.8, 0.95), **({"fused": True} if fused else {}))
+        for g in now.param_groups:
+            g["base_lr"] = g["lr"]
+        state = saved.state_dict()
+        state["param_groups"][0]["fused"] = not fused  # the other kernel than this run's
+        load_optimizer_states([now], [state])
+        g = now.param_groups[0]
+        assert (g["fused"], g["foreach"], g["capturable"]) == (fused, None, False)
+        assert torch.equal(now.state[p[0]]["exp_avg"], saved.state[p[0]]["exp_avg"]) and g["betas"] == (0.8, 0.95)
+        now.step()  # its step count where its kernel wants it
