@@ -37,6 +37,7 @@ class ResumePoint:
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
     data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
     command: str = "snlp train"  # the command whose run it is (run_command): a resume continues it as that only
+    validated_at: int | None = None  # the step of the run's last validation (logged); None: none, or not recorded
 
 
 @dataclass
@@ -83,7 +84,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
                         init_from=(st.get("args") or {}).get("init_from"),
-                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
+                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st),
+                        validated_at=st.get("validated_at"))
     return Start(model, tok, point)
 
 

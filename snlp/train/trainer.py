@@ -212,7 +212,8 @@ def resume(point: ResumePoint | None, opts) -> LoopState:
         return LoopState()
     load_optimizer_states(opts, point.optimizer)
     set_rng_state(point.rng)
-    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step)
+    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step,
+                     validated_at=point.validated_at)
 
 
 def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
@@ -232,7 +233,10 @@ def train_loop(run: Run, state: LoopState) -> None:
     cfg = run.cfg
     # a signal during setup: straight to step 0's save, unless the run ends at step 0 by its own limit (--stop-after
     # 0): that run is its step-0 validation, which it would skip and end as finished (status 0, nothing to resume)
-    if state.step == 0 and (stopped_in_setup(run) is None or limit_reason(run, state) is not None):
+    # (a run resumed at step 0 that its first leg validated, e.g. one that ended by --stop-after 0, is not validated
+    # and logged again)
+    if state.step == 0 and state.validated_at != 0 and (stopped_in_setup(run) is None
+                                                        or limit_reason(run, state) is not None):
         validate_and_log(run, state)
     state.stopped_by = limit_reason(run, state) or agree_on_reason(run.ctx, ask(run, run.hooks.should_stop, state))
     while state.stopped_by is None:
@@ -459,7 +463,7 @@ def save(run: Run, state: LoopState) -> None:
     t = time.perf_counter()
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "world": run.ctx.world, "args": run.args, **run.job.state}
+              "world": run.ctx.world, "args": run.args, "validated_at": state.validated_at, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     state.peer_signal = signals_so_far(run)  # the others wait for rank 0's save in this all-reduce (a barrier)
     state.t_last += time.perf_counter() - t  # not the next step's time (validate_and_log)

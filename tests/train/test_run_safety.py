@@ -950,3 +950,16 @@ def test_a_resume_can_turn_compile_off_as_well_as_on():
         args = parser.parse_args(argv)
         assert resumed(config_from_args(args), saved, given_flags(parser, argv, args)).compile is want, typed
     assert build_parser("sft").parse_args(["sft", "b", "--data", "c.jsonl", "--out", "o", "--no-compile"]).compile is False
+
+
+def test_a_run_resumed_at_step_0_logs_step_0_once(corpus, tmp_path):
+    """A run that ended at step 0 (--stop-after 0, or a stop right after step 0's validation) had validated and logged
+    step 0; its resume validated and logged step 0 again: two step-0 rows (two curves' starts) where the run never
+    stopped has one. The checkpoint now says which step its run validated last, and a resume does not repeat it; a
+    run saved at step 0 without that validation (a signal during setup) still gets it on resume."""
+    ref = fit(cfg(tmp_path / "ref", corpus, tmp_path / "cache", steps=2))
+    fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, stop_after=0))
+    res = fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, resume=True))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2]
+    assert res.val_loss == ref.val_loss and res.steps == 2
