@@ -291,6 +291,7 @@ BAD_SETTINGS = [
     ("--embedding-lr", "-0.1"), ("--unembedding-lr", "nan"), ("--scalar-lr", "-1"), ("--hc-lr", "inf"),
     ("--matrix-lr", "-0.02"), ("--weight-decay", "-1"), ("--grad-clip", "-1"), ("--max-chars", "-5"),
     ("--reg-lambda", "nan"), ("--reg-lambda", "inf"),
+    ("--stop-after", "-1"),  # stopped at step 0 as --stop-after 0 does, status 0
 ]
 
 
