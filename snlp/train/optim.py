@@ -83,9 +83,11 @@ class Progress:
 
 
 def lr_multiplier(step: int, frac: float, warmup_steps: int, warmdown: float) -> float:
-    """LR scale for optimizer step `step` (0-based) at run fraction `frac` (nanochat's
+    """LR scale for optimizer step `step` (0-based) at run fraction `frac` (after nanochat's
     get_lr_multiplier): linear warm-up over `warmup_steps`, constant, then linear warm-down to 0 over
-    the last `warmdown` of the run. Stateless: resume needs no scheduler state."""
+    the last `warmdown` of the run; where the two overlap (a run of fewer than warmup_steps / (1 - warmdown)
+    steps) the product of both, where nanochat's takes the warm-up alone. Stateless: resume needs no scheduler
+    state."""
     w = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
     return w * (min(1.0, (1.0 - frac) / warmdown) if warmdown > 0 else 1.0)
 

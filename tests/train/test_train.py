@@ -314,3 +314,36 @@ def test_a_resume_keeps_this_runs_adamw_kernel_not_the_checkpoints():
         assert (g["fused"], g["foreach"], g["capturable"]) == (fused, None, False)
         assert torch.equal(now.state[p[0]]["exp_avg"], saved.state[p[0]]["exp_avg"]) and g["betas"] == (0.8, 0.95)
         now.step()  # its step count where its kernel wants it
+
+
+def test_the_lr_schedule_is_the_documented_formula_across_a_resume(corpus, tmp_path):
+    """docs/training.md: linear warm-up over --warmup-steps ((s + 1) / W at 0-based step s), linear warm-down to 0 over
+    the last --warmdown fraction of the run ((1 - s / steps) / F), their product where they overlap; stateless, so a
+    run stopped at step 2 and resumed logs the uninterrupted run's lr_scale, and the AdamW and Muon groups step at
+    base LR x that scale (the checkpoint's groups hold the last step's LR)."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    steps, W, F = 6, 4, 0.5
+
+    def naive(s):
+        warm = (s + 1) / W if s + 1 < W else 1.0
+        down = min(1.0, (1 - s / steps) / F)
+        return warm * down
+
+    def run(out, **kw):
+        return fit(TrainConfig(out=str(tmp_path / out), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2,
+                               width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=steps,
+                               warmup_steps=W, warmdown=F, log_every=1, eval_every=100, eval_batches=1,
+                               no_progress=True, device="cpu", reg_n="1", **kw))
+
+    run("full")
+    run("part", stop_after=2)
+    run("part", resume=True)
+    for out in ("full", "part"):
+        rows = [r for r in log(tmp_path / out) if "loss" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert [r["lr_scale"] for r in rows] == pytest.approx([naive(s) for s in range(steps)], rel=1e-12, abs=0)
+        groups = [g for o in torch.load(tmp_path / out / "optimizer.pt", weights_only=False)["optimizer"]
+                  for g in o["param_groups"]]
+        assert len(groups) >= 3 and all(g["lr"] == pytest.approx(g["base_lr"] * naive(steps - 1)) for g in groups)
