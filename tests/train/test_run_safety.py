@@ -292,6 +292,7 @@ BAD_SETTINGS = [
     ("--matrix-lr", "-0.02"), ("--weight-decay", "-1"), ("--grad-clip", "-1"), ("--max-chars", "-5"),
     ("--reg-lambda", "nan"), ("--reg-lambda", "inf"),
     ("--stop-after", "-1"),  # stopped at step 0 as --stop-after 0 does, status 0
+    ("--seed", "-1"),  # numpy's "expected non-negative integer" at the first batch, after step 0's validation
 ]
 
 
