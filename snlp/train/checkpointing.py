@@ -37,7 +37,6 @@ class ResumePoint:
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
     data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
     command: str = "snlp train"  # the command whose run it is (run_command): a resume continues it as that only
-    validated_at: int | None = None  # the step of the run's last validation (logged); None: none, or not recorded
 
 
 @dataclass
@@ -84,8 +83,7 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
                         init_from=(st.get("args") or {}).get("init_from"),
-                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st),
-                        validated_at=st.get("validated_at"))
+                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
     return Start(model, tok, point)
 
 
@@ -196,10 +194,20 @@ def recorded_args(args: dict) -> dict:
 def trim_log(log: Path, step: int) -> None:
     """Drop the records of steps after `step` from a run's log.jsonl (rewritten atomically): a run killed
     after its last save logged steps that `--resume` from that save runs, and logs, again."""
+    _keep_lines(log, lambda ln: _step(ln) is None or _step(ln) <= step)
+
+
+def drop_validations(log: Path, step: int) -> None:
+    """Drop the validation records (val_loss) of `step` from a run's log.jsonl (rewritten atomically): a resumed run
+    that validates its saved step again (step 0) logs it in their place."""
+    _keep_lines(log, lambda ln: _step(ln) != step or "val_loss" not in (log_record(ln) or {}))
+
+
+def _keep_lines(log: Path, keep_line) -> None:
     if not log.is_file():
         return
     lines = log.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if not ln.strip() or _step(ln) is None or _step(ln) <= step]
+    keep = [ln for ln in lines if not ln.strip() or keep_line(ln)]
     if len(keep) != len(lines):
         tmp = log.with_name(log.name + f".tmp-{os.getpid()}")
         tmp.write_text("".join(keep))

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, open_run, recorded_args,
-                                      save_run, set_aside_unsaved_log, set_rng_state, trim_log)
+from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, drop_validations, open_run,
+                                      recorded_args, save_run, set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, busy_threads, setup_dist, teardown_dist
@@ -92,6 +92,7 @@ class LoopState:
     step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
     mfu: float | None = None  # the last step's MFU (logged on every row)
     peer_signal: int = 0  # the highest signal number any rank had taken by this process's last save (0: none)
+    resumed: bool = False  # this process continues a saved run (--resume)
 
 
 @dataclass
@@ -213,7 +214,7 @@ def resume(point: ResumePoint | None, opts) -> LoopState:
     load_optimizer_states(opts, point.optimizer)
     set_rng_state(point.rng)
     return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step,
-                     validated_at=point.validated_at)
+                     resumed=True)
 
 
 def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
@@ -233,10 +234,7 @@ def train_loop(run: Run, state: LoopState) -> None:
     cfg = run.cfg
     # a signal during setup: straight to step 0's save, unless the run ends at step 0 by its own limit (--stop-after
     # 0): that run is its step-0 validation, which it would skip and end as finished (status 0, nothing to resume)
-    # (a run resumed at step 0 that its first leg validated, e.g. one that ended by --stop-after 0, is not validated
-    # and logged again)
-    if state.step == 0 and state.validated_at != 0 and (stopped_in_setup(run) is None
-                                                        or limit_reason(run, state) is not None):
+    if state.step == 0 and (stopped_in_setup(run) is None or limit_reason(run, state) is not None):
         validate_and_log(run, state)
     state.stopped_by = limit_reason(run, state) or agree_on_reason(run.ctx, ask(run, run.hooks.should_stop, state))
     while state.stopped_by is None:
@@ -451,6 +449,8 @@ def validate_and_log(run: Run, state: LoopState) -> None:
     state.t_last += time.perf_counter() - t  # not the next step's time: its tok_s is the step's own pace
     state.validation, state.validated_at = v, state.step
     if state.step == 0:
+        if state.resumed and run.ctx.master:  # a run saved at step 0 (--stop-after 0, a stop after this validation):
+            drop_validations(run.out / "log.jsonl", 0)  # its leg's row of the same weights is replaced, not repeated
         write_log(run, {"step": 0, **v.record()}, state.mfu)
         say(run, f"step 0: {v}")
     else:
@@ -463,7 +463,7 @@ def save(run: Run, state: LoopState) -> None:
     t = time.perf_counter()
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "world": run.ctx.world, "args": run.args, "validated_at": state.validated_at, **run.job.state}
+              "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     state.peer_signal = signals_so_far(run)  # the others wait for rank 0's save in this all-reduce (a barrier)
     state.t_last += time.perf_counter() - t  # not the next step's time (validate_and_log)

@@ -957,10 +957,13 @@ def test_a_resume_can_turn_compile_off_as_well_as_on():
 def test_a_run_resumed_at_step_0_logs_step_0_once(corpus, tmp_path):
     """A run that ended at step 0 (--stop-after 0, or a stop right after step 0's validation) had validated and logged
     step 0; its resume validated and logged step 0 again: two step-0 rows (two curves' starts) where the run never
-    stopped has one. The checkpoint now says which step its run validated last, and a resume does not repeat it; a
-    run saved at step 0 without that validation (a signal during setup) still gets it on resume."""
+    stopped has one. Its validation of step 0 now replaces the earlier leg's row, so the run keeps its step-0
+    validation (the summary of a leg that ends at step 0 again too) and logs it once."""
     ref = fit(cfg(tmp_path / "ref", corpus, tmp_path / "cache", steps=2))
     fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, stop_after=0))
+    again = fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, stop_after=0, resume=True))
+    assert again.val_loss is not None
+    assert json.loads((tmp_path / "run" / "train_summary.json").read_text())["validation"] is not None
     res = fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, resume=True))
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [0, 2]
