@@ -82,8 +82,8 @@ def add_arguments(p) -> None:
     o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000 unless --minutes)")
     o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
-    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step; the LR schedule still follows the budget "
-                   "(--steps or --minutes)")
+    o.add_argument("--stop-after", type=int, default=None,
+                   help="stop (and save) after this step; the LR schedule still follows the budget (--steps or --minutes)")
     o.add_argument("--stop-file", default=None, help="stop (and save) once the step number written in this file is done "
                    "(checked every step; e.g. to stop two side-by-side runs at the same step); other text, such as "
                    "'stop', stops it after the step in progress")
