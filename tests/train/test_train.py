@@ -347,3 +347,19 @@ def test_the_lr_schedule_is_the_documented_formula_across_a_resume(corpus, tmp_p
         groups = [g for o in torch.load(tmp_path / out / "optimizer.pt", weights_only=False)["optimizer"]
                   for g in o["param_groups"]]
         assert len(groups) >= 3 and all(g["lr"] == pytest.approx(g["base_lr"] * naive(steps - 1)) for g in groups)
+
+
+def test_steps_and_minutes_together_end_at_the_first_and_decay_by_the_further():
+    """docs/training.md: given --steps and --minutes, the run ends at whichever comes first, and the warm-down follows
+    the budget further along."""
+    from snlp.train.optim import Progress
+
+    p = Progress(100, 1.0)  # 100 steps or 60 s
+    p.step, p.elapsed = 50, 45.0
+    assert p.frac == 0.75 and not p.done()
+    p.step, p.elapsed = 80, 30.0
+    assert p.frac == 0.8 and not p.done()
+    p.step, p.elapsed = 60, 60.0
+    assert p.done()
+    p.step, p.elapsed = 100, 1.0
+    assert p.done()
