@@ -82,7 +82,8 @@ def add_arguments(p) -> None:
     o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000 unless --minutes)")
     o.add_argument("--minutes", type=float, default=None, help="wall-clock budget; the LR schedule follows elapsed time")
-    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this step; schedule still follows --steps")
+    o.add_argument("--stop-after", type=int, default=None,
+                   help="stop (and save) after this step; the LR schedule still follows the budget (--steps or --minutes)")
     o.add_argument("--stop-file", default=None, help="stop (and save) once the step number written in this file is done "
                    "(checked every step; e.g. to stop two side-by-side runs at the same step); other text, such as "
                    "'stop', stops it after the step in progress")
@@ -132,10 +133,10 @@ def add_reg_rows_argument(r) -> None:
 
 def add_speed_arguments(o) -> None:
     """--compile and --time-reg (snlp train and snlp sft)."""
-    o.add_argument("--compile", action="store_true",
+    o.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compile the step: model, loss and regulariser (or the SNLP-forward SFT solve) under "
                    "torch.compile (one graph, static shapes; bf16 autocast on CUDA, fp32 on CPU), Muon's Newton-Schulz "
-                   "iterations and fused AdamW on CUDA; the first step compiles")
+                   "iterations and fused AdamW on CUDA; the first step compiles. --no-compile: a resume runs eager")
     o.add_argument("--time-reg", type=int, default=0, metavar="ROUNDS",
                    help="after training, time ROUNDS micro-batch steps with and without the regulariser (needs --reg) "
                    "and report the overhead in the summary")

@@ -194,10 +194,20 @@ def recorded_args(args: dict) -> dict:
 def trim_log(log: Path, step: int) -> None:
     """Drop the records of steps after `step` from a run's log.jsonl (rewritten atomically): a run killed
     after its last save logged steps that `--resume` from that save runs, and logs, again."""
+    _keep_lines(log, lambda ln: _step(ln) is None or _step(ln) <= step)
+
+
+def drop_validations(log: Path, step: int) -> None:
+    """Drop the validation records (val_loss) of `step` from a run's log.jsonl (rewritten atomically): a resumed run
+    that validates its saved step again (step 0) logs it in their place."""
+    _keep_lines(log, lambda ln: _step(ln) != step or "val_loss" not in (log_record(ln) or {}))
+
+
+def _keep_lines(log: Path, keep_line) -> None:
     if not log.is_file():
         return
     lines = log.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if not ln.strip() or _step(ln) is None or _step(ln) <= step]
+    keep = [ln for ln in lines if not ln.strip() or keep_line(ln)]
     if len(keep) != len(lines):
         tmp = log.with_name(log.name + f".tmp-{os.getpid()}")
         tmp.write_text("".join(keep))

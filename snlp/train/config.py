@@ -93,6 +93,10 @@ class TrainConfig:
                              f"{self.save_every})")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1 (got {self.steps})")
+        if self.seed < 0:  # the data's generator (data.batch_at: numpy's seed sequence) takes none
+            raise ValueError(f"--seed must be >= 0 (got {self.seed})")
+        if self.stop_after is not None and self.stop_after < 0:  # the loop's step >= N held at step 0: a silent 0
+            raise ValueError(f"--stop-after must be >= 0 (got {self.stop_after})")
         if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):  # nan: `<= 0` False
             raise ValueError(f"--minutes must be a finite number > 0 (got {self.minutes})")  # inf: no LR schedule
         if not 0 <= self.warmdown <= 1:

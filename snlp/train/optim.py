@@ -83,9 +83,11 @@ class Progress:
 
 
 def lr_multiplier(step: int, frac: float, warmup_steps: int, warmdown: float) -> float:
-    """LR scale for optimizer step `step` (0-based) at run fraction `frac` (nanochat's
+    """LR scale for optimizer step `step` (0-based) at run fraction `frac` (after nanochat's
     get_lr_multiplier): linear warm-up over `warmup_steps`, constant, then linear warm-down to 0 over
-    the last `warmdown` of the run. Stateless: resume needs no scheduler state."""
+    the last `warmdown` of the run; where the two overlap (a run of fewer than warmup_steps / (1 - warmdown)
+    steps) the product of both, where nanochat's takes the warm-up alone. Stateless: resume needs no scheduler
+    state."""
     w = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
     return w * (min(1.0, (1.0 - frac) / warmdown) if warmdown > 0 else 1.0)
 
@@ -106,11 +108,20 @@ class OptimizerBundle:
         return [o.state_dict() for o in self.items]
 
 
+# Param-group entries that say how this process computes an update, not what the update is: a resume may change the
+# device and --compile (fused AdamW on CUDA), so they stay the resuming run's instead of the saved groups'
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def load_optimizer_states(opts, states: list) -> None:
     """Load the saved state dicts (an OptimizerBundle's) into this run's optimizers. The peak LRs ("base_lr")
-    stay this run's: old checkpoints lack them, and a resumed run's flags decide its schedule."""
+    stay this run's: old checkpoints lack them, and a resumed run's flags decide its schedule; so do the kernel
+    choices (KERNEL_KEYS), which follow this process's device and --compile."""
     for o, s in zip(opts, states):
         bases = [g["base_lr"] for g in o.param_groups]
-        o.load_state_dict(s)
+        # into the saved groups before loading: torch places each state's step count by the groups it loads (on the
+        # parameter's device for a fused kernel, on the CPU otherwise)
+        groups = [{**sg, **{k: g[k] for k in KERNEL_KEYS if k in g}} for sg, g in zip(s["param_groups"], o.param_groups)]
+        o.load_state_dict({**s, "param_groups": groups})
         for g, b in zip(o.param_groups, bases):
             g["base_lr"] = b

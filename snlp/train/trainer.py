@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, open_run, recorded_args,
-                                      save_run, set_aside_unsaved_log, set_rng_state, trim_log)
+from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, drop_validations, open_run,
+                                      recorded_args, save_run, set_aside_unsaved_log, set_rng_state, trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, busy_threads, setup_dist, teardown_dist
@@ -86,10 +86,13 @@ class LoopState:
     validated_at: int | None = None  # the step of `validation`
     saved_at: int | None = None  # the step of this process's last save
     stopped_by: str | None = None
-    t_last: float = 0.0  # perf_counter() at the end of the previous step (tokens/s)
+    # perf_counter() at the end of the previous step, moved on past the validation, save and FLOP count since: a step's
+    # tok_s counts its own time and any hold before it (before_step: a lockstep gate), not those passes
+    t_last: float = 0.0
     step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
     mfu: float | None = None  # the last step's MFU (logged on every row)
     peer_signal: int = 0  # the highest signal number any rank had taken by this process's last save (0: none)
+    resumed: bool = False  # this process continues a saved run (--resume)
 
 
 @dataclass
@@ -210,7 +213,8 @@ def resume(point: ResumePoint | None, opts) -> LoopState:
         return LoopState()
     load_optimizer_states(opts, point.optimizer)
     set_rng_state(point.rng)
-    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step)
+    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step,
+                     resumed=True)
 
 
 def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
@@ -327,8 +331,11 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
             # per position computed, padding included: MFU = these FLOPs x real tokens/s counts useful work only
+            t_count = time.perf_counter()
             run.flops_per_token = step_flops(run.job.loss, x, y, lam, run.autocast, *extra) / x.numel()
-            t0 = time.perf_counter()  # the count is not the step's time
+            spent = time.perf_counter() - t_count  # the count is neither the step's time nor in its tok_s
+            t0 += spent
+            state.t_last += spent
         sync = nullcontext() if (ctx.world == 1 or a == cfg.grad_accum - 1) else run.stepper.no_sync()
         with sync:
             with run.autocast():
@@ -437,9 +444,13 @@ def log_step(run: Run, state: LoopState, st: StepStats) -> None:
 
 def validate_and_log(run: Run, state: LoopState) -> None:
     """The job's validation at the current step, logged (rank 0) and kept as the run's latest."""
+    t = time.perf_counter()
     v = run.job.validate(run.job.model, run.job.val_batches)
+    state.t_last += time.perf_counter() - t  # not the next step's time: its tok_s is the step's own pace
     state.validation, state.validated_at = v, state.step
     if state.step == 0:
+        if state.resumed and run.ctx.master:  # a run saved at step 0 (--stop-after 0, a stop after this validation):
+            drop_validations(run.out / "log.jsonl", 0)  # its leg's row of the same weights is replaced, not repeated
         write_log(run, {"step": 0, **v.record()}, state.mfu)
         say(run, f"step 0: {v}")
     else:
@@ -449,11 +460,13 @@ def validate_and_log(run: Run, state: LoopState) -> None:
 
 def save(run: Run, state: LoopState) -> None:
     """The checkpoint with everything `--resume` needs (rank 0; the others wait for it)."""
+    t = time.perf_counter()
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
               "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     state.peer_signal = signals_so_far(run)  # the others wait for rank 0's save in this all-reduce (a barrier)
+    state.t_last += time.perf_counter() - t  # not the next step's time (validate_and_log)
     state.saved_at = state.step
 
 

@@ -291,6 +291,8 @@ BAD_SETTINGS = [
     ("--embedding-lr", "-0.1"), ("--unembedding-lr", "nan"), ("--scalar-lr", "-1"), ("--hc-lr", "inf"),
     ("--matrix-lr", "-0.02"), ("--weight-decay", "-1"), ("--grad-clip", "-1"), ("--max-chars", "-5"),
     ("--reg-lambda", "nan"), ("--reg-lambda", "inf"),
+    ("--stop-after", "-1"),  # stopped at step 0 as --stop-after 0 does, status 0
+    ("--seed", "-1"),  # numpy's "expected non-negative integer" at the first batch, after step 0's validation
 ]
 
 
@@ -932,3 +934,37 @@ def test_a_stop_file_name_over_the_os_limit_is_one_line(corpus, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("snlp train: error: --stop-file ") and "too long" in err, err
     assert not (tmp_path / "run").exists()
+
+
+
+def test_a_resume_can_turn_compile_off_as_well_as_on():
+    """--compile is one of the settings a resume may change, and a resume keeps every flag not typed: a run saved with
+    --compile could not be resumed eagerly (a store_true flag cannot be typed False), so a compiled CUDA run resumed on
+    a CPU recompiled there. --no-compile now says it (snlp sft shares the flag); left out, the saved value stays."""
+    from snlp.apps.cli import build_parser, given_flags
+    from snlp.apps.train import config_from_args
+    from snlp.train.config import resumed
+
+    saved = vars(TrainConfig(out="x", compile=True))
+    parser = build_parser("train")
+    for typed, want in ((["--no-compile"], False), ([], True), (["--compile"], True)):
+        argv = ["train", "--out", "x", "--resume", *typed]
+        args = parser.parse_args(argv)
+        assert resumed(config_from_args(args), saved, given_flags(parser, argv, args)).compile is want, typed
+    assert build_parser("sft").parse_args(["sft", "b", "--data", "c.jsonl", "--out", "o", "--no-compile"]).compile is False
+
+
+def test_a_run_resumed_at_step_0_logs_step_0_once(corpus, tmp_path):
+    """A run that ended at step 0 (--stop-after 0, or a stop right after step 0's validation) had validated and logged
+    step 0; its resume validated and logged step 0 again: two step-0 rows (two curves' starts) where the run never
+    stopped has one. Its validation of step 0 now replaces the earlier leg's row, so the run keeps its step-0
+    validation (the summary of a leg that ends at step 0 again too) and logs it once."""
+    ref = fit(cfg(tmp_path / "ref", corpus, tmp_path / "cache", steps=2))
+    fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, stop_after=0))
+    again = fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, stop_after=0, resume=True))
+    assert again.val_loss is not None
+    assert json.loads((tmp_path / "run" / "train_summary.json").read_text())["validation"] is not None
+    res = fit(cfg(tmp_path / "run", corpus, tmp_path / "cache", steps=2, resume=True))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2]
+    assert res.val_loss == ref.val_loss and res.steps == 2

@@ -241,3 +241,125 @@ def test_a_stop_file_with_a_byte_order_mark_is_read_as_its_number(tmp_path):
                           ("50".encode("utf-16") + b"0", 50)):  # the mark alone, or half of the next digit
         stop.write_bytes(pending)
         assert read_stop_file(stop) == (read, None) and file_hooks(stop).should_stop(3) is None, pending
+
+
+def test_tok_s_is_the_steps_own_pace_without_the_validation_save_and_flop_count_before_it(corpus, tmp_path, monkeypatch):
+    """A log row's `tok_s` is the step's tokens over the time since the previous step ended, the hold of a before_step
+    hook (a lockstep peer's gate) included; the validation, the save and the one-off FLOP count between two steps are
+    no part of it (`step_s` leaves them out too). On a fake clock: every micro-batch takes 1 s, every hold 5 s, a
+    validation 100 s, a save 50 s, the FLOP count 10 s, so every row reads 2 x 16 tokens / 6 s and step_s 1 s (the
+    rows after a validation or a save read 32 / 106 or 32 / 56 when those were counted)."""
+    import types
+
+    import snlp.train.trainer as T
+    from snlp.train.config import TrainConfig
+    from snlp.train.hooks import TrainHooks
+    from snlp.train.pretrain import pretrain_job
+
+    clock = [0.0]
+
+    def advance(s):
+        clock[0] += s
+
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], sleep=time_sleep_refused))
+
+    def counted(fn, s):
+        def wrapped(*a, **k):
+            advance(s)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(T, "save_run", counted(T.save_run, 50.0))
+    monkeypatch.setattr(T, "step_flops", counted(T.step_flops, 10.0))
+
+    def make_job(*a):
+        job = pretrain_job(*a)
+        job.batch, job.validate = counted(job.batch, 1.0), counted(job.validate, 100.0)
+        return job
+
+    cfg = TrainConfig(out=str(tmp_path / "pace"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2,
+                      width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=6, eval_every=3,
+                      save_every=2, log_every=1, eval_batches=1, no_progress=True, device="cpu", reg_n="1")
+    fit_result = T.fit(cfg, make_job, hooks=TrainHooks(before_step=lambda steps_done: advance(5.0)))
+    assert fit_result.steps == 6
+    rows = [r for r in log(tmp_path / "pace") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["tok_s"] for r in rows] == [2 * 16 / 6.0] * 6
+    assert [r["step_s"] for r in rows] == [1.0] * 6
+
+
+def time_sleep_refused(s):
+    raise AssertionError("the loop slept on the fake clock")
+
+
+def test_a_resume_keeps_this_runs_adamw_kernel_not_the_checkpoints():
+    """How AdamW computes (fused, foreach, capturable) is this process's choice (--compile on CUDA: fused), not the
+    run's: loading the saved state put the saved run's flags back into the param groups, so a compiled CUDA run resumed
+    without --compile, or on a CPU, kept the fused kernel and a run resumed with --compile never got it. The saved
+    moments, step counts and hyperparameters load as before."""
+    from snlp.train.optim import load_optimizer_states
+
+    p = [torch.nn.Parameter(torch.randn(3, 3, generator=torch.Generator().manual_seed(0)))]
+    saved = torch.optim.AdamW(p, fused=True, betas=(0.8, 0.95))
+    p[0].grad = torch.ones(3, 3)
+    saved.step()
+    for fused in (None, True):
+        now = torch.optim.AdamW(p, betas=(0.8, 0.95), **({"fused": True} if fused else {}))
+        for g in now.param_groups:
+            g["base_lr"] = g["lr"]
+        state = saved.state_dict()
+        state["param_groups"][0]["fused"] = not fused  # the other kernel than this run's
+        load_optimizer_states([now], [state])
+        g = now.param_groups[0]
+        assert (g["fused"], g["foreach"], g["capturable"]) == (fused, None, False)
+        assert torch.equal(now.state[p[0]]["exp_avg"], saved.state[p[0]]["exp_avg"]) and g["betas"] == (0.8, 0.95)
+        now.step()  # its step count where its kernel wants it
+
+
+def test_the_lr_schedule_is_the_documented_formula_across_a_resume(corpus, tmp_path):
+    """docs/training.md: linear warm-up over --warmup-steps ((s + 1) / W at 0-based step s), linear warm-down to 0 over
+    the last --warmdown fraction of the run ((1 - s / steps) / F), their product where they overlap; stateless, so a
+    run stopped at step 2 and resumed logs the uninterrupted run's lr_scale, and the AdamW and Muon groups step at
+    base LR x that scale (the checkpoint's groups hold the last step's LR)."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    steps, W, F = 6, 4, 0.5
+
+    def naive(s):
+        warm = (s + 1) / W if s + 1 < W else 1.0
+        down = min(1.0, (1 - s / steps) / F)
+        return warm * down
+
+    def run(out, **kw):
+        return fit(TrainConfig(out=str(tmp_path / out), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2,
+                               width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=steps,
+                               warmup_steps=W, warmdown=F, log_every=1, eval_every=100, eval_batches=1,
+                               no_progress=True, device="cpu", reg_n="1", **kw))
+
+    run("full")
+    run("part", stop_after=2)
+    run("part", resume=True)
+    for out in ("full", "part"):
+        rows = [r for r in log(tmp_path / out) if "loss" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert [r["lr_scale"] for r in rows] == pytest.approx([naive(s) for s in range(steps)], rel=1e-12, abs=0)
+        groups = [g for o in torch.load(tmp_path / out / "optimizer.pt", weights_only=False)["optimizer"]
+                  for g in o["param_groups"]]
+        assert len(groups) >= 3 and all(g["lr"] == pytest.approx(g["base_lr"] * naive(steps - 1)) for g in groups)
+
+
+def test_steps_and_minutes_together_end_at_the_first_and_decay_by_the_further():
+    """docs/training.md: given --steps and --minutes, the run ends at whichever comes first, and the warm-down follows
+    the budget further along."""
+    from snlp.train.optim import Progress
+
+    p = Progress(100, 1.0)  # 100 steps or 60 s
+    p.step, p.elapsed = 50, 45.0
+    assert p.frac == 0.75 and not p.done()
+    p.step, p.elapsed = 80, 30.0
+    assert p.frac == 0.8 and not p.done()
+    p.step, p.elapsed = 60, 60.0
+    assert p.done()
+    p.step, p.elapsed = 100, 1.0
+    assert p.done()
