@@ -41,6 +41,22 @@ def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
         assert "must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--tokens", "64"], ["--runs", "9"], ["--compile"], ["--plans", "2xF1-h0-K1"],
+                                  ["--no-decode"], ["--suite-new-tokens", "5"], ["--depth", "4"], ["--ckpt", "x"],
+                                  ["--dtype", "bfloat16"]])
+def test_flags_vs_paper_does_not_read_are_refused_before_any_import(flag, tmp_path, capsys):
+    """--vs-paper reads --shapes, --quick, --treatments, --suite-tokens/-warmup/-runs, --no-ablations (and --device,
+    --threads, --seed): the forward benchmark's --tokens, --runs, --compile, --plans, the suite's decode flags and a
+    dtype other than the paper code's own were accepted and changed nothing. Each is refused in one line, before the
+    path is even looked at (tmp_path is no checkout: that refusal would come later)."""
+    from snlp.apps.cli import main
+
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o"), *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag[0] in err and "not a checkout" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
 @needs_paper
 @pytest.mark.slow  # ~50 s: both codebases' quick suite, every plan (a bare clone skips it: no paper checkout)
 def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approximation(tmp_path):
