@@ -190,8 +190,7 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
     for plan in plans:
         try:
             add_idx(f"paper/{plan}", paper_plan_fn(code, paper, plan, run_shape), "paper", str(plan), "as published",
-                "its parallel path: full causal attention in the suffix (windows dropped)" +
-                (", no value embeddings, chunk weights stacked inside the call" if plan.fuse > 1 else ""))
+                    paper_path_note(code, pcfg, plan, cfg.tokens))
         except Exception as e:
             result.failures.append(_failure(shape.key, f"paper/{plan}", e))
 
@@ -250,6 +249,22 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
             result.failures.append(_failure(shape.key, "agreement", e))
 
 
+def paper_path_note(code: PaperCode, pcfg, plan: Plan, tokens: int) -> str:
+    """The timing table's note on the paper's path for `plan`: what it computes differently from the plan
+    (_approximations, for this model and T) and, for C x FM with C > 1 (forward_idn_chunkwise), the stacking of the
+    chunk weights it does inside every call; 1 x FM (forward_idn_fused) and C x F1 use weights built once."""
+    why = _approximations(plan, _windows_bite(code, pcfg, plan, tokens), pcfg)
+    if plan.fuse > 1 and plan.chunks > 1:
+        why.append("stacks the chunk weights inside every call")
+    return "its parallel path: " + ("; ".join(why) if why else "the plan's own function")
+
+
+def _windows_bite(code: PaperCode, pcfg, plan: Plan, tokens: int) -> bool:
+    """Whether a sliding window of the plan's suffix layers is shorter than the T tokens (a window w reaches w
+    tokens back: it changes nothing while w >= T - 1)."""
+    return any(w < tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
+
+
 def _approximations(plan: Plan, windowed: bool, cfg_paper) -> list[str]:
     """What the paper's path for `plan` computes differently from the plan over the same model."""
     why = []
@@ -287,8 +302,7 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
                 p = paper_plan_fn(code, paper, plan, run_shape)(idx).float()
                 sn = bind(model, plan)(idx).float()
                 d = (p - sn).abs().max().item()
-                bites = any(w < cfg.tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
-                why = _approximations(plan, bites, pcfg)  # a tie of the logits makes an approximation harmless
+                why = _approximations(plan, _windows_bite(code, pcfg, plan, cfg.tokens), pcfg)  # a tie of the logits makes an approximation harmless
                 out.append(Agreement(shape=shape.key, plan=str(plan), windows=pattern, paper_vs_snlp=d,
                                      paper_vs_seq=(p - seq).abs().max().item(),
                                      snlp_vs_seq=(sn - seq).abs().max().item(), logit_scale=scale,

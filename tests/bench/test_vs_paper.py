@@ -81,6 +81,24 @@ def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approxima
 
 
 @needs_paper
+def test_the_timing_tables_note_on_a_paper_path_says_what_that_path_does(tmp_path, monkeypatch):
+    """The note beside each paper plan's timing said "no value embeddings, chunk weights stacked inside the call" for
+    every fused plan: on the 0.5B w/o x0ve shape, which has no value embeddings, and for 1xF12, whose path
+    (forward_idn_fused) uses chunk weights built once. It now names what applies: stacking for C x FM with C > 1
+    only, value embeddings only where the model has them, windows where they bite. The timings are stand-ins."""
+    from snlp.bench import vs_paper as V
+
+    monkeypatch.setattr(V, "time_side_by_side", lambda fns, *a: {name: [1.0] for name in fns})
+    monkeypatch.setattr(V, "agreement", lambda *a, **k: [])
+    res = V.run_vs_paper(V.VsPaperConfig(paper=PAPER, quick=True, shapes=("0.5B-nox0ve",), ablations=False,
+                                         treatments=("eager",), runs=1, warmup=0, out=str(tmp_path)))
+    notes = {r.plan: r.note for r in res.rows if r.side == "paper" and r.plan != "sequential"}
+    assert set(notes) == {"12xF2-h0-K1", "12xF2-h0-K2", "1xF12-h0-K1"} and not res.failures, res.failures
+    assert all("drops the sliding windows" in n and "value embeddings" not in n for n in notes.values()), notes
+    assert "stacks the chunk weights" in notes["12xF2-h0-K1"] and "stack" not in notes["1xF12-h0-K1"], notes
+
+
+@needs_paper
 def test_every_disagreement_names_its_cause():
     """Shapes the CLI does not time, where the paper's forward_idn_fused (1 x FM) holds the backout layer and re-applies
     its block for K > 1: wherever paper and snlp disagree the report names why; where it names nothing they agree."""
