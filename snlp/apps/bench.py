@@ -170,9 +170,10 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
     suite.add_argument("--vs-paper", default=None, metavar="PATH",
-                       help="time snlp and the paper's own code (nanochat-snlp checked out at PATH) round-robin in "
-                            "one process on the paper's prefill shapes and plans; vs_paper.json + vs_paper.md in --out "
-                            "(with --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, --suite-runs)")
+                       help="time snlp and the paper's own code (nanochat-snlp at PATH) round-robin in one process on "
+                            "the paper's prefill plans; vs_paper.json + .md in --out. Its defaults: --shapes the three "
+                            "0.5B, --suite-tokens 2048 (256 --quick), --suite-warmup 20 and --suite-runs 50 on cuda, "
+                            "1 and 3 on cpu")
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
     tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")

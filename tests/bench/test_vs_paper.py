@@ -57,6 +57,28 @@ def test_flags_vs_paper_does_not_read_are_refused_before_any_import(flag, tmp_pa
     assert not (tmp_path / "o").exists()
 
 
+def test_the_vs_paper_help_states_its_own_defaults(monkeypatch):
+    """--vs-paper's help pointed at --suite-tokens / -warmup / -runs, whose help states the paper suite's defaults (200
+    runs on cuda, 5 on cpu, T = 16 quick); --vs-paper resolves others. Its help now states the ones it resolves."""
+    import argparse
+    import re
+
+    import torch
+
+    from snlp.apps.bench import add_arguments
+    from snlp.bench.vs_paper import VsPaperConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = " ".join(next(a.help for a in p._actions if a.dest == "vs_paper").split())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu, cpu = (VsPaperConfig(paper="x", device=d).resolved() for d in ("cuda", "cpu"))
+    quick = VsPaperConfig(paper="x", device="cpu", quick=True).resolved()
+    assert f"--suite-tokens {gpu.tokens} ({quick.tokens} --quick)" in text and cpu.tokens == gpu.tokens, text
+    assert f"--suite-warmup {gpu.warmup} and --suite-runs {gpu.runs} on cuda, {cpu.warmup} and {cpu.runs} on cpu" in text
+    assert re.search(r"--shapes the three 0\.5B", text) and all(k.startswith("0.5B") for k in cpu.shapes)
+
+
 @needs_paper
 @pytest.mark.slow  # ~50 s: both codebases' quick suite, every plan (a bare clone skips it: no paper checkout)
 def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approximation(tmp_path):
