@@ -633,9 +633,12 @@ def run_vs_paper_cli(args) -> int:
     default_out_writable(args, cfg.out)
     import torch
 
+    from snlp.bench.paper_peer import load_paper_code
+    from snlp.bench.vs_paper import paper_dtype
     from snlp.runtime.load import begin_timing
     from snlp.runtime.device import set_threads
 
+    load_paper_code(resolved.paper, paper_dtype(resolved.device))  # a path that is not the paper's code: one line
     set_threads(args.threads)  # the remedy the oversubscription line names: --threads 1 must time with one
     # the run records its own window (its meta's load) and its markdown says a contended one
     begin_timing([torch.get_num_threads()], resolved.device)

@@ -131,11 +131,15 @@ def _meta(cfg: VsPaperConfig, code: PaperCode) -> dict:
                 weights="random weights (timing only)", batch=1, threads=torch.get_num_threads())
 
 
+def paper_dtype(device) -> torch.dtype:
+    """nanochat's compute dtype on `device`, which both sides run in: bf16 on CUDA, fp32 elsewhere (as the paper)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
     cfg = config.resolved()
     dev = torch.device(cfg.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the paper: bf16 on CUDA, fp32 on CPU
-    code = load_paper_code(cfg.paper, dtype)
+    code = load_paper_code(cfg.paper, paper_dtype(dev))
     result = VsPaperResult(config=cfg, meta=_meta(cfg, code))
     window = LoadWindow.begin()  # sampled between shapes, outside every timed round
     result.meta["load"] = window.to_json()

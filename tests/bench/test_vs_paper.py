@@ -27,6 +27,27 @@ def test_a_folder_that_is_not_the_papers_code_is_refused_before_any_import(tmp_p
         load_paper_code(str(tmp_path), torch.float32)
 
 
+@pytest.mark.parametrize("body", ["", "import a_module_this_checkout_lacks\n"])
+def test_a_folder_with_the_files_but_not_the_papers_code_is_one_line(body, tmp_path):
+    """A folder holding files of the paper's names (empty, or one that does not import) crashed with a KeyError
+    traceback ('nanochat.common'), after the timing note, or failed every shape as a run failure. It is one line now,
+    before any timing. In a fresh process: the folder's `nanochat` must not stay imported beside the real one."""
+    import subprocess
+    import sys
+
+    for f in ("nanochat/__init__.py", "nanochat/gpt.py", "nanochat/jacobi_forward.py", "snlp/inference_idn.py",
+              "snlp/inference_hcn.py"):
+        (tmp_path / "p" / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "p" / f).write_text(body if f.endswith("jacobi_forward.py") else "")
+    run = subprocess.run([sys.executable, "-m", "snlp.apps.cli", "bench", "--vs-paper", str(tmp_path / "p"), "--quick",
+                          "--device", "cpu", "--threads", "1", "--treatments", "eager", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    err = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert run.returncode == 2 and len(err) == 1, run.stderr
+    assert ("lacks nanochat.common.COMPUTE_DTYPE" if not body else "does not import here: ModuleNotFoundError") in err[0]
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
     from snlp.apps.cli import main
 
