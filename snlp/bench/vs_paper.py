@@ -68,7 +68,10 @@ class VsPaperConfig:
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--vs-paper: device cuda requested but CUDA is not available; use cpu")
-        shapes = tuple(self.shapes) if self.shapes else SHAPE_KEYS[:3]
+        if self.shapes is not None and not self.shapes:  # given, but empty (e.g. --shapes ","): not the default
+            raise ValueError(f"--vs-paper: --shapes names no shape; valid: {', '.join(SHAPE_KEYS)}")
+        # each shape once: a repeated one was timed twice, and its table rows and ratios read the first run only
+        shapes = tuple(dict.fromkeys(self.shapes)) if self.shapes else SHAPE_KEYS[:3]
         bad = [s for s in shapes if s not in SHAPE_KEYS]
         if bad:
             raise ValueError(f"--vs-paper: unknown shape(s) {', '.join(bad)}; valid: {', '.join(SHAPE_KEYS)}")

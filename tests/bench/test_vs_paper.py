@@ -78,6 +78,22 @@ def test_flags_vs_paper_does_not_read_are_refused_before_any_import(flag, tmp_pa
     assert not (tmp_path / "o").exists()
 
 
+def test_vs_paper_runs_each_shape_once_and_refuses_an_empty_shape_list(tmp_path, capsys):
+    """--shapes 0.5B,0.5B timed the shape twice (its rows twice in the JSON, the table reading the first); --shapes ","
+    ran the three default shapes. A repeat now runs once and an empty list is refused, before any import."""
+    from snlp.apps.cli import main
+    from snlp.bench.vs_paper import VsPaperConfig
+
+    assert VsPaperConfig(paper="x", device="cpu", shapes=("0.5B", "0.5B-mhc", "0.5B")).resolved().shapes == \
+        ("0.5B", "0.5B-mhc")
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--shapes", ",", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "--shapes names no shape" in capsys.readouterr().err
+    assert main(["bench", "--suite", "paper", "--quick", "--device", "cpu", "--shapes", ",", "--out",
+                 str(tmp_path / "s")]) == 2  # the paper suite read "," as all four shapes
+    assert "--shapes names no shape" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
 def test_the_vs_paper_help_states_its_own_defaults(monkeypatch):
     """--vs-paper's help pointed at --suite-tokens / -warmup / -runs, whose help states the paper suite's defaults (200
     runs on cuda, 5 on cpu, T = 16 quick); --vs-paper resolves others. Its help now states the ones it resolves."""
