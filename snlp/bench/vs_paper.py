@@ -427,13 +427,17 @@ def markdown(result: VsPaperResult) -> str:
         rs = [r for r in result.rows if r.shape == key]
         for plan in ("sequential",) + tuple(shape.plans):
             pairs = _ratio_rows(rs, key, plan)
-            rows.append([key, f"`{plan}`", _ms(_get(rs, key, "paper", plan, "as published")),
+            rows.append([f"{key} (smoke)" if cfg.quick else key, f"`{plan}`",
+                         _ms(_get(rs, key, "paper", plan, "as published")),
                          _ms(_get(rs, key, "snlp", plan, "eager")), _ms(_get(rs, key, "snlp", plan, "compiled")),
                          *(_ratio(*pairs[name]) if pairs[name] else "-" for name in RATIOS),
                          f"{PAPER_PREFILL[(key, plan)]:.2f}x" if (key, plan) in PAPER_PREFILL else "-"])
+    # --quick shrinks every shape: its rows say so, and the paper's column that its number is of the full shape (a
+    # smoke row's speedup beside it is no comparison), as in the paper suite's table
     lines += ["", *markdown_table(
         ["shape", "plan", "paper ms", "snlp eager ms", "snlp compiled ms", "paper ms / snlp ms",
-         "paper's speedup (its seq / its plan)", "snlp vs strongest seq", "paper's table"], rows)]
+         "paper's speedup (its seq / its plan)", "snlp vs strongest seq",
+         "paper's table (full shape)" if cfg.quick else "paper's table"], rows)]
     lines += ["", "*paper ms / snlp ms*: the paper's time over snlp's fastest treatment (> 1: snlp is faster). "
               "*strongest seq*: the fastest sequential forward timed for that shape on either side (its variant "
               "below). The paper's parallel paths compute a different function from its own sequential model "

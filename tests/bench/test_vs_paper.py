@@ -94,6 +94,27 @@ def test_vs_paper_runs_each_shape_once_and_refuses_an_empty_shape_list(tmp_path,
     assert "--shapes names no shape" in capsys.readouterr().err and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_quick_vs_paper_table_marks_its_rows_smoke_and_the_papers_column_full_shape(quick):
+    """Under --quick (width 64) the table set "16xF1-h0-K1-hcn ... 1.61x" beside the paper's 1.60x as if it were a
+    reproduction. As in the paper suite's table, its rows now read "SHAPE (smoke)" and the paper's column "(full
+    shape)"; a full run keeps both plain. Fabricated rows (no paper code needed)."""
+    from snlp.bench.paper_peer import summarise
+    from snlp.bench.vs_paper import VsPaperConfig, VsPaperResult, markdown
+
+    cfg = VsPaperConfig(paper="unused", device="cpu", quick=quick, shapes=("0.5B-mhc",), runs=2, warmup=0).resolved()
+    plan = "16xF1-h0-K1-hcn"
+    meta = {f"{side}/{p}": (side, p, "as published" if side == "paper" else "eager", "")
+            for side in ("paper", "snlp") for p in ("sequential", plan)}
+    res = VsPaperResult(config=cfg, meta=dict(weights="random", dtype="float32", device="cpu", torch="t", cuda=None,
+                                              date="d", paper_root="p", paper_stubs=[]), complete=True,
+                        rows=summarise("0.5B-mhc", {name: [2.0, 2.0] for name in meta}, meta))
+    text = markdown(res)
+    row = next(ln for ln in text.splitlines() if f"`{plan}`" in ln and "1.60x" in ln)
+    assert row.startswith("| 0.5B-mhc (smoke) |" if quick else "| 0.5B-mhc |"), row
+    assert ("| paper's table (full shape) |" in text) == quick and ("| paper's table |" in text) != quick
+
+
 def test_the_vs_paper_help_states_its_own_defaults(monkeypatch):
     """--vs-paper's help pointed at --suite-tokens / -warmup / -runs, whose help states the paper suite's defaults (200
     runs on cuda, 5 on cpu, T = 16 quick); --vs-paper resolves others. Its help now states the ones it resolves."""
