@@ -4,8 +4,8 @@ The paper's numbers come from its repository (nanochat-snlp): its sequential for
 `GPT.forward` and its plans are `snlp/inference_idn.py` / `snlp/inference_hcn.py`. Their ratio and
 ours are not the same quantity: its baseline keeps fp32 weights and casts them to bf16 in every Linear
 call and runs short-window layers through SDPA with an explicit boolean mask; its parallel paths drop the
-sliding windows (`is_causal=True`) and the value embeddings, and `forward_idn_chunkwise` re-stacks the
-chunk weights inside every call. So this module times both codes side by side on one device in one
+sliding windows (`is_causal=True`), its fused chunks also the value embeddings (with the x0 / residual lambdas
+averaged per chunk), and `forward_idn_chunkwise` re-stacks the chunk weights inside every call. So this module times both codes side by side on one device in one
 process, round-robin, each callable on the same tokens, and reports absolute milliseconds for the same
 plan on the same shape, both speedup definitions, and ablations of the paper's baseline (bf16 weights,
 windows off) so a reader sees what each definition costs.
