@@ -6,7 +6,7 @@ process (so load drift hits all alike), after a common warm-up; medians and spre
   - paper: its sequential forward as published (fp32 weights cast per call, masked SDPA for short
     windows), the two baseline ablations (bf16 weights; windows off), and each plan through the path
     its evaluator uses (snlp.bench.paper_peer.paper_plan_fn);
-  - snlp: its sequential forward and each plan (bound runner), eager and, with the compiled treatment,
+  - snlp: its sequential forward and each plan (bound runner), eager and/or (the treatments asked for)
     torch.compile fullgraph (CUDA graphs on CUDA; compile time reported apart).
 Both speedup definitions are in the table: the paper's (its sequential as published / its plan) and the
 strongest-baseline one (the fastest sequential either side offers / the plan). Every ratio is marked "(tie)" where
@@ -203,10 +203,12 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
 
     model = snlp_model_from_paper(paper, dev, code.dtype)  # the paper model's own weights and window widths
     runners = {str(p): bind(model, p, check_finite=False) for p in plans}
-    add_idx("snlp/sequential", model, "snlp", "sequential", "eager")
-    for name, r in runners.items():
-        add_idx(f"snlp/{name}", r, "snlp", name, "eager")
-    if cfg.ablations:
+    eager = "eager" in cfg.treatments  # --treatments compiled: snlp's eager rows are not run (the paper's are its own)
+    if eager:
+        add_idx("snlp/sequential", model, "snlp", "sequential", "eager")
+        for name, r in runners.items():
+            add_idx(f"snlp/{name}", r, "snlp", name, "eager")
+    if cfg.ablations and eager:
         model_l = snlp_model_from_paper(build_paper_model(code, paper_config(
             code, run_shape, cfg.vocab_size, seq_len, "L"), dev, cfg.seed), dev, code.dtype)
         add_idx("snlp/sequential/windows-off", model_l, "snlp", "sequential", "windows off (eager)",

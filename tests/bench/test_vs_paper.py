@@ -179,6 +179,25 @@ def test_the_timing_tables_note_on_a_paper_path_says_what_that_path_does(tmp_pat
 
 
 @needs_paper
+def test_treatments_compiled_alone_times_no_eager_snlp_rows(tmp_path, monkeypatch):
+    """--treatments compiled timed snlp's eager rows (and their windows-off ablation) all the same: only "compiled" was
+    ever read. Now snlp's eager rows run only when asked; the paper's rows are its own (eager) code either way. The
+    compile is a stand-in (the callable itself) and the timings are too: what is tested is which rows run."""
+    from snlp.bench import vs_paper as V
+
+    monkeypatch.setattr(V, "compile_step", lambda fn, device: fn)
+    monkeypatch.setattr(V, "time_side_by_side", lambda fns, *a: {name: [1.0] for name in fns})
+    monkeypatch.setattr(V, "agreement", lambda *a, **k: [])
+    for treatments in (("compiled",), ("eager", "compiled")):
+        res = V.run_vs_paper(V.VsPaperConfig(paper=PAPER, quick=True, shapes=("0.5B-mhc",), treatments=treatments,
+                                             runs=1, warmup=0, out=str(tmp_path)))
+        snlp = {r.variant for r in res.rows if r.side == "snlp"}
+        assert not res.failures and "compiled" in snlp, res.failures
+        assert ("eager" in snlp and "windows off (eager)" in snlp) == ("eager" in treatments), (treatments, snlp)
+        assert {r.variant for r in res.rows if r.side == "paper"} == {"as published", "windows off"}
+
+
+@needs_paper
 def test_every_disagreement_names_its_cause():
     """Shapes the CLI does not time, where the paper's forward_idn_fused (1 x FM) holds the backout layer and re-applies
     its block for K > 1: wherever paper and snlp disagree the report names why; where it names nothing they agree."""
