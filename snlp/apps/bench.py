@@ -170,9 +170,10 @@ def _add_suite_flags(p) -> None:
                        help="--suite decode --shapes: comma-separated acceptance rates the PREDICTED speedup assumes "
                             "(take them from a trained model's measured alpha; default 0.6,0.8)")
     suite.add_argument("--vs-paper", default=None, metavar="PATH",
-                       help="time snlp and the paper's own code (nanochat-snlp checked out at PATH) round-robin in "
-                            "one process on the paper's prefill shapes and plans; vs_paper.json + vs_paper.md in --out "
-                            "(with --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, --suite-runs)")
+                       help="time snlp and the paper's own code (nanochat-snlp at PATH) round-robin in one process on "
+                            "the paper's prefill plans; vs_paper.json + .md in --out. Its defaults: --shapes the three "
+                            "0.5B, --suite-tokens 2048 (256 --quick), --suite-warmup 20 and --suite-runs 50 on cuda, "
+                            "1 and 3 on cpu")
     suite.add_argument("--no-ablations", action="store_true",
                        help="--vs-paper: skip the baseline ablations (the paper's bf16 weights, windows off)")
     tr = p.add_argument_group("training step speed (--suite train; snlp.bench.train)")
@@ -255,6 +256,8 @@ BENCH_READS = {
                     "suite_new_tokens", "treatments", "no_decode"),
     "suite train": ("suite", "quick", "out", "shapes", "treatments", "regs", "reg_n", "train_batch", "train_seq_len",
                     "train_steps", "train_warmup", "optimizer"),
+    "vs-paper": ("vs_paper", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs", "treatments",
+                 "no_ablations"),
 }
 CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
     "suite_plans", "suite_methods", "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers",
@@ -276,7 +279,9 @@ def unread_flags(args, kind: str) -> None:
         raise ValueError(f"{', '.join(map(flag, stray))} {'is' if one else 'are'} not read by {run} and would change "
                          f"nothing: drop {'it' if one else 'them'}"
                          + (" (the suites time their own shapes and plans with random weights)"
-                            if kind.startswith("suite") else ""))
+                            if kind.startswith("suite") else " (it times the paper's shapes and plans with random "
+                            "weights; its own flags: --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, "
+                            "--suite-runs, --no-ablations)" if kind == "vs-paper" else ""))
     shape = [d for d in given if d in SHAPE]
     if args.ckpt and shape:
         raise ValueError(f"{', '.join(map(flag, shape))} shape{'s' if len(shape) == 1 else ''} a random-weights "
@@ -613,6 +618,7 @@ def run_vs_paper_cli(args) -> int:
 
     from snlp.bench.vs_paper import VsPaperConfig, run_vs_paper
 
+    unread_flags(args, "vs-paper")  # --tokens, --runs, --compile, --plans, ... are the forward benchmark's
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     out = None if args.out == "bench-suite" else args.out
     cfg = VsPaperConfig(paper=args.vs_paper, shapes=split(args.shapes), device=args.device, quick=args.quick,
@@ -620,12 +626,19 @@ def run_vs_paper_cli(args) -> int:
                         treatments=_treatments(args, split), ablations=not args.no_ablations, seed=args.seed,
                         out=out or "bench-vs-paper", command=shlex.join(["snlp", *sys.argv[1:]]))
     resolved = cfg.resolved()  # bad flags fail before the paper's code is imported or any model is built
+    want = "bfloat16" if resolved.device.split(":")[0] == "cuda" else "float32"
+    if args.dtype is not None and args.dtype != want:  # nanochat's COMPUTE_DTYPE, which both sides then use
+        raise ValueError(f"--dtype {args.dtype}: --vs-paper runs the paper's code in its own dtype on "
+                         f"{resolved.device} ({want}, bf16 on CUDA and fp32 on the CPU), and snlp in the same: drop it")
     default_out_writable(args, cfg.out)
     import torch
 
+    from snlp.bench.paper_peer import load_paper_code
+    from snlp.bench.vs_paper import paper_dtype
     from snlp.runtime.load import begin_timing
     from snlp.runtime.device import set_threads
 
+    load_paper_code(resolved.paper, paper_dtype(resolved.device))  # a path that is not the paper's code: one line
     set_threads(args.threads)  # the remedy the oversubscription line names: --threads 1 must time with one
     # the run records its own window (its meta's load) and its markdown says a contended one
     begin_timing([torch.get_num_threads()], resolved.device)

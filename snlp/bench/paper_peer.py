@@ -4,8 +4,8 @@ The paper's numbers come from its repository (nanochat-snlp): its sequential for
 `GPT.forward` and its plans are `snlp/inference_idn.py` / `snlp/inference_hcn.py`. Their ratio and
 ours are not the same quantity: its baseline keeps fp32 weights and casts them to bf16 in every Linear
 call and runs short-window layers through SDPA with an explicit boolean mask; its parallel paths drop the
-sliding windows (`is_causal=True`) and the value embeddings, and `forward_idn_chunkwise` re-stacks the
-chunk weights inside every call. So this module times both codes side by side on one device in one
+sliding windows (`is_causal=True`), its fused chunks also the value embeddings (with the x0 / residual lambdas
+averaged per chunk), and `forward_idn_chunkwise` re-stacks the chunk weights inside every call. So this module times both codes side by side on one device in one
 process, round-robin, each callable on the same tokens, and reports absolute milliseconds for the same
 plan on the same shape, both speedup definitions, and ablations of the paper's baseline (bf16 weights,
 windows off) so a reader sees what each definition costs.
@@ -77,15 +77,35 @@ def load_paper_code(path: str, dtype: torch.dtype) -> PaperCode:
                              f"({importlib.import_module('nanochat').__path__[0]}); run from a clean environment")
         _stub_if_broken("nanochat.tokenizer", _tokenizer_stub, stubs)
         _stub_if_broken("nanochat.engine", _engine_stub, stubs)
-        gpt = importlib.import_module("nanochat.gpt")
-        importlib.import_module("nanochat.jacobi_forward")
-        idn = _load_by_path(root / "snlp" / "inference_idn.py", "_paper_snlp_inference_idn")
-        hcn = _load_by_path(root / "snlp" / "inference_hcn.py", "_paper_snlp_inference_hcn")
+        try:
+            gpt = importlib.import_module("nanochat.gpt")
+            importlib.import_module("nanochat.jacobi_forward")
+            idn = _load_by_path(root / "snlp" / "inference_idn.py", "_paper_snlp_inference_idn")
+            hcn = _load_by_path(root / "snlp" / "inference_hcn.py", "_paper_snlp_inference_hcn")
+        except Exception as e:  # the user's checkout: its own error, in one line
+            first = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise ValueError(f"--vs-paper {path}: the paper's code does not import here: {first}") from e
     finally:
         sys.path.remove(str(root))
+    lacking = [f"{mod}.{name}" for mod, obj, names in (("nanochat.common", sys.modules.get("nanochat.common"),
+                                                        ("COMPUTE_DTYPE",)),
+                                                       ("nanochat.gpt", gpt, PAPER_NAMES["gpt"]),
+                                                       ("snlp/inference_idn.py", idn, PAPER_NAMES["idn"]),
+                                                       ("snlp/inference_hcn.py", hcn, PAPER_NAMES["hcn"]))
+               for name in names if not hasattr(obj, name)]
+    if lacking:  # a folder with the files' names but not their code (or another version of it)
+        raise ValueError(f"--vs-paper {path}: not the paper's code (nanochat-snlp) this benchmark drives: it lacks "
+                         f"{', '.join(lacking)}")
     # inference_idn picks SDPA over FA3 at import (`fa._override_impl = 'sdpa'`), as the paper's evaluator does
     return PaperCode(root=str(root), dtype=sys.modules["nanochat.common"].COMPUTE_DTYPE, gpt=gpt, idn=idn, hcn=hcn,
                      stubs=stubs)
+
+
+# what the benchmark calls in each module (paper_config, build_paper_model, paper_plan_fn, paper_sequential_fn)
+PAPER_NAMES = {"gpt": ("GPT", "GPTConfig"),
+               "idn": ("forward_sequential", "PrecomputedWeights", "ChunkWeights", "forward_idn_batched",
+                       "forward_idn_fused", "forward_idn_chunkwise"),
+               "hcn": ("forward_sequential", "MHCPrecomputedWeights", "forward_hcn_batched")}
 
 
 def _load_by_path(path: Path, name: str) -> types.ModuleType:

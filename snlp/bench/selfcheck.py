@@ -21,7 +21,7 @@ import torch
 
 from snlp.bench.decode import decode_benchmark
 from snlp.bench.forward import ModelSpec, benchmark, build_model
-from snlp.bench.stats import tie_mark
+from snlp.bench.stats import fewest_sign_rounds, tie_mark
 from snlp.decode.generate import sequential_generate
 from snlp.decode.speculative import speculative_generate
 from snlp.decode.steps import sequential_step, snlp_fn
@@ -315,10 +315,13 @@ def table(res: SelfcheckResult) -> list[str]:
         lines.append(f"{mark}  {c.name:<{w}}  {c.detail}  ({c.seconds:.1f} s)")
     # how many timed runs each speed row is: the quick suite's decode rows are ONE run (a smoke test of the timing
     # path), and a CPU run printed a speculative 7.21x beside its ideal SSD 3.29x with nothing to say so
-    runs = {r.get("runs") for r in res.forward} | {r.get("runs") for r in res.decode}
-    if runs - {None}:
-        lines += ["", f"speed rows: medians of {'/'.join(str(n) for n in sorted(runs - {None}))} timed run(s) per row "
-                      f"({'prefill / decode' if len(runs - {None}) > 1 else 'every row'}); below 6 paired runs no "
+    # each kind with its own count (3 prefill runs and 1 decode run with --quick): one merged list of counts cannot
+    # say whose each count is
+    counts = [(kind, sorted({r["runs"] for r in rows if r.get("runs") is not None}))
+              for kind, rows in (("prefill", res.forward), ("decode", res.decode))]
+    said = [f"{'/'.join(map(str, ns))} timed run{'' if ns == [1] else 's'} per {kind} row" for kind, ns in counts if ns]
+    if said:
+        lines += ["", f"speed rows: the median of {', '.join(said)}; below {fewest_sign_rounds()} paired runs no "
                       f"speedup here is resolved from noise: a check that the timing paths run, not a measurement "
                       f"(snlp bench for that)"]
     # "(tie)" (the sign test over the paired runs) stands beside the speedup it qualifies, the column widened for it

@@ -147,6 +147,8 @@ class SuiteConfig:
             raise ValueError("suite: device cuda requested but CUDA is not available; use cpu")
         cuda, q = device.type == "cuda", self.quick
         pick = lambda v, quick, gpu, cpu: v if v is not None else (quick if q else gpu if cuda else cpu)  # noqa: E731
+        if self.shapes is not None and not self.shapes:  # given, but empty (e.g. --shapes ","): not "all"
+            raise ValueError(f"suite: --shapes names no shape; valid: {', '.join(SHAPE_KEYS)}")
         shapes = tuple(self.shapes) if self.shapes else SHAPE_KEYS
         bad = [s for s in shapes if s not in SHAPE_KEYS]
         if bad:

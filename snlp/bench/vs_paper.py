@@ -6,7 +6,7 @@ process (so load drift hits all alike), after a common warm-up; medians and spre
   - paper: its sequential forward as published (fp32 weights cast per call, masked SDPA for short
     windows), the two baseline ablations (bf16 weights; windows off), and each plan through the path
     its evaluator uses (snlp.bench.paper_peer.paper_plan_fn);
-  - snlp: its sequential forward and each plan (bound runner), eager and, with the compiled treatment,
+  - snlp: its sequential forward and each plan (bound runner), eager and/or (the treatments asked for)
     torch.compile fullgraph (CUDA graphs on CUDA; compile time reported apart).
 Both speedup definitions are in the table: the paper's (its sequential as published / its plan) and the
 strongest-baseline one (the fastest sequential either side offers / the plan). Every ratio is marked "(tie)" where
@@ -68,7 +68,10 @@ class VsPaperConfig:
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--vs-paper: device cuda requested but CUDA is not available; use cpu")
-        shapes = tuple(self.shapes) if self.shapes else SHAPE_KEYS[:3]
+        if self.shapes is not None and not self.shapes:  # given, but empty (e.g. --shapes ","): not the default
+            raise ValueError(f"--vs-paper: --shapes names no shape; valid: {', '.join(SHAPE_KEYS)}")
+        # each shape once: a repeated one was timed twice, and its table rows and ratios read the first run only
+        shapes = tuple(dict.fromkeys(self.shapes)) if self.shapes else SHAPE_KEYS[:3]
         bad = [s for s in shapes if s not in SHAPE_KEYS]
         if bad:
             raise ValueError(f"--vs-paper: unknown shape(s) {', '.join(bad)}; valid: {', '.join(SHAPE_KEYS)}")
@@ -131,11 +134,15 @@ def _meta(cfg: VsPaperConfig, code: PaperCode) -> dict:
                 weights="random weights (timing only)", batch=1, threads=torch.get_num_threads())
 
 
+def paper_dtype(device) -> torch.dtype:
+    """nanochat's compute dtype on `device`, which both sides run in: bf16 on CUDA, fp32 elsewhere (as the paper)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def run_vs_paper(config: VsPaperConfig) -> VsPaperResult:
     cfg = config.resolved()
     dev = torch.device(cfg.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the paper: bf16 on CUDA, fp32 on CPU
-    code = load_paper_code(cfg.paper, dtype)
+    code = load_paper_code(cfg.paper, paper_dtype(dev))
     result = VsPaperResult(config=cfg, meta=_meta(cfg, code))
     window = LoadWindow.begin()  # sampled between shapes, outside every timed round
     result.meta["load"] = window.to_json()
@@ -190,17 +197,18 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
     for plan in plans:
         try:
             add_idx(f"paper/{plan}", paper_plan_fn(code, paper, plan, run_shape), "paper", str(plan), "as published",
-                "its parallel path: full causal attention in the suffix (windows dropped)" +
-                (", no value embeddings, chunk weights stacked inside the call" if plan.fuse > 1 else ""))
+                    paper_path_note(code, pcfg, plan, cfg.tokens))
         except Exception as e:
             result.failures.append(_failure(shape.key, f"paper/{plan}", e))
 
     model = snlp_model_from_paper(paper, dev, code.dtype)  # the paper model's own weights and window widths
     runners = {str(p): bind(model, p, check_finite=False) for p in plans}
-    add_idx("snlp/sequential", model, "snlp", "sequential", "eager")
-    for name, r in runners.items():
-        add_idx(f"snlp/{name}", r, "snlp", name, "eager")
-    if cfg.ablations:
+    eager = "eager" in cfg.treatments  # --treatments compiled: snlp's eager rows are not run (the paper's are its own)
+    if eager:
+        add_idx("snlp/sequential", model, "snlp", "sequential", "eager")
+        for name, r in runners.items():
+            add_idx(f"snlp/{name}", r, "snlp", name, "eager")
+    if cfg.ablations and eager:
         model_l = snlp_model_from_paper(build_paper_model(code, paper_config(
             code, run_shape, cfg.vocab_size, seq_len, "L"), dev, cfg.seed), dev, code.dtype)
         add_idx("snlp/sequential/windows-off", model_l, "snlp", "sequential", "windows off (eager)",
@@ -250,6 +258,22 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
             result.failures.append(_failure(shape.key, "agreement", e))
 
 
+def paper_path_note(code: PaperCode, pcfg, plan: Plan, tokens: int) -> str:
+    """The timing table's note on the paper's path for `plan`: what it computes differently from the plan
+    (_approximations, for this model and T) and, for C x FM with C > 1 (forward_idn_chunkwise), the stacking of the
+    chunk weights it does inside every call; 1 x FM (forward_idn_fused) and C x F1 use weights built once."""
+    why = _approximations(plan, _windows_bite(code, pcfg, plan, tokens), pcfg)
+    if plan.fuse > 1 and plan.chunks > 1:
+        why.append("stacks the chunk weights inside every call")
+    return "its parallel path: " + ("; ".join(why) if why else "the plan's own function")
+
+
+def _windows_bite(code: PaperCode, pcfg, plan: Plan, tokens: int) -> bool:
+    """Whether a sliding window of the plan's suffix layers is shorter than the T tokens (a window w reaches w
+    tokens back: it changes nothing while w >= T - 1)."""
+    return any(w < tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
+
+
 def _approximations(plan: Plan, windowed: bool, cfg_paper) -> list[str]:
     """What the paper's path for `plan` computes differently from the plan over the same model."""
     why = []
@@ -287,8 +311,7 @@ def agreement(code: PaperCode, shape: Shape, run_shape: Shape, plans: list[Plan]
                 p = paper_plan_fn(code, paper, plan, run_shape)(idx).float()
                 sn = bind(model, plan)(idx).float()
                 d = (p - sn).abs().max().item()
-                bites = any(w < cfg.tokens - 1 for w, _ in _paper_windows(code, pcfg)[-plan.n_suffix:])
-                why = _approximations(plan, bites, pcfg)  # a tie of the logits makes an approximation harmless
+                why = _approximations(plan, _windows_bite(code, pcfg, plan, cfg.tokens), pcfg)  # a tie of the logits makes an approximation harmless
                 out.append(Agreement(shape=shape.key, plan=str(plan), windows=pattern, paper_vs_snlp=d,
                                      paper_vs_seq=(p - seq).abs().max().item(),
                                      snlp_vs_seq=(sn - seq).abs().max().item(), logit_scale=scale,
@@ -406,13 +429,17 @@ def markdown(result: VsPaperResult) -> str:
         rs = [r for r in result.rows if r.shape == key]
         for plan in ("sequential",) + tuple(shape.plans):
             pairs = _ratio_rows(rs, key, plan)
-            rows.append([key, f"`{plan}`", _ms(_get(rs, key, "paper", plan, "as published")),
+            rows.append([f"{key} (smoke)" if cfg.quick else key, f"`{plan}`",
+                         _ms(_get(rs, key, "paper", plan, "as published")),
                          _ms(_get(rs, key, "snlp", plan, "eager")), _ms(_get(rs, key, "snlp", plan, "compiled")),
                          *(_ratio(*pairs[name]) if pairs[name] else "-" for name in RATIOS),
                          f"{PAPER_PREFILL[(key, plan)]:.2f}x" if (key, plan) in PAPER_PREFILL else "-"])
+    # --quick shrinks every shape: its rows say so, and the paper's column that its number is of the full shape (a
+    # smoke row's speedup beside it is no comparison), as in the paper suite's table
     lines += ["", *markdown_table(
         ["shape", "plan", "paper ms", "snlp eager ms", "snlp compiled ms", "paper ms / snlp ms",
-         "paper's speedup (its seq / its plan)", "snlp vs strongest seq", "paper's table"], rows)]
+         "paper's speedup (its seq / its plan)", "snlp vs strongest seq",
+         "paper's table (full shape)" if cfg.quick else "paper's table"], rows)]
     lines += ["", "*paper ms / snlp ms*: the paper's time over snlp's fastest treatment (> 1: snlp is faster). "
               "*strongest seq*: the fastest sequential forward timed for that shape on either side (its variant "
               "below). The paper's parallel paths compute a different function from its own sequential model "

@@ -33,7 +33,7 @@ def test_data_spec(capsys):  # snlp.io.data
 
 
 def test_vs_paper_checkout(capsys):  # snlp.bench.paper_peer
-    refused(capsys, ["bench", "--vs-paper", f"{NOBODY}/nanochat-snlp", "--depth", "2"],
+    refused(capsys, ["bench", "--vs-paper", f"{NOBODY}/nanochat-snlp", "--device", "cpu"],
             f"--vs-paper {NOBODY}/nanochat-snlp: not a checkout of the paper's code")
 
 

@@ -27,6 +27,27 @@ def test_a_folder_that_is_not_the_papers_code_is_refused_before_any_import(tmp_p
         load_paper_code(str(tmp_path), torch.float32)
 
 
+@pytest.mark.parametrize("body", ["", "import a_module_this_checkout_lacks\n"])
+def test_a_folder_with_the_files_but_not_the_papers_code_is_one_line(body, tmp_path):
+    """A folder holding files of the paper's names (empty, or one that does not import) crashed with a KeyError
+    traceback ('nanochat.common'), after the timing note, or failed every shape as a run failure. It is one line now,
+    before any timing. In a fresh process: the folder's `nanochat` must not stay imported beside the real one."""
+    import subprocess
+    import sys
+
+    for f in ("nanochat/__init__.py", "nanochat/gpt.py", "nanochat/jacobi_forward.py", "snlp/inference_idn.py",
+              "snlp/inference_hcn.py"):
+        (tmp_path / "p" / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "p" / f).write_text(body if f.endswith("jacobi_forward.py") else "")
+    run = subprocess.run([sys.executable, "-m", "snlp.apps.cli", "bench", "--vs-paper", str(tmp_path / "p"), "--quick",
+                          "--device", "cpu", "--threads", "1", "--treatments", "eager", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    err = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert run.returncode == 2 and len(err) == 1, run.stderr
+    assert ("lacks nanochat.common.COMPUTE_DTYPE" if not body else "does not import here: ModuleNotFoundError") in err[0]
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
     from snlp.apps.cli import main
 
@@ -39,6 +60,81 @@ def test_cli_refuses_bad_vs_paper_input_in_one_line(tmp_path, capsys):
     for flag in ("--suite-tokens", "--suite-runs"):  # 0 is refused, not taken for the default
         assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", flag, "0"]) == 2
         assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--tokens", "64"], ["--runs", "9"], ["--compile"], ["--plans", "2xF1-h0-K1"],
+                                  ["--no-decode"], ["--suite-new-tokens", "5"], ["--depth", "4"], ["--ckpt", "x"],
+                                  ["--dtype", "bfloat16"]])
+def test_flags_vs_paper_does_not_read_are_refused_before_any_import(flag, tmp_path, capsys):
+    """--vs-paper reads --shapes, --quick, --treatments, --suite-tokens/-warmup/-runs, --no-ablations (and --device,
+    --threads, --seed): the forward benchmark's --tokens, --runs, --compile, --plans, the suite's decode flags and a
+    dtype other than the paper code's own were accepted and changed nothing. Each is refused in one line, before the
+    path is even looked at (tmp_path is no checkout: that refusal would come later)."""
+    from snlp.apps.cli import main
+
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o"), *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag[0] in err and "not a checkout" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_vs_paper_runs_each_shape_once_and_refuses_an_empty_shape_list(tmp_path, capsys):
+    """--shapes 0.5B,0.5B timed the shape twice (its rows twice in the JSON, the table reading the first); --shapes ","
+    ran the three default shapes. A repeat now runs once and an empty list is refused, before any import."""
+    from snlp.apps.cli import main
+    from snlp.bench.vs_paper import VsPaperConfig
+
+    assert VsPaperConfig(paper="x", device="cpu", shapes=("0.5B", "0.5B-mhc", "0.5B")).resolved().shapes == \
+        ("0.5B", "0.5B-mhc")
+    assert main(["bench", "--vs-paper", str(tmp_path), "--device", "cpu", "--shapes", ",", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "--shapes names no shape" in capsys.readouterr().err
+    assert main(["bench", "--suite", "paper", "--quick", "--device", "cpu", "--shapes", ",", "--out",
+                 str(tmp_path / "s")]) == 2  # the paper suite read "," as all four shapes
+    assert "--shapes names no shape" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_quick_vs_paper_table_marks_its_rows_smoke_and_the_papers_column_full_shape(quick):
+    """Under --quick (width 64) the table set "16xF1-h0-K1-hcn ... 1.61x" beside the paper's 1.60x as if it were a
+    reproduction. As in the paper suite's table, its rows now read "SHAPE (smoke)" and the paper's column "(full
+    shape)"; a full run keeps both plain. Fabricated rows (no paper code needed)."""
+    from snlp.bench.paper_peer import summarise
+    from snlp.bench.vs_paper import VsPaperConfig, VsPaperResult, markdown
+
+    cfg = VsPaperConfig(paper="unused", device="cpu", quick=quick, shapes=("0.5B-mhc",), runs=2, warmup=0).resolved()
+    plan = "16xF1-h0-K1-hcn"
+    meta = {f"{side}/{p}": (side, p, "as published" if side == "paper" else "eager", "")
+            for side in ("paper", "snlp") for p in ("sequential", plan)}
+    res = VsPaperResult(config=cfg, meta=dict(weights="random", dtype="float32", device="cpu", torch="t", cuda=None,
+                                              date="d", paper_root="p", paper_stubs=[]), complete=True,
+                        rows=summarise("0.5B-mhc", {name: [2.0, 2.0] for name in meta}, meta))
+    text = markdown(res)
+    row = next(ln for ln in text.splitlines() if f"`{plan}`" in ln and "1.60x" in ln)
+    assert row.startswith("| 0.5B-mhc (smoke) |" if quick else "| 0.5B-mhc |"), row
+    assert ("| paper's table (full shape) |" in text) == quick and ("| paper's table |" in text) != quick
+
+
+def test_the_vs_paper_help_states_its_own_defaults(monkeypatch):
+    """--vs-paper's help pointed at --suite-tokens / -warmup / -runs, whose help states the paper suite's defaults (200
+    runs on cuda, 5 on cpu, T = 16 quick); --vs-paper resolves others. Its help now states the ones it resolves."""
+    import argparse
+    import re
+
+    import torch
+
+    from snlp.apps.bench import add_arguments
+    from snlp.bench.vs_paper import VsPaperConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = " ".join(next(a.help for a in p._actions if a.dest == "vs_paper").split())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu, cpu = (VsPaperConfig(paper="x", device=d).resolved() for d in ("cuda", "cpu"))
+    quick = VsPaperConfig(paper="x", device="cpu", quick=True).resolved()
+    assert f"--suite-tokens {gpu.tokens} ({quick.tokens} --quick)" in text and cpu.tokens == gpu.tokens, text
+    assert f"--suite-warmup {gpu.warmup} and --suite-runs {gpu.runs} on cuda, {cpu.warmup} and {cpu.runs} on cpu" in text
+    assert re.search(r"--shapes the three 0\.5B", text) and all(k.startswith("0.5B") for k in cpu.shapes)
 
 
 @needs_paper
@@ -62,6 +158,43 @@ def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approxima
     # one timed round resolves no ratio: every one the table prints is a tie, with its round in the JSON
     assert data["ratios"] and all(r["verdict"] == "tie" and len(r["rounds"]) == 1 for r in data["ratios"])
     assert all(len(r["times_ms"]) == 1 for r in data["rows"])
+
+
+@needs_paper
+def test_the_timing_tables_note_on_a_paper_path_says_what_that_path_does(tmp_path, monkeypatch):
+    """The note beside each paper plan's timing said "no value embeddings, chunk weights stacked inside the call" for
+    every fused plan: on the 0.5B w/o x0ve shape, which has no value embeddings, and for 1xF12, whose path
+    (forward_idn_fused) uses chunk weights built once. It now names what applies: stacking for C x FM with C > 1
+    only, value embeddings only where the model has them, windows where they bite. The timings are stand-ins."""
+    from snlp.bench import vs_paper as V
+
+    monkeypatch.setattr(V, "time_side_by_side", lambda fns, *a: {name: [1.0] for name in fns})
+    monkeypatch.setattr(V, "agreement", lambda *a, **k: [])
+    res = V.run_vs_paper(V.VsPaperConfig(paper=PAPER, quick=True, shapes=("0.5B-nox0ve",), ablations=False,
+                                         treatments=("eager",), runs=1, warmup=0, out=str(tmp_path)))
+    notes = {r.plan: r.note for r in res.rows if r.side == "paper" and r.plan != "sequential"}
+    assert set(notes) == {"12xF2-h0-K1", "12xF2-h0-K2", "1xF12-h0-K1"} and not res.failures, res.failures
+    assert all("drops the sliding windows" in n and "value embeddings" not in n for n in notes.values()), notes
+    assert "stacks the chunk weights" in notes["12xF2-h0-K1"] and "stack" not in notes["1xF12-h0-K1"], notes
+
+
+@needs_paper
+def test_treatments_compiled_alone_times_no_eager_snlp_rows(tmp_path, monkeypatch):
+    """--treatments compiled timed snlp's eager rows (and their windows-off ablation) all the same: only "compiled" was
+    ever read. Now snlp's eager rows run only when asked; the paper's rows are its own (eager) code either way. The
+    compile is a stand-in (the callable itself) and the timings are too: what is tested is which rows run."""
+    from snlp.bench import vs_paper as V
+
+    monkeypatch.setattr(V, "compile_step", lambda fn, device: fn)
+    monkeypatch.setattr(V, "time_side_by_side", lambda fns, *a: {name: [1.0] for name in fns})
+    monkeypatch.setattr(V, "agreement", lambda *a, **k: [])
+    for treatments in (("compiled",), ("eager", "compiled")):
+        res = V.run_vs_paper(V.VsPaperConfig(paper=PAPER, quick=True, shapes=("0.5B-mhc",), treatments=treatments,
+                                             runs=1, warmup=0, out=str(tmp_path)))
+        snlp = {r.variant for r in res.rows if r.side == "snlp"}
+        assert not res.failures and "compiled" in snlp, res.failures
+        assert ("eager" in snlp and "windows off (eager)" in snlp) == ("eager" in treatments), (treatments, snlp)
+        assert {r.variant for r in res.rows if r.side == "paper"} == {"as published", "windows off"}
 
 
 @needs_paper
