@@ -274,6 +274,14 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
         used.add(k)
         return sd[k]
 
+    padded = -(-V // 64) * 64  # nanochat pads the vocabulary to a multiple of 64 from f1bf69d (2025-12-09) on
+    for k in ("transformer.wte.weight", "lm_head.weight"):
+        rows = sd[k].shape[0] if k in sd and sd[k].ndim == 2 else None
+        if rows is not None and rows not in (V, padded):
+            # cutting the rows to V would load another function (the softmax over fewer tokens) without a word
+            raise ValueError(f"nanochat checkpoint's {k} has {rows} rows, which vocab_size {V} does not explain "
+                             f"(nanochat stores vocab_size rows, or {padded}: vocab_size padded to a multiple of "
+                             f"64): its meta's model_config is not this model's")
     out = {"wte.weight": take("transformer.wte.weight")[:V], "lm_head.weight": take("lm_head.weight")[:V]}
     for i in range(L):
         p, q = f"transformer.h.{i}.", f"blocks.{i}."

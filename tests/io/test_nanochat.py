@@ -642,3 +642,21 @@ def test_model_files_without_any_meta_are_named_as_such(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "holds nanochat model files (model_000000.pt) but no meta_NNNNNN.json" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_meta_whose_vocab_size_the_stored_rows_do_not_fit_is_refused(tmp_path):
+    """nanochat stores vocab_size rows of wte / lm_head, or vocab_size padded to a multiple of 64 (100 -> 128): a
+    meta (or an override) with another vocab_size, 50 here, is not this model's config, and cutting the rows to it
+    loaded another function (a softmax over 50 tokens) without a word; now a one-line ValueError."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    meta = json.loads((d / "meta_000000.json").read_text())
+    meta["model_config"]["vocab_size"] = 50
+    (d / "meta_000000.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has 128 rows, which vocab_size 50 does not explain") as err:
+        snlp.load(d)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="which vocab_size 50 does not explain"):
+        snlp.load(DATA / "nanochat-L", overrides={"vocab_size": 50})
+    assert snlp.load(DATA / "nanochat-L")[0].config.vocab_size == 100
+
