@@ -77,7 +77,7 @@ def run(args) -> int:
 
     from snlp.io.checkpoint import save_checkpoint
     from snlp.io.hf import from_hf
-    from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+    from snlp.io.nanochat import is_nanochat_dir, load_nanochat, nanochat_step, steps
 
     overrides = parse_overrides(args.nanochat_override)
     check_new_out(args.out)
@@ -85,7 +85,10 @@ def run(args) -> int:
         model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype), overrides=overrides)
         path = save_checkpoint(args.out, model)
         cfg = model.config
-        print(f"converted nanochat checkpoint {args.src}: {cfg.n_layer} layers, width {cfg.n_embd}, "
+        folder, step = nanochat_step(args.src, args.step)
+        have = steps(folder)  # a training run's folder holds every saved step: say which one this is
+        which = f"step {step}" + (f" (of steps {', '.join(map(str, have))})" if len(have) > 1 else "")
+        print(f"converted nanochat checkpoint {args.src}, {which}: {cfg.n_layer} layers, width {cfg.n_embd}, "
               f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M "
               f"parameters -> {path} (no tokenizer: nanochat's is not converted; pass token ids)")
         return 0

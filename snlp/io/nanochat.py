@@ -400,13 +400,9 @@ def _differs(key: str, among: list[str]) -> str:
     return ", ".join(parts)
 
 
-def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
-                  overrides: dict | None = None) -> GPT:
-    """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
-    the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
-    (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
-    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
-    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
+def nanochat_step(path, step: int | None = None) -> tuple[Path, int]:
+    """(directory, step) that `load_nanochat(path, step)` reads: `step`, the step a model_NNNNNN.pt path names, or
+    the last one; a one-line ValueError (FileNotFoundError without any step) where that step is not complete."""
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         if step is not None and step != int(m.group(1)):
@@ -422,11 +418,22 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
         last = last_model_step(path)
         if last not in have:
             raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
-                             f"of its complete steps {have} (the path of its model_NNNNNN.pt; step= in snlp.load, "
-                             f"--step in snlp convert)")
+                             f"of its complete steps {have} (the path of its model_NNNNNN.pt to snlp.load, step= "
+                             f"to load_nanochat, --step to snlp convert)")
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")
+    return path, step
+
+
+def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
+                  overrides: dict | None = None) -> GPT:
+    """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
+    the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
+    (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
+    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
+    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
+    path, step = nanochat_step(path, step)
     mf, jf = path / f"model_{step:06d}.pt", path / f"meta_{step:06d}.json"
     try:
         meta = json.loads(jf.read_text())

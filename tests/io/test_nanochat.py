@@ -660,3 +660,25 @@ def test_a_meta_whose_vocab_size_the_stored_rows_do_not_fit_is_refused(tmp_path)
         snlp.load(DATA / "nanochat-L", overrides={"vocab_size": 50})
     assert snlp.load(DATA / "nanochat-L")[0].config.vocab_size == 100
 
+
+def test_the_last_step_refusal_names_ways_to_pick_a_step_that_exist(tmp_path, capsys):
+    """The refusal of a last model file without its meta names how to pick a complete step; it said `step= in
+    snlp.load`, which takes no step. Each way it names now loads step 0, and `snlp convert` says which step of a
+    folder of several it converted."""
+    import inspect
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    with pytest.raises(ValueError, match="complete steps") as err:
+        snlp.load(d)
+    msg = str(err.value)
+    assert "step= in snlp.load" not in msg and "step" not in inspect.signature(snlp.load).parameters
+    assert "model_NNNNNN.pt to snlp.load" in msg and "step= to load_nanochat" in msg and "--step to snlp convert" in msg
+    assert snlp.load(d / "model_000000.pt")[0].config.n_layer == load_nanochat(d, step=0).config.n_layer == 6
+    shutil.copy(d / "meta_000000.json", d / "meta_000100.json")
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "a"), "--step", "0"]) == 0
+    assert f"converted nanochat checkpoint {d}, step 0 (of steps 0, 100):" in capsys.readouterr().out
+    assert cli_main(["convert", str(DATA / "nanochat-L"), "--out", str(tmp_path / "b")]) == 0
+    assert ", step 0: 6 layers" in capsys.readouterr().out
+
