@@ -73,7 +73,10 @@ import torch
 from snlp.io.weights import check_finite
 from snlp.model.gpt import GPT, GPTConfig
 
-MODEL_RE, META_RE = re.compile(r"^model_(\d+)\.pt$"), re.compile(r"^meta_(\d+)\.json$")
+# the names save_checkpoint writes and nanochat's loader opens, f"model_{step:06d}.pt": another spelling of a step
+# (model_7.pt) is not one, as nanochat's loader would open model_000007.pt for it
+STEP = r"(\d{6}|[1-9]\d{6,})"
+MODEL_RE, META_RE = re.compile(rf"^model_{STEP}\.pt$"), re.compile(rf"^meta_{STEP}\.json$")
 DROPPED = ("mtp_projs.",)  # training-only heads
 SMEAR_KEYS = ("smear_gate.weight", "smear_lambda", "backout_lambda")
 # model_config keys only nanochat-snlp's GPTConfig has (its meta is written from the whole dataclass)
@@ -403,6 +406,8 @@ def _differs(key: str, among: list[str]) -> str:
 def nanochat_step(path, step: int | None = None) -> tuple[Path, int]:
     """(directory, step) that `load_nanochat(path, step)` reads: `step`, the step a model_NNNNNN.pt path names, or
     the last one; a one-line ValueError (FileNotFoundError without any step) where that step is not complete."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise ValueError(f"step must be an int (the NNNNNN of model_NNNNNN.pt), got {step!r}")
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         if step is not None and step != int(m.group(1)):
@@ -440,14 +445,18 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
         mc = meta["model_config"]
         if not isinstance(mc, dict):
             raise TypeError("model_config is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"corrupt {jf}: expected JSON with a model_config object ({e})") from e
     try:
         sd = torch.load(mf, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises assorted types on truncated / foreign files
-        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {e})") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # its unpickling errors run to many lines
+        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {first})") from e
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
+    odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if odd:
+        raise ValueError(f"{mf} does not hold a state dict of named tensors: {odd[:3]} are not")
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
     cfg = nanochat_config(sd, mc, overrides, mf)
     state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}

@@ -682,3 +682,33 @@ def test_the_last_step_refusal_names_ways_to_pick_a_step_that_exist(tmp_path, ca
     assert cli_main(["convert", str(DATA / "nanochat-L"), "--out", str(tmp_path / "b")]) == 0
     assert ", step 0: 6 layers" in capsys.readouterr().out
 
+
+def test_bad_model_files_and_step_arguments_are_one_line_value_errors(tmp_path):
+    """A file torch cannot unpickle (its message runs to many lines), a state dict holding a non-tensor (was an
+    AttributeError), a meta that is a folder (was an IsADirectoryError), a step that is not an int (was a format
+    error): each a one-line ValueError naming the file or the argument. A step spelt otherwise than
+    save_checkpoint's model_NNNNNN.pt (model_7.pt, which nanochat's loader would open as model_000007.pt) is no
+    nanochat step (it was taken for one, then its files were not found)."""
+    def refused(d, match, **kw):
+        with pytest.raises(ValueError, match=match) as err:
+            load_nanochat(d, **kw)
+        assert "\n" not in str(err.value)
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    (d / "model_000000.pt").write_bytes(b"not a torch file")
+    refused(d, "corrupt or truncated")
+    torch.save({**sd, "smear_lambda": 0.5}, d / "model_000000.pt")
+    refused(d, r"does not hold a state dict of named tensors: \[.smear_lambda.\]")
+    torch.save(sd, d / "model_000000.pt")
+    refused(d, "step must be an int", step=0.0)
+    refused(d, "step must be an int", step="0")
+    (d / "meta_000000.json").unlink()
+    (d / "meta_000000.json").mkdir()
+    refused(d, "corrupt .*meta_000000.json")
+    e = tmp_path / "short"
+    e.mkdir()
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_7.pt")
+    shutil.copy(DATA / "nanochat-L" / "meta_000000.json", e / "meta_7.json")
+    assert not is_nanochat_dir(e) and not is_nanochat_dir(e / "model_7.pt")
