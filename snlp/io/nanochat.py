@@ -57,7 +57,8 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
     optimised: no_x0_resid keeps them out of the optimizer) are refused until overrides name x0_residual; mHC
     tensors are refused (the Sinkhorn settings are not in the files).
 `overrides` (GPTConfig fields) change any of these after the version is placed; window_pattern and sequence_len
-are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused).
+are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused, as is a
+field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them).
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
@@ -115,6 +116,10 @@ VERSIONS = {
     "smear": NanochatVersion("a825e63..92d63d4, 2026-03-14..07-03, and nanochat-snlp", 100000.0, False, 1.2, 15.0,
                              3.0, "quarter"),
 }
+# GPTConfig fields the forward reads only with a part on (that part's switch): overrides of them without it are refused
+UNREAD_WITHOUT = {"hc_dynamic": "hc_streams", "hc_maps": "hc_streams", "hc_sinkhorn_iters": "hc_streams",
+                  "hc_sinkhorn_tau": "hc_streams", "ve_gate_scale": "value_embeds", "ve_gate_channels": "value_embeds"}
+PART = {"hc_streams": "mHC", "value_embeds": "value embeddings"}
 # the fields of GPTConfig a version sets (what an override must name to choose between versions)
 VERSION_FIELDS = ("rope_base", "rope_bf16", "qk_scale", "softcap", "ve_gate_scale")
 
@@ -369,6 +374,10 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
             raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
 
     configs = [config(k) for k in fit]
+    unread = sorted(k for k in over if k in UNREAD_WITHOUT and not getattr(configs[0], UNREAD_WITHOUT[k]))
+    if unread:  # GPTConfig keeps them, the forward never reads them: the override would change nothing
+        raise ValueError(f"overrides name {unread}, which {where}'s model does not read (it has no "
+                         f"{' / '.join(sorted({PART[UNREAD_WITHOUT[k]] for k in unread}))})")
     if any(c != configs[0] for c in configs[1:]):
         choices = "; ".join(f"version={k} ({VERSIONS[k].commits}: {_differs(k, found)})" for k in found)
         raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose files are alike and "

@@ -712,3 +712,20 @@ def test_bad_model_files_and_step_arguments_are_one_line_value_errors(tmp_path):
     shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_7.pt")
     shutil.copy(DATA / "nanochat-L" / "meta_000000.json", e / "meta_7.json")
     assert not is_nanochat_dir(e) and not is_nanochat_dir(e / "model_7.pt")
+
+
+def test_overrides_of_fields_the_model_does_not_read_are_refused():
+    """An override of a GPTConfig field that only a part the model lacks reads (the Sinkhorn settings and map kind
+    without mHC, the value-embedding gate without value embeddings) changed nothing and loaded silently; now a
+    one-line ValueError naming the part. With the part the same override loads and changes the function."""
+    for name, over, part in (("nanochat-L", {"hc_sinkhorn_iters": 3}, "mHC"), ("nanochat-L", {"hc_maps": "softmax"}, "mHC"),
+                             ("upstream-2c4473d", {"ve_gate_scale": 5.0}, "value embeddings"),
+                             ("nanochat-L", {"value_embeds": False, "ve_gate_channels": 8}, "value embeddings")):
+        with pytest.raises(ValueError, match=rf"does not read \(it has no {part}\)") as err:
+            snlp.load(DATA / name, overrides=over)
+        assert "\n" not in str(err.value)
+    r = ref("nanochat-mhc")
+    m, _ = snlp.load(DATA / "nanochat-mhc", overrides={"hc_sinkhorn_iters": 3})
+    assert m.config.hc_sinkhorn_iters == 3 and max_err(m, r) > 1e-4  # Sinkhorn converges fast at tau 0.05
+    m, _ = snlp.load(DATA / "nanochat-L", overrides={"ve_gate_scale": 2.0})
+    assert max_err(m, ref("nanochat-L")) > 1e-3
