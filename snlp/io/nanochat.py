@@ -151,19 +151,24 @@ def is_nanochat_dir(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and bool(steps(path))
 
 
-def missing_metas(path) -> str | None:
-    """Why directory `path` is no loadable nanochat checkpoint when it holds model_NNNNNN.pt files but none with its
-    meta_NNNNNN.json (a folder copied without them), else None: the loaders that look for other formats would
-    otherwise say it lacks a config.json."""
+def why_not_nanochat(path) -> str | None:
+    """Why directory `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None
+    (the loaders that look for other formats would otherwise say it lacks a config.json): model_NNNNNN.pt files
+    without their meta_NNNNNN.json (a folder copied without them), or a folder of nanochat checkpoint folders
+    (nanochat's base_checkpoints/, one folder per model tag, of which nanochat's own loader takes the deepest)."""
     path = Path(path)
     if not path.is_dir() or steps(path) or (path / "config.json").exists():
         return None
     models = sorted(p.name for p in path.iterdir() if MODEL_RE.match(p.name))
-    if not models:
-        return None
-    return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but no "
-            f"meta_NNNNNN.json beside them: copy each step's meta file (nanochat's checkpoint_manager writes it with "
-            f"the model) into {path}")
+    if models:
+        return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but "
+                f"no meta_NNNNNN.json beside them: copy each step's meta file (nanochat's checkpoint_manager writes "
+                f"it with the model) into {path}")
+    tags = sorted(p.name for p in path.iterdir() if p.is_dir() and is_nanochat_dir(p))
+    if tags:
+        return (f"{path} is not a nanochat checkpoint but a folder of {len(tags)} ({', '.join(tags[:4])}"
+                f"{', ...' if len(tags) > 4 else ''}): give one of them, e.g. {path / tags[0]}")
+    return None
 
 
 def nanochat_depth(path) -> int | None:

@@ -729,3 +729,19 @@ def test_overrides_of_fields_the_model_does_not_read_are_refused():
     assert m.config.hc_sinkhorn_iters == 3 and max_err(m, r) > 1e-4  # Sinkhorn converges fast at tau 0.05
     m, _ = snlp.load(DATA / "nanochat-L", overrides={"ve_gate_scale": 2.0})
     assert max_err(m, ref("nanochat-L")) > 1e-3
+
+
+def test_a_folder_of_nanochat_checkpoints_is_named_as_such(tmp_path, capsys):
+    """nanochat keeps one folder per model tag under base_checkpoints/ (its loader picks one): that parent folder was
+    refused as lacking a config.json ("expected a transformers model directory" from snlp convert); each entry now
+    says it holds nanochat checkpoints and names them, in one line."""
+    for tag in ("d4", "d6"):
+        shutil.copytree(DATA / ("nanochat-mhc" if tag == "d4" else "nanochat-L"), tmp_path / "base" / tag)
+    base = tmp_path / "base"
+    with pytest.raises(FileNotFoundError, match=r"not a nanochat checkpoint but a folder of 2 \(d4, d6\): give one"):
+        snlp.load(base)
+    assert cli_main(["convert", str(base), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "folder of 2 (d4, d6)" in err and "\n" not in err and not (tmp_path / "out").exists()
+    assert cli_main(["bench", "--ckpt", str(base), "--plans", "2xF1-h0-K1"]) == 2
+    assert "folder of 2 (d4, d6)" in capsys.readouterr().err
