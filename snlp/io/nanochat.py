@@ -320,27 +320,39 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
-    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
-    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
-    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
-    differ, a one-line ValueError naming each with the overrides that choose it."""
+def check_overrides(overrides: dict | None) -> None:
+    """A one-line ValueError for `overrides` no nanochat checkpoint can take, read before any file: names that are no
+    GPTConfig field (nor "version"), a version that is no VERSIONS key, short_window, layer_windows beside
+    window_pattern / sequence_len."""
     over = dict(overrides or {})
     want = over.pop("version", None)
+    if want is not None and want not in VERSIONS:
+        raise ValueError(f"overrides name version {want!r}, which is none of nanochat's: {list(VERSIONS)}")
     bad = sorted(set(over) - set(GPTConfig.__dataclass_fields__))
     if bad:
         raise ValueError(f"overrides name no GPTConfig field: {bad} (or 'version', one of {list(VERSIONS)})")
     # nanochat derives every layer's window from window_pattern and sequence_len (_compute_window_sizes): overrides
     # of those two are nanochat's fields, so the windows follow them; GPTConfig's short_window is not read where
     # layer_windows is set, so overriding it alone could not be honoured
-    nano = {k: over.pop(k) for k in ("window_pattern", "sequence_len") if k in over}
+    nano = sorted(k for k in ("window_pattern", "sequence_len") if k in over)
     if "short_window" in over:
         raise ValueError("overrides name short_window, which a nanochat checkpoint's windows do not read (nanochat's "
                          "'S' window follows from sequence_len): override window_pattern / sequence_len, or give "
                          "every layer's window as layer_windows")
     if nano and "layer_windows" in over:
-        raise ValueError(f"overrides name layer_windows and {sorted(nano)}, which nanochat turns into other windows: "
+        raise ValueError(f"overrides name layer_windows and {nano}, which nanochat turns into other windows: "
                          f"give one or the other")
+
+
+def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
+    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
+    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
+    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
+    differ, a one-line ValueError naming each with the overrides that choose it."""
+    check_overrides(overrides)
+    over = dict(overrides or {})
+    want = over.pop("version", None)
+    nano = {k: over.pop(k) for k in ("window_pattern", "sequence_len") if k in over}
     if "use_mhc" not in mc and any(HC_RE.match(k) for k in sd):
         raise ValueError(f"{where} holds mHC tensors but its meta's model_config lacks use_mhc and the Sinkhorn "
                          f"settings (nanochat-snlp's chat_sft writes only the size fields and window_pattern): copy "
@@ -452,6 +464,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
     does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
     between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
+    check_overrides(overrides)  # a typo is refused before a model file of gigabytes is read
     path, step = nanochat_step(path, step)
     mf, jf = path / f"model_{step:06d}.pt", path / f"meta_{step:06d}.json"
     try:

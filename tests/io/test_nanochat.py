@@ -745,3 +745,21 @@ def test_a_folder_of_nanochat_checkpoints_is_named_as_such(tmp_path, capsys):
     assert "folder of 2 (d4, d6)" in err and "\n" not in err and not (tmp_path / "out").exists()
     assert cli_main(["bench", "--ckpt", str(base), "--plans", "2xF1-h0-K1"]) == 2
     assert "folder of 2 (d4, d6)" in capsys.readouterr().err
+
+
+def test_overrides_no_checkpoint_takes_are_refused_before_the_model_file_is_read(tmp_path):
+    """A misspelt override field, an unknown version key, short_window: refused in one line before torch.load reads
+    the model file (a real one is gigabytes); here that file is garbage, so a refusal that names the override shows
+    it was not read. An unknown version was refused as 'the files fit [smear] only', as if it were a version."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    (d / "model_000000.pt").write_bytes(b"garbage")
+    for over, match in (({"softcapp": 20}, r"no GPTConfig field: \['softcapp'\]"),
+                        ({"version": "v12"}, r"version 'v12', which is none of nanochat's"),
+                        ({"short_window": 64}, "short_window"),
+                        ({"sequence_len": 64, "layer_windows": [1] * 6}, "give one or the other")):
+        with pytest.raises(ValueError, match=match) as err:
+            load_nanochat(d, overrides=over)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_nanochat(d, overrides={"softcap": 20.0})
