@@ -241,12 +241,15 @@ def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = Tru
                          version: str = "smear") -> GPTConfig:
     """The GPTConfig of nanochat's model_config dict (meta_NNNNNN.json) under VERSIONS[version]'s constants, with
     nanochat's defaults for absent keys."""
-    try:
-        L, D = int(mc["n_layer"]), int(mc["n_embd"])
-        kw = dict(vocab_size=int(mc["vocab_size"]), n_layer=L, n_head=int(mc["n_head"]),
-                  n_kv_head=int(mc.get("n_kv_head", mc["n_head"])), n_embd=D, sequence_len=int(mc["sequence_len"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"nanochat model_config lacks or mangles a size field ({e}): {mc}") from e
+    sizes = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len")
+    kw = {**{"n_kv_head": mc.get("n_head")}, **{k: mc[k] for k in sizes if k in mc}}
+    # an int as nanochat's GPTConfig holds it: int() of 4.7 or True built a model of another size, refused later
+    # for tensors it lacked (or not at all)
+    odd = [f"{k}={kw.get(k)!r}" for k in sizes if not isinstance(kw.get(k), int) or isinstance(kw.get(k), bool)]
+    if odd:
+        raise ValueError(f"nanochat model_config lacks or mangles a size field ({', '.join(odd)}; each must be an "
+                         f"integer): {mc}")
+    L = kw["n_layer"]
     unknown = sorted(set(mc) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"nanochat model_config has fields this loader does not know: {unknown}")

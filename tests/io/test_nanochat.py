@@ -763,3 +763,17 @@ def test_overrides_no_checkpoint_takes_are_refused_before_the_model_file_is_read
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="corrupt or truncated"):
         load_nanochat(d, overrides={"softcap": 20.0})
+
+
+def test_a_size_field_that_is_no_integer_is_named(tmp_path):
+    """n_layer 4.7 or true in a meta was read as int() of it (4, 1): a model of another size, refused later as
+    lacking a ve_gate or holding tensors it does not map, which says nothing of the meta; now the field is named."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    meta = json.loads((d / "meta_000000.json").read_text())
+    for value in (4.7, True, "6"):
+        (d / "meta_000000.json").write_text(json.dumps({**meta, "model_config": {**meta["model_config"],
+                                                                               "n_layer": value}}))
+        with pytest.raises(ValueError, match=rf"size field \(n_layer={value!r}; each must be an integer\)") as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value)
