@@ -489,8 +489,14 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
         raise ValueError(f"{mf} does not hold a state dict of named tensors: {odd[:3]} are not")
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
     cfg = nanochat_config(sd, mc, overrides, mf)
-    state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
-    check_finite(state, mf)
+    stored = state_from_nanochat(sd, cfg)
+    check_finite(stored, mf)  # the file's own values: a NaN / inf there is the checkpoint's
+    state = {k: v.to(dtype) for k, v in stored.items()}
+    for k, v in state.items():  # finite in the file, infinite in `dtype` (float16 past 65504): the dtype's
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            big = stored[k][~torch.isfinite(v)].abs().max().item()
+            raise ValueError(f"{dtype} cannot hold {mf}'s {k}: |{big:.4g}| is past its largest finite value "
+                             f"({torch.finfo(dtype).max:.4g}): choose float32 or bfloat16 (snlp convert --dtype)")
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"

@@ -777,3 +777,22 @@ def test_a_size_field_that_is_no_integer_is_named(tmp_path):
         with pytest.raises(ValueError, match=rf"size field \(n_layer={value!r}; each must be an integer\)") as err:
             snlp.load(d)
         assert "\n" not in str(err.value)
+
+
+def test_a_dtype_that_cannot_hold_the_weights_is_named_not_the_checkpoint(tmp_path, capsys):
+    """A finite weight past float16's 65504 turned inf in the cast, and the refusal called the checkpoint broken
+    ('a diverged training run saves such weights: restore or re-train it'); the file is fine, the dtype cannot hold
+    it: now said so, and bfloat16 converts it. A NaN stored in the file is still the checkpoint's."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd["lm_head.weight"][0, 0] = 1e5
+    torch.save(sd, d / "model_000000.pt")
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "h"), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.float16 cannot hold" in err and "lm_head.weight" in err and "diverged" not in err
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "b"), "--dtype", "bfloat16"]) == 0
+    sd["lm_head.weight"][0, 0] = float("nan")
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="diverged training run"):
+        load_nanochat(d, dtype=torch.float16)
