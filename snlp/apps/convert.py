@@ -44,9 +44,13 @@ def parse_overrides(items: list[str]) -> dict:
         if not eq or not field:
             raise ValueError(f"--nanochat-override takes FIELD=VALUE (e.g. softcap=20), got {item!r}")
         try:
-            out[field] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[field] = value
+            parsed = value
+        if field in out and out[field] != parsed:  # one of the two would be dropped without a word
+            raise ValueError(f"--nanochat-override gives {field} twice ({json.dumps(out[field])} and "
+                             f"{json.dumps(parsed)}): give it once")
+        out[field] = parsed
     return out
 
 

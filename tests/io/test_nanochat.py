@@ -796,3 +796,14 @@ def test_a_dtype_that_cannot_hold_the_weights_is_named_not_the_checkpoint(tmp_pa
     torch.save(sd, d / "model_000000.pt")
     with pytest.raises(ValueError, match="diverged training run"):
         load_nanochat(d, dtype=torch.float16)
+
+
+def test_a_convert_override_given_twice_is_refused(tmp_path, capsys):
+    """--nanochat-override softcap=20 --nanochat-override softcap=15 converted with 15 and dropped 20 without a word;
+    now a one-line refusal before any file is read (the same value twice is one override)."""
+    args = ["convert", str(DATA / "nanochat-L"), "--out", str(tmp_path / "o")]
+    assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=15"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gives softcap twice (20 and 15)" in err and "\n" not in err and not (tmp_path / "o").exists()
+    assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=20"]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["softcap"] == 20
