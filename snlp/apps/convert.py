@@ -44,9 +44,13 @@ def parse_overrides(items: list[str]) -> dict:
         if not eq or not field:
             raise ValueError(f"--nanochat-override takes FIELD=VALUE (e.g. softcap=20), got {item!r}")
         try:
-            out[field] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[field] = value
+            parsed = value
+        if field in out and out[field] != parsed:  # one of the two would be dropped without a word
+            raise ValueError(f"--nanochat-override gives {field} twice ({json.dumps(out[field])} and "
+                             f"{json.dumps(parsed)}): give it once")
+        out[field] = parsed
     return out
 
 
@@ -77,7 +81,7 @@ def run(args) -> int:
 
     from snlp.io.checkpoint import save_checkpoint
     from snlp.io.hf import from_hf
-    from snlp.io.nanochat import is_nanochat_dir, load_nanochat
+    from snlp.io.nanochat import is_nanochat_dir, load_nanochat, nanochat_step, steps
 
     overrides = parse_overrides(args.nanochat_override)
     check_new_out(args.out)
@@ -85,7 +89,10 @@ def run(args) -> int:
         model = load_nanochat(args.src, step=args.step, dtype=getattr(torch, args.dtype), overrides=overrides)
         path = save_checkpoint(args.out, model)
         cfg = model.config
-        print(f"converted nanochat checkpoint {args.src}: {cfg.n_layer} layers, width {cfg.n_embd}, "
+        folder, step = nanochat_step(args.src, args.step)
+        have = steps(folder)  # a training run's folder holds every saved step: say which one this is
+        which = f"step {step}" + (f" (of steps {', '.join(map(str, have))})" if len(have) > 1 else "")
+        print(f"converted nanochat checkpoint {args.src}, {which}: {cfg.n_layer} layers, width {cfg.n_embd}, "
               f"{cfg.n_head}/{cfg.n_kv_head} heads, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M "
               f"parameters -> {path} (no tokenizer: nanochat's is not converted; pass token ids)")
         return 0

@@ -31,7 +31,7 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
-from snlp.io.nanochat import is_nanochat_dir, load_nanochat, missing_metas, nanochat_depth
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat, why_not_nanochat, nanochat_depth
 from snlp.io.source import did_you_mean, home_path
 from snlp.io.weights import check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
@@ -221,7 +221,7 @@ def not_a_checkpoint(path: Path) -> str:
         return f"{path} is not a checkpoint but a folder holding {len(inner)}: {names}; give one of them"
     if (path / WEIGHTS).is_file():
         return f"checkpoint {path} has no {CONFIG}; it is incomplete, re-save or re-train it"
-    if why := missing_metas(path):
+    if why := why_not_nanochat(path):
         return why
     return (f"{path} is not a checkpoint (no {CONFIG} or {WEIGHTS}): give the folder that `snlp train --out` or "
             f"`snlp convert --out` wrote")

@@ -303,9 +303,9 @@ def _load_hf(src: str, dtype):
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
         if not (path / "config.json").is_file():
-            from snlp.io.nanochat import missing_metas
+            from snlp.io.nanochat import why_not_nanochat
 
-            if why := missing_metas(path):
+            if why := why_not_nanochat(path):
                 raise FileNotFoundError(why)
             raise FileNotFoundError(f"directory {path} has no config.json; expected a transformers model directory "
                                     f"(config.json + *.safetensors)")

@@ -57,7 +57,8 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
     optimised: no_x0_resid keeps them out of the optimizer) are refused until overrides name x0_residual; mHC
     tensors are refused (the Sinkhorn settings are not in the files).
 `overrides` (GPTConfig fields) change any of these after the version is placed; window_pattern and sequence_len
-are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused).
+are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused, as is a
+field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them).
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
@@ -73,7 +74,10 @@ import torch
 from snlp.io.weights import check_finite
 from snlp.model.gpt import GPT, GPTConfig
 
-MODEL_RE, META_RE = re.compile(r"^model_(\d+)\.pt$"), re.compile(r"^meta_(\d+)\.json$")
+# the names save_checkpoint writes and nanochat's loader opens, f"model_{step:06d}.pt": another spelling of a step
+# (model_7.pt) is not one, as nanochat's loader would open model_000007.pt for it
+STEP = r"(\d{6}|[1-9]\d{6,})"
+MODEL_RE, META_RE = re.compile(rf"^model_{STEP}\.pt$"), re.compile(rf"^meta_{STEP}\.json$")
 DROPPED = ("mtp_projs.",)  # training-only heads
 SMEAR_KEYS = ("smear_gate.weight", "smear_lambda", "backout_lambda")
 # model_config keys only nanochat-snlp's GPTConfig has (its meta is written from the whole dataclass)
@@ -112,6 +116,10 @@ VERSIONS = {
     "smear": NanochatVersion("a825e63..92d63d4, 2026-03-14..07-03, and nanochat-snlp", 100000.0, False, 1.2, 15.0,
                              3.0, "quarter"),
 }
+# GPTConfig fields the forward reads only with a part on (that part's switch): overrides of them without it are refused
+UNREAD_WITHOUT = {"hc_dynamic": "hc_streams", "hc_maps": "hc_streams", "hc_sinkhorn_iters": "hc_streams",
+                  "hc_sinkhorn_tau": "hc_streams", "ve_gate_scale": "value_embeds", "ve_gate_channels": "value_embeds"}
+PART = {"hc_streams": "mHC", "value_embeds": "value embeddings"}
 # the fields of GPTConfig a version sets (what an override must name to choose between versions)
 VERSION_FIELDS = ("rope_base", "rope_bf16", "qk_scale", "softcap", "ve_gate_scale")
 
@@ -143,19 +151,24 @@ def is_nanochat_dir(path) -> bool:
     return path.is_dir() and not (path / "config.json").exists() and bool(steps(path))
 
 
-def missing_metas(path) -> str | None:
-    """Why directory `path` is no loadable nanochat checkpoint when it holds model_NNNNNN.pt files but none with its
-    meta_NNNNNN.json (a folder copied without them), else None: the loaders that look for other formats would
-    otherwise say it lacks a config.json."""
+def why_not_nanochat(path) -> str | None:
+    """Why directory `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None
+    (the loaders that look for other formats would otherwise say it lacks a config.json): model_NNNNNN.pt files
+    without their meta_NNNNNN.json (a folder copied without them), or a folder of nanochat checkpoint folders
+    (nanochat's base_checkpoints/, one folder per model tag, of which nanochat's own loader takes the deepest)."""
     path = Path(path)
     if not path.is_dir() or steps(path) or (path / "config.json").exists():
         return None
     models = sorted(p.name for p in path.iterdir() if MODEL_RE.match(p.name))
-    if not models:
-        return None
-    return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but no "
-            f"meta_NNNNNN.json beside them: copy each step's meta file (nanochat's checkpoint_manager writes it with "
-            f"the model) into {path}")
+    if models:
+        return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but "
+                f"no meta_NNNNNN.json beside them: copy each step's meta file (nanochat's checkpoint_manager writes "
+                f"it with the model) into {path}")
+    tags = sorted(p.name for p in path.iterdir() if p.is_dir() and is_nanochat_dir(p))
+    if tags:
+        return (f"{path} is not a nanochat checkpoint but a folder of {len(tags)} ({', '.join(tags[:4])}"
+                f"{', ...' if len(tags) > 4 else ''}): give one of them, e.g. {path / tags[0]}")
+    return None
 
 
 def nanochat_depth(path) -> int | None:
@@ -228,12 +241,15 @@ def config_from_nanochat(mc: dict, ve_gate_channels: int = 12, smear: bool = Tru
                          version: str = "smear") -> GPTConfig:
     """The GPTConfig of nanochat's model_config dict (meta_NNNNNN.json) under VERSIONS[version]'s constants, with
     nanochat's defaults for absent keys."""
-    try:
-        L, D = int(mc["n_layer"]), int(mc["n_embd"])
-        kw = dict(vocab_size=int(mc["vocab_size"]), n_layer=L, n_head=int(mc["n_head"]),
-                  n_kv_head=int(mc.get("n_kv_head", mc["n_head"])), n_embd=D, sequence_len=int(mc["sequence_len"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"nanochat model_config lacks or mangles a size field ({e}): {mc}") from e
+    sizes = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "sequence_len")
+    kw = {**{"n_kv_head": mc.get("n_head")}, **{k: mc[k] for k in sizes if k in mc}}
+    # an int as nanochat's GPTConfig holds it: int() of 4.7 or True built a model of another size, refused later
+    # for tensors it lacked (or not at all)
+    odd = [f"{k}={kw.get(k)!r}" for k in sizes if not isinstance(kw.get(k), int) or isinstance(kw.get(k), bool)]
+    if odd:
+        raise ValueError(f"nanochat model_config lacks or mangles a size field ({', '.join(odd)}; each must be an "
+                         f"integer): {mc}")
+    L = kw["n_layer"]
     unknown = sorted(set(mc) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"nanochat model_config has fields this loader does not know: {unknown}")
@@ -274,6 +290,14 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
         used.add(k)
         return sd[k]
 
+    padded = -(-V // 64) * 64  # nanochat pads the vocabulary to a multiple of 64 from f1bf69d (2025-12-09) on
+    for k in ("transformer.wte.weight", "lm_head.weight"):
+        rows = sd[k].shape[0] if k in sd and sd[k].ndim == 2 else None
+        if rows is not None and rows not in (V, padded):
+            # cutting the rows to V would load another function (the softmax over fewer tokens) without a word
+            raise ValueError(f"nanochat checkpoint's {k} has {rows} rows, which vocab_size {V} does not explain "
+                             f"(nanochat stores vocab_size rows, or {padded}: vocab_size padded to a multiple of "
+                             f"64): its meta's model_config is not this model's")
     out = {"wte.weight": take("transformer.wte.weight")[:V], "lm_head.weight": take("lm_head.weight")[:V]}
     for i in range(L):
         p, q = f"transformer.h.{i}.", f"blocks.{i}."
@@ -299,27 +323,39 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
-    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
-    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
-    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
-    differ, a one-line ValueError naming each with the overrides that choose it."""
+def check_overrides(overrides: dict | None) -> None:
+    """A one-line ValueError for `overrides` no nanochat checkpoint can take, read before any file: names that are no
+    GPTConfig field (nor "version"), a version that is no VERSIONS key, short_window, layer_windows beside
+    window_pattern / sequence_len."""
     over = dict(overrides or {})
     want = over.pop("version", None)
+    if want is not None and want not in VERSIONS:
+        raise ValueError(f"overrides name version {want!r}, which is none of nanochat's: {list(VERSIONS)}")
     bad = sorted(set(over) - set(GPTConfig.__dataclass_fields__))
     if bad:
         raise ValueError(f"overrides name no GPTConfig field: {bad} (or 'version', one of {list(VERSIONS)})")
     # nanochat derives every layer's window from window_pattern and sequence_len (_compute_window_sizes): overrides
     # of those two are nanochat's fields, so the windows follow them; GPTConfig's short_window is not read where
     # layer_windows is set, so overriding it alone could not be honoured
-    nano = {k: over.pop(k) for k in ("window_pattern", "sequence_len") if k in over}
+    nano = sorted(k for k in ("window_pattern", "sequence_len") if k in over)
     if "short_window" in over:
         raise ValueError("overrides name short_window, which a nanochat checkpoint's windows do not read (nanochat's "
                          "'S' window follows from sequence_len): override window_pattern / sequence_len, or give "
                          "every layer's window as layer_windows")
     if nano and "layer_windows" in over:
-        raise ValueError(f"overrides name layer_windows and {sorted(nano)}, which nanochat turns into other windows: "
+        raise ValueError(f"overrides name layer_windows and {nano}, which nanochat turns into other windows: "
                          f"give one or the other")
+
+
+def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
+    """The GPTConfig of a nanochat checkpoint: state dict `sd` (`_orig_mod.` stripped), meta model_config `mc`,
+    placed in its version (nanochat_versions) and then `overrides` applied: GPTConfig fields, and "version" (a
+    VERSIONS key) to name the version outright. Where several versions fit the files and their configs still
+    differ, a one-line ValueError naming each with the overrides that choose it."""
+    check_overrides(overrides)
+    over = dict(overrides or {})
+    want = over.pop("version", None)
+    nano = {k: over.pop(k) for k in ("window_pattern", "sequence_len") if k in over}
     if "use_mhc" not in mc and any(HC_RE.match(k) for k in sd):
         raise ValueError(f"{where} holds mHC tensors but its meta's model_config lacks use_mhc and the Sinkhorn "
                          f"settings (nanochat-snlp's chat_sft writes only the size fields and window_pattern): copy "
@@ -358,6 +394,10 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
             raise ValueError(f"overrides {overrides} do not make a valid model config: {e}") from e
 
     configs = [config(k) for k in fit]
+    unread = sorted(k for k in over if k in UNREAD_WITHOUT and not getattr(configs[0], UNREAD_WITHOUT[k]))
+    if unread:  # GPTConfig keeps them, the forward never reads them: the override would change nothing
+        raise ValueError(f"overrides name {unread}, which {where}'s model does not read (it has no "
+                         f"{' / '.join(sorted({PART[UNREAD_WITHOUT[k]] for k in unread}))})")
     if any(c != configs[0] for c in configs[1:]):
         choices = "; ".join(f"version={k} ({VERSIONS[k].commits}: {_differs(k, found)})" for k in found)
         raise ValueError(f"{where} was written by one of {len(found)} nanochat versions whose files are alike and "
@@ -392,13 +432,11 @@ def _differs(key: str, among: list[str]) -> str:
     return ", ".join(parts)
 
 
-def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
-                  overrides: dict | None = None) -> GPT:
-    """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
-    the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
-    (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
-    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
-    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
+def nanochat_step(path, step: int | None = None) -> tuple[Path, int]:
+    """(directory, step) that `load_nanochat(path, step)` reads: `step`, the step a model_NNNNNN.pt path names, or
+    the last one; a one-line ValueError (FileNotFoundError without any step) where that step is not complete."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise ValueError(f"step must be an int (the NNNNNN of model_NNNNNN.pt), got {step!r}")
     path = Path(path)
     if path.is_file() and (m := MODEL_RE.match(path.name)):
         if step is not None and step != int(m.group(1)):
@@ -414,29 +452,51 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
         last = last_model_step(path)
         if last not in have:
             raise ValueError(f"{path}'s last model file, model_{last:06d}.pt, has no meta_{last:06d}.json: name one "
-                             f"of its complete steps {have} (the path of its model_NNNNNN.pt; step= in snlp.load, "
-                             f"--step in snlp convert)")
+                             f"of its complete steps {have} (the path of its model_NNNNNN.pt to snlp.load, step= "
+                             f"to load_nanochat, --step to snlp convert)")
     step = have[-1] if step is None else step
     if step not in have:
         raise ValueError(f"{path} has no step {step}; it has steps {have}")
+    return path, step
+
+
+def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
+                  overrides: dict | None = None) -> GPT:
+    """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
+    the last one; a model_NNNNNN.pt path names its step), with the function of the nanochat version that wrote it
+    (the module docstring's table). bf16 checkpoints are upcast to fp32 by default, as nanochat's own CPU loader
+    does. `overrides` ({"version": KEY} of VERSIONS, or GPTConfig fields such as {"softcap": 20.0}) choose
+    between versions the files cannot tell apart, and GPTConfig fields otherwise replace the version's constants."""
+    check_overrides(overrides)  # a typo is refused before a model file of gigabytes is read
+    path, step = nanochat_step(path, step)
     mf, jf = path / f"model_{step:06d}.pt", path / f"meta_{step:06d}.json"
     try:
         meta = json.loads(jf.read_text())
         mc = meta["model_config"]
         if not isinstance(mc, dict):
             raise TypeError("model_config is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"corrupt {jf}: expected JSON with a model_config object ({e})") from e
     try:
         sd = torch.load(mf, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises assorted types on truncated / foreign files
-        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {e})") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # its unpickling errors run to many lines
+        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {first})") from e
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
+    odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if odd:
+        raise ValueError(f"{mf} does not hold a state dict of named tensors: {odd[:3]} are not")
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
     cfg = nanochat_config(sd, mc, overrides, mf)
-    state = {k: v.to(dtype) for k, v in state_from_nanochat(sd, cfg).items()}
-    check_finite(state, mf)
+    stored = state_from_nanochat(sd, cfg)
+    check_finite(stored, mf)  # the file's own values: a NaN / inf there is the checkpoint's
+    state = {k: v.to(dtype) for k, v in stored.items()}
+    for k, v in state.items():  # finite in the file, infinite in `dtype` (float16 past 65504): the dtype's
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            big = stored[k][~torch.isfinite(v)].abs().max().item()
+            raise ValueError(f"{dtype} cannot hold {mf}'s {k}: |{big:.4g}| is past its largest finite value "
+                             f"({torch.finfo(dtype).max:.4g}): choose float32 or bfloat16 (snlp convert --dtype)")
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"

@@ -642,3 +642,168 @@ def test_model_files_without_any_meta_are_named_as_such(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "holds nanochat model files (model_000000.pt) but no meta_NNNNNN.json" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_meta_whose_vocab_size_the_stored_rows_do_not_fit_is_refused(tmp_path):
+    """nanochat stores vocab_size rows of wte / lm_head, or vocab_size padded to a multiple of 64 (100 -> 128): a
+    meta (or an override) with another vocab_size, 50 here, is not this model's config, and cutting the rows to it
+    loaded another function (a softmax over 50 tokens) without a word; now a one-line ValueError."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    meta = json.loads((d / "meta_000000.json").read_text())
+    meta["model_config"]["vocab_size"] = 50
+    (d / "meta_000000.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has 128 rows, which vocab_size 50 does not explain") as err:
+        snlp.load(d)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="which vocab_size 50 does not explain"):
+        snlp.load(DATA / "nanochat-L", overrides={"vocab_size": 50})
+    assert snlp.load(DATA / "nanochat-L")[0].config.vocab_size == 100
+
+
+def test_the_last_step_refusal_names_ways_to_pick_a_step_that_exist(tmp_path, capsys):
+    """The refusal of a last model file without its meta names how to pick a complete step; it said `step= in
+    snlp.load`, which takes no step. Each way it names now loads step 0, and `snlp convert` says which step of a
+    folder of several it converted."""
+    import inspect
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    shutil.copy(d / "model_000000.pt", d / "model_000100.pt")
+    with pytest.raises(ValueError, match="complete steps") as err:
+        snlp.load(d)
+    msg = str(err.value)
+    assert "step= in snlp.load" not in msg and "step" not in inspect.signature(snlp.load).parameters
+    assert "model_NNNNNN.pt to snlp.load" in msg and "step= to load_nanochat" in msg and "--step to snlp convert" in msg
+    assert snlp.load(d / "model_000000.pt")[0].config.n_layer == load_nanochat(d, step=0).config.n_layer == 6
+    shutil.copy(d / "meta_000000.json", d / "meta_000100.json")
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "a"), "--step", "0"]) == 0
+    assert f"converted nanochat checkpoint {d}, step 0 (of steps 0, 100):" in capsys.readouterr().out
+    assert cli_main(["convert", str(DATA / "nanochat-L"), "--out", str(tmp_path / "b")]) == 0
+    assert ", step 0: 6 layers" in capsys.readouterr().out
+
+
+def test_bad_model_files_and_step_arguments_are_one_line_value_errors(tmp_path):
+    """A file torch cannot unpickle (its message runs to many lines), a state dict holding a non-tensor (was an
+    AttributeError), a meta that is a folder (was an IsADirectoryError), a step that is not an int (was a format
+    error): each a one-line ValueError naming the file or the argument. A step spelt otherwise than
+    save_checkpoint's model_NNNNNN.pt (model_7.pt, which nanochat's loader would open as model_000007.pt) is no
+    nanochat step (it was taken for one, then its files were not found)."""
+    def refused(d, match, **kw):
+        with pytest.raises(ValueError, match=match) as err:
+            load_nanochat(d, **kw)
+        assert "\n" not in str(err.value)
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    (d / "model_000000.pt").write_bytes(b"not a torch file")
+    refused(d, "corrupt or truncated")
+    torch.save({**sd, "smear_lambda": 0.5}, d / "model_000000.pt")
+    refused(d, r"does not hold a state dict of named tensors: \[.smear_lambda.\]")
+    torch.save(sd, d / "model_000000.pt")
+    refused(d, "step must be an int", step=0.0)
+    refused(d, "step must be an int", step="0")
+    (d / "meta_000000.json").unlink()
+    (d / "meta_000000.json").mkdir()
+    refused(d, "corrupt .*meta_000000.json")
+    e = tmp_path / "short"
+    e.mkdir()
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_7.pt")
+    shutil.copy(DATA / "nanochat-L" / "meta_000000.json", e / "meta_7.json")
+    assert not is_nanochat_dir(e) and not is_nanochat_dir(e / "model_7.pt")
+
+
+def test_overrides_of_fields_the_model_does_not_read_are_refused():
+    """An override of a GPTConfig field that only a part the model lacks reads (the Sinkhorn settings and map kind
+    without mHC, the value-embedding gate without value embeddings) changed nothing and loaded silently; now a
+    one-line ValueError naming the part. With the part the same override loads and changes the function."""
+    for name, over, part in (("nanochat-L", {"hc_sinkhorn_iters": 3}, "mHC"), ("nanochat-L", {"hc_maps": "softmax"}, "mHC"),
+                             ("upstream-2c4473d", {"ve_gate_scale": 5.0}, "value embeddings"),
+                             ("nanochat-L", {"value_embeds": False, "ve_gate_channels": 8}, "value embeddings")):
+        with pytest.raises(ValueError, match=rf"does not read \(it has no {part}\)") as err:
+            snlp.load(DATA / name, overrides=over)
+        assert "\n" not in str(err.value)
+    r = ref("nanochat-mhc")
+    m, _ = snlp.load(DATA / "nanochat-mhc", overrides={"hc_sinkhorn_iters": 3})
+    assert m.config.hc_sinkhorn_iters == 3 and max_err(m, r) > 1e-4  # Sinkhorn converges fast at tau 0.05
+    m, _ = snlp.load(DATA / "nanochat-L", overrides={"ve_gate_scale": 2.0})
+    assert max_err(m, ref("nanochat-L")) > 1e-3
+
+
+def test_a_folder_of_nanochat_checkpoints_is_named_as_such(tmp_path, capsys):
+    """nanochat keeps one folder per model tag under base_checkpoints/ (its loader picks one): that parent folder was
+    refused as lacking a config.json ("expected a transformers model directory" from snlp convert); each entry now
+    says it holds nanochat checkpoints and names them, in one line."""
+    for tag in ("d4", "d6"):
+        shutil.copytree(DATA / ("nanochat-mhc" if tag == "d4" else "nanochat-L"), tmp_path / "base" / tag)
+    base = tmp_path / "base"
+    with pytest.raises(FileNotFoundError, match=r"not a nanochat checkpoint but a folder of 2 \(d4, d6\): give one"):
+        snlp.load(base)
+    assert cli_main(["convert", str(base), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "folder of 2 (d4, d6)" in err and "\n" not in err and not (tmp_path / "out").exists()
+    assert cli_main(["bench", "--ckpt", str(base), "--plans", "2xF1-h0-K1"]) == 2
+    assert "folder of 2 (d4, d6)" in capsys.readouterr().err
+
+
+def test_overrides_no_checkpoint_takes_are_refused_before_the_model_file_is_read(tmp_path):
+    """A misspelt override field, an unknown version key, short_window: refused in one line before torch.load reads
+    the model file (a real one is gigabytes); here that file is garbage, so a refusal that names the override shows
+    it was not read. An unknown version was refused as 'the files fit [smear] only', as if it were a version."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    (d / "model_000000.pt").write_bytes(b"garbage")
+    for over, match in (({"softcapp": 20}, r"no GPTConfig field: \['softcapp'\]"),
+                        ({"version": "v12"}, r"version 'v12', which is none of nanochat's"),
+                        ({"short_window": 64}, "short_window"),
+                        ({"sequence_len": 64, "layer_windows": [1] * 6}, "give one or the other")):
+        with pytest.raises(ValueError, match=match) as err:
+            load_nanochat(d, overrides=over)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_nanochat(d, overrides={"softcap": 20.0})
+
+
+def test_a_size_field_that_is_no_integer_is_named(tmp_path):
+    """n_layer 4.7 or true in a meta was read as int() of it (4, 1): a model of another size, refused later as
+    lacking a ve_gate or holding tensors it does not map, which says nothing of the meta; now the field is named."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    meta = json.loads((d / "meta_000000.json").read_text())
+    for value in (4.7, True, "6"):
+        (d / "meta_000000.json").write_text(json.dumps({**meta, "model_config": {**meta["model_config"],
+                                                                               "n_layer": value}}))
+        with pytest.raises(ValueError, match=rf"size field \(n_layer={value!r}; each must be an integer\)") as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value)
+
+
+def test_a_dtype_that_cannot_hold_the_weights_is_named_not_the_checkpoint(tmp_path, capsys):
+    """A finite weight past float16's 65504 turned inf in the cast, and the refusal called the checkpoint broken
+    ('a diverged training run saves such weights: restore or re-train it'); the file is fine, the dtype cannot hold
+    it: now said so, and bfloat16 converts it. A NaN stored in the file is still the checkpoint's."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd["lm_head.weight"][0, 0] = 1e5
+    torch.save(sd, d / "model_000000.pt")
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "h"), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.float16 cannot hold" in err and "lm_head.weight" in err and "diverged" not in err
+    assert cli_main(["convert", str(d), "--out", str(tmp_path / "b"), "--dtype", "bfloat16"]) == 0
+    sd["lm_head.weight"][0, 0] = float("nan")
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="diverged training run"):
+        load_nanochat(d, dtype=torch.float16)
+
+
+def test_a_convert_override_given_twice_is_refused(tmp_path, capsys):
+    """--nanochat-override softcap=20 --nanochat-override softcap=15 converted with 15 and dropped 20 without a word;
+    now a one-line refusal before any file is read (the same value twice is one override)."""
+    args = ["convert", str(DATA / "nanochat-L"), "--out", str(tmp_path / "o")]
+    assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=15"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gives softcap twice (20 and 15)" in err and "\n" not in err and not (tmp_path / "o").exists()
+    assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=20"]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["softcap"] == 20
