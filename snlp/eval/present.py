@@ -72,7 +72,8 @@ def protocol_note(records: list[EvalRecord]) -> str:
                      f"logits, cosine over the vocabulary) over {r.tokens // r.seq_len} windows of {r.seq_len} tokens "
                      f"({r.tokens:,} predicted tokens)")
     if r.prompts and r.gen_tokens:
-        parts.append(f"AR Match and β̂ over {r.prompts} prompts x {r.gen_tokens} greedy tokens vs the sequential model")
+        parts.append(f"AR Match and β̂ over {r.prompts} prompts x {r.gen_tokens} greedy tokens vs the sequential model "
+                     "(each token a forward over the whole prefix, the paper's AR loop)")
     rounds = next((len(x.speedup_rounds) for x in records[1:] if x.speedup_rounds), None)
     parts.append("Speedup: KV-cached greedy decode ms/token at batch 1 (prefill not timed), the median of the paired "
                  "per-round ratios" + (f" over {rounds} rounds" if rounds else ""))

@@ -6,8 +6,9 @@ row, the sequential baseline first (paper, "Metrics and protocol"):
                     (up to `max_tokens` predicted tokens); dPPL relative to sequential
   Top-1, LogitSim   teacher-forced on the same windows vs the sequential logits: argmax agreement
                     and the mean cosine of the logit vectors
-  AR Match, beta    greedy KV-cached generation of `gen_tokens` tokens from `prompts` validation
-                    prompts of `prompt_len` tokens, positional agreement with the sequential model
+  AR Match, beta    greedy generation of `gen_tokens` tokens from `prompts` validation prompts of
+                    `prompt_len` tokens by the paper's loop (every token a forward over the whole prefix:
+                    recomputed_greedy), positional agreement with the sequential model
                     (one reference for every row, so rows compare); beta is the implied per-token
                     agreement. `ar_match_fused`: for fused plans (M > 1) the agreement with the paper's
                     reference for them, the same fused model run sequentially (the plan with K = C,
@@ -230,24 +231,40 @@ def generation_rows(plans: list[Plan]) -> dict[str, Plan | None]:
     return {SEQ: None, **{str(p): p for p in plans}, **refs_needed}
 
 
+@torch.inference_mode()
+def recomputed_greedy(fn, prompt: list[int], n: int, device) -> list[int]:
+    """`n` greedy tokens after `prompt` by the paper's AR loop (nanochat-snlp eval_snlp_ar.py ar_generate_no_kv):
+    every token is the argmax of `fn` (the sequential model or a bound plan) run over the whole prefix, batch 1.
+    For a plan with 1 < K < C or a fwd init this is not what KV-cached SNLP decoding computes (snlp_generate keeps
+    one K/V per suffix layer, the last evaluation's, where the re-solved prefix attends at evaluation k to the
+    earlier positions' evaluation-k K/V), so AR Match reads the paper's definition, the same function the
+    teacher-forced columns measure, at O(n) forwards of up to len(prompt) + n tokens."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T0)
+    for _ in range(n):
+        nxt = fn(ids)[:, -1].argmax(-1, keepdim=True)  # (1, 1); a plan's NaN/inf raises SNLPDivergenceError
+        ids = torch.cat([ids, nxt], 1)
+    return ids[0, len(prompt):].tolist()
+
+
 def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig,
                 preheat: Preheat | None = None) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]]]]:
     """Greedy continuations (prompts x gen_tokens ids) of the sequential model and each plan, and
-    each plan's AR-match reference continuations (generation_rows). A plan (or reference) whose decode raises
-    SNLPDivergenceError on a prompt has no entry (its AR Match, β̂ and EmbSim are None: DECODE_DIVERGED)."""
+    each plan's AR-match reference continuations (generation_rows), by the paper's recompute loop
+    (recomputed_greedy). A plan (or reference) whose solve raises SNLPDivergenceError on a prompt has no entry (its
+    AR Match, β̂ and EmbSim are None: DECODE_DIVERGED)."""
     rows = generation_rows(plans)
+    device = next(model.parameters()).device
     out = {}
     with _bar(len(rows) * len(prompts), "AR match generation", cfg) as bar:
         for name, plan in rows.items():
             out[name] = []
+            fn = model if plan is None else bind(model, plan, preheat=preheat_for(plan, preheat))
             for prompt in prompts:
                 try:
-                    res = sequential_generate(model, prompt, cfg.gen_tokens) if plan is None else \
-                        snlp_generate(model, prompt, plan, cfg.gen_tokens, preheat=preheat_for(plan, preheat))
-                except SNLPDivergenceError:  # finite on the windows, not on this prompt's decode: no AR row, not a
+                    out[name].append(recomputed_greedy(fn, prompt, cfg.gen_tokens, device))
+                except SNLPDivergenceError:  # finite on the windows, not on this prompt's prefixes: no AR row, not a
                     bar.update(len(prompts) - len(out.pop(name)))  # crash that loses every row
                     break
-                out[name].append(res.tokens)
                 bar.update()
     keyed = {str(p): SEQ if reference_plan(p) is None else str(reference_plan(p)) for p in plans}
     refs = {name: out[ref] for name, ref in keyed.items() if ref in out}
@@ -336,13 +353,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
         # EmbSim only where it was computed (--no-emb, no tokenizer or no emb extra: its column stays empty)
         on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim" if embs else
                  "PPL, dPPL, Top-1, LogitSim and AR Match")
-    # a plan that diverged on the windows is timed where it still decodes the timing prompt (its solve may stay
-    # finite there); where that decode raises too, the round-robin would raise with it and lose every row, so the
-    # plan is left untimed (its speed columns None). A plan that decoded every AR prompt has decoded the timing
-    # prompt (prompts[0]) only as far as gen_tokens: past it (time_tokens > gen_tokens) it is checked too
-    decoded = cfg.time_tokens <= cfg.gen_tokens
-    timed = [p for p in plans if (tf[str(p)].note != "diverged" and str(p) in gens and decoded)
-             or _decodes(model, prompts[0], p, cfg, preheat)]
+    # the timing decodes with the KV cache, which for 1 < K < C computes another function than the AR loop above
+    # (recomputed_greedy): a plan is timed where one untimed cached decode of the timing prompt stays finite (a
+    # decode that raised inside the round-robin would lose every row); a plan that diverged on the windows too
+    timed = [p for p in plans if _decodes(model, prompts[0], p, cfg, preheat)]
     times = time_plans(model, prompts[0], wins[:1, :-1].to(device), timed, cfg, preheat)
     return rows(gens, refs, embs, times)
 

@@ -141,8 +141,9 @@ def test_every_row_is_also_compared_with_the_sequential_model(records, model, va
     """AR Match's reference changed from row to row (a fused plan's was its own fused model, so the plan that IS that
     model showed 100 %); ar_match now compares every row's continuations (the plan's own KV-cached decode) with the
     sequential model's, decoded here by a naive loop over the model's full forward (no KV cache, no SNLP code), and
-    the fused-model agreement is ar_match_fused (M > 1 only)."""
-    from snlp.decode.generate import snlp_generate
+    the fused-model agreement is ar_match_fused (M > 1 only). A plan's continuations are the same loop over its
+    solve (the paper's AR loop)."""
+    from snlp import bind
     from snlp.eval.data import sample_prompts
 
     def greedy(fn, prompt):
@@ -155,7 +156,7 @@ def test_every_row_is_also_compared_with_the_sequential_model(records, model, va
     prompts = sample_prompts(val, CFG.prompts, CFG.prompt_len, CFG.seed)
     seq = [greedy(model, p) for p in prompts]
     for r in records[1:]:
-        got = [snlp_generate(model, p, Plan.parse(r.plan, 6), CFG.gen_tokens).tokens for p in prompts]
+        got = [greedy(bind(model, Plan.parse(r.plan, 6)), p) for p in prompts]  # the paper's AR loop
         want = sum(a == b for g, s in zip(got, seq) for a, b in zip(g, s)) / (len(prompts) * CFG.gen_tokens)
         assert r.ar_match == pytest.approx(want), r.plan
         assert r.ar_beta == pytest.approx(implied_beta(r.ar_match, CFG.gen_tokens))
@@ -262,7 +263,15 @@ def test_a_plan_finite_on_the_windows_that_diverges_in_its_decode_loses_its_ar_r
             raise SNLPDivergenceError(f"SNLP plan {plan} diverged")
         return real(model, prompt, plan, *a, **kw)
 
+    real_loop = E.recomputed_greedy
+
+    def loop(fn, *a, **kw):  # the AR Match generations: the loop over a bound plan's solve
+        if str(getattr(fn, "plan", None)) in broken:
+            raise SNLPDivergenceError(f"SNLP plan {fn.plan} diverged")
+        return real_loop(fn, *a, **kw)
+
     monkeypatch.setattr(E, "snlp_generate", generate)
+    monkeypatch.setattr(E, "recomputed_greedy", loop)
     recs = _by_plan(evaluate(model, val, ["6xF1-h0-K1", "6xF1-h0-K6", "3xF2-h0-K1"], dataclasses.replace(CFG, emb=False)))
     bad, good, fused = recs["6xF1-h0-K1"], recs["6xF1-h0-K6"], recs["3xF2-h0-K1"]
     assert bad.note == E.DECODE_DIVERGED == "diverged in decoding" and math.isfinite(bad.ppl) and bad.top1 is not None
@@ -500,3 +509,24 @@ def test_a_seq_len_past_the_models_context_warns_in_one_line_and_the_records_kee
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(err) == 1 and err[0].startswith("snlp: warning: seq_len 130 is past the model's sequence_len 128"), err
     assert {(r["seq_len"], r["model_seq_len"]) for r in json.loads(out.read_text())} == {(130, 128)}
+
+
+def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decoding_differs(model, val):
+    """AR Match's tokens are the paper's AR loop's (every token the plan's solve over the whole prefix), for
+    K = 1 and for 1 < K < C or a fwd init, where KV-cached SNLP decoding (one K/V per suffix layer, the last
+    evaluation's) is another function: the docs' claim, pinned both ways."""
+    from conftest import argmax_loop
+
+    from snlp import bind, snlp_generate
+
+    prompts = ED.sample_prompts(val, 3, 8, 0)
+    plans = [Plan.parse(p, 6) for p in ("6xF1-h0-K1", "6xF1-h0-K2", "3xF2-h0-K2", "3xF2-fwd-K1")]
+    gens, _ = E.generations(model, prompts, plans, EvalConfig(prompts=3, gen_tokens=12, progress=False))
+    assert gens[E.SEQ] == [argmax_loop(model, p, 12) for p in prompts]
+    cached = {}
+    for plan in plans:
+        assert gens[str(plan)] == [argmax_loop(bind(model, plan), p, 12) for p in prompts], plan
+        cached[str(plan)] = [snlp_generate(model, p, plan, 12).tokens for p in prompts]
+    assert cached["6xF1-h0-K1"] == gens["6xF1-h0-K1"]  # K = 1: the cache holds the loop's K/V
+    assert cached["6xF1-h0-K2"] != gens["6xF1-h0-K2"]  # 1 < K < C: it does not
+    assert cached["3xF2-fwd-K1"] != gens["3xF2-fwd-K1"]  # nor a fwd init (its batched forward: one more evaluation)
