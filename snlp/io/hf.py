@@ -454,7 +454,8 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
     kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden_dim,
               num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
               head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps or 1e-6,
-              rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype)
+              rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
     windows = sorted(set(cfg.layer_windows or [-1]))
     if cfg.qk_norm == "weighted":
         if cfg.qkv_bias:

@@ -643,3 +643,41 @@ def test_eval_stream_of_a_converted_model_is_lm_evals_prefix_token_then_the_text
     _, docs = D.split_documents(list(D.documents(str(src))), 0.5)
     assert prefix == (V - 3 if bos else V - 2)
     assert val.tolist() == [i for doc in docs for i in [prefix] + ht(doc, add_special_tokens=False).input_ids]
+
+
+# ------------------------------------------------------------------- export of snlp-built Llama-family configs
+def snlp_llama(dtype=torch.float64, seed=0, **kw) -> GPT:
+    """An snlp GPT with the Llama switches (as from_hf sets them) and random weights everywhere, norms included."""
+    cfg = dict(vocab_size=V, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, sequence_len=64, x0_residual=False,
+               value_embeds=False, softcap=0.0, mlp_act="swiglu", ffn_dim=48, qk_norm="none", embed_norm=False,
+               norm_eps=1e-5, norm_weights=True, rope_rotate_half=True)
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(**{**cfg, **kw}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if n.startswith("ln") or ".ln" in n
+                    else 0.3 * torch.randn(p.shape, generator=gen))
+    return m.to(dtype).eval()
+
+
+def test_an_export_without_tokenizer_names_no_bos_eos_and_generates_as_snlp(tmp_path):
+    """Without a tokenizer (export_hf(model, out); `snlp export DRAFTER --base HF_DIR` of a folder without one) the
+    written config.json and generation_config.json said bos 1 / eos 2, LlamaConfig's defaults, though nothing names
+    such tokens: transformers' generate() stopped after token 2 where snlp's decoding (no stop ids) went on.
+    Reference: snlp's sequential greedy decoding, and the model's own KV-free argmax loop."""
+    model = snlp_llama(attn_head_dim=12)
+    prompt = [5, 6, 7, 8, 9]
+    first = sequential_generate(model, prompt, max_new_tokens=1).tokens[0]
+    with torch.no_grad():  # make token 2 the first greedy token: the stop LlamaConfig's default names
+        model.lm_head.weight[2] = model.lm_head.weight[first] * 1.5
+    ours = sequential_generate(model, prompt, max_new_tokens=8).tokens
+    assert ours[0] == 2 and len(ours) == 8
+    out = export_hf(model, tmp_path / "exp")
+    for name in ("config.json", "generation_config.json"):
+        got = json.loads((out / name).read_text())
+        assert all(got.get(k) is None for k in ("bos_token_id", "eos_token_id", "pad_token_id")), (name, got)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    assert theirs == ours
