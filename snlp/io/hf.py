@@ -453,9 +453,11 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         {**cfg.rope_scaling, "rope_theta": cfg.rope_base}
     kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden_dim,
               num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-              head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps or 1e-6,
+              head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps,
               rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
+    if cfg.norm_eps is None:  # snlp's RMSNorm then takes torch's eps of the compute dtype (F.rms_norm's default)
+        kw["rms_norm_eps"] = torch.finfo(torch_dtype).eps
     windows = sorted(set(cfg.layer_windows or [-1]))
     if cfg.qk_norm == "weighted":
         if cfg.qkv_bias:

@@ -681,3 +681,18 @@ def test_an_export_without_tokenizer_names_no_bos_eos_and_generates_as_snlp(tmp_
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
     assert theirs == ours
+
+
+def test_an_export_writes_the_norm_eps_snlp_computes_with_when_the_config_leaves_it_to_torch(tmp_path):
+    """norm_eps=None (snlp's RMSNorm then adds torch.finfo(dtype).eps, F.rms_norm's default) was written as
+    rms_norm_eps=1e-6: on hidden states of small variance transformers' logits were far off snlp's. Reference: snlp's
+    sequential logits of the exported model, fp32 (its eps 1.19e-7)."""
+    model = snlp_llama(dtype=torch.float32, norm_eps=None)
+    with torch.no_grad():
+        model.wte.weight.mul_(1e-3)  # variance ~1e-7: the eps decides the normalised embedding
+    out = export_hf(model, tmp_path / "exp")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == torch.finfo(torch.float32).eps
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = ids(T=12)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=1e-4)
