@@ -444,8 +444,6 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         bad.append(f"softcap={cfg.softcap}")
     if cfg.qk_norm == "rope_norm":
         bad.append("qk_norm='rope_norm'")
-    if cfg.layer_windows is None and cfg.window_pattern != "L":
-        bad.append(f"window_pattern={cfg.window_pattern!r}")
     if bad:
         raise ValueError("export writes Llama-family models only (as converted by `snlp convert`); this model has "
                          + ", ".join(bad))
@@ -458,7 +456,8 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
     if cfg.norm_eps is None:  # snlp's RMSNorm then takes torch's eps of the compute dtype (F.rms_norm's default)
         kw["rms_norm_eps"] = torch.finfo(torch_dtype).eps
-    windows = sorted(set(cfg.layer_windows or [-1]))
+    layer_windows = [cfg.window(l) for l in range(cfg.n_layer)]  # a window_pattern's windows too (its last is full)
+    windows = sorted(set(layer_windows))
     if cfg.qk_norm == "weighted":
         if cfg.qkv_bias:
             raise ValueError("export: q/k/v biases with Qwen3 q/k norm have no transformers architecture")
@@ -476,7 +475,7 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         sw = {w for w in windows if w >= 0}
         if len(sw) > 1:
             raise ValueError(f"export: several sliding-window sizes {sorted(sw)} have no transformers architecture")
-        types = ["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows]
+        types = ["sliding_attention" if w >= 0 else "full_attention" for w in layer_windows]
         first = types.index("sliding_attention")  # Qwen's own rule: layer i slides when i >= max_window_layers
         kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1, layer_types=types,
                   max_window_layers=first if all(t == "sliding_attention" for t in types[first:]) else cfg.n_layer)

@@ -696,3 +696,20 @@ def test_an_export_writes_the_norm_eps_snlp_computes_with_when_the_config_leaves
     x = ids(T=12)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_an_export_reads_the_windows_of_a_window_pattern(tmp_path):
+    """window_pattern='LL' (every layer full, as 'L') was refused as 'not Llama-family'; 'SL' with q/k/v biases (one
+    window size, the last layer full) has transformers' Qwen2 layer_types and was refused too. Reference: snlp's
+    sequential logits past the window."""
+    x = ids(T=20)
+    for kw, arch in ((dict(window_pattern="LL"), "LlamaForCausalLM"),
+                     (dict(window_pattern="SL", short_window=3, qkv_bias=True), "Qwen2ForCausalLM")):
+        model = snlp_llama(n_layer=4, **kw)
+        out = export_hf(model, tmp_path / kw["window_pattern"])
+        assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="sliding-window layers without q/k/v biases"):
+        export_hf(snlp_llama(window_pattern="SL", short_window=3), tmp_path / "nobias")
