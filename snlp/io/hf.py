@@ -491,11 +491,13 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
     projections (unit norms in the file); an untied lm_head absorbs the final norm's weight too, a tied model keeps
     it in the final norm and stays tied."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     cfg = model.config
     dtype = model.wte.weight.dtype
     hc = _hf_config(cfg, dtype)
+    if tokenizer is not None:
+        _check_tokenizer_reloads(hc, tokenizer)
     sd = folded_state(model)
     hf_sd = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f"],
              "lm_head.weight": sd["lm_head.weight"]}
@@ -552,9 +554,38 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:
-        meta = tokenizer.meta or {}
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
-                                eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
-                                unk_token=meta.get("unk_token"),
-                                chat_template=meta.get("chat_template")).save_pretrained(str(out))
+        _hf_tokenizer(tokenizer).save_pretrained(str(out))
     return out
+
+
+def _hf_tokenizer(tokenizer: Tokenizer):
+    """`tokenizer` as the transformers tokenizer an export writes (its special tokens and chat template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    meta = tokenizer.meta or {}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
+                                   eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
+                                   unk_token=meta.get("unk_token"), chat_template=meta.get("chat_template"))
+
+
+def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:
+    """Refuse, before any weights are written, a tokenizer that transformers' AutoTokenizer would not read back as it
+    is from a folder of config `hc`: AutoTokenizer picks its class by the folder's model_type too, and for `qwen2`
+    (transformers 5) always builds Qwen2Tokenizer from the vocabulary and merges, with Qwen2's own normalizer and
+    pre-tokenizer, whatever tokenizer.json holds: another tokenizer's text would get other ids than snlp's."""
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hc.to_json_file(str(Path(tmp) / "config.json"))
+        _hf_tokenizer(tokenizer).save_pretrained(tmp)
+        back = AutoTokenizer.from_pretrained(tmp)
+    ours, theirs = json.loads(tokenizer.tok.to_str()), json.loads(back.backend_tokenizer.to_str())
+    parts = [k for k in ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
+             if ours.get(k) != theirs.get(k)]
+    if parts:
+        raise ValueError(f"export: transformers' AutoTokenizer would read this {hc.architectures[0]} folder's "
+                         f"tokenizer as {type(back).__name__}, with another {' / '.join(parts)} than the model's "
+                         f"tokenizer (other token ids for the same text); nothing was written")

@@ -713,3 +713,26 @@ def test_an_export_reads_the_windows_of_a_window_pattern(tmp_path):
             torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="sliding-window layers without q/k/v biases"):
         export_hf(snlp_llama(window_pattern="SL", short_window=3), tmp_path / "nobias")
+
+
+def test_an_export_refuses_a_tokenizer_that_transformers_would_read_back_as_another(tmp_path):
+    """transformers 5's AutoTokenizer builds a `qwen2` folder's tokenizer as Qwen2Tokenizer (from the vocabulary and
+    merges, with Qwen2's normalizer and pre-tokenizer) whatever its tokenizer.json holds: a Qwen2-architecture export
+    (q/k/v biases) with another tokenizer was written, and `AutoTokenizer(export)("t1 t2")` gave [] where snlp's
+    tokenizer gives two ids. Now refused in one line, nothing written; a tokenizer transformers reads as it is (a
+    Qwen2 source's own, or any tokenizer beside a Llama / Qwen3 / Mistral) exports. Reference: AutoTokenizer."""
+    from snlp.io.tokenizer import Tokenizer
+
+    words = Tokenizer.from_hf(word_tokenizer(V))
+    with pytest.raises(ValueError, match="read this Qwen2ForCausalLM folder's tokenizer as Qwen2Tokenizer") as e:
+        export_hf(snlp_llama(qkv_bias=True), tmp_path / "q", words)
+    assert "\n" not in str(e.value) and not (tmp_path / "q").exists()
+    src = tmp_path / "src"  # a Qwen2 source folder: transformers reads its tokenizer as Qwen2Tokenizer itself
+    transformers.Qwen2Config(vocab_size=V).save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    as_qwen2 = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(str(src)))
+    for name, model, tok in (("llama", snlp_llama(), words),
+                             ("qwen2", snlp_llama(qkv_bias=True, vocab_size=as_qwen2.vocab_size), as_qwen2)):
+        back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / name, tok)))
+        for text in ("t1 t2", " t3  t95 <s>", "t1</s>t2"):
+            assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), (name, text)
