@@ -493,6 +493,7 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     it in the final norm and stays tied."""
     from transformers import AutoModelForCausalLM
 
+    model = _exportable(model)
     cfg = model.config
     dtype = model.wte.weight.dtype
     hc = _hf_config(cfg, dtype)
@@ -556,6 +557,23 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     if tokenizer is not None:
         _hf_tokenizer(tokenizer).save_pretrained(str(out))
     return out
+
+
+def _exportable(model) -> GPT:
+    """The snlp GPT that `export_hf` writes: the model inside a torch.compile wrapper (whose state dict prefixes
+    `_orig_mod.`), anything else that is not a plain GPT refused in one line naming it."""
+    from torch.nn.utils import parametrize
+
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    if not isinstance(model, GPT):
+        raise ValueError(f"export_hf writes an snlp GPT (snlp.load / snlp.from_hf); got {type(model).__name__}"
+                         + (": a transformers model is written with its own save_pretrained"
+                            if hasattr(model, "save_pretrained") else ""))
+    if any(parametrize.is_parametrized(m) for m in model.modules()):  # a LoRA drafter's suffix: weight = W0 + delta
+        raise ValueError("export_hf: this model's weights are parametrized (a LoRA drafter's model): export the drafter "
+                         "with snlp.io.drafter.export_drafter_hf, which merges the deltas (Drafter.merged())")
+    return model
 
 
 def _hf_tokenizer(tokenizer: Tokenizer):

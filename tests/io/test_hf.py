@@ -736,3 +736,25 @@ def test_an_export_refuses_a_tokenizer_that_transformers_would_read_back_as_anot
         back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / name, tok)))
         for text in ("t1 t2", " t3  t95 <s>", "t1</s>t2"):
             assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), (name, text)
+
+
+def test_export_hf_writes_a_compiled_model_and_refuses_what_is_no_plain_gpt_in_one_line(tmp_path):
+    """export_hf(torch.compile(model)) raised KeyError 'blocks.0.attn.c_q.weight' (the wrapper's state dict prefixes
+    `_orig_mod.`), as did a LoRA drafter's model (its weights parametrized: W0 + delta); a transformers model or a path
+    raised AttributeError. Now the compiled model is written as the model inside, the others refused in one line.
+    Reference: the model's own sequential logits."""
+    from snlp.method.drafter import make_drafter
+
+    model = snlp_llama()
+    out = export_hf(torch.compile(model, backend="eager"), tmp_path / "compiled")
+    x = ids()
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    for bad, match in ((hf, "got LlamaForCausalLM: a transformers model is written with its own save_pretrained"),
+                       ("runs/x", "got str"),
+                       (make_drafter(snlp_llama(n_layer=4), "2xF1-h0-K1", rank=2, alpha=4.0).model,
+                        "parametrized .*export_drafter_hf")):
+        with pytest.raises(ValueError, match=match) as e:
+            export_hf(bad, tmp_path / "bad")
+        assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
