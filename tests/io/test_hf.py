@@ -758,3 +758,30 @@ def test_export_hf_writes_a_compiled_model_and_refuses_what_is_no_plain_gpt_in_o
         with pytest.raises(ValueError, match=match) as e:
             export_hf(bad, tmp_path / "bad")
         assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]), layers=st.integers(1, 3),
+       heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (2, 1)]), head_dim=st.sampled_from([0, 6, 12]),
+       tied=st.booleans(), eps=st.sampled_from([1e-6, 0.1, None]), window=st.integers(3, 6),
+       slides=st.lists(st.booleans(), min_size=3, max_size=3), vocab=st.sampled_from([3, 50, 97]),
+       seed=st.integers(0, 99))
+def test_export_of_random_llama_family_configs_is_snlps_forward_and_greedy_decoding(
+        family, layers, heads, head_dim, tied, eps, window, slides, vocab, seed, tmp_path_factory):
+    """Any Llama-family config export writes (GQA / MQA, explicit head_dim, tied or untied head, eps incl. torch's
+    default, odd vocabularies, Mistral windows, Qwen2 / Qwen3 window layers) gives transformers' logits equal to snlp's
+    sequential logits and greedy generate() equal to snlp's decoding (windows >= 3: see CONTRIBUTING's seam row)."""
+    kw = dict(n_layer=layers, n_head=heads[0], n_kv_head=heads[1], n_embd=24, attn_head_dim=head_dim,
+              tie_embeddings=tied, norm_eps=eps, vocab_size=vocab)
+    per_layer = [window if s else -1 for s in slides[:layers]]
+    kw.update({"llama": {}, "mistral": dict(layer_windows=[window] * layers),
+               "qwen2": dict(qkv_bias=True, layer_windows=per_layer),
+               "qwen3": dict(qk_norm="weighted", layer_windows=per_layer)}[family])
+    model = snlp_llama(seed=seed, **kw)
+    out = export_hf(model, tmp_path_factory.mktemp("exp"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=1e-5)
+        theirs = hf.generate(x[:1, :4], max_new_tokens=12, do_sample=False)[0, 4:].tolist()
+    assert theirs == sequential_generate(model, x[0, :4].tolist(), max_new_tokens=12).tokens
