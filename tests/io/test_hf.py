@@ -785,3 +785,28 @@ def test_export_of_random_llama_family_configs_is_snlps_forward_and_greedy_decod
         torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=1e-5)
         theirs = hf.generate(x[:1, :4], max_new_tokens=12, do_sample=False)[0, 4:].tolist()
     assert theirs == sequential_generate(model, x[0, :4].tolist(), max_new_tokens=12).tokens
+
+
+def test_a_tokenizer_with_named_chat_templates_keeps_the_default_one_through_convert_and_export(tmp_path):
+    """A tokenizer whose chat_template is a dict of named templates (Hermes-2-Pro-Llama-3: "default" and "tool_use")
+    was converted without any: `snlp generate --chat` said the model has no chat template, and the export wrote none.
+    transformers' apply_chat_template without a name (or tools) renders "default": that one is kept and exported.
+    Reference: transformers' rendering of the source tokenizer."""
+    from snlp.apps.cli import main
+
+    src = tmp_path / "src"
+    hf_tiny("llama", layers=1).save_pretrained(str(src))
+    ht = word_tokenizer(V)
+    ht.chat_template = {"default": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+                                   "{% if add_generation_prompt %}<s>{% endif %}", "tool_use": "{{ 'tools' }}"}
+    ht.save_pretrained(str(src))
+    ref = transformers.AutoTokenizer.from_pretrained(str(src))
+    assert isinstance(ref.chat_template, dict)
+    msgs = [{"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3"}, {"role": "user", "content": "t4"}]
+    want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    _, tok = from_hf(str(src))
+    assert tok.apply_chat_template(msgs) == want
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
