@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
-from snlp.io.tokenizer import Tokenizer
+from snlp.io.tokenizer import BOS, Tokenizer
 from snlp.io.source import check_source, did_you_mean
 from snlp.io.weights import check_finite
 
@@ -555,7 +555,7 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:
-        _hf_tokenizer(tokenizer).save_pretrained(str(out))
+        _hf_tokenizer(tokenizer)[0].save_pretrained(str(out))
     return out
 
 
@@ -577,13 +577,23 @@ def _exportable(model) -> GPT:
 
 
 def _hf_tokenizer(tokenizer: Tokenizer):
-    """`tokenizer` as the transformers tokenizer an export writes (its special tokens and chat template)."""
+    """(`tokenizer` as the transformers tokenizer an export writes: its special tokens and chat template, the
+    `tokenizers` object it wraps). Our own BPE names <|bos|> its bos_token and adds it in front of a text, as
+    `Tokenizer.prompt_ids` does (every training document starts so): transformers' tokenizer(text) then gives the
+    prompt `snlp generate --prompt` decodes from."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     meta = tokenizer.meta or {}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
-                                   eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
-                                   unk_token=meta.get("unk_token"), chat_template=meta.get("chat_template"))
+    backend, bos = HFTokenizer.from_str(tokenizer.tok.to_str()), meta.get("bos_token")  # the model's own is unchanged
+    if not tokenizer.foreign:
+        bos = BOS
+        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                               special_tokens=[(BOS, tokenizer.bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=meta.get("eos_token"),
+                                   pad_token=meta.get("pad_token"), unk_token=meta.get("unk_token"),
+                                   chat_template=meta.get("chat_template")), backend
 
 
 def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:
@@ -596,11 +606,17 @@ def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:
 
     from transformers import AutoTokenizer
 
+    written, backend = _hf_tokenizer(tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         hc.to_json_file(str(Path(tmp) / "config.json"))
-        _hf_tokenizer(tokenizer).save_pretrained(tmp)
+        written.save_pretrained(tmp)
         back = AutoTokenizer.from_pretrained(tmp)
-    ours, theirs = json.loads(tokenizer.tok.to_str()), json.loads(back.backend_tokenizer.to_str())
+    ours, theirs = json.loads(backend.to_str()), json.loads(back.backend_tokenizer.to_str())
+    for d in (ours, theirs):  # transformers writes a missing post-processor as one that adds nothing: the same ids
+        pp = d.get("post_processor") or {}
+        if pp.get("type") == "TemplateProcessing" and not pp.get("special_tokens") and pp.get("single") == [
+                {"Sequence": {"id": "A", "type_id": 0}}]:
+            d["post_processor"] = None
     parts = [k for k in ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
              if ours.get(k) != theirs.get(k)]
     if parts:

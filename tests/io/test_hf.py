@@ -721,6 +721,8 @@ def test_an_export_refuses_a_tokenizer_that_transformers_would_read_back_as_anot
     (q/k/v biases) with another tokenizer was written, and `AutoTokenizer(export)("t1 t2")` gave [] where snlp's
     tokenizer gives two ids. Now refused in one line, nothing written; a tokenizer transformers reads as it is (a
     Qwen2 source's own, or any tokenizer beside a Llama / Qwen3 / Mistral) exports. Reference: AutoTokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     from snlp.io.tokenizer import Tokenizer
 
     words = Tokenizer.from_hf(word_tokenizer(V))
@@ -731,7 +733,9 @@ def test_an_export_refuses_a_tokenizer_that_transformers_would_read_back_as_anot
     transformers.Qwen2Config(vocab_size=V).save_pretrained(str(src))
     word_tokenizer(V).save_pretrained(str(src))
     as_qwen2 = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(str(src)))
-    for name, model, tok in (("llama", snlp_llama(), words),
+    bare = Tokenizer(HFTokenizer.from_str(words.tok.to_str()), words.meta)  # no post-processor: transformers writes
+    bare.tok.post_processor = None  # one that adds nothing, the same ids
+    for name, model, tok in (("llama", snlp_llama(), words), ("bare", snlp_llama(), bare),
                              ("qwen2", snlp_llama(qkv_bias=True, vocab_size=as_qwen2.vocab_size), as_qwen2)):
         back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / name, tok)))
         for text in ("t1 t2", " t3  t95 <s>", "t1</s>t2"):
@@ -810,3 +814,27 @@ def test_a_tokenizer_with_named_chat_templates_keeps_the_default_one_through_con
     assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
     back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
     assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
+
+
+def test_an_export_with_our_own_bpe_tokenizes_a_prompt_as_snlp_generate_does(tmp_path):
+    """Our BPE was written without a bos_token or anything adding it (config.json named <|bos|>'s id as bos_token_id
+    all the same): transformers' tokenizer(text) of the export gave the text without the <|bos|> that
+    `Tokenizer.prompt_ids` (snlp generate --prompt) puts first, so its generate() continued another prompt, and
+    lm-eval's prefix token (bos, else eos) was None. Reference: Tokenizer.prompt_ids / encode and snlp's greedy
+    decoding of that prompt."""
+    from snlp.io.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(["hello world, it's a test of <|bos|> text " * 3, "naïve café 12345"] * 20, vocab_size=300)
+    model = snlp_llama(vocab_size=tok.vocab_size, n_layer=2)
+    out = export_hf(model, tmp_path / "exp", tok)
+    back = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert back.bos_token_id == tok.bos_id == json.loads((out / "config.json").read_text())["bos_token_id"]
+    for text in ("hello world", " it's <|bos|> a test", "naïve café", ""):
+        assert back(text)["input_ids"] == tok.prompt_ids(text), text
+        assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
+    assert tok.prompt_ids("hello")[0] == tok.bos_id  # the model's own tokenizer is unchanged by the export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    prompt = back("hello world", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert theirs == sequential_generate(model, tok.prompt_ids("hello world"), max_new_tokens=8).tokens
