@@ -619,6 +619,9 @@ def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:
             d["post_processor"] = None
     parts = [k for k in ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
              if ours.get(k) != theirs.get(k)]
+    if parts == ["normalizer"] and ours["normalizer"] is None and theirs["normalizer"] == {"type": "NFC"}:
+        return  # a Qwen2 GGUF's tokenizer (transformers' GGUF reader sets no normalizer) read back with Qwen2's own
+        # NFC: the same ids for any text in NFC form, as the original Qwen2 tokenizer (NFC too) gives (docs/hf.md)
     if parts:
         raise ValueError(f"export: transformers' AutoTokenizer would read this {hc.architectures[0]} folder's "
                          f"tokenizer as {type(back).__name__}, with another {' / '.join(parts)} than the model's "
