@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
-from snlp.io.tokenizer import Tokenizer
+from snlp.io.tokenizer import BOS, Tokenizer
 from snlp.io.source import check_source, did_you_mean
 from snlp.io.weights import check_finite
 
@@ -444,8 +444,6 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         bad.append(f"softcap={cfg.softcap}")
     if cfg.qk_norm == "rope_norm":
         bad.append("qk_norm='rope_norm'")
-    if cfg.layer_windows is None and cfg.window_pattern != "L":
-        bad.append(f"window_pattern={cfg.window_pattern!r}")
     if bad:
         raise ValueError("export writes Llama-family models only (as converted by `snlp convert`); this model has "
                          + ", ".join(bad))
@@ -453,9 +451,13 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         {**cfg.rope_scaling, "rope_theta": cfg.rope_base}
     kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden_dim,
               num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-              head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps or 1e-6,
-              rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype)
-    windows = sorted(set(cfg.layer_windows or [-1]))
+              head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps,
+              rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
+    if cfg.norm_eps is None:  # snlp's RMSNorm then takes torch's eps of the compute dtype (F.rms_norm's default)
+        kw["rms_norm_eps"] = torch.finfo(torch_dtype).eps
+    layer_windows = [cfg.window(l) for l in range(cfg.n_layer)]  # a window_pattern's windows too (its last is full)
+    windows = sorted(set(layer_windows))
     if cfg.qk_norm == "weighted":
         if cfg.qkv_bias:
             raise ValueError("export: q/k/v biases with Qwen3 q/k norm have no transformers architecture")
@@ -473,7 +475,7 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
         sw = {w for w in windows if w >= 0}
         if len(sw) > 1:
             raise ValueError(f"export: several sliding-window sizes {sorted(sw)} have no transformers architecture")
-        types = ["sliding_attention" if w >= 0 else "full_attention" for w in cfg.layer_windows]
+        types = ["sliding_attention" if w >= 0 else "full_attention" for w in layer_windows]
         first = types.index("sliding_attention")  # Qwen's own rule: layer i slides when i >= max_window_layers
         kw.update(use_sliding_window=True, sliding_window=sw.pop() + 1, layer_types=types,
                   max_window_layers=first if all(t == "sliding_attention" for t in types[first:]) else cfg.n_layer)
@@ -489,11 +491,14 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
     projections (unit norms in the file); an untied lm_head absorbs the final norm's weight too, a tied model keeps
     it in the final norm and stays tied."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
+    model = _exportable(model)
     cfg = model.config
     dtype = model.wte.weight.dtype
     hc = _hf_config(cfg, dtype)
+    if tokenizer is not None:
+        _check_tokenizer_reloads(hc, tokenizer)
     sd = folded_state(model)
     hf_sd = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f"],
              "lm_head.weight": sd["lm_head.weight"]}
@@ -550,9 +555,74 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:
-        meta = tokenizer.meta or {}
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token=meta.get("bos_token"),
-                                eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"),
-                                unk_token=meta.get("unk_token"),
-                                chat_template=meta.get("chat_template")).save_pretrained(str(out))
+        _hf_tokenizer(tokenizer)[0].save_pretrained(str(out))
     return out
+
+
+def _exportable(model) -> GPT:
+    """The snlp GPT that `export_hf` writes: the model inside a torch.compile wrapper (whose state dict prefixes
+    `_orig_mod.`), anything else that is not a plain GPT refused in one line naming it."""
+    from torch.nn.utils import parametrize
+
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    if not isinstance(model, GPT):
+        raise ValueError(f"export_hf writes an snlp GPT (snlp.load / snlp.from_hf); got {type(model).__name__}"
+                         + (": a transformers model is written with its own save_pretrained"
+                            if hasattr(model, "save_pretrained") else ""))
+    if any(parametrize.is_parametrized(m) for m in model.modules()):  # a LoRA drafter's suffix: weight = W0 + delta
+        raise ValueError("export_hf: this model's weights are parametrized (a LoRA drafter's model): export the drafter "
+                         "with snlp.io.drafter.export_drafter_hf, which merges the deltas (Drafter.merged())")
+    return model
+
+
+def _hf_tokenizer(tokenizer: Tokenizer):
+    """(`tokenizer` as the transformers tokenizer an export writes: its special tokens and chat template, the
+    `tokenizers` object it wraps). Our own BPE names <|bos|> its bos_token and adds it in front of a text, as
+    `Tokenizer.prompt_ids` does (every training document starts so): transformers' tokenizer(text) then gives the
+    prompt `snlp generate --prompt` decodes from."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    meta = tokenizer.meta or {}
+    backend, bos = HFTokenizer.from_str(tokenizer.tok.to_str()), meta.get("bos_token")  # the model's own is unchanged
+    if not tokenizer.foreign:
+        bos = BOS
+        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                               special_tokens=[(BOS, tokenizer.bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=meta.get("eos_token"),
+                                   pad_token=meta.get("pad_token"), unk_token=meta.get("unk_token"),
+                                   chat_template=meta.get("chat_template")), backend
+
+
+def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:
+    """Refuse, before any weights are written, a tokenizer that transformers' AutoTokenizer would not read back as it
+    is from a folder of config `hc`: AutoTokenizer picks its class by the folder's model_type too, and for `qwen2`
+    (transformers 5) always builds Qwen2Tokenizer from the vocabulary and merges, with Qwen2's own normalizer and
+    pre-tokenizer, whatever tokenizer.json holds: another tokenizer's text would get other ids than snlp's."""
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    written, backend = _hf_tokenizer(tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        hc.to_json_file(str(Path(tmp) / "config.json"))
+        written.save_pretrained(tmp)
+        back = AutoTokenizer.from_pretrained(tmp)
+    ours, theirs = json.loads(backend.to_str()), json.loads(back.backend_tokenizer.to_str())
+    for d in (ours, theirs):  # transformers writes a missing post-processor as one that adds nothing: the same ids
+        pp = d.get("post_processor") or {}
+        if pp.get("type") == "TemplateProcessing" and not pp.get("special_tokens") and pp.get("single") == [
+                {"Sequence": {"id": "A", "type_id": 0}}]:
+            d["post_processor"] = None
+    parts = [k for k in ("normalizer", "pre_tokenizer", "model", "post_processor", "decoder", "added_tokens")
+             if ours.get(k) != theirs.get(k)]
+    if parts == ["normalizer"] and ours["normalizer"] is None and theirs["normalizer"] == {"type": "NFC"}:
+        return  # a Qwen2 GGUF's tokenizer (transformers' GGUF reader sets no normalizer) read back with Qwen2's own
+        # NFC: the same ids for any text in NFC form, as the original Qwen2 tokenizer (NFC too) gives (docs/hf.md)
+    if parts:
+        raise ValueError(f"export: transformers' AutoTokenizer would read this {hc.architectures[0]} folder's "
+                         f"tokenizer as {type(back).__name__}, with another {' / '.join(parts)} than the model's "
+                         f"tokenizer (other token ids for the same text); nothing was written")

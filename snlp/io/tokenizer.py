@@ -140,6 +140,8 @@ class Tokenizer:
             raise ValueError(f"{type(hf_tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; "
                              f"load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
         template = getattr(hf_tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates ({"default": ..., "tool_use": ...}): transformers'
+            template = template.get("default")  # apply_chat_template without a name or tools renders "default"
         meta = {"bos_token": hf_tokenizer.bos_token, "eos_token": hf_tokenizer.eos_token,
                 "chat_template": template if isinstance(template, str) else None}
         for key in ("pad_token", "unk_token"):  # an export writes them back: batched tokenizer calls pad with pad_token

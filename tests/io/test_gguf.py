@@ -354,3 +354,23 @@ def test_load_of_a_gguf_names_the_conversion(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="snlp convert FILE --out DIR"):
         load(tmp_path / "m.gguf")
+
+
+def test_a_qwen2_gguf_exports_with_the_tokenizer_transformers_reads_back(tmp_path):
+    """transformers 5 reads a `qwen2` folder's tokenizer as Qwen2Tokenizer, rebuilt with Qwen2's pre-tokenizer and
+    NFC normaliser, so `snlp export` checks the tokenizer reads back as written. A Qwen2 GGUF as llama.cpp writes it
+    (tokenizer.ggml.pre "qwen2") converts to the same pre-tokenizer without the NFC (transformers' GGUF reader sets
+    none): exported, the ids equal snlp's on NFC text (what the original Qwen2 tokenizer computes too). A file
+    without that field has GPT-2's pre-tokenizer, which a Qwen2 folder cannot carry: refused in one line."""
+    from snlp.io.hf import export_hf
+
+    write_gguf(tmp_path / "m.gguf", tiny_hf("qwen2"), arch="qwen2", meta=[lambda w: w.add_tokenizer_pre("qwen2")])
+    model, tok = from_hf(str(tmp_path / "m.gguf"))
+    back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / "exp", tok)))
+    for text in ["  many   spaces\n\n\tx", "émoji 🙂 日本語 12345", "<|im_start|>user\nhi<|im_end|>", " lead it's"]:
+        assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
+    write_gguf(tmp_path / "gpt2pre.gguf", tiny_hf("qwen2"), arch="qwen2")
+    model, tok = from_hf(str(tmp_path / "gpt2pre.gguf"))
+    with pytest.raises(ValueError, match="as Qwen2Tokenizer, with another normalizer / pre_tokenizer") as e:
+        export_hf(model, tmp_path / "exp2", tok)
+    assert "\n" not in str(e.value) and not (tmp_path / "exp2").exists()

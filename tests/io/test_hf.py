@@ -643,3 +643,198 @@ def test_eval_stream_of_a_converted_model_is_lm_evals_prefix_token_then_the_text
     _, docs = D.split_documents(list(D.documents(str(src))), 0.5)
     assert prefix == (V - 3 if bos else V - 2)
     assert val.tolist() == [i for doc in docs for i in [prefix] + ht(doc, add_special_tokens=False).input_ids]
+
+
+# ------------------------------------------------------------------- export of snlp-built Llama-family configs
+def snlp_llama(dtype=torch.float64, seed=0, **kw) -> GPT:
+    """An snlp GPT with the Llama switches (as from_hf sets them) and random weights everywhere, norms included."""
+    cfg = dict(vocab_size=V, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, sequence_len=64, x0_residual=False,
+               value_embeds=False, softcap=0.0, mlp_act="swiglu", ffn_dim=48, qk_norm="none", embed_norm=False,
+               norm_eps=1e-5, norm_weights=True, rope_rotate_half=True)
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(**{**cfg, **kw}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if n.startswith("ln") or ".ln" in n
+                    else 0.3 * torch.randn(p.shape, generator=gen))
+    return m.to(dtype).eval()
+
+
+def test_an_export_without_tokenizer_names_no_bos_eos_and_generates_as_snlp(tmp_path):
+    """Without a tokenizer (export_hf(model, out); `snlp export DRAFTER --base HF_DIR` of a folder without one) the
+    written config.json and generation_config.json said bos 1 / eos 2, LlamaConfig's defaults, though nothing names
+    such tokens: transformers' generate() stopped after token 2 where snlp's decoding (no stop ids) went on.
+    Reference: snlp's sequential greedy decoding, and the model's own KV-free argmax loop."""
+    model = snlp_llama(attn_head_dim=12)
+    prompt = [5, 6, 7, 8, 9]
+    first = sequential_generate(model, prompt, max_new_tokens=1).tokens[0]
+    with torch.no_grad():  # make token 2 the first greedy token: the stop LlamaConfig's default names
+        model.lm_head.weight[2] = model.lm_head.weight[first] * 1.5
+    ours = sequential_generate(model, prompt, max_new_tokens=8).tokens
+    assert ours[0] == 2 and len(ours) == 8
+    out = export_hf(model, tmp_path / "exp")
+    for name in ("config.json", "generation_config.json"):
+        got = json.loads((out / name).read_text())
+        assert all(got.get(k) is None for k in ("bos_token_id", "eos_token_id", "pad_token_id")), (name, got)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    assert theirs == ours
+
+
+def test_an_export_writes_the_norm_eps_snlp_computes_with_when_the_config_leaves_it_to_torch(tmp_path):
+    """norm_eps=None (snlp's RMSNorm then adds torch.finfo(dtype).eps, F.rms_norm's default) was written as
+    rms_norm_eps=1e-6: on hidden states of small variance transformers' logits were far off snlp's. Reference: snlp's
+    sequential logits of the exported model, fp32 (its eps 1.19e-7)."""
+    model = snlp_llama(dtype=torch.float32, norm_eps=None)
+    with torch.no_grad():
+        model.wte.weight.mul_(1e-3)  # variance ~1e-7: the eps decides the normalised embedding
+    out = export_hf(model, tmp_path / "exp")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == torch.finfo(torch.float32).eps
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = ids(T=12)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_an_export_reads_the_windows_of_a_window_pattern(tmp_path):
+    """window_pattern='LL' (every layer full, as 'L') was refused as 'not Llama-family'; 'SL' with q/k/v biases (one
+    window size, the last layer full) has transformers' Qwen2 layer_types and was refused too. Reference: snlp's
+    sequential logits past the window."""
+    x = ids(T=20)
+    for kw, arch in ((dict(window_pattern="LL"), "LlamaForCausalLM"),
+                     (dict(window_pattern="SL", short_window=3, qkv_bias=True), "Qwen2ForCausalLM")):
+        model = snlp_llama(n_layer=4, **kw)
+        out = export_hf(model, tmp_path / kw["window_pattern"])
+        assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="sliding-window layers without q/k/v biases"):
+        export_hf(snlp_llama(window_pattern="SL", short_window=3), tmp_path / "nobias")
+
+
+def test_an_export_refuses_a_tokenizer_that_transformers_would_read_back_as_another(tmp_path):
+    """transformers 5's AutoTokenizer builds a `qwen2` folder's tokenizer as Qwen2Tokenizer (from the vocabulary and
+    merges, with Qwen2's normalizer and pre-tokenizer) whatever its tokenizer.json holds: a Qwen2-architecture export
+    (q/k/v biases) with another tokenizer was written, and `AutoTokenizer(export)("t1 t2")` gave [] where snlp's
+    tokenizer gives two ids. Now refused in one line, nothing written; a tokenizer transformers reads as it is (a
+    Qwen2 source's own, or any tokenizer beside a Llama / Qwen3 / Mistral) exports. Reference: AutoTokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from snlp.io.tokenizer import Tokenizer
+
+    words = Tokenizer.from_hf(word_tokenizer(V))
+    with pytest.raises(ValueError, match="read this Qwen2ForCausalLM folder's tokenizer as Qwen2Tokenizer") as e:
+        export_hf(snlp_llama(qkv_bias=True), tmp_path / "q", words)
+    assert "\n" not in str(e.value) and not (tmp_path / "q").exists()
+    src = tmp_path / "src"  # a Qwen2 source folder: transformers reads its tokenizer as Qwen2Tokenizer itself
+    transformers.Qwen2Config(vocab_size=V).save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    as_qwen2 = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(str(src)))
+    bare = Tokenizer(HFTokenizer.from_str(words.tok.to_str()), words.meta)  # no post-processor: transformers writes
+    bare.tok.post_processor = None  # one that adds nothing, the same ids
+    for name, model, tok in (("llama", snlp_llama(), words), ("bare", snlp_llama(), bare),
+                             ("qwen2", snlp_llama(qkv_bias=True, vocab_size=as_qwen2.vocab_size), as_qwen2)):
+        back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / name, tok)))
+        for text in ("t1 t2", " t3  t95 <s>", "t1</s>t2"):
+            assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), (name, text)
+
+
+def test_export_hf_writes_a_compiled_model_and_refuses_what_is_no_plain_gpt_in_one_line(tmp_path):
+    """export_hf(torch.compile(model)) raised KeyError 'blocks.0.attn.c_q.weight' (the wrapper's state dict prefixes
+    `_orig_mod.`), as did a LoRA drafter's model (its weights parametrized: W0 + delta); a transformers model or a path
+    raised AttributeError. Now the compiled model is written as the model inside, the others refused in one line.
+    Reference: the model's own sequential logits."""
+    from snlp.method.drafter import make_drafter
+
+    model = snlp_llama()
+    out = export_hf(torch.compile(model, backend="eager"), tmp_path / "compiled")
+    x = ids()
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    for bad, match in ((hf, "got LlamaForCausalLM: a transformers model is written with its own save_pretrained"),
+                       ("runs/x", "got str"),
+                       (make_drafter(snlp_llama(n_layer=4), "2xF1-h0-K1", rank=2, alpha=4.0).model,
+                        "parametrized .*export_drafter_hf")):
+        with pytest.raises(ValueError, match=match) as e:
+            export_hf(bad, tmp_path / "bad")
+        assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]), layers=st.integers(1, 3),
+       heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (2, 1)]), head_dim=st.sampled_from([0, 6, 12]),
+       tied=st.booleans(), eps=st.sampled_from([1e-6, 0.1, None]), window=st.integers(3, 6),
+       slides=st.lists(st.booleans(), min_size=3, max_size=3), vocab=st.sampled_from([3, 50, 97]),
+       seed=st.integers(0, 99))
+def test_export_of_random_llama_family_configs_is_snlps_forward_and_greedy_decoding(
+        family, layers, heads, head_dim, tied, eps, window, slides, vocab, seed, tmp_path_factory):
+    """Any Llama-family config export writes (GQA / MQA, explicit head_dim, tied or untied head, eps incl. torch's
+    default, odd vocabularies, Mistral windows, Qwen2 / Qwen3 window layers) gives transformers' logits equal to snlp's
+    sequential logits and greedy generate() equal to snlp's decoding (windows >= 3: see CONTRIBUTING's seam row)."""
+    kw = dict(n_layer=layers, n_head=heads[0], n_kv_head=heads[1], n_embd=24, attn_head_dim=head_dim,
+              tie_embeddings=tied, norm_eps=eps, vocab_size=vocab)
+    per_layer = [window if s else -1 for s in slides[:layers]]
+    kw.update({"llama": {}, "mistral": dict(layer_windows=[window] * layers),
+               "qwen2": dict(qkv_bias=True, layer_windows=per_layer),
+               "qwen3": dict(qk_norm="weighted", layer_windows=per_layer)}[family])
+    model = snlp_llama(seed=seed, **kw)
+    out = export_hf(model, tmp_path_factory.mktemp("exp"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=1e-5)
+        theirs = hf.generate(x[:1, :4], max_new_tokens=12, do_sample=False)[0, 4:].tolist()
+    assert theirs == sequential_generate(model, x[0, :4].tolist(), max_new_tokens=12).tokens
+
+
+def test_a_tokenizer_with_named_chat_templates_keeps_the_default_one_through_convert_and_export(tmp_path):
+    """A tokenizer whose chat_template is a dict of named templates (Hermes-2-Pro-Llama-3: "default" and "tool_use")
+    was converted without any: `snlp generate --chat` said the model has no chat template, and the export wrote none.
+    transformers' apply_chat_template without a name (or tools) renders "default": that one is kept and exported.
+    Reference: transformers' rendering of the source tokenizer."""
+    from snlp.apps.cli import main
+
+    src = tmp_path / "src"
+    hf_tiny("llama", layers=1).save_pretrained(str(src))
+    ht = word_tokenizer(V)
+    ht.chat_template = {"default": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+                                   "{% if add_generation_prompt %}<s>{% endif %}", "tool_use": "{{ 'tools' }}"}
+    ht.save_pretrained(str(src))
+    ref = transformers.AutoTokenizer.from_pretrained(str(src))
+    assert isinstance(ref.chat_template, dict)
+    msgs = [{"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3"}, {"role": "user", "content": "t4"}]
+    want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    _, tok = from_hf(str(src))
+    assert tok.apply_chat_template(msgs) == want
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
+
+
+def test_an_export_with_our_own_bpe_tokenizes_a_prompt_as_snlp_generate_does(tmp_path):
+    """Our BPE was written without a bos_token or anything adding it (config.json named <|bos|>'s id as bos_token_id
+    all the same): transformers' tokenizer(text) of the export gave the text without the <|bos|> that
+    `Tokenizer.prompt_ids` (snlp generate --prompt) puts first, so its generate() continued another prompt, and
+    lm-eval's prefix token (bos, else eos) was None. Reference: Tokenizer.prompt_ids / encode and snlp's greedy
+    decoding of that prompt."""
+    from snlp.io.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(["hello world, it's a test of <|bos|> text " * 3, "naïve café 12345"] * 20, vocab_size=300)
+    model = snlp_llama(vocab_size=tok.vocab_size, n_layer=2)
+    out = export_hf(model, tmp_path / "exp", tok)
+    back = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert back.bos_token_id == tok.bos_id == json.loads((out / "config.json").read_text())["bos_token_id"]
+    for text in ("hello world", " it's <|bos|> a test", "naïve café", ""):
+        assert back(text)["input_ids"] == tok.prompt_ids(text), text
+        assert back(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
+    assert tok.prompt_ids("hello")[0] == tok.bos_id  # the model's own tokenizer is unchanged by the export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    prompt = back("hello world", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert theirs == sequential_generate(model, tok.prompt_ids("hello world"), max_new_tokens=8).tokens
