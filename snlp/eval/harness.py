@@ -486,37 +486,52 @@ class SNLPLM(TemplateLM):
                 return toks[:i]
         return toks
 
+    def _gen_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, float, int, float]:
+        """(stop strings, max new tokens, temperature, top_k, top_p) of one request's generation kwargs, or
+        the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the prompt, or a
+        bad sampling filter."""
+        kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+        # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
+        temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
+        # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
+        # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
+        # a greedy task (do_sample false) draws nothing, so there they change nothing
+        top_k = 0 if kw.get("top_k") is None else kw["top_k"]
+        top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
+        refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
+        if refused:
+            raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
+                             f"supported by the snlp harness model (greedy, or sampling at a temperature with "
+                             f"top_k / top_p, until stop strings / max_gen_toks)")
+        until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+        max_new = int(kw["max_gen_toks"])
+        if max_new >= self.max_length:
+            raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
+        if kw["do_sample"]:  # a bad filter value
+            sampling(temperature, top_k, top_p)
+        return until, max_new, temperature, top_k, top_p
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
         batched by identical generation kwargs, longest prompt first (the harness's order). Sampling: the r-th
         request decoded in this call (in that order) draws from a generator seeded `seed + r`, so a task's `repeats`
         get distinct draws at any batch size, and the same requests with the same seed get the same answers."""
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        # every request's options are checked before anything is decoded: the harness passes the generate_until
+        # requests of all its tasks in one call, and the groups are decoded one after the other, so a refused
+        # option in a later task's group would be raised only after the earlier groups' decoding
+        checked: list[dict] = []
+        for _, gen_kwargs in (req.args for req in requests):
+            if gen_kwargs not in checked:
+                self._gen_settings(gen_kwargs, eos)
+                checked.append(gen_kwargs)
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
-        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         res, first = [], 0  # first: rows decoded so far in this call (sampling seeds, _generate)
         for chunk in order.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
-            kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
-            # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
-            temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
-            # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
-            # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
-            # a greedy task (do_sample false) draws nothing, so there they change nothing
-            top_k = 0 if kw.get("top_k") is None else kw["top_k"]
-            top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
-            refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
-            if refused:
-                raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
-                                 f"supported by the snlp harness model (greedy, or sampling at a temperature with "
-                                 f"top_k / top_p, until stop strings / max_gen_toks)")
-            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
-            max_new = int(kw["max_gen_toks"])
-            if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
+            until, max_new, temperature, top_k, top_p = self._gen_settings(all_kwargs[0], eos)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            if kw["do_sample"]:  # a bad filter value: one line before any decoding
-                sampling(temperature, top_k, top_p)
             answers = self._generate(prompts, max_new, temperature, first, top_k, top_p)
             first += len(prompts)
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):

@@ -301,3 +301,26 @@ def test_snlp_generation_and_loglikelihood_are_two_approximations():
         greedy[plan] = [g for _, g in lm._loglikelihood_tokens([((p, ""), c, g) for p, c, g in zip(prompts, ids, gens)])]
     assert all(greedy["4xF1-h0-K1"]) and all(greedy["4xF1-h0-K4"]) and all(greedy["2xF2-h0-K2"]), greedy
     assert not all(greedy["4xF1-h0-K2"]) and not all(greedy["4xF1-fwd-K1"]), greedy
+
+
+@pytest.mark.parametrize("bad, says", [(dict(num_beams=4), "num_beams=4 are not supported"),
+                                       (dict(max_gen_toks=64), "max_gen_toks 64 must be below"),
+                                       (dict(do_sample=True, temperature=0.7, top_p=2.0), "top_p")])
+def test_a_refused_generation_option_is_refused_before_any_request_is_decoded(bad, says, monkeypatch):
+    """The harness sends the generate_until requests of all its tasks in one call, decoded group by group (one group
+    per distinct generation kwargs): a later group's refused option (beam search, a max_gen_toks the model's
+    max_length cannot hold, a bad sampling filter) was raised only after the earlier groups had been decoded, so a
+    run lost that work. Now every request's options are checked first: nothing is decoded."""
+    model, tok = _own_tiny()
+    lm = SNLPLM(pretrained=model, tokenizer=tok, batch_size=2)
+    decoded = []
+    real = lm._generate
+    monkeypatch.setattr(lm, "_generate", lambda prompts, *a, **k: decoded.append(len(prompts)) or real(prompts, *a,
+                                                                                                          **k))
+    good = {"until": ["."], "max_gen_toks": 4}
+    reqs = _reqs("generate_until", [("the cat", dict(good)), ("a dog", dict(good)), ("the mat", dict(good)),
+                                    ("the park", {**good, **bad})])
+    with pytest.raises(ValueError, match=says):
+        lm.generate_until(reqs)
+    assert decoded == []
+    assert len(lm.generate_until(reqs[:3])) == 3 and decoded  # the good group alone decodes
