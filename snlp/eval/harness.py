@@ -395,16 +395,21 @@ class SNLPLM(TemplateLM):
             toks = req[1] + req[2]
             return -len(toks), tuple(toks)
 
+        for req, ctx, cont in requests:  # every request before any forward: the longest-first order put a bad one
+            # anywhere, and the work before it was lost
+            what = "a loglikelihood request" if req is None else f"the loglikelihood request {tuple(req)!r}"[:200]
+            if not ctx or not cont:
+                raise ValueError(f"{what} encodes to {len(ctx)} context and {len(cont)} continuation tokens: both must "
+                                 f"be non-empty")
+            if len(cont) > self.max_length:
+                raise ValueError(f"{what}: its continuation of {len(cont)} tokens does not fit max_length "
+                                 f"{self.max_length}")
         order = Collator(requests, sort_fn=longest_first, group_by="contexts" if self.logits_cache else None,
                          group_fn=lambda req: req[-2] + req[-1][:-1])
         res = []
         for chunk in order.get_batched(n=self.batch_size):
             rows = []
             for _, ctx, cont in chunk:
-                if not ctx or not cont:
-                    raise ValueError("a loglikelihood request needs a non-empty context and continuation")
-                if len(cont) > self.max_length:
-                    raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
                 rows.append((ctx + cont)[-(self.max_length + 1):][:-1])  # the last token is only predicted
             x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=self._device)  # right-padded
             for i, r in enumerate(rows):

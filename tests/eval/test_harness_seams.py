@@ -10,6 +10,7 @@ round-trip through the harness's parser (a ',' is refused)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -324,3 +325,21 @@ def test_a_refused_generation_option_is_refused_before_any_request_is_decoded(ba
         lm.generate_until(reqs)
     assert decoded == []
     assert len(lm.generate_until(reqs[:3])) == 3 and decoded  # the good group alone decodes
+
+
+@pytest.mark.parametrize("bad, max_length, says", [
+    (("", "<|bos|>"), None, "encodes to 1 context and 0 continuation tokens"),  # BOS alone: the context takes it
+    (("a dog", " ran in the park. the cat sat on"), 6, "continuation of 9 tokens does not fit max_length 6")])
+def test_a_bad_loglikelihood_request_is_refused_before_any_forward(bad, max_length, says, monkeypatch):
+    """The requests are scored longest first, so a request with no continuation token, or one longer than
+    max_length, was refused only when its turn came, after the forwards of the requests before it. Now every
+    request is checked first, and the message names it."""
+    model, tok = _own_tiny()
+    lm = SNLPLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=max_length)
+    forwards = []
+    real = lm._hidden
+    monkeypatch.setattr(lm, "_hidden", lambda *a: forwards.append(1) or real(*a))
+    reqs = _reqs("loglikelihood", [("the cat sat on the mat. a dog ran in the park", " sat"), ("the", " mat"), bad])
+    with pytest.raises(ValueError, match=f"the loglikelihood request {re.escape(repr(bad))}.*{says}"):
+        lm.loglikelihood(reqs)
+    assert forwards == []
