@@ -111,8 +111,8 @@ def run(args) -> int:
     from snlp.runtime.outputs import check_output_dir
 
     try:
-        from snlp.eval.harness import (SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table,
-                                       task_manager)
+        from snlp.eval.harness import (SNLPLM, evaluate_methods, generation_note, load_any, markdown, model_arg,
+                                       print_table, task_manager)
     except ImportError as e:
         if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
             raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
@@ -187,7 +187,9 @@ def run(args) -> int:
         for rec in records:
             write_atomic(out / method_file(rec.method), json_text(rec.harness or rec.to_dict(), indent=2))
         done = f"{len(records)} of {len(methods)} methods ({', '.join(r.method for r in records)})"
-        table = f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + markdown(records)
+        note = generation_note(lms, records)  # how each plan column's generation rows were decoded
+        table = (f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + (f"{note}\n\n" if note else "")
+                 + markdown(records))
         write_atomic(out / "table.md", table)
         if args.markdown:
             write_atomic(args.markdown, table)
@@ -207,7 +209,8 @@ def run(args) -> int:
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
                                fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm,
                                on_record=lambda records: write(records, complete=False))
-    print_table(records, title, caption="value ± the harness's stderr")
+    note = generation_note(lms, records)
+    print_table(records, title, caption="value ± the harness's stderr" + (f"; {note}" if note else ""))
     write(records, complete=True)
     for path in [out / method_file(r.method) for r in records] + ([args.json] if args.json else []):
         print(f"wrote {path}")

@@ -670,6 +670,20 @@ def harness_bootstrap_iters() -> int:
     return inspect.signature(inspect.unwrap(evaluator.simple_evaluate)).parameters["bootstrap_iters"].default
 
 
+def generation_note(lms: list[SNLPLM], records: list[HarnessRecord]) -> str:
+    """The line saying how each plan's (or drafter's) column got its generate_until rows, or "" when no task of the
+    records generates: a column is named by its plan alone, while its generation rows are the plan's own KV-cached
+    SNLP decoding (decode=snlp, another approximation than its full-sequence loglikelihood rows) or the model's own
+    answers (decode=speculative: the model verifies every token), which the column name alone does not tell apart."""
+    generates = any(c.get("output_type") == "generate_until" for r in records
+                    for c in (r.harness.get("configs") or {}).values() if isinstance(c, dict))
+    how = {"snlp": "SNLP decoding (the plan's own answers: another approximation than its full-sequence "
+                   "loglikelihood rows)",
+           "speculative": "speculative decoding (the model verifies every token: the model's own answers)"}
+    cols = [f"{lm.method} by {how[lm.decode]}" for lm in lms if lm.plan is not None]
+    return f"generate_until rows: {'; '.join(cols)}" if generates and cols else ""
+
+
 def metric_rows(records: list[HarnessRecord]) -> list[tuple[str, str, str]]:
     """(task, metric, filter) in the harness's order, over every method that has results."""
     rows = []
