@@ -343,3 +343,16 @@ def test_a_bad_loglikelihood_request_is_refused_before_any_forward(bad, max_leng
     with pytest.raises(ValueError, match=f"the loglikelihood request {re.escape(repr(bad))}.*{says}"):
         lm.loglikelihood(reqs)
     assert forwards == []
+
+
+def test_batched_answers_without_a_stop_string_equal_the_hf_models_batched_answers(tmp_path):
+    """docs/harness.md: the hf model's batched generate runs to the left-padded prompt length + max_gen_toks, i.e.
+    max_gen_toks new tokens for every row, as snlp's ragged batch gives each row: prompts of different lengths with
+    no stop string but EOS give the same answers at batch 1 and 3 on both sides (fp64)."""
+    d = _tiny_dir(tmp_path / "m")
+    prompts = ["t4", "t1 t2 t3 t5 t6 t7 t8", "t9 t10 t11", "t20 t21 t22 t23 t24 t25 t26 t27 t28 t29 t30", "t5 t6"]
+    g = _reqs("generate_until", [(p, {"until": [], "max_gen_toks": 10, "do_sample": False}) for p in prompts])
+    hf = [HFLM(pretrained=str(d), device="cpu", batch_size=b, dtype="float64").generate_until(g) for b in (1, 3)]
+    ours = [SNLPLM(pretrained=str(d), dtype="float64", batch_size=b).generate_until(g) for b in (1, 3)]
+    assert hf[0] == hf[1] == ours[0] == ours[1]
+    assert max(len(a.split()) for a in ours[0]) == 10  # an answer that ran to max_gen_toks
