@@ -13,11 +13,13 @@ when online) or a GPT object (then `tokenizer=` gives its snlp Tokenizer). The f
                       preheat calibration where the plan starts from `preheat`.
   drafter=DIR         an adapted drafter (snlp adapt) on this model: loglikelihoods through the drafter's SNLP
                       solve (its approximation of the model, plan = the drafter's unless plan= names another that
-                      fits it); generate_until through exact self-speculative decoding, so answers equal the model's.
+                      fits it); generate_until through self-speculative decoding, so answers are the model's
+                      (bit for bit in float64; in low precision a near-tie can flip, docs/harness.md).
 generate_until decodes with `decode=`: `sequential` (no plan), `snlp` (KV-cached SNLP decoding, snlp_generate: every
 forward the plan's solve over the new token, with a cache holding each earlier token's K/V from the last iteration of
 its own solve; the default for plan=) or `speculative` (the plan or the drafter drafts, the model verifies: the
-model's own answers; the default for drafter=), in ragged batches (snlp.decode.batch) of `batch_size` prompts.
+model's own answers, exactly in float64; the default for drafter=), in ragged batches (snlp.decode.batch) of
+`batch_size` prompts.
 decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
 solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
 greedy answers under its full-sequence scores only for K = 1 from h0 and for K >= C without tol (then both are the
