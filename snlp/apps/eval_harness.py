@@ -174,7 +174,9 @@ def run(args) -> int:
     if said:
         print(f"snlp eval: {said}", file=sys.stderr)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
-    limit = "" if args.limit is None else f", limit {args.limit:g}"
+    # lm-eval reads a limit >= 1 as a count (int(limit)) and one below 1 as a share: the title names what runs
+    run_limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    limit = "" if run_limit is None else f", limit {run_limit:g}"
     chat = ", chat template (few-shot as turns)" if args.apply_chat_template else ""
     title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit}{chat} | "
              f"{dtype} on {device_label(device)}")
@@ -205,7 +207,7 @@ def run(args) -> int:
             args.finished = complete_in([out, *([args.json] if args.json else [])])
 
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
-                               limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                               limit=run_limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
                                fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm,
                                on_record=lambda records: write(records, complete=False))
