@@ -111,8 +111,8 @@ def run(args) -> int:
     from snlp.runtime.outputs import check_output_dir
 
     try:
-        from snlp.eval.harness import (SNLPLM, evaluate_methods, load_any, markdown, model_arg, print_table,
-                                       task_manager)
+        from snlp.eval.harness import (SNLPLM, evaluate_methods, generation_note, load_any, markdown, model_arg,
+                                       print_table, task_manager)
     except ImportError as e:
         if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
             raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
@@ -174,7 +174,9 @@ def run(args) -> int:
     if said:
         print(f"snlp eval: {said}", file=sys.stderr)
     shots = "task default" if args.num_fewshot is None else f"{args.num_fewshot}-shot"
-    limit = "" if args.limit is None else f", limit {args.limit:g}"
+    # lm-eval reads a limit >= 1 as a count (int(limit)) and one below 1 as a share: the title names what runs
+    run_limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    limit = "" if run_limit is None else f", limit {run_limit:g}"
     chat = ", chat template (few-shot as turns)" if args.apply_chat_template else ""
     title = (f"{args.ckpt}: lm-evaluation-harness {','.join(tasks)}, {shots} (seed {args.fewshot_seed}){limit}{chat} | "
              f"{dtype} on {device_label(device)}")
@@ -187,7 +189,9 @@ def run(args) -> int:
         for rec in records:
             write_atomic(out / method_file(rec.method), json_text(rec.harness or rec.to_dict(), indent=2))
         done = f"{len(records)} of {len(methods)} methods ({', '.join(r.method for r in records)})"
-        table = f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + markdown(records)
+        note = generation_note(lms, records)  # how each plan column's generation rows were decoded
+        table = (f"{title}\n\n" + ("" if complete else partial_line(done) + "\n\n") + (f"{note}\n\n" if note else "")
+                 + markdown(records))
         write_atomic(out / "table.md", table)
         if args.markdown:
             write_atomic(args.markdown, table)
@@ -203,11 +207,12 @@ def run(args) -> int:
             args.finished = complete_in([out, *([args.json] if args.json else [])])
 
     records = evaluate_methods(lms, tasks, num_fewshot=args.num_fewshot,
-                               limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                               limit=run_limit,
                                include=args.harness_include, apply_chat_template=args.apply_chat_template,
                                fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm,
                                on_record=lambda records: write(records, complete=False))
-    print_table(records, title, caption="value ± the harness's stderr")
+    note = generation_note(lms, records)
+    print_table(records, title, caption="value ± the harness's stderr" + (f"; {note}" if note else ""))
     write(records, complete=True)
     for path in [out / method_file(r.method) for r in records] + ([args.json] if args.json else []):
         print(f"wrote {path}")

@@ -13,11 +13,13 @@ when online) or a GPT object (then `tokenizer=` gives its snlp Tokenizer). The f
                       preheat calibration where the plan starts from `preheat`.
   drafter=DIR         an adapted drafter (snlp adapt) on this model: loglikelihoods through the drafter's SNLP
                       solve (its approximation of the model, plan = the drafter's unless plan= names another that
-                      fits it); generate_until through exact self-speculative decoding, so answers equal the model's.
+                      fits it); generate_until through self-speculative decoding, so answers are the model's
+                      (bit for bit in float64; in low precision a near-tie can flip, docs/harness.md).
 generate_until decodes with `decode=`: `sequential` (no plan), `snlp` (KV-cached SNLP decoding, snlp_generate: every
 forward the plan's solve over the new token, with a cache holding each earlier token's K/V from the last iteration of
 its own solve; the default for plan=) or `speculative` (the plan or the drafter drafts, the model verifies: the
-model's own answers; the default for drafter=), in ragged batches (snlp.decode.batch) of `batch_size` prompts.
+model's own answers, exactly in float64; the default for drafter=), in ragged batches (snlp.decode.batch) of
+`batch_size` prompts.
 decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
 solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
 greedy answers under its full-sequence scores only for K = 1 from h0 and for K >= C without tol (then both are the
@@ -395,16 +397,21 @@ class SNLPLM(TemplateLM):
             toks = req[1] + req[2]
             return -len(toks), tuple(toks)
 
+        for req, ctx, cont in requests:  # every request before any forward: the longest-first order put a bad one
+            # anywhere, and the work before it was lost
+            what = "a loglikelihood request" if req is None else f"the loglikelihood request {tuple(req)!r}"[:200]
+            if not ctx or not cont:
+                raise ValueError(f"{what} encodes to {len(ctx)} context and {len(cont)} continuation tokens: both must "
+                                 f"be non-empty")
+            if len(cont) > self.max_length:
+                raise ValueError(f"{what}: its continuation of {len(cont)} tokens does not fit max_length "
+                                 f"{self.max_length}")
         order = Collator(requests, sort_fn=longest_first, group_by="contexts" if self.logits_cache else None,
                          group_fn=lambda req: req[-2] + req[-1][:-1])
         res = []
         for chunk in order.get_batched(n=self.batch_size):
             rows = []
             for _, ctx, cont in chunk:
-                if not ctx or not cont:
-                    raise ValueError("a loglikelihood request needs a non-empty context and continuation")
-                if len(cont) > self.max_length:
-                    raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
                 rows.append((ctx + cont)[-(self.max_length + 1):][:-1])  # the last token is only predicted
             x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=self._device)  # right-padded
             for i, r in enumerate(rows):
@@ -486,37 +493,52 @@ class SNLPLM(TemplateLM):
                 return toks[:i]
         return toks
 
+    def _gen_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, float, int, float]:
+        """(stop strings, max new tokens, temperature, top_k, top_p) of one request's generation kwargs, or
+        the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the prompt, or a
+        bad sampling filter."""
+        kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+        # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
+        temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
+        # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
+        # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
+        # a greedy task (do_sample false) draws nothing, so there they change nothing
+        top_k = 0 if kw.get("top_k") is None else kw["top_k"]
+        top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
+        refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
+        if refused:
+            raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
+                             f"supported by the snlp harness model (greedy, or sampling at a temperature with "
+                             f"top_k / top_p, until stop strings / max_gen_toks)")
+        until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+        max_new = int(kw["max_gen_toks"])
+        if max_new >= self.max_length:
+            raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
+        if kw["do_sample"]:  # a bad filter value
+            sampling(temperature, top_k, top_p)
+        return until, max_new, temperature, top_k, top_p
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
         batched by identical generation kwargs, longest prompt first (the harness's order). Sampling: the r-th
         request decoded in this call (in that order) draws from a generator seeded `seed + r`, so a task's `repeats`
         get distinct draws at any batch size, and the same requests with the same seed get the same answers."""
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        # every request's options are checked before anything is decoded: the harness passes the generate_until
+        # requests of all its tasks in one call, and the groups are decoded one after the other, so a refused
+        # option in a later task's group would be raised only after the earlier groups' decoding
+        checked: list[dict] = []
+        for _, gen_kwargs in (req.args for req in requests):
+            if gen_kwargs not in checked:
+                self._gen_settings(gen_kwargs, eos)
+                checked.append(gen_kwargs)
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
-        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         res, first = [], 0  # first: rows decoded so far in this call (sampling seeds, _generate)
         for chunk in order.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
-            kw = dict(normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks))
-            # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
-            temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
-            # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
-            # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
-            # a greedy task (do_sample false) draws nothing, so there they change nothing
-            top_k = 0 if kw.get("top_k") is None else kw["top_k"]
-            top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
-            refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
-            if refused:
-                raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
-                                 f"supported by the snlp harness model (greedy, or sampling at a temperature with "
-                                 f"top_k / top_p, until stop strings / max_gen_toks)")
-            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
-            max_new = int(kw["max_gen_toks"])
-            if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
+            until, max_new, temperature, top_k, top_p = self._gen_settings(all_kwargs[0], eos)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            if kw["do_sample"]:  # a bad filter value: one line before any decoding
-                sampling(temperature, top_k, top_p)
             answers = self._generate(prompts, max_new, temperature, first, top_k, top_p)
             first += len(prompts)
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):
@@ -648,6 +670,20 @@ def harness_bootstrap_iters() -> int:
     from lm_eval import evaluator
 
     return inspect.signature(inspect.unwrap(evaluator.simple_evaluate)).parameters["bootstrap_iters"].default
+
+
+def generation_note(lms: list[SNLPLM], records: list[HarnessRecord]) -> str:
+    """The line saying how each plan's (or drafter's) column got its generate_until rows, or "" when no task of the
+    records generates: a column is named by its plan alone, while its generation rows are the plan's own KV-cached
+    SNLP decoding (decode=snlp, another approximation than its full-sequence loglikelihood rows) or the model's own
+    answers (decode=speculative: the model verifies every token), which the column name alone does not tell apart."""
+    generates = any(c.get("output_type") == "generate_until" for r in records
+                    for c in (r.harness.get("configs") or {}).values() if isinstance(c, dict))
+    how = {"snlp": "SNLP decoding (the plan's own answers: another approximation than its full-sequence "
+                   "loglikelihood rows)",
+           "speculative": "speculative decoding (the model verifies every token: the model's own answers)"}
+    cols = [f"{lm.method} by {how[lm.decode]}" for lm in lms if lm.plan is not None]
+    return f"generate_until rows: {'; '.join(cols)}" if generates and cols else ""
 
 
 def metric_rows(records: list[HarnessRecord]) -> list[tuple[str, str, str]]:

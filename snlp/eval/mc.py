@@ -64,12 +64,22 @@ def method_runner(model: GPT, method: Plan | None, preheat: Preheat | None = Non
     return None if method is None else bind(model, method, check_finite=True, preheat=preheat_for(method, preheat))
 
 
-def final_state(model: GPT, x, runner) -> Tensor:
-    """h_L (B, T, [n,] D) of the sequential model (runner None) or of the runner's SNLP solve."""
+def final_state(model: GPT, x, runner, lengths: list[int]) -> Tensor:
+    """h_L (B, T, [n,] D) of the sequential model (runner None) or of the runner's SNLP solve, for right-padded rows
+    x (B, T) holding lengths[i] real tokens. A DiagN plan draws its Hutchinson probes with the shape of the whole
+    batch and a `tol` plan's stop test takes norms over whole rows, padding included, so their rows are solved one at
+    a time at their own lengths: a question's score never depends on the questions batched with it (as
+    snlp.eval.harness.SNLPLM scores)."""
     if runner is None:
         ctx = model.embed(x)
         return model.run_layers(ctx.x0, ctx, 0, model.config.n_layer)
-    return runner.solve(x).hidden
+    if not (runner.plan.tol or runner.plan.surrogate.random):
+        return runner.solve(x).hidden
+    rows = [runner.solve(x[i:i + 1, :n]).hidden[0] for i, n in enumerate(lengths)]  # (n, [n,] D) each
+    out = rows[0].new_zeros(x.shape[0], x.shape[1], *rows[0].shape[1:])
+    for i, r in enumerate(rows):
+        out[i, :r.shape[0]] = r
+    return out
 
 
 def pad_batch(seqs: list[list[int]], pad: int, device):
@@ -93,7 +103,7 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
                 for q in qs]
         if max_len:
             seqs = [sq[-max_len:] for sq in seqs]  # keep the answer position (left-truncate)
-        h = final_state(model, pad_batch(seqs, 0, dev), runner)  # (B, T, D): the head only where it is read
+        h = final_state(model, pad_batch(seqs, 0, dev), runner, [len(sq) for sq in seqs])  # (B, T, D)
         at = torch.tensor([len(sq) - 1 for sq in seqs], device=dev)  # each row's answer position
         last = model.head(h[torch.arange(len(qs), device=dev), at][:, None])[:, 0]  # (B, V)
         for q, row in zip(qs, last):
@@ -155,7 +165,7 @@ def loglik_scores(model: GPT, tokenizer, questions: list[Question], method: Plan
     for s in range(0, len(items), batch):
         chunk = items[s:s + batch]
         x = pad_batch([it[1] for it in chunk], 0, dev)
-        logp = F.log_softmax(model.head(final_state(model, x, runner)), -1)  # (B, T, V)
+        logp = F.log_softmax(model.head(final_state(model, x, runner, [len(it[1]) for it in chunk])), -1)  # (B,T,V)
         for b, (qi, ids, pos) in enumerate(chunk):
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)

@@ -112,7 +112,8 @@ def loglikelihoods(model: GPT, tokenizer, questions: list[Question], method: Pla
     runner = method_runner(model, method, preheat)
     for s in range(0, len(order), batch):
         chunk = [items[i] for i in order[s:s + batch]]
-        h = final_state(model, pad_batch([it[1] for it in chunk], 0, dev), runner)  # (B, T, [n,] D)
+        h = final_state(model, pad_batch([it[1] for it in chunk], 0, dev), runner,
+                        [len(it[1]) for it in chunk])  # (B, T, [n,] D)
         for b, (qi, inp, cont) in enumerate(chunk):
             pos = torch.arange(len(inp) - len(cont), len(inp), device=dev)  # positions predicting cont
             logp = F.log_softmax(model.head(h[b:b + 1, pos]).float(), -1)[0]  # (n, V)

@@ -664,3 +664,42 @@ def test_own_tokenizer_generation_stops_at_the_end_of_turn_as_nanochat():
     got = lm.generate_until(reqs)
     assert got == [naive(ids, 6) for ids in chats]
     assert got[0] == ""  # the reply ended at once
+
+
+@pytest.mark.parametrize("decode, says", [(None, "2xF1-h0-K1 by SNLP decoding (the plan's own answers"),
+                                          ("speculative", "2xF1-h0-K1 by speculative decoding (the model verifies "
+                                                          "every token: the model's own answers)")])
+def test_the_table_says_how_a_plans_generation_rows_were_decoded(tasks, tmp_path, capsys, decode, says):
+    """A plan's column is named by the plan alone, but its generate_until rows are either the plan's own SNLP
+    decoding or, with --harness-decode speculative, the model's own answers (then equal to the sequential column):
+    table.md and the printed caption did not say which, so exact generation rows read as the plan's. Now a line
+    names each plan column's decoding whenever a task generates (and only then)."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    for task, out in (("snlp_arc_tiny,snlp_gen_tiny", tmp_path / "gen"), ("snlp_arc_tiny", tmp_path / "mc")):
+        assert main(["eval", str(ckpt), "--harness", task, "--harness-include", str(tasks), "--limit", "1",
+                     "--num-fewshot", "0", "--plans", "2xF1-h0-K1", "--harness-out", str(out), "--device", "cpu",
+                     "--bootstrap-iters", "0", *(["--harness-decode", decode] if decode else [])]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    gen, mc = ((tmp_path / d / "table.md").read_text() for d in ("gen", "mc"))
+    assert f"generate_until rows: {says}" in gen and "generate_until rows" not in mc
+    assert f"generate_until rows: {says}" in printed and printed.count("generate_until rows") == 1
+
+
+def test_the_title_names_the_limit_that_runs(tasks, tmp_path, capsys):
+    """--limit 2.5 runs the first 2 documents (lm-eval reads a limit >= 1 as int(limit)), and the run records
+    limit 2, but the table's title said "limit 2.5"."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    out = tmp_path / "out"
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "2.5",
+                 "--num-fewshot", "0", "--harness-out", str(out), "--device", "cpu", "--bootstrap-iters", "0"]) == 0
+    title = (out / "table.md").read_text().splitlines()[0]
+    assert ", limit 2 |" in title, title
+    assert json.loads((out / "sequential.json").read_text())["config"]["limit"] == 2

@@ -10,6 +10,7 @@ round-trip through the harness's parser (a ',' is refused)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -301,3 +302,57 @@ def test_snlp_generation_and_loglikelihood_are_two_approximations():
         greedy[plan] = [g for _, g in lm._loglikelihood_tokens([((p, ""), c, g) for p, c, g in zip(prompts, ids, gens)])]
     assert all(greedy["4xF1-h0-K1"]) and all(greedy["4xF1-h0-K4"]) and all(greedy["2xF2-h0-K2"]), greedy
     assert not all(greedy["4xF1-h0-K2"]) and not all(greedy["4xF1-fwd-K1"]), greedy
+
+
+@pytest.mark.parametrize("bad, says", [(dict(num_beams=4), "num_beams=4 are not supported"),
+                                       (dict(max_gen_toks=64), "max_gen_toks 64 must be below"),
+                                       (dict(do_sample=True, temperature=0.7, top_p=2.0), "top_p")])
+def test_a_refused_generation_option_is_refused_before_any_request_is_decoded(bad, says, monkeypatch):
+    """The harness sends the generate_until requests of all its tasks in one call, decoded group by group (one group
+    per distinct generation kwargs): a later group's refused option (beam search, a max_gen_toks the model's
+    max_length cannot hold, a bad sampling filter) was raised only after the earlier groups had been decoded, so a
+    run lost that work. Now every request's options are checked first: nothing is decoded."""
+    model, tok = _own_tiny()
+    lm = SNLPLM(pretrained=model, tokenizer=tok, batch_size=2)
+    decoded = []
+    real = lm._generate
+    monkeypatch.setattr(lm, "_generate", lambda prompts, *a, **k: decoded.append(len(prompts)) or real(prompts, *a,
+                                                                                                          **k))
+    good = {"until": ["."], "max_gen_toks": 4}
+    reqs = _reqs("generate_until", [("the cat", dict(good)), ("a dog", dict(good)), ("the mat", dict(good)),
+                                    ("the park", {**good, **bad})])
+    with pytest.raises(ValueError, match=says):
+        lm.generate_until(reqs)
+    assert decoded == []
+    assert len(lm.generate_until(reqs[:3])) == 3 and decoded  # the good group alone decodes
+
+
+@pytest.mark.parametrize("bad, max_length, says", [
+    (("", "<|bos|>"), None, "encodes to 1 context and 0 continuation tokens"),  # BOS alone: the context takes it
+    (("a dog", " ran in the park. the cat sat on"), 6, "continuation of 9 tokens does not fit max_length 6")])
+def test_a_bad_loglikelihood_request_is_refused_before_any_forward(bad, max_length, says, monkeypatch):
+    """The requests are scored longest first, so a request with no continuation token, or one longer than
+    max_length, was refused only when its turn came, after the forwards of the requests before it. Now every
+    request is checked first, and the message names it."""
+    model, tok = _own_tiny()
+    lm = SNLPLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=max_length)
+    forwards = []
+    real = lm._hidden
+    monkeypatch.setattr(lm, "_hidden", lambda *a: forwards.append(1) or real(*a))
+    reqs = _reqs("loglikelihood", [("the cat sat on the mat. a dog ran in the park", " sat"), ("the", " mat"), bad])
+    with pytest.raises(ValueError, match=f"the loglikelihood request {re.escape(repr(bad))}.*{says}"):
+        lm.loglikelihood(reqs)
+    assert forwards == []
+
+
+def test_batched_answers_without_a_stop_string_equal_the_hf_models_batched_answers(tmp_path):
+    """docs/harness.md: the hf model's batched generate runs to the left-padded prompt length + max_gen_toks, i.e.
+    max_gen_toks new tokens for every row, as snlp's ragged batch gives each row: prompts of different lengths with
+    no stop string but EOS give the same answers at batch 1 and 3 on both sides (fp64)."""
+    d = _tiny_dir(tmp_path / "m")
+    prompts = ["t4", "t1 t2 t3 t5 t6 t7 t8", "t9 t10 t11", "t20 t21 t22 t23 t24 t25 t26 t27 t28 t29 t30", "t5 t6"]
+    g = _reqs("generate_until", [(p, {"until": [], "max_gen_toks": 10, "do_sample": False}) for p in prompts])
+    hf = [HFLM(pretrained=str(d), device="cpu", batch_size=b, dtype="float64").generate_until(g) for b in (1, 3)]
+    ours = [SNLPLM(pretrained=str(d), dtype="float64", batch_size=b).generate_until(g) for b in (1, 3)]
+    assert hf[0] == hf[1] == ours[0] == ours[1]
+    assert max(len(a.split()) for a in ours[0]) == 10  # an answer that ran to max_gen_toks

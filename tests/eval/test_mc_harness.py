@@ -286,3 +286,32 @@ def test_loglik_refuses_a_template_that_does_not_render_the_choice():
                         "{% endfor %}{% if add_generation_prompt %}<s> t1{% endif %}")  # drops the reply's text
     with pytest.raises(ValueError, match="does not render the choice 't5'"):
         choice_positions(Tokenizer.from_hf(hf), "t9", "t5")
+
+
+# ----- a question's score does not depend on the questions batched with it -----
+BATCH_QS = QS + [Question("Which one is a colour, if any of these words is one at all?", ("blue", "cat"), 0),
+                 Question("Pick", ("one", "two", "three"), 2)]
+
+
+@pytest.mark.parametrize("plan", ["4xF1-h0-K1-diag", "4xF1-fwd-K2-diag:vjp-probes:2"])
+def test_mc_scores_do_not_depend_on_the_batch(plan):
+    """A DiagN plan draws its Hutchinson probes with the shape of the whole batch: the letter, loglik and
+    harness-copy protocols solved the padded batch at once, so a question's scores moved with the questions batched
+    with it (by nats, flipping picks). Now its rows are solved at their own lengths, as the harness path (SNLPLM)
+    solves them: batch 1 == batch 8, and the harness copy's log-likelihoods equal the harness path's."""
+    from conftest import make_model
+
+    from snlp.eval.mc import loglik_scores, predict_letter
+
+    tok = Tokenizer.train(["Which number is largest? Multiple Choice question: the colour red. " * 4]
+                          + [letter_prompt(q) for q in BATCH_QS] * 3, 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=256, window_pattern="L")
+    p = Plan.parse(plan, 4)
+    for score in (loglikelihoods, loglik_scores, predict_letter):
+        one, eight = (score(model, tok, BATCH_QS, p, batch=b) for b in (1, 8))
+        assert one == eight, score.__name__
+    lm_eval_path = pytest.importorskip("snlp.eval.harness_mc")
+    via = [s.lls for s in lm_eval_path.mc_samples(model, tok, BATCH_QS, p, batch=8)]
+    torch.testing.assert_close(torch.tensor([x for q in via for x in q], dtype=torch.float64),
+                               torch.tensor([x for q in loglikelihoods(model, tok, BATCH_QS, p, batch=8) for x in q],
+                                            dtype=torch.float64), atol=1e-4, rtol=0)
