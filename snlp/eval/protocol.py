@@ -232,18 +232,30 @@ def generation_rows(plans: list[Plan]) -> dict[str, Plan | None]:
 
 
 @torch.inference_mode()
-def recomputed_greedy(fn, prompt: list[int], n: int, device) -> list[int]:
-    """`n` greedy tokens after `prompt` by the paper's AR loop (nanochat-snlp eval_snlp_ar.py ar_generate_no_kv):
-    every token is the argmax of `fn` (the sequential model or a bound plan) run over the whole prefix, batch 1.
+def recomputed_greedy(fn, prompts: list[list[int]], n: int, device, batch: int = 8) -> list[list[int]]:
+    """`n` greedy tokens after each prompt by the paper's AR loop (nanochat-snlp eval_snlp_ar.py ar_generate_no_kv):
+    every token is the argmax of `fn` (the sequential model or a bound plan) run over the whole prefix. Prompts of
+    one length go `batch` at a time (a row's solve does not depend on its batch: DiagN's probes are one draw shared
+    by the rows, `tol` stops each row on its own; sample_prompts' prompts share one length).
     For a plan with 1 < K < C or a fwd init this is not what KV-cached SNLP decoding computes (snlp_generate keeps
     one K/V per suffix layer, the last evaluation's, where the re-solved prefix attends at evaluation k to the
     earlier positions' evaluation-k K/V), so AR Match reads the paper's definition, the same function the
-    teacher-forced columns measure, at O(n) forwards of up to len(prompt) + n tokens."""
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T0)
-    for _ in range(n):
-        nxt = fn(ids)[:, -1].argmax(-1, keepdim=True)  # (1, 1); a plan's NaN/inf raises SNLPDivergenceError
-        ids = torch.cat([ids, nxt], 1)
-    return ids[0, len(prompt):].tolist()
+    teacher-forced columns measure, at n forwards of up to len(prompt) + n tokens per batch."""
+    out: list[list[int] | None] = [None] * len(prompts)
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for rows in by_len.values():
+        for k in range(0, len(rows), batch):
+            part = rows[k:k + batch]
+            ids = torch.tensor([prompts[i] for i in part], dtype=torch.long, device=device)  # (b, T0)
+            t0 = ids.shape[1]
+            for _ in range(n):
+                nxt = fn(ids)[:, -1].argmax(-1, keepdim=True)  # (b, 1); a plan's NaN/inf: SNLPDivergenceError
+                ids = torch.cat([ids, nxt], 1)
+            for i, row in zip(part, ids[:, t0:].tolist()):
+                out[i] = row
+    return out
 
 
 def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: EvalConfig,
@@ -257,15 +269,12 @@ def generations(model: GPT, prompts: list[list[int]], plans: list[Plan], cfg: Ev
     out = {}
     with _bar(len(rows) * len(prompts), "AR match generation", cfg) as bar:
         for name, plan in rows.items():
-            out[name] = []
             fn = model if plan is None else bind(model, plan, preheat=preheat_for(plan, preheat))
-            for prompt in prompts:
-                try:
-                    out[name].append(recomputed_greedy(fn, prompt, cfg.gen_tokens, device))
-                except SNLPDivergenceError:  # finite on the windows, not on this prompt's prefixes: no AR row, not a
-                    bar.update(len(prompts) - len(out.pop(name)))  # crash that loses every row
-                    break
-                bar.update()
+            try:
+                out[name] = recomputed_greedy(fn, prompts, cfg.gen_tokens, device, cfg.batch)
+            except SNLPDivergenceError:  # finite on the windows, not on a prompt's prefixes: no AR row, not a crash
+                pass  # that loses every row
+            bar.update(len(prompts))
     keyed = {str(p): SEQ if reference_plan(p) is None else str(reference_plan(p)) for p in plans}
     refs = {name: out[ref] for name, ref in keyed.items() if ref in out}
     return {name: out[name] for name in [SEQ, *map(str, plans)] if name in out}, {SEQ: out[SEQ], **refs}
@@ -276,11 +285,15 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
                preheat: Preheat | None = None) -> dict[str, _Timing]:
     """Median decode ms/token (KV-cached greedy, batch 1, `cfg.time_tokens` tokens, prompt prefill
     not timed) and median ms of a batch-1 forward over `window` (1, T) for the sequential model and
-    each plan, round-robin after cfg.warmup untimed rounds."""
+    each plan, round-robin after max(cfg.warmup, 1) untimed rounds. The first untimed round decodes each row on its
+    own: a plan whose cached decode turns NaN/inf there (SNLPDivergenceError; possible where the AR loop's solve
+    stayed finite, the cached decode being another function for 1 < K < C) is left untimed, not a crash that loses
+    every row."""
     device = next(model.parameters()).device
     rows = {SEQ: None, **{str(p): p for p in plans}}
     decode_ms: dict[str, list[float]] = {name: [] for name in rows}
-    bar = _bar((cfg.warmup + cfg.runs) * len(rows), "decode timing (round-robin)", cfg)
+    warmup = max(cfg.warmup, 1)
+    bar = _bar((warmup + cfg.runs) * len(rows), "decode timing (round-robin)", cfg)
 
     def decoder(name, plan):  # appends ms/token; generate times its own decode loop (prefill excluded)
         def run():
@@ -297,9 +310,16 @@ def time_plans(model: GPT, prompt: list[int], window: Tensor, plans: list[Plan],
         return lambda: runner(window)
 
     with bar:
-        time_round_robin({name: decoder(name, p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
+        fns = {name: decoder(name, p) for name, p in rows.items()}
+        for name in list(fns):  # the first warm-up round
+            try:
+                fns[name]()
+            except SNLPDivergenceError:
+                del fns[name], rows[name]
+                bar.update(warmup + cfg.runs)
+        time_round_robin(fns, warmup - 1, cfg.runs, device)
     with torch.inference_mode():
-        prefill = time_round_robin({name: forward(p) for name, p in rows.items()}, cfg.warmup, cfg.runs, device)
+        prefill = time_round_robin({name: forward(p) for name, p in rows.items()}, warmup, cfg.runs, device)
     return {name: _Timing(latency_ms=statistics.median(decode_ms[name][-cfg.runs:]),  # the timed rounds
                           prefill_ms=statistics.median(prefill[name]), rounds_ms=decode_ms[name][-cfg.runs:],
                           prefill_rounds_ms=list(prefill[name]))
@@ -353,22 +373,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
         # EmbSim only where it was computed (--no-emb, no tokenizer or no emb extra: its column stays empty)
         on_phase(rows(gens, refs, embs, None), "PPL, dPPL, Top-1, LogitSim, AR Match and EmbSim" if embs else
                  "PPL, dPPL, Top-1, LogitSim and AR Match")
-    # the timing decodes with the KV cache, which for 1 < K < C computes another function than the AR loop above
-    # (recomputed_greedy): a plan is timed where one untimed cached decode of the timing prompt stays finite (a
-    # decode that raised inside the round-robin would lose every row); a plan that diverged on the windows too
-    timed = [p for p in plans if _decodes(model, prompts[0], p, cfg, preheat)]
-    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), timed, cfg, preheat)
+    # every plan, one diverged on the windows too: time_plans leaves untimed a plan whose first (untimed) cached
+    # decode of the timing prompt diverges, since that decode is another function than the AR loop's for 1 < K < C
+    times = time_plans(model, prompts[0], wins[:1, :-1].to(device), plans, cfg, preheat)
     return rows(gens, refs, embs, times)
-
-
-def _decodes(model: GPT, prompt: list[int], plan: Plan, cfg: EvalConfig, preheat: Preheat | None) -> bool:
-    """Whether `plan` decodes `prompt` for the timing's cfg.time_tokens tokens without its solve turning NaN/inf
-    (one untimed decode, as time_plans' rounds run it)."""
-    try:
-        snlp_generate(model, prompt, plan, cfg.time_tokens, preheat=preheat_for(plan, preheat))
-    except SNLPDivergenceError:
-        return False
-    return True
 
 
 def paired_median(seq_ms: list[float], plan_ms: list[float]) -> float:

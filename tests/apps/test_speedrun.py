@@ -840,7 +840,7 @@ def _written_out(pre, plans, ecfg, pr):
     refs = len({q.split("-")[0] for q in plans if fuse(q) > 1 and q != f"{q.split('x')[0]}xF{fuse(q)}-h0-K{q.split('x')[0]}"})
 
     def evals(e):
-        return 3 + tf + (e.prompts * e.gen_tokens * (n + refs) + (e.warmup + e.runs) * e.time_tokens * n) * tok
+        return 3 + tf + (e.prompts * e.gen_tokens * (n + refs) + (max(e.warmup, 1) + e.runs) * e.time_tokens * n) * tok
 
     def ots(p):  # SmolLM2 (30 layers): its plans run 8 suffix layers K times after 22 sequential ones
         assert all(q.split("-")[0] in ("8xF1", "4xF2") for q in p.ots_plans)

@@ -520,7 +520,8 @@ def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decodi
     from snlp import bind, snlp_generate
 
     prompts = ED.sample_prompts(val, 3, 8, 0)
-    plans = [Plan.parse(p, 6) for p in ("6xF1-h0-K1", "6xF1-h0-K2", "3xF2-h0-K2", "3xF2-fwd-K1")]
+    plans = [Plan.parse(p, 6) for p in ("6xF1-h0-K1", "6xF1-h0-K2", "3xF2-h0-K2", "3xF2-fwd-K1",
+                                        "6xF1-h0-K3-diag", "6xF1-h0-K4-tol:0.05")]  # batched: rows independent
     gens, _ = E.generations(model, prompts, plans, EvalConfig(prompts=3, gen_tokens=12, progress=False))
     assert gens[E.SEQ] == [argmax_loop(model, p, 12) for p in prompts]
     cached = {}
