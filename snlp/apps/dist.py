@@ -119,7 +119,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
     if rank == 0 and tok.foreign:  # as snlp.apps.generate.run: the converted model's generation defaults not applied
-        from snlp.apps.generate import defaults_note
+        from snlp.apps.generation_defaults import defaults_note
 
         note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p)
         if note:

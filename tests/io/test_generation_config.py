@@ -245,7 +245,7 @@ def test_defaults_note_flags_sample_as_the_generate_call_it_names(peaky_llama, c
     nothing and were named as outputs that differ."""
     import re
 
-    from snlp.apps.generate import defaults_note
+    from snlp.apps.generation_defaults import defaults_note
     from snlp.decode.session import sampling
 
     note = defaults_note(config, temperature, top_k, top_p)
@@ -271,7 +271,7 @@ def test_defaults_note_flags_sample_as_the_generate_call_it_names(peaky_llama, c
 
 def test_defaults_note_names_classifier_free_guidance(peaky_llama):
     """guidance_scale != 1 is a logits processor transformers applies in greedy decoding too (the output part)."""
-    from snlp.apps.generate import defaults_note
+    from snlp.apps.generation_defaults import defaults_note
 
     peaky_llama.generation_config = transformers.GenerationConfig(guidance_scale=1.5)
     with torch.no_grad():
@@ -325,7 +325,7 @@ def test_generate_jacobi_is_not_told_to_sample(hf_dir, tmp_path, capsys):
 def test_defaults_note_names_beam_search(peaky_llama):
     """num_beams > 1 in a generation_config makes transformers' generate() search beams, greedy or not, and the
     outputs part from snlp's single sequence; the note said nothing."""
-    from snlp.apps.generate import defaults_note
+    from snlp.apps.generation_defaults import defaults_note
 
     outs = {}
     for beams in (1, 4):
