@@ -176,30 +176,13 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
     main job trained its models from scratch in their place, deleting them without a word. It is refused, naming
     what changed, before any stage runs; the same settings reuse, an interrupted training of the same settings
     resumes, --force replaces."""
-    import argparse
     import dataclasses
 
-    from snlp.apps.speedrun import add_arguments
-    from snlp.apps.speedrun.job import setup
     from snlp.apps.speedrun.records import canon, write_json
     from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
 
     out = tmp_path / "sr"
-
-    def invocation(*extra):
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
-
-    sr = invocation()  # what a finished run leaves: the tokenizer's and both trainings' records, the models
-    sr.stages.begin("tokenizer", "test")
-    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
-    sr.cache.mkdir()
-    for key, reg in TRAINED:
-        (out / key).mkdir()
-        (out / key / "model.safetensors").write_bytes(b"weights")
-        sr.stages.begin(f"train-{key}", "test")
-        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    invocation = finished_speedrun(out)
     check_replaces(invocation())  # the same settings: reused
     check_replaces(invocation("--plans", "2xF1-h0-K1"))  # another plan grid redoes the evaluations only
     with pytest.raises(ValueError, match=r"holds the model .*noreg, which this run cannot reuse \(seed 0 -> 1\).*--force"):
@@ -223,6 +206,33 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
     for extra in ((), ("--force",)):
         with pytest.raises(ValueError, match=r"is a checkpoint \(snlp train / sft / convert\)"):
             check_replaces(invocation(*extra))
+
+
+def finished_speedrun(out):
+    """What a finished run leaves in `out` (the tokenizer's and both trainings' records, the models), and a function
+    that sets up a new invocation into it with extra flags."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun import add_arguments
+    from snlp.apps.speedrun.job import setup
+    from snlp.apps.speedrun.train import TRAINED, _train_settings
+
+    def invocation(*extra):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
+
+    sr = invocation()
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.cache.mkdir()
+    for key, reg in TRAINED:
+        (out / key).mkdir()
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        sr.stages.begin(f"train-{key}", "test")
+        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    return invocation
 
 
 def test_stages_redo_on_changed_settings_and_force(tmp_path):
@@ -255,12 +265,8 @@ def test_a_stage_made_by_other_snlp_source_is_redone_and_a_trained_model_refused
     """A re-run after snlp's source changed (an upgrade, an edit) redoes the stages the earlier code made: their
     results (a tokenizer's counts, an evaluation's PPLs) would otherwise sit beside the new code's in one report.
     A trained model of that code is not deleted silently: the re-run is refused, naming the cause."""
-    import argparse
-    import dataclasses
-
-    from snlp.apps.speedrun import add_arguments, records
-    from snlp.apps.speedrun.job import setup
-    from snlp.apps.speedrun.train import TRAINED, _train_settings, check_replaces
+    from snlp.apps.speedrun import records
+    from snlp.apps.speedrun.train import check_replaces
 
     class Quiet:
         def print(self, *a, **k):
@@ -281,23 +287,8 @@ def test_a_stage_made_by_other_snlp_source_is_redone_and_a_trained_model_refused
     st.run("x", "test", {"a": 1}, lambda: calls.append(1) or {})
     assert st.ran == ["x"] and len(calls) == 2
 
-    out = tmp_path / "sr"
-
-    def invocation(*extra):
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        return setup(p.parse_args(["--out", str(out), *TINY, *extra]))
-
     monkeypatch.setattr(records, "code_digest", lambda: "old-source")
-    sr = invocation()
-    sr.stages.begin("tokenizer", "test")
-    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
-    sr.cache.mkdir()
-    for key, reg in TRAINED:
-        (out / key).mkdir()
-        (out / key / "model.safetensors").write_bytes(b"weights")
-        sr.stages.begin(f"train-{key}", "test")
-        sr.stages.finish(f"train-{key}", _train_settings(sr, key, reg, sr.tokenizer.id)[1], {}, seconds=1.0)
+    invocation = finished_speedrun(tmp_path / "sr")
     check_replaces(invocation())
     monkeypatch.setattr(records, "code_digest", lambda: "new-source")
     with pytest.raises(ValueError, match=r"cannot reuse \(it was made by another snlp source \(code digest "

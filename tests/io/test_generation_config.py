@@ -283,11 +283,9 @@ def test_defaults_note_names_classifier_free_guidance(peaky_llama):
     assert defaults_note({"guidance_scale": 1.0}, 0.0, 0, 1.0) is None
 
 
-def test_distributed_generate_names_the_generation_defaults_too(hf_dir, tmp_path, capsys, monkeypatch):
-    """`snlp generate --distributed` (one rank, torchrun's environment set by hand) samples with the same flags and
-    left the converted model's do_sample / temperature / top_k / top_p unsaid: the single-process note, once."""
-    from conftest import free_port
-
+def sampling_checkpoint(hf_dir, tmp_path) -> None:
+    """tmp_path/ck: the fixture model converted with a generation_config that samples (temperature 0.7, top_k 20,
+    top_p 0.8)."""
     d, _, _ = hf_dir
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
     hf.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
@@ -295,6 +293,14 @@ def test_distributed_generate_names_the_generation_defaults_too(hf_dir, tmp_path
     hf.save_pretrained(str(src))
     word_tokenizer(V).save_pretrained(str(src))
     assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+
+
+def test_distributed_generate_names_the_generation_defaults_too(hf_dir, tmp_path, capsys, monkeypatch):
+    """`snlp generate --distributed` (one rank, torchrun's environment set by hand) samples with the same flags and
+    left the converted model's do_sample / temperature / top_k / top_p unsaid: the single-process note, once."""
+    from conftest import free_port
+
+    sampling_checkpoint(hf_dir, tmp_path)
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
@@ -308,13 +314,7 @@ def test_distributed_generate_names_the_generation_defaults_too(hf_dir, tmp_path
 def test_generate_jacobi_is_not_told_to_sample(hf_dir, tmp_path, capsys):
     """--mode jacobi is greedy only: the note offered '--temperature 0.7 --top-k 20 --top-p 0.8 to sample alike',
     flags that mode refuses; it now names the greedy call to compare with."""
-    d, _, _ = hf_dir
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
-    hf.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
-    src = tmp_path / "sampling"
-    hf.save_pretrained(str(src))
-    word_tokenizer(V).save_pretrained(str(src))
-    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    sampling_checkpoint(hf_dir, tmp_path)
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "ck"), "--mode", "jacobi", "--plan", "2xF1-h0-K1", "--prompt", "t3 t7",
                  "--max-new-tokens", "2", "--quiet"]) == 0
