@@ -158,10 +158,14 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
         check_resume_command(cfg.out, job.name, start.resume.command)
     saved = start.resume.data_digest if start.resume else None
     if saved and job.data_digest and saved != job.data_digest:  # names and sizes alike (checked before loading)
-        raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now (text "
-                         f"edited in place? or a run from before snlp read special-token strings quoted in the text, "
-                         f"such as <|bos|>, as text); a resumed run keeps what it trains on: put the run's text back, or "
-                         f"start a new run from its weights (--init-from {cfg.out}) in another --out")
+        # snlp's own BPE changed its reading of documents once (special-token strings quoted in the text are text
+        # now: Tokenizer.encode_documents); a converted tokenizer's reading did not change, so only the edit is named
+        own_bpe = start.tokenizer is not None and not start.tokenizer.foreign
+        why = ("text edited in place? or a run from before snlp read special-token strings quoted in the text, such "
+               "as <|bos|>, as text" if own_bpe else "text edited in place?")
+        raise ValueError(f"--resume: the run in {cfg.out} trained on other tokens than {cfg.data} gives now ({why}); "
+                         f"a resumed run keeps what it trains on: put the run's text back, or start a new run from its "
+                         f"weights (--init-from {cfg.out}) in another --out")
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
         trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
     elif ctx.master and (aside := set_aside_unsaved_log(Path(cfg.out) / "log.jsonl")) is not None:

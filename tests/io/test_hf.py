@@ -396,6 +396,27 @@ def test_train_init_from_and_freeze_prefix(family, tmp_path):
         main_raise(model, 9)
 
 
+def test_a_converted_run_on_edited_text_is_refused_naming_the_edit_only(tmp_path, capsys):
+    """The resume refusal for other tokens named, besides an edit, a run from before snlp's own BPE read quoted
+    special-token strings as text; a converted tokenizer's reading never changed, so for it only the edit is named."""
+    from snlp.apps.cli import main
+
+    _, d = _tiny_dir(tmp_path, "llama-tied-llama3")
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    text = _text(tmp_path)
+    run = tmp_path / "ft"
+    assert main(["train", "--init-from", str(tmp_path / "ck"), "--data", str(text), "--cache-dir",
+                 str(tmp_path / "cache"), "--seq-len", "16", "--batch-size", "2", "--steps", "3", "--eval-every", "100",
+                 "--eval-batches", "1", "--no-progress", "--device", "cpu", "--optimizer", "adamw", "--out", str(run),
+                 "--stop-after", "1"]) == 0
+    body = text.read_text()
+    text.write_text(body[:10] + body[10:14].upper() + body[14:])  # the same size, other text
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other tokens" in err and "text edited in place?" in err and "special-token" not in err, err
+
+
 def test_adapt_reads_a_transformers_directory_and_an_snlp_checkpoint(tmp_path):
     """`snlp adapt HF_DIR`: a transformers directory also holds model.safetensors, and was taken for an snlp checkpoint
     ("unknown GPTConfig fields"); both kinds load, with transformers' logits as the reference."""
