@@ -20,7 +20,7 @@ from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import BOS, Tokenizer
 from snlp.io.source import check_source, did_you_mean
-from snlp.io.weights import check_finite
+from snlp.io.weights import check_cast, check_finite
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
@@ -167,8 +167,9 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     dtype = _dtype(dtype) or state["wte.weight"].dtype
     with torch.device("meta"):  # no random init of weights that are replaced right away
         model = GPT(cfg)
-    model.load_state_dict({k: v.detach().to("cpu", dtype, copy=True) for k, v in state.items()},
-                          strict=not cfg.tie_embeddings, assign=True)
+    cast = {k: v.detach().to("cpu", dtype, copy=True) for k, v in state.items()}
+    check_cast(state, cast, dtype, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
+    model.load_state_dict(cast, strict=not cfg.tie_embeddings, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.inv_freq = rope_inv_freq(cfg.rope_base, cfg.head_dim, cfg.rope_scaling)  # non-persistent: was on meta

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from snlp.io.weights import check_finite
+from snlp.io.weights import check_cast, check_finite
 from snlp.model.gpt import GPT, GPTConfig
 
 # the names save_checkpoint writes and nanochat's loader opens, f"model_{step:06d}.pt": another spelling of a step
@@ -492,11 +492,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     stored = state_from_nanochat(sd, cfg)
     check_finite(stored, mf)  # the file's own values: a NaN / inf there is the checkpoint's
     state = {k: v.to(dtype) for k, v in stored.items()}
-    for k, v in state.items():  # finite in the file, infinite in `dtype` (float16 past 65504): the dtype's
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            big = stored[k][~torch.isfinite(v)].abs().max().item()
-            raise ValueError(f"{dtype} cannot hold {mf}'s {k}: |{big:.4g}| is past its largest finite value "
-                             f"({torch.finfo(dtype).max:.4g}): choose float32 or bfloat16 (snlp convert --dtype)")
+    check_cast(stored, state, dtype, mf)  # finite in the file, infinite in `dtype` (float16 past 65504)
     with torch.device("meta"):
         ref = GPT(cfg).state_dict()
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"

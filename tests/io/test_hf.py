@@ -859,3 +859,16 @@ def test_an_export_with_our_own_bpe_tokenizes_a_prompt_as_snlp_generate_does(tmp
     with torch.no_grad():
         theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
     assert theirs == sequential_generate(model, tok.prompt_ids("hello world"), max_new_tokens=8).tokens
+
+
+def test_a_float16_load_of_weights_past_its_range_is_refused_naming_the_dtype():
+    """from_hf(..., dtype="float16") checked the weights for NaN / inf before the cast only: a finite weight past
+    65504 became inf and the model loaded silently (every logit of that row inf). The cast is checked too, and the
+    dtype, not the checkpoint, is named."""
+    hf = hf_tiny("llama")
+    with torch.no_grad():
+        hf.lm_head.weight[0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"torch.float16 cannot hold .*lm_head.weight: \|1e\+05\|.*float32 or bfloat16"):
+        from_hf(hf, dtype="float16")
+    model, _ = from_hf(hf, dtype="bfloat16")  # bf16 holds it
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
