@@ -102,10 +102,11 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
     model of `plan` decoded sequentially (the original model for M = 1). Where the solve evaluates the suffix once
-    (K = 1 from an h0 or preheat init) it gives the tokens of the plan run over the whole prefix at every step (the
-    paper's AR loop, snlp.eval.protocol.recomputed_greedy); for 1 < K < chunks, or a fwd init (its batched forward
-    is one more evaluation), it does not: the re-solved prefix attends at evaluation k to the earlier positions'
-    evaluation-k K/V, the cache to their last. `compile` / `step`: as in
+    (K = 1 from an h0 or preheat init, with the idn, none or hcn surrogate) it gives the tokens of the plan run over
+    the whole prefix at every step (the paper's AR loop, snlp.eval.protocol.recomputed_greedy); for 1 < K < chunks,
+    a fwd init (its batched forward is one more evaluation) or the diag / newton surrogates at K = 1 (their Jacobian
+    estimate evaluates the chunks again, at perturbed or differentiated inputs), it does not: the re-solved prefix
+    attends at evaluation k to the earlier positions' evaluation-k K/V, the cache to their last. `compile` / `step`: as in
     `sequential_generate` (snlp.decode.steps.snlp_step). `preheat`: the calibration a -preheat- plan needs. A list of
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
     its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises

@@ -189,6 +189,18 @@ def test_propagation_says_how_many_tokens_it_read_below_max_tokens(model, val):
     assert "over 16 predicted tokens per cell" in md
 
 
+
+def test_propagation_with_a_window_past_prop_tokens_says_it_read_the_whole_window(model, val):
+    """windows() takes at least one whole window: at seq_len > prop_tokens the section reads seq_len tokens, more
+    than prop_tokens, and its sentence must not call prop_tokens a cap it went past."""
+    cfg = A.AnalysisConfig(prop_suffix=2, prop_tokens=4, **SMALL)  # seq_len 8 > 4
+    res = A.correction_propagation(model, val, cfg)
+    assert res.tokens == 8
+    md = A.to_markdown(A.AnalysisResult(checkpoint="m", config=cfg, environment=A.environment(), propagation=res))
+    line = next(s for s in md.splitlines() if "predicted tokens per cell" in s)
+    assert "over 8 predicted tokens per cell" in line and "at most" not in line, line
+    assert "one whole window" in line, line
+
 # ---------------------------------------------------------------- early exit moved here
 def test_early_exit_is_importable_from_everywhere(model, val):
     from snlp.eval.analysis.earlyexit import early_exit

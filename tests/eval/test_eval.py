@@ -521,7 +521,7 @@ def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decodi
 
     prompts = ED.sample_prompts(val, 3, 8, 0)
     plans = [Plan.parse(p, 6) for p in ("6xF1-h0-K1", "6xF1-h0-K2", "3xF2-h0-K2", "3xF2-fwd-K1",
-                                        "6xF1-h0-K3-diag", "6xF1-h0-K4-tol:0.05")]  # batched: rows independent
+                                        "6xF1-h0-K3-diag", "6xF1-h0-K4-tol:0.05", "6xF1-h0-K1-diag")]  # batched
     gens, _ = E.generations(model, prompts, plans, EvalConfig(prompts=3, gen_tokens=12, progress=False))
     assert gens[E.SEQ] == [argmax_loop(model, p, 12) for p in prompts]
     cached = {}
@@ -531,3 +531,4 @@ def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decodi
     assert cached["6xF1-h0-K1"] == gens["6xF1-h0-K1"]  # K = 1: the cache holds the loop's K/V
     assert cached["6xF1-h0-K2"] != gens["6xF1-h0-K2"]  # 1 < K < C: it does not
     assert cached["3xF2-fwd-K1"] != gens["3xF2-fwd-K1"]  # nor a fwd init (its batched forward: one more evaluation)
+    assert cached["6xF1-h0-K1-diag:fd"] != gens["6xF1-h0-K1-diag:fd"]  # nor DiagN at K = 1 (its probes evaluate the chunks)

@@ -81,7 +81,9 @@ def cost(name: str, pre: Preset, plans: list[str], pr, ecfg) -> StageCost:
     def knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
         # an AR Match token is a forward over the whole prefix (the paper's loop, protocol.recomputed_greedy), the
         # prompts batched: priced as a decode step (measured at the FULL shape, idle CPU: 6.9 ms sequential, 6.0 ms
-        # 12xF1-h0-K1, 13.7 ms 12xF1-h0-K3 per prompt and token against a 9.3 ms decode step)
+        # 12xF1-h0-K1, 13.7 ms 12xF1-h0-K3 per prompt and token against a 9.3 ms decode step). It under-prices the
+        # deep plans: a row costs about plan_factor times the sequential row (one thread, loaded: 4.7 ms sequential,
+        # 16.2 ms 12xF1-h0-K4, 22.3 ms the 6xF2-h0-K6 reference; the default grid's rows ~1.5x the price in all)
         return (e.prompts * e.gen_tokens * gen_rows + e.runs * e.time_tokens * rows) * tok
 
     # fixed: the warm-up rounds (at least one: protocol.time_plans checks each plan's cached decode there)

@@ -238,7 +238,10 @@ def cost(pre: Preset, pr, convert: bool = False, tokenise: bool = False) -> Stag
     check = 2 * 2 * pre.ots_check_tokens * tok * OTS_TOKEN_RATIO * 3
     adapt = 30.0 + check if pre.ots_adapt_minutes else 0.0
     # AR Match: 2 prompts x 16 tokens of the sequential model, of every plan, and of every fused model run
-    # sequentially (the fused plans' reference)
+    # sequentially (the fused plans' reference). Each is a forward over the whole prefix (protocol.recomputed_greedy),
+    # priced here as a cached decode token: it costs more (one thread, loaded 2-core box: 121 ms sequential, 115 ms
+    # 8xF1-h0-K1, 234 ms 8xF1-h0-K8, 169 ms 4xF2-h0-K4 per prompt and token against a 72 ms decode token), which the
+    # budget's drift corrects once the stage overruns
     gens = 2 * 16 * tok * OTS_TOKEN_RATIO * (1 + len(plans) + ar_references(plans))
     return StageCost("off-the-shelf", ots_prep_s(pre, pr, convert, tokenise) + tf + gens + timing + adapt,
                      pre.ots_adapt_minutes * 60, min_scale=OTS_ADAPT_FLOOR if pre.ots_adapt_minutes else 1.0,

@@ -21,7 +21,7 @@ class PropagationResult:
     iters: list[int]
     with_correction: list[list[float]]  # [K index][j - 1]: PPL with the last j suffix layers active
     without_correction: list[list[float]]
-    tokens: int | None = None  # predicted tokens per cell: min(prop_tokens, --max-tokens), windows whole
+    tokens: int | None = None  # predicted tokens per cell: min(prop_tokens, --max-tokens) in whole windows, at least one
 
 
 @torch.inference_mode()

@@ -157,7 +157,8 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
     if p := res.propagation:
         out["propagation"] = ["## Correction propagation", "", f"N = {p.N}: PPL with only the last j suffix layers "
                               "active (the others skipped)" + (f", over {p.tokens} predicted tokens per cell (the section "
-                              "reads at most `prop_tokens`, 512 by default, of --max-tokens: it solves 2 N^2 cells)"
+                              "reads whole windows of seq_len up to `prop_tokens`, 512 by default, of --max-tokens, "
+                              "or one whole window where seq_len is longer: it solves 2 N^2 cells)"
                               if p.tokens else "")
                               + ".", "", propagation_table(p), ""]
     if res.early_exit:
