@@ -18,6 +18,15 @@ def plan_factor(plan: str, depth: int) -> float:
     return layer_evaluations(plan, depth) / depth
 
 
+def ar_rows(plans: list[str]) -> list[str]:
+    """The rows `snlp.eval.protocol.generations` decodes besides the sequential one: every plan, and each fused
+    plan's AR Match reference model that is not itself a plan listed (as plan strings)."""
+    from snlp.eval.protocol import generation_rows
+    from snlp.method.plan import Plan
+
+    return [name for name, plan in generation_rows([Plan.parse(p) for p in plans]).items() if plan is not None]
+
+
 def ar_references(plans: list[str]) -> int:
     """How many AR Match reference models `snlp.eval.protocol.generations` decodes besides the sequential one and
     the plans: one per distinct fused model (CxFM with M > 1, run sequentially) that is not itself a plan listed."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from snlp.apps.report import MODELS
-from snlp.apps.speedrun.common import ar_references, fewer, floor_scale, plan_factor, shrink_text
+from snlp.apps.speedrun.common import ar_rows, fewer, floor_scale, plan_factor, shrink_text
 from snlp.apps.speedrun.preset import Preset
 from snlp.apps.speedrun.records import StageRecord
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 EVAL_ROWS = 3  # what an eval stage record holds (job.stage_settings): 2 = ar_match_seq, speedup_rounds, "eval";
 # 3 = window_ce (the report's PPL ties)
+AR_TOKEN = 0.75  # an AR Match token of the sequential model over a cached decode step (cost: measured 0.71-0.74)
 EVAL_FLOORS = dict(prompts=2, runs=3)  # what shrink_eval never goes below
 
 
@@ -75,16 +76,17 @@ def cost(name: str, pre: Preset, plans: list[str], pr, ecfg) -> StageCost:
     w, tok = pr.window_s, pr.decode_token_s
     W = max(1, ecfg.max_tokens // ecfg.seq_len)
     rows = 1 + len(plans)  # sequential + every plan
-    gen_rows = rows + ar_references(plans)
     tf = W * w * (1 + sum(plan_factor(p, pre.depth) for p in plans))  # teacher forced
+    # AR Match / EmbSim generations: each token a forward over the whole prefix (the paper's loop,
+    # protocol.recomputed_greedy), the prompts batched. A row's token costs about plan_factor times the sequential
+    # row's, which costs AR_TOKEN decode steps (FULL shape, one thread, loaded 2-core box: 4.7 ms sequential, 5.6 ms
+    # 12xF1-h0-K1, 10.7 ms K2, 16.2 ms K4, 9.2 ms 12xF1-fwd-K1, 22.3 ms the 6xF2-h0-K6 reference, against a 6.6 ms
+    # decode step; the grid's rows came to 87 ms per prompt and token, priced 81 ms, where one decode step per row
+    # priced 59 ms)
+    gen = AR_TOKEN * (1 + sum(plan_factor(r, pre.depth) for r in ar_rows(plans)))
 
-    def knobs(e) -> float:  # AR Match / EmbSim generations and the timed rounds
-        # an AR Match token is a forward over the whole prefix (the paper's loop, protocol.recomputed_greedy), the
-        # prompts batched: priced as a decode step (measured at the FULL shape, idle CPU: 6.9 ms sequential, 6.0 ms
-        # 12xF1-h0-K1, 13.7 ms 12xF1-h0-K3 per prompt and token against a 9.3 ms decode step). It under-prices the
-        # deep plans: a row costs about plan_factor times the sequential row (one thread, loaded: 4.7 ms sequential,
-        # 16.2 ms 12xF1-h0-K4, 22.3 ms the 6xF2-h0-K6 reference; the default grid's rows ~1.5x the price in all)
-        return (e.prompts * e.gen_tokens * gen_rows + e.runs * e.time_tokens * rows) * tok
+    def knobs(e) -> float:  # the generations and the timed rounds
+        return (e.prompts * e.gen_tokens * gen + e.runs * e.time_tokens * rows) * tok
 
     # fixed: the warm-up rounds (at least one: protocol.time_plans checks each plan's cached decode there)
     return StageCost(name, 3 + tf + max(ecfg.warmup, 1) * ecfg.time_tokens * tok * rows, knobs(ecfg),
