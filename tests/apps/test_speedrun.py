@@ -294,6 +294,13 @@ def test_a_stage_made_by_other_snlp_source_is_redone_and_a_trained_model_refused
     with pytest.raises(ValueError, match=r"cannot reuse \(it was made by another snlp source \(code digest "
                                          r"'old-source' -> 'new-source'\)\).*--force"):
         check_replaces(invocation())
+    for stage in ("tokenizer", "train-noreg", "train-idn"):  # records written before they named the source
+        rec = json.loads((tmp_path / "sr" / "stages" / f"{stage}.json").read_text())
+        del rec["settings"]["snlp_code"]
+        (tmp_path / "sr" / "stages" / f"{stage}.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match=r"cannot reuse \(it was made by an snlp from before stage records named "
+                                         r"their source\)"):
+        check_replaces(invocation())
 
 
 def test_drafter_rule_and_default_grid():

@@ -430,7 +430,8 @@ def _changes(was, now, prefix: str = "") -> list[str]:
     if was == now:
         return []
     if prefix == "snlp_code.":  # records.keyed: the stage was made by another version of snlp's source
-        return [f"it was made by another snlp source (code digest {was!r} -> {now!r})"]
+        return [f"it was made by another snlp source (code digest {was!r} -> {now!r})" if was is not None else
+                "it was made by an snlp from before stage records named their source"]
     return [f"{prefix.rstrip('.') or 'settings'} {was!r} -> {now!r}"]
 
 
