@@ -163,12 +163,13 @@ def model_from_hf(hf_model, dtype=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
     cfg = config_from_hf(hf_model.config, type(hf_model))
     state = state_from_hf(hf_model.state_dict(), cfg)
-    check_finite(state, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
+    where = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
+    check_finite(state, where)
     dtype = _dtype(dtype) or state["wte.weight"].dtype
     with torch.device("meta"):  # no random init of weights that are replaced right away
         model = GPT(cfg)
     cast = {k: v.detach().to("cpu", dtype, copy=True) for k, v in state.items()}
-    check_cast(state, cast, dtype, getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__)
+    check_cast(state, cast, dtype, where)
     model.load_state_dict(cast, strict=not cfg.tie_embeddings, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight

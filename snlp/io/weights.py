@@ -15,6 +15,8 @@ def check_finite(state: dict, where) -> None:
             raise ValueError(f"weights in {where} are not finite: tensor {name} {tuple(t.shape)} holds {nan} NaN and "
                              f"{inf} inf values (of {t.numel()}); the checkpoint is broken (a diverged training run "
                              f"saves such weights): restore or re-train it")
+
+
 def check_cast(stored: dict, cast: dict, dtype, where) -> None:
     """Raise a ValueError naming the first tensor that is finite in `stored` (checked by check_finite) but not in
     `cast`, its copy in `dtype` (float16 past 65504): the dtype cannot hold the checkpoint, which is not broken."""
@@ -23,5 +25,3 @@ def check_cast(stored: dict, cast: dict, dtype, where) -> None:
             big = stored[k][~torch.isfinite(v)].abs().max().item()
             raise ValueError(f"{dtype} cannot hold {where}'s {k}: |{big:.4g}| is past its largest finite value "
                              f"({torch.finfo(dtype).max:.4g}): choose float32 or bfloat16 (snlp convert --dtype)")
-
-

@@ -30,11 +30,9 @@ def ar_rows(plans: list[str]) -> list[str]:
 def ar_references(plans: list[str]) -> int:
     """How many AR Match reference models `snlp.eval.protocol.generations` decodes besides the sequential one and
     the plans: one per distinct fused model (CxFM with M > 1, run sequentially) that is not itself a plan listed."""
-    from snlp.eval.protocol import generation_rows
     from snlp.method.plan import Plan
 
-    parsed = [Plan.parse(p) for p in plans]
-    return len(generation_rows(parsed)) - 1 - len({str(p) for p in parsed})  # less the sequential row and the plans
+    return len(ar_rows(plans)) - len({str(Plan.parse(p)) for p in plans})  # less the plans themselves
 
 
 def floor_scale(pairs) -> float:
