@@ -86,11 +86,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import argmax_loop, blowup_model, examples, make_model, mhc_model
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from snlp import (GPT, GPTConfig, SNLPDivergenceError, bind, evaluate, fused_forward, jacobi_generate, parallel_forward,
                   sequential_generate, snlp_generate, speculative_generate)
+from snlp.decode.batch import is_batch
 from snlp.decode.session import NonFiniteModelError
 from snlp.eval.protocol import EvalConfig
 from snlp.method.drafter import make_drafter
@@ -234,9 +235,9 @@ def build(cell: Cell, seed: int, cfg: dict):
     return m, prompts, arg, preheat
 
 
-def run(cell: Cell, m, arg, preheat, n: int, eos: int | None, drafter=None):
+def run(cell: Cell, m, arg, preheat, n: int, eos: int | None, drafter=None, on_tokens=None):
     plan = PLANS[cell.kind]
-    kw = dict(max_new_tokens=n, eos_id=eos)
+    kw = dict(max_new_tokens=n, eos_id=eos, on_tokens=on_tokens)
     if cell.entry == "sequential":
         return sequential_generate(m, arg, read_every=cell.read_every, **kw)
     if cell.entry == "snlp":
@@ -329,6 +330,40 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
         else:
             ref = argmax_loop(fn, p, n, eos)
             assert got == ref, f"{cell}: {got} != reference {ref}"
+
+
+@settings_matrix
+@given(cell=cells(), seed=st.integers(0, 50), n=st.integers(2, 8), at=st.lists(st.integers(1, 8), min_size=3,
+                                                                                  max_size=3))
+def test_a_stopping_callback_ends_each_row_where_it_fired(cell, seed, n, at):
+    """`on_tokens` returning True (the caller's stopping criterion: the harness's stop strings) ends that row after
+    the call that brought it to at[i] tokens, every entry, form and plan kind, fp64: each row's tokens are its free
+    run's (the main cell's law ties that run to the outside references) cut there; a one-token step stops exactly
+    at at[i], a speculative or Jacobi round within one round of it; a call that also reached the budget leaves the
+    budget's stop."""
+    cell = Cell(**{**cell.__dict__, "dtype": "fp64"})
+    assume(not refusals(cell) and not (cell.entry == "drafter" and cell.kind in MHC_KINDS))
+    note(f"cell: {cell}")
+    m, prompts, arg, preheat = build(cell, seed, {})
+    drafter = make_drafter(m, PLANS[cell.kind]) if cell.entry == "drafter" else None
+    free = rows_of(cell, run(cell, m, arg, preheat, n, None, drafter))
+    seen: dict[int, list[int]] = {}
+
+    def stop(i, new):
+        seen.setdefault(i, []).extend(new)
+        return len(seen[i]) >= at[i]
+
+    out = run(cell, m, arg, preheat, n, None, drafter, on_tokens=stop if is_batch(arg) else lambda new: stop(0, new))
+    rows = out if isinstance(out, list) else [out]
+    round_ = 1 if cell.entry in ("sequential", "snlp") else cell.block + 1
+    for i, (f, r) in enumerate(zip(free, rows)):
+        k = len(r.tokens)
+        assert r.tokens == f[:k], f"{cell}: row {i} {r.tokens} is not its free run {f} cut"
+        if at[i] < n:  # a round that reached the budget too ends by the budget
+            assert at[i] <= k < at[i] + round_ and r.stop == ("on_tokens" if k < n else "max_new_tokens"), \
+                f"{cell}: row {i} {k} tokens, {r.stop}"
+        else:
+            assert r.stop == "max_new_tokens" and k == n, f"{cell}: row {i} {k} tokens, {r.stop}"
 
 
 @pytest.mark.parametrize("entry", ("sequential", "snlp", "speculative", "drafter"))

@@ -43,7 +43,7 @@ from snlp.model.cache import RowPositions
 from snlp.model.gpt import GPT
 from snlp.runtime.timing import now
 
-RowsCallback = Callable[[int, list[int]], None]  # on_tokens of a batch: (prompt index, new tokens)
+RowsCallback = Callable[[int, list[int]], bool | None]  # on_tokens of a batch: (prompt index, new tokens); True ends the row
 
 
 def check_batch_plan(plan, hint: str = "decode the prompts one at a time for this plan") -> None:
@@ -235,10 +235,10 @@ class BatchSession:
         self.last[j] = new[-1]
         if self.remaining(j) <= 0:
             self.done[i] = True
+        if self.on_tokens is not None and new and self.on_tokens(i, new) is True and not self.done[i]:
+            self.done[i], res.stop = True, "on_tokens"  # the caller's stopping criterion (check_stream)
         if self.done[i]:
             res.decode_s = now(self.device) - self.t0
-        if self.on_tokens is not None and new:
-            self.on_tokens(i, new)
 
     def drop_finished(self) -> None:
         """Eager: remove finished rows from the batch and the cache (they stop costing work)."""

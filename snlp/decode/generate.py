@@ -68,7 +68,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how,
 
 def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0,
                         eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
-                        on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                        on_tokens: Callable[[list[int]], bool | None] | None = None, compile: bool = False,
                         step: Step | EagerStep | None = None, read_every: int | None = None, top_k: int = 0,
                         top_p: float = 1.0) -> GenerateResult | list[GenerateResult]:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0, else a draw from softmax(logits /
@@ -95,7 +95,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None, compile: bool = False,
+                  on_tokens: Callable[[list[int]], bool | None] | None = None, compile: bool = False,
                   step: Step | EagerStep | None = None, preheat: Preheat | None = None,
                   read_every: int | None = None, top_k: int = 0, top_p: float = 1.0
                   ) -> GenerateResult | list[GenerateResult]:

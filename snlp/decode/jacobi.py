@@ -21,7 +21,7 @@ import torch
 
 def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
                     max_new_tokens: int = 64, eos_id: int | list[int] | None = None, max_iters: int | None = None,
-                    max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                    max_len: int | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
                     verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None) -> GenerateResult:
     """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens (the
     lookahead window W). Each iteration feeds [last, g_1..g_B] in one cached forward and replaces

@@ -31,7 +31,7 @@ class GenerateResult:
     prefill_s: float = 0.0
     plan: str | None = None
     block: int = 0
-    stop: str = ""  # eos | max_new_tokens | max_len
+    stop: str = ""  # eos | max_new_tokens | max_len | on_tokens (the streaming callback returned True)
     forwards: int = 0  # forwards on the critical path (each SNLP solve counts once); with read_every > 1 they
     # include the steps a row ran past its EOS inside its last read (computed, tokens dropped), as `steps` does
     rounds: int = 0  # speculative/Jacobi rounds
@@ -189,7 +189,10 @@ def check_decode_args(max_new_tokens: int, temperature: float, block: int | None
 
 def check_stream(on_tokens, batch: bool = False) -> None:
     """`on_tokens` is None or a callable that takes what the decode will pass it: `(new_tokens)` for one prompt,
-    `(prompt_index, new_tokens)` for a batch (a TypeError here, not at the first streamed token after the prefill)."""
+    `(prompt_index, new_tokens)` for a batch (a TypeError here, not at the first streamed token after the prefill).
+    A call that returns True (exactly True: a lambda that returns a list does not) ends that prompt's decoding there,
+    as EOS would (stop "on_tokens"): the caller's stopping criterion, e.g. the harness's stop strings; the tokens
+    already emitted stay, and a round's later tokens (speculative decoding emits a round at once) are kept too."""
     if on_tokens is None:
         return
     shape = "on_tokens(prompt_index, new_tokens) for a batch" if batch else "on_tokens(new_tokens) for one prompt"
@@ -278,7 +281,7 @@ class DecodeSession:
     K/V of all tokens but the last one (`last`), which the next forward feeds."""
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
-                 on_tokens: Callable[[list[int]], None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
+                 on_tokens: Callable[[list[int]], bool | None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
                  slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = prompt_ids_list(model, prompt_ids)
@@ -336,8 +339,8 @@ class DecodeSession:
         self.last = new[-1]
         if self.remaining <= 0:
             self.done = True
-        if self.on_tokens is not None and new:
-            self.on_tokens(new)
+        if self.on_tokens is not None and new and self.on_tokens(new) is True and not self.done:
+            self.done, self.result.stop = True, "on_tokens"  # the caller's stopping criterion (check_stream)
 
     def finish(self) -> GenerateResult:
         self.result.decode_s = now(self.device) - self.t0 if self.out else 0.0

@@ -318,7 +318,7 @@ def speculative_accept(p: Tensor, q: Tensor, drafts: Tensor,
 
 def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 4, max_new_tokens: int = 64,
                          temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int | None = None,
-                         max_len: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                         max_len: int | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
                          share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False,

@@ -560,7 +560,9 @@ class DistributedSNLP:
         forward; greedy output equals sequential decoding). The bookkeeping (prompt, budget, EOS, streaming,
         timing) is snlp.decode's DecodeSession, the same as single-process decoding; what differs is that only
         the last rank has logits: it picks, and every rank follows the broadcast tokens. `top_k` / `top_p`: the
-        sampled distribution filtered as in snlp.decode's `sequential_generate` (snlp.decode.session.Sampling)."""
+        sampled distribution filtered as in snlp.decode's `sequential_generate` (snlp.decode.session.Sampling).
+        `on_tokens` runs on every rank with the same tokens: one that returns True to end the decode (check_stream)
+        must return it on every rank, or the ranks part ways."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)

@@ -456,24 +456,31 @@ class SNLPLM(TemplateLM):
 
     # ----- generation -----
     def _generate(self, prompts: list[list[int]], max_new: int, temperature: float, first: int = 0, top_k: int = 0,
-                  top_p: float = 1.0) -> list[list[int]]:
+                  top_p: float = 1.0, until: list[str] = ()) -> list[list[int]]:
         """New tokens per prompt, one ragged batch (a single prompt is decoded alone). Sampling: prompt j draws from
         its own generator seeded `seed + first + j` (snlp.decode.batch's per-row rule, offset by the rows decoded
         before it in this generate_until call), so every request gets its own draws whatever the batch size, from
-        the distribution `top_k` / `top_p` filter (snlp.decode.session.Sampling, transformers' filters)."""
+        the distribution `top_k` / `top_p` filter (snlp.decode.session.Sampling, transformers' filters). A row
+        stops decoding once its continuation holds one of the `until` strings (`StopStrings`), as the hf model's
+        stopping criteria stop it; the caller still cuts the tokens at the first stop (`_cut_at_stop`)."""
         # stop where the hf model's generate stops: the generation config's eos ids (snlp.io.tokenizer.stop_ids)
         kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids)
         if temperature > 0:  # greedy decoding draws nothing: the decode functions refuse a seed or a filter there
             kw.update(top_k=top_k, top_p=top_p, seed=self.seed + first)
+        watch = StopStrings(lambda t: self.tok_decode(t, skip_special_tokens=False), until)
         if len(prompts) > 1 and self.plan is not None:
             try:
                 check_batch_plan(self.plan)
             except ValueError:  # DiagN / Newton probes read the cache at one position: one prompt at a time
                 return [t for j, p in enumerate(prompts)
-                        for t in self._generate_one(p, dict(kw, **({"seed": kw["seed"] + j} if "seed" in kw else {})))]
-        return self._generate_one(prompts if len(prompts) > 1 else prompts[0], kw)
+                        for t in self._generate_one(p, dict(kw, **({"seed": kw["seed"] + j} if "seed" in kw else {})),
+                                                    watch.single())]
+        if len(prompts) > 1:
+            return self._generate_one(prompts, kw, watch.batch())
+        return self._generate_one(prompts[0], kw, watch.single())
 
-    def _generate_one(self, batch, kw) -> list[list[int]]:
+    def _generate_one(self, batch, kw, on_tokens=None) -> list[list[int]]:
+        kw = dict(kw, on_tokens=on_tokens)
         if self.decode == "sequential":
             res = sequential_generate(self.model, batch, **kw)
         elif self.decode == "snlp":
@@ -539,7 +546,7 @@ class SNLPLM(TemplateLM):
             contexts, all_kwargs = zip(*chunk)
             until, max_new, temperature, top_k, top_p = self._gen_settings(all_kwargs[0], eos)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            answers = self._generate(prompts, max_new, temperature, first, top_k, top_p)
+            answers = self._generate(prompts, max_new, temperature, first, top_k, top_p, until)
             first += len(prompts)
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):
                 toks = self._cut_at_stop(toks, until)
@@ -548,6 +555,36 @@ class SNLPLM(TemplateLM):
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
         return order.get_original(res)
 
+
+
+class StopStrings:
+    """The decode's `on_tokens` callback that ends a row once its continuation, decoded with special tokens kept
+    (as `_cut_at_stop` reads it), holds a stop string: lm-eval's hf model stops generating there, and decoding every
+    row to max_gen_toks would cost the answer's tail for nothing. Only the continuation's tail is decoded per call
+    (enough tokens for the longest stop string, 4 bytes a character), and a hit is confirmed on the whole
+    continuation, so a row never stops where the whole text holds no stop string."""
+
+    def __init__(self, decode, until):
+        self.decode, self.until = decode, [u for u in until if u]
+        self.span = 4 * max((len(u) for u in self.until), default=0) + 4
+        self.seen: dict[int, list[int]] = {}
+
+    def hit(self, i: int, new: list[int]) -> bool:
+        toks = self.seen.setdefault(i, [])
+        toks.extend(new)
+        return (any(u in self.decode(toks[-self.span:]) for u in self.until)
+                and any(u in self.decode(toks) for u in self.until))
+
+    def single(self):
+        """The callback of one prompt decoded alone, or None when there is no stop string."""
+        if not self.until:
+            return None
+        self.seen.pop(0, None)
+        return lambda new: self.hit(0, new)
+
+    def batch(self):
+        """The callback of a batch (prompt index, new tokens), or None when there is no stop string."""
+        return (lambda i, new: self.hit(i, new)) if self.until else None
 
 # ----- one harness run per method, and the table of their metrics -----
 @dataclass

@@ -11,7 +11,7 @@ from conftest import configs, examples, make_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from snlp import sequential_generate, snlp_generate, speculative_generate
+from snlp import jacobi_generate, sequential_generate, snlp_generate, speculative_generate
 from snlp.decode.batch import is_batch
 from snlp.decode.speculative import AdaptiveBlock, ideal_ssd_speedup
 from snlp.model.cache import KVCache
@@ -244,3 +244,38 @@ def test_a_short_rows_padding_is_its_last_token_not_the_drafters_extra_drafts():
 
     rows = speculative_generate(m, prompts, "6xF1-h0-K1", block=4, max_new_tokens=10, max_len=17)
     assert [r.tokens for r in rows] == [naive(p, min(10, 17 - len(p))) for p in prompts]
+
+
+@pytest.mark.parametrize("mode, batch", [(m, b) for m in ("sequential", "snlp", "speculative") for b in (False, True)]
+                         + [("jacobi", False)])  # Jacobi decoding takes one prompt
+def test_on_tokens_returning_true_ends_the_row_there(mode, batch):
+    """The streaming callback is the caller's stopping criterion: a call returning True ends that row (stop
+    "on_tokens") with the tokens emitted so far, the other rows decode on unchanged, and a callback returning
+    anything else (a list, 1) stops nothing. Reference: each row's free run, cut after the token where the callback
+    fired."""
+    m = make_model(seed=4, n_layer=4, dtype=torch.float64)
+    prompts = _prompts(m, [3, 5, 2], 7)
+    fn = dict(sequential=sequential_generate, snlp=lambda *a, **k: snlp_generate(m, a[1], "4xF1-h0-K4", **k),
+              speculative=lambda *a, **k: speculative_generate(m, a[1], "4xF1-h0-K1", block=3, **k),
+              jacobi=lambda *a, **k: jacobi_generate(m, a[1], block=3, **k))[mode]
+    run = (lambda p, **k: fn(m, p, **k)) if mode == "sequential" else (lambda p, **k: fn(None, p, **k))
+    free = [run(p, max_new_tokens=12).tokens for p in prompts]
+    at = [4, 7, 1]  # the callback fires once a row has this many tokens
+    seen = [[] for _ in prompts]
+
+    def stop(i, new):
+        seen[i].extend(new)
+        return len(seen[i]) >= at[i]
+
+    if batch:
+        got = run(prompts, max_new_tokens=12, on_tokens=stop)
+        ignored = run(prompts, max_new_tokens=12, on_tokens=lambda i, new: [new])
+    else:
+        got = [run(p, max_new_tokens=12, on_tokens=lambda new, i=i: stop(i, new)) for i, p in enumerate(prompts)]
+        ignored = [run(p, max_new_tokens=12, on_tokens=lambda new: 1) for p in prompts]
+    for f, r, n in zip(free, got, at):
+        assert r.stop == "on_tokens"
+        # a round's tokens are emitted at once: the row ends after the round that reached n tokens
+        assert len(r.tokens) >= n and r.tokens == f[:len(r.tokens)]
+        assert len(r.tokens) == n or mode in ("speculative", "jacobi")
+    assert [r.tokens for r in ignored] == free and all(r.stop == "max_new_tokens" for r in ignored)

@@ -703,3 +703,31 @@ def test_the_title_names_the_limit_that_runs(tasks, tmp_path, capsys):
     title = (out / "table.md").read_text().splitlines()[0]
     assert ", limit 2 |" in title, title
     assert json.loads((out / "sequential.json").read_text())["config"]["limit"] == 2
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(plan=APPROX), dict(plan=APPROX, decode="speculative", block=3),
+                                dict(plan="4xF1-h0-K1-diag")])  # DiagN: one prompt at a time
+def test_generation_stops_decoding_at_a_stop_string(base, monkeypatch, kw):
+    """A row whose answer holds a stop string was decoded on to max_gen_toks and cut afterwards (lm-eval's hf model
+    stops generating there): the answers were right, the tail's decode steps paid for nothing. Now a row stops at
+    its stop string; the answers equal the free answers cut at the stop (lm-eval's postprocessing), and no row
+    decodes past the stop by more than a speculative round."""
+    model, tok = base
+    prompts = ["The capital of France is", "Once upon a time, there", "My favourite food is"]
+    lm = SNLPLM(pretrained=model, tokenizer=tok, batch_size=4, **kw)
+    decoded = []
+    inner = lm._generate
+    monkeypatch.setattr(lm, "_generate", lambda *a, **k: decoded.append(inner(*a, **k)) or decoded[-1])
+
+    def ask(until):
+        return lm.generate_until([Instance("generate_until", {}, (p, {"until": u, "max_gen_toks": 24}), 0)
+                                  for p, u in zip(prompts, until)])
+
+    free = ask([[]] * 3)
+    assert all(len(t) == 24 for t in decoded[0])  # no EOS inside: every row ran to max_gen_toks
+    stops = [f[8:11] for f in free]  # text from early in each answer
+    assert all(s.strip() for s in stops)
+    got = ask([[s] for s in stops])
+    assert got == [f.split(s)[0] for f, s in zip(free, stops)]
+    lengths = [len(t) for t in decoded[1]]
+    assert max(lengths) <= 15, lengths  # 11 ASCII characters are at most 11 tokens, plus a round of 3 drafts
