@@ -51,7 +51,7 @@ READS = {
                 "chat_prompts"),
     "task": ("mc_scoring", "mc_shots", "mc_shots_from", "mc_limit"),
     "harness": ("harness_include", "num_fewshot", "limit", "fewshot_seed", "apply_chat_template", "harness_decode",
-                "harness_block", "bootstrap_iters", "harness_out", "force"),
+                "harness_block", "harness_ignore_generation_config", "bootstrap_iters", "harness_out", "force"),
 }
 # the flags of --drafter that set its SSD rows, which decode the --chat-prompts only (snlp.eval.drafter)
 SSD_FLAGS = ("prompts", "gen_tokens", "warmup", "runs", "blocks")

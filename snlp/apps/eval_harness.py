@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    "with a plan: snlp (the plan's own answers; default for --plans) or speculative (exact: the model's "
                    "answers; always for --drafter)")
     h.add_argument("--harness-block", type=int, default=4, help="--harness-decode speculative: draft block size")
+    h.add_argument("--harness-ignore-generation-config", action="store_true", help="--harness generate_until: "
+                   "decode without what the model's generation_config sets and snlp does not apply (e.g. a "
+                   "repetition_penalty, which lm-eval's hf model applies; refused by default)")
     h.add_argument("--bootstrap-iters", type=int, default=None, help="--harness: bootstrap draws of the stderr of "
                    "bootstrapped metrics (default: the harness's own, 100000 in lm-eval 0.4; 0 = no stderr)")
     h.add_argument("--harness-out", default=None, metavar="DIR", help="the harness's JSON per method "
@@ -160,7 +163,7 @@ def run(args) -> int:
     # loaded here, so converted here: SNLPLM never converts a model object it is given
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block,
-                  name=args.ckpt)
+                  name=args.ckpt, ignore_generation_config=args.harness_ignore_generation_config)
     lms = [SNLPLM(pretrained=model, **common)]
     lms += [SNLPLM(pretrained=model, plan=p, preheat=preheat, decode=args.harness_decode, **common) for p in plans]
     if args.drafter:

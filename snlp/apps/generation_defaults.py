@@ -4,19 +4,7 @@ stderr line naming what transformers' generate() would apply that this run does 
 
 from __future__ import annotations
 
-
-# generation_config keys transformers' generate turns into logits processors that snlp has no flag for (it applies
-# them in greedy decoding too, so the two greedy outputs part where one of them is set), and num_beams > 1, beam
-# search, which parts them as well (snlp decodes one sequence)
-UNMATCHED = ("repetition_penalty", "no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
-             "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
-             "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "typical_p",
-             "epsilon_cutoff", "eta_cutoff", "top_h", "guidance_scale", "watermarking_config", "num_beams")
-# the values at which those change nothing (min_p 0 keeps every token, min_new_tokens 0 forces nothing,
-# guidance_scale 1 is the conditional logits alone, num_beams 1 one sequence): set so, they are not named
-NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
-           "min_new_tokens": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-           "guidance_scale": 1.0, "num_beams": 1}
+from snlp.io.generation import unapplied_defaults
 
 
 def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, greedy_only: bool = False
@@ -28,9 +16,7 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
     flags make them alike. `greedy_only`: a mode that refuses sampling (--mode jacobi), so no sampling flags are
     offered: the like-for-like call there is generate(do_sample=False)."""
     samples = defaults.get("do_sample") is True
-    sampling_only = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-    extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
-             and (samples or temperature > 0 or k not in sampling_only)}
+    extra = unapplied_defaults(defaults, sampling=samples or temperature > 0)
     # transformers' sampling filters: top_k 50 and top_p 1 unless the model's config says otherwise
     def given(k, v):
         return v if defaults.get(k) is None else defaults[k]

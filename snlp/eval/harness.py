@@ -56,6 +56,7 @@ from snlp.decode.speculative import speculative_generate
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
+from snlp.io.generation import unapplied_defaults
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
 from snlp.io.tokenizer import Tokenizer
@@ -136,7 +137,9 @@ class SNLPLM(TemplateLM):
     device=, batch_size=, max_length=, add_bos_token=, plus decode= (sequential | snlp | speculative), block=
     (speculative draft length), seed= (sampling: the r-th request of a generate_until call draws from seed + r),
     logits_cache= (the Collator's one-token-continuation reuse), name= (what `model_args` records as pretrained= for
-    a GPT object). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
+    a GPT object), ignore_generation_config= (generate_until refuses a model whose generation config turns on what
+    the hf model's generate applies and snlp does not, e.g. Qwen2.5-Instruct's repetition_penalty; True generates
+    without it). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
     it). With a plan, loglikelihood scores the plan's full-sequence solve and decode=snlp generates by KV-cached SNLP
     decoding: the two agree only for K = 1 from h0 and for K >= C (module docstring), so generation rows and MC rows
     of one plan are two approximations of the model. A GPT (or Drafter) object is used on its own device in its own
@@ -146,12 +149,14 @@ class SNLPLM(TemplateLM):
                  dtype: str | None = None, device: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, max_length: int | None = None, add_bos_token: bool | None = None,
                  decode: str | None = None, block: int = 4, seed: int = 1234, logits_cache: bool = True,
-                 tokenizer: Tokenizer | None = None, preheat=None, name: str | None = None, **kwargs) -> None:
+                 tokenizer: Tokenizer | None = None, preheat=None, name: str | None = None,
+                 ignore_generation_config: bool = False, **kwargs) -> None:
         super().__init__()
         if kwargs:
             raise ValueError(f"snlp harness model: unknown model_args {sorted(kwargs)}; known: pretrained, plan, "
                              f"drafter, dtype, device, batch_size, max_length, add_bos_token, decode, block, seed, "
-                             f"logits_cache, name")
+                             f"logits_cache, name, ignore_generation_config")
+        self.ignore_generation_config = _bool(ignore_generation_config)
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by the snlp harness model: give a number of requests "
                              "per forward (e.g. batch_size=8)")
@@ -273,6 +278,8 @@ class SNLPLM(TemplateLM):
                     max_length=self.max_length, seed=self.seed, logits_cache=self.logits_cache)
         if self._add_bos_given is not None:
             args["add_bos_token"] = _bool(self._add_bos_given)
+        if self.ignore_generation_config:
+            args["ignore_generation_config"] = True
         return ",".join(f"{k}={model_arg(k, v)}" for k, v in args.items())
 
     def get_model_info(self) -> dict:
@@ -500,6 +507,25 @@ class SNLPLM(TemplateLM):
                 return toks[:i]
         return toks
 
+    def unapplied_defaults(self, sampling: bool) -> dict:
+        """The model's generation-config settings (a converted model's generation_config.json) that lm-eval's hf
+        model applies in generate_until (its `generate` merges them into every call: a repetition penalty acts in
+        greedy decoding too) and snlp's decoding does not; {} with ignore_generation_config."""
+        if self.ignore_generation_config:
+            return {}
+        return unapplied_defaults((self.tokenizer.meta or {}).get("generation_config") or {}, sampling)
+
+    def check_generation_config(self, sampling: bool) -> None:
+        """A ValueError naming the generation-config settings generate_until would silently not apply (answers
+        would differ from lm-eval's hf model on the same checkpoint), and the model arg that accepts that."""
+        extra = self.unapplied_defaults(sampling)
+        if extra:
+            raise ValueError(f"{self._source or 'the model'}: its generation_config sets "
+                             f"{', '.join(f'{k}={v}' for k, v in extra.items())}, which lm-eval's hf model applies in "
+                             f"generate_until and snlp's decoding does not; pass ignore_generation_config=True "
+                             f"(model_args; snlp eval: --harness-ignore-generation-config) to generate without it "
+                             f"(answers then differ from the hf model's)")
+
     def _gen_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, float, int, float]:
         """(stop strings, max new tokens, temperature, top_k, top_p) of one request's generation kwargs, or
         the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the prompt, or a
@@ -517,6 +543,7 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
                              f"supported by the snlp harness model (greedy, or sampling at a temperature with "
                              f"top_k / top_p, until stop strings / max_gen_toks)")
+        self.check_generation_config(sampling=bool(kw["do_sample"]))
         until = handle_stop_sequences(kw.pop("until", None), eos=eos)
         max_new = int(kw["max_gen_toks"])
         if max_new >= self.max_length:
@@ -651,6 +678,9 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
+    if any(lm.unapplied_defaults(sampling=False) for lm in lms) and generates(tasks, tm):
+        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work
+        next(lm for lm in lms if lm.unapplied_defaults(sampling=False)).check_generation_config(sampling=False)
     from lm_eval.loggers import EvaluationTracker
 
     out = []
@@ -686,6 +716,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
         if on_record is not None and len(out) < len(lms):
             on_record(list(out))
     return out
+
+
+def generates(tasks: list[str], tm) -> bool:
+    """Whether any of the tasks (groups and tags expanded) asks for generate_until (the task objects are built:
+    their datasets load)."""
+    return any(t.OUTPUT_TYPE == "generate_until" for t in tm.load(list(tasks))["tasks"].values())
 
 
 def tracked(tracker) -> dict:

@@ -22,6 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import transformers  # noqa: E402
 from conftest import make_model  # noqa: E402
+from harness_fixtures import tasks  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from tokenizers import Tokenizer as HFTok  # noqa: E402
@@ -34,6 +35,7 @@ from snlp.io.tokenizer import Tokenizer  # noqa: E402
 from snlp.method.drafter import make_drafter  # noqa: E402
 
 V = 64
+FIXTURES = (tasks,)  # pytest finds the fixture by its name in this module
 
 
 def _word_tok(bos_post: bool = False, template: str | None = None):
@@ -356,3 +358,58 @@ def test_batched_answers_without_a_stop_string_equal_the_hf_models_batched_answe
     ours = [SNLPLM(pretrained=str(d), dtype="float64", batch_size=b).generate_until(g) for b in (1, 3)]
     assert hf[0] == hf[1] == ours[0] == ours[1]
     assert max(len(a.split()) for a in ours[0]) == 10  # an answer that ran to max_gen_toks
+
+
+def test_a_generation_config_setting_the_hf_model_applies_is_refused_not_ignored(tmp_path, tasks, monkeypatch):
+    """A converted model's generation_config.json with a repetition penalty (Qwen2.5-Instruct ships 1.05): lm-eval's
+    hf model's generate merges it into every greedy call, snlp's decoding ignored it, so the two answered differently
+    on the same checkpoint, silently. generate_until now refuses it in one line naming the setting and the model arg
+    that accepts it; `snlp eval --harness`'s runs refuse it before any task's work; ignore_generation_config=True
+    generates without it (the hf model's answers without the penalty); loglikelihood tasks are unaffected."""
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    d = _tiny_dir(tmp_path / "m")
+    g = _reqs("generate_until", [("t4 t5", {"until": [], "max_gen_toks": 12, "do_sample": False})])
+    plain = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
+    transformers.GenerationConfig(bos_token_id=V - 3, eos_token_id=V - 2, repetition_penalty=3.0).save_pretrained(d)
+    hf = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
+    assert hf != plain  # the hf model applies the penalty in greedy decoding
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    with pytest.raises(ValueError, match=r"repetition_penalty=3\.0.*ignore_generation_config=True") as err:
+        lm.generate_until(g)
+    assert "\n" not in str(err.value)
+    free = SNLPLM(pretrained=str(d), dtype="float64", ignore_generation_config=True)
+    assert free.generate_until(g) == plain and "ignore_generation_config=True" in free.model_args
+    ll = _reqs("loglikelihood", [("t1 t2", " t3")])
+    assert lm.loglikelihood(ll)[0][0] == pytest.approx(hf_ll := HFLM(pretrained=str(d), device="cpu", batch_size=1,
+                                                                      dtype="float64").loglikelihood(ll)[0][0])
+    assert hf_ll < 0
+
+    tm = task_manager(["snlp_arc_tiny", "snlp_gen_tiny"], str(tasks))
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny"], limit=2, tm=tm, bootstrap_iters=0)  # no generation: it runs
+    assert "acc,none" in rec.results["snlp_arc_tiny"]
+
+    def no_work(*a, **k):
+        raise AssertionError("a task ran before the refusal")
+
+    monkeypatch.setattr(SNLPLM, "_loglikelihood_tokens", no_work)
+    with pytest.raises(ValueError, match="repetition_penalty=3.0"):
+        evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=2, tm=tm)
+
+
+def test_cli_harness_refuses_a_generation_config_penalty_and_takes_the_flag(tmp_path, tasks, capsys):
+    """`snlp eval --harness` on a model whose generation config sets a repetition penalty: refused in one line
+    naming the flag, nothing written; with --harness-ignore-generation-config the run goes through."""
+    from snlp.apps.cli import main
+
+    d = _tiny_dir(tmp_path / "m")
+    transformers.GenerationConfig(bos_token_id=V - 3, eos_token_id=V - 2, repetition_penalty=1.05).save_pretrained(d)
+    capsys.readouterr()  # transformers' progress bars
+    args = ["eval", str(d), "--harness", "snlp_gen_tiny", "--harness-include", str(tasks), "--limit", "1",
+            "--harness-out", str(tmp_path / "out")]
+    assert main(args) == 2
+    [err] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("snlp eval: error")]
+    assert "repetition_penalty=1.05" in err and "--harness-ignore-generation-config" in err
+    assert not (tmp_path / "out").exists()
+    assert main(args + ["--harness-ignore-generation-config"]) == 0
+    assert (tmp_path / "out" / "table.md").exists()
