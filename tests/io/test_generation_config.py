@@ -128,6 +128,9 @@ def test_harness_stderr_uses_the_harness_bootstrap_count(monkeypatch):
     class LM:
         method, model_args, batch_size, device = "sequential", "pretrained=x", 1, "cpu"
 
+        def unapplied_defaults(self, sampling):  # a model without generation-config settings to refuse
+            return {}
+
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", Tasks)
     monkeypatch.setattr(lm_eval, "simple_evaluate", fake_evaluate)
     evaluate_methods([LM()], ["t"])
