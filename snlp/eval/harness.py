@@ -200,8 +200,9 @@ class SNLPLM(TemplateLM):
             model, tok, ckpt = load_any(str(pretrained))
             tok, name = tokenizer or tok, Path(str(pretrained)).name
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            torch_dtype = DTYPES[dtype] if dtype in DTYPES else (torch.bfloat16 if self._device.type == "cuda"
-                                                                else torch.float32)
+            # auto: the checkpoint's own dtype, as the hf model's dtype="auto" (load_any keeps the source's dtype)
+            torch_dtype = DTYPES[dtype] if dtype in DTYPES else model.wte.weight.dtype if dtype == "auto" else (
+                torch.bfloat16 if self._device.type == "cuda" else torch.float32)
             model = model.to(device=self._device, dtype=torch_dtype).eval()  # loaded here: ours to convert
         if tok is None:
             raise ValueError(f"{self._source or 'the model'}: no tokenizer; the harness sends text, so the model needs its tokenizer "

@@ -413,3 +413,15 @@ def test_cli_harness_refuses_a_generation_config_penalty_and_takes_the_flag(tmp_
     assert not (tmp_path / "out").exists()
     assert main(args + ["--harness-ignore-generation-config"]) == 0
     assert (tmp_path / "out" / "table.md").exists()
+
+
+def test_dtype_auto_is_the_checkpoints_own_as_the_hf_model(tmp_path):
+    """dtype=auto was read as snlp's default (float32 on the CPU); the hf model's dtype=auto is the checkpoint's
+    own dtype (here bfloat16), so the two scored in different precisions."""
+    d = _tiny_dir(tmp_path / "m")
+    transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16).save_pretrained(d)
+    hf = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="auto")
+    ours = SNLPLM(pretrained=str(d), dtype="auto")
+    assert ours.model.wte.weight.dtype == hf.model.dtype == torch.bfloat16
+    assert "dtype=bfloat16" in ours.model_args
+    assert SNLPLM(pretrained=str(d)).model.wte.weight.dtype == torch.float32  # no dtype: snlp's CPU default
