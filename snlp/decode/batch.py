@@ -213,7 +213,7 @@ class BatchSession:
         t0 = now(self.device)
         if T > 0:
             rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]
-            step.ragged(self.ids(rows, T), pos, self.cache)
+            step.ragged_fill(self.ids(rows, T), pos, self.cache)
         self.prefill_s = now(self.device) - t0
         for r in self.results:
             r.prefill_s = self.prefill_s

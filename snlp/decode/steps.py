@@ -406,6 +406,11 @@ class Step:
             logits = self.call_fn(self.key("ragged", cache, pos.shape[1]), idx, pos, cache)
             return logits.clone() if self.mode == "reduce-overhead" else logits
 
+    def ragged_fill(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> None:
+        """A ragged call that only fills the cache (a batch's prefill): compiled, the ragged graph itself (its
+        logits unread), so a prefill shape that a decode call shares compiles once."""
+        self.ragged(idx, pos, cache)
+
     def warm_ragged(self, cache: KVCache, pos: Tensor | RowPositions) -> float:
         """Compile the ragged graph for positions of this shape (B, T). It runs at `pos`, which must be scratch
         (past every row's length): the real call writes there again before anything reads it. The inputs are
@@ -455,8 +460,11 @@ class EagerStep:
 
     compiled, compile_s, slack, prefill_pad = False, 0.0, 0, 1
 
-    def __init__(self, forward: Callable[[Tensor, KVCache], Tensor], fn: StepFn | None = None):
+    def __init__(self, forward: Callable[[Tensor, KVCache], Tensor], fn: StepFn | None = None,
+                 fill: Callable[[Tensor, KVCache], Tensor] | None = None, fill_ragged: StepFn | None = None):
         self.forward, self.fn = forward, fn  # fn: the positions-tensor forward that ragged batches run
+        # fill / fill_ragged: forward / fn without the logits (keep=0), for prefills whose logits nobody reads
+        self.fill, self.fill_ragged = fill or forward, fill_ragged or fn
 
     def ragged(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> Tensor:
         """A ragged batched call (see Step.ragged), eager: the cache's positions 0..span-1 (all of it without a
@@ -466,14 +474,19 @@ class EagerStep:
                              "batched decoding of prompts of different lengths needs")
         return self.fn(idx, pos, cache)
 
+    def ragged_fill(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> None:
+        """A ragged call that only fills the cache (the prefill of a batch): no logits are computed."""
+        self.fill_ragged(idx, pos, cache)
+
     def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:
         return 0.0
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         return self.forward(idx, cache)
 
-    def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
-        return self.forward(idx, cache)
+    def prefill(self, idx: Tensor, cache: KVCache) -> None:
+        """Cache a prompt; its logits are not computed (every caller feeds the prompt's last token next)."""
+        self.fill(idx, cache)
 
     def prefill_len(self, T: int) -> int:
         return T
@@ -498,7 +511,9 @@ def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep
     """The sequential model's cached forward: a compiled static-shape Step, or the eager forward."""
     check_eager_guards(compile, kw)
     if not compile:
-        return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model))
+        return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model),
+                         lambda idx, cache: model(idx, cache=cache, keep=0),
+                         lambda idx, pos, cache: model(idx, cache=cache, pos=pos, keep=0))
     device = model.wte.weight.device
     return Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model, **kw)
 
@@ -507,7 +522,9 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
     """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
     check_eager_guards(compile, kw)
     if not compile:  # the eager runner checks its weights are current on every call (Runner.current)
-        return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos))
+        return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos),
+                         lambda idx, cache: runner(idx, cache=cache, keep=0),
+                         lambda idx, pos, cache: runner(idx, cache=cache, pos=pos, keep=0))
 
     def before() -> None:  # the compiled graph cannot read version counters: rebuild stale fused weights here
         if runner.current() and step.mode == "reduce-overhead":

@@ -354,8 +354,10 @@ class Runner:
                      check_finite=self.check_finite if check_finite is None else check_finite, prefix=prefix,
                      init_states=init_states, pos=pos, preheat=self.preheat, hb=hb)
 
-    def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None) -> Tensor:
-        return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden)
+    def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None, keep: int | None = None) -> Tensor:
+        """Logits (B, T, V) of the plan's solve; `keep`: of the last `keep` positions only (GPT.forward's)."""
+        h = self.solve(idx, cache=cache, pos=pos).hidden
+        return self.model.head(h if keep is None else h[:, h.shape[1] - keep:])
 
     def __repr__(self) -> str:
         return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"

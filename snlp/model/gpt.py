@@ -468,14 +468,20 @@ class GPT(nn.Module):
         return self.run_layers(ctx.x0, ctx, 0, self.config.n_layer)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, cache=None,
-                pos: Tensor | RowPositions | None = None) -> Tensor:
+                pos: Tensor | RowPositions | None = None, keep: int | None = None) -> Tensor:
         """Sequential forward: logits (B,T,V), or the mean cross-entropy if `targets` is given
         (targets == -1 are ignored). With a KV `cache` (snlp.model.cache.KVCache) idx continues the
         cached sequence: its K/V are written at cache.length.. and the cache advances by T. With `pos`
         ((T,) positions, the static-shape step of snlp.decode.steps) the K/V go to those positions, the whole
-        cache is attended under a mask and the cache does not advance (the caller owns the length)."""
+        cache is attended under a mask and the cache does not advance (the caller owns the length). `keep`: logits
+        of the last `keep` positions only (B, keep, V), as transformers' logits_to_keep: a prefill that only fills
+        the cache takes keep=0 and pays no head (on a small model the vocabulary projection costs as much as its
+        layers). Not with `targets`."""
+        if keep is not None and (targets is not None or not 0 <= keep <= idx.shape[1]):
+            raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions, without targets")
         ctx = self.embed(idx, cache, pos)
-        logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer))
+        h = self.run_layers(ctx.x0, ctx, 0, self.config.n_layer)
+        logits = self.head(h if keep is None else h[:, h.shape[1] - keep:])
         if cache is not None and pos is None:
             cache.advance(idx.shape[1])
         if targets is None:

@@ -239,7 +239,50 @@ def test_a_prebuilt_snlp_step_follows_weight_updates(compile):
     model.to(torch.float32)  # new storage; the step's next call rebuilds in float32
     with torch.inference_mode():
         cache = KVCache.for_model(model, max_len=step.cache_len(8 + step.slack))
-        got = step.prefill(torch.tensor([prompt]), cache)
+        got = step(torch.tensor([prompt]), cache)  # an eager prefill computes no logits (EagerStep.prefill)
         want = snlp.bind(model, "3xF1-h0-K1")(torch.tensor([prompt]))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_keep_gives_the_last_logits_and_refuses_what_it_cannot():
+    """GPT.forward / Runner(keep=k): the full forward's last k logit rows (k = 0: none), fp64; with targets or k
+    outside 0..T a ValueError."""
+    model = make_model(seed=2, n_layer=4, dtype=torch.float64)
+    idx = torch.randint(0, model.config.vocab_size, (2, 7))
+    runner = snlp.bind(model, "3xF1-h0-K1")
+    for fn in (model, runner):
+        full = fn(idx)
+        for k in (0, 1, 3, 7):
+            got = fn(idx, keep=k)
+            assert got.shape == (2, k, full.shape[-1])
+            torch.testing.assert_close(got, full[:, 7 - k:], rtol=0, atol=0)
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="keep"):
+            model(idx, keep=bad)
+    with pytest.raises(ValueError, match="keep"):
+        model(idx, targets=idx, keep=1)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "snlp", "speculative"])
+@pytest.mark.parametrize("batch", [False, True])
+def test_an_eager_prefill_computes_no_logits(mode, batch):
+    """The prefill only fills the cache (the prompt's last token is fed by the first step): its head over every
+    prompt position was computed and thrown away, on a small model as much work as its layers. Now the head reads
+    the decode steps' positions only; the tokens are the full-prefix argmax loop's."""
+    model = make_model(seed=6, n_layer=4, dtype=torch.float64)
+    prompts = [list(range(3, 23)), list(range(5, 18))]
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    run = dict(sequential=lambda p: sequential_generate(model, p, max_new_tokens=4),
+               snlp=lambda p: snlp_generate(model, p, "4xF1-h0-K4", max_new_tokens=4),
+               speculative=lambda p: speculative_generate(model, p, "4xF1-h0-K1", block=2, max_new_tokens=4))[mode]
+    out = run(prompts if batch else prompts[0])
+    hook.remove()
+    assert max(seen) <= 3, seen  # one token per step, or a verifier's block + 1; never a prompt's 13-19 positions
+    for p, r in zip(prompts, out if batch else [out]):
+        ids = list(p)
+        for _ in range(4):
+            with torch.no_grad():
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert r.tokens == ids[len(p):]
