@@ -808,3 +808,32 @@ def test_sft_under_ddp_equals_one_process_on_ragged_replies(tmp_path):
     one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two"))
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-4, msg=k)  # fp32 reduction order, via Muon
+
+
+def test_sft_resume_and_sft_grid_reuse_refuse_another_base(tmp_path, capsys):
+    """A resumed SFT run continues its own weights whatever CKPT names: `snlp sft-grid B --out G` over a grid finished
+    from base A reused A's fine-tunes and wrote a table captioned B (and `snlp sft B --resume` said "SFT of B" while
+    fine-tuning A). The run records its base's weights fingerprint: another base is refused before any step, the
+    same base under another path (moved) is accepted."""
+    import shutil
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    tk = Tokenizer.load(tmp_path / "base" / "tokenizer.json")
+    other = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
+    other.init_weights(seed=1)
+    save_checkpoint(tmp_path / "other", other, tk)
+    flags = ["--steps", "1", "--batch-size", "2", "--seq-len", "64", "--eval-every", "1000", "--eval-batches", "1",
+             "--no-progress", "--device", "cpu"]
+    grid = ["--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1", "--task", f"mc:{tmp_path / 'test.jsonl'}",
+            "--out", str(tmp_path / "grid"), "--mc-limit", "2", *flags]
+    assert main(["sft-grid", str(tmp_path / "base"), *grid]) == 0
+    table = (tmp_path / "grid" / "grid.json").read_text()
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "other"), *grid]) == 2
+    err = capsys.readouterr().err
+    assert "whose weights are not" in err and "give the checkpoint it started from" in err, err
+    assert (tmp_path / "grid" / "grid.json").read_text() == table
+    shutil.copytree(tmp_path / "base", tmp_path / "moved")  # the same weights elsewhere: resumed
+    assert main(["sft", str(tmp_path / "moved"), "--data", str(tmp_path / "chats.jsonl"), "--out",
+                 str(tmp_path / "grid" / "sft-sequential"), "--resume", "--steps", "2"]) == 0
+    assert torch.load(tmp_path / "grid" / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
