@@ -74,10 +74,9 @@ def run_grid(cfg: GridConfig) -> GridResult:
     from snlp.eval.mc_eval import evaluate_mc
     from snlp.io.checkpoint import load
     from snlp.io.mctasks import load_task
-    from snlp.method.plan import Plan
-    from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+    from snlp.train.sft import SEQUENTIAL, SFTConfig, forward_plan, sft
 
-    plan = str(Plan.parse(cfg.plan))
+    plan = str(forward_plan(cfg.plan, "--plan"))  # refused before the first SFT run trains
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
     for forward in (SEQUENTIAL, plan):

@@ -138,6 +138,11 @@ class AdaptConfig:
 
     def check(self) -> Plan:
         plan = Plan.parse(self.plan)
+        if plan.init == "preheat":  # the solve would refuse it only after the base and data load; ssd_solve's own
+            # refusal pointed at --kv own, which takes no calibration either
+            raise ValueError(f"--plan {plan}: the preheat init predicts the suffix states from a calibration (snlp "
+                             f"calibrate) that adaptation neither takes nor could keep valid while the suffix trains, "
+                             f"and drafter eval refuses it: use the h0 or fwd init")
         if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
             raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
                              f"{self.save_every})")

@@ -186,18 +186,29 @@ def check_resume_sft(scfg: SFTConfig) -> str | None:
     return was
 
 
+def forward_plan(forward: str, flag: str = "--forward") -> Plan:
+    """The plan SFT computes its loss through, refused in one line where it cannot train: the preheat init predicts
+    the suffix states from a calibration of fixed weights (`snlp calibrate`), which every SFT step makes stale
+    (and the training loop passes none: the solve would refuse it only once the model and data are loaded)."""
+    plan = Plan.parse(forward)
+    if plan.init == "preheat":
+        raise ValueError(f"{flag} {plan}: the preheat init predicts states from a calibration of fixed weights, and "
+                         f"SFT changes the weights every step: use the h0 or fwd init")
+    return plan
+
+
 def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Fine-tune `scfg.ckpt` on chats; the checkpoint (with tokenizer) lands in scfg.train.out. `hooks`: as
     for `fit`."""
     scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
     if scfg.train.resume:  # a pretraining (or adapt) run in --out is not continued as an SFT run
         check_resume_command(scfg.train.out, "snlp sft")
-    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
-    base_fp = check_resume_sft(scfg)
     if scfg.forward != SEQUENTIAL:
-        plan = Plan.parse(scfg.forward)  # a clear error before any loading
+        plan = forward_plan(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:
             check_compile(RegConfig(), plan)
+    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
+    base_fp = check_resume_sft(scfg)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
     train = with_base_data(scfg.train, scfg.ckpt)

@@ -837,3 +837,24 @@ def test_sft_resume_and_sft_grid_reuse_refuse_another_base(tmp_path, capsys):
     assert main(["sft", str(tmp_path / "moved"), "--data", str(tmp_path / "chats.jsonl"), "--out",
                  str(tmp_path / "grid" / "sft-sequential"), "--resume", "--steps", "2"]) == 0
     assert torch.load(tmp_path / "grid" / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
+
+
+@pytest.mark.parametrize("cmd", ["sft", "sft-grid", "adapt"])
+def test_a_preheat_plan_is_refused_in_one_line_before_any_work(tmp_path, capsys, cmd):
+    """The preheat init needs a calibration the training loops never pass: `snlp sft --forward` and `snlp adapt --plan`
+    refused it only once the base and data were loaded (with the solver's library advice, preheat=...), and
+    `snlp sft-grid` only after its whole sequential SFT run had trained. Now one line, before anything is written."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    base, chats, out, plan = str(tmp_path / "base"), str(tmp_path / "chats.jsonl"), tmp_path / "out", "1xF1-preheat-K1"
+    flags = ["--steps", "1", "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]
+    args = {"sft": ["sft", base, "--data", chats, "--forward", plan, "--out", str(out), *flags],
+            "sft-grid": ["sft-grid", base, "--data", chats, "--plan", plan, "--task", f"mc:{tmp_path / 'test.jsonl'}",
+                         "--out", str(out), *flags],
+            "adapt": ["adapt", base, "--data", f"chat:{chats}", "--plan", plan, "--kv", "own", "--out", str(out),
+                      *flags]}[cmd]
+    capsys.readouterr()
+    assert main(args) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.strip().splitlines() == [cap.err.strip()], cap.err
+    assert "the preheat init" in cap.err and "use the h0 or fwd init" in cap.err, cap.err
+    assert not out.exists() or not any(out.iterdir())
