@@ -629,6 +629,10 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     if base[1] is None:  # an snlp checkpoint saved without tokenizer.json, a nanochat folder
         raise ValueError(f"{cfg.src} has no tokenizer: the adaptation data must be tokenized with the model's own; "
                          f"save the checkpoint with its tokenizer.json")
+    if cfg.seq_len > base[0].config.sequence_len:  # windows past the model's context: positions it never decodes
+        # at (its KV cache holds sequence_len), where its outputs, the teacher's targets, were never trained
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the base's context ({base[0].config.sequence_len} "
+                         f"positions): give --seq-len {base[0].config.sequence_len} or less")
     if cfg.from_model:
         return import_drafter(cfg, plan, base, owned)
     fingerprint = weights_fingerprint(base[0])

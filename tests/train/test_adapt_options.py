@@ -282,3 +282,23 @@ def test_an_adaptation_keeps_the_log_a_killed_earlier_run_left(tmp_path, capsys)
     assert not (tmp_path / "d" / "run").exists()
     assert (tmp_path / "d" / "log.unsaved.jsonl").read_text() == dead
     assert dead not in (tmp_path / "d" / "log.jsonl").read_text()  # the drafter's log is this run's alone
+
+
+@pytest.mark.parametrize("from_model", [False, True])
+def test_windows_longer_than_the_bases_context_are_refused(tmp_path, from_model):
+    """--seq-len above the base's sequence_len trained (and validated) the drafter on positions the model never
+    decodes at (its KV cache holds sequence_len), against the base's untrained outputs there, silently; `snlp sft`
+    caps its rows at that length. Refused in one line, before the data is read or anything written."""
+    from snlp.train.adapt import adapt
+
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    n = load(base_dir)[0].config.sequence_len
+    cfg = adapt_cfg(tmp_path, out="d", seq_len=n + 1, steps=1)
+    if from_model:
+        from snlp.train.adapt import AdaptConfig
+
+        cfg = AdaptConfig(src=cfg.src, plan=cfg.plan, out=cfg.out, data=cfg.data, seq_len=n + 1,
+                          from_model=str(base_dir))
+    with pytest.raises(ValueError, match=f"--seq-len {n + 1} exceeds the base's context \\({n} positions\\)") as e:
+        adapt(cfg)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
