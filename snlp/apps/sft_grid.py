@@ -165,8 +165,10 @@ def check_grid_stop_file(args) -> None:
 
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
+    from snlp.apps.train import check_reg_flags
     from snlp.method.plan import cli_plan
 
+    check_reg_flags(args.reg, getattr(args, "given", None))  # --reg-lambda without --reg: refused, as by snlp sft
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
     check_grid_stop_file(args)

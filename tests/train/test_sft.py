@@ -858,3 +858,18 @@ def test_a_preheat_plan_is_refused_in_one_line_before_any_work(tmp_path, capsys,
     assert cap.out == "" and cap.err.strip().splitlines() == [cap.err.strip()], cap.err
     assert "the preheat init" in cap.err and "use the h0 or fwd init" in cap.err, cap.err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_sft_grid_refuses_regulariser_flags_without_a_regulariser(tmp_path, capsys):
+    """`snlp sft --reg-lambda 3` without --reg is refused (the regulariser is off, the flag would do nothing);
+    `snlp sft-grid`, which trains through the same flags, ran both SFT runs without it and said nothing."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1",
+                 "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--reg-lambda", "3", "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip() == ("snlp sft-grid: error: --reg-lambda sets the SNLP-aware regulariser, and this run has "
+                               "none (--reg none): give --reg idn, hcn or diag, or drop it"), cap.err
+    assert not out.exists()
