@@ -31,6 +31,7 @@ held-out stream stays the human one.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import sys
@@ -150,10 +151,12 @@ class AdaptConfig:
             raise ValueError(f"--kv must be one of {', '.join(KV_MODES)} (got {self.kv!r})")
         if self.kv == "exact":
             check_ssd_plan(plan)
-        if self.hidden_weight < 0 or self.kl_weight < 0 or self.hidden_weight + self.kl_weight <= 0:
-            raise ValueError("--hidden-weight and --kl-weight must be >= 0 and not both 0")
-        if not self.tau > 0 or not self.lr > 0:
-            raise ValueError(f"--tau and --lr must be > 0 (got {self.tau}, {self.lr})")
+        if not (0 <= self.hidden_weight < math.inf and 0 <= self.kl_weight < math.inf) \
+                or self.hidden_weight + self.kl_weight <= 0:  # an inf weight made every step's gradient NaN
+            raise ValueError(f"--hidden-weight and --kl-weight must be finite numbers >= 0, not both 0 (got "
+                             f"{self.hidden_weight}, {self.kl_weight})")
+        if not (0 < self.tau < math.inf and 0 < self.lr < math.inf):  # (the shared loop's check named --matrix-lr)
+            raise ValueError(f"--tau and --lr must be finite numbers > 0 (got {self.tau}, {self.lr})")
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
@@ -344,7 +347,11 @@ class AdaptStep(nn.Module):
         kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau,
                                    w)
         loss = c.kl_weight * kl + c.hidden_weight * mse
-        return loss if share is None else loss * share[0], kl.detach(), mse.detach()
+        # the shared loop stops on a non-finite logged loss (the KL here), not on the weighted sum it steps on: a
+        # finite KL beside an inf/NaN MSE term stepped NaN into the drafter, which was then written with status 0.
+        # 0 * loss is 0 where the sum is finite (the KL logged unchanged) and NaN where it is not (no host sync)
+        kl_log = kl.detach() + 0 * loss.detach()
+        return loss if share is None else loss * share[0], kl_log, mse.detach()
 
 
 @torch.no_grad()

@@ -302,3 +302,32 @@ def test_windows_longer_than_the_bases_context_are_refused(tmp_path, from_model)
     with pytest.raises(ValueError, match=f"--seq-len {n + 1} exceeds the base's context \\({n} positions\\)") as e:
         adapt(cfg)
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+WEIGHTS_FINITE, TAU_LR_FINITE = "--hidden-weight and --kl-weight must be finite", "--tau and --lr must be finite"
+
+
+@pytest.mark.parametrize("kw, says", [(dict(hidden_weight=float("inf")), WEIGHTS_FINITE),
+                                      (dict(kl_weight=float("inf")), WEIGHTS_FINITE),
+                                      (dict(tau=float("inf")), TAU_LR_FINITE), (dict(lr=float("inf")), TAU_LR_FINITE)])
+def test_infinite_loss_settings_are_refused_before_any_work(tmp_path, kw, says):
+    """An inf --hidden-weight / --kl-weight passed the `>= 0` check and made every gradient NaN (the run ended with
+    status 0 and a NaN drafter), an inf --tau failed at step 1, an inf --lr was refused as `--matrix-lr`, a flag
+    adapt has not. Each is now one line naming its own flag, before the base loads."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    with pytest.raises(ValueError, match=says) as e:
+        adapt(AdaptConfig(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"), **kw))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+def test_a_non_finite_weighted_loss_stops_the_run_and_writes_no_drafter(tmp_path):
+    """The shared loop stops on a non-finite logged loss; adapt logs the KL, and stepped on KL + hidden_weight * MSE:
+    an MSE term that overflows (here a finite weight of 1e300) turned the drafter's weights NaN while the KL stayed
+    finite, and the run wrote that drafter with status 0. Now the step's non-finite sum stops it, nothing written."""
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, out="d", steps=2, hidden_weight=1e300, eval_every=1000)
+    with pytest.raises(FloatingPointError, match="training loss became nan at step 1"):
+        adapt(cfg)
+    assert not (tmp_path / "d" / "drafter.json").exists()
