@@ -207,10 +207,12 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
         plan = forward_plan(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:
             check_compile(RegConfig(), plan)
-    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
-    base_fp = check_resume_sft(scfg)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
+    if scfg.max_conversations < 0:  # the loader stops once it holds `limit`: -1 read one conversation
+        raise ValueError(f"--max-conversations must be >= 0 (0: all; got {scfg.max_conversations})")
+    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
+    base_fp = check_resume_sft(scfg)
     train = with_base_data(scfg.train, scfg.ckpt)
     saved = saved_sft(train.out)[0] if train.resume else None
     if saved:  # the pretraining split the run recorded for eval, not the base's as read again (moved, re-saved)

@@ -873,3 +873,14 @@ def test_sft_grid_refuses_regulariser_flags_without_a_regulariser(tmp_path, caps
     assert cap.err.strip() == ("snlp sft-grid: error: --reg-lambda sets the SNLP-aware regulariser, and this run has "
                                "none (--reg none): give --reg idn, hcn or diag, or drop it"), cap.err
     assert not out.exists()
+
+
+def test_negative_max_conversations_is_refused_not_read_as_one(tmp_path, capsys):
+    """The chat loader stops once it holds `limit` conversations, so --max-conversations -1 read ONE conversation and
+    the run failed with "gives 1 usable conversations" (or, over a folder, trained on a fraction of it). Refused."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    capsys.readouterr()
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--out", str(tmp_path / "o"),
+                 "--max-conversations", "-1", "--steps", "1", "--no-progress", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == "snlp sft: error: --max-conversations must be >= 0 (0: all; got -1)"
+    assert not (tmp_path / "o").exists()
