@@ -176,6 +176,9 @@ class AdaptConfig:
                                  f"--device): drop {'it' if len(unused) == 1 else 'them'}")
         if self.max_chars < 0:  # the shared loop's check below does not see it (its TrainConfig takes no data cap)
             raise ValueError(f"--max-chars must be >= 0 (0: all; got {self.max_chars})")
+        if self.max_chars and all(p.startswith("chat:") for p in D.parts(self.data)):  # chat parts are never capped
+            raise ValueError(f"--max-chars caps the text parts of --data, and {self.data!r} has none (chat: parts are "
+                             f"read whole): drop it")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
             raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
                              f"{self.self_distill_prompts})")

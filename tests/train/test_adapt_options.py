@@ -331,3 +331,15 @@ def test_a_non_finite_weighted_loss_stops_the_run_and_writes_no_drafter(tmp_path
     with pytest.raises(FloatingPointError, match="training loss became nan at step 1"):
         adapt(cfg)
     assert not (tmp_path / "d" / "drafter.json").exists()
+
+
+def test_max_chars_with_chat_parts_only_is_refused_not_ignored(tmp_path):
+    """--max-chars caps the text parts of --data; chat: parts are read whole, so with chat parts only it was dropped
+    without a word (and recorded as the split's cap). Refused before the base loads; with a text part it applies."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    kw = dict(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"), max_chars=500)
+    with pytest.raises(ValueError, match="--max-chars caps the text parts of --data") as e:
+        adapt(AdaptConfig(**kw, data=f"chat:{tmp_path / 'c.jsonl'}"))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    AdaptConfig(**kw, data=f"{tmp_path / 't.txt'},chat:{tmp_path / 'c.jsonl'}").check()
