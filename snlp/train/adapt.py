@@ -144,6 +144,10 @@ class AdaptConfig:
             raise ValueError(f"--plan {plan}: the preheat init predicts the suffix states from a calibration (snlp "
                              f"calibrate) that adaptation neither takes nor could keep valid while the suffix trains, "
                              f"and drafter eval refuses it: use the h0 or fwd init")
+        if plan.init == "h0" and plan.iters == 0:  # the early exit: the drafter's logits are the head of h_S, so
+            # no suffix weight reaches the loss (the first backward failed with a bare autograd RuntimeError)
+            raise ValueError(f"--plan {plan}: with the h0 init and K = 0 the suffix is skipped (early exit), so the "
+                             f"drafter has no weight to adapt: give K >= 1, or the fwd init")
         if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
             raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
                              f"{self.save_every})")

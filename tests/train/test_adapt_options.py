@@ -343,3 +343,17 @@ def test_max_chars_with_chat_parts_only_is_refused_not_ignored(tmp_path):
         adapt(AdaptConfig(**kw, data=f"chat:{tmp_path / 'c.jsonl'}"))
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     AdaptConfig(**kw, data=f"{tmp_path / 't.txt'},chat:{tmp_path / 'c.jsonl'}").check()
+
+
+@pytest.mark.parametrize("kv", ["exact", "own"])
+def test_an_early_exit_plan_is_refused_before_any_work(tmp_path, kv):
+    """`--plan CxFM-h0-K0` skips the suffix (the drafter's logits are the head of h_S): no adapted weight reaches the
+    loss, and the run crashed at its first backward with a bare autograd RuntimeError after loading the base and the
+    data. One line before any work now; the fwd init at K = 0 (one batched forward of the suffix) still adapts."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    kw = dict(src=str(tmp_path / "missing"), out=str(tmp_path / "d"), kv=kv)
+    with pytest.raises(ValueError, match="the suffix is skipped \\(early exit\\)") as e:
+        adapt(AdaptConfig(plan="2xF1-h0-K0", **kw))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    AdaptConfig(plan="2xF1-fwd-K0", **kw).check()
