@@ -77,6 +77,9 @@ def run_grid(cfg: GridConfig) -> GridResult:
     from snlp.train.sft import SEQUENTIAL, SFTConfig, forward_plan, sft
 
     plan = str(forward_plan(cfg.plan, "--plan"))  # refused before the first SFT run trains
+    mc = {t: MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit) for t in cfg.tasks}
+    for c in mc.values():  # a bad --mc-limit was refused only when the first SFT run was scored, after its training
+        c.check()
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
     for forward in (SEQUENTIAL, plan):
@@ -95,8 +98,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
             res.stopped = forward
             return res
         model, tok = load(out)
-        per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),
-                                   questions[t]) for t in cfg.tasks}
+        per_task = {t: evaluate_mc(model, tok, mc[t], questions[t]) for t in cfg.tasks}
         for i, inference in enumerate((SEQ, plan)):
             res.rows.append(grid_row(forward, inference, {t: per_task[t].records[i] for t in cfg.tasks}))
     return res

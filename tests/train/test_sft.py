@@ -884,3 +884,16 @@ def test_negative_max_conversations_is_refused_not_read_as_one(tmp_path, capsys)
                  "--max-conversations", "-1", "--steps", "1", "--no-progress", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == "snlp sft: error: --max-conversations must be >= 0 (0: all; got -1)"
     assert not (tmp_path / "o").exists()
+
+
+def test_sft_grid_refuses_a_bad_mc_limit_before_training(tmp_path, capsys):
+    """sft-grid's --mc-limit reached MCConfig.check only when the first SFT run was scored: a negative one was
+    refused after that run had trained (its folder left behind). Now before any training."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1",
+                 "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--mc-limit", "-1", "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]) == 2
+    assert "--mc-limit must be >= 0" in capsys.readouterr().err
+    assert not out.exists()
