@@ -194,7 +194,8 @@ def speedrun_adaptation(model, tok, src: str, data: str, max_chars: int, val, mi
     out = tempfile.mkdtemp(prefix="snlp-adapt-")
     try:
         cfg = AdaptConfig(src=src, plan=plan, out=str(Path(out) / "drafter"), data=data, max_chars=max_chars,
-                          minutes=minutes, eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
+                          minutes=minutes, seq_len=min(ADAPT_DEFAULTS.seq_len, model.config.sequence_len),  # its context
+                          eval_every=10 ** 6, eval_batches=2, save_every=0, seed=seed,
                           no_progress=True, device=device or str(model.wte.weight.device), cache_dir=cache_dir)
         res = adapt(cfg, base=(model, tok))
         if res.stopped_by == "interrupt":  # a signal stopped it after a step: the speedrun stops, not measures it

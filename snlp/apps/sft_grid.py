@@ -74,10 +74,12 @@ def run_grid(cfg: GridConfig) -> GridResult:
     from snlp.eval.mc_eval import evaluate_mc
     from snlp.io.checkpoint import load
     from snlp.io.mctasks import load_task
-    from snlp.method.plan import Plan
-    from snlp.train.sft import SEQUENTIAL, SFTConfig, sft
+    from snlp.train.sft import SEQUENTIAL, SFTConfig, forward_plan, sft
 
-    plan = str(Plan.parse(cfg.plan))
+    plan = str(forward_plan(cfg.plan, "--plan"))  # refused before the first SFT run trains
+    mc = {t: MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit) for t in cfg.tasks}
+    for c in mc.values():  # a bad --mc-limit was refused only when the first SFT run was scored, after its training
+        c.check()
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
     for forward in (SEQUENTIAL, plan):
@@ -96,8 +98,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
             res.stopped = forward
             return res
         model, tok = load(out)
-        per_task = {t: evaluate_mc(model, tok, MCConfig(task=t, plans=[plan], scoring=cfg.scoring, limit=cfg.limit),
-                                   questions[t]) for t in cfg.tasks}
+        per_task = {t: evaluate_mc(model, tok, mc[t], questions[t]) for t in cfg.tasks}
         for i, inference in enumerate((SEQ, plan)):
             res.rows.append(grid_row(forward, inference, {t: per_task[t].records[i] for t in cfg.tasks}))
     return res
@@ -166,8 +167,10 @@ def check_grid_stop_file(args) -> None:
 
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
+    from snlp.apps.train import check_reg_flags
     from snlp.method.plan import cli_plan
 
+    check_reg_flags(args.reg, getattr(args, "given", None))  # --reg-lambda without --reg: refused, as by snlp sft
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
     check_grid_stop_file(args)

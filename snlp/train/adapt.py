@@ -31,6 +31,7 @@ held-out stream stays the human one.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import sys
@@ -138,6 +139,15 @@ class AdaptConfig:
 
     def check(self) -> Plan:
         plan = Plan.parse(self.plan)
+        if plan.init == "preheat":  # the solve would refuse it only after the base and data load; ssd_solve's own
+            # refusal pointed at --kv own, which takes no calibration either
+            raise ValueError(f"--plan {plan}: the preheat init predicts the suffix states from a calibration (snlp "
+                             f"calibrate) that adaptation neither takes nor could keep valid while the suffix trains, "
+                             f"and drafter eval refuses it: use the h0 or fwd init")
+        if plan.init == "h0" and plan.iters == 0:  # the early exit: the drafter's logits are the head of h_S, so
+            # no suffix weight reaches the loss (the first backward failed with a bare autograd RuntimeError)
+            raise ValueError(f"--plan {plan}: with the h0 init and K = 0 the suffix is skipped (early exit), so the "
+                             f"drafter has no weight to adapt: give K >= 1, or the fwd init")
         if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
             raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
                              f"{self.save_every})")
@@ -145,10 +155,12 @@ class AdaptConfig:
             raise ValueError(f"--kv must be one of {', '.join(KV_MODES)} (got {self.kv!r})")
         if self.kv == "exact":
             check_ssd_plan(plan)
-        if self.hidden_weight < 0 or self.kl_weight < 0 or self.hidden_weight + self.kl_weight <= 0:
-            raise ValueError("--hidden-weight and --kl-weight must be >= 0 and not both 0")
-        if not self.tau > 0 or not self.lr > 0:
-            raise ValueError(f"--tau and --lr must be > 0 (got {self.tau}, {self.lr})")
+        if not (0 <= self.hidden_weight < math.inf and 0 <= self.kl_weight < math.inf) \
+                or self.hidden_weight + self.kl_weight <= 0:  # an inf weight made every step's gradient NaN
+            raise ValueError(f"--hidden-weight and --kl-weight must be finite numbers >= 0, not both 0 (got "
+                             f"{self.hidden_weight}, {self.kl_weight})")
+        if not (0 < self.tau < math.inf and 0 < self.lr < math.inf):  # (the shared loop's check named --matrix-lr)
+            raise ValueError(f"--tau and --lr must be finite numbers > 0 (got {self.tau}, {self.lr})")
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
@@ -168,6 +180,9 @@ class AdaptConfig:
                                  f"--device): drop {'it' if len(unused) == 1 else 'them'}")
         if self.max_chars < 0:  # the shared loop's check below does not see it (its TrainConfig takes no data cap)
             raise ValueError(f"--max-chars must be >= 0 (0: all; got {self.max_chars})")
+        if self.max_chars and all(p.startswith("chat:") for p in D.parts(self.data)):  # chat parts are never capped
+            raise ValueError(f"--max-chars caps the text parts of --data, and {self.data!r} has none (chat: parts are "
+                             f"read whole): drop it")
         if self.self_distill < 0 or self.self_distill_prompts < 0:
             raise ValueError(f"--self-distill and --self-distill-prompts must be >= 0 (got {self.self_distill}, "
                              f"{self.self_distill_prompts})")
@@ -339,7 +354,11 @@ class AdaptStep(nn.Module):
         kl, mse, _ = distill_terms(self.drafter, hL_t, logits_t, student(self.drafter, x, hS, kvx, c.kv, hb), c.tau,
                                    w)
         loss = c.kl_weight * kl + c.hidden_weight * mse
-        return loss if share is None else loss * share[0], kl.detach(), mse.detach()
+        # the shared loop stops on a non-finite logged loss (the KL here), not on the weighted sum it steps on: a
+        # finite KL beside an inf/NaN MSE term stepped NaN into the drafter, which was then written with status 0.
+        # 0 * loss is 0 where the sum is finite (the KL logged unchanged) and NaN where it is not (no host sync)
+        kl_log = kl.detach() + 0 * loss.detach()
+        return loss if share is None else loss * share[0], kl_log, mse.detach()
 
 
 @torch.no_grad()
@@ -624,6 +643,10 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     if base[1] is None:  # an snlp checkpoint saved without tokenizer.json, a nanochat folder
         raise ValueError(f"{cfg.src} has no tokenizer: the adaptation data must be tokenized with the model's own; "
                          f"save the checkpoint with its tokenizer.json")
+    if cfg.seq_len > base[0].config.sequence_len:  # windows past the model's context: positions it never decodes
+        # at (its KV cache holds sequence_len), where its outputs, the teacher's targets, were never trained
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the base's context ({base[0].config.sequence_len} "
+                         f"positions): give --seq-len {base[0].config.sequence_len} or less")
     if cfg.from_model:
         return import_drafter(cfg, plan, base, owned)
     fingerprint = weights_fingerprint(base[0])

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
-from snlp.io.checkpoint import load_train_state
+from snlp.io.checkpoint import load, load_train_state
 from snlp.method.plan import Plan
+from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.train.checkpointing import check_resume_command
 from snlp.train.config import TrainConfig, TrainResult, resumed
 from snlp.train.compiled import check_compile
@@ -51,12 +52,15 @@ class SFTConfig:
         return None if self.forward == SEQUENTIAL else Plan.parse(self.forward)
 
 
-def sft_job(scfg: SFTConfig):
-    """The `make_job` of `snlp.train.trainer.fit` for SFT (see `fit`)."""
+def sft_job(scfg: SFTConfig, base_fingerprint: str | None = None):
+    """The `make_job` of `snlp.train.trainer.fit` for SFT (see `fit`). `base_fingerprint`: a resumed run's base
+    weights fingerprint (checked against scfg.ckpt by `check_resume_sft`), recorded again in its saves."""
 
     def make_job(cfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
+        base_fp = base_fingerprint
         if model is None:  # a new run starts from the checkpoint; --resume passes the run's own
             model, tok = init_from_checkpoint(scfg.ckpt)
+            base_fp = weights_fingerprint(model)  # of the weights the run starts from, before any step
         plan = None if scfg.plan() is None else scfg.plan().check_model(model.config)
         max_len = min(cfg.seq_len, model.config.sequence_len) + 1
         convs = rank0_first(lambda: chat.load_conversations(scfg.data, scfg.max_conversations), rank, world)
@@ -87,7 +91,8 @@ def sft_job(scfg: SFTConfig):
                    + (f" ({dropped:,} dropped: no assistant token within {max_len} tokens)" if dropped else "")
                    + (f" | reg {cfg.reg} lambda={reg.lam}{reg.rows_text(cfg.batch_size)}" if reg.active else ""),
                    name="snlp sft", state={"sft": {**{k: v for k, v in asdict(scfg).items() if k != "train"},
-                                                   "data_digest": chat_digest(convs)}})
+                                                   "data_digest": chat_digest(convs),
+                                                   **({"base_fingerprint": base_fp} if base_fp else {})}})
 
     return make_job
 
@@ -154,11 +159,14 @@ def same_chats(saved: dict, spec: str) -> bool:
         return False
 
 
-def check_resume_sft(scfg: SFTConfig) -> None:
+def check_resume_sft(scfg: SFTConfig) -> str | None:
     """Refuse resuming the SFT run in scfg.train.out on other chats, another split or another forward, before any
-    loading (the TrainConfig settings are checked by fit, see config.check_resume_settings)."""
+    loading (the TrainConfig settings are checked by fit, see config.check_resume_settings), or from another base
+    checkpoint than the one it started from: the run continues its own weights whatever CKPT names, so another base
+    would be named on the banner and in `snlp sft-grid`'s table for a fine-tune of the first (the path may move:
+    its weights fingerprint decides). Returns the run's base fingerprint (None: a new run, or an older record)."""
     if not scfg.train.resume:
-        return
+        return None
     _, own = saved_sft(scfg.train.out)
     now = asdict(scfg)
     diff = [(k, own[k], now[k]) for k in RESUME_FIXED
@@ -168,6 +176,25 @@ def check_resume_sft(scfg: SFTConfig) -> None:
                          + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {cur!r})" for k, was, cur in diff)
                          + "; a resumed run keeps its chats, split and forward: give the saved values or start a "
                            "new run in another --out")
+    was = (own or {}).get("base_fingerprint")
+    if was is not None:
+        model, _ = load(scfg.ckpt, device="cpu")
+        if not same_weights(was, weights_fingerprint(model)):
+            raise ValueError(f"the SFT run in {scfg.train.out} fine-tunes {own.get('ckpt')!r}, whose weights are not "
+                             f"{scfg.ckpt}'s: it continues its own weights whatever CKPT says; give the checkpoint it "
+                             f"started from, or start a new run in another --out")
+    return was
+
+
+def forward_plan(forward: str, flag: str = "--forward") -> Plan:
+    """The plan SFT computes its loss through, refused in one line where it cannot train: the preheat init predicts
+    the suffix states from a calibration of fixed weights (`snlp calibrate`), which every SFT step makes stale
+    (and the training loop passes none: the solve would refuse it only once the model and data are loaded)."""
+    plan = Plan.parse(forward)
+    if plan.init == "preheat":
+        raise ValueError(f"{flag} {plan}: the preheat init predicts states from a calibration of fixed weights, and "
+                         f"SFT changes the weights every step: use the h0 or fwd init")
+    return plan
 
 
 def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
@@ -176,19 +203,21 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     scfg.train.check()  # the flags' refusals before the checkpoint is read (fit checks again, for its callers)
     if scfg.train.resume:  # a pretraining (or adapt) run in --out is not continued as an SFT run
         check_resume_command(scfg.train.out, "snlp sft")
-    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
-    check_resume_sft(scfg)
     if scfg.forward != SEQUENTIAL:
-        plan = Plan.parse(scfg.forward)  # a clear error before any loading
+        plan = forward_plan(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:
             check_compile(RegConfig(), plan)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
+    if scfg.max_conversations < 0:  # the loader stops once it holds `limit`: -1 read one conversation
+        raise ValueError(f"--max-conversations must be >= 0 (0: all; got {scfg.max_conversations})")
+    scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them
+    base_fp = check_resume_sft(scfg)
     train = with_base_data(scfg.train, scfg.ckpt)
     saved = saved_sft(train.out)[0] if train.resume else None
     if saved:  # the pretraining split the run recorded for eval, not the base's as read again (moved, re-saved)
         train = replace(train, **{k: saved[k] for k in BASE_DATA if k in saved})
-    return fit(train, sft_job(scfg), hooks)
+    return fit(train, sft_job(scfg, base_fp), hooks)
 
 
 def with_base_data(cfg: TrainConfig, ckpt) -> TrainConfig:

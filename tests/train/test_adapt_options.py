@@ -282,3 +282,78 @@ def test_an_adaptation_keeps_the_log_a_killed_earlier_run_left(tmp_path, capsys)
     assert not (tmp_path / "d" / "run").exists()
     assert (tmp_path / "d" / "log.unsaved.jsonl").read_text() == dead
     assert dead not in (tmp_path / "d" / "log.jsonl").read_text()  # the drafter's log is this run's alone
+
+
+@pytest.mark.parametrize("from_model", [False, True])
+def test_windows_longer_than_the_bases_context_are_refused(tmp_path, from_model):
+    """--seq-len above the base's sequence_len trained (and validated) the drafter on positions the model never
+    decodes at (its KV cache holds sequence_len), against the base's untrained outputs there, silently; `snlp sft`
+    caps its rows at that length. Refused in one line, before the data is read or anything written."""
+    from snlp.train.adapt import adapt
+
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    n = load(base_dir)[0].config.sequence_len
+    cfg = adapt_cfg(tmp_path, out="d", seq_len=n + 1, steps=1)
+    if from_model:
+        from snlp.train.adapt import AdaptConfig
+
+        cfg = AdaptConfig(src=cfg.src, plan=cfg.plan, out=cfg.out, data=cfg.data, seq_len=n + 1,
+                          from_model=str(base_dir))
+    with pytest.raises(ValueError, match=f"--seq-len {n + 1} exceeds the base's context \\({n} positions\\)") as e:
+        adapt(cfg)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+WEIGHTS_FINITE, TAU_LR_FINITE = "--hidden-weight and --kl-weight must be finite", "--tau and --lr must be finite"
+
+
+@pytest.mark.parametrize("kw, says", [(dict(hidden_weight=float("inf")), WEIGHTS_FINITE),
+                                      (dict(kl_weight=float("inf")), WEIGHTS_FINITE),
+                                      (dict(tau=float("inf")), TAU_LR_FINITE), (dict(lr=float("inf")), TAU_LR_FINITE)])
+def test_infinite_loss_settings_are_refused_before_any_work(tmp_path, kw, says):
+    """An inf --hidden-weight / --kl-weight passed the `>= 0` check and made every gradient NaN (the run ended with
+    status 0 and a NaN drafter), an inf --tau failed at step 1, an inf --lr was refused as `--matrix-lr`, a flag
+    adapt has not. Each is now one line naming its own flag, before the base loads."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    with pytest.raises(ValueError, match=says) as e:
+        adapt(AdaptConfig(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"), **kw))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+def test_a_non_finite_weighted_loss_stops_the_run_and_writes_no_drafter(tmp_path):
+    """The shared loop stops on a non-finite logged loss; adapt logs the KL, and stepped on KL + hidden_weight * MSE:
+    an MSE term that overflows (here a finite weight of 1e300) turned the drafter's weights NaN while the KL stayed
+    finite, and the run wrote that drafter with status 0. Now the step's non-finite sum stops it, nothing written."""
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, out="d", steps=2, hidden_weight=1e300, eval_every=1000)
+    with pytest.raises(FloatingPointError, match="training loss became nan at step 1"):
+        adapt(cfg)
+    assert not (tmp_path / "d" / "drafter.json").exists()
+
+
+def test_max_chars_with_chat_parts_only_is_refused_not_ignored(tmp_path):
+    """--max-chars caps the text parts of --data; chat: parts are read whole, so with chat parts only it was dropped
+    without a word (and recorded as the split's cap). Refused before the base loads; with a text part it applies."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    kw = dict(src=str(tmp_path / "missing"), plan="2xF1-h0-K1", out=str(tmp_path / "d"), max_chars=500)
+    with pytest.raises(ValueError, match="--max-chars caps the text parts of --data") as e:
+        adapt(AdaptConfig(**kw, data=f"chat:{tmp_path / 'c.jsonl'}"))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    AdaptConfig(**kw, data=f"{tmp_path / 't.txt'},chat:{tmp_path / 'c.jsonl'}").check()
+
+
+@pytest.mark.parametrize("kv", ["exact", "own"])
+def test_an_early_exit_plan_is_refused_before_any_work(tmp_path, kv):
+    """`--plan CxFM-h0-K0` skips the suffix (the drafter's logits are the head of h_S): no adapted weight reaches the
+    loss, and the run crashed at its first backward with a bare autograd RuntimeError after loading the base and the
+    data. One line before any work now; the fwd init at K = 0 (one batched forward of the suffix) still adapts."""
+    from snlp.train.adapt import AdaptConfig, adapt
+
+    kw = dict(src=str(tmp_path / "missing"), out=str(tmp_path / "d"), kv=kv)
+    with pytest.raises(ValueError, match="the suffix is skipped \\(early exit\\)") as e:
+        adapt(AdaptConfig(plan="2xF1-h0-K0", **kw))
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    AdaptConfig(plan="2xF1-fwd-K0", **kw).check()

@@ -808,3 +808,92 @@ def test_sft_under_ddp_equals_one_process_on_ragged_replies(tmp_path):
     one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two"))
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-4, msg=k)  # fp32 reduction order, via Muon
+
+
+def test_sft_resume_and_sft_grid_reuse_refuse_another_base(tmp_path, capsys):
+    """A resumed SFT run continues its own weights whatever CKPT names: `snlp sft-grid B --out G` over a grid finished
+    from base A reused A's fine-tunes and wrote a table captioned B (and `snlp sft B --resume` said "SFT of B" while
+    fine-tuning A). The run records its base's weights fingerprint: another base is refused before any step, the
+    same base under another path (moved) is accepted."""
+    import shutil
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    tk = Tokenizer.load(tmp_path / "base" / "tokenizer.json")
+    other = GPT(GPTConfig.from_depth(2, width=32, head_dim=16, vocab_size=tk.vocab_size, sequence_len=128))
+    other.init_weights(seed=1)
+    save_checkpoint(tmp_path / "other", other, tk)
+    flags = ["--steps", "1", "--batch-size", "2", "--seq-len", "64", "--eval-every", "1000", "--eval-batches", "1",
+             "--no-progress", "--device", "cpu"]
+    grid = ["--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1", "--task", f"mc:{tmp_path / 'test.jsonl'}",
+            "--out", str(tmp_path / "grid"), "--mc-limit", "2", *flags]
+    assert main(["sft-grid", str(tmp_path / "base"), *grid]) == 0
+    table = (tmp_path / "grid" / "grid.json").read_text()
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "other"), *grid]) == 2
+    err = capsys.readouterr().err
+    assert "whose weights are not" in err and "give the checkpoint it started from" in err, err
+    assert (tmp_path / "grid" / "grid.json").read_text() == table
+    shutil.copytree(tmp_path / "base", tmp_path / "moved")  # the same weights elsewhere: resumed
+    assert main(["sft", str(tmp_path / "moved"), "--data", str(tmp_path / "chats.jsonl"), "--out",
+                 str(tmp_path / "grid" / "sft-sequential"), "--resume", "--steps", "2"]) == 0
+    assert torch.load(tmp_path / "grid" / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 2
+
+
+@pytest.mark.parametrize("cmd", ["sft", "sft-grid", "adapt"])
+def test_a_preheat_plan_is_refused_in_one_line_before_any_work(tmp_path, capsys, cmd):
+    """The preheat init needs a calibration the training loops never pass: `snlp sft --forward` and `snlp adapt --plan`
+    refused it only once the base and data were loaded (with the solver's library advice, preheat=...), and
+    `snlp sft-grid` only after its whole sequential SFT run had trained. Now one line, before anything is written."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    base, chats, out, plan = str(tmp_path / "base"), str(tmp_path / "chats.jsonl"), tmp_path / "out", "1xF1-preheat-K1"
+    flags = ["--steps", "1", "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]
+    args = {"sft": ["sft", base, "--data", chats, "--forward", plan, "--out", str(out), *flags],
+            "sft-grid": ["sft-grid", base, "--data", chats, "--plan", plan, "--task", f"mc:{tmp_path / 'test.jsonl'}",
+                         "--out", str(out), *flags],
+            "adapt": ["adapt", base, "--data", f"chat:{chats}", "--plan", plan, "--kv", "own", "--out", str(out),
+                      *flags]}[cmd]
+    capsys.readouterr()
+    assert main(args) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.strip().splitlines() == [cap.err.strip()], cap.err
+    assert "the preheat init" in cap.err and "use the h0 or fwd init" in cap.err, cap.err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_sft_grid_refuses_regulariser_flags_without_a_regulariser(tmp_path, capsys):
+    """`snlp sft --reg-lambda 3` without --reg is refused (the regulariser is off, the flag would do nothing);
+    `snlp sft-grid`, which trains through the same flags, ran both SFT runs without it and said nothing."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1",
+                 "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--reg-lambda", "3", "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip() == ("snlp sft-grid: error: --reg-lambda sets the SNLP-aware regulariser, and this run has "
+                               "none (--reg none): give --reg idn, hcn or diag, or drop it"), cap.err
+    assert not out.exists()
+
+
+def test_negative_max_conversations_is_refused_not_read_as_one(tmp_path, capsys):
+    """The chat loader stops once it holds `limit` conversations, so --max-conversations -1 read ONE conversation and
+    the run failed with "gives 1 usable conversations" (or, over a folder, trained on a fraction of it). Refused."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    capsys.readouterr()
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--out", str(tmp_path / "o"),
+                 "--max-conversations", "-1", "--steps", "1", "--no-progress", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == "snlp sft: error: --max-conversations must be >= 0 (0: all; got -1)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_sft_grid_refuses_a_bad_mc_limit_before_training(tmp_path, capsys):
+    """sft-grid's --mc-limit reached MCConfig.check only when the first SFT run was scored: a negative one was
+    refused after that run had trained (its folder left behind). Now before any training."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan", "1xF1-h0-K1",
+                 "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--mc-limit", "-1", "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]) == 2
+    assert "--mc-limit must be >= 0" in capsys.readouterr().err
+    assert not out.exists()
