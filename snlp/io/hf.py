@@ -159,11 +159,12 @@ def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
     return out
 
 
-def model_from_hf(hf_model, dtype=None) -> GPT:
-    """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given)."""
+def model_from_hf(hf_model, dtype=None, where=None) -> GPT:
+    """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given);
+    `where` names its source in errors (default: the config's _name_or_path, a .gguf file's folder)."""
     cfg = config_from_hf(hf_model.config, type(hf_model))
     state = state_from_hf(hf_model.state_dict(), cfg)
-    where = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
+    where = where or getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
     check_finite(state, where)
     dtype = _dtype(dtype) or state["wte.weight"].dtype
     with torch.device("meta"):  # no random init of weights that are replaced right away
@@ -277,7 +278,9 @@ def _load_hf(src: str, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(src)
-    kw = {"dtype": dtype} if dtype is not None else {}
+    # float16's range (65504) is narrower than any checkpoint dtype's: cast by transformers, a finite weight past it
+    # arrives as inf and reads as a broken checkpoint; model_from_hf casts it instead and names the dtype (check_cast)
+    kw = {"dtype": dtype} if dtype is not None and dtype != torch.float16 else {}
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist{did_you_mean(src)}")
@@ -357,7 +360,7 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
     else:
         raise ValueError(f"from_hf takes a transformers model, a directory, a .gguf file or a hub id; got "
                          f"{type(src).__name__}")
-    model = model_from_hf(hf_model, dtype)
+    model = model_from_hf(hf_model, dtype, where=None if isinstance(src, torch.nn.Module) else str(src))
     tok = tokenizer if tokenizer is not None else hf_tok
     if tok is not None and not isinstance(tok, Tokenizer):
         tok = Tokenizer.from_hf(tok)

@@ -23,5 +23,8 @@ def check_cast(stored: dict, cast: dict, dtype, where) -> None:
     for k, v in cast.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             big = stored[k][~torch.isfinite(v)].abs().max().item()
+            holds = [n for n in ("float32", "bfloat16", "float64")  # the advice names dtypes that do hold it
+                     if getattr(torch, n) != dtype and torch.finfo(getattr(torch, n)).max >= big][:2]
             raise ValueError(f"{dtype} cannot hold {where}'s {k}: |{big:.4g}| is past its largest finite value "
-                             f"({torch.finfo(dtype).max:.4g}): choose float32 or bfloat16 (snlp convert --dtype)")
+                             f"({torch.finfo(dtype).max:.4g}): choose {' or '.join(holds)}"
+                             f"{'' if holds == ['float64'] else ' (snlp convert --dtype)'}")

@@ -374,3 +374,16 @@ def test_a_qwen2_gguf_exports_with_the_tokenizer_transformers_reads_back(tmp_pat
     with pytest.raises(ValueError, match="as Qwen2Tokenizer, with another normalizer / pre_tokenizer") as e:
         export_hf(model, tmp_path / "exp2", tok)
     assert "\n" not in str(e.value) and not (tmp_path / "exp2").exists()
+
+
+def test_a_float16_load_of_a_gguf_past_its_range_names_the_dtype_and_the_file(tmp_path):
+    """from_hf(FILE.gguf, dtype="float16") had transformers cast the dequantized weights: a finite weight past 65504
+    arrived as inf and the checkpoint was called broken, named by its folder; the dtype and the file are named."""
+    hf = tiny_hf("llama")
+    with torch.no_grad():
+        hf.lm_head.weight[0, 0] = 1e5
+    write_gguf(tmp_path / "m.gguf", hf, qtype=Q.F32)
+    with pytest.raises(ValueError, match=r"torch.float16 cannot hold .*m\.gguf's lm_head.weight: \|1e\+05\|"):
+        from_hf(tmp_path / "m.gguf", dtype="float16")
+    model, _ = from_hf(tmp_path / "m.gguf", dtype="bfloat16")
+    assert model.lm_head.weight[0, 0].item() == 99840.0

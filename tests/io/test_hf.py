@@ -872,3 +872,29 @@ def test_a_float16_load_of_weights_past_its_range_is_refused_naming_the_dtype():
         from_hf(hf, dtype="float16")
     model, _ = from_hf(hf, dtype="bfloat16")  # bf16 holds it
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_float16_load_from_a_directory_names_the_dtype_not_a_broken_checkpoint(tmp_path):
+    """A directory given to from_hf(dtype="float16") was cast by transformers: a finite weight past 65504 arrived
+    as inf and was called a broken checkpoint ("restore or re-train it"). The dtype is named (the .gguf case:
+    tests/io/test_gguf.py)."""
+    hf = hf_tiny("llama")
+    with torch.no_grad():
+        hf.lm_head.weight[0, 0] = 1e5
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"torch.float16 cannot hold {tmp_path}'s lm_head.weight: \|1e\+05\|.*"
+                                         rf"choose float32 or bfloat16"):
+        from_hf(tmp_path, dtype="float16")
+    model, _ = from_hf(tmp_path, dtype="bfloat16")
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight[0, 0].item() == 99840.0
+
+
+def test_a_cast_past_float32s_range_advises_a_dtype_that_holds_it():
+    """check_cast advised 'choose float32 or bfloat16' to a float32 / bfloat16 cast of a float64 weight past both
+    ranges; it names float64, the only one that holds it."""
+    hf = hf_tiny("llama", dtype=torch.float64)
+    with torch.no_grad():
+        hf.lm_head.weight[0, 0] = 1e39
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(ValueError, match=r"cannot hold .*\|1e\+39\|.*: choose float64$"):
+            from_hf(hf, dtype=dtype)

@@ -968,3 +968,22 @@ def test_a_run_resumed_at_step_0_logs_step_0_once(corpus, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [0, 2]
     assert res.val_loss == ref.val_loss and res.steps == 2
+
+
+def test_an_own_bpe_resume_on_edited_text_names_the_special_token_reading_too(corpus, tmp_path, capsys):
+    """The other-tokens refusal names, for a run on snlp's own BPE, both causes: an edit and a run from before that
+    BPE read quoted special-token strings as text (a converted tokenizer's run hears of the edit only:
+    tests/io/test_hf.py)."""
+    import shutil
+
+    data = tmp_path / "c.txt"
+    shutil.copy(corpus, data)
+    run = tmp_path / "run"
+    flags = ["--data", str(data), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "4"]
+    assert main(["train", "--out", str(run), *flags, "--stop-after", "2"]) == 0
+    body = data.read_text()
+    data.write_text(body[:10] + body[10:14].swapcase() + body[14:])  # the same size, other text
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other tokens" in err and "text edited in place?" in err and "special-token strings" in err, err
