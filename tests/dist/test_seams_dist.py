@@ -176,6 +176,31 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
      "--eos-id must be a token id >= 0 (got -1)"),
     (["bench", "--distributed", "--depth", "4", "--compile"], "--compile is not supported with --distributed"),
     (["bench", "--distributed", "--depth", "4", "--tokens", "1,4"], "--distributed takes one --tokens value"),
+    # refused before any process group (no torchrun here: a later refusal would be the missing-environment one)
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--dist-timeout", "0"],
+     "--dist-timeout must be a finite number of seconds > 0 (got 0)"),
+    (["bench", "--distributed", "--depth", "4", "--dist-timeout", "-1"],
+     "--dist-timeout must be a finite number of seconds > 0 (got -1)"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-newton"],
+     "the newton surrogate is not available distributed"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-h0-K1-newton"],
+     "the newton surrogate is not available distributed"),
+    # flags the run does not read would change nothing
+    (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
+     "--link-gbps is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
+     "--blocks is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),
+    (["bench", "--simulate-devices", "2", "--ckpt", "{ckpt}", "--roofline-gbytes", "100", "--plans", "2xF1-h0-K1"],
+     "--ckpt is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--distributed", "--shape", "3B", "--roofline-gbytes", "100"],
+     "--distributed is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--hc-streams", "2", "--roofline-gbytes", "100"],
+     "--hc-streams is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--depth", "8", "--roofline-gbytes", "100"],
+     "--shape 3B is a whole shape; --depth would change nothing"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
+     "--simulate-devices takes one --tokens value (got 1,4)"),
 ])
 def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
     """Refused before any process group is set up (no torchrun needed to see the error)."""
@@ -199,6 +224,36 @@ def test_distributed_refuses_fewer_chunks_than_ranks_before_the_process_group(ch
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
     assert "a plan with C = 2 chunks cannot be spread over 3 ranks" in capsys.readouterr().err
+
+
+def test_distributed_refuses_a_smear_checkpoint_before_the_process_group(tmp_path, capsys, monkeypatch):
+    """Every rank would refuse nanochat's smear in DistributedSNLP after opening the checkpoint; the CLI refuses it
+    once, from the config, before the group (unset torchrun environment: otherwise that refusal would come first)."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ckpt = save_checkpoint(tmp_path / "smear", make_model(seed=0, n_embd=32, smear=True, dtype=torch.float32))
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"]) == 2
+    assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
+    assert main(["bench", "--distributed", "--ckpt", str(ckpt), "--plans", "2xF1-h0-K1"]) == 2
+    assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_init_distributed_refuses_a_timeout_c10d_cannot_keep(timeout, monkeypatch):
+    """0 or a negative timeout is an already expired deadline in c10d (every rank's rendezvous fails with a C++
+    traceback), inf overflows timedelta: a ValueError before the environment is read or a group starts."""
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import init_distributed
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        init_distributed(timeout)
+    assert not dist.is_initialized()
 
 
 # ----------------------------------------------------------------------------- devices, rank-local load, errors
