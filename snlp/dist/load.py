@@ -10,12 +10,15 @@ layer parallelism exists to avoid.
 
 Dtypes follow `snlp.io.checkpoint.load`: every tensor is cast to the dtype GPT(config) gives the parameter.
 The start-up consistency check cannot hash the whole model on a rank that never reads it; `digest`
-hashes the config, the safetensors header (every tensor's name, dtype, shape and byte range) and the
-bytes of the token embedding, which every rank reads anyway."""
+hashes the config, the safetensors header (every tensor's name, dtype, shape and byte range, in a canonical key
+order) and the bytes of the token embedding, which every rank reads anyway. So it catches another model or a
+re-shaped or re-typed one, but not two files of the same layout whose layer weights differ (e.g. a stale copy of
+a checkpoint re-trained in place): no rank reads another rank's layers to compare them."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 from safetensors import safe_open
@@ -105,7 +108,10 @@ class RankCheckpoint:
         h = hashlib.sha256(repr(sorted(self.config.to_dict().items())).encode())
         with open(self.file, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            h.update(f.read(n))
+            header = json.loads(f.read(n))
+        # the header's JSON in a canonical order: safetensors writes its maps (the metadata, the tensors) in no fixed
+        # order, so two saves of the same weights can differ in bytes and would fail the check as "different weights"
+        h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
         t = self._f.get_tensor("wte.weight").contiguous()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.digest()

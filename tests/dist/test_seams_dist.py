@@ -545,3 +545,30 @@ def test_a_distributed_kv_cache_beyond_memory_is_refused_as_the_single_process_o
         for name in ("new_cache", "generate"):
             assert res[name].startswith("ValueError: a KV cache of 1,000,000,000,0"), (rank, name, res[name])
             assert "more than the" in res[name] and "\n" not in res[name], res[name]
+
+
+def test_checkpoint_digest_ignores_the_header_key_order(tmp_path):
+    """safetensors writes the header's maps in no fixed order, so two saves of the same weights can differ in their
+    header bytes; the start-up digest (RankCheckpoint.digest) reads them as the same model, and still tells a
+    different token embedding apart."""
+    import json
+    import shutil
+
+    from snlp.dist.load import RankCheckpoint
+    from snlp.io.checkpoint import save_checkpoint
+
+    a = save_checkpoint(tmp_path / "a", make_model(seed=0))
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    raw = (a / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    flipped = {k: (dict(reversed(v.items())) if k == "__metadata__" else v) for k, v in reversed(header.items())}
+    text = json.dumps(flipped, separators=(",", ":")).encode()
+    assert len(text) <= n and text != raw[8:8 + len(text)]
+    (b / "model.safetensors").write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])  # same offsets, same data
+    assert RankCheckpoint(b).digest() == RankCheckpoint(a).digest()
+    other = make_model(seed=0)
+    with torch.no_grad():
+        other.wte.weight.add_(1.0)
+    assert RankCheckpoint(save_checkpoint(tmp_path / "c", other)).digest() != RankCheckpoint(a).digest()
