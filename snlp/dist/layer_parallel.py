@@ -318,7 +318,11 @@ class DistributedSNLP:
         self._checkpoint = checkpoint
         if checkpoint is not None:  # only this rank's layers (the ones it computes, rank 0: the prefix too)
             first = 0 if self.rank == 0 else self.S + self.c0 * M
-            checkpoint.materialise(model, range(first, self.S + self.c1 * M), head=self.rank == self.last)
+            # a tensor missing or mis-shaped in the file fails on the rank that reads it: every rank raises its error
+            # (a rank failing alone would leave the others in the start-up check until the timeout, told only that a
+            # peer died)
+            self._agree(lambda: checkpoint.materialise(model, range(first, self.S + self.c1 * M),
+                                                       head=self.rank == self.last))
         elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
             raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
                              "them (checkpoint=snlp.dist.load.RankCheckpoint(path, device))")

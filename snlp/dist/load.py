@@ -55,10 +55,15 @@ class RankCheckpoint:
         return model.eval()
 
     # ----- reading single tensors -----
-    def _check(self, name: str, like: Tensor, shape) -> None:
+    def _slice(self, name: str):
+        """safetensors' lazy slice of `name`, or this checkpoint's one-line error if the file lacks it (get_slice's
+        own is a bare SafetensorError naming neither the file nor the config)."""
         if name not in self.keys:
             raise ValueError(f"weights in {self.file} lack {name} (config {self.path / 'config.json'} expects it): the "
                              f"files come from different models; re-save the checkpoint")
+        return self._f.get_slice(name)
+
+    def _check(self, name: str, like: Tensor, shape) -> None:
         if tuple(shape) != tuple(like.shape):
             raise ValueError(f"weights in {self.file}: {name} has shape {tuple(shape)}, the config expects "
                              f"{tuple(like.shape)}; the files come from different models")
@@ -66,7 +71,7 @@ class RankCheckpoint:
     def tensor(self, name: str, like: Tensor) -> Tensor:
         """The stored tensor `name`, checked against `like` (its meta parameter), on this rank's device in
         like's dtype."""
-        sl = self._f.get_slice(name)
+        sl = self._slice(name)
         self._check(name, like, sl.get_shape())
         t = self._f.get_tensor(name)
         self.digests[name] = tensor_digest(t)  # what this rank holds, for checking a calibration against it
@@ -74,7 +79,7 @@ class RankCheckpoint:
 
     def rows(self, name: str, rows: list[int], like: Tensor) -> Tensor:
         """like[rows] of the stored tensor `name` (e.g. some value-embedding tables), reading only those rows."""
-        sl = self._f.get_slice(name)
+        sl = self._slice(name)
         self._check(name, like, sl.get_shape())
         parts = [sl[r:r + 1] for r in rows]
         out = torch.cat(parts) if parts else torch.empty(0, *like.shape[1:])

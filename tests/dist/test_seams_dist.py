@@ -572,3 +572,51 @@ def test_checkpoint_digest_ignores_the_header_key_order(tmp_path):
     with torch.no_grad():
         other.wte.weight.add_(1.0)
     assert RankCheckpoint(save_checkpoint(tmp_path / "c", other)).digest() != RankCheckpoint(a).digest()
+
+
+def _without_head(tmp_path):
+    """A checkpoint whose weights file lacks lm_head.weight (its config, untied, expects it)."""
+    from safetensors.torch import load_file, save_file
+
+    from snlp.io.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "nohead", make_model(seed=0))
+    sd = load_file(str(ckpt / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return ckpt
+
+
+def test_rank_checkpoint_names_a_missing_tensor(tmp_path):
+    from snlp.dist.load import RankCheckpoint
+
+    ck = RankCheckpoint(_without_head(tmp_path))
+    like = ck.meta_model().lm_head.weight
+    with pytest.raises(ValueError, match=r"model.safetensors lack lm_head.weight \(config .* expects it\)"):
+        ck.tensor("lm_head.weight", like)
+    with pytest.raises(ValueError, match="lack lm_head.weight"):
+        ck.rows("lm_head.weight", [0], like)
+
+
+def _missing_tensor_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    from snlp.dist.layer_parallel import DistributedSNLP
+    from snlp.dist.load import RankCheckpoint
+
+    _init(rank, world, port, timeout_s=20.0)
+    try:
+        ck = RankCheckpoint(ckpt)
+        DistributedSNLP(ck.meta_model(), "4xF1-h0-K1", checkpoint=ck)
+        msg = ""
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    torch.save(msg, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_tensor_only_one_rank_reads_fails_every_rank_with_its_reason(tmp_path):
+    """Only the last rank reads the LM head: its missing tensor is every rank's ValueError naming that rank and the
+    tensor, not a RankFailureError on the others ('a peer died') once the timeout has passed."""
+    ckpt = _without_head(tmp_path)
+    _spawn(_missing_tensor_worker, 2, str(ckpt), str(tmp_path))
+    for r in range(2):
+        msg = torch.load(tmp_path / f"rank{r}.pt")
+        assert msg.startswith("ValueError: rank 1: weights in") and "lack lm_head.weight" in msg, (r, msg)
