@@ -347,6 +347,9 @@ def run_bench(args, spec: ModelSpec) -> int:
 
     plans = check_plans_grammar(args.plans)
     check_plans_fit(spec.ckpt, plans)  # before any rank starts
+    if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
+        for p in plans:
+            p.check(spec.depth)
     check_before_ranks(args, plans, spec.ckpt)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))

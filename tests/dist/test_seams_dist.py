@@ -179,12 +179,14 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     # refused before any process group (no torchrun here: a later refusal would be the missing-environment one)
     (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--dist-timeout", "0"],
      "--dist-timeout must be a finite number of seconds > 0 (got 0)"),
-    (["bench", "--distributed", "--depth", "4", "--dist-timeout", "-1"],
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1", "--dist-timeout", "-1"],
      "--dist-timeout must be a finite number of seconds > 0 (got -1)"),
     (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-newton"],
      "the newton surrogate is not available distributed"),
     (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-h0-K1-newton"],
      "the newton surrogate is not available distributed"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "8xF1-h0-K1"],
+     "plan 8xF1-h0-K1 needs a suffix of N = 8x1 = 8 layers but the model has only L = 4"),
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
