@@ -258,11 +258,24 @@ BENCH_READS = {
                     "train_steps", "train_warmup", "optimizer"),
     "vs-paper": ("vs_paper", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs", "treatments",
                  "no_ablations"),
+    # snlp.apps.dist: the layer-parallel benchmark under torchrun (--decode adds its decode flags) and the cost model
+    # (a shape preset or the size flags it reads; the measured path reads --warmup / --runs, the roofline its own)
+    "distributed": (*SHAPE, "ckpt", "plans", "tokens", "batch", "warmup", "runs", "json", "csv", "distributed", "pin",
+                    "dist_timeout"),
+    "distributed --decode": (*SHAPE, "ckpt", "plans", "tokens", "batch", "warmup", "runs", "json", "csv",
+                             "distributed", "pin", "dist_timeout", "decode", "prompt_len", "new_tokens", "blocks"),
+    "simulate-devices": ("simulate_devices", "shape", "depth", "width", "aspect_ratio", "head_dim", "kv_heads",
+                         "vocab_size", "plans", "tokens", "batch", "json", "csv", "link_gbps", "link_latency_us",
+                         "warmup", "runs"),
+    "simulate-devices --roofline-gbytes": ("simulate_devices", "shape", "depth", "width", "aspect_ratio", "head_dim",
+                                           "kv_heads", "vocab_size", "plans", "tokens", "batch", "json", "csv",
+                                           "link_gbps", "link_latency_us", "roofline_gbytes", "roofline_efficiency",
+                                           "op_floor_us"),
 }
-CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
+CHECKED = tuple(dict.fromkeys([*(d for ds in BENCH_READS.values() for d in ds),
     "suite_plans", "suite_methods", "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers",
     "drafter", "alpha", "no_ablations", "pin", "dist_timeout", "link_gbps", "link_latency_us", "shape",
-    "roofline_gbytes", "roofline_efficiency", "op_floor_us")
+    "roofline_gbytes", "roofline_efficiency", "op_floor_us"]))  # each once: a flag is named once in the refusal
 
 
 def unread_flags(args, kind: str) -> None:
@@ -275,7 +288,8 @@ def unread_flags(args, kind: str) -> None:
     stray = [d for d in given if d not in BENCH_READS[kind]]
     if stray:
         one = len(stray) == 1
-        run = {"forward": "`snlp bench` (the forward benchmark)"}.get(kind, f"`snlp bench --{kind}`")
+        run = {"forward": "`snlp bench` (the forward benchmark)",
+               "distributed": "`snlp bench --distributed` without --decode"}.get(kind, f"`snlp bench --{kind}`")
         raise ValueError(f"{', '.join(map(flag, stray))} {'is' if one else 'are'} not read by {run} and would change "
                          f"nothing: drop {'it' if one else 'them'}"
                          + (" (the suites time their own shapes and plans with random weights)"

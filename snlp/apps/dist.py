@@ -20,8 +20,8 @@ from snlp.dist.costmodel import Shape as CostShape
 from snlp.runtime.device import cli_device, cli_dtype, set_threads, write_json
 from snlp.runtime.load import (LoadWindow, load_averages, own_threads, ranks_threads, say_contention, usable_cores,
                                warn_oversubscribed)
-from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, distributed_benchmark,
-                                      gather_objects, init_distributed, partition)
+from snlp.dist.layer_parallel import (CollectiveError, DistributedSNLP, RankFailureError, check_distributable,
+                                      check_timeout, distributed_benchmark, gather_objects, init_distributed, partition)
 from snlp.dist.load import RankCheckpoint
 from snlp.method.plan import cli_plan, parse_plans
 
@@ -70,6 +70,23 @@ def check_world_fits(plans) -> None:
         partition(p.chunks, int(world))
 
 
+def check_before_ranks(args, plans, ckpt) -> None:
+    """What every rank would refuse, refused once before any process group starts: the --dist-timeout, a chunk for
+    every rank, plans whose surrogate has no distributed form and a checkpoint with nanochat's smear / backout (a
+    bench over several plans would otherwise time the first ones, then fail on a later one)."""
+    try:
+        check_timeout(args.dist_timeout)
+    except ValueError:
+        raise ValueError(f"--dist-timeout must be a finite number of seconds > 0 (got {args.dist_timeout:g})") from None
+    check_world_fits(plans)
+    for p in plans:
+        check_distributable(p)
+    from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+
+    if ckpt and is_snlp_checkpoint(ckpt):  # anything else: RankCheckpoint refuses it with what it is
+        check_distributable(config=load_config(ckpt))
+
+
 def refuse_compile(args) -> None:
     """--compile has no distributed counterpart: the distributed solve and the layer-pipelined forward
     interleave collectives with the layer math and run eagerly; refused rather than silently ignored."""
@@ -102,11 +119,11 @@ def run_generate(args) -> int:
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
-    check_world_fits([Plan.parse(args.plan)])  # its grammar, and a chunk for every rank
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
+    check_before_ranks(args, [Plan.parse(args.plan)], args.ckpt)  # a chunk for every rank, a distributed surrogate
     return _run_ranked("generate", args, lambda rank, world, device, cores: _run_generate_ranked(args, rank, world,
                                                                                                  device, cores))
 
@@ -323,11 +340,17 @@ def run_bench(args, spec: ModelSpec) -> int:
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
+    from snlp.apps.bench import unread_flags
+
+    unread_flags(args, "distributed --decode" if args.decode else "distributed")  # e.g. --simulate-devices' flags
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
     plans = check_plans_grammar(args.plans)
     check_plans_fit(spec.ckpt, plans)  # before any rank starts
-    check_world_fits(plans)
+    if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
+        for p in plans:
+            p.check(spec.depth)
+    check_before_ranks(args, plans, spec.ckpt)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
 
@@ -398,9 +421,25 @@ def run_simulate(args) -> int:
     P = args.simulate_devices
     if P < 1:
         raise ValueError(f"--simulate-devices must be >= 1 (got {P})")
+    from snlp.apps.bench import SHAPE, unread_flags
+    from snlp.apps.common import flag
+
+    # a flag the cost model does not read (--ckpt, --distributed, --hc-streams, ...) would change nothing: refused
+    unread_flags(args, "simulate-devices --roofline-gbytes" if args.roofline_gbytes else "simulate-devices")
+    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
+    if len(counts) != 1:
+        raise ValueError(f"--simulate-devices takes one --tokens value (got {','.join(map(str, counts))})")
     if args.shape:
         if args.shape not in SHAPES:
             raise ValueError(f"unknown --shape {args.shape!r}: valid shapes are {', '.join(SHAPES)}")
+        from snlp.apps.common import parser_defaults
+        from snlp.apps.bench import add_arguments
+
+        defaults = parser_defaults(add_arguments)
+        sizes = [flag(d) for d in SHAPE if d in defaults and getattr(args, d) != defaults[d]]
+        if sizes:
+            raise ValueError(f"--shape {args.shape} is a whole shape; {', '.join(sizes)} would change nothing: drop "
+                             f"{'it' if len(sizes) == 1 else 'them'} or --shape")
         shape = SHAPES[args.shape]
     else:
         from snlp.model.gpt import GPTConfig
@@ -414,7 +453,6 @@ def run_simulate(args) -> int:
     shape = CostShape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
     link = Link(args.link_gbps, args.link_latency_us)
     plans = parse_plans(args.plans, shape.n_layer)
-    counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     rows = []
     for plan in plans:
         if args.roofline_gbytes:

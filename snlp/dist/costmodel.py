@@ -168,8 +168,12 @@ def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, ba
     n_loc = math.ceil(plan.chunks / devices)
     nbytes = n_loc * plan.fuse * shape.layer_params * torch.finfo(dtype).bits // 8
     depth = n_loc * plan.fuse if nbytes <= max_chunk_gb * 1e9 else 1
+    if shape.mlp_mats not in (2, 3):
+        raise ValueError(f"mlp_mats must be 2 (relu^2) or 3 (SwiGLU) to build the layer it times (got {shape.mlp_mats})")
+    # the layer timed is the shape's (its MLP kind and width: Shape.layer_params), not the relu^2 4D default
     cfg = GPTConfig(n_layer=depth, n_embd=shape.n_embd, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
-                    vocab_size=shape.vocab_size, mlp_ratio=shape.mlp_ratio, sequence_len=max(tokens, 16))
+                    vocab_size=shape.vocab_size, mlp_ratio=shape.mlp_ratio, sequence_len=max(tokens, 16),
+                    mlp_act="swiglu" if shape.mlp_mats == 3 else "relu2", ffn_dim=shape.mlp_hidden or 0)
     with torch.device(device):
         model = GPT(cfg)
     model.init_weights(seed=0)

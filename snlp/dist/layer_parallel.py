@@ -57,6 +57,7 @@ computes, straight onto its device, from a model built on the `meta` device.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -104,12 +105,21 @@ def _peer_lost(e: BaseException) -> bool:
 
 
 # ----------------------------------------------------------------------------- process group
+def check_timeout(timeout_s) -> None:
+    """The process-group timeout must be a finite number of seconds > 0: c10d takes 0 or a negative one as an already
+    expired deadline (every rank fails its first rendezvous with a C++ traceback) and timedelta overflows on inf."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise ValueError(f"the distributed timeout must be a finite number of seconds > 0 (got {timeout_s!r})")
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.device = "cpu") -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) unless it already is: gloo on CPU, NCCL on CUDA, with `timeout_s` as
     the collective timeout (a dead peer makes the others fail after at most this long). (rank, world)."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
+    check_timeout(timeout_s)
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
@@ -182,6 +192,19 @@ def partition(chunks: int, world: int) -> list[tuple[int, int]]:
         bounds.append((c0, c1))
         c0 = c1
     return bounds
+
+
+def check_distributable(plan: Plan | None = None, config=None) -> None:
+    """Refuse what DistributedSNLP cannot run: a plan whose surrogate is not available distributed, or a model
+    config with nanochat's smear / backout. The CLI calls it before any rank starts (a bench over several plans would
+    otherwise time the first ones and then fail on a later one)."""
+    if plan is not None and not plan.surrogate.distributed:  # the surrogate says (snlp.method.surrogates)
+        valid = ", ".join(c.token for c in SURROGATES if c.distributed)
+        raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
+                         f"{valid}); exact Newton is a sequential reference solver")
+    if config is not None and (config.smear or config.backout):
+        raise ValueError("distributed SNLP does not carry nanochat's smear / backout (the smear's token history "
+                         "and the backout's halfway state would have to cross ranks): run this model on one device")
 
 
 def model_digest(model: GPT) -> bytes:
@@ -285,13 +308,7 @@ class DistributedSNLP:
         if not dist.is_initialized():
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.dist.layer_parallel.init_distributed)")
         plan = as_plan(model, plan)
-        if not plan.surrogate.distributed:  # the surrogate says (snlp.method.surrogates), no list kept here
-            valid = ", ".join(c.token for c in SURROGATES if c.distributed)
-            raise ValueError(f"plan {plan}: the {plan.surrogate.token} surrogate is not available distributed (valid: "
-                             f"{valid}); exact Newton is a sequential reference solver")
-        if model.config.smear or model.config.backout:
-            raise ValueError("distributed SNLP does not carry nanochat's smear / backout (the smear's token history "
-                             "and the backout's halfway state would have to cross ranks): run this model on one device")
+        check_distributable(plan, model.config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers
@@ -301,7 +318,11 @@ class DistributedSNLP:
         self._checkpoint = checkpoint
         if checkpoint is not None:  # only this rank's layers (the ones it computes, rank 0: the prefix too)
             first = 0 if self.rank == 0 else self.S + self.c0 * M
-            checkpoint.materialise(model, range(first, self.S + self.c1 * M), head=self.rank == self.last)
+            # a tensor missing or mis-shaped in the file fails on the rank that reads it: every rank raises its error
+            # (a rank failing alone would leave the others in the start-up check until the timeout, told only that a
+            # peer died)
+            self._agree(lambda: checkpoint.materialise(model, range(first, self.S + self.c1 * M),
+                                                       head=self.rank == self.last))
         elif check and any(t.is_meta for t in model.parameters()):  # (check=False: a meta rank, shapes only)
             raise ValueError("DistributedSNLP got a model with meta-device weights: pass the checkpoint that fills "
                              "them (checkpoint=snlp.dist.load.RankCheckpoint(path, device))")

@@ -10,12 +10,15 @@ layer parallelism exists to avoid.
 
 Dtypes follow `snlp.io.checkpoint.load`: every tensor is cast to the dtype GPT(config) gives the parameter.
 The start-up consistency check cannot hash the whole model on a rank that never reads it; `digest`
-hashes the config, the safetensors header (every tensor's name, dtype, shape and byte range) and the
-bytes of the token embedding, which every rank reads anyway."""
+hashes the config, the safetensors header (every tensor's name, dtype, shape and byte range, in a canonical key
+order) and the bytes of the token embedding, which every rank reads anyway. So it catches another model or a
+re-shaped or re-typed one, but not two files of the same layout whose layer weights differ (e.g. a stale copy of
+a checkpoint re-trained in place): no rank reads another rank's layers to compare them."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 from safetensors import safe_open
@@ -52,10 +55,15 @@ class RankCheckpoint:
         return model.eval()
 
     # ----- reading single tensors -----
-    def _check(self, name: str, like: Tensor, shape) -> None:
+    def _slice(self, name: str):
+        """safetensors' lazy slice of `name`, or this checkpoint's one-line error if the file lacks it (get_slice's
+        own is a bare SafetensorError naming neither the file nor the config)."""
         if name not in self.keys:
             raise ValueError(f"weights in {self.file} lack {name} (config {self.path / 'config.json'} expects it): the "
                              f"files come from different models; re-save the checkpoint")
+        return self._f.get_slice(name)
+
+    def _check(self, name: str, like: Tensor, shape) -> None:
         if tuple(shape) != tuple(like.shape):
             raise ValueError(f"weights in {self.file}: {name} has shape {tuple(shape)}, the config expects "
                              f"{tuple(like.shape)}; the files come from different models")
@@ -63,7 +71,7 @@ class RankCheckpoint:
     def tensor(self, name: str, like: Tensor) -> Tensor:
         """The stored tensor `name`, checked against `like` (its meta parameter), on this rank's device in
         like's dtype."""
-        sl = self._f.get_slice(name)
+        sl = self._slice(name)
         self._check(name, like, sl.get_shape())
         t = self._f.get_tensor(name)
         self.digests[name] = tensor_digest(t)  # what this rank holds, for checking a calibration against it
@@ -71,7 +79,7 @@ class RankCheckpoint:
 
     def rows(self, name: str, rows: list[int], like: Tensor) -> Tensor:
         """like[rows] of the stored tensor `name` (e.g. some value-embedding tables), reading only those rows."""
-        sl = self._f.get_slice(name)
+        sl = self._slice(name)
         self._check(name, like, sl.get_shape())
         parts = [sl[r:r + 1] for r in rows]
         out = torch.cat(parts) if parts else torch.empty(0, *like.shape[1:])
@@ -105,7 +113,10 @@ class RankCheckpoint:
         h = hashlib.sha256(repr(sorted(self.config.to_dict().items())).encode())
         with open(self.file, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            h.update(f.read(n))
+            header = json.loads(f.read(n))
+        # the header's JSON in a canonical order: safetensors writes its maps (the metadata, the tensors) in no fixed
+        # order, so two saves of the same weights can differ in bytes and would fail the check as "different weights"
+        h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
         t = self._f.get_tensor("wte.weight").contiguous()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.digest()

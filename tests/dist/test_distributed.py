@@ -313,3 +313,25 @@ def test_bench_simulate_devices_cli(tmp_path):
                  "--vocab-size", "128", "--plans", "2xF1-h0-K1", "--runs", "2", "--warmup", "1",
                  "--json", str(out)]) == 0  # measured on this CPU
     assert json.loads(out.read_text())[0]["compute"].startswith("measured on cpu")
+
+
+def test_measured_layer_is_the_shapes_layer(monkeypatch):
+    """`measure_layer_ms` times the layer of the Shape it is given: a SwiGLU MLP of mlp_hidden (the 70B shape's kind)
+    is built as one, with Shape.layer_params weights, not as the relu^2 MLP of 4 D."""
+    from snlp.dist import costmodel
+    from snlp.model.gpt import GPT
+
+    built = []
+    init = GPT.__init__
+
+    def spy(self, cfg, *a, **kw):
+        init(self, cfg, *a, **kw)
+        built.append(sum(p.numel() for n, p in self.blocks[0].named_parameters() if "ve_gate" not in n))
+
+    monkeypatch.setattr(GPT, "__init__", spy)
+    for shape in (costmodel.Shape(n_layer=4, n_embd=32, n_head=4, n_kv_head=2, vocab_size=64, mlp_hidden=88,
+                                  mlp_mats=3),
+                  costmodel.Shape(n_layer=4, n_embd=32, n_head=4, n_kv_head=2, vocab_size=64)):
+        built.clear()
+        costmodel.measure_layer_ms(shape, Plan.parse("2xF1-h0-K1"), 2, warmup=0, runs=1)
+        assert built and built[0] == shape.layer_params, (shape, built)

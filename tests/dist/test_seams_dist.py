@@ -176,6 +176,33 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
      "--eos-id must be a token id >= 0 (got -1)"),
     (["bench", "--distributed", "--depth", "4", "--compile"], "--compile is not supported with --distributed"),
     (["bench", "--distributed", "--depth", "4", "--tokens", "1,4"], "--distributed takes one --tokens value"),
+    # refused before any process group (no torchrun here: a later refusal would be the missing-environment one)
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--dist-timeout", "0"],
+     "--dist-timeout must be a finite number of seconds > 0 (got 0)"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1", "--dist-timeout", "-1"],
+     "--dist-timeout must be a finite number of seconds > 0 (got -1)"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-newton"],
+     "the newton surrogate is not available distributed"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-h0-K1-newton"],
+     "the newton surrogate is not available distributed"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "8xF1-h0-K1"],
+     "plan 8xF1-h0-K1 needs a suffix of N = 8x1 = 8 layers but the model has only L = 4"),
+    # flags the run does not read would change nothing
+    (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
+     "--link-gbps is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
+     "--blocks is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),
+    (["bench", "--simulate-devices", "2", "--ckpt", "{ckpt}", "--roofline-gbytes", "100", "--plans", "2xF1-h0-K1"],
+     "--ckpt is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--distributed", "--shape", "3B", "--roofline-gbytes", "100"],
+     "--distributed is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--hc-streams", "2", "--roofline-gbytes", "100"],
+     "--hc-streams is not read by `snlp bench --simulate-devices"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--depth", "8", "--roofline-gbytes", "100"],
+     "--shape 3B is a whole shape; --depth would change nothing"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
+     "--simulate-devices takes one --tokens value (got 1,4)"),
 ])
 def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
     """Refused before any process group is set up (no torchrun needed to see the error)."""
@@ -199,6 +226,36 @@ def test_distributed_refuses_fewer_chunks_than_ranks_before_the_process_group(ch
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
     assert "a plan with C = 2 chunks cannot be spread over 3 ranks" in capsys.readouterr().err
+
+
+def test_distributed_refuses_a_smear_checkpoint_before_the_process_group(tmp_path, capsys, monkeypatch):
+    """Every rank would refuse nanochat's smear in DistributedSNLP after opening the checkpoint; the CLI refuses it
+    once, from the config, before the group (unset torchrun environment: otherwise that refusal would come first)."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ckpt = save_checkpoint(tmp_path / "smear", make_model(seed=0, n_embd=32, smear=True, dtype=torch.float32))
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"]) == 2
+    assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
+    assert main(["bench", "--distributed", "--ckpt", str(ckpt), "--plans", "2xF1-h0-K1"]) == 2
+    assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_init_distributed_refuses_a_timeout_c10d_cannot_keep(timeout, monkeypatch):
+    """0 or a negative timeout is an already expired deadline in c10d (every rank's rendezvous fails with a C++
+    traceback), inf overflows timedelta: a ValueError before the environment is read or a group starts."""
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import init_distributed
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        init_distributed(timeout)
+    assert not dist.is_initialized()
 
 
 # ----------------------------------------------------------------------------- devices, rank-local load, errors
@@ -490,3 +547,78 @@ def test_a_distributed_kv_cache_beyond_memory_is_refused_as_the_single_process_o
         for name in ("new_cache", "generate"):
             assert res[name].startswith("ValueError: a KV cache of 1,000,000,000,0"), (rank, name, res[name])
             assert "more than the" in res[name] and "\n" not in res[name], res[name]
+
+
+def test_checkpoint_digest_ignores_the_header_key_order(tmp_path):
+    """safetensors writes the header's maps in no fixed order, so two saves of the same weights can differ in their
+    header bytes; the start-up digest (RankCheckpoint.digest) reads them as the same model, and still tells a
+    different token embedding apart."""
+    import json
+    import shutil
+
+    from snlp.dist.load import RankCheckpoint
+    from snlp.io.checkpoint import save_checkpoint
+
+    a = save_checkpoint(tmp_path / "a", make_model(seed=0))
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    raw = (a / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    flipped = {k: (dict(reversed(v.items())) if k == "__metadata__" else v) for k, v in reversed(header.items())}
+    text = json.dumps(flipped, separators=(",", ":")).encode()
+    assert len(text) <= n and text != raw[8:8 + len(text)]
+    (b / "model.safetensors").write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])  # same offsets, same data
+    assert RankCheckpoint(b).digest() == RankCheckpoint(a).digest()
+    other = make_model(seed=0)
+    with torch.no_grad():
+        other.wte.weight.add_(1.0)
+    assert RankCheckpoint(save_checkpoint(tmp_path / "c", other)).digest() != RankCheckpoint(a).digest()
+
+
+def _without_head(tmp_path):
+    """A checkpoint whose weights file lacks lm_head.weight (its config, untied, expects it)."""
+    from safetensors.torch import load_file, save_file
+
+    from snlp.io.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "nohead", make_model(seed=0))
+    sd = load_file(str(ckpt / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return ckpt
+
+
+def test_rank_checkpoint_names_a_missing_tensor(tmp_path):
+    from snlp.dist.load import RankCheckpoint
+
+    ck = RankCheckpoint(_without_head(tmp_path))
+    like = ck.meta_model().lm_head.weight
+    with pytest.raises(ValueError, match=r"model.safetensors lack lm_head.weight \(config .* expects it\)"):
+        ck.tensor("lm_head.weight", like)
+    with pytest.raises(ValueError, match="lack lm_head.weight"):
+        ck.rows("lm_head.weight", [0], like)
+
+
+def _missing_tensor_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    from snlp.dist.layer_parallel import DistributedSNLP
+    from snlp.dist.load import RankCheckpoint
+
+    _init(rank, world, port, timeout_s=20.0)
+    try:
+        ck = RankCheckpoint(ckpt)
+        DistributedSNLP(ck.meta_model(), "4xF1-h0-K1", checkpoint=ck)
+        msg = ""
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    torch.save(msg, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_tensor_only_one_rank_reads_fails_every_rank_with_its_reason(tmp_path):
+    """Only the last rank reads the LM head: its missing tensor is every rank's ValueError naming that rank and the
+    tensor, not a RankFailureError on the others ('a peer died') once the timeout has passed."""
+    ckpt = _without_head(tmp_path)
+    _spawn(_missing_tensor_worker, 2, str(ckpt), str(tmp_path))
+    for r in range(2):
+        msg = torch.load(tmp_path / f"rank{r}.pt")
+        assert msg.startswith("ValueError: rank 1: weights in") and "lack lm_head.weight" in msg, (r, msg)
