@@ -254,15 +254,21 @@ BENCH_READS = {
     "ops": (*SHAPE, "ckpt", "ops", "tokens", "layer", "warmup", "runs", "json", "csv"),
     "suite paper": ("suite", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs",
                     "suite_new_tokens", "treatments", "no_decode"),
+    # the decode suite decodes its own random model or --ckpt, its rounds and tokens set by the --suite-* flags (the
+    # flags it refuses with a reason of their own, such as --plans, are checked before these)
+    "suite decode": ("suite", "quick", "out", "ckpt", "shapes", "prompt_len", "blocks", "batch_sizes", "treatments",
+                     "compile", "suite_warmup", "suite_runs", "suite_new_tokens", "suite_plans", "suite_methods",
+                     "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers", "drafter",
+                     "alpha", "json", "csv"),
     "suite train": ("suite", "quick", "out", "shapes", "treatments", "regs", "reg_n", "train_batch", "train_seq_len",
                     "train_steps", "train_warmup", "optimizer"),
     "vs-paper": ("vs_paper", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs", "treatments",
                  "no_ablations"),
 }
-CHECKED = tuple(dict.fromkeys(d for ds in BENCH_READS.values() for d in ds)) + (
+CHECKED = tuple(dict.fromkeys([*(d for ds in BENCH_READS.values() for d in ds),  # each once: a stray flag is named once
     "suite_plans", "suite_methods", "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers",
     "drafter", "alpha", "no_ablations", "pin", "dist_timeout", "link_gbps", "link_latency_us", "shape",
-    "roofline_gbytes", "roofline_efficiency", "op_floor_us")
+    "roofline_gbytes", "roofline_efficiency", "op_floor_us"]))
 
 
 def unread_flags(args, kind: str) -> None:
@@ -278,7 +284,9 @@ def unread_flags(args, kind: str) -> None:
         run = {"forward": "`snlp bench` (the forward benchmark)"}.get(kind, f"`snlp bench --{kind}`")
         raise ValueError(f"{', '.join(map(flag, stray))} {'is' if one else 'are'} not read by {run} and would change "
                          f"nothing: drop {'it' if one else 'them'}"
-                         + (" (the suites time their own shapes and plans with random weights)"
+                         + (" (its rounds: --suite-warmup, --suite-runs; its tokens: --suite-new-tokens; its model: "
+                            "--ckpt, else its own random one)" if kind == "suite decode" else
+                            " (the suites time their own shapes and plans with random weights)"
                             if kind.startswith("suite") else " (it times the paper's shapes and plans with random "
                             "weights; its own flags: --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, "
                             "--suite-runs, --no-ablations)" if kind == "vs-paper" else ""))
@@ -742,6 +750,7 @@ def run_decode_suite_cli(args, command: str) -> int:
         ("--plans", args.plans != DEFAULT_PLANS)) if used]
     if refused:
         raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans)")
+    unread_flags(args, "suite decode")  # --runs, --new-tokens, --depth, ...: the forward and decode benchmarks' flags
     out = None if args.out == "bench-suite" else Path(args.out)  # --out DIR: JSON + markdown there
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     if args.treatments and args.compile:

@@ -151,6 +151,12 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--batch-sizes", "1,4", "--suite-prompts", "6"], "a multiple of every batch size (1,4), got 6"),
     (["--suite-prompts", "9"], "prompts per call must lie in 1..8"),
     (["--shapes", "0.5B", "--suite-prompts", "4"], "does not take --suite-prompts"),
+    # the forward / decode benchmarks' flags: the suite reads none of them (its own: --suite-runs, ...)
+    (["--runs", "7"], "--runs is not read by `snlp bench --suite decode`"),
+    (["--warmup", "9"], "--warmup is not read by `snlp bench --suite decode`"),
+    (["--new-tokens", "3"], "--new-tokens is not read by `snlp bench --suite decode`"),
+    (["--depth", "4"], "--depth is not read by `snlp bench --suite decode`"),
+    (["--shapes", "0.5B", "--runs", "7"], "--runs is not read by `snlp bench --suite decode`"),
 ])
 def test_refusals_come_before_any_work(argv, says, capsys):
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", *argv]) == 2
