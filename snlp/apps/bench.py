@@ -98,7 +98,8 @@ def _add_decode_flags(p) -> None:
     dec.add_argument("--decode", action="store_true",
                      help="benchmark KV-cached greedy decoding instead: per-token latency of sequential and each "
                           "plan, and self-speculative decoding (each plan drafts, sequential verifies)")
-    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
+    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed; --suite decode: "
+                     "each timed call prefills its prompts)")
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     dec.add_argument("--blocks", default=DEFAULT_BLOCKS, help="comma-separated speculative draft block sizes B")
     dec.add_argument("--batch-sizes", default=None,
@@ -136,11 +137,14 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--suite-tokens", type=int, default=None,
                        help="--suite: prefill length T (default 2048; 16 quick)")
     suite.add_argument("--suite-warmup", type=int, default=None,
-                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
+                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu); --suite "
+                            "decode: untimed rounds (default 2 on cuda, 1 on cpu and quick; --shapes 5, 2, 1)")
     suite.add_argument("--suite-runs", type=int, default=None,
-                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
+                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu); --suite "
+                            "decode: timed rounds (default 10 on cuda, 5 on cpu, 3 quick; --shapes 50, 10, 3)")
     suite.add_argument("--suite-new-tokens", type=int, default=None,
-                       help="--suite: decoded tokens per decode run (default 128; 4 quick)")
+                       help="--suite: decoded tokens per decode run (default 128; 4 quick, 8 with --suite decode "
+                            "--quick)")
     suite.add_argument("--treatments", default=None,
                        help=f"--suite: eager and/or compiled (default {DEFAULT_TREATMENTS}; --suite decode: both on "
                             f"cuda, eager on cpu unless --compile)")
