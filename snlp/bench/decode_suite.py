@@ -854,14 +854,25 @@ def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
             if seq and hfs:
                 hf = max(hfs, key=lambda r: r.tokens_per_s)
                 out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
-                           f"row ({hf.method})")
+                           f"row ({hf.method}{_other_tokens(hf)})")
         ours = [r for r in ran if r.batch == B and r.method.startswith("snlp speculative") and r.matches_sequential]
         theirs = [r for r in ran if r.batch == B and r.method in ("hf early-exit", "hf prompt-lookup")]
         if ours and theirs:
             a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
             out.append(f"- B={B}: the fastest snlp self-speculative row ({a.treatment}, {a.plan}, block {a.block}) "
-                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan})")
+                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan}"
+                       f"{_other_tokens(b)})")
     return out
+
+
+def _other_tokens(r: DecodeSuiteRow) -> str:
+    """What a comparison line says of a transformers row whose tokens are not snlp sequential's (its "= seq" no):
+    the snlp side of the line decodes the sequential tokens, so a line that left this out would compare decoders
+    of different text as if they were alike."""
+    if r.matches_sequential is not False:
+        return ""
+    return (f"; its tokens differ from snlp sequential's on {r.mismatched_rows}/{r.prompts or r.batch} prompts, from "
+            f"token {r.first_mismatch}")
 
 
 def progress_line(result, what: str) -> None:

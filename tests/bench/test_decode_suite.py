@@ -461,6 +461,29 @@ def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_ti
     assert len(lines) == 2
 
 
+def test_a_comparison_with_a_transformers_row_of_other_tokens_says_so():
+    """The snlp side of a comparison line decodes snlp sequential's tokens (its speculative rows are picked among
+    those that do); a transformers row whose tokens differ (its "= seq" no) is named as such on the line, with the
+    table's counts, not compared as if it decoded the same text."""
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
+
+    def row(method, tps, **kw):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment="eager", batch=1, prompts=4, tokens_per_s=tps, tokens_per_s_min=tps - 5,
+                              tokens_per_s_max=tps + 5, seconds=[1.0] * 5, **kw)
+    off = dict(matches_sequential=False, mismatched_rows=3, first_mismatch=7)
+    rows = [row("snlp sequential", 100, matches_sequential=True), row("hf greedy", 50, **off),
+            row("snlp speculative", 300, plan="6xF1-h0-K1", block=4, matches_sequential=True),
+            row("hf prompt-lookup", 200, plan="N=3", **off), row("hf early-exit", 150, plan="E=2",
+                                                                matches_sequential=True)]
+    greedy, assisted = comparisons(rows)
+    assert greedy.endswith("(hf greedy; its tokens differ from snlp sequential's on 3/4 prompts, from token 7)")
+    assert assisted.endswith("(hf prompt-lookup, N=3; its tokens differ from snlp sequential's on 3/4 prompts, "
+                             "from token 7)")
+    rows[1].matches_sequential = True
+    assert comparisons(rows)[0].endswith("(hf greedy)")
+
+
 def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
     from snlp.bench.decode_suite import load_model
 
