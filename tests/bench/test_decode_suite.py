@@ -484,6 +484,32 @@ def test_a_comparison_with_a_transformers_row_of_other_tokens_says_so():
     assert comparisons(rows)[0].endswith("(hf greedy)")
 
 
+@pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
+@pytest.mark.parametrize("treatments, runs", [
+    (("compiled",), set()),  # on the CPU: no transformers row can run compiled, and none eager is compared
+    (("eager", "compiled"), {("hf greedy", "eager"), ("hf greedy (static)", "eager"), ("hf early-exit", "eager"),
+                             ("hf prompt-lookup", "eager")}),
+])
+def test_transformers_rows_follow_the_treatments_or_say_why_not(treatments, runs):
+    """--treatments compiled alone: transformers' eager-only rows (dynamic cache, assisted) have no eager snlp row
+    to be compared with, so they are skipped with that reason instead of timed for nothing; a compiled static-cache
+    row off CUDA is a skipped row saying why (transformers compiles it on CUDA only), not left out unsaid."""
+    from snlp.bench.decode_suite import _hf_methods, hf_twin
+
+    model = random_llama(quick=True)
+    hf, why = hf_twin(model, torch.device("cpu"), torch.float32)
+    assert why is None
+    cfg = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1,), treatments=treatments).resolved()
+    got = _hf_methods(hf, [[list(range(8))]], cfg, 1)
+    ran = {(kw["method"], kw["treatment"]) for kw, fn in got if not isinstance(fn, str)}
+    assert ran == runs
+    skipped = {(kw["method"], kw["treatment"]): fn for kw, fn in got if isinstance(fn, str)}
+    assert "CUDA only" in skipped[("hf greedy (static)", "compiled")]
+    if "eager" not in treatments:
+        assert all("eager only" in skipped[(m, "eager")]
+                   for m in ("hf greedy", "hf early-exit", "hf prompt-lookup"))
+
+
 def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
     from snlp.bench.decode_suite import load_model
 
