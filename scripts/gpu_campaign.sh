@@ -17,16 +17,17 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS=""; DDRAFTER=""; DPROMPTS=""
+DFLAGS=""  # the --decode-* flags given: they set the decode part only
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --out) OUT="$2"; shift ;;
     --paper) PAPER="$2"; shift ;;
     --parts) PARTS="$2"; shift ;;
-    --decode-ckpt) DCKPT="$2"; shift ;;
-    --decode-plans) DPLANS="$2"; shift ;;
-    --decode-drafter) DDRAFTER="$2"; shift ;;  # an adapted drafter of --decode-ckpt (snlp adapt): its own rows
-    --decode-prompts) DPROMPTS="$2"; shift ;;  # a JSON list of prompts (snlp bench --prompts-file)
+    --decode-ckpt) DCKPT="$2"; DFLAGS="$DFLAGS --decode-ckpt"; shift ;;
+    --decode-plans) DPLANS="$2"; DFLAGS="$DFLAGS --decode-plans"; shift ;;
+    --decode-drafter) DDRAFTER="$2"; DFLAGS="$DFLAGS --decode-drafter"; shift ;;  # an adapted drafter of --decode-ckpt (snlp adapt): its own rows
+    --decode-prompts) DPROMPTS="$2"; DFLAGS="$DFLAGS --decode-prompts"; shift ;;  # a JSON list of prompts (snlp bench --prompts-file)
     *) echo "gpu_campaign: unknown argument $1 (use --quick, --out DIR, --paper PATH, --parts LIST, --decode-ckpt CKPT," \
             "--decode-plans P,..., --decode-drafter DIR, --decode-prompts FILE)" >&2; exit 2 ;;
   esac
@@ -36,8 +37,6 @@ if [ -z "$PAPER" ]; then
   for p in .paper/nanochat-snlp ../shared/anchors/nanochat-snlp; do [ -f "$p/nanochat/gpt.py" ] && PAPER=$p && break; done
 fi
 PY=python3
-mkdir -p "$OUT/parts"
-LOG="$OUT/log.txt"; : > "$LOG"
 if [ "$QUICK" = 1 ]; then
   # one thread: torch before 2.13 (the lent machines' 2.11) corrupts the heap in its compiled CPU FlexAttention
   # kernel on two (docs/records/2026-11-27-torch-2.11-on-cpu.md), and the attn / flex parts call it directly
@@ -59,6 +58,41 @@ else
   TRAIN_ARGS="--train-batch 4 --train-steps 6 --train-warmup 2"
 fi
 PARTS=${PARTS:-$DEFAULT_PARTS}
+
+# what a call asks for must be what it runs: an unknown part, a LIMIT_ / DECODE_ / TRAIN_ knob of no part (a typo) or
+# of a part this call does not run, or a limit that is not whole seconds would be ignored, and a lent GPU's call spent
+# on a table without the part it was for; refused here, before anything runs
+ALL_PARTS=vs_paper_eager,attn,profile,profile_compiled,vs_paper_compiled,decode,decode_shape,decode_trained,host,flex
+ALL_PARTS=$ALL_PARTS,flex_train,train  # every `part NAME` below (tests/bench/test_campaign.py checks)
+refuse() { echo "gpu_campaign: $*" >&2; exit 2; }
+has_part() { case ",$2," in *",$1,"*) return 0 ;; esac; return 1; }
+[ -n "${PARTS//,/}" ] || refuse "--parts $PARTS names no part (the parts: $ALL_PARTS)"
+for p in ${PARTS//,/ }; do
+  has_part "$p" "$ALL_PARTS" || refuse "unknown part $p in --parts $PARTS (the parts: $ALL_PARTS)"
+done
+for v in $(compgen -e); do
+  case "$v" in
+    LIMIT_*) has_part "${v#LIMIT_}" "$ALL_PARTS" || refuse "$v names no part (the parts: $ALL_PARTS)"
+             [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || refuse "$v=${!v}: a part's limit is whole seconds" ;;
+    DECODE_BATCHES|DECODE_BLOCKS|DECODE_METHODS|DECODE_TREATMENTS|DECODE_PROMPTS)
+             has_part decode "$PARTS" || refuse "$v sets the decode part's rows and this call runs no decode" \
+                 "(parts $PARTS)" ;;
+    TRAIN_REGS|TRAIN_TREATMENTS)
+             has_part train "$PARTS" || refuse "$v sets the train part's variants and this call runs no train" \
+                 "(parts $PARTS)" ;;
+    TRAINED_STEPS)
+             has_part decode_trained "$PARTS" || refuse "$v sets decode_trained's training and this call runs no" \
+                 "decode_trained (parts $PARTS)" ;;
+    DECODE_*|TRAIN_*|TRAINED_*)
+             refuse "unknown knob $v (DECODE_BATCHES, DECODE_BLOCKS, DECODE_METHODS, DECODE_TREATMENTS," \
+                 "DECODE_PROMPTS, TRAIN_REGS, TRAIN_TREATMENTS, TRAINED_STEPS)" ;;
+  esac
+done
+if [ -n "$DFLAGS" ] && ! has_part decode "$PARTS"; then
+  refuse "${DFLAGS# } set the decode part and this call runs no decode (parts $PARTS)"
+fi
+mkdir -p "$OUT/parts"
+LOG="$OUT/log.txt"; : > "$LOG"
 
 # the machine, first: what the numbers below ran on
 $PY - <<'EOF' 2>&1 | tee -a "$LOG"

@@ -98,7 +98,8 @@ def _add_decode_flags(p) -> None:
     dec.add_argument("--decode", action="store_true",
                      help="benchmark KV-cached greedy decoding instead: per-token latency of sequential and each "
                           "plan, and self-speculative decoding (each plan drafts, sequential verifies)")
-    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed)")
+    dec.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefilled, not timed; --suite decode: "
+                     "each timed call prefills its prompts)")
     dec.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     dec.add_argument("--blocks", default=DEFAULT_BLOCKS, help="comma-separated speculative draft block sizes B")
     dec.add_argument("--batch-sizes", default=None,
@@ -136,11 +137,14 @@ def _add_suite_flags(p) -> None:
     suite.add_argument("--suite-tokens", type=int, default=None,
                        help="--suite: prefill length T (default 2048; 16 quick)")
     suite.add_argument("--suite-warmup", type=int, default=None,
-                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu)")
+                       help="--suite: prefill warm-up rounds (default 50 on cuda as the paper, 2 on cpu); --suite "
+                            "decode: untimed rounds (default 2 on cuda, 1 on cpu and quick; --shapes 5, 2, 1)")
     suite.add_argument("--suite-runs", type=int, default=None,
-                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu)")
+                       help="--suite: prefill timed rounds (default 200 on cuda as the paper, 5 on cpu); --suite "
+                            "decode: timed rounds (default 10 on cuda, 5 on cpu, 3 quick; --shapes 50, 10, 3)")
     suite.add_argument("--suite-new-tokens", type=int, default=None,
-                       help="--suite: decoded tokens per decode run (default 128; 4 quick)")
+                       help="--suite: decoded tokens per decode run (default 128; 4 quick, 8 with --suite decode "
+                            "--quick)")
     suite.add_argument("--treatments", default=None,
                        help=f"--suite: eager and/or compiled (default {DEFAULT_TREATMENTS}; --suite decode: both on "
                             f"cuda, eager on cpu unless --compile)")
@@ -254,6 +258,12 @@ BENCH_READS = {
     "ops": (*SHAPE, "ckpt", "ops", "tokens", "layer", "warmup", "runs", "json", "csv"),
     "suite paper": ("suite", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs",
                     "suite_new_tokens", "treatments", "no_decode"),
+    # the decode suite decodes its own random model or --ckpt, its rounds and tokens set by the --suite-* flags (the
+    # flags it refuses with a reason of their own, such as --plans, are checked before these)
+    "suite decode": ("suite", "quick", "out", "ckpt", "shapes", "prompt_len", "blocks", "batch_sizes", "treatments",
+                     "compile", "suite_warmup", "suite_runs", "suite_new_tokens", "suite_plans", "suite_methods",
+                     "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers", "drafter",
+                     "alpha", "json", "csv"),
     "suite train": ("suite", "quick", "out", "shapes", "treatments", "regs", "reg_n", "train_batch", "train_seq_len",
                     "train_steps", "train_warmup", "optimizer"),
     "vs-paper": ("vs_paper", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs", "treatments",
@@ -292,7 +302,9 @@ def unread_flags(args, kind: str) -> None:
                "distributed": "`snlp bench --distributed` without --decode"}.get(kind, f"`snlp bench --{kind}`")
         raise ValueError(f"{', '.join(map(flag, stray))} {'is' if one else 'are'} not read by {run} and would change "
                          f"nothing: drop {'it' if one else 'them'}"
-                         + (" (the suites time their own shapes and plans with random weights)"
+                         + (" (its rounds: --suite-warmup, --suite-runs; its tokens: --suite-new-tokens; its model: "
+                            "--ckpt, else its own random one)" if kind == "suite decode" else
+                            " (the suites time their own shapes and plans with random weights)"
                             if kind.startswith("suite") else " (it times the paper's shapes and plans with random "
                             "weights; its own flags: --shapes, --quick, --treatments, --suite-tokens, --suite-warmup, "
                             "--suite-runs, --no-ablations)" if kind == "vs-paper" else ""))
@@ -756,6 +768,7 @@ def run_decode_suite_cli(args, command: str) -> int:
         ("--plans", args.plans != DEFAULT_PLANS)) if used]
     if refused:
         raise ValueError(f"--suite decode does not take {', '.join(refused)} (plans: --suite-plans)")
+    unread_flags(args, "suite decode")  # --runs, --new-tokens, --depth, ...: the forward and decode benchmarks' flags
     out = None if args.out == "bench-suite" else Path(args.out)  # --out DIR: JSON + markdown there
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip()) if text else None  # noqa: E731
     if args.treatments and args.compile:

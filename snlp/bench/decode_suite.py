@@ -11,12 +11,15 @@ Methods (each a row per batch size):
                           "snlp speculative (drafter)": the drafter's adapted suffix drafts with its plan;
   hf greedy               transformers' `generate`, greedy, its default (dynamic) cache, eager;
   hf greedy (static)      the same with one persistent StaticCache reset per call (transformers' static-cache recipe),
-                          eager and compiled (its own torch.compile of the static-cache forward, on CUDA);
+                          eager and compiled (its own torch.compile of the static-cache forward, on CUDA; off
+                          CUDA the compiled row is skipped with that reason);
   hf early-exit E         `generate(assistant_early_exit=E)`: transformers' LayerSkip self-speculation (the first E
                           layers and the head draft); batch 1 only (transformers' assisted generation);
   hf prompt-lookup N      `generate(prompt_lookup_num_tokens=N)`; batch 1 only.
 `methods` (`--suite-methods`) drops the snlp or speculative rows (sequential always runs), `transformers`
-(`--no-transformers`) the hf rows: a short device lease compiles only the rows it compares.
+(`--no-transformers`) the hf rows: a short device lease compiles only the rows it compares. Without the eager
+treatment the hf rows that run eager only (greedy, early-exit, prompt-lookup) are skipped with that reason: no eager
+snlp row would be compared with them.
 transformers loads the model snlp decodes through snlp's own export (snlp.io.hf.export_hf: Llama-family models,
 e.g. SmolLM2 converted from its GGUF); it is imported lazily and its rows are skipped with the reason where it is
 missing, too old, or cannot hold the model (nanochat-style models have no transformers architecture).
@@ -67,6 +70,10 @@ TIE_RULE = ("their min-max tok/s ranges overlap, or too few rounds for separated
             "rounds, 0.029 at 4 and 4)")
 MIN_TRANSFORMERS = (4, 47)  # assistant_early_exit (LayerSkip) arrived in transformers 4.47
 ASSISTED_BATCH1 = "transformers' assisted generation (early exit, prompt lookup) supports batch size 1 only"
+# --treatments compiled alone: the transformers rows that only run eager have no eager snlp row to be compared with
+# (x seq is over the same treatment), so they are skipped rather than timed for nothing
+EAGER_ONLY = "runs eager only and --treatments has no eager rows to compare it with"
+COMPILED_CUDA = "transformers compiles its static-cache forward on CUDA only (its auto-compile rule)"
 # English prompts for models with a tokenizer (cut to a common length: equal-length prompts need no padding on
 # either side, so no row's numbers depend on a padding scheme); random ids otherwise
 TEXTS = (
@@ -521,10 +528,12 @@ def _hf_methods(hf, groups: list, cfg: DecodeSuiteConfig, early_exit: int) -> li
 
     # the model's forward names its cache argument: `cache` in transformers 5.x, `past_key_values` before
     cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    out = [(dict(method="hf greedy", treatment="eager", exact=True), gen())]  # the default (dynamic) cache
+    eager = "eager" in cfg.treatments  # the rows below that run eager only are skipped, with the reason, without it
+    out = [(dict(method="hf greedy", treatment="eager", exact=True), gen() if eager else EAGER_ONLY)]  # dynamic cache
     for treatment in cfg.treatments:
         if treatment == "compiled" and hf.device.type != "cuda":
-            continue  # transformers compiles its static-cache forward on CUDA only (its auto-compile rule)
+            out.append((dict(method="hf greedy (static)", treatment="compiled", exact=True), COMPILED_CUDA))
+            continue
         static, note = static_cache(hf, B, T + n), {}
         if static is None:  # no persistent cache in this version: generate allocates a static cache per call
             note = dict(cache_implementation="static")
@@ -534,7 +543,7 @@ def _hf_methods(hf, groups: list, cfg: DecodeSuiteConfig, early_exit: int) -> li
                  gen(assistant_early_exit=early_exit)),
                 (dict(method="hf prompt-lookup", treatment="eager", plan=f"N={cfg.prompt_lookup}", exact=True),
                  gen(prompt_lookup_num_tokens=cfg.prompt_lookup))]
-    out += [(row, fn if B == 1 else ASSISTED_BATCH1) for row, fn in assisted]
+    out += [(row, EAGER_ONLY if not eager else fn if B == 1 else ASSISTED_BATCH1) for row, fn in assisted]
     return out
 
 
@@ -854,14 +863,25 @@ def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
             if seq and hfs:
                 hf = max(hfs, key=lambda r: r.tokens_per_s)
                 out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
-                           f"row ({hf.method})")
+                           f"row ({hf.method}{_other_tokens(hf)})")
         ours = [r for r in ran if r.batch == B and r.method.startswith("snlp speculative") and r.matches_sequential]
         theirs = [r for r in ran if r.batch == B and r.method in ("hf early-exit", "hf prompt-lookup")]
         if ours and theirs:
             a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
             out.append(f"- B={B}: the fastest snlp self-speculative row ({a.treatment}, {a.plan}, block {a.block}) "
-                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan})")
+                       f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan}"
+                       f"{_other_tokens(b)})")
     return out
+
+
+def _other_tokens(r: DecodeSuiteRow) -> str:
+    """What a comparison line says of a transformers row whose tokens are not snlp sequential's (its "= seq" no):
+    the snlp side of the line decodes the sequential tokens, so a line that left this out would compare decoders
+    of different text as if they were alike."""
+    if r.matches_sequential is not False:
+        return ""
+    return (f"; its tokens differ from snlp sequential's on {r.mismatched_rows}/{r.prompts or r.batch} prompts, from "
+            f"token {r.first_mismatch}")
 
 
 def progress_line(result, what: str) -> None:

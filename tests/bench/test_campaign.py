@@ -155,3 +155,35 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     assert {"seq step [guard cut]", "draft step [snapshot]", "verify step [guard cut]"} <= set(rec["rows"])
     assert all(r["synced_us"] is None for r in rec["rows"].values())  # no device to wait for on a CPU
     assert "Host time per compiled call (cpu" in (tmp_path / "campaign.md").read_text()
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["--parts", "decdoe"], {}, "unknown part decdoe"),
+    (["--parts", ","], {}, "names no part"),
+    (["--parts", "attn"], {"LIMIT_decdoe": "400"}, "LIMIT_decdoe names no part"),
+    (["--parts", "attn"], {"LIMIT_attn": "5m"}, "LIMIT_attn=5m: a part's limit is whole seconds"),
+    (["--parts", "decode"], {"DECODE_BLOCK": "4,8"}, "unknown knob DECODE_BLOCK"),
+    (["--parts", "attn"], {"DECODE_BATCHES": "1"}, "DECODE_BATCHES sets the decode part's rows"),
+    (["--parts", "attn"], {"TRAIN_REGS": "none"}, "TRAIN_REGS sets the train part's variants"),
+    (["--parts", "attn"], {"TRAINED_STEPS": "5"}, "TRAINED_STEPS sets decode_trained's training"),
+    (["--parts", "decode_trained", "--decode-plans", "2xF1-h0-K1"], {}, "--decode-plans set the decode part"),
+])
+def test_a_knob_the_call_would_ignore_is_refused_before_anything_runs(argv, env, says, tmp_path):
+    """A part name, a LIMIT_ / DECODE_ / TRAIN_ knob or a --decode-* flag the call would not use (a typo, or a part it
+    does not run) is refused in one line with status 2, before any part runs or the output folder is made: a lent
+    GPU's call is never spent on a table without the part it was for."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out",
+                          str(tmp_path / "c"), *argv], capture_output=True, text=True, timeout=60,
+                         env={**base, **env}, cwd=ROOT)
+    assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_campaigns_list_of_parts_is_every_part_it_runs():
+    """The names the refusal above checks --parts and LIMIT_<part> against are the script's `part NAME` calls."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
+    listed = ",".join(v for v in re.findall(r"^ALL_PARTS=(?:\$ALL_PARTS,)?(\S+)", text, re.M)).split(",")
+    assert sorted(listed) == sorted(set(re.findall(r"^ *part ([a-z_]+)", text, re.M)))

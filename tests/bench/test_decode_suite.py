@@ -151,6 +151,12 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--batch-sizes", "1,4", "--suite-prompts", "6"], "a multiple of every batch size (1,4), got 6"),
     (["--suite-prompts", "9"], "prompts per call must lie in 1..8"),
     (["--shapes", "0.5B", "--suite-prompts", "4"], "does not take --suite-prompts"),
+    # the forward / decode benchmarks' flags: the suite reads none of them (its own: --suite-runs, ...)
+    (["--runs", "7"], "--runs is not read by `snlp bench --suite decode`"),
+    (["--warmup", "9"], "--warmup is not read by `snlp bench --suite decode`"),
+    (["--new-tokens", "3"], "--new-tokens is not read by `snlp bench --suite decode`"),
+    (["--depth", "4"], "--depth is not read by `snlp bench --suite decode`"),
+    (["--shapes", "0.5B", "--runs", "7"], "--runs is not read by `snlp bench --suite decode`"),
 ])
 def test_refusals_come_before_any_work(argv, says, capsys):
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", *argv]) == 2
@@ -453,6 +459,55 @@ def test_comparisons_name_the_rows_they_compare_and_call_overlapping_ranges_a_ti
     assert lines[1] == ("- B=1: the fastest snlp self-speculative row (eager, 6xF1-h0-K1, block 4) 3.00x the tok/s of "
                         "the fastest transformers assisted row (hf early-exit, E=2)")  # a row off the tokens is no row
     assert len(lines) == 2
+
+
+def test_a_comparison_with_a_transformers_row_of_other_tokens_says_so():
+    """The snlp side of a comparison line decodes snlp sequential's tokens (its speculative rows are picked among
+    those that do); a transformers row whose tokens differ (its "= seq" no) is named as such on the line, with the
+    table's counts, not compared as if it decoded the same text."""
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
+
+    def row(method, tps, **kw):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment="eager", batch=1, prompts=4, tokens_per_s=tps, tokens_per_s_min=tps - 5,
+                              tokens_per_s_max=tps + 5, seconds=[1.0] * 5, **kw)
+    off = dict(matches_sequential=False, mismatched_rows=3, first_mismatch=7)
+    rows = [row("snlp sequential", 100, matches_sequential=True), row("hf greedy", 50, **off),
+            row("snlp speculative", 300, plan="6xF1-h0-K1", block=4, matches_sequential=True),
+            row("hf prompt-lookup", 200, plan="N=3", **off), row("hf early-exit", 150, plan="E=2",
+                                                                matches_sequential=True)]
+    greedy, assisted = comparisons(rows)
+    assert greedy.endswith("(hf greedy; its tokens differ from snlp sequential's on 3/4 prompts, from token 7)")
+    assert assisted.endswith("(hf prompt-lookup, N=3; its tokens differ from snlp sequential's on 3/4 prompts, "
+                             "from token 7)")
+    rows[1].matches_sequential = True
+    assert comparisons(rows)[0].endswith("(hf greedy)")
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
+@pytest.mark.parametrize("treatments, runs", [
+    (("compiled",), set()),  # on the CPU: no transformers row can run compiled, and none eager is compared
+    (("eager", "compiled"), {("hf greedy", "eager"), ("hf greedy (static)", "eager"), ("hf early-exit", "eager"),
+                             ("hf prompt-lookup", "eager")}),
+])
+def test_transformers_rows_follow_the_treatments_or_say_why_not(treatments, runs):
+    """--treatments compiled alone: transformers' eager-only rows (dynamic cache, assisted) have no eager snlp row
+    to be compared with, so they are skipped with that reason instead of timed for nothing; a compiled static-cache
+    row off CUDA is a skipped row saying why (transformers compiles it on CUDA only), not left out unsaid."""
+    from snlp.bench.decode_suite import _hf_methods, hf_twin
+
+    model = random_llama(quick=True)
+    hf, why = hf_twin(model, torch.device("cpu"), torch.float32)
+    assert why is None
+    cfg = DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1,), treatments=treatments).resolved()
+    got = _hf_methods(hf, [[list(range(8))]], cfg, 1)
+    ran = {(kw["method"], kw["treatment"]) for kw, fn in got if not isinstance(fn, str)}
+    assert ran == runs
+    skipped = {(kw["method"], kw["treatment"]): fn for kw, fn in got if isinstance(fn, str)}
+    assert "CUDA only" in skipped[("hf greedy (static)", "compiled")]
+    if "eager" not in treatments:
+        assert all("eager only" in skipped[(m, "eager")]
+                   for m in ("hf greedy", "hf early-exit", "hf prompt-lookup"))
 
 
 def test_random_smollm2_has_smollm2s_shape_and_says_its_weights_are_random():
