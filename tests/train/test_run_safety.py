@@ -709,6 +709,23 @@ def test_a_new_run_into_a_speedrun_folder_is_refused(corpus, tmp_path, capsys):
     assert sorted(p.name for p in sr.iterdir()) == ["stages"]
 
 
+def test_a_new_run_into_a_folder_holding_files_a_save_writes_is_refused(corpus, tmp_path, capsys):
+    """A folder with config.json and tokenizer.json but no model.safetensors (a sharded transformers model, the user's
+    own files) was taken as free: the run's checkpoint replaced both, silently. (`snlp sft --out` opens its run the
+    same way: snlp.train.checkpointing.open_run.)"""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    mine = {"config.json": '{"model_type": "llama"}', "tokenizer.json": '{"version": "1.0"}',
+            "model.safetensors.index.json": '{"weight_map": {}}'}
+    for name, text in mine.items():
+        (hf / name).write_text(text)
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    assert main(["train", "--out", str(hf), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds config.json, tokenizer.json but no model.safetensors" in err and "\n" not in err, err
+    assert {p.name: p.read_text() for p in hf.iterdir()} == mine
+
+
 def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(corpus, tmp_path, capsys):
     """Names and sizes cannot see an edit that keeps the byte count (a typo fixed): the resumed leg re-tokenised and
     trained, and validated, on the edited text. The tokens' digest, recorded by the run, refuses it once they are made
