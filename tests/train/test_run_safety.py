@@ -122,6 +122,10 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{ckpt}/config.json"], "--json {ckpt}/config.json is a file "
      "of the checkpoint, drafter or run in {ckpt}"),
     (["bench", "--json", "{ckpt}/log.jsonl"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    # the checkpoint's preheat calibration (snlp calibrate): a result over it left every preheat plan failing to load
+    (["generate", "{ckpt}", "--json", "{ckpt}/preheat.pt"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    (["eval", "{ckpt}", "--plans", "2xF1-preheat-K1", "--markdown", "{ckpt}/preheat.pt"],
+     "is a file of the checkpoint, drafter or run in {ckpt}"),
     (["bench", "--json", "{drafter}/drafter.json"], "is a file of the checkpoint, drafter or run in {drafter}"),
     (["generate", "{ckpt}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/p.txt"],
      "--json {tmp}/p.txt is the file --prompts-file reads"),
@@ -145,7 +149,7 @@ def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_
     result replaced the other result, the prompts or data the run read, or the model's own file (the folder then loads
     as nothing). Refused in one line before any work, every file as it was."""
     ckpt, drafter = tmp_path / "ckpt", tmp_path / "drafter"
-    for d, names in ((ckpt, ("model.safetensors", "config.json")), (drafter, ("drafter.json",))):
+    for d, names in ((ckpt, ("model.safetensors", "config.json", "preheat.pt")), (drafter, ("drafter.json",))):
         d.mkdir()
         for n in names:
             (d / n).write_text("the model's own")
