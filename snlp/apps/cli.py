@@ -234,7 +234,7 @@ def check_outputs(parser: argparse.ArgumentParser, args) -> None:
                 raise ValueError(f"{flag} {value} is the file {written[where]} writes too: one would replace the "
                                  f"other; give each its own path")
             written[where] = flag
-            check_not_a_model_file(where, flag, value, own)
+            check_not_a_model_file(where, flag, value, own, preheat_ok=args.command == "calibrate")
     for dest in SHARED_DIRS:  # a cache folder that is a file failed after the data was read, with a traceback (a
         value = getattr(args, dest, None)  # read-only cache stays fine: a run that finds its files writes none)
         if isinstance(value, str) and value and home_path(value).exists() and not home_path(value).is_dir():
@@ -279,19 +279,22 @@ def input_paths(part: str, spec: bool = False) -> list:
     return [home_path(part).resolve()]
 
 
-def check_not_a_model_file(path, flag: str, value: str, own=None) -> None:
+def check_not_a_model_file(path, flag: str, value: str, own=None, preheat_ok: bool = False) -> None:
     """Refuse an output file that is one of the files of the checkpoint, drafter or training run in the folder it sits
-    in (its weights, config, tokenizer, optimizer or train state, its log.jsonl or train_summary.json): the folder would
-    no longer load, or its run's record would be lost. `own`: the folder the command itself writes a model or drafter
-    into, whose files are refused before it holds them. The file names are the library's (imported only where the
-    folder holds a model, so that argument errors answer without torch)."""
+    in (its weights, config, tokenizer, optimizer or train state, its preheat calibration, its log.jsonl or
+    train_summary.json): the folder would no longer load, its preheat plans would no longer run, or its run's record
+    would be lost. `own`: the folder the command itself writes a model or drafter into, whose files are refused before
+    it holds them. `preheat_ok`: `snlp calibrate`, whose output is that calibration. The file names are the library's
+    (imported only where the folder holds a model, so that argument errors answer without torch)."""
     folder = path.parent
     if folder != own and not ((folder / "model.safetensors").is_file() or (folder / "drafter.json").is_file()):
         return
     from snlp.io.checkpoint import DRAFTER_META, OWN_FILES
     from snlp.io.drafter import WEIGHTS as DRAFTER_WEIGHTS
+    from snlp.method.preheat import FILENAME as PREHEAT
 
-    if path.name in (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json"):
+    if path.name in (*OWN_FILES, DRAFTER_META, DRAFTER_WEIGHTS, "log.jsonl", "train_summary.json",
+                     *(() if preheat_ok else (PREHEAT,))):
         raise ValueError(f"{flag} {value} is a file of the checkpoint, drafter or run in {folder}: writing there would "
                          f"break it; choose another path")
 

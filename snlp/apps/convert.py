@@ -61,12 +61,14 @@ def check_new_out(out: str, what: str = "conversion") -> None:
     A drafter, a nanochat checkpoint folder or a speedrun are refused too: the model would be written beside them."""
     from pathlib import Path
 
-    from snlp.io.checkpoint import CONFIG, DRAFTER_META, WEIGHTS, holds_speedrun
+    from snlp.io.checkpoint import DRAFTER_META, OWN_FILES, holds_speedrun
     from snlp.io.nanochat import is_nanochat_dir
 
     d = Path(out)
-    if (d / WEIGHTS).exists() or (d / CONFIG).exists():
-        raise ValueError(f"--out {out} already holds a checkpoint or model ({CONFIG} / {WEIGHTS}); the {what} would "
+    # any file by a name the save writes: a tokenizer.json alone (a tokenizer's folder) was replaced too
+    taken = [f for f in OWN_FILES if (d / f).exists()]
+    if taken:
+        raise ValueError(f"--out {out} already holds a checkpoint or model ({', '.join(taken)}); the {what} would "
                          f"replace it: choose another --out")
     if (d / DRAFTER_META).exists():
         raise ValueError(f"--out {out} holds a drafter (snlp adapt); choose another --out")

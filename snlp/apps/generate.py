@@ -172,6 +172,11 @@ def check_args(args) -> None:
     if args.mode != "speculative" and (args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--share-weights, --min-confidence and --adaptive-block shape the speculative drafter: use "
                          "them with --mode speculative")
+    if not 0.0 <= args.min_confidence <= 1.0:  # a probability: speculative_generate refuses it, after the load
+        raise ValueError(f"--min-confidence must lie in [0, 1], a probability (got {args.min_confidence!r})")
+    if args.share_weights and plan is not None and plan.fuse != 1:  # the plan alone tells (check_shareable)
+        raise ValueError(f"--share-weights needs one layer per chunk (M = 1, CxF1 plans); {plan} fuses M = "
+                         f"{plan.fuse} layers per chunk, a different matrix from the verifier's layers")
     if not isinstance(args.batch_size, int) or args.batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1 (got {args.batch_size!r})")
     if args.prompts_file is None and args.batch_size != 1:
@@ -200,17 +205,28 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     return tok.prompt_ids(args.prompt), args.eos_id
 
 
-def streamer(tok, hide=()):
+def streamer(tok, hide=(), head: str = ""):
     """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right); token ids
-    in `hide` (a chat's end-of-turn ids: the stop, which the summary line names) are not printed."""
-    tokens, printed, hide = [], [""], set(hide)
+    in `hide` (a chat's end-of-turn ids: the stop, which the summary line names) are not printed. `head` (the
+    echoed prompt) is written with the first tokens, not before the decode starts: the decoders check their inputs
+    against the loaded model (an --eos-id beyond its vocabulary, a surrogate its residual stream cannot take, ...)
+    before the first token, and a refusal must be the error line alone, not glued to a prompt already on stdout.
+    `on_tokens.flush_head()` writes it where no token was streamed."""
+    tokens, printed, hide, pending = [], [""], set(hide), [head]
+
+    def flush_head() -> None:
+        if pending[0]:
+            sys.stdout.write(pending[0])
+            pending[0] = ""
 
     def on_tokens(new: list[int]) -> None:
+        flush_head()
         tokens.extend(t for t in new if t not in hide)
         text = tok.decode(tokens, mark_missing=True)
         sys.stdout.write(text[len(printed[0]):])
         sys.stdout.flush()
         printed[0] = text
+    on_tokens.flush_head = flush_head
     return on_tokens
 
 
@@ -474,13 +490,13 @@ def run(args) -> int:
     if args.prompts_file is not None:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)
-    if not args.quiet:  # a chat prompt is the user's turn: the answer starts on its own line (the template's
-        sys.stdout.write(args.prompt + ("\n" if args.chat else ""))  # markers are not printed)
-    # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos)
+    # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos); a
+    # chat prompt is the user's turn: the answer starts on its own line
     hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []
-    res = decode(args, model, prompt, plan, preheat, eos_id, None if args.quiet else streamer(tok, hide),
-                 drafter=drafter)
-    if not args.quiet:
+    stream = None if args.quiet else streamer(tok, hide, head=args.prompt + ("\n" if args.chat else ""))
+    res = decode(args, model, prompt, plan, preheat, eos_id, stream, drafter=drafter)
+    if stream is not None:
+        stream.flush_head()
         sys.stdout.write("\n")
     timed = res.mode == "speculative" and not args.no_baseline  # warm, repeated timings follow on the line
     stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import (DRAFTER_META, WEIGHTS, clear_stale_saves, cut_off_save, holds_speedrun, load,
-                                load_train_state, load_training, save_checkpoint)
+from snlp.io.checkpoint import (DRAFTER_META, OWN_FILES, WEIGHTS, clear_stale_saves, cut_off_save, holds_speedrun,
+                                load, load_train_state, load_training, save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.io.source import home_path
 from snlp.model.gpt import GPT
@@ -64,6 +64,12 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
             raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
         if holds_speedrun(out):
             raise ValueError(f"{out} holds a speedrun (stages/); choose another --out")
+        # no checkpoint here, yet files by the names a save writes (a sharded transformers model's config.json and
+        # tokenizer.json, the user's own): save_checkpoint would replace them with the new run's
+        taken = [f for f in (*OWN_FILES, "train_summary.json") if (out / f).exists()]
+        if taken:
+            raise ValueError(f"--out {out} holds {', '.join(taken)} but no {WEIGHTS} (not an snlp checkpoint): the "
+                             f"run's checkpoint would replace them; choose another --out")
         return Start()
     if not has_ckpt:
         raise FileNotFoundError(f"--resume: no checkpoint in {out}; drop --resume to start a new run")

@@ -327,6 +327,11 @@ def generate_args(ckpt, *argv):
     (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--batch-size", "2", "--repeats", "5"],
      "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding; --prompts-file times "
      "one batched run of each side, no rounds"),
+    # both were refused by speculative_generate, after the load and after the prompt was echoed to stdout
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--min-confidence", "2", "--no-baseline"],
+     "--min-confidence must lie in [0, 1], a probability (got 2.0)"),
+    (["--mode", "speculative", "--plan", "1xF2-h0-K1", "--share-weights", "--no-baseline"],
+     "--share-weights needs one layer per chunk (M = 1, CxF1 plans); 1xF2-h0-K1 fuses M = 2"),
 ])
 def test_generate_refuses_bad_input_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, extra, says):
     """A plan batched decoding cannot run with --batch-size > 1, a malformed plan and a negative --eos-id were refused
@@ -482,3 +487,24 @@ def test_chat_on_snlps_own_tokenizer_asks_in_the_sft_format_and_stops_at_the_end
     got = json.loads(out.read_text())
     assert got["tokens"] == want and got["stop"] == "eos"
     assert "<|assistant_end|>" not in capsys.readouterr().out  # the stop is not printed
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--mode", "sequential", "--eos-id", "99999"], "eos_id 99999 holds ids outside the model's vocabulary"),
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1-hcn", "--no-baseline"],
+     "the hcn surrogate needs an mHC model"),
+])
+def test_a_refusal_that_needs_the_model_prints_no_prompt_before_it(ckpt, capsys, extra, says):
+    """The prompt was echoed to stdout before the decoder checked its inputs against the loaded model, so a refusal
+    read 'First Citizen:snlp generate: error: ...' on a terminal: the echo now comes with the first tokens."""
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "4", *extra]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert cap.out == "", cap.out
+    assert err.startswith("snlp generate: error: ") and says in err and "\n" not in err, err
+
+
+def test_the_prompt_is_still_echoed_before_the_continuation(ckpt, capsys):
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("First Citizen:") and out.splitlines()[1].startswith("[sequential] 4 tokens"), out

@@ -151,6 +151,11 @@ def test_convert_refuses_an_out_that_holds_a_checkpoint(hf_dir, tmp_path, capsys
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before
+    (tmp_path / "tok").mkdir()  # a tokenizer's own folder: its tokenizer.json was replaced by the model's
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"mine": true}')
+    assert main(["convert", str(d), "--out", str(tmp_path / "tok")]) == 2
+    assert "already holds a checkpoint or model (tokenizer.json)" in capsys.readouterr().err
+    assert [(p.name, p.read_text()) for p in (tmp_path / "tok").iterdir()] == [("tokenizer.json", '{"mine": true}')]
     for sub in ("stages", "noreg"):  # a speedrun's folder: its stages would no longer be reusable
         (tmp_path / "sr" / sub).mkdir(parents=True)
     assert main(["convert", str(d), "--out", str(tmp_path / "sr")]) == 2

@@ -122,6 +122,10 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, argv, 
     (["eval", "{ckpt}", "--plans", "2xF1-h0-K1", "--json", "{ckpt}/config.json"], "--json {ckpt}/config.json is a file "
      "of the checkpoint, drafter or run in {ckpt}"),
     (["bench", "--json", "{ckpt}/log.jsonl"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    # the checkpoint's preheat calibration (snlp calibrate): a result over it left every preheat plan failing to load
+    (["generate", "{ckpt}", "--json", "{ckpt}/preheat.pt"], "is a file of the checkpoint, drafter or run in {ckpt}"),
+    (["eval", "{ckpt}", "--plans", "2xF1-preheat-K1", "--markdown", "{ckpt}/preheat.pt"],
+     "is a file of the checkpoint, drafter or run in {ckpt}"),
     (["bench", "--json", "{drafter}/drafter.json"], "is a file of the checkpoint, drafter or run in {drafter}"),
     (["generate", "{ckpt}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/p.txt"],
      "--json {tmp}/p.txt is the file --prompts-file reads"),
@@ -145,7 +149,7 @@ def test_an_output_over_an_input_another_output_or_a_models_file_is_refused(tmp_
     result replaced the other result, the prompts or data the run read, or the model's own file (the folder then loads
     as nothing). Refused in one line before any work, every file as it was."""
     ckpt, drafter = tmp_path / "ckpt", tmp_path / "drafter"
-    for d, names in ((ckpt, ("model.safetensors", "config.json")), (drafter, ("drafter.json",))):
+    for d, names in ((ckpt, ("model.safetensors", "config.json", "preheat.pt")), (drafter, ("drafter.json",))):
         d.mkdir()
         for n in names:
             (d / n).write_text("the model's own")
@@ -707,6 +711,23 @@ def test_a_new_run_into_a_speedrun_folder_is_refused(corpus, tmp_path, capsys):
     assert main(["train", "--out", str(sr), *flags]) == 2
     assert "holds a speedrun" in capsys.readouterr().err
     assert sorted(p.name for p in sr.iterdir()) == ["stages"]
+
+
+def test_a_new_run_into_a_folder_holding_files_a_save_writes_is_refused(corpus, tmp_path, capsys):
+    """A folder with config.json and tokenizer.json but no model.safetensors (a sharded transformers model, the user's
+    own files) was taken as free: the run's checkpoint replaced both, silently. (`snlp sft --out` opens its run the
+    same way: snlp.train.checkpointing.open_run.)"""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    mine = {"config.json": '{"model_type": "llama"}', "tokenizer.json": '{"version": "1.0"}',
+            "model.safetensors.index.json": '{"weight_map": {}}'}
+    for name, text in mine.items():
+        (hf / name).write_text(text)
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY, "--steps", "1"]
+    assert main(["train", "--out", str(hf), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds config.json, tokenizer.json but no model.safetensors" in err and "\n" not in err, err
+    assert {p.name: p.read_text() for p in hf.iterdir()} == mine
 
 
 def test_a_same_size_edit_is_refused_by_the_tokens_and_a_capped_append_resumes(corpus, tmp_path, capsys):
