@@ -254,9 +254,14 @@ def train_loop(run: Run, state: LoopState) -> None:
         stats = train_step(run, state)
         state.stopped_by = limit_reason(run, state) or stats.hook_reason  # decided before the step is logged:
         log_step(run, state, stats)  # a lockstep peer reads the step and the decision together
-        if not math.isfinite(stats.loss):
-            raise FloatingPointError(f"training loss became {stats.loss} at step {state.step}; lower the learning "
-                                     f"rates or --reg-lambda")
+        # the optimizer has applied this step already: a non-finite gradient (an overflowing regulariser term while
+        # the logged CE stays finite) has made the weights NaN, so the run stops before anything saves them
+        bad = [(what, v) for what, v in (("loss", stats.loss), ("regulariser", stats.reg),
+                                         ("gradient norm", stats.grad_norm)) if v is not None and not math.isfinite(v)]
+        if bad:
+            what, v = bad[0]
+            raise FloatingPointError(f"training {what} became {v} at step {state.step} (nothing of this step is "
+                                     f"saved); lower the learning rates or the loss's weights (--reg-lambda)")
         if (state.step % cfg.eval_every == 0 or state.stopped_by is not None) and state.stopped_by != INTERRUPT:
             validate_and_log(run, state)
         if cfg.save_every and state.step % cfg.save_every == 0 and state.stopped_by is None:

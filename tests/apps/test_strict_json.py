@@ -35,7 +35,9 @@ def strict_lines(text: str) -> list:
 
 def diverging_cfg(tmp_path, **kw):
     """A tiny training run whose Muon and head learning rates (1e30) blow the weights up: step 2's gradients are
-    NaN and step 3's loss is NaN, which the trainer logs and then raises FloatingPointError on (1-2 s on 2 cores)."""
+    NaN and step 3's loss is NaN, which the trainer logs and then raises FloatingPointError on (1-2 s on 2 cores).
+    Without gradient clipping, so step 2's NaN gradient norm is not measured (with it, the run stops at step 2:
+    test_a_nan_gradient_stops_the_run_before_anything_saves_it)."""
     from snlp.train.config import TrainConfig
 
     data = tmp_path / "c.txt"
@@ -44,7 +46,7 @@ def diverging_cfg(tmp_path, **kw):
     return TrainConfig(**{**dict(out=str(tmp_path / "run"), data=str(data), cache_dir=str(tmp_path / "cache"), depth=2,
                                  width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=6,
                                  eval_every=100, eval_batches=1, no_progress=True, device="cpu", reg_n="1",
-                                 matrix_lr=1e30, unembedding_lr=1e30, log_every=1), **kw})
+                                 matrix_lr=1e30, unembedding_lr=1e30, log_every=1, grad_clip=0.0), **kw})
 
 
 # ----- the writers -----
@@ -195,6 +197,21 @@ def test_the_diverged_training_row_is_null_and_reads_back_as_nan(tmp_path):
     assert math.isnan(back[-1]["loss"]) and back[-1]["mfu"] is None and back[1]["loss"] == rows[1]["loss"]
     st = _log_state(log)  # the speedrun's live line: a NaN loss, formatted as such
     assert st["step"] == 3 and math.isnan(st["loss"]) and f"{st['loss']:.3f}" == "nan"
+
+
+def test_a_nan_gradient_stops_the_run_before_anything_saves_it(tmp_path):
+    """With gradient clipping the step's gradient norm is measured: a NaN one (here at step 2, the loss still
+    finite) made the weights NaN while the loop checked the logged loss only, so a run whose last step came next
+    saved them with status 0 (`snlp sft --reg-lambda 1e300 --steps 1`). The run now stops at that step, before
+    any save, and the log's row holds the NaN norm as null."""
+    from snlp.train.trainer import fit
+
+    cfg = diverging_cfg(tmp_path, grad_clip=1.0, steps=2)
+    with pytest.raises(FloatingPointError, match="training gradient norm became nan at step 2"):
+        fit(cfg)
+    rows = strict_lines((Path(cfg.out) / "log.jsonl").read_text())
+    assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] is None and rows[-1]["loss"] is not None
+    assert not (Path(cfg.out) / "model.safetensors").exists()
 
 
 def test_resuming_a_run_whose_log_has_a_null_loss(tmp_path):
