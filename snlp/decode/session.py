@@ -522,15 +522,39 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None) -> Step | EagerStep:
-    return step if step is not None else sequential_step(model, compile)
+def check_step(step: Step | EagerStep, model: GPT | None, plan: Plan | None, name: str) -> None:
+    """Refuse a prebuilt step (argument `name`) that computes another forward than the one the call decodes with:
+    another model's (`model`; None: any module, as a speculative drafter may be) or another plan's (`plan`; None: the
+    model's own sequential forward). It would decode with it, silently, under this call's model and plan label (a
+    verifier of another model breaks speculative decoding's exactness). Steps that do not say what they compute
+    (built from a function of one's own, Step.of_model None) are not checked."""
+    if step.of_model is None:
+        return
+    does = "the sequential forward" if step.of_plan is None else f"the SNLP forward of plan {step.of_plan}"
+    wants = "the sequential forward" if plan is None else f"the SNLP forward of plan {plan}"
+    if step.of_plan != plan:
+        raise ValueError(f"{name}= computes {does}, but this call decodes with {wants}: pass a step built for it "
+                         f"({'sequential_step(model)' if plan is None else 'snlp_step(bind(model, plan))'}) or none")
+    if model is not None and step.of_model is not model:
+        raise ValueError(f"{name}= computes {does} of another model than the one passed (a step is bound to the module "
+                         f"it was built from): build it from this model, or pass none")
+
+
+def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None,
+                       name: str = "step") -> Step | EagerStep:
+    if step is None:
+        return sequential_step(model, compile)
+    check_step(step, model, None, name)
+    return step
 
 
 def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None,
-                 preheat: Preheat | None = None, share_weights: bool = False) -> Step | EagerStep:
+                 preheat: Preheat | None = None, share_weights: bool = False, name: str = "step",
+                 same_model: bool = True) -> Step | EagerStep:
     # fused once per call; no NaN/inf check of the solve inside the step (a host sync per token): the decode loop
     # flags NaN/inf logits on the host read of the tokens it does anyway (pick_tokens / check_picked)
-    if step is not None:
+    if step is not None:  # `same_model` False: a speculative drafter may be another module (an adapted drafter's)
+        check_step(step, model if same_model else None, plan, name)
         return step
     return snlp_step(bind(model, plan, check_finite=False, preheat=preheat, share_weights=share_weights), compile)
 

@@ -189,3 +189,40 @@ def test_a_drafter_given_as_a_path_is_refused_in_one_line_before_any_forward(mod
     for d in ("runs/drafter", object()):
         with pytest.raises(ValueError, match=r"drafter must be a snlp.method.drafter.Drafter .*load_drafter"):
             snlp.speculative_generate(model, [1, 2, 3], PLAN, max_new_tokens=3, drafter=d)
+
+
+def test_a_prebuilt_step_of_another_model_or_plan_is_refused_before_any_forward(model, monkeypatch):
+    """`step=` / `draft=` / `verify=` pass prebuilt steps so calls share compiled graphs; one built for another model
+    or plan decoded with it under this call's model and plan label: sequential_generate(a, step=sequential_step(b))
+    returned b's tokens, snlp_generate(a, '6xF1-h0-K6', step=<3xF1-h0-K1>) the 3xF1 plan's labelled 6xF1, and a
+    verifier of another model broke speculative decoding's exactness. Each is refused before any forward; steps
+    of this model and plan decode as without them (an adapted drafter's step drafts for its base: any module)."""
+    from snlp.decode.steps import sequential_step, snlp_step
+    from snlp.method.drafter import make_drafter
+    from snlp.method.solver import bind
+
+    other = make_model(seed=5, n_layer=4)
+    prompt, ref = [1, 2, 3], argmax_loop(model, [1, 2, 3], 6)
+    runner = lambda m, plan: snlp_step(bind(m, plan, check_finite=False))  # noqa: E731
+    refused = [
+        (lambda: snlp.sequential_generate(model, prompt, 6, step=sequential_step(other)), "step= .* another model"),
+        (lambda: snlp.sequential_generate(model, prompt, 6, step=runner(model, PLAN)), "step= computes the SNLP"),
+        (lambda: snlp.snlp_generate(model, prompt, "4xF1-h0-K4", 6, step=runner(model, PLAN)),
+         "plan 3xF1-h0-K1, but this call decodes with the SNLP forward of plan 4xF1-h0-K4"),
+        (lambda: snlp.snlp_generate(model, prompt, PLAN, 6, step=runner(other, PLAN)), "another model"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=sequential_step(other)), "verify= .* another"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=runner(model, PLAN)), "verify= computes the"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(model, "2xF2-h0-K1")), "draft= comp"),
+    ]
+    for call, says in refused:
+        with monkeypatch.context() as m:
+            _no_forward(model, m)
+            _no_forward(other, m)
+            with pytest.raises(ValueError, match=says):
+                call()
+    d = make_drafter(model, PLAN)
+    assert snlp.sequential_generate(model, prompt, 6, step=sequential_step(model)).tokens == ref
+    assert snlp.snlp_generate(model, prompt, PLAN, 6, step=runner(model, PLAN)).tokens == \
+        snlp.snlp_generate(model, prompt, PLAN, 6).tokens
+    assert speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(d.model, PLAN),
+                                verify=sequential_step(model)).tokens == ref
