@@ -102,7 +102,7 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
     agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
                          block=first.block)
     for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
-              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters"):
+              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters", "compile_s"):
         setattr(agg, f, sum(getattr(r, f) for r in results))
     return agg
 

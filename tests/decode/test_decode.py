@@ -455,6 +455,22 @@ def test_generate_result_stats():
     assert r.to_dict()["accepted_fraction"] == 0.5 and r.draft_ms_per_step == pytest.approx(100.0)
 
 
+def test_merge_results_sums_every_counter_and_time():
+    """merge_results "sums the counters and times" of several runs: every numeric field but `block` (a setting, not
+    a count) is the sum of the runs' (compile_s was left at 0.0)."""
+    import dataclasses
+    runs = [GenerateResult(tokens=[1, 2], mode="speculative", plan="3xF1-h0-K1", block=2), GenerateResult(
+        tokens=[3], mode="speculative", plan="3xF1-h0-K1", block=2)]
+    fields = [f.name for f in dataclasses.fields(GenerateResult)
+              if f.type in ("int", "float") and f.name != "block"]
+    for k, r in enumerate(runs):
+        for i, f in enumerate(fields):
+            setattr(r, f, (i + 1) * (k + 1))
+    both = merge_results(runs)
+    assert both.tokens == [1, 2, 3] and both.block == 2 and both.plan == "3xF1-h0-K1"
+    assert {f: getattr(both, f) for f in fields} == {f: 3 * (i + 1) for i, f in enumerate(fields)}
+
+
 def test_shootout_rotation_is_fair_for_any_count(monkeypatch):
     """Review (shootout_fairness.py): with repeats = 2 and 3 candidates the third never ran right after the baseline
     (the order rotated once per round). Now it rotates prompt by prompt, the sequential baseline with the cases:
