@@ -169,6 +169,9 @@ def check_args(args) -> None:
 
         drafted = Plan.parse(read_meta(args.drafter)["plan"])
         plan = plan or drafted
+    if args.share_weights and plan is not None and plan.fuse != 1:  # what snlp.method.sharing refuses once bound
+        raise ValueError(f"--share-weights shares each suffix layer's weights between drafter and verifier: it needs "
+                         f"one layer per chunk (M = 1, CxF1 plans), and {plan} fuses {plan.fuse} layers per chunk")
     if args.mode != "speculative" and (args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--share-weights, --min-confidence and --adaptive-block shape the speculative drafter: use "
                          "them with --mode speculative")
@@ -462,6 +465,10 @@ def run(args) -> int:
         if args.mode == "snlp":
             print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
                   "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
+    if args.share_weights:  # the model's part of it (mHC layouts): refused here, not after the prompt is echoed
+        from snlp.method.sharing import check_shareable
+
+        check_shareable(model, plan.fuse)
     preheat = plans_preheat(args.ckpt, model, [plan])
     note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
                          greedy_only=args.mode == "jacobi") if tok.foreign else None

@@ -327,6 +327,9 @@ def generate_args(ckpt, *argv):
     (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--batch-size", "2", "--repeats", "5"],
      "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding; --prompts-file times "
      "one batched run of each side, no rounds"),
+    # refused only once the drafter was bound, after the checkpoint loaded and the prompt was echoed
+    (["--mode", "speculative", "--plan", "2xF2-h0-K1", "--share-weights"],
+     "--share-weights shares each suffix layer's weights between drafter and verifier: it needs one layer per chunk"),
 ])
 def test_generate_refuses_bad_input_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, extra, says):
     """A plan batched decoding cannot run with --batch-size > 1, a malformed plan and a negative --eos-id were refused
@@ -482,3 +485,18 @@ def test_chat_on_snlps_own_tokenizer_asks_in_the_sft_format_and_stops_at_the_end
     got = json.loads(out.read_text())
     assert got["tokens"] == want and got["stop"] == "eos"
     assert "<|assistant_end|>" not in capsys.readouterr().out  # the stop is not printed
+
+
+def test_share_weights_on_an_mhc_model_is_refused_before_the_prompt_is_echoed(tmp_path, capsys):
+    """--share-weights on an mHC checkpoint was refused once the drafter was bound, after the prompt had been echoed
+    as the start of the output; now in one line before it (the part of the refusal the plan alone cannot tell)."""
+    from conftest import mhc_model
+
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = mhc_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=2, n_embd=32,
+                      x0_residual=False)
+    ck = save_checkpoint(tmp_path / "m", model, tokenizer=tok)
+    assert main(["generate", str(ck), "--prompt", "First Citizen:", "--max-new-tokens", "2", "--mode", "speculative",
+                 "--plan", "2xF1-h0-K1", "--share-weights", "--no-baseline"]) == 2
+    out, err = capsys.readouterr()
+    assert "First Citizen" not in out and "mHC" in err and err.count("\n") == 1, (out, err)
