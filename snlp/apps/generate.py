@@ -457,6 +457,10 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
+    if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
+        from snlp.decode.session import stop_set
+
+        stop_set(args.eos_id, model.config.vocab_size)
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
         cli_plan(args.plan, model.config.n_layer)

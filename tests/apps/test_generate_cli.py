@@ -500,3 +500,12 @@ def test_share_weights_on_an_mhc_model_is_refused_before_the_prompt_is_echoed(tm
                  "--plan", "2xF1-h0-K1", "--share-weights", "--no-baseline"]) == 2
     out, err = capsys.readouterr()
     assert "First Citizen" not in out and "mHC" in err and err.count("\n") == 1, (out, err)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused_before_the_prompt_is_echoed(ckpt, capsys):
+    """--eos-id past the model's vocabulary was refused by the decoder, after the prompt had been echoed as the
+    start of the output; now in one line before it."""
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "2", "--eos-id",
+                 "100000"]) == 2
+    out, err = capsys.readouterr()
+    assert "First Citizen" not in out and "outside the model's vocabulary" in err and err.count("\n") == 1, (out, err)
