@@ -169,6 +169,12 @@ def check_args(args) -> None:
 
         drafted = Plan.parse(read_meta(args.drafter)["plan"])
         plan = plan or drafted
+    if not 0.0 <= args.min_confidence <= 1.0:  # as speculative_generate refuses it, before anything loads
+        raise ValueError(f"--min-confidence must lie in [0, 1], a probability (got {args.min_confidence!r})")
+    if args.compile and plan is not None:  # a tol / DiagN / Newton plan cannot run as one graph (snlp.decode.steps)
+        from snlp.decode.steps import check_compilable
+
+        check_compilable(plan)
     if args.share_weights and plan is not None and plan.fuse != 1:  # what snlp.method.sharing refuses once bound
         raise ValueError(f"--share-weights shares each suffix layer's weights between drafter and verifier: it needs "
                          f"one layer per chunk (M = 1, CxF1 plans), and {plan} fuses {plan.fuse} layers per chunk")
@@ -464,6 +470,8 @@ def run(args) -> int:
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
         cli_plan(args.plan, model.config.n_layer)
+    if plan is not None:  # what the model's config refuses (hcn without mHC), before the prompt is echoed
+        plan.check_model(model.config)
     if drafter is not None:
         drafter.check_plan(plan)
         if args.mode == "snlp":

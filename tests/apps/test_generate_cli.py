@@ -327,7 +327,11 @@ def generate_args(ckpt, *argv):
     (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--batch-size", "2", "--repeats", "5"],
      "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding; --prompts-file times "
      "one batched run of each side, no rounds"),
-    # refused only once the drafter was bound, after the checkpoint loaded and the prompt was echoed
+    # refused only once the drafter was bound or the decoder ran, after the checkpoint loaded and the prompt was echoed
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--min-confidence", "1.5", "--no-baseline"],
+     "--min-confidence must lie in [0, 1], a probability (got 1.5)"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1-diag", "--compile"], "the diag surrogate does not compile into one"),
+    (["--mode", "speculative", "--plan", "4xF1-h0-K2-tol:0.1", "--compile", "--no-baseline"], "drop -tol"),
     (["--mode", "speculative", "--plan", "2xF2-h0-K1", "--share-weights"],
      "--share-weights shares each suffix layer's weights between drafter and verifier: it needs one layer per chunk"),
 ])
@@ -502,10 +506,14 @@ def test_share_weights_on_an_mhc_model_is_refused_before_the_prompt_is_echoed(tm
     assert "First Citizen" not in out and "mHC" in err and err.count("\n") == 1, (out, err)
 
 
-def test_an_eos_id_outside_the_vocabulary_is_refused_before_the_prompt_is_echoed(ckpt, capsys):
-    """--eos-id past the model's vocabulary was refused by the decoder, after the prompt had been echoed as the
-    start of the output; now in one line before it."""
-    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "2", "--eos-id",
-                 "100000"]) == 2
+@pytest.mark.parametrize("extra,says", [
+    (["--eos-id", "100000"], "outside the model's vocabulary"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+    (["--mode", "jacobi", "--plan", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+])
+def test_what_the_model_refuses_is_refused_before_the_prompt_is_echoed(ckpt, capsys, extra, says):
+    """--eos-id past the model's vocabulary and a plan the model's config cannot run (hcn without mHC) were refused
+    by the decoder, after the prompt had been echoed as the start of the output; now in one line before it."""
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "2", *extra]) == 2
     out, err = capsys.readouterr()
-    assert "First Citizen" not in out and "outside the model's vocabulary" in err and err.count("\n") == 1, (out, err)
+    assert "First Citizen" not in out and says in err and err.count("\n") == 1, (out, err)
