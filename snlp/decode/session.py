@@ -522,12 +522,16 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def check_step(step: Step | EagerStep, model: GPT | None, plan: Plan | None, name: str) -> None:
+def check_step(step: Step | EagerStep, model: GPT | None, plan: Plan | None, name: str, compile: bool = False) -> None:
     """Refuse a prebuilt step (argument `name`) that computes another forward than the one the call decodes with:
     another model's (`model`; None: any module, as a speculative drafter may be) or another plan's (`plan`; None: the
     model's own sequential forward). It would decode with it, silently, under this call's model and plan label (a
     verifier of another model breaks speculative decoding's exactness). Steps that do not say what they compute
-    (built from a function of one's own, Step.of_model None) are not checked."""
+    (built from a function of one's own, Step.of_model None) are not checked. `compile` True: the step must be
+    compiled (an eager one would run eagerly, the flag ignored)."""
+    if compile and not step.compiled:
+        raise ValueError(f"compile=True, but the {name}= passed is an eager step, which runs as it was built: pass a "
+                         f"compiled one (compile=True where it is built) or drop compile")
     if step.of_model is None:
         return
     does = "the sequential forward" if step.of_plan is None else f"the SNLP forward of plan {step.of_plan}"
@@ -544,7 +548,7 @@ def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep
                        name: str = "step") -> Step | EagerStep:
     if step is None:
         return sequential_step(model, compile)
-    check_step(step, model, None, name)
+    check_step(step, model, None, name, compile)
     return step
 
 
@@ -554,7 +558,7 @@ def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | Eag
     # fused once per call; no NaN/inf check of the solve inside the step (a host sync per token): the decode loop
     # flags NaN/inf logits on the host read of the tokens it does anyway (pick_tokens / check_picked)
     if step is not None:  # `same_model` False: a speculative drafter may be another module (an adapted drafter's)
-        check_step(step, model if same_model else None, plan, name)
+        check_step(step, model if same_model else None, plan, name, compile)
         return step
     return snlp_step(bind(model, plan, check_finite=False, preheat=preheat, share_weights=share_weights), compile)
 

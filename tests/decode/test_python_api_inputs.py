@@ -196,7 +196,8 @@ def test_a_prebuilt_step_of_another_model_or_plan_is_refused_before_any_forward(
     or plan decoded with it under this call's model and plan label: sequential_generate(a, step=sequential_step(b))
     returned b's tokens, snlp_generate(a, '6xF1-h0-K6', step=<3xF1-h0-K1>) the 3xF1 plan's labelled 6xF1, and a
     verifier of another model broke speculative decoding's exactness. Each is refused before any forward; steps
-    of this model and plan decode as without them (an adapted drafter's step drafts for its base: any module)."""
+    of this model and plan decode as without them (an adapted drafter's step drafts for its base: any module).
+    compile=True beside an eager step is refused too (it ran eagerly)."""
     from snlp.decode.steps import sequential_step, snlp_step
     from snlp.method.drafter import make_drafter
     from snlp.method.solver import bind
@@ -213,6 +214,11 @@ def test_a_prebuilt_step_of_another_model_or_plan_is_refused_before_any_forward(
         (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=sequential_step(other)), "verify= .* another"),
         (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=runner(model, PLAN)), "verify= computes the"),
         (lambda: speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(model, "2xF2-h0-K1")), "draft= comp"),
+        # compile=True beside an eager step ran eagerly, the flag ignored
+        (lambda: snlp.sequential_generate(model, prompt, 6, compile=True, step=sequential_step(model)), "eager step"),
+        (lambda: snlp.snlp_generate(model, prompt, PLAN, 6, compile=True, step=runner(model, PLAN)), "eager step"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, compile=True, verify=sequential_step(model)),
+         "the verify= passed is an eager step"),
     ]
     for call, says in refused:
         with monkeypatch.context() as m:
