@@ -131,8 +131,10 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
         if prompt_ids.dim() != 1:
+            # no word on batches: the single-process decoders take them (as a list or a (B, T) tensor, B > 1, which
+            # never reaches here), Jacobi and the distributed decoder refuse them, each in its own words
             raise ValueError(f"prompt must be a list of ids or a (T,) / (1, T) tensor, got shape "
-                             f"{tuple(prompt_ids.shape)} (batched decoding is not supported)")
+                             f"{tuple(prompt_ids.shape)}")
         prompt_ids = prompt_ids.tolist()
     ids = []
     for i in prompt_ids:

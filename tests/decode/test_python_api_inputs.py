@@ -232,3 +232,16 @@ def test_a_prebuilt_step_of_another_model_or_plan_is_refused_before_any_forward(
         snlp.snlp_generate(model, prompt, PLAN, 6).tokens
     assert speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(d.model, PLAN),
                                 verify=sequential_step(model)).tokens == ref
+
+
+def test_a_prompt_of_the_wrong_shape_is_told_what_a_prompt_and_a_batch_are(model):
+    """A (2, 2, 3) or (0, 3) tensor was refused with "(batched decoding is not supported)", which these decoders
+    do support (a list of prompts, a (B, T) tensor); now the shape alone is named. A bad prompt inside a batch is
+    named by its index."""
+    for name, decode in DECODERS.items():
+        for bad in (torch.zeros(2, 2, 3, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)):
+            with pytest.raises(ValueError) as e:
+                decode(model, bad, max_new_tokens=2)
+            assert "not supported" not in str(e.value) and f"got shape {tuple(bad.shape)}" in str(e.value), name
+        with pytest.raises(ValueError, match=r"^prompt 1 of the batch: prompt must contain at least one token"):
+            decode(model, [[1, 2], [], [3]], max_new_tokens=2)
