@@ -678,3 +678,20 @@ def test_decoding_past_the_configured_context_is_the_models_own_forward():
     assert speculative_generate(model, prompt, "3xF1-h0-K1", block=3, max_new_tokens=6).tokens == ref
     assert jacobi_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=6).tokens == ref
     assert sequential_generate(model, [prompt, prompt[:3]], 6)[0].tokens == ref
+
+
+def test_a_diverging_plan_is_told_the_iteration_count_that_makes_it_exact():
+    """A diverged SNLP decode said "Try more iterations (K >= C is exact)"; in another order than the forward one
+    K = C is not exact (6xF1-h0-K6-order:reversed decodes other tokens than the model, 11 iterations are needed):
+    the message names Plan.exact_iters()."""
+    from snlp.decode.session import NONFINITE, check_picked
+    from snlp.method.plan import Plan
+    from snlp.method.solver import SNLPDivergenceError
+
+    model, prompt = make_model(), [1, 2, 3, 4]
+    plan = Plan.parse("6xF1-h0-K6-order:reversed")
+    assert plan.exact_iters() == 11
+    assert snlp_generate(model, prompt, plan, 10).tokens != argmax_loop(model, prompt, 10)
+    assert snlp_generate(model, prompt, "6xF1-h0-K11-order:reversed", 10).tokens == argmax_loop(model, prompt, 10)
+    with pytest.raises(SNLPDivergenceError, match=r"K >= 11 is exact"):
+        check_picked([NONFINITE], plan, 0)
