@@ -1,7 +1,7 @@
 """Generate text from a checkpoint: sequential, SNLP, self-speculative or Jacobi decoding (KV-cached).
 
-Modes: sequential (the model's own cached decoding), snlp (every forward an SNLP solve: the model's
-approximation unless K >= chunks), speculative (the SNLP forward drafts, the model verifies: greedy output
+Modes: sequential (the model's own cached decoding), snlp (every forward an SNLP solve: an
+approximation of the model unless K >= the plan's exact iteration count and M = 1), speculative (the SNLP forward drafts, the model verifies: greedy output
 identical to sequential), jacobi (Jacobi decoding over a block of future tokens, verified).
 """
 
@@ -15,10 +15,11 @@ from snlp.apps.generation_defaults import defaults_note
 
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
 DESCRIPTION = """\
---mode sequential is the model's own KV-cached decoding; snlp runs every forward as an SNLP solve (the model's
-approximation unless K >= chunks); speculative drafts with the SNLP forward (or an adapted --drafter) and lets the
-model verify, so greedy output equals sequential; jacobi decodes a block of future tokens, verified. Prints the text
-and the decoding statistics; speculative mode also times sequential decoding beside it (--no-baseline skips that).
+--mode sequential is the model's own KV-cached decoding; snlp runs every forward as an SNLP solve (an
+approximation of the model unless M = 1 and K reaches the plan's exact count: the chunks, more in other orders);
+speculative drafts with the SNLP forward (or an adapted --drafter) and lets the model verify, so greedy output equals
+sequential; jacobi decodes a block of future tokens, verified. Prints the text and the decoding statistics;
+speculative mode also times sequential decoding beside it (--no-baseline skips that).
 
   snlp generate runs/y --prompt "ROMEO:" --max-new-tokens 64
   snlp generate runs/y --prompt "ROMEO:" --mode speculative --plan 4xF2-h0-K1 --block 4
@@ -169,14 +170,18 @@ def check_args(args) -> None:
 
         drafted = Plan.parse(read_meta(args.drafter)["plan"])
         plan = plan or drafted
+    if not 0.0 <= args.min_confidence <= 1.0:  # as speculative_generate refuses it, before anything loads
+        raise ValueError(f"--min-confidence must lie in [0, 1], a probability (got {args.min_confidence!r})")
+    if args.compile and plan is not None:  # a tol / DiagN / Newton plan cannot run as one graph (snlp.decode.steps)
+        from snlp.decode.steps import check_compilable
+
+        check_compilable(plan)
+    if args.share_weights and plan is not None and plan.fuse != 1:  # what snlp.method.sharing refuses once bound
+        raise ValueError(f"--share-weights shares each suffix layer's weights between drafter and verifier: it needs "
+                         f"one layer per chunk (M = 1, CxF1 plans), and {plan} fuses {plan.fuse} layers per chunk")
     if args.mode != "speculative" and (args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--share-weights, --min-confidence and --adaptive-block shape the speculative drafter: use "
                          "them with --mode speculative")
-    if not 0.0 <= args.min_confidence <= 1.0:  # a probability: speculative_generate refuses it, after the load
-        raise ValueError(f"--min-confidence must lie in [0, 1], a probability (got {args.min_confidence!r})")
-    if args.share_weights and plan is not None and plan.fuse != 1:  # the plan alone tells (check_shareable)
-        raise ValueError(f"--share-weights needs one layer per chunk (M = 1, CxF1 plans); {plan} fuses M = "
-                         f"{plan.fuse} layers per chunk, a different matrix from the verifier's layers")
     if not isinstance(args.batch_size, int) or args.batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1 (got {args.batch_size!r})")
     if args.prompts_file is None and args.batch_size != 1:
@@ -470,14 +475,24 @@ def run(args) -> int:
     model = model.to(device).eval()
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
+    if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
+        from snlp.decode.session import stop_set
+
+        stop_set(args.eos_id, model.config.vocab_size)
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
         cli_plan(args.plan, model.config.n_layer)
+    if plan is not None:  # what the model's config refuses (hcn without mHC), before the prompt is echoed
+        plan.check_model(model.config)
     if drafter is not None:
         drafter.check_plan(plan)
         if args.mode == "snlp":
             print(f"snlp generate: decoding with the adapted drafter alone ({plan}): its approximation of the model, "
                   "not the model's output (--mode speculative with --drafter is exact)", file=sys.stderr)
+    if args.share_weights:  # the model's part of it (mHC layouts): refused here, not after the prompt is echoed
+        from snlp.method.sharing import check_shareable
+
+        check_shareable(model, plan.fuse)
     preheat = plans_preheat(args.ckpt, model, [plan])
     note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
                          greedy_only=args.mode == "jacobi") if tok.foreign else None

@@ -74,7 +74,10 @@ def check_decode_inputs(model: GPT, prompt_ids, max_new_tokens: int, max_len: in
         return
     prompts = list(prompt_ids)
     for i, p in enumerate(prompts):
-        n = len(prompt_ids_list(model, p))
+        try:
+            n = len(prompt_ids_list(model, p))
+        except ValueError as e:  # which prompt of the batch
+            raise ValueError(f"prompt {i} of the batch: {e}") from None
         if max_len is not None:
             check_fits(n, max_len, i)
     if not (one_row_single and len(prompts) == 1):

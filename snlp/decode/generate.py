@@ -2,8 +2,9 @@
 
 Modes (all share one static KV cache, snlp.model.cache.KVCache, through snlp.decode.session):
   sequential   the model's own cached decoding, one token per forward.
-  snlp         every forward is an SNLP solve with the cache (approximate unless K >= chunks: then it is the
-               fused model of the plan, the original model for M = 1).
+  snlp         every forward is an SNLP solve with the cache (approximate unless K >= Plan.exact_iters(), the
+               chunk count in the forward order: then it is the fused model of the plan, the original model for
+               M = 1).
   speculative  snlp.decode.speculative: the SNLP forward drafts, the sequential model verifies (exact).
   jacobi       snlp.decode.jacobi: Jacobi decoding over a block of future tokens.
 """
@@ -75,7 +76,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     temperature), filtered by `top_k` / `top_p` as transformers filters it (snlp.decode.session.Sampling).
     `compile`: the prefill and the decode step run as compiled static-shape steps (snlp.decode.steps; compiled
     before timing, compile_s); `step` passes a prebuilt one (snlp.decode.steps.sequential_step) so repeated calls
-    share its graphs.
+    share its graphs (one built for another model, or an SNLP step, is refused).
     A list of prompts (or a (B, T) tensor, B > 1) is decoded as one ragged batch (snlp.decode.batch) and returns one
     GenerateResult per prompt, each row's tokens those of its own single-prompt run; `on_tokens(i, new)` then streams
     prompt i's tokens. A model whose own forward gives NaN/inf logits raises NonFiniteModelError naming the generated
@@ -100,14 +101,15 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
                   read_every: int | None = None, top_k: int = 0, top_p: float = 1.0
                   ) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
-    cache are those of the last iteration's inputs; for K >= chunks this is exactly the fused
-    model of `plan` decoded sequentially (the original model for M = 1). Where the solve evaluates the suffix once
+    cache are those of the last iteration's inputs; for K >= plan.exact_iters() (the chunk count in the forward
+    order, more in others: 11 for 6xF1-...-order:reversed) this is exactly the fused model of `plan` decoded
+    sequentially (the original model for M = 1). Where the solve evaluates the suffix once
     (K = 1 from an h0 or preheat init, with the idn, none or hcn surrogate) it gives the tokens of the plan run over
     the whole prefix at every step (the paper's AR loop, snlp.eval.protocol.recomputed_greedy); for 1 < K < chunks,
     a fwd init (its batched forward is one more evaluation) or the diag / newton surrogates at K = 1 (their Jacobian
     estimate evaluates the chunks again, at perturbed or differentiated inputs), it does not: the re-solved prefix
     attends at evaluation k to the earlier positions' evaluation-k K/V, the cache to their last. `compile` / `step`: as in
-    `sequential_generate` (snlp.decode.steps.snlp_step). `preheat`: the calibration a -preheat- plan needs. A list of
+    `sequential_generate` (snlp.decode.steps.snlp_step of this model and plan). `preheat`: the calibration a -preheat- plan needs. A list of
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
     its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises
     SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's

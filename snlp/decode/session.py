@@ -102,7 +102,7 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
     agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
                          block=first.block)
     for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
-              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters"):
+              "draft_s", "verify_s", "steps", "step_s", "jacobi_iters", "compile_s"):
         setattr(agg, f, sum(getattr(r, f) for r in results))
     return agg
 
@@ -131,8 +131,10 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
         if prompt_ids.dim() != 1:
+            # no word on batches: the single-process decoders take them (as a list or a (B, T) tensor, B > 1, which
+            # never reaches here), Jacobi and the distributed decoder refuse them, each in its own words
             raise ValueError(f"prompt must be a list of ids or a (T,) / (1, T) tensor, got shape "
-                             f"{tuple(prompt_ids.shape)} (batched decoding is not supported)")
+                             f"{tuple(prompt_ids.shape)}")
         prompt_ids = prompt_ids.tolist()
     ids = []
     for i in prompt_ids:
@@ -472,7 +474,7 @@ def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None =
     origin = ("they come from the solver's state (the model's own forward gives finite logits here)" if known else
               "check the model's own forward is finite")
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
-                              f"token is read off them); {origin}. Try more iterations (K >= {plan.chunks} is exact), "
+                              f"token is read off them); {origin}. Try more iterations (K >= {plan.exact_iters()} is exact), "
                               f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
 
 
@@ -525,15 +527,43 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     return gen
 
 
-def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None) -> Step | EagerStep:
-    return step if step is not None else sequential_step(model, compile)
+def check_step(step: Step | EagerStep, model: GPT | None, plan: Plan | None, name: str, compile: bool = False) -> None:
+    """Refuse a prebuilt step (argument `name`) that computes another forward than the one the call decodes with:
+    another model's (`model`; None: any module, as a speculative drafter may be) or another plan's (`plan`; None: the
+    model's own sequential forward). It would decode with it, silently, under this call's model and plan label (a
+    verifier of another model breaks speculative decoding's exactness). Steps that do not say what they compute
+    (built from a function of one's own, Step.of_model None) are not checked. `compile` True: the step must be
+    compiled (an eager one would run eagerly, the flag ignored)."""
+    if compile and not step.compiled:
+        raise ValueError(f"compile=True, but the {name}= passed is an eager step, which runs as it was built: pass a "
+                         f"compiled one (compile=True where it is built) or drop compile")
+    if step.of_model is None:
+        return
+    does = "the sequential forward" if step.of_plan is None else f"the SNLP forward of plan {step.of_plan}"
+    wants = "the sequential forward" if plan is None else f"the SNLP forward of plan {plan}"
+    if step.of_plan != plan:
+        raise ValueError(f"{name}= computes {does}, but this call decodes with {wants}: pass a step built for it "
+                         f"({'sequential_step(model)' if plan is None else 'snlp_step(bind(model, plan))'}) or none")
+    if model is not None and step.of_model is not model:
+        raise ValueError(f"{name}= computes {does} of another model than the one passed (a step is bound to the module "
+                         f"it was built from): build it from this model, or pass none")
+
+
+def sequential_forward(model: GPT, compile: bool = False, step: Step | EagerStep | None = None,
+                       name: str = "step") -> Step | EagerStep:
+    if step is None:
+        return sequential_step(model, compile)
+    check_step(step, model, None, name, compile)
+    return step
 
 
 def snlp_forward(model: GPT, plan: Plan, compile: bool = False, step: Step | EagerStep | None = None,
-                 preheat: Preheat | None = None, share_weights: bool = False) -> Step | EagerStep:
+                 preheat: Preheat | None = None, share_weights: bool = False, name: str = "step",
+                 same_model: bool = True) -> Step | EagerStep:
     # fused once per call; no NaN/inf check of the solve inside the step (a host sync per token): the decode loop
     # flags NaN/inf logits on the host read of the tokens it does anyway (pick_tokens / check_picked)
-    if step is not None:
+    if step is not None:  # `same_model` False: a speculative drafter may be another module (an adapted drafter's)
+        check_step(step, model if same_model else None, plan, name, compile)
         return step
     return snlp_step(bind(model, plan, check_finite=False, preheat=preheat, share_weights=share_weights), compile)
 

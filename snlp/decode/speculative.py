@@ -334,7 +334,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     distribution. Note: the verifier scores B+1 positions in one forward, so in low precision its
     logits may differ from one-token steps by rounding (near-ties can flip; float64 is exact).
     `compile`: drafter and verifier run as compiled static-shape steps (snlp.decode.steps; the verifier always
-    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones. `share_weights`
+    scores B+1 positions, a short last round padded); `draft` / `verify` pass prebuilt ones (`verify` this model's
+    sequential step, `draft` an SNLP step of `plan`; others are refused). `share_weights`
     (M = 1 plans): the drafter's stacked weights and the verifier's layers are one storage (snlp.method.sharing:
     the model's suffix parameters are moved into the drafter's stacks, values unchanged), so each weight byte
     is streamed once. `min_confidence` (adaptive drafting, SWIFT/Kangaroo-style): a round stops drafting after
@@ -363,8 +364,10 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, one_row_single=True,
                         on_tokens=on_tokens, seed=seed)
     draft_model = model if drafter is None else drafter_model_for(model, plan, drafter, share_weights, draft is None)
-    draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights)
-    verify_fwd = sequential_forward(model, compile, verify)
+    # a prebuilt drafter may be any module's (exact either way), but of this plan (the result is labelled with it); the
+    # verifier must be this model's own sequential forward: the output is its
+    draft_fwd = snlp_forward(draft_model, plan, compile, draft, preheat, share_weights, name="draft", same_model=False)
+    verify_fwd = sequential_forward(model, compile, verify, name="verify")
     if is_batch(prompt_ids):
         return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, how,
                                  eos_id, seed, max_len, on_tokens, min_confidence, adaptive)

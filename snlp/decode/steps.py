@@ -269,6 +269,10 @@ class Step:
     `host` part measures it). A torch without that stance gets "full". `cut_calls` / `guarded_calls` count the two
     paths."""
 
+    # what the step computes, set by sequential_step / snlp_step: the forward of model `of_model`, sequential (`of_plan`
+    # None) or the SNLP solve of plan `of_plan`; None for a step built from another function (not known, not checked)
+    of_model, of_plan = None, None
+
     def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
                  before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None,
                  owner=None):
@@ -459,6 +463,7 @@ class EagerStep:
     padding, no mask over the whole cache), which is what an eager CPU loop runs fastest."""
 
     compiled, compile_s, slack, prefill_pad = False, 0.0, 0, 1
+    of_model, of_plan = None, None  # what the step computes (Step.of_model)
 
     def __init__(self, forward: Callable[[Tensor, KVCache], Tensor], fn: StepFn | None = None,
                  fill: Callable[[Tensor, KVCache], Tensor] | None = None, fill_ragged: StepFn | None = None):
@@ -511,20 +516,25 @@ def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep
     """The sequential model's cached forward: a compiled static-shape Step, or the eager forward."""
     check_eager_guards(compile, kw)
     if not compile:
-        return EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model),
+        step = EagerStep(lambda idx, cache: model(idx, cache=cache), sequential_fn(model),
                          lambda idx, cache: model(idx, cache=cache, keep=0),
                          lambda idx, pos, cache: model(idx, cache=cache, pos=pos, keep=0))
-    device = model.wte.weight.device
-    return Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model, **kw)
+    else:
+        device = model.wte.weight.device
+        step = Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model, **kw)
+    step.of_model = model
+    return step
 
 
 def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
     """An SNLP runner's cached forward (bound with check_finite=False): compiled Step or the eager runner."""
     check_eager_guards(compile, kw)
     if not compile:  # the eager runner checks its weights are current on every call (Runner.current)
-        return EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos),
+        step = EagerStep(runner, lambda idx, pos, cache: runner(idx, cache=cache, pos=pos),
                          lambda idx, cache: runner(idx, cache=cache, keep=0),
                          lambda idx, pos, cache: runner(idx, cache=cache, pos=pos, keep=0))
+        step.of_model, step.of_plan = runner.model, runner.plan
+        return step
 
     def before() -> None:  # the compiled graph cannot read version counters: rebuild stale fused weights here
         if runner.current() and step.mode == "reduce-overhead":
@@ -535,6 +545,7 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
                 owner=runner.model, **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
+    step.of_model, step.of_plan = runner.model, runner.plan
     return step
 
 

@@ -331,7 +331,14 @@ def generate_args(ckpt, *argv):
     (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--min-confidence", "2", "--no-baseline"],
      "--min-confidence must lie in [0, 1], a probability (got 2.0)"),
     (["--mode", "speculative", "--plan", "1xF2-h0-K1", "--share-weights", "--no-baseline"],
-     "--share-weights needs one layer per chunk (M = 1, CxF1 plans); 1xF2-h0-K1 fuses M = 2"),
+     "it needs one layer per chunk (M = 1, CxF1 plans), and 1xF2-h0-K1 fuses 2 layers per chunk"),
+    # refused only once the drafter was bound or the decoder ran, after the checkpoint loaded and the prompt was echoed
+    (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--min-confidence", "1.5", "--no-baseline"],
+     "--min-confidence must lie in [0, 1], a probability (got 1.5)"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1-diag", "--compile"], "the diag surrogate does not compile into one"),
+    (["--mode", "speculative", "--plan", "4xF1-h0-K2-tol:0.1", "--compile", "--no-baseline"], "drop -tol"),
+    (["--mode", "speculative", "--plan", "2xF2-h0-K1", "--share-weights"],
+     "--share-weights shares each suffix layer's weights between drafter and verifier: it needs one layer per chunk"),
 ])
 def test_generate_refuses_bad_input_before_the_model_loads(ckpt, tmp_path, monkeypatch, capsys, extra, says):
     """A plan batched decoding cannot run with --batch-size > 1, a malformed plan and a negative --eos-id were refused
@@ -508,3 +515,29 @@ def test_the_prompt_is_still_echoed_before_the_continuation(ckpt, capsys):
     assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("First Citizen:") and out.splitlines()[1].startswith("[sequential] 4 tokens"), out
+def test_share_weights_on_an_mhc_model_is_refused_before_the_prompt_is_echoed(tmp_path, capsys):
+    """--share-weights on an mHC checkpoint was refused once the drafter was bound, after the prompt had been echoed
+    as the start of the output; now in one line before it (the part of the refusal the plan alone cannot tell)."""
+    from conftest import mhc_model
+
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = mhc_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=2, n_embd=32,
+                      x0_residual=False)
+    ck = save_checkpoint(tmp_path / "m", model, tokenizer=tok)
+    assert main(["generate", str(ck), "--prompt", "First Citizen:", "--max-new-tokens", "2", "--mode", "speculative",
+                 "--plan", "2xF1-h0-K1", "--share-weights", "--no-baseline"]) == 2
+    out, err = capsys.readouterr()
+    assert "First Citizen" not in out and "mHC" in err and err.count("\n") == 1, (out, err)
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--eos-id", "100000"], "outside the model's vocabulary"),
+    (["--mode", "snlp", "--plan", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+    (["--mode", "jacobi", "--plan", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+])
+def test_what_the_model_refuses_is_refused_before_the_prompt_is_echoed(ckpt, capsys, extra, says):
+    """--eos-id past the model's vocabulary and a plan the model's config cannot run (hcn without mHC) were refused
+    by the decoder, after the prompt had been echoed as the start of the output; now in one line before it."""
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "2", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert "First Citizen" not in out and says in err and err.count("\n") == 1, (out, err)

@@ -455,6 +455,22 @@ def test_generate_result_stats():
     assert r.to_dict()["accepted_fraction"] == 0.5 and r.draft_ms_per_step == pytest.approx(100.0)
 
 
+def test_merge_results_sums_every_counter_and_time():
+    """merge_results "sums the counters and times" of several runs: every numeric field but `block` (a setting, not
+    a count) is the sum of the runs' (compile_s was left at 0.0)."""
+    import dataclasses
+    runs = [GenerateResult(tokens=[1, 2], mode="speculative", plan="3xF1-h0-K1", block=2), GenerateResult(
+        tokens=[3], mode="speculative", plan="3xF1-h0-K1", block=2)]
+    fields = [f.name for f in dataclasses.fields(GenerateResult)
+              if f.type in ("int", "float") and f.name != "block"]
+    for k, r in enumerate(runs):
+        for i, f in enumerate(fields):
+            setattr(r, f, (i + 1) * (k + 1))
+    both = merge_results(runs)
+    assert both.tokens == [1, 2, 3] and both.block == 2 and both.plan == "3xF1-h0-K1"
+    assert {f: getattr(both, f) for f in fields} == {f: 3 * (i + 1) for i, f in enumerate(fields)}
+
+
 def test_shootout_rotation_is_fair_for_any_count(monkeypatch):
     """Review (shootout_fairness.py): with repeats = 2 and 3 candidates the third never ran right after the baseline
     (the order rotated once per round). Now it rotates prompt by prompt, the sequential baseline with the cases:
@@ -662,3 +678,20 @@ def test_decoding_past_the_configured_context_is_the_models_own_forward():
     assert speculative_generate(model, prompt, "3xF1-h0-K1", block=3, max_new_tokens=6).tokens == ref
     assert jacobi_generate(model, prompt, "3xF1-h0-K1", max_new_tokens=6).tokens == ref
     assert sequential_generate(model, [prompt, prompt[:3]], 6)[0].tokens == ref
+
+
+def test_a_diverging_plan_is_told_the_iteration_count_that_makes_it_exact():
+    """A diverged SNLP decode said "Try more iterations (K >= C is exact)"; in another order than the forward one
+    K = C is not exact (6xF1-h0-K6-order:reversed decodes other tokens than the model, 11 iterations are needed):
+    the message names Plan.exact_iters()."""
+    from snlp.decode.session import NONFINITE, check_picked
+    from snlp.method.plan import Plan
+    from snlp.method.solver import SNLPDivergenceError
+
+    model, prompt = make_model(), [1, 2, 3, 4]
+    plan = Plan.parse("6xF1-h0-K6-order:reversed")
+    assert plan.exact_iters() == 11
+    assert snlp_generate(model, prompt, plan, 10).tokens != argmax_loop(model, prompt, 10)
+    assert snlp_generate(model, prompt, "6xF1-h0-K11-order:reversed", 10).tokens == argmax_loop(model, prompt, 10)
+    with pytest.raises(SNLPDivergenceError, match=r"K >= 11 is exact"):
+        check_picked([NONFINITE], plan, 0)

@@ -189,3 +189,59 @@ def test_a_drafter_given_as_a_path_is_refused_in_one_line_before_any_forward(mod
     for d in ("runs/drafter", object()):
         with pytest.raises(ValueError, match=r"drafter must be a snlp.method.drafter.Drafter .*load_drafter"):
             snlp.speculative_generate(model, [1, 2, 3], PLAN, max_new_tokens=3, drafter=d)
+
+
+def test_a_prebuilt_step_of_another_model_or_plan_is_refused_before_any_forward(model, monkeypatch):
+    """`step=` / `draft=` / `verify=` pass prebuilt steps so calls share compiled graphs; one built for another model
+    or plan decoded with it under this call's model and plan label: sequential_generate(a, step=sequential_step(b))
+    returned b's tokens, snlp_generate(a, '6xF1-h0-K6', step=<3xF1-h0-K1>) the 3xF1 plan's labelled 6xF1, and a
+    verifier of another model broke speculative decoding's exactness. Each is refused before any forward; steps
+    of this model and plan decode as without them (an adapted drafter's step drafts for its base: any module).
+    compile=True beside an eager step is refused too (it ran eagerly)."""
+    from snlp.decode.steps import sequential_step, snlp_step
+    from snlp.method.drafter import make_drafter
+    from snlp.method.solver import bind
+
+    other = make_model(seed=5, n_layer=4)
+    prompt, ref = [1, 2, 3], argmax_loop(model, [1, 2, 3], 6)
+    runner = lambda m, plan: snlp_step(bind(m, plan, check_finite=False))  # noqa: E731
+    refused = [
+        (lambda: snlp.sequential_generate(model, prompt, 6, step=sequential_step(other)), "step= .* another model"),
+        (lambda: snlp.sequential_generate(model, prompt, 6, step=runner(model, PLAN)), "step= computes the SNLP"),
+        (lambda: snlp.snlp_generate(model, prompt, "4xF1-h0-K4", 6, step=runner(model, PLAN)),
+         "plan 3xF1-h0-K1, but this call decodes with the SNLP forward of plan 4xF1-h0-K4"),
+        (lambda: snlp.snlp_generate(model, prompt, PLAN, 6, step=runner(other, PLAN)), "another model"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=sequential_step(other)), "verify= .* another"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, verify=runner(model, PLAN)), "verify= computes the"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(model, "2xF2-h0-K1")), "draft= comp"),
+        # compile=True beside an eager step ran eagerly, the flag ignored
+        (lambda: snlp.sequential_generate(model, prompt, 6, compile=True, step=sequential_step(model)), "eager step"),
+        (lambda: snlp.snlp_generate(model, prompt, PLAN, 6, compile=True, step=runner(model, PLAN)), "eager step"),
+        (lambda: speculative_generate(model, prompt, PLAN, 3, 6, compile=True, verify=sequential_step(model)),
+         "the verify= passed is an eager step"),
+    ]
+    for call, says in refused:
+        with monkeypatch.context() as m:
+            _no_forward(model, m)
+            _no_forward(other, m)
+            with pytest.raises(ValueError, match=says):
+                call()
+    d = make_drafter(model, PLAN)
+    assert snlp.sequential_generate(model, prompt, 6, step=sequential_step(model)).tokens == ref
+    assert snlp.snlp_generate(model, prompt, PLAN, 6, step=runner(model, PLAN)).tokens == \
+        snlp.snlp_generate(model, prompt, PLAN, 6).tokens
+    assert speculative_generate(model, prompt, PLAN, 3, 6, draft=runner(d.model, PLAN),
+                                verify=sequential_step(model)).tokens == ref
+
+
+def test_a_prompt_of_the_wrong_shape_is_told_what_a_prompt_and_a_batch_are(model):
+    """A (2, 2, 3) or (0, 3) tensor was refused with "(batched decoding is not supported)", which these decoders
+    do support (a list of prompts, a (B, T) tensor); now the shape alone is named. A bad prompt inside a batch is
+    named by its index."""
+    for name, decode in DECODERS.items():
+        for bad in (torch.zeros(2, 2, 3, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)):
+            with pytest.raises(ValueError) as e:
+                decode(model, bad, max_new_tokens=2)
+            assert "not supported" not in str(e.value) and f"got shape {tuple(bad.shape)}" in str(e.value), name
+        with pytest.raises(ValueError, match=r"^prompt 1 of the batch: prompt must contain at least one token"):
+            decode(model, [[1, 2], [], [3]], max_new_tokens=2)
