@@ -118,7 +118,8 @@ def config_from_args(args):
     from snlp.method.plan import parse_plans
 
     # each plan as the command line reads one (a K beyond the exact count capped, with a warning)
-    cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans else None,
+    # an empty --plans is no list at all (parse_plans refuses it), never the default grid
+    cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans is not None else None,
                      blocks=_ints(args.blocks, "--blocks"), threads=_ints(args.threads, "--threads"),
                      compile=args.compile, ssd=not args.no_ssd, max_dppl=parse_budget(args.max_dppl), top=args.top,
                      full_grid=args.full_grid, seq_len=args.seq_len, calib_tokens=args.calib_tokens,
@@ -127,6 +128,12 @@ def config_from_args(args):
                      accept_tokens=args.accept_tokens, seed=args.seed,
                      progress=not args.no_progress)
     cfg.check()
+    # the draft blocks and the acceptance profile belong to goal (a): under --no-ssd nothing reads them
+    unread = [f for f in ("blocks", "accept_tokens") if f in getattr(args, "given", ())]
+    if args.no_ssd and unread:
+        flags = " and ".join("--" + f.replace("_", "-") for f in unread)
+        raise ValueError(f"{flags} set{'s' if len(unread) == 1 else ''} SSD decoding (goal (a)), which --no-ssd skips: "
+                         f"drop {flags} or --no-ssd")
     return cfg
 
 
