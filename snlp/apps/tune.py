@@ -42,7 +42,7 @@ LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (
 
 # a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
 # answers at once (tests/apps/test_cli_fast.py checks that they agree)
-TUNE_DEFAULTS = SimpleNamespace(blocks=(2, 3, 4, 6, 8), top=3, calib_tokens=8192, seq_len=256, prompts=4,
+TUNE_DEFAULTS = SimpleNamespace(blocks=(2, 3, 4, 6, 8), top=3, calib_tokens=8192, seq_len=None, prompts=4,
                                 prompt_len=16, gen_tokens=64, repeats=6, warmup=1, step_runs=30, accept_tokens=64,
                                 seed=0)
 
@@ -65,7 +65,8 @@ def add_arguments(p) -> None:
                    "best of the grid (validation)")
     m = p.add_argument_group("measurement")
     m.add_argument("--calib-tokens", type=int, default=d.calib_tokens, help="teacher-forced calibration tokens")
-    m.add_argument("--seq-len", type=int, default=d.seq_len, help="calibration window")
+    m.add_argument("--seq-len", type=int, default=d.seq_len, help="calibration window (default: min(256, the "
+                   "model's sequence_len))")
     m.add_argument("--prompts", type=int, default=d.prompts, help="stage-2 prompts from the validation text")
     m.add_argument("--prompt-len", type=int, default=d.prompt_len)
     m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")

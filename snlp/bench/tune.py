@@ -41,7 +41,8 @@ import itertools
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -95,7 +96,7 @@ class TuneConfig:
     max_dppl: float | None = None  # goal (b) when set: SNLP decoding with calibration dPPL <= this (0.01 = 1 %)
     top: int = 3  # stage-2 shortlist per goal: plans, each at its 2 best-predicted blocks (`shortlist`)
     full_grid: bool = False  # measure every candidate (validation of the shortlist)
-    seq_len: int = 256  # calibration window
+    seq_len: int | None = None  # calibration window; None: min(256, the model's sequence_len) (`calibration_window`)
     calib_tokens: int = 8192  # teacher-forced calibration tokens (Top-1, PPL)
     prompts: int = 4  # stage-2 prompts (from the calibration tokens)
     prompt_len: int = 16
@@ -119,7 +120,9 @@ class TuneConfig:
             bad.append(f"max_dppl must be a finite fraction >= 0, e.g. 0.01 for 1 % (got {self.max_dppl!r})")
         if not self.ssd and self.max_dppl is None:
             bad.append("nothing to tune: the SSD goal is off and no max_dppl budget was given")
-        for k in ("top", "seq_len", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
+        if self.seq_len is not None and not ints([self.seq_len]):
+            bad.append(f"seq_len must be an integer >= 1 (got {self.seq_len!r})")
+        for k in ("top", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
             if not ints([getattr(self, k)]):
                 bad.append(f"{k} must be an integer >= 1 (got {getattr(self, k)!r})")
         for k in ("warmup", "accept_tokens"):
@@ -268,11 +271,24 @@ def torch_threads(n: int):
         torch.set_num_threads(old)
 
 
+def calibration_window(cfg: TuneConfig, model: GPT) -> int:
+    """The calibration window: cfg.seq_len as given (past the model's sequence_len it runs, as RoPE extrapolation,
+    with snlp eval's warning), by default min(256, the model's sequence_len)."""
+    trained = model.config.sequence_len
+    if cfg.seq_len is None:
+        return min(256, trained)
+    if cfg.seq_len > trained:
+        warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
+                      f"for): the calibration windows measure extrapolation past it, not the model as trained",
+                      stacklevel=3)
+    return cfg.seq_len
+
+
 def calibration_quality(model: GPT, val, plans: list[Plan], cfg: TuneConfig, preheat: Preheat | None = None
                         ) -> dict[str, PlanQuality]:
     """Teacher-forced Top-1 and PPL of every plan vs sequential on up to cfg.calib_tokens calibration tokens
     (snlp.eval.protocol.teacher_forced, the evaluation's own protocol)."""
-    seq_len = min(cfg.seq_len, model.config.sequence_len)
+    seq_len = calibration_window(cfg, model)
     wins = windows(as_tokens(val), seq_len, cfg.calib_tokens)  # (W, T + 1)
     ecfg = EvalConfig(seq_len=seq_len, max_tokens=cfg.calib_tokens, progress=cfg.progress)
     tf: dict[str, Quality] = teacher_forced(model, wins, plans, ecfg, preheat)  # row name -> its record
@@ -635,6 +651,10 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     shortlisted, stage1_s): what `snlp tune --json` keeps if stage 2 is cut short. No pick is made before stage 2:
     the pick is the best measured candidate."""
     cfg.check()
+    # the window calibration really uses is the one the result records (a silent cap at the model's context kept the
+    # flag's value in --json)
+    if cfg.seq_len is None:
+        cfg = replace(cfg, seq_len=min(256, model.config.sequence_len))
     L = model.config.n_layer
     plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
     model.eval()

@@ -374,3 +374,32 @@ def test_stage_one_says_what_runs_on_stderr_with_progress_and_nothing_without(mo
             assert f"step timing (stage 1, 2 threads): {n}/{n} (100%) done in" in err
         else:
             assert err == ""
+
+
+def _naive_ppl(model, val, T: int, max_tokens: int) -> float:
+    """exp of the mean next-token cross-entropy of the model over non-overlapping windows of T inputs."""
+    W = min((val.numel() - 1) // T, max(1, max_tokens // T))
+    nll = []
+    with torch.no_grad():
+        for w in range(W):
+            x = val[w * T: w * T + T + 1]
+            logits = model(x[None, :-1]).double()
+            nll.append(torch.nn.functional.cross_entropy(logits[0], x[1:], reduction="sum").item())
+    return math.exp(sum(nll) / (W * T))
+
+
+def test_the_calibration_window_is_the_one_asked_for_and_recorded():
+    """TuneConfig.seq_len was capped at the model's sequence_len without a word (--seq-len 64 on a 32-token model
+    calibrated on windows of 32, and --json recorded 64). A window past the context runs, as snlp eval runs it (RoPE
+    extrapolation, with its warning); the default is min(256, the model's sequence_len), recorded as such."""
+    small = make_model(seed=5, n_layer=4, sequence_len=32)
+    val = torch.randint(0, small.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2))
+    exact = Plan.parse("2xF1-fwd-K1")  # exact: its PPL is sequential's
+    cfg = TuneConfig(plans=[str(exact)], **{**FAST, "seq_len": 64})
+    with pytest.warns(UserWarning, match="past the model's sequence_len 32"):
+        q = calibration_quality(small, val, [exact], cfg)[str(exact)]
+    assert q.ppl == pytest.approx(_naive_ppl(small, val, 64, cfg.calib_tokens), rel=1e-5)
+    assert q.ppl != pytest.approx(_naive_ppl(small, val, 32, cfg.calib_tokens), rel=1e-3)
+    r = tune(small, val, TuneConfig(plans=[str(exact)], blocks=(2,), threads=(1,), **{**FAST, "seq_len": None}))
+    assert r.config.seq_len == 32 and TuneConfig().seq_len is None
+    assert r.quality[0].ppl == pytest.approx(_naive_ppl(small, val, 32, FAST["calib_tokens"]), rel=1e-5)
