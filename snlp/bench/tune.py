@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from snlp.bench.records import markdown_table
-from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, paired_verdict, sign_test_p, sign_test_wins, verdict_text
+from snlp.bench.stats import (SIGN_LEVEL, fewest_sign_rounds, paired_verdict, sign_test_p, sign_test_wins, tie_footnote,
+                              tie_mark, verdict_text)
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
@@ -735,7 +736,9 @@ def _f(x, fmt: str) -> str:
 def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
     """The markdown table of one goal, measured rows by measured tokens/s (best first), then (unless
     `measured_only`) the predicted-only rows: `>` marks the pick, `*` the shortlist, `P` the SNLP Pareto front
-    over (dPPL, measured tokens/s); noise = half the range of the per-round ratios (round_noise)."""
+    over (dPPL, measured tokens/s); noise = half the range of the per-round ratios (round_noise). A `meas x` its
+    paired rounds do not tell from 1.00x by the sign test is marked "(tie)", and the footnote under the table says
+    the rule (the other tables' tie_mark / tie_footnote): a ratio inside the noise is never printed as a gain."""
     rows = [c for c in result.candidates if c.goal == goal and (c.measured or not measured_only)]
     rows.sort(key=lambda c: (not c.measured, -(c.tokens_per_s or 0.0), -c.predicted_tokens_per_s))
     front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
@@ -746,10 +749,15 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
              dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
-             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), "–" if c.noise is None else f"±{c.noise:.1%}",
+             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f") + tie_mark(c.round_speedups),
+             "–" if c.noise is None else f"±{c.noise:.1%}",
              _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
-    return markdown_table(cols, body)
+    lines = markdown_table(cols, body)
+    if any(c.measured and c.round_speedups and paired_verdict(c.round_speedups)[0] == "tie" for c in rows):
+        lines.append(tie_footnote(result.config.repeats, "meas x", "sequential ms/token over this candidate's in the "
+                                  "same round, every prompt decoded by both"))
+    return lines
 
 
 def dppl_cell(d: float) -> str:
