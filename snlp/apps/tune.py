@@ -6,7 +6,7 @@ measured tokens/s; every measured candidate's greedy output is checked against s
 sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the checkpoint's validation text and
 its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
 this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes
-the --top best predictions end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
+the --top best-predicted plans (SSD: each at its 2 best blocks) end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
 (medians), and picks the best MEASURED where the paired rounds resolve its lead (a two-sided sign test; else the best
 stage-1 prediction among the candidates they do not separate from it: snlp.bench.tune.pick, and the summary says which rule made the pick).
 Prints the measured table (predicted vs measured) and the pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
@@ -30,7 +30,8 @@ DESCRIPTION = """\
 Goal (a), exact self-speculative decoding: the plan, draft block B, threads and compile with the highest measured
 tokens/s (every candidate's greedy output is checked against sequential decoding). Goal (b), with --max-dppl: the
 fastest SNLP decoding within that PPL budget. Stage 1 predicts every candidate from cheap measurements; stage 2
-decodes the --top best end to end, round-robin with sequential decoding, and picks the best measured one. Prints the
+decodes the --top best-predicted plans end to end (SSD: each at its 2 best blocks), round-robin with sequential
+decoding, and picks the best measured one. Prints the
 table (predicted vs measured) and the pick; minutes on a CPU.
 
   snlp tune runs/speedrun/idn                        # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
@@ -60,7 +61,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-dppl", default=None, help="goal (b): SNLP decoding within this PPL increase over "
                    "sequential, e.g. 1%% or 0.01")
     p.add_argument("--no-ssd", action="store_true", help="skip goal (a), exact SSD (needs --max-dppl)")
-    p.add_argument("--top", type=int, default=d.top, help="candidates per goal measured end to end (stage 2)")
+    p.add_argument("--top", type=int, default=d.top, help="plans per goal measured end to end (stage 2), "
+                   "SSD ones at their 2 best-predicted blocks, plus each setting's best plan")
     p.add_argument("--full-grid", action="store_true", help="measure every candidate end to end: the pick vs the "
                    "best of the grid (validation)")
     m = p.add_argument_group("measurement")
