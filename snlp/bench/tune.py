@@ -709,6 +709,17 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
         notes.append(f"stage 2 timed {cfg.repeats} round(s): the sign test over paired rounds resolves a lead from "
                      f"{fewest_sign_rounds()} rounds on, so {' and '.join(paired)} candidates timed in the same "
                      f"rounds tied, and the best prediction among them picked")
+    # options too short for what they measure: the rows would name a block their decodes never drafted
+    empty = [a.plan for a in acceptance if not a.rounds]
+    if empty:
+        notes.append(f"stage 1: --accept-tokens {cfg.accept_tokens} leaves no round room for a full block of B = "
+                     f"{max(cfg.blocks)} (it needs B + 1 tokens), so the acceptance profile of {', '.join(empty)} "
+                     f"measured nothing and its SSD predictions use the Top-1 i.i.d. model instead")
+    short = sorted({c.block for c in cands if c.goal == "ssd" and c.measured and c.block + 1 > cfg.gen_tokens})
+    if short:
+        notes.append(f"stage 2: --gen-tokens {cfg.gen_tokens} leaves no round room for a full block of B = "
+                     f"{', '.join(map(str, short))} (a round drafts at most the tokens left - 1): those rows measured "
+                     f"B = {max(cfg.gen_tokens - 1, 0)} at most")
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
     for g, p in picks.items():  # "slower than sequential" only where the pick's paired rounds resolve it

@@ -423,3 +423,19 @@ def test_a_measured_speedup_inside_the_noise_is_marked_a_tie_in_the_table(model)
     assert lines[5].startswith("(tie): not told from 1.00x") and len(lines) == 6
     r = _result(model, TuneConfig(), [], [], [], [win, slow], 0.0, 0.0)
     assert len(table(r, "ssd")) == 4  # nothing tied: no footnote
+
+
+def test_settings_too_short_for_a_full_block_say_so(model, val):
+    """--accept-tokens 3 at B = 3 (a round needs B + 1 tokens) measured an acceptance profile of no round, and every
+    SSD prediction fell back to the Top-1 model; --gen-tokens 3 at B = 3 timed decodes that drafted 2 at most under
+    the name B = 3. Both ran without a word; the result now says each (the table's rows are unchanged)."""
+    cfg = TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **{**FAST, "accept_tokens": 3,
+                                                                                    "gen_tokens": 3})
+    r = tune(model, val, cfg)
+    assert r.acceptance[0].rounds == 0
+    (s1,) = [n for n in r.notes if n.startswith("stage 1: --accept-tokens 3")]
+    assert "B = 3" in s1 and "2xF1-h0-K1" in s1
+    (s2,) = [n for n in r.notes if n.startswith("stage 2: --gen-tokens 3")]
+    assert "B = 3 " in s2 and "B = 2 at most" in s2
+    ok = tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **FAST))
+    assert not [n for n in ok.notes if n.startswith(("stage 1: --accept", "stage 2: --gen"))]
