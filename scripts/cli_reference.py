@@ -26,7 +26,7 @@ def option_table(name: str, sub: argparse.ArgumentParser) -> list[str]:
         opt = ", ".join(shorts + [f"`{o}{meta}`" for o in longs])
         default = "required" if a.required else (
             "" if a.default in (None, False, argparse.SUPPRESS) or a.nargs == 0 else f"`{a.default}`")
-        text = (a.help or "").replace("%(default)s", str(a.default)).replace("|", "\\|").replace("\n", " ")
+        text = (a.help or "").replace("%(default)s", str(a.default)).replace("%%", "%").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| {opt} | {default} | {text} |")
     return rows
 

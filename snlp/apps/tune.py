@@ -6,7 +6,7 @@ measured tokens/s; every measured candidate's greedy output is checked against s
 sequential's). Stage 1 measures every plan's teacher-forced Top-1 / PPL on the checkpoint's validation text and
 its SSD acceptance profile (a short greedy speculative decode at the largest B), and times the decode steps on
 this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes
-the --top best predictions end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
+the --top best-predicted plans (SSD: each at its 2 best blocks) end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
 (medians), and picks the best MEASURED where the paired rounds resolve its lead (a two-sided sign test; else the best
 stage-1 prediction among the candidates they do not separate from it: snlp.bench.tune.pick, and the summary says which rule made the pick).
 Prints the measured table (predicted vs measured) and the pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
@@ -30,7 +30,8 @@ DESCRIPTION = """\
 Goal (a), exact self-speculative decoding: the plan, draft block B, threads and compile with the highest measured
 tokens/s (every candidate's greedy output is checked against sequential decoding). Goal (b), with --max-dppl: the
 fastest SNLP decoding within that PPL budget. Stage 1 predicts every candidate from cheap measurements; stage 2
-decodes the --top best end to end, round-robin with sequential decoding, and picks the best measured one. Prints the
+decodes the --top best-predicted plans end to end (SSD: each at its 2 best blocks), round-robin with sequential
+decoding, and picks the best measured one. Prints the
 table (predicted vs measured) and the pick; minutes on a CPU.
 
   snlp tune runs/speedrun/idn                        # SSD: 12 plans (15 on CUDA) x B = 2,3,4,6,8
@@ -42,7 +43,7 @@ LOCK_OUTPUTS = True  # a second run writing one of its output paths is refused (
 
 # a stand-in for TuneConfig's defaults: the library (and torch) loads in run(), after the flags are parsed, so --help
 # answers at once (tests/apps/test_cli_fast.py checks that they agree)
-TUNE_DEFAULTS = SimpleNamespace(blocks=(2, 3, 4, 6, 8), top=3, calib_tokens=8192, seq_len=256, prompts=4,
+TUNE_DEFAULTS = SimpleNamespace(blocks=(2, 3, 4, 6, 8), top=3, calib_tokens=8192, seq_len=None, prompts=4,
                                 prompt_len=16, gen_tokens=64, repeats=6, warmup=1, step_runs=30, accept_tokens=64,
                                 seed=0)
 
@@ -60,12 +61,14 @@ def add_arguments(p) -> None:
     p.add_argument("--max-dppl", default=None, help="goal (b): SNLP decoding within this PPL increase over "
                    "sequential, e.g. 1%% or 0.01")
     p.add_argument("--no-ssd", action="store_true", help="skip goal (a), exact SSD (needs --max-dppl)")
-    p.add_argument("--top", type=int, default=d.top, help="candidates per goal measured end to end (stage 2)")
+    p.add_argument("--top", type=int, default=d.top, help="plans per goal measured end to end (stage 2), "
+                   "SSD ones at their 2 best-predicted blocks, plus each setting's best plan")
     p.add_argument("--full-grid", action="store_true", help="measure every candidate end to end: the pick vs the "
                    "best of the grid (validation)")
     m = p.add_argument_group("measurement")
     m.add_argument("--calib-tokens", type=int, default=d.calib_tokens, help="teacher-forced calibration tokens")
-    m.add_argument("--seq-len", type=int, default=d.seq_len, help="calibration window")
+    m.add_argument("--seq-len", type=int, default=d.seq_len, help="calibration window (default: min(256, the "
+                   "model's sequence_len))")
     m.add_argument("--prompts", type=int, default=d.prompts, help="stage-2 prompts from the validation text")
     m.add_argument("--prompt-len", type=int, default=d.prompt_len)
     m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")
@@ -118,7 +121,8 @@ def config_from_args(args):
     from snlp.method.plan import parse_plans
 
     # each plan as the command line reads one (a K beyond the exact count capped, with a warning)
-    cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans else None,
+    # an empty --plans is no list at all (parse_plans refuses it), never the default grid
+    cfg = TuneConfig(plans=[str(p) for p in parse_plans(args.plans)] if args.plans is not None else None,
                      blocks=_ints(args.blocks, "--blocks"), threads=_ints(args.threads, "--threads"),
                      compile=args.compile, ssd=not args.no_ssd, max_dppl=parse_budget(args.max_dppl), top=args.top,
                      full_grid=args.full_grid, seq_len=args.seq_len, calib_tokens=args.calib_tokens,
@@ -127,6 +131,12 @@ def config_from_args(args):
                      accept_tokens=args.accept_tokens, seed=args.seed,
                      progress=not args.no_progress)
     cfg.check()
+    # the draft blocks and the acceptance profile belong to goal (a): under --no-ssd nothing reads them
+    unread = [f for f in ("blocks", "accept_tokens") if f in getattr(args, "given", ())]
+    if args.no_ssd and unread:
+        flags = " and ".join("--" + f.replace("_", "-") for f in unread)
+        raise ValueError(f"{flags} set{'s' if len(unread) == 1 else ''} SSD decoding (goal (a)), which --no-ssd skips: "
+                         f"drop {flags} or --no-ssd")
     return cfg
 
 

@@ -22,6 +22,7 @@ run, and it keeps the plan and wall time it was recorded with.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -177,8 +178,8 @@ def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, 
         stages = {c.name: StagePlan(c, share_s=c.at(1.0)) for c in costs}
         plan = BudgetPlan(None, 0.0, fixed_s, 0.0, stages, probe, tail_s=tail_s, train_reused=min_train_s is None)
     else:
-        if budget_s <= 0:
-            raise ValueError(f"the budget must be > 0 seconds (got {budget_s:g})")
+        if not (math.isfinite(budget_s) and budget_s > 0):  # NaN passed `<= 0` and planned NaN seconds of training
+            raise ValueError(f"the budget must be a finite number of seconds > 0 (got {budget_s:g})")
         margin_s = margin * budget_s
         todo = [c for c in costs if c.name not in reused]
         avail = budget_s - margin_s - fixed_s  # what the stages and training may take

@@ -41,12 +41,14 @@ import itertools
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from snlp.bench.records import markdown_table
-from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, paired_verdict, sign_test_p, sign_test_wins, verdict_text
+from snlp.bench.stats import (SIGN_LEVEL, fewest_sign_rounds, paired_verdict, sign_test_p, sign_test_wins, tie_footnote,
+                              tie_mark, verdict_text)
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, speculative_shootout
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
@@ -95,7 +97,7 @@ class TuneConfig:
     max_dppl: float | None = None  # goal (b) when set: SNLP decoding with calibration dPPL <= this (0.01 = 1 %)
     top: int = 3  # stage-2 shortlist per goal: plans, each at its 2 best-predicted blocks (`shortlist`)
     full_grid: bool = False  # measure every candidate (validation of the shortlist)
-    seq_len: int = 256  # calibration window
+    seq_len: int | None = None  # calibration window; None: min(256, the model's sequence_len) (`calibration_window`)
     calib_tokens: int = 8192  # teacher-forced calibration tokens (Top-1, PPL)
     prompts: int = 4  # stage-2 prompts (from the calibration tokens)
     prompt_len: int = 16
@@ -119,7 +121,9 @@ class TuneConfig:
             bad.append(f"max_dppl must be a finite fraction >= 0, e.g. 0.01 for 1 % (got {self.max_dppl!r})")
         if not self.ssd and self.max_dppl is None:
             bad.append("nothing to tune: the SSD goal is off and no max_dppl budget was given")
-        for k in ("top", "seq_len", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
+        if self.seq_len is not None and not ints([self.seq_len]):
+            bad.append(f"seq_len must be an integer >= 1 (got {self.seq_len!r})")
+        for k in ("top", "calib_tokens", "prompts", "prompt_len", "gen_tokens", "repeats", "step_runs"):
             if not ints([getattr(self, k)]):
                 bad.append(f"{k} must be an integer >= 1 (got {getattr(self, k)!r})")
         for k in ("warmup", "accept_tokens"):
@@ -268,11 +272,24 @@ def torch_threads(n: int):
         torch.set_num_threads(old)
 
 
+def calibration_window(cfg: TuneConfig, model: GPT) -> int:
+    """The calibration window: cfg.seq_len as given (past the model's sequence_len it runs, as RoPE extrapolation,
+    with snlp eval's warning), by default min(256, the model's sequence_len)."""
+    trained = model.config.sequence_len
+    if cfg.seq_len is None:
+        return min(256, trained)
+    if cfg.seq_len > trained:
+        warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
+                      f"for): the calibration windows measure extrapolation past it, not the model as trained",
+                      stacklevel=3)
+    return cfg.seq_len
+
+
 def calibration_quality(model: GPT, val, plans: list[Plan], cfg: TuneConfig, preheat: Preheat | None = None
                         ) -> dict[str, PlanQuality]:
     """Teacher-forced Top-1 and PPL of every plan vs sequential on up to cfg.calib_tokens calibration tokens
     (snlp.eval.protocol.teacher_forced, the evaluation's own protocol)."""
-    seq_len = min(cfg.seq_len, model.config.sequence_len)
+    seq_len = calibration_window(cfg, model)
     wins = windows(as_tokens(val), seq_len, cfg.calib_tokens)  # (W, T + 1)
     ecfg = EvalConfig(seq_len=seq_len, max_tokens=cfg.calib_tokens, progress=cfg.progress)
     tf: dict[str, Quality] = teacher_forced(model, wins, plans, ecfg, preheat)  # row name -> its record
@@ -635,6 +652,10 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     shortlisted, stage1_s): what `snlp tune --json` keeps if stage 2 is cut short. No pick is made before stage 2:
     the pick is the best measured candidate."""
     cfg.check()
+    # the window calibration really uses is the one the result records (a silent cap at the model's context kept the
+    # flag's value in --json)
+    if cfg.seq_len is None:
+        cfg = replace(cfg, seq_len=min(256, model.config.sequence_len))
     L = model.config.n_layer
     plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
     model.eval()
@@ -688,6 +709,17 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
         notes.append(f"stage 2 timed {cfg.repeats} round(s): the sign test over paired rounds resolves a lead from "
                      f"{fewest_sign_rounds()} rounds on, so {' and '.join(paired)} candidates timed in the same "
                      f"rounds tied, and the best prediction among them picked")
+    # options too short for what they measure: the rows would name a block their decodes never drafted
+    empty = [a.plan for a in acceptance if not a.rounds]
+    if empty:
+        notes.append(f"stage 1: --accept-tokens {cfg.accept_tokens} leaves no round room for a full block of B = "
+                     f"{max(cfg.blocks)} (it needs B + 1 tokens), so the acceptance profile of {', '.join(empty)} "
+                     f"measured nothing and its SSD predictions use the Top-1 i.i.d. model instead")
+    short = sorted({c.block for c in cands if c.goal == "ssd" and c.measured and c.block + 1 > cfg.gen_tokens})
+    if short:
+        notes.append(f"stage 2: --gen-tokens {cfg.gen_tokens} leaves no round room for a full block of B = "
+                     f"{', '.join(map(str, short))} (a round drafts at most the tokens left - 1): those rows measured "
+                     f"B = {max(cfg.gen_tokens - 1, 0)} at most")
     if "snlp" in goals and picks["snlp"] is None:
         notes.append(f"no plan within the budget dPPL <= {100 * cfg.max_dppl:.2f} %: decode sequentially")
     for g, p in picks.items():  # "slower than sequential" only where the pick's paired rounds resolve it
@@ -715,7 +747,9 @@ def _f(x, fmt: str) -> str:
 def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
     """The markdown table of one goal, measured rows by measured tokens/s (best first), then (unless
     `measured_only`) the predicted-only rows: `>` marks the pick, `*` the shortlist, `P` the SNLP Pareto front
-    over (dPPL, measured tokens/s); noise = half the range of the per-round ratios (round_noise)."""
+    over (dPPL, measured tokens/s); noise = half the range of the per-round ratios (round_noise). A `meas x` its
+    paired rounds do not tell from 1.00x by the sign test is marked "(tie)", and the footnote under the table says
+    the rule (the other tables' tie_mark / tie_footnote): a ratio inside the noise is never printed as a gain."""
     rows = [c for c in result.candidates if c.goal == goal and (c.measured or not measured_only)]
     rows.sort(key=lambda c: (not c.measured, -(c.tokens_per_s or 0.0), -c.predicted_tokens_per_s))
     front = _pareto([c for c in rows if c.measured]) if goal == "snlp" else set()
@@ -726,10 +760,15 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
              dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
-             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f"), "–" if c.noise is None else f"±{c.noise:.1%}",
+             _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f") + tie_mark(c.round_speedups),
+             "–" if c.noise is None else f"±{c.noise:.1%}",
              _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
-    return markdown_table(cols, body)
+    lines = markdown_table(cols, body)
+    if any(c.measured and c.round_speedups and paired_verdict(c.round_speedups)[0] == "tie" for c in rows):
+        lines.append(tie_footnote(result.config.repeats, "meas x", "sequential ms/token over this candidate's in the "
+                                  "same round, every prompt decoded by both"))
+    return lines
 
 
 def dppl_cell(d: float) -> str:

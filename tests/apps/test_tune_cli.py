@@ -127,3 +127,25 @@ def test_tune_of_one_generated_token_prints_and_writes_no_nan(ckpt, tmp_path, ca
     assert "nan" not in capsys.readouterr().out
     d = json.loads(out.read_text(), parse_constant=refuse)
     assert all(a["alpha"] is None for a in d["acceptance"]) and all(c["accept_alpha"] is None for c in d["candidates"])
+
+
+def test_an_empty_plan_list_is_refused_not_read_as_the_default_grid(ckpt, capsys):
+    """`--plans ""` (an unset shell variable) tuned the default grid: `--plans ,` was refused but the empty string was
+    read as "not given". It is refused in one line before the checkpoint is read."""
+    args = _args(ckpt)
+    args[args.index("--plans") + 1] = ""
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("snlp tune: error: no plans given"), err
+
+
+@pytest.mark.parametrize("flags", [["--blocks", "2"], ["--accept-tokens", "12"], ["--blocks", "2", "--accept-tokens", "12"]])
+def test_ssd_settings_under_no_ssd_are_refused_not_ignored(ckpt, capsys, flags):
+    """--no-ssd skips the SSD goal, so the draft blocks and the acceptance profile typed beside it were read by
+    nothing and the run went on as if they had been honoured; they are refused, naming the flags."""
+    path, data, cache = ckpt
+    base = ["tune", str(path), "--data", str(data), "--cache-dir", str(cache), "--plans", "2xF1-h0-K1", "--no-ssd",
+            "--max-dppl", "50%", "--no-progress"]
+    assert main(base + flags) == 2
+    err = capsys.readouterr().err
+    assert "--no-ssd skips" in err and all(f in err for f in flags if f.startswith("--")), err

@@ -147,3 +147,11 @@ def test_a_load_spike_does_not_price_the_training_budget(monkeypatch, durations,
     alone, lockstep, got = B.time_steps({"idn": clock.step, "noreg": lambda: None}, reps, side_by_side=True)
     assert got["idn"] == pytest.approx(durations + retries)
     assert alone["idn"] == lockstep == pytest.approx(price)  # the lockstep waits for the slower (noreg took no time)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -60.0])
+def test_a_budget_that_is_no_positive_finite_number_is_refused(budget):
+    """plan_budget(nan) passed the `<= 0` check and planned NaN seconds of training (inf: NaN too, inf - inf); every
+    budget that is not a finite number > 0 is refused in one line before anything is planned."""
+    with pytest.raises(ValueError, match="finite number of seconds > 0"):
+        plan_budget(budget, [StageCost("eval", 10.0, 20.0)], fixed_s=5.0, min_train_s=60.0)

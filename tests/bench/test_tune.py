@@ -108,7 +108,8 @@ def test_tables_and_json_carry_every_record(grid):
     assert len(d["candidates"]) == len(r.candidates) and d["config"]["blocks"] == [2, 3]
     assert d["picks"]["ssd"]["plan"] == r.picks["ssd"].plan
     lines = table(r, "ssd")
-    assert lines[0].startswith("| ") and len(lines) == 2 + sum(c.measured for c in r.candidates if c.goal == "ssd")
+    rows = [line for line in lines if line.startswith("|")]  # the table; a tie footnote may follow it
+    assert lines[0].startswith("| ") and len(rows) == 2 + sum(c.measured for c in r.candidates if c.goal == "ssd")
     assert sum(line.startswith("| > ") for line in lines) == 1  # the pick, marked once
     text = "\n".join(summary(r))
     assert "ssd pick" in text and "snlp pick" in text and "pick / best" in text
@@ -374,3 +375,67 @@ def test_stage_one_says_what_runs_on_stderr_with_progress_and_nothing_without(mo
             assert f"step timing (stage 1, 2 threads): {n}/{n} (100%) done in" in err
         else:
             assert err == ""
+
+
+def _naive_ppl(model, val, T: int, max_tokens: int) -> float:
+    """exp of the mean next-token cross-entropy of the model over non-overlapping windows of T inputs."""
+    W = min((val.numel() - 1) // T, max(1, max_tokens // T))
+    nll = []
+    with torch.no_grad():
+        for w in range(W):
+            x = val[w * T: w * T + T + 1]
+            logits = model(x[None, :-1]).double()
+            nll.append(torch.nn.functional.cross_entropy(logits[0], x[1:], reduction="sum").item())
+    return math.exp(sum(nll) / (W * T))
+
+
+def test_the_calibration_window_is_the_one_asked_for_and_recorded():
+    """TuneConfig.seq_len was capped at the model's sequence_len without a word (--seq-len 64 on a 32-token model
+    calibrated on windows of 32, and --json recorded 64). A window past the context runs, as snlp eval runs it (RoPE
+    extrapolation, with its warning); the default is min(256, the model's sequence_len), recorded as such."""
+    small = make_model(seed=5, n_layer=4, sequence_len=32)
+    val = torch.randint(0, small.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2))
+    exact = Plan.parse("2xF1-fwd-K1")  # exact: its PPL is sequential's
+    cfg = TuneConfig(plans=[str(exact)], **{**FAST, "seq_len": 64})
+    with pytest.warns(UserWarning, match="past the model's sequence_len 32"):
+        q = calibration_quality(small, val, [exact], cfg)[str(exact)]
+    assert q.ppl == pytest.approx(_naive_ppl(small, val, 64, cfg.calib_tokens), rel=1e-5)
+    assert q.ppl != pytest.approx(_naive_ppl(small, val, 32, cfg.calib_tokens), rel=1e-3)
+    r = tune(small, val, TuneConfig(plans=[str(exact)], blocks=(2,), threads=(1,), **{**FAST, "seq_len": None}))
+    assert r.config.seq_len == 32 and TuneConfig().seq_len is None
+    assert r.quality[0].ppl == pytest.approx(_naive_ppl(small, val, 32, FAST["calib_tokens"]), rel=1e-5)
+
+
+def test_a_measured_speedup_inside_the_noise_is_marked_a_tie_in_the_table(model):
+    """The table printed `meas x` 1.11 for a candidate faster than sequential in 5 of 6 paired rounds (a tie by the
+    sign test every other table marks), beside 1.49 for one faster in 6 of 6: a gain the rounds do not resolve read
+    as one. The cell now carries " (tie)" where the rounds do not resolve it, with the rule under the table."""
+    from snlp.bench.tune import _result
+
+    tie = _cand("A", [1.23, 1.14, 1.09, 1.14, 0.96, 1.02])  # 5 of 6 above 1.00x: p = 0.22
+    win = _cand("B", [1.51, 1.33, 1.48, 1.40, 1.62, 1.77])  # 6 of 6: p = 0.031
+    slow = _cand("C", [0.80, 0.82, 0.79, 0.85, 0.90, 0.70])  # 0 of 6: resolved slower, no mark
+    r = _result(model, TuneConfig(), [], [], [], [tie, win, slow], 0.0, 0.0)
+    lines = table(r, "ssd")
+    col = [c.strip() for c in lines[0].split("|")].index("meas x")
+    cells = {line.split("|")[2].strip(" `"): line.split("|")[col].strip() for line in lines[2:5]}
+    assert cells == {"A": "1.11 (tie)", "B": "1.50", "C": "0.81"}, cells
+    assert lines[5].startswith("(tie): not told from 1.00x") and len(lines) == 6
+    r = _result(model, TuneConfig(), [], [], [], [win, slow], 0.0, 0.0)
+    assert len(table(r, "ssd")) == 4  # nothing tied: no footnote
+
+
+def test_settings_too_short_for_a_full_block_say_so(model, val):
+    """--accept-tokens 3 at B = 3 (a round needs B + 1 tokens) measured an acceptance profile of no round, and every
+    SSD prediction fell back to the Top-1 model; --gen-tokens 3 at B = 3 timed decodes that drafted 2 at most under
+    the name B = 3. Both ran without a word; the result now says each (the table's rows are unchanged)."""
+    cfg = TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **{**FAST, "accept_tokens": 3,
+                                                                                    "gen_tokens": 3})
+    r = tune(model, val, cfg)
+    assert r.acceptance[0].rounds == 0
+    (s1,) = [n for n in r.notes if n.startswith("stage 1: --accept-tokens 3")]
+    assert "B = 3" in s1 and "2xF1-h0-K1" in s1
+    (s2,) = [n for n in r.notes if n.startswith("stage 2: --gen-tokens 3")]
+    assert "B = 3 " in s2 and "B = 2 at most" in s2
+    ok = tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **FAST))
+    assert not [n for n in ok.notes if n.startswith(("stage 1: --accept", "stage 2: --gen"))]
