@@ -437,7 +437,9 @@ def test_sigterm_to_the_speedrun_stops_both_trainings_saved_and_a_rerun_resumes_
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=240)
         assert p.returncode == 143, err[-3000:]
-        left = subprocess.run(["ps", "-o", "pid,stat,args", "--sid", str(p.pid)], capture_output=True, text=True).stdout
+        # -ww: unlimited width (under pytest ps cuts each line at $COLUMNS, before "spawn_main")
+        left = subprocess.run(["ps", "-ww", "-o", "pid,stat,args", "--sid", str(p.pid)], capture_output=True,
+                              text=True).stdout
         assert "snlp" not in left and "spawn_main" not in left, left  # no training process outlives the speedrun
     finally:
         try:
@@ -465,6 +467,50 @@ def test_sigterm_to_the_speedrun_stops_both_trainings_saved_and_a_rerun_resumes_
         a = load_weights(tmp_path / j.key)
         b = load_weights(tmp_path / f"ref-{j.key}")
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), j.key
+
+
+@pytest.mark.slow  # two training processes (CI runs -m slow)
+def test_a_speedrun_killed_with_sigkill_leaves_no_training_running(tmp_path, one_thread):
+    """`kill -9` of the speedrun runs no handler: its training processes trained on, orphaned, writing into OUT (in
+    lockstep they waited at the gate until their minutes were spent), where a re-run deleted or resumed the same
+    model folder under them. Now each notices its parent is gone, stops after its step and saves it, as on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from snlp.apps.speedrun.train import _log_state
+
+    cfg, _, _ = _tiny_corpus(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    err = tmp_path / "parent.err"  # a file, not a pipe: an orphan holding a pipe open would hang communicate()
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", PARENT, json.dumps(cfg), str(tmp_path)],
+                         stdout=subprocess.DEVNULL, stderr=err.open("w"), env=env, cwd=root,
+                         start_new_session=True)  # its own session: its children are found, and cleaned up, by it
+    try:
+        deadline = time.monotonic() + 240
+        while not all(_log_state(tmp_path / k / "log.jsonl").get("step", 0) >= 2 for k in ("noreg", "idn")):
+            assert p.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainings never reached step 2"
+            time.sleep(0.05)
+        p.kill()  # the speedrun alone, as `kill -9 PID` does
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 120  # the harness's limit on a hang, not a speed figure
+        while "spawn_main" in (left := subprocess.run(["ps", "-ww", "-o", "pid,stat,args", "--sid", str(p.pid)],
+                                                      capture_output=True, text=True).stdout):
+            assert time.monotonic() < deadline, f"training processes outlived the killed speedrun:\n{left}"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for k in ("noreg", "idn"):
+        step = torch.load(tmp_path / k / "train_state.pt", weights_only=False)["step"]
+        summary = json.loads((tmp_path / k / "train_summary.json").read_text())  # stopped and saved, not killed
+        assert 2 <= step < 400 and (summary["steps"], summary["stopped_by"], summary["signal"]) == (
+            step, "interrupt", "SIGTERM")
 
 
 def load_weights(out: Path) -> dict:
