@@ -554,6 +554,21 @@ def test_failed_training_reports_its_log(tmp_path):
         train_models([job], Console(force_terminal=False))
 
 
+def test_a_budget_no_box_can_plan_is_refused_before_any_stage(tmp_path, capsys):
+    """--budget 0.5 (or any budget under a minute of training, its overhead and the report) was refused only after
+    the tokenizer stage and the box's probe had run, and its message read "a budget of 0.0 min" for --budget 0.01.
+    Now it is refused in one line before anything is written."""
+    from snlp.apps.speedrun.job import least_budget_s
+
+    out = tmp_path / "sr"
+    for b in ("0.01", "0.5", f"{least_budget_s() / 60 - 0.01:.2f}"):
+        assert main(["speedrun", "--out", str(out), "--quick", "--depth", "4", "--max-chars", "300000", "--device",
+                     "cpu", "--budget", b]) == 2
+        err = capsys.readouterr().err
+        assert f"--budget {float(b):g} cannot hold any run" in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+
+
 def test_budget_args_and_shrinking():
     """--budget gives training what is left, so it is refused beside --minutes / --steps; the default run is
     budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""

