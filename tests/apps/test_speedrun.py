@@ -1326,6 +1326,28 @@ def test_one_decode_speed_per_plan_and_architecture_with_ties():
     assert "*" not in marks["1xF12-h0-K1"]  # faster by median (2.10x vs 2.00x) but in 4 of 6 paired rounds: a tie lost
 
 
+def test_a_main_table_speedup_inside_the_noise_is_marked_a_tie():
+    """The main table printed its pooled Speedup bare, where the eval stages' console and the full records mark
+    (tie) on each model's own rounds: a --quick run's `3xF1-h0-K2` read "1.05x" from rounds 0.72-1.21x (7 of 10
+    faster than sequential), under a legend saying (tie) marks what the run does not tell from sequential. Now the
+    cell is marked by the sign test over the rounds it pools; rounds all on one side (6 of 6) resolve it."""
+    from snlp.apps.report import render_report
+    from snlp.runtime.stats import paired_verdict
+
+    speeds = {"noreg": {"12xF1-h0-K1": [1.8, 1.9, 2.0], "12xF1-h0-K4": [0.9, 1.15, 1.2], "1xF12-h0-K1": [0.5, 1.6, 1.7]},
+              "idn": {"12xF1-h0-K1": [2.3, 2.4, 2.2], "12xF1-h0-K4": [1.1, 0.8, 1.1], "1xF12-h0-K1": [1.5, 1.6, 1.6]}}
+    md = render_report(_report_ctx(speeds=speeds))
+    t = tables(md)["Main results"]
+    cells = {f"{c.strip('`*†')}-K{k}": s for c, k, s in zip(column(t, "Config"), column(t, "K"), column(t, "Speedup"))}
+    for plan, cell in cells.items():
+        rounds = speeds["noreg"][plan] + speeds["idn"][plan]
+        tie = paired_verdict(rounds)[0] == "tie"
+        assert cell == f"{statistics.median(rounds):.2f}x" + (" (tie)" if tie else ""), (plan, cell)
+    assert cells["12xF1-h0-K1"] == "2.10x" and cells["12xF1-h0-K4"].endswith("(tie)")
+    assert cells["1xF12-h0-K1"].endswith("(tie)")  # 5 of 6 rounds faster: not resolved at 5 %
+    assert "Speedup is marked (tie) where a two-sided sign test at 5 % over the timed rounds it pools" in md
+
+
 def test_the_report_says_what_each_speed_column_measures():
     """On one CPU thread Speedup counts decode-step dispatches, not layer parallelism (`12xF1-h0-K4` runs 52 layer
     evaluations against 16 and shows 1.14x): the report says what each column measures, and what a GPU changes, and
