@@ -200,8 +200,8 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
         (out / key / "train_state.pt").write_bytes(b"state")
         write_json(out / "stages" / f"train-{key}.partial.json", canon(_train_settings(sr, key, reg, tok.id)[1]))
     check_replaces(sr)
-    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force clears the folder (setup)
-    assert not (out / "noreg").exists()
+    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force replaces the models when it trains
+    assert (out / "noreg" / "model.safetensors").exists()  # not before (a budget refusal would leave nothing)
     (out / "model.safetensors").write_bytes(b"a checkpoint")  # --out naming a checkpoint: refused, --force or not
     for extra in ((), ("--force",)):
         with pytest.raises(ValueError, match=r"is a checkpoint \(snlp train / sft / convert\)"):
@@ -567,6 +567,24 @@ def test_a_budget_no_box_can_plan_is_refused_before_any_stage(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--budget {float(b):g} cannot hold any run" in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+
+
+def test_a_forced_run_the_budget_refuses_keeps_the_models_it_would_replace(tmp_path, capsys):
+    """--force deleted OUT's trained models and every stage record as the run started, before the budget's probe,
+    which then refused a budget this box cannot hold: the earlier run's models were gone and nothing replaced them.
+    Now a model and its record go only when its training starts anew."""
+    out = tmp_path / "sr"
+    for key in ("noreg", "idn"):  # what a finished run left (contents aside: nothing reads them before training)
+        (out / key).mkdir(parents=True)
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        (out / "stages").mkdir(exist_ok=True)
+        (out / "stages" / f"train-{key}.json").write_text("{}")
+    assert main(["speedrun", "--out", str(out), "--quick", "--depth", "4", "--max-chars", "300000", "--device", "cpu",
+                 "--budget", "1.5", "--force"]) == 2
+    assert "cannot hold this job on this box" in capsys.readouterr().err
+    for key in ("noreg", "idn"):
+        assert (out / key / "model.safetensors").read_bytes() == b"weights"
+        assert (out / "stages" / f"train-{key}.json").exists()
 
 
 def test_budget_args_and_shrinking():

@@ -361,7 +361,8 @@ def make_console():
 
 
 def setup(args) -> Speedrun:
-    """An invocation's settings, output folder and stage list (--force clears everything it redoes)."""
+    """An invocation's settings, output folder and stage list (--force clears the token cache; the models it
+    replaces go when their training starts)."""
     from snlp.io.hf import bundled_smollm2
     from snlp.method.plan import parse_plans
 
@@ -382,9 +383,12 @@ def setup(args) -> Speedrun:
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
                          seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
                          steps=pre.steps)
-    if args.force:
-        for d in ("stages", "cache", "noreg", "idn"):
-            shutil.rmtree(out / d, ignore_errors=True)
+    if args.force:  # the token cache and the record that names it; the trained models and their records go only
+        # when training starts anew (train._train): a forced run refused by the budget, or stopped before it trains,
+        # keeps the models it would have replaced (their stale records are never reused: --force skips every
+        # lookup, and a later run without it finds the tokenizer record new, which check_replaces refuses)
+        shutil.rmtree(out / "cache", ignore_errors=True)
+        (out / "stages" / "tokenizer.json").unlink(missing_ok=True)
     make_folders(out)
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     ots = bundled_smollm2() if args.off_the_shelf else None  # the real pretrained model, asked for and installed
