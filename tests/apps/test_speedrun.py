@@ -587,6 +587,21 @@ def test_a_forced_run_the_budget_refuses_keeps_the_models_it_would_replace(tmp_p
         assert (out / "stages" / f"train-{key}.json").exists()
 
 
+def test_the_interrupt_hint_of_a_forced_run_says_how_to_continue():
+    """A forced run keeps OUT's earlier models until its training starts; stopped before that, the hint "run the same
+    command without --force" named a run that check_replaces refuses (its tokenizer record is new). It now says to
+    keep --force there, and to drop it once the forced training started (a re-run without it resumes)."""
+    import argparse
+
+    from snlp.apps.speedrun import interrupt_hint
+
+    args = argparse.Namespace(force=True, speedrun=argparse.Namespace(retraining=False))
+    assert interrupt_hint(args).startswith("run the same command (with --force) again")
+    args.speedrun.retraining = True
+    assert interrupt_hint(args).startswith("run the same command without --force again")
+    assert interrupt_hint(argparse.Namespace(force=False)).startswith("run the same command again")
+
+
 def test_budget_args_and_shrinking():
     """--budget gives training what is left, so it is refused beside --minutes / --steps; the default run is
     budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""

@@ -170,6 +170,7 @@ class Speedrun:
     val_tokens: torch.Tensor | None = None
     budget: BudgetPlan | None = None  # made on first need (plan): a run whose stages are all reused never probes
     ots_digests: tuple[str, str] | None = None  # (the GGUF's sha256, converter_digest()), computed on first need
+    retraining: bool = False  # this invocation started training anew (train._train), replacing OUT's models if any
 
     @property
     def cache(self) -> Path:

@@ -530,6 +530,7 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     sr.console.print(("side by side, " if sr.parallel and len(jobs) > 1 else "")
                      + (f"{sr.train_threads} intra-op thread(s) each; " if sr.train_threads else "")
                      + "logs: " + ", ".join(str(j.log) for j in jobs))
+    sr.retraining = True
     for j in jobs:  # a record of the model this run replaces (--force, or a model file gone) must not outlive it:
         # an interrupted training leaves a model.safetensors that record's settings would match
         sr.stages.path(f"train-{j.key}").unlink(missing_ok=True)
