@@ -383,10 +383,21 @@ def main_table(evals: dict[str, list], drafters: dict[str, str | None]) -> str:
             lines.append(f"| {model if j == 0 else ''} | `{_config(r.plan)}`{mark} | {r.K} | {fmt_ppl(r.ppl)} | "
                          f"{fmt_delta_ppl(r.delta_ppl, resolved=r.plan in (ivs.get(key) or {}) and r.plan not in tied)}"
                          f"{' (tie)' if r.plan in tied else ''} | "
-                         f"{'-' if sp is None else f'{sp.median:.2f}x'} | "
+                         f"{'-' if sp is None else f'{sp.median:.2f}x' + (' (tie)' if speed_tie(sp) else '')} | "
                          f"{'-' if sp is None else f'{sp.lo:.2f}–{sp.hi:.2f}x'} | {'-' if L is None else layer_evaluations(r.plan, L)} | "
                          f"{_pct(r.top1)} | {_num(r.logit_sim)} | {_num(r.emb_sim)} | {ar} | {fused} |")
     return "\n".join(lines)
+
+
+def speed_tie(sp: Speed) -> bool:
+    """Whether the main table's pooled Speedup is not told from the sequential model's 1.00x: a two-sided sign test
+    at SIGN_LEVEL over every paired round of both models (each round's sequential / plan ratio), the rule of the
+    eval stages' and the full records' (tie) (record_ties) over the rounds the cell pools. A 1.39x from rounds
+    spread 0.72-1.70x is not a result. Speeds without paired rounds are not tested (no mark)."""
+    from snlp.bench.stats import paired_verdict
+
+    rounds = [x for _, xs in sp.paired for x in xs]
+    return bool(rounds) and paired_verdict(rounds)[0] == "tie"
 
 
 def speed_chain(speeds: dict[str, Speed]) -> str:
@@ -1538,6 +1549,9 @@ def render_report(ctx: dict) -> str:
            "`fwd` from one batched forward of it; K = the IDN correction iterations (docs/plans.md)"
            + (". ΔPPL is marked (tie) where its 95 % interval from a paired t-test over the validation windows, "
               "against the model's own sequential PPL, includes 0" if any(ppl_intervals(evals).values()) else "")
+           + ("; Speedup is marked (tie) where a two-sided sign test at 5 % over the timed rounds it pools (both "
+              "models', each round's sequential / plan ratio) does not tell it from 1.00x"
+              if any(sp.paired for sp in pooled_speeds(evals).values()) else "")
            + f". {front_rule(pooled_speeds(evals), evals)}. `†` = the "
            "self-speculative drafter chosen below. AR Match vs seq. compares every row with the sequential model: "
            "the share of greedy tokens equal at the same position, and β̂ the per-token agreement it implies under "

@@ -200,8 +200,8 @@ def test_a_rerun_that_would_retrain_a_finished_model_is_refused_before_any_stage
         (out / key / "train_state.pt").write_bytes(b"state")
         write_json(out / "stages" / f"train-{key}.partial.json", canon(_train_settings(sr, key, reg, tok.id)[1]))
     check_replaces(sr)
-    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force clears the folder (setup)
-    assert not (out / "noreg").exists()
+    check_replaces(invocation("--seed", "2", "--force"))  # asked for: --force replaces the models when it trains
+    assert (out / "noreg" / "model.safetensors").exists()  # not before (a budget refusal would leave nothing)
     (out / "model.safetensors").write_bytes(b"a checkpoint")  # --out naming a checkpoint: refused, --force or not
     for extra in ((), ("--force",)):
         with pytest.raises(ValueError, match=r"is a checkpoint \(snlp train / sft / convert\)"):
@@ -437,7 +437,9 @@ def test_sigterm_to_the_speedrun_stops_both_trainings_saved_and_a_rerun_resumes_
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=240)
         assert p.returncode == 143, err[-3000:]
-        left = subprocess.run(["ps", "-o", "pid,stat,args", "--sid", str(p.pid)], capture_output=True, text=True).stdout
+        # -ww: unlimited width (under pytest ps cuts each line at $COLUMNS, before "spawn_main")
+        left = subprocess.run(["ps", "-ww", "-o", "pid,stat,args", "--sid", str(p.pid)], capture_output=True,
+                              text=True).stdout
         assert "snlp" not in left and "spawn_main" not in left, left  # no training process outlives the speedrun
     finally:
         try:
@@ -465,6 +467,50 @@ def test_sigterm_to_the_speedrun_stops_both_trainings_saved_and_a_rerun_resumes_
         a = load_weights(tmp_path / j.key)
         b = load_weights(tmp_path / f"ref-{j.key}")
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), j.key
+
+
+@pytest.mark.slow  # two training processes (CI runs -m slow)
+def test_a_speedrun_killed_with_sigkill_leaves_no_training_running(tmp_path, one_thread):
+    """`kill -9` of the speedrun runs no handler: its training processes trained on, orphaned, writing into OUT (in
+    lockstep they waited at the gate until their minutes were spent), where a re-run deleted or resumed the same
+    model folder under them. Now each notices its parent is gone, stops after its step and saves it, as on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from snlp.apps.speedrun.train import _log_state
+
+    cfg, _, _ = _tiny_corpus(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    err = tmp_path / "parent.err"  # a file, not a pipe: an orphan holding a pipe open would hang communicate()
+    p = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", PARENT, json.dumps(cfg), str(tmp_path)],
+                         stdout=subprocess.DEVNULL, stderr=err.open("w"), env=env, cwd=root,
+                         start_new_session=True)  # its own session: its children are found, and cleaned up, by it
+    try:
+        deadline = time.monotonic() + 240
+        while not all(_log_state(tmp_path / k / "log.jsonl").get("step", 0) >= 2 for k in ("noreg", "idn")):
+            assert p.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainings never reached step 2"
+            time.sleep(0.05)
+        p.kill()  # the speedrun alone, as `kill -9 PID` does
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 120  # the harness's limit on a hang, not a speed figure
+        while "spawn_main" in (left := subprocess.run(["ps", "-ww", "-o", "pid,stat,args", "--sid", str(p.pid)],
+                                                      capture_output=True, text=True).stdout):
+            assert time.monotonic() < deadline, f"training processes outlived the killed speedrun:\n{left}"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for k in ("noreg", "idn"):
+        step = torch.load(tmp_path / k / "train_state.pt", weights_only=False)["step"]
+        summary = json.loads((tmp_path / k / "train_summary.json").read_text())  # stopped and saved, not killed
+        assert 2 <= step < 400 and (summary["steps"], summary["stopped_by"], summary["signal"]) == (
+            step, "interrupt", "SIGTERM")
 
 
 def load_weights(out: Path) -> dict:
@@ -506,6 +552,54 @@ def test_failed_training_reports_its_log(tmp_path):
                    tmp_path / "bad.partial.json")
     with pytest.raises(RuntimeError, match="unknown data source"):
         train_models([job], Console(force_terminal=False))
+
+
+def test_a_budget_no_box_can_plan_is_refused_before_any_stage(tmp_path, capsys):
+    """--budget 0.5 (or any budget under a minute of training, its overhead and the report) was refused only after
+    the tokenizer stage and the box's probe had run, and its message read "a budget of 0.0 min" for --budget 0.01.
+    Now it is refused in one line before anything is written."""
+    from snlp.apps.speedrun.job import least_budget_s
+
+    out = tmp_path / "sr"
+    for b in ("0.01", "0.5", f"{least_budget_s() / 60 - 0.01:.2f}"):
+        assert main(["speedrun", "--out", str(out), "--quick", "--depth", "4", "--max-chars", "300000", "--device",
+                     "cpu", "--budget", b]) == 2
+        err = capsys.readouterr().err
+        assert f"--budget {float(b):g} cannot hold any run" in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+
+
+def test_a_forced_run_the_budget_refuses_keeps_the_models_it_would_replace(tmp_path, capsys):
+    """--force deleted OUT's trained models and every stage record as the run started, before the budget's probe,
+    which then refused a budget this box cannot hold: the earlier run's models were gone and nothing replaced them.
+    Now a model and its record go only when its training starts anew."""
+    out = tmp_path / "sr"
+    for key in ("noreg", "idn"):  # what a finished run left (contents aside: nothing reads them before training)
+        (out / key).mkdir(parents=True)
+        (out / key / "model.safetensors").write_bytes(b"weights")
+        (out / "stages").mkdir(exist_ok=True)
+        (out / "stages" / f"train-{key}.json").write_text("{}")
+    assert main(["speedrun", "--out", str(out), "--quick", "--depth", "4", "--max-chars", "300000", "--device", "cpu",
+                 "--budget", "1.5", "--force"]) == 2
+    assert "cannot hold this job on this box" in capsys.readouterr().err
+    for key in ("noreg", "idn"):
+        assert (out / key / "model.safetensors").read_bytes() == b"weights"
+        assert (out / "stages" / f"train-{key}.json").exists()
+
+
+def test_the_interrupt_hint_of_a_forced_run_says_how_to_continue():
+    """A forced run keeps OUT's earlier models until its training starts; stopped before that, the hint "run the same
+    command without --force" named a run that check_replaces refuses (its tokenizer record is new). It now says to
+    keep --force there, and to drop it once the forced training started (a re-run without it resumes)."""
+    import argparse
+
+    from snlp.apps.speedrun import interrupt_hint
+
+    args = argparse.Namespace(force=True, speedrun=argparse.Namespace(retraining=False))
+    assert interrupt_hint(args).startswith("run the same command (with --force) again")
+    args.speedrun.retraining = True
+    assert interrupt_hint(args).startswith("run the same command without --force again")
+    assert interrupt_hint(argparse.Namespace(force=False)).startswith("run the same command again")
 
 
 def test_budget_args_and_shrinking():
@@ -1263,6 +1357,28 @@ def test_one_decode_speed_per_plan_and_architecture_with_ties():
     marks = {f"{c.strip('`*†')}-K{k}": c for c, k in zip(column(t, "Config"), column(t, "K"))}
     assert "*" in marks["12xF1-h0-K1"] and "*" in marks["12xF1-h0-K4"]
     assert "*" not in marks["1xF12-h0-K1"]  # faster by median (2.10x vs 2.00x) but in 4 of 6 paired rounds: a tie lost
+
+
+def test_a_main_table_speedup_inside_the_noise_is_marked_a_tie():
+    """The main table printed its pooled Speedup bare, where the eval stages' console and the full records mark
+    (tie) on each model's own rounds: a --quick run's `3xF1-h0-K2` read "1.05x" from rounds 0.72-1.21x (7 of 10
+    faster than sequential), under a legend saying (tie) marks what the run does not tell from sequential. Now the
+    cell is marked by the sign test over the rounds it pools; rounds all on one side (6 of 6) resolve it."""
+    from snlp.apps.report import render_report
+    from snlp.runtime.stats import paired_verdict
+
+    speeds = {"noreg": {"12xF1-h0-K1": [1.8, 1.9, 2.0], "12xF1-h0-K4": [0.9, 1.15, 1.2], "1xF12-h0-K1": [0.5, 1.6, 1.7]},
+              "idn": {"12xF1-h0-K1": [2.3, 2.4, 2.2], "12xF1-h0-K4": [1.1, 0.8, 1.1], "1xF12-h0-K1": [1.5, 1.6, 1.6]}}
+    md = render_report(_report_ctx(speeds=speeds))
+    t = tables(md)["Main results"]
+    cells = {f"{c.strip('`*†')}-K{k}": s for c, k, s in zip(column(t, "Config"), column(t, "K"), column(t, "Speedup"))}
+    for plan, cell in cells.items():
+        rounds = speeds["noreg"][plan] + speeds["idn"][plan]
+        tie = paired_verdict(rounds)[0] == "tie"
+        assert cell == f"{statistics.median(rounds):.2f}x" + (" (tie)" if tie else ""), (plan, cell)
+    assert cells["12xF1-h0-K1"] == "2.10x" and cells["12xF1-h0-K4"].endswith("(tie)")
+    assert cells["1xF12-h0-K1"].endswith("(tie)")  # 5 of 6 rounds faster: not resolved at 5 %
+    assert "Speedup is marked (tie) where a two-sided sign test at 5 % over the timed rounds it pools" in md
 
 
 def test_the_report_says_what_each_speed_column_measures():

@@ -80,7 +80,13 @@ __all__ = ["add_arguments", "run"]
 
 # what `snlp speedrun` says on Ctrl-C: the stages and the training saves make a re-run pick up where it stopped
 def interrupt_hint(args) -> str:
-    """What to do after Ctrl-C: the same command continues, except that --force would redo every stage."""
+    """What to do after Ctrl-C: the same command continues, except that --force would redo every stage; a forced run
+    stopped before its training started has left OUT's earlier models in place, which a run without --force refuses
+    to retrain (train.check_replaces), so it is continued with --force."""
+    sr = getattr(args, "speedrun", None)
+    if getattr(args, "force", False) and sr is not None and not sr.retraining:
+        return ("run the same command (with --force) again: it stopped before training, and the models in --out are "
+                "still the earlier run's, which a run without --force would refuse to retrain")
     return (f"run the same command{' without --force' if getattr(args, 'force', False) else ''} again to continue: "
             f"finished stages are reused and training resumes from the step it stopped at")
 
@@ -98,7 +104,7 @@ def run(args) -> int:
     from snlp.apps.speedrun.tokenizer import step_tokenizer
     from snlp.apps.speedrun.train import check_replaces, step_train
 
-    sr = setup(args)
+    sr = args.speedrun = setup(args)  # interrupt_hint reads how far it got
     check_replaces(sr)  # a finished model this run would retrain in its place: refused before any stage runs
     with stops_on_signals():
         step_tokenizer(sr)  # tokenizer

