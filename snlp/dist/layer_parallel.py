@@ -541,7 +541,7 @@ class DistributedSNLP:
                               device=self.device)
             if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
                 raise SNLPDivergenceError(f"distributed SNLP plan {self.plan} diverged: the final hidden state "
-                                          f"contains NaN/inf (try more iterations, K >= {self.plan.chunks} is exact)")
+                                          f"contains NaN/inf (try more iterations, K >= {self.plan.exact_iters()} is exact)")
         return res
 
     @torch.no_grad()

@@ -9,7 +9,7 @@
 `pretrained`: anything snlp loads (an snlp checkpoint directory, a transformers directory, a .gguf file, a hub id
 when online) or a GPT object (then `tokenizer=` gives its snlp Tokenizer). The forward that scores requests:
   sequential          plan None, drafter None: the model itself.
-  plan=PLAN           the plan's SNLP solve (snlp.bind; approximate unless K >= chunks), with the checkpoint's
+  plan=PLAN           the plan's SNLP solve (snlp.bind; approximate unless K >= plan.exact_iters()), with the checkpoint's
                       preheat calibration where the plan starts from `preheat`.
   drafter=DIR         an adapted drafter (snlp adapt) on this model: loglikelihoods through the drafter's SNLP
                       solve (its approximation of the model, plan = the drafter's unless plan= names another that

@@ -125,7 +125,7 @@ def _check_finite(h: Tensor, plan: Plan) -> None:
     if not bool(torch.isfinite(h).all()):
         raise SNLPDivergenceError(
             f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf. Try more iterations "
-            f"(K >= {plan.chunks} is exact), fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init; "
+            f"(K >= {plan.exact_iters()} is exact), fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init; "
             f"check the sequential forward is finite first.")
 
 

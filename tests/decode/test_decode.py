@@ -695,3 +695,16 @@ def test_a_diverging_plan_is_told_the_iteration_count_that_makes_it_exact():
     assert snlp_generate(model, prompt, "6xF1-h0-K11-order:reversed", 10).tokens == argmax_loop(model, prompt, 10)
     with pytest.raises(SNLPDivergenceError, match=r"K >= 11 is exact"):
         check_picked([NONFINITE], plan, 0)
+
+
+def test_the_solvers_divergence_message_names_the_exact_iteration_count():
+    """The solve's own NaN/inf check (snlp.solve, a runner with check_finite) still said "K >= C is exact", which
+    is false in another order than the forward one (6 chunks reversed: 11)."""
+    from snlp import solve
+    from snlp.method.solver import SNLPDivergenceError
+
+    model = make_model()
+    with torch.no_grad():
+        model.blocks[-1].mlp.c_proj.weight[0, 0] = float("nan")
+    with pytest.raises(SNLPDivergenceError, match=r"K >= 11 is exact"):
+        solve(model, torch.tensor([[1, 2, 3, 4]]), "6xF1-h0-K6-order:reversed")
