@@ -384,6 +384,15 @@ def argparse_copy(args, **kw):
     return new
 
 
+def past_context(model, prompt_len: int, max_new: int) -> None:
+    """A stderr line when decoding may run past the context the model was trained on (its sequence_len): positions
+    beyond it are RoPE extrapolation, which decodes (snlp's cache has room) but is not the trained model's regime."""
+    n = model.config.sequence_len
+    if prompt_len + max_new > n:
+        print(f"snlp generate: the prompt ({prompt_len} tokens) + --max-new-tokens {max_new} may reach past the "
+              f"model's trained context ({n} tokens): positions past {n} are extrapolated", file=sys.stderr)
+
+
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
     import torch
@@ -395,6 +404,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     texts = read_prompts(args.prompts_file, args.prompts_encoding)
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
+    past_context(model, max(len(p) for p in prompts), args.max_new_tokens)
     timed = args.mode == "speculative" and not args.no_baseline  # the two sides' speeds are compared
     threads, device = [torch.get_num_threads()], next(model.parameters()).device
     window = begin_timing(threads, device, remedy=None) if timed else None  # generate has no --threads
@@ -505,6 +515,7 @@ def run(args) -> int:
     if args.prompts_file is not None:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)
+    past_context(model, len(prompt), args.max_new_tokens)
     # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos); a
     # chat prompt is the user's turn: the answer starts on its own line
     hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []

@@ -541,3 +541,18 @@ def test_what_the_model_refuses_is_refused_before_the_prompt_is_echoed(ckpt, cap
     assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "2", *extra]) == 2
     out, err = capsys.readouterr()
     assert "First Citizen" not in out and says in err and err.count("\n") == 1, (out, err)
+
+
+def test_decoding_past_the_trained_context_is_said(ckpt, tmp_path, capsys):
+    """`--max-new-tokens` past the model's sequence_len (128 here) decoded on without a word (RoPE extrapolation,
+    not the trained regime); a stderr line now says so, single prompt and --prompts-file alike, and stays quiet
+    inside the context."""
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "8"]) == 0
+    assert "trained context" not in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--prompt", "First Citizen:", "--max-new-tokens", "130"]) == 0
+    err = capsys.readouterr().err
+    assert "+ --max-new-tokens 130 may reach past the model's trained context (128 tokens)" in err
+    f = tmp_path / "p.txt"
+    f.write_text("First Citizen:\nSecond:\n")
+    assert main(["generate", str(ckpt), "--prompts-file", str(f), "--max-new-tokens", "127", "--quiet"]) == 0
+    assert "trained context (128 tokens)" in capsys.readouterr().err
