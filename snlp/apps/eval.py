@@ -237,7 +237,8 @@ def run(args) -> int:
     cfg = config_from_args(args, model)
     cfg.check()
     dtype = cli_dtype(args.dtype, device)
-    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
+    model = cast_model(model, device, dtype, args.ckpt).eval()
     preheat = plans_preheat(args.ckpt, model, plans)
     if args.task:
         args.plans_list = plans
@@ -381,7 +382,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval --drafter` needs it")
     dtype = cli_dtype(args.dtype, device)
-    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
+    model = cast_model(model, device, dtype, args.ckpt).eval()
     drafter = load_drafter(args.drafter, model)  # refuses another base
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else [drafter.plan]
     split = drafter_split(load_record(args.drafter), data=args.data, val_frac=args.val_frac, max_chars=args.max_chars,

@@ -106,8 +106,6 @@ def planned_methods(plans: list, drafter: str | None) -> list[str]:
 
 
 def run(args) -> int:
-    import torch
-
     from snlp.apps.common import plans_preheat
     from snlp.method.plan import parse_plans
     from snlp.runtime.device import cli_device, cli_dtype, device_label, json_text, set_threads, write_atomic
@@ -161,7 +159,8 @@ def run(args) -> int:
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []
     preheat = plans_preheat(ckpt, model, plans) if ckpt is not None else None
     # loaded here, so converted here: SNLPLM never converts a model object it is given
-    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
+    model = cast_model(model, device, dtype, args.ckpt).eval()
     common = dict(tokenizer=tok, dtype=dtype, device=device, batch_size=args.batch, block=args.harness_block,
                   name=args.ckpt, ignore_generation_config=args.harness_ignore_generation_config)
     lms = [SNLPLM(pretrained=model, **common)]

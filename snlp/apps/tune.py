@@ -178,7 +178,8 @@ def run(args) -> int:
     plans = cfg.plans or default_plans(model.config.n_layer, device)
     preheat = plans_preheat(args.ckpt, model, plans)
     cfg.plan_list(model.config.n_layer, preheat, device)  # unknown / unfit plans refused before anything runs
-    model = model.to(device=device, dtype=getattr(torch, cli_dtype(args.dtype, device))).eval()
+    from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
+    model = cast_model(model, device, cli_dtype(args.dtype, device), args.ckpt).eval()
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k, None) for k in DATA_DEFAULTS})
     val = validation_tokens(tok, **data)
     print(f"snlp tune: {args.ckpt}: {len(val):,} validation tokens of {data['data']}; {device_label(device)}",

@@ -59,6 +59,7 @@ from snlp.io.drafter import load_drafter
 from snlp.io.generation import unapplied_defaults
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
+from snlp.io.weights import cast_model
 from snlp.io.tokenizer import Tokenizer
 from snlp.method.drafter import Drafter
 from snlp.method.plan import Plan
@@ -203,7 +204,7 @@ class SNLPLM(TemplateLM):
             # auto: the checkpoint's own dtype, as the hf model's dtype="auto" (load_any keeps the source's dtype)
             torch_dtype = DTYPES[dtype] if dtype in DTYPES else model.wte.weight.dtype if dtype == "auto" else (
                 torch.bfloat16 if self._device.type == "cuda" else torch.float32)
-            model = model.to(device=self._device, dtype=torch_dtype).eval()  # loaded here: ours to convert
+            model = cast_model(model, self._device, torch_dtype, self._source).eval()  # loaded here: ours to convert
         if tok is None:
             raise ValueError(f"{self._source or 'the model'}: no tokenizer; the harness sends text, so the model needs its tokenizer "
                              f"(save the checkpoint with it, or pass tokenizer=)")

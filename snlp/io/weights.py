@@ -28,3 +28,17 @@ def check_cast(stored: dict, cast: dict, dtype, where) -> None:
             raise ValueError(f"{dtype} cannot hold {where}'s {k}: |{big:.4g}| is past its largest finite value "
                              f"({torch.finfo(dtype).max:.4g}): choose {' or '.join(holds)}"
                              f"{'' if holds == ['float64'] else ' (snlp convert --dtype)'}")
+
+
+def cast_model(model, device, dtype, where):
+    """`model.to(device, dtype)`, refusing a float16 cast of a finite weight past 65504 (it would become inf, and
+    every forward after it NaN) with check_cast's one line naming the tensor and dtypes that hold it. `dtype`: a
+    torch dtype or its name; `where`: what the user gave (the checkpoint's path)."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype == torch.float16:
+        for k, v in model.state_dict().items():
+            if v.is_floating_point() and v.device.type != "meta":
+                c = v.to(dtype)
+                if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(v).all()):
+                    check_cast({k: v}, {k: c}, dtype, where)
+    return model.to(device=device, dtype=dtype)

@@ -118,3 +118,26 @@ def test_checkpoint_depth_reads_the_config_alone(tmp_path):
     assert checkpoint_depth(hf) == 30
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert checkpoint_depth(tmp_path / "m.gguf") is None and checkpoint_depth(tmp_path / "nope") is None
+
+
+@pytest.mark.parametrize("argv", [["eval", "--dtype", "float16", "--max-tokens", "64", "--plans", "2xF1-h0-K1"],
+                                  ["tune", "--dtype", "float16", "--plans", "2xF1-h0-K1"]])
+def test_a_float16_cast_that_cannot_hold_a_weight_is_refused(tmp_path, capsys, argv):
+    """`snlp eval / tune --dtype float16` (and the harness model's dtype=float16) cast an snlp checkpoint with
+    .to(float16): a finite weight past 65504 became inf and every forward after it NaN, without a word. Refused
+    in one line naming the tensor and float16; within range the cast goes through."""
+    from snlp.eval.harness import SNLPLM
+    from snlp.io.weights import cast_model
+
+    m = tiny()
+    with torch.no_grad():
+        m.blocks[0].attn.c_q.weight[0, 0] = 1e5
+    tok = Tokenizer.train(["the quick brown fox jumps over the lazy dog\n"] * 20, vocab_size=300)
+    save_checkpoint(tmp_path / "ck", m, tok)
+    rc = main([argv[0], str(tmp_path / "ck"), *argv[1:]])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert rc == 2 and len(err) == 1 and "float16 cannot hold" in err[0] and "blocks.0.attn.c_q.weight" in err[0], err
+    with pytest.raises(ValueError, match=r"torch.float16 cannot hold .*blocks\.0\.attn\.c_q\.weight"):
+        SNLPLM(pretrained=str(tmp_path / "ck"), dtype="float16")
+    ok = cast_model(tiny(), "cpu", "float16", "tiny")
+    assert ok.wte.weight.dtype == torch.float16 and all(bool(torch.isfinite(p).all()) for p in ok.parameters())
