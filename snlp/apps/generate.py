@@ -158,8 +158,8 @@ def check_args(args) -> None:
     if args.mode == "jacobi" and args.compile:
         raise ValueError("--compile supports the sequential, snlp and speculative modes (Jacobi rounds change shape "
                          "every iteration); drop --compile for --mode jacobi")
+    check_max_new_tokens(args.max_new_tokens)  # before the library's check, which names its argument, not the flag
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
-    check_max_new_tokens(args.max_new_tokens)
     sampling(args.temperature, args.top_k, args.top_p)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
@@ -303,10 +303,10 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
 
 
 def check_max_new_tokens(n: int) -> None:
-    """Refuse --max-new-tokens 0, the library's empty generation: here a run that printed "0 tokens, nan tok/s"
-    (single-process and --distributed alike: run_generate returns before check_args)."""
-    if n == 0:
-        raise ValueError("--max-new-tokens 0 generates nothing: give N >= 1")
+    """Refuse --max-new-tokens 0 (the library's empty generation: here a run that printed "0 tokens, nan tok/s") and
+    below, in the flag's words (single-process and --distributed alike: run_generate returns before check_args)."""
+    if n < 1:
+        raise ValueError(f"--max-new-tokens {n} generates nothing: give N >= 1")
 
 
 def read_prompts(path: str, encoding: str = "utf-8") -> list[str]:

@@ -408,6 +408,8 @@ def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys
     (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--steps", "0"], "--steps must be >= 1 (got 0)"),
     (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--seq-len", "0"], "--seq-len must be >= 1 (got 0"),
     (["generate", "{ck}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
+    # the library's own check named its argument (max_new_tokens must be an integer >= 0), not the flag
+    (["generate", "{ck}", "--prompt", "a", "--max-new-tokens", "-3"], "--max-new-tokens -3 generates nothing"),
     (["generate", "{ck}", "--distributed", "--plan", "2xF1-h0-K1", "--mode", "snlp", "--prompt", "a",
       "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--blocks", "0"],
