@@ -257,9 +257,10 @@ def test_keep_gives_the_last_logits_and_refuses_what_it_cannot():
             got = fn(idx, keep=k)
             assert got.shape == (2, k, full.shape[-1])
             torch.testing.assert_close(got, full[:, 7 - k:], rtol=0, atol=0)
-    for bad in (-1, 8):
-        with pytest.raises(ValueError, match="keep"):
-            model(idx, keep=bad)
+    for bad in (-1, 8, 15):  # the Runner sliced these silently: 8 gave one row, -1 none, 15 all seven
+        for fn in (model, runner):
+            with pytest.raises(ValueError, match="keep"):
+                fn(idx, keep=bad)
     with pytest.raises(ValueError, match="keep"):
         model(idx, targets=idx, keep=1)
 
