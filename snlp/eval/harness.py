@@ -679,9 +679,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
-    if any(lm.unapplied_defaults(sampling=False) for lm in lms) and generates(tasks, tm):
-        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work
-        next(lm for lm in lms if lm.unapplied_defaults(sampling=False)).check_generation_config(sampling=False)
+    if any(lm.unapplied_defaults(sampling=True) for lm in lms):
+        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
+        # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy
+        for samples in sorted(generation_modes(tasks, tm)):
+            for lm in lms:
+                lm.check_generation_config(samples)
     from lm_eval.loggers import EvaluationTracker
 
     out = []
@@ -719,10 +722,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     return out
 
 
-def generates(tasks: list[str], tm) -> bool:
-    """Whether any of the tasks (groups and tags expanded) asks for generate_until (the task objects are built:
-    their datasets load)."""
-    return any(t.OUTPUT_TYPE == "generate_until" for t in tm.load(list(tasks))["tasks"].values())
+def generation_modes(tasks: list[str], tm) -> set[bool]:
+    """Whether the generate_until tasks among `tasks` (groups and tags expanded) sample: {False} greedy ones only,
+    {True} sampled ones only, both, or none without generate_until (the task objects are built: their datasets
+    load). do_sample as normalize_gen_kwargs reads a task's generation_kwargs, as generate_until does."""
+    return {bool(normalize_gen_kwargs(dict(t.config.generation_kwargs or {}))["do_sample"])
+            for t in tm.load(list(tasks))["tasks"].values() if t.OUTPUT_TYPE == "generate_until"}
 
 
 def tracked(tracker) -> dict:

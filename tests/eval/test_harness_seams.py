@@ -9,7 +9,9 @@ round-trip through the harness's parser (a ',' is refused)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import re
 
 import pytest
@@ -425,3 +427,32 @@ def test_dtype_auto_is_the_checkpoints_own_as_the_hf_model(tmp_path):
     assert ours.model.wte.weight.dtype == hf.model.dtype == torch.bfloat16
     assert "dtype=bfloat16" in ours.model_args
     assert SNLPLM(pretrained=str(d)).model.wte.weight.dtype == torch.float32  # no dtype: snlp's CPU default
+
+
+def test_a_sampling_only_setting_is_refused_before_the_tasks_of_a_sampled_run(tmp_path, tasks, monkeypatch):
+    """A generation config whose setting transformers applies only when sampling (min_p: the hf model filters a
+    sampled task's draws with it) and a task list with a sampled generate_until task behind a multiple-choice one:
+    the up-front check asked only about greedy decoding, so the multiple-choice task's work ran and generate_until
+    refused afterwards. Now the run is refused before any task's work; a greedy task list with that model runs."""
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2, min_p=0.3)))
+    sampled = tmp_path / "tasks"
+    shutil.copytree(tasks, sampled)
+    text = (sampled / "gen_tiny.yaml").read_text()
+    assert "do_sample: false" in text
+    (sampled / "gen_tiny_sampled.yaml").write_text(text.replace("task: snlp_gen_tiny", "task: snlp_gen_tiny_sampled")
+                                                   .replace("do_sample: false", "do_sample: true\n  temperature: 1.0"))
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    tm = task_manager(["snlp_arc_tiny", "snlp_gen_tiny", "snlp_gen_tiny_sampled"], str(sampled))
+
+    def no_work(*a, **k):
+        raise AssertionError("a task ran before the refusal")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(SNLPLM, "_loglikelihood_tokens", no_work)
+        with pytest.raises(ValueError, match="min_p=0.3"):
+            evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny_sampled"], limit=1, tm=tm)
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=1, tm=tm, bootstrap_iters=0)
+    assert "exact_match,none" in rec.results["snlp_gen_tiny"]
