@@ -589,8 +589,8 @@ class StopStrings:
     """The decode's `on_tokens` callback that ends a row once its continuation, decoded with special tokens kept
     (as `_cut_at_stop` reads it), holds a stop string: lm-eval's hf model stops generating there, and decoding every
     row to max_gen_toks would cost the answer's tail for nothing. Only the continuation's tail is decoded per call
-    (enough tokens for the longest stop string, 4 bytes a character), and a hit is confirmed on the whole
-    continuation, so a row never stops where the whole text holds no stop string."""
+    (the call's new tokens and enough before them for the longest stop string, 4 bytes a character), and a hit is
+    confirmed on the whole continuation, so a row never stops where the whole text holds no stop string."""
 
     def __init__(self, decode, until):
         self.decode, self.until = decode, [u for u in until if u]
@@ -600,7 +600,9 @@ class StopStrings:
     def hit(self, i: int, new: list[int]) -> bool:
         toks = self.seen.setdefault(i, [])
         toks.extend(new)
-        return (any(u in self.decode(toks[-self.span:]) for u in self.until)
+        # the tail holds this call's tokens too: a speculative round (or a read of queued steps) streams up to
+        # block + 1 at once, and a stop early in it would be out of a fixed window now and on every later call
+        return (any(u in self.decode(toks[-(self.span + len(new)):]) for u in self.until)
                 and any(u in self.decode(toks) for u in self.until))
 
     def single(self):

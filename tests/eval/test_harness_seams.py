@@ -456,3 +456,26 @@ def test_a_sampling_only_setting_is_refused_before_the_tasks_of_a_sampled_run(tm
             evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny_sampled"], limit=1, tm=tm)
     [rec] = evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=1, tm=tm, bootstrap_iters=0)
     assert "exact_match,none" in rec.results["snlp_gen_tiny"]
+
+
+def test_a_stop_string_early_in_a_long_speculative_round_stops_the_row(tmp_path):
+    """generate_until's stop-string callback looked for the stop in the answer's last 4 x len(stop) + 4 tokens only,
+    but a speculative round streams up to block + 1 tokens at once: a stop early in a round of 31 was past that
+    window at once and ever after, and the row decoded on to max_gen_toks. The window now also covers the tokens of
+    the call; the answer is the free answer cut at the stop, as before."""
+    d = _tiny_dir(tmp_path / "m")
+    # K = C: the drafts are the model's own tokens, every one accepted, 31 tokens a round
+    lm = SNLPLM(pretrained=str(d), dtype="float64", plan="2xF1-h0-K2", decode="speculative", block=30)
+    decoded = []
+    inner = lm._generate
+    lm._generate = lambda *a, **k: decoded.append(inner(*a, **k)) or decoded[-1]
+
+    def ask(until):
+        return lm.generate_until(_reqs("generate_until", [("t7", {"until": until, "max_gen_toks": 40,
+                                                                   "do_sample": False})]))[0]
+
+    free = ask([])
+    words = free.split()
+    assert len(decoded[0][0]) == 40 and words.count("t32") == 1 and words.index("t32") < 8
+    assert ask(["t32"]) == free.split("t32")[0]
+    assert len(decoded[1][0]) == 31  # the first round's tokens, not max_gen_toks
