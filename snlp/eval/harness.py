@@ -514,7 +514,13 @@ class SNLPLM(TemplateLM):
         greedy decoding too) and snlp's decoding does not; {} with ignore_generation_config."""
         if self.ignore_generation_config:
             return {}
-        return unapplied_defaults((self.tokenizer.meta or {}).get("generation_config") or {}, sampling)
+        defaults = (self.tokenizer.meta or {}).get("generation_config") or {}
+        extra = unapplied_defaults(defaults, sampling)
+        if defaults.get("max_new_tokens") is not None:
+            # transformers' generate lets the config's max_new_tokens win over the max_length the hf model passes
+            # (prompt + max_gen_toks): its answers run to the config's budget, snlp's to the task's max_gen_toks
+            extra["max_new_tokens"] = defaults["max_new_tokens"]
+        return extra
 
     def check_generation_config(self, sampling: bool) -> None:
         """A ValueError naming the generation-config settings generate_until would silently not apply (answers

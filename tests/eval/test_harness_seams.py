@@ -479,3 +479,19 @@ def test_a_stop_string_early_in_a_long_speculative_round_stops_the_row(tmp_path)
     assert len(decoded[0][0]) == 40 and words.count("t32") == 1 and words.index("t32") < 8
     assert ask(["t32"]) == free.split("t32")[0]
     assert len(decoded[1][0]) == 31  # the first round's tokens, not max_gen_toks
+
+
+def test_a_generation_config_max_new_tokens_is_refused_not_ignored(tmp_path):
+    """A generation_config.json with max_new_tokens: transformers' generate lets it win over the max_length lm-eval's
+    hf model passes, so the hf model's answers ran to 20 tokens where the task asks max_gen_toks 5, and snlp's
+    stopped at 5, silently. Refused now, as the processors are; ignore_generation_config=True decodes max_gen_toks."""
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2,
+                                                              max_new_tokens=20)))
+    g = _reqs("generate_until", [("t4 t5", {"until": [], "max_gen_toks": 5, "do_sample": False})])
+    hf = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
+    assert len(hf[0].split()) == 20  # the hf model's own answer: the config's budget, not the task's
+    with pytest.raises(ValueError, match=r"max_new_tokens=20.*ignore_generation_config=True"):
+        SNLPLM(pretrained=str(d), dtype="float64").generate_until(g)
+    free = SNLPLM(pretrained=str(d), dtype="float64", ignore_generation_config=True).generate_until(g)
+    assert free[0].split() == hf[0].split()[:5]
