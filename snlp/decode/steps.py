@@ -481,6 +481,8 @@ class EagerStep:
 
     def ragged_fill(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> None:
         """A ragged call that only fills the cache (the prefill of a batch): no logits are computed."""
+        if self.fn is None:  # no positions-tensor forward: ragged's one-line refusal, not a call of None
+            self.ragged(idx, pos, cache)
         self.fill_ragged(idx, pos, cache)
 
     def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:

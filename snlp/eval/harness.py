@@ -515,7 +515,13 @@ class SNLPLM(TemplateLM):
         greedy decoding too) and snlp's decoding does not; {} with ignore_generation_config."""
         if self.ignore_generation_config:
             return {}
-        return unapplied_defaults((self.tokenizer.meta or {}).get("generation_config") or {}, sampling)
+        defaults = (self.tokenizer.meta or {}).get("generation_config") or {}
+        extra = unapplied_defaults(defaults, sampling)
+        if defaults.get("max_new_tokens") is not None:
+            # transformers' generate lets the config's max_new_tokens win over the max_length the hf model passes
+            # (prompt + max_gen_toks): its answers run to the config's budget, snlp's to the task's max_gen_toks
+            extra["max_new_tokens"] = defaults["max_new_tokens"]
+        return extra
 
     def check_generation_config(self, sampling: bool) -> None:
         """A ValueError naming the generation-config settings generate_until would silently not apply (answers
@@ -590,8 +596,8 @@ class StopStrings:
     """The decode's `on_tokens` callback that ends a row once its continuation, decoded with special tokens kept
     (as `_cut_at_stop` reads it), holds a stop string: lm-eval's hf model stops generating there, and decoding every
     row to max_gen_toks would cost the answer's tail for nothing. Only the continuation's tail is decoded per call
-    (enough tokens for the longest stop string, 4 bytes a character), and a hit is confirmed on the whole
-    continuation, so a row never stops where the whole text holds no stop string."""
+    (the call's new tokens and enough before them for the longest stop string, 4 bytes a character), and a hit is
+    confirmed on the whole continuation, so a row never stops where the whole text holds no stop string."""
 
     def __init__(self, decode, until):
         self.decode, self.until = decode, [u for u in until if u]
@@ -601,7 +607,9 @@ class StopStrings:
     def hit(self, i: int, new: list[int]) -> bool:
         toks = self.seen.setdefault(i, [])
         toks.extend(new)
-        return (any(u in self.decode(toks[-self.span:]) for u in self.until)
+        # the tail holds this call's tokens too: a speculative round (or a read of queued steps) streams up to
+        # block + 1 at once, and a stop early in it would be out of a fixed window now and on every later call
+        return (any(u in self.decode(toks[-(self.span + len(new)):]) for u in self.until)
                 and any(u in self.decode(toks) for u in self.until))
 
     def single(self):
@@ -680,9 +688,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
-    if any(lm.unapplied_defaults(sampling=False) for lm in lms) and generates(tasks, tm):
-        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work
-        next(lm for lm in lms if lm.unapplied_defaults(sampling=False)).check_generation_config(sampling=False)
+    if any(lm.unapplied_defaults(sampling=True) for lm in lms):
+        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
+        # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy
+        for samples in sorted(generation_modes(tasks, tm)):
+            for lm in lms:
+                lm.check_generation_config(samples)
     from lm_eval.loggers import EvaluationTracker
 
     out = []
@@ -720,10 +731,12 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     return out
 
 
-def generates(tasks: list[str], tm) -> bool:
-    """Whether any of the tasks (groups and tags expanded) asks for generate_until (the task objects are built:
-    their datasets load)."""
-    return any(t.OUTPUT_TYPE == "generate_until" for t in tm.load(list(tasks))["tasks"].values())
+def generation_modes(tasks: list[str], tm) -> set[bool]:
+    """Whether the generate_until tasks among `tasks` (groups and tags expanded) sample: {False} greedy ones only,
+    {True} sampled ones only, both, or none without generate_until (the task objects are built: their datasets
+    load). do_sample as normalize_gen_kwargs reads a task's generation_kwargs, as generate_until does."""
+    return {bool(normalize_gen_kwargs(dict(t.config.generation_kwargs or {}))["do_sample"])
+            for t in tm.load(list(tasks))["tasks"].values() if t.OUTPUT_TYPE == "generate_until"}
 
 
 def tracked(tracker) -> dict:

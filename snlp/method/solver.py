@@ -356,6 +356,10 @@ class Runner:
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None, keep: int | None = None) -> Tensor:
         """Logits (B, T, V) of the plan's solve; `keep`: of the last `keep` positions only (GPT.forward's)."""
+        # checked before the solve, as GPT.forward does: a slice h[:, T - keep:] would silently read keep > T as
+        # fewer rows (negative start) and a negative keep as none
+        if keep is not None and not 0 <= keep <= idx.shape[1]:
+            raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions (T = {idx.shape[1]})")
         h = self.solve(idx, cache=cache, pos=pos).hidden
         return self.model.head(h if keep is None else h[:, h.shape[1] - keep:])
 

@@ -16,7 +16,7 @@ from snlp import Plan
 from snlp.bench.decode import decode_benchmark
 from snlp.model.cache import KVCache
 from snlp.decode import sequential_generate, snlp_generate, speculative_generate
-from snlp.decode.steps import Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
+from snlp.decode.steps import EagerStep, Step, host_syncs, sequential_fn, sequential_step, snlp_fn, snlp_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -257,9 +257,10 @@ def test_keep_gives_the_last_logits_and_refuses_what_it_cannot():
             got = fn(idx, keep=k)
             assert got.shape == (2, k, full.shape[-1])
             torch.testing.assert_close(got, full[:, 7 - k:], rtol=0, atol=0)
-    for bad in (-1, 8):
-        with pytest.raises(ValueError, match="keep"):
-            model(idx, keep=bad)
+    for bad in (-1, 8, 15):  # the Runner sliced these silently: 8 gave one row, -1 none, 15 all seven
+        for fn in (model, runner):
+            with pytest.raises(ValueError, match="keep"):
+                fn(idx, keep=bad)
     with pytest.raises(ValueError, match="keep"):
         model(idx, targets=idx, keep=1)
 
@@ -286,3 +287,13 @@ def test_an_eager_prefill_computes_no_logits(mode, batch):
             with torch.no_grad():
                 ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
         assert r.tokens == ids[len(p):]
+
+
+def test_an_eager_step_without_a_positions_forward_refuses_a_batch_in_one_line():
+    """EagerStep(forward) without fn= cannot run a ragged batch: its ragged call says so in one line. The batch's
+    prefill went through ragged_fill, which called the missing forward: TypeError 'NoneType' object is not
+    callable. Now the same one-line ValueError, before any forward."""
+    model = make_model(seed=1, n_layer=2)
+    step = EagerStep(lambda idx, cache: model(idx, cache=cache))
+    with pytest.raises(ValueError, match="no positions-tensor forward"):
+        sequential_generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=2, step=step)

@@ -9,7 +9,9 @@ round-trip through the harness's parser (a ',' is refused)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import re
 
 import pytest
@@ -425,3 +427,71 @@ def test_dtype_auto_is_the_checkpoints_own_as_the_hf_model(tmp_path):
     assert ours.model.wte.weight.dtype == hf.model.dtype == torch.bfloat16
     assert "dtype=bfloat16" in ours.model_args
     assert SNLPLM(pretrained=str(d)).model.wte.weight.dtype == torch.float32  # no dtype: snlp's CPU default
+
+
+def test_a_sampling_only_setting_is_refused_before_the_tasks_of_a_sampled_run(tmp_path, tasks, monkeypatch):
+    """A generation config whose setting transformers applies only when sampling (min_p: the hf model filters a
+    sampled task's draws with it) and a task list with a sampled generate_until task behind a multiple-choice one:
+    the up-front check asked only about greedy decoding, so the multiple-choice task's work ran and generate_until
+    refused afterwards. Now the run is refused before any task's work; a greedy task list with that model runs."""
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2, min_p=0.3)))
+    sampled = tmp_path / "tasks"
+    shutil.copytree(tasks, sampled)
+    text = (sampled / "gen_tiny.yaml").read_text()
+    assert "do_sample: false" in text
+    (sampled / "gen_tiny_sampled.yaml").write_text(text.replace("task: snlp_gen_tiny", "task: snlp_gen_tiny_sampled")
+                                                   .replace("do_sample: false", "do_sample: true\n  temperature: 1.0"))
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    tm = task_manager(["snlp_arc_tiny", "snlp_gen_tiny", "snlp_gen_tiny_sampled"], str(sampled))
+
+    def no_work(*a, **k):
+        raise AssertionError("a task ran before the refusal")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(SNLPLM, "_loglikelihood_tokens", no_work)
+        with pytest.raises(ValueError, match="min_p=0.3"):
+            evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny_sampled"], limit=1, tm=tm)
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=1, tm=tm, bootstrap_iters=0)
+    assert "exact_match,none" in rec.results["snlp_gen_tiny"]
+
+
+def test_a_stop_string_early_in_a_long_speculative_round_stops_the_row(tmp_path):
+    """generate_until's stop-string callback looked for the stop in the answer's last 4 x len(stop) + 4 tokens only,
+    but a speculative round streams up to block + 1 tokens at once: a stop early in a round of 31 was past that
+    window at once and ever after, and the row decoded on to max_gen_toks. The window now also covers the tokens of
+    the call; the answer is the free answer cut at the stop, as before."""
+    d = _tiny_dir(tmp_path / "m")
+    # K = C: the drafts are the model's own tokens, every one accepted, 31 tokens a round
+    lm = SNLPLM(pretrained=str(d), dtype="float64", plan="2xF1-h0-K2", decode="speculative", block=30)
+    decoded = []
+    inner = lm._generate
+    lm._generate = lambda *a, **k: decoded.append(inner(*a, **k)) or decoded[-1]
+
+    def ask(until):
+        return lm.generate_until(_reqs("generate_until", [("t7", {"until": until, "max_gen_toks": 40,
+                                                                   "do_sample": False})]))[0]
+
+    free = ask([])
+    words = free.split()
+    assert len(decoded[0][0]) == 40 and words.count("t32") == 1 and words.index("t32") < 8
+    assert ask(["t32"]) == free.split("t32")[0]
+    assert len(decoded[1][0]) == 31  # the first round's tokens, not max_gen_toks
+
+
+def test_a_generation_config_max_new_tokens_is_refused_not_ignored(tmp_path):
+    """A generation_config.json with max_new_tokens: transformers' generate lets it win over the max_length lm-eval's
+    hf model passes, so the hf model's answers ran to 20 tokens where the task asks max_gen_toks 5, and snlp's
+    stopped at 5, silently. Refused now, as the processors are; ignore_generation_config=True decodes max_gen_toks."""
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2,
+                                                              max_new_tokens=20)))
+    g = _reqs("generate_until", [("t4 t5", {"until": [], "max_gen_toks": 5, "do_sample": False})])
+    hf = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
+    assert len(hf[0].split()) == 20  # the hf model's own answer: the config's budget, not the task's
+    with pytest.raises(ValueError, match=r"max_new_tokens=20.*ignore_generation_config=True"):
+        SNLPLM(pretrained=str(d), dtype="float64").generate_until(g)
+    free = SNLPLM(pretrained=str(d), dtype="float64", ignore_generation_config=True).generate_until(g)
+    assert free[0].split() == hf[0].split()[:5]
