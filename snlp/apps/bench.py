@@ -444,13 +444,15 @@ def run(args) -> int:
     if getattr(args, "suite", None):
         return run_suite_cli(args)
     if getattr(args, "simulate_devices", None) is not None:
+        from snlp.apps.common import parser_defaults
         from snlp.apps.dist import run_simulate
 
-        return run_simulate(args)
+        # this module's flag tables go with the call: snlp.apps.dist importing them back would close an import cycle
+        return run_simulate(args, unread_flags, SHAPE, parser_defaults(add_arguments))
     if getattr(args, "distributed", False):
         from snlp.apps.dist import run_bench
 
-        return run_bench(args, model_spec(args))
+        return run_bench(args, model_spec(args), unread_flags)
     if not args.decode and (args.batch_sizes or args.share_weights or args.min_confidence or args.adaptive_block):
         raise ValueError("--batch-sizes, --share-weights, --min-confidence and --adaptive-block shape the decode "
                          "benchmark: use them with --decode")

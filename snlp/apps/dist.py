@@ -331,17 +331,15 @@ class SimulateRow:
         return {**{k: v for k, v in d.items() if k != "prediction"}, **self.prediction.to_dict()}
 
 
-def run_bench(args, spec: ModelSpec) -> int:
+def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     """`torchrun --nproc_per_node=P -m snlp bench --distributed ...` (called by snlp.apps.bench.run with the
-    model flags as `spec`)."""
+    model flags as `spec`, and its check of the flags a benchmark does not read, `unread_flags(args, kind)`)."""
     refuse_compile(args)
     if getattr(args, "ops", False):
         raise ValueError("--ops (the single-layer op benchmark) is a single-process benchmark: drop --distributed")
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
-    from snlp.apps.bench import unread_flags
-
     unread_flags(args, "distributed --decode" if args.decode else "distributed")  # e.g. --simulate-devices' flags
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
@@ -414,14 +412,14 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
     return 0
 
 
-def run_simulate(args) -> int:
-    """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel)."""
+def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
+    """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel).
+    From snlp.apps.bench: its check of unread flags, the size flags a --shape replaces and the parser's defaults."""
     from snlp.dist.costmodel import SHAPES, Link, measure_layer_ms, predict, roofline_layer_ms
 
     P = args.simulate_devices
     if P < 1:
         raise ValueError(f"--simulate-devices must be >= 1 (got {P})")
-    from snlp.apps.bench import SHAPE, unread_flags
     from snlp.apps.common import flag
 
     # a flag the cost model does not read (--ckpt, --distributed, --hc-streams, ...) would change nothing: refused
@@ -432,11 +430,7 @@ def run_simulate(args) -> int:
     if args.shape:
         if args.shape not in SHAPES:
             raise ValueError(f"unknown --shape {args.shape!r}: valid shapes are {', '.join(SHAPES)}")
-        from snlp.apps.common import parser_defaults
-        from snlp.apps.bench import add_arguments
-
-        defaults = parser_defaults(add_arguments)
-        sizes = [flag(d) for d in SHAPE if d in defaults and getattr(args, d) != defaults[d]]
+        sizes = [flag(d) for d in shape_flags if d in defaults and getattr(args, d) != defaults[d]]
         if sizes:
             raise ValueError(f"--shape {args.shape} is a whole shape; {', '.join(sizes)} would change nothing: drop "
                              f"{'it' if len(sizes) == 1 else 'them'} or --shape")

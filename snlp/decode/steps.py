@@ -491,9 +491,10 @@ class EagerStep:
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
         return self.forward(idx, cache)
 
-    def prefill(self, idx: Tensor, cache: KVCache) -> None:
-        """Cache a prompt; its logits are not computed (every caller feeds the prompt's last token next)."""
-        self.fill(idx, cache)
+    def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
+        """Cache a prompt; its logits are not computed (every caller feeds the prompt's last token next): the
+        logits of no position, (B, 0, V), on the model's device (an EagerStep given no `fill`: its forward's)."""
+        return self.fill(idx, cache)
 
     def prefill_len(self, T: int) -> int:
         return T
