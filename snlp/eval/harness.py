@@ -623,6 +623,7 @@ class StopStrings:
         """The callback of a batch (prompt index, new tokens), or None when there is no stop string."""
         return (lambda i, new: self.hit(i, new)) if self.until else None
 
+
 # ----- one harness run per method, and the table of their metrics -----
 @dataclass
 class HarnessRecord:

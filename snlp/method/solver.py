@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
 from snlp.runtime.checks import check_bools
-from snlp.model.gpt import GPT, check_gpt
+from snlp.model.gpt import GPT, check_gpt, check_keep
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.sharing import check_shareable, share_chunk_weights
@@ -356,12 +356,8 @@ class Runner:
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None, keep: int | None = None) -> Tensor:
         """Logits (B, T, V) of the plan's solve; `keep`: of the last `keep` positions only (GPT.forward's)."""
-        # checked before the solve, as GPT.forward does: a slice h[:, T - keep:] would silently read keep > T as
-        # fewer rows (negative start) and a negative keep as none
-        if keep is not None and not 0 <= keep <= idx.shape[1]:
-            raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions (T = {idx.shape[1]})")
-        h = self.solve(idx, cache=cache, pos=pos).hidden
-        return self.model.head(h if keep is None else h[:, h.shape[1] - keep:])
+        check_keep(keep, idx.shape[1])  # before the solve, as GPT.forward checks it
+        return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden, keep)
 
     def __repr__(self) -> str:
         return f"Runner(plan={self.plan}, layers={self.model.config.n_layer})"

@@ -430,9 +430,12 @@ class GPT(nn.Module):
             return self.blocks[l](h, ve, ctx.cos, ctx.sin, ctx.cache, ctx.start, ctx.span, masks, hc)
         return self.blocks[l](h, ve, ctx.cos, ctx.sin, masks=masks, hc=hc)
 
-    def head(self, h: Tensor) -> Tensor:
+    def head(self, h: Tensor, keep: int | None = None) -> Tensor:
         """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32. With mHC,
-        h_L (B,T,n,D) is first reduced by summing the streams."""
+        h_L (B,T,n,D) is first reduced by summing the streams. `keep`: the last `keep` positions only (B, keep, V),
+        checked by the caller before its forward (`check_keep`)."""
+        if keep is not None:
+            h = h[:, h.shape[1] - keep:]
         if self.config.hc_streams:
             h = h.sum(-2)
         logits = self.lm_head(norm(h, self.ln_f, self.config.norm_eps)).float()
@@ -477,11 +480,11 @@ class GPT(nn.Module):
         of the last `keep` positions only (B, keep, V), as transformers' logits_to_keep: a prefill that only fills
         the cache takes keep=0 and pays no head (on a small model the vocabulary projection costs as much as its
         layers). Not with `targets`."""
-        if keep is not None and (targets is not None or not 0 <= keep <= idx.shape[1]):
-            raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions, without targets")
+        if keep is not None and targets is not None:
+            raise ValueError(f"keep={keep!r} gives logits, targets a loss: pass one of them")
+        check_keep(keep, idx.shape[1])
         ctx = self.embed(idx, cache, pos)
-        h = self.run_layers(ctx.x0, ctx, 0, self.config.n_layer)
-        logits = self.head(h if keep is None else h[:, h.shape[1] - keep:])
+        logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer), keep)
         if cache is not None and pos is None:
             cache.advance(idx.shape[1])
         if targets is None:
@@ -490,6 +493,13 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def check_keep(keep: int | None, T: int) -> None:
+    """Refuse a `keep` (logits of the last `keep` of T positions) outside 0..T before any forward: the slice
+    h[:, T - keep:] would read keep > T as fewer rows (a negative start) and a negative keep as none, silently."""
+    if keep is not None and not 0 <= keep <= T:
+        raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions (T = {T})")
 
 
 def check_gpt(model, what: str = "model") -> None:
