@@ -356,7 +356,7 @@ class Runner:
 
     def __call__(self, idx: Tensor, cache=None, pos: Tensor | None = None, keep: int | None = None) -> Tensor:
         """Logits (B, T, V) of the plan's solve; `keep`: of the last `keep` positions only (GPT.forward's)."""
-        check_keep(keep, idx.shape[1])  # before the solve, as GPT.forward checks it
+        check_keep(keep, idx)  # before the solve, as GPT.forward checks it
         return self.model.head(self.solve(idx, cache=cache, pos=pos).hidden, keep)
 
     def __repr__(self) -> str:

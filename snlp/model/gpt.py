@@ -482,7 +482,7 @@ class GPT(nn.Module):
         layers). Not with `targets`."""
         if keep is not None and targets is not None:
             raise ValueError(f"keep={keep!r} gives logits, targets a loss: pass one of them")
-        check_keep(keep, idx.shape[1])
+        check_keep(keep, idx)
         ctx = self.embed(idx, cache, pos)
         logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer), keep)
         if cache is not None and pos is None:
@@ -495,10 +495,14 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def check_keep(keep: int | None, T: int) -> None:
-    """Refuse a `keep` (logits of the last `keep` of T positions) outside 0..T before any forward: the slice
-    h[:, T - keep:] would read keep > T as fewer rows (a negative start) and a negative keep as none, silently."""
-    if keep is not None and not 0 <= keep <= T:
+def check_keep(keep: int | None, idx) -> None:
+    """Refuse a `keep` (logits of the last `keep` of idx's T positions) outside 0..T before any forward: the slice
+    h[:, T - keep:] would read keep > T as fewer rows (a negative start) and a negative keep as none, silently.
+    Token ids that are not a (B, T) tensor pass here: the forward's own check (GPT.check_tokens) names them."""
+    if keep is None or not isinstance(idx, Tensor) or idx.dim() != 2:
+        return
+    T = idx.shape[1]
+    if not 0 <= keep <= T:
         raise ValueError(f"keep={keep!r}: the logits of the last 0..T positions (T = {T})")
 
 
