@@ -384,7 +384,7 @@ def _timed_step(model: GPT, step, prompt: list[int], T: int, room: int):
     """A call of `step` on T tokens after `prompt` (cached once), the cache rolled back after it: (pad_to=T makes a
     compiled verifier run the padded shape speculative decoding runs)."""
     cache = KVCache.for_model(model, max_len=step.cache_len(len(prompt) + room + step.slack))
-    step.warm(cache, [step.prefill_len(len(prompt))])
+    step.warm_prefill(cache, len(prompt))
     step.prefill(torch.tensor([prompt], device=model.wte.weight.device), cache)
     P = cache.length
     x = torch.tensor([prompt[-1:] * T], device=model.wte.weight.device)  # (1, T)

@@ -197,7 +197,7 @@ class BatchSession:
         if self.plain:
             n = self.lens[0]
             self.cache.seek(0)
-            step.warm(self.cache, [step.prefill_len(n)] if n else [])
+            step.warm_prefill(self.cache, n)
             t0 = now(self.device)
             if n:
                 step.prefill(self.ids([self.prompts[self.rows[0]][:-1]]), self.cache)
@@ -212,7 +212,7 @@ class BatchSession:
                            real=torch.arange(T, device=self.device) < torch.tensor(self.lens, device=self.device)[:, None]
                            )
         if T > 0:
-            step.warm_ragged(self.cache, pos)  # compiled before the timer starts
+            step.warm_ragged(self.cache, pos, fill=True)  # compiled before the timer starts
         t0 = now(self.device)
         if T > 0:
             rows = [p[:-1] if len(p) > 1 else p[:1] for p in self.prompts]

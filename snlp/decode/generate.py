@@ -40,7 +40,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how,
         every = read_every(ses.device, every)
         ses.result.plan = None if plan is None else str(plan)
         gen = None if how.greedy else [make_generator(seed, ses.device)]
-        ses.warm(forward, [forward.prefill_len(len(ses.prompt) - 1), 1])
+        ses.warm(forward, [1])  # and the prefill's graph in ses.prefill
         ses.prefill(forward)
         res = ses.result
         x = ses.ids([ses.last])  # (1, 1): the loop's only host-to-device copy; later steps feed the picked token

@@ -63,10 +63,10 @@ def default_guards() -> str:
     return env_choice("SNLP_COMPILE_GUARDS")
 
 
-def sequential_fn(model: GPT) -> StepFn:
-    """The model's own forward as a static-shape step."""
+def sequential_fn(model: GPT, keep: int | None = None) -> StepFn:
+    """The model's own forward as a static-shape step (`keep`: GPT.forward's; 0 for a prefill's, no logits)."""
     def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-        return model(idx, cache=cache, pos=pos)
+        return model(idx, cache=cache, pos=pos, keep=keep)
     return step
 
 
@@ -91,23 +91,24 @@ def compile_fullgraph(fn, device, **kw):
     return torch.compile(fn, fullgraph=True, mode=mode, **kw)
 
 
-def snlp_fn(runner: Runner) -> StepFn:
-    """An SNLP runner's forward as a static-shape step. The runner must be bound with check_finite=False
-    (its NaN/inf check reads the state back to the host) and its plan must compile (`check_compilable`)."""
+def snlp_fn(runner: Runner, keep: int | None = None) -> StepFn:
+    """An SNLP runner's forward as a static-shape step (`keep`: Runner's; 0 for a prefill's, no logits). The runner
+    must be bound with check_finite=False (its NaN/inf check reads the state back to the host) and its plan must
+    compile (`check_compilable`)."""
     if runner.check_finite:
         raise ValueError("a static-shape step needs a runner bound with check_finite=False (snlp.bind(model, plan, "
                          "check_finite=False)): the NaN/inf check is a host sync; check the output outside the step")
     check_compilable(runner.plan)
 
     def step(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-        return runner(idx, cache=cache, pos=pos)
+        return runner(idx, cache=cache, pos=pos, keep=keep)
     return step
 
 
 _OWN_CODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {a step function's code: its copy}
 
 
-def own_code(fn: StepFn, owner=None) -> StepFn:
+def own_code(fn: StepFn, owner=None, kind: str = "step") -> StepFn:
     """`fn` as a function with a code object of its own. Dynamo keeps its compiled graphs per code object, and every
     closure sequential_fn / snlp_fn returns shares one: two models of one shape then share one cache of graphs, told
     apart only by guards, which the guard cut skips (StepState) but for those that failed at a recompile (torch 2.13
@@ -117,13 +118,14 @@ def own_code(fn: StepFn, owner=None) -> StepFn:
     anew for the same model and plan (`sequential_generate` / `snlp_generate(..., compile=True)` without `step=`
     build one per call) finds the graphs an earlier one compiled, after one guarded call, instead of compiling them
     all again (a new runner's weights pass the same guards); runners of other plans are told apart by the guards a
-    recompile failed, which dynamo keeps checking under the cut."""
+    recompile failed, which dynamo keeps checking under the cut. `kind` ("step" or "fill") keeps a step's fill
+    function (the prefill's, no logits: the same Python function with keep=0 in its closure) in a cache of its own."""
     if not isinstance(fn, types.FunctionType):
         def call(idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
             return fn(idx, pos, cache)
         fn = call
     codes = _OWN_CODES.setdefault(owner, {}) if owner is not None else {}
-    code = codes.setdefault(fn.__code__, fn.__code__.replace())
+    code = codes.setdefault((fn.__code__, kind), fn.__code__.replace())
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -275,7 +277,7 @@ class Step:
 
     def __init__(self, fn: StepFn, device, compile: bool = True, prefill_pad: int = PREFILL_PAD, backend=None,
                  before: Callable[[], None] | None = None, state: StepState | None = None, guards: str | None = None,
-                 owner=None):
+                 owner=None, fill: StepFn | None = None):
         self.device = torch.device(device)
         self.before = before  # run on the host before every call, outside the graph (an SNLP runner's `current`)
         if not isinstance(prefill_pad, int) or prefill_pad < 1:
@@ -291,58 +293,71 @@ class Step:
         self._snaps, self.cut_calls, self.guarded_calls = {}, 0, 0
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            fn = own_code(fn, owner)  # this step's (and its model's other steps') graphs in a cache of their own
-            fn = compile_fullgraph(fn, self.device, dynamic=False) if backend is None else \
-                torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
-        self.fn = fn
+
+            def compiled(f: StepFn, kind: str) -> StepFn:
+                f = own_code(f, owner, kind)  # this step's (and its model's other steps') graphs in a cache apart
+                return compile_fullgraph(f, self.device, dynamic=False) if backend is None else \
+                    torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
+            fn, fill = compiled(fn, "step"), fill if fill is None else compiled(fill, "fill")
+        # fill: the same forward without the logits (keep=0), which prefills run: their logits are never read (the
+        # prompt's last token starts the decode loop), and the head over T prompt positions costs as much as a
+        # small model's layers. Its graphs are its own (kind "fill"); a Step given none prefills through fn.
+        self.fn, self.fill_fn = fn, fill
         env = default_guards() if guards is None else None  # checked on every step built from it, eager too
         wanted = guards if guards is not None else (env if compile and state is not None else "full")
         self.guards = wanted if CAN_SKIP_GUARDS else "full"
         self.mode = "reduce-overhead" if compile and backend is None and self.device.type == "cuda" else None
 
-    def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
+    def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None, fill: bool = False) -> Tensor:
         B, T = idx.shape
         cache.check(B, T)
         if self.before is not None:
             self.before()
         n = self.padded(T, cache, pad_to)
         with torch.inference_mode():
-            return self._run(idx, cache, T, n)
+            return self._run(idx, cache, T, n, fill)
 
-    def _run(self, idx: Tensor, cache: KVCache, T: int, n: int) -> Tensor:
+    def _run(self, idx: Tensor, cache: KVCache, T: int, n: int, fill: bool = False) -> Tensor:
         B = idx.shape[0]
         if n > T:  # repeat the last token: positions after the real ones are scratch (module docstring)
             idx = torch.cat([idx, idx[:, -1:].expand(B, n - T)], 1)
         idx = self.graph_input(idx)  # laid out as the warm-up's (graph_input): the guards pass
-        self.warm(cache, [n])  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
+        self.warm(cache, [n], fill)  # a shape not seen yet compiles here, timed into compile_s (a no-op otherwise)
         pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
-        logits = self.call_fn(self.key("step", cache, n), idx, pos, cache)
+        kind, fn = self.kind(fill)
+        logits = self.call_fn(self.key(kind, cache, n), idx, pos, cache, fn)
         if self.mode == "reduce-overhead":
             logits = logits.clone()
         cache.advance(T)
         return logits[:, :T] if n > T else logits
 
-    def call_fn(self, key: tuple, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-        """The compiled function on graph inputs, for a call of shape `key` (Step.key): with guards="cut", without
-        evaluating dynamo's guards while the step's state equals its snapshot at the last guarded call of this
-        shape; else with them (compiling a new graph where they fail) and a new snapshot taken. Every call holds
-        STANCE_LOCK (see there)."""
+    def kind(self, fill: bool) -> tuple[str, StepFn]:
+        """The graph kind and function of a call: "fill" (no logits) for a prefill when the step has a fill function,
+        else "step"."""
+        return ("fill", self.fill_fn) if fill and self.fill_fn is not None else ("step", self.fn)
+
+    def call_fn(self, key: tuple, idx: Tensor, pos: Tensor, cache: KVCache, fn: StepFn | None = None) -> Tensor:
+        """The compiled function (`fn`, default the step's) on graph inputs, for a call of shape `key` (Step.key):
+        with guards="cut", without evaluating dynamo's guards while the step's state equals its snapshot at the last
+        guarded call of this shape; else with them (compiling a new graph where they fail) and a new snapshot taken.
+        Every call holds STANCE_LOCK (see there)."""
+        fn = self.fn if fn is None else fn
         if self.guards != "cut":
             with STANCE_LOCK:
-                return self.fn(idx, pos, cache)
+                return fn(idx, pos, cache)
         kept = self._snaps.get(key)
         with STANCE_LOCK:
             if kept is not None and kept == self.state.take(cache):
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        out = self.fn(idx, pos, cache)
+                        out = fn(idx, pos, cache)
                     self.cut_calls += 1
                     return out
                 except RuntimeError as e:  # with several graphs dynamo still checks the guards that tell them apart,
                     if "skip_guard_eval_unsafe" not in str(e):  # and refuses to recompile under this stance: something
                         raise  # the snapshot does not hold changed; the call then runs with every guard (below)
             self.state.scan()  # a new parameter, buffer or submodule: walk the module tree again
-            out = self.fn(idx, pos, cache)
+            out = fn(idx, pos, cache)
             self._snaps[key] = self.state.keep(cache)
             self.guarded_calls += 1
             return out
@@ -379,8 +394,13 @@ class Step:
         return -(-T // self.prefill_pad) * self.prefill_pad
 
     def prefill(self, idx: Tensor, cache: KVCache) -> Tensor:
-        """A prompt (B, T): padded up to a multiple of `prefill_pad`, so prompts of similar length share a graph."""
-        return self(idx, cache, pad_to=self.prefill_len(idx.shape[1]))
+        """Cache a prompt (B, T): padded up to a multiple of `prefill_pad`, so prompts of similar length share a
+        graph. With a fill function (sequential_step / snlp_step) no logits are computed: (B, 0, V)."""
+        return self(idx, cache, pad_to=self.prefill_len(idx.shape[1]), fill=True)
+
+    def warm_prefill(self, cache: KVCache, T: int) -> float:
+        """Compile the graph `prefill` runs for a prompt of T tokens (see `warm`); 0 tokens: nothing to compile."""
+        return self.warm(cache, [self.prefill_len(T)], fill=True) if T > 0 else 0.0
 
     def graph_input(self, x: Tensor) -> Tensor:
         """`x` as every compiled call receives it: a fresh contiguous long inference tensor on the step's device.
@@ -395,7 +415,7 @@ class Step:
         buf = (cache.k.data_ptr(), cache.v.data_ptr()) if self.mode == "reduce-overhead" else ()
         return (kind, cache.batch, n, cache.max_len, *buf)
 
-    def ragged(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> Tensor:
+    def ragged(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache, fill: bool = False) -> Tensor:
         """A ragged batched call (snlp.decode.batch): idx (B, T) with row b at its own positions pos[b] (B, T);
         the cache's length is neither read nor advanced (the caller keeps every row's length). A new shape
         compiles here (into compile_s); `warm_ragged` does that before a decode loop's timers start. Of a
@@ -406,41 +426,46 @@ class Step:
             self.before()
         with torch.inference_mode():
             idx = self.graph_input(idx)
-            self.warm_ragged(cache, pos)
-            logits = self.call_fn(self.key("ragged", cache, pos.shape[1]), idx, pos, cache)
+            self.warm_ragged(cache, pos, fill)
+            kind, fn = self.kind(fill)
+            logits = self.call_fn(self.key("ragged " + kind, cache, pos.shape[1]), idx, pos, cache, fn)
             return logits.clone() if self.mode == "reduce-overhead" else logits
 
     def ragged_fill(self, idx: Tensor, pos: Tensor | RowPositions, cache: KVCache) -> None:
-        """A ragged call that only fills the cache (a batch's prefill): compiled, the ragged graph itself (its
-        logits unread), so a prefill shape that a decode call shares compiles once."""
-        self.ragged(idx, pos, cache)
+        """A ragged call that only fills the cache (a batch's prefill): compiled, the fill graph (no logits) where
+        the step has one, else the ragged graph with its logits unread."""
+        self.ragged(idx, pos, cache, fill=True)
 
-    def warm_ragged(self, cache: KVCache, pos: Tensor | RowPositions) -> float:
-        """Compile the ragged graph for positions of this shape (B, T). It runs at `pos`, which must be scratch
-        (past every row's length): the real call writes there again before anything reads it. The inputs are
-        laid out exactly as `ragged` lays them out (`graph_input`), so the real call compiles nothing new."""
+    def warm_ragged(self, cache: KVCache, pos: Tensor | RowPositions, fill: bool = False) -> float:
+        """Compile the ragged graph (`fill`: the ragged prefill's, see `ragged_fill`) for positions of this shape
+        (B, T). It runs at `pos`, which must be scratch (past every row's length): the real call writes there again
+        before anything reads it. The inputs are laid out exactly as `ragged` lays them out (`graph_input`), so the
+        real call compiles nothing new."""
         pos = self.graph_input(pos.pos if isinstance(pos, RowPositions) else pos)
-        key = self.key("ragged", cache, pos.shape[1])
+        kind, fn = self.kind(fill)
+        key = self.key("ragged " + kind, cache, pos.shape[1])
         if not self.compiled or key in self._seen:
             return 0.0
         sync(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.call_fn(key, self.graph_input(torch.zeros(pos.shape, dtype=torch.long, device=self.device)), pos, cache)
+            self.call_fn(key, self.graph_input(torch.zeros(pos.shape, dtype=torch.long, device=self.device)), pos,
+                         cache, fn)
         sync(self.device)
         self._seen.add(key)
         dt = time.perf_counter() - t0
         self.compile_s += dt
         return dt
 
-    def warm(self, cache: KVCache, lengths) -> float:
+    def warm(self, cache: KVCache, lengths, fill: bool = False) -> float:
         """Compile the graphs for calls that will run at these (already padded, see `prefill_len`) lengths
-        before anything is timed; returns the seconds spent. They run on `cache` at positions from its current
-        length WITHOUT advancing it: what they write lies past the length, i.e. scratch that the real calls
-        overwrite before reading (snlp.model.cache)."""
+        before anything is timed; returns the seconds spent. `fill`: the prefill's graphs (`warm_prefill`). They run
+        on `cache` at positions from its current length WITHOUT advancing it: what they write lies past the length,
+        i.e. scratch that the real calls overwrite before reading (snlp.model.cache)."""
         t = 0.0
+        kind, fn = self.kind(fill)
         for n in lengths:
-            key = self.key("step", cache, n)  # every static shape of the graph: a new one compiles
+            key = self.key(kind, cache, n)  # every static shape of the graph: a new one compiles
             if not self.compiled or key in self._seen or not 1 <= n <= cache.max_len - cache.length:
                 continue
             if self.before is not None:  # compile against the weights the real calls will read (only where a
@@ -450,7 +475,7 @@ class Step:
             with torch.inference_mode():  # as __call__ runs it: same guards, same graph
                 idx = self.graph_input(torch.zeros(cache.batch, n, dtype=torch.long, device=self.device))
                 pos = self.graph_input(torch.arange(cache.length, cache.length + n, device=self.device))
-                self.call_fn(key, idx, pos, cache)
+                self.call_fn(key, idx, pos, cache, fn)
             sync(self.device)
             t += time.perf_counter() - t0
             self._seen.add(key)
@@ -485,7 +510,10 @@ class EagerStep:
             self.ragged(idx, pos, cache)
         self.fill_ragged(idx, pos, cache)
 
-    def warm_ragged(self, cache: KVCache, pos: Tensor) -> float:
+    def warm_ragged(self, cache: KVCache, pos: Tensor, fill: bool = False) -> float:
+        return 0.0
+
+    def warm_prefill(self, cache: KVCache, T: int) -> float:
         return 0.0
 
     def __call__(self, idx: Tensor, cache: KVCache, pad_to: int | None = None) -> Tensor:
@@ -524,7 +552,8 @@ def sequential_step(model: GPT, compile: bool = False, **kw) -> Step | EagerStep
                          lambda idx, pos, cache: model(idx, cache=cache, pos=pos, keep=0))
     else:
         device = model.wte.weight.device
-        step = Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model, **kw)
+        step = Step(sequential_fn(model), device, state=StepState(model, device=device), owner=model,
+                    fill=sequential_fn(model, keep=0), **kw)
     step.of_model = model
     return step
 
@@ -545,7 +574,7 @@ def snlp_step(runner: Runner, compile: bool = False, **kw) -> Step | EagerStep:
 
     device = runner.model.wte.weight.device
     step = Step(snlp_fn(runner), device, before=before, state=StepState(runner.model, runner, device),
-                owner=runner.model, **kw)
+                owner=runner.model, fill=snlp_fn(runner, keep=0), **kw)
     if step.mode == "reduce-overhead":
         mark_static_runner(runner)
     step.of_model, step.of_plan = runner.model, runner.plan

@@ -5,8 +5,11 @@ runs no host sync (no aten::item / _local_scalar_dense in its profile); bad inpu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import configs, examples, make_model, mhc_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -215,7 +218,7 @@ def test_compiled_ragged_batches_equal_eager_and_do_not_sync(compiled):
                 steps["snlp"].ragged(torch.ones(3, 1, dtype=torch.long), pos + t, cache)
                 steps["seq"].ragged(torch.ones(3, BLOCK + 1, dtype=torch.long), pos + t + torch.arange(BLOCK + 1), cache)
     assert sum(e.count for e in prof.key_averages() if e.key == SYNC_OP) == 0
-    assert ("ragged", 3, BLOCK + 1, 64) in steps["seq"]._seen
+    assert ("ragged step", 3, BLOCK + 1, 64) in steps["seq"]._seen
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -287,6 +290,66 @@ def test_an_eager_prefill_computes_no_logits(mode, batch):
             with torch.no_grad():
                 ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
         assert r.tokens == ids[len(p):]
+
+
+def linear_flops(graphs: list):
+    """A torch.compile backend that appends each graph's F.linear FLOPs (2 x rows x in x out, from dynamo's example
+    values) to `graphs` and runs the graph as traced."""
+    def backend(gm, example_inputs):
+        n = 0
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear):
+                x, w = node.args[0].meta["example_value"], node.args[1].meta["example_value"]
+                n += 2 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
+        graphs.append(n)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("kind", ["sequential", "snlp"])
+def test_a_compiled_prefill_computes_no_logits(kind):
+    """A compiled step's prefill (static shapes, padded to 16) computed the head over every padded prompt position,
+    logits nobody reads, as the eager prefill did before it took keep=0. Now it runs a graph of its own without
+    the head: the same call with logits counts exactly the head's 2 x B x 16 x D x V FLOPs more (counted in the
+    traced graphs), and the prefill returns (B, 0, V)."""
+    model = make_model(seed=3, n_layer=4, dtype=torch.float32)
+    graphs: list = []
+    step = sequential_step(model, compile=True, backend=linear_flops(graphs)) if kind == "sequential" else \
+        snlp_step(snlp.bind(model, "4xF1-h0-K1", check_finite=False), compile=True, backend=linear_flops(graphs))
+    D, V = model.config.n_embd, model.config.vocab_size
+    idx = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = step.new_cache(model, 2, step.cache_len(40))
+        filled = step.prefill(idx, cache)
+        assert cache.length == 13 and filled.shape == (2, 0, V)
+        cache.seek(0)
+        full = step(idx, cache, pad_to=16)
+    assert full.shape == (2, 13, V) and len(graphs) == 2
+    assert graphs[1] - graphs[0] == 2 * 2 * 16 * D * V
+    assert {k[0] for k in step._seen} == {"fill", "step"}
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_compiled_decoding_prefills_without_logits_and_keeps_its_tokens(batch):
+    """Sequential, SNLP and speculative decoding through compiled steps (dynamo's eager backend: the traced graphs,
+    not inductor) prefill through the fill graphs, compiled before the prefill's clock, and give the eager loops'
+    tokens (fp64), one prompt and a ragged batch."""
+    model = make_model(seed=6, n_layer=4, dtype=torch.float64)
+    prompts = [list(range(3, 23)), list(range(5, 18))]
+    p = prompts if batch else prompts[0]
+    seq = sequential_step(model, compile=True, backend="eager")
+    drafter = snlp_step(snlp.bind(model, "4xF1-h0-K1", check_finite=False), compile=True, backend="eager")
+    runs = [(sequential_generate(model, p, max_new_tokens=5), sequential_generate(model, p, max_new_tokens=5, step=seq)),
+            (snlp_generate(model, p, "4xF1-h0-K1", max_new_tokens=5),
+             snlp_generate(model, p, "4xF1-h0-K1", max_new_tokens=5, step=drafter)),
+            (speculative_generate(model, p, "4xF1-h0-K1", block=2, max_new_tokens=5),
+             speculative_generate(model, p, "4xF1-h0-K1", block=2, max_new_tokens=5, draft=drafter, verify=seq))]
+    for want, got in runs:
+        assert [r.tokens for r in (got if batch else [got])] == [r.tokens for r in (want if batch else [want])]
+    fills = {k for k in seq._seen if k[0] in ("fill", "ragged fill")}
+    assert {k[0] for k in fills} == {"ragged fill" if batch else "fill"}
+    assert not any(k[2] > 3 for k in seq._seen if k[0] in ("step", "ragged step"))  # no prefill-length logits graph
+    assert (runs[0][1][0] if batch else runs[0][1]).compile_s > 0
 
 
 def test_an_eager_step_without_a_positions_forward_refuses_a_batch_in_one_line():
