@@ -58,7 +58,9 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
     tensors are refused (the Sinkhorn settings are not in the files).
 `overrides` (GPTConfig fields) change any of these after the version is placed; window_pattern and sequence_len
 are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused, as is a
-field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them).
+field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them, and
+tie_embeddings, as nanochat stores wte and lm_head apart); an override that turns a part off (smear, backout,
+value_embeds, x0_residual) loads without that part's tensors.
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
@@ -345,6 +347,11 @@ def check_overrides(overrides: dict | None) -> None:
     if nano and "layer_windows" in over:
         raise ValueError(f"overrides name layer_windows and {nano}, which nanochat turns into other windows: "
                          f"give one or the other")
+    if over.get("tie_embeddings"):
+        # GPT ties lm_head.weight to wte.weight: loading nanochat's two tables into one parameter would keep one of
+        # them and drop the other without a word
+        raise ValueError("overrides name tie_embeddings=True, but nanochat stores the embedding (transformer.wte) and "
+                         "the head (lm_head) as two tables: a tied model would drop one of them")
 
 
 def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:

@@ -807,3 +807,16 @@ def test_a_convert_override_given_twice_is_refused(tmp_path, capsys):
     assert "gives softcap twice (20 and 15)" in err and "\n" not in err and not (tmp_path / "o").exists()
     assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=20"]) == 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["softcap"] == 20
+
+
+def test_a_tie_embeddings_override_is_refused_not_loaded_with_one_table_dropped(tmp_path, capsys):
+    """overrides={"tie_embeddings": True} loaded nanochat's wte and lm_head into one parameter: the embedding table
+    was the head's (wte dropped), logits 16 off the checkpoint's, without a word; nanochat stores the two apart, so
+    the override is refused in one line before any file is read, by snlp.load and by snlp convert."""
+    with pytest.raises(ValueError, match="tie_embeddings=True, but nanochat stores") as err:
+        snlp.load(DATA / "nanochat-sw", overrides={"tie_embeddings": True})
+    assert "\n" not in str(err.value)
+    out = tmp_path / "o"
+    assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out), "--nanochat-override",
+                     "tie_embeddings=true"]) == 2
+    assert "tie_embeddings" in capsys.readouterr().err and not out.exists()
