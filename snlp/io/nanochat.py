@@ -316,8 +316,10 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     names = [("resid_lambdas", cfg.x0_residual), ("x0_lambdas", cfg.x0_residual), ("smear_gate.weight", cfg.smear),
              ("smear_lambda", cfg.smear), ("backout_lambda", cfg.backout)]
     out.update({k: take(k) for k, on in names if on})
-    # a checkpoint trained with an option off still stores its (unused) tensors: they are not part of this model
-    ignored = {k for k in sd if k.startswith(("value_embeds.", "resid_lambdas", "x0_lambdas"))
+    # a checkpoint trained with an option off still stores its (unused) tensors, and an override that turns a part
+    # off (x0_residual, value_embeds, smear, backout) leaves its tensors unread: they are not part of this model
+    off = ("smear_gate.", "smear_lambda") * (not cfg.smear) + ("backout_lambda",) * (not cfg.backout)
+    ignored = {k for k in sd if k.startswith(("value_embeds.", "resid_lambdas", "x0_lambdas", *off))
                or re.match(r"transformer\.h\.\d+\.attn\.ve_gate\.", k)}
     unexpected = sorted(set(sd) - used - ignored)
     if unexpected:

@@ -820,3 +820,18 @@ def test_a_tie_embeddings_override_is_refused_not_loaded_with_one_table_dropped(
     assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out), "--nanochat-override",
                      "tie_embeddings=true"]) == 2
     assert "tie_embeddings" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("part,scalars", [("smear", ("smear_lambda",)), ("backout", ("backout_lambda",))])
+def test_an_override_that_turns_the_smear_or_backout_off_loads_without_it(part, scalars):
+    """overrides={"smear": False} (or backout) was refused as 'tensors this loader does not map' although
+    x0_residual / value_embeds False load without their tensors; now the part is off and its tensors unread: the
+    logits of the checkpoint's model with that part's scalar at zero."""
+    r = ref("nanochat-sw")
+    off, _ = snlp.load(DATA / "nanochat-sw", overrides={part: False})
+    full, _ = snlp.load(DATA / "nanochat-sw")
+    assert not getattr(off.config, part) and getattr(full.config, part)
+    with torch.no_grad():
+        for name in scalars:
+            getattr(full, name).zero_()
+        torch.testing.assert_close(off(r["idx"]), full(r["idx"]), rtol=0, atol=1e-6)
