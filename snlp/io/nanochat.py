@@ -507,6 +507,8 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"
                                            for k in ref if k in state and state[k].shape != ref[k].shape]
     if bad:
+        if overrides:  # the files agreed with each other before the overrides changed the model they describe
+            raise ValueError(f"overrides {overrides} describe a model whose tensors {mf} does not hold: {bad[:6]}")
         raise ValueError(f"{mf} does not match its {jf.name}: {bad[:6]}")
     model = GPT(cfg).to(dtype)
     model.load_state_dict(state)

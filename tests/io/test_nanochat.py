@@ -835,3 +835,22 @@ def test_an_override_that_turns_the_smear_or_backout_off_loads_without_it(part, 
         for name in scalars:
             getattr(full, name).zero_()
         torch.testing.assert_close(off(r["idx"]), full(r["idx"]), rtol=0, atol=1e-6)
+
+
+def test_a_mismatch_the_overrides_make_names_the_overrides_not_the_files(tmp_path):
+    """An override that changes the model's tensors (mlp_ratio, hc_dynamic's extra maps, the gate's channels) was
+    refused as 'model_000000.pt does not match its meta_000000.json', which blamed the files; it now names the
+    overrides. Without overrides a model file another meta describes is still the files' mismatch."""
+    for name, over in (("nanochat-sw", {"mlp_ratio": 2}), ("nanochat-mhc", {"hc_dynamic": True}),
+                       ("nanochat-sw", {"ve_gate_channels": 8})):
+        with pytest.raises(ValueError, match=r"^overrides \{.*\} describe a model whose tensors") as err:
+            snlp.load(DATA / name, overrides=over)
+        assert "does not match its meta" not in str(err.value) and "\n" not in str(err.value)
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-sw", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd["transformer.h.0.mlp.c_fc.weight"] = sd["transformer.h.0.mlp.c_fc.weight"][:64]
+    sd["transformer.h.0.mlp.c_proj.weight"] = sd["transformer.h.0.mlp.c_proj.weight"][:, :64]
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="does not match its meta_000000.json"):
+        snlp.load(d)
