@@ -469,6 +469,28 @@ def nanochat_step(path, step: int | None = None) -> tuple[Path, int]:
     return path, step
 
 
+def unreadable_model_file(mf: Path, e: Exception) -> str:
+    """Why torch.load(mf, weights_only=True) failed, in one line. nanochat's save_checkpoint writes a torch.save
+    of a state dict of tensors, which always loads so: a file that pickles other objects (a whole module, numpy
+    arrays; torch names the first such global) or a safetensors file was written by another code base, and is not
+    called corrupt; anything else is."""
+    msg = str(e)
+    if "This file can still be loaded" in msg:  # a valid pickle of objects weights_only does not allow
+        found = re.search(r"GLOBAL (\S+)", msg)
+        return (f"{mf} pickles {'a ' + found.group(1) if found else 'objects other than tensors'}, not the state dict "
+                f"of tensors nanochat's save_checkpoint writes: a file of another code base? (not unpickled: that "
+                f"would run its code)")
+    try:
+        with open(mf, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        head = b""
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (1 << 30):  # its JSON header
+        return f"{mf} is a safetensors file, not the torch.save state dict nanochat's save_checkpoint writes"
+    first = msg.strip().splitlines()[0] if msg.strip() else ""  # its unpickling errors run to many lines
+    return f"corrupt or truncated {mf} ({type(e).__name__}: {first})"
+
+
 def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
                   overrides: dict | None = None) -> GPT:
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
@@ -489,8 +511,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     try:
         sd = torch.load(mf, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises assorted types on truncated / foreign files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # its unpickling errors run to many lines
-        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {first})") from e
+        raise ValueError(unreadable_model_file(mf, e)) from e
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
     odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))

@@ -854,3 +854,29 @@ def test_a_mismatch_the_overrides_make_names_the_overrides_not_the_files(tmp_pat
     torch.save(sd, d / "model_000000.pt")
     with pytest.raises(ValueError, match="does not match its meta_000000.json"):
         snlp.load(d)
+
+
+def test_a_model_file_of_another_code_base_is_named_not_called_corrupt(tmp_path):
+    """A model_NNNNNN.pt that pickles a whole module or numpy arrays, or is a safetensors file, was refused as
+    'corrupt or truncated' (with torch's advice to unpickle it, escape codes included); nanochat's save_checkpoint
+    writes a state dict of tensors, so such a file comes from another code base and is named so, in one line. A cut
+    file is still corrupt."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    mf = d / "model_000000.pt"
+    good = mf.read_bytes()
+
+    def refused(match):
+        with pytest.raises(ValueError, match=match) as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value) and "\x1b" not in str(err.value)
+        return str(err.value)
+
+    torch.save(torch.nn.Linear(2, 2), mf)
+    assert "corrupt" not in refused(r"pickles a torch\.nn\.modules\.linear\.Linear, not the state dict of tensors")
+    save_file({"transformer.wte.weight": torch.zeros(2, 2)}, str(mf))
+    assert "corrupt" not in refused("is a safetensors file, not the torch.save state dict")
+    mf.write_bytes(good[:len(good) // 2])
+    refused("corrupt or truncated")
