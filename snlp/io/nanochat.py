@@ -395,8 +395,12 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
                                                        if f in VERSION_FIELDS)] or found
 
     def config(key: str) -> GPTConfig:
+        # the smear is on with either of its tensors, so a file holding one of them is refused for the other (not
+        # loaded with the smear off, as an override that turns it off loads: nanochat-snlp's loader would patch
+        # a missing gate to zeros, a smear of smear_lambda / 2)
         cfg = config_from_nanochat(mc, ve_gate_channels=12 if width is None else width,
-                                   smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=key)
+                                   smear=any(k in sd for k in SMEAR_KEYS[:2]), backout="backout_lambda" in sd,
+                                   version=key)
         try:
             return GPTConfig(**{**cfg.to_dict(), **over}) if over else cfg
         except (TypeError, ValueError) as e:

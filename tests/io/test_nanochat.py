@@ -837,6 +837,18 @@ def test_an_override_that_turns_the_smear_or_backout_off_loads_without_it(part, 
         torch.testing.assert_close(off(r["idx"]), full(r["idx"]), rtol=0, atol=1e-6)
 
 
+def test_a_file_with_half_the_smear_is_refused_not_loaded_without_it(tmp_path):
+    """A smear_lambda without its smear_gate (which nanochat-snlp's loader would patch to zeros: a smear of
+    smear_lambda / 2) is refused naming the gate; it must not load with the smear off as the override does."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-sw", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd.pop("smear_gate.weight")
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="lacks smear_gate.weight"):
+        snlp.load(d)
+
+
 def test_a_mismatch_the_overrides_make_names_the_overrides_not_the_files(tmp_path):
     """An override that changes the model's tensors (mlp_ratio, hc_dynamic's extra maps, the gate's channels) was
     refused as 'model_000000.pt does not match its meta_000000.json', which blamed the files; it now names the
