@@ -80,6 +80,7 @@ from snlp.model.gpt import GPT, GPTConfig
 # (model_7.pt) is not one, as nanochat's loader would open model_000007.pt for it
 STEP = r"(\d{6}|[1-9]\d{6,})"
 MODEL_RE, META_RE = re.compile(rf"^model_{STEP}\.pt$"), re.compile(rf"^meta_{STEP}\.json$")
+OTHER_STEP_RE = re.compile(r"^model_(\d+)\.pt$")  # a step spelt otherwise (model_7.pt) where MODEL_RE does not match
 DROPPED = ("mtp_projs.",)  # training-only heads
 SMEAR_KEYS = ("smear_gate.weight", "smear_lambda", "backout_lambda")
 # model_config keys only nanochat-snlp's GPTConfig has (its meta is written from the whole dataclass)
@@ -154,13 +155,22 @@ def is_nanochat_dir(path) -> bool:
 
 
 def why_not_nanochat(path) -> str | None:
-    """Why directory `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None
-    (the loaders that look for other formats would otherwise say it lacks a config.json): model_NNNNNN.pt files
-    without their meta_NNNNNN.json (a folder copied without them), or a folder of nanochat checkpoint folders
-    (nanochat's base_checkpoints/, one folder per model tag, of which nanochat's own loader takes the deepest)."""
+    """Why `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None (the
+    loaders that look for other formats would otherwise say it lacks a config.json, or is no directory): a
+    meta_NNNNNN.json given for its checkpoint; model files named otherwise than save_checkpoint names them (model_7.pt:
+    nanochat's loader opens model_000007.pt); model_NNNNNN.pt files without their meta_NNNNNN.json (a folder copied
+    without them), or a folder of nanochat checkpoint folders (nanochat's base_checkpoints/, one folder per model tag,
+    of which nanochat's own loader takes the deepest)."""
     path = Path(path)
+    if path.is_file():
+        if m := META_RE.match(path.name):
+            return (f"{path} is a nanochat meta file: give its folder {path.parent} (its last step) or its model "
+                    f"file {path.parent / f'model_{m.group(1)}.pt'} (this step)")
+        return misnamed(path.parent, [path.name]) if paired_otherwise(path) else None
     if not path.is_dir() or steps(path) or (path / "config.json").exists():
         return None
+    if odd := sorted(p.name for p in path.iterdir() if paired_otherwise(p)):
+        return misnamed(path, odd)
     models = sorted(p.name for p in path.iterdir() if MODEL_RE.match(p.name))
     if models:
         return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but "
@@ -171,6 +181,20 @@ def why_not_nanochat(path) -> str | None:
         return (f"{path} is not a nanochat checkpoint but a folder of {len(tags)} ({', '.join(tags[:4])}"
                 f"{', ...' if len(tags) > 4 else ''}): give one of them, e.g. {path / tags[0]}")
     return None
+
+
+def paired_otherwise(p: Path) -> bool:
+    """A model_<digits>.pt beside its meta_<digits>.json, both spelt otherwise than save_checkpoint's six digits."""
+    return (bool(m := OTHER_STEP_RE.match(p.name)) and not MODEL_RE.match(p.name)
+            and (p.parent / f"meta_{m.group(1)}.json").is_file())
+
+
+def misnamed(folder: Path, names: list[str]) -> str:
+    """The refusal of model files `names` in `folder` that save_checkpoint's spelling of a step does not name."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"{folder} holds {shown}, which is not how nanochat's save_checkpoint names a step (model_NNNNNN.pt with "
+            f"meta_NNNNNN.json, six digits at least, e.g. model_000007.pt) nor what its loader opens: rename each "
+            f"model / meta pair so")
 
 
 def nanochat_depth(path) -> int | None:

@@ -892,3 +892,28 @@ def test_a_model_file_of_another_code_base_is_named_not_called_corrupt(tmp_path)
     assert "corrupt" not in refused("is a safetensors file, not the torch.save state dict")
     mf.write_bytes(good[:len(good) // 2])
     refused("corrupt or truncated")
+
+
+def test_a_step_spelt_otherwise_and_a_meta_file_path_are_named_for_what_they_are(tmp_path, capsys):
+    """model_7.pt + meta_7.json (a step spelt otherwise than save_checkpoint's model_000007.pt, which nanochat's
+    loader would open) was refused as 'not a checkpoint (no config.json ...): give the folder snlp train wrote' or,
+    given as a file, 'is not a directory (expected model.safetensors + config.json)'; a meta_NNNNNN.json path the
+    same. Each is now named in one line with what to give instead, by snlp.load and snlp convert; a model_9.pt
+    with no meta beside it is not taken for nanochat's."""
+    e = tmp_path / "short"
+    e.mkdir()
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_7.pt")
+    shutil.copy(DATA / "nanochat-L" / "meta_000000.json", e / "meta_7.json")
+    for p in (e, e / "model_7.pt"):
+        with pytest.raises((ValueError, FileNotFoundError), match="holds model_7.pt, which is not how nanochat's "
+                                                                  "save_checkpoint names a step") as err:
+            snlp.load(p)
+        assert "\n" not in str(err.value)
+        assert cli_main(["convert", str(p), "--out", str(tmp_path / "o")]) == 2
+        assert "model_000007.pt" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"is a nanochat meta file: give its folder .* or its model file "
+                                         r".*model_000000\.pt"):
+        snlp.load(DATA / "nanochat-L" / "meta_000000.json")
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_9.pt")
+    with pytest.raises(ValueError, match="is not a directory"):
+        snlp.load(e / "model_9.pt")
