@@ -351,3 +351,22 @@ def test_vs_paper_times_with_the_threads_its_oversubscription_line_names(tmp_pat
         torch.set_num_threads(n)
     assert seen == [2, 1] and "OpenMP" not in capsys.readouterr().err
     assert json.loads((tmp_path / "o" / "vs_paper.json").read_text())["meta"]["threads"] == 1
+
+
+@needs_paper
+def test_an_mhc_plan_of_fused_chunks_is_refused_naming_the_papers_path_for_it():
+    """paper_plan_fn refused a C x FM mHC plan with "the paper's mHC-Newton path is C x F1 only"; the paper's
+    evaluator runs such plans through forward_hcn_chunkwise. The refusal now names that path as not driven here."""
+    import torch
+
+    from snlp.bench.paper_peer import build_paper_model, paper_config, paper_plan_fn
+    from snlp.bench.suite import PAPER_SHAPES
+    from snlp.method.plan import Plan
+
+    code = load_paper_code(PAPER, torch.float32)
+    shape = next(s for s in PAPER_SHAPES if s.key == "0.5B-mhc").quick()
+    model = build_paper_model(code, paper_config(code, shape, 64, 64, "L"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="forward_hcn_chunkwise") as err:
+        paper_plan_fn(code, model, Plan.parse("8xF2-h0-K1-hcn", shape.depth), shape)
+    assert "C x F1 only" not in str(err.value)
+    assert paper_plan_fn(code, model, Plan.parse("16xF1-h0-K1-hcn", shape.depth), shape) is not None
