@@ -203,8 +203,9 @@ def paper_plan_fn(code: PaperCode, model, plan: Plan, shape):
         raise ValueError(f"the paper's evaluator has no init {plan.init!r}")
     surrogate = type(plan.surrogate).__name__
     if surrogate == "HCN":
-        if plan.fuse != 1:
-            raise ValueError("the paper's mHC-Newton path is C x F1 only")
+        if plan.fuse != 1:  # its evaluator runs these through forward_hcn_chunkwise, which no paper shape times
+            raise ValueError(f"{plan}: the paper's C x FM mHC path (forward_hcn_chunkwise: fused chunks with each "
+                             f"chunk's H maps averaged) is not driven here; its C x F1 path (forward_hcn_batched) is")
         pw = code.hcn.MHCPrecomputedWeights(model, par)
         return lambda idx: code.hcn.forward_hcn_batched(model, idx, seq_layers=seq_layers, pw=pw, K=plan.iters, init=init)
     if surrogate != "Identity" or plan.elk or plan.order or plan.tol:

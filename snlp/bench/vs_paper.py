@@ -258,14 +258,19 @@ def _run_shape(shape: Shape, cfg: VsPaperConfig, code: PaperCode, dev: torch.dev
             result.failures.append(_failure(shape.key, "agreement", e))
 
 
+PATH_NOTE = "its parallel path: "  # paper_path_note's lead; what follows are its parts, "; "-separated
+OWN_FUNCTION = "the plan's own function"  # paper_path_note where nothing applies
+STACKING = "stacks the chunk weights inside every call"  # a cost of forward_idn_chunkwise, no other function
+
+
 def paper_path_note(code: PaperCode, pcfg, plan: Plan, tokens: int) -> str:
     """The timing table's note on the paper's path for `plan`: what it computes differently from the plan
     (_approximations, for this model and T) and, for C x FM with C > 1 (forward_idn_chunkwise), the stacking of the
     chunk weights it does inside every call; 1 x FM (forward_idn_fused) and C x F1 use weights built once."""
     why = _approximations(plan, _windows_bite(code, pcfg, plan, tokens), pcfg)
     if plan.fuse > 1 and plan.chunks > 1:
-        why.append("stacks the chunk weights inside every call")
-    return "its parallel path: " + ("; ".join(why) if why else "the plan's own function")
+        why.append(STACKING)
+    return PATH_NOTE + ("; ".join(why) if why else OWN_FUNCTION)
 
 
 def _windows_bite(code: PaperCode, pcfg, plan: Plan, tokens: int) -> bool:
@@ -407,6 +412,22 @@ def paired_ratios(result: VsPaperResult) -> list[dict]:
     return out
 
 
+def paper_paths_sentence(rows: list[PeerRow]) -> str:
+    """The table footnote on what the paper's timed plan paths compute, from their rows' notes (paper_path_note,
+    for this run's models and T): what they compute other than snlp's plans where anything applies, else that they
+    compute the plans' own functions (window-free suffixes, or windows no longer than T, no value embeddings in
+    fused chunks, ...)."""
+    parts = [r.note.removeprefix(PATH_NOTE).split("; ") for r in rows
+             if r.side == "paper" and r.plan != "sequential" and r.note.startswith(PATH_NOTE)]
+    if not parts:
+        return ""
+    why = [w for w in dict.fromkeys(w for ws in parts for w in ws) if w not in (OWN_FUNCTION, STACKING)]
+    if not why:
+        return "The paper's parallel paths timed here compute the plans' own functions (as snlp's plans do)."
+    return (f"The paper's parallel paths timed here compute other functions than the plans (snlp's plans compute "
+            f"the plans): {'; '.join(why)} (each path's note below says which apply to it).")
+
+
 def markdown(result: VsPaperResult) -> str:
     cfg, m = result.config, result.meta
     lines = [f"## snlp bench --vs-paper{' --quick' if cfg.quick else ''}", "",
@@ -442,8 +463,7 @@ def markdown(result: VsPaperResult) -> str:
          "paper's table (full shape)" if cfg.quick else "paper's table"], rows)]
     lines += ["", "*paper ms / snlp ms*: the paper's time over snlp's fastest treatment (> 1: snlp is faster). "
               "*strongest seq*: the fastest sequential forward timed for that shape on either side (its variant "
-              "below). The paper's parallel paths compute a different function from its own sequential model "
-              "(windows dropped in the suffix; value embeddings too in fused chunks); snlp's plans keep both.",
+              "below). " + paper_paths_sentence(result.rows),
               "", tie_footnote(cfg.runs, "ratio", "the two callables' ms of the same round, every callable once per "
                                "round")]
     abl = [[r.shape, r.side, f"`{r.plan}`", r.variant, _ms(r), "-" if r.compile_s is None else f"{r.compile_s:.1f}",

@@ -202,6 +202,8 @@ def checkpoint_dir(path) -> Path:
         raise FileNotFoundError(f"checkpoint {path} does not exist{hint}" + (" Or train one" if hint else "; train one")
                                 + f" with `snlp train --out {path}`")
     if not path.is_dir():
+        if why := why_not_nanochat(path):  # a nanochat meta file, or a model file nanochat would not name so
+            raise ValueError(why)
         gguf = ("; a .gguf file is converted first: `snlp convert FILE --out DIR` then load DIR, or "
                 "snlp.from_hf(FILE)") if path.suffix.lower() == ".gguf" else ""
         raise ValueError(f"checkpoint {path} is not a directory (expected {WEIGHTS} + {CONFIG} inside){gguf}")

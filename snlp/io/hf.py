@@ -305,11 +305,12 @@ def _load_hf(src: str, dtype):
         return m, t
     check_source(src, "model")  # a typo of a local path is refused here, not sent to the hub (snlp.io.source)
     if path.exists() or src.startswith((".", "/", "~")) or src.count("/") > 1:
-        if not path.is_dir():
-            raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
-        if not (path / "config.json").is_file():
-            from snlp.io.nanochat import why_not_nanochat
+        from snlp.io.nanochat import why_not_nanochat
 
+        if not path.is_dir():
+            raise FileNotFoundError(why_not_nanochat(path) or f"{path} is neither a .gguf file nor a directory with "
+                                                              f"config.json")
+        if not (path / "config.json").is_file():
             if why := why_not_nanochat(path):
                 raise FileNotFoundError(why)
             raise FileNotFoundError(f"directory {path} has no config.json; expected a transformers model directory "

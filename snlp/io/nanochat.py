@@ -58,7 +58,9 @@ What maps to what (GPTConfig fields set here; snlp.model.gpt documents each part
     tensors are refused (the Sinkhorn settings are not in the files).
 `overrides` (GPTConfig fields) change any of these after the version is placed; window_pattern and sequence_len
 are nanochat's fields, from which the windows are recomputed (short_window, never read by them, is refused, as is a
-field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them).
+field only a part the model lacks reads: the mHC settings without mHC, the value-embedding gate's without them, and
+tie_embeddings, as nanochat stores wte and lm_head apart); an override that turns a part off (smear, backout,
+value_embeds, x0_residual) loads without that part's tensors.
 nanochat's tokenizer (a tiktoken pickle in its base directory) is not read: the model comes without one.
 """
 
@@ -78,6 +80,7 @@ from snlp.model.gpt import GPT, GPTConfig
 # (model_7.pt) is not one, as nanochat's loader would open model_000007.pt for it
 STEP = r"(\d{6}|[1-9]\d{6,})"
 MODEL_RE, META_RE = re.compile(rf"^model_{STEP}\.pt$"), re.compile(rf"^meta_{STEP}\.json$")
+OTHER_STEP_RE = re.compile(r"^model_(\d+)\.pt$")  # a step spelt otherwise (model_7.pt) where MODEL_RE does not match
 DROPPED = ("mtp_projs.",)  # training-only heads
 SMEAR_KEYS = ("smear_gate.weight", "smear_lambda", "backout_lambda")
 # model_config keys only nanochat-snlp's GPTConfig has (its meta is written from the whole dataclass)
@@ -152,13 +155,22 @@ def is_nanochat_dir(path) -> bool:
 
 
 def why_not_nanochat(path) -> str | None:
-    """Why directory `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None
-    (the loaders that look for other formats would otherwise say it lacks a config.json): model_NNNNNN.pt files
-    without their meta_NNNNNN.json (a folder copied without them), or a folder of nanochat checkpoint folders
-    (nanochat's base_checkpoints/, one folder per model tag, of which nanochat's own loader takes the deepest)."""
+    """Why `path`, which no loader takes, is no nanochat checkpoint although it looks like one, else None (the
+    loaders that look for other formats would otherwise say it lacks a config.json, or is no directory): a
+    meta_NNNNNN.json given for its checkpoint; model files named otherwise than save_checkpoint names them (model_7.pt:
+    nanochat's loader opens model_000007.pt); model_NNNNNN.pt files without their meta_NNNNNN.json (a folder copied
+    without them), or a folder of nanochat checkpoint folders (nanochat's base_checkpoints/, one folder per model tag,
+    of which nanochat's own loader takes the deepest)."""
     path = Path(path)
+    if path.is_file():
+        if m := META_RE.match(path.name):
+            return (f"{path} is a nanochat meta file: give its folder {path.parent} (its last step) or its model "
+                    f"file {path.parent / f'model_{m.group(1)}.pt'} (this step)")
+        return misnamed(path.parent, [path.name]) if paired_otherwise(path) else None
     if not path.is_dir() or steps(path) or (path / "config.json").exists():
         return None
+    if odd := sorted(p.name for p in path.iterdir() if paired_otherwise(p)):
+        return misnamed(path, odd)
     models = sorted(p.name for p in path.iterdir() if MODEL_RE.match(p.name))
     if models:
         return (f"{path} holds nanochat model files ({', '.join(models[:3])}{', ...' if len(models) > 3 else ''}) but "
@@ -169,6 +181,20 @@ def why_not_nanochat(path) -> str | None:
         return (f"{path} is not a nanochat checkpoint but a folder of {len(tags)} ({', '.join(tags[:4])}"
                 f"{', ...' if len(tags) > 4 else ''}): give one of them, e.g. {path / tags[0]}")
     return None
+
+
+def paired_otherwise(p: Path) -> bool:
+    """A model_<digits>.pt beside its meta_<digits>.json, both spelt otherwise than save_checkpoint's six digits."""
+    return (bool(m := OTHER_STEP_RE.match(p.name)) and not MODEL_RE.match(p.name)
+            and (p.parent / f"meta_{m.group(1)}.json").is_file())
+
+
+def misnamed(folder: Path, names: list[str]) -> str:
+    """The refusal of model files `names` in `folder` that save_checkpoint's spelling of a step does not name."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"{folder} holds {shown}, which is not how nanochat's save_checkpoint names a step (model_NNNNNN.pt with "
+            f"meta_NNNNNN.json, six digits at least, e.g. model_000007.pt) nor what its loader opens: rename each "
+            f"model / meta pair so")
 
 
 def nanochat_depth(path) -> int | None:
@@ -314,8 +340,10 @@ def state_from_nanochat(sd: dict, cfg: GPTConfig) -> dict:
     names = [("resid_lambdas", cfg.x0_residual), ("x0_lambdas", cfg.x0_residual), ("smear_gate.weight", cfg.smear),
              ("smear_lambda", cfg.smear), ("backout_lambda", cfg.backout)]
     out.update({k: take(k) for k, on in names if on})
-    # a checkpoint trained with an option off still stores its (unused) tensors: they are not part of this model
-    ignored = {k for k in sd if k.startswith(("value_embeds.", "resid_lambdas", "x0_lambdas"))
+    # a checkpoint trained with an option off still stores its (unused) tensors, and an override that turns a part
+    # off (x0_residual, value_embeds, smear, backout) leaves its tensors unread: they are not part of this model
+    off = ("smear_gate.", "smear_lambda") * (not cfg.smear) + ("backout_lambda",) * (not cfg.backout)
+    ignored = {k for k in sd if k.startswith(("value_embeds.", "resid_lambdas", "x0_lambdas", *off))
                or re.match(r"transformer\.h\.\d+\.attn\.ve_gate\.", k)}
     unexpected = sorted(set(sd) - used - ignored)
     if unexpected:
@@ -345,6 +373,11 @@ def check_overrides(overrides: dict | None) -> None:
     if nano and "layer_windows" in over:
         raise ValueError(f"overrides name layer_windows and {nano}, which nanochat turns into other windows: "
                          f"give one or the other")
+    if over.get("tie_embeddings"):
+        # GPT ties lm_head.weight to wte.weight: loading nanochat's two tables into one parameter would keep one of
+        # them and drop the other without a word
+        raise ValueError("overrides name tie_embeddings=True, but nanochat stores the embedding (transformer.wte) and "
+                         "the head (lm_head) as two tables: a tied model would drop one of them")
 
 
 def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="this nanochat checkpoint") -> GPTConfig:
@@ -386,8 +419,12 @@ def nanochat_config(sd: dict, mc: dict, overrides: dict | None = None, where="th
                                                        if f in VERSION_FIELDS)] or found
 
     def config(key: str) -> GPTConfig:
+        # the smear is on with either of its tensors, so a file holding one of them is refused for the other (not
+        # loaded with the smear off, as an override that turns it off loads: nanochat-snlp's loader would patch
+        # a missing gate to zeros, a smear of smear_lambda / 2)
         cfg = config_from_nanochat(mc, ve_gate_channels=12 if width is None else width,
-                                   smear="smear_gate.weight" in sd, backout="backout_lambda" in sd, version=key)
+                                   smear=any(k in sd for k in SMEAR_KEYS[:2]), backout="backout_lambda" in sd,
+                                   version=key)
         try:
             return GPTConfig(**{**cfg.to_dict(), **over}) if over else cfg
         except (TypeError, ValueError) as e:
@@ -460,6 +497,28 @@ def nanochat_step(path, step: int | None = None) -> tuple[Path, int]:
     return path, step
 
 
+def unreadable_model_file(mf: Path, e: Exception) -> str:
+    """Why torch.load(mf, weights_only=True) failed, in one line. nanochat's save_checkpoint writes a torch.save
+    of a state dict of tensors, which always loads so: a file that pickles other objects (a whole module, numpy
+    arrays; torch names the first such global) or a safetensors file was written by another code base, and is not
+    called corrupt; anything else is."""
+    msg = str(e)
+    if "This file can still be loaded" in msg:  # a valid pickle of objects weights_only does not allow
+        found = re.search(r"GLOBAL (\S+)", msg)
+        return (f"{mf} pickles {'a ' + found.group(1) if found else 'objects other than tensors'}, not the state dict "
+                f"of tensors nanochat's save_checkpoint writes: a file of another code base? (not unpickled: that "
+                f"would run its code)")
+    try:
+        with open(mf, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        head = b""
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (1 << 30):  # its JSON header
+        return f"{mf} is a safetensors file, not the torch.save state dict nanochat's save_checkpoint writes"
+    first = msg.strip().splitlines()[0] if msg.strip() else ""  # its unpickling errors run to many lines
+    return f"corrupt or truncated {mf} ({type(e).__name__}: {first})"
+
+
 def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
                   overrides: dict | None = None) -> GPT:
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
@@ -480,8 +539,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     try:
         sd = torch.load(mf, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises assorted types on truncated / foreign files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # its unpickling errors run to many lines
-        raise ValueError(f"corrupt or truncated {mf} ({type(e).__name__}: {first})") from e
+        raise ValueError(unreadable_model_file(mf, e)) from e
     if not isinstance(sd, dict):
         raise ValueError(f"{mf} does not hold a state dict")
     odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
@@ -498,6 +556,8 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
     bad = sorted(set(ref) ^ set(state)) + [f"{k}: {tuple(state[k].shape)} vs {tuple(ref[k].shape)}"
                                            for k in ref if k in state and state[k].shape != ref[k].shape]
     if bad:
+        if overrides:  # the files agreed with each other before the overrides changed the model they describe
+            raise ValueError(f"overrides {overrides} describe a model whose tensors {mf} does not hold: {bad[:6]}")
         raise ValueError(f"{mf} does not match its {jf.name}: {bad[:6]}")
     model = GPT(cfg).to(dtype)
     model.load_state_dict(state)

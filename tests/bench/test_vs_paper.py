@@ -115,6 +115,31 @@ def test_a_quick_vs_paper_table_marks_its_rows_smoke_and_the_papers_column_full_
     assert ("| paper's table (full shape) |" in text) == quick and ("| paper's table |" in text) != quick
 
 
+@pytest.mark.parametrize("notes,says", [
+    (("stacks the chunk weights inside every call", "the plan's own function"), "compute the plans' own functions"),
+    (("drops the sliding windows in the suffix (full causal attention); stacks the chunk weights inside every call",
+      "drops the value embeddings in fused chunks"), "drops the sliding windows in the suffix (full causal "
+     "attention); drops the value embeddings in fused chunks (each")])
+def test_the_table_footnote_on_the_papers_paths_follows_from_their_notes(notes, says):
+    """The footnote said "The paper's parallel paths compute a different function ... (windows dropped in the suffix;
+    value embeddings too in fused chunks)" in every run: also where its correctness table showed every path
+    agreeing with snlp's plan (0.5B w/o x0ve, --suite-tokens 100: no value embeddings, windows of 128 that do not
+    bite; the notes "the plan's own function"). It now says what the timed paths' notes say. Fabricated rows."""
+    from snlp.bench.paper_peer import summarise
+    from snlp.bench.vs_paper import VsPaperConfig, VsPaperResult, markdown
+
+    cfg = VsPaperConfig(paper="unused", device="cpu", quick=True, shapes=("0.5B-nox0ve",), runs=1, warmup=0).resolved()
+    plans = ("12xF2-h0-K1", "1xF12-h0-K1")
+    meta = {"paper/sequential": ("paper", "sequential", "as published", "fp32 weights cast per Linear call"),
+            **{f"paper/{p}": ("paper", p, "as published", f"its parallel path: {n}") for p, n in zip(plans, notes)}}
+    res = VsPaperResult(config=cfg, meta=dict(weights="random", dtype="float32", device="cpu", torch="t", cuda=None,
+                                              date="d", paper_root="p", paper_stubs=[]), complete=True,
+                        rows=summarise("0.5B-nox0ve", {name: [1.0] for name in meta}, meta))
+    foot = next(ln for ln in markdown(res).splitlines() if ln.startswith("*paper ms / snlp ms*"))
+    assert says in foot and "value embeddings too" not in foot, foot
+    assert "stacks" not in foot  # a cost of the path, not another function
+
+
 def test_the_vs_paper_help_states_its_own_defaults(monkeypatch):
     """--vs-paper's help pointed at --suite-tokens / -warmup / -runs, whose help states the paper suite's defaults (200
     runs on cuda, 5 on cpu, T = 16 quick); --vs-paper resolves others. Its help now states the ones it resolves."""
@@ -326,3 +351,22 @@ def test_vs_paper_times_with_the_threads_its_oversubscription_line_names(tmp_pat
         torch.set_num_threads(n)
     assert seen == [2, 1] and "OpenMP" not in capsys.readouterr().err
     assert json.loads((tmp_path / "o" / "vs_paper.json").read_text())["meta"]["threads"] == 1
+
+
+@needs_paper
+def test_an_mhc_plan_of_fused_chunks_is_refused_naming_the_papers_path_for_it():
+    """paper_plan_fn refused a C x FM mHC plan with "the paper's mHC-Newton path is C x F1 only"; the paper's
+    evaluator runs such plans through forward_hcn_chunkwise. The refusal now names that path as not driven here."""
+    import torch
+
+    from snlp.bench.paper_peer import build_paper_model, paper_config, paper_plan_fn
+    from snlp.bench.suite import PAPER_SHAPES
+    from snlp.method.plan import Plan
+
+    code = load_paper_code(PAPER, torch.float32)
+    shape = next(s for s in PAPER_SHAPES if s.key == "0.5B-mhc").quick()
+    model = build_paper_model(code, paper_config(code, shape, 64, 64, "L"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="forward_hcn_chunkwise") as err:
+        paper_plan_fn(code, model, Plan.parse("8xF2-h0-K1-hcn", shape.depth), shape)
+    assert "C x F1 only" not in str(err.value)
+    assert paper_plan_fn(code, model, Plan.parse("16xF1-h0-K1-hcn", shape.depth), shape) is not None

@@ -807,3 +807,113 @@ def test_a_convert_override_given_twice_is_refused(tmp_path, capsys):
     assert "gives softcap twice (20 and 15)" in err and "\n" not in err and not (tmp_path / "o").exists()
     assert cli_main(args + ["--nanochat-override", "softcap=20", "--nanochat-override", "softcap=20"]) == 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["softcap"] == 20
+
+
+def test_a_tie_embeddings_override_is_refused_not_loaded_with_one_table_dropped(tmp_path, capsys):
+    """overrides={"tie_embeddings": True} loaded nanochat's wte and lm_head into one parameter: the embedding table
+    was the head's (wte dropped), logits 16 off the checkpoint's, without a word; nanochat stores the two apart, so
+    the override is refused in one line before any file is read, by snlp.load and by snlp convert."""
+    with pytest.raises(ValueError, match="tie_embeddings=True, but nanochat stores") as err:
+        snlp.load(DATA / "nanochat-sw", overrides={"tie_embeddings": True})
+    assert "\n" not in str(err.value)
+    out = tmp_path / "o"
+    assert cli_main(["convert", str(DATA / "nanochat-sw"), "--out", str(out), "--nanochat-override",
+                     "tie_embeddings=true"]) == 2
+    assert "tie_embeddings" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("part,scalars", [("smear", ("smear_lambda",)), ("backout", ("backout_lambda",))])
+def test_an_override_that_turns_the_smear_or_backout_off_loads_without_it(part, scalars):
+    """overrides={"smear": False} (or backout) was refused as 'tensors this loader does not map' although
+    x0_residual / value_embeds False load without their tensors; now the part is off and its tensors unread: the
+    logits of the checkpoint's model with that part's scalar at zero."""
+    r = ref("nanochat-sw")
+    off, _ = snlp.load(DATA / "nanochat-sw", overrides={part: False})
+    full, _ = snlp.load(DATA / "nanochat-sw")
+    assert not getattr(off.config, part) and getattr(full.config, part)
+    with torch.no_grad():
+        for name in scalars:
+            getattr(full, name).zero_()
+        torch.testing.assert_close(off(r["idx"]), full(r["idx"]), rtol=0, atol=1e-6)
+
+
+def test_a_file_with_half_the_smear_is_refused_not_loaded_without_it(tmp_path):
+    """A smear_lambda without its smear_gate (which nanochat-snlp's loader would patch to zeros: a smear of
+    smear_lambda / 2) is refused naming the gate; it must not load with the smear off as the override does."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-sw", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd.pop("smear_gate.weight")
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="lacks smear_gate.weight"):
+        snlp.load(d)
+
+
+def test_a_mismatch_the_overrides_make_names_the_overrides_not_the_files(tmp_path):
+    """An override that changes the model's tensors (mlp_ratio, hc_dynamic's extra maps, the gate's channels) was
+    refused as 'model_000000.pt does not match its meta_000000.json', which blamed the files; it now names the
+    overrides. Without overrides a model file another meta describes is still the files' mismatch."""
+    for name, over in (("nanochat-sw", {"mlp_ratio": 2}), ("nanochat-mhc", {"hc_dynamic": True}),
+                       ("nanochat-sw", {"ve_gate_channels": 8})):
+        with pytest.raises(ValueError, match=r"^overrides \{.*\} describe a model whose tensors") as err:
+            snlp.load(DATA / name, overrides=over)
+        assert "does not match its meta" not in str(err.value) and "\n" not in str(err.value)
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-sw", d)
+    sd = torch.load(d / "model_000000.pt")
+    sd["transformer.h.0.mlp.c_fc.weight"] = sd["transformer.h.0.mlp.c_fc.weight"][:64]
+    sd["transformer.h.0.mlp.c_proj.weight"] = sd["transformer.h.0.mlp.c_proj.weight"][:, :64]
+    torch.save(sd, d / "model_000000.pt")
+    with pytest.raises(ValueError, match="does not match its meta_000000.json"):
+        snlp.load(d)
+
+
+def test_a_model_file_of_another_code_base_is_named_not_called_corrupt(tmp_path):
+    """A model_NNNNNN.pt that pickles a whole module or numpy arrays, or is a safetensors file, was refused as
+    'corrupt or truncated' (with torch's advice to unpickle it, escape codes included); nanochat's save_checkpoint
+    writes a state dict of tensors, so such a file comes from another code base and is named so, in one line. A cut
+    file is still corrupt."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "nanochat-L", d)
+    mf = d / "model_000000.pt"
+    good = mf.read_bytes()
+
+    def refused(match):
+        with pytest.raises(ValueError, match=match) as err:
+            snlp.load(d)
+        assert "\n" not in str(err.value) and "\x1b" not in str(err.value)
+        return str(err.value)
+
+    torch.save(torch.nn.Linear(2, 2), mf)
+    assert "corrupt" not in refused(r"pickles a torch\.nn\.modules\.linear\.Linear, not the state dict of tensors")
+    save_file({"transformer.wte.weight": torch.zeros(2, 2)}, str(mf))
+    assert "corrupt" not in refused("is a safetensors file, not the torch.save state dict")
+    mf.write_bytes(good[:len(good) // 2])
+    refused("corrupt or truncated")
+
+
+def test_a_step_spelt_otherwise_and_a_meta_file_path_are_named_for_what_they_are(tmp_path, capsys):
+    """model_7.pt + meta_7.json (a step spelt otherwise than save_checkpoint's model_000007.pt, which nanochat's
+    loader would open) was refused as 'not a checkpoint (no config.json ...): give the folder snlp train wrote' or,
+    given as a file, 'is not a directory (expected model.safetensors + config.json)'; a meta_NNNNNN.json path the
+    same. Each is now named in one line with what to give instead, by snlp.load and snlp convert; a model_9.pt
+    with no meta beside it is not taken for nanochat's."""
+    e = tmp_path / "short"
+    e.mkdir()
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_7.pt")
+    shutil.copy(DATA / "nanochat-L" / "meta_000000.json", e / "meta_7.json")
+    for p in (e, e / "model_7.pt"):
+        with pytest.raises((ValueError, FileNotFoundError), match="holds model_7.pt, which is not how nanochat's "
+                                                                  "save_checkpoint names a step") as err:
+            snlp.load(p)
+        assert "\n" not in str(err.value)
+        assert cli_main(["convert", str(p), "--out", str(tmp_path / "o")]) == 2
+        assert "model_000007.pt" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"is a nanochat meta file: give its folder .* or its model file "
+                                         r".*model_000000\.pt"):
+        snlp.load(DATA / "nanochat-L" / "meta_000000.json")
+    shutil.copy(DATA / "nanochat-L" / "model_000000.pt", e / "model_9.pt")
+    with pytest.raises(ValueError, match="is not a directory"):
+        snlp.load(e / "model_9.pt")
