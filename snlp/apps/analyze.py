@@ -154,7 +154,7 @@ def run(args) -> int:
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)
-    check_model(model, cfg)  # before the validation data is read (tokenising it can take minutes)
+    check_model(model, cfg, pre)  # before the validation data is read (tokenising it can take minutes)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
     from pathlib import Path
 

@@ -591,3 +591,18 @@ def test_a_signal_during_a_sections_write_is_held_until_the_files_agree_with_the
     assert last.startswith("snlp analyze: interrupted; kept the finished sections (ordering) in "), last
     assert json.loads((out / "analysis.json").read_text())["complete"] is False
     assert "**PARTIAL**" in (out / "analysis.md").read_text()
+
+
+def test_a_preheat_fit_with_too_few_tokens_is_refused_before_any_section(model, val, monkeypatch):
+    """--seq-len 1 with elk or preheat: the fits made here (8 windows of seq_len tokens, rank --preheat-rank) crashed
+    with an IndexError in fit_states after the sections before them had run; now one line before any section."""
+    ran = []
+    import snlp.eval.analysis.report as R
+
+    monkeypatch.setattr(R, "jacobian_diagnostics", lambda *a, **k: ran.append("jacobian"))
+    for only in (("jacobian", "elk"), ("jacobian", "preheat")):
+        with pytest.raises(ValueError, match="rank 16 needs more than 16 tokens, got 8"):
+            A.analyze(model, val, A.AnalysisConfig(only=only, **{**SMALL, "seq_len": 1}))
+    assert not ran
+    pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+    R.check_model(model, A.AnalysisConfig(only=("elk",), **{**SMALL, "seq_len": 1}), pre)  # elk fits none: fine

@@ -143,3 +143,13 @@ def test_preheat_follows_the_model_dtype(model):
         got = solve(m32, idx, "4xF1-preheat-K1", preheat=pre.check(m32)).hidden  # the same weights in fp32
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rank_above_the_calibration_tokens_is_refused_in_one_line(model):
+    """4 random tokens at rank 32 on a width-16 model stopped in fit_states with an IndexError (the centred embeddings
+    span at most 3 directions, so V had 4 columns, not 16); a fit needs more tokens than its rank."""
+    with pytest.raises(ValueError, match=r"rank 16 needs more than 16 tokens, got 4 \(batch x seq_len = 1 x 4\)"):
+        preheat.fit(model, preheat.CalibrateConfig(rank=32, batch=1, seq_len=4))
+    with pytest.raises(ValueError, match=r"rank 8 needs more than 8 tokens, got 8 \(2 windows of 4 data tokens\)"):
+        preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=5, seq_len=4), tokens=torch.arange(11) % 61)
+    assert preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=3, seq_len=3)).rank == 8  # 9 tokens: enough

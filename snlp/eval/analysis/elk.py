@@ -62,6 +62,18 @@ def chunkings(N: int, chunks: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def fit_config(cfg: AnalysisConfig) -> CalibrateConfig:
+    """The settings of the preheat fits made here (random tokens, or data): --preheat-rank, windows of --seq-len."""
+    return CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
+
+
+def check_fits(model: GPT, cfg: AnalysisConfig, preheat: Preheat | None = None) -> None:
+    """The one-line refusal of a preheat fit the selected sections would make and could not (e.g. a rank above the
+    batch x seq_len calibration tokens), before any section runs: elk fits one unless given the checkpoint's."""
+    if "preheat" in cfg.only or ("elk" in cfg.only and preheat is None):
+        fit_config(cfg).check(model)
+
+
 def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfig, calibration: str = "given",
                  tokens: Tensor | None = None, bar=None, preheat: Preheat | None = None) -> tuple[str, list[float]]:
     """PPL of each plan over `wins`, the preheat plans with a calibration: "given" = `preheat` (the
@@ -71,8 +83,7 @@ def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfi
     if calibration == "given" and preheat is not None:
         pre, source = preheat, f"the checkpoint's ({preheat.source} tokens, rank {preheat.rank})"
     else:
-        ccfg = CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
-        pre = fit_preheat(model, ccfg, tokens if calibration == "data" else None)
+        pre = fit_preheat(model, fit_config(cfg), tokens if calibration == "data" else None)
         # pre.rank, not cfg.preheat_rank: the fit keeps at most the embedding width's directions (fit_states)
         source = (f"fitted here on random tokens, rank {pre.rank} (no preheat.pt given)"
                   if calibration == "given" else calibration)
