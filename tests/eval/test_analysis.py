@@ -606,3 +606,24 @@ def test_a_preheat_fit_with_too_few_tokens_is_refused_before_any_section(model, 
     assert not ran
     pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
     R.check_model(model, A.AnalysisConfig(only=("elk",), **{**SMALL, "seq_len": 1}), pre)  # elk fits none: fine
+
+
+def test_the_preheat_section_names_the_rank_it_fitted_and_the_data_it_read(val):
+    """The section said "rank 32" (--preheat-rank) where both fits kept the embedding width's 16 directions, and did
+    not say that on a short split its data calibration read the PPL windows themselves."""
+    from snlp.eval.analysis.elk import fit_config
+    from snlp.eval.data import windows
+    from snlp.method.solver import solve
+
+    m = make_model(seed=3, n_layer=4)  # n_embd 16 < the default preheat rank 32
+    cfg = A.AnalysisConfig(elk_suffix=2, elk_chunks=(0,), only=("preheat",), **SMALL)  # 6 windows of 8: tokens 0..48
+    res = A.analyze(m, val, cfg)
+    md = A.to_markdown(res)
+    assert res.preheat.rank == 16 and "N = 2, rank 16, K = 1" in md, md
+    assert "8 windows of 8 validation tokens after the PPL windows" in md
+    pre = preheat.fit(m, fit_config(cfg), tokens=val[49:])  # from the first token after the last window's target
+    want = A.window_ppl(m, windows(val, 8, 48), lambda x: solve(m, x, "2xF1-preheat-K1", preheat=pre).hidden)
+    assert [r.calibration for r in res.preheat.rows] == ["h0", "random", "data"]
+    assert res.preheat.rows[-1].ppl == pytest.approx(want, rel=1e-12)
+    short = A.analyze(m, val[:100], cfg)  # 51 tokens after the windows: fewer than 8 x 8
+    assert "from the split's start, where the PPL windows are" in A.to_markdown(short)

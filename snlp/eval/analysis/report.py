@@ -168,7 +168,8 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
         out["elk"] = ["## ELK tempering x init", "", f"N = {e.N}, K = {e.iters}, sequential PPL "
                       f"{fmt(e.sequential_ppl)}; preheat calibration: {e.preheat_source}.", "", elk_table(e), ""]
     if p := res.preheat:
-        out["preheat"] = ["## Preheat calibration", "", f"N = {p.N}, rank {p.rank}, K = 1, ELK 0.", "",
+        out["preheat"] = ["## Preheat calibration", "", f"N = {p.N}, rank {p.rank}, K = 1, ELK 0; the data "
+                          f"calibration read {p.data_tokens or 'validation tokens'}.", "",
                           preheat_table(p), ""]
     if j := res.jacobi:
         out["jacobi"] = ["## Jacobi decoding x SNLP (unverified)", "", f"{j.prompts} prompts, {j.gen_tokens} tokens, "
