@@ -39,8 +39,8 @@ def add_arguments(p) -> None:
 
 
 def check_out(out: str) -> None:
-    """Refuse an --out that names an existing file that is not a .pt: the preheat would be written over it. An
-    existing .pt is an earlier calibration, replaced by design. (A file of a checkpoint, drafter or run folder,
+    """Refuse an --out that names an existing file that is not a .pt: the preheat would be written over it (an
+    existing .pt is read by check_replaced, once the library has loaded: only a calibration is replaced). (A file of a checkpoint, drafter or run folder,
     `--out CKPT/model.safetensors`, is refused with every command's outputs: snlp.apps.cli.check_not_a_model_file.)"""
     path = Path(out)
     if path.exists() and path.suffix != ".pt":
@@ -48,9 +48,31 @@ def check_out(out: str) -> None:
                          f"(default CKPT/{FILENAME})")
 
 
+def check_replaced(out: Path, ckpt: Path) -> None:
+    """Refuse an --out whose file another model or the user owns: a .pt that is not a preheat calibration (a
+    user's torch file), or the preheat.pt of another checkpoint (that checkpoint's own calibration: its preheat plans
+    would then refuse this model's). The checkpoint's own CKPT/preheat.pt is its calibration slot, replaced even when
+    stale or unreadable (the advice for both is to re-run `snlp calibrate`), as is an earlier calibration elsewhere."""
+    from snlp.io.checkpoint import WEIGHTS
+    from snlp.method.preheat import Preheat
+
+    folder = out.parent.resolve()
+    if out.name == FILENAME and folder == ckpt.resolve():
+        return
+    if out.name == FILENAME and (folder / WEIGHTS).is_file():
+        raise ValueError(f"--out {out} is the preheat calibration of another checkpoint ({out.parent}): its preheat "
+                         f"plans would read this one's; choose another path (`snlp calibrate {out.parent}` fits its own)")
+    if out.is_file():
+        try:
+            Preheat.load(out)
+        except ValueError:
+            raise ValueError(f"--out {out} is an existing file that is not a preheat calibration: it would be written "
+                             f"over; name a new file (default CKPT/{FILENAME})") from None
+
+
 def run(args) -> int:
     from snlp.eval.data import checkpoint_data, validation_tokens
-    from snlp.io.checkpoint import load
+    from snlp.io.checkpoint import checkpoint_dir, load
     from snlp.method.preheat import CalibrateConfig, fit
 
     if args.out is not None:
@@ -58,6 +80,8 @@ def run(args) -> int:
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
+    if args.out is not None:
+        check_replaced(Path(args.out), checkpoint_dir(args.ckpt))
     model, tok = load(args.ckpt)
     cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     cfg.check(model)

@@ -627,3 +627,29 @@ def test_the_preheat_section_names_the_rank_it_fitted_and_the_data_it_read(val):
     assert res.preheat.rows[-1].ppl == pytest.approx(want, rel=1e-12)
     short = A.analyze(m, val[:100], cfg)  # 51 tokens after the windows: fewer than 8 x 8
     assert "from the split's start, where the PPL windows are" in A.to_markdown(short)
+
+
+def test_calibrate_out_replaces_only_a_calibration(tmp_path, capsys):
+    """`--out mine.pt` wrote the calibration over any existing .pt (a user's torch file), and `--out OTHER/preheat.pt`
+    over another checkpoint's own calibration; both are refused in one line before the model loads. An earlier
+    calibration and the checkpoint's own preheat.pt (even an unreadable one: the advice is to re-run) are replaced."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    (tmp_path / "o").mkdir()
+    other = tiny_checkpoint(tmp_path / "o")
+    small = ["--rank", "2", "--batch", "1", "--seq-len", "8"]
+    mine = tmp_path / "mine.pt"
+    torch.save({"w": torch.ones(3)}, mine)
+    assert main(["calibrate", str(ck), *small, "--out", str(mine)]) == 2
+    assert "not a preheat calibration" in capsys.readouterr().err and list(torch.load(mine)) == ["w"]
+    assert main(["calibrate", str(other), *small]) == 0
+    before = (other / "preheat.pt").read_bytes()
+    assert main(["calibrate", str(ck), *small, "--out", str(other / "preheat.pt")]) == 2
+    assert "another checkpoint" in capsys.readouterr().err and (other / "preheat.pt").read_bytes() == before
+    assert main(["calibrate", str(ck), *small, "--out", str(tmp_path / "p.pt")]) == 0
+    assert main(["calibrate", str(ck), *small, "--rank", "3", "--out", str(tmp_path / "p.pt")]) == 0  # an earlier one
+    assert preheat.Preheat.load(tmp_path / "p.pt").rank == 3
+    (ck / "preheat.pt").write_text("not a calibration")
+    assert main(["calibrate", str(ck), *small, "--out", str(ck / "preheat.pt")]) == 0
+    assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
