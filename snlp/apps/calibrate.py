@@ -40,8 +40,9 @@ def add_arguments(p) -> None:
 
 def check_out(out: str) -> None:
     """Refuse an --out that names an existing file that is not a .pt: the preheat would be written over it (an
-    existing .pt is read by check_replaced, once the library has loaded: only a calibration is replaced). (A file of a checkpoint, drafter or run folder,
-    `--out CKPT/model.safetensors`, is refused with every command's outputs: snlp.apps.cli.check_not_a_model_file.)"""
+    existing .pt is read by check_replaced once the library has loaded: only a calibration is replaced). (A file of
+    a checkpoint, drafter or run folder, `--out CKPT/model.safetensors`, is refused with every command's outputs:
+    snlp.apps.cli.check_not_a_model_file.)"""
     path = Path(out)
     if path.exists() and path.suffix != ".pt":
         raise ValueError(f"--out {out} is an existing file: the preheat would be written over it; name a new file "
