@@ -4,6 +4,7 @@ with a fingerprint of the weights they were fitted on (plans with the `preheat` 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ Initialization"), fitted on uniformly random tokens (or --data) and saved with a
 fitted on; plans with the preheat init (e.g. 8xF1-preheat-K1) read them.
 
   snlp calibrate runs/y --rank 32          # runs/y/preheat.pt
-  snlp calibrate runs/y --data train       # fitted on the checkpoint's own training data
+  snlp calibrate runs/y --data train       # fitted on the validation split of its training data
 """
 GUIDE = "docs/plans.md"
 
@@ -33,7 +34,7 @@ def add_arguments(p) -> None:
                    "uniformly random tokens, as the paper); 'train' = the checkpoint's training data")
     p.add_argument("--batch", type=int, default=CALIBRATE_DEFAULTS.batch, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=CALIBRATE_DEFAULTS.seq_len, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random calibration tokens (not with --data)")
     p.add_argument("--out", default=None, help=f"output file (default: CKPT/{FILENAME}, read by plans with the "
                    "preheat init)")
 
@@ -78,21 +79,32 @@ def run(args) -> int:
 
     if args.out is not None:
         check_out(args.out)
+    if args.data is not None and args.seed != 0:  # the data windows are the split's first ones: no draw
+        raise ValueError(f"--seed {args.seed} would be unused: it draws the random calibration tokens, and --data "
+                         f"{args.data} calibrates on the split's first windows (drop --seed or --data)")
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
-    if args.out is not None:
-        check_replaced(Path(args.out), checkpoint_dir(args.ckpt))
-    model, tok = load(args.ckpt)
+    ckpt = checkpoint_dir(args.ckpt)  # CKPT/model.safetensors names the checkpoint too: the default --out is beside it
+    out = Path(args.out) if args.out is not None else ckpt / FILENAME
+    check_replaced(out, ckpt)
+    model, tok = load(ckpt)
     cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     cfg.check(model)
-    tokens = None
+    if args.seq_len > model.config.sequence_len:  # RoPE runs there (GPT.rotary), as extrapolation
+        warnings.warn(f"--seq-len {args.seq_len} is past the model's sequence_len {model.config.sequence_len} (the "
+                      f"context it was trained for): the states are fitted on positions it never runs at; pass "
+                      f"--seq-len {model.config.sequence_len} or less")
+    tokens, used = None, args.batch
     if args.data is not None:
         if tok is None:
             raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
-        tokens = validation_tokens(tok, **checkpoint_data(args.ckpt, data=None if args.data == "train" else args.data))
+        tokens = validation_tokens(tok, **checkpoint_data(ckpt, data=None if args.data == "train" else args.data))
+        used = min(args.batch, tokens.numel() // args.seq_len)
     pre = fit(model, cfg, tokens)
-    out = pre.save(args.out or Path(args.ckpt) / FILENAME)
+    pre.save(out)
     capped = f" (asked for {args.rank}: capped at the model width, {pre.rank})" if pre.rank < args.rank else ""
-    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {pre.source} tokens")
+    fewer = f" (asked for {args.batch}: the split has {tokens.numel()} tokens)" if used < args.batch else ""
+    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {used} windows of "
+          f"{args.seq_len} {pre.source} tokens{fewer}")
     return 0

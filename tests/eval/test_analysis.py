@@ -653,3 +653,25 @@ def test_calibrate_out_replaces_only_a_calibration(tmp_path, capsys):
     (ck / "preheat.pt").write_text("not a calibration")
     assert main(["calibrate", str(ck), *small, "--out", str(ck / "preheat.pt")]) == 0
     assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
+
+
+def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_path, capsys):
+    """`snlp calibrate CKPT/model.safetensors` (a file naming its checkpoint, as load accepts) fitted, then failed with
+    a FileExistsError writing CKPT/model.safetensors/preheat.pt; `--data X --seed 3` ignored the seed; --data with
+    more --batch windows than the split holds fitted on fewer, and a --seq-len past the trained context ran, silently."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)  # sequence_len 32
+    assert main(["calibrate", str(ck / "model.safetensors"), "--rank", "2", "--batch", "1", "--seq-len", "8"]) == 0
+    assert "calibrated on 1 windows of 8 random tokens" in capsys.readouterr().out
+    assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
+    assert main(["calibrate", str(ck), "--data", "train", "--seed", "3", "--out", str(tmp_path / "s.pt")]) == 2
+    assert "--seed 3 would be unused" in capsys.readouterr().err and not (tmp_path / "s.pt").exists()
+    assert main(["calibrate", str(ck), "--rank", "2", "--data", "train", "--batch", "100000", "--seq-len", "8",
+                 "--out", str(tmp_path / "d.pt")]) == 0
+    line = capsys.readouterr().out
+    n = int(line.split("calibrated on ")[1].split()[0])
+    assert 0 < n < 100000 and "8 data tokens (asked for 100000: the split has" in line, line
+    with pytest.warns(UserWarning, match="--seq-len 40 is past the model's sequence_len 32"):
+        assert main(["calibrate", str(ck), "--rank", "2", "--batch", "1", "--seq-len", "40",
+                     "--out", str(tmp_path / "l.pt")]) == 0
