@@ -146,7 +146,8 @@ def run(args) -> int:
     model, tok = load(args.ckpt)
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
-    pre = load_preheat(args.ckpt, model)
+    # only elk reads the checkpoint's calibration: a stale or foreign preheat.pt is refused there, not for the others
+    pre = load_preheat(args.ckpt, model) if "elk" in only else None
     if pre is not None and "elk" in only and "preheat" not in only and args.preheat_rank != pre.rank \
             and args.preheat_rank != ANALYSIS_DEFAULTS.preheat_rank:
         raise ValueError(f"--preheat-rank {args.preheat_rank} would be unused: the elk section uses the checkpoint's "

@@ -675,3 +675,18 @@ def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_
     with pytest.warns(UserWarning, match="--seq-len 40 is past the model's sequence_len 32"):
         assert main(["calibrate", str(ck), "--rank", "2", "--batch", "1", "--seq-len", "40",
                      "--out", str(tmp_path / "l.pt")]) == 0
+
+
+def test_a_stale_preheat_file_is_refused_only_by_the_section_that_reads_it(tmp_path, capsys):
+    """A checkpoint whose preheat.pt was fitted on other weights: `--only early-exit` (no section reads it) was
+    refused with "re-run snlp calibrate"; only elk, which uses the checkpoint's calibration, refuses it now."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    other = make_model(seed=9, n_layer=4, vocab_size=__import__("snlp").load(ck)[0].config.vocab_size).float()
+    preheat.fit(other, preheat.CalibrateConfig(rank=2, batch=1, seq_len=8)).save(ck / "preheat.pt")
+    common = ["--seq-len", "8", "--max-tokens", "16", "--no-progress"]
+    assert main(["analyze", str(ck), "--only", "early-exit", *common, "--out", str(tmp_path / "a")]) == 0
+    assert "## Early exit" in (tmp_path / "a" / "analysis.md").read_text()
+    assert main(["analyze", str(ck), "--only", "elk", *common, "--out", str(tmp_path / "b")]) == 2
+    assert "other weights" in capsys.readouterr().err
