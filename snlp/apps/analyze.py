@@ -127,6 +127,30 @@ def interrupt_hint(args) -> str:
             + "; a rerun computes every section again (--only picks the rest)")
 
 
+def check_out(out: str) -> None:
+    """Refuse an --out folder holding one of the files this command writes there that is not an earlier analysis:
+    write() replaces analysis.json, analysis.md and the plots (and removes those this run does not make), so a user's
+    own analysis.md or ordering.png there was lost. An earlier analysis (an analysis.json of this command beside
+    them) is replaced by design. One line, before the checkpoint loads."""
+    import json
+    from pathlib import Path
+
+    from snlp.eval.analysis.report import PLOTS
+
+    folder = Path(out)
+    there = [n for n in ("analysis.json", "analysis.md", *PLOTS) if (folder / n).exists()]
+    if not there:
+        return
+    try:
+        earlier = json.loads((folder / "analysis.json").read_text())
+        ours = isinstance(earlier, dict) and {"checkpoint", "config", "environment", "complete"} <= set(earlier)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValueError(f"--out {out} holds {', '.join(there)} but no earlier analysis (analysis.json of snlp analyze): "
+                         f"this run would write over or remove them; name another folder")
+
+
 def run(args) -> int:
     import torch
 
@@ -136,6 +160,7 @@ def run(args) -> int:
     from snlp.io.checkpoint import load, load_preheat
 
     only = check_sections(args)
+    check_out(args.out)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")

@@ -690,3 +690,24 @@ def test_a_stale_preheat_file_is_refused_only_by_the_section_that_reads_it(tmp_p
     assert "## Early exit" in (tmp_path / "a" / "analysis.md").read_text()
     assert main(["analyze", str(ck), "--only", "elk", *common, "--out", str(tmp_path / "b")]) == 2
     assert "other weights" in capsys.readouterr().err
+
+
+def test_analyze_out_replaces_an_earlier_analysis_but_not_the_users_files(tmp_path, capsys):
+    """--out into a folder holding the user's own analysis.md and ordering.png: the run wrote over the one and deleted
+    the other (write removes the plots it does not make). Refused now in one line before the checkpoint loads; a
+    folder holding an earlier analysis (its analysis.json) is still replaced."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    common = ["--only", "early-exit", "--seq-len", "8", "--max-tokens", "16", "--no-progress", "--out"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "analysis.md").write_text("my notes")
+    (mine / "ordering.png").write_text("my plot")
+    assert main(["analyze", str(ck), *common, str(mine)]) == 2
+    assert "holds analysis.md, ordering.png but no earlier analysis" in capsys.readouterr().err
+    assert (mine / "analysis.md").read_text() == "my notes" and (mine / "ordering.png").read_text() == "my plot"
+    (mine / "analysis.json").write_text('{"mine": 1}')
+    assert main(["analyze", str(ck), *common, str(mine)]) == 2
+    assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0
+    assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0  # an earlier analysis: replaced
