@@ -267,6 +267,9 @@ def test_jacobi_coupling_rows(model, val):
         assert r.forwards_per_token == pytest.approx(r.forwards / r.tokens)
     with pytest.raises(ValueError, match="warm_start"):
         jacobi_generate(model, [1], None, warm_start=True)
+    # the line said "2 prompts, 6 tokens" beside rows of 12 tokens: 6 is each prompt's count
+    md = A.to_markdown(A.AnalysisResult(checkpoint="x", config=cfg, environment=A.environment(), jacobi=res))
+    assert "2 prompts, 6 new tokens each," in md
 
 
 # ---------------------------------------------------------------- the whole analysis, CLI
