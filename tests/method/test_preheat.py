@@ -153,3 +153,15 @@ def test_a_rank_above_the_calibration_tokens_is_refused_in_one_line(model):
     with pytest.raises(ValueError, match=r"rank 8 needs more than 8 tokens, got 8 \(2 windows of 4 data tokens\)"):
         preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=5, seq_len=4), tokens=torch.arange(11) % 61)
     assert preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=3, seq_len=3)).rank == 8  # 9 tokens: enough
+
+
+def test_a_save_of_the_same_weights_in_another_precision_keeps_the_calibration(tmp_path):
+    """save_checkpoint compared the fingerprint strings exactly, so re-saving the calibrated weights in bf16 deleted
+    preheat.pt, while load_preheat (same_weights, tolerant of casts) accepts that calibration for the bf16 model."""
+    m = make_model(seed=5, n_layer=4).float()
+    ck = save_checkpoint(tmp_path / "ck", m)
+    _fit(m).save(ck / preheat.FILENAME)
+    b16 = load(ck)[0].to(torch.bfloat16)
+    assert load_preheat(ck, b16) is not None  # the check accepts it for the cast model
+    save_checkpoint(ck, b16)
+    assert (ck / preheat.FILENAME).is_file() and load_preheat(ck, load(ck)[0]) is not None
