@@ -177,6 +177,9 @@ def run(args) -> int:
             and args.preheat_rank != ANALYSIS_DEFAULTS.preheat_rank:
         raise ValueError(f"--preheat-rank {args.preheat_rank} would be unused: the elk section uses the checkpoint's "
                          f"preheat.pt (rank {pre.rank}) and only the preheat section fits one (add it to --only)")
+    if pre is not None and args.seed != FLAG_DEFAULTS["seed"] and not set(USED_BY["seed"]) - {"elk"} & set(only):
+        raise ValueError(f"--seed {args.seed} would be unused: the elk section uses the checkpoint's preheat.pt (no "
+                         f"random-token fit to seed) and no other section in --only reads a seed")
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)

@@ -428,6 +428,9 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
     # elk reads the checkpoint's preheat.pt: a --preheat-rank only the preheat section could use is refused
     assert main(["analyze", str(ck), "--only", "elk", "--preheat-rank", "8", "--out", str(tmp_path / "x")]) == 2
     assert "--preheat-rank 8 would be unused" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # nor does a --seed: elk fits nothing to seed (the checkpoint's preheat.pt) and early-exit draws nothing
+    assert main(["analyze", str(ck), "--only", "elk,early-exit", "--seed", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "--seed 3 would be unused" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["analyze", str(ck), "--only", "nope", "--out", str(tmp_path / "x")]) == 2
     assert main(["analyze", str(ck), "--layers", "9", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis section" in capsys.readouterr().err
