@@ -77,6 +77,9 @@ def run(args) -> int:
     from snlp.io.checkpoint import checkpoint_dir, load
     from snlp.method.preheat import CalibrateConfig, fit
 
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("rank", "batch", "seq_len") if getattr(args, k) < 1]
+    if bad:  # before the checkpoint loads (CalibrateConfig.check says the same after it, for the library)
+        raise ValueError(f"{', '.join(bad)}: must be >= 1")
     if args.out is not None:
         check_out(args.out)
     if args.data is not None and args.seed != 0:  # the data windows are the split's first ones: no draw

@@ -671,6 +671,8 @@ def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_
     assert main(["calibrate", str(ck / "model.safetensors"), "--rank", "2", "--batch", "1", "--seq-len", "8"]) == 0
     assert "calibrated on 1 windows of 8 random tokens" in capsys.readouterr().out
     assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
+    assert main(["calibrate", str(tmp_path / "missing"), "--rank", "0", "--seq-len", "-2"]) == 2  # before the load
+    assert "--rank 0, --seq-len -2: must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", str(ck), "--data", "train", "--seed", "3", "--out", str(tmp_path / "s.pt")]) == 2
     assert "--seed 3 would be unused" in capsys.readouterr().err and not (tmp_path / "s.pt").exists()
     assert main(["calibrate", str(ck), "--rank", "2", "--data", "train", "--batch", "100000", "--seq-len", "8",
