@@ -33,6 +33,7 @@ from torch import Tensor
 
 from snlp.model.fingerprint import (fingerprint_digests, precision_note, same_weights, weights_digests,
                                    weights_fingerprint)
+from snlp.runtime.device import write_atomic
 
 FILENAME = "preheat.pt"
 
@@ -103,10 +104,12 @@ class Preheat:
                        digests=self.digests)
 
     def save(self, path) -> Path:
+        """Write the calibration to `path` atomically: a save cut short (Ctrl-C, a full disk) leaves the calibration
+        that was there (a checkpoint's preheat.pt) whole, not a truncated file that every preheat plan refuses."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
-                    "fingerprint": self.fingerprint, "digests": self.digests}, path)
+        data = {"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
+                "fingerprint": self.fingerprint, "digests": self.digests}
+        write_atomic(path, lambda tmp: torch.save(data, tmp))
         return path
 
     @classmethod

@@ -165,3 +165,22 @@ def test_a_save_of_the_same_weights_in_another_precision_keeps_the_calibration(t
     assert load_preheat(ck, b16) is not None  # the check accepts it for the cast model
     save_checkpoint(ck, b16)
     assert (ck / preheat.FILENAME).is_file() and load_preheat(ck, load(ck)[0]) is not None
+
+
+def test_a_save_cut_short_keeps_the_calibration_that_was_there(tmp_path, model, monkeypatch):
+    """Preheat.save wrote CKPT/preheat.pt in place: a save cut short (here torch.save failing half way) left a truncated
+    file ("corrupt preheat calibration") where a valid calibration had been."""
+    path = _fit(model).save(tmp_path / preheat.FILENAME)
+    before = path.read_bytes()
+    real = torch.save
+
+    def cut(obj, f, *a, **k):
+        real(obj, f, *a, **k)
+        with open(f, "r+b") as fh:
+            fh.truncate(100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, rank=2).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [preheat.FILENAME]
