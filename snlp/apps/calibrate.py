@@ -106,7 +106,9 @@ def run(args) -> int:
         used = min(args.batch, tokens.numel() // args.seq_len)
     pre = fit(model, cfg, tokens)
     pre.save(out)
-    capped = f" (asked for {args.rank}: capped at the model width, {pre.rank})" if pre.rank < args.rank else ""
+    streams = model.config.hc_streams
+    width = f"the width of its {streams} x {model.config.n_embd} stream embedding" if streams else "the model width"
+    capped = f" (asked for {args.rank}: capped at {width}, {pre.rank})" if pre.rank < args.rank else ""
     fewer = f" (asked for {args.batch}: the split has {tokens.numel()} tokens)" if used < args.batch else ""
     print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {used} windows of "
           f"{args.seq_len} {pre.source} tokens{fewer}")

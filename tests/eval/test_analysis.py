@@ -719,3 +719,14 @@ def test_analyze_out_replaces_an_earlier_analysis_but_not_the_users_files(tmp_pa
     assert main(["analyze", str(ck), *common, str(mine)]) == 2
     assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0
     assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0  # an earlier analysis: replaced
+
+
+def test_calibrate_names_the_stream_width_an_mhc_rank_is_capped_at(tmp_path, capsys):
+    """On an mHC model (2 streams of n_embd 16) --rank 40 was "capped at the model width, 32": the predictors read the
+    flattened stream embedding, 2 x 16 wide, not the model's width 16."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    ck = save_checkpoint(tmp_path / "ck", make_model(seed=2, n_layer=2, hc_streams=2).float())
+    assert main(["calibrate", str(ck), "--rank", "40", "--batch", "2", "--seq-len", "32"]) == 0
+    assert "(asked for 40: capped at the width of its 2 x 16 stream embedding, 32)" in capsys.readouterr().out
