@@ -669,7 +669,7 @@ def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_
 
     ck = tiny_checkpoint(tmp_path)  # sequence_len 32
     assert main(["calibrate", str(ck / "model.safetensors"), "--rank", "2", "--batch", "1", "--seq-len", "8"]) == 0
-    assert "calibrated on 1 windows of 8 random tokens" in capsys.readouterr().out
+    assert "calibrated on 1 window of 8 random tokens" in capsys.readouterr().out
     assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
     assert main(["calibrate", str(tmp_path / "missing"), "--rank", "0", "--seq-len", "-2"]) == 2  # before the load
     assert "--rank 0, --seq-len -2: must be >= 1" in capsys.readouterr().err
