@@ -110,6 +110,7 @@ def run(args) -> int:
     width = f"the width of its {streams} x {model.config.n_embd} stream embedding" if streams else "the model width"
     capped = f" (asked for {args.rank}: capped at {width}, {pre.rank})" if pre.rank < args.rank else ""
     fewer = f" (asked for {args.batch}: the split has {tokens.numel()} tokens)" if used < args.batch else ""
-    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {used} window{'s' * (used != 1)} of "
-          f"{args.seq_len} {pre.source} tokens{fewer}")
+    windows = f"{used} window{'s' * (used != 1)}"
+    print(f"wrote {out}: rank {pre.rank}{capped}, {pre.U.shape[0]} layers, calibrated on {windows} of {args.seq_len} "
+          f"{pre.source} tokens{fewer}")
     return 0
