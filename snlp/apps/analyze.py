@@ -147,8 +147,8 @@ def check_out(out: str) -> None:
     except (OSError, ValueError):
         ours = False
     if not ours:
-        raise ValueError(f"--out {out} holds {', '.join(there)} but no earlier analysis (analysis.json of snlp analyze): "
-                         f"this run would write over or remove them; name another folder")
+        raise ValueError(f"--out {out} holds {', '.join(there)} but no earlier analysis (analysis.json of snlp "
+                         f"analyze): this run would write over or remove them; name another folder")
 
 
 def run(args) -> int:

@@ -62,8 +62,9 @@ def check_replaced(out: Path, ckpt: Path) -> None:
     if out.name == FILENAME and folder == ckpt.resolve():
         return
     if out.name == FILENAME and (folder / WEIGHTS).is_file():
-        raise ValueError(f"--out {out} is the preheat calibration of another checkpoint ({out.parent}): its preheat "
-                         f"plans would read this one's; choose another path (`snlp calibrate {out.parent}` fits its own)")
+        raise ValueError(f"--out {out} is the preheat calibration of another checkpoint ({out.parent}): its "
+                         f"preheat plans would read this one's; choose another path (`snlp calibrate {out.parent}` "
+                         f"fits its own)")
     if out.is_file():
         try:
             Preheat.load(out)

@@ -664,7 +664,8 @@ def test_calibrate_out_replaces_only_a_calibration(tmp_path, capsys):
 def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_path, capsys):
     """`snlp calibrate CKPT/model.safetensors` (a file naming its checkpoint, as load accepts) fitted, then failed with
     a FileExistsError writing CKPT/model.safetensors/preheat.pt; `--data X --seed 3` ignored the seed; --data with
-    more --batch windows than the split holds fitted on fewer, and a --seq-len past the trained context ran, silently."""
+    more --batch windows than the split holds fitted on fewer, and a --seq-len past the trained context ran,
+    silently."""
     from snlp.apps.cli import main
 
     ck = tiny_checkpoint(tmp_path)  # sequence_len 32

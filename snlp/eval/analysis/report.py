@@ -172,8 +172,9 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
                           f"calibration read {p.data_tokens or 'validation tokens'}.", "",
                           preheat_table(p), ""]
     if j := res.jacobi:
-        out["jacobi"] = ["## Jacobi decoding x SNLP (unverified)", "", f"{j.prompts} prompts, {j.gen_tokens} new tokens each, "
-                         f"lookahead window W = {j.window}; match vs sequential greedy.", "", jacobi_table(j), ""]
+        out["jacobi"] = ["## Jacobi decoding x SNLP (unverified)", "", f"{j.prompts} prompts, {j.gen_tokens} new "
+                         f"tokens each, lookahead window W = {j.window}; match vs sequential greedy.", "",
+                         jacobi_table(j), ""]
     return out
 
 
