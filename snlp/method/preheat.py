@@ -45,7 +45,7 @@ class Preheat:
     V: Tensor  # (D0, r) shared embedding basis
     U: Tensor  # (L, Dh, r) per-layer maps
     b: Tensor  # (L, Dh) per-layer offsets
-    source: str = "random"  # calibration tokens: "random" or a data spec
+    source: str = "random"  # calibration tokens: "random" (uniform ids) or "data" (given validation tokens)
     fingerprint: str | None = None  # weights_fingerprint of the model it was fitted on (None: unknown)
     digests: dict[str, str] | None = None  # per-tensor digests of those weights (a rank checks its own tensors)
 
