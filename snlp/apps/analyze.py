@@ -127,6 +127,30 @@ def interrupt_hint(args) -> str:
             + "; a rerun computes every section again (--only picks the rest)")
 
 
+def check_out(out: str) -> None:
+    """Refuse an --out folder holding one of the files this command writes there that is not an earlier analysis:
+    write() replaces analysis.json, analysis.md and the plots (and removes those this run does not make), so a user's
+    own analysis.md or ordering.png there was lost. An earlier analysis (an analysis.json of this command beside
+    them) is replaced by design. One line, before the checkpoint loads."""
+    import json
+    from pathlib import Path
+
+    from snlp.eval.analysis.report import PLOTS
+
+    folder = Path(out)
+    there = [n for n in ("analysis.json", "analysis.md", *PLOTS) if (folder / n).exists()]
+    if not there:
+        return
+    try:
+        earlier = json.loads((folder / "analysis.json").read_text())
+        ours = isinstance(earlier, dict) and {"checkpoint", "config", "environment", "complete"} <= set(earlier)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValueError(f"--out {out} holds {', '.join(there)} but no earlier analysis (analysis.json of snlp "
+                         f"analyze): this run would write over or remove them; name another folder")
+
+
 def run(args) -> int:
     import torch
 
@@ -136,6 +160,7 @@ def run(args) -> int:
     from snlp.io.checkpoint import load, load_preheat
 
     only = check_sections(args)
+    check_out(args.out)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
@@ -146,15 +171,19 @@ def run(args) -> int:
     model, tok = load(args.ckpt)
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
-    pre = load_preheat(args.ckpt, model)
+    # only elk reads the checkpoint's calibration: a stale or foreign preheat.pt is refused there, not for the others
+    pre = load_preheat(args.ckpt, model) if "elk" in only else None
     if pre is not None and "elk" in only and "preheat" not in only and args.preheat_rank != pre.rank \
             and args.preheat_rank != ANALYSIS_DEFAULTS.preheat_rank:
         raise ValueError(f"--preheat-rank {args.preheat_rank} would be unused: the elk section uses the checkpoint's "
                          f"preheat.pt (rank {pre.rank}) and only the preheat section fits one (add it to --only)")
+    if pre is not None and args.seed != FLAG_DEFAULTS["seed"] and not set(USED_BY["seed"]) - {"elk"} & set(only):
+        raise ValueError(f"--seed {args.seed} would be unused: the elk section uses the checkpoint's preheat.pt (no "
+                         f"random-token fit to seed) and no other section in --only reads a seed")
     cfg = AnalysisConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, only=only, layers=_ints(args.layers),
                          suffixes=_ints(args.suffixes), shuffles=args.shuffles, preheat_rank=args.preheat_rank,
                          seed=args.seed, progress=not args.no_progress)
-    check_model(model, cfg)  # before the validation data is read (tokenising it can take minutes)
+    check_model(model, cfg, pre)  # before the validation data is read (tokenising it can take minutes)
     val = validation_tokens(tok, **checkpoint_data(args.ckpt, data=args.data))
     from pathlib import Path
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
-from snlp.model.fingerprint import weights_fingerprint
+from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat, why_not_nanochat, nanochat_depth
 from snlp.io.source import did_you_mean, home_path
@@ -179,7 +179,8 @@ def _stale_preheat(f: Path, model: GPT) -> bool:
     if f.name != PREHEAT_FILE:
         return False
     try:
-        return Preheat.load(f).fingerprint != weights_fingerprint(model)
+        # same_weights, as load_preheat's check: the same weights saved in another precision keep their calibration
+        return not same_weights(Preheat.load(f).fingerprint, weights_fingerprint(model))
     except ValueError:
         return True
 

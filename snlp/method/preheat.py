@@ -33,6 +33,7 @@ from torch import Tensor
 
 from snlp.model.fingerprint import (fingerprint_digests, precision_note, same_weights, weights_digests,
                                    weights_fingerprint)
+from snlp.runtime.device import write_atomic
 
 FILENAME = "preheat.pt"
 
@@ -44,7 +45,7 @@ class Preheat:
     V: Tensor  # (D0, r) shared embedding basis
     U: Tensor  # (L, Dh, r) per-layer maps
     b: Tensor  # (L, Dh) per-layer offsets
-    source: str = "random"  # calibration tokens: "random" or a data spec
+    source: str = "random"  # calibration tokens: "random" (uniform ids) or "data" (given validation tokens)
     fingerprint: str | None = None  # weights_fingerprint of the model it was fitted on (None: unknown)
     digests: dict[str, str] | None = None  # per-tensor digests of those weights (a rank checks its own tensors)
 
@@ -66,7 +67,7 @@ class Preheat:
     def check(self, model, verify_weights: bool = True) -> "Preheat":
         """Refuse a calibration of another model: other layer count or width, or (with `verify_weights`)
         other weights than the fingerprint it recorded. Returns self, moved to the model's device/dtype."""
-        n, D = model.config.n_layer, model.config.n_embd * max(model.config.hc_streams, 1)  # x0 flattened: (n*)D
+        n, D = model.config.n_layer, x0_width(model)
         if self.U.shape[0] != n:
             raise ValueError(f"preheat calibration has {self.U.shape[0]} layers, the model has {n}: it belongs to "
                              "another model; re-run `snlp calibrate`")
@@ -103,10 +104,12 @@ class Preheat:
                        digests=self.digests)
 
     def save(self, path) -> Path:
+        """Write the calibration to `path` atomically: a save cut short (Ctrl-C, a full disk) leaves the calibration
+        that was there (a checkpoint's preheat.pt) whole, not a truncated file that every preheat plan refuses."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
-                    "fingerprint": self.fingerprint, "digests": self.digests}, path)
+        data = {"V": self.V.cpu(), "U": self.U.cpu(), "b": self.b.cpu(), "source": self.source,
+                "fingerprint": self.fingerprint, "digests": self.digests}
+        write_atomic(path, lambda tmp: torch.save(data, tmp))
         return path
 
     @classmethod
@@ -134,6 +137,22 @@ class CalibrateConfig:
             raise ValueError(f"preheat rank must be an integer >= 1 (got {self.rank!r})")
         if self.batch < 1 or self.seq_len < 1:
             raise ValueError(f"calibration batch and seq_len must be >= 1 (got {self.batch}, {self.seq_len})")
+        check_tokens(self.batch * self.seq_len, min(self.rank, x0_width(model)),
+                     f"batch x seq_len = {self.batch} x {self.seq_len}")
+
+
+def x0_width(model) -> int:
+    """D0, the flattened width of the embedding x0 the predictors read: D, or n*D for mHC stream states."""
+    return model.config.n_embd * max(model.config.hc_streams, 1)
+
+
+def check_tokens(n: int, r: int, what: str) -> None:
+    """Refuse a fit of rank r on n <= r calibration tokens: the centred embeddings span at most n - 1 directions, so
+    the basis V would hold fewer than r (or arbitrary) columns and [x0 V, 1] (r + 1 unknowns per output) would
+    interpolate the n states rather than fit them."""
+    if n <= r:
+        raise ValueError(f"preheat calibration of rank {r} needs more than {r} tokens, got {n} ({what}): give more "
+                         f"tokens or a lower rank")
 
 
 def fit_states(x0: Tensor, states: list[Tensor], rank: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -164,6 +183,8 @@ def fit(model, cfg: CalibrateConfig = CalibrateConfig(), tokens: Tensor | None =
         n = min(cfg.batch, tokens.numel() // cfg.seq_len)
         if n < 1:
             raise ValueError(f"calibration data has {tokens.numel()} tokens, fewer than one window of {cfg.seq_len}")
+        check_tokens(n * cfg.seq_len, min(cfg.rank, x0_width(model)),
+                     f"{n} windows of {cfg.seq_len} data tokens")
         idx = tokens[:n * cfg.seq_len].view(n, cfg.seq_len)
         source = "data"
     trace = model.hidden_states(idx.to(device))  # [h_0 = x0, h_1 .. h_L]

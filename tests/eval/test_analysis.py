@@ -267,6 +267,9 @@ def test_jacobi_coupling_rows(model, val):
         assert r.forwards_per_token == pytest.approx(r.forwards / r.tokens)
     with pytest.raises(ValueError, match="warm_start"):
         jacobi_generate(model, [1], None, warm_start=True)
+    # the line said "2 prompts, 6 tokens" beside rows of 12 tokens: 6 is each prompt's count
+    md = A.to_markdown(A.AnalysisResult(checkpoint="x", config=cfg, environment=A.environment(), jacobi=res))
+    assert "2 prompts, 6 new tokens each," in md
 
 
 # ---------------------------------------------------------------- the whole analysis, CLI
@@ -425,6 +428,9 @@ def test_cli_analyze_and_calibrate(tmp_path, capsys):
     # elk reads the checkpoint's preheat.pt: a --preheat-rank only the preheat section could use is refused
     assert main(["analyze", str(ck), "--only", "elk", "--preheat-rank", "8", "--out", str(tmp_path / "x")]) == 2
     assert "--preheat-rank 8 would be unused" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # nor does a --seed: elk fits nothing to seed (the checkpoint's preheat.pt) and early-exit draws nothing
+    assert main(["analyze", str(ck), "--only", "elk,early-exit", "--seed", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "--seed 3 would be unused" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["analyze", str(ck), "--only", "nope", "--out", str(tmp_path / "x")]) == 2
     assert main(["analyze", str(ck), "--layers", "9", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis section" in capsys.readouterr().err
@@ -591,3 +597,137 @@ def test_a_signal_during_a_sections_write_is_held_until_the_files_agree_with_the
     assert last.startswith("snlp analyze: interrupted; kept the finished sections (ordering) in "), last
     assert json.loads((out / "analysis.json").read_text())["complete"] is False
     assert "**PARTIAL**" in (out / "analysis.md").read_text()
+
+
+def test_a_preheat_fit_with_too_few_tokens_is_refused_before_any_section(model, val, monkeypatch):
+    """--seq-len 1 with elk or preheat: the fits made here (8 windows of seq_len tokens, rank --preheat-rank) crashed
+    with an IndexError in fit_states after the sections before them had run; now one line before any section."""
+    ran = []
+    import snlp.eval.analysis.report as R
+
+    monkeypatch.setattr(R, "jacobian_diagnostics", lambda *a, **k: ran.append("jacobian"))
+    for only in (("jacobian", "elk"), ("jacobian", "preheat")):
+        with pytest.raises(ValueError, match="rank 16 needs more than 16 tokens, got 8"):
+            A.analyze(model, val, A.AnalysisConfig(only=only, **{**SMALL, "seq_len": 1}))
+    assert not ran
+    pre = preheat.fit(model, preheat.CalibrateConfig(rank=4, batch=2, seq_len=8))
+    R.check_model(model, A.AnalysisConfig(only=("elk",), **{**SMALL, "seq_len": 1}), pre)  # elk fits none: fine
+
+
+def test_the_preheat_section_names_the_rank_it_fitted_and_the_data_it_read(val):
+    """The section said "rank 32" (--preheat-rank) where both fits kept the embedding width's 16 directions, and did
+    not say that on a short split its data calibration read the PPL windows themselves."""
+    from snlp.eval.analysis.elk import fit_config
+    from snlp.eval.data import windows
+    from snlp.method.solver import solve
+
+    m = make_model(seed=3, n_layer=4)  # n_embd 16 < the default preheat rank 32
+    cfg = A.AnalysisConfig(elk_suffix=2, elk_chunks=(0,), only=("preheat",), **SMALL)  # 6 windows of 8: tokens 0..48
+    res = A.analyze(m, val, cfg)
+    md = A.to_markdown(res)
+    assert res.preheat.rank == 16 and "N = 2, rank 16, K = 1" in md, md
+    assert "8 windows of 8 validation tokens after the PPL windows" in md
+    pre = preheat.fit(m, fit_config(cfg), tokens=val[49:])  # from the first token after the last window's target
+    want = A.window_ppl(m, windows(val, 8, 48), lambda x: solve(m, x, "2xF1-preheat-K1", preheat=pre).hidden)
+    assert [r.calibration for r in res.preheat.rows] == ["h0", "random", "data"]
+    assert res.preheat.rows[-1].ppl == pytest.approx(want, rel=1e-12)
+    short = A.analyze(m, val[:100], cfg)  # 51 tokens after the windows: fewer than 8 x 8
+    assert "from the split's start, where the PPL windows are" in A.to_markdown(short)
+
+
+def test_calibrate_out_replaces_only_a_calibration(tmp_path, capsys):
+    """`--out mine.pt` wrote the calibration over any existing .pt (a user's torch file), and `--out OTHER/preheat.pt`
+    over another checkpoint's own calibration; both are refused in one line before the model loads. An earlier
+    calibration and the checkpoint's own preheat.pt (even an unreadable one: the advice is to re-run) are replaced."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    (tmp_path / "o").mkdir()
+    other = tiny_checkpoint(tmp_path / "o")
+    small = ["--rank", "2", "--batch", "1", "--seq-len", "8"]
+    mine = tmp_path / "mine.pt"
+    torch.save({"w": torch.ones(3)}, mine)
+    assert main(["calibrate", str(ck), *small, "--out", str(mine)]) == 2
+    assert "not a preheat calibration" in capsys.readouterr().err and list(torch.load(mine)) == ["w"]
+    assert main(["calibrate", str(other), *small]) == 0
+    before = (other / "preheat.pt").read_bytes()
+    assert main(["calibrate", str(ck), *small, "--out", str(other / "preheat.pt")]) == 2
+    assert "another checkpoint" in capsys.readouterr().err and (other / "preheat.pt").read_bytes() == before
+    assert main(["calibrate", str(ck), *small, "--out", str(tmp_path / "p.pt")]) == 0
+    assert main(["calibrate", str(ck), *small, "--rank", "3", "--out", str(tmp_path / "p.pt")]) == 0  # an earlier one
+    assert preheat.Preheat.load(tmp_path / "p.pt").rank == 3
+    (ck / "preheat.pt").write_text("not a calibration")
+    assert main(["calibrate", str(ck), *small, "--out", str(ck / "preheat.pt")]) == 0
+    assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
+
+
+def test_calibrate_says_what_it_fitted_on_and_refuses_what_it_cannot_honour(tmp_path, capsys):
+    """`snlp calibrate CKPT/model.safetensors` (a file naming its checkpoint, as load accepts) fitted, then failed with
+    a FileExistsError writing CKPT/model.safetensors/preheat.pt; `--data X --seed 3` ignored the seed; --data with
+    more --batch windows than the split holds fitted on fewer, and a --seq-len past the trained context ran,
+    silently."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)  # sequence_len 32
+    assert main(["calibrate", str(ck / "model.safetensors"), "--rank", "2", "--batch", "1", "--seq-len", "8"]) == 0
+    assert "calibrated on 1 window of 8 random tokens" in capsys.readouterr().out
+    assert load_preheat(ck, __import__("snlp").load(ck)[0]).rank == 2
+    assert main(["calibrate", str(tmp_path / "missing"), "--rank", "0", "--seq-len", "-2"]) == 2  # before the load
+    assert "--rank 0, --seq-len -2: must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", str(ck), "--data", "train", "--seed", "3", "--out", str(tmp_path / "s.pt")]) == 2
+    assert "--seed 3 would be unused" in capsys.readouterr().err and not (tmp_path / "s.pt").exists()
+    assert main(["calibrate", str(ck), "--rank", "2", "--data", "train", "--batch", "100000", "--seq-len", "8",
+                 "--out", str(tmp_path / "d.pt")]) == 0
+    line = capsys.readouterr().out
+    n = int(line.split("calibrated on ")[1].split()[0])
+    assert 0 < n < 100000 and "8 data tokens (asked for 100000: the split has" in line, line
+    with pytest.warns(UserWarning, match="--seq-len 40 is past the model's sequence_len 32"):
+        assert main(["calibrate", str(ck), "--rank", "2", "--batch", "1", "--seq-len", "40",
+                     "--out", str(tmp_path / "l.pt")]) == 0
+
+
+def test_a_stale_preheat_file_is_refused_only_by_the_section_that_reads_it(tmp_path, capsys):
+    """A checkpoint whose preheat.pt was fitted on other weights: `--only early-exit` (no section reads it) was
+    refused with "re-run snlp calibrate"; only elk, which uses the checkpoint's calibration, refuses it now."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    other = make_model(seed=9, n_layer=4, vocab_size=__import__("snlp").load(ck)[0].config.vocab_size).float()
+    preheat.fit(other, preheat.CalibrateConfig(rank=2, batch=1, seq_len=8)).save(ck / "preheat.pt")
+    common = ["--seq-len", "8", "--max-tokens", "16", "--no-progress"]
+    assert main(["analyze", str(ck), "--only", "early-exit", *common, "--out", str(tmp_path / "a")]) == 0
+    assert "## Early exit" in (tmp_path / "a" / "analysis.md").read_text()
+    assert main(["analyze", str(ck), "--only", "elk", *common, "--out", str(tmp_path / "b")]) == 2
+    assert "other weights" in capsys.readouterr().err
+
+
+def test_analyze_out_replaces_an_earlier_analysis_but_not_the_users_files(tmp_path, capsys):
+    """--out into a folder holding the user's own analysis.md and ordering.png: the run wrote over the one and deleted
+    the other (write removes the plots it does not make). Refused now in one line before the checkpoint loads; a
+    folder holding an earlier analysis (its analysis.json) is still replaced."""
+    from snlp.apps.cli import main
+
+    ck = tiny_checkpoint(tmp_path)
+    common = ["--only", "early-exit", "--seq-len", "8", "--max-tokens", "16", "--no-progress", "--out"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "analysis.md").write_text("my notes")
+    (mine / "ordering.png").write_text("my plot")
+    assert main(["analyze", str(ck), *common, str(mine)]) == 2
+    assert "holds analysis.md, ordering.png but no earlier analysis" in capsys.readouterr().err
+    assert (mine / "analysis.md").read_text() == "my notes" and (mine / "ordering.png").read_text() == "my plot"
+    (mine / "analysis.json").write_text('{"mine": 1}')
+    assert main(["analyze", str(ck), *common, str(mine)]) == 2
+    assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0
+    assert main(["analyze", str(ck), *common, str(tmp_path / "an")]) == 0  # an earlier analysis: replaced
+
+
+def test_calibrate_names_the_stream_width_an_mhc_rank_is_capped_at(tmp_path, capsys):
+    """On an mHC model (2 streams of n_embd 16) --rank 40 was "capped at the model width, 32": the predictors read the
+    flattened stream embedding, 2 x 16 wide, not the model's width 16."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    ck = save_checkpoint(tmp_path / "ck", make_model(seed=2, n_layer=2, hc_streams=2).float())
+    assert main(["calibrate", str(ck), "--rank", "40", "--batch", "2", "--seq-len", "32"]) == 0
+    assert "(asked for 40: capped at the width of its 2 x 16 stream embedding, 32)" in capsys.readouterr().out

@@ -143,3 +143,44 @@ def test_preheat_follows_the_model_dtype(model):
         got = solve(m32, idx, "4xF1-preheat-K1", preheat=pre.check(m32)).hidden  # the same weights in fp32
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rank_above_the_calibration_tokens_is_refused_in_one_line(model):
+    """4 random tokens at rank 32 on a width-16 model stopped in fit_states with an IndexError (the centred embeddings
+    span at most 3 directions, so V had 4 columns, not 16); a fit needs more tokens than its rank."""
+    with pytest.raises(ValueError, match=r"rank 16 needs more than 16 tokens, got 4 \(batch x seq_len = 1 x 4\)"):
+        preheat.fit(model, preheat.CalibrateConfig(rank=32, batch=1, seq_len=4))
+    with pytest.raises(ValueError, match=r"rank 8 needs more than 8 tokens, got 8 \(2 windows of 4 data tokens\)"):
+        preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=5, seq_len=4), tokens=torch.arange(11) % 61)
+    assert preheat.fit(model, preheat.CalibrateConfig(rank=8, batch=3, seq_len=3)).rank == 8  # 9 tokens: enough
+
+
+def test_a_save_of_the_same_weights_in_another_precision_keeps_the_calibration(tmp_path):
+    """save_checkpoint compared the fingerprint strings exactly, so re-saving the calibrated weights in bf16 deleted
+    preheat.pt, while load_preheat (same_weights, tolerant of casts) accepts that calibration for the bf16 model."""
+    m = make_model(seed=5, n_layer=4).float()
+    ck = save_checkpoint(tmp_path / "ck", m)
+    _fit(m).save(ck / preheat.FILENAME)
+    b16 = load(ck)[0].to(torch.bfloat16)
+    assert load_preheat(ck, b16) is not None  # the check accepts it for the cast model
+    save_checkpoint(ck, b16)
+    assert (ck / preheat.FILENAME).is_file() and load_preheat(ck, load(ck)[0]) is not None
+
+
+def test_a_save_cut_short_keeps_the_calibration_that_was_there(tmp_path, model, monkeypatch):
+    """Preheat.save wrote CKPT/preheat.pt in place: a save cut short (here torch.save failing half way) left a truncated
+    file ("corrupt preheat calibration") where a valid calibration had been."""
+    path = _fit(model).save(tmp_path / preheat.FILENAME)
+    before = path.read_bytes()
+    real = torch.save
+
+    def cut(obj, f, *a, **k):
+        real(obj, f, *a, **k)
+        with open(f, "r+b") as fh:
+            fh.truncate(100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, rank=2).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [preheat.FILENAME]

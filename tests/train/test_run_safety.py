@@ -817,7 +817,8 @@ def test_calibrate_says_when_the_rank_is_capped(tmp_path, capsys):
     model = make_model(n_layer=2)
     ck = save_checkpoint(tmp_path / "ck", model)
     W = model.config.n_embd
-    assert main(["calibrate", str(ck), "--rank", str(W + 100), "--batch", "2", "--seq-len", "8"]) == 0
+    # 4 x 8 tokens: a fit of rank W needs more than W (snlp.method.preheat.check_tokens)
+    assert main(["calibrate", str(ck), "--rank", str(W + 100), "--batch", "4", "--seq-len", "8"]) == 0
     assert f"rank {W} (asked for {W + 100}: capped at the model width, {W})" in capsys.readouterr().out
     assert main(["calibrate", str(ck), "--rank", "2", "--batch", "2", "--seq-len", "8"]) == 0
     assert "capped" not in capsys.readouterr().out

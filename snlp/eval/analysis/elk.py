@@ -13,7 +13,7 @@ from torch import Tensor
 from snlp.eval.analysis.common import AnalysisConfig, plan_ppl, section_bar, sequential_ppl, window_ppl
 from snlp.eval.data import as_tokens, windows
 from snlp.method.plan import Plan
-from snlp.method.preheat import CalibrateConfig, Preheat
+from snlp.method.preheat import CalibrateConfig, Preheat, x0_width
 from snlp.method.preheat import fit as fit_preheat
 from snlp.method.solver import preheat_for, solve
 from snlp.model.gpt import GPT
@@ -48,8 +48,9 @@ class PreheatRow:
 @dataclass
 class PreheatResult:
     N: int
-    rank: int
+    rank: int  # of both fits: --preheat-rank, capped at the embedding width (fit_states keeps at most that many)
     rows: list[PreheatRow]  # calibration-major, then chunking
+    data_tokens: str = ""  # which validation tokens the data calibration read (after the PPL windows, or the same)
 
 
 def chunkings(N: int, chunks: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -62,6 +63,18 @@ def chunkings(N: int, chunks: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def fit_config(cfg: AnalysisConfig) -> CalibrateConfig:
+    """The settings of the preheat fits made here (random tokens, or data): --preheat-rank, windows of --seq-len."""
+    return CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
+
+
+def check_fits(model: GPT, cfg: AnalysisConfig, preheat: Preheat | None = None) -> None:
+    """The one-line refusal of a preheat fit the selected sections would make and could not (e.g. a rank above the
+    batch x seq_len calibration tokens), before any section runs: elk fits one unless given the checkpoint's."""
+    if "preheat" in cfg.only or ("elk" in cfg.only and preheat is None):
+        fit_config(cfg).check(model)
+
+
 def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfig, calibration: str = "given",
                  tokens: Tensor | None = None, bar=None, preheat: Preheat | None = None) -> tuple[str, list[float]]:
     """PPL of each plan over `wins`, the preheat plans with a calibration: "given" = `preheat` (the
@@ -71,8 +84,7 @@ def preheat_ppls(model: GPT, wins: Tensor, plans: list[Plan], cfg: AnalysisConfi
     if calibration == "given" and preheat is not None:
         pre, source = preheat, f"the checkpoint's ({preheat.source} tokens, rank {preheat.rank})"
     else:
-        ccfg = CalibrateConfig(rank=cfg.preheat_rank, seed=cfg.seed, seq_len=cfg.seq_len)
-        pre = fit_preheat(model, ccfg, tokens if calibration == "data" else None)
+        pre = fit_preheat(model, fit_config(cfg), tokens if calibration == "data" else None)
         # pre.rank, not cfg.preheat_rank: the fit keeps at most the embedding width's directions (fit_states)
         source = (f"fitted here on random tokens, rank {pre.rank} (no preheat.pt given)"
                   if calibration == "given" else calibration)
@@ -106,8 +118,13 @@ def preheat_calibrations(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisC
     N = min(cfg.elk_suffix, model.config.n_layer)
     toks = as_tokens(val_tokens)
     wins = windows(toks, cfg.seq_len, cfg.max_tokens)
-    used = wins.shape[0] * cfg.seq_len
-    calib_data = toks[used:] if toks.numel() - used >= 8 * cfg.seq_len else toks
+    used = wins.shape[0] * cfg.seq_len + 1  # the windows' inputs and targets: tokens 0 .. W * seq_len
+    ccfg = fit_config(cfg)
+    after = toks.numel() - used >= ccfg.batch * cfg.seq_len
+    calib_data = toks[used:] if after else toks
+    n = min(ccfg.batch, calib_data.numel() // cfg.seq_len)
+    data_tokens = (f"{n} windows of {cfg.seq_len} validation tokens " + ("after the PPL windows" if after else
+                   "from the split's start, where the PPL windows are (too few tokens after them)"))
     chunks = chunkings(N, cfg.elk_chunks)
     rows = []
     with section_bar(3 * len(chunks), "preheat", cfg) as bar:
@@ -118,4 +135,4 @@ def preheat_calibrations(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisC
         for name in ("random", "data"):
             _, ppls = preheat_ppls(model, wins, plans, cfg, calibration=name, tokens=calib_data, bar=bar)
             rows += [PreheatRow(name, f"{C}xF{M}", p) for (C, M), p in zip(chunks, ppls)]
-    return PreheatResult(N=N, rank=cfg.preheat_rank, rows=rows)
+    return PreheatResult(N=N, rank=min(cfg.preheat_rank, x0_width(model)), rows=rows, data_tokens=data_tokens)

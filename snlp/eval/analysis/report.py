@@ -17,7 +17,7 @@ import torch
 
 from snlp.eval.analysis.common import WINDOWED, AnalysisConfig, fmt
 from snlp.eval.analysis.earlyexit import ExitRow, early_exit
-from snlp.eval.analysis.elk import ElkResult, PreheatResult, elk_sweep, preheat_calibrations
+from snlp.eval.analysis.elk import ElkResult, PreheatResult, check_fits, elk_sweep, preheat_calibrations
 from snlp.eval.analysis.jacobi import JacobiResult, jacobi_coupling
 from snlp.eval.analysis.jacobian import JacobianResult, jacobian_diagnostics
 from snlp.eval.analysis.ordering import OrderingResult, correction_ordering
@@ -80,10 +80,11 @@ def past_context(cfg: AnalysisConfig, trained: int | None) -> bool:
     return trained is not None and cfg.seq_len > trained and bool(set(cfg.only) & set(WINDOWED))
 
 
-def check_model(model: GPT, cfg: AnalysisConfig) -> None:
+def check_model(model: GPT, cfg: AnalysisConfig, preheat: Preheat | None = None) -> None:
     """The settings' one-line errors for this model, before any work (`snlp analyze` calls it before the validation
-    data is read)."""
+    data is read). `preheat`: the checkpoint's calibration, which elk uses instead of fitting one."""
     cfg.check(model.config.n_layer)
+    check_fits(model, cfg, preheat)
     if model.config.backout and "ordering" in cfg.only:
         raise ValueError("the ordering section runs Seq-Perm, which nanochat's backout does not define (it reads a "
                          "layer's output at a fixed depth): leave ordering out of --only for this model")
@@ -95,7 +96,7 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
     checkpoint's calibration for the ELK x init sweep (one is fitted on random tokens when None). `on_section(res)`:
     called with the result so far after each section but the last (a section is tens of seconds to minutes on a CPU;
     `snlp analyze` writes them as they finish, so a run cut short keeps them)."""
-    check_model(model, cfg)
+    check_model(model, cfg, preheat)
     L = model.config.n_layer
     trained = model.config.sequence_len
     if past_context(cfg, trained):  # RoPE's tables cover any position (GPT.rotary): it runs, as extrapolation
@@ -167,11 +168,13 @@ def _sections_md(res: AnalysisResult) -> dict[str, list[str]]:
         out["elk"] = ["## ELK tempering x init", "", f"N = {e.N}, K = {e.iters}, sequential PPL "
                       f"{fmt(e.sequential_ppl)}; preheat calibration: {e.preheat_source}.", "", elk_table(e), ""]
     if p := res.preheat:
-        out["preheat"] = ["## Preheat calibration", "", f"N = {p.N}, rank {p.rank}, K = 1, ELK 0.", "",
+        out["preheat"] = ["## Preheat calibration", "", f"N = {p.N}, rank {p.rank}, K = 1, ELK 0; the data "
+                          f"calibration read {p.data_tokens or 'validation tokens'}.", "",
                           preheat_table(p), ""]
     if j := res.jacobi:
-        out["jacobi"] = ["## Jacobi decoding x SNLP (unverified)", "", f"{j.prompts} prompts, {j.gen_tokens} tokens, "
-                         f"lookahead window W = {j.window}; match vs sequential greedy.", "", jacobi_table(j), ""]
+        out["jacobi"] = ["## Jacobi decoding x SNLP (unverified)", "", f"{j.prompts} prompts, {j.gen_tokens} new "
+                         f"tokens each, lookahead window W = {j.window}; match vs sequential greedy.", "",
+                         jacobi_table(j), ""]
     return out
 
 
