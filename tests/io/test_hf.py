@@ -530,6 +530,38 @@ def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window
         assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
 
 
+def test_export_writes_back_a_tokenizer_without_bos_its_bos_id_context_length_and_padding_side(tmp_path):
+    """A Qwen2.5-like source: its tokenizer names no BOS (snlp separates documents by the EOS), its configs name
+    bos_token_id 5, its tokenizer_config model_max_length 64 and padding_side left. convert -> export wrote bos_token_id
+    = the EOS id (the export's generate() without inputs started from another token than the source's), dropped
+    model_max_length (truncation=True no longer cut at 64) and padded batches on the right (a decoder-only batched
+    generate continues from pad tokens). The reference is the source folder read by transformers."""
+    from snlp.apps.cli import main
+    from transformers import PreTrainedTokenizerFast
+
+    src, exp = tmp_path / "src", tmp_path / "exp"
+    hf = hf_tiny("llama", layers=2, bos_token_id=5, eos_token_id=V - 2, pad_token_id=V - 1)
+    hf.generation_config = transformers.GenerationConfig(bos_token_id=5, eos_token_id=[V - 2, 7], pad_token_id=V - 1)
+    hf.save_pretrained(str(src))
+    words = word_tokenizer(V)
+    PreTrainedTokenizerFast(tokenizer_object=words.backend_tokenizer, bos_token=None, eos_token="</s>",
+                            pad_token="<unk>", chat_template=words.chat_template, model_max_length=64,
+                            padding_side="left").save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert load(tmp_path / "ck")[1].prompt_ids("") == [5]  # an empty prompt starts where the source's generate() does
+    assert main(["export", str(tmp_path / "ck"), "--out", str(exp)]) == 0
+    for name in ("config.json", "generation_config.json"):
+        want, got = (json.loads((d / name).read_text()) for d in (src, exp))
+        assert {k: got.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+            k: want.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, name
+    a, b = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (src, exp))
+    assert (b.model_max_length, b.padding_side, b.bos_token) == (a.model_max_length, a.padding_side, a.bos_token)
+    texts = ["t1 t2", " ".join(["t3"] * 80)]
+    assert b(texts, padding=True, truncation=True)["input_ids"] == a(texts, padding=True, truncation=True)["input_ids"]
+    ma, mb = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (src, exp))
+    assert torch.equal(ma.generate(max_new_tokens=4, do_sample=False), mb.generate(max_new_tokens=4, do_sample=False))
+
+
 def test_a_torch_compiled_model_object_converts_as_the_model_inside():
     """torch.compile(hf) is an OptimizedModule: its class is none of the four and its state dict prefixes every key
     `_orig_mod.`, so from_hf refused it (after audit51b by the wrapper's class name). Reference: transformers."""
