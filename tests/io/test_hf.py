@@ -562,6 +562,32 @@ def test_export_writes_back_a_tokenizer_without_bos_its_bos_id_context_length_an
     assert torch.equal(ma.generate(max_new_tokens=4, do_sample=False), mb.generate(max_new_tokens=4, do_sample=False))
 
 
+def test_export_refuses_an_out_holding_files_it_would_overwrite_or_delete(tmp_path, capsys):
+    """`snlp export --out DIR` with the user's tokenizer_config.json, chat_template.jinja or generation_config.json in
+    DIR wrote over them, and transformers' save_pretrained deleted a model-00001-of-00002.safetensors it did not
+    write, exit 0: refused in one line before the model loads, every file kept. A new folder, an empty one, or one
+    holding only hidden entries (a git clone's .git) is written."""
+    from snlp.apps.cli import main
+
+    hf, d = _tiny_dir(tmp_path)
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "model-00001-of-00002.safetensors"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).write_text("the user's")
+        capsys.readouterr()
+        assert main(["export", str(tmp_path / "ck"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "is not empty" in err and name in err and err.count("\n") == 1, err
+        assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "the user's"
+    (tmp_path / "clone" / ".git").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "clone", tmp_path / "empty"):
+        assert main(["export", str(tmp_path / "ck"), "--out", str(out)]) == 0
+        assert (out / "config.json").is_file()
+
+
 def test_a_torch_compiled_model_object_converts_as_the_model_inside():
     """torch.compile(hf) is an OptimizedModule: its class is none of the four and its state dict prefixes every key
     `_orig_mod.`, so from_hf refused it (after audit51b by the wrapper's class name). Reference: transformers."""
