@@ -333,11 +333,14 @@ class Tokenizer:
     @functools.cached_property
     def _chat_renderer(self):
         """transformers' tokenizer wrapper that renders the chat template, built once per Tokenizer (building
-        it copies the whole vocabulary: ~0.2 s for a 49k vocabulary, per conversation turn before)."""
+        it copies the whole vocabulary: ~0.2 s for a 49k vocabulary, per conversation turn before). It holds every
+        special token the source's tokenizer had: transformers hands them all to the template (`pad_token`,
+        `unk_token` too), and a template that writes one would render it empty."""
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
-                                       eos_token=self.meta.get("eos_token"), chat_template=self.meta["chat_template"])
+        return PreTrainedTokenizerFast(tokenizer_object=self.tok, chat_template=self.meta["chat_template"],
+                                       **{k: self.meta.get(k) for k in ("bos_token", "eos_token", "pad_token",
+                                                                        "unk_token")})
 
     @property
     def vocab_size(self) -> int:

@@ -895,6 +895,22 @@ def test_a_tokenizer_with_named_chat_templates_keeps_the_default_one_through_con
     assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
 
 
+def test_a_chat_template_writing_the_pad_or_unk_token_renders_them_as_transformers_does():
+    """transformers hands a chat template every special token of the tokenizer (pad_token and unk_token too); snlp's
+    renderer held the BOS and EOS only, so a template writing {{ pad_token }} or {{ unk_token }} rendered them empty
+    (`snlp generate --chat` then decoded from another prompt). Reference: transformers' apply_chat_template."""
+    from snlp.io.tokenizer import Tokenizer
+
+    ht = word_tokenizer(V)
+    ht.pad_token = "<unk>"
+    ht.chat_template = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{{ pad_token }}"
+                        "{{ unk_token }}{% endfor %}")
+    msgs = [{"role": "user", "content": "t3"}]
+    want = ht.apply_chat_template(msgs, tokenize=False)
+    assert want == "<s>t3</s><unk><unk>"
+    assert Tokenizer.from_hf(ht).apply_chat_template(msgs) == want
+
+
 def test_an_export_with_our_own_bpe_tokenizes_a_prompt_as_snlp_generate_does(tmp_path):
     """Our BPE was written without a bos_token or anything adding it (config.json named <|bos|>'s id as bos_token_id
     all the same): transformers' tokenizer(text) of the export gave the text without the <|bos|> that
