@@ -22,7 +22,21 @@ def add_arguments(p) -> None:
     p.add_argument("ckpt", help="snlp checkpoint directory, or a drafter directory (snlp adapt --out)")
     p.add_argument("--base", default=None, help="a drafter's base (snlp checkpoint, .gguf or transformers directory); "
                    "default: the one it was adapted from, as recorded in the drafter")
-    p.add_argument("--out", required=True, help="transformers directory to write")
+    p.add_argument("--out", required=True, help="transformers directory to write: a new or empty folder")
+
+
+def check_empty_out(out: str) -> None:
+    """Refuse an --out that holds files (hidden ones aside: a git clone's .git): transformers' save_pretrained writes
+    tokenizer_config.json, generation_config.json and chat_template.jinja over the user's, deletes any
+    model-NNNNN-of-NNNNN.safetensors shard it does not write, and leaves the rest (a special_tokens_map.json, a
+    vocab.json) for AutoTokenizer to read beside the exported tokenizer."""
+    from pathlib import Path
+
+    d = Path(out)
+    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+    if held:
+        raise ValueError(f"--out {out} is not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+                         f"the export would overwrite or delete files there; choose a new or empty --out")
 
 
 def run(args) -> int:
@@ -34,6 +48,7 @@ def run(args) -> int:
     from snlp.train.adapt import load_base
 
     check_new_out(args.out, "export")  # before the model loads: an --out over a checkpoint would lose it
+    check_empty_out(args.out)
     if is_drafter_dir(args.ckpt):
         src = args.base or load_record(args.ckpt).get("config", {}).get("src")
         if not src:

@@ -375,13 +375,14 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
 
 def generation_defaults(hf_model) -> dict:
     """The generation defaults of `hf_model` other than its stop ids (do_sample, temperature, top_p, pad_token_id,
-    ...: what transformers' generate does when called without arguments), as JSON; `export_hf` writes them back so
-    the exported folder generates as the source did. Empty if it has none."""
+    bos_token_id, ...: what transformers' generate does when called without arguments), as JSON; `export_hf` writes
+    them back so the exported folder generates as the source did. Empty if it has none. bos_token_id is the source's
+    own: Qwen2.5's 151643 (<|endoftext|>) where its tokenizer names no BOS (snlp's separator is then its EOS)."""
     gc = getattr(hf_model, "generation_config", None)
     if gc is None:
         return {}
     d = gc.to_diff_dict()
-    return {k: v for k, v in d.items() if k not in ("transformers_version", "eos_token_id", "bos_token_id")
+    return {k: v for k, v in d.items() if k not in ("transformers_version", "eos_token_id")
             and isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
@@ -553,9 +554,12 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         pad = meta.get("pad_token")
         pad_id = tokenizer.token_id(pad) if pad else hf_model.generation_config.pad_token_id
         hf_model.config.pad_token_id = hf_model.generation_config.pad_token_id = pad_id
-        hf_model.config.bos_token_id = tokenizer.bos_id
+        # the source's bos id where it named one (a tokenizer without BOS leaves snlp's separator, its EOS, in
+        # bos_id: not what the source's generate() starts an empty prompt with), else the tokenizer's
+        bos = (meta.get("generation_config") or {}).get("bos_token_id")
+        bos = tokenizer.bos_id if bos is None else bos
+        hf_model.config.bos_token_id = hf_model.generation_config.bos_token_id = bos
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
-        hf_model.generation_config.bos_token_id = tokenizer.bos_id
         hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -597,9 +601,10 @@ def _hf_tokenizer(tokenizer: Tokenizer):
         bos = BOS
         backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                                special_tokens=[(BOS, tokenizer.bos_id)])
+    calls = {k: meta[k] for k in ("model_max_length", "padding_side", "truncation_side") if k in meta}
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=meta.get("eos_token"),
                                    pad_token=meta.get("pad_token"), unk_token=meta.get("unk_token"),
-                                   chat_template=meta.get("chat_template")), backend
+                                   chat_template=meta.get("chat_template"), **calls), backend
 
 
 def _check_tokenizer_reloads(hc, tokenizer: Tokenizer) -> None:

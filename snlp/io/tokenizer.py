@@ -22,6 +22,7 @@ BOS = "<|bos|>"
 # reserved for chat / SFT: user and assistant turn markers
 SPECIAL_TOKENS = [BOS, "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>"]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials
+NO_LIMIT = int(1e30)  # transformers' model_max_length of a tokenizer that names none (VERY_LARGE_INTEGER)
 # a chat template that marks assistant text for transformers' return_assistant_tokens_mask
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -31,7 +32,8 @@ class Tokenizer:
     chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
     {"bos_token", "eos_token", "chat_template"} (each may be None), "pad_token" / "unk_token" where the source has
     them, when the model's generation config lists them "eos_token_ids": every id generation stops after
-    (`stop_ids`), and "generation_config": the source's other generation defaults, which `snlp export` writes back."""
+    (`stop_ids`), "generation_config": the source's other generation defaults, and "model_max_length" /
+    "padding_side" / "truncation_side" where the source sets them: `snlp export` writes all of these back."""
 
     def __init__(self, tok: HFTokenizer, meta: dict | None = None):
         self.tok, self.meta = tok, meta
@@ -147,6 +149,14 @@ class Tokenizer:
         for key in ("pad_token", "unk_token"):  # an export writes them back: batched tokenizer calls pad with pad_token
             if isinstance(getattr(hf_tokenizer, key, None), str):
                 meta[key] = getattr(hf_tokenizer, key)
+        # the call settings an export writes back, where they are not transformers' defaults: a batch padded on the
+        # left (what a decoder-only model's batched generate needs), truncation to the model's context
+        limit = getattr(hf_tokenizer, "model_max_length", None)
+        if isinstance(limit, int) and 0 < limit < NO_LIMIT:
+            meta["model_max_length"] = limit
+        for key in ("padding_side", "truncation_side"):
+            if getattr(hf_tokenizer, key, None) == "left":
+                meta[key] = "left"
         return cls(HFTokenizer.from_str(backend.to_str()), meta)
 
     @property
@@ -160,10 +170,12 @@ class Tokenizer:
         original model, i.e. with the tokenizer's own special-token post-processing: Llama-3's adds
         <|begin_of_text|>, SmolLM2's and Qwen2's add nothing (prepending their bos_token, SmolLM2's chat marker
         <|im_start|> or Qwen2's <|endoftext|>, would decode another prompt than transformers' generate). An empty
-        text is the BOS alone: transformers' generate() without input ids starts from bos_token_id too."""
+        text is the BOS alone: transformers' generate() without input ids starts from bos_token_id too, the
+        generation config's where the source had one (Qwen2.5's <|endoftext|>, its tokenizer naming no BOS)."""
         if not self.foreign:
             return [self.bos_id] + self.encode(text)
-        return list(self.tok.encode(text, add_special_tokens=True).ids) or [self.bos_id]
+        start = (self.meta.get("generation_config") or {}).get("bos_token_id")
+        return list(self.tok.encode(text, add_special_tokens=True).ids) or [self.bos_id if start is None else start]
 
     def token_id(self, token: str) -> int:
         i = self.tok.token_to_id(token)
@@ -321,11 +333,14 @@ class Tokenizer:
     @functools.cached_property
     def _chat_renderer(self):
         """transformers' tokenizer wrapper that renders the chat template, built once per Tokenizer (building
-        it copies the whole vocabulary: ~0.2 s for a 49k vocabulary, per conversation turn before)."""
+        it copies the whole vocabulary: ~0.2 s for a 49k vocabulary, per conversation turn before). It holds every
+        special token the source's tokenizer had: transformers hands them all to the template (`pad_token`,
+        `unk_token` too), and a template that writes one would render it empty."""
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_object=self.tok, bos_token=self.meta.get("bos_token"),
-                                       eos_token=self.meta.get("eos_token"), chat_template=self.meta["chat_template"])
+        return PreTrainedTokenizerFast(tokenizer_object=self.tok, chat_template=self.meta["chat_template"],
+                                       **{k: self.meta.get(k) for k in ("bos_token", "eos_token", "pad_token",
+                                                                        "unk_token")})
 
     @property
     def vocab_size(self) -> int:

@@ -530,6 +530,64 @@ def test_export_writes_back_the_sources_generation_defaults_pad_token_and_window
         assert got[key] == getattr(qwen.config, key), (key, got[key], getattr(qwen.config, key))
 
 
+def test_export_writes_back_a_tokenizer_without_bos_its_bos_id_context_length_and_padding_side(tmp_path):
+    """A Qwen2.5-like source: its tokenizer names no BOS (snlp separates documents by the EOS), its configs name
+    bos_token_id 5, its tokenizer_config model_max_length 64 and padding_side left. convert -> export wrote bos_token_id
+    = the EOS id (the export's generate() without inputs started from another token than the source's), dropped
+    model_max_length (truncation=True no longer cut at 64) and padded batches on the right (a decoder-only batched
+    generate continues from pad tokens). The reference is the source folder read by transformers."""
+    from snlp.apps.cli import main
+    from transformers import PreTrainedTokenizerFast
+
+    src, exp = tmp_path / "src", tmp_path / "exp"
+    hf = hf_tiny("llama", layers=2, bos_token_id=5, eos_token_id=V - 2, pad_token_id=V - 1)
+    hf.generation_config = transformers.GenerationConfig(bos_token_id=5, eos_token_id=[V - 2, 7], pad_token_id=V - 1)
+    hf.save_pretrained(str(src))
+    words = word_tokenizer(V)
+    PreTrainedTokenizerFast(tokenizer_object=words.backend_tokenizer, bos_token=None, eos_token="</s>",
+                            pad_token="<unk>", chat_template=words.chat_template, model_max_length=64,
+                            padding_side="left").save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert load(tmp_path / "ck")[1].prompt_ids("") == [5]  # an empty prompt starts where the source's generate() does
+    assert main(["export", str(tmp_path / "ck"), "--out", str(exp)]) == 0
+    for name in ("config.json", "generation_config.json"):
+        want, got = (json.loads((d / name).read_text()) for d in (src, exp))
+        assert {k: got.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+            k: want.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, name
+    a, b = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (src, exp))
+    assert (b.model_max_length, b.padding_side, b.bos_token) == (a.model_max_length, a.padding_side, a.bos_token)
+    texts = ["t1 t2", " ".join(["t3"] * 80)]
+    assert b(texts, padding=True, truncation=True)["input_ids"] == a(texts, padding=True, truncation=True)["input_ids"]
+    ma, mb = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (src, exp))
+    assert torch.equal(ma.generate(max_new_tokens=4, do_sample=False), mb.generate(max_new_tokens=4, do_sample=False))
+
+
+def test_export_refuses_an_out_holding_files_it_would_overwrite_or_delete(tmp_path, capsys):
+    """`snlp export --out DIR` with the user's tokenizer_config.json, chat_template.jinja or generation_config.json in
+    DIR wrote over them, and transformers' save_pretrained deleted a model-00001-of-00002.safetensors it did not
+    write, exit 0: refused in one line before the model loads, every file kept. A new folder, an empty one, or one
+    holding only hidden entries (a git clone's .git) is written."""
+    from snlp.apps.cli import main
+
+    hf, d = _tiny_dir(tmp_path)
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "model-00001-of-00002.safetensors"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).write_text("the user's")
+        capsys.readouterr()
+        assert main(["export", str(tmp_path / "ck"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "is not empty" in err and name in err and err.count("\n") == 1, err
+        assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "the user's"
+    (tmp_path / "clone" / ".git").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "clone", tmp_path / "empty"):
+        assert main(["export", str(tmp_path / "ck"), "--out", str(out)]) == 0
+        assert (out / "config.json").is_file()
+
+
 def test_a_torch_compiled_model_object_converts_as_the_model_inside():
     """torch.compile(hf) is an OptimizedModule: its class is none of the four and its state dict prefixes every key
     `_orig_mod.`, so from_hf refused it (after audit51b by the wrapper's class name). Reference: transformers."""
@@ -835,6 +893,22 @@ def test_a_tokenizer_with_named_chat_templates_keeps_the_default_one_through_con
     assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
     back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
     assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
+
+
+def test_a_chat_template_writing_the_pad_or_unk_token_renders_them_as_transformers_does():
+    """transformers hands a chat template every special token of the tokenizer (pad_token and unk_token too); snlp's
+    renderer held the BOS and EOS only, so a template writing {{ pad_token }} or {{ unk_token }} rendered them empty
+    (`snlp generate --chat` then decoded from another prompt). Reference: transformers' apply_chat_template."""
+    from snlp.io.tokenizer import Tokenizer
+
+    ht = word_tokenizer(V)
+    ht.pad_token = "<unk>"
+    ht.chat_template = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{{ pad_token }}"
+                        "{{ unk_token }}{% endfor %}")
+    msgs = [{"role": "user", "content": "t3"}]
+    want = ht.apply_chat_template(msgs, tokenize=False)
+    assert want == "<s>t3</s><unk><unk>"
+    assert Tokenizer.from_hf(ht).apply_chat_template(msgs) == want
 
 
 def test_an_export_with_our_own_bpe_tokenizes_a_prompt_as_snlp_generate_does(tmp_path):
