@@ -168,18 +168,23 @@ class Plan:
 
     def exact_after(self) -> list[int]:
         """t_c: after t_c iterations chunk c's output is exact (equals the fused model run
-        sequentially) whatever the init and surrogate. t_0 = 1; a linked chunk (or any chunk without
-        correction, surrogate none) is exact one iteration after its predecessor, a lagged one two
-        iterations after it (its input is exact at t_{c-1} + 1 but its lagged correction still
-        carries the predecessor's last nonzero update, made at t_{c-1}). So K >= C is exact for the
-        forward order, and K >= C + (number of lagged chunks) for any order (2C - 1 for reversed)."""
-        t, lags = [1], self.lag()
+        sequentially) for every surrogate, starting from the plan's init. t_0 = 1, or 0 with the fwd
+        init: its F_0(h_S) is already chunk 0's exact output (h_S is exact), and no iteration moves it.
+        A linked chunk (or any chunk without correction, surrogate none) is exact one iteration after
+        its predecessor, a lagged one two iterations after it (its input is exact at t_{c-1} + 1 but
+        its lagged correction still carries the predecessor's last nonzero update, made at t_{c-1}),
+        unless t_{c-1} = 0: a predecessor exact from the init never makes a nonzero update. So K >= C
+        (C - 1 with fwd) is exact for the forward order, and K >= C + (number of lagged chunks) for any
+        order from h0 (2C - 1 for reversed)."""
+        t, lags = [0 if self.init == "fwd" else 1], self.lag()
         for c in range(1, self.chunks):
-            t.append(t[-1] + (2 if lags[c] and self.surrogate != Jacobi() else 1))
+            lagged = lags[c] and self.surrogate != Jacobi() and t[-1] > 0
+            t.append(t[-1] + (2 if lagged else 1))
         return t
 
     def exact_iters(self) -> int:
-        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`)."""
+        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`; C for the
+        forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already)."""
         return self.exact_after()[-1]
 
     # ----- string form -----

@@ -24,8 +24,9 @@ lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
   - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
 Each surrogate is a typed value in snlp.method.surrogates that owns its grammar token, cost and correction;
 the lagged term is folded into b before the scan, so every surrogate keeps its one vectorised solve.
-Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1, t_c =
-t_{c-1} + 1 (linked) or + 2 (lagged); K >= C is exact for forward order, K >= C + #lagged for any.
+Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1 (0 with the fwd init,
+whose F_0(h_S) is exact), t_c = t_{c-1} + 1 (linked) or + 2 (lagged, t_{c-1} > 0); K >= C is exact for forward
+order (C - 1 from fwd), K >= C + #lagged for any. `init_states` replaces the plan's init: t_0 = 1 then.
 No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
 With `tol` > 0, K is a maximum and every row (sequence) of the batch converges on its own: a row whose
 final-state relative update ||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| is below tol is frozen (its states kept
