@@ -23,7 +23,8 @@ import warnings
 from dataclasses import dataclass, replace
 
 from snlp.runtime.fmt import format_number
-from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
+from snlp.method.surrogates import (EPS_UNREAD, ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate,
+                                    parse_surrogate)
 
 INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration passed as preheat=)
 GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
@@ -75,8 +76,10 @@ class Plan:
             problems.append(f"surrogate must be a snlp.method.surrogates surrogate or its token, got {self.surrogate!r}")
         if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
             problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
+        order_ok = True
         if self.order is not None and isinstance(self.chunks, int):
             if sorted(self.order) != list(range(self.chunks)):
+                order_ok = False
                 problems.append(f"order {'.'.join(map(str, self.order))} must be a permutation of "
                                 f"0..{self.chunks - 1} (one index per chunk)")
             elif list(self.order) == list(range(self.chunks)):
@@ -85,6 +88,14 @@ class Plan:
                 object.__setattr__(self, "order", tuple(int(i) for i in self.order))
         if not _finite(self.tol) or not float(self.tol) >= 0:
             problems.append(f"tol must be a finite number >= 0, 0 = fixed K (got {self.tol})")
+        if self.surrogate == Jacobi():  # A = 0: h^{(k+1)} = F(h^{(k)}), no correction to damp or to order
+            if _finite(self.elk) and 0.0 < float(self.elk) < 1.0:
+                problems.append(f"ELK damping elk:{format_number(float(self.elk))} scales the correction, and the none "
+                                "surrogate (Jacobi, A = 0) makes none: drop elk, or use a surrogate that corrects (idn)")
+            if self.order is not None and order_ok:
+                problems.append("a correction order sets which update of its predecessor each chunk's correction reads, "
+                                "and the none surrogate (Jacobi, A = 0) makes no correction: drop order, or use a "
+                                "surrogate that corrects (idn)")
         if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
             problems += self.surrogate.check(self)
         if problems:
@@ -239,6 +250,9 @@ class Plan:
             if not isinstance(kw.get("surrogate"), DiagN):
                 raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} "
                                  f"{'applies' if len(diag) == 1 else 'apply'} only to the diag surrogate. "
+                                 f"Grammar: {GRAMMAR}")
+            if "eps" in diag and kw["surrogate"].estimator != "fd":  # the default eps too: written, so meant
+                raise ValueError(f"malformed plan {text!r}: {EPS_UNREAD.format(est=kw['surrogate'].estimator)}. "
                                  f"Grammar: {GRAMMAR}")
             try:
                 kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)

@@ -131,6 +131,30 @@ def test_malformed_plans_say_what_is_wrong(text, msg):
     assert "Grammar:" in str(e.value)
 
 
+@pytest.mark.parametrize("text,msg", [
+    ("4xF1-none-elk:0.5", r"elk:0.5 scales the correction, and the none surrogate \(Jacobi, A = 0\) makes none"),
+    ("4xF1-K3-none-order:reversed", r"the none surrogate \(Jacobi, A = 0\) makes no correction: drop order"),
+    ("4xF1-order:1.0.2.3-none", "drop order"),
+    ("4xF1-diag:jvp-eps:0.01", "diag:jvp computes its products by autodiff without reading it: drop eps"),
+    ("4xF1-eps:0.001-diag:vjp", "diag:vjp computes its products by autodiff without reading it: drop eps"),
+])
+def test_options_the_surrogate_never_reads_are_refused(text, msg):
+    """Jacobi's update is h^{(k+1)} = F(h^{(k)}) whatever the ELK damping and the correction order, and the jvp / vjp
+    estimators never read the FD step: such a plan ran exactly as the plan without the option (same logits) while its
+    name said otherwise. Refused in one line, parsed or constructed."""
+    with pytest.raises(ValueError, match=msg) as e:
+        Plan.parse(text)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="makes none"):
+        Plan(4, surrogate="none", elk=0.25)
+    with pytest.raises(ValueError, match="drop order"):
+        Plan(4, surrogate=Jacobi(), order=(3, 2, 1, 0))
+    with pytest.raises(ValueError, match="drop eps"):
+        DiagN("vjp", eps=0.01)
+    assert Plan.parse("4xF1-none-order:forward") == Plan(4, surrogate="none")  # forward is no option: the default
+    assert Plan.parse("4xF1-diag:fd-eps:0.01").surrogate.eps == 0.01
+
+
 
 def test_plans_must_fit_the_model():
     with pytest.raises(ValueError, match="model has only L = 16"):
