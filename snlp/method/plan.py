@@ -216,11 +216,17 @@ class Plan:
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
         _check_ascii(text)
+        space = re.search(r"\s", text.strip())
+        if space:  # a part's value would otherwise keep it (float(' 1') reads 1; 'C xF M' then '\n' split parts)
+            raise ValueError(f"malformed plan {text!r}: whitespace {space.group(0)!r} at position "
+                             f"{text.index(space.group(0), len(text) - len(text.lstrip()))}: write a plan without "
+                             f"spaces, e.g. 12xF2-h0-K1. Grammar: {GRAMMAR}")
         bad_k = re.search(r"(?:^|-)K(?=-|$)", text)
         if bad_k:  # K-1 splits at its minus sign into 'K' and '1'
-            got = re.match(r"-?[^-]*", text[bad_k.end():]).group(0)
-            raise ValueError(f"malformed plan {text!r}: the iteration count K{got} must be an integer >= 0 written "
-                             f"right after K (e.g. K1). Grammar: {GRAMMAR}")
+            neg = re.match(r"-[0-9.]+(?=-|$)", text[bad_k.end():])
+            got = f"K{neg.group(0)}" if neg else "K"  # a bare K followed by another part names only the K
+            raise ValueError(f"malformed plan {text!r}: the iteration count {got} must be an integer >= 0 written "
+                             f"right after K (e.g. K1){'' if neg else ', got a K without its count'}. Grammar: {GRAMMAR}")
         head, *tokens = _split(text.strip())
         m = _HEAD.match(head)
         if not m:
@@ -352,6 +358,8 @@ def _token(tok: str, text: str):
 
 
 def _number(text: str) -> float | None:
+    if "_" in text:  # float() reads '1_0' as 10: not a number of the grammar
+        return None
     try:
         return float(text)
     except ValueError:
