@@ -98,6 +98,9 @@ class Plan:
                                 "surrogate that corrects (idn)")
         if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
             problems += self.surrogate.check(self)
+            if isinstance(self.surrogate, DiagN) and self.surrogate.subset == tuple(range(self.chunks)):
+                # every chunk is the default (the same probe draw, the same solve): one plan, one name
+                object.__setattr__(self, "surrogate", replace(self.surrogate, subset=None))
         if problems:
             raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
         for name in ("elk", "tol"):

@@ -155,6 +155,16 @@ def test_options_the_surrogate_never_reads_are_refused(text, msg):
     assert Plan.parse("4xF1-diag:fd-eps:0.01").surrogate.eps == 0.01
 
 
+def test_a_subset_of_every_chunk_is_the_default_diag_plan():
+    """DiagN on every chunk is one plan (the same probe draw, the same solve) and so has one name: a list naming it
+    twice is refused as a repeat."""
+    p = Plan.parse("4xF1-K2-diag:vjp-subset:3.1.0.2")
+    assert p == Plan.parse("4xF1-K2-diag:vjp") and str(p) == "4xF1-h0-K2-diag:vjp"
+    assert Plan(4, surrogate=DiagN(subset=(0, 1, 2, 3))).surrogate.subset is None
+    assert Plan.parse("4xF1-diag-subset:0.1.2").surrogate.subset == (0, 1, 2)
+    with pytest.raises(ValueError, match="twice"):
+        parse_plans("4xF1-diag,4xF1-diag-subset:0.1.2.3")
+
 
 def test_plans_must_fit_the_model():
     with pytest.raises(ValueError, match="model has only L = 16"):
