@@ -201,6 +201,26 @@ class Plan:
         forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already)."""
         return self.exact_after()[-1]
 
+    def divergence_hints(self) -> str:
+        """What to try when this plan's solve turns NaN/inf, only the changes this plan can take: more iterations below
+        the exact count, fewer/larger chunks, ELK damping where the surrogate corrects (Jacobi makes no correction: elk
+        is refused there), the h0 init where it is not already the init. From the exact count on the output is the
+        fused model's own, which no solver setting changes."""
+        if self.iters >= self.exact_iters():
+            return ("K reaches the exact count, so the output is the model's own: check its sequential forward"
+                    if self.fuse == 1 else "K reaches the exact count, so the output is the fused model's own: "
+                    "try fewer layers per chunk (smaller M)")
+        tries = [f"more iterations (K >= {self.exact_iters()} is exact)"]
+        if self.chunks > 1:
+            tries.append("fewer/larger chunks")
+        if self.surrogate != Jacobi():
+            tries.append(f"more ELK damping (elk above {format_number(self.elk)})" if self.elk else
+                         "ELK damping (-elk:0.1)")
+        if self.init != "h0":
+            tries.append("the h0 init")
+        last = tries.pop()
+        return "if the sequential forward is finite, try " + ", ".join(tries) + (" or " if tries else "") + last
+
     # ----- string form -----
     def __str__(self) -> str:
         s = f"{self.chunks}xF{self.fuse}-{self.init}-K{self.iters}{self.surrogate}"

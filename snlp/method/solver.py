@@ -125,9 +125,7 @@ def preheat_for(plan: Plan, preheat: Preheat | None) -> Preheat | None:
 def _check_finite(h: Tensor, plan: Plan) -> None:
     if not bool(torch.isfinite(h).all()):
         raise SNLPDivergenceError(
-            f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf. Try more iterations "
-            f"(K >= {plan.exact_iters()} is exact), fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init; "
-            f"check the sequential forward is finite first.")
+            f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf; {plan.divergence_hints()}.")
 
 
 def backout_state(model: GPT, plan: Plan, ctx, states: Tensor) -> Tensor | None:

@@ -223,6 +223,27 @@ def test_exact_iters_is_the_first_exact_K(init, sur, order):
         assert float((parallel_forward(model, idx, plan.with_(iters=K - 1)) - ref).abs().max()) > 1e-6, (str(plan), K)
 
 
+def test_the_divergence_message_suggests_only_what_the_plan_can_take():
+    """A NaN/inf solve said "try ... ELK damping (-elk:0.1) or the h0 init" for every plan: a none plan refuses elk,
+    an h0 plan has that init already, and at K >= exact_iters no solver setting changes the (fused) model's output."""
+    model = make_model(seed=1, n_layer=5)
+    with torch.no_grad():
+        model.blocks[-1].mlp.c_proj.weight[0, 0] = float("nan")
+    idx = tokens(model, T=4)
+
+    def message(plan):
+        with pytest.raises(SNLPDivergenceError) as e, torch.no_grad():
+            solve(model, idx, plan)
+        return str(e.value)
+
+    jacobi = message("4xF1-h0-K1-none")
+    assert "K >= 4 is exact" in jacobi and "elk" not in jacobi and "h0 init" not in jacobi, jacobi
+    fwd = message("4xF1-fwd-K1")
+    assert "K >= 3 is exact" in fwd and "(-elk:0.1)" in fwd and "the h0 init" in fwd, fwd
+    exact = message("4xF1-h0-K4")
+    assert "check its sequential forward" in exact and "more iterations" not in exact and "elk" not in exact, exact
+
+
 def test_seq_perm_identity_is_sequential_and_permutations_change_it():
     from snlp.method.solver import permuted_sequential
     model = make_model(seed=17, n_layer=6)
