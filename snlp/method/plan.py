@@ -198,7 +198,11 @@ class Plan:
 
     def exact_iters(self) -> int:
         """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`; C for the
-        forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already)."""
+        forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already). The forward order's is
+        that closed form, not a list of C entries: a plan list is capped (`cli_plan`) before any model bounds C, and
+        a mistyped 10000000000xF1 must reach its does-not-fit error, not build ten billion entries."""
+        if self.order is None:  # no lagged chunk: t_c = t_0 + c
+            return self.chunks - (1 if self.init == "fwd" else 0)
         return self.exact_after()[-1]
 
     def divergence_hints(self) -> str:

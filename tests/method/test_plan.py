@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snlp import DiagN, Identity, Jacobi, Newton, Plan, parse_plans
+from snlp.method.plan import cli_plan
 
 
 @st.composite
@@ -87,6 +88,13 @@ def test_lag_and_exactness_follow_correction_order():
     assert Plan.parse("4xF1-fwd").exact_after() == [0, 1, 2, 3]
     assert Plan.parse("4xF1-fwd-order:reversed").exact_after() == [0, 1, 3, 5]
     assert Plan.parse("1xF1-fwd").exact_iters() == 0 and Plan.parse("1xF1-preheat").exact_iters() == 1
+    for text in ("7xF1", "7xF2-fwd-none", "1xF3-fwd", "5xF1-preheat-newton"):  # the closed form is the staircase's
+        assert Plan.parse(text).exact_iters() == Plan.parse(text).exact_after()[-1] == max(Plan.parse(text).exact_after())
+    # a mistyped C reaches the does-not-fit error of the model, not a list of C entries (MemoryError before)
+    assert Plan.parse("1000000000000000xF1-K5").exact_iters() == 10 ** 15
+    assert str(cli_plan("1000000000000000xF1-K5")) == "1000000000000000xF1-h0-K5"
+    with pytest.raises(ValueError, match="model has only L = 16"):
+        cli_plan("1000000000000000xF1-K5", 16)
 
 
 def test_link_follows_correction_order():
