@@ -244,7 +244,7 @@ class Plan:
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
         _check_ascii(text)
         space = re.search(r"\s", text.strip())
-        if space:  # a part's value would otherwise keep it (float(' 1') reads 1; 'C xF M' then '\n' split parts)
+        if space:  # float() reads ' .25' as 0.25 and the head's $ matches before a newline: spaced plans would parse
             raise ValueError(f"malformed plan {text!r}: whitespace {space.group(0)!r} at position "
                              f"{text.index(space.group(0), len(text) - len(text.lstrip()))}: write a plan without "
                              f"spaces, e.g. 12xF2-h0-K1. Grammar: {GRAMMAR}")
