@@ -63,7 +63,7 @@ RUN_AS = {"lm": "without --drafter, --task or --harness", "drafter": "with --dra
 # ----- CLI -----
 def add_arguments(p) -> None:
     p.add_argument("ckpt", help="checkpoint directory (snlp train --out / snlp.save_checkpoint)")
-    p.add_argument("--plans", default=None, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,2xF2-fwd-K2 (required "
+    p.add_argument("--plans", default=None, help="comma-separated SNLP plans, e.g. 4xF1-h0-K1,3xF2-fwd-K2 (required "
                    "unless --drafter: then default the drafter's plan)")
     a = p.add_argument_group("adapted drafter (snlp adapt): its SNLP forward vs the checkpoint run sequentially")
     a.add_argument("--drafter", default=None, help="drafter directory: rows for the post-hoc and the adapted drafter "

@@ -23,7 +23,8 @@ import warnings
 from dataclasses import dataclass, replace
 
 from snlp.runtime.fmt import format_number
-from snlp.method.surrogates import ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate, parse_surrogate
+from snlp.method.surrogates import (EPS_UNREAD, ESTIMATORS, SURROGATES, DiagN, Identity, Jacobi, Surrogate,
+                                    parse_surrogate)
 
 INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration passed as preheat=)
 GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
@@ -75,8 +76,10 @@ class Plan:
             problems.append(f"surrogate must be a snlp.method.surrogates surrogate or its token, got {self.surrogate!r}")
         if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
             problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
+        order_ok = True
         if self.order is not None and isinstance(self.chunks, int):
             if sorted(self.order) != list(range(self.chunks)):
+                order_ok = False
                 problems.append(f"order {'.'.join(map(str, self.order))} must be a permutation of "
                                 f"0..{self.chunks - 1} (one index per chunk)")
             elif list(self.order) == list(range(self.chunks)):
@@ -85,8 +88,19 @@ class Plan:
                 object.__setattr__(self, "order", tuple(int(i) for i in self.order))
         if not _finite(self.tol) or not float(self.tol) >= 0:
             problems.append(f"tol must be a finite number >= 0, 0 = fixed K (got {self.tol})")
+        if self.surrogate == Jacobi():  # A = 0: h^{(k+1)} = F(h^{(k)}), no correction to damp or to order
+            if _finite(self.elk) and 0.0 < float(self.elk) < 1.0:
+                problems.append(f"ELK damping elk:{format_number(float(self.elk))} scales the correction, and the none "
+                                "surrogate (Jacobi, A = 0) makes none: drop elk, or use a surrogate that corrects (idn)")
+            if self.order is not None and order_ok:
+                problems.append("a correction order sets which update of its predecessor each chunk's correction reads, "
+                                "and the none surrogate (Jacobi, A = 0) makes no correction: drop order, or use a "
+                                "surrogate that corrects (idn)")
         if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
             problems += self.surrogate.check(self)
+            if isinstance(self.surrogate, DiagN) and self.surrogate.subset == tuple(range(self.chunks)):
+                # every chunk is the default (the same probe draw, the same solve): one plan, one name
+                object.__setattr__(self, "surrogate", replace(self.surrogate, subset=None))
         if problems:
             raise ValueError("invalid SNLP plan: " + "; ".join(problems) + f". Grammar: {GRAMMAR}")
         for name in ("elk", "tol"):
@@ -168,19 +182,48 @@ class Plan:
 
     def exact_after(self) -> list[int]:
         """t_c: after t_c iterations chunk c's output is exact (equals the fused model run
-        sequentially) whatever the init and surrogate. t_0 = 1; a linked chunk (or any chunk without
-        correction, surrogate none) is exact one iteration after its predecessor, a lagged one two
-        iterations after it (its input is exact at t_{c-1} + 1 but its lagged correction still
-        carries the predecessor's last nonzero update, made at t_{c-1}). So K >= C is exact for the
-        forward order, and K >= C + (number of lagged chunks) for any order (2C - 1 for reversed)."""
-        t, lags = [1], self.lag()
+        sequentially) for every surrogate, starting from the plan's init. t_0 = 1, or 0 with the fwd
+        init: its F_0(h_S) is already chunk 0's exact output (h_S is exact), and no iteration moves it.
+        A linked chunk (or any chunk without correction, surrogate none) is exact one iteration after
+        its predecessor, a lagged one two iterations after it (its input is exact at t_{c-1} + 1 but
+        its lagged correction still carries the predecessor's last nonzero update, made at t_{c-1}),
+        unless t_{c-1} = 0: a predecessor exact from the init never makes a nonzero update. So K >= C
+        (C - 1 with fwd) is exact for the forward order, and K >= C + (number of lagged chunks) for any
+        order from h0 (2C - 1 for reversed)."""
+        t, lags = [0 if self.init == "fwd" else 1], self.lag()
         for c in range(1, self.chunks):
-            t.append(t[-1] + (2 if lags[c] and self.surrogate != Jacobi() else 1))
+            lagged = lags[c] and self.surrogate != Jacobi() and t[-1] > 0
+            t.append(t[-1] + (2 if lagged else 1))
         return t
 
     def exact_iters(self) -> int:
-        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`)."""
+        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`; C for the
+        forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already). The forward order's is
+        that closed form, not a list of C entries: a plan list is capped (`cli_plan`) before any model bounds C, and
+        a mistyped 10000000000xF1 must reach its does-not-fit error, not build ten billion entries."""
+        if self.order is None:  # no lagged chunk: t_c = t_0 + c
+            return self.chunks - (1 if self.init == "fwd" else 0)
         return self.exact_after()[-1]
+
+    def divergence_hints(self) -> str:
+        """What to try when this plan's solve turns NaN/inf, only the changes this plan can take: more iterations below
+        the exact count, fewer/larger chunks, ELK damping where the surrogate corrects (Jacobi makes no correction: elk
+        is refused there), the h0 init where it is not already the init. From the exact count on the output is the
+        fused model's own, which no solver setting changes."""
+        if self.iters >= self.exact_iters():
+            return ("K reaches the exact count, so the output is the model's own: check its sequential forward"
+                    if self.fuse == 1 else "K reaches the exact count, so the output is the fused model's own: "
+                    "try fewer layers per chunk (smaller M)")
+        tries = [f"more iterations (K >= {self.exact_iters()} is exact)"]
+        if self.chunks > 1:
+            tries.append("fewer/larger chunks")
+        if self.surrogate != Jacobi():
+            tries.append(f"more ELK damping (elk above {format_number(self.elk)})" if self.elk else
+                         "ELK damping (-elk:0.1)")
+        if self.init != "h0":
+            tries.append("the h0 init")
+        last = tries.pop()
+        return "if the sequential forward is finite, try " + ", ".join(tries) + (" or " if tries else "") + last
 
     # ----- string form -----
     def __str__(self) -> str:
@@ -200,11 +243,17 @@ class Plan:
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
         _check_ascii(text)
+        space = re.search(r"\s", text.strip())
+        if space:  # float() reads ' .25' as 0.25 and the head's $ matches before a newline: spaced plans would parse
+            raise ValueError(f"malformed plan {text!r}: whitespace {space.group(0)!r} at position "
+                             f"{text.index(space.group(0), len(text) - len(text.lstrip()))}: write a plan without "
+                             f"spaces, e.g. 12xF2-h0-K1. Grammar: {GRAMMAR}")
         bad_k = re.search(r"(?:^|-)K(?=-|$)", text)
         if bad_k:  # K-1 splits at its minus sign into 'K' and '1'
-            got = re.match(r"-?[^-]*", text[bad_k.end():]).group(0)
-            raise ValueError(f"malformed plan {text!r}: the iteration count K{got} must be an integer >= 0 written "
-                             f"right after K (e.g. K1). Grammar: {GRAMMAR}")
+            neg = re.match(r"-[0-9.]+(?=-|$)", text[bad_k.end():])
+            got = f"K{neg.group(0)}" if neg else "K"  # a bare K followed by another part names only the K
+            raise ValueError(f"malformed plan {text!r}: the iteration count {got} must be an integer >= 0 written "
+                             f"right after K (e.g. K1){'' if neg else ', got a K without its count'}. Grammar: {GRAMMAR}")
         head, *tokens = _split(text.strip())
         m = _HEAD.match(head)
         if not m:
@@ -234,6 +283,9 @@ class Plan:
             if not isinstance(kw.get("surrogate"), DiagN):
                 raise ValueError(f"malformed plan {text!r}: {'/'.join(diag)} "
                                  f"{'applies' if len(diag) == 1 else 'apply'} only to the diag surrogate. "
+                                 f"Grammar: {GRAMMAR}")
+            if "eps" in diag and kw["surrogate"].estimator != "fd":  # the default eps too: written, so meant
+                raise ValueError(f"malformed plan {text!r}: {EPS_UNREAD.format(est=kw['surrogate'].estimator)}. "
                                  f"Grammar: {GRAMMAR}")
             try:
                 kw["surrogate"] = DiagN(kw["surrogate"].estimator, **diag)
@@ -333,6 +385,8 @@ def _token(tok: str, text: str):
 
 
 def _number(text: str) -> float | None:
+    if "_" in text:  # float() reads '1_0' as 10: not a number of the grammar
+        return None
     try:
         return float(text)
     except ValueError:

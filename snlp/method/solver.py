@@ -24,8 +24,9 @@ lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
   - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
 Each surrogate is a typed value in snlp.method.surrogates that owns its grammar token, cost and correction;
 the lagged term is folded into b before the scan, so every surrogate keeps its one vectorised solve.
-Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1, t_c =
-t_{c-1} + 1 (linked) or + 2 (lagged); K >= C is exact for forward order, K >= C + #lagged for any.
+Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1 (0 with the fwd init,
+whose F_0(h_S) is exact), t_c = t_{c-1} + 1 (linked) or + 2 (lagged, t_{c-1} > 0); K >= C is exact for forward
+order (C - 1 from fwd), K >= C + #lagged for any. `init_states` replaces the plan's init: t_0 = 1 then.
 No Python loop runs over layers or chunks on the hot path except in the exact-Newton reference.
 With `tol` > 0, K is a maximum and every row (sequence) of the batch converges on its own: a row whose
 final-state relative update ||d_{C-1}|| / ||h_{C-1}^{(k+1)}|| is below tol is frozen (its states kept
@@ -124,9 +125,7 @@ def preheat_for(plan: Plan, preheat: Preheat | None) -> Preheat | None:
 def _check_finite(h: Tensor, plan: Plan) -> None:
     if not bool(torch.isfinite(h).all()):
         raise SNLPDivergenceError(
-            f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf. Try more iterations "
-            f"(K >= {plan.exact_iters()} is exact), fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init; "
-            f"check the sequential forward is finite first.")
+            f"SNLP plan {plan} diverged: the final hidden state contains NaN/inf; {plan.divergence_hints()}.")
 
 
 def backout_state(model: GPT, plan: Plan, ctx, states: Tensor) -> Tensor | None:

@@ -41,6 +41,9 @@ ESTIMATORS = ("fd", "jvp", "vjp")  # how DiagN estimates diag(J): finite differe
 # extra batched passes an estimator runs per iteration, all P probes stacked into one pass: fd one
 # forward f(x + s v); jvp one forward-mode pass; vjp a forward that records the graph plus its backward
 ESTIMATOR_PASSES = {"fd": 1, "jvp": 1, "vjp": 2}
+# eps is the step of the finite difference (F(x + s v) - F(x)) / s; jvp and vjp get J v / J^T v from AD and never read it
+EPS_UNREAD = ("eps is the finite-difference step of the diag:fd estimator, and diag:{est} computes its products by "
+              "autodiff without reading it: drop eps, or use diag:fd")
 
 
 @dataclass
@@ -281,6 +284,8 @@ class DiagN(Surrogate):
             problems.append(f"probes must be an integer >= 1 (got {self.probes!r})")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             problems.append(f"FD step eps must be > 0 and finite (got {self.eps})")
+        elif self.estimator in ESTIMATORS and self.estimator != "fd" and self.eps != 1e-3:
+            problems.append(EPS_UNREAD.format(est=self.estimator))
         if self.subset is not None:
             sub = tuple(self.subset)
             if not sub or len(set(sub)) != len(sub) or min(sub) < 0:

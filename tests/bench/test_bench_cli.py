@@ -15,15 +15,15 @@ TINY = ["--depth", "4", "--width", "32", "--head-dim", "16", "--vocab-size", "97
 def test_bench_writes_records_for_sequential_and_each_plan(tmp_path, capsys):
     out = tmp_path / "sub" / "out.json"
     rc = main(["bench", *TINY, "--tokens", "3", "--window-pattern", "SL",
-               "--plans", "1xF2-h0-K1,2xF1-fwd-K2-none", "--json", str(out)])
+               "--plans", "1xF2-h0-K1,2xF1-fwd-K1-none", "--json", str(out)])
     assert rc == 0
     records = json.loads(out.read_text())
-    assert [r["plan"] for r in records] == ["sequential", "1xF2-h0-K1", "2xF1-fwd-K2-none"]
+    assert [r["plan"] for r in records] == ["sequential", "1xF2-h0-K1", "2xF1-fwd-K1-none"]
     for r in records:
         assert {"plan", "median_ms", "speedup", "ideal_layer_speedup"} <= r.keys() and "ideal_speedup" not in r
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["runs"] == 3
         assert r["speedup"] == pytest.approx(records[0]["median_ms"] / r["median_ms"])  # sequential over plan
-    assert records[1]["ideal_layer_speedup"] == 4 / 3 and records[2]["ideal_layer_speedup"] == 4 / 5  # L/(S+K+fwd)
+    assert records[1]["ideal_layer_speedup"] == 4 / 3 and records[2]["ideal_layer_speedup"] == 4 / 4  # L/(S+K+fwd)
     table = capsys.readouterr().out
     assert "1xF2-h0-K1" in table and "ideal" in table
 

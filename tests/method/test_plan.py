@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snlp import DiagN, Identity, Jacobi, Newton, Plan, parse_plans
+from snlp.method.plan import cli_plan
 
 
 @st.composite
@@ -16,11 +17,13 @@ def plans(draw):
     surrogate = draw(st.sampled_from(["idn", "none", "hcn", "diag", "newton"]))
     if surrogate == "diag":
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
-        surrogate = DiagN(estimator=draw(st.sampled_from(["fd", "jvp", "vjp"])), probes=draw(st.integers(1, 8)),
-                          eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])), subset=subset)
+        est = draw(st.sampled_from(["fd", "jvp", "vjp"]))  # eps is fd's step only
+        surrogate = DiagN(estimator=est, probes=draw(st.integers(1, 8)),
+                          eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])) if est == "fd" else 1e-3, subset=subset)
+    corrects = surrogate != "none"  # Jacobi has no correction to damp or order
     return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
                 iters=draw(st.integers(0, 9)), surrogate=surrogate,
-                elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])), order=order,
+                elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])) if corrects else 0.0, order=order if corrects else None,
                 tol=draw(st.sampled_from([0.0, 1e-5, 0.01])))
 
 
@@ -38,7 +41,7 @@ def test_paper_notation():
     # the SSD table writes K before the init; defaults are h0 and K=1
     assert Plan.parse("24xF1-K2-h0") == Plan(24, 1, "h0", 2)
     assert Plan.parse("8xF1") == Plan(8, 1, "h0", 1)
-    assert str(Plan.parse("4xF1-fwd-K2-none-elk:0.1-order:reversed")) == "4xF1-fwd-K2-none-elk:0.1-order:reversed"
+    assert str(Plan.parse("4xF1-fwd-K2-newton-elk:0.1-order:reversed")) == "4xF1-fwd-K2-newton-elk:0.1-order:reversed"
     assert Plan.parse("3xF1-order:0.1.2").order is None  # forward is the default, not stored
     assert Plan.parse("3xF1-order:2.0.1").order == (2, 0, 1)
 
@@ -49,9 +52,9 @@ def test_surrogate_notation():
     p = Plan.parse("8xF1-h0-K2-diag:vjp")
     assert p.surrogate == DiagN("vjp", probes=1, subset=None)
     assert Plan.parse("8xF1-diag") == Plan(8, surrogate=DiagN("fd")) == Plan(8, surrogate="diag")
-    p = Plan.parse("4xF1-K3-diag:jvp-probes:4-eps:1e-2-subset:2.0-tol:1e-5")
+    p = Plan.parse("4xF1-K3-diag-probes:4-eps:1e-2-subset:2.0-tol:1e-5")
     assert (p.surrogate.probes, p.surrogate.eps, p.surrogate.subset, p.tol) == (4, 0.01, (0, 2), 1e-5)
-    assert str(p) == "4xF1-h0-K3-diag:jvp-probes:4-eps:0.01-subset:0.2-tol:1e-05"
+    assert str(p) == "4xF1-h0-K3-diag:fd-probes:4-eps:0.01-subset:0.2-tol:1e-05"
 
 
 def test_ideal_speedup_counts_what_runs():
@@ -79,8 +82,19 @@ def test_lag_and_exactness_follow_correction_order():
     assert Plan.parse("4xF1-elk:0.5-order:0.2.1.3").lag_factors() == [0.0, 0.0, 0.5, 0.0]
     assert Plan.parse("4xF1").exact_after() == [1, 2, 3, 4] and Plan.parse("4xF1").exact_iters() == 4
     assert Plan.parse("4xF1-order:reversed").exact_after() == [1, 3, 5, 7]
-    assert Plan.parse("4xF1-order:reversed-none").exact_iters() == 4  # Jacobi ignores the order
+    assert Plan.parse("4xF1-none").exact_after() == [1, 2, 3, 4]
     assert Plan.parse("4xF1-order:0.2.1.3").exact_iters() == 5
+    # fwd: chunk 0 is exact from the init, and never moves, so its lagged successor needs no extra iteration
+    assert Plan.parse("4xF1-fwd").exact_after() == [0, 1, 2, 3]
+    assert Plan.parse("4xF1-fwd-order:reversed").exact_after() == [0, 1, 3, 5]
+    assert Plan.parse("1xF1-fwd").exact_iters() == 0 and Plan.parse("1xF1-preheat").exact_iters() == 1
+    for text in ("7xF1", "7xF2-fwd-none", "1xF3-fwd", "5xF1-preheat-newton"):  # the closed form is the staircase's
+        assert Plan.parse(text).exact_iters() == Plan.parse(text).exact_after()[-1] == max(Plan.parse(text).exact_after())
+    # a mistyped C reaches the does-not-fit error of the model, not a list of C entries (MemoryError before)
+    assert Plan.parse("1000000000000000xF1-K5").exact_iters() == 10 ** 15
+    assert str(cli_plan("1000000000000000xF1-K5")) == "1000000000000000xF1-h0-K5"
+    with pytest.raises(ValueError, match="model has only L = 16"):
+        cli_plan("1000000000000000xF1-K5", 16)
 
 
 def test_link_follows_correction_order():
@@ -123,6 +137,41 @@ def test_malformed_plans_say_what_is_wrong(text, msg):
     with pytest.raises(ValueError, match=msg) as e:
         Plan.parse(text)
     assert "Grammar:" in str(e.value)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("4xF1-none-elk:0.5", r"elk:0.5 scales the correction, and the none surrogate \(Jacobi, A = 0\) makes none"),
+    ("4xF1-K3-none-order:reversed", r"the none surrogate \(Jacobi, A = 0\) makes no correction: drop order"),
+    ("4xF1-order:1.0.2.3-none", "drop order"),
+    ("4xF1-diag:jvp-eps:0.01", "diag:jvp computes its products by autodiff without reading it: drop eps"),
+    ("4xF1-eps:0.001-diag:vjp", "diag:vjp computes its products by autodiff without reading it: drop eps"),
+])
+def test_options_the_surrogate_never_reads_are_refused(text, msg):
+    """Jacobi's update is h^{(k+1)} = F(h^{(k)}) whatever the ELK damping and the correction order, and the jvp / vjp
+    estimators never read the FD step: such a plan ran exactly as the plan without the option (same logits) while its
+    name said otherwise. Refused in one line, parsed or constructed."""
+    with pytest.raises(ValueError, match=msg) as e:
+        Plan.parse(text)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="makes none"):
+        Plan(4, surrogate="none", elk=0.25)
+    with pytest.raises(ValueError, match="drop order"):
+        Plan(4, surrogate=Jacobi(), order=(3, 2, 1, 0))
+    with pytest.raises(ValueError, match="drop eps"):
+        DiagN("vjp", eps=0.01)
+    assert Plan.parse("4xF1-none-order:forward") == Plan(4, surrogate="none")  # forward is no option: the default
+    assert Plan.parse("4xF1-diag:fd-eps:0.01").surrogate.eps == 0.01
+
+
+def test_a_subset_of_every_chunk_is_the_default_diag_plan():
+    """DiagN on every chunk is one plan (the same probe draw, the same solve) and so has one name: a list naming it
+    twice is refused as a repeat."""
+    p = Plan.parse("4xF1-K2-diag:vjp-subset:3.1.0.2")
+    assert p == Plan.parse("4xF1-K2-diag:vjp") and str(p) == "4xF1-h0-K2-diag:vjp"
+    assert Plan(4, surrogate=DiagN(subset=(0, 1, 2, 3))).surrogate.subset is None
+    assert Plan.parse("4xF1-diag-subset:0.1.2").surrogate.subset == (0, 1, 2)
+    with pytest.raises(ValueError, match="twice"):
+        parse_plans("4xF1-diag,4xF1-diag-subset:0.1.2.3")
 
 
 def test_plans_must_fit_the_model():

@@ -26,7 +26,7 @@ def test_non_ascii_digits_are_refused(text):
         Plan.parse(text)
 
 
-@pytest.mark.parametrize("text,capped", [("4xF1-h0-K999999999", "4xF1-h0-K4"), ("2xF3-fwd-K7", "2xF3-fwd-K2"),
+@pytest.mark.parametrize("text,capped", [("4xF1-h0-K999999999", "4xF1-h0-K4"), ("2xF3-fwd-K7", "2xF3-fwd-K1"),
                                          ("3xF1-h0-K9-order:reversed", "3xF1-h0-K5-order:reversed"),
                                          ("4xF1-h0-K50-tol:0.001", "4xF1-h0-K4-tol:0.001")])
 def test_K_beyond_exact_is_capped_with_a_warning(text, capped):
@@ -108,3 +108,20 @@ def test_each_numeric_part_is_named_with_its_value(text, says):
             parse(text)
         msg = str(e.value)
         assert "\n" not in msg and "unknown part 'tol:'" not in msg and "Grammar:" in msg, msg
+
+
+@pytest.mark.parametrize("text,says", [
+    ("16xF1\n-K1-hcn", r"whitespace '\\n' at position 5"),
+    ("4xF1-h0-K1-elk: .25", "whitespace ' ' at position 15"),
+    ("4xF1-h0-K1-diag-eps:1_0", "eps must be a positive number, got '1_0'"),
+    ("4xF1-h0-K-newton", "the iteration count K must be an integer >= 0 .*got a K without its count"),
+    ("12xF1-h0-K\n", "got a K without its count"),
+])
+def test_whitespace_underscores_and_a_bare_K_are_named(text, says):
+    """Python's float() reads ' .25' and '1_0', and the head's '$' let a newline through, so these parsed as plans
+    not written; a bare K followed by another part was reported as a negative count ('K-newton'), and a trailing
+    newline after it ended up raw inside the one-line message."""
+    for parse in (Plan.parse, parse_plans):
+        with pytest.raises(ValueError, match=says) as e:
+            parse(text)
+        assert "\n" not in str(e.value) and "Grammar:" in str(e.value)

@@ -40,13 +40,16 @@ def plans(draw):
     kind = draw(st.sampled_from(["idn", "none", "hcn", "newton", "diag"]))
     if kind == "diag":
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
-        sur = DiagN(draw(st.sampled_from(ESTIMATORS)), probes=draw(st.integers(1, 9)),
-                    eps=draw(_floats(0.0, 1e6, exclude_min=True)), subset=subset)
+        est = draw(st.sampled_from(ESTIMATORS))  # eps is fd's step only
+        sur = DiagN(est, probes=draw(st.integers(1, 9)),
+                    eps=draw(_floats(0.0, 1e6, exclude_min=True)) if est == "fd" else 1e-3, subset=subset)
     else:
         sur = {"idn": Identity(), "none": Jacobi(), "hcn": HCN(), "newton": Newton()}[kind]
     order = draw(st.one_of(st.none(), st.permutations(range(chunks)).map(tuple)))
     tol = draw(st.one_of(st.just(0.0), _floats(0.0, 1e6, exclude_min=True)))
     elk = draw(st.one_of(st.just(0.0), _floats(0.0, 1.0, exclude_max=True)))
+    if kind == "none":  # Jacobi has no correction to damp or order
+        order, elk = None, 0.0
     return Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(INITS)), iters=draw(st.integers(0, 40)),
                 surrogate=sur, elk=elk, order=order, tol=tol)
 
@@ -75,7 +78,7 @@ def test_close_plans_print_differently_and_nice_numbers_stay_short():
     # canonical short forms are kept for numbers :g writes exactly
     assert str(Plan.parse("4xF1-h0-K2-tol:1e-3-elk:0.5")) == "4xF1-h0-K2-tol:0.001-elk:0.5"
     assert str(Plan.parse("4xF1-h0-K2-tol:1e-5")) == "4xF1-h0-K2-tol:1e-05"
-    assert str(Plan.parse("4xF1-h0-K2-diag:jvp-eps:0.01")) == "4xF1-h0-K2-diag:jvp-eps:0.01"
+    assert str(Plan.parse("4xF1-h0-K2-diag:fd-eps:0.01")) == "4xF1-h0-K2-diag:fd-eps:0.01"
     from snlp.method.plan import format_number
 
     assert [format_number(x) for x in (0.5, 0.25, 1e-3, 100.0, 0.1 + 0.2)] == ["0.5", "0.25", "0.001", "100",

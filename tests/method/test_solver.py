@@ -21,11 +21,12 @@ def model_and_plan(draw, fuse_max: int = 3, exact: bool = True):
     L = cfg["n_layer"]
     fuse = draw(st.integers(1, min(fuse_max, L)))
     chunks = draw(st.integers(1, L // fuse))
+    sur = draw(st.sampled_from(SURROGATES))
     order = None
-    if draw(st.booleans()):
+    if sur != "none" and draw(st.booleans()):  # Jacobi has no correction to damp or order
         order = tuple(draw(st.permutations(range(chunks))))
-    plan = Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])),
-                surrogate=draw(st.sampled_from(SURROGATES)), elk=draw(st.sampled_from([0.0, 0.25])), order=order)
+    plan = Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(["h0", "fwd"])), surrogate=sur,
+                elk=draw(st.sampled_from([0.0, 0.25])) if sur != "none" else 0.0, order=order)
     K = plan.exact_iters()  # C for forward order (and Jacobi), C + #lagged chunks otherwise
     plan = plan.with_(iters=draw(st.integers(K, K + 2)) if exact else draw(st.integers(0, K + 1)))
     return cfg, plan, draw(st.integers(0, 2 ** 16))
@@ -202,6 +203,45 @@ def test_lagged_order_semantics_per_surrogate(order):
             torch.testing.assert_close(parallel_forward(model, idx, p.with_(iters=K)), ref, rtol=1e-9, atol=1e-9)
             if order == "reversed":
                 torch.testing.assert_close(parallel_forward(model, idx, p), parallel_forward(model, idx, "4xF1-h0-K1-none"))
+
+
+@pytest.mark.parametrize("init", ["h0", "fwd"])
+@pytest.mark.parametrize("sur,order", [(s, o) for s in ("idn", "newton") for o in ("forward", "reversed", "1.2.0.3", "2.0.3.1")]
+                         + [("none", "forward")])  # Jacobi makes no correction: no order to give it
+def test_exact_iters_is_the_first_exact_K(init, sur, order):
+    """Plan.exact_iters() is the smallest K whose output equals the sequential model: K - 1 is not exact (so the
+    command line's cap to it never drops a needed iteration) and K is. The fwd init starts from F_c(h_S), so chunk 0
+    is exact before the first iteration and every chunk one iteration earlier than from h0 (K = C - 1 in forward
+    order): claiming C there made `snlp eval --plans 4xF1-fwd-K4` run an iteration that changes nothing."""
+    model = make_model(seed=23, n_layer=5)
+    idx = tokens(model, T=6)
+    plan = Plan.parse(f"4xF1-{init}-K0-{sur}-order:{order}")
+    K = plan.exact_iters()
+    with torch.no_grad():
+        ref = model(idx)
+        torch.testing.assert_close(parallel_forward(model, idx, plan.with_(iters=K)), ref, rtol=1e-9, atol=1e-9)
+        assert float((parallel_forward(model, idx, plan.with_(iters=K - 1)) - ref).abs().max()) > 1e-6, (str(plan), K)
+
+
+def test_the_divergence_message_suggests_only_what_the_plan_can_take():
+    """A NaN/inf solve said "try ... ELK damping (-elk:0.1) or the h0 init" for every plan: a none plan refuses elk,
+    an h0 plan has that init already, and at K >= exact_iters no solver setting changes the (fused) model's output."""
+    model = make_model(seed=1, n_layer=5)
+    with torch.no_grad():
+        model.blocks[-1].mlp.c_proj.weight[0, 0] = float("nan")
+    idx = tokens(model, T=4)
+
+    def message(plan):
+        with pytest.raises(SNLPDivergenceError) as e, torch.no_grad():
+            solve(model, idx, plan)
+        return str(e.value)
+
+    jacobi = message("4xF1-h0-K1-none")
+    assert "K >= 4 is exact" in jacobi and "elk" not in jacobi and "h0 init" not in jacobi, jacobi
+    fwd = message("4xF1-fwd-K1")
+    assert "K >= 3 is exact" in fwd and "(-elk:0.1)" in fwd and "the h0 init" in fwd, fwd
+    exact = message("4xF1-h0-K4")
+    assert "check its sequential forward" in exact and "more iterations" not in exact and "elk" not in exact, exact
 
 
 def test_seq_perm_identity_is_sequential_and_permutations_change_it():

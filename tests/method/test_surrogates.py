@@ -410,7 +410,7 @@ def test_bench_ops_writes_the_four_ops(tmp_path, capsys):
 
 def test_bench_plans_with_diag_newton_and_tol_report_iterations(tmp_path, capsys):
     out = tmp_path / "b.json"
-    plans = "4xF1-h0-K2-diag:vjp,2xF2-fwd-K2-diag-probes:2-subset:1,4xF1-h0-K2-newton,4xF1-h0-K4-tol:1e-30"
+    plans = "4xF1-h0-K2-diag:vjp,2xF2-h0-K2-diag-probes:2-subset:1,4xF1-h0-K2-newton,4xF1-h0-K4-tol:1e-30"
     assert main(["bench", *TINY, "--tokens", "3", "--plans", plans, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert [r["iters"] for r in records] == [None, 2, 2, 2, 4]
