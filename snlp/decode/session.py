@@ -476,8 +476,7 @@ def check_picked(tokens: list[int], plan, step: int, prompts: list[int] | None =
     origin = ("they come from the solver's state (the model's own forward gives finite logits here)" if known else
               "check the model's own forward is finite")
     raise SNLPDivergenceError(f"SNLP plan {plan} diverged while decoding: the logits of {where} contain NaN/inf (no "
-                              f"token is read off them); {origin}. Try more iterations (K >= {plan.exact_iters()} is exact), "
-                              f"fewer/larger chunks, ELK damping (-elk:0.1) or the h0 init")
+                              f"token is read off them); {origin}; {plan.divergence_hints()}")
 
 
 # why a cached multi-token forward can be NaN/inf where the uncached one over the same prefix is not: masked attention
