@@ -258,7 +258,8 @@ class MCRecord:
     ci_low: float | None
     ci_high: float | None
     chance: float  # expected accuracy of uniform guessing (mean 1/choices)
-    subjects: dict = field(default_factory=dict)  # subject -> {n, correct, accuracy, ci_low, ci_high[, norm_*]}
+    # subject -> {n, correct, accuracy, ci_low, ci_high[, norm_*]}; "" holds the questions without one
+    subjects: dict = field(default_factory=dict)
     norm_correct: int | None = None  # harness acc_norm; None for the other scorings
     norm_accuracy: float | None = None
     norm_ci_low: float | None = None
@@ -289,7 +290,10 @@ def score_ok(right: list[bool], questions: list[Question], method: str) -> MCRec
     ok = [int(bool(x)) for x in right]
     n, c = len(ok), sum(ok)
     subjects = {}
-    for s in sorted({q.subject for q in questions if q.subject}):
+    # questions without a subject (an ARC file beside MMLU CSVs) are a row of their own, keyed "": left out, the
+    # per-subject rows summed to fewer questions than N and the table did not say so
+    named = {q.subject for q in questions if q.subject}
+    for s in sorted(named) + ([""] if named and any(not q.subject for q in questions) else []):
         idx = [i for i, q in enumerate(questions) if q.subject == s]
         sc = sum(ok[i] for i in idx)
         lo, hi = wilson(sc, len(idx))
@@ -339,6 +343,13 @@ def _headers(result: MCResult) -> list[str]:
     return ["Inference", "Accuracy", "95 % CI", "Correct / N"]
 
 
+NO_SUBJECT = "(no subject)"  # the tables' name of the questions without a subject (key "" in the records)
+
+
+def _subject_name(s: str) -> str:
+    return s or NO_SUBJECT
+
+
 def _subject_cell(r: MCRecord, s: str) -> str:
     if r.diverged:
         return "diverged"
@@ -363,7 +374,8 @@ def markdown(result: MCResult) -> str:
         lines += ["", f"| Subject{unit} | N | " + " | ".join(r.method for r in result.records) + " |",
                   "|---|---:|" + "---:|" * len(result.records)]
         for s, v in r0.subjects.items():
-            lines.append(f"| {s} | {v['n']} | " + " | ".join(_subject_cell(r, s) for r in result.records) + " |")
+            lines.append(f"| {_subject_name(s)} | {v['n']} | " + " | ".join(_subject_cell(r, s) for r in result.records)
+                         + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -385,5 +397,5 @@ def print_table(result: MCResult, title: str) -> None:
         for r in result.records:
             s.add_column(r.method, justify="right")
         for name, v in result.records[0].subjects.items():
-            s.add_row(name, str(v["n"]), *(_subject_cell(r, name) for r in result.records))
+            s.add_row(_subject_name(name), str(v["n"]), *(_subject_cell(r, name) for r in result.records))
         con.print(s)
