@@ -1,7 +1,12 @@
-"""Multiple-choice records and tables against hand counts: the per-subject rows cover every question."""
+"""Multiple-choice records and tables against hand counts: the per-subject rows cover every question, each question
+is counted once."""
+
+import json
+
+import pytest
 
 from snlp.eval.mc import MCResult, markdown, score
-from snlp.io.mctasks import Question
+from snlp.io.mctasks import Question, load_task
 
 
 def test_the_per_subject_rows_cover_the_questions_without_a_subject():
@@ -26,3 +31,14 @@ def test_one_subject_or_none_has_no_per_subject_table():
     plain = [Question("q", ("x", "y"), 0), Question("r", ("x", "y"), 1)]
     assert score([0, 0], plain, "sequential").subjects == {}
     assert score([0, 0], [Question(q.question, q.choices, q.answer, "s") for q in plain], "sequential").subjects == {}
+
+
+def test_a_task_file_named_twice_is_refused(tmp_path):
+    """mc:a.jsonl,a.jsonl (or a file and its folder) scored every question twice: N doubled and the Wilson interval
+    narrowed as if the task held twice the questions."""
+    f = tmp_path / "a.jsonl"
+    f.write_text(json.dumps({"question": "q", "choices": ["x", "y"], "answer": 0}) + "\n")
+    assert len(load_task(f"mc:{f}")) == 1
+    for spec in (f"mc:{f},{f}", f"mc:{tmp_path},{f}", f"mc:{f},{tmp_path / '.' / 'a.jsonl'}"):
+        with pytest.raises(ValueError, match="twice"):
+            load_task(spec)
