@@ -4,7 +4,10 @@ is counted once."""
 import json
 
 import pytest
+from conftest import text_checkpoint
 
+import snlp.io.checkpoint
+from snlp.apps.cli import main
 from snlp.eval.mc import MCResult, markdown, score
 from snlp.io.mctasks import Question, load_task
 
@@ -42,3 +45,27 @@ def test_a_task_file_named_twice_is_refused(tmp_path):
     for spec in (f"mc:{f},{f}", f"mc:{tmp_path},{f}", f"mc:{f},{tmp_path / '.' / 'a.jsonl'}"):
         with pytest.raises(ValueError, match="twice"):
             load_task(spec)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--task", "mc:{d}/nope.jsonl", "--plans", "4xF1-h0-K1"], "does not exist"),
+    (["--task", "mc:{d}/bad.jsonl", "--plans", "4xF1-h0-K1"], "bad.jsonl:2: answer index 7"),
+    (["--task", "mc:{d}/q.jsonl"], "--plans is required"),
+    (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-shots", "2"], "needs --mc-shots-from"),
+    (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-shots", "3", "--mc-shots-from", "mc:{d}/q.jsonl"],
+     "3-shot needs at least 4 questions in the shot pool, which holds 2"),
+    (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-limit", "-1"], "--mc-limit must be >= 0"),
+])
+def test_a_bad_task_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flags, msg):
+    """`snlp eval --task`: a missing or malformed task file, a shot pool too small, --mc-shots without its pool,
+    --mc-limit -1 or no --plans each fail in one line before the model loads (they came after it, the shot pool's
+    only once the sequential method was being scored)."""
+    ck, _, _ = text_checkpoint(tmp_path)
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "choices": ["x", "y"], "answer": 0})
+                                              + "\n" for i in range(2)))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "choices": ["x", "y"], "answer": 0}) + "\n"
+                                        + json.dumps({"question": "r", "choices": ["x", "y"], "answer": 7}) + "\n")
+    monkeypatch.setattr(snlp.io.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
+    assert main(["eval", str(ck), *(f.format(d=tmp_path) for f in flags), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1
