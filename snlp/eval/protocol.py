@@ -356,6 +356,14 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
         warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
                       f"for): the PPL windows measure extrapolation past it, not the model as trained (the records "
                       f"keep both: seq_len, model_seq_len)", stacklevel=2)
+    # the AR loop's last forward and the timing decode's last step read prompt_len + n - 1 positions (the last token
+    # generated is never fed back)
+    reach = cfg.prompt_len + max(cfg.gen_tokens, cfg.time_tokens) - 1
+    if reach > trained:
+        warnings.warn(f"the AR loop and the decode timing run prompt_len {cfg.prompt_len} + max(gen_tokens "
+                      f"{cfg.gen_tokens}, time_tokens {cfg.time_tokens}) - 1 = {reach} positions, past the model's "
+                      f"sequence_len {trained}: AR Match and the speed columns measure positions it was not trained "
+                      f"for (extrapolation)", stacklevel=2)
     protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, model_seq_len=trained,
                     prompts=cfg.prompts,
                     gen_tokens=cfg.gen_tokens, device=str(device),

@@ -511,6 +511,26 @@ def test_a_seq_len_past_the_models_context_warns_in_one_line_and_the_records_kee
     assert {(r["seq_len"], r["model_seq_len"]) for r in json.loads(out.read_text())} == {(130, 128)}
 
 
+def test_ar_prompts_decoded_past_the_models_context_warn():
+    """AR Match's loop and the decode timing run prompt_len + gen_tokens (time_tokens) positions: past the model's
+    sequence_len they scored RoPE extrapolation without a word, where a --seq-len past it warns. Now they warn too;
+    within the context (prompt_len + max(gen_tokens, time_tokens) - 1 == sequence_len: the last token generated is
+    never fed back): no warning."""
+    import warnings
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=16)
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    cfg = dataclasses.replace(CFG, seq_len=8, max_tokens=16, runs=1, emb=False, prompt_len=10, gen_tokens=7,
+                              time_tokens=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(model, val, ["1xF2-h0-K1"], cfg)  # 10 + 7 - 1 = 16 positions: the model's own context
+    for more in (dict(gen_tokens=8), dict(time_tokens=8)):
+        with pytest.warns(UserWarning, match=r"- 1 = 17 positions, past the model's sequence_len 16: AR Match and the "
+                                             r"speed columns measure positions it was not trained for"):
+            evaluate(model, val, ["1xF2-h0-K1"], dataclasses.replace(cfg, **more))
+
+
 def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decoding_differs(model, val):
     """AR Match's tokens are the paper's AR loop's (every token the plan's solve over the whole prefix), for
     K = 1 and for 1 < K < C or a fwd init, where KV-cached SNLP decoding (one K/V per suffix layer, the last
