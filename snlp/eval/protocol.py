@@ -49,6 +49,7 @@ from snlp.eval.config import EvalConfig
 from snlp.eval.embsim import embedding_sims
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.session import NonFiniteModelError
 from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
 from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan, parse_plans
@@ -204,6 +205,12 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                 except SNLPDivergenceError:
                     diverged.add(name)
                     continue
+                if name == SEQ and not bool(torch.isfinite(logits).all()):
+                    # the sequential model itself: its NaN/inf would print as PPL "-", and every plan built on the
+                    # same weights as "diverged", a failure of the plans that is the model's own
+                    raise NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf logits on "
+                                              f"the PPL windows ({wins.shape[0]} windows of {wins.shape[1] - 1} tokens): "
+                                              f"check its weights are finite, or use a wider --dtype")
                 ref = logits if ref is None else ref
                 a, n = acc[name], y.numel()
                 a["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()

@@ -511,6 +511,23 @@ def test_a_seq_len_past_the_models_context_warns_in_one_line_and_the_records_kee
     assert {(r["seq_len"], r["model_seq_len"]) for r in json.loads(out.read_text())} == {(130, 128)}
 
 
+def test_a_model_whose_own_forward_is_nan_is_refused_before_any_phase_is_written():
+    """A NaN weight: the sequential row's PPL printed "-" and every plan on the same weights "diverged" in the first
+    phase's records (what `snlp eval` writes as it goes), the error naming the model came only in the timing, after
+    the AR loop. Now the teacher-forced phase stops at the sequential logits, naming the model, before any record."""
+    from snlp.decode.session import NonFiniteModelError
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=32)
+    with torch.no_grad():
+        next(model.blocks[1].parameters()).view(-1)[0] = float("nan")
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    phases = []
+    with pytest.raises(NonFiniteModelError, match="the model's own forward .* NaN/inf logits on the PPL windows"):
+        evaluate(model, val, ["2xF1-h0-K1"], dataclasses.replace(CFG, emb=False),
+                 on_phase=lambda recs, done: phases.append(done))
+    assert phases == []
+
+
 def test_ar_prompts_decoded_past_the_models_context_warn():
     """AR Match's loop and the decode timing run prompt_len + gen_tokens (time_tokens) positions: past the model's
     sequence_len they scored RoPE extrapolation without a word, where a --seq-len past it warns. Now they warn too;
