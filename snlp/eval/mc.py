@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from snlp.decode.session import NonFiniteModelError
 from snlp.io.mctasks import LETTERS, Question, letter_prompt
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.method.solver import bind, preheat_for
+from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
 from snlp.runtime.outputs import partial_line
 
 SEQ = "sequential"
@@ -62,6 +63,16 @@ def method_runner(model: GPT, method: Plan | None, preheat: Preheat | None = Non
     The runner checks its final state: a NaN/inf solve raises SNLPDivergenceError (the method is then
     recorded as diverged) instead of NaN logits whose argmax silently picks choice 0."""
     return None if method is None else bind(model, method, check_finite=True, preheat=preheat_for(method, preheat))
+
+
+def nonfinite(method: Plan | None, what: str) -> Exception:
+    """The error for NaN/inf scores under `method`: SNLPDivergenceError for a plan (the method is recorded as
+    diverged), NonFiniteModelError for the sequential forward (None): the model itself is broken (a NaN weight, an
+    fp16 overflow), not a method to record; its NaN logits argmaxed to choice 0, an "always A" accuracy."""
+    if method is None:
+        return NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf {what}: check its "
+                                   f"weights are finite, or use a wider --dtype")
+    return SNLPDivergenceError(f"non-finite {what} under {method}")
 
 
 def final_state(model: GPT, x, runner, lengths: list[int]) -> Tensor:
@@ -106,6 +117,8 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
         h = final_state(model, pad_batch(seqs, 0, dev), runner, [len(sq) for sq in seqs])  # (B, T, D)
         at = torch.tensor([len(sq) - 1 for sq in seqs], device=dev)  # each row's answer position
         last = model.head(h[torch.arange(len(qs), device=dev), at][:, None])[:, 0]  # (B, V)
+        if not bool(torch.isfinite(last).all()):
+            raise nonfinite(method, "answer-letter logits")
         for q, row in zip(qs, last):
             preds.append(int(row[letter_ids(tokenizer, len(q.choices))].argmax()))
     return preds
@@ -170,6 +183,8 @@ def loglik_scores(model: GPT, tokenizer, questions: list[Question], method: Plan
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)
             scores[qi].append(float(logp[b, p - 1, tok].mean()))  # token t is predicted at t-1
+            if not math.isfinite(scores[qi][-1]):
+                raise nonfinite(method, "log-probabilities of a choice")
     return scores
 
 

@@ -1,15 +1,19 @@
 """Multiple-choice records and tables against hand counts: the per-subject rows cover every question, each question
-is counted once."""
+is counted once, a bad task fails before the model loads, a model whose own forward is NaN is an error."""
 
 import json
 
 import pytest
-from conftest import text_checkpoint
+import torch
+from conftest import CITIZENS, make_model, text_checkpoint
 
 import snlp.io.checkpoint
 from snlp.apps.cli import main
-from snlp.eval.mc import MCResult, markdown, score
+from snlp.decode.session import NonFiniteModelError
+from snlp.eval.mc import MCConfig, MCResult, markdown, score
+from snlp.eval.mc_eval import evaluate_mc
 from snlp.io.mctasks import Question, load_task
+from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
 
 
 def test_the_per_subject_rows_cover_the_questions_without_a_subject():
@@ -69,3 +73,22 @@ def test_a_bad_task_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch
     assert main(["eval", str(ck), *(f.format(d=tmp_path) for f in flags), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("scoring, implementation", [("letter", "auto"), ("loglik", "auto"), ("harness", "snlp"),
+                                                     ("harness", "lm_eval")])
+def test_a_model_whose_own_forward_is_nan_is_an_error_not_an_always_a_accuracy(scoring, implementation):
+    """A NaN weight: the sequential forward's NaN logits argmaxed to choice 0, so letter and loglik scoring recorded
+    the sequential model at 100 % on questions whose answer is A (every plan on the same weights "diverged"), and
+    the harness scorings recorded the sequential model as a diverged plan. The model's own NaN is an error naming
+    it (NonFiniteModelError), as decoding raises it."""
+    if implementation == "lm_eval":
+        pytest.importorskip("lm_eval")
+    tok = Tokenizer.train([CITIZENS], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=5, vocab_size=tok.vocab_size, n_layer=4, n_embd=32, sequence_len=128)
+    with torch.no_grad():
+        next(model.blocks[1].parameters()).view(-1)[0] = float("nan")
+    qs = [Question("Who speaks first?", ("First Citizen", "All", "Nobody"), 0), Question("What?", ("die", "famish"), 0)]
+    cfg = MCConfig(task="mc:x", plans=["4xF1-h0-K1"], scoring=scoring, implementation=implementation)
+    with pytest.raises(NonFiniteModelError, match="the model's own forward"):
+        evaluate_mc(model, tok, cfg, questions=qs)
