@@ -528,6 +528,24 @@ def test_a_model_whose_own_forward_is_nan_is_refused_before_any_phase_is_written
     assert phases == []
 
 
+@pytest.mark.parametrize("flag, value, msg", [("--max-chars", "-5", "--max-chars must be >= 0 (0: all; got -5)"),
+                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 1), got 1.5")])
+def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flag, value, msg):
+    """`snlp eval --max-chars -5` capped the corpus after its first document and failed in the split with "the data
+    source has only one document", after the model had loaded (`snlp train` refuses it as a bad value); a --val-frac
+    outside (0, 1) was refused only after the model loaded."""
+    from conftest import text_checkpoint
+
+    import snlp.io.checkpoint
+
+    ck, data, cache = text_checkpoint(tmp_path)
+    monkeypatch.setattr(snlp.io.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
+    assert main(["eval", str(ck), "--plans", "2xF2-h0-K1", "--data", str(data), "--cache-dir", str(cache),
+                 flag, value, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
 def test_ar_prompts_decoded_past_the_models_context_warn():
     """AR Match's loop and the decode timing run prompt_len + gen_tokens (time_tokens) positions: past the model's
     sequence_len they scored RoPE extrapolation without a word, where a --seq-len past it warns. Now they warn too;
