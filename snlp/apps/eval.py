@@ -230,6 +230,11 @@ def run(args) -> int:
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
+    if args.data and not (args.task or args.drafter):  # a --data part naming nothing here, before the load (the
+        # drafter's --data names parts of its adaptation spec, chat: ones too: its split checks them)
+        from snlp.io.data import check_local_parts
+
+        check_local_parts(args.data)
     if args.task:  # the questions and the scoring settings before the checkpoint loads
         args.mc_questions = mc_task_input(args)
     elif args.plans is None and not args.drafter:

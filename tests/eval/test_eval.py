@@ -529,11 +529,13 @@ def test_a_model_whose_own_forward_is_nan_is_refused_before_any_phase_is_written
 
 
 @pytest.mark.parametrize("flag, value, msg", [("--max-chars", "-5", "--max-chars must be >= 0 (0: all; got -5)"),
-                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 1), got 1.5")])
+                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 1), got 1.5"),
+                                              ("--data", "nope.jsonl", "unknown data source")])
 def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flag, value, msg):
     """`snlp eval --max-chars -5` capped the corpus after its first document and failed in the split with "the data
     source has only one document", after the model had loaded (`snlp train` refuses it as a bad value); a --val-frac
-    outside (0, 1) was refused only after the model loaded."""
+    outside (0, 1) and a --data file that does not exist were refused only after the model loaded. (--data given
+    last: argparse keeps the last value.)"""
     from conftest import text_checkpoint
 
     import snlp.io.checkpoint
@@ -541,7 +543,7 @@ def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, mon
     ck, data, cache = text_checkpoint(tmp_path)
     monkeypatch.setattr(snlp.io.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
     assert main(["eval", str(ck), "--plans", "2xF2-h0-K1", "--data", str(data), "--cache-dir", str(cache),
-                 flag, value, "--device", "cpu"]) == 2
+                 flag, value if flag != "--data" else str(tmp_path / value), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0]
 
