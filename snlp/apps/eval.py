@@ -86,7 +86,8 @@ def add_arguments(p) -> None:
                    "utf-8)")
     e = p.add_argument_group("protocol")
     e.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len))")
-    e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most")
+    e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most, in whole "
+                   "--seq-len windows, but at least one window (below --seq-len: --seq-len tokens)")
     e.add_argument("--batch", type=int, default=EvalConfig.batch, help="windows per forward")
     e.add_argument("--prompts", type=int, default=EvalConfig.prompts, help="AR-match prompts")
     e.add_argument("--prompt-len", type=int, default=EvalConfig.prompt_len)

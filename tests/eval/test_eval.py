@@ -548,6 +548,23 @@ def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, mon
     assert len(err) == 1 and msg in err[0]
 
 
+def test_max_tokens_below_seq_len_scores_one_whole_window_as_the_help_says():
+    """--max-tokens' help said "PPL tokens at most", but a --max-tokens below --seq-len scores one whole window of
+    --seq-len tokens (at least one window): the help says so now, and the records count what was scored."""
+    import argparse
+
+    from snlp.apps import eval as app
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=32)
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    recs = evaluate(model, val, ["2xF1-h0-K1"], dataclasses.replace(CFG, seq_len=16, max_tokens=5, emb=False))
+    assert {r.tokens for r in recs} == {16} and len(recs[0].window_ce) == 1
+    p = argparse.ArgumentParser()
+    app.add_arguments(p)
+    text = " ".join(next(a.help for a in p._actions if a.dest == "max_tokens").split())
+    assert "at least one window (below --seq-len: --seq-len tokens)" in text
+
+
 def test_ar_prompts_decoded_past_the_models_context_warn():
     """AR Match's loop and the decode timing run prompt_len + gen_tokens (time_tokens) positions: past the model's
     sequence_len they scored RoPE extrapolation without a word, where a --seq-len past it warns. Now they warn too;
