@@ -237,6 +237,9 @@ class MCConfig:
         if self.shots and self.scoring != "harness":
             raise ValueError(f"--mc-shots {self.shots} needs --mc-scoring harness (the {self.scoring} protocol is "
                              f"0-shot only)")
+        if self.shot_task and not self.shots:  # the pool would be read by nothing: a 0-shot run under its name
+            raise ValueError(f"--mc-shots-from {self.shot_task} gives the pool of --mc-shots K solved examples, but "
+                             f"--mc-shots is 0: give --mc-shots K (with --mc-scoring harness) or drop --mc-shots-from")
         if self.shots and not self.shot_task:
             raise ValueError(f"--mc-shots {self.shots} needs --mc-shots-from TASK: the split the solved examples are "
                              f"drawn from (e.g. mc:ARC-Easy-Train.jsonl for ARC-Easy test; the harness uses the "

@@ -59,11 +59,14 @@ def test_a_task_file_named_twice_is_refused(tmp_path):
     (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-shots", "3", "--mc-shots-from", "mc:{d}/q.jsonl"],
      "3-shot needs at least 4 questions in the shot pool, which holds 2"),
     (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-limit", "-1"], "--mc-limit must be >= 0"),
+    (["--task", "mc:{d}/q.jsonl", "--plans", "4xF1-h0-K1", "--mc-shots-from", "mc:{d}/q.jsonl"],
+     "--mc-shots is 0: give --mc-shots K"),
 ])
 def test_a_bad_task_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flags, msg):
     """`snlp eval --task`: a missing or malformed task file, a shot pool too small, --mc-shots without its pool,
     --mc-limit -1 or no --plans each fail in one line before the model loads (they came after it, the shot pool's
-    only once the sequential method was being scored)."""
+    only once the sequential method was being scored); --mc-shots-from without --mc-shots was ignored (a 0-shot
+    run) and is refused."""
     ck, _, _ = text_checkpoint(tmp_path)
     (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "choices": ["x", "y"], "answer": 0})
                                               + "\n" for i in range(2)))
