@@ -20,6 +20,7 @@ from snlp.eval.config import EvalConfig
 from snlp.runtime.outputs import complete_in
 
 if TYPE_CHECKING:  # the library (and torch) loads in run(), after the flags are parsed: --help answers at once
+    from snlp.eval.mc import MCConfig
     from snlp.model.gpt import GPT
 
 SUMMARY = "Evaluate the sequential model and SNLP plans of a checkpoint (paper metrics)."
@@ -85,7 +86,8 @@ def add_arguments(p) -> None:
                    "utf-8)")
     e = p.add_argument_group("protocol")
     e.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len))")
-    e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most")
+    e.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="PPL tokens at most, in whole "
+                   "--seq-len windows, but at least one window (below --seq-len: --seq-len tokens)")
     e.add_argument("--batch", type=int, default=EvalConfig.batch, help="windows per forward")
     e.add_argument("--prompts", type=int, default=EvalConfig.prompts, help="AR-match prompts")
     e.add_argument("--prompt-len", type=int, default=EvalConfig.prompt_len)
@@ -160,6 +162,11 @@ def mode_flags(args) -> None:
         if args.chat_prompts and args.prompts < 1:  # no prompt drawn: the SSD rows were dropped, nothing said
             raise ValueError(f"--prompts must be >= 1 with --chat-prompts (got {args.prompts}): it is how many chat "
                              f"prompts the SSD rows decode; drop --chat-prompts for the quality rows alone")
+    if args.max_chars is not None and args.max_chars < 0:  # a negative cap stopped after the first document: the
+        # split then said "the data source has only one document"
+        raise ValueError(f"--max-chars must be >= 0 (0: all; got {args.max_chars})")
+    if args.val_frac is not None and not 0 < args.val_frac < 1:  # refused by the split too, after the model loaded
+        raise ValueError(f"--val-frac must lie in (0, 1), got {args.val_frac}")
     if args.seq_len is not None and args.seq_len < 1:  # 0 read as "the default" (an `or`), a negative one late
         raise ValueError(f"--seq-len must be >= 1 (got {args.seq_len}; leave it out for min(256, the model's "
                          f"sequence_len))")
@@ -224,12 +231,19 @@ def run(args) -> int:
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
+    if args.data and not (args.task or args.drafter):  # a --data part naming nothing here, before the load (the
+        # drafter's --data names parts of its adaptation spec, chat: ones too: its split checks them)
+        from snlp.io.data import check_local_parts
+
+        check_local_parts(args.data)
+    if args.task:  # the questions and the scoring settings before the checkpoint loads
+        args.mc_questions = mc_task_input(args)
+    elif args.plans is None and not args.drafter:
+        raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
     set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")
     if args.drafter:
         return run_drafter_eval(args, model, tok, device)
-    if args.plans is None:
-        raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval` needs it to tokenize the "
                          f"validation data; save the checkpoint with its tokenizer")
@@ -415,15 +429,43 @@ def run_drafter_eval(args, model, tok, device) -> int:
     return 0
 
 
+def mc_config(args, plans=()) -> "MCConfig":
+    """The MCConfig of `snlp eval --task` (scoring: --mc-scoring, else the checkpoint's default_scoring)."""
+    from snlp.eval.mc import MCConfig
+    from snlp.eval.mc_harness import default_scoring
+
+    return MCConfig(task=args.task, plans=list(plans), scoring=args.mc_scoring or default_scoring(args.ckpt),
+                    limit=args.mc_limit, batch=args.batch, shots=args.mc_shots, shot_task=args.mc_shots_from)
+
+
+def mc_task_input(args) -> list:
+    """`snlp eval --task`'s questions, read and checked before the checkpoint loads: a missing or malformed task file,
+    a shot pool that cannot serve --mc-shots, --mc-shots without --mc-shots-from, --mc-limit -1 or --plans left out
+    each fail in one line before any work (they surfaced after the model had loaded, a shot pool's only as the first
+    method was scored)."""
+    from snlp.eval.mc import shot_layout
+    from snlp.io.mctasks import load_task
+
+    if args.drafter:
+        raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
+    if args.plans is None:
+        raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
+    cfg = mc_config(args)
+    cfg.check()
+    questions = load_task(cfg.task)
+    if cfg.limit:
+        questions = questions[:cfg.limit]
+    if cfg.shots:
+        shot_layout(questions, load_task(cfg.shot_task), cfg.shots)
+    return questions
+
+
 def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     """`snlp eval CKPT --task ...`: multiple-choice accuracy instead of the LM metrics."""
-    from snlp.eval.mc import MCConfig, markdown, pct, print_table as print_mc_table
+    from snlp.eval.mc import markdown, pct, print_table as print_mc_table
     from snlp.eval.mc_eval import evaluate_mc
-    from snlp.eval.mc_harness import default_scoring
     from snlp.runtime.device import json_text, write_atomic
-    scoring = args.mc_scoring or default_scoring(args.ckpt)
-    cfg = MCConfig(task=args.task, plans=args.plans_list, scoring=scoring, limit=args.mc_limit, batch=args.batch,
-                   shots=getattr(args, "mc_shots", 0), shot_task=getattr(args, "mc_shots_from", None))
+    cfg = mc_config(args, args.plans_list)
     def write(result) -> None:  # every method scored so far, marked partial until the last (and at the end)
         if args.json:
             write_atomic(args.json, json_text(result.to_dict(), indent=2))
@@ -437,7 +479,9 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
             args.kept = f"the finished results in {where}"
             args.finished = complete_in([p for p in (args.json, args.markdown) if p])
 
-    result = evaluate_mc(model, tokenizer, cfg, preheat=preheat, on_record=write if args.json or args.markdown else None)
+    questions = getattr(args, "mc_questions", None)  # read before the model loaded (mc_task_input), --mc-limit applied
+    result = evaluate_mc(model, tokenizer, cfg, questions=questions, preheat=preheat,
+                         on_record=write if args.json or args.markdown else None)
     r0 = result.records[0]
     shots = f", {cfg.shots}-shot" if cfg.scoring == "harness" else ""
     print_mc_table(result, f"{args.ckpt}: {args.task}, {cfg.scoring} scoring{shots}, N = {r0.n} (chance "

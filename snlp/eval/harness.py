@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.session import sampling
 from snlp.decode.speculative import speculative_generate
+from snlp.eval.mc import nonfinite
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
@@ -437,6 +439,8 @@ class SNLPLM(TemplateLM):
                     k = len(cont_toks)
                     ct = torch.tensor(cont_toks, dtype=torch.long, device=lp.device)[None]  # (1, k)
                     answer = (float(lp[:, -k:].gather(2, ct[..., None]).sum()), bool((greedy[:, -k:] == ct).all()))
+                    if not math.isfinite(answer[0]):  # NaN scores argmax to choice 0: an "always A" accuracy
+                        raise nonfinite(self.plan, "log-likelihood")
                     res.append(answer)
                     if req_str is not None:  # rolling windows are cached per document instead
                         self.cache_hook.add_partial("loglikelihood", req_str, answer)

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from snlp.decode.session import NonFiniteModelError
 from snlp.io.mctasks import LETTERS, Question, letter_prompt
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
-from snlp.method.solver import bind, preheat_for
+from snlp.method.solver import SNLPDivergenceError, bind, preheat_for
 from snlp.runtime.outputs import partial_line
 
 SEQ = "sequential"
@@ -62,6 +63,16 @@ def method_runner(model: GPT, method: Plan | None, preheat: Preheat | None = Non
     The runner checks its final state: a NaN/inf solve raises SNLPDivergenceError (the method is then
     recorded as diverged) instead of NaN logits whose argmax silently picks choice 0."""
     return None if method is None else bind(model, method, check_finite=True, preheat=preheat_for(method, preheat))
+
+
+def nonfinite(method: Plan | None, what: str) -> Exception:
+    """The error for NaN/inf scores under `method`: SNLPDivergenceError for a plan (the method is recorded as
+    diverged), NonFiniteModelError for the sequential forward (None): the model itself is broken (a NaN weight, an
+    fp16 overflow), not a method to record; its NaN logits argmaxed to choice 0, an "always A" accuracy."""
+    if method is None:
+        return NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf {what}: check its "
+                                   f"weights are finite, or use a wider --dtype")
+    return SNLPDivergenceError(f"non-finite {what} under {method}")
 
 
 def final_state(model: GPT, x, runner, lengths: list[int]) -> Tensor:
@@ -106,6 +117,8 @@ def predict_letter(model: GPT, tokenizer, questions: list[Question], method: Pla
         h = final_state(model, pad_batch(seqs, 0, dev), runner, [len(sq) for sq in seqs])  # (B, T, D)
         at = torch.tensor([len(sq) - 1 for sq in seqs], device=dev)  # each row's answer position
         last = model.head(h[torch.arange(len(qs), device=dev), at][:, None])[:, 0]  # (B, V)
+        if not bool(torch.isfinite(last).all()):
+            raise nonfinite(method, "answer-letter logits")
         for q, row in zip(qs, last):
             preds.append(int(row[letter_ids(tokenizer, len(q.choices))].argmax()))
     return preds
@@ -170,6 +183,8 @@ def loglik_scores(model: GPT, tokenizer, questions: list[Question], method: Plan
             p = torch.tensor(pos, device=dev)
             tok = torch.tensor([ids[t] for t in pos], device=dev)
             scores[qi].append(float(logp[b, p - 1, tok].mean()))  # token t is predicted at t-1
+            if not math.isfinite(scores[qi][-1]):
+                raise nonfinite(method, "log-probabilities of a choice")
     return scores
 
 
@@ -222,6 +237,9 @@ class MCConfig:
         if self.shots and self.scoring != "harness":
             raise ValueError(f"--mc-shots {self.shots} needs --mc-scoring harness (the {self.scoring} protocol is "
                              f"0-shot only)")
+        if self.shot_task and not self.shots:  # the pool would be read by nothing: a 0-shot run under its name
+            raise ValueError(f"--mc-shots-from {self.shot_task} gives the pool of --mc-shots K solved examples, but "
+                             f"--mc-shots is 0: give --mc-shots K (with --mc-scoring harness) or drop --mc-shots-from")
         if self.shots and not self.shot_task:
             raise ValueError(f"--mc-shots {self.shots} needs --mc-shots-from TASK: the split the solved examples are "
                              f"drawn from (e.g. mc:ARC-Easy-Train.jsonl for ARC-Easy test; the harness uses the "
@@ -258,7 +276,8 @@ class MCRecord:
     ci_low: float | None
     ci_high: float | None
     chance: float  # expected accuracy of uniform guessing (mean 1/choices)
-    subjects: dict = field(default_factory=dict)  # subject -> {n, correct, accuracy, ci_low, ci_high[, norm_*]}
+    # subject -> {n, correct, accuracy, ci_low, ci_high[, norm_*]}; "" holds the questions without one
+    subjects: dict = field(default_factory=dict)
     norm_correct: int | None = None  # harness acc_norm; None for the other scorings
     norm_accuracy: float | None = None
     norm_ci_low: float | None = None
@@ -289,7 +308,10 @@ def score_ok(right: list[bool], questions: list[Question], method: str) -> MCRec
     ok = [int(bool(x)) for x in right]
     n, c = len(ok), sum(ok)
     subjects = {}
-    for s in sorted({q.subject for q in questions if q.subject}):
+    # questions without a subject (an ARC file beside MMLU CSVs) are a row of their own, keyed "": left out, the
+    # per-subject rows summed to fewer questions than N and the table did not say so
+    named = {q.subject for q in questions if q.subject}
+    for s in sorted(named) + ([""] if named and any(not q.subject for q in questions) else []):
         idx = [i for i, q in enumerate(questions) if q.subject == s]
         sc = sum(ok[i] for i in idx)
         lo, hi = wilson(sc, len(idx))
@@ -339,6 +361,13 @@ def _headers(result: MCResult) -> list[str]:
     return ["Inference", "Accuracy", "95 % CI", "Correct / N"]
 
 
+NO_SUBJECT = "(no subject)"  # the tables' name of the questions without a subject (key "" in the records)
+
+
+def _subject_name(s: str) -> str:
+    return s or NO_SUBJECT
+
+
 def _subject_cell(r: MCRecord, s: str) -> str:
     if r.diverged:
         return "diverged"
@@ -363,7 +392,8 @@ def markdown(result: MCResult) -> str:
         lines += ["", f"| Subject{unit} | N | " + " | ".join(r.method for r in result.records) + " |",
                   "|---|---:|" + "---:|" * len(result.records)]
         for s, v in r0.subjects.items():
-            lines.append(f"| {s} | {v['n']} | " + " | ".join(_subject_cell(r, s) for r in result.records) + " |")
+            lines.append(f"| {_subject_name(s)} | {v['n']} | " + " | ".join(_subject_cell(r, s) for r in result.records)
+                         + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -385,5 +415,5 @@ def print_table(result: MCResult, title: str) -> None:
         for r in result.records:
             s.add_column(r.method, justify="right")
         for name, v in result.records[0].subjects.items():
-            s.add_row(name, str(v["n"]), *(_subject_cell(r, name) for r in result.records))
+            s.add_row(_subject_name(name), str(v["n"]), *(_subject_cell(r, name) for r in result.records))
         con.print(s)

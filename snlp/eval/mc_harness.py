@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snlp.eval.mc import (SEQ, MCConfig, MCRecord, MCResult, diverged_record, final_state, method_runner, pad_batch,
-                          protocol_caption, score_ok, shot_layout)
+from snlp.eval.mc import (SEQ, MCConfig, MCRecord, MCResult, diverged_record, final_state, method_runner, nonfinite,
+                          pad_batch, protocol_caption, score_ok, shot_layout)
 from snlp.io.mctasks import Question, load_task
 from snlp.model.gpt import GPT
 from snlp.method.plan import Plan
@@ -119,7 +119,7 @@ def loglikelihoods(model: GPT, tokenizer, questions: list[Question], method: Pla
             logp = F.log_softmax(model.head(h[b:b + 1, pos]).float(), -1)[0]  # (n, V)
             total = logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).sum()
             if not torch.isfinite(total):  # the sequential forward is not checked by a runner
-                raise SNLPDivergenceError(f"non-finite log-likelihood under {method or SEQ}")
+                raise nonfinite(method, "log-likelihood")
             scores[slot[order[s + b]][0]][slot[order[s + b]][1]] = float(total)
     return scores
 

@@ -50,11 +50,12 @@ def tie_note(records: list[EvalRecord]) -> str:
     that keep Prefill's paired rounds (prefill_speedup_rounds) have it tested too; older ones say it is not."""
     n = len((records[0].window_ce or []) if records else [])
     prefill = any(r.prefill_speedup_rounds for r in records[1:])
-    note = TIE_NOTE if n >= 2 else (
-        f"(tie): not told from sequential by this run: {_SPEEDUP_TIE}. ΔPPL: untested "
-        f"({'one validation window' if n == 1 else 'no per-window losses'}: no interval, so no (tie) mark either way)"
-        ". Prefill: a ratio of medians, not tested")
-    return note.replace("Prefill: a ratio of medians, not tested", _PREFILL_TIE) if prefill else note
+    note = TIE_NOTE if n >= 2 else (f"(tie): not told from sequential by this run: {_SPEEDUP_TIE}. Prefill: a ratio "
+                                    f"of medians, not tested")
+    note = note.replace("Prefill: a ratio of medians, not tested", _PREFILL_TIE) if prefill else note
+    # ΔPPL's clause last: Prefill's "likewise" reads back to the Speedup test, not to an untested ΔPPL
+    why = "one validation window" if n == 1 else "no per-window losses"
+    return note if n >= 2 else f"{note}. ΔPPL: untested ({why}: no interval, so no (tie) mark either way)"
 
 
 def protocol_note(records: list[EvalRecord]) -> str:
@@ -69,7 +70,8 @@ def protocol_note(records: list[EvalRecord]) -> str:
     parts = []
     if r.seq_len and r.tokens:
         parts.append(f"PPL (token-weighted), ΔPPL (relative to sequential), Top-1 and LogitSim (vs the sequential "
-                     f"logits, cosine over the vocabulary) over {r.tokens // r.seq_len} windows of {r.seq_len} tokens "
+                     f"logits, cosine over the vocabulary) over {r.tokens // r.seq_len} "
+                     f"window{'' if r.tokens // r.seq_len == 1 else 's'} of {r.seq_len} tokens "
                      f"({r.tokens:,} predicted tokens)")
     if r.prompts and r.gen_tokens:
         parts.append(f"AR Match and β̂ over {r.prompts} prompts x {r.gen_tokens} greedy tokens vs the sequential model "

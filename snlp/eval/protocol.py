@@ -49,6 +49,7 @@ from snlp.eval.config import EvalConfig
 from snlp.eval.embsim import embedding_sims
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.session import NonFiniteModelError
 from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
 from snlp.model.gpt import GPT, check_gpt
 from snlp.method.plan import Plan, parse_plans
@@ -204,6 +205,12 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                 except SNLPDivergenceError:
                     diverged.add(name)
                     continue
+                if name == SEQ and not bool(torch.isfinite(logits).all()):
+                    # the sequential model itself: its NaN/inf would print as PPL "-", and every plan built on the
+                    # same weights as "diverged", a failure of the plans that is the model's own
+                    raise NonFiniteModelError(f"the model's own forward (not an SNLP plan) gives NaN/inf logits on "
+                                              f"the PPL windows ({wins.shape[0]} windows of {wins.shape[1] - 1} tokens): "
+                                              f"check its weights are finite, or use a wider --dtype")
                 ref = logits if ref is None else ref
                 a, n = acc[name], y.numel()
                 a["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -356,6 +363,14 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
         warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
                       f"for): the PPL windows measure extrapolation past it, not the model as trained (the records "
                       f"keep both: seq_len, model_seq_len)", stacklevel=2)
+    # the AR loop's last forward and the timing decode's last step read prompt_len + n - 1 positions (the last token
+    # generated is never fed back)
+    reach = cfg.prompt_len + max(cfg.gen_tokens, cfg.time_tokens) - 1
+    if reach > trained:
+        warnings.warn(f"the AR loop and the decode timing run prompt_len {cfg.prompt_len} + max(gen_tokens "
+                      f"{cfg.gen_tokens}, time_tokens {cfg.time_tokens}) - 1 = {reach} positions, past the model's "
+                      f"sequence_len {trained}: AR Match and the speed columns measure positions it was not trained "
+                      f"for (extrapolation)", stacklevel=2)
     protocol = dict(n_layer=L, tokens=wins.shape[0] * cfg.seq_len, seq_len=cfg.seq_len, model_seq_len=trained,
                     prompts=cfg.prompts,
                     gen_tokens=cfg.gen_tokens, device=str(device),

@@ -154,7 +154,7 @@ def _hf_rows(name: str, config: str | None, split: str):
 def load_task(task: str) -> list[Question]:
     """Questions of a --task spec (see the module docstring)."""
     if task.startswith("mc:"):
-        out = []
+        out, seen = [], {}
         for part in (p for p in task[3:].split(",") if p.strip()):
             p = home_path(part)
             if p.is_dir():
@@ -166,6 +166,12 @@ def load_task(task: str) -> list[Question]:
             else:
                 raise ValueError(f"task file {p} does not exist{did_you_mean(part)}")
             for f in files:
+                # a file named twice (or a file and its folder) would count its questions twice: N and the
+                # accuracy's interval would claim twice the evidence the task holds
+                if f.resolve() in seen:
+                    raise ValueError(f"task {task!r} names {f} twice ({seen[f.resolve()]} and {part}): each "
+                                     f"question would be scored twice")
+                seen[f.resolve()] = part
                 out += parse_file(f)
         if not out:
             raise ValueError(f"task {task!r} names no files")

@@ -511,6 +511,80 @@ def test_a_seq_len_past_the_models_context_warns_in_one_line_and_the_records_kee
     assert {(r["seq_len"], r["model_seq_len"]) for r in json.loads(out.read_text())} == {(130, 128)}
 
 
+def test_a_model_whose_own_forward_is_nan_is_refused_before_any_phase_is_written():
+    """A NaN weight: the sequential row's PPL printed "-" and every plan on the same weights "diverged" in the first
+    phase's records (what `snlp eval` writes as it goes), the error naming the model came only in the timing, after
+    the AR loop. Now the teacher-forced phase stops at the sequential logits, naming the model, before any record."""
+    from snlp.decode.session import NonFiniteModelError
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=32)
+    with torch.no_grad():
+        next(model.blocks[1].parameters()).view(-1)[0] = float("nan")
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    phases = []
+    with pytest.raises(NonFiniteModelError, match="the model's own forward .* NaN/inf logits on the PPL windows"):
+        evaluate(model, val, ["2xF1-h0-K1"], dataclasses.replace(CFG, emb=False),
+                 on_phase=lambda recs, done: phases.append(done))
+    assert phases == []
+
+
+@pytest.mark.parametrize("flag, value, msg", [("--max-chars", "-5", "--max-chars must be >= 0 (0: all; got -5)"),
+                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 1), got 1.5"),
+                                              ("--data", "nope.jsonl", "unknown data source")])
+def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flag, value, msg):
+    """`snlp eval --max-chars -5` capped the corpus after its first document and failed in the split with "the data
+    source has only one document", after the model had loaded (`snlp train` refuses it as a bad value); a --val-frac
+    outside (0, 1) and a --data file that does not exist were refused only after the model loaded. (--data given
+    last: argparse keeps the last value.)"""
+    from conftest import text_checkpoint
+
+    import snlp.io.checkpoint
+
+    ck, data, cache = text_checkpoint(tmp_path)
+    monkeypatch.setattr(snlp.io.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
+    assert main(["eval", str(ck), "--plans", "2xF2-h0-K1", "--data", str(data), "--cache-dir", str(cache),
+                 flag, value if flag != "--data" else str(tmp_path / value), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
+def test_max_tokens_below_seq_len_scores_one_whole_window_as_the_help_says():
+    """--max-tokens' help said "PPL tokens at most", but a --max-tokens below --seq-len scores one whole window of
+    --seq-len tokens (at least one window): the help says so now, and the records count what was scored."""
+    import argparse
+
+    from snlp.apps import eval as app
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=32)
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    recs = evaluate(model, val, ["2xF1-h0-K1"], dataclasses.replace(CFG, seq_len=16, max_tokens=5, emb=False))
+    assert {r.tokens for r in recs} == {16} and len(recs[0].window_ce) == 1
+    p = argparse.ArgumentParser()
+    app.add_arguments(p)
+    text = " ".join(next(a.help for a in p._actions if a.dest == "max_tokens").split())
+    assert "at least one window (below --seq-len: --seq-len tokens)" in text
+
+
+def test_ar_prompts_decoded_past_the_models_context_warn():
+    """AR Match's loop and the decode timing run prompt_len + gen_tokens (time_tokens) positions: past the model's
+    sequence_len they scored RoPE extrapolation without a word, where a --seq-len past it warns. Now they warn too;
+    within the context (prompt_len + max(gen_tokens, time_tokens) - 1 == sequence_len: the last token generated is
+    never fed back): no warning."""
+    import warnings
+
+    model = make_model(seed=1, dtype=torch.float32, n_layer=2, vocab_size=64, sequence_len=16)
+    val = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    cfg = dataclasses.replace(CFG, seq_len=8, max_tokens=16, runs=1, emb=False, prompt_len=10, gen_tokens=7,
+                              time_tokens=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(model, val, ["1xF2-h0-K1"], cfg)  # 10 + 7 - 1 = 16 positions: the model's own context
+    for more in (dict(gen_tokens=8), dict(time_tokens=8)):
+        with pytest.warns(UserWarning, match=r"- 1 = 17 positions, past the model's sequence_len 16: AR Match and the "
+                                             r"speed columns measure positions it was not trained for"):
+            evaluate(model, val, ["1xF2-h0-K1"], dataclasses.replace(cfg, **more))
+
+
 def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decoding_differs(model, val):
     """AR Match's tokens are the paper's AR loop's (every token the plan's solve over the whole prefix), for
     K = 1 and for 1 < K < C or a fwd init, where KV-cached SNLP decoding (one K/V per suffix layer, the last

@@ -378,3 +378,17 @@ def test_the_report_says_which_plan_diverged_in_decoding():
     assert f"| `12xF1-h0` ({DECODE_DIVERGED}) | 2 | 14.10 |" in report
     assert "| `4xF3-h0` | 1 | diverged | diverged |" in report  # a PPL-diverged row: its PPL cell says it
     assert f"{DECODE_DIVERGED}" in markdown_table(recs)
+
+
+def test_the_note_of_one_validation_window_says_prefill_is_tested_like_speedup_not_like_dppl():
+    """With one validation window the note read "... ΔPPL: untested (...). Prefill (...): likewise, by the sign test",
+    so "likewise" followed the untested ΔPPL; Prefill's clause follows the Speedup test it repeats now, ΔPPL's comes
+    last. The protocol note counts "1 window", not "1 windows"."""
+    from snlp.eval.present import protocol_note, tie_note
+
+    seq = EvalRecord(plan="sequential", window_ce=[2.0], tokens=16, seq_len=16)
+    plan = EvalRecord(plan="4xF1-h0-K1", window_ce=[2.1], speedup_rounds=[1.0] * 3, prefill_speedup_rounds=[1.0] * 3)
+    note = tie_note([seq, plan])
+    speedup, prefill, dppl = (note.index(s) for s in ("Speedup (the median", "Prefill (the ratio", "ΔPPL: untested"))
+    assert speedup < prefill < dppl and note[prefill - 2:prefill] == ". "
+    assert "over 1 window of 16 tokens (16 predicted tokens)" in protocol_note([seq, plan])
