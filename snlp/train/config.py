@@ -130,8 +130,9 @@ class TrainConfig:
                              "one graph; use --reg idn / hcn, or train without --compile")
         if self.time_reg < 0:
             raise ValueError(f"--time-reg must be >= 0 (got {self.time_reg})")
-        if self.time_reg and self.reg == "none":
-            raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg")
+        if self.time_reg and (self.reg == "none" or self.reg_lambda == 0):  # lambda 0: the run trains without one
+            raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg (idn, hcn, "
+                             "diag) and --reg-lambda > 0")
         if self.init_from and self.resume:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
         if self.init_from and not self.resume:

@@ -61,7 +61,8 @@ class TrainStep(nn.Module):
     def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None, share: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
         step: an input of the graph, so the ramp of --reg-warmup is no recompile; the regulariser then runs
-        whenever it is active, and the branch is fixed when the graph is traced). `valid` (B, T) bool: a padded
+        whenever it is active, and the branch is fixed when the graph is traced). An inactive RegConfig (no
+        surrogate, or lambda 0) runs none whatever `lam`, eager as compiled. `valid` (B, T) bool: a padded
         batch's real positions (SFT), over which the regulariser averages; the CE needs none (padding's targets
         are -1). `share` (2,): under DDP, this rank's share of the global batch's targets and real positions
         (its counts x world / the global counts; snlp.train.trainer.token_shares), weighting its CE and regulariser
@@ -78,7 +79,7 @@ class TrainStep(nn.Module):
             # check_finite=False: no host sync per micro-batch; the trainer checks the loss is finite each step
             logits = m.head(solve(m, x, self.plan, check_finite=False).hidden)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
-        if (self.reg.active if isinstance(lam, Tensor) else lam > 0):
+        if self.reg.active and (isinstance(lam, Tensor) or lam > 0):
             if trace is None:  # SNLP-forward SFT: the sequential trace of only the rows the regulariser reads
                 r = self.reg.n_rows(x.size(0))
                 trace = m.hidden_states(x if r == x.size(0) else x[:r])

@@ -1,0 +1,46 @@
+"""`snlp train` refuses what no run can honour in one line before any work: a --time-reg of a run that trains without
+a regulariser."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from snlp.apps.cli import main
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt"
+TINY = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16",
+        "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+        "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "c.txt").write_text(SHAKESPEARE.read_text()[:30_000])
+    return d / "c.txt"
+
+
+def test_time_reg_needs_a_regulariser_the_run_trains_with(corpus, tmp_path, capsys):
+    """--reg idn --reg-lambda 0 trains without the regulariser, yet --time-reg timed one (the eager step ran an IDN
+    solve for the timing's lambda) and printed its overhead ("regulariser: 22.5 vs 9.6 ms ... 2.35x") for a term the
+    run never had; the compiled step, which runs the regulariser only when its RegConfig is active, timed none. Now
+    refused before any work, as --reg-rows is; and an inactive RegConfig runs no regulariser in the eager step either,
+    whatever lambda it is called with, as the compiled step."""
+    from conftest import make_model
+    from snlp.train.job import TrainStep
+    from snlp.train.regularizer import RegConfig
+
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--reg", "idn", "--reg-lambda", "0", "--time-reg", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--time-reg" in err and "--reg-lambda > 0" in err, err
+    assert not out.exists()
+
+    model = make_model(dtype=torch.float32, n_layer=3, n_embd=32, n_head=2, vocab_size=64, sequence_len=8)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for reg in (RegConfig(), RegConfig(surrogate="idn", lam=0.0, suffixes=(2,))):
+        loss, ce, rg = TrainStep(model, reg)(x, x, 0.5)
+        assert float(rg) == 0.0 and torch.equal(loss.detach(), ce)
