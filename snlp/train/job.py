@@ -98,6 +98,9 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> R
                     suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup,
                     rows=1.0 if cfg.reg_rows is None else cfg.reg_rows)
     reg.detach = effective_detach(cfg.reg_detach, cfg.reg)
+    if reg.active and model_cfg.n_layer < 2:  # its K=1 solve needs a prefix and a suffix: N = 1 .. depth - 1
+        raise ValueError(f"--reg {cfg.reg}: no regulariser suffix fits a {model_cfg.n_layer}-layer model (need 1 <= N < "
+                         f"depth): train 2 or more layers, or use --reg none")
     try:
         reg.check_model(model_cfg)
     except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms

@@ -1,5 +1,6 @@
-"""`snlp train` refuses what no run can honour in one line before any work: a --time-reg of a run that trains without
-a regulariser."""
+"""`snlp train` refuses what no run can honour in one line before any work: what the flags ask of the model (its
+shape, the regulariser against it, the frozen prefix) before the tokenizer trains and the corpus is tokenised, and a
+--time-reg of a run that trains without a regulariser."""
 
 from pathlib import Path
 
@@ -19,6 +20,28 @@ def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
     (d / "c.txt").write_text(SHAKESPEARE.read_text()[:30_000])
     return d / "c.txt"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--kv-heads", "3", "--width", "64", "--head-dim", "32"], "n_head=2 must be a multiple of n_kv_head=3"),
+    (["--head-dim", "24"], "width=32 must be a multiple of head_dim=24"),
+    (["--reg", "hcn"], "--reg hcn needs an mHC model"),
+    (["--freeze-prefix", "5"], "--freeze-prefix S=5 must lie in [0, 2]"),
+    (["--depth", "1", "--reg", "idn"], "--reg idn: no regulariser suffix fits a 1-layer model"),
+    (["--reg-n", "0"], "--reg-n needs suffix lengths >= 1"),
+    (["--vocab-size", "100"], "--vocab-size must be >= 261"),
+])
+def test_what_the_flags_ask_of_the_model_is_refused_before_the_data_is_read(flags, said, corpus, tmp_path, capsys):
+    """These were refused only once the BPE had trained and the corpus was tokenised (minutes on the default stdlib
+    corpus), the model's shape, the regulariser against it and --freeze-prefix being checked where the model was
+    built; --depth 1 --reg idn even ran step 0's validation and wrote the banner and a log.jsonl into --out before
+    'no regulariser suffix fits a 1-layer model'. Now one line before the token cache or --out is touched."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert not cache.exists() and not out.exists()
 
 
 def test_time_reg_needs_a_regulariser_the_run_trains_with(corpus, tmp_path, capsys):
