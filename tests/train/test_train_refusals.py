@@ -67,3 +67,24 @@ def test_time_reg_needs_a_regulariser_the_run_trains_with(corpus, tmp_path, caps
     for reg in (RegConfig(), RegConfig(surrogate="idn", lam=0.0, suffixes=(2,))):
         loss, ce, rg = TrainStep(model, reg)(x, x, 0.5)
         assert float(rg) == 0.0 and torch.equal(loss.detach(), ce)
+
+
+def test_a_weights_only_checkpoint_in_out_is_named_with_a_way_out(corpus, tmp_path, capsys):
+    """--out holding a checkpoint without train_state.pt (a `snlp convert` output, a saved model): a new run was told
+    "pass --resume to continue it", and that --resume to "start a new run instead", each pointing at the other. Both
+    now say that nothing there can be continued and how to start from its weights (--init-from) in another --out;
+    nothing in the folder changes."""
+    from conftest import make_model
+    from snlp.io.checkpoint import save_checkpoint
+
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, make_model(n_layer=2, vocab_size=300, sequence_len=16).float(), None)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for extra in ([], ["--resume"]):
+        capsys.readouterr()
+        assert main(["train", "--out", str(ck), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                     *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "weights-only checkpoint" in err and f"--init-from {ck}" in err, err
+        assert "pass --resume" not in err and "start a new run instead" not in err
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
