@@ -62,8 +62,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     if not resume:
         if has_ckpt and not (out / TRAIN_STATE).is_file():  # --resume would refuse it too: nothing to continue
             raise ValueError(f"{out} already holds a weights-only checkpoint (no {TRAIN_STATE}: e.g. `snlp convert`'s), "
-                             f"which no run continues: choose another --out (--init-from {out} starts one from its "
-                             f"weights)")
+                             f"which no run continues: choose another --out (a new run starts from its weights with "
+                             f"snlp train --init-from {out} or snlp sft {out})")
         if has_ckpt:
             raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
         if holds_speedrun(out):
@@ -80,7 +80,7 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     opt_state, st = load_training(out)
     if opt_state is None or st is None:
         raise ValueError(f"--resume: {out} lacks optimizer.pt/train_state.pt (a weights-only checkpoint): start a "
-                         f"new run from its weights in another --out (--init-from {out})")
+                         f"new run from its weights in another --out (snlp train --init-from {out}, snlp sft {out})")
     if cfg is not None:
         check_resume_settings(cfg, st.get("args"), out, reads_data="sft" not in st)
     saved_world = st.get("world")  # absent from checkpoints of an snlp that did not record it: not checked
