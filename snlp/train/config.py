@@ -14,6 +14,9 @@ from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimizers' step takes the LR as a float32
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs (the library side of `snlp train`'s flags); `fit` never modifies it.
@@ -116,6 +119,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {v})")
+            if name.endswith("_lr") and v is not None and v > FLOAT32_MAX:  # torch's float32 update step refused it
+                raise ValueError(f"--{name.replace('_', '-')} {v:g} is past float32's largest number ({FLOAT32_MAX:.4g}), "
+                                 f"which the parameters' update is computed in")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):

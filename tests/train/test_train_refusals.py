@@ -88,3 +88,17 @@ def test_a_weights_only_checkpoint_in_out_is_named_with_a_way_out(corpus, tmp_pa
         assert len(err.splitlines()) == 1 and "weights-only checkpoint" in err and f"--init-from {ck}" in err, err
         assert "pass --resume" not in err and "start a new run instead" not in err
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+@pytest.mark.parametrize("flag", ["--embedding-lr", "--matrix-lr"])
+def test_a_learning_rate_float32_cannot_hold_is_refused_before_any_work(flag, corpus, tmp_path, capsys):
+    """A finite LR past float32's largest number (1e39) passed the LR check, loaded the data, validated step 0 and
+    ended in a traceback at the first optimizer step ("RuntimeError: value cannot be converted to type float without
+    overflow", AdamW and Muon alike), leaving --out with a log and no checkpoint. One line before any work now."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 flag, "1e39"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flag} 1e+39 is past float32's largest number" in err, err
+    assert not out.exists() and not (tmp_path / "cache").exists()
