@@ -110,6 +110,13 @@ class TrainBenchConfig:
             raise ValueError("train bench: batch size, seq len, steps and vocab size must be >= 1, warm-up >= 0")
         if cfg.optimizer not in ("muon", "adamw"):
             raise ValueError(f"train bench: optimizer must be muon or adamw, got {cfg.optimizer!r}")
+        shape = cfg.run_shape()
+        for r in cfg.regs:  # each regulariser fits the shape's model (HCN needs mHC), before any variant runs
+            kind = reg_variant(r)[0]
+            if kind != "none" and RegConfig(surrogate=kind).surrogate.needs_mhc and not shape.hc_streams:
+                mhc = ", ".join(s.key for s in PAPER_SHAPES if s.hc_streams)
+                raise ValueError(f"train bench: variant {r!r} needs an mHC model and the {cfg.shape} shape has a plain "
+                                 f"residual stream: use --shapes {mhc}, or idn")
         for r in cfg.regs:  # each row fraction leaves the batch a row (the refusal of snlp train --reg-rows)
             rows = reg_variant(r)[1]
             if rows is not None:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 import snlp.io.data as D
-from snlp.io.checkpoint import (DRAFTER_META, OWN_FILES, WEIGHTS, clear_stale_saves, cut_off_save, holds_speedrun,
-                                load, load_train_state, load_training, save_checkpoint)
+from snlp.io.checkpoint import (DRAFTER_META, OWN_FILES, TRAIN_STATE, WEIGHTS, clear_stale_saves, cut_off_save,
+                                holds_speedrun, load, load_train_state, load_training, save_checkpoint)
 from snlp.io.tokenizer import Tokenizer
 from snlp.io.source import home_path
 from snlp.model.gpt import GPT
@@ -60,6 +60,10 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     if (out / DRAFTER_META).is_file():  # a run's log.jsonl and checkpoint would go in beside the drafter's own log
         raise ValueError(f"{out} holds a drafter (snlp adapt); choose another --out")
     if not resume:
+        if has_ckpt and not (out / TRAIN_STATE).is_file():  # --resume would refuse it too: nothing to continue
+            raise ValueError(f"{out} already holds a weights-only checkpoint (no {TRAIN_STATE}: e.g. `snlp convert`'s), "
+                             f"which no run continues: choose another --out (a new run starts from its weights with "
+                             f"snlp train --init-from {out} or snlp sft {out})")
         if has_ckpt:
             raise ValueError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
         if holds_speedrun(out):
@@ -75,8 +79,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
         raise FileNotFoundError(f"--resume: no checkpoint in {out}; drop --resume to start a new run")
     opt_state, st = load_training(out)
     if opt_state is None or st is None:
-        raise ValueError(f"--resume: {out} lacks optimizer.pt/train_state.pt (a weights-only checkpoint); "
-                         f"start a new run instead")
+        raise ValueError(f"--resume: {out} lacks optimizer.pt/train_state.pt (a weights-only checkpoint): start a "
+                         f"new run from its weights in another --out (snlp train --init-from {out}, snlp sft {out})")
     if cfg is not None:
         check_resume_settings(cfg, st.get("args"), out, reads_data="sft" not in st)
     saved_world = st.get("world")  # absent from checkpoints of an snlp that did not record it: not checked

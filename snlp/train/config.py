@@ -14,6 +14,9 @@ from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimizers' step takes the LR as a float32
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs (the library side of `snlp train`'s flags); `fit` never modifies it.
@@ -116,6 +119,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {v})")
+            if name.endswith("_lr") and v is not None and v > FLOAT32_MAX:  # torch's float32 update step refused it
+                raise ValueError(f"--{name.replace('_', '-')} {v:g} is past float32's largest number ({FLOAT32_MAX:.4g}), "
+                                 f"which the parameters' update is computed in")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"--optimizer must be muon or adamw (got {self.optimizer!r})")
         if self.reg not in ("idn", "hcn", "diag", "none"):
@@ -130,8 +136,9 @@ class TrainConfig:
                              "one graph; use --reg idn / hcn, or train without --compile")
         if self.time_reg < 0:
             raise ValueError(f"--time-reg must be >= 0 (got {self.time_reg})")
-        if self.time_reg and self.reg == "none":
-            raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg")
+        if self.time_reg and (self.reg == "none" or self.reg_lambda == 0):  # lambda 0: the run trains without one
+            raise ValueError("--time-reg times the step with and without the regulariser: it needs --reg (idn, hcn, "
+                             "diag) and --reg-lambda > 0")
         if self.init_from and self.resume:
             raise ValueError("--init-from starts a new run from a checkpoint's weights; --resume continues --out: pick one")
         if self.init_from and not self.resume:

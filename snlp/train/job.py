@@ -61,7 +61,8 @@ class TrainStep(nn.Module):
     def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None, share: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled
         step: an input of the graph, so the ramp of --reg-warmup is no recompile; the regulariser then runs
-        whenever it is active, and the branch is fixed when the graph is traced). `valid` (B, T) bool: a padded
+        whenever it is active, and the branch is fixed when the graph is traced). An inactive RegConfig (no
+        surrogate, or lambda 0) runs none whatever `lam`, eager as compiled. `valid` (B, T) bool: a padded
         batch's real positions (SFT), over which the regulariser averages; the CE needs none (padding's targets
         are -1). `share` (2,): under DDP, this rank's share of the global batch's targets and real positions
         (its counts x world / the global counts; snlp.train.trainer.token_shares), weighting its CE and regulariser
@@ -78,7 +79,7 @@ class TrainStep(nn.Module):
             # check_finite=False: no host sync per micro-batch; the trainer checks the loss is finite each step
             logits = m.head(solve(m, x, self.plan, check_finite=False).hidden)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
-        if (self.reg.active if isinstance(lam, Tensor) else lam > 0):
+        if self.reg.active and (isinstance(lam, Tensor) or lam > 0):
             if trace is None:  # SNLP-forward SFT: the sequential trace of only the rows the regulariser reads
                 r = self.reg.n_rows(x.size(0))
                 trace = m.hidden_states(x if r == x.size(0) else x[:r])
@@ -97,6 +98,9 @@ def reg_config(cfg: TrainConfig, model_cfg: GPTConfig, master: bool = True) -> R
                     suffixes=parse_suffixes(cfg.reg_n), stride=cfg.reg_stride, warmup=cfg.reg_warmup,
                     rows=1.0 if cfg.reg_rows is None else cfg.reg_rows)
     reg.detach = effective_detach(cfg.reg_detach, cfg.reg)
+    if reg.active and model_cfg.n_layer < 2:  # its K=1 solve needs a prefix and a suffix: N = 1 .. depth - 1
+        raise ValueError(f"--reg {cfg.reg}: no regulariser suffix fits a {model_cfg.n_layer}-layer model (need 1 <= N < "
+                         f"depth): train 2 or more layers, or use --reg none")
     try:
         reg.check_model(model_cfg)
     except ValueError as e:  # the one check (Plan.check_model), said in the flags' terms

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import snlp.io.data as D
 from snlp.io.checkpoint import load
-from snlp.io.tokenizer import Tokenizer
+from snlp.io.tokenizer import MIN_VOCAB, SPECIAL_TOKENS, Tokenizer
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.train.config import TrainConfig, check_data_present, check_out_outside_data
 from snlp.train.distributed import rank0_first
@@ -41,16 +41,39 @@ def freeze_prefix(model: GPT, S: int) -> None:
         block.requires_grad_(False)
 
 
-def apply_freeze(model: GPT, cfg: TrainConfig) -> None:
-    """cfg.freeze_prefix on `model` (None: nothing frozen; -1: S = L - max(N), the regulariser's SNLP suffix).
-    A resumed run gets the same TrainConfig, so the same freeze."""
+def frozen_layers(cfg: TrainConfig, n_layer: int) -> int | None:
+    """The S of cfg.freeze_prefix for an n_layer model (None: nothing frozen; -1: S = L - max(N), the regulariser's
+    SNLP suffix); a ValueError unless 0 <= S < L."""
     if cfg.freeze_prefix is None:
-        return
+        return None
     S = cfg.freeze_prefix
     if S == -1:
-        L = model.config.n_layer
-        S = L - max(resolve_suffixes(L, parse_suffixes(cfg.reg_n)))
-    freeze_prefix(model, S)
+        S = n_layer - max(resolve_suffixes(n_layer, parse_suffixes(cfg.reg_n), warn=False))
+    if not 0 <= S < n_layer:
+        raise ValueError(f"--freeze-prefix S={S} must lie in [0, {n_layer - 1}] (the model has {n_layer} layers)")
+    return S
+
+
+def apply_freeze(model: GPT, cfg: TrainConfig) -> None:
+    """cfg.freeze_prefix on `model` (`frozen_layers`). A resumed run gets the same TrainConfig, so the same freeze."""
+    S = frozen_layers(cfg, model.config.n_layer)
+    if S is not None:
+        freeze_prefix(model, S)
+
+
+def check_model_flags(cfg: TrainConfig, model_cfg: GPTConfig | None, tok: Tokenizer | None = None) -> None:
+    """Refuse, in one line, what the flags ask of the model before any data is read (a BPE trains and the corpus is
+    tokenised first: minutes on the default stdlib corpus, after which a --kv-heads that does not divide the heads, a
+    --reg hcn without mHC, a --reg-n of no suffix or a --freeze-prefix past the depth was refused all the same):
+    the model's shape (`model_cfg`: a checkpoint's, or None for the flags' own, at the vocabulary of `tok` or else
+    of --vocab-size), the regulariser against it and the frozen prefix."""
+    if model_cfg is None:
+        if tok is None and cfg.vocab_size < MIN_VOCAB:  # the BPE's floor (Tokenizer.train), before its documents load
+            raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} specials), got "
+                             f"{cfg.vocab_size}")
+        model_cfg = build_config(cfg, tok.vocab_size if tok is not None else cfg.vocab_size)
+    reg_config(cfg, model_cfg, master=False)  # the run's own call warns of a clipped N once
+    frozen_layers(cfg, model_cfg.n_layer)
 
 
 def init_from_checkpoint(path) -> tuple[GPT, Tokenizer]:
@@ -113,6 +136,7 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     check_out_outside_data(cfg.out, cfg.data)
     if cfg.resume:  # a moved project: say so, for library callers and the speedrun too
         check_data_present(cfg)
+    check_model_flags(cfg, model.config if model is not None else None, tok)
     tok, tokens = prepare_data(cfg, tok, rank, world)
     if model is None:
         model = GPT(build_config(cfg, tok.vocab_size))

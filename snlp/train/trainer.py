@@ -353,8 +353,12 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean
         ce_sum += ce if share is None else ce * share[0]
         reg_sum += rg if share is None else rg * share[1]
-    params = run.job.model.parameters()
-    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
+    # the norm is measured without clipping too (--grad-clip 0, the paper script's setting): it is what shows a
+    # non-finite gradient (a loss term that overflowed while the logged CE and term stayed finite), on which
+    # train_loop stops the run before a save keeps the NaN weights the optimizer makes of it
+    params = [p for p in run.job.model.parameters() if p.grad is not None]
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else \
+        torch.nn.utils.get_total_norm([p.grad for p in params])
     for o in run.opts:
         o.step()
     for o in run.opts:

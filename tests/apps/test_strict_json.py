@@ -34,10 +34,10 @@ def strict_lines(text: str) -> list:
 
 
 def diverging_cfg(tmp_path, **kw):
-    """A tiny training run whose Muon and head learning rates (1e30) blow the weights up: step 2's gradients are
-    NaN and step 3's loss is NaN, which the trainer logs and then raises FloatingPointError on (1-2 s on 2 cores).
-    Without gradient clipping, so step 2's NaN gradient norm is not measured (with it, the run stops at step 2:
-    test_a_nan_gradient_stops_the_run_before_anything_saves_it)."""
+    """A tiny training run whose learning rates blow the weights up: step 1's x0 scalars step by 1e38 (scalar LR), so
+    step 2's loss is NaN, which the trainer logs and then raises FloatingPointError on (1-2 s on 2 cores). With the
+    x0 scalars' LR at its default, the Muon and head LRs (1e30) make step 2's gradients NaN while its loss is still
+    finite: test_a_nan_gradient_stops_the_run_before_anything_saves_it."""
     from snlp.train.config import TrainConfig
 
     data = tmp_path / "c.txt"
@@ -46,7 +46,7 @@ def diverging_cfg(tmp_path, **kw):
     return TrainConfig(**{**dict(out=str(tmp_path / "run"), data=str(data), cache_dir=str(tmp_path / "cache"), depth=2,
                                  width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=6,
                                  eval_every=100, eval_batches=1, no_progress=True, device="cpu", reg_n="1",
-                                 matrix_lr=1e30, unembedding_lr=1e30, log_every=1, grad_clip=0.0), **kw})
+                                 matrix_lr=1e30, unembedding_lr=1e30, scalar_lr=1e38, log_every=1, grad_clip=0.0), **kw})
 
 
 # ----- the writers -----
@@ -54,7 +54,7 @@ def write_training_log(tmp_path) -> list[Path]:
     from snlp.train.trainer import fit
 
     cfg = diverging_cfg(tmp_path)
-    with pytest.raises(FloatingPointError, match="training loss became nan at step 3"):
+    with pytest.raises(FloatingPointError, match="training loss became nan at step 2"):
         fit(cfg)
     return [Path(cfg.out) / "log.jsonl"]
 
@@ -192,21 +192,23 @@ def test_the_diverged_training_row_is_null_and_reads_back_as_nan(tmp_path):
 
     (log,) = write_training_log(tmp_path)
     rows = strict_lines(log.read_text())
-    assert rows[-1]["step"] == 3 and rows[-1]["loss"] is None
+    assert rows[-1]["step"] == 2 and rows[-1]["loss"] is None
     back = read_log(log)
     assert math.isnan(back[-1]["loss"]) and back[-1]["mfu"] is None and back[1]["loss"] == rows[1]["loss"]
     st = _log_state(log)  # the speedrun's live line: a NaN loss, formatted as such
-    assert st["step"] == 3 and math.isnan(st["loss"]) and f"{st['loss']:.3f}" == "nan"
+    assert st["step"] == 2 and math.isnan(st["loss"]) and f"{st['loss']:.3f}" == "nan"
 
 
-def test_a_nan_gradient_stops_the_run_before_anything_saves_it(tmp_path):
-    """With gradient clipping the step's gradient norm is measured: a NaN one (here at step 2, the loss still
-    finite) made the weights NaN while the loop checked the logged loss only, so a run whose last step came next
-    saved them with status 0 (`snlp sft --reg-lambda 1e300 --steps 1`). The run now stops at that step, before
-    any save, and the log's row holds the NaN norm as null."""
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_nan_gradient_stops_the_run_before_anything_saves_it(tmp_path, clip):
+    """The step's gradient norm is measured, with gradient clipping or without (--grad-clip 0: it was not, so the
+    check below never saw it): a NaN one (here at step 2, the loss still finite) made the weights NaN while the loop
+    checked the logged loss only, so a run whose last step came next saved them with status 0 (`snlp sft
+    --reg-lambda 1e300 --steps 1`; `snlp train --grad-clip 0 --reg idn --reg-lambda 1e300 --steps 1`). The run now
+    stops at that step, before any save, and the log's row holds the NaN norm as null."""
     from snlp.train.trainer import fit
 
-    cfg = diverging_cfg(tmp_path, grad_clip=1.0, steps=2)
+    cfg = diverging_cfg(tmp_path, grad_clip=clip, steps=2, scalar_lr=0.5)
     with pytest.raises(FloatingPointError, match="training gradient norm became nan at step 2"):
         fit(cfg)
     rows = strict_lines((Path(cfg.out) / "log.jsonl").read_text())
@@ -215,10 +217,10 @@ def test_a_nan_gradient_stops_the_run_before_anything_saves_it(tmp_path):
 
 
 def test_resuming_a_run_whose_log_has_a_null_loss(tmp_path):
-    """A run saved at step 1 (--stop-after 1, finite weights), resumed: it diverges at step 3 and dies there, its log
-    ending in the null loss of step 3 after the save. A second --resume drops the dead leg's rows after the save
-    (trim_log reads the strict rows), runs steps 2 and 3 again and diverges again at the same step, as it did: one
-    step-3 row, with a null loss, every row strict."""
+    """A run saved at step 1 (--stop-after 1, finite weights), resumed: it diverges at step 2 and dies there, its log
+    ending in the null loss of step 2 after the save. A second --resume drops the dead leg's rows after the save
+    (trim_log reads the strict rows), runs step 2 again and diverges again at the same step, as it did: one
+    step-2 row, with a null loss, every row strict."""
     import dataclasses
 
     from snlp.train.checkpointing import read_log
@@ -229,10 +231,10 @@ def test_resuming_a_run_whose_log_has_a_null_loss(tmp_path):
     cfg = dataclasses.replace(diverging_cfg(tmp_path), resume=True)
     log = Path(cfg.out) / "log.jsonl"
     for _ in range(2):
-        with pytest.raises(FloatingPointError, match="at step 3"):
+        with pytest.raises(FloatingPointError, match="loss became nan at step 2"):
             fit(cfg)
         rows = strict_lines(log.read_text())
-        assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3] and rows[-1]["loss"] is None
+        assert [r["step"] for r in rows if "loss" in r] == [1, 2] and rows[-1]["loss"] is None
         assert math.isnan(read_log(log)[-1]["loss"])
 
 

@@ -60,6 +60,19 @@ def test_train_bench_refuses_bad_settings(tmp_path):
     assert not Path(tmp_path, "train.json").exists()
 
 
+def test_an_hcn_variant_on_a_plain_shape_is_refused_before_any_variant_runs(tmp_path, capsys):
+    """--regs none,hcn on a shape without mHC ran the plain variants (minutes each at the 0.5B shape on a GPU) and wrote
+    their rows, then stopped on the hcn one with snlp train's advice ("add --hc-streams N", a flag bench has not).
+    Refused before any variant now, naming the mHC shape; on that shape the variant runs."""
+    capsys.readouterr()
+    assert main(["bench", "--suite", "train", "--quick", "--device", "cpu", "--regs", "none,hcn", "--treatments",
+                 "eager", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "variant 'hcn' needs an mHC model" in err and "--shapes 0.5B-mhc" in err and "done at" not in err, err
+    assert not Path(tmp_path, "train.json").exists()
+    TrainBenchConfig(quick=True, device="cpu", regs=("none", "hcn"), shape="0.5B-mhc").resolved()
+
+
 def test_train_bench_row_fraction_variant(tmp_path, capsys):
     """--regs idn:F: the regulariser on ceil(F x batch) rows of each step (snlp train --reg-rows F), its own row and
     ratio; its FLOPs per token are the plain step's plus the full regulariser's extra x rows / batch."""

@@ -322,6 +322,28 @@ def test_train_compile_follows_the_eager_run_and_reports_mfu(tmp_path):
     assert sp["reg_overhead"] == pytest.approx(sp["reg_step_s"] / sp["plain_step_s"])
 
 
+@pytest.mark.slow
+def test_the_compiled_training_loop_traces_one_graph_across_everything_between_steps(tmp_path):
+    """The whole `snlp train --compile` loop, not the step alone: gradient accumulation (two calls a step), the LR
+    schedule, --reg-warmup's lambda, a validation after every step (the model switched to eval and back) and a save
+    every other step change no guard of the compiled step: one graph, no recompile (an error here), no graph break."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:60_000])
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        res = fit(TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=3,
+                              width=64, head_dim=32, vocab_size=300, seq_len=16, batch_size=2, grad_accum=2, steps=4,
+                              warmup_steps=2, eval_every=1, save_every=2, eval_batches=1, log_every=1,
+                              no_progress=True, device="cpu", reg="idn", reg_n="2", reg_warmup=3, compile=True))
+    assert res.steps == 4
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+    rows = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert len({r["lambda"] for r in rows if "loss" in r}) == 3 and len({r["lr_scale"] for r in rows if "loss" in r}) > 1
+
+
 def test_train_compile_refuses_diag_before_any_work(tmp_path, capsys):
     from snlp.apps.cli import main
 

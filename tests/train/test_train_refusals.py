@@ -1,0 +1,104 @@
+"""`snlp train` refuses what no run can honour in one line before any work: what the flags ask of the model (its
+shape, the regulariser against it, the frozen prefix) before the tokenizer trains and the corpus is tokenised, and a
+--time-reg of a run that trains without a regulariser."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from snlp.apps.cli import main
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "data/tinyshakespeare-head.txt"
+TINY = ["--depth", "3", "--width", "32", "--head-dim", "16", "--vocab-size", "300", "--seq-len", "16",
+        "--batch-size", "2", "--eval-every", "100", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+        "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "c.txt").write_text(SHAKESPEARE.read_text()[:30_000])
+    return d / "c.txt"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--kv-heads", "3", "--width", "64", "--head-dim", "32"], "n_head=2 must be a multiple of n_kv_head=3"),
+    (["--head-dim", "24"], "width=32 must be a multiple of head_dim=24"),
+    (["--reg", "hcn"], "--reg hcn needs an mHC model"),
+    (["--freeze-prefix", "5"], "--freeze-prefix S=5 must lie in [0, 2]"),
+    (["--depth", "1", "--reg", "idn"], "--reg idn: no regulariser suffix fits a 1-layer model"),
+    (["--reg-n", "0"], "--reg-n needs suffix lengths >= 1"),
+    (["--vocab-size", "100"], "--vocab-size must be >= 261"),
+])
+def test_what_the_flags_ask_of_the_model_is_refused_before_the_data_is_read(flags, said, corpus, tmp_path, capsys):
+    """These were refused only once the BPE had trained and the corpus was tokenised (minutes on the default stdlib
+    corpus), the model's shape, the regulariser against it and --freeze-prefix being checked where the model was
+    built; --depth 1 --reg idn even ran step 0's validation and wrote the banner and a log.jsonl into --out before
+    'no regulariser suffix fits a 1-layer model'. Now one line before the token cache or --out is touched."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert not cache.exists() and not out.exists()
+
+
+def test_time_reg_needs_a_regulariser_the_run_trains_with(corpus, tmp_path, capsys):
+    """--reg idn --reg-lambda 0 trains without the regulariser, yet --time-reg timed one (the eager step ran an IDN
+    solve for the timing's lambda) and printed its overhead ("regulariser: 22.5 vs 9.6 ms ... 2.35x") for a term the
+    run never had; the compiled step, which runs the regulariser only when its RegConfig is active, timed none. Now
+    refused before any work, as --reg-rows is; and an inactive RegConfig runs no regulariser in the eager step either,
+    whatever lambda it is called with, as the compiled step."""
+    from conftest import make_model
+    from snlp.train.job import TrainStep
+    from snlp.train.regularizer import RegConfig
+
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 "--reg", "idn", "--reg-lambda", "0", "--time-reg", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--time-reg" in err and "--reg-lambda > 0" in err, err
+    assert not out.exists()
+
+    model = make_model(dtype=torch.float32, n_layer=3, n_embd=32, n_head=2, vocab_size=64, sequence_len=8)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for reg in (RegConfig(), RegConfig(surrogate="idn", lam=0.0, suffixes=(2,))):
+        loss, ce, rg = TrainStep(model, reg)(x, x, 0.5)
+        assert float(rg) == 0.0 and torch.equal(loss.detach(), ce)
+
+
+def test_a_weights_only_checkpoint_in_out_is_named_with_a_way_out(corpus, tmp_path, capsys):
+    """--out holding a checkpoint without train_state.pt (a `snlp convert` output, a saved model): a new run was told
+    "pass --resume to continue it", and that --resume to "start a new run instead", each pointing at the other. Both
+    now say that nothing there can be continued and how to start from its weights (--init-from) in another --out;
+    nothing in the folder changes."""
+    from conftest import make_model
+    from snlp.io.checkpoint import save_checkpoint
+
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, make_model(n_layer=2, vocab_size=300, sequence_len=16).float(), None)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for extra in ([], ["--resume"]):
+        capsys.readouterr()
+        assert main(["train", "--out", str(ck), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                     *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "weights-only checkpoint" in err and f"--init-from {ck}" in err, err
+        assert "pass --resume" not in err and "start a new run instead" not in err
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+@pytest.mark.parametrize("flag", ["--embedding-lr", "--matrix-lr"])
+def test_a_learning_rate_float32_cannot_hold_is_refused_before_any_work(flag, corpus, tmp_path, capsys):
+    """A finite LR past float32's largest number (1e39) passed the LR check, loaded the data, validated step 0 and
+    ended in a traceback at the first optimizer step ("RuntimeError: value cannot be converted to type float without
+    overflow", AdamW and Muon alike), leaving --out with a log and no checkpoint. One line before any work now."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), *TINY,
+                 flag, "1e39"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flag} 1e+39 is past float32's largest number" in err, err
+    assert not out.exists() and not (tmp_path / "cache").exists()
