@@ -132,7 +132,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
                           eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
                           adaptive: bool = False, drafter: Drafter | None = None, top_k: int = 0,
-                          top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
+                          top_p: float = 1.0, repetition_penalty: float = 1.0
+                          ) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and at each B
@@ -145,8 +146,10 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
     in the same way, against one sequential baseline. `top_k` / `top_p`: both sides sample from the filtered
     distribution (snlp.decode.session.Sampling). `seed` (sampling only; None: 0, so a benchmark repeats its draws):
-    both sides draw from it, a batch's row i from seed + i."""
+    both sides draw from it, a batch's row i from seed + i. `repetition_penalty`: both sides apply it
+    (snlp.decode.penalty), so `matches_sequential` compares like with like."""
     plan = decode_plan(model, plan)
+    check_repetition_penalty(repetition_penalty)
     check_bools(progress=progress, compile=compile, share_weights=share_weights, adaptive=adaptive)
     sampling(temperature, top_k, top_p, seed)  # refused before any step is built
     seed = 0 if seed is None and temperature > 0 else seed
@@ -158,7 +161,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
     spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     return _side_by_side(model, prompts, [(plan, b, draft_step) for b in blocks], seq_step, max_new_tokens, repeats,
-                         warmup, temperature, seed, eos_id, progress, compile, spec_kw, top_k, top_p)
+                         warmup, temperature, seed, eos_id, progress, compile, spec_kw, top_k, top_p,
+                         repetition_penalty)
 
 
 def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
@@ -191,7 +195,8 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
 
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
                   temperature: float, seed: int | None, eos_id: int | list[int] | None, progress: bool, compile: bool,
-                  spec_kw: dict, top_k: int = 0, top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
+                  spec_kw: dict, top_k: int = 0, top_p: float = 1.0,
+                  repetition_penalty: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
     """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
     the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings). Compile time is
     attributed call by call: what the steps compiled during a sequential call is shared, during a case's call
@@ -203,7 +208,7 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id, top_k=top_k,
-              top_p=top_p)
+              top_p=top_p, repetition_penalty=repetition_penalty)
     seq_kw = dict(kw, step=seq_step)
     n = len(cases)
     steps = [seq_step] + list({id(st): st for _, _, st in cases}.values())
