@@ -30,9 +30,10 @@ The harness's conventions are kept, its code is used rather than copied: Templat
 encoding, the Collator's longest-first order and its one-token-continuation logits cache (group_by="contexts"),
 the rolling windows of lm_eval.utils, normalize_gen_kwargs / handle_stop_sequences / postprocess_generated_text for
 generation, cache_hook.add_partial for the request cache; the chat template is the model's own, applied as the
-harness's `hf` model applies it (add_generation_prompt, continue_final_message). Generation options a mode cannot
-honour (min_p or typical_p when sampling, num_beams > 1, ...) are refused with a ValueError, never ignored; their no-op
-values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
+harness's `hf` model applies it (add_generation_prompt, continue_final_message). A repetition penalty (the task's
+repetition_penalty, else the model's generation config's) is applied as the hf model's generate applies it
+(snlp.decode.penalty). Generation options a mode cannot honour (min_p or typical_p when sampling, num_beams > 1, ...)
+are refused with a ValueError, never ignored; their no-op values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
 """
 
 from __future__ import annotations

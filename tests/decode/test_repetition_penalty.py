@@ -232,3 +232,40 @@ def test_penalty_one_runs_no_penalty_op(monkeypatch):
     assert built == []
     sequential_generate(model, [1, 2], max_new_tokens=3, repetition_penalty=1.2)
     assert built == [1]
+
+
+def test_the_penalty_reads_nothing_back_to_the_host():
+    """Every penalty op of a decode step or round stays on the device: no aten::_local_scalar_dense (what .item() /
+    int() / bool() of a tensor end in, a host sync on an accelerator) in building the state, penalising logits one
+    step or a round of positions, and marking picked, drafted and kept tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pen = RepetitionPenalty.of(1.3, [[1, 2, 3], [4]], V, "cpu")
+        pen(torch.randn(2, V, generator=g))
+        pen.add(torch.tensor([5, -1]))
+        drafter = pen.fork()
+        drafter.add(torch.tensor([[6], [7]]))
+        drafts = torch.tensor([[6, 8], [7, 7]])
+        pen.at_positions(torch.randn(2, 3, V, generator=g), drafts)
+        pen.accept(drafts, torch.tensor([1, 2]), torch.tensor([9, -1]))
+        pen.keep_rows(torch.tensor([1]))
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
+    assert pen.seen[0, :V].nonzero().flatten().tolist() == [4, 7]  # row [4]: its prompt, its draft 7 kept twice
+
+
+@pytest.mark.slow
+def test_compiled_steps_with_the_penalty_equal_eager():
+    """--compile: the penalty acts on the compiled steps' logits outside their graphs (no graph break, no new
+    graph): sequential and self-speculative decoding, one prompt and a ragged batch, give the eager tokens."""
+    model = make_model(seed=2, vocab_size=13, scale=0.3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 2], [9]]
+    kw = dict(max_new_tokens=16, repetition_penalty=1.3)
+    eager = [r.tokens for r in sequential_generate(model, prompts, **kw)]
+    assert eager == [naive_penalised(model, q, 16, 1.3) for q in prompts]
+    assert [r.tokens for r in sequential_generate(model, prompts, compile=True, **kw)] == eager
+    assert sequential_generate(model, prompts[0], compile=True, **kw).tokens == eager[0]
+    assert [r.tokens for r in speculative_generate(model, prompts, "6xF1-h0-K1", block=3, compile=True,
+                                                   **kw)] == eager
+    assert speculative_generate(model, prompts[1], "6xF1-h0-K1", block=3, compile=True, **kw).tokens == eager[1]
