@@ -241,8 +241,10 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
     generate (the hf model's): accepted, the same answers as without them; sampling filters under greedy decoding
     (top_p: 0.95 with do_sample false, as the harness's cruxeval) filter nothing greedy picks: accepted. top_k / top_p
     under sampling are honoured (top_k 1, or a top_p that keeps one token, sample the argmax: the greedy answers at
-    any temperature). Options that change the answer and that snlp does not implement (beam search, min_p / typical
-    sampling, a repetition penalty) stay refused, naming the option."""
+    any temperature). A repetition penalty is honoured (tokens against the hf model:
+    test_a_generation_config_repetition_penalty_is_applied_as_the_hf_model_applies_it). Options that change the answer
+    and that snlp does not implement (beam search, min_p / typical sampling, n-gram bans) stay refused, naming the
+    option."""
     model, tok = _own_tiny()
     lm = SNLPLM(pretrained=model, tokenizer=tok)
     base = {"until": ["."], "max_gen_toks": 5, "do_sample": False}
@@ -263,8 +265,8 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
         with pytest.raises(ValueError, match=bad):
             lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
     for gen, bad in (({**sampled, "min_p": 0.1}, "min_p=0.1"), ({**sampled, "typical_p": 0.5}, "typical_p=0.5"),
-                     ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "repetition_penalty": 1.2},
-                                                                "repetition_penalty=1.2")):
+                     ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "no_repeat_ngram_size": 2},
+                                                                "no_repeat_ngram_size=2")):
         with pytest.raises(ValueError, match=f"generation options {bad} are not supported"):
             lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
 
