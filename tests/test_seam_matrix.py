@@ -44,6 +44,11 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    against transformers' warpers and a naive forward: tests/decode/test_decode.py,
                                    tests/decode/test_sampling.py); greedy (temperature 0), every entry and input form:
                                    a seed, top_k or top_p refused in one line naming it (nothing is drawn)
+  repetition_penalty (every entry, the penalised argmax loop: each id already in the row's sequence (its own prompt,
+  form and plan kind; sampled      no padding) has its logit divided by p where positive, multiplied where negative, as
+  rows too)                        transformers' RepetitionPenaltyLogitsProcessor (tokens against transformers'
+                                   generate: tests/decode/test_repetition_penalty.py); K < C: the prompt alone with
+                                   the penalty; sampled: each batch row equals its own run with seed + i
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
   decoding entry and input form)   whose cache needs more than the device has free: KVCache.for_model; a layer-
                                    parallel rank's window cache too: tests/dist/test_seams_dist.py)
@@ -56,7 +61,8 @@ a (T,) numpy array, a (B, T) numpy array.
 Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), compiled steps with dynamo's guards cut
 (guards="cut", SNLP_COMPILE_GUARDS=cut) or evaluated on every call (guards="full", the default: test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
-bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), an EOS id, value embeddings / x0 residual / sliding windows, the window
+bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), a repetition
+penalty (test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused, fp64), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
@@ -235,9 +241,11 @@ def build(cell: Cell, seed: int, cfg: dict):
     return m, prompts, arg, preheat
 
 
-def run(cell: Cell, m, arg, preheat, n: int, eos: int | None, drafter=None, on_tokens=None):
+def run(cell: Cell, m, arg, preheat, n: int, eos: int | None, drafter=None, on_tokens=None, penalty: float = 1.0):
     plan = PLANS[cell.kind]
     kw = dict(max_new_tokens=n, eos_id=eos, on_tokens=on_tokens)
+    if penalty != 1.0:
+        kw.update(repetition_penalty=penalty)
     if cell.entry == "sequential":
         return sequential_generate(m, arg, read_every=cell.read_every, **kw)
     if cell.entry == "snlp":
@@ -332,6 +340,60 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
+@torch.no_grad()
+def penalised_loop(logits_fn, prompt: list[int], n: int, eos, penalty: float) -> list[int]:
+    """The argmax loop (conftest.argmax_loop: a full forward over the prefix per token) with transformers'
+    repetition penalty written out: every id already in the sequence, prompt included, has its float32 logit divided
+    by the penalty where positive and multiplied by it where negative (RepetitionPenaltyLogitsProcessor)."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    ids = list(prompt)
+    for _ in range(n):
+        x = logits_fn(torch.tensor([ids]))[0, -1].float()
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[ids] = True
+        ids.append(int(torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x).argmax()))
+        if ids[-1] in stops:
+            break
+    return ids[len(prompt):]
+
+
+@settings(max_examples=examples(25), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(cell=cells(), seed=st.integers(0, 50), n=st.integers(4, 12), penalty=st.sampled_from([0.5, 1.05, 1.3, 2.0]),
+       eos=st.one_of(st.none(), st.integers(0, 10)),
+       cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS)),
+                                  "hc": st.sampled_from(list(MHC)), "nanochat": st.booleans(),
+                                  "vocab_size": st.just(11)}))  # a small vocabulary: repeats inside one round
+def test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused(cell, seed, n, penalty, eos, cfg):
+    """repetition_penalty at every entry point, input form and plan kind (fp64): each row equals the penalised
+    argmax loop of its reference (a batch row penalised by its own prompt only, a speculative verifier at each draft
+    by the drafts before it), or the same prompt decoded alone with the penalty where the reference is an snlp run
+    (K < C); the combinations refused without a penalty are refused with one, for the same reason."""
+    cell = Cell(**{**cell.__dict__, "dtype": "fp64"})
+    note(f"cell: {cell}, penalty {penalty}")
+    m, prompts, arg, preheat = build(cell, seed, cfg)
+    drafter = make_drafter(m, PLANS[cell.kind]) if cell.entry == "drafter" and cell.kind not in MHC_KINDS else None
+    assume(not (cell.entry == "drafter" and drafter is None))  # mHC drafters are refused by make_drafter itself
+    why = refusals(cell)
+    if why:
+        with pytest.raises(ValueError) as err:
+            run(cell, m, arg, preheat, n, eos, drafter, penalty=penalty)
+        assert any(re.search(re.escape(w), str(err.value), re.I) for w in why), f"{cell}: {err.value}"
+        return
+    rows = rows_of(cell, run(cell, m, arg, preheat, n, eos, drafter, penalty=penalty))
+    used = prompts if cell.form in SEVERAL else prompts[:1]
+    assert len(rows) == len(used)
+    fn = reference_fn(cell, m)
+    for p, got in zip(used, rows):
+        if fn is None:  # K < C: the same prompt alone, as a single prompt
+            alone = Cell(**{**cell.__dict__, "form": "one"})
+            assert got == run(alone, m, p, preheat, n, eos, drafter, penalty=penalty).tokens, \
+                f"{cell}: row != its single-prompt run"
+        else:
+            ref = penalised_loop(fn, p, n, eos, penalty)
+            assert got == ref, f"{cell}: {got} != penalised reference {ref}"
+
+
 @settings_matrix
 @given(cell=cells(), seed=st.integers(0, 50), n=st.integers(2, 8), at=st.lists(st.integers(1, 8), min_size=3,
                                                                                   max_size=3))
@@ -422,20 +484,22 @@ def test_a_budget_beyond_the_devices_memory_is_refused_before_any_forward(entry,
        temperature=st.sampled_from([0.7, 1.0, 2.0]), top_k=st.sampled_from([0, 1, 3, 20]),
        top_p=st.sampled_from([1.0, 0.9, 0.5]), eos=st.one_of(st.none(), st.integers(0, 60)),
        cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS)),
-                                  "nanochat": st.booleans()}))
+                                  "nanochat": st.booleans()}), penalty=st.sampled_from([1.0, 1.0, 0.5, 1.3]))
 def test_sampled_rows_do_not_depend_on_the_batch(seed, kind, entry, form, adaptive, min_confidence, block, n,
-                                                 temperature, top_k, top_p, eos, cfg):
+                                                 temperature, top_k, top_p, eos, cfg, penalty):
     """Sampled decoding of a batch (sequential, SNLP, self-speculative with the plan's forward or a drafter): row i is
     the same prompt decoded alone with seed + i, token for token (fp64), whatever its neighbours draw (each row's
     draws come from its own generator; a self-speculative round's drafts, uniforms and tokens too, its verdict
-    computed for the whole batch on the device), with and without top_k / top_p."""
+    computed for the whole batch on the device), with and without top_k / top_p and a repetition penalty (each
+    row's own seen ids)."""
     spec = entry in ("speculative", "drafter")
     cell = Cell(entry=entry, form=form, kind=kind, adaptive=spec and adaptive,
                 min_confidence=min_confidence if spec else 0.0, block=block)
     note(f"cell: {cell}")
     m, prompts, arg, preheat = build(cell, seed, cfg)
     d = make_drafter(m, PLANS[kind]) if entry == "drafter" and kind not in MHC_KINDS else None
-    kw = dict(max_new_tokens=n, eos_id=eos, temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = dict(max_new_tokens=n, eos_id=eos, temperature=temperature, top_k=top_k, top_p=top_p,
+              repetition_penalty=penalty)
     if entry == "sequential":
         call = lambda x, s: sequential_generate(m, x, seed=s, **kw)  # noqa: E731
     elif entry == "snlp":

@@ -138,7 +138,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if rank == 0 and tok.foreign:  # as snlp.apps.generate.run: the converted model's generation defaults not applied
         from snlp.apps.generation_defaults import defaults_note
 
-        note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p)
+        note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
+                             repetition_penalty=None)  # the layer-parallel decoder applies no penalty
         if note:
             print(note, file=sys.stderr)
     eos_id = args.eos_id

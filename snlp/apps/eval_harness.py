@@ -34,8 +34,8 @@ def add_arguments(p) -> None:
                    "answers; always for --drafter)")
     h.add_argument("--harness-block", type=int, default=4, help="--harness-decode speculative: draft block size")
     h.add_argument("--harness-ignore-generation-config", action="store_true", help="--harness generate_until: "
-                   "decode without what the model's generation_config sets and snlp does not apply (e.g. a "
-                   "repetition_penalty, which lm-eval's hf model applies; refused by default)")
+                   "decode without the model's generation_config settings (its repetition_penalty, applied by "
+                   "default; what snlp does not apply, e.g. no_repeat_ngram_size, refused by default)")
     h.add_argument("--bootstrap-iters", type=int, default=None, help="--harness: bootstrap draws of the stderr of "
                    "bootstrapped metrics (default: the harness's own, 100000 in lm-eval 0.4; 0 = no stderr)")
     h.add_argument("--harness-out", default=None, metavar="DIR", help="the harness's JSON per method "

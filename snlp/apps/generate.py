@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sampling: draw from the most likely tokens whose "
                    "probability first reaches P (nucleus sampling, after --top-k, as transformers does; default 1 = "
                    "all)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="divide the logit of every id already in "
+                   "the text (prompt included) by P where positive, multiply it where negative, as transformers does "
+                   "(default: the converted model's generation_config value, else 1 = none)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
     p.add_argument("--seed", type=int, default=None, help=f"sampling seed (--temperature > 0; default "
@@ -161,6 +164,7 @@ def check_args(args) -> None:
     check_max_new_tokens(args.max_new_tokens)  # before the library's check, which names its argument, not the flag
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
     sampling(args.temperature, args.top_k, args.top_p)
+    check_penalty_flag(args.repetition_penalty)
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     # the plan's grammar, and the drafter's directory, before the model loads (its depth is checked once it has)
@@ -242,7 +246,8 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
     from snlp.decode.jacobi import jacobi_generate
     from snlp.decode.speculative import speculative_generate
 
-    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_id=eos_id, on_tokens=on_tokens,
+              repetition_penalty=args.repetition_penalty)
     if args.mode != "jacobi":  # greedy only (check_args)
         kw.update(top_k=args.top_k, top_p=args.top_p)
     steps = steps or {}
@@ -276,7 +281,8 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
                                              compile=args.compile, preheat=preheat,
                                              share_weights=args.share_weights, min_confidence=args.min_confidence,
-                                             adaptive=args.adaptive_block, drafter=drafter)
+                                             adaptive=args.adaptive_block, drafter=drafter,
+                                             repetition_penalty=args.repetition_penalty)
     rep = rows[0]
     record["report"] = rep.to_dict()
     record["sequential_tokens_per_s"] = 1e3 / rep.sequential_ms_per_token
@@ -300,6 +306,30 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"{record['sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup measured "
             f"{rep.measured_speedup:.2f}x (the median of the paired per-run ratios, which ran "
             f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD {ideal}")
+
+
+def check_penalty_flag(p: float | None) -> None:
+    """--repetition-penalty P: a finite number > 0 (snlp.decode.penalty), refused in the flag's words."""
+    from snlp.decode.penalty import check_repetition_penalty
+
+    if p is not None:
+        try:
+            check_repetition_penalty(p)
+        except ValueError:
+            raise ValueError(f"--repetition-penalty must be a finite number > 0, 1 = none (got {p!r})") from None
+
+
+def resolve_penalty(args, tok) -> float:
+    """The repetition penalty this run applies: --repetition-penalty, else a converted model's generation_config
+    value (transformers' generate() applies it by default), else 1 (none)."""
+    from snlp.io.generation import config_repetition_penalty
+
+    if args.repetition_penalty is not None:
+        return float(args.repetition_penalty)
+    if not tok.foreign:
+        return 1.0
+    return config_repetition_penalty(tok.meta.get("generation_config") or {},
+                                     f"{args.ckpt}: its generation_config")
 
 
 def check_max_new_tokens(n: int) -> None:
@@ -463,6 +493,9 @@ def run(args) -> int:
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")
+    if args.distributed and args.repetition_penalty is not None:
+        raise ValueError("--repetition-penalty is applied by the single-process decoders; --distributed applies "
+                         "none: drop it (or decode without --distributed)")
     if args.distributed and args.drafter:
         raise ValueError("--drafter has its own suffix weights: --distributed cannot use it")
     if args.distributed:
@@ -504,8 +537,11 @@ def run(args) -> int:
 
         check_shareable(model, plan.fuse)
     preheat = plans_preheat(args.ckpt, model, [plan])
+    given = args.repetition_penalty is not None
+    args.repetition_penalty = resolve_penalty(args, tok)  # what every decode call of this run applies
     note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
-                         greedy_only=args.mode == "jacobi") if tok.foreign else None
+                         greedy_only=args.mode == "jacobi", repetition_penalty=args.repetition_penalty,
+                         penalty_given=given) if tok.foreign else None
     if note:  # transformers applies these by default; snlp only its flags (docs/usage.md, Sampling)
         print(note, file=sys.stderr)
     if args.compile:  # the first token waits for every graph: say why the terminal goes quiet (4 minutes on a CPU)

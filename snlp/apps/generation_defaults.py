@@ -1,20 +1,23 @@
 """A converted model's generation defaults (its generation_config.json) against `snlp generate`'s flags: the one
-stderr line naming what transformers' generate() would apply that this run does not (`snlp generate` and its
---distributed path both print it)."""
+stderr line naming what transformers' generate() would apply that this run does not, and the repetition penalty the
+run applies from it (`snlp generate` and its --distributed path both print it)."""
 
 from __future__ import annotations
 
-from snlp.io.generation import unapplied_defaults
+from snlp.io.generation import config_repetition_penalty, unapplied_defaults
 
 
-def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, greedy_only: bool = False
-                  ) -> str | None:
+def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, greedy_only: bool = False,
+                  repetition_penalty: float | None = 1.0, penalty_given: bool = False) -> str | None:
     """A converted model's generation defaults (generation_config.json, kept by `snlp convert`) against this run's
     flags: where transformers' generate() would decode otherwise (called without arguments when this run is greedy,
     with do_sample=True when it samples, and this temperature unless the config sets one, which generate() then
     samples with), or None if nowhere. snlp applies only its flags, so a user comparing the two outputs is told which
     flags make them alike. `greedy_only`: a mode that refuses sampling (--mode jacobi), so no sampling flags are
-    offered: the like-for-like call there is generate(do_sample=False)."""
+    offered: the like-for-like call there is generate(do_sample=False). `repetition_penalty`: the penalty this run
+    applies (None: a run that applies none, --distributed); `penalty_given`: it came from --repetition-penalty. A
+    config's penalty the run applies is said (transformers' generate() applies it by default too), one it does not
+    apply or replaces is named as a difference."""
     samples = defaults.get("do_sample") is True
     extra = unapplied_defaults(defaults, sampling=samples or temperature > 0)
     # transformers' sampling filters: top_k 50 and top_p 1 unless the model's config says otherwise
@@ -54,4 +57,16 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
                      + ", ".join(f"{k}={v}" for k, v in extra.items())
                      + ", which snlp does not apply (no flag): outputs differ from transformers' generate()")
+    own = config_repetition_penalty(defaults)
+    if own != 1.0:
+        whose = "its" if parts else "this model's generation_config's"
+        if repetition_penalty is None:
+            parts.append(f"--distributed does not apply {whose} repetition_penalty={defaults['repetition_penalty']} "
+                         f"(single-process decoding does): outputs differ from transformers' generate()")
+        elif repetition_penalty == own and not penalty_given:
+            parts.append(f"this run applies {whose} repetition_penalty={defaults['repetition_penalty']} as "
+                         f"transformers' generate() does (--repetition-penalty 1 turns it off)")
+        elif repetition_penalty != own:
+            parts.append(f"this run applies --repetition-penalty {repetition_penalty:g} where transformers' generate() "
+                         f"applies {whose} repetition_penalty={defaults['repetition_penalty']}: outputs differ")
     return "snlp generate: " + "; ".join(parts) if parts else None

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from snlp.decode.penalty import RepetitionPenalty
 from snlp.decode.session import (GenerateResult, Sampling, as_ids_tensor, check_fits, check_max_len, check_picked,
                                  check_seed, check_stream, cut_at_stop,
                                  make_generator, pick_tensor, prompt_ids_list, read_every, stop_set)
@@ -103,7 +104,7 @@ class BatchSession:
 
     def __init__(self, model: GPT, prompts, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: RowsCallback | None, mode: str, step: Step | EagerStep | tuple, slack: int = 0,
-                 how: Sampling = Sampling(), seed: int | None = None):
+                 how: Sampling = Sampling(), seed: int | None = None, penalty: float = 1.0):
         self.model, self.device = model, model.wte.weight.device
         prompts = as_ids_tensor(prompts)
         if isinstance(prompts, Tensor):
@@ -136,6 +137,8 @@ class BatchSession:
         self.gens = None if how.greedy else [make_generator(None if seed is None else seed + i, self.device)
                                                   for i in range(len(self.prompts))]
         self.prefill_s = 0.0
+        # the repetition penalty's seen ids, one row per batch row (None at penalty 1: nothing to do)
+        self.penalty = RepetitionPenalty.of(penalty, self.prompts, model.config.vocab_size, self.device)
 
     @property
     def plain(self) -> bool:
@@ -249,6 +252,8 @@ class BatchSession:
         if not self.compact or len(keep) == len(self.rows) or not keep:
             return
         self.cache.keep_rows(torch.tensor(keep, device=self.device))
+        if self.penalty is not None:
+            self.penalty.keep_rows(torch.tensor(keep, device=self.device))
         self.rows, self.lens, self.last = ([xs[j] for j in keep] for xs in (self.rows, self.lens, self.last))
 
     def live(self) -> list[int]:
@@ -271,16 +276,18 @@ class BatchSession:
 
 def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: str, plan, max_new_tokens: int,
                          how: Sampling, eos_id: int | list[int] | None, seed: int | None, max_len: int | None,
-                         on_tokens: RowsCallback | None, every: int | None = None) -> list[GenerateResult]:
+                         on_tokens: RowsCallback | None, every: int | None = None,
+                         penalty: float = 1.0) -> list[GenerateResult]:
     """Sequential / SNLP decoding of a ragged batch: one cached forward of one token per live row per step, `every`
     steps queued per host read (snlp.decode.session.read_every): each step is fed the previous step's tokens on the
     device, and a row that reaches EOS inside a read computes the rest of it at its own positions (within its
-    budget, so inside the cache) and drops those tokens. Rows finish, and an eager batch compacts, at reads."""
+    budget, so inside the cache) and drops those tokens. Rows finish, and an eager batch compacts, at reads.
+    `penalty`: the repetition penalty (snlp.decode.penalty), each row's seen ids its own prompt's and tokens."""
     check_batch_plan(plan)
     c0 = forward.compile_s  # a prebuilt step's total so far: this call reports only what it compiled
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
-                           forward.slack, how, seed)
+                           forward.slack, how, seed, penalty)
         every = read_every(ses.device, every)
         for r in ses.results:
             r.plan = None if plan is None else str(plan)
@@ -301,8 +308,12 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             picked = []
             for k in range(n):
                 pos = RowPositions(first + k * step, span=None if span is None else span + k)
+                logits = forward.ragged(x, pos, ses.cache)[:, -1]  # (B, V)
+                pen = ses.penalty
                 # the finiteness flag rides on the read below
-                tok = ses.pick_tensor(forward.ragged(x, pos, ses.cache)[:, -1], how, flag=True)  # (B,)
+                tok = ses.pick_tensor(logits if pen is None else pen(logits), how, flag=True)  # (B,)
+                if pen is not None:  # a finished row riding along marks its dropped token: it emits nothing more
+                    pen.add(tok)
                 picked.append(tok)
                 x = tok.clamp_min(0)[:, None]  # NONFINITE (-1) is no token id; check_picked raises on it below
             toks = torch.stack(picked, 1).tolist()  # (B, n): one read for n steps

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from snlp.decode.batch import batch_autoregressive, check_decode_inputs, is_batch
+from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, check_read_every,
                                  decode_plan, make_generator, pick_tensor, read_every, sampling, sequential_forward,
                                  snlp_forward, step_slack)
@@ -30,11 +31,11 @@ MODES = ("sequential", "snlp", "speculative", "jacobi")
 
 
 def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how, eos_id, seed, max_len,
-                    on_tokens, every) -> GenerateResult:
-    # max_new_tokens, the sampling (how) and every are checked by the callers, before the step is built
+                    on_tokens, every, penalty: float = 1.0) -> GenerateResult:
+    # max_new_tokens, the sampling (how), every and the penalty are checked by the callers, before the step is built
     if is_batch(prompt_ids):
         return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how, eos_id, seed,
-                                    max_len, on_tokens, every)
+                                    max_len, on_tokens, every, penalty)
     with torch.inference_mode():
         ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
         every = read_every(ses.device, every)
@@ -43,13 +44,17 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how,
         ses.warm(forward, [1])  # and the prefill's graph in ses.prefill
         ses.prefill(forward)
         res = ses.result
+        pen = RepetitionPenalty.of(penalty, [ses.prompt], model.config.vocab_size, ses.device)  # None at 1
         x = ses.ids([ses.last])  # (1, 1): the loop's only host-to-device copy; later steps feed the picked token
         while not ses.done:
             t0 = time.perf_counter()  # the device is idle here: the prefill's clock, then each read, waited for it
             n = min(every, ses.remaining)
             picked = []
             for _ in range(n):
-                tok = pick_tensor(forward(x, ses.cache)[:, -1], how, gen, flag=True)  # (1,), on the device
+                logits = forward(x, ses.cache)[:, -1]  # (1, V)
+                tok = pick_tensor(logits if pen is None else pen(logits), how, gen, flag=True)  # (1,), on the device
+                if pen is not None:
+                    pen.add(tok)
                 picked.append(tok)
                 # NONFINITE (-1) is no token id; the steps after it are computed but never emitted (check_picked)
                 x = tok.clamp_min(0)[:, None]  # (1, 1)
@@ -71,7 +76,7 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
                         eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                         on_tokens: Callable[[list[int]], bool | None] | None = None, compile: bool = False,
                         step: Step | EagerStep | None = None, read_every: int | None = None, top_k: int = 0,
-                        top_p: float = 1.0) -> GenerateResult | list[GenerateResult]:
+                        top_p: float = 1.0, repetition_penalty: float = 1.0) -> GenerateResult | list[GenerateResult]:
     """KV-cached sequential decoding (the reference). Greedy at temperature 0, else a draw from softmax(logits /
     temperature), filtered by `top_k` / `top_p` as transformers filters it (snlp.decode.session.Sampling).
     `compile`: the prefill and the decode step run as compiled static-shape steps (snlp.decode.steps; compiled
@@ -83,23 +88,27 @@ def sequential_generate(model: GPT, prompt_ids, max_new_tokens: int = 64, temper
     token and its position (flagged on the host read of each step's token, no extra sync) instead of emitting
     tokens read off them. `read_every`: decode steps queued between host reads of the tokens (snlp.decode.session.
     read_every; None: 1 on the CPU, 8 on an accelerator), the tokens unchanged (but for near-ties of an eager
-    batch in bf16 / fp16, see read_every)."""
+    batch in bf16 / fp16, see read_every). `repetition_penalty` p (1: none): transformers' repetition penalty
+    (snlp.decode.penalty): the logit of every id already in the row's sequence, its prompt included, divided by p
+    where positive and multiplied by p where negative, before the sampling filters, greedy or sampled, so the tokens
+    are those of generate(repetition_penalty=p) on the same weights."""
     check_gpt(model)
     check_bools(compile=compile)
     check_decode_args(max_new_tokens, temperature)  # before a step is built
     how = sampling(temperature, top_k, top_p, seed)
+    penalty = check_repetition_penalty(repetition_penalty)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, sequential_forward(model, compile, step), "sequential", None,
-                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)
+                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every, penalty)
 
 
 def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int = 64, temperature: float = 0.0,
                   eos_id: int | list[int] | None = None, seed: int | None = None, max_len: int | None = None,
                   on_tokens: Callable[[list[int]], bool | None] | None = None, compile: bool = False,
                   step: Step | EagerStep | None = None, preheat: Preheat | None = None,
-                  read_every: int | None = None, top_k: int = 0, top_p: float = 1.0
-                  ) -> GenerateResult | list[GenerateResult]:
+                  read_every: int | None = None, top_k: int = 0, top_p: float = 1.0,
+                  repetition_penalty: float = 1.0) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= plan.exact_iters() (the chunk count in the forward
     order, more in others: 11 for 6xF1-...-order:reversed) this is exactly the fused model of `plan` decoded
@@ -113,13 +122,14 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     prompts: one ragged batch, one result per prompt, as in `sequential_generate` (a `tol` plan freezes each row on
     its own, so a row's tokens do not depend on the batch). A plan whose solve turns NaN/inf raises
     SNLPDivergenceError naming the generated token whose logits held them (flagged on the host read of each step's
-    tokens, no extra sync) instead of emitting tokens read off them. `read_every`, `top_k`, `top_p`: as in
-    `sequential_generate`."""
+    tokens, no extra sync) instead of emitting tokens read off them. `read_every`, `top_k`, `top_p`,
+    `repetition_penalty`: as in `sequential_generate` (the penalty acts on the plan's logits)."""
     plan = decode_plan(model, plan)
     check_bools(compile=compile)
     check_decode_args(max_new_tokens, temperature)  # before the plan is bound
     how = sampling(temperature, top_k, top_p, seed)
+    penalty = check_repetition_penalty(repetition_penalty)
     check_read_every(read_every)
     check_decode_inputs(model, prompt_ids, max_new_tokens, max_len, eos_id, plan, on_tokens=on_tokens, seed=seed)
     return _autoregressive(model, prompt_ids, snlp_forward(model, plan, compile, step, preheat), "snlp", plan,
-                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every)
+                           max_new_tokens, how, eos_id, seed, max_len, on_tokens, read_every, penalty)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from snlp.decode.batch import check_decode_inputs, is_batch
+from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty
 from snlp.decode.session import (GREEDY, NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
                                  decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
@@ -22,7 +23,8 @@ import torch
 def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, block: int = 4,
                     max_new_tokens: int = 64, eos_id: int | list[int] | None = None, max_iters: int | None = None,
                     max_len: int | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
-                    verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None) -> GenerateResult:
+                    verify: bool = True, warm_start: bool = False, preheat: Preheat | None = None,
+                    repetition_penalty: float = 1.0) -> GenerateResult:
     """Greedy Jacobi decoding (Santilli et al. 2023) of blocks of `block` future tokens (the
     lookahead window W). Each iteration feeds [last, g_1..g_B] in one cached forward and replaces
     the guesses by the argmax predictions, until a fixed point or `max_iters` (default B+1, enough
@@ -42,10 +44,13 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     the Jacobi forwards are the sequential model itself and the last iteration is the check.
     Counters: jacobi_iters = JD iterations (forwards of the Jacobi model), forwards = jacobi_iters
     plus one sequential check per round when verifying; accepted + rounds = tokens kept before the
-    budget/EOS cut."""
+    budget/EOS cut. `repetition_penalty` (as in `sequential_generate`): every iteration's position i, and the
+    check's, is penalised by the prompt, the tokens kept and the guesses before i, so the verified output is
+    `sequential_generate(repetition_penalty=p)`'s."""
     check_gpt(model)
     check_bools(verify=verify, warm_start=warm_start)
     check_decode_args(max_new_tokens, 0.0, block)
+    penalty = check_repetition_penalty(repetition_penalty)
     if is_batch(prompt_ids):  # a list of prompts / a (B, T) tensor: refused here, not a TypeError deep inside
         raise ValueError("jacobi_generate decodes one prompt (a list of ids or a (T,) / (1, T) tensor); a list of "
                          "prompts or a (B, T) batch is not supported: decode the prompts one at a time")
@@ -68,6 +73,10 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
         res.plan, res.block = None if plan is None else str(plan), block
         res.extra.update(verify=verify, warm_start=warm_start)
         ses.prefill(seq_fwd)
+        pen = RepetitionPenalty.of(penalty, [ses.prompt], model.config.vocab_size, dev)  # None at 1
+
+        def judged(logits, ids):  # (1, Bk + 1, V) over ids [last, g_1..g_Bk]: position i penalised by g_1..g_i too
+            return logits if pen is None else pen.at_positions(logits, ids[:, 1:])
         carry: list[int] = []  # guesses left over from the previous block
         while not ses.done:
             P, Bk = cache.length, min(block, ses.remaining - 1)
@@ -76,10 +85,12 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             states = None
             for it in range(max_iters or Bk + 1):
                 cache.rollback(P)
+                ids = ses.ids([ses.last] + g)  # (1, Bk + 1)
                 if warm_start:
-                    logits, states = warm_fwd(ses.ids([ses.last] + g), cache, states)
+                    logits, states = warm_fwd(ids, cache, states)
                 else:
-                    logits = jac_fwd(ses.ids([ses.last] + g), cache)
+                    logits = jac_fwd(ids, cache)
+                logits = judged(logits, ids)
                 # (Bk+1,); the tokens that are the output (unverified SNLP iterations, or the model's own Jacobi
                 # forward) are flagged: NaN/inf logits read as NONFINITE on this host read (no extra sync); verified
                 # SNLP iterations only guess (a diverged guess costs speed), the sequential check below is flagged
@@ -98,7 +109,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             if plan is not None and verify:  # sequential check of the SNLP-Jacobi fixed point
                 g = pred[:Bk]
                 cache.rollback(P)
-                pred = pick_tokens(seq_fwd(ses.ids([ses.last] + g), cache)[0], GREEDY, flag=True)
+                ids = ses.ids([ses.last] + g)
+                pred = pick_tokens(judged(seq_fwd(ids, cache), ids)[0], GREEDY, flag=True)
                 res.forwards += 1
             # pred[:n] == g[:n] holds no NONFINITE (g never does): only the model's token pred[n] can be one
             n = next((i for i, (d, t) in enumerate(zip(g, pred)) if d != t), Bk)
@@ -107,5 +119,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             carry = pred[n + 1:]
             carry = carry[: carry.index(NONFINITE)] if NONFINITE in carry else carry
             res.add_round(Bk, n, steps=it + 1, forwards=it + 1, draft_s=t1 - t0, verify_s=now(dev) - t1)
+            if pen is not None:
+                pen.add(ses.ids(g[:n] + [pred[n]]))
             ses.emit(g[:n] + [pred[n]])
         return ses.finish()

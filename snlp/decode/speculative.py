@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, check_decode_inputs, is_batch
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (NONFINITE, GenerateResult, Sampling, check_decode_args, check_picked, decode_plan,
                                  merge_results, sampling, sequential_forward, snlp_forward, step_slack)
@@ -131,7 +132,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
                           eos_id: int | list[int] | None = None, progress: bool = False, compile: bool = False,
                           preheat: Preheat | None = None, share_weights: bool = False, min_confidence: float = 0.0,
                           adaptive: bool = False, drafter: Drafter | None = None, top_k: int = 0,
-                          top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
+                          top_p: float = 1.0, repetition_penalty: float = 1.0
+                          ) -> tuple[list[SSDRow], list[list[int]]]:
     """Self-speculative decoding with drafter `plan` at each block size B vs sequential decoding,
     measured side by side in this process: `warmup` untimed rounds (both sides, every B, first
     prompt), then `repeats` timed rounds, each decoding every prompt sequentially and at each B
@@ -144,8 +146,10 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     run (compiled during the warm-up; rows carry `compile_s` and `shared_compile_s`, SSDRow). `speculative_shootout` measures several drafters
     in the same way, against one sequential baseline. `top_k` / `top_p`: both sides sample from the filtered
     distribution (snlp.decode.session.Sampling). `seed` (sampling only; None: 0, so a benchmark repeats its draws):
-    both sides draw from it, a batch's row i from seed + i."""
+    both sides draw from it, a batch's row i from seed + i. `repetition_penalty`: both sides apply it
+    (snlp.decode.penalty), so `matches_sequential` compares like with like."""
     plan = decode_plan(model, plan)
+    check_repetition_penalty(repetition_penalty)
     check_bools(progress=progress, compile=compile, share_weights=share_weights, adaptive=adaptive)
     sampling(temperature, top_k, top_p, seed)  # refused before any step is built
     seed = 0 if seed is None and temperature > 0 else seed
@@ -157,7 +161,8 @@ def speculative_benchmark(model: GPT, prompts: list, plan: Plan | str, blocks=(4
     draft_step = snlp_forward(draft_model, plan, compile, preheat=preheat, share_weights=share_weights)
     spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
     return _side_by_side(model, prompts, [(plan, b, draft_step) for b in blocks], seq_step, max_new_tokens, repeats,
-                         warmup, temperature, seed, eos_id, progress, compile, spec_kw, top_k, top_p)
+                         warmup, temperature, seed, eos_id, progress, compile, spec_kw, top_k, top_p,
+                         repetition_penalty)
 
 
 def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int = 64, repeats: int = 3,
@@ -190,7 +195,8 @@ def speculative_shootout(model: GPT, prompts: list, cases, max_new_tokens: int =
 
 def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_tokens: int, repeats: int, warmup: int,
                   temperature: float, seed: int | None, eos_id: int | list[int] | None, progress: bool, compile: bool,
-                  spec_kw: dict, top_k: int = 0, top_p: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
+                  spec_kw: dict, top_k: int = 0, top_p: float = 1.0,
+                  repetition_penalty: float = 1.0) -> tuple[list[SSDRow], list[list[int]]]:
     """The measurement of speculative_benchmark / speculative_shootout: `cases` (plan, B, drafter step) against
     the sequential `seq_step`, warm-up, then round-robin timed rounds (their docstrings). Compile time is
     attributed call by call: what the steps compiled during a sequential call is shared, during a case's call
@@ -202,7 +208,7 @@ def _side_by_side(model: GPT, prompts: list, cases: list, seq_step, max_new_toke
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats!r}, warmup={warmup!r})")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_id=eos_id, top_k=top_k,
-              top_p=top_p)
+              top_p=top_p, repetition_penalty=repetition_penalty)
     seq_kw = dict(kw, step=seq_step)
     n = len(cases)
     steps = [seq_step] + list({id(st): st for _, _, st in cases}.values())
@@ -322,8 +328,8 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
                          compile: bool = False, draft: Step | EagerStep | None = None,
                          verify: Step | EagerStep | None = None, preheat: Preheat | None = None,
                          share_weights: bool = False, min_confidence: float = 0.0, adaptive: bool = False,
-                         drafter: Drafter | None = None, top_k: int = 0, top_p: float = 1.0
-                         ) -> GenerateResult | list[GenerateResult]:
+                         drafter: Drafter | None = None, top_k: int = 0, top_p: float = 1.0,
+                         repetition_penalty: float = 1.0) -> GenerateResult | list[GenerateResult]:
     """Self-speculative decoding: the SNLP forward of `plan` drafts `block` tokens autoregressively
     (cached), the sequential model scores the B+1 positions in one cached forward, the longest
     agreeing prefix plus one verifier token is kept and the cache is rolled back past the rejection.
@@ -354,10 +360,16 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     unless a prebuilt `draft` step is passed); `model` still verifies, so the output is the model's own.
 
     `top_k` / `top_p` (sampling): the model's distribution filtered as in `sequential_generate`
-    (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law."""
+    (snlp.decode.session.Sampling); the drafter's is filtered alike, and rejection sampling keeps the filtered law.
+
+    `repetition_penalty` (as in `sequential_generate`): the verifier's distribution at draft position i is penalised
+    by the prompt, the tokens kept so far and the drafts before i, so the output is still the model's own penalised
+    decoding (greedy: `sequential_generate(repetition_penalty=p)`'s tokens); the drafter is penalised alike, which
+    only serves acceptance."""
     check_bools(compile=compile, share_weights=share_weights, adaptive=adaptive)
     check_decode_args(max_new_tokens, temperature, block)
     how = sampling(temperature, top_k, top_p, seed)
+    penalty = check_repetition_penalty(repetition_penalty)
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must lie in [0, 1], a probability (got {min_confidence!r})")
     plan = decode_plan(model, plan)
@@ -370,12 +382,12 @@ def speculative_generate(model: GPT, prompt_ids, plan: Plan | str, block: int = 
     verify_fwd = sequential_forward(model, compile, verify, name="verify")
     if is_batch(prompt_ids):
         return _speculative_rows(model, prompt_ids, plan, draft_fwd, verify_fwd, block, max_new_tokens, how,
-                                 eos_id, seed, max_len, on_tokens, min_confidence, adaptive)
+                                 eos_id, seed, max_len, on_tokens, min_confidence, adaptive, penalty)
     # one prompt: the same round as a batch, run as a batch of one (BatchSession.plain: the plain cached forwards
     # of the single-prompt path, no masks), so every fix to the round lands once
     stream = None if on_tokens is None else (lambda i, new: on_tokens(new))
     res = _speculative_rows(model, [prompt_ids], plan, draft_fwd, verify_fwd, block, max_new_tokens, how,
-                            eos_id, seed, max_len, stream, min_confidence, adaptive)[0]
+                            eos_id, seed, max_len, stream, min_confidence, adaptive, penalty)[0]
     res.extra.pop("batch", None)
     return res
 
@@ -482,9 +494,14 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
     token, length and block in one copy in (a row that drafts fewer tokens computes the rest, dropped, and the
     verifier sees its last real token there: masked attention still multiplies the K/V of positions it hides by 0,
     so a NaN / inf extra draft must not be fed).
+    With a repetition penalty (`ses.penalty`) the drafter penalises each step by the row's seen ids and its drafts so
+    far, and the verifier's position i by the seen ids and drafts 1..i (RepetitionPenalty.at_positions): the
+    distribution one-token decoding of that prefix would penalise, so the verdict stays exact; the state then
+    learns the kept tokens.
     Returns (drafts per row, accepted per row, next token per row, the next tokens (B, 1) on the device, drafter
     steps, marks)."""
     B = len(ses.rows)
+    pen = ses.penalty
     if ses.plain:
         last = ses.ids([ses.last]) if last is None else last  # (1, 1)
 
@@ -509,6 +526,13 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             ids = torch.where(cols <= wants, ids, ids.gather(1, wants))  # past its drafts: its last real token
             pos = RowPositions(start + cols, span=None if span is None else span + T - 1)
             return verify_fwd.ragged(ids, pos, ses.cache)
+    if pen is not None:
+        verify_raw = verify
+
+        def verify(ids: Tensor, wants: Tensor | None) -> Tensor:  # (B, m + 1, V) penalised, as judged
+            m = ids.shape[1] - 1
+            return pen.at_positions(verify_raw(ids, wants)[:, :m + 1], ids[:, 1:])
+    dpen = None if pen is None else pen.fork()  # the drafter's: the round's drafts marked as they come
     gens = None if how.greedy else [ses.gens[i] for i in ses.rows]  # each row's own, in batch order
     t0 = mark(ses.device)
     x, drafts, qs, confs = last, [], [], []
@@ -519,7 +543,10 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
             break
         draw = [k < w for w in want] if not min_confidence else list(going)
         logits = draft(x, k)[:, -1]  # (B, V)
+        logits = logits if dpen is None else dpen(logits)
         x, q = draft_pick(logits, how, gens, draw)  # (B, 1), (B, V)
+        if dpen is not None:
+            dpen.add(x)
         drafts.append(x)
         if q is not None:
             qs.append(q)
@@ -553,6 +580,9 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
     bad = [j for j in range(B) if nxts[j] == NONFINITE and ns[j] < drafted[j]]
     if bad:
         nxt = _unpoison(ses, verify, ids, qs, drafted, how, bad, ns, nxts, nxt)
+        n = torch.tensor(ns, device=ses.device)  # the verdicts judged again (an error path: one copy in)
+    if pen is not None:  # on the device, after the round's read: no wait
+        pen.accept(ids[:, 1:], n, nxt)
     return [g[:w] for g, w in zip(got, drafted)], ns, nxts, nxt[:, None], m, (t0, t1, t2)
 
 
@@ -612,7 +642,7 @@ def _unpoison(ses: BatchSession, verify, ids: Tensor, qs: list, drafted: list[in
 
 def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, block: int, max_new_tokens: int,
                       how: Sampling, eos_id, seed, max_len, on_tokens, min_confidence: float,
-                      adaptive: bool) -> list[GenerateResult]:
+                      adaptive: bool, penalty: float = 1.0) -> list[GenerateResult]:
     """Self-speculative decoding of a ragged batch (snlp.decode.batch): per round, every live row drafts its own
     number of tokens, one batched verifier forward checks them, each row accepts its own prefix and moves its
     own length (its "rollback"). One prompt runs the same round as a batch of one (BatchSession.plain)."""
@@ -621,7 +651,7 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
     c0 = draft_fwd.compile_s + verify_fwd.compile_s  # prebuilt steps' totals so far: report this call's only
     with torch.inference_mode():
         ses = BatchSession(model, prompts, max_new_tokens, eos_id, max_len, on_tokens, "speculative",
-                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, how, seed)
+                           (verify_fwd, draft_fwd), step_slack(draft_fwd, verify_fwd) + block + 1, how, seed, penalty)
         # sampling: the block must not depend on the clock (a seeded run repeats its draws), so the cost ratio is
         # the plan's ideal one, L / (S + K * evals) layer steps, not the measured one
         ratio = None if how.greedy else plan.ideal_speedup(model.config.n_layer)

@@ -31,9 +31,10 @@ The harness's conventions are kept, its code is used rather than copied: Templat
 encoding, the Collator's longest-first order and its one-token-continuation logits cache (group_by="contexts"),
 the rolling windows of lm_eval.utils, normalize_gen_kwargs / handle_stop_sequences / postprocess_generated_text for
 generation, cache_hook.add_partial for the request cache; the chat template is the model's own, applied as the
-harness's `hf` model applies it (add_generation_prompt, continue_final_message). Generation options a mode cannot
-honour (min_p or typical_p when sampling, num_beams > 1, ...) are refused with a ValueError, never ignored; their no-op
-values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
+harness's `hf` model applies it (add_generation_prompt, continue_final_message). A repetition penalty (the task's
+repetition_penalty, else the model's generation config's) is applied as the hf model's generate applies it
+(snlp.decode.penalty). Generation options a mode cannot honour (min_p or typical_p when sampling, num_beams > 1, ...)
+are refused with a ValueError, never ignored; their no-op values are accepted. A GPT / Drafter object is used as it is, never converted (another dtype / device: ValueError).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, handle_arg_string, make_disjoint_window
 
 from snlp.decode.batch import check_batch_plan
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.session import sampling
 from snlp.decode.speculative import speculative_generate
@@ -59,7 +61,7 @@ from snlp.eval.mc import nonfinite
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
-from snlp.io.generation import unapplied_defaults
+from snlp.io.generation import config_repetition_penalty, unapplied_defaults
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
 from snlp.io.weights import cast_model
@@ -72,12 +74,12 @@ from snlp.model.gpt import GPT, check_gpt
 DECODES = ("sequential", "snlp", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # generation kwargs every mode honours (normalize_gen_kwargs' output); anything else is refused unless it is a no-op:
-GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
+GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty"}
 # the values at which transformers' generate (the harness's hf model passes these to it) changes nothing
 GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
              "top_p": (1.0, None), "top_k": (0, None), "min_p": (0.0, None), "typical_p": (1.0, None),
-             "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "repetition_penalty": (1.0, None),
-             "encoder_repetition_penalty": (1.0, None), "no_repeat_ngram_size": (0, None), "use_cache": (True, False)}
+             "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "encoder_repetition_penalty": (1.0, None),
+             "no_repeat_ngram_size": (0, None), "use_cache": (True, False)}
 BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 (refused): any value is a no-op
 # filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
 # (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
@@ -86,7 +88,7 @@ SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_
 
 def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
     """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
-    implement (beam search, min-p / typical sampling, repetition penalties, ...): those the caller must not lose."""
+    implement (beam search, min-p / typical sampling, n-gram bans, ...): those the caller must not lose."""
     return sorted(k for k in set(kw) - GEN_KEYS if not (
         k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
@@ -141,9 +143,9 @@ class SNLPLM(TemplateLM):
     device=, batch_size=, max_length=, add_bos_token=, plus decode= (sequential | snlp | speculative), block=
     (speculative draft length), seed= (sampling: the r-th request of a generate_until call draws from seed + r),
     logits_cache= (the Collator's one-token-continuation reuse), name= (what `model_args` records as pretrained= for
-    a GPT object), ignore_generation_config= (generate_until refuses a model whose generation config turns on what
-    the hf model's generate applies and snlp does not, e.g. Qwen2.5-Instruct's repetition_penalty; True generates
-    without it). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
+    a GPT object), ignore_generation_config= (generate_until applies the generation config's repetition_penalty,
+    e.g. Qwen2.5-Instruct's 1.05, as the hf model's generate does, and refuses a config that turns on what that
+    generate applies and snlp does not, e.g. no_repeat_ngram_size; True generates without any of them). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
     it). With a plan, loglikelihood scores the plan's full-sequence solve and decode=snlp generates by KV-cached SNLP
     decoding: the two agree only for K = 1 from h0 and from plan.exact_iters() on (module docstring), so generation
     rows and MC rows of one plan are two approximations of the model. A GPT (or Drafter) object is used on its own device in its own
@@ -470,15 +472,18 @@ class SNLPLM(TemplateLM):
 
     # ----- generation -----
     def _generate(self, prompts: list[list[int]], max_new: int, temperature: float, first: int = 0, top_k: int = 0,
-                  top_p: float = 1.0, until: list[str] = ()) -> list[list[int]]:
+                  top_p: float = 1.0, until: list[str] = (), repetition_penalty: float = 1.0) -> list[list[int]]:
         """New tokens per prompt, one ragged batch (a single prompt is decoded alone). Sampling: prompt j draws from
         its own generator seeded `seed + first + j` (snlp.decode.batch's per-row rule, offset by the rows decoded
         before it in this generate_until call), so every request gets its own draws whatever the batch size, from
         the distribution `top_k` / `top_p` filter (snlp.decode.session.Sampling, transformers' filters). A row
         stops decoding once its continuation holds one of the `until` strings (`StopStrings`), as the hf model's
-        stopping criteria stop it; the caller still cuts the tokens at the first stop (`_cut_at_stop`)."""
+        stopping criteria stop it; the caller still cuts the tokens at the first stop (`_cut_at_stop`).
+        `repetition_penalty`: transformers' penalty (snlp.decode.penalty), greedy or sampled, as the hf model's
+        generate applies it (`repetition_penalty_for`)."""
         # stop where the hf model's generate stops: the generation config's eos ids (snlp.io.tokenizer.stop_ids)
-        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids)
+        kw = dict(max_new_tokens=max_new, temperature=temperature, eos_id=self.stop_ids,
+                  repetition_penalty=repetition_penalty)
         if temperature > 0:  # greedy decoding draws nothing: the decode functions refuse a seed or a filter there
             kw.update(top_k=top_k, top_p=top_p, seed=self.seed + first)
         watch = StopStrings(lambda t: self.tok_decode(t, skip_special_tokens=False), until)
@@ -516,8 +521,9 @@ class SNLPLM(TemplateLM):
 
     def unapplied_defaults(self, sampling: bool) -> dict:
         """The model's generation-config settings (a converted model's generation_config.json) that lm-eval's hf
-        model applies in generate_until (its `generate` merges them into every call: a repetition penalty acts in
-        greedy decoding too) and snlp's decoding does not; {} with ignore_generation_config."""
+        model applies in generate_until (its `generate` merges them into every call: an n-gram ban acts in greedy
+        decoding too) and snlp's decoding does not; {} with ignore_generation_config. The repetition penalty is
+        not among them: snlp applies it (`repetition_penalty_for`)."""
         if self.ignore_generation_config:
             return {}
         defaults = (self.tokenizer.meta or {}).get("generation_config") or {}
@@ -539,10 +545,24 @@ class SNLPLM(TemplateLM):
                              f"(model_args; snlp eval: --harness-ignore-generation-config) to generate without it "
                              f"(answers then differ from the hf model's)")
 
-    def _gen_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, float, int, float]:
-        """(stop strings, max new tokens, temperature, top_k, top_p) of one request's generation kwargs, or
-        the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the prompt, or a
-        bad sampling filter."""
+    def repetition_penalty_for(self, task_value=None) -> float:
+        """The repetition penalty the hf model's generate applies to a request: the task's own repetition_penalty
+        (its generation_kwargs, which generate merges over the model's generation config) where it gives one, else
+        the generation config's (Qwen2.5-Instruct: 1.05; none with ignore_generation_config), else 1 (none)."""
+        if task_value is not None:
+            try:
+                return check_repetition_penalty(task_value)
+            except ValueError as e:
+                raise ValueError(f"generation option {e}") from None
+        if self.ignore_generation_config:
+            return 1.0
+        return config_repetition_penalty((self.tokenizer.meta or {}).get("generation_config") or {},
+                                         f"{self._source or 'the model'}: its generation_config")
+
+    def _gen_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, float, int, float, float]:
+        """(stop strings, max new tokens, temperature, top_k, top_p, repetition penalty) of one request's generation
+        kwargs, or the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the
+        prompt, or a bad sampling filter or penalty."""
         kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
         # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
         temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
@@ -557,13 +577,14 @@ class SNLPLM(TemplateLM):
                              f"supported by the snlp harness model (greedy, or sampling at a temperature with "
                              f"top_k / top_p, until stop strings / max_gen_toks)")
         self.check_generation_config(sampling=bool(kw["do_sample"]))
+        penalty = self.repetition_penalty_for(kw.get("repetition_penalty"))
         until = handle_stop_sequences(kw.pop("until", None), eos=eos)
         max_new = int(kw["max_gen_toks"])
         if max_new >= self.max_length:
             raise ValueError(f"max_gen_toks {max_new} must be below the model's max_length {self.max_length}")
         if kw["do_sample"]:  # a bad filter value
             sampling(temperature, top_k, top_p)
-        return until, max_new, temperature, top_k, top_p
+        return until, max_new, temperature, top_k, top_p, penalty
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, do_sample / temperature) continuations until a stop string, max_gen_toks or EOS,
@@ -584,9 +605,9 @@ class SNLPLM(TemplateLM):
         res, first = [], 0  # first: rows decoded so far in this call (sampling seeds, _generate)
         for chunk in order.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
-            until, max_new, temperature, top_k, top_p = self._gen_settings(all_kwargs[0], eos)
+            until, max_new, temperature, top_k, top_p, penalty = self._gen_settings(all_kwargs[0], eos)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
-            answers = self._generate(prompts, max_new, temperature, first, top_k, top_p, until)
+            answers = self._generate(prompts, max_new, temperature, first, top_k, top_p, until, penalty)
             first += len(prompts)
             for context, gen_kwargs, toks in zip(contexts, all_kwargs, answers):
                 toks = self._cut_at_stop(toks, until)
@@ -694,6 +715,7 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     tm = tm if tm is not None else task_manager(tasks, include)
     for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
         lm.model_args
+        lm.repetition_penalty_for()  # and a generation config's penalty that is none (0, nan): refused here too
     if any(lm.unapplied_defaults(sampling=True) for lm in lms):
         # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
         # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy

@@ -1,21 +1,24 @@
 """What a converted model's generation defaults (its generation_config.json, kept by `snlp convert` in the
-tokenizer's meta) would make transformers' generate() do that snlp's decoding does not: the logits processors it
-turns on in greedy decoding too (a repetition penalty, banned n-grams, forced tokens, ...), the sampling-only filters,
-and beam search. `snlp generate` names them in a note; the harness backend refuses them where lm-eval's hf model
-would apply them (snlp.eval.harness)."""
+tokenizer's meta) would make transformers' generate() do: the repetition penalty, which snlp's decoders apply as
+transformers does (`config_repetition_penalty`, snlp.decode.penalty), and what they do not apply: the other logits
+processors it turns on in greedy decoding too (banned n-grams, forced tokens, ...), the sampling-only filters, and
+beam search. `snlp generate` names those in a note; the harness backend refuses them where lm-eval's hf model would
+apply them (snlp.eval.harness)."""
 
 from __future__ import annotations
 
+import math
+
 # generation_config keys transformers' generate turns into logits processors that snlp has no flag for (it applies
 # them in greedy decoding too, so the two greedy outputs part where one of them is set), and num_beams > 1, beam
-# search, which parts them as well (snlp decodes one sequence)
-UNMATCHED = ("repetition_penalty", "no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
+# search, which parts them as well (snlp decodes one sequence). repetition_penalty is not among them: snlp applies it
+UNMATCHED = ("no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
              "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
              "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "typical_p",
              "epsilon_cutoff", "eta_cutoff", "top_h", "guidance_scale", "watermarking_config", "num_beams")
 # the values at which those change nothing (min_p 0 keeps every token, min_new_tokens 0 forces nothing,
 # guidance_scale 1 is the conditional logits alone, num_beams 1 one sequence): set so, they are not named
-NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
+NEUTRAL = {"encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
            "min_new_tokens": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
            "guidance_scale": 1.0, "num_beams": 1}
 # the filters transformers applies only when it samples
@@ -27,3 +30,16 @@ def unapplied_defaults(defaults: dict, sampling: bool) -> dict:
     does not, in a greedy run (`sampling` False: the sampling-only filters draw nothing there) or a sampled one."""
     return {k: v for k, v in (defaults or {}).items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
             and (sampling or k not in SAMPLING_ONLY)}
+
+
+def config_repetition_penalty(defaults: dict, where: str = "its generation_config") -> float:
+    """The repetition penalty transformers' generate() applies by default under these generation defaults
+    (`Tokenizer.meta["generation_config"]`): its repetition_penalty, 1.0 (none) where it is unset or null. A value
+    transformers refuses (not a number > 0) is a one-line ValueError naming `where`."""
+    p = (defaults or {}).get("repetition_penalty")
+    if p is None:
+        return 1.0
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
+        raise ValueError(f"{where} sets repetition_penalty={p!r}, which is no penalty: transformers' generate() "
+                         f"refuses it too (a finite number > 0)")
+    return float(p)

@@ -241,8 +241,10 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
     generate (the hf model's): accepted, the same answers as without them; sampling filters under greedy decoding
     (top_p: 0.95 with do_sample false, as the harness's cruxeval) filter nothing greedy picks: accepted. top_k / top_p
     under sampling are honoured (top_k 1, or a top_p that keeps one token, sample the argmax: the greedy answers at
-    any temperature). Options that change the answer and that snlp does not implement (beam search, min_p / typical
-    sampling, a repetition penalty) stay refused, naming the option."""
+    any temperature). A repetition penalty is honoured (tokens against the hf model:
+    test_a_generation_config_repetition_penalty_is_applied_as_the_hf_model_applies_it). Options that change the answer
+    and that snlp does not implement (beam search, min_p / typical sampling, n-gram bans) stay refused, naming the
+    option."""
     model, tok = _own_tiny()
     lm = SNLPLM(pretrained=model, tokenizer=tok)
     base = {"until": ["."], "max_gen_toks": 5, "do_sample": False}
@@ -263,8 +265,8 @@ def test_no_op_generation_options_are_accepted_and_the_others_refused():
         with pytest.raises(ValueError, match=bad):
             lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
     for gen, bad in (({**sampled, "min_p": 0.1}, "min_p=0.1"), ({**sampled, "typical_p": 0.5}, "typical_p=0.5"),
-                     ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "repetition_penalty": 1.2},
-                                                                "repetition_penalty=1.2")):
+                     ({**base, "num_beams": 4}, "num_beams=4"), ({**base, "no_repeat_ngram_size": 2},
+                                                                "no_repeat_ngram_size=2")):
         with pytest.raises(ValueError, match=f"generation options {bad} are not supported"):
             lm.generate_until(_reqs("generate_until", [("the cat", gen)]))
 
@@ -362,46 +364,89 @@ def test_batched_answers_without_a_stop_string_equal_the_hf_models_batched_answe
     assert max(len(a.split()) for a in ours[0]) == 10  # an answer that ran to max_gen_toks
 
 
-def test_a_generation_config_setting_the_hf_model_applies_is_refused_not_ignored(tmp_path, tasks, monkeypatch):
+def test_a_generation_config_repetition_penalty_is_applied_as_the_hf_model_applies_it(tmp_path, tasks, monkeypatch):
     """A converted model's generation_config.json with a repetition penalty (Qwen2.5-Instruct ships 1.05): lm-eval's
-    hf model's generate merges it into every greedy call, snlp's decoding ignored it, so the two answered differently
-    on the same checkpoint, silently. generate_until now refuses it in one line naming the setting and the model arg
-    that accepts it; `snlp eval --harness`'s runs refuse it before any task's work; ignore_generation_config=True
-    generates without it (the hf model's answers without the penalty); loglikelihood tasks are unaffected."""
+    hf model's generate merges it into every call, greedy included. generate_until refused it; it now applies it, so
+    the answers are the hf model's at batch 1 and 3 (ragged prompts, left-padded on the hf side), by every decode
+    mode; a task's own repetition_penalty wins over the config's, as generate merges the task's kwargs over it;
+    ignore_generation_config=True generates without it (the hf model's answers without the penalty); a sampled task
+    gets the penalty too; loglikelihood tasks are unaffected; a setting snlp does not apply is still refused."""
     from snlp.eval.harness import evaluate_methods, task_manager
 
     d = _tiny_dir(tmp_path / "m")
-    g = _reqs("generate_until", [("t4 t5", {"until": [], "max_gen_toks": 12, "do_sample": False})])
+    prompts = ["t4 t5", "t1 t2 t3 t5 t6 t7 t8", "t9 t9 t9", "t20 t21 t22 t20 t21"]
+    g = _reqs("generate_until", [(p, {"until": [], "max_gen_toks": 12, "do_sample": False}) for p in prompts])
     plain = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
     transformers.GenerationConfig(bos_token_id=V - 3, eos_token_id=V - 2, repetition_penalty=3.0).save_pretrained(d)
-    hf = HFLM(pretrained=str(d), device="cpu", batch_size=1, dtype="float64").generate_until(g)
-    assert hf != plain  # the hf model applies the penalty in greedy decoding
+    hf = [HFLM(pretrained=str(d), device="cpu", batch_size=b, dtype="float64").generate_until(g) for b in (1, 3)]
+    assert hf[0] == hf[1] and hf[0] != plain  # the hf model applies the penalty in greedy decoding
     lm = SNLPLM(pretrained=str(d), dtype="float64")
-    with pytest.raises(ValueError, match=r"repetition_penalty=3\.0.*ignore_generation_config=True") as err:
-        lm.generate_until(g)
-    assert "\n" not in str(err.value)
+    assert lm.generate_until(g) == hf[0]
+    assert SNLPLM(pretrained=str(d), dtype="float64", batch_size=3).generate_until(g) == hf[0]
+    for kw in (dict(plan="2xF1-h0-K1", decode="speculative", block=3), dict(plan="2xF1-h0-K2", decode="snlp")):
+        assert SNLPLM(pretrained=str(d), dtype="float64", batch_size=3, **kw).generate_until(g) == hf[0]
+    own = _reqs("generate_until", [(p, {"until": [], "max_gen_toks": 12, "do_sample": False,
+                                        "repetition_penalty": 1.5}) for p in prompts])
+    assert lm.generate_until(own) == HFLM(pretrained=str(d), device="cpu", batch_size=1,
+                                          dtype="float64").generate_until(own) != hf[0]
     free = SNLPLM(pretrained=str(d), dtype="float64", ignore_generation_config=True)
     assert free.generate_until(g) == plain and "ignore_generation_config=True" in free.model_args
+    import snlp.eval.harness as harness_mod
+
+    seen = []
+    real = harness_mod.sequential_generate
+    monkeypatch.setattr(harness_mod, "sequential_generate",
+                        lambda *a, **k: seen.append(k["repetition_penalty"]) or real(*a, **k))
+    lm.generate_until(_reqs("generate_until", [("t4", {"until": [], "max_gen_toks": 3, "do_sample": True,
+                                                       "temperature": 1.0})]))
+    assert seen == [3.0]  # a sampled task: the penalised distribution, as the hf model's generate samples
     ll = _reqs("loglikelihood", [("t1 t2", " t3")])
     assert lm.loglikelihood(ll)[0][0] == pytest.approx(hf_ll := HFLM(pretrained=str(d), device="cpu", batch_size=1,
                                                                       dtype="float64").loglikelihood(ll)[0][0])
     assert hf_ll < 0
-
     tm = task_manager(["snlp_arc_tiny", "snlp_gen_tiny"], str(tasks))
-    [rec] = evaluate_methods([lm], ["snlp_arc_tiny"], limit=2, tm=tm, bootstrap_iters=0)  # no generation: it runs
-    assert "acc,none" in rec.results["snlp_arc_tiny"]
+    [rec] = evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=2, tm=tm, bootstrap_iters=0)
+    assert "exact_match,none" in rec.results["snlp_gen_tiny"]
+
+    transformers.GenerationConfig(bos_token_id=V - 3, eos_token_id=V - 2, repetition_penalty=3.0,
+                                  no_repeat_ngram_size=2).save_pretrained(d)
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    with pytest.raises(ValueError, match=r"no_repeat_ngram_size=2.*ignore_generation_config=True") as err:
+        lm.generate_until(g)
+    assert "\n" not in str(err.value) and "repetition_penalty" not in str(err.value)
 
     def no_work(*a, **k):
         raise AssertionError("a task ran before the refusal")
 
     monkeypatch.setattr(SNLPLM, "_loglikelihood_tokens", no_work)
-    with pytest.raises(ValueError, match="repetition_penalty=3.0"):
+    with pytest.raises(ValueError, match="no_repeat_ngram_size=2"):
         evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=2, tm=tm)
 
 
-def test_cli_harness_refuses_a_generation_config_penalty_and_takes_the_flag(tmp_path, tasks, capsys):
-    """`snlp eval --harness` on a model whose generation config sets a repetition penalty: refused in one line
-    naming the flag, nothing written; with --harness-ignore-generation-config the run goes through."""
+@pytest.mark.parametrize("bad", [0.0, -1.0, "x"])
+def test_a_penalty_that_is_none_is_refused_before_any_task(tmp_path, tasks, bad):
+    """A task's repetition_penalty, or the generation config's, that transformers refuses too (not a number > 0):
+    one line naming it, before anything is decoded."""
+    d = _tiny_dir(tmp_path / "m")
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    g = _reqs("generate_until", [("t4", {"until": [], "max_gen_toks": 3, "do_sample": False,
+                                         "repetition_penalty": bad})])
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0") as err:
+        lm.generate_until(g)
+    assert "\n" not in str(err.value)
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2,
+                                                              repetition_penalty=bad)))
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    tm = task_manager(["snlp_gen_tiny"], str(tasks))
+    with pytest.raises(ValueError, match=r"generation_config sets repetition_penalty=.*refuses it too"):
+        evaluate_methods([SNLPLM(pretrained=str(d), dtype="float64")], ["snlp_gen_tiny"], tm=tm)
+
+
+def test_cli_harness_applies_a_generation_config_penalty_and_refuses_what_it_cannot(tmp_path, tasks, capsys):
+    """`snlp eval --harness` on a model whose generation config sets a repetition penalty: it runs (the penalty is
+    applied); one that also sets no_repeat_ngram_size is refused in one line naming the flag, nothing written; with
+    --harness-ignore-generation-config that run goes through."""
     from snlp.apps.cli import main
 
     d = _tiny_dir(tmp_path / "m")
@@ -409,12 +454,17 @@ def test_cli_harness_refuses_a_generation_config_penalty_and_takes_the_flag(tmp_
     capsys.readouterr()  # transformers' progress bars
     args = ["eval", str(d), "--harness", "snlp_gen_tiny", "--harness-include", str(tasks), "--limit", "1",
             "--harness-out", str(tmp_path / "out")]
+    assert main(args) == 0 and (tmp_path / "out" / "table.md").exists()
+    transformers.GenerationConfig(bos_token_id=V - 3, eos_token_id=V - 2, repetition_penalty=1.05,
+                                  no_repeat_ngram_size=3).save_pretrained(d)
+    args[-1] = str(tmp_path / "out2")
+    capsys.readouterr()
     assert main(args) == 2
     [err] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("snlp eval: error")]
-    assert "repetition_penalty=1.05" in err and "--harness-ignore-generation-config" in err
-    assert not (tmp_path / "out").exists()
+    assert "no_repeat_ngram_size=3" in err and "--harness-ignore-generation-config" in err
+    assert not (tmp_path / "out2").exists()
     assert main(args + ["--harness-ignore-generation-config"]) == 0
-    assert (tmp_path / "out" / "table.md").exists()
+    assert (tmp_path / "out2" / "table.md").exists()
 
 
 def test_dtype_auto_is_the_checkpoints_own_as_the_hf_model(tmp_path):

@@ -131,6 +131,9 @@ def test_harness_stderr_uses_the_harness_bootstrap_count(monkeypatch):
         def unapplied_defaults(self, sampling):  # a model without generation-config settings to refuse
             return {}
 
+        def repetition_penalty_for(self, task_value=None):  # nor a penalty
+            return 1.0
+
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", Tasks)
     monkeypatch.setattr(lm_eval, "simple_evaluate", fake_evaluate)
     evaluate_methods([LM()], ["t"])
@@ -187,8 +190,9 @@ def test_export_refuses_an_out_that_holds_a_checkpoint_or_model(hf_dir, tmp_path
 
 def test_generate_says_which_of_the_models_generation_defaults_it_does_not_apply(hf_dir, tmp_path, capsys):
     """transformers' generate() samples a model whose generation_config says do_sample (Qwen2.5-, Llama-3-Instruct),
-    filters with top_k 50 unless told otherwise, and applies repetition_penalty even when greedy; snlp applies only
-    its flags. The run names what it leaves out and the flags that match, and says nothing where both agree."""
+    filters with top_k 50 unless told otherwise, and applies repetition_penalty even when greedy; snlp applies its
+    flags and the config's repetition penalty. The run names what it leaves out and the flags that match, says that
+    it applies the penalty, and says nothing else where both agree."""
     d, _, _ = hf_dir
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
     hf.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
@@ -205,9 +209,13 @@ def test_generate_says_which_of_the_models_generation_defaults_it_does_not_apply
 
     greedy = note()
     assert len(greedy) == 1 and "--temperature 0.7 --top-k 20 --top-p 0.8" in greedy[0] \
-        and "repetition_penalty=1.05" in greedy[0]
+        and "this run applies its repetition_penalty=1.05 as transformers' generate() does" in greedy[0]
     alike = note("--temperature", "0.7", "--top-k", "20", "--top-p", "0.8")
-    assert len(alike) == 1 and "samples" not in alike[0] and "repetition_penalty=1.05" in alike[0]
+    assert len(alike) == 1 and "samples" not in alike[0] and "applies this model's generation_config's " \
+        "repetition_penalty=1.05" in alike[0] and "does not apply" not in alike[0]
+    off = note("--temperature", "0.7", "--top-k", "20", "--top-p", "0.8", "--repetition-penalty", "1")
+    assert len(off) == 1 and "--repetition-penalty 1 where transformers' generate() applies" in off[0]
+    assert note("--temperature", "0.7", "--top-k", "20", "--top-p", "0.8", "--repetition-penalty", "1.05") == []
     other = note("--temperature", "0.7")
     assert len(other) == 1 and "--top-k 20 --top-p 0.8" in other[0]
 
@@ -345,3 +353,65 @@ def test_defaults_note_names_beam_search(peaky_llama):
     note = defaults_note({"num_beams": 4}, 0.0, 0, 1.0)
     assert note and "num_beams=4" in note and "does not apply" in note
     assert defaults_note({"num_beams": 1}, 0.0, 0, 1.0) is None
+
+
+@pytest.fixture(scope="module")
+def penalised_dir(tmp_path_factory):
+    """The fixture model with a generation_config repetition_penalty (Qwen2.5-Instruct ships 1.05; 1.6 here, so it
+    moves greedy tokens), converted (`ck`) beside its transformers source (`src`)."""
+    d = tmp_path_factory.mktemp("pen")
+    hf = tiny_llama()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(3)  # logits spread enough that 1.6 reorders them, not all of them
+    hf.generation_config.update(repetition_penalty=1.6, eos_token_id=None)
+    hf.save_pretrained(str(d / "src"))
+    word_tokenizer(V).save_pretrained(str(d / "src"))
+    assert main(["convert", str(d / "src"), "--out", str(d / "ck")]) == 0
+    return d / "ck"
+
+
+def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir, tmp_path, capsys):
+    """`snlp generate` on a converted model whose generation_config sets repetition_penalty: the tokens of
+    transformers' generate() with that config (it applies the penalty by default, greedy included), in every mode;
+    --repetition-penalty 1 gives its tokens without the penalty; a bad flag is refused before the model loads and
+    --distributed refuses the flag (it applies no penalty)."""
+    ck = penalised_dir
+    ids = " ".join(f"t{i}" for i in PROMPT[1:])  # the word tokenizer: "tI" is id I, after its BOS
+
+    def tokens(*flags):
+        out = tmp_path / "g.json"
+        assert main(["generate", str(ck), "--max-new-tokens", str(N), "--quiet", "--json", str(out), *flags]) == 0
+        return json.loads(out.read_text())["tokens"]
+
+    from snlp import load
+
+    _, tok = load(ck)
+    prompt = tok.prompt_ids(ids)
+    with torch.no_grad():
+        src = transformers.AutoModelForCausalLM.from_pretrained(str(ck.parent / "src")).eval()
+        want = src.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        free = src.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N, pad_token_id=0,
+                            repetition_penalty=1.0)[0, len(prompt):].tolist()
+    assert want != free
+    assert tokens("--prompt", ids) == want
+    assert tokens("--prompt", ids, "--mode", "speculative", "--plan", "2xF1-h0-K1", "--no-baseline") == want
+    assert tokens("--prompt", ids, "--mode", "jacobi", "--plan", "2xF2-h0-K1") == want
+    assert tokens("--prompt", ids, "--repetition-penalty", "1") == free
+    assert tokens("--prompt", ids, "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "1") == want
+    assert json.loads((tmp_path / "g.json").read_text())["matches_sequential"] is True  # its baseline penalised too
+    pf = tmp_path / "prompts.txt"
+    pf.write_text(f"{ids}\nt3\n")
+    out = tmp_path / "b.json"
+    assert main(["generate", str(ck), "--prompts-file", str(pf), "--batch-size", "2", "--max-new-tokens", str(N),
+                 "--quiet", "--json", str(out), "--mode", "speculative", "--plan", "2xF1-h0-K1"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["results"][0]["tokens"] == want and rec["matches_sequential"] is True
+    for bad in ("0", "nan", "-2"):  # a missing checkpoint: the flag is refused before anything is read
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "nowhere"), "--prompt", "t3", "--repetition-penalty", bad]) == 2
+        assert "--repetition-penalty must be a" in capsys.readouterr().err  # nan: the parser's own "a number"
+    assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
+                 "--repetition-penalty", "1.2"]) == 2
+    assert "--distributed applies none" in capsys.readouterr().err
