@@ -114,8 +114,9 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
     order, more in others: 11 for 6xF1-...-order:reversed) this is exactly the fused model of `plan` decoded
     sequentially (the original model for M = 1). Where the solve evaluates the suffix once
     (K = 1 from an h0 or preheat init, with the idn, none or hcn surrogate) it gives the tokens of the plan run over
-    the whole prefix at every step (the paper's AR loop, snlp.eval.protocol.recomputed_greedy); for 1 < K < chunks,
-    a fwd init (its batched forward is one more evaluation) or the diag / newton surrogates at K = 1 (their Jacobian
+    the whole prefix at every step (the paper's AR loop, snlp.eval.protocol.recomputed_greedy); for
+    1 < K < exact_iters(), a fwd init below it (its batched forward is one more evaluation) or the diag / newton
+    surrogates at K = 1 (their Jacobian
     estimate evaluates the chunks again, at perturbed or differentiated inputs), it does not: the re-solved prefix
     attends at evaluation k to the earlier positions' evaluation-k K/V, the cache to their last. `compile` / `step`: as in
     `sequential_generate` (snlp.decode.steps.snlp_step of this model and plan). `preheat`: the calibration a -preheat- plan needs. A list of

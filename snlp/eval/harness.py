@@ -22,10 +22,10 @@ model's own answers, exactly in float64; the default for drafter=), in ragged ba
 `batch_size` prompts.
 decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
 solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
-greedy answers under its full-sequence scores only for K = 1 from h0 and from K = plan.exact_iters() on without tol
-(then both are the model, or its fused model); below that count (K >= 2, the fwd init), with tol, DiagN / Newton they
-differ (docs/harness.md). A plan that
-diverges raises SNLPDivergenceError in every request type (generation: snlp_generate's own check).
+greedy answers under its full-sequence scores only for K = 1 from h0 or preheat with the idn, none or hcn surrogate
+and from K = plan.exact_iters() on without tol (then both are the model, or its fused model); below that count (K >= 2,
+the fwd init), with tol, DiagN / Newton at K = 1 they differ (docs/harness.md). A plan that diverges raises
+SNLPDivergenceError in every request type (generation: snlp_generate's own check).
 
 The harness's conventions are kept, its code is used rather than copied: TemplateLM's context/continuation
 encoding, the Collator's longest-first order and its one-token-continuation logits cache (group_by="contexts"),
@@ -147,9 +147,10 @@ class SNLPLM(TemplateLM):
     e.g. Qwen2.5-Instruct's 1.05, as the hf model's generate does, and refuses a config that turns on what that
     generate applies and snlp does not, e.g. no_repeat_ngram_size; True generates without any of them). `model_args` is the string that rebuilds it (with the run's batch_size and device, recorded beside
     it). With a plan, loglikelihood scores the plan's full-sequence solve and decode=snlp generates by KV-cached SNLP
-    decoding: the two agree only for K = 1 from h0 and from plan.exact_iters() on (module docstring), so generation
-    rows and MC rows of one plan are two approximations of the model. A GPT (or Drafter) object is used on its own device in its own
-    dtype and never converted: a dtype / device other than its own is a ValueError."""
+    decoding: the two agree only for K = 1 from h0 or preheat (idn, none, hcn) and from plan.exact_iters() on (module
+    docstring), so generation rows and MC rows of one plan are two approximations of the model. A GPT (or Drafter)
+    object is used on its own device in its own dtype and never converted: a dtype / device other than its own is a
+    ValueError."""
 
     def __init__(self, pretrained: str | GPT, plan: str | Plan | None = None, drafter: str | Drafter | None = None,
                  dtype: str | None = None, device: str | None = None, batch_size: int | str = 1,

@@ -244,10 +244,10 @@ def recomputed_greedy(fn, prompts: list[list[int]], n: int, device, batch: int =
     every token is the argmax of `fn` (the sequential model or a bound plan) run over the whole prefix. Prompts of
     one length go `batch` at a time (a row's solve does not depend on its batch: DiagN's probes are one draw shared
     by the rows, `tol` stops each row on its own; sample_prompts' prompts share one length).
-    For a plan with 1 < K < C or a fwd init this is not what KV-cached SNLP decoding computes (snlp_generate keeps
-    one K/V per suffix layer, the last evaluation's, where the re-solved prefix attends at evaluation k to the
-    earlier positions' evaluation-k K/V), so AR Match reads the paper's definition, the same function the
-    teacher-forced columns measure, at n forwards of up to len(prompt) + n tokens per batch."""
+    For a plan with 1 < K < plan.exact_iters() or a fwd init below it this is not what KV-cached SNLP decoding
+    computes (snlp_generate keeps one K/V per suffix layer, the last evaluation's, where the re-solved prefix attends
+    at evaluation k to the earlier positions' evaluation-k K/V), so AR Match reads the paper's definition, the same
+    function the teacher-forced columns measure, at n forwards of up to len(prompt) + n tokens per batch."""
     out: list[list[int] | None] = [None] * len(prompts)
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):

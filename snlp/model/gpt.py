@@ -498,8 +498,15 @@ class GPT(nn.Module):
 def check_keep(keep: int | None, idx) -> None:
     """Refuse a `keep` (logits of the last `keep` of idx's T positions) outside 0..T before any forward: the slice
     h[:, T - keep:] would read keep > T as fewer rows (a negative start) and a negative keep as none, silently.
-    Token ids that are not a (B, T) tensor pass here: the forward's own check (GPT.check_tokens) names them."""
-    if keep is None or not isinstance(idx, Tensor) or idx.dim() != 2:
+    Token ids that are not a (B, T) tensor pass here: the forward's own check (GPT.check_tokens) names them.
+    A bool or non-integer keep is refused too: True sliced as 1 row and False as none, and 1.5 failed in the slice
+    only after the whole forward (a Runner's solve) had run."""
+    if keep is None:
+        return
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise ValueError(f"keep={keep!r}: an integer number of last positions (0..T) or None, "
+                         f"not a {type(keep).__name__}")
+    if not isinstance(idx, Tensor) or idx.dim() != 2:
         return
     T = idx.shape[1]
     if not 0 <= keep <= T:

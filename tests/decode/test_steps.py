@@ -264,6 +264,12 @@ def test_keep_gives_the_last_logits_and_refuses_what_it_cannot():
         for fn in (model, runner):
             with pytest.raises(ValueError, match="keep"):
                 fn(idx, keep=bad)
+    # True sliced as one row and False as none, silently; 1.5 and "2" failed with a TypeError, 1.5 only after the
+    # whole forward: each is refused by name before it
+    for bad in (True, False, 1.5, "2"):
+        for fn in (model, runner):
+            with pytest.raises(ValueError, match="keep=.*an integer"):
+                fn(idx, keep=bad)
     with pytest.raises(ValueError, match="keep"):
         model(idx, targets=idx, keep=1)
 
