@@ -70,7 +70,7 @@ from torch import Tensor
 
 from snlp.model.cache import KVCache, check_cache_fits
 from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, check_keep
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
@@ -545,12 +545,14 @@ class DistributedSNLP:
         return res
 
     @torch.no_grad()
-    def pipeline_forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor | None:
+    def pipeline_forward(self, idx: Tensor, cache: KVCache | None = None, keep: int | None = None) -> Tensor | None:
         """The ORIGINAL model run layer-pipelined over the ranks (rank r: its layer range, then h to
-        rank r+1): logits (B, T, V) on the last rank, None elsewhere. Needs keep_layers=True."""
+        rank r+1): logits (B, T, V) on the last rank, None elsewhere. Needs keep_layers=True. `keep`: the last
+        `keep` positions' logits only (GPT.forward's; 0 for a prefill that only fills the cache)."""
         if not self.keep_layers:
             raise ValueError("pipeline_forward needs the original layers: construct DistributedSNLP(..., keep_layers=True)")
         model = self.model
+        check_keep(keep, idx)
         ctx = model.embed(idx.to(self.device), cache)
         if self.rank == 0:
             h = ctx.x0
@@ -564,7 +566,7 @@ class DistributedSNLP:
                 dist.send(h.contiguous(), self.rank + 1)
         if cache is not None:
             cache.advance(idx.shape[1])
-        return model.head(h) if self.rank == self.last else None
+        return model.head(h, keep) if self.rank == self.last else None
 
     # ----- decoding -----
     def _tokens_from_last(self, tokens: list[int] | None, count: int) -> list[int]:
@@ -598,8 +600,12 @@ class DistributedSNLP:
         snlp = lambda x: self.solve(ses.ids(x), ses.cache, check_finite=False).logits  # noqa: E731
         seq = lambda x: self.pipeline_forward(ses.ids(x), ses.cache)  # noqa: E731
         t0 = now(self.device)
-        if len(ses.prompt) > 1:  # cache the prompt but its last token (the verifier's forward in SSD)
-            (snlp if mode == "snlp" else seq)(ses.prompt[:-1])
+        if len(ses.prompt) > 1:  # cache the prompt but its last token (the verifier's forward in SSD); no logits:
+            # the last token starts the loop, and the head over every prompt position would be thrown away
+            if mode == "snlp":
+                self.solve(ses.ids(ses.prompt[:-1]), ses.cache, logits=False, check_finite=False)
+            else:
+                self.pipeline_forward(ses.ids(ses.prompt[:-1]), ses.cache, keep=0)
         ses.result.prefill_s = now(self.device) - t0
         ses.t0 = now(self.device)
         while not ses.done:

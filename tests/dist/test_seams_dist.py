@@ -622,3 +622,42 @@ def test_a_tensor_only_one_rank_reads_fails_every_rank_with_its_reason(tmp_path)
     for r in range(2):
         msg = torch.load(tmp_path / f"rank{r}.pt")
         assert msg.startswith("ValueError: rank 1: weights in") and "lack lm_head.weight" in msg, (r, msg)
+
+
+def _prefill_head_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    model = make_model(seed=3)
+    rows: list[int] = []  # positions each lm_head call projects, on this rank
+    model.lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2]))
+    runner = DistributedSNLP(model, "4xF1-h0-K1", keep_layers=True)
+    prompt = list(range(3, 14))  # 11 tokens: a prefill of 10
+    res = {}
+    for mode in ("sequential", "snlp", "speculative"):
+        rows.clear()
+        res[mode] = (runner.generate(prompt, mode, max_new_tokens=4, block=2).tokens, list(rows))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_distributed_prefill_computes_no_logits(world, tmp_path):
+    """The distributed decode's prefill (the prompt but its last token) projected every prompt position through the
+    head on the last rank, logits nobody read. Now no call projects more than a verifier's block + 1 positions, and
+    the tokens are the single-process decoders' (fp64)."""
+    from snlp.decode.generate import sequential_generate
+
+    _spawn(_prefill_head_worker, world, str(tmp_path))
+    model, prompt = make_model(seed=3), list(range(3, 14))
+    want = {"sequential": sequential_generate(model, prompt, max_new_tokens=4).tokens,
+            "snlp": snlp_generate(model, prompt, "4xF1-h0-K1", max_new_tokens=4).tokens}
+    want["speculative"] = want["sequential"]
+    for r in range(world):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        for mode, (toks, rows) in got.items():
+            assert toks == want[mode], (r, mode)
+            assert max(rows, default=0) <= 3, (r, mode, rows)  # never the prompt's 10 positions
+            assert bool(rows) == (r == world - 1), (r, mode, rows)  # the last rank projects
