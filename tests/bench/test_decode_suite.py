@@ -270,6 +270,9 @@ def test_a_compiled_rows_compile_time_is_what_its_own_calls_compiled(monkeypatch
             self.compile_s += len(new)
             return float(len(new))
 
+        def warm_prefill(self, cache, T):  # the prefill's own graph (Step.warm_prefill)
+            return self.warm(cache, [("fill", T)]) if T > 0 else 0.0
+
     monkeypatch.setattr(suite, "sequential_step", lambda model, comp: Counting(sequential_step(model, False)))
     monkeypatch.setattr(suite, "snlp_step", lambda runner, comp: Counting(snlp_step(runner, False)))
     res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", batch_sizes=(1,), new_tokens=4, rounds=1,
