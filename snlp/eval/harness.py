@@ -710,54 +710,59 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
     each finished method's files there, so a run cut short keeps them)."""
     import lm_eval
 
+    from snlp.io.hub import offline_if_unreachable
+
     if bootstrap_iters is None:
         bootstrap_iters = harness_bootstrap_iters()
 
-    tm = tm if tm is not None else task_manager(tasks, include)
-    for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
-        lm.model_args
-        lm.repetition_penalty_for()  # and a generation config's penalty that is none (0, nan): refused here too
-    if any(lm.unapplied_defaults(sampling=True) for lm in lms):
-        # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
-        # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy
-        for samples in sorted(generation_modes(tasks, tm)):
-            for lm in lms:
-                lm.check_generation_config(samples)
-    from lm_eval.loggers import EvaluationTracker
+    # the tasks' datasets come from the hub: on a box that cannot reach it, from datasets' cache at once (its client
+    # retried every request first: minutes)
+    with offline_if_unreachable():
+        tm = tm if tm is not None else task_manager(tasks, include)
+        for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
+            lm.model_args
+            lm.repetition_penalty_for()  # and a generation config's penalty that is none (0, nan): refused here too
+        if any(lm.unapplied_defaults(sampling=True) for lm in lms):
+            # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
+            # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy
+            for samples in sorted(generation_modes(tasks, tm)):
+                for lm in lms:
+                    lm.check_generation_config(samples)
+        from lm_eval.loggers import EvaluationTracker
 
-    out = []
-    for lm in lms:
-        # the harness's tracker records what its own results file carries beside the results (the chat template
-        # and its hash, fewshot_as_multiturn, the system instruction, task_hashes): without it a run with the chat
-        # template and one without wrote the same config. fewshot_as_multiturn follows the chat template, as
-        # `lm_eval --apply_chat_template` sets it (simple_evaluate's own default, True, would be recorded for a run
-        # without a template too)
-        tracker = EvaluationTracker()
-        try:
-            # model_args / batch_size / device are only recorded in the run's config (the model is built already)
-            r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=tasks, num_fewshot=num_fewshot,
-                                        limit=limit, task_manager=tm, apply_chat_template=apply_chat_template,
-                                        fewshot_as_multiturn=bool(apply_chat_template),
-                                        fewshot_random_seed=fewshot_seed, bootstrap_iters=bootstrap_iters,
-                                        log_samples=False, batch_size=lm.batch_size, device=str(lm.device),
-                                        evaluation_tracker=tracker, **SEEDS)
-        except SNLPDivergenceError as e:
-            # no results, but the same config as every other method's run (what would have produced them)
-            cfg = dict(model="snlp", model_args=lm.model_args, **lm.get_model_info(), batch_size=lm.batch_size,
-                       batch_sizes=[], device=str(lm.device), use_cache=None, limit=limit,
-                       bootstrap_iters=bootstrap_iters, gen_kwargs=None, random_seed=SEEDS["random_seed"],
-                       numpy_seed=SEEDS["numpy_random_seed"], torch_seed=SEEDS["torch_random_seed"],
-                       fewshot_seed=fewshot_seed)
-            out.append(HarnessRecord(lm.method, diverged=True, harness=json_safe(dict(
-                config=cfg, results={}, diverged=True, error=str(e), tasks=list(tasks), num_fewshot=num_fewshot,
-                apply_chat_template=apply_chat_template, **tracked(tracker)))))
-        else:
-            r = json_safe(dict(r, **tracked(tracker)))
-            r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
-            out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
-        if on_record is not None and len(out) < len(lms):
-            on_record(list(out))
-    return out
+        out = []
+        for lm in lms:
+            # the harness's tracker records what its own results file carries beside the results (the chat template
+            # and its hash, fewshot_as_multiturn, the system instruction, task_hashes): without it a run with the chat
+            # template and one without wrote the same config. fewshot_as_multiturn follows the chat template, as
+            # `lm_eval --apply_chat_template` sets it (simple_evaluate's own default, True, would be recorded for a run
+            # without a template too)
+            tracker = EvaluationTracker()
+            try:
+                # model_args / batch_size / device are only recorded in the run's config (the model is built already)
+                r = lm_eval.simple_evaluate(model=lm, model_args=lm.model_args, tasks=tasks, num_fewshot=num_fewshot,
+                                            limit=limit, task_manager=tm, apply_chat_template=apply_chat_template,
+                                            fewshot_as_multiturn=bool(apply_chat_template),
+                                            fewshot_random_seed=fewshot_seed, bootstrap_iters=bootstrap_iters,
+                                            log_samples=False, batch_size=lm.batch_size, device=str(lm.device),
+                                            evaluation_tracker=tracker, **SEEDS)
+            except SNLPDivergenceError as e:
+                # no results, but the same config as every other method's run (what would have produced them)
+                cfg = dict(model="snlp", model_args=lm.model_args, **lm.get_model_info(), batch_size=lm.batch_size,
+                           batch_sizes=[], device=str(lm.device), use_cache=None, limit=limit,
+                           bootstrap_iters=bootstrap_iters, gen_kwargs=None, random_seed=SEEDS["random_seed"],
+                           numpy_seed=SEEDS["numpy_random_seed"], torch_seed=SEEDS["torch_random_seed"],
+                           fewshot_seed=fewshot_seed)
+                out.append(HarnessRecord(lm.method, diverged=True, harness=json_safe(dict(
+                    config=cfg, results={}, diverged=True, error=str(e), tasks=list(tasks), num_fewshot=num_fewshot,
+                    apply_chat_template=apply_chat_template, **tracked(tracker)))))
+            else:
+                r = json_safe(dict(r, **tracked(tracker)))
+                r["config"]["model"] = "snlp"  # the registered name (simple_evaluate records the class of a built model)
+                out.append(HarnessRecord(lm.method, results=r["results"], harness=r))
+            if on_record is not None and len(out) < len(lms):
+                on_record(list(out))
+        return out
 
 
 def generation_modes(tasks: list[str], tm) -> set[bool]:

@@ -11,6 +11,7 @@ transformers is imported lazily: only conversion and export need it.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from safetensors import SafetensorError
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import BOS, Tokenizer
+from snlp.io.hub import offline_if_unreachable
 from snlp.io.source import check_source, did_you_mean
 from snlp.io.weights import check_cast, check_finite
 
@@ -320,20 +322,22 @@ def _load_hf(src: str, dtype):
         if is_snlp_checkpoint(path):
             raise ValueError(f"{path} is already an snlp checkpoint: nothing to convert; load it with snlp.load, or "
                              f"give it as it is to snlp generate / eval / bench --ckpt / train --init-from / adapt")
-    try:
-        cfg = AutoConfig.from_pretrained(src)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}") from e
-    _architecture(cfg)
-    config_from_hf(cfg)  # unsupported options fail before the weights load
-    try:
-        m = AutoModelForCausalLM.from_pretrained(src, **kw)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-        raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
-    try:
-        t = AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError, TypeError):
-        t = None  # weights without a tokenizer: the caller may pass one
+    # a hub id on a box that cannot reach the hub: from its cache only (the clients' retries took minutes)
+    with offline_if_unreachable() if not path.exists() else contextlib.nullcontext():
+        try:
+            cfg = AutoConfig.from_pretrained(src)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}") from e
+        _architecture(cfg)
+        config_from_hf(cfg)  # unsupported options fail before the weights load
+        try:
+            m = AutoModelForCausalLM.from_pretrained(src, **kw)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
+        try:
+            t = AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError, TypeError):
+            t = None  # weights without a tokenizer: the caller may pass one
     return m, t
 
 

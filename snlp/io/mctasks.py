@@ -144,10 +144,16 @@ def _hf_rows(name: str, config: str | None, split: str):
     except ImportError as e:
         raise ValueError(f"task {name} needs the Hugging Face datasets library (pip install 'snlp[hf]') and "
                          f"network; offline, pass local files as --task mc:PATH") from e
+    from snlp.io.hub import offline_if_unreachable, unreachable
+    from snlp.io.source import hub_offline
+
     try:
-        return list(datasets.load_dataset(name, config, split=split))
+        with offline_if_unreachable():  # no hub: from datasets' cache at once, not after its retries
+            return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # offline / unknown: assorted exception types
-        raise ValueError(f"could not load {name} {config or ''} from the Hugging Face hub ({type(e).__name__}: {e}); "
+        why = None if hub_offline() else unreachable()
+        where = f"{why}, and datasets' cache does not hold it" if why else f"{type(e).__name__}: {e}"
+        raise ValueError(f"could not load {name} {config or ''} from the Hugging Face hub ({where}); "
                          f"offline, pass local files as --task mc:PATH (ARC JSONL or MMLU CSV)") from e
 
 

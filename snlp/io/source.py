@@ -11,7 +11,9 @@ checkpoint should be named at once. The rule, the same for every command and for
     loads it from there, offline too.
 
 Any other name is a local path that does not exist: refused in one line, with the closest names beside it.
-Nothing here imports torch or transformers (the CLI asks before the library loads) or touches the network.
+Nothing here imports torch or transformers (the CLI asks before the library loads). The network is touched once,
+for a hub id the cache lacks, to ask whether the hub can be reached at all (snlp.io.hub): unreachable, the name is
+refused at once instead of after the hub client's retries.
 """
 
 from __future__ import annotations
@@ -104,9 +106,16 @@ def missing_source(name, what: str = "checkpoint", hub: bool = True) -> str | No
     if home_path(name).exists():
         return None
     if hub and is_hub_id(name):
-        if hub_offline() and not in_hub_cache(name):
+        if in_hub_cache(name):
+            return None
+        if hub_offline():
             return (f"{what} {name} is not a path here, and as a hub id it is not in the hub cache while "
                     f"HF_HUB_OFFLINE is set{did_you_mean(name)}")
+        from snlp.io.hub import unreachable
+
+        if why := unreachable():
+            return f"{what} {name} is not a path here, and as a hub id it is not in the hub cache while {why}" + \
+                did_you_mean(name)
         return None
     if hub and in_hub_cache(name):  # what transformers loads from the cache (a bare `gpt2`, org/name beside `org/`)
         return None

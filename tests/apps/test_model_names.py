@@ -72,10 +72,27 @@ def test_a_typo_of_a_local_checkpoint_is_one_line_with_the_closest_name(argv, ru
 
 
 def test_a_hub_id_still_goes_to_the_hub(hub, tmp_path, monkeypatch, capsys):
-    """org/name with no folder org here is a hub id: the rule refuses only local paths."""
+    """org/name with no folder org here is a hub id: the rule refuses only local paths (the hub answering here)."""
+    import snlp.io.hub
+
+    monkeypatch.setattr(snlp.io.hub, "unreachable", lambda timeout=3.0: None)
     monkeypatch.chdir(tmp_path)
     assert main(["convert", "someorg/some-model-1.5B", "--out", str(tmp_path / "o")]) == 2
     assert hub == ["someorg/some-model-1.5B"]
+
+
+def test_a_hub_id_no_cache_holds_is_refused_before_the_hub_where_the_hub_is_unreachable(hub, tmp_path, monkeypatch,
+                                                                                         capsys):
+    import huggingface_hub.constants as hc
+
+    import snlp.io.hub
+
+    monkeypatch.setattr(snlp.io.hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable: test")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "someorg/some-model-1.5B", "--out", str(tmp_path / "o")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "not in the hub cache while the hub (h:443) is not reachable: test" in line and hub == []
 
 
 def test_with_hf_hub_offline_a_hub_id_missing_from_the_cache_is_refused_before_the_hub(hub, tmp_path, monkeypatch,

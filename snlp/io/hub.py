@@ -1,0 +1,79 @@
+"""Loads from the Hugging Face hub that do not wait on a network that is not there.
+
+The hub's clients (huggingface_hub under transformers and datasets) retry a request that cannot connect, with
+back-off, before they fail or fall back to their cache: offline without HF_HUB_OFFLINE set, a model the hub cache
+already held took minutes to load (5 min for a 2-layer model: one HEAD request per optional file, each retried), a
+`--task arc-easy` 25-70 s to fail. One TCP connection to the hub's endpoint with a short timeout says whether the
+network path exists; where it does not, the load runs from the caches only, as HF_HUB_OFFLINE=1 would: what they
+hold loads at once, anything else fails at once.
+
+Behind a proxy (HTTPS_PROXY / ALL_PROXY) a direct connection says nothing about the proxied path: the probe answers
+reachable there and the clients behave as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import socket
+import sys
+from urllib.parse import urlparse
+
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@functools.cache
+def unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub's endpoint (HF_ENDPOINT, default https://huggingface.co) cannot be reached from here, as a phrase,
+    or None: it answered a TCP connection within `timeout` s, or a proxy is set (unknown: left to the clients).
+    Asked once per process."""
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname or "huggingface.co"
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:  # a malformed port in HF_ENDPOINT: the clients will say so themselves
+        return None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        return f"the Hugging Face hub ({host}:{port}) is not reachable from here: {why}"
+    return None
+
+
+@contextlib.contextmanager
+def cache_only():
+    """Inside the block, huggingface_hub, transformers and datasets read their caches only, as with HF_HUB_OFFLINE=1
+    set before they were imported: they read the flag from module constants fixed at import, so those are set here
+    and restored after (an environment variable set now would not be read)."""
+    import huggingface_hub.constants as hub_constants
+
+    targets = [hub_constants]
+    if "datasets" in sys.modules or importlib.util.find_spec("datasets") is not None:
+        import datasets.config  # it keeps its own copy of the flag, read by load_dataset
+
+        targets.append(datasets.config)
+    # datasets' older releases read HF_DATASETS_OFFLINE, newer ones HF_HUB_OFFLINE (the other kept as an alias)
+    saved = [(t, name, getattr(t, name)) for t in targets for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+             if hasattr(t, name)]
+    for t, name, _ in saved:
+        setattr(t, name, True)
+    try:
+        yield
+    finally:
+        for t, name, value in saved:
+            setattr(t, name, value)
+
+
+def offline_if_unreachable():
+    """A context that loads from the caches only where the hub cannot be reached (`unreachable`), else a no-op: wrap
+    a hub load in it so an offline box answers from its cache, or fails, at once."""
+    from snlp.io.source import hub_offline
+
+    if hub_offline() or unreachable() is None:  # offline by choice: the clients already read their caches only
+        return contextlib.nullcontext()
+    return cache_only()

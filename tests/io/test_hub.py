@@ -1,0 +1,140 @@
+"""Hub loads on a box that cannot reach the hub (snlp.io.hub): the probe's answers, the caches read at once instead of
+after the hub client's retries, and one-line refusals for what no cache holds."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import snlp.io.hub as hub
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """unreachable() asked afresh (it is cached per process), with no proxy and no offline flag set."""
+    for v in (*hub.PROXY_VARS, "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    fn = hub.unreachable  # (a test may replace the module's name before this teardown runs)
+    fn.cache_clear()
+    yield fn
+    fn.cache_clear()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the block ends: nothing listens there
+
+
+def test_the_probe_tells_a_listening_endpoint_from_a_closed_one(probe, monkeypatch):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert probe() is None
+    probe.cache_clear()
+    port = closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    why = probe()
+    assert why is not None and f"127.0.0.1:{port}" in why and "not reachable" in why
+    probe.cache_clear()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a direct connection says nothing there
+    assert probe() is None
+
+
+def test_cache_only_sets_the_clients_flags_and_restores_them():
+    import datasets.config
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    with hub.cache_only():
+        assert constants.HF_HUB_OFFLINE is True and datasets.config.HF_HUB_OFFLINE is True
+        from huggingface_hub import is_offline_mode
+
+        assert is_offline_mode()  # what transformers asks
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before
+
+
+def test_a_hub_id_no_cache_holds_is_refused_at_once_where_the_hub_is_unreachable(monkeypatch):
+    from snlp.io.source import missing_source
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+
+    monkeypatch.setattr(hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable from here: test")
+    why = missing_source("nosuchorg-x9/nosuchmodel-x9", "model")
+    assert why is not None and "not in the hub cache" in why and "not reachable" in why
+
+
+def test_a_task_from_the_hub_fails_at_once_where_the_hub_is_unreachable(monkeypatch):
+    pytest.importorskip("datasets")
+    import datasets.config
+
+    from snlp.io.mctasks import load_task
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable from here: test")
+    before = datasets.config.HF_HUB_OFFLINE
+    with pytest.raises(ValueError, match="not reachable from here: test, and datasets' cache does not hold it"):
+        load_task("arc-easy")
+    assert datasets.config.HF_HUB_OFFLINE == before
+
+
+class Counter(http.server.BaseHTTPRequestHandler):
+    seen: list = []
+
+    def do_HEAD(self):
+        Counter.seen.append(self.path)
+        self.send_response(404)
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_model_the_hub_cache_holds_loads_without_a_request_where_the_hub_is_unreachable(tmp_path):
+    """The hub client sent a HEAD request per file (config, weights, each optional tokenizer / chat template file),
+    each retried with back-off while the network was down: 5 minutes for a cached 2-layer model. With the probe
+    saying unreachable, the load asks the endpoint nothing. The endpoint here is a local server that counts requests
+    (the probe is told it is unreachable), the cache a hub-layout folder written by save_pretrained."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    snap = tmp_path / "hub" / "models--tinyorg--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (tmp_path / "hub" / "models--tinyorg--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tinyorg--tiny" / "refs" / "main").write_text("abc123")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(snap)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Counter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Counter.seen = []
+    code = ("import json, snlp.io.hub as h\n"
+            "h.unreachable = lambda timeout=3.0: 'the hub is not reachable from here: test'\n"
+            "import snlp\n"
+            "m, t = snlp.from_hf('tinyorg/tiny')\n"
+            "print(json.dumps(dict(layers=m.config.n_layer, tokenizer=t is not None)))\n")
+    env = {k: v for k, v in os.environ.items() if k not in (*hub.PROXY_VARS, "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                            "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+               PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.shutdown()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == dict(layers=2, tokenizer=False)
+    assert Counter.seen == []
