@@ -168,9 +168,7 @@ def run(args) -> int:
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
-    model, tok = load(args.ckpt)
-    if tok is None:
-        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: validation tokens cannot be made")
+    model, tok = load(args.ckpt, need_tokenizer="validation tokens cannot be made")
     # only elk reads the checkpoint's calibration: a stale or foreign preheat.pt is refused there, not for the others
     pre = load_preheat(args.ckpt, model) if "elk" in only else None
     if pre is not None and "elk" in only and "preheat" not in only and args.preheat_rank != pre.rank \

@@ -92,7 +92,7 @@ def run(args) -> int:
     ckpt = checkpoint_dir(args.ckpt)  # CKPT/model.safetensors names the checkpoint too: the default --out is beside it
     out = Path(args.out) if args.out is not None else ckpt / FILENAME
     check_replaced(out, ckpt)
-    model, tok = load(ckpt)
+    model, tok = load(ckpt, need_tokenizer="use random-token calibration (no --data)" if args.data is not None else None)
     cfg = CalibrateConfig(rank=args.rank, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     cfg.check(model)
     if args.seq_len > model.config.sequence_len:  # RoPE runs there (GPT.rotary), as extrapolation
@@ -101,8 +101,6 @@ def run(args) -> int:
                       f"--seq-len {model.config.sequence_len} or less")
     tokens, used = None, args.batch
     if args.data is not None:
-        if tok is None:
-            raise ValueError(f"checkpoint {args.ckpt} has no tokenizer: use random-token calibration (no --data)")
         tokens = validation_tokens(tok, **checkpoint_data(ckpt, data=None if args.data == "train" else args.data))
         used = min(args.batch, tokens.numel() // args.seq_len)
     pre = fit(model, cfg, tokens)

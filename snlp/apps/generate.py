@@ -514,10 +514,8 @@ def run(args) -> int:
         #               prompt is not empty: its whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one)
         print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
               "continue a text)", file=sys.stderr)
-    model, tok = load(args.ckpt, device="cpu")
+    model, tok = load(args.ckpt, device="cpu", need_tokenizer="save it with one to use `snlp generate`")
     model = model.to(device).eval()
-    if tok is None:
-        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
         from snlp.decode.session import stop_set
 

@@ -172,9 +172,7 @@ def run(args) -> int:
     cfg = config_from_args(args)  # bad flags fail before the checkpoint is read
     check_plans_fit(args.ckpt, cfg.plans or [])  # its depth from its config, before its weights load
     device = cli_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tok = load(args.ckpt, device="cpu")
-    if tok is None:
-        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp tune` needs it for the calibration text")
+    model, tok = load(args.ckpt, device="cpu", need_tokenizer="`snlp tune` needs it for the calibration text")
     plans = cfg.plans or default_plans(model.config.n_layer, device)
     preheat = plans_preheat(args.ckpt, model, plans)
     cfg.plan_list(model.config.n_layer, preheat, device)  # unknown / unfit plans refused before anything runs

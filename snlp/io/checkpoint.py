@@ -327,15 +327,21 @@ def checkpoint_vocab(path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
-def load(path, device="cpu", overrides: dict | None = None) -> tuple[GPT, Tokenizer | None]:
+def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str | None = None
+         ) -> tuple[GPT, Tokenizer | None]:
     """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
     FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this
     machine does not have (before any file is read). A leading `~` in `path` is the user's home (as snlp.io.source
-    reads a model name), so `load("~/runs/x")` loads what the name check found."""
+    reads a model name), so `load("~/runs/x")` loads what the name check found. `need_tokenizer`: what the caller
+    needs a tokenizer for; a checkpoint without one is then refused with it before its weights are read (a large
+    model's load was spent on a run that could not start)."""
     cli_device(device, "device=")
     path = home_path(path)
+    if need_tokenizer and (is_nanochat_dir(path) or not (checkpoint_dir(path) / TOKENIZER_FILE).is_file()):
+        kind = "nanochat checkpoint (its tokenizer is not converted)" if is_nanochat_dir(path) else "checkpoint"
+        raise ValueError(f"{kind} {path} has no {TOKENIZER_FILE}: {need_tokenizer}")
     if is_nanochat_dir(path):
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:

@@ -1,0 +1,43 @@
+"""Commands that need a checkpoint's tokenizer refuse one without it before its weights are read (a large model's
+load was spent on a run that could not start)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+
+import snlp.io.checkpoint as checkpoint
+from snlp.apps.cli import main
+from snlp.io.checkpoint import save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """A checkpoint saved without a tokenizer."""
+    path = tmp_path_factory.mktemp("bare") / "ckpt"
+    model = make_model(seed=0, dtype=torch.float32, vocab_size=64, n_layer=2, n_head=2, n_embd=16, sequence_len=32)
+    save_checkpoint(path, model)
+    return path
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["tune", "{c}"], "`snlp tune` needs it for the calibration text"),
+    (["generate", "{c}", "--prompt", "hello"], "save it with one to use `snlp generate`"),
+    (["analyze", "{c}", "--out", "{d}"], "validation tokens cannot be made"),
+    (["calibrate", "{c}", "--data", "train", "--out", "{o}"], "use random-token calibration (no --data)"),
+])
+def test_a_command_refuses_a_checkpoint_without_a_tokenizer_before_its_weights_load(bare, tmp_path, monkeypatch,
+                                                                                     capsys, argv, why):
+    reads = []
+    real = checkpoint.load_file
+    monkeypatch.setattr(checkpoint, "load_file", lambda *a, **k: reads.append(a) or real(*a, **k))
+    argv = [a.format(c=bare, o=tmp_path / "pre.pt", d=tmp_path / "analysis") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"has no tokenizer.json: {why}" in err[-1] and reads == []
+
+
+def test_calibrate_without_data_needs_no_tokenizer(bare, tmp_path):
+    assert main(["calibrate", str(bare), "--out", str(tmp_path / "pre.pt"), "--rank", "2", "--batch", "2",
+                 "--seq-len", "8"]) == 0
