@@ -231,6 +231,10 @@ def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
     print(f"{job.name}: {mc.n_layer} layers, width {mc.n_embd}, {mc.n_head} heads, vocab {mc.vocab_size}, "
           f"{m.num_params() / 1e6:.2f}M params | {job.describe} | {cfg.batch_size}x{cfg.grad_accum} "
           f"sequences/step/process on {ctx.world} x {ctx.device}", flush=True)
+    n = len(job.val_batches)
+    if n < cfg.eval_batches:  # the split's batches run out first: every validation reads all it holds, fewer than asked
+        print(f"{job.name}: validating on {n} batch{'es' if n != 1 else ''}, all the validation split holds "
+              f"(--eval-batches {cfg.eval_batches})", flush=True)
 
 
 def train_loop(run: Run, state: LoopState) -> None:

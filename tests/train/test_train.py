@@ -363,3 +363,18 @@ def test_steps_and_minutes_together_end_at_the_first_and_decay_by_the_further():
     assert p.done()
     p.step, p.elapsed = 100, 1.0
     assert p.done()
+
+
+def test_more_eval_batches_than_the_split_holds_are_named_at_the_start(corpus, tmp_path, capsys):
+    """--eval-batches past what the validation split holds validated on fewer batches, silently."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    cfg = TrainConfig(out=str(tmp_path / "ev"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=1, eval_every=100,
+                      eval_batches=100_000, no_progress=True, device="cpu", reg_n="1")
+    fit(cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "validating on" in line]
+    assert len(lines) == 1 and "all the validation split holds (--eval-batches 100000)" in lines[0]
+    n = int(lines[0].split("validating on ")[1].split()[0])
+    assert 1 <= n < 100_000
