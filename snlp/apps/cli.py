@@ -430,9 +430,35 @@ def remove_empty(folders) -> None:
         CREATED.discard(f)
 
 
+def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with a value that starts like a negative number written into its flag (`--max-dppl -1%` ->
+    `--max-dppl=-1%`): argparse takes `-1%`, `-1e-3` or `-2x` for an option and answered "expected one argument",
+    where the flag's own check says what the value may be. Only after a flag of the command that takes one value."""
+    import re
+
+    sub = parser.commands.get(command_of(argv)) if hasattr(parser, "commands") else None
+    if sub is None:
+        return argv
+    takes = {o for a in sub._actions if a.option_strings and a.nargs is None and a.const is None
+             and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._CountAction))
+             for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] in takes and i + 1 < len(argv) and re.match(r"-\.?\d", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
+    argv = attach_negative_values(parser, argv)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as

@@ -714,3 +714,24 @@ def test_a_refused_run_removes_only_the_folders_it_made(tmp_path, monkeypatch, c
     os.makedirs(other)  # another process makes them both
     remove_empty(made)
     assert other.is_dir()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tune", "{o}", "--max-dppl", "-1%"], "--max-dppl must be >= 0 and finite, got '-1%'"),
+    (["train", "--out", "{o}", "--minutes", "-1.5"], "--minutes must be a finite number > 0 (got -1.5)"),
+])
+def test_a_negative_value_gets_the_flags_own_check_not_argparses_expected_one_argument(argv, says, tmp_path,
+                                                                                       capsys):
+    """argparse reads `-1%` (not a plain negative number) as an option, and answered "expected one argument"."""
+    rc = main([a.replace("{o}", str(tmp_path / "o")) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and says in err[-1], err
+
+
+def test_a_prompt_starting_with_a_minus_and_a_digit_is_the_prompt(monkeypatch):
+    from snlp.apps import cli
+
+    parser = cli.build_parser("generate")
+    argv = cli.attach_negative_values(parser, ["generate", "ckpt", "--prompt", "-5 apples", "--", "-x"])
+    assert argv == ["generate", "ckpt", "--prompt=-5 apples", "--", "-x"]
+    assert parser.parse_args(argv[:-2]).prompt == "-5 apples"
