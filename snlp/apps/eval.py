@@ -180,6 +180,31 @@ def mode_flags(args) -> None:
                              "there is no plan to decode (the sequential model decodes as itself)")
 
 
+def check_drafter_outputs(args) -> None:
+    """Refuse a --json / --markdown that is a file of the data the drafter records (its adaptation --data, a
+    --from-model drafter's tuned split), in one line before the model loads. Eval reads that data without a flag
+    naming it, so snlp.apps.cli.check_outputs, which compares the outputs with the flags' inputs, let the table be
+    written over the user's training text or chat set. A folder part holds every file under it."""
+    import snlp.io.data as D
+    from snlp.apps.cli import input_paths
+    from snlp.io.drafter import load_record
+    from snlp.io.source import home_path
+
+    outs = {home_path(v).resolve(): f for f, v in (("--json", args.json), ("--markdown", args.markdown)) if v}
+    if not outs:
+        return
+    record = load_record(args.drafter)
+    specs = [(record.get("config") or {}).get("data"), (((record.get("tuned") or {}).get("split")) or {}).get("data")]
+    for spec in filter(None, specs):
+        for part in D.parts(spec):
+            for src in input_paths(part, spec=True):
+                for out, flag in outs.items():
+                    if out == src or (src.is_dir() and src in out.parents):
+                        raise ValueError(f"{flag} {out} is a file of the data drafter {args.drafter} records "
+                                         f"({part}), which eval reads: writing the result there would overwrite it; "
+                                         f"choose another path")
+
+
 def drafter_blocks(text: str) -> tuple[int, ...]:
     """The --blocks of `snlp eval --drafter`: draft block sizes B >= 1, refused in one line before the model loads
     (`--blocks x` said "invalid literal for int()", and `--blocks 0` ran)."""
@@ -228,6 +253,7 @@ def run(args) -> int:
         from snlp.io.drafter import read_meta
 
         read_meta(args.drafter)
+        check_drafter_outputs(args)
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
