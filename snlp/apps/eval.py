@@ -409,7 +409,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     import torch
 
     from snlp.apps.common import say_contention
-    from snlp.runtime.load import begin_timing
+    from snlp.runtime.load import LoadWindow, begin_timing
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
@@ -439,13 +439,15 @@ def run_drafter_eval(args, model, tok, device) -> int:
                             blocks=drafter_blocks(args.blocks), gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
     threads = [torch.get_num_threads()]
-    window = begin_timing(threads, device)  # its tok/s vs sequential is timed
+    # only the SSD rows' tok/s vs sequential are timed: without prompts nothing is, and no timing sentence is said
+    window = begin_timing(threads, device) if prompts else LoadWindow.begin()
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.chat_stop_ids) or None)
     window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
           f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
-    say_contention(window, threads, device)
+    if prompts:
+        say_contention(window, threads, device)
     if args.json:
         write_json(args.json, [{**r.to_dict(), "load": window.to_json()} for r in rows])
     if args.markdown:
