@@ -445,7 +445,8 @@ def run_drafter_eval(args, model, tok, device) -> int:
     window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
-          f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
+          f"{f'{len(prompts)} chat prompts x up to {cfg.gen_tokens} tokens' if prompts else 'no chat prompts (no SSD rows)'}"
+          f", {dtype} on {device_label(device)}\n{table}")
     if prompts:
         say_contention(window, threads, device)
     if args.json:

@@ -461,6 +461,8 @@ def test_eval_drafter_quality_rows_alone_say_no_timing_sentence(machine, ckpt, t
     assert main(argv) == 0
     got = capsys.readouterr()
     assert "timings" not in got.out + got.err and "| post-hoc |" in got.out
+    # nor that it decoded "0 chat prompts x 64 tokens" (--gen-tokens is refused without --chat-prompts)
+    assert "chat prompts x" not in got.out and "no chat prompts (no SSD rows)" in got.out
 
 
 def test_eval_drafter_ssd_rows_say_a_contended_timing(machine, ckpt, tmp_path, capsys):
