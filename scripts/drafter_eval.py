@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("drafter")
     p.add_argument("--chat-prompts", required=True)
     p.add_argument("--data", default=None, help="parts of the drafter's data whose held-out split to score")
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=None, help="PPL window (default min(256, model sequence_len), "
+                   "as snlp eval)")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompts", type=int, default=8)
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
                torch=torch.__version__, threads=a.threads)
     with torch.inference_mode():
         if a.quality or a.posthoc_quality:
-            wins = windows(as_tokens(held_out_tokens(split, tok)), a.seq_len, a.max_tokens)
+            seq_len = min(256, model.config.sequence_len) if a.seq_len is None else a.seq_len
+            wins = windows(as_tokens(held_out_tokens(split, tok)), seq_len, a.max_tokens)
             if a.quality:
                 out["adapted_quality"] = quality(model, drafter, wins, a.batch)
                 print("adapted:", out["adapted_quality"], flush=True)
@@ -71,8 +73,9 @@ def main(argv=None) -> int:
     blocks = tuple(int(b) for b in a.blocks.split(",")) if a.blocks else ()
     if blocks:
         prompts = drafter_prompts(split, a.chat_prompts, tok, split.val_frac, a.prompts)
+        # the stop ids of snlp eval --drafter: a reply ends where its chat turn ends (our BPE has no EOS, stop_ids ())
         rows, _ = speculative_benchmark(model, prompts, drafter.plan, blocks, a.gen_tokens, a.runs, a.warmup,
-                                        eos_id=list(tok.stop_ids) or None, drafter=drafter)
+                                        eos_id=list(tok.chat_stop_ids) or None, drafter=drafter)
         out["ssd"] = [r.to_dict() for r in rows]
         for r in rows:
             d = r.to_dict()

@@ -180,6 +180,31 @@ def mode_flags(args) -> None:
                              "there is no plan to decode (the sequential model decodes as itself)")
 
 
+def check_drafter_outputs(args) -> None:
+    """Refuse a --json / --markdown that is a file of the data the drafter records (its adaptation --data, a
+    --from-model drafter's tuned split), in one line before the model loads. Eval reads that data without a flag
+    naming it, so snlp.apps.cli.check_outputs, which compares the outputs with the flags' inputs, let the table be
+    written over the user's training text or chat set. A folder part holds every file under it."""
+    import snlp.io.data as D
+    from snlp.apps.cli import input_paths
+    from snlp.io.drafter import load_record
+    from snlp.io.source import home_path
+
+    outs = {home_path(v).resolve(): f for f, v in (("--json", args.json), ("--markdown", args.markdown)) if v}
+    if not outs:
+        return
+    record = load_record(args.drafter)
+    specs = [(record.get("config") or {}).get("data"), (((record.get("tuned") or {}).get("split")) or {}).get("data")]
+    for spec in filter(None, specs):
+        for part in D.parts(spec):
+            for src in input_paths(part, spec=True):
+                for out, flag in outs.items():
+                    if out == src or (src.is_dir() and src in out.parents):
+                        raise ValueError(f"{flag} {out} is a file of the data drafter {args.drafter} records "
+                                         f"({part}), which eval reads: writing the result there would overwrite it; "
+                                         f"choose another path")
+
+
 def drafter_blocks(text: str) -> tuple[int, ...]:
     """The --blocks of `snlp eval --drafter`: draft block sizes B >= 1, refused in one line before the model loads
     (`--blocks x` said "invalid literal for int()", and `--blocks 0` ran)."""
@@ -228,6 +253,7 @@ def run(args) -> int:
         from snlp.io.drafter import read_meta
 
         read_meta(args.drafter)
+        check_drafter_outputs(args)
     if args.harness:  # lm-evaluation-harness tasks, one run per method (snlp.apps.eval_harness)
         return eval_harness.run(args)
     device = cli_device(args.device)
@@ -383,7 +409,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
     import torch
 
     from snlp.apps.common import say_contention
-    from snlp.runtime.load import begin_timing
+    from snlp.runtime.load import LoadWindow, begin_timing
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.drafter import (DrafterEvalConfig, drafter_prompts, drafter_split, evaluate_drafter,
                                    held_out_tokens, markdown as drafter_markdown)
@@ -413,13 +439,16 @@ def run_drafter_eval(args, model, tok, device) -> int:
                             blocks=drafter_blocks(args.blocks), gen_tokens=args.gen_tokens, repeats=args.runs, warmup=args.warmup,
                             progress=not args.no_progress)
     threads = [torch.get_num_threads()]
-    window = begin_timing(threads, device)  # its tok/s vs sequential is timed
+    # only the SSD rows' tok/s vs sequential are timed: without prompts nothing is, and no timing sentence is said
+    window = begin_timing(threads, device) if prompts else LoadWindow.begin()
     rows = evaluate_drafter(model, drafter, val, prompts, plans, cfg, eos_id=list(tok.chat_stop_ids) or None)
     window.close()
     table = drafter_markdown(rows)
     print(f"{args.ckpt} with drafter {args.drafter}: {rows[0].tokens:,} held-out tokens of {source}, "
-          f"{len(prompts)} chat prompts x {cfg.gen_tokens} tokens, {dtype} on {device_label(device)}\n{table}")
-    say_contention(window, threads, device)
+          f"{f'{len(prompts)} chat prompts x up to {cfg.gen_tokens} tokens' if prompts else 'no chat prompts (no SSD rows)'}"
+          f", {dtype} on {device_label(device)}\n{table}")
+    if prompts:
+        say_contention(window, threads, device)
     if args.json:
         write_json(args.json, [{**r.to_dict(), "load": window.to_json()} for r in rows])
     if args.markdown:

@@ -48,15 +48,16 @@ class GenerateResult:
     extra: dict = field(default_factory=dict)
 
     def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
-                  verify_s: float) -> None:
+                  verify_s: float, ended: bool = False) -> None:
         """Count one speculative / Jacobi round: `drafted` guesses of which the leading `accepted` were kept
         (examined: those plus the first rejection, if any), `steps` drafter steps, `forwards` on the critical
-        path, and the draft / verify time."""
+        path, and the draft / verify time. `ended`: the last kept guess ended the output (a stop id), so the
+        guesses after it were not examined (whatever the verifier said of them)."""
         self.rounds += 1
         self.draft_steps += steps
         self.drafted += drafted
         self.accepted += accepted
-        self.examined += accepted + (accepted < drafted)
+        self.examined += accepted + (accepted < drafted and not ended)
         self.forwards += forwards
         self.draft_s += draft_s
         self.verify_s += verify_s

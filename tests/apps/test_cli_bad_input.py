@@ -277,6 +277,39 @@ def in_home(home, tmp_path, monkeypatch):
     return cwd
 
 
+@pytest.mark.parametrize("target,from_model", [("text.txt", False), ("chats.jsonl", False),
+                                               ("docs/b.txt", False), ("tuned.txt", True)])
+def test_eval_drafter_output_over_its_recorded_data_is_refused(home, tmp_path, capsys, monkeypatch, target, from_model):
+    """`snlp eval CKPT --drafter D --markdown DATA` wrote the table over the training text the drafter records (eval
+    reads that data with no flag naming it, so the output check did not compare with it): refused in one line
+    before the checkpoint loads, the file unchanged. Text, chat: and folder parts; a --from-model drafter's tuned
+    split."""
+    import snlp.io.checkpoint as ckpt
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    (tmp_path / "docs").mkdir()
+    for name in ("text.txt", "chats.jsonl", "docs/b.txt", "tuned.txt"):
+        (tmp_path / name).write_text("the user's data\n")
+    data = f"{tmp_path / 'text.txt'},chat:{tmp_path / 'chats.jsonl'},{tmp_path / 'docs'}"
+    record = {"config": {"data": data, "val_frac": 0.05}}
+    if from_model:
+        record = {"config": {"data": data, "val_frac": 0.05, "from_model": "tuned"},
+                  "tuned": {"split": {"data": str(tmp_path / "tuned.txt"), "val_frac": 0.05}}}
+    model, _ = load(home / "ck")
+    save_drafter(tmp_path / "d", make_drafter(model, "2xF1-h0-K1"), record=record)
+
+    def no_load(*a, **k):
+        raise AssertionError("the checkpoint loaded before the refusal")
+
+    monkeypatch.setattr(ckpt, "load", no_load)
+    for flag in ("--markdown", "--json"):
+        assert main(["eval", str(home / "ck"), "--drafter", str(tmp_path / "d"), flag, str(tmp_path / target)]) == 2
+        assert "is a file of the data drafter" in one_error_line(capsys, "eval")
+        assert (tmp_path / target).read_text() == "the user's data\n"
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "~/ck", "--prompt", "All:", "--max-new-tokens", "2", "--json", "~/g.json"],
     ["generate", "--prompts-file=~/p.txt", "~/ck", "--max-new-tokens", "2", "--json=~/g.json"],

@@ -442,3 +442,49 @@ def test_train_time_reg_does_not_warn_about_its_own_training(machine, tmp_path, 
     line = oversubscription_note(2, LoadWindow.begin(), remedy=None, busy=2)
     assert line and "3.00 on 2 cores, 1 free (other work: the load less 2 for this command's own busy threads" in line
     assert load.free_cores(LoadWindow.begin(), busy=2) == 1 and load.free_cores(LoadWindow.begin()) == 0
+
+
+def test_eval_drafter_quality_rows_alone_say_no_timing_sentence(machine, ckpt, tmp_path, capsys):
+    """`snlp eval --drafter` without --chat-prompts times nothing (its rows are PPL / Top-1 / LogitSim only), yet on a
+    loaded box it said its threads would make "the timings collapse" and that "these times are slower and noisier":
+    neither is said now. With --chat-prompts (the SSD rows' tok/s are timed) both still are."""
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    machine(4.0, cores=2)
+    path, data, cache = ckpt
+    model, _ = load(path)
+    save_drafter(tmp_path / "d", make_drafter(model, "2xF1-h0-K1"))
+    argv = ["eval", str(path), "--drafter", str(tmp_path / "d"), "--data", str(data), "--cache-dir", str(cache),
+            "--seq-len", "16", "--max-tokens", "32", "--threads", "2", "--no-progress"]
+    assert main(argv) == 0
+    got = capsys.readouterr()
+    assert "timings" not in got.out + got.err and "| post-hoc |" in got.out
+    # nor that it decoded "0 chat prompts x 64 tokens" (--gen-tokens is refused without --chat-prompts)
+    assert "chat prompts x" not in got.out and "no chat prompts (no SSD rows)" in got.out
+
+
+def test_eval_drafter_ssd_rows_say_a_contended_timing(machine, ckpt, tmp_path, capsys):
+    """The counterpart of the test above: --drafter's SSD rows are timed, so a loaded box is said (the sentence's
+    gate is the prompts, not the mode)."""
+    import json as _json
+
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    machine(4.0, cores=2)
+    path, data, cache = ckpt
+    model, tok = load(path)
+    save_drafter(tmp_path / "d", make_drafter(model, "2xF1-h0-K1"))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(_json.dumps({"messages": [{"role": "user", "content": f"First {i}"},
+                                                       {"role": "assistant", "content": "All:"}]}) + "\n"
+                             for i in range(40)))
+    argv = ["eval", str(path), "--drafter", str(tmp_path / "d"), "--data", str(data), "--cache-dir", str(cache),
+            "--seq-len", "16", "--max-tokens", "32", "--threads", "2", "--no-progress", "--chat-prompts",
+            f"chat:{chats}", "--prompts", "1", "--gen-tokens", "2", "--blocks", "2", "--warmup", "0"]
+    assert main(argv) == 0
+    got = capsys.readouterr()
+    assert "timings contended" in got.out and "timings collapse" in got.err

@@ -265,6 +265,52 @@ def test_acceptance_counts_equal_a_naive_replay_of_the_drafts(rank, block):
     assert 0 < acc < exam
 
 
+def test_acceptance_stops_at_the_eos_a_round_accepted():
+    """A round whose accepted drafts hold an EOS ends the output there: the drafts after it are not part of the
+    decode, so alpha's counts (accepted / examined, `snlp eval --drafter`'s alpha column) stop at that EOS. Before,
+    every draft the verifier accepted past the EOS counted as accepted, and its first rejection past it as examined
+    (here: 5 examined where the output holds 4). Reference: a naive replay of the greedy output cut at the
+    EOS, each round's drafts recomputed on a fresh cache of the base's exact K/V and compared with the output up to
+    its end (fp64); every EOS candidate of the output is tried, and at least one round drafts past its EOS."""
+    from snlp.decode.speculative import speculative_generate
+    from snlp.method.solver import solve
+
+    base, _ = from_hf(hf_tiny(seed=6).double())
+    base = base.double()
+    d = perturb(make_drafter(base, "2xF1-h0-K1"), scale=0.02)
+    prompt, N, block = ids(1, 3, seed=13)[0].tolist(), 16, 4
+    free = speculative_generate(base, prompt, d.plan, block=block, max_new_tokens=N, drafter=d).tokens
+
+    def drafts(full: list[int], t: int, k: int) -> list[int]:  # the round after t emitted tokens
+        pos, out = len(prompt) + t - 1, []
+        cache = KVCache.for_model(base, max_len=64)
+        with torch.no_grad():
+            base(torch.tensor([full[:pos]]), cache=cache)
+            tok = full[pos]
+            for _ in range(k):
+                tok = int(base.head(solve(d.model, torch.tensor([[tok]]), d.plan, cache=cache).hidden)[0, -1].argmax())
+                out.append(tok)
+        return out
+
+    past = 0  # rounds whose drafts went past the EOS, over the candidates
+    for e in range(1, N - 2):
+        if free[e] in free[:e]:
+            continue  # the EOS must end the output at e
+        res = speculative_generate(base, prompt, d.plan, block=block, max_new_tokens=N, drafter=d, eos_id=free[e])
+        out = free[:e + 1]
+        assert res.tokens == out and res.stop == "eos"
+        t = acc = exam = 0
+        while t < len(out):
+            k = min(block, N - t - 1)
+            dr, n = drafts(prompt + free, t, k), 0
+            while n < k and t + n < len(out) and dr[n] == out[t + n]:
+                n += 1
+            past += t + k > len(out) and dr[:len(out) - t] == out[t:]
+            acc, exam, t = acc + n, exam + n + (n < k and t + n < len(out)), t + n + 1
+        assert (res.accepted, res.examined) == (acc, exam), e
+    assert past > 0
+
+
 @pytest.mark.slow  # adapts and decodes the real SmolLM2 (CI runs -m slow)
 def test_speculative_with_drafter_on_smollm2(smol):
     """The real SmolLM2: SSD with a (perturbed) adapted drafter = the base's sequential greedy output."""

@@ -307,3 +307,53 @@ def test_drafter_eval_refuses_a_bad_ssd_prompt_before_the_quality_rows(monkeypat
     with pytest.raises(ValueError, match=says):
         evaluate_drafter(base, d, val, prompts, None, DrafterEvalConfig(seq_len=16, max_tokens=64, batch=2,
                                                                         blocks=(2,), gen_tokens=4))
+
+
+def test_drafter_eval_script_measures_what_snlp_eval_drafter_measures(tmp_path, monkeypatch):
+    """scripts/drafter_eval.py is documented (docs/adapt.md) as `snlp eval --drafter` without the post-hoc SSD, on the
+    same windows and prompts. It cut its windows at 256 tokens whatever the model's context (eval: min(256, the
+    model's sequence_len)), so a 128-token model's Top-1 / PPL were other numbers, and it decoded the chat prompts
+    with the tokenizer's stop_ids where eval stops at chat_stop_ids (our BPE: <|assistant_end|> and <|bos|>, while
+    its stop_ids is empty), so its replies ran past the end of the turn. With defaults on both sides the quality rows
+    now agree and both decode with the same stop ids."""
+    import importlib.util
+    from pathlib import Path
+
+    import snlp.eval.drafter as ED
+    from conftest import text_checkpoint
+    from snlp.apps.cli import main
+
+    ck, data, _ = text_checkpoint(tmp_path)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"First {i}"},
+                                                      {"role": "assistant", "content": "All:"}]}) + "\n"
+                             for i in range(40)))
+    model, tok = load(ck)
+    assert model.config.sequence_len < 256 and tuple(tok.stop_ids) != tuple(tok.chat_stop_ids)
+    save_drafter(tmp_path / "d", perturb(make_drafter(model, "2xF1-h0-K1")),
+                 record={"config": {"data": f"{data},chat:{chats}", "val_frac": 0.05}})
+    path = Path(__file__).resolve().parents[2] / "scripts" / "drafter_eval.py"
+    spec = importlib.util.spec_from_file_location("drafter_eval_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    stops = {}
+
+    def stand_in(side):
+        def bench(*a, eos_id=None, **k):  # the decode itself is speculative_benchmark's (tested there)
+            stops[side] = eos_id
+            return [], []
+        return bench
+
+    monkeypatch.setattr(ED, "speculative_benchmark", stand_in("eval"))
+    monkeypatch.setattr(script, "speculative_benchmark", stand_in("script"))
+    common = ["--chat-prompts", f"chat:{chats}", "--prompts", "1", "--gen-tokens", "2", "--blocks", "2",
+              "--max-tokens", "512", "--warmup", "0", "--json"]
+    assert main(["eval", str(ck), "--drafter", str(tmp_path / "d"), "--no-progress", *common,
+                 str(tmp_path / "eval.json")]) == 0
+    assert script.main([str(ck), str(tmp_path / "d"), "--quality", "--posthoc-quality", *common,
+                        str(tmp_path / "script.json")]) == 0
+    rows = {r["drafter"]: r for r in json.loads((tmp_path / "eval.json").read_text())}
+    got = json.loads((tmp_path / "script.json").read_text())
+    for side, row in (("adapted_quality", rows["adapted"]), ("posthoc_quality", rows["post-hoc"])):
+        assert got[side] == {k: row[k] for k in got[side]}, side
+    assert stops["script"] == stops["eval"] == list(tok.chat_stop_ids)
