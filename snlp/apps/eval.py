@@ -182,27 +182,34 @@ def mode_flags(args) -> None:
 
 def check_drafter_outputs(args) -> None:
     """Refuse a --json / --markdown that is a file of the data the drafter records (its adaptation --data, a
-    --from-model drafter's tuned split), in one line before the model loads. Eval reads that data without a flag
-    naming it, so snlp.apps.cli.check_outputs, which compares the outputs with the flags' inputs, let the table be
-    written over the user's training text or chat set. A folder part holds every file under it."""
-    import snlp.io.data as D
-    from snlp.apps.cli import input_paths
+    --from-model drafter's tuned split), in one line before the model loads (check_recorded_data)."""
     from snlp.io.drafter import load_record
-    from snlp.io.source import home_path
 
-    outs = {home_path(v).resolve(): f for f, v in (("--json", args.json), ("--markdown", args.markdown)) if v}
-    if not outs:
-        return
     record = load_record(args.drafter)
     specs = [(record.get("config") or {}).get("data"), (((record.get("tuned") or {}).get("split")) or {}).get("data")]
+    check_recorded_data(args, specs, f"drafter {args.drafter} records")
+
+
+def check_recorded_data(args, specs, whose: str) -> None:
+    """Refuse an output file (--json, --csv, --markdown, --plot) that is a file of `specs`, data a checkpoint or a
+    drafter records and eval reads without a flag naming it, in one line before the model loads: snlp.apps.cli's
+    check_outputs compares the outputs with the flags' inputs only, so the table was written over the user's
+    training text or chat set. A folder part holds every file under it."""
+    import snlp.io.data as D
+    from snlp.apps.cli import input_paths
+    from snlp.io.source import home_path
+
+    outs = {home_path(v).resolve(): "--" + f for f in ("json", "csv", "markdown", "plot")
+            if isinstance(v := getattr(args, f, None), str) and v}
+    if not outs:
+        return
     for spec in filter(None, specs):
         for part in D.parts(spec):
             for src in input_paths(part, spec=True):
                 for out, flag in outs.items():
                     if out == src or (src.is_dir() and src in out.parents):
-                        raise ValueError(f"{flag} {out} is a file of the data drafter {args.drafter} records "
-                                         f"({part}), which eval reads: writing the result there would overwrite it; "
-                                         f"choose another path")
+                        raise ValueError(f"{flag} {out} is a file of the data {whose} ({part}), which eval reads: "
+                                         f"writing the result there would overwrite it; choose another path")
 
 
 def drafter_blocks(text: str) -> tuple[int, ...]:
@@ -266,6 +273,8 @@ def run(args) -> int:
         args.mc_questions = mc_task_input(args)
     elif args.plans is None and not args.drafter:
         raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
+    if not (args.task or args.drafter or args.data):  # the checkpoint's recorded data, which no flag names
+        check_recorded_data(args, [checkpoint_data(args.ckpt)["data"]], f"checkpoint {args.ckpt} was trained on")
     set_threads(args.threads)
     model, tok = load(args.ckpt, device="cpu")
     if args.drafter:

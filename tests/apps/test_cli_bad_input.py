@@ -310,6 +310,36 @@ def test_eval_drafter_output_over_its_recorded_data_is_refused(home, tmp_path, c
         assert (tmp_path / target).read_text() == "the user's data\n"
 
 
+@pytest.mark.parametrize("target", ["text.txt", "docs/b.txt"])
+def test_eval_output_over_the_checkpoints_recorded_data_is_refused(home, tmp_path, capsys, monkeypatch, target):
+    """`snlp eval CKPT --plans P --json DATA` without --data reads the data the checkpoint was trained on (its
+    train_state.pt), which no flag names: the table was written over it. Refused in one line before the checkpoint
+    loads, the file unchanged; with --data naming other data the output may go there."""
+    import snlp.io.checkpoint as ckpt
+    from snlp.io.checkpoint import load, save_checkpoint
+
+    (tmp_path / "docs").mkdir()
+    for name in ("text.txt", "docs/b.txt"):
+        (tmp_path / name).write_text("the user's data\n" * 50)
+    (tmp_path / "other.txt").write_text("\n\n".join(f"Paragraph {i}: some other text, long enough to fill a few documents." for i in range(400)))
+    model, tok = load(home / "ck")
+    save_checkpoint(tmp_path / "ck", model, tok,
+                    train_state={"args": {"data": f"{tmp_path / 'text.txt'},{tmp_path / 'docs'}"}})
+    real = ckpt.load
+
+    def no_load(*a, **k):
+        raise AssertionError("the checkpoint loaded before the refusal")
+
+    monkeypatch.setattr(ckpt, "load", no_load)
+    for flag in ("--markdown", "--json", "--csv"):
+        assert main(["eval", str(tmp_path / "ck"), "--plans", "1xF1-h0-K1", flag, str(tmp_path / target)]) == 2
+        assert "is a file of the data checkpoint" in one_error_line(capsys, "eval")
+        assert (tmp_path / target).read_text() == "the user's data\n" * 50
+    monkeypatch.setattr(ckpt, "load", real)
+    assert main(["eval", str(tmp_path / "ck"), "--plans", "1xF1-h0-K1", "--data", str(tmp_path / "other.txt"),
+                 "--max-tokens", "64", "--seq-len", "16", "--json", str(tmp_path / target)]) == 0
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "~/ck", "--prompt", "All:", "--max-new-tokens", "2", "--json", "~/g.json"],
     ["generate", "--prompts-file=~/p.txt", "~/ck", "--max-new-tokens", "2", "--json=~/g.json"],
