@@ -119,6 +119,13 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
         pass  # Llama attends fully whatever sliding_window / layer_types its config carries
     elif types is not None and "sliding_attention" in types and sw is not None:
         windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
+    elif types is not None and "sliding_attention" in types:  # no width for the layers it names sliding:
+        # transformers' Qwen2/Qwen3 cannot run it (ValueError, or a TypeError in the KV cache); full attention is
+        # not what the config says either. Qwen2Config/Qwen3Config null sliding_window when use_sliding_window=False
+        raise ValueError(f"a {arch} config with 'sliding_attention' in layer_types but sliding_window=None "
+                         f"(use_sliding_window={getattr(c, 'use_sliding_window', None)}) has no window width; "
+                         f"transformers cannot run it either: set sliding_window (and use_sliding_window=True) or "
+                         f"make every layer 'full_attention'")
     elif types is not None and set(types) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"unsupported layer_types {sorted(set(types))} in a {arch} config")
     return GPTConfig(

@@ -972,3 +972,28 @@ def test_a_cast_past_float32s_range_advises_a_dtype_that_holds_it():
     for dtype in ("float32", "bfloat16"):
         with pytest.raises(ValueError, match=r"cannot hold .*\|1e\+39\|.*: choose float64$"):
             from_hf(hf, dtype=dtype)
+
+# ------------------------------------------------------------------------------ export target, tokenizer, windows
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_sliding_layer_without_a_window_width_is_refused_as_transformers_cannot_run_it(family, tmp_path):
+    """A Qwen2 / Qwen3 config whose layer_types names 'sliding_attention' but whose sliding_window is null (Qwen2Config
+    nulls it when use_sliding_window is False, even where config.json gives a width) converted as full attention
+    without a word; transformers itself cannot run it (its forward raises). Now refused in one line, before the
+    weights load from a folder; the same layer_types with a width convert as before."""
+    types = ["sliding_attention", "full_attention"] * 2
+    hf = hf_tiny(family, layer_types=types, sliding_window=4)
+    assert hf.config.sliding_window is None  # use_sliding_window defaults to False
+    with pytest.raises((ValueError, TypeError)), torch.no_grad():
+        hf(ids())
+    with pytest.raises(ValueError, match="sliding_window=None") as e:
+        from_hf(hf)
+    assert "\n" not in str(e.value)
+    hf.save_pretrained(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        from_hf(str(tmp_path / "d"))
+    ok = hf_tiny(family, layer_types=types, sliding_window=4, use_sliding_window=True)
+    model, _ = from_hf(ok)
+    assert model.config.layer_windows == [3, -1, 3, -1]
+    x = ids(T=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ok(x).logits, atol=1e-5, rtol=1e-5)
