@@ -26,17 +26,11 @@ def add_arguments(p) -> None:
 
 
 def check_empty_out(out: str) -> None:
-    """Refuse an --out that holds files (hidden ones aside: a git clone's .git): transformers' save_pretrained writes
-    tokenizer_config.json, generation_config.json and chat_template.jinja over the user's, deletes any
-    model-NNNNN-of-NNNNN.safetensors shard it does not write, and leaves the rest (a special_tokens_map.json, a
-    vocab.json) for AutoTokenizer to read beside the exported tokenizer."""
-    from pathlib import Path
+    """Refuse an --out that holds files (hidden ones aside: a git clone's .git), as export_hf does
+    (snlp.io.hf.check_export_out), before the model loads."""
+    from snlp.io.hf import check_export_out
 
-    d = Path(out)
-    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
-    if held:
-        raise ValueError(f"--out {out} is not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
-                         f"the export would overwrite or delete files there; choose a new or empty --out")
+    check_export_out(out, label="--out")
 
 
 def run(args) -> int:

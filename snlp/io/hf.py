@@ -500,13 +500,34 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
     return hc
 
 
-def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
+def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
+    """`out` as a Path, refused in one line when it is a file, or a folder holding files (hidden ones aside: a git
+    clone's .git) unless `overwrite`: transformers' save_pretrained writes config.json, tokenizer_config.json,
+    generation_config.json and chat_template.jinja over the user's, deletes any model-NNNNN-of-NNNNN.safetensors
+    shard it does not write, and leaves the rest (a special_tokens_map.json, a vocab.json) for AutoTokenizer to read
+    beside the exported tokenizer. `label` names the folder in the message (the CLI's --out)."""
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{label} {out} is a file; export_hf writes a folder: choose a new or empty one")
+    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+    if held and not overwrite:
+        how = f"choose a new or empty {label}" + ("" if label.startswith("-") else
+                                                   " (or pass overwrite=True to write into it anyway)")
+        raise ValueError(f"{label} {out} is not empty (it holds {', '.join(held[:4])}"
+                         f"{', ...' if len(held) > 4 else ''}): the export would overwrite or delete files there; {how}")
+    return d
+
+
+def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> Path:
     """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer]) that
     AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
     projections (unit norms in the file); an untied lm_head absorbs the final norm's weight too, a tied model keeps
-    it in the final norm and stays tied."""
+    it in the final norm and stays tied. `out` must be a new or empty folder (`check_export_out`), unless
+    `overwrite=True`: then transformers' save_pretrained replaces the files it writes there and deletes weight shards
+    (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay."""
     from transformers import AutoModelForCausalLM
 
+    out = check_export_out(out, overwrite)  # before any work: nothing of the user's is written over
     model = _exportable(model)
     cfg = model.config
     dtype = model.wte.weight.dtype
@@ -568,7 +589,6 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         hf_model.config.bos_token_id = hf_model.generation_config.bos_token_id = bos
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:

@@ -20,6 +20,7 @@ from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, 
 from snlp.method.fusion import build_chunk_weights, chunk_forward  # noqa: E402
 from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
 from snlp.io.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
+from snlp.io.tokenizer import Tokenizer  # noqa: E402
 from conftest import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -973,7 +974,40 @@ def test_a_cast_past_float32s_range_advises_a_dtype_that_holds_it():
         with pytest.raises(ValueError, match=r"cannot hold .*\|1e\+39\|.*: choose float64$"):
             from_hf(hf, dtype=dtype)
 
+
 # ------------------------------------------------------------------------------ export target, tokenizer, windows
+def test_export_hf_refuses_a_folder_holding_files_unless_told_to_overwrite(tmp_path):
+    """export_hf(model, DIR) (the Python API; `snlp export --out` refused already) wrote transformers' files over the
+    user's tokenizer_config.json / chat_template.jinja / generation_config.json and save_pretrained deleted a
+    model-00001-of-00002.safetensors shard it did not write. Now refused in one line before any work, every file
+    kept; a new folder, an empty one or one holding hidden entries only is written, and overwrite=True writes into a
+    folder that holds files (the export then loads in transformers with snlp's logits)."""
+    model = snlp_llama()
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "model-00001-of-00002.safetensors", "notes.txt"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).write_text("the user's")
+        with pytest.raises(ValueError, match="is not empty") as e:
+            export_hf(model, out, Tokenizer.from_hf(word_tokenizer(V)))
+        assert name in str(e.value) and "overwrite=True" in str(e.value) and "\n" not in str(e.value)
+        assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "the user's"
+    (tmp_path / "file").write_text("the user's")
+    with pytest.raises(ValueError, match="is a file"):
+        export_hf(model, tmp_path / "file")
+    (tmp_path / "clone" / ".git").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "clone", tmp_path / "empty", tmp_path / "new" / "sub"):
+        assert (export_hf(model, out) / "config.json").is_file()
+    out = tmp_path / "out-notes.txt"
+    export_hf(model, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "the user's"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_sliding_layer_without_a_window_width_is_refused_as_transformers_cannot_run_it(family, tmp_path):
     """A Qwen2 / Qwen3 config whose layer_types names 'sliding_attention' but whose sliding_window is null (Qwen2Config
