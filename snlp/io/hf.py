@@ -628,7 +628,9 @@ def _hf_tokenizer(tokenizer: Tokenizer):
         bos = BOS
         backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                                special_tokens=[(BOS, tokenizer.bos_id)])
-    calls = {k: meta[k] for k in ("model_max_length", "padding_side", "truncation_side") if k in meta}
+    calls = {k: meta[k] for k in ("model_max_length", "padding_side", "truncation_side", "extra_special_tokens",
+                                  "clean_up_tokenization_spaces",
+                                  "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") if k in meta}
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=meta.get("eos_token"),
                                    pad_token=meta.get("pad_token"), unk_token=meta.get("unk_token"),
                                    chat_template=meta.get("chat_template"), **calls), backend

@@ -1008,6 +1008,44 @@ def test_export_hf_refuses_a_folder_holding_files_unless_told_to_overwrite(tmp_p
         torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
 
 
+def _punct_tokenizer():
+    """A transformers WordLevel tokenizer (words and punctuation, joined by spaces on decode) with two additional
+    special tokens and clean_up_tokenization_spaces=True: its decode writes "a, b." for the ids of "a , b ."."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    words = ["<s>", "</s>", "<unk>", "<tool>", "<think>", "hello", "world", ",", ".", "?", "it", "'s", "ok"]
+    tok = HFTok(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<tool>", "<think>"], clean_up_tokenization_spaces=True)
+
+
+def test_an_export_keeps_the_sources_additional_special_tokens_and_its_clean_up_of_spaces(tmp_path):
+    """A source tokenizer with additional special tokens and clean_up_tokenization_spaces=True was exported without
+    either: transformers' tokenizer of the export listed only bos / eos / unk as special (its extra_special_tokens
+    empty) and decoded "hello , world ." where the source's decodes "hello, world.". Reference: the source's own
+    transformers tokenizer, read back from its folder, against AutoTokenizer of `convert` -> `export`."""
+    src = tmp_path / "src"
+    hf = hf_tiny("llama", vocab_size=13)
+    hf.save_pretrained(str(src))
+    _punct_tokenizer().save_pretrained(str(src))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(src))
+    model, tok = from_hf(str(src))
+    save_checkpoint(tmp_path / "ck", model, tok)
+    model, tok = load(tmp_path / "ck")
+    back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / "exp", tok)))
+    assert back.extra_special_tokens == theirs.extra_special_tokens == ["<tool>", "<think>"]
+    assert back.all_special_tokens == theirs.all_special_tokens
+    for text in ("hello , world .", "<tool> it 's ok ? <think>", "<s> hello </s>"):
+        ids_ = theirs(text)["input_ids"]
+        assert back(text)["input_ids"] == ids_
+        for skip in (False, True):
+            assert back.decode(ids_, skip_special_tokens=skip) == theirs.decode(ids_, skip_special_tokens=skip)
+    assert theirs.decode(theirs("hello , world .")["input_ids"]) == "hello, world."
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_sliding_layer_without_a_window_width_is_refused_as_transformers_cannot_run_it(family, tmp_path):
     """A Qwen2 / Qwen3 config whose layer_types names 'sliding_attention' but whose sliding_window is null (Qwen2Config
