@@ -1,6 +1,6 @@
 """Export an snlp checkpoint of a Llama-family model (e.g. one made by `snlp convert`, possibly fine-tuned)
-as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (RMSNorm
-weights folded into the projections, unit norm weights; a tied head stays tied). Given a drafter directory (`snlp adapt`),
+as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (the checkpoint's
+own tensors, norm weights included; a tied head stays tied). Given a drafter directory (`snlp adapt`),
 it writes the base's prefix with the drafter's adapted suffix as one transformers model (its plan recorded in
 config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp's: snlp.io.drafter)."""
 

@@ -427,25 +427,6 @@ def generation_eos_ids(hf_model) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------------------------- export
-def folded_state(model: GPT) -> dict:
-    """The model's weights with every RMSNorm weight folded into the projection it feeds (W' = W diag(w)):
-    ln_attn into q/k/v, ln_mlp into gate/up, ln_f into a copy of lm_head. The norms become unit."""
-    cfg = model.config
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if not cfg.norm_weights:
-        return sd
-    for l in range(cfg.n_layer):
-        b = f"blocks.{l}."
-        for name in ("c_q", "c_k", "c_v"):
-            sd[f"{b}attn.{name}.weight"] = sd[f"{b}attn.{name}.weight"] * sd[f"{b}ln_attn"]
-        sd[f"{b}mlp.c_fc.weight"] = sd[f"{b}mlp.c_fc.weight"] * sd[f"{b}ln_mlp"]
-        sd[f"{b}ln_attn"] = torch.ones_like(sd[f"{b}ln_attn"])
-        sd[f"{b}ln_mlp"] = torch.ones_like(sd[f"{b}ln_mlp"])
-    sd["lm_head.weight"] = model.lm_head.weight.detach() * sd["ln_f"]  # a copy: wte stays as it is when tied
-    sd["ln_f"] = torch.ones_like(sd["ln_f"])
-    return sd
-
-
 def _hf_config(cfg: GPTConfig, torch_dtype):
     """A transformers config for an snlp Llama-family config (ValueError for nanochat-style models)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -520,9 +501,8 @@ def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
 
 def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> Path:
     """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer]) that
-    AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
-    projections (unit norms in the file); an untied lm_head absorbs the final norm's weight too, a tied model keeps
-    it in the final norm and stays tied. `out` must be a new or empty folder (`check_export_out`), unless
+    AutoModelForCausalLM.from_pretrained loads with the same logits: the model's own tensors, bit for bit (RMSNorm
+    weights as transformers' norm weights; a tied head stays tied), so `from_hf` of the folder gives the model back. `out` must be a new or empty folder (`check_export_out`), unless
     `overwrite=True`: then transformers' save_pretrained replaces the files it writes there and deletes weight shards
     (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay."""
     from transformers import AutoModelForCausalLM
@@ -534,12 +514,12 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
     hc = _hf_config(cfg, dtype)
     if tokenizer is not None:
         _check_tokenizer_reloads(hc, tokenizer)
-    sd = folded_state(model)
+    # the weights as they are, norm weights in transformers' RMSNorm weights (which multiply as snlp's do): folding
+    # them into the projections (W diag(w)) rounds every product in bf16 / fp16, another function than the model's
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hf_sd = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f"],
              "lm_head.weight": sd["lm_head.weight"]}
-    if cfg.tie_embeddings:  # the head IS the embedding: keep the final norm's weight in the norm, not in a copy of
-        # the head, so the file stays tied (an untied copy added vocab x width parameters, +21 % on SmolLM2-135M)
-        hf_sd["model.norm.weight"] = model.ln_f.detach().clone()
+    if cfg.tie_embeddings:  # the head IS the embedding: one tensor, so the file stays tied
         hf_sd["lm_head.weight"] = hf_sd["model.embed_tokens.weight"]
     Fh = cfg.hidden_dim
     for l in range(cfg.n_layer):
