@@ -509,6 +509,7 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
 
     out = check_export_out(out, overwrite)  # before any work: nothing of the user's is written over
     model = _exportable(model)
+    check_vocab(model, tokenizer)  # a token id past the embedding: transformers' forward raises an IndexError
     cfg = model.config
     dtype = model.wte.weight.dtype
     hc = _hf_config(cfg, dtype)

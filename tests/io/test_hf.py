@@ -1077,3 +1077,12 @@ def test_a_bfloat16_export_holds_the_models_own_weights_and_converts_back_to_the
         x = ids(T=12)
         with torch.no_grad():
             assert torch.equal(back(x), model(x))
+
+
+def test_an_export_refuses_a_tokenizer_larger_than_the_models_vocabulary_before_writing(tmp_path):
+    """export_hf(model, out, tokenizer) with a tokenizer of 200 tokens for a 97-token model wrote the folder (exit 0),
+    whose transformers model then raised IndexError on the tokenizer's ids past 96 (and config.json named bos / eos
+    ids outside the vocabulary). Now refused in one line before anything is written, as from_hf refuses the pair."""
+    with pytest.raises(ValueError, match="vocab mismatch") as e:
+        export_hf(snlp_llama(), tmp_path / "exp", Tokenizer.from_hf(word_tokenizer(200)))
+    assert "\n" not in str(e.value) and not (tmp_path / "exp").exists()
