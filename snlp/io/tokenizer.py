@@ -164,7 +164,8 @@ class Tokenizer:
                 meta[key] = "left"
         # transformers' decode drops these with skip_special_tokens and lists them in all_special_tokens; a WordPiece
         # / WordLevel tokenizer's decode removes the spaces before punctuation when clean_up_tokenization_spaces is set
-        extra = [str(t) for t in (getattr(hf_tokenizer, "extra_special_tokens", None) or [])]
+        extra = [str(t) for t in (getattr(hf_tokenizer, "extra_special_tokens", None) or [])
+                 if backend.token_to_id(str(t)) is not None]
         if extra:
             meta["extra_special_tokens"] = extra
         for key in ("clean_up_tokenization_spaces",  # and the flag that makes a BPE tokenizer's decode clean up too
