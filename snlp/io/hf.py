@@ -449,8 +449,9 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
               head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps,
               rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
-    if cfg.norm_eps is None:  # snlp's RMSNorm then takes torch's eps of the compute dtype (F.rms_norm's default)
-        kw["rms_norm_eps"] = torch.finfo(torch_dtype).eps
+    if cfg.norm_eps is None:  # snlp's RMSNorm then takes F.rms_norm's default eps: that of the dtype it computes in,
+        # float32 for bfloat16 / float16 inputs (their own eps, 2^-7 / 2^-10, is another function)
+        kw["rms_norm_eps"] = torch.finfo(torch.promote_types(torch_dtype, torch.float32)).eps
     layer_windows = [cfg.window(l) for l in range(cfg.n_layer)]  # a window_pattern's windows too (its last is full)
     windows = sorted(set(layer_windows))
     if cfg.qk_norm == "weighted":

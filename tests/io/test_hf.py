@@ -1086,3 +1086,25 @@ def test_an_export_refuses_a_tokenizer_larger_than_the_models_vocabulary_before_
     with pytest.raises(ValueError, match="vocab mismatch") as e:
         export_hf(snlp_llama(), tmp_path / "exp", Tokenizer.from_hf(word_tokenizer(200)))
     assert "\n" not in str(e.value) and not (tmp_path / "exp").exists()
+
+
+def test_a_half_precision_export_writes_the_norm_eps_torch_computes_with(tmp_path):
+    """norm_eps=None leaves the eps to F.rms_norm, which computes bfloat16 / float16 inputs in float32 with float32's
+    eps (1.2e-7); the export wrote the input dtype's own (bfloat16 2^-7, float16 2^-10), so transformers' logits of a
+    model whose hidden states have small variance were another model's (max error 8.5 on logits of scale 7, argmax
+    agreeing on 4 % of positions). Reference: F.rms_norm itself, and snlp's logits of the model."""
+    import torch.nn.functional as F
+
+    for dtype, atol in ((torch.bfloat16, 0.5), (torch.float16, 0.1)):
+        model = snlp_llama(dtype=dtype, norm_eps=None)
+        with torch.no_grad():
+            model.wte.weight.mul_(1e-3)  # variance ~1e-7: the eps decides the normalised embedding
+        out = export_hf(model, tmp_path / str(dtype))
+        eps = json.loads((out / "config.json").read_text())["rms_norm_eps"]
+        h = model.wte.weight[:8].detach()
+        naive = (h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        torch.testing.assert_close(F.rms_norm(h, (h.size(-1),)), naive, atol=0, rtol=0.01)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+        x = ids(T=12)
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=atol, rtol=0)
