@@ -334,9 +334,14 @@ def _load_hf(src: str, dtype):
     _architecture(cfg)
     config_from_hf(cfg)  # unsupported options fail before the weights load
     try:
-        m = AutoModelForCausalLM.from_pretrained(src, **kw)
+        m, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kw)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
+    missing = sorted((info or {}).get("missing_keys") or [])
+    if missing:  # transformers initialised them (at random; norms at one) and only logged it, as check_gguf refuses
+        raise ValueError(f"the weights of {src!r} lack {len(missing)} tensor(s) of its {type(m).__name__} "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
+                         f"initialise them at random: the checkpoint is incomplete")
     try:
         t = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError, TypeError):

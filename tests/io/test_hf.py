@@ -1108,3 +1108,30 @@ def test_a_half_precision_export_writes_the_norm_eps_torch_computes_with(tmp_pat
         x = ids(T=12)
         with torch.no_grad():
             torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=atol, rtol=0)
+
+
+def test_a_transformers_folder_missing_a_weight_is_refused_not_converted_with_random_weights(tmp_path):
+    """A folder whose safetensors lack a tensor (lm_head of an untied model, one layer's up_proj, a q_proj bias, the
+    final norm) converted without a word: transformers initialised the tensor (at random; norms at one) and only
+    logged it, and the conversion held that init. Refused in one line, as check_gguf refuses a GGUF missing a tensor;
+    a tied model's folder (no lm_head in the file, as save_pretrained writes it) converts. Reference: the loading
+    info of transformers' from_pretrained."""
+    from safetensors.torch import load_file, save_file
+
+    for family, drop in (("llama", "lm_head.weight"), ("llama", "model.layers.1.mlp.up_proj.weight"),
+                         ("qwen2-window", "model.layers.0.self_attn.q_proj.bias"), ("qwen3-headdim", "model.norm.weight")):
+        d = tmp_path / f"{family}-{drop}"
+        hf_tiny(family).save_pretrained(str(d))
+        sd = load_file(str(d / "model.safetensors"))
+        save_file({k: v for k, v in sd.items() if k != drop}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), output_loading_info=True)
+        assert info["missing_keys"] == {drop} or list(info["missing_keys"]) == [drop]
+        with pytest.raises(ValueError, match="checkpoint is incomplete") as e:
+            from_hf(str(d))
+        assert drop in str(e.value) and "\n" not in str(e.value)
+    hf = hf_tiny("qwen2-tied")
+    hf.save_pretrained(str(tmp_path / "tied"))
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    model, _ = from_hf(str(tmp_path / "tied"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()), hf(ids()).logits, atol=1e-5, rtol=1e-5)
