@@ -506,14 +506,17 @@ def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
 
 
 def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> Path:
-    """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer]) that
-    AutoModelForCausalLM.from_pretrained loads with the same logits: the model's own tensors, bit for bit (RMSNorm
-    weights as transformers' norm weights; a tied head stays tied), so `from_hf` of the folder gives the model back. `out` must be a new or empty folder (`check_export_out`), unless
+    """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer: an snlp Tokenizer or
+    a transformers fast tokenizer]) that AutoModelForCausalLM.from_pretrained loads with the same logits: the model's
+    own tensors, bit for bit (RMSNorm weights as transformers' norm weights; a tied head stays tied), so `from_hf` of
+    the folder gives the model back. `out` must be a new or empty folder (`check_export_out`), unless
     `overwrite=True`: then transformers' save_pretrained replaces the files it writes there and deletes weight shards
     (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay."""
     from transformers import AutoModelForCausalLM
 
     out = check_export_out(out, overwrite)  # before any work: nothing of the user's is written over
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):  # a transformers tokenizer, as from_hf takes
+        tokenizer = Tokenizer.from_hf(tokenizer)  # (anything else: a one-line ValueError naming its type)
     model = _exportable(model)
     check_vocab(model, tokenizer)  # a token id past the embedding: transformers' forward raises an IndexError
     cfg = model.config

@@ -1135,3 +1135,19 @@ def test_a_transformers_folder_missing_a_weight_is_refused_not_converted_with_ra
     model, _ = from_hf(str(tmp_path / "tied"))
     with torch.no_grad():
         torch.testing.assert_close(model(ids()), hf(ids()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_hf_takes_a_transformers_tokenizer_as_from_hf_does_and_refuses_anything_else_in_one_line(tmp_path):
+    """export_hf(model, out, tokenizer=<a transformers tokenizer>) (what from_hf's tokenizer= takes) raised
+    AttributeError 'TokenizersBackend has no attribute meta'; a path string raised AttributeError too. Now the
+    transformers tokenizer is written as snlp's Tokenizer.from_hf of it is, anything else refused in one line.
+    Reference: AutoTokenizer of the export against the tokenizer given."""
+    hf_tok = word_tokenizer(V)
+    back = transformers.AutoTokenizer.from_pretrained(str(export_hf(snlp_llama(), tmp_path / "a", hf_tok)))
+    for text in ("t1 t2", "<s>t3</s>"):
+        assert back(text)["input_ids"] == hf_tok(text)["input_ids"]
+    assert back.chat_template == hf_tok.chat_template
+    for bad in ("path/to/tokenizer", 5):
+        with pytest.raises(ValueError, match="not a fast") as e:
+            export_hf(snlp_llama(), tmp_path / "b", bad)
+        assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
