@@ -493,9 +493,10 @@ def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
     generation_config.json and chat_template.jinja over the user's, deletes any model-NNNNN-of-NNNNN.safetensors
     shard it does not write, and leaves the rest (a special_tokens_map.json, a vocab.json) for AutoTokenizer to read
     beside the exported tokenizer. `label` names the folder in the message (the CLI's --out)."""
+    from snlp.runtime.outputs import check_output_dir
+
     d = Path(out)
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"{label} {out} is a file; export_hf writes a folder: choose a new or empty one")
+    check_output_dir(d, label)  # a file, a file on its path, a read-only folder: refused before the model is built
     held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
     if held and not overwrite:
         how = f"choose a new or empty {label}" + ("" if label.startswith("-") else

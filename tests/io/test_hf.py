@@ -983,8 +983,9 @@ def test_export_hf_refuses_a_folder_holding_files_unless_told_to_overwrite(tmp_p
         assert name in str(e.value) and "overwrite=True" in str(e.value) and "\n" not in str(e.value)
         assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "the user's"
     (tmp_path / "file").write_text("the user's")
-    with pytest.raises(ValueError, match="is a file"):
-        export_hf(model, tmp_path / "file")
+    for path in (tmp_path / "file", tmp_path / "file" / "sub"):  # (the second raised NotADirectoryError at the end)
+        with pytest.raises(ValueError, match="is a file"):
+            export_hf(model, path)
     (tmp_path / "clone" / ".git").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "clone", tmp_path / "empty", tmp_path / "new" / "sub"):
