@@ -1,6 +1,6 @@
 """Export an snlp checkpoint of a Llama-family model (e.g. one made by `snlp convert`, possibly fine-tuned)
-as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (RMSNorm
-weights folded into the projections, unit norm weights; a tied head stays tied). Given a drafter directory (`snlp adapt`),
+as a transformers directory: AutoModelForCausalLM.from_pretrained(DIR) gives the same logits (the checkpoint's
+own tensors, norm weights included; a tied head stays tied). Given a drafter directory (`snlp adapt`),
 it writes the base's prefix with the drafter's adapted suffix as one transformers model (its plan recorded in
 config.json; transformers runs it sequentially, the drafter's SNLP solve is snlp's: snlp.io.drafter)."""
 
@@ -26,17 +26,11 @@ def add_arguments(p) -> None:
 
 
 def check_empty_out(out: str) -> None:
-    """Refuse an --out that holds files (hidden ones aside: a git clone's .git): transformers' save_pretrained writes
-    tokenizer_config.json, generation_config.json and chat_template.jinja over the user's, deletes any
-    model-NNNNN-of-NNNNN.safetensors shard it does not write, and leaves the rest (a special_tokens_map.json, a
-    vocab.json) for AutoTokenizer to read beside the exported tokenizer."""
-    from pathlib import Path
+    """Refuse an --out that holds files (hidden ones aside: a git clone's .git), as export_hf does
+    (snlp.io.hf.check_export_out), before the model loads."""
+    from snlp.io.hf import check_export_out
 
-    d = Path(out)
-    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
-    if held:
-        raise ValueError(f"--out {out} is not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
-                         f"the export would overwrite or delete files there; choose a new or empty --out")
+    check_export_out(out, label="--out")
 
 
 def run(args) -> int:

@@ -121,6 +121,13 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
         pass  # Llama attends fully whatever sliding_window / layer_types its config carries
     elif types is not None and "sliding_attention" in types and sw is not None:
         windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
+    elif types is not None and "sliding_attention" in types:  # no width for the layers it names sliding:
+        # transformers' Qwen2/Qwen3 cannot run it (ValueError, or a TypeError in the KV cache); full attention is
+        # not what the config says either. Qwen2Config/Qwen3Config null sliding_window when use_sliding_window=False
+        raise ValueError(f"a {arch} config with 'sliding_attention' in layer_types but sliding_window=None "
+                         f"(use_sliding_window={getattr(c, 'use_sliding_window', None)}) has no window width; "
+                         f"transformers cannot run it either: set sliding_window (and use_sliding_window=True) or "
+                         f"make every layer 'full_attention'")
     elif types is not None and set(types) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"unsupported layer_types {sorted(set(types))} in a {arch} config")
     return GPTConfig(
@@ -331,9 +338,14 @@ def _load_hf(src: str, dtype):
         _architecture(cfg)
         config_from_hf(cfg)  # unsupported options fail before the weights load
         try:
-            m = AutoModelForCausalLM.from_pretrained(src, **kw)
+            m, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kw)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
+        missing = sorted((info or {}).get("missing_keys") or [])
+        if missing:  # transformers initialised them (at random; norms at one) and only logged it, as check_gguf refuses
+            raise ValueError(f"the weights of {src!r} lack {len(missing)} tensor(s) of its {type(m).__name__} "
+                             f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
+                             f"initialise them at random: the checkpoint is incomplete")
         try:
             t = AutoTokenizer.from_pretrained(src)
         except (OSError, ValueError, TypeError):
@@ -424,25 +436,6 @@ def generation_eos_ids(hf_model) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------------------------- export
-def folded_state(model: GPT) -> dict:
-    """The model's weights with every RMSNorm weight folded into the projection it feeds (W' = W diag(w)):
-    ln_attn into q/k/v, ln_mlp into gate/up, ln_f into a copy of lm_head. The norms become unit."""
-    cfg = model.config
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if not cfg.norm_weights:
-        return sd
-    for l in range(cfg.n_layer):
-        b = f"blocks.{l}."
-        for name in ("c_q", "c_k", "c_v"):
-            sd[f"{b}attn.{name}.weight"] = sd[f"{b}attn.{name}.weight"] * sd[f"{b}ln_attn"]
-        sd[f"{b}mlp.c_fc.weight"] = sd[f"{b}mlp.c_fc.weight"] * sd[f"{b}ln_mlp"]
-        sd[f"{b}ln_attn"] = torch.ones_like(sd[f"{b}ln_attn"])
-        sd[f"{b}ln_mlp"] = torch.ones_like(sd[f"{b}ln_mlp"])
-    sd["lm_head.weight"] = model.lm_head.weight.detach() * sd["ln_f"]  # a copy: wte stays as it is when tied
-    sd["ln_f"] = torch.ones_like(sd["ln_f"])
-    return sd
-
-
 def _hf_config(cfg: GPTConfig, torch_dtype):
     """A transformers config for an snlp Llama-family config (ValueError for nanochat-style models)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -465,8 +458,9 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
               head_dim=cfg.head_dim, max_position_embeddings=cfg.sequence_len, rms_norm_eps=cfg.norm_eps,
               rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=torch_dtype,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # not Llama's 1 / 2: set from a tokenizer
-    if cfg.norm_eps is None:  # snlp's RMSNorm then takes torch's eps of the compute dtype (F.rms_norm's default)
-        kw["rms_norm_eps"] = torch.finfo(torch_dtype).eps
+    if cfg.norm_eps is None:  # snlp's RMSNorm then takes F.rms_norm's default eps: that of the dtype it computes in,
+        # float32 for bfloat16 / float16 inputs (their own eps, 2^-7 / 2^-10, is another function)
+        kw["rms_norm_eps"] = torch.finfo(torch.promote_types(torch_dtype, torch.float32)).eps
     layer_windows = [cfg.window(l) for l in range(cfg.n_layer)]  # a window_pattern's windows too (its last is full)
     windows = sorted(set(layer_windows))
     if cfg.qk_norm == "weighted":
@@ -497,25 +491,50 @@ def _hf_config(cfg: GPTConfig, torch_dtype):
     return hc
 
 
-def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
-    """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer]) that
-    AutoModelForCausalLM.from_pretrained loads with the same logits: norm weights folded into the
-    projections (unit norms in the file); an untied lm_head absorbs the final norm's weight too, a tied model keeps
-    it in the final norm and stays tied."""
+def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
+    """`out` as a Path, refused in one line when it is a file, or a folder holding files (hidden ones aside: a git
+    clone's .git) unless `overwrite`: transformers' save_pretrained writes config.json, tokenizer_config.json,
+    generation_config.json and chat_template.jinja over the user's, deletes any model-NNNNN-of-NNNNN.safetensors
+    shard it does not write, and leaves the rest (a special_tokens_map.json, a vocab.json) for AutoTokenizer to read
+    beside the exported tokenizer. `label` names the folder in the message (the CLI's --out)."""
+    from snlp.runtime.outputs import check_output_dir
+
+    d = Path(out)
+    check_output_dir(d, label)  # a file, a file on its path, a read-only folder: refused before the model is built
+    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+    if held and not overwrite:
+        how = f"choose a new or empty {label}" + ("" if label.startswith("-") else
+                                                   " (or pass overwrite=True to write into it anyway)")
+        raise ValueError(f"{label} {out} is not empty (it holds {', '.join(held[:4])}"
+                         f"{', ...' if len(held) > 4 else ''}): the export would overwrite or delete files there; {how}")
+    return d
+
+
+def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> Path:
+    """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer: an snlp Tokenizer or
+    a transformers fast tokenizer]) that AutoModelForCausalLM.from_pretrained loads with the same logits: the model's
+    own tensors, bit for bit (RMSNorm weights as transformers' norm weights; a tied head stays tied), so `from_hf` of
+    the folder gives the model back. `out` must be a new or empty folder (`check_export_out`), unless
+    `overwrite=True`: then transformers' save_pretrained replaces the files it writes there and deletes weight shards
+    (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay."""
     from transformers import AutoModelForCausalLM
 
+    out = check_export_out(out, overwrite)  # before any work: nothing of the user's is written over
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):  # a transformers tokenizer, as from_hf takes
+        tokenizer = Tokenizer.from_hf(tokenizer)  # (anything else: a one-line ValueError naming its type)
     model = _exportable(model)
+    check_vocab(model, tokenizer)  # a token id past the embedding: transformers' forward raises an IndexError
     cfg = model.config
     dtype = model.wte.weight.dtype
     hc = _hf_config(cfg, dtype)
     if tokenizer is not None:
         _check_tokenizer_reloads(hc, tokenizer)
-    sd = folded_state(model)
+    # the weights as they are, norm weights in transformers' RMSNorm weights (which multiply as snlp's do): folding
+    # them into the projections (W diag(w)) rounds every product in bf16 / fp16, another function than the model's
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hf_sd = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f"],
              "lm_head.weight": sd["lm_head.weight"]}
-    if cfg.tie_embeddings:  # the head IS the embedding: keep the final norm's weight in the norm, not in a copy of
-        # the head, so the file stays tied (an untied copy added vocab x width parameters, +21 % on SmolLM2-135M)
-        hf_sd["model.norm.weight"] = model.ln_f.detach().clone()
+    if cfg.tie_embeddings:  # the head IS the embedding: one tensor, so the file stays tied
         hf_sd["lm_head.weight"] = hf_sd["model.embed_tokens.weight"]
     Fh = cfg.hidden_dim
     for l in range(cfg.n_layer):
@@ -565,7 +584,6 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None) -> Path:
         hf_model.config.bos_token_id = hf_model.generation_config.bos_token_id = bos
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:
@@ -605,7 +623,9 @@ def _hf_tokenizer(tokenizer: Tokenizer):
         bos = BOS
         backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                                special_tokens=[(BOS, tokenizer.bos_id)])
-    calls = {k: meta[k] for k in ("model_max_length", "padding_side", "truncation_side") if k in meta}
+    calls = {k: meta[k] for k in ("model_max_length", "padding_side", "truncation_side", "extra_special_tokens",
+                                  "clean_up_tokenization_spaces",
+                                  "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") if k in meta}
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=meta.get("eos_token"),
                                    pad_token=meta.get("pad_token"), unk_token=meta.get("unk_token"),
                                    chat_template=meta.get("chat_template"), **calls), backend

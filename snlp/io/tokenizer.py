@@ -42,6 +42,11 @@ class Tokenizer:
                 t = meta.get(key)
                 if t is not None and tok.token_to_id(t) is None:
                     raise ValueError(f"tokenizer meta names {key}={t!r}, which is not in the tokenizer's vocabulary")
+            extra = meta.get("extra_special_tokens")
+            if extra is not None and not (isinstance(extra, list) and all(
+                    isinstance(t, str) and tok.token_to_id(t) is not None for t in extra)):
+                raise ValueError(f"tokenizer meta extra_special_tokens={extra!r} must be a list of tokens of this "
+                                 f"tokenizer's vocabulary")
             ids = meta.get("eos_token_ids")
             if ids is not None and not (isinstance(ids, list) and ids and all(
                     isinstance(i, int) and 0 <= i < tok.get_vocab_size(with_added_tokens=True) for i in ids)):
@@ -157,6 +162,16 @@ class Tokenizer:
         for key in ("padding_side", "truncation_side"):
             if getattr(hf_tokenizer, key, None) == "left":
                 meta[key] = "left"
+        # transformers' decode drops these with skip_special_tokens and lists them in all_special_tokens; a WordPiece
+        # / WordLevel tokenizer's decode removes the spaces before punctuation when clean_up_tokenization_spaces is set
+        extra = [str(t) for t in (getattr(hf_tokenizer, "extra_special_tokens", None) or [])
+                 if backend.token_to_id(str(t)) is not None]
+        if extra:
+            meta["extra_special_tokens"] = extra
+        for key in ("clean_up_tokenization_spaces",  # and the flag that makes a BPE tokenizer's decode clean up too
+                    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
+            if getattr(hf_tokenizer, key, False) is True:
+                meta[key] = True
         return cls(HFTokenizer.from_str(backend.to_str()), meta)
 
     @property

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")  # a dev dependency: installe
 from snlp import GPT, GPTConfig, Plan, fused_sequential, load, save_checkpoint, solve  # noqa: E402
 from snlp.method.fusion import build_chunk_weights, chunk_forward  # noqa: E402
 from snlp.decode import sequential_generate, speculative_generate  # noqa: E402
-from snlp.io.hf import config_from_hf, export_hf, folded_state, from_hf  # noqa: E402
+from snlp.io.hf import config_from_hf, export_hf, from_hf  # noqa: E402
+from snlp.io.tokenizer import Tokenizer  # noqa: E402
 from conftest import word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,15 +168,14 @@ def test_greedy_decoding_equals_transformers_generate(family):
 
 @pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen2-window", "mistral-window", "qwen3-headdim"])
 def test_export_round_trip(family, tmp_path):
-    """export -> transformers' from_pretrained gives the same logits (folded weights, unit norm weights);
-    the exported directory converts back to the same model."""
+    """export -> transformers' from_pretrained gives the same logits and the source's own tensors (norm weights
+    included); the exported directory converts back to the same model."""
     hf = hf_tiny(family)
     model, _ = from_hf(hf)
     out = export_hf(model, tmp_path / "exp")
     re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    tied = hf.config.tie_word_embeddings  # a tied head keeps the final norm's weight in the norm (it stays tied)
-    assert all(bool((p == 1).all()) for n, p in re.named_parameters()
-               if "layernorm" in n or (n == "model.norm.weight" and not tied))
+    src = hf.state_dict()
+    assert all(torch.equal(p, src[n]) for n, p in re.state_dict().items() if "rotary" not in n)
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
@@ -200,15 +200,6 @@ def test_export_keeps_the_embedding_tied_as_the_source_had_it(family, tmp_path):
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
-
-
-def test_folded_state_keeps_tied_embedding(tmp_path):
-    hf = hf_tiny("llama-tied-llama3")
-    model, _ = from_hf(hf)
-    assert model.lm_head.weight is model.wte.weight
-    sd = folded_state(model)
-    torch.testing.assert_close(sd["wte.weight"], model.wte.weight.detach())  # the embedding is untouched
-    assert not torch.equal(sd["lm_head.weight"], model.wte.weight.detach())  # lm_head absorbed ln_f
 
 
 @pytest.mark.parametrize("family", ["llama-tied-llama3", "qwen3-headdim", "qwen2-window"])
@@ -972,3 +963,192 @@ def test_a_cast_past_float32s_range_advises_a_dtype_that_holds_it():
     for dtype in ("float32", "bfloat16"):
         with pytest.raises(ValueError, match=r"cannot hold .*\|1e\+39\|.*: choose float64$"):
             from_hf(hf, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ export target, tokenizer, windows
+def test_export_hf_refuses_a_folder_holding_files_unless_told_to_overwrite(tmp_path):
+    """export_hf(model, DIR) (the Python API; `snlp export --out` refused already) wrote transformers' files over the
+    user's tokenizer_config.json / chat_template.jinja / generation_config.json and save_pretrained deleted a
+    model-00001-of-00002.safetensors shard it did not write. Now refused in one line before any work, every file
+    kept; a new folder, an empty one or one holding hidden entries only is written, and overwrite=True writes into a
+    folder that holds files (the export then loads in transformers with snlp's logits)."""
+    model = snlp_llama()
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "model-00001-of-00002.safetensors", "notes.txt"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).write_text("the user's")
+        with pytest.raises(ValueError, match="is not empty") as e:
+            export_hf(model, out, Tokenizer.from_hf(word_tokenizer(V)))
+        assert name in str(e.value) and "overwrite=True" in str(e.value) and "\n" not in str(e.value)
+        assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "the user's"
+    (tmp_path / "file").write_text("the user's")
+    for path in (tmp_path / "file", tmp_path / "file" / "sub"):  # (the second raised NotADirectoryError at the end)
+        with pytest.raises(ValueError, match="is a file"):
+            export_hf(model, path)
+    (tmp_path / "clone" / ".git").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "clone", tmp_path / "empty", tmp_path / "new" / "sub"):
+        assert (export_hf(model, out) / "config.json").is_file()
+    out = tmp_path / "out-notes.txt"
+    export_hf(model, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "the user's"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+
+
+def _punct_tokenizer():
+    """A transformers WordLevel tokenizer (words and punctuation, joined by spaces on decode) with two additional
+    special tokens and clean_up_tokenization_spaces=True: its decode writes "a, b." for the ids of "a , b ."."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    words = ["<s>", "</s>", "<unk>", "<tool>", "<think>", "hello", "world", ",", ".", "?", "it", "'s", "ok"]
+    tok = HFTok(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<tool>", "<think>"], clean_up_tokenization_spaces=True)
+
+
+def test_an_export_keeps_the_sources_additional_special_tokens_and_its_clean_up_of_spaces(tmp_path):
+    """A source tokenizer with additional special tokens and clean_up_tokenization_spaces=True was exported without
+    either: transformers' tokenizer of the export listed only bos / eos / unk as special (its extra_special_tokens
+    empty) and decoded "hello , world ." where the source's decodes "hello, world.". Reference: the source's own
+    transformers tokenizer, read back from its folder, against AutoTokenizer of `convert` -> `export`."""
+    src = tmp_path / "src"
+    hf = hf_tiny("llama", vocab_size=13)
+    hf.save_pretrained(str(src))
+    _punct_tokenizer().save_pretrained(str(src))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(src))
+    model, tok = from_hf(str(src))
+    save_checkpoint(tmp_path / "ck", model, tok)
+    model, tok = load(tmp_path / "ck")
+    back = transformers.AutoTokenizer.from_pretrained(str(export_hf(model, tmp_path / "exp", tok)))
+    assert back.extra_special_tokens == theirs.extra_special_tokens == ["<tool>", "<think>"]
+    assert back.all_special_tokens == theirs.all_special_tokens
+    for text in ("hello , world .", "<tool> it 's ok ? <think>", "<s> hello </s>"):
+        ids_ = theirs(text)["input_ids"]
+        assert back(text)["input_ids"] == ids_
+        for skip in (False, True):
+            assert back.decode(ids_, skip_special_tokens=skip) == theirs.decode(ids_, skip_special_tokens=skip)
+    assert theirs.decode(theirs("hello , world .")["input_ids"]) == "hello, world."
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_sliding_layer_without_a_window_width_is_refused_as_transformers_cannot_run_it(family, tmp_path):
+    """A Qwen2 / Qwen3 config whose layer_types names 'sliding_attention' but whose sliding_window is null (Qwen2Config
+    nulls it when use_sliding_window is False, even where config.json gives a width) converted as full attention
+    without a word; transformers itself cannot run it (its forward raises). Now refused in one line, before the
+    weights load from a folder; the same layer_types with a width convert as before."""
+    types = ["sliding_attention", "full_attention"] * 2
+    hf = hf_tiny(family, layer_types=types, sliding_window=4)
+    assert hf.config.sliding_window is None  # use_sliding_window defaults to False
+    with pytest.raises((ValueError, TypeError)), torch.no_grad():
+        hf(ids())
+    with pytest.raises(ValueError, match="sliding_window=None") as e:
+        from_hf(hf)
+    assert "\n" not in str(e.value)
+    hf.save_pretrained(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        from_hf(str(tmp_path / "d"))
+    ok = hf_tiny(family, layer_types=types, sliding_window=4, use_sliding_window=True)
+    model, _ = from_hf(ok)
+    assert model.config.layer_windows == [3, -1, 3, -1]
+    x = ids(T=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ok(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bfloat16_export_holds_the_models_own_weights_and_converts_back_to_the_same_model(tmp_path):
+    """export_hf folded each RMSNorm weight into the projections it feeds (W diag(w)) and wrote unit norms: in bfloat16
+    every product was rounded, so the exported folder was another model (snlp's logits of `from_hf(export)` 0.5 off the
+    model's own, transformers' argmax departing on some positions). Now the model's tensors are written as they are:
+    `from_hf(export_hf(m))` has m's state and logits bit for bit. Reference: the model itself."""
+    for kw in (dict(), dict(tie_embeddings=True), dict(qk_norm="weighted", layer_windows=[3, -1, -1]),
+               dict(qkv_bias=True)):
+        model = snlp_llama(dtype=torch.bfloat16, **kw)
+        out = export_hf(model, tmp_path / str(len(list(tmp_path.iterdir()))))
+        back, _ = from_hf(str(out))
+        ours = model.state_dict()
+        assert back.config == model.config and back.state_dict().keys() == ours.keys()
+        assert all(torch.equal(v, ours[k]) for k, v in back.state_dict().items()), kw
+        x = ids(T=12)
+        with torch.no_grad():
+            assert torch.equal(back(x), model(x))
+
+
+def test_an_export_refuses_a_tokenizer_larger_than_the_models_vocabulary_before_writing(tmp_path):
+    """export_hf(model, out, tokenizer) with a tokenizer of 200 tokens for a 97-token model wrote the folder (exit 0),
+    whose transformers model then raised IndexError on the tokenizer's ids past 96 (and config.json named bos / eos
+    ids outside the vocabulary). Now refused in one line before anything is written, as from_hf refuses the pair."""
+    with pytest.raises(ValueError, match="vocab mismatch") as e:
+        export_hf(snlp_llama(), tmp_path / "exp", Tokenizer.from_hf(word_tokenizer(200)))
+    assert "\n" not in str(e.value) and not (tmp_path / "exp").exists()
+
+
+def test_a_half_precision_export_writes_the_norm_eps_torch_computes_with(tmp_path):
+    """norm_eps=None leaves the eps to F.rms_norm, which computes bfloat16 / float16 inputs in float32 with float32's
+    eps (1.2e-7); the export wrote the input dtype's own (bfloat16 2^-7, float16 2^-10), so transformers' logits of a
+    model whose hidden states have small variance were another model's (max error 8.5 on logits of scale 7, argmax
+    agreeing on 4 % of positions). Reference: F.rms_norm itself, and snlp's logits of the model."""
+    import torch.nn.functional as F
+
+    for dtype, atol in ((torch.bfloat16, 0.5), (torch.float16, 0.1)):
+        model = snlp_llama(dtype=dtype, norm_eps=None)
+        with torch.no_grad():
+            model.wte.weight.mul_(1e-3)  # variance ~1e-7: the eps decides the normalised embedding
+        out = export_hf(model, tmp_path / str(dtype))
+        eps = json.loads((out / "config.json").read_text())["rms_norm_eps"]
+        h = model.wte.weight[:8].detach()
+        naive = (h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        torch.testing.assert_close(F.rms_norm(h, (h.size(-1),)), naive, atol=0, rtol=0.01)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+        x = ids(T=12)
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=atol, rtol=0)
+
+
+def test_a_transformers_folder_missing_a_weight_is_refused_not_converted_with_random_weights(tmp_path):
+    """A folder whose safetensors lack a tensor (lm_head of an untied model, one layer's up_proj, a q_proj bias, the
+    final norm) converted without a word: transformers initialised the tensor (at random; norms at one) and only
+    logged it, and the conversion held that init. Refused in one line, as check_gguf refuses a GGUF missing a tensor;
+    a tied model's folder (no lm_head in the file, as save_pretrained writes it) converts. Reference: the loading
+    info of transformers' from_pretrained."""
+    from safetensors.torch import load_file, save_file
+
+    for family, drop in (("llama", "lm_head.weight"), ("llama", "model.layers.1.mlp.up_proj.weight"),
+                         ("qwen2-window", "model.layers.0.self_attn.q_proj.bias"), ("qwen3-headdim", "model.norm.weight")):
+        d = tmp_path / f"{family}-{drop}"
+        hf_tiny(family).save_pretrained(str(d))
+        sd = load_file(str(d / "model.safetensors"))
+        save_file({k: v for k, v in sd.items() if k != drop}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), output_loading_info=True)
+        assert info["missing_keys"] == {drop} or list(info["missing_keys"]) == [drop]
+        with pytest.raises(ValueError, match="checkpoint is incomplete") as e:
+            from_hf(str(d))
+        assert drop in str(e.value) and "\n" not in str(e.value)
+    hf = hf_tiny("qwen2-tied")
+    hf.save_pretrained(str(tmp_path / "tied"))
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    model, _ = from_hf(str(tmp_path / "tied"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()), hf(ids()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_hf_takes_a_transformers_tokenizer_as_from_hf_does_and_refuses_anything_else_in_one_line(tmp_path):
+    """export_hf(model, out, tokenizer=<a transformers tokenizer>) (what from_hf's tokenizer= takes) raised
+    AttributeError 'TokenizersBackend has no attribute meta'; a path string raised AttributeError too. Now the
+    transformers tokenizer is written as snlp's Tokenizer.from_hf of it is, anything else refused in one line.
+    Reference: AutoTokenizer of the export against the tokenizer given."""
+    hf_tok = word_tokenizer(V)
+    back = transformers.AutoTokenizer.from_pretrained(str(export_hf(snlp_llama(), tmp_path / "a", hf_tok)))
+    for text in ("t1 t2", "<s>t3</s>"):
+        assert back(text)["input_ids"] == hf_tok(text)["input_ids"]
+    assert back.chat_template == hf_tok.chat_template
+    for bad in ("path/to/tokenizer", 5):
+        with pytest.raises(ValueError, match="not a fast") as e:
+            export_hf(snlp_llama(), tmp_path / "b", bad)
+        assert "\n" not in str(e.value) and not (tmp_path / "b").exists()

@@ -69,10 +69,28 @@ def test_export_reload_same_logits(smol_ckpt, hf_smol, tmp_path):
     assert main(["export", str(smol_ckpt), "--out", str(out)]) == 0
     re = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     ids = hf_tok(SENTENCE, return_tensors="pt")["input_ids"]
+    src = hf.state_dict()  # the source's own tensors (the export folded norm weights into the projections before)
+    assert all(torch.equal(p, src[n]) for n, p in re.state_dict().items() if "rotary" not in n)
     with torch.no_grad():
-        torch.testing.assert_close(re(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(re(ids).logits, hf(ids).logits, atol=0, rtol=0)
     re_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert re_tok(SENTENCE)["input_ids"] == ids[0].tolist()
+    # the tokenizer and generation settings transformers reads back are the source's
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token", "all_special_tokens", "extra_special_tokens",
+                "clean_up_tokenization_spaces", "padding_side", "model_max_length"):
+        assert getattr(re_tok, key) == getattr(hf_tok, key), key
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(re.generation_config, key) == getattr(hf.generation_config, key), key
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
+    for gen in (True, False):
+        assert re_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == \
+            hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    for text in (SENTENCE, "  émoji 🎉 中文\n\n\ttabs", "<|im_start|>user\nhi<|im_end|>\n"):
+        t = hf_tok(text)["input_ids"]
+        assert re_tok(text)["input_ids"] == t
+        assert [re_tok.decode(t, skip_special_tokens=k) for k in (False, True)] == \
+            [hf_tok.decode(t, skip_special_tokens=k) for k in (False, True)]
 
 
 def test_tokenizer_and_chat_template(smol, hf_smol):
