@@ -47,7 +47,7 @@ class GPTConfig:
     qk_norm: str = "rope_norm"  # "rope_norm": parameter-free RMSNorm after RoPE (nanochat); "weighted": per-head
     #                             RMSNorm with a learned weight before RoPE (Qwen3); "none" (Llama, Qwen2, Mistral)
     embed_norm: bool = True  # h_0 = norm(wte(idx)) (nanochat) or wte(idx) (Llama)
-    norm_eps: float | None = None  # RMSNorm eps; None -> torch's default (finfo(dtype).eps)
+    norm_eps: float | None = None  # RMSNorm eps; None -> torch's default: finfo of the op's compute dtype (fp32 for bf16 / fp16 inputs)
     norm_weights: bool = False  # learned RMSNorm weights: per block ln_attn / ln_mlp, and ln_f before the head
     rope_rotate_half: bool = False  # RoPE sign convention of HF's rotate_half (x1 cos - x2 sin, x2 cos + x1 sin)
     rope_scaling: dict | None = None  # None or HF's {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor", ...}
