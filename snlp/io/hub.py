@@ -19,6 +19,7 @@ import importlib.util
 import os
 import socket
 import sys
+import threading
 from urllib.parse import urlparse
 
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -45,11 +46,19 @@ def unreachable(timeout: float = 3.0) -> str | None:
     return None
 
 
+_LOCK = threading.Lock()
+_HELD: list = []  # [(module, name, value before the first block)] while any block is open
+_DEPTH = 0  # the open blocks, of every thread
+
+
 @contextlib.contextmanager
 def cache_only():
     """Inside the block, huggingface_hub, transformers and datasets read their caches only, as with HF_HUB_OFFLINE=1
     set before they were imported: they read the flag from module constants fixed at import, so those are set here
-    and restored after (an environment variable set now would not be read)."""
+    and restored after (an environment variable set now would not be read). The constants are the process's: blocks
+    open in several threads at once share one setting, made by the first and restored by the last to close (each
+    restoring what it found left the flags set for good where two threads' blocks overlapped without nesting)."""
+    global _DEPTH
     import huggingface_hub.constants as hub_constants
 
     targets = [hub_constants]
@@ -57,16 +66,23 @@ def cache_only():
         import datasets.config  # it keeps its own copy of the flag, read by load_dataset
 
         targets.append(datasets.config)
-    # datasets' older releases read HF_DATASETS_OFFLINE, newer ones HF_HUB_OFFLINE (the other kept as an alias)
-    saved = [(t, name, getattr(t, name)) for t in targets for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-             if hasattr(t, name)]
-    for t, name, _ in saved:
-        setattr(t, name, True)
+    with _LOCK:
+        if _DEPTH == 0:
+            # datasets' older releases read HF_DATASETS_OFFLINE, newer ones HF_HUB_OFFLINE (the other kept as an alias)
+            _HELD[:] = [(t, name, getattr(t, name)) for t in targets
+                        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(t, name)]
+            for t, name, _ in _HELD:
+                setattr(t, name, True)
+        _DEPTH += 1
     try:
         yield
     finally:
-        for t, name, value in saved:
-            setattr(t, name, value)
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                for t, name, value in _HELD:
+                    setattr(t, name, value)
+                _HELD.clear()
 
 
 def offline_if_unreachable():

@@ -65,6 +65,48 @@ def test_cache_only_sets_the_clients_flags_and_restores_them():
     assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before
 
 
+def test_cache_only_in_two_threads_restores_the_flags_when_the_last_block_closes():
+    """Each block restored what it found: thread A's block opened, then B's (finding the flags set), A's closed
+    (restoring them), B's closed (setting them again): the hub stayed offline for the rest of the process."""
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with hub.cache_only():
+            a_in.set()
+            b_in.wait(60)
+        a_out.set()
+
+    def b():
+        a_in.wait(60)
+        with hub.cache_only():
+            b_in.set()
+            a_out.wait(60)
+            seen["b after a closed"] = constants.HF_HUB_OFFLINE  # B's block is still open: offline still
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert seen == {"b after a closed": True}
+    assert constants.HF_HUB_OFFLINE == before
+
+
+def test_cache_only_restores_the_flags_after_an_exception():
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE
+    with pytest.raises(KeyError):
+        with hub.cache_only():
+            with hub.cache_only():
+                raise KeyError("x")
+    assert constants.HF_HUB_OFFLINE == before
+
+
 def test_a_hub_id_no_cache_holds_is_refused_at_once_where_the_hub_is_unreachable(monkeypatch):
     from snlp.io.source import missing_source
 
