@@ -7,8 +7,9 @@ already held took minutes to load (5 min for a 2-layer model: one HEAD request p
 network path exists; where it does not, the load runs from the caches only, as HF_HUB_OFFLINE=1 would: what they
 hold loads at once, anything else fails at once.
 
-Behind a proxy (HTTPS_PROXY / ALL_PROXY) a direct connection says nothing about the proxied path: the probe answers
-reachable there and the clients behave as before.
+Behind a proxy (HTTPS_PROXY, HTTP_PROXY for an http:// endpoint, ALL_PROXY; not where NO_PROXY names the endpoint's
+host) a direct connection says nothing about the proxied path: the probe answers reachable there and the clients
+behave as before.
 """
 
 from __future__ import annotations
@@ -20,20 +21,28 @@ import os
 import socket
 import sys
 import threading
+import urllib.request
 from urllib.parse import urlparse
 
-PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def proxied(scheme: str, host: str) -> bool:
+    """The hub's clients reach `host` through a proxy: one set for the endpoint's scheme (HTTPS_PROXY, HTTP_PROXY for
+    an http:// endpoint) or for all (ALL_PROXY), and NO_PROXY not naming the host (the clients' reading of them)."""
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 
 
 @functools.cache
 def unreachable(timeout: float = 3.0) -> str | None:
     """Why the hub's endpoint (HF_ENDPOINT, default https://huggingface.co) cannot be reached from here, as a phrase,
-    or None: it answered a TCP connection within `timeout` s, or a proxy is set (unknown: left to the clients).
-    Asked once per process."""
-    if any(os.environ.get(v) for v in PROXY_VARS):
-        return None
+    or None: it answered a TCP connection within `timeout` s, or the clients go through a proxy (`proxied`: unknown,
+    left to them). Asked once per process."""
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host = url.hostname or "huggingface.co"
+    if proxied(url.scheme or "https", host):
+        return None
     try:
         port = url.port or (80 if url.scheme == "http" else 443)
     except ValueError:  # a malformed port in HF_ENDPOINT: the clients will say so themselves

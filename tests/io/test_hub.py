@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def probe(monkeypatch):
     """unreachable() asked afresh (it is cached per process), with no proxy and no offline flag set."""
-    for v in (*hub.PROXY_VARS, "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for v in (*hub.PROXY_VARS, "NO_PROXY", "no_proxy", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(v, raising=False)
     fn = hub.unreachable  # (a test may replace the module's name before this teardown runs)
     fn.cache_clear()
@@ -48,8 +48,26 @@ def test_the_probe_tells_a_listening_endpoint_from_a_closed_one(probe, monkeypat
     why = probe()
     assert why is not None and f"127.0.0.1:{port}" in why and "not reachable" in why
     probe.cache_clear()
+    monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a direct connection says nothing there
     assert probe() is None
+
+
+def test_the_probe_follows_the_clients_proxies(probe, monkeypatch):
+    """HTTP_PROXY carries an http:// endpoint's requests: the probe's direct connection said unreachable, and a hub id
+    the cache lacked was refused though the clients would have fetched it. NO_PROXY naming the host: they connect
+    directly, so the probe asks."""
+    port = closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert probe() is None
+    probe.cache_clear()
+    monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")  # HTTP_PROXY does not carry https
+    assert "not reachable" in probe()
+    probe.cache_clear()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert "not reachable" in probe()
 
 
 def test_cache_only_sets_the_clients_flags_and_restores_them():
