@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import urllib.request
 from urllib.parse import urlparse
 
@@ -48,11 +49,43 @@ def unreachable(timeout: float = 3.0) -> str | None:
     except ValueError:  # a malformed port in HF_ENDPOINT: the clients will say so themselves
         return None
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        connect(host, port, timeout)
     except OSError as e:
         why = e.strerror or str(e) or type(e).__name__
         return f"the Hugging Face hub ({host}:{port}) is not reachable from here: {why}"
     return None
+
+
+def connect(host: str, port: int, timeout: float) -> None:
+    """One TCP connection to host:port, closed, within `timeout` s name resolution included: socket.create_connection
+    bounds the connect only, and getaddrinfo waits on a nameserver that does not answer (an offline box's: 5 s per
+    try and server) for as long as the resolver's own settings say. Raises OSError (TimeoutError) otherwise."""
+    end = time.monotonic() + timeout
+    found: dict = {}
+
+    def resolve():
+        try:
+            found["addrs"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            found["error"] = e
+
+    t = threading.Thread(target=resolve, daemon=True)  # left to finish on its own where it outlives the timeout
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"its name did not resolve within {timeout:g} s")
+    if "error" in found:
+        raise found["error"]
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, addr in found["addrs"]:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(max(end - time.monotonic(), 1e-3))
+            try:
+                s.connect(addr)
+                return
+            except OSError as e:
+                error = e
+    raise error
 
 
 _LOCK = threading.Lock()

@@ -70,6 +70,29 @@ def test_the_probe_follows_the_clients_proxies(probe, monkeypatch):
     assert "not reachable" in probe()
 
 
+def test_the_probes_timeout_bounds_the_name_resolution_too(probe, monkeypatch):
+    """socket.create_connection's timeout bounds the connect only: a nameserver that does not answer held the probe
+    for the resolver's own timeouts (5 s per try and server), past the probe's. Here a resolver that answers only when
+    the test lets it: the probe returns first, saying the name did not resolve."""
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def stuck(host, *a, **k):
+        if host == "hub.invalid":
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    try:
+        why = probe(0.05)
+        answered_first = not release.is_set()
+    finally:
+        release.set()
+    assert answered_first and "hub.invalid:443" in why and "did not resolve within 0.05 s" in why
+
+
 def test_cache_only_sets_the_clients_flags_and_restores_them():
     import datasets.config
     import huggingface_hub.constants as constants
