@@ -174,6 +174,59 @@ def test_a_task_from_the_hub_fails_at_once_where_the_hub_is_unreachable(monkeypa
     assert datasets.config.HF_HUB_OFFLINE == before
 
 
+def arc_easy_cache(root: Path) -> Path:
+    """datasets' cache of allenai/ai2_arc ARC-Easy (3 test questions) under `root`, as a load from the hub leaves it:
+    a json build's arrow file and info, under the hub dataset's folder and config name. Returns the arrow file."""
+    import datasets
+
+    rows = [dict(id=f"q{i}", question=f"What is {i}?", answerKey="B",
+                 choices=dict(text=["a", "b", "c", "d"], label=["A", "B", "C", "D"])) for i in range(3)]
+    src = root / "src.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = datasets.load_dataset_builder("json", data_files={"test": str(src)}, cache_dir=str(root / "build"))
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)
+    into = root / "datasets" / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / "abc123"
+    into.mkdir(parents=True)
+    info = json.loads((built / "dataset_info.json").read_text())
+    (into / "dataset_info.json").write_text(json.dumps(dict(info, config_name="ARC-Easy", dataset_name="ai2_arc")))
+    arrow = into / "ai2_arc-test.arrow"
+    arrow.write_bytes((built / "json-test.arrow").read_bytes())
+    return arrow
+
+
+@pytest.fixture
+def arc_cache(tmp_path, monkeypatch):
+    """An unreachable hub and datasets' cache holding ARC-Easy."""
+    pytest.importorskip("datasets")
+    import datasets.config
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    arrow = arc_easy_cache(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable from here: test")
+    return arrow
+
+
+def test_a_task_datasets_cache_holds_loads_where_the_hub_is_unreachable(arc_cache):
+    from snlp.io.mctasks import load_task
+
+    qs = load_task("arc-easy")
+    assert [q.question for q in qs] == ["What is 0?", "What is 1?", "What is 2?"] and {q.answer for q in qs} == {1}
+
+
+def test_a_broken_task_cache_is_said_as_it_is_not_as_a_missing_one(arc_cache):
+    """Every error under an unreachable hub read "datasets' cache does not hold it", a truncated arrow file too."""
+    from snlp.io.mctasks import load_task
+
+    arc_cache.write_bytes(arc_cache.read_bytes()[:100])
+    with pytest.raises(ValueError) as e:
+        load_task("arc-easy")
+    assert "not reachable from here: test; datasets' cache: ArrowInvalid" in str(e.value)
+    assert "does not hold it" not in str(e.value)
+
+
 class Counter(http.server.BaseHTTPRequestHandler):
     seen: list = []
 
