@@ -432,8 +432,9 @@ def remove_empty(folders) -> None:
 
 def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`argv` with a value that starts like a negative number written into its flag (`--max-dppl -1%` ->
-    `--max-dppl=-1%`): argparse takes `-1%`, `-1e-3` or `-2x` for an option and answered "expected one argument",
-    where the flag's own check says what the value may be. Only after a flag of the command that takes one value."""
+    `--max-dppl=-1%`): argparse takes `-1%`, `-1e-3`, `-inf` or `-2x` for an option and answered "expected one
+    argument", where the flag's own check says what the value may be. Only after a flag of the command that takes one
+    value, written whole or as the abbreviation argparse reads (`--max-dp`: the one long flag it begins)."""
     import re
 
     sub = parser.commands.get(command_of(argv)) if hasattr(parser, "commands") else None
@@ -442,11 +443,21 @@ def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> 
     takes = {o for a in sub._actions if a.option_strings and a.nargs is None and a.const is None
              and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._CountAction))
              for o in a.option_strings}
+    flags = {o for a in sub._actions for o in a.option_strings}
+
+    def one_value(word: str) -> bool:
+        if word in flags:
+            return word in takes
+        if not (sub.allow_abbrev and word.startswith("--") and "=" not in word):
+            return False
+        begun = [o for o in flags if o.startswith(word)]  # argparse's own abbreviation rule: one flag begins so
+        return len(begun) == 1 and begun[0] in takes
+
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--":
             return out + argv[i:]
-        if argv[i] in takes and i + 1 < len(argv) and re.match(r"-\.?\d", argv[i + 1]):
+        if i + 1 < len(argv) and re.match(r"-(\.?\d|inf|nan)", argv[i + 1], re.IGNORECASE) and one_value(argv[i]):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
             continue

@@ -339,10 +339,10 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
     model's load was spent on a run that could not start)."""
     cli_device(device, "device=")
     path = home_path(path)
-    if need_tokenizer and (is_nanochat_dir(path) or not (checkpoint_dir(path) / TOKENIZER_FILE).is_file()):
-        kind = "nanochat checkpoint (its tokenizer is not converted)" if is_nanochat_dir(path) else "checkpoint"
-        raise ValueError(f"{kind} {path} has no {TOKENIZER_FILE}: {need_tokenizer}")
     if is_nanochat_dir(path):
+        if need_tokenizer:
+            raise ValueError(f"nanochat checkpoint (its tokenizer is not converted) {path} has no {TOKENIZER_FILE}: "
+                             f"{need_tokenizer}")
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:
         raise ValueError(f"overrides apply to nanochat checkpoints (model_NNNNNN.pt + meta_NNNNNN.json); {path} is "
@@ -352,6 +352,10 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
     wf = path / WEIGHTS
     if not wf.is_file():
         raise FileNotFoundError(f"checkpoint {path} has no {WEIGHTS}; it is incomplete, re-save or re-train it")
+    # after the config: a folder that is no snlp checkpoint (empty, a transformers model) is named as such, not as
+    # one without a tokenizer; before the weights, which a run that cannot start need not read
+    if need_tokenizer and not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(f"checkpoint {path} has no {TOKENIZER_FILE}: {need_tokenizer}")
     try:
         state = load_file(str(wf))
     except (SafetensorError, OSError, RuntimeError) as e:

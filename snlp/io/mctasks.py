@@ -152,7 +152,11 @@ def _hf_rows(name: str, config: str | None, split: str):
             return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # offline / unknown: assorted exception types
         why = None if hub_offline() else unreachable()
-        where = f"{why}, and datasets' cache does not hold it" if why else f"{type(e).__name__}: {e}"
+        said = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        # datasets answers a name its cache lacks with the hub's ConnectionError (offline mode); any other error is
+        # the cache's own (a truncated arrow file, another config only) and is said as it is
+        where = (f"{why}, and datasets' cache does not hold it" if isinstance(e, ConnectionError)
+                 else f"{why}; datasets' cache: {said}") if why else said
         raise ValueError(f"could not load {name} {config or ''} from the Hugging Face hub ({where}); "
                          f"offline, pass local files as --task mc:PATH (ARC JSONL or MMLU CSV)") from e
 

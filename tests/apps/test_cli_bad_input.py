@@ -782,6 +782,8 @@ def test_a_refused_run_removes_only_the_folders_it_made(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("argv, says", [
     (["tune", "{o}", "--max-dppl", "-1%"], "--max-dppl must be >= 0 and finite, got '-1%'"),
     (["train", "--out", "{o}", "--minutes", "-1.5"], "--minutes must be a finite number > 0 (got -1.5)"),
+    (["tune", "{o}", "--max-dp", "-1%"], "--max-dppl must be >= 0 and finite, got '-1%'"),  # argparse's abbreviation
+    (["tune", "{o}", "--max-dppl", "-inf"], "--max-dppl must be >= 0 and finite, got '-inf'"),
 ])
 def test_a_negative_value_gets_the_flags_own_check_not_argparses_expected_one_argument(argv, says, tmp_path,
                                                                                        capsys):

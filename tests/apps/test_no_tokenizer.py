@@ -41,3 +41,25 @@ def test_a_command_refuses_a_checkpoint_without_a_tokenizer_before_its_weights_l
 def test_calibrate_without_data_needs_no_tokenizer(bare, tmp_path):
     assert main(["calibrate", str(bare), "--out", str(tmp_path / "pre.pt"), "--rank", "2", "--batch", "2",
                  "--seq-len", "8"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["tune", "{c}"], ["generate", "{c}", "--prompt", "hello"],
+                                  ["analyze", "{c}", "--out", "{d}"],
+                                  ["calibrate", "{c}", "--data", "train", "--out", "{o}"]])
+@pytest.mark.parametrize("folder, says", [
+    ({}, "is not a checkpoint (no config.json or model.safetensors)"),
+    ({"config.json": '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'},
+     "is a transformers model directory (LlamaForCausalLM), not an snlp checkpoint: convert it first"),
+])
+def test_a_folder_that_is_no_checkpoint_is_named_so_not_as_one_without_a_tokenizer(tmp_path, capsys, argv, folder,
+                                                                                     says):
+    """The tokenizer's check came before the checkpoint's: an empty folder, or a transformers model, was said to
+    lack tokenizer.json (saving one there would not have made it loadable)."""
+    c = tmp_path / "model"
+    c.mkdir()
+    for name, text in folder.items():
+        (c / name).write_text(text)
+    argv = [a.format(c=c, o=tmp_path / "pre.pt", d=tmp_path / "analysis") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "tokenizer" not in err[-1], err

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def probe(monkeypatch):
     """unreachable() asked afresh (it is cached per process), with no proxy and no offline flag set."""
-    for v in (*hub.PROXY_VARS, "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for v in (*hub.PROXY_VARS, "NO_PROXY", "no_proxy", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(v, raising=False)
     fn = hub.unreachable  # (a test may replace the module's name before this teardown runs)
     fn.cache_clear()
@@ -48,8 +48,49 @@ def test_the_probe_tells_a_listening_endpoint_from_a_closed_one(probe, monkeypat
     why = probe()
     assert why is not None and f"127.0.0.1:{port}" in why and "not reachable" in why
     probe.cache_clear()
+    monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a direct connection says nothing there
     assert probe() is None
+
+
+def test_the_probe_follows_the_clients_proxies(probe, monkeypatch):
+    """HTTP_PROXY carries an http:// endpoint's requests: the probe's direct connection said unreachable, and a hub id
+    the cache lacked was refused though the clients would have fetched it. NO_PROXY naming the host: they connect
+    directly, so the probe asks."""
+    port = closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert probe() is None
+    probe.cache_clear()
+    monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")  # HTTP_PROXY does not carry https
+    assert "not reachable" in probe()
+    probe.cache_clear()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert "not reachable" in probe()
+
+
+def test_the_probes_timeout_bounds_the_name_resolution_too(probe, monkeypatch):
+    """socket.create_connection's timeout bounds the connect only: a nameserver that does not answer held the probe
+    for the resolver's own timeouts (5 s per try and server), past the probe's. Here a resolver that answers only when
+    the test lets it: the probe returns first, saying the name did not resolve."""
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def stuck(host, *a, **k):
+        if host == "hub.invalid":
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    try:
+        why = probe(0.05)
+        answered_first = not release.is_set()
+    finally:
+        release.set()
+    assert answered_first and "hub.invalid:443" in why and "did not resolve within 0.05 s" in why
 
 
 def test_cache_only_sets_the_clients_flags_and_restores_them():
@@ -63,6 +104,48 @@ def test_cache_only_sets_the_clients_flags_and_restores_them():
 
         assert is_offline_mode()  # what transformers asks
     assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before
+
+
+def test_cache_only_in_two_threads_restores_the_flags_when_the_last_block_closes():
+    """Each block restored what it found: thread A's block opened, then B's (finding the flags set), A's closed
+    (restoring them), B's closed (setting them again): the hub stayed offline for the rest of the process."""
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with hub.cache_only():
+            a_in.set()
+            b_in.wait(60)
+        a_out.set()
+
+    def b():
+        a_in.wait(60)
+        with hub.cache_only():
+            b_in.set()
+            a_out.wait(60)
+            seen["b after a closed"] = constants.HF_HUB_OFFLINE  # B's block is still open: offline still
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert seen == {"b after a closed": True}
+    assert constants.HF_HUB_OFFLINE == before
+
+
+def test_cache_only_restores_the_flags_after_an_exception():
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE
+    with pytest.raises(KeyError):
+        with hub.cache_only():
+            with hub.cache_only():
+                raise KeyError("x")
+    assert constants.HF_HUB_OFFLINE == before
 
 
 def test_a_hub_id_no_cache_holds_is_refused_at_once_where_the_hub_is_unreachable(monkeypatch):
@@ -89,6 +172,59 @@ def test_a_task_from_the_hub_fails_at_once_where_the_hub_is_unreachable(monkeypa
     with pytest.raises(ValueError, match="not reachable from here: test, and datasets' cache does not hold it"):
         load_task("arc-easy")
     assert datasets.config.HF_HUB_OFFLINE == before
+
+
+def arc_easy_cache(root: Path) -> Path:
+    """datasets' cache of allenai/ai2_arc ARC-Easy (3 test questions) under `root`, as a load from the hub leaves it:
+    a json build's arrow file and info, under the hub dataset's folder and config name. Returns the arrow file."""
+    import datasets
+
+    rows = [dict(id=f"q{i}", question=f"What is {i}?", answerKey="B",
+                 choices=dict(text=["a", "b", "c", "d"], label=["A", "B", "C", "D"])) for i in range(3)]
+    src = root / "src.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = datasets.load_dataset_builder("json", data_files={"test": str(src)}, cache_dir=str(root / "build"))
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)
+    into = root / "datasets" / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / "abc123"
+    into.mkdir(parents=True)
+    info = json.loads((built / "dataset_info.json").read_text())
+    (into / "dataset_info.json").write_text(json.dumps(dict(info, config_name="ARC-Easy", dataset_name="ai2_arc")))
+    arrow = into / "ai2_arc-test.arrow"
+    arrow.write_bytes((built / "json-test.arrow").read_bytes())
+    return arrow
+
+
+@pytest.fixture
+def arc_cache(tmp_path, monkeypatch):
+    """An unreachable hub and datasets' cache holding ARC-Easy."""
+    pytest.importorskip("datasets")
+    import datasets.config
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    arrow = arc_easy_cache(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable from here: test")
+    return arrow
+
+
+def test_a_task_datasets_cache_holds_loads_where_the_hub_is_unreachable(arc_cache):
+    from snlp.io.mctasks import load_task
+
+    qs = load_task("arc-easy")
+    assert [q.question for q in qs] == ["What is 0?", "What is 1?", "What is 2?"] and {q.answer for q in qs} == {1}
+
+
+def test_a_broken_task_cache_is_said_as_it_is_not_as_a_missing_one(arc_cache):
+    """Every error under an unreachable hub read "datasets' cache does not hold it", a truncated arrow file too."""
+    from snlp.io.mctasks import load_task
+
+    arc_cache.write_bytes(arc_cache.read_bytes()[:100])
+    with pytest.raises(ValueError) as e:
+        load_task("arc-easy")
+    assert "not reachable from here: test; datasets' cache: ArrowInvalid" in str(e.value)
+    assert "does not hold it" not in str(e.value)
 
 
 class Counter(http.server.BaseHTTPRequestHandler):
