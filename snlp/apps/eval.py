@@ -276,12 +276,12 @@ def run(args) -> int:
     if not (args.task or args.drafter or args.data):  # the checkpoint's recorded data, which no flag names
         check_recorded_data(args, [checkpoint_data(args.ckpt)["data"]], f"checkpoint {args.ckpt} was trained on")
     set_threads(args.threads)
-    model, tok = load(args.ckpt, device="cpu")
+    need = ("`snlp eval --drafter` needs it" if args.drafter else "`snlp eval --task` needs it to tokenize the "
+            "questions" if args.task else "`snlp eval` needs it to tokenize the validation data; save the checkpoint "
+            "with its tokenizer")
+    model, tok = load(args.ckpt, device="cpu", need_tokenizer=need)  # refused before the weights are read
     if args.drafter:
         return run_drafter_eval(args, model, tok, device)
-    if tok is None:
-        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval` needs it to tokenize the "
-                         f"validation data; save the checkpoint with its tokenizer")
     plans = parse_plans(args.plans, model.config.n_layer)
     cfg = config_from_args(args, model)
     cfg.check()
@@ -428,8 +428,6 @@ def run_drafter_eval(args, model, tok, device) -> int:
 
     if args.task:
         raise ValueError("--drafter evaluates the LM metrics and SSD; --task is for the checkpoint's own plans")
-    if tok is None:
-        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer.json: `snlp eval --drafter` needs it")
     dtype = cli_dtype(args.dtype, device)
     from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
     model = cast_model(model, device, dtype, args.ckpt).eval()

@@ -26,6 +26,7 @@ def bare(tmp_path_factory):
     (["generate", "{c}", "--prompt", "hello"], "save it with one to use `snlp generate`"),
     (["analyze", "{c}", "--out", "{d}"], "validation tokens cannot be made"),
     (["calibrate", "{c}", "--data", "train", "--out", "{o}"], "use random-token calibration (no --data)"),
+    (["eval", "{c}", "--plans", "1xF1-h0-K1"], "`snlp eval` needs it to tokenize the validation data"),
 ])
 def test_a_command_refuses_a_checkpoint_without_a_tokenizer_before_its_weights_load(bare, tmp_path, monkeypatch,
                                                                                      capsys, argv, why):
