@@ -49,6 +49,8 @@ names the combination. A cell that is neither is a defect. The references are wr
   rows too)                        transformers' RepetitionPenaltyLogitsProcessor (tokens against transformers'
                                    generate: tests/decode/test_repetition_penalty.py); K < C: the prompt alone with
                                    the penalty; sampled: each batch row equals its own run with seed + i
+  repetition_penalty in the layer- the single-process decoder with the same penalty and seed (snlp, sequential,
+  parallel decoder (1, 2 ranks)    speculative; greedy: the penalised loop): tests/dist/test_dist_penalty.py
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
   decoding entry and input form)   whose cache needs more than the device has free: KVCache.for_model; a layer-
                                    parallel rank's window cache too: tests/dist/test_seams_dist.py)

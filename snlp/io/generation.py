@@ -43,3 +43,12 @@ def config_repetition_penalty(defaults: dict, where: str = "its generation_confi
         raise ValueError(f"{where} sets repetition_penalty={p!r}, which is no penalty: transformers' generate() "
                          f"refuses it too (a finite number > 0)")
     return float(p)
+
+
+def model_repetition_penalty(tok, where: str = "its generation_config") -> float:
+    """The repetition penalty transformers' generate() applies by default to the model `tok` (an snlp Tokenizer, or
+    None) belongs to: a converted model's generation_config value (`config_repetition_penalty`), else 1.0 (none: an
+    snlp-trained model has no generation config)."""
+    if tok is None or not tok.foreign:
+        return 1.0
+    return config_repetition_penalty(tok.meta.get("generation_config") or {}, where)

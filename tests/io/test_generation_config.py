@@ -374,8 +374,8 @@ def penalised_dir(tmp_path_factory):
 def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir, tmp_path, capsys):
     """`snlp generate` on a converted model whose generation_config sets repetition_penalty: the tokens of
     transformers' generate() with that config (it applies the penalty by default, greedy included), in every mode;
-    --repetition-penalty 1 gives its tokens without the penalty; a bad flag is refused before the model loads and
-    --distributed refuses the flag (it applies no penalty)."""
+    --repetition-penalty 1 gives its tokens without the penalty; a bad flag is refused before the model loads, with
+    --distributed too."""
     ck = penalised_dir
     ids = " ".join(f"t{i}" for i in PROMPT[1:])  # the word tokenizer: "tI" is id I, after its BOS
 
@@ -412,6 +412,11 @@ def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir
         capsys.readouterr()
         assert main(["generate", str(tmp_path / "nowhere"), "--prompt", "t3", "--repetition-penalty", bad]) == 2
         assert "--repetition-penalty must be a" in capsys.readouterr().err  # nan: the parser's own "a number"
+    # --distributed applies it too (tests/dist/test_dist_penalty.py): a good one passes on to the torchrun check, a
+    # bad one is refused in the flag's words before it
     assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
                  "--repetition-penalty", "1.2"]) == 2
-    assert "--distributed applies none" in capsys.readouterr().err
+    assert "--distributed needs the torchrun environment" in capsys.readouterr().err
+    assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
+                 "--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
