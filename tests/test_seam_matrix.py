@@ -49,6 +49,10 @@ names the combination. A cell that is neither is a defect. The references are wr
   rows too)                        transformers' RepetitionPenaltyLogitsProcessor (tokens against transformers'
                                    generate: tests/decode/test_repetition_penalty.py); K < C: the prompt alone with
                                    the penalty; sampled: each batch row equals its own run with seed + i
+  repetition_penalty in the bench  the suite's reference is the penalised argmax loop, which every exact snlp row
+  (run_decode_suite, --decode)     and every transformers row (generate(repetition_penalty=p)) equals (fp64); a
+                                   generation_config's penalty by default: tests/bench/test_decode_suite.py,
+                                   tests/io/test_generation_config.py
   repetition_penalty in the layer- the single-process decoder with the same penalty and seed (snlp, sequential,
   parallel decoder (1, 2 ranks)    speculative; greedy: the penalised loop): tests/dist/test_dist_penalty.py
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens

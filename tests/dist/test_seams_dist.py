@@ -218,6 +218,8 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--repetition-penalty", "1.2"],
+     "--repetition-penalty is not read by `snlp bench --distributed --decode`"),
     (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
      "--blocks is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),

@@ -420,3 +420,33 @@ def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir
     assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
                  "--repetition-penalty", "0"]) == 2
     assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_the_benchmarks_apply_the_generation_config_repetition_penalty(penalised_dir, tmp_path):
+    """`snlp bench --suite decode` and `snlp bench --decode` on a converted model whose generation_config sets a
+    repetition penalty decoded without it, while the suite's transformers rows got the call's own config: now, as
+    `snlp generate`, they apply it by default (the suite's reference is transformers' own generate() of the source
+    model, which applies it), and --repetition-penalty 1 turns it off; the records say which value ran."""
+    from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
+
+    ck, n = penalised_dir, 8
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(ck), quick=True, device="cpu", batch_sizes=(1, 2), new_tokens=n,
+                                             rounds=1, warmup=0, blocks=(2,)))
+    assert (res.meta.repetition_penalty, res.meta.repetition_penalty_from) == (1.6, "generation_config")
+    with torch.no_grad():
+        src = transformers.AutoModelForCausalLM.from_pretrained(str(ck.parent / "src")).eval()
+        want = [src.generate(torch.tensor([q]), max_new_tokens=n, min_new_tokens=n, pad_token_id=0)[0, len(q):].tolist()
+                for q in res.prompts]
+        free = [src.generate(torch.tensor([q]), max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                             repetition_penalty=1.0)[0, len(q):].tolist() for q in res.prompts]
+    assert res.reference == want and want != free
+    ran = [r for r in res.rows if r.tokens_per_s is not None]
+    assert any(r.library == "transformers" for r in ran) and all(r.matches_sequential for r in ran if r.exact)
+    for flags, p in (([], 1.6), (["--repetition-penalty", "1"], 1.0)):
+        out = tmp_path / "d.json"
+        assert main(["bench", "--decode", "--ckpt", str(ck), "--plans", "2xF1-h0-K1", "--new-tokens", "4", "--runs",
+                     "1", "--warmup", "0", "--json", str(out), *flags]) == 0
+        rows = json.loads(out.read_text())  # a list of rows
+        assert all(r["repetition_penalty"] == p for r in rows), rows
+        assert all(r["matches_sequential"] for r in rows if r["mode"] != "snlp"), rows  # K = 1 < C: approximate
+
