@@ -57,10 +57,17 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
                      + ", ".join(f"{k}={v}" for k, v in extra.items())
                      + ", which snlp does not apply (no flag): outputs differ from transformers' generate()")
-    own = config_repetition_penalty(defaults)
+    try:
+        own = config_repetition_penalty(defaults)
+    except ValueError:  # a value generate() raises on, which only a run given --repetition-penalty gets past
+        own = None
     if own != 1.0:
         whose = "its" if parts else "this model's generation_config's"
-        if repetition_penalty == own and not penalty_given:
+        if own is None:
+            parts.append(f"transformers' generate() raises on {whose} repetition_penalty="
+                         f"{defaults['repetition_penalty']!r} unless the call gives one; this run applies "
+                         f"--repetition-penalty {repetition_penalty:g}")
+        elif repetition_penalty == own and not penalty_given:
             parts.append(f"this run applies {whose} repetition_penalty={defaults['repetition_penalty']} as "
                          f"transformers' generate() does (--repetition-penalty 1 turns it off)")
         elif repetition_penalty != own:

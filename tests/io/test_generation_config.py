@@ -450,3 +450,37 @@ def test_the_benchmarks_apply_the_generation_config_repetition_penalty(penalised
         assert all(r["repetition_penalty"] == p for r in rows), rows
         assert all(r["matches_sequential"] for r in rows if r["mode"] != "snlp"), rows  # K = 1 < C: approximate
 
+
+def test_an_integer_generation_config_penalty_is_refused_as_transformers_refuses_it(penalised_dir, tmp_path, capsys):
+    """A generation_config.json that writes repetition_penalty as an integer (2 for 2.0): transformers' generate()
+    raises on it (its RepetitionPenaltyLogitsProcessor takes a float; at 1 it builds none), while snlp applied 2.0,
+    so the two parted silently. Now snlp refuses it in one line, as transformers does; 1 and 2.0 still decode."""
+    import shutil
+
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from snlp.io.generation import config_repetition_penalty
+
+    with pytest.raises(ValueError):  # the reference: transformers itself
+        RepetitionPenaltyLogitsProcessor(2)
+    RepetitionPenaltyLogitsProcessor(2.0)
+    with pytest.raises(ValueError, match=r"repetition_penalty=2, an integer, which transformers' generate\(\) "
+                                         r"refuses too .*write 2.0") as err:
+        config_repetition_penalty({"repetition_penalty": 2})
+    assert "\n" not in str(err.value)
+    assert config_repetition_penalty({"repetition_penalty": 1}) == 1.0
+    assert config_repetition_penalty({"repetition_penalty": 2.0}) == 2.0
+    ck = tmp_path / "ck"
+    shutil.copytree(penalised_dir, ck)
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"]["repetition_penalty"] = 2
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["generate", str(ck), "--prompt", "t3", "--max-new-tokens", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "repetition_penalty=2, an integer" in err and "\n" not in err, err
+    assert main(["generate", str(ck), "--prompt", "t3", "--max-new-tokens", "2", "--quiet",
+                 "--repetition-penalty", "2"]) == 0  # the flag overrides the config's value, as in transformers
+    assert "transformers' generate() raises on this model's generation_config's repetition_penalty=2 unless the call " \
+           "gives one; this run applies --repetition-penalty 2" in capsys.readouterr().err
