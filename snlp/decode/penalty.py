@@ -6,7 +6,9 @@ decoding and in sampling alike. p > 1 discourages repeats, p < 1 favours them, p
 The state is one (B, V + 1) bool mask per decode, on the device: row b marks the ids of its own prompt and of every
 token picked for it since. Column V absorbs what must not count (no token id: a NONFINITE flag, the ids past a
 short row's end), as transformers' own processor maps ignored ids to an extra column. Nothing is read back to the
-host, so the decode loops keep their one host read per step or round."""
+host, so the decode loops keep their one host read per step or round. The decode session holds the state
+(DecodeSession.penalty, BatchSession.penalty; on a layer-parallel decode the last rank's, which picks the tokens),
+and every one-token pick goes through `pick_penalised` (penalise, pick, mark seen)."""
 
 from __future__ import annotations
 
