@@ -49,6 +49,12 @@ names the combination. A cell that is neither is a defect. The references are wr
   rows too)                        transformers' RepetitionPenaltyLogitsProcessor (tokens against transformers'
                                    generate: tests/decode/test_repetition_penalty.py); K < C: the prompt alone with
                                    the penalty; sampled: each batch row equals its own run with seed + i
+  repetition_penalty in the bench  the suite's reference is the penalised argmax loop, which every exact snlp row
+  (run_decode_suite, --decode)     and every transformers row (generate(repetition_penalty=p)) equals (fp64); a
+                                   generation_config's penalty by default: tests/bench/test_decode_suite.py,
+                                   tests/io/test_generation_config.py
+  repetition_penalty in the layer- the single-process decoder with the same penalty and seed (snlp, sequential,
+  parallel decoder (1, 2 ranks)    speculative; greedy: the penalised loop): tests/dist/test_dist_penalty.py
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
   decoding entry and input form)   whose cache needs more than the device has free: KVCache.for_model; a layer-
                                    parallel rank's window cache too: tests/dist/test_seams_dist.py)
@@ -62,7 +68,8 @@ Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN w
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), compiled steps with dynamo's guards cut
 (guards="cut", SNLP_COMPILE_GUARDS=cut) or evaluated on every call (guards="full", the default: test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), a repetition
-penalty (test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused, fp64), an EOS id, value embeddings / x0 residual / sliding windows, the window
+penalty (test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused, fp64; fp32 / bf16 / fp16:
+test_low_precision_repetition_penalty_cell_is_a_near_argmax_of_the_penalised_fp64_loop), an EOS id, value embeddings / x0 residual / sliding windows, the window
 kernel (masked reference / banded with stacks grouped by window: test_window_kernel_is_invisible_at_every_entry_point /
 flex, FlexAttention in compiled graphs: test_flex_window_kernel_is_invisible_at_every_entry_point), nanochat-
 snlp's parts on / off (NANOCHAT: the smear, whose decode-time state is the previous token's id in the KV cache; the
@@ -174,10 +181,12 @@ class Cell:
 # ----------------------------------------------------------------------------- the references (no snlp decoding)
 @torch.no_grad()
 def near_argmax_path(ref_model, prompt: list[int], got: list[int], n: int, eos: int | list[int] | None,
-                     delta: float) -> str | None:
+                     delta: float, penalty: float = 1.0) -> str | None:
     """None if every produced token is within `delta` of the largest logit of `ref_model` (an fp64 copy) given the
     prompt and the tokens produced before it, and the run stopped where it should (n tokens, or at EOS); else why
-    not. Teacher-forced along the produced path, so a low-precision cell is checked at every step it took."""
+    not. Teacher-forced along the produced path, so a low-precision cell is checked at every step it took.
+    `penalty`: the logits compared are penalised as transformers' repetition penalty does (`penalised_loop`) by the
+    prompt and the tokens before it."""
     stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     if len(got) != n and not (got and got[-1] in stops):
         return f"{len(got)} tokens, neither the budget {n} nor ending at EOS {eos}"
@@ -185,6 +194,10 @@ def near_argmax_path(ref_model, prompt: list[int], got: list[int], n: int, eos: 
         return f"went past EOS {eos}"
     for i, tok in enumerate(got):
         logits = ref_model(torch.tensor([prompt + got[:i]]))[0, -1].double()
+        if penalty != 1.0:
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[prompt + got[:i]] = True
+            logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         gap = float(logits.max() - logits[tok])
         if gap > delta:
             return f"step {i}: token {tok} is {gap:.4f} below the best logit (allowed {delta})"
@@ -392,6 +405,40 @@ def test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused(cell, s
         else:
             ref = penalised_loop(fn, p, n, eos, penalty)
             assert got == ref, f"{cell}: {got} != penalised reference {ref}"
+
+
+@settings(max_examples=examples(15), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(cell=cells(), dtype=st.sampled_from(["fp32", "bf16", "fp16"]), seed=st.integers(0, 50), n=st.integers(4, 10),
+       penalty=st.sampled_from([0.5, 1.05, 1.3, 2.0]), eos=st.one_of(st.none(), st.integers(0, 10)),
+       cfg=st.fixed_dictionaries({"value_embeds": st.booleans(), "windows": st.sampled_from(list(WINDOWS)),
+                                  "nanochat": st.booleans(), "vocab_size": st.just(11)}))
+def test_low_precision_repetition_penalty_cell_is_a_near_argmax_of_the_penalised_fp64_loop(cell, dtype, seed, n,
+                                                                                          penalty, eos, cfg):
+    """repetition_penalty in fp32 / bf16 / fp16 at every entry point, input form and plan kind whose reference is
+    not an snlp run: every token is within MARGIN[dtype] x max(p, 1/p) of the best PENALISED logit of the fp64
+    copy's forward, teacher-forced along the produced path (the penalty scales a logit's rounding error by p or
+    1/p), and the run stops at its budget or EOS; the refused combinations are refused for the same reason."""
+    cell = Cell(**{**cell.__dict__, "dtype": dtype})
+    assume(not reference_is_snlp(cell))
+    note(f"cell: {cell}, penalty {penalty}")
+    m, prompts, arg, preheat = build(cell, seed, cfg)
+    drafter = make_drafter(m, PLANS[cell.kind]) if cell.entry == "drafter" and cell.kind not in MHC_KINDS else None
+    assume(not (cell.entry == "drafter" and drafter is None))  # mHC drafters are refused by make_drafter itself
+    why = refusals(cell)
+    if why:
+        with pytest.raises(ValueError) as err:
+            run(cell, m, arg, preheat, n, eos, drafter, penalty=penalty)
+        assert any(re.search(re.escape(w), str(err.value), re.I) for w in why), f"{cell}: {err.value}"
+        return
+    rows = rows_of(cell, run(cell, m, arg, preheat, n, eos, drafter, penalty=penalty))
+    used = prompts if cell.form in SEVERAL else prompts[:1]
+    assert len(rows) == len(used)
+    m64 = copy.deepcopy(m).double()  # the same weights in fp64
+    delta = MARGIN[dtype] * max(penalty, 1 / penalty)
+    for p, got in zip(used, rows):
+        why = near_argmax_path(reference_fn(cell, m64), p, got, n, eos, delta, penalty)
+        assert why is None, f"{cell}: {why}"
 
 
 @settings_matrix

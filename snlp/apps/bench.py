@@ -115,6 +115,10 @@ def _add_decode_flags(p) -> None:
     dec.add_argument("--adaptive-block", action="store_true",
                      help="speculative rows: the block adapts to the running acceptance rate (with --batch-sizes an "
                           "extra variant beside the fixed block)")
+    dec.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
+                     help="every decode (--suite decode: transformers' rows too, generate(repetition_penalty=P)) "
+                          "applies transformers' repetition penalty P; default: a converted --ckpt's generation_config "
+                          "value, else 1 = none")
     dec.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads, also for the teacher-forced and --ops runs (tiny ops: 1 is often best "
                           "on a shared CPU)")
@@ -251,7 +255,7 @@ def _token_counts(text: str) -> tuple[int, ...]:
 SHAPE = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "vocab_size", "window_pattern", "no_x0", "no_ve",
          "hc_streams", "hc_static")
 DECODE = ("decode", "prompt_len", "new_tokens", "blocks", "batch_sizes", "share_weights", "min_confidence",
-          "adaptive_block")
+          "adaptive_block", "repetition_penalty")
 BENCH_READS = {
     "forward": (*SHAPE, "ckpt", "plans", "tokens", "batch", "warmup", "runs", "compile", "json", "csv"),
     "decode": (*SHAPE, "ckpt", "plans", *DECODE, "warmup", "runs", "compile", "json", "csv"),
@@ -263,7 +267,7 @@ BENCH_READS = {
     "suite decode": ("suite", "quick", "out", "ckpt", "shapes", "prompt_len", "blocks", "batch_sizes", "treatments",
                      "compile", "suite_warmup", "suite_runs", "suite_new_tokens", "suite_plans", "suite_methods",
                      "suite_prompts", "prompts_file", "early_exit", "prompt_lookup", "no_transformers", "drafter",
-                     "alpha", "json", "csv"),
+                     "alpha", "repetition_penalty", "json", "csv"),
     "suite train": ("suite", "quick", "out", "shapes", "treatments", "regs", "reg_n", "train_batch", "train_seq_len",
                     "train_steps", "train_warmup", "optimizer"),
     "vs-paper": ("vs_paper", "quick", "out", "shapes", "suite_tokens", "suite_warmup", "suite_runs", "treatments",
@@ -473,6 +477,8 @@ def run(args) -> int:
         from snlp.bench.decode import check_batch_plans
 
         check_batch_plans(written, batch_sizes(args), hint="--batch-sizes 1 runs it")
+    if args.decode:  # the penalty every decode applies, before the model is built (a bad one refused here)
+        args.repetition_penalty = bench_penalty(args)
     device = cli_device(args.device)
     set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(model_spec(args))
@@ -574,8 +580,10 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     with Timed([torch.get_num_threads()], device) as load:
         rows = batch_decode_benchmark(model, plans, sizes, args.prompt_len, args.new_tokens, blocks, args.warmup,
                                       args.runs, args.seed, compile=args.compile, share_weights=args.share_weights,
-                                      min_confidence=args.min_confidence, adaptive=args.adaptive_block)
-    table = Table(title=f"batched greedy decode{' (compiled)' if args.compile else ''}: ragged prompts "
+                                      min_confidence=args.min_confidence, adaptive=args.adaptive_block,
+                                      repetition_penalty=args.repetition_penalty)
+    table = Table(title=f"batched greedy decode{' (compiled)' if args.compile else ''}"
+                        f"{penalty_label(args.repetition_penalty)}: ragged prompts "
                         f"{args.prompt_len // 2 or 1}-{args.prompt_len} tokens, new={args.new_tokens}, {dtype} on "
                         f"{device_label(device)}, median of {args.runs} runs, tok/s = the batch's aggregate")
     for col in ("batch", "mode", "plan", "B", "variant", "tok/s", "vs batched seq", "alpha", "tok/round", "=seq"):
@@ -594,6 +602,22 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
     load.say()
     write_records(rows, args.json, args.csv, load=load.to_json())
     return 0
+
+
+def bench_penalty(args) -> float:
+    """The repetition penalty `snlp bench --decode` decodes with: --repetition-penalty (checked in the flag's
+    words), else a converted --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
+    from snlp.apps.generate import check_penalty_flag, resolve_penalty
+    from snlp.io.checkpoint import checkpoint_tokenizer
+
+    check_penalty_flag(args.repetition_penalty)
+    tok = checkpoint_tokenizer(args.ckpt) if args.ckpt and args.repetition_penalty is None else None
+    return resolve_penalty(args, tok)
+
+
+def penalty_label(p: float) -> str:
+    """The table title's words for the penalty that ran (none: nothing)."""
+    return "" if p == 1.0 else f", repetition penalty {p:g} on every row"
 
 
 def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype: str) -> int:
@@ -620,9 +644,11 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
     with Timed([torch.get_num_threads()], device) as load:
         rows = decode_benchmark(model, plans, args.prompt_len, args.new_tokens, blocks, args.warmup, args.runs,
                                 args.seed, compile=args.compile, share_weights=args.share_weights,
-                                min_confidence=args.min_confidence, adaptive=args.adaptive_block)
+                                min_confidence=args.min_confidence, adaptive=args.adaptive_block,
+                                repetition_penalty=args.repetition_penalty)
     cfg = model.config
-    print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}: L={cfg.n_layer} "
+    print_decode_table(rows, f"cached greedy decode{' (compiled)' if args.compile else ''}"
+                             f"{penalty_label(args.repetition_penalty)}: L={cfg.n_layer} "
                              f"D={cfg.n_embd} heads={cfg.n_head} prompt={args.prompt_len} new={args.new_tokens} "
                              f"{dtype} on {device_label(device)}, median of {args.runs} runs")
     seq = rows[0]
@@ -787,7 +813,8 @@ def run_decode_suite_cli(args, command: str) -> int:
             ("--suite-methods", args.suite_methods is not None), ("--suite-prompts", args.suite_prompts is not None),
             ("--prompts-file", args.prompts_file is not None),
             ("--early-exit", args.early_exit is not None), ("--prompt-lookup", args.prompt_lookup is not None),
-            ("--no-transformers", args.no_transformers)) if used]
+            ("--no-transformers", args.no_transformers),
+            ("--repetition-penalty", args.repetition_penalty is not None)) if used]
         if unused:
             raise ValueError(f"--suite decode --shapes times single steps at batch 1 (no decoding, no transformers): "
                              f"it does not take {', '.join(unused)}")
@@ -812,6 +839,9 @@ def run_decode_suite_cli(args, command: str) -> int:
         return 0
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
+    from snlp.apps.generate import check_penalty_flag
+
+    check_penalty_flag(args.repetition_penalty)  # in the flag's words (the suite's own check names its field)
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
     methods = None if args.suite_methods is None else split(args.suite_methods) or ()
     hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
@@ -830,7 +860,8 @@ def run_decode_suite_cli(args, command: str) -> int:
                             early_exit=args.early_exit,
                             prompt_lookup=args.prompt_lookup, treatments=treatments, warmup=args.suite_warmup,
                             rounds=args.suite_runs, transformers=not args.no_transformers, methods=methods,
-                            threads=args.threads, seed=args.seed, command=command)
+                            threads=args.threads, seed=args.seed, command=command,
+                            repetition_penalty=args.repetition_penalty)
     paths = [p for p in (args.json, out and out / "decode.json") if p]
 
     def progress(result, what: str) -> None:  # a run cut short keeps every round it finished

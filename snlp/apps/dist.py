@@ -117,6 +117,9 @@ def run_generate(args) -> int:
 
     check_decode_args(args.max_new_tokens, args.temperature, args.block if args.mode == "speculative" else None)
     sampling(args.temperature, args.top_k, args.top_p)
+    from snlp.apps.generate import check_penalty_flag
+
+    check_penalty_flag(getattr(args, "repetition_penalty", None))
     if args.eos_id is not None and args.eos_id < 0:
         raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     from snlp.io.source import check_source
@@ -135,11 +138,15 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
+    from snlp.apps.generate import resolve_penalty
+
+    given = getattr(args, "repetition_penalty", None) is not None
+    penalty = resolve_penalty(args, tok)  # as snlp.apps.generate.run: the flag, else the generation config's, else 1
     if rank == 0 and tok.foreign:  # as snlp.apps.generate.run: the converted model's generation defaults not applied
         from snlp.apps.generation_defaults import defaults_note
 
         note = defaults_note(tok.meta.get("generation_config") or {}, args.temperature, args.top_k, args.top_p,
-                             repetition_penalty=None)  # the layer-parallel decoder applies no penalty
+                             repetition_penalty=penalty, penalty_given=given)
         if note:
             print(note, file=sys.stderr)
     eos_id = args.eos_id
@@ -151,7 +158,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
-              seed=args.seed, top_k=args.top_k, top_p=args.top_p)
+              seed=args.seed, top_k=args.top_k, top_p=args.top_p, repetition_penalty=penalty)
     out: list[int] = []
     printed = [""]
 

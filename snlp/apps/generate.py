@@ -322,14 +322,11 @@ def check_penalty_flag(p: float | None) -> None:
 def resolve_penalty(args, tok) -> float:
     """The repetition penalty this run applies: --repetition-penalty, else a converted model's generation_config
     value (transformers' generate() applies it by default), else 1 (none)."""
-    from snlp.io.generation import config_repetition_penalty
+    from snlp.io.generation import model_repetition_penalty
 
     if args.repetition_penalty is not None:
         return float(args.repetition_penalty)
-    if not tok.foreign:
-        return 1.0
-    return config_repetition_penalty(tok.meta.get("generation_config") or {},
-                                     f"{args.ckpt}: its generation_config")
+    return model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")
 
 
 def check_max_new_tokens(n: int) -> None:
@@ -493,9 +490,6 @@ def run(args) -> int:
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")
-    if args.distributed and args.repetition_penalty is not None:
-        raise ValueError("--repetition-penalty is applied by the single-process decoders; --distributed applies "
-                         "none: drop it (or decode without --distributed)")
     if args.distributed and args.drafter:
         raise ValueError("--drafter has its own suffix weights: --distributed cannot use it")
     if args.distributed:

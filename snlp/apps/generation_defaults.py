@@ -8,14 +8,14 @@ from snlp.io.generation import config_repetition_penalty, unapplied_defaults
 
 
 def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, greedy_only: bool = False,
-                  repetition_penalty: float | None = 1.0, penalty_given: bool = False) -> str | None:
+                  repetition_penalty: float = 1.0, penalty_given: bool = False) -> str | None:
     """A converted model's generation defaults (generation_config.json, kept by `snlp convert`) against this run's
     flags: where transformers' generate() would decode otherwise (called without arguments when this run is greedy,
     with do_sample=True when it samples, and this temperature unless the config sets one, which generate() then
     samples with), or None if nowhere. snlp applies only its flags, so a user comparing the two outputs is told which
     flags make them alike. `greedy_only`: a mode that refuses sampling (--mode jacobi), so no sampling flags are
     offered: the like-for-like call there is generate(do_sample=False). `repetition_penalty`: the penalty this run
-    applies (None: a run that applies none, --distributed); `penalty_given`: it came from --repetition-penalty. A
+    applies (single-process and --distributed alike); `penalty_given`: it came from --repetition-penalty. A
     config's penalty the run applies is said (transformers' generate() applies it by default too), one it does not
     apply or replaces is named as a difference."""
     samples = defaults.get("do_sample") is True
@@ -57,12 +57,16 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
                      + ", ".join(f"{k}={v}" for k, v in extra.items())
                      + ", which snlp does not apply (no flag): outputs differ from transformers' generate()")
-    own = config_repetition_penalty(defaults)
+    try:
+        own = config_repetition_penalty(defaults)
+    except ValueError:  # a value generate() raises on, which only a run given --repetition-penalty gets past
+        own = None
     if own != 1.0:
         whose = "its" if parts else "this model's generation_config's"
-        if repetition_penalty is None:
-            parts.append(f"--distributed does not apply {whose} repetition_penalty={defaults['repetition_penalty']} "
-                         f"(single-process decoding does): outputs differ from transformers' generate()")
+        if own is None:
+            parts.append(f"transformers' generate() raises on {whose} repetition_penalty="
+                         f"{defaults['repetition_penalty']!r} unless the call gives one; this run applies "
+                         f"--repetition-penalty {repetition_penalty:g}")
         elif repetition_penalty == own and not penalty_given:
             parts.append(f"this run applies {whose} repetition_penalty={defaults['repetition_penalty']} as "
                          f"transformers' generate() does (--repetition-penalty 1 turns it off)")

@@ -13,6 +13,7 @@ import torch
 from snlp.bench.stats import paired_fields
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
 from snlp.decode.steps import host_syncs, sequential_step, snlp_step
 from snlp.method.plan import Plan
@@ -41,6 +42,7 @@ class DecodeRow:
     dtype: str
     compiled: bool
     compile_s: float  # compile time of this row's steps (speculative: drafter + verifier), never timed
+    repetition_penalty: float  # the penalty every row (and the sequential reference) decoded with; 1 = none
     host_syncs: float | None  # host syncs per compiled step (0 is the contract); None when eager
     # sequential row only: gpt-fast's "bandwidth achieved" = model bytes x tokens/s
     model_bytes: int | None = None
@@ -102,7 +104,7 @@ def storage_bytes(model: GPT, runners=()) -> int:
 def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_tokens: int = 64,
                      blocks: tuple[int, ...] = (4,), warmup: int = 1, runs: int = 5, seed: int = 0,
                      compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
-                     adaptive: bool = False) -> list[DecodeRow]:
+                     adaptive: bool = False, repetition_penalty: float = 1.0) -> list[DecodeRow]:
     """KV-cached greedy decoding, measured round-robin in one process: per-token latency of sequential
     and of SNLP decoding with each plan, then speculative decoding (plan drafts, sequential verifies)
     with alpha, tokens/round, the drafter speedup s, measured and ideal speedup vs sequential. The
@@ -114,21 +116,25 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     generate call's own warm-up, before its timer starts); its time is reported in `compile_s`, never in
     the latencies. With `compile`, each row's `host_syncs` counts the host syncs per step of its compiled
     steps (snlp.decode.steps.host_syncs: sync-debug mode on CUDA, a profiler count on CPU): 0 is the contract.
-    `share_weights` / `min_confidence` / `adaptive`: the speculative rows' drafter options (speculative_generate)."""
+    `share_weights` / `min_confidence` / `adaptive`: the speculative rows' drafter options (speculative_generate).
+    `repetition_penalty`: every row decodes with it (snlp.decode.penalty), so `matches_sequential` compares the
+    same decoding."""
     for plan in plans:
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1:
         raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
+    pen = dict(repetition_penalty=check_repetition_penalty(repetition_penalty))
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     model.eval()
     seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
     runners = draft_runners(model, [(plan, share_weights) for plan in plans])
     drafts = {plan: snlp_step(runners[(plan, share_weights)], compile) for plan in plans}
-    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive)
-    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq)}
+    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive, **pen)
+    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq, **pen)}
     for plan in plans:
-        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p]))(plan)
+        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p],
+                                                                  **pen))(plan)
     for plan in plans:
         for b in blocks:
             fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
@@ -143,7 +149,7 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     syncs = _compiled_syncs(model, seq, drafts, prompt_len + new_tokens + seq.slack + max(blocks),
                             max(blocks)) if compile else None
     return _rows(model, results, seq, drafts, syncs, dict(new_tokens=new_tokens, prompt_len=prompt_len, runs=runs,
-                                                                     compiled=compile))
+                                                          compiled=compile, **pen))
 
 
 def _compiled_syncs(model: GPT, seq, drafts: dict, max_len: int, block: int) -> dict:
@@ -219,6 +225,7 @@ class BatchDecodeRow:
     prompt_lens: list
     runs: int
     compiled: bool
+    repetition_penalty: float  # the penalty every row (and its sequential reference) decoded with; 1 = none
     # noise: each run calls every row of the batch size once, round-robin, so run i of this row and of batched
     # sequential pair up
     tokens_per_s_runs: list[float] | None = None  # every timed run's aggregate tok/s, in run order
@@ -259,37 +266,40 @@ def check_batch_plans(plans: list[Plan], batch_sizes, hint: str = "batch size 1 
 def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8), prompt_len: int = 16,
                            new_tokens: int = 64, blocks=(4,), warmup: int = 1, runs: int = 3, seed: int = 0,
                            compile: bool = False, share_weights: bool = False, min_confidence: float = 0.0,
-                           adaptive: bool = False) -> list[BatchDecodeRow]:
+                           adaptive: bool = False, repetition_penalty: float = 1.0) -> list[BatchDecodeRow]:
     """Batched greedy decoding (snlp.decode.batch) at each batch size: sequential vs self-speculative with every
     plan x block (x shared weights off/on, x the --min-confidence stop, x the adaptive block), measured round-robin
     in one process after `warmup` untimed runs. The prompts are ragged (lengths prompt_len/2..prompt_len, seeded);
     every row is checked against its own single-prompt sequential output. Steps are built once per side and shared
-    by every run (compiled ones during the warm-up)."""
+    by every run (compiled ones during the warm-up). `repetition_penalty`: every row and reference decodes with it
+    (each batch row penalised by its own prompt and tokens)."""
     for plan in plans:
         plan.check(model.config.n_layer)
     if prompt_len < 1 or new_tokens < 1 or not blocks or min(blocks) < 1 or min(batch_sizes) < 1:
         raise ValueError("--prompt-len, --new-tokens, every block size and every batch size must be >= 1")
+    pen = dict(repetition_penalty=check_repetition_penalty(repetition_penalty))
     check_batch_plans(plans, batch_sizes)  # before the references are decoded and the drafters bound
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (max(batch_sizes),), generator=gen).tolist()
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
     model.eval()
     seq = sequential_step(model, compile)
-    ref = [sequential_generate(model, p, new_tokens, step=seq).tokens for p in prompts]
+    ref = [sequential_generate(model, p, new_tokens, step=seq, **pen).tokens for p in prompts]
     specs = _variants(plans, blocks, share_weights, min_confidence, adaptive)
     runners = draft_runners(model, [(p, kw.get("share_weights", False)) for p, _, _, kw in specs])
     drafts = {key: snlp_step(r, compile) for key, r in runners.items()}
     rows = []
     for B in batch_sizes:
         ps = prompts[:B]
-        fns = {("sequential", "sequential", None, ""): lambda: sequential_generate(model, [*ps], new_tokens, step=seq)}
+        fns = {("sequential", "sequential", None, ""): lambda: sequential_generate(model, [*ps], new_tokens, step=seq,
+                                                                                   **pen)}
         for plan, b, tag, kw in specs:
-            kw = {k: v for k, v in kw.items() if k != "share_weights"}
+            kw = {**{k: v for k, v in kw.items() if k != "share_weights"}, **pen}
             fns[("speculative", str(plan), b, tag)] = (lambda p, b, kw, d: lambda: speculative_generate(
                 model, [*ps], p, b, new_tokens, draft=d, verify=seq, **kw))(
                 plan, b, kw, drafts[(plan, "shared" in tag)])
         rows += _batch_rows(fns, ref[:B], warmup, runs, dict(batch=B, new_tokens=new_tokens, prompt_lens=lens[:B],
-                                                             runs=runs, compiled=compile))
+                                                             runs=runs, compiled=compile, **pen))
     return rows
 
 

@@ -52,9 +52,11 @@ from snlp.bench.selfcheck import failure
 from snlp.bench.stats import SIGN_LEVEL, separation_p
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.speculative import speculative_generate
 from snlp.decode.session import read_every
 from snlp.decode.steps import sequential_step, snlp_step
+from snlp.io.generation import model_repetition_penalty
 from snlp.io.source import did_you_mean, home_path
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
@@ -133,6 +135,9 @@ class DecodeSuiteConfig:
     threads: int | None = None  # torch CPU threads (restored after); None: leave, 1 with quick on cpu
     seed: int = 0
     command: str | None = None
+    repetition_penalty: float | None = None  # every row decodes with it, snlp's and transformers' (generate(
+    #                                          repetition_penalty=...)); None: the model's generation_config value
+    #                                          (a converted model's, as transformers applies it), else 1 (none)
 
     def prompt_count(self) -> int:
         """How many prompts the run decodes: the largest batch, or the prompts per call where more."""
@@ -155,6 +160,8 @@ class DecodeSuiteConfig:
                       prompt_lookup=pick(self.prompt_lookup, 3, 10, 10), treatments=treatments,
                       warmup=pick(self.warmup, 1, 2, 1), rounds=pick(self.rounds, 3, 10, 5),
                       threads=self.threads if self.threads is not None else (1 if q and not cuda else None))
+        if cfg.repetition_penalty is not None:
+            cfg = replace(cfg, repetition_penalty=check_repetition_penalty(cfg.repetition_penalty))
         if cfg.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"decode suite: dtype must be float32, bfloat16, float16 or float64, got {cfg.dtype!r}")
         if len(set(cfg.batch_sizes)) != len(cfg.batch_sizes):  # rows are keyed and compared by batch size
@@ -215,7 +222,8 @@ class DecodeSuiteRow:
     tokens_per_s_max: float | None = None
     seconds: list[float] = field(default_factory=list)  # every timed round's wall time
     speedup: float | None = None  # over snlp sequential of the same batch and treatment
-    matches_sequential: bool | None = None  # every row's tokens == snlp's eager sequential greedy tokens
+    matches_sequential: bool | None = None  # every row's tokens == snlp's eager sequential greedy tokens (all with
+    #                                         the run's repetition penalty, DecodeSuiteMeta.repetition_penalty)
     mismatched_rows: int | None = None  # prompts whose tokens differ from that reference
     first_mismatch: int | None = None  # earliest differing token position over the prompts
     alpha: float | None = None  # snlp speculative rows: the acceptance rate (last round)
@@ -251,6 +259,11 @@ class DecodeSuiteMeta:
     # decode steps snlp's sequential / SNLP loops queue per host read on this device (snlp.decode.session.read_every);
     # self-speculative greedy rounds read once per round (one prompt or a batch)
     read_every: int = 1
+    # the repetition penalty every row decoded with (1: none), and where it came from: "given" (the config's /
+    # --repetition-penalty), "generation_config" (the model's, as transformers' generate() applies it by default),
+    # "none" (neither)
+    repetition_penalty: float = 1.0
+    repetition_penalty_from: str = "none"
     load: dict | None = None  # the run's load window (snlp.runtime.load.LoadWindow.to_json), its end once it is done
 
 
@@ -442,6 +455,9 @@ def hf_twin(model: GPT, device, dtype):
     hf = hf.to(device=device, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # every method decodes exactly the token budget, EOS or not
     hf.generation_config.pad_token_id = 0
+    # no default penalty of its own: transformers 4.x's generate() replaces a value of the call's GenerationConfig
+    # that equals the global default (the suite's penalty 1) by the model's own config value
+    hf.generation_config.repetition_penalty = 1.0
     return hf, None
 
 
@@ -467,10 +483,10 @@ def build_steps(model: GPT, plans: list[Plan], treatments, drafter=None) -> dict
 
 
 def _snlp_methods(model: GPT, groups: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
-                  drafter_plan: Plan | None = None) -> list[tuple]:
+                  drafter_plan: Plan | None = None, penalty: float = 1.0) -> list[tuple]:
     """(row fields, its steps, callable -> [GenerateResult] over every prompt) of every snlp method and treatment;
-    a call decodes the batches in `groups` one after another."""
-    n, out = cfg.new_tokens, []
+    a call decodes the batches in `groups` one after another, every one with the repetition penalty `penalty`."""
+    n, out, pen = cfg.new_tokens, [], dict(repetition_penalty=penalty)
     args = [g[0] if len(g) == 1 else g for g in groups]
 
     def each(decode):  # one call: every batch in turn, results in prompt order
@@ -482,37 +498,40 @@ def _snlp_methods(model: GPT, groups: list, cfg: DecodeSuiteConfig, plans: list[
     for treatment in cfg.treatments:
         seq = steps[(treatment, None)]
         out.append((dict(method="snlp sequential", treatment=treatment, exact=True), seq,
-                    each(lambda arg, seq=seq: sequential_generate(model, arg, n, step=seq))))
+                    each(lambda arg, seq=seq: sequential_generate(model, arg, n, step=seq, **pen))))
         for plan in plans:
             draft = steps[(treatment, plan)]
             exact = plan.iters >= plan.exact_iters() and plan.fuse == 1 and not plan.tol  # ordered plans need more
             if "snlp" in cfg.methods:
                 out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
-                            each(lambda arg, p=plan, d=draft: snlp_generate(model, arg, p, n, step=d))))
+                            each(lambda arg, p=plan, d=draft: snlp_generate(model, arg, p, n, step=d, **pen))))
             for b in (cfg.blocks if "speculative" in cfg.methods else ()):
                 out.append((dict(method="snlp speculative", treatment=treatment, plan=str(plan), block=b, exact=True),
                             (draft, seq), each(lambda arg, p=plan, d=draft, b=b, seq=seq: speculative_generate(
-                                model, arg, p, b, n, draft=d, verify=seq))))
+                                model, arg, p, b, n, draft=d, verify=seq, **pen))))
         if (treatment, "drafter") in steps:  # the adapted drafter drafts (its step is bound on its own module)
             draft, plan = steps[(treatment, "drafter")], drafter_plan
             for b in (cfg.blocks if "speculative" in cfg.methods else ()):
                 out.append((dict(method="snlp speculative (drafter)", treatment=treatment, plan=str(plan), block=b,
                                  exact=True), (draft, seq), each(lambda arg, p=plan, d=draft, b=b, seq=seq:
                                                                  speculative_generate(model, arg, p, b, n, draft=d,
-                                                                                      verify=seq))))
+                                                                                      verify=seq, **pen))))
     return out
 
 
-def _hf_methods(hf, groups: list, cfg: DecodeSuiteConfig, early_exit: int) -> list[tuple]:
+def _hf_methods(hf, groups: list, cfg: DecodeSuiteConfig, early_exit: int, penalty: float = 1.0) -> list[tuple]:
     """(row, callable -> tokens per prompt) of every transformers method that applies to this batch size; a call
-    decodes the batches in `groups` one after another (one cache, reset before each)."""
+    decodes the batches in `groups` one after another (one cache, reset before each), every one with
+    generate(repetition_penalty=penalty), the snlp rows' penalty (an assisted mode verifies each draft position's
+    penalised logits, so its greedy tokens stay the penalised sequential ones)."""
     from transformers import GenerationConfig
 
     ids = [torch.tensor(g, device=hf.device) for g in groups]
     T, B, n = ids[0].shape[1], ids[0].shape[0], cfg.new_tokens
 
     def gen(cache=None, **kw):
-        gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+        gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              repetition_penalty=penalty, **kw)
         extra = {} if cache is None else {cache_kw: cache}
 
         def call():
@@ -626,15 +645,16 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
 
 def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, plans: list[Plan], steps: dict,
               early_exit: int, hf_note: str | None, drafter_plan: Plan | None = None,
-              on_progress=None, batch: int | None = None) -> list[DecodeSuiteRow]:
+              on_progress=None, batch: int | None = None, penalty: float = 1.0) -> list[DecodeSuiteRow]:
     """Every method at one batch size B: a call decodes `prompts` B at a time (one batch unless
     `cfg.prompts`); warm-up, then round-robin timing; rows in method order.
-    `on_progress(rows, what)` gets the rows as measured so far during the rounds (see round_robin_calls)."""
+    `on_progress(rows, what)` gets the rows as measured so far during the rounds (see round_robin_calls).
+    `penalty`: the repetition penalty every row (snlp's and transformers') decodes with, `ref`'s too."""
     N, device = len(prompts), torch.device(cfg.device)
     B = batch or N
     groups = [prompts[k:k + B] for k in range(0, N, B)]
     rows, fns, results, compiled, made = [], {}, {}, {}, {}
-    for i, (kw, step, fn) in enumerate(_snlp_methods(model, groups, cfg, plans, steps, drafter_plan)):
+    for i, (kw, step, fn) in enumerate(_snlp_methods(model, groups, cfg, plans, steps, drafter_plan, penalty)):
         row = DecodeSuiteRow(library="snlp", batch=B, prompts=N, **kw)
         rows.append(row)
 
@@ -648,7 +668,7 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
         rows += [DecodeSuiteRow(method=m, library="transformers", treatment="eager", batch=B, prompts=N, skipped=why)
                  for m in ("hf greedy", "hf greedy (static)", "hf early-exit", "hf prompt-lookup")]
     else:
-        for kw, fn in _hf_methods(hf, groups, cfg, early_exit):
+        for kw, fn in _hf_methods(hf, groups, cfg, early_exit, penalty):
             row = DecodeSuiteRow(library="transformers", batch=B, prompts=N, **kw)
             rows.append(row)
             if isinstance(fn, str):
@@ -730,8 +750,14 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             drafter.model.to(device=device, dtype=dtype).eval()
         prompts, kind = make_prompts(model, tok, cfg.prompt_count(), cfg.prompt_len, cfg.seed, given,
                                      cfg.prompts_file)
+        if cfg.repetition_penalty is not None:
+            penalty, source = cfg.repetition_penalty, "given"
+        else:
+            penalty = model_repetition_penalty(tok, f"{label or 'the model'}: its generation_config")
+            source = "generation_config" if penalty != 1.0 else "none"
         eager = sequential_step(model, False)
-        ref = [sequential_generate(model, p, cfg.new_tokens, step=eager).tokens for p in prompts]  # one prompt alone
+        ref = [sequential_generate(model, p, cfg.new_tokens, step=eager, repetition_penalty=penalty).tokens
+               for p in prompts]  # one prompt alone
         c = model.config
         meta = DecodeSuiteMeta(
             device=device_label(device), device_type=device.type, torch=torch.__version__, cuda=torch.version.cuda,
@@ -739,7 +765,8 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=cfg.command,
             platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
             n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
-            hf_note=hf_note, read_every=read_every(device))
+            hf_note=hf_note, read_every=read_every(device), repetition_penalty=penalty,
+            repetition_penalty_from=source)
         window = LoadWindow.begin()  # sampled between batch sizes, outside every timed round
         meta.load = window.to_json()
         result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
@@ -754,7 +781,7 @@ def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=No
             N = cfg.prompts or B  # prompts per call, B at a time
             result.rows = done + run_batch(model, hf, prompts[:N], ref[:N], cfg, plans, steps, early_exit, hf_note,
                                            None if drafter is None else drafter.plan,
-                                           partial if progress is not None else None, batch=B)
+                                           partial if progress is not None else None, batch=B, penalty=penalty)
             meta.load = window.sample().to_json()
             if progress is not None:
                 progress(result, f"batch {B} done")
@@ -771,7 +798,8 @@ def markdown(result: DecodeSuiteResult) -> str:
     lines = [f"# decode suite: {m.model}", "",
              f"{m.device} ({m.device_type}), torch {m.torch}, CUDA {m.cuda}, transformers {m.transformers}, "
              f"{m.dtype}, {m.date}; L={m.n_layer} D={m.n_embd}; prompts: {m.prompts}, {m.prompt_len} tokens; "
-             f"{m.new_tokens} new tokens per prompt, greedy; median [min-max] over {cfg.rounds} rounds after "
+             f"{m.new_tokens} new tokens per prompt, greedy{penalty_words(m)}; median [min-max] over {cfg.rounds} "
+             f"rounds after "
              f"{max(cfg.warmup, 1)} warm-up; "
              + (f"a call decodes {cfg.prompts} prompts, a batch at a time; tok/s = tokens generated by the call "
                 f"({cfg.prompts} x new tokens where none stops short) / wall time of the call (prefill included); "
@@ -814,6 +842,16 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
     return "\n".join(lines + [""] + comparisons(result.rows))
+
+
+def penalty_words(m: DecodeSuiteMeta) -> str:
+    """The header's words for the repetition penalty every row ran with (transformers' rows too), and whence."""
+    if m.repetition_penalty == 1.0:
+        return ", no repetition penalty" + (" (given: 1)" if m.repetition_penalty_from == "given" else "")
+    whence = ("given" if m.repetition_penalty_from == "given" else
+              "the model's generation_config value, which transformers' generate() applies by default")
+    return (f", repetition penalty {m.repetition_penalty:g} on every row, snlp's and transformers' "
+            f"(generate(repetition_penalty={m.repetition_penalty:g}); {whence})")
 
 
 def approximate_note(plan: str | None) -> str:

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from snlp.decode.penalty import RepetitionPenalty
+from snlp.decode.penalty import RepetitionPenalty, pick_penalised
 from snlp.decode.session import (GenerateResult, Sampling, as_ids_tensor, check_fits, check_max_len, check_picked,
                                  check_seed, check_stream, cut_at_stop,
                                  make_generator, pick_tensor, prompt_ids_list, read_every, stop_set)
@@ -262,8 +262,11 @@ class BatchSession:
 
     def pick_tensor(self, logits: Tensor, how: Sampling, flag: bool = False) -> Tensor:
         """Next token of every batch row from logits (B, V), left on the device: argmax, or a sample from the row's
-        own generator; `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tensor)."""
-        return pick_tensor(logits, how, None if how.greedy else [self.gens[i] for i in self.rows], flag)
+        own generator; `flag`: NONFINITE for a row whose logits hold NaN/inf (snlp.decode.session.pick_tensor). The
+        logits are penalised by each row's seen ids and the picks marked seen (`pick_penalised`, as
+        DecodeSession.pick_tensor for one prompt)."""
+        gens = None if how.greedy else [self.gens[i] for i in self.rows]
+        return pick_penalised(self.penalty, logits, lambda x: pick_tensor(x, how, gens, flag))
 
     def finish(self) -> list[GenerateResult]:
         wall = now(self.device) - self.t0
@@ -309,11 +312,9 @@ def batch_autoregressive(model: GPT, prompts, forward: Step | EagerStep, mode: s
             for k in range(n):
                 pos = RowPositions(first + k * step, span=None if span is None else span + k)
                 logits = forward.ragged(x, pos, ses.cache)[:, -1]  # (B, V)
-                pen = ses.penalty
-                # the finiteness flag rides on the read below
-                tok = ses.pick_tensor(logits if pen is None else pen(logits), how, flag=True)  # (B,)
-                if pen is not None:  # a finished row riding along marks its dropped token: it emits nothing more
-                    pen.add(tok)
+                # penalised and marked seen; the finiteness flag rides on the read below (a finished row riding
+                # along marks its dropped token: it emits nothing more)
+                tok = ses.pick_tensor(logits, how, flag=True)  # (B,)
                 picked.append(tok)
                 x = tok.clamp_min(0)[:, None]  # NONFINITE (-1) is no token id; check_picked raises on it below
             toks = torch.stack(picked, 1).tolist()  # (B, n): one read for n steps

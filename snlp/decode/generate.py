@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 
 from snlp.decode.batch import batch_autoregressive, check_decode_inputs, is_batch
-from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, check_decode_args, check_picked, check_read_every,
-                                 decode_plan, make_generator, pick_tensor, read_every, sampling, sequential_forward,
+                                 decode_plan, make_generator, read_every, sampling, sequential_forward,
                                  snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.plan import Plan
@@ -37,14 +37,14 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how,
         return batch_autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how, eos_id, seed,
                                     max_len, on_tokens, every, penalty)
     with torch.inference_mode():
-        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward, step_slack(forward))
+        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode, forward,
+                            step_slack(forward), penalty=penalty)
         every = read_every(ses.device, every)
         ses.result.plan = None if plan is None else str(plan)
         gen = None if how.greedy else [make_generator(seed, ses.device)]
         ses.warm(forward, [1])  # and the prefill's graph in ses.prefill
         ses.prefill(forward)
         res = ses.result
-        pen = RepetitionPenalty.of(penalty, [ses.prompt], model.config.vocab_size, ses.device)  # None at 1
         x = ses.ids([ses.last])  # (1, 1): the loop's only host-to-device copy; later steps feed the picked token
         while not ses.done:
             t0 = time.perf_counter()  # the device is idle here: the prefill's clock, then each read, waited for it
@@ -52,9 +52,7 @@ def _autoregressive(model, prompt_ids, forward, mode, plan, max_new_tokens, how,
             picked = []
             for _ in range(n):
                 logits = forward(x, ses.cache)[:, -1]  # (1, V)
-                tok = pick_tensor(logits if pen is None else pen(logits), how, gen, flag=True)  # (1,), on the device
-                if pen is not None:
-                    pen.add(tok)
+                tok = ses.pick_tensor(logits, how, gen, flag=True)  # (1,), on the device; penalised, marked seen
                 picked.append(tok)
                 # NONFINITE (-1) is no token id; the steps after it are computed but never emitted (check_picked)
                 x = tok.clamp_min(0)[:, None]  # (1, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from snlp.decode.batch import check_decode_inputs, is_batch
-from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (GREEDY, NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
                                  cut_at_stop, decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
@@ -68,12 +68,12 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             res = runner.solve(idx, cache=cache, keep_states=True, init_states=init)
             return model.head(res.hidden), res.states[-1]
     with torch.inference_mode():
-        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi")
+        ses = DecodeSession(model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, "jacobi", penalty=penalty)
         res, cache, dev = ses.result, ses.cache, ses.device
         res.plan, res.block = None if plan is None else str(plan), block
         res.extra.update(verify=verify, warm_start=warm_start)
         ses.prefill(seq_fwd)
-        pen = RepetitionPenalty.of(penalty, [ses.prompt], model.config.vocab_size, dev)  # None at 1
+        pen = ses.penalty  # None at 1
 
         def judged(logits, ids):  # (1, Bk + 1, V) over ids [last, g_1..g_Bk]: position i penalised by g_1..g_i too
             return logits if pen is None else pen.at_positions(logits, ids[:, 1:])

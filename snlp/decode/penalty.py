@@ -6,11 +6,14 @@ decoding and in sampling alike. p > 1 discourages repeats, p < 1 favours them, p
 The state is one (B, V + 1) bool mask per decode, on the device: row b marks the ids of its own prompt and of every
 token picked for it since. Column V absorbs what must not count (no token id: a NONFINITE flag, the ids past a
 short row's end), as transformers' own processor maps ignored ids to an extra column. Nothing is read back to the
-host, so the decode loops keep their one host read per step or round."""
+host, so the decode loops keep their one host read per step or round. The decode session holds the state
+(DecodeSession.penalty, BatchSession.penalty; on a layer-parallel decode the last rank's, which picks the tokens),
+and every one-token pick goes through `pick_penalised` (penalise, pick, mark seen)."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -66,6 +69,13 @@ class RepetitionPenalty:
         seen.scatter_(2, ids.clamp(0, V1 - 1), True)
         return self._apply(logits, seen[..., :-1])
 
+    def pick(self, logits: Tensor, pick: Callable[[Tensor], Tensor]) -> Tensor:
+        """One decode step's tokens (B,) = pick(penalised logits (B, V)), marked as seen by their rows: the step
+        after this one is penalised by them (a NONFINITE pick marks nothing, `add`)."""
+        tok = pick(self(logits))
+        self.add(tok)
+        return tok
+
     def add(self, tokens: Tensor) -> None:
         """Mark tokens (B,) or (B, k) as seen by their rows; a negative entry (no token: NONFINITE, or a position a
         row did not accept) marks nothing."""
@@ -86,3 +96,9 @@ class RepetitionPenalty:
     def keep_rows(self, rows: Tensor) -> None:
         """Keep these batch rows (an eager batch compacted its finished rows away)."""
         self.seen = self.seen[rows]
+
+
+def pick_penalised(state: RepetitionPenalty | None, logits: Tensor, pick: Callable[[Tensor], Tensor]) -> Tensor:
+    """The decode loops' one pick of a step: `state.pick` (penalise, pick, record), or pick(logits) where the
+    penalty is 1 (`RepetitionPenalty.of` gave None: no penalty op at all)."""
+    return pick(logits) if state is None else state.pick(logits, pick)

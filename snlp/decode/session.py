@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from snlp.decode.penalty import RepetitionPenalty, pick_penalised
 from snlp.decode.steps import EagerStep, Step, sequential_step, snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -285,7 +286,7 @@ class DecodeSession:
 
     def __init__(self, model: GPT, prompt_ids, max_new_tokens: int, eos_id: int | list[int] | None, max_len: int | None,
                  on_tokens: Callable[[list[int]], bool | None] | None, mode: str, step: Step | EagerStep | tuple | None = None,
-                 slack: int = 0, make_cache: Callable[[int], KVCache] | None = None):
+                 slack: int = 0, make_cache: Callable[[int], KVCache] | None = None, penalty: float = 1.0):
         self.model, self.device = model, model.wte.weight.device
         self.prompt = prompt_ids_list(model, prompt_ids)
         max_len = len(self.prompt) + max_new_tokens if max_len is None else max_len
@@ -310,6 +311,16 @@ class DecodeSession:
         self.result = GenerateResult(tokens=self.out, mode=mode)
         self.done = self.budget <= 0
         self.result.stop = "max_new_tokens" if max_new_tokens <= max_len - len(self.prompt) else "max_len"
+        # the repetition penalty's seen ids (snlp.decode.penalty; None at penalty 1: nothing to do), as
+        # BatchSession.penalty holds a batch's
+        self.penalty = RepetitionPenalty.of(penalty, [self.prompt], model.config.vocab_size, self.device)
+
+    def pick_tensor(self, logits: Tensor, how: Sampling, gens: list[torch.Generator] | None = None,
+                    flag: bool = False) -> Tensor:
+        """The next token (1,) from logits (1, V), left on the device, penalised by the tokens seen so far and then
+        marked seen (`pick_penalised`, the pick BatchSession.pick_tensor makes for a batch); `gens`, `flag`: as in
+        `pick_tensor`."""
+        return pick_penalised(self.penalty, logits, lambda x: pick_tensor(x, how, gens, flag))
 
     def ids(self, tokens: list[int]) -> Tensor:
         return torch.tensor([tokens], dtype=torch.long, device=self.device)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from snlp.decode.batch import BatchSession, check_batch_plan, check_decode_inputs, is_batch
-from snlp.decode.penalty import check_repetition_penalty
+from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty, pick_penalised
 from snlp.decode.generate import sequential_generate
 from snlp.decode.session import (NONFINITE, GenerateResult, Sampling, check_decode_args, check_picked, cut_at_stop,
                                  decode_plan, merge_results, sampling, sequential_forward, snlp_forward, step_slack)
@@ -452,6 +452,24 @@ def draft_pick(logits: Tensor, how: Sampling, gens: list[torch.Generator] | None
     return torch.stack(toks), probs  # (B, 1), (B, V)
 
 
+def penalised_draft_pick(dpen: RepetitionPenalty | None, logits: Tensor, how: Sampling,
+                         gens: list[torch.Generator] | None, draw: list[bool]) -> tuple[Tensor, Tensor | None, Tensor]:
+    """`draft_pick` of the drafter's logits (B, V) penalised by `dpen` (the round's fork of the penalty state, None
+    at penalty 1), the drafts marked seen there (pick_penalised, the sequential loops' pick): the tokens (B, 1), q
+    (sampling) and the penalised logits (min_confidence reads them). The single-process and the distributed rounds
+    both draft here."""
+    out = []
+
+    def pick(x: Tensor) -> Tensor:
+        out.append(x)
+        tok, q = draft_pick(x, how, gens, draw)
+        out.append(q)
+        return tok
+
+    tok = pick_penalised(dpen, logits, pick)
+    return tok, out[1], out[0]
+
+
 def speculative_verdict(ids: Tensor, logits: Tensor, drafted: list[int], wants: Tensor | None, qs: list,
                         how: Sampling, gens: list[torch.Generator] | None) -> tuple[Tensor, Tensor]:
     """How many of its drafts each row keeps and its next token, on the device: ids (B, m + 1) = [last, drafts...]
@@ -542,11 +560,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
         if not any(going):
             break
         draw = [k < w for w in want] if not min_confidence else list(going)
-        logits = draft(x, k)[:, -1]  # (B, V)
-        logits = logits if dpen is None else dpen(logits)
-        x, q = draft_pick(logits, how, gens, draw)  # (B, 1), (B, V)
-        if dpen is not None:
-            dpen.add(x)
+        x, q, logits = penalised_draft_pick(dpen, draft(x, k)[:, -1], how, gens, draw)  # (B, 1), (B, V), (B, V)
         drafts.append(x)
         if q is not None:
             qs.append(q)

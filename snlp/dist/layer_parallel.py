@@ -74,9 +74,10 @@ from snlp.model.gpt import GPT, check_keep
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
+from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 make_generator, pick_token, sampling)
-from snlp.decode.speculative import draft_pick, speculative_verdict
+                                 make_generator, sampling)
+from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
@@ -575,7 +576,8 @@ class DistributedSNLP:
 
     def generate(self, prompt_ids, mode: str = "snlp", max_new_tokens: int = 64, block: int = 4,
                  temperature: float = 0.0, eos_id: int | list[int] | None = None, seed: int | None = None,
-                 max_len: int | None = None, on_tokens=None, top_k: int = 0, top_p: float = 1.0) -> GenerateResult:
+                 max_len: int | None = None, on_tokens=None, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0) -> GenerateResult:
         """KV-cached decoding on every rank (call it on all ranks with the same arguments); returns a
         `GenerateResult` with the same tokens on every rank. Modes: `snlp` (every forward a distributed SNLP
         solve), `sequential` (the original model layer-pipelined: the pipeline baseline), `speculative`
@@ -585,13 +587,17 @@ class DistributedSNLP:
         the last rank has logits: it picks, and every rank follows the broadcast tokens. `top_k` / `top_p`: the
         sampled distribution filtered as in snlp.decode's `sequential_generate` (snlp.decode.session.Sampling).
         `on_tokens` runs on every rank with the same tokens: one that returns True to end the decode (check_stream)
-        must return it on every rank, or the ranks part ways."""
+        must return it on every rank, or the ranks part ways. `repetition_penalty`: as in `sequential_generate`
+        (snlp.decode.penalty), applied where the tokens are picked: the last rank holds the seen ids (its session's
+        penalty state) and penalises its logits before every pick, a speculative round's drafter and verifier as the
+        single-process round does; the other ranks learn the tokens from the broadcast, as without a penalty."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
         how = sampling(temperature, top_k, top_p, seed)
+        penalty = check_repetition_penalty(repetition_penalty)
         ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode,
-                            make_cache=self.new_cache)
+                            make_cache=self.new_cache, penalty=penalty if self.rank == self.last else 1.0)
         ses.result.plan = None if mode == "sequential" else str(self.plan)
         ses.result.block = block if mode == "speculative" else 0
         # sampling reads probabilities on the rank's device, so the generator lives there (a CPU generator
@@ -614,7 +620,9 @@ class DistributedSNLP:
             else:
                 logits = (snlp if mode == "snlp" else seq)([ses.last])
                 ses.result.forwards += 1
-                pick = [pick_token(logits[0, -1], how, gen, flag=True)] if self.rank == self.last else None
+                # the last rank's pick, penalised and marked seen there (DecodeSession.pick_tensor)
+                pick = ses.pick_tensor(logits[:, -1], how, None if gen is None else [gen], flag=True).tolist() \
+                    if self.rank == self.last else None
                 toks = self._tokens_from_last(pick, 1)
                 # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits; plan None: the
                 # model's own forward
@@ -625,15 +633,16 @@ class DistributedSNLP:
     def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, how: Sampling, gen) -> None:
         """One self-speculative round: B distributed SNLP drafter steps, one pipelined verification of the B+1
         positions, the last rank's verdict (greedy prefix match or rejection sampling) broadcast to all."""
-        cache, res = ses.cache, ses.result
+        cache, res, pen = ses.cache, ses.result, ses.penalty  # pen: the last rank's, None elsewhere and at 1
         P, Bk = cache.length, min(block, ses.remaining - 1)  # no drafts past the budget
         t1 = now(self.device)
         drafts, qs, x = [], [], ses.last
+        dpen = None if pen is None else pen.fork()  # the drafter's: the round's drafts marked as they come
         for _ in range(Bk):
             logits = snlp([x])
             tok = None
             if self.rank == self.last:  # the single-process round's pick (NaN/inf: a uniform stand-in q)
-                x_t, q = draft_pick(logits[:, -1], how, [gen], [True])  # (1, 1), (1, V) or None
+                x_t, q, _ = penalised_draft_pick(dpen, logits[:, -1], how, [gen], [True])  # (1, 1), (1, V) or None
                 if q is not None:
                     qs.append(q)
                 tok = x_t[0].tolist()
@@ -645,9 +654,11 @@ class DistributedSNLP:
         verdict = None
         if self.rank == self.last:  # the single-process round's verdict: NaN/inf positions read as NONFINITE
             ids = torch.tensor([[ses.last] + drafts], device=logits.device)  # (1, Bk + 1)
-            n_t, nxt_t = speculative_verdict(ids, logits[:, :Bk + 1], [Bk], None, qs, how,
-                                             None if how.greedy else [gen])
+            judged = logits[:, :Bk + 1] if pen is None else pen.at_positions(logits[:, :Bk + 1], ids[:, 1:])
+            n_t, nxt_t = speculative_verdict(ids, judged, [Bk], None, qs, how, None if how.greedy else [gen])
             verdict = torch.cat([n_t, nxt_t]).tolist()
+            if pen is not None:  # the state learns the kept drafts and the next token
+                pen.accept(ids[:, 1:], n_t, nxt_t)
         nacc, nxt = self._tokens_from_last(verdict, 2)
         check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)

@@ -61,7 +61,7 @@ from snlp.eval.mc import nonfinite
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
-from snlp.io.generation import config_repetition_penalty, unapplied_defaults
+from snlp.io.generation import config_repetition_penalty, integer_penalty, unapplied_defaults
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
 from snlp.io.weights import cast_model
@@ -552,9 +552,14 @@ class SNLPLM(TemplateLM):
         the generation config's (Qwen2.5-Instruct: 1.05; none with ignore_generation_config), else 1 (none)."""
         if task_value is not None:
             try:
-                return check_repetition_penalty(task_value)
+                p = check_repetition_penalty(task_value)
             except ValueError as e:
                 raise ValueError(f"generation option {e}") from None
+            if integer_penalty(task_value):  # the hf model's generate raises on it instead of decoding
+                raise ValueError(f"generation option repetition_penalty={task_value!r} is an integer, which the hf "
+                                 f"model's generate() refuses too (transformers' RepetitionPenaltyLogitsProcessor "
+                                 f"takes a float): write {task_value}.0")
+            return p
         if self.ignore_generation_config:
             return 1.0
         return config_repetition_penalty((self.tokenizer.meta or {}).get("generation_config") or {},

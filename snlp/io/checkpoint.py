@@ -385,6 +385,16 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
     return model, tok
 
 
+def checkpoint_tokenizer(path) -> Tokenizer | None:
+    """The tokenizer of the checkpoint at `path` without its weights (what `load` returns beside the model), or None
+    where it has none (a nanochat checkpoint, an snlp one saved without)."""
+    path = home_path(path)
+    if is_nanochat_dir(path):
+        return None
+    path = checkpoint_dir(path)
+    return Tokenizer.load(path) if (path / TOKENIZER_FILE).is_file() else None
+
+
 def load_training(path) -> tuple[dict | None, dict | None]:
     """(optimizer.pt contents, train_state.pt contents) of a checkpoint, None where absent."""
     path = checkpoint_dir(path)

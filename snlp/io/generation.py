@@ -35,11 +35,31 @@ def unapplied_defaults(defaults: dict, sampling: bool) -> dict:
 def config_repetition_penalty(defaults: dict, where: str = "its generation_config") -> float:
     """The repetition penalty transformers' generate() applies by default under these generation defaults
     (`Tokenizer.meta["generation_config"]`): its repetition_penalty, 1.0 (none) where it is unset or null. A value
-    transformers refuses (not a number > 0) is a one-line ValueError naming `where`."""
+    transformers refuses (not a number > 0, or an integer other than 1: `integer_penalty`) is a one-line ValueError
+    naming `where`, as generate() raises there instead of decoding."""
     p = (defaults or {}).get("repetition_penalty")
     if p is None:
         return 1.0
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
         raise ValueError(f"{where} sets repetition_penalty={p!r}, which is no penalty: transformers' generate() "
                          f"refuses it too (a finite number > 0)")
+    if integer_penalty(p):
+        raise ValueError(f"{where} sets repetition_penalty={p!r}, an integer, which transformers' generate() "
+                         f"refuses too (its RepetitionPenaltyLogitsProcessor takes a float): write {p}.0")
     return float(p)
+
+
+def integer_penalty(p) -> bool:
+    """A repetition penalty transformers' generate() raises on although it is a number > 0: an integer other than 1
+    (RepetitionPenaltyLogitsProcessor checks isinstance(penalty, float); at 1 generate builds no processor), as a
+    generation_config.json or a task's YAML may write it (2 for 2.0)."""
+    return isinstance(p, int) and not isinstance(p, bool) and p != 1
+
+
+def model_repetition_penalty(tok, where: str = "its generation_config") -> float:
+    """The repetition penalty transformers' generate() applies by default to the model `tok` (an snlp Tokenizer, or
+    None) belongs to: a converted model's generation_config value (`config_repetition_penalty`), else 1.0 (none: an
+    snlp-trained model has no generation config)."""
+    if tok is None or not tok.foreign:
+        return 1.0
+    return config_repetition_penalty(tok.meta.get("generation_config") or {}, where)

@@ -148,3 +148,31 @@ def test_bench_decode_of_one_new_token_says_alpha_was_not_measured(tmp_path, cap
                  "--batch-sizes", "1,2", "--json", str(out)]) == 0
     assert all(r["alpha"] is None for r in json.loads(out.read_text()))
     assert "alpha: not measured (--new-tokens 1" in capsys.readouterr().out
+
+
+def test_bench_decode_applies_the_repetition_penalty_to_every_row(tmp_path, capsys, monkeypatch):
+    """`snlp bench --decode --repetition-penalty P` (one prompt and --batch-sizes): every decode call of every row,
+    the sequential reference's included, decodes with P (so "=seq" compares the same decoding), the rows record P
+    and the title says it; a bad P is refused before the model is built, and runs that decode nothing refuse it."""
+    import snlp.bench.decode as D
+    import snlp.bench.forward as F
+
+    seen = []
+    for name in ("sequential_generate", "snlp_generate", "speculative_generate"):
+        real = getattr(D, name)
+        monkeypatch.setattr(D, name, lambda *a, real=real, **k: seen.append(k.get("repetition_penalty")) or real(*a, **k))
+    out = tmp_path / "d.json"
+    for extra in ([], ["--batch-sizes", "1,2"]):
+        seen.clear()
+        assert main(["bench", *TINY, "--decode", "--new-tokens", "6", "--prompt-len", "4", "--plans", "4xF1-h0-K1",
+                     "--repetition-penalty", "1.3", "--json", str(out), *extra]) == 0
+        rows = json.loads(out.read_text())
+        assert seen and set(seen) == {1.3}, seen
+        assert all(r["repetition_penalty"] == 1.3 for r in rows)
+        assert all(r["matches_sequential"] for r in rows if r["mode"] != "snlp")
+        assert "repetition penalty 1.3 on every row" in capsys.readouterr().out
+    monkeypatch.setattr(F, "build_model", lambda *a, **k: pytest.fail("the model was built before the refusal"))
+    assert main(["bench", *TINY, "--decode", "--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
+    assert main(["bench", *TINY, "--repetition-penalty", "1.3"]) == 2
+    assert "--repetition-penalty is not read by `snlp bench`" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from snlp.apps.cli import main
-from snlp.bench.decode_suite import DecodeSuiteConfig, random_llama, run_decode_suite
+from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, random_llama, run_decode_suite
 from snlp.bench.ssd_prediction import paper_shape_prediction
 from snlp.decode.speculative import ideal_ssd_speedup
 from snlp.io.checkpoint import save_checkpoint
@@ -157,6 +157,8 @@ def test_prediction_cli_labels_its_numbers_as_predicted(tmp_path, capsys):
     (["--new-tokens", "3"], "--new-tokens is not read by `snlp bench --suite decode`"),
     (["--depth", "4"], "--depth is not read by `snlp bench --suite decode`"),
     (["--shapes", "0.5B", "--runs", "7"], "--runs is not read by `snlp bench --suite decode`"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
+    (["--shapes", "0.5B", "--repetition-penalty", "1.2"], "does not take --repetition-penalty"),
 ])
 def test_refusals_come_before_any_work(argv, says, capsys):
     assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", *argv]) == 2
@@ -196,6 +198,39 @@ def test_a_call_decodes_several_prompts_a_batch_at_a_time_and_each_equals_the_ar
     assert all(r.prompts == 4 for r in res.rows) and all(r.matches_sequential for r in ran if r.exact)
     for r in ran:  # tok/s counts every prompt of the call: 4 x 5 tokens per timed call
         assert r.tokens_per_s == pytest.approx(4 * 5 / r.seconds[0])
+
+
+@torch.no_grad()
+def penalised_loop(model: GPT, prompt: list[int], n: int, p: float) -> list[int]:
+    """`argmax_loop` with transformers' repetition penalty written out: every id already in the sequence has its
+    logit divided by p where positive, multiplied by p where negative (RepetitionPenaltyLogitsProcessor)."""
+    ids = list(prompt)
+    for _ in range(n):
+        x = model(torch.tensor([ids]))[0, -1].float()
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[ids] = True
+        ids.append(int(torch.where(seen, torch.where(x < 0, x * p, x / p), x).argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("p", [0.5, 1.3])
+def test_a_repetition_penalty_runs_on_every_row_snlp_and_transformers_alike(p):
+    """repetition_penalty (`--repetition-penalty`): the suite decoded without any, so a comparison with a model
+    whose generate() applies one compared other decodings. Now the reference is the penalised argmax loop, every exact
+    snlp row equals it, and transformers' rows (generate(repetition_penalty=p): greedy, static cache, early exit,
+    prompt lookup) give the same tokens; the header says which penalty ran."""
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1, 2), new_tokens=8,
+                                             rounds=1, warmup=0, blocks=(2,), repetition_penalty=p))
+    model = random_llama(quick=True, seed=0).double().eval()
+    assert res.reference == [penalised_loop(model, q, 8, p) for q in res.prompts]
+    assert res.reference != [argmax_loop(model, q, 8) for q in res.prompts]  # the penalty acts on these prompts
+    assert (res.meta.repetition_penalty, res.meta.repetition_penalty_from) == (p, "given")
+    ran = [r for r in res.rows if r.tokens_per_s is not None]
+    assert all(r.matches_sequential for r in ran if r.exact), [r for r in ran if r.exact and not r.matches_sequential]
+    if HAVE_HF:
+        hf = {(r.method, r.batch) for r in ran if r.library == "transformers"}
+        assert {("hf greedy", 1), ("hf greedy (static)", 2), ("hf early-exit", 1), ("hf prompt-lookup", 1)} <= hf
+    assert f"repetition penalty {p:g} on every row, snlp's and transformers'" in markdown(res)
 
 
 def test_a_prompts_file_is_decoded_instead_of_the_suites_texts(tmp_path):

@@ -234,6 +234,24 @@ def test_penalty_one_runs_no_penalty_op(monkeypatch):
     assert built == [1]
 
 
+def test_every_one_token_loop_picks_through_the_one_penalty_step(monkeypatch):
+    """The single-prompt loop, the batch loop and Jacobi's session hold their penalty state on the session
+    (DecodeSession.penalty, BatchSession.penalty) and the one-token loops pick through RepetitionPenalty.pick, one
+    call per step for the whole batch; the tokens are still the penalised loop's."""
+    model = make_model(seed=2, vocab_size=13, scale=0.3)
+    calls = []
+    real = RepetitionPenalty.pick
+    monkeypatch.setattr(RepetitionPenalty, "pick",
+                        lambda self, logits, pick: calls.append(logits.shape[0]) or real(self, logits, pick))
+    kw = dict(max_new_tokens=6, repetition_penalty=1.3)
+    assert sequential_generate(model, SPEC_PROMPTS[0], **kw).tokens == naive_penalised(model, SPEC_PROMPTS[0], 6, 1.3)
+    assert calls == [1] * 6
+    calls.clear()
+    rows = snlp_generate(model, SPEC_PROMPTS[:2], "6xF1-h0-K6", read_every=4, **kw)
+    assert [r.tokens for r in rows] == [naive_penalised(model, q, 6, 1.3) for q in SPEC_PROMPTS[:2]]
+    assert calls == [2] * 6
+
+
 def test_the_penalty_reads_nothing_back_to_the_host():
     """Every penalty op of a decode step or round stays on the device: no aten::_local_scalar_dense (what .item() /
     int() / bool() of a tensor end in, a host sync on an accelerator) in building the state, penalising logits one

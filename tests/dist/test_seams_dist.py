@@ -13,7 +13,7 @@ import torch
 from conftest import make_model, tokens, free_port as _free_port, init_gloo as _init, spawn_ranks as _spawn
 
 from snlp.method import preheat
-from snlp.decode.generate import snlp_generate
+from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.method.solver import solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,7 +161,35 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert f"which ran {lo:.2f}-{hi:.2f}x" in out.stdout and "(each side's own median)" in out.stdout
 
 
+def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path):
+    """`snlp generate --distributed --repetition-penalty P` refused the flag (the layer-parallel decoder applied no
+    penalty); now the speculative run and its pipelined sequential baseline both apply it: the tokens are the
+    single-process sequential decoder's with the same penalty, the baseline's too."""
+    import json
+    import subprocess
+    import sys
+
+    from snlp.io.checkpoint import load
+
+    ckpt, ref = chat_ckpt
+    model, tok = load(ckpt)
+    prompt = tok.chat_prompt([{"role": "user", "content": CHAT_PROMPT}])
+    want = sequential_generate(model, prompt, CHAT_NEW, eos_id=list(tok.chat_stop_ids), repetition_penalty=0.8).tokens
+    assert want != ref  # the penalty acts on this reply
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--chat", "--prompt", CHAT_PROMPT, "--mode",
+           "speculative", "--plan", "2xF1-h0-K1", "--block", "3", "--repeats", "1", "--max-new-tokens", str(CHAT_NEW),
+           "--repetition-penalty", "0.8", "--quiet", "--json", str(tmp_path / "dist.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "dist.json").read_text())
+    assert rec["tokens"] == want and rec["sequential_tokens"] == want and rec["matches_sequential"]
+
+
 @pytest.mark.parametrize("argv, msg", [
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--repetition-penalty", "0"],
+     "--repetition-penalty must be a finite number > 0"),
     (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--compile"],
      "--compile is not supported with --distributed"),
     (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--repeats", "0"],
@@ -190,6 +218,8 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--repetition-penalty", "1.2"],
+     "--repetition-penalty is not read by `snlp bench --distributed --decode`"),
     (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
      "--blocks is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),

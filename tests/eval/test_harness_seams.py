@@ -545,3 +545,30 @@ def test_a_generation_config_max_new_tokens_is_refused_not_ignored(tmp_path):
         SNLPLM(pretrained=str(d), dtype="float64").generate_until(g)
     free = SNLPLM(pretrained=str(d), dtype="float64", ignore_generation_config=True).generate_until(g)
     assert free[0].split() == hf[0].split()[:5]
+
+
+def test_an_integer_penalty_is_refused_as_the_hf_models_generate_refuses_it(tmp_path, tasks):
+    """A task's repetition_penalty, or the generation config's, written as an integer other than 1 (2 for 2.0): the
+    hf model's generate() raises on it (transformers' RepetitionPenaltyLogitsProcessor takes a float) while snlp
+    applied 2.0, so the harness's answers parted from the hf model's error silently. Now it is refused in one line
+    before anything is decoded; 1 (no processor built there either) and 2.0 run."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    with pytest.raises(ValueError):  # the reference: transformers itself
+        RepetitionPenaltyLogitsProcessor(2)
+    d = _tiny_dir(tmp_path / "m")
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    assert lm.repetition_penalty_for(1) == 1.0 and lm.repetition_penalty_for(2.0) == 2.0
+    g = _reqs("generate_until", [("t4", {"until": [], "max_gen_toks": 3, "do_sample": False,
+                                         "repetition_penalty": 2})])
+    with pytest.raises(ValueError, match=r"repetition_penalty=2 is an integer, which the hf model's generate\(\) "
+                                         r"refuses too") as err:
+        lm.generate_until(g)
+    assert "\n" not in str(err.value)
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2,
+                                                              repetition_penalty=2)))
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    tm = task_manager(["snlp_gen_tiny"], str(tasks))
+    with pytest.raises(ValueError, match=r"generation_config sets repetition_penalty=2, an integer"):
+        evaluate_methods([SNLPLM(pretrained=str(d), dtype="float64")], ["snlp_gen_tiny"], tm=tm)

@@ -374,8 +374,8 @@ def penalised_dir(tmp_path_factory):
 def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir, tmp_path, capsys):
     """`snlp generate` on a converted model whose generation_config sets repetition_penalty: the tokens of
     transformers' generate() with that config (it applies the penalty by default, greedy included), in every mode;
-    --repetition-penalty 1 gives its tokens without the penalty; a bad flag is refused before the model loads and
-    --distributed refuses the flag (it applies no penalty)."""
+    --repetition-penalty 1 gives its tokens without the penalty; a bad flag is refused before the model loads, with
+    --distributed too."""
     ck = penalised_dir
     ids = " ".join(f"t{i}" for i in PROMPT[1:])  # the word tokenizer: "tI" is id I, after its BOS
 
@@ -412,6 +412,75 @@ def test_generate_applies_the_generation_config_repetition_penalty(penalised_dir
         capsys.readouterr()
         assert main(["generate", str(tmp_path / "nowhere"), "--prompt", "t3", "--repetition-penalty", bad]) == 2
         assert "--repetition-penalty must be a" in capsys.readouterr().err  # nan: the parser's own "a number"
+    # --distributed applies it too (tests/dist/test_dist_penalty.py): a good one passes on to the torchrun check, a
+    # bad one is refused in the flag's words before it
     assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
                  "--repetition-penalty", "1.2"]) == 2
-    assert "--distributed applies none" in capsys.readouterr().err
+    assert "--distributed needs the torchrun environment" in capsys.readouterr().err
+    assert main(["generate", str(ck), "--prompt", "t3", "--distributed", "--plan", "2xF1-h0-K1",
+                 "--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_the_benchmarks_apply_the_generation_config_repetition_penalty(penalised_dir, tmp_path):
+    """`snlp bench --suite decode` and `snlp bench --decode` on a converted model whose generation_config sets a
+    repetition penalty decoded without it, while the suite's transformers rows got the call's own config: now, as
+    `snlp generate`, they apply it by default (the suite's reference is transformers' own generate() of the source
+    model, which applies it), and --repetition-penalty 1 turns it off; the records say which value ran."""
+    from snlp.bench.decode_suite import DecodeSuiteConfig, run_decode_suite
+
+    ck, n = penalised_dir, 8
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(ck), quick=True, device="cpu", batch_sizes=(1, 2), new_tokens=n,
+                                             rounds=1, warmup=0, blocks=(2,)))
+    assert (res.meta.repetition_penalty, res.meta.repetition_penalty_from) == (1.6, "generation_config")
+    with torch.no_grad():
+        src = transformers.AutoModelForCausalLM.from_pretrained(str(ck.parent / "src")).eval()
+        want = [src.generate(torch.tensor([q]), max_new_tokens=n, min_new_tokens=n, pad_token_id=0)[0, len(q):].tolist()
+                for q in res.prompts]
+        free = [src.generate(torch.tensor([q]), max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                             repetition_penalty=1.0)[0, len(q):].tolist() for q in res.prompts]
+    assert res.reference == want and want != free
+    ran = [r for r in res.rows if r.tokens_per_s is not None]
+    assert any(r.library == "transformers" for r in ran) and all(r.matches_sequential for r in ran if r.exact)
+    for flags, p in (([], 1.6), (["--repetition-penalty", "1"], 1.0)):
+        out = tmp_path / "d.json"
+        assert main(["bench", "--decode", "--ckpt", str(ck), "--plans", "2xF1-h0-K1", "--new-tokens", "4", "--runs",
+                     "1", "--warmup", "0", "--json", str(out), *flags]) == 0
+        rows = json.loads(out.read_text())  # a list of rows
+        assert all(r["repetition_penalty"] == p for r in rows), rows
+        assert all(r["matches_sequential"] for r in rows if r["mode"] != "snlp"), rows  # K = 1 < C: approximate
+
+
+def test_an_integer_generation_config_penalty_is_refused_as_transformers_refuses_it(penalised_dir, tmp_path, capsys):
+    """A generation_config.json that writes repetition_penalty as an integer (2 for 2.0): transformers' generate()
+    raises on it (its RepetitionPenaltyLogitsProcessor takes a float; at 1 it builds none), while snlp applied 2.0,
+    so the two parted silently. Now snlp refuses it in one line, as transformers does; 1 and 2.0 still decode."""
+    import shutil
+
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from snlp.io.generation import config_repetition_penalty
+
+    with pytest.raises(ValueError):  # the reference: transformers itself
+        RepetitionPenaltyLogitsProcessor(2)
+    RepetitionPenaltyLogitsProcessor(2.0)
+    with pytest.raises(ValueError, match=r"repetition_penalty=2, an integer, which transformers' generate\(\) "
+                                         r"refuses too .*write 2.0") as err:
+        config_repetition_penalty({"repetition_penalty": 2})
+    assert "\n" not in str(err.value)
+    assert config_repetition_penalty({"repetition_penalty": 1}) == 1.0
+    assert config_repetition_penalty({"repetition_penalty": 2.0}) == 2.0
+    ck = tmp_path / "ck"
+    shutil.copytree(penalised_dir, ck)
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"]["repetition_penalty"] = 2
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["generate", str(ck), "--prompt", "t3", "--max-new-tokens", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "repetition_penalty=2, an integer" in err and "\n" not in err, err
+    assert main(["generate", str(ck), "--prompt", "t3", "--max-new-tokens", "2", "--quiet",
+                 "--repetition-penalty", "2"]) == 0  # the flag overrides the config's value, as in transformers
+    assert "transformers' generate() raises on this model's generation_config's repetition_penalty=2 unless the call " \
+           "gives one; this run applies --repetition-penalty 2" in capsys.readouterr().err
