@@ -1,0 +1,17 @@
+"""`snlp speedrun --quick` as a newcomer meets it: bad input refused before any work, and the report's provenance and
+time figures equal to what the run did."""
+
+from snlp.apps.cli import main
+
+TINY = ["--quick", "--depth", "4", "--steps", "12", "--max-chars", "300000", "--device", "cpu"]
+
+
+def test_a_training_setting_out_of_range_is_refused_before_any_stage(tmp_path, capsys):
+    """--seed -1 passed the speedrun's own checks, ran the tokenizer stage and the probe, then each training process
+    refused it (TrainConfig.check) and the command ended in a RuntimeError traceback. Both models' TrainConfig is now
+    checked with the flags, one line, nothing written."""
+    out = tmp_path / "sr"
+    assert main(["speedrun", "--out", str(out), *TINY, "--seed", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--seed must be >= 0 (got -1)" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
