@@ -54,7 +54,9 @@ def _mem_gib() -> float | None:
 
 
 def _git_rev() -> str | None:
-    root = Path(__file__).resolve().parents[1]
+    """The short commit of the checkout snlp is imported from ("+local changes" when tracked files differ from it),
+    or None outside a git checkout: the folder holding the `snlp` package (snlp/apps/report.py: parents[2])."""
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
     try:

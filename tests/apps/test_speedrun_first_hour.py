@@ -15,3 +15,24 @@ def test_a_training_setting_out_of_range_is_refused_before_any_stage(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert "--seed must be >= 0 (got -1)" in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_the_software_line_names_the_checkout_snlp_runs_from():
+    """The report's Software line promises "snlp VERSION (git REV)" from a checkout, but the renderer looked for .git
+    in the `snlp` package folder itself (its path one level short since it moved under snlp/apps), so every report
+    printed the bare version and no run could be traced to its commit. Checked against git run here, in the folder
+    that holds the package."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    import snlp
+    from snlp.apps.report import environment
+
+    root = Path(snlp.__file__).resolve().parents[1]
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("snlp is not imported from a git checkout here")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    assert rev and f"(git {rev}" in environment("cpu")["snlp"]
