@@ -706,10 +706,12 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
 
 
 def adaptation_lines(a: dict | None) -> list[str]:
-    """The off-the-shelf stage's short drafter adaptation (`snlp adapt`), if it ran: its measured SSD speed beside
-    its acceptance, and the sample both rest on."""
+    """The off-the-shelf stage's short drafter adaptation (`snlp adapt`): its measured SSD speed beside its
+    acceptance, and the sample both rest on; where it did not run (a preset that gives it no minutes: --quick), a
+    line that says so, since --off-the-shelf promises it."""
     if not a:
-        return []
+        return ["\nNo drafter adaptation ran: this run's settings give it no minutes (`--quick` skips it; the "
+                "default run adapts it, docs/adapt.md).\n"]
     b, f, s = a["before"], a["after"], a["ssd"]
     post, ad = s["post-hoc"], s["adapted"]
     reps = ad.get("repeats") or 1

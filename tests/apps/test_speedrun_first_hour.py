@@ -62,3 +62,25 @@ def test_the_reported_wall_time_counts_the_report_stage(tmp_path, monkeypatch):
     wall = json.loads((out / "summary.json").read_text())["wall_seconds"]
     assert wall >= seen["built"] - seen["t_start"]
     assert f"this invocation took {final.fmt_s(wall)}" in (out / "report.md").read_text()
+
+
+def test_an_off_the_shelf_stage_without_its_adaptation_says_so():
+    """--off-the-shelf promises "a short drafter adaptation", which --quick gives no minutes: its report's
+    off-the-shelf section ended after the table as if the flag held nothing more. It now says no adaptation ran
+    and why; one that ran keeps its own paragraph."""
+    from snlp.apps.report import adaptation_lines, off_the_shelf_section
+    from snlp.eval.protocol import EvalRecord
+
+    recs = [EvalRecord(plan=p, K=k, S=30 - n, C=n or None, M=1 if n else None, init="h0" if n else None, ppl=ppl,
+                       top1=1.0, logit_sim=1.0, delta_ppl=ppl / 20.0 - 1, latency_ms=5.0, speedup=1.0 if not n else 1.2,
+                       n_layer=30, tokens=256, seq_len=256, device="cpu", dtype="float32")
+            for p, k, n, ppl in (("sequential", None, 0, 20.0), ("8xF1-h0-K1", 1, 8, 21.0))]
+    text = "\n".join(off_the_shelf_section({"result": {"model": "m.gguf", "n_layer": 30, "params": 1.35e8,
+                                                       "records": [r.to_dict() for r in recs]}}))
+    assert "No drafter adaptation ran" in text and "--quick" in text
+    ran = {"minutes": 1.0, "plan": "8xF1-h0-K1", "steps": 10, "tokens": 1000, "block": 4,
+           "before": {"top1": 0.5, "top1_ssd": 0.4}, "after": {"top1": 0.6, "top1_ssd": 0.5},
+           "ssd": {"post-hoc": {"alpha": 0.5, "measured_speedup": 1.0},
+                   "adapted": {"alpha": 0.6, "measured_speedup": 1.1, "prompts": 2, "gen_tokens": 16, "repeats": 1,
+                               "matches_sequential": True}}}
+    assert "No drafter adaptation" not in "".join(adaptation_lines(ran))
