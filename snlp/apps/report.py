@@ -1074,7 +1074,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
                          # n/a is a sampled run's, whose two sides draw their own tokens)
                          f"{matches(r['matches_sequential']) if meas else '–'} |")
-    proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
+    proxy = "; ".join(f"{label}: " + (f"`{ssd[k]['proxy_drafter']}`" if ssd[k].get("proxy_drafter") else
+                                      "no plan (none has a Top-1 and a Speedup it can rank)") for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
     # tune's notes (a pick slower than sequential, candidates excluded): the pick rule compares candidates only
     rules += [f"\n{label}, snlp tune: {n}." for k, label in MODELS for n in ssd[k].get("tune_notes", [])]
@@ -1088,7 +1089,9 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                     f"model's own decode Speedup in its eval stage, the median of its own timed rounds as in the Full "
                     f"records, not the main table's Speedup pooled over both models; no end-to-end measurement) would "
                     f"have drafted with: {proxy}. Tune took "
-                    + ", ".join(f"{label} {ssd[k].get('tune_s', 0):.0f} s" for k, label in MODELS) + ".\n"]
+                    + ", ".join(f"{label} {ssd[k]['tune_s']:.0f} s" if ssd[k].get("tune_s") is not None else
+                                f"{label} no time (it did not run: no plan had an evaluation to predict from)"
+                                for k, label in MODELS) + ".\n"]
 
 
 def tune_sample(ssd: dict[str, dict]) -> str:

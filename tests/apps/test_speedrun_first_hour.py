@@ -84,3 +84,35 @@ def test_an_off_the_shelf_stage_without_its_adaptation_says_so():
                    "adapted": {"alpha": 0.6, "measured_speedup": 1.1, "prompts": 2, "gen_tokens": 16, "repeats": 1,
                                "matches_sequential": True}}}
     assert "No drafter adaptation" not in "".join(adaptation_lines(ran))
+
+
+def test_an_ssd_stage_whose_tune_picks_no_drafter_keeps_what_tune_found(monkeypatch, capsys):
+    """When snlp tune picked no drafter (e.g. "no eligible measured candidate"), the ssd stage recorded only the proxy
+    rule's scores: its report said the proxy rule "would have drafted with: IDN Reg.: `None`" where that rule had a
+    plan, "Tune took IDN Reg. 0 s" after seconds of tuning, and left out tune's table and its verdict. The record
+    now keeps them, and the report names the proxy's plan and tune's time."""
+    import types
+
+    import snlp.apps.speedrun.ssd as ssd
+    import snlp.io.checkpoint
+    from test_speedrun import _rec, _report_ctx
+
+    from snlp.apps.report import render_report
+    from snlp.apps.speedrun.preset import QUICK
+
+    fake = types.SimpleNamespace(picks={"ssd": None}, pick_rule={"ssd": "no eligible measured candidate"},
+                                 notes=["every candidate's output differed from sequential"], candidates=[],
+                                 stage1_s=2.0, stage2_s=3.5, costs=[])
+    monkeypatch.setattr(snlp.io.checkpoint, "load", lambda d, device=None: (object(), None))
+    monkeypatch.setattr(ssd, "tune_drafter", lambda *a, **k: fake)
+    recs = [_rec("sequential", 20.0, [1.0] * 3, 1.0, 1.0), _rec("12xF1-h0-K1", 21.0, [1.8, 1.9, 2.0], 0.5, 0.5)]
+    res = ssd.stage_ssd("m", None, recs, QUICK, 0, "cpu")
+    assert "no eligible measured candidate" in capsys.readouterr().out
+    assert res["drafter"] is None and res["rows"] == []
+    assert res["proxy_drafter"] == "12xF1-h0-K1" and res["tune_s"] == 5.5
+    assert res["pick_rule"] == "no eligible measured candidate" and res["tune_notes"] == fake.notes
+    ctx = _report_ctx()
+    ctx["stages"]["ssd-idn"] = dict(ctx["stages"]["ssd-idn"], result=res)
+    md = render_report(ctx)
+    assert "IDN Reg.: `12xF1-h0-K1`" in md and "IDN Reg. 6 s" in md and "`None`" not in md
+    assert "IDN Reg.: no eligible measured candidate." in md
