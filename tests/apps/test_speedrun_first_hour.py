@@ -116,3 +116,19 @@ def test_an_ssd_stage_whose_tune_picks_no_drafter_keeps_what_tune_found(monkeypa
     md = render_report(ctx)
     assert "IDN Reg.: `12xF1-h0-K1`" in md and "IDN Reg. 6 s" in md and "`None`" not in md
     assert "IDN Reg.: no eligible measured candidate." in md
+
+
+def test_a_second_speedrun_into_an_out_in_use_is_refused(tmp_path, capsys):
+    """Two `snlp speedrun --out X` at once (a second terminal) both ran: the second deleted or "resumed" the model
+    folders the first was training into and rewrote its stage records and training logs. --out is now locked while a
+    run goes, as the other long commands' outputs are: the second is refused in one line, and writes nothing."""
+    import os
+
+    from snlp.runtime.outputs import locked_output
+
+    out = tmp_path / "sr"
+    with locked_output(out):  # the run in progress (flock: a second open file description conflicts in-process too)
+        rc = main(["speedrun", "--out", str(out), *TINY])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and f"--out {out} is in use by a run in progress (pid {os.getpid()})" in err, err
+    assert len(err.splitlines()) == 1 and not out.exists()
