@@ -132,3 +132,21 @@ def test_a_second_speedrun_into_an_out_in_use_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and f"--out {out} is in use by a run in progress (pid {os.getpid()})" in err, err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_the_minutes_banner_never_estimates_zero_minutes():
+    """`snlp speedrun --quick --minutes 1` announced "evaluation and SSD ~0 min" (the QUICK preset's 30 s rounded to
+    whole minutes) for stages that took a minute on a loaded box; the estimate now prints m:ss."""
+    import dataclasses
+    import types
+
+    from snlp.apps.speedrun.job import banner
+    from snlp.apps.speedrun.preset import QUICK
+
+    said = []
+    sr = types.SimpleNamespace(preset=dataclasses.replace(QUICK, minutes=1.0, steps=None), out="o", plans=["p"],
+                               cfg=types.SimpleNamespace(device="cpu"),
+                               console=types.SimpleNamespace(print=lambda s, **k: said.append(s)))
+    banner(sr)
+    assert "~0 min" not in said[-1] and f"evaluation and SSD ~{QUICK.est_eval_s:.0f}s" in said[-1], said
+    assert "~2:15 (training 1 min" in said[-1]  # 60 s + 30 s + 45 s of start-up and report

@@ -416,6 +416,7 @@ def banner(sr: Speedrun) -> None:
         sr.console.print(f"budget {pre.budget_minutes:g} min end to end: the box is measured first (seconds), every "
                          f"stage gets its share, training what is left; finished stages are reused")
     elif pre.minutes:
-        sr.console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} "
-                         f"min (training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 "
+        # m:ss, not whole minutes: --quick's 30 s of evaluation and SSD printed as "~0 min"
+        sr.console.print(f"estimated wall time of a fresh run: ~{fmt_s(pre.minutes * 60 + pre.est_eval_s + 45)} "
+                         f"(training {pre.minutes:g} min, evaluation and SSD ~{fmt_s(pre.est_eval_s)} on 2 "
                          f"CPU cores); finished stages are reused")
