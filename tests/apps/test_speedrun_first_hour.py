@@ -150,3 +150,22 @@ def test_the_minutes_banner_never_estimates_zero_minutes():
     banner(sr)
     assert "~0 min" not in said[-1] and f"evaluation and SSD ~{QUICK.est_eval_s:.0f}s" in said[-1], said
     assert "~2:15 (training 1 min" in said[-1]  # 60 s + 30 s + 45 s of start-up and report
+
+
+def test_the_default_grid_of_every_allowed_depth_parses():
+    """--depth 2 and --depth 3 pass the speedrun's own check (>= 2) but their default grid named one plan twice (K = 2
+    and 4 on a 1- or 2-layer suffix are the exact K = N plan), and the run was refused with "--plans lists
+    1xF1-h0-K1 twice", a flag the user never typed; depth 4 warned on every run that K = 4 ran as K = 3. Every
+    depth's default grid now parses as it is, without a warning."""
+    import warnings
+
+    from snlp.apps.speedrun.preset import default_plans, suffix_depth
+    from snlp.method.plan import parse_plans
+
+    for L in range(2, 33):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = [str(p) for p in parse_plans(",".join(default_plans(L)), L)]
+        assert got == default_plans(L) and all(p.startswith(f"{suffix_depth(L)}xF1-") for p in got[:2 if L > 2 else 1])
+    assert default_plans(16) == ["12xF1-h0-K1", "12xF1-h0-K2", "12xF1-h0-K4", "12xF1-fwd-K1", "6xF2-h0-K1",
+                                 "6xF2-h0-K2", "1xF12-h0-K1"]  # the paper's grid at the default depth, unchanged
