@@ -633,10 +633,24 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
         own_cell = "–" if not own or not tokens_per_step else f"{own:.2f} s ({tokens_per_step / own:,.0f})"
         lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
                      f"{_num(rate, '{:,.0f}')} | {own_cell} | "
-                     f"{t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
+                     f"{val_cell(t.get('val_loss'))} | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
     lines.append(f"| unigram baseline | | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
     return "\n".join(lines)
+
+
+def val_ppl(ce) -> str:
+    """A validation loss as its PPL: 'diverged' where the loss is not finite (NaN included, which fmt_ppl reads as
+    missing)."""
+    return fmt_ppl(ppl_from_ce(ce), 1) if math.isfinite(ce) else "diverged"
+
+
+def val_cell(ce) -> str:
+    """The training table's "Val CE (PPL)" cell: a non-finite validation loss (NaN, what a diverged run logs, read back
+    from strict JSON's null) is 'diverged', as the other tables print a non-finite PPL, not "nan (-)"."""
+    if ce is None or not math.isfinite(ce):
+        return "diverged" if ce is not None else "-"
+    return f"{ce:.3f} ({val_ppl(ce)})"
 
 
 def record_ties(records) -> dict[str, set[str] | dict[str, str]]:
@@ -1347,7 +1361,7 @@ def weaker_training(ctx: dict) -> str:
         return ""
     tokens = trains[0]["tokens"]
     epoch = f"{tokens / corpus:.2f} of an epoch ({tokens:,} of {corpus:,} training tokens)" if corpus else f"{tokens:,} tokens"
-    ppl = " and ".join(f"{label} {fmt_ppl(ppl_from_ce(st[f'train-{k}']['result']['val_loss']), 1)}" for k, label in MODELS
+    ppl = " and ".join(f"{label} {val_ppl(st[f'train-{k}']['result']['val_loss'])}" for k, label in MODELS
                        if (st.get(f"train-{k}", {}).get("result") or {}).get("val_loss") is not None)
     return (f"Each model is one seed trained on {epoch}" + (f", to validation PPL {ppl}" if ppl else "") + ". ")
 

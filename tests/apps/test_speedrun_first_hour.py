@@ -169,3 +169,21 @@ def test_the_default_grid_of_every_allowed_depth_parses():
         assert got == default_plans(L) and all(p.startswith(f"{suffix_depth(L)}xF1-") for p in got[:2 if L > 2 else 1])
     assert default_plans(16) == ["12xF1-h0-K1", "12xF1-h0-K2", "12xF1-h0-K4", "12xF1-fwd-K1", "6xF2-h0-K1",
                                  "6xF2-h0-K2", "1xF12-h0-K1"]  # the paper's grid at the default depth, unchanged
+
+
+def test_a_diverged_training_reads_diverged_in_the_training_table():
+    """A training whose validation loss is NaN (stored as null in strict JSON, read back as NaN) printed "nan (-)" in
+    the training table, where every other table prints a non-finite PPL as "diverged", and the floor's verdict named
+    its validation PPL "-". Both now say diverged."""
+    from test_speedrun import _report_ctx
+
+    from snlp.apps.report import render_report, weaker_training
+
+    ctx = _report_ctx()
+    rec = ctx["stages"]["train-idn"]
+    ctx["stages"]["train-idn"] = dict(rec, result={**rec["result"], "val_loss": None})
+    md = render_report(ctx)
+    row = next(line for line in md.splitlines() if line.startswith("| IDN Reg. | "))
+    assert "nan" not in row and "| diverged |" in row, row
+    ctx["stages"]["train-idn"]["result"]["val_loss"] = float("nan")
+    assert "IDN Reg. diverged" in weaker_training(ctx)
