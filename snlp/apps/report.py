@@ -54,7 +54,9 @@ def _mem_gib() -> float | None:
 
 
 def _git_rev() -> str | None:
-    root = Path(__file__).resolve().parents[1]
+    """The short commit of the checkout snlp is imported from ("+local changes" when tracked files differ from it),
+    or None outside a git checkout: the folder holding the `snlp` package (snlp/apps/report.py: parents[2])."""
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
     try:
@@ -631,10 +633,24 @@ def training_table(tok: dict, trains: dict[str, dict]) -> str:
         own_cell = "–" if not own or not tokens_per_step else f"{own:.2f} s ({tokens_per_step / own:,.0f})"
         lines.append(f"| {label} | {t['steps']} | {t['tokens']:,} | {fmt_s(t['train_seconds'])} | "
                      f"{_num(rate, '{:,.0f}')} | {own_cell} | "
-                     f"{t['val_loss']:.3f} ({fmt_ppl(ppl_from_ce(t['val_loss']), 1)}) | "
+                     f"{val_cell(t.get('val_loss'))} | "
                      f"{_num(t['gap_at_0'], '{:.4f}')} → {_num(t['gap'], '{:.4f}')} |")
     lines.append(f"| unigram baseline | | | | | | {tok['unigram_ce']:.3f} ({fmt_ppl(ppl_from_ce(tok['unigram_ce']), 1)}) | |")
     return "\n".join(lines)
+
+
+def val_ppl(ce) -> str:
+    """A validation loss as its PPL: 'diverged' where the loss is not finite (NaN included, which fmt_ppl reads as
+    missing)."""
+    return fmt_ppl(ppl_from_ce(ce), 1) if math.isfinite(ce) else "diverged"
+
+
+def val_cell(ce) -> str:
+    """The training table's "Val CE (PPL)" cell: a non-finite validation loss (NaN, what a diverged run logs, read back
+    from strict JSON's null) is 'diverged', as the other tables print a non-finite PPL, not "nan (-)"."""
+    if ce is None or not math.isfinite(ce):
+        return "diverged" if ce is not None else "-"
+    return f"{ce:.3f} ({val_ppl(ce)})"
 
 
 def record_ties(records) -> dict[str, set[str] | dict[str, str]]:
@@ -704,10 +720,12 @@ def off_the_shelf_section(rec: dict | None) -> list[str]:
 
 
 def adaptation_lines(a: dict | None) -> list[str]:
-    """The off-the-shelf stage's short drafter adaptation (`snlp adapt`), if it ran: its measured SSD speed beside
-    its acceptance, and the sample both rest on."""
+    """The off-the-shelf stage's short drafter adaptation (`snlp adapt`): its measured SSD speed beside its
+    acceptance, and the sample both rest on; where it did not run (a preset that gives it no minutes: --quick), a
+    line that says so, since --off-the-shelf promises it."""
     if not a:
-        return []
+        return ["\nNo drafter adaptation ran: this run's settings give it no minutes (`--quick` skips it; the "
+                "default run adapts it, docs/adapt.md).\n"]
     b, f, s = a["before"], a["after"], a["ssd"]
     post, ad = s["post-hoc"], s["adapted"]
     reps = ad.get("repeats") or 1
@@ -1070,7 +1088,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
                          # n/a is a sampled run's, whose two sides draw their own tokens)
                          f"{matches(r['matches_sequential']) if meas else '–'} |")
-    proxy = "; ".join(f"{label}: `{ssd[k].get('proxy_drafter')}`" for k, label in MODELS)
+    proxy = "; ".join(f"{label}: " + (f"`{ssd[k]['proxy_drafter']}`" if ssd[k].get("proxy_drafter") else
+                                      "no plan (none has a Top-1 and a Speedup it can rank)") for k, label in MODELS)
     rules = [f"\n{label}: {ssd[k]['pick_rule']}." for k, label in MODELS if ssd[k].get("pick_rule")]
     # tune's notes (a pick slower than sequential, candidates excluded): the pick rule compares candidates only
     rules += [f"\n{label}, snlp tune: {n}." for k, label in MODELS for n in ssd[k].get("tune_notes", [])]
@@ -1084,7 +1103,9 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                     f"model's own decode Speedup in its eval stage, the median of its own timed rounds as in the Full "
                     f"records, not the main table's Speedup pooled over both models; no end-to-end measurement) would "
                     f"have drafted with: {proxy}. Tune took "
-                    + ", ".join(f"{label} {ssd[k].get('tune_s', 0):.0f} s" for k, label in MODELS) + ".\n"]
+                    + ", ".join(f"{label} {ssd[k]['tune_s']:.0f} s" if ssd[k].get("tune_s") is not None else
+                                f"{label} no time (it did not run: no plan had an evaluation to predict from)"
+                                for k, label in MODELS) + ".\n"]
 
 
 def tune_sample(ssd: dict[str, dict]) -> str:
@@ -1340,7 +1361,7 @@ def weaker_training(ctx: dict) -> str:
         return ""
     tokens = trains[0]["tokens"]
     epoch = f"{tokens / corpus:.2f} of an epoch ({tokens:,} of {corpus:,} training tokens)" if corpus else f"{tokens:,} tokens"
-    ppl = " and ".join(f"{label} {fmt_ppl(ppl_from_ce(st[f'train-{k}']['result']['val_loss']), 1)}" for k, label in MODELS
+    ppl = " and ".join(f"{label} {val_ppl(st[f'train-{k}']['result']['val_loss'])}" for k, label in MODELS
                        if (st.get(f"train-{k}", {}).get("result") or {}).get("val_loss") is not None)
     return (f"Each model is one seed trained on {epoch}" + (f", to validation PPL {ppl}" if ppl else "") + ". ")
 

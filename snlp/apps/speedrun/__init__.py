@@ -74,6 +74,9 @@ them); training stopped by Ctrl-C or SIGTERM saves where it stopped, and a re-ru
   snlp speedrun --out /tmp/sr --quick        # tiny settings: a smoke test in about a minute
 """
 GUIDE = "docs/speedrun.md"
+# --out is locked while the run goes (snlp.apps.cli.output_locks): a second speedrun into it deleted and resumed the
+# model folders the first one was training into and rewrote its stage records
+LOCK_OUTPUTS = True
 
 
 __all__ = ["add_arguments", "run"]

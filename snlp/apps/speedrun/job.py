@@ -384,6 +384,10 @@ def setup(args) -> Speedrun:
                          width=pre.width, head_dim=pre.head_dim, seq_len=pre.seq_len, batch_size=pre.batch_size,
                          seed=args.seed, reg_n=suffix_depth(pre.depth), device=args.device, minutes=pre.minutes,
                          steps=pre.steps)
+    for reg in (False, True):  # both models' TrainConfig, refused here as `snlp train` refuses it: in the training
+        # processes a bad value (e.g. --seed -1) failed with a traceback after the tokenizer stage and the probe ran
+        train_config(dataclasses.asdict(cfg), out / "noreg", out / "cache", reg, steps=pre.steps,
+                     minutes=pre.minutes if pre.budget_minutes is None else 1.0).check()
     if args.force:  # the token cache and the record that names it; the trained models and their records go only
         # when training starts anew (train._train): a forced run refused by the budget, or stopped before it trains,
         # keeps the models it would have replaced (their stale records are never reused: --force skips every
@@ -412,6 +416,7 @@ def banner(sr: Speedrun) -> None:
         sr.console.print(f"budget {pre.budget_minutes:g} min end to end: the box is measured first (seconds), every "
                          f"stage gets its share, training what is left; finished stages are reused")
     elif pre.minutes:
-        sr.console.print(f"estimated wall time of a fresh run: ~{(pre.minutes * 60 + pre.est_eval_s + 45) / 60:.0f} "
-                         f"min (training {pre.minutes:g} min, evaluation and SSD ~{pre.est_eval_s / 60:.0f} min on 2 "
+        # m:ss, not whole minutes: --quick's 30 s of evaluation and SSD printed as "~0 min"
+        sr.console.print(f"estimated wall time of a fresh run: ~{fmt_s(pre.minutes * 60 + pre.est_eval_s + 45)} "
+                         f"(training {pre.minutes:g} min, evaluation and SSD ~{fmt_s(pre.est_eval_s)} on 2 "
                          f"CPU cores); finished stages are reused")

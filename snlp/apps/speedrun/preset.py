@@ -118,9 +118,13 @@ def suffix_depth(n_layer: int) -> int:
 def default_plans(n_layer: int) -> list[str]:
     """The default grid on the N = suffix_depth(L) suffix layers, aggressive to conservative: one layer per
     chunk at K = 1, 2, 4 and with the one-shot `fwd` init, 2-layer fused chunks at K = 1, 2, and the whole
-    suffix fused into one chunk (exact for the fused model). `snlp tune` picks the SSD drafter among them."""
+    suffix fused into one chunk (exact for the fused model). `snlp tune` picks the SSD drafter among them. K stops at
+    N (K = C chunks is exact): on N = 1 or 2 suffix layers, K = 2 and 4 name one plan twice, which parse_plans
+    refuses, and `--depth 2` / `--depth 3` failed on a grid the user never typed."""
     N = suffix_depth(n_layer)
-    plans = [f"{N}xF1-h0-K1", f"{N}xF1-h0-K2", f"{N}xF1-h0-K4", f"{N}xF1-fwd-K1"]
+    plans = [f"{N}xF1-h0-K{k}" for k in sorted({min(k, N) for k in (1, 2, 4)})]
+    if N > 1:  # one layer's forward init is that layer: the plan is exact at K = 0
+        plans.append(f"{N}xF1-fwd-K1")
     if N % 2 == 0 and N >= 4:
         plans += [f"{N // 2}xF2-h0-K1", f"{N // 2}xF2-h0-K2"]
     if N > 1:

@@ -106,27 +106,36 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     model, _ = load(model_dir, device=device)
     tuned = tune_drafter(model, val, eval_records, preset, seed)
     pick = tuned.picks["ssd"] if tuned is not None else None
+    # what the choice found, kept whether or not it picked: a stage without a drafter still reports tune's candidates,
+    # its rule's verdict, its time and the proxy rule's plan
+    chose = {"proxy_drafter": proxy.plan if proxy else None, "candidates": scored}
+    if tuned is not None:
+        chose.update({"tune": tune_rows(tuned), "pick_rule": tuned.pick_rule.get("ssd", ""),
+                      "tune_notes": list(tuned.notes), "tune_s": tuned.stage1_s + tuned.stage2_s,
+                      "tune_prompts": preset.tune_prompts, "tune_accept_tokens": preset.tune_accept_tokens,
+                      "tune_repeats": preset.tune_repeats,
+                      "tune_tokens": preset.tune_tokens,  # stage 2's greedy tokens per prompt: they cap Meas. tok/rnd
+                      "tune_clock": tuned.costs[0].clock if tuned.costs else None})
     if pick is None:
-        return {"drafter": None, "candidates": scored, "rows": []}
+        print(f"no drafter (snlp tune): {chose.get('pick_rule') or 'no plan has an evaluation to predict from'} "
+              f"(proxy rule: {chose['proxy_drafter']})")
+    else:
+        print(f"drafter (snlp tune): {pick.plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
+              f"{pick.measured_speedup:.2f}x{tie_mark(pick.round_speedups)} (proxy rule: {chose['proxy_drafter']}); "
+              f"tune took {chose['tune_s']:.0f} s; {chose['pick_rule']}")
+    for note in tuned.notes if tuned is not None else ():  # e.g. the pick is slower than sequential: pick_rule alone
+        print(f"snlp tune: {note}")  # never says so
+    if pick is None:
+        return {"drafter": None, **chose, "rows": []}
     plan = pick.plan
-    print(f"drafter (snlp tune): {plan} B={pick.block}: predicted {pick.predicted_speedup:.2f}x, measured "
-          f"{pick.measured_speedup:.2f}x{tie_mark(pick.round_speedups)} (proxy rule: {proxy.plan if proxy else None}); tune took "
-          f"{tuned.stage1_s + tuned.stage2_s:.0f} s; {tuned.pick_rule.get('ssd', '')}")
-    for note in tuned.notes:  # e.g. the pick is slower than sequential: pick_rule alone never says so
-        print(f"snlp tune: {note}")
     prompts = sample_prompts(val, preset.ssd_prompts, preset.eval_prompt_len, seed + 1)
     G = preset.ssd_tokens
     rows, _ = speculative_benchmark(model, prompts, plan, blocks, G, repeats=preset.ssd_repeats, warmup=1,
                                     progress=True)
     for rep in rows:
         print(ssd_line(rep))
-    return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, "proxy_drafter":
-            proxy.plan if proxy else None, "candidates": scored, "tune": tune_rows(tuned),
-            "pick_rule": tuned.pick_rule.get("ssd", ""), "tune_notes": list(tuned.notes),
-            "tune_s": tuned.stage1_s + tuned.stage2_s, "tune_prompts": preset.tune_prompts,
-            "tune_accept_tokens": preset.tune_accept_tokens, "tune_repeats": preset.tune_repeats,
-            "tune_tokens": preset.tune_tokens,  # stage 2's greedy tokens per prompt: they cap Meas. tok/rnd
-            "tune_clock": tuned.costs[0].clock if tuned.costs else None, "prompts": len(prompts), "gen_tokens": G,
+    return {"drafter": plan, "drafter_block": pick.block, "drafter_top1": pick.top1, **chose,
+            "prompts": len(prompts), "gen_tokens": G,
             "repeats": preset.ssd_repeats, "sequential_ms_per_token": rows[0].sequential_ms_per_token,
             "rows": [r.to_dict() for r in rows]}
 
