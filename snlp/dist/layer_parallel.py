@@ -76,7 +76,7 @@ from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 make_generator, sampling)
+                                 cut_at_stop, make_generator, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
@@ -662,7 +662,10 @@ class DistributedSNLP:
         nacc, nxt = self._tokens_from_last(verdict, 2)
         check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)
-        res.add_round(Bk, nacc, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1, verify_s=now(self.device) - t2)
+        # a kept draft that is a stop id ends the output (emit cuts it): alpha counts up to it, examines none after
+        end = cut_at_stop(drafts[:nacc], ses.stops)
+        res.add_round(Bk, nacc if end is None else len(end), steps=Bk, forwards=Bk + 1, draft_s=t2 - t1,
+                      verify_s=now(self.device) - t2, ended=end is not None)
         ses.emit(drafts[:nacc] + [nxt])
 
 

@@ -82,3 +82,39 @@ def test_distributed_decoding_applies_the_repetition_penalty(world, tmp_path):
                     assert rk[(p, i, mode, how)] == toks, (world, p, prompt, mode, how)
     # the penalty acts on these prompts: without it, greedy decoding differs somewhere
     assert any(penalised_loop(model, q, N, 1.0) != penalised_loop(model, q, N, p) for q in PROMPTS for p in PENALTIES)
+
+
+EXACT = "4xF1-h0-K4"  # K = C: the drafter is the model
+
+
+def _eos_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    runner = DistributedSNLP(_model(), EXACT, keep_layers=True)
+    free = runner.generate(PROMPTS[0], "speculative", N, block=3).tokens
+    res = {}
+    for e in range(N):
+        if free[e] not in free[:e]:
+            r = runner.generate(PROMPTS[0], "speculative", N, block=3, eos_id=free[e])
+            res[e] = (r.tokens, r.accepted, r.examined, r.rounds)
+    torch.save(res, os.path.join(out, f"eos{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_speculative_acceptance_stops_at_the_eos_a_round_accepted(world, tmp_path):
+    """An accepted draft that is the EOS ends the output: the drafts after it are no part of the decode, so alpha's
+    counts stop there, as the single-process decoder's do (they counted the whole round). Every EOS candidate of
+    the free output; the single-process counts are the reference. The drafter is exact (K = C), so every round
+    accepts its drafts and an EOS among them has accepted drafts after it."""
+    _spawn(_eos_worker, world, str(tmp_path))
+    model = _model()
+    got = torch.load(tmp_path / "eos0.pt")
+    assert got
+    for e, (tokens, accepted, examined, rounds) in got.items():
+        ref = speculative_generate(model, PROMPTS[0], EXACT, block=3, max_new_tokens=N, eos_id=tokens[-1])
+        assert accepted <= len(tokens) - rounds + 1
+        assert (tokens, accepted, examined, rounds) == (ref.tokens, ref.accepted, ref.examined, ref.rounds), e
