@@ -112,6 +112,36 @@ def grid_row(forward: str, inference: str, recs: dict) -> GridRow:
                    avg=float("nan") if None in accs else sum(accs) / len(accs))
 
 
+def check_distinct_tasks(tasks: list[str]) -> None:
+    """Refuse a task given twice (or two --task naming one file, as a file and as its folder, or spelled from
+    another folder): its column would stand twice in the table and count twice in Avg., the mean of the columns."""
+    from snlp.io.source import home_path
+
+    seen = {}
+    for t in tasks:
+        keys = [t]
+        if t.startswith("mc:"):
+            keys = []
+            for part in (p for p in t[3:].split(",") if p.strip()):
+                p = home_path(part)
+                files = sorted(f for f in p.iterdir() if f.suffix.lower() in (".jsonl", ".csv")) if p.is_dir() else [p]
+                keys += [f.resolve() for f in files]
+        for k in dict.fromkeys(keys):  # a file twice within one task: load_task refuses it in its own words
+            if k in seen and seen[k] != t:
+                raise ValueError(f"--task {t} and --task {seen[k]} both name {k}: its questions would make two "
+                                 f"columns and count twice in Avg.; give each task once")
+            if k in seen:
+                raise ValueError(f"--task {t} is given twice: its column would count twice in Avg.; give it once")
+            seen[k] = t
+
+
+def task_labels(tasks: list[str]) -> list[str]:
+    """One column name per task, task_label's where it names one task only, else the task as given (files of the
+    same name in two folders would otherwise make two columns of one name)."""
+    short = [task_label(t) for t in tasks]
+    return [s if short.count(s) == 1 else t.removeprefix("mc:") for s, t in zip(short, tasks)]
+
+
 def task_label(task: str) -> str:
     """Short column name: a hub task as given, local files by their names (mc:a/b/x_test.csv -> x_test)."""
     if not task.startswith("mc:"):
@@ -122,7 +152,8 @@ def task_label(task: str) -> str:
 
 def markdown(res: GridResult) -> str:
     tasks = res.tasks
-    head = "| SFT | Inference | " + " | ".join(f"{task_label(t)} (N={res.rows[0].n[t]})" for t in tasks) + " | Avg. |"
+    head = ("| SFT | Inference | " + " | ".join(f"{label} (N={res.rows[0].n[t]})" for t, label in
+                                              zip(tasks, task_labels(tasks))) + " | Avg. |")
     lines = [f"`{res.ckpt}`, {res.scoring} scoring; accuracy % (95 % Wilson interval)", "", head,
              "|---|---|" + "---:|" * (len(tasks) + 1)]
     for r in res.rows:
@@ -173,6 +204,7 @@ def run(args) -> int:
     check_reg_flags(args.reg, getattr(args, "given", None))  # --reg-lambda without --reg: refused, as by snlp sft
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
+    check_distinct_tasks(args.task)
     check_grid_stop_file(args)
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))

