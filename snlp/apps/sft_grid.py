@@ -9,6 +9,7 @@ layout (SFT | Inference | one column per task | Avg.) to DIR/grid.md and DIR/gri
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,7 +63,8 @@ class GridResult:
     tasks: list[str]
     scoring: str
     rows: list[GridRow] = field(default_factory=list)
-    sft_runs: dict = field(default_factory=dict)  # forward -> TrainResult as a dict
+    sft_runs: dict = field(default_factory=dict)  # forward -> the run's train_summary.json
+    protocol: str = ""  # the scoring protocol's caption (snlp.eval.mc.protocol_caption, and who scored: harness)
     # the SFT run a --stop-file holding text ("stop") stopped: the grid stops there, unscored (a step number in the
     # file stops each run at that step instead, and the grid scores both)
     stopped: str | None = None
@@ -91,7 +93,8 @@ def run_grid(cfg: GridConfig) -> GridResult:
         if r.stopped_by == "interrupt":  # saved: the next sft-grid of the same command resumes it; the grid stops here
             from snlp.train.hooks import Interrupted, signal_number
             raise Interrupted(signal_number(r.signal))
-        res.sft_runs[forward] = asdict(r)
+        # the run's own record: a finished run reused here ran no step, and its TrainResult holds no loss
+        res.sft_runs[forward] = json.loads((out / "train_summary.json").read_text())
         if r.stopped_by == "stop_file" and read_stop_file(cfg.sft_args.stop_file)[1] is not None:
             # text ("stop") asks the grid to stop now: the next run would read it before its first step and train
             # nothing, and the table would score that base model as an SFT run
@@ -99,6 +102,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
             return res
         model, tok = load(out)
         per_task = {t: evaluate_mc(model, tok, mc[t], questions[t]) for t in cfg.tasks}
+        res.protocol = per_task[cfg.tasks[0]].protocol  # one MCConfig but the task: one protocol
         for i, inference in enumerate((SEQ, plan)):
             res.rows.append(grid_row(forward, inference, {t: per_task[t].records[i] for t in cfg.tasks}))
     return res
@@ -154,7 +158,8 @@ def markdown(res: GridResult) -> str:
     tasks = res.tasks
     head = ("| SFT | Inference | " + " | ".join(f"{label} (N={res.rows[0].n[t]})" for t, label in
                                               zip(tasks, task_labels(tasks))) + " | Avg. |")
-    lines = [f"`{res.ckpt}`, {res.scoring} scoring; accuracy % (95 % Wilson interval)", "", head,
+    what = "acc (summed log-prob)" if res.scoring == "harness" else "accuracy"
+    lines = [f"`{res.ckpt}`, {res.scoring} scoring; {what} % (95 % Wilson interval)", res.protocol, "", head,
              "|---|---|" + "---:|" * (len(tasks) + 1)]
     for r in res.rows:
         cells = ["diverged" if r.accuracy[t] is None else

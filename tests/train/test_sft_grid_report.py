@@ -3,6 +3,8 @@ columns told apart, the table's caption naming the scoring protocol, the runs' r
 runs in --out checked before either trains, and no table left beside runs that changed since it was written."""
 
 
+import json
+
 import pytest
 import torch
 
@@ -55,3 +57,40 @@ def test_files_of_one_name_in_two_folders_get_two_column_names(tmp_path):
     assert main(grid(tmp_path, "--mc-limit", "2", tasks=tasks, steps=1)) == 0
     head = next(line for line in (tmp_path / "grid" / "grid.md").read_text().splitlines() if line.startswith("| SFT"))
     assert f"| {tmp_path / 'a' / 'test.jsonl'} (N=2) | {tmp_path / 'b' / 'test.jsonl'} (N=2) |" in head, head
+
+
+@pytest.mark.parametrize("scoring", ["letter", "harness"])
+def test_the_tables_caption_names_the_protocol_that_scored_it(tmp_path, scoring):
+    """grid.md said only "harness scoring; accuracy %": not that the accuracy is the harness's acc (not acc_norm),
+    nor whether lm-evaluation-harness or snlp's copy of its protocol scored (docs/harness.md: every table's caption
+    says which one scored). The caption carries evaluate_mc's protocol line now, as `snlp eval`'s tables do."""
+    from snlp.eval.mc import MCConfig
+    from snlp.eval.mc_eval import evaluate_mc
+    from snlp.io.checkpoint import load
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    task = f"mc:{tmp_path / 'test.jsonl'}"
+    assert main(grid(tmp_path, "--mc-scoring", scoring, "--mc-limit", "2", steps=1)) == 0
+    model, tok = load(tmp_path / "grid" / "sft-sequential")
+    want = evaluate_mc(model, tok, MCConfig(task=task, plans=[], scoring=scoring, limit=2)).protocol
+    md = (tmp_path / "grid" / "grid.md").read_text().splitlines()
+    assert md[1] == want, md[:2]
+    assert json.loads((tmp_path / "grid" / "grid.json").read_text())["protocol"] == want
+    if scoring == "harness":
+        assert "scored by" in want and "acc (summed log-prob) %" in md[0], md[:2]
+
+
+def test_a_reused_runs_record_in_grid_json_is_its_own(tmp_path):
+    """A rerun of a finished grid reuses both SFT runs (no step run), and grid.json's sft_runs took the TrainResult
+    of that idle resume: train_loss, val_loss and validation null beside runs whose summaries hold them. The record
+    is each run's train_summary.json now, the same on the first run and on a rerun."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    cmd = grid(tmp_path, "--mc-limit", "2")
+    assert main(cmd) == 0
+    first = json.loads((tmp_path / "grid" / "grid.json").read_text())["sft_runs"]
+    assert main(cmd) == 0
+    again = json.loads((tmp_path / "grid" / "grid.json").read_text())["sft_runs"]
+    for forward, rec in again.items():
+        own = json.loads((tmp_path / "grid" / f"sft-{forward}" / "train_summary.json").read_text())
+        assert rec == own == first[forward]
+        assert rec["val_loss"] is not None and rec["train_loss"] is not None and rec["steps"] == 2
