@@ -10,7 +10,7 @@ layout (SFT | Inference | one column per task | Avg.) to DIR/grid.md and DIR/gri
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from snlp.apps.sft import add_train_arguments, train_config
@@ -201,6 +201,51 @@ def check_grid_stop_file(args) -> None:
         check_stop_file(args.stop_file, str(out), resume, made=args.out)  # the grid makes both runs' folders
 
 
+def check_grid_runs(args) -> None:
+    """Each of the grid's two SFT runs, before either trains: snlp sft's refusals of its folder (what a new run would
+    write over; a saved run of another command, chats, split, forward or base) and of the saved run's settings, so
+    the second run's refusal no longer comes after the first has trained. A saved run past --steps or --stop-after
+    would be scored as the grid of that budget: refused, as is a setting it was saved with other than this command's,
+    in the grid's words (snlp sft's advice, to leave the flag out, does not hold: the grid takes no saved values)."""
+    import math
+
+    from snlp.io.chat import resolve_spec
+    from snlp.train.checkpointing import check_resume_command, open_run, saved_state
+    from snlp.train.config import TrainConfig, resume_changes
+    from snlp.train.sft import BASE_DATA, SEQUENTIAL, SFTConfig, check_resume_sft, with_base_data
+
+    for forward in (SEQUENTIAL, args.plan):
+        out = Path(args.out) / f"sft-{forward}"
+        tcfg = train_config(args, str(out), resume=(out / "train_state.pt").is_file())
+        if not tcfg.resume:
+            open_run(out, resume=False)  # raises where the new run would write over what the folder holds
+            continue
+        check_resume_command(out, "snlp sft")
+        check_resume_sft(SFTConfig(ckpt=args.ckpt, data=resolve_spec(args.data), train=tcfg, forward=forward,
+                                   max_conversations=args.max_conversations, val_frac=args.val_frac))
+        st = saved_state(out) or {}
+        saved = st.get("args") if isinstance(st.get("args"), dict) else None
+        step = st.get("step")
+        past = [f"--{k.replace('_', '-')} {v}" for k, v in (("steps", tcfg.total_steps), ("stop_after", args.stop_after))
+                if isinstance(step, int) and v is not None and step > v]
+        if past:
+            raise ValueError(f"{out} holds this grid's SFT run at step {step}, past {past[0]}: the table would score "
+                             f"it as the grid of that budget; give its budget, or another --out")
+        if saved is None:
+            continue
+        cfg = replace(with_base_data(tcfg, args.ckpt), **{k: saved[k] for k in BASE_DATA if k in saved})
+        diff = [(k, was, now) for k, was, now in resume_changes(cfg, saved) if not k.endswith("_lr")]
+        if "embedding_lr" in saved:  # the five LRs are --lr-scale times the defaults (train_config)
+            was = saved["embedding_lr"] / TrainConfig(out="").embedding_lr
+            if not math.isclose(was, args.lr_scale, rel_tol=1e-9):
+                diff.append(("lr_scale", float(f"{was:.6g}"), args.lr_scale))
+        if diff:
+            raise ValueError(f"{out} holds this grid's SFT run, saved with "
+                             + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
+                             + ": the grid resumes or reuses its runs as they were made: give those values, or "
+                               "another --out")
+
+
 def run(args) -> int:
     from snlp.apps.common import check_plans_fit
     from snlp.apps.train import check_reg_flags
@@ -211,6 +256,7 @@ def run(args) -> int:
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
     check_distinct_tasks(args.task)
     check_grid_stop_file(args)
+    check_grid_runs(args)
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
                               sft_args=args, scoring=args.mc_scoring, limit=args.mc_limit))
     if res.stopped is not None:

@@ -94,3 +94,40 @@ def test_a_reused_runs_record_in_grid_json_is_its_own(tmp_path):
         own = json.loads((tmp_path / "grid" / f"sft-{forward}" / "train_summary.json").read_text())
         assert rec == own == first[forward]
         assert rec["val_loss"] is not None and rec["train_loss"] is not None and rec["steps"] == 2
+
+
+def test_the_second_runs_folder_is_refused_before_the_first_run_trains(tmp_path, capsys):
+    """OUT/sft-PLAN holding an SFT run of another forward (here `snlp sft --forward sequential`) was refused only
+    when the grid reached it, after the whole sequential SFT run had trained into OUT/sft-sequential."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    plan = "1xF1-h0-K1"
+    assert main(["sft", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--out",
+                 str(tmp_path / "grid" / f"sft-{plan}"), "--steps", "1", *FLAGS]) == 0
+    capsys.readouterr()
+    assert main(grid(tmp_path, plan=plan)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--forward 'sequential'" in err, err
+    assert not (tmp_path / "grid" / "sft-sequential").exists()
+
+
+@pytest.mark.parametrize("change", [["--steps", "1"], ["--stop-after", "1"], ["--seed", "1"], ["--lr-scale", "0.5"]])
+def test_a_rerun_over_runs_it_cannot_reuse_is_refused_in_the_grids_words(tmp_path, capsys, change):
+    """A rerun with --steps or --stop-after below the saved runs' step reused them (rc 0): the table scored 2-step
+    runs as the grid of 1 step. A rerun that changes a setting the runs were saved with was refused by snlp sft's
+    resume check, whose advice, "leave these flags out (snlp train and snlp sft take the saved values)", does not
+    hold for the grid (a flag left out is its default, refused again). Both are refused before any step, in one line
+    naming the saved value; the table is kept."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    cmd = grid(tmp_path, "--mc-limit", "2")
+    assert main(cmd) == 0
+    table = (tmp_path / "grid" / "grid.json").read_text()
+    capsys.readouterr()
+    steps = [cmd.index("--steps"), cmd.index("--steps") + 1]
+    again = [a for i, a in enumerate(cmd) if change[0] != "--steps" or i not in steps] + change
+    assert main(again) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "leave these flags out" not in err, err
+    want = {"--steps": "past --steps 1", "--stop-after": "past --stop-after 1", "--seed": "--seed 0 (given: 1)",
+            "--lr-scale": "--lr-scale 0.1 (given: 0.5)"}[change[0]]
+    assert want in err and "sft-sequential" in err, err
+    assert (tmp_path / "grid" / "grid.json").read_text() == table
