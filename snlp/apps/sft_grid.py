@@ -89,7 +89,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
         tcfg = train_config(cfg.sft_args, str(out), resume=(out / "train_state.pt").is_file())
         r = sft(SFTConfig(ckpt=cfg.ckpt, data=cfg.data, train=tcfg, forward=forward,
                           max_conversations=cfg.sft_args.max_conversations, val_frac=cfg.sft_args.val_frac),
-                hooks=file_hooks(cfg.sft_args.stop_file))
+                hooks=dropping_table(file_hooks(cfg.sft_args.stop_file), Path(cfg.out)))
         if r.stopped_by == "interrupt":  # saved: the next sft-grid of the same command resumes it; the grid stops here
             from snlp.train.hooks import Interrupted, signal_number
             raise Interrupted(signal_number(r.signal))
@@ -106,6 +106,23 @@ def run_grid(cfg: GridConfig) -> GridResult:
         for i, inference in enumerate((SEQ, plan)):
             res.rows.append(grid_row(forward, inference, {t: per_task[t].records[i] for t in cfg.tasks}))
     return res
+
+
+def dropping_table(hooks, out: Path):
+    """`hooks` that remove OUT/grid.md and grid.json once a run goes on to a step (the loop asks should_stop before
+    the first step only where the run has steps left): the table describes the runs as they were, and a rerun that
+    trains them further and is stopped or fails before it writes the new table would leave the old one beside runs
+    it no longer describes. A run reused as it is asks nothing, and the table stays until the new one replaces it."""
+    ask = hooks.should_stop
+
+    def should_stop(steps_done: int):
+        reason = ask(steps_done) if ask is not None else None
+        if reason is None:
+            for name in ("grid.md", "grid.json"):
+                (out / name).unlink(missing_ok=True)
+        return reason
+
+    return replace(hooks, should_stop=should_stop)
 
 
 def grid_row(forward: str, inference: str, recs: dict) -> GridRow:

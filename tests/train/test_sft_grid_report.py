@@ -131,3 +131,34 @@ def test_a_rerun_over_runs_it_cannot_reuse_is_refused_in_the_grids_words(tmp_pat
             "--lr-scale": "--lr-scale 0.1 (given: 0.5)"}[change[0]]
     assert want in err and "sft-sequential" in err, err
     assert (tmp_path / "grid" / "grid.json").read_text() == table
+
+
+def test_a_rerun_stopped_before_its_table_leaves_no_stale_table(tmp_path, monkeypatch, capsys):
+    """A finished 2-step grid rerun with --steps 3 trains both runs further; stopped before it writes its table
+    (a --stop-file's text, a signal, an error), it left the 2-step grid.md / grid.json beside runs now at step 3.
+    The old table goes once a run takes a step; a rerun that reuses both runs as they are keeps it."""
+    from dataclasses import replace
+
+    import snlp.apps.sft_grid as G
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    stop = tmp_path / "STOP"
+    assert main(grid(tmp_path, "--mc-limit", "2")) == 0
+    assert main(grid(tmp_path, "--mc-limit", "2")) == 0  # both reused: the table is rewritten, not dropped
+    assert (tmp_path / "grid" / "grid.json").exists()
+    hooks = G.file_hooks
+
+    def writing(path):  # "stop" lands once the first run's step 3 is done, as another process would write it
+        h = hooks(path)
+
+        def should_stop(done):
+            if done == 3 and not stop.exists():
+                stop.write_text("stop\n")
+            return h.should_stop(done)
+        return replace(h, should_stop=should_stop)
+    monkeypatch.setattr(G, "file_hooks", writing)
+    capsys.readouterr()
+    assert main(grid(tmp_path, "--mc-limit", "2", "--stop-file", str(stop), steps=3)) == 0
+    assert "the grid stops there, unscored" in capsys.readouterr().err
+    assert torch.load(tmp_path / "grid" / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 3
+    assert not (tmp_path / "grid" / "grid.md").exists() and not (tmp_path / "grid" / "grid.json").exists()
