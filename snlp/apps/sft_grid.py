@@ -237,6 +237,9 @@ def check_grid_runs(args) -> None:
         if not tcfg.resume:
             open_run(out, resume=False)  # raises where the new run would write over what the folder holds
             continue
+        if not (out / "model.safetensors").is_file():  # fit's refusal says "drop --resume", a flag the grid lacks
+            raise ValueError(f"{out} holds train_state.pt but no model.safetensors: no SFT run the grid can resume "
+                             f"or reuse; put its weights back, move the folder away, or choose another --out")
         check_resume_command(out, "snlp sft")
         check_resume_sft(SFTConfig(ckpt=args.ckpt, data=resolve_spec(args.data), train=tcfg, forward=forward,
                                    max_conversations=args.max_conversations, val_frac=args.val_frac))

@@ -162,3 +162,17 @@ def test_a_rerun_stopped_before_its_table_leaves_no_stale_table(tmp_path, monkey
     assert "the grid stops there, unscored" in capsys.readouterr().err
     assert torch.load(tmp_path / "grid" / "sft-sequential" / "train_state.pt", weights_only=False)["step"] == 3
     assert not (tmp_path / "grid" / "grid.md").exists() and not (tmp_path / "grid" / "grid.json").exists()
+
+
+def test_a_run_folder_without_its_weights_is_refused_without_snlp_sfts_resume_advice(tmp_path, capsys):
+    """OUT/sft-PLAN holding train_state.pt but no model.safetensors was refused by fit with "drop --resume to start
+    a new run", a flag sft-grid does not have (it resumes wherever train_state.pt is). Refused in the grid's words."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    plan = "1xF1-h0-K1"
+    cmd = grid(tmp_path, "--mc-limit", "2", plan=plan)
+    assert main(cmd) == 0
+    (tmp_path / "grid" / f"sft-{plan}" / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(cmd) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--resume" not in err and "no model.safetensors" in err, err
