@@ -72,6 +72,8 @@ class GridResult:
 
 def run_grid(cfg: GridConfig) -> GridResult:
     # the library (and torch) loads here, not at the top: --help answers without it
+    import torch
+
     from snlp.eval.mc import SEQ, MCConfig
     from snlp.eval.mc_eval import evaluate_mc
     from snlp.io.checkpoint import load
@@ -84,6 +86,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
         c.check()
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
+    device = cfg.sft_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     for forward in (SEQUENTIAL, plan):
         out = Path(cfg.out) / f"sft-{forward}"
         tcfg = train_config(cfg.sft_args, str(out), resume=(out / "train_state.pt").is_file())
@@ -100,7 +103,7 @@ def run_grid(cfg: GridConfig) -> GridResult:
             # nothing, and the table would score that base model as an SFT run
             res.stopped = forward
             return res
-        model, tok = load(out)
+        model, tok = load(out, device=device)  # scored where it trained: --device, else cuda if available (as fit)
         per_task = {t: evaluate_mc(model, tok, mc[t], questions[t]) for t in cfg.tasks}
         res.protocol = per_task[cfg.tasks[0]].protocol  # one MCConfig but the task: one protocol
         for i, inference in enumerate((SEQ, plan)):

@@ -4,6 +4,7 @@ runs in --out checked before either trains, and no table left beside runs that c
 
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -176,3 +177,43 @@ def test_a_run_folder_without_its_weights_is_refused_without_snlp_sfts_resume_ad
     assert main(cmd) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--resume" not in err and "no model.safetensors" in err, err
+
+
+def test_the_cells_are_scored_on_the_device_the_runs_trained_on(tmp_path, monkeypatch):
+    """The grid loaded each SFT checkpoint for scoring with load()'s default device, the CPU: `--device cuda` (or
+    none, on a machine with a GPU) trained on the GPU and then scored every cell on the host. The runs and the
+    scorer are stand-ins here (no GPU needed): the device each checkpoint is loaded on is what is checked."""
+    import importlib
+
+    E, C, S = (importlib.import_module(m) for m in ("snlp.eval.mc_eval", "snlp.io.checkpoint", "snlp.train.sft"))
+    from snlp.apps.sft_grid import GridConfig, run_grid
+    from snlp.apps.cli import build_parser
+
+    class Loaded(Exception):
+        pass
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    loaded = []
+
+    def sft(scfg, hooks=None):
+        out = tmp_path / "grid" / f"sft-{scfg.forward}"
+        out.mkdir(parents=True)
+        (out / "train_summary.json").write_text(json.dumps({"steps": 1}))
+        return S.TrainResult(out=str(out), steps=1, tokens=0, train_loss=None, val_loss=None, wall_s=0.0,
+                             elapsed_s=0.0)
+
+    def load(path, device="cpu"):
+        loaded.append(str(device))
+        raise Loaded  # nothing to score: the device is what the test reads
+    monkeypatch.setattr(S, "sft", sft)
+    monkeypatch.setattr(C, "load", load)
+    monkeypatch.setattr(E, "evaluate_mc", lambda *a, **k: pytest.fail("not reached"))
+    for device, cuda in (("cuda", False), (None, True), (None, False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = build_parser().parse_args(grid(tmp_path) + ([] if device is None else ["--device", device]))
+        args.device = device
+        with pytest.raises(Loaded):
+            run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,
+                                sft_args=args))
+        shutil.rmtree(tmp_path / "grid")
+    assert loaded == ["cuda", "cuda", "cpu"]
