@@ -186,7 +186,18 @@ def markdown(res: GridResult) -> str:
                  f"{100 * r.accuracy[t]:.1f} ({100 * r.ci[t][0]:.1f}–{100 * r.ci[t][1]:.1f})" for t in tasks]
         avg = "–" if r.avg != r.avg else f"{100 * r.avg:.1f}"  # NaN: a task diverged
         lines.append(f"| {r.sft} | {r.inference} | " + " | ".join(cells) + f" | {avg} |")
+    if res.sft_runs:  # what each SFT row is: a run --stop-after or a stop file's step ended is not its budget's run
+        lines += ["", "SFT runs: " + ", ".join(f"{forward} {rec.get('steps')} steps" + run_end(rec.get("stopped_by"))
+                                               for forward, rec in res.sft_runs.items())]
     return "\n".join(lines) + "\n"
+
+
+def run_end(stopped_by: str | None) -> str:
+    """How an SFT run of the table ended, where not by its budget (--steps / --minutes)."""
+    if stopped_by in (None, "budget"):
+        return ""
+    flag = {"stop_after": "--stop-after", "stop_file": "--stop-file"}.get(stopped_by, stopped_by)
+    return f" (stopped by {flag} before its budget)"
 
 
 def add_arguments(p) -> None:

@@ -217,3 +217,19 @@ def test_the_cells_are_scored_on_the_device_the_runs_trained_on(tmp_path, monkey
                                 sft_args=args))
         shutil.rmtree(tmp_path / "grid")
     assert loaded == ["cuda", "cuda", "cpu"]
+
+
+def test_the_table_says_how_many_steps_each_run_trained_and_a_stop_before_its_budget(tmp_path):
+    """`--steps 4 --stop-after 2` scores the 2-step runs (by design: a stop file's step number does the same), and
+    grid.md read as the table of the full runs: nothing in it said how long either SFT run trained. It names each
+    run's steps (its train_summary.json's) and a stop before the budget now."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    plan = "1xF1-h0-K1"
+    assert main(grid(tmp_path, "--mc-limit", "2", "--stop-after", "2", steps=4)) == 0
+    md = (tmp_path / "grid" / "grid.md").read_text()
+    want = (f"SFT runs: sequential 2 steps (stopped by --stop-after before its budget), {plan} 2 steps (stopped by "
+            f"--stop-after before its budget)")
+    assert want in md, md
+    shutil.rmtree(tmp_path / "grid")
+    assert main(grid(tmp_path, "--mc-limit", "2", steps=2)) == 0
+    assert f"SFT runs: sequential 2 steps, {plan} 2 steps\n" in (tmp_path / "grid" / "grid.md").read_text()
