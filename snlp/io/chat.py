@@ -94,6 +94,10 @@ def _rows_from_hf(spec: str):
         import datasets
     except ImportError as e:
         raise ValueError(f"chat data {spec!r} needs the Hugging Face datasets library: pip install 'snlp[hf]'") from e
+    from snlp.io.hub import blocked
+
+    if why := blocked():  # a stream reads no cache: the client would retry every request first
+        raise ValueError(f"could not stream Hugging Face dataset {spec!r}: {why}; use a local file")
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         for i, row in enumerate(ds):

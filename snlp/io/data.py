@@ -188,6 +188,10 @@ def hf_documents(spec: str, text_field: str = "text") -> Iterator[str]:
         import datasets
     except ImportError as e:
         raise ValueError(f"data source {spec!r} needs the Hugging Face datasets library: pip install 'snlp[hf]'") from e
+    from snlp.io.hub import blocked
+
+    if why := blocked():  # a stream reads no cache: the client would retry every request first
+        raise ValueError(f"could not stream Hugging Face dataset {spec!r}: {why}; use a local file")
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         for row in ds:

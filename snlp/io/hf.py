@@ -21,7 +21,7 @@ from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import BOS, Tokenizer
 from snlp.io.hub import offline_if_unreachable
-from snlp.io.source import check_source, did_you_mean
+from snlp.io.source import check_source, did_you_mean, home_path
 from snlp.io.weights import check_cast, check_finite
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
@@ -286,7 +286,9 @@ def _load_hf(src: str, dtype):
     """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(src)
+    path = home_path(src)  # `~/dir` as snlp.io.source reads it (check_source found it; transformers reads no `~`)
+    if path.exists():
+        src = str(path)
     # float16's range (65504) is narrower than any checkpoint dtype's: cast by transformers, a finite weight past it
     # arrives as inf and reads as a broken checkpoint; model_from_hf casts it instead and names the dtype (check_cast)
     kw = {"dtype": dtype} if dtype is not None and dtype != torch.float16 else {}

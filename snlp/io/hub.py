@@ -135,3 +135,12 @@ def offline_if_unreachable():
     if hub_offline() or unreachable() is None:  # offline by choice: the clients already read their caches only
         return contextlib.nullcontext()
     return cache_only()
+
+
+def blocked() -> str | None:
+    """Why a load from the hub would wait on a network that is not there (`unreachable`), or None: the hub answers,
+    or the clients run offline by choice (HF_HUB_OFFLINE: they fail at once themselves). For what no cache serves,
+    a streamed dataset: refuse it with this reason instead of waiting through the client's retries."""
+    from snlp.io.source import hub_offline
+
+    return None if hub_offline() else unreachable()

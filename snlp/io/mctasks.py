@@ -144,14 +144,13 @@ def _hf_rows(name: str, config: str | None, split: str):
     except ImportError as e:
         raise ValueError(f"task {name} needs the Hugging Face datasets library (pip install 'snlp[hf]') and "
                          f"network; offline, pass local files as --task mc:PATH") from e
-    from snlp.io.hub import offline_if_unreachable, unreachable
-    from snlp.io.source import hub_offline
+    from snlp.io.hub import blocked, offline_if_unreachable
 
     try:
         with offline_if_unreachable():  # no hub: from datasets' cache at once, not after its retries
             return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # offline / unknown: assorted exception types
-        why = None if hub_offline() else unreachable()
+        why = blocked()
         said = f"{type(e).__name__}: {' '.join(str(e).split())}"
         # datasets answers a name its cache lacks with the hub's ConnectionError (offline mode); any other error is
         # the cache's own (a truncated arrow file, another config only) and is said as it is

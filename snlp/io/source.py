@@ -45,8 +45,10 @@ def home_path(name) -> Path:
 
 
 def hub_offline() -> bool:
-    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value (the hub's own reading of them)."""
-    return any(os.environ.get(v, "").strip().lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    """The hub's clients run offline: huggingface_hub reads HF_HUB_OFFLINE, and TRANSFORMERS_OFFLINE only where
+    HF_HUB_OFFLINE is unset or empty (`HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1` is online), as a true value."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in TRUE
 
 
 def is_hub_id(name: str) -> bool:

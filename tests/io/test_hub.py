@@ -274,3 +274,58 @@ def test_a_model_the_hub_cache_holds_loads_without_a_request_where_the_hub_is_un
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == dict(layers=2, tokenizer=False)
     assert Counter.seen == []
+
+
+@pytest.mark.parametrize("spec, read", [("hf:someorg/somedata", "data"), ("hf:someorg/somechats", "chat")])
+def test_a_streamed_dataset_is_refused_at_once_where_the_hub_is_unreachable(monkeypatch, spec, read):
+    """`--data hf:NAME` streams (no cache serves it): offline, the client retried every request before failing."""
+    pytest.importorskip("datasets")
+    import datasets
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(hub, "unreachable", lambda timeout=3.0: "the hub (h:443) is not reachable from here: test")
+
+    def no_stream(*a, **k):
+        raise AssertionError("load_dataset was called")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_stream)
+    from snlp.io.chat import load_conversations
+    from snlp.io.data import hf_documents
+
+    with pytest.raises(ValueError, match=f"could not stream Hugging Face dataset '{spec}': the hub .* test; use a"):
+        next(hf_documents(spec)) if read == "data" else load_conversations(spec)
+
+
+@pytest.mark.parametrize("env, offline", [
+    ({"HF_HUB_OFFLINE": "1"}, True), ({"TRANSFORMERS_OFFLINE": "1"}, True),
+    ({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"}, False),
+    ({"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "yes"}, True),
+    ({}, False), ({"HF_HUB_OFFLINE": "false"}, False),
+])
+def test_hub_offline_reads_the_flags_as_huggingface_hub_does(monkeypatch, env, offline):
+    from snlp.io.source import hub_offline
+
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert hub_offline() is offline
+    # the reference: huggingface_hub's own reading, at its import in a fresh process
+    ref = subprocess.run([sys.executable, "-c", "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)"],
+                         env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert ref.stdout.strip() == str(offline), ref.stderr[-500:]
+
+
+def test_from_hf_reads_a_folder_written_with_a_tilde(tmp_path, monkeypatch):
+    """`snlp.from_hf("~/dir")` passed the name check (which expands `~`) and then failed on the folder."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import snlp
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "tiny")
+    model, _ = snlp.from_hf("~/tiny")
+    assert model.config.n_layer == 2
