@@ -80,9 +80,7 @@ def init_from_checkpoint(path) -> tuple[GPT, Tokenizer]:
     """Model (on CPU, train mode) and tokenizer of a checkpoint to start a new run from (fine-tuning:
     `snlp sft`, `snlp train --init-from`). Only the weights are taken: optimiser state, step and
     schedule start afresh."""
-    model, tok = load(path, device="cpu")
-    if tok is None:
-        raise ValueError(f"checkpoint {path} has no tokenizer.json; fine-tuning needs the model's tokenizer")
+    model, tok = load(path, device="cpu", need_tokenizer="fine-tuning needs the model's tokenizer")  # before the weights
     model.train()
     return model, tok
 

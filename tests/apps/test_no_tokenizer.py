@@ -27,6 +27,7 @@ def bare(tmp_path_factory):
     (["analyze", "{c}", "--out", "{d}"], "validation tokens cannot be made"),
     (["calibrate", "{c}", "--data", "train", "--out", "{o}"], "use random-token calibration (no --data)"),
     (["eval", "{c}", "--plans", "1xF1-h0-K1"], "`snlp eval` needs it to tokenize the validation data"),
+    (["train", "--init-from", "{c}", "--out", "{d}", "--steps", "1"], "fine-tuning needs the model's tokenizer"),
 ])
 def test_a_command_refuses_a_checkpoint_without_a_tokenizer_before_its_weights_load(bare, tmp_path, monkeypatch,
                                                                                      capsys, argv, why):
