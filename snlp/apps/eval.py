@@ -190,6 +190,18 @@ def check_drafter_outputs(args) -> None:
     check_recorded_data(args, specs, f"drafter {args.drafter} records")
 
 
+def reads_checkpoint_data(args) -> bool:
+    """Whether this run reads the checkpoint's recorded training data (its train_state.pt), which no flag names: the
+    LM metrics without --data, and --drafter without --data for a drafter that records no split of its own
+    (run_drafter_eval then falls back to the checkpoint's)."""
+    from snlp.eval.drafter import records_split
+    from snlp.io.drafter import load_record
+
+    if args.task or args.data:
+        return False
+    return not args.drafter or not records_split(load_record(args.drafter))
+
+
 def check_recorded_data(args, specs, whose: str) -> None:
     """Refuse an output file (--json, --csv, --markdown, --plot) that is a file of `specs`, data a checkpoint or a
     drafter records and eval reads without a flag naming it, in one line before the model loads: snlp.apps.cli's
@@ -273,7 +285,7 @@ def run(args) -> int:
         args.mc_questions = mc_task_input(args)
     elif args.plans is None and not args.drafter:
         raise ValueError("--plans is required (e.g. --plans 4xF1-h0-K1)")
-    if not (args.task or args.drafter or args.data):  # the checkpoint's recorded data, which no flag names
+    if reads_checkpoint_data(args):  # the checkpoint's recorded data, which no flag names
         check_recorded_data(args, [checkpoint_data(args.ckpt)["data"]], f"checkpoint {args.ckpt} was trained on")
     set_threads(args.threads)
     need = ("`snlp eval --drafter` needs it" if args.drafter else "`snlp eval --task` needs it to tokenize the "

@@ -152,8 +152,9 @@ def run(args) -> int:
     check_method_files(methods)
     check_harness_out(out, methods, args.force)  # an earlier run's files: refused before the model loads
     tm = task_manager(tasks, args.harness_include)  # an unknown task name: refused before the model loads
-    model, tok, ckpt = load_any(args.ckpt)
-    if tok is None:
+    # an snlp / nanochat checkpoint without tokenizer.json: refused before its weights are read
+    model, tok, ckpt = load_any(args.ckpt, need_tokenizer="the harness sends text, so the model needs its own")
+    if tok is None:  # a transformers directory or .gguf file loaded without one
         raise ValueError(f"{args.ckpt} has no tokenizer: the harness sends text, so the model needs its own (a "
                          f"transformers directory: its tokenizer.json beside config.json)")
     plans = parse_plans(args.plans, model.config.n_layer) if args.plans else []

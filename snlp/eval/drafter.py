@@ -108,6 +108,13 @@ class DrafterSplit:
     tuned: dict | None = None  # a --from-model drafter: `snlp train`'s data settings of the tuned suffix
 
 
+def records_split(record: dict | None) -> bool:
+    """Whether a drafter's record names the split eval measures it on (its adaptation data, or a --from-model
+    drafter's tuned split); without one `drafter_split` is None and eval reads the checkpoint's recorded split."""
+    cfg = (record or {}).get("config") or {}
+    return bool(cfg.get("from_model")) or ("data" in cfg and "val_frac" in cfg)
+
+
 def drafter_split(record: dict, data: str | None = None, val_frac: float | None = None, max_chars: int | None = None,
                   text_field: str | None = None, cache_dir: str | None = None) -> DrafterSplit | None:
     """The split a drafter was adapted with (None when its record holds none: an older or hand-made drafter).
@@ -118,7 +125,7 @@ def drafter_split(record: dict, data: str | None = None, val_frac: float | None 
     cfg = (record or {}).get("config") or {}
     if cfg.get("from_model"):
         return tuned_drafter_split(record, data, val_frac, max_chars, text_field, cache_dir)
-    if "data" not in cfg or "val_frac" not in cfg:
+    if not records_split(record):
         return None
     rec = DrafterSplit(data=cfg["data"], val_frac=float(cfg["val_frac"]), max_chars=int(cfg.get("max_chars") or 0))
     if data is not None:

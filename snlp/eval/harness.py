@@ -93,15 +93,16 @@ def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
         k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
-def load_any(pretrained: str) -> tuple[GPT, Tokenizer | None, Path | None]:
+def load_any(pretrained: str, need_tokenizer: str | None = None) -> tuple[GPT, Tokenizer | None, Path | None]:
     """(model, tokenizer, snlp checkpoint dir or None) of an snlp checkpoint, a transformers directory, a .gguf file
-    or a hub id (snlp.from_hf)."""
+    or a hub id (snlp.from_hf). `need_tokenizer`: what the caller needs a tokenizer for; an snlp or nanochat
+    checkpoint without tokenizer.json is then refused with it before its weights are read (snlp.io.checkpoint.load)."""
     p = home_path(pretrained)
     if is_snlp_checkpoint(p):
-        model, tok = load(p)
+        model, tok = load(p, need_tokenizer=need_tokenizer)
         return model, tok, p
     if is_nanochat_dir(p):  # a nanochat / nanochat-snlp checkpoint directory (no tokenizer comes with it)
-        model, tok = load(p)
+        model, tok = load(p, need_tokenizer=need_tokenizer)
         return model, tok, None
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None

@@ -340,6 +340,29 @@ def test_eval_output_over_the_checkpoints_recorded_data_is_refused(home, tmp_pat
                  "--max-tokens", "64", "--seq-len", "16", "--json", str(tmp_path / target)]) == 0
 
 
+def test_eval_drafter_without_a_split_refuses_an_output_over_the_checkpoints_recorded_data(home, tmp_path, capsys,
+                                                                                            monkeypatch):
+    """A drafter that records no adaptation split (made by make_drafter, saved by hand) is measured on the
+    checkpoint's recorded training data (run_drafter_eval), which no flag names: `--json DATA` was written over it.
+    Refused in one line before the checkpoint loads, the file unchanged."""
+    import snlp.io.checkpoint as ckpt
+    from snlp.io.checkpoint import load, save_checkpoint
+
+    (tmp_path / "text.txt").write_text("the user's data\n" * 50)
+    model, tok = load(home / "ck")
+    save_checkpoint(tmp_path / "ck", model, tok, train_state={"args": {"data": str(tmp_path / "text.txt")}})
+
+    def no_load(*a, **k):
+        raise AssertionError("the checkpoint loaded before the refusal")
+
+    monkeypatch.setattr(ckpt, "load", no_load)
+    for flag in ("--markdown", "--json"):
+        assert main(["eval", str(tmp_path / "ck"), "--drafter", str(home / "drafter-8"), flag,
+                     str(tmp_path / "text.txt")]) == 2
+        assert "is a file of the data checkpoint" in one_error_line(capsys, "eval")
+        assert (tmp_path / "text.txt").read_text() == "the user's data\n" * 50
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "~/ck", "--prompt", "All:", "--max-new-tokens", "2", "--json", "~/g.json"],
     ["generate", "--prompts-file=~/p.txt", "~/ck", "--max-new-tokens", "2", "--json=~/g.json"],

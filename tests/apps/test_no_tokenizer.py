@@ -65,3 +65,15 @@ def test_a_folder_that_is_no_checkpoint_is_named_so_not_as_one_without_a_tokeniz
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "tokenizer" not in err[-1], err
+
+
+def test_eval_harness_refuses_a_checkpoint_without_a_tokenizer_before_its_weights_load(bare, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """--harness is an eval mode too: it loaded the weights (snlp.eval.harness.load_any) and then refused."""
+    pytest.importorskip("lm_eval")
+    reads = []
+    real = checkpoint.load_file
+    monkeypatch.setattr(checkpoint, "load_file", lambda *a, **k: reads.append(a) or real(*a, **k))
+    assert main(["eval", str(bare), "--harness", "arc_easy", "--harness-out", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "has no tokenizer.json: the harness sends text" in err[-1] and reads == []
