@@ -17,6 +17,7 @@ import torch
 
 from snlp import __version__
 from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile
+from snlp.bench.tune import PREDICTION_TIE
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
@@ -977,7 +978,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
            f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
            f"alike) and the best measured one drafts where the paired rounds resolve its lead (a sign test), else "
-           f"the best prediction among those they do not separate from it (table below). Then SSD (SNLP drafter, "
+           f"the best prediction among those they do not separate from it, or, where the predictions are within "
+           f"{PREDICTION_TIE:.0%} of each other too, the best measured (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
            f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
            f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))} (B: the tokens the drafter "
@@ -1069,7 +1071,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              "this shootout, not how far another measurement of the same drafter lands, said under the table; "
              "output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
              f"other candidate ({tune_rule_note(ssd)}), else, "
-             "among the candidates they do not separate from it, the best prediction (the rule under the table says "
+             f"among the candidates they do not separate from it, the best prediction (within {PREDICTION_TIE:.0%} of each "
+             "other: the best measured; the rule under the table says "
              "which, with each lead's split of rounds); unmeasured "
              "rows are the next best predictions."),
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "

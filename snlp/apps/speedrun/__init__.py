@@ -39,7 +39,8 @@ with (and those of the stages it depends on) and snlp's source are unchanged; --
                  short greedy speculative decode) and its decode steps timed once on this machine predict each
                  plan; the 3 best predictions are decoded in one round-robin after one sequential baseline
                  and the best MEASURED one drafts where the paired rounds resolve its lead (a sign test), else
-                 the best stage-1 prediction among the rest (snlp.bench.tune.pick); the proxy rule
+                 the best stage-1 prediction among the rest, the best measured where those are within 2 %
+                 of each other (snlp.bench.tune.pick); the proxy rule
                  (`select_drafter`: the paper's ideal SSD speedup at B = 4 from Top-1 and the eval's decode
                  speedup) is recorded next to it. Measured alpha, tokens/round, s (per-step times of both sides)
                  and end-to-end speedup vs sequential greedy decoding (the median over 6 timed rounds of each
