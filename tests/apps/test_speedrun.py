@@ -602,6 +602,44 @@ def test_the_interrupt_hint_of_a_forced_run_says_how_to_continue():
     assert interrupt_hint(argparse.Namespace(force=False)).startswith("run the same command again")
 
 
+def test_the_interrupt_hint_says_what_a_rerun_does_with_training_from_what_is_on_disk(tmp_path):
+    """"training resumes from the step it stopped at" was printed also when the signal landed before anything was
+    saved (the re-run trains from step 0). The hint now reads OUT after the stop: a model with a resumable save of
+    these settings resumes from the step saved, one without trains again from step 0, a finished one is reused."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun import add_arguments, interrupt_hint
+    from snlp.apps.speedrun.job import setup
+    from snlp.apps.speedrun.records import canon
+    from snlp.apps.speedrun.train import _train_settings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "sr"), *TINY])
+    sr = args.speedrun = setup(args)
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.retraining = True  # both trainings were launched, and the signal came before either saved
+    for key in ("noreg", "idn"):
+        (sr.out / "stages" / f"train-{key}.partial.json").write_text(
+            json.dumps(canon(_train_settings(sr, key, key == "idn", sr.tokenizer.id)[1])))
+    hint = interrupt_hint(args)
+    assert "resumes from the step it stopped at" not in hint, hint
+    assert hint == ("run the same command again to continue: finished stages are reused; No Reg. trains again from "
+                    "step 0 (nothing of it was saved); IDN Reg. trains again from step 0 (nothing of it was saved)")
+    (sr.out / "idn").mkdir(parents=True)  # IDN Reg. saved at step 37 (weights, train state)
+    (sr.out / "idn" / "model.safetensors").write_bytes(b"weights")
+    torch.save({"step": 37}, sr.out / "idn" / "train_state.pt")
+    assert interrupt_hint(args).endswith("No Reg. trains again from step 0 (nothing of it was saved); IDN Reg. "
+                                         "resumes from step 37")
+    sr.trains["noreg"] = object()  # finished: reused, nothing to say about it
+    assert interrupt_hint(args).endswith("finished stages are reused; IDN Reg. resumes from step 37")
+    args.speedrun = None  # stopped before the invocation was set up: what OUT holds is not read
+    assert interrupt_hint(args).endswith("finished stages are reused and a training saved part-way resumes from "
+                                         "its save")
+
+
 def test_budget_args_and_shrinking():
     """--budget gives training what is left, so it is refused beside --minutes / --steps; the default run is
     budgeted (20 min) and --quick is not; shrinking cuts prompts, rounds and repeats down to floors, never plans."""

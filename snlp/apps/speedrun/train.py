@@ -225,12 +225,44 @@ def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | Non
             os._exit(128 + signal_number(res.signal))
 
 
+def resumable(model_dir: Path, partial: Path, settings: dict) -> bool:
+    """Whether model_dir holds an interrupted training that a run of `settings` resumes (_launch): its weights and
+    train state, and the marker that it was started with these settings."""
+    return ((model_dir / "model.safetensors").is_file() and (model_dir / "train_state.pt").is_file()
+            and read_json(partial) == canon(settings))
+
+
+def rerun_training(sr: Speedrun) -> list[str] | None:
+    """What a re-run of this invocation's command does with each training it has not finished, read from OUT after
+    the stop (the training processes have saved or died by then): "<model> resumes from step N" where a resumable
+    save of these settings is there, else "<model> trains again from step 0" (a signal before the first save: the
+    re-run starts over). [] when no training is pending; None when the tokenizer stage has not run (the settings a
+    re-run trains with are not known yet)."""
+    from snlp.apps.report import MODELS
+    from snlp.train.checkpointing import saved_state
+
+    if sr.tokenizer is None:
+        return None
+    names, out = dict(MODELS), []
+    for key, reg in TRAINED:
+        if key in sr.trains:  # finished (this invocation or reused): the re-run reuses it
+            continue
+        settings = _train_settings(sr, key, reg, sr.tokenizer.id)[1]
+        model_dir, partial = sr.out / key, sr.out / "stages" / f"train-{key}.partial.json"
+        if resumable(model_dir, partial, settings):
+            step = (saved_state(model_dir) or {}).get("step")
+            out.append(f"{names[key]} resumes from step {step}" if isinstance(step, int) else
+                       f"{names[key]} resumes from its last save")
+        elif sr.retraining or partial.is_file():
+            out.append(f"{names[key]} trains again from step 0 (nothing of it was saved)")
+    return out
+
+
 def _launch(job: TrainJob, threads: int, force: bool, console):
     """Start a training process for a job (resuming an interrupted run of the same settings)."""
     import multiprocessing
 
-    resume = (not force and (job.model_dir / "model.safetensors").is_file()
-              and (job.model_dir / "train_state.pt").is_file() and read_json(job.partial) == canon(job.settings))
+    resume = not force and resumable(job.model_dir, job.partial, job.settings)
     if resume:
         console.print(f"{job.key}: resuming the interrupted training in {job.model_dir}")
     else:
