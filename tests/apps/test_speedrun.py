@@ -373,8 +373,9 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
     assert fit(dataclasses.replace(job.cfg, stop_after=3)).steps == 3  # "killed" after its step-3 save
     capsys.readouterr()
-    walls = train_models([job], console, threads=1)
-    assert "resuming" in capsys.readouterr().out
+    resumed: dict = {}  # the step the leg resumed from (the report says training spanned two invocations)
+    walls = train_models([job], console, threads=1, resumed=resumed)
+    assert "resuming" in capsys.readouterr().out and resumed == {"m": 3}
     res = train_summary(job, tok["fingerprint"], walls["m"])
     assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
     assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
@@ -382,8 +383,9 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert "resume=True" in headers[-1]  # the resumed leg's header says so (it printed the first leg's resume=False)
     # a run made with other settings is thrown away, not resumed
     write_json(job.partial, {"other": "settings"})
-    train_models([job], console, threads=1)
-    assert "resuming" not in capsys.readouterr().out
+    resumed = {}
+    train_models([job], console, threads=1, resumed=resumed)
+    assert "resuming" not in capsys.readouterr().out and resumed == {}
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
