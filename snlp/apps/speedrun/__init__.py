@@ -2,7 +2,7 @@
 plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
 
     snlp speedrun --out runs/speedrun          # default: depth 16, a 20-minute budget end to end (--budget)
-    snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+    snlp speedrun --out /tmp/sr --quick        # tiny settings (smoke test / CI): 35 s on 2 idle cores, 1:40 at load 4-6
 
 The budget (snlp.bench.budget): before training, the box is measured (a few training steps, one evaluation
 window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
@@ -74,7 +74,7 @@ its first save, it starts over: the message on exit says which).
 
   snlp speedrun --out runs/speedrun          # depth 16, a 20-minute budget end to end
   snlp speedrun --out runs/sr --budget 30    # another budget, in minutes
-  snlp speedrun --out /tmp/sr --quick        # tiny settings: a smoke test in about a minute
+  snlp speedrun --out /tmp/sr --quick        # a smoke test: 35 s on 2 idle cores, 1:40 at load 4-6
 """
 GUIDE = "docs/speedrun.md"
 # --out is locked while the run goes (snlp.apps.cli.output_locks): a second speedrun into it deleted and resumed the
