@@ -361,3 +361,46 @@ def _speedrun_parser():
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p
+
+
+def test_speedrun_md_excerpt_rows_are_the_reports_cells_with_their_marks():
+    """docs/speedrun.md's excerpt of the --steps 444 report dropped the `*` (Pareto front) and `†` (drafter) marks of
+    the main-table rows it keeps and the bold of the SSD rows resolved from sequential. Every excerpt row is now the
+    report's row, cell for cell in the columns kept (the model column carried down as the report prints it)."""
+    doc = (ROOT / "docs/speedrun.md").read_text()
+    report = (ROOT / "docs/records/speedrun-2026-11-27-steps444/report.txt").read_text()
+
+    def tables(text):
+        out, cur = [], []
+        for ln in text.splitlines() + [""]:
+            if ln.startswith("|"):
+                cur.append([c.strip() for c in ln.strip().strip("|").split("|")])
+            elif cur:
+                out.append((cur[0], cur[2:]))
+                cur = []
+        return out
+
+    def rows(head, body):
+        model, out = "", []
+        for r in body:
+            model = r[0] if "Model" in head[0] and r[0] else model
+            d = dict(zip(head, r))
+            d["_model"] = model.split(" [")[0]
+            out.append(d)
+        return out
+
+    full = [(h, rows(h, b)) for h, b in tables(report)]
+    main = next(rs for h, rs in full if h[:3] == ["Model", "Config", "K"])
+    ssd = next(rs for h, rs in full if h[:3] == ["Model", "Drafter", "s"])
+    excerpts = [(h, rows(h, b)) for h, b in tables(doc.split("An excerpt of a real")[1].split("The stages run")[0])]
+    assert len(excerpts) == 2
+    plain = lambda c: c.replace("*", "").replace("†", "")  # noqa: E731
+    for d in excerpts[0][1]:
+        src = next(r for r in main if r["_model"] == d["_model"] and plain(r["Config"]) == plain(d["Config"])
+                   and r["K"] == d["K"])
+        for col in excerpts[0][0][1:]:
+            assert d[col] == src[col], (d["_model"], d["Config"], d["K"], col, d[col], src[col])
+    for d in excerpts[1][1]:
+        src = next(r for r in ssd if r["B"] == d["B"] and r["_model"] == "IDN Reg.")
+        for col in excerpts[1][0]:
+            assert d[col] == src[col], (d["B"], col, d[col], src[col])
