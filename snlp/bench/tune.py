@@ -589,7 +589,8 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     not resolve tie with it, and among the tied the highest stage-1 prediction (predicted tokens/s: the acceptance
     profile and step timings, measured apart from the shootout) wins where it leads the others by more than
     PREDICTION_TIE; predictions within that tie too, and among them the highest measured median wins, then the
-    plan's name, then the block.
+    plan's name, then the block. SNLP candidates: a tied one another tied one dominates by the table's medians
+    (lower dPPL, as fast or faster: off its `P` front) is out of the tie first.
     Ineligible candidates (not exact, over the dPPL budget, non-finite measurements) never count."""
     ok = _eligible(cands)
     if not ok:
@@ -629,10 +630,20 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
                       f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), "
                       f"{verdict[id(nxt)][1]}, which the rounds resolve ({rule})"
                       + (f"; not told from it but beaten by another: {', '.join(others)}" if others else ""))
+    # SNLP trades quality for speed: of candidates tied on speed, one another tied candidate beats on both axes by
+    # the table's medians (lower dPPL, as fast or faster: off the `P` front the table prints) is out, so the pick is
+    # never a plan the table shows dominated by one it could not tell apart in speed
+    pool, out = tied, ""
+    if all(c.goal == "snlp" for c in tied):
+        front = _pareto(tied)
+        if len(front) < len(tied):
+            pool = [c for c in tied if id(c) in front]
+            out = ("; off the tied candidates' Pareto front (another as fast by median with a lower dPPL), so out: "
+                   + ", ".join(f"{_name(c)} (dPPL {dppl_cell(c.delta_ppl)})" for c in tied if id(c) not in front))
     # the highest prediction breaks the tie only where it is clear of the others by more than PREDICTION_TIE; the
     # predictions within it tie too, and the highest measured median among them (the table's order) picks
-    top_pred = max(c.predicted_tokens_per_s for c in tied)
-    close = sorted((c for c in tied if c.predicted_tokens_per_s >= (1 - PREDICTION_TIE) * top_pred),
+    top_pred = max(c.predicted_tokens_per_s for c in pool)
+    close = sorted((c for c in pool if c.predicted_tokens_per_s >= (1 - PREDICTION_TIE) * top_pred),
                    key=lambda c: (-c.tokens_per_s, c.plan, c.block or 0))
     chosen = close[0]
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
@@ -651,14 +662,17 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     said = (f"the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve" if leads else
             f"the highest median is {_name(best)}'s")
     said += "".join(f"; {_name(c)} beats it ({_leads(c, best)[1]}), which the rounds resolve" for c in over)
+    rule += ")" + out  # the rule's parenthesis closes before the candidates the front leaves out
+    if len(pool) == 1:
+        return chosen, f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the one left: {_name(chosen)}"
     if len(close) == 1:
-        far = sorted((c for c in tied if c is not chosen), key=lambda c: -c.predicted_tokens_per_s)
+        far = sorted((c for c in pool if c is not chosen), key=lambda c: -c.predicted_tokens_per_s)
         then = f"; the next, {_name(far[0])}, {far[0].predicted_speedup:.3f}x" if far else ""
-        return chosen, (f"tie: {what}; {cycle}{said} ({rule}); the tie goes to the highest stage-1 prediction: "
+        return chosen, (f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the highest stage-1 prediction: "
                         f"{_name(chosen)} (predicted {chosen.predicted_speedup:.3f}x{then})")
     preds = ", ".join(f"{_name(c)} {c.predicted_speedup:.3f}x" for c in
                       sorted(close, key=lambda c: -c.predicted_tokens_per_s))
-    return chosen, (f"tie: {what}; {cycle}{said} ({rule}); the tie goes to the highest stage-1 prediction, but the "
+    return chosen, (f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the highest stage-1 prediction, but the "
                     f"predictions tie too ({preds}: within {PREDICTION_TIE:.0%} of each other, inside the step "
                     f"timings' run-to-run noise), so to the highest measured median among them: {_name(chosen)}")
 

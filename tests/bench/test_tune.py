@@ -298,6 +298,32 @@ def test_predictions_closer_than_their_noise_tie_too_and_the_measured_median_pic
     assert got is b and "predictions tie too" not in rule and "the next, 6xF1-h0-K1 B=4" in rule
 
 
+def test_an_snlp_pick_is_never_one_a_tied_candidate_dominates(model):
+    """A tiny fp64 run's SNLP goal: `4xF1-h0-K1` (dPPL +15.46 %, 1.351x) and `2xF2-h0-K1` (+22.04 %, 1.324x) tied on
+    speed (4 of 6 paired rounds), and the tie went to 2xF2's stage-1 prediction (1.448x vs 1.41x): the pick was the
+    plan with the worse quality and the lower median, a row the table itself prints off the `P` front. Of SNLP
+    candidates tied on speed, one another tied one dominates (lower dPPL, as fast by median) is out first; the SSD
+    goal (one quality) is unchanged."""
+    from snlp.bench.tune import _result
+
+    def snlp(plan, rounds, pred, dppl):
+        c = _cand(plan, rounds, pred=pred)
+        c.goal, c.block, c.delta_ppl = "snlp", None, dppl
+        return c
+
+    a = snlp("4xF1-h0-K1", [1.30, 1.40, 1.36, 1.34, 1.38, 1.33], pred=1.41, dppl=0.1546)  # median 1.35
+    b = snlp("2xF2-h0-K1", [1.31, 1.35, 1.30, 1.36, 1.33, 1.31], pred=1.448, dppl=0.2204)  # median 1.32; a 4 of 6
+    r = _result(model, TuneConfig(ssd=False, max_dppl=0.5), [], [], [], [b, a], 0.0, 0.0)
+    got, rule = r.picks["snlp"], r.pick_rule["snlp"]
+    assert got is a, rule
+    assert rule.startswith("tie") and "so out: 2xF2-h0-K1 (dPPL +22.04%)" in rule and "the one left: 4xF1-h0-K1" in rule
+    front = [ln for ln in table(r, "snlp") if "P" in ln.split("|")[1]]
+    assert len(front) == 1 and "> " in front[0] and "4xF1-h0-K1" in front[0]  # the pick is the table's front row
+    b.delta_ppl = 0.10  # now neither dominates: the prediction decides, as for SSD
+    r = _result(model, TuneConfig(ssd=False, max_dppl=0.5), [], [], [], [b, a], 0.0, 0.0)
+    assert r.picks["snlp"] is b and "so out" not in r.pick_rule["snlp"]
+
+
 def test_pick_rule_excludes_non_finite_and_inexact_measurements(model):
     """Review finding 12 (tune_pick_rules.py): max() over tokens/s took a NaN timing in first position. Non-finite
     measurements are excluded with a note; a faster candidate whose output differs from sequential never counts."""
